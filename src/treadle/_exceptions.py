@@ -1,0 +1,123 @@
+"""The treadle exception tree.
+
+::
+
+    TreadleError
+      UsageError(TreadleError, ValueError)    our API was misused (bad argument, bad definition)
+        SnapshotMismatch                      resume with a different agent definition (.keys)
+      StoreError                              persistence failed; the run's state is unknown
+        ConflictError                         a write's seq is not the next one (two writers)
+        LogCorrupted                          a log cannot be read back (.offset)
+        SchemaTooNew                          a log written by a newer treadle (.version)
+      ModelCallError                          one model call attempt failed (.info, .usage)
+      RunInterrupted                          an actor crashed; the run is left resumable
+
+Every error carries the identifiers needed to act on it as attributes. `trio.Cancelled` is
+never caught or subclassed here.
+"""
+
+from __future__ import annotations
+
+from treadle.types import ModelErrorInfo, Usage
+
+
+class TreadleError(Exception):
+    """Root of every error treadle raises."""
+
+
+class UsageError(TreadleError, ValueError):
+    """The library was called with arguments or a definition it cannot accept."""
+
+
+class SnapshotMismatch(UsageError):
+    """A run was resumed with an agent definition whose snapshot differs from the stored one.
+
+    Attributes:
+        run_id: the run.
+        keys: the differing snapshot keys, sorted.
+    """
+
+    def __init__(self, run_id: str, keys: list[str]) -> None:
+        super().__init__(
+            f"run {run_id!r}: the agent definition differs from the stored parameter "
+            f"snapshot in: {', '.join(keys)}"
+        )
+        self.run_id = run_id
+        self.keys = keys
+
+
+class StoreError(TreadleError):
+    """A store operation failed; what was not acknowledged may not be durable."""
+
+
+class ConflictError(StoreError):
+    """A write was refused because its seq is not the next one of the run's log.
+
+    This is what a second writer of the same run sees (DESIGN §8: one run has one driver).
+
+    Attributes:
+        run_id: the run.
+        expected: the next seq the store holds.
+        got: the seq the write carried.
+    """
+
+    def __init__(self, run_id: str, *, expected: int, got: int) -> None:
+        super().__init__(f"run {run_id!r}: write with seq {got}, but the next seq is {expected}")
+        self.run_id = run_id
+        self.expected = expected
+        self.got = got
+
+
+class LogCorrupted(StoreError):
+    """A stored log cannot be decoded.
+
+    Attributes:
+        where: the file or table holding the log.
+        offset: byte offset (files) or seq (tables) of the first bad record.
+    """
+
+    def __init__(self, message: str, *, where: str, offset: int) -> None:
+        super().__init__(f"{where}: {message} (at offset {offset})")
+        self.where = where
+        self.offset = offset
+
+
+class SchemaTooNew(StoreError):
+    """A log was written by a newer schema version than this treadle understands."""
+
+    def __init__(self, version: int, supported: int) -> None:
+        super().__init__(
+            f"log written with schema version {version}; this treadle reads up to {supported}"
+        )
+        self.version = version
+        self.supported = supported
+
+
+class ModelCallError(TreadleError):
+    """One model call attempt failed.
+
+    Attributes:
+        info: the classification (kind, retryable, retry_after_s, HTTP status).
+        usage: usage the server reported before failing (all ``None`` when none).
+        partial_text: visible text received before the failure, for diagnostics only.
+    """
+
+    def __init__(
+        self, info: ModelErrorInfo, *, usage: Usage | None = None, partial_text: str = ""
+    ) -> None:
+        super().__init__(f"{info.kind}: {info.message}" if info.message else info.kind)
+        self.info = info
+        self.usage = usage if usage is not None else Usage()
+        self.partial_text = partial_text
+
+
+class RunInterrupted(TreadleError):
+    """A run's actor failed with a bug or an outage; the run was left resumable.
+
+    Attributes:
+        run_id: the run.
+    """
+
+    def __init__(self, run_id: str, message: str) -> None:
+        super().__init__(f"run {run_id!r} interrupted: {message}")
+        self.run_id = run_id

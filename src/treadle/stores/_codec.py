@@ -1,0 +1,102 @@
+"""The one private converter that turns log records into JSON and back (STYLE rule 7).
+
+Records are a closed union tagged by ``kind``; unknown keys are refused so a typo or a
+foreign record never decodes silently. Each stored record carries the schema version in its
+run-started record; a log from a newer version is refused by `check_schema`.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any, Final
+
+import cattrs
+from cattrs.preconf.json import make_converter
+from cattrs.strategies import configure_tagged_union
+
+from treadle._exceptions import SchemaTooNew
+from treadle.types import (
+    SCHEMA_VERSION,
+    ActionIntent,
+    ActionResult,
+    ApprovalDecided,
+    ApprovalRequested,
+    CancelRequested,
+    ModelIntent,
+    ModelResult,
+    Record,
+    RunFinished,
+    RunStarted,
+    StepRecord,
+)
+
+KIND_OF: Final[dict[type[Any], str]] = {
+    RunStarted: "run_started",
+    ModelIntent: "model_intent",
+    ModelResult: "model_result",
+    ActionIntent: "action_intent",
+    ActionResult: "action_result",
+    StepRecord: "step",
+    RunFinished: "run_finished",
+    CancelRequested: "cancel_requested",
+    ApprovalRequested: "approval_requested",
+    ApprovalDecided: "approval_decided",
+}
+"""Record class -> tag. Tags are schema: never rename one."""
+
+_CLASS_OF: Final[dict[str, type[Any]]] = {tag: cls for cls, tag in KIND_OF.items()}
+
+
+def _make() -> cattrs.Converter:
+    conv = make_converter(forbid_extra_keys=True, omit_if_default=True)
+    configure_tagged_union(
+        Record,  # type: ignore[arg-type]
+        conv,
+        tag_name="kind",
+        tag_generator=lambda cls: KIND_OF[cls],
+    )
+    return conv
+
+
+_CONVERTER: Final = _make()
+
+_DUMPS = json.JSONEncoder(ensure_ascii=False, separators=(",", ":"), sort_keys=False).encode
+
+
+def record_to_dict(record: Record) -> dict[str, Any]:
+    """Unstructure ``record`` into plain JSON data with its ``kind`` tag."""
+    data: dict[str, Any] = _CONVERTER.unstructure(record, Record)  # type: ignore[arg-type]
+    return data
+
+
+def record_from_dict(data: dict[str, Any]) -> Record:
+    """Structure plain JSON data (with ``kind``) into a record.
+
+    Raises:
+        cattrs.BaseValidationError: the data does not match the record schema.
+        KeyError: the ``kind`` tag is missing or unknown.
+    """
+    cls = _CLASS_OF[data["kind"]]
+    payload = {k: v for k, v in data.items() if k != "kind"}
+    record: Record = _CONVERTER.structure(payload, cls)
+    return record
+
+
+def encode(record: Record) -> str:
+    """Serialise ``record`` to one line of compact JSON (no newline)."""
+    return _DUMPS(record_to_dict(record))
+
+
+def decode(text: str | bytes) -> Record:
+    """Parse one JSON record; raises `ValueError` (or a cattrs error) on bad input."""
+    return record_from_dict(json.loads(text))
+
+
+def check_schema(record: Record) -> None:
+    """Refuse a run-started record written by a newer schema version.
+
+    Raises:
+        SchemaTooNew: ``record.schema_version`` exceeds `SCHEMA_VERSION`.
+    """
+    if isinstance(record, RunStarted) and record.schema_version > SCHEMA_VERSION:
+        raise SchemaTooNew(record.schema_version, SCHEMA_VERSION)

@@ -1,0 +1,742 @@
+"""Immutable records and enums shared by every part of treadle.
+
+This module depends on nothing else in the package (DESIGN §2). It holds:
+
+* the enums of the run state machine, stop reasons and action statuses;
+* the model-visible request and reply shapes (messages, tool specs, tool calls, usage);
+* what a decision parser returns (`ParsedReply`) and what an executor returns (`ActionOutcome`);
+* the agent-definition settings that are plain data (budgets, limits, synthetic observations);
+* the **log records** (`RunStarted` … `RunFinished`) that every store persists, and `RunLog`,
+  the whole log of one run as read back;
+* the ordered `Event` delivered to sinks and subscribers.
+
+All records are `attrs.frozen(kw_only=True)`; change them with `attrs.evolve`. Durations are
+seconds (`_s` suffix); instants are UTC wall-clock ISO-8601 strings from the injected clock,
+never trio time (STYLE rule 13).
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Mapping
+from typing import Any, TypeAlias
+
+import attrs
+
+SCHEMA_VERSION = 1
+"""Version of the persisted log record schema. A log written by a newer version is refused."""
+
+JSONValue: TypeAlias = Any
+"""A value made only of dict, list, str, int, float, bool and None."""
+
+
+class StopReason(enum.StrEnum):
+    """Why a run ended, checked in this order at the top of every step (DESIGN §6)."""
+
+    CANCELLED = "cancelled"
+    ENV_ERROR = "env_error"
+    TASK_COMPLETED = "task_completed"
+    FINAL_ANSWER = "final_answer"
+    INVALID_DECISIONS = "invalid_decisions"
+    MODEL_ERROR = "model_error"
+    MAX_STEPS = "max_steps"
+    MAX_MODEL_ATTEMPTS = "max_model_attempts"
+    TOKEN_BUDGET = "token_budget"
+    TIME_BUDGET = "time_budget"
+
+
+SUCCESS_STOP_REASONS = frozenset({StopReason.TASK_COMPLETED, StopReason.FINAL_ANSWER})
+"""Stop reasons that end a run as `succeeded`; every other one ends it as `failed` or
+`cancelled`. An unknown stop reason is never success (DESIGN §6)."""
+
+
+class RunState(enum.StrEnum):
+    """The run state machine of DESIGN §6.
+
+    ``queued → running ⇄ awaiting_approval → succeeded | failed | interrupted`` and
+    ``queued | running | awaiting_approval → cancelling → cancelled``. Terminal states never
+    change.
+    """
+
+    QUEUED = "queued"
+    RUNNING = "running"
+    AWAITING_APPROVAL = "awaiting_approval"
+    CANCELLING = "cancelling"
+    SUCCEEDED = "succeeded"
+    FAILED = "failed"
+    INTERRUPTED = "interrupted"
+    CANCELLED = "cancelled"
+
+    @property
+    def is_terminal(self) -> bool:
+        """True for succeeded, failed and cancelled; an interrupted run is resumable."""
+        return self in (RunState.SUCCEEDED, RunState.FAILED, RunState.CANCELLED)
+
+
+class ActionStatus(enum.StrEnum):
+    """What happened to an action (DESIGN §3.3, §5).
+
+    EXECUTED: it ran in the environment, whatever its result (a tool that raised included).
+    NOT_EXECUTED: it never started (unknown tool, invalid arguments, refused, rejected).
+    ENV_ERROR: the environment cannot serve any more; ends the run with ``env_error``.
+    UNKNOWN: found on resume with an intent but no result, replay policy ``never`` and no
+    reconcile check able to tell what happened.
+    """
+
+    EXECUTED = "executed"
+    NOT_EXECUTED = "not_executed"
+    ENV_ERROR = "env_error"
+    UNKNOWN = "unknown"
+
+
+class ReplayPolicy(enum.StrEnum):
+    """What resume does with an action whose intent is stored but whose result is not."""
+
+    SAFE = "safe"
+    """Read-only or idempotent: re-executed under the same intent id (idempotency key)."""
+    NEVER = "never"
+    """The default: never re-executed; recorded as UNKNOWN unless a reconcile check decides."""
+
+
+class DecisionKind(enum.StrEnum):
+    """The three things a decision parser can return (DESIGN §3.2)."""
+
+    ACTIONS = "actions"
+    FINAL_ANSWER = "final_answer"
+    INVALID = "invalid"
+
+
+# --------------------------------------------------------------------------- model shapes
+
+
+@attrs.frozen(kw_only=True)
+class ImageRef:
+    """An image given to the model, kept in the log by reference only (DESIGN §9).
+
+    Attributes:
+        url: an ``http(s)`` URL the provider fetches itself, or a caller-side key
+            (``ref:<name>``) resolved to bytes at request time through the run's image source.
+        digest: ``sha256:<hex>`` of the bytes, when the caller supplied bytes; ``None`` for URLs.
+        media_type: e.g. ``image/png``; ``None`` when unknown.
+    """
+
+    url: str
+    digest: str | None = None
+    media_type: str | None = None
+
+
+@attrs.frozen(kw_only=True)
+class ToolCall:
+    """One tool call requested by the model.
+
+    Attributes:
+        id: the provider's call id, or a synthesised stable one when the provider sent none.
+        name: the tool name as the model wrote it (not yet checked against declared tools).
+        arguments: the decoded JSON object of arguments.
+    """
+
+    id: str
+    name: str
+    arguments: Mapping[str, JSONValue] = attrs.field(factory=dict)
+
+
+@attrs.frozen(kw_only=True)
+class InvalidToolCall:
+    """A tool call the gateway could not assemble into a callable one.
+
+    Attributes:
+        id: call id (provider's, or synthesised).
+        name: tool name, possibly empty.
+        raw_arguments: the argument text exactly as received.
+        reason: ``truncated`` (cut by the output-token limit) or ``unparseable``.
+    """
+
+    id: str
+    name: str
+    raw_arguments: str
+    reason: str
+
+
+@attrs.frozen(kw_only=True)
+class Message:
+    """One chat message of the model-visible history (OpenAI chat shape, provider-neutral).
+
+    Attributes:
+        role: ``system``, ``user``, ``assistant`` or ``tool``.
+        content: the text; ``None`` for a tool-only assistant turn (kept as null, never "").
+        images: images attached to a user message, in order after the text.
+        tool_calls: the calls of an assistant turn, in the order the model gave them.
+        tool_call_id: for ``tool`` messages, the call this answers.
+        name: for ``tool`` messages, the tool name.
+        reasoning: reasoning text of an assistant turn, sent back where the provider needs it.
+    """
+
+    role: str
+    content: str | None = None
+    images: tuple[ImageRef, ...] = ()
+    tool_calls: tuple[ToolCall, ...] = ()
+    tool_call_id: str | None = None
+    name: str | None = None
+    reasoning: str | None = None
+
+
+@attrs.frozen(kw_only=True)
+class ToolSpec:
+    """A tool as the model sees it: name, description and JSON-schema of its arguments."""
+
+    name: str
+    description: str = ""
+    parameters: Mapping[str, JSONValue] = attrs.field(
+        factory=lambda: {"type": "object", "properties": {}}
+    )
+
+
+@attrs.frozen(kw_only=True)
+class ModelRequest:
+    """The model-visible request built by the context hydrator.
+
+    Attributes:
+        messages: history, oldest first; the system prompt (if any) is element 0.
+        tools: the declared tools, in declaration order.
+        model: the provider's model name.
+        max_output_tokens: the definition's output cap; always sent, never raised by a request.
+        params: other sampling parameters in the provider's own form (temperature,
+            ``reasoning_effort``, ...), already merged from the definition.
+    """
+
+    messages: tuple[Message, ...]
+    tools: tuple[ToolSpec, ...] = ()
+    model: str = ""
+    max_output_tokens: int | None = None
+    params: Mapping[str, JSONValue] = attrs.field(factory=dict)
+
+
+@attrs.frozen(kw_only=True)
+class Usage:
+    """Token usage as reported by the provider; every count is ``None`` when not reported.
+
+    Unknown usage is never a made-up 0 (DESIGN §3.1). Units are tokens.
+    """
+
+    input_tokens: int | None = None
+    output_tokens: int | None = None
+    reasoning_tokens: int | None = None
+    total_tokens: int | None = None
+
+    @property
+    def known_total(self) -> int | None:
+        """Input plus output tokens, or the reported total, or ``None`` when unknown."""
+        if self.input_tokens is not None and self.output_tokens is not None:
+            return self.input_tokens + self.output_tokens
+        return self.total_tokens
+
+
+@attrs.frozen(kw_only=True)
+class ModelReply:
+    """The assembled reply of one successful model call.
+
+    Attributes:
+        text: visible text; ``None`` when the model sent none (a tool-only turn).
+        reasoning: reasoning text, kept apart from the visible text; ``None`` when absent.
+        tool_calls: complete tool calls, ordered by the provider's index.
+        invalid_tool_calls: calls that could not be assembled (e.g. cut by ``length``).
+        finish_reason: the provider's finish reason (``stop``, ``tool_calls``, ``length`` ...),
+            ``None`` when it sent none.
+        usage: as reported; all ``None`` when the server did not say.
+        response_id: the provider's response id, when given.
+    """
+
+    text: str | None = None
+    reasoning: str | None = None
+    tool_calls: tuple[ToolCall, ...] = ()
+    invalid_tool_calls: tuple[InvalidToolCall, ...] = ()
+    finish_reason: str | None = None
+    usage: Usage = Usage()
+    response_id: str | None = None
+
+
+@attrs.frozen(kw_only=True)
+class ModelErrorInfo:
+    """A classified failure of one model call attempt (persisted in the model-call result).
+
+    Attributes:
+        kind: ``rate_limited``, ``server_error``, ``upstream_error``, ``context_length_exceeded``,
+            ``auth``, ``bad_request``, ``not_found``, ``incomplete_stream``, ``timeout``,
+            ``connection`` or ``invalid_response``.
+        message: provider's message, with any credential removed.
+        retryable: whether the same request may be sent again.
+        retry_after_s: server-directed wait in seconds (Retry-After), ``None`` when not given.
+        status: HTTP status, ``None`` for transport failures.
+    """
+
+    kind: str
+    message: str = ""
+    retryable: bool = False
+    retry_after_s: float | None = None
+    status: int | None = None
+
+
+@attrs.frozen(kw_only=True)
+class ParsedReply:
+    """What a decision parser returns (DESIGN §3.2); exactly one of three kinds.
+
+    Attributes:
+        kind: actions, final answer, or invalid decision.
+        actions: the tool calls to run (non-empty for ``ACTIONS``), in order.
+        text: the final answer (``FINAL_ANSWER``), or visible text alongside actions.
+        feedback: for ``INVALID``: the text fed back to the model.
+        reason: for ``INVALID``: a short machine-readable reason (``multiple_json_values``...).
+        repairs: names of the repairs applied to get here (``python_literal`` ...).
+        history_message: the assistant message as it enters history (sanitised: never a
+            merged or truncated argument string).
+    """
+
+    kind: DecisionKind
+    actions: tuple[ToolCall, ...] = ()
+    text: str | None = None
+    feedback: str | None = None
+    reason: str | None = None
+    repairs: tuple[str, ...] = ()
+    history_message: Message = Message(role="assistant")
+
+
+@attrs.frozen(kw_only=True)
+class ActionOutcome:
+    """What the action executor returns for one action (DESIGN §3.3).
+
+    Attributes:
+        status: EXECUTED, NOT_EXECUTED, ENV_ERROR (or UNKNOWN, only from resume).
+        observation: the text that enters history. For NOT_EXECUTED, ENV_ERROR and UNKNOWN it
+            is the definition's synthetic observation.
+        observation_is_synthetic: true when ``observation`` is a synthetic observation.
+        task_completed: the environment's completion signal (never "unknown").
+        observation_truncated_chars: characters cut from the observation (0 when synthetic).
+        detail: the executor's own text for a non-executed action (diagnostics and events only,
+            never history).
+    """
+
+    status: ActionStatus
+    observation: str
+    observation_is_synthetic: bool = False
+    task_completed: bool = False
+    observation_truncated_chars: int = 0
+    detail: str | None = None
+
+
+@attrs.frozen(kw_only=True)
+class Action:
+    """One action handed to an action executor.
+
+    Attributes:
+        run_id: the run it belongs to.
+        step: the step index.
+        intent_id: the id of its durable action intent; also the idempotency key a tool may
+            use to make its effect happen at most once.
+        call_id: the model's tool-call id this answers.
+        tool: the tool name.
+        arguments: the decoded argument object (not yet validated).
+    """
+
+    run_id: str
+    step: int
+    intent_id: str
+    call_id: str
+    tool: str
+    arguments: Mapping[str, JSONValue] = attrs.field(factory=dict)
+
+
+# --------------------------------------------------------------------------- definition data
+
+
+@attrs.frozen(kw_only=True)
+class Budgets:
+    """The four run budgets of DESIGN §6; ``None`` means unlimited.
+
+    Attributes:
+        max_steps: steps (one model call + its action(s)).
+        max_model_attempts: every HTTP attempt, retries and abandoned attempts included.
+        token_budget: input + output tokens as reported; unknown usage never counts as 0.
+        time_budget_s: active seconds (running time, excluding waits for human approval).
+    """
+
+    max_steps: int | None = 50
+    max_model_attempts: int | None = 200
+    token_budget: int | None = None
+    time_budget_s: float | None = None
+
+
+@attrs.frozen(kw_only=True)
+class Limits:
+    """Per-call limits (DESIGN §6), seconds unless named otherwise.
+
+    Attributes:
+        tool_timeout_s: default per tool call.
+        approval_timeout_s: how long a human approval may be awaited.
+        model_connect_s / model_first_byte_s / model_idle_s / model_attempt_s: model-call
+            deadlines: TCP connect, first byte of the response, silence inside a stream, and one
+            whole attempt.
+        max_model_retries: retries of one model call after its first attempt.
+        retry_initial_s / retry_max_s: exponential backoff bounds (jitter added).
+        invalid_decisions: consecutive unparseable replies that end the run.
+        max_observation_chars: observations longer than this are cut (``None``: never cut).
+    """
+
+    tool_timeout_s: float = 10.0
+    approval_timeout_s: float = 900.0
+    model_connect_s: float = 10.0
+    model_first_byte_s: float = 60.0
+    model_idle_s: float = 60.0
+    model_attempt_s: float = 300.0
+    max_model_retries: int = 4
+    retry_initial_s: float = 0.5
+    retry_max_s: float = 30.0
+    invalid_decisions: int = 3
+    max_observation_chars: int | None = 20_000
+
+
+@attrs.frozen(kw_only=True)
+class SyntheticObservations:
+    """The observation texts the library puts into history when an action did not run.
+
+    They are part of the agent definition and of its parameter snapshot, so a replay
+    reproduces them (DESIGN §3.3). ``{tool}`` and ``{detail}`` are substituted.
+    """
+
+    not_executed: str = "Error: the call to {tool} was not executed: {detail}"
+    env_error: str = "Error: the environment failed while running {tool}; the run ends."
+    unknown: str = (
+        "Error: the outcome of the call to {tool} is unknown (the run was interrupted while it "
+        "ran); it was not repeated. Check its effect before trying again."
+    )
+    rejected: str = "The call to {tool} was rejected by a human reviewer: {detail}"
+
+
+# --------------------------------------------------------------------------- log records
+
+
+@attrs.frozen(kw_only=True)
+class RunStarted:
+    """First record of a run: its input and the parameter snapshot.
+
+    Attributes:
+        run_id: the run's id.
+        ts: UTC instant, ISO-8601.
+        input: the run input as messages (text and image references), oldest first.
+        snapshot: the merged model-visible agent definition; compared on resume.
+        schema_version: `SCHEMA_VERSION` of the writer.
+    """
+
+    run_id: str
+    ts: str
+    input: tuple[Message, ...]
+    snapshot: Mapping[str, JSONValue]
+    schema_version: int = SCHEMA_VERSION
+
+
+@attrs.frozen(kw_only=True)
+class ModelIntent:
+    """Written (barrier) before a model request leaves. ``attempt`` counts from 1 per step."""
+
+    run_id: str
+    step: int
+    intent_id: str
+    attempt: int
+    ts: str
+
+
+@attrs.frozen(kw_only=True)
+class ModelResult:
+    """The result of one model call attempt (no barrier).
+
+    Attributes:
+        intent_id: the `ModelIntent` this answers.
+        reply: the assembled reply; ``None`` when the attempt failed or was abandoned.
+        error: the classified failure; ``None`` on success.
+        abandoned: true when written on resume for an intent without result.
+        latency_s: wall seconds from request to last byte; ``None`` when not measured.
+        history_text: the model output text that entered history (visible text).
+        visible_chars: full length in characters of the visible output.
+        usage: as reported for this attempt, including failed attempts.
+    """
+
+    run_id: str
+    step: int
+    intent_id: str
+    ts: str
+    reply: ModelReply | None = None
+    error: ModelErrorInfo | None = None
+    abandoned: bool = False
+    latency_s: float | None = None
+    usage: Usage = Usage()
+
+
+@attrs.frozen(kw_only=True)
+class ActionIntent:
+    """Written (barrier) before an action starts; ``intent_id`` is its idempotency key."""
+
+    run_id: str
+    step: int
+    intent_id: str
+    call_id: str
+    tool: str
+    arguments: Mapping[str, JSONValue]
+    ts: str
+
+
+@attrs.frozen(kw_only=True)
+class ActionResult:
+    """The outcome of one action, written together with its step record."""
+
+    run_id: str
+    step: int
+    intent_id: str
+    call_id: str
+    tool: str
+    outcome: ActionOutcome
+    ts: str
+    duration_s: float | None = None
+    late: bool = False
+
+
+@attrs.frozen(kw_only=True)
+class StepRecord:
+    """One completed step (DESIGN §4); written atomically with its action results.
+
+    Attributes:
+        step: 1-based step index, contiguous.
+        model_intent_id: the model call whose reply this step acted on (``None`` when the
+            model call failed for good).
+        decision: what the parser decided: ``actions``, ``final_answer`` or ``invalid``;
+            ``None`` when the model call failed.
+        history_message: the assistant message that entered history.
+        feedback: for an invalid decision, the feedback text that entered history.
+        model_output_text: the visible text that entered history.
+        visible_output_chars: the full length of the visible output, in characters.
+        observations: per action, the observation text that entered history, in call order.
+        observation_truncated_chars: characters cut from the observations, summed.
+        task_completed: the completion signal of this step.
+        action_result_ids: intent ids of the step's action results (empty: no action).
+    """
+
+    run_id: str
+    step: int
+    ts: str
+    model_intent_id: str | None
+    decision: DecisionKind | None
+    history_message: Message | None = None
+    feedback: str | None = None
+    model_output_text: str | None = None
+    visible_output_chars: int = 0
+    observations: tuple[str, ...] = ()
+    observation_truncated_chars: int = 0
+    task_completed: bool = False
+    action_result_ids: tuple[str, ...] = ()
+    env_error: bool = False
+
+
+@attrs.frozen(kw_only=True)
+class Totals:
+    """Run totals, derived from the log.
+
+    Attributes:
+        steps: completed steps.
+        model_attempts: every attempt (abandoned and failed included).
+        input_tokens / output_tokens: sums of reported usage; ``None`` when no attempt
+            reported it.
+        unknown_usage_attempts: attempts whose usage was not reported.
+        active_s: active seconds (excluding approval waits).
+    """
+
+    steps: int = 0
+    model_attempts: int = 0
+    input_tokens: int | None = None
+    output_tokens: int | None = None
+    unknown_usage_attempts: int = 0
+    active_s: float = 0.0
+
+
+@attrs.frozen(kw_only=True)
+class RunFinished:
+    """Last record of a run (barrier before the caller is answered).
+
+    Attributes:
+        state: succeeded, failed or cancelled.
+        stop_reason: which rule of DESIGN §6 ended it.
+        final_answer: the model's final answer, when it gave one.
+        error: a short description for failed runs (model error, env error), else ``None``.
+    """
+
+    run_id: str
+    ts: str
+    state: RunState
+    stop_reason: StopReason
+    totals: Totals
+    final_answer: str | None = None
+    error: str | None = None
+
+
+@attrs.frozen(kw_only=True)
+class CancelRequested:
+    """A durable cancel request, written by any process holding the store."""
+
+    run_id: str
+    ts: str
+    reason: str = ""
+    canceller: str = ""
+
+
+@attrs.frozen(kw_only=True)
+class ApprovalRequested:
+    """A tool call waits for a human decision."""
+
+    run_id: str
+    step: int
+    call_id: str
+    tool: str
+    arguments_digest: str
+    ts: str
+    deadline_ts: str
+
+
+@attrs.frozen(kw_only=True)
+class ApprovalDecided:
+    """A human decision on a pending tool call; ``decision`` is approve, reject or edit."""
+
+    run_id: str
+    step: int
+    call_id: str
+    arguments_digest: str
+    decision: str
+    ts: str
+    message: str = ""
+    edited_arguments: Mapping[str, JSONValue] | None = None
+
+
+Record: TypeAlias = (
+    RunStarted
+    | ModelIntent
+    | ModelResult
+    | ActionIntent
+    | ActionResult
+    | StepRecord
+    | RunFinished
+    | CancelRequested
+    | ApprovalRequested
+    | ApprovalDecided
+)
+"""Every log record, a closed union (serialised with a ``kind`` tag)."""
+
+
+@attrs.frozen(kw_only=True)
+class RunLog:
+    """The whole log of one run, as read back from a store.
+
+    A run that does not exist reads as ``RunLog(run_id=...)`` with ``started is None``.
+
+    Attributes:
+        records: every record in write order (seq order); ``records[i]`` has seq ``i + 1``.
+    """
+
+    run_id: str
+    records: tuple[Record, ...] = ()
+
+    @property
+    def started(self) -> RunStarted | None:
+        """The run-started record, or ``None`` for a run that does not exist."""
+        first = self.records[0] if self.records else None
+        return first if isinstance(first, RunStarted) else None
+
+    @property
+    def finished(self) -> RunFinished | None:
+        """The run-finished record, or ``None`` while the run is unfinished."""
+        for record in reversed(self.records):
+            if isinstance(record, RunFinished):
+                return record
+        return None
+
+    @property
+    def steps(self) -> tuple[StepRecord, ...]:
+        """The step records, in step order."""
+        return tuple(r for r in self.records if isinstance(r, StepRecord))
+
+
+# --------------------------------------------------------------------------- events
+
+
+class EventKind(enum.StrEnum):
+    """Kinds of run events. Durable kinds mirror log records; deltas are ephemeral."""
+
+    RUN_STARTED = "run_started"
+    MODEL_CALL_STARTED = "model_call_started"
+    MODEL_CALL_FINISHED = "model_call_finished"
+    ACTION_REQUESTED = "action_requested"
+    ACTION_FINISHED = "action_finished"
+    STEP_COMPLETED = "step_completed"
+    APPROVAL_REQUESTED = "approval_requested"
+    APPROVAL_DECIDED = "approval_decided"
+    CANCEL_REQUESTED = "cancel_requested"
+    RUN_FINISHED = "run_finished"
+    TEXT_DELTA = "text_delta"
+    REASONING_DELTA = "reasoning_delta"
+    WARNING = "warning"
+
+
+@attrs.frozen(kw_only=True)
+class Event:
+    """One run event.
+
+    Attributes:
+        run_id: the run.
+        seq: for durable events, the gapless per-run sequence number (1, 2, 3 ...), equal to
+            the record's position in the log. An ephemeral delta carries the seq of the durable
+            event it follows and its own ``ordinal`` (1, 2, ...).
+        kind: the event kind.
+        record: the log record for durable events; ``None`` for deltas and warnings.
+        text: delta or warning text.
+        ordinal: 0 for durable events; 1, 2, ... for deltas after the same durable seq.
+    """
+
+    run_id: str
+    seq: int
+    kind: EventKind
+    record: Record | None = None
+    text: str | None = None
+    ordinal: int = 0
+
+    @property
+    def durable(self) -> bool:
+        """True for events that mirror a log record."""
+        return self.record is not None
+
+
+@attrs.frozen(kw_only=True)
+class RunResult:
+    """What a finished run returns to its caller.
+
+    Attributes:
+        run_id: the run.
+        state: succeeded, failed or cancelled.
+        stop_reason: the rule of DESIGN §6 that ended the run.
+        final_answer: the model's final answer text, when it gave one.
+        totals: steps, attempts, tokens and active time, derived from the log.
+        error: a short description for failed runs.
+    """
+
+    run_id: str
+    state: RunState
+    stop_reason: StopReason
+    totals: Totals
+    final_answer: str | None = None
+    error: str | None = None
+
+    @classmethod
+    def from_finished(cls, record: RunFinished) -> RunResult:
+        """Build the result from a stored run-finished record."""
+        return cls(
+            run_id=record.run_id,
+            state=record.state,
+            stop_reason=record.stop_reason,
+            totals=record.totals,
+            final_answer=record.final_answer,
+            error=record.error,
+        )
