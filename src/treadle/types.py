@@ -516,6 +516,8 @@ class StepRecord:
         observation_truncated_chars: characters cut from the observations, summed.
         task_completed: the completion signal of this step.
         action_result_ids: intent ids of the step's action results (empty: no action).
+        env_error: an action of this step ended with ENV_ERROR.
+        active_s: active seconds this step took (approval waits excluded).
     """
 
     run_id: str
@@ -532,6 +534,7 @@ class StepRecord:
     task_completed: bool = False
     action_result_ids: tuple[str, ...] = ()
     env_error: bool = False
+    active_s: float = 0.0
 
 
 @attrs.frozen(kw_only=True)

@@ -50,7 +50,7 @@ _CLASS_OF: Final[dict[str, type[Any]]] = {tag: cls for cls, tag in KIND_OF.items
 def _make() -> cattrs.Converter:
     conv = make_converter(forbid_extra_keys=True, omit_if_default=True)
     configure_tagged_union(
-        Record,  # type: ignore[arg-type]
+        Record,
         conv,
         tag_name="kind",
         tag_generator=lambda cls: KIND_OF[cls],
@@ -65,7 +65,7 @@ _DUMPS = json.JSONEncoder(ensure_ascii=False, separators=(",", ":"), sort_keys=F
 
 def record_to_dict(record: Record) -> dict[str, Any]:
     """Unstructure ``record`` into plain JSON data with its ``kind`` tag."""
-    data: dict[str, Any] = _CONVERTER.unstructure(record, Record)  # type: ignore[arg-type]
+    data: dict[str, Any] = _CONVERTER.unstructure(record, Record)
     return data
 
 

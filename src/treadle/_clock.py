@@ -1,0 +1,51 @@
+"""Injectable wall clock (STYLE rule 14).
+
+Actors read trio time only for deadlines; every persisted instant comes from a `Clock`, so a
+simulation can make a log byte-identical for the same seed.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+from typing import Protocol
+
+import attrs
+
+
+class Clock(Protocol):
+    """A source of UTC wall-clock instants for records."""
+
+    def now_iso(self) -> str:
+        """The current UTC instant as ISO-8601 text (``2026-11-30T12:00:00.000000+00:00``)."""
+        ...
+
+
+@attrs.define(eq=False)
+class SystemClock:
+    """The real UTC wall clock."""
+
+    def now_iso(self) -> str:
+        """The current UTC instant, ISO-8601."""
+        return dt.datetime.now(dt.UTC).isoformat()
+
+
+@attrs.define(eq=False)
+class FixedStepClock:
+    """A deterministic clock for simulations.
+
+    It starts at ``start`` and advances ``step_s`` seconds on every reading.
+
+    Attributes:
+        start: the first instant returned (UTC).
+        step_s: seconds added after each reading.
+    """
+
+    start: dt.datetime = dt.datetime(2026, 1, 1, tzinfo=dt.UTC)
+    step_s: float = 0.001
+    _readings: int = 0
+
+    def now_iso(self) -> str:
+        """The next instant, ISO-8601."""
+        instant = self.start + dt.timedelta(seconds=self._readings * self.step_s)
+        self._readings += 1
+        return instant.isoformat()

@@ -1,0 +1,162 @@
+"""Folding a run's log into the state the step loop needs (pure, no I/O).
+
+`RunView` is derived from the log only, so a resumed run and a live run that wrote the same
+records agree on every counter. `PendingStep` describes the step in progress at the log's tail
+(records after the last step record), which is what the resume table of DESIGN §5 acts on.
+"""
+
+from __future__ import annotations
+
+import attrs
+
+from treadle.types import (
+    ActionIntent,
+    ApprovalDecided,
+    ApprovalRequested,
+    CancelRequested,
+    DecisionKind,
+    ModelIntent,
+    ModelReply,
+    ModelResult,
+    Record,
+    RunFinished,
+    StepRecord,
+    Totals,
+    Usage,
+)
+
+
+@attrs.define(eq=False)
+class PendingStep:
+    """What the log holds of the step after the last step record.
+
+    Attributes:
+        step: its index.
+        attempts: model attempts already made in this step (failed or abandoned included).
+        open_model_intent: a model intent whose result was never stored (outcome unknown).
+        failures: failed attempts of this step, in order (for retry counting).
+        reply: the stored successful reply, if the model call finished.
+        reply_intent_id: the intent id of that reply.
+        action_intents: action intents already written for the reply, in call order.
+        approvals: approval decisions recorded in this step, by call id.
+        approval_requests: approval requests recorded in this step, by call id.
+    """
+
+    step: int
+    attempts: int = 0
+    open_model_intent: ModelIntent | None = None
+    failures: list[ModelResult] = attrs.Factory(list)
+    reply: ModelReply | None = None
+    reply_intent_id: str | None = None
+    action_intents: list[ActionIntent] = attrs.Factory(list)
+    approvals: dict[str, ApprovalDecided] = attrs.Factory(dict)
+    approval_requests: dict[str, ApprovalRequested] = attrs.Factory(dict)
+
+
+@attrs.define(eq=False)
+class RunView:
+    """Counters and flags of a run, folded from its log (DESIGN §6 stop rules read these).
+
+    Attributes:
+        next_seq: the seq the next record gets.
+        steps: completed steps.
+        model_attempts: every model attempt (abandoned and failed included).
+        input_tokens / output_tokens: sums of reported usage (``None`` until one is reported).
+        unknown_usage_attempts: attempts that reported no usage.
+        active_s: active seconds of the completed steps.
+        consecutive_invalid: invalid decisions in a row at the end of the log.
+        last_step: the last step record, if any.
+        cancel: the cancel request, if one was recorded.
+        finished: the run-finished record, if the run is finished.
+        pending: the step in progress at the tail.
+    """
+
+    next_seq: int = 1
+    steps: int = 0
+    model_attempts: int = 0
+    input_tokens: int | None = None
+    output_tokens: int | None = None
+    unknown_usage_attempts: int = 0
+    active_s: float = 0.0
+    consecutive_invalid: int = 0
+    last_step: StepRecord | None = None
+    cancel: CancelRequested | None = None
+    finished: RunFinished | None = None
+    pending: PendingStep = attrs.Factory(lambda: PendingStep(step=1))
+
+    @property
+    def tokens(self) -> int:
+        """Reported input + output tokens so far (unknown usage is not counted as anything)."""
+        return (self.input_tokens or 0) + (self.output_tokens or 0)
+
+    def totals(self, *, extra_active_s: float = 0.0) -> Totals:
+        """The run totals for a run-finished record."""
+        return Totals(
+            steps=self.steps,
+            model_attempts=self.model_attempts,
+            input_tokens=self.input_tokens,
+            output_tokens=self.output_tokens,
+            unknown_usage_attempts=self.unknown_usage_attempts,
+            active_s=round(self.active_s + extra_active_s, 6),
+        )
+
+    def apply(self, record: Record) -> None:
+        """Fold one record (in seq order) into the view."""
+        self.next_seq += 1
+        if isinstance(record, ModelIntent):
+            self.model_attempts += 1
+            self.pending.attempts += 1
+            self.pending.open_model_intent = record
+        elif isinstance(record, ModelResult):
+            self._apply_model_result(record)
+        elif isinstance(record, ActionIntent):
+            self.pending.action_intents.append(record)
+        elif isinstance(record, StepRecord):
+            self._apply_step(record)
+        elif isinstance(record, CancelRequested):
+            self.cancel = self.cancel or record
+        elif isinstance(record, ApprovalRequested):
+            self.pending.approval_requests[record.call_id] = record
+        elif isinstance(record, ApprovalDecided):
+            self.pending.approvals[record.call_id] = record
+        elif isinstance(record, RunFinished):
+            self.finished = record
+
+    def count_usage(self, usage: Usage) -> None:
+        """Add one attempt's reported usage; unknown counts stay unknown."""
+        if usage.input_tokens is None and usage.output_tokens is None:
+            self.unknown_usage_attempts += 1
+            return
+        if usage.input_tokens is not None:
+            self.input_tokens = (self.input_tokens or 0) + usage.input_tokens
+        if usage.output_tokens is not None:
+            self.output_tokens = (self.output_tokens or 0) + usage.output_tokens
+
+    def _apply_model_result(self, record: ModelResult) -> None:
+        pending = self.pending
+        if pending.open_model_intent and pending.open_model_intent.intent_id == record.intent_id:
+            pending.open_model_intent = None
+        self.count_usage(record.usage)
+        if record.reply is not None:
+            pending.reply = record.reply
+            pending.reply_intent_id = record.intent_id
+        else:
+            pending.failures.append(record)
+
+    def _apply_step(self, record: StepRecord) -> None:
+        self.steps = record.step
+        self.active_s += record.active_s
+        self.last_step = record
+        if record.decision is DecisionKind.INVALID:
+            self.consecutive_invalid += 1
+        elif record.decision is not None:
+            self.consecutive_invalid = 0
+        self.pending = PendingStep(step=record.step + 1)
+
+
+def fold(records: tuple[Record, ...]) -> RunView:
+    """Fold a whole log into a `RunView`."""
+    view = RunView()
+    for record in records:
+        view.apply(record)
+    return view

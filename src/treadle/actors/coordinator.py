@@ -1,0 +1,344 @@
+"""The run coordinator: the state machine, the step loop, stop rules and budgets (DESIGN §6).
+
+It never reasons about text. Each iteration checks the stop rules A-H in order, then runs one
+step: a model request from the hydrator, the model call through the gateway, the parse, the
+actions through the tool executor, and the step record through the event writer. Its counters
+are folded from the records the other actors report having written, so a resumed run and a
+live run agree.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TypeVar
+
+import attrs
+import trio
+
+from treadle._clock import Clock
+from treadle._state import RunView
+from treadle.actors._rpc import StepScope, request
+from treadle.actors.executor import ActionsOutcome, RunActions
+from treadle.actors.gateway import CallModel, ModelOutcome
+from treadle.actors.hydrator import Hydrate
+from treadle.actors.writer import Op, WriterClient
+from treadle.ports import DecisionParser
+from treadle.types import (
+    SUCCESS_STOP_REASONS,
+    ActionResult,
+    ActionStatus,
+    Budgets,
+    CancelRequested,
+    DecisionKind,
+    Limits,
+    ModelRequest,
+    ModelResult,
+    ParsedReply,
+    RunFinished,
+    RunResult,
+    RunState,
+    StepRecord,
+    StopReason,
+    ToolSpec,
+)
+
+STOP_GRACE_S = 5.0
+"""Seconds an actor may take to answer after its step was cancelled or ran out of time."""
+
+
+@attrs.define(eq=False)
+class RunCoordinator:
+    """The run coordinator actor of one run.
+
+    Args:
+        view: the run's state, folded from its log (fresh or resumed).
+        state: the run state; readable by the run's handle.
+    """
+
+    run_id: str
+    view: RunView
+    parser: DecisionParser
+    tools: tuple[ToolSpec, ...]
+    budgets: Budgets
+    limits: Limits
+    clock: Clock
+    writer: WriterClient
+    hydrator: trio.MemorySendChannel[Hydrate]
+    gateway: trio.MemorySendChannel[CallModel]
+    executor: trio.MemorySendChannel[RunActions]
+    state: RunState = RunState.RUNNING
+    _step_scope: StepScope | None = None
+    _cancel: tuple[str, str] | None = None
+    _unsent_steps: list[StepRecord] = attrs.Factory(list)
+    _final_answer: str | None = None
+    _error: str | None = None
+
+    def cancel(self, reason: str = "", canceller: str = "") -> None:
+        """Request cancellation: the step in flight is cancelled at once (DESIGN §6 A)."""
+        if self.state.is_terminal or self._cancel is not None:
+            return
+        self._cancel = (reason, canceller)
+        self.state = RunState.CANCELLING
+        if self._step_scope is not None:
+            self._step_scope.cancel(reason or "run cancelled")
+
+    async def run(self, *, resumed_steps: tuple[StepRecord, ...] = ()) -> RunResult:
+        """Run steps until a stop rule holds; write run-finished (a barrier) and return.
+
+        Raises:
+            Whatever a seam raised that is not part of its contract (a parser or executor bug,
+            a store failure): the run is left unfinished and resumable.
+        """
+        self._unsent_steps.extend(resumed_steps)
+        if (
+            self.view.last_step is not None
+            and self.view.last_step.decision is DecisionKind.FINAL_ANSWER
+        ):
+            self._final_answer = self.view.last_step.model_output_text
+        while True:
+            reason = self.stop_reason(extra_active_s=0.0)
+            if reason is not None:
+                return await self._finish(reason)
+            started = trio.current_time()
+            reason = await self._step()
+            if reason is not None:
+                return await self._finish(reason, cut_active_s=self._elapsed(started))
+
+    def close_inboxes(self) -> None:
+        """Close the hydrator, gateway and executor inboxes: their actors then return."""
+        for channel in (self.hydrator, self.gateway, self.executor):
+            channel.close()
+
+    def stop_reason(self, *, extra_active_s: float) -> StopReason | None:
+        """The first stop rule A-H that holds, or ``None`` to continue (DESIGN §6)."""
+        view = self.view
+        last = view.last_step
+        if self._cancel is not None or view.cancel is not None:
+            return StopReason.CANCELLED
+        if last is not None and last.env_error:
+            return StopReason.ENV_ERROR
+        if last is not None and last.task_completed:
+            return StopReason.TASK_COMPLETED
+        if last is not None and last.decision is DecisionKind.FINAL_ANSWER:
+            return StopReason.FINAL_ANSWER
+        if view.consecutive_invalid >= self.limits.invalid_decisions:
+            return StopReason.INVALID_DECISIONS
+        if last is not None and last.decision is None:
+            return StopReason.MODEL_ERROR
+        return self._budget_reason(extra_active_s)
+
+    def _budget_reason(self, extra_active_s: float) -> StopReason | None:
+        budgets, view = self.budgets, self.view
+        if budgets.max_steps is not None and view.steps >= budgets.max_steps:
+            return StopReason.MAX_STEPS
+        if (
+            budgets.max_model_attempts is not None
+            and view.model_attempts >= budgets.max_model_attempts
+        ):
+            return StopReason.MAX_MODEL_ATTEMPTS
+        if budgets.token_budget is not None and view.tokens >= budgets.token_budget:
+            return StopReason.TOKEN_BUDGET
+        if (
+            budgets.time_budget_s is not None
+            and view.active_s + extra_active_s >= budgets.time_budget_s
+        ):
+            return StopReason.TIME_BUDGET
+        return None
+
+    async def _step(self) -> StopReason | None:
+        """Run one step; return a stop reason when the step itself was cut off."""
+        started = trio.current_time()
+        deadline = float("inf")
+        if self.budgets.time_budget_s is not None:
+            deadline = started + self.budgets.time_budget_s - self.view.active_s
+        scope = StepScope(deadline)
+        if self._cancel is not None:
+            scope.cancel(self._cancel[0] or "run cancelled")
+        self._step_scope = scope
+        try:
+            return await self._run_step(scope, started)
+        finally:
+            self._step_scope = None
+
+    async def _run_step(self, scope: StepScope, started: float) -> StopReason | None:
+        pending = self.view.pending
+        step = pending.step
+        reply, intent_id = pending.reply, pending.reply_intent_id
+        if pending.open_model_intent is not None:
+            await self._abandon(pending.open_model_intent.intent_id, step)
+        if reply is None:
+            outcome = await self._call_model(step, scope)
+            if outcome.stop is not None:
+                return outcome.stop
+            if outcome.reply is None:
+                self._error = outcome.error.kind if outcome.error else "model_error"
+                await self._write_step(
+                    StepRecord(
+                        run_id=self.run_id,
+                        step=step,
+                        ts=self.clock.now_iso(),
+                        model_intent_id=None,
+                        decision=None,
+                        active_s=self._elapsed(started),
+                    ),
+                    None,
+                )
+                return None
+            reply, intent_id = outcome.reply, outcome.intent_id
+        parsed = self.parser.parse(reply, self.tools)
+        return await self._act(step, intent_id, parsed, scope, started)
+
+    async def _act(
+        self,
+        step: int,
+        intent_id: str | None,
+        parsed: ParsedReply,
+        scope: StepScope,
+        started: float,
+    ) -> StopReason | None:
+        record = StepRecord(
+            run_id=self.run_id,
+            step=step,
+            ts="",
+            model_intent_id=intent_id,
+            decision=parsed.kind,
+            history_message=parsed.history_message,
+            feedback=parsed.feedback,
+            model_output_text=parsed.history_message.content,
+            visible_output_chars=len(parsed.history_message.content or ""),
+        )
+        results: tuple[ActionResult, ...] | None = None
+        if parsed.kind is DecisionKind.ACTIONS:
+            outcome = await self._run_actions(step, parsed, scope)
+            if outcome.stop is not None:
+                return outcome.stop
+            results = outcome.results
+            record = attrs.evolve(
+                record,
+                observations=outcome.observations,
+                observation_truncated_chars=sum(
+                    r.outcome.observation_truncated_chars for r in results
+                ),
+                task_completed=any(r.outcome.task_completed for r in results),
+                env_error=any(r.outcome.status is ActionStatus.ENV_ERROR for r in results),
+                action_result_ids=tuple(r.intent_id for r in results),
+            )
+        elif parsed.kind is DecisionKind.FINAL_ANSWER:
+            self._final_answer = parsed.text
+        record = attrs.evolve(record, ts=self.clock.now_iso(), active_s=self._elapsed(started))
+        await self._write_step(record, results)
+        return None
+
+    async def _call_model(self, step: int, scope: StepScope) -> ModelOutcome:
+        pending = self.view.pending
+        model_request: ModelRequest = await request(
+            self.hydrator,
+            lambda reply_to: Hydrate(new_steps=tuple(self._unsent_steps), reply_to=reply_to),
+        )
+        self._unsent_steps.clear()
+        outcome: ModelOutcome = await _bounded(
+            scope,
+            self.gateway,
+            lambda reply_to: CallModel(
+                step=step,
+                request=model_request,
+                run_attempts=self.view.model_attempts,
+                step_attempts=pending.attempts,
+                step_failures=len(pending.failures),
+                tokens=self.view.tokens,
+                scope=scope,
+                reply_to=reply_to,
+            ),
+        )
+        for record in outcome.written:
+            self.view.apply(record)
+        return outcome
+
+    async def _run_actions(
+        self, step: int, parsed: ParsedReply, scope: StepScope
+    ) -> ActionsOutcome:
+        existing = tuple(self.view.pending.action_intents)
+        outcome: ActionsOutcome = await _bounded(
+            scope,
+            self.executor,
+            lambda reply_to: RunActions(
+                step=step, calls=parsed.actions, existing=existing, scope=scope, reply_to=reply_to
+            ),
+        )
+        for record in outcome.written:
+            self.view.apply(record)
+        return outcome
+
+    async def _abandon(self, intent_id: str, step: int) -> None:
+        """Resume: a model intent without result is recorded as abandoned (DESIGN §5)."""
+        record = ModelResult(
+            run_id=self.run_id,
+            step=step,
+            intent_id=intent_id,
+            ts=self.clock.now_iso(),
+            abandoned=True,
+        )
+        await self.writer.write(Op.MODEL_RESULT, record)
+        self.view.apply(record)
+
+    async def _write_step(
+        self, record: StepRecord, results: tuple[ActionResult, ...] | None
+    ) -> None:
+        await self.writer.write(Op.STEP, *(results or ()), record)
+        for result in results or ():
+            self.view.apply(result)
+        self.view.apply(record)
+        self._unsent_steps.append(record)
+
+    def _elapsed(self, started: float) -> float:
+        return round(trio.current_time() - started, 6)
+
+    async def _finish(self, reason: StopReason, *, cut_active_s: float = 0.0) -> RunResult:
+        if reason is StopReason.CANCELLED and self.view.cancel is None:
+            why, who = self._cancel or ("", "")
+            cancel = CancelRequested(
+                run_id=self.run_id, ts=self.clock.now_iso(), reason=why, canceller=who
+            )
+            await self.writer.barrier(Op.CONTROL, cancel)
+            self.view.apply(cancel)
+        state = _final_state(reason)
+        record = RunFinished(
+            run_id=self.run_id,
+            ts=self.clock.now_iso(),
+            state=state,
+            stop_reason=reason,
+            totals=self.view.totals(extra_active_s=cut_active_s),
+            final_answer=self._final_answer if reason is StopReason.FINAL_ANSWER else None,
+            error=self._error if reason is StopReason.MODEL_ERROR else None,
+        )
+        with trio.CancelScope(shield=True):
+            await self.writer.barrier(Op.RUN_FINISHED, record)
+        self.view.apply(record)
+        self.state = state
+        return RunResult.from_finished(record)
+
+
+def _final_state(reason: StopReason) -> RunState:
+    if reason in SUCCESS_STOP_REASONS:
+        return RunState.SUCCEEDED
+    if reason is StopReason.CANCELLED:
+        return RunState.CANCELLED
+    return RunState.FAILED
+
+
+Q = TypeVar("Q")
+R = TypeVar("R")
+
+
+async def _bounded(
+    scope: StepScope,
+    inbox: trio.MemorySendChannel[Q],
+    make: Callable[[trio.MemorySendChannel[R]], Q],
+) -> R:
+    """Request/reply whose wait ends at the step's deadline plus a grace period.
+
+    The actor enforces the deadline itself; the grace period only guarantees that an actor
+    ignoring its deadline cannot hang the run (it raises `trio.TooSlowError`).
+    """
+    with trio.fail_at(scope.deadline + STOP_GRACE_S):
+        return await request(inbox, make)

@@ -1,0 +1,216 @@
+"""The tool executor actor: intent before effect, timeouts, replay policies (DESIGN §3.3, §5).
+
+For each action it writes the action intent (a barrier) before the action starts, runs it
+under the per-call timeout inside the step's cancel scope, and turns the executor's outcome
+into what enters history: NOT_EXECUTED and ENV_ERROR get the definition's synthetic text (the
+executor's own text is kept as ``detail``), executed observations are cut to the limit and
+rendered through the observation template.
+"""
+
+from __future__ import annotations
+
+import attrs
+import trio
+
+from treadle._clock import Clock
+from treadle.actors._rpc import StepScope, reply
+from treadle.actors.writer import Op, WriterClient
+from treadle.ports import ActionExecutor
+from treadle.types import (
+    Action,
+    ActionIntent,
+    ActionOutcome,
+    ActionResult,
+    ActionStatus,
+    Limits,
+    Record,
+    ReplayPolicy,
+    StopReason,
+    SyntheticObservations,
+    ToolCall,
+)
+
+
+@attrs.frozen(kw_only=True)
+class RunActions:
+    """Run the actions of ``step``.
+
+    Attributes:
+        calls: the tool calls, in the order the model gave them.
+        existing: action intents already in the log for this step (resume), in call order.
+        scope: the step's cancellation and active-time deadline.
+    """
+
+    step: int
+    calls: tuple[ToolCall, ...]
+    existing: tuple[ActionIntent, ...]
+    scope: StepScope
+    reply_to: trio.MemorySendChannel[ActionsOutcome]
+
+
+@attrs.frozen(kw_only=True)
+class ActionsOutcome:
+    """The executor actor's answer.
+
+    Attributes:
+        results: one result per call, in call order (empty when cut off).
+        observations: the text each result put into history, in call order.
+        stop: ``cancelled`` or ``time_budget`` when the step was cut off mid-action.
+        written: the intents written, in order.
+    """
+
+    results: tuple[ActionResult, ...] = ()
+    observations: tuple[str, ...] = ()
+    stop: StopReason | None = None
+    written: tuple[Record, ...] = ()
+
+
+@attrs.define(eq=False)
+class ToolExecutor:
+    """The tool executor actor of one run."""
+
+    run_id: str
+    executor: ActionExecutor
+    writer: WriterClient
+    clock: Clock
+    limits: Limits
+    synthetic: SyntheticObservations
+    observation_template: str = "{observation}"
+
+    async def run(
+        self,
+        inbox: trio.MemoryReceiveChannel[RunActions],
+        *,
+        task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
+    ) -> None:
+        """Serve `RunActions` requests, one step at a time, until ``inbox`` ends."""
+        task_status.started()
+        async with inbox:
+            async for message in inbox:
+                reply(message.reply_to, await self.run_actions(message))
+
+    async def run_actions(self, message: RunActions) -> ActionsOutcome:
+        """Write the intents, run the actions, and build their results."""
+        actions = [self._action(message.step, i, call) for i, call in enumerate(message.calls)]
+        existing = {intent.intent_id: intent for intent in message.existing}
+        written: list[Record] = []
+        outcomes: dict[int, tuple[ActionOutcome, float]] = {}
+        with message.scope.open():
+            fresh = [a for a in actions if a.intent_id not in existing]
+            for action in fresh:
+                await self._write_intent(action, written)
+            async with trio.open_nursery() as nursery:
+                for index, action in enumerate(actions):
+                    replay = action.intent_id in existing
+                    nursery.start_soon(self._perform, index, action, replay, outcomes)
+        if len(outcomes) < len(actions):
+            stop = StopReason.CANCELLED if message.scope.cancel_called else StopReason.TIME_BUDGET
+            return ActionsOutcome(stop=stop, written=tuple(written))
+        results: list[ActionResult] = []
+        observations: list[str] = []
+        for index, action in enumerate(actions):
+            outcome, duration = outcomes[index]
+            outcome, observation = self._finish(action, outcome)
+            observations.append(observation)
+            results.append(
+                ActionResult(
+                    run_id=self.run_id,
+                    step=action.step,
+                    intent_id=action.intent_id,
+                    call_id=action.call_id,
+                    tool=action.tool,
+                    outcome=outcome,
+                    ts=self.clock.now_iso(),
+                    duration_s=round(duration, 6),
+                )
+            )
+        return ActionsOutcome(
+            results=tuple(results), observations=tuple(observations), written=tuple(written)
+        )
+
+    def _action(self, step: int, index: int, call: ToolCall) -> Action:
+        return Action(
+            run_id=self.run_id,
+            step=step,
+            intent_id=f"{self.run_id}/s{step}/a{index + 1}",
+            call_id=call.id,
+            tool=call.name,
+            arguments=call.arguments,
+        )
+
+    async def _write_intent(self, action: Action, written: list[Record]) -> None:
+        intent = ActionIntent(
+            run_id=self.run_id,
+            step=action.step,
+            intent_id=action.intent_id,
+            call_id=action.call_id,
+            tool=action.tool,
+            arguments=action.arguments,
+            ts=self.clock.now_iso(),
+        )
+        durable = await self.writer.send_barrier(Op.INTENT, intent)
+        written.append(intent)
+        with durable:
+            await durable.receive()
+
+    async def _perform(
+        self,
+        index: int,
+        action: Action,
+        replay: bool,
+        outcomes: dict[int, tuple[ActionOutcome, float]],
+    ) -> None:
+        started = trio.current_time()
+        if replay and self.executor.replay_policy(action.tool) is not ReplayPolicy.SAFE:
+            outcome = await self.executor.reconcile(action)
+            if outcome is None:
+                outcome = ActionOutcome(
+                    status=ActionStatus.UNKNOWN,
+                    observation=self.synthetic.unknown.format(tool=action.tool, detail=""),
+                    observation_is_synthetic=True,
+                )
+        else:
+            outcome = await self._execute(action)
+        outcomes[index] = (outcome, trio.current_time() - started)
+
+    async def _execute(self, action: Action) -> ActionOutcome:
+        with trio.move_on_after(self.limits.tool_timeout_s) as timeout:
+            return await self.executor.execute(action)
+        assert timeout.cancelled_caught
+        return ActionOutcome(
+            status=ActionStatus.EXECUTED,
+            observation=(
+                f"Error: the call to {action.tool} timed out after {self.limits.tool_timeout_s:g} s"
+            ),
+        )
+
+    def _finish(self, action: Action, outcome: ActionOutcome) -> tuple[ActionOutcome, str]:
+        """Apply synthetic observations, truncation and the template."""
+        if outcome.status in (ActionStatus.NOT_EXECUTED, ActionStatus.ENV_ERROR):
+            template = (
+                self.synthetic.not_executed
+                if outcome.status is ActionStatus.NOT_EXECUTED
+                else self.synthetic.env_error
+            )
+            detail = outcome.detail or outcome.observation
+            text = template.format(tool=action.tool, detail=detail)
+            outcome = attrs.evolve(
+                outcome,
+                observation=text,
+                observation_is_synthetic=True,
+                observation_truncated_chars=0,
+                detail=detail,
+            )
+            return outcome, text
+        if outcome.observation_is_synthetic:
+            return outcome, outcome.observation
+        limit = self.limits.max_observation_chars
+        if limit is not None and len(outcome.observation) > limit:
+            cut = len(outcome.observation) - limit
+            outcome = attrs.evolve(
+                outcome,
+                observation=outcome.observation[:limit],
+                observation_truncated_chars=outcome.observation_truncated_chars + cut,
+            )
+        text = self.observation_template.format(observation=outcome.observation, tool=action.tool)
+        return outcome, text

@@ -1,0 +1,273 @@
+"""The model gateway: one model call at a time per run, with attempts, retries and deadlines.
+
+Every HTTP attempt gets its own durable intent (a barrier written before the request leaves)
+and its own result record, failed attempts included (DESIGN §4, §6). Retries wait with
+exponential backoff and jitter, or exactly the server's Retry-After; a wait that would outlast
+the active-time budget is not slept.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable
+
+import attrs
+import trio
+
+from treadle._clock import Clock
+from treadle._exceptions import ModelCallError
+from treadle.actors._rpc import StepScope, reply
+from treadle.actors.writer import Op, WriterClient
+from treadle.ports import ModelClient
+from treadle.types import (
+    Budgets,
+    Limits,
+    ModelErrorInfo,
+    ModelIntent,
+    ModelReply,
+    ModelRequest,
+    ModelResult,
+    Record,
+    StopReason,
+    Usage,
+)
+
+DELTA_FLUSH_CHARS = 1024
+"""Coalesced deltas are flushed at about 1 KiB ..."""
+DELTA_FLUSH_S = 0.03
+"""... or after 30 ms (trio clock), whichever comes first."""
+
+
+@attrs.frozen(kw_only=True)
+class CallModel:
+    """Make the model call of ``step``.
+
+    Attributes:
+        step: the step index.
+        request: the model request.
+        run_attempts: model attempts the run has made so far (budget accounting).
+        step_attempts: attempts already made in this step (resume), so ids stay unique.
+        step_failures: failed attempts already made in this step (retry accounting).
+        tokens: reported tokens used by the run so far.
+        scope: the step's cancellation and active-time deadline.
+    """
+
+    step: int
+    request: ModelRequest
+    run_attempts: int
+    step_attempts: int
+    step_failures: int
+    tokens: int
+    scope: StepScope
+    reply_to: trio.MemorySendChannel[ModelOutcome]
+
+
+@attrs.frozen(kw_only=True)
+class ModelOutcome:
+    """The gateway's answer.
+
+    Attributes:
+        reply: the successful reply, or ``None``.
+        intent_id: the intent of the successful attempt.
+        error: the last attempt's error when the call failed for good.
+        stop: a budget that ended the call (``max_model_attempts``, ``token_budget``,
+            ``time_budget``) or ``cancelled``; ``None`` otherwise.
+        written: every record the gateway wrote, in order (the coordinator folds them).
+    """
+
+    reply: ModelReply | None = None
+    intent_id: str | None = None
+    error: ModelErrorInfo | None = None
+    stop: StopReason | None = None
+    written: tuple[Record, ...] = ()
+
+
+def backoff_s(retry: int, limits: Limits, rng: random.Random) -> float:
+    """Seconds to wait before retry number ``retry`` (1-based).
+
+    Exponential from ``limits.retry_initial_s``, capped at ``limits.retry_max_s``, with
+    "equal jitter" (half fixed, half uniform random).
+
+    The random source is injected so simulations are reproducible (DESIGN §7, issue on
+    determinism); see docs/decisions/0003-own-backoff.md.
+    """
+    ceiling = min(limits.retry_max_s, limits.retry_initial_s * 2.0 ** (retry - 1))
+    return ceiling / 2 + rng.uniform(0, ceiling / 2)
+
+
+@attrs.define(eq=False)
+class ModelGateway:
+    """The model gateway actor of one run."""
+
+    run_id: str
+    client: ModelClient
+    writer: WriterClient
+    clock: Clock
+    limits: Limits
+    budgets: Budgets
+    rng: random.Random = attrs.Factory(random.Random)
+
+    async def run(
+        self,
+        inbox: trio.MemoryReceiveChannel[CallModel],
+        *,
+        task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
+    ) -> None:
+        """Serve `CallModel` requests, one at a time, until ``inbox`` ends."""
+        task_status.started()
+        async with inbox:
+            async for message in inbox:
+                reply(message.reply_to, await self.call(message))
+
+    async def call(self, message: CallModel) -> ModelOutcome:
+        """Make attempts until one succeeds, the error is final, or a budget ends the call."""
+        written: list[Record] = []
+        attempt = message.step_attempts
+        failures = message.step_failures
+        run_attempts = message.run_attempts
+        tokens = message.tokens
+        while True:
+            stop = self._budget_stop(run_attempts, tokens)
+            if stop is not None:
+                return ModelOutcome(stop=stop, written=tuple(written))
+            attempt += 1
+            run_attempts += 1
+            result = await self._attempt(message, attempt, written)
+            if result is None:  # cancelled or cut by the time budget
+                return ModelOutcome(stop=self._cut_reason(message.scope), written=tuple(written))
+            tokens += _tokens(result.usage)
+            if result.reply is not None:
+                return ModelOutcome(
+                    reply=result.reply, intent_id=result.intent_id, written=tuple(written)
+                )
+            assert result.error is not None
+            failures += 1
+            if not result.error.retryable or failures > self.limits.max_model_retries:
+                return ModelOutcome(error=result.error, written=tuple(written))
+            wait = result.error.retry_after_s
+            if wait is None:
+                wait = backoff_s(failures, self.limits, self.rng)
+            if trio.current_time() + wait >= message.scope.deadline:
+                return ModelOutcome(stop=StopReason.TIME_BUDGET, written=tuple(written))
+            with message.scope.open() as scope:
+                await trio.sleep(wait)
+            if scope.cancelled_caught:
+                return ModelOutcome(stop=self._cut_reason(message.scope), written=tuple(written))
+
+    def _budget_stop(self, run_attempts: int, tokens: int) -> StopReason | None:
+        budgets = self.budgets
+        if budgets.max_model_attempts is not None and run_attempts >= budgets.max_model_attempts:
+            return StopReason.MAX_MODEL_ATTEMPTS
+        if budgets.token_budget is not None and tokens >= budgets.token_budget:
+            return StopReason.TOKEN_BUDGET
+        return None
+
+    @staticmethod
+    def _cut_reason(scope: StepScope) -> StopReason:
+        return StopReason.CANCELLED if scope.cancel_called else StopReason.TIME_BUDGET
+
+    async def _attempt(
+        self, message: CallModel, attempt: int, written: list[Record]
+    ) -> ModelResult | None:
+        """One HTTP attempt: intent (barrier), call, result. ``None`` when cut off."""
+        intent = ModelIntent(
+            run_id=self.run_id,
+            step=message.step,
+            intent_id=f"{self.run_id}/s{message.step}/m{attempt}",
+            attempt=attempt,
+            ts=self.clock.now_iso(),
+        )
+        started = trio.current_time()
+        outcome: ModelReply | ModelCallError | None = None
+        coalescer = _Coalescer(self.writer)
+        on_delta = coalescer.offer if self.writer.wants_deltas() else None
+        with message.scope.open():
+            durable = await self.writer.send_barrier(Op.INTENT, intent)
+            written.append(intent)
+            with durable:
+                await durable.receive()
+            outcome = await self._complete(message.request, on_delta)
+        coalescer.flush()
+        if outcome is None:
+            if written and written[-1] is intent:
+                info = ModelErrorInfo(kind=self._cut_reason(message.scope).value)
+                await self._write_result(intent, written, error=info, started=started)
+            return None
+        if isinstance(outcome, ModelCallError):
+            return await self._write_result(
+                intent, written, error=outcome.info, usage=outcome.usage, started=started
+            )
+        return await self._write_result(intent, written, reply_=outcome, started=started)
+
+    async def _complete(
+        self, request: ModelRequest, on_delta: Callable[[str, str], None] | None
+    ) -> ModelReply | ModelCallError:
+        try:
+            with trio.fail_after(self.limits.model_attempt_s):
+                return await self.client.complete(request, on_delta=on_delta)
+        except ModelCallError as exc:
+            return exc
+        except trio.TooSlowError:
+            return ModelCallError(
+                ModelErrorInfo(
+                    kind="timeout",
+                    message=f"attempt exceeded {self.limits.model_attempt_s} s",
+                    retryable=True,
+                )
+            )
+
+    async def _write_result(
+        self,
+        intent: ModelIntent,
+        written: list[Record],
+        *,
+        started: float,
+        reply_: ModelReply | None = None,
+        error: ModelErrorInfo | None = None,
+        usage: Usage | None = None,
+    ) -> ModelResult:
+        result = ModelResult(
+            run_id=self.run_id,
+            step=intent.step,
+            intent_id=intent.intent_id,
+            ts=self.clock.now_iso(),
+            reply=reply_,
+            error=error,
+            latency_s=round(trio.current_time() - started, 6),
+            usage=reply_.usage if reply_ is not None else (usage or Usage()),
+        )
+        written.append(result)
+        await self.writer.write(Op.MODEL_RESULT, result)
+        return result
+
+
+def _tokens(usage: Usage) -> int:
+    return (usage.input_tokens or 0) + (usage.output_tokens or 0)
+
+
+@attrs.define(eq=False)
+class _Coalescer:
+    """Coalesces streamed fragments into deltas of about 1 KiB or 30 ms."""
+
+    writer: WriterClient
+    _channel: str = ""
+    _parts: list[str] = attrs.Factory(list)
+    _size: int = 0
+    _since: float = 0.0
+
+    def offer(self, channel: str, text: str) -> None:
+        if channel != self._channel:
+            self.flush()
+            self._channel = channel
+        if not self._parts:
+            self._since = trio.current_time()
+        self._parts.append(text)
+        self._size += len(text)
+        if self._size >= DELTA_FLUSH_CHARS or trio.current_time() - self._since >= DELTA_FLUSH_S:
+            self.flush()
+
+    def flush(self) -> None:
+        if self._parts:
+            self.writer.delta(self._channel, "".join(self._parts))
+            self._parts.clear()
+            self._size = 0

@@ -1,0 +1,391 @@
+"""The event writer: the single writer of one run's log and the source of its events.
+
+It assigns each record its seq (1, 2, 3 ... gapless), hands the write to the store (whose
+committer groups the barriers of all runs into one transaction), and fans each durable event
+out to subscribers and sinks through bounded buffers. A slow or failing sink never stalls the
+run: its events are dropped and counted (DESIGN §3.5, §7).
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Sequence
+
+import attrs
+import trio
+
+from treadle.ports import EventSink, RunStore
+from treadle.types import (
+    ActionIntent,
+    ActionResult,
+    ApprovalDecided,
+    ApprovalRequested,
+    CancelRequested,
+    Event,
+    EventKind,
+    ModelIntent,
+    ModelResult,
+    Record,
+    RunFinished,
+    RunStarted,
+    StepRecord,
+)
+
+EVENT_KIND: dict[type[object], EventKind] = {
+    RunStarted: EventKind.RUN_STARTED,
+    ModelIntent: EventKind.MODEL_CALL_STARTED,
+    ModelResult: EventKind.MODEL_CALL_FINISHED,
+    ActionIntent: EventKind.ACTION_REQUESTED,
+    ActionResult: EventKind.ACTION_FINISHED,
+    StepRecord: EventKind.STEP_COMPLETED,
+    ApprovalRequested: EventKind.APPROVAL_REQUESTED,
+    ApprovalDecided: EventKind.APPROVAL_DECIDED,
+    CancelRequested: EventKind.CANCEL_REQUESTED,
+    RunFinished: EventKind.RUN_FINISHED,
+}
+"""The durable event kind of each log record."""
+
+SUBSCRIBER_BUFFER = 256
+"""Events a subscriber may fall behind before it is cut off (it can re-subscribe from its
+last seq and read the rest from the store)."""
+
+SINK_BUFFER = 256
+"""Events a sink may fall behind before new events for it are dropped and counted."""
+
+TAIL_KEEP = 64
+"""Recent records kept in memory so a subscriber can join without a store read."""
+
+
+class Op(enum.Enum):
+    """Which store operation an `Append` is."""
+
+    RUN_STARTED = "run_started"
+    INTENT = "intent"
+    MODEL_RESULT = "model_result"
+    STEP = "step"
+    CONTROL = "control"
+    RUN_FINISHED = "run_finished"
+
+
+BARRIERS = frozenset({Op.INTENT, Op.CONTROL, Op.RUN_FINISHED})
+"""Operations that are barriers (DESIGN §4)."""
+
+
+@attrs.frozen(kw_only=True)
+class Append:
+    """Write ``records`` with store operation ``op``.
+
+    ``reply_to`` is set for barriers: the writer answers once the write is durable. For a
+    `Op.STEP` the records are the action results followed by the step record.
+    """
+
+    op: Op
+    records: tuple[Record, ...]
+    reply_to: trio.MemorySendChannel[int] | None = None
+
+
+@attrs.frozen(kw_only=True)
+class Delta:
+    """An ephemeral text or reasoning fragment (already coalesced by the sender)."""
+
+    channel: str
+    text: str
+
+
+@attrs.frozen(kw_only=True)
+class Subscribe:
+    """Join the live event stream.
+
+    The reply is the seq of the last durable event and the channel that receives every
+    later event (durable and deltas).
+    """
+
+    reply_to: trio.MemorySendChannel[Subscription]
+
+
+@attrs.frozen(kw_only=True)
+class Subscription:
+    """Answer to `Subscribe`.
+
+    Attributes:
+        last_seq: the seq of the last durable event before ``events`` starts.
+        tail: recent durable events up to ``last_seq`` (may start after seq 1).
+        events: later events; closed when the run ends or the subscriber fell too far behind.
+    """
+
+    last_seq: int
+    tail: tuple[Event, ...]
+    events: trio.MemoryReceiveChannel[Event]
+
+
+WriterRequest = Append | Delta | Subscribe
+
+
+@attrs.frozen(kw_only=True)
+class WriterStatistics:
+    """Counters of one run's event writer.
+
+    Attributes:
+        last_seq: seq of the last durable event.
+        sink_drops: events not delivered to a sink because its buffer was full.
+        sink_failures: sink deliveries that raised.
+        subscriber_drops: subscribers cut off for falling behind.
+    """
+
+    last_seq: int
+    sink_drops: int
+    sink_failures: int
+    subscriber_drops: int
+
+
+@attrs.define(eq=False)
+class EventWriter:
+    """The event writer actor of one run.
+
+    Args:
+        run_id: the run.
+        store: the run store.
+        next_seq: the seq of the next record (1 for a new run, log length + 1 on resume).
+        sinks: event sinks, each fed through its own bounded buffer.
+    """
+
+    run_id: str
+    store: RunStore
+    next_seq: int
+    sinks: Sequence[EventSink] = ()
+    _subscribers: list[trio.MemorySendChannel[Event]] = attrs.Factory(list)
+    _sink_inboxes: list[trio.MemorySendChannel[Event]] = attrs.Factory(list)
+    _tail: list[Event] = attrs.Factory(list)
+    _delta_ordinal: int = 0
+    _sink_drops: int = 0
+    _sink_failures: int = 0
+    _subscriber_drops: int = 0
+
+    def statistics(self) -> WriterStatistics:
+        """Counters of this writer (see `WriterStatistics`)."""
+        return WriterStatistics(
+            last_seq=self.next_seq - 1,
+            sink_drops=self._sink_drops,
+            sink_failures=self._sink_failures,
+            subscriber_drops=self._subscriber_drops,
+        )
+
+    async def run(
+        self,
+        inbox: trio.MemoryReceiveChannel[WriterRequest],
+        *,
+        task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
+    ) -> None:
+        """Serve requests until ``inbox`` ends; then close every subscriber and sink feed.
+
+        Raises:
+            treadle.StoreError: a write failed; the run supervisor ends the run with it.
+        """
+        async with trio.open_nursery() as nursery:
+            for sink in self.sinks:
+                send, recv = trio.open_memory_channel[Event](SINK_BUFFER)
+                self._sink_inboxes.append(send)
+                nursery.start_soon(self._pump_sink, sink, recv)
+            task_status.started()
+            try:
+                async with inbox:
+                    async for message in inbox:
+                        await self._serve(message)
+            finally:
+                for channel in (*self._subscribers, *self._sink_inboxes):
+                    channel.close()
+
+    async def _serve(self, message: WriterRequest) -> None:
+        if isinstance(message, Append):
+            await self._append(message)
+        elif isinstance(message, Delta):
+            self._publish_delta(message)
+        else:
+            self._subscribe(message)
+
+    async def _append(self, message: Append) -> None:
+        seq = self.next_seq
+        records = message.records
+        await _STORE_OPS[message.op](self.store, records, seq)
+        self.next_seq = seq + len(records)
+        self._delta_ordinal = 0
+        for offset, record in enumerate(records):
+            self._publish(
+                Event(
+                    run_id=self.run_id,
+                    seq=seq + offset,
+                    kind=EVENT_KIND[type(record)],
+                    record=record,
+                )
+            )
+        if message.reply_to is not None:
+            with message.reply_to:
+                try:
+                    message.reply_to.send_nowait(self.next_seq - 1)
+                except trio.BrokenResourceError:
+                    pass
+
+    def _publish(self, event: Event) -> None:
+        self._tail.append(event)
+        if len(self._tail) > 2 * TAIL_KEEP:
+            del self._tail[:-TAIL_KEEP]
+        self._fan_out(event)
+
+    def _publish_delta(self, message: Delta) -> None:
+        self._delta_ordinal += 1
+        kind = EventKind.TEXT_DELTA if message.channel == "text" else EventKind.REASONING_DELTA
+        self._fan_out(
+            Event(
+                run_id=self.run_id,
+                seq=self.next_seq - 1,
+                kind=kind,
+                text=message.text,
+                ordinal=self._delta_ordinal,
+            )
+        )
+
+    def _fan_out(self, event: Event) -> None:
+        for channel in self._subscribers[:]:
+            try:
+                channel.send_nowait(event)
+            except (trio.WouldBlock, trio.BrokenResourceError):
+                self._subscribers.remove(channel)
+                channel.close()
+                self._subscriber_drops += 1
+        for channel in self._sink_inboxes:
+            try:
+                channel.send_nowait(event)
+            except trio.WouldBlock:
+                self._sink_drops += 1
+
+    def _subscribe(self, message: Subscribe) -> None:
+        send, recv = trio.open_memory_channel[Event](SUBSCRIBER_BUFFER)
+        self._subscribers.append(send)
+        answer = Subscription(last_seq=self.next_seq - 1, tail=tuple(self._tail), events=recv)
+        with message.reply_to:
+            try:
+                message.reply_to.send_nowait(answer)
+            except trio.BrokenResourceError:
+                self._subscribers.remove(send)
+                send.close()
+
+    @property
+    def wants_deltas(self) -> bool:
+        """Whether anyone listens for ephemeral deltas."""
+        return bool(self._subscribers or self._sink_inboxes)
+
+    async def _pump_sink(self, sink: EventSink, events: trio.MemoryReceiveChannel[Event]) -> None:
+        async with events:
+            async for event in events:
+                try:
+                    await sink.send(event)
+                except Exception:  # a sink's failure never stops the run; it is counted
+                    self._sink_failures += 1
+
+
+async def _write_started(store: RunStore, records: tuple[Record, ...], seq: int) -> None:
+    (record,) = records
+    assert isinstance(record, RunStarted)
+    await store.write_run_started(record, seq=seq)
+
+
+async def _write_intent(store: RunStore, records: tuple[Record, ...], seq: int) -> None:
+    (record,) = records
+    assert isinstance(record, ModelIntent | ActionIntent)
+    await store.write_intent(record, seq=seq)
+
+
+async def _write_model_result(store: RunStore, records: tuple[Record, ...], seq: int) -> None:
+    (record,) = records
+    assert isinstance(record, ModelResult)
+    await store.write_model_result(record, seq=seq)
+
+
+async def _write_step(store: RunStore, records: tuple[Record, ...], seq: int) -> None:
+    *results, step = records
+    assert isinstance(step, StepRecord)
+    actions = [r for r in results if isinstance(r, ActionResult)]
+    assert len(actions) == len(results)
+    await store.write_step(actions or None, step, seq=seq)
+
+
+async def _write_control(store: RunStore, records: tuple[Record, ...], seq: int) -> None:
+    (record,) = records
+    assert isinstance(record, CancelRequested | ApprovalRequested | ApprovalDecided)
+    await store.write_control(record, seq=seq)
+
+
+async def _write_finished(store: RunStore, records: tuple[Record, ...], seq: int) -> None:
+    (record,) = records
+    assert isinstance(record, RunFinished)
+    await store.write_run_finished(record, seq=seq)
+
+
+_STORE_OPS = {
+    Op.RUN_STARTED: _write_started,
+    Op.INTENT: _write_intent,
+    Op.MODEL_RESULT: _write_model_result,
+    Op.STEP: _write_step,
+    Op.CONTROL: _write_control,
+    Op.RUN_FINISHED: _write_finished,
+}
+
+
+@attrs.frozen
+class WriterClient:
+    """The handle other actors use to reach a run's event writer."""
+
+    inbox: trio.MemorySendChannel[WriterRequest]
+    writer: EventWriter | None = None
+
+    def wants_deltas(self) -> bool:
+        """Whether anyone listens for ephemeral deltas (skip coalescing when not)."""
+        return self.writer is not None and self.writer.wants_deltas
+
+    async def write(self, op: Op, *records: Record) -> None:
+        """Queue a non-barrier write; returns once the writer accepted it."""
+        await self.inbox.send(Append(op=op, records=records))
+
+    async def barrier(self, op: Op, *records: Record) -> int:
+        """Write and wait until durable (with everything written before it).
+
+        Returns:
+            The seq of the last record written.
+
+        Raises:
+            trio.EndOfChannel: the writer failed before answering (its error ends the run).
+        """
+        pending = await self.send_barrier(op, *records)
+        with pending:
+            return await pending.receive()
+
+    async def send_barrier(self, op: Op, *records: Record) -> trio.MemoryReceiveChannel[int]:
+        """Hand a barrier write to the writer; await the returned channel for durability.
+
+        Once this returns, the write is queued and will happen even if the caller is then
+        cancelled (so a cancelled caller knows whether its intent may be in the log).
+        """
+        # 1: the reply slot.
+        send, recv = trio.open_memory_channel[int](1)
+        try:
+            await self.inbox.send(Append(op=op, records=records, reply_to=send))
+        except BaseException:
+            send.close()
+            recv.close()
+            raise
+        return recv
+
+    def delta(self, channel: str, text: str) -> None:
+        """Offer an ephemeral delta; dropped when the writer's inbox is full."""
+        try:
+            self.inbox.send_nowait(Delta(channel=channel, text=text))
+        except (trio.WouldBlock, trio.BrokenResourceError, trio.ClosedResourceError):
+            pass
+
+    async def subscribe(self) -> Subscription:
+        """Join the live event stream (see `Subscription`)."""
+        # 1: the reply slot.
+        send, recv = trio.open_memory_channel[Subscription](1)
+        with recv:
+            await self.inbox.send(Subscribe(reply_to=send))
+            return await recv.receive()

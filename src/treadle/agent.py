@@ -1,0 +1,134 @@
+"""The agent definition: everything that assembles a run (DESIGN §1).
+
+`Agent` holds the five seams' implementations plus plain settings. Its parameter snapshot
+(`Agent.snapshot`) is the merged, model-visible part of it; it is stored in run-started and
+compared on resume (DESIGN §5).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import attrs
+import cattrs
+
+from treadle._exceptions import SnapshotMismatch, UsageError
+from treadle.ports import ActionExecutor, DecisionParser, ModelClient
+from treadle.types import (
+    Budgets,
+    ImageRef,
+    JSONValue,
+    Limits,
+    Message,
+    SyntheticObservations,
+)
+
+_PLAIN = cattrs.Converter()
+
+
+@attrs.frozen(kw_only=True)
+class Agent:
+    """An agent definition.
+
+    Attributes:
+        model: the model client (seam 1); one call is one HTTP attempt.
+        executor: the action executor (seam 3), e.g. a `treadle.tools.Toolbox`.
+        parser: the decision parser (seam 2).
+        model_name: the provider's model name, sent with every request.
+        system_prompt: the system message, element 0 of every request; ``None`` for none.
+        max_output_tokens: the output-token cap sent with every request (never raised by a
+            request); ``None`` leaves it to the provider.
+        params: other sampling parameters in the provider's own form (``temperature``,
+            ``reasoning_effort`` ...).
+        budgets: the four run budgets (DESIGN §6).
+        limits: per-call limits, seconds.
+        synthetic: the synthetic observation texts (part of the snapshot).
+        observation_template: how an executed action's observation enters history;
+            ``{observation}`` and ``{tool}`` are substituted.
+    """
+
+    model: ModelClient
+    executor: ActionExecutor
+    parser: DecisionParser
+    model_name: str = ""
+    system_prompt: str | None = None
+    max_output_tokens: int | None = None
+    params: Mapping[str, JSONValue] = attrs.field(factory=dict)
+    budgets: Budgets = Budgets()
+    limits: Limits = Limits()
+    synthetic: SyntheticObservations = SyntheticObservations()
+    observation_template: str = "{observation}"
+
+    def snapshot(self) -> dict[str, JSONValue]:
+        """The parameter snapshot: the model-visible settings, as plain JSON data.
+
+        Keys: ``model``, ``system_prompt``, ``max_output_tokens``, ``params``, ``tools``,
+        ``parser``, ``synthetic``, ``observation_template``. Budgets and limits are not
+        model-visible and are left out, so a run can be resumed with other budgets.
+        Credentials never appear here (clients hold them, and clients are not snapshotted).
+        """
+        return {
+            "model": self.model_name,
+            "system_prompt": self.system_prompt,
+            "max_output_tokens": self.max_output_tokens,
+            "params": dict(self.params),
+            "tools": [_PLAIN.unstructure(spec) for spec in self.executor.tool_specs()],
+            "parser": type(self.parser).__qualname__,
+            "synthetic": _PLAIN.unstructure(self.synthetic),
+            "observation_template": self.observation_template,
+        }
+
+
+def snapshot_diff(stored: Mapping[str, JSONValue], current: Mapping[str, JSONValue]) -> list[str]:
+    """The sorted keys whose values differ between two snapshots (a missing key differs)."""
+    keys = set(stored) | set(current)
+    return sorted(k for k in keys if _normalise(stored.get(k)) != _normalise(current.get(k)))
+
+
+def check_snapshot(
+    run_id: str, stored: Mapping[str, JSONValue], current: Mapping[str, JSONValue]
+) -> None:
+    """Refuse to resume ``run_id`` with a different definition.
+
+    Raises:
+        SnapshotMismatch: naming every differing key.
+    """
+    differing = snapshot_diff(stored, current)
+    if differing:
+        raise SnapshotMismatch(run_id, differing)
+
+
+def _normalise(value: Any) -> Any:
+    """Tuples and lists compare equal (a JSON round trip turns one into the other)."""
+    if isinstance(value, Mapping):
+        return {k: _normalise(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_normalise(v) for v in value]
+    return value
+
+
+RunInput = str | Message | Sequence[Message]
+"""What a run is started on: a text, one user message, or several messages."""
+
+
+def input_messages(value: RunInput) -> tuple[Message, ...]:
+    """Normalise a run input into messages, oldest first.
+
+    Raises:
+        UsageError: an empty input, or an image given as raw bytes instead of an `ImageRef`.
+    """
+    if isinstance(value, str):
+        messages: tuple[Message, ...] = (Message(role="user", content=value),)
+    elif isinstance(value, Message):
+        messages = (value,)
+    else:
+        messages = tuple(value)
+    if not messages:
+        raise UsageError("a run needs a non-empty input")
+    for message in messages:
+        if not isinstance(message, Message):
+            raise UsageError(f"run input items must be Message records, got {type(message)!r}")
+        if any(not isinstance(image, ImageRef) for image in message.images):
+            raise UsageError("images enter a run as ImageRef references, never as bytes")
+    return messages

@@ -1,0 +1,384 @@
+"""The run supervisor: one run's nursery, its five actors, and the handle callers hold.
+
+`open_run` starts a new run or resumes an unfinished one (DESIGN §5): it reads the log, checks
+the parameter snapshot, folds the log into the coordinator's view, and starts the event writer,
+context hydrator, model gateway and tool executor with `nursery.start` before the coordinator
+runs. Cancelling the run's nursery cancels all five. An actor that fails leaves the run
+`interrupted` with its error on the handle; the log stays resumable (DESIGN §8).
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import AsyncIterator, Sequence
+from contextlib import asynccontextmanager
+
+import attrs
+import trio
+
+from treadle._clock import Clock, SystemClock
+from treadle._exceptions import RunInterrupted, StoreError, UsageError
+from treadle._state import RunView, fold
+from treadle.actors.coordinator import RunCoordinator
+from treadle.actors.executor import RunActions, ToolExecutor
+from treadle.actors.gateway import CallModel, ModelGateway
+from treadle.actors.hydrator import ContextHydrator, Hydrate
+from treadle.actors.writer import (
+    EVENT_KIND,
+    EventWriter,
+    Op,
+    WriterClient,
+    WriterRequest,
+    WriterStatistics,
+)
+from treadle.agent import Agent, RunInput, check_snapshot, input_messages
+from treadle.ports import EventSink, RunStore
+from treadle.stores._codec import check_schema
+from treadle.types import (
+    Event,
+    RunLog,
+    RunResult,
+    RunStarted,
+    RunState,
+    StepRecord,
+)
+
+WRITER_INBOX = 64
+"""Buffered writer requests: non-barrier writes and deltas never wait for the store."""
+
+
+@attrs.define(eq=False)
+class RunHandle:
+    """A caller's handle on one run (new, resumed or already finished).
+
+    Attributes:
+        run_id: the run.
+    """
+
+    run_id: str
+    _store: RunStore
+    _coordinator: RunCoordinator | None = None
+    _writer: EventWriter | None = None
+    _writer_client: WriterClient | None = None
+    _result: RunResult | None = None
+    _error: BaseException | None = None
+    _done: trio.Event = attrs.Factory(trio.Event)
+
+    @property
+    def state(self) -> RunState:
+        """The run state now (``interrupted`` when an actor failed)."""
+        if self._result is not None:
+            return self._result.state
+        if self._error is not None:
+            return RunState.INTERRUPTED
+        if self._coordinator is None:
+            return RunState.QUEUED
+        return self._coordinator.state
+
+    @property
+    def result(self) -> RunResult | None:
+        """The result once the run finished, else ``None``."""
+        return self._result
+
+    def cancel(self, reason: str = "", *, canceller: str = "") -> None:
+        """Cancel the run (DESIGN §6 rule A).
+
+        The model call or action in flight is cancelled at once, a cancel record is written,
+        and the run finishes ``cancelled``. A no-op once the run finished.
+        """
+        if self._coordinator is not None:
+            self._coordinator.cancel(reason, canceller)
+
+    async def wait(self) -> RunResult:
+        """Wait for the run to finish and return its result.
+
+        Raises:
+            RunInterrupted: an actor failed; the log is left resumable (``__cause__`` holds
+                the error).
+            StoreError: the store failed; the run stopped without continuing.
+        """
+        await self._done.wait()
+        if self._error is not None:
+            raise self._error
+        assert self._result is not None
+        return self._result
+
+    def statistics(self) -> WriterStatistics | None:
+        """Event-writer counters (sink drops and failures), ``None`` when not running."""
+        return self._writer.statistics() if self._writer is not None else None
+
+    async def events(self, *, from_seq: int = 1) -> AsyncIterator[Event]:
+        """Yield the run's events from ``from_seq``.
+
+        Stored events come first, then live ones, with no gap and no duplicate where they
+        meet (DESIGN §7).
+
+        Durable events come with their seq; ephemeral deltas carry the seq of the durable
+        event they follow and an ordinal. Ends after the run-finished event, or when the run
+        stops being driven here.
+
+        Raises:
+            StoreError: the stored prefix could not be read completely.
+        """
+        if self._writer_client is None or self._done.is_set():
+            log = await self._store.read_log(self.run_id)
+            for event in _stored_events(log, from_seq, len(log.records)):
+                yield event
+            return
+        subscription = await self._writer_client.subscribe()
+        async with subscription.events as live:
+            for event in await self._catch_up(from_seq, subscription.last_seq, subscription.tail):
+                yield event
+            async for event in live:
+                if event.seq >= from_seq:
+                    yield event
+
+    async def _catch_up(self, from_seq: int, last_seq: int, tail: tuple[Event, ...]) -> list[Event]:
+        if from_seq > last_seq:
+            return []
+        tail_start = tail[0].seq if tail else last_seq + 1
+        events: list[Event] = []
+        if from_seq < tail_start:
+            log = await self._store.read_log(self.run_id)
+            events.extend(_stored_events(log, from_seq, tail_start - 1))
+        events.extend(e for e in tail if e.seq >= from_seq)
+        return events
+
+
+def _stored_events(log: RunLog, from_seq: int, to_seq: int) -> list[Event]:
+    if to_seq > len(log.records):
+        raise StoreError(
+            f"run {log.run_id!r}: events up to seq {to_seq} requested but only "
+            f"{len(log.records)} are readable"
+        )
+    return [
+        Event(run_id=log.run_id, seq=seq, kind=EVENT_KIND[type(record)], record=record)
+        for seq, record in enumerate(log.records[from_seq - 1 : to_seq], start=from_seq)
+    ]
+
+
+@asynccontextmanager
+async def open_run(
+    agent: Agent,
+    input: RunInput | None = None,
+    *,
+    store: RunStore,
+    run_id: str | None = None,
+    sinks: Sequence[EventSink] = (),
+    clock: Clock | None = None,
+    rng: random.Random | None = None,
+) -> AsyncIterator[RunHandle]:
+    """Start (or resume) a run in the background and yield its handle.
+
+    A new ``run_id`` starts a run on ``input``. An existing unfinished ``run_id`` is resumed
+    (``input`` may be omitted; when given it must equal the stored input). A finished one
+    yields a handle whose result is already set: nothing is re-run.
+
+    Leaving the block waits for the run to finish; an exception in the block cancels the
+    run's actors and leaves the run unfinished (resumable), not ``cancelled``.
+
+    Args:
+        agent: the agent definition.
+        input: the run input (text or messages); required for a new run.
+        store: the run store.
+        run_id: the run's id; a fresh random one when omitted.
+        sinks: event sinks fed through bounded buffers.
+        clock: wall clock for record timestamps (default: the system clock).
+        rng: random source for retry jitter (default: a fresh unseeded one).
+
+    Raises:
+        UsageError: no input for a new run, or an input that differs from the stored one.
+        SnapshotMismatch: resuming with a definition whose snapshot differs (names the keys).
+        SchemaTooNew: the log was written by a newer treadle.
+    """
+    run_id = run_id or f"run-{random.getrandbits(64):016x}"
+    log = await store.read_log(run_id)
+    handle = RunHandle(run_id=run_id, store=store)
+    if log.finished is not None:
+        handle._result = RunResult.from_finished(log.finished)
+        handle._done.set()
+        yield handle
+        return
+    async with trio.open_nursery() as nursery:
+        await nursery.start(
+            _supervise, agent, input, log, store, sinks, clock or SystemClock(), rng, handle
+        )
+        yield handle
+
+
+async def _supervise(
+    agent: Agent,
+    input: RunInput | None,
+    log: RunLog,
+    store: RunStore,
+    sinks: Sequence[EventSink],
+    clock: Clock,
+    rng: random.Random | None,
+    handle: RunHandle,
+    *,
+    task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
+) -> None:
+    try:
+        async with trio.open_nursery() as nursery:
+            started, view, resumed = _prepare(agent, input, log, clock)
+            writer_send, writer_recv = trio.open_memory_channel[WriterRequest](WRITER_INBOX)
+            writer = EventWriter(
+                run_id=log.run_id, store=store, next_seq=view.next_seq, sinks=sinks
+            )
+            client = WriterClient(writer_send, writer)
+            handle._writer, handle._writer_client = writer, client
+            await nursery.start(writer.run, writer_recv)
+            if view.next_seq == 1:
+                await client.write(Op.RUN_STARTED, started)
+                view.apply(started)
+            coordinator = await _start_actors(
+                nursery, agent, started, view, client, clock, rng or random.Random()
+            )
+            handle._coordinator = coordinator
+            task_status.started()
+            try:
+                handle._result = await coordinator.run(resumed_steps=resumed)
+            finally:
+                coordinator.close_inboxes()
+                writer_send.close()
+    except BaseException as exc:
+        leaves = _leaves(exc)
+        if all(not isinstance(e, Exception) for e in leaves):
+            # Cancelled from outside (or KeyboardInterrupt): the run stays unfinished.
+            handle._error = RunInterrupted(log.run_id, "the task driving the run was cancelled")
+            raise
+        handle._error = _interrupted(log.run_id, exc)
+        task_status_started_safely(task_status)
+    finally:
+        handle._done.set()
+
+
+def task_status_started_safely(task_status: trio.TaskStatus[None]) -> None:
+    """Report start even when the run failed while starting (so `open_run` can yield)."""
+    try:
+        task_status.started()
+    except RuntimeError:  # already started
+        pass
+
+
+def _interrupted(run_id: str, error: BaseException) -> BaseException:
+    real = [e for e in _leaves(error) if isinstance(e, Exception)]
+    first = real[0]
+    if isinstance(first, StoreError | UsageError):
+        return first
+    interrupted = RunInterrupted(run_id, f"{type(first).__name__}: {first}")
+    interrupted.__cause__ = first
+    return interrupted
+
+
+def _leaves(error: BaseException) -> list[BaseException]:
+    if isinstance(error, BaseExceptionGroup):
+        return [leaf for sub in error.exceptions for leaf in _leaves(sub)]
+    return [error]
+
+
+def _prepare(
+    agent: Agent, input: RunInput | None, log: RunLog, clock: Clock
+) -> tuple[RunStarted, RunView, tuple[StepRecord, ...]]:
+    """Build the run-started record (new run) or check the stored one (resume)."""
+    snapshot = agent.snapshot()
+    if log.started is None:
+        if log.records:
+            raise StoreError(f"run {log.run_id!r}: log does not start with run-started")
+        if input is None:
+            raise UsageError(f"run {log.run_id!r} does not exist; a new run needs an input")
+        started = RunStarted(
+            run_id=log.run_id, ts=clock.now_iso(), input=input_messages(input), snapshot=snapshot
+        )
+        return started, RunView(), ()
+    started = log.started
+    check_schema(started)
+    check_snapshot(log.run_id, started.snapshot, snapshot)
+    if input is not None and input_messages(input) != started.input:
+        raise UsageError(f"run {log.run_id!r}: the input differs from the stored input")
+    return started, fold(log.records), log.steps
+
+
+async def _start_actors(
+    nursery: trio.Nursery,
+    agent: Agent,
+    started: RunStarted,
+    view: RunView,
+    writer: WriterClient,
+    clock: Clock,
+    rng: random.Random,
+) -> RunCoordinator:
+    run_id = started.run_id
+    tools = agent.executor.tool_specs()
+    # 0: every request waits for its reply anyway; the coordinator has one step in flight.
+    hydrator_send, hydrator_recv = trio.open_memory_channel[Hydrate](0)
+    gateway_send, gateway_recv = trio.open_memory_channel[CallModel](0)
+    executor_send, executor_recv = trio.open_memory_channel[RunActions](0)
+    hydrator = ContextHydrator(
+        started=started,
+        system_prompt=agent.system_prompt,
+        tools=tools,
+        model=agent.model_name,
+        max_output_tokens=agent.max_output_tokens,
+        params=agent.params,
+    )
+    gateway = ModelGateway(
+        run_id=run_id,
+        client=agent.model,
+        writer=writer,
+        clock=clock,
+        limits=agent.limits,
+        budgets=agent.budgets,
+        rng=rng,
+    )
+    executor = ToolExecutor(
+        run_id=run_id,
+        executor=agent.executor,
+        writer=writer,
+        clock=clock,
+        limits=agent.limits,
+        synthetic=agent.synthetic,
+        observation_template=agent.observation_template,
+    )
+    await nursery.start(hydrator.run, hydrator_recv)
+    await nursery.start(gateway.run, gateway_recv)
+    await nursery.start(executor.run, executor_recv)
+    return RunCoordinator(
+        run_id=run_id,
+        view=view,
+        parser=agent.parser,
+        tools=tools,
+        budgets=agent.budgets,
+        limits=agent.limits,
+        clock=clock,
+        writer=writer,
+        hydrator=hydrator_send,
+        gateway=gateway_send,
+        executor=executor_send,
+    )
+
+
+async def run(
+    agent: Agent,
+    input: RunInput | None = None,
+    *,
+    store: RunStore,
+    run_id: str | None = None,
+    sinks: Sequence[EventSink] = (),
+    clock: Clock | None = None,
+    rng: random.Random | None = None,
+) -> RunResult:
+    """Run ``agent`` on ``input`` to the end and return the result.
+
+    The same call resumes an unfinished ``run_id`` (without repeating any finished model call
+    or action) and returns the stored result of a finished one. Arguments as in `open_run`.
+
+    Raises:
+        RunInterrupted: an actor failed; the run is left resumable.
+        StoreError: the store failed; the run stopped.
+        UsageError, SnapshotMismatch, SchemaTooNew: as in `open_run`.
+    """
+    async with open_run(
+        agent, input, store=store, run_id=run_id, sinks=sinks, clock=clock, rng=rng
+    ) as handle:
+        return await handle.wait()

@@ -1,0 +1,94 @@
+"""A scripted model client for tests and simulations.
+
+`ScriptedModel` answers by the request's position in the conversation (the number of
+assistant turns already in its history), so a request repeated after a crash gets the same
+reply, exactly like a replayed recording. Failures can be scripted per turn and are consumed
+one per attempt.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import attrs
+import trio
+
+from treadle._exceptions import ModelCallError
+from treadle.ports import DeltaCallback
+from treadle.types import ModelErrorInfo, ModelReply, ModelRequest, ToolCall, Usage
+
+_call_ids = itertools.count(1)
+
+
+def say(text: str, *, usage: Usage | None = None) -> ModelReply:
+    """A reply with visible text only (a final answer for most parsers)."""
+    return ModelReply(text=text, finish_reason="stop", usage=usage or Usage())
+
+
+def call(name: str, /, *, call_id: str | None = None, **arguments: Any) -> ModelReply:
+    """A reply with one native tool call ``name(**arguments)``."""
+    return calls(ToolCall(id=call_id or f"call_{next(_call_ids)}", name=name, arguments=arguments))
+
+
+def calls(*tool_calls: ToolCall, text: str | None = None, usage: Usage | None = None) -> ModelReply:
+    """A reply with several native tool calls (a parallel batch)."""
+    return ModelReply(
+        text=text, tool_calls=tool_calls, finish_reason="tool_calls", usage=usage or Usage()
+    )
+
+
+@attrs.define(eq=False)
+class ScriptedModel:
+    """A `treadle.ports.ModelClient` that plays a script.
+
+    Args:
+        turns: the reply for each assistant turn, in order; turn *i* answers a request whose
+            history holds *i* assistant messages.
+        failures: per turn index, errors to raise on the first attempts of that turn (one
+            consumed per attempt), e.g. ``{0: [ModelErrorInfo(kind="rate_limited", ...)]}``.
+        latency_s: trio-clock seconds each call takes (virtual under ``autojump_clock``).
+        stream_chunk_chars: when > 0, the reply text is streamed to ``on_delta`` in pieces of
+            this many characters.
+
+    Attributes:
+        requests: every request received, in order.
+    """
+
+    turns: Sequence[ModelReply]
+    failures: Mapping[int, Sequence[ModelErrorInfo]] = attrs.Factory(dict)
+    latency_s: float = 0.0
+    stream_chunk_chars: int = 0
+    requests: list[ModelRequest] = attrs.Factory(list)
+    _failed: dict[int, int] = attrs.Factory(dict)
+
+    async def complete(
+        self, request: ModelRequest, *, on_delta: DeltaCallback | None = None
+    ) -> ModelReply:
+        """Answer with the scripted reply for this turn (or raise its scripted failure).
+
+        Raises:
+            ModelCallError: a scripted failure, or ``invalid_response`` when the script ran out.
+        """
+        self.requests.append(request)
+        if self.latency_s > 0:
+            await trio.sleep(self.latency_s)
+        else:
+            await trio.lowlevel.checkpoint()
+        turn = sum(1 for m in request.messages if m.role == "assistant")
+        scripted = self.failures.get(turn, ())
+        failed = self._failed.get(turn, 0)
+        if failed < len(scripted):
+            self._failed[turn] = failed + 1
+            raise ModelCallError(scripted[failed])
+        if turn >= len(self.turns):
+            raise ModelCallError(
+                ModelErrorInfo(kind="invalid_response", message=f"script has no turn {turn}")
+            )
+        reply = self.turns[turn]
+        if on_delta is not None and reply.text and self.stream_chunk_chars > 0:
+            size = self.stream_chunk_chars
+            for start in range(0, len(reply.text), size):
+                on_delta("text", reply.text[start : start + size])
+        return reply

@@ -1,0 +1,205 @@
+from __future__ import annotations
+
+import trio
+from runtime_fakes import LedgerTools, SimpleParser
+
+from treadle._exceptions import ModelCallError
+from treadle.agent import Agent
+from treadle.stores.memory import MemoryStore
+from treadle.supervisors.run import open_run, run
+from treadle.testing.scripted import ScriptedModel, call, say
+from treadle.types import (
+    ActionResult,
+    ActionStatus,
+    Budgets,
+    EventKind,
+    ModelErrorInfo,
+    RunState,
+    StopReason,
+    Usage,
+)
+
+
+def make_agent(turns, **kwargs):
+    tools = kwargs.pop("tools", None) or LedgerTools()
+    model = ScriptedModel(turns=turns, failures=kwargs.pop("failures", {}))
+    return Agent(model=model, executor=tools, parser=SimpleParser(), **kwargs), tools, model
+
+
+async def test_two_tool_steps_then_final_answer():
+    agent, tools, model = make_agent([call("add", a=1, b=2), call("add", a=3, b=4), say("7")])
+    store = MemoryStore()
+    result = await run(agent, "add things", store=store, run_id="r1")
+    assert result.state is RunState.SUCCEEDED
+    assert result.stop_reason is StopReason.FINAL_ANSWER
+    assert result.final_answer == "7"
+    assert result.totals.steps == 3
+    assert [a.arguments for a in tools.executed] == [{"a": 1, "b": 2}, {"a": 3, "b": 4}]
+    # The third request saw both observations, as tool messages answering the calls.
+    last = model.requests[-1].messages
+    assert [m.role for m in last] == ["user", "assistant", "tool", "assistant", "tool"]
+    assert [m.content for m in last if m.role == "tool"] == ["3", "7"]
+    log = await store.read_log("r1")
+    kinds = [type(r).__name__ for r in log.records]
+    assert kinds == [
+        "RunStarted",
+        "ModelIntent",
+        "ModelResult",
+        "ActionIntent",
+        "ActionResult",
+        "StepRecord",
+        "ModelIntent",
+        "ModelResult",
+        "ActionIntent",
+        "ActionResult",
+        "StepRecord",
+        "ModelIntent",
+        "ModelResult",
+        "StepRecord",
+        "RunFinished",
+    ]
+
+
+async def test_task_completed_beats_budget():
+    agent, _, _ = make_agent([call("done")], budgets=Budgets(max_steps=1))
+    result = await run(agent, "x", store=MemoryStore())
+    assert result.stop_reason is StopReason.TASK_COMPLETED
+
+
+async def test_env_error_ends_run_with_synthetic_observation():
+    agent, _, _ = make_agent([call("boom"), say("never")])
+    store = MemoryStore()
+    result = await run(agent, "x", store=store, run_id="r")
+    assert result.stop_reason is StopReason.ENV_ERROR
+    assert result.state is RunState.FAILED
+    log = await store.read_log("r")
+    (action,) = [r for r in log.records if isinstance(r, ActionResult)]
+    assert action.outcome.status is ActionStatus.ENV_ERROR
+    assert action.outcome.observation_is_synthetic
+    assert action.outcome.detail == "db connection lost"
+    assert action.outcome.observation == agent.synthetic.env_error.format(tool="boom", detail="")
+
+
+async def test_unknown_tool_not_executed_and_run_continues():
+    agent, _, model = make_agent([call("nope"), say("fine")])
+    result = await run(agent, "x", store=MemoryStore())
+    assert result.stop_reason is StopReason.FINAL_ANSWER
+    tool_msg = [m for m in model.requests[1].messages if m.role == "tool"][0]
+    assert tool_msg.content.startswith("Error: the call to nope was not executed")
+
+
+async def test_invalid_decisions_stop_after_limit():
+    agent, _, _ = make_agent([say("")] * 5)
+    result = await run(agent, "x", store=MemoryStore())
+    assert result.stop_reason is StopReason.INVALID_DECISIONS
+    assert result.totals.steps == 3
+
+
+async def test_max_steps():
+    agent, _, _ = make_agent([call("add", a=1, b=1)] * 5, budgets=Budgets(max_steps=2))
+    result = await run(agent, "x", store=MemoryStore())
+    assert result.stop_reason is StopReason.MAX_STEPS
+    assert result.totals.steps == 2
+
+
+async def test_retry_then_success_counts_attempts(autojump_clock):
+    rate = ModelErrorInfo(kind="rate_limited", retryable=True, retry_after_s=7)
+    agent, _, _ = make_agent([say("hi")], failures={0: [rate, rate]})
+    start = trio.current_time()
+    result = await run(agent, "x", store=MemoryStore())
+    assert result.stop_reason is StopReason.FINAL_ANSWER
+    assert result.totals.model_attempts == 3
+    assert trio.current_time() - start >= 14
+
+
+async def test_model_error_for_good():
+    bad = ModelErrorInfo(kind="context_length_exceeded", retryable=False)
+    agent, _, _ = make_agent([say("hi")], failures={0: [bad]})
+    result = await run(agent, "x", store=MemoryStore())
+    assert result.stop_reason is StopReason.MODEL_ERROR
+    assert result.error == "context_length_exceeded"
+    assert result.totals.model_attempts == 1
+
+
+async def test_max_model_attempts(autojump_clock):
+    err = ModelErrorInfo(kind="server_error", retryable=True)
+    agent, _, _ = make_agent(
+        [say("hi")], failures={0: [err] * 10}, budgets=Budgets(max_model_attempts=3)
+    )
+    result = await run(agent, "x", store=MemoryStore())
+    assert result.stop_reason is StopReason.MAX_MODEL_ATTEMPTS
+    assert result.totals.model_attempts == 3
+
+
+async def test_token_budget():
+    reply = call("add", a=1, b=1)
+    reply = type(reply)(
+        tool_calls=reply.tool_calls,
+        finish_reason="tool_calls",
+        usage=Usage(input_tokens=60, output_tokens=50),
+    )
+    agent, _, _ = make_agent([reply] * 5, budgets=Budgets(token_budget=200))
+    result = await run(agent, "x", store=MemoryStore())
+    assert result.stop_reason is StopReason.TOKEN_BUDGET
+    assert result.totals.input_tokens == 120
+
+
+async def test_unknown_usage_never_counted_as_zero():
+    agent, _, _ = make_agent([say("hi")])
+    result = await run(agent, "x", store=MemoryStore())
+    assert result.totals.input_tokens is None
+    assert result.totals.unknown_usage_attempts == 1
+
+
+async def test_time_budget_cancels_tool_in_flight(autojump_clock):
+    agent, _, _ = make_agent([call("sleep", s=100), say("late")], budgets=Budgets(time_budget_s=5))
+    store = MemoryStore()
+    start = trio.current_time()
+    result = await run(agent, "x", store=store, run_id="r")
+    assert result.stop_reason is StopReason.TIME_BUDGET
+    assert 5 <= trio.current_time() - start < 6
+    log = await store.read_log("r")
+    assert not any(isinstance(r, ActionResult) for r in log.records)
+
+
+async def test_cancel_from_handle_during_tool(autojump_clock):
+    agent, _, _ = make_agent([call("sleep", s=100), say("late")])
+    store = MemoryStore()
+    async with open_run(agent, "x", store=store, run_id="r") as handle:
+        await trio.sleep(1)
+        assert handle.state is RunState.RUNNING
+        handle.cancel("user pressed stop")
+        result = await handle.wait()
+    assert result.state is RunState.CANCELLED
+    assert result.stop_reason is StopReason.CANCELLED
+    log = await store.read_log("r")
+    assert type(log.records[-2]).__name__ == "CancelRequested"
+    assert log.records[-2].reason == "user pressed stop"
+
+
+async def test_events_are_gapless_and_match_log():
+    agent, _, _ = make_agent([call("add", a=1, b=2), say("3")])
+    store = MemoryStore()
+    seen = []
+    async with open_run(agent, "x", store=store, run_id="r") as handle:
+        async for event in handle.events():
+            if event.durable:
+                seen.append(event)
+    log = await store.read_log("r")
+    assert [e.seq for e in seen] == list(range(1, len(log.records) + 1))
+    assert [e.record for e in seen] == list(log.records)
+    assert seen[-1].kind is EventKind.RUN_FINISHED
+
+
+async def test_resume_finished_run_returns_stored_result():
+    agent, tools, model = make_agent([call("add", a=1, b=2), say("3")])
+    store = MemoryStore()
+    first = await run(agent, "x", store=store, run_id="r")
+    again = await run(agent, store=store, run_id="r")
+    assert again == first
+    assert len(tools.executed) == 1
+    assert len(model.requests) == 2
+
+
+async def test_model_call_error_from_client_propagates_classification():
+    assert ModelCallError(ModelErrorInfo(kind="auth")).info.kind == "auth"
