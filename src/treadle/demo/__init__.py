@@ -1,0 +1,1 @@
+"""Demonstration workloads that run real recorded agent work through treadle."""
