@@ -1,0 +1,432 @@
+"""Decision parsers: turn a model reply into actions, a final answer or an invalid decision.
+
+Both parsers implement `treadle.ports.DecisionParser` and **never raise** for any reply
+(DESIGN §3.2). They are pure: parsing the same stored reply again (on resume) gives the
+same decision, synthesised call ids included.
+
+* `NativeToolCallParser`: for models with native tool calling. The model client puts
+  complete calls into ``ModelReply.tool_calls`` (arguments decoded) and calls whose argument
+  text is not a JSON object into ``ModelReply.invalid_tool_calls`` (reason ``unparseable``
+  with the raw text, or ``truncated`` when cut by the output limit). Safe repairs are
+  applied to the unparseable ones; anything else becomes an invalid decision.
+* `JsonToolCallParser`: for models without native tool calling, which write calls as JSON
+  in their text: ``{"name": ..., "arguments": {...}}`` or a list of such objects, bare or
+  in a fenced block.
+
+How the history is to be replayed (for the context hydrator):
+
+* ``ParsedReply.history_message`` is the assistant message exactly as it must be replayed:
+  content ``None`` for a tool-only turn (never ``""`` or ``"None"``), and sanitised calls: a
+  call whose arguments could not be used is kept with arguments ``{}`` so that every call id
+  can still be answered by a tool message (for an invalid decision, with the feedback).
+* An action whose ``call_id`` is not among ``history_message.tool_calls`` (the empty id of a
+  text-reply tool, or a call written as JSON text) is not a native tool call: its
+  observation goes back as a user message.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Mapping, Sequence
+from typing import Final
+
+import attrs
+
+from treadle import _repair, _textcalls
+from treadle.types import (
+    DecisionKind,
+    InvalidToolCall,
+    Message,
+    ModelReply,
+    ParsedReply,
+    ToolCall,
+    ToolSpec,
+)
+
+TOOL_CALL_FROM_CONTENT: Final = "tool_call_from_content"
+"""Repair: a native-tools reply wrote its one tool call as JSON in the content."""
+SYNTHESISED_CALL_ID: Final = "synthesised_call_id"
+"""Repair: a native call had an empty or repeated id; a deterministic one was made up."""
+
+EMPTY_REPLY: Final = "empty_reply"
+TRUNCATED: Final = "truncated"
+
+_MAX_NAMES_LISTED: Final = 20
+
+
+def synthesise_call_id(*parts: str) -> str:
+    """A deterministic call id (``call_`` + 24 hex digits) derived from ``parts``."""
+    digest = hashlib.sha256("\x1f".join(parts).encode("utf-8", "surrogatepass")).hexdigest()
+    return f"call_{digest[:24]}"
+
+
+def _visible(text: str | None) -> str | None:
+    """``text`` when it holds anything but whitespace, else ``None``."""
+    return text if text is not None and text.strip() else None
+
+
+def _declared(tools: Sequence[ToolSpec]) -> frozenset[str]:
+    return frozenset(spec.name for spec in tools)
+
+
+def _history(reply: ModelReply, content: str | None, calls: Sequence[ToolCall] = ()) -> Message:
+    return Message(
+        role="assistant", content=content, tool_calls=tuple(calls), reasoning=reply.reasoning
+    )
+
+
+def _dedup(items: Sequence[str]) -> tuple[str, ...]:
+    return tuple(dict.fromkeys(items))
+
+
+def _label(call_id: str, name: str) -> str:
+    return f"Tool call {call_id} ({name or 'no tool name'})"
+
+
+def _tool_list(names: frozenset[str]) -> str:
+    ordered = sorted(names)
+    listed = ", ".join(ordered[:_MAX_NAMES_LISTED])
+    return listed + (", ..." if len(ordered) > _MAX_NAMES_LISTED else "")
+
+
+def empty_reply(reply: ModelReply, names: frozenset[str]) -> ParsedReply:
+    """The invalid decision for a reply with neither visible text nor a tool call."""
+    if reply.finish_reason == "length":
+        reason, why = TRUNCATED, "reached the output token limit before writing anything visible"
+    else:
+        reason, why = EMPTY_REPLY, "was empty: it had neither text nor a tool call"
+    feedback = f"Your reply {why}. Answer with text"
+    feedback += f", or call one of the tools: {_tool_list(names)}." if names else "."
+    return ParsedReply(
+        kind=DecisionKind.INVALID,
+        feedback=feedback,
+        reason=reason,
+        history_message=_history(reply, None),
+    )
+
+
+# --------------------------------------------------------------------------- native calls
+
+
+@attrs.frozen(kw_only=True)
+class _Problem:
+    """A call that cannot be executed: its sanitised form, a reason and a message."""
+
+    call: ToolCall
+    reason: str
+    message: str
+
+
+@attrs.frozen(kw_only=True)
+class _Collected:
+    """The calls of one reply in history order (sanitised), problems and repairs."""
+
+    calls: tuple[ToolCall, ...] = ()
+    problems: tuple[_Problem, ...] = ()
+    repairs: tuple[str, ...] = ()
+
+
+class _Collector:
+    """Gathers the native calls of one reply, making every call id present and unique."""
+
+    def __init__(self, reply: ModelReply) -> None:
+        self._reply = reply
+        self._seen: set[str] = set()
+        self.calls: list[ToolCall] = []
+        self.problems: list[_Problem] = []
+        self.repairs: list[str] = []
+
+    def call_id(self, given: str, index: int, name: str) -> str:
+        call_id = given
+        if not call_id or call_id in self._seen:
+            parts = (self._reply.response_id or "", "native", str(index), name, given)
+            call_id = synthesise_call_id(*parts)
+            self.repairs.append(SYNTHESISED_CALL_ID)
+        self._seen.add(call_id)
+        return call_id
+
+    def problem(self, call_id: str, name: str, reason: str, message: str) -> None:
+        call = ToolCall(id=call_id, name=name, arguments={})
+        self.calls.append(call)
+        self.problems.append(_Problem(call=call, reason=reason, message=message))
+
+    def add_valid(self, index: int, call: ToolCall) -> None:
+        call_id = self.call_id(call.id, index, call.name)
+        if isinstance(call.arguments, Mapping):
+            self.calls.append(attrs.evolve(call, id=call_id))
+            return
+        message = (
+            f"{_label(call_id, call.name)} was not executed: its arguments are not a JSON "
+            "object. Send the arguments as one JSON object."
+        )
+        self.problem(call_id, call.name, _repair.NOT_AN_OBJECT, message)
+
+    def add_invalid(self, index: int, bad: InvalidToolCall) -> None:
+        call_id = self.call_id(bad.id, index, bad.name)
+        if bad.reason == "unparseable":
+            self._add_decoded(call_id, bad)
+        elif bad.reason == TRUNCATED:
+            message = (
+                f"{_label(call_id, bad.name)} was cut off by the output token limit before "
+                "its arguments were complete, so it was not executed. Send shorter arguments, "
+                "or split the work into smaller calls."
+            )
+            self.problem(call_id, bad.name, TRUNCATED, message)
+        else:
+            message = f"{_label(call_id, bad.name)} could not be read ({bad.reason}); it was not "
+            self.problem(call_id, bad.name, bad.reason or "invalid", message + "executed.")
+
+    def _add_decoded(self, call_id: str, bad: InvalidToolCall) -> None:
+        decoded = _repair.decode_arguments(bad.raw_arguments)
+        self.repairs.extend(decoded.repairs)
+        if decoded.arguments is not None:
+            self.calls.append(ToolCall(id=call_id, name=bad.name, arguments=decoded.arguments))
+            return
+        label = _label(call_id, bad.name)
+        if decoded.reason == _repair.MULTIPLE_VALUES:
+            count = _repair.number_word(decoded.count)
+            message = (
+                f"{label} had {count} argument objects in one call. "
+                "Issue one tool call per argument object."
+            )
+        else:
+            message = f"{label} was not executed: {decoded.error}. Send one JSON object."
+        self.problem(call_id, bad.name, decoded.reason or _repair.UNPARSEABLE, message)
+
+    def result(self) -> _Collected:
+        return _Collected(
+            calls=tuple(self.calls),
+            problems=tuple(self.problems),
+            repairs=_dedup(self.repairs),
+        )
+
+
+def collect_native_calls(reply: ModelReply) -> _Collected:
+    """Collect the reply's calls: complete ones first, then the repaired invalid ones.
+
+    ``ModelReply`` keeps the two kinds apart, so complete calls come before repaired ones.
+    """
+    collector = _Collector(reply)
+    for index, call in enumerate(reply.tool_calls):
+        collector.add_valid(index, call)
+    for offset, bad in enumerate(reply.invalid_tool_calls):
+        collector.add_invalid(len(reply.tool_calls) + offset, bad)
+    return collector.result()
+
+
+def invalid_calls(reply: ModelReply, collected: _Collected) -> ParsedReply:
+    """The invalid decision for a reply with at least one unusable call (none is executed)."""
+    lines = [problem.message for problem in collected.problems]
+    if len(collected.calls) > 1:
+        lines.append(
+            f"None of the {len(collected.calls)} tool calls of this reply was executed; "
+            "send the ones you still need again."
+        )
+    text = _visible(reply.text)
+    return ParsedReply(
+        kind=DecisionKind.INVALID,
+        text=text,
+        feedback=" ".join(lines),
+        reason=collected.problems[0].reason,
+        repairs=collected.repairs,
+        history_message=_history(reply, text, collected.calls),
+    )
+
+
+def call_from_content(reply: ModelReply, names: frozenset[str]) -> ToolCall | None:
+    """The one declared tool call a native-tools reply wrote as its whole content, if any."""
+    body = (reply.text or "").strip()
+    inner = _repair.strip_code_fence(body)
+    body = body if inner is None else inner.strip()
+    if not body.startswith("{"):
+        return None
+    found = _repair.json_values(body)
+    if found.error is not None or len(found.values) != 1:
+        return None
+    call = _textcalls.call_of(found.values[0], names, strict=True)
+    if not isinstance(call, _textcalls.FoundCall):
+        return None
+    call_id = synthesise_call_id(reply.response_id or "", "content", reply.text or "")
+    return ToolCall(id=call_id, name=call.name, arguments=call.arguments)
+
+
+class NativeToolCallParser:
+    """Parser for models with native tool calling (OpenAI, Anthropic, most local servers).
+
+    Decisions, in order:
+
+    1. any call unusable (``truncated``, two JSON objects in one call, unparseable after
+       repairs, not an object) -> INVALID, and no call of the reply is executed;
+    2. calls -> ACTIONS (unknown tool names included: the executor reports them);
+    3. no calls, and the whole content (optionally in one `````json`` fence) is one object
+       whose ``name`` is a declared tool and whose ``arguments`` (or ``parameters``) is an
+       object -> ACTIONS with one call, repair ``tool_call_from_content``;
+    4. text -> FINAL_ANSWER, or, with ``text_reply_tool``, an action calling that tool with
+       ``{"content": text}`` and call id ``""``;
+    5. nothing (no calls, empty or whitespace text) -> INVALID ``empty_reply`` (``truncated``
+       when the output limit ended the reply).
+
+    Args:
+        text_reply_tool: the tool a text reply calls (e.g. "respond to the customer");
+            ``None`` (the default) makes a text reply the final answer.
+    """
+
+    def __init__(self, *, text_reply_tool: str | None = None) -> None:
+        self._text_reply_tool = text_reply_tool
+
+    def parse(self, reply: ModelReply, tools: Sequence[ToolSpec]) -> ParsedReply:
+        """Decide what ``reply`` asks for; pure, and never raises.
+
+        Args:
+            reply: the assembled model reply.
+            tools: the declared tools, used to recognise a tool call written in the content.
+
+        Returns:
+            The decision with the assistant message as it must be replayed.
+        """
+        names = _declared(tools)
+        collected = collect_native_calls(reply)
+        if collected.problems:
+            return invalid_calls(reply, collected)
+        text = _visible(reply.text)
+        if collected.calls:
+            return ParsedReply(
+                kind=DecisionKind.ACTIONS,
+                actions=collected.calls,
+                text=text,
+                repairs=collected.repairs,
+                history_message=_history(reply, text, collected.calls),
+            )
+        return self._without_calls(reply, text, names)
+
+    def _without_calls(
+        self, reply: ModelReply, text: str | None, names: frozenset[str]
+    ) -> ParsedReply:
+        content_call = call_from_content(reply, names) if text is not None else None
+        if content_call is not None:
+            return ParsedReply(
+                kind=DecisionKind.ACTIONS,
+                actions=(content_call,),
+                repairs=(TOOL_CALL_FROM_CONTENT,),
+                history_message=_history(reply, None, (content_call,)),
+            )
+        if text is None:
+            return empty_reply(reply, names)
+        if self._text_reply_tool is None:
+            return ParsedReply(
+                kind=DecisionKind.FINAL_ANSWER, text=text, history_message=_history(reply, text)
+            )
+        action = ToolCall(id="", name=self._text_reply_tool, arguments={"content": text})
+        return ParsedReply(
+            kind=DecisionKind.ACTIONS,
+            actions=(action,),
+            text=text,
+            history_message=_history(reply, text),
+        )
+
+
+# --------------------------------------------------------------------------- JSON in text
+
+_CALL_FORMAT: Final = (
+    'Write each tool call as one JSON object {"name": "<tool name>", "arguments": {...}}, '
+    "or a JSON list of such objects, alone in a ```json block."
+)
+
+
+def _outside(text: str, spans: Sequence[_textcalls.Span]) -> str:
+    """``text`` without the spans (which are in order and do not overlap), stripped."""
+    pieces: list[str] = []
+    pos = 0
+    for span in spans:
+        pieces.append(text[pos : span.start])
+        pos = span.end
+    pieces.append(text[pos:])
+    return "\n".join(piece.strip() for piece in pieces if piece.strip())
+
+
+def _json_actions(reply: ModelReply, found: Sequence[_textcalls.FoundCall]) -> tuple[ToolCall, ...]:
+    seen: set[str] = set()
+    actions: list[ToolCall] = []
+    for index, call in enumerate(found):
+        call_id = call.id
+        if call_id is None or call_id in seen:
+            call_id = synthesise_call_id(
+                reply.response_id or "", "json", str(index), reply.text or ""
+            )
+        seen.add(call_id)
+        actions.append(ToolCall(id=call_id, name=call.name, arguments=call.arguments))
+    return tuple(actions)
+
+
+def _json_invalid(reply: ModelReply, errors: Sequence[str], repairs: Sequence[str]) -> ParsedReply:
+    truncated = reply.finish_reason == "length"
+    prefix = "Your reply was cut off by the output token limit. " if truncated else ""
+    feedback = (
+        f"{prefix}Your tool call could not be read: {'; '.join(errors)}. No tool was called. "
+        f"{_CALL_FORMAT}"
+    )
+    return ParsedReply(
+        kind=DecisionKind.INVALID,
+        text=_visible(reply.text),
+        feedback=feedback,
+        reason=TRUNCATED if truncated else _repair.UNPARSEABLE,
+        repairs=tuple(repairs),
+        history_message=_history(reply, _visible(reply.text)),
+    )
+
+
+class JsonToolCallParser:
+    """Parser for models without native tool calling, which write calls as JSON in text.
+
+    A call is ``{"name": ..., "arguments": {...}}`` (``parameters`` is accepted too; for a
+    declared tool the arguments may be left out), or a JSON list of such objects, written as
+    the whole reply, in fenced blocks (``````json`` or bare ``````), or as JSON from the
+    first line that starts with ``{`` or ``[`` on. Several calls are several actions, in
+    order; call ids are taken from an ``"id"`` key or synthesised deterministically.
+
+    Decisions: calls -> ACTIONS (visible text around them goes to ``ParsedReply.text``;
+    unknown tool names included, the executor reports them); JSON that clearly tries to be a
+    call but cannot be read (bad JSON mentioning a declared tool, a non-object
+    ``arguments``) -> INVALID with the parse error; other text -> FINAL_ANSWER (an answer
+    may be JSON data); empty text -> INVALID ``empty_reply``. The history message is the
+    reply's text as written, without native tool calls. A reply that has native tool calls
+    after all is parsed as `NativeToolCallParser` would.
+    """
+
+    def __init__(self) -> None:
+        self._native = NativeToolCallParser()
+
+    def parse(self, reply: ModelReply, tools: Sequence[ToolSpec]) -> ParsedReply:
+        """Decide what ``reply`` asks for; pure, and never raises.
+
+        Args:
+            reply: the assembled model reply.
+            tools: the declared tools, used to recognise a broken call.
+
+        Returns:
+            The decision with the assistant message as it must be replayed.
+        """
+        if reply.tool_calls or reply.invalid_tool_calls:
+            return self._native.parse(reply, tools)
+        names = _declared(tools)
+        text = _visible(reply.text)
+        if text is None:
+            return empty_reply(reply, names)
+        spans = [(span, _textcalls.calls_in(span, names)) for span in _textcalls.candidates(text)]
+        used = [(span, found) for span, found in spans if found.is_calls]
+        if not used:
+            return ParsedReply(
+                kind=DecisionKind.FINAL_ANSWER, text=text, history_message=_history(reply, text)
+            )
+        errors = [error for _, found in used for error in found.errors]
+        repairs = _dedup([repair for _, found in used for repair in found.repairs])
+        if errors:
+            return _json_invalid(reply, errors, repairs)
+        calls = [call for _, found in used for call in found.calls]
+        return ParsedReply(
+            kind=DecisionKind.ACTIONS,
+            actions=_json_actions(reply, calls),
+            text=_visible(_outside(text, [span for span, _ in used])),
+            repairs=repairs,
+            history_message=_history(reply, text),
+        )

@@ -1,0 +1,410 @@
+"""Declaring tools (`tool`), validating their arguments, and running them (`Toolbox`).
+
+A tool is a typed ``async def`` function::
+
+    @tool(timeout_s=5)
+    async def get_weather(city: str, days: int = 1) -> str:
+        '''Get the weather forecast for a city.'''
+        ...
+
+    toolbox = Toolbox([get_weather])
+
+The JSON schema of the arguments is generated from the signature (msgspec) and the
+description from the docstring's first paragraph; argument descriptions come from its
+Google ``Args:`` section. Supported argument types: str, int, float, bool, None, unions of
+them, ``list[X]``, ``dict[str, X]``, ``Literal``, enums and attrs classes; an argument with a
+default is optional. A parameter annotated `ToolContext` receives the run, step and
+idempotency key of the call and is not shown to the model.
+
+`Toolbox` implements `treadle.ports.ActionExecutor`. Arguments are validated (strictly:
+no coercion, no extra keys) before the tool runs (DESIGN §9). Outcomes (DESIGN §3.3):
+
+* unknown tool or invalid arguments: NOT_EXECUTED (the detail says why);
+* the tool raised: EXECUTED, observation ``Error: <ExceptionType>: <message>``;
+* the tool raised `EnvironmentFailure`: ENV_ERROR (the run ends);
+* the tool ran past its timeout: EXECUTED, ``Error: the call to X timed out after N s``;
+* the tool returned: EXECUTED; a ``str`` is the observation as is, anything else compact
+  JSON (attrs instances, enums and datetimes unstructured by cattrs).
+
+For NOT_EXECUTED and ENV_ERROR the executor's own text is in both ``observation`` and
+``detail``; the library's tool executor puts the synthetic observation into history.
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+import math
+import re
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from typing import Any, Final, TypeAlias, overload
+
+import attrs
+import trio
+from cattrs.preconf.json import make_converter
+
+from treadle._exceptions import TreadleError, UsageError
+from treadle._schema import Invalid, ToolSignature, read_signature
+from treadle.types import Action, ActionOutcome, ActionStatus, ReplayPolicy, ToolSpec
+
+__all__ = ["EnvironmentFailure", "ReconcileHook", "Tool", "ToolContext", "Toolbox", "tool"]
+
+ToolFunction: TypeAlias = Callable[..., Awaitable[Any]]
+"""A tool function: ``async def`` with annotated keyword-compatible parameters."""
+
+ReconcileHook: TypeAlias = Callable[[Action], Awaitable[ActionOutcome | None]]
+"""``async (action) -> outcome | None``: on resume, tell what an interrupted call did (looked
+up by ``action.intent_id``), or ``None`` when that cannot be established."""
+
+_NAME: Final = re.compile(r"\A[A-Za-z0-9_-]{1,64}\Z")
+_RESULTS: Final = make_converter()
+
+
+class EnvironmentFailure(TreadleError):
+    """Raised by a tool when the environment itself can no longer serve (DESIGN §3.3).
+
+    The connection is gone, the protocol is broken, the sandbox died: the action becomes
+    ENV_ERROR and the run ends with stop reason ``env_error``. An ordinary failure of the
+    call (bad input, a command's non-zero exit) is any other exception: the model sees it.
+    """
+
+
+@attrs.frozen(kw_only=True)
+class ToolContext:
+    """What a tool learns about the call it serves (inject it by annotating a parameter).
+
+    Attributes:
+        run_id: the run.
+        step: the step index (1-based).
+        intent_id: the id of the durable action intent, stable across a resume: use it as
+            the idempotency key so that the effect happens at most once.
+        call_id: the model's tool-call id (``""`` for a text reply treated as an action).
+        tool: the tool name.
+        replay: true when the call is re-executed on resume under the same ``intent_id``
+            (replay policy ``SAFE``).
+    """
+
+    run_id: str
+    step: int
+    intent_id: str
+    call_id: str
+    tool: str
+    replay: bool = False
+
+
+@attrs.frozen(kw_only=True, eq=False)
+class Tool:
+    """A declared tool: the function, what the model sees, and how the library treats it.
+
+    Build it with `tool`. Calling a `Tool` calls the function directly (no validation).
+
+    Attributes:
+        name: the name the model calls it by (``[A-Za-z0-9_-]``, at most 64 characters).
+        description: shown to the model.
+        fn: the ``async def`` function.
+        signature: its arguments, JSON schema and validator.
+        replay: what resume does with a call whose outcome is unknown (default ``NEVER``).
+        completes_task: a call that returns normally signals task completion.
+        timeout_s: seconds a call may run; ``None`` uses the toolbox default.
+        reconcile: the hook that establishes an interrupted call's outcome, if any.
+        requires_approval: a human must approve each call before it runs.
+    """
+
+    name: str
+    description: str
+    fn: ToolFunction
+    signature: ToolSignature
+    replay: ReplayPolicy = ReplayPolicy.NEVER
+    completes_task: bool = False
+    timeout_s: float | None = None
+    reconcile: ReconcileHook | None = None
+    requires_approval: bool = False
+
+    @property
+    def spec(self) -> ToolSpec:
+        """The tool as the model sees it."""
+        return ToolSpec(
+            name=self.name, description=self.description, parameters=self.signature.schema
+        )
+
+    async def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        """Call the function itself, bypassing validation and timeouts (for tests)."""
+        return await self.fn(*args, **kwargs)
+
+
+def _check_options(
+    fn: Callable[..., Any], name: str, timeout_s: float | None, reconcile: Any, replay: Any
+) -> None:
+    if not _NAME.match(name):
+        raise UsageError(f"tool name {name!r} must be 1-64 characters of A-Z, a-z, 0-9, _ or -")
+    if not _is_async(fn):
+        raise UsageError(f"tool {name!r}: {fn!r} must be an 'async def' function")
+    if timeout_s is not None and not (math.isfinite(timeout_s) and timeout_s > 0):
+        raise UsageError(f"tool {name!r}: timeout_s must be a positive number of seconds")
+    if reconcile is not None and not _is_async(reconcile):
+        raise UsageError(f"tool {name!r}: reconcile must be an 'async def' function")
+    if not isinstance(replay, ReplayPolicy):
+        raise UsageError(f"tool {name!r}: replay must be a ReplayPolicy, got {replay!r}")
+
+
+def _is_async(fn: Any) -> bool:
+    """True for an ``async def`` function (a `functools.partial` of one included)."""
+    return inspect.iscoroutinefunction(fn)
+
+
+def _make_tool(fn: ToolFunction, options: Mapping[str, Any]) -> Tool:
+    name = getattr(fn, "__name__", "") if options["name"] is None else options["name"]
+    _check_options(fn, name, options["timeout_s"], options["reconcile"], options["replay"])
+    signature = read_signature(fn, tool_name=name, context_type=ToolContext)
+    description = options["description"]
+    return Tool(
+        name=name,
+        description=signature.summary if description is None else description,
+        fn=fn,
+        signature=signature,
+        replay=options["replay"],
+        completes_task=options["completes_task"],
+        timeout_s=options["timeout_s"],
+        reconcile=options["reconcile"],
+        requires_approval=options["requires_approval"],
+    )
+
+
+@overload
+def tool(fn: ToolFunction, /) -> Tool: ...
+
+
+@overload
+def tool(
+    *,
+    name: str | None = None,
+    description: str | None = None,
+    replay: ReplayPolicy = ReplayPolicy.NEVER,
+    completes_task: bool = False,
+    timeout_s: float | None = None,
+    reconcile: ReconcileHook | None = None,
+    requires_approval: bool = False,
+) -> Callable[[ToolFunction], Tool]: ...
+
+
+def tool(
+    fn: ToolFunction | None = None,
+    /,
+    *,
+    name: str | None = None,
+    description: str | None = None,
+    replay: ReplayPolicy = ReplayPolicy.NEVER,
+    completes_task: bool = False,
+    timeout_s: float | None = None,
+    reconcile: ReconcileHook | None = None,
+    requires_approval: bool = False,
+) -> Tool | Callable[[ToolFunction], Tool]:
+    """Declare a tool; use bare (``@tool``) or with options (``@tool(timeout_s=30)``).
+
+    Args:
+        fn: the ``async def`` function (when used bare).
+        name: the name the model sees; defaults to the function's name.
+        description: shown to the model; defaults to the docstring's first paragraph.
+        replay: ``SAFE`` for read-only or idempotent tools, re-executed on resume under the
+            same intent id; ``NEVER`` (the default) records an unknown outcome instead,
+            unless ``reconcile`` can tell what happened.
+        completes_task: a call that returns normally ends the run as ``task_completed``.
+        timeout_s: seconds one call may run; ``None`` uses the toolbox default (10 s).
+        reconcile: ``async (action) -> ActionOutcome | None``, called on resume for a call
+            whose outcome was never stored.
+        requires_approval: a human must approve each call before it runs.
+
+    Returns:
+        The `Tool`, or a decorator making one.
+
+    Raises:
+        UsageError: the function is not ``async def``; an argument lacks an annotation, is
+            ``*args``/``**kwargs``/positional-only, or has an unsupported type; the name is
+            not a valid tool name; or an option is out of range.
+    """
+    options = {
+        "name": name,
+        "description": description,
+        "replay": replay,
+        "completes_task": completes_task,
+        "timeout_s": timeout_s,
+        "reconcile": reconcile,
+        "requires_approval": requires_approval,
+    }
+    if fn is not None:
+        return _make_tool(fn, options)
+    return lambda function: _make_tool(function, options)
+
+
+# --------------------------------------------------------------------------- execution
+
+
+def _not_executed(detail: str) -> ActionOutcome:
+    return ActionOutcome(status=ActionStatus.NOT_EXECUTED, observation=detail, detail=detail)
+
+
+def _error_text(exc: BaseException) -> str:
+    message = str(exc)
+    return f"Error: {type(exc).__name__}: {message}" if message else f"Error: {type(exc).__name__}"
+
+
+def observation_of(result: Any) -> str:
+    """The observation text of a tool's return value.
+
+    A ``str`` is returned as is; anything else is unstructured by cattrs (attrs instances,
+    enums, datetimes) and written as compact JSON, non-ASCII kept.
+
+    Raises:
+        TypeError, ValueError: the value cannot be written as JSON.
+    """
+    if isinstance(result, str):
+        return result
+    data = _RESULTS.unstructure(result)
+    return json.dumps(data, ensure_ascii=False, separators=(",", ":"))
+
+
+def _environment_failure(exc: BaseException) -> EnvironmentFailure | None:
+    if isinstance(exc, EnvironmentFailure):
+        return exc
+    if isinstance(exc, BaseExceptionGroup):
+        group = exc.subgroup(EnvironmentFailure)
+        if group is not None:
+            return _environment_failure(group.exceptions[0])
+    return None
+
+
+class Toolbox:
+    """The default action executor: a fixed set of tools (`treadle.ports.ActionExecutor`).
+
+    Args:
+        tools: the tools, in the order they are offered to the model.
+        default_timeout_s: seconds a call may run when its tool sets no ``timeout_s``.
+
+    Raises:
+        UsageError: two tools share a name, an entry is not a `Tool` (decorate it with
+            ``@tool``), or ``default_timeout_s`` is not a positive number.
+    """
+
+    def __init__(self, tools: Sequence[Tool], *, default_timeout_s: float = 10.0) -> None:
+        if not (math.isfinite(default_timeout_s) and default_timeout_s > 0):
+            raise UsageError("default_timeout_s must be a positive number of seconds")
+        self._tools: dict[str, Tool] = {}
+        for entry in tools:
+            if not isinstance(entry, Tool):
+                raise UsageError(f"{entry!r} is not a tool; decorate it with @tool")
+            if entry.name in self._tools:
+                raise UsageError(f"two tools are named {entry.name!r}")
+            self._tools[entry.name] = entry
+        self._default_timeout_s = default_timeout_s
+
+    def tool_specs(self) -> tuple[ToolSpec, ...]:
+        """The tools offered to the model, in declaration order."""
+        return tuple(t.spec for t in self._tools.values())
+
+    def get(self, name: str) -> Tool | None:
+        """The tool called ``name``, or ``None``."""
+        return self._tools.get(name)
+
+    def replay_policy(self, tool: str) -> ReplayPolicy:
+        """The replay policy of ``tool`` (``NEVER`` for unknown tools)."""
+        found = self._tools.get(tool)
+        return ReplayPolicy.NEVER if found is None else found.replay
+
+    def requires_approval(self, tool: str) -> bool:
+        """Whether calls of ``tool`` wait for a human (``False`` for unknown tools)."""
+        found = self._tools.get(tool)
+        return found is not None and found.requires_approval
+
+    def timeout_s(self, tool: str) -> float:
+        """Seconds one call of ``tool`` may run."""
+        found = self._tools.get(tool)
+        if found is None or found.timeout_s is None:
+            return self._default_timeout_s
+        return found.timeout_s
+
+    async def execute(self, action: Action, *, replay: bool = False) -> ActionOutcome:
+        """Validate ``action``'s arguments, run its tool under its timeout, and report.
+
+        Args:
+            action: the action; ``arguments`` are the decoded JSON object from the model.
+            replay: the call is re-executed on resume (passed to the tool's context).
+
+        Returns:
+            NOT_EXECUTED for an unknown tool or invalid arguments (``detail`` says which
+            and why); ENV_ERROR when the tool raised `EnvironmentFailure`; else EXECUTED,
+            with the return value, the raised error or the timeout as observation.
+
+        Cancellation:
+            Always a checkpoint, before the tool starts. `trio.Cancelled` from outside always
+            propagates; the tool's outcome is then unknown.
+        """
+        await trio.lowlevel.checkpoint()
+        found = self._tools.get(action.tool)
+        if found is None:
+            known = ", ".join(self._tools) or "none"
+            return _not_executed(f"unknown tool {action.tool!r}; the known tools are: {known}")
+        kwargs = found.signature.validate(action.arguments)
+        if isinstance(kwargs, Invalid):
+            return _not_executed("invalid arguments: " + "; ".join(kwargs.errors))
+        if found.signature.context_parameter is not None:
+            kwargs[found.signature.context_parameter] = ToolContext(
+                run_id=action.run_id,
+                step=action.step,
+                intent_id=action.intent_id,
+                call_id=action.call_id,
+                tool=action.tool,
+                replay=replay,
+            )
+        return await self._run(found, kwargs)
+
+    async def _run(self, found: Tool, kwargs: dict[str, Any]) -> ActionOutcome:
+        timeout = self.timeout_s(found.name)
+        with trio.move_on_after(timeout):
+            try:
+                result = await found.fn(**kwargs)
+            except Exception as exc:
+                return self._failed(exc)
+            return self._returned(found, result)
+        return ActionOutcome(
+            status=ActionStatus.EXECUTED,
+            observation=f"Error: the call to {found.name} timed out after {timeout:g} s",
+        )
+
+    @staticmethod
+    def _failed(exc: Exception) -> ActionOutcome:
+        failure = _environment_failure(exc)
+        if failure is not None:
+            detail = _error_text(failure)
+            return ActionOutcome(status=ActionStatus.ENV_ERROR, observation=detail, detail=detail)
+        return ActionOutcome(status=ActionStatus.EXECUTED, observation=_error_text(exc))
+
+    @staticmethod
+    def _returned(found: Tool, result: Any) -> ActionOutcome:
+        try:
+            observation = observation_of(result)
+        except (TypeError, ValueError) as exc:
+            text = f"Error: the result of {found.name} could not be written as JSON: {exc}"
+            return ActionOutcome(status=ActionStatus.EXECUTED, observation=text, detail=text)
+        return ActionOutcome(
+            status=ActionStatus.EXECUTED,
+            observation=observation,
+            task_completed=found.completes_task,
+        )
+
+    async def reconcile(self, action: Action) -> ActionOutcome | None:
+        """Ask the tool's reconcile hook what an interrupted call did.
+
+        Returns:
+            The hook's outcome; ``None`` when the tool is unknown, has no hook, the hook
+            cannot tell, or it runs past the tool's timeout.
+
+        Raises:
+            Exception: whatever the hook raises (it is not hidden as "unknown").
+        """
+        found = self._tools.get(action.tool)
+        if found is None or found.reconcile is None:
+            await trio.lowlevel.checkpoint()
+            return None
+        with trio.move_on_after(self.timeout_s(found.name)):
+            return await found.reconcile(action)
+        return None

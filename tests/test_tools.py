@@ -1,0 +1,702 @@
+"""Tool declaration (`@tool`), argument schemas and validation, and `Toolbox` execution."""
+
+from __future__ import annotations
+
+import datetime
+import enum
+import inspect
+import json
+import keyword
+from collections.abc import Callable
+from typing import Any, Literal
+
+import attrs
+import pytest
+import trio
+import trio.testing
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from treadle._exceptions import TreadleError, UsageError
+from treadle.ports import ActionExecutor
+from treadle.tools import EnvironmentFailure, Tool, Toolbox, ToolContext, tool
+from treadle.types import Action, ActionOutcome, ActionStatus, ReplayPolicy
+
+
+class Color(enum.Enum):
+    RED = "red"
+    BLUE = "blue"
+
+
+class Level(enum.IntEnum):
+    LOW = 1
+    HIGH = 2
+
+
+@attrs.frozen
+class Point:
+    """A point on the map."""
+
+    x: int
+    y: int = 0
+
+
+@attrs.frozen
+class Route:
+    name: str
+    stops: list[Point]
+
+
+def action(tool_name: str, arguments: Any = None, **fields: Any) -> Action:
+    base: dict[str, Any] = {
+        "run_id": "run-1",
+        "step": 3,
+        "intent_id": "run-1/s3/a1",
+        "call_id": "call_1",
+        "tool": tool_name,
+        "arguments": {} if arguments is None else arguments,
+    }
+    base.update(fields)
+    return Action(**base)
+
+
+@tool
+async def get_weather(city: str, days: int = 1, unit: Literal["C", "F"] = "C") -> str:
+    """Get the weather forecast for a city.
+
+    Longer explanation that is not the summary.
+
+    Args:
+        city: the city name,
+            e.g. "Lyon".
+        days: how many days ahead.
+    """
+    return f"{city}:{days}:{unit}"
+
+
+# --------------------------------------------------------------------------- declaration
+
+
+def test_schema_from_signature_and_docstring() -> None:
+    spec = get_weather.spec
+    assert spec.name == "get_weather"
+    assert spec.description == "Get the weather forecast for a city."
+    assert spec.parameters == {
+        "type": "object",
+        "properties": {
+            "city": {"type": "string", "description": 'the city name, e.g. "Lyon".'},
+            "days": {"type": "integer", "description": "how many days ahead.", "default": 1},
+            "unit": {"enum": ["C", "F"], "default": "C"},
+        },
+        "required": ["city"],
+        "additionalProperties": False,
+    }
+
+
+def test_schema_of_rich_types_and_context_left_out() -> None:
+    @tool(name="plan", description="Plan a route.")
+    async def plan_route(
+        route: Route,
+        color: Color,
+        level: Level,
+        note: str | None,
+        ctx: ToolContext,
+        tags: list[str] | None = None,
+        weights: dict[str, float] | None = None,
+        fast: bool = False,
+    ) -> None:
+        return None
+
+    params = plan_route.spec.parameters
+    assert plan_route.name == "plan"
+    assert plan_route.description == "Plan a route."
+    assert set(params["properties"]) == {
+        "route",
+        "color",
+        "level",
+        "note",
+        "tags",
+        "weights",
+        "fast",
+    }
+    assert params["required"] == ["route", "color", "level", "note"]
+    assert params["properties"]["route"] == {"$ref": "#/$defs/Route"}
+    assert params["$defs"]["Point"]["additionalProperties"] is False
+    assert params["$defs"]["Point"]["required"] == ["x"]
+    assert params["$defs"]["Route"]["properties"]["stops"] == {
+        "type": "array",
+        "items": {"$ref": "#/$defs/Point"},
+    }
+    assert sorted(params["$defs"]["Color"]["enum"]) == ["blue", "red"]
+    assert params["properties"]["note"] == {"anyOf": [{"type": "string"}, {"type": "null"}]}
+    assert params["properties"]["weights"]["anyOf"][0] == {
+        "type": "object",
+        "additionalProperties": {"type": "number"},
+    }
+    assert plan_route.signature.context_parameter == "ctx"
+
+
+def test_tool_without_parameters_or_docstring() -> None:
+    @tool
+    async def ping() -> str:
+        return "pong"
+
+    assert ping.description == ""
+    assert ping.spec.parameters["type"] == "object"
+    assert ping.spec.parameters["properties"] == {}
+    assert ping.spec.parameters.get("required", []) == []
+
+
+def test_options_are_kept() -> None:
+    async def check(a: Action) -> ActionOutcome | None:
+        return None
+
+    @tool(
+        replay=ReplayPolicy.SAFE,
+        completes_task=True,
+        timeout_s=2.5,
+        reconcile=check,
+        requires_approval=True,
+    )
+    async def finish(summary: str) -> str:
+        return summary
+
+    assert isinstance(finish, Tool)
+    assert finish.replay is ReplayPolicy.SAFE
+    assert finish.completes_task
+    assert finish.timeout_s == 2.5
+    assert finish.reconcile is check
+    assert finish.requires_approval
+
+
+async def test_a_tool_can_still_be_called_directly() -> None:
+    assert await get_weather("Oslo", days=2) == "Oslo:2:C"
+
+
+def _sync(city: str) -> str:
+    return city
+
+
+async def _untyped(city) -> str:  # type: ignore[no-untyped-def]
+    return str(city)
+
+
+async def _star_args(*cities: str) -> str:
+    return ""
+
+
+async def _star_kwargs(**cities: str) -> str:
+    return ""
+
+
+async def _positional_only(city: str, /) -> str:
+    return city
+
+
+async def _set_arg(ids: set[int]) -> str:
+    return ""
+
+
+async def _tuple_arg(pair: tuple[int, int]) -> str:
+    return ""
+
+
+async def _any_arg(value: Any) -> str:
+    return ""
+
+
+async def _bare_list(values: list) -> str:  # type: ignore[type-arg]
+    return ""
+
+
+async def _int_keys(values: dict[int, str]) -> str:
+    return ""
+
+
+async def _class_arg(when: datetime.datetime) -> str:
+    return ""
+
+
+async def _float_literal(x: Literal[1.5]) -> str:  # type: ignore[valid-type]
+    return ""
+
+
+async def _unknown_doc(city: str) -> str:
+    """Do it.
+
+    Args:
+        cty: misspelt.
+    """
+    return ""
+
+
+async def _two_contexts(a: ToolContext, b: ToolContext) -> str:
+    return ""
+
+
+async def _private(_city: str) -> str:
+    return ""
+
+
+async def _forward(city: NoSuchType) -> str:  # type: ignore[name-defined]  # noqa: F821
+    return ""
+
+
+@attrs.frozen
+class _BadField:
+    when: set[int]
+
+
+async def _bad_attrs(value: _BadField) -> str:
+    return ""
+
+
+class _FloatEnum(enum.Enum):
+    A = 1.5
+
+
+async def _float_enum(value: _FloatEnum) -> str:
+    return ""
+
+
+@pytest.mark.parametrize(
+    ("fn", "message"),
+    [
+        (_sync, "must be an 'async def' function"),
+        (_untyped, "has no type annotation"),
+        (_star_args, "*cities is not allowed"),
+        (_star_kwargs, "**cities is not allowed"),
+        (_positional_only, "positional-only"),
+        (_set_arg, "unsupported type"),
+        (_tuple_arg, "unsupported type"),
+        (_any_arg, "unsupported type"),
+        (_bare_list, "give the item type"),
+        (_int_keys, "keys must be str"),
+        (_class_arg, "unsupported type"),
+        (_float_literal, "Literal values"),
+        (_unknown_doc, "documents unknown arguments: ['cty']"),
+        (_two_contexts, "two parameters take the tool context"),
+        (_private, "must not start with '_'"),
+        (_forward, "cannot resolve the type annotations"),
+        (_bad_attrs, "field 'when'"),
+        (_float_enum, "enum values must be str or int"),
+    ],
+)
+def test_bad_declarations_raise_usage_error(fn: Callable[..., Any], message: str) -> None:
+    with pytest.raises(UsageError, match=message.replace("*", r"\*").replace("[", r"\[")):
+        tool(fn)
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        {"name": "has space"},
+        {"name": ""},
+        {"name": "x" * 65},
+        {"timeout_s": 0},
+        {"timeout_s": float("nan")},
+        {"replay": "safe"},
+        {"reconcile": lambda a: None},
+    ],
+)
+def test_bad_options_raise_usage_error(options: dict[str, Any]) -> None:
+    async def fine(city: str) -> str:
+        return city
+
+    with pytest.raises(UsageError):
+        tool(**options)(fine)
+
+
+def test_toolbox_refuses_duplicates_plain_functions_and_bad_timeouts() -> None:
+    with pytest.raises(UsageError, match="two tools are named 'get_weather'"):
+        Toolbox([get_weather, get_weather])
+    with pytest.raises(UsageError, match="decorate it with @tool"):
+        Toolbox([_sync])  # type: ignore[list-item]
+    with pytest.raises(UsageError):
+        Toolbox([get_weather], default_timeout_s=-1)
+
+
+def test_environment_failure_is_a_treadle_error() -> None:
+    assert issubclass(EnvironmentFailure, TreadleError)
+
+
+# --------------------------------------------------------------------------- toolbox
+
+
+calls: list[dict[str, Any]] = []
+
+
+@tool(replay=ReplayPolicy.SAFE)
+async def record(point: Point, color: Color = Color.RED, ctx: ToolContext | None = None) -> Point:
+    """Record a point."""
+    calls.append({"point": point, "color": color})
+    return point
+
+
+@tool
+async def explode(message: str) -> str:
+    raise ValueError(message)
+
+
+@tool
+async def lose_connection() -> str:
+    raise EnvironmentFailure("sandbox is gone")
+
+
+@tool
+async def group_failure() -> str:
+    raise ExceptionGroup("several", [EnvironmentFailure("db down"), ValueError("x")])
+
+
+@tool(timeout_s=0.5)
+async def slow() -> str:
+    await trio.sleep_forever()
+    return "never"
+
+
+@tool(completes_task=True)
+async def finish(summary: str) -> str:
+    if summary == "fail":
+        raise RuntimeError("not done")
+    return "done"
+
+
+@tool
+async def who(ctx: ToolContext) -> ToolContext:
+    return ctx
+
+
+@tool
+async def echo(value: dict[str, str] | list[int] | None = None) -> Any:
+    return value
+
+
+BOX = Toolbox(
+    [get_weather, record, explode, lose_connection, group_failure, slow, finish, who, echo]
+)
+
+
+def test_toolbox_is_an_action_executor() -> None:
+    assert isinstance(BOX, ActionExecutor)
+
+
+def test_optional_context_is_injected_not_shown() -> None:
+    assert record.signature.context_parameter == "ctx"
+    assert "ctx" not in record.spec.parameters["properties"]
+
+
+def test_specs_order_policies_and_lookups() -> None:
+    assert [s.name for s in BOX.tool_specs()][:3] == ["get_weather", "record", "explode"]
+    assert BOX.replay_policy("record") is ReplayPolicy.SAFE
+    assert BOX.replay_policy("get_weather") is ReplayPolicy.NEVER
+    assert BOX.replay_policy("nope") is ReplayPolicy.NEVER
+    assert BOX.get("slow") is slow
+    assert BOX.get("nope") is None
+    assert BOX.timeout_s("slow") == 0.5
+    assert BOX.timeout_s("echo") == 10.0
+    assert not BOX.requires_approval("echo")
+
+
+async def test_string_result_is_the_observation() -> None:
+    outcome = await BOX.execute(action("get_weather", {"city": "Zürich", "days": 3}))
+    assert outcome == ActionOutcome(status=ActionStatus.EXECUTED, observation="Zürich:3:C")
+
+
+async def test_unknown_tool_is_not_executed_and_lists_known_tools() -> None:
+    with trio.testing.assert_checkpoints():
+        outcome = await BOX.execute(action("launch_rocket"))
+    assert outcome.status is ActionStatus.NOT_EXECUTED
+    assert outcome.detail is not None
+    assert "'launch_rocket'" in outcome.detail
+    assert "get_weather, record" in outcome.detail
+    assert outcome.observation == outcome.detail
+    assert not outcome.task_completed
+
+
+async def test_invalid_arguments_are_not_executed_with_every_error() -> None:
+    calls.clear()
+    with trio.testing.assert_checkpoints():
+        outcome = await BOX.execute(
+            action("record", {"point": {"x": "1", "q": 2}, "color": "green", "extra": 1})
+        )
+    assert outcome.status is ActionStatus.NOT_EXECUTED
+    assert calls == []
+    assert outcome.detail is not None
+    assert "extra fields found (extra) @ $" in outcome.detail
+
+
+@pytest.mark.parametrize(
+    ("arguments", "errors"),
+    [
+        ({}, ["required field missing @ $.city"]),
+        ({"city": 5}, ["expected a string, got integer @ $.city"]),
+        ({"city": "a", "days": "3"}, ["expected an integer, got string @ $.days"]),
+        ({"city": "a", "days": True}, ["expected an integer, got boolean @ $.days"]),
+        ({"city": "a", "days": 1.5}, ["expected an integer, got number @ $.days"]),
+        ({"city": "a", "unit": "K"}, ["expected one of 'C', 'F', got 'K' @ $.unit"]),
+        (
+            {"city": None, "days": None},
+            ["expected a string, got null @ $.city", "expected an integer, got null @ $.days"],
+        ),
+        (["city"], ["expected a JSON object of arguments, got array"]),
+    ],
+)
+async def test_validation_errors_are_precise(arguments: Any, errors: list[str]) -> None:
+    outcome = await BOX.execute(action("get_weather", arguments))
+    assert outcome.status is ActionStatus.NOT_EXECUTED
+    assert outcome.detail == "invalid arguments: " + "; ".join(errors)
+
+
+async def test_nested_and_union_validation() -> None:
+    bad = await BOX.execute(action("record", {"point": {"x": 1, "z": 0}}))
+    assert bad.detail == "invalid arguments: extra fields found (z) @ $.point"
+    bad = await BOX.execute(action("record", {"point": [1, 2]}))
+    assert bad.detail == "invalid arguments: expected an object, got array @ $.point"
+    bad = await BOX.execute(action("echo", {"value": "abc"}))
+    assert (
+        bad.detail
+        == "invalid arguments: expected an object or an array or null, got string @ $.value"
+    )
+    good = await BOX.execute(action("echo", {"value": [1, 2]}))
+    assert good.observation == "[1,2]"
+
+
+async def test_integral_float_is_an_integer() -> None:
+    outcome = await BOX.execute(action("get_weather", {"city": "a", "days": 2.0}))
+    assert outcome.observation == "a:2:C"
+
+
+async def test_structured_arguments_reach_the_tool_and_results_become_json() -> None:
+    calls.clear()
+    outcome = await BOX.execute(action("record", {"point": {"x": 4}, "color": "blue"}))
+    assert calls == [{"point": Point(x=4, y=0), "color": Color.BLUE}]
+    assert outcome.status is ActionStatus.EXECUTED
+    assert outcome.observation == '{"x":4,"y":0}'
+
+
+@pytest.mark.parametrize(
+    ("value", "observation"),
+    [
+        (None, "null"),
+        ({"city": "Zürich"}, '{"city":"Zürich"}'),
+    ],
+)
+async def test_other_results_are_compact_json(value: Any, observation: str) -> None:
+    outcome = await BOX.execute(action("echo", {} if value is None else {"value": value}))
+    assert outcome.observation == observation
+
+
+async def test_result_that_is_not_json_is_reported() -> None:
+    @tool
+    async def weird() -> object:
+        return object()
+
+    outcome = await Toolbox([weird]).execute(action("weird"))
+    assert outcome.status is ActionStatus.EXECUTED
+    assert outcome.observation.startswith("Error: the result of weird could not be written as JSON")
+
+
+async def test_tool_that_raises_is_executed_with_the_error() -> None:
+    outcome = await BOX.execute(action("explode", {"message": "boom"}))
+    assert outcome == ActionOutcome(
+        status=ActionStatus.EXECUTED, observation="Error: ValueError: boom"
+    )
+
+
+async def test_environment_failure_is_env_error() -> None:
+    outcome = await BOX.execute(action("lose_connection"))
+    assert outcome.status is ActionStatus.ENV_ERROR
+    assert outcome.detail == "Error: EnvironmentFailure: sandbox is gone"
+    outcome = await BOX.execute(action("group_failure"))
+    assert outcome.status is ActionStatus.ENV_ERROR
+    assert outcome.detail == "Error: EnvironmentFailure: db down"
+
+
+async def test_timeout_is_executed_with_a_timeout_observation(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    start = trio.current_time()
+    outcome = await BOX.execute(action("slow"))
+    assert trio.current_time() - start == pytest.approx(0.5)
+    assert outcome == ActionOutcome(
+        status=ActionStatus.EXECUTED, observation="Error: the call to slow timed out after 0.5 s"
+    )
+
+
+async def test_default_timeout_applies(autojump_clock: trio.testing.MockClock) -> None:
+    @tool
+    async def hang() -> str:
+        await trio.sleep_forever()
+        return ""
+
+    start = trio.current_time()
+    outcome = await Toolbox([hang], default_timeout_s=3).execute(action("hang"))
+    assert trio.current_time() - start == pytest.approx(3)
+    assert outcome.observation == "Error: the call to hang timed out after 3 s"
+
+
+async def test_outer_cancellation_propagates(autojump_clock: trio.testing.MockClock) -> None:
+    with trio.move_on_after(0.1) as scope:
+        await BOX.execute(action("slow"))
+        pytest.fail("execute returned after being cancelled")
+    assert scope.cancelled_caught
+    assert trio.current_time() == pytest.approx(0.1)
+
+
+async def test_execute_is_a_checkpoint_even_for_a_tool_that_never_awaits() -> None:
+    with trio.testing.assert_checkpoints():
+        await BOX.execute(action("get_weather", {"city": "Oslo"}))
+    with trio.CancelScope() as scope:
+        scope.cancel()
+        await BOX.execute(action("explode", {"message": "must not run"}))
+    assert scope.cancelled_caught
+
+
+async def test_completion_tool_signals_only_when_it_returns() -> None:
+    done = await BOX.execute(action("finish", {"summary": "ok"}))
+    assert done.task_completed
+    failed = await BOX.execute(action("finish", {"summary": "fail"}))
+    assert not failed.task_completed
+    assert failed.observation == "Error: RuntimeError: not done"
+    assert not (await BOX.execute(action("echo"))).task_completed
+
+
+async def test_context_is_injected() -> None:
+    outcome = await BOX.execute(action("who"), replay=True)
+    assert json.loads(outcome.observation) == {
+        "run_id": "run-1",
+        "step": 3,
+        "intent_id": "run-1/s3/a1",
+        "call_id": "call_1",
+        "tool": "who",
+        "replay": True,
+    }
+
+
+async def test_reconcile_hook(autojump_clock: trio.testing.MockClock) -> None:
+    seen: list[str] = []
+
+    async def look_up(a: Action) -> ActionOutcome | None:
+        seen.append(a.intent_id)
+        if a.arguments.get("hang"):
+            await trio.sleep_forever()
+        return ActionOutcome(status=ActionStatus.EXECUTED, observation="it was booked")
+
+    @tool(reconcile=look_up, timeout_s=1)
+    async def book(hang: bool = False) -> str:
+        return "booked"
+
+    box = Toolbox([book, get_weather])
+    outcome = await box.reconcile(action("book"))
+    assert outcome is not None
+    assert outcome.observation == "it was booked"
+    assert seen == ["run-1/s3/a1"]
+    assert await box.reconcile(action("book", {"hang": True})) is None
+    assert await box.reconcile(action("get_weather")) is None
+    assert await box.reconcile(action("nope")) is None
+
+
+# --------------------------------------------------------------------------- properties
+
+Strategy = st.SearchStrategy[Any]
+
+POINTS = st.builds(lambda x, y: {"x": x, "y": y}, st.integers(), st.integers())
+TYPE_POOL: list[tuple[Any, Strategy]] = [
+    (str, st.text()),
+    (int, st.integers()),
+    (float, st.floats(allow_nan=False, allow_infinity=False)),
+    (bool, st.booleans()),
+    (int | None, st.none() | st.integers()),
+    (list[str], st.lists(st.text(), max_size=3)),
+    (dict[str, int], st.dictionaries(st.text(max_size=5), st.integers(), max_size=3)),
+    (Literal["a", "b", 3], st.sampled_from(["a", "b", 3])),
+    (Color, st.sampled_from(["red", "blue"])),
+    (Level, st.sampled_from([1, 2])),
+    (Point, POINTS),
+    (list[Point], st.lists(POINTS, max_size=2)),
+    (str | list[int], st.text() | st.lists(st.integers(), max_size=3)),
+]
+names = st.from_regex(r"\A[a-z][a-z0-9_]{0,8}\Z").filter(lambda n: not keyword.iskeyword(n))
+
+
+@st.composite
+def signatures(draw: st.DrawFn) -> list[tuple[str, int, bool]]:
+    """(argument name, index into TYPE_POOL, required) for a random tool signature."""
+    arg_names = draw(st.lists(names, max_size=6, unique=True))
+    return [
+        (name, draw(st.integers(0, len(TYPE_POOL) - 1)), draw(st.booleans())) for name in arg_names
+    ]
+
+
+def build_tool(signature: list[tuple[str, int, bool]]) -> Tool:
+    async def returns_arguments(**kwargs: Any) -> dict[str, Any]:
+        return kwargs
+
+    params = []
+    for name, index, required in signature:
+        annotation = TYPE_POOL[index][0]
+        if not required:
+            annotation = annotation | None
+        params.append(
+            inspect.Parameter(
+                name,
+                inspect.Parameter.KEYWORD_ONLY,
+                annotation=annotation,
+                default=inspect.Parameter.empty if required else None,
+            )
+        )
+    returns_arguments.__signature__ = inspect.Signature(params)  # type: ignore[attr-defined]
+    returns_arguments.__annotations__ = {p.name: p.annotation for p in params}
+    return tool(name="generated")(returns_arguments)
+
+
+@st.composite
+def tools_with_arguments(draw: st.DrawFn) -> tuple[Tool, dict[str, Any], list[str]]:
+    signature = draw(signatures())
+    arguments: dict[str, Any] = {}
+    for name, index, required in signature:
+        if required or draw(st.booleans()):
+            arguments[name] = draw(TYPE_POOL[index][1])
+    required_names = [name for name, _, required in signature if required]
+    return build_tool(signature), arguments, required_names
+
+
+def expected_echo(tool_: Tool, arguments: dict[str, Any]) -> dict[str, Any]:
+    """What the tool receives, written back as JSON: left-out arguments are None."""
+    out: dict[str, Any] = {p.name: None for p in tool_.signature.parameters}
+    out.update(arguments)
+    echoed: dict[str, Any] = json.loads(json.dumps(out))
+    return echoed
+
+
+@settings(max_examples=150, deadline=None)
+@given(case=tools_with_arguments())
+async def test_generated_schemas_accept_and_deliver_valid_arguments(
+    case: tuple[Tool, dict[str, Any], list[str]],
+) -> None:
+    tool_, arguments, required = case
+    schema = tool_.spec.parameters
+    assert schema.get("required", []) == required
+    assert set(schema["properties"]) == {p.name for p in tool_.signature.parameters}
+    assert schema["additionalProperties"] is False
+    outcome = await Toolbox([tool_]).execute(action("generated", arguments))
+    assert outcome.status is ActionStatus.EXECUTED, outcome.detail
+    assert json.loads(outcome.observation) == expected_echo(tool_, arguments)
+
+
+@settings(max_examples=100, deadline=None)
+@given(case=tools_with_arguments(), extra=names)
+async def test_generated_schemas_refuse_extra_and_missing_arguments(
+    case: tuple[Tool, dict[str, Any], list[str]], extra: str
+) -> None:
+    tool_, arguments, required = case
+    box = Toolbox([tool_])
+    if extra not in arguments and extra not in {p.name for p in tool_.signature.parameters}:
+        outcome = await box.execute(action("generated", {**arguments, extra: 1}))
+        assert outcome.status is ActionStatus.NOT_EXECUTED
+        assert f"extra fields found ({extra})" in (outcome.detail or "")
+    if required:
+        missing = {k: v for k, v in arguments.items() if k != required[0]}
+        outcome = await box.execute(action("generated", missing))
+        assert outcome.status is ActionStatus.NOT_EXECUTED
+        assert f"required field missing @ $.{required[0]}" in (outcome.detail or "")
