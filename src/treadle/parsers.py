@@ -43,13 +43,25 @@ from treadle.types import (
     ToolSpec,
 )
 
+__all__ = [
+    "EMPTY_REPLY",
+    "SYNTHESISED_CALL_ID",
+    "TOOL_CALL_FROM_CONTENT",
+    "TRUNCATED",
+    "JsonToolCallParser",
+    "NativeToolCallParser",
+    "synthesise_call_id",
+]
+
 TOOL_CALL_FROM_CONTENT: Final = "tool_call_from_content"
 """Repair: a native-tools reply wrote its one tool call as JSON in the content."""
 SYNTHESISED_CALL_ID: Final = "synthesised_call_id"
 """Repair: a native call had an empty or repeated id; a deterministic one was made up."""
 
 EMPTY_REPLY: Final = "empty_reply"
+"""Invalid-decision reason: neither visible text nor a tool call."""
 TRUNCATED: Final = "truncated"
+"""Invalid-decision reason: the output token limit cut a call (or the whole reply) short."""
 
 _MAX_NAMES_LISTED: Final = 20
 
@@ -89,7 +101,7 @@ def _tool_list(names: frozenset[str]) -> str:
     return listed + (", ..." if len(ordered) > _MAX_NAMES_LISTED else "")
 
 
-def empty_reply(reply: ModelReply, names: frozenset[str]) -> ParsedReply:
+def _empty_reply(reply: ModelReply, names: frozenset[str]) -> ParsedReply:
     """The invalid decision for a reply with neither visible text nor a tool call."""
     if reply.finish_reason == "length":
         reason, why = TRUNCATED, "reached the output token limit before writing anything visible"
@@ -201,7 +213,7 @@ class _Collector:
         )
 
 
-def collect_native_calls(reply: ModelReply) -> _Collected:
+def _collect_native_calls(reply: ModelReply) -> _Collected:
     """Collect the reply's calls: complete ones first, then the repaired invalid ones.
 
     ``ModelReply`` keeps the two kinds apart, so complete calls come before repaired ones.
@@ -214,7 +226,7 @@ def collect_native_calls(reply: ModelReply) -> _Collected:
     return collector.result()
 
 
-def invalid_calls(reply: ModelReply, collected: _Collected) -> ParsedReply:
+def _invalid_calls(reply: ModelReply, collected: _Collected) -> ParsedReply:
     """The invalid decision for a reply with at least one unusable call (none is executed)."""
     lines = [problem.message for problem in collected.problems]
     if len(collected.calls) > 1:
@@ -233,7 +245,7 @@ def invalid_calls(reply: ModelReply, collected: _Collected) -> ParsedReply:
     )
 
 
-def call_from_content(reply: ModelReply, names: frozenset[str]) -> ToolCall | None:
+def _call_from_content(reply: ModelReply, names: frozenset[str]) -> ToolCall | None:
     """The one declared tool call a native-tools reply wrote as its whole content, if any."""
     body = (reply.text or "").strip()
     inner = _repair.strip_code_fence(body)
@@ -285,9 +297,9 @@ class NativeToolCallParser:
             The decision with the assistant message as it must be replayed.
         """
         names = _declared(tools)
-        collected = collect_native_calls(reply)
+        collected = _collect_native_calls(reply)
         if collected.problems:
-            return invalid_calls(reply, collected)
+            return _invalid_calls(reply, collected)
         text = _visible(reply.text)
         if collected.calls:
             return ParsedReply(
@@ -302,7 +314,7 @@ class NativeToolCallParser:
     def _without_calls(
         self, reply: ModelReply, text: str | None, names: frozenset[str]
     ) -> ParsedReply:
-        content_call = call_from_content(reply, names) if text is not None else None
+        content_call = _call_from_content(reply, names) if text is not None else None
         if content_call is not None:
             return ParsedReply(
                 kind=DecisionKind.ACTIONS,
@@ -311,7 +323,7 @@ class NativeToolCallParser:
                 history_message=_history(reply, None, (content_call,)),
             )
         if text is None:
-            return empty_reply(reply, names)
+            return _empty_reply(reply, names)
         if self._text_reply_tool is None:
             return ParsedReply(
                 kind=DecisionKind.FINAL_ANSWER, text=text, history_message=_history(reply, text)
@@ -411,7 +423,7 @@ class JsonToolCallParser:
         names = _declared(tools)
         text = _visible(reply.text)
         if text is None:
-            return empty_reply(reply, names)
+            return _empty_reply(reply, names)
         spans = [(span, _textcalls.calls_in(span, names)) for span in _textcalls.candidates(text)]
         used = [(span, found) for span, found in spans if found.is_calls]
         if not used:
