@@ -353,7 +353,7 @@ class Toolbox:
                 intent_id=action.intent_id,
                 call_id=action.call_id,
                 tool=action.tool,
-                replay=replay,
+                replay=replay or action.replay,
             )
         return await self._run(found, kwargs)
 

@@ -335,6 +335,8 @@ class Action:
         call_id: the model's tool-call id this answers.
         tool: the tool name.
         arguments: the decoded argument object (not yet validated).
+        replay: true when resume re-executes a ``safe`` action whose intent was already
+            written (its effect may have happened once before, under the same intent id).
     """
 
     run_id: str
@@ -343,6 +345,7 @@ class Action:
     call_id: str
     tool: str
     arguments: Mapping[str, JSONValue] = attrs.field(factory=dict)
+    replay: bool = False
 
 
 # --------------------------------------------------------------------------- definition data

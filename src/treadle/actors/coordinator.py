@@ -311,8 +311,7 @@ class RunCoordinator:
             final_answer=self._final_answer if reason is StopReason.FINAL_ANSWER else None,
             error=self._error if reason is StopReason.MODEL_ERROR else None,
         )
-        with trio.CancelScope(shield=True):
-            await self.writer.barrier(Op.RUN_FINISHED, record)
+        await self.writer.barrier(Op.RUN_FINISHED, record)
         self.view.apply(record)
         self.state = state
         return RunResult.from_finished(record)

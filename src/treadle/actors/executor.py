@@ -170,7 +170,7 @@ class ToolExecutor:
                     observation_is_synthetic=True,
                 )
         else:
-            outcome = await self._execute(action)
+            outcome = await self._execute(attrs.evolve(action, replay=replay))
         outcomes[index] = (outcome, trio.current_time() - started)
 
     async def _execute(self, action: Action) -> ActionOutcome:

@@ -93,8 +93,11 @@ def step_messages(step: StepRecord) -> list[Message]:
     """
     if step.decision is None or step.history_message is None:
         return []
-    messages = [step.history_message]
     calls = step.history_message.tool_calls
+    # An assistant turn with neither text nor calls is refused by providers: leave it out
+    # and let the feedback speak for it.
+    empty = not step.history_message.content and not calls
+    messages = [] if empty else [step.history_message]
     if step.decision is DecisionKind.ACTIONS:
         if calls:
             for call, observation in zip(calls, step.observations, strict=False):

@@ -189,8 +189,11 @@ class EventWriter:
             task_status.started()
             try:
                 async with inbox:
-                    async for message in inbox:
-                        await self._serve(message)
+                    try:
+                        async for message in inbox:
+                            await self._serve(message)
+                    finally:
+                        _refuse_pending(inbox)
             finally:
                 for channel in (*self._subscribers, *self._sink_inboxes):
                     channel.close()
@@ -281,6 +284,21 @@ class EventWriter:
                     await sink.send(event)
                 except Exception:  # a sink's failure never stops the run; it is counted
                     self._sink_failures += 1
+
+
+def _refuse_pending(inbox: trio.MemoryReceiveChannel[WriterRequest]) -> None:
+    """Close the reply channels of requests still queued when the writer stops.
+
+    Their requesters then see `trio.EndOfChannel` instead of waiting forever.
+    """
+    while True:
+        try:
+            message = inbox.receive_nowait()
+        except (trio.WouldBlock, trio.EndOfChannel, trio.ClosedResourceError):
+            return
+        reply_to = getattr(message, "reply_to", None)
+        if reply_to is not None:
+            reply_to.close()
 
 
 async def _write_started(store: RunStore, records: tuple[Record, ...], seq: int) -> None:

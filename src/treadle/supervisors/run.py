@@ -199,11 +199,18 @@ async def open_run(
         handle._done.set()
         yield handle
         return
-    async with trio.open_nursery() as nursery:
-        await nursery.start(
-            _supervise, agent, input, log, store, sinks, clock or SystemClock(), rng, handle
-        )
-        yield handle
+    try:
+        async with trio.open_nursery() as nursery:
+            await nursery.start(
+                _supervise, agent, input, log, store, sinks, clock or SystemClock(), rng, handle
+            )
+            yield handle
+    except BaseExceptionGroup as group:
+        # The run's own errors are on the handle; what reaches here came from the caller's
+        # block. Hand a single error back unwrapped, as the caller raised it.
+        if len(group.exceptions) == 1:
+            raise group.exceptions[0] from None
+        raise
 
 
 async def _supervise(
@@ -381,4 +388,5 @@ async def run(
     async with open_run(
         agent, input, store=store, run_id=run_id, sinks=sinks, clock=clock, rng=rng
     ) as handle:
-        return await handle.wait()
+        pass  # leaving the block waits for the run
+    return await handle.wait()

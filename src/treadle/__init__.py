@@ -1,0 +1,96 @@
+"""treadle: durable, cancellable, budgeted LLM agent runs on trio.
+
+Every run is a write-ahead log: an intent is durable before each model call and each tool
+call, results follow. A run survives a crash, resumes without repeating a side effect, streams
+ordered events, and can be replayed and tested in deterministic simulation.
+
+The public names are re-exported here; implementation modules are private.
+"""
+
+from __future__ import annotations
+
+from treadle._clock import Clock as Clock
+from treadle._clock import FixedStepClock as FixedStepClock
+from treadle._clock import SystemClock as SystemClock
+from treadle._exceptions import ConflictError as ConflictError
+from treadle._exceptions import LogCorrupted as LogCorrupted
+from treadle._exceptions import ModelCallError as ModelCallError
+from treadle._exceptions import RunInterrupted as RunInterrupted
+from treadle._exceptions import SchemaTooNew as SchemaTooNew
+from treadle._exceptions import SnapshotMismatch as SnapshotMismatch
+from treadle._exceptions import StoreError as StoreError
+from treadle._exceptions import TreadleError as TreadleError
+from treadle._exceptions import UsageError as UsageError
+from treadle.agent import Agent as Agent
+from treadle.agent import RunInput as RunInput
+from treadle.models.openai import OpenAIChatClient as OpenAIChatClient
+from treadle.parsers import JsonToolCallParser as JsonToolCallParser
+from treadle.parsers import NativeToolCallParser as NativeToolCallParser
+from treadle.stores.memory import MemoryStore as MemoryStore
+from treadle.stores.sqlite import SqliteStore as SqliteStore
+from treadle.stores.sqlite import open_sqlite_store as open_sqlite_store
+from treadle.supervisors.run import RunHandle as RunHandle
+from treadle.supervisors.run import open_run as open_run
+from treadle.supervisors.run import run as run
+from treadle.tools import EnvironmentFailure as EnvironmentFailure
+from treadle.tools import Tool as Tool
+from treadle.tools import Toolbox as Toolbox
+from treadle.tools import ToolContext as ToolContext
+from treadle.tools import tool as tool
+from treadle.types import ActionStatus as ActionStatus
+from treadle.types import Budgets as Budgets
+from treadle.types import Event as Event
+from treadle.types import EventKind as EventKind
+from treadle.types import ImageRef as ImageRef
+from treadle.types import Limits as Limits
+from treadle.types import Message as Message
+from treadle.types import ReplayPolicy as ReplayPolicy
+from treadle.types import RunResult as RunResult
+from treadle.types import RunState as RunState
+from treadle.types import StopReason as StopReason
+from treadle.types import SyntheticObservations as SyntheticObservations
+from treadle.types import Usage as Usage
+
+__all__ = [
+    "ActionStatus",
+    "Agent",
+    "Budgets",
+    "Clock",
+    "ConflictError",
+    "EnvironmentFailure",
+    "Event",
+    "EventKind",
+    "FixedStepClock",
+    "ImageRef",
+    "JsonToolCallParser",
+    "Limits",
+    "LogCorrupted",
+    "MemoryStore",
+    "Message",
+    "ModelCallError",
+    "NativeToolCallParser",
+    "OpenAIChatClient",
+    "ReplayPolicy",
+    "RunHandle",
+    "RunInput",
+    "RunInterrupted",
+    "RunResult",
+    "RunState",
+    "SchemaTooNew",
+    "SnapshotMismatch",
+    "SqliteStore",
+    "StopReason",
+    "StoreError",
+    "SyntheticObservations",
+    "SystemClock",
+    "Tool",
+    "ToolContext",
+    "Toolbox",
+    "TreadleError",
+    "Usage",
+    "UsageError",
+    "open_run",
+    "open_sqlite_store",
+    "run",
+    "tool",
+]
