@@ -1,0 +1,406 @@
+"""Assembling a streamed chat-completions response, and classifying provider failures.
+
+`StreamAccumulator` folds the ``data`` payloads of one response (``chat.completion.chunk``
+objects) into a `treadle.types.ModelReply`. `classify_failure` maps an HTTP status or an
+in-band error object to the error kinds of `treadle.types.ModelErrorInfo`, and
+`parse_retry_after` reads the server-directed wait.
+"""
+
+from __future__ import annotations
+
+import email.utils
+import hashlib
+import json
+import math
+import re
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import attrs
+
+from treadle._exceptions import ModelCallError
+from treadle.ports import DeltaCallback
+from treadle.types import InvalidToolCall, ModelErrorInfo, ModelReply, ToolCall, Usage
+
+_CONTEXT_HINTS = re.compile(
+    r"context[ _-]length|maximum context|context window|prompt is too long|too many tokens",
+    re.IGNORECASE,
+)
+_RATE_HINTS = ("rate_limit", "too_many_requests", "rate limit", "quota")
+_SERVER_HINTS = ("server_error", "internal", "overloaded", "unavailable", "api_error")
+MAX_MESSAGE_CHARS = 500
+"""Provider error messages are cut to this many characters."""
+
+
+def error_fields(payload: Any) -> tuple[str, Any, str]:
+    """Pull ``(message, code, type)`` out of an error payload of any common shape.
+
+    Accepts ``{"error": {...}}``, ``{"error": "text"}``, a bare error object, or
+    ``{"detail": ...}``; anything else gives an empty message.
+    """
+    error = payload.get("error", payload) if isinstance(payload, Mapping) else payload
+    if isinstance(error, str):
+        return error[:MAX_MESSAGE_CHARS], None, ""
+    if not isinstance(error, Mapping):
+        return "", None, ""
+    message = error.get("message") or error.get("detail") or ""
+    if not isinstance(message, str):
+        message = json.dumps(message)
+    kind = error.get("type")
+    return message[:MAX_MESSAGE_CHARS], error.get("code"), kind if isinstance(kind, str) else ""
+
+
+def classify_failure(
+    *, status: int | None, code: Any, type_: str, message: str
+) -> tuple[str, bool]:
+    """Map a failure to ``(kind, retryable)``.
+
+    Args:
+        status: the HTTP status, or ``None`` for an error reported inside a 200 stream.
+        code: the error object's ``code`` (a string, an integer status, or ``None``).
+        type_: the error object's ``type`` (``""`` when absent).
+        message: the provider's message.
+
+    Returns:
+        One of the kinds listed on `treadle.types.ModelErrorInfo` and whether the same request
+        may be sent again. An in-band error with no known code is ``upstream_error``
+        (retryable); a context-length error is never retryable.
+    """
+    numeric = _as_status(code) if status is None else status
+    words = f"{code} {type_}".lower()
+    context = "context_length" in words or _CONTEXT_HINTS.search(message) is not None
+    if context and (numeric is None or numeric in (400, 413, 422)):
+        return "context_length_exceeded", False
+    if numeric is not None:
+        return _classify_status(numeric)
+    if any(hint in words for hint in _RATE_HINTS):
+        return "rate_limited", True
+    if any(hint in words for hint in _SERVER_HINTS):
+        return "server_error", True
+    return "upstream_error", True
+
+
+def _as_status(code: Any) -> int | None:
+    if isinstance(code, int) and not isinstance(code, bool) and 100 <= code <= 599:
+        return code
+    if isinstance(code, str) and code.isdigit() and len(code) == 3:
+        return int(code)
+    return None
+
+
+def _classify_status(status: int) -> tuple[str, bool]:
+    if status == 429:
+        return "rate_limited", True
+    if status == 408:
+        return "timeout", True
+    if status >= 500:
+        return "server_error", True
+    if status in (401, 403):
+        return "auth", False
+    if status == 404:
+        return "not_found", False
+    if 400 <= status < 500:
+        return "bad_request", False
+    return "invalid_response", False
+
+
+def parse_retry_after(headers: Mapping[str, str], *, now_s: float) -> float | None:
+    """Read the server-directed wait from ``retry-after-ms`` or ``Retry-After``.
+
+    Args:
+        headers: response headers (case-insensitive mapping, e.g. `httpx.Headers`).
+        now_s: the current UTC wall-clock time in seconds since the epoch, for HTTP-dates.
+
+    Returns:
+        The wait in seconds (never negative), or ``None`` when absent or unreadable.
+    """
+    milliseconds = _number(headers.get("retry-after-ms"))
+    if milliseconds is not None:
+        return max(0.0, milliseconds / 1000)
+    value = headers.get("retry-after")
+    if value is None:
+        return None
+    seconds = _number(value)
+    if seconds is None:
+        try:
+            seconds = email.utils.parsedate_to_datetime(value).timestamp() - now_s
+        except (TypeError, ValueError, IndexError):
+            return None
+    return max(0.0, seconds)
+
+
+def _number(value: str | None) -> float | None:
+    try:
+        number = float(value) if value is not None else None
+    except ValueError:
+        return None
+    return number if number is not None and math.isfinite(number) else None
+
+
+def usage_from(payload: Any) -> Usage:
+    """Map an OpenAI ``usage`` object to `Usage`; a count the server did not give is ``None``."""
+    if not isinstance(payload, Mapping):
+        return Usage()
+    details = payload.get("completion_tokens_details")
+    reasoning = details.get("reasoning_tokens") if isinstance(details, Mapping) else None
+    return Usage(
+        input_tokens=_count(payload.get("prompt_tokens")),
+        output_tokens=_count(payload.get("completion_tokens")),
+        reasoning_tokens=_count(reasoning),
+        total_tokens=_count(payload.get("total_tokens")),
+    )
+
+
+def _count(value: Any) -> int | None:
+    if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
+        return value
+    return None
+
+
+@attrs.define(eq=False)
+class _CallBuffer:
+    index: int
+    id: str = ""
+    name: str = ""
+    arguments: list[str] = attrs.Factory(list)
+
+    def merge(self, call_id: str, name: str, arguments: str) -> None:
+        if call_id and not self.id:
+            self.id = call_id
+        if name and name != self.name:
+            self.name += name
+        if arguments:
+            self.arguments.append(arguments)
+
+
+@attrs.define(eq=False)
+class StreamAccumulator:
+    """Folds the data payloads of one streamed response into a reply.
+
+    Tool-call fragments are routed by ``index``; at one index, a fragment whose non-empty id
+    differs from the id held there starts a new call. A name is set when empty, an identical
+    repeat is ignored, anything else is appended. Empty ids and names never overwrite. Every
+    arguments fragment is appended, the first one included.
+
+    Attributes:
+        on_delta: receives ``("text" | "reasoning", fragment)`` as fragments arrive.
+        redact: applied to every error message built here (removes credentials).
+        done: true once ``[DONE]`` was seen; later payloads are ignored.
+        events: data payloads seen (``[DONE]`` included).
+    """
+
+    on_delta: DeltaCallback | None = None
+    redact: Callable[[str], str] | None = None
+    done: bool = False
+    events: int = 0
+    response_id: str | None = None
+    finish_reason: str | None = None
+    usage: Usage = Usage()
+    _text: list[str] | None = None
+    _reasoning: list[str] | None = None
+    _calls: list[_CallBuffer] = attrs.Factory(list)
+    _by_index: dict[int, _CallBuffer] = attrs.Factory(dict)
+
+    @property
+    def text(self) -> str | None:
+        """Visible text so far; ``None`` when the server sent no content at all."""
+        return None if self._text is None else "".join(self._text)
+
+    def add(self, data: str, *, event: str = "message") -> None:
+        """Fold one SSE event's ``data``.
+
+        Args:
+            data: the event's data (a JSON chunk, or ``[DONE]``).
+            event: the SSE event name; an ``error`` event is an in-band error whatever its data.
+
+        Raises:
+            treadle.ModelCallError: kind ``invalid_response`` for data that is not a JSON
+                object, or the classified kind of an in-band error.
+        """
+        if self.done:
+            return
+        self.events += 1
+        if data.strip() == "[DONE]":
+            self.done = True
+            return
+        try:
+            chunk = json.loads(data)
+        except ValueError as exc:
+            if event == "error":
+                raise self._inband_error({"error": data}) from exc
+            raise self.failure("invalid_response", f"data event is not JSON: {exc}") from exc
+        if event == "error" and not (isinstance(chunk, Mapping) and "error" in chunk):
+            chunk = {"error": chunk}
+        if not isinstance(chunk, Mapping):
+            raise self.failure("invalid_response", "data event is not a JSON object")
+        self.add_chunk(chunk)
+
+    def add_chunk(self, chunk: Mapping[str, Any]) -> None:
+        """Fold one decoded ``chat.completion.chunk`` object (see `add`)."""
+        if chunk.get("error") is not None:
+            raise self._inband_error(chunk)
+        if isinstance(chunk.get("id"), str) and chunk["id"] and self.response_id is None:
+            self.response_id = chunk["id"]
+        if chunk.get("usage") is not None:
+            self.usage = usage_from(chunk["usage"])
+        for choice in chunk.get("choices") or ():
+            if isinstance(choice, Mapping) and choice.get("index") in (0, None):
+                self._add_choice(choice)
+
+    def failure(self, kind: str, message: str, *, retryable: bool = False) -> ModelCallError:
+        """Build the error for this response, carrying its usage and partial text."""
+        if self.redact is not None:
+            message = self.redact(message)
+        info = ModelErrorInfo(kind=kind, message=message, retryable=retryable)
+        return ModelCallError(info, usage=self.usage, partial_text=self.text or "")
+
+    def reply(self) -> ModelReply:
+        """The assembled reply: calls ordered by index, unparseable ones set apart.
+
+        A call whose arguments are not a JSON object goes to ``invalid_tool_calls`` with its
+        raw text: reason ``truncated`` when ``finish_reason`` is ``length``, else
+        ``unparseable``. It never appears in ``tool_calls``.
+        """
+        calls: list[ToolCall] = []
+        invalid: list[InvalidToolCall] = []
+        for ordinal, buf in enumerate(sorted(self._calls, key=lambda b: b.index)):
+            call_id = buf.id or self._synthetic_id(buf, ordinal)
+            raw = "".join(buf.arguments)
+            arguments = _object_or_none(raw)
+            if arguments is None or (not buf.name and self.finish_reason == "length"):
+                reason = "truncated" if self.finish_reason == "length" else "unparseable"
+                invalid.append(
+                    InvalidToolCall(id=call_id, name=buf.name, raw_arguments=raw, reason=reason)
+                )
+            else:
+                calls.append(ToolCall(id=call_id, name=buf.name, arguments=arguments))
+        return ModelReply(
+            text=self.text,
+            reasoning=None if self._reasoning is None else "".join(self._reasoning),
+            tool_calls=tuple(calls),
+            invalid_tool_calls=tuple(invalid),
+            finish_reason=self.finish_reason,
+            usage=self.usage,
+            response_id=self.response_id,
+        )
+
+    def add_completion(self, body: bytes) -> ModelReply:
+        """Fold a whole non-streamed ``chat.completion`` body and return the reply.
+
+        For servers that ignore ``stream: true`` and answer with one JSON object.
+
+        Raises:
+            treadle.ModelCallError: kind ``invalid_response`` when the body is not a JSON
+                object, or the classified kind of its ``error`` object.
+        """
+        try:
+            payload = json.loads(body)
+        except ValueError as exc:
+            raise self.failure("invalid_response", f"body is not JSON: {exc}") from exc
+        if not isinstance(payload, dict):
+            raise self.failure("invalid_response", "body is not a JSON object")
+        for choice in payload.get("choices") or ():
+            if isinstance(choice, dict) and isinstance(choice.get("message"), dict):
+                choice["delta"] = _indexed(choice["message"])
+        self.add_chunk(payload)
+        return self.reply()
+
+    def _inband_error(self, chunk: Mapping[str, Any]) -> ModelCallError:
+        message, code, type_ = error_fields(chunk)
+        kind, retryable = classify_failure(status=None, code=code, type_=type_, message=message)
+        return self.failure(kind, message or "error event in stream", retryable=retryable)
+
+    def _add_choice(self, choice: Mapping[str, Any]) -> None:
+        delta = choice.get("delta")
+        if isinstance(delta, Mapping):
+            self._add_delta(delta)
+        if isinstance(choice.get("finish_reason"), str):
+            self.finish_reason = choice["finish_reason"]
+
+    def _add_delta(self, delta: Mapping[str, Any]) -> None:
+        reasoning = delta.get("reasoning_content")
+        if not isinstance(reasoning, str) or not reasoning:
+            reasoning = delta.get("reasoning", reasoning)
+        if isinstance(reasoning, str):
+            self._reasoning = self._append(self._reasoning, reasoning, "reasoning")
+        for key in ("content", "refusal"):
+            text = _text_of(delta.get(key))
+            if text is not None:
+                self._text = self._append(self._text, text, "text")
+        for fragment in delta.get("tool_calls") or ():
+            if isinstance(fragment, Mapping):
+                self._add_call_fragment(fragment)
+
+    def _append(self, parts: list[str] | None, fragment: str, channel: str) -> list[str]:
+        parts = [] if parts is None else parts
+        if fragment:
+            parts.append(fragment)
+            if self.on_delta is not None:
+                self.on_delta(channel, fragment)
+        return parts
+
+    def _add_call_fragment(self, fragment: Mapping[str, Any]) -> None:
+        function = fragment.get("function")
+        function = function if isinstance(function, Mapping) else {}
+        call_id = _str(fragment.get("id"))
+        arguments = function.get("arguments")
+        if arguments is not None and not isinstance(arguments, str):
+            arguments = json.dumps(arguments)
+        buf = self._buffer_for(fragment.get("index"), call_id)
+        buf.merge(call_id, _str(function.get("name")), arguments or "")
+
+    def _buffer_for(self, index: Any, call_id: str) -> _CallBuffer:
+        if not isinstance(index, int) or isinstance(index, bool):
+            index = self._index_without_index(call_id)
+        held = self._by_index.get(index)
+        if held is None or (call_id and held.id and call_id != held.id):
+            held = _CallBuffer(index=index)
+            self._calls.append(held)
+            self._by_index[index] = held
+        return held
+
+    def _index_without_index(self, call_id: str) -> int:
+        for buf in self._calls:
+            if call_id and buf.id == call_id:
+                return buf.index
+        if not self._calls:
+            return 0
+        if call_id:
+            return max(buf.index for buf in self._calls) + 1
+        return self._calls[-1].index
+
+    def _synthetic_id(self, buf: _CallBuffer, ordinal: int) -> str:
+        seed = f"{self.response_id}\0{buf.index}\0{ordinal}"
+        if self.response_id is None:
+            seed += f"\0{buf.name}\0{''.join(buf.arguments)}"
+        return "call_" + hashlib.sha256(seed.encode()).hexdigest()[:24]
+
+
+def _indexed(message: dict[str, Any]) -> dict[str, Any]:
+    delta = dict(message)
+    calls = delta.get("tool_calls")
+    if isinstance(calls, list):
+        calls = [c for c in calls if isinstance(c, dict)]
+        delta["tool_calls"] = [{**c, "index": i} for i, c in enumerate(calls)]
+    return delta
+
+
+def _str(value: Any) -> str:
+    return value if isinstance(value, str) else ""
+
+
+def _text_of(content: Any) -> str | None:
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        texts = [p.get("text") for p in content if isinstance(p, Mapping)]
+        return "".join(t for t in texts if isinstance(t, str))
+    return None
+
+
+def _object_or_none(raw: str) -> dict[str, Any] | None:
+    try:
+        value = json.loads(raw)
+    except ValueError:
+        return None
+    return value if isinstance(value, dict) else None

@@ -1,0 +1,174 @@
+"""An incremental Server-Sent Events decoder over raw bytes (WHATWG HTML, "event stream").
+
+The decoder is fed the response body in whatever pieces the transport delivers and returns the
+events completed by each piece. It splits lines on bytes (CRLF, CR or LF, including a CR/LF
+pair split across two reads) and only then decodes each complete line as strict UTF-8, so a
+multi-byte character cut by a read boundary is never decoded half-way, and Unicode line
+separators such as U+0085 or U+2028 inside a value are never taken for line ends.
+"""
+
+from __future__ import annotations
+
+import attrs
+
+_BOM = b"\xef\xbb\xbf"
+
+
+class SSEDecodeError(ValueError):
+    """The byte stream is not a valid event stream (its text is not UTF-8).
+
+    Attributes:
+        offset: byte offset in the whole stream of the start of the bad line.
+    """
+
+    def __init__(self, message: str, *, offset: int) -> None:
+        super().__init__(f"{message} (line starting at byte {offset})")
+        self.offset = offset
+
+
+@attrs.frozen(kw_only=True)
+class SSEEvent:
+    """One dispatched event.
+
+    Attributes:
+        data: the ``data`` lines of the event joined with a single LF (no trailing LF).
+        event: the ``event`` field; ``"message"`` when the event named none.
+        id: the last ``id`` field seen so far in the stream, ``None`` when none was sent.
+        retry_ms: the ``retry`` field of this event in milliseconds, ``None`` when not sent.
+    """
+
+    data: str
+    event: str = "message"
+    id: str | None = None
+    retry_ms: int | None = None
+
+
+@attrs.define(eq=False)
+class SSEDecoder:
+    """Turns body bytes into `SSEEvent` values, one read at a time.
+
+    Comment lines (starting with ``:``) are ignored wherever they appear; a field's value may
+    follow the colon with or without one space; an event is dispatched on an empty line and
+    only when it holds at least one ``data`` line. A leading UTF-8 byte order mark is skipped.
+
+    Use `feed` for every read, then `close` at end of stream: an event that was never
+    terminated by an empty line is discarded there, and `close` reports it.
+
+    Attributes:
+        comments: comment lines seen so far (keep-alive pings), for diagnostics.
+        events: events dispatched so far.
+    """
+
+    comments: int = 0
+    events: int = 0
+    _buffer: bytes = b""
+    _offset: int = 0
+    _skip_lf: bool = False
+    _at_start: bool = True
+    _data: list[str] = attrs.Factory(list)
+    _event: str = ""
+    _last_id: str | None = None
+    _retry_ms: int | None = None
+    _pending_fields: bool = False
+
+    def feed(self, chunk: bytes) -> list[SSEEvent]:
+        """Decode one read of the body.
+
+        Args:
+            chunk: the next bytes of the body, of any length (possibly empty).
+
+        Returns:
+            The events completed by this chunk, in stream order (often empty).
+
+        Raises:
+            SSEDecodeError: a complete line is not valid UTF-8.
+        """
+        if self._skip_lf and chunk[:1] == b"\n":
+            chunk = chunk[1:]
+            self._offset += 1
+        if chunk:
+            self._skip_lf = False
+        buffer = self._buffer + chunk
+        if self._at_start:
+            if len(buffer) < len(_BOM) and _BOM.startswith(buffer):
+                self._buffer = buffer
+                return []
+            self._at_start = False
+            if buffer.startswith(_BOM):
+                buffer = buffer[len(_BOM) :]
+                self._offset += len(_BOM)
+        return self._split(buffer)
+
+    def close(self) -> bool:
+        """End the stream.
+
+        Returns:
+            True when an unterminated event (a partial line, or field lines without the
+            empty line that dispatches them) was discarded; False on a clean end.
+        """
+        truncated = bool(self._buffer) or self._pending_fields
+        self._buffer = b""
+        self._reset_event()
+        return truncated
+
+    def _split(self, buffer: bytes) -> list[SSEEvent]:
+        out: list[SSEEvent] = []
+        lines = buffer.splitlines(keepends=True)
+        rest = b""
+        if lines and not lines[-1].endswith((b"\n", b"\r")):
+            rest = lines.pop()
+        for raw in lines:
+            event = self._line(raw)
+            if event is not None:
+                out.append(event)
+        if lines and lines[-1].endswith(b"\r"):
+            self._skip_lf = True
+        self._buffer = rest
+        return out
+
+    def _line(self, raw: bytes) -> SSEEvent | None:
+        start = self._offset
+        self._offset += len(raw)
+        try:
+            line = raw.rstrip(b"\r\n").decode("utf-8")
+        except UnicodeDecodeError as exc:
+            raise SSEDecodeError(f"invalid UTF-8: {exc.reason}", offset=start) from exc
+        if not line:
+            return self._dispatch()
+        if line.startswith(":"):
+            self.comments += 1
+            return None
+        name, _, value = line.partition(":")
+        self._field(name, value[1:] if value.startswith(" ") else value)
+        return None
+
+    def _field(self, name: str, value: str) -> None:
+        self._pending_fields = True
+        if name == "data":
+            self._data.append(value)
+        elif name == "event":
+            self._event = value
+        elif name == "id" and "\0" not in value:
+            self._last_id = value
+        elif name == "retry" and value.isascii() and value.isdigit():
+            self._retry_ms = int(value)
+
+    def _dispatch(self) -> SSEEvent | None:
+        if not self._data:
+            self._reset_event()
+            return None
+        event = SSEEvent(
+            data="\n".join(self._data),
+            event=self._event or "message",
+            id=self._last_id,
+            retry_ms=self._retry_ms,
+        )
+        self.events += 1
+        self._reset_event()
+        return event
+
+    def _reset_event(self) -> None:
+        self._data = []
+        self._event = ""
+        self._retry_ms = None
+        self._pending_fields = False

@@ -1,0 +1,122 @@
+"""probe(): one request with bounded retries, reported as a plain dict."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import trio
+
+from treadle._exceptions import UsageError
+from treadle.models import probe
+from treadle.testing.loopback import CannedResponse, canned, open_loopback_server
+from treadle.types import Message, ToolSpec
+
+SSE = {"content-type": "text/event-stream"}
+
+
+def sse(*payloads) -> list[bytes]:
+    return [f"data: {p if isinstance(p, str) else json.dumps(p)}\n\n".encode() for p in payloads]
+
+
+def chunk(delta, finish=None, usage=None) -> dict:
+    out = {"id": "chatcmpl-p", "choices": [{"index": 0, "delta": delta, "finish_reason": finish}]}
+    if usage is not None:
+        out["usage"] = usage
+    return out
+
+
+PONG = CannedResponse(
+    headers=SSE,
+    chunks=sse(
+        chunk({"content": "pong"}, "stop"),
+        {"id": "chatcmpl-p", "choices": [], "usage": {"prompt_tokens": 9, "completion_tokens": 1}},
+        "[DONE]",
+    ),
+)
+
+
+async def run_probe(*responses: CannedResponse, **kwargs):
+    async with open_loopback_server(canned(*responses)) as server:
+        with trio.fail_after(10):
+            result = await probe(base_url=server.base_url, model="m", **kwargs)
+    return result, server
+
+
+async def test_success_is_reported_with_usage():
+    result, server = await run_probe(PONG)
+    assert result == {
+        "text": "pong",
+        "tool_calls": [],
+        "finish_reason": "stop",
+        "usage": {
+            "input_tokens": 9,
+            "output_tokens": 1,
+            "reasoning_tokens": None,
+            "total_tokens": None,
+        },
+        "error": None,
+    }
+    body = server.requests[0].json()
+    assert body["model"] == "m"
+    assert body["messages"] == [{"role": "user", "content": "Reply with the single word: pong"}]
+    assert "tools" not in body
+
+
+async def test_tools_and_messages_are_sent_and_calls_reported():
+    call = {"index": 0, "id": "c1", "function": {"name": "f", "arguments": '{"a": 1}'}}
+    response = CannedResponse(
+        headers=SSE, chunks=sse(chunk({"tool_calls": [call]}, "tool_calls"), "[DONE]")
+    )
+    result, server = await run_probe(
+        response,
+        tools=[ToolSpec(name="f")],
+        messages=[Message(role="user", content="call f")],
+        api_key="sk-x",
+    )
+    assert result["tool_calls"] == [{"id": "c1", "name": "f", "arguments": {"a": 1}}]
+    assert result["usage"] is None
+    assert result["error"] is None
+    body = server.requests[0].json()
+    assert body["tools"][0]["function"]["name"] == "f"
+    assert body["messages"] == [{"role": "user", "content": "call f"}]
+    assert server.requests[0].header("authorization") == "Bearer sk-x"
+
+
+async def test_retryable_error_is_retried_honouring_retry_after():
+    limited = CannedResponse(status=429, headers={"retry-after": "0"})
+    result, server = await run_probe(limited, PONG, max_attempts=3)
+    assert result["text"] == "pong"
+    assert result["error"] is None
+    assert len(server.requests) == 2
+
+
+async def test_attempts_are_bounded_and_the_last_error_reported():
+    failing = CannedResponse(status=503, headers={})
+    result, server = await run_probe(failing, max_attempts=3, retry_initial_s=0)
+    assert len(server.requests) == 3
+    assert result == {
+        "text": None,
+        "tool_calls": [],
+        "finish_reason": None,
+        "usage": None,
+        "error": {"kind": "server_error", "retryable": True, "retry_after_s": None},
+    }
+
+
+async def test_non_retryable_error_is_not_retried():
+    result, server = await run_probe(CannedResponse(status=401), max_attempts=3)
+    assert len(server.requests) == 1
+    assert result["error"] == {"kind": "auth", "retryable": False, "retry_after_s": None}
+
+
+async def test_a_wait_longer_than_allowed_ends_the_probe():
+    limited = CannedResponse(status=429, headers={"retry-after": "120"})
+    result, server = await run_probe(limited, PONG, max_retry_wait_s=5)
+    assert len(server.requests) == 1
+    assert result["error"] == {"kind": "rate_limited", "retryable": True, "retry_after_s": 120.0}
+
+
+async def test_max_attempts_must_be_positive():
+    with pytest.raises(UsageError):
+        await probe(base_url="http://127.0.0.1:9", model="m", max_attempts=0)
