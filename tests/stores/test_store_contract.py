@@ -1,0 +1,130 @@
+"""The run store contract (`treadle.testing.contracts`), run against every store we ship."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import AsyncIterator, Callable
+
+import attrs
+import pytest
+
+from treadle.ports import RunStore
+from treadle.stores import MemoryStore, SqliteStore
+from treadle.testing.contracts import (
+    RUN_STORE_CHECKS,
+    StoreCheck,
+    StoreContractError,
+    StoreOpener,
+    check_run_store,
+)
+
+
+@attrs.frozen
+class Harness:
+    open_store: StoreOpener
+    persistent: bool
+
+
+def _opener(make: Callable[[], object]) -> StoreOpener:
+    @contextlib.asynccontextmanager
+    async def open_store() -> AsyncIterator[RunStore]:
+        store = make()
+        if not isinstance(store, RunStore):
+            store = await store  # type: ignore[misc]
+        try:
+            yield store
+        finally:
+            await store.aclose()
+
+    return open_store
+
+
+def _harness(kind: str, tmp_path) -> Harness:
+    if kind == "memory":
+        return Harness(_opener(MemoryStore), persistent=False)
+    path = tmp_path / "runs.db"
+    return Harness(_opener(lambda: SqliteStore.open(path)), persistent=True)
+
+
+STORES = ("memory", "sqlite")
+CASES = [
+    pytest.param(kind, check, id=f"{kind}-{check.name}")
+    for kind in STORES
+    for check in RUN_STORE_CHECKS
+    if kind != "memory" or not check.persistent_only  # memory keeps nothing across a reopen
+]
+
+
+@pytest.fixture(params=STORES)
+def harness(request, tmp_path) -> Harness:
+    return _harness(request.param, tmp_path)
+
+
+@pytest.mark.parametrize(("kind", "check"), CASES)
+async def test_contract(kind: str, check: StoreCheck, tmp_path) -> None:
+    await check(_harness(kind, tmp_path).open_store)
+
+
+async def test_whole_suite_runs_through_the_public_runner(harness: Harness) -> None:
+    await check_run_store(harness.open_store, persistent=harness.persistent)
+
+
+def test_check_names_are_unique() -> None:
+    names = [c.name for c in RUN_STORE_CHECKS]
+    assert len(set(names)) == len(names)
+
+
+# ---------------------------------------------------------------- the suite catches bad stores
+
+
+@attrs.define(eq=False)
+class _NoSeqCheck(MemoryStore):
+    """Appends whatever seq it is given."""
+
+    async def _append(self, run_id, seq, records):  # type: ignore[no-untyped-def]
+        self._logs.setdefault(run_id, []).extend(records)
+
+
+@attrs.define(eq=False)
+class _DropsStepResults(MemoryStore):
+    """Forgets the action results of a step write (not atomic)."""
+
+    async def write_step(self, action_results, step, *, seq):  # type: ignore[no-untyped-def]
+        await self._append(step.run_id, seq, (step,))
+
+
+@attrs.define(eq=False)
+class _RaisesOnMissingRun(MemoryStore):
+    async def read_log(self, run_id):  # type: ignore[no-untyped-def]
+        if run_id not in self._logs:
+            raise KeyError(run_id)
+        return await super().read_log(run_id)
+
+
+@attrs.define(eq=False)
+class _ListsNewestFirst(MemoryStore):
+    async def list_runs(self):  # type: ignore[no-untyped-def]
+        return tuple(reversed(await super().list_runs()))
+
+
+@pytest.mark.parametrize(
+    ("broken", "check_name", "error"),
+    [
+        (_NoSeqCheck, "conflict_on_wrong_seq", StoreContractError),
+        (_DropsStepResults, "step_write_with_several_results", StoreContractError),
+        (_RaisesOnMissingRun, "missing_run_reads_empty", KeyError),
+        (_ListsNewestFirst, "list_runs_in_first_write_order", StoreContractError),
+    ],
+)
+async def test_suite_catches_a_broken_store(broken, check_name, error) -> None:
+    check = next(c for c in RUN_STORE_CHECKS if c.name == check_name)
+    with pytest.raises(error):
+        await check(_opener(broken))
+    with pytest.raises(error):
+        await check_run_store(_opener(broken), persistent=False)
+
+
+async def test_forgetful_persistent_store_fails_the_reopen_check() -> None:
+    check = next(c for c in RUN_STORE_CHECKS if c.name == "durable_after_reopen")
+    with pytest.raises(StoreContractError, match="durable_after_reopen"):
+        await check(_opener(MemoryStore))  # a fresh memory store per opening loses everything

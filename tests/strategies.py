@@ -1,0 +1,324 @@
+"""Hypothesis strategies for every record of `treadle.types` (STYLE rule 19).
+
+Each strategy names every attrs field of its class; a test checks that (`missing_fields`), so
+a field added to a record without a strategy fails loudly instead of never being exercised.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+from typing import Any
+
+import attrs
+from hypothesis import strategies as st
+
+from treadle import types as t
+
+# --------------------------------------------------------------------------- building blocks
+
+texts = st.text(max_size=40)
+"""Any unicode text (no lone surrogates), including NUL, newlines and quotes."""
+
+timestamps = st.datetimes(timezones=st.just(dt.UTC)).map(lambda d: d.isoformat())
+"""UTC instants as ISO-8601 strings."""
+ids = st.text(alphabet="abcdefghijklmnopqrstuvwxyz0123456789-_/.", min_size=1, max_size=16)
+counts = st.integers(min_value=0, max_value=10**9)
+maybe_counts = st.none() | counts
+seconds = st.floats(min_value=0, max_value=1e6, allow_nan=False)
+maybe_seconds = st.none() | seconds
+
+json_scalars = (
+    st.none()
+    | st.booleans()
+    | st.integers()
+    | st.floats(allow_nan=False, allow_infinity=False)
+    | texts
+)
+json_values: st.SearchStrategy[Any] = st.recursive(
+    json_scalars,
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(texts, inner, max_size=4),
+    max_leaves=12,
+)
+json_objects = st.dictionaries(texts, json_values, max_size=5)
+
+
+BUILT: dict[type[Any], frozenset[str]] = {}
+"""Class -> the fields its strategy names; `tests/stores/test_codec.py` checks it is all."""
+
+
+def _build(cls: type[Any], **fields: st.SearchStrategy[Any]) -> st.SearchStrategy[Any]:
+    BUILT[cls] = frozenset(fields)
+    return st.builds(cls, **fields)
+
+
+def missing_fields(cls: type[Any]) -> list[str]:
+    """Fields of ``cls`` its strategy leaves at their defaults (never exercised)."""
+    return sorted({f.name for f in attrs.fields(cls)} - BUILT[cls])
+
+
+def _tuples(strategy: st.SearchStrategy[Any], max_size: int = 3) -> st.SearchStrategy[Any]:
+    return st.lists(strategy, max_size=max_size).map(tuple)
+
+
+# --------------------------------------------------------------------------- model shapes
+
+image_refs = _build(
+    t.ImageRef,
+    url=texts,
+    digest=st.none() | st.from_regex(r"sha256:[0-9a-f]{64}", fullmatch=True),
+    media_type=st.none() | st.sampled_from(["image/png", "image/jpeg"]),
+)
+tool_calls = _build(t.ToolCall, id=ids, name=texts, arguments=json_objects)
+invalid_tool_calls = _build(
+    t.InvalidToolCall,
+    id=ids,
+    name=texts,
+    raw_arguments=texts,
+    reason=st.sampled_from(["truncated", "unparseable"]),
+)
+messages = _build(
+    t.Message,
+    role=st.sampled_from(["system", "user", "assistant", "tool"]),
+    content=st.none() | texts,
+    images=_tuples(image_refs, 2),
+    tool_calls=_tuples(tool_calls, 2),
+    tool_call_id=st.none() | ids,
+    name=st.none() | texts,
+    reasoning=st.none() | texts,
+)
+tool_specs = _build(t.ToolSpec, name=ids, description=texts, parameters=json_objects)
+model_requests = _build(
+    t.ModelRequest,
+    messages=_tuples(messages),
+    tools=_tuples(tool_specs, 2),
+    model=texts,
+    max_output_tokens=maybe_counts,
+    params=json_objects,
+)
+usages = _build(
+    t.Usage,
+    input_tokens=maybe_counts,
+    output_tokens=maybe_counts,
+    reasoning_tokens=maybe_counts,
+    total_tokens=maybe_counts,
+)
+model_replies = _build(
+    t.ModelReply,
+    text=st.none() | texts,
+    reasoning=st.none() | texts,
+    tool_calls=_tuples(tool_calls),
+    invalid_tool_calls=_tuples(invalid_tool_calls, 2),
+    finish_reason=st.none() | st.sampled_from(["stop", "tool_calls", "length"]),
+    usage=usages,
+    response_id=st.none() | ids,
+)
+model_error_infos = _build(
+    t.ModelErrorInfo,
+    kind=st.sampled_from(["rate_limited", "server_error", "timeout", "connection"]),
+    message=texts,
+    retryable=st.booleans(),
+    retry_after_s=maybe_seconds,
+    status=st.none() | st.integers(min_value=100, max_value=599),
+)
+parsed_replies = _build(
+    t.ParsedReply,
+    kind=st.sampled_from(t.DecisionKind),
+    actions=_tuples(tool_calls),
+    text=st.none() | texts,
+    feedback=st.none() | texts,
+    reason=st.none() | texts,
+    repairs=_tuples(texts),
+    history_message=messages,
+)
+action_outcomes = _build(
+    t.ActionOutcome,
+    status=st.sampled_from(t.ActionStatus),
+    observation=texts,
+    observation_is_synthetic=st.booleans(),
+    task_completed=st.booleans(),
+    observation_truncated_chars=counts,
+    detail=st.none() | texts,
+)
+actions = _build(
+    t.Action,
+    run_id=ids,
+    step=counts,
+    intent_id=ids,
+    call_id=ids,
+    tool=ids,
+    arguments=json_objects,
+    replay=st.booleans(),
+)
+
+# --------------------------------------------------------------------------- definition data
+
+budgets = _build(
+    t.Budgets,
+    max_steps=maybe_counts,
+    max_model_attempts=maybe_counts,
+    token_budget=maybe_counts,
+    time_budget_s=maybe_seconds,
+)
+limits = _build(
+    t.Limits,
+    tool_timeout_s=seconds,
+    approval_timeout_s=seconds,
+    model_connect_s=seconds,
+    model_first_byte_s=seconds,
+    model_idle_s=seconds,
+    model_attempt_s=seconds,
+    max_model_retries=counts,
+    retry_initial_s=seconds,
+    retry_max_s=seconds,
+    invalid_decisions=counts,
+    max_observation_chars=maybe_counts,
+)
+synthetic_observations = _build(
+    t.SyntheticObservations, not_executed=texts, env_error=texts, unknown=texts, rejected=texts
+)
+
+# --------------------------------------------------------------------------- log records
+
+run_starteds = _build(
+    t.RunStarted,
+    run_id=ids,
+    ts=timestamps,
+    input=_tuples(messages),
+    snapshot=json_objects,
+    schema_version=st.integers(min_value=1, max_value=t.SCHEMA_VERSION),
+)
+model_intents = _build(
+    t.ModelIntent, run_id=ids, step=counts, intent_id=ids, attempt=counts, ts=timestamps
+)
+model_results = _build(
+    t.ModelResult,
+    run_id=ids,
+    step=counts,
+    intent_id=ids,
+    ts=timestamps,
+    reply=st.none() | model_replies,
+    error=st.none() | model_error_infos,
+    abandoned=st.booleans(),
+    latency_s=maybe_seconds,
+    usage=usages,
+)
+action_intents = _build(
+    t.ActionIntent,
+    run_id=ids,
+    step=counts,
+    intent_id=ids,
+    call_id=ids,
+    tool=ids,
+    arguments=json_objects,
+    ts=timestamps,
+)
+action_results = _build(
+    t.ActionResult,
+    run_id=ids,
+    step=counts,
+    intent_id=ids,
+    call_id=ids,
+    tool=ids,
+    outcome=action_outcomes,
+    ts=timestamps,
+    duration_s=maybe_seconds,
+    late=st.booleans(),
+)
+step_records = _build(
+    t.StepRecord,
+    run_id=ids,
+    step=counts,
+    ts=timestamps,
+    model_intent_id=st.none() | ids,
+    decision=st.none() | st.sampled_from(t.DecisionKind),
+    history_message=st.none() | messages,
+    feedback=st.none() | texts,
+    model_output_text=st.none() | texts,
+    visible_output_chars=counts,
+    observations=_tuples(texts),
+    observation_truncated_chars=counts,
+    task_completed=st.booleans(),
+    action_result_ids=_tuples(ids),
+    env_error=st.booleans(),
+    active_s=seconds,
+)
+totals = _build(
+    t.Totals,
+    steps=counts,
+    model_attempts=counts,
+    input_tokens=maybe_counts,
+    output_tokens=maybe_counts,
+    unknown_usage_attempts=counts,
+    active_s=seconds,
+)
+run_finisheds = _build(
+    t.RunFinished,
+    run_id=ids,
+    ts=timestamps,
+    state=st.sampled_from(t.RunState),
+    stop_reason=st.sampled_from(t.StopReason),
+    totals=totals,
+    final_answer=st.none() | texts,
+    error=st.none() | texts,
+)
+cancel_requesteds = _build(
+    t.CancelRequested, run_id=ids, ts=timestamps, reason=texts, canceller=texts
+)
+approval_requesteds = _build(
+    t.ApprovalRequested,
+    run_id=ids,
+    step=counts,
+    call_id=ids,
+    tool=ids,
+    arguments_digest=texts,
+    ts=timestamps,
+    deadline_ts=timestamps,
+)
+approval_decideds = _build(
+    t.ApprovalDecided,
+    run_id=ids,
+    step=counts,
+    call_id=ids,
+    arguments_digest=texts,
+    decision=st.sampled_from(["approve", "reject", "edit"]),
+    ts=timestamps,
+    message=texts,
+    edited_arguments=st.none() | json_objects,
+)
+
+RECORD_STRATEGIES: dict[type[Any], st.SearchStrategy[Any]] = {
+    t.RunStarted: run_starteds,
+    t.ModelIntent: model_intents,
+    t.ModelResult: model_results,
+    t.ActionIntent: action_intents,
+    t.ActionResult: action_results,
+    t.StepRecord: step_records,
+    t.RunFinished: run_finisheds,
+    t.CancelRequested: cancel_requesteds,
+    t.ApprovalRequested: approval_requesteds,
+    t.ApprovalDecided: approval_decideds,
+}
+"""Log record class -> strategy; one entry per member of `treadle.types.Record`."""
+
+records: st.SearchStrategy[t.Record] = st.one_of(*RECORD_STRATEGIES.values())
+"""Any log record."""
+
+run_logs = _build(t.RunLog, run_id=ids, records=_tuples(records, 6))
+events = _build(
+    t.Event,
+    run_id=ids,
+    seq=counts,
+    kind=st.sampled_from(t.EventKind),
+    record=st.none() | records,
+    text=st.none() | texts,
+    ordinal=counts,
+)
+run_results = _build(
+    t.RunResult,
+    run_id=ids,
+    state=st.sampled_from(t.RunState),
+    stop_reason=st.sampled_from(t.StopReason),
+    totals=totals,
+    final_answer=st.none() | texts,
+    error=st.none() | texts,
+)
