@@ -1,0 +1,316 @@
+"""The ``treadle`` command (click for parsing, rich for output).
+
+Commands:
+
+* ``treadle probe``: one streaming call to an OpenAI-compatible endpoint, printed as JSON.
+* ``treadle runs`` / ``treadle show``: list the runs of a store; a run's trajectory as a table.
+* ``treadle demo``: the airline replay demo (see `treadle.demo`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any, TypeVar
+
+import cattrs
+import click
+import trio
+from rich.console import Console
+from rich.table import Table
+
+from treadle._exceptions import TreadleError
+from treadle.stores._codec import record_to_dict
+from treadle.stores.sqlite import open_sqlite_store
+from treadle.types import (
+    ActionIntent,
+    ActionResult,
+    CancelRequested,
+    Message,
+    ModelIntent,
+    ModelResult,
+    RunFinished,
+    RunLog,
+    RunStarted,
+    StepRecord,
+    ToolSpec,
+)
+
+T = TypeVar("T")
+_PLAIN = cattrs.Converter()
+
+
+def _run_async(fn: Callable[[], Awaitable[T]]) -> T:
+    try:
+        return trio.run(fn)
+    except TreadleError as exc:
+        raise click.ClickException(str(exc)) from exc
+
+
+@click.group()
+@click.version_option(package_name="treadle")
+def main() -> None:
+    """treadle: durable, cancellable, budgeted LLM agent runs."""
+
+
+@main.command()
+@click.option("--base-url", required=True, help="API root, e.g. http://127.0.0.1:8000/v1")
+@click.option("--model", required=True, help="Model name.")
+@click.option("--api-key-env", default=None, help="Environment variable holding the API key.")
+@click.option(
+    "--tools",
+    "tools_file",
+    type=click.Path(exists=True, dir_okay=False),
+    default=None,
+    help="JSON file: a list of tools ({name, description, parameters}).",
+)
+@click.option(
+    "--messages",
+    "messages_file",
+    type=click.Path(exists=True, dir_okay=False),
+    default=None,
+    help="JSON file: a list of chat messages to send.",
+)
+@click.option("--max-attempts", default=3, show_default=True, type=click.IntRange(min=1))
+@click.option("--json", "as_json", is_flag=True, help="Print JSON (the only output form).")
+def probe(
+    base_url: str,
+    model: str,
+    api_key_env: str | None,
+    tools_file: str | None,
+    messages_file: str | None,
+    max_attempts: int,
+    as_json: bool,
+) -> None:
+    """Make one streaming call and print the assembled reply as JSON."""
+    from treadle.models._probe import probe as probe_endpoint
+    from treadle.parsers import NativeToolCallParser
+
+    api_key = _api_key(api_key_env)
+    tools = _load_tools(tools_file) if tools_file else ()
+    messages = _load_messages(messages_file) if messages_file else None
+
+    async def go() -> dict[str, Any]:
+        return await probe_endpoint(
+            base_url=base_url,
+            model=model,
+            api_key=api_key,
+            tools=tools,
+            messages=messages,
+            max_attempts=max_attempts,
+        )
+
+    report = _run_async(go)
+    if tools and report.get("error") is None:
+        report["decision"] = _decision(report, tools, NativeToolCallParser())
+    click.echo(json.dumps(report, ensure_ascii=False))
+
+
+def _api_key(env: str | None) -> str | None:
+    if env is None:
+        return None
+    value = os.environ.get(env)
+    if not value:
+        raise click.BadParameter(
+            f"environment variable {env} is not set", param_hint="--api-key-env"
+        )
+    return value
+
+
+def _load_tools(path: str) -> tuple[ToolSpec, ...]:
+    data = json.loads(Path(path).read_text(encoding="utf-8"))
+    items = data if isinstance(data, list) else data.get("tools", [])
+    specs = []
+    for item in items:
+        spec = item.get("function", item) if isinstance(item, dict) else item
+        specs.append(_PLAIN.structure(spec, ToolSpec))
+    return tuple(specs)
+
+
+def _load_messages(path: str) -> tuple[Message, ...]:
+    data = json.loads(Path(path).read_text(encoding="utf-8"))
+    return tuple(Message(role=m["role"], content=m.get("content")) for m in data)
+
+
+def _decision(report: dict[str, Any], tools: tuple[ToolSpec, ...], parser: Any) -> dict[str, Any]:
+    from treadle.types import ModelReply, ToolCall
+
+    reply = ModelReply(
+        text=report.get("text"),
+        tool_calls=tuple(
+            ToolCall(id=c["id"], name=c["name"], arguments=c["arguments"])
+            for c in report.get("tool_calls", [])
+        ),
+        finish_reason=report.get("finish_reason"),
+    )
+    parsed = parser.parse(reply, tools)
+    return {
+        "kind": parsed.kind.value,
+        "actions": [
+            {"id": a.id, "name": a.name, "arguments": dict(a.arguments)} for a in parsed.actions
+        ],
+        "text": parsed.text,
+        "feedback": parsed.feedback,
+        "repairs": list(parsed.repairs),
+    }
+
+
+@main.command()
+@click.option(
+    "--store",
+    "store_path",
+    required=True,
+    type=click.Path(dir_okay=False),
+    help="SQLite store file.",
+)
+@click.option("--json", "as_json", is_flag=True, help="One JSON object per run.")
+def runs(store_path: str, as_json: bool) -> None:
+    """List the runs of a store with their state."""
+    logs = _run_async(lambda: _read_all(store_path))
+    if as_json:
+        for log in logs:
+            click.echo(json.dumps(_run_summary(log), ensure_ascii=False))
+        return
+    table = Table(title=f"runs in {store_path}")
+    for column in ("run", "state", "stop reason", "steps", "records", "started"):
+        table.add_column(column)
+    for log in logs:
+        summary = _run_summary(log)
+        table.add_row(
+            log.run_id,
+            summary["state"],
+            summary["stop_reason"] or "",
+            str(summary["steps"]),
+            str(summary["records"]),
+            summary["started"] or "",
+        )
+    Console().print(table)
+
+
+async def _read_all(store_path: str) -> list[RunLog]:
+    _require_file(store_path)
+    async with open_sqlite_store(store_path) as store:
+        return [await store.read_log(run_id) for run_id in await store.list_runs()]
+
+
+def _require_file(path: str) -> None:
+    if not Path(path).is_file():
+        raise click.ClickException(f"no store at {path}")
+
+
+def _run_summary(log: RunLog) -> dict[str, Any]:
+    finished = log.finished
+    return {
+        "run_id": log.run_id,
+        "state": finished.state.value if finished else "unfinished",
+        "stop_reason": finished.stop_reason.value if finished else None,
+        "steps": len(log.steps),
+        "records": len(log.records),
+        "started": log.started.ts if log.started else None,
+    }
+
+
+@main.command()
+@click.argument("run_id")
+@click.option(
+    "--store",
+    "store_path",
+    required=True,
+    type=click.Path(dir_okay=False),
+    help="SQLite store file.",
+)
+@click.option("--json", "as_json", is_flag=True, help="Print every record as JSON, one a line.")
+def show(run_id: str, store_path: str, as_json: bool) -> None:
+    """Show a run's trajectory as a table (or its records as JSON lines)."""
+
+    async def read() -> RunLog:
+        _require_file(store_path)
+        async with open_sqlite_store(store_path) as store:
+            return await store.read_log(run_id)
+
+    log = _run_async(read)
+    if not log.records:
+        raise click.ClickException(f"no run {run_id!r} in {store_path}")
+    if as_json:
+        for seq, record in enumerate(log.records, start=1):
+            click.echo(json.dumps({"seq": seq, **record_to_dict(record)}, ensure_ascii=False))
+        return
+    Console().print(trajectory_table(log))
+
+
+def trajectory_table(log: RunLog) -> Table:
+    """A run's log as a readable table: one row per record, in seq order."""
+    table = Table(title=f"run {log.run_id}", show_lines=False)
+    table.add_column("seq", justify="right")
+    table.add_column("step", justify="right")
+    table.add_column("record")
+    table.add_column("detail", overflow="fold")
+    for seq, record in enumerate(log.records, start=1):
+        step = getattr(record, "step", None)
+        table.add_row(str(seq), "" if step is None else str(step), *_describe(record))
+    return table
+
+
+def _clip(text: str | None, limit: int = 120) -> str:
+    if text is None:
+        return ""
+    text = text.replace("\n", " ")
+    return text if len(text) <= limit else text[: limit - 1] + "…"
+
+
+def _describe(record: object) -> tuple[str, str]:
+    if isinstance(record, RunStarted):
+        first = record.input[0].content if record.input else ""
+        return "run started", _clip(first)
+    if isinstance(record, ModelIntent):
+        return "model call", f"attempt {record.attempt}"
+    if isinstance(record, ModelResult):
+        return _describe_model_result(record)
+    if isinstance(record, ActionIntent):
+        args = json.dumps(dict(record.arguments), ensure_ascii=False)
+        return "action intent", _clip(f"{record.tool}({args})")
+    if isinstance(record, ActionResult):
+        outcome = record.outcome
+        return f"action {outcome.status.value}", _clip(f"{record.tool}: {outcome.observation}")
+    if isinstance(record, StepRecord):
+        decision = record.decision.value if record.decision else "model failed"
+        done = " · task completed" if record.task_completed else ""
+        return "step", f"{decision}{done}"
+    if isinstance(record, CancelRequested):
+        return "cancel requested", _clip(record.reason)
+    if isinstance(record, RunFinished):
+        detail = f"{record.state.value} ({record.stop_reason.value}), {record.totals.steps} steps"
+        return "run finished", detail
+    return type(record).__name__, ""
+
+
+def _describe_model_result(record: ModelResult) -> tuple[str, str]:
+    if record.abandoned:
+        return "model abandoned", "outcome unknown after a crash; a fresh attempt follows"
+    if record.error is not None:
+        return "model error", f"{record.error.kind} {record.error.message}".strip()
+    reply = record.reply
+    assert reply is not None
+    calls = ", ".join(c.name for c in reply.tool_calls)
+    return "model reply", _clip(f"{reply.text or ''} {('→ ' + calls) if calls else ''}".strip())
+
+
+def _register_demo() -> None:
+    import importlib
+
+    try:
+        module = importlib.import_module("treadle.demo.cli")
+    except ModuleNotFoundError as exc:  # the demo is not built into this install
+        if exc.name != "treadle.demo.cli":
+            raise
+        return
+    main.add_command(module.demo)
+
+
+_register_demo()
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())
