@@ -175,9 +175,12 @@ class _Collector:
 
     def add_invalid(self, index: int, bad: InvalidToolCall) -> None:
         call_id = self.call_id(bad.id, index, bad.name)
-        if bad.reason == "unparseable":
+        # Under finish_reason "length" an unfinished call is never repaired: its text may be a
+        # cut-off prefix that happens to parse (e.g. "" -> {}).
+        cut = self._reply.finish_reason == "length"
+        if bad.reason == "unparseable" and not cut:
             self._add_decoded(call_id, bad)
-        elif bad.reason == TRUNCATED:
+        elif bad.reason == TRUNCATED or cut:
             message = (
                 f"{_label(call_id, bad.name)} was cut off by the output token limit before "
                 "its arguments were complete, so it was not executed. Send shorter arguments, "

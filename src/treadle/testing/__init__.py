@@ -1,0 +1,43 @@
+"""The public test and simulation kit.
+
+* `ScriptedModel` (+ `say`, `call`, `calls`): a model client that plays a script by turn.
+* `CrashingStore`, `SimulatedCrash`: fault injection at any store write.
+* `check_run_store` (store contract), `check_decision_parser`, `check_action_executor`,
+  `check_model_client`: the seam contracts, reusable for your own implementations.
+* `open_loopback_server`, `CannedResponse`, `canned`: a real HTTP server on 127.0.0.1 for
+  testing model clients without mocking the transport.
+"""
+
+from __future__ import annotations
+
+from treadle.testing.contracts import check_run_store as check_run_store
+from treadle.testing.faults import CrashingStore as CrashingStore
+from treadle.testing.faults import SimulatedCrash as SimulatedCrash
+from treadle.testing.loopback import CannedResponse as CannedResponse
+from treadle.testing.loopback import canned as canned
+from treadle.testing.loopback import open_loopback_server as open_loopback_server
+from treadle.testing.scripted import ScriptedModel as ScriptedModel
+from treadle.testing.scripted import call as call
+from treadle.testing.scripted import calls as calls
+from treadle.testing.scripted import say as say
+from treadle.testing.seams import SeamContractError as SeamContractError
+from treadle.testing.seams import check_action_executor as check_action_executor
+from treadle.testing.seams import check_decision_parser as check_decision_parser
+from treadle.testing.seams import check_model_client as check_model_client
+
+__all__ = [
+    "CannedResponse",
+    "CrashingStore",
+    "ScriptedModel",
+    "SeamContractError",
+    "SimulatedCrash",
+    "call",
+    "calls",
+    "canned",
+    "check_action_executor",
+    "check_decision_parser",
+    "check_model_client",
+    "check_run_store",
+    "open_loopback_server",
+    "say",
+]

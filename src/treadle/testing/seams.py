@@ -1,0 +1,285 @@
+"""Contract checks for the model client, decision parser and action executor seams.
+
+Each ``check_*`` function is public so that users who write their own implementation can hold
+it to the same contract as ours (DESIGN §3); the run store's contract is
+`treadle.testing.contracts.check_run_store`. Every check raises `SeamContractError` (an
+`AssertionError`) naming the rule that was broken.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Sequence
+
+import trio
+
+from treadle._exceptions import ModelCallError
+from treadle.ports import ActionExecutor, DecisionParser, ModelClient
+from treadle.types import (
+    Action,
+    ActionOutcome,
+    ActionStatus,
+    DecisionKind,
+    InvalidToolCall,
+    Message,
+    ModelReply,
+    ModelRequest,
+    ParsedReply,
+    ReplayPolicy,
+    ToolCall,
+    ToolSpec,
+    Usage,
+)
+
+__all__ = [
+    "SeamContractError",
+    "adversarial_replies",
+    "check_action_executor",
+    "check_decision_parser",
+    "check_model_client",
+]
+
+
+class SeamContractError(AssertionError):
+    """An implementation broke a seam contract; the message names the rule."""
+
+
+def _expect(condition: bool, rule: str) -> None:
+    if not condition:
+        raise SeamContractError(rule)
+
+
+_TEXTS: tuple[str | None, ...] = (
+    None,
+    "",
+    "   ",
+    "The answer is 42.",
+    '{"name": "lookup", "arguments": {"q": "x"}}',
+    '```json\n{"name": "lookup", "arguments": {"q": "x"}}\n```',
+    '{"name": "unknown_tool", "arguments": {}}',
+    "{not json",
+    "null",
+    "[1, 2, 3]",
+    "Grüße aus 東京 🌏",
+    "x" * 5000,
+)
+_ARGUMENTS: tuple[str, ...] = (
+    "",
+    "{}",
+    '{"q": "x"}',
+    '{"q": "x"}{"q": "y"}',
+    "{'q': 'x', 'flag': True}",
+    '```json\n{"q": 1}\n```',
+    '{"q": "trunc',
+    "[]",
+    '"a string"',
+    "\x00\x01",
+)
+
+
+def adversarial_replies(seed: int = 0, count: int = 200) -> list[ModelReply]:
+    """Replies a parser must survive: every text and argument form above, mixed at random.
+
+    Args:
+        seed: the random seed (the same seed gives the same list).
+        count: how many mixed replies to add to the fixed ones.
+    """
+    rng = random.Random(seed)
+    replies = [ModelReply(text=t, finish_reason="stop") for t in _TEXTS]
+    for raw in _ARGUMENTS:
+        replies.append(
+            ModelReply(
+                invalid_tool_calls=(
+                    InvalidToolCall(
+                        id="c1", name="lookup", raw_arguments=raw, reason="unparseable"
+                    ),
+                ),
+                finish_reason=rng.choice(["tool_calls", "length", None]),
+            )
+        )
+    for _ in range(count):
+        calls = tuple(
+            ToolCall(
+                id=rng.choice(["", "dup", f"c{rng.randrange(99)}"]),
+                name=rng.choice(["lookup", "", "unknown_tool", "lookup lookup"]),
+                arguments=rng.choice([{}, {"q": "x"}, {"q": None, "n": [1, {"a": 2}]}]),
+            )
+            for _ in range(rng.randrange(3))
+        )
+        invalid = tuple(
+            InvalidToolCall(
+                id=f"i{k}",
+                name=rng.choice(["lookup", ""]),
+                raw_arguments=rng.choice(_ARGUMENTS),
+                reason=rng.choice(["truncated", "unparseable"]),
+            )
+            for k in range(rng.randrange(2))
+        )
+        replies.append(
+            ModelReply(
+                text=rng.choice(_TEXTS),
+                reasoning=rng.choice([None, "", "thinking"]),
+                tool_calls=calls,
+                invalid_tool_calls=invalid,
+                finish_reason=rng.choice(["stop", "tool_calls", "length", None, "weird"]),
+            )
+        )
+    return replies
+
+
+_TOOLS = (
+    ToolSpec(
+        name="lookup",
+        parameters={"type": "object", "properties": {"q": {"type": "string"}}, "required": ["q"]},
+    ),
+)
+
+
+def check_decision_parser(
+    parser: DecisionParser,
+    *,
+    tools: Sequence[ToolSpec] = _TOOLS,
+    replies: Sequence[ModelReply] | None = None,
+) -> None:
+    """Hold ``parser`` to the decision parser contract (DESIGN §3.2).
+
+    For every reply (default: `adversarial_replies`) the parser must return a `ParsedReply`
+    without raising; ``ACTIONS`` carries at least one action with an id and a mapping of
+    arguments; ``INVALID`` carries feedback; the history message is an assistant message whose
+    calls all have ids; ``FINAL_ANSWER`` has text; and parsing is pure (the same reply twice
+    gives equal decisions).
+
+    Raises:
+        SeamContractError: naming the broken rule and the reply.
+    """
+    for reply in replies if replies is not None else adversarial_replies():
+        try:
+            first = parser.parse(reply, tools)
+            second = parser.parse(reply, tools)
+        except Exception as exc:
+            raise SeamContractError(f"parse raised {exc!r} for {reply!r}") from exc
+        _expect(isinstance(first, ParsedReply), f"parse returned {type(first)!r}")
+        _expect(first == second, f"parse is not pure for {reply!r}")
+        _check_decision(first, reply)
+
+
+def _check_decision(parsed: ParsedReply, reply: ModelReply) -> None:
+    where = f"for {reply!r}"
+    history = parsed.history_message
+    _expect(history.role == "assistant", f"history message role is {history.role!r} {where}")
+    _expect(all(c.id for c in history.tool_calls), f"a history call has no id {where}")
+    if parsed.kind is DecisionKind.ACTIONS:
+        _expect(bool(parsed.actions), f"ACTIONS without actions {where}")
+        for action in parsed.actions:
+            _expect(isinstance(action.arguments, dict), f"action arguments not a dict {where}")
+    elif parsed.kind is DecisionKind.INVALID:
+        _expect(bool(parsed.feedback), f"INVALID without feedback {where}")
+        _expect(not parsed.actions, f"INVALID with actions {where}")
+    else:
+        _expect(parsed.text is not None, f"FINAL_ANSWER without text {where}")
+        _expect(not parsed.actions, f"FINAL_ANSWER with actions {where}")
+    if reply.finish_reason == "length" and reply.invalid_tool_calls:
+        _expect(parsed.kind is not DecisionKind.ACTIONS, f"a truncated call was executed {where}")
+
+
+async def check_action_executor(executor: ActionExecutor, *, sample: Action | None = None) -> None:
+    """Hold ``executor`` to the action executor contract (DESIGN §3.3).
+
+    Checks: ``tool_specs`` is a tuple of `ToolSpec` with unique names; an unknown tool is
+    NOT_EXECUTED (never raises, never EXECUTED) and its replay policy is ``NEVER``; invalid
+    arguments for a declared tool are NOT_EXECUTED; ``sample`` (when given) returns a
+    well-formed outcome; ``reconcile`` of an action never written returns ``None`` or an
+    outcome; and ``execute`` is a checkpoint that lets `trio.Cancelled` through.
+
+    Raises:
+        SeamContractError: naming the broken rule.
+    """
+    specs = executor.tool_specs()
+    _expect(isinstance(specs, tuple), "tool_specs must return a tuple")
+    _expect(all(isinstance(s, ToolSpec) for s in specs), "tool_specs must hold ToolSpec records")
+    names = [s.name for s in specs]
+    _expect(len(names) == len(set(names)), "tool names must be unique")
+    unknown = _action("__no_such_tool__", {})
+    _expect(
+        executor.replay_policy(unknown.tool) is ReplayPolicy.NEVER, "unknown tool must be NEVER"
+    )
+    outcome = await executor.execute(unknown)
+    _check_outcome(outcome)
+    _expect(outcome.status is ActionStatus.NOT_EXECUTED, "an unknown tool must be NOT_EXECUTED")
+    for spec in specs:
+        if spec.parameters.get("required"):
+            bad = await executor.execute(_action(spec.name, {"__unexpected__": object()}))
+            _check_outcome(bad)
+            _expect(
+                bad.status is ActionStatus.NOT_EXECUTED,
+                f"invalid arguments for {spec.name} must be NOT_EXECUTED",
+            )
+    if sample is not None:
+        _check_outcome(await executor.execute(sample))
+    reconciled = await executor.reconcile(_action(names[0] if names else "x", {}))
+    _expect(reconciled is None or isinstance(reconciled, ActionOutcome), "reconcile result type")
+    with trio.CancelScope() as scope:
+        scope.cancel()
+        await executor.execute(sample or unknown)
+    _expect(scope.cancelled_caught, "execute must be a checkpoint that lets Cancelled through")
+
+
+def _action(tool: str, arguments: dict[str, object]) -> Action:
+    return Action(
+        run_id="contract",
+        step=1,
+        intent_id="contract/s1/a1",
+        call_id="c1",
+        tool=tool,
+        arguments=arguments,
+    )
+
+
+def _check_outcome(outcome: ActionOutcome) -> None:
+    _expect(isinstance(outcome, ActionOutcome), f"execute returned {type(outcome)!r}")
+    _expect(isinstance(outcome.observation, str), "observation must be text")
+    _expect(isinstance(outcome.task_completed, bool), "task_completed must be a bool")
+    _expect(outcome.observation_truncated_chars >= 0, "truncated chars must be >= 0")
+    _expect(outcome.status is not ActionStatus.UNKNOWN, "only resume reports UNKNOWN")
+
+
+async def check_model_client(
+    client: ModelClient, request: ModelRequest | None = None
+) -> ModelReply:
+    """Hold ``client`` to the model client contract (DESIGN §3.1) on one call.
+
+    Checks: the call returns a `ModelReply` (or raises `ModelCallError` with a classified
+    kind); usage counts are ints or ``None`` (never a made-up value of another type); every
+    tool call has a non-empty id and a dict of arguments; the streamed text fragments, when
+    any were delivered, add up to the reply's text.
+
+    Returns:
+        The reply, for further checks by the caller.
+
+    Raises:
+        SeamContractError: naming the broken rule.
+        ModelCallError: the call failed (after its error was checked to be classified).
+    """
+    request = request or ModelRequest(messages=(Message(role="user", content="Say hi."),))
+    fragments: list[str] = []
+
+    def on_delta(channel: str, text: str) -> None:
+        _expect(channel in ("text", "reasoning"), f"unknown delta channel {channel!r}")
+        if channel == "text":
+            fragments.append(text)
+
+    try:
+        reply = await client.complete(request, on_delta=on_delta)
+    except ModelCallError as exc:
+        _expect(bool(exc.info.kind), "a model error must carry a kind")
+        _expect(isinstance(exc.usage, Usage), "a model error must carry usage (maybe unknown)")
+        raise
+    _expect(isinstance(reply, ModelReply), f"complete returned {type(reply)!r}")
+    for count in (reply.usage.input_tokens, reply.usage.output_tokens, reply.usage.total_tokens):
+        _expect(count is None or isinstance(count, int), "usage counts must be int or None")
+    for call in reply.tool_calls:
+        _expect(bool(call.id), "every tool call needs an id")
+        _expect(isinstance(call.arguments, dict), "tool call arguments must be a dict")
+    if fragments:
+        _expect("".join(fragments) == (reply.text or ""), "text deltas must add up to the text")
+    return reply

@@ -1,0 +1,81 @@
+"""The public surface is pinned: adding or removing a name is a deliberate change here."""
+
+from __future__ import annotations
+
+import treadle
+import treadle.testing
+
+TREADLE = sorted(
+    [
+        "ActionStatus",
+        "Agent",
+        "Budgets",
+        "Clock",
+        "ConflictError",
+        "EnvironmentFailure",
+        "Event",
+        "EventKind",
+        "FixedStepClock",
+        "ImageRef",
+        "JsonToolCallParser",
+        "Limits",
+        "LogCorrupted",
+        "MemoryStore",
+        "Message",
+        "ModelCallError",
+        "NativeToolCallParser",
+        "OpenAIChatClient",
+        "ReplayPolicy",
+        "RunHandle",
+        "RunInput",
+        "RunInterrupted",
+        "RunResult",
+        "RunState",
+        "SchemaTooNew",
+        "SnapshotMismatch",
+        "SqliteStore",
+        "StopReason",
+        "StoreError",
+        "SyntheticObservations",
+        "SystemClock",
+        "Tool",
+        "ToolContext",
+        "Toolbox",
+        "TreadleError",
+        "Usage",
+        "UsageError",
+        "open_run",
+        "open_sqlite_store",
+        "run",
+        "tool",
+    ]
+)
+
+TESTING = sorted(
+    [
+        "CannedResponse",
+        "CrashingStore",
+        "ScriptedModel",
+        "SeamContractError",
+        "SimulatedCrash",
+        "call",
+        "calls",
+        "canned",
+        "check_action_executor",
+        "check_decision_parser",
+        "check_model_client",
+        "check_run_store",
+        "open_loopback_server",
+        "say",
+    ]
+)
+
+
+def test_treadle_exports():
+    assert sorted(treadle.__all__) == TREADLE
+    assert all(hasattr(treadle, name) for name in treadle.__all__)
+
+
+def test_testing_exports():
+    assert sorted(treadle.testing.__all__) == TESTING
+    assert all(hasattr(treadle.testing, name) for name in treadle.testing.__all__)
