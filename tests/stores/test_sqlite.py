@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import shutil
 import sqlite3
 import subprocess
 import sys
+from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
 
 import attrs
@@ -325,6 +328,50 @@ async def test_a_second_store_object_conflicts_at_commit(tmp_path: Path) -> None
         await b.write_run_started(started("other"), seq=1)  # other runs are unaffected
 
 
+async def test_a_conflict_fails_only_its_write_in_a_shared_transaction(tmp_path: Path) -> None:
+    path = tmp_path / "s.db"
+    async with open_sqlite_store(path) as a, open_sqlite_store(path) as b:
+        await b.write_run_started(started("r"), seq=1)
+        await b.list_runs()
+        await a.write_intent(
+            ModelIntent(run_id="r", step=1, intent_id="a", attempt=1, ts=TS), seq=2
+        )
+        blocker = sqlite3.connect(path, isolation_level=None)
+        blocker.execute("BEGIN IMMEDIATE")  # b's committer gets stuck on its next batch
+        outcomes: dict[str, BaseException | None] = {}
+
+        async def attempt(name: str, write: Callable[[], Awaitable[None]]) -> None:
+            try:
+                await write()
+            except StoreError as exc:
+                outcomes[name] = exc
+            else:
+                outcomes[name] = None
+
+        conflicting = ModelIntent(run_id="r", step=1, intent_id="b", attempt=1, ts=TS)
+        with trio.fail_after(30):
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(attempt, "x", lambda: b.write_control(cancel("x"), seq=1))
+                await trio.testing.wait_all_tasks_blocked()
+                nursery.start_soon(attempt, "r", lambda: b.write_intent(conflicting, seq=2))
+                nursery.start_soon(attempt, "o", lambda: b.write_control(cancel("o"), seq=1))
+                for _ in range(1000):  # each first write of a run reads its next seq first
+                    if b.statistics().pending == 3:
+                        break
+                    await trio.sleep(0.005)
+                # r and o are queued while the committer is stuck, so they share a transaction
+                assert b.statistics().pending == 3
+                blocker.execute("COMMIT")
+                blocker.close()
+        assert outcomes["x"] is None and outcomes["o"] is None
+        assert isinstance(outcomes["r"], ConflictError)
+        assert (await a.read_log("o")).records == (cancel("o"),)
+
+
+def cancel(run_id: str) -> CancelRequested:
+    return CancelRequested(run_id=run_id, ts=TS, reason="test")
+
+
 # --------------------------------------------------------------------------- failures
 
 
@@ -347,15 +394,31 @@ async def test_open_refuses_a_file_that_is_not_a_database(tmp_path: Path) -> Non
     assert isinstance(info.value.__cause__, sqlite3.DatabaseError)
 
 
-@pytest.mark.skipif(os.geteuid() == 0, reason="root writes into read-only directories")
-async def test_open_refuses_a_read_only_directory(tmp_path: Path) -> None:
-    directory = trio.Path(tmp_path)
-    await directory.chmod(0o500)
+@contextlib.contextmanager
+def read_only(directory: Path) -> Iterator[None]:
+    """Make ``directory`` unwritable: mode 0o500, or the immutable flag for root."""
+    if os.geteuid() != 0:
+        directory.chmod(0o500)
+        try:
+            yield
+        finally:
+            directory.chmod(0o700)
+        return
+    chattr = shutil.which("chattr")
+    if chattr is None or subprocess.run([chattr, "+i", directory], check=False).returncode:
+        pytest.skip("root ignores modes and chattr +i is not available here")
     try:
-        with pytest.raises(StoreError):
-            await SqliteStore.open(tmp_path / "s.db")
+        yield
     finally:
-        await directory.chmod(0o700)
+        subprocess.run([chattr, "-i", directory], check=True)
+
+
+async def test_open_refuses_a_read_only_directory(tmp_path: Path) -> None:
+    directory = tmp_path / "ro"
+    directory.mkdir()
+    with read_only(directory), pytest.raises(StoreError) as info:
+        await SqliteStore.open(directory / "s.db")
+    assert isinstance(info.value.__cause__, sqlite3.Error)
 
 
 async def test_open_refuses_a_newer_layout(tmp_path: Path) -> None:
@@ -468,7 +531,9 @@ def insert_rows(path: Path, rows: list[tuple[str, int, str, str]]) -> None:
     ],
     ids=["not-json", "missing-fields", "wrong-kind", "gap"],
 )
-async def test_corrupt_log_names_the_seq(tmp_path: Path, row, offset: int) -> None:
+async def test_corrupt_log_names_the_seq(
+    tmp_path: Path, row: tuple[str, int, str, str], offset: int
+) -> None:
     path = tmp_path / "s.db"
     async with open_sqlite_store(path) as store:
         await store.write_control(CancelRequested(run_id="r", ts=TS), seq=1)
@@ -539,6 +604,34 @@ async def test_cancelled_barrier_still_commits(tmp_path: Path) -> None:
         result = ModelResult(run_id="r", step=1, intent_id="m", ts=TS)
         await store.write_model_result(result, seq=3)  # the seq moved on
         assert (await store.read_log("r")).records[-1] == result
+
+
+async def test_every_operation_is_a_checkpoint(tmp_path: Path) -> None:
+    store = await SqliteStore.open(tmp_path / "s.db")
+    run = Steps(store, "r")
+    with trio.testing.assert_checkpoints():
+        await run.start()
+    await store.list_runs()
+    for write in (
+        lambda: store.write_intent(
+            ModelIntent(run_id="r", step=1, intent_id="m", attempt=1, ts=TS), seq=2
+        ),
+        lambda: store.write_model_result(
+            ModelResult(run_id="r", step=1, intent_id="m", ts=TS), seq=3
+        ),
+        lambda: store.write_step(
+            None,
+            StepRecord(run_id="r", step=1, ts=TS, model_intent_id="m", decision=None),
+            seq=4,
+        ),
+        lambda: store.write_control(cancel("r"), seq=5),
+        lambda: store.read_log("r"),
+        store.list_runs,
+        store.aclose,
+        store.aclose,
+    ):
+        with trio.testing.assert_checkpoints():
+            await write()
 
 
 async def test_aclose_flushes_and_later_calls_raise(tmp_path: Path) -> None:

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import contextlib
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from pathlib import Path
 
 import attrs
 import pytest
@@ -17,6 +18,7 @@ from treadle.testing.contracts import (
     StoreOpener,
     check_run_store,
 )
+from treadle.types import ActionResult, Record, RunLog, StepRecord
 
 
 @attrs.frozen
@@ -25,12 +27,10 @@ class Harness:
     persistent: bool
 
 
-def _opener(make: Callable[[], object]) -> StoreOpener:
+def _opener(make: Callable[[], Awaitable[RunStore]]) -> StoreOpener:
     @contextlib.asynccontextmanager
     async def open_store() -> AsyncIterator[RunStore]:
-        store = make()
-        if not isinstance(store, RunStore):
-            store = await store  # type: ignore[misc]
+        store = await make()
         try:
             yield store
         finally:
@@ -39,9 +39,16 @@ def _opener(make: Callable[[], object]) -> StoreOpener:
     return open_store
 
 
-def _harness(kind: str, tmp_path) -> Harness:
+def _memory(cls: type[MemoryStore] = MemoryStore) -> StoreOpener:
+    async def make() -> RunStore:
+        return cls()
+
+    return _opener(make)
+
+
+def _harness(kind: str, tmp_path: Path) -> Harness:
     if kind == "memory":
-        return Harness(_opener(MemoryStore), persistent=False)
+        return Harness(_memory(), persistent=False)
     path = tmp_path / "runs.db"
     return Harness(_opener(lambda: SqliteStore.open(path)), persistent=True)
 
@@ -56,12 +63,12 @@ CASES = [
 
 
 @pytest.fixture(params=STORES)
-def harness(request, tmp_path) -> Harness:
+def harness(request: pytest.FixtureRequest, tmp_path: Path) -> Harness:
     return _harness(request.param, tmp_path)
 
 
 @pytest.mark.parametrize(("kind", "check"), CASES)
-async def test_contract(kind: str, check: StoreCheck, tmp_path) -> None:
+async def test_contract(kind: str, check: StoreCheck, tmp_path: Path) -> None:
     await check(_harness(kind, tmp_path).open_store)
 
 
@@ -81,7 +88,7 @@ def test_check_names_are_unique() -> None:
 class _NoSeqCheck(MemoryStore):
     """Appends whatever seq it is given."""
 
-    async def _append(self, run_id, seq, records):  # type: ignore[no-untyped-def]
+    async def _append(self, run_id: str, seq: int, records: tuple[Record, ...]) -> None:
         self._logs.setdefault(run_id, []).extend(records)
 
 
@@ -89,13 +96,15 @@ class _NoSeqCheck(MemoryStore):
 class _DropsStepResults(MemoryStore):
     """Forgets the action results of a step write (not atomic)."""
 
-    async def write_step(self, action_results, step, *, seq):  # type: ignore[no-untyped-def]
+    async def write_step(
+        self, action_results: Sequence[ActionResult] | None, step: StepRecord, *, seq: int
+    ) -> None:
         await self._append(step.run_id, seq, (step,))
 
 
 @attrs.define(eq=False)
 class _RaisesOnMissingRun(MemoryStore):
-    async def read_log(self, run_id):  # type: ignore[no-untyped-def]
+    async def read_log(self, run_id: str) -> RunLog:
         if run_id not in self._logs:
             raise KeyError(run_id)
         return await super().read_log(run_id)
@@ -103,7 +112,7 @@ class _RaisesOnMissingRun(MemoryStore):
 
 @attrs.define(eq=False)
 class _ListsNewestFirst(MemoryStore):
-    async def list_runs(self):  # type: ignore[no-untyped-def]
+    async def list_runs(self) -> tuple[str, ...]:
         return tuple(reversed(await super().list_runs()))
 
 
@@ -116,15 +125,17 @@ class _ListsNewestFirst(MemoryStore):
         (_ListsNewestFirst, "list_runs_in_first_write_order", StoreContractError),
     ],
 )
-async def test_suite_catches_a_broken_store(broken, check_name, error) -> None:
+async def test_suite_catches_a_broken_store(
+    broken: type[MemoryStore], check_name: str, error: type[Exception]
+) -> None:
     check = next(c for c in RUN_STORE_CHECKS if c.name == check_name)
     with pytest.raises(error):
-        await check(_opener(broken))
+        await check(_memory(broken))
     with pytest.raises(error):
-        await check_run_store(_opener(broken), persistent=False)
+        await check_run_store(_memory(broken), persistent=False)
 
 
 async def test_forgetful_persistent_store_fails_the_reopen_check() -> None:
     check = next(c for c in RUN_STORE_CHECKS if c.name == "durable_after_reopen")
     with pytest.raises(StoreContractError, match="durable_after_reopen"):
-        await check(_opener(MemoryStore))  # a fresh memory store per opening loses everything
+        await check(_memory())  # a fresh memory store per opening loses everything
