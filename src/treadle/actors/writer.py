@@ -52,6 +52,9 @@ last seq and read the rest from the store)."""
 SINK_BUFFER = 256
 """Events a sink may fall behind before new events for it are dropped and counted."""
 
+SINK_GRACE_S = 2.0
+"""Seconds sinks may take to drain their buffers after the run ended before being cancelled."""
+
 TAIL_KEEP = 64
 """Recent records kept in memory so a subscriber can join without a store read."""
 
@@ -197,6 +200,8 @@ class EventWriter:
             finally:
                 for channel in (*self._subscribers, *self._sink_inboxes):
                     channel.close()
+                # Sinks get a grace period to drain what they were handed, then are cut off.
+                nursery.cancel_scope.deadline = trio.current_time() + SINK_GRACE_S
 
     async def _serve(self, message: WriterRequest) -> None:
         if isinstance(message, Append):

@@ -245,6 +245,7 @@ async def _supervise(
             task_status.started()
             try:
                 handle._result = await coordinator.run(resumed_steps=resumed)
+                handle._done.set()  # answered: sinks may still drain in the background
             finally:
                 coordinator.close_inboxes()
                 writer_send.close()

@@ -1,0 +1,130 @@
+from __future__ import annotations
+
+import trio
+from runtime_fakes import LedgerTools, SimpleParser
+
+import treadle
+from treadle.stores.memory import MemoryStore
+from treadle.supervisors.run import open_run, run
+from treadle.testing.scripted import ScriptedModel, calls, say
+from treadle.types import ActionResult, EventKind, StepRecord, ToolCall
+
+
+def agent(turns, **kw):
+    return treadle.Agent(
+        model=ScriptedModel(turns=turns, **kw),
+        executor=LedgerTools(),
+        parser=SimpleParser(),
+        budgets=treadle.Budgets(max_steps=1000),
+    )
+
+
+class SlowSink:
+    def __init__(self):
+        self.events = []
+
+    async def send(self, event):
+        await trio.sleep(3600)
+
+
+class FailingSink:
+    async def send(self, event):
+        raise RuntimeError("sink is down")
+
+
+class ListSink:
+    def __init__(self):
+        self.events = []
+
+    async def send(self, event):
+        self.events.append(event)
+
+
+async def test_slow_and_failing_sinks_never_stall_the_run():
+    good = ListSink()
+    turns = [
+        calls(ToolCall(id=f"c{i}", name="add", arguments={"a": i, "b": 1})) for i in range(100)
+    ] + [say("done")]
+    store = MemoryStore()
+    with trio.fail_after(30):
+        async with open_run(
+            agent(turns), "x", store=store, run_id="r", sinks=[SlowSink(), FailingSink(), good]
+        ) as handle:
+            result = await handle.wait()
+            stats = handle.statistics()
+    assert result.stop_reason is treadle.StopReason.FINAL_ANSWER
+    log = await store.read_log("r")
+    assert stats.sink_failures > 0
+    assert stats.sink_drops > 0  # the slow sink's buffer overflowed, events were dropped
+    assert [e.seq for e in good.events if e.durable] == list(range(1, len(log.records) + 1))
+
+
+async def test_parallel_batch_is_one_step_with_results_in_call_order():
+    batch = calls(
+        ToolCall(id="a", name="add", arguments={"a": 1, "b": 1}),
+        ToolCall(id="b", name="add", arguments={"a": 2, "b": 2}),
+        ToolCall(id="c", name="nope", arguments={}),
+    )
+    model = ScriptedModel(turns=[batch, say("ok")])
+    store = MemoryStore()
+    result = await run(
+        treadle.Agent(model=model, executor=LedgerTools(), parser=SimpleParser()),
+        "x",
+        store=store,
+        run_id="r",
+    )
+    assert result.totals.steps == 2
+    log = await store.read_log("r")
+    results = [r for r in log.records if isinstance(r, ActionResult)]
+    assert [r.call_id for r in results] == ["a", "b", "c"]
+    step = next(r for r in log.records if isinstance(r, StepRecord))
+    assert step.observations[:2] == ("2", "4")
+    assert step.action_result_ids == tuple(r.intent_id for r in results)
+    tool_messages = [m for m in model.requests[1].messages if m.role == "tool"]
+    assert [m.tool_call_id for m in tool_messages] == ["a", "b", "c"]
+
+
+async def test_reconnect_at_every_seq_gives_the_same_events():
+    store = MemoryStore()
+    await run(
+        agent([calls(ToolCall(id="a", name="add", arguments={"a": 1, "b": 1})), say("2")]),
+        "x",
+        store=store,
+        run_id="r",
+    )
+    async with open_run(agent([]), store=store, run_id="r") as handle:
+        full = [e async for e in handle.events()]
+        for start in range(1, len(full) + 1):
+            tail = [e async for e in handle.events(from_seq=start)]
+            assert tail == full[start - 1 :]
+    assert full[-1].kind is EventKind.RUN_FINISHED
+
+
+async def test_live_subscriber_joining_mid_run_sees_no_gap(autojump_clock):
+    turns = [calls(ToolCall(id=f"c{i}", name="sleep", arguments={"s": 1})) for i in range(5)] + [
+        say("done")
+    ]
+    store = MemoryStore()
+    async with open_run(agent(turns), "x", store=store, run_id="r") as handle:
+        await trio.sleep(2.5)
+        seen = [e.seq async for e in handle.events(from_seq=1) if e.durable]
+    log = await store.read_log("r")
+    assert seen == list(range(1, len(log.records) + 1))
+
+
+async def test_text_deltas_are_numbered_after_the_durable_event(autojump_clock):
+    model = ScriptedModel(turns=[say("hello there, friend")], stream_chunk_chars=3)
+    store = MemoryStore()
+    deltas = []
+    async with open_run(
+        treadle.Agent(model=model, executor=LedgerTools(), parser=SimpleParser()),
+        "x",
+        store=store,
+        run_id="r",
+    ) as handle:
+        async for event in handle.events():
+            if event.kind is EventKind.TEXT_DELTA:
+                deltas.append(event)
+    assert "".join(d.text for d in deltas) == "hello there, friend"
+    assert all(d.seq == 2 for d in deltas)  # after the model-call intent (seq 2)
+    assert [d.ordinal for d in deltas] == list(range(1, len(deltas) + 1))

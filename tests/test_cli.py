@@ -1,0 +1,148 @@
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import trio
+from click.testing import CliRunner
+
+import treadle
+from treadle.cli import main
+from treadle.testing.loopback import CannedResponse, canned, open_loopback_server
+from treadle.testing.scripted import ScriptedModel, call, say
+
+CASES = Path(__file__).resolve().parent / "fixtures" / "cases"
+
+
+@treadle.tool
+async def add(a: int, b: int) -> int:
+    """Add."""
+    return a + b
+
+
+def make_store(path: Path) -> None:
+    async def go():
+        agent = treadle.Agent(
+            model=ScriptedModel(turns=[call("add", a=1, b=2), say("3")]),
+            executor=treadle.Toolbox([add]),
+            parser=treadle.NativeToolCallParser(),
+        )
+        async with treadle.open_sqlite_store(path) as store:
+            await treadle.run(agent, "1+2?", store=store, run_id="cli-run")
+
+    trio.run(go)
+
+
+def test_runs_and_show(tmp_path):
+    db = tmp_path / "runs.db"
+    make_store(db)
+    runner = CliRunner()
+    listed = runner.invoke(main, ["runs", "--store", str(db), "--json"])
+    assert listed.exit_code == 0, listed.output
+    (row,) = [json.loads(line) for line in listed.output.splitlines()]
+    assert row["run_id"] == "cli-run" and row["state"] == "succeeded" and row["steps"] == 2
+    shown = runner.invoke(main, ["show", "cli-run", "--store", str(db)])
+    assert shown.exit_code == 0, shown.output
+    assert "run finished" in shown.output and "add" in shown.output
+    records = runner.invoke(main, ["show", "cli-run", "--store", str(db), "--json"])
+    kinds = [json.loads(line)["kind"] for line in records.output.splitlines()]
+    assert kinds[0] == "run_started" and kinds[-1] == "run_finished"
+
+
+def test_show_unknown_run_and_missing_store_are_clear_errors(tmp_path):
+    runner = CliRunner()
+    missing = runner.invoke(main, ["runs", "--store", str(tmp_path / "nope.db")])
+    assert missing.exit_code != 0 and "no store at" in missing.output
+    db = tmp_path / "runs.db"
+    make_store(db)
+    unknown = runner.invoke(main, ["show", "other", "--store", str(db)])
+    assert unknown.exit_code != 0 and "no run 'other'" in unknown.output
+
+
+async def test_probe_prints_the_assembled_reply_with_decision(tmp_path):
+    body = (CASES / "08-parallel-toolcalls-interleaved.sse").read_bytes()
+    tools = tmp_path / "tools.json"
+    tools.write_text(
+        json.dumps(
+            [
+                {
+                    "name": "get_weather",
+                    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+                },
+                {
+                    "name": "get_local_time",
+                    "parameters": {"type": "object", "properties": {"tz": {"type": "string"}}},
+                },
+            ]
+        )
+    )
+    response = CannedResponse(headers={"content-type": "text/event-stream"}, chunks=[body])
+    async with open_loopback_server(canned(response)) as server:
+        done = await trio.run_process(
+            [
+                sys.executable,
+                "-m",
+                "treadle",
+                "probe",
+                "--base-url",
+                server.base_url,
+                "--model",
+                "m",
+                "--tools",
+                str(tools),
+                "--json",
+            ],
+            capture_stdout=True,
+            capture_stderr=True,
+            check=False,
+        )
+        assert done.returncode == 0, done.stderr.decode()
+        report = json.loads(done.stdout)
+        sent = server.requests[0].json()
+    assert [c["name"] for c in report["tool_calls"]] == ["get_weather", "get_local_time"]
+    assert report["error"] is None and report["usage"] is None
+    assert report["decision"]["kind"] == "actions"
+    assert sent["stream"] is True and sent["tools"][0]["function"]["name"] == "get_weather"
+
+
+async def test_probe_reports_a_classified_error_and_keeps_the_key_out(tmp_path):
+    body = (CASES / "20-http429-retry-after-seconds.body").read_bytes()
+    response = CannedResponse(
+        status=429, headers={"content-type": "application/json", "retry-after": "0"}, chunks=[body]
+    )
+    async with open_loopback_server(canned(response)) as server:
+        done = await trio.run_process(
+            [
+                sys.executable,
+                "-m",
+                "treadle",
+                "probe",
+                "--base-url",
+                server.base_url,
+                "--model",
+                "m",
+                "--api-key-env",
+                "PROBE_KEY",
+                "--max-attempts",
+                "2",
+                "--json",
+            ],
+            capture_stdout=True,
+            capture_stderr=True,
+            check=False,
+            env={**__import__("os").environ, "PROBE_KEY": "sk-secret-123"},
+        )
+    report = json.loads(done.stdout)
+    assert report["error"]["kind"] == "rate_limited" and report["error"]["retryable"] is True
+    assert "sk-secret-123" not in done.stdout.decode() + done.stderr.decode()
+    assert len(server.requests) == 2
+    assert server.requests[0].header("authorization") == "Bearer sk-secret-123"
+
+
+def test_module_entry_point_runs():
+    done = subprocess.run(
+        [sys.executable, "-m", "treadle", "--help"], capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 0 and "probe" in done.stdout
