@@ -68,6 +68,7 @@ _SCHEMA: Final = (
     "CREATE TRIGGER IF NOT EXISTS first_write AFTER INSERT ON records WHEN NEW.seq = 1 "
     "BEGIN INSERT OR IGNORE INTO runs(run_id) VALUES (NEW.run_id); END",
 )
+_IDLE_READERS: Final = 4  # read connections kept open between reads
 _T = TypeVar("_T")
 
 
@@ -236,6 +237,16 @@ class SqliteStore:
     return once queued; if their transaction later fails, the error is raised by the next
     write of that run. After any write of a run fails in a transaction, the store refuses
     every further write of that run with `StoreError`; open the store again to resume it.
+
+    Every write raises:
+        ConflictError: ``seq`` is not the run's next seq (checked before queuing; another
+            store object or process that wrote the same seq is caught at commit). Nothing
+            of the write is stored.
+        UsageError: a record cannot be encoded as JSON, or names another run. Nothing is
+            stored and the seq stays free.
+        StoreError: the transaction of this barrier failed (disk full, I/O error; the
+            SQLite error is the ``__cause__``), an earlier write of the run failed, or the
+            store is closed.
 
     Cancellation:
         Every operation is a checkpoint. A write cancelled before it was queued writes
@@ -476,7 +487,7 @@ class SqliteStore:
                 self._release(conn)
 
     def _release(self, conn: sqlite3.Connection) -> None:
-        if self._closed:
+        if self._closed or len(self._readers) >= _IDLE_READERS:
             conn.close()
         else:
             self._readers.append(conn)

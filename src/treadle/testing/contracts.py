@@ -60,6 +60,15 @@ from treadle.types import (
     Usage,
 )
 
+__all__ = [
+    "CHECK_TIMEOUT_S",
+    "RUN_STORE_CHECKS",
+    "StoreCheck",
+    "StoreContractError",
+    "StoreOpener",
+    "check_run_store",
+]
+
 StoreOpener = Callable[[], AbstractAsyncContextManager[RunStore]]
 """Opens the store under test for an ``async with`` block and closes it at the end.
 
