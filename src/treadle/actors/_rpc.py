@@ -6,8 +6,7 @@ one reply. The replier answers with `reply` and never blocks on a requester that
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import TypeVar
 
 import trio
@@ -56,18 +55,12 @@ class StepScope:
         self.reason = ""
         self._open: set[trio.CancelScope] = set()
 
-    @contextlib.contextmanager
-    def open(self) -> Iterator[trio.CancelScope]:
-        """A fresh cancel scope bound to this step's deadline and cancellation."""
-        scope = trio.CancelScope(deadline=self.deadline)
-        if self.cancel_called:
-            scope.cancel(reason=self.reason)
-        self._open.add(scope)
-        try:
-            with scope:
-                yield scope
-        finally:
-            self._open.discard(scope)
+    def open(self) -> _BoundScope:
+        """A fresh cancel scope bound to this step's deadline and cancellation.
+
+        Use as ``with step_scope.open() as scope:``; ``scope`` is the `trio.CancelScope`.
+        """
+        return _BoundScope(self)
 
     def cancel(self, reason: str) -> None:
         """Cancel everything open now or opened later, with ``reason``."""
@@ -80,3 +73,23 @@ class StepScope:
     def expired(self) -> bool:
         """Whether the deadline has passed (trio clock)."""
         return trio.current_time() >= self.deadline
+
+
+class _BoundScope:
+    """Context manager behind `StepScope.open` (a class: this is on every step's hot path)."""
+
+    __slots__ = ("_owner", "_scope")
+
+    def __init__(self, owner: StepScope) -> None:
+        self._owner = owner
+        self._scope = trio.CancelScope(deadline=owner.deadline)
+        if owner.cancel_called:
+            self._scope.cancel(reason=owner.reason)
+
+    def __enter__(self) -> trio.CancelScope:
+        self._owner._open.add(self._scope)
+        return self._scope.__enter__()
+
+    def __exit__(self, *exc_info: object) -> bool | None:
+        self._owner._open.discard(self._scope)
+        return self._scope.__exit__(*exc_info)  # type: ignore[arg-type]

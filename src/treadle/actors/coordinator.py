@@ -339,5 +339,7 @@ async def _bounded(
     The actor enforces the deadline itself; the grace period only guarantees that an actor
     ignoring its deadline cannot hang the run (it raises `trio.TooSlowError`).
     """
+    if scope.deadline == float("inf"):  # each actor bounds its own calls (limits)
+        return await request(inbox, make)
     with trio.fail_at(scope.deadline + STOP_GRACE_S):
         return await request(inbox, make)
