@@ -11,6 +11,7 @@ import json
 from typing import Any, Final
 
 import cattrs
+import orjson
 from cattrs.preconf.json import make_converter
 from cattrs.strategies import configure_tagged_union
 
@@ -60,12 +61,10 @@ def _make() -> cattrs.Converter:
 
 _CONVERTER: Final = _make()
 
-_DUMPS = json.JSONEncoder(ensure_ascii=False, separators=(",", ":"), sort_keys=False).encode
-
-
 def record_to_dict(record: Record) -> dict[str, Any]:
-    """Unstructure ``record`` into plain JSON data with its ``kind`` tag."""
-    data: dict[str, Any] = _CONVERTER.unstructure(record, Record)
+    """Unstructure ``record`` into plain JSON data with its ``kind`` tag (last key)."""
+    data: dict[str, Any] = _CONVERTER.unstructure(record)
+    data["kind"] = KIND_OF[type(record)]
     return data
 
 
@@ -83,12 +82,21 @@ def record_from_dict(data: dict[str, Any]) -> Record:
 
 
 def encode(record: Record) -> str:
-    """Serialise ``record`` to one line of compact JSON (no newline)."""
-    return _DUMPS(record_to_dict(record))
+    """Serialise ``record`` to one line of compact JSON (no newline).
+
+    orjson is the fast path; values it refuses (integers beyond 64 bits, lone surrogates)
+    take the standard library's path with ASCII escapes, which round-trips them exactly.
+    """
+    data = record_to_dict(record)
+    try:
+        return orjson.dumps(data).decode("utf-8")
+    except orjson.JSONEncodeError:
+        return json.dumps(data, ensure_ascii=True, separators=(",", ":"))
 
 
 def decode(text: str | bytes) -> Record:
     """Parse one JSON record; raises `ValueError` (or a cattrs error) on bad input."""
+    # The standard library's decoder: orjson would turn integers beyond 64 bits into floats.
     return record_from_dict(json.loads(text))
 
 
