@@ -312,5 +312,14 @@ def _register_demo() -> None:
 
 _register_demo()
 
+
+def _register_simulate() -> None:
+    from treadle._cli_simulate import simulate_command
+
+    main.add_command(simulate_command)
+
+
+_register_simulate()
+
 if __name__ == "__main__":  # pragma: no cover
     sys.exit(main())
