@@ -259,8 +259,11 @@ def _turn(rng: random.Random, plan: FaultPlan, counts: dict[str, int], turn: int
 
 
 def _model(script: _Script) -> ScriptedModel:
-    """The simulated provider: it belongs to the environment, so its state (which scripted
-    failures it already served) survives our process's crashes."""
+    """The simulated provider.
+
+    It belongs to the environment, so its state (which scripted failures it already served)
+    survives our process's crashes.
+    """
     return ScriptedModel(turns=script.turns, failures=script.failures, latency_s=0.05)
 
 
