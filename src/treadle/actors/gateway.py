@@ -4,6 +4,14 @@ Every HTTP attempt gets its own durable intent (a barrier written before the req
 and its own result record, failed attempts included (DESIGN §4, §6). Retries wait with
 exponential backoff and jitter, or exactly the server's Retry-After; a wait that would outlast
 the active-time budget is not slept.
+
+Budgets hold during a call. The step's cancel scope cancels the stream in flight when the run
+is cancelled or its active time runs out. Each attempt observes the usage the server reports
+while it streams (`treadle.models.observe_usage`): once the reported usage crosses the run's
+remaining token budget the stream is cut there; a server that reports usage only at the end
+is checked when the call ends. Either way the run ends with ``token_budget`` and the reply is
+not acted on. Every attempt's result records the usage the server reported, failed,
+cancelled and cut attempts included.
 """
 
 from __future__ import annotations
@@ -18,6 +26,7 @@ from treadle._clock import Clock
 from treadle._exceptions import ModelCallError
 from treadle.actors._rpc import StepScope, reply
 from treadle.actors.writer import Op, WriterClient
+from treadle.models.openai import observe_usage
 from treadle.ports import ModelClient
 from treadle.types import (
     Budgets,
@@ -132,10 +141,13 @@ class ModelGateway:
                 return ModelOutcome(stop=stop, written=tuple(written))
             attempt += 1
             run_attempts += 1
-            result = await self._attempt(message, attempt, written)
+            meter = _Meter(limit=self._remaining_tokens(tokens))
+            result = await self._attempt(message, attempt, written, meter)
             if result is None:  # cancelled or cut by the time budget
                 return ModelOutcome(stop=self._cut_reason(message.scope), written=tuple(written))
             tokens += _tokens(result.usage)
+            if meter.cut or (meter.limit is not None and _tokens(result.usage) > meter.limit):
+                return ModelOutcome(stop=StopReason.TOKEN_BUDGET, written=tuple(written))
             if result.reply is not None:
                 return ModelOutcome(
                     reply=result.reply, intent_id=result.intent_id, written=tuple(written)
@@ -162,12 +174,16 @@ class ModelGateway:
             return StopReason.TOKEN_BUDGET
         return None
 
+    def _remaining_tokens(self, tokens: int) -> int | None:
+        budget = self.budgets.token_budget
+        return None if budget is None else budget - tokens
+
     @staticmethod
     def _cut_reason(scope: StepScope) -> StopReason:
         return StopReason.CANCELLED if scope.cancel_called else StopReason.TIME_BUDGET
 
     async def _attempt(
-        self, message: CallModel, attempt: int, written: list[Record]
+        self, message: CallModel, attempt: int, written: list[Record], meter: _Meter
     ) -> ModelResult | None:
         """One HTTP attempt: intent (barrier), call, result. ``None`` when cut off."""
         intent = ModelIntent(
@@ -186,34 +202,38 @@ class ModelGateway:
             written.append(intent)
             with durable:
                 await durable.receive()
-            outcome = await self._complete(message.request, on_delta)
+            outcome = await self._complete(message.request, on_delta, meter)
         coalescer.flush()
         if outcome is None:
             if written and written[-1] is intent:
                 info = ModelErrorInfo(kind=self._cut_reason(message.scope).value)
-                await self._write_result(intent, written, error=info, started=started)
+                await self._write_result(
+                    intent, written, error=info, usage=meter.last, started=started
+                )
             return None
         if isinstance(outcome, ModelCallError):
+            usage = outcome.usage if _known(outcome.usage) else meter.last
             return await self._write_result(
-                intent, written, error=outcome.info, usage=outcome.usage, started=started
+                intent, written, error=outcome.info, usage=usage, started=started
             )
         return await self._write_result(intent, written, reply_=outcome, started=started)
 
     async def _complete(
-        self, request: ModelRequest, on_delta: Callable[[str, str], None] | None
+        self, request: ModelRequest, on_delta: Callable[[str, str], None] | None, meter: _Meter
     ) -> ModelReply | ModelCallError:
         try:
-            with trio.fail_after(self.limits.model_attempt_s):
+            with observe_usage(meter), trio.fail_after(self.limits.model_attempt_s):
                 return await self.client.complete(request, on_delta=on_delta)
         except ModelCallError as exc:
-            return exc
+            return meter.error if meter.cut and meter.error is not None else exc
         except trio.TooSlowError:
             return ModelCallError(
                 ModelErrorInfo(
                     kind="timeout",
                     message=f"attempt exceeded {self.limits.model_attempt_s} s",
                     retryable=True,
-                )
+                ),
+                usage=meter.last,
             )
 
     async def _write_result(
@@ -243,6 +263,50 @@ class ModelGateway:
 
 def _tokens(usage: Usage) -> int:
     return (usage.input_tokens or 0) + (usage.output_tokens or 0)
+
+
+def _known(usage: Usage) -> bool:
+    return any(
+        count is not None
+        for count in (
+            usage.input_tokens,
+            usage.output_tokens,
+            usage.reasoning_tokens,
+            usage.total_tokens,
+        )
+    )
+
+
+@attrs.define(eq=False)
+class _Meter:
+    """Observes the usage one attempt reports and cuts it when it crosses ``limit`` tokens.
+
+    Attributes:
+        limit: input + output tokens the attempt may use (the run's remaining token budget);
+            ``None`` for no limit.
+        last: the latest usage the server reported in this attempt.
+        cut: the attempt was ended because its reported usage crossed ``limit``.
+        error: the error raised to end it.
+    """
+
+    limit: int | None
+    last: Usage = Usage()
+    cut: bool = False
+    error: ModelCallError | None = None
+
+    def __call__(self, usage: Usage) -> None:
+        self.last = usage
+        if self.limit is None or _tokens(usage) <= self.limit:
+            return
+        self.cut = True
+        message = (
+            f"reported usage of {_tokens(usage)} tokens crosses the remaining token budget "
+            f"of {self.limit}; the stream was cut"
+        )
+        self.error = ModelCallError(
+            ModelErrorInfo(kind="token_budget", message=message), usage=usage
+        )
+        raise self.error
 
 
 @attrs.define(eq=False)

@@ -7,6 +7,9 @@ from treadle.models._sse import SSEDecoder as SSEDecoder
 from treadle.models._sse import SSEEvent as SSEEvent
 from treadle.models.openai import ImageSource as ImageSource
 from treadle.models.openai import OpenAIChatClient as OpenAIChatClient
+from treadle.models.openai import UsageObserver as UsageObserver
+from treadle.models.openai import observe_usage as observe_usage
+from treadle.models.openai import report_usage as report_usage
 
 __all__ = [
     "ImageSource",
@@ -14,6 +17,9 @@ __all__ = [
     "SSEDecodeError",
     "SSEDecoder",
     "SSEEvent",
+    "UsageObserver",
+    "observe_usage",
     "parse_retry_after",
     "probe",
+    "report_usage",
 ]

@@ -9,10 +9,11 @@ from __future__ import annotations
 
 import base64
 import contextlib
+import contextvars
 import hashlib
 import json
 import time
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import AsyncIterator, Callable, Iterator, Mapping
 from typing import Any
 
 import httpx
@@ -35,10 +36,51 @@ from treadle.types import (
     ModelRequest,
     ToolCall,
     ToolSpec,
+    Usage,
 )
 
 ImageSource = Callable[[ImageRef], bytes]
 """Resolves a ``ref:<name>`` image to its bytes; raises `LookupError` or `OSError` if missing."""
+
+UsageObserver = Callable[[Usage], None]
+"""Receives the usage reported so far in the current attempt (running counts, tokens).
+
+It may raise `treadle.ModelCallError` to end the attempt (the model gateway does so when the
+reported usage crosses the run's remaining token budget); clients let that error propagate.
+"""
+
+_usage_observer: contextvars.ContextVar[UsageObserver | None] = contextvars.ContextVar(
+    "treadle_usage_observer", default=None
+)
+
+
+@contextlib.contextmanager
+def observe_usage(observer: UsageObserver) -> Iterator[None]:
+    """Route `report_usage` calls made by the current task to ``observer`` inside the block.
+
+    The model gateway wraps each attempt in this block, so a client needs no extra argument
+    (the `treadle.ports.ModelClient` seam is unchanged).
+    """
+    token = _usage_observer.set(observer)
+    try:
+        yield
+    finally:
+        _usage_observer.reset(token)
+
+
+def report_usage(usage: Usage) -> None:
+    """Report the usage the server has reported so far in this attempt.
+
+    A client calls this each time the server reports (running or final) usage. Without an
+    observer (outside a gateway attempt) it does nothing.
+
+    Raises:
+        treadle.ModelCallError: the observer ended the attempt (e.g. kind ``token_budget``).
+    """
+    observer = _usage_observer.get()
+    if observer is not None:
+        observer(usage)
+
 
 CLOSE_GRACE_S = 1.0
 """Seconds a shielded close of the HTTP response may take after a failure or cancellation."""
@@ -216,7 +258,9 @@ class OpenAIChatClient:
         content_type = response.headers.get("content-type", "").lower()
         if "json" in content_type:
             body = await self._read_body(chunks, acc, MAX_JSON_BODY_BYTES)
-            return acc.add_completion(body)
+            reply = acc.add_completion(body)
+            report_usage(reply.usage)
+            return reply
         if content_type and "event-stream" not in content_type:
             raise acc.failure("invalid_response", f"unexpected content-type {content_type!r}")
         return await self._read_stream(chunks, acc, deadline)
@@ -225,12 +269,16 @@ class OpenAIChatClient:
         self, chunks: AsyncIterator[bytes], acc: StreamAccumulator, deadline: float
     ) -> ModelReply:
         decoder = SSEDecoder()
+        reported = acc.usage
         while not acc.done:
             chunk = await self._next_chunk(chunks, acc, deadline if not acc.events else None)
             if chunk is None:
                 return _end_of_stream(acc, truncated=decoder.close())
             for event in _decode(decoder, chunk, acc):
                 acc.add(event.data, event=event.event)
+                if acc.usage is not reported:  # the server reported (running) usage
+                    reported = acc.usage
+                    report_usage(reported)
         return acc.reply()
 
     async def _next_chunk(
