@@ -2,13 +2,22 @@
 
 from __future__ import annotations
 
+import importlib
 import json
+import os
+import sys
 
 import click
 from rich.console import Console
 from rich.table import Table
 
-from treadle.testing.simulation import FAULT_KINDS, FaultPlan, SimulationResult, simulate
+from treadle.testing.simulation import (
+    FAULT_KINDS,
+    FaultPlan,
+    Scenario,
+    SimulationResult,
+    simulate,
+)
 
 
 @click.command("simulate")
@@ -53,6 +62,13 @@ from treadle.testing.simulation import FAULT_KINDS, FaultPlan, SimulationResult,
     type=click.IntRange(min=1),
     help="Scripted tool steps per run.",
 )
+@click.option(
+    "--agent",
+    "agent",
+    default=None,
+    metavar="MODULE:FACTORY",
+    help="A scenario factory (see docs/simulation.md); default: the ledger scenario.",
+)
 @click.option("--json", "as_json", is_flag=True, help="One JSON line per seed, then the summary.")
 def simulate_command(
     seeds: int,
@@ -61,14 +77,16 @@ def simulate_command(
     rate: float | None,
     runs_per_seed: int,
     steps: int,
+    agent: str | None,
     as_json: bool,
 ) -> None:
     """Simulate runs under seeded faults and check the durability invariants."""
     plan = _plan(faults, rate)
+    scenario = _load_scenario(agent) if agent else None
     failing: SimulationResult | None = None
     total_steps = 0
     for seed in range(first, first + seeds):
-        result = simulate(seed, plan=plan, runs=runs_per_seed, steps=steps)
+        result = simulate(seed, plan=plan, runs=runs_per_seed, steps=steps, scenario=scenario)
         total_steps += result.steps
         if as_json:
             click.echo(json.dumps(result.to_json()))
@@ -77,6 +95,21 @@ def simulate_command(
     _summary(seeds, total_steps, failing, faults, runs_per_seed, steps)
     if failing is not None:
         raise SystemExit(1)
+
+
+def _load_scenario(spec: str) -> Scenario:
+    """Import ``MODULE:FACTORY`` (the current directory importable) and call the factory."""
+    module_name, _, attribute = spec.partition(":")
+    if not module_name or not attribute:
+        raise click.BadParameter("expected MODULE:FACTORY", param_hint="--agent")
+    if os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())
+    try:
+        factory = getattr(importlib.import_module(module_name), attribute)
+    except (ImportError, AttributeError) as exc:
+        raise click.BadParameter(f"cannot load {spec}: {exc}", param_hint="--agent") from exc
+    scenario: Scenario = factory()
+    return scenario
 
 
 def _plan(faults: str, rate: float | None) -> FaultPlan:

@@ -91,3 +91,37 @@ def test_fault_plan_refuses_unknown_kinds_and_bad_rates():
         FaultPlan.of(["meteor"])
     with pytest.raises(ValueError, match="rate"):
         FaultPlan.of(rate=2)
+
+
+def test_cli_prints_one_line_per_seed_and_a_replay_command_on_failure(monkeypatch, tmp_path):
+    import json
+
+    from click.testing import CliRunner
+
+    from treadle.cli import main
+
+    runner = CliRunner()
+    ok = runner.invoke(main, ["simulate", "--seeds", "5", "--from", "10", "--json"])
+    assert ok.exit_code == 0, ok.output
+    lines = [json.loads(line) for line in ok.stdout.splitlines() if line.startswith("{")]
+    assert [line["seed"] for line in lines] == [10, 11, 12, 13, 14]
+    assert set(lines[0]) == {"seed", "ok", "violations", "faults_injected", "steps", "log_digest"}
+
+    def broken_check(log, ledger=None, max_steps=None):
+        return ["forced violation"]
+
+    monkeypatch.setattr(simulation, "check_invariants", broken_check)
+    failing = runner.invoke(main, ["simulate", "--seeds", "3", "--from", "4"])
+    assert failing.exit_code == 1
+    assert "treadle simulate --from 4 --seeds 1" in failing.output
+
+
+def test_user_scenario_from_the_docs_example_runs_green():
+    from click.testing import CliRunner
+
+    from treadle.cli import main
+
+    result = CliRunner().invoke(
+        main, ["simulate", "--agent", "examples.simulate_notes_agent:scenario", "--seeds", "30"]
+    )
+    assert result.exit_code == 0, result.output

@@ -15,7 +15,7 @@ from __future__ import annotations
 import hashlib
 import random
 from collections.abc import Callable, Iterable, Sequence
-from typing import Any
+from typing import Any, Protocol
 
 import attrs
 import trio
@@ -23,7 +23,7 @@ import trio.testing
 
 from treadle._clock import FixedStepClock
 from treadle._exceptions import ModelCallError, RunInterrupted, StoreError
-from treadle.agent import Agent
+from treadle.agent import Agent, RunInput
 from treadle.parsers import NativeToolCallParser
 from treadle.stores._codec import encode
 from treadle.stores.memory import MemoryStore
@@ -278,104 +278,194 @@ def _agent(model: ScriptedModel, ledger: Ledger, max_steps: int) -> Agent:
     )
 
 
+class Scenario(Protocol):
+    """What a simulation runs: users implement this to simulate their own agents and tools.
+
+    A *world* is everything outside our process: the environment the tools act on and the
+    model provider. It survives every simulated crash; each process incarnation builds a
+    fresh `Agent` on it.
+    """
+
+    def world(self, rng: random.Random, plan: FaultPlan, counts: dict[str, int]) -> Any:
+        """Build a world from ``rng``, injecting the plan's model and tool faults into it.
+
+        Each injected fault is counted in ``counts`` (kind -> count).
+
+        The same ``rng`` state must give the same world (the fault-free twin is built so).
+        """
+        ...
+
+    def agent(self, world: Any) -> Agent:
+        """A fresh agent definition acting on ``world`` (one per process incarnation)."""
+        ...
+
+    def input(self, world: Any) -> RunInput:
+        """The run's input."""
+        ...
+
+    def check(self, log: RunLog, world: Any) -> list[str]:
+        """Scenario invariants, one sentence per violation.
+
+        For example: no ``never``-policy effect applied twice, read off the world's ledger.
+        """
+        ...
+
+    def changed_observation(self, result: ActionResult) -> bool:
+        """Whether ``result`` was established by ``reconcile`` after a crash.
+
+        The model then saw something its fault-free twin did not.
+        """
+        ...
+
+
+@attrs.define(eq=False)
+class _LedgerWorld:
+    script: _Script
+    provider: ScriptedModel
+    ledger: Ledger
+
+
+@attrs.frozen(kw_only=True)
+class LedgerScenario:
+    """The built-in scenario: ``steps`` scripted steps, then a final answer or completion.
+
+    Tools: deposits to a ledger (``never`` policy with a reconcile check), balance reads
+    (``safe``), a flaky tool, a slow tool, an environment outage, and a completion tool.
+    """
+
+    steps: int = 10
+
+    def world(self, rng: random.Random, plan: FaultPlan, counts: dict[str, int]) -> Any:
+        """A scripted provider and an empty ledger."""
+        script = _script(rng, plan, counts, self.steps)
+        return _LedgerWorld(script=script, provider=_model(script), ledger=Ledger())
+
+    def agent(self, world: Any) -> Agent:
+        """The ledger agent on ``world``."""
+        return _agent(world.provider, world.ledger, self.steps + 2)
+
+    def input(self, world: Any) -> RunInput:
+        """A fixed instruction."""
+        return "simulate"
+
+    def check(self, log: RunLog, world: Any) -> list[str]:
+        """No deposit applied twice; no more steps than the budget."""
+        problems = check_invariants(log, ledger=world.ledger, max_steps=self.steps + 2)
+        return [p for p in problems if "applied twice" in p or "exceed" in p]
+
+    def changed_observation(self, result: ActionResult) -> bool:
+        """The deposit's reconcile text marks an outcome established after a crash."""
+        return result.outcome.observation == "deposit applied"
+
+
 def simulate(
     seed: int,
     *,
     plan: FaultPlan | None = None,
     runs: int = 1,
     steps: int = 10,
+    scenario: Scenario | None = None,
 ) -> SimulationResult:
-    """Simulate ``runs`` concurrent runs of ``steps`` scripted steps under seed ``seed``.
+    """Simulate ``runs`` concurrent runs of a scenario under seed ``seed``.
 
     Args:
-        seed: drives every choice: the script, the faults and trio's scheduling order.
+        seed: drives every choice: the worlds, the faults and trio's scheduling order.
         plan: the fault plan (default: `FaultPlan.default`).
         runs: concurrent runs sharing one store.
-        steps: scripted tool steps per run before its final turn.
+        steps: scripted tool steps per run of the default `LedgerScenario`.
+        scenario: what to run (default: ``LedgerScenario(steps=steps)``).
 
     Returns:
         The result, with ``ok`` false and violations listed when an invariant broke.
     """
     plan = plan if plan is not None else FaultPlan.default()
+    scenario = scenario if scenario is not None else LedgerScenario(steps=steps)
     trio._core._run._r.seed(seed)  # trio's own scheduling randomness (see module docstring)
     clock = trio.testing.MockClock(autojump_threshold=0)
-    return trio.run(_simulate, seed, plan, runs, steps, clock=clock)
+    return trio.run(_simulate, seed, plan, runs, scenario, clock=clock)
 
 
-async def _simulate(seed: int, plan: FaultPlan, runs: int, steps: int) -> SimulationResult:
+async def _simulate(seed: int, plan: FaultPlan, runs: int, scenario: Scenario) -> SimulationResult:
     rng = random.Random(seed)
     counts: dict[str, int] = {}
     store = MemoryStore()
-    ledgers = [Ledger() for _ in range(runs)]
-    scripts = [_script(rng, plan, counts, steps) for _ in range(runs)]
-    seeds = [rng.randrange(2**32) for _ in range(runs)]
+    world_seeds = [rng.randrange(2**32) for _ in range(runs)]
+    worlds = [scenario.world(random.Random(ws), plan, counts) for ws in world_seeds]
+    drive_seeds = [rng.randrange(2**32) for _ in range(runs)]
+    run_ids = [f"sim-{seed}-{index}" for index in range(runs)]
     async with trio.open_nursery() as nursery:
         for index in range(runs):
             nursery.start_soon(
                 _drive,
-                f"sim-{seed}-{index}",
-                scripts[index],
-                ledgers[index],
+                scenario,
+                run_ids[index],
+                worlds[index],
                 store,
                 plan,
-                random.Random(seeds[index]),
+                random.Random(drive_seeds[index]),
                 counts,
-                steps,
             )
-    logs = [await store.read_log(f"sim-{seed}-{index}") for index in range(runs)]
+    logs = [await store.read_log(run_id) for run_id in run_ids]
     violations: list[str] = []
-    for index, (log, ledger) in enumerate(zip(logs, ledgers, strict=True)):
-        violations.extend(check_invariants(log, ledger=ledger, max_steps=steps + 2))
-        twin = await _fault_free_twin(seed, index, scripts[index], steps)
-        violations.extend(_compare_with_twin(log, twin))
-    digest = hashlib.sha256()
-    for log in logs:
-        for record in log.records:
-            digest.update(encode(record).encode("utf-8"))
-            digest.update(b"\n")
+    for index, log in enumerate(logs):
+        violations.extend(check_invariants(log))
+        violations.extend(scenario.check(log, worlds[index]))
+        twin_world = scenario.world(random.Random(world_seeds[index]), plan, {})
+        twin = await _fault_free_twin(scenario, run_ids[index], twin_world)
+        violations.extend(_compare_with_twin(log, twin, scenario))
     return SimulationResult(
         seed=seed,
         ok=not violations,
         violations=tuple(violations),
         faults_injected=dict(sorted(counts.items())),
         steps=sum(len(log.steps) for log in logs),
-        log_digest=digest.hexdigest(),
+        log_digest=log_digest(logs),
     )
 
 
+def log_digest(logs: Iterable[RunLog]) -> str:
+    """sha256 over every record of ``logs``, encoded as stored, in order."""
+    digest = hashlib.sha256()
+    for log in logs:
+        for record in log.records:
+            digest.update(encode(record).encode("utf-8"))
+            digest.update(b"\n")
+    return digest.hexdigest()
+
+
 async def _drive(
+    scenario: Scenario,
     run_id: str,
-    script: _Script,
-    ledger: Ledger,
+    world: Any,
     store: MemoryStore,
     plan: FaultPlan,
     rng: random.Random,
     counts: dict[str, int],
-    steps: int,
 ) -> None:
     """Drive one run through crashes (each one a "process restart") until it finishes."""
     clock = FixedStepClock()
-    provider = _model(script)
     for _attempt in range(MAX_RESTARTS):
         faulty: Any = store
         if plan.roll(rng, "crash"):
             counts["crash"] = counts.get("crash", 0) + 1
-            crash_at = rng.randrange(1, 4 * steps)
+            crash_at = rng.randrange(1, 40)
             after = rng.random() < 0.5
             faulty = CrashingStore(
                 inner=store, crash_at=crash_at, when="after" if after else "before"
             )
         elif plan.roll(rng, "store_error"):
             counts["store_error"] = counts.get("store_error", 0) + 1
-            faulty = _FailingStore(inner=store, fail_at=rng.randrange(1, 4 * steps))
-        cancel_after = rng.uniform(0.0, steps * 0.2) if plan.roll(rng, "cancel") else None
+            faulty = _FailingStore(inner=store, fail_at=rng.randrange(1, 40))
+        cancel_after = rng.uniform(0.0, 2.0) if plan.roll(rng, "cancel") else None
         if cancel_after is not None:
             counts["cancel"] = counts.get("cancel", 0) + 1
-        # Each incarnation is a fresh process: new actors and tool objects; the environment
-        # (the ledger and the simulated provider) is the same.
-        agent = _agent(provider, ledger, steps + 2)
+        # Each incarnation is a fresh process: a new agent (actors, tool objects) on the same
+        # world (environment and provider).
+        agent = scenario.agent(world)
         try:
-            await _incarnation(agent, run_id, faulty, clock, rng, cancel_after)
+            await _incarnation(
+                agent, scenario.input(world), run_id, faulty, clock, rng, cancel_after
+            )
         except (RunInterrupted, StoreError, SimulatedCrash, ModelCallError):
             continue  # the process died: the next incarnation resumes from the log
         return
@@ -383,6 +473,7 @@ async def _drive(
 
 async def _incarnation(
     agent: Agent,
+    run_input: RunInput,
     run_id: str,
     store: Any,
     clock: FixedStepClock,
@@ -391,7 +482,7 @@ async def _incarnation(
 ) -> None:
     async with open_run(
         agent,
-        "simulate",
+        run_input,
         store=store,
         run_id=run_id,
         clock=clock,
@@ -425,14 +516,12 @@ class _FailingStore:
         return forward
 
 
-async def _fault_free_twin(seed: int, index: int, script: _Script, steps: int) -> RunLog:
-    """The same scripted run (model and tool faults included) without crashes or cancels."""
+async def _fault_free_twin(scenario: Scenario, run_id: str, world: Any) -> RunLog:
+    """The same world (model and tool faults included), run without crashes or cancels."""
     store = MemoryStore()
-    run_id = f"sim-{seed}-{index}"
-    agent = _agent(_model(script), Ledger(), steps + 2)
     async with open_run(
-        agent,
-        "simulate",
+        scenario.agent(world),
+        scenario.input(world),
         store=store,
         run_id=run_id,
         clock=FixedStepClock(),
@@ -446,24 +535,32 @@ def _trajectory(log: RunLog) -> list[tuple[Any, ...]]:
     return [(s.decision, s.history_message, s.observations) for s in log.steps]
 
 
-def _compare_with_twin(log: RunLog, twin: RunLog) -> list[str]:
-    """Where the faults did not change what the model saw, the trajectory must be the twin's.
+def _compare_with_twin(log: RunLog, twin: RunLog, scenario: Scenario) -> list[str]:
+    """Where the faults did not change what the model saw, the trajectory is the twin's.
 
-    A cancel, a store failure or an action whose outcome had to be reconciled or recorded as
-    unknown changes what the model saw; the comparison then covers the steps before it.
+    An action whose outcome was reconciled or recorded as unknown after a crash changes
+    what the model saw from its step on, and a cancel ends the run early: the comparison
+    covers the steps before either.
     """
-    changed = any(
-        isinstance(r, ActionResult)
-        and (r.outcome.status is ActionStatus.UNKNOWN or r.outcome.observation == "deposit applied")
-        for r in log.records
+    changed_at = min(
+        (
+            r.step
+            for r in log.records
+            if isinstance(r, ActionResult)
+            and (r.outcome.status is ActionStatus.UNKNOWN or scenario.changed_observation(r))
+        ),
+        default=None,
     )
     ours, theirs = _trajectory(log), _trajectory(twin)
-    finished = log.finished
-    stopped_early = finished is not None and finished.stop_reason.value == "cancelled"
-    if changed or stopped_early:
-        return []
-    if ours != theirs:
-        return [f"{log.run_id}: trajectory differs from the fault-free twin's"]
+    cancelled = log.finished is not None and log.finished.stop_reason.value == "cancelled"
+    limit = len(ours) if changed_at is None else changed_at - 1
+    if cancelled:
+        limit = min(limit, len(ours))
+    elif changed_at is None and len(ours) != len(theirs):
+        return [f"{log.run_id}: {len(ours)} steps, its fault-free twin took {len(theirs)}"]
+    for index in range(min(limit, len(theirs))):
+        if ours[index] != theirs[index]:
+            return [f"{log.run_id}: step {index + 1} differs from the fault-free twin's"]
     return []
 
 
@@ -528,12 +625,13 @@ def run_seeds(
     plan: FaultPlan | None = None,
     runs: int = 1,
     steps: int = 10,
+    scenario: Scenario | None = None,
     on_result: Callable[[SimulationResult], None] | None = None,
 ) -> list[SimulationResult]:
     """Simulate every seed in turn (see `simulate`); ``on_result`` sees each as it ends."""
     results = []
     for seed in seeds:
-        result = simulate(seed, plan=plan, runs=runs, steps=steps)
+        result = simulate(seed, plan=plan, runs=runs, steps=steps, scenario=scenario)
         if on_result is not None:
             on_result(result)
         results.append(result)
