@@ -39,6 +39,7 @@ class NotesScenario:
     notes: int = 4
 
     def world(self, rng: random.Random, plan: FaultPlan, counts: dict[str, int]) -> Notes:
+        """The script (with the plan's 5xx faults injected) and an empty notes database."""
         turns = [call("save_note", text=f"note {i}", call_id=f"n{i}") for i in range(self.notes)]
         turns += [call("list_notes", call_id="list"), say("Saved them all.")]
         failures: dict[int, list[ModelErrorInfo]] = {}
@@ -51,6 +52,7 @@ class NotesScenario:
         return world
 
     def agent(self, world: Notes) -> treadle.Agent:
+        """A fresh agent on ``world``: save_note (never replayed, reconciled) and list_notes."""
         async def reconcile(action: Action) -> ActionOutcome | None:
             await trio.lowlevel.checkpoint()
             if action.intent_id in world.saved:
@@ -76,13 +78,16 @@ class NotesScenario:
         )
 
     def input(self, world: Notes) -> str:
+        """The instruction."""
         return "Save four notes."
 
     def check(self, log: RunLog, world: Notes) -> list[str]:
+        """No note saved twice."""
         twice = [key for key, texts in world.saved.items() if len(texts) > 1]
         return [f"{log.run_id}: notes saved twice: {twice}"] if twice else []
 
     def changed_observation(self, result: ActionResult) -> bool:
+        """Outcomes established by reconcile after a crash."""
         return result.outcome.observation == "saved (reconciled)"
 
 
