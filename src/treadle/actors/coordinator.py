@@ -9,24 +9,29 @@ live run agree.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import TypeVar
+import datetime as dt
+from collections.abc import Callable, Mapping
+from typing import Any, TypeVar
 
 import attrs
 import trio
 
 from treadle._clock import Clock
+from treadle._exceptions import UsageError
 from treadle._state import RunView
 from treadle.actors._rpc import StepScope, request
 from treadle.actors.executor import ActionsOutcome, RunActions
 from treadle.actors.gateway import CallModel, ModelOutcome
 from treadle.actors.hydrator import Hydrate
 from treadle.actors.writer import Op, WriterClient
+from treadle.approvals import Decision, arguments_digest, matches
 from treadle.ports import DecisionParser
 from treadle.types import (
     SUCCESS_STOP_REASONS,
     ActionResult,
     ActionStatus,
+    ApprovalDecided,
+    ApprovalRequested,
     Budgets,
     CancelRequested,
     DecisionKind,
@@ -39,11 +44,20 @@ from treadle.types import (
     RunState,
     StepRecord,
     StopReason,
+    ToolCall,
     ToolSpec,
 )
 
 STOP_GRACE_S = 5.0
-"""Seconds an actor may take to answer after its step was cancelled or ran out of time."""
+"""Seconds an actor may take to answer after its step ran out of active time."""
+
+CANCEL_GRACE_S = 2.0
+"""Seconds a cancelled tool call may take to finish writing its own state (it got a trio
+cancellation at once; a tool that shields its cleanup gets this long before the run stops
+waiting for it and finishes ``cancelled``)."""
+
+EXPIRED_DETAIL = "no decision arrived before the approval deadline"
+"""The detail of the synthetic observation of a call whose approval wait expired."""
 
 
 @attrs.define(eq=False)
@@ -66,21 +80,92 @@ class RunCoordinator:
     hydrator: trio.MemorySendChannel[Hydrate]
     gateway: trio.MemorySendChannel[CallModel]
     executor: trio.MemorySendChannel[RunActions]
+    needs_approval: Callable[[str, Mapping[str, Any]], bool] = lambda tool, arguments: False
     state: RunState = RunState.RUNNING
     _step_scope: StepScope | None = None
     _cancel: tuple[str, str] | None = None
+    _finishing: bool = False
+    _reply_wait: trio.CancelScope | None = None
+    _approval_wait: trio.CancelScope | None = None
+    _awaiting: ApprovalRequested | None = None
+    _offered: list[ApprovalDecided] = attrs.Factory(list)
+    _offer_arrived: trio.Event = attrs.Factory(trio.Event)
+    _waited_s: float = 0.0
+    _late: tuple[ActionResult, ...] = ()
+    _late_step: StepRecord | None = None
     _unsent_steps: list[StepRecord] = attrs.Factory(list)
     _final_answer: str | None = None
     _error: str | None = None
 
     def cancel(self, reason: str = "", canceller: str = "") -> None:
-        """Request cancellation: the step in flight is cancelled at once (DESIGN §6 A)."""
-        if self.state.is_terminal or self._cancel is not None:
+        """Request cancellation: the step in flight is cancelled at once (DESIGN §6 A).
+
+        A no-op once the run is finishing or finished (terminal states never change).
+        """
+        if self.state.is_terminal or self._finishing or self._cancel is not None:
             return
         self._cancel = (reason, canceller)
         self.state = RunState.CANCELLING
         if self._step_scope is not None:
             self._step_scope.cancel(reason or "run cancelled")
+        if self._approval_wait is not None:
+            self._approval_wait.cancel()
+        if self._reply_wait is not None:
+            self._reply_wait.deadline = min(
+                self._reply_wait.deadline, trio.current_time() + CANCEL_GRACE_S
+            )
+
+    @property
+    def awaiting(self) -> ApprovalRequested | None:
+        """The approval request the run waits on now, or ``None``."""
+        return self._awaiting
+
+    def decide(
+        self,
+        *,
+        call_id: str | None = None,
+        reject: str | None = None,
+        edit: Mapping[str, Any] | None = None,
+    ) -> ApprovalDecided:
+        """Answer the pending approval request in-process (the coordinator records it).
+
+        Raises:
+            UsageError: the run waits on no approval, on another call, or both ``reject``
+                and ``edit`` were given.
+        """
+        request = self._awaiting
+        if request is None:
+            raise UsageError(f"run {self.run_id!r} is not waiting for an approval")
+        if call_id is not None and call_id != request.call_id:
+            raise UsageError(
+                f"run {self.run_id!r} waits on call {request.call_id!r}, not on {call_id!r}"
+            )
+        if reject is not None and edit is not None:
+            raise UsageError("a decision either rejects or edits the arguments, not both")
+        if edit is not None:
+            arguments_digest(edit)
+        decision = Decision.REJECT if reject is not None else Decision.EDIT if edit else None
+        decided = ApprovalDecided(
+            run_id=self.run_id,
+            step=request.step,
+            call_id=request.call_id,
+            arguments_digest=request.arguments_digest,
+            decision=(decision or Decision.APPROVE).value,
+            ts=self.clock.now_iso(),
+            message=reject or "",
+            edited_arguments=dict(edit) if edit else None,
+        )
+        self.offer(decided)
+        return decided
+
+    def offer(self, decided: ApprovalDecided) -> None:
+        """Hand over a decision (e.g. read from the control log).
+
+        One that matches no request of this run (another step, call or arguments) is never
+        applied: it stays unused.
+        """
+        self._offered.append(attrs.evolve(decided, run_id=self.run_id))
+        self._offer_arrived.set()
 
     async def run(self, *, resumed_steps: tuple[StepRecord, ...] = ()) -> RunResult:
         """Run steps until a stop rule holds; write run-finished (a barrier) and return.
@@ -152,6 +237,7 @@ class RunCoordinator:
         if self.budgets.time_budget_s is not None:
             deadline = started + self.budgets.time_budget_s - self.view.active_s
         scope = StepScope(deadline)
+        self._waited_s = 0.0
         if self._cancel is not None:
             scope.cancel(self._cancel[0] or "run cancelled")
         self._step_scope = scope
@@ -209,8 +295,17 @@ class RunCoordinator:
         )
         results: tuple[ActionResult, ...] | None = None
         if parsed.kind is DecisionKind.ACTIONS:
-            outcome = await self._run_actions(step, parsed, scope)
+            approved = await self._approvals(step, parsed.actions)
+            if approved is None:
+                return StopReason.CANCELLED
+            calls, rejected = approved
+            outcome = await self._run_actions(step, calls, rejected, scope)
             if outcome.stop is not None:
+                if outcome.stop is StopReason.CANCELLED and outcome.results:
+                    self._late = outcome.results
+                    self._late_step = attrs.evolve(
+                        record, action_result_ids=tuple(r.intent_id for r in outcome.results)
+                    )
                 return outcome.stop
             results = outcome.results
             record = attrs.evolve(
@@ -227,6 +322,106 @@ class RunCoordinator:
             self._final_answer = parsed.text
         record = attrs.evolve(record, ts=self.clock.now_iso(), active_s=self._elapsed(started))
         await self._write_step(record, results)
+        return None
+
+    async def _approvals(
+        self, step: int, calls: tuple[ToolCall, ...]
+    ) -> tuple[tuple[ToolCall, ...], dict[str, str]] | None:
+        """Wait for the decisions the calls need; ``None`` when cancelled meanwhile.
+
+        Returns:
+            The calls to run (edited arguments applied) and the rejected ones by call id,
+            with the detail of their synthetic observation.
+        """
+        started = {intent.call_id for intent in self.view.pending.action_intents}
+        runnable: list[ToolCall] = []
+        rejected: dict[str, str] = {}
+        for call in calls:
+            if call.id in started or not self.needs_approval(call.name, call.arguments):
+                runnable.append(call)
+                continue
+            decided = await self._decision(step, call)
+            if decided is None:
+                return None
+            if decided.decision == Decision.EXPIRED:
+                rejected[call.id] = decided.message or EXPIRED_DETAIL
+            elif decided.decision == Decision.REJECT:
+                rejected[call.id] = decided.message or "rejected"
+            elif decided.decision == Decision.EDIT and decided.edited_arguments is not None:
+                call = attrs.evolve(call, arguments=decided.edited_arguments)
+            runnable.append(call)
+        return tuple(runnable), rejected
+
+    async def _decision(self, step: int, call: ToolCall) -> ApprovalDecided | None:
+        """The recorded decision on ``call``: found in the log, or awaited and written."""
+        pending = self.view.pending
+        decided = pending.approvals.get(call.id)
+        if decided is not None:
+            return decided
+        request = pending.approval_requests.get(call.id)
+        if request is None:
+            now = self.clock.now_iso()
+            request = ApprovalRequested(
+                run_id=self.run_id,
+                step=step,
+                call_id=call.id,
+                tool=call.name,
+                arguments_digest=arguments_digest(call.arguments),
+                ts=now,
+                deadline_ts=_plus_s(now, self.limits.approval_timeout_s),
+            )
+            await self.writer.barrier(Op.CONTROL, request)
+            self.view.apply(request)
+        found = await self._await_decision(request)
+        if found is None:
+            if self._cancel is not None:
+                return None
+            found = ApprovalDecided(
+                run_id=self.run_id,
+                step=request.step,
+                call_id=request.call_id,
+                arguments_digest=request.arguments_digest,
+                decision=Decision.EXPIRED.value,
+                ts=self.clock.now_iso(),
+                message=EXPIRED_DETAIL,
+            )
+        await self.writer.barrier(Op.CONTROL, found)
+        self.view.apply(found)
+        return found
+
+    async def _await_decision(self, request: ApprovalRequested) -> ApprovalDecided | None:
+        """Wait (not active time) until the deadline for a decision matching ``request``."""
+        remaining = _seconds_between(self.clock.now_iso(), request.deadline_ts)
+        began = trio.current_time()
+        found: ApprovalDecided | None = None
+        self._awaiting = request
+        if self._cancel is None:
+            self.state = RunState.AWAITING_APPROVAL
+        try:
+            with trio.CancelScope() as wait:
+                self._approval_wait = wait
+                if self._cancel is not None:
+                    wait.cancel()
+                with trio.move_on_after(max(0.0, remaining)):
+                    while (found := self._matching(request)) is None:
+                        self._offer_arrived = trio.Event()
+                        await self._offer_arrived.wait()
+        finally:
+            self._approval_wait = None
+            self._awaiting = None
+            waited = trio.current_time() - began
+            self._waited_s += waited
+            if self._step_scope is not None:
+                self._step_scope.deadline += waited
+            if self._cancel is None:
+                self.state = RunState.RUNNING
+        return found
+
+    def _matching(self, request: ApprovalRequested) -> ApprovalDecided | None:
+        for decided in self._offered:
+            if matches(decided, request):
+                self._offered.remove(decided)
+                return decided
         return None
 
     async def _call_model(self, step: int, scope: StepScope) -> ModelOutcome:
@@ -255,16 +450,34 @@ class RunCoordinator:
         return outcome
 
     async def _run_actions(
-        self, step: int, parsed: ParsedReply, scope: StepScope
+        self,
+        step: int,
+        calls: tuple[ToolCall, ...],
+        rejected: dict[str, str],
+        scope: StepScope,
     ) -> ActionsOutcome:
         existing = tuple(self.view.pending.action_intents)
-        outcome: ActionsOutcome = await _bounded(
-            scope,
-            self.executor,
-            lambda reply_to: RunActions(
-                step=step, calls=parsed.actions, existing=existing, scope=scope, reply_to=reply_to
-            ),
-        )
+        with trio.CancelScope() as wait:
+            self._reply_wait = wait
+            if self._cancel is not None:
+                wait.deadline = trio.current_time() + CANCEL_GRACE_S
+            try:
+                outcome: ActionsOutcome = await _bounded(
+                    scope,
+                    self.executor,
+                    lambda reply_to: RunActions(
+                        step=step,
+                        calls=calls,
+                        existing=existing,
+                        scope=scope,
+                        rejected=rejected,
+                        reply_to=reply_to,
+                    ),
+                )
+            finally:
+                self._reply_wait = None
+        if wait.cancelled_caught:  # cancelled, and the tool outlived its grace period
+            return ActionsOutcome(stop=StopReason.CANCELLED)
         for record in outcome.written:
             self.view.apply(record)
         return outcome
@@ -291,9 +504,22 @@ class RunCoordinator:
         self._unsent_steps.append(record)
 
     def _elapsed(self, started: float) -> float:
-        return round(trio.current_time() - started, 6)
+        """Active seconds since ``started`` (approval waits of the step excluded)."""
+        return round(trio.current_time() - started - self._waited_s, 6)
 
     async def _finish(self, reason: StopReason, *, cut_active_s: float = 0.0) -> RunResult:
+        self._finishing = True
+        if reason is StopReason.CANCELLED and self._late_step is not None:
+            # What the cut step's actions did is kept, marked late, before the cancel
+            # record: none of it is applied (the run ends cancelled whatever they returned).
+            late_step = attrs.evolve(
+                self._late_step, ts=self.clock.now_iso(), active_s=cut_active_s
+            )
+            await self.writer.write(Op.STEP, *self._late, late_step)
+            for result in self._late:
+                self.view.apply(result)
+            self.view.apply(late_step)
+            cut_active_s = 0.0
         if reason is StopReason.CANCELLED and self.view.cancel is None:
             why, who = self._cancel or ("", "")
             cancel = CancelRequested(
@@ -315,6 +541,16 @@ class RunCoordinator:
         self.view.apply(record)
         self.state = state
         return RunResult.from_finished(record)
+
+
+def _plus_s(instant: str, seconds: float) -> str:
+    """The ISO-8601 instant ``seconds`` after ``instant``."""
+    return (dt.datetime.fromisoformat(instant) + dt.timedelta(seconds=seconds)).isoformat()
+
+
+def _seconds_between(start: str, end: str) -> float:
+    """Seconds from ISO-8601 instant ``start`` to ``end`` (negative when ``end`` is earlier)."""
+    return (dt.datetime.fromisoformat(end) - dt.datetime.fromisoformat(start)).total_seconds()
 
 
 def _final_state(reason: StopReason) -> RunState:

@@ -9,6 +9,8 @@ rendered through the observation template.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import attrs
 import trio
 
@@ -39,6 +41,8 @@ class RunActions:
         calls: the tool calls, in the order the model gave them.
         existing: action intents already in the log for this step (resume), in call order.
         scope: the step's cancellation and active-time deadline.
+        rejected: calls a human rejected (or whose approval expired), by call id, with the
+            detail of their synthetic observation; they get no intent and never run.
     """
 
     step: int
@@ -46,6 +50,7 @@ class RunActions:
     existing: tuple[ActionIntent, ...]
     scope: StepScope
     reply_to: trio.MemorySendChannel[ActionsOutcome]
+    rejected: Mapping[str, str] = attrs.field(factory=dict)
 
 
 @attrs.frozen(kw_only=True)
@@ -53,7 +58,9 @@ class ActionsOutcome:
     """The executor actor's answer.
 
     Attributes:
-        results: one result per call, in call order (empty when cut off).
+        results: one result per call, in call order. When the step was cancelled: one
+            result per action whose intent was written, marked ``late`` (never applied);
+            empty when cut by the time budget.
         observations: the text each result put into history, in call order.
         stop: ``cancelled`` or ``time_budget`` when the step was cut off mid-action.
         written: the intents written, in order.
@@ -95,37 +102,97 @@ class ToolExecutor:
         existing = {intent.intent_id: intent for intent in message.existing}
         written: list[Record] = []
         outcomes: dict[int, tuple[ActionOutcome, float]] = {}
+        for index, action in enumerate(actions):
+            detail = message.rejected.get(action.call_id)
+            if detail is not None and action.intent_id not in existing:
+                outcomes[index] = (self._rejected(action, detail), 0.0)
         with message.scope.open():
-            fresh = [a for a in actions if a.intent_id not in existing]
+            fresh = [
+                a
+                for i, a in enumerate(actions)
+                if a.intent_id not in existing and i not in outcomes
+            ]
             for action in fresh:
                 await self._write_intent(action, written)
             async with trio.open_nursery() as nursery:
                 for index, action in enumerate(actions):
+                    if index in outcomes:
+                        continue
                     replay = action.intent_id in existing
                     nursery.start_soon(self._perform, index, action, replay, outcomes)
+        if message.scope.cancel_called:
+            return self._cancelled(actions, existing, written, outcomes)
         if len(outcomes) < len(actions):
-            stop = StopReason.CANCELLED if message.scope.cancel_called else StopReason.TIME_BUDGET
-            return ActionsOutcome(stop=stop, written=tuple(written))
+            return ActionsOutcome(stop=StopReason.TIME_BUDGET, written=tuple(written))
         results: list[ActionResult] = []
         observations: list[str] = []
         for index, action in enumerate(actions):
             outcome, duration = outcomes[index]
-            outcome, observation = self._finish(action, outcome)
+            rejected = action.call_id in message.rejected and action.intent_id not in existing
+            result, observation = self._result(action, outcome, duration, rejected=rejected)
             observations.append(observation)
-            results.append(
-                ActionResult(
-                    run_id=self.run_id,
-                    step=action.step,
-                    intent_id=action.intent_id,
-                    call_id=action.call_id,
-                    tool=action.tool,
-                    outcome=outcome,
-                    ts=self.clock.now_iso(),
-                    duration_s=round(duration, 6),
-                )
-            )
+            results.append(result)
         return ActionsOutcome(
             results=tuple(results), observations=tuple(observations), written=tuple(written)
+        )
+
+    def _cancelled(
+        self,
+        actions: list[Action],
+        existing: Mapping[str, ActionIntent],
+        written: list[Record],
+        outcomes: dict[int, tuple[ActionOutcome, float]],
+    ) -> ActionsOutcome:
+        """The step was cancelled: every action with an intent gets a result marked late.
+
+        A call that returned anyway (it finished within its grace period) keeps its
+        outcome; one cut by the cancellation is UNKNOWN. None of them is applied.
+        """
+        intents = {r.intent_id for r in written if isinstance(r, ActionIntent)} | set(existing)
+        results: list[ActionResult] = []
+        for index, action in enumerate(actions):
+            if action.intent_id not in intents:
+                continue
+            outcome, duration = outcomes.get(index) or (self._unknown(action), 0.0)
+            result, _ = self._result(action, outcome, duration)
+            results.append(attrs.evolve(result, late=True))
+        return ActionsOutcome(
+            results=tuple(results), stop=StopReason.CANCELLED, written=tuple(written)
+        )
+
+    def _result(
+        self, action: Action, outcome: ActionOutcome, duration: float, *, rejected: bool = False
+    ) -> tuple[ActionResult, str]:
+        if rejected:  # already the synthetic text of a rejection
+            observation = outcome.observation
+        else:
+            outcome, observation = self._finish(action, outcome)
+        result = ActionResult(
+            run_id=self.run_id,
+            step=action.step,
+            intent_id=action.intent_id,
+            call_id=action.call_id,
+            tool=action.tool,
+            outcome=outcome,
+            ts=self.clock.now_iso(),
+            duration_s=round(duration, 6),
+        )
+        return result, observation
+
+    def _rejected(self, action: Action, detail: str) -> ActionOutcome:
+        """A call a human rejected, or whose approval wait expired: it never runs."""
+        return ActionOutcome(
+            status=ActionStatus.NOT_EXECUTED,
+            observation=self.synthetic.rejected.format(tool=action.tool, detail=detail),
+            observation_is_synthetic=True,
+            detail=detail,
+        )
+
+    def _unknown(self, action: Action) -> ActionOutcome:
+        return ActionOutcome(
+            status=ActionStatus.UNKNOWN,
+            observation=self.synthetic.unknown.format(tool=action.tool, detail=""),
+            observation_is_synthetic=True,
         )
 
     def _action(self, step: int, index: int, call: ToolCall) -> Action:
@@ -164,11 +231,7 @@ class ToolExecutor:
         if replay and self.executor.replay_policy(action.tool) is not ReplayPolicy.SAFE:
             outcome = await self.executor.reconcile(action)
             if outcome is None:
-                outcome = ActionOutcome(
-                    status=ActionStatus.UNKNOWN,
-                    observation=self.synthetic.unknown.format(tool=action.tool, detail=""),
-                    observation_is_synthetic=True,
-                )
+                outcome = self._unknown(action)
         else:
             outcome = await self._execute(attrs.evolve(action, replay=replay))
         outcomes[index] = (outcome, trio.current_time() - started)

@@ -9,9 +9,11 @@ runs. Cancelling the run's nursery cancels all five. An actor that fails leaves 
 
 from __future__ import annotations
 
+import functools
 import random
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Mapping, Sequence
 from contextlib import asynccontextmanager
+from typing import Any
 
 import attrs
 import trio
@@ -32,9 +34,13 @@ from treadle.actors.writer import (
     WriterStatistics,
 )
 from treadle.agent import Agent, RunInput, check_snapshot, input_messages
+from treadle.approvals import ApprovalPolicy, read_control, requires_approval
 from treadle.ports import EventSink, RunStore
 from treadle.stores._codec import check_schema
 from treadle.types import (
+    ApprovalDecided,
+    ApprovalRequested,
+    CancelRequested,
     Event,
     RunLog,
     RunResult,
@@ -45,6 +51,10 @@ from treadle.types import (
 
 WRITER_INBOX = 64
 """Buffered writer requests: non-barrier writes and deltas never wait for the store."""
+
+CONTROL_POLL_S = 0.5
+"""Seconds between two reads of a run's control log by the process driving it: a cancel or
+an approval decision written by another process is picked up within this long."""
 
 
 @attrs.define(eq=False)
@@ -88,6 +98,39 @@ class RunHandle:
         """
         if self._coordinator is not None:
             self._coordinator.cancel(reason, canceller)
+
+    @property
+    def pending_approval(self) -> ApprovalRequested | None:
+        """The approval request the run waits on now (state ``awaiting_approval``), or ``None``."""
+        return self._coordinator.awaiting if self._coordinator is not None else None
+
+    def approve(
+        self,
+        call_id: str | None = None,
+        *,
+        reject: str | None = None,
+        edit: Mapping[str, Any] | None = None,
+    ) -> ApprovalDecided:
+        """Decide the pending approval: approve, reject with a message, or edit the arguments.
+
+        The decision is recorded (a barrier) before the action's intent; the run continues.
+
+        Args:
+            call_id: the call meant; refused when it is not the pending one (``None``: the
+                pending call, whichever it is).
+            reject: reject with this message; the model sees it in a synthetic observation.
+            edit: run the call with these arguments instead.
+
+        Returns:
+            The decision handed to the run.
+
+        Raises:
+            UsageError: the run is not waiting for an approval, waits on another call, or
+                both ``reject`` and ``edit`` were given.
+        """
+        if self._coordinator is None:
+            raise UsageError(f"run {self.run_id!r} is not being driven here")
+        return self._coordinator.decide(call_id=call_id, reject=reject, edit=edit)
 
     async def wait(self) -> RunResult:
         """Wait for the run to finish and return its result.
@@ -167,6 +210,8 @@ async def open_run(
     sinks: Sequence[EventSink] = (),
     clock: Clock | None = None,
     rng: random.Random | None = None,
+    approval_policy: ApprovalPolicy | None = None,
+    control_poll_s: float | None = CONTROL_POLL_S,
 ) -> AsyncIterator[RunHandle]:
     """Start (or resume) a run in the background and yield its handle.
 
@@ -185,6 +230,11 @@ async def open_run(
         sinks: event sinks fed through bounded buffers.
         clock: wall clock for record timestamps (default: the system clock).
         rng: random source for retry jitter (default: a fresh unseeded one).
+        approval_policy: ``policy(tool, arguments) -> bool``: calls it selects wait for a
+            human decision, as do tools declared with ``requires_approval=True``.
+        control_poll_s: seconds between reads of the run's control log (cancel and approval
+            decisions from other processes, see `treadle.approvals`); ``None`` reads it only
+            once, when the run starts.
 
     Raises:
         UsageError: no input for a new run, or an input that differs from the stored one.
@@ -201,9 +251,13 @@ async def open_run(
         return
     try:
         async with trio.open_nursery() as nursery:
-            await nursery.start(
-                _supervise, agent, input, log, store, sinks, clock or SystemClock(), rng, handle
+            options = _Options(
+                clock=clock or SystemClock(),
+                rng=rng,
+                approval_policy=approval_policy,
+                control_poll_s=control_poll_s,
             )
+            await nursery.start(_supervise, agent, input, log, store, sinks, options, handle)
             yield handle
     except BaseExceptionGroup as group:
         # The run's own errors are on the handle; what reaches here came from the caller's
@@ -213,18 +267,26 @@ async def open_run(
         raise
 
 
+@attrs.frozen(kw_only=True)
+class _Options:
+    clock: Clock
+    rng: random.Random | None
+    approval_policy: ApprovalPolicy | None
+    control_poll_s: float | None
+
+
 async def _supervise(
     agent: Agent,
     input: RunInput | None,
     log: RunLog,
     store: RunStore,
     sinks: Sequence[EventSink],
-    clock: Clock,
-    rng: random.Random | None,
+    options: _Options,
     handle: RunHandle,
     *,
     task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
 ) -> None:
+    clock = options.clock
     try:
         async with trio.open_nursery() as nursery:
             started, view, resumed = _prepare(agent, input, log, clock)
@@ -239,14 +301,23 @@ async def _supervise(
                 await client.write(Op.RUN_STARTED, started)
                 view.apply(started)
             coordinator = await _start_actors(
-                nursery, agent, started, view, client, clock, rng or random.Random()
+                nursery, agent, started, view, client, clock, options.rng or random.Random()
+            )
+            coordinator.needs_approval = functools.partial(
+                requires_approval, agent.executor, options.approval_policy
             )
             handle._coordinator = coordinator
+            control = _ControlInbox(store=store, run_id=log.run_id, coordinator=coordinator)
+            await control.poll()  # a cancel or decision written while no one drove the run
             task_status.started()
+            polling = trio.CancelScope()
+            if options.control_poll_s is not None:
+                nursery.start_soon(control.poll_every, options.control_poll_s, polling)
             try:
                 handle._result = await coordinator.run(resumed_steps=resumed)
                 handle._done.set()  # answered: sinks may still drain in the background
             finally:
+                polling.cancel()
                 coordinator.close_inboxes()
                 writer_send.close()
     except BaseException as exc:
@@ -259,6 +330,39 @@ async def _supervise(
         task_status_started_safely(task_status)
     finally:
         handle._done.set()
+
+
+@attrs.define(eq=False)
+class _ControlInbox:
+    """Copies what other processes wrote to the run's control log into the running run.
+
+    The control log is append-only, so the records already handed over are a prefix of it.
+    Cancel requests cancel the run (the coordinator writes the cancel record); approval
+    decisions are offered to the coordinator, which records the one matching its pending
+    request and never applies one that matches none (docs/decisions/0007).
+    """
+
+    store: RunStore
+    run_id: str
+    coordinator: RunCoordinator
+    _seen: int = 0
+
+    async def poll(self) -> None:
+        """Read the control log once and hand over the records not seen yet."""
+        records = await read_control(self.store, self.run_id)
+        for record in records[self._seen :]:
+            if isinstance(record, CancelRequested):
+                self.coordinator.cancel(record.reason, record.canceller)
+            else:
+                self.coordinator.offer(record)
+        self._seen = len(records)
+
+    async def poll_every(self, interval_s: float, scope: trio.CancelScope) -> None:
+        """Poll every ``interval_s`` seconds until ``scope`` is cancelled."""
+        with scope:
+            while True:
+                await trio.sleep(interval_s)
+                await self.poll()
 
 
 def task_status_started_safely(task_status: trio.TaskStatus[None]) -> None:
@@ -375,6 +479,8 @@ async def run(
     sinks: Sequence[EventSink] = (),
     clock: Clock | None = None,
     rng: random.Random | None = None,
+    approval_policy: ApprovalPolicy | None = None,
+    control_poll_s: float | None = CONTROL_POLL_S,
 ) -> RunResult:
     """Run ``agent`` on ``input`` to the end and return the result.
 
@@ -387,7 +493,15 @@ async def run(
         UsageError, SnapshotMismatch, SchemaTooNew: as in `open_run`.
     """
     async with open_run(
-        agent, input, store=store, run_id=run_id, sinks=sinks, clock=clock, rng=rng
+        agent,
+        input,
+        store=store,
+        run_id=run_id,
+        sinks=sinks,
+        clock=clock,
+        rng=rng,
+        approval_policy=approval_policy,
+        control_poll_s=control_poll_s,
     ) as handle:
         pass  # leaving the block waits for the run
     return await handle.wait()

@@ -1,0 +1,251 @@
+"""Human approval of tool calls, and the control inbox other processes write to.
+
+A tool declared with ``@tool(requires_approval=True)``, or any call an `ApprovalPolicy`
+selects by tool name and arguments, waits for a human decision before its action intent is
+written (DESIGN §6, docs/events.md). The request is bound to the call's id and to
+`arguments_digest` of its arguments; a decision that names another call or other arguments
+is refused.
+
+Another process (``treadle approve``, ``treadle cancel``) never appends to a run's log: the
+driving process is its single writer, and a second writer would collide with it on ``seq``
+(docs/decisions/0007-external-control.md). It appends to the run's **control log** instead, a
+sibling log in the same store named `control_log_id`, which the driving process polls and
+copies into the run's log. `request_cancel` and `decide` are those writes.
+"""
+
+from __future__ import annotations
+
+import enum
+import hashlib
+import json
+from collections.abc import Callable, Mapping
+from typing import Any, TypeAlias
+
+from treadle._clock import Clock, SystemClock
+from treadle._exceptions import ConflictError, StoreError, UsageError
+from treadle.ports import RunStore
+from treadle.types import (
+    ActionIntent,
+    ApprovalDecided,
+    ApprovalRequested,
+    CancelRequested,
+    JSONValue,
+    RunLog,
+    StepRecord,
+)
+
+ApprovalPolicy: TypeAlias = Callable[[str, Mapping[str, JSONValue]], bool]
+"""``policy(tool, arguments) -> True`` when that call must wait for a human decision."""
+
+CONTROL_SUFFIX = "#control"
+"""Suffix of a run's control log id (see `control_log_id`)."""
+
+CONTROL_WRITE_ATTEMPTS = 8
+"""Times an external write is retried when another external writer took the same seq."""
+
+
+class Decision(enum.StrEnum):
+    """The decisions an `ApprovalDecided` record can carry."""
+
+    APPROVE = "approve"
+    REJECT = "reject"
+    EDIT = "edit"
+    EXPIRED = "expired"
+    """Written by the driving process when the approval deadline passed without a decision."""
+
+
+def arguments_digest(arguments: Mapping[str, JSONValue]) -> str:
+    """The digest an approval is bound to: ``sha256:<hex>`` of the canonical JSON arguments.
+
+    Canonical JSON: keys sorted, no insignificant whitespace, non-ASCII kept as is.
+
+    Raises:
+        UsageError: the arguments are not JSON data.
+    """
+    try:
+        text = json.dumps(arguments, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+    except (TypeError, ValueError) as exc:
+        raise UsageError(f"tool arguments are not JSON data: {exc}") from exc
+    return "sha256:" + hashlib.sha256(text.encode("utf-8")).hexdigest()
+
+
+def requires_approval(
+    executor: object, policy: ApprovalPolicy | None, tool: str, arguments: Mapping[str, Any]
+) -> bool:
+    """Whether a call waits for a human: the tool says so, or ``policy`` selects it.
+
+    ``executor`` is asked through an optional ``requires_approval(tool) -> bool`` method
+    (`treadle.tools.Toolbox` has one); executors without it never require approval themselves.
+    """
+    ask = getattr(executor, "requires_approval", None)
+    if ask is not None and ask(tool):
+        return True
+    return policy is not None and bool(policy(tool, arguments))
+
+
+def control_log_id(run_id: str) -> str:
+    """The id of ``run_id``'s control log in the same store (``<run_id>#control``)."""
+    return run_id + CONTROL_SUFFIX
+
+
+def is_control_log(run_id: str) -> bool:
+    """Whether a store log id names a control log (listings of runs skip those)."""
+    return run_id.endswith(CONTROL_SUFFIX)
+
+
+def pending_approval(log: RunLog) -> ApprovalRequested | None:
+    """The approval request a run waits on now, or ``None``.
+
+    A request is pending while the run is unfinished and its step has no decision, no
+    action intent for the call and no step record yet.
+    """
+    if log.finished is not None:
+        return None
+    pending: ApprovalRequested | None = None
+    for record in log.records:
+        if isinstance(record, ApprovalRequested):
+            pending = record
+        elif pending is None:
+            continue
+        elif _answers(record, pending):
+            pending = None
+    return pending
+
+
+def _answers(record: object, request: ApprovalRequested) -> bool:
+    """Whether ``record`` ends the wait on ``request`` (a decision, an intent, a step)."""
+    if isinstance(record, ApprovalDecided | ActionIntent):
+        return record.call_id == request.call_id
+    return isinstance(record, StepRecord) and record.step >= request.step
+
+
+def matches(decided: ApprovalDecided, request: ApprovalRequested) -> bool:
+    """Whether a decision answers exactly this request (step, call id and arguments)."""
+    return (
+        decided.step == request.step
+        and decided.call_id == request.call_id
+        and decided.arguments_digest == request.arguments_digest
+    )
+
+
+async def request_cancel(
+    store: RunStore,
+    run_id: str,
+    *,
+    reason: str = "",
+    canceller: str = "",
+    clock: Clock | None = None,
+) -> CancelRequested:
+    """Durably ask the process driving ``run_id`` to cancel it (from any process).
+
+    The request is appended to the run's control log; the driving process picks it up
+    within its poll interval (0.5 s by default) and the run ends ``cancelled``. A run that
+    is not being driven now picks it up when it is next resumed.
+
+    Returns:
+        The record written to the control log.
+
+    Raises:
+        UsageError: the run does not exist or already finished (terminal states never
+            change).
+        StoreError: the write failed.
+    """
+    log = await store.read_log(run_id)
+    _require_unfinished(log)
+    record = CancelRequested(
+        run_id=control_log_id(run_id),
+        ts=(clock or SystemClock()).now_iso(),
+        reason=reason,
+        canceller=canceller,
+    )
+    await _append_control(store, record)
+    return record
+
+
+async def decide(
+    store: RunStore,
+    run_id: str,
+    *,
+    call_id: str | None = None,
+    reject: str | None = None,
+    edit: Mapping[str, JSONValue] | None = None,
+    clock: Clock | None = None,
+) -> ApprovalDecided:
+    """Durably approve, reject or edit the tool call ``run_id`` waits on (from any process).
+
+    Args:
+        store: the run's store.
+        run_id: the run.
+        call_id: the call the decision is meant for; refused when it is not the pending
+            one. ``None`` takes the pending call.
+        reject: reject with this message (shown to the model in the synthetic observation).
+        edit: approve with these arguments instead of the model's.
+        clock: wall clock for the record's timestamp.
+
+    Returns:
+        The decision as written to the control log (its ``run_id`` is the control log's).
+
+    Raises:
+        UsageError: the run does not exist, finished, waits on no approval, waits on
+            another call, or both ``reject`` and ``edit`` were given.
+        StoreError: the write failed.
+    """
+    if reject is not None and edit is not None:
+        raise UsageError("a decision either rejects or edits the arguments, not both")
+    log = await store.read_log(run_id)
+    _require_unfinished(log)
+    request = pending_approval(log)
+    if request is None:
+        raise UsageError(f"run {run_id!r} is not waiting for an approval")
+    if call_id is not None and call_id != request.call_id:
+        raise UsageError(
+            f"run {run_id!r} waits on call {request.call_id!r} ({request.tool}), not on {call_id!r}"
+        )
+    if edit is not None:
+        arguments_digest(edit)  # refuse what is not JSON data before writing
+    decision = Decision.REJECT if reject is not None else Decision.EDIT if edit else None
+    record = ApprovalDecided(
+        run_id=control_log_id(run_id),
+        step=request.step,
+        call_id=request.call_id,
+        arguments_digest=request.arguments_digest,
+        decision=(decision or Decision.APPROVE).value,
+        ts=(clock or SystemClock()).now_iso(),
+        message=reject or "",
+        edited_arguments=dict(edit) if edit else None,
+    )
+    await _append_control(store, record)
+    return record
+
+
+async def read_control(
+    store: RunStore, run_id: str
+) -> tuple[CancelRequested | ApprovalDecided, ...]:
+    """The records of ``run_id``'s control log, in write order (others are ignored)."""
+    log = await store.read_log(control_log_id(run_id))
+    return tuple(r for r in log.records if isinstance(r, CancelRequested | ApprovalDecided))
+
+
+def _require_unfinished(log: RunLog) -> None:
+    if log.started is None:
+        raise UsageError(f"there is no run {log.run_id!r} in this store")
+    if log.finished is not None:
+        raise UsageError(
+            f"run {log.run_id!r} already finished ({log.finished.state.value}); "
+            "a finished run never changes"
+        )
+
+
+async def _append_control(store: RunStore, record: CancelRequested | ApprovalDecided) -> None:
+    """Append to a control log; several external writers may race, so retry on conflict."""
+    for _ in range(CONTROL_WRITE_ATTEMPTS):
+        log = await store.read_log(record.run_id)
+        try:
+            await store.write_control(record, seq=len(log.records) + 1)
+        except ConflictError:
+            continue
+        return
+    raise StoreError(
+        f"{record.run_id}: other writers kept taking the next seq; "
+        f"gave up after {CONTROL_WRITE_ATTEMPTS} attempts"
+    )

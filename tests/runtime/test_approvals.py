@@ -1,0 +1,251 @@
+from __future__ import annotations
+
+import pytest
+import trio
+from runtime_fakes import LedgerTools, SimpleParser
+
+from treadle._exceptions import UsageError
+from treadle.agent import Agent
+from treadle.approvals import (
+    arguments_digest,
+    control_log_id,
+    decide,
+    pending_approval,
+    request_cancel,
+)
+from treadle.stores.memory import MemoryStore
+from treadle.supervisors.run import open_run
+from treadle.testing.scripted import ScriptedModel, call, say
+from treadle.tools import Toolbox, tool
+from treadle.types import (
+    ActionIntent,
+    ActionResult,
+    ActionStatus,
+    ApprovalDecided,
+    ApprovalRequested,
+    Budgets,
+    CancelRequested,
+    Limits,
+    RunState,
+    StepRecord,
+    StopReason,
+)
+
+
+def only_add(tool_name, arguments):
+    return tool_name == "add"
+
+
+def make(turns, **kwargs):
+    tools = LedgerTools()
+    model = ScriptedModel(turns=turns)
+    return Agent(model=model, executor=tools, parser=SimpleParser(), **kwargs), tools, model
+
+
+async def wait_for_state(handle, state):
+    with trio.fail_after(60):
+        while handle.state is not state:  # noqa: ASYNC110 (polling a plain property)
+            await trio.sleep(0.01)
+
+
+def kinds(log):
+    return [type(r).__name__ for r in log.records]
+
+
+async def test_approved_call_runs_after_the_decision_is_recorded(autojump_clock):
+    agent, tools, _ = make([call("add", a=1, b=2, call_id="c1"), say("3")])
+    store = MemoryStore()
+    async with open_run(agent, "x", store=store, run_id="r", approval_policy=only_add) as handle:
+        await wait_for_state(handle, RunState.AWAITING_APPROVAL)
+        request = handle.pending_approval
+        assert request.call_id == "c1"
+        assert request.arguments_digest == arguments_digest({"a": 1, "b": 2})
+        assert tools.executed == []
+        handle.approve("c1")
+        result = await handle.wait()
+    assert result.stop_reason is StopReason.FINAL_ANSWER
+    assert [a.arguments for a in tools.executed] == [{"a": 1, "b": 2}]
+    log = await store.read_log("r")
+    names = kinds(log)
+    assert names.index("ApprovalRequested") < names.index("ApprovalDecided")
+    assert names.index("ApprovalDecided") < names.index("ActionIntent")
+    (decided,) = [r for r in log.records if isinstance(r, ApprovalDecided)]
+    assert decided.decision == "approve"
+    assert pending_approval(log) is None
+
+
+async def test_rejected_call_never_runs_and_the_model_sees_the_message(autojump_clock):
+    agent, tools, model = make([call("add", a=1, b=2, call_id="c1"), say("ok")])
+    store = MemoryStore()
+    async with open_run(agent, "x", store=store, run_id="r", approval_policy=only_add) as handle:
+        await wait_for_state(handle, RunState.AWAITING_APPROVAL)
+        handle.approve(reject="not on a Friday")
+        await handle.wait()
+    assert tools.executed == []
+    log = await store.read_log("r")
+    assert not any(isinstance(r, ActionIntent) for r in log.records)
+    (result,) = [r for r in log.records if isinstance(r, ActionResult)]
+    assert result.outcome.status is ActionStatus.NOT_EXECUTED
+    expected = agent.synthetic.rejected.format(tool="add", detail="not on a Friday")
+    assert result.outcome.observation == expected
+    assert result.outcome.observation_is_synthetic
+    tool_messages = [m for m in model.requests[1].messages if m.role == "tool"]
+    assert [m.content for m in tool_messages] == [expected]
+
+
+async def test_edited_arguments_are_what_runs(autojump_clock):
+    agent, tools, _ = make([call("add", a=1, b=2, call_id="c1"), say("ok")])
+    store = MemoryStore()
+    async with open_run(agent, "x", store=store, run_id="r", approval_policy=only_add) as handle:
+        await wait_for_state(handle, RunState.AWAITING_APPROVAL)
+        handle.approve(edit={"a": 10, "b": 20})
+        await handle.wait()
+    assert [a.arguments for a in tools.executed] == [{"a": 10, "b": 20}]
+    log = await store.read_log("r")
+    (intent,) = [r for r in log.records if isinstance(r, ActionIntent)]
+    assert intent.arguments == {"a": 10, "b": 20}
+    (step,) = [r for r in log.records if isinstance(r, StepRecord)][:1]
+    assert step.observations == ("30",)
+
+
+async def test_a_decision_for_another_call_is_refused(autojump_clock):
+    agent, tools, _ = make([call("add", a=1, b=2, call_id="c1"), say("ok")])
+    store = MemoryStore()
+    async with open_run(
+        agent, "x", store=store, run_id="r", approval_policy=only_add, control_poll_s=0.5
+    ) as handle:
+        await wait_for_state(handle, RunState.AWAITING_APPROVAL)
+        with pytest.raises(UsageError, match="waits on call 'c1'"):
+            handle.approve("c2")
+        with pytest.raises(UsageError, match="waits on call 'c1'"):
+            await decide(store, "r", call_id="c2")
+        # A decision bound to other arguments (written behind the checks' back) is never
+        # applied: the run keeps waiting.
+        request = handle.pending_approval
+        forged = ApprovalDecided(
+            run_id=control_log_id("r"),
+            step=request.step,
+            call_id="c1",
+            arguments_digest=arguments_digest({"a": 1, "b": 3}),
+            decision="approve",
+            ts="2026-01-01T00:00:00+00:00",
+        )
+        await store.write_control(forged, seq=1)
+        await trio.sleep(5)
+        assert handle.state is RunState.AWAITING_APPROVAL
+        assert tools.executed == []
+        handle.approve()
+        await handle.wait()
+    assert len(tools.executed) == 1
+
+
+async def test_the_deadline_ends_the_wait_with_a_synthetic_observation(autojump_clock):
+    agent, tools, _ = make(
+        [call("add", a=1, b=2, call_id="c1"), say("ok")],
+        budgets=Budgets(time_budget_s=60),
+        limits=Limits(approval_timeout_s=900),
+    )
+    store = MemoryStore()
+    async with open_run(agent, "x", store=store, run_id="r", approval_policy=only_add) as handle:
+        began = trio.current_time()
+        result = await handle.wait()
+        waited = trio.current_time() - began
+    assert waited >= 899
+    # Waiting is not active time: the 60 s budget did not end the run.
+    assert result.stop_reason is StopReason.FINAL_ANSWER
+    assert result.totals.active_s < 60
+    assert tools.executed == []
+    log = await store.read_log("r")
+    (decided,) = [r for r in log.records if isinstance(r, ApprovalDecided)]
+    assert decided.decision == "expired"
+    (action,) = [r for r in log.records if isinstance(r, ActionResult)]
+    assert action.outcome.status is ActionStatus.NOT_EXECUTED
+    assert "approval deadline" in action.outcome.observation
+
+
+async def test_restart_during_the_wait_keeps_waiting_and_a_later_decision_continues(
+    autojump_clock,
+):
+    store = MemoryStore()
+    turns = [call("add", a=1, b=2, call_id="c1"), say("3")]
+    agent, tools, _ = make(turns)
+    with trio.CancelScope() as crash:  # the process driving the run goes away
+        async with open_run(
+            agent, "x", store=store, run_id="r", approval_policy=only_add
+        ) as handle:
+            await wait_for_state(handle, RunState.AWAITING_APPROVAL)
+            crash.cancel()
+    assert (await store.read_log("r")).finished is None
+
+    agent, tools, _ = make(turns)
+    async with open_run(agent, store=store, run_id="r", approval_policy=only_add) as handle:
+        await wait_for_state(handle, RunState.AWAITING_APPROVAL)
+        await trio.sleep(30)
+        assert handle.state is RunState.AWAITING_APPROVAL
+        # Decided from "another process": through the control log.
+        await decide(store, "r")
+        result = await handle.wait()
+    assert result.stop_reason is StopReason.FINAL_ANSWER
+    assert [a.call_id for a in tools.executed] == ["c1"]
+    log = await store.read_log("r")
+    assert kinds(log).count("ApprovalRequested") == 1
+    (decided,) = [r for r in log.records if isinstance(r, ApprovalDecided)]
+    assert decided.run_id == "r"
+
+
+async def test_a_decision_written_while_no_one_drives_the_run_is_used_on_resume(autojump_clock):
+    store = MemoryStore()
+    turns = [call("add", a=1, b=2, call_id="c1"), say("3")]
+    agent, _, _ = make(turns)
+    with trio.CancelScope() as crash:
+        async with open_run(
+            agent, "x", store=store, run_id="r", approval_policy=only_add
+        ) as handle:
+            await wait_for_state(handle, RunState.AWAITING_APPROVAL)
+            crash.cancel()
+    await decide(store, "r", reject="no")
+    agent, tools, _ = make(turns)
+    async with open_run(
+        agent, store=store, run_id="r", approval_policy=only_add, control_poll_s=None
+    ) as handle:
+        result = await handle.wait()
+    assert result.stop_reason is StopReason.FINAL_ANSWER
+    assert tools.executed == []
+
+
+async def test_cancel_while_awaiting_approval_starts_no_action(autojump_clock):
+    agent, tools, _ = make([call("add", a=1, b=2, call_id="c1"), say("3")])
+    store = MemoryStore()
+    async with open_run(agent, "x", store=store, run_id="r", approval_policy=only_add) as handle:
+        await wait_for_state(handle, RunState.AWAITING_APPROVAL)
+        await request_cancel(store, "r", reason="stop", canceller="ops")
+        result = await handle.wait()
+    assert result.state is RunState.CANCELLED
+    assert tools.executed == []
+    log = await store.read_log("r")
+    assert not any(isinstance(r, ActionIntent) for r in log.records)
+    cancel = log.records[-2]
+    assert isinstance(cancel, CancelRequested)
+    assert (cancel.reason, cancel.canceller) == ("stop", "ops")
+    with pytest.raises(UsageError, match="already finished"):
+        await decide(store, "r")
+
+
+async def test_a_tool_declared_with_requires_approval_waits(autojump_clock):
+    @tool(requires_approval=True)
+    async def transfer(amount: int) -> str:
+        """Move money."""
+        return f"moved {amount}"
+
+    model = ScriptedModel(turns=[call("transfer", amount=5, call_id="t1"), say("done")])
+    agent = Agent(model=model, executor=Toolbox([transfer]), parser=SimpleParser())
+    store = MemoryStore()
+    async with open_run(agent, "x", store=store, run_id="r") as handle:
+        await wait_for_state(handle, RunState.AWAITING_APPROVAL)
+        assert handle.pending_approval.tool == "transfer"
+        handle.approve()
+        await handle.wait()
+    log = await store.read_log("r")
+    (result,) = [r for r in log.records if isinstance(r, ActionResult)]
+    assert result.outcome.observation == "moved 5"
+    assert isinstance(log.records[3], ApprovalRequested)
