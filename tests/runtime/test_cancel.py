@@ -1,0 +1,218 @@
+from __future__ import annotations
+
+import pytest
+import trio
+from runtime_fakes import LedgerTools, SimpleParser
+
+from treadle._exceptions import UsageError
+from treadle.actors.coordinator import CANCEL_GRACE_S
+from treadle.agent import Agent
+from treadle.approvals import request_cancel
+from treadle.stores.memory import MemoryStore
+from treadle.supervisors.run import CONTROL_POLL_S, open_run
+from treadle.testing.scripted import ScriptedModel, call, say
+from treadle.types import (
+    Action,
+    ActionIntent,
+    ActionOutcome,
+    ActionResult,
+    ActionStatus,
+    CancelRequested,
+    ModelIntent,
+    RunFinished,
+    RunState,
+    StopReason,
+    ToolSpec,
+)
+
+# Three steps; the model takes 1 s per call and each tool call sleeps 1 s: 5 s in all.
+TURNS = [
+    call("sleep", s=1, call_id="c1"),
+    call("sleep", s=1, call_id="c2"),
+    say("done"),
+]
+RUN_S = 5.0
+
+
+def make(tools=None, turns=TURNS):
+    tools = tools or LedgerTools()
+    model = ScriptedModel(turns=turns, latency_s=1.0)
+    return Agent(model=model, executor=tools, parser=SimpleParser()), tools, model
+
+
+def check_cancelled_log(log, tools, model):
+    """No model call or action started after the cancel record; everything kept."""
+    records = list(log.records)
+    assert isinstance(records[-1], RunFinished)
+    assert records[-1].state is RunState.CANCELLED
+    assert isinstance(records[-2], CancelRequested)
+    assert not any(isinstance(r, CancelRequested) for r in records[:-2])
+    # Every model request and every tool execution has its intent in the log.
+    assert len(model.requests) == sum(isinstance(r, ModelIntent) for r in records)
+    intents = {r.call_id for r in records if isinstance(r, ActionIntent)}
+    assert {a.call_id for a in tools.executed} <= intents
+    # Every action intent has a result (a cut action is kept as late, never applied).
+    results = {r.intent_id: r for r in records if isinstance(r, ActionResult)}
+    for intent in (r for r in records if isinstance(r, ActionIntent)):
+        assert intent.intent_id in results
+
+
+@pytest.mark.parametrize("tenths", range(0, int(RUN_S * 10) + 5, 2))
+async def test_cancel_at_every_point_starts_nothing_after_the_cancel_record(tenths, autojump_clock):
+    cancel_at = tenths / 10
+    agent, tools, model = make()
+    store = MemoryStore()
+    async with open_run(agent, "x", store=store, run_id="r") as handle:
+        await trio.sleep(cancel_at)
+        before = handle.state
+        requested = trio.current_time()
+        handle.cancel("stop")
+        result = await handle.wait()
+        took = trio.current_time() - requested
+    log = await store.read_log("r")
+    if before.is_terminal:
+        assert result.state is RunState.SUCCEEDED  # a terminal state never changes
+        assert not any(isinstance(r, CancelRequested) for r in log.records)
+        return
+    assert result.state is RunState.CANCELLED
+    assert result.stop_reason is StopReason.CANCELLED
+    assert took < 0.01  # the model stream and the tool call in flight were cut at once
+    check_cancelled_log(log, tools, model)
+
+
+@pytest.mark.parametrize("tenths", [3, 12, 15, 25, 37])
+async def test_cancel_from_another_process_lands_within_the_poll_interval(tenths, autojump_clock):
+    agent, tools, model = make()
+    store = MemoryStore()
+    async with open_run(agent, "x", store=store, run_id="r") as handle:
+        await trio.sleep(tenths / 10)
+        requested = trio.current_time()
+        await request_cancel(store, "r", reason="from the CLI", canceller="ops")
+        result = await handle.wait()
+        took = trio.current_time() - requested
+    assert result.state is RunState.CANCELLED
+    assert took <= CONTROL_POLL_S + 0.01
+    log = await store.read_log("r")
+    check_cancelled_log(log, tools, model)
+    assert (log.records[-2].reason, log.records[-2].canceller) == ("from the CLI", "ops")
+
+
+async def test_a_cancel_written_while_nobody_drives_the_run_ends_it_on_resume(autojump_clock):
+    store = MemoryStore()
+    agent, _, _ = make()
+    with trio.CancelScope() as crash:
+        async with open_run(agent, "x", store=store, run_id="r"):
+            await trio.sleep(1.5)
+            crash.cancel()
+    await request_cancel(store, "r", reason="gone")
+    agent, tools, model = make()
+    async with open_run(agent, store=store, run_id="r", control_poll_s=None) as handle:
+        result = await handle.wait()
+    assert result.state is RunState.CANCELLED
+    assert model.requests == []
+    assert tools.executed == []
+
+
+async def test_a_finished_run_refuses_a_cancel(autojump_clock):
+    agent, _, _ = make()
+    store = MemoryStore()
+    async with open_run(agent, "x", store=store, run_id="r") as handle:
+        result = await handle.wait()
+        handle.cancel("too late")
+        assert handle.state is RunState.SUCCEEDED
+    assert result.state is RunState.SUCCEEDED
+    with pytest.raises(UsageError, match="already finished"):
+        await request_cancel(store, "r")
+    with pytest.raises(UsageError, match="no run"):
+        await request_cancel(store, "nope")
+    log = await store.read_log("r")
+    assert not any(isinstance(r, CancelRequested) for r in log.records)
+
+
+class CarefulTools:
+    """``save(s)``: on cancellation, takes ``s`` seconds (shielded) to write its own state;
+    ``finish``: when cancelled, completes anyway inside a shield and returns a result."""
+
+    def __init__(self):
+        self.saved = []
+        self.executed = []
+
+    def tool_specs(self):
+        return (ToolSpec(name="save"), ToolSpec(name="finish"))
+
+    def replay_policy(self, tool):
+        from treadle.types import ReplayPolicy
+
+        return ReplayPolicy.NEVER
+
+    async def execute(self, action: Action) -> ActionOutcome:
+        self.executed.append(action)
+        try:
+            await trio.sleep(100)
+        except trio.Cancelled:
+            with trio.CancelScope(shield=True):
+                await trio.sleep(action.arguments.get("s", 0.5))
+                self.saved.append(action.call_id)
+            if action.tool == "finish":
+                return ActionOutcome(
+                    status=ActionStatus.EXECUTED, observation="finished", task_completed=True
+                )
+            raise
+        return ActionOutcome(status=ActionStatus.EXECUTED, observation="slow")
+
+    async def reconcile(self, action):
+        return None
+
+
+async def test_a_cancelled_tool_gets_a_shielded_grace_period_to_save_its_state(autojump_clock):
+    tools = CarefulTools()
+    agent, _, model = make(tools, turns=[call("save", s=0.5, call_id="c1"), say("x")])
+    store = MemoryStore()
+    async with open_run(agent, "x", store=store, run_id="r") as handle:
+        await trio.sleep(2)
+        handle.cancel()
+        requested = trio.current_time()
+        result = await handle.wait()
+        took = trio.current_time() - requested
+    assert result.state is RunState.CANCELLED
+    assert tools.saved == ["c1"]
+    assert 0.5 <= took < 0.6
+    log = await store.read_log("r")
+    check_cancelled_log(log, tools, model)
+    (late,) = [r for r in log.records if isinstance(r, ActionResult)]
+    assert late.late
+    assert late.outcome.status is ActionStatus.UNKNOWN
+
+
+async def test_the_grace_period_is_bounded(autojump_clock):
+    tools = CarefulTools()
+    agent, _, _ = make(tools, turns=[call("save", s=100, call_id="c1"), say("x")])
+    store = MemoryStore()
+    async with open_run(agent, "x", store=store, run_id="r") as handle:
+        await trio.sleep(2)
+        handle.cancel()
+        requested = trio.current_time()
+        result = await handle.wait()
+        took = trio.current_time() - requested
+    assert result.state is RunState.CANCELLED
+    assert took == pytest.approx(CANCEL_GRACE_S, abs=0.01)
+
+
+async def test_a_late_result_is_recorded_as_late_and_not_applied(autojump_clock):
+    tools = CarefulTools()
+    agent, _, model = make(tools, turns=[call("finish", s=0.2, call_id="c1"), say("x")])
+    store = MemoryStore()
+    async with open_run(agent, "x", store=store, run_id="r") as handle:
+        await trio.sleep(2)
+        handle.cancel()
+        result = await handle.wait()
+    # The tool said the task was completed, after the cancel: the run stays cancelled.
+    assert result.state is RunState.CANCELLED
+    assert result.stop_reason is StopReason.CANCELLED
+    log = await store.read_log("r")
+    check_cancelled_log(log, tools, model)
+    (late,) = [r for r in log.records if isinstance(r, ActionResult)]
+    assert late.late
+    assert late.outcome.status is ActionStatus.EXECUTED
+    assert late.outcome.observation == "finished"
+    assert len(model.requests) == 1
