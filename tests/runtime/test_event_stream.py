@@ -1,0 +1,88 @@
+from __future__ import annotations
+
+import pytest
+import trio
+from runtime_fakes import LedgerTools, SimpleParser
+
+from treadle.agent import Agent
+from treadle.stores.memory import MemoryStore
+from treadle.supervisors.run import open_run
+from treadle.supervisors.run import run as run_to_end
+from treadle.testing.scripted import ScriptedModel, call, say
+from treadle.types import EventKind, ModelReply, ModelResult, Usage
+
+TURNS = [call("sleep", s=1, call_id=f"c{i}") for i in range(4)] + [say("done")]
+
+
+def make(turns=TURNS):
+    model = ScriptedModel(turns=turns, latency_s=0.5)
+    return Agent(model=model, executor=LedgerTools(), parser=SimpleParser())
+
+
+async def collect(handle, from_seq, into):
+    into[from_seq] = [e async for e in handle.events(from_seq=from_seq) if e.durable]
+
+
+async def subscribe_at_every_seq(handle, last_seq):
+    """Open one subscriber per seq 1..last_seq at once; each reads to the end of the run."""
+    seen: dict[int, list] = {}
+    async with trio.open_nursery() as nursery:
+        for start in range(1, last_seq + 1):
+            nursery.start_soon(collect, handle, start, seen)
+    return seen
+
+
+def stored(log):
+    return list(log.records)
+
+
+@pytest.mark.parametrize("moment", [0.2, 0.7, 1.3, 2.6, 4.1, 5.9])
+async def test_reconnect_at_every_seq_in_the_middle_of_a_run(moment, autojump_clock):
+    store = MemoryStore()
+    async with open_run(make(), "x", store=store, run_id="r") as handle:
+        await trio.sleep(moment)
+        assert handle.result is None
+        seen = await subscribe_at_every_seq(handle, handle.statistics().last_seq)
+    log = await store.read_log("r")
+    assert log.finished is not None
+    for start, events in seen.items():
+        assert [e.seq for e in events] == list(range(start, len(log.records) + 1))
+        assert [e.record for e in events] == stored(log)[start - 1 :]
+    assert seen[1][-1].kind is EventKind.RUN_FINISHED
+
+
+async def test_reconnect_at_every_seq_after_a_restart(autojump_clock):
+    store = MemoryStore()
+    with trio.CancelScope() as crash:
+        async with open_run(make(), "x", store=store, run_id="r"):
+            await trio.sleep(2.2)
+            crash.cancel()
+    before = len((await store.read_log("r")).records)
+    assert before > 3
+    async with open_run(make(), store=store, run_id="r") as handle:
+        seen = await subscribe_at_every_seq(handle, before)
+    log = await store.read_log("r")
+    assert log.finished is not None
+    for start, events in seen.items():
+        assert [e.seq for e in events] == list(range(start, len(log.records) + 1))
+        assert [e.record for e in events] == stored(log)[start - 1 :]
+
+
+async def test_a_subscriber_joining_at_a_future_seq_gets_events_from_there(autojump_clock):
+    store = MemoryStore()
+    async with open_run(make(), "x", store=store, run_id="r") as handle:
+        events = [e async for e in handle.events(from_seq=10) if e.durable]
+    log = await store.read_log("r")
+    assert [e.seq for e in events] == list(range(10, len(log.records) + 1))
+
+
+async def test_model_call_finished_events_carry_the_usage(autojump_clock):
+    usage = Usage(input_tokens=12, output_tokens=3)
+    turns = [ModelReply(text="hi", finish_reason="stop", usage=usage)]
+    store = MemoryStore()
+    await run_to_end(make(turns), "x", store=store, run_id="r")
+    async with open_run(make(turns), store=store, run_id="r") as handle:
+        finished = [e async for e in handle.events() if e.kind is EventKind.MODEL_CALL_FINISHED]
+    (event,) = finished
+    assert isinstance(event.record, ModelResult)
+    assert event.record.usage == usage
