@@ -9,6 +9,7 @@ TREADLE = sorted(
     [
         "ActionStatus",
         "Agent",
+        "AnthropicMessagesClient",
         "Budgets",
         "Clock",
         "ConflictError",

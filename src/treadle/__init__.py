@@ -23,6 +23,7 @@ from treadle._exceptions import TreadleError as TreadleError
 from treadle._exceptions import UsageError as UsageError
 from treadle.agent import Agent as Agent
 from treadle.agent import RunInput as RunInput
+from treadle.models.anthropic import AnthropicMessagesClient as AnthropicMessagesClient
 from treadle.models.openai import OpenAIChatClient as OpenAIChatClient
 from treadle.parsers import JsonToolCallParser as JsonToolCallParser
 from treadle.parsers import NativeToolCallParser as NativeToolCallParser
@@ -54,6 +55,7 @@ from treadle.types import Usage as Usage
 __all__ = [
     "ActionStatus",
     "Agent",
+    "AnthropicMessagesClient",
     "Budgets",
     "Clock",
     "ConflictError",

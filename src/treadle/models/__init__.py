@@ -1,10 +1,11 @@
-"""Model clients (DESIGN §2): the OpenAI-compatible streaming client and its building blocks."""
+"""Model clients (DESIGN §2): the OpenAI-compatible and Anthropic Messages streaming clients."""
 
 from treadle.models._accumulate import parse_retry_after as parse_retry_after
 from treadle.models._probe import probe as probe
 from treadle.models._sse import SSEDecodeError as SSEDecodeError
 from treadle.models._sse import SSEDecoder as SSEDecoder
 from treadle.models._sse import SSEEvent as SSEEvent
+from treadle.models.anthropic import AnthropicMessagesClient as AnthropicMessagesClient
 from treadle.models.openai import ImageSource as ImageSource
 from treadle.models.openai import OpenAIChatClient as OpenAIChatClient
 from treadle.models.openai import UsageObserver as UsageObserver
@@ -12,6 +13,7 @@ from treadle.models.openai import observe_usage as observe_usage
 from treadle.models.openai import report_usage as report_usage
 
 __all__ = [
+    "AnthropicMessagesClient",
     "ImageSource",
     "OpenAIChatClient",
     "SSEDecodeError",

@@ -1,0 +1,346 @@
+"""Assembling a streamed Anthropic Messages response, and classifying Anthropic failures.
+
+`MessageAccumulator` folds the server-sent events of one ``POST /v1/messages`` stream
+(``message_start``, ``content_block_start`` / ``_delta`` / ``_stop``, ``message_delta``,
+``message_stop``, ``ping``, ``error``) into a `treadle.types.ModelReply`. Text, thinking and
+``tool_use`` blocks are kept apart: text is the visible text, thinking is the reasoning, and
+``input_json_delta`` fragments become a tool call's arguments.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import attrs
+
+from treadle._exceptions import ModelCallError
+from treadle.models._accumulate import classify_failure, error_fields
+from treadle.ports import DeltaCallback
+from treadle.types import InvalidToolCall, ModelErrorInfo, ModelReply, ToolCall, Usage
+
+STOP_REASONS = {
+    "end_turn": "stop",
+    "stop_sequence": "stop",
+    "tool_use": "tool_calls",
+    "max_tokens": "length",
+    "model_context_window_exceeded": "length",
+    "refusal": "content_filter",
+}
+"""Anthropic ``stop_reason`` → treadle's finish reason (the OpenAI names); others pass as is."""
+
+ERROR_TYPES: Mapping[str, tuple[str, bool]] = {
+    "invalid_request_error": ("bad_request", False),
+    "authentication_error": ("auth", False),
+    "permission_error": ("auth", False),
+    "billing_error": ("auth", False),
+    "not_found_error": ("not_found", False),
+    "request_too_large": ("bad_request", False),
+    "rate_limit_error": ("rate_limited", True),
+    "api_error": ("server_error", True),
+    "overloaded_error": ("server_error", True),
+    "timeout_error": ("timeout", True),
+}
+"""Anthropic error ``type`` → ``(kind, retryable)`` for errors reported inside a stream."""
+
+
+def classify_anthropic(*, status: int | None, type_: str, message: str) -> tuple[str, bool]:
+    """Map an Anthropic failure to ``(kind, retryable)``.
+
+    Args:
+        status: the HTTP status, or ``None`` for an ``error`` event inside a 200 stream.
+        type_: the error object's ``type`` (``overloaded_error`` ...), ``""`` when absent.
+        message: the provider's message ("prompt is too long: ..." is a context error).
+
+    Returns:
+        One of the kinds listed on `treadle.types.ModelErrorInfo` and whether the same request
+        may be sent again. HTTP statuses decide first (529 overloaded is a retryable
+        ``server_error``); an unknown in-stream type is a retryable ``upstream_error``.
+    """
+    if status is not None or type_ not in ERROR_TYPES:
+        return classify_failure(status=status, code=None, type_=type_, message=message)
+    kind, retryable = classify_failure(status=400, code=None, type_=type_, message=message)
+    if kind == "context_length_exceeded":
+        return kind, retryable
+    return ERROR_TYPES[type_]
+
+
+def usage_from(payload: Any, previous: Usage) -> Usage:
+    """Fold an Anthropic ``usage`` object into the counts known so far.
+
+    ``input_tokens`` becomes the whole prompt: uncached plus cache-write plus cache-read
+    tokens (Anthropic reports them apart). Counts absent from ``payload`` keep their previous
+    value; a count never reported stays ``None``.
+    """
+    if not isinstance(payload, Mapping):
+        return previous
+    uncached = _count(payload.get("input_tokens"))
+    cached = [
+        _count(payload.get(k)) for k in ("cache_creation_input_tokens", "cache_read_input_tokens")
+    ]
+    input_tokens = previous.input_tokens
+    if uncached is not None:
+        input_tokens = uncached + sum(c for c in cached if c is not None)
+    output = _count(payload.get("output_tokens"))
+    output_tokens = output if output is not None else previous.output_tokens
+    total = None
+    if input_tokens is not None and output_tokens is not None:
+        total = input_tokens + output_tokens
+    return Usage(input_tokens=input_tokens, output_tokens=output_tokens, total_tokens=total)
+
+
+def _count(value: Any) -> int | None:
+    if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
+        return value
+    return None
+
+
+@attrs.define(eq=False)
+class _Block:
+    index: int
+    type: str
+    id: str = ""
+    name: str = ""
+    start_input: Any = None
+    parts: list[str] = attrs.Factory(list)
+
+
+@attrs.define(eq=False)
+class MessageAccumulator:
+    """Folds the events of one streamed Messages response into a reply.
+
+    Attributes:
+        on_delta: receives ``("text" | "reasoning", fragment)`` as fragments arrive.
+        redact: applied to every error message built here (removes credentials).
+        done: true once ``message_stop`` was seen; later events are ignored.
+        events: events seen (``ping`` included).
+        stop_reason: Anthropic's ``stop_reason``, once ``message_delta`` gave it.
+        usage: the usage reported so far; replaced (never mutated) on every report.
+    """
+
+    on_delta: DeltaCallback | None = None
+    redact: Callable[[str], str] | None = None
+    done: bool = False
+    events: int = 0
+    message_id: str | None = None
+    stop_reason: str | None = None
+    usage: Usage = Usage()
+    _blocks: dict[int, _Block] = attrs.Factory(dict)
+
+    @property
+    def text(self) -> str | None:
+        """Visible text so far; ``None`` when the reply has no text block."""
+        parts = [p for b in self._ordered() if b.type == "text" for p in b.parts]
+        return "".join(parts) if any(b.type == "text" for b in self._blocks.values()) else None
+
+    def add(self, data: str, *, event: str = "message") -> None:
+        """Fold one SSE event.
+
+        Args:
+            data: the event's data, a JSON object.
+            event: the SSE event name; the object's own ``type`` wins when present.
+
+        Raises:
+            treadle.ModelCallError: ``invalid_response`` for data that is not a JSON object or
+                a delta for a block never started; the classified kind of an ``error`` event.
+        """
+        if self.done:
+            return
+        self.events += 1
+        try:
+            payload = json.loads(data)
+        except ValueError as exc:
+            if event == "error":
+                raise self._inband_error({"error": data}) from exc
+            raise self.failure("invalid_response", f"data event is not JSON: {exc}") from exc
+        if not isinstance(payload, Mapping):
+            raise self.failure("invalid_response", "data event is not a JSON object")
+        kind = payload.get("type")
+        handler = _HANDLERS.get(kind if isinstance(kind, str) else event)
+        if handler is not None:
+            handler(self, payload)
+
+    def add_message(self, body: bytes) -> ModelReply:
+        """Fold a whole non-streamed ``message`` object and return the reply.
+
+        For servers that ignore ``stream: true`` and answer with one JSON object.
+
+        Raises:
+            treadle.ModelCallError: ``invalid_response`` when the body is not a JSON object,
+                or the classified kind of its ``error`` object.
+        """
+        try:
+            payload = json.loads(body)
+        except ValueError as exc:
+            raise self.failure("invalid_response", f"body is not JSON: {exc}") from exc
+        if not isinstance(payload, Mapping):
+            raise self.failure("invalid_response", "body is not a JSON object")
+        if payload.get("type") == "error":
+            raise self._inband_error(payload)
+        self._message_start({"message": {**payload, "content": []}})
+        for index, block in enumerate(payload.get("content") or ()):
+            if isinstance(block, Mapping):
+                self._block_start({"index": index, "content_block": block})
+                if block.get("type") == "tool_use":  # a whole input, as one fragment
+                    self._blocks[index].parts.append(json.dumps(block.get("input")))
+        self._message_delta({"delta": {"stop_reason": payload.get("stop_reason")}})
+        self.done = True
+        return self.reply()
+
+    def failure(self, kind: str, message: str, *, retryable: bool = False) -> ModelCallError:
+        """Build the error for this response, carrying its usage and partial text."""
+        if self.redact is not None:
+            message = self.redact(message)
+        info = ModelErrorInfo(kind=kind, message=message, retryable=retryable)
+        return ModelCallError(info, usage=self.usage, partial_text=self.text or "")
+
+    def reply(self) -> ModelReply:
+        """The assembled reply.
+
+        A ``tool_use`` block whose input is not a JSON object goes to ``invalid_tool_calls``
+        with its raw text: reason ``truncated`` when the reply was cut by ``max_tokens``, else
+        ``unparseable``. It never appears in ``tool_calls``.
+        """
+        calls: list[ToolCall] = []
+        invalid: list[InvalidToolCall] = []
+        reasoning: list[str] | None = None
+        finish = _finish_reason(self.stop_reason)
+        for block in self._ordered():
+            if block.type in ("thinking", "redacted_thinking"):
+                reasoning = (reasoning or []) + block.parts
+            elif block.type == "tool_use":
+                call_id = block.id or f"toolu_{block.index}"
+                raw, arguments = _arguments(block, cut=finish == "length")
+                if arguments is None or not block.name:
+                    reason = "truncated" if finish == "length" else "unparseable"
+                    invalid.append(
+                        InvalidToolCall(
+                            id=call_id, name=block.name, raw_arguments=raw, reason=reason
+                        )
+                    )
+                else:
+                    calls.append(ToolCall(id=call_id, name=block.name, arguments=arguments))
+        return ModelReply(
+            text=self.text,
+            reasoning=None if reasoning is None else "".join(reasoning),
+            tool_calls=tuple(calls),
+            invalid_tool_calls=tuple(invalid),
+            finish_reason=finish,
+            usage=self.usage,
+            response_id=self.message_id,
+        )
+
+    def _ordered(self) -> list[_Block]:
+        return [self._blocks[i] for i in sorted(self._blocks)]
+
+    def _message_start(self, payload: Mapping[str, Any]) -> None:
+        message = payload.get("message")
+        if not isinstance(message, Mapping):
+            raise self.failure("invalid_response", "message_start without a message object")
+        if isinstance(message.get("id"), str):
+            self.message_id = message["id"]
+        self.usage = usage_from(message.get("usage"), self.usage)
+
+    def _block_start(self, payload: Mapping[str, Any]) -> None:
+        index = payload.get("index")
+        block = payload.get("content_block")
+        if not isinstance(index, int) or not isinstance(block, Mapping):
+            raise self.failure("invalid_response", "content_block_start without index or block")
+        held = _Block(
+            index=index,
+            type=_str(block.get("type")),
+            id=_str(block.get("id")),
+            name=_str(block.get("name")),
+            start_input=block.get("input"),
+        )
+        self._blocks[index] = held
+        if held.type == "text":
+            self._append(held, _str(block.get("text")), "text")
+        elif held.type == "thinking":
+            self._append(held, _str(block.get("thinking")), "reasoning")
+
+    def _block_delta(self, payload: Mapping[str, Any]) -> None:
+        index = payload.get("index")
+        held = self._blocks.get(index) if isinstance(index, int) else None
+        delta = payload.get("delta")
+        if held is None or not isinstance(delta, Mapping):
+            raise self.failure("invalid_response", "content_block_delta for an unknown block")
+        kind = delta.get("type")
+        if kind == "text_delta":
+            self._append(held, _str(delta.get("text")), "text")
+        elif kind == "thinking_delta":
+            self._append(held, _str(delta.get("thinking")), "reasoning")
+        elif kind == "input_json_delta":
+            held.parts.append(_str(delta.get("partial_json")))
+        # signature_delta, citations_delta and unknown delta types carry nothing we keep
+
+    def _message_delta(self, payload: Mapping[str, Any]) -> None:
+        delta = payload.get("delta")
+        if isinstance(delta, Mapping) and isinstance(delta.get("stop_reason"), str):
+            self.stop_reason = delta["stop_reason"]
+        if payload.get("usage") is not None:
+            self.usage = usage_from(payload["usage"], self.usage)
+
+    def _message_stop(self, payload: Mapping[str, Any]) -> None:
+        self.done = True
+
+    def _error(self, payload: Mapping[str, Any]) -> None:
+        raise self._inband_error(payload)
+
+    def _inband_error(self, payload: Mapping[str, Any]) -> ModelCallError:
+        message, _, type_ = error_fields(payload)
+        kind, retryable = classify_anthropic(status=None, type_=type_, message=message)
+        return self.failure(kind, message or "error event in stream", retryable=retryable)
+
+    def _append(self, block: _Block, fragment: str, channel: str) -> None:
+        if fragment:
+            block.parts.append(fragment)
+            if self.on_delta is not None:
+                self.on_delta(channel, fragment)
+
+
+def _ignore(acc: MessageAccumulator, payload: Mapping[str, Any]) -> None:
+    """``ping`` and ``content_block_stop`` change nothing in the reply."""
+
+
+_HANDLERS: dict[str, Callable[[MessageAccumulator, Mapping[str, Any]], None]] = {
+    "message_start": MessageAccumulator._message_start,
+    "content_block_start": MessageAccumulator._block_start,
+    "content_block_delta": MessageAccumulator._block_delta,
+    "content_block_stop": _ignore,
+    "message_delta": MessageAccumulator._message_delta,
+    "message_stop": MessageAccumulator._message_stop,
+    "ping": _ignore,
+    "error": MessageAccumulator._error,
+}
+"""Event type → handler; unknown event types are ignored (Anthropic may add new ones)."""
+
+
+def _finish_reason(stop_reason: str | None) -> str | None:
+    return None if stop_reason is None else STOP_REASONS.get(stop_reason, stop_reason)
+
+
+def _arguments(block: _Block, *, cut: bool) -> tuple[str, dict[str, Any] | None]:
+    """``(raw text, decoded object or None)`` of a tool_use block's input.
+
+    Without ``input_json_delta`` fragments the block's start ``input`` is used; no or empty
+    fragments mean no arguments, unless the reply was ``cut`` by the output limit (then the
+    input is unknown).
+    """
+    if not block.parts:
+        start = block.start_input if block.start_input is not None else {}
+        usable = isinstance(start, Mapping) and not cut
+        return json.dumps(start), dict(start) if usable else None
+    raw = "".join(block.parts)
+    if not raw.strip():
+        return raw, None if cut else {}
+    try:
+        value = json.loads(raw)
+    except ValueError:
+        return raw, None
+    return raw, value if isinstance(value, dict) else None
+
+
+def _str(value: Any) -> str:
+    return value if isinstance(value, str) else ""

@@ -1,0 +1,389 @@
+"""The Anthropic Messages model client (streaming, one HTTP attempt per call).
+
+`AnthropicMessagesClient` implements `treadle.ports.ModelClient` over
+``POST {base_url}/v1/messages`` with ``stream: true``. Retries, budgets and the attempt
+deadline belong to the model gateway; this client enforces the connect, first-byte and idle
+deadlines of one attempt and reports running usage (`treadle.models.report_usage`).
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import os
+import time
+from collections.abc import AsyncIterator, Mapping
+from typing import Any
+
+import httpx
+import trio
+
+from treadle._exceptions import ModelCallError, UsageError
+from treadle.models._accumulate import error_fields, parse_retry_after
+from treadle.models._anthropic_stream import MessageAccumulator, classify_anthropic
+from treadle.models._sse import SSEDecodeError, SSEDecoder, SSEEvent
+from treadle.models.openai import (
+    ImageSource,
+    _digest,
+    _dispose,
+    _encode,
+    _sniff,
+    report_usage,
+)
+from treadle.ports import DeltaCallback
+from treadle.types import ImageRef, Message, ModelErrorInfo, ModelReply, ModelRequest, ToolSpec
+
+API_KEY_ENV = "ANTHROPIC_API_KEY"
+"""The environment variable read when no ``api_key`` is given."""
+ANTHROPIC_VERSION = "2023-06-01"
+"""The ``anthropic-version`` header sent by default."""
+DEFAULT_MAX_TOKENS = 4096
+"""``max_tokens`` sent when neither the definition nor the params set one (it is required)."""
+MAX_ERROR_BODY_BYTES = 64 * 1024
+MAX_JSON_BODY_BYTES = 16 * 1024 * 1024
+_RESERVED_PARAMS = frozenset({"model", "messages", "system", "tools", "stream"})
+
+
+class AnthropicMessagesClient:
+    """One streaming Messages attempt per `complete` call.
+
+    Args:
+        base_url: the API root, e.g. ``https://api.anthropic.com`` (``/v1/messages`` is
+            appended).
+        api_key: sent as ``x-api-key``; when ``None``, read from ``ANTHROPIC_API_KEY`` (and
+            no key is sent when that is unset). It never appears in an error or record.
+        http_client: a client to use; the caller keeps ownership and closes it. When ``None``,
+            one is created here and closed by `aclose`.
+        connect_timeout_s: seconds to open the TCP/TLS connection.
+        first_byte_timeout_s: seconds from sending the request to the first event.
+        idle_timeout_s: seconds of silence allowed between reads after the first event
+            (``ping`` events count as traffic).
+        image_source: resolves ``ref:`` image references to bytes, sent as base64 sources.
+        extra_headers: added to every request (e.g. ``anthropic-beta``).
+        anthropic_version: the ``anthropic-version`` header.
+        default_max_tokens: ``max_tokens`` when the request has no output cap and the params
+            set none (the API requires one).
+
+    Raises:
+        UsageError: ``base_url`` is not an http(s) URL, a timeout is not positive, or
+            ``default_max_tokens`` is not positive.
+    """
+
+    def __init__(
+        self,
+        *,
+        base_url: str = "https://api.anthropic.com",
+        api_key: str | None = None,
+        http_client: httpx.AsyncClient | None = None,
+        connect_timeout_s: float = 10.0,
+        first_byte_timeout_s: float = 60.0,
+        idle_timeout_s: float = 60.0,
+        image_source: ImageSource | None = None,
+        extra_headers: Mapping[str, str] | None = None,
+        anthropic_version: str = ANTHROPIC_VERSION,
+        default_max_tokens: int = DEFAULT_MAX_TOKENS,
+    ) -> None:
+        if not base_url.startswith(("http://", "https://")):
+            raise UsageError(f"base_url must start with http:// or https://, got {base_url!r}")
+        timeouts = (connect_timeout_s, first_byte_timeout_s, idle_timeout_s)
+        if not all(t > 0 for t in timeouts):
+            raise UsageError(f"timeouts must be positive seconds, got {timeouts}")
+        if default_max_tokens <= 0:
+            raise UsageError(f"default_max_tokens must be positive, got {default_max_tokens}")
+        self._url = base_url.rstrip("/") + "/v1/messages"
+        self._api_key = api_key if api_key is not None else os.environ.get(API_KEY_ENV) or None
+        self._owns_client = http_client is None
+        self._client = http_client if http_client is not None else httpx.AsyncClient()
+        self._timeout = httpx.Timeout(connect_timeout_s, read=None, write=None)
+        self._first_byte_s = first_byte_timeout_s
+        self._idle_s = idle_timeout_s
+        self._image_source = image_source
+        self._headers = {
+            "accept": "text/event-stream",
+            "content-type": "application/json",
+            "anthropic-version": anthropic_version,
+            **(extra_headers or {}),
+        }
+        self._default_max_tokens = default_max_tokens
+
+    def __repr__(self) -> str:
+        return f"AnthropicMessagesClient(url={self._url!r})"
+
+    async def aclose(self) -> None:
+        """Close the HTTP client if this object created it (a given client stays open)."""
+        if self._owns_client:
+            await self._client.aclose()
+
+    def request_body(self, request: ModelRequest) -> dict[str, Any]:
+        """The JSON body sent for ``request``.
+
+        ``max_tokens`` is the request's ``max_output_tokens`` when set (a ``max_tokens`` param
+        cannot raise it), else the param, else ``default_max_tokens``. System messages become
+        the top-level ``system``; tool messages become ``tool_result`` blocks of a user turn;
+        consecutive turns of one role are merged. Other params (``temperature``,
+        ``thinking``, ``tool_choice`` ...) are merged in last, in Anthropic's own form.
+
+        Raises:
+            UsageError: a param would replace ``model``, ``messages``, ``system``, ``tools`` or
+                ``stream``; an image is on a non-user message or cannot be resolved.
+        """
+        reserved = _RESERVED_PARAMS.intersection(request.params)
+        if reserved:
+            raise UsageError(f"request params may not set {sorted(reserved)}")
+        system = [m.content for m in request.messages if m.role == "system" and m.content]
+        body: dict[str, Any] = {
+            "model": request.model,
+            "max_tokens": self._max_tokens(request),
+            "messages": self._turns(request.messages),
+        }
+        if system:
+            body["system"] = "\n\n".join(system)
+        if request.tools:
+            body["tools"] = [_tool(spec) for spec in request.tools]
+        body["stream"] = True
+        for key, value in request.params.items():
+            if key != "max_tokens":
+                body[key] = value
+        return body
+
+    async def complete(
+        self, request: ModelRequest, *, on_delta: DeltaCallback | None = None
+    ) -> ModelReply:
+        """Send one streaming request and return the assembled reply.
+
+        Args:
+            request: the model-visible request.
+            on_delta: called with ``("text" | "reasoning", fragment)`` as fragments arrive
+                (thinking is ``reasoning``).
+
+        Returns:
+            The reply, with ``finish_reason`` in treadle's names (``stop``, ``tool_calls``,
+            ``length`` ...). A tool call cut off by ``max_tokens`` is in ``invalid_tool_calls``
+            (reason ``truncated``), never in ``tool_calls``.
+
+        Raises:
+            UsageError: the request cannot be encoded (see `request_body`).
+            treadle.ModelCallError: the attempt failed; ``.info.kind`` is one of those listed on
+                `treadle.types.ModelErrorInfo`, ``.usage`` holds the usage reported before the
+                failure and ``.partial_text`` the text received (diagnostics only).
+
+        Cancellation:
+            A checkpoint. Cancelling closes the response and its connection.
+        """
+        http_request = self._client.build_request(
+            "POST",
+            self._url,
+            content=_encode(self.request_body(request)),
+            headers=self._auth_headers(),
+            timeout=self._timeout,
+        )
+        acc = MessageAccumulator(on_delta=on_delta, redact=self._redact)
+        deadline = trio.current_time() + self._first_byte_s
+        response = await self._send(http_request, acc, deadline)
+        chunks = response.aiter_bytes()
+        try:
+            return await self._read_response(response, chunks, acc, deadline)
+        finally:
+            await _dispose(response, chunks)
+
+    # ------------------------------------------------------------------ transport
+
+    def _auth_headers(self) -> dict[str, str]:
+        if self._api_key is None:
+            return self._headers
+        return {**self._headers, "x-api-key": self._api_key}
+
+    def _redact(self, text: str) -> str:
+        return text.replace(self._api_key, "***") if self._api_key else text
+
+    async def _send(
+        self, http_request: httpx.Request, acc: MessageAccumulator, deadline: float
+    ) -> httpx.Response:
+        with trio.move_on_at(deadline):
+            try:
+                return await self._client.send(http_request, stream=True)
+            except httpx.TimeoutException as exc:
+                raise acc.failure("timeout", f"connect: {exc!r}", retryable=True) from exc
+            except httpx.HTTPError as exc:
+                raise acc.failure("connection", repr(exc), retryable=True) from exc
+        raise acc.failure("timeout", "no response headers in time", retryable=True)
+
+    async def _read_response(
+        self,
+        response: httpx.Response,
+        chunks: AsyncIterator[bytes],
+        acc: MessageAccumulator,
+        deadline: float,
+    ) -> ModelReply:
+        if not 200 <= response.status_code < 300:
+            try:
+                body = await self._read_body(chunks, acc, MAX_ERROR_BODY_BYTES)
+            except ModelCallError:
+                body = b""  # the status alone classifies the failure
+            raise self._status_error(response, body, acc)
+        content_type = response.headers.get("content-type", "").lower()
+        if "json" in content_type:
+            body = await self._read_body(chunks, acc, MAX_JSON_BODY_BYTES)
+            reply = acc.add_message(body)
+            report_usage(reply.usage)
+            return reply
+        if content_type and "event-stream" not in content_type:
+            raise acc.failure("invalid_response", f"unexpected content-type {content_type!r}")
+        return await self._read_stream(chunks, acc, deadline)
+
+    async def _read_stream(
+        self, chunks: AsyncIterator[bytes], acc: MessageAccumulator, deadline: float
+    ) -> ModelReply:
+        decoder = SSEDecoder()
+        reported = acc.usage
+        while not acc.done:
+            chunk = await self._next_chunk(chunks, acc, deadline if not acc.events else None)
+            if chunk is None:
+                truncated = decoder.close()
+                if acc.stop_reason is not None and not truncated:
+                    return acc.reply()  # message_delta came; only message_stop is missing
+                tail = "; the last event was cut off" if truncated else ""
+                message = f"stream ended without message_stop after {acc.events} events{tail}"
+                raise acc.failure("incomplete_stream", message, retryable=True)
+            for event in _decode(decoder, chunk, acc):
+                acc.add(event.data, event=event.event)
+                if acc.usage is not reported:  # the server reported (running) usage
+                    reported = acc.usage
+                    report_usage(reported)
+        return acc.reply()
+
+    async def _next_chunk(
+        self,
+        chunks: AsyncIterator[bytes],
+        acc: MessageAccumulator,
+        deadline: float | None,
+    ) -> bytes | None:
+        what = "first event" if deadline is not None else "next read (stream idle)"
+        deadline = deadline if deadline is not None else trio.current_time() + self._idle_s
+        with trio.move_on_at(deadline):
+            try:
+                return await anext(chunks, None)
+            except httpx.HTTPError as exc:
+                message = f"stream broken after {acc.events} events: {exc!r}"
+                raise acc.failure("incomplete_stream", message, retryable=True) from exc
+        raise acc.failure("timeout", f"no {what} in time", retryable=True)
+
+    async def _read_body(
+        self, chunks: AsyncIterator[bytes], acc: MessageAccumulator, limit: int
+    ) -> bytes:
+        parts: list[bytes] = []
+        size = 0
+        while size <= limit:
+            chunk = await self._next_chunk(chunks, acc, None)
+            if chunk is None:
+                break
+            parts.append(chunk)
+            size += len(chunk)
+        return b"".join(parts)[:limit]
+
+    def _status_error(
+        self, response: httpx.Response, body: bytes, acc: MessageAccumulator
+    ) -> ModelCallError:
+        try:
+            payload: Any = json.loads(body)
+        except ValueError:
+            payload = body.decode("utf-8", "replace").strip()
+        message, _, type_ = error_fields(payload)
+        status = response.status_code
+        kind, retryable = classify_anthropic(status=status, type_=type_, message=message)
+        retry_after = parse_retry_after(response.headers, now_s=time.time())
+        info = ModelErrorInfo(
+            kind=kind,
+            message=self._redact(f"HTTP {status}: {message}" if message else f"HTTP {status}"),
+            retryable=retryable,
+            retry_after_s=retry_after if retryable else None,
+            status=status,
+        )
+        return ModelCallError(info, usage=acc.usage)
+
+    # ------------------------------------------------------------------ request building
+
+    def _max_tokens(self, request: ModelRequest) -> int:
+        if request.max_output_tokens is not None:
+            return request.max_output_tokens
+        param = request.params.get("max_tokens")
+        if isinstance(param, int) and not isinstance(param, bool) and param > 0:
+            return param
+        return self._default_max_tokens
+
+    def _turns(self, messages: tuple[Message, ...]) -> list[dict[str, Any]]:
+        turns: list[dict[str, Any]] = []
+        for message in messages:
+            if message.role == "system":
+                continue
+            role = "assistant" if message.role == "assistant" else "user"
+            blocks = self._blocks(message)
+            if turns and turns[-1]["role"] == role:
+                turns[-1]["content"].extend(blocks)
+            else:
+                turns.append({"role": role, "content": blocks})
+        for turn in turns:
+            content = turn["content"]
+            if len(content) == 1 and content[0]["type"] == "text":
+                turn["content"] = content[0]["text"]
+        return turns
+
+    def _blocks(self, message: Message) -> list[dict[str, Any]]:
+        if message.images and message.role != "user":
+            raise UsageError(f"images are only allowed on user messages, not {message.role}")
+        if message.role == "tool":
+            return [
+                {
+                    "type": "tool_result",
+                    "tool_use_id": message.tool_call_id or "",
+                    "content": message.content or "",
+                }
+            ]
+        blocks: list[dict[str, Any]] = []
+        if message.content or (message.role == "user" and not message.images):
+            blocks.append({"type": "text", "text": message.content or ""})
+        blocks.extend(self._image(image) for image in message.images)
+        for call in message.tool_calls:
+            blocks.append(
+                {
+                    "type": "tool_use",
+                    "id": call.id,
+                    "name": call.name,
+                    "input": dict(call.arguments),
+                }
+            )
+        return blocks
+
+    def _image(self, image: ImageRef) -> dict[str, Any]:
+        if not image.url.startswith("ref:"):
+            return {"type": "image", "source": {"type": "url", "url": image.url}}
+        if self._image_source is None:
+            raise UsageError(f"image {image.url!r} needs an image_source, and none was given")
+        try:
+            data = self._image_source(image)
+        except (LookupError, OSError) as exc:
+            raise UsageError(f"image {image.url!r} could not be loaded: {exc!r}") from exc
+        if image.digest is not None and image.digest != _digest(data):
+            raise UsageError(f"image {image.url!r}: bytes do not match digest {image.digest}")
+        media_type = image.media_type or _sniff(data)
+        if media_type is None:
+            raise UsageError(f"image {image.url!r}: unknown media type; set ImageRef.media_type")
+        encoded = base64.b64encode(data).decode("ascii")
+        return {
+            "type": "image",
+            "source": {"type": "base64", "media_type": media_type, "data": encoded},
+        }
+
+
+def _decode(decoder: SSEDecoder, chunk: bytes, acc: MessageAccumulator) -> list[SSEEvent]:
+    try:
+        return decoder.feed(chunk)
+    except SSEDecodeError as exc:
+        raise acc.failure("invalid_response", str(exc)) from exc
+
+
+def _tool(spec: ToolSpec) -> dict[str, Any]:
+    tool: dict[str, Any] = {"name": spec.name, "input_schema": dict(spec.parameters)}
+    if spec.description:
+        tool["description"] = spec.description
+    return tool
