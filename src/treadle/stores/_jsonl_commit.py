@@ -321,29 +321,38 @@ class Committer:
     # ------------------------------------------------------------------ one batch
 
     def _commit(self, batch: list[Write]) -> Counts:
+        """Append and sync one batch, at most half of `MAX_OPEN_FILES` files at a time."""
         counts = Counts()
         groups: dict[str, list[Write]] = {}
         for write in batch:
             if not self._refused(write):
                 groups.setdefault(write.path, []).append(write)
+        items = list(groups.items())
+        size = max(1, MAX_OPEN_FILES // 2)
+        for start in range(0, len(items), size):
+            self._commit_files(items[start : start + size], counts)
+        return counts
+
+    def _commit_files(self, items: list[tuple[str, list[Write]]], counts: Counts) -> None:
         to_sync: list[tuple[_File, list[Write]]] = []
-        for path, writes in groups.items():
-            file = self._append(path, writes, counts)
+        for path, writes in items:
+            file = self._append(path, writes)
             if file is not None and any(w.barrier for w in writes):
                 to_sync.append((file, writes))
         if to_sync:
             self._sync_files(to_sync, counts)
-        for path, writes in groups.items():
+        for path, writes in items:
             if writes[-1].closes and writes[-1].error is None:
                 self._close(path)
-        return counts
+        while len(self._files) > MAX_OPEN_FILES:
+            self._evict(next(iter(self._files)), counts)
 
-    def _append(self, path: str, writes: list[Write], counts: Counts) -> _File | None:
+    def _append(self, path: str, writes: list[Write]) -> _File | None:
         """Append the writes of one file with one write call; fail them all on an error."""
         file = self._files.get(path)
         before = file.size if file is not None else None
         try:
-            file = self._open(path, writes[0], counts)
+            file = self._open(path, writes[0])
             before = file.size
             if writes[0].cut_to is not None:
                 self._cut(file, writes[0].cut_to)
@@ -359,7 +368,7 @@ class Committer:
             write.end = end
         return file
 
-    def _open(self, path: str, first: Write, counts: Counts) -> _File:
+    def _open(self, path: str, first: Write) -> _File:
         file = self._files.get(path)
         if file is not None:
             self._files.move_to_end(path)
@@ -372,8 +381,6 @@ class Committer:
             raise
         file = self._files[path] = _File(run_id=first.run_id, path=path, fd=fd, size=size)
         self._dir_dirty = self._dir_dirty or first.create
-        while len(self._files) > MAX_OPEN_FILES:
-            self._evict(next(iter(self._files)), counts)
         return file
 
     def _cut(self, file: _File, size: int) -> None:

@@ -1,32 +1,48 @@
 """Fault injection for tests and simulations.
 
-`CrashingStore` wraps any store and "crashes the process" at a chosen write: from then on
-every operation raises `SimulatedCrash`, as if the process had died. Whether the write at the
-crash point happened is chosen with ``when`` (``before``: it did not; ``after``: it did, but
-the caller never learned). Reopening the inner store (or keeping the same memory store)
-models the restart.
+* `CrashingStore` wraps any store and "crashes the process" at a chosen write: from then on
+  every operation raises `SimulatedCrash`, as if the process had died. Whether the write at
+  the crash point happened is chosen with ``when`` (``before``: it did not; ``after``: it did,
+  but the caller never learned). Reopening the inner store (or keeping the same memory store)
+  models the restart.
+* `CrashingExecutor` wraps an action executor and crashes the process in the middle of a
+  chosen action: before its effect or after it (the effect happened, its outcome is lost).
+* `FailingStore` wraps any store and fails one chosen write with an error (a full disk, a
+  read-only file) without killing the process: the run must stop with that error.
+* `FailingFileOps` are file operations for `treadle.stores.jsonl.JsonlStore` that run out of
+  space after a byte budget (a short write, then ``ENOSPC``), fail a chosen sync, or SIGKILL
+  the real process half-way through an append.
 """
 
 from __future__ import annotations
 
+import errno
+import os
+import signal
 from collections.abc import Sequence
-from typing import Literal
+from typing import Literal, NoReturn
 
 import attrs
 
-from treadle.ports import RunStore
+from treadle._exceptions import StoreError
+from treadle.ports import ActionExecutor, RunStore
+from treadle.stores._jsonl_commit import FileOps, OsFileOps
 from treadle.types import (
+    Action,
     ActionIntent,
+    ActionOutcome,
     ActionResult,
     ApprovalDecided,
     ApprovalRequested,
     CancelRequested,
     ModelIntent,
     ModelResult,
+    ReplayPolicy,
     RunFinished,
     RunLog,
     RunStarted,
     StepRecord,
+    ToolSpec,
 )
 
 
@@ -53,6 +69,10 @@ class CrashingStore:
     when: Literal["before", "after"] = "before"
     writes: int = 0
     crashed: bool = False
+
+    def crash(self) -> None:
+        """Die now: every later operation raises `SimulatedCrash` (used by `CrashingExecutor`)."""
+        self.crashed = True
 
     async def _guard(self) -> bool:
         """Count a write; raise if dead; return True when the write must crash after."""
@@ -125,3 +145,235 @@ class CrashingStore:
     def _after(crash: bool) -> None:
         if crash:
             raise SimulatedCrash("crash after the write")
+
+
+@attrs.define(eq=False)
+class CrashingExecutor:
+    """A `treadle.ports.ActionExecutor` that crashes the process in the middle of an action.
+
+    Args:
+        inner: the executor doing the real work.
+        crash_at: which `execute` call (1-based, counted over all runs) crashes.
+        when: ``before`` (the action's effect never happens) or ``after`` (the inner action
+            ran to its end, then the process dies before its outcome is returned).
+        store: the run's `CrashingStore`, killed at the same moment, so that nothing is
+            written after the crash; ``None`` to leave the store alive.
+
+    Attributes:
+        calls: `execute` calls seen so far.
+        crashed: whether the crash happened.
+    """
+
+    inner: ActionExecutor
+    crash_at: int
+    when: Literal["before", "after"] = "after"
+    store: CrashingStore | None = None
+    calls: int = 0
+    crashed: bool = False
+
+    def tool_specs(self) -> tuple[ToolSpec, ...]:
+        """Forward."""
+        return self.inner.tool_specs()
+
+    def replay_policy(self, tool: str) -> ReplayPolicy:
+        """Forward."""
+        return self.inner.replay_policy(tool)
+
+    async def execute(self, action: Action) -> ActionOutcome:
+        """Forward, crashing in the chosen call.
+
+        Raises:
+            SimulatedCrash: at the crash point and after it.
+        """
+        self._check_alive()
+        self.calls += 1
+        if self.calls != self.crash_at:
+            return await self.inner.execute(action)
+        if self.when == "before":
+            self._crash(f"crash before action {self.calls} ({action.tool})")
+        await self.inner.execute(action)
+        self._crash(f"crash after action {self.calls} ({action.tool}) ran")
+
+    async def reconcile(self, action: Action) -> ActionOutcome | None:
+        """Forward unless dead."""
+        self._check_alive()
+        return await self.inner.reconcile(action)
+
+    def _check_alive(self) -> None:
+        if self.crashed:
+            raise SimulatedCrash("the process is dead")
+
+    def _crash(self, message: str) -> NoReturn:
+        self.crashed = True
+        if self.store is not None:
+            self.store.crash()
+        raise SimulatedCrash(message)
+
+
+def _default_failure() -> StoreError:
+    return StoreError("simulated write failure: no space left on device")
+
+
+@attrs.define(eq=False)
+class FailingStore:
+    """A `treadle.ports.RunStore` whose write number ``fail_at`` fails with ``error``.
+
+    The process stays alive (unlike `CrashingStore`): reads and other runs keep working,
+    and, like a real store, every later write of the failed run raises `StoreError`.
+
+    Args:
+        inner: the store that keeps what was written.
+        fail_at: which write operation (1-based, counted over all runs) fails.
+        error: what it raises (default: a `StoreError` saying the disk is full).
+        when: ``before`` (nothing is written) or ``after`` (the write is stored, but the
+            caller is told it failed, as after a failed sync).
+
+    Attributes:
+        writes: write operations seen so far.
+        failed_runs: runs whose write failed.
+    """
+
+    inner: RunStore
+    fail_at: int
+    error: Exception = attrs.Factory(_default_failure)
+    when: Literal["before", "after"] = "before"
+    writes: int = 0
+    failed_runs: set[str] = attrs.Factory(set)
+
+    async def _guard(self, run_id: str) -> bool:
+        if run_id in self.failed_runs:
+            raise StoreError(f"run {run_id!r}: an earlier write of this run failed") from (
+                self.error
+            )
+        self.writes += 1
+        if self.writes != self.fail_at:
+            return False
+        self.failed_runs.add(run_id)
+        if self.when == "before":
+            raise self.error
+        return True
+
+    def _after(self, fail: bool) -> None:
+        if fail:
+            raise self.error
+
+    async def write_run_started(self, record: RunStarted, *, seq: int) -> None:
+        """Forward, failing at the chosen write."""
+        fail = await self._guard(record.run_id)
+        await self.inner.write_run_started(record, seq=seq)
+        self._after(fail)
+
+    async def write_intent(self, record: ModelIntent | ActionIntent, *, seq: int) -> None:
+        """Forward, failing at the chosen write."""
+        fail = await self._guard(record.run_id)
+        await self.inner.write_intent(record, seq=seq)
+        self._after(fail)
+
+    async def write_model_result(self, record: ModelResult, *, seq: int) -> None:
+        """Forward, failing at the chosen write."""
+        fail = await self._guard(record.run_id)
+        await self.inner.write_model_result(record, seq=seq)
+        self._after(fail)
+
+    async def write_step(
+        self, action_results: Sequence[ActionResult] | None, step: StepRecord, *, seq: int
+    ) -> None:
+        """Forward, failing at the chosen write."""
+        fail = await self._guard(step.run_id)
+        await self.inner.write_step(action_results, step, seq=seq)
+        self._after(fail)
+
+    async def write_control(
+        self, record: CancelRequested | ApprovalRequested | ApprovalDecided, *, seq: int
+    ) -> None:
+        """Forward, failing at the chosen write."""
+        fail = await self._guard(record.run_id)
+        await self.inner.write_control(record, seq=seq)
+        self._after(fail)
+
+    async def write_run_finished(self, record: RunFinished, *, seq: int) -> None:
+        """Forward, failing at the chosen write."""
+        fail = await self._guard(record.run_id)
+        await self.inner.write_run_finished(record, seq=seq)
+        self._after(fail)
+
+    async def read_log(self, run_id: str) -> RunLog:
+        """Forward."""
+        return await self.inner.read_log(run_id)
+
+    async def list_runs(self) -> tuple[str, ...]:
+        """Forward."""
+        return await self.inner.list_runs()
+
+    async def aclose(self) -> None:
+        """Nothing to release: the inner store belongs to the caller."""
+
+
+@attrs.define(eq=False)
+class FailingFileOps:
+    """`treadle.stores.jsonl.FileOps` with a full disk, a failing sync, or a real crash.
+
+    Args:
+        inner: the real file operations.
+        space_bytes: bytes that may still be appended (over all files); the write that
+            crosses it writes what fits (a short write) and the next one fails with
+            ``ENOSPC``. ``None``: unlimited. Raise it again to model freed space.
+        fail_sync_at: the sync call (1-based) that fails with ``EIO``; ``None``: never.
+        kill: instead of raising, SIGKILL this process right after the short write (a crash
+            half-way through an append) or at the failing sync.
+
+    Attributes:
+        written: bytes appended so far.
+        syncs: sync calls so far.
+    """
+
+    inner: FileOps = attrs.Factory(OsFileOps)
+    space_bytes: int | None = None
+    fail_sync_at: int | None = None
+    kill: bool = False
+    written: int = 0
+    syncs: int = 0
+
+    def open(self, path: str, *, create: bool) -> int:
+        """Forward."""
+        return self.inner.open(path, create=create)
+
+    def write(self, fd: int, data: bytes | memoryview) -> int:
+        """Append what fits; raise ``ENOSPC`` when nothing does."""
+        room = None if self.space_bytes is None else self.space_bytes - self.written
+        if room is not None and room <= 0:
+            self._fault(OSError(errno.ENOSPC, os.strerror(errno.ENOSPC)))
+        chunk = data if room is None or room >= len(data) else data[:room]
+        count = self.inner.write(fd, chunk)
+        self.written += count
+        if count < len(data) and self.kill:
+            self._fault(OSError(errno.ENOSPC, os.strerror(errno.ENOSPC)))
+        return count
+
+    def sync(self, fd: int) -> None:
+        """Forward, failing at the chosen call."""
+        self.syncs += 1
+        if self.syncs == self.fail_sync_at:
+            self._fault(OSError(errno.EIO, os.strerror(errno.EIO)))
+        self.inner.sync(fd)
+
+    def sync_dir(self, path: str) -> None:
+        """Forward."""
+        self.inner.sync_dir(path)
+
+    def truncate(self, fd: int, size: int) -> None:
+        """Forward."""
+        self.inner.truncate(fd, size)
+
+    def size(self, fd: int) -> int:
+        """Forward."""
+        return self.inner.size(fd)
+
+    def close(self, fd: int) -> None:
+        """Forward."""
+        self.inner.close(fd)
+
+    def _fault(self, error: OSError) -> NoReturn:
+        if self.kill:
+            os.kill(os.getpid(), signal.SIGKILL)
+        raise error
