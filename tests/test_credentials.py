@@ -1,0 +1,223 @@
+"""API keys never appear in anything a run writes (DESIGN §9).
+
+Each real client runs a whole run against a loopback server that echoes the key back in its
+error bodies. Then everything the run produced is scanned for the key: the SQLite database
+files, every record as read back and as encoded, every event (deltas included), the message
+and traceback of a failing call, and all log output.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import traceback
+
+import pytest
+import trio
+
+import treadle
+from treadle.models import AnthropicMessagesClient, OpenAIChatClient
+from treadle.stores._codec import encode
+from treadle.testing.loopback import CannedResponse, canned, open_loopback_server
+from treadle.types import Message, ModelRequest
+
+KEY = "sk-test-SECRET-5f3c9a1d7e"
+JSON = {"content-type": "application/json"}
+SSE = {"content-type": "text/event-stream"}
+
+
+@treadle.tool
+async def lookup(term: str) -> str:
+    """Look a term up."""
+    return f"{term}: found"
+
+
+# --------------------------------------------------------------------------- two providers
+
+
+def openai_sse(*payloads) -> bytes:
+    return b"".join(f"data: {json.dumps(p)}\n\n".encode() for p in payloads)
+
+
+def openai_chunk(delta, finish=None) -> dict:
+    return {"id": "c1", "choices": [{"index": 0, "delta": delta, "finish_reason": finish}]}
+
+
+OPENAI_SCRIPT = [
+    CannedResponse(
+        status=500,
+        headers=JSON,
+        chunks=[json.dumps({"error": {"message": f"internal error for key {KEY}"}}).encode()],
+    ),
+    CannedResponse(
+        headers=SSE,
+        chunks=[
+            openai_sse(
+                openai_chunk(
+                    {
+                        "tool_calls": [
+                            {
+                                "index": 0,
+                                "id": "call_1",
+                                "type": "function",
+                                "function": {"name": "lookup", "arguments": '{"term": "x"}'},
+                            }
+                        ]
+                    },
+                    "tool_calls",
+                )
+            ),
+            b"data: [DONE]\n\n",
+        ],
+    ),
+    CannedResponse(
+        headers=SSE,
+        chunks=[
+            openai_sse(openai_chunk({"content": "It was "}), openai_chunk({"content": "found."})),
+            openai_sse(openai_chunk({}, "stop")),
+            b"data: [DONE]\n\n",
+        ],
+    ),
+]
+OPENAI_AUTH_FAILURE = CannedResponse(
+    status=401,
+    headers=JSON,
+    chunks=[json.dumps({"error": {"message": f"Incorrect API key provided: {KEY}"}}).encode()],
+)
+
+
+def anthropic_event(payload: dict) -> bytes:
+    return f"event: {payload['type']}\ndata: {json.dumps(payload)}\n\n".encode()
+
+
+def anthropic_stream(*blocks: dict, stop: str) -> list[bytes]:
+    events = [
+        {
+            "type": "message_start",
+            "message": {"id": "msg_1", "usage": {"input_tokens": 10, "output_tokens": 1}},
+        }
+    ]
+    for index, block in enumerate(blocks):
+        if block["type"] == "text":
+            start = {"type": "text", "text": ""}
+            body = {"type": "text_delta", "text": block["text"]}
+        else:
+            start = {"type": "tool_use", "id": "toolu_1", "name": block["name"], "input": {}}
+            body = {"type": "input_json_delta", "partial_json": json.dumps(block["input"])}
+        events += [
+            {"type": "content_block_start", "index": index, "content_block": start},
+            {"type": "content_block_delta", "index": index, "delta": body},
+            {"type": "content_block_stop", "index": index},
+        ]
+    events += [
+        {"type": "message_delta", "delta": {"stop_reason": stop}, "usage": {"output_tokens": 9}},
+        {"type": "message_stop"},
+    ]
+    return [anthropic_event(e) for e in events]
+
+
+ANTHROPIC_SCRIPT = [
+    CannedResponse(
+        status=529,
+        headers={**JSON, "retry-after": "0"},
+        chunks=[
+            json.dumps(
+                {"type": "error", "error": {"type": "overloaded_error", "message": f"{KEY}"}}
+            ).encode()
+        ],
+    ),
+    CannedResponse(
+        headers=SSE,
+        chunks=anthropic_stream(
+            {"type": "tool_use", "name": "lookup", "input": {"term": "x"}}, stop="tool_use"
+        ),
+    ),
+    CannedResponse(
+        headers=SSE,
+        chunks=anthropic_stream({"type": "text", "text": "It was found."}, stop="end_turn"),
+    ),
+]
+ANTHROPIC_AUTH_FAILURE = CannedResponse(
+    status=401,
+    headers=JSON,
+    chunks=[
+        json.dumps(
+            {"type": "error", "error": {"type": "authentication_error", "message": f"bad {KEY}"}}
+        ).encode()
+    ],
+)
+
+
+def make_client(provider: str, base_url: str, monkeypatch):
+    if provider == "openai":
+        return OpenAIChatClient(base_url=base_url + "/v1", api_key=KEY)
+    monkeypatch.setenv("ANTHROPIC_API_KEY", KEY)  # the key comes from the environment here
+    return AnthropicMessagesClient(base_url=base_url)
+
+
+SCRIPTS = {
+    "openai": (OPENAI_SCRIPT, OPENAI_AUTH_FAILURE),
+    "anthropic": (ANTHROPIC_SCRIPT, ANTHROPIC_AUTH_FAILURE),
+}
+
+
+# --------------------------------------------------------------------------- the scan
+
+
+@pytest.mark.parametrize("provider", ["openai", "anthropic"])
+async def test_the_key_appears_nowhere_a_run_writes(provider, tmp_path, caplog, monkeypatch):
+    caplog.set_level(logging.DEBUG)  # every logger, httpx and treadle included
+    script, auth_failure = SCRIPTS[provider]
+    db = tmp_path / "runs.db"
+    texts: list[str] = []
+    async with open_loopback_server(canned(*script, auth_failure)) as server:
+        client = make_client(provider, server.base_url, monkeypatch)
+        agent = treadle.Agent(
+            model=client,
+            executor=treadle.Toolbox([lookup]),
+            parser=treadle.NativeToolCallParser(),
+            model_name="m",
+            system_prompt="Be brief.",
+            limits=treadle.Limits(retry_initial_s=0.01, retry_max_s=0.02),
+        )
+        async with treadle.open_sqlite_store(db) as store:
+            with trio.fail_after(10):
+                async with treadle.open_run(agent, "Find x.", store=store, run_id="ok") as handle:
+                    async for event in handle.events():
+                        texts.append(repr(event))
+                    result = await handle.wait()
+                failed = await treadle.run(agent, "Again.", store=store, run_id="denied")
+            logs = [await store.read_log("ok"), await store.read_log("denied")]
+        with pytest.raises(treadle.ModelCallError) as info:  # the failing call itself
+            await client.complete(ModelRequest(messages=(Message(role="user", content="x"),)))
+        await client.aclose()
+
+    # The runs really happened, with the key sent and echoed back.
+    assert result.stop_reason is treadle.StopReason.FINAL_ANSWER
+    assert result.final_answer == "It was found."
+    assert (failed.stop_reason, failed.error) == (treadle.StopReason.MODEL_ERROR, "auth")
+    assert all(KEY in (r.header("authorization") or r.header("x-api-key") or "")
+               for r in server.requests)  # fmt: skip
+    assert any(r.status == 401 for r in _model_errors(logs))
+
+    texts += [repr(record) for log in logs for record in log.records]
+    texts += [encode(record) for log in logs for record in log.records]
+    texts += [repr(result), repr(failed), repr(client), repr(agent), json.dumps(agent.snapshot())]
+    err = info.value
+    texts += [str(err), repr(err), err.info.message, err.partial_text]
+    texts += traceback.format_exception(err)
+    texts += [record.getMessage() for record in caplog.records]
+    texts.append(caplog.text)
+    leaks = [text for text in texts if KEY in text]
+    assert leaks == []
+    assert "***" in err.info.message  # the echoed key was replaced, not the message dropped
+    for path in tmp_path.iterdir():  # the database, its WAL and anything else written
+        assert KEY.encode() not in await trio.Path(path).read_bytes(), path.name
+
+
+def _model_errors(logs):
+    for log in logs:
+        for record in log.records:
+            error = getattr(record, "error", None)
+            if isinstance(error, treadle.types.ModelErrorInfo):
+                yield error
