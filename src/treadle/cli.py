@@ -320,6 +320,7 @@ def _register_simulate() -> None:
 
 
 _register_simulate()
+import treadle._cli_runs  # noqa: E402, F401 (registers approve, cancel and tail)
 
 if __name__ == "__main__":  # pragma: no cover
     sys.exit(main())

@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+import json
+
 import pytest
 import trio
 from runtime_fakes import LedgerTools, SimpleParser
@@ -249,3 +251,132 @@ async def test_a_tool_declared_with_requires_approval_waits(autojump_clock):
     (result,) = [r for r in log.records if isinstance(r, ActionResult)]
     assert result.outcome.observation == "moved 5"
     assert isinstance(log.records[3], ApprovalRequested)
+
+
+# --------------------------------------------------------------- across real processes
+
+DRIVER = """
+import json, sys
+from pathlib import Path
+
+import trio
+
+import treadle
+from treadle.stores.sqlite import open_sqlite_store
+from treadle.supervisors.run import open_run
+from treadle.testing.scripted import ScriptedModel, call, say
+
+db, marker, mode = sys.argv[1], Path(sys.argv[2]), sys.argv[3]
+
+
+@treadle.tool(requires_approval=True)
+async def transfer(amount: int) -> str:
+    \"\"\"Move money.\"\"\"
+    with marker.open("a") as out:
+        out.write(f"{amount}\\n")
+    return f"moved {amount}"
+
+
+async def main():
+    agent = treadle.Agent(
+        model=ScriptedModel(turns=[call("transfer", amount=5, call_id="t1"), say("done")]),
+        executor=treadle.Toolbox([transfer]),
+        parser=treadle.NativeToolCallParser(),
+    )
+    async with open_sqlite_store(db) as store:
+        run_input = "pay" if mode == "new" else None
+        async with open_run(agent, run_input, store=store, run_id="r", control_poll_s=0.05) as h:
+            while h.state is not treadle.RunState.AWAITING_APPROVAL and h.result is None:
+                await trio.sleep(0.01)
+            print(h.state.value, flush=True)
+            result = await h.wait()
+    print(json.dumps({"state": result.state.value, "answer": result.final_answer}), flush=True)
+
+
+trio.run(main)
+"""
+
+
+async def read_sqlite(db):
+    from treadle.stores.sqlite import open_sqlite_store
+
+    async with open_sqlite_store(db) as store:
+        return await store.read_log("r")
+
+
+async def read_line(process):
+    line = await trio.to_thread.run_sync(process.stdout.readline)
+    return line.strip()
+
+
+def cli(*args):
+    import subprocess
+    import sys
+
+    return subprocess.run(
+        [sys.executable, "-m", "treadle", *args], capture_output=True, text=True, timeout=60
+    )
+
+
+async def test_an_approval_survives_a_process_restart(tmp_path):
+    import subprocess
+    import sys
+
+    script = tmp_path / "driver.py"
+    script.write_text(DRIVER)
+    db, marker = tmp_path / "runs.db", tmp_path / "executed.txt"
+
+    def start(mode):
+        return subprocess.Popen(
+            [sys.executable, str(script), str(db), str(marker), mode],
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+
+    first = start("new")
+    try:
+        with trio.fail_after(60):
+            assert await read_line(first) == "awaiting_approval"
+        first.kill()  # the process dies while the run waits
+        first.wait(timeout=60)
+    finally:
+        first.kill()
+        first.wait(timeout=60)
+        first.stdout.close()
+    log = await read_sqlite(db)
+    assert log.finished is None
+    assert pending_approval(log).call_id == "t1"
+
+    second = start("resume")
+    try:
+        with trio.fail_after(60):
+            assert await read_line(second) == "awaiting_approval"
+        assert not marker.exists()
+        # A decision for another call is refused, and nothing is written.
+        refused = await trio.to_thread.run_sync(
+            lambda: cli("approve", "r", "--store", str(db), "--call", "t2")
+        )
+        assert refused.returncode != 0
+        assert "waits on call 't1'" in refused.stderr
+        approved = await trio.to_thread.run_sync(lambda: cli("approve", "r", "--store", str(db)))
+        assert approved.returncode == 0, approved.stderr
+        with trio.fail_after(60):
+            outcome = json.loads(await read_line(second))
+        assert second.wait(timeout=60) == 0
+    finally:
+        second.kill()
+        second.wait(timeout=60)
+        second.stdout.close()
+    assert outcome == {"state": "succeeded", "answer": "done"}
+    assert marker.read_text() == "5\n"  # executed once, after the decision
+    log = await read_sqlite(db)
+    names = kinds(log)
+    assert names.count("ApprovalRequested") == 1
+    assert names.index("ApprovalDecided") < names.index("ActionIntent")
+    # The CLI can follow what happened, and refuses to decide a finished run.
+    tailed = await trio.to_thread.run_sync(lambda: cli("tail", "r", "--store", str(db)))
+    assert tailed.returncode == 0, tailed.stderr
+    assert "approval requested" in tailed.stdout and "approval decided" in tailed.stdout
+    assert tailed.stdout.strip().splitlines()[-1].split()[1:3] == ["run", "finished"]
+    late = await trio.to_thread.run_sync(lambda: cli("approve", "r", "--store", str(db)))
+    assert late.returncode != 0 and "already finished" in late.stderr

@@ -216,3 +216,60 @@ async def test_a_late_result_is_recorded_as_late_and_not_applied(autojump_clock)
     assert late.outcome.status is ActionStatus.EXECUTED
     assert late.outcome.observation == "finished"
     assert len(model.requests) == 1
+
+
+# --------------------------------------------------------------- the CLI
+
+
+def test_cli_cancel_then_resume_and_tail(tmp_path):
+    import json
+
+    from click.testing import CliRunner
+
+    from treadle.cli import main
+    from treadle.stores.sqlite import open_sqlite_store
+
+    db = tmp_path / "runs.db"
+
+    def agent():
+        model = ScriptedModel(turns=[call("sleep", s=100, call_id="c1"), say("done")])
+        return Agent(model=model, executor=LedgerTools(), parser=SimpleParser())
+
+    async def crash_mid_run():
+        async with open_sqlite_store(db) as store:
+            with trio.CancelScope() as crash:
+                async with open_run(agent(), "x", store=store, run_id="r") as handle:
+                    with trio.fail_after(30):
+                        while handle.statistics().last_seq < 4:  # noqa: ASYNC110
+                            await trio.sleep(0.01)
+                    crash.cancel()
+
+    trio.run(crash_mid_run)
+    runner = CliRunner()
+    cancelled = runner.invoke(main, ["cancel", "r", "--store", str(db), "--reason", "enough"])
+    assert cancelled.exit_code == 0, cancelled.output
+    assert "cancel requested" in cancelled.output
+    unknown = runner.invoke(main, ["cancel", "nope", "--store", str(db)])
+    assert unknown.exit_code != 0 and "no run 'nope'" in unknown.output
+
+    async def resume():
+        async with (
+            open_sqlite_store(db) as store,
+            open_run(agent(), store=store, run_id="r") as handle,
+        ):
+            return await handle.wait()
+
+    result = trio.run(resume)
+    assert result.state is RunState.CANCELLED
+    tailed = runner.invoke(main, ["tail", "r", "--store", str(db), "--from", "3", "--json"])
+    assert tailed.exit_code == 0, tailed.output
+    rows = [json.loads(line) for line in tailed.output.splitlines()]
+    assert rows[0]["seq"] == 3
+    assert [r["kind"] for r in rows[-2:]] == ["cancel_requested", "run_finished"]
+    assert rows[-2]["reason"] == "enough"
+    again = runner.invoke(main, ["cancel", "r", "--store", str(db)])
+    assert again.exit_code != 0 and "already finished" in again.output
+    readable = runner.invoke(main, ["tail", "r", "--store", str(db)])
+    lines = readable.output.splitlines()
+    assert lines[0].split()[:3] == ["1", "run", "started"]
+    assert "cancel requested" in lines[-2] and "enough by treadle cancel" in lines[-2]
