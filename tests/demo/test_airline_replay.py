@@ -1,0 +1,503 @@
+"""The recorded airline workload replayed through treadle end to end.
+
+The replay server (the recorded model, over real HTTP streaming), the agent definition, the
+driver processes and their real SIGKILL crashes, resume from the SQLite store, scoring, the
+``treadle demo`` commands and live mode with a scripted customer.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import sqlite3
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import trio
+from click.testing import CliRunner
+
+from treadle.cli import main as cli_main
+from treadle.demo.airline.agent import (
+    RESPOND_TOOL,
+    AirlineExecutor,
+    RecordedCustomer,
+    respond_positions,
+)
+from treadle.demo.airline.data import AirlineDataNotFound, Recording, find_data_dir, load_data
+from treadle.demo.airline.db import AirlineDatabase
+from treadle.demo.airline.replay import (
+    CrashPoint,
+    ReplayReport,
+    Workspace,
+    crash_point,
+    demo_crash_point,
+    expected_writes,
+    find_recording,
+    load_trajectories,
+    locate_workload,
+    replay_recordings,
+)
+from treadle.demo.airline.replay_server import (
+    history_differences,
+    open_replay_server,
+    stream_events,
+)
+from treadle.demo.airline.scoring import recorded_tool_calls
+from treadle.models.openai import OpenAIChatClient
+from treadle.types import (
+    Action,
+    ActionIntent,
+    ActionStatus,
+    Message,
+    ModelRequest,
+    ReplayPolicy,
+    RunLog,
+    ToolCall,
+)
+
+SAMPLE = ("30-1", "0-3", "26-0", "32-0", "18-0", "46-3")
+"""Two cancellations (reward 1); bookings and a cancellation (reward 0); a cancellation and
+flight changes (reward 1); bookings with a refusal (reward 0); a transfer to a human agent;
+the 30-step limit reached with bookings and a certificate."""
+
+SUMMARY_KEYS = (
+    "task_id",
+    "trial",
+    "recorded_reward",
+    "reward",
+    "tool_calls",
+    "observations_matching",
+    "history_mismatches",
+    "crashes",
+    "resumes",
+)
+
+REPLAY_DEADLINE_S = 300
+
+
+@pytest.fixture(scope="module")
+def workload() -> Path:
+    try:
+        return find_data_dir()
+    except AirlineDataNotFound:
+        if os.environ.get("CI"):
+            raise
+        pytest.skip("airline workload data not found (set TREADLE_AIRLINE_DATA)")
+
+
+@pytest.fixture(scope="module")
+def trajectories(workload: Path) -> Path:
+    return workload / "trajectories.json"
+
+
+@pytest.fixture(scope="module")
+def recordings(trajectories: Path) -> tuple[Recording, ...]:
+    return load_trajectories(trajectories)
+
+
+@pytest.fixture(scope="module")
+def fresh(workload: Path, tmp_path_factory: pytest.TempPathFactory) -> AirlineDatabase:
+    folder = tmp_path_factory.mktemp("airline-replay")
+    return AirlineDatabase.create(folder / "fresh.sqlite3", load_data(workload))
+
+
+def pick(recordings: tuple[Recording, ...], *keys: str) -> list[Recording]:
+    return [find_recording(recordings, key) for key in keys]
+
+
+def assert_reproduced(report: ReplayReport) -> None:
+    name = report.run_id
+    assert report.error is None, report.error
+    assert report.reward == report.recorded_reward, name
+    assert report.history_mismatches == 0, name
+    assert report.tool_calls == report.recorded_tool_calls, name
+    assert report.observations_matching == report.recorded_tool_calls, name
+    assert report.applied_once, name
+    assert report.db_matches_recording, name
+    assert report.writes_applied == report.writes_in_log, name
+
+
+# --------------------------------------------------------------------------- replay server
+
+
+def test_stream_events_fragment_text_and_arguments(recordings):
+    recording = find_recording(recordings, "30-1")
+    message = next(m for m in recording.messages if m.get("content") and m.get("tool_calls"))
+    raw = stream_events(
+        message,
+        response_id="r",
+        model="m",
+        rng=random.Random(1),
+        usage={"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5},
+    )
+    assert raw[-1] == b"data: [DONE]\n\n"
+    chunks = [json.loads(e[len(b"data: ") :]) for e in raw[:-1]]
+    deltas = [c["choices"][0]["delta"] for c in chunks if c["choices"]]
+    texts = [d["content"] for d in deltas if d.get("content")]
+    assert len(texts) > 1
+    assert "".join(texts) == message["content"]
+    calls = [d["tool_calls"][0] for d in deltas if d.get("tool_calls")]
+    assert calls[0]["id"] == message["tool_calls"][0]["id"]
+    assert calls[0]["function"]["name"] == "cancel_reservation"
+    assert all("id" not in c and "name" not in c["function"] for c in calls[1:])
+    assert len(calls) > 2  # the arguments come in several pieces
+    arguments = "".join(c["function"]["arguments"] for c in calls)
+    assert arguments == message["tool_calls"][0]["function"]["arguments"]
+    assert [c["choices"][0]["finish_reason"] for c in chunks if c["choices"]][-1] == "tool_calls"
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["total_tokens"] == 5
+    no_usage = stream_events(message, response_id="r", model="m", rng=random.Random(1), usage=None)
+    assert all(b'"usage"' not in e for e in no_usage)
+
+
+def test_history_differences():
+    call = {"id": "c1", "type": "function", "function": {"name": "t", "arguments": '{"a": 1}'}}
+    recorded = [
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "c1", "name": "t", "content": "ok"},
+    ]
+    same = [
+        {"role": "user", "content": "hi"},
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [{**call, "function": {"name": "t", "arguments": '{"a":1}'}}],
+        },
+        {"role": "tool", "tool_call_id": "c1", "content": "ok"},
+    ]
+    assert history_differences(recorded, same) == []
+    other = [dict(m) for m in same]
+    other[1] = {**other[1], "content": ""}
+    other[2] = {**other[2], "tool_call_id": "c2"}
+    found = history_differences(recorded, other)
+    assert len(found) == 2
+    assert "content" in found[0] and "tool_call_id" in found[1]
+    assert history_differences(recorded, same[:2]) == ["expected 3 messages, got 2"]
+
+
+async def test_replay_server_answers_by_position_and_reports_mismatches(recordings):
+    recording = find_recording(recordings, "30-1")
+    history = [Message(role=m["role"], content=m["content"]) for m in recording.messages[:2]]
+    with trio.fail_after(30):
+        async with open_replay_server([recording]) as server:
+            client = OpenAIChatClient(base_url=server.base_url("30-1"))
+            try:
+                deltas: list[str] = []
+                request = ModelRequest(messages=tuple(history), model="gpt-4o")
+                reply = await client.complete(
+                    request, on_delta=lambda kind, text: deltas.append(text)
+                )
+                again = await client.complete(request)  # a repeat gets the same reply
+                assert reply.text == again.text == recording.messages[2]["content"]
+                assert len(deltas) > 1
+                assert reply.usage.input_tokens is not None and reply.finish_reason == "stop"
+                assert server.mismatches == []
+
+                wrong = (*history[:1], Message(role="user", content="something else"))
+                await client.complete(ModelRequest(messages=wrong, model="gpt-4o"))
+                [mismatch] = server.mismatches
+                assert mismatch.position == 0 and "content" in mismatch.differences[0]
+
+                calls = recording.messages[4]["tool_calls"]
+                prefix = (
+                    *history,
+                    Message(role="assistant", content=recording.messages[2]["content"]),
+                    Message(role="user", content=recording.messages[3]["content"]),
+                )
+                reply = await client.complete(ModelRequest(messages=prefix, model="gpt-4o"))
+                assert reply.tool_calls == (
+                    ToolCall(
+                        id=calls[0]["id"],
+                        name="get_user_details",
+                        arguments=json.loads(calls[0]["function"]["arguments"]),
+                    ),
+                )
+            finally:
+                await client.aclose()
+            async with httpx.AsyncClient() as http:
+                everything = [
+                    {"role": m["role"], "content": m.get("content")} for m in recording.messages
+                ]
+                past = await http.post(
+                    server.base_url("30-1") + "/chat/completions",
+                    json={"model": "m", "messages": everything, "stream": True},
+                )
+                unknown = await http.post(
+                    server.base_url("nope") + "/chat/completions", json={"messages": []}
+                )
+            assert past.status_code == 400 and unknown.status_code == 404
+            assert "past the recording's end" in server.mismatches[-1].differences[0]
+
+
+# --------------------------------------------------------------------------- agent
+
+
+def action(step: int, tool: str, arguments: dict[str, Any], index: int = 1) -> Action:
+    return Action(
+        run_id="r",
+        step=step,
+        intent_id=f"r/s{step}/a{index}",
+        call_id="" if tool == RESPOND_TOOL else f"c{step}",
+        tool=tool,
+        arguments=arguments,
+    )
+
+
+async def test_executor_replies_by_position_and_reconciles_writes(recordings, fresh, tmp_path):
+    recording = find_recording(recordings, "30-1")
+    db = fresh.copy_to(tmp_path / "conversation.sqlite3")
+    customer = RecordedCustomer(recording)
+    executor = AirlineExecutor(db, customer)
+    assert executor.replay_policy(RESPOND_TOOL) is ReplayPolicy.SAFE
+    assert executor.replay_policy("get_user_details") is ReplayPolicy.SAFE
+    assert executor.replay_policy("cancel_reservation") is ReplayPolicy.NEVER
+    assert executor.replay_policy("no_such_tool") is ReplayPolicy.NEVER
+    assert len(executor.tool_specs()) == 14
+
+    first = await executor.execute(action(1, RESPOND_TOOL, {"content": "hello"}))
+    second = await executor.execute(action(4, RESPOND_TOOL, {"content": "next"}))
+    repeated = await executor.execute(action(1, RESPOND_TOOL, {"content": "hello"}))
+    assert first.observation == repeated.observation == customer.answers[0]
+    assert second.observation == customer.answers[1]
+    last = await executor.execute(action(9, RESPOND_TOOL, {"content": "bye"}))
+    assert last.observation == customer.answers[2] and not last.task_completed
+
+    # A resumed executor numbers the replies stored in the log the same way.
+    intents = tuple(
+        ActionIntent(run_id="r", step=s, intent_id=f"r/s{s}/a1", call_id="", tool=RESPOND_TOOL,
+                     arguments={}, ts="")
+        for s in (1, 4, 9)
+    )  # fmt: skip
+    assert respond_positions(RunLog(run_id="r", records=intents)) == {1: 0, 4: 1, 9: 2}
+
+    cancel = action(12, "cancel_reservation", {"reservation_id": "FDZ0T5"})
+    done = await executor.reconcile(cancel)  # never applied: performed now, once
+    assert done is not None and done.status is ActionStatus.EXECUTED
+    assert '"status": "cancelled"' in done.observation
+    again = await executor.reconcile(cancel)  # applied: the stored output, nothing repeated
+    assert again == done
+    assert [row[0] for row in db.applied_actions()] == [cancel.intent_id]
+
+    unknown = await executor.execute(action(13, "no_such_tool", {}))
+    bad = await executor.execute(action(14, "get_user_details", {"user": 1}))
+    assert unknown.status is bad.status is ActionStatus.NOT_EXECUTED
+    assert (await executor.reconcile(action(13, "no_such_tool", {}))) == unknown
+    transfer = await executor.execute(action(15, "transfer_to_human_agents", {"summary": "x"}))
+    assert transfer.observation == "Transfer successful" and transfer.task_completed
+    stop = RecordedCustomer(recording).answers[-1]
+    assert "###STOP###" in stop
+
+
+def test_crash_points_come_from_the_seed(recordings):
+    for recording in recordings:
+        point = crash_point(5, recording)
+        assert point == crash_point(5, recording)
+        total = expected_writes(recording)
+        if point.when == "after":
+            assert 1 <= point.write <= total - 1
+        else:
+            assert 2 <= point.write <= total
+    points = {crash_point(seed, recordings[0]) for seed in range(20)}
+    assert len(points) > 5
+    demo = demo_crash_point(find_recording(recordings, "30-1"))
+    assert demo == CrashPoint(write=4 * 12 + 1, when="before")
+
+
+def test_locate_workload_downloads_only_when_nothing_is_found(tmp_path, monkeypatch):
+    monkeypatch.delenv("TREADLE_AIRLINE_DATA", raising=False)
+    fetched: list[Path] = []
+
+    def fake_download(dest: Path) -> Path:
+        fetched.append(dest)
+        (dest / "data").mkdir(parents=True)
+        (dest / "data" / "users.json").write_text("{}")
+        (dest / "trajectories.json").write_text("[]")
+        return dest
+
+    monkeypatch.setattr("treadle.demo.airline.replay.download_data", fake_download)
+    monkeypatch.setattr(
+        "treadle.demo.airline.replay.find_data_dir",
+        lambda explicit=None: (_ for _ in ()).throw(AirlineDataNotFound([tmp_path])),
+    )
+    cache = tmp_path / "cache"
+    assert locate_workload(cache_dir=cache) == cache
+    assert locate_workload(cache_dir=cache) == cache  # the second time from the cache
+    assert fetched == [cache]
+    with pytest.raises(AirlineDataNotFound):
+        locate_workload(tmp_path / "given")  # an explicit folder is never downloaded into
+
+
+# --------------------------------------------------------------------------- replays
+
+
+@pytest.mark.parametrize("crash", ["none", "random"])
+async def test_sample_replays_reproduce_the_recordings(
+    recordings, trajectories, workload, tmp_path, crash
+):
+    sample = pick(recordings, *SAMPLE)
+    workspace = Workspace.beside(tmp_path / "runs.db")
+    with trio.fail_after(REPLAY_DEADLINE_S):
+        reports = await replay_recordings(
+            sample,
+            workspace=workspace,
+            trajectories=trajectories,
+            data_dir=workload,
+            crash=crash,
+            seed=11,
+            concurrency=3,
+        )
+    assert [(r.task_id, r.trial) for r in reports] == [(s.task_id, s.trial) for s in sample]
+    for report in reports:
+        assert_reproduced(report)
+        expected = 1 if crash == "random" else 0
+        assert (report.crashes, report.resumes) == (expected, expected), report.run_id
+    assert sum(r.writes_applied for r in reports) >= 15
+    assert {r.reward for r in reports} == {0.0, 1.0}
+
+
+def subset_file(trajectories: Path, keys: tuple[str, ...], target: Path) -> Path:
+    raw = json.loads(trajectories.read_text(encoding="utf-8"))
+    chosen = [r for r in raw if f"{r['task_id']}-{r.get('trial', 0)}" in keys]
+    target.write_text(json.dumps(chosen), encoding="utf-8")
+    return target
+
+
+def file_order(path: Path) -> list[tuple[int, int]]:
+    return [(r.task_id, r.trial) for r in load_trajectories(path)]
+
+
+def store_rows(store: Path) -> dict[str, int]:
+    with sqlite3.connect(store) as conn:
+        rows = conn.execute("SELECT run_id, count(*) FROM records GROUP BY run_id").fetchall()
+    return dict(rows)
+
+
+def test_cli_json_lines_and_a_second_run_only_reports(trajectories, workload, tmp_path):
+    subset = subset_file(trajectories, ("30-1", "18-0", "14-0"), tmp_path / "three.json")
+    store = tmp_path / "runs.db"
+    args = ["demo", "airline", "--trajectories", str(subset), "--data", str(workload),
+            "--store", str(store), "--crash", "random", "--seed", "3", "--json"]  # fmt: skip
+    first = CliRunner().invoke(cli_main, args)
+    assert first.exit_code == 0, first.output
+    lines = [json.loads(line) for line in first.stdout.splitlines()]
+    assert [(d["task_id"], d["trial"]) for d in lines] == file_order(subset)
+    for line in lines:
+        assert tuple(line)[: len(SUMMARY_KEYS)] == SUMMARY_KEYS
+        assert line["reward"] == line["recorded_reward"]
+        assert line["history_mismatches"] == 0 and line["crashes"] == line["resumes"] == 1
+        assert line["observations_matching"] == line["tool_calls"]
+    rows = store_rows(store)
+    second = CliRunner().invoke(cli_main, args)
+    assert second.exit_code == 0, second.output
+    assert [json.loads(line) for line in second.stdout.splitlines()] == lines
+    assert store_rows(store) == rows  # nothing was run again
+
+
+async def test_the_command_killed_from_outside_is_simply_run_again(
+    trajectories, workload, tmp_path
+):
+    subset = subset_file(trajectories, ("0-3", "26-0", "16-3", "18-0"), tmp_path / "four.json")
+    store = tmp_path / "runs.db"
+    command = [sys.executable, "-m", "treadle.cli", "demo", "airline", "--trajectories",
+               str(subset), "--data", str(workload), "--store", str(store), "--crash",
+               "random", "--seed", "5", "--concurrency", "2", "--json"]  # fmt: skip
+    with trio.fail_after(REPLAY_DEADLINE_S):
+        process = await trio.lowlevel.open_process(
+            command, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL
+        )
+        assert process.stdout is not None
+        async with process.stdout:
+            first = await process.stdout.receive_some(65536)  # the first report is out
+            assert first.startswith(b"{")
+            process.send_signal(signal.SIGKILL)  # mid-replay: the others are unfinished
+        assert await process.wait() == -signal.SIGKILL
+        done = await trio.run_process(command, capture_stdout=True, capture_stderr=True)
+    lines = [json.loads(line) for line in done.stdout.decode().splitlines()]
+    assert [(d["task_id"], d["trial"]) for d in lines] == file_order(subset)
+    for line in lines:
+        assert line["error"] is None
+        assert line["reward"] == line["recorded_reward"], line
+        assert line["history_mismatches"] == 0 and line["applied_once"], line
+        assert line["observations_matching"] == line["recorded_tool_calls"], line
+
+
+def scripted_customer(recording: Recording) -> bytes:
+    """The customer's messages as typed: one line each, newlines continued with a backslash."""
+    users = [m["content"] for m in recording.messages if m["role"] == "user"]
+    return "".join(text.replace("\n", "\\\n") + "\n" for text in users).encode()
+
+
+@pytest.mark.parametrize("key", ["30-1", "0-0"])
+async def test_live_mode_with_a_scripted_customer(recordings, workload, tmp_path, key):
+    recording = find_recording(recordings, key)
+    with trio.fail_after(REPLAY_DEADLINE_S):
+        async with open_replay_server([recording]) as server:
+            command = [sys.executable, "-m", "treadle.cli", "demo", "airline", "--live",
+                       "--data", str(workload), "--base-url", server.base_url(key),
+                       "--model", "gpt-4o", "--task-id", str(recording.task_id),
+                       "--store", str(tmp_path / "live.db"), "--json"]  # fmt: skip
+            done = await trio.run_process(
+                command,
+                stdin=scripted_customer(recording),
+                capture_stdout=True,
+                capture_stderr=True,
+                check=False,
+            )
+    assert done.returncode == 0, done.stderr.decode()
+    report = json.loads(done.stdout.decode().splitlines()[-1])
+    assert server.mismatches == []
+    assert report["reward"] == recording.reward
+    assert report["tool_calls"] == len(recorded_tool_calls(recording))
+    assert report["stop_reason"] == "task_completed"
+    assert "agent>" in done.stderr.decode()  # the conversation was shown
+
+
+def test_demo_command(tmp_path, monkeypatch, workload):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("TREADLE_AIRLINE_DATA", str(workload))
+    result = CliRunner().invoke(cli_main, ["demo"])
+    assert result.exit_code == 0, result.output
+    out = result.output
+    assert "killed with SIGKILL" in out
+    assert "HAS applied it" in out  # the cancellation ran before the kill
+    assert "resumes the run from its log" in out
+    assert "score 1.0   recorded score 1.0" in out
+    assert "each applied exactly once: yes" in out
+    stores = list((tmp_path / ".treadle").glob("demo-*.db"))
+    assert len(stores) == 1
+    assert f"treadle show airline-30-1 --store {Path('.treadle') / stores[0].name}" in out
+    shown = CliRunner().invoke(cli_main, ["show", "airline-30-1", "--store", str(stores[0])])
+    assert shown.exit_code == 0 and "cancel_reservation" in shown.output
+
+
+# --------------------------------------------------------------------------- the whole workload
+
+
+@pytest.mark.slow
+async def test_all_recordings_with_random_crashes(recordings, trajectories, workload, tmp_path):
+    with trio.fail_after(600):
+        reports = await replay_recordings(
+            recordings,
+            workspace=Workspace.beside(tmp_path / "runs.db"),
+            trajectories=trajectories,
+            data_dir=workload,
+            crash="random",
+            seed=2024,
+            concurrency=4,
+        )
+    assert len(reports) == len(recordings) == 100
+    equal = sum(r.reward == r.recorded_reward for r in reports)
+    calls = sum(r.recorded_tool_calls for r in reports)
+    matching = sum(r.observations_matching for r in reports)
+    assert equal >= 95, [r.run_id for r in reports if r.reward != r.recorded_reward]
+    assert matching >= 0.98 * calls
+    assert sum(r.history_mismatches for r in reports) == 0
+    assert all(r.applied_once and r.db_matches_recording for r in reports)
+    assert all(r.crashes == 1 and r.resumes == 1 for r in reports)
+    assert all(r.error is None for r in reports)
