@@ -1,0 +1,288 @@
+"""A driver process for real-crash tests: the scripted scenario on a real store, killable.
+
+It runs (or resumes) the runs of the scenario of `treadle.testing.crashes` concurrently on a
+SQLite or JSONL store, and can SIGKILL itself at a chosen store write, so that a test can kill
+it at any point, start a new process that resumes, and check what survived::
+
+    python -m treadle.testing.crashdriver --kind jsonl --store runs/ --ledger ledgers/
+        --runs r1,r2,r3 --kill-after-writes 17 --kill-when before
+
+The process exits 0 once every run has finished (a finished run just returns its stored
+result), and dies by SIGKILL at the chosen write: ``before`` it reaches the store, or
+``after`` the store accepted it (for a barrier: after it is durable). The tools count their
+executions in ``<ledger>/<run id>.ledger`` (appended and synced by the tool itself).
+
+`child_main` is the same driver as a `multiprocessing` target: tests start it through a
+forkserver that has imported treadle once, so hundreds of kills stay cheap.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import sys
+from collections.abc import AsyncIterator, Callable, Sequence
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any, Literal
+
+import attrs
+import trio
+
+from treadle.ports import RunStore
+from treadle.stores.jsonl import JsonlStore
+from treadle.stores.sqlite import SqliteStore
+from treadle.supervisors.run import run
+from treadle.testing.crashes import RUN_INPUT, make_agent
+from treadle.types import (
+    ActionIntent,
+    ActionResult,
+    ApprovalDecided,
+    ApprovalRequested,
+    CancelRequested,
+    ModelIntent,
+    ModelResult,
+    RunFinished,
+    RunLog,
+    RunResult,
+    RunStarted,
+    StepRecord,
+)
+
+StoreKind = Literal["sqlite", "jsonl"]
+
+
+@asynccontextmanager
+async def open_store(kind: StoreKind, path: str | os.PathLike[str]) -> AsyncIterator[RunStore]:
+    """Open a SQLite (a file) or JSONL (a directory) store for a block, then close it."""
+    store: SqliteStore | JsonlStore
+    if kind == "sqlite":
+        store = await SqliteStore.open(path)
+    else:
+        store = await JsonlStore.open(path)
+    try:
+        yield store
+    finally:
+        await store.aclose()
+
+
+def _die() -> None:
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+@attrs.frozen(kw_only=True)
+class KillNote:
+    """What a `KillingStore` wrote down just before it killed its process.
+
+    Attributes:
+        run_id: the run of the write it died at.
+        seq: the seq of that write's first record.
+        records: how many records the write held.
+        barrier: whether the write was a barrier.
+        when: ``before`` (the write never reached the store) or ``after`` (it returned).
+    """
+
+    run_id: str
+    seq: int
+    records: int
+    barrier: bool
+    when: Literal["before", "after"]
+
+
+def read_kill_note(path: str | os.PathLike[str]) -> KillNote | None:
+    """The note a killed driver left, or ``None`` when it left none."""
+    try:
+        return KillNote(**json.loads(Path(path).read_text()))
+    except FileNotFoundError:
+        return None
+
+
+@attrs.define(eq=False)
+class KillingStore:
+    """A `treadle.ports.RunStore` that SIGKILLs its process at write number ``kill_at``.
+
+    Args:
+        inner: the real store.
+        kill_at: the write (1-based, over all runs) at which the process dies; ``None``:
+            never.
+        when: ``before`` the write reaches the store, or ``after`` the store accepted it.
+        note: a file to write a `KillNote` to (synced) just before dying.
+    """
+
+    inner: RunStore
+    kill_at: int | None = None
+    when: Literal["before", "after"] = "after"
+    note: str | None = None
+    writes: int = 0
+
+    async def _write(
+        self, run_id: str, seq: int, records: int, barrier: bool, write: Callable[[], Any]
+    ) -> None:
+        self.writes += 1
+        dies = self.writes == self.kill_at
+        if dies and self.when == "before":
+            self._die(
+                KillNote(run_id=run_id, seq=seq, records=records, barrier=barrier, when="before")
+            )
+        await write()
+        if dies:
+            self._die(
+                KillNote(run_id=run_id, seq=seq, records=records, barrier=barrier, when="after")
+            )
+
+    def _die(self, note: KillNote) -> None:
+        if self.note is not None:
+            fd = os.open(self.note, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+            try:
+                os.write(fd, json.dumps(attrs.asdict(note)).encode())
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        _die()
+
+    async def write_run_started(self, record: RunStarted, *, seq: int) -> None:
+        """Forward (or die)."""
+        await self._write(
+            record.run_id, seq, 1, False, lambda: self.inner.write_run_started(record, seq=seq)
+        )
+
+    async def write_intent(self, record: ModelIntent | ActionIntent, *, seq: int) -> None:
+        """Forward (or die)."""
+        await self._write(
+            record.run_id, seq, 1, True, lambda: self.inner.write_intent(record, seq=seq)
+        )
+
+    async def write_model_result(self, record: ModelResult, *, seq: int) -> None:
+        """Forward (or die)."""
+        await self._write(
+            record.run_id, seq, 1, False, lambda: self.inner.write_model_result(record, seq=seq)
+        )
+
+    async def write_step(
+        self, action_results: Sequence[ActionResult] | None, step: StepRecord, *, seq: int
+    ) -> None:
+        """Forward (or die)."""
+        count = len(action_results or ()) + 1
+        await self._write(
+            step.run_id,
+            seq,
+            count,
+            False,
+            lambda: self.inner.write_step(action_results, step, seq=seq),
+        )
+
+    async def write_control(
+        self, record: CancelRequested | ApprovalRequested | ApprovalDecided, *, seq: int
+    ) -> None:
+        """Forward (or die)."""
+        await self._write(
+            record.run_id, seq, 1, True, lambda: self.inner.write_control(record, seq=seq)
+        )
+
+    async def write_run_finished(self, record: RunFinished, *, seq: int) -> None:
+        """Forward (or die)."""
+        await self._write(
+            record.run_id, seq, 1, True, lambda: self.inner.write_run_finished(record, seq=seq)
+        )
+
+    async def read_log(self, run_id: str) -> RunLog:
+        """Forward."""
+        return await self.inner.read_log(run_id)
+
+    async def list_runs(self) -> tuple[str, ...]:
+        """Forward."""
+        return await self.inner.list_runs()
+
+    async def aclose(self) -> None:
+        """Nothing to release: the inner store belongs to the caller."""
+
+
+@attrs.frozen(kw_only=True)
+class DriverSpec:
+    """What one driver process does.
+
+    Attributes:
+        kind: ``sqlite`` (``store`` is a file) or ``jsonl`` (``store`` is a directory).
+        store: the store's path.
+        ledger: the directory of the tools' ledger files.
+        run_ids: the runs to start or resume, concurrently.
+        kill_after_writes: the store write at which the process SIGKILLs itself.
+        kill_when: ``before`` or ``after`` that write.
+        note: where the process writes a `KillNote` before it kills itself.
+    """
+
+    kind: StoreKind
+    store: str
+    ledger: str
+    run_ids: tuple[str, ...]
+    kill_after_writes: int | None = None
+    kill_when: Literal["before", "after"] = "after"
+    note: str | None = None
+
+
+async def drive(spec: DriverSpec, *, on_ready: Callable[[], None] | None = None) -> list[RunResult]:
+    """Start or resume every run of ``spec`` and wait for them all.
+
+    Args:
+        spec: the store, runs and kill point.
+        on_ready: called once the store is open, before the runs start.
+
+    Returns:
+        The runs' results, in ``spec.run_ids`` order.
+    """
+    results: dict[str, RunResult] = {}
+    async with open_store(spec.kind, spec.store) as inner:
+        store = KillingStore(
+            inner, kill_at=spec.kill_after_writes, when=spec.kill_when, note=spec.note
+        )
+        if on_ready is not None:
+            on_ready()
+
+        async def one(run_id: str) -> None:
+            agent = make_agent(Path(spec.ledger) / f"{run_id}.ledger")
+            results[run_id] = await run(agent, RUN_INPUT, store=store, run_id=run_id)
+
+        async with trio.open_nursery() as nursery:
+            for run_id in spec.run_ids:
+                nursery.start_soon(one, run_id)
+    return [results[run_id] for run_id in spec.run_ids]
+
+
+def child_main(spec: DriverSpec, ready: Any = None) -> None:
+    """The driver as a `multiprocessing` target; ``ready`` (an Event) is set once open."""
+    trio.run(lambda: drive(spec, on_ready=ready.set if ready is not None else None))
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """The command line (see the module docstring); returns the exit status."""
+    parser = argparse.ArgumentParser(prog="python -m treadle.testing.crashdriver")
+    parser.add_argument("--kind", choices=["sqlite", "jsonl"], required=True)
+    parser.add_argument("--store", required=True)
+    parser.add_argument("--ledger", required=True)
+    parser.add_argument("--runs", required=True, help="comma-separated run ids")
+    parser.add_argument("--kill-after-writes", type=int, default=None)
+    parser.add_argument("--kill-when", choices=["before", "after"], default="after")
+    parser.add_argument("--note", default=None, help="file for the kill note")
+    args = parser.parse_args(argv)
+    spec = DriverSpec(
+        kind=args.kind,
+        store=args.store,
+        ledger=args.ledger,
+        run_ids=tuple(args.runs.split(",")),
+        kill_after_writes=args.kill_after_writes,
+        kill_when=args.kill_when,
+        note=args.note,
+    )
+
+    def ready() -> None:
+        print("ready", flush=True)
+
+    for result in trio.run(lambda: drive(spec, on_ready=ready)):
+        print(f"{result.run_id} {result.state.value} {result.stop_reason.value}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())
