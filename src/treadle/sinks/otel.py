@@ -1,0 +1,274 @@
+"""An event sink that turns a run's events into OpenTelemetry spans (extra ``treadle[otel]``).
+
+Spans follow the OpenTelemetry semantic conventions for generative AI (``gen_ai.*``)::
+
+    invoke_agent <agent>                 one per run (the root)
+      step <n>                           one per step (treadle's own span)
+        chat <model>                     one per model call attempt, with token usage
+        execute_tool <tool>              one per action
+
+Span start and end times are the records' timestamps, so a sink that lags behind the run (it is
+fed through a bounded buffer, DESIGN §7) still draws the run as it happened. Approvals and the
+cancel request are span events. Text and reasoning deltas are not exported.
+
+The sink only needs ``opentelemetry-api``; the application configures the SDK (exporters,
+processors) and may pass its own tracer.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+from typing import Any
+
+import attrs
+from opentelemetry import trace
+from opentelemetry.trace import Span, SpanKind, Status, StatusCode, Tracer
+
+from treadle.types import (
+    ActionIntent,
+    ActionResult,
+    ActionStatus,
+    ApprovalDecided,
+    ApprovalRequested,
+    CancelRequested,
+    Event,
+    ModelIntent,
+    ModelResult,
+    Record,
+    RunFinished,
+    RunStarted,
+    RunState,
+    StepRecord,
+)
+
+TRACER_NAME = "treadle"
+"""Instrumentation scope name of the spans."""
+
+
+def _ns(ts: str) -> int:
+    """Nanoseconds since the epoch of an ISO-8601 instant."""
+    instant = dt.datetime.fromisoformat(ts)
+    return int(instant.timestamp()) * 1_000_000_000 + instant.microsecond * 1_000
+
+
+@attrs.define(eq=False)
+class OpenTelemetrySink:
+    """A `treadle.ports.EventSink` exporting one run's events as OpenTelemetry spans.
+
+    Use one sink object per run (it keeps that run's open spans). Attributes set:
+
+    * run: ``gen_ai.operation.name=invoke_agent``, ``gen_ai.agent.name``,
+      ``gen_ai.conversation.id`` (the run id), ``treadle.run.state``,
+      ``treadle.run.stop_reason``, ``gen_ai.usage.input_tokens`` / ``output_tokens`` (totals,
+      only when reported);
+    * model call: ``gen_ai.operation.name=chat``, ``gen_ai.provider.name``,
+      ``gen_ai.request.model``, ``gen_ai.response.id``, ``gen_ai.response.finish_reasons``,
+      ``gen_ai.usage.input_tokens`` / ``output_tokens`` (only when the server reported them),
+      ``error.type`` for a failed attempt;
+    * tool call: ``gen_ai.operation.name=execute_tool``, ``gen_ai.tool.name``,
+      ``gen_ai.tool.call.id``, ``gen_ai.tool.type=function``, ``treadle.action.status``,
+      ``error.type`` when the action did not execute.
+
+    Args:
+        tracer: where spans go; default ``opentelemetry.trace.get_tracer("treadle")``.
+        agent_name: the ``gen_ai.agent.name`` of the run span.
+        provider: the ``gen_ai.provider.name`` of model spans (e.g. ``openai``), when known.
+    """
+
+    tracer: Tracer | None = None
+    agent_name: str = "treadle"
+    provider: str | None = None
+    _run: Span | None = None
+    _run_id: str = ""
+    _model: str = ""
+    _steps: dict[int, Span] = attrs.Factory(dict)
+    _calls: dict[str, Span] = attrs.Factory(dict)
+
+    async def send(self, event: Event) -> None:
+        """Turn one event into span starts, ends or span events (deltas are ignored)."""
+        if event.record is not None:
+            self.record(event.run_id, event.record)
+
+    def record(self, run_id: str, record: Record) -> None:
+        """Apply one log record (synchronous; `send` calls it)."""
+        if isinstance(record, RunStarted):
+            self._model = str(record.snapshot.get("model") or "")
+            self._start_run(run_id, record.ts)
+        elif isinstance(record, ModelIntent):
+            self._start_model(run_id, record)
+        elif isinstance(record, ModelResult):
+            self._end_model(record)
+        elif isinstance(record, ActionIntent):
+            self._start_tool(
+                run_id, record.step, record.intent_id, record.tool, record.call_id, record.ts
+            )
+        elif isinstance(record, ActionResult):
+            self._end_tool(run_id, record)
+        elif isinstance(record, StepRecord):
+            step = self._steps.pop(record.step, None)
+            if step is not None:
+                step.set_attribute("treadle.step.decision", str(record.decision or "model_failed"))
+                step.end(end_time=_ns(record.ts))
+        elif isinstance(record, ApprovalRequested | ApprovalDecided):
+            self._approval(run_id, record)
+        elif isinstance(record, CancelRequested):
+            self._run_span(run_id, record.ts).add_event(
+                "treadle.cancel_requested",
+                {
+                    "treadle.cancel.reason": record.reason,
+                    "treadle.cancel.canceller": record.canceller,
+                },
+                timestamp=_ns(record.ts),
+            )
+        elif isinstance(record, RunFinished):
+            self._end_run(run_id, record)
+
+    def _start_run(self, run_id: str, ts: str) -> Span:
+        tracer = self.tracer or trace.get_tracer(TRACER_NAME)
+        self._run_id = run_id
+        self._run = tracer.start_span(
+            f"invoke_agent {self.agent_name}",
+            kind=SpanKind.INTERNAL,
+            start_time=_ns(ts),
+            attributes={
+                "gen_ai.operation.name": "invoke_agent",
+                "gen_ai.agent.name": self.agent_name,
+                "gen_ai.conversation.id": run_id,
+            },
+        )
+        return self._run
+
+    def _run_span(self, run_id: str, ts: str) -> Span:
+        """The run span; started here when the sink joined a resumed run."""
+        return self._run if self._run is not None else self._start_run(run_id, ts)
+
+    def _step_span(self, run_id: str, step: int, ts: str) -> Span:
+        span = self._steps.get(step)
+        if span is None:
+            parent = trace.set_span_in_context(self._run_span(run_id, ts))
+            span = self._tracer().start_span(
+                f"step {step}",
+                context=parent,
+                kind=SpanKind.INTERNAL,
+                start_time=_ns(ts),
+                attributes={"treadle.step": step},
+            )
+            self._steps[step] = span
+        return span
+
+    def _tracer(self) -> Tracer:
+        return self.tracer or trace.get_tracer(TRACER_NAME)
+
+    def _start_model(self, run_id: str, record: ModelIntent) -> None:
+        parent = trace.set_span_in_context(self._step_span(run_id, record.step, record.ts))
+        attributes: dict[str, Any] = {
+            "gen_ai.operation.name": "chat",
+            "gen_ai.request.model": self._model,
+            "treadle.attempt": record.attempt,
+        }
+        if self.provider:
+            attributes["gen_ai.provider.name"] = self.provider
+        self._calls[record.intent_id] = self._tracer().start_span(
+            f"chat {self._model}".strip(),
+            context=parent,
+            kind=SpanKind.CLIENT,
+            start_time=_ns(record.ts),
+            attributes=attributes,
+        )
+
+    def _end_model(self, record: ModelResult) -> None:
+        span = self._calls.pop(record.intent_id, None)
+        if span is None:
+            return
+        usage = record.usage
+        if usage.input_tokens is not None:
+            span.set_attribute("gen_ai.usage.input_tokens", usage.input_tokens)
+        if usage.output_tokens is not None:
+            span.set_attribute("gen_ai.usage.output_tokens", usage.output_tokens)
+        reply = record.reply
+        if reply is not None:
+            if reply.response_id:
+                span.set_attribute("gen_ai.response.id", reply.response_id)
+            if reply.finish_reason:
+                span.set_attribute("gen_ai.response.finish_reasons", [reply.finish_reason])
+        if record.error is not None or record.abandoned:
+            kind = record.error.kind if record.error is not None else "abandoned"
+            span.set_attribute("error.type", kind)
+            span.set_status(
+                Status(StatusCode.ERROR, record.error.message if record.error else kind)
+            )
+        span.end(end_time=_ns(record.ts))
+
+    def _start_tool(
+        self, run_id: str, step: int, intent_id: str, tool: str, call_id: str, ts: str
+    ) -> Span:
+        parent = trace.set_span_in_context(self._step_span(run_id, step, ts))
+        span = self._tracer().start_span(
+            f"execute_tool {tool}",
+            context=parent,
+            kind=SpanKind.INTERNAL,
+            start_time=_ns(ts),
+            attributes={
+                "gen_ai.operation.name": "execute_tool",
+                "gen_ai.tool.name": tool,
+                "gen_ai.tool.call.id": call_id,
+                "gen_ai.tool.type": "function",
+            },
+        )
+        self._calls[intent_id] = span
+        return span
+
+    def _end_tool(self, run_id: str, record: ActionResult) -> None:
+        span = self._calls.pop(record.intent_id, None)
+        if span is None:  # never started (rejected by a human): a span of no duration
+            span = self._start_tool(
+                run_id, record.step, record.intent_id, record.tool, record.call_id, record.ts
+            )
+            self._calls.pop(record.intent_id)
+        status = record.outcome.status
+        span.set_attribute("treadle.action.status", status.value)
+        if record.late:
+            span.set_attribute("treadle.action.late", True)
+        if status is not ActionStatus.EXECUTED:
+            span.set_attribute("error.type", status.value)
+            span.set_status(Status(StatusCode.ERROR, record.outcome.detail or status.value))
+        span.end(end_time=_ns(record.ts))
+
+    def _approval(self, run_id: str, record: ApprovalRequested | ApprovalDecided) -> None:
+        span = self._step_span(run_id, record.step, record.ts)
+        if isinstance(record, ApprovalRequested):
+            span.add_event(
+                "treadle.approval_requested",
+                {
+                    "gen_ai.tool.name": record.tool,
+                    "gen_ai.tool.call.id": record.call_id,
+                    "treadle.approval.deadline": record.deadline_ts,
+                },
+                timestamp=_ns(record.ts),
+            )
+            return
+        span.add_event(
+            "treadle.approval_decided",
+            {"gen_ai.tool.call.id": record.call_id, "treadle.approval.decision": record.decision},
+            timestamp=_ns(record.ts),
+        )
+
+    def _end_run(self, run_id: str, record: RunFinished) -> None:
+        end = _ns(record.ts)
+        for span in (*self._calls.values(), *self._steps.values()):
+            span.end(end_time=end)  # cut by the end of the run
+        self._calls.clear()
+        self._steps.clear()
+        run = self._run_span(run_id, record.ts)
+        run.set_attribute("treadle.run.state", record.state.value)
+        run.set_attribute("treadle.run.stop_reason", record.stop_reason.value)
+        totals = record.totals
+        if totals.input_tokens is not None:
+            run.set_attribute("gen_ai.usage.input_tokens", totals.input_tokens)
+        if totals.output_tokens is not None:
+            run.set_attribute("gen_ai.usage.output_tokens", totals.output_tokens)
+        if record.state is RunState.FAILED:
+            run.set_attribute("error.type", record.stop_reason.value)
+            run.set_status(Status(StatusCode.ERROR, record.error or record.stop_reason.value))
+        run.end(end_time=end)
+        self._run = None
