@@ -28,6 +28,7 @@ from treadle.models.openai import (
     _dispose,
     _encode,
     _sniff,
+    drain,
     report_usage,
 )
 from treadle.ports import DeltaCallback
@@ -236,21 +237,29 @@ class AnthropicMessagesClient:
     ) -> ModelReply:
         decoder = SSEDecoder()
         reported = acc.usage
-        while not acc.done:
-            chunk = await self._next_chunk(chunks, acc, deadline if not acc.events else None)
-            if chunk is None:
-                truncated = decoder.close()
-                if acc.stop_reason is not None and not truncated:
-                    return acc.reply()  # message_delta came; only message_stop is missing
-                tail = "; the last event was cut off" if truncated else ""
-                message = f"stream ended without message_stop after {acc.events} events{tail}"
-                raise acc.failure("incomplete_stream", message, retryable=True)
-            for event in _decode(decoder, chunk, acc):
-                acc.add(event.data, event=event.event)
-                if acc.usage is not reported:  # the server reported (running) usage
-                    reported = acc.usage
-                    report_usage(reported)
-        return acc.reply()
+        # One scope for the whole stream, its deadline moved on each read (a scope per read
+        # costs more than the rest of the per-chunk work).
+        with trio.CancelScope(deadline=deadline) as scope:
+            while not acc.done:
+                if acc.events:
+                    scope.deadline = trio.current_time() + self._idle_s
+                try:
+                    chunk = await anext(chunks, None)
+                except httpx.HTTPError as exc:
+                    message = f"stream broken after {acc.events} events: {exc!r}"
+                    raise acc.failure("incomplete_stream", message, retryable=True) from exc
+                if chunk is None:
+                    return _end_of_stream(acc, truncated=decoder.close())
+                for event in _decode(decoder, chunk, acc):
+                    acc.add(event.data, event=event.event)
+                    if acc.usage is not reported:  # the server reported (running) usage
+                        reported = acc.usage
+                        report_usage(reported)
+        if not scope.cancelled_caught:
+            await drain(chunks)
+            return acc.reply()
+        what = "next read (stream idle)" if acc.events else "first event"
+        raise acc.failure("timeout", f"no {what} in time", retryable=True)
 
     async def _next_chunk(
         self,
@@ -373,6 +382,14 @@ class AnthropicMessagesClient:
             "type": "image",
             "source": {"type": "base64", "media_type": media_type, "data": encoded},
         }
+
+
+def _end_of_stream(acc: MessageAccumulator, *, truncated: bool) -> ModelReply:
+    if acc.stop_reason is not None and not truncated:
+        return acc.reply()  # message_delta came; only message_stop is missing
+    tail = "; the last event was cut off" if truncated else ""
+    message = f"stream ended without message_stop after {acc.events} events{tail}"
+    raise acc.failure("incomplete_stream", message, retryable=True)
 
 
 def _decode(decoder: SSEDecoder, chunk: bytes, acc: MessageAccumulator) -> list[SSEEvent]:

@@ -84,6 +84,9 @@ def report_usage(usage: Usage) -> None:
 
 CLOSE_GRACE_S = 1.0
 """Seconds a shielded close of the HTTP response may take after a failure or cancellation."""
+DRAIN_S = 0.25
+"""Seconds to wait for the end of the body after the stream's last event (keeps the
+connection reusable; a server that holds the body open past this loses the connection)."""
 MAX_ERROR_BODY_BYTES = 64 * 1024
 MAX_JSON_BODY_BYTES = 16 * 1024 * 1024
 _RESERVED_PARAMS = frozenset({"model", "messages", "tools", "stream", "stream_options"})
@@ -270,16 +273,29 @@ class OpenAIChatClient:
     ) -> ModelReply:
         decoder = SSEDecoder()
         reported = acc.usage
-        while not acc.done:
-            chunk = await self._next_chunk(chunks, acc, deadline if not acc.events else None)
-            if chunk is None:
-                return _end_of_stream(acc, truncated=decoder.close())
-            for event in _decode(decoder, chunk, acc):
-                acc.add(event.data, event=event.event)
-                if acc.usage is not reported:  # the server reported (running) usage
-                    reported = acc.usage
-                    report_usage(reported)
-        return acc.reply()
+        # One scope for the whole stream, its deadline moved on each read (a scope per read
+        # costs more than the rest of the per-chunk work).
+        with trio.CancelScope(deadline=deadline) as scope:
+            while not acc.done:
+                if acc.events:
+                    scope.deadline = trio.current_time() + self._idle_s
+                try:
+                    chunk = await anext(chunks, None)
+                except httpx.HTTPError as exc:
+                    message = f"stream broken after {acc.events} events: {exc!r}"
+                    raise acc.failure("incomplete_stream", message, retryable=True) from exc
+                if chunk is None:
+                    return _end_of_stream(acc, truncated=decoder.close())
+                for event in _decode(decoder, chunk, acc):
+                    acc.add(event.data, event=event.event)
+                    if acc.usage is not reported:  # the server reported (running) usage
+                        reported = acc.usage
+                        report_usage(reported)
+        if not scope.cancelled_caught:
+            await drain(chunks)
+            return acc.reply()
+        what = "next read (stream idle)" if acc.events else "first data event"
+        raise acc.failure("timeout", f"no {what} in time", retryable=True)
 
     async def _next_chunk(
         self,
@@ -400,6 +416,17 @@ def _sniff(data: bytes) -> str | None:
     if data[:4] == b"RIFF" and data[8:12] == b"WEBP":
         return "image/webp"
     return None
+
+
+async def drain(chunks: AsyncIterator[bytes]) -> None:
+    """Read what follows a stream's last event, so the connection goes back to the pool.
+
+    Gives up after `DRAIN_S` seconds or on a transport error (the reply is complete by then;
+    the connection is closed instead of reused).
+    """
+    with trio.move_on_after(DRAIN_S), contextlib.suppress(httpx.HTTPError):
+        while await anext(chunks, None) is not None:
+            pass
 
 
 async def _dispose(response: httpx.Response, chunks: AsyncIterator[bytes]) -> None:
