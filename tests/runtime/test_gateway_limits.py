@@ -227,6 +227,20 @@ async def test_idle_stream_deadline_fails_the_attempt_and_the_retry_succeeds():
     assert server.early_disconnects == 1
 
 
+async def test_the_definitions_limits_tighten_the_clients_own_deadlines():
+    stalled = CannedResponse(headers=SSE, chunks=[sse(chunk({"content": "a"})), 30.0, *HELLO])
+    slow_headers = CannedResponse(headers=SSE, chunks=HELLO, delay_s=30)
+    limits = attrs.evolve(FAST_RETRY, model_idle_s=0.2, model_first_byte_s=0.2, max_model_retries=1)
+    start = trio.current_time()
+    result, log, _ = await run_against([stalled, slow_headers], limits=limits)  # client: 60 s
+    assert trio.current_time() - start < 3
+    assert result.stop_reason is StopReason.MODEL_ERROR
+    idle, first_byte = results(log)
+    assert idle.error is not None and "idle" in idle.error.message
+    assert first_byte.error is not None and first_byte.error.kind == "timeout"
+    assert "idle" not in first_byte.error.message
+
+
 async def test_attempt_total_deadline_cuts_a_stream_that_keeps_trickling():
     trickle = [sse(chunk({"content": "."})) for _ in range(200)]
     slow = CannedResponse(headers=SSE, chunks=[*trickle, *HELLO], pause_s=0.02)

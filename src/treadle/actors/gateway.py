@@ -5,6 +5,10 @@ and its own result record, failed attempts included (DESIGN §4, §6). Retries w
 exponential backoff and jitter, or exactly the server's Retry-After; a wait that would outlast
 the active-time budget is not slept.
 
+Each attempt runs under the agent's `Limits`: the connect, first-byte and stream-idle deadlines
+are handed to the client (`treadle.models.attempt_deadlines`; it applies the tighter of those
+and its own), and the attempt total is a cancel scope here.
+
 Budgets hold during a call. The step's cancel scope cancels the stream in flight when the run
 is cancelled or its active time runs out. Each attempt observes the usage the server reports
 while it streams (`treadle.models.observe_usage`): once the reported usage crosses the run's
@@ -26,7 +30,7 @@ from treadle._clock import Clock
 from treadle._exceptions import ModelCallError
 from treadle.actors._rpc import StepScope, reply
 from treadle.actors.writer import Op, WriterClient
-from treadle.models.openai import observe_usage
+from treadle.models.openai import attempt_deadlines, observe_usage
 from treadle.ports import ModelClient
 from treadle.types import (
     Budgets,
@@ -222,7 +226,15 @@ class ModelGateway:
         self, request: ModelRequest, on_delta: Callable[[str, str], None] | None, meter: _Meter
     ) -> ModelReply | ModelCallError:
         try:
-            with observe_usage(meter), trio.fail_after(self.limits.model_attempt_s):
+            with (
+                observe_usage(meter),
+                attempt_deadlines(
+                    connect_s=self.limits.model_connect_s,
+                    first_byte_s=self.limits.model_first_byte_s,
+                    idle_s=self.limits.model_idle_s,
+                ),
+                trio.fail_after(self.limits.model_attempt_s),
+            ):
                 return await self.client.complete(request, on_delta=on_delta)
         except ModelCallError as exc:
             return meter.error if meter.cut and meter.error is not None else exc

@@ -9,6 +9,8 @@ from treadle.models.anthropic import AnthropicMessagesClient as AnthropicMessage
 from treadle.models.openai import ImageSource as ImageSource
 from treadle.models.openai import OpenAIChatClient as OpenAIChatClient
 from treadle.models.openai import UsageObserver as UsageObserver
+from treadle.models.openai import attempt_deadlines as attempt_deadlines
+from treadle.models.openai import current_deadlines as current_deadlines
 from treadle.models.openai import observe_usage as observe_usage
 from treadle.models.openai import report_usage as report_usage
 
@@ -20,6 +22,8 @@ __all__ = [
     "SSEDecoder",
     "SSEEvent",
     "UsageObserver",
+    "attempt_deadlines",
+    "current_deadlines",
     "observe_usage",
     "parse_retry_after",
     "probe",

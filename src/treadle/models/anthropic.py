@@ -28,6 +28,7 @@ from treadle.models.openai import (
     _dispose,
     _encode,
     _sniff,
+    current_deadlines,
     drain,
     report_usage,
 )
@@ -95,7 +96,7 @@ class AnthropicMessagesClient:
         self._api_key = api_key if api_key is not None else os.environ.get(API_KEY_ENV) or None
         self._owns_client = http_client is None
         self._client = http_client if http_client is not None else httpx.AsyncClient()
-        self._timeout = httpx.Timeout(connect_timeout_s, read=None, write=None)
+        self._connect_s = connect_timeout_s
         self._first_byte_s = first_byte_timeout_s
         self._idle_s = idle_timeout_s
         self._image_source = image_source
@@ -171,23 +172,32 @@ class AnthropicMessagesClient:
         Cancellation:
             A checkpoint. Cancelling closes the response and its connection.
         """
+        connect_s, first_byte_s, idle_s = self._deadlines()
         http_request = self._client.build_request(
             "POST",
             self._url,
             content=_encode(self.request_body(request)),
             headers=self._auth_headers(),
-            timeout=self._timeout,
+            timeout=httpx.Timeout(connect_s, read=None, write=None),
         )
         acc = MessageAccumulator(on_delta=on_delta, redact=self._redact)
-        deadline = trio.current_time() + self._first_byte_s
+        deadline = trio.current_time() + first_byte_s
         response = await self._send(http_request, acc, deadline)
         chunks = response.aiter_bytes()
         try:
-            return await self._read_response(response, chunks, acc, deadline)
+            return await self._read_response(response, chunks, acc, deadline, idle_s)
         finally:
             await _dispose(response, chunks)
 
     # ------------------------------------------------------------------ transport
+
+    def _deadlines(self) -> tuple[float, float, float]:
+        """``(connect, first byte, idle)`` seconds: this client's, tightened by the attempt's."""
+        own = (self._connect_s, self._first_byte_s, self._idle_s)
+        attempt = current_deadlines()
+        if attempt is None:
+            return own
+        return (min(own[0], attempt[0]), min(own[1], attempt[1]), min(own[2], attempt[2]))
 
     def _auth_headers(self) -> dict[str, str]:
         if self._api_key is None:
@@ -215,25 +225,26 @@ class AnthropicMessagesClient:
         chunks: AsyncIterator[bytes],
         acc: MessageAccumulator,
         deadline: float,
+        idle_s: float,
     ) -> ModelReply:
         if not 200 <= response.status_code < 300:
             try:
-                body = await self._read_body(chunks, acc, MAX_ERROR_BODY_BYTES)
+                body = await self._read_body(chunks, acc, MAX_ERROR_BODY_BYTES, idle_s)
             except ModelCallError:
                 body = b""  # the status alone classifies the failure
             raise self._status_error(response, body, acc)
         content_type = response.headers.get("content-type", "").lower()
         if "json" in content_type:
-            body = await self._read_body(chunks, acc, MAX_JSON_BODY_BYTES)
+            body = await self._read_body(chunks, acc, MAX_JSON_BODY_BYTES, idle_s)
             reply = acc.add_message(body)
             report_usage(reply.usage)
             return reply
         if content_type and "event-stream" not in content_type:
             raise acc.failure("invalid_response", f"unexpected content-type {content_type!r}")
-        return await self._read_stream(chunks, acc, deadline)
+        return await self._read_stream(chunks, acc, deadline, idle_s)
 
     async def _read_stream(
-        self, chunks: AsyncIterator[bytes], acc: MessageAccumulator, deadline: float
+        self, chunks: AsyncIterator[bytes], acc: MessageAccumulator, deadline: float, idle_s: float
     ) -> ModelReply:
         decoder = SSEDecoder()
         reported = acc.usage
@@ -242,7 +253,7 @@ class AnthropicMessagesClient:
         with trio.CancelScope(deadline=deadline) as scope:
             while not acc.done:
                 if acc.events:
-                    scope.deadline = trio.current_time() + self._idle_s
+                    scope.deadline = trio.current_time() + idle_s
                 try:
                     chunk = await anext(chunks, None)
                 except httpx.HTTPError as exc:
@@ -266,9 +277,10 @@ class AnthropicMessagesClient:
         chunks: AsyncIterator[bytes],
         acc: MessageAccumulator,
         deadline: float | None,
+        idle_s: float,
     ) -> bytes | None:
         what = "first event" if deadline is not None else "next read (stream idle)"
-        deadline = deadline if deadline is not None else trio.current_time() + self._idle_s
+        deadline = deadline if deadline is not None else trio.current_time() + idle_s
         with trio.move_on_at(deadline):
             try:
                 return await anext(chunks, None)
@@ -278,12 +290,12 @@ class AnthropicMessagesClient:
         raise acc.failure("timeout", f"no {what} in time", retryable=True)
 
     async def _read_body(
-        self, chunks: AsyncIterator[bytes], acc: MessageAccumulator, limit: int
+        self, chunks: AsyncIterator[bytes], acc: MessageAccumulator, limit: int, idle_s: float
     ) -> bytes:
         parts: list[bytes] = []
         size = 0
         while size <= limit:
-            chunk = await self._next_chunk(chunks, acc, None)
+            chunk = await self._next_chunk(chunks, acc, None, idle_s)
             if chunk is None:
                 break
             parts.append(chunk)

@@ -68,6 +68,30 @@ def observe_usage(observer: UsageObserver) -> Iterator[None]:
         _usage_observer.reset(token)
 
 
+_attempt_deadlines: contextvars.ContextVar[tuple[float, float, float] | None] = (
+    contextvars.ContextVar("treadle_attempt_deadlines", default=None)
+)
+
+
+@contextlib.contextmanager
+def attempt_deadlines(*, connect_s: float, first_byte_s: float, idle_s: float) -> Iterator[None]:
+    """Tighten the connect, first-byte and stream-idle deadlines of attempts made in the block.
+
+    A client applies the smaller of these and its own settings (seconds). The model gateway
+    sets them from the agent's `treadle.types.Limits` for each attempt.
+    """
+    token = _attempt_deadlines.set((connect_s, first_byte_s, idle_s))
+    try:
+        yield
+    finally:
+        _attempt_deadlines.reset(token)
+
+
+def current_deadlines() -> tuple[float, float, float] | None:
+    """``(connect_s, first_byte_s, idle_s)`` set by `attempt_deadlines`, or ``None``."""
+    return _attempt_deadlines.get()
+
+
 def report_usage(usage: Usage) -> None:
     """Report the usage the server has reported so far in this attempt.
 
@@ -142,7 +166,7 @@ class OpenAIChatClient:
         self._api_key = api_key
         self._owns_client = http_client is None
         self._client = http_client if http_client is not None else httpx.AsyncClient()
-        self._timeout = httpx.Timeout(connect_timeout_s, read=None, write=None)
+        self._connect_s = connect_timeout_s
         self._first_byte_s = first_byte_timeout_s
         self._idle_s = idle_timeout_s
         self._image_source = image_source
@@ -209,21 +233,30 @@ class OpenAIChatClient:
         Cancellation:
             A checkpoint. Cancelling closes the response and its connection.
         """
+        connect_s, first_byte_s, idle_s = self._deadlines()
         http_request = self._client.build_request(
             "POST",
             self._url,
             content=_encode(self.request_body(request)),
             headers=self._auth_headers(),
-            timeout=self._timeout,
+            timeout=httpx.Timeout(connect_s, read=None, write=None),
         )
         acc = StreamAccumulator(on_delta=on_delta, redact=self._redact)
-        deadline = trio.current_time() + self._first_byte_s
+        deadline = trio.current_time() + first_byte_s
         response = await self._send(http_request, acc, deadline)
         chunks = response.aiter_bytes()
         try:
-            return await self._read_response(response, chunks, acc, deadline)
+            return await self._read_response(response, chunks, acc, deadline, idle_s)
         finally:
             await _dispose(response, chunks)
+
+    def _deadlines(self) -> tuple[float, float, float]:
+        """``(connect, first byte, idle)`` seconds: this client's, tightened by the attempt's."""
+        own = (self._connect_s, self._first_byte_s, self._idle_s)
+        attempt = current_deadlines()
+        if attempt is None:
+            return own
+        return (min(own[0], attempt[0]), min(own[1], attempt[1]), min(own[2], attempt[2]))
 
     def _auth_headers(self) -> dict[str, str]:
         if self._api_key is None:
@@ -251,25 +284,26 @@ class OpenAIChatClient:
         chunks: AsyncIterator[bytes],
         acc: StreamAccumulator,
         deadline: float,
+        idle_s: float,
     ) -> ModelReply:
         if not 200 <= response.status_code < 300:
             try:
-                body = await self._read_body(chunks, acc, MAX_ERROR_BODY_BYTES)
+                body = await self._read_body(chunks, acc, MAX_ERROR_BODY_BYTES, idle_s)
             except ModelCallError:
                 body = b""  # the status alone classifies the failure
             raise self._status_error(response, body, acc)
         content_type = response.headers.get("content-type", "").lower()
         if "json" in content_type:
-            body = await self._read_body(chunks, acc, MAX_JSON_BODY_BYTES)
+            body = await self._read_body(chunks, acc, MAX_JSON_BODY_BYTES, idle_s)
             reply = acc.add_completion(body)
             report_usage(reply.usage)
             return reply
         if content_type and "event-stream" not in content_type:
             raise acc.failure("invalid_response", f"unexpected content-type {content_type!r}")
-        return await self._read_stream(chunks, acc, deadline)
+        return await self._read_stream(chunks, acc, deadline, idle_s)
 
     async def _read_stream(
-        self, chunks: AsyncIterator[bytes], acc: StreamAccumulator, deadline: float
+        self, chunks: AsyncIterator[bytes], acc: StreamAccumulator, deadline: float, idle_s: float
     ) -> ModelReply:
         decoder = SSEDecoder()
         reported = acc.usage
@@ -278,7 +312,7 @@ class OpenAIChatClient:
         with trio.CancelScope(deadline=deadline) as scope:
             while not acc.done:
                 if acc.events:
-                    scope.deadline = trio.current_time() + self._idle_s
+                    scope.deadline = trio.current_time() + idle_s
                 try:
                     chunk = await anext(chunks, None)
                 except httpx.HTTPError as exc:
@@ -302,9 +336,10 @@ class OpenAIChatClient:
         chunks: AsyncIterator[bytes],
         acc: StreamAccumulator,
         deadline: float | None,
+        idle_s: float,
     ) -> bytes | None:
         what = "first data event" if deadline is not None else "next read (stream idle)"
-        deadline = deadline if deadline is not None else trio.current_time() + self._idle_s
+        deadline = deadline if deadline is not None else trio.current_time() + idle_s
         with trio.move_on_at(deadline):
             try:
                 return await anext(chunks, None)
@@ -314,12 +349,12 @@ class OpenAIChatClient:
         raise acc.failure("timeout", f"no {what} in time", retryable=True)
 
     async def _read_body(
-        self, chunks: AsyncIterator[bytes], acc: StreamAccumulator, limit: int
+        self, chunks: AsyncIterator[bytes], acc: StreamAccumulator, limit: int, idle_s: float
     ) -> bytes:
         parts: list[bytes] = []
         size = 0
         while size <= limit:
-            chunk = await self._next_chunk(chunks, acc, None)
+            chunk = await self._next_chunk(chunks, acc, None, idle_s)
             if chunk is None:
                 break
             parts.append(chunk)
