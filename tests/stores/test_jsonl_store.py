@@ -23,13 +23,12 @@ import trio.testing
 from treadle._exceptions import ConflictError, LogCorrupted, SchemaTooNew, StoreError, UsageError
 from treadle.ports import RunStore
 from treadle.stores import _jsonl_commit
-from treadle.stores._lines import FrameError, scan_lines, strict_utf8
+from treadle.stores._lines import FrameError, frame, scan_lines, strict_utf8
 from treadle.stores.jsonl import (
     FORMAT_VERSION,
     JsonlStatistics,
     JsonlStore,
     TornTail,
-    _frame,
     open_jsonl_store,
     read_run_file,
     run_file_name,
@@ -175,7 +174,7 @@ async def write_run(directory: Path, run_id: str = "r", steps: int = 2) -> tuple
         await run.start()
         for _ in range(steps):
             await run.next()
-        path = Path(store.run_file(run_id) or "")
+        path = Path(store.run_file(run_id))
     return path, run
 
 
@@ -263,12 +262,14 @@ def test_case_32_rules_for_a_complete_damaged_last_line_and_a_damaged_middle_lin
 
 async def test_file_layout_and_frame_format(tmp_path: Path) -> None:
     path, run = await write_run(tmp_path / "runs", run_id="Run/1", steps=1)
-    assert path.name == "00000001-%52un%2F1.jsonl"
+    assert path.name == "%52un%2F1.jsonl"
     data = path.read_bytes()
     assert data.endswith(b"\n")
     lines = [json.loads(line) for _, line in lines_of(data)]
     assert lines[0]["seq"] == 0
-    assert lines[0]["header"] == {"format": "treadle.jsonl", "version": 1, "run_id": "Run/1"}
+    header = lines[0]["header"]
+    assert header.pop("created_ns") > 0
+    assert header == {"format": "treadle.jsonl", "version": 1, "run_id": "Run/1"}
     assert [line["seq"] for line in lines[1:]] == [1, 2, 3, 4, 5]
     assert [len(line["records"]) for line in lines[1:]] == [1, 1, 1, 1, 2]  # step: one line
     assert [r["kind"] for r in lines[-1]["records"]] == ["action_result", "step"]
@@ -289,7 +290,7 @@ async def test_torn_tail_at_every_byte_offset_of_the_last_line(tmp_path: Path, l
             await run.finish_step()
         else:
             await run.action()
-        path = Path(store.run_file("r") or "")
+        path = Path(store.run_file("r"))
     original = await trio.Path(path).read_bytes()
     start, line = lines_of(original)[-1]
     lost = len(json.loads(line)["records"])
@@ -410,15 +411,24 @@ async def test_a_torn_first_write_leaves_no_run(tmp_path: Path) -> None:
     directory.mkdir()
     from treadle.stores.jsonl import header_frame, records_frame
 
-    whole = header_frame("r") + records_frame(1, [started("r")])
-    for cut in (5, len(header_frame("r")), len(whole) - 1):
-        (directory / run_file_name(1, "r")).write_bytes(whole[:cut])
+    path = directory / run_file_name("r")
+    header = len(header_frame("r", created_ns=1))
+    whole = header_frame("r", created_ns=1) + records_frame(1, [started("r")])
+    for cut, torn in (
+        (5, (0, 5)),
+        (header, None),
+        (len(whole) - 1, (header, len(whole) - 1 - header)),
+    ):
+        await trio.Path(path).write_bytes(whole[:cut])
         async with open_jsonl_store(directory) as store:
             assert await store.list_runs() == ()
             assert (await store.read_log("r")).records == ()
+            assert [(t.offset, t.length) for t in store.torn_tails()] == ([torn] if torn else [])
             await store.write_run_started(started("r"), seq=1)
             assert await store.list_runs() == ("r",)
-        assert (directory / run_file_name(1, "r")).read_bytes() == whole
+            assert store.statistics().tails_cut == (1 if torn else 0)
+        data = await trio.Path(path).read_bytes()
+        assert data.endswith(whole[-30:]) and data.count(b"\n") == 2
 
 
 async def test_newer_format_version_and_newer_schema_are_refused(tmp_path: Path) -> None:
@@ -427,8 +437,8 @@ async def test_newer_format_version_and_newer_schema_are_refused(tmp_path: Path)
     from treadle.stores.jsonl import records_frame
 
     header = {"format": "treadle.jsonl", "version": FORMAT_VERSION + 1, "run_id": "new"}
-    newer = _frame(0, "header", json.dumps(header)) + records_frame(1, [started("new")])
-    (directory / run_file_name(1, "new")).write_bytes(newer)
+    newer = frame(0, "header", json.dumps(header)) + records_frame(1, [started("new")])
+    await trio.Path(directory / run_file_name("new")).write_bytes(newer)
     async with open_jsonl_store(directory) as store:
         with pytest.raises(SchemaTooNew) as info:
             await store.read_log("new")
@@ -446,20 +456,49 @@ async def test_run_ids_round_trip_through_file_names(tmp_path: Path) -> None:
         for run_id in ids:
             await store.write_run_started(started(run_id), seq=1)
     names = sorted(p.name for p in (tmp_path / "runs").iterdir())
-    assert len(names) == len(ids) + 1  # and the lock
-    assert all(n == "LOCK" or (n.isascii() and "/" not in n and len(n) < 255) for n in names)
+    assert len(names) == len(ids)
+    assert all(n.isascii() and "/" not in n and len(n) < 255 for n in names)
+    assert not any(n.startswith(".") for n in names)
     async with open_jsonl_store(tmp_path / "runs") as store:
         assert await store.list_runs() == tuple(ids)
         for run_id in ids:
             assert (await store.read_log(run_id)).records == (started(run_id),)
 
 
-async def test_one_store_object_per_directory(tmp_path: Path) -> None:
-    async with open_jsonl_store(tmp_path / "runs"):
-        with pytest.raises(StoreError, match="in use by another store object"):
-            await JsonlStore.open(tmp_path / "runs")
-    async with open_jsonl_store(tmp_path / "runs"):
-        pass  # released by aclose
+async def test_two_store_objects_share_a_directory(tmp_path: Path) -> None:
+    async with open_jsonl_store(tmp_path / "runs") as a, open_jsonl_store(tmp_path / "runs") as b:
+        one, two = Steps(a, "one"), Steps(b, "two")
+        await one.start()
+        await two.start()
+        await one.next()
+        await two.next()
+        assert sorted(await a.list_runs()) == ["one", "two"]
+        assert (await a.read_log("two")).records == tuple(two.written[:-2])  # b's appends
+        await b.read_log("two")  # b's step write was queued, not yet written: now it is
+        assert (await a.read_log("two")).records == tuple(two.written)
+        await two.model()
+        assert (await a.read_log("two")).records == tuple(two.written[:-1])  # up to the barrier
+
+
+async def test_a_second_writer_of_a_run_conflicts_at_append(tmp_path: Path) -> None:
+    async with open_jsonl_store(tmp_path / "runs") as a, open_jsonl_store(tmp_path / "runs") as b:
+        first = Steps(a, "r")
+        await first.start()
+        await first.model()
+        await a.read_log("r")  # the model result is written, not just queued
+        assert (await b.read_log("r")).records == tuple(first.written)  # b knows seq 4 next
+        await first.action()  # a takes seq 4
+        intent = ModelIntent(run_id="r", step=1, intent_id="b", attempt=2, ts=TS)
+        with pytest.raises(ConflictError) as info:
+            await b.write_intent(intent, seq=4)
+        assert (info.value.expected, info.value.got) == (5, 4)
+        with pytest.raises(StoreError, match="refuses further writes"):
+            await b.write_intent(intent, seq=5)
+        assert (await a.read_log("r")).records == tuple(first.written)  # nothing interleaved
+        await first.finish_step()
+        await b.write_run_started(started("other"), seq=1)  # other runs are unaffected
+    async with open_jsonl_store(tmp_path / "runs") as store:
+        assert (await store.read_log("r")).records == tuple(first.written)
 
 
 async def test_open_refuses_a_file_and_a_missing_parent(tmp_path: Path) -> None:
@@ -587,7 +626,7 @@ async def test_full_disk_fails_the_write_and_loses_nothing_acknowledged(tmp_path
         await run.next()
         await store.read_log("r")  # the step write is written, not just queued
         acknowledged = list(run.written)
-        path = Path(store.run_file("r") or "")
+        path = Path(store.run_file("r"))
         size = (await trio.Path(path).stat()).st_size
         ops.space_bytes = ops.written + 10  # the next append writes 10 bytes, then ENOSPC
         with pytest.raises(StoreError, match="No space left on device") as info:

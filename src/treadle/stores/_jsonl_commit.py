@@ -9,14 +9,21 @@ concurrent runs share their fsync work (DESIGN §4, §7). The batch goes back to
 single ``run_sync_soon``.
 
 A non-barrier write is appended without a sync; the next barrier of the same run syncs the
-same file and so makes it durable first (prefix durability per run). A write that fails part
-way is cut back off the file, so no half line is left for the next append to fuse with.
+same file and so makes it durable first (prefix durability per run).
+
+Each append holds the file's ``flock`` and first compares the file's size with where the
+trio side expects the write to land. Bytes found beyond that point are either a torn tail
+left by a crash (no complete frame: cut off, durably, before appending) or lines another
+writer appended (`ConflictError`, as a second writer of one run sees in the SQLite store).
+A write that fails part way is cut back off under the same lock, so no half line is left for
+the next append to fuse with.
 """
 
 from __future__ import annotations
 
 import collections
 import contextlib
+import json
 import os
 import sys
 import threading
@@ -27,7 +34,11 @@ from typing import Final, Protocol
 import attrs
 import trio
 
-from treadle._exceptions import StoreError
+from treadle._exceptions import ConflictError, LogCorrupted, StoreError
+from treadle.stores._lines import check_frame, scan_lines
+
+if sys.platform != "win32":
+    import fcntl
 
 LINGER_S: Final = 0.02
 """Seconds a queued non-barrier write may wait for a barrier to share its batch."""
@@ -47,11 +58,23 @@ class FileOps(Protocol):
     """
 
     def open(self, path: str, *, create: bool) -> int:
-        """Open ``path`` for appending (``create``: it must not exist yet); return the fd."""
+        """Open ``path`` to read and append (``create``: it must not exist yet); the fd."""
+        ...
+
+    def lock(self, fd: int) -> None:
+        """Take the file's exclusive lock (blocking), shared with other processes."""
+        ...
+
+    def unlock(self, fd: int) -> None:
+        """Release the file's lock."""
         ...
 
     def write(self, fd: int, data: bytes | memoryview) -> int:
         """Write some of ``data`` at the end of the file; return how many bytes were written."""
+        ...
+
+    def read(self, fd: int, offset: int, size: int) -> bytes:
+        """Read up to ``size`` bytes at ``offset``."""
         ...
 
     def sync(self, fd: int) -> None:
@@ -80,18 +103,32 @@ _SYNC: Final = getattr(os, "fdatasync", os.fsync)
 
 @attrs.frozen
 class OsFileOps:
-    """`FileOps` on the real filesystem (``os`` calls)."""
+    """`FileOps` on the real filesystem (``os`` calls; ``flock`` where there is one)."""
 
     def open(self, path: str, *, create: bool) -> int:
-        """Open for appending; ``create`` uses ``O_CREAT | O_EXCL``."""
-        flags = os.O_WRONLY | os.O_APPEND | getattr(os, "O_CLOEXEC", 0)
+        """Open to read and append; ``create`` uses ``O_CREAT | O_EXCL``."""
+        flags = os.O_RDWR | os.O_APPEND | getattr(os, "O_CLOEXEC", 0)
         if create:
             flags |= os.O_CREAT | os.O_EXCL
         return os.open(path, flags, 0o644)
 
+    def lock(self, fd: int) -> None:
+        """``flock(LOCK_EX)`` (no locking on Windows)."""
+        if sys.platform != "win32":
+            fcntl.flock(fd, fcntl.LOCK_EX)
+
+    def unlock(self, fd: int) -> None:
+        """``flock(LOCK_UN)``."""
+        if sys.platform != "win32":
+            fcntl.flock(fd, fcntl.LOCK_UN)
+
     def write(self, fd: int, data: bytes | memoryview) -> int:
         """``os.write``."""
         return os.write(fd, data)
+
+    def read(self, fd: int, offset: int, size: int) -> bytes:
+        """``os.pread``."""
+        return os.pread(fd, size, offset)
 
     def sync(self, fd: int) -> None:
         """``fdatasync`` (``fsync`` where there is none)."""
@@ -127,22 +164,24 @@ class Write:
     Attributes:
         run_id: the run.
         path: its file.
+        seq: the seq of the write's first record.
+        start: the file offset the write must land at (the end of the run's writes before).
         data: the frame lines, each ending with a newline.
         records: log records in ``data`` (the header line is not one).
         barrier: sync the file before the write is done.
-        create: the file does not exist yet.
-        cut_to: cut the file to this size first (a torn tail found on reading it).
+        create: the file did not exist when the run was read.
         closes: the run's last write (run finished): its file is closed after the batch.
         end: set by the committer: the file's size after this write.
     """
 
     run_id: str
     path: str
+    seq: int
+    start: int
     data: bytes
     records: int
     barrier: bool
     create: bool = False
-    cut_to: int | None = None
     closes: bool = False
     end: int = 0
     done: bool = False
@@ -225,7 +264,6 @@ class _File:
     run_id: str
     path: str
     fd: int
-    size: int
     dirty: bool = False
 
 
@@ -236,12 +274,14 @@ class Counts:
     Attributes:
         syncs: sync calls made (files and the directory).
         synced_files: run files synced.
+        cuts: torn tails cut off before an append.
         failures: runs whose earlier, already answered writes turned out not durable (a
             failed sync at eviction or at stop), with the error.
     """
 
     syncs: int = 0
     synced_files: int = 0
+    cuts: int = 0
     failures: list[tuple[str, StoreError]] = attrs.Factory(list)
 
 
@@ -292,10 +332,8 @@ class Committer:
             if leftover:
                 self._fail(leftover, RuntimeError("the committer thread stopped"))
                 self._call_soon(self._deliver, leftover, Counts())
-            for file in self._files.values():
-                with contextlib.suppress(OSError):
-                    self._ops.close(file.fd)
-            self._files.clear()
+            for path in list(self._files):
+                self._close(path)
             if self._pool is not None:
                 self._pool.shutdown(wait=False)
             self._call_soon(self._stopped)
@@ -307,7 +345,7 @@ class Committer:
             try:
                 counts = self._commit(batch)
                 if stopping:
-                    self._sync_everything(batch, counts)
+                    self._sync_everything(counts)
             except BaseException as exc:  # a bug: fail this batch, then stop the thread
                 self._fail(batch, exc)
                 self._call_soon(self._deliver, batch, Counts())
@@ -336,7 +374,7 @@ class Committer:
     def _commit_files(self, items: list[tuple[str, list[Write]]], counts: Counts) -> None:
         to_sync: list[tuple[_File, list[Write]]] = []
         for path, writes in items:
-            file = self._append(path, writes)
+            file = self._append(path, writes, counts)
             if file is not None and any(w.barrier for w in writes):
                 to_sync.append((file, writes))
         if to_sync:
@@ -347,47 +385,78 @@ class Committer:
         while len(self._files) > MAX_OPEN_FILES:
             self._evict(next(iter(self._files)), counts)
 
-    def _append(self, path: str, writes: list[Write]) -> _File | None:
+    def _append(self, path: str, writes: list[Write], counts: Counts) -> _File | None:
         """Append the writes of one file with one write call; fail them all on an error."""
-        file = self._files.get(path)
-        before = file.size if file is not None else None
+        first = writes[0]
         try:
-            file = self._open(path, writes[0])
-            before = file.size
-            if writes[0].cut_to is not None:
-                self._cut(file, writes[0].cut_to)
-                before = file.size
-            self._write_all(file, b"".join(w.data for w in writes))
+            file = self._open(path, first)
         except OSError as exc:
-            self._undo(path, before)
-            self._fail(writes, _store_error(path, "cannot append to", exc))
+            self._poison(first.run_id, writes, _store_error(path, "cannot open", exc), counts)
             return None
-        end = before
+        try:
+            self._ops.lock(file.fd)
+            try:
+                self._append_locked(file, writes, counts)
+            finally:
+                self._ops.unlock(file.fd)
+        except (ConflictError, LogCorrupted) as exc:
+            self._poison(first.run_id, writes, exc, counts)
+            return None
+        except OSError as exc:
+            self._poison(first.run_id, writes, _store_error(path, "cannot append to", exc), counts)
+            return None
+        return file
+
+    def _append_locked(self, file: _File, writes: list[Write], counts: Counts) -> None:
+        start = writes[0].start
+        size = self._ops.size(file.fd)
+        if size != start:
+            self._check_tail(file, writes[0], size)
+            counts.cuts += 1
+        try:
+            self._write_all(file, b"".join(w.data for w in writes))
+        except OSError:
+            self._undo(file, start)
+            raise
+        end = start
         for write in writes:
             end += len(write.data)
             write.end = end
-        return file
+
+    def _check_tail(self, file: _File, first: Write, size: int) -> None:
+        """Bytes beyond where ``first`` must land: cut a torn tail, refuse anything else.
+
+        Raises:
+            ConflictError: another writer appended whole lines (its seq follows them).
+            LogCorrupted: a damaged line is followed by more, or the file shrank.
+        """
+        start = first.start
+        if size < start:
+            raise LogCorrupted(
+                f"the file is {size} bytes, shorter than its log ({start} bytes)",
+                where=file.path,
+                offset=size,
+            )
+        tail = self._ops.read(file.fd, start, size - start)
+        scanned = scan_lines(tail, check_frame, where=file.path, base=start)
+        if scanned.items:
+            seq, line, _ = scanned.items[-1]
+            raise ConflictError(first.run_id, expected=_next_seq(seq, line), got=first.seq)
+        self._ops.truncate(file.fd, start)  # only a torn tail: never acknowledged
+        self._ops.sync(file.fd)
 
     def _open(self, path: str, first: Write) -> _File:
         file = self._files.get(path)
         if file is not None:
             self._files.move_to_end(path)
             return file
-        fd = self._ops.open(path, create=first.create)
         try:
-            size = 0 if first.create else self._ops.size(fd)
-        except OSError:
-            self._ops.close(fd)
-            raise
-        file = self._files[path] = _File(run_id=first.run_id, path=path, fd=fd, size=size)
-        self._dir_dirty = self._dir_dirty or first.create
+            fd = self._ops.open(path, create=first.create)
+            self._dir_dirty = self._dir_dirty or first.create
+        except FileExistsError:  # created meanwhile (by another process): the tail check
+            fd = self._ops.open(path, create=False)  # tells a crash remnant from a writer
+        file = self._files[path] = _File(run_id=first.run_id, path=path, fd=fd)
         return file
-
-    def _cut(self, file: _File, size: int) -> None:
-        """Cut a torn tail off before the first append, durably."""
-        self._ops.truncate(file.fd, size)
-        self._ops.sync(file.fd)
-        file.size = size
 
     def _write_all(self, file: _File, data: bytes) -> None:
         view = memoryview(data)
@@ -395,24 +464,17 @@ class Committer:
             written = self._ops.write(file.fd, view)
             if written <= 0:
                 raise OSError(0, "write made no progress")
-            file.size += written
             file.dirty = True
             view = view[written:]
 
-    def _undo(self, path: str, size: int | None) -> None:
+    def _undo(self, file: _File, size: int) -> None:
         """After a failed append, cut the partial bytes off (best effort).
 
         The run is refused from now on; if the cut fails too, a reader treats what remains
-        as a torn tail.
+        as a torn tail, and the next append (after a reopen) cuts it.
         """
-        file = self._files.get(path)
-        if file is None or size is None or file.size == size:
-            return
-        try:
+        with contextlib.suppress(OSError):
             self._ops.truncate(file.fd, size)
-            file.size = size
-        except OSError:
-            self._close(path)
 
     def _sync_files(self, to_sync: list[tuple[_File, list[Write]]], counts: Counts) -> None:
         """Sync the directory if a file was created, then every file once, concurrently."""
@@ -450,12 +512,10 @@ class Committer:
             return exc
         return None
 
-    def _sync_everything(self, batch: list[Write], counts: Counts) -> None:
+    def _sync_everything(self, counts: Counts) -> None:
         """On stop: make every file written by this committer durable, then close it."""
-        dirty = [
-            (file, [w for w in batch if w.path == path])
-            for path, file in self._files.items()
-            if file.dirty
+        dirty: list[tuple[_File, list[Write]]] = [
+            (file, []) for file in self._files.values() if file.dirty
         ]
         if dirty or self._dir_dirty:
             self._sync_files(dirty, counts)
@@ -465,9 +525,10 @@ class Committer:
     def _evict(self, path: str, counts: Counts) -> None:
         file = self._files[path]
         if file.dirty:
-            exc = self._sync_one(file)
-            if exc is not None:
-                self._poison(file.run_id, [], _store_error(path, "cannot sync", exc), counts)
+            failure = self._sync_one(file)
+            if failure is not None:
+                error = _store_error(path, "cannot sync", failure)
+                self._poison(file.run_id, [], error, counts)
         self._close(path)
 
     def _close(self, path: str) -> None:
@@ -502,6 +563,15 @@ class Committer:
             if write.error is None:
                 write.error = err
             self._failed.setdefault(write.run_id, write.error)
+
+
+def _next_seq(seq: int, line: bytes) -> int:
+    """The seq after a frame line: its first seq plus its records (1 after a header)."""
+    try:
+        records = json.loads(line).get("records")
+    except ValueError:
+        records = None
+    return seq + len(records) if isinstance(records, list) else 1
 
 
 def _store_error(path: str, what: str, exc: OSError) -> StoreError:

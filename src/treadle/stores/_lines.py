@@ -1,4 +1,4 @@
-"""Recovering the lines of an append-only, newline-framed log after a crash.
+"""Line framing for append-only logs: recovery after a crash, and the JSONL store's frames.
 
 A crash in the middle of an append leaves at most the LAST line of a file incomplete: no
 trailing newline, or (when the file length reached the disk before all of its data) a line
@@ -14,12 +14,19 @@ whose frame check fails. `scan_lines` applies the recovery rules the JSONL store
 
 The rules do not depend on the record shape, so the same function reads our own format
 (`treadle.stores.jsonl`) and foreign logs in tests.
+
+The frame of the JSONL store (`frame`, `check_frame`) is one line of JSON whose ``crc`` field
+is the CRC-32 of the line itself, with the 8 hex digits of the field taken as zeros::
+
+    {"seq":5,"crc":"00c0ffee","records":[...]}
 """
 
 from __future__ import annotations
 
+import re
+import zlib
 from collections.abc import Callable
-from typing import Generic, TypeVar
+from typing import Final, Generic, TypeVar
 
 import attrs
 
@@ -27,7 +34,8 @@ from treadle._exceptions import LogCorrupted
 
 T = TypeVar("T")
 
-NEWLINE = 0x0A
+_PREFIX: Final = re.compile(rb'\{"seq":(0|[1-9][0-9]{0,17}),"crc":"([0-9a-f]{8})",')
+_ZEROS: Final = b"00000000"
 
 
 class FrameError(Exception):
@@ -73,15 +81,18 @@ class ScannedLines(Generic[T]):
     torn: TornSpan | None
 
 
-def scan_lines(data: bytes, check: Callable[[bytes, int], T], *, where: str) -> ScannedLines[T]:
+def scan_lines(
+    data: bytes, check: Callable[[bytes, int], T], *, where: str, base: int = 0
+) -> ScannedLines[T]:
     """Split ``data`` into newline-terminated lines and apply the torn-tail rules.
 
     Args:
-        data: the whole file, from byte 0.
+        data: the file from byte ``base`` on (``base`` must be the start of a line).
         check: called with each complete line (newline excluded) and its byte offset, in
             order; returns the decoded line, or raises `FrameError` when the line is not an
             intact frame. Any other exception propagates unchanged.
         where: the file, for error messages.
+        base: the file offset of ``data[0]``; every offset reported is a file offset.
 
     Returns:
         The good lines, the length of the good prefix, and the torn tail if any.
@@ -97,26 +108,26 @@ def scan_lines(data: bytes, check: Callable[[bytes, int], T], *, where: str) -> 
     while pos < size:
         newline = data.find(b"\n", pos)
         if newline < 0:
-            return _done(items, offsets, pos, _torn(data, pos, "no trailing newline"))
+            return _done(items, offsets, base + pos, _torn(data, pos, base, "no trailing newline"))
         try:
-            item = check(data[pos:newline], pos)
+            item = check(data[pos:newline], base + pos)
         except FrameError as exc:
             if newline + 1 == size:
-                return _done(items, offsets, pos, _torn(data, pos, str(exc)))
+                return _done(items, offsets, base + pos, _torn(data, pos, base, str(exc)))
             raise LogCorrupted(
                 f"damaged line followed by {size - newline - 1} more bytes: {exc}",
                 where=where,
-                offset=pos,
+                offset=base + pos,
             ) from exc
         items.append(item)
-        offsets.append(pos)
+        offsets.append(base + pos)
         pos = newline + 1
-    return _done(items, offsets, pos, None)
+    return _done(items, offsets, base + pos, None)
 
 
-def _torn(data: bytes, offset: int, reason: str) -> TornSpan:
+def _torn(data: bytes, pos: int, base: int, reason: str) -> TornSpan:
     return TornSpan(
-        offset=offset, length=len(data) - offset, reason=reason, head=data[offset : offset + 256]
+        offset=base + pos, length=len(data) - pos, reason=reason, head=data[pos : pos + 256]
     )
 
 
@@ -134,3 +145,37 @@ def strict_utf8(line: bytes) -> str:
         return line.decode("utf-8")
     except UnicodeDecodeError as exc:
         raise FrameError(f"invalid UTF-8 at byte {exc.start} of the line") from exc
+
+
+# --------------------------------------------------------------------------- JSONL frames
+
+
+def frame(seq: int, key: str, payload: str) -> bytes:
+    """One frame line (newline included): ``{"seq":<seq>,"crc":"<hex>","<key>":<payload>}``.
+
+    Raises:
+        UnicodeEncodeError: ``payload`` holds a lone surrogate.
+    """
+    head = b'{"seq":%d,"crc":"' % seq
+    tail = f'","{key}":{payload}}}'.encode()
+    crc = zlib.crc32(tail, zlib.crc32(_ZEROS, zlib.crc32(head)))
+    return b"%s%08x%s\n" % (head, crc, tail)
+
+
+def check_frame(line: bytes, offset: int) -> tuple[int, bytes, int]:
+    """The frame check of one line (newline excluded): its prefix and its checksum.
+
+    Returns:
+        ``(seq, line, offset)``.
+
+    Raises:
+        FrameError: the line does not start like a frame, or its checksum does not match.
+    """
+    match = _PREFIX.match(line)
+    if match is None:
+        raise FrameError("not a frame")
+    start, stop = match.span(2)
+    crc = zlib.crc32(line[stop:], zlib.crc32(_ZEROS, zlib.crc32(line[:start])))
+    if crc != int(match[2], 16):
+        raise FrameError("checksum mismatch")
+    return int(match[1]), line, offset

@@ -2,33 +2,36 @@
 
 Layout (format ``treadle.jsonl`` version 1; docs/decisions/0004-jsonl-format.md)::
 
-    <directory>/LOCK                        held (flock) by the one store object writing here
-    <directory>/00000001-run-42.jsonl       one file per run, numbered in first-write order
-    <directory>/00000002-%41BC.jsonl        run ids are percent-encoded (only a-z 0-9 . _ - kept)
-    <directory>/00000003-~<sha256>.jsonl    run ids whose encoding is too long for a file name
+    <directory>/run-42.jsonl              one file per run, named by its percent-encoded id
+    <directory>/%52un%2F1.jsonl           (only a-z 0-9 . _ - are kept; "Run/1" here)
+    <directory>/~<sha256 of the id>.jsonl an id whose encoding is empty, starts with "." or
+                                          is longer than 200 characters
 
 Each line of a run file is one frame, the result of ONE store operation::
 
-    {"seq":0,"crc":"1c291ca3","header":{"format":"treadle.jsonl","version":1,"run_id":"r"}}
-    {"seq":1,"crc":"8d0b5e1a","records":[{"kind":"run_started",...}]}
-    {"seq":5,"crc":"00c0ffee","records":[{"kind":"action_result",...},{"kind":"step",...}]}
+    {"seq":0,"crc":"1c291ca3","header":{"format":"treadle.jsonl","version":1,"run_id":"r",...}}
+    {"seq":1,"crc":"8d0b5e1a","records":[{...,"kind":"run_started"}]}
+    {"seq":5,"crc":"00c0ffee","records":[{...,"kind":"action_result"},{...,"kind":"step"}]}
 
 ``seq`` is the seq of the frame's first record (0 for the header, which comes first and only
 once); ``records`` holds the records of the operation in seq order, so an action result and
 its step record are one line and reach the disk together or not at all. ``crc`` is the
-CRC-32 (zlib) of the line's bytes, newline excluded, with the 8 hex digits of ``crc`` taken as
+CRC-32 (zlib) of the line's bytes, newline excluded, with its own 8 hex digits taken as
 ``00000000``.
 
-Reading (`treadle.stores._lines`): each line is decoded on its own as strict UTF-8. A last line
-without a trailing newline, or a last line whose checksum does not match, is a torn tail left
-by a crash mid-append: it was never acknowledged, it is reported (`JsonlStore.torn_tails`,
-`JsonlStatistics.torn_tails` and a ``treadle.stores.jsonl`` log warning) and cut off before
-the run's next append. A damaged line with more lines after it is corruption:
-`LogCorrupted` with the byte offset of that line.
+Reading (`treadle.stores._lines.scan_lines`): each line is decoded on its own as strict
+UTF-8. A last line without a trailing newline, or a last line whose checksum does not match,
+is a torn tail left by a crash mid-append: it was never acknowledged; it is reported
+(`JsonlStore.torn_tails`, `JsonlStatistics.torn_tails` and a warning on the
+``treadle.stores.jsonl`` logger) and cut off, durably, before the run's next append. A damaged
+line with more lines after it is corruption: `LogCorrupted` with the byte offset of that line.
 
-Threads: one committer thread per store object appends every run's lines and syncs the files
-of each batch's barriers concurrently (`treadle.stores._jsonl_commit`). Reads run in trio
-worker threads.
+Threads and processes: one committer thread per store object appends every run's lines and
+syncs the files of each batch's barriers concurrently (`treadle.stores._jsonl_commit`); reads
+run in trio worker threads. Several store objects, in one process or several, may share a
+directory: each append holds the run file's ``flock`` and checks that nobody appended since
+the run was read, so a second writer of the same run gets `ConflictError` instead of
+interleaving lines.
 """
 
 from __future__ import annotations
@@ -39,13 +42,11 @@ import json
 import logging
 import os
 import re
-import sys
-import zlib
+import time
 from collections.abc import AsyncIterator, Sequence
 from os import PathLike
 from pathlib import Path
 from typing import Any, Final
-from urllib.parse import unquote
 
 import attrs
 import trio
@@ -53,7 +54,7 @@ import trio
 from treadle._exceptions import ConflictError, LogCorrupted, SchemaTooNew, StoreError, UsageError
 from treadle.stores._codec import check_schema, encode, record_from_dict
 from treadle.stores._jsonl_commit import Committer, Counts, FileOps, OsFileOps, Write, refusal
-from treadle.stores._lines import FrameError, ScannedLines, TornSpan, scan_lines
+from treadle.stores._lines import FrameError, TornSpan, check_frame, frame, scan_lines
 from treadle.types import (
     ActionIntent,
     ActionResult,
@@ -68,9 +69,6 @@ from treadle.types import (
     RunStarted,
     StepRecord,
 )
-
-if sys.platform != "win32":
-    import fcntl
 
 FORMAT: Final = "treadle.jsonl"
 """The ``format`` of a run file's header."""
@@ -89,9 +87,7 @@ MAX_NAME_CHARS: Final = 200
 
 _LOG = logging.getLogger(__name__)
 _SAFE: Final = frozenset("abcdefghijklmnopqrstuvwxyz0123456789._-")
-_NAME: Final = re.compile(r"([0-9]{8,})-([^/]*)\.jsonl")
-_PREFIX: Final = re.compile(rb'\{"seq":(0|[1-9][0-9]{0,17}),"crc":"([0-9a-f]{8})",')
-_ZEROS: Final = b"00000000"
+_NAME: Final = re.compile(r"([^/]+)\.jsonl")
 _PROBE_CHUNK: Final = 65_536
 
 
@@ -129,7 +125,8 @@ class JsonlStatistics:
         records_written: log records written.
         max_batch: the most operations written in one batch.
         pending: operations queued and not yet written (or failed).
-        torn_tails: torn tails found since opening (see `JsonlStore.torn_tails`).
+        torn_tails: torn tails found by reads since opening (see `JsonlStore.torn_tails`).
+        tails_cut: torn tails cut off before an append.
     """
 
     batches: int = 0
@@ -140,6 +137,7 @@ class JsonlStatistics:
     max_batch: int = 0
     pending: int = 0
     torn_tails: int = 0
+    tails_cut: int = 0
 
 
 @attrs.define(eq=False)
@@ -154,6 +152,7 @@ class _Counters:
     max_batch: int = 0
     pending: int = 0
     torn_tails: int = 0
+    tails_cut: int = 0
 
 
 @attrs.define(eq=False)
@@ -161,20 +160,24 @@ class _RunState:
     """What the trio side knows about one run's file.
 
     Attributes:
-        path: the run file; ``None`` until the run's first write creates it.
+        path: the run file.
+        exists: the file existed when read (else the first write creates it).
         next_seq: the seq of the next write.
-        end: bytes of the file holding complete, written lines (reads stop here).
-        records: records written to the file.
+        end: bytes of the file known to hold whole lines (read, or written here).
+        tail: where the next write lands: ``end`` plus the writes still queued.
+        records: records in the file.
         header: the header line is in the file or queued.
-        cut_to: a torn tail to cut off with the next append.
+        inflight: writes queued and not yet written (or failed).
     """
 
-    path: str | None
+    path: str
+    exists: bool
     next_seq: int = 1
     end: int = 0
+    tail: int = 0
     records: int = 0
     header: bool = False
-    cut_to: int | None = None
+    inflight: int = 0
     last: Write | None = None
     error: StoreError | None = None
     reported: bool = False
@@ -195,58 +198,40 @@ def encode_run_id(run_id: str) -> str:
     )
 
 
-def run_file_name(counter: int, run_id: str) -> str:
-    """The name of a run's file: its first-write number and its encoded (or hashed) id."""
+def run_file_name(run_id: str) -> str:
+    """The name of a run's file: its encoded id, or ``~`` and the SHA-256 of the id."""
     encoded = encode_run_id(run_id)
-    if len(encoded) > MAX_NAME_CHARS:
+    if not encoded or encoded.startswith(".") or len(encoded) > MAX_NAME_CHARS:
         digest = hashlib.sha256(run_id.encode("utf-8", "surrogatepass")).hexdigest()
         encoded = f"~{digest}"
-    return f"{counter:08d}-{encoded}.jsonl"
+    return f"{encoded}.jsonl"
 
 
 # --------------------------------------------------------------------------- frames
 
 
-def _frame(seq: int, key: str, payload: str) -> bytes:
-    head = b'{"seq":%d,"crc":"' % seq
-    tail = f'","{key}":{payload}}}'.encode()
-    crc = zlib.crc32(tail, zlib.crc32(_ZEROS, zlib.crc32(head)))
-    return b"%s%08x%s\n" % (head, crc, tail)
+def header_frame(run_id: str, *, created_ns: int) -> bytes:
+    """The header line of a run file (newline included).
 
-
-def header_frame(run_id: str) -> bytes:
-    """The header line of a run file (newline included)."""
-    header = {"format": FORMAT, "version": FORMAT_VERSION, "run_id": run_id}
-    return _frame(0, "header", json.dumps(header, ensure_ascii=False, separators=(",", ":")))
+    ``created_ns`` (UTC wall clock, nanoseconds) orders `JsonlStore.list_runs`.
+    """
+    header = {
+        "format": FORMAT,
+        "version": FORMAT_VERSION,
+        "run_id": run_id,
+        "created_ns": created_ns,
+    }
+    return frame(0, "header", json.dumps(header, ensure_ascii=False, separators=(",", ":")))
 
 
 def records_frame(seq: int, records: Sequence[Record]) -> bytes:
     """The line of one store operation (newline included).
 
     Raises:
-        UnicodeEncodeError: a text holds a lone surrogate (not valid UTF-8).
+        UnicodeEncodeError: a text cannot be written as UTF-8.
         TypeError, ValueError: a record cannot be written as JSON.
     """
-    return _frame(seq, "records", "[" + ",".join(encode(r) for r in records) + "]")
-
-
-def check_frame(line: bytes, offset: int) -> tuple[int, bytes, int]:
-    """The frame check of one line: the prefix and the checksum.
-
-    Returns:
-        ``(seq, line, offset)``.
-
-    Raises:
-        FrameError: the line does not start like a frame, or its checksum does not match.
-    """
-    match = _PREFIX.match(line)
-    if match is None:
-        raise FrameError("not a frame")
-    start, stop = match.span(2)
-    crc = zlib.crc32(line[stop:], zlib.crc32(_ZEROS, zlib.crc32(line[:start])))
-    if crc != int(match[2], 16):
-        raise FrameError("checksum mismatch")
-    return int(match[1]), line, offset
+    return frame(seq, "records", "[" + ",".join(encode(r) for r in records) + "]")
 
 
 @attrs.frozen(kw_only=True)
@@ -254,14 +239,18 @@ class RunFile:
     """A run file as read back.
 
     Attributes:
-        run_id: from the header (``None`` when the file holds no intact header yet).
+        exists: the file exists.
+        run_id: from the header (``None`` while the file holds no intact header).
+        created_ns: from the header (0 without one).
         records: every record, in seq order.
         next_seq: the seq the next record gets.
         end: bytes of the good prefix.
         torn: the torn tail, if any.
     """
 
+    exists: bool
     run_id: str | None
+    created_ns: int
     records: tuple[Record, ...]
     next_seq: int
     end: int
@@ -280,8 +269,8 @@ def _content(where: str, line: bytes, offset: int) -> dict[str, Any]:
     return data
 
 
-def _read_header(where: str, frame: tuple[int, bytes, int]) -> str:
-    seq, line, offset = frame
+def _read_header(where: str, found: tuple[int, bytes, int]) -> tuple[str, int]:
+    seq, line, offset = found
     data = _content(where, line, offset)
     header = data.get("header")
     if seq != 0 or not isinstance(header, dict) or header.get("format") != FORMAT:
@@ -291,14 +280,14 @@ def _read_header(where: str, frame: tuple[int, bytes, int]) -> str:
         raise LogCorrupted("the header lacks version or run_id", where=where, offset=offset)
     if version > FORMAT_VERSION:
         raise SchemaTooNew(version, FORMAT_VERSION)
-    run_id: str = header["run_id"]
-    return run_id
+    created = header.get("created_ns", 0)
+    return header["run_id"], created if isinstance(created, int) else 0
 
 
 def _read_records(
-    where: str, run_id: str, frame: tuple[int, bytes, int], expected: int
+    where: str, run_id: str, found: tuple[int, bytes, int], expected: int
 ) -> list[Record]:
-    seq, line, offset = frame
+    seq, line, offset = found
     if seq != expected:
         raise LogCorrupted(f"frame seq {seq}, expected {expected}", where=where, offset=offset)
     items = _content(where, line, offset).get("records")
@@ -321,12 +310,11 @@ def _read_records(
     return records
 
 
-def read_run_file(path: str, *, limit: int | None = None) -> RunFile:
+def read_run_file(path: str) -> RunFile:
     """Read and check a run file (blocking; call it in a worker thread).
 
     Args:
         path: the file.
-        limit: read only this many bytes (a prefix known to end with a complete line).
 
     Returns:
         The records and where the good prefix ends; a missing file reads as empty.
@@ -339,20 +327,32 @@ def read_run_file(path: str, *, limit: int | None = None) -> RunFile:
     """
     try:
         with open(path, "rb") as file:
-            data = file.read() if limit is None else file.read(limit)
+            data = file.read()
     except FileNotFoundError:
-        data = b""
+        return RunFile(
+            exists=False, run_id=None, created_ns=0, records=(), next_seq=1, end=0, torn=None
+        )
     except OSError as exc:
         raise StoreError(f"cannot read {path}: {exc.strerror or exc}") from exc
-    scanned: ScannedLines[tuple[int, bytes, int]] = scan_lines(data, check_frame, where=path)
+    scanned = scan_lines(data, check_frame, where=path)
     if not scanned.items:
-        return RunFile(run_id=None, records=(), next_seq=1, end=scanned.end, torn=scanned.torn)
-    run_id = _read_header(path, scanned.items[0])
+        return RunFile(
+            exists=True,
+            run_id=None,
+            created_ns=0,
+            records=(),
+            next_seq=1,
+            end=scanned.end,
+            torn=scanned.torn,
+        )
+    run_id, created_ns = _read_header(path, scanned.items[0])
     records: list[Record] = []
-    for frame in scanned.items[1:]:
-        records.extend(_read_records(path, run_id, frame, len(records) + 1))
+    for found in scanned.items[1:]:
+        records.extend(_read_records(path, run_id, found, len(records) + 1))
     return RunFile(
+        exists=True,
         run_id=run_id,
+        created_ns=created_ns,
         records=tuple(records),
         next_seq=len(records) + 1,
         end=scanned.end,
@@ -360,106 +360,67 @@ def read_run_file(path: str, *, limit: int | None = None) -> RunFile:
     )
 
 
-def _has_records(path: str) -> bool:
-    """Whether the file holds a header and at least one record line (reads only the start).
+@attrs.frozen(kw_only=True)
+class _Listing:
+    run_id: str
+    created_ns: int
 
-    A damaged second line counts when more bytes follow it (reading the run then fails
-    loudly); a torn one does not.
+
+def _probe(path: str) -> _Listing | None:
+    """The run of a file that holds a header and at least one record line, else ``None``.
+
+    Reads only the first two lines. A damaged second line counts when more bytes follow it
+    (reading the run then fails loudly); a torn one does not.
     """
     data = b""
-    with open(path, "rb") as file:
-        while data.count(b"\n") < 2:
-            chunk = file.read(_PROBE_CHUNK)
-            if not chunk:
-                return False
-            data += chunk
+    try:
+        with open(path, "rb") as file:
+            while data.count(b"\n") < 2:
+                chunk = file.read(_PROBE_CHUNK)
+                if not chunk:
+                    return None
+                data += chunk
+    except FileNotFoundError:
+        return None
     first = data.index(b"\n")
     second = data.index(b"\n", first + 1)
     try:
+        run_id, created_ns = _read_header(path, check_frame(data[:first], 0))
+    except (FrameError, LogCorrupted):
+        return None  # reading the run reports what is wrong
+    try:
         check_frame(data[first + 1 : second], first + 1)
     except FrameError:
-        return os.path.getsize(path) > second + 1
-    return True
+        if os.path.getsize(path) <= second + 1:
+            return None
+    return _Listing(run_id=run_id, created_ns=created_ns)
 
 
-# --------------------------------------------------------------------------- the directory
-
-
-@attrs.frozen(kw_only=True)
-class _Found:
-    counter: int
-    run_id: str | None
-    path: str
-
-
-def _scan_directory(directory: str) -> list[_Found]:
-    found: list[_Found] = []
+def _probe_directory(directory: str, known: set[str]) -> dict[str, _Listing | None]:
+    """Probe every run file of ``directory`` not in ``known`` (file names)."""
+    found: dict[str, _Listing | None] = {}
     for entry in os.scandir(directory):
-        match = _NAME.fullmatch(entry.name)
-        if match is None or not entry.is_file():
+        if entry.name in known or not _NAME.fullmatch(entry.name) or not entry.is_file():
             continue
-        encoded = match[2]
-        if encoded.startswith("~"):
-            run_id = read_run_file(entry.path, limit=_header_limit(entry.path)).run_id
-        else:
-            try:
-                run_id = unquote(encoded, errors="strict")
-            except UnicodeDecodeError as exc:
-                raise StoreError(f"{entry.path}: not a run file name") from exc
-        found.append(_Found(counter=int(match[1]), run_id=run_id, path=entry.path))
-    found.sort(key=lambda f: (f.counter, f.path))
+        found[entry.name] = _probe(entry.path)
     return found
 
 
-def _header_limit(path: str) -> int:
-    """Bytes up to the end of the first line (0 when there is none)."""
-    with open(path, "rb") as file:
-        data = file.read(_PROBE_CHUNK)
-    newline = data.find(b"\n")
-    return newline + 1 if newline >= 0 else 0
-
-
-def _open_directory(directory: str) -> tuple[int | None, list[_Found]]:
+def _open_directory(directory: str) -> None:
     path = Path(directory)
     if path.exists() and not path.is_dir():
         raise StoreError(f"cannot open JSONL store {directory}: not a directory")
     if not path.parent.is_dir():
         raise StoreError(f"cannot open JSONL store {directory}: {path.parent} is not a directory")
+    if path.is_dir():
+        return
     try:
-        if not path.exists():
-            path.mkdir()
-            OsFileOps().sync_dir(str(path.parent))
-        lock = _lock(directory)
+        path.mkdir()
+        OsFileOps().sync_dir(str(path.parent))
+    except FileExistsError:
+        return
     except OSError as exc:
         raise StoreError(f"cannot open JSONL store {directory}: {exc.strerror or exc}") from exc
-    try:
-        return lock, _scan_directory(directory)
-    except BaseException:
-        _unlock(lock)
-        raise
-
-
-def _lock(directory: str) -> int | None:
-    if sys.platform == "win32":  # pragma: no cover
-        return None
-    fd = os.open(os.path.join(directory, "LOCK"), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        os.close(fd)
-        raise StoreError(
-            f"JSONL store {directory} is in use by another store object (in this or another "
-            "process); a run directory has one writer at a time"
-        ) from None
-    except BaseException:
-        os.close(fd)
-        raise
-    return fd
-
-
-def _unlock(fd: int | None) -> None:
-    if fd is not None:
-        os.close(fd)  # releases the flock
 
 
 # --------------------------------------------------------------------------- the store
@@ -469,9 +430,10 @@ class JsonlStore:
     """A `treadle.ports.RunStore` of JSON-lines files, one per run, in one directory.
 
     Open it with `JsonlStore.open` or `open_jsonl_store`, inside a trio run; the store belongs
-    to that trio run, and holds the directory's lock until `aclose` (one writer at a time,
-    in any process). Any number of runs may share one store object: their writes are appended
-    and synced together by its committer thread (group commit).
+    to that trio run. Any number of runs may share one store object: their writes are
+    appended and synced together by its committer thread (group commit). Other store objects,
+    in this process or others, may use the same directory at the same time; one run has one
+    writer, and a second writer of a run gets `ConflictError`.
 
     Barriers (`write_intent`, `write_control`, `write_run_finished`) return once their line
     and every earlier line of the run are synced. The other writes return once queued; if
@@ -480,7 +442,9 @@ class JsonlStore:
     `StoreError`; open the store again to resume it.
 
     Every write raises:
-        ConflictError: ``seq`` is not the run's next seq. Nothing is written.
+        ConflictError: ``seq`` is not the run's next seq (checked before queuing), or
+            another writer appended to the run's file since this store read it (caught at
+            append time; the run is then refused here). Nothing of the write is stored.
         UsageError: a record cannot be encoded as JSON or UTF-8, or names another run.
             Nothing is written and the seq stays free.
         LogCorrupted: the run's existing file is damaged before its end (its first write in
@@ -495,35 +459,14 @@ class JsonlStore:
         written (the run's next seq has advanced).
     """
 
-    def __init__(
-        self,
-        directory: str,
-        lock: int | None,
-        found: list[_Found],
-        ops: FileOps,
-        token: trio.lowlevel.TrioToken,
-    ) -> None:
+    def __init__(self, directory: str, ops: FileOps, token: trio.lowlevel.TrioToken) -> None:
         """Private: use `JsonlStore.open`."""
         self._directory = directory
-        self._lock: int | None = lock
-        self._paths: dict[str, str] = {}
-        self._order: list[str] = []
-        self._counter = max((f.counter for f in found), default=0) + 1
-        for entry in found:
-            if entry.run_id is None:
-                continue
-            if entry.run_id in self._paths:
-                _unlock(lock)
-                raise StoreError(
-                    f"{directory}: run {entry.run_id!r} has two files: "
-                    f"{self._paths[entry.run_id]} and {entry.path}"
-                )
-            self._paths[entry.run_id] = entry.path
-            self._order.append(entry.run_id)
         self._runs: dict[str, _RunState] = {}
-        self._listed: set[str] = set()
+        self._listed: dict[str, _Listing] = {}
         self._torn: list[TornTail] = []
         self._last: Write | None = None
+        self._created_ns = 0
         self._closed = False
         self._stopped = trio.Event()
         self._counters = _Counters()
@@ -545,14 +488,12 @@ class JsonlStore:
             The open store; the caller owns it and must `aclose` it.
 
         Raises:
-            StoreError: the directory cannot be created or locked (another store object,
-                in this or another process, has it open), or two files hold one run.
-            LogCorrupted, SchemaTooNew: the header of a hashed-name run file is bad or newer.
+            StoreError: the directory cannot be created, or the path is not a directory.
         """
         text = str(Path(directory))
         token = trio.lowlevel.current_trio_token()
-        lock, found = await trio.to_thread.run_sync(_open_directory, text)
-        return cls(text, lock, found, file_ops or OsFileOps(), token)
+        await trio.to_thread.run_sync(_open_directory, text)
+        return cls(text, file_ops or OsFileOps(), token)
 
     @property
     def directory(self) -> str:
@@ -564,19 +505,18 @@ class JsonlStore:
         return JsonlStatistics(**attrs.asdict(self._counters))
 
     def torn_tails(self) -> tuple[TornTail, ...]:
-        """Torn tails found since the store was opened, in the order they were found.
+        """Torn tails found by reads since the store was opened, in the order found.
 
-        A torn tail is reported once per store object, when its file is first read (by
-        `read_log`, or by the run's first write), and cut off with the run's next append.
+        A read reports a torn tail each time it finds one, except while this store is
+        appending to that run. A process reading a run that another process is appending to
+        at that moment cannot tell a half-written line from a torn one: the writer's own
+        check, under the file's lock, decides what is cut.
         """
         return tuple(self._torn)
 
-    def run_file(self, run_id: str) -> str | None:
-        """The path of the run's file, or ``None`` while the run has none."""
-        state = self._runs.get(run_id)
-        if state is not None and state.path is not None:
-            return state.path
-        return self._paths.get(run_id)
+    def run_file(self, run_id: str) -> str:
+        """The file that holds (or will hold) the run's log."""
+        return os.path.join(self._directory, run_file_name(run_id))
 
     async def write_run_started(self, record: RunStarted, *, seq: int) -> None:
         """Queue the run-started record (not a barrier; raises an earlier write's failure)."""
@@ -613,7 +553,8 @@ class JsonlStore:
     async def read_log(self, run_id: str) -> RunLog:
         """Read the run's whole log, after the writes queued for it here are written.
 
-        A torn tail is left out and reported (`torn_tails`); it is not cut off by reading.
+        The log includes what other store objects (or processes) appended. A torn tail is
+        left out and reported (`torn_tails`); reading never cuts it.
 
         Returns:
             The log, records in seq order; an empty log for a run that does not exist.
@@ -629,36 +570,42 @@ class JsonlStore:
         if state is not None and state.last is not None:
             await self._wait_done(state.last)
         path = self.run_file(run_id)
-        if path is None:
-            return RunLog(run_id=run_id)
-        limit = state.end if state is not None else None
-        found = await trio.to_thread.run_sync(lambda: read_run_file(path, limit=limit))
+        found = await trio.to_thread.run_sync(read_run_file, path)
+        self._check_open()
         self._check_run_id(path, run_id, found)
-        if state is None:
-            self._adopt(run_id, path, found)
+        state = self._runs.get(run_id)
+        if state is None or (state.inflight == 0 and state.error is None):
+            self._runs[run_id] = _state_of(path, found)  # the next write continues from here
+            self._note_torn(run_id, path, found.torn)
+        elif found.torn is not None and found.torn.offset < state.end:
+            self._note_torn(run_id, path, found.torn)  # not our append in flight
         return RunLog(run_id=run_id, records=found.records)
 
     async def list_runs(self) -> tuple[str, ...]:
         """Every run id with at least one written record, in first-write order.
 
+        First-write order is the order of the ``created_ns`` instants in the files' headers
+        (the wall clock of the writer that created each file), then of run ids.
+
         Raises:
-            StoreError: a file cannot be read, or the store is closed.
+            StoreError: the directory cannot be read, or the store is closed.
         """
         self._check_open()
         if self._last is not None:
             await self._wait_done(self._last)
-        unknown = [
-            (run_id, self._paths[run_id])
-            for run_id in self._order
-            if run_id not in self._runs and run_id not in self._listed
-        ]
-        if unknown:
-            probed = await trio.to_thread.run_sync(_probe_all, unknown)
-            self._listed.update(probed)
-        return tuple(run_id for run_id in self._order if self._has_records(run_id))
+        known = set(self._listed)
+        try:
+            found = await trio.to_thread.run_sync(_probe_directory, self._directory, known)
+        except OSError as exc:
+            raise StoreError(f"cannot list {self._directory}: {exc.strerror or exc}") from exc
+        for name, listing in found.items():
+            if listing is not None:
+                self._listed[name] = listing
+        listings = sorted(self._listed.values(), key=lambda x: (x.created_ns, x.run_id))
+        return tuple(listing.run_id for listing in listings)
 
     async def aclose(self) -> None:
-        """Write and sync everything queued, stop the committer and release the directory.
+        """Write and sync everything queued, stop the committer and close every file.
 
         Idempotent. Later operations raise `StoreError`.
 
@@ -676,8 +623,6 @@ class JsonlStore:
             await self._stopped.wait()
         if not self._stopped.is_set():
             raise StoreError(f"{self._directory}: the committer did not stop in {CLOSE_GRACE_S} s")
-        lock, self._lock = self._lock, None
-        _unlock(lock)
         self._raise_unreported()
 
     # ------------------------------------------------------------------ internals
@@ -706,28 +651,26 @@ class JsonlStore:
             raise refusal(run_id, state.error)
         if seq != state.next_seq:
             raise ConflictError(run_id, expected=state.next_seq, got=seq)
-        create = state.path is None
-        path = state.path or self._new_path(run_id)
+        data = line if state.header else self._header(run_id) + line
         write = Write(
             run_id=run_id,
-            path=path,
-            data=line if state.header else header_frame(run_id) + line,
+            path=state.path,
+            seq=seq,
+            start=state.tail,
+            data=data,
             records=len(records),
             barrier=barrier,
-            create=create,
-            cut_to=state.cut_to,
+            create=not state.exists,
             closes=closes,
         )
         wait = barrier or self._counters.pending >= MAX_PENDING_WRITES
         if wait:
             write.event = trio.Event()
         self._committer.inbox.put(write, flush=wait)  # StoreError if the committer is gone
-        if create:
-            self._paths[run_id] = path
-            self._order.append(run_id)
-            self._counter += 1
-        state.path, state.header, state.cut_to = path, True, None
+        state.exists = state.header = True
         state.next_seq += len(records)
+        state.tail += len(data)
+        state.inflight += 1
         state.last = self._last = write
         self._counters.pending += 1
         if write.event is None:
@@ -737,26 +680,19 @@ class JsonlStore:
             state.reported = True
             raise write.error
 
-    def _new_path(self, run_id: str) -> str:
-        return os.path.join(self._directory, run_file_name(self._counter, run_id))
+    def _header(self, run_id: str) -> bytes:
+        self._created_ns = max(self._created_ns + 1, time.time_ns())
+        return header_frame(run_id, created_ns=self._created_ns)
 
     async def _load_state(self, run_id: str) -> _RunState:
-        path = self._paths.get(run_id)
-        if path is None:
-            state = _RunState(path=None)
-        else:
-            found = await trio.to_thread.run_sync(read_run_file, path)
-            self._check_run_id(path, run_id, found)
-            state = _state_of(path, found)
-            self._note_torn(run_id, path, found.torn)
+        path = self.run_file(run_id)
+        found = await trio.to_thread.run_sync(read_run_file, path)
+        self._check_run_id(path, run_id, found)
         # another task may have loaded (and advanced) it meanwhile: keep that one
-        return self._runs.setdefault(run_id, state)
-
-    def _adopt(self, run_id: str, path: str, found: RunFile) -> None:
-        """Keep what a read learnt about a run not yet written here (saves a re-read)."""
-        if run_id not in self._runs:
-            self._runs[run_id] = _state_of(path, found)
+        state = self._runs.setdefault(run_id, _state_of(path, found))
+        if state.inflight == 0:
             self._note_torn(run_id, path, found.torn)
+        return state
 
     def _check_run_id(self, path: str, run_id: str, found: RunFile) -> None:
         if found.run_id is not None and found.run_id != run_id:
@@ -785,12 +721,6 @@ class JsonlStore:
             run_id,
         )
 
-    def _has_records(self, run_id: str) -> bool:
-        state = self._runs.get(run_id)
-        if state is not None:
-            return state.records > 0
-        return run_id in self._listed
-
     async def _wait_done(self, write: Write) -> None:
         if write.done:
             return
@@ -806,6 +736,7 @@ class JsonlStore:
         for write in batch:
             write.done = True
             state = self._runs[write.run_id]
+            state.inflight -= 1
             if write.error is None:
                 ok += 1
                 records += write.records
@@ -825,6 +756,7 @@ class JsonlStore:
         counters = self._counters
         counters.pending -= taken
         counters.syncs += counts.syncs
+        counters.tails_cut += counts.cuts
         counters.sync_rounds += 1 if counts.synced_files else 0
         if ok:
             counters.batches += 1
@@ -850,16 +782,13 @@ class JsonlStore:
 def _state_of(path: str, found: RunFile) -> _RunState:
     return _RunState(
         path=path,
+        exists=found.exists,
         next_seq=found.next_seq,
         end=found.end,
+        tail=found.end,
         records=len(found.records),
         header=found.run_id is not None,
-        cut_to=found.torn.offset if found.torn is not None else None,
     )
-
-
-def _probe_all(files: list[tuple[str, str]]) -> set[str]:
-    return {run_id for run_id, path in files if _has_records(path)}
 
 
 def _encode_line(run_id: str, seq: int, records: tuple[Record, ...]) -> bytes:

@@ -338,6 +338,18 @@ class FailingFileOps:
         """Forward."""
         return self.inner.open(path, create=create)
 
+    def lock(self, fd: int) -> None:
+        """Forward."""
+        self.inner.lock(fd)
+
+    def unlock(self, fd: int) -> None:
+        """Forward."""
+        self.inner.unlock(fd)
+
+    def read(self, fd: int, offset: int, size: int) -> bytes:
+        """Forward."""
+        return self.inner.read(fd, offset, size)
+
     def write(self, fd: int, data: bytes | memoryview) -> int:
         """Append what fits; raise ``ENOSPC`` when nothing does."""
         room = None if self.space_bytes is None else self.space_bytes - self.written
