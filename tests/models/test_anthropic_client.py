@@ -104,8 +104,11 @@ def test_system_tools_tool_results_and_merged_turns():
 
 
 def test_max_tokens_always_sent_from_the_definition_and_never_raised_by_params():
-    capped = ModelRequest(messages=(), max_output_tokens=100, params={"max_tokens": 9999})
-    assert body_of(capped)["max_tokens"] == 100
+    params = {"max_tokens": 9999, "max_completion_tokens": 9999, "max_output_tokens": 9999}
+    capped = ModelRequest(messages=(), max_output_tokens=100, params=params)
+    body = body_of(capped)
+    assert body["max_tokens"] == 100
+    assert "max_completion_tokens" not in body and "max_output_tokens" not in body
     uncapped = ModelRequest(messages=(), params={"max_tokens": 500})
     assert body_of(uncapped)["max_tokens"] == 500
     assert body_of(ModelRequest(messages=()))["max_tokens"] == 4096

@@ -44,6 +44,7 @@ DEFAULT_MAX_TOKENS = 4096
 MAX_ERROR_BODY_BYTES = 64 * 1024
 MAX_JSON_BODY_BYTES = 16 * 1024 * 1024
 _RESERVED_PARAMS = frozenset({"model", "messages", "system", "tools", "stream"})
+_CAP_KEYS = frozenset({"max_tokens", "max_completion_tokens", "max_output_tokens"})
 
 
 class AnthropicMessagesClient:
@@ -119,8 +120,9 @@ class AnthropicMessagesClient:
     def request_body(self, request: ModelRequest) -> dict[str, Any]:
         """The JSON body sent for ``request``.
 
-        ``max_tokens`` is the request's ``max_output_tokens`` when set (a ``max_tokens`` param
-        cannot raise it), else the param, else ``default_max_tokens``. System messages become
+        ``max_tokens`` is the request's ``max_output_tokens`` when set (no param can raise
+        it), else a ``max_tokens`` param, else ``default_max_tokens``; other output-cap params
+        (``max_completion_tokens``, ``max_output_tokens``) are dropped. System messages become
         the top-level ``system``; tool messages become ``tool_result`` blocks of a user turn;
         consecutive turns of one role are merged. Other params (``temperature``,
         ``thinking``, ``tool_choice`` ...) are merged in last, in Anthropic's own form.
@@ -144,7 +146,7 @@ class AnthropicMessagesClient:
             body["tools"] = [_tool(spec) for spec in request.tools]
         body["stream"] = True
         for key, value in request.params.items():
-            if key != "max_tokens":
+            if key not in _CAP_KEYS:
                 body[key] = value
         return body
 
