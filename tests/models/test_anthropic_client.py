@@ -6,6 +6,7 @@ import base64
 import hashlib
 import json
 
+import httpx
 import pytest
 import trio
 from test_anthropic_events import (
@@ -394,3 +395,44 @@ async def test_client_is_reusable_across_calls():
         second = await client.complete(REQUEST)
         await client.aclose()
     assert (first.text, second.text) == ("one", "two")
+
+
+@pytest.mark.parametrize("provider", ["anthropic", "openai"])
+async def test_a_complete_stream_leaves_its_connection_reusable(provider):
+    from treadle.models import OpenAIChatClient
+
+    openai_done = [
+        b'data: {"choices": [{"index": 0, "delta": {"content": "x"}, "finish_reason": "stop"}]}\n\n',
+        b"data: [DONE]\n\n",
+    ]
+    chunks = text_reply("x") if provider == "anthropic" else openai_done
+    peers: list[object] = []
+
+    async def remember_peer(response: httpx.Response) -> None:
+        peers.append(response.extensions["network_stream"].get_extra_info("client_addr"))
+
+    async with (
+        open_loopback_server(canned(CannedResponse(headers=SSE, chunks=chunks))) as server,
+        httpx.AsyncClient(event_hooks={"response": [remember_peer]}) as http,
+    ):
+        client: ModelClient = (
+            AnthropicMessagesClient(base_url=server.base_url, http_client=http)
+            if provider == "anthropic"
+            else OpenAIChatClient(base_url=server.base_url, http_client=http)
+        )
+        for _ in range(3):
+            assert (await client.complete(REQUEST)).text == "x"
+    assert len(peers) == 3
+    assert len(set(peers)) == 1  # one TCP connection served all three calls
+
+
+async def test_report_usage_outside_an_attempt_does_nothing():
+    from treadle.models import observe_usage, report_usage
+    from treadle.types import Usage
+
+    report_usage(Usage(input_tokens=1))  # no observer: nothing happens
+    seen: list[Usage] = []
+    with observe_usage(seen.append):
+        report_usage(Usage(input_tokens=2))
+    report_usage(Usage(input_tokens=3))
+    assert seen == [Usage(input_tokens=2)]
