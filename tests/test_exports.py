@@ -34,6 +34,7 @@ TREADLE = sorted(
         "RunState",
         "SchemaTooNew",
         "SnapshotMismatch",
+        "JsonlStore",
         "SqliteStore",
         "StopReason",
         "StoreError",
@@ -45,8 +46,10 @@ TREADLE = sorted(
         "TreadleError",
         "Usage",
         "UsageError",
+        "open_jsonl_store",
         "open_run",
         "open_sqlite_store",
+        "resume_unfinished",
         "run",
         "tool",
     ]
@@ -55,7 +58,10 @@ TREADLE = sorted(
 TESTING = sorted(
     [
         "CannedResponse",
+        "CrashingExecutor",
         "CrashingStore",
+        "FailingFileOps",
+        "FailingStore",
         "ScriptedModel",
         "SeamContractError",
         "SimulatedCrash",
@@ -63,6 +69,7 @@ TESTING = sorted(
         "calls",
         "canned",
         "check_action_executor",
+        "check_crash_recovery",
         "check_decision_parser",
         "check_model_client",
         "check_run_store",

@@ -27,9 +27,12 @@ from treadle.models.anthropic import AnthropicMessagesClient as AnthropicMessage
 from treadle.models.openai import OpenAIChatClient as OpenAIChatClient
 from treadle.parsers import JsonToolCallParser as JsonToolCallParser
 from treadle.parsers import NativeToolCallParser as NativeToolCallParser
+from treadle.stores.jsonl import JsonlStore as JsonlStore
+from treadle.stores.jsonl import open_jsonl_store as open_jsonl_store
 from treadle.stores.memory import MemoryStore as MemoryStore
 from treadle.stores.sqlite import SqliteStore as SqliteStore
 from treadle.stores.sqlite import open_sqlite_store as open_sqlite_store
+from treadle.supervisors.recovery import resume_unfinished as resume_unfinished
 from treadle.supervisors.run import RunHandle as RunHandle
 from treadle.supervisors.run import open_run as open_run
 from treadle.supervisors.run import run as run
@@ -65,6 +68,7 @@ __all__ = [
     "FixedStepClock",
     "ImageRef",
     "JsonToolCallParser",
+    "JsonlStore",
     "Limits",
     "LogCorrupted",
     "MemoryStore",
@@ -91,8 +95,10 @@ __all__ = [
     "TreadleError",
     "Usage",
     "UsageError",
+    "open_jsonl_store",
     "open_run",
     "open_sqlite_store",
+    "resume_unfinished",
     "run",
     "tool",
 ]

@@ -4,6 +4,7 @@ Commands:
 
 * ``treadle probe``: one streaming call to an OpenAI-compatible endpoint, printed as JSON.
 * ``treadle runs`` / ``treadle show``: list the runs of a store; a run's trajectory as a table.
+* ``treadle resume``: resume an unfinished run (or all of them) of a SQLite or JSONL store.
 * ``treadle demo``: the airline replay demo (see `treadle.demo`).
 """
 
@@ -12,7 +13,8 @@ from __future__ import annotations
 import json
 import os
 import sys
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -23,6 +25,8 @@ from rich.console import Console
 from rich.table import Table
 
 from treadle._exceptions import TreadleError
+from treadle.agent import Agent
+from treadle.ports import RunStore
 from treadle.stores._codec import record_to_dict
 from treadle.stores.sqlite import open_sqlite_store
 from treadle.types import (
@@ -296,6 +300,146 @@ def _describe_model_result(record: ModelResult) -> tuple[str, str]:
     assert reply is not None
     calls = ", ".join(c.name for c in reply.tool_calls)
     return "model reply", _clip(f"{reply.text or ''} {('→ ' + calls) if calls else ''}".strip())
+
+
+@main.command()
+@click.argument("run_id", required=False)
+@click.option(
+    "--store",
+    "store_path",
+    required=True,
+    type=click.Path(),
+    help="SQLite store file, or JSONL store directory.",
+)
+@click.option(
+    "--agent",
+    "agent_spec",
+    required=True,
+    help="MODULE:FACTORY, a function of no arguments returning the run's treadle.Agent.",
+)
+@click.option("--all", "resume_all", is_flag=True, help="Resume every unfinished run instead.")
+@click.option(
+    "--max-concurrent",
+    default=16,
+    show_default=True,
+    type=click.IntRange(min=1),
+    help="Runs driven at the same time (with --all).",
+)
+@click.option("--json", "as_json", is_flag=True, help="One JSON object per run.")
+def resume(
+    run_id: str | None,
+    store_path: str,
+    agent_spec: str,
+    resume_all: bool,
+    max_concurrent: int,
+    as_json: bool,
+) -> None:
+    """Resume an unfinished run (or every one, with --all) and print how it ended.
+
+    Finished model calls and actions are reused, never repeated; an action whose outcome was
+    lost follows its tool's replay policy. A finished run is only reported.
+    """
+    if (run_id is None) == (not resume_all):
+        raise click.UsageError("give a RUN_ID or --all (not both)")
+    agent = load_agent(agent_spec)
+    if resume_all:
+        logs, errors = _run_async(lambda: _resume_all(store_path, agent, max_concurrent))
+    else:
+        assert run_id is not None
+        logs, errors = [_run_async(lambda: _resume_one(store_path, agent, run_id))], []
+    for log in logs:
+        summary = _run_summary(log)
+        if as_json:
+            click.echo(json.dumps(summary, ensure_ascii=False))
+        else:
+            click.echo(
+                f"{log.run_id}: {summary['state']} ({summary['stop_reason']}), "
+                f"{summary['steps']} steps"
+            )
+    if errors:
+        raise click.ClickException(
+            "; ".join(" ".join([*getattr(e, "__notes__", []), str(e)]) for e in errors)
+        )
+
+
+def load_agent(spec: str) -> Agent:
+    """Load the agent definition named ``MODULE:FACTORY`` (``--agent``).
+
+    ``FACTORY`` is a `treadle.Agent` or a function of no arguments returning one.
+
+    Raises:
+        click.BadParameter: the spec is malformed, the module or name cannot be found, the
+            factory fails, or it gives something other than an Agent.
+    """
+    import importlib
+
+    module_name, _, attribute = spec.rpartition(":")
+    if not module_name or not attribute:
+        raise click.BadParameter(f"{spec!r} is not MODULE:FACTORY", param_hint="--agent")
+    try:
+        found = getattr(importlib.import_module(module_name), attribute)
+    except (ImportError, AttributeError) as exc:
+        raise click.BadParameter(f"cannot load {spec}: {exc}", param_hint="--agent") from exc
+    if not isinstance(found, Agent):
+        try:
+            found = found()
+        except Exception as exc:
+            raise click.BadParameter(f"{spec}() failed: {exc}", param_hint="--agent") from exc
+    if not isinstance(found, Agent):
+        raise click.BadParameter(
+            f"{spec} gave {type(found).__name__}, not a treadle.Agent", param_hint="--agent"
+        )
+    agent: Agent = found
+    return agent
+
+
+@asynccontextmanager
+async def _open_any_store(path: str) -> AsyncIterator[RunStore]:
+    """A JSONL store for a directory, a SQLite store for a file."""
+    from treadle.stores.jsonl import open_jsonl_store
+
+    if await trio.Path(path).is_dir():
+        async with open_jsonl_store(path) as store:
+            yield store
+    elif await trio.Path(path).is_file():
+        async with open_sqlite_store(path) as store:
+            yield store
+    else:
+        raise click.ClickException(f"no store at {path}")
+
+
+async def _resume_one(store_path: str, agent: Agent, run_id: str) -> RunLog:
+    from treadle.supervisors.run import run
+
+    async with _open_any_store(store_path) as store:
+        log = await store.read_log(run_id)
+        if not log.records:
+            raise click.ClickException(f"no run {run_id!r} in {store_path}")
+        if log.finished is None:
+            await run(agent, store=store, run_id=run_id)
+            log = await store.read_log(run_id)
+    return log
+
+
+async def _resume_all(
+    store_path: str, agent: Agent, max_concurrent: int
+) -> tuple[list[RunLog], list[Exception]]:
+    from treadle.approvals import is_control_log
+    from treadle.supervisors.recovery import resume_unfinished
+
+    errors: list[Exception] = []
+    async with _open_any_store(store_path) as store:
+        unfinished = [
+            run_id
+            for run_id in await store.list_runs()
+            if not is_control_log(run_id) and (await store.read_log(run_id)).finished is None
+        ]
+        try:
+            await resume_unfinished(agent, store=store, max_concurrent=max_concurrent)
+        except ExceptionGroup as group:
+            errors = list(group.exceptions)
+        logs = [await store.read_log(run_id) for run_id in unfinished]
+    return logs, errors
 
 
 def _register_demo() -> None:

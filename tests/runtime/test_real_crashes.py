@@ -16,7 +16,9 @@ cost tens of milliseconds; one test runs the driver as ``python -m`` in fresh in
 
 from __future__ import annotations
 
+import json
 import multiprocessing
+import os
 import random
 import signal
 import subprocess
@@ -34,6 +36,7 @@ from treadle.stores.memory import MemoryStore
 from treadle.supervisors.run import run
 from treadle.testing.crashdriver import DriverSpec, child_main, open_store, read_kill_note
 from treadle.testing.crashes import (
+    LEDGER_ENV,
     RUN_INPUT,
     check_recovered_run,
     make_agent,
@@ -83,7 +86,7 @@ class Chain:
 
     @property
     def ledger(self) -> Path:
-        return self.root / "ledger"
+        return self.root / "ledger.jsonl"
 
     def spec(self, incarnation: int, kill_after_writes: int | None) -> DriverSpec:
         return DriverSpec(
@@ -115,7 +118,7 @@ class Chain:
 
     def drive(self, choose: str, max_kills: int) -> None:
         """Kill and resume until a process finishes every run."""
-        self.ledger.mkdir(parents=True)
+        self.root.mkdir(parents=True)
         for incarnation in range(MAX_INCARNATIONS):
             plan = choose if self.kills < max_kills else "none"
             writes = self.rng.randint(1, 30) if plan == "self" else None
@@ -148,7 +151,7 @@ class Chain:
                 return [await store.read_log(run_id) for run_id in RUNS]
 
         for log in trio.run(read):
-            ledger = read_ledger(self.ledger / f"{log.run_id}.ledger")
+            ledger = read_ledger(self.ledger, run_id=log.run_id)
             assert check_recovered_run(log, ledger, baseline) == []
             for i, record in enumerate(log.records):  # a result never without its step record
                 if isinstance(record, ActionResult):
@@ -200,36 +203,35 @@ def test_processes_killed_from_outside_after_random_delays(
     assert kills >= 20
 
 
-def test_the_driver_module_killed_and_resumed_in_fresh_interpreters(
-    baseline: RunLog, tmp_path: Path
+@pytest.mark.parametrize("kind", ["sqlite", "jsonl"])
+def test_killed_driver_resumed_by_the_cli_in_a_fresh_interpreter(
+    baseline: RunLog, tmp_path: Path, kind: Literal["sqlite", "jsonl"]
 ) -> None:
-    ledger = tmp_path / "ledger"
-    ledger.mkdir()
-    common = [
-        sys.executable, "-m", "treadle.testing.crashdriver", "--kind", "jsonl",
-        "--store", str(tmp_path / "runs"), "--ledger", str(ledger), "--runs", ",".join(RUNS),
+    ledger = tmp_path / "ledger.jsonl"
+    store = tmp_path / ("runs.db" if kind == "sqlite" else "runs")
+    driver = [
+        sys.executable, "-m", "treadle.testing.crashdriver", "--kind", kind,
+        "--store", str(store), "--ledger", str(ledger), "--runs", ",".join(RUNS),
+        "--kill-after-writes", "23", "--kill-when", "after",
     ]  # fmt: skip
-    killed = subprocess.run(
-        [*common, "--kill-after-writes", "23", "--kill-when", "after"],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
-    )
+    killed = subprocess.run(driver, capture_output=True, text=True, timeout=120, check=False)
     assert killed.returncode == KILLED, killed.stderr
     assert killed.stdout.splitlines() == ["ready"]
-    finished = subprocess.run(common, capture_output=True, text=True, timeout=120, check=True)
-    lines = finished.stdout.splitlines()
-    assert lines[0] == "ready"
-    assert sorted(lines[1:]) == [f"{r} succeeded task_completed" for r in RUNS] or all(
-        line.split()[1] == "succeeded" for line in lines[1:]
-    )
+    resume = [
+        sys.executable, "-m", "treadle", "resume", "--all", "--json", "--store", str(store),
+        "--agent", "treadle.testing.crashes:agent_from_environment",
+    ]  # fmt: skip
+    env = {**os.environ, LEDGER_ENV: str(ledger)}
+    resumed = subprocess.run(resume, capture_output=True, text=True, timeout=120, env=env)
+    assert resumed.returncode == 0, resumed.stderr
+    rows = [json.loads(line) for line in resumed.stdout.splitlines()]
+    assert sorted(row["run_id"] for row in rows) == sorted(RUNS)  # all were unfinished
+    assert all(row["state"] in ("succeeded", "failed") for row in rows)
 
     async def read() -> list[RunLog]:
-        async with open_store("jsonl", tmp_path / "runs") as store:
-            return [await store.read_log(run_id) for run_id in RUNS]
+        async with open_store(kind, store) as opened:
+            return [await opened.read_log(run_id) for run_id in RUNS]
 
     for log in trio.run(read):
-        assert (
-            check_recovered_run(log, read_ledger(ledger / f"{log.run_id}.ledger"), baseline) == []
-        )
+        entries = read_ledger(ledger, run_id=log.run_id)
+        assert check_recovered_run(log, entries, baseline) == []

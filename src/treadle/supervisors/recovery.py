@@ -16,6 +16,7 @@ import trio
 from treadle._clock import Clock
 from treadle._exceptions import StoreError, UsageError
 from treadle.agent import Agent
+from treadle.approvals import is_control_log
 from treadle.ports import EventSink, RunStore
 from treadle.supervisors.run import run
 from treadle.types import RunResult, RunStarted
@@ -38,7 +39,8 @@ async def resume_unfinished(
     Args:
         agent: the agent definition, or a function choosing it from a run's run-started
             record (its snapshot and input), for stores that hold runs of several agents.
-        store: the run store; its runs are taken in `list_runs` order.
+        store: the run store; its runs are taken in `list_runs` order (control logs,
+            `treadle.approvals.control_log_id`, are not runs and are skipped).
         max_concurrent: runs driven at the same time (at least 1).
         sinks: event sinks given to every resumed run.
         clock: wall clock for record timestamps (default: the system clock).
@@ -64,7 +66,7 @@ async def resume_unfinished(
     """
     if max_concurrent < 1:
         raise UsageError(f"max_concurrent must be at least 1, got {max_concurrent}")
-    run_ids = await store.list_runs()
+    run_ids = [r for r in await store.list_runs() if not is_control_log(r)]
     limiter = trio.CapacityLimiter(max_concurrent)
     results: dict[str, RunResult] = {}
     errors: list[Exception] = []

@@ -1,7 +1,11 @@
 """The public test and simulation kit.
 
 * `ScriptedModel` (+ `say`, `call`, `calls`): a model client that plays a script by turn.
-* `CrashingStore`, `SimulatedCrash`: fault injection at any store write.
+* `CrashingStore`, `CrashingExecutor`, `SimulatedCrash`: a simulated process crash at any store
+  write or in the middle of any action; `FailingStore`, `FailingFileOps`: a write that fails
+  (a full disk, a failed sync) without a crash.
+* `check_crash_recovery`: crash a scripted run at every write and in every action, reopen the
+  store, resume, and check what survived (`treadle.testing.crashes`).
 * `check_run_store` (store contract), `check_decision_parser`, `check_action_executor`,
   `check_model_client`: the seam contracts, reusable for your own implementations.
 * `open_loopback_server`, `CannedResponse`, `canned`: a real HTTP server on 127.0.0.1 for
@@ -11,7 +15,11 @@
 from __future__ import annotations
 
 from treadle.testing.contracts import check_run_store as check_run_store
+from treadle.testing.crashes import check_crash_recovery as check_crash_recovery
+from treadle.testing.faults import CrashingExecutor as CrashingExecutor
 from treadle.testing.faults import CrashingStore as CrashingStore
+from treadle.testing.faults import FailingFileOps as FailingFileOps
+from treadle.testing.faults import FailingStore as FailingStore
 from treadle.testing.faults import SimulatedCrash as SimulatedCrash
 from treadle.testing.loopback import CannedResponse as CannedResponse
 from treadle.testing.loopback import canned as canned
@@ -27,7 +35,10 @@ from treadle.testing.seams import check_model_client as check_model_client
 
 __all__ = [
     "CannedResponse",
+    "CrashingExecutor",
     "CrashingStore",
+    "FailingFileOps",
+    "FailingStore",
     "ScriptedModel",
     "SeamContractError",
     "SimulatedCrash",
@@ -35,6 +46,7 @@ __all__ = [
     "calls",
     "canned",
     "check_action_executor",
+    "check_crash_recovery",
     "check_decision_parser",
     "check_model_client",
     "check_run_store",

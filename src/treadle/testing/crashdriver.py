@@ -4,13 +4,14 @@ It runs (or resumes) the runs of the scenario of `treadle.testing.crashes` concu
 SQLite or JSONL store, and can SIGKILL itself at a chosen store write, so that a test can kill
 it at any point, start a new process that resumes, and check what survived::
 
-    python -m treadle.testing.crashdriver --kind jsonl --store runs/ --ledger ledgers/
+    python -m treadle.testing.crashdriver --kind jsonl --store runs/ --ledger ledger.jsonl
         --runs r1,r2,r3 --kill-after-writes 17 --kill-when before
 
 The process exits 0 once every run has finished (a finished run just returns its stored
 result), and dies by SIGKILL at the chosen write: ``before`` it reaches the store, or
 ``after`` the store accepted it (for a barrier: after it is durable). The tools count their
-executions in ``<ledger>/<run id>.ledger`` (appended and synced by the tool itself).
+executions in the ``--ledger`` file (appended and synced by the tool itself; see
+`treadle.testing.crashes.read_ledger`).
 
 `child_main` is the same driver as a `multiprocessing` target: tests start it through a
 forkserver that has imported treadle once, so hundreds of kills stay cheap.
@@ -206,7 +207,7 @@ class DriverSpec:
     Attributes:
         kind: ``sqlite`` (``store`` is a file) or ``jsonl`` (``store`` is a directory).
         store: the store's path.
-        ledger: the directory of the tools' ledger files.
+        ledger: the file the tools record their executions in (all runs share it).
         run_ids: the runs to start or resume, concurrently.
         kill_after_writes: the store write at which the process SIGKILLs itself.
         kill_when: ``before`` or ``after`` that write.
@@ -241,7 +242,7 @@ async def drive(spec: DriverSpec, *, on_ready: Callable[[], None] | None = None)
             on_ready()
 
         async def one(run_id: str) -> None:
-            agent = make_agent(Path(spec.ledger) / f"{run_id}.ledger")
+            agent = make_agent(spec.ledger)
             results[run_id] = await run(agent, RUN_INPUT, store=store, run_id=run_id)
 
         async with trio.open_nursery() as nursery:

@@ -33,7 +33,7 @@ from typing import Any, Final, Literal
 import attrs
 import trio
 
-from treadle._exceptions import RunInterrupted
+from treadle._exceptions import RunInterrupted, UsageError
 from treadle.agent import Agent
 from treadle.parsers import NativeToolCallParser
 from treadle.ports import ActionExecutor, RunStore
@@ -67,11 +67,13 @@ from treadle.types import (
 )
 
 __all__ = [
+    "LEDGER_ENV",
     "NEVER_TOOLS",
     "RUN_INPUT",
     "CrashContractError",
     "CrashReport",
     "LedgerEntry",
+    "agent_from_environment",
     "check_crash_recovery",
     "check_recovered_run",
     "compare_trajectories",
@@ -124,13 +126,21 @@ def _append_line(path: str, line: bytes) -> None:
         os.close(fd)
 
 
-def read_ledger(path: str | os.PathLike[str]) -> list[LedgerEntry]:
-    """Every execution recorded in a ledger file, in order (a missing file is empty)."""
+def read_ledger(path: str | os.PathLike[str], *, run_id: str | None = None) -> list[LedgerEntry]:
+    """The executions recorded in a ledger file, in order (a missing file is empty).
+
+    Args:
+        path: the ledger file.
+        run_id: keep only this run's executions (its intent ids start with ``<run_id>/``).
+    """
     try:
         data = Path(path).read_bytes()
     except FileNotFoundError:
         return []
-    return [LedgerEntry(**json.loads(line)) for line in data.splitlines() if line]
+    entries = [LedgerEntry(**json.loads(line)) for line in data.splitlines() if line]
+    if run_id is None:
+        return entries
+    return [e for e in entries if e.intent_id.startswith(f"{run_id}/")]
 
 
 async def _record(ledger: str, ctx: ToolContext, result: str) -> str:
@@ -240,6 +250,24 @@ def make_agent(
         limits=Limits(retry_initial_s=0.001, retry_max_s=0.001, max_model_retries=1_000),
         synthetic=synthetic,
     )
+
+
+LEDGER_ENV: Final = "TREADLE_CRASH_LEDGER"
+"""The environment variable naming the ledger file of `agent_from_environment`."""
+
+
+def agent_from_environment() -> Agent:
+    """The scenario's agent with the ledger file named by ``$TREADLE_CRASH_LEDGER``.
+
+    For ``treadle resume --agent treadle.testing.crashes:agent_from_environment``.
+
+    Raises:
+        UsageError: the variable is not set.
+    """
+    ledger = os.environ.get(LEDGER_ENV)
+    if not ledger:
+        raise UsageError(f"set {LEDGER_ENV} to the ledger file of the crash scenario")
+    return make_agent(ledger)
 
 
 # --------------------------------------------------------------------------- trajectories

@@ -1,0 +1,169 @@
+"""``treadle resume``: one run or all unfinished runs of a SQLite or JSONL store."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import trio
+from click.testing import CliRunner
+
+import treadle
+from treadle.cli import main
+from treadle.supervisors.run import run
+from treadle.testing.crashdriver import open_store
+from treadle.testing.crashes import (
+    LEDGER_ENV,
+    RUN_INPUT,
+    check_recovered_run,
+    make_agent,
+    read_ledger,
+)
+from treadle.testing.faults import CrashingStore, SimulatedCrash
+from treadle.types import RunLog
+
+AGENT = "treadle.testing.crashes:agent_from_environment"
+
+
+def other_agent() -> treadle.Agent:
+    """The scenario with a different system prompt (a different snapshot)."""
+    agent = make_agent("unused.ledger")
+    return treadle.Agent(
+        model=agent.model,
+        executor=agent.executor,
+        parser=agent.parser,
+        model_name=agent.model_name,
+        system_prompt="Something else.",
+        limits=agent.limits,
+    )
+
+
+def not_an_agent() -> str:
+    return "nope"
+
+
+def store_path(tmp_path: Path, kind: str) -> Path:
+    return tmp_path / ("runs.db" if kind == "sqlite" else "runs")
+
+
+def prepare(tmp_path: Path, kind: str, crashes: dict[str, int | None]) -> Path:
+    """Run the scenario once per run id, crashing after the given write (None: no crash)."""
+    path = store_path(tmp_path, kind)
+    ledger = tmp_path / "ledger.jsonl"
+
+    async def go() -> None:
+        async with open_store(kind, path) as store:  # type: ignore[arg-type]
+            for run_id, crash_at in crashes.items():
+                target = (
+                    store
+                    if crash_at is None
+                    else CrashingStore(inner=store, crash_at=crash_at, when="after")
+                )
+                try:
+                    await run(make_agent(ledger), RUN_INPUT, store=target, run_id=run_id)
+                except (treadle.RunInterrupted, SimulatedCrash):
+                    assert crash_at is not None
+                else:
+                    assert crash_at is None
+
+    trio.run(go)
+    return path
+
+
+def read_logs(tmp_path: Path, kind: str, run_ids: list[str]) -> list[RunLog]:
+    async def go() -> list[RunLog]:
+        async with open_store(kind, store_path(tmp_path, kind)) as store:  # type: ignore[arg-type]
+            return [await store.read_log(run_id) for run_id in run_ids]
+
+    return trio.run(go)
+
+
+def baseline(tmp_path: Path) -> RunLog:
+    async def go() -> RunLog:
+        store = treadle.MemoryStore()
+        await run(make_agent(tmp_path / "baseline.ledger"), RUN_INPUT, store=store, run_id="b")
+        return await store.read_log("b")
+
+    return trio.run(go)
+
+
+@pytest.mark.parametrize("kind", ["sqlite", "jsonl"])
+def test_resume_one_crashed_run(tmp_path: Path, kind: str) -> None:
+    path = prepare(tmp_path, kind, {"r1": 9})
+    runner = CliRunner(env={LEDGER_ENV: str(tmp_path / "ledger.jsonl")})
+    result = runner.invoke(main, ["resume", "r1", "--store", str(path), "--agent", AGENT, "--json"])
+    assert result.exit_code == 0, result.output
+    row = json.loads(result.output)
+    assert (row["run_id"], row["state"], row["stop_reason"]) == (
+        "r1",
+        "succeeded",
+        "task_completed",
+    )
+    (log,) = read_logs(tmp_path, kind, ["r1"])
+    entries = read_ledger(tmp_path / "ledger.jsonl", run_id="r1")
+    assert check_recovered_run(log, entries, baseline(tmp_path)) == []
+    again = runner.invoke(main, ["resume", "r1", "--store", str(path), "--agent", AGENT])
+    assert again.exit_code == 0, again.output
+    assert again.output.strip() == "r1: succeeded (task_completed), 4 steps"
+    assert read_ledger(tmp_path / "ledger.jsonl", run_id="r1") == entries  # nothing re-ran
+
+
+@pytest.mark.parametrize("kind", ["sqlite", "jsonl"])
+def test_resume_all_unfinished_runs(tmp_path: Path, kind: str) -> None:
+    path = prepare(tmp_path, kind, {"done": None, "a": 5, "b": 14})
+    runner = CliRunner(env={LEDGER_ENV: str(tmp_path / "ledger.jsonl")})
+    result = runner.invoke(
+        main, ["resume", "--all", "--store", str(path), "--agent", AGENT, "--max-concurrent", "1"]
+    )
+    assert result.exit_code == 0, result.output
+    assert sorted(result.output.splitlines()) == [
+        "a: succeeded (task_completed), 4 steps",
+        "b: succeeded (task_completed), 4 steps",
+    ]
+
+
+def test_snapshot_mismatch_is_refused_naming_the_keys(tmp_path: Path) -> None:
+    path = prepare(tmp_path, "jsonl", {"r1": 9})
+    runner = CliRunner()
+    result = runner.invoke(
+        main, ["resume", "r1", "--store", str(path), "--agent", "test_cli_resume:other_agent"]
+    )
+    assert result.exit_code == 1
+    assert "differs from the stored parameter snapshot in: system_prompt" in result.output
+    runner = CliRunner(env={LEDGER_ENV: str(tmp_path / "ledger.jsonl")})
+    rest = runner.invoke(main, ["resume", "--all", "--store", str(path), "--agent", AGENT])
+    assert rest.exit_code == 0, rest.output  # the refused attempt changed nothing
+
+
+@pytest.mark.parametrize(
+    ("arguments", "message"),
+    [
+        (["r1", "--agent", AGENT], "no run 'r1'"),
+        (["--agent", AGENT], "give a RUN_ID or --all"),
+        (["r1", "--all", "--agent", AGENT], "give a RUN_ID or --all"),
+        (["r1", "--agent", "nocolon"], "is not MODULE:FACTORY"),
+        (["r1", "--agent", "no_such_module:x"], "cannot load no_such_module:x"),
+        (["r1", "--agent", "test_cli_resume:not_an_agent"], "gave str, not a treadle.Agent"),
+        (["r1", "--agent", "treadle.testing.crashes:make_agent"], "make_agent() failed"),
+    ],
+)
+def test_bad_arguments_are_clear_errors(tmp_path: Path, arguments: list[str], message: str) -> None:
+    path = prepare(tmp_path, "sqlite", {})
+    path.touch()
+    runner = CliRunner(env={LEDGER_ENV: str(tmp_path / "ledger.jsonl")})
+    result = runner.invoke(main, ["resume", *arguments, "--store", str(path)])
+    assert result.exit_code != 0
+    assert message in result.output
+
+
+def test_missing_store_and_missing_ledger_variable(tmp_path: Path) -> None:
+    runner = CliRunner(env={LEDGER_ENV: "x"})
+    missing = runner.invoke(
+        main, ["resume", "r", "--store", str(tmp_path / "nope"), "--agent", AGENT]
+    )
+    assert missing.exit_code == 1 and "no store at" in missing.output
+    unset = CliRunner(env={LEDGER_ENV: ""}).invoke(
+        main, ["resume", "r", "--store", str(tmp_path), "--agent", AGENT]
+    )
+    assert unset.exit_code != 0 and LEDGER_ENV in unset.output
