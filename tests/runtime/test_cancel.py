@@ -273,3 +273,29 @@ def test_cli_cancel_then_resume_and_tail(tmp_path):
     lines = readable.output.splitlines()
     assert lines[0].split()[:3] == ["1", "run", "started"]
     assert "cancel requested" in lines[-2] and "enough by treadle cancel" in lines[-2]
+
+
+class SlowIntentStore(MemoryStore):
+    """Action intents take 1 s to become durable."""
+
+    async def write_intent(self, record, *, seq):
+        if isinstance(record, ActionIntent):
+            await trio.sleep(1)
+        await super().write_intent(record, seq=seq)
+
+
+async def test_an_action_cancelled_while_its_intent_is_written_is_not_executed(autojump_clock):
+    agent, tools, model = make()
+    store = SlowIntentStore()
+    async with open_run(agent, "x", store=store, run_id="r") as handle:
+        await trio.sleep(1.5)  # the model answered at 1 s; the intent is being written
+        handle.cancel()
+        result = await handle.wait()
+    assert result.state is RunState.CANCELLED
+    assert tools.executed == []
+    log = await store.read_log("r")
+    check_cancelled_log(log, tools, model)
+    (late,) = [r for r in log.records if isinstance(r, ActionResult)]
+    assert late.late
+    assert late.outcome.status is ActionStatus.NOT_EXECUTED
+    assert "before the call started" in late.outcome.observation

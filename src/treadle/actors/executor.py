@@ -106,6 +106,7 @@ class ToolExecutor:
             detail = message.rejected.get(action.call_id)
             if detail is not None and action.intent_id not in existing:
                 outcomes[index] = (self._rejected(action, detail), 0.0)
+        began: set[int] = set()
         with message.scope.open():
             fresh = [
                 a
@@ -119,9 +120,10 @@ class ToolExecutor:
                     if index in outcomes:
                         continue
                     replay = action.intent_id in existing
+                    began.add(index)
                     nursery.start_soon(self._perform, index, action, replay, outcomes)
         if message.scope.cancel_called:
-            return self._cancelled(actions, existing, written, outcomes)
+            return self._cancelled(actions, existing, written, outcomes, began)
         if len(outcomes) < len(actions):
             return ActionsOutcome(stop=StopReason.TIME_BUDGET, written=tuple(written))
         results: list[ActionResult] = []
@@ -142,18 +144,29 @@ class ToolExecutor:
         existing: Mapping[str, ActionIntent],
         written: list[Record],
         outcomes: dict[int, tuple[ActionOutcome, float]],
+        began: set[int],
     ) -> ActionsOutcome:
         """The step was cancelled: every action with an intent gets a result marked late.
 
         A call that returned anyway (it finished within its grace period) keeps its
-        outcome; one cut by the cancellation is UNKNOWN. None of them is applied.
+        outcome; one cut by the cancellation is UNKNOWN; one that never started (cancelled
+        while its intent was being written) is NOT_EXECUTED. None of them is applied.
         """
         intents = {r.intent_id for r in written if isinstance(r, ActionIntent)} | set(existing)
         results: list[ActionResult] = []
         for index, action in enumerate(actions):
             if action.intent_id not in intents:
                 continue
-            outcome, duration = outcomes.get(index) or (self._unknown(action), 0.0)
+            if index in outcomes:
+                outcome, duration = outcomes[index]
+            elif index in began:
+                outcome, duration = self._unknown(action), 0.0
+            else:
+                detail = "the run was cancelled before the call started"
+                outcome, duration = (
+                    ActionOutcome(status=ActionStatus.NOT_EXECUTED, observation=detail),
+                    0.0,
+                )
             result, _ = self._result(action, outcome, duration)
             results.append(attrs.evolve(result, late=True))
         return ActionsOutcome(
