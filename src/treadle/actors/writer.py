@@ -191,7 +191,9 @@ class EventWriter:
                 nursery.start_soon(self._pump_sink, sink, recv)
             task_status.started()
             try:
-                async with inbox:
+                # `with`, not `async with`: closing must not checkpoint, or a cancellation
+                # arriving there would replace a store error on its way out.
+                with inbox:
                     try:
                         async for message in inbox:
                             await self._serve(message)

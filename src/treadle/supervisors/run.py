@@ -375,7 +375,9 @@ def task_status_started_safely(task_status: trio.TaskStatus[None]) -> None:
 
 def _interrupted(run_id: str, error: BaseException) -> BaseException:
     real = [e for e in _leaves(error) if isinstance(e, Exception)]
-    first = real[0]
+    # A failed store write ends the event writer, and the other actors then fail on its
+    # closed inbox: the store's error is the cause, whichever leaf came first.
+    first = next((e for e in real if isinstance(e, StoreError | UsageError)), real[0])
     if isinstance(first, StoreError | UsageError):
         return first
     interrupted = RunInterrupted(run_id, f"{type(first).__name__}: {first}")

@@ -1,0 +1,221 @@
+"""Bad input on resume and stores that cannot write, on every persistent store.
+
+* a log written by a newer schema version is refused with a clear error, and nothing is
+  written to it;
+* a log whose parameter snapshot differs from the agent is refused naming the keys;
+* a store that fails a write (a full disk) stops the run with that error, and a reopened
+  store still holds every acknowledged barrier; the run then resumes to the end.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+from collections.abc import AsyncIterator, Sequence
+from pathlib import Path
+from typing import Literal
+
+import attrs
+import pytest
+
+import treadle
+from treadle.ports import RunStore
+from treadle.stores.jsonl import open_jsonl_store
+from treadle.supervisors.run import run
+from treadle.testing.crashes import (
+    RUN_INPUT,
+    check_recovered_run,
+    make_agent,
+    read_ledger,
+)
+from treadle.testing.faults import FailingFileOps, FailingStore
+from treadle.types import (
+    SCHEMA_VERSION,
+    ActionIntent,
+    ActionResult,
+    ApprovalDecided,
+    ApprovalRequested,
+    CancelRequested,
+    ModelIntent,
+    ModelResult,
+    Record,
+    RunFinished,
+    RunLog,
+    RunStarted,
+    StepRecord,
+)
+
+Kind = Literal["sqlite", "jsonl"]
+KINDS: tuple[Kind, ...] = ("sqlite", "jsonl")
+WRITES = 21  # store writes of the scenario run
+
+
+@contextlib.asynccontextmanager
+async def opened(kind: Kind, tmp_path: Path) -> AsyncIterator[RunStore]:
+    if kind == "sqlite":
+        async with treadle.open_sqlite_store(tmp_path / "runs.db") as store:
+            yield store
+    else:
+        async with open_jsonl_store(tmp_path / "runs") as store:
+            yield store
+
+
+@attrs.define(eq=False)
+class Acks:
+    """Remembers the records of every barrier that returned."""
+
+    inner: RunStore
+    acknowledged: list[Record] = attrs.Factory(list)
+    written: list[Record] = attrs.Factory(list)
+
+    async def _write(self, records: Sequence[Record], barrier: bool, write: object) -> None:
+        await write  # type: ignore[misc]
+        self.written.extend(records)
+        if barrier:
+            self.acknowledged = list(self.written)
+
+    async def write_run_started(self, record: RunStarted, *, seq: int) -> None:
+        await self._write([record], False, self.inner.write_run_started(record, seq=seq))
+
+    async def write_intent(self, record: ModelIntent | ActionIntent, *, seq: int) -> None:
+        await self._write([record], True, self.inner.write_intent(record, seq=seq))
+
+    async def write_model_result(self, record: ModelResult, *, seq: int) -> None:
+        await self._write([record], False, self.inner.write_model_result(record, seq=seq))
+
+    async def write_step(
+        self, action_results: Sequence[ActionResult] | None, step: StepRecord, *, seq: int
+    ) -> None:
+        records = [*(action_results or ()), step]
+        await self._write(records, False, self.inner.write_step(action_results, step, seq=seq))
+
+    async def write_control(
+        self, record: CancelRequested | ApprovalRequested | ApprovalDecided, *, seq: int
+    ) -> None:
+        await self._write([record], True, self.inner.write_control(record, seq=seq))
+
+    async def write_run_finished(self, record: RunFinished, *, seq: int) -> None:
+        await self._write([record], True, self.inner.write_run_finished(record, seq=seq))
+
+    async def read_log(self, run_id: str) -> RunLog:
+        return await self.inner.read_log(run_id)
+
+    async def list_runs(self) -> tuple[str, ...]:
+        return await self.inner.list_runs()
+
+    async def aclose(self) -> None:
+        await self.inner.aclose()
+
+
+async def baseline(tmp_path: Path) -> RunLog:
+    store = treadle.MemoryStore()
+    await run(make_agent(tmp_path / "baseline.ledger"), RUN_INPUT, store=store, run_id="base")
+    return await store.read_log("base")
+
+
+# --------------------------------------------------------------------------- bad logs
+
+
+@pytest.mark.parametrize("kind", KINDS)
+async def test_a_log_from_a_newer_schema_is_refused_and_left_alone(
+    kind: Kind, tmp_path: Path
+) -> None:
+    agent = make_agent(tmp_path / "ledger.jsonl")
+    started = RunStarted(
+        run_id="future",
+        ts="2030-01-01T00:00:00+00:00",
+        input=(treadle.Message(role="user", content=RUN_INPUT),),
+        snapshot=agent.snapshot(),
+        schema_version=SCHEMA_VERSION + 1,
+    )
+    async with opened(kind, tmp_path) as store:
+        await store.write_run_started(started, seq=1)
+    async with opened(kind, tmp_path) as store:
+        with pytest.raises(treadle.SchemaTooNew) as info:
+            await run(agent, store=store, run_id="future")
+        assert f"schema version {SCHEMA_VERSION + 1}" in str(info.value)
+        assert f"reads up to {SCHEMA_VERSION}" in str(info.value)
+        assert (info.value.version, info.value.supported) == (SCHEMA_VERSION + 1, SCHEMA_VERSION)
+        with pytest.raises(ExceptionGroup) as group:
+            await treadle.resume_unfinished(agent, store=store)
+        assert group.group_contains(treadle.SchemaTooNew)
+    async with opened(kind, tmp_path) as store:
+        with pytest.raises(treadle.SchemaTooNew):
+            await store.read_log("future")  # still there, still refused, nothing appended
+    assert read_ledger(tmp_path / "ledger.jsonl") == []
+
+
+@pytest.mark.parametrize("kind", KINDS)
+async def test_a_different_snapshot_is_refused_naming_the_keys(kind: Kind, tmp_path: Path) -> None:
+    ledger = tmp_path / "ledger.jsonl"
+    async with opened(kind, tmp_path) as store:
+        failing = FailingStore(inner=store, fail_at=9)
+        with pytest.raises(treadle.StoreError):
+            await run(make_agent(ledger), RUN_INPUT, store=failing, run_id="r")
+    other = attrs.evolve(
+        make_agent(ledger),
+        system_prompt="Another prompt.",
+        model_name="another-model",
+        synthetic=treadle.SyntheticObservations(unknown="gone"),
+    )
+    async with opened(kind, tmp_path) as store:
+        before = await store.read_log("r")
+        with pytest.raises(treadle.SnapshotMismatch) as info:
+            await run(other, store=store, run_id="r")
+        assert info.value.keys == ["model", "synthetic", "system_prompt"]
+        assert "model, synthetic, system_prompt" in str(info.value)
+        assert await store.read_log("r") == before
+        result = await run(make_agent(ledger), store=store, run_id="r")  # the right agent
+        assert result.state is treadle.RunState.SUCCEEDED
+
+
+# --------------------------------------------------------------------------- write failures
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("when", ["before", "after"])
+async def test_a_failed_write_stops_the_run_and_loses_nothing_acknowledged(
+    kind: Kind, when: Literal["before", "after"], tmp_path: Path
+) -> None:
+    expected = await baseline(tmp_path)
+    ledger = tmp_path / "ledger.jsonl"
+    for fail_at in range(1, WRITES + 1):
+        run_id = f"r{fail_at}"
+        full = treadle.StoreError(f"{run_id}: no space left on device")
+        async with opened(kind, tmp_path) as store:
+            acks = Acks(FailingStore(inner=store, fail_at=fail_at, error=full, when=when))
+            with pytest.raises(treadle.StoreError) as info:
+                await run(make_agent(ledger), RUN_INPUT, store=acks, run_id=run_id)
+            assert info.value is full  # surfaced as it was raised
+        async with opened(kind, tmp_path) as store:
+            log = await store.read_log(run_id)
+            assert log.records[: len(acks.acknowledged)] == tuple(acks.acknowledged), fail_at
+            await run(make_agent(ledger), RUN_INPUT, store=store, run_id=run_id)
+            log = await store.read_log(run_id)
+        entries = read_ledger(ledger, run_id=run_id)
+        assert check_recovered_run(log, entries, expected) == [], fail_at
+
+
+@pytest.mark.parametrize("fraction", [0.1, 0.35, 0.6, 0.85, 0.99])
+async def test_a_full_disk_under_the_jsonl_store(fraction: float, tmp_path: Path) -> None:
+    expected = await baseline(tmp_path)
+    measure = FailingFileOps()
+    async with open_jsonl_store(tmp_path / "measure", file_ops=measure) as store:
+        await run(make_agent(tmp_path / "measure.ledger"), RUN_INPUT, store=store, run_id="r")
+    space = int(measure.written * fraction)  # the disk fills up part way through the run
+    ledger = tmp_path / "ledger.jsonl"
+    ops = FailingFileOps(space_bytes=space)
+    async with open_jsonl_store(tmp_path / "runs", file_ops=ops) as store:
+        acks = Acks(store)
+        with pytest.raises(treadle.StoreError) as info:
+            await run(make_agent(ledger), RUN_INPUT, store=acks, run_id="r")
+        assert isinstance(info.value.__cause__, OSError)
+        assert info.value.__cause__.errno == errno.ENOSPC
+        assert "No space left on device" in str(info.value)
+    async with open_jsonl_store(tmp_path / "runs") as store:  # space is back
+        log = await store.read_log("r")
+        assert log.records[: len(acks.acknowledged)] == tuple(acks.acknowledged)
+        assert store.torn_tails() == ()  # the short write was cut back off
+        await run(make_agent(ledger), RUN_INPUT, store=store, run_id="r")
+        log = await store.read_log("r")
+    assert check_recovered_run(log, read_ledger(ledger, run_id="r"), expected) == []
