@@ -8,7 +8,8 @@ the process driving the run reads every 0.5 s (docs/decisions/0007-external-cont
 from __future__ import annotations
 
 import json
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -17,7 +18,9 @@ import trio
 
 from treadle._exceptions import TreadleError
 from treadle.approvals import decide, pending_approval, request_cancel
+from treadle.ports import RunStore
 from treadle.stores._codec import record_to_dict
+from treadle.stores.jsonl import open_jsonl_store
 from treadle.stores.sqlite import open_sqlite_store
 from treadle.types import (
     ActionIntent,
@@ -43,8 +46,8 @@ _store_option = click.option(
     "--store",
     "store_path",
     required=True,
-    type=click.Path(dir_okay=False),
-    help="SQLite store file.",
+    type=click.Path(),
+    help="SQLite store file, or JSONL store directory.",
 )
 
 
@@ -56,8 +59,23 @@ def _run_async(fn: Callable[[], Awaitable[T]]) -> T:
 
 
 def _require_file(path: str) -> None:
-    if not Path(path).is_file():
+    if not Path(path).exists():
         raise click.ClickException(f"no store at {path}")
+
+
+@asynccontextmanager
+async def _open_store(path: str) -> AsyncIterator[RunStore]:
+    """A JSONL store for a directory, a SQLite store for a file.
+
+    A JSONL directory is locked by the one process writing it: while a process drives one of
+    its runs, its control logs cannot be written from another process (the lock refuses).
+    """
+    if await trio.Path(path).is_dir():
+        async with open_jsonl_store(path) as jsonl:
+            yield jsonl
+    else:
+        async with open_sqlite_store(path) as sqlite:
+            yield sqlite
 
 
 @click.command("approve")
@@ -84,7 +102,7 @@ def approve_command(
     _require_file(store_path)
 
     async def go() -> ApprovalDecided:
-        async with open_sqlite_store(store_path) as store:
+        async with _open_store(store_path) as store:
             return await decide(store, run_id, call_id=call_id, reject=reject, edit=arguments)
 
     decided = _run_async(go)
@@ -113,7 +131,7 @@ def cancel_command(run_id: str, store_path: str, reason: str) -> None:
     _require_file(store_path)
 
     async def go() -> None:
-        async with open_sqlite_store(store_path) as store:
+        async with _open_store(store_path) as store:
             await request_cancel(store, run_id, reason=reason, canceller="treadle cancel")
 
     _run_async(go)
@@ -149,7 +167,7 @@ def tail_command(run_id: str, store_path: str, from_seq: int, as_json: bool, fol
             click.echo(format_event(seq, record))
 
     async def go() -> None:
-        async with open_sqlite_store(store_path) as store:
+        async with _open_store(store_path) as store:
             await tail(store, run_id, from_seq, show, follow=follow)
 
     try:
@@ -159,7 +177,7 @@ def tail_command(run_id: str, store_path: str, from_seq: int, as_json: bool, fol
 
 
 async def tail(
-    store: Any,
+    store: RunStore,
     run_id: str,
     from_seq: int,
     show: Callable[[int, Record], None],

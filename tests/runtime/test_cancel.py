@@ -221,22 +221,28 @@ async def test_a_late_result_is_recorded_as_late_and_not_applied(autojump_clock)
 # --------------------------------------------------------------- the CLI
 
 
-def test_cli_cancel_then_resume_and_tail(tmp_path):
+@pytest.mark.parametrize("kind", ["sqlite", "jsonl"])
+def test_cli_cancel_then_resume_and_tail(tmp_path, kind):
     import json
 
     from click.testing import CliRunner
 
     from treadle.cli import main
+    from treadle.stores.jsonl import open_jsonl_store
     from treadle.stores.sqlite import open_sqlite_store
 
-    db = tmp_path / "runs.db"
+    if kind == "sqlite":
+        db, open_store = tmp_path / "runs.db", open_sqlite_store
+    else:
+        db, open_store = tmp_path / "jsonl", open_jsonl_store
+        db.mkdir()
 
     def agent():
         model = ScriptedModel(turns=[call("sleep", s=100, call_id="c1"), say("done")])
         return Agent(model=model, executor=LedgerTools(), parser=SimpleParser())
 
     async def crash_mid_run():
-        async with open_sqlite_store(db) as store:
+        async with open_store(db) as store:
             with trio.CancelScope() as crash:
                 async with open_run(agent(), "x", store=store, run_id="r") as handle:
                     with trio.fail_after(30):
@@ -254,7 +260,7 @@ def test_cli_cancel_then_resume_and_tail(tmp_path):
 
     async def resume():
         async with (
-            open_sqlite_store(db) as store,
+            open_store(db) as store,
             open_run(agent(), store=store, run_id="r") as handle,
         ):
             return await handle.wait()
