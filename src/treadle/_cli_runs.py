@@ -65,11 +65,7 @@ def _require_file(path: str) -> None:
 
 @asynccontextmanager
 async def _open_store(path: str) -> AsyncIterator[RunStore]:
-    """A JSONL store for a directory, a SQLite store for a file.
-
-    A JSONL directory is locked by the one process writing it: while a process drives one of
-    its runs, its control logs cannot be written from another process (the lock refuses).
-    """
+    """A JSONL store for a directory, a SQLite store for a file."""
     if await trio.Path(path).is_dir():
         async with open_jsonl_store(path) as jsonl:
             yield jsonl
