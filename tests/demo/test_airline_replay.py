@@ -11,7 +11,9 @@ import json
 import os
 import random
 import signal
+import socket
 import sqlite3
+import struct
 import subprocess
 import sys
 from pathlib import Path
@@ -23,6 +25,7 @@ import trio
 from click.testing import CliRunner
 
 from treadle.cli import main as cli_main
+from treadle.demo.airline import driver
 from treadle.demo.airline.agent import (
     RESPOND_TOOL,
     AirlineExecutor,
@@ -49,10 +52,12 @@ from treadle.demo.airline.replay_server import (
     stream_events,
 )
 from treadle.demo.airline.scoring import recorded_tool_calls
+from treadle.demo.airline.tools import WRITE_TOOLS
 from treadle.models.openai import OpenAIChatClient
 from treadle.types import (
     Action,
     ActionIntent,
+    ActionResult,
     ActionStatus,
     Message,
     ModelRequest,
@@ -235,6 +240,28 @@ async def test_replay_server_answers_by_position_and_reports_mismatches(recordin
             assert "past the recording's end" in server.mismatches[-1].differences[0]
 
 
+async def test_replay_server_survives_a_client_vanishing_mid_response(recordings):
+    recording = find_recording(recordings, "30-1")
+    messages = [{"role": m["role"], "content": m["content"]} for m in recording.messages[:2]]
+    body = json.dumps({"model": "m", "messages": messages, "stream": True}).encode()
+    with trio.fail_after(30):
+        async with open_replay_server([recording], pause_s=0.05) as server:
+            stream = await trio.open_tcp_stream("127.0.0.1", server.port)
+            head = (
+                f"POST /r/30-1/v1/chat/completions HTTP/1.1\r\nhost: x\r\n"
+                f"content-type: application/json\r\ncontent-length: {len(body)}\r\n\r\n"
+            )
+            await stream.send_all(head.encode() + body)
+            assert (await stream.receive_some(64)).startswith(b"HTTP/1.1 200")
+            stream.socket.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+            await stream.aclose()  # a reset, as from a process killed with SIGKILL
+            async with httpx.AsyncClient() as http:
+                after = await http.post(server.base_url("30-1") + "/chat/completions", content=body)
+            assert after.status_code == 200 and b"[DONE]" in after.content
+            assert server.abandoned_responses == 1
+    # leaving the block raised nothing: the server handled the vanished client
+
+
 # --------------------------------------------------------------------------- agent
 
 
@@ -292,6 +319,16 @@ async def test_executor_replies_by_position_and_reconciles_writes(recordings, fr
     assert transfer.observation == "Transfer successful" and transfer.task_completed
     stop = RecordedCustomer(recording).answers[-1]
     assert "###STOP###" in stop
+
+
+async def test_one_run_is_driven_by_one_process_at_a_time(tmp_path, monkeypatch, autojump_clock):
+    monkeypatch.setattr(driver, "LOCK_WAIT_S", 5.0)
+    path = tmp_path / "conversation.sqlite3.lock"
+    held = await driver.hold_run_lock(path)
+    with pytest.raises(driver.RunLocked):
+        await driver.hold_run_lock(path)  # another open file: the flock is taken
+    os.close(held)  # what the kernel does when the holder dies
+    os.close(await driver.hold_run_lock(path))
 
 
 def test_crash_points_come_from_the_seed(recordings):
@@ -359,6 +396,72 @@ async def test_sample_replays_reproduce_the_recordings(
         assert (report.crashes, report.resumes) == (expected, expected), report.run_id
     assert sum(r.writes_applied for r in reports) >= 15
     assert {r.reward for r in reports} == {0.0, 1.0}
+
+
+def change_steps(recording: Recording) -> list[int]:
+    """The steps (1-based) whose tool call changes the database."""
+    assistant = [m for m in recording.messages if m["role"] == "assistant"]
+    return [
+        step
+        for step, message in enumerate(assistant, start=1)
+        if any(c["function"]["name"] in WRITE_TOOLS for c in message.get("tool_calls") or ())
+    ]
+
+
+class KillWatcher:
+    """Keeps, for each killed driver, the intents it left without result (and their tools)."""
+
+    def __init__(self) -> None:
+        self.open_intents: list[list[ActionIntent]] = []
+
+    def child_started(self, recording, pid, *, resume, crash) -> None:
+        pass
+
+    def event(self, recording, line) -> None:
+        pass
+
+    def child_exited(self, recording, exit, log) -> None:
+        if exit.killed:
+            done = {r.intent_id for r in log.records if isinstance(r, ActionResult)}
+            self.open_intents.append(
+                [r for r in log.records if isinstance(r, ActionIntent) and r.intent_id not in done]
+            )
+
+
+@pytest.mark.parametrize(
+    ("key", "nth", "when"),
+    [("26-0", 0, "before"), ("26-0", 1, "after"), ("0-3", 5, "before"), ("16-3", 0, "after")],
+)
+async def test_a_kill_around_a_database_change_applies_it_exactly_once(
+    recordings, trajectories, workload, tmp_path, key, nth, when
+):
+    # "before" the step write: the change committed in the airline database, its result never
+    # reached the log. "after" the action intent: the intent is durable, the change never ran.
+    recording = find_recording(recordings, key)
+    step = change_steps(recording)[nth]
+    point = (
+        CrashPoint(write=4 * step + 1, when="before")
+        if when == "before"
+        else (CrashPoint(write=4 * step, when="after"))
+    )
+    workspace = Workspace.beside(tmp_path / "runs.db")
+    watcher = KillWatcher()
+    with trio.fail_after(REPLAY_DEADLINE_S):
+        [report] = await replay_recordings(
+            [recording],
+            workspace=workspace,
+            trajectories=trajectories,
+            data_dir=workload,
+            crash_points={key: point},
+            observer=watcher,
+        )
+    assert_reproduced(report)
+    assert (report.crashes, report.resumes) == (1, 1)
+    [[intent]] = watcher.open_intents
+    assert intent.tool in WRITE_TOOLS and intent.step == step
+    db = AirlineDatabase(workspace.conversation_path(report.run_id))
+    applied = [row[0] for row in db.applied_actions()]
+    assert applied.count(intent.intent_id) == 1  # reconciled or performed on resume, once
 
 
 def subset_file(trajectories: Path, keys: tuple[str, ...], target: Path) -> Path:

@@ -420,7 +420,7 @@ def airline(
         )
     if not as_json:
         console.print(_report_table(reports))
-    console.print(_totals(reports))
+    console.print(_totals(reports), soft_wrap=True)
     if any(r.error is not None for r in reports):
         sys.exit(1)
 

@@ -4,6 +4,9 @@ It runs (or resumes, when the store already holds it) the run ``airline-<task>-<
 recording against the replay server's URL, over the SQLite store and the conversation's
 airline database, and exits 0 once the run has finished (whatever its outcome).
 
+While it drives the run it holds an exclusive ``flock`` on ``<db>.lock``, so a run is never
+driven by two processes at once.
+
 Crashes are real: with ``--crash-after-writes N`` the process sends itself SIGKILL right after
 the store acknowledged its N-th write; with ``--crash-before-write N`` right before it hands
 over its N-th write. ``--die-with-parent`` makes it SIGKILL itself when its standard input
@@ -17,6 +20,7 @@ arguments; killed by SIGKILL when a crash was asked for.
 from __future__ import annotations
 
 import argparse
+import fcntl
 import json
 import os
 import signal
@@ -64,6 +68,42 @@ T = TypeVar("T")
 
 CLIP_CHARS: Final = 400
 """Event texts printed with ``--events`` are cut to this many characters."""
+
+LOCK_WAIT_S: Final = 60.0
+"""Seconds a driver waits for another process driving the same run to let go (or die)."""
+
+LOCK_POLL_S: Final = 0.05
+"""Seconds between two attempts to take the run's lock."""
+
+
+class RunLocked(OSError):
+    """Another process kept driving the run for longer than `LOCK_WAIT_S`."""
+
+
+async def hold_run_lock(path: Path) -> int:
+    """Take an exclusive ``flock`` on ``path`` for the rest of this process's life.
+
+    The kernel releases it when the process dies, however it dies, so a driver started
+    while a killed parent's driver is still dying waits for it: one run, one driver.
+
+    Returns:
+        The locked file descriptor (left open on purpose).
+
+    Raises:
+        RunLocked: the lock was not free within `LOCK_WAIT_S` seconds.
+        OSError: the lock file cannot be opened.
+    """
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    with trio.move_on_after(LOCK_WAIT_S):
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                await trio.sleep(LOCK_POLL_S)
+                continue
+            return fd
+    os.close(fd)
+    raise RunLocked(f"{path}: another process kept driving this run for {LOCK_WAIT_S:g} s")
 
 
 def _kill_self() -> None:
@@ -249,15 +289,15 @@ async def drive(args: argparse.Namespace, recording: Recording) -> RunResult:
             a definition differing from the stored one).
         FileNotFoundError: the conversation database does not exist.
     """
-    run_id = run_id_of(recording)
     db = AirlineDatabase(args.db)
     if not db.path.is_file():
         raise FileNotFoundError(f"{db.path}: no airline database there")
     async with trio.open_nursery() as nursery:
         if args.die_with_parent:
             nursery.start_soon(_die_with_parent)
+        await hold_run_lock(db.path.with_name(db.path.name + ".lock"))
         async with open_sqlite_store(args.store) as sqlite:
-            log = await sqlite.read_log(run_id)
+            log = await sqlite.read_log(run_id_of(recording))
             executor = AirlineExecutor(
                 db, RecordedCustomer(recording), respond_positions=respond_positions(log)
             )

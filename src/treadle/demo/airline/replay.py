@@ -457,13 +457,19 @@ class _Expected:
     recorded_calls_hash: str
 
 
-def expected_for(recording: Recording, fresh: AirlineDatabase) -> _Expected:
-    """The ground-truth hash of the task and the hash after the recorded calls (slow-ish)."""
+def expected_for(
+    recording: Recording, fresh: AirlineDatabase, *, task_hash: str | None = None
+) -> _Expected:
+    """The ground-truth hash of the task and the hash after the recorded calls (slow-ish).
+
+    ``task_hash`` is the task's ground-truth hash when already known (the same for every
+    trial of a task).
+    """
     with tempfile.TemporaryDirectory(prefix="treadle-airline-") as tmp:
         copy = fresh.copy_to(Path(tmp) / "recorded.sqlite3")
         replay_tool_calls(recording, copy)
         recorded = copy.data_hash()
-    expected = expected_data_hash(recording.task, fresh)
+    expected = task_hash if task_hash is not None else expected_data_hash(recording.task, fresh)
     return _Expected(data_hash=expected, recorded_calls_hash=recorded)
 
 
@@ -682,6 +688,7 @@ class _Replayer:
     fresh: AirlineDatabase
     crash_points: Mapping[str, CrashPoint]
     observer: ReplayObserver | None
+    task_hashes: dict[int, str] = attrs.Factory(dict)
 
     async def replay(self, recording: Recording) -> ReplayReport:
         run_id = run_id_of(recording)
@@ -692,6 +699,13 @@ class _Replayer:
                 return failed_report(recording, self.workspace.counts(run_id), error)
             log = await self.store.read_log(run_id)
         return await trio.to_thread.run_sync(self._report, recording, log)
+
+    def _expected(self, recording: Recording) -> _Expected:
+        expected = expected_for(
+            recording, self.fresh, task_hash=self.task_hashes.get(recording.task_id)
+        )
+        self.task_hashes[recording.task_id] = expected.data_hash
+        return expected
 
     def _report(self, recording: Recording, log: RunLog) -> ReplayReport:
         run_id = run_id_of(recording)
@@ -705,7 +719,7 @@ class _Replayer:
             self.fresh,
             counts=self.workspace.counts(run_id),
             mismatches=len(self.workspace.mismatches(run_id)),
-            expected=expected_for(recording, self.fresh),
+            expected=self._expected(recording),
         )
 
     async def _drive(self, recording: Recording, log: RunLog) -> str | None:

@@ -303,6 +303,7 @@ class ReplayServer:
 
     Attributes:
         port: the TCP port on 127.0.0.1.
+        pause_s: seconds between two streamed events (0: as fast as the client reads).
         mismatches: every mismatching request, in arrival order.
         served: recording key -> requests answered (mismatching ones included).
         refused: recording key -> requests refused (unknown key, past the recording's end,
@@ -310,6 +311,7 @@ class ReplayServer:
     """
 
     port: int = 0
+    pause_s: float = 0.0
     mismatches: list[HistoryMismatch] = attrs.Factory(list)
     served: dict[str, int] = attrs.Factory(dict)
     refused: dict[str, int] = attrs.Factory(dict)
@@ -326,6 +328,11 @@ class ReplayServer:
     def base_url(self, key: str) -> str:
         """The API root for recording ``key``, e.g. ``http://127.0.0.1:PORT/r/30-1/v1``."""
         return f"http://127.0.0.1:{self.port}/r/{key}/v1"
+
+    @property
+    def abandoned_responses(self) -> int:
+        """Responses whose client went away before they were complete."""
+        return self._loopback.early_disconnects if self._loopback is not None else 0
 
     def mismatches_of(self, key: str) -> list[HistoryMismatch]:
         """The mismatching requests of one recording, in arrival order."""
@@ -427,7 +434,9 @@ class ReplayServer:
             usage=usage if wants_usage else None,
         )
         await writer.start(200, {"content-type": "text/event-stream", "cache-control": "no-cache"})
-        for event in events:
+        for index, event in enumerate(events):
+            if index and self.pause_s:
+                await writer.pause(self.pause_s)
             await writer.write(event)
         await writer.end()
 
@@ -441,13 +450,17 @@ async def _error(writer: ResponseWriter, exc: BadRequest) -> None:
 
 @asynccontextmanager
 async def open_replay_server(
-    recordings: Sequence[Recording] = (), *, on_mismatch: MismatchCallback | None = None
+    recordings: Sequence[Recording] = (),
+    *,
+    on_mismatch: MismatchCallback | None = None,
+    pause_s: float = 0.0,
 ) -> AsyncIterator[ReplayServer]:
     """Serve recorded conversations on 127.0.0.1 (a free port) for the block's duration.
 
     Args:
         recordings: the recordings to serve (more can be added with `ReplayServer.add`).
         on_mismatch: called for every request whose history differs from the recording.
+        pause_s: seconds between two streamed events (to watch replies stream).
 
     Yields:
         The server; `ReplayServer.base_url` gives each recording's API root.
@@ -459,7 +472,7 @@ async def open_replay_server(
         A client that disconnects mid-response (a process killed with SIGKILL) only ends
         that response. Leaving the block closes every connection.
     """
-    server = ReplayServer(on_mismatch=on_mismatch)
+    server = ReplayServer(on_mismatch=on_mismatch, pause_s=pause_s)
     for recording in recordings:
         server.add(recording)
     async with open_loopback_server(stream_handler=server.handle) as loopback:
