@@ -9,7 +9,8 @@ import json
 
 import pytest
 
-from treadle.models._anthropic_stream import classify_anthropic, usage_from
+from treadle._exceptions import ModelCallError
+from treadle.models._anthropic_stream import MessageAccumulator, classify_anthropic, usage_from
 from treadle.types import Usage
 
 SSE = {"content-type": "text/event-stream; charset=utf-8"}
@@ -158,3 +159,19 @@ def test_usage_counts_cache_tokens_as_input_and_keeps_what_later_events_omit():
     assert (later.input_tokens, later.output_tokens, later.total_tokens) == (115, 40, 155)
     assert usage_from(None, Usage()) == Usage()
     assert usage_from({"output_tokens": 3}, Usage()) == Usage(output_tokens=3)
+
+
+def test_events_orjson_refuses_still_decode_and_tool_inputs_stay_exact():
+    acc = MessageAccumulator()
+    acc.add(json.dumps({"type": "message_start", "message": {"id": "m"}}))
+    acc.add('{"type": "ping", "x": NaN}')  # orjson refuses NaN; the stdlib reads it
+    start = {"type": "tool_use", "id": "t", "name": "f", "input": {}}
+    acc.add(json.dumps({"type": "content_block_start", "index": 0, "content_block": start}))
+    big = 2**70
+    partial = {"type": "input_json_delta", "partial_json": json.dumps({"n": big})}
+    acc.add(json.dumps({"type": "content_block_delta", "index": 0, "delta": partial}))
+    acc.add(json.dumps({"type": "message_delta", "delta": {"stop_reason": "tool_use"}}))
+    assert acc.reply().tool_calls[0].arguments == {"n": big}
+    with pytest.raises(ModelCallError) as info:
+        acc.add("{not json")
+    assert info.value.info.kind == "invalid_response"

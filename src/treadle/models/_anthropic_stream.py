@@ -14,6 +14,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 import attrs
+import orjson
 
 from treadle._exceptions import ModelCallError
 from treadle.models._accumulate import classify_failure, error_fields
@@ -149,7 +150,7 @@ class MessageAccumulator:
             return
         self.events += 1
         try:
-            payload = json.loads(data)
+            payload = _loads(data)
         except ValueError as exc:
             if event == "error":
                 raise self._inband_error({"error": data}) from exc
@@ -315,6 +316,18 @@ _HANDLERS: dict[str, Callable[[MessageAccumulator, Mapping[str, Any]], None]] = 
     "error": MessageAccumulator._error,
 }
 """Event type → handler; unknown event types are ignored (Anthropic may add new ones)."""
+
+
+def _loads(data: str) -> Any:
+    """Decode an event's JSON: orjson first (fast), the stdlib for what it refuses (NaN).
+
+    orjson reads integers beyond 64 bits as floats; that only matters for counts no server
+    sends. Tool inputs are decoded by the stdlib (`_arguments`, `add_message`), exactly.
+    """
+    try:
+        return orjson.loads(data)
+    except orjson.JSONDecodeError:
+        return json.loads(data)
 
 
 def _finish_reason(stop_reason: str | None) -> str | None:
