@@ -798,3 +798,22 @@ def test_sigkill_from_outside_while_appending_large_lines(tmp_path: Path) -> Non
         directory = tmp_path / f"runs{attempt}"
         acked = run_child(directory, "none", 200_000, delay)
         check_after_kill(directory, acked)
+
+
+async def test_a_crashed_first_write_of_another_store_object_is_cut(tmp_path: Path) -> None:
+    from treadle.stores.jsonl import header_frame, records_frame
+
+    async with open_jsonl_store(tmp_path / "runs") as store:
+        assert (await store.read_log("r")).records == ()  # no file yet
+        path = Path(store.run_file("r"))
+        # meanwhile another writer created the file and died half-way through its first line
+        remnant = header_frame("r", created_ns=1) + records_frame(1, [started("r")])[:-9]
+        await trio.Path(path).write_bytes(remnant)
+        await store.write_run_started(started("r"), seq=1)
+        await store.write_intent(
+            ModelIntent(run_id="r", step=1, intent_id="m", attempt=1, ts=TS), seq=2
+        )
+        assert store.statistics().tails_cut == 1
+    async with open_jsonl_store(tmp_path / "runs") as store:
+        assert len((await store.read_log("r")).records) == 2
+        assert store.torn_tails() == ()

@@ -439,10 +439,13 @@ class Committer:
             )
         tail = self._ops.read(file.fd, start, size - start)
         scanned = scan_lines(tail, check_frame, where=file.path, base=start)
-        if scanned.items:
-            seq, line, _ = scanned.items[-1]
+        frames = list(scanned.items)
+        if start == 0 and frames and frames[0][0] == 0:
+            del frames[0]  # the header of a first write that crashed is no write
+        if frames:
+            seq, line, _ = frames[-1]
             raise ConflictError(first.run_id, expected=_next_seq(seq, line), got=first.seq)
-        self._ops.truncate(file.fd, start)  # only a torn tail: never acknowledged
+        self._ops.truncate(file.fd, start)  # a torn tail (or a crashed first write's header)
         self._ops.sync(file.fd)
 
     def _open(self, path: str, first: Write) -> _File:
@@ -566,12 +569,12 @@ class Committer:
 
 
 def _next_seq(seq: int, line: bytes) -> int:
-    """The seq after a frame line: its first seq plus its records (1 after a header)."""
+    """The seq after a record frame: its first seq plus its records."""
     try:
         records = json.loads(line).get("records")
     except ValueError:
         records = None
-    return seq + len(records) if isinstance(records, list) else 1
+    return seq + (len(records) if isinstance(records, list) else 1)
 
 
 def _store_error(path: str, what: str, exc: OSError) -> StoreError:
