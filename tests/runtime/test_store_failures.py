@@ -86,7 +86,7 @@ class Acks:
     async def write_step(
         self, action_results: Sequence[ActionResult] | None, step: StepRecord, *, seq: int
     ) -> None:
-        records = [*(action_results or ()), step]
+        records: list[Record] = [*(action_results or ()), step]
         await self._write(records, False, self.inner.write_step(action_results, step, seq=seq))
 
     async def write_control(
