@@ -380,3 +380,57 @@ async def test_an_approval_survives_a_process_restart(tmp_path):
     assert tailed.stdout.strip().splitlines()[-1].split()[1:3] == ["run", "finished"]
     late = await trio.to_thread.run_sync(lambda: cli("approve", "r", "--store", str(db)))
     assert late.returncode != 0 and "already finished" in late.stderr
+
+
+async def test_each_call_of_a_batch_is_decided_before_any_intent(autojump_clock):
+    from treadle.testing.scripted import calls
+    from treadle.types import ToolCall
+
+    batch = calls(
+        ToolCall(id="a", name="add", arguments={"a": 1, "b": 1}),
+        ToolCall(id="b", name="done", arguments={}),
+        ToolCall(id="c", name="add", arguments={"a": 2, "b": 2}),
+    )
+    agent, tools, _ = make([batch, say("ok")])
+    store = MemoryStore()
+    async with open_run(agent, "x", store=store, run_id="r", approval_policy=only_add) as handle:
+        await wait_for_state(handle, RunState.AWAITING_APPROVAL)
+        assert handle.pending_approval.call_id == "a"
+        handle.approve(reject="no")
+        while handle.pending_approval is None or handle.pending_approval.call_id != "c":  # noqa: ASYNC110
+            await trio.sleep(0.01)
+        assert tools.executed == []
+        handle.approve("c")
+        await handle.wait()
+    assert sorted(a.call_id for a in tools.executed) == ["b", "c"]  # run in parallel
+    log = await store.read_log("r")
+    names = kinds(log)
+    last_decision = max(i for i, n in enumerate(names) if n == "ApprovalDecided")
+    first_intent = names.index("ActionIntent")
+    assert last_decision < first_intent
+    results = [r for r in log.records if isinstance(r, ActionResult)]
+    assert [r.call_id for r in results] == ["a", "b", "c"]
+    assert results[0].outcome.status is ActionStatus.NOT_EXECUTED
+
+
+async def test_tail_follows_a_live_run_from_any_seq(autojump_clock):
+    from treadle._cli_runs import format_event, tail
+
+    agent, _, _ = make([call("add", a=1, b=2, call_id="c1"), say("3")])
+    store = MemoryStore()
+    shown = []
+    async with (
+        open_run(agent, "x", store=store, run_id="r", approval_policy=only_add) as handle,
+        trio.open_nursery() as nursery,
+    ):
+        nursery.start_soon(tail, store, "r", 2, lambda seq, rec: shown.append((seq, rec)))
+        await wait_for_state(handle, RunState.AWAITING_APPROVAL)
+        await trio.sleep(1)
+        assert [type(r).__name__ for _, r in shown][-1] == "ApprovalRequested"
+        handle.approve()
+    log = await store.read_log("r")
+    assert [seq for seq, _ in shown] == list(range(2, len(log.records) + 1))
+    assert [r for _, r in shown] == list(log.records[1:])
+    lines = [format_event(seq, record) for seq, record in shown]
+    assert any("approval requested" in line and "add (call c1)" in line for line in lines)
+    assert "run finished" in lines[-1] and "succeeded (final_answer)" in lines[-1]
