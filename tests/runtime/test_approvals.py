@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import json
 
+import attrs
 import pytest
 import trio
 from runtime_fakes import LedgerTools, SimpleParser
@@ -133,6 +134,11 @@ async def test_a_decision_for_another_call_is_refused(autojump_clock):
             ts="2026-01-01T00:00:00+00:00",
         )
         await store.write_control(forged, seq=1)
+        # Nor is one whose decision is not approve, reject or edit.
+        unknown = attrs.evolve(
+            forged, arguments_digest=request.arguments_digest, decision="expired"
+        )
+        await store.write_control(unknown, seq=2)
         await trio.sleep(5)
         assert handle.state is RunState.AWAITING_APPROVAL
         assert tools.executed == []

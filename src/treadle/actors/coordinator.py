@@ -161,9 +161,11 @@ class RunCoordinator:
     def offer(self, decided: ApprovalDecided) -> None:
         """Hand over a decision (e.g. read from the control log).
 
-        One that matches no request of this run (another step, call or arguments) is never
-        applied: it stays unused.
+        One that matches no request of this run (another step, call or arguments), or whose
+        decision is not approve, reject or edit, is never applied.
         """
+        if decided.decision not in (Decision.APPROVE, Decision.REJECT, Decision.EDIT):
+            return  # "expired" is only ever written by the run itself
         self._offered.append(attrs.evolve(decided, run_id=self.run_id))
         self._offer_arrived.set()
 
@@ -343,12 +345,12 @@ class RunCoordinator:
             decided = await self._decision(step, call)
             if decided is None:
                 return None
-            if decided.decision == Decision.EXPIRED:
-                rejected[call.id] = decided.message or EXPIRED_DETAIL
-            elif decided.decision == Decision.REJECT:
-                rejected[call.id] = decided.message or "rejected"
-            elif decided.decision == Decision.EDIT and decided.edited_arguments is not None:
+            if decided.decision == Decision.EDIT and decided.edited_arguments is not None:
                 call = attrs.evolve(call, arguments=decided.edited_arguments)
+            elif decided.decision == Decision.EXPIRED:
+                rejected[call.id] = decided.message or EXPIRED_DETAIL
+            elif decided.decision != Decision.APPROVE:  # reject, or anything unknown
+                rejected[call.id] = decided.message or "rejected"
             runnable.append(call)
         return tuple(runnable), rejected
 
