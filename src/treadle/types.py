@@ -262,7 +262,8 @@ class ModelErrorInfo:
     Attributes:
         kind: ``rate_limited``, ``server_error``, ``upstream_error``, ``context_length_exceeded``,
             ``auth``, ``bad_request``, ``not_found``, ``incomplete_stream``, ``timeout``,
-            ``connection`` or ``invalid_response``.
+            ``connection`` or ``invalid_response`` (from clients); ``cancelled``,
+            ``time_budget`` or ``token_budget`` (the gateway cut the attempt).
         message: provider's message, with any credential removed.
         retryable: whether the same request may be sent again.
         retry_after_s: server-directed wait in seconds (Retry-After), ``None`` when not given.
