@@ -10,7 +10,7 @@ import attrs
 import pytest
 
 from treadle.ports import RunStore
-from treadle.stores import MemoryStore, SqliteStore
+from treadle.stores import JsonlStore, MemoryStore, SqliteStore
 from treadle.testing.contracts import (
     RUN_STORE_CHECKS,
     StoreCheck,
@@ -49,11 +49,13 @@ def _memory(cls: type[MemoryStore] = MemoryStore) -> StoreOpener:
 def _harness(kind: str, tmp_path: Path) -> Harness:
     if kind == "memory":
         return Harness(_memory(), persistent=False)
+    if kind == "jsonl":
+        return Harness(_opener(lambda: JsonlStore.open(tmp_path / "runs")), persistent=True)
     path = tmp_path / "runs.db"
     return Harness(_opener(lambda: SqliteStore.open(path)), persistent=True)
 
 
-STORES = ("memory", "sqlite")
+STORES = ("memory", "sqlite", "jsonl")
 CASES = [
     pytest.param(kind, check, id=f"{kind}-{check.name}")
     for kind in STORES
