@@ -440,3 +440,46 @@ async def test_tail_follows_a_live_run_from_any_seq(autojump_clock):
     lines = [format_event(seq, record) for seq, record in shown]
     assert any("approval requested" in line and "add (call c1)" in line for line in lines)
     assert "run finished" in lines[-1] and "succeeded (final_answer)" in lines[-1]
+
+
+class SettableClock:
+    def __init__(self):
+        import datetime as dt
+
+        self.now = dt.datetime(2026, 1, 1, tzinfo=dt.UTC)
+
+    def now_iso(self):
+        return self.now.isoformat()
+
+
+async def test_the_deadline_is_durable_across_a_restart(autojump_clock):
+    import datetime as dt
+
+    clock = SettableClock()
+    store = MemoryStore()
+    turns = [call("add", a=1, b=2, call_id="c1"), say("ok")]
+    agent, _, _ = make(turns, limits=Limits(approval_timeout_s=600))
+    with trio.CancelScope() as crash:
+        async with open_run(
+            agent, "x", store=store, run_id="r", approval_policy=only_add, clock=clock
+        ) as handle:
+            await wait_for_state(handle, RunState.AWAITING_APPROVAL)
+            crash.cancel()
+    (request,) = [
+        r for r in (await store.read_log("r")).records if isinstance(r, ApprovalRequested)
+    ]
+    assert request.deadline_ts == "2026-01-01T00:10:00+00:00"
+
+    clock.now += dt.timedelta(seconds=400)  # the process was down for 400 s of the 600
+    agent, tools, _ = make(turns, limits=Limits(approval_timeout_s=600))
+    async with open_run(
+        agent, store=store, run_id="r", approval_policy=only_add, clock=clock
+    ) as handle:
+        began = trio.current_time()
+        result = await handle.wait()
+        waited = trio.current_time() - began
+    assert 199 <= waited <= 201  # only what was left of the stored deadline
+    assert result.stop_reason is StopReason.FINAL_ANSWER
+    assert tools.executed == []
+    decided = [r for r in (await store.read_log("r")).records if isinstance(r, ApprovalDecided)]
+    assert [d.decision for d in decided] == ["expired"]
