@@ -146,3 +146,34 @@ def test_module_entry_point_runs():
         [sys.executable, "-m", "treadle", "--help"], capture_output=True, text=True, timeout=60
     )
     assert done.returncode == 0 and "probe" in done.stdout
+
+
+def test_runs_lists_runs_of_a_jsonl_store_without_control_logs_and_shows_waiting_runs(tmp_path):
+    from treadle.approvals import request_cancel
+
+    @treadle.tool(requires_approval=True)
+    async def wire(amount: int) -> str:
+        """Send money."""
+        return "sent"
+
+    directory = tmp_path / "runs"
+
+    async def go():
+        agent = treadle.Agent(
+            model=ScriptedModel(turns=[call("wire", amount=5), say("done")]),
+            executor=treadle.Toolbox([wire]),
+            parser=treadle.NativeToolCallParser(),
+        )
+        async with treadle.open_jsonl_store(directory) as store:
+            with trio.CancelScope() as scope:  # the driving process goes away mid-wait
+                async with treadle.open_run(agent, "pay", store=store, run_id="waiting") as handle:
+                    while handle.state is not treadle.RunState.AWAITING_APPROVAL:
+                        await trio.sleep(0.01)
+                    scope.cancel()
+            await request_cancel(store, "waiting", reason="from elsewhere")  # a control log
+
+    trio.run(go)
+    listed = CliRunner().invoke(main, ["runs", "--store", str(directory), "--json"])
+    assert listed.exit_code == 0, listed.output
+    rows = [json.loads(line) for line in listed.output.splitlines()]
+    assert [(row["run_id"], row["state"]) for row in rows] == [("waiting", "awaiting_approval")]

@@ -13,45 +13,26 @@ from __future__ import annotations
 import json
 import os
 import sys
-from collections.abc import AsyncIterator, Awaitable, Callable
-from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any, TypeVar
 
 import cattrs
 import click
-import trio
 from rich.console import Console
 from rich.table import Table
 
-from treadle._exceptions import TreadleError
+from treadle._cli_common import describe, open_store, run_async, store_option
 from treadle.agent import Agent
-from treadle.ports import RunStore
+from treadle.approvals import is_control_log, pending_approval
 from treadle.stores._codec import record_to_dict
-from treadle.stores.sqlite import open_sqlite_store
 from treadle.types import (
-    ActionIntent,
-    ActionResult,
-    CancelRequested,
     Message,
-    ModelIntent,
-    ModelResult,
-    RunFinished,
     RunLog,
-    RunStarted,
-    StepRecord,
     ToolSpec,
 )
 
 T = TypeVar("T")
 _PLAIN = cattrs.Converter()
-
-
-def _run_async(fn: Callable[[], Awaitable[T]]) -> T:
-    try:
-        return trio.run(fn)
-    except TreadleError as exc:
-        raise click.ClickException(str(exc)) from exc
 
 
 @click.group()
@@ -107,7 +88,7 @@ def probe(
             max_attempts=max_attempts,
         )
 
-    report = _run_async(go)
+    report = run_async(go)
     if tools and report.get("error") is None:
         report["decision"] = _decision(report, tools, NativeToolCallParser())
     click.echo(json.dumps(report, ensure_ascii=False))
@@ -163,17 +144,11 @@ def _decision(report: dict[str, Any], tools: tuple[ToolSpec, ...], parser: Any) 
 
 
 @main.command()
-@click.option(
-    "--store",
-    "store_path",
-    required=True,
-    type=click.Path(dir_okay=False),
-    help="SQLite store file.",
-)
+@store_option
 @click.option("--json", "as_json", is_flag=True, help="One JSON object per run.")
 def runs(store_path: str, as_json: bool) -> None:
     """List the runs of a store with their state."""
-    logs = _run_async(lambda: _read_all(store_path))
+    logs = run_async(lambda: _read_all(store_path))
     if as_json:
         for log in logs:
             click.echo(json.dumps(_run_summary(log), ensure_ascii=False))
@@ -195,21 +170,19 @@ def runs(store_path: str, as_json: bool) -> None:
 
 
 async def _read_all(store_path: str) -> list[RunLog]:
-    _require_file(store_path)
-    async with open_sqlite_store(store_path) as store:
-        return [await store.read_log(run_id) for run_id in await store.list_runs()]
-
-
-def _require_file(path: str) -> None:
-    if not Path(path).is_file():
-        raise click.ClickException(f"no store at {path}")
+    async with open_store(store_path) as store:
+        run_ids = [r for r in await store.list_runs() if not is_control_log(r)]
+        return [await store.read_log(run_id) for run_id in run_ids]
 
 
 def _run_summary(log: RunLog) -> dict[str, Any]:
     finished = log.finished
+    state = finished.state.value if finished else "unfinished"
+    if finished is None and pending_approval(log) is not None:
+        state = "awaiting_approval"
     return {
         "run_id": log.run_id,
-        "state": finished.state.value if finished else "unfinished",
+        "state": state,
         "stop_reason": finished.stop_reason.value if finished else None,
         "steps": len(log.steps),
         "records": len(log.records),
@@ -219,23 +192,16 @@ def _run_summary(log: RunLog) -> dict[str, Any]:
 
 @main.command()
 @click.argument("run_id")
-@click.option(
-    "--store",
-    "store_path",
-    required=True,
-    type=click.Path(dir_okay=False),
-    help="SQLite store file.",
-)
+@store_option
 @click.option("--json", "as_json", is_flag=True, help="Print every record as JSON, one a line.")
 def show(run_id: str, store_path: str, as_json: bool) -> None:
     """Show a run's trajectory as a table (or its records as JSON lines)."""
 
     async def read() -> RunLog:
-        _require_file(store_path)
-        async with open_sqlite_store(store_path) as store:
+        async with open_store(store_path) as store:
             return await store.read_log(run_id)
 
-    log = _run_async(read)
+    log = run_async(read)
     if not log.records:
         raise click.ClickException(f"no run {run_id!r} in {store_path}")
     if as_json:
@@ -254,63 +220,13 @@ def trajectory_table(log: RunLog) -> Table:
     table.add_column("detail", overflow="fold")
     for seq, record in enumerate(log.records, start=1):
         step = getattr(record, "step", None)
-        table.add_row(str(seq), "" if step is None else str(step), *_describe(record))
+        table.add_row(str(seq), "" if step is None else str(step), *describe(record))
     return table
-
-
-def _clip(text: str | None, limit: int = 120) -> str:
-    if text is None:
-        return ""
-    text = text.replace("\n", " ")
-    return text if len(text) <= limit else text[: limit - 1] + "…"
-
-
-def _describe(record: object) -> tuple[str, str]:
-    if isinstance(record, RunStarted):
-        first = record.input[0].content if record.input else ""
-        return "run started", _clip(first)
-    if isinstance(record, ModelIntent):
-        return "model call", f"attempt {record.attempt}"
-    if isinstance(record, ModelResult):
-        return _describe_model_result(record)
-    if isinstance(record, ActionIntent):
-        args = json.dumps(dict(record.arguments), ensure_ascii=False)
-        return "action intent", _clip(f"{record.tool}({args})")
-    if isinstance(record, ActionResult):
-        outcome = record.outcome
-        return f"action {outcome.status.value}", _clip(f"{record.tool}: {outcome.observation}")
-    if isinstance(record, StepRecord):
-        decision = record.decision.value if record.decision else "model failed"
-        done = " · task completed" if record.task_completed else ""
-        return "step", f"{decision}{done}"
-    if isinstance(record, CancelRequested):
-        return "cancel requested", _clip(record.reason)
-    if isinstance(record, RunFinished):
-        detail = f"{record.state.value} ({record.stop_reason.value}), {record.totals.steps} steps"
-        return "run finished", detail
-    return type(record).__name__, ""
-
-
-def _describe_model_result(record: ModelResult) -> tuple[str, str]:
-    if record.abandoned:
-        return "model abandoned", "outcome unknown after a crash; a fresh attempt follows"
-    if record.error is not None:
-        return "model error", f"{record.error.kind} {record.error.message}".strip()
-    reply = record.reply
-    assert reply is not None
-    calls = ", ".join(c.name for c in reply.tool_calls)
-    return "model reply", _clip(f"{reply.text or ''} {('→ ' + calls) if calls else ''}".strip())
 
 
 @main.command()
 @click.argument("run_id", required=False)
-@click.option(
-    "--store",
-    "store_path",
-    required=True,
-    type=click.Path(),
-    help="SQLite store file, or JSONL store directory.",
-)
+@store_option
 @click.option(
     "--agent",
     "agent_spec",
@@ -343,10 +259,10 @@ def resume(
         raise click.UsageError("give a RUN_ID or --all (not both)")
     agent = load_agent(agent_spec)
     if resume_all:
-        logs, errors = _run_async(lambda: _resume_all(store_path, agent, max_concurrent))
+        logs, errors = run_async(lambda: _resume_all(store_path, agent, max_concurrent))
     else:
         assert run_id is not None
-        logs, errors = [_run_async(lambda: _resume_one(store_path, agent, run_id))], []
+        logs, errors = [run_async(lambda: _resume_one(store_path, agent, run_id))], []
     for log in logs:
         summary = _run_summary(log)
         if as_json:
@@ -393,25 +309,10 @@ def load_agent(spec: str) -> Agent:
     return agent
 
 
-@asynccontextmanager
-async def _open_any_store(path: str) -> AsyncIterator[RunStore]:
-    """A JSONL store for a directory, a SQLite store for a file."""
-    from treadle.stores.jsonl import open_jsonl_store
-
-    if await trio.Path(path).is_dir():
-        async with open_jsonl_store(path) as store:
-            yield store
-    elif await trio.Path(path).is_file():
-        async with open_sqlite_store(path) as store:
-            yield store
-    else:
-        raise click.ClickException(f"no store at {path}")
-
-
 async def _resume_one(store_path: str, agent: Agent, run_id: str) -> RunLog:
     from treadle.supervisors.run import run
 
-    async with _open_any_store(store_path) as store:
+    async with open_store(store_path) as store:
         log = await store.read_log(run_id)
         if not log.records:
             raise click.ClickException(f"no run {run_id!r} in {store_path}")
@@ -428,7 +329,7 @@ async def _resume_all(
     from treadle.supervisors.recovery import resume_unfinished
 
     errors: list[Exception] = []
-    async with _open_any_store(store_path) as store:
+    async with open_store(store_path) as store:
         unfinished = [
             run_id
             for run_id in await store.list_runs()

@@ -1,0 +1,130 @@
+"""Helpers shared by the ``treadle`` commands.
+
+Running trio, opening a store of either kind, and describing a record in one readable line.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+from typing import TypeVar
+
+import click
+import trio
+
+from treadle._exceptions import TreadleError
+from treadle.ports import RunStore
+from treadle.stores.jsonl import open_jsonl_store
+from treadle.stores.sqlite import open_sqlite_store
+from treadle.types import (
+    ActionIntent,
+    ActionResult,
+    ApprovalDecided,
+    ApprovalRequested,
+    CancelRequested,
+    ModelIntent,
+    ModelResult,
+    Record,
+    RunFinished,
+    RunStarted,
+    StepRecord,
+)
+
+T = TypeVar("T")
+
+store_option = click.option(
+    "--store",
+    "store_path",
+    required=True,
+    type=click.Path(),
+    help="SQLite store file, or JSONL store directory.",
+)
+"""The ``--store PATH`` option every command that reads runs takes."""
+
+
+def run_async(fn: Callable[[], Awaitable[T]]) -> T:
+    """Run ``fn`` under trio; a treadle error becomes a clear command-line error."""
+    try:
+        return trio.run(fn)
+    except TreadleError as exc:
+        raise click.ClickException(str(exc)) from exc
+
+
+@asynccontextmanager
+async def open_store(path: str) -> AsyncIterator[RunStore]:
+    """A JSONL store for a directory, a SQLite store for a file.
+
+    Raises:
+        click.ClickException: nothing exists at ``path`` (a store is never created here).
+    """
+    if await trio.Path(path).is_dir():
+        async with open_jsonl_store(path) as jsonl:
+            yield jsonl
+    elif await trio.Path(path).is_file():
+        async with open_sqlite_store(path) as sqlite:
+            yield sqlite
+    else:
+        raise click.ClickException(f"no store at {path}")
+
+
+def clip(text: str | None, limit: int = 100) -> str:
+    """``text`` on one line, cut to ``limit`` characters with an ellipsis."""
+    if not text:
+        return ""
+    text = text.replace("\n", " ")
+    return text if len(text) <= limit else text[: limit - 1] + "…"
+
+
+def describe(record: Record) -> tuple[str, str]:
+    """What a record is and its detail, for tables and ``tail`` lines."""
+    if isinstance(record, RunStarted):
+        first = record.input[0].content if record.input else ""
+        return "run started", clip(first)
+    if isinstance(record, ModelIntent):
+        return "model call started", f"attempt {record.attempt}"
+    if isinstance(record, ModelResult):
+        return "model call finished", model_detail(record)
+    if isinstance(record, ActionIntent):
+        args = json.dumps(dict(record.arguments), ensure_ascii=False)
+        return "action requested", clip(f"{record.tool}({args})")
+    if isinstance(record, ActionResult):
+        late = " (late, not applied)" if record.late else ""
+        outcome = record.outcome
+        return "action finished", clip(
+            f"{record.tool} {outcome.status.value}{late}: {outcome.observation}"
+        )
+    if isinstance(record, StepRecord):
+        decision = record.decision.value if record.decision else "model failed"
+        return "step completed", decision + (" · task completed" if record.task_completed else "")
+    if isinstance(record, ApprovalRequested):
+        return (
+            "approval requested",
+            f"{record.tool} (call {record.call_id}) until {record.deadline_ts}",
+        )
+    if isinstance(record, ApprovalDecided):
+        message = f": {record.message}" if record.message else ""
+        return "approval decided", clip(f"{record.decision} call {record.call_id}{message}")
+    if isinstance(record, CancelRequested):
+        who = f" by {record.canceller}" if record.canceller else ""
+        return "cancel requested", clip(f"{record.reason}{who}".strip())
+    assert isinstance(record, RunFinished)
+    return "run finished", (
+        f"{record.state.value} ({record.stop_reason.value}), {record.totals.steps} steps"
+    )
+
+
+def model_detail(record: ModelResult) -> str:
+    """A model-call result in one line: text, called tools, usage, or the error."""
+    usage = record.usage
+    tokens = ""
+    if usage.input_tokens is not None or usage.output_tokens is not None:
+        tokens = f" [{usage.input_tokens} in / {usage.output_tokens} out tokens]"
+    if record.abandoned:
+        return "abandoned (outcome unknown after a crash)"
+    if record.error is not None:
+        return clip(f"error {record.error.kind} {record.error.message}".strip()) + tokens
+    reply = record.reply
+    text = (reply.text or "") if reply else ""
+    calls = ", ".join(c.name for c in reply.tool_calls) if reply else ""
+    return clip(f"{text} {'→ ' + calls if calls else ''}".strip()) + tokens
