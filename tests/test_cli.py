@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import contextlib
 import json
 import subprocess
 import sys
@@ -167,9 +168,10 @@ def test_runs_lists_runs_of_a_jsonl_store_without_control_logs_and_shows_waiting
         async with treadle.open_jsonl_store(directory) as store:
             with trio.CancelScope() as scope:  # the driving process goes away mid-wait
                 async with treadle.open_run(agent, "pay", store=store, run_id="waiting") as handle:
-                    async for event in handle.events():
-                        if event.kind is treadle.EventKind.APPROVAL_REQUESTED:
-                            break
+                    async with contextlib.aclosing(handle.events()) as events:
+                        async for event in events:
+                            if event.kind is treadle.EventKind.APPROVAL_REQUESTED:
+                                break
                     scope.cancel()
             await request_cancel(store, "waiting", reason="from elsewhere")  # a control log
 
