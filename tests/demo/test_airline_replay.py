@@ -582,11 +582,22 @@ def test_demo_command(tmp_path, monkeypatch, workload):
 # --------------------------------------------------------------------------- the whole workload
 
 
+KNOWN_REWARD_MISMATCHES: frozenset[str] = frozenset()
+"""Runs whose replay does not reproduce the recorded reward; none at present (the issue
+accepts up to 5 of 100)."""
+
+
 @pytest.mark.slow
-async def test_all_recordings_with_random_crashes(recordings, trajectories, workload, tmp_path):
+@pytest.mark.parametrize("quarter", range(4))
+async def test_all_recordings_with_random_crashes(
+    recordings, trajectories, workload, tmp_path, quarter
+):
+    # The 100 recordings in four parts of 25, each well under the suite's 120 s watchdog.
+    assert len(recordings) == 100
+    part = recordings[25 * quarter : 25 * (quarter + 1)]
     with trio.fail_after(600):
         reports = await replay_recordings(
-            recordings,
+            part,
             workspace=Workspace.beside(tmp_path / "runs.db"),
             trajectories=trajectories,
             data_dir=workload,
@@ -594,12 +605,11 @@ async def test_all_recordings_with_random_crashes(recordings, trajectories, work
             seed=2024,
             concurrency=4,
         )
-    assert len(reports) == len(recordings) == 100
-    equal = sum(r.reward == r.recorded_reward for r in reports)
+    assert len(reports) == len(part)
+    unequal = {r.run_id for r in reports if r.reward != r.recorded_reward}
+    assert unequal <= KNOWN_REWARD_MISMATCHES
     calls = sum(r.recorded_tool_calls for r in reports)
-    matching = sum(r.observations_matching for r in reports)
-    assert equal >= 95, [r.run_id for r in reports if r.reward != r.recorded_reward]
-    assert matching >= 0.98 * calls
+    assert sum(r.observations_matching for r in reports) >= 0.98 * calls
     assert sum(r.history_mismatches for r in reports) == 0
     assert all(r.applied_once and r.db_matches_recording for r in reports)
     assert all(r.crashes == 1 and r.resumes == 1 for r in reports)
