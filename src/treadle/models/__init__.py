@@ -5,14 +5,14 @@ from treadle.models._probe import probe as probe
 from treadle.models._sse import SSEDecodeError as SSEDecodeError
 from treadle.models._sse import SSEDecoder as SSEDecoder
 from treadle.models._sse import SSEEvent as SSEEvent
+from treadle.models._transport import UsageObserver as UsageObserver
+from treadle.models._transport import attempt_deadlines as attempt_deadlines
+from treadle.models._transport import current_deadlines as current_deadlines
+from treadle.models._transport import observe_usage as observe_usage
+from treadle.models._transport import report_usage as report_usage
 from treadle.models.anthropic import AnthropicMessagesClient as AnthropicMessagesClient
 from treadle.models.openai import ImageSource as ImageSource
 from treadle.models.openai import OpenAIChatClient as OpenAIChatClient
-from treadle.models.openai import UsageObserver as UsageObserver
-from treadle.models.openai import attempt_deadlines as attempt_deadlines
-from treadle.models.openai import current_deadlines as current_deadlines
-from treadle.models.openai import observe_usage as observe_usage
-from treadle.models.openai import report_usage as report_usage
 
 __all__ = [
     "AnthropicMessagesClient",

@@ -9,7 +9,8 @@ import httpx
 import trio
 
 from treadle._exceptions import ModelCallError, UsageError
-from treadle.models.openai import CLOSE_GRACE_S, OpenAIChatClient
+from treadle.models._transport import CLOSE_GRACE_S
+from treadle.models.openai import OpenAIChatClient
 from treadle.types import Message, ModelReply, ModelRequest, ToolSpec, Usage
 
 DEFAULT_PROMPT = "Reply with the single word: pong"

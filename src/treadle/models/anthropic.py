@@ -12,7 +12,7 @@ import base64
 import json
 import os
 import time
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 import httpx
@@ -21,17 +21,15 @@ import trio
 from treadle._exceptions import ModelCallError, UsageError
 from treadle.models._accumulate import error_fields, parse_retry_after
 from treadle.models._anthropic_stream import MessageAccumulator, classify_anthropic
-from treadle.models._sse import SSEDecodeError, SSEDecoder, SSEEvent
-from treadle.models.openai import (
-    ImageSource,
-    _digest,
-    _dispose,
-    _encode,
-    _sniff,
+from treadle.models._transport import (
+    StreamReader,
     current_deadlines,
-    drain,
-    report_usage,
+    digest,
+    dispose,
+    encode_body,
+    sniff,
 )
+from treadle.models.openai import ImageSource
 from treadle.ports import DeltaCallback
 from treadle.types import ImageRef, Message, ModelErrorInfo, ModelReply, ModelRequest, ToolSpec
 
@@ -47,7 +45,7 @@ _RESERVED_PARAMS = frozenset({"model", "messages", "system", "tools", "stream"})
 _CAP_KEYS = frozenset({"max_tokens", "max_completion_tokens", "max_output_tokens"})
 
 
-class AnthropicMessagesClient:
+class AnthropicMessagesClient(StreamReader[MessageAccumulator]):
     """One streaming Messages attempt per `complete` call.
 
     Args:
@@ -178,7 +176,7 @@ class AnthropicMessagesClient:
         http_request = self._client.build_request(
             "POST",
             self._url,
-            content=_encode(self.request_body(request)),
+            content=encode_body(self.request_body(request)),
             headers=self._auth_headers(),
             timeout=httpx.Timeout(connect_s, read=None, write=None),
         )
@@ -189,7 +187,7 @@ class AnthropicMessagesClient:
         try:
             return await self._read_response(response, chunks, acc, deadline, idle_s)
         finally:
-            await _dispose(response, chunks)
+            await dispose(response, chunks)
 
     # ------------------------------------------------------------------ transport
 
@@ -209,100 +207,15 @@ class AnthropicMessagesClient:
     def _redact(self, text: str) -> str:
         return text.replace(self._api_key, "***") if self._api_key else text
 
-    async def _send(
-        self, http_request: httpx.Request, acc: MessageAccumulator, deadline: float
-    ) -> httpx.Response:
-        with trio.move_on_at(deadline):
-            try:
-                return await self._client.send(http_request, stream=True)
-            except httpx.TimeoutException as exc:
-                raise acc.failure("timeout", f"connect: {exc!r}", retryable=True) from exc
-            except httpx.HTTPError as exc:
-                raise acc.failure("connection", repr(exc), retryable=True) from exc
-        raise acc.failure("timeout", "no response headers in time", retryable=True)
+    def _add_body(self, acc: MessageAccumulator, body: bytes) -> ModelReply:
+        return acc.add_message(body)
 
-    async def _read_response(
-        self,
-        response: httpx.Response,
-        chunks: AsyncIterator[bytes],
-        acc: MessageAccumulator,
-        deadline: float,
-        idle_s: float,
-    ) -> ModelReply:
-        if not 200 <= response.status_code < 300:
-            try:
-                body = await self._read_body(chunks, acc, MAX_ERROR_BODY_BYTES, idle_s)
-            except ModelCallError:
-                body = b""  # the status alone classifies the failure
-            raise self._status_error(response, body, acc)
-        content_type = response.headers.get("content-type", "").lower()
-        if "json" in content_type:
-            body = await self._read_body(chunks, acc, MAX_JSON_BODY_BYTES, idle_s)
-            reply = acc.add_message(body)
-            report_usage(reply.usage)
-            return reply
-        if content_type and "event-stream" not in content_type:
-            raise acc.failure("invalid_response", f"unexpected content-type {content_type!r}")
-        return await self._read_stream(chunks, acc, deadline, idle_s)
-
-    async def _read_stream(
-        self, chunks: AsyncIterator[bytes], acc: MessageAccumulator, deadline: float, idle_s: float
-    ) -> ModelReply:
-        decoder = SSEDecoder()
-        reported = acc.usage
-        # One scope for the whole stream, its deadline moved on each read (a scope per read
-        # costs more than the rest of the per-chunk work).
-        with trio.CancelScope(deadline=deadline) as scope:
-            while not acc.done:
-                if acc.events:
-                    scope.deadline = trio.current_time() + idle_s
-                try:
-                    chunk = await anext(chunks, None)
-                except httpx.HTTPError as exc:
-                    message = f"stream broken after {acc.events} events: {exc!r}"
-                    raise acc.failure("incomplete_stream", message, retryable=True) from exc
-                if chunk is None:
-                    return _end_of_stream(acc, truncated=decoder.close())
-                for event in _decode(decoder, chunk, acc):
-                    acc.add(event.data, event=event.event)
-                    if acc.usage is not reported:  # the server reported (running) usage
-                        reported = acc.usage
-                        report_usage(reported)
-        if not scope.cancelled_caught:
-            await drain(chunks)
-            return acc.reply()
-        what = "next read (stream idle)" if acc.events else "first event"
-        raise acc.failure("timeout", f"no {what} in time", retryable=True)
-
-    async def _next_chunk(
-        self,
-        chunks: AsyncIterator[bytes],
-        acc: MessageAccumulator,
-        deadline: float | None,
-        idle_s: float,
-    ) -> bytes | None:
-        what = "first event" if deadline is not None else "next read (stream idle)"
-        deadline = deadline if deadline is not None else trio.current_time() + idle_s
-        with trio.move_on_at(deadline):
-            try:
-                return await anext(chunks, None)
-            except httpx.HTTPError as exc:
-                message = f"stream broken after {acc.events} events: {exc!r}"
-                raise acc.failure("incomplete_stream", message, retryable=True) from exc
-        raise acc.failure("timeout", f"no {what} in time", retryable=True)
-
-    async def _read_body(
-        self, chunks: AsyncIterator[bytes], acc: MessageAccumulator, limit: int, idle_s: float
-    ) -> bytes:
-        parts: list[bytes] = []
-        size = 0
-        while size <= limit:
-            chunk = await self._next_chunk(chunks, acc, None, idle_s)
-            if chunk is None:
-                break
-            parts.append(chunk)
-            size += len(chunk)
-        return b"".join(parts)[:limit]
+    def _end_of_stream(self, acc: MessageAccumulator, *, truncated: bool) -> ModelReply:
+        if acc.stop_reason is not None and not truncated:
+            return acc.reply()  # message_delta came; only message_stop is missing
+        tail = "; the last event was cut off" if truncated else ""
+        message = f"stream ended without message_stop after {acc.events} events{tail}"
+        raise acc.failure("incomplete_stream", message, retryable=True)
 
     def _status_error(
         self, response: httpx.Response, body: bytes, acc: MessageAccumulator
@@ -386,9 +299,9 @@ class AnthropicMessagesClient:
             data = self._image_source(image)
         except (LookupError, OSError) as exc:
             raise UsageError(f"image {image.url!r} could not be loaded: {exc!r}") from exc
-        if image.digest is not None and image.digest != _digest(data):
+        if image.digest is not None and image.digest != digest(data):
             raise UsageError(f"image {image.url!r}: bytes do not match digest {image.digest}")
-        media_type = image.media_type or _sniff(data)
+        media_type = image.media_type or sniff(data)
         if media_type is None:
             raise UsageError(f"image {image.url!r}: unknown media type; set ImageRef.media_type")
         encoded = base64.b64encode(data).decode("ascii")
@@ -396,21 +309,6 @@ class AnthropicMessagesClient:
             "type": "image",
             "source": {"type": "base64", "media_type": media_type, "data": encoded},
         }
-
-
-def _end_of_stream(acc: MessageAccumulator, *, truncated: bool) -> ModelReply:
-    if acc.stop_reason is not None and not truncated:
-        return acc.reply()  # message_delta came; only message_stop is missing
-    tail = "; the last event was cut off" if truncated else ""
-    message = f"stream ended without message_stop after {acc.events} events{tail}"
-    raise acc.failure("incomplete_stream", message, retryable=True)
-
-
-def _decode(decoder: SSEDecoder, chunk: bytes, acc: MessageAccumulator) -> list[SSEEvent]:
-    try:
-        return decoder.feed(chunk)
-    except SSEDecodeError as exc:
-        raise acc.failure("invalid_response", str(exc)) from exc
 
 
 def _tool(spec: ToolSpec) -> dict[str, Any]:

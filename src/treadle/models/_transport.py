@@ -1,0 +1,306 @@
+"""What the OpenAI and Anthropic clients share.
+
+Sending one streaming request and reading its response (status, JSON body or server-sent
+events) under the attempt's deadlines, and the per-attempt usage and deadline context the
+model gateway sets.
+
+`StreamReader` holds the reading loop; each client supplies its accumulator and three hooks
+(a JSON body, the end of a stream without its final event, and an HTTP error status).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import hashlib
+import json
+from collections.abc import AsyncIterator, Callable, Iterator
+from typing import Any, ClassVar, Generic, Protocol, TypeVar
+
+import httpx
+import trio
+
+from treadle._exceptions import ModelCallError, UsageError
+from treadle.models._sse import SSEDecodeError, SSEDecoder, SSEEvent
+from treadle.types import ModelReply, Usage
+
+CLOSE_GRACE_S = 1.0
+"""Seconds a shielded close of the HTTP response may take after a failure or cancellation."""
+DRAIN_S = 0.25
+"""Seconds to wait for the end of the body after the stream's last event (keeps the
+connection reusable; a server that holds the body open past this loses the connection)."""
+MAX_ERROR_BODY_BYTES = 64 * 1024
+MAX_JSON_BODY_BYTES = 16 * 1024 * 1024
+_MAGIC = ((b"\x89PNG", "image/png"), (b"\xff\xd8\xff", "image/jpeg"), (b"GIF8", "image/gif"))
+
+
+UsageObserver = Callable[[Usage], None]
+"""Receives the usage reported so far in the current attempt (running counts, tokens).
+
+It may raise `treadle.ModelCallError` to end the attempt (the model gateway does so when the
+reported usage crosses the run's remaining token budget); clients let that error propagate.
+"""
+
+_usage_observer: contextvars.ContextVar[UsageObserver | None] = contextvars.ContextVar(
+    "treadle_usage_observer", default=None
+)
+
+
+@contextlib.contextmanager
+def observe_usage(observer: UsageObserver) -> Iterator[None]:
+    """Route `report_usage` calls made by the current task to ``observer`` inside the block.
+
+    The model gateway wraps each attempt in this block, so a client needs no extra argument
+    (the `treadle.ports.ModelClient` seam is unchanged).
+    """
+    token = _usage_observer.set(observer)
+    try:
+        yield
+    finally:
+        _usage_observer.reset(token)
+
+
+_attempt_deadlines: contextvars.ContextVar[tuple[float, float, float] | None] = (
+    contextvars.ContextVar("treadle_attempt_deadlines", default=None)
+)
+
+
+@contextlib.contextmanager
+def attempt_deadlines(*, connect_s: float, first_byte_s: float, idle_s: float) -> Iterator[None]:
+    """Tighten the connect, first-byte and stream-idle deadlines of attempts made in the block.
+
+    A client applies the smaller of these and its own settings (seconds). The model gateway
+    sets them from the agent's `treadle.types.Limits` for each attempt.
+    """
+    token = _attempt_deadlines.set((connect_s, first_byte_s, idle_s))
+    try:
+        yield
+    finally:
+        _attempt_deadlines.reset(token)
+
+
+def current_deadlines() -> tuple[float, float, float] | None:
+    """``(connect_s, first_byte_s, idle_s)`` set by `attempt_deadlines`, or ``None``."""
+    return _attempt_deadlines.get()
+
+
+def report_usage(usage: Usage) -> None:
+    """Report the usage the server has reported so far in this attempt.
+
+    A client calls this each time the server reports (running or final) usage. Without an
+    observer (outside a gateway attempt) it does nothing.
+
+    Raises:
+        treadle.ModelCallError: the observer ended the attempt (e.g. kind ``token_budget``).
+    """
+    observer = _usage_observer.get()
+    if observer is not None:
+        observer(usage)
+
+
+class Accumulator(Protocol):
+    """What `StreamReader` needs of a client's stream accumulator."""
+
+    @property
+    def done(self) -> bool:
+        """The stream's final event was seen."""
+        ...
+
+    @property
+    def events(self) -> int:
+        """Events seen so far."""
+        ...
+
+    @property
+    def usage(self) -> Usage:
+        """Usage reported so far (replaced, never mutated, on each report)."""
+        ...
+
+    def add(self, data: str, *, event: str = "message") -> None:
+        """Fold one event's data."""
+        ...
+
+    def failure(self, kind: str, message: str, *, retryable: bool = False) -> ModelCallError:
+        """A classified error carrying the usage and text seen so far."""
+        ...
+
+    def reply(self) -> ModelReply:
+        """The assembled reply."""
+        ...
+
+
+A = TypeVar("A", bound=Accumulator)
+
+
+class StreamReader(Generic[A]):
+    """The response-reading half of a streaming model client.
+
+    Subclasses set ``_client`` (the `httpx.AsyncClient`) and implement `_add_body`,
+    `_end_of_stream` and `_status_error`.
+    """
+
+    first_event: ClassVar[str] = "first event"
+    """How a timeout before any event names what it waited for."""
+
+    _client: httpx.AsyncClient
+
+    def _add_body(self, acc: A, body: bytes) -> ModelReply:
+        """Assemble a non-streamed JSON body (a server that ignored ``stream: true``)."""
+        raise NotImplementedError
+
+    def _end_of_stream(self, acc: A, *, truncated: bool) -> ModelReply:
+        """The reply when the body ended before the stream's final event, or the error."""
+        raise NotImplementedError
+
+    def _status_error(self, response: httpx.Response, body: bytes, acc: A) -> ModelCallError:
+        """Classify a non-2xx response."""
+        raise NotImplementedError
+
+    async def _send(self, http_request: httpx.Request, acc: A, deadline: float) -> httpx.Response:
+        with trio.move_on_at(deadline):
+            try:
+                return await self._client.send(http_request, stream=True)
+            except httpx.TimeoutException as exc:
+                raise acc.failure("timeout", f"connect: {exc!r}", retryable=True) from exc
+            except httpx.HTTPError as exc:
+                raise acc.failure("connection", repr(exc), retryable=True) from exc
+        raise acc.failure("timeout", "no response headers in time", retryable=True)
+
+    async def _read_response(
+        self,
+        response: httpx.Response,
+        chunks: AsyncIterator[bytes],
+        acc: A,
+        deadline: float,
+        idle_s: float,
+    ) -> ModelReply:
+        if not 200 <= response.status_code < 300:
+            try:
+                body = await self._read_body(chunks, acc, MAX_ERROR_BODY_BYTES, idle_s)
+            except ModelCallError:
+                body = b""  # the status alone classifies the failure
+            raise self._status_error(response, body, acc)
+        content_type = response.headers.get("content-type", "").lower()
+        if "json" in content_type:
+            body = await self._read_body(chunks, acc, MAX_JSON_BODY_BYTES, idle_s)
+            reply = self._add_body(acc, body)
+            report_usage(reply.usage)
+            return reply
+        if content_type and "event-stream" not in content_type:
+            raise acc.failure("invalid_response", f"unexpected content-type {content_type!r}")
+        return await self._read_stream(chunks, acc, deadline, idle_s)
+
+    async def _read_stream(
+        self, chunks: AsyncIterator[bytes], acc: A, deadline: float, idle_s: float
+    ) -> ModelReply:
+        decoder = SSEDecoder()
+        reported = acc.usage
+        # One scope for the whole stream, its deadline moved on each read (a scope per read
+        # costs more than the rest of the per-chunk work).
+        with trio.CancelScope(deadline=deadline) as scope:
+            while not acc.done:
+                if acc.events:
+                    scope.deadline = trio.current_time() + idle_s
+                try:
+                    chunk = await anext(chunks, None)
+                except httpx.HTTPError as exc:
+                    message = f"stream broken after {acc.events} events: {exc!r}"
+                    raise acc.failure("incomplete_stream", message, retryable=True) from exc
+                if chunk is None:
+                    return self._end_of_stream(acc, truncated=decoder.close())
+                for event in decode_chunk(decoder, chunk, acc):
+                    acc.add(event.data, event=event.event)
+                    if acc.usage is not reported:  # the server reported (running) usage
+                        reported = acc.usage
+                        report_usage(reported)
+        if not scope.cancelled_caught:
+            await drain(chunks)
+            return acc.reply()
+        what = "next read (stream idle)" if acc.events else self.first_event
+        raise acc.failure("timeout", f"no {what} in time", retryable=True)
+
+    async def _next_chunk(
+        self,
+        chunks: AsyncIterator[bytes],
+        acc: A,
+        deadline: float | None,
+        idle_s: float,
+    ) -> bytes | None:
+        what = self.first_event if deadline is not None else "next read (stream idle)"
+        deadline = deadline if deadline is not None else trio.current_time() + idle_s
+        with trio.move_on_at(deadline):
+            try:
+                return await anext(chunks, None)
+            except httpx.HTTPError as exc:
+                message = f"stream broken after {acc.events} events: {exc!r}"
+                raise acc.failure("incomplete_stream", message, retryable=True) from exc
+        raise acc.failure("timeout", f"no {what} in time", retryable=True)
+
+    async def _read_body(
+        self, chunks: AsyncIterator[bytes], acc: A, limit: int, idle_s: float
+    ) -> bytes:
+        parts: list[bytes] = []
+        size = 0
+        while size <= limit:
+            chunk = await self._next_chunk(chunks, acc, None, idle_s)
+            if chunk is None:
+                break
+            parts.append(chunk)
+            size += len(chunk)
+        return b"".join(parts)[:limit]
+
+
+def encode_body(body: dict[str, Any]) -> bytes:
+    """A request body as UTF-8 JSON; `UsageError` when it cannot be encoded."""
+    try:
+        return json.dumps(body, ensure_ascii=False, allow_nan=False).encode("utf-8")
+    except (TypeError, ValueError) as exc:
+        raise UsageError(f"the request cannot be encoded as JSON: {exc}") from exc
+
+
+def digest(data: bytes) -> str:
+    """``sha256:<hex>`` of ``data`` (how image references carry their bytes' digest)."""
+    return "sha256:" + hashlib.sha256(data).hexdigest()
+
+
+def sniff(data: bytes) -> str | None:
+    """The image media type from the first bytes, or ``None``."""
+    for magic, media_type in _MAGIC:
+        if data.startswith(magic):
+            return media_type
+    if data[:4] == b"RIFF" and data[8:12] == b"WEBP":
+        return "image/webp"
+    return None
+
+
+async def drain(chunks: AsyncIterator[bytes]) -> None:
+    """Read what follows a stream's last event, so the connection goes back to the pool.
+
+    Gives up after `DRAIN_S` seconds or on a transport error (the reply is complete by then;
+    the connection is closed instead of reused).
+    """
+    with trio.move_on_after(DRAIN_S), contextlib.suppress(httpx.HTTPError):
+        while await anext(chunks, None) is not None:
+            pass
+
+
+async def dispose(response: httpx.Response, chunks: AsyncIterator[bytes]) -> None:
+    """Close the response and its connection, even when the caller is cancelled.
+
+    httpx reads the body through nested async generators; iterating once more after the close
+    ends every one of them (with an error from the closed connection, which is expected here),
+    so none is left suspended for the garbage collector.
+    """
+    with trio.CancelScope(shield=True), trio.move_on_after(CLOSE_GRACE_S):
+        await response.aclose()
+        with contextlib.suppress(Exception):
+            while await anext(chunks, None) is not None:
+                pass
+
+
+def decode_chunk(decoder: SSEDecoder, chunk: bytes, acc: Accumulator) -> list[SSEEvent]:
+    """Feed one read to the SSE decoder; a malformed stream is an ``invalid_response``."""
+    try:
+        return decoder.feed(chunk)
+    except SSEDecodeError as exc:
+        raise acc.failure("invalid_response", str(exc)) from exc
