@@ -614,3 +614,28 @@ async def test_all_recordings_with_random_crashes(
     assert all(r.applied_once and r.db_matches_recording for r in reports)
     assert all(r.crashes == 1 and r.resumes == 1 for r in reports)
     assert all(r.error is None for r in reports)
+
+
+def test_demo_without_data_or_network_says_so_clearly(tmp_path, monkeypatch):
+    """No workload folder and no way to download it: a clear error, not a traceback."""
+    import httpx
+    from click.testing import CliRunner
+
+    from treadle.cli import main
+    from treadle.demo.airline import data as airline_data
+    from treadle.demo.airline import replay as airline_replay
+
+    def no_folder(explicit=None):
+        raise airline_data.AirlineDataNotFound("not here")
+
+    def no_network(dest, **kwargs):
+        raise httpx.ConnectError("Name or service not known")
+
+    monkeypatch.delenv("TREADLE_AIRLINE_DATA", raising=False)
+    monkeypatch.setattr(airline_replay, "find_data_dir", no_folder)
+    monkeypatch.setattr(airline_replay, "download_data", no_network)
+    monkeypatch.setattr(airline_replay, "default_cache_dir", lambda: tmp_path / "cache")
+    result = CliRunner().invoke(main, ["demo"])
+    assert result.exit_code == 1
+    assert "downloading it failed" in result.output
+    assert "Traceback" not in result.output

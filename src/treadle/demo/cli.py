@@ -24,13 +24,14 @@ from pathlib import Path
 from typing import Any, Final, TypeVar
 
 import click
+import httpx
 import trio
 from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
 from treadle._exceptions import TreadleError
-from treadle.demo.airline.data import AirlineDataNotFound, Recording
+from treadle.demo.airline.data import DATA_ENV_VAR, AirlineDataNotFound, Recording
 from treadle.demo.airline.db import AirlineDatabase
 from treadle.demo.airline.replay import (
     DEFAULT_CONCURRENCY,
@@ -99,6 +100,11 @@ def _workload(data_dir: str | None, console: Console) -> Path:
         return locate_workload(data_dir, notify=lambda text: console.print(f"[dim]{text}[/]"))
     except AirlineDataNotFound as exc:
         raise click.ClickException(str(exc)) from exc
+    except httpx.HTTPError as exc:
+        raise click.ClickException(
+            "the airline workload is not on this machine (looked for shared/workloads/airline "
+            f"above this folder and in ${DATA_ENV_VAR}) and downloading it failed: {exc}"
+        ) from exc
 
 
 def _recordings(path: Path) -> tuple[Recording, ...]:
