@@ -17,6 +17,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 import attrs
+import orjson
 
 from treadle._exceptions import ModelCallError
 from treadle.ports import DeltaCallback
@@ -224,7 +225,7 @@ class StreamAccumulator:
             self.done = True
             return
         try:
-            chunk = json.loads(data)
+            chunk = loads_event(data)
         except ValueError as exc:
             if event == "error":
                 raise self._inband_error({"error": data}) from exc
@@ -404,3 +405,19 @@ def _object_or_none(raw: str) -> dict[str, Any] | None:
     except ValueError:
         return None
     return value if isinstance(value, dict) else None
+
+
+def loads_event(data: str) -> Any:
+    """Decode one event's JSON: orjson first (fast), the stdlib for what it refuses (NaN).
+
+    orjson reads integers beyond 64 bits as floats; that only matters for counts no server
+    sends. Tool-call arguments arrive as JSON text inside the event and are decoded later by
+    the stdlib, exactly.
+
+    Raises:
+        ValueError: ``data`` is not JSON.
+    """
+    try:
+        return orjson.loads(data)
+    except orjson.JSONDecodeError:
+        return json.loads(data)

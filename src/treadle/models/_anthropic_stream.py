@@ -14,10 +14,9 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 import attrs
-import orjson
 
 from treadle._exceptions import ModelCallError
-from treadle.models._accumulate import classify_failure, error_fields
+from treadle.models._accumulate import classify_failure, error_fields, loads_event
 from treadle.ports import DeltaCallback
 from treadle.types import InvalidToolCall, ModelErrorInfo, ModelReply, ToolCall, Usage
 
@@ -150,7 +149,7 @@ class MessageAccumulator:
             return
         self.events += 1
         try:
-            payload = _loads(data)
+            payload = loads_event(data)
         except ValueError as exc:
             if event == "error":
                 raise self._inband_error({"error": data}) from exc
@@ -316,18 +315,6 @@ _HANDLERS: dict[str, Callable[[MessageAccumulator, Mapping[str, Any]], None]] = 
     "error": MessageAccumulator._error,
 }
 """Event type → handler; unknown event types are ignored (Anthropic may add new ones)."""
-
-
-def _loads(data: str) -> Any:
-    """Decode an event's JSON: orjson first (fast), the stdlib for what it refuses (NaN).
-
-    orjson reads integers beyond 64 bits as floats; that only matters for counts no server
-    sends. Tool inputs are decoded by the stdlib (`_arguments`, `add_message`), exactly.
-    """
-    try:
-        return orjson.loads(data)
-    except orjson.JSONDecodeError:
-        return json.loads(data)
 
 
 def _finish_reason(stop_reason: str | None) -> str | None:
