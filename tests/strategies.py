@@ -85,6 +85,7 @@ messages = _build(
     tool_call_id=st.none() | ids,
     name=st.none() | texts,
     reasoning=st.none() | texts,
+    reasoning_signature=st.none() | texts,
 )
 tool_specs = _build(t.ToolSpec, name=ids, description=texts, parameters=json_objects)
 model_requests = _build(
@@ -106,6 +107,7 @@ model_replies = _build(
     t.ModelReply,
     text=st.none() | texts,
     reasoning=st.none() | texts,
+    reasoning_signature=st.none() | texts,
     tool_calls=_tuples(tool_calls),
     invalid_tool_calls=_tuples(invalid_tool_calls, 2),
     finish_reason=st.none() | st.sampled_from(["stop", "tool_calls", "length"]),

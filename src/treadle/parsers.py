@@ -83,7 +83,11 @@ def _declared(tools: Sequence[ToolSpec]) -> frozenset[str]:
 
 def _history(reply: ModelReply, content: str | None, calls: Sequence[ToolCall] = ()) -> Message:
     return Message(
-        role="assistant", content=content, tool_calls=tuple(calls), reasoning=reply.reasoning
+        role="assistant",
+        content=content,
+        tool_calls=tuple(calls),
+        reasoning=reply.reasoning,
+        reasoning_signature=reply.reasoning_signature,
     )
 
 

@@ -169,6 +169,8 @@ class Message:
         tool_call_id: for ``tool`` messages, the call this answers.
         name: for ``tool`` messages, the tool name.
         reasoning: reasoning text of an assistant turn, sent back where the provider needs it.
+        reasoning_signature: the provider's signature over that reasoning (Anthropic's
+            thinking block), sent back unchanged with it; ``None`` when there is none.
     """
 
     role: str
@@ -178,6 +180,7 @@ class Message:
     tool_call_id: str | None = None
     name: str | None = None
     reasoning: str | None = None
+    reasoning_signature: str | None = None
 
 
 @attrs.frozen(kw_only=True)
@@ -238,6 +241,8 @@ class ModelReply:
     Attributes:
         text: visible text; ``None`` when the model sent none (a tool-only turn).
         reasoning: reasoning text, kept apart from the visible text; ``None`` when absent.
+        reasoning_signature: the provider's signature over the reasoning (Anthropic thinking),
+            to be sent back with it on the next turn; ``None`` when there is none.
         tool_calls: complete tool calls, ordered by the provider's index.
         invalid_tool_calls: calls that could not be assembled (e.g. cut by ``length``).
         finish_reason: the provider's finish reason (``stop``, ``tool_calls``, ``length`` ...),
@@ -248,6 +253,7 @@ class ModelReply:
 
     text: str | None = None
     reasoning: str | None = None
+    reasoning_signature: str | None = None
     tool_calls: tuple[ToolCall, ...] = ()
     invalid_tool_calls: tuple[InvalidToolCall, ...] = ()
     finish_reason: str | None = None

@@ -283,8 +283,44 @@ async def test_thinking_is_reasoning_kept_apart_from_text():
         on_delta=lambda channel, text: deltas.append(channel),
     )
     assert reply.reasoning == "Let me solve this: 27 * 453 = 12231."
+    assert reply.reasoning_signature == "EqQBCgIYAhIM1gbcDa9GJwZA2b3h"
     assert reply.text == "27 * 453 = 12,231"
     assert deltas == ["reasoning", "reasoning", "text"]
+
+
+def test_a_signed_thinking_turn_is_sent_back_unchanged_before_its_tool_use():
+    """Anthropic refuses a tool-use turn with thinking enabled unless the signed thinking
+    block of that turn comes back as it was."""
+    from treadle.models.anthropic import AnthropicMessagesClient
+    from treadle.parsers import NativeToolCallParser
+    from treadle.types import Message, ModelReply, ModelRequest, ToolCall
+
+    reply = ModelReply(
+        reasoning="I should look it up.",
+        reasoning_signature="sig-123",
+        tool_calls=(ToolCall(id="toolu_1", name="lookup", arguments={"q": "x"}),),
+        finish_reason="tool_calls",
+    )
+    history = NativeToolCallParser().parse(reply, ()).history_message
+    assert history.reasoning_signature == "sig-123"
+    request = ModelRequest(
+        messages=(
+            Message(role="user", content="find x"),
+            history,
+            Message(role="tool", content="found", tool_call_id="toolu_1", name="lookup"),
+        ),
+        model="claude",
+        max_output_tokens=1000,
+    )
+    body = AnthropicMessagesClient(base_url="http://127.0.0.1:1", api_key="k").request_body(request)
+    assistant = body["messages"][1]
+    assert assistant["role"] == "assistant"
+    assert assistant["content"][0] == {
+        "type": "thinking",
+        "thinking": "I should look it up.",
+        "signature": "sig-123",
+    }
+    assert assistant["content"][1]["type"] == "tool_use"
 
 
 async def test_max_tokens_in_the_middle_of_a_tool_call_is_an_invalid_call():

@@ -104,6 +104,7 @@ class _Block:
     name: str = ""
     start_input: Any = None
     parts: list[str] = attrs.Factory(list)
+    signature: str = ""
 
 
 @attrs.define(eq=False)
@@ -221,9 +222,14 @@ class MessageAccumulator:
                     )
                 else:
                     calls.append(ToolCall(id=call_id, name=block.name, arguments=arguments))
+        thinking = [b for b in self._ordered() if b.type == "thinking"]
+        # One signed thinking block can be sent back as it came; several are joined into one
+        # reasoning text, which no single signature covers.
+        signature = thinking[0].signature or None if len(thinking) == 1 else None
         return ModelReply(
             text=self.text,
             reasoning=None if reasoning is None else "".join(reasoning),
+            reasoning_signature=signature,
             tool_calls=tuple(calls),
             invalid_tool_calls=tuple(invalid),
             finish_reason=finish,
@@ -259,6 +265,7 @@ class MessageAccumulator:
             self._append(held, _str(block.get("text")), "text")
         elif held.type == "thinking":
             self._append(held, _str(block.get("thinking")), "reasoning")
+            held.signature = _str(block.get("signature"))
 
     def _block_delta(self, payload: Mapping[str, Any]) -> None:
         index = payload.get("index")
@@ -273,7 +280,9 @@ class MessageAccumulator:
             self._append(held, _str(delta.get("thinking")), "reasoning")
         elif kind == "input_json_delta":
             held.parts.append(_str(delta.get("partial_json")))
-        # signature_delta, citations_delta and unknown delta types carry nothing we keep
+        elif kind == "signature_delta":
+            held.signature += _str(delta.get("signature"))
+        # citations_delta and unknown delta types carry nothing we keep
 
     def _message_delta(self, payload: Mapping[str, Any]) -> None:
         delta = payload.get("delta")

@@ -276,6 +276,15 @@ class AnthropicMessagesClient(StreamReader[MessageAccumulator]):
                 }
             ]
         blocks: list[dict[str, Any]] = []
+        if message.role == "assistant" and message.reasoning and message.reasoning_signature:
+            # Anthropic requires the signed thinking block of a tool-use turn back, unchanged.
+            blocks.append(
+                {
+                    "type": "thinking",
+                    "thinking": message.reasoning,
+                    "signature": message.reasoning_signature,
+                }
+            )
         if message.content or (message.role == "user" and not message.images):
             blocks.append({"type": "text", "text": message.content or ""})
         blocks.extend(self._image(image) for image in message.images)
