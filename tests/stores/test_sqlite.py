@@ -147,7 +147,10 @@ async def test_group_commit_batches_100_concurrent_runs(tmp_path: Path) -> None:
         barriers = 100 * 5 * 2
         assert stats.writes_committed == 100 * (1 + 5 * 4)
         assert stats.records_written == 100 * (1 + 5 * 5)
-        assert stats.commits < barriers / 10, stats  # one transaction serves many runs
+        # One transaction serves many runs: one commit per barrier would be 1000. How many
+        # share one depends on scheduling (the committer splits big batches to overlap with
+        # trio), so the bound leaves room for a loaded machine.
+        assert stats.commits < barriers / 4, stats
         assert stats.max_batch >= 20, stats
         for run in (runs[0], runs[57], runs[-1]):
             log = await store.read_log(run.run_id)
