@@ -203,3 +203,23 @@ async def test_resume_finished_run_returns_stored_result():
 
 async def test_model_call_error_from_client_propagates_classification():
     assert ModelCallError(ModelErrorInfo(kind="auth")).info.kind == "auth"
+
+
+async def test_a_stalled_attempt_is_ended_by_the_attempt_deadline_and_retried(autojump_clock):
+    from treadle.testing.scripted import STALLED
+    from treadle.types import Limits, ModelResult
+
+    agent, _, _ = make_agent(
+        [say("hi")],
+        failures={0: [ModelErrorInfo(kind=STALLED)]},
+        limits=Limits(model_attempt_s=5.0, retry_initial_s=0.5),
+    )
+    store = MemoryStore()
+    start = trio.current_time()
+    result = await run(agent, "x", store=store, run_id="r")
+    assert result.stop_reason is StopReason.FINAL_ANSWER
+    assert result.totals.model_attempts == 2
+    assert 5 <= trio.current_time() - start < 7
+    log = await store.read_log("r")
+    first = next(r for r in log.records if isinstance(r, ModelResult))
+    assert first.error is not None and first.error.kind == "timeout"

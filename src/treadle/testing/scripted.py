@@ -21,6 +21,10 @@ from treadle.types import ModelErrorInfo, ModelReply, ModelRequest, ToolCall, Us
 
 _call_ids = itertools.count(1)
 
+STALLED = "stalled"
+"""A scripted failure of this kind stalls the call forever instead of raising: the model
+gateway's attempt deadline (or a cancel) must end it."""
+
 
 def say(text: str, *, usage: Usage | None = None) -> ModelReply:
     """A reply with visible text only (a final answer for most parsers)."""
@@ -47,7 +51,8 @@ class ScriptedModel:
         turns: the reply for each assistant turn, in order; turn *i* answers a request whose
             history holds *i* assistant messages.
         failures: per turn index, errors to raise on the first attempts of that turn (one
-            consumed per attempt), e.g. ``{0: [ModelErrorInfo(kind="rate_limited", ...)]}``.
+            consumed per attempt), e.g. ``{0: [ModelErrorInfo(kind="rate_limited", ...)]}``;
+            kind `STALLED` hangs the attempt instead.
         latency_s: trio-clock seconds each call takes (virtual under ``autojump_clock``).
         stream_chunk_chars: when > 0, the reply text is streamed to ``on_delta`` in pieces of
             this many characters.
@@ -81,6 +86,8 @@ class ScriptedModel:
         failed = self._failed.get(turn, 0)
         if failed < len(scripted):
             self._failed[turn] = failed + 1
+            if scripted[failed].kind == STALLED:
+                await trio.sleep_forever()  # a stream that never sends another byte
             raise ModelCallError(scripted[failed])
         if turn >= len(self.turns):
             raise ModelCallError(

@@ -29,7 +29,7 @@ from treadle.stores._codec import encode
 from treadle.stores.memory import MemoryStore
 from treadle.supervisors.run import open_run
 from treadle.testing.faults import CrashingStore, SimulatedCrash
-from treadle.testing.scripted import ScriptedModel, call, say
+from treadle.testing.scripted import STALLED, ScriptedModel, call, say
 from treadle.tools import EnvironmentFailure, Toolbox, ToolContext, tool
 from treadle.types import (
     Action,
@@ -57,6 +57,7 @@ FAULT_KINDS = (
     "model_5xx",
     "model_reset",
     "model_truncated",
+    "model_stalled",
     "model_context_length",
     "tool_exception",
     "tool_timeout",
@@ -94,6 +95,7 @@ class FaultPlan:
                 "model_5xx": 0.05,
                 "model_reset": 0.05,
                 "model_truncated": 0.05,
+                "model_stalled": 0.03,
                 "model_context_length": 0.01,
                 "tool_exception": 0.1,
                 "tool_timeout": 0.05,
@@ -227,6 +229,7 @@ _MODEL_FAULTS: dict[str, ModelErrorInfo] = {
     "model_5xx": ModelErrorInfo(kind="server_error", retryable=True, status=503),
     "model_reset": ModelErrorInfo(kind="connection", retryable=True),
     "model_truncated": ModelErrorInfo(kind="incomplete_stream", retryable=True),
+    "model_stalled": ModelErrorInfo(kind=STALLED),
     "model_context_length": ModelErrorInfo(kind="context_length_exceeded", status=400),
 }
 
@@ -274,7 +277,9 @@ def _agent(model: ScriptedModel, ledger: Ledger, max_steps: int) -> Agent:
         parser=NativeToolCallParser(),
         model_name="simulated",
         budgets=Budgets(max_steps=max_steps, max_model_attempts=max_steps * 4, time_budget_s=600),
-        limits=Limits(tool_timeout_s=5.0, retry_initial_s=0.5, retry_max_s=4.0),
+        limits=Limits(
+            tool_timeout_s=5.0, retry_initial_s=0.5, retry_max_s=4.0, model_attempt_s=30.0
+        ),
     )
 
 
