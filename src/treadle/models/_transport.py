@@ -143,6 +143,52 @@ class StreamReader(Generic[A]):
     """How a timeout before any event names what it waited for."""
 
     _client: httpx.AsyncClient
+    _url: str
+    _api_key: str | None
+    _connect_s: float
+    _first_byte_s: float
+    _idle_s: float
+
+    async def _attempt(self, body: dict[str, Any], headers: dict[str, str], acc: A) -> ModelReply:
+        """Send ``body`` to ``self._url`` and read the reply into ``acc``.
+
+        Deadlines are this client's, tightened by the gateway's attempt (`attempt_deadlines`):
+        connect through httpx, first event and stream idle through trio cancel scopes.
+
+        Raises:
+            UsageError: ``body`` cannot be encoded as JSON.
+            treadle.ModelCallError: the attempt failed (classified by ``acc`` and the hooks).
+
+        Cancellation:
+            A checkpoint. Cancelling closes the response and its connection.
+        """
+        connect_s, first_byte_s, idle_s = self._deadlines()
+        http_request = self._client.build_request(
+            "POST",
+            self._url,
+            content=encode_body(body),
+            headers=headers,
+            timeout=httpx.Timeout(connect_s, read=None, write=None),
+        )
+        deadline = trio.current_time() + first_byte_s
+        response = await self._send(http_request, acc, deadline)
+        chunks = response.aiter_bytes()
+        try:
+            return await self._read_response(response, chunks, acc, deadline, idle_s)
+        finally:
+            await dispose(response, chunks)
+
+    def _deadlines(self) -> tuple[float, float, float]:
+        """``(connect, first byte, idle)`` seconds: this client's, tightened by the attempt's."""
+        own = (self._connect_s, self._first_byte_s, self._idle_s)
+        attempt = current_deadlines()
+        if attempt is None:
+            return own
+        return (min(own[0], attempt[0]), min(own[1], attempt[1]), min(own[2], attempt[2]))
+
+    def _redact(self, text: str) -> str:
+        """``text`` with the API key replaced by ``***`` (it never reaches a message)."""
+        return text.replace(self._api_key, "***") if self._api_key else text
 
     def _add_body(self, acc: A, body: bytes) -> ModelReply:
         """Assemble a non-streamed JSON body (a server that ignored ``stream: true``)."""

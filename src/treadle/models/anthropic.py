@@ -16,17 +16,13 @@ from collections.abc import Mapping
 from typing import Any
 
 import httpx
-import trio
 
 from treadle._exceptions import ModelCallError, UsageError
 from treadle.models._accumulate import error_fields, parse_retry_after
 from treadle.models._anthropic_stream import MessageAccumulator, classify_anthropic
 from treadle.models._transport import (
     StreamReader,
-    current_deadlines,
     digest,
-    dispose,
-    encode_body,
     sniff,
 )
 from treadle.models.openai import ImageSource
@@ -172,40 +168,13 @@ class AnthropicMessagesClient(StreamReader[MessageAccumulator]):
         Cancellation:
             A checkpoint. Cancelling closes the response and its connection.
         """
-        connect_s, first_byte_s, idle_s = self._deadlines()
-        http_request = self._client.build_request(
-            "POST",
-            self._url,
-            content=encode_body(self.request_body(request)),
-            headers=self._auth_headers(),
-            timeout=httpx.Timeout(connect_s, read=None, write=None),
-        )
         acc = MessageAccumulator(on_delta=on_delta, redact=self._redact)
-        deadline = trio.current_time() + first_byte_s
-        response = await self._send(http_request, acc, deadline)
-        chunks = response.aiter_bytes()
-        try:
-            return await self._read_response(response, chunks, acc, deadline, idle_s)
-        finally:
-            await dispose(response, chunks)
-
-    # ------------------------------------------------------------------ transport
-
-    def _deadlines(self) -> tuple[float, float, float]:
-        """``(connect, first byte, idle)`` seconds: this client's, tightened by the attempt's."""
-        own = (self._connect_s, self._first_byte_s, self._idle_s)
-        attempt = current_deadlines()
-        if attempt is None:
-            return own
-        return (min(own[0], attempt[0]), min(own[1], attempt[1]), min(own[2], attempt[2]))
+        return await self._attempt(self.request_body(request), self._auth_headers(), acc)
 
     def _auth_headers(self) -> dict[str, str]:
         if self._api_key is None:
             return self._headers
         return {**self._headers, "x-api-key": self._api_key}
-
-    def _redact(self, text: str) -> str:
-        return text.replace(self._api_key, "***") if self._api_key else text
 
     def _add_body(self, acc: MessageAccumulator, body: bytes) -> ModelReply:
         return acc.add_message(body)
