@@ -5,10 +5,13 @@ Running trio, opening a store of either kind, and describing a record in one rea
 
 from __future__ import annotations
 
+import importlib
 import json
+import os
+import sys
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import click
 import trio
@@ -41,6 +44,23 @@ store_option = click.option(
     help="SQLite store file, or JSONL store directory.",
 )
 """The ``--store PATH`` option every command that reads runs takes."""
+
+
+def import_spec(spec: str, *, param_hint: str) -> Any:
+    """Import the object named ``MODULE:NAME`` (the current directory importable).
+
+    Raises:
+        click.BadParameter: the spec is malformed, or the module or name cannot be found.
+    """
+    module_name, _, attribute = spec.rpartition(":")
+    if not module_name or not attribute:
+        raise click.BadParameter(f"{spec!r} is not MODULE:FACTORY", param_hint=param_hint)
+    if os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())
+    try:
+        return getattr(importlib.import_module(module_name), attribute)
+    except (ImportError, AttributeError) as exc:
+        raise click.BadParameter(f"cannot load {spec}: {exc}", param_hint=param_hint) from exc
 
 
 def run_async(fn: Callable[[], Awaitable[T]]) -> T:

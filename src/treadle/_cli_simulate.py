@@ -2,15 +2,13 @@
 
 from __future__ import annotations
 
-import importlib
 import json
-import os
-import sys
 
 import click
 from rich.console import Console
 from rich.table import Table
 
+from treadle._cli_common import import_spec
 from treadle.testing.simulation import (
     FAULT_KINDS,
     FaultPlan,
@@ -98,17 +96,8 @@ def simulate_command(
 
 
 def _load_scenario(spec: str) -> Scenario:
-    """Import ``MODULE:FACTORY`` (the current directory importable) and call the factory."""
-    module_name, _, attribute = spec.partition(":")
-    if not module_name or not attribute:
-        raise click.BadParameter("expected MODULE:FACTORY", param_hint="--agent")
-    if os.getcwd() not in sys.path:
-        sys.path.insert(0, os.getcwd())
-    try:
-        factory = getattr(importlib.import_module(module_name), attribute)
-    except (ImportError, AttributeError) as exc:
-        raise click.BadParameter(f"cannot load {spec}: {exc}", param_hint="--agent") from exc
-    scenario: Scenario = factory()
+    """Call the scenario factory named ``MODULE:FACTORY``."""
+    scenario: Scenario = import_spec(spec, param_hint="--agent")()
     return scenario
 
 

@@ -21,7 +21,7 @@ import click
 from rich.console import Console
 from rich.table import Table
 
-from treadle._cli_common import describe, open_store, run_async, store_option
+from treadle._cli_common import describe, import_spec, open_store, run_async, store_option
 from treadle.agent import Agent
 from treadle.approvals import is_control_log, pending_approval
 from treadle.stores._codec import record_to_dict
@@ -287,15 +287,7 @@ def load_agent(spec: str) -> Agent:
         click.BadParameter: the spec is malformed, the module or name cannot be found, the
             factory fails, or it gives something other than an Agent.
     """
-    import importlib
-
-    module_name, _, attribute = spec.rpartition(":")
-    if not module_name or not attribute:
-        raise click.BadParameter(f"{spec!r} is not MODULE:FACTORY", param_hint="--agent")
-    try:
-        found = getattr(importlib.import_module(module_name), attribute)
-    except (ImportError, AttributeError) as exc:
-        raise click.BadParameter(f"cannot load {spec}: {exc}", param_hint="--agent") from exc
+    found = import_spec(spec, param_hint="--agent")
     if not isinstance(found, Agent):
         try:
             found = found()

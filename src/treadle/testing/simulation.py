@@ -28,7 +28,7 @@ from treadle.parsers import NativeToolCallParser
 from treadle.stores._codec import encode
 from treadle.stores.memory import MemoryStore
 from treadle.supervisors.run import open_run
-from treadle.testing.faults import CrashingStore, SimulatedCrash
+from treadle.testing.faults import CrashingStore, FailingStore, SimulatedCrash
 from treadle.testing.scripted import STALLED, ScriptedModel, call, say
 from treadle.tools import EnvironmentFailure, Toolbox, ToolContext, tool
 from treadle.types import (
@@ -460,7 +460,7 @@ async def _drive(
             )
         elif plan.roll(rng, "store_error"):
             counts["store_error"] = counts.get("store_error", 0) + 1
-            faulty = _FailingStore(inner=store, fail_at=rng.randrange(1, 40))
+            faulty = FailingStore(inner=store, fail_at=rng.randrange(1, 40))
         cancel_after = rng.uniform(0.0, 2.0) if plan.roll(rng, "cancel") else None
         if cancel_after is not None:
             counts["cancel"] = counts.get("cancel", 0) + 1
@@ -498,27 +498,6 @@ async def _incarnation(
                 await handle.wait()
             handle.cancel("simulated cancel")
         await handle.wait()
-
-
-class _FailingStore:
-    """Wraps a `CrashingStore` whose fault surfaces as `StoreError`, not a process crash.
-
-    It models a failed write (e.g. a full disk): the run stops with the error surfaced.
-    """
-
-    def __init__(self, *, inner: Any, fail_at: int) -> None:
-        self._crashing = CrashingStore(inner=inner, crash_at=fail_at, when="before")
-
-    def __getattr__(self, name: str) -> Any:
-        method = getattr(self._crashing, name)
-
-        async def forward(*args: Any, **kwargs: Any) -> Any:
-            try:
-                return await method(*args, **kwargs)
-            except SimulatedCrash as exc:
-                raise StoreError(f"simulated write failure: {exc}") from exc
-
-        return forward
 
 
 async def _fault_free_twin(scenario: Scenario, run_id: str, world: Any) -> RunLog:
