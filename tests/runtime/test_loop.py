@@ -202,7 +202,21 @@ async def test_resume_finished_run_returns_stored_result():
 
 
 async def test_model_call_error_from_client_propagates_classification():
+    class RefusingModel:
+        async def complete(self, request, *, on_delta=None):
+            await trio.lowlevel.checkpoint()
+            raise ModelCallError(ModelErrorInfo(kind="auth", status=401))
+
+    agent = Agent(model=RefusingModel(), executor=LedgerTools(), parser=SimpleParser())
+    store = MemoryStore()
+    result = await run(agent, "x", store=store, run_id="r")
+    # The client's classification reaches the log and the result; auth is never retried.
+    log = await store.read_log("r")
+    (failed,) = [r for r in log.records if type(r).__name__ == "ModelResult"]
+    assert failed.error.kind == "auth"
     assert ModelCallError(ModelErrorInfo(kind="auth")).info.kind == "auth"
+    assert result.stop_reason is StopReason.MODEL_ERROR and result.error == "auth"
+    assert result.totals.model_attempts == 1
 
 
 async def test_a_stalled_attempt_is_ended_by_the_attempt_deadline_and_retried(autojump_clock):

@@ -183,7 +183,7 @@ class RunCoordinator:
         ):
             self._final_answer = self.view.last_step.model_output_text
         while True:
-            reason = self.stop_reason(extra_active_s=0.0)
+            reason = self.stop_reason()
             if reason is not None:
                 return await self._finish(reason)
             started = trio.current_time()
@@ -196,7 +196,7 @@ class RunCoordinator:
         for channel in (self.hydrator, self.gateway, self.executor):
             channel.close()
 
-    def stop_reason(self, *, extra_active_s: float) -> StopReason | None:
+    def stop_reason(self) -> StopReason | None:
         """The first stop rule A-H that holds, or ``None`` to continue (DESIGN §6)."""
         view = self.view
         last = view.last_step
@@ -212,9 +212,9 @@ class RunCoordinator:
             return StopReason.INVALID_DECISIONS
         if last is not None and last.decision is None:
             return StopReason.MODEL_ERROR
-        return self._budget_reason(extra_active_s)
+        return self._budget_reason()
 
-    def _budget_reason(self, extra_active_s: float) -> StopReason | None:
+    def _budget_reason(self) -> StopReason | None:
         budgets, view = self.budgets, self.view
         if budgets.max_steps is not None and view.steps >= budgets.max_steps:
             return StopReason.MAX_STEPS
@@ -225,10 +225,7 @@ class RunCoordinator:
             return StopReason.MAX_MODEL_ATTEMPTS
         if budgets.token_budget is not None and view.tokens >= budgets.token_budget:
             return StopReason.TOKEN_BUDGET
-        if (
-            budgets.time_budget_s is not None
-            and view.active_s + extra_active_s >= budgets.time_budget_s
-        ):
+        if budgets.time_budget_s is not None and view.active_s >= budgets.time_budget_s:
             return StopReason.TIME_BUDGET
         return None
 
