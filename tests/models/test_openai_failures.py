@@ -9,53 +9,11 @@ import time
 import httpx
 import pytest
 import trio
+from test_openai_client import HELLO, KEY, REQUEST, SSE, call, chunk, fail, sse
 
 from treadle._exceptions import ModelCallError
 from treadle.models import OpenAIChatClient, parse_retry_after
 from treadle.testing.loopback import CannedResponse, canned, open_loopback_server
-from treadle.types import Message, ModelRequest
-
-KEY = "sk-secret-123456"
-SSE = {"content-type": "text/event-stream"}
-
-
-def chunk(delta=None, finish=None, **extra) -> dict:
-    choice = {"index": 0, "delta": delta or {}, "finish_reason": finish}
-    return {"id": "chatcmpl-t", "object": "chat.completion.chunk", "choices": [choice], **extra}
-
-
-def sse(*payloads) -> bytes:
-    out = b""
-    for payload in payloads:
-        text = payload if isinstance(payload, str) else json.dumps(payload)
-        out += f"data: {text}\n\n".encode()
-    return out
-
-
-HELLO = [sse(chunk({"content": "Hel"})), sse(chunk({"content": "lo"}, "stop")), sse("[DONE]")]
-REQUEST = ModelRequest(messages=(Message(role="user", content="hi"),), model="m")
-
-
-async def call(response: CannedResponse, **client_kwargs):
-    """Serve one response and return (reply or ModelCallError, server)."""
-    async with open_loopback_server(canned(response)) as server:
-        client = OpenAIChatClient(base_url=server.base_url + "/v1", api_key=KEY, **client_kwargs)
-        try:
-            with trio.fail_after(10):
-                outcome = await client.complete(REQUEST)
-        except ModelCallError as err:
-            outcome = err
-        finally:
-            await client.aclose()
-    return outcome, server
-
-
-async def fail(response: CannedResponse, **client_kwargs) -> ModelCallError:
-    outcome, _ = await call(response, **client_kwargs)
-    assert isinstance(outcome, ModelCallError), outcome
-    assert KEY not in str(outcome) and KEY not in outcome.info.message
-    return outcome
-
 
 # --------------------------------------------------------------------------- errors
 
