@@ -90,7 +90,9 @@ def test_check_names_are_unique() -> None:
 class _NoSeqCheck(MemoryStore):
     """Appends whatever seq it is given."""
 
-    async def _append(self, run_id: str, seq: int, records: tuple[Record, ...]) -> None:
+    async def _append(
+        self, run_id: str, seq: int, records: tuple[Record, ...], **options: bool
+    ) -> None:
         self._logs.setdefault(run_id, []).extend(records)
 
 
@@ -101,7 +103,7 @@ class _DropsStepResults(MemoryStore):
     async def write_step(
         self, action_results: Sequence[ActionResult] | None, step: StepRecord, *, seq: int
     ) -> None:
-        await self._append(step.run_id, seq, (step,))
+        await self._append(step.run_id, seq, (step,), barrier=False)
 
 
 @attrs.define(eq=False)

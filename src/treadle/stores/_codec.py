@@ -61,6 +61,7 @@ def _make() -> cattrs.Converter:
 
 _CONVERTER: Final = _make()
 
+
 def record_to_dict(record: Record) -> dict[str, Any]:
     """Unstructure ``record`` into plain JSON data with its ``kind`` tag (last key)."""
     data: dict[str, Any] = _CONVERTER.unstructure(record)

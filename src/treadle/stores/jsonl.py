@@ -40,7 +40,7 @@ import contextlib
 import logging
 import os
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator
 from os import PathLike
 from pathlib import Path
 from typing import Final
@@ -61,19 +61,10 @@ from treadle.stores._jsonl_files import read_run_file as read_run_file
 from treadle.stores._jsonl_files import records_frame as records_frame
 from treadle.stores._jsonl_files import run_file_name as run_file_name
 from treadle.stores._lines import TornSpan
+from treadle.stores._ops import AppendStore
 from treadle.types import (
-    ActionIntent,
-    ActionResult,
-    ApprovalDecided,
-    ApprovalRequested,
-    CancelRequested,
-    ModelIntent,
-    ModelResult,
     Record,
-    RunFinished,
     RunLog,
-    RunStarted,
-    StepRecord,
 )
 
 MAX_PENDING_WRITES: Final = 10_000
@@ -180,7 +171,7 @@ class _RunState:
 # --------------------------------------------------------------------------- the store
 
 
-class JsonlStore:
+class JsonlStore(AppendStore):
     """A `treadle.ports.RunStore` of JSON-lines files, one per run, in one directory.
 
     Open it with `JsonlStore.open` or `open_jsonl_store`, inside a trio run; the store belongs
@@ -272,38 +263,6 @@ class JsonlStore:
         """The file that holds (or will hold) the run's log."""
         return os.path.join(self._directory, run_file_name(run_id))
 
-    async def write_run_started(self, record: RunStarted, *, seq: int) -> None:
-        """Queue the run-started record (not a barrier; raises an earlier write's failure)."""
-        await self._submit(record.run_id, seq, (record,), barrier=False)
-
-    async def write_intent(self, record: ModelIntent | ActionIntent, *, seq: int) -> None:
-        """Append an intent; a barrier: returns once synced with all before it."""
-        await self._submit(record.run_id, seq, (record,), barrier=True)
-
-    async def write_model_result(self, record: ModelResult, *, seq: int) -> None:
-        """Queue a model-call result (not a barrier)."""
-        await self._submit(record.run_id, seq, (record,), barrier=False)
-
-    async def write_step(
-        self, action_results: Sequence[ActionResult] | None, step: StepRecord, *, seq: int
-    ) -> None:
-        """Queue the action results and step record as one line (not a barrier).
-
-        The records take seqs ``seq, seq + 1, ...``; the step record comes last. One line
-        holds them all, so they are durable together or not at all.
-        """
-        await self._submit(step.run_id, seq, (*(action_results or ()), step), barrier=False)
-
-    async def write_control(
-        self, record: CancelRequested | ApprovalRequested | ApprovalDecided, *, seq: int
-    ) -> None:
-        """Append an approval or cancel record; a barrier."""
-        await self._submit(record.run_id, seq, (record,), barrier=True)
-
-    async def write_run_finished(self, record: RunFinished, *, seq: int) -> None:
-        """Append the run-finished record; a barrier. The run's file is closed after it."""
-        await self._submit(record.run_id, seq, (record,), barrier=True, closes=True)
-
     async def read_log(self, run_id: str) -> RunLog:
         """Read the run's whole log, after the writes queued for it here are written.
 
@@ -381,7 +340,7 @@ class JsonlStore:
 
     # ------------------------------------------------------------------ internals
 
-    async def _submit(
+    async def _append(
         self,
         run_id: str,
         seq: int,

@@ -7,30 +7,19 @@ let a simulation model a process crash that keeps the durable prefix.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 import attrs
 import trio
 
 from treadle._exceptions import ConflictError, StoreError
+from treadle.stores._ops import AppendStore
 from treadle.types import (
-    ActionIntent,
-    ActionResult,
-    ApprovalDecided,
-    ApprovalRequested,
-    CancelRequested,
-    ModelIntent,
-    ModelResult,
     Record,
-    RunFinished,
     RunLog,
-    RunStarted,
-    StepRecord,
 )
 
 
 @attrs.define(eq=False)
-class MemoryStore:
+class MemoryStore(AppendStore):
     """A `treadle.ports.RunStore` that keeps every log in a dict.
 
     Every write is immediately "durable" (visible to `read_log`). Writes whose ``seq`` is
@@ -39,34 +28,6 @@ class MemoryStore:
 
     _logs: dict[str, list[Record]] = attrs.field(factory=dict, alias="_logs")
     _closed: bool = attrs.field(default=False, alias="_closed")
-
-    async def write_run_started(self, record: RunStarted, *, seq: int) -> None:
-        """Append the run-started record."""
-        await self._append(record.run_id, seq, (record,))
-
-    async def write_intent(self, record: ModelIntent | ActionIntent, *, seq: int) -> None:
-        """Append an intent (a barrier: durable on return)."""
-        await self._append(record.run_id, seq, (record,))
-
-    async def write_model_result(self, record: ModelResult, *, seq: int) -> None:
-        """Append a model-call result."""
-        await self._append(record.run_id, seq, (record,))
-
-    async def write_step(
-        self, action_results: Sequence[ActionResult] | None, step: StepRecord, *, seq: int
-    ) -> None:
-        """Append the action results and the step record atomically."""
-        await self._append(step.run_id, seq, (*(action_results or ()), step))
-
-    async def write_control(
-        self, record: CancelRequested | ApprovalRequested | ApprovalDecided, *, seq: int
-    ) -> None:
-        """Append an approval or cancel record (a barrier)."""
-        await self._append(record.run_id, seq, (record,))
-
-    async def write_run_finished(self, record: RunFinished, *, seq: int) -> None:
-        """Append the run-finished record (a barrier)."""
-        await self._append(record.run_id, seq, (record,))
 
     async def read_log(self, run_id: str) -> RunLog:
         """Return the run's log; an empty log for a run that does not exist."""
@@ -83,7 +44,15 @@ class MemoryStore:
         await trio.lowlevel.checkpoint()
         self._closed = True
 
-    async def _append(self, run_id: str, seq: int, records: tuple[Record, ...]) -> None:
+    async def _append(
+        self,
+        run_id: str,
+        seq: int,
+        records: tuple[Record, ...],
+        *,
+        barrier: bool,
+        closes: bool = False,
+    ) -> None:
         await trio.lowlevel.checkpoint()
         if self._closed:
             raise StoreError("the memory store is closed")

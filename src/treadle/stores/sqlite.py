@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import sqlite3
-from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping
 from os import PathLike
 from pathlib import Path
 from typing import Any, Final, TypeVar
@@ -32,20 +32,11 @@ import trio
 
 from treadle._exceptions import ConflictError, LogCorrupted, SchemaTooNew, StoreError, UsageError
 from treadle.stores._codec import KIND_OF, check_schema, decode, encode
+from treadle.stores._ops import AppendStore
 from treadle.stores._sqlite_commit import Committer, Row, Write, read_next_seq, refusal
 from treadle.types import (
-    ActionIntent,
-    ActionResult,
-    ApprovalDecided,
-    ApprovalRequested,
-    CancelRequested,
-    ModelIntent,
-    ModelResult,
     Record,
-    RunFinished,
     RunLog,
-    RunStarted,
-    StepRecord,
 )
 
 LAYOUT_VERSION: Final = 1
@@ -225,7 +216,7 @@ def _read_run_ids(conn: sqlite3.Connection) -> tuple[str, ...]:
 # --------------------------------------------------------------------------- the store
 
 
-class SqliteStore:
+class SqliteStore(AppendStore):
     """A `treadle.ports.RunStore` in one SQLite file (WAL, ``synchronous=FULL``).
 
     Open it with `SqliteStore.open` or `open_sqlite_store`, inside a trio run; the store
@@ -303,38 +294,6 @@ class SqliteStore:
         """Commit counters since the store was opened."""
         return StoreStatistics(**attrs.asdict(self._counters))
 
-    async def write_run_started(self, record: RunStarted, *, seq: int) -> None:
-        """Queue the run-started record (not a barrier; raises an earlier write's failure)."""
-        await self._submit(record.run_id, seq, (record,), barrier=False)
-
-    async def write_intent(self, record: ModelIntent | ActionIntent, *, seq: int) -> None:
-        """Append an intent; a barrier: returns once committed with all before it."""
-        await self._submit(record.run_id, seq, (record,), barrier=True)
-
-    async def write_model_result(self, record: ModelResult, *, seq: int) -> None:
-        """Queue a model-call result (not a barrier)."""
-        await self._submit(record.run_id, seq, (record,), barrier=False)
-
-    async def write_step(
-        self, action_results: Sequence[ActionResult] | None, step: StepRecord, *, seq: int
-    ) -> None:
-        """Queue the action results and step record as one atomic write (not a barrier).
-
-        The records take seqs ``seq, seq + 1, ...``; the step record comes last. They are
-        committed in one transaction, always together.
-        """
-        await self._submit(step.run_id, seq, (*(action_results or ()), step), barrier=False)
-
-    async def write_control(
-        self, record: CancelRequested | ApprovalRequested | ApprovalDecided, *, seq: int
-    ) -> None:
-        """Append an approval or cancel record; a barrier."""
-        await self._submit(record.run_id, seq, (record,), barrier=True)
-
-    async def write_run_finished(self, record: RunFinished, *, seq: int) -> None:
-        """Append the run-finished record; a barrier."""
-        await self._submit(record.run_id, seq, (record,), barrier=True)
-
     async def read_log(self, run_id: str) -> RunLog:
         """Read the run's whole log, after the writes queued for it here have committed.
 
@@ -390,8 +349,14 @@ class SqliteStore:
 
     # ------------------------------------------------------------------ internals
 
-    async def _submit(
-        self, run_id: str, seq: int, records: tuple[Record, ...], *, barrier: bool
+    async def _append(
+        self,
+        run_id: str,
+        seq: int,
+        records: tuple[Record, ...],
+        *,
+        barrier: bool,
+        closes: bool = False,
     ) -> None:
         if barrier:  # waiting for the commit below is the schedule point
             await trio.lowlevel.checkpoint_if_cancelled()
