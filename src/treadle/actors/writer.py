@@ -14,6 +14,7 @@ from collections.abc import Sequence
 import attrs
 import trio
 
+from treadle._exceptions import StoreError
 from treadle.ports import EventSink, RunStore
 from treadle.types import (
     ActionIntent,
@@ -27,6 +28,7 @@ from treadle.types import (
     ModelResult,
     Record,
     RunFinished,
+    RunLog,
     RunStarted,
     StepRecord,
 )
@@ -291,6 +293,23 @@ class EventWriter:
                     await sink.send(event)
                 except Exception:  # a sink's failure never stops the run; it is counted
                     self._sink_failures += 1
+
+
+def stored_events(log: RunLog, from_seq: int, to_seq: int) -> list[Event]:
+    """The durable events of ``log`` with seqs ``from_seq`` to ``to_seq`` (both included).
+
+    Raises:
+        StoreError: fewer than ``to_seq`` records are readable.
+    """
+    if to_seq > len(log.records):
+        raise StoreError(
+            f"run {log.run_id!r}: events up to seq {to_seq} requested but only "
+            f"{len(log.records)} are readable"
+        )
+    return [
+        Event(run_id=log.run_id, seq=seq, kind=EVENT_KIND[type(record)], record=record)
+        for seq, record in enumerate(log.records[from_seq - 1 : to_seq], start=from_seq)
+    ]
 
 
 def _refuse_pending(inbox: trio.MemoryReceiveChannel[WriterRequest]) -> None:

@@ -26,12 +26,12 @@ from treadle.actors.executor import RunActions, ToolExecutor
 from treadle.actors.gateway import CallModel, ModelGateway
 from treadle.actors.hydrator import ContextHydrator, Hydrate
 from treadle.actors.writer import (
-    EVENT_KIND,
     EventWriter,
     Op,
     WriterClient,
     WriterRequest,
     WriterStatistics,
+    stored_events,
 )
 from treadle.agent import Agent, RunInput, check_snapshot, input_messages
 from treadle.approvals import ApprovalPolicy, read_control, requires_approval
@@ -165,7 +165,7 @@ class RunHandle:
         """
         if self._writer_client is None or self._done.is_set():
             log = await self._store.read_log(self.run_id)
-            for event in _stored_events(log, from_seq, len(log.records)):
+            for event in stored_events(log, from_seq, len(log.records)):
                 yield event
             return
         subscription = await self._writer_client.subscribe()
@@ -183,21 +183,9 @@ class RunHandle:
         events: list[Event] = []
         if from_seq < tail_start:
             log = await self._store.read_log(self.run_id)
-            events.extend(_stored_events(log, from_seq, tail_start - 1))
+            events.extend(stored_events(log, from_seq, tail_start - 1))
         events.extend(e for e in tail if e.seq >= from_seq)
         return events
-
-
-def _stored_events(log: RunLog, from_seq: int, to_seq: int) -> list[Event]:
-    if to_seq > len(log.records):
-        raise StoreError(
-            f"run {log.run_id!r}: events up to seq {to_seq} requested but only "
-            f"{len(log.records)} are readable"
-        )
-    return [
-        Event(run_id=log.run_id, seq=seq, kind=EVENT_KIND[type(record)], record=record)
-        for seq, record in enumerate(log.records[from_seq - 1 : to_seq], start=from_seq)
-    ]
 
 
 @asynccontextmanager
