@@ -5,15 +5,21 @@ the parameter snapshot, folds the log into the coordinator's view, and starts th
 context hydrator, model gateway and tool executor with `nursery.start` before the coordinator
 runs. Cancelling the run's nursery cancels all five. An actor that fails leaves the run
 `interrupted` with its error on the handle; the log stays resumable (DESIGN §8).
+
+The five actors are built by the factories of an `Actors` record, each defaulting to the real
+actor; a caller replaces any one of them (a simulated gateway, a fake environment) without
+touching the others (docs/decisions/0009-actor-factories.md). Each role has a `Protocol`
+(`WriterActor`, `HydratorActor`, `GatewayActor`, `ExecutorActor`, `CoordinatorActor`), so a
+fake is type-checked against what the supervisor and the other actors use.
 """
 
 from __future__ import annotations
 
 import functools
 import random
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from contextlib import asynccontextmanager
-from typing import Any
+from typing import Any, Protocol
 
 import attrs
 import trio
@@ -57,6 +63,278 @@ CONTROL_POLL_S = 0.5
 an approval decision written by another process is picked up within this long."""
 
 
+class WriterActor(Protocol):
+    """The event writer role: the run's single writer to the store (DESIGN §7).
+
+    It serves `treadle.actors.writer.WriterRequest` messages (appends, barriers, deltas,
+    subscriptions) from its inbox until the inbox ends, writing records in the order it
+    receives them and answering each barrier once it is durable.
+    """
+
+    async def run(
+        self,
+        inbox: trio.MemoryReceiveChannel[WriterRequest],
+        *,
+        task_status: trio.TaskStatus[None] = ...,
+    ) -> None:
+        """Serve ``inbox`` until it ends; call ``task_status.started()`` once ready."""
+        ...
+
+    def statistics(self) -> WriterStatistics:
+        """Counters the run's handle reports (`RunHandle.statistics`)."""
+        ...
+
+
+class HydratorActor(Protocol):
+    """The context hydrator role: answers each `Hydrate` with the next model request."""
+
+    async def run(
+        self,
+        inbox: trio.MemoryReceiveChannel[Hydrate],
+        *,
+        task_status: trio.TaskStatus[None] = ...,
+    ) -> None:
+        """Serve ``inbox`` until it ends; call ``task_status.started()`` once ready."""
+        ...
+
+
+class GatewayActor(Protocol):
+    """The model gateway role: answers each `CallModel` with a `ModelOutcome`.
+
+    It writes each attempt's intent (a barrier) before the request leaves and its result
+    after, and reports every record it wrote in ``ModelOutcome.written``.
+    """
+
+    async def run(
+        self,
+        inbox: trio.MemoryReceiveChannel[CallModel],
+        *,
+        task_status: trio.TaskStatus[None] = ...,
+    ) -> None:
+        """Serve ``inbox`` until it ends; call ``task_status.started()`` once ready."""
+        ...
+
+
+class ExecutorActor(Protocol):
+    """The tool executor role: answers each `RunActions` with an `ActionsOutcome`.
+
+    It writes each action's intent (a barrier) before the action starts and reports the
+    intents in ``ActionsOutcome.written``; the results go back to the coordinator, which
+    writes them with the step record.
+    """
+
+    async def run(
+        self,
+        inbox: trio.MemoryReceiveChannel[RunActions],
+        *,
+        task_status: trio.TaskStatus[None] = ...,
+    ) -> None:
+        """Serve ``inbox`` until it ends; call ``task_status.started()`` once ready."""
+        ...
+
+
+class CoordinatorActor(Protocol):
+    """The run coordinator role: the step loop, stop rules, budgets and cancellation.
+
+    Attributes:
+        state: the run state now (read by `RunHandle.state`).
+        awaiting: the approval request the run waits on, or ``None``.
+    """
+
+    @property
+    def state(self) -> RunState:
+        """The run state now."""
+        ...
+
+    @property
+    def awaiting(self) -> ApprovalRequested | None:
+        """The approval request the run waits on, or ``None``."""
+        ...
+
+    async def run(self, *, resumed_steps: tuple[StepRecord, ...] = ()) -> RunResult:
+        """Run to the end, write run-finished (a barrier) and return the result."""
+        ...
+
+    def cancel(self, reason: str = "", canceller: str = "") -> None:
+        """Cancel the run (a no-op once it is finishing)."""
+        ...
+
+    def decide(
+        self,
+        *,
+        call_id: str | None = None,
+        reject: str | None = None,
+        edit: Mapping[str, Any] | None = None,
+    ) -> ApprovalDecided:
+        """Answer the pending approval request (see `RunHandle.approve`)."""
+        ...
+
+    def offer(self, decided: ApprovalDecided) -> None:
+        """Hand over a decision read from the control log."""
+        ...
+
+    def close_inboxes(self) -> None:
+        """Close the inboxes of the hydrator, gateway and executor (they then return)."""
+        ...
+
+
+@attrs.frozen(kw_only=True)
+class WriterContext:
+    """What an event-writer factory gets.
+
+    Attributes:
+        run_id: the run.
+        store: the run store the writer is the single writer of.
+        next_seq: the seq of the next record (1 for a new run, log length + 1 on resume).
+        sinks: event sinks to feed through bounded buffers.
+    """
+
+    run_id: str
+    store: RunStore
+    next_seq: int
+    sinks: Sequence[EventSink]
+
+
+@attrs.frozen(kw_only=True)
+class ActorContext:
+    """What a hydrator, gateway or executor factory gets.
+
+    Attributes:
+        run_id: the run.
+        agent: the agent definition.
+        started: the run-started record (input messages, snapshot).
+        writer: the client of the run's event writer (every write goes through it).
+        clock: wall clock for record timestamps.
+        rng: the run's random source (retry jitter).
+    """
+
+    run_id: str
+    agent: Agent
+    started: RunStarted
+    writer: WriterClient
+    clock: Clock
+    rng: random.Random
+
+
+@attrs.frozen(kw_only=True)
+class CoordinatorContext:
+    """What a coordinator factory gets: the `ActorContext` plus the coordinator's own inputs.
+
+    Attributes:
+        actor: the shared context.
+        view: the run's state folded from its log (fresh or resumed).
+        needs_approval: ``needs_approval(tool, arguments)``: whether a call waits for a human.
+        hydrator: the hydrator's inbox.
+        gateway: the gateway's inbox.
+        executor: the executor's inbox.
+    """
+
+    actor: ActorContext
+    view: RunView
+    needs_approval: Callable[[str, Mapping[str, Any]], bool]
+    hydrator: trio.MemorySendChannel[Hydrate]
+    gateway: trio.MemorySendChannel[CallModel]
+    executor: trio.MemorySendChannel[RunActions]
+
+
+def real_writer(context: WriterContext) -> EventWriter:
+    """The real event writer (the default `Actors.writer`)."""
+    return EventWriter(
+        run_id=context.run_id,
+        store=context.store,
+        next_seq=context.next_seq,
+        sinks=context.sinks,
+    )
+
+
+def real_hydrator(context: ActorContext) -> ContextHydrator:
+    """The real context hydrator (the default `Actors.hydrator`)."""
+    agent = context.agent
+    return ContextHydrator(
+        started=context.started,
+        system_prompt=agent.system_prompt,
+        tools=agent.executor.tool_specs(),
+        model=agent.model_name,
+        max_output_tokens=agent.max_output_tokens,
+        params=agent.params,
+    )
+
+
+def real_gateway(context: ActorContext) -> ModelGateway:
+    """The real model gateway on the agent's model client (the default `Actors.gateway`)."""
+    agent = context.agent
+    return ModelGateway(
+        run_id=context.run_id,
+        client=agent.model,
+        writer=context.writer,
+        clock=context.clock,
+        limits=agent.limits,
+        budgets=agent.budgets,
+        rng=context.rng,
+    )
+
+
+def real_executor(context: ActorContext) -> ToolExecutor:
+    """The real tool executor on the agent's executor (the default `Actors.executor`)."""
+    agent = context.agent
+    return ToolExecutor(
+        run_id=context.run_id,
+        executor=agent.executor,
+        writer=context.writer,
+        clock=context.clock,
+        limits=agent.limits,
+        synthetic=agent.synthetic,
+        observation_template=agent.observation_template,
+    )
+
+
+def real_coordinator(context: CoordinatorContext) -> RunCoordinator:
+    """The real run coordinator (the default `Actors.coordinator`)."""
+    actor, agent = context.actor, context.actor.agent
+    return RunCoordinator(
+        run_id=actor.run_id,
+        view=context.view,
+        parser=agent.parser,
+        tools=agent.executor.tool_specs(),
+        budgets=agent.budgets,
+        limits=agent.limits,
+        clock=actor.clock,
+        writer=actor.writer,
+        hydrator=context.hydrator,
+        gateway=context.gateway,
+        executor=context.executor,
+        needs_approval=context.needs_approval,
+    )
+
+
+@attrs.frozen(kw_only=True)
+class Actors:
+    """One factory per actor of a run; each defaults to the real actor.
+
+    Replace one role and keep the others real, e.g.
+    ``Actors(executor=lambda ctx: LedgerExecutor(ctx))``. Factories are called once per run
+    (and once per resume), in this order: writer, hydrator, gateway, executor, coordinator.
+    Each returns an actor that serves its inbox like the real one (see the role protocols).
+
+    Attributes:
+        writer: ``(WriterContext) -> WriterActor``.
+        hydrator: ``(ActorContext) -> HydratorActor``.
+        gateway: ``(ActorContext) -> GatewayActor``.
+        executor: ``(ActorContext) -> ExecutorActor``.
+        coordinator: ``(CoordinatorContext) -> CoordinatorActor``.
+    """
+
+    writer: Callable[[WriterContext], WriterActor] = real_writer
+    hydrator: Callable[[ActorContext], HydratorActor] = real_hydrator
+    gateway: Callable[[ActorContext], GatewayActor] = real_gateway
+    executor: Callable[[ActorContext], ExecutorActor] = real_executor
+    coordinator: Callable[[CoordinatorContext], CoordinatorActor] = real_coordinator
+
+
+DEFAULT_ACTORS = Actors()
+"""The real five actors."""
+
+
 @attrs.define(eq=False)
 class RunHandle:
     """A caller's handle on one run (new, resumed or already finished).
@@ -67,8 +345,8 @@ class RunHandle:
 
     run_id: str
     _store: RunStore
-    _coordinator: RunCoordinator | None = None
-    _writer: EventWriter | None = None
+    _coordinator: CoordinatorActor | None = None
+    _writer: WriterActor | None = None
     _writer_client: WriterClient | None = None
     _result: RunResult | None = None
     _error: BaseException | None = None
@@ -200,6 +478,7 @@ async def open_run(
     rng: random.Random | None = None,
     approval_policy: ApprovalPolicy | None = None,
     control_poll_s: float | None = CONTROL_POLL_S,
+    actors: Actors = DEFAULT_ACTORS,
 ) -> AsyncIterator[RunHandle]:
     """Start (or resume) a run in the background and yield its handle.
 
@@ -223,6 +502,8 @@ async def open_run(
         control_poll_s: seconds between reads of the run's control log (cancel and approval
             decisions from other processes, see `treadle.approvals`); ``None`` reads it only
             once, when the run starts.
+        actors: the factories of the run's five actors (default: the real ones); replace
+            one to swap that actor alone (see `Actors`).
 
     Raises:
         UsageError: no input for a new run, or an input that differs from the stored one.
@@ -244,6 +525,7 @@ async def open_run(
                 rng=rng,
                 approval_policy=approval_policy,
                 control_poll_s=control_poll_s,
+                actors=actors,
             )
             await nursery.start(_supervise, agent, input, log, store, sinks, options, handle)
             yield handle
@@ -261,6 +543,7 @@ class _Options:
     rng: random.Random | None
     approval_policy: ApprovalPolicy | None
     control_poll_s: float | None
+    actors: Actors
 
 
 async def _supervise(
@@ -278,22 +561,30 @@ async def _supervise(
     try:
         async with trio.open_nursery() as nursery:
             started, view, resumed = _prepare(agent, input, log, clock)
+            actors = options.actors
             writer_send, writer_recv = trio.open_memory_channel[WriterRequest](WRITER_INBOX)
-            writer = EventWriter(
-                run_id=log.run_id, store=store, next_seq=view.next_seq, sinks=sinks
+            writer = actors.writer(
+                WriterContext(run_id=log.run_id, store=store, next_seq=view.next_seq, sinks=sinks)
             )
-            client = WriterClient(writer_send, writer)
+            # The real writer also answers "does anyone want deltas?"; a fake one is asked nothing.
+            client = WriterClient(writer_send, writer if isinstance(writer, EventWriter) else None)
             handle._writer, handle._writer_client = writer, client
             await nursery.start(writer.run, writer_recv)
             if view.next_seq == 1:
                 await client.write(Op.RUN_STARTED, started)
                 view.apply(started)
-            coordinator = await _start_actors(
-                nursery, agent, started, view, client, clock, options.rng or random.Random()
+            context = ActorContext(
+                run_id=log.run_id,
+                agent=agent,
+                started=started,
+                writer=client,
+                clock=clock,
+                rng=options.rng or random.Random(),
             )
-            coordinator.needs_approval = functools.partial(
+            needs_approval = functools.partial(
                 requires_approval, agent.executor, options.approval_policy
             )
+            coordinator = await _start_actors(nursery, actors, context, view, needs_approval)
             handle._coordinator = coordinator
             control = _ControlInbox(store=store, run_id=log.run_id, coordinator=coordinator)
             await control.poll()  # a cancel or decision written while no one drove the run
@@ -332,7 +623,7 @@ class _ControlInbox:
 
     store: RunStore
     run_id: str
-    coordinator: RunCoordinator
+    coordinator: CoordinatorActor
     _seen: int = 0
 
     async def poll(self) -> None:
@@ -403,60 +694,31 @@ def _prepare(
 
 async def _start_actors(
     nursery: trio.Nursery,
-    agent: Agent,
-    started: RunStarted,
+    actors: Actors,
+    context: ActorContext,
     view: RunView,
-    writer: WriterClient,
-    clock: Clock,
-    rng: random.Random,
-) -> RunCoordinator:
-    run_id = started.run_id
-    tools = agent.executor.tool_specs()
+    needs_approval: Callable[[str, Mapping[str, Any]], bool],
+) -> CoordinatorActor:
+    """Build the hydrator, gateway and executor, start them, and build the coordinator."""
     # 0: every request waits for its reply anyway; the coordinator has one step in flight.
     hydrator_send, hydrator_recv = trio.open_memory_channel[Hydrate](0)
     gateway_send, gateway_recv = trio.open_memory_channel[CallModel](0)
     executor_send, executor_recv = trio.open_memory_channel[RunActions](0)
-    hydrator = ContextHydrator(
-        started=started,
-        system_prompt=agent.system_prompt,
-        tools=tools,
-        model=agent.model_name,
-        max_output_tokens=agent.max_output_tokens,
-        params=agent.params,
-    )
-    gateway = ModelGateway(
-        run_id=run_id,
-        client=agent.model,
-        writer=writer,
-        clock=clock,
-        limits=agent.limits,
-        budgets=agent.budgets,
-        rng=rng,
-    )
-    executor = ToolExecutor(
-        run_id=run_id,
-        executor=agent.executor,
-        writer=writer,
-        clock=clock,
-        limits=agent.limits,
-        synthetic=agent.synthetic,
-        observation_template=agent.observation_template,
-    )
+    hydrator = actors.hydrator(context)
+    gateway = actors.gateway(context)
+    executor = actors.executor(context)
     await nursery.start(hydrator.run, hydrator_recv)
     await nursery.start(gateway.run, gateway_recv)
     await nursery.start(executor.run, executor_recv)
-    return RunCoordinator(
-        run_id=run_id,
-        view=view,
-        parser=agent.parser,
-        tools=tools,
-        budgets=agent.budgets,
-        limits=agent.limits,
-        clock=clock,
-        writer=writer,
-        hydrator=hydrator_send,
-        gateway=gateway_send,
-        executor=executor_send,
+    return actors.coordinator(
+        CoordinatorContext(
+            actor=context,
+            view=view,
+            needs_approval=needs_approval,
+            hydrator=hydrator_send,
+            gateway=gateway_send,
+            executor=executor_send,
+        )
     )
 
 
@@ -471,6 +733,7 @@ async def run(
     rng: random.Random | None = None,
     approval_policy: ApprovalPolicy | None = None,
     control_poll_s: float | None = CONTROL_POLL_S,
+    actors: Actors = DEFAULT_ACTORS,
 ) -> RunResult:
     """Run ``agent`` on ``input`` to the end and return the result.
 
@@ -492,6 +755,7 @@ async def run(
         rng=rng,
         approval_policy=approval_policy,
         control_poll_s=control_poll_s,
+        actors=actors,
     ) as handle:
         pass  # leaving the block waits for the run
     return await handle.wait()
