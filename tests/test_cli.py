@@ -180,3 +180,41 @@ def test_runs_lists_runs_of_a_jsonl_store_without_control_logs_and_shows_waiting
     assert listed.exit_code == 0, listed.output
     rows = [json.loads(line) for line in listed.output.splitlines()]
     assert [(row["run_id"], row["state"]) for row in rows] == [("waiting", "awaiting_approval")]
+
+
+class FailingSink:
+    async def send(self, event):
+        raise RuntimeError("sink is down")
+
+
+def test_show_reports_the_sink_failures_of_a_finished_run(tmp_path):
+    db = tmp_path / "runs.db"
+
+    async def go():
+        agent = treadle.Agent(
+            model=ScriptedModel(turns=[call("add", a=1, b=2), say("3")]),
+            executor=treadle.Toolbox([add]),
+            parser=treadle.NativeToolCallParser(),
+        )
+        async with treadle.open_sqlite_store(db) as store:
+            await treadle.run(agent, "1+2?", store=store, run_id="r", sinks=[FailingSink()])
+            return (await store.read_log("r")).finished
+
+    finished = trio.run(go)
+    # The events handed to the sink before run-finished raised; the sink's own task may
+    # not have reached the last of them yet (11 events precede run-finished).
+    assert 1 <= finished.sink_failures <= 11 and finished.sink_drops == 0
+    shown = CliRunner().invoke(main, ["show", "r", "--store", str(db)], env={"COLUMNS": "200"})
+    assert shown.exit_code == 0, shown.output
+    assert f"{finished.sink_failures} sink failures" in shown.output
+
+
+def test_tail_marks_where_each_step_starts(tmp_path):
+    db = tmp_path / "runs.db"
+    make_store(db)
+    tailed = CliRunner().invoke(main, ["tail", "cli-run", "--store", str(db)])
+    assert tailed.exit_code == 0, tailed.output
+    lines = tailed.output.splitlines()
+    starts = [i for i, line in enumerate(lines) if line.split()[1:] == ["step", "started"]]
+    assert [lines[i].split()[0] for i in starts] == ["1", "2"]
+    assert all("model call" in lines[i + 1] for i in starts)

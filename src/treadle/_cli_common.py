@@ -129,9 +129,17 @@ def describe(record: Record) -> tuple[str, str]:
         who = f" by {record.canceller}" if record.canceller else ""
         return "cancel requested", clip(f"{record.reason}{who}".strip())
     assert isinstance(record, RunFinished)
-    return "run finished", (
-        f"{record.state.value} ({record.stop_reason.value}), {record.totals.steps} steps"
-    )
+    undelivered = [
+        f"{count} {what}"
+        for count, what in (
+            (record.sink_failures, "sink failures"),
+            (record.sink_drops, "events dropped for slow sinks"),
+            (record.subscriber_drops, "subscribers cut off"),
+        )
+        if count
+    ]
+    ending = f"{record.state.value} ({record.stop_reason.value})"
+    return "run finished", ", ".join([ending, f"{record.totals.steps} steps", *undelivered])
 
 
 def model_detail(record: ModelResult) -> str:

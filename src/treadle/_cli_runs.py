@@ -21,6 +21,7 @@ from treadle.stores._codec import record_to_dict
 from treadle.types import (
     ApprovalDecided,
     ApprovalRequested,
+    ModelIntent,
     Record,
     RunLog,
 )
@@ -111,8 +112,10 @@ def tail_command(run_id: str, store_path: str, from_seq: int, as_json: bool, fol
     def show(seq: int, record: Record) -> None:
         if as_json:
             click.echo(json.dumps({"seq": seq, **record_to_dict(record)}, ensure_ascii=False))
-        else:
-            click.echo(format_event(seq, record))
+            return
+        if isinstance(record, ModelIntent) and record.attempt == 1:
+            click.echo(f"{'':>5}  {record.step:>4}  step started")
+        click.echo(format_event(seq, record))
 
     async def go() -> None:
         async with open_store(store_path) as store:

@@ -577,6 +577,12 @@ class RunFinished:
         stop_reason: which rule of DESIGN §6 ended it.
         final_answer: the model's final answer, when it gave one.
         error: a short description for failed runs (model error, env error), else ``None``.
+        sink_drops: events the finishing process dropped for sinks that fell behind.
+        sink_failures: sink deliveries that raised in the finishing process.
+        subscriber_drops: live subscribers cut off for falling behind.
+
+    The three delivery counters cover the process that finished the run, up to this record
+    (DESIGN §7: a slow or failing sink never stalls a run, it is counted instead).
     """
 
     run_id: str
@@ -586,6 +592,9 @@ class RunFinished:
     totals: Totals
     final_answer: str | None = None
     error: str | None = None
+    sink_drops: int = 0
+    sink_failures: int = 0
+    subscriber_drops: int = 0
 
 
 @attrs.frozen(kw_only=True)
@@ -677,9 +686,15 @@ class RunLog:
 
 
 class EventKind(enum.StrEnum):
-    """Kinds of run events. Durable kinds mirror log records; deltas are ephemeral."""
+    """Kinds of run events.
+
+    Durable kinds mirror log records. ``step_started`` is derived from the log (it precedes
+    the first model intent of each step), so it is there after a restart too. Deltas are
+    ephemeral (docs/decisions/0008).
+    """
 
     RUN_STARTED = "run_started"
+    STEP_STARTED = "step_started"
     MODEL_CALL_STARTED = "model_call_started"
     MODEL_CALL_FINISHED = "model_call_finished"
     ACTION_REQUESTED = "action_requested"
@@ -701,12 +716,16 @@ class Event:
     Attributes:
         run_id: the run.
         seq: for durable events, the gapless per-run sequence number (1, 2, 3 ...), equal to
-            the record's position in the log. An ephemeral delta carries the seq of the durable
-            event it follows and its own ``ordinal`` (1, 2, ...).
+            the record's position in the log. A step-started event or an ephemeral delta
+            carries the seq of the durable event it follows and its own ``ordinal``.
         kind: the event kind.
-        record: the log record for durable events; ``None`` for deltas and warnings.
+        record: the log record for durable events; ``None`` for step-started events, deltas
+            and warnings.
         text: delta or warning text.
-        ordinal: 0 for durable events; 1, 2, ... for deltas after the same durable seq.
+        ordinal: 0 for durable events; 1, 2, ... for the events after the same durable seq
+            (a step-started event is always 1: it directly follows the previous step's
+            record).
+        step: the step a step-started event opens; ``None`` for the other kinds.
     """
 
     run_id: str
@@ -715,6 +734,7 @@ class Event:
     record: Record | None = None
     text: str | None = None
     ordinal: int = 0
+    step: int | None = None
 
     @property
     def durable(self) -> bool:

@@ -9,7 +9,7 @@ from treadle.stores.memory import MemoryStore
 from treadle.supervisors.run import open_run
 from treadle.supervisors.run import run as run_to_end
 from treadle.testing.scripted import ScriptedModel, call, say
-from treadle.types import EventKind, ModelReply, ModelResult, Usage
+from treadle.types import EventKind, ModelErrorInfo, ModelReply, ModelResult, Usage
 
 TURNS = [call("sleep", s=1, call_id=f"c{i}") for i in range(4)] + [say("done")]
 
@@ -86,3 +86,58 @@ async def test_model_call_finished_events_carry_the_usage(autojump_clock):
     (event,) = finished
     assert isinstance(event.record, ModelResult)
     assert event.record.usage == usage
+
+
+def step_outline(events):
+    """(kind, step) of the step-started events and the model intents, in order."""
+    return [
+        (e.kind, e.step if e.record is None else e.record.attempt)
+        for e in events
+        if e.kind in (EventKind.STEP_STARTED, EventKind.MODEL_CALL_STARTED)
+    ]
+
+
+async def test_step_started_precedes_each_step_once_live_and_read_back(autojump_clock):
+    store = MemoryStore()
+    model = ScriptedModel(
+        turns=TURNS,
+        latency_s=0.5,
+        failures={1: [ModelErrorInfo(kind="server_error", retryable=True, status=503)]},
+    )
+    agent = Agent(model=model, executor=LedgerTools(), parser=SimpleParser())
+    async with open_run(agent, "x", store=store, run_id="r") as handle:
+        live = [e async for e in handle.events() if e.kind is not EventKind.TEXT_DELTA]
+    async with open_run(make(), store=store, run_id="r") as finished:
+        stored_back = [e async for e in finished.events()]
+    assert live == stored_back
+    outline = step_outline(live)
+    S, M = EventKind.STEP_STARTED, EventKind.MODEL_CALL_STARTED
+    # Step 2's first attempt failed with a 503: its retry is not a new step.
+    assert outline == [(S, 1), (M, 1), (S, 2), (M, 1), (M, 2), (S, 3), (M, 1), (S, 4), (M, 1)] + [
+        (S, 5),
+        (M, 1),
+    ]
+    for event in (e for e in live if e.kind is EventKind.STEP_STARTED):
+        following = next(e for e in live if e.seq == event.seq + 1)
+        assert following.kind is M and following.record.step == event.step
+        assert event.ordinal == 1 and event.record is None and not event.durable
+
+
+async def test_step_started_is_not_repeated_for_a_step_resumed_after_a_crash(autojump_clock):
+    store = MemoryStore()
+    with trio.CancelScope() as crash:
+        async with open_run(make(), "x", store=store, run_id="r") as handle:
+            # Step 2's model call is in flight (intent written, no result) when the process dies.
+            async for event in handle.events():
+                if event.kind is EventKind.MODEL_CALL_STARTED and event.record.step == 2:
+                    crash.cancel()
+    async with open_run(make(), store=store, run_id="r") as resumed:
+        events = [e async for e in resumed.events()]
+    starts = [e.step for e in events if e.kind is EventKind.STEP_STARTED]
+    assert starts == [1, 2, 3, 4, 5]
+    attempts = [
+        e.record.attempt
+        for e in events
+        if e.kind is EventKind.MODEL_CALL_STARTED and e.record.step == 2
+    ]
+    assert attempts == [1, 2]  # the abandoned attempt and the fresh one, in one step

@@ -527,6 +527,7 @@ class RunCoordinator:
             await self.writer.barrier(Op.CONTROL, cancel)
             self.view.apply(cancel)
         state = _final_state(reason)
+        delivery = self.writer.statistics()
         record = RunFinished(
             run_id=self.run_id,
             ts=self.clock.now_iso(),
@@ -535,6 +536,9 @@ class RunCoordinator:
             totals=self.view.totals(extra_active_s=cut_active_s),
             final_answer=self._final_answer if reason is StopReason.FINAL_ANSWER else None,
             error=self._error if reason is StopReason.MODEL_ERROR else None,
+            sink_drops=delivery.sink_drops if delivery else 0,
+            sink_failures=delivery.sink_failures if delivery else 0,
+            subscriber_drops=delivery.subscriber_drops if delivery else 0,
         )
         await self.writer.barrier(Op.RUN_FINISHED, record)
         self.view.apply(record)

@@ -9,7 +9,7 @@ run: its events are dropped and counted (DESIGN §3.5, §7).
 from __future__ import annotations
 
 import enum
-from collections.abc import Sequence
+from collections.abc import Iterable, Iterator, Sequence
 
 import attrs
 import trio
@@ -222,26 +222,18 @@ class EventWriter:
         self.next_seq = seq + len(records)
         self._delta_ordinal = 0
         for offset, record in enumerate(records):
-            self._publish(
-                Event(
-                    run_id=self.run_id,
-                    seq=seq + offset,
-                    kind=EVENT_KIND[type(record)],
-                    record=record,
-                )
-            )
+            event = durable_event(self.run_id, seq + offset, record)
+            self._tail.append(event)
+            for published in with_step_started((event,)):
+                self._fan_out(published)
+        if len(self._tail) > 2 * TAIL_KEEP:
+            del self._tail[:-TAIL_KEEP]
         if message.reply_to is not None:
             with message.reply_to:
                 try:
                     message.reply_to.send_nowait(self.next_seq - 1)
                 except trio.BrokenResourceError:
                     pass
-
-    def _publish(self, event: Event) -> None:
-        self._tail.append(event)
-        if len(self._tail) > 2 * TAIL_KEEP:
-            del self._tail[:-TAIL_KEEP]
-        self._fan_out(event)
 
     def _publish_delta(self, message: Delta) -> None:
         self._delta_ordinal += 1
@@ -306,10 +298,37 @@ def stored_events(log: RunLog, from_seq: int, to_seq: int) -> list[Event]:
             f"run {log.run_id!r}: events up to seq {to_seq} requested but only "
             f"{len(log.records)} are readable"
         )
-    return [
-        Event(run_id=log.run_id, seq=seq, kind=EVENT_KIND[type(record)], record=record)
+    durable = [
+        durable_event(log.run_id, seq, record)
         for seq, record in enumerate(log.records[from_seq - 1 : to_seq], start=from_seq)
     ]
+    return [e for e in with_step_started(durable) if e.seq >= from_seq]
+
+
+def durable_event(run_id: str, seq: int, record: Record) -> Event:
+    """The durable event of ``record`` at ``seq``."""
+    return Event(run_id=run_id, seq=seq, kind=EVENT_KIND[type(record)], record=record)
+
+
+def with_step_started(events: Iterable[Event]) -> Iterator[Event]:
+    """``events`` with a step-started event before the first model intent of each step.
+
+    The step-started event is derived from the log, the same way live and when read back
+    (docs/decisions/0008): it precedes each `ModelIntent` with ``attempt == 1`` and carries
+    the seq of the durable event before that intent, with ordinal 1. Callers filter by seq:
+    the step-started event of an intent at ``from_seq`` has seq ``from_seq - 1``.
+    """
+    for event in events:
+        record = event.record
+        if isinstance(record, ModelIntent) and record.attempt == 1:
+            yield Event(
+                run_id=event.run_id,
+                seq=event.seq - 1,
+                kind=EventKind.STEP_STARTED,
+                ordinal=1,
+                step=record.step,
+            )
+        yield event
 
 
 def _refuse_pending(inbox: trio.MemoryReceiveChannel[WriterRequest]) -> None:
@@ -381,6 +400,10 @@ class WriterClient:
 
     inbox: trio.MemorySendChannel[WriterRequest]
     writer: EventWriter | None = None
+
+    def statistics(self) -> WriterStatistics | None:
+        """The writer's counters (``None`` when the writer is not reachable from here)."""
+        return self.writer.statistics() if self.writer is not None else None
 
     def wants_deltas(self) -> bool:
         """Whether anyone listens for ephemeral deltas (skip coalescing when not)."""
