@@ -38,6 +38,7 @@ from treadle.actors.writer import (
     WriterRequest,
     WriterStatistics,
     stored_events,
+    with_step_started,
 )
 from treadle.agent import Agent, RunInput, check_snapshot, input_messages
 from treadle.approvals import ApprovalPolicy, read_control, requires_approval
@@ -462,7 +463,7 @@ class RunHandle:
         if from_seq < tail_start:
             log = await self._store.read_log(self.run_id)
             events.extend(stored_events(log, from_seq, tail_start - 1))
-        events.extend(e for e in tail if e.seq >= from_seq)
+        events.extend(e for e in with_step_started(tail) if e.seq >= from_seq)
         return events
 
 
