@@ -141,3 +141,26 @@ async def test_step_started_is_not_repeated_for_a_step_resumed_after_a_crash(aut
         if e.kind is EventKind.MODEL_CALL_STARTED and e.record.step == 2
     ]
     assert attempts == [1, 2]  # the abandoned attempt and the fresh one, in one step
+
+
+class PausingModel:
+    """Streams "Hel", "lo", pauses 5 s (virtual), then "!" and answers."""
+
+    async def complete(self, request, *, on_delta=None):
+        for piece, pause in (("Hel", 0.001), ("lo", 5.0), ("!", 0.0)):
+            on_delta("text", piece)
+            await trio.sleep(pause)
+        return ModelReply(text="Hello!", finish_reason="stop")
+
+
+async def test_a_delta_is_flushed_within_30_ms_when_the_stream_pauses(autojump_clock):
+    agent = Agent(model=PausingModel(), executor=LedgerTools(), parser=SimpleParser())
+    received = []
+    async with open_run(agent, "x", store=MemoryStore(), run_id="r") as handle:
+        start = trio.current_time()
+        async for event in handle.events():
+            if event.kind is EventKind.TEXT_DELTA:
+                received.append((event.text, trio.current_time() - start))
+    assert [text for text, _ in received] == ["Hello", "!"]
+    assert received[0][1] < 0.05  # not held until the stream resumed 5 s later
+    assert received[1][1] >= 5.0

@@ -119,6 +119,11 @@ class ModelGateway:
     limits: Limits
     budgets: Budgets
     rng: random.Random = attrs.Factory(random.Random)
+    _coalescer: _Coalescer = attrs.field(
+        init=False, default=attrs.Factory(lambda self: _Coalescer(self.writer), takes_self=True)
+    )
+    _nursery: trio.Nursery | None = attrs.field(init=False, default=None)
+    _flushing: bool = attrs.field(init=False, default=False)
 
     async def run(
         self,
@@ -127,10 +132,26 @@ class ModelGateway:
         task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
     ) -> None:
         """Serve `CallModel` requests, one at a time, until ``inbox`` ends."""
-        task_status.started()
-        async with inbox:
-            async for message in inbox:
-                reply(message.reply_to, await self.call(message))
+        async with trio.open_nursery() as nursery:
+            self._nursery = nursery
+            task_status.started()
+            async with inbox:
+                async for message in inbox:
+                    reply(message.reply_to, await self.call(message))
+            nursery.cancel_scope.cancel()
+
+    def _on_delta(self) -> Callable[[str, str], None] | None:
+        """The delta callback for an attempt, ``None`` when nobody listens for deltas.
+
+        The first time someone listens, a task starts that flushes a coalesced delta once
+        its first fragment is `DELTA_FLUSH_S` old, also when the stream pauses.
+        """
+        if not self.writer.wants_deltas():
+            return None
+        if not self._flushing and self._nursery is not None:
+            self._flushing = True
+            self._nursery.start_soon(self._coalescer.flush_late)
+        return self._coalescer.offer
 
     async def call(self, message: CallModel) -> ModelOutcome:
         """Make attempts until one succeeds, the error is final, or a budget ends the call."""
@@ -199,15 +220,14 @@ class ModelGateway:
         )
         started = trio.current_time()
         outcome: ModelReply | ModelCallError | None = None
-        coalescer = _Coalescer(self.writer)
-        on_delta = coalescer.offer if self.writer.wants_deltas() else None
+        on_delta = self._on_delta()
         with message.scope.open():
             durable = await self.writer.send_barrier(Op.INTENT, intent)
             written.append(intent)
             with durable:
                 await durable.receive()
             outcome = await self._complete(message.request, on_delta, meter)
-        coalescer.flush()
+        self._coalescer.flush()
         if outcome is None:
             if written and written[-1] is intent:
                 info = ModelErrorInfo(kind=self._cut_reason(message.scope).value)
@@ -330,6 +350,7 @@ class _Coalescer:
     _parts: list[str] = attrs.Factory(list)
     _size: int = 0
     _since: float = 0.0
+    _pending: trio.Event = attrs.Factory(trio.Event)
 
     def offer(self, channel: str, text: str) -> None:
         if channel != self._channel:
@@ -337,6 +358,7 @@ class _Coalescer:
             self._channel = channel
         if not self._parts:
             self._since = trio.current_time()
+            self._pending.set()
         self._parts.append(text)
         self._size += len(text)
         if self._size >= DELTA_FLUSH_CHARS or trio.current_time() - self._since >= DELTA_FLUSH_S:
@@ -347,3 +369,17 @@ class _Coalescer:
             self.writer.delta(self._channel, "".join(self._parts))
             self._parts.clear()
             self._size = 0
+
+    async def flush_late(self) -> None:
+        """Flush each coalesced delta `DELTA_FLUSH_S` after its first fragment, forever.
+
+        Without it, the last fragments before a pause in the stream would wait for the
+        next fragment.
+        """
+        while True:
+            await self._pending.wait()
+            self._pending = trio.Event()
+            due = self._since + DELTA_FLUSH_S
+            await trio.sleep_until(due)
+            if self._parts and self._since + DELTA_FLUSH_S <= trio.current_time():
+                self.flush()
