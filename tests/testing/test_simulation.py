@@ -5,7 +5,7 @@ import pytest
 
 from treadle.testing import simulation
 from treadle.testing.simulation import FAULT_KINDS, FaultPlan, Ledger, check_invariants, simulate
-from treadle.types import ActionResult, ReplayPolicy, RunFinished, StepRecord
+from treadle.types import ActionResult, Budgets, ReplayPolicy, RunFinished, StepRecord
 
 
 def test_five_hundred_seeds_with_every_fault_kind_are_green():
@@ -57,7 +57,7 @@ async def _log_of_clean_run():
 
     ledger = Ledger()
     script = simulation._script(random.Random(1), FaultPlan(rates={}), {}, 4)
-    agent = simulation._agent(simulation._model(script), ledger, 6)
+    agent = simulation._agent(simulation._model(script), ledger, Budgets(max_steps=6))
     store = MemoryStore()
     await run(agent, "x", store=store, run_id="r", clock=FixedStepClock(), rng=random.Random(0))
     await trio.lowlevel.checkpoint()
@@ -107,7 +107,7 @@ def test_cli_prints_one_line_per_seed_and_a_replay_command_on_failure(monkeypatc
     assert [line["seed"] for line in lines] == [10, 11, 12, 13, 14]
     assert set(lines[0]) == {"seed", "ok", "violations", "faults_injected", "steps", "log_digest"}
 
-    def broken_check(log, ledger=None, max_steps=None):
+    def broken_check(log, **options):
         return ["forced violation"]
 
     monkeypatch.setattr(simulation, "check_invariants", broken_check)

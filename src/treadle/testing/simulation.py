@@ -3,31 +3,37 @@
 `simulate(seed)` runs one or more scripted runs on trio's virtual clock (``MockClock`` with
 autojump), drives them through the real actors and a memory store, injects the faults of a
 `FaultPlan` chosen from the seed (process crashes before or after store writes, store write
-failures, model errors, tool exceptions, timeouts, ENV_ERROR, cancellation), resumes every
-crashed run from its log as a restarted process would, and checks the invariants of DESIGN
-§4–§6 on what was written (`check_invariants`). The same seed gives a byte-identical log: ids
-and timestamps come from an injected clock and the run's seeded random source, and trio's own
-scheduling randomness is seeded too.
+failures, model errors, tool exceptions, timeouts, ENV_ERROR, cancellation, approval decisions
+at random delays, latency between the coordinator and the actors), resumes every crashed run
+from its log as a restarted process would, and checks the invariants of DESIGN §4–§6 on what
+was written (`check_invariants`). The same seed gives a byte-identical log: ids and timestamps
+come from an injected clock and the run's seeded random source, and trio's own scheduling
+randomness is seeded too.
+
+Actors are swapped through `treadle.Actors`: `with_latency` wraps any actor's factory so that
+its requests arrive after a seeded delay on the virtual clock.
 """
 
 from __future__ import annotations
 
 import hashlib
 import random
-from collections.abc import Callable, Iterable, Sequence
-from typing import Any, Protocol
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any, Generic, Protocol, TypeVar
 
 import attrs
 import trio
 import trio.testing
 
 from treadle._clock import FixedStepClock
-from treadle._exceptions import ModelCallError, RunInterrupted, StoreError
+from treadle._exceptions import ModelCallError, RunInterrupted, StoreError, UsageError
+from treadle.actors._rpc import StepScope
 from treadle.agent import Agent, RunInput
+from treadle.approvals import Decision, decide
 from treadle.parsers import NativeToolCallParser
 from treadle.stores._codec import encode
 from treadle.stores.memory import MemoryStore
-from treadle.supervisors.run import open_run
+from treadle.supervisors.run import DEFAULT_ACTORS, Actors, RunHandle, open_run
 from treadle.testing.faults import CrashingStore, FailingStore, SimulatedCrash
 from treadle.testing.scripted import STALLED, ScriptedModel, call, say
 from treadle.tools import EnvironmentFailure, Toolbox, ToolContext, tool
@@ -37,6 +43,8 @@ from treadle.types import (
     ActionOutcome,
     ActionResult,
     ActionStatus,
+    ApprovalDecided,
+    ApprovalRequested,
     Budgets,
     Limits,
     ModelErrorInfo,
@@ -48,6 +56,8 @@ from treadle.types import (
     RunLog,
     RunStarted,
     StepRecord,
+    StopReason,
+    Usage,
 )
 
 FAULT_KINDS = (
@@ -63,8 +73,19 @@ FAULT_KINDS = (
     "tool_timeout",
     "env_error",
     "cancel",
+    "approval",
+    "latency",
 )
 """Every fault kind a `FaultPlan` can switch on."""
+
+APPROVAL_TIMEOUT_S = 20.0
+"""The simulated agent's approval deadline (virtual seconds)."""
+
+APPROVER_POLL_S = 0.25
+"""Virtual seconds between two looks of the simulated human at the run's pending approval."""
+
+LATENCY_MAX_S = 0.2
+"""The longest delay `with_latency` adds to one request in the simulation (virtual seconds)."""
 
 MAX_RESTARTS = 20
 """Crashes a simulated run may go through before the simulation gives up on it."""
@@ -85,7 +106,8 @@ class FaultPlan:
         """Every kind on, at rates that let most runs reach their end.
 
         Crashes are frequent (0.5 per process incarnation); fatal model and environment
-        faults are rare.
+        faults are rare. ``approval`` is the rate of steps calling a tool that needs a human
+        decision; ``latency`` the rate of requests to the gateway and executor delayed.
         """
         return cls(
             rates={
@@ -101,6 +123,8 @@ class FaultPlan:
                 "tool_timeout": 0.05,
                 "env_error": 0.02,
                 "cancel": 0.05,
+                "approval": 0.1,
+                "latency": 0.2,
             }
         )
 
@@ -135,6 +159,145 @@ class Ledger:
 
     effects: dict[str, int] = attrs.Factory(dict)
     total: int = 0
+    arguments: dict[str, dict[str, Any]] = attrs.Factory(dict)
+    """intent id -> the arguments the effect was last applied with."""
+
+
+@attrs.frozen(kw_only=True)
+class ApprovalPlan:
+    """How the simulated human decides one tool call that needs approval.
+
+    Attributes:
+        delay_s: virtual seconds from seeing the request to deciding. Longer than the
+            agent's approval deadline means the deadline ends the wait first.
+        decision: ``approve``, ``reject`` or ``edit``.
+        via: ``handle`` (`RunHandle.approve`, in-process) or ``control`` (`decide` on the
+            run's control log, as another process would).
+        restart: the driving process dies once while the call waits (before the decision
+            for ``handle``, right after writing it for ``control``); the next incarnation
+            gets the decision.
+        message: the rejection message.
+        edit: the edited arguments.
+    """
+
+    delay_s: float
+    decision: str = Decision.APPROVE.value
+    via: str = "handle"
+    restart: bool = False
+    message: str = ""
+    edit: Mapping[str, Any] | None = None
+
+
+Q_contra = TypeVar("Q_contra", contravariant=True)
+C_contra = TypeVar("C_contra", contravariant=True)
+
+
+class InboxActor(Protocol[Q_contra]):
+    """An actor serving requests of one type from its inbox (every role but the coordinator)."""
+
+    async def run(
+        self,
+        inbox: trio.MemoryReceiveChannel[Q_contra],
+        *,
+        task_status: trio.TaskStatus[None] = ...,
+    ) -> None:
+        """Serve ``inbox`` until it ends; call ``task_status.started()`` once ready."""
+        ...
+
+
+Q = TypeVar("Q")
+C = TypeVar("C")
+
+
+@attrs.define(eq=False)
+class DelayedActor(Generic[Q]):
+    """Forwards each request to ``inner`` after a seeded delay on the trio clock.
+
+    A request that carries a step scope (model calls, actions) waits inside that scope: a
+    cancel or the active-time deadline ends the wait, and the inner actor then sees the step
+    cut exactly as if the request had come at once. Requests keep their order.
+
+    Attributes:
+        inner: the wrapped actor.
+        rng: draws whether a request is delayed (probability ``rate``) and by how long
+            (uniform in ``0..max_s`` seconds).
+        on_delay: called with each delay drawn (e.g. to count injected faults).
+    """
+
+    inner: InboxActor[Q]
+    rng: random.Random
+    rate: float
+    max_s: float
+    on_delay: Callable[[float], None] | None = None
+
+    async def run(
+        self,
+        inbox: trio.MemoryReceiveChannel[Q],
+        *,
+        task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
+    ) -> None:
+        """Serve ``inbox`` through the delay until it ends; then the inner actor ends too."""
+        # 0: the inner actor takes one request at a time, like the coordinator's inboxes.
+        send, recv = trio.open_memory_channel[Q](0)
+        async with trio.open_nursery() as nursery:
+            await nursery.start(self.inner.run, recv)
+            task_status.started()
+            async with inbox, send:
+                async for message in inbox:
+                    await self._delay(message)
+                    await send.send(message)
+
+    async def _delay(self, message: Q) -> None:
+        if not (self.rate > 0 and self.rng.random() < self.rate):
+            return
+        delay = self.rng.uniform(0.0, self.max_s)
+        if self.on_delay is not None:
+            self.on_delay(delay)
+        scope = getattr(message, "scope", None)
+        if isinstance(scope, StepScope):
+            with scope.open():
+                await trio.sleep(delay)
+        else:
+            await trio.sleep(delay)
+
+
+def with_latency(
+    factory: Callable[[C], InboxActor[Q]],
+    *,
+    seed: int,
+    rate: float = 1.0,
+    max_s: float = LATENCY_MAX_S,
+    on_delay: Callable[[float], None] | None = None,
+) -> Callable[[C], DelayedActor[Q]]:
+    """Wrap an actor factory so its requests arrive after seeded delays (virtual seconds).
+
+    Use on any role served from an inbox, e.g.
+    ``Actors(gateway=with_latency(real_gateway, seed=7))``; the other actors stay as they
+    are. The same seed draws the same delays for the same sequence of requests.
+
+    Args:
+        factory: the actor factory to wrap (e.g. `treadle.supervisors.run.real_gateway`).
+        seed: seeds the delays.
+        rate: the probability (0..1) that a request is delayed.
+        max_s: the longest delay, seconds.
+        on_delay: called with each delay drawn.
+
+    Raises:
+        ValueError: ``rate`` outside 0..1 or a negative ``max_s``.
+    """
+    if not 0 <= rate <= 1 or max_s < 0:
+        raise ValueError(f"rate must be within 0..1 and max_s >= 0, got {rate}, {max_s}")
+
+    def build(context: C) -> DelayedActor[Q]:
+        return DelayedActor(
+            inner=factory(context),
+            rng=random.Random(seed),
+            rate=rate,
+            max_s=max_s,
+            on_delay=on_delay,
+        )
+
+    return build
 
 
 @attrs.frozen(kw_only=True)
@@ -169,18 +332,32 @@ class SimulationResult:
         }
 
 
+RECONCILED = "applied (reconciled)"
+"""The observation of a ledger effect established by ``reconcile`` after a crash."""
+
+
 def _ledger_tools(ledger: Ledger) -> Toolbox:
     async def reconcile(action: Action) -> ActionOutcome | None:
         await trio.lowlevel.checkpoint()
         if ledger.effects.get(action.intent_id):
-            return ActionOutcome(status=ActionStatus.EXECUTED, observation="deposit applied")
+            return ActionOutcome(status=ActionStatus.EXECUTED, observation=RECONCILED)
         return None
+
+    def apply(intent_id: str, amount: int) -> None:
+        ledger.effects[intent_id] = ledger.effects.get(intent_id, 0) + 1
+        ledger.arguments[intent_id] = {"amount": amount}
+        ledger.total += amount
 
     @tool(reconcile=reconcile)
     async def deposit(amount: int, ctx: ToolContext) -> str:
         """Add ``amount`` to the account (a side effect that must happen at most once)."""
-        ledger.effects[ctx.intent_id] = ledger.effects.get(ctx.intent_id, 0) + 1
-        ledger.total += amount
+        apply(ctx.intent_id, amount)
+        return f"balance {ledger.total}"
+
+    @tool(reconcile=reconcile, requires_approval=True)
+    async def withdraw(amount: int, ctx: ToolContext) -> str:
+        """Take ``amount`` from the account; a human approves, rejects or edits each call."""
+        apply(ctx.intent_id, -amount)
         return f"balance {ledger.total}"
 
     @tool(replay=ReplayPolicy.SAFE)
@@ -213,15 +390,17 @@ def _ledger_tools(ledger: Ledger) -> Toolbox:
         """Mark the task done."""
         return "done"
 
-    return Toolbox([deposit, balance, flaky, slow, outage, finish], default_timeout_s=5.0)
+    return Toolbox([deposit, withdraw, balance, flaky, slow, outage, finish], default_timeout_s=5.0)
 
 
 @attrs.define(eq=False)
 class _Script:
-    """The scripted conversation and its injected model failures for one run."""
+    """The scripted conversation, its injected model failures, approvals and budgets."""
 
     turns: list[ModelReply]
     failures: dict[int, list[ModelErrorInfo]]
+    approvals: dict[str, ApprovalPlan] = attrs.Factory(dict)
+    budgets: Budgets = Budgets()
 
 
 _MODEL_FAULTS: dict[str, ModelErrorInfo] = {
@@ -237,14 +416,62 @@ _MODEL_FAULTS: dict[str, ModelErrorInfo] = {
 def _script(rng: random.Random, plan: FaultPlan, counts: dict[str, int], steps: int) -> _Script:
     turns: list[ModelReply] = []
     failures: dict[int, list[ModelErrorInfo]] = {}
+    approvals: dict[str, ApprovalPlan] = {}
     for turn in range(steps):
-        turns.append(_turn(rng, plan, counts, turn))
+        reply = _turn(rng, plan, counts, turn)
+        if reply.tool_calls and reply.tool_calls[0].name == "withdraw":
+            approvals[reply.tool_calls[0].id] = _approval_plan(rng, turn)
+        turns.append(attrs.evolve(reply, usage=_usage(rng, turn)))
         for kind, info in _MODEL_FAULTS.items():
             if plan.roll(rng, kind):
                 failures.setdefault(turn, []).append(info)
                 counts[kind] = counts.get(kind, 0) + 1
-    turns.append(call("finish", call_id="c-finish") if rng.random() < 0.5 else say("all done"))
-    return _Script(turns=turns, failures=failures)
+    final = call("finish", call_id="c-finish") if rng.random() < 0.5 else say("all done")
+    turns.append(attrs.evolve(final, usage=_usage(rng, steps)))
+    return _Script(
+        turns=turns, failures=failures, approvals=approvals, budgets=_budgets(rng, steps)
+    )
+
+
+def _usage(rng: random.Random, turn: int) -> Usage:
+    """What the provider reports for one turn; sometimes nothing (unknown, never 0)."""
+    if rng.random() < 0.1:
+        return Usage()
+    return Usage(input_tokens=200 + 50 * turn, output_tokens=rng.randrange(10, 60))
+
+
+def _budgets(rng: random.Random, steps: int) -> Budgets:
+    """Step and attempt budgets, and in some worlds token and time budgets that bind."""
+    tokens = (
+        rng.randrange(300, 260 * (steps + 1) + 25 * steps * (steps + 1))
+        if rng.random() < 0.25
+        else None
+    )
+    seconds = round(rng.uniform(0.1, 4.0), 3) if rng.random() < 0.25 else 600.0
+    return Budgets(
+        max_steps=steps + 2,
+        max_model_attempts=(steps + 2) * 4,
+        token_budget=tokens,
+        time_budget_s=seconds,
+    )
+
+
+def _approval_plan(rng: random.Random, turn: int) -> ApprovalPlan:
+    roll = rng.random()
+    decision = Decision.APPROVE if roll < 0.4 else Decision.REJECT if roll < 0.7 else Decision.EDIT
+    # Well inside or well past the deadline, so the crash-free twin decides the same.
+    if rng.random() < 0.15:
+        delay = rng.uniform(1.5 * APPROVAL_TIMEOUT_S, 2 * APPROVAL_TIMEOUT_S)
+    else:
+        delay = rng.uniform(0.0, 0.5 * APPROVAL_TIMEOUT_S)
+    return ApprovalPlan(
+        delay_s=round(delay, 3),
+        decision=decision.value,
+        via="control" if rng.random() < 0.5 else "handle",
+        restart=rng.random() < 0.25,
+        message=f"not this one (turn {turn})",
+        edit={"amount": rng.randrange(1, 50)} if decision is Decision.EDIT else None,
+    )
 
 
 def _turn(rng: random.Random, plan: FaultPlan, counts: dict[str, int], turn: int) -> ModelReply:
@@ -252,6 +479,7 @@ def _turn(rng: random.Random, plan: FaultPlan, counts: dict[str, int], turn: int
         ("tool_exception", "flaky", {"fail": True}),
         ("tool_timeout", "slow", {"seconds": 60.0}),
         ("env_error", "outage", {"down": True}),
+        ("approval", "withdraw", {"amount": 1 + turn}),
     ):
         if plan.roll(rng, kind):
             counts[kind] = counts.get(kind, 0) + 1
@@ -270,15 +498,19 @@ def _model(script: _Script) -> ScriptedModel:
     return ScriptedModel(turns=script.turns, failures=script.failures, latency_s=0.05)
 
 
-def _agent(model: ScriptedModel, ledger: Ledger, max_steps: int) -> Agent:
+def _agent(model: ScriptedModel, ledger: Ledger, budgets: Budgets) -> Agent:
     return Agent(
         model=model,
         executor=_ledger_tools(ledger),
         parser=NativeToolCallParser(),
         model_name="simulated",
-        budgets=Budgets(max_steps=max_steps, max_model_attempts=max_steps * 4, time_budget_s=600),
+        budgets=budgets,
         limits=Limits(
-            tool_timeout_s=5.0, retry_initial_s=0.5, retry_max_s=4.0, model_attempt_s=30.0
+            tool_timeout_s=5.0,
+            retry_initial_s=0.5,
+            retry_max_s=4.0,
+            model_attempt_s=30.0,
+            approval_timeout_s=APPROVAL_TIMEOUT_S,
         ),
     )
 
@@ -323,6 +555,19 @@ class Scenario(Protocol):
         ...
 
 
+class ApprovingScenario(Scenario, Protocol):
+    """A `Scenario` whose tools need human approval: it says how the human decides.
+
+    The simulation's driver plays that human for the run and for its fault-free twin alike
+    (so both take the same decisions); a scenario without this method gets no decisions,
+    and the approval deadline ends every wait.
+    """
+
+    def approval(self, world: Any, request: ApprovalRequested) -> ApprovalPlan | None:
+        """How the human decides ``request``; ``None``: nobody decides (the deadline will)."""
+        ...
+
+
 @attrs.define(eq=False)
 class _LedgerWorld:
     script: _Script
@@ -334,33 +579,42 @@ class _LedgerWorld:
 class LedgerScenario:
     """The built-in scenario: ``steps`` scripted steps, then a final answer or completion.
 
-    Tools: deposits to a ledger (``never`` policy with a reconcile check), balance reads
+    Tools: deposits to a ledger (``never`` policy with a reconcile check), withdrawals that
+    need a human's approval (approved, rejected or edited at a seeded delay), balance reads
     (``safe``), a flaky tool, a slow tool, an environment outage, and a completion tool.
+    Replies report token usage (sometimes none), and some worlds set token and time budgets
+    tight enough to end the run.
     """
 
     steps: int = 10
 
     def world(self, rng: random.Random, plan: FaultPlan, counts: dict[str, int]) -> Any:
-        """A scripted provider and an empty ledger."""
+        """A scripted provider, its approvals and budgets, and an empty ledger."""
         script = _script(rng, plan, counts, self.steps)
         return _LedgerWorld(script=script, provider=_model(script), ledger=Ledger())
 
     def agent(self, world: Any) -> Agent:
         """The ledger agent on ``world``."""
-        return _agent(world.provider, world.ledger, self.steps + 2)
+        return _agent(world.provider, world.ledger, world.script.budgets)
 
     def input(self, world: Any) -> RunInput:
         """A fixed instruction."""
         return "simulate"
 
+    def approval(self, world: Any, request: ApprovalRequested) -> ApprovalPlan | None:
+        """The scripted human's decision on a withdrawal."""
+        plan: ApprovalPlan | None = world.script.approvals.get(request.call_id)
+        return plan
+
     def check(self, log: RunLog, world: Any) -> list[str]:
-        """No deposit applied twice; no more steps than the budget."""
-        problems = check_invariants(log, ledger=world.ledger, max_steps=self.steps + 2)
-        return [p for p in problems if "applied twice" in p or "exceed" in p]
+        """No effect applied twice; every decision is what the ledger saw."""
+        problems = check_invariants(log, ledger=world.ledger)
+        problems = [p for p in problems if "applied twice" in p]
+        return problems + check_ledger_approvals(log, world.ledger, approval_tools={"withdraw"})
 
     def changed_observation(self, result: ActionResult) -> bool:
-        """The deposit's reconcile text marks an outcome established after a crash."""
-        return result.outcome.observation == "deposit applied"
+        """The reconcile text marks an outcome established after a crash."""
+        return result.outcome.observation == RECONCILED
 
 
 def simulate(
@@ -400,20 +654,21 @@ async def _simulate(seed: int, plan: FaultPlan, runs: int, scenario: Scenario) -
     run_ids = [f"sim-{seed}-{index}" for index in range(runs)]
     async with trio.open_nursery() as nursery:
         for index in range(runs):
-            nursery.start_soon(
-                _drive,
-                scenario,
-                run_ids[index],
-                worlds[index],
-                store,
-                plan,
-                random.Random(drive_seeds[index]),
-                counts,
+            driver = _Driver(
+                scenario=scenario,
+                run_id=run_ids[index],
+                world=worlds[index],
+                store=store,
+                plan=plan,
+                rng=random.Random(drive_seeds[index]),
+                counts=counts,
             )
+            nursery.start_soon(driver.drive)
     logs = [await store.read_log(run_id) for run_id in run_ids]
     violations: list[str] = []
     for index, log in enumerate(logs):
-        violations.extend(check_invariants(log))
+        budgets = scenario.agent(worlds[index]).budgets
+        violations.extend(check_invariants(log, budgets=budgets))
         violations.extend(scenario.check(log, worlds[index]))
         twin_world = scenario.world(random.Random(world_seeds[index]), plan, {})
         twin = await _fault_free_twin(scenario, run_ids[index], twin_world)
@@ -438,71 +693,202 @@ def log_digest(logs: Iterable[RunLog]) -> str:
     return digest.hexdigest()
 
 
-async def _drive(
-    scenario: Scenario,
-    run_id: str,
-    world: Any,
-    store: MemoryStore,
-    plan: FaultPlan,
-    rng: random.Random,
-    counts: dict[str, int],
-) -> None:
-    """Drive one run through crashes (each one a "process restart") until it finishes."""
-    clock = FixedStepClock()
-    for _attempt in range(MAX_RESTARTS):
-        faulty: Any = store
-        if plan.roll(rng, "crash"):
-            counts["crash"] = counts.get("crash", 0) + 1
-            crash_at = rng.randrange(1, 40)
-            after = rng.random() < 0.5
-            faulty = CrashingStore(
-                inner=store, crash_at=crash_at, when="after" if after else "before"
-            )
-        elif plan.roll(rng, "store_error"):
-            counts["store_error"] = counts.get("store_error", 0) + 1
-            faulty = FailingStore(inner=store, fail_at=rng.randrange(1, 40))
-        cancel_after = rng.uniform(0.0, 2.0) if plan.roll(rng, "cancel") else None
-        if cancel_after is not None:
-            counts["cancel"] = counts.get("cancel", 0) + 1
-        # Each incarnation is a fresh process: a new agent (actors, tool objects) on the same
-        # world (environment and provider).
-        agent = scenario.agent(world)
+def _count(counts: dict[str, int], kind: str) -> None:
+    counts[kind] = counts.get(kind, 0) + 1
+
+
+@attrs.define(eq=False)
+class _Approver:
+    """The simulated human who decides a run's approval requests (outside our process).
+
+    It looks at the run's pending request every `APPROVER_POLL_S`, waits the scenario's
+    delay, and decides through the handle or the control log. Its memory of which calls
+    already went through a restart survives the driving process's crashes.
+    """
+
+    scenario: Scenario
+    world: Any
+    run_id: str
+    store: MemoryStore
+    may_restart: bool
+    clock: FixedStepClock = attrs.Factory(FixedStepClock)
+    restarted: set[str] = attrs.Factory(set)
+
+    async def serve(self, handle: RunHandle) -> None:
+        """Answer each request the run waits on, until cancelled."""
+        ask = getattr(self.scenario, "approval", None)
+        while True:
+            request = handle.pending_approval
+            if request is None:
+                await trio.sleep(APPROVER_POLL_S)
+                continue
+            plan: ApprovalPlan | None = ask(self.world, request) if ask is not None else None
+            if plan is not None:
+                await self._answer(handle, request, plan)
+            await self._until_answered(handle, request)
+
+    async def _answer(
+        self, handle: RunHandle, request: ApprovalRequested, plan: ApprovalPlan
+    ) -> None:
+        restart = plan.restart and self.may_restart and request.call_id not in self.restarted
+        if restart and plan.via == "handle":
+            await self._deliberate(handle, request, plan.delay_s / 2)
+            self.restarted.add(request.call_id)
+            raise SimulatedCrash("the process died while the run awaited approval")
+        await self._deliberate(handle, request, plan.delay_s)
+        reject = plan.message if plan.decision == Decision.REJECT else None
+        edit = plan.edit if plan.decision == Decision.EDIT else None
         try:
-            await _incarnation(
-                agent, scenario.input(world), run_id, faulty, clock, rng, cancel_after
+            if plan.via == "control":
+                await decide(
+                    self.store,
+                    self.run_id,
+                    call_id=request.call_id,
+                    reject=reject,
+                    edit=edit,
+                    clock=self.clock,
+                )
+            else:
+                handle.approve(request.call_id, reject=reject, edit=edit)
+        except UsageError:
+            return  # too late: the deadline (or a cancel) ended the wait first
+        if restart:
+            self.restarted.add(request.call_id)
+            raise SimulatedCrash("the process died right after the decision was written")
+
+    async def _deliberate(
+        self, handle: RunHandle, request: ApprovalRequested, delay_s: float
+    ) -> None:
+        """Take ``delay_s``, or less when the wait ends first (the decision is then late).
+
+        Each request's delay counts from when it appears, however late the previous
+        decision was: the human is not a queue.
+        """
+        with trio.move_on_after(delay_s):
+            await self._until_answered(handle, request)
+
+    @staticmethod
+    async def _until_answered(handle: RunHandle, request: ApprovalRequested) -> None:
+        while True:
+            pending = handle.pending_approval
+            if pending is None or (pending.step, pending.call_id) != (
+                request.step,
+                request.call_id,
+            ):
+                return
+            await trio.sleep(APPROVER_POLL_S)
+
+
+@attrs.define(eq=False)
+class _Driver:
+    """Drives one run through crashes (each one a "process restart") until it finishes."""
+
+    scenario: Scenario
+    run_id: str
+    world: Any
+    store: MemoryStore
+    plan: FaultPlan
+    rng: random.Random
+    counts: dict[str, int]
+
+    async def drive(self) -> None:
+        """Run incarnations until one ends the run (or `MAX_RESTARTS` is reached)."""
+        clock = FixedStepClock()
+        approver = _Approver(
+            scenario=self.scenario,
+            world=self.world,
+            run_id=self.run_id,
+            store=self.store,
+            may_restart=True,
+        )
+        for _attempt in range(MAX_RESTARTS):
+            faulty = self._faulty_store()
+            cancel_after = (
+                self.rng.uniform(0.0, 2.0) if self.plan.roll(self.rng, "cancel") else None
             )
-        except (RunInterrupted, StoreError, SimulatedCrash, ModelCallError):
-            continue  # the process died: the next incarnation resumes from the log
-        return
+            if cancel_after is not None:
+                _count(self.counts, "cancel")
+            # Each incarnation is a fresh process: a new agent (actors, tool objects) on the
+            # same world (environment and provider).
+            agent = self.scenario.agent(self.world)
+            try:
+                async with open_run(
+                    agent,
+                    self.scenario.input(self.world),
+                    store=faulty,
+                    run_id=self.run_id,
+                    clock=clock,
+                    rng=random.Random(self.rng.randrange(2**32)),
+                    actors=self._actors(),
+                ) as handle:
+                    await _watch(handle, cancel_after, approver)
+            except (RunInterrupted, StoreError, SimulatedCrash, ModelCallError):
+                continue  # the process died: the next incarnation resumes from the log
+            return
+
+    def _faulty_store(self) -> Any:
+        if self.plan.roll(self.rng, "crash"):
+            _count(self.counts, "crash")
+            crash_at = self.rng.randrange(1, 40)
+            after = self.rng.random() < 0.5
+            return CrashingStore(
+                inner=self.store, crash_at=crash_at, when="after" if after else "before"
+            )
+        if self.plan.roll(self.rng, "store_error"):
+            _count(self.counts, "store_error")
+            return FailingStore(inner=self.store, fail_at=self.rng.randrange(1, 40))
+        return self.store
+
+    def _actors(self) -> Actors:
+        """Real actors; the gateway and executor behind seeded latency when it is on."""
+        rate = self.plan.rates.get("latency", 0.0)
+        if rate <= 0:
+            return DEFAULT_ACTORS
+        counts = self.counts
+
+        def on_delay(_seconds: float) -> None:
+            _count(counts, "latency")
+
+        return attrs.evolve(
+            DEFAULT_ACTORS,
+            gateway=with_latency(
+                DEFAULT_ACTORS.gateway,
+                seed=self.rng.randrange(2**32),
+                rate=rate,
+                on_delay=on_delay,
+            ),
+            executor=with_latency(
+                DEFAULT_ACTORS.executor,
+                seed=self.rng.randrange(2**32),
+                rate=rate,
+                on_delay=on_delay,
+            ),
+        )
 
 
-async def _incarnation(
-    agent: Agent,
-    run_input: RunInput,
-    run_id: str,
-    store: Any,
-    clock: FixedStepClock,
-    rng: random.Random,
-    cancel_after: float | None,
-) -> None:
-    async with open_run(
-        agent,
-        run_input,
-        store=store,
-        run_id=run_id,
-        clock=clock,
-        rng=random.Random(rng.randrange(2**32)),
-    ) as handle:
-        if cancel_after is not None:
-            with trio.move_on_after(cancel_after):
-                await handle.wait()
-            handle.cancel("simulated cancel")
-        await handle.wait()
+async def _watch(handle: RunHandle, cancel_after: float | None, approver: _Approver) -> None:
+    """Wait for the run while the human decides and the cancel fault fires."""
+    try:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(approver.serve, handle)
+            if cancel_after is not None:
+                with trio.move_on_after(cancel_after):
+                    await handle.wait()
+                handle.cancel("simulated cancel")
+            await handle.wait()
+            nursery.cancel_scope.cancel()
+    except BaseExceptionGroup as group:
+        if len(group.exceptions) == 1:
+            raise group.exceptions[0] from None
+        raise
 
 
 async def _fault_free_twin(scenario: Scenario, run_id: str, world: Any) -> RunLog:
-    """The same world (model and tool faults included), run without crashes or cancels."""
+    """The same world (model and tool faults, approvals included), without crashes or cancels."""
     store = MemoryStore()
+    approver = _Approver(
+        scenario=scenario, world=world, run_id=run_id, store=store, may_restart=False
+    )
     async with open_run(
         scenario.agent(world),
         scenario.input(world),
@@ -511,7 +897,7 @@ async def _fault_free_twin(scenario: Scenario, run_id: str, world: Any) -> RunLo
         clock=FixedStepClock(),
         rng=random.Random(0),
     ) as handle:
-        await handle.wait()
+        await _watch(handle, None, approver)
     return await store.read_log(run_id)
 
 
@@ -519,12 +905,18 @@ def _trajectory(log: RunLog) -> list[tuple[Any, ...]]:
     return [(s.decision, s.history_message, s.observations) for s in log.steps]
 
 
+_SPENT_BY_FAULTS = frozenset({StopReason.TIME_BUDGET, StopReason.MAX_MODEL_ATTEMPTS})
+"""Budgets that faults legitimately consume (retries, backoff, latency, re-run attempts):
+where a run stopped on one of them, only the steps both runs took are compared."""
+
+
 def _compare_with_twin(log: RunLog, twin: RunLog, scenario: Scenario) -> list[str]:
     """Where the faults did not change what the model saw, the trajectory is the twin's.
 
     An action whose outcome was reconciled or recorded as unknown after a crash changes
     what the model saw from its step on, and a cancel ends the run early: the comparison
-    covers the steps before either.
+    covers the steps before either. A run (or twin) that stopped on a budget the faults
+    consume is compared on the steps both took.
     """
     changed_at = min(
         (
@@ -536,11 +928,10 @@ def _compare_with_twin(log: RunLog, twin: RunLog, scenario: Scenario) -> list[st
         default=None,
     )
     ours, theirs = _trajectory(log), _trajectory(twin)
-    cancelled = log.finished is not None and log.finished.stop_reason.value == "cancelled"
+    stops = {f.stop_reason for f in (log.finished, twin.finished) if f is not None}
+    cut_short = StopReason.CANCELLED in stops or bool(stops & _SPENT_BY_FAULTS)
     limit = len(ours) if changed_at is None else changed_at - 1
-    if cancelled:
-        limit = min(limit, len(ours))
-    elif changed_at is None and len(ours) != len(theirs):
+    if changed_at is None and not cut_short and len(ours) != len(theirs):
         return [f"{log.run_id}: {len(ours)} steps, its fault-free twin took {len(theirs)}"]
     for index in range(min(limit, len(theirs))):
         if ours[index] != theirs[index]:
@@ -548,10 +939,28 @@ def _compare_with_twin(log: RunLog, twin: RunLog, scenario: Scenario) -> list[st
     return []
 
 
+TIME_SLACK_S = 0.001
+"""Seconds the active time may pass its budget by in a simulation (the in-flight call is
+cancelled at the deadline; on the virtual clock nothing else takes time)."""
+
+
 def check_invariants(
-    log: RunLog, *, ledger: Ledger | None = None, max_steps: int | None = None
+    log: RunLog,
+    *,
+    ledger: Ledger | None = None,
+    max_steps: int | None = None,
+    budgets: Budgets | None = None,
+    time_slack_s: float = TIME_SLACK_S,
 ) -> list[str]:
     """Check a finished run's log (and its environment's ledger) against DESIGN §4–§6.
+
+    Args:
+        log: the run's log.
+        ledger: the environment's ledger: no ``never``-policy effect applied twice.
+        max_steps: a step budget to check (also taken from ``budgets``).
+        budgets: the run's budgets: steps, model attempts, tokens and active time must not
+            overshoot by more than the one call in flight (see `check_budgets`).
+        time_slack_s: seconds the active time may pass its budget by.
 
     Returns:
         One sentence per violation; empty when every invariant holds.
@@ -562,13 +971,18 @@ def check_invariants(
         return [f"{log.run_id}: the log does not start with run-started"]
     problems.extend(_results_have_intents(log.run_id, records))
     problems.extend(_steps_contiguous(log.run_id, records))
+    problems.extend(check_approvals(log))
     finished = [r for r in records if isinstance(r, RunFinished)]
     if len(finished) != 1 or not isinstance(records[-1], RunFinished):
         problems.append(f"{log.run_id}: expected exactly one run-finished, last ({len(finished)})")
     elif not finished[0].state.is_terminal:
         problems.append(f"{log.run_id}: finished in a non-terminal state {finished[0].state}")
+    else:
+        problems.extend(_totals_match(log.run_id, records, finished[0]))
     if max_steps is not None and len(log.steps) > max_steps:
         problems.append(f"{log.run_id}: {len(log.steps)} steps exceed the budget of {max_steps}")
+    if budgets is not None:
+        problems.extend(check_budgets(log, budgets, time_slack_s=time_slack_s))
     if ledger is not None:
         twice = sorted(k for k, n in ledger.effects.items() if n > 1)
         if twice:
@@ -576,19 +990,230 @@ def check_invariants(
     return problems
 
 
+def _tokens(usage: Usage) -> int:
+    return (usage.input_tokens or 0) + (usage.output_tokens or 0)
+
+
+def _unknown(usage: Usage) -> bool:
+    return usage.input_tokens is None and usage.output_tokens is None
+
+
+def _sum_known(values: Iterable[int | None]) -> int | None:
+    known = [v for v in values if v is not None]
+    return sum(known) if known else None
+
+
+def _totals_match(run_id: str, records: Sequence[Any], finished: RunFinished) -> list[str]:
+    """The run-finished totals are what the log holds; unknown usage is never counted as 0."""
+    results = [r for r in records if isinstance(r, ModelResult)]
+    expected = (
+        _sum_known(r.usage.input_tokens for r in results),
+        _sum_known(r.usage.output_tokens for r in results),
+        sum(1 for r in results if _unknown(r.usage)),
+        sum(1 for r in records if isinstance(r, ModelIntent)),
+        sum(1 for r in records if isinstance(r, StepRecord)),
+    )
+    totals = finished.totals
+    reported = (
+        totals.input_tokens,
+        totals.output_tokens,
+        totals.unknown_usage_attempts,
+        totals.model_attempts,
+        totals.steps,
+    )
+    if reported != expected:
+        return [
+            f"{run_id}: run-finished totals (input, output, unknown-usage attempts, attempts, "
+            f"steps) {reported} differ from the log's {expected}"
+        ]
+    return []
+
+
+def check_budgets(
+    log: RunLog, budgets: Budgets, *, time_slack_s: float = TIME_SLACK_S
+) -> list[str]:
+    """Budgets never overshoot by more than the one call in flight (DESIGN §6).
+
+    - steps: no more step records than ``max_steps``;
+    - model attempts: no attempt started once ``max_model_attempts`` were made;
+    - tokens (input + output as reported): no model attempt started, and no action started,
+      once the reported usage reached the budget (an action may follow a reply that brought
+      usage exactly to the budget, never one that went past it). Attempts that reported no
+      usage are unknown, not 0: they add nothing here and are counted apart in the totals;
+    - active time: no step started once the steps before it had used the budget, and the
+      run's total active time (the step records' plus a step cut at the deadline) is within
+      ``time_slack_s`` of the budget.
+
+    Returns:
+        One sentence per violation.
+    """
+    run_id = log.run_id
+    problems: list[str] = []
+    if budgets.max_steps is not None and len(log.steps) > budgets.max_steps:
+        problems.append(
+            f"{run_id}: {len(log.steps)} steps exceed the budget of {budgets.max_steps}"
+        )
+    attempts = 0
+    tokens = 0
+    active = 0.0
+    step_began: set[int] = set()
+    for record in log.records:
+        if isinstance(record, ModelIntent):
+            if budgets.max_model_attempts is not None and attempts >= budgets.max_model_attempts:
+                problems.append(
+                    f"{run_id}: model attempt {record.intent_id} began after the attempt budget"
+                )
+            if budgets.token_budget is not None and tokens >= budgets.token_budget:
+                problems.append(
+                    f"{run_id}: model attempt {record.intent_id} began with {tokens} tokens "
+                    f"reported, at or past the token budget of {budgets.token_budget}"
+                )
+            if record.step not in step_began:
+                step_began.add(record.step)
+                if budgets.time_budget_s is not None and active >= budgets.time_budget_s:
+                    problems.append(
+                        f"{run_id}: step {record.step} began after {active:.3f} s of active "
+                        f"time, at or past the time budget of {budgets.time_budget_s} s"
+                    )
+            attempts += 1
+        elif isinstance(record, ModelResult):
+            tokens += _tokens(record.usage)
+        elif isinstance(record, ActionIntent):
+            if budgets.token_budget is not None and tokens > budgets.token_budget:
+                problems.append(
+                    f"{run_id}: action {record.intent_id} began with {tokens} tokens reported, "
+                    f"past the token budget of {budgets.token_budget}"
+                )
+        elif isinstance(record, StepRecord):
+            active += record.active_s
+        elif isinstance(record, RunFinished) and budgets.time_budget_s is not None:
+            total = record.totals.active_s
+            if total > budgets.time_budget_s + time_slack_s:
+                problems.append(
+                    f"{run_id}: {total:.3f} s of active time overshoot the time budget of "
+                    f"{budgets.time_budget_s} s"
+                )
+    return problems
+
+
+def check_approvals(log: RunLog) -> list[str]:
+    """Approval invariants, from the log alone.
+
+    - a call that waited for approval has its decision recorded before its action intent,
+      and only an approve or edit decision lets it start;
+    - no action of a rejected (or expired) call ran: no intent, and a NOT_EXECUTED result;
+    - an edited call ran with the edited arguments.
+
+    Returns:
+        One sentence per violation.
+    """
+    run_id = log.run_id
+    problems: list[str] = []
+    requested: set[tuple[int, str]] = set()
+    decided: dict[tuple[int, str], ApprovalDecided] = {}
+    for record in log.records:
+        if isinstance(record, ApprovalRequested):
+            requested.add((record.step, record.call_id))
+        elif isinstance(record, ApprovalDecided):
+            decided.setdefault((record.step, record.call_id), record)
+        elif isinstance(record, ActionIntent):
+            key = (record.step, record.call_id)
+            problems.extend(
+                _intent_after_decision(run_id, record, key in requested, decided.get(key))
+            )
+        elif isinstance(record, ActionResult) and not record.late:
+            decision = decided.get((record.step, record.call_id))
+            if _refused(decision) and record.outcome.status is not ActionStatus.NOT_EXECUTED:
+                problems.append(
+                    f"{run_id}: call {record.call_id} was refused but its result is "
+                    f"{record.outcome.status.value}"
+                )
+    return problems
+
+
+def _refused(decision: ApprovalDecided | None) -> bool:
+    return decision is not None and decision.decision in (Decision.REJECT, Decision.EXPIRED)
+
+
+def _intent_after_decision(
+    run_id: str, intent: ActionIntent, requested: bool, decision: ApprovalDecided | None
+) -> list[str]:
+    if not requested:
+        return []
+    if decision is None:
+        return [f"{run_id}: action {intent.intent_id} began before its approval decision"]
+    if decision.decision not in (Decision.APPROVE, Decision.EDIT):
+        return [f"{run_id}: action {intent.intent_id} began although it was {decision.decision}"]
+    if decision.decision == Decision.EDIT and dict(intent.arguments) != dict(
+        decision.edited_arguments or {}
+    ):
+        return [
+            f"{run_id}: action {intent.intent_id} ran with {dict(intent.arguments)}, "
+            f"not the edited arguments {dict(decision.edited_arguments or {})}"
+        ]
+    return []
+
+
+def check_ledger_approvals(
+    log: RunLog, ledger: Ledger, *, approval_tools: Iterable[str]
+) -> list[str]:
+    """What the environment saw of approvals (the ledger survives crashes).
+
+    - every effect of a tool in ``approval_tools`` follows an approve or edit decision in
+      the log, and used the arguments the log's intent holds (the edited ones after edit);
+    - no rejected or expired call left an effect.
+
+    Returns:
+        One sentence per violation.
+    """
+    tools = set(approval_tools)
+    problems: list[str] = []
+    decisions = {(d.step, d.call_id): d for d in log.records if isinstance(d, ApprovalDecided)}
+    for record in log.records:
+        if isinstance(record, ActionIntent) and record.tool in tools:
+            decision = decisions.get((record.step, record.call_id))
+            if decision is None or decision.decision not in (Decision.APPROVE, Decision.EDIT):
+                problems.append(f"{log.run_id}: {record.tool} call {record.call_id} ran undecided")
+            seen = ledger.arguments.get(record.intent_id)
+            if seen is not None and _signed(record.tool, record.arguments) != seen:
+                problems.append(
+                    f"{log.run_id}: {record.intent_id} applied {seen}, its intent says "
+                    f"{dict(record.arguments)}"
+                )
+        elif isinstance(record, ActionResult) and record.tool in tools:
+            decision = decisions.get((record.step, record.call_id))
+            if _refused(decision) and ledger.effects.get(record.intent_id):
+                problems.append(f"{log.run_id}: refused call {record.call_id} changed the ledger")
+    return problems
+
+
+def _signed(tool_name: str, arguments: Mapping[str, Any]) -> dict[str, Any]:
+    """The ledger's record of a call: withdrawals are stored as negative amounts."""
+    amount = arguments.get("amount")
+    if tool_name == "withdraw" and isinstance(amount, int):
+        return {"amount": -amount}
+    return dict(arguments)
+
+
 def _results_have_intents(run_id: str, records: Sequence[Any]) -> list[str]:
     problems: list[str] = []
     model_intents: set[str] = set()
     action_intents: set[str] = set()
+    refused: set[tuple[int, str]] = set()  # rejected or expired calls never get an intent
     for index, record in enumerate(records):
         if isinstance(record, ModelIntent):
             model_intents.add(record.intent_id)
         elif isinstance(record, ActionIntent):
             action_intents.add(record.intent_id)
+        elif isinstance(record, ApprovalDecided) and _refused(record):
+            refused.add((record.step, record.call_id))
         elif isinstance(record, ModelResult) and record.intent_id not in model_intents:
             problems.append(f"{run_id}: model result {record.intent_id} has no intent")
         elif isinstance(record, ActionResult):
-            if record.intent_id not in action_intents:
+            if (
+                record.intent_id not in action_intents
+                and (record.step, record.call_id) not in refused
+            ):
                 problems.append(f"{run_id}: action result {record.intent_id} has no intent")
             following = records[index + 1] if index + 1 < len(records) else None
             if not isinstance(following, ActionResult | StepRecord):
