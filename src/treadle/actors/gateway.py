@@ -356,13 +356,15 @@ class _Coalescer:
         if channel != self._channel:
             self.flush()
             self._channel = channel
+        now = trio.current_time()
         if not self._parts:
-            self._since = trio.current_time()
-            self._pending.set()
+            self._since = now
         self._parts.append(text)
         self._size += len(text)
-        if self._size >= DELTA_FLUSH_CHARS or trio.current_time() - self._since >= DELTA_FLUSH_S:
+        if self._size >= DELTA_FLUSH_CHARS or now - self._since >= DELTA_FLUSH_S:
             self.flush()
+        elif not self._pending.is_set():
+            self._pending.set()  # wake `flush_late` only for fragments that stay behind
 
     def flush(self) -> None:
         if self._parts:

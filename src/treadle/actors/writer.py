@@ -211,7 +211,7 @@ class EventWriter:
         if isinstance(message, Append):
             await self._append(message)
         elif isinstance(message, Delta):
-            self._publish_delta(message)
+            self.publish_delta(message)
         else:
             self._subscribe(message)
 
@@ -235,7 +235,8 @@ class EventWriter:
                 except trio.BrokenResourceError:
                     pass
 
-    def _publish_delta(self, message: Delta) -> None:
+    def publish_delta(self, message: Delta) -> None:
+        """Number ``message`` after the last durable event and fan it out (never blocks)."""
         self._delta_ordinal += 1
         kind = EventKind.TEXT_DELTA if message.channel == "text" else EventKind.REASONING_DELTA
         self._fan_out(
@@ -443,7 +444,16 @@ class WriterClient:
         return recv
 
     def delta(self, channel: str, text: str) -> None:
-        """Offer an ephemeral delta; dropped when the writer's inbox is full."""
+        """Offer an ephemeral delta; dropped when the writer's inbox is full.
+
+        When the writer is in this process and has nothing queued, the delta is handed to
+        the subscribers and sinks at once (one task switch less); it then still follows
+        every durable event written before it, as the writer numbers it.
+        """
+        writer = self.writer
+        if writer is not None and self.inbox.statistics().current_buffer_used == 0:
+            writer.publish_delta(Delta(channel=channel, text=text))
+            return
         try:
             self.inbox.send_nowait(Delta(channel=channel, text=text))
         except (trio.WouldBlock, trio.BrokenResourceError, trio.ClosedResourceError):
