@@ -5,7 +5,7 @@ import pytest
 
 from treadle.testing import simulation
 from treadle.testing.simulation import FAULT_KINDS, FaultPlan, Ledger, check_invariants, simulate
-from treadle.types import ActionResult, Budgets, ReplayPolicy, RunFinished, StepRecord
+from treadle.types import ActionResult, Budgets, ReplayPolicy, RunFinished, StepRecord, Usage
 
 
 def test_five_hundred_seeds_with_every_fault_kind_are_green():
@@ -125,3 +125,239 @@ def test_user_scenario_from_the_docs_example_runs_green():
         main, ["simulate", "--agent", "examples.simulate_notes_agent:scenario", "--seeds", "30"]
     )
     assert result.exit_code == 0, result.output
+
+
+def _capture_logs(monkeypatch):
+    """Collect every simulated run's log (the twin comparison sees each one)."""
+    logs = []
+    original = simulation._compare_with_twin
+
+    def capturing(log, twin, scenario):
+        logs.append(log)
+        return original(log, twin, scenario)
+
+    monkeypatch.setattr(simulation, "_compare_with_twin", capturing)
+    return logs
+
+
+def test_approvals_of_every_kind_path_and_timing_are_exercised_and_green(monkeypatch):
+    from treadle.types import ApprovalDecided
+
+    logs = _capture_logs(monkeypatch)
+    answered = []
+    original = simulation._Approver._answer
+
+    async def recording(self, handle, request, plan):
+        answered.append((plan.via, plan.restart and self.may_restart, plan.delay_s))
+        await original(self, handle, request, plan)
+
+    monkeypatch.setattr(simulation._Approver, "_answer", recording)
+    plan = FaultPlan(rates={"approval": 0.5, "crash": 0.3, "latency": 0.2})
+    for seed in range(40):
+        result = simulate(seed, plan=plan)
+        assert result.ok, (seed, result.violations)
+    decisions = {r.decision for log in logs for r in log.records if isinstance(r, ApprovalDecided)}
+    assert decisions == {"approve", "reject", "edit", "expired"}
+    assert {(via, restart) for via, restart, _ in answered} == {
+        ("handle", False),
+        ("handle", True),
+        ("control", False),
+        ("control", True),
+    }
+    assert any(delay > simulation.APPROVAL_TIMEOUT_S for *_, delay in answered)
+
+
+def test_seed_881_regression_a_late_decision_does_not_delay_the_next_request():
+    """The simulated human once queued requests behind an expired one, so the twin's next
+    request expired while the crashed run's was decided (a false trajectory difference)."""
+    assert simulate(881).ok
+
+
+def test_token_and_time_budgets_bind_in_some_seeds(monkeypatch):
+    logs = _capture_logs(monkeypatch)
+    for seed in range(60):
+        assert simulate(seed).ok
+    reasons = {log.finished.stop_reason.value for log in logs if log.finished is not None}
+    assert {"token_budget", "time_budget"} <= reasons
+
+
+async def _approval_log(edit=None, reject=None):
+    import random
+
+    import trio
+
+    from treadle import (
+        Agent,
+        FixedStepClock,
+        MemoryStore,
+        NativeToolCallParser,
+        Toolbox,
+        tool,
+    )
+    from treadle.supervisors.run import open_run
+    from treadle.testing import ScriptedModel, call, say
+
+    @tool(requires_approval=True)
+    async def pay(amount: int) -> str:
+        """Pay."""
+        return f"paid {amount}"
+
+    agent = Agent(
+        model=ScriptedModel(turns=[call("pay", call_id="p1", amount=5), say("ok")]),
+        executor=Toolbox([pay]),
+        parser=NativeToolCallParser(),
+    )
+    store = MemoryStore()
+    async with open_run(
+        agent, "pay", store=store, run_id="a", clock=FixedStepClock(), rng=random.Random(0)
+    ) as handle:
+        for _ in range(100):  # virtual time: the request comes within a tick
+            if handle.pending_approval is not None:
+                break
+            await trio.sleep(0.01)
+        handle.approve("p1", edit=edit, reject=reject)
+    return await store.read_log("a")
+
+
+def _replace(log, index, record):
+    records = list(log.records)
+    records[index] = record
+    return attrs.evolve(log, records=tuple(records))
+
+
+async def test_check_approvals_flags_each_broken_rule(autojump_clock):
+    from treadle.types import ActionIntent, ActionOutcome, ActionStatus, ApprovalDecided
+
+    edited = await _approval_log(edit={"amount": 2})
+    assert check_invariants(edited) == []
+    records = list(edited.records)
+    decided_at = next(i for i, r in enumerate(records) if isinstance(r, ApprovalDecided))
+    intent_at = next(i for i, r in enumerate(records) if isinstance(r, ActionIntent))
+    assert records[intent_at].arguments == {"amount": 2}
+
+    swapped = records[:]
+    swapped[decided_at], swapped[intent_at] = swapped[intent_at], swapped[decided_at]
+    early = attrs.evolve(edited, records=tuple(swapped))
+    assert any("before its approval decision" in p for p in check_invariants(early))
+
+    other_args = _replace(
+        edited, intent_at, attrs.evolve(records[intent_at], arguments={"amount": 5})
+    )
+    assert any("not the edited arguments" in p for p in check_invariants(other_args))
+
+    as_reject = _replace(edited, decided_at, attrs.evolve(records[decided_at], decision="reject"))
+    assert any("although it was reject" in p for p in check_invariants(as_reject))
+
+    rejected = await _approval_log(reject="no")
+    assert check_invariants(rejected) == []
+    assert not any(isinstance(r, ActionIntent) for r in rejected.records)
+    result_at = next(i for i, r in enumerate(rejected.records) if isinstance(r, ActionResult))
+    ran = attrs.evolve(
+        rejected.records[result_at],
+        outcome=ActionOutcome(status=ActionStatus.EXECUTED, observation="paid 5"),
+    )
+    assert any(
+        "refused but its result" in p for p in check_invariants(_replace(rejected, result_at, ran))
+    )
+
+
+async def _usage_log():
+    log, _ = await _log_of_clean_run()
+    return log
+
+
+async def test_check_budgets_flags_overshooting_logs(autojump_clock):
+    from treadle.types import ModelIntent, ModelResult, Totals
+
+    log = await _usage_log()
+    results = [r for r in log.records if isinstance(r, ModelResult)]
+    known = [r for r in results if r.usage.input_tokens is not None]
+    assert len(log.steps) >= 3 and known, "the scripted run reports usage"
+    assert simulation.check_budgets(log, Budgets(max_steps=None)) == []
+    after_first = sum(simulation._tokens(r.usage) for r in results[: results.index(known[0]) + 1])
+
+    # The next attempt began with the budget already spent.
+    spent = simulation.check_budgets(log, Budgets(token_budget=after_first))
+    assert any("at or past the token budget" in p for p in spent)
+    # The reply that crossed the budget was acted on.
+    crossed = simulation.check_budgets(log, Budgets(token_budget=after_first - 1))
+    assert any("past the token budget" in p and "action" in p for p in crossed)
+
+    first_step = log.steps[0].active_s
+    late = simulation.check_budgets(log, Budgets(time_budget_s=first_step / 2))
+    assert any("step 2 began after" in p for p in late)
+
+    finished = log.records[-1]
+    total = finished.totals.active_s
+    over = _replace(
+        log,
+        len(log.records) - 1,
+        attrs.evolve(finished, totals=attrs.evolve(finished.totals, active_s=total + 1.0)),
+    )
+    assert any(
+        "overshoot the time budget" in p
+        for p in simulation.check_budgets(over, Budgets(time_budget_s=total + 0.5))
+    )
+    assert simulation.check_budgets(log, Budgets(time_budget_s=total)) == []
+
+    attempts = sum(isinstance(r, ModelIntent) for r in log.records)
+    assert any(
+        "attempt budget" in p
+        for p in simulation.check_budgets(log, Budgets(max_model_attempts=attempts - 1))
+    )
+
+    # Unknown usage is not 0: totals claiming 0 where nothing was reported are refused.
+    zero = attrs.evolve(finished.totals, unknown_usage_attempts=0)
+    if finished.totals.unknown_usage_attempts:
+        assert any(
+            "run-finished totals" in p
+            for p in check_invariants(
+                _replace(log, len(log.records) - 1, attrs.evolve(finished, totals=zero))
+            )
+        )
+    unreported = [
+        attrs.evolve(r, usage=Usage()) if isinstance(r, ModelResult) else r
+        for r in log.records[:-1]
+    ]
+    silent = attrs.evolve(
+        log,
+        records=(
+            *unreported,
+            attrs.evolve(
+                finished,
+                totals=Totals(
+                    steps=finished.totals.steps,
+                    model_attempts=attempts,
+                    input_tokens=0,
+                    output_tokens=0,
+                    unknown_usage_attempts=len(results),
+                    active_s=total,
+                ),
+            ),
+        ),
+    )
+    assert any("run-finished totals" in p for p in check_invariants(silent))
+
+
+def test_the_checker_finds_a_runtime_that_ignores_the_token_budget(monkeypatch):
+    """Break the token budget on purpose: the simulation must catch the overshoot."""
+    from treadle.actors.coordinator import RunCoordinator
+    from treadle.actors.gateway import ModelGateway
+
+    original = RunCoordinator._budget_reason
+
+    def without_tokens(self):
+        kept = self.budgets
+        self.budgets = attrs.evolve(kept, token_budget=None)
+        try:
+            return original(self)
+        finally:
+            self.budgets = kept
+
+    monkeypatch.setattr(RunCoordinator, "_budget_reason", without_tokens)
+    monkeypatch.setattr(ModelGateway, "_budget_stop", lambda self, attempts, tokens: None)
+    monkeypatch.setattr(ModelGateway, "_remaining_tokens", lambda self, tokens: None)
+    failures = [
+        r for r in (simulate(seed, plan=FaultPlan(rates={})) for seed in range(40)) if not r.ok
+    ]
+    assert any("token budget" in v for r in failures for v in r.violations)
