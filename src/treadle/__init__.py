@@ -33,6 +33,8 @@ from treadle.stores.memory import MemoryStore as MemoryStore
 from treadle.stores.sqlite import SqliteStore as SqliteStore
 from treadle.stores.sqlite import open_sqlite_store as open_sqlite_store
 from treadle.supervisors.recovery import resume_unfinished as resume_unfinished
+from treadle.supervisors.run import ActorContext as ActorContext
+from treadle.supervisors.run import Actors as Actors
 from treadle.supervisors.run import RunHandle as RunHandle
 from treadle.supervisors.run import open_run as open_run
 from treadle.supervisors.run import run as run
@@ -57,6 +59,8 @@ from treadle.types import Usage as Usage
 
 __all__ = [
     "ActionStatus",
+    "ActorContext",
+    "Actors",
     "Agent",
     "AnthropicMessagesClient",
     "Budgets",

@@ -10,6 +10,9 @@
   `check_model_client`: the seam contracts, reusable for your own implementations.
 * `open_loopback_server`, `CannedResponse`, `canned`: a real HTTP server on 127.0.0.1 for
   testing model clients without mocking the transport.
+* `simulate`, `FaultPlan`, `with_latency`: deterministic simulation under a seeded fault plan
+  (`treadle.testing.simulation`, docs/simulation.md); `with_latency` wraps any actor factory of
+  `treadle.Actors` so its requests arrive after seeded delays on the virtual clock.
 """
 
 from __future__ import annotations
@@ -32,6 +35,9 @@ from treadle.testing.seams import SeamContractError as SeamContractError
 from treadle.testing.seams import check_action_executor as check_action_executor
 from treadle.testing.seams import check_decision_parser as check_decision_parser
 from treadle.testing.seams import check_model_client as check_model_client
+from treadle.testing.simulation import FaultPlan as FaultPlan
+from treadle.testing.simulation import simulate as simulate
+from treadle.testing.simulation import with_latency as with_latency
 
 __all__ = [
     "CannedResponse",
@@ -39,6 +45,7 @@ __all__ = [
     "CrashingStore",
     "FailingFileOps",
     "FailingStore",
+    "FaultPlan",
     "ScriptedModel",
     "SeamContractError",
     "SimulatedCrash",
@@ -52,4 +59,6 @@ __all__ = [
     "check_run_store",
     "open_loopback_server",
     "say",
+    "simulate",
+    "with_latency",
 ]

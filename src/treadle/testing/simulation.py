@@ -413,6 +413,10 @@ _MODEL_FAULTS: dict[str, ModelErrorInfo] = {
 }
 
 
+_PERSISTENT = 1_000
+"""Attempts a persistent scripted model failure lasts (more than any budget allows)."""
+
+
 def _script(rng: random.Random, plan: FaultPlan, counts: dict[str, int], steps: int) -> _Script:
     turns: list[ModelReply] = []
     failures: dict[int, list[ModelErrorInfo]] = {}
@@ -424,7 +428,10 @@ def _script(rng: random.Random, plan: FaultPlan, counts: dict[str, int], steps: 
         turns.append(attrs.evolve(reply, usage=_usage(rng, turn)))
         for kind, info in _MODEL_FAULTS.items():
             if plan.roll(rng, kind):
-                failures.setdefault(turn, []).append(info)
+                # A request too long for the context stays too long: every attempt of that
+                # turn fails (a crash must not make it go away). The others are transient.
+                repeat = _PERSISTENT if kind == "model_context_length" else 1
+                failures.setdefault(turn, []).extend([info] * repeat)
                 counts[kind] = counts.get(kind, 0) + 1
     final = call("finish", call_id="c-finish") if rng.random() < 0.5 else say("all done")
     turns.append(attrs.evolve(final, usage=_usage(rng, steps)))
@@ -970,6 +977,7 @@ def check_invariants(
     if not records or not isinstance(records[0], RunStarted):
         return [f"{log.run_id}: the log does not start with run-started"]
     problems.extend(_results_have_intents(log.run_id, records))
+    problems.extend(_no_attempt_after_final_error(log.run_id, records))
     problems.extend(_steps_contiguous(log.run_id, records))
     problems.extend(check_approvals(log))
     finished = [r for r in records if isinstance(r, RunFinished)]
@@ -1218,6 +1226,30 @@ def _results_have_intents(run_id: str, records: Sequence[Any]) -> list[str]:
             following = records[index + 1] if index + 1 < len(records) else None
             if not isinstance(following, ActionResult | StepRecord):
                 problems.append(f"{run_id}: action result {record.intent_id} without step record")
+    return problems
+
+
+_CUT_KINDS = frozenset({StopReason.CANCELLED.value, StopReason.TIME_BUDGET.value, "token_budget"})
+"""Error kinds of an attempt the run cut itself (a cancel or a budget), not a failed call."""
+
+
+def _no_attempt_after_final_error(run_id: str, records: Sequence[Any]) -> list[str]:
+    """A model call that failed for good is a finished call: resume never re-runs it (§5).
+
+    After a recorded non-retryable error (not a cut by cancel or budget), the same step gets
+    no further model attempt.
+    """
+    final: dict[int, str] = {}
+    problems: list[str] = []
+    for record in records:
+        if isinstance(record, ModelResult) and record.error is not None:
+            if not record.error.retryable and record.error.kind not in _CUT_KINDS:
+                final.setdefault(record.step, record.intent_id)
+        elif isinstance(record, ModelIntent) and record.step in final:
+            problems.append(
+                f"{run_id}: model attempt {record.intent_id} after {final[record.step]} had "
+                "failed for good (a finished call was re-run)"
+            )
     return problems
 
 
