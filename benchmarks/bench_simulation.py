@@ -1,5 +1,8 @@
 """Simulated runs per minute with faults on (issue target: >= 1,000 ten-step runs per minute).
 
+"all (default)" is `FaultPlan.default()`: crashes, store failures, model and tool faults,
+cancels, approval decisions at seeded delays and seeded actor latency.
+
 python benchmarks/bench_simulation.py [--seeds 300]
 """
 

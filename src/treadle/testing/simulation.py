@@ -81,8 +81,12 @@ FAULT_KINDS = (
 APPROVAL_TIMEOUT_S = 20.0
 """The simulated agent's approval deadline (virtual seconds)."""
 
-APPROVER_POLL_S = 0.25
+APPROVER_POLL_S = 0.5
 """Virtual seconds between two looks of the simulated human at the run's pending approval."""
+
+CONTROL_POLL_S = 1.0
+"""Virtual seconds between two reads of a simulated run's control log (decisions written
+there are picked up within this long; the approval delays are far from the deadline)."""
 
 LATENCY_MAX_S = 0.2
 """The longest delay `with_latency` adds to one request in the simulation (virtual seconds)."""
@@ -826,6 +830,7 @@ class _Driver:
                     run_id=self.run_id,
                     clock=clock,
                     rng=random.Random(self.rng.randrange(2**32)),
+                    control_poll_s=CONTROL_POLL_S,
                     actors=self._actors(),
                 ) as handle:
                     await _watch(handle, cancel_after, approver)
@@ -903,6 +908,7 @@ async def _fault_free_twin(scenario: Scenario, run_id: str, world: Any) -> RunLo
         run_id=run_id,
         clock=FixedStepClock(),
         rng=random.Random(0),
+        control_poll_s=CONTROL_POLL_S,
     ) as handle:
         await _watch(handle, None, approver)
     return await store.read_log(run_id)
