@@ -48,6 +48,27 @@ from treadle.types import (
     ToolSpec,
 )
 
+
+class Parked(Exception):
+    """Raised by `RunCoordinator.run` when the run waited ``park_after_s`` for a decision.
+
+    The run supervisor then stops the run's actors, waits for the decision (or a cancel, or
+    the approval deadline) with nothing but the handle in memory, and resumes the run from
+    its log (docs/decisions/0010).
+
+    Attributes:
+        request: the approval request the run waits on (durable).
+        deadline: the trio time at which the wait expires.
+        active_s: active seconds of the step so far (carried into the resumed step).
+    """
+
+    def __init__(self, request: ApprovalRequested, deadline: float, active_s: float) -> None:
+        super().__init__(f"run {request.run_id!r} parked on call {request.call_id!r}")
+        self.request = request
+        self.deadline = deadline
+        self.active_s = active_s
+
+
 STOP_GRACE_S = 5.0
 """Seconds an actor may take to answer after its step ran out of active time."""
 
@@ -81,6 +102,8 @@ class RunCoordinator:
     gateway: trio.MemorySendChannel[CallModel]
     executor: trio.MemorySendChannel[RunActions]
     needs_approval: Callable[[str, Mapping[str, Any]], bool] = lambda tool, arguments: False
+    park_after_s: float | None = None
+    carried_active_s: float = 0.0
     state: RunState = RunState.RUNNING
     _step_scope: StepScope | None = None
     _cancel: tuple[str, str] | None = None
@@ -91,6 +114,7 @@ class RunCoordinator:
     _offered: list[ApprovalDecided] = attrs.Factory(list)
     _offer_arrived: trio.Event = attrs.Factory(trio.Event)
     _waited_s: float = 0.0
+    _step_started: float = 0.0
     _late: tuple[ActionResult, ...] = ()
     _late_step: StepRecord | None = None
     _unsent_steps: list[StepRecord] = attrs.Factory(list)
@@ -133,27 +157,8 @@ class RunCoordinator:
             UsageError: the run waits on no approval, on another call, or both ``reject``
                 and ``edit`` were given.
         """
-        request = self._awaiting
-        if request is None:
-            raise UsageError(f"run {self.run_id!r} is not waiting for an approval")
-        if call_id is not None and call_id != request.call_id:
-            raise UsageError(
-                f"run {self.run_id!r} waits on call {request.call_id!r}, not on {call_id!r}"
-            )
-        if reject is not None and edit is not None:
-            raise UsageError("a decision either rejects or edits the arguments, not both")
-        if edit is not None:
-            arguments_digest(edit)
-        decision = Decision.REJECT if reject is not None else Decision.EDIT if edit else None
-        decided = ApprovalDecided(
-            run_id=self.run_id,
-            step=request.step,
-            call_id=request.call_id,
-            arguments_digest=request.arguments_digest,
-            decision=(decision or Decision.APPROVE).value,
-            ts=self.clock.now_iso(),
-            message=reject or "",
-            edited_arguments=dict(edit) if edit else None,
+        decided = decision_for(
+            self.run_id, self._awaiting, self.clock, call_id=call_id, reject=reject, edit=edit
         )
         self.offer(decided)
         return decided
@@ -231,7 +236,10 @@ class RunCoordinator:
 
     async def _step(self) -> StopReason | None:
         """Run one step; return a stop reason when the step itself was cut off."""
-        started = trio.current_time()
+        # A step resumed after parking continues its active time.
+        started = trio.current_time() - self.carried_active_s
+        self.carried_active_s = 0.0
+        self._step_started = started
         deadline = float("inf")
         if self.budgets.time_budget_s is not None:
             deadline = started + self.budgets.time_budget_s - self.view.active_s
@@ -375,22 +383,14 @@ class RunCoordinator:
         if found is None:
             if self._cancel is not None:
                 return None
-            found = ApprovalDecided(
-                run_id=self.run_id,
-                step=request.step,
-                call_id=request.call_id,
-                arguments_digest=request.arguments_digest,
-                decision=Decision.EXPIRED.value,
-                ts=self.clock.now_iso(),
-                message=EXPIRED_DETAIL,
-            )
+            found = expired_decision(request, self.clock)
         await self.writer.barrier(Op.CONTROL, found)
         self.view.apply(found)
         return found
 
     async def _await_decision(self, request: ApprovalRequested) -> ApprovalDecided | None:
         """Wait (not active time) until the deadline for a decision matching ``request``."""
-        remaining = _seconds_between(self.clock.now_iso(), request.deadline_ts)
+        remaining = seconds_between(self.clock.now_iso(), request.deadline_ts)
         began = trio.current_time()
         found: ApprovalDecided | None = None
         self._awaiting = request
@@ -401,10 +401,20 @@ class RunCoordinator:
                 self._approval_wait = wait
                 if self._cancel is not None:
                     wait.cancel()
-                with trio.move_on_after(max(0.0, remaining)):
+                deadline = began + max(0.0, remaining)
+                park_at = deadline
+                if self.park_after_s is not None:
+                    park_at = min(deadline, began + self.park_after_s)
+                with trio.move_on_at(deadline):
                     while (found := self._matching(request)) is None:
                         self._offer_arrived = trio.Event()
-                        await self._offer_arrived.wait()
+                        with trio.move_on_at(park_at):
+                            await self._offer_arrived.wait()
+                        if trio.current_time() >= park_at and park_at < deadline:
+                            if self._matching_exists(request):
+                                continue
+                            active = round(began - self._step_started - self._waited_s, 6)
+                            raise Parked(request, deadline, active)
         finally:
             self._approval_wait = None
             self._awaiting = None
@@ -415,6 +425,9 @@ class RunCoordinator:
             if self._cancel is None:
                 self.state = RunState.RUNNING
         return found
+
+    def _matching_exists(self, request: ApprovalRequested) -> bool:
+        return any(matches(decided, request) for decided in self._offered)
 
     def _matching(self, request: ApprovalRequested) -> ApprovalDecided | None:
         for decided in self._offered:
@@ -551,7 +564,56 @@ def _plus_s(instant: str, seconds: float) -> str:
     return (dt.datetime.fromisoformat(instant) + dt.timedelta(seconds=seconds)).isoformat()
 
 
-def _seconds_between(start: str, end: str) -> float:
+def decision_for(
+    run_id: str,
+    request: ApprovalRequested | None,
+    clock: Clock,
+    *,
+    call_id: str | None = None,
+    reject: str | None = None,
+    edit: Mapping[str, Any] | None = None,
+) -> ApprovalDecided:
+    """The decision record answering ``request``: approve, reject or edit (DESIGN §6).
+
+    Raises:
+        UsageError: no request is pending, ``call_id`` names another call, both ``reject``
+            and ``edit`` were given, or the edited arguments cannot be digested.
+    """
+    if request is None:
+        raise UsageError(f"run {run_id!r} is not waiting for an approval")
+    if call_id is not None and call_id != request.call_id:
+        raise UsageError(f"run {run_id!r} waits on call {request.call_id!r}, not on {call_id!r}")
+    if reject is not None and edit is not None:
+        raise UsageError("a decision either rejects or edits the arguments, not both")
+    if edit is not None:
+        arguments_digest(edit)
+    decision = Decision.REJECT if reject is not None else Decision.EDIT if edit else None
+    return ApprovalDecided(
+        run_id=run_id,
+        step=request.step,
+        call_id=request.call_id,
+        arguments_digest=request.arguments_digest,
+        decision=(decision or Decision.APPROVE).value,
+        ts=clock.now_iso(),
+        message=reject or "",
+        edited_arguments=dict(edit) if edit else None,
+    )
+
+
+def expired_decision(request: ApprovalRequested, clock: Clock) -> ApprovalDecided:
+    """The record ending ``request``'s wait at its deadline (a synthetic observation follows)."""
+    return ApprovalDecided(
+        run_id=request.run_id,
+        step=request.step,
+        call_id=request.call_id,
+        arguments_digest=request.arguments_digest,
+        decision=Decision.EXPIRED.value,
+        ts=clock.now_iso(),
+        message=EXPIRED_DETAIL,
+    )
+
+
+def seconds_between(start: str, end: str) -> float:
     """Seconds from ISO-8601 instant ``start`` to ``end`` (negative when ``end`` is earlier)."""
     return (dt.datetime.fromisoformat(end) - dt.datetime.fromisoformat(start)).total_seconds()
 

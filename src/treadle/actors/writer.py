@@ -204,6 +204,9 @@ class EventWriter:
             finally:
                 for channel in (*self._subscribers, *self._sink_inboxes):
                     channel.close()
+                self._subscribers.clear()
+                self._sink_inboxes.clear()
+                self._tail.clear()  # a late subscriber reads the store instead
                 # Sinks get a grace period to drain what they were handed, then are cut off.
                 nursery.cancel_scope.deadline = trio.current_time() + SINK_GRACE_S
 

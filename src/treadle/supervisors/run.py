@@ -4,7 +4,9 @@
 the parameter snapshot, folds the log into the coordinator's view, and starts the event writer,
 context hydrator, model gateway and tool executor with `nursery.start` before the coordinator
 runs. Cancelling the run's nursery cancels all five. An actor that fails leaves the run
-`interrupted` with its error on the handle; the log stays resumable (DESIGN §8).
+`interrupted` with its error on the handle; the log stays resumable (DESIGN §8). A run that
+waits long for an approval is parked: its actors stop and it resumes from its log once
+decided (docs/decisions/0010-parking-waiting-runs.md).
 
 The five actors are built by the factories of an `Actors` record, each defaulting to the real
 actor; a caller replaces any one of them (a simulated gateway, a fake environment) without
@@ -15,6 +17,7 @@ fake is type-checked against what the supervisor and the other actors use.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import random
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
@@ -27,7 +30,7 @@ import trio
 from treadle._clock import Clock, SystemClock
 from treadle._exceptions import RunInterrupted, StoreError, UsageError
 from treadle._state import RunView, fold
-from treadle.actors.coordinator import RunCoordinator
+from treadle.actors.coordinator import Parked, RunCoordinator
 from treadle.actors.executor import RunActions, ToolExecutor
 from treadle.actors.gateway import CallModel, ModelGateway
 from treadle.actors.hydrator import ContextHydrator, Hydrate
@@ -41,13 +44,14 @@ from treadle.actors.writer import (
     with_step_started,
 )
 from treadle.agent import Agent, RunInput, check_snapshot, input_messages
-from treadle.approvals import ApprovalPolicy, read_control, requires_approval
+from treadle.approvals import ApprovalPolicy, requires_approval
 from treadle.ports import EventSink, RunStore
 from treadle.stores._codec import check_schema
+from treadle.supervisors._control import ControlInbox, ControlIndex, shared_index
+from treadle.supervisors._parking import Parking
 from treadle.types import (
     ApprovalDecided,
     ApprovalRequested,
-    CancelRequested,
     Event,
     RunLog,
     RunResult,
@@ -59,9 +63,13 @@ from treadle.types import (
 WRITER_INBOX = 64
 """Buffered writer requests: non-barrier writes and deltas never wait for the store."""
 
+PARK_AFTER_S = 5.0
+"""Seconds a run waits for an approval with its actors running before it is parked."""
+
 CONTROL_POLL_S = 0.5
 """Seconds between two reads of a run's control log by the process driving it: a cancel or
-an approval decision written by another process is picked up within this long."""
+an approval decision written by another process is picked up within about twice this long
+(the listing of which control logs exist is shared and may be one interval old)."""
 
 
 class WriterActor(Protocol):
@@ -228,6 +236,9 @@ class CoordinatorContext:
         hydrator: the hydrator's inbox.
         gateway: the gateway's inbox.
         executor: the executor's inbox.
+        park_after_s: seconds of waiting for an approval after which the coordinator may
+            raise `treadle.actors.coordinator.Parked` (``None``: never park).
+        carried_active_s: active seconds of a step interrupted by parking, to carry on.
     """
 
     actor: ActorContext
@@ -236,6 +247,8 @@ class CoordinatorContext:
     hydrator: trio.MemorySendChannel[Hydrate]
     gateway: trio.MemorySendChannel[CallModel]
     executor: trio.MemorySendChannel[RunActions]
+    park_after_s: float | None = None
+    carried_active_s: float = 0.0
 
 
 def real_writer(context: WriterContext) -> EventWriter:
@@ -305,6 +318,8 @@ def real_coordinator(context: CoordinatorContext) -> RunCoordinator:
         gateway=context.gateway,
         executor=context.executor,
         needs_approval=context.needs_approval,
+        park_after_s=context.park_after_s,
+        carried_active_s=context.carried_active_s,
     )
 
 
@@ -349,9 +364,16 @@ class RunHandle:
     _coordinator: CoordinatorActor | None = None
     _writer: WriterActor | None = None
     _writer_client: WriterClient | None = None
+    _parking: Parking | None = None
     _result: RunResult | None = None
     _error: BaseException | None = None
     _done: trio.Event = attrs.Factory(trio.Event)
+    _changed: trio.Event = attrs.Factory(trio.Event)
+
+    def _transition(self) -> None:
+        """Wake whoever waits for the run to be driven again (or to end)."""
+        self._changed.set()
+        self._changed = trio.Event()
 
     @property
     def state(self) -> RunState:
@@ -360,6 +382,8 @@ class RunHandle:
             return self._result.state
         if self._error is not None:
             return RunState.INTERRUPTED
+        if self._parking is not None:
+            return self._parking.state
         if self._coordinator is None:
             return RunState.QUEUED
         return self._coordinator.state
@@ -375,12 +399,17 @@ class RunHandle:
         The model call or action in flight is cancelled at once, a cancel record is written,
         and the run finishes ``cancelled``. A no-op once the run finished.
         """
-        if self._coordinator is not None:
+        if self._parking is not None:
+            self._parking.cancel(reason, canceller)
+        elif self._coordinator is not None:
             self._coordinator.cancel(reason, canceller)
 
     @property
     def pending_approval(self) -> ApprovalRequested | None:
         """The approval request the run waits on now (state ``awaiting_approval``), or ``None``."""
+        if self._parking is not None:
+            parking = self._parking
+            return None if parking.decision or parking.cancel_request else parking.request
         return self._coordinator.awaiting if self._coordinator is not None else None
 
     def approve(
@@ -407,6 +436,8 @@ class RunHandle:
             UsageError: the run is not waiting for an approval, waits on another call, or
                 both ``reject`` and ``edit`` were given.
         """
+        if self._parking is not None:
+            return self._parking.decide(call_id=call_id, reject=reject, edit=edit)
         if self._coordinator is None:
             raise UsageError(f"run {self.run_id!r} is not being driven here")
         return self._coordinator.decide(call_id=call_id, reject=reject, edit=edit)
@@ -437,23 +468,42 @@ class RunHandle:
 
         Durable events come with their seq; ephemeral deltas carry the seq of the durable
         event they follow and an ordinal. Ends after the run-finished event, or when the run
-        stops being driven here.
+        stops being driven here. The stream carries on, from the store, across a parked
+        approval wait, and after the subscriber was cut off for falling behind (only
+        deltas are then missing).
 
         Raises:
             StoreError: the stored prefix could not be read completely.
         """
-        if self._writer_client is None or self._done.is_set():
-            log = await self._store.read_log(self.run_id)
-            for event in stored_events(log, from_seq, len(log.records)):
-                yield event
-            return
-        subscription = await self._writer_client.subscribe()
-        async with subscription.events as live:
-            for event in await self._catch_up(from_seq, subscription.last_seq, subscription.tail):
-                yield event
-            async for event in live:
-                if event.seq >= from_seq:
+        next_seq = from_seq  # the seq of the next durable event to yield
+        while True:
+            changed = self._changed
+            client = self._writer_client
+            subscription = None
+            if client is not None and not self._done.is_set():
+                with contextlib.suppress(
+                    trio.BrokenResourceError, trio.ClosedResourceError, trio.EndOfChannel
+                ):
+                    subscription = await client.subscribe()
+            if subscription is None:
+                log = await self._store.read_log(self.run_id)
+                for event in stored_events(log, next_seq, len(log.records)):
                     yield event
+                next_seq = max(next_seq, len(log.records) + 1)
+                if self._done.is_set() or (self._parking is None and client is None):
+                    return
+                await changed.wait()  # parked (or between two drivers): wait for the next
+                continue
+            async with subscription.events as live:
+                caught_up = await self._catch_up(next_seq, subscription.last_seq, subscription.tail)
+                for event in caught_up:
+                    yield event
+                next_seq = max(next_seq, subscription.last_seq + 1)
+                async for event in live:
+                    if event.seq >= from_seq:
+                        yield event
+                        if event.durable:
+                            next_seq = event.seq + 1
 
     async def _catch_up(self, from_seq: int, last_seq: int, tail: tuple[Event, ...]) -> list[Event]:
         if from_seq > last_seq:
@@ -480,6 +530,7 @@ async def open_run(
     approval_policy: ApprovalPolicy | None = None,
     control_poll_s: float | None = CONTROL_POLL_S,
     actors: Actors = DEFAULT_ACTORS,
+    park_after_s: float | None = PARK_AFTER_S,
 ) -> AsyncIterator[RunHandle]:
     """Start (or resume) a run in the background and yield its handle.
 
@@ -505,6 +556,10 @@ async def open_run(
             once, when the run starts.
         actors: the factories of the run's five actors (default: the real ones); replace
             one to swap that actor alone (see `Actors`).
+        park_after_s: seconds a run waits for an approval decision with its actors running;
+            after that it is parked: its actors stop and only the handle stays in memory
+            until a decision, a cancel or the deadline resumes it from its log
+            (docs/decisions/0010). ``None`` never parks.
 
     Raises:
         UsageError: no input for a new run, or an input that differs from the stored one.
@@ -527,6 +582,7 @@ async def open_run(
                 approval_policy=approval_policy,
                 control_poll_s=control_poll_s,
                 actors=actors,
+                park_after_s=park_after_s,
             )
             await nursery.start(_supervise, agent, input, log, store, sinks, options, handle)
             yield handle
@@ -545,6 +601,7 @@ class _Options:
     approval_policy: ApprovalPolicy | None
     control_poll_s: float | None
     actors: Actors
+    park_after_s: float | None
 
 
 async def _supervise(
@@ -558,91 +615,144 @@ async def _supervise(
     *,
     task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
 ) -> None:
-    clock = options.clock
+    """Drive the run; while it is parked on an approval, wait with its actors stopped."""
+    run_id = log.run_id
+    first: RunLog | None = log
+    del log  # a parked run keeps no records in memory
+    parking: Parking | None = None
     try:
-        async with trio.open_nursery() as nursery:
-            started, view, resumed = _prepare(agent, input, log, clock)
-            actors = options.actors
-            writer_send, writer_recv = trio.open_memory_channel[WriterRequest](WRITER_INBOX)
-            writer = actors.writer(
-                WriterContext(run_id=log.run_id, store=store, next_seq=view.next_seq, sinks=sinks)
+        while True:
+            current, first = first or await store.read_log(run_id), None
+            parking = await _drive(
+                agent, input, current, store, sinks, options, handle, parking, task_status
             )
-            # The real writer also answers "does anyone want deltas?"; a fake one is asked nothing.
-            client = WriterClient(writer_send, writer if isinstance(writer, EventWriter) else None)
-            handle._writer, handle._writer_client = writer, client
-            await nursery.start(writer.run, writer_recv)
-            if view.next_seq == 1:
-                await client.write(Op.RUN_STARTED, started)
-                view.apply(started)
-            context = ActorContext(
-                run_id=log.run_id,
-                agent=agent,
-                started=started,
-                writer=client,
-                clock=clock,
-                rng=options.rng or random.Random(),
+            del current
+            if parking is None:
+                return
+            task_status = trio.TASK_STATUS_IGNORED  # reported when first driven
+            control = ControlInbox(
+                store=store, run_id=run_id, target=parking, index=_index(store, options)
             )
-            needs_approval = functools.partial(
-                requires_approval, agent.executor, options.approval_policy
-            )
-            coordinator = await _start_actors(nursery, actors, context, view, needs_approval)
-            handle._coordinator = coordinator
-            control = _ControlInbox(store=store, run_id=log.run_id, coordinator=coordinator)
-            await control.poll()  # a cancel or decision written while no one drove the run
-            task_status.started()
-            polling = trio.CancelScope()
-            if options.control_poll_s is not None:
-                nursery.start_soon(control.poll_every, options.control_poll_s, polling)
-            try:
-                handle._result = await coordinator.run(resumed_steps=resumed)
-                handle._done.set()  # answered: sinks may still drain in the background
-            finally:
-                polling.cancel()
-                coordinator.close_inboxes()
-                writer_send.close()
+            await parking.wait(control.poll, options.control_poll_s)
     except BaseException as exc:
         leaves = _leaves(exc)
         if all(not isinstance(e, Exception) for e in leaves):
             # Cancelled from outside (or KeyboardInterrupt): the run stays unfinished.
-            handle._error = RunInterrupted(log.run_id, "the task driving the run was cancelled")
+            handle._error = RunInterrupted(run_id, "the task driving the run was cancelled")
             raise
-        handle._error = _interrupted(log.run_id, exc)
+        handle._error = _interrupted(run_id, exc)
         task_status_started_safely(task_status)
     finally:
+        handle._parking = None
         handle._done.set()
+        handle._transition()
 
 
-@attrs.define(eq=False)
-class _ControlInbox:
-    """Copies what other processes wrote to the run's control log into the running run.
+async def _drive(
+    agent: Agent,
+    input: RunInput | None,
+    log: RunLog,
+    store: RunStore,
+    sinks: Sequence[EventSink],
+    options: _Options,
+    handle: RunHandle,
+    parking: Parking | None,
+    task_status: trio.TaskStatus[None],
+) -> Parking | None:
+    """One stretch of driving: start the actors on ``log``, run until finished or parked.
 
-    The control log is append-only, so the records already handed over are a prefix of it.
-    Cancel requests cancel the run (the coordinator writes the cancel record); approval
-    decisions are offered to the coordinator, which records the one matching its pending
-    request and never applies one that matches none (docs/decisions/0007).
+    Returns:
+        The parking state when the coordinator parked the run, ``None`` when it finished.
     """
+    clock = options.clock
+    async with trio.open_nursery() as nursery:
+        started, view, resumed = _prepare(agent, input, log, clock)
+        actors = options.actors
+        writer_send, writer_recv = trio.open_memory_channel[WriterRequest](WRITER_INBOX)
+        writer = actors.writer(
+            WriterContext(run_id=log.run_id, store=store, next_seq=view.next_seq, sinks=sinks)
+        )
+        # The real writer also answers "does anyone want deltas?"; a fake one is asked nothing.
+        client = WriterClient(writer_send, writer if isinstance(writer, EventWriter) else None)
+        handle._writer, handle._writer_client = writer, client
+        await nursery.start(writer.run, writer_recv)
+        if view.next_seq == 1:
+            await client.write(Op.RUN_STARTED, started)
+            view.apply(started)
+        context = ActorContext(
+            run_id=log.run_id,
+            agent=agent,
+            started=started,
+            writer=client,
+            clock=clock,
+            rng=options.rng or random.Random(),
+        )
+        needs_approval = functools.partial(
+            requires_approval, agent.executor, options.approval_policy
+        )
+        coordinator = await _start_actors(
+            nursery,
+            actors,
+            context,
+            view,
+            needs_approval,
+            park_after_s=options.park_after_s,
+            carried_active_s=parking.active_s if parking is not None else 0.0,
+        )
+        if parking is not None:
+            await _hand_over(parking, view, client)
+            if parking.cancel_request is not None:
+                coordinator.cancel(*parking.cancel_request)
+        handle._coordinator, handle._parking = coordinator, None
+        handle._transition()
+        control = ControlInbox(
+            store=store, run_id=log.run_id, target=coordinator, index=_index(store, options)
+        )
+        await control.poll(fresh=True)  # a cancel or decision written while no one drove it
+        task_status.started()
+        polling = trio.CancelScope()
+        if options.control_poll_s is not None:
+            nursery.start_soon(control.poll_every, options.control_poll_s, polling)
+        parked: Parking | None = None
+        try:
+            handle._result = await coordinator.run(resumed_steps=resumed)
+            handle._done.set()  # answered: sinks may still drain in the background
+        except Parked as signal:
+            parked = Parking(
+                request=signal.request,
+                deadline=signal.deadline,
+                active_s=signal.active_s,
+                clock=clock,
+            )
+            handle._parking, handle._coordinator, handle._writer_client = parked, None, None
+            handle._transition()
+        finally:
+            polling.cancel()
+            coordinator.close_inboxes()
+            writer_send.close()
+    return parked
 
-    store: RunStore
-    run_id: str
-    coordinator: CoordinatorActor
-    _seen: int = 0
 
-    async def poll(self) -> None:
-        """Read the control log once and hand over the records not seen yet."""
-        records = await read_control(self.store, self.run_id)
-        for record in records[self._seen :]:
-            if isinstance(record, CancelRequested):
-                self.coordinator.cancel(record.reason, record.canceller)
-            else:
-                self.coordinator.offer(record)
-        self._seen = len(records)
+async def _hand_over(parking: Parking, view: RunView, client: WriterClient) -> None:
+    """Record the decision that arrived while the run was parked (a barrier), if any.
 
-    async def poll_every(self, interval_s: float, scope: trio.CancelScope) -> None:
-        """Poll every ``interval_s`` seconds until ``scope`` is cancelled."""
-        with scope:
-            while True:
-                await trio.sleep(interval_s)
-                await self.poll()
+    The coordinator then finds the call decided in its view and goes on; an ``expired``
+    decision is recorded here too, as the coordinator would have at the deadline.
+    """
+    decided = parking.decision
+    if decided is None or decided.call_id in view.pending.approvals:
+        return
+    if view.pending.approval_requests.get(decided.call_id) != parking.request:
+        return  # the log moved on (another process drove the run): nothing to hand over
+    await client.barrier(Op.CONTROL, decided)
+    view.apply(decided)
+
+
+def _index(store: RunStore, options: _Options) -> ControlIndex | None:
+    """The store's shared listing of control logs (see `treadle.supervisors._control`)."""
+    if options.control_poll_s is None:
+        return None
+    return shared_index(store, options.control_poll_s)
 
 
 def task_status_started_safely(task_status: trio.TaskStatus[None]) -> None:
@@ -699,6 +809,9 @@ async def _start_actors(
     context: ActorContext,
     view: RunView,
     needs_approval: Callable[[str, Mapping[str, Any]], bool],
+    *,
+    park_after_s: float | None,
+    carried_active_s: float,
 ) -> CoordinatorActor:
     """Build the hydrator, gateway and executor, start them, and build the coordinator."""
     # 0: every request waits for its reply anyway; the coordinator has one step in flight.
@@ -719,6 +832,8 @@ async def _start_actors(
             hydrator=hydrator_send,
             gateway=gateway_send,
             executor=executor_send,
+            park_after_s=park_after_s,
+            carried_active_s=carried_active_s,
         )
     )
 
@@ -735,6 +850,7 @@ async def run(
     approval_policy: ApprovalPolicy | None = None,
     control_poll_s: float | None = CONTROL_POLL_S,
     actors: Actors = DEFAULT_ACTORS,
+    park_after_s: float | None = PARK_AFTER_S,
 ) -> RunResult:
     """Run ``agent`` on ``input`` to the end and return the result.
 
@@ -757,6 +873,7 @@ async def run(
         approval_policy=approval_policy,
         control_poll_s=control_poll_s,
         actors=actors,
+        park_after_s=park_after_s,
     ) as handle:
         pass  # leaving the block waits for the run
     return await handle.wait()

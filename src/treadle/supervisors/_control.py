@@ -1,0 +1,127 @@
+"""Reading a run's control log (cancels and approval decisions of other processes).
+
+Each driven run reads its control log every ``control_poll_s`` (docs/decisions/0007). With
+thousands of runs in one process that would be thousands of store reads a second, almost all
+of empty logs. So the runs of one store share a `ControlIndex`: one `list_runs` per interval
+says which control logs exist at all, and only those are read.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Protocol
+
+import attrs
+import trio
+
+from treadle.approvals import control_log_id, read_control
+from treadle.ports import RunStore
+from treadle.types import ApprovalDecided, CancelRequested
+
+
+class ControlTarget(Protocol):
+    """Who takes the control log's records: the coordinator, or a parked run's state."""
+
+    def cancel(self, reason: str = "", canceller: str = "") -> None:
+        """Cancel the run."""
+        ...
+
+    def offer(self, decided: ApprovalDecided) -> None:
+        """Take an approval decision (one matching no pending request is ignored)."""
+        ...
+
+
+@attrs.define(eq=False)
+class ControlIndex:
+    """Which control logs exist in one store, listed at most once per ``max_age_s``.
+
+    Attributes:
+        store: the store.
+        max_age_s: seconds a listing is reused for (the shortest poll interval asked).
+    """
+
+    store: RunStore
+    max_age_s: float
+    _ids: frozenset[str] = frozenset()
+    _listed_at: float = float("-inf")
+    _lock: trio.Lock = attrs.Factory(trio.Lock)
+
+    async def exists(self, run_id: str) -> bool:
+        """Whether ``run_id`` has a control log, per a listing at most ``max_age_s`` old.
+
+        Raises:
+            StoreError: the store cannot be listed.
+        """
+        async with self._lock:
+            if trio.current_time() - self._listed_at >= self.max_age_s:
+                self._ids = frozenset(await self.store.list_runs())
+                self._listed_at = trio.current_time()
+        return control_log_id(run_id) in self._ids
+
+
+_INDEXES: weakref.WeakKeyDictionary[RunStore, ControlIndex] = weakref.WeakKeyDictionary()
+
+
+def shared_index(store: RunStore, max_age_s: float) -> ControlIndex | None:
+    """The `ControlIndex` shared by every run of ``store`` in this process.
+
+    ``None`` when the store cannot be a weak key (then each run reads its control log).
+    """
+    try:
+        index = _INDEXES.get(store)
+        if index is None:
+            index = _INDEXES[store] = ControlIndex(store=store, max_age_s=max_age_s)
+    except TypeError:
+        return None
+    index.max_age_s = min(index.max_age_s, max_age_s)
+    return index
+
+
+@attrs.define(eq=False)
+class ControlInbox:
+    """Copies what other processes wrote to the run's control log into the running run.
+
+    The control log is append-only, so the records already handed over are a prefix of it.
+    Cancel requests cancel the run (the coordinator writes the cancel record); approval
+    decisions are offered to the target, which records the one matching its pending request
+    and never applies one that matches none (docs/decisions/0007).
+
+    Attributes:
+        store: the run store.
+        run_id: the run.
+        target: the coordinator, or a parked run's state.
+        index: the store's shared listing of control logs (``None``: read every time).
+    """
+
+    store: RunStore
+    run_id: str
+    target: ControlTarget
+    index: ControlIndex | None = None
+    _seen: int = 0
+
+    async def poll(self, *, fresh: bool = False) -> None:
+        """Read the control log once (if it exists) and hand over the records not seen yet.
+
+        Args:
+            fresh: read the log itself, not trusting the shared listing (used when a run
+                starts: what was written while no one drove it must be seen at once).
+
+        Raises:
+            StoreError: the store cannot be read.
+        """
+        if not fresh and self.index is not None and not await self.index.exists(self.run_id):
+            return
+        records = await read_control(self.store, self.run_id)
+        for record in records[self._seen :]:
+            if isinstance(record, CancelRequested):
+                self.target.cancel(record.reason, record.canceller)
+            else:
+                self.target.offer(record)
+        self._seen = len(records)
+
+    async def poll_every(self, interval_s: float, scope: trio.CancelScope) -> None:
+        """Poll every ``interval_s`` seconds until ``scope`` is cancelled."""
+        with scope:
+            while True:
+                await trio.sleep(interval_s)
+                await self.poll()

@@ -1,0 +1,103 @@
+"""Parked runs: a run that waits on a human keeps only its handle in memory.
+
+When a run has waited `treadle.actors.coordinator.RunCoordinator.park_after_s` for an approval
+decision, its coordinator raises `Parked`; the run supervisor stops the run's five actors and
+waits here for a decision, a cancel or the approval deadline, then resumes the run from its
+log like a restarted process would (docs/decisions/0010-parking-waiting-runs.md). The
+approval request is already durable, so nothing is lost whether the process stays up or not.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Awaitable, Callable, Mapping
+from typing import Any
+
+import attrs
+import trio
+
+from treadle._clock import Clock
+from treadle.actors.coordinator import decision_for, expired_decision
+from treadle.approvals import Decision, matches
+from treadle.types import ApprovalDecided, ApprovalRequested, RunState
+
+_HUMAN_DECISIONS = (Decision.APPROVE, Decision.REJECT, Decision.EDIT)
+
+
+@attrs.define(eq=False)
+class Parking:
+    """The state of one parked run: what it waits on and what arrived meanwhile.
+
+    Attributes:
+        request: the durable approval request the run waits on.
+        deadline: trio time at which the wait ends with an ``expired`` decision.
+        active_s: active seconds of the interrupted step, carried into the resumed one.
+        clock: wall clock for the decision's timestamp.
+        decision: the decision handed over (by the handle, the control log or the deadline).
+        cancel_request: ``(reason, canceller)`` once the run was cancelled while parked.
+    """
+
+    request: ApprovalRequested
+    deadline: float
+    active_s: float
+    clock: Clock
+    decision: ApprovalDecided | None = None
+    cancel_request: tuple[str, str] | None = None
+    _wake: trio.Event = attrs.Factory(trio.Event)
+
+    @property
+    def state(self) -> RunState:
+        """``awaiting_approval``, or ``cancelling`` once cancelled."""
+        return RunState.CANCELLING if self.cancel_request else RunState.AWAITING_APPROVAL
+
+    def cancel(self, reason: str = "", canceller: str = "") -> None:
+        """Cancel the parked run: it resumes only to record the cancel and finish."""
+        if self.cancel_request is None:
+            self.cancel_request = (reason, canceller)
+            self._wake.set()
+
+    def decide(
+        self,
+        *,
+        call_id: str | None = None,
+        reject: str | None = None,
+        edit: Mapping[str, Any] | None = None,
+    ) -> ApprovalDecided:
+        """Decide the pending request (see `treadle.RunHandle.approve`).
+
+        Raises:
+            UsageError: a decision was already handed over, ``call_id`` names another
+                call, or both ``reject`` and ``edit`` were given.
+        """
+        pending = None if self.decision or self.cancel_request else self.request
+        decided = decision_for(
+            self.request.run_id, pending, self.clock, call_id=call_id, reject=reject, edit=edit
+        )
+        self.offer(decided)
+        return decided
+
+    def offer(self, decided: ApprovalDecided) -> None:
+        """Take a decision read from the control log; one matching no request is ignored."""
+        if self.decision is not None or decided.decision not in _HUMAN_DECISIONS:
+            return  # "expired" is only ever decided by the run itself
+        if matches(decided, self.request):
+            self.decision = attrs.evolve(decided, run_id=self.request.run_id)
+            self._wake.set()
+
+    async def wait(self, poll: Callable[[], Awaitable[None]], poll_s: float | None) -> None:
+        """Wait for a decision or a cancel; at the deadline, decide ``expired``.
+
+        Args:
+            poll: reads the control log once (decisions and cancels of other processes).
+            poll_s: seconds between two polls; ``None`` never polls.
+        """
+        interval = math.inf if poll_s is None else poll_s
+        with trio.move_on_at(self.deadline):
+            while self.decision is None and self.cancel_request is None:
+                self._wake = trio.Event()
+                with trio.move_on_after(interval):
+                    await self._wake.wait()
+                if poll_s is not None:
+                    await poll()
+        if self.decision is None and self.cancel_request is None:
+            self.decision = expired_decision(self.request, self.clock)

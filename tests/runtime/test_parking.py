@@ -1,0 +1,240 @@
+"""A run that waits on a human long enough is parked: its actors stop, then it resumes."""
+
+from __future__ import annotations
+
+import pytest
+import trio
+from runtime_fakes import LedgerTools, SimpleParser
+
+from treadle._exceptions import UsageError
+from treadle.agent import Agent
+from treadle.approvals import decide, request_cancel
+from treadle.stores.memory import MemoryStore
+from treadle.supervisors.run import open_run
+from treadle.testing.scripted import ScriptedModel, call, say
+from treadle.types import (
+    ActionIntent,
+    ActionResult,
+    ActionStatus,
+    ApprovalDecided,
+    Budgets,
+    EventKind,
+    Limits,
+    RunState,
+    StepRecord,
+    StopReason,
+)
+
+PARK_AFTER_S = 5.0
+
+
+def only_add(tool_name, arguments):
+    return tool_name == "add"
+
+
+def make(turns, *, latency_s=0.0, **kwargs):
+    tools = LedgerTools()
+    model = ScriptedModel(turns=turns, latency_s=latency_s)
+    return Agent(model=model, executor=tools, parser=SimpleParser(), **kwargs), tools
+
+
+def count_tasks() -> int:
+    """Every task alive in this trio run."""
+
+    def walk(task) -> int:
+        return 1 + sum(walk(child) for n in task.child_nurseries for child in n.child_tasks)
+
+    return walk(trio.lowlevel.current_root_task())
+
+
+def opened(agent, store, **kwargs):
+    return open_run(
+        agent,
+        "x",
+        store=store,
+        run_id="r",
+        approval_policy=only_add,
+        park_after_s=PARK_AFTER_S,
+        **kwargs,
+    )
+
+
+async def parked(handle) -> None:
+    """Wait until the run is parked (its coordinator gone, the request pending)."""
+    with trio.fail_after(3600):
+        while handle._parking is None:  # noqa: ASYNC110 (polling a plain attribute)
+            await trio.sleep(0.5)
+    await trio.sleep(0.1)  # the actors are told to stop once parked; let them end
+
+
+async def test_a_parked_run_stops_its_actors_and_an_approval_resumes_it(autojump_clock):
+    agent, tools = make([call("add", a=1, b=2, call_id="c1"), say("3")], latency_s=0.5)
+    store = MemoryStore()
+    async with opened(agent, store) as handle:
+        await trio.sleep(1)
+        assert handle.state is RunState.AWAITING_APPROVAL
+        waiting_tasks = count_tasks()
+        await parked(handle)
+        assert handle.state is RunState.AWAITING_APPROVAL
+        assert handle.pending_approval.call_id == "c1"
+        # The writer, hydrator, gateway, executor and control poller are gone: only the
+        # task driving the run (parked) is left of it.
+        assert count_tasks() <= waiting_tasks - 5
+        assert tools.executed == []
+        await trio.sleep(60)
+        handle.approve("c1")
+        result = await handle.wait()
+    assert result.stop_reason is StopReason.FINAL_ANSWER
+    assert [a.arguments for a in tools.executed] == [{"a": 1, "b": 2}]
+    log = await store.read_log("r")
+    names = [type(r).__name__ for r in log.records]
+    assert names.count("ApprovalRequested") == names.count("ApprovalDecided") == 1
+    assert names.index("ApprovalDecided") < names.index("ActionIntent")
+    # The step's active time carries over the parking: the 0.5 s model call before it,
+    # not the minute of waiting.
+    first_step = next(r for r in log.records if isinstance(r, StepRecord))
+    assert 0.5 <= first_step.active_s < 1.0
+    assert result.totals.active_s < 2.0
+
+
+async def test_an_event_stream_carries_on_across_parking(autojump_clock):
+    agent, _ = make([call("add", a=1, b=2, call_id="c1"), say("3")])
+    store = MemoryStore()
+    async with opened(agent, store) as handle:
+
+        async def decide_later():
+            await parked(handle)
+            await trio.sleep(30)
+            handle.approve()
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(decide_later)
+            live = [e async for e in handle.events()]
+    async with open_run(agent, store=store, run_id="r") as finished:
+        stored = [e async for e in finished.events()]
+    assert live == stored
+    assert live[-1].kind is EventKind.RUN_FINISHED
+    durable = [e.seq for e in live if e.durable]
+    assert durable == list(range(1, len(durable) + 1))
+
+
+@pytest.mark.parametrize(
+    ("decision", "executed", "observation"),
+    [
+        ({"edit": {"a": 10, "b": 20}}, [{"a": 10, "b": 20}], "30"),
+        ({"reject": "no"}, [], None),
+    ],
+)
+async def test_edit_and_reject_while_parked(autojump_clock, decision, executed, observation):
+    agent, tools = make([call("add", a=1, b=2, call_id="c1"), say("ok")])
+    store = MemoryStore()
+    async with opened(agent, store) as handle:
+        await parked(handle)
+        handle.approve(**decision)
+        with pytest.raises(UsageError, match="not waiting"):
+            handle.approve()  # decided already; the run is on its way back
+        await handle.wait()
+    assert [a.arguments for a in tools.executed] == executed
+    log = await store.read_log("r")
+    (result,) = [r for r in log.records if isinstance(r, ActionResult)]
+    if observation is None:
+        assert result.outcome.status is ActionStatus.NOT_EXECUTED
+        assert not any(isinstance(r, ActionIntent) for r in log.records)
+    else:
+        assert result.outcome.observation == observation
+
+
+async def test_cancel_while_parked_starts_no_action(autojump_clock):
+    agent, tools = make([call("add", a=1, b=2, call_id="c1"), say("ok")])
+    store = MemoryStore()
+    async with opened(agent, store) as handle:
+        await parked(handle)
+        handle.cancel("changed my mind")
+        assert handle.state is RunState.CANCELLING
+        result = await handle.wait()
+    assert result.stop_reason is StopReason.CANCELLED
+    assert tools.executed == []
+    log = await store.read_log("r")
+    assert not any(isinstance(r, ActionIntent) for r in log.records)
+
+
+async def test_the_control_log_reaches_a_parked_run(autojump_clock):
+    agent, tools = make([call("add", a=1, b=2, call_id="c1"), say("ok")])
+    store = MemoryStore()
+    async with opened(agent, store, control_poll_s=0.5) as handle:
+        await parked(handle)
+        await decide(store, "r", call_id="c1")  # as `treadle approve` does
+        with trio.fail_after(1):
+            await handle.wait()
+    assert len(tools.executed) == 1
+
+
+async def test_a_cancel_from_another_process_reaches_a_parked_run(autojump_clock):
+    agent, tools = make([call("add", a=1, b=2, call_id="c1"), say("ok")])
+    store = MemoryStore()
+    async with opened(agent, store, control_poll_s=0.5) as handle:
+        await parked(handle)
+        await request_cancel(store, "r", reason="stop")
+        with trio.fail_after(1):
+            result = await handle.wait()
+    assert result.stop_reason is StopReason.CANCELLED
+    assert tools.executed == []
+
+
+async def test_the_deadline_of_a_parked_run_expires_its_request(autojump_clock):
+    agent, tools = make(
+        [call("add", a=1, b=2, call_id="c1"), say("ok")],
+        budgets=Budgets(time_budget_s=60),
+        limits=Limits(approval_timeout_s=900),
+    )
+    store = MemoryStore()
+    async with opened(agent, store) as handle:
+        began = trio.current_time()
+        result = await handle.wait()
+    assert 899 <= trio.current_time() - began < 901
+    assert result.stop_reason is StopReason.FINAL_ANSWER
+    assert tools.executed == []
+    log = await store.read_log("r")
+    (decided,) = [r for r in log.records if isinstance(r, ApprovalDecided)]
+    assert decided.decision == "expired"
+
+
+async def test_each_call_of_a_batch_can_park_in_turn(autojump_clock):
+    from treadle.testing.scripted import calls
+    from treadle.types import ToolCall
+
+    batch = calls(
+        ToolCall(id="a", name="add", arguments={"a": 1, "b": 1}),
+        ToolCall(id="b", name="add", arguments={"a": 2, "b": 2}),
+    )
+    agent, tools = make([batch, say("ok")])
+    store = MemoryStore()
+    async with opened(agent, store) as handle:
+        for call_id in ("a", "b"):
+            await parked(handle)
+            assert handle.pending_approval.call_id == call_id
+            handle.approve(call_id)
+            with trio.fail_after(3600):
+                while handle._parking is not None:  # noqa: ASYNC110
+                    await trio.sleep(0.1)
+        await handle.wait()
+    # The batch's calls run concurrently: in any order.
+    assert sorted(a.call_id for a in tools.executed) == ["a", "b"]
+    log = await store.read_log("r")
+    names = [type(r).__name__ for r in log.records]
+    # Both decisions precede both intents: a batch is decided before any call starts.
+    assert names.index("ActionIntent") > max(
+        i for i, n in enumerate(names) if n == "ApprovalDecided"
+    )
+
+
+async def test_parking_can_be_switched_off(autojump_clock):
+    agent, _ = make([call("add", a=1, b=2, call_id="c1"), say("ok")])
+    store = MemoryStore()
+    async with open_run(
+        agent, "x", store=store, run_id="r", approval_policy=only_add, park_after_s=None
+    ) as handle:
+        await trio.sleep(600)
+        assert handle._parking is None and handle.state is RunState.AWAITING_APPROVAL
+        handle.approve()
+        await handle.wait()
