@@ -9,7 +9,15 @@ from treadle.stores.memory import MemoryStore
 from treadle.supervisors.run import run
 from treadle.testing.faults import CrashingStore, SimulatedCrash
 from treadle.testing.scripted import ScriptedModel, call, say
-from treadle.types import ActionResult, ActionStatus, ModelResult, StepRecord
+from treadle.types import (
+    ActionResult,
+    ActionStatus,
+    Limits,
+    ModelErrorInfo,
+    ModelResult,
+    StepRecord,
+    StopReason,
+)
 
 TURNS = [call("add", a=1, b=2, call_id="c1"), call("add", a=3, b=4, call_id="c2"), say("done")]
 
@@ -108,3 +116,37 @@ async def test_snapshot_mismatch_names_keys():
     with pytest.raises(SnapshotMismatch) as info:
         await run(other, store=memory, run_id="r")
     assert info.value.keys == ["model", "system_prompt"]
+
+
+@pytest.mark.parametrize(
+    "error",
+    [
+        ModelErrorInfo(kind="bad_request", status=400),
+        ModelErrorInfo(kind="server_error", retryable=True, status=503),
+    ],
+)
+async def test_a_model_call_that_failed_for_good_is_not_rerun_after_a_crash(error):
+    """The process dies between the final model error and its step record (DESIGN §5)."""
+    retries = 0 if not error.retryable else 1
+    failures = {0: [error] * (retries + 1)}
+    limits = Limits(max_model_retries=retries, retry_initial_s=0.001, retry_max_s=0.001)
+    model = ScriptedModel(turns=[say("never")], failures=failures)
+    agent = Agent(model=model, executor=LedgerTools(), parser=SimpleParser(), limits=limits)
+    store = MemoryStore()
+    # Writes: run started, then intent + result per attempt; die right after the last result.
+    last_result = 1 + 2 * (retries + 1)
+    with pytest.raises((SimulatedCrash, RunInterrupted)):
+        await run(
+            agent,
+            "x",
+            store=CrashingStore(inner=store, crash_at=last_result, when="after"),
+            run_id="r",
+        )
+    calls_before = len(model.requests)
+    assert calls_before == retries + 1
+    result = await run(agent, store=store, run_id="r")
+    assert len(model.requests) == calls_before  # nothing re-run: the failure is reused
+    assert result.stop_reason is StopReason.MODEL_ERROR
+    log = await store.read_log("r")
+    (step,) = log.steps
+    assert step.decision is None

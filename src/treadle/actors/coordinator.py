@@ -18,7 +18,7 @@ import trio
 
 from treadle._clock import Clock
 from treadle._exceptions import UsageError
-from treadle._state import RunView
+from treadle._state import PendingStep, RunView
 from treadle.actors._rpc import StepScope, request
 from treadle.actors.executor import ActionsOutcome, RunActions
 from treadle.actors.gateway import CallModel, ModelOutcome
@@ -36,6 +36,7 @@ from treadle.types import (
     CancelRequested,
     DecisionKind,
     Limits,
+    ModelErrorInfo,
     ModelRequest,
     ModelResult,
     ParsedReply,
@@ -260,7 +261,11 @@ class RunCoordinator:
         if pending.open_model_intent is not None:
             await self._abandon(pending.open_model_intent.intent_id, step)
         if reply is None:
-            outcome = await self._call_model(step, scope)
+            failed = self._failed_for_good(pending)
+            if failed is not None:  # resume: reuse the recorded failure, never re-run it
+                outcome = ModelOutcome(error=failed)
+            else:
+                outcome = await self._call_model(step, scope)
             if outcome.stop is not None:
                 return outcome.stop
             if outcome.reply is None:
@@ -280,6 +285,22 @@ class RunCoordinator:
             reply, intent_id = outcome.reply, outcome.intent_id
         parsed = self.parser.parse(reply, self.tools)
         return await self._act(step, intent_id, parsed, scope, started)
+
+    def _failed_for_good(self, pending: PendingStep) -> ModelErrorInfo | None:
+        """The step's last model attempt, when it failed for good before its step record.
+
+        A crash between a final model error and the step record leaves exactly that in the
+        log; resuming reuses the recorded result (DESIGN §5) instead of a new attempt. A cut
+        (cancel, time or token budget) or an abandoned attempt is not a failure for good.
+        """
+        if pending.open_model_intent is not None or not pending.failures:
+            return None
+        error = pending.failures[-1].error
+        if error is None or error.kind in _CUT_KINDS:
+            return None
+        if error.retryable and len(pending.failures) <= self.limits.max_model_retries:
+            return None
+        return error
 
     async def _act(
         self,
@@ -562,6 +583,12 @@ class RunCoordinator:
 def _plus_s(instant: str, seconds: float) -> str:
     """The ISO-8601 instant ``seconds`` after ``instant``."""
     return (dt.datetime.fromisoformat(instant) + dt.timedelta(seconds=seconds)).isoformat()
+
+
+_CUT_KINDS = frozenset(
+    {StopReason.CANCELLED.value, StopReason.TIME_BUDGET.value, StopReason.TOKEN_BUDGET.value}
+)
+"""Error kinds of attempts cut by the run itself, not failed by the provider."""
 
 
 def decision_for(
