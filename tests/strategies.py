@@ -262,6 +262,9 @@ run_finisheds = _build(
     totals=totals,
     final_answer=st.none() | texts,
     error=st.none() | texts,
+    sink_drops=counts,
+    sink_failures=counts,
+    subscriber_drops=counts,
 )
 cancel_requesteds = _build(
     t.CancelRequested, run_id=ids, ts=timestamps, reason=texts, canceller=texts
@@ -314,6 +317,7 @@ events = _build(
     record=st.none() | records,
     text=st.none() | texts,
     ordinal=counts,
+    step=st.none() | counts,
 )
 run_results = _build(
     t.RunResult,

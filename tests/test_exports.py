@@ -7,6 +7,8 @@ import treadle.testing
 
 TREADLE = sorted(
     [
+        "ActorContext",
+        "Actors",
         "ActionStatus",
         "Agent",
         "AnthropicMessagesClient",
@@ -57,6 +59,9 @@ TREADLE = sorted(
 
 TESTING = sorted(
     [
+        "FaultPlan",
+        "simulate",
+        "with_latency",
         "CannedResponse",
         "CrashingExecutor",
         "CrashingStore",
