@@ -27,19 +27,17 @@ Run with:
 from __future__ import annotations
 
 import argparse
-import os
 import random
 import statistics
-import tempfile
 import time
-from collections.abc import AsyncIterator, Sequence
-from contextlib import asynccontextmanager
+from collections.abc import Sequence
 
 import trio
 from rich.console import Console
 from rich.table import Table
 
 import treadle
+from _stores import open_store
 from treadle.ports import DeltaCallback
 from treadle.types import EventKind, ModelReply, ModelRequest, ToolCall
 
@@ -87,17 +85,6 @@ async def slow(handle: treadle.RunHandle) -> None:
     """A subscriber that takes 20 ms per event (it is cut off when it falls behind)."""
     async for _event in handle.events():
         await trio.sleep(0.02)
-
-
-@asynccontextmanager
-async def open_store(kind: str) -> AsyncIterator[treadle.ports.RunStore]:
-    """A memory store, or a SQLite store in a temporary folder."""
-    if kind == "memory":
-        yield treadle.MemoryStore()
-        return
-    with tempfile.TemporaryDirectory() as tmp:
-        async with treadle.open_sqlite_store(os.path.join(tmp, "events.db")) as store:
-            yield store
 
 
 async def measure(

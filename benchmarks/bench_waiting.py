@@ -20,17 +20,16 @@ import json
 import os
 import subprocess
 import sys
-import tempfile
 import time
 import tracemalloc
-from collections.abc import AsyncIterator, Sequence
-from contextlib import asynccontextmanager
+from collections.abc import Sequence
 
 import trio
 from rich.console import Console
 from rich.table import Table
 
 import treadle
+from _stores import open_store
 from treadle.testing.scripted import ScriptedModel, call, say
 
 
@@ -44,17 +43,6 @@ def rss_bytes() -> int:
     """The resident set size of this process now."""
     with open("/proc/self/statm") as statm:
         return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-
-
-@asynccontextmanager
-async def open_store(kind: str) -> AsyncIterator[treadle.ports.RunStore]:
-    """A SQLite store in a temporary folder, or a memory store."""
-    if kind == "memory":
-        yield treadle.MemoryStore()
-        return
-    with tempfile.TemporaryDirectory() as tmp:
-        async with treadle.open_sqlite_store(os.path.join(tmp, "waiting.db")) as store:
-            yield store
 
 
 async def measure(

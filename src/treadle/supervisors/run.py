@@ -22,7 +22,7 @@ import functools
 import random
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from contextlib import asynccontextmanager
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 import attrs
 import trio
@@ -72,7 +72,23 @@ an approval decision written by another process is picked up within about twice 
 (the listing of which control logs exist is shared and may be one interval old)."""
 
 
-class WriterActor(Protocol):
+RequestT_contra = TypeVar("RequestT_contra", contravariant=True)
+
+
+class InboxActor(Protocol[RequestT_contra]):
+    """An actor that serves requests of one type from its inbox (every role but the coordinator)."""
+
+    async def run(
+        self,
+        inbox: trio.MemoryReceiveChannel[RequestT_contra],
+        *,
+        task_status: trio.TaskStatus[None] = ...,
+    ) -> None:
+        """Serve ``inbox`` until it ends; call ``task_status.started()`` once ready."""
+        ...
+
+
+class WriterActor(InboxActor[WriterRequest], Protocol):
     """The event writer role: the run's single writer to the store (DESIGN §7).
 
     It serves `treadle.actors.writer.WriterRequest` messages (appends, barriers, deltas,
@@ -80,66 +96,30 @@ class WriterActor(Protocol):
     receives them and answering each barrier once it is durable.
     """
 
-    async def run(
-        self,
-        inbox: trio.MemoryReceiveChannel[WriterRequest],
-        *,
-        task_status: trio.TaskStatus[None] = ...,
-    ) -> None:
-        """Serve ``inbox`` until it ends; call ``task_status.started()`` once ready."""
-        ...
-
     def statistics(self) -> WriterStatistics:
         """Counters the run's handle reports (`RunHandle.statistics`)."""
         ...
 
 
-class HydratorActor(Protocol):
+class HydratorActor(InboxActor[Hydrate], Protocol):
     """The context hydrator role: answers each `Hydrate` with the next model request."""
 
-    async def run(
-        self,
-        inbox: trio.MemoryReceiveChannel[Hydrate],
-        *,
-        task_status: trio.TaskStatus[None] = ...,
-    ) -> None:
-        """Serve ``inbox`` until it ends; call ``task_status.started()`` once ready."""
-        ...
 
-
-class GatewayActor(Protocol):
+class GatewayActor(InboxActor[CallModel], Protocol):
     """The model gateway role: answers each `CallModel` with a `ModelOutcome`.
 
     It writes each attempt's intent (a barrier) before the request leaves and its result
     after, and reports every record it wrote in ``ModelOutcome.written``.
     """
 
-    async def run(
-        self,
-        inbox: trio.MemoryReceiveChannel[CallModel],
-        *,
-        task_status: trio.TaskStatus[None] = ...,
-    ) -> None:
-        """Serve ``inbox`` until it ends; call ``task_status.started()`` once ready."""
-        ...
 
-
-class ExecutorActor(Protocol):
+class ExecutorActor(InboxActor[RunActions], Protocol):
     """The tool executor role: answers each `RunActions` with an `ActionsOutcome`.
 
     It writes each action's intent (a barrier) before the action starts and reports the
     intents in ``ActionsOutcome.written``; the results go back to the coordinator, which
     writes them with the step record.
     """
-
-    async def run(
-        self,
-        inbox: trio.MemoryReceiveChannel[RunActions],
-        *,
-        task_status: trio.TaskStatus[None] = ...,
-    ) -> None:
-        """Serve ``inbox`` until it ends; call ``task_status.started()`` once ready."""
-        ...
 
 
 class CoordinatorActor(Protocol):

@@ -33,7 +33,7 @@ from treadle.approvals import Decision, decide
 from treadle.parsers import NativeToolCallParser
 from treadle.stores._codec import encode
 from treadle.stores.memory import MemoryStore
-from treadle.supervisors.run import DEFAULT_ACTORS, Actors, RunHandle, open_run
+from treadle.supervisors.run import DEFAULT_ACTORS, Actors, InboxActor, RunHandle, open_run
 from treadle.testing.faults import CrashingStore, FailingStore, SimulatedCrash
 from treadle.testing.scripted import STALLED, ScriptedModel, call, say
 from treadle.tools import EnvironmentFailure, Toolbox, ToolContext, tool
@@ -192,21 +192,7 @@ class ApprovalPlan:
     edit: Mapping[str, Any] | None = None
 
 
-Q_contra = TypeVar("Q_contra", contravariant=True)
 C_contra = TypeVar("C_contra", contravariant=True)
-
-
-class InboxActor(Protocol[Q_contra]):
-    """An actor serving requests of one type from its inbox (every role but the coordinator)."""
-
-    async def run(
-        self,
-        inbox: trio.MemoryReceiveChannel[Q_contra],
-        *,
-        task_status: trio.TaskStatus[None] = ...,
-    ) -> None:
-        """Serve ``inbox`` until it ends; call ``task_status.started()`` once ready."""
-        ...
 
 
 Q = TypeVar("Q")
