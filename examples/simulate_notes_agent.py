@@ -53,6 +53,7 @@ class NotesScenario:
 
     def agent(self, world: Notes) -> treadle.Agent:
         """A fresh agent on ``world``: save_note (never replayed, reconciled) and list_notes."""
+
         async def reconcile(action: Action) -> ActionOutcome | None:
             await trio.lowlevel.checkpoint()
             if action.intent_id in world.saved:

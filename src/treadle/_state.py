@@ -40,6 +40,8 @@ class PendingStep:
         action_intents: action intents already written for the reply, in call order.
         approvals: approval decisions recorded in this step, by call id.
         approval_requests: approval requests recorded in this step, by call id.
+        recorded_s: seconds of this step's model attempts as their results recorded them
+            (``latency_s``); a step resumed after a crash counts them as active time.
     """
 
     step: int
@@ -51,6 +53,7 @@ class PendingStep:
     action_intents: list[ActionIntent] = attrs.Factory(list)
     approvals: dict[str, ApprovalDecided] = attrs.Factory(dict)
     approval_requests: dict[str, ApprovalRequested] = attrs.Factory(dict)
+    recorded_s: float = 0.0
 
 
 @attrs.define(eq=False)
@@ -137,6 +140,7 @@ class RunView:
         if pending.open_model_intent and pending.open_model_intent.intent_id == record.intent_id:
             pending.open_model_intent = None
         self.count_usage(record.usage)
+        pending.recorded_s += record.latency_s or 0.0
         if record.reply is not None:
             pending.reply = record.reply
             pending.reply_intent_id = record.intent_id

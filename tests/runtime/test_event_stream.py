@@ -113,10 +113,8 @@ async def test_step_started_precedes_each_step_once_live_and_read_back(autojump_
     outline = step_outline(live)
     S, M = EventKind.STEP_STARTED, EventKind.MODEL_CALL_STARTED
     # Step 2's first attempt failed with a 503: its retry is not a new step.
-    assert outline == [(S, 1), (M, 1), (S, 2), (M, 1), (M, 2), (S, 3), (M, 1), (S, 4), (M, 1)] + [
-        (S, 5),
-        (M, 1),
-    ]
+    expected = [(S, 1), (M, 1), (S, 2), (M, 1), (M, 2), (S, 3), (M, 1), (S, 4), (M, 1)]
+    assert outline == [*expected, (S, 5), (M, 1)]
     for event in (e for e in live if e.kind is EventKind.STEP_STARTED):
         following = next(e for e in live if e.seq == event.seq + 1)
         assert following.kind is M and following.record.step == event.step

@@ -150,3 +150,20 @@ async def test_a_model_call_that_failed_for_good_is_not_rerun_after_a_crash(erro
     log = await store.read_log("r")
     (step,) = log.steps
     assert step.decision is None
+
+
+async def test_a_resumed_step_counts_the_recorded_model_time_as_active(autojump_clock):
+    model = ScriptedModel(turns=[call("add", a=1, b=2), say("3")], latency_s=2.0)
+    agent = Agent(model=model, executor=LedgerTools(), parser=SimpleParser())
+    store = MemoryStore()
+    # Writes: run started, model intent, model result, action intent (the barrier that makes
+    # the result durable); die right after it, before the action's result and step record.
+    crashing = CrashingStore(inner=store, crash_at=4, when="after")
+    with pytest.raises((SimulatedCrash, RunInterrupted)):
+        await run(agent, "x", store=crashing, run_id="r")
+    await run(agent, store=store, run_id="r")
+    log = await store.read_log("r")
+    result = next(r for r in log.records if isinstance(r, ModelResult))
+    assert result.latency_s >= 2.0
+    # The model call the crashed process made counts in the resumed step's active time.
+    assert log.steps[0].active_s >= result.latency_s

@@ -237,8 +237,10 @@ class RunCoordinator:
 
     async def _step(self) -> StopReason | None:
         """Run one step; return a stop reason when the step itself was cut off."""
-        # A step resumed after parking continues its active time.
-        started = trio.current_time() - self.carried_active_s
+        # A step resumed after parking continues its active time; one resumed after a crash
+        # counts what its recorded model attempts took (the rest of the crashed process's
+        # time on it is unknown).
+        started = trio.current_time() - (self.carried_active_s or self.view.pending.recorded_s)
         self.carried_active_s = 0.0
         self._step_started = started
         deadline = float("inf")
