@@ -148,3 +148,32 @@ async def test_a_subscriber_cut_off_for_falling_behind_still_gets_every_durable_
     log = await store.read_log("r")
     assert stats.subscriber_drops >= 1  # it was cut off at least once ...
     assert seen == list(range(1, len(log.records) + 1))  # ... and lost no durable event
+
+
+class LaterFailingSink:
+    """Fails from its 50th event on (a subscriber is listening by then)."""
+
+    def __init__(self):
+        self.seen = 0
+
+    async def send(self, event):
+        self.seen += 1
+        if self.seen >= 50:
+            raise RuntimeError("sink is down")
+
+
+async def test_subscribers_are_warned_once_when_a_sink_fails_or_falls_behind(autojump_clock):
+    turns = [
+        calls(ToolCall(id=f"c{i}", name="add", arguments={"a": i, "b": 1})) for i in range(100)
+    ] + [say("done")]
+    store = MemoryStore()
+    sinks = [SlowSink(), LaterFailingSink()]
+    async with open_run(agent(turns), "x", store=store, run_id="r", sinks=sinks) as handle:
+        events = [e async for e in handle.events()]
+    warnings = [e for e in events if e.kind is EventKind.WARNING]
+    texts = sorted(w.text for w in warnings)
+    assert len(texts) == 2
+    assert texts[0].startswith("sink LaterFailingSink failed: RuntimeError: sink is down")
+    assert texts[1].startswith("sink SlowSink fell behind")
+    keys = [(e.seq, e.ordinal) for e in events]
+    assert keys == sorted(keys)  # (seq, ordinal) never goes backwards

@@ -165,6 +165,7 @@ class EventWriter:
     _sink_drops: int = 0
     _sink_failures: int = 0
     _subscriber_drops: int = 0
+    _warned: set[tuple[int, str]] = attrs.Factory(set)
 
     def statistics(self) -> WriterStatistics:
         """Counters of this writer (see `WriterStatistics`)."""
@@ -187,10 +188,10 @@ class EventWriter:
             treadle.StoreError: a write failed; the run supervisor ends the run with it.
         """
         async with trio.open_nursery() as nursery:
-            for sink in self.sinks:
+            for index, sink in enumerate(self.sinks):
                 send, recv = trio.open_memory_channel[Event](SINK_BUFFER)
                 self._sink_inboxes.append(send)
-                nursery.start_soon(self._pump_sink, sink, recv)
+                nursery.start_soon(self._pump_sink, index, sink, recv)
             task_status.started()
             try:
                 # `with`, not `async with`: closing must not checkpoint, or a cancellation
@@ -253,6 +254,20 @@ class EventWriter:
         )
 
     def _fan_out(self, event: Event) -> None:
+        self._to_subscribers(event)
+        for index, channel in enumerate(self._sink_inboxes):
+            try:
+                channel.send_nowait(event)
+            except trio.WouldBlock:
+                self._sink_drops += 1
+                self._warn_once(
+                    index,
+                    "drop",
+                    f"sink {_name(self.sinks[index])} fell behind: events for it are dropped "
+                    "and counted (sink_drops); the run goes on",
+                )
+
+    def _to_subscribers(self, event: Event) -> None:
         for channel in self._subscribers[:]:
             try:
                 channel.send_nowait(event)
@@ -260,11 +275,26 @@ class EventWriter:
                 self._subscribers.remove(channel)
                 channel.close()
                 self._subscriber_drops += 1
-        for channel in self._sink_inboxes:
-            try:
-                channel.send_nowait(event)
-            except trio.WouldBlock:
-                self._sink_drops += 1
+
+    def _warn_once(self, sink_index: int, what: str, text: str) -> None:
+        """Tell the live subscribers, once per sink and trouble, that a sink is in trouble.
+
+        A warning is ephemeral and never goes to the sinks. It takes the ``(seq, ordinal)``
+        of the event before it, so it never pushes a later step-started event (whose
+        ordinal is always 1) out of order.
+        """
+        if (sink_index, what) in self._warned:
+            return
+        self._warned.add((sink_index, what))
+        self._to_subscribers(
+            Event(
+                run_id=self.run_id,
+                seq=self.next_seq - 1,
+                kind=EventKind.WARNING,
+                text=text,
+                ordinal=self._delta_ordinal,
+            )
+        )
 
     def _subscribe(self, message: Subscribe) -> None:
         send, recv = trio.open_memory_channel[Event](SUBSCRIBER_BUFFER)
@@ -282,13 +312,25 @@ class EventWriter:
         """Whether anyone listens for ephemeral deltas."""
         return bool(self._subscribers or self._sink_inboxes)
 
-    async def _pump_sink(self, sink: EventSink, events: trio.MemoryReceiveChannel[Event]) -> None:
+    async def _pump_sink(
+        self, index: int, sink: EventSink, events: trio.MemoryReceiveChannel[Event]
+    ) -> None:
         async with events:
             async for event in events:
                 try:
                     await sink.send(event)
-                except Exception:  # a sink's failure never stops the run; it is counted
+                except Exception as exc:  # a sink's failure never stops the run; it is counted
                     self._sink_failures += 1
+                    self._warn_once(
+                        index,
+                        "fail",
+                        f"sink {_name(sink)} failed: {type(exc).__name__}: {exc}; its failures "
+                        "are counted (sink_failures), the run goes on",
+                    )
+
+
+def _name(sink: EventSink) -> str:
+    return type(sink).__name__
 
 
 def stored_events(log: RunLog, from_seq: int, to_seq: int) -> list[Event]:
