@@ -119,7 +119,7 @@ def tail_command(run_id: str, store_path: str, from_seq: int, as_json: bool, fol
 
     async def go() -> None:
         async with open_store(store_path) as store:
-            await tail(store, run_id, from_seq, show, follow=follow)
+            await tail(store, run_id, from_seq, show, follow=follow, store_path=store_path)
 
     try:
         run_async(go)
@@ -135,10 +135,12 @@ async def tail(
     *,
     follow: bool = True,
     poll_s: float = TAIL_POLL_S,
+    store_path: str = "STORE",
 ) -> None:
     """Call ``show(seq, record)`` for each record from ``from_seq`` on, as they are stored.
 
-    Returns after the run-finished record (or at once without ``follow``).
+    Returns after the run-finished record (or at once without ``follow``). While the run
+    waits for an approval, prints the command that decides it (naming ``store_path``).
 
     Raises:
         UsageError: the run does not exist.
@@ -156,16 +158,19 @@ async def tail(
         next_seq = max(next_seq, len(log.records) + 1)
         if log.finished is not None or not follow:
             return
-        hinted = _hint_approval(log, hinted)
+        hinted = _hint_approval(log, hinted, store_path)
         await trio.sleep(poll_s)
 
 
-def _hint_approval(log: RunLog, hinted: ApprovalRequested | None) -> ApprovalRequested | None:
+def _hint_approval(
+    log: RunLog, hinted: ApprovalRequested | None, store_path: str
+) -> ApprovalRequested | None:
     request = pending_approval(log)
     if request is not None and request != hinted:
         click.echo(
             f"      … waiting for approval of {request.tool} (call {request.call_id}) until "
-            f"{request.deadline_ts}: treadle approve {log.run_id} --store STORE [--reject MSG]"
+            f"{request.deadline_ts}: treadle approve {log.run_id} --store {store_path} "
+            "[--reject MSG]"
         )
     return request
 

@@ -187,7 +187,9 @@ async def decide(
 
     Raises:
         UsageError: the run does not exist, finished, waits on no approval, waits on
-            another call, or both ``reject`` and ``edit`` were given.
+            another call, already has a decision for that call in its control log (the
+            first one counts; two deciders racing both write, and the first written wins),
+            or both ``reject`` and ``edit`` were given.
         StoreError: the write failed.
     """
     if reject is not None and edit is not None:
@@ -203,7 +205,16 @@ async def decide(
         )
     if edit is not None:
         arguments_digest(edit)  # refuse what is not JSON data before writing
-    decision = Decision.REJECT if reject is not None else Decision.EDIT if edit else None
+    earlier = [r for r in await read_control(store, run_id) if isinstance(r, ApprovalDecided)]
+    already = next((r for r in earlier if matches(r, request)), None)
+    if already is not None:
+        raise UsageError(
+            f"call {request.call_id!r} of run {run_id!r} already has a decision "
+            f"({already.decision}) waiting to be applied; the first decision counts"
+        )
+    decision = (
+        Decision.REJECT if reject is not None else Decision.EDIT if edit is not None else None
+    )
     record = ApprovalDecided(
         run_id=control_log_id(run_id),
         step=request.step,
@@ -212,7 +223,7 @@ async def decide(
         decision=(decision or Decision.APPROVE).value,
         ts=(clock or SystemClock()).now_iso(),
         message=reject or "",
-        edited_arguments=dict(edit) if edit else None,
+        edited_arguments=dict(edit) if edit is not None else None,
     )
     await _append_control(store, record)
     return record

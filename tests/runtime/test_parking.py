@@ -4,14 +4,17 @@ from __future__ import annotations
 
 import pytest
 import trio
+import trio.testing
 from runtime_fakes import LedgerTools, SimpleParser
 
 from treadle._exceptions import UsageError
 from treadle.agent import Agent
 from treadle.approvals import decide, request_cancel
+from treadle.parsers import NativeToolCallParser
 from treadle.stores.memory import MemoryStore
 from treadle.supervisors.run import open_run
 from treadle.testing.scripted import ScriptedModel, call, say
+from treadle.tools import Toolbox, tool
 from treadle.types import (
     ActionIntent,
     ActionResult,
@@ -237,4 +240,110 @@ async def test_parking_can_be_switched_off(autojump_clock):
         await trio.sleep(600)
         assert handle._parking is None and handle.state is RunState.AWAITING_APPROVAL
         handle.approve()
+        await handle.wait()
+
+
+async def test_a_resumed_run_keeps_waiting_even_without_the_approval_policy(autojump_clock):
+    agent, tools = make([call("add", a=1, b=2, call_id="c1"), say("ok")])
+    store = MemoryStore()
+    with trio.CancelScope() as crash:
+        async with opened(agent, store) as handle:
+            await parked(handle)
+            crash.cancel()  # the process dies while the run is parked
+    # Resumed by a process that knows nothing of the policy (as `treadle resume` is).
+    async with open_run(agent, store=store, run_id="r", park_after_s=PARK_AFTER_S) as handle:
+        await parked(handle)
+        assert handle.pending_approval.call_id == "c1"
+        assert tools.executed == []
+        handle.approve(edit={"a": 5, "b": 5})
+        await handle.wait()
+    assert [a.arguments for a in tools.executed] == [{"a": 5, "b": 5}]
+
+
+@tool(requires_approval=True)
+async def ping(host: str = "localhost") -> str:
+    """Ping ``host``."""
+    return f"pong from {host}"
+
+
+async def test_an_edit_to_empty_arguments_is_an_edit(autojump_clock):
+    model = ScriptedModel(turns=[call("ping", host="prod-db", call_id="c1"), say("ok")])
+    agent = Agent(model=model, executor=Toolbox([ping]), parser=NativeToolCallParser())
+    store = MemoryStore()
+    async with open_run(agent, "x", store=store, run_id="r", park_after_s=1) as handle:
+        await parked(handle)
+        decided = handle.approve(edit={})
+        await handle.wait()
+    assert decided.decision == "edit" and decided.edited_arguments == {}
+    log = await store.read_log("r")
+    (intent,) = [r for r in log.records if isinstance(r, ActionIntent)]
+    assert intent.arguments == {}  # not the model's {"host": "prod-db"}
+    (step,) = [r for r in log.records if isinstance(r, StepRecord)][:1]
+    assert step.observations == ("pong from localhost",)
+
+
+async def test_a_second_control_log_decision_for_the_same_call_is_refused(autojump_clock):
+    agent, tools = make([call("add", a=1, b=2, call_id="c1"), say("ok")])
+    store = MemoryStore()
+    async with opened(agent, store, control_poll_s=0.5) as handle:
+        await parked(handle)
+        await decide(store, "r", edit={"a": 1000, "b": 0})
+        with pytest.raises(UsageError, match="already has a decision"):
+            await decide(store, "r", reject="wrong amount")
+        await handle.wait()
+    assert [a.arguments for a in tools.executed] == [{"a": 1000, "b": 0}]
+
+
+async def test_a_decision_written_just_before_the_deadline_counts(autojump_clock):
+    agent, tools = make(
+        [call("add", a=1, b=2, call_id="c1"), say("ok")], limits=Limits(approval_timeout_s=30)
+    )
+    store = MemoryStore()
+    async with opened(agent, store, control_poll_s=0.5) as handle:
+        await parked(handle)
+        deadline = handle._parking.deadline
+        await trio.sleep_until(deadline - 0.1)  # between two polls, 0.1 s before the end
+        await decide(store, "r")
+        await handle.wait()
+    log = await store.read_log("r")
+    (decided,) = [r for r in log.records if isinstance(r, ApprovalDecided)]
+    assert decided.decision == "approve"
+    assert len(tools.executed) == 1
+
+
+def test_the_shared_control_listing_survives_a_store_used_in_two_trio_runs():
+    store = MemoryStore()
+    agent, tools = make([call("add", a=1, b=2, call_id="c1"), say("ok")])
+
+    async def drive(run_id):
+        async with open_run(
+            agent, "x", store=store, run_id=run_id, approval_policy=only_add, park_after_s=1
+        ) as handle:
+            await parked(handle)
+            await decide(store, run_id)  # from "another process": through the control log
+            with trio.fail_after(60):
+                await handle.wait()
+
+    first = trio.testing.MockClock(autojump_threshold=0)
+    first.jump(1_000_000)  # a clock far ahead of the next run's
+    trio.run(drive, "a", clock=first)
+    trio.run(drive, "b", clock=trio.testing.MockClock(autojump_threshold=0))
+    assert len(tools.executed) == 2
+
+
+async def test_events_refuses_a_seq_below_one(autojump_clock):
+    agent, _ = make([say("ok")])
+    store = MemoryStore()
+    async with open_run(agent, "x", store=store, run_id="r") as handle:
+        with pytest.raises(UsageError, match="numbered from 1"):
+            async for _ in handle.events(from_seq=0):
+                pass
+
+
+async def test_a_decided_parked_run_reports_running(autojump_clock):
+    agent, _ = make([call("add", a=1, b=2, call_id="c1"), say("ok")])
+    async with opened(agent, MemoryStore()) as handle:
+        await parked(handle)
+        handle.approve()
+        assert handle.state is RunState.RUNNING and handle.pending_approval is None
         await handle.wait()

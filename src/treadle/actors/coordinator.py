@@ -363,11 +363,17 @@ class RunCoordinator:
             The calls to run (edited arguments applied) and the rejected ones by call id,
             with the detail of their synthetic observation.
         """
-        started = {intent.call_id for intent in self.view.pending.action_intents}
+        pending = self.view.pending
+        started = {intent.call_id for intent in pending.action_intents}
         runnable: list[ToolCall] = []
         rejected: dict[str, str] = {}
         for call in calls:
-            if call.id in started or not self.needs_approval(call.name, call.arguments):
+            # A call the log shows was put to a human stays so, whatever the policy of the
+            # process resuming the run says.
+            asked = call.id in pending.approval_requests or call.id in pending.approvals
+            if not asked and (
+                call.id in started or not self.needs_approval(call.name, call.arguments)
+            ):
                 runnable.append(call)
                 continue
             decided = await self._decision(step, call)
@@ -616,7 +622,9 @@ def decision_for(
         raise UsageError("a decision either rejects or edits the arguments, not both")
     if edit is not None:
         arguments_digest(edit)
-    decision = Decision.REJECT if reject is not None else Decision.EDIT if edit else None
+    decision = (
+        Decision.REJECT if reject is not None else Decision.EDIT if edit is not None else None
+    )
     return ApprovalDecided(
         run_id=run_id,
         step=request.step,
@@ -625,7 +633,7 @@ def decision_for(
         decision=(decision or Decision.APPROVE).value,
         ts=clock.now_iso(),
         message=reject or "",
-        edited_arguments=dict(edit) if edit else None,
+        edited_arguments=dict(edit) if edit is not None else None,
     )
 
 

@@ -45,6 +45,7 @@ class ControlIndex:
     _ids: frozenset[str] = frozenset()
     _listed_at: float = float("-inf")
     _lock: trio.Lock = attrs.Factory(trio.Lock)
+    _token: object = None
 
     async def exists(self, run_id: str) -> bool:
         """Whether ``run_id`` has a control log, per a listing at most ``max_age_s`` old.
@@ -52,6 +53,9 @@ class ControlIndex:
         Raises:
             StoreError: the store cannot be listed.
         """
+        token = trio.lowlevel.current_trio_token()
+        if token is not self._token:  # a store used again in another trio.run: a new clock
+            self._token, self._listed_at, self._lock = token, float("-inf"), trio.Lock()
         async with self._lock:
             if trio.current_time() - self._listed_at >= self.max_age_s:
                 self._ids = frozenset(await self.store.list_runs())

@@ -47,8 +47,10 @@ class Parking:
 
     @property
     def state(self) -> RunState:
-        """``awaiting_approval``, or ``cancelling`` once cancelled."""
-        return RunState.CANCELLING if self.cancel_request else RunState.AWAITING_APPROVAL
+        """``awaiting_approval``; ``cancelling`` once cancelled; ``running`` once decided."""
+        if self.cancel_request:
+            return RunState.CANCELLING
+        return RunState.RUNNING if self.decision else RunState.AWAITING_APPROVAL
 
     def cancel(self, reason: str = "", canceller: str = "") -> None:
         """Cancel the parked run: it resumes only to record the cancel and finish."""
@@ -84,11 +86,17 @@ class Parking:
             self.decision = attrs.evolve(decided, run_id=self.request.run_id)
             self._wake.set()
 
-    async def wait(self, poll: Callable[[], Awaitable[None]], poll_s: float | None) -> None:
+    async def wait(
+        self,
+        poll: Callable[[], Awaitable[None]],
+        last_poll: Callable[[], Awaitable[None]],
+        poll_s: float | None,
+    ) -> None:
         """Wait for a decision or a cancel; at the deadline, decide ``expired``.
 
         Args:
             poll: reads the control log once (decisions and cancels of other processes).
+            last_poll: reads it once more at the deadline, trusting no shared listing.
             poll_s: seconds between two polls; ``None`` never polls.
         """
         interval = math.inf if poll_s is None else poll_s
@@ -99,5 +107,7 @@ class Parking:
                     await self._wake.wait()
                 if poll_s is not None:
                     await poll()
+        if self.decision is None and self.cancel_request is None and poll_s is not None:
+            await last_poll()  # a decision written just before the deadline still counts
         if self.decision is None and self.cancel_request is None:
             self.decision = expired_decision(self.request, self.clock)

@@ -453,12 +453,19 @@ class RunHandle:
         deltas are then missing).
 
         Raises:
+            UsageError: ``from_seq`` is below 1.
             StoreError: the stored prefix could not be read completely.
         """
-        next_seq = from_seq  # the seq of the next durable event to yield
+        if from_seq < 1:
+            raise UsageError(f"events are numbered from 1; from_seq={from_seq} was asked")
+        # The (seq, ordinal) of the last event yielded: a reconnect reads from its seq again
+        # and skips what was yielded, so a derived step-started event (which shares the seq
+        # of the durable event before it) is not lost at the seam.
+        last: tuple[int, int] = (from_seq - 1, 0)
         while True:
             changed = self._changed
             client = self._writer_client
+            start = max(from_seq, last[0])
             subscription = None
             if client is not None and not self._done.is_set():
                 with contextlib.suppress(
@@ -467,23 +474,24 @@ class RunHandle:
                     subscription = await client.subscribe()
             if subscription is None:
                 log = await self._store.read_log(self.run_id)
-                for event in stored_events(log, next_seq, len(log.records)):
-                    yield event
-                next_seq = max(next_seq, len(log.records) + 1)
+                for event in stored_events(log, start, len(log.records)):
+                    if (event.seq, event.ordinal) > last:
+                        last = (event.seq, event.ordinal)
+                        yield event
                 if self._done.is_set() or (self._parking is None and client is None):
                     return
                 await changed.wait()  # parked (or between two drivers): wait for the next
                 continue
             async with subscription.events as live:
-                caught_up = await self._catch_up(next_seq, subscription.last_seq, subscription.tail)
+                caught_up = await self._catch_up(start, subscription.last_seq, subscription.tail)
                 for event in caught_up:
-                    yield event
-                next_seq = max(next_seq, subscription.last_seq + 1)
+                    if (event.seq, event.ordinal) > last:
+                        last = (event.seq, event.ordinal)
+                        yield event
                 async for event in live:
                     if event.seq >= from_seq:
+                        last = max(last, (event.seq, event.ordinal))
                         yield event
-                        if event.durable:
-                            next_seq = event.seq + 1
 
     async def _catch_up(self, from_seq: int, last_seq: int, tail: tuple[Event, ...]) -> list[Event]:
         if from_seq > last_seq:
@@ -613,7 +621,9 @@ async def _supervise(
             control = ControlInbox(
                 store=store, run_id=run_id, target=parking, index=_index(store, options)
             )
-            await parking.wait(control.poll, options.control_poll_s)
+            await parking.wait(
+                control.poll, functools.partial(control.poll, fresh=True), options.control_poll_s
+            )
     except BaseException as exc:
         leaves = _leaves(exc)
         if all(not isinstance(e, Exception) for e in leaves):
