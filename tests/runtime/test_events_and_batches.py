@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import pytest
 import trio
 from runtime_fakes import LedgerTools, SimpleParser
 
@@ -177,3 +178,23 @@ async def test_subscribers_are_warned_once_when_a_sink_fails_or_falls_behind(aut
     assert texts[1].startswith("sink SlowSink fell behind")
     keys = [(e.seq, e.ordinal) for e in events]
     assert keys == sorted(keys)  # (seq, ordinal) never goes backwards
+
+
+@pytest.mark.parametrize("read_first", range(7))
+async def test_a_cut_off_subscriber_gets_the_same_events_as_a_reader_of_the_log(
+    read_first, autojump_clock
+):
+    turns = [
+        calls(ToolCall(id=f"c{i}", name="add", arguments={"a": i, "b": 1})) for i in range(80)
+    ] + [say("done")]
+    store = MemoryStore()
+    async with open_run(agent(turns), "x", store=store, run_id="r") as handle:
+        events = handle.events()
+        live = [await events.__anext__() for _ in range(1 + read_first)]
+        await handle.wait()  # it stopped reading: cut off somewhere in the run
+        live += [e async for e in events]
+    async with open_run(agent(turns), store=store, run_id="r") as finished:
+        stored = [e async for e in finished.events()]
+    log = await store.read_log("r")
+    assert log.finished.subscriber_drops == 1
+    assert live == stored
