@@ -297,3 +297,28 @@ def test_with_latency_refuses_bad_rates():
     built = with_latency(real_hydrator, seed=1, rate=0.0)
     assert callable(built)
     assert DelayedActor.__name__ == "DelayedActor"
+
+
+class CountingWriter:
+    """A swapped writer: the real one inside, with counters of its own."""
+
+    def __init__(self, context):
+        self.inner = real_writer(context)
+
+    async def run(self, inbox, *, task_status=trio.TASK_STATUS_IGNORED):
+        await self.inner.run(inbox, task_status=task_status)
+
+    def statistics(self):
+        return attrs.evolve(self.inner.statistics(), sink_failures=7, sink_drops=3)
+
+
+async def test_a_swapped_writers_counters_reach_the_run_finished_record():
+    agent = Agent(
+        model=ScriptedModel(turns=[say("done")]),
+        executor=Toolbox([]),
+        parser=NativeToolCallParser(),
+    )
+    store = MemoryStore()
+    await run(agent, "x", store=store, run_id="r", actors=Actors(writer=CountingWriter))
+    finished = (await store.read_log("r")).finished
+    assert (finished.sink_failures, finished.sink_drops) == (7, 3)

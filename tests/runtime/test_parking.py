@@ -347,3 +347,47 @@ async def test_a_decided_parked_run_reports_running(autojump_clock):
         handle.approve()
         assert handle.state is RunState.RUNNING and handle.pending_approval is None
         await handle.wait()
+
+
+class ListSink:
+    def __init__(self):
+        self.events = []
+
+    async def send(self, event):
+        self.events.append(event)
+
+
+class SlowThenFastSink(ListSink):
+    """Takes 1 s per event for its first 5 events: its buffer is full when the run parks."""
+
+    async def send(self, event):
+        if len(self.events) < 5:
+            await trio.sleep(1)
+        self.events.append(event)
+
+
+class FailingSink:
+    def __init__(self):
+        self.calls = 0
+
+    async def send(self, event):
+        self.calls += 1
+        raise RuntimeError("sink is down")
+
+
+async def test_sinks_see_every_event_and_counters_span_the_parking(autojump_clock):
+    agent, _ = make([call("add", a=1, b=2, call_id="c1"), say("3")])
+    store = MemoryStore()
+    slow, failing = SlowThenFastSink(), FailingSink()
+    async with opened(agent, store, sinks=[slow, failing]) as handle:
+        await parked(handle)
+        parked_failures = handle.statistics().sink_failures
+        await trio.sleep(30)  # the slow sink catches up while the run is parked
+        handle.approve()
+        await handle.wait()
+        await trio.sleep(1)
+    log = await store.read_log("r")
+    # Every durable event (and step-started) reached the slow sink, in order, no hole.
+    assert [e.seq for e in slow.events if e.durable] == list(range(1, len(log.records) + 1))
+    # The counters of the run-finished record cover the stretches before and after parking.
+    assert 0 < parked_failures < log.finished.sink_failures <= failing.calls

@@ -9,7 +9,7 @@ run: its events are dropped and counted (DESIGN §3.5, §7).
 from __future__ import annotations
 
 import enum
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 
 import attrs
 import trio
@@ -144,6 +144,97 @@ class WriterStatistics:
 
 
 @attrs.define(eq=False)
+class SinkFeed:
+    """A run's sinks, each fed through its own bounded buffer by its own task.
+
+    It belongs to the run, not to one event writer: it lives across the writers of a run
+    that is parked and resumed, so a sink sees every event without a hole and the delivery
+    counters cover the whole run in this process (docs/decisions/0010).
+
+    Attributes:
+        sinks: the event sinks.
+        sink_drops: events not delivered to a sink because its buffer was full.
+        sink_failures: sink deliveries that raised.
+        subscriber_drops: live subscribers cut off for falling behind (counted here so the
+            count, too, spans the run's writers).
+        on_warning: where warnings go (the current writer's subscribers), or ``None``.
+    """
+
+    sinks: Sequence[EventSink] = ()
+    sink_drops: int = 0
+    sink_failures: int = 0
+    subscriber_drops: int = 0
+    on_warning: Callable[[str], None] | None = None
+    _inboxes: list[trio.MemorySendChannel[Event]] = attrs.Factory(list)
+    _closed: trio.Event = attrs.Factory(trio.Event)
+    _warned: set[tuple[int, str]] = attrs.Factory(set)
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """Pump events to the sinks until `close`; then give them `SINK_GRACE_S` to drain."""
+        async with trio.open_nursery() as nursery:
+            for index, sink in enumerate(self.sinks):
+                send, recv = trio.open_memory_channel[Event](SINK_BUFFER)
+                self._inboxes.append(send)
+                nursery.start_soon(self._pump, index, sink, recv)
+            task_status.started()
+            try:
+                await self._closed.wait()
+            finally:
+                for channel in self._inboxes:
+                    channel.close()
+                # Sinks get a grace period to drain what they were handed, then are cut off.
+                nursery.cancel_scope.deadline = trio.current_time() + SINK_GRACE_S
+
+    def close(self) -> None:
+        """No more events: the sinks drain their buffers (for `SINK_GRACE_S` at most)."""
+        self._closed.set()
+
+    def offer(self, event: Event) -> None:
+        """Hand ``event`` to every sink's buffer; a full buffer drops it and counts it."""
+        for index, channel in enumerate(self._inboxes):
+            try:
+                channel.send_nowait(event)
+            except trio.WouldBlock:
+                self.sink_drops += 1
+                self._warn_once(
+                    index,
+                    "drop",
+                    f"sink {_name(self.sinks[index])} fell behind: events for it are dropped "
+                    "and counted (sink_drops); the run goes on",
+                )
+            except (trio.BrokenResourceError, trio.ClosedResourceError):
+                self.sink_drops += 1  # the sink's task is gone (cut off after the run)
+
+    @property
+    def active(self) -> bool:
+        """Whether any sink is fed."""
+        return bool(self._inboxes)
+
+    def _warn_once(self, sink_index: int, what: str, text: str) -> None:
+        if (sink_index, what) in self._warned:
+            return
+        self._warned.add((sink_index, what))
+        if self.on_warning is not None:
+            self.on_warning(text)
+
+    async def _pump(
+        self, index: int, sink: EventSink, events: trio.MemoryReceiveChannel[Event]
+    ) -> None:
+        async with events:
+            async for event in events:
+                try:
+                    await sink.send(event)
+                except Exception as exc:  # a sink's failure never stops the run; it is counted
+                    self.sink_failures += 1
+                    self._warn_once(
+                        index,
+                        "fail",
+                        f"sink {_name(sink)} failed: {type(exc).__name__}: {exc}; its failures "
+                        "are counted (sink_failures), the run goes on",
+                    )
+
+
+@attrs.define(eq=False)
 class EventWriter:
     """The event writer actor of one run.
 
@@ -151,29 +242,39 @@ class EventWriter:
         run_id: the run.
         store: the run store.
         next_seq: the seq of the next record (1 for a new run, log length + 1 on resume).
-        sinks: event sinks, each fed through its own bounded buffer.
+        sinks: event sinks, each fed through its own bounded buffer (used when no ``feed``
+            is given: the writer then runs its own).
+        feed: the run's `SinkFeed`, run by the run supervisor so it outlives this writer.
     """
 
     run_id: str
     store: RunStore
     next_seq: int
     sinks: Sequence[EventSink] = ()
+    feed: SinkFeed | None = None
     _subscribers: list[trio.MemorySendChannel[Event]] = attrs.Factory(list)
-    _sink_inboxes: list[trio.MemorySendChannel[Event]] = attrs.Factory(list)
     _tail: list[Event] = attrs.Factory(list)
     _delta_ordinal: int = 0
-    _sink_drops: int = 0
-    _sink_failures: int = 0
-    _subscriber_drops: int = 0
-    _warned: set[tuple[int, str]] = attrs.Factory(set)
+    _own_feed: bool = False
+
+    def __attrs_post_init__(self) -> None:
+        self._own_feed = self.feed is None
+        if self.feed is None:
+            self.feed = SinkFeed(sinks=self.sinks)
+
+    @property
+    def _feed(self) -> SinkFeed:
+        assert self.feed is not None
+        return self.feed
 
     def statistics(self) -> WriterStatistics:
-        """Counters of this writer (see `WriterStatistics`)."""
+        """Counters of this writer and its sink feed (see `WriterStatistics`)."""
+        feed = self._feed
         return WriterStatistics(
             last_seq=self.next_seq - 1,
-            sink_drops=self._sink_drops,
-            sink_failures=self._sink_failures,
-            subscriber_drops=self._subscriber_drops,
+            sink_drops=feed.sink_drops,
+            sink_failures=feed.sink_failures,
+            subscriber_drops=feed.subscriber_drops,
         )
 
     async def run(
@@ -182,16 +283,16 @@ class EventWriter:
         *,
         task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
     ) -> None:
-        """Serve requests until ``inbox`` ends; then close every subscriber and sink feed.
+        """Serve requests until ``inbox`` ends; then close every subscriber (and own feed).
 
         Raises:
             treadle.StoreError: a write failed; the run supervisor ends the run with it.
         """
+        feed = self._feed
         async with trio.open_nursery() as nursery:
-            for index, sink in enumerate(self.sinks):
-                send, recv = trio.open_memory_channel[Event](SINK_BUFFER)
-                self._sink_inboxes.append(send)
-                nursery.start_soon(self._pump_sink, index, sink, recv)
+            if self._own_feed:
+                await nursery.start(feed.run)
+            feed.on_warning = self._warn
             task_status.started()
             try:
                 # `with`, not `async with`: closing must not checkpoint, or a cancellation
@@ -203,13 +304,13 @@ class EventWriter:
                     finally:
                         _refuse_pending(inbox)
             finally:
-                for channel in (*self._subscribers, *self._sink_inboxes):
+                feed.on_warning = None
+                for channel in self._subscribers:
                     channel.close()
                 self._subscribers.clear()
-                self._sink_inboxes.clear()
                 self._tail.clear()  # a late subscriber reads the store instead
-                # Sinks get a grace period to drain what they were handed, then are cut off.
-                nursery.cancel_scope.deadline = trio.current_time() + SINK_GRACE_S
+                if self._own_feed:
+                    feed.close()
 
     async def _serve(self, message: WriterRequest) -> None:
         if isinstance(message, Append):
@@ -255,17 +356,7 @@ class EventWriter:
 
     def _fan_out(self, event: Event) -> None:
         self._to_subscribers(event)
-        for index, channel in enumerate(self._sink_inboxes):
-            try:
-                channel.send_nowait(event)
-            except trio.WouldBlock:
-                self._sink_drops += 1
-                self._warn_once(
-                    index,
-                    "drop",
-                    f"sink {_name(self.sinks[index])} fell behind: events for it are dropped "
-                    "and counted (sink_drops); the run goes on",
-                )
+        self._feed.offer(event)
 
     def _to_subscribers(self, event: Event) -> None:
         for channel in self._subscribers[:]:
@@ -274,18 +365,14 @@ class EventWriter:
             except (trio.WouldBlock, trio.BrokenResourceError):
                 self._subscribers.remove(channel)
                 channel.close()
-                self._subscriber_drops += 1
+                self._feed.subscriber_drops += 1
 
-    def _warn_once(self, sink_index: int, what: str, text: str) -> None:
-        """Tell the live subscribers, once per sink and trouble, that a sink is in trouble.
+    def _warn(self, text: str) -> None:
+        """Tell the live subscribers that a sink is in trouble (never the sinks).
 
-        A warning is ephemeral and never goes to the sinks. It takes the ``(seq, ordinal)``
-        of the event before it, so it never pushes a later step-started event (whose
-        ordinal is always 1) out of order.
+        A warning takes the ``(seq, ordinal)`` of the event before it, so it never pushes a
+        later step-started event (whose ordinal is always 1) out of order.
         """
-        if (sink_index, what) in self._warned:
-            return
-        self._warned.add((sink_index, what))
         self._to_subscribers(
             Event(
                 run_id=self.run_id,
@@ -310,23 +397,7 @@ class EventWriter:
     @property
     def wants_deltas(self) -> bool:
         """Whether anyone listens for ephemeral deltas."""
-        return bool(self._subscribers or self._sink_inboxes)
-
-    async def _pump_sink(
-        self, index: int, sink: EventSink, events: trio.MemoryReceiveChannel[Event]
-    ) -> None:
-        async with events:
-            async for event in events:
-                try:
-                    await sink.send(event)
-                except Exception as exc:  # a sink's failure never stops the run; it is counted
-                    self._sink_failures += 1
-                    self._warn_once(
-                        index,
-                        "fail",
-                        f"sink {_name(sink)} failed: {type(exc).__name__}: {exc}; its failures "
-                        "are counted (sink_failures), the run goes on",
-                    )
+        return bool(self._subscribers) or self._feed.active
 
 
 def _name(sink: EventSink) -> str:
@@ -446,9 +517,12 @@ class WriterClient:
 
     inbox: trio.MemorySendChannel[WriterRequest]
     writer: EventWriter | None = None
+    stats: Callable[[], WriterStatistics] | None = None
 
     def statistics(self) -> WriterStatistics | None:
-        """The writer's counters (``None`` when the writer is not reachable from here)."""
+        """The writer's counters (``None`` when no writer's counters are reachable)."""
+        if self.stats is not None:
+            return self.stats()
         return self.writer.statistics() if self.writer is not None else None
 
     def wants_deltas(self) -> bool:

@@ -37,6 +37,7 @@ from treadle.actors.hydrator import ContextHydrator, Hydrate
 from treadle.actors.writer import (
     EventWriter,
     Op,
+    SinkFeed,
     WriterClient,
     WriterRequest,
     WriterStatistics,
@@ -176,12 +177,15 @@ class WriterContext:
         store: the run store the writer is the single writer of.
         next_seq: the seq of the next record (1 for a new run, log length + 1 on resume).
         sinks: event sinks to feed through bounded buffers.
+        feed: the run's `SinkFeed` over ``sinks``: it outlives each writer (a parked run
+            gets a new writer when resumed), so hand events to it rather than to the sinks.
     """
 
     run_id: str
     store: RunStore
     next_seq: int
     sinks: Sequence[EventSink]
+    feed: SinkFeed | None = None
 
 
 @attrs.frozen(kw_only=True)
@@ -238,6 +242,7 @@ def real_writer(context: WriterContext) -> EventWriter:
         store=context.store,
         next_seq=context.next_seq,
         sinks=context.sinks,
+        feed=context.feed,
     )
 
 
@@ -437,7 +442,10 @@ class RunHandle:
         return self._result
 
     def statistics(self) -> WriterStatistics | None:
-        """Event-writer counters (sink drops and failures), ``None`` when not running."""
+        """Delivery counters of the run in this process (parked stretches included).
+
+        ``None`` before the run was first driven here.
+        """
         return self._writer.statistics() if self._writer is not None else None
 
     async def events(self, *, from_seq: int = 1) -> AsyncIterator[Event]:
@@ -608,22 +616,24 @@ async def _supervise(
     first: RunLog | None = log
     del log  # a parked run keeps no records in memory
     parking: Parking | None = None
+    feed = SinkFeed(sinks=sinks)
     try:
-        while True:
-            current, first = first or await store.read_log(run_id), None
-            parking = await _drive(
-                agent, input, current, store, sinks, options, handle, parking, task_status
-            )
-            del current
-            if parking is None:
-                return
-            task_status = trio.TASK_STATUS_IGNORED  # reported when first driven
-            control = ControlInbox(
-                store=store, run_id=run_id, target=parking, index=_index(store, options)
-            )
-            await parking.wait(
-                control.poll, functools.partial(control.poll, fresh=True), options.control_poll_s
-            )
+        async with trio.open_nursery() as nursery:
+            if sinks:
+                await nursery.start(feed.run)
+            try:
+                while True:
+                    current, first = first or await store.read_log(run_id), None
+                    parking = await _drive(
+                        agent, input, current, store, feed, options, handle, parking, task_status
+                    )
+                    del current
+                    if parking is None:
+                        return
+                    task_status = trio.TASK_STATUS_IGNORED  # reported when first driven
+                    await _wait_parked(parking, store, run_id, options)
+            finally:
+                feed.close()
     except BaseException as exc:
         leaves = _leaves(exc)
         if all(not isinstance(e, Exception) for e in leaves):
@@ -638,12 +648,20 @@ async def _supervise(
         handle._transition()
 
 
+async def _wait_parked(parking: Parking, store: RunStore, run_id: str, options: _Options) -> None:
+    """Wait, with the actors stopped, for what ends the parking (reading the control log)."""
+    control = ControlInbox(store=store, run_id=run_id, target=parking, index=_index(store, options))
+    await parking.wait(
+        control.poll, functools.partial(control.poll, fresh=True), options.control_poll_s
+    )
+
+
 async def _drive(
     agent: Agent,
     input: RunInput | None,
     log: RunLog,
     store: RunStore,
-    sinks: Sequence[EventSink],
+    feed: SinkFeed,
     options: _Options,
     handle: RunHandle,
     parking: Parking | None,
@@ -660,10 +678,20 @@ async def _drive(
         actors = options.actors
         writer_send, writer_recv = trio.open_memory_channel[WriterRequest](WRITER_INBOX)
         writer = actors.writer(
-            WriterContext(run_id=log.run_id, store=store, next_seq=view.next_seq, sinks=sinks)
+            WriterContext(
+                run_id=log.run_id,
+                store=store,
+                next_seq=view.next_seq,
+                sinks=feed.sinks,
+                feed=feed,
+            )
         )
         # The real writer also answers "does anyone want deltas?"; a fake one is asked nothing.
-        client = WriterClient(writer_send, writer if isinstance(writer, EventWriter) else None)
+        client = WriterClient(
+            writer_send,
+            writer if isinstance(writer, EventWriter) else None,
+            stats=writer.statistics,
+        )
         handle._writer, handle._writer_client = writer, client
         await nursery.start(writer.run, writer_recv)
         if view.next_seq == 1:
