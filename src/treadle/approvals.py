@@ -69,6 +69,18 @@ def arguments_digest(arguments: Mapping[str, JSONValue]) -> str:
     return "sha256:" + hashlib.sha256(text.encode("utf-8")).hexdigest()
 
 
+def check_edit(edit: Mapping[str, JSONValue]) -> None:
+    """Refuse edited arguments that are not strict JSON data (no NaN or infinity).
+
+    Raises:
+        UsageError: they are not.
+    """
+    try:
+        json.dumps(edit, allow_nan=False)
+    except (TypeError, ValueError) as exc:
+        raise UsageError(f"edited arguments are not JSON data: {exc}") from exc
+
+
 def requires_approval(
     executor: object, policy: ApprovalPolicy | None, tool: str, arguments: Mapping[str, Any]
 ) -> bool:
@@ -204,7 +216,7 @@ async def decide(
             f"run {run_id!r} waits on call {request.call_id!r} ({request.tool}), not on {call_id!r}"
         )
     if edit is not None:
-        arguments_digest(edit)  # refuse what is not JSON data before writing
+        check_edit(edit)  # refuse what is not JSON data before writing
     earlier = [r for r in await read_control(store, run_id) if isinstance(r, ApprovalDecided)]
     already = next((r for r in earlier if matches(r, request)), None)
     if already is not None:

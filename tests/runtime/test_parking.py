@@ -391,3 +391,17 @@ async def test_sinks_see_every_event_and_counters_span_the_parking(autojump_cloc
     assert [e.seq for e in slow.events if e.durable] == list(range(1, len(log.records) + 1))
     # The counters of the run-finished record cover the stretches before and after parking.
     assert 0 < parked_failures < log.finished.sink_failures <= failing.calls
+
+
+async def test_an_edit_that_is_not_strict_json_is_refused(autojump_clock):
+    agent, tools = make([call("add", a=1, b=2, call_id="c1"), say("ok")])
+    store = MemoryStore()
+    async with opened(agent, store, control_poll_s=0.5) as handle:
+        await parked(handle)
+        with pytest.raises(UsageError, match="not JSON data"):
+            handle.approve(edit={"a": float("nan"), "b": 1})
+        with pytest.raises(UsageError, match="not JSON data"):
+            await decide(store, "r", edit={"a": float("inf"), "b": 1})
+        handle.approve()
+        await handle.wait()
+    assert [a.arguments for a in tools.executed] == [{"a": 1, "b": 2}]

@@ -24,7 +24,7 @@ from treadle.actors.executor import ActionsOutcome, RunActions
 from treadle.actors.gateway import CallModel, ModelOutcome
 from treadle.actors.hydrator import Hydrate
 from treadle.actors.writer import Op, WriterClient
-from treadle.approvals import Decision, arguments_digest, matches
+from treadle.approvals import Decision, arguments_digest, check_edit, matches
 from treadle.ports import DecisionParser
 from treadle.types import (
     SUCCESS_STOP_REASONS,
@@ -621,7 +621,7 @@ def decision_for(
     if reject is not None and edit is not None:
         raise UsageError("a decision either rejects or edits the arguments, not both")
     if edit is not None:
-        arguments_digest(edit)
+        check_edit(edit)
     decision = (
         Decision.REJECT if reject is not None else Decision.EDIT if edit is not None else None
     )
