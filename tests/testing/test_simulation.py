@@ -3,7 +3,7 @@ from __future__ import annotations
 import attrs
 import pytest
 
-from treadle.testing import simulation
+from treadle.testing import invariants, simulation
 from treadle.testing.simulation import FAULT_KINDS, FaultPlan, Ledger, check_invariants, simulate
 from treadle.types import ActionResult, Budgets, ReplayPolicy, RunFinished, StepRecord, Usage
 
@@ -274,7 +274,7 @@ async def test_check_budgets_flags_overshooting_logs(autojump_clock):
     known = [r for r in results if r.usage.input_tokens is not None]
     assert len(log.steps) >= 3 and known, "the scripted run reports usage"
     assert simulation.check_budgets(log, Budgets(max_steps=None)) == []
-    after_first = sum(simulation._tokens(r.usage) for r in results[: results.index(known[0]) + 1])
+    after_first = sum(invariants._tokens(r.usage) for r in results[: results.index(known[0]) + 1])
 
     # The next attempt began with the budget already spent.
     spent = simulation.check_budgets(log, Budgets(token_budget=after_first))

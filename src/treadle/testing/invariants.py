@@ -1,0 +1,314 @@
+"""Invariants of a run's log (DESIGN §4–§6), checked after every simulated run.
+
+Usable on any log: a simulation of your own agent, a log read back from a store after an
+incident. Each checker returns one sentence per violation, an empty list when all hold.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any, Protocol
+
+from treadle.approvals import Decision
+from treadle.types import (
+    ActionIntent,
+    ActionResult,
+    ActionStatus,
+    ApprovalDecided,
+    ApprovalRequested,
+    Budgets,
+    ModelIntent,
+    ModelResult,
+    RunFinished,
+    RunLog,
+    RunStarted,
+    StepRecord,
+    StopReason,
+    Usage,
+)
+
+
+class EffectLedger(Protocol):
+    """An environment's record of side effects, which survives crashes.
+
+    Attributes:
+        effects: intent id -> how many times a ``never``-policy effect was applied.
+    """
+
+    @property
+    def effects(self) -> Mapping[str, int]:
+        """Intent id -> times applied."""
+        ...
+
+
+TIME_SLACK_S = 0.001
+"""Seconds the active time may pass its budget by in a simulation (the in-flight call is
+cancelled at the deadline; on the virtual clock nothing else takes time)."""
+
+
+def check_invariants(
+    log: RunLog,
+    *,
+    ledger: EffectLedger | None = None,
+    max_steps: int | None = None,
+    budgets: Budgets | None = None,
+    time_slack_s: float = TIME_SLACK_S,
+) -> list[str]:
+    """Check a finished run's log (and its environment's ledger) against DESIGN §4–§6.
+
+    Args:
+        log: the run's log.
+        ledger: the environment's ledger: no ``never``-policy effect applied twice.
+        max_steps: a step budget to check (also taken from ``budgets``).
+        budgets: the run's budgets: steps, model attempts, tokens and active time must not
+            overshoot by more than the one call in flight (see `check_budgets`).
+        time_slack_s: seconds the active time may pass its budget by.
+
+    Returns:
+        One sentence per violation; empty when every invariant holds.
+    """
+    problems: list[str] = []
+    records = log.records
+    if not records or not isinstance(records[0], RunStarted):
+        return [f"{log.run_id}: the log does not start with run-started"]
+    problems.extend(_results_have_intents(log.run_id, records))
+    problems.extend(_no_attempt_after_final_error(log.run_id, records))
+    problems.extend(_steps_contiguous(log.run_id, records))
+    problems.extend(check_approvals(log))
+    finished = [r for r in records if isinstance(r, RunFinished)]
+    if len(finished) != 1 or not isinstance(records[-1], RunFinished):
+        problems.append(f"{log.run_id}: expected exactly one run-finished, last ({len(finished)})")
+    elif not finished[0].state.is_terminal:
+        problems.append(f"{log.run_id}: finished in a non-terminal state {finished[0].state}")
+    else:
+        problems.extend(_totals_match(log.run_id, records, finished[0]))
+    if max_steps is not None and len(log.steps) > max_steps:
+        problems.append(f"{log.run_id}: {len(log.steps)} steps exceed the budget of {max_steps}")
+    if budgets is not None:
+        problems.extend(check_budgets(log, budgets, time_slack_s=time_slack_s))
+    if ledger is not None:
+        twice = sorted(k for k, n in ledger.effects.items() if n > 1)
+        if twice:
+            problems.append(f"{log.run_id}: never-policy actions applied twice: {twice}")
+    return problems
+
+
+def _tokens(usage: Usage) -> int:
+    return (usage.input_tokens or 0) + (usage.output_tokens or 0)
+
+
+def _unknown(usage: Usage) -> bool:
+    return usage.input_tokens is None and usage.output_tokens is None
+
+
+def _sum_known(values: Iterable[int | None]) -> int | None:
+    known = [v for v in values if v is not None]
+    return sum(known) if known else None
+
+
+def _totals_match(run_id: str, records: Sequence[Any], finished: RunFinished) -> list[str]:
+    """The run-finished totals are what the log holds; unknown usage is never counted as 0."""
+    results = [r for r in records if isinstance(r, ModelResult)]
+    expected = (
+        _sum_known(r.usage.input_tokens for r in results),
+        _sum_known(r.usage.output_tokens for r in results),
+        sum(1 for r in results if _unknown(r.usage)),
+        sum(1 for r in records if isinstance(r, ModelIntent)),
+        sum(1 for r in records if isinstance(r, StepRecord)),
+    )
+    totals = finished.totals
+    reported = (
+        totals.input_tokens,
+        totals.output_tokens,
+        totals.unknown_usage_attempts,
+        totals.model_attempts,
+        totals.steps,
+    )
+    if reported != expected:
+        return [
+            f"{run_id}: run-finished totals (input, output, unknown-usage attempts, attempts, "
+            f"steps) {reported} differ from the log's {expected}"
+        ]
+    return []
+
+
+def check_budgets(
+    log: RunLog, budgets: Budgets, *, time_slack_s: float = TIME_SLACK_S
+) -> list[str]:
+    """Budgets never overshoot by more than the one call in flight (DESIGN §6).
+
+    - steps: no more step records than ``max_steps``;
+    - model attempts: no attempt started once ``max_model_attempts`` were made;
+    - tokens (input + output as reported): no model attempt started, and no action started,
+      once the reported usage reached the budget (an action may follow a reply that brought
+      usage exactly to the budget, never one that went past it). Attempts that reported no
+      usage are unknown, not 0: they add nothing here and are counted apart in the totals;
+    - active time: no step started once the steps before it had used the budget, and the
+      run's total active time (the step records' plus a step cut at the deadline) is within
+      ``time_slack_s`` of the budget.
+
+    Returns:
+        One sentence per violation.
+    """
+    run_id = log.run_id
+    problems: list[str] = []
+    if budgets.max_steps is not None and len(log.steps) > budgets.max_steps:
+        problems.append(
+            f"{run_id}: {len(log.steps)} steps exceed the budget of {budgets.max_steps}"
+        )
+    attempts = 0
+    tokens = 0
+    active = 0.0
+    step_began: set[int] = set()
+    for record in log.records:
+        if isinstance(record, ModelIntent):
+            if budgets.max_model_attempts is not None and attempts >= budgets.max_model_attempts:
+                problems.append(
+                    f"{run_id}: model attempt {record.intent_id} began after the attempt budget"
+                )
+            if budgets.token_budget is not None and tokens >= budgets.token_budget:
+                problems.append(
+                    f"{run_id}: model attempt {record.intent_id} began with {tokens} tokens "
+                    f"reported, at or past the token budget of {budgets.token_budget}"
+                )
+            if record.step not in step_began:
+                step_began.add(record.step)
+                if budgets.time_budget_s is not None and active >= budgets.time_budget_s:
+                    problems.append(
+                        f"{run_id}: step {record.step} began after {active:.3f} s of active "
+                        f"time, at or past the time budget of {budgets.time_budget_s} s"
+                    )
+            attempts += 1
+        elif isinstance(record, ModelResult):
+            tokens += _tokens(record.usage)
+        elif isinstance(record, ActionIntent):
+            if budgets.token_budget is not None and tokens > budgets.token_budget:
+                problems.append(
+                    f"{run_id}: action {record.intent_id} began with {tokens} tokens reported, "
+                    f"past the token budget of {budgets.token_budget}"
+                )
+        elif isinstance(record, StepRecord):
+            active += record.active_s
+        elif isinstance(record, RunFinished) and budgets.time_budget_s is not None:
+            total = record.totals.active_s
+            if total > budgets.time_budget_s + time_slack_s:
+                problems.append(
+                    f"{run_id}: {total:.3f} s of active time overshoot the time budget of "
+                    f"{budgets.time_budget_s} s"
+                )
+    return problems
+
+
+def check_approvals(log: RunLog) -> list[str]:
+    """Approval invariants, from the log alone.
+
+    - a call that waited for approval has its decision recorded before its action intent,
+      and only an approve or edit decision lets it start;
+    - no action of a rejected (or expired) call ran: no intent, and a NOT_EXECUTED result;
+    - an edited call ran with the edited arguments.
+
+    Returns:
+        One sentence per violation.
+    """
+    run_id = log.run_id
+    problems: list[str] = []
+    requested: set[tuple[int, str]] = set()
+    decided: dict[tuple[int, str], ApprovalDecided] = {}
+    for record in log.records:
+        if isinstance(record, ApprovalRequested):
+            requested.add((record.step, record.call_id))
+        elif isinstance(record, ApprovalDecided):
+            decided.setdefault((record.step, record.call_id), record)
+        elif isinstance(record, ActionIntent):
+            key = (record.step, record.call_id)
+            problems.extend(
+                _intent_after_decision(run_id, record, key in requested, decided.get(key))
+            )
+        elif isinstance(record, ActionResult) and not record.late:
+            decision = decided.get((record.step, record.call_id))
+            if _refused(decision) and record.outcome.status is not ActionStatus.NOT_EXECUTED:
+                problems.append(
+                    f"{run_id}: call {record.call_id} was refused but its result is "
+                    f"{record.outcome.status.value}"
+                )
+    return problems
+
+
+def _refused(decision: ApprovalDecided | None) -> bool:
+    return decision is not None and decision.decision in (Decision.REJECT, Decision.EXPIRED)
+
+
+def _intent_after_decision(
+    run_id: str, intent: ActionIntent, requested: bool, decision: ApprovalDecided | None
+) -> list[str]:
+    if not requested:
+        return []
+    if decision is None:
+        return [f"{run_id}: action {intent.intent_id} began before its approval decision"]
+    if decision.decision not in (Decision.APPROVE, Decision.EDIT):
+        return [f"{run_id}: action {intent.intent_id} began although it was {decision.decision}"]
+    if decision.decision == Decision.EDIT and dict(intent.arguments) != dict(
+        decision.edited_arguments or {}
+    ):
+        return [
+            f"{run_id}: action {intent.intent_id} ran with {dict(intent.arguments)}, "
+            f"not the edited arguments {dict(decision.edited_arguments or {})}"
+        ]
+    return []
+
+
+def _results_have_intents(run_id: str, records: Sequence[Any]) -> list[str]:
+    problems: list[str] = []
+    model_intents: set[str] = set()
+    action_intents: set[str] = set()
+    refused: set[tuple[int, str]] = set()  # rejected or expired calls never get an intent
+    for index, record in enumerate(records):
+        if isinstance(record, ModelIntent):
+            model_intents.add(record.intent_id)
+        elif isinstance(record, ActionIntent):
+            action_intents.add(record.intent_id)
+        elif isinstance(record, ApprovalDecided) and _refused(record):
+            refused.add((record.step, record.call_id))
+        elif isinstance(record, ModelResult) and record.intent_id not in model_intents:
+            problems.append(f"{run_id}: model result {record.intent_id} has no intent")
+        elif isinstance(record, ActionResult):
+            if (
+                record.intent_id not in action_intents
+                and (record.step, record.call_id) not in refused
+            ):
+                problems.append(f"{run_id}: action result {record.intent_id} has no intent")
+            following = records[index + 1] if index + 1 < len(records) else None
+            if not isinstance(following, ActionResult | StepRecord):
+                problems.append(f"{run_id}: action result {record.intent_id} without step record")
+    return problems
+
+
+_CUT_KINDS = frozenset({StopReason.CANCELLED.value, StopReason.TIME_BUDGET.value, "token_budget"})
+"""Error kinds of an attempt the run cut itself (a cancel or a budget), not a failed call."""
+
+
+def _no_attempt_after_final_error(run_id: str, records: Sequence[Any]) -> list[str]:
+    """A model call that failed for good is a finished call: resume never re-runs it (§5).
+
+    After a recorded non-retryable error (not a cut by cancel or budget), the same step gets
+    no further model attempt.
+    """
+    final: dict[int, str] = {}
+    problems: list[str] = []
+    for record in records:
+        if isinstance(record, ModelResult) and record.error is not None:
+            if not record.error.retryable and record.error.kind not in _CUT_KINDS:
+                final.setdefault(record.step, record.intent_id)
+        elif isinstance(record, ModelIntent) and record.step in final:
+            problems.append(
+                f"{run_id}: model attempt {record.intent_id} after {final[record.step]} had "
+                "failed for good (a finished call was re-run)"
+            )
+    return problems
+
+
+def _steps_contiguous(run_id: str, records: Sequence[Any]) -> list[str]:
+    numbers = [r.step for r in records if isinstance(r, StepRecord)]
+    if numbers != list(range(1, len(numbers) + 1)):
+        return [f"{run_id}: step records are not contiguous: {numbers}"]
+    return []
