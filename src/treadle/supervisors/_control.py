@@ -44,7 +44,7 @@ class ControlIndex:
     max_age_s: float
     _ids: frozenset[str] = frozenset()
     _listed_at: float = float("-inf")
-    _lock: trio.Lock = attrs.Factory(trio.Lock)
+    _listing: bool = False
     _token: object = None
 
     async def exists(self, run_id: str) -> bool:
@@ -55,11 +55,18 @@ class ControlIndex:
         """
         token = trio.lowlevel.current_trio_token()
         if token is not self._token:  # a store used again in another trio.run: a new clock
-            self._token, self._listed_at, self._lock = token, float("-inf"), trio.Lock()
-        async with self._lock:
-            if trio.current_time() - self._listed_at >= self.max_age_s:
+            self._token, self._listed_at, self._listing = token, float("-inf"), False
+        if trio.current_time() - self._listed_at >= self.max_age_s and not self._listing:
+            # One run lists; the others go on with the listing before (at most one interval
+            # older) instead of queueing behind it.
+            self._listing = True
+            try:
                 self._ids = frozenset(await self.store.list_runs())
                 self._listed_at = trio.current_time()
+            finally:
+                self._listing = False
+        else:
+            await trio.lowlevel.checkpoint()
         return control_log_id(run_id) in self._ids
 
 

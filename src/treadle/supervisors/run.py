@@ -616,24 +616,18 @@ async def _supervise(
     first: RunLog | None = log
     del log  # a parked run keeps no records in memory
     parking: Parking | None = None
-    feed = SinkFeed(sinks=sinks)
     try:
-        async with trio.open_nursery() as nursery:
-            if sinks:
-                await nursery.start(feed.run)
-            try:
-                while True:
-                    current, first = first or await store.read_log(run_id), None
-                    parking = await _drive(
-                        agent, input, current, store, feed, options, handle, parking, task_status
-                    )
-                    del current
-                    if parking is None:
-                        return
-                    task_status = trio.TASK_STATUS_IGNORED  # reported when first driven
-                    await _wait_parked(parking, store, run_id, options)
-            finally:
-                feed.close()
+        async with _sink_feed(sinks) as feed:
+            while True:
+                current, first = first or await store.read_log(run_id), None
+                parking = await _drive(
+                    agent, input, current, store, feed, options, handle, parking, task_status
+                )
+                del current
+                if parking is None:
+                    return
+                task_status = trio.TASK_STATUS_IGNORED  # reported when first driven
+                await _wait_parked(parking, store, run_id, options)
     except BaseException as exc:
         leaves = _leaves(exc)
         if all(not isinstance(e, Exception) for e in leaves):
@@ -646,6 +640,21 @@ async def _supervise(
         handle._parking = None
         handle._done.set()
         handle._transition()
+
+
+@asynccontextmanager
+async def _sink_feed(sinks: Sequence[EventSink]) -> AsyncIterator[SinkFeed | None]:
+    """The run's `SinkFeed`, running for the whole run; ``None`` (and no task) without sinks."""
+    if not sinks:
+        yield None
+        return
+    feed = SinkFeed(sinks=sinks)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(feed.run)
+        try:
+            yield feed
+        finally:
+            feed.close()
 
 
 async def _wait_parked(parking: Parking, store: RunStore, run_id: str, options: _Options) -> None:
@@ -661,7 +670,7 @@ async def _drive(
     input: RunInput | None,
     log: RunLog,
     store: RunStore,
-    feed: SinkFeed,
+    feed: SinkFeed | None,
     options: _Options,
     handle: RunHandle,
     parking: Parking | None,
@@ -682,7 +691,7 @@ async def _drive(
                 run_id=log.run_id,
                 store=store,
                 next_seq=view.next_seq,
-                sinks=feed.sinks,
+                sinks=feed.sinks if feed is not None else (),
                 feed=feed,
             )
         )
