@@ -44,7 +44,7 @@ from treadle.testing.simulation import (
     "--rate",
     default=None,
     type=click.FloatRange(0, 1),
-    help="One rate for every chosen kind (default: the built-in rates).",
+    help="One rate for every chosen kind (default: the built-in rates; ignored with 'none').",
 )
 @click.option(
     "--runs-per-seed",
@@ -58,7 +58,7 @@ from treadle.testing.simulation import (
     default=10,
     show_default=True,
     type=click.IntRange(min=1),
-    help="Scripted tool steps per run.",
+    help="Scripted tool steps per run of the built-in scenario (not with --agent).",
 )
 @click.option(
     "--agent",
@@ -81,24 +81,55 @@ def simulate_command(
     """Simulate runs under seeded faults and check the durability invariants."""
     plan = _plan(faults, rate)
     scenario = _load_scenario(agent) if agent else None
-    failing: SimulationResult | None = None
+    if scenario is not None and steps != STEPS_DEFAULT:
+        raise click.BadParameter(
+            "--steps sets the built-in scenario's length; a scenario from --agent sets its own",
+            param_hint="--steps",
+        )
+    failing: list[SimulationResult] = []
     total_steps = 0
     for seed in range(first, first + seeds):
         result = simulate(seed, plan=plan, runs=runs_per_seed, steps=steps, scenario=scenario)
         total_steps += result.steps
         if as_json:
             click.echo(json.dumps(result.to_json()))
-        if not result.ok and failing is None:
-            failing = result
-    _summary(seeds, total_steps, failing, faults, runs_per_seed, steps)
-    if failing is not None:
+        if not result.ok:
+            failing.append(result)
+    _summary(seeds, total_steps, failing)
+    if failing:
+        replay = _replay_command(failing[0].seed, faults, rate, runs_per_seed, steps, agent)
+        click.echo(f"replay the first failing seed: {replay}", err=True)
         raise SystemExit(1)
 
 
+STEPS_DEFAULT = 10
+"""``--steps`` when not given."""
+
+
 def _load_scenario(spec: str) -> Scenario:
-    """Call the scenario factory named ``MODULE:FACTORY``."""
-    scenario: Scenario = import_spec(spec, param_hint="--agent")()
-    return scenario
+    """Call the scenario factory named ``MODULE:FACTORY`` and check it made a scenario.
+
+    Raises:
+        click.BadParameter: the factory fails or makes something that is not a `Scenario`
+            (for instance an agent factory, which `treadle resume` takes instead).
+    """
+    factory = import_spec(spec, param_hint="--agent")
+    try:
+        scenario = factory() if callable(factory) else factory
+    except Exception as exc:
+        raise click.BadParameter(f"{spec}() failed: {exc}", param_hint="--agent") from exc
+    missing = [name for name in _SCENARIO_METHODS if not callable(getattr(scenario, name, None))]
+    if missing:
+        raise click.BadParameter(
+            f"{spec} gave {type(scenario).__name__}, not a simulation scenario (it has no "
+            f"{', '.join(missing)}); simulate takes a Scenario factory, see docs/simulation.md",
+            param_hint="--agent",
+        )
+    checked: Scenario = scenario
+    return checked
+
+
+_SCENARIO_METHODS = ("world", "agent", "input", "check", "changed_observation")
 
 
 def _plan(faults: str, rate: float | None) -> FaultPlan:
@@ -106,27 +137,48 @@ def _plan(faults: str, rate: float | None) -> FaultPlan:
         return FaultPlan(rates={})
     default = FaultPlan.default()
     kinds = FAULT_KINDS if faults == "all" else tuple(k.strip() for k in faults.split(","))
+    if not all(kinds):
+        raise click.BadParameter(
+            f"an empty fault kind in {faults!r}; choose from {', '.join(FAULT_KINDS)}, "
+            "or give 'all' or 'none' alone",
+            param_hint="--faults",
+        )
     try:
         plan = FaultPlan.of(kinds, rate=rate if rate is not None else 0.1)
     except ValueError as exc:
-        raise click.BadParameter(str(exc), param_hint="--faults") from exc
+        raise click.BadParameter(
+            f"{exc}; choose from {', '.join(FAULT_KINDS)}, or give 'all' or 'none' alone",
+            param_hint="--faults",
+        ) from exc
     if rate is None:
         plan = FaultPlan(rates={k: default.rates[k] for k in kinds})
     return plan
 
 
-def _summary(
-    seeds: int, steps: int, failing: SimulationResult | None, faults: str, runs: int, per: int
-) -> None:
+def _replay_command(
+    seed: int, faults: str, rate: float | None, runs: int, steps: int, agent: str | None
+) -> str:
+    """The command that simulates ``seed`` alone with everything else as given."""
+    parts = ["treadle simulate", f"--from {seed} --seeds 1 --faults {faults}"]
+    if rate is not None:
+        parts.append(f"--rate {rate}")
+    parts.append(f"--runs-per-seed {runs}")
+    if agent:
+        parts.append(f"--agent {agent}")
+    else:
+        parts.append(f"--steps {steps}")
+    parts.append("--json")
+    return " ".join(parts)
+
+
+def _summary(seeds: int, steps: int, failing: list[SimulationResult]) -> None:
     console = Console(stderr=True)
     table = Table(title="simulation")
     for column in ("seeds", "steps", "failing"):
         table.add_column(column, justify="right")
-    table.add_row(str(seeds), str(steps), "0" if failing is None else "≥1")
+    table.add_row(str(seeds), str(steps), str(len(failing)))
     console.print(table)
-    if failing is not None:
-        console.print(f"[red]seed {failing.seed} failed:[/red] " + "; ".join(failing.violations))
-        console.print(
-            f"replay it: treadle simulate --from {failing.seed} --seeds 1 --faults {faults} "
-            f"--runs-per-seed {runs} --steps {per} --json"
-        )
+    if failing:
+        first = failing[0]
+        # Plain echo, not rich: a long line must not be wrapped (it is pasted back).
+        click.echo(f"seed {first.seed} failed: " + "; ".join(first.violations), err=True)

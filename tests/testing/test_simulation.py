@@ -378,3 +378,43 @@ def test_the_checker_flags_a_reattempt_after_a_final_model_error(monkeypatch):
     monkeypatch.setattr(RunCoordinator, "_failed_for_good", lambda self, pending: None)
     violations = simulate(3202).violations
     assert violations and all("failed for good" in v for v in violations)
+
+
+def test_the_printed_replay_command_reproduces_the_failing_seed_of_a_user_scenario():
+    import json
+    import shlex
+
+    from click.testing import CliRunner
+
+    from treadle.cli import main
+
+    runner = CliRunner()
+    spec = "flaky_scenario:scenario"
+    args = ["simulate", "--agent", spec, "--faults", "crash", "--rate", "0.9", "--seeds", "20"]
+    first = runner.invoke(main, [*args, "--json"])
+    assert first.exit_code == 1, first.output
+    failed = [json.loads(line) for line in first.stdout.splitlines() if '"ok": false' in line]
+    (command,) = [line for line in first.stderr.splitlines() if "treadle simulate" in line]
+    replay = shlex.split(command.split(": ", 1)[1])[1:]  # drop "treadle"
+    assert "--rate" in replay and spec in replay
+    again = runner.invoke(main, replay)
+    assert again.exit_code == 1
+    (line,) = [json.loads(line) for line in again.stdout.splitlines() if line.startswith("{")]
+    assert line == failed[0]  # same seed, same violations, same log digest
+    assert "failing" in first.stderr and str(len(failed)) in first.stderr
+
+
+def test_simulate_refuses_an_agent_factory_and_steps_with_a_scenario():
+    from click.testing import CliRunner
+
+    from treadle.cli import main
+
+    runner = CliRunner()
+    agent = runner.invoke(main, ["simulate", "--agent", "flaky_scenario:agent_factory"])
+    assert agent.exit_code == 2
+    assert "not a simulation scenario" in agent.output and "Traceback" not in agent.output
+    steps = runner.invoke(main, ["simulate", "--agent", "flaky_scenario:scenario", "--steps", "3"])
+    assert steps.exit_code == 2 and "--steps" in steps.output
+    for faults in ("", "crash,", "all,crash"):
+        bad = runner.invoke(main, ["simulate", "--faults", faults])
+        assert bad.exit_code == 2 and "choose from crash" in bad.output, faults
