@@ -11,7 +11,6 @@ import pytest
 import trio
 
 from treadle import Agent, FixedStepClock, MemoryStore, NativeToolCallParser, Toolbox, tool
-from treadle.actors._rpc import reply
 from treadle.actors.executor import ActionsOutcome, RunActions
 from treadle.actors.writer import Op
 from treadle.stores._codec import encode
@@ -96,7 +95,10 @@ def _encoded(log: RunLog) -> list[str]:
 class LedgerExecutorActor:
     """A fake tool executor: intents through the real writer, effects into a ledger.
 
-    It never calls the agent's tools; it serves `RunActions` like the real executor.
+    It never calls the agent's tools; it serves `RunActions` like the real executor: a
+    rejected call gets no intent and a synthetic observation; an intent already in the log
+    (resume) is not written again, and the ledger (which survives crashes) tells whether
+    its effect happened.
     """
 
     context: ActorContext
@@ -111,33 +113,51 @@ class LedgerExecutorActor:
         task_status.started()
         async with inbox:
             async for message in inbox:
-                reply(message.reply_to, await self._serve(message))
+                outcome = await self._serve(message)
+                with message.reply_to:
+                    message.reply_to.send_nowait(outcome)
 
     async def _serve(self, message: RunActions) -> ActionsOutcome:
         ctx = self.context
+        logged = {intent.call_id: intent for intent in message.existing}
         written: list[ActionIntent] = []
         results: list[ActionResult] = []
         for index, tool_call in enumerate(message.calls):
-            intent = ActionIntent(
-                run_id=ctx.run_id,
-                step=message.step,
-                intent_id=f"{ctx.run_id}/s{message.step}/a{index + 1}",
-                call_id=tool_call.id,
-                tool=tool_call.name,
-                arguments=tool_call.arguments,
-                ts=ctx.clock.now_iso(),
-            )
-            await ctx.writer.barrier(Op.INTENT, intent)  # intent before effect
-            written.append(intent)
-            self.ledger[intent.intent_id] = dict(tool_call.arguments)
-            outcome = ActionOutcome(
-                status=ActionStatus.EXECUTED, observation=f"ledger took {tool_call.name}"
-            )
+            intent_id = f"{ctx.run_id}/s{message.step}/a{index + 1}"
+            if tool_call.id in message.rejected:  # refused by a human: no intent, no effect
+                text = ctx.agent.synthetic.rejected.format(
+                    tool=tool_call.name, detail=message.rejected[tool_call.id]
+                )
+                outcome = ActionOutcome(
+                    status=ActionStatus.NOT_EXECUTED,
+                    observation=text,
+                    observation_is_synthetic=True,
+                )
+            else:
+                intent = logged.get(tool_call.id)
+                if intent is None:
+                    intent = ActionIntent(
+                        run_id=ctx.run_id,
+                        step=message.step,
+                        intent_id=intent_id,
+                        call_id=tool_call.id,
+                        tool=tool_call.name,
+                        arguments=tool_call.arguments,
+                        ts=ctx.clock.now_iso(),
+                    )
+                    await ctx.writer.barrier(Op.INTENT, intent)  # intent before effect
+                    written.append(intent)
+                intent_id = intent.intent_id
+                if intent_id not in self.ledger:  # the ledger says whether it happened
+                    self.ledger[intent_id] = dict(intent.arguments)
+                outcome = ActionOutcome(
+                    status=ActionStatus.EXECUTED, observation=f"ledger took {tool_call.name}"
+                )
             results.append(
                 ActionResult(
                     run_id=ctx.run_id,
                     step=message.step,
-                    intent_id=intent.intent_id,
+                    intent_id=intent_id,
                     call_id=tool_call.id,
                     tool=tool_call.name,
                     outcome=outcome,
@@ -322,3 +342,47 @@ async def test_a_swapped_writers_counters_reach_the_run_finished_record():
     await run(agent, "x", store=store, run_id="r", actors=Actors(writer=CountingWriter))
     finished = (await store.read_log("r")).finished
     assert (finished.sink_failures, finished.sink_drops) == (7, 3)
+
+
+async def test_the_fake_executor_honours_a_rejection_and_an_intent_left_by_a_crash(
+    autojump_clock,
+):
+    from treadle._exceptions import RunInterrupted
+    from treadle.testing.faults import CrashingStore, SimulatedCrash
+
+    ledger: dict[str, dict[str, Any]] = {}
+
+    def fake_executor(context: ActorContext) -> ExecutorActor:
+        return LedgerExecutorActor(context=context, ledger=ledger)
+
+    actors = Actors(executor=fake_executor)
+    store = MemoryStore()
+    agent = _agent([])
+    # Writes: run started, model intent, model result, action intent; die right after the
+    # intent, before the effect.
+    with pytest.raises((SimulatedCrash, RunInterrupted)):
+        await run(
+            agent,
+            "go",
+            store=CrashingStore(inner=store, crash_at=4, when="after"),
+            run_id="r",
+            actors=actors,
+            approval_policy=lambda tool, arguments: arguments.get("amount") == 4,
+        )
+    assert ledger == {}
+    async with open_run(
+        agent,
+        store=store,
+        run_id="r",
+        actors=actors,
+        approval_policy=lambda tool, arguments: arguments.get("amount") == 4,
+    ) as handle:
+        with trio.fail_after(60):
+            while handle.pending_approval is None:  # noqa: ASYNC110
+                await trio.sleep(0.01)
+        handle.approve(reject="not four")
+        await handle.wait()
+    log = await store.read_log("r")
+    assert ledger == {"r/s1/a1": {"amount": 3}}  # applied once, after the resume; c2 refused
+    assert [r.call_id for r in log.records if isinstance(r, ActionIntent)] == ["c1"]
+    assert check_invariants(log) == []
