@@ -418,3 +418,28 @@ def test_simulate_refuses_an_agent_factory_and_steps_with_a_scenario():
     for faults in ("", "crash,", "all,crash"):
         bad = runner.invoke(main, ["simulate", "--faults", faults])
         assert bad.exit_code == 2 and "choose from crash" in bad.output, faults
+
+
+def test_a_scenario_swaps_actors_for_every_incarnation_and_the_twin():
+    import attrs
+
+    from treadle.supervisors.run import Actors, real_executor
+    from treadle.testing.simulation import LedgerScenario
+
+    built: list[str] = []
+
+    @attrs.frozen(kw_only=True)
+    class Swapping(LedgerScenario):
+        def actors(self, world):
+            def executor(context):
+                built.append(context.run_id)
+                return real_executor(context)
+
+            return Actors(executor=executor)
+
+    plan = FaultPlan.of(["crash", "latency"], rate=0.5)
+    result = simulate(5, scenario=Swapping(steps=4), plan=plan)
+    assert result.ok, result.violations
+    # Built for the run (again for each incarnation after a crash) and for its twin.
+    assert len(built) >= 2
+    assert set(built) == {"sim-5-0"}

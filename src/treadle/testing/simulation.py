@@ -566,6 +566,28 @@ class ApprovingScenario(Scenario, Protocol):
         ...
 
 
+class ActorScenario(Scenario, Protocol):
+    """A `Scenario` that swaps some of the run's actors (see `treadle.Actors`).
+
+    The simulation uses these actors for every incarnation of the run and for its fault-free
+    twin; with the ``latency`` fault on, it puts seeded latency in front of their gateway and
+    executor.
+    """
+
+    def actors(self, world: Any) -> Actors:
+        """The actor factories for runs on ``world`` (e.g. a fake executor on its ledger)."""
+        ...
+
+
+def _scenario_actors(scenario: Scenario, world: Any) -> Actors:
+    """The scenario's actors (`ActorScenario`), else the real ones."""
+    factory = getattr(scenario, "actors", None)
+    if factory is None:
+        return DEFAULT_ACTORS
+    actors: Actors = factory(world)
+    return actors
+
+
 @attrs.define(eq=False)
 class _LedgerWorld:
     script: _Script
@@ -839,25 +861,26 @@ class _Driver:
         return self.store
 
     def _actors(self) -> Actors:
-        """Real actors; the gateway and executor behind seeded latency when it is on."""
+        """The scenario's actors; the gateway and executor behind seeded latency when on."""
+        base = _scenario_actors(self.scenario, self.world)
         rate = self.plan.rates.get("latency", 0.0)
         if rate <= 0:
-            return DEFAULT_ACTORS
+            return base
         counts = self.counts
 
         def on_delay(_seconds: float) -> None:
             _count(counts, "latency")
 
         return attrs.evolve(
-            DEFAULT_ACTORS,
+            base,
             gateway=with_latency(
-                DEFAULT_ACTORS.gateway,
+                base.gateway,
                 seed=self.rng.randrange(2**32),
                 rate=rate,
                 on_delay=on_delay,
             ),
             executor=with_latency(
-                DEFAULT_ACTORS.executor,
+                base.executor,
                 seed=self.rng.randrange(2**32),
                 rate=rate,
                 on_delay=on_delay,
@@ -896,6 +919,7 @@ async def _fault_free_twin(scenario: Scenario, run_id: str, world: Any) -> RunLo
         clock=FixedStepClock(),
         rng=random.Random(0),
         control_poll_s=CONTROL_POLL_S,
+        actors=_scenario_actors(scenario, world),
     ) as handle:
         await _watch(handle, None, approver)
     return await store.read_log(run_id)
