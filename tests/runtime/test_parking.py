@@ -405,3 +405,70 @@ async def test_an_edit_that_is_not_strict_json_is_refused(autojump_clock):
         handle.approve()
         await handle.wait()
     assert [a.arguments for a in tools.executed] == [{"a": 1, "b": 2}]
+
+
+class CountingStore(MemoryStore):
+    """Counts listings and control-log reads."""
+
+    def __init__(self):
+        super().__init__()
+        self.listings = 0
+        self.control_reads = 0
+
+    async def list_runs(self):
+        self.listings += 1
+        return await super().list_runs()
+
+    async def read_log(self, run_id):
+        if run_id.endswith("#control"):
+            self.control_reads += 1
+        return await super().read_log(run_id)
+
+
+class StepCounter(trio.abc.Instrument):
+    def __init__(self):
+        self.count = 0
+
+    def before_task_step(self, task):
+        self.count += 1
+
+
+async def test_many_parked_runs_share_one_listing_and_read_nothing_else(autojump_clock):
+    store = CountingStore()
+    handles = []
+
+    async def one(index):
+        agent, _ = make([call("add", a=index, b=1, call_id="c1"), say("ok")])
+        async with open_run(
+            agent,
+            "x",
+            store=store,
+            run_id=f"r{index}",
+            approval_policy=only_add,
+            park_after_s=PARK_AFTER_S,
+            control_poll_s=0.5,
+        ) as handle:
+            handles.append(handle)
+
+    async with trio.open_nursery() as nursery:
+        for index in range(50):
+            nursery.start_soon(one, index)
+        with trio.fail_after(3600):
+            while len(handles) < 50 or any(h._parking is None for h in handles):  # noqa: ASYNC110
+                await trio.sleep(0.5)
+        listings, reads = store.listings, store.control_reads
+        steps = StepCounter()
+        trio.lowlevel.add_instrument(steps)
+        await trio.sleep(10)
+        trio.lowlevel.remove_instrument(steps)
+        # 10 s parked: about one listing per 0.5 s for all 50 runs, no control-log reads,
+        # and the runs themselves sleep (50 runs polling every 0.5 s would be 1,000 steps).
+        assert store.listings - listings <= 25
+        assert store.control_reads == reads
+        assert steps.count < 200
+        await decide(store, handles[7].run_id)  # "another process" decides one of them
+        with trio.fail_after(2):  # picked up within a few listing intervals
+            await handles[7].wait()
+        assert all(h._parking is not None for i, h in enumerate(handles) if i != 7)
+        for handle in handles:
+            handle.cancel()

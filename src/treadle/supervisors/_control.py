@@ -9,6 +9,7 @@ says which control logs exist at all, and only those are read.
 from __future__ import annotations
 
 import weakref
+from collections.abc import Callable
 from typing import Protocol
 
 import attrs
@@ -46,6 +47,60 @@ class ControlIndex:
     _listed_at: float = float("-inf")
     _listing: bool = False
     _token: object = None
+    _watchers: dict[str, set[trio.Event]] = attrs.Factory(dict)
+    _sweeping: bool = False
+
+    def _same_run(self) -> None:
+        token = trio.lowlevel.current_trio_token()
+        if token is not self._token:  # a store used again in another trio.run: a new clock
+            self._token, self._listed_at, self._listing = token, float("-inf"), False
+            self._watchers, self._sweeping = {}, False
+
+    def watch(self, run_id: str, wake: trio.Event) -> Callable[[], None]:
+        """Set ``wake`` once a listing shows that ``run_id`` has a control log.
+
+        Parked runs wait this way instead of each reading on its own timer: one task per
+        store lists the store every ``max_age_s`` while anyone watches, so 10,000 parked
+        runs cost one listing per interval, not 20,000 wake-ups a second.
+
+        Returns:
+            A function that stops the watch.
+        """
+        self._same_run()
+        self._watchers.setdefault(run_id, set()).add(wake)
+        if not self._sweeping:
+            self._sweeping = True
+            trio.lowlevel.spawn_system_task(self._sweep, name="treadle control-log sweep")
+
+        def stop() -> None:
+            wakes = self._watchers.get(run_id)
+            if wakes is not None:
+                wakes.discard(wake)
+                if not wakes:
+                    del self._watchers[run_id]
+
+        return stop
+
+    async def _sweep(self) -> None:
+        """List the store every ``max_age_s`` while anyone watches; wake the ones listed.
+
+        A failed listing is tried again at the next interval: the watching runs read their
+        control log themselves at their deadline, where a broken store surfaces.
+        """
+        try:
+            while self._watchers:
+                await trio.sleep(self.max_age_s)
+                try:
+                    ids = frozenset(await self.store.list_runs())
+                except Exception:  # a read; see the docstring
+                    continue
+                self._ids, self._listed_at = ids, trio.current_time()
+                for run_id, wakes in list(self._watchers.items()):
+                    if control_log_id(run_id) in ids:
+                        for wake in wakes:
+                            wake.set()
+        finally:
+            self._sweeping = False
 
     async def exists(self, run_id: str) -> bool:
         """Whether ``run_id`` has a control log, per a listing at most ``max_age_s`` old.
@@ -53,9 +108,7 @@ class ControlIndex:
         Raises:
             StoreError: the store cannot be listed.
         """
-        token = trio.lowlevel.current_trio_token()
-        if token is not self._token:  # a store used again in another trio.run: a new clock
-            self._token, self._listed_at, self._listing = token, float("-inf"), False
+        self._same_run()
         if trio.current_time() - self._listed_at >= self.max_age_s and not self._listing:
             # One run lists; the others go on with the listing before (at most one interval
             # older) instead of queueing behind it.

@@ -91,6 +91,7 @@ class Parking:
         poll: Callable[[], Awaitable[None]],
         last_poll: Callable[[], Awaitable[None]],
         poll_s: float | None,
+        watch: Callable[[trio.Event], Callable[[], None]] | None = None,
     ) -> None:
         """Wait for a decision or a cancel; at the deadline, decide ``expired``.
 
@@ -98,13 +99,21 @@ class Parking:
             poll: reads the control log once (decisions and cancels of other processes).
             last_poll: reads it once more at the deadline, trusting no shared listing.
             poll_s: seconds between two polls; ``None`` never polls.
+            watch: ``watch(wake) -> stop``: sets ``wake`` when the run's control log shows
+                up in the store's shared listing (`ControlIndex.watch`); then the run reads
+                its control log only when woken, not every ``poll_s``.
         """
-        interval = math.inf if poll_s is None else poll_s
+        interval = math.inf if poll_s is None or watch is not None else poll_s
         with trio.move_on_at(self.deadline):
             while self.decision is None and self.cancel_request is None:
                 self._wake = trio.Event()
-                with trio.move_on_after(interval):
-                    await self._wake.wait()
+                stop = watch(self._wake) if watch is not None and poll_s is not None else None
+                try:
+                    with trio.move_on_after(interval):
+                        await self._wake.wait()
+                finally:
+                    if stop is not None:
+                        stop()
                 if poll_s is not None:
                     await poll()
         if self.decision is None and self.cancel_request is None and poll_s is not None:

@@ -659,9 +659,13 @@ async def _sink_feed(sinks: Sequence[EventSink]) -> AsyncIterator[SinkFeed | Non
 
 async def _wait_parked(parking: Parking, store: RunStore, run_id: str, options: _Options) -> None:
     """Wait, with the actors stopped, for what ends the parking (reading the control log)."""
-    control = ControlInbox(store=store, run_id=run_id, target=parking, index=_index(store, options))
+    index = _index(store, options)
+    control = ControlInbox(store=store, run_id=run_id, target=parking, index=index)
     await parking.wait(
-        control.poll, functools.partial(control.poll, fresh=True), options.control_poll_s
+        control.poll,
+        functools.partial(control.poll, fresh=True),
+        options.control_poll_s,
+        watch=functools.partial(index.watch, run_id) if index is not None else None,
     )
 
 
