@@ -82,6 +82,7 @@ async def measure(
                     await trio.sleep(0.05)
                 await _all_waiting(handles[first:], parked=park_after_s is not None)
             ready_s = time.perf_counter() - began
+            await trio.sleep(2)  # the last wave's actors are told to stop when it parks
             gc.collect()
             per_run = (_used(traced) - before) / runs
             if traced:
