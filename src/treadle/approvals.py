@@ -21,6 +21,8 @@ import json
 from collections.abc import Callable, Mapping
 from typing import Any, TypeAlias
 
+import attrs
+
 from treadle._clock import Clock, SystemClock
 from treadle._exceptions import ConflictError, StoreError, UsageError
 from treadle.ports import RunStore
@@ -79,6 +81,61 @@ def check_edit(edit: Mapping[str, JSONValue]) -> None:
         json.dumps(edit, allow_nan=False)
     except (TypeError, ValueError) as exc:
         raise UsageError(f"edited arguments are not JSON data: {exc}") from exc
+
+
+EXPIRED_DETAIL = "no decision arrived before the approval deadline"
+"""The detail of the synthetic observation of a call whose approval wait expired."""
+
+
+def decision_for(
+    run_id: str,
+    request: ApprovalRequested | None,
+    clock: Clock,
+    *,
+    call_id: str | None = None,
+    reject: str | None = None,
+    edit: Mapping[str, Any] | None = None,
+) -> ApprovalDecided:
+    """The decision record answering ``request``: approve, reject or edit (DESIGN §6).
+
+    Raises:
+        UsageError: no request is pending, ``call_id`` names another call, both ``reject``
+            and ``edit`` were given, or the edited arguments cannot be digested.
+    """
+    if request is None:
+        raise UsageError(f"run {run_id!r} is not waiting for an approval")
+    if call_id is not None and call_id != request.call_id:
+        raise UsageError(f"run {run_id!r} waits on call {request.call_id!r}, not on {call_id!r}")
+    if reject is not None and edit is not None:
+        raise UsageError("a decision either rejects or edits the arguments, not both")
+    if edit is not None:
+        check_edit(edit)
+    decision = (
+        Decision.REJECT if reject is not None else Decision.EDIT if edit is not None else None
+    )
+    return ApprovalDecided(
+        run_id=run_id,
+        step=request.step,
+        call_id=request.call_id,
+        arguments_digest=request.arguments_digest,
+        decision=(decision or Decision.APPROVE).value,
+        ts=clock.now_iso(),
+        message=reject or "",
+        edited_arguments=dict(edit) if edit is not None else None,
+    )
+
+
+def expired_decision(request: ApprovalRequested, clock: Clock) -> ApprovalDecided:
+    """The record ending ``request``'s wait at its deadline (a synthetic observation follows)."""
+    return ApprovalDecided(
+        run_id=request.run_id,
+        step=request.step,
+        call_id=request.call_id,
+        arguments_digest=request.arguments_digest,
+        decision=Decision.EXPIRED.value,
+        ts=clock.now_iso(),
+        message=EXPIRED_DETAIL,
+    )
 
 
 def requires_approval(
@@ -215,8 +272,6 @@ async def decide(
         raise UsageError(
             f"run {run_id!r} waits on call {request.call_id!r} ({request.tool}), not on {call_id!r}"
         )
-    if edit is not None:
-        check_edit(edit)  # refuse what is not JSON data before writing
     earlier = [r for r in await read_control(store, run_id) if isinstance(r, ApprovalDecided)]
     already = next((r for r in earlier if matches(r, request)), None)
     if already is not None:
@@ -224,19 +279,8 @@ async def decide(
             f"call {request.call_id!r} of run {run_id!r} already has a decision "
             f"({already.decision}) waiting to be applied; the first decision counts"
         )
-    decision = (
-        Decision.REJECT if reject is not None else Decision.EDIT if edit is not None else None
-    )
-    record = ApprovalDecided(
-        run_id=control_log_id(run_id),
-        step=request.step,
-        call_id=request.call_id,
-        arguments_digest=request.arguments_digest,
-        decision=(decision or Decision.APPROVE).value,
-        ts=(clock or SystemClock()).now_iso(),
-        message=reject or "",
-        edited_arguments=dict(edit) if edit is not None else None,
-    )
+    decided = decision_for(run_id, request, clock or SystemClock(), reject=reject, edit=edit)
+    record = attrs.evolve(decided, run_id=control_log_id(run_id))
     await _append_control(store, record)
     return record
 

@@ -17,14 +17,20 @@ import attrs
 import trio
 
 from treadle._clock import Clock
-from treadle._exceptions import UsageError
 from treadle._state import PendingStep, RunView
 from treadle.actors._rpc import StepScope, request
 from treadle.actors.executor import ActionsOutcome, RunActions
 from treadle.actors.gateway import CallModel, ModelOutcome
 from treadle.actors.hydrator import Hydrate
 from treadle.actors.writer import Op, WriterClient
-from treadle.approvals import Decision, arguments_digest, check_edit, matches
+from treadle.approvals import (
+    EXPIRED_DETAIL,
+    Decision,
+    arguments_digest,
+    decision_for,
+    expired_decision,
+    matches,
+)
 from treadle.ports import DecisionParser
 from treadle.types import (
     SUCCESS_STOP_REASONS,
@@ -77,9 +83,6 @@ CANCEL_GRACE_S = 2.0
 """Seconds a cancelled tool call may take to finish writing its own state (it got a trio
 cancellation at once; a tool that shields its cleanup gets this long before the run stops
 waiting for it and finishes ``cancelled``)."""
-
-EXPIRED_DETAIL = "no decision arrived before the approval deadline"
-"""The detail of the synthetic observation of a call whose approval wait expired."""
 
 
 @attrs.define(eq=False)
@@ -597,57 +600,6 @@ _CUT_KINDS = frozenset(
     {StopReason.CANCELLED.value, StopReason.TIME_BUDGET.value, StopReason.TOKEN_BUDGET.value}
 )
 """Error kinds of attempts cut by the run itself, not failed by the provider."""
-
-
-def decision_for(
-    run_id: str,
-    request: ApprovalRequested | None,
-    clock: Clock,
-    *,
-    call_id: str | None = None,
-    reject: str | None = None,
-    edit: Mapping[str, Any] | None = None,
-) -> ApprovalDecided:
-    """The decision record answering ``request``: approve, reject or edit (DESIGN §6).
-
-    Raises:
-        UsageError: no request is pending, ``call_id`` names another call, both ``reject``
-            and ``edit`` were given, or the edited arguments cannot be digested.
-    """
-    if request is None:
-        raise UsageError(f"run {run_id!r} is not waiting for an approval")
-    if call_id is not None and call_id != request.call_id:
-        raise UsageError(f"run {run_id!r} waits on call {request.call_id!r}, not on {call_id!r}")
-    if reject is not None and edit is not None:
-        raise UsageError("a decision either rejects or edits the arguments, not both")
-    if edit is not None:
-        check_edit(edit)
-    decision = (
-        Decision.REJECT if reject is not None else Decision.EDIT if edit is not None else None
-    )
-    return ApprovalDecided(
-        run_id=run_id,
-        step=request.step,
-        call_id=request.call_id,
-        arguments_digest=request.arguments_digest,
-        decision=(decision or Decision.APPROVE).value,
-        ts=clock.now_iso(),
-        message=reject or "",
-        edited_arguments=dict(edit) if edit is not None else None,
-    )
-
-
-def expired_decision(request: ApprovalRequested, clock: Clock) -> ApprovalDecided:
-    """The record ending ``request``'s wait at its deadline (a synthetic observation follows)."""
-    return ApprovalDecided(
-        run_id=request.run_id,
-        step=request.step,
-        call_id=request.call_id,
-        arguments_digest=request.arguments_digest,
-        decision=Decision.EXPIRED.value,
-        ts=clock.now_iso(),
-        message=EXPIRED_DETAIL,
-    )
 
 
 def seconds_between(start: str, end: str) -> float:

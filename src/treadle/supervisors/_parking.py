@@ -17,8 +17,7 @@ import attrs
 import trio
 
 from treadle._clock import Clock
-from treadle.actors.coordinator import decision_for, expired_decision
-from treadle.approvals import Decision, matches
+from treadle.approvals import Decision, decision_for, expired_decision, matches
 from treadle.types import ApprovalDecided, ApprovalRequested, RunState
 
 _HUMAN_DECISIONS = (Decision.APPROVE, Decision.REJECT, Decision.EDIT)
