@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+import re
+
 import attrs
 import pytest
 
@@ -402,6 +404,8 @@ def test_the_printed_replay_command_reproduces_the_failing_seed_of_a_user_scenar
     (line,) = [json.loads(line) for line in again.stdout.splitlines() if line.startswith("{")]
     assert line == failed[0]  # same seed, same violations, same log digest
     assert "failing" in first.stderr and str(len(failed)) in first.stderr
+    # The summary row: 20 seeds, then the steps, then exactly the number of failing seeds.
+    assert re.search(rf"│\s*20\s*│\s*\d+\s*│\s*{len(failed)}\s*│", first.stderr)
 
 
 def test_simulate_refuses_an_agent_factory_and_steps_with_a_scenario():
