@@ -88,6 +88,13 @@ async def open_store(path: str) -> AsyncIterator[RunStore]:
         raise click.ClickException(f"no store at {path}")
 
 
+def redact(store: str) -> str:
+    """A store path or DSN as it may be shown: a password in a DSN is replaced by ``***``."""
+    from treadle.stores._dsn import redact_dsn
+
+    return redact_dsn(store)
+
+
 def clip(text: str | None, limit: int = 100) -> str:
     """``text`` on one line, cut to ``limit`` characters with an ellipsis."""
     if not text:

@@ -5,10 +5,14 @@
     TreadleError
       UsageError(TreadleError, ValueError)    our API was misused (bad argument, bad definition)
         SnapshotMismatch                      resume with a different agent definition (.keys)
+        InvalidRunId                          a run id outside the allowed form (.run_id)
       StoreError                              persistence failed; the run's state is unknown
         ConflictError                         a write's seq is not the next one (two writers)
         LogCorrupted                          a log cannot be read back (.offset)
         SchemaTooNew                          a log written by a newer treadle (.version)
+      LeaseError                              a run's lease says someone else drives it
+        RunLeased                             another live driver holds the lease (.holder)
+        LeaseLost                             this driver's lease was taken over; write refused
       ModelCallError                          one model call attempt failed (.info, .usage)
       RunInterrupted                          an actor crashed; the run is left resumable
 
@@ -18,7 +22,9 @@ never caught or subclassed here.
 
 from __future__ import annotations
 
-from treadle.types import ModelErrorInfo, Usage
+import datetime as dt
+
+from treadle.types import Lease, ModelErrorInfo, Usage
 
 
 class TreadleError(Exception):
@@ -44,6 +50,19 @@ class SnapshotMismatch(UsageError):
         )
         self.run_id = run_id
         self.keys = keys
+
+
+class InvalidRunId(UsageError):
+    """A run id that treadle does not accept (docs/concepts.md, "Run ids").
+
+    Attributes:
+        run_id: the refused id (``repr`` is safe to print, whatever it holds).
+    """
+
+    def __init__(self, run_id: object, why: str) -> None:
+        shown = repr(run_id)
+        super().__init__(f"invalid run id {shown[:80] + '…' if len(shown) > 80 else shown}: {why}")
+        self.run_id = run_id
 
 
 class StoreError(TreadleError):
@@ -121,3 +140,52 @@ class RunInterrupted(TreadleError):
     def __init__(self, run_id: str, message: str) -> None:
         super().__init__(f"run {run_id!r} interrupted: {message}")
         self.run_id = run_id
+
+
+class LeaseError(TreadleError):
+    """A run's lease shows that another driver drives it (docs/fleet.md, "Leases")."""
+
+
+def _instant(epoch_s: float) -> str:
+    return dt.datetime.fromtimestamp(epoch_s, dt.UTC).isoformat(timespec="seconds")
+
+
+class RunLeased(LeaseError):
+    """Opening (or claiming) a run that another live driver holds the lease of.
+
+    Attributes:
+        run_id: the run.
+        holder: the holder's lease (owner, generation, expiry on the store's clock).
+    """
+
+    def __init__(self, run_id: str, holder: Lease) -> None:
+        super().__init__(
+            f"run {run_id!r} is driven by {holder.owner} (lease generation "
+            f"{holder.generation}, expires {_instant(holder.expires_at)} unless renewed)"
+        )
+        self.run_id = run_id
+        self.holder = holder
+
+
+class LeaseLost(LeaseError):
+    """A write was refused: the writer's lease generation is no longer the run's current one.
+
+    Another driver took the run over (its lease had expired) or the lease was released. The
+    refused write stored nothing, and the driver stops without writing more.
+
+    Attributes:
+        run_id: the run.
+        generation: the writer's (stale) generation.
+        current: the store's current generation (``None`` when the store keeps no lease).
+    """
+
+    def __init__(self, run_id: str, *, generation: int, current: int | None) -> None:
+        now = "no lease" if current is None else f"generation {current}"
+        super().__init__(
+            f"run {run_id!r}: this driver's lease (generation {generation}) was lost, the "
+            f"store holds {now}; another driver took the run over, so this one stopped "
+            "without writing more"
+        )
+        self.run_id = run_id
+        self.generation = generation
+        self.current = current

@@ -6,11 +6,11 @@ written (DESIGN §6, docs/events.md). The request is bound to the call's id and 
 `arguments_digest` of its arguments; a decision that names another call or other arguments
 is refused.
 
-Another process (``treadle approve``, ``treadle cancel``) never appends to a run's log: the
-driving process is its single writer, and a second writer would collide with it on ``seq``
-(docs/decisions/0007-external-control.md). It appends to the run's **control log** instead, a
-sibling log in the same store named `control_log_id`, which the driving process polls and
-copies into the run's log. `request_cancel` and `decide` are those writes.
+Another process (``treadle approve``, ``treadle cancel``) never appends to a run's log: only
+the holder of the run's lease writes it (docs/fleet.md, "Leases"). It appends to the run's
+**control stream** instead (`treadle.ports.ControlStream`), which the driving process polls and
+copies into the run's log, in order (docs/decisions/0007-external-control.md). `request_cancel`
+and `decide` are those writes.
 """
 
 from __future__ import annotations
@@ -21,11 +21,9 @@ import json
 from collections.abc import Callable, Mapping
 from typing import Any, TypeAlias
 
-import attrs
-
 from treadle._clock import Clock, SystemClock
-from treadle._exceptions import ConflictError, StoreError, UsageError
-from treadle.ports import RunStore
+from treadle._exceptions import UsageError
+from treadle.ports import ControlStream, RunStore
 from treadle.types import (
     ActionIntent,
     ApprovalDecided,
@@ -38,12 +36,6 @@ from treadle.types import (
 
 ApprovalPolicy: TypeAlias = Callable[[str, Mapping[str, JSONValue]], bool]
 """``policy(tool, arguments) -> True`` when that call must wait for a human decision."""
-
-CONTROL_SUFFIX = "#control"
-"""Suffix of a run's control log id (see `control_log_id`)."""
-
-CONTROL_WRITE_ATTEMPTS = 8
-"""Times an external write is retried when another external writer took the same seq."""
 
 
 class Decision(enum.StrEnum):
@@ -152,16 +144,6 @@ def requires_approval(
     return policy is not None and bool(policy(tool, arguments))
 
 
-def control_log_id(run_id: str) -> str:
-    """The id of ``run_id``'s control log in the same store (``<run_id>#control``)."""
-    return run_id + CONTROL_SUFFIX
-
-
-def is_control_log(run_id: str) -> bool:
-    """Whether a store log id names a control log (listings of runs skip those)."""
-    return run_id.endswith(CONTROL_SUFFIX)
-
-
 def pending_approval(log: RunLog) -> ApprovalRequested | None:
     """The approval request a run waits on now, or ``None``.
 
@@ -197,6 +179,15 @@ def matches(decided: ApprovalDecided, request: ApprovalRequested) -> bool:
     )
 
 
+def _controls(store: RunStore) -> ControlStream:
+    if not isinstance(store, ControlStream):
+        raise UsageError(
+            f"{type(store).__name__} has no control streams: cancel or decide through the run's "
+            "handle in the process driving it"
+        )
+    return store
+
+
 async def request_cancel(
     store: RunStore,
     run_id: str,
@@ -205,29 +196,31 @@ async def request_cancel(
     canceller: str = "",
     clock: Clock | None = None,
 ) -> CancelRequested:
-    """Durably ask the process driving ``run_id`` to cancel it (from any process).
+    """Durably ask whoever drives ``run_id`` to cancel it (from any process).
 
-    The request is appended to the run's control log; the driving process picks it up
-    within its poll interval (0.5 s by default) and the run ends ``cancelled``. A run that
-    is not being driven now picks it up when it is next resumed.
+    The request is appended to the run's control stream. A driver picks it up within its poll
+    interval (0.5 s by default) and the run ends ``cancelled``; a run nobody drives picks it
+    up when it is next driven (`treadle.supervisors.finishing.finish_cancelled` ends such a
+    run at once).
 
     Returns:
-        The record written to the control log.
+        The record appended to the control stream.
 
     Raises:
         UsageError: the run does not exist or already finished (terminal states never
-            change).
+            change), or the store has no control streams.
         StoreError: the write failed.
     """
+    controls = _controls(store)
     log = await store.read_log(run_id)
     _require_unfinished(log)
     record = CancelRequested(
-        run_id=control_log_id(run_id),
+        run_id=run_id,
         ts=(clock or SystemClock()).now_iso(),
         reason=reason,
         canceller=canceller,
     )
-    await _append_control(store, record)
+    await controls.append_control(record)
     return record
 
 
@@ -252,17 +245,18 @@ async def decide(
         clock: wall clock for the record's timestamp.
 
     Returns:
-        The decision as written to the control log (its ``run_id`` is the control log's).
+        The decision as appended to the run's control stream.
 
     Raises:
         UsageError: the run does not exist, finished, waits on no approval, waits on
-            another call, already has a decision for that call in its control log (the
+            another call, already has a decision for that call in its control stream (the
             first one counts; two deciders racing both write, and the first written wins),
-            or both ``reject`` and ``edit`` were given.
+            both ``reject`` and ``edit`` were given, or the store has no control streams.
         StoreError: the write failed.
     """
     if reject is not None and edit is not None:
         raise UsageError("a decision either rejects or edits the arguments, not both")
+    controls = _controls(store)
     log = await store.read_log(run_id)
     _require_unfinished(log)
     request = pending_approval(log)
@@ -280,17 +274,17 @@ async def decide(
             f"({already.decision}) waiting to be applied; the first decision counts"
         )
     decided = decision_for(run_id, request, clock or SystemClock(), reject=reject, edit=edit)
-    record = attrs.evolve(decided, run_id=control_log_id(run_id))
-    await _append_control(store, record)
-    return record
+    await controls.append_control(decided)
+    return decided
 
 
 async def read_control(
     store: RunStore, run_id: str
 ) -> tuple[CancelRequested | ApprovalDecided, ...]:
-    """The records of ``run_id``'s control log, in write order (others are ignored)."""
-    log = await store.read_log(control_log_id(run_id))
-    return tuple(r for r in log.records if isinstance(r, CancelRequested | ApprovalDecided))
+    """The records of ``run_id``'s control stream, in write order (none without streams)."""
+    if not isinstance(store, ControlStream):
+        return ()
+    return tuple(entry.record for entry in await store.read_control(run_id))
 
 
 def _require_unfinished(log: RunLog) -> None:
@@ -301,18 +295,3 @@ def _require_unfinished(log: RunLog) -> None:
             f"run {log.run_id!r} already finished ({log.finished.state.value}); "
             "a finished run never changes"
         )
-
-
-async def _append_control(store: RunStore, record: CancelRequested | ApprovalDecided) -> None:
-    """Append to a control log; several external writers may race, so retry on conflict."""
-    for _ in range(CONTROL_WRITE_ATTEMPTS):
-        log = await store.read_log(record.run_id)
-        try:
-            await store.write_control(record, seq=len(log.records) + 1)
-        except ConflictError:
-            continue
-        return
-    raise StoreError(
-        f"{record.run_id}: other writers kept taking the next seq; "
-        f"gave up after {CONTROL_WRITE_ATTEMPTS} attempts"
-    )

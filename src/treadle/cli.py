@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -21,13 +22,23 @@ import click
 from rich.console import Console
 from rich.table import Table
 
-from treadle._cli_common import describe, import_spec, open_store, run_async, store_option
+from treadle._cli_common import (
+    describe,
+    import_spec,
+    open_store,
+    redact,
+    run_async,
+    store_option,
+)
 from treadle.agent import Agent
-from treadle.approvals import is_control_log, pending_approval
+from treadle.approvals import pending_approval
+from treadle.ports import RunIndex, RunStore
 from treadle.stores._codec import record_to_dict
 from treadle.types import (
+    Liveness,
     Message,
     RunLog,
+    RunSummary,
     ToolSpec,
 )
 
@@ -147,46 +158,89 @@ def _decision(report: dict[str, Any], tools: tuple[ToolSpec, ...], parser: Any) 
 @store_option
 @click.option("--json", "as_json", is_flag=True, help="One JSON object per run.")
 def runs(store_path: str, as_json: bool) -> None:
-    """List the runs of a store with their state."""
-    logs = run_async(lambda: _read_all(store_path))
+    """List the runs of a store: state, who drives each, steps.
+
+    A run that cannot be read (a damaged or too-new log) is listed with its error, and the
+    exit status is 1.
+    """
+    summaries = run_async(lambda: read_summaries(store_path))
     if as_json:
-        for log in logs:
-            click.echo(json.dumps(_run_summary(log), ensure_ascii=False))
-        return
-    table = Table(title=f"runs in {store_path}")
-    for column in ("run", "state", "stop reason", "steps", "records", "started"):
-        table.add_column(column)
-    for log in logs:
-        summary = _run_summary(log)
+        for summary in summaries:
+            click.echo(json.dumps(summary_json(summary), ensure_ascii=False))
+    else:
+        Console().print(runs_table(store_path, summaries))
+    bad = [s for s in summaries if s.error is not None]
+    if bad:
+        for summary in bad:
+            click.echo(
+                f"unreadable run {summary.run_id} ({summary.where}): {summary.error}", err=True
+            )
+        raise SystemExit(1)
+
+
+def runs_table(store_path: str, summaries: Sequence[RunSummary]) -> Table:
+    """The runs of a store as a table; run ids are never cut."""
+    table = Table(title=f"runs in {redact(store_path)}")
+    table.add_column("run", overflow="fold")
+    for column in ("state", "driven by", "agent", "steps", "stop reason", "started"):
+        table.add_column(column, overflow="fold")
+    for summary in summaries:
         table.add_row(
-            log.run_id,
-            summary["state"],
-            summary["stop_reason"] or "",
-            str(summary["steps"]),
-            str(summary["records"]),
-            summary["started"] or "",
+            summary.run_id,
+            summary.state.value if summary.state else "unreadable",
+            driver_text(summary),
+            summary.agent or "",
+            str(summary.steps),
+            summary.stop_reason.value if summary.stop_reason else "",
+            summary.started_at or "",
         )
-    Console().print(table)
+    return table
 
 
-async def _read_all(store_path: str) -> list[RunLog]:
-    async with open_store(store_path) as store:
-        run_ids = [r for r in await store.list_runs() if not is_control_log(r)]
-        return [await store.read_log(run_id) for run_id in run_ids]
+def driver_text(summary: RunSummary) -> str:
+    """Who drives a run, in words: the lease holder, or why nobody does."""
+    lease = summary.lease
+    if summary.liveness is Liveness.DRIVEN and lease is not None:
+        age = summary.heartbeat_age_s or 0.0
+        return f"{lease.owner} (generation {lease.generation}, heartbeat {age:.1f} s ago)"
+    if summary.liveness is Liveness.FINISHED:
+        return ""
+    if summary.liveness is Liveness.QUARANTINED:
+        return f"nobody: quarantined ({summary.quarantined})"
+    words = {
+        Liveness.QUEUED: "nobody: queued",
+        Liveness.PARKED: "nobody: parked (waits for a decision)",
+        Liveness.ORPHANED: "nobody: orphaned",
+    }
+    text = words.get(summary.liveness, "nobody")
+    if summary.liveness is Liveness.ORPHANED and lease is not None and lease.owner:
+        text += f" (lease of {lease.owner} expired)"
+    return text
 
 
-def _run_summary(log: RunLog) -> dict[str, Any]:
-    finished = log.finished
-    state = finished.state.value if finished else "unfinished"
-    if finished is None and pending_approval(log) is not None:
-        state = "awaiting_approval"
+def summary_json(summary: RunSummary) -> dict[str, Any]:
+    """A run summary as the JSON object ``treadle runs --json`` prints."""
+    lease = summary.lease
+    driven = summary.liveness is Liveness.DRIVEN and lease is not None
     return {
-        "run_id": log.run_id,
-        "state": state,
-        "stop_reason": finished.stop_reason.value if finished else None,
-        "steps": len(log.steps),
-        "records": len(log.records),
-        "started": log.started.ts if log.started else None,
+        "run_id": summary.run_id,
+        "state": summary.state.value if summary.state else None,
+        "liveness": summary.liveness.value,
+        "driver": lease.owner if driven and lease else None,
+        "generation": lease.generation if lease else None,
+        "heartbeat_age_s": summary.heartbeat_age_s if driven else None,
+        "agent": summary.agent,
+        "agent_version": summary.agent_version,
+        "steps": summary.steps,
+        "stop_reason": summary.stop_reason.value if summary.stop_reason else None,
+        "started": summary.started_at,
+        "submitted_at": summary.submitted_at,
+        "claims": summary.claims,
+        "takeovers": summary.takeovers,
+        "quarantined": summary.quarantined,
+        "awaiting_until": summary.awaiting_until,
+        "error": summary.error,
+        "where": summary.where,
     }
 
 
@@ -264,18 +318,21 @@ def resume(
         assert run_id is not None
         logs, errors = [run_async(lambda: _resume_one(store_path, agent, run_id))], []
     for log in logs:
-        summary = _run_summary(log)
+        ended = _ending(log)
         if as_json:
-            click.echo(json.dumps(summary, ensure_ascii=False))
+            click.echo(json.dumps(ended, ensure_ascii=False))
         else:
+            steps = ended["steps"]
             click.echo(
-                f"{log.run_id}: {summary['state']} ({summary['stop_reason']}), "
-                f"{summary['steps']} steps"
+                f"{log.run_id}: {ended['state']} ({ended['stop_reason']}), "
+                f"{steps} step{'' if steps == 1 else 's'}"
             )
+    if resume_all and not logs and not errors and not as_json:
+        click.echo(f"nothing to resume: every run in {redact(store_path)} is finished or driven")
     if errors:
-        raise click.ClickException(
-            "; ".join(" ".join([*getattr(e, "__notes__", []), str(e)]) for e in errors)
-        )
+        for error in errors:
+            click.echo(" ".join([*getattr(error, "__notes__", []), str(error)]), err=True)
+        raise click.ClickException(f"{len(errors)} run(s) could not be resumed (see above)")
 
 
 def load_agent(spec: str) -> Agent:
@@ -317,22 +374,50 @@ async def _resume_one(store_path: str, agent: Agent, run_id: str) -> RunLog:
 async def _resume_all(
     store_path: str, agent: Agent, max_concurrent: int
 ) -> tuple[list[RunLog], list[Exception]]:
-    from treadle.approvals import is_control_log
     from treadle.supervisors.recovery import resume_unfinished
 
     errors: list[Exception] = []
     async with open_store(store_path) as store:
+        summaries = await _summaries_of(store)
         unfinished = [
-            run_id
-            for run_id in await store.list_runs()
-            if not is_control_log(run_id) and (await store.read_log(run_id)).finished is None
+            s.run_id
+            for s in summaries
+            if s.error is None and s.liveness in (Liveness.ORPHANED, Liveness.PARKED)
         ]
         try:
             await resume_unfinished(agent, store=store, max_concurrent=max_concurrent)
         except ExceptionGroup as group:
             errors = list(group.exceptions)
-        logs = [await store.read_log(run_id) for run_id in unfinished]
+        failed = {getattr(e, "run_id", None) for e in errors}
+        logs = [await store.read_log(r) for r in unfinished if r not in failed]
     return logs, errors
+
+
+def _ending(log: RunLog) -> dict[str, Any]:
+    finished = log.finished
+    state = finished.state.value if finished else "unfinished"
+    if finished is None and pending_approval(log) is not None:
+        state = "awaiting_approval"
+    return {
+        "run_id": log.run_id,
+        "state": state,
+        "stop_reason": finished.stop_reason.value if finished else None,
+        "steps": len(log.steps),
+        "records": len(log.records),
+        "started": log.started.ts if log.started else None,
+    }
+
+
+async def read_summaries(store_path: str) -> tuple[RunSummary, ...]:
+    """Every run of the store at ``store_path`` with its state and liveness."""
+    async with open_store(store_path) as store:
+        return await _summaries_of(store)
+
+
+async def _summaries_of(store: RunStore) -> tuple[RunSummary, ...]:
+    if isinstance(store, RunIndex):
+        return await store.list_summaries()
+    raise click.ClickException(f"{type(store).__name__} keeps no run index")
 
 
 def _register_demo() -> None:

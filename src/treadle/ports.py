@@ -1,12 +1,15 @@
-"""The five seams of treadle as `typing.Protocol`s (DESIGN §3), and nothing else.
+"""The five seams of treadle as `typing.Protocol`s, and nothing else (docs/seams.md).
 
-Argument and return types live in `treadle.types`. Every implementation, ours and users',
-is held to the contract suites in `treadle.testing`.
+The run store seam comes with four capability protocols that a store implements when it
+supports them: `LeaseStore` (leases and fencing), `ControlStream` (cancels and decisions from
+other processes), `RunIndex` (listing without reading every log) and `RunQueue` (a fleet's
+queue). Argument and return types live in `treadle.types`. Every implementation, ours and
+users', is held to the contract suites in `treadle.testing`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Protocol, runtime_checkable
 
 from treadle.types import (
@@ -17,7 +20,11 @@ from treadle.types import (
     ApprovalDecided,
     ApprovalRequested,
     CancelRequested,
+    Claim,
+    ControlEntry,
     Event,
+    Lease,
+    Message,
     ModelIntent,
     ModelReply,
     ModelRequest,
@@ -27,7 +34,9 @@ from treadle.types import (
     RunFinished,
     RunLog,
     RunStarted,
+    RunSummary,
     StepRecord,
+    Submission,
     ToolSpec,
 )
 
@@ -115,29 +124,39 @@ class ActionExecutor(Protocol):
 
 @runtime_checkable
 class RunStore(Protocol):
-    """Seam 4: the durable run log (DESIGN §3.4, §4).
+    """Seam 4: the durable run log (docs/seams.md, "Run store"; docs/crash-safety.md).
 
     Every operation names its ``run_id`` (inside the record). ``seq`` is the record's 1-based
-    position in the run's log, assigned by the run's event writer. Barrier operations return
-    only once the record and everything written before it is durable; the others may return
+    position in the run's log, assigned by the run's event writer. ``generation`` is the
+    writer's lease generation (`treadle.types.Lease`): a store that keeps leases
+    (`LeaseStore`) checks it in the same transaction as the write and refuses a stale one
+    with `treadle.LeaseLost`; a store without leases takes 0. Barrier operations return only
+    once the record and everything written before it is durable; the others may return
     earlier, and a later failure surfaces from the next operation (never swallowed).
     Prefix durability: once write *k* is durable, writes 1..k-1 are too.
     """
 
-    async def write_run_started(self, record: RunStarted, *, seq: int) -> None:
+    async def write_run_started(self, record: RunStarted, *, seq: int, generation: int) -> None:
         """Append the run-started record (not a barrier)."""
         ...
 
-    async def write_intent(self, record: ModelIntent | ActionIntent, *, seq: int) -> None:
+    async def write_intent(
+        self, record: ModelIntent | ActionIntent, *, seq: int, generation: int
+    ) -> None:
         """Append an intent. A barrier: durable before returning."""
         ...
 
-    async def write_model_result(self, record: ModelResult, *, seq: int) -> None:
+    async def write_model_result(self, record: ModelResult, *, seq: int, generation: int) -> None:
         """Append a model-call result (not a barrier)."""
         ...
 
     async def write_step(
-        self, action_results: Sequence[ActionResult] | None, step: StepRecord, *, seq: int
+        self,
+        action_results: Sequence[ActionResult] | None,
+        step: StepRecord,
+        *,
+        seq: int,
+        generation: int,
     ) -> None:
         """Append the action results and their step record as one atomic write.
 
@@ -147,12 +166,16 @@ class RunStore(Protocol):
         ...
 
     async def write_control(
-        self, record: CancelRequested | ApprovalRequested | ApprovalDecided, *, seq: int
+        self,
+        record: CancelRequested | ApprovalRequested | ApprovalDecided,
+        *,
+        seq: int,
+        generation: int,
     ) -> None:
-        """Append an approval or cancel record. A barrier."""
+        """Append an approval or cancel record to the run's log. A barrier."""
         ...
 
-    async def write_run_finished(self, record: RunFinished, *, seq: int) -> None:
+    async def write_run_finished(self, record: RunFinished, *, seq: int, generation: int) -> None:
         """Append the run-finished record. A barrier: durable before the caller is answered."""
         ...
 
@@ -161,11 +184,162 @@ class RunStore(Protocol):
         ...
 
     async def list_runs(self) -> tuple[str, ...]:
-        """Every run id with at least one record, in first-write order."""
+        """Every run id with at least one record, in the order the runs entered the store.
+
+        A run whose log cannot be read is listed too (reading it raises the error).
+        """
         ...
 
     async def aclose(self) -> None:
         """Flush what is pending and release the store's resources."""
+        ...
+
+
+@runtime_checkable
+class LeaseStore(Protocol):
+    """Capability of a store that several drivers can open: per-run leases with fencing.
+
+    docs/fleet.md, "Leases": a run is driven only by the holder of its lease. Acquiring
+    succeeds when the run has no live lease, the lease expired (judged by the store's own
+    clock), or the caller already holds it; a takeover by another owner increments the
+    fencing generation. Every write of the run carries the generation (`RunStore`).
+    """
+
+    async def acquire_lease(self, run_id: str, *, owner: str, ttl_s: float) -> Lease:
+        """Take (or renew, for its holder) the lease on ``run_id`` for ``ttl_s`` seconds.
+
+        Raises:
+            RunLeased: another owner holds an unexpired lease (the error names it).
+            InvalidRunId: ``run_id`` is not an allowed run id.
+            StoreError: the store failed.
+        """
+        ...
+
+    async def renew_leases(self, leases: Sequence[Lease], *, ttl_s: float) -> tuple[Lease, ...]:
+        """Extend the leases still held by their owners, in one transaction.
+
+        Returns:
+            The renewed leases, in the order given; a lease missing from the result was lost
+            (taken over or released), and its holder must stop.
+
+        Raises:
+            StoreError: the store failed (nothing is known about the leases).
+        """
+        ...
+
+    async def release_lease(self, lease: Lease, *, control_seen: int = 0) -> None:
+        """Give the lease up, if still held; a lost lease is left alone.
+
+        Args:
+            lease: the lease to release.
+            control_seen: the control-stream position the holder handled (copied into the
+                log or found stale); a parked run becomes claimable again only when its
+                control stream grows past it, or at its approval deadline.
+        """
+        ...
+
+    async def read_lease(self, run_id: str) -> Lease | None:
+        """The run's lease as the store holds it (``owner == ""`` once released), or ``None``."""
+        ...
+
+
+@runtime_checkable
+class ControlStream(Protocol):
+    """Capability: a per-run stream of cancel requests and approval decisions.
+
+    Processes that do not drive a run (``treadle cancel``, ``treadle approve``, a web console)
+    append here; the run's driver reads the stream and copies each record into the log in
+    order (docs/decisions/0007-external-control.md). The stream is ordered, durable, and
+    never listed as a run.
+    """
+
+    async def append_control(self, record: CancelRequested | ApprovalDecided) -> ControlEntry:
+        """Append ``record`` to its run's control stream; durable on return.
+
+        Returns:
+            The entry, with its position in the run's stream.
+
+        Raises:
+            InvalidRunId: ``record.run_id`` is not an allowed run id.
+            StoreError: the write failed.
+        """
+        ...
+
+    async def read_control(self, run_id: str, *, after: int = 0) -> tuple[ControlEntry, ...]:
+        """The run's control entries with positions above ``after``, in order."""
+        ...
+
+    async def control_heads(self, run_ids: Sequence[str]) -> Mapping[str, int]:
+        """The last control position of each of ``run_ids`` (runs without entries are absent).
+
+        One cheap read for many runs: the driving processes poll it to learn which runs have
+        new control entries before reading any stream.
+        """
+        ...
+
+
+@runtime_checkable
+class RunIndex(Protocol):
+    """Capability: list runs with their state and liveness without reading every log."""
+
+    async def list_summaries(self) -> tuple[RunSummary, ...]:
+        """Every run of the store (queued ones included), in the order they entered it.
+
+        A run whose log cannot be read is listed with ``error`` and ``where`` set; it never
+        hides the others, nor is it left out.
+        """
+        ...
+
+    async def read_summary(self, run_id: str) -> RunSummary | None:
+        """One run's summary, or ``None`` for a run the store does not know."""
+        ...
+
+
+@runtime_checkable
+class RunQueue(Protocol):
+    """Capability: the durable queue of a fleet (docs/fleet.md, "The queue").
+
+    Submitted runs wait in state ``queued``; workers claim them, and orphaned or claimable
+    parked runs, with one atomic statement, oldest first, up to their free slots.
+    """
+
+    async def submit(self, run_id: str, *, agent: str, input: tuple[Message, ...]) -> Submission:
+        """Queue a new run; submitting an existing run id again returns its first submission.
+
+        Raises:
+            UsageError: the run id exists and was submitted for another agent or input, or
+                was started without the queue.
+            InvalidRunId: ``run_id`` is not allowed.
+        """
+        ...
+
+    async def claim(
+        self,
+        *,
+        owner: str,
+        agents: Mapping[str, Sequence[str]],
+        limit: int,
+        ttl_s: float,
+        max_takeovers: int,
+        backoff_s: float,
+    ) -> tuple[Claim, ...]:
+        """Claim up to ``limit`` runs for ``owner``, taking their leases.
+
+        Args:
+            owner: the claiming worker's owner id.
+            agents: the agent names served, each with the versions served (a run already
+                started is claimed only by a worker serving its recorded version).
+            limit: free slots.
+            ttl_s: lease duration.
+            max_takeovers: a run whose drivers died this many times is quarantined instead
+                of claimed again.
+            backoff_s: base delay before a run whose driver died is claimed again (doubled
+                at each further takeover).
+        """
+        ...
+
+    async def release_quarantine(self, run_id: str) -> bool:
+        """Make a quarantined run claimable again; ``False`` when it was not quarantined."""
         ...
 
 

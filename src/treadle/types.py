@@ -23,8 +23,10 @@ from typing import Any, TypeAlias
 
 import attrs
 
-SCHEMA_VERSION = 1
-"""Version of the persisted log record schema. A log written by a newer version is refused."""
+SCHEMA_VERSION = 2
+"""Version of the persisted log record schema. A log written by a newer version is refused.
+
+2: run-started records the agent's name and version (docs/fleet.md)."""
 
 JSONValue: TypeAlias = Any
 """A value made only of dict, list, str, int, float, bool and None."""
@@ -104,6 +106,29 @@ class DecisionKind(enum.StrEnum):
     ACTIONS = "actions"
     FINAL_ANSWER = "final_answer"
     INVALID = "invalid"
+
+
+class StoreOp(enum.Enum):
+    """The six write operations of the run store seam (docs/seams.md, "Run store").
+
+    Whether an operation is a barrier is decided here and nowhere else
+    (docs/crash-safety.md, "The write protocol").
+    """
+
+    RUN_STARTED = "run_started"
+    INTENT = "intent"
+    MODEL_RESULT = "model_result"
+    STEP = "step"
+    CONTROL = "control"
+    RUN_FINISHED = "run_finished"
+
+    @property
+    def barrier(self) -> bool:
+        """True when the operation returns only once durable, with everything before it."""
+        return self in _BARRIER_OPS
+
+
+_BARRIER_OPS = frozenset({StoreOp.INTENT, StoreOp.CONTROL, StoreOp.RUN_FINISHED})
 
 
 # --------------------------------------------------------------------------- model shapes
@@ -434,6 +459,11 @@ class RunStarted:
         input: the run input as messages (text and image references), oldest first.
         snapshot: the merged model-visible agent definition; compared on resume.
         schema_version: `SCHEMA_VERSION` of the writer.
+        agent: the name the run's agent is served under by a fleet (``None`` for a run
+            started directly with `treadle.run`).
+        agent_version: the agent definition's version (`treadle.Agent.version`, by default
+            derived from the snapshot); a fleet worker claims only runs of versions it
+            serves (docs/fleet.md, "Deploys").
     """
 
     run_id: str
@@ -441,6 +471,8 @@ class RunStarted:
     input: tuple[Message, ...]
     snapshot: Mapping[str, JSONValue]
     schema_version: int = SCHEMA_VERSION
+    agent: str | None = None
+    agent_version: str | None = None
 
 
 @attrs.frozen(kw_only=True)
@@ -599,7 +631,12 @@ class RunFinished:
 
 @attrs.frozen(kw_only=True)
 class CancelRequested:
-    """A durable cancel request, written by any process holding the store."""
+    """A durable cancel request.
+
+    In a run's log it is written by the run's driver (the lease holder). Another process
+    appends it to the run's control stream instead (`treadle.ports.ControlStream`), and the
+    driver copies it into the log.
+    """
 
     run_id: str
     ts: str
@@ -680,6 +717,148 @@ class RunLog:
     def steps(self) -> tuple[StepRecord, ...]:
         """The step records, in step order."""
         return tuple(r for r in self.records if isinstance(r, StepRecord))
+
+
+# --------------------------------------------------------------------------- leases, control, index
+
+
+@attrs.frozen(kw_only=True)
+class Lease:
+    """The lease on one run: who may write its log now (docs/fleet.md, "Leases").
+
+    Instants are seconds since the Unix epoch on the store's clock (PostgreSQL's ``now()``;
+    the machine's wall clock for SQLite and JSONL), never trio time.
+
+    Attributes:
+        run_id: the run.
+        owner: the holder: ``host:pid:random`` (`treadle.stores.lease_owner`).
+        generation: the fencing generation: 1 for the first holder, one more at every
+            takeover by another owner. Every write of the run carries it; the store refuses
+            a write whose generation is not the current one.
+        expires_at: when the lease lapses unless renewed (epoch seconds, store clock).
+        heartbeat_at: when it was last acquired or renewed (epoch seconds, store clock).
+    """
+
+    run_id: str
+    owner: str
+    generation: int
+    expires_at: float
+    heartbeat_at: float
+
+
+@attrs.frozen(kw_only=True)
+class ControlEntry:
+    """One record of a run's control stream (cancel requests and approval decisions).
+
+    Attributes:
+        run_id: the run.
+        position: 1-based position in the run's control stream (gapless, in write order).
+        record: the request or decision.
+    """
+
+    run_id: str
+    position: int
+    record: CancelRequested | ApprovalDecided
+
+
+class Liveness(enum.StrEnum):
+    """Who drives a run, as a run index reports it (docs/fleet.md, "Liveness").
+
+    DRIVEN: a live lease holder drives it. PARKED: it waits for an approval with nobody
+    holding its lease (a decision or its deadline makes it claimable). QUEUED: submitted,
+    never started. ORPHANED: unfinished, and its driver's lease expired or was released
+    without finishing it. QUARANTINED: its drivers kept dying; only an explicit release
+    makes it claimable again. FINISHED: it has its run-finished record.
+    """
+
+    DRIVEN = "driven"
+    PARKED = "parked"
+    QUEUED = "queued"
+    ORPHANED = "orphaned"
+    QUARANTINED = "quarantined"
+    FINISHED = "finished"
+
+
+@attrs.frozen(kw_only=True)
+class RunSummary:
+    """One run as a run index lists it, without reading its log in full.
+
+    Attributes:
+        run_id: the run.
+        state: the state its log (or queue entry) shows; ``None`` when unreadable.
+        liveness: who drives it (judged at ``observed_at``).
+        observed_at: the store clock's instant the listing was taken (epoch seconds).
+        lease: the lease, when one was ever taken (a released one has ``owner == ""``).
+        agent: the agent name (fleet runs), else ``None``.
+        agent_version: the agent definition's version, when recorded.
+        steps: step records written so far.
+        stop_reason: why it ended, once finished.
+        started_at: the run-started instant (ISO-8601 UTC), ``None`` while queued.
+        submitted_at: when it was submitted to a fleet's queue (epoch seconds), else ``None``.
+        claims: how often a fleet worker claimed it.
+        takeovers: claims of it after its driver died (the lease expired unreleased).
+        quarantined: why it was quarantined, or ``None``.
+        awaiting_until: approval deadline while it waits on a human (ISO-8601), else ``None``.
+        error: why the run cannot be read (a damaged or too-new log), else ``None``.
+        where: the file or table holding it, for error reports.
+    """
+
+    run_id: str
+    state: RunState | None
+    liveness: Liveness
+    observed_at: float
+    lease: Lease | None = None
+    agent: str | None = None
+    agent_version: str | None = None
+    steps: int = 0
+    stop_reason: StopReason | None = None
+    started_at: str | None = None
+    submitted_at: float | None = None
+    claims: int = 0
+    takeovers: int = 0
+    quarantined: str | None = None
+    awaiting_until: str | None = None
+    error: str | None = None
+    where: str | None = None
+
+    @property
+    def heartbeat_age_s(self) -> float | None:
+        """Seconds since the lease holder last renewed, or ``None`` without a holder."""
+        if self.lease is None or not self.lease.owner:
+            return None
+        return max(0.0, self.observed_at - self.lease.heartbeat_at)
+
+
+@attrs.frozen(kw_only=True)
+class Submission:
+    """A run submitted to a fleet's queue, kept apart from the run's log.
+
+    Attributes:
+        run_id: the run's id.
+        agent: the name of the agent (a factory every serving worker registers).
+        input: the run input as messages.
+        submitted_at: epoch seconds on the store's clock.
+    """
+
+    run_id: str
+    agent: str
+    input: tuple[Message, ...]
+    submitted_at: float
+
+
+@attrs.frozen(kw_only=True)
+class Claim:
+    """A run a worker claimed from a fleet's queue: it now holds the run's lease.
+
+    Attributes:
+        lease: the lease the claim took (a takeover has the previous generation + 1).
+        submission: the queue entry of a run never started, else ``None``.
+        takeover: the previous holder's lease expired without release (its driver died).
+    """
+
+    lease: Lease
+    submission: Submission | None = None
+    takeover: bool = False
 
 
 # --------------------------------------------------------------------------- events

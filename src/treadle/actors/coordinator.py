@@ -22,7 +22,7 @@ from treadle.actors._rpc import StepScope, request
 from treadle.actors.executor import ActionsOutcome, RunActions
 from treadle.actors.gateway import CallModel, ModelOutcome
 from treadle.actors.hydrator import Hydrate
-from treadle.actors.writer import Op, WriterClient
+from treadle.actors.writer import WriterClient
 from treadle.approvals import (
     EXPIRED_DETAIL,
     Decision,
@@ -51,6 +51,7 @@ from treadle.types import (
     RunState,
     StepRecord,
     StopReason,
+    StoreOp,
     ToolCall,
     ToolSpec,
 )
@@ -409,14 +410,14 @@ class RunCoordinator:
                 ts=now,
                 deadline_ts=_plus_s(now, self.limits.approval_timeout_s),
             )
-            await self.writer.barrier(Op.CONTROL, request)
+            await self.writer.barrier(StoreOp.CONTROL, request)
             self.view.apply(request)
         found = await self._await_decision(request)
         if found is None:
             if self._cancel is not None:
                 return None
             found = expired_decision(request, self.clock)
-        await self.writer.barrier(Op.CONTROL, found)
+        await self.writer.barrier(StoreOp.CONTROL, found)
         self.view.apply(found)
         return found
 
@@ -535,13 +536,13 @@ class RunCoordinator:
             ts=self.clock.now_iso(),
             abandoned=True,
         )
-        await self.writer.write(Op.MODEL_RESULT, record)
+        await self.writer.write(StoreOp.MODEL_RESULT, record)
         self.view.apply(record)
 
     async def _write_step(
         self, record: StepRecord, results: tuple[ActionResult, ...] | None
     ) -> None:
-        await self.writer.write(Op.STEP, *(results or ()), record)
+        await self.writer.write(StoreOp.STEP, *(results or ()), record)
         for result in results or ():
             self.view.apply(result)
         self.view.apply(record)
@@ -559,7 +560,7 @@ class RunCoordinator:
             late_step = attrs.evolve(
                 self._late_step, ts=self.clock.now_iso(), active_s=cut_active_s
             )
-            await self.writer.write(Op.STEP, *self._late, late_step)
+            await self.writer.write(StoreOp.STEP, *self._late, late_step)
             for result in self._late:
                 self.view.apply(result)
             self.view.apply(late_step)
@@ -569,7 +570,7 @@ class RunCoordinator:
             cancel = CancelRequested(
                 run_id=self.run_id, ts=self.clock.now_iso(), reason=why, canceller=who
             )
-            await self.writer.barrier(Op.CONTROL, cancel)
+            await self.writer.barrier(StoreOp.CONTROL, cancel)
             self.view.apply(cancel)
         state = _final_state(reason)
         delivery = self.writer.statistics()
@@ -585,7 +586,7 @@ class RunCoordinator:
             sink_failures=delivery.sink_failures if delivery else 0,
             subscriber_drops=delivery.subscriber_drops if delivery else 0,
         )
-        await self.writer.barrier(Op.RUN_FINISHED, record)
+        await self.writer.barrier(StoreOp.RUN_FINISHED, record)
         self.view.apply(record)
         self.state = state
         return RunResult.from_finished(record)

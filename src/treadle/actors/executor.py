@@ -16,7 +16,7 @@ import trio
 
 from treadle._clock import Clock
 from treadle.actors._rpc import StepScope, reply
-from treadle.actors.writer import Op, WriterClient
+from treadle.actors.writer import WriterClient
 from treadle.ports import ActionExecutor
 from treadle.types import (
     Action,
@@ -28,6 +28,7 @@ from treadle.types import (
     Record,
     ReplayPolicy,
     StopReason,
+    StoreOp,
     SyntheticObservations,
     ToolCall,
 )
@@ -228,7 +229,7 @@ class ToolExecutor:
             arguments=action.arguments,
             ts=self.clock.now_iso(),
         )
-        durable = await self.writer.send_barrier(Op.INTENT, intent)
+        durable = await self.writer.send_barrier(StoreOp.INTENT, intent)
         written.append(intent)
         with durable:
             await durable.receive()

@@ -29,7 +29,7 @@ import trio
 from treadle._clock import Clock
 from treadle._exceptions import ModelCallError
 from treadle.actors._rpc import StepScope, reply
-from treadle.actors.writer import Op, WriterClient
+from treadle.actors.writer import WriterClient
 from treadle.models._transport import attempt_deadlines, observe_usage
 from treadle.ports import ModelClient
 from treadle.types import (
@@ -42,6 +42,7 @@ from treadle.types import (
     ModelResult,
     Record,
     StopReason,
+    StoreOp,
     Usage,
 )
 
@@ -222,7 +223,7 @@ class ModelGateway:
         outcome: ModelReply | ModelCallError | None = None
         on_delta = self._on_delta()
         with message.scope.open():
-            durable = await self.writer.send_barrier(Op.INTENT, intent)
+            durable = await self.writer.send_barrier(StoreOp.INTENT, intent)
             written.append(intent)
             with durable:
                 await durable.receive()
@@ -289,7 +290,7 @@ class ModelGateway:
             usage=reply_.usage if reply_ is not None else (usage or Usage()),
         )
         written.append(result)
-        await self.writer.write(Op.MODEL_RESULT, result)
+        await self.writer.write(StoreOp.MODEL_RESULT, result)
         return result
 
 

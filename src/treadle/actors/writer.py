@@ -8,7 +8,6 @@ run: its events are dropped and counted (DESIGN §3.5, §7).
 
 from __future__ import annotations
 
-import enum
 from collections.abc import Callable, Iterable, Iterator, Sequence
 
 import attrs
@@ -31,6 +30,7 @@ from treadle.types import (
     RunLog,
     RunStarted,
     StepRecord,
+    StoreOp,
 )
 
 EVENT_KIND: dict[type[object], EventKind] = {
@@ -61,30 +61,15 @@ TAIL_KEEP = 64
 """Recent records kept in memory so a subscriber can join without a store read."""
 
 
-class Op(enum.Enum):
-    """Which store operation an `Append` is."""
-
-    RUN_STARTED = "run_started"
-    INTENT = "intent"
-    MODEL_RESULT = "model_result"
-    STEP = "step"
-    CONTROL = "control"
-    RUN_FINISHED = "run_finished"
-
-
-BARRIERS = frozenset({Op.INTENT, Op.CONTROL, Op.RUN_FINISHED})
-"""Operations that are barriers (DESIGN §4)."""
-
-
 @attrs.frozen(kw_only=True)
 class Append:
     """Write ``records`` with store operation ``op``.
 
     ``reply_to`` is set for barriers: the writer answers once the write is durable. For a
-    `Op.STEP` the records are the action results followed by the step record.
+    `StoreOp.STEP` the records are the action results followed by the step record.
     """
 
-    op: Op
+    op: StoreOp
     records: tuple[Record, ...]
     reply_to: trio.MemorySendChannel[int] | None = None
 
@@ -242,6 +227,8 @@ class EventWriter:
         run_id: the run.
         store: the run store.
         next_seq: the seq of the next record (1 for a new run, log length + 1 on resume).
+        generation: the run's lease generation, carried by every write (0 for a store
+            without leases; docs/fleet.md, "Leases").
         sinks: event sinks, each fed through its own bounded buffer (used when no ``feed``
             is given: the writer then runs its own).
         feed: the run's `SinkFeed`, run by the run supervisor so it outlives this writer.
@@ -250,6 +237,7 @@ class EventWriter:
     run_id: str
     store: RunStore
     next_seq: int
+    generation: int
     sinks: Sequence[EventSink] = ()
     feed: SinkFeed | None = None
     _subscribers: list[trio.MemorySendChannel[Event]] = attrs.Factory(list)
@@ -323,7 +311,7 @@ class EventWriter:
     async def _append(self, message: Append) -> None:
         seq = self.next_seq
         records = message.records
-        await _STORE_OPS[message.op](self.store, records, seq)
+        await _STORE_OPS[message.op](self.store, records, seq, self.generation)
         self.next_seq = seq + len(records)
         self._delta_ordinal = 0
         for offset, record in enumerate(records):
@@ -463,51 +451,53 @@ def _refuse_pending(inbox: trio.MemoryReceiveChannel[WriterRequest]) -> None:
             reply_to.close()
 
 
-async def _write_started(store: RunStore, records: tuple[Record, ...], seq: int) -> None:
+async def _write_started(store: RunStore, records: tuple[Record, ...], seq: int, gen: int) -> None:
     (record,) = records
     assert isinstance(record, RunStarted)
-    await store.write_run_started(record, seq=seq)
+    await store.write_run_started(record, seq=seq, generation=gen)
 
 
-async def _write_intent(store: RunStore, records: tuple[Record, ...], seq: int) -> None:
+async def _write_intent(store: RunStore, records: tuple[Record, ...], seq: int, gen: int) -> None:
     (record,) = records
     assert isinstance(record, ModelIntent | ActionIntent)
-    await store.write_intent(record, seq=seq)
+    await store.write_intent(record, seq=seq, generation=gen)
 
 
-async def _write_model_result(store: RunStore, records: tuple[Record, ...], seq: int) -> None:
+async def _write_model_result(
+    store: RunStore, records: tuple[Record, ...], seq: int, gen: int
+) -> None:
     (record,) = records
     assert isinstance(record, ModelResult)
-    await store.write_model_result(record, seq=seq)
+    await store.write_model_result(record, seq=seq, generation=gen)
 
 
-async def _write_step(store: RunStore, records: tuple[Record, ...], seq: int) -> None:
+async def _write_step(store: RunStore, records: tuple[Record, ...], seq: int, gen: int) -> None:
     *results, step = records
     assert isinstance(step, StepRecord)
     actions = [r for r in results if isinstance(r, ActionResult)]
     assert len(actions) == len(results)
-    await store.write_step(actions or None, step, seq=seq)
+    await store.write_step(actions or None, step, seq=seq, generation=gen)
 
 
-async def _write_control(store: RunStore, records: tuple[Record, ...], seq: int) -> None:
+async def _write_control(store: RunStore, records: tuple[Record, ...], seq: int, gen: int) -> None:
     (record,) = records
     assert isinstance(record, CancelRequested | ApprovalRequested | ApprovalDecided)
-    await store.write_control(record, seq=seq)
+    await store.write_control(record, seq=seq, generation=gen)
 
 
-async def _write_finished(store: RunStore, records: tuple[Record, ...], seq: int) -> None:
+async def _write_finished(store: RunStore, records: tuple[Record, ...], seq: int, gen: int) -> None:
     (record,) = records
     assert isinstance(record, RunFinished)
-    await store.write_run_finished(record, seq=seq)
+    await store.write_run_finished(record, seq=seq, generation=gen)
 
 
 _STORE_OPS = {
-    Op.RUN_STARTED: _write_started,
-    Op.INTENT: _write_intent,
-    Op.MODEL_RESULT: _write_model_result,
-    Op.STEP: _write_step,
-    Op.CONTROL: _write_control,
-    Op.RUN_FINISHED: _write_finished,
+    StoreOp.RUN_STARTED: _write_started,
+    StoreOp.INTENT: _write_intent,
+    StoreOp.MODEL_RESULT: _write_model_result,
+    StoreOp.STEP: _write_step,
+    StoreOp.CONTROL: _write_control,
+    StoreOp.RUN_FINISHED: _write_finished,
 }
 
 
@@ -529,11 +519,11 @@ class WriterClient:
         """Whether anyone listens for ephemeral deltas (skip coalescing when not)."""
         return self.writer is not None and self.writer.wants_deltas
 
-    async def write(self, op: Op, *records: Record) -> None:
+    async def write(self, op: StoreOp, *records: Record) -> None:
         """Queue a non-barrier write; returns once the writer accepted it."""
         await self.inbox.send(Append(op=op, records=records))
 
-    async def barrier(self, op: Op, *records: Record) -> int:
+    async def barrier(self, op: StoreOp, *records: Record) -> int:
         """Write and wait until durable (with everything written before it).
 
         Returns:
@@ -546,7 +536,7 @@ class WriterClient:
         with pending:
             return await pending.receive()
 
-    async def send_barrier(self, op: Op, *records: Record) -> trio.MemoryReceiveChannel[int]:
+    async def send_barrier(self, op: StoreOp, *records: Record) -> trio.MemoryReceiveChannel[int]:
         """Hand a barrier write to the writer; await the returned channel for durability.
 
         Once this returns, the write is queued and will happen even if the caller is then

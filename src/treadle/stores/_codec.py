@@ -8,6 +8,7 @@ run-started record; a log from a newer version is refused by `check_schema`.
 from __future__ import annotations
 
 import json
+import zlib
 from typing import Any, Final
 
 import cattrs
@@ -23,6 +24,7 @@ from treadle.types import (
     ApprovalDecided,
     ApprovalRequested,
     CancelRequested,
+    Message,
     ModelIntent,
     ModelResult,
     Record,
@@ -95,10 +97,46 @@ def encode(record: Record) -> str:
         return json.dumps(data, ensure_ascii=True, separators=(",", ":"))
 
 
+def encode_bytes(record: Record) -> bytes:
+    """`encode` as UTF-8 bytes (orjson's output as is on the fast path)."""
+    data = record_to_dict(record)
+    try:
+        return orjson.dumps(data)
+    except orjson.JSONEncodeError:
+        return json.dumps(data, ensure_ascii=True, separators=(",", ":")).encode("ascii")
+
+
+def record_crc(run_id: str, seq: int, generation: int, kind: str, body: bytes) -> int:
+    """The CRC-32 (zlib) a stored record row carries: over its key, generation, tag and body.
+
+    A bit flipped anywhere in the row (a changed run id, seq, generation, tag or body byte)
+    changes it, so a read refuses the row instead of returning a different log.
+    """
+    head = f"{run_id}\x1f{seq}\x1f{generation}\x1f{kind}\x1f".encode("utf-8", "surrogatepass")
+    return zlib.crc32(body, zlib.crc32(head))
+
+
 def decode(text: str | bytes) -> Record:
     """Parse one JSON record; raises `ValueError` (or a cattrs error) on bad input."""
     # The standard library's decoder: orjson would turn integers beyond 64 bits into floats.
     return record_from_dict(json.loads(text))
+
+
+def encode_messages(messages: tuple[Message, ...]) -> bytes:
+    """A queued run's input as JSON bytes (a list of messages)."""
+    return orjson.dumps(_CONVERTER.unstructure(messages, tuple[Message, ...]))
+
+
+def decode_messages(data: bytes | str) -> tuple[Message, ...]:
+    """The input `encode_messages` stored.
+
+    Raises:
+        ValueError: not a JSON list of messages (a cattrs error included).
+    """
+    try:
+        return _CONVERTER.structure(json.loads(data), tuple[Message, ...])
+    except cattrs.BaseValidationError as exc:
+        raise ValueError(f"not a list of messages: {exc}") from exc
 
 
 def check_schema(record: Record) -> None:

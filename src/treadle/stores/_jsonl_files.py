@@ -1,7 +1,15 @@
-"""The files of the JSONL store: names, frames, reading and checking a run file.
+"""The files of the JSONL store: names, frames, reading and checking them.
 
 Blocking functions: the store (`treadle.stores.jsonl`) calls them in worker threads. The
-format is described in docs/decisions/0004-jsonl-format.md.
+format is described in docs/decisions/0004-jsonl-format.md::
+
+    <directory>/<name>.jsonl              a run's log: a header frame, then record frames
+    <directory>/.control/<name>.jsonl     the run's control stream: one frame per entry
+    <directory>/.leases/<name>.lock       held with flock(LOCK_EX) by the lease holder
+    <directory>/.leases/<name>.lease      the lease sidecar: owner, generation, heartbeat
+    <directory>/.repairs/                 what `treadle repair` removed, with a note
+
+``<name>`` is the run id, percent-encoded (`run_file_name`).
 """
 
 from __future__ import annotations
@@ -10,30 +18,39 @@ import hashlib
 import json
 import os
 import re
+import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Final
+from urllib.parse import unquote
 
 import attrs
 
-from treadle._exceptions import LogCorrupted, SchemaTooNew, StoreError
+from treadle._exceptions import LogCorrupted, SchemaTooNew, StoreError, TreadleError
 from treadle.stores._codec import check_schema, encode, record_from_dict
-from treadle.stores._jsonl_commit import OsFileOps
 from treadle.stores._lines import FrameError, TornSpan, check_frame, frame, scan_lines
-from treadle.types import Record
+from treadle.types import ApprovalDecided, CancelRequested, ControlEntry, Lease, Record
 
 FORMAT: Final = "treadle.jsonl"
 """The ``format`` of a run file's header."""
 
-FORMAT_VERSION: Final = 1
-"""The frame format version written in every header; a newer file is refused."""
+FORMAT_VERSION: Final = 2
+"""The frame format version written in every new header; a newer file is refused.
+
+2: record frames carry the writer's lease generation (``gen``); control streams and leases
+live in ``.control/`` and ``.leases/`` (version 1 kept a control log as a pseudo-run)."""
 
 MAX_NAME_CHARS: Final = 200
 """Longest encoded run id kept in a file name; longer ones are named by their SHA-256."""
 
+CONTROL_DIR: Final = ".control"
+LEASE_DIR: Final = ".leases"
+REPAIR_DIR: Final = ".repairs"
+
 _SAFE: Final = frozenset("abcdefghijklmnopqrstuvwxyz0123456789._-")
-_NAME: Final = re.compile(r"([^/]+)\.jsonl")
-_PROBE_CHUNK: Final = 65_536
+_NAME: Final = re.compile(r"([^/.][^/]*)\.jsonl")
+_CHUNK: Final = 65_536
+_V1_CONTROL_SUFFIX: Final = "#control"
 
 
 # --------------------------------------------------------------------------- file names
@@ -60,6 +77,15 @@ def run_file_name(run_id: str) -> str:
     return f"{encoded}.jsonl"
 
 
+def id_from_name(name: str) -> str:
+    """The run id a file name stands for (for a file whose header cannot be read).
+
+    A hashed name (``~<sha256>``) cannot be turned back: the name itself stands for it.
+    """
+    stem = name[: -len(".jsonl")]
+    return stem if stem.startswith("~") else unquote(stem, errors="surrogateescape")
+
+
 # --------------------------------------------------------------------------- frames
 
 
@@ -77,14 +103,23 @@ def header_frame(run_id: str, *, created_ns: int) -> bytes:
     return frame(0, "header", json.dumps(header, ensure_ascii=False, separators=(",", ":")))
 
 
-def records_frame(seq: int, records: Sequence[Record]) -> bytes:
+def records_frame(seq: int, records: Sequence[Record], *, generation: int) -> bytes:
     """The line of one store operation (newline included).
 
     Raises:
         UnicodeEncodeError: a text cannot be written as UTF-8.
         TypeError, ValueError: a record cannot be written as JSON.
     """
-    return frame(seq, "records", "[" + ",".join(encode(r) for r in records) + "]")
+    payload = "[" + ",".join(encode(r) for r in records) + "]"
+    return frame(seq, "records", payload, generation=generation)
+
+
+def control_frame(position: int, record: CancelRequested | ApprovalDecided) -> bytes:
+    """The line of one control-stream entry (newline included)."""
+    return frame(position, "control", encode(record))
+
+
+# --------------------------------------------------------------------------- reading run files
 
 
 @attrs.frozen(kw_only=True)
@@ -95,7 +130,9 @@ class RunFile:
         exists: the file exists.
         run_id: from the header (``None`` while the file holds no intact header).
         created_ns: from the header (0 without one).
+        version: the header's format version (0 without one).
         records: every record, in seq order.
+        generations: the lease generation of each record's writer (0 for version 1 files).
         next_seq: the seq the next record gets.
         end: bytes of the good prefix.
         torn: the torn tail, if any.
@@ -104,10 +141,25 @@ class RunFile:
     exists: bool
     run_id: str | None
     created_ns: int
+    version: int
     records: tuple[Record, ...]
+    generations: tuple[int, ...]
     next_seq: int
     end: int
     torn: TornSpan | None
+
+
+_MISSING: Final = RunFile(
+    exists=False,
+    run_id=None,
+    created_ns=0,
+    version=0,
+    records=(),
+    generations=(),
+    next_seq=1,
+    end=0,
+    torn=None,
+)
 
 
 def _content(where: str, line: bytes, offset: int) -> dict[str, Any]:
@@ -115,14 +167,22 @@ def _content(where: str, line: bytes, offset: int) -> dict[str, Any]:
         data = json.loads(line.decode("utf-8"))
     except ValueError as exc:  # UnicodeDecodeError included
         raise LogCorrupted(f"undecodable frame: {exc}", where=where, offset=offset) from exc
-    if not isinstance(data, dict) or len(data) != 3 or not ({"header", "records"} & set(data)):
+    keys = set(data) if isinstance(data, dict) else set()
+    payload = keys - {"seq", "crc", "gen"}
+    if {"seq", "crc"} - keys or len(payload) != 1 or not payload & {"header", "records", "control"}:
         raise LogCorrupted(
-            "a frame must hold seq, crc and header or records", where=where, offset=offset
+            "a frame must hold seq, crc and header, records or control", where=where, offset=offset
         )
-    return data
+    return data  # type: ignore[no-any-return]
 
 
-def _read_header(where: str, found: tuple[int, bytes, int]) -> tuple[str, int]:
+def read_header(where: str, found: tuple[int, bytes, int]) -> tuple[str, int, int]:
+    """``(run_id, created_ns, version)`` from a run file's first frame.
+
+    Raises:
+        LogCorrupted: it is not a header.
+        SchemaTooNew: the header's version is newer than `FORMAT_VERSION`.
+    """
     seq, line, offset = found
     data = _content(where, line, offset)
     header = data.get("header")
@@ -134,18 +194,22 @@ def _read_header(where: str, found: tuple[int, bytes, int]) -> tuple[str, int]:
     if version > FORMAT_VERSION:
         raise SchemaTooNew(version, FORMAT_VERSION)
     created = header.get("created_ns", 0)
-    return header["run_id"], created if isinstance(created, int) else 0
+    return header["run_id"], created if isinstance(created, int) else 0, version
 
 
 def _read_records(
     where: str, run_id: str, found: tuple[int, bytes, int], expected: int
-) -> list[Record]:
+) -> tuple[list[Record], int]:
     seq, line, offset = found
     if seq != expected:
         raise LogCorrupted(f"frame seq {seq}, expected {expected}", where=where, offset=offset)
-    items = _content(where, line, offset).get("records")
+    data = _content(where, line, offset)
+    items = data.get("records")
     if not isinstance(items, list) or not items:
         raise LogCorrupted("a frame holds no records", where=where, offset=offset)
+    generation = data.get("gen", 0)
+    if not isinstance(generation, int):
+        raise LogCorrupted("a frame's generation is not a number", where=where, offset=offset)
     records: list[Record] = []
     for item in items:
         try:
@@ -160,53 +224,56 @@ def _read_records(
             )
         check_schema(record)
         records.append(record)
-    return records
+    return records, generation
+
+
+def read_bytes(path: str) -> bytes | None:
+    """A file's bytes, or ``None`` when it does not exist.
+
+    Raises:
+        StoreError: it cannot be read.
+    """
+    try:
+        with open(path, "rb") as file:
+            return file.read()
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        raise StoreError(f"cannot read {path}: {exc.strerror or exc}") from exc
 
 
 def read_run_file(path: str) -> RunFile:
     """Read and check a run file (blocking; call it in a worker thread).
 
-    Args:
-        path: the file.
-
     Returns:
         The records and where the good prefix ends; a missing file reads as empty.
 
     Raises:
-        LogCorrupted: a damaged line with more after it, a bad header, a seq gap, a record
+        LogCorrupted: a damaged line (not a torn tail), a bad header, a seq gap, a record
             that does not decode or belongs to another run (``offset``: the line's byte).
         SchemaTooNew: the header or the run-started record is from a newer version.
         StoreError: the file cannot be read.
     """
-    try:
-        with open(path, "rb") as file:
-            data = file.read()
-    except FileNotFoundError:
-        return RunFile(
-            exists=False, run_id=None, created_ns=0, records=(), next_seq=1, end=0, torn=None
-        )
-    except OSError as exc:
-        raise StoreError(f"cannot read {path}: {exc.strerror or exc}") from exc
+    data = read_bytes(path)
+    if data is None:
+        return _MISSING
     scanned = scan_lines(data, check_frame, where=path)
     if not scanned.items:
-        return RunFile(
-            exists=True,
-            run_id=None,
-            created_ns=0,
-            records=(),
-            next_seq=1,
-            end=scanned.end,
-            torn=scanned.torn,
-        )
-    run_id, created_ns = _read_header(path, scanned.items[0])
+        return attrs.evolve(_MISSING, exists=True, end=scanned.end, torn=scanned.torn)
+    run_id, created_ns, version = read_header(path, scanned.items[0])
     records: list[Record] = []
+    generations: list[int] = []
     for found in scanned.items[1:]:
-        records.extend(_read_records(path, run_id, found, len(records) + 1))
+        more, generation = _read_records(path, run_id, found, len(records) + 1)
+        records.extend(more)
+        generations.extend([generation] * len(more))
     return RunFile(
         exists=True,
         run_id=run_id,
         created_ns=created_ns,
+        version=version,
         records=tuple(records),
+        generations=tuple(generations),
         next_seq=len(records) + 1,
         end=scanned.end,
         torn=scanned.torn,
@@ -214,55 +281,223 @@ def read_run_file(path: str) -> RunFile:
 
 
 @attrs.frozen(kw_only=True)
-class Listing:
-    """A run file's run id and creation instant (from its header)."""
+class Probe:
+    """What listing learns of a run file without reading all of it.
 
+    Attributes:
+        name: the file name.
+        run_id: from the header, or from the file name when the header cannot be read.
+        created_ns: from the header (the file's modification time when unreadable).
+        first: the run-started record, when the first record frame is intact.
+        tail: the records of the intact frames in the file's last 64 KiB, in order.
+        error: why the file cannot be read, or ``None``.
+    """
+
+    name: str
     run_id: str
     created_ns: int
+    first: Record | None = None
+    tail: tuple[Record, ...] = ()
+    error: TreadleError | None = None
 
 
-def _probe(path: str) -> Listing | None:
-    """The run of a file that holds a header and at least one record line, else ``None``.
+def probe_run_file(path: str) -> Probe | None:
+    """The header, first record and last records of a run file (``None``: no record yet).
 
-    Reads only the first two lines. A damaged second line counts when more bytes follow it
-    (reading the run then fails loudly); a torn one does not.
+    Reads the first lines and the last 64 KiB only. A damaged file is reported in
+    ``error`` (reading its log raises the same), never left out.
     """
-    data = b""
+    name = os.path.basename(path)
     try:
         with open(path, "rb") as file:
-            while data.count(b"\n") < 2:
-                chunk = file.read(_PROBE_CHUNK)
-                if not chunk:
-                    return None
-                data += chunk
+            head = _first_lines(file, 2)
+            size = os.fstat(file.fileno()).st_size
+            file.seek(max(0, size - _CHUNK))
+            tail = file.read()
+            mtime = os.fstat(file.fileno()).st_mtime_ns
     except FileNotFoundError:
         return None
-    first = data.index(b"\n")
-    second = data.index(b"\n", first + 1)
+    except OSError as exc:
+        error = StoreError(f"cannot read {path}: {exc.strerror or exc}")
+        return Probe(name=name, run_id=id_from_name(name), created_ns=0, error=error)
     try:
-        run_id, created_ns = _read_header(path, check_frame(data[:first], 0))
-    except (FrameError, LogCorrupted):
-        return None  # reading the run reports what is wrong
-    try:
-        check_frame(data[first + 1 : second], first + 1)
-    except FrameError:
-        if os.path.getsize(path) <= second + 1:
-            return None
-    return Listing(run_id=run_id, created_ns=created_ns)
+        return _probe(path, name, head, tail)
+    except TreadleError as exc:
+        return Probe(name=name, run_id=id_from_name(name), created_ns=mtime, error=exc)
 
 
-def probe_directory(directory: str, known: set[str]) -> dict[str, Listing | None]:
-    """Probe every run file of ``directory`` not in ``known`` (file names)."""
-    found: dict[str, Listing | None] = {}
-    for entry in os.scandir(directory):
-        if entry.name in known or not _NAME.fullmatch(entry.name) or not entry.is_file():
+def _first_lines(file: Any, count: int) -> bytes:
+    data = b""
+    while data.count(b"\n") < count:
+        chunk = file.read(_CHUNK)
+        if not chunk:
+            break
+        data += chunk
+    return data
+
+
+def _probe(path: str, name: str, head: bytes, tail: bytes) -> Probe | None:
+    complete = head.split(b"\n")[:-1]  # the lines that end with a newline
+    if not complete or not complete[0].strip(b"\0"):
+        return None  # no header line reached the file: a first write that crashed
+    run_id, created_ns, _ = read_header(path, _checked(path, complete[0], 0))
+    if len(complete) < 2 or not complete[1].strip(b"\0"):
+        return None  # no record line reached the file (a torn first record was never written)
+    first_found = _checked(path, complete[1], len(complete[0]) + 1)
+    first_records, _ = _read_records(path, run_id, first_found, 1)
+    return Probe(
+        name=name,
+        run_id=run_id,
+        created_ns=created_ns,
+        first=first_records[0],
+        tail=tuple(_tail_records(tail)),
+    )
+
+
+def _checked(path: str, line: bytes, offset: int) -> tuple[int, bytes, int]:
+    try:
+        return check_frame(line, offset)
+    except FrameError as exc:
+        raise LogCorrupted(f"a line is damaged: {exc}", where=path, offset=offset) from exc
+
+
+def _tail_records(tail: bytes) -> list[Record]:
+    """The records of the intact record frames in ``tail`` (a file's last bytes), in order.
+
+    Lines that are cut (the first one) or fail their check are skipped here: a full read of
+    the log judges damage.
+    """
+    records: list[Record] = []
+    start = 0 if tail.startswith(b'{"seq":') else tail.find(b"\n") + 1
+    for line in tail[start:].split(b"\n"):
+        try:
+            seq, _, _ = check_frame(line, 0)
+            items = json.loads(line).get("records", ()) if seq else ()
+            records.extend(record_from_dict(item) for item in items)
+        except Exception:  # see the docstring
             continue
-        found[entry.name] = _probe(entry.path)
-    return found
+    return records
+
+
+def list_run_files(directory: str) -> list[str]:
+    """The names of the run files of ``directory`` (no control, lease or repair files)."""
+    return [
+        entry.name
+        for entry in os.scandir(directory)
+        if _NAME.fullmatch(entry.name) and entry.is_file()
+    ]
+
+
+# --------------------------------------------------------------------------- control streams
+
+
+def read_control_file(path: str, run_id: str) -> tuple[ControlEntry, ...]:
+    """A run's control entries (blocking); a torn last line is left out.
+
+    Raises:
+        LogCorrupted: a damaged line, a position out of order, an entry of another run.
+        StoreError: the file cannot be read.
+    """
+    data = read_bytes(path)
+    return scan_control(data, path, run_id)[0] if data else ()
+
+
+def scan_control(data: bytes, path: str, run_id: str) -> tuple[tuple[ControlEntry, ...], int]:
+    """The control entries in ``data`` (a control file's bytes) and where the good ones end.
+
+    Raises:
+        LogCorrupted: as `read_control_file`.
+    """
+    scanned = scan_lines(data, check_frame, where=path)
+    entries = []
+    for position, (seq, line, offset) in enumerate(scanned.items, start=1):
+        if seq != position:
+            raise LogCorrupted(
+                f"control entry {seq}, expected {position}", where=path, offset=offset
+            )
+        item = _content(path, line, offset).get("control")
+        try:
+            record = record_from_dict(item) if isinstance(item, dict) else None
+        except Exception as exc:
+            raise LogCorrupted(
+                f"undecodable control entry: {exc}", where=path, offset=offset
+            ) from exc
+        if not isinstance(record, CancelRequested | ApprovalDecided) or record.run_id != run_id:
+            raise LogCorrupted(f"not a control entry of run {run_id!r}", where=path, offset=offset)
+        entries.append(ControlEntry(run_id=run_id, position=position, record=record))
+    return tuple(entries), scanned.end
+
+
+# --------------------------------------------------------------------------- lease sidecars
+
+
+def read_sidecar(path: str, run_id: str) -> tuple[Lease | None, int]:
+    """The lease a sidecar records, and the control position its last holder handled.
+
+    A missing sidecar is no lease; an unreadable one is reported as a lease of an unknown
+    holder (generation 0), so that nobody takes it for a free run by mistake.
+    """
+    data = read_bytes(path)
+    if data is None:
+        return None, 0
+    try:
+        item = json.loads(data)
+        lease = Lease(
+            run_id=run_id,
+            owner=str(item["owner"]),
+            generation=int(item["generation"]),
+            expires_at=float(item["expires_at"]),
+            heartbeat_at=float(item["heartbeat_at"]),
+        )
+        return lease, int(item.get("control_seen", 0))
+    except (ValueError, KeyError, TypeError):
+        return Lease(
+            run_id=run_id, owner="unknown", generation=0, expires_at=0.0, heartbeat_at=0.0
+        ), 0
+
+
+def write_sidecar(path: str, lease: Lease, control_seen: int, *, durable: bool) -> None:
+    """Replace the sidecar atomically (write, rename); ``durable`` syncs file and directory.
+
+    Raises:
+        OSError: it cannot be written.
+    """
+    data = json.dumps(
+        {
+            "owner": lease.owner,
+            "generation": lease.generation,
+            "expires_at": lease.expires_at,
+            "heartbeat_at": lease.heartbeat_at,
+            "control_seen": control_seen,
+        }
+    ).encode()
+    temporary = f"{path}.{os.getpid()}.tmp"
+    fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        os.write(fd, data)
+        if durable:
+            os.fsync(fd)
+    finally:
+        os.close(fd)
+    os.replace(temporary, path)
+    if durable:
+        sync_dir(os.path.dirname(path))
+
+
+def sync_dir(path: str) -> None:
+    """Make the entries of directory ``path`` durable (``fsync`` on the directory)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+# --------------------------------------------------------------------------- the directory
 
 
 def open_directory(directory: str) -> None:
-    """Make sure the store directory exists (creating it, and syncing its parent).
+    """Make sure the store directory and its sub-directories exist (creating them).
 
     Raises:
         StoreError: the path is a file, its parent is missing, or it cannot be created.
@@ -272,12 +507,119 @@ def open_directory(directory: str) -> None:
         raise StoreError(f"cannot open JSONL store {directory}: not a directory")
     if not path.parent.is_dir():
         raise StoreError(f"cannot open JSONL store {directory}: {path.parent} is not a directory")
-    if path.is_dir():
-        return
     try:
-        path.mkdir()
-        OsFileOps().sync_dir(str(path.parent))
-    except FileExistsError:
-        return
+        for sub in (path, path / CONTROL_DIR, path / LEASE_DIR):
+            if not sub.is_dir():
+                try:
+                    sub.mkdir()
+                except FileExistsError:
+                    continue
+                sync_dir(str(sub.parent))
     except OSError as exc:
         raise StoreError(f"cannot open JSONL store {directory}: {exc.strerror or exc}") from exc
+
+
+def migrate_v1_control(directory: str) -> int:
+    """Turn version-1 control pseudo-runs (``<run_id>#control``) into control streams.
+
+    Each pseudo-run's cancel and decision records are appended, in order, to the control
+    stream of its run, then the pseudo-run file is removed. Returns how many were moved.
+    """
+    moved = 0
+    for name in list_run_files(directory):
+        if not name.endswith("%23control.jsonl"):
+            continue
+        path = os.path.join(directory, name)
+        found = read_run_file(path)
+        if found.run_id is None or not found.run_id.endswith(_V1_CONTROL_SUFFIX):
+            continue
+        run_id = found.run_id[: -len(_V1_CONTROL_SUFFIX)]
+        target = os.path.join(directory, CONTROL_DIR, run_file_name(run_id))
+        existing = len(read_control_file(target, run_id))
+        lines = b""
+        controls = [r for r in found.records if isinstance(r, CancelRequested | ApprovalDecided)]
+        for position, record in enumerate(controls, start=existing + 1):
+            lines += control_frame(position, attrs.evolve(record, run_id=run_id))
+        with open(target, "ab") as file:
+            file.write(lines)
+            file.flush()
+            os.fsync(file.fileno())
+        os.unlink(path)
+        sync_dir(os.path.join(directory, CONTROL_DIR))
+        sync_dir(directory)
+        moved += 1
+    return moved
+
+
+@attrs.frozen(kw_only=True)
+class Repair:
+    """What `repair_run_file` removed from a run file.
+
+    Attributes:
+        path: the run file.
+        offset: where the cut starts (the damaged line's first byte).
+        removed: bytes removed.
+        saved: the file in ``.repairs/`` holding the removed bytes.
+        note: the JSON note written beside it.
+        reason: the damage found.
+    """
+
+    path: str
+    offset: int
+    removed: int
+    saved: str
+    note: str
+    reason: str
+
+
+def repair_run_file(directory: str, name: str) -> Repair | None:
+    """Cut a run file at its first damaged line, keeping what was removed (blocking).
+
+    The removed bytes go to ``.repairs/<name>.<ns>.removed`` with a JSON note beside them
+    (offset, length, SHA-256, the damage); the file is cut and synced. The caller must hold
+    the run's lease (nobody writes meanwhile).
+
+    Returns:
+        What was removed, or ``None`` when the file reads without damage.
+    """
+    path = os.path.join(directory, name)
+    try:
+        read_run_file(path)
+    except LogCorrupted as exc:
+        damage = exc
+    else:
+        return None
+    data = read_bytes(path) or b""
+    offset = min(damage.offset, len(data))
+    removed = data[offset:]
+    stamp = time.time_ns()
+    repairs = os.path.join(directory, REPAIR_DIR)
+    os.makedirs(repairs, exist_ok=True)
+    saved = os.path.join(repairs, f"{name}.{stamp}.removed")
+    note = os.path.join(repairs, f"{name}.{stamp}.json")
+    with open(saved, "wb") as file:
+        file.write(removed)
+        file.flush()
+        os.fsync(file.fileno())
+    description = {
+        "file": path,
+        "offset": offset,
+        "removed_bytes": len(removed),
+        "sha256": hashlib.sha256(removed).hexdigest(),
+        "damage": str(damage),
+        "repaired_at_ns": stamp,
+    }
+    with open(note, "w", encoding="utf-8") as file:
+        json.dump(description, file, indent=2)
+        file.flush()
+        os.fsync(file.fileno())
+    sync_dir(repairs)
+    fd = os.open(path, os.O_RDWR)
+    try:
+        os.ftruncate(fd, offset)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    return Repair(
+        path=path, offset=offset, removed=len(removed), saved=saved, note=note, reason=str(damage)
+    )

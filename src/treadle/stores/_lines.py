@@ -1,16 +1,18 @@
 """Line framing for append-only logs: recovery after a crash, and the JSONL store's frames.
 
-A crash in the middle of an append leaves at most the LAST line of a file incomplete: no
-trailing newline, or (when the file length reached the disk before all of its data) a line
-whose frame check fails. `scan_lines` applies the recovery rules the JSONL store relies on:
+A crash in the middle of an append leaves at most the end of a file unwritten: the last line
+without its trailing newline, or (after a power cut, when the file's new length reached the
+disk before its data) a tail of NUL bytes. `scan_lines` applies the recovery rules the JSONL
+store relies on (docs/crash-safety.md, "Torn tails and damage"):
 
 * every line is decoded on its own (the caller's ``check`` decodes strict UTF-8 and verifies
   the line's checksum, if its format has one);
-* a last segment without a trailing newline is a **torn tail**: never committed, reported,
+* what a lost write looks like is a **torn tail**: a last segment without a trailing newline,
+  or a tail made only of NUL bytes (and newlines). It was never acknowledged; it is reported
   and excluded from the good prefix (its bytes are cut before the next append);
-* a newline-terminated last line whose frame check fails is a torn tail too;
-* a line whose frame check fails and that is followed by more bytes is **corruption in the
-  middle**: `LogCorrupted` with the byte offset of that line, never skipped silently.
+* anything else that fails its check is **damage**: `LogCorrupted` with the byte offset of the
+  line, never cut silently, whether more lines follow it or not. An operator removes it
+  knowingly with ``treadle repair``.
 
 The rules do not depend on the record shape, so the same function reads our own format
 (`treadle.stores.jsonl`) and foreign logs in tests.
@@ -18,7 +20,7 @@ The rules do not depend on the record shape, so the same function reads our own 
 The frame of the JSONL store (`frame`, `check_frame`) is one line of JSON whose ``crc`` field
 is the CRC-32 of the line itself, with the 8 hex digits of the field taken as zeros::
 
-    {"seq":5,"crc":"00c0ffee","records":[...]}
+    {"seq":5,"crc":"00c0ffee","gen":2,"records":[...]}
 """
 
 from __future__ import annotations
@@ -95,27 +97,31 @@ def scan_lines(
         base: the file offset of ``data[0]``; every offset reported is a file offset.
 
     Returns:
-        The good lines, the length of the good prefix, and the torn tail if any.
+        The good lines, the length of the good prefix, and the torn tail if any (an
+        unterminated last segment, or a tail of NUL bytes).
 
     Raises:
-        LogCorrupted: a line fails its frame check and more bytes follow it (``offset`` is
-            the line's first byte); the ``__cause__`` is the `FrameError`.
+        LogCorrupted: a complete line fails its frame check (``offset`` is the line's first
+            byte); the ``__cause__`` is the `FrameError`.
     """
     items: list[T] = []
     offsets: list[int] = []
     pos = 0
     size = len(data)
     while pos < size:
+        if _only_nul(data, pos):
+            return _done(items, offsets, base + pos, _torn(data, pos, base, "a tail of NUL bytes"))
         newline = data.find(b"\n", pos)
         if newline < 0:
             return _done(items, offsets, base + pos, _torn(data, pos, base, "no trailing newline"))
         try:
             item = check(data[pos:newline], base + pos)
         except FrameError as exc:
-            if newline + 1 == size:
-                return _done(items, offsets, base + pos, _torn(data, pos, base, str(exc)))
+            after = size - newline - 1
+            more = f" followed by {after} more bytes" if after else " (the last line)"
             raise LogCorrupted(
-                f"damaged line followed by {size - newline - 1} more bytes: {exc}",
+                f"damaged line{more}: {exc}; a torn write never looks like this "
+                "(`treadle repair` removes it knowingly)",
                 where=where,
                 offset=base + pos,
             ) from exc
@@ -123,6 +129,12 @@ def scan_lines(
         offsets.append(base + pos)
         pos = newline + 1
     return _done(items, offsets, base + pos, None)
+
+
+def _only_nul(data: bytes, pos: int) -> bool:
+    """Whether ``data[pos:]`` holds nothing but NUL bytes and newlines (and one NUL at least)."""
+    rest = data[pos:]
+    return b"\0" in rest and not rest.replace(b"\0", b"").replace(b"\n", b"")
 
 
 def _torn(data: bytes, pos: int, base: int, reason: str) -> TornSpan:
@@ -150,14 +162,18 @@ def strict_utf8(line: bytes) -> str:
 # --------------------------------------------------------------------------- JSONL frames
 
 
-def frame(seq: int, key: str, payload: str) -> bytes:
-    """One frame line (newline included): ``{"seq":<seq>,"crc":"<hex>","<key>":<payload>}``.
+def frame(seq: int, key: str, payload: str, *, generation: int | None = None) -> bytes:
+    """One frame line (newline included).
+
+    ``{"seq":<seq>,"crc":"<hex>","<key>":<payload>}``, with ``"gen":<generation>`` before the
+    key when a generation is given.
 
     Raises:
         UnicodeEncodeError: ``payload`` holds a lone surrogate.
     """
     head = b'{"seq":%d,"crc":"' % seq
-    tail = f'","{key}":{payload}}}'.encode()
+    gen = "" if generation is None else f'"gen":{generation},'
+    tail = f'",{gen}"{key}":{payload}}}'.encode()
     crc = zlib.crc32(tail, zlib.crc32(_ZEROS, zlib.crc32(head)))
     return b"%s%08x%s\n" % (head, crc, tail)
 

@@ -1,8 +1,9 @@
-"""The six write operations of `treadle.ports.RunStore`, mapped onto one append.
+"""The six write operations of `treadle.ports.RunStore`, implemented once for every store.
 
-Every store persists the same thing for each operation: a batch of records at consecutive
-seqs, some of them barriers (DESIGN §4). `AppendStore` spells the six operations out once;
-a store implements `AppendStore._append`.
+Each operation names its records and its `treadle.types.StoreOp`, which says whether it is a
+barrier; every store persists the same thing for each: a batch of records at consecutive seqs,
+checked against the writer's lease generation (docs/crash-safety.md, "The write protocol").
+A store implements only `AppendStore._append`.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from treadle.types import (
     RunFinished,
     RunStarted,
     StepRecord,
+    StoreOp,
 )
 
 
@@ -35,8 +37,8 @@ class AppendStore:
         seq: int,
         records: tuple[Record, ...],
         *,
-        barrier: bool,
-        closes: bool = False,
+        op: StoreOp,
+        generation: int,
     ) -> None:
         """Append ``records`` to ``run_id``'s log at seqs ``seq, seq + 1, ...``, atomically.
 
@@ -44,43 +46,63 @@ class AppendStore:
             run_id: the run whose log grows.
             seq: the seq of the first record (1-based position in the run's log).
             records: one record, or a step's action results followed by its step record.
-            barrier: return only once this write and everything before it is durable.
-            closes: the write is the run's run-finished record.
+            op: the operation; ``op.barrier`` means: return only once this write and
+                everything before it is durable.
+            generation: the writer's lease generation.
 
         Raises:
             ConflictError: ``seq`` is not the run's next seq; nothing is written.
+            LeaseLost: ``generation`` is not the run's current lease generation.
             StoreError: the write (or an earlier non-barrier one of the run) failed.
         """
         raise NotImplementedError
 
-    async def write_run_started(self, record: RunStarted, *, seq: int) -> None:
+    async def write_run_started(self, record: RunStarted, *, seq: int, generation: int) -> None:
         """Append the run-started record (not a barrier)."""
-        await self._append(record.run_id, seq, (record,), barrier=False)
+        await self._append(
+            record.run_id, seq, (record,), op=StoreOp.RUN_STARTED, generation=generation
+        )
 
-    async def write_intent(self, record: ModelIntent | ActionIntent, *, seq: int) -> None:
+    async def write_intent(
+        self, record: ModelIntent | ActionIntent, *, seq: int, generation: int
+    ) -> None:
         """Append an intent; a barrier: durable, with all before it, on return."""
-        await self._append(record.run_id, seq, (record,), barrier=True)
+        await self._append(record.run_id, seq, (record,), op=StoreOp.INTENT, generation=generation)
 
-    async def write_model_result(self, record: ModelResult, *, seq: int) -> None:
+    async def write_model_result(self, record: ModelResult, *, seq: int, generation: int) -> None:
         """Append a model-call result (not a barrier)."""
-        await self._append(record.run_id, seq, (record,), barrier=False)
+        await self._append(
+            record.run_id, seq, (record,), op=StoreOp.MODEL_RESULT, generation=generation
+        )
 
     async def write_step(
-        self, action_results: Sequence[ActionResult] | None, step: StepRecord, *, seq: int
+        self,
+        action_results: Sequence[ActionResult] | None,
+        step: StepRecord,
+        *,
+        seq: int,
+        generation: int,
     ) -> None:
         """Append the action results and their step record as one atomic write (no barrier).
 
         ``action_results`` is required and ``None`` for a step without action; the records
         take seqs ``seq, seq + 1, ...`` with the step record last.
         """
-        await self._append(step.run_id, seq, (*(action_results or ()), step), barrier=False)
+        records: tuple[Record, ...] = (*(action_results or ()), step)
+        await self._append(step.run_id, seq, records, op=StoreOp.STEP, generation=generation)
 
     async def write_control(
-        self, record: CancelRequested | ApprovalRequested | ApprovalDecided, *, seq: int
+        self,
+        record: CancelRequested | ApprovalRequested | ApprovalDecided,
+        *,
+        seq: int,
+        generation: int,
     ) -> None:
-        """Append an approval or cancel record; a barrier."""
-        await self._append(record.run_id, seq, (record,), barrier=True)
+        """Append an approval or cancel record to the run's log; a barrier."""
+        await self._append(record.run_id, seq, (record,), op=StoreOp.CONTROL, generation=generation)
 
-    async def write_run_finished(self, record: RunFinished, *, seq: int) -> None:
+    async def write_run_finished(self, record: RunFinished, *, seq: int, generation: int) -> None:
         """Append the run-finished record; a barrier."""
-        await self._append(record.run_id, seq, (record,), barrier=True, closes=True)
+        await self._append(
+            record.run_id, seq, (record,), op=StoreOp.RUN_FINISHED, generation=generation
+        )

@@ -1,46 +1,53 @@
 """A run store of plain files: one JSON-lines file per run in a directory, with group commit.
 
-Layout (format ``treadle.jsonl`` version 1; docs/decisions/0004-jsonl-format.md)::
+Layout (format ``treadle.jsonl`` version 2; docs/decisions/0004-jsonl-format.md)::
 
     <directory>/run-42.jsonl              one file per run, named by its percent-encoded id
     <directory>/%52un%2F1.jsonl           (only a-z 0-9 . _ - are kept; "Run/1" here)
-    <directory>/~<sha256 of the id>.jsonl an id whose encoding is empty, starts with "." or
-                                          is longer than 200 characters
+    <directory>/~<sha256 of the id>.jsonl an id whose encoding is longer than 200 characters
+    <directory>/.control/<name>.jsonl     a run's control stream (cancels and decisions)
+    <directory>/.leases/<name>.lock       flock(LOCK_EX) held by the run's lease holder
+    <directory>/.leases/<name>.lease      the lease sidecar: owner, generation, heartbeat
 
 Each line of a run file is one frame, the result of ONE store operation::
 
-    {"seq":0,"crc":"1c291ca3","header":{"format":"treadle.jsonl","version":1,"run_id":"r",...}}
-    {"seq":1,"crc":"8d0b5e1a","records":[{...,"kind":"run_started"}]}
-    {"seq":5,"crc":"00c0ffee","records":[{...,"kind":"action_result"},{...,"kind":"step"}]}
+    {"seq":0,"crc":"1c291ca3","header":{"format":"treadle.jsonl","version":2,"run_id":"r",...}}
+    {"seq":1,"crc":"8d0b5e1a","gen":1,"records":[{...,"kind":"run_started"}]}
+    {"seq":5,"crc":"00c0ffee","gen":1,"records":[{...,"kind":"action_result"},{...,"kind":"step"}]}
 
-``seq`` is the seq of the frame's first record (0 for the header, which comes first and only
-once); ``records`` holds the records of the operation in seq order, so an action result and
-its step record are one line and reach the disk together or not at all. ``crc`` is the
-CRC-32 (zlib) of the line's bytes, newline excluded, with its own 8 hex digits taken as
-``00000000``.
+``seq`` is the seq of the frame's first record (0 for the header); ``gen`` the lease generation
+of its writer; ``crc`` the CRC-32 (zlib) of the line's bytes, newline excluded, with its own 8
+hex digits taken as ``00000000``. An action result and its step record are one line, so they
+reach the disk together or not at all.
 
-Reading (`treadle.stores._lines.scan_lines`): each line is decoded on its own as strict
-UTF-8. A last line without a trailing newline, or a last line whose checksum does not match,
-is a torn tail left by a crash mid-append: it was never acknowledged; it is reported
-(`JsonlStore.torn_tails`, `JsonlStatistics.torn_tails` and a warning on the
-``treadle.stores.jsonl`` logger) and cut off, durably, before the run's next append. A damaged
-line with more lines after it is corruption: `LogCorrupted` with the byte offset of that line.
+Reading (`treadle.stores._lines.scan_lines`): what a lost write looks like (an unterminated
+last line, or a tail of NUL bytes after a power cut) is a torn tail: never acknowledged, left
+out, reported (`JsonlStore.torn_tails`) and cut before the run's next append. Any other damage,
+a complete last line included, is `LogCorrupted` with its byte offset; `JsonlStore.repair`
+(``treadle repair``) removes it knowingly and keeps what it removed.
 
-Threads and processes: one committer thread per store object appends every run's lines and
-syncs the files of each batch's barriers concurrently (`treadle.stores._jsonl_commit`); reads
-run in trio worker threads. Several store objects, in one process or several, may share a
-directory: each append holds the run file's ``flock`` and checks that nobody appended since
-the run was read, so a second writer of the same run gets `ConflictError` instead of
-interleaving lines.
+Leases: the holder of a run's lease holds ``flock(LOCK_EX)`` on the run's lock file for as
+long as it drives the run, and its sidecar records owner, generation and heartbeat. The OS
+lock is the exclusion: it drops the moment the holder's process dies (so a takeover needs no
+TTL to pass), and a paused holder keeps it for as long as the process lives. Writes are
+checked against the lease this store object holds (an ``fcntl`` lock would drop when any
+descriptor of the file closes; ``flock`` does not).
+
+Threads and processes: the store's commit engine appends every run's lines and syncs the
+files of each batch's barriers concurrently; reads run in trio worker threads and never change
+what the writer knows. Several store objects, in one process or several, may share a
+directory: the leases keep each run to one writer.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import logging
 import os
+import sys
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from os import PathLike
 from pathlib import Path
 from typing import Final
@@ -48,46 +55,68 @@ from typing import Final
 import attrs
 import trio
 
-from treadle._exceptions import ConflictError, LogCorrupted, StoreError, UsageError
-from treadle.stores._jsonl_commit import Committer, Counts, FileOps, OsFileOps, Write, refusal
-from treadle.stores._jsonl_files import FORMAT as FORMAT
-from treadle.stores._jsonl_files import FORMAT_VERSION as FORMAT_VERSION
-from treadle.stores._jsonl_files import MAX_NAME_CHARS as MAX_NAME_CHARS
-from treadle.stores._jsonl_files import Listing, open_directory, probe_directory
-from treadle.stores._jsonl_files import RunFile as RunFile
-from treadle.stores._jsonl_files import encode_run_id as encode_run_id
-from treadle.stores._jsonl_files import header_frame as header_frame
-from treadle.stores._jsonl_files import read_run_file as read_run_file
-from treadle.stores._jsonl_files import records_frame as records_frame
-from treadle.stores._jsonl_files import run_file_name as run_file_name
-from treadle.stores._lines import TornSpan
+from treadle._exceptions import LogCorrupted, RunLeased, StoreError, UsageError
+from treadle._ids import check_run_id
+from treadle.stores import _leases
+from treadle.stores._engine import CommitEngine, StoreStatistics
+from treadle.stores._index import index_delta
+from treadle.stores._jsonl_backend import FileOps, JsonlBackend, OsFileOps
+from treadle.stores._jsonl_files import (
+    CONTROL_DIR,
+    LEASE_DIR,
+    Probe,
+    Repair,
+    RunFile,
+    control_frame,
+    list_run_files,
+    migrate_v1_control,
+    open_directory,
+    probe_run_file,
+    read_control_file,
+    read_run_file,
+    read_sidecar,
+    repair_run_file,
+    run_file_name,
+    scan_control,
+    sync_dir,
+    write_sidecar,
+)
 from treadle.stores._ops import AppendStore
 from treadle.types import (
+    ApprovalDecided,
+    CancelRequested,
+    ControlEntry,
+    Lease,
     Record,
     RunLog,
+    RunState,
+    RunSummary,
+    StoreOp,
 )
 
-MAX_PENDING_WRITES: Final = 10_000
-"""Queued, unwritten writes above which a non-barrier write waits for its batch."""
-
-CLOSE_GRACE_S: Final = 30.0
-"""Seconds `JsonlStore.aclose` waits (shielded) for the committer to sync and stop."""
+if sys.platform != "win32":
+    import fcntl
 
 _LOG = logging.getLogger(__name__)
+
+LOCK_RETRIES: Final = 20
+"""Tries (5 ms apart) to take a free lease's lock while a listing probes it."""
+
+__all__ = ["FileOps", "JsonlStore", "OsFileOps", "TornTail", "open_jsonl_store", "run_file_name"]
 
 
 @attrs.frozen(kw_only=True)
 class TornTail:
-    """A torn last line found in a run file (a crash interrupted an append).
+    """A torn tail found in a run file (a crash interrupted an append).
 
     Attributes:
         run_id: the run.
         path: the run file.
-        offset: byte offset where the torn line starts; the file is cut to this size before
+        offset: byte offset where the torn part starts; the file is cut to this size before
             the run's next append.
-        length: bytes of the torn line (to the end of the file when it was read).
-        reason: ``no trailing newline`` or the frame error (``checksum mismatch`` ...).
-        head: up to the first 256 bytes of the torn line.
+        length: bytes of the torn part (to the end of the file when it was read).
+        reason: ``no trailing newline`` or ``a tail of NUL bytes``.
+        head: up to the first 256 bytes of the torn part.
     """
 
     run_id: str
@@ -98,102 +127,35 @@ class TornTail:
     head: bytes = b""
 
 
-@attrs.frozen(kw_only=True)
-class JsonlStatistics:
-    """Counters of one `JsonlStore` since it was opened.
-
-    Attributes:
-        batches: batches the committer wrote.
-        syncs: ``fdatasync``/``fsync`` calls (run files and the directory).
-        sync_rounds: batches that synced at least one run file.
-        writes_committed: store operations written (a step write counts once).
-        records_written: log records written.
-        max_batch: the most operations written in one batch.
-        pending: operations queued and not yet written (or failed).
-        torn_tails: torn tails found by reads since opening (see `JsonlStore.torn_tails`).
-        tails_cut: torn tails cut off before an append.
-    """
-
-    batches: int = 0
-    syncs: int = 0
-    sync_rounds: int = 0
-    writes_committed: int = 0
-    records_written: int = 0
-    max_batch: int = 0
-    pending: int = 0
-    torn_tails: int = 0
-    tails_cut: int = 0
-
-
 @attrs.define(eq=False)
-class _Counters:
-    """The mutable counters behind `JsonlStatistics` (updated in the trio thread only)."""
+class _Held:
+    """A lease this store object holds: the lock file's descriptor and the lease."""
 
-    batches: int = 0
-    syncs: int = 0
-    sync_rounds: int = 0
-    writes_committed: int = 0
-    records_written: int = 0
-    max_batch: int = 0
-    pending: int = 0
-    torn_tails: int = 0
-    tails_cut: int = 0
-
-
-@attrs.define(eq=False)
-class _RunState:
-    """What the trio side knows about one run's file.
-
-    Attributes:
-        path: the run file.
-        exists: the file existed when read (else the first write creates it).
-        next_seq: the seq of the next write.
-        end: bytes of the file known to hold whole lines (read, or written here).
-        tail: where the next write lands: ``end`` plus the writes still queued.
-        records: records in the file.
-        header: the header line is in the file or queued.
-        inflight: writes queued and not yet written (or failed).
-    """
-
-    path: str
-    exists: bool
-    next_seq: int = 1
-    end: int = 0
-    tail: int = 0
-    records: int = 0
-    header: bool = False
-    inflight: int = 0
-    last: Write | None = None
-    error: StoreError | None = None
-    reported: bool = False
-
-
-# --------------------------------------------------------------------------- the store
+    fd: int
+    lease: Lease
+    control_seen: int
 
 
 class JsonlStore(AppendStore):
-    """A `treadle.ports.RunStore` of JSON-lines files, one per run, in one directory.
+    """A run store of JSON-lines files, one per run, in one directory.
 
-    Open it with `JsonlStore.open` or `open_jsonl_store`, inside a trio run; the store belongs
-    to that trio run. Any number of runs may share one store object: their writes are
-    appended and synced together by its committer thread (group commit). Other store objects,
-    in this process or others, may use the same directory at the same time; one run has one
-    writer, and a second writer of a run gets `ConflictError`.
+    It implements the run store seam and the capabilities `LeaseStore`, `ControlStream` and
+    `RunIndex` (no fleet queue: use SQLite or PostgreSQL for a fleet). Open it with
+    `JsonlStore.open` or `open_jsonl_store`, inside a trio run; the store belongs to that trio
+    run. Any number of runs may share one store object: their writes are appended and synced
+    together by its commit engine (group commit).
 
-    Barriers (`write_intent`, `write_control`, `write_run_finished`) return once their line
-    and every earlier line of the run are synced. The other writes return once queued; if
-    their append later fails, the error is raised by the next write of that run. After a
-    write of a run fails, the store refuses every further write of that run with
-    `StoreError`; open the store again to resume it.
+    Barriers return once their line and every earlier line of the run are synced. The other
+    writes return once queued; if their append later fails, the error is raised by the next
+    write of that run. After a write of a run fails, the store refuses every further write of
+    that run; open the store again to resume it.
 
     Every write raises:
-        ConflictError: ``seq`` is not the run's next seq (checked before queuing), or
-            another writer appended to the run's file since this store read it (caught at
-            append time; the run is then refused here). Nothing of the write is stored.
+        ConflictError: ``seq`` is not the run's next seq, or whole lines are in the file
+            beyond what this store knows of it. Nothing of the write is stored.
+        LeaseLost: this store object does not hold the run's lease with ``generation``.
         UsageError: a record cannot be encoded as JSON or UTF-8, or names another run.
-            Nothing is written and the seq stays free.
-        LogCorrupted: the run's existing file is damaged before its end (its first write in
-            this store reads it).
+        LogCorrupted: the run's file is damaged (its first write here reads it).
         StoreError: the append or sync of this barrier failed (disk full, I/O error; the
             `OSError` is the ``__cause__``), an earlier write of the run failed, or the
             store is closed.
@@ -204,30 +166,40 @@ class JsonlStore(AppendStore):
         written (the run's next seq has advanced).
     """
 
-    def __init__(self, directory: str, ops: FileOps, token: trio.lowlevel.TrioToken) -> None:
+    def __init__(
+        self,
+        directory: str,
+        ops: FileOps,
+        token: trio.lowlevel.TrioToken,
+        clock: Callable[[], float],
+    ) -> None:
         """Private: use `JsonlStore.open`."""
         self._directory = directory
-        self._runs: dict[str, _RunState] = {}
-        self._listed: dict[str, Listing] = {}
+        self._clock = clock
+        self._held: dict[str, _Held] = {}
         self._torn: list[TornTail] = []
-        self._last: Write | None = None
-        self._created_ns = 0
-        self._closed = False
-        self._stopped = trio.Event()
-        self._counters = _Counters()
-        self._committer = Committer(directory, ops, token, self._deliver, self._stopped.set)
-        self._committer.start()
+        self._heads: dict[str, tuple[tuple[int, int], int]] = {}
+        backend = JsonlBackend(directory, self.run_file, ops, self._held_lease)
+        self._engine = CommitEngine(backend, token)
 
     @classmethod
     async def open(
-        cls, directory: str | PathLike[str], *, file_ops: FileOps | None = None
+        cls,
+        directory: str | PathLike[str],
+        *,
+        file_ops: FileOps | None = None,
+        clock: Callable[[], float] = time.time,
     ) -> JsonlStore:
         """Open (creating if needed) the store in ``directory`` and start its committer.
+
+        A version-1 directory is brought forward: its control pseudo-runs
+        (``<run_id>#control``) become control streams.
 
         Args:
             directory: the store directory; created when missing (its parent must exist).
             file_ops: the file operations of the committer; ``None`` for the real ones. Tests
                 pass a `treadle.testing.faults.FailingFileOps` to simulate a full disk.
+            clock: the clock lease instants are taken from (epoch seconds).
 
         Returns:
             The open store; the caller owns it and must `aclose` it.
@@ -238,24 +210,24 @@ class JsonlStore(AppendStore):
         text = str(Path(directory))
         token = trio.lowlevel.current_trio_token()
         await trio.to_thread.run_sync(open_directory, text)
-        return cls(text, file_ops or OsFileOps(), token)
+        await trio.to_thread.run_sync(migrate_v1_control, text)
+        return cls(text, file_ops or OsFileOps(), token, clock)
 
     @property
     def directory(self) -> str:
         """The store directory."""
         return self._directory
 
-    def statistics(self) -> JsonlStatistics:
-        """Counters since the store was opened."""
-        return JsonlStatistics(**attrs.asdict(self._counters))
+    def statistics(self) -> StoreStatistics:
+        """Counters since the store was opened (``counters["tails_cut"]``: torn tails cut)."""
+        return self._engine.statistics()
 
     def torn_tails(self) -> tuple[TornTail, ...]:
         """Torn tails found by reads since the store was opened, in the order found.
 
-        A read reports a torn tail each time it finds one, except while this store is
-        appending to that run. A process reading a run that another process is appending to
-        at that moment cannot tell a half-written line from a torn one: the writer's own
-        check, under the file's lock, decides what is cut.
+        A read reports a torn tail it finds in a run this store object does not hold the
+        lease of (a run it writes may have its own append in flight; its next append cuts a
+        real torn tail and counts it in ``statistics().counters["tails_cut"]``).
         """
         return tuple(self._torn)
 
@@ -263,167 +235,151 @@ class JsonlStore(AppendStore):
         """The file that holds (or will hold) the run's log."""
         return os.path.join(self._directory, run_file_name(run_id))
 
+    # ------------------------------------------------------------------ the run store seam
+
+    async def _append(
+        self, run_id: str, seq: int, records: tuple[Record, ...], *, op: StoreOp, generation: int
+    ) -> None:
+        await self._engine.append(
+            run_id,
+            seq,
+            records,
+            generation=generation,
+            barrier=op.barrier,
+            closes=op is StoreOp.RUN_FINISHED,
+        )
+
     async def read_log(self, run_id: str) -> RunLog:
         """Read the run's whole log, after the writes queued for it here are written.
 
         The log includes what other store objects (or processes) appended. A torn tail is
-        left out and reported (`torn_tails`); reading never cuts it.
+        left out; reading never cuts it and never changes what this store's writer knows.
 
         Returns:
             The log, records in seq order; an empty log for a run that does not exist.
 
         Raises:
-            LogCorrupted: a line before the last is damaged, a seq is missing or a record
-                does not decode (``offset``: the byte offset of that line).
+            LogCorrupted: a line is damaged (a complete last line included), a seq is
+                missing or a record does not decode (``offset``: the byte offset of the line).
             SchemaTooNew: the file or its run-started record is from a newer version.
             StoreError: the file cannot be read, or the store is closed.
         """
-        self._check_open()
-        state = self._runs.get(run_id)
-        if state is not None and state.last is not None:
-            await self._wait_done(state.last)
+        await self._engine.settle(run_id)
         path = self.run_file(run_id)
         found = await trio.to_thread.run_sync(read_run_file, path)
-        self._check_open()
         self._check_run_id(path, run_id, found)
-        state = self._runs.get(run_id)
-        if state is None or (state.inflight == 0 and state.error is None):
-            self._runs[run_id] = _state_of(path, found)  # the next write continues from here
-            self._note_torn(run_id, path, found.torn)
-        elif found.torn is not None and found.torn.offset < state.end:
-            self._note_torn(run_id, path, found.torn)  # not our append in flight
+        if run_id not in self._held:
+            self._note_torn(run_id, path, found)
         return RunLog(run_id=run_id, records=found.records)
 
-    async def list_runs(self) -> tuple[str, ...]:
-        """Every run id with at least one written record, in first-write order.
+    async def read_generations(self, run_id: str) -> tuple[int, ...]:
+        """The lease generation of each record's writer, in seq order (0 for version-1 lines)."""
+        await self._engine.settle(run_id)
+        found = await trio.to_thread.run_sync(read_run_file, self.run_file(run_id))
+        return found.generations
 
-        First-write order is the order of the ``created_ns`` instants in the files' headers
-        (the wall clock of the writer that created each file), then of run ids.
+    async def list_runs(self) -> tuple[str, ...]:
+        """Every run with at least one written record, in the order the runs were created.
+
+        A run whose file is damaged is listed too (by the id its file name encodes), so
+        that reading it reports the damage; it never hides the others.
 
         Raises:
             StoreError: the directory cannot be read, or the store is closed.
         """
-        self._check_open()
-        if self._last is not None:
-            await self._wait_done(self._last)
-        known = set(self._listed)
+        probes = await self._probes()
+        return tuple(p.run_id for p in probes)
+
+    async def list_summaries(self) -> tuple[RunSummary, ...]:
+        """Every run with a record, with state and liveness from its file's ends and lease.
+
+        Reads each file's header, first record and last 64 KiB, never whole logs.
+        """
+        probes = await self._probes()
+        return tuple(await trio.to_thread.run_sync(self._summaries, probes))
+
+    async def read_summary(self, run_id: str) -> RunSummary | None:
+        """One run's summary, or ``None`` for a run without records."""
+        await self._engine.settle(run_id)
+        probe = await trio.to_thread.run_sync(probe_run_file, self.run_file(run_id))
+        if probe is None:
+            return None
+        (summary,) = await trio.to_thread.run_sync(self._summaries, [probe])
+        return summary
+
+    async def _probes(self) -> list[Probe]:
+        self._engine.check_open()
+        await self._engine.settle()
         try:
-            found = await trio.to_thread.run_sync(probe_directory, self._directory, known)
+            probes = await trio.to_thread.run_sync(self._probe_all)
         except OSError as exc:
             raise StoreError(f"cannot list {self._directory}: {exc.strerror or exc}") from exc
-        for name, listing in found.items():
-            if listing is not None:
-                self._listed[name] = listing
-        listings = sorted(self._listed.values(), key=lambda x: (x.created_ns, x.run_id))
-        return tuple(listing.run_id for listing in listings)
+        return sorted(probes, key=lambda p: (p.created_ns, p.run_id))
 
-    async def aclose(self) -> None:
-        """Write and sync everything queued, stop the committer and close every file.
+    def _probe_all(self) -> list[Probe]:
+        found = []
+        for name in list_run_files(self._directory):
+            probe = probe_run_file(os.path.join(self._directory, name))
+            if probe is not None:
+                found.append(probe)
+        return found
 
-        Idempotent. Later operations raise `StoreError`.
+    def _summaries(self, probes: Sequence[Probe]) -> list[RunSummary]:
+        now = self._clock()
+        return [self._summary(probe, now) for probe in probes]
 
-        Raises:
-            StoreError: a write failed after it returned and no later call of that run
-                reported it, or the committer did not stop within `CLOSE_GRACE_S`.
-
-        Cancellation:
-            The flush is shielded (bounded by `CLOSE_GRACE_S`).
-        """
-        if not self._closed:
-            self._closed = True
-            self._committer.inbox.stop()
-        with trio.move_on_after(CLOSE_GRACE_S, shield=True):
-            await self._stopped.wait()
-        if not self._stopped.is_set():
-            raise StoreError(f"{self._directory}: the committer did not stop in {CLOSE_GRACE_S} s")
-        self._raise_unreported()
-
-    # ------------------------------------------------------------------ internals
-
-    async def _append(
-        self,
-        run_id: str,
-        seq: int,
-        records: tuple[Record, ...],
-        *,
-        barrier: bool,
-        closes: bool = False,
-    ) -> None:
-        if barrier:  # waiting for the sync below is the schedule point
-            await trio.lowlevel.checkpoint_if_cancelled()
-        else:
-            await trio.lowlevel.checkpoint()
-        self._check_open()
-        line = _encode_line(run_id, seq, records)
-        state = self._runs.get(run_id)
+    def _summary(self, probe: Probe, now: float) -> RunSummary:
+        lease = self._lease_now(probe.run_id, now)
+        path = os.path.join(self._directory, probe.name)
+        if probe.error is not None:
+            return RunSummary(
+                run_id=probe.run_id,
+                state=None,
+                liveness=_leases.liveness(state=None, lease=lease, quarantined=None, now=now),
+                observed_at=now,
+                lease=lease,
+                error=str(probe.error),
+                where=path,
+            )
+        records = (probe.first, *probe.tail) if probe.first is not None else probe.tail
+        delta = index_delta(records)
+        state = delta.state if delta is not None else None
         if state is None:
-            state = await self._load_state(run_id)
-        self._check_open()
-        if state.error is not None:
-            state.reported = True
-            raise refusal(run_id, state.error)
-        if seq != state.next_seq:
-            raise ConflictError(run_id, expected=state.next_seq, got=seq)
-        data = line if state.header else self._header(run_id) + line
-        write = Write(
-            run_id=run_id,
-            path=state.path,
-            seq=seq,
-            start=state.tail,
-            data=data,
-            records=len(records),
-            barrier=barrier,
-            create=not state.exists,
-            closes=closes,
+            state = RunState.RUNNING
+        started = probe.first
+        return RunSummary(
+            run_id=probe.run_id,
+            state=state,
+            liveness=_leases.liveness(state=state, lease=lease, quarantined=None, now=now),
+            observed_at=now,
+            lease=lease,
+            agent=getattr(started, "agent", None),
+            agent_version=getattr(started, "agent_version", None),
+            steps=(delta.steps or 0) if delta is not None else 0,
+            stop_reason=delta.stop_reason if delta is not None else None,
+            started_at=getattr(started, "ts", None),
+            awaiting_until=(delta.awaiting_until or None) if delta is not None else None,
+            where=path,
         )
-        wait = barrier or self._counters.pending >= MAX_PENDING_WRITES
-        if wait:
-            write.event = trio.Event()
-        self._committer.inbox.put(write, flush=wait)  # StoreError if the committer is gone
-        state.exists = state.header = True
-        state.next_seq += len(records)
-        state.tail += len(data)
-        state.inflight += 1
-        state.last = self._last = write
-        self._counters.pending += 1
-        if write.event is None:
-            return
-        await write.event.wait()
-        if write.error is not None:
-            state.reported = True
-            raise write.error
-
-    def _header(self, run_id: str) -> bytes:
-        self._created_ns = max(self._created_ns + 1, time.time_ns())
-        return header_frame(run_id, created_ns=self._created_ns)
-
-    async def _load_state(self, run_id: str) -> _RunState:
-        path = self.run_file(run_id)
-        found = await trio.to_thread.run_sync(read_run_file, path)
-        self._check_run_id(path, run_id, found)
-        # another task may have loaded (and advanced) it meanwhile: keep that one
-        state = self._runs.setdefault(run_id, _state_of(path, found))
-        if state.inflight == 0:
-            self._note_torn(run_id, path, found.torn)
-        return state
 
     def _check_run_id(self, path: str, run_id: str, found: RunFile) -> None:
         if found.run_id is not None and found.run_id != run_id:
             raise LogCorrupted(f"the header names run {found.run_id!r}", where=path, offset=0)
 
-    def _note_torn(self, run_id: str, path: str, torn: TornSpan | None) -> None:
+    def _note_torn(self, run_id: str, path: str, found: RunFile) -> None:
+        torn = found.torn
         if torn is None:
             return
-        tail = TornTail(
-            run_id=run_id,
-            path=path,
-            offset=torn.offset,
-            length=torn.length,
-            reason=torn.reason,
-            head=torn.head,
+        self._torn.append(
+            TornTail(
+                run_id=run_id,
+                path=path,
+                offset=torn.offset,
+                length=torn.length,
+                reason=torn.reason,
+                head=torn.head,
+            )
         )
-        self._torn.append(tail)
-        self._counters.torn_tails += 1
         _LOG.warning(
             "%s: torn tail of %d bytes at offset %d (%s); it was never acknowledged and is "
             "cut off before the next append of run %r",
@@ -434,95 +390,295 @@ class JsonlStore(AppendStore):
             run_id,
         )
 
-    async def _wait_done(self, write: Write) -> None:
-        if write.done:
+    async def repair(self, run_id: str, *, owner: str) -> Repair | None:
+        """Cut the run's file at its first damaged line, keeping what is removed.
+
+        Run it knowingly (``treadle repair``): records after the damage are removed too. The
+        removed bytes and a note (offset, length, SHA-256, the damage) are kept in
+        ``.repairs/``. The store takes the run's lease for the repair (nobody may write it
+        meanwhile) and releases it after.
+
+        Returns:
+            What was removed, or ``None`` when the file reads without damage.
+
+        Raises:
+            RunLeased: another driver holds the run's lease.
+            StoreError: the file cannot be repaired.
+        """
+        lease = await self.acquire_lease(run_id, owner=owner, ttl_s=_leases.LEASE_TTL_S)
+        try:
+            return await trio.to_thread.run_sync(
+                repair_run_file, self._directory, run_file_name(run_id)
+            )
+        finally:
+            await self.release_lease(lease)
+
+    async def aclose(self) -> None:
+        """Write and sync everything queued, stop the committer, drop the held leases' locks.
+
+        Idempotent. Later operations raise `StoreError`.
+
+        Raises:
+            StoreError: a write failed after it returned and no later call of that run
+                reported it, or the committer did not stop in time.
+        """
+        try:
+            await self._engine.aclose()
+        finally:
+            for held in self._held.values():
+                with contextlib.suppress(OSError):
+                    os.close(held.fd)
+            self._held.clear()
+
+    # ------------------------------------------------------------------ leases
+
+    def _lease_paths(self, run_id: str) -> tuple[str, str]:
+        stem = run_file_name(run_id)[: -len(".jsonl")]
+        base = os.path.join(self._directory, LEASE_DIR, stem)
+        return base + ".lock", base + ".lease"
+
+    def _held_lease(self, run_id: str) -> Lease | None:
+        held = self._held.get(run_id)
+        return held.lease if held is not None else None
+
+    async def acquire_lease(self, run_id: str, *, owner: str, ttl_s: float) -> Lease:
+        """Take the run's lease: its lock file's ``flock`` and a new generation in the sidecar.
+
+        Raises:
+            RunLeased: another driver (here or in another process) holds it.
+            InvalidRunId: not an allowed run id.
+            StoreError: the lock or sidecar cannot be written.
+        """
+        check_run_id(run_id)
+        _leases.check_ttl(ttl_s)
+        self._engine.check_open()
+        now = self._clock()
+        held = self._held.get(run_id)
+        if held is not None:
+            renewed = _leases.acquire(held.lease, run_id=run_id, owner=owner, ttl_s=ttl_s, now=now)
+            held.lease = renewed
+            await trio.to_thread.run_sync(self._write_sidecar, held, False)
+            return renewed
+        fd, lease, seen = await trio.to_thread.run_sync(self._lock, run_id, owner, ttl_s, now)
+        self._held[run_id] = _Held(fd=fd, lease=lease, control_seen=seen)
+        self._engine.forget(run_id)
+        return lease
+
+    def _lock(self, run_id: str, owner: str, ttl_s: float, now: float) -> tuple[int, Lease, int]:
+        lock_path, sidecar = self._lease_paths(run_id)
+        try:
+            fd = os.open(lock_path, os.O_RDWR | os.O_CREAT | getattr(os, "O_CLOEXEC", 0), 0o644)
+        except OSError as exc:
+            raise StoreError(f"cannot open {lock_path}: {exc.strerror or exc}") from exc
+        try:
+            _lock_or_refuse(fd, run_id, sidecar, now)
+            current, seen = read_sidecar(sidecar, run_id)
+            generation = (current.generation if current is not None else 0) + 1
+            lease = Lease(
+                run_id=run_id,
+                owner=owner,
+                generation=generation,
+                expires_at=now + ttl_s,
+                heartbeat_at=now,
+            )
+            write_sidecar(sidecar, lease, seen, durable=True)
+        except BaseException:
+            os.close(fd)
+            raise
+        return fd, lease, seen
+
+    def _write_sidecar(self, held: _Held, durable: bool) -> None:
+        _, sidecar = self._lease_paths(held.lease.run_id)
+        write_sidecar(sidecar, held.lease, held.control_seen, durable=durable)
+
+    async def renew_leases(self, leases: Sequence[Lease], *, ttl_s: float) -> tuple[Lease, ...]:
+        """Renew the held leases (their heartbeat in the sidecars); a missing one was lost."""
+        _leases.check_ttl(ttl_s)
+        now = self._clock()
+        renewed = []
+        for lease in leases:
+            held = self._held.get(lease.run_id)
+            fresh = _leases.renew(held.lease if held else None, lease, ttl_s=ttl_s, now=now)
+            if held is not None and fresh is not None:
+                held.lease = fresh
+                renewed.append(held)
+        if renewed:
+            await trio.to_thread.run_sync(self._write_sidecars, renewed)
+        else:
+            await trio.lowlevel.checkpoint()
+        return tuple(h.lease for h in renewed)
+
+    def _write_sidecars(self, helds: list[_Held]) -> None:
+        for held in helds:
+            self._write_sidecar(held, False)
+
+    async def release_lease(self, lease: Lease, *, control_seen: int = 0) -> None:
+        """Release the lease if held here: sidecar owner cleared, then the lock dropped."""
+        held = self._held.get(lease.run_id)
+        if held is None or held.lease.generation != lease.generation:
+            await trio.lowlevel.checkpoint()
             return
-        if write.event is None:
-            write.event = trio.Event()
-            self._committer.inbox.flush()
-        await write.event.wait()
+        await self._engine.settle(lease.run_id)
+        held.lease = attrs.evolve(held.lease, owner="")
+        held.control_seen = max(held.control_seen, control_seen)
+        del self._held[lease.run_id]
+        try:
+            await trio.to_thread.run_sync(self._write_sidecar, held, False)
+        finally:
+            os.close(held.fd)
+            self._engine.forget(lease.run_id)
 
-    def _deliver(self, batch: list[Write], counts: Counts) -> None:
-        """In the trio thread: record the outcome of one batch and wake its waiters."""
-        ok = 0
-        records = 0
-        for write in batch:
-            write.done = True
-            state = self._runs[write.run_id]
-            state.inflight -= 1
-            if write.error is None:
-                ok += 1
-                records += write.records
-                state.end = max(state.end, write.end)
-                state.records += write.records
-            elif state.error is None:
-                state.error = write.error
-            if write.event is not None:
-                write.event.set()
-        for run_id, error in counts.failures:
-            failed = self._runs.get(run_id)
-            if failed is not None and failed.error is None:
-                failed.error = error
-        self._count(len(batch), ok, records, counts)
+    async def read_lease(self, run_id: str) -> Lease | None:
+        """The run's lease: the one held here, else the sidecar's, expired if its lock is free."""
+        held = self._held.get(run_id)
+        if held is not None:
+            await trio.lowlevel.checkpoint()
+            return held.lease
+        return await trio.to_thread.run_sync(self._lease_now, run_id, self._clock())
 
-    def _count(self, taken: int, ok: int, records: int, counts: Counts) -> None:
-        counters = self._counters
-        counters.pending -= taken
-        counters.syncs += counts.syncs
-        counters.tails_cut += counts.cuts
-        counters.sync_rounds += 1 if counts.synced_files else 0
-        if ok:
-            counters.batches += 1
-            counters.writes_committed += ok
-            counters.records_written += records
-            counters.max_batch = max(counters.max_batch, ok)
+    def _lease_now(self, run_id: str, now: float) -> Lease | None:
+        held = self._held.get(run_id)
+        if held is not None:
+            return held.lease
+        lock_path, sidecar = self._lease_paths(run_id)
+        current, _ = read_sidecar(sidecar, run_id)
+        if current is None or not current.owner:
+            return current
+        if _lock_is_free(lock_path):  # the holder's process is gone: its lease is over
+            return attrs.evolve(current, expires_at=min(current.expires_at, now))
+        return current
 
-    def _check_open(self) -> None:
-        if self._closed:
-            raise StoreError(f"the JSONL store {self._directory} is closed")
+    # ------------------------------------------------------------------ control streams
 
-    def _raise_unreported(self) -> None:
-        unreported = sorted(r for r, s in self._runs.items() if s.error and not s.reported)
-        if unreported:
-            for run_id in unreported:
-                self._runs[run_id].reported = True
-            first = self._runs[unreported[0]].error
-            raise StoreError(
-                f"{self._directory}: writes of runs {unreported} failed after returning"
-            ) from first
+    def _control_path(self, run_id: str) -> str:
+        return os.path.join(self._directory, CONTROL_DIR, run_file_name(run_id))
+
+    async def append_control(self, record: CancelRequested | ApprovalDecided) -> ControlEntry:
+        """Append to the run's control stream (under the file's ``flock``); synced on return.
+
+        Raises:
+            UsageError: the store holds no such run.
+            InvalidRunId: not an allowed run id.
+            StoreError: the append or its sync failed.
+        """
+        run_id = check_run_id(record.run_id)
+        self._engine.check_open()
+        await self._engine.settle(run_id)
+        return await trio.to_thread.run_sync(self._append_control, record)
+
+    def _append_control(self, record: CancelRequested | ApprovalDecided) -> ControlEntry:
+        run_id = record.run_id
+        if not os.path.exists(self.run_file(run_id)):
+            raise UsageError(f"there is no run {run_id!r} in {self._directory}")
+        path = self._control_path(run_id)
+        created = not os.path.exists(path)
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o644)
+        except OSError as exc:
+            raise StoreError(f"cannot open {path}: {exc.strerror or exc}") from exc
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            size = os.fstat(fd).st_size
+            entries, good = scan_control(os.pread(fd, size, 0), path, run_id)
+            if size != good:
+                os.ftruncate(fd, good)  # a torn entry of an appender that died
+            line = control_frame(len(entries) + 1, record)
+            os.write(fd, line)
+            os.fsync(fd)
+            if created:
+                sync_dir(os.path.dirname(path))
+        except OSError as exc:
+            raise StoreError(f"cannot append to {path}: {exc.strerror or exc}") from exc
+        finally:
+            os.close(fd)
+        return ControlEntry(run_id=run_id, position=len(entries) + 1, record=record)
+
+    async def read_control(self, run_id: str, *, after: int = 0) -> tuple[ControlEntry, ...]:
+        """The run's control entries after position ``after``."""
+        entries = await trio.to_thread.run_sync(
+            read_control_file, self._control_path(run_id), run_id
+        )
+        return entries[after:]
+
+    async def control_heads(self, run_ids: Sequence[str]) -> Mapping[str, int]:
+        """The last control position of each run that has entries (files re-read on change)."""
+        return await trio.to_thread.run_sync(self._control_heads, tuple(run_ids))
+
+    def _control_heads(self, run_ids: tuple[str, ...]) -> dict[str, int]:
+        heads = {}
+        for run_id in run_ids:
+            path = self._control_path(run_id)
+            try:
+                info = os.stat(path)
+            except FileNotFoundError:
+                continue
+            key = (info.st_size, info.st_mtime_ns)
+            cached = self._heads.get(run_id)
+            if cached is None or cached[0] != key:
+                cached = (key, len(read_control_file(path, run_id)))
+                self._heads[run_id] = cached
+            if cached[1]:
+                heads[run_id] = cached[1]
+        return heads
 
 
-def _state_of(path: str, found: RunFile) -> _RunState:
-    return _RunState(
-        path=path,
-        exists=found.exists,
-        next_seq=found.next_seq,
-        end=found.end,
-        tail=found.end,
-        records=len(found.records),
-        header=found.run_id is not None,
+def _lock_or_refuse(fd: int, run_id: str, sidecar: str, now: float) -> None:
+    """Take the lock file's exclusive lock, or raise `RunLeased` naming its holder."""
+    if not _try_lock(fd, fcntl.LOCK_EX, retries=LOCK_RETRIES):
+        raise _leased(run_id, sidecar, now)
+
+
+def _leased(run_id: str, sidecar: str, now: float) -> RunLeased:
+    """The error for a run whose lock another process (or store object) holds."""
+    current, _ = read_sidecar(sidecar, run_id)
+    holder = current or Lease(
+        run_id=run_id, owner="another process", generation=0, expires_at=now, heartbeat_at=now
     )
+    return RunLeased(run_id, holder)
 
 
-def _encode_line(run_id: str, seq: int, records: tuple[Record, ...]) -> bytes:
-    for record in records:
-        if record.run_id != run_id:
-            raise UsageError(f"a write of run {run_id!r} holds a record of run {record.run_id!r}")
+def _try_lock(fd: int, kind: int, *, retries: int) -> bool:
+    for attempt in range(retries):
+        try:
+            fcntl.flock(fd, kind | fcntl.LOCK_NB)
+        except OSError as exc:
+            if exc.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+                raise
+            if attempt + 1 < retries:
+                time.sleep(0.005)
+            continue
+        return True
+    return False
+
+
+def _lock_is_free(lock_path: str) -> bool:
+    """Whether nobody holds the lock file's exclusive lock (a shared one for an instant)."""
     try:
-        return records_frame(seq, records)
-    except Exception as exc:
-        raise UsageError(f"run {run_id!r}: cannot encode {records!r}: {exc}") from exc
+        fd = os.open(lock_path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+    except FileNotFoundError:
+        return True
+    try:
+        if _try_lock(fd, fcntl.LOCK_SH, retries=1):
+            fcntl.flock(fd, fcntl.LOCK_UN)
+            return True
+        return False
+    finally:
+        os.close(fd)
 
 
 @contextlib.asynccontextmanager
 async def open_jsonl_store(
-    directory: str | PathLike[str], *, file_ops: FileOps | None = None
+    directory: str | PathLike[str],
+    *,
+    file_ops: FileOps | None = None,
+    clock: Callable[[], float] = time.time,
 ) -> AsyncIterator[JsonlStore]:
     """Open a `JsonlStore` for the duration of an ``async with`` block, then `aclose` it.
 
     Args:
         directory: the store directory (see `JsonlStore.open`).
         file_ops: the committer's file operations (fault injection in tests).
+        clock: the clock lease instants are taken from (epoch seconds).
 
     Yields:
         The open store.
@@ -530,7 +686,7 @@ async def open_jsonl_store(
     Raises:
         StoreError: as `JsonlStore.open` and `JsonlStore.aclose`.
     """
-    store = await JsonlStore.open(directory, file_ops=file_ops)
+    store = await JsonlStore.open(directory, file_ops=file_ops, clock=clock)
     try:
         yield store
     finally:

@@ -1,109 +1,126 @@
 """The embedded default run store: one SQLite database file in WAL mode, with group commit.
 
-Layout (``LAYOUT_VERSION`` 1)::
+The tables are those of every SQL store (`treadle.stores._sql`, layout version 2). Several
+processes on one machine may open the same file: leases, fencing and the fleet's queue live in
+the database, and expiry is judged by the machine's wall clock.
 
-    meta(key TEXT PRIMARY KEY, value TEXT)                      -- 'layout' -> "1"
-    runs(run_id TEXT PRIMARY KEY)                               -- rowid order = first-write order
-    records(run_id, seq, kind, body, PRIMARY KEY (run_id, seq)) WITHOUT ROWID
-    trigger first_write: a record with seq 1 adds its run to ``runs``
+Threads: the store's commit engine owns the only writer connection in its committer thread;
+every run using the store hands its writes to it, and each batch is ONE transaction (group
+commit). Reads and control operations run in trio worker threads on their own connections, so
+a reader (in this process or another one) never waits for the writer and only ever sees
+committed transactions.
 
-``body`` is one record as compact JSON (`treadle.stores._codec`), ``kind`` its tag.
-
-Threads: one committer thread per store object owns the only writer connection
-(`treadle.stores._sqlite_commit`). Every run using the store in this process hands its writes
-to that thread, which takes everything pending and writes it in ONE transaction (group
-commit, DESIGN §4 and §7), then wakes the waiting trio tasks with a single ``run_sync_soon``
-per transaction. Reads run in trio worker threads on their own connections, so a reader (in
-this process or another one) never waits for the writer and only ever sees committed
-transactions.
+Damage (docs/crash-safety.md, "What the SQLite store detects"): every record row carries a
+CRC-32, each run's row counts its records, and the creation marker is checkpointed into the
+main file when the store is made, so a store is never again taken for a new one. The committer
+checks before each transaction that the database file and its WAL are still the files it
+opened: one removed or replaced while the store is open stops every writer with `StoreError`
+instead of acknowledging writes into a file nobody will read.
 """
 
 from __future__ import annotations
 
 import contextlib
+import os
+import secrets
 import sqlite3
+import time
 from collections.abc import AsyncIterator, Callable, Mapping
 from os import PathLike
 from pathlib import Path
-from typing import Any, Final, TypeVar
+from typing import Any, Final
 
 import attrs
 import trio
 
-from treadle._exceptions import ConflictError, LogCorrupted, SchemaTooNew, StoreError, UsageError
-from treadle.stores._codec import KIND_OF, check_schema, decode, encode
-from treadle.stores._ops import AppendStore
-from treadle.stores._sqlite_commit import Committer, Row, Write, read_next_seq, refusal
-from treadle.types import (
-    Record,
-    RunLog,
+from treadle._exceptions import LogCorrupted, SchemaTooNew, StoreError, TreadleError, UsageError
+from treadle.stores import _sql
+from treadle.stores._codec import KIND_OF, decode, encode_bytes, record_crc
+from treadle.stores._engine import (
+    BatchReport,
+    CommitEngine,
+    RunHead,
+    StoreStatistics,
+    Write,
+    fail_writes,
 )
-
-LAYOUT_VERSION: Final = 1
-"""Version of the table layout, stored in ``meta``; a newer database is refused."""
+from treadle.stores._index import IndexDelta, index_delta
+from treadle.types import ApprovalDecided, CancelRequested, Record
 
 BUSY_TIMEOUT_MS: Final = 10_000
 """How long (milliseconds) a connection waits for a lock held by another connection."""
 
-MAX_PENDING_WRITES: Final = 10_000
-"""Queued, uncommitted writes above which a non-barrier write waits for its commit."""
-
-CLOSE_GRACE_S: Final = 30.0
-"""Seconds `SqliteStore.aclose` waits (shielded) for the committer to flush and stop."""
-
 _SCHEMA: Final = (
-    "CREATE TABLE IF NOT EXISTS meta(key TEXT PRIMARY KEY, value TEXT NOT NULL) WITHOUT ROWID",
-    "CREATE TABLE IF NOT EXISTS runs(run_id TEXT PRIMARY KEY)",
-    "CREATE TABLE IF NOT EXISTS records(run_id TEXT NOT NULL, seq INTEGER NOT NULL, "
-    "kind TEXT NOT NULL, body TEXT NOT NULL, PRIMARY KEY (run_id, seq)) WITHOUT ROWID",
-    "CREATE TRIGGER IF NOT EXISTS first_write AFTER INSERT ON records WHEN NEW.seq = 1 "
-    "BEGIN INSERT OR IGNORE INTO runs(run_id) VALUES (NEW.run_id); END",
+    "CREATE TABLE meta(key TEXT PRIMARY KEY, value TEXT NOT NULL) WITHOUT ROWID",
+    "CREATE TABLE runs(ord INTEGER PRIMARY KEY, run_id TEXT NOT NULL UNIQUE, "
+    "next_seq INTEGER NOT NULL DEFAULT 1, state TEXT, agent TEXT, agent_version TEXT, "
+    "started_at TEXT, steps INTEGER NOT NULL DEFAULT 0, stop_reason TEXT, awaiting_until REAL, "
+    "lease_owner TEXT NOT NULL DEFAULT '', lease_generation INTEGER NOT NULL DEFAULT 0, "
+    "lease_expires REAL NOT NULL DEFAULT 0, lease_heartbeat REAL NOT NULL DEFAULT 0, "
+    "control_head INTEGER NOT NULL DEFAULT 0, control_seen INTEGER NOT NULL DEFAULT 0, "
+    "submitted_at REAL, submission BLOB, claims INTEGER NOT NULL DEFAULT 0, "
+    "takeovers INTEGER NOT NULL DEFAULT 0, not_before REAL NOT NULL DEFAULT 0, quarantined TEXT)",
+    "CREATE INDEX runs_open ON runs(agent, ord) WHERE quarantined IS NULL AND state IS NOT NULL "
+    "AND state NOT IN ('succeeded', 'failed', 'cancelled')",
+    "CREATE TABLE records(run_id TEXT NOT NULL, seq INTEGER NOT NULL, gen INTEGER NOT NULL, "
+    "kind TEXT NOT NULL, body BLOB NOT NULL, crc INTEGER NOT NULL, PRIMARY KEY (run_id, seq)) "
+    "WITHOUT ROWID",
+    "CREATE TABLE control(run_id TEXT NOT NULL, pos INTEGER NOT NULL, kind TEXT NOT NULL, "
+    "body BLOB NOT NULL, crc INTEGER NOT NULL, PRIMARY KEY (run_id, pos)) WITHOUT ROWID",
 )
-_IDLE_READERS: Final = 4  # read connections kept open between reads
-_T = TypeVar("_T")
+
+_V1_CONTROL_SUFFIX: Final = "#control"
+"""Layout 1 kept a run's control log as a pseudo-run named ``<run_id>#control``."""
 
 
-@attrs.frozen(kw_only=True)
-class StoreStatistics:
-    """Counters of one `SqliteStore` since it was opened.
+# --------------------------------------------------------------------------- the dialect
 
-    Attributes:
-        commits: transactions committed.
-        writes_committed: store operations committed (a step write counts once).
-        records_written: log records committed.
-        max_batch: the most operations committed in one transaction.
-        pending: operations queued and not yet committed (or failed).
+
+class SqliteDialect:
+    """`treadle.stores._sql.SqlDialect` for SQLite.
+
+    Args:
+        path: the database file.
+        clock: the store clock (epoch seconds): the machine's wall clock, shared by every
+            process that opens the file.
     """
 
-    commits: int = 0
-    writes_committed: int = 0
-    records_written: int = 0
-    max_batch: int = 0
-    pending: int = 0
+    for_update = ""
+    skip_locked = ""
+
+    def __init__(self, path: str, clock: Callable[[], float]) -> None:
+        self.path = path
+        self.description = f"SQLite store {path}"
+        self._clock = clock
+
+    def connect(self) -> sqlite3.Connection:
+        """A connection for reads and control operations (autocommit, busy timeout)."""
+        return _connect(self.path)
+
+    def sql(self, text: str) -> str:
+        """SQLite takes ``?`` placeholders as they are."""
+        return text
+
+    def begin_write(self, conn: Any) -> None:
+        """``BEGIN IMMEDIATE``: take the database's write lock now."""
+        conn.execute("BEGIN IMMEDIATE")
+
+    def now(self, conn: Any) -> float:
+        """The machine's wall clock (epoch seconds)."""
+        return self._clock()
+
+    def error(self, exc: BaseException, what: str) -> TreadleError | None:
+        """A damaged database is `LogCorrupted`; other SQLite errors are `StoreError`."""
+        return _translate(self.path, exc, what)
 
 
-@attrs.define(eq=False)
-class _Counters:
-    """The mutable counters behind `StoreStatistics` (updated in the trio thread only)."""
-
-    commits: int = 0
-    writes_committed: int = 0
-    records_written: int = 0
-    max_batch: int = 0
-    pending: int = 0
-
-
-@attrs.define(eq=False)
-class _RunState:
-    """What the trio side knows about one run: its next seq, last write and first failure."""
-
-    next_seq: int
-    last: Write | None = None
-    error: StoreError | None = None
-    reported: bool = False
-
-
-# --------------------------------------------------------------------------- connections
+def _translate(path: str, exc: BaseException, what: str) -> TreadleError | None:
+    if not isinstance(exc, sqlite3.Error):
+        return None
+    text = str(exc)
+    if "malformed" in text or "not a database" in text:
+        return LogCorrupted(f"the database is damaged: {text}", where=path, offset=0)
+    return StoreError(f"{what} SQLite store {path}: {text}")
 
 
 def _connect(path: str) -> sqlite3.Connection:
@@ -112,44 +129,301 @@ def _connect(path: str) -> sqlite3.Connection:
     return conn
 
 
-def _read_layout(conn: sqlite3.Connection) -> int | None:
-    found = conn.execute("SELECT 1 FROM sqlite_master WHERE name = 'meta'").fetchone()
-    if found is None:
+# --------------------------------------------------------------------------- layout
+
+
+def _layout(conn: sqlite3.Connection) -> int | None:
+    """The layout version in ``meta``; ``None`` for an empty database.
+
+    Raises:
+        StoreError: the database holds tables but is not a treadle store.
+    """
+    names = {r[0] for r in conn.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
+    if "meta" not in names:
+        if names:
+            raise StoreError(f"not a treadle store (it holds tables {sorted(names)})")
         return None
     row = conn.execute("SELECT value FROM meta WHERE key = 'layout'").fetchone()
-    return None if row is None else int(row[0])
+    if row is None:
+        raise StoreError("not a treadle store (its meta table names no layout)")
+    return int(row[0])
 
 
-def _ensure_layout(conn: sqlite3.Connection) -> None:
-    layout = _read_layout(conn)
-    if layout is None:
-        conn.execute("BEGIN IMMEDIATE")
-        try:
+def _create(conn: sqlite3.Connection, clock: Callable[[], float]) -> None:
+    """Lay out a new store, then checkpoint so the creation marker is in the main file."""
+    conn.execute("BEGIN IMMEDIATE")
+    try:
+        if _layout(conn) is None:  # another process may have created it meanwhile
             for statement in _SCHEMA:
                 conn.execute(statement)
-            conn.execute(
-                "INSERT OR IGNORE INTO meta(key, value) VALUES ('layout', ?)", (LAYOUT_VERSION,)
+            conn.executemany(
+                "INSERT INTO meta(key, value) VALUES (?, ?)",
+                [
+                    ("layout", str(_sql.LAYOUT_VERSION)),
+                    ("created", repr(clock())),
+                    ("store_id", secrets.token_hex(8)),
+                ],
             )
-            conn.execute("COMMIT")
-        except BaseException:
+        conn.execute("COMMIT")
+    except BaseException:
+        conn.execute("ROLLBACK")
+        raise
+    conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+
+
+def _ensure_layout(conn: sqlite3.Connection, clock: Callable[[], float]) -> None:
+    layout = _layout(conn)
+    if layout is None:
+        _create(conn, clock)
+        layout = _layout(conn)
+    if layout == 1:
+        _migrate_v1(conn)
+        layout = _layout(conn)
+    if layout is not None and layout > _sql.LAYOUT_VERSION:
+        raise SchemaTooNew(layout, _sql.LAYOUT_VERSION)
+
+
+def _migrate_v1(conn: sqlite3.Connection) -> None:
+    """Layout 1 to 2: checksummed rows, the run index, control streams instead of pseudo-runs.
+
+    One transaction: every record is decoded, re-encoded with its checksum (generation 0),
+    and each run's index row is folded from its log; a ``<run_id>#control`` pseudo-run becomes
+    the control stream of ``<run_id>``.
+    """
+    conn.execute("BEGIN IMMEDIATE")
+    try:
+        if _layout(conn) != 1:
             conn.execute("ROLLBACK")
-            raise
-        layout = _read_layout(conn)
-    if layout is not None and layout > LAYOUT_VERSION:
-        raise SchemaTooNew(layout, LAYOUT_VERSION)
+            return
+        conn.execute("ALTER TABLE runs RENAME TO runs_v1")
+        conn.execute("ALTER TABLE records RENAME TO records_v1")
+        conn.execute("DROP TRIGGER IF EXISTS first_write")
+        for statement in _SCHEMA[1:]:
+            conn.execute(statement)
+        order = [r[0] for r in conn.execute("SELECT run_id FROM runs_v1 ORDER BY rowid")]
+        for run_id in order:
+            _migrate_run(conn, run_id)
+        conn.execute("DROP TABLE records_v1")
+        conn.execute("DROP TABLE runs_v1")
+        conn.execute("UPDATE meta SET value = ? WHERE key = 'layout'", (str(_sql.LAYOUT_VERSION),))
+        conn.execute(
+            "INSERT OR IGNORE INTO meta(key, value) VALUES ('created', ?)", (repr(time.time()),)
+        )
+        conn.execute("COMMIT")
+    except BaseException:
+        conn.execute("ROLLBACK")
+        raise
+    conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
 
 
-def _configure_writer(conn: sqlite3.Connection, pragmas: Mapping[str, int | str]) -> None:
+def _migrate_run(conn: sqlite3.Connection, log_id: str) -> None:
+    bodies = [
+        r[0]
+        for r in conn.execute(
+            "SELECT body FROM records_v1 WHERE run_id = ? ORDER BY seq", (log_id,)
+        )
+    ]
+    records = [decode(body) for body in bodies]
+    if log_id.endswith(_V1_CONTROL_SUFFIX):
+        run_id = log_id[: -len(_V1_CONTROL_SUFFIX)]
+        conn.execute("INSERT OR IGNORE INTO runs(run_id) VALUES (?)", (run_id,))
+        controls = [r for r in records if isinstance(r, CancelRequested | ApprovalDecided)]
+        for position, record in enumerate(controls, start=1):
+            moved: Record = _with_run_id(record, run_id)
+            kind, body = KIND_OF[type(moved)], encode_bytes(moved)
+            conn.execute(
+                "INSERT INTO control(run_id, pos, kind, body, crc) VALUES (?, ?, ?, ?, ?)",
+                (run_id, position, kind, body, record_crc(run_id, position, 0, kind, body)),
+            )
+        conn.execute("UPDATE runs SET control_head = ? WHERE run_id = ?", (len(controls), run_id))
+        return
+    conn.execute("INSERT OR IGNORE INTO runs(run_id) VALUES (?)", (log_id,))
+    rows = _sql.encode_rows(log_id, 1, 0, tuple(records))
+    conn.executemany(
+        "INSERT INTO records(run_id, seq, gen, kind, body, crc) VALUES (?, ?, ?, ?, ?, ?)", rows
+    )
+    delta = index_delta(records)
+    group = _sql.RunBatch(
+        run_id=log_id,
+        writes=(),
+        generation=0,
+        start=1,
+        stop=len(records) + 1,
+        delta=delta if delta is not None else IndexDelta(),
+    )
+    conn.execute(_sql.UPDATE_RUN, _sql.index_params(group))
+
+
+def _with_run_id(
+    record: CancelRequested | ApprovalDecided, run_id: str
+) -> CancelRequested | ApprovalDecided:
+    return attrs.evolve(record, run_id=run_id)
+
+
+# --------------------------------------------------------------------------- the committer side
+
+
+def _configure_writer(
+    conn: sqlite3.Connection, pragmas: Mapping[str, int | str], clock: Callable[[], float]
+) -> None:
     mode = conn.execute("PRAGMA journal_mode = WAL").fetchone()[0]
     if str(mode).lower() != "wal":
         raise StoreError(f"SQLite refused WAL mode (journal_mode is {mode!r})")
     conn.execute("PRAGMA synchronous = FULL")
     for name, value in pragmas.items():
         conn.execute(f"PRAGMA {name} = {value}")
-    _ensure_layout(conn)
+    _ensure_layout(conn, clock)
 
 
-def _open_writer(path: str, pragmas: Mapping[str, int | str]) -> sqlite3.Connection:
+def _file_id(path: str) -> tuple[int, int] | None:
+    try:
+        info = os.stat(path)
+    except FileNotFoundError:
+        return None
+    return (info.st_dev, info.st_ino)
+
+
+class SqliteBackend:
+    """The committer side of the SQLite store: one transaction per batch.
+
+    A batch is ``BEGIN IMMEDIATE``; a check that the database and its WAL are the files
+    opened; one read of the batch's runs rows (their next seq and lease generation); one
+    multi-row INSERT of every record the rows admit; one UPDATE per run (next seq, index
+    columns); ``COMMIT``. Few statements: the thread re-takes the GIL after every SQLite call.
+    """
+
+    def __init__(
+        self,
+        dialect: SqliteDialect,
+        conn: sqlite3.Connection,
+        pool: _sql.ConnectionPool,
+        files: tuple[tuple[int, int] | None, tuple[int, int] | None],
+    ) -> None:
+        self.description = dialect.description
+        self._dialect = dialect
+        self._path = dialect.path
+        self._conn = conn
+        self._pool = pool
+        self._max_rows = conn.getlimit(sqlite3.SQLITE_LIMIT_VARIABLE_NUMBER) // 6
+        self._files = files
+        self._broken: StoreError | None = None
+
+    def encode(self, run_id: str, seq: int, generation: int, records: tuple[Record, ...]) -> object:
+        """The write's record rows."""
+        return _sql.encode_rows(run_id, seq, generation, records)
+
+    def admit(self, run_id: str, generation: int) -> None:
+        """Nothing to check before the transaction (fencing happens inside it)."""
+
+    def load(self, run_id: str) -> RunHead:
+        """The run's next seq from its ``runs`` row."""
+        return _sql.run_pooled(self._dialect, self._pool, _sql.load_head, run_id)
+
+    def commit(self, batch: list[Write]) -> BatchReport:
+        """Commit ``batch`` in one transaction; refused runs' writes get their error."""
+        if self._broken is not None:
+            fail_writes(batch, self._broken)
+            return BatchReport()
+        groups = _sql.group_by_run(batch)
+        if not groups:
+            return BatchReport()
+        try:
+            committed = self._transaction(groups)
+        except (sqlite3.Error, StoreError) as exc:
+            self._rollback()
+            error = (
+                exc
+                if isinstance(exc, StoreError)
+                else _translate(self._path, exc, "cannot write to")
+            )
+            assert error is not None
+            if error is not exc:
+                error.__cause__ = exc
+            for group in groups:
+                fail_writes(group.writes, error)
+            return BatchReport()
+        return BatchReport(syncs=1 if committed else 0)
+
+    def _transaction(self, groups: list[_sql.RunBatch]) -> bool:
+        conn = self._conn
+        conn.execute("BEGIN IMMEDIATE")
+        self._check_files()
+        stored = self._stored([g.run_id for g in groups])
+        ok = []
+        for group in groups:
+            error = _sql.refusal(group, stored.get(group.run_id), self.description)
+            if error is None:
+                ok.append(group)
+            else:
+                fail_writes(group.writes, error)
+        if ok:
+            self._insert([row for group in ok for row in group.rows])
+            conn.executemany(_sql.UPDATE_RUN, [_sql.index_params(group) for group in ok])
+        conn.execute("COMMIT")
+        return bool(ok)
+
+    def _check_files(self) -> None:
+        """Refuse to go on once the database file or its WAL was removed or replaced."""
+        now = (_file_id(self._path), _file_id(self._path + "-wal"))
+        if now != self._files:
+            self._broken = StoreError(
+                f"{self.description}: the database file or its WAL was removed or replaced "
+                "while the store was open; nothing more is written (writes acknowledged since "
+                "the last checkpoint may be lost: see docs/crash-safety.md)"
+            )
+            raise self._broken
+
+    def _stored(self, run_ids: list[str]) -> dict[str, tuple[int, int]]:
+        found: dict[str, tuple[int, int]] = {}
+        for start in range(0, len(run_ids), 500):
+            chunk = run_ids[start : start + 500]
+            marks = ", ".join("?" * len(chunk))
+            rows = self._conn.execute(
+                f"SELECT run_id, next_seq, lease_generation FROM runs WHERE run_id IN ({marks})",
+                chunk,
+            ).fetchall()
+            found.update((r[0], (int(r[1]), int(r[2]))) for r in rows)
+        return found
+
+    def _insert(self, rows: list[_sql.Row]) -> None:
+        for start in range(0, len(rows), self._max_rows):
+            chunk = rows[start : start + self._max_rows]
+            self._conn.execute(_insert_sql(len(chunk)), [v for row in chunk for v in row])
+
+    def _rollback(self) -> None:
+        with contextlib.suppress(sqlite3.Error):
+            if self._conn.in_transaction:
+                self._conn.execute("ROLLBACK")
+
+    def finish(self) -> BatchReport:
+        """Close the writer connection."""
+        with contextlib.suppress(sqlite3.Error):
+            self._conn.close()
+        return BatchReport()
+
+
+_INSERT_CACHE: dict[int, str] = {}
+
+
+def _insert_sql(count: int) -> str:
+    text = _INSERT_CACHE.get(count)
+    if text is None:
+        values = ", ".join(["(?, ?, ?, ?, ?, ?)"] * count)
+        text = f"INSERT INTO records(run_id, seq, gen, kind, body, crc) VALUES {values}"
+        if len(_INSERT_CACHE) < 256:
+            _INSERT_CACHE[count] = text
+    return text
+
+
+# --------------------------------------------------------------------------- opening
+
+
+_FileIds = tuple[tuple[int, int] | None, tuple[int, int] | None]
+
+
+def _open_writer(
+    path: str, pragmas: Mapping[str, int | str], clock: Callable[[], float]
+) -> tuple[sqlite3.Connection, _FileIds]:
     parent = Path(path).parent
     if not parent.is_dir():
         raise StoreError(f"cannot open SQLite store {path}: {parent} is not a directory")
@@ -158,20 +432,17 @@ def _open_writer(path: str, pragmas: Mapping[str, int | str]) -> sqlite3.Connect
     except sqlite3.Error as exc:
         raise StoreError(f"cannot open SQLite store {path}: {exc}") from exc
     try:
-        _configure_writer(conn, pragmas)
+        _configure_writer(conn, pragmas, clock)
     except sqlite3.Error as exc:
         conn.close()
-        raise StoreError(f"cannot open SQLite store {path}: {exc}") from exc
+        error = _translate(path, exc, "cannot open")
+        assert error is not None
+        raise error from exc
     except BaseException:
         conn.close()
         raise
-    return conn
-
-
-def _open_reader(path: str) -> sqlite3.Connection:
-    conn = _connect(path)
-    conn.execute("PRAGMA query_only = ON")
-    return conn
+    conn.execute("SELECT 1 FROM meta").fetchone()  # the WAL exists from here on
+    return conn, (_file_id(path), _file_id(path + "-wal"))
 
 
 def _check_pragmas(pragmas: Mapping[str, int | str]) -> None:
@@ -182,99 +453,47 @@ def _check_pragmas(pragmas: Mapping[str, int | str]) -> None:
             raise UsageError(f"PRAGMA {name} is fixed by the store (WAL, synchronous=FULL)")
 
 
-# --------------------------------------------------------------------------- reading
-
-
-def _decode_row(where: str, expected_seq: int, row: tuple[int, str, str]) -> Record:
-    seq, kind, body = row
-    if seq != expected_seq:
-        raise LogCorrupted(
-            f"record seq {expected_seq} is missing", where=where, offset=expected_seq
-        )
-    try:
-        record = decode(body)
-    except Exception as exc:
-        raise LogCorrupted(f"undecodable {kind} record: {exc}", where=where, offset=seq) from exc
-    if KIND_OF[type(record)] != kind:
-        found = type(record).__name__
-        raise LogCorrupted(f"record tagged {kind} holds a {found}", where=where, offset=seq)
-    check_schema(record)
-    return record
-
-
-def _read_records(conn: sqlite3.Connection, where: str, run_id: str) -> tuple[Record, ...]:
-    rows = conn.execute(
-        "SELECT seq, kind, body FROM records WHERE run_id = ? ORDER BY seq", (run_id,)
-    ).fetchall()
-    return tuple(_decode_row(where, n, row) for n, row in enumerate(rows, start=1))
-
-
-def _read_run_ids(conn: sqlite3.Connection) -> tuple[str, ...]:
-    return tuple(r[0] for r in conn.execute("SELECT run_id FROM runs ORDER BY rowid"))
-
-
-# --------------------------------------------------------------------------- the store
-
-
-class SqliteStore(AppendStore):
-    """A `treadle.ports.RunStore` in one SQLite file (WAL, ``synchronous=FULL``).
+class SqliteStore(_sql.SqlStore):
+    """A run store in one SQLite file (WAL, ``synchronous=FULL``); every capability.
 
     Open it with `SqliteStore.open` or `open_sqlite_store`, inside a trio run; the store
     belongs to that trio run. Any number of runs may share one store object: their writes are
-    committed together by its single committer thread.
-
-    Barriers (`write_intent`, `write_control`, `write_run_finished`) return once the
-    transaction holding them (and everything queued before) has committed. The other writes
-    return once queued; if their transaction later fails, the error is raised by the next
-    write of that run. After any write of a run fails in a transaction, the store refuses
-    every further write of that run with `StoreError`; open the store again to resume it.
-
-    Every write raises:
-        ConflictError: ``seq`` is not the run's next seq (checked before queuing; another
-            store object or process that wrote the same seq is caught at commit). Nothing
-            of the write is stored.
-        UsageError: a record cannot be encoded as JSON, or names another run. Nothing is
-            stored and the seq stays free.
-        StoreError: the transaction of this barrier failed (disk full, I/O error; the
-            SQLite error is the ``__cause__``), an earlier write of the run failed, or the
-            store is closed.
-
-    Cancellation:
-        Every operation is a checkpoint. A write cancelled before it was queued writes
-        nothing. A barrier cancelled while awaiting its commit stays queued and WILL commit
-        (the run's next seq has advanced); the committer is never left half-way.
+    committed together by its committer thread. Other store objects, in this process or in
+    other processes on the same machine, may open the same file at the same time: leases keep
+    each run to one driver. See `treadle.stores._sql.SqlStore` for what every write raises.
     """
 
-    def __init__(self, path: str, conn: sqlite3.Connection, token: trio.lowlevel.TrioToken):
+    def __init__(
+        self, path: str, dialect: SqliteDialect, engine: CommitEngine, pool: _sql.ConnectionPool
+    ) -> None:
         """Private: use `SqliteStore.open`."""
+        super().__init__(dialect, engine, pool)
         self._path = path
-        self._runs: dict[str, _RunState] = {}
-        self._last: Write | None = None
-        self._readers: list[sqlite3.Connection] = []
-        self._closed = False
-        self._stopped = trio.Event()
-        self._counters = _Counters()
-        self._committer = Committer(conn, token, self._deliver, self._stopped.set)
-        self._committer.start()
 
     @classmethod
     async def open(
-        cls, path: str | PathLike[str], *, pragmas: Mapping[str, int | str] | None = None
+        cls,
+        path: str | PathLike[str],
+        *,
+        pragmas: Mapping[str, int | str] | None = None,
+        clock: Callable[[], float] = time.time,
     ) -> SqliteStore:
-        """Open (creating if needed) the store at ``path`` and start its committer thread.
+        """Open (creating if needed, migrating an older layout) the store at ``path``.
 
         Args:
-            path: the database file; its directory must exist. Readers in other processes
-                may open the same file at the same time.
+            path: the database file; its directory must exist.
             pragmas: extra PRAGMAs for the writer connection (e.g. ``cache_size``);
                 ``journal_mode`` and ``synchronous`` are fixed (WAL, FULL).
+            clock: the store clock for lease expiry and the queue (epoch seconds); tests
+                inject one, every process of a deployment uses the machine's wall clock.
 
         Returns:
             The open store; the caller owns it and must `aclose` it.
 
         Raises:
             StoreError: the file cannot be opened or created (missing or read-only
-                directory, not a database), with the SQLite error as ``__cause__``.
+                directory), or is not a treadle store.
+            LogCorrupted: the file is damaged.
             SchemaTooNew: the file was laid out by a newer treadle.
             UsageError: an invalid or forbidden PRAGMA.
         """
@@ -282,204 +501,31 @@ class SqliteStore(AppendStore):
         extra = dict(pragmas or {})
         _check_pragmas(extra)
         token = trio.lowlevel.current_trio_token()
-        conn = await trio.to_thread.run_sync(_open_writer, text, extra)
-        return cls(text, conn, token)
+        conn, files = await trio.to_thread.run_sync(_open_writer, text, extra, clock)
+        dialect = SqliteDialect(text, clock)
+        pool = _sql.ConnectionPool(dialect.connect)
+        engine = CommitEngine(SqliteBackend(dialect, conn, pool, files), token)
+        return cls(text, dialect, engine, pool)
 
     @property
     def path(self) -> str:
         """The database file."""
         return self._path
 
-    def statistics(self) -> StoreStatistics:
-        """Commit counters since the store was opened."""
-        return StoreStatistics(**attrs.asdict(self._counters))
-
-    async def read_log(self, run_id: str) -> RunLog:
-        """Read the run's whole log, after the writes queued for it here have committed.
-
-        Returns:
-            The log, records in seq order; an empty log for a run that does not exist.
-
-        Raises:
-            LogCorrupted: a stored record cannot be decoded, or a seq is missing
-                (``offset`` is that seq).
-            SchemaTooNew: the run was started by a newer schema version.
-            StoreError: the database cannot be read, or the store is closed.
-        """
-        self._check_open()
-        state = self._runs.get(run_id)
-        if state is not None and state.last is not None:
-            await self._wait_done(state.last)
-        records = await self._read(_read_records, self._path, run_id)
-        return RunLog(run_id=run_id, records=records)
-
-    async def list_runs(self) -> tuple[str, ...]:
-        """Every run id with at least one committed record, in first-write order.
-
-        Raises:
-            StoreError: the database cannot be read, or the store is closed.
-        """
-        self._check_open()
-        if self._last is not None:
-            await self._wait_done(self._last)
-        return await self._read(_read_run_ids)
-
-    async def aclose(self) -> None:
-        """Commit everything queued, stop the committer and close every connection.
-
-        Idempotent. Later operations raise `StoreError`.
-
-        Raises:
-            StoreError: a write failed after it returned and no later call of that run
-                reported it, or the committer did not stop within `CLOSE_GRACE_S`.
-
-        Cancellation:
-            The flush is shielded (bounded by `CLOSE_GRACE_S`).
-        """
-        if not self._closed:
-            self._closed = True
-            self._committer.inbox.stop()
-        with trio.move_on_after(CLOSE_GRACE_S, shield=True):
-            await self._stopped.wait()
-        if not self._stopped.is_set():
-            raise StoreError(f"{self._path}: the committer did not stop in {CLOSE_GRACE_S} s")
-        while self._readers:
-            self._readers.pop().close()
-        self._raise_unreported()
-
-    # ------------------------------------------------------------------ internals
-
-    async def _append(
-        self,
-        run_id: str,
-        seq: int,
-        records: tuple[Record, ...],
-        *,
-        barrier: bool,
-        closes: bool = False,
-    ) -> None:
-        if barrier:  # waiting for the commit below is the schedule point
-            await trio.lowlevel.checkpoint_if_cancelled()
-        else:
-            await trio.lowlevel.checkpoint()
-        self._check_open()
-        rows = _encode_rows(run_id, seq, records)
-        state = self._runs.get(run_id)
-        if state is None:
-            state = await self._load_state(run_id)
-        self._check_open()
-        if state.error is not None:
-            state.reported = True
-            raise refusal(run_id, state.error)
-        if seq != state.next_seq:
-            raise ConflictError(run_id, expected=state.next_seq, got=seq)
-        write = Write(run_id=run_id, seq=seq, rows=rows)
-        wait = barrier or self._counters.pending >= MAX_PENDING_WRITES
-        if wait:
-            write.event = trio.Event()
-        self._committer.inbox.put(write, flush=wait)  # StoreError if the committer is gone
-        state.next_seq += len(rows)
-        state.last = self._last = write
-        self._counters.pending += 1
-        if write.event is None:
-            return
-        await write.event.wait()
-        if write.error is not None:
-            state.reported = True
-            raise write.error
-
-    async def _load_state(self, run_id: str) -> _RunState:
-        next_seq = await self._read(read_next_seq, run_id)
-        # another task may have loaded (and advanced) it meanwhile: keep that one
-        return self._runs.setdefault(run_id, _RunState(next_seq=next_seq))
-
-    async def _wait_done(self, write: Write) -> None:
-        if write.done:
-            return
-        if write.event is None:
-            write.event = trio.Event()
-            self._committer.inbox.flush()
-        await write.event.wait()
-
-    def _deliver(self, batch: list[Write], written: int) -> None:
-        """In the trio thread: record the outcome of one transaction and wake its waiters."""
-        ok = 0
-        for write in batch:
-            write.done = True
-            if write.error is None:
-                ok += 1
-            else:
-                self._poison(write.run_id, write.error)
-            if write.event is not None:
-                write.event.set()
-        counters = self._counters
-        counters.pending -= len(batch)
-        if ok:
-            counters.commits += 1
-            counters.writes_committed += ok
-            counters.records_written += written
-            counters.max_batch = max(counters.max_batch, ok)
-
-    def _poison(self, run_id: str, error: StoreError) -> None:
-        state = self._runs[run_id]
-        if state.error is None:
-            state.error = error
-
-    def _check_open(self) -> None:
-        if self._closed:
-            raise StoreError(f"the SQLite store {self._path} is closed")
-
-    def _raise_unreported(self) -> None:
-        unreported = sorted(r for r, s in self._runs.items() if s.error and not s.reported)
-        if unreported:
-            for run_id in unreported:
-                self._runs[run_id].reported = True
-            first = self._runs[unreported[0]].error
-            raise StoreError(
-                f"{self._path}: writes of runs {unreported} failed after returning"
-            ) from first
-
-    async def _read(self, fn: Callable[..., _T], *args: Any) -> _T:
-        conn = self._readers.pop() if self._readers else None
-        try:
-            if conn is None:
-                conn = await trio.to_thread.run_sync(_open_reader, self._path)
-            return await trio.to_thread.run_sync(fn, conn, *args)
-        except sqlite3.Error as exc:
-            raise StoreError(f"cannot read SQLite store {self._path}: {exc}") from exc
-        finally:
-            if conn is not None:
-                self._release(conn)
-
-    def _release(self, conn: sqlite3.Connection) -> None:
-        if self._closed or len(self._readers) >= _IDLE_READERS:
-            conn.close()
-        else:
-            self._readers.append(conn)
-
-
-def _encode_rows(run_id: str, seq: int, records: tuple[Record, ...]) -> tuple[Row, ...]:
-    rows = []
-    for offset, record in enumerate(records):
-        if record.run_id != run_id:
-            raise UsageError(f"a write of run {run_id!r} holds a record of run {record.run_id!r}")
-        try:
-            body = encode(record)
-        except Exception as exc:
-            raise UsageError(f"run {run_id!r}: cannot encode {record!r}: {exc}") from exc
-        rows.append((run_id, seq + offset, KIND_OF[type(record)], body))
-    return tuple(rows)
-
 
 @contextlib.asynccontextmanager
 async def open_sqlite_store(
-    path: str | PathLike[str], *, pragmas: Mapping[str, int | str] | None = None
+    path: str | PathLike[str],
+    *,
+    pragmas: Mapping[str, int | str] | None = None,
+    clock: Callable[[], float] = time.time,
 ) -> AsyncIterator[SqliteStore]:
     """Open a `SqliteStore` for the duration of an ``async with`` block, then `aclose` it.
 
     Args:
         path: the database file (see `SqliteStore.open`).
         pragmas: extra PRAGMAs for the writer connection.
+        clock: the store clock (see `SqliteStore.open`).
 
     Yields:
         The open store.
@@ -487,8 +533,11 @@ async def open_sqlite_store(
     Raises:
         StoreError: as `SqliteStore.open` and `SqliteStore.aclose`.
     """
-    store = await SqliteStore.open(path, pragmas=pragmas)
+    store = await SqliteStore.open(path, pragmas=pragmas, clock=clock)
     try:
         yield store
     finally:
         await store.aclose()
+
+
+__all__ = ["SqliteStore", "StoreStatistics", "open_sqlite_store"]

@@ -32,7 +32,10 @@ class Parking:
         deadline: trio time at which the wait ends with an ``expired`` decision.
         active_s: active seconds of the interrupted step, carried into the resumed one.
         clock: wall clock for the decision's timestamp.
-        decision: the decision handed over (by the handle, the control log or the deadline).
+        control_seen: the control-stream position handled before parking.
+        decision: the decision handed over (by the handle, the control stream or the
+            deadline).
+        decided_here: the decision came from the handle (it is not durable yet).
         cancel_request: ``(reason, canceller)`` once the run was cancelled while parked.
     """
 
@@ -40,7 +43,9 @@ class Parking:
     deadline: float
     active_s: float
     clock: Clock
+    control_seen: int = 0
     decision: ApprovalDecided | None = None
+    decided_here: bool = False
     cancel_request: tuple[str, str] | None = None
     _wake: trio.Event = attrs.Factory(trio.Event)
 
@@ -75,6 +80,7 @@ class Parking:
             self.request.run_id, pending, self.clock, call_id=call_id, reject=reject, edit=edit
         )
         self.offer(decided)
+        self.decided_here = self.decision is not None
         return decided
 
     def offer(self, decided: ApprovalDecided) -> None:
@@ -98,9 +104,9 @@ class Parking:
             poll: reads the control log once (decisions and cancels of other processes).
             last_poll: reads it once more at the deadline, trusting no shared listing.
             poll_s: seconds between two polls; ``None`` never polls.
-            watch: ``watch(wake) -> stop``: sets ``wake`` when the run's control log shows
-                up in the store's shared listing (`ControlIndex.watch`); then the run reads
-                its control log only when woken, not every ``poll_s``.
+            watch: ``watch(wake) -> stop``: sets ``wake`` when the store's shared reading of
+                control heads shows the run's stream grew (`ControlIndex.watch`); then the
+                run reads its control stream only when woken, not every ``poll_s``.
         """
         interval = math.inf if poll_s is None or watch is not None else poll_s
         with trio.move_on_at(self.deadline):

@@ -1,9 +1,10 @@
 """Recovery: resume every unfinished run of a store, as a process does after a crash.
 
-`resume_unfinished` lists the store's runs, skips the finished ones, and drives each
-unfinished run to its end with `treadle.run` (the resume table of DESIGN §5 applies: finished
-intents are reused, an interrupted model call is abandoned and made afresh, an interrupted
-action follows its tool's replay policy), at most ``max_concurrent`` at a time.
+`resume_unfinished` lists the store's runs, skips the finished ones and those another live
+driver holds the lease of, and drives each other unfinished run to its end with `treadle.run`
+(the resume table of docs/crash-safety.md applies: finished intents are reused, an interrupted
+model call is abandoned and made afresh, an interrupted action follows its tool's replay
+policy), at most ``max_concurrent`` at a time.
 """
 
 from __future__ import annotations
@@ -14,9 +15,8 @@ from collections.abc import Callable, Sequence
 import trio
 
 from treadle._clock import Clock
-from treadle._exceptions import StoreError, UsageError
+from treadle._exceptions import RunLeased, StoreError, UsageError
 from treadle.agent import Agent
-from treadle.approvals import is_control_log
 from treadle.ports import EventSink, RunStore
 from treadle.supervisors.run import run
 from treadle.types import RunResult, RunStarted
@@ -39,8 +39,8 @@ async def resume_unfinished(
     Args:
         agent: the agent definition, or a function choosing it from a run's run-started
             record (its snapshot and input), for stores that hold runs of several agents.
-        store: the run store; its runs are taken in `list_runs` order (control logs,
-            `treadle.approvals.control_log_id`, are not runs and are skipped).
+        store: the run store; its runs are taken in `list_runs` order. A run another live
+            driver holds the lease of is left to it (neither resumed nor an error).
         max_concurrent: runs driven at the same time (at least 1).
         sinks: event sinks given to every resumed run.
         clock: wall clock for record timestamps (default: the system clock).
@@ -55,8 +55,8 @@ async def resume_unfinished(
         ExceptionGroup: some runs could not be resumed (`treadle.SnapshotMismatch`,
             `treadle.SchemaTooNew`, `treadle.LogCorrupted`, `treadle.RunInterrupted`,
             `treadle.StoreError` ...): every other run was still driven to its end first.
-            Each error carries a note naming its run; the results of the runs that finished
-            are in the store (``RunResult.from_finished(log.finished)``).
+            Each error carries a note naming its run (and its file, for a damaged one); the
+            results of the runs that finished are in the store.
         UsageError: ``max_concurrent`` is below 1.
         StoreError: the store cannot list its runs.
 
@@ -66,7 +66,7 @@ async def resume_unfinished(
     """
     if max_concurrent < 1:
         raise UsageError(f"max_concurrent must be at least 1, got {max_concurrent}")
-    run_ids = [r for r in await store.list_runs() if not is_control_log(r)]
+    run_ids = list(await store.list_runs())
     limiter = trio.CapacityLimiter(max_concurrent)
     results: dict[str, RunResult] = {}
     errors: list[Exception] = []
@@ -76,6 +76,8 @@ async def resume_unfinished(
         async with limiter:
             try:
                 result = await _resume(agent, store, run_id, sinks, clock, seed)
+            except RunLeased:
+                return  # another driver drives it: not ours to resume, and not a failure
             except Exception as exc:  # collected: one bad run must not stop the others
                 exc.add_note(f"while resuming run {run_id!r}")
                 errors.append(exc)

@@ -28,7 +28,8 @@ import attrs
 import trio
 
 from treadle._clock import Clock, SystemClock
-from treadle._exceptions import RunInterrupted, StoreError, UsageError
+from treadle._exceptions import LeaseError, RunInterrupted, StoreError, UsageError
+from treadle._ids import check_run_id, new_run_id
 from treadle._state import RunView, fold
 from treadle.actors.coordinator import Parked, RunCoordinator
 from treadle.actors.executor import RunActions, ToolExecutor
@@ -36,7 +37,6 @@ from treadle.actors.gateway import CallModel, ModelGateway
 from treadle.actors.hydrator import ContextHydrator, Hydrate
 from treadle.actors.writer import (
     EventWriter,
-    Op,
     SinkFeed,
     WriterClient,
     WriterRequest,
@@ -46,9 +46,11 @@ from treadle.actors.writer import (
 )
 from treadle.agent import Agent, RunInput, check_snapshot, input_messages
 from treadle.approvals import ApprovalPolicy, requires_approval
-from treadle.ports import EventSink, RunStore
+from treadle.ports import ControlStream, EventSink, RunStore
 from treadle.stores._codec import check_schema
-from treadle.supervisors._control import ControlInbox, ControlIndex, shared_index
+from treadle.stores._leases import LEASE_TTL_S, lease_owner
+from treadle.supervisors._control import ControlInbox, ControlIndex, control_of, shared_index
+from treadle.supervisors._leasing import LeaseHold, LeaseKeeper, leases_of
 from treadle.supervisors._parking import Parking
 from treadle.types import (
     ApprovalDecided,
@@ -59,6 +61,7 @@ from treadle.types import (
     RunStarted,
     RunState,
     StepRecord,
+    StoreOp,
 )
 
 WRITER_INBOX = 64
@@ -176,6 +179,8 @@ class WriterContext:
         run_id: the run.
         store: the run store the writer is the single writer of.
         next_seq: the seq of the next record (1 for a new run, log length + 1 on resume).
+        generation: the run's lease generation; every store write carries it (0 for a store
+            without leases).
         sinks: event sinks to feed through bounded buffers.
         feed: the run's `SinkFeed` over ``sinks``: it outlives each writer (a parked run
             gets a new writer when resumed), so hand events to it rather than to the sinks.
@@ -185,6 +190,7 @@ class WriterContext:
     store: RunStore
     next_seq: int
     sinks: Sequence[EventSink]
+    generation: int = 0
     feed: SinkFeed | None = None
 
 
@@ -241,6 +247,7 @@ def real_writer(context: WriterContext) -> EventWriter:
         run_id=context.run_id,
         store=context.store,
         next_seq=context.next_seq,
+        generation=context.generation,
         sinks=context.sinks,
         feed=context.feed,
     )
@@ -527,12 +534,20 @@ async def open_run(
     control_poll_s: float | None = CONTROL_POLL_S,
     actors: Actors = DEFAULT_ACTORS,
     park_after_s: float | None = PARK_AFTER_S,
+    lease_ttl_s: float = LEASE_TTL_S,
+    owner: str | None = None,
 ) -> AsyncIterator[RunHandle]:
     """Start (or resume) a run in the background and yield its handle.
 
     A new ``run_id`` starts a run on ``input``. An existing unfinished ``run_id`` is resumed
     (``input`` may be omitted; when given it must equal the stored input). A finished one
     yields a handle whose result is already set: nothing is re-run.
+
+    In a store with leases (`treadle.ports.LeaseStore`), the run is driven only while this
+    call holds the run's lease (docs/fleet.md, "Leases"): it is taken before the log is read,
+    renewed every ``lease_ttl_s / 3`` seconds, and released when the run finishes, parks or
+    the block ends. If another driver takes the run over (after the lease expired), this one
+    stops without writing more and its handle reports `LeaseLost`.
 
     Leaving the block waits for the run to finish; an exception in the block cancels the
     run's actors and leaves the run unfinished (resumable), not ``cancelled``.
@@ -541,53 +556,48 @@ async def open_run(
         agent: the agent definition.
         input: the run input (text or messages); required for a new run.
         store: the run store.
-        run_id: the run's id; a fresh random one when omitted.
+        run_id: the run's id (docs/concepts.md, "Run ids"); a fresh random one when omitted.
         sinks: event sinks fed through bounded buffers.
         clock: wall clock for record timestamps (default: the system clock).
         rng: random source for retry jitter (default: a fresh unseeded one).
         approval_policy: ``policy(tool, arguments) -> bool``: calls it selects wait for a
             human decision, as do tools declared with ``requires_approval=True``.
-        control_poll_s: seconds between reads of the run's control log (cancel and approval
-            decisions from other processes, see `treadle.approvals`); ``None`` reads it only
-            once, when the run starts.
+        control_poll_s: seconds between reads of the run's control stream (cancel and
+            approval decisions from other processes, see `treadle.approvals`); ``None``
+            reads it only once, when the run starts.
         actors: the factories of the run's five actors (default: the real ones); replace
             one to swap that actor alone (see `Actors`).
         park_after_s: seconds a run waits for an approval decision with its actors running;
-            after that it is parked: its actors stop and only the handle stays in memory
-            until a decision, a cancel or the deadline resumes it from its log
-            (docs/decisions/0010). ``None`` never parks.
+            after that it is parked: its actors stop, its lease is released, and only the
+            handle stays in memory until a decision, a cancel or the deadline resumes it from
+            its log (docs/decisions/0010). ``None`` never parks.
+        lease_ttl_s: the lease duration in seconds (default 15).
+        owner: the lease owner id (default: a fresh ``host:pid:random``).
 
     Raises:
+        RunLeased: another live driver holds the run's lease (the error names it and the
+            expiry); nothing was read or written.
+        InvalidRunId: ``run_id`` is not an allowed run id.
         UsageError: no input for a new run, or an input that differs from the stored one.
         SnapshotMismatch: resuming with a definition whose snapshot differs (names the keys).
         SchemaTooNew: the log was written by a newer treadle.
     """
-    run_id = run_id or f"run-{random.getrandbits(64):016x}"
-    log = await store.read_log(run_id)
-    handle = RunHandle(run_id=run_id, store=store)
-    if log.finished is not None:
-        handle._result = RunResult.from_finished(log.finished)
-        handle._done.set()
+    run_id = check_run_id(run_id) if run_id is not None else new_run_id()
+    hold = LeaseHold(
+        run_id=run_id, owner=owner or lease_owner(), ttl_s=lease_ttl_s, store=leases_of(store)
+    )
+    options = _Options(
+        clock=clock or SystemClock(),
+        rng=rng,
+        approval_policy=approval_policy,
+        control_poll_s=control_poll_s,
+        actors=actors,
+        park_after_s=park_after_s,
+    )
+    async with drive_run(
+        agent, input, store=store, hold=hold, sinks=sinks, options=options
+    ) as handle:
         yield handle
-        return
-    try:
-        async with trio.open_nursery() as nursery:
-            options = _Options(
-                clock=clock or SystemClock(),
-                rng=rng,
-                approval_policy=approval_policy,
-                control_poll_s=control_poll_s,
-                actors=actors,
-                park_after_s=park_after_s,
-            )
-            await nursery.start(_supervise, agent, input, log, store, sinks, options, handle)
-            yield handle
-    except BaseExceptionGroup as group:
-        # The run's own errors are on the handle; what reaches here came from the caller's
-        # block. Hand a single error back unwrapped, as the caller raised it.
-        if len(group.exceptions) == 1:
-            raise group.exceptions[0] from None
-        raise
 
 
 @attrs.frozen(kw_only=True)
@@ -598,6 +608,48 @@ class _Options:
     control_poll_s: float | None
     actors: Actors
     park_after_s: float | None
+    keeper: LeaseKeeper | None = None
+
+
+@asynccontextmanager
+async def drive_run(
+    agent: Agent,
+    input: RunInput | None,
+    *,
+    store: RunStore,
+    hold: LeaseHold,
+    sinks: Sequence[EventSink],
+    options: _Options,
+) -> AsyncIterator[RunHandle]:
+    """`open_run` on a `LeaseHold` (a fleet passes the lease its claim took).
+
+    Raises:
+        RunLeased: the lease cannot be taken (it is taken unless ``hold`` holds it already).
+    """
+    if hold.lease is None:
+        await hold.acquire()
+    try:
+        log = await store.read_log(hold.run_id)
+    except BaseException:
+        await hold.release_quietly()
+        raise
+    handle = RunHandle(run_id=hold.run_id, store=store)
+    if log.finished is not None:
+        await hold.release()
+        handle._result = RunResult.from_finished(log.finished)
+        handle._done.set()
+        yield handle
+        return
+    try:
+        async with trio.open_nursery() as nursery:
+            await nursery.start(_supervise, agent, input, log, store, sinks, options, handle, hold)
+            yield handle
+    except BaseExceptionGroup as group:
+        # The run's own errors are on the handle; what reaches here came from the caller's
+        # block. Hand a single error back unwrapped, as the caller raised it.
+        if len(group.exceptions) == 1:
+            raise group.exceptions[0] from None
+        raise
 
 
 async def _supervise(
@@ -608,38 +660,93 @@ async def _supervise(
     sinks: Sequence[EventSink],
     options: _Options,
     handle: RunHandle,
+    hold: LeaseHold,
     *,
     task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
 ) -> None:
-    """Drive the run; while it is parked on an approval, wait with its actors stopped."""
+    """Drive the run while holding its lease; while parked, wait with the lease released."""
     run_id = log.run_id
     first: RunLog | None = log
     del log  # a parked run keeps no records in memory
     parking: Parking | None = None
     try:
-        async with _sink_feed(sinks) as feed:
+        async with _sink_feed(sinks) as feed, _keeping(hold, options):
             while True:
                 current, first = first or await store.read_log(run_id), None
-                parking = await _drive(
-                    agent, input, current, store, feed, options, handle, parking, task_status
-                )
+                with hold.driving():
+                    parking = await _drive(
+                        agent,
+                        input,
+                        current,
+                        store,
+                        feed,
+                        options,
+                        handle,
+                        parking,
+                        hold,
+                        task_status,
+                    )
                 del current
                 if parking is None:
+                    await hold.release()
                     return
                 task_status = trio.TASK_STATUS_IGNORED  # reported when first driven
+                await hold.release(control_seen=parking.control_seen)
                 await _wait_parked(parking, store, run_id, options)
+                await _keep_decision(parking, store)
+                await hold.acquire()
     except BaseException as exc:
         leaves = _leaves(exc)
         if all(not isinstance(e, Exception) for e in leaves):
             # Cancelled from outside (or KeyboardInterrupt): the run stays unfinished.
             handle._error = RunInterrupted(run_id, "the task driving the run was cancelled")
+            await hold.release_quietly()
             raise
         handle._error = _interrupted(run_id, exc)
+        if not isinstance(handle._error, LeaseError):
+            await hold.release_quietly()
         task_status_started_safely(task_status)
     finally:
         handle._parking = None
         handle._done.set()
         handle._transition()
+
+
+@asynccontextmanager
+async def _keeping(hold: LeaseHold, options: _Options) -> AsyncIterator[None]:
+    """Keep ``hold`` renewed: by the fleet's keeper, or by one of the run's own."""
+    if hold.store is None:
+        yield
+        return
+    keeper = options.keeper
+    if keeper is not None:
+        stop = keeper.add(hold)
+        try:
+            yield
+        finally:
+            stop()
+        return
+    own = LeaseKeeper(store=hold.store, ttl_s=hold.ttl_s)
+    own.add(hold)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(own.run)
+        try:
+            yield
+        finally:
+            nursery.cancel_scope.cancel()
+
+
+async def _keep_decision(parking: Parking, store: RunStore) -> None:
+    """Make a decision handed to the parked run's handle durable before driving again.
+
+    It goes to the run's control stream, so that whoever drives the run next (this process,
+    or another that took it over meanwhile) applies it.
+    """
+    controls = control_of(store)
+    decided = parking.decision
+    if controls is not None and decided is not None and parking.decided_here:
+        await controls.append_control(decided)
+        parking.decided_here = False
 
 
 @asynccontextmanager
@@ -658,15 +765,25 @@ async def _sink_feed(sinks: Sequence[EventSink]) -> AsyncIterator[SinkFeed | Non
 
 
 async def _wait_parked(parking: Parking, store: RunStore, run_id: str, options: _Options) -> None:
-    """Wait, with the actors stopped, for what ends the parking (reading the control log)."""
-    index = _index(store, options)
-    control = ControlInbox(store=store, run_id=run_id, target=parking, index=index)
+    """Wait, with the actors stopped, for what ends the parking (reading the control stream)."""
+    controls = control_of(store)
+    if controls is None:
+        await parking.wait(_nothing, _nothing, None)
+        return
+    index = _index(controls, options)
+    control = ControlInbox(
+        store=controls, run_id=run_id, target=parking, index=index, seen=parking.control_seen
+    )
     await parking.wait(
         control.poll,
         functools.partial(control.poll, fresh=True),
         options.control_poll_s,
-        watch=functools.partial(index.watch, run_id) if index is not None else None,
+        watch=(lambda wake: index.watch(run_id, control.seen, wake)) if index else None,
     )
+
+
+async def _nothing() -> None:
+    await trio.lowlevel.checkpoint()
 
 
 async def _drive(
@@ -678,6 +795,7 @@ async def _drive(
     options: _Options,
     handle: RunHandle,
     parking: Parking | None,
+    hold: LeaseHold,
     task_status: trio.TaskStatus[None],
 ) -> Parking | None:
     """One stretch of driving: start the actors on ``log``, run until finished or parked.
@@ -695,6 +813,7 @@ async def _drive(
                 run_id=log.run_id,
                 store=store,
                 next_seq=view.next_seq,
+                generation=hold.generation,
                 sinks=feed.sinks if feed is not None else (),
                 feed=feed,
             )
@@ -708,7 +827,7 @@ async def _drive(
         handle._writer, handle._writer_client = writer, client
         await nursery.start(writer.run, writer_recv)
         if view.next_seq == 1:
-            await client.write(Op.RUN_STARTED, started)
+            await client.write(StoreOp.RUN_STARTED, started)
             view.apply(started)
         context = ActorContext(
             run_id=log.run_id,
@@ -736,13 +855,13 @@ async def _drive(
                 coordinator.cancel(*parking.cancel_request)
         handle._coordinator, handle._parking = coordinator, None
         handle._transition()
-        control = ControlInbox(
-            store=store, run_id=log.run_id, target=coordinator, index=_index(store, options)
-        )
-        await control.poll(fresh=True)  # a cancel or decision written while no one drove it
+        control = _control_inbox(store, log.run_id, coordinator, options)
+        stop_register = control.index.register(log.run_id) if control and control.index else None
+        if control is not None:
+            await control.poll(fresh=True)  # a cancel or decision written while no one drove it
         task_status.started()
         polling = trio.CancelScope()
-        if options.control_poll_s is not None:
+        if control is not None and options.control_poll_s is not None:
             nursery.start_soon(control.poll_every, options.control_poll_s, polling)
         parked: Parking | None = None
         try:
@@ -754,14 +873,28 @@ async def _drive(
                 deadline=signal.deadline,
                 active_s=signal.active_s,
                 clock=clock,
+                control_seen=control.seen if control is not None else 0,
             )
             handle._parking, handle._coordinator, handle._writer_client = parked, None, None
             handle._transition()
         finally:
             polling.cancel()
+            if stop_register is not None:
+                stop_register()
             coordinator.close_inboxes()
             writer_send.close()
     return parked
+
+
+def _control_inbox(
+    store: RunStore, run_id: str, target: CoordinatorActor, options: _Options
+) -> ControlInbox | None:
+    controls = control_of(store)
+    if controls is None:
+        return None
+    return ControlInbox(
+        store=controls, run_id=run_id, target=target, index=_index(controls, options)
+    )
 
 
 async def _hand_over(parking: Parking, view: RunView, client: WriterClient) -> None:
@@ -775,12 +908,12 @@ async def _hand_over(parking: Parking, view: RunView, client: WriterClient) -> N
         return
     if view.pending.approval_requests.get(decided.call_id) != parking.request:
         return  # the log moved on (another process drove the run): nothing to hand over
-    await client.barrier(Op.CONTROL, decided)
+    await client.barrier(StoreOp.CONTROL, decided)
     view.apply(decided)
 
 
-def _index(store: RunStore, options: _Options) -> ControlIndex | None:
-    """The store's shared listing of control logs (see `treadle.supervisors._control`)."""
+def _index(store: ControlStream, options: _Options) -> ControlIndex | None:
+    """The store's shared reading of control heads (see `treadle.supervisors._control`)."""
     if options.control_poll_s is None:
         return None
     return shared_index(store, options.control_poll_s)
@@ -798,8 +931,8 @@ def _interrupted(run_id: str, error: BaseException) -> BaseException:
     real = [e for e in _leaves(error) if isinstance(e, Exception)]
     # A failed store write ends the event writer, and the other actors then fail on its
     # closed inbox: the store's error is the cause, whichever leaf came first.
-    first = next((e for e in real if isinstance(e, StoreError | UsageError)), real[0])
-    if isinstance(first, StoreError | UsageError):
+    first = next((e for e in real if isinstance(e, StoreError | UsageError | LeaseError)), real[0])
+    if isinstance(first, StoreError | UsageError | LeaseError):
         return first
     interrupted = RunInterrupted(run_id, f"{type(first).__name__}: {first}")
     interrupted.__cause__ = first
@@ -882,6 +1015,8 @@ async def run(
     control_poll_s: float | None = CONTROL_POLL_S,
     actors: Actors = DEFAULT_ACTORS,
     park_after_s: float | None = PARK_AFTER_S,
+    lease_ttl_s: float = LEASE_TTL_S,
+    owner: str | None = None,
 ) -> RunResult:
     """Run ``agent`` on ``input`` to the end and return the result.
 
@@ -891,6 +1026,8 @@ async def run(
     Raises:
         RunInterrupted: an actor failed; the run is left resumable.
         StoreError: the store failed; the run stopped.
+        RunLeased: another live driver holds the run's lease.
+        LeaseLost: another driver took the run over while this call drove it.
         UsageError, SnapshotMismatch, SchemaTooNew: as in `open_run`.
     """
     async with open_run(
@@ -905,6 +1042,8 @@ async def run(
         control_poll_s=control_poll_s,
         actors=actors,
         park_after_s=park_after_s,
+        lease_ttl_s=lease_ttl_s,
+        owner=owner,
     ) as handle:
         pass  # leaving the block waits for the run
     return await handle.wait()

@@ -33,7 +33,7 @@ import attrs
 import trio
 
 from treadle._exceptions import ConflictError, StoreError
-from treadle.ports import RunStore
+from treadle.ports import LeaseStore, RunStore
 from treadle.types import (
     ActionIntent,
     ActionOutcome,
@@ -67,6 +67,7 @@ __all__ = [
     "StoreContractError",
     "StoreOpener",
     "check_run_store",
+    "lease_generation",
 ]
 
 StoreOpener = Callable[[], AbstractAsyncContextManager[RunStore]]
@@ -125,17 +126,42 @@ def _new_run_id(label: str) -> str:
 # --------------------------------------------------------------------------- a scripted writer
 
 
+CONTRACT_OWNER: Final = "treadle-contract-check"
+"""The lease owner the checks write as (in a store with leases)."""
+
+
+async def lease_generation(store: RunStore, run_id: str, owner: str = CONTRACT_OWNER) -> int:
+    """Take the run's lease (in a store with leases) and return the generation to write with.
+
+    0 for a store without leases (`treadle.ports.LeaseStore`).
+    """
+    if not isinstance(store, LeaseStore):
+        return 0
+    lease = await store.acquire_lease(run_id, owner=owner, ttl_s=CHECK_TIMEOUT_S * 10)
+    return lease.generation
+
+
 @attrs.define(eq=False)
 class _Writer:
-    """Writes one run's records with the right seqs and remembers what it wrote."""
+    """Writes one run's records with the right seqs and remembers what it wrote.
+
+    It takes the run's lease before its first write, as a driver does.
+    """
 
     store: RunStore
     run_id: str
     written: list[Record] = attrs.field(factory=list)
+    gen: int = -1
 
     @property
     def seq(self) -> int:
         return len(self.written) + 1
+
+    async def lease(self) -> int:
+        """The generation to write with (the lease is taken on first use)."""
+        if self.gen < 0:
+            self.gen = await lease_generation(self.store, self.run_id)
+        return self.gen
 
     async def started(self, text: str = "hello") -> RunStarted:
         record = RunStarted(
@@ -144,20 +170,20 @@ class _Writer:
             input=(Message(role="user", content=text),),
             snapshot={"model": "m", "params": {"temperature": 0.5}, "tools": ["echo"]},
         )
-        await self.store.write_run_started(record, seq=self.seq)
+        await self.store.write_run_started(record, seq=self.seq, generation=await self.lease())
         self.written.append(record)
         return record
 
     async def model_call(self, step: int, text: str | None = "thinking") -> str:
         intent_id = f"{self.run_id}/m{step}"
         intent = ModelIntent(run_id=self.run_id, step=step, intent_id=intent_id, attempt=1, ts=_TS)
-        await self.store.write_intent(intent, seq=self.seq)
+        await self.store.write_intent(intent, seq=self.seq, generation=await self.lease())
         self.written.append(intent)
         reply = ModelReply(text=text, finish_reason="stop", usage=Usage(input_tokens=3))
         result = ModelResult(
             run_id=self.run_id, step=step, intent_id=intent_id, ts=_TS, reply=reply, latency_s=0.25
         )
-        await self.store.write_model_result(result, seq=self.seq)
+        await self.store.write_model_result(result, seq=self.seq, generation=await self.lease())
         self.written.append(result)
         return intent_id
 
@@ -171,7 +197,7 @@ class _Writer:
             arguments=arguments if arguments is not None else {"text": f"x{n}"},
             ts=_TS,
         )
-        await self.store.write_intent(intent, seq=self.seq)
+        await self.store.write_intent(intent, seq=self.seq, generation=await self.lease())
         self.written.append(intent)
         return intent
 
@@ -190,12 +216,14 @@ class _Writer:
             observations=tuple(r.outcome.observation for r in results),
             action_result_ids=tuple(r.intent_id for r in results),
         )
-        await self.store.write_step(results if actions else None, record, seq=self.seq)
+        await self.store.write_step(
+            results if actions else None, record, seq=self.seq, generation=await self.lease()
+        )
         self.written.extend((*results, record))
         return record
 
     async def control(self, record: CancelRequested | ApprovalRequested | ApprovalDecided) -> None:
-        await self.store.write_control(record, seq=self.seq)
+        await self.store.write_control(record, seq=self.seq, generation=await self.lease())
         self.written.append(record)
 
     async def finished(self) -> RunFinished:
@@ -207,7 +235,7 @@ class _Writer:
             totals=Totals(steps=1, model_attempts=1),
             final_answer="done",
         )
-        await self.store.write_run_finished(record, seq=self.seq)
+        await self.store.write_run_finished(record, seq=self.seq, generation=await self.lease())
         self.written.append(record)
         return record
 
@@ -348,8 +376,9 @@ async def _conflict_on_new_run(store: RunStore) -> None:
     check = "conflict_on_wrong_seq"
     run_id = _new_run_id("conflict-new")
     record = RunStarted(run_id=run_id, ts=_TS, input=(), snapshot={})
+    generation = await lease_generation(store, run_id)
     try:
-        await store.write_run_started(record, seq=2)
+        await store.write_run_started(record, seq=2, generation=generation)
     except ConflictError as exc:
         _expect(exc.expected == 1 and exc.got == 2, check, f"bad expected/got: {exc}")
     else:
@@ -359,7 +388,7 @@ async def _conflict_on_new_run(store: RunStore) -> None:
 
 
 def _wrong_writes(w: _Writer, seq: int) -> list[tuple[str, Callable[[], Awaitable[None]]]]:
-    run_id, store = w.run_id, w.store
+    run_id, store, gen = w.run_id, w.store, w.gen
     intent = ModelIntent(run_id=run_id, step=1, intent_id="x", attempt=2, ts=_TS)
     result = ModelResult(run_id=run_id, step=1, intent_id="x", ts=_TS)
     step = StepRecord(run_id=run_id, step=1, ts=_TS, model_intent_id=None, decision=None)
@@ -369,11 +398,20 @@ def _wrong_writes(w: _Writer, seq: int) -> list[tuple[str, Callable[[], Awaitabl
         )
     )
     return [
-        ("write_intent", lambda: store.write_intent(intent, seq=seq)),
-        ("write_model_result", lambda: store.write_model_result(result, seq=seq)),
-        ("write_step", lambda: store.write_step([action, action], step, seq=seq)),
-        ("write_control", lambda: store.write_control(_approval_requested(run_id), seq=seq)),
-        ("write_run_finished", lambda: store.write_run_finished(_finished(run_id), seq=seq)),
+        ("write_intent", lambda: store.write_intent(intent, seq=seq, generation=gen)),
+        ("write_model_result", lambda: store.write_model_result(result, seq=seq, generation=gen)),
+        (
+            "write_step",
+            lambda: store.write_step([action, action], step, seq=seq, generation=gen),
+        ),
+        (
+            "write_control",
+            lambda: store.write_control(_approval_requested(run_id), seq=seq, generation=gen),
+        ),
+        (
+            "write_run_finished",
+            lambda: store.write_run_finished(_finished(run_id), seq=seq, generation=gen),
+        ),
     ]
 
 
@@ -422,7 +460,7 @@ async def _record_contents_survive(open_store: StoreOpener) -> None:
             ModelResult(run_id=w.run_id, step=1, intent_id="j", ts=_TS, error=failed),
             ModelResult(run_id=w.run_id, step=1, intent_id="k", ts=_TS, abandoned=True),
         ):
-            await store.write_model_result(record, seq=w.seq)
+            await store.write_model_result(record, seq=w.seq, generation=await w.lease())
             w.written.append(record)
         await _expect_log(check, store, w.run_id, w.written)
 
@@ -485,6 +523,8 @@ async def _durable_after_reopen(open_store: StoreOpener) -> None:
         await _expect_log(check, store, w.run_id, w.written)
         _expect(w.run_id in await store.list_runs(), check, "a reopened store lost the run")
         w.store = store
+        w.gen = -1  # a new store object: take the lease again (a JSONL lock died with the old)
+        await w.lease()
         await _expect_conflict(store, w, "write_intent after reopen", _wrong_writes(w, 2)[0][1], 2)
         await w.action_intent(2, 0)  # the next seq continues where the log ends
         await w.finished()

@@ -36,23 +36,14 @@ from treadle.ports import RunStore
 from treadle.stores.jsonl import JsonlStore
 from treadle.stores.sqlite import SqliteStore
 from treadle.supervisors.run import run
+from treadle.testing._intercept import InterceptingStore
 from treadle.testing.crashes import RUN_INPUT, make_agent
-from treadle.types import (
-    ActionIntent,
-    ActionResult,
-    ApprovalDecided,
-    ApprovalRequested,
-    CancelRequested,
-    ModelIntent,
-    ModelResult,
-    RunFinished,
-    RunLog,
-    RunResult,
-    RunStarted,
-    StepRecord,
-)
+from treadle.types import Record, RunResult, StoreOp
 
 StoreKind = Literal["sqlite", "jsonl"]
+
+CRASH_DRIVER_OWNER = "treadle-crashdriver"
+"""The lease owner of every driver incarnation (one incarnation at a time, by construction)."""
 
 
 @asynccontextmanager
@@ -100,15 +91,24 @@ def read_kill_note(path: str | os.PathLike[str]) -> KillNote | None:
         return None
 
 
+def _note(
+    op: StoreOp, records: tuple[Record, ...], seq: int, when: Literal["before", "after"]
+) -> KillNote:
+    return KillNote(
+        run_id=records[0].run_id, seq=seq, records=len(records), barrier=op.barrier, when=when
+    )
+
+
 @attrs.define(eq=False)
-class KillingStore:
+class KillingStore(InterceptingStore):
     """A `treadle.ports.RunStore` that SIGKILLs its process at write number ``kill_at``.
 
     Args:
         inner: the real store.
         kill_at: the write (1-based, over all runs) at which the process dies; ``None``:
             never.
-        when: ``before`` the write reaches the store, or ``after`` the store accepted it.
+        when: ``before`` the write reaches the store, or ``after`` the store accepted it (for a
+            barrier, once it is durable; for the other writes, once queued).
         note: a file to write a `KillNote` to (synced) just before dying.
     """
 
@@ -118,20 +118,18 @@ class KillingStore:
     note: str | None = None
     writes: int = 0
 
-    async def _write(
-        self, run_id: str, seq: int, records: int, barrier: bool, write: Callable[[], Any]
-    ) -> None:
+    async def before_write(self, op: StoreOp, records: tuple[Record, ...], seq: int) -> bool:
+        """Count the write; die before it at the kill point, or say to die after it."""
         self.writes += 1
         dies = self.writes == self.kill_at
         if dies and self.when == "before":
-            self._die(
-                KillNote(run_id=run_id, seq=seq, records=records, barrier=barrier, when="before")
-            )
-        await write()
-        if dies:
-            self._die(
-                KillNote(run_id=run_id, seq=seq, records=records, barrier=barrier, when="after")
-            )
+            self._die(_note(op, records, seq, "before"))
+        return dies
+
+    def after_write(self, act: bool, op: StoreOp, records: tuple[Record, ...], seq: int) -> None:
+        """Die once the store accepted the write at the kill point."""
+        if act:
+            self._die(_note(op, records, seq, "after"))
 
     def _die(self, note: KillNote) -> None:
         if self.note is not None:
@@ -142,62 +140,6 @@ class KillingStore:
             finally:
                 os.close(fd)
         _die()
-
-    async def write_run_started(self, record: RunStarted, *, seq: int) -> None:
-        """Forward (or die)."""
-        await self._write(
-            record.run_id, seq, 1, False, lambda: self.inner.write_run_started(record, seq=seq)
-        )
-
-    async def write_intent(self, record: ModelIntent | ActionIntent, *, seq: int) -> None:
-        """Forward (or die)."""
-        await self._write(
-            record.run_id, seq, 1, True, lambda: self.inner.write_intent(record, seq=seq)
-        )
-
-    async def write_model_result(self, record: ModelResult, *, seq: int) -> None:
-        """Forward (or die)."""
-        await self._write(
-            record.run_id, seq, 1, False, lambda: self.inner.write_model_result(record, seq=seq)
-        )
-
-    async def write_step(
-        self, action_results: Sequence[ActionResult] | None, step: StepRecord, *, seq: int
-    ) -> None:
-        """Forward (or die)."""
-        count = len(action_results or ()) + 1
-        await self._write(
-            step.run_id,
-            seq,
-            count,
-            False,
-            lambda: self.inner.write_step(action_results, step, seq=seq),
-        )
-
-    async def write_control(
-        self, record: CancelRequested | ApprovalRequested | ApprovalDecided, *, seq: int
-    ) -> None:
-        """Forward (or die)."""
-        await self._write(
-            record.run_id, seq, 1, True, lambda: self.inner.write_control(record, seq=seq)
-        )
-
-    async def write_run_finished(self, record: RunFinished, *, seq: int) -> None:
-        """Forward (or die)."""
-        await self._write(
-            record.run_id, seq, 1, True, lambda: self.inner.write_run_finished(record, seq=seq)
-        )
-
-    async def read_log(self, run_id: str) -> RunLog:
-        """Forward."""
-        return await self.inner.read_log(run_id)
-
-    async def list_runs(self) -> tuple[str, ...]:
-        """Forward."""
-        return await self.inner.list_runs()
-
-    async def aclose(self) -> None:
-        """Nothing to release: the inner store belongs to the caller."""
 
 
 @attrs.frozen(kw_only=True)
@@ -243,7 +185,11 @@ async def drive(spec: DriverSpec, *, on_ready: Callable[[], None] | None = None)
 
         async def one(run_id: str) -> None:
             agent = make_agent(spec.ledger)
-            results[run_id] = await run(agent, RUN_INPUT, store=store, run_id=run_id)
+            # One owner id for every incarnation: each starts after the one before died, so
+            # it continues that driver's lease at once instead of waiting for it to expire.
+            results[run_id] = await run(
+                agent, RUN_INPUT, store=store, run_id=run_id, owner=CRASH_DRIVER_OWNER
+            )
 
         async with trio.open_nursery() as nursery:
             for run_id in spec.run_ids:

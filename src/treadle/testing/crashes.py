@@ -38,6 +38,7 @@ from treadle.agent import Agent
 from treadle.parsers import NativeToolCallParser
 from treadle.ports import ActionExecutor, RunStore
 from treadle.supervisors.run import run
+from treadle.testing._intercept import InterceptingStore
 from treadle.testing.contracts import StoreOpener
 from treadle.testing.faults import CrashingExecutor, CrashingStore, SimulatedCrash
 from treadle.testing.scripted import ScriptedModel, call, calls, say
@@ -49,19 +50,12 @@ from treadle.types import (
     ActionOutcome,
     ActionResult,
     ActionStatus,
-    ApprovalDecided,
-    ApprovalRequested,
-    CancelRequested,
     Limits,
     ModelErrorInfo,
-    ModelIntent,
-    ModelResult,
     Record,
     ReplayPolicy,
-    RunFinished,
     RunLog,
-    RunStarted,
-    StepRecord,
+    StoreOp,
     SyntheticObservations,
     ToolCall,
 )
@@ -342,49 +336,18 @@ class _Attempt:
 
 
 @attrs.define(eq=False)
-class _Recorder:
+class _Recorder(InterceptingStore):
     """Records every write attempted through it and whether it returned."""
 
     inner: RunStore
     attempts: list[_Attempt] = attrs.Factory(list)
 
-    async def _do(self, records: tuple[Record, ...], barrier: bool, write: Any) -> None:
-        attempt = _Attempt(records=records, barrier=barrier)
-        self.attempts.append(attempt)
-        await write
-        attempt.acknowledged = True
+    async def before_write(self, op: StoreOp, records: tuple[Record, ...], seq: int) -> bool:
+        self.attempts.append(_Attempt(records=records, barrier=op.barrier))
+        return True
 
-    async def write_run_started(self, record: RunStarted, *, seq: int) -> None:
-        await self._do((record,), False, self.inner.write_run_started(record, seq=seq))
-
-    async def write_intent(self, record: ModelIntent | ActionIntent, *, seq: int) -> None:
-        await self._do((record,), True, self.inner.write_intent(record, seq=seq))
-
-    async def write_model_result(self, record: ModelResult, *, seq: int) -> None:
-        await self._do((record,), False, self.inner.write_model_result(record, seq=seq))
-
-    async def write_step(
-        self, action_results: Sequence[ActionResult] | None, step: StepRecord, *, seq: int
-    ) -> None:
-        records: tuple[Record, ...] = (*(action_results or ()), step)
-        await self._do(records, False, self.inner.write_step(action_results, step, seq=seq))
-
-    async def write_control(
-        self, record: CancelRequested | ApprovalRequested | ApprovalDecided, *, seq: int
-    ) -> None:
-        await self._do((record,), True, self.inner.write_control(record, seq=seq))
-
-    async def write_run_finished(self, record: RunFinished, *, seq: int) -> None:
-        await self._do((record,), True, self.inner.write_run_finished(record, seq=seq))
-
-    async def read_log(self, run_id: str) -> RunLog:
-        return await self.inner.read_log(run_id)
-
-    async def list_runs(self) -> tuple[str, ...]:
-        return await self.inner.list_runs()
-
-    async def aclose(self) -> None:
-        await self.inner.aclose()
+    def after_write(self, act: bool, op: StoreOp, records: tuple[Record, ...], seq: int) -> None:
+        self.attempts[-1].acknowledged = True
 
 
 @attrs.frozen(kw_only=True)
@@ -459,6 +422,10 @@ async def check_crash_recovery(
 
 _WHENS: Final[tuple[Literal["before", "after"], ...]] = ("before", "after")
 
+_CHECK_OWNER: Final = "treadle-crash-check"
+"""The lease owner of a crashed run and of its resume: the resume continues the lease the
+crashed incarnation could not release, as a restarted process with the same identity would."""
+
 
 async def _baseline(open_store: StoreOpener, workdir: Path) -> tuple[RunLog, int]:
     run_id = f"baseline-{secrets.token_hex(4)}"
@@ -482,7 +449,9 @@ async def _crash_and_resume(
     async with open_store() as store:
         survived = await store.read_log(run_id)
         _check_prefix(name, survived, recorder)
-        result = await run(make_agent(ledger), RUN_INPUT, store=store, run_id=run_id)
+        result = await run(
+            make_agent(ledger), RUN_INPUT, store=store, run_id=run_id, owner=_CHECK_OWNER
+        )
         log = await store.read_log(run_id)
     _expect(result.state.is_terminal, name, f"resumed run ended {result.state}")
     entries = read_ledger(ledger)
@@ -505,7 +474,13 @@ async def _crash(store: RunStore, crash: _Crash, ledger: Path, run_id: str, name
 
     recorder = _Recorder(crashing)
     try:
-        await run(make_agent(ledger, wrap=wrap), RUN_INPUT, store=recorder, run_id=run_id)
+        await run(
+            make_agent(ledger, wrap=wrap),
+            RUN_INPUT,
+            store=recorder,
+            run_id=run_id,
+            owner=_CHECK_OWNER,
+        )
     except (RunInterrupted, SimulatedCrash):
         pass
     else:

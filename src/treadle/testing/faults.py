@@ -19,29 +19,20 @@ from __future__ import annotations
 import errno
 import os
 import signal
-from collections.abc import Sequence
 from typing import Literal, NoReturn
 
 import attrs
 
 from treadle._exceptions import StoreError
 from treadle.ports import ActionExecutor, RunStore
-from treadle.stores._jsonl_commit import FileOps, OsFileOps
+from treadle.stores._jsonl_backend import FileOps, OsFileOps
+from treadle.testing._intercept import InterceptingStore
 from treadle.types import (
     Action,
-    ActionIntent,
     ActionOutcome,
-    ActionResult,
-    ApprovalDecided,
-    ApprovalRequested,
-    CancelRequested,
-    ModelIntent,
-    ModelResult,
+    Record,
     ReplayPolicy,
-    RunFinished,
-    RunLog,
-    RunStarted,
-    StepRecord,
+    StoreOp,
     ToolSpec,
 )
 
@@ -51,7 +42,7 @@ class SimulatedCrash(Exception):
 
 
 @attrs.define(eq=False)
-class CrashingStore:
+class CrashingStore(InterceptingStore):
     """A `treadle.ports.RunStore` that dies at write number ``crash_at`` (1-based).
 
     Args:
@@ -61,7 +52,8 @@ class CrashingStore:
 
     Attributes:
         writes: write operations seen so far.
-        crashed: whether the crash happened.
+        crashed: whether the crash happened. From then on every operation (reads, leases and
+            control streams included) raises `SimulatedCrash`.
     """
 
     inner: RunStore
@@ -74,7 +66,7 @@ class CrashingStore:
         """Die now: every later operation raises `SimulatedCrash` (used by `CrashingExecutor`)."""
         self.crashed = True
 
-    async def _guard(self) -> bool:
+    async def before_write(self, op: StoreOp, records: tuple[Record, ...], seq: int) -> bool:
         """Count a write; raise if dead; return True when the write must crash after."""
         if self.crashed:
             raise SimulatedCrash("the process is dead")
@@ -86,65 +78,15 @@ class CrashingStore:
             return True
         return False
 
-    async def write_run_started(self, record: RunStarted, *, seq: int) -> None:
-        """Forward, crashing at the chosen write."""
-        after = await self._guard()
-        await self.inner.write_run_started(record, seq=seq)
-        self._after(after)
-
-    async def write_intent(self, record: ModelIntent | ActionIntent, *, seq: int) -> None:
-        """Forward, crashing at the chosen write."""
-        after = await self._guard()
-        await self.inner.write_intent(record, seq=seq)
-        self._after(after)
-
-    async def write_model_result(self, record: ModelResult, *, seq: int) -> None:
-        """Forward, crashing at the chosen write."""
-        after = await self._guard()
-        await self.inner.write_model_result(record, seq=seq)
-        self._after(after)
-
-    async def write_step(
-        self, action_results: Sequence[ActionResult] | None, step: StepRecord, *, seq: int
-    ) -> None:
-        """Forward, crashing at the chosen write."""
-        after = await self._guard()
-        await self.inner.write_step(action_results, step, seq=seq)
-        self._after(after)
-
-    async def write_control(
-        self, record: CancelRequested | ApprovalRequested | ApprovalDecided, *, seq: int
-    ) -> None:
-        """Forward, crashing at the chosen write."""
-        after = await self._guard()
-        await self.inner.write_control(record, seq=seq)
-        self._after(after)
-
-    async def write_run_finished(self, record: RunFinished, *, seq: int) -> None:
-        """Forward, crashing at the chosen write."""
-        after = await self._guard()
-        await self.inner.write_run_finished(record, seq=seq)
-        self._after(after)
-
-    async def read_log(self, run_id: str) -> RunLog:
-        """Forward unless dead."""
-        if self.crashed:
-            raise SimulatedCrash("the process is dead")
-        return await self.inner.read_log(run_id)
-
-    async def list_runs(self) -> tuple[str, ...]:
-        """Forward unless dead."""
-        if self.crashed:
-            raise SimulatedCrash("the process is dead")
-        return await self.inner.list_runs()
-
-    async def aclose(self) -> None:
-        """Nothing to release: the inner store belongs to the caller."""
-
-    @staticmethod
-    def _after(crash: bool) -> None:
-        if crash:
+    def after_write(self, act: bool, op: StoreOp, records: tuple[Record, ...], seq: int) -> None:
+        """Crash once the chosen write was stored."""
+        if act:
             raise SimulatedCrash("crash after the write")
+
+    def check_other(self) -> None:
+        """A dead process reads nothing."""
+        if self.crashed:
+            raise SimulatedCrash("the process is dead")
 
 
 @attrs.define(eq=False)
@@ -215,7 +157,7 @@ def _default_failure() -> StoreError:
 
 
 @attrs.define(eq=False)
-class FailingStore:
+class FailingStore(InterceptingStore):
     """A `treadle.ports.RunStore` whose write number ``fail_at`` fails with ``error``.
 
     The process stays alive (unlike `CrashingStore`): reads and other runs keep working,
@@ -240,7 +182,9 @@ class FailingStore:
     writes: int = 0
     failed_runs: set[str] = attrs.Factory(set)
 
-    async def _guard(self, run_id: str) -> bool:
+    async def before_write(self, op: StoreOp, records: tuple[Record, ...], seq: int) -> bool:
+        """Refuse writes of a failed run; fail the chosen write (before or after it)."""
+        run_id = records[0].run_id
         if run_id in self.failed_runs:
             raise StoreError(f"run {run_id!r}: an earlier write of this run failed") from (
                 self.error
@@ -253,60 +197,10 @@ class FailingStore:
             raise self.error
         return True
 
-    def _after(self, fail: bool) -> None:
-        if fail:
+    def after_write(self, act: bool, op: StoreOp, records: tuple[Record, ...], seq: int) -> None:
+        """Report the chosen write failed although it was stored."""
+        if act:
             raise self.error
-
-    async def write_run_started(self, record: RunStarted, *, seq: int) -> None:
-        """Forward, failing at the chosen write."""
-        fail = await self._guard(record.run_id)
-        await self.inner.write_run_started(record, seq=seq)
-        self._after(fail)
-
-    async def write_intent(self, record: ModelIntent | ActionIntent, *, seq: int) -> None:
-        """Forward, failing at the chosen write."""
-        fail = await self._guard(record.run_id)
-        await self.inner.write_intent(record, seq=seq)
-        self._after(fail)
-
-    async def write_model_result(self, record: ModelResult, *, seq: int) -> None:
-        """Forward, failing at the chosen write."""
-        fail = await self._guard(record.run_id)
-        await self.inner.write_model_result(record, seq=seq)
-        self._after(fail)
-
-    async def write_step(
-        self, action_results: Sequence[ActionResult] | None, step: StepRecord, *, seq: int
-    ) -> None:
-        """Forward, failing at the chosen write."""
-        fail = await self._guard(step.run_id)
-        await self.inner.write_step(action_results, step, seq=seq)
-        self._after(fail)
-
-    async def write_control(
-        self, record: CancelRequested | ApprovalRequested | ApprovalDecided, *, seq: int
-    ) -> None:
-        """Forward, failing at the chosen write."""
-        fail = await self._guard(record.run_id)
-        await self.inner.write_control(record, seq=seq)
-        self._after(fail)
-
-    async def write_run_finished(self, record: RunFinished, *, seq: int) -> None:
-        """Forward, failing at the chosen write."""
-        fail = await self._guard(record.run_id)
-        await self.inner.write_run_finished(record, seq=seq)
-        self._after(fail)
-
-    async def read_log(self, run_id: str) -> RunLog:
-        """Forward."""
-        return await self.inner.read_log(run_id)
-
-    async def list_runs(self) -> tuple[str, ...]:
-        """Forward."""
-        return await self.inner.list_runs()
-
-    async def aclose(self) -> None:
-        """Nothing to release: the inner store belongs to the caller."""
 
 
 @attrs.define(eq=False)
@@ -337,14 +231,6 @@ class FailingFileOps:
     def open(self, path: str, *, create: bool) -> int:
         """Forward."""
         return self.inner.open(path, create=create)
-
-    def lock(self, fd: int) -> None:
-        """Forward."""
-        self.inner.lock(fd)
-
-    def unlock(self, fd: int) -> None:
-        """Forward."""
-        self.inner.unlock(fd)
 
     def read(self, fd: int, offset: int, size: int) -> bytes:
         """Forward."""

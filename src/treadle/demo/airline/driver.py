@@ -4,8 +4,11 @@ It runs (or resumes, when the store already holds it) the run ``airline-<task>-<
 recording against the replay server's URL, over the SQLite store and the conversation's
 airline database, and exits 0 once the run has finished (whatever its outcome).
 
-While it drives the run it holds an exclusive ``flock`` on ``<db>.lock``, so a run is never
-driven by two processes at once.
+While it drives the run it holds an exclusive ``flock`` on ``<db>.lock``, so a run (and its
+airline database) is never driven by two processes at once. Every driver of a run uses the
+same lease owner id (`DEMO_OWNER`): since the lock guarantees the one before is dead, a driver
+started after a crash continues that driver's lease at once instead of waiting for it to
+expire.
 
 Crashes are real: with ``--crash-after-writes N`` the process sends itself SIGKILL right after
 the store acknowledged its N-th write; with ``--crash-before-write N`` right before it hands
@@ -27,7 +30,7 @@ import signal
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any, Final, Literal, TypeVar
+from typing import Any, Final, TypeVar
 
 import trio
 
@@ -47,12 +50,10 @@ from treadle.models.openai import OpenAIChatClient
 from treadle.ports import RunStore
 from treadle.stores.sqlite import open_sqlite_store
 from treadle.supervisors.run import open_run
+from treadle.testing.crashdriver import KillingStore
 from treadle.types import (
     ActionIntent,
     ActionResult,
-    ApprovalDecided,
-    ApprovalRequested,
-    CancelRequested,
     Event,
     ModelIntent,
     ModelResult,
@@ -60,7 +61,6 @@ from treadle.types import (
     RunFinished,
     RunLog,
     RunResult,
-    RunStarted,
     StepRecord,
 )
 
@@ -74,6 +74,10 @@ LOCK_WAIT_S: Final = 60.0
 
 LOCK_POLL_S: Final = 0.05
 """Seconds between two attempts to take the run's lock."""
+
+
+DEMO_OWNER: Final = "treadle-demo-driver"
+"""The lease owner id of every driver process (see the module docstring)."""
 
 
 class RunLocked(OSError):
@@ -109,91 +113,6 @@ async def hold_run_lock(path: Path) -> int:
 def _kill_self() -> None:
     """Die at once, as ``kill -9`` would: no cleanup, no flush, nothing written after."""
     os.kill(os.getpid(), signal.SIGKILL)
-
-
-class KillingStore:
-    """A `treadle.ports.RunStore` wrapper that SIGKILLs its own process at a chosen write.
-
-    Args:
-        inner: the real store.
-        at_write: which write operation of this process (1-based) is the crash point.
-        when: ``after``: once ``inner`` acknowledged that write (for a barrier, once it is
-            durable; for the other writes, once queued); ``before``: before handing it over.
-
-    Attributes:
-        writes: write operations seen so far.
-    """
-
-    def __init__(self, inner: RunStore, *, at_write: int, when: Literal["after", "before"]):
-        self.inner = inner
-        self.at_write = at_write
-        self.when = when
-        self.writes = 0
-
-    def _before(self) -> bool:
-        self.writes += 1
-        crash = self.writes == self.at_write
-        if crash and self.when == "before":
-            _kill_self()
-        return crash
-
-    async def write_run_started(self, record: RunStarted, *, seq: int) -> None:
-        """Forward; SIGKILL at the crash point."""
-        crash = self._before()
-        await self.inner.write_run_started(record, seq=seq)
-        if crash:
-            _kill_self()
-
-    async def write_intent(self, record: ModelIntent | ActionIntent, *, seq: int) -> None:
-        """Forward; SIGKILL at the crash point."""
-        crash = self._before()
-        await self.inner.write_intent(record, seq=seq)
-        if crash:
-            _kill_self()
-
-    async def write_model_result(self, record: ModelResult, *, seq: int) -> None:
-        """Forward; SIGKILL at the crash point."""
-        crash = self._before()
-        await self.inner.write_model_result(record, seq=seq)
-        if crash:
-            _kill_self()
-
-    async def write_step(
-        self, action_results: Sequence[ActionResult] | None, step: StepRecord, *, seq: int
-    ) -> None:
-        """Forward; SIGKILL at the crash point."""
-        crash = self._before()
-        await self.inner.write_step(action_results, step, seq=seq)
-        if crash:
-            _kill_self()
-
-    async def write_control(
-        self, record: CancelRequested | ApprovalRequested | ApprovalDecided, *, seq: int
-    ) -> None:
-        """Forward; SIGKILL at the crash point."""
-        crash = self._before()
-        await self.inner.write_control(record, seq=seq)
-        if crash:
-            _kill_self()
-
-    async def write_run_finished(self, record: RunFinished, *, seq: int) -> None:
-        """Forward; SIGKILL at the crash point."""
-        crash = self._before()
-        await self.inner.write_run_finished(record, seq=seq)
-        if crash:
-            _kill_self()
-
-    async def read_log(self, run_id: str) -> RunLog:
-        """Forward."""
-        return await self.inner.read_log(run_id)
-
-    async def list_runs(self) -> tuple[str, ...]:
-        """Forward."""
-        return await self.inner.list_runs()
-
-    async def aclose(self) -> None:
-        """Nothing to release: the inner store belongs to the caller."""
-        await trio.lowlevel.checkpoint()
 
 
 # --------------------------------------------------------------------------- events
@@ -275,9 +194,9 @@ async def _die_with_parent() -> None:
 
 def _store_wrapper(store: RunStore, args: argparse.Namespace) -> RunStore:
     if args.crash_after_writes is not None:
-        return KillingStore(store, at_write=args.crash_after_writes, when="after")
+        return KillingStore(store, kill_at=args.crash_after_writes, when="after")
     if args.crash_before_write is not None:
-        return KillingStore(store, at_write=args.crash_before_write, when="before")
+        return KillingStore(store, kill_at=args.crash_before_write, when="before")
     return store
 
 
@@ -320,7 +239,7 @@ async def _run(
         steps = len(log.steps)
         _emit({"kind": "driver", "pid": os.getpid(), "stored_records": stored, "steps": steps})
     async with open_run(
-        agent, first_customer_message(recording), store=store, run_id=run_id
+        agent, first_customer_message(recording), store=store, run_id=run_id, owner=DEMO_OWNER
     ) as handle:
         if args.events:
             try:

@@ -1,0 +1,608 @@
+"""The commit engine that every durable store shares (docs/decisions/0011-one-commit-engine.md).
+
+A store hands each write operation to the engine as a `Write`. The engine's committer thread
+takes everything pending, asks the store's `Backend` to commit it as one batch (one SQL
+transaction, or one append-and-sync round over files) and hands the batch back to trio with a
+single ``run_sync_soon``: group commit across every run of the store object
+(docs/crash-safety.md, "Group commit").
+
+* **Barriers** wait for their batch. The other writes return once queued; they linger for up
+  to `LINGER_S` so that they ride with the next barrier, and a failure of their batch is raised
+  by the run's next write (or by `CommitEngine.aclose`).
+* **Prefix durability**: a batch holds every run's writes in seq order and the backend makes a
+  run's later write durable only with its earlier ones. After any write of a run fails, the
+  engine refuses every later write of that run in this store object, so nothing lands after a
+  hole.
+* **Reads never change what the engine knows.** Only writes and their commits move a run's
+  next seq; a store's reads first wait for the run's queued writes (`CommitEngine.settle`) and
+  then read on their own.
+* **Errors** are never swallowed: a refused write carries its error (`ConflictError`,
+  `LeaseLost`, `StoreError`), a failed batch fails every write in it, and a bug in the backend
+  fails the batch and stops the committer, so no waiter is left hanging.
+
+The backend supplies only what differs between stores: how records are encoded, how a run's
+next seq is loaded, how a batch is committed and what happens at stop.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Callable, Mapping, Sequence
+from typing import Final, Protocol
+
+import attrs
+import trio
+
+from treadle._exceptions import ConflictError, LeaseLost, StoreError, TreadleError, UsageError
+from treadle.stores._index import IndexDelta, index_delta
+from treadle.types import Record
+
+LINGER_S: Final = 0.02
+"""Seconds a queued non-barrier write may wait for a barrier to share its batch."""
+
+SPLIT_ABOVE: Final = 64
+"""Pending writes above which the committer takes only the older half per batch, so that trio
+works on one half while the other commits (instead of every run moving in lock step)."""
+
+MAX_PENDING_WRITES: Final = 10_000
+"""Queued, uncommitted writes above which a non-barrier write waits for its batch."""
+
+CLOSE_GRACE_S: Final = 30.0
+"""Seconds `CommitEngine.aclose` waits (shielded) for the committer to flush and stop."""
+
+
+@attrs.define(eq=False, slots=True)
+class Write:
+    """One store operation on its way to the backend: records of one run at consecutive seqs.
+
+    Attributes:
+        run_id: the run.
+        seq: the seq of the first record.
+        generation: the writer's lease generation (0 for a store without leases).
+        records: the records, in seq order.
+        payload: what `Backend.encode` made of them (rows, a line of bytes ...).
+        barrier: the caller waits until the write is durable.
+        closes: the write holds the run's run-finished record.
+        delta: what the write changes in the run's index row, or ``None``.
+        head: `Backend.load`'s state, carried by the first write of a run in this engine.
+        error: set by the backend when the write was refused or its batch failed.
+        done: the batch holding the write has been handed back.
+        event: set once ``done``, for a waiter.
+    """
+
+    run_id: str
+    seq: int
+    generation: int
+    records: tuple[Record, ...]
+    payload: object
+    barrier: bool
+    closes: bool
+    delta: IndexDelta | None
+    head: object = None
+    error: TreadleError | None = None
+    done: bool = False
+    event: trio.Event | None = None
+
+    @property
+    def count(self) -> int:
+        """Records in the write."""
+        return len(self.records)
+
+    @property
+    def end_seq(self) -> int:
+        """The seq after the write's last record."""
+        return self.seq + len(self.records)
+
+
+@attrs.frozen(kw_only=True)
+class RunHead:
+    """What `Backend.load` found of a run before its first write through this engine.
+
+    Attributes:
+        next_seq: the seq after the run's last stored record (1 for a new run).
+        state: backend-specific state the committer needs at the first write (a file's end
+            offset, say); handed over in `Write.head`.
+    """
+
+    next_seq: int
+    state: object = None
+
+
+@attrs.frozen(kw_only=True)
+class BatchReport:
+    """What one committed batch did, besides the errors set on its writes.
+
+    Attributes:
+        syncs: fsync calls, or durable commits, it took.
+        lost: runs whose earlier, already acknowledged writes turned out not durable (a
+            failed sync at eviction or at stop), each with its error.
+        counters: backend-specific counts to add to `StoreStatistics.counters`.
+    """
+
+    syncs: int = 0
+    lost: tuple[tuple[str, TreadleError], ...] = ()
+    counters: Mapping[str, int] = attrs.Factory(dict)
+
+
+class Backend(Protocol):
+    """What a durable store supplies to the engine.
+
+    Attributes:
+        description: the store, for messages (a path, a DSN without its password).
+    """
+
+    description: str
+
+    def encode(self, run_id: str, seq: int, generation: int, records: tuple[Record, ...]) -> object:
+        """Encode one write (in the trio thread, before it is queued); pure.
+
+        Raises:
+            Exception: the records cannot be encoded; the engine raises `UsageError` and
+                nothing is queued.
+        """
+        ...
+
+    def admit(self, run_id: str, generation: int) -> None:
+        """Refuse at once a write that cannot commit (in the trio thread; may do nothing).
+
+        Raises:
+            LeaseLost: this store object knows the generation is stale.
+        """
+        ...
+
+    def load(self, run_id: str) -> RunHead:
+        """Find the run's next seq before its first write here (in a worker thread).
+
+        Raises:
+            StoreError: the store cannot be read (`LogCorrupted`, `SchemaTooNew` included).
+        """
+        ...
+
+    def commit(self, batch: list[Write]) -> BatchReport:
+        """Make ``batch`` durable as one unit (in the committer thread).
+
+        Writes come oldest first; a run's writes are at consecutive seqs. A write that is
+        refused or lost gets ``error`` set; the others are durable when this returns. Raising
+        means a bug: the engine fails the batch and stops.
+        """
+        ...
+
+    def finish(self) -> BatchReport:
+        """Make everything written durable and release the backend (committer thread, once)."""
+        ...
+
+
+@attrs.frozen(kw_only=True)
+class StoreStatistics:
+    """Counters of one store's commit engine since it was opened.
+
+    Attributes:
+        commits: batches that committed at least one write.
+        writes_committed: store operations committed (a step write counts once).
+        records_written: log records committed.
+        max_batch: the most operations committed in one batch.
+        pending: operations queued and not yet committed (or failed).
+        syncs: fsync calls or durable commits the backend made.
+        counters: backend-specific counts (torn tails cut, say).
+    """
+
+    commits: int = 0
+    writes_committed: int = 0
+    records_written: int = 0
+    max_batch: int = 0
+    pending: int = 0
+    syncs: int = 0
+    counters: Mapping[str, int] = attrs.Factory(dict)
+
+
+@attrs.define(eq=False)
+class _Counters:
+    commits: int = 0
+    writes_committed: int = 0
+    records_written: int = 0
+    max_batch: int = 0
+    pending: int = 0
+    syncs: int = 0
+    counters: dict[str, int] = attrs.Factory(dict)
+
+
+@attrs.define(eq=False)
+class _RunState:
+    """What the trio side knows of one run: its next seq, last write and first failure."""
+
+    next_seq: int
+    head: object = None
+    last: Write | None = None
+    error: TreadleError | None = None
+    reported: bool = False
+
+
+def refusal(run_id: str, cause: TreadleError) -> TreadleError:
+    """The error for a write of a run whose earlier write failed with ``cause``."""
+    if isinstance(cause, LeaseLost):
+        err: TreadleError = LeaseLost(run_id, generation=cause.generation, current=cause.current)
+    else:
+        err = StoreError(
+            f"run {run_id!r}: an earlier write of this run failed ({cause}); the store refuses "
+            "further writes of it (open the store again to resume the run)"
+        )
+    err.__cause__ = cause
+    return err
+
+
+class CommitEngine:
+    """Group commit for one store object: the trio side, its inbox and its committer thread.
+
+    Args:
+        backend: what commits batches.
+        token: the trio run the store belongs to (batches are handed back to it).
+
+    The engine belongs to one trio run. Every method must be called from it.
+    """
+
+    def __init__(self, backend: Backend, token: trio.lowlevel.TrioToken) -> None:
+        self._backend = backend
+        self._runs: dict[str, _RunState] = {}
+        self._last: Write | None = None
+        self._closed = False
+        self._stopped = trio.Event()
+        self._counters = _Counters()
+        self._inbox = _Inbox(backend.description)
+        self._committer = _Committer(backend, self._inbox, token, self._deliver, self._stopped.set)
+        self._committer.start()
+
+    @property
+    def closed(self) -> bool:
+        """Whether `aclose` was called."""
+        return self._closed
+
+    def check_open(self) -> None:
+        """Raise `StoreError` once the engine is closed."""
+        if self._closed:
+            raise StoreError(f"the {self._backend.description} is closed")
+
+    def statistics(self) -> StoreStatistics:
+        """Counters since the engine started."""
+        c = self._counters
+        return StoreStatistics(
+            commits=c.commits,
+            writes_committed=c.writes_committed,
+            records_written=c.records_written,
+            max_batch=c.max_batch,
+            pending=c.pending,
+            syncs=c.syncs,
+            counters=dict(c.counters),
+        )
+
+    async def append(
+        self,
+        run_id: str,
+        seq: int,
+        records: tuple[Record, ...],
+        *,
+        generation: int,
+        barrier: bool,
+        closes: bool,
+    ) -> None:
+        """Queue one write; for a barrier, wait until it (and all before it) is durable.
+
+        Raises:
+            ConflictError: ``seq`` is not the run's next seq here, or another writer stored it
+                first (caught at commit). Nothing of the write is stored.
+            LeaseLost: ``generation`` is not the run's current lease generation.
+            UsageError: the records cannot be encoded, or belong to another run.
+            StoreError: the batch of this barrier failed, an earlier write of the run failed,
+                or the store is closed.
+
+        Cancellation:
+            A checkpoint. Cancelled before it was queued, nothing is written; a barrier
+            cancelled while awaiting its batch stays queued and WILL commit (the run's next
+            seq has moved on).
+        """
+        if barrier:  # waiting for the batch below is the schedule point
+            await trio.lowlevel.checkpoint_if_cancelled()
+        else:
+            await trio.lowlevel.checkpoint()
+        self.check_open()
+        payload = self._encode(run_id, seq, generation, records)
+        state = self._runs.get(run_id)
+        if state is None:
+            state = await self._load(run_id)
+            self.check_open()
+        if state.error is not None:
+            state.reported = True
+            raise refusal(run_id, state.error)
+        if seq != state.next_seq:
+            raise ConflictError(run_id, expected=state.next_seq, got=seq)
+        self._backend.admit(run_id, generation)
+        write = Write(
+            run_id=run_id,
+            seq=seq,
+            generation=generation,
+            records=records,
+            payload=payload,
+            barrier=barrier,
+            closes=closes,
+            delta=index_delta(records),
+            head=state.head,
+        )
+        wait = barrier or self._counters.pending >= MAX_PENDING_WRITES
+        if wait:
+            write.event = trio.Event()
+        self._inbox.put(write, flush=wait)  # StoreError if the committer is gone
+        state.head = None
+        state.next_seq = write.end_seq
+        state.last = self._last = write
+        self._counters.pending += 1
+        if write.event is None:
+            return
+        await write.event.wait()
+        if write.error is not None:
+            state.reported = True
+            raise write.error
+
+    def _encode(
+        self, run_id: str, seq: int, generation: int, records: tuple[Record, ...]
+    ) -> object:
+        for record in records:
+            if record.run_id != run_id:
+                raise UsageError(
+                    f"a write of run {run_id!r} holds a record of run {record.run_id!r}"
+                )
+        try:
+            return self._backend.encode(run_id, seq, generation, records)
+        except Exception as exc:
+            raise UsageError(f"run {run_id!r}: cannot encode {records!r}: {exc}") from exc
+
+    async def _load(self, run_id: str) -> _RunState:
+        head = await trio.to_thread.run_sync(self._backend.load, run_id)
+        # another task may have loaded (and advanced) the run meanwhile: keep that one
+        return self._runs.setdefault(run_id, _RunState(next_seq=head.next_seq, head=head.state))
+
+    async def settle(self, run_id: str | None = None) -> None:
+        """Wait until the writes queued here (of ``run_id``, or of every run) are handed back.
+
+        A read made after this sees every write this store object acknowledged. It does not
+        raise a failed write's error: the run's next write does.
+        """
+        self.check_open()
+        if run_id is None:
+            last = self._last
+        else:
+            state = self._runs.get(run_id)
+            last = state.last if state is not None else None
+        if last is None or last.done:
+            await trio.lowlevel.checkpoint()
+            return
+        if last.event is None:
+            last.event = trio.Event()
+            self._inbox.flush()
+        await last.event.wait()
+
+    def next_seq(self, run_id: str) -> int | None:
+        """The seq the run's next write here must carry, or ``None`` before its first write."""
+        state = self._runs.get(run_id)
+        return state.next_seq if state is not None else None
+
+    def forget(self, run_id: str) -> None:
+        """Drop what the engine knows of a run with nothing in flight (its lease was released).
+
+        The next write of the run loads its next seq from the store again; an unreported
+        failure of the run is kept (and raised by that write, or by `aclose`).
+        """
+        state = self._runs.get(run_id)
+        if state is not None and state.error is None and (state.last is None or state.last.done):
+            del self._runs[run_id]
+
+    def _deliver(self, batch: list[Write], report: BatchReport) -> None:
+        """In the trio thread: record the outcome of one batch and wake its waiters."""
+        ok = records = 0
+        for write in batch:
+            write.done = True
+            if write.error is None:
+                ok += 1
+                records += write.count
+            else:
+                self._poison(write.run_id, write.error)
+            if write.event is not None:
+                write.event.set()
+        for run_id, error in report.lost:
+            self._poison(run_id, error)
+        c = self._counters
+        c.pending -= len(batch)
+        c.syncs += report.syncs
+        for name, value in report.counters.items():
+            c.counters[name] = c.counters.get(name, 0) + value
+        if ok:
+            c.commits += 1
+            c.writes_committed += ok
+            c.records_written += records
+            c.max_batch = max(c.max_batch, ok)
+
+    def _poison(self, run_id: str, error: TreadleError) -> None:
+        state = self._runs.get(run_id)
+        if state is None:
+            state = self._runs[run_id] = _RunState(next_seq=0)
+        if state.error is None:
+            state.error = error
+
+    async def aclose(self) -> None:
+        """Commit everything queued, finish the backend and stop the committer. Idempotent.
+
+        Raises:
+            StoreError: a write failed after it returned and no later call of that run
+                reported it (the first such error is the ``__cause__``), or the committer did
+                not stop within `CLOSE_GRACE_S`.
+
+        Cancellation:
+            The flush is shielded (bounded by `CLOSE_GRACE_S`).
+        """
+        if not self._closed:
+            self._closed = True
+            self._inbox.stop()
+        with trio.move_on_after(CLOSE_GRACE_S, shield=True):
+            await self._stopped.wait()
+        if not self._stopped.is_set():
+            raise StoreError(
+                f"{self._backend.description}: the committer did not stop in {CLOSE_GRACE_S} s"
+            )
+        self._raise_unreported()
+
+    def _raise_unreported(self) -> None:
+        unreported = sorted(r for r, s in self._runs.items() if s.error and not s.reported)
+        if not unreported:
+            return
+        for run_id in unreported:
+            self._runs[run_id].reported = True
+        first = self._runs[unreported[0]].error
+        raise StoreError(
+            f"{self._backend.description}: writes of runs {unreported} failed after returning"
+        ) from first
+
+
+class _Inbox:
+    """The writes handed to the committer thread.
+
+    A queued write does not wake the committer for a batch of its own: it lingers for up to
+    `LINGER_S` so that it rides with the next barrier. A flush request (a barrier, a reader
+    waiting for a write) or stopping ends the linger early.
+    """
+
+    def __init__(self, description: str) -> None:
+        self._description = description
+        self._cond = threading.Condition(threading.Lock())
+        self._items: list[Write] = []
+        self._flush = False
+        self._stop = False
+        self._closed = False
+
+    def put(self, write: Write, *, flush: bool) -> None:
+        """Queue ``write``; ``flush`` wakes the committer now.
+
+        Raises:
+            StoreError: the committer thread has stopped.
+        """
+        with self._cond:
+            if self._closed:
+                raise StoreError(f"the committer thread of the {self._description} has stopped")
+            self._items.append(write)
+            self._flush = self._flush or flush
+            if flush or len(self._items) == 1:
+                self._cond.notify()
+
+    def flush(self) -> None:
+        """Wake the committer to take what is queued now."""
+        with self._cond:
+            self._flush = True
+            self._cond.notify()
+
+    def stop(self) -> None:
+        """Ask the committer to take what is queued, finish the backend and stop."""
+        with self._cond:
+            self._stop = True
+            self._cond.notify()
+
+    def close(self) -> list[Write]:
+        """Refuse further writes; return those never taken."""
+        with self._cond:
+            self._closed = True
+            leftover, self._items = self._items, []
+            return leftover
+
+    def take(self) -> tuple[list[Write], bool]:
+        """Block until there is work; return ``(batch, stopping)``, oldest writes first."""
+        with self._cond:
+            while not self._items and not self._stop:
+                self._cond.wait()
+            if not (self._flush or self._stop):
+                self._cond.wait_for(lambda: self._flush or self._stop, LINGER_S)
+            items = self._items
+            cut = len(items) if len(items) <= SPLIT_ABOVE else (len(items) + 1) // 2
+            batch, self._items = items[:cut], items[cut:]
+            self._flush = bool(self._items) and self._flush
+            return batch, self._stop and not self._items
+
+
+class _Committer:
+    """The thread that takes batches from the inbox and has the backend commit them."""
+
+    def __init__(
+        self,
+        backend: Backend,
+        inbox: _Inbox,
+        token: trio.lowlevel.TrioToken,
+        deliver: Callable[[list[Write], BatchReport], None],
+        stopped: Callable[[], None],
+    ) -> None:
+        self._backend = backend
+        self._inbox = inbox
+        self._token = token
+        self._deliver = deliver
+        self._stopped = stopped
+        self._thread = threading.Thread(target=self._main, name="treadle-committer", daemon=True)
+
+    def start(self) -> None:
+        """Start the thread."""
+        self._thread.start()
+
+    def _main(self) -> None:
+        try:
+            self._loop()
+        finally:  # also after a bug in the loop: no waiter is left hanging
+            leftover = self._inbox.close()
+            if leftover:
+                _fail(leftover, RuntimeError("the committer thread stopped"))
+                self._call_soon(self._deliver, leftover, BatchReport())
+            self._call_soon(self._stopped)
+
+    def _loop(self) -> None:
+        stopping = False
+        while not stopping:
+            batch, stopping = self._inbox.take()
+            try:
+                report = self._backend.commit(batch) if batch else BatchReport()
+                if stopping:
+                    report = _merge(report, self._backend.finish())
+            except BaseException as exc:  # a bug: fail this batch, then stop the thread
+                _fail(batch, exc)
+                self._call_soon(self._deliver, batch, BatchReport())
+                if not stopping:
+                    self._finish_quietly()
+                raise
+            self._call_soon(self._deliver, batch, report)
+
+    def _finish_quietly(self) -> None:
+        with contextlib.suppress(Exception):
+            self._backend.finish()
+
+    def _call_soon(self, fn: Callable[..., object], *args: object) -> None:
+        with contextlib.suppress(trio.RunFinishedError):
+            self._token.run_sync_soon(fn, *args)
+
+
+def _merge(first: BatchReport, second: BatchReport) -> BatchReport:
+    counters = dict(first.counters)
+    for name, value in second.counters.items():
+        counters[name] = counters.get(name, 0) + value
+    return BatchReport(
+        syncs=first.syncs + second.syncs, lost=first.lost + second.lost, counters=counters
+    )
+
+
+def _fail(writes: Sequence[Write], exc: BaseException) -> None:
+    err = (
+        exc if isinstance(exc, StoreError) else StoreError(f"the store's committer failed: {exc!r}")
+    )
+    if err is not exc:
+        err.__cause__ = exc
+    for write in writes:
+        if write.error is None:
+            write.error = err
+
+
+def fail_writes(writes: Sequence[Write], error: TreadleError) -> None:
+    """Set ``error`` on every write of ``writes`` that has none yet (backends use it)."""
+    for write in writes:
+        if write.error is None:
+            write.error = error

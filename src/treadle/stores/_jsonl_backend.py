@@ -1,0 +1,451 @@
+"""The committer side of the JSONL store: appends and syncs over many files.
+
+`JsonlBackend.commit` takes one batch of the commit engine, appends each run's frame lines to
+its file with one ``write`` per file, then syncs (``fdatasync``) every file that holds a barrier
+of the batch, once per file, concurrently on a small thread pool: the filesystem journal joins
+concurrent syncs into one commit, which is where the barriers of concurrent runs share their
+fsync work. A non-barrier write is appended without a sync; the next barrier of the same run
+syncs the same file and so makes it durable first (prefix durability per run).
+
+Before appending, the committer compares the file's size with the end of what it knows is in
+the file. Bytes beyond are either a torn tail left by a crash (an unterminated line or a tail of
+NUL bytes: cut off, durably, before appending) or something else (lines another writer
+appended: `ConflictError`; a damaged line: `LogCorrupted`). A write that fails part way is cut
+back off, so no half line is left for the next append to fuse with.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import json
+import os
+import sys
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Final, Protocol
+
+import attrs
+
+from treadle._exceptions import ConflictError, LeaseLost, LogCorrupted, StoreError, TreadleError
+from treadle.stores._engine import BatchReport, RunHead, Write, fail_writes
+from treadle.stores._jsonl_files import header_frame, read_run_file, records_frame
+from treadle.stores._lines import check_frame, scan_lines
+from treadle.types import Lease, Record
+
+SYNC_WORKERS: Final = 8
+"""Threads that sync files concurrently when a batch holds barriers of several files."""
+
+MAX_OPEN_FILES: Final = 256
+"""Run files kept open at once; the least recently written is synced and closed beyond it."""
+
+
+class FileOps(Protocol):
+    """The file operations the committer uses; `OsFileOps` is the real one.
+
+    A test replaces it to inject faults (a full disk, a failing sync); see
+    `treadle.testing.faults.FailingFileOps`. Every method raises `OSError` on failure.
+    """
+
+    def open(self, path: str, *, create: bool) -> int:
+        """Open ``path`` to read and append (``create``: it must not exist yet); the fd."""
+        ...
+
+    def write(self, fd: int, data: bytes | memoryview) -> int:
+        """Write some of ``data`` at the end of the file; return how many bytes were written."""
+        ...
+
+    def read(self, fd: int, offset: int, size: int) -> bytes:
+        """Read up to ``size`` bytes at ``offset``."""
+        ...
+
+    def sync(self, fd: int) -> None:
+        """Make the file's data durable (``fdatasync``)."""
+        ...
+
+    def sync_dir(self, path: str) -> None:
+        """Make the directory entries of ``path`` (a directory) durable."""
+        ...
+
+    def truncate(self, fd: int, size: int) -> None:
+        """Cut the file to ``size`` bytes."""
+        ...
+
+    def size(self, fd: int) -> int:
+        """The file's size in bytes."""
+        ...
+
+    def close(self, fd: int) -> None:
+        """Close the fd."""
+        ...
+
+
+_SYNC: Final = getattr(os, "fdatasync", os.fsync)
+
+
+@attrs.frozen
+class OsFileOps:
+    """`FileOps` on the real filesystem (``os`` calls)."""
+
+    def open(self, path: str, *, create: bool) -> int:
+        """Open to read and append; ``create`` uses ``O_CREAT | O_EXCL``."""
+        flags = os.O_RDWR | os.O_APPEND | getattr(os, "O_CLOEXEC", 0)
+        if create:
+            flags |= os.O_CREAT | os.O_EXCL
+        return os.open(path, flags, 0o644)
+
+    def write(self, fd: int, data: bytes | memoryview) -> int:
+        """``os.write``."""
+        return os.write(fd, data)
+
+    def read(self, fd: int, offset: int, size: int) -> bytes:
+        """``os.pread``."""
+        return os.pread(fd, size, offset)
+
+    def sync(self, fd: int) -> None:
+        """``fdatasync`` (``fsync`` where there is none)."""
+        _SYNC(fd)
+
+    def sync_dir(self, path: str) -> None:
+        """``fsync`` of the directory (a no-op on Windows, which cannot open directories)."""
+        if sys.platform == "win32":  # pragma: no cover
+            return
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+    def truncate(self, fd: int, size: int) -> None:
+        """``ftruncate``."""
+        os.ftruncate(fd, size)
+
+    def size(self, fd: int) -> int:
+        """``fstat(fd).st_size``."""
+        return os.fstat(fd).st_size
+
+    def close(self, fd: int) -> None:
+        """``os.close``."""
+        os.close(fd)
+
+
+@attrs.frozen(kw_only=True)
+class FileHead:
+    """What a run's file held when the engine first loaded the run (`Write.head`).
+
+    Attributes:
+        exists: the file exists.
+        end: bytes of its good prefix (its torn tail, if any, starts here).
+        header: it holds an intact header line.
+    """
+
+    exists: bool
+    end: int
+    header: bool
+
+
+@attrs.define(eq=False)
+class _File:
+    run_id: str
+    path: str
+    fd: int
+    end: int
+    header: bool
+    dirty: bool = False
+
+
+@attrs.define(eq=False)
+class _Group:
+    """One file's writes of a batch."""
+
+    path: str
+    writes: list[Write]
+    file: _File | None = None
+
+    @property
+    def barrier(self) -> bool:
+        return any(w.barrier for w in self.writes)
+
+
+class JsonlBackend:
+    """The `treadle.stores._engine.Backend` of the JSONL store.
+
+    Args:
+        directory: the store directory (synced after a run file is created).
+        path_of: the file of a run.
+        ops: the file operations.
+        held: the leases this store object holds, by run (its OS locks guarantee that no
+            other process writes those runs); a write of a generation not held is refused.
+    """
+
+    def __init__(
+        self,
+        directory: str,
+        path_of: Callable[[str], str],
+        ops: FileOps,
+        held: Callable[[str], Lease | None],
+    ) -> None:
+        self.description = f"JSONL store {directory}"
+        self._directory = directory
+        self._path_of = path_of
+        self._ops = ops
+        self._held = held
+        self._files: collections.OrderedDict[str, _File] = collections.OrderedDict()
+        self._closed_ends: dict[str, FileHead] = {}  # files evicted while their run goes on
+        self._dir_dirty = False
+        self._pool: ThreadPoolExecutor | None = None
+        self._created_ns = 0
+
+    # ------------------------------------------------------------------ the trio side
+
+    def encode(self, run_id: str, seq: int, generation: int, records: tuple[Record, ...]) -> object:
+        """The write's frame line."""
+        return records_frame(seq, records, generation=generation)
+
+    def admit(self, run_id: str, generation: int) -> None:
+        """Refuse a write whose generation is not the lease this store object holds.
+
+        Raises:
+            LeaseLost: it is not.
+        """
+        lease = self._held(run_id)
+        if lease is None or lease.generation != generation:
+            current = lease.generation if lease is not None else None
+            raise LeaseLost(run_id, generation=generation, current=current)
+
+    def load(self, run_id: str) -> RunHead:
+        """Read the run's file: its next seq and where its good prefix ends."""
+        found = read_run_file(self._path_of(run_id))
+        if found.run_id is not None and found.run_id != run_id:
+            raise LogCorrupted(
+                f"the header names run {found.run_id!r}", where=self._path_of(run_id), offset=0
+            )
+        head = FileHead(exists=found.exists, end=found.end, header=found.run_id is not None)
+        return RunHead(next_seq=found.next_seq, state=head)
+
+    # ------------------------------------------------------------------ one batch
+
+    def commit(self, batch: list[Write]) -> BatchReport:
+        """Append and sync one batch, at most half of `MAX_OPEN_FILES` files at a time."""
+        groups: dict[str, _Group] = {}
+        for write in batch:
+            path = self._path_of(write.run_id)
+            groups.setdefault(path, _Group(path=path, writes=[])).writes.append(write)
+        counts: dict[str, int] = {"tails_cut": 0}
+        lost: list[tuple[str, TreadleError]] = []
+        syncs = 0
+        items = list(groups.values())
+        size = max(1, MAX_OPEN_FILES // 2)
+        for start in range(0, len(items), size):
+            syncs += self._commit_files(items[start : start + size], counts, lost)
+        return BatchReport(syncs=syncs, lost=tuple(lost), counters=counts)
+
+    def _commit_files(
+        self, groups: list[_Group], counts: dict[str, int], lost: list[tuple[str, TreadleError]]
+    ) -> int:
+        for group in groups:
+            group.file = self._append(group, counts)
+        to_sync = [g for g in groups if g.file is not None and g.barrier]
+        syncs = self._sync_groups(to_sync) if to_sync else 0
+        for group in groups:
+            if (
+                group.file is not None
+                and group.writes[-1].closes
+                and group.writes[-1].error is None
+            ):
+                self._close(group.path, finished=True)
+        while len(self._files) > MAX_OPEN_FILES:
+            syncs += self._evict(next(iter(self._files)), lost)
+        return syncs
+
+    def _append(self, group: _Group, counts: dict[str, int]) -> _File | None:
+        """Append a file's writes with one write call; fail them all on an error."""
+        first = group.writes[0]
+        try:
+            file = self._open(group.path, first)
+            data = b"".join(w.payload for w in group.writes)  # type: ignore[misc]
+            if not file.header:
+                data = self._header(first.run_id) + data
+            self._append_at(file, data, first, counts)
+            file.header = True
+        except TreadleError as exc:
+            fail_writes(group.writes, exc)
+            return None
+        except OSError as exc:
+            fail_writes(group.writes, _store_error(group.path, "cannot append to", exc))
+            return None
+        return file
+
+    def _header(self, run_id: str) -> bytes:
+        self._created_ns = max(self._created_ns + 1, time.time_ns())
+        return header_frame(run_id, created_ns=self._created_ns)
+
+    def _append_at(self, file: _File, data: bytes, first: Write, counts: dict[str, int]) -> None:
+        size = self._ops.size(file.fd)
+        if size != file.end:
+            self._check_tail(file, first, size)
+            counts["tails_cut"] += 1
+        try:
+            self._write_all(file, data)
+        except OSError:
+            self._undo(file)
+            raise
+        file.end += len(data)
+
+    def _check_tail(self, file: _File, first: Write, size: int) -> None:
+        """Bytes beyond the file's known end: cut a torn tail, refuse anything else.
+
+        Raises:
+            ConflictError: another writer appended whole lines.
+            LogCorrupted: a damaged line, or the file shrank below what it held.
+        """
+        start = file.end
+        if size < start:
+            raise LogCorrupted(
+                f"the file is {size} bytes, shorter than its log ({start} bytes)",
+                where=file.path,
+                offset=size,
+            )
+        tail = self._ops.read(file.fd, start, size - start)
+        scanned = scan_lines(tail, check_frame, where=file.path, base=start)
+        frames = list(scanned.items)
+        if start == 0 and frames and frames[0][0] == 0:
+            del frames[0]  # the header of a first write that crashed is no write
+        if frames:
+            seq, line, _ = frames[-1]
+            raise ConflictError(first.run_id, expected=_next_seq(seq, line), got=first.seq)
+        self._ops.truncate(file.fd, start)  # a torn tail (or a crashed first write's header)
+        self._ops.sync(file.fd)
+
+    def _open(self, path: str, first: Write) -> _File:
+        head = first.head if isinstance(first.head, FileHead) else None
+        file = self._files.get(path)
+        if file is not None:
+            self._files.move_to_end(path)
+            if head is not None:  # the run was loaded again (its lease moved): trust the read
+                file.end, file.header = head.end, head.header
+            return file
+        create = head is not None and not head.exists
+        try:
+            fd = self._ops.open(path, create=create)
+            self._dir_dirty = self._dir_dirty or create
+        except FileExistsError:  # created meanwhile: the tail check tells a remnant from a writer
+            fd = self._ops.open(path, create=False)
+        if head is None:
+            head = self._closed_ends.pop(path, None) or self._reread(path)
+        file = self._files[path] = _File(
+            run_id=first.run_id, path=path, fd=fd, end=head.end, header=head.header
+        )
+        return file
+
+    def _reread(self, path: str) -> FileHead:
+        found = read_run_file(path)
+        return FileHead(exists=found.exists, end=found.end, header=found.run_id is not None)
+
+    def _write_all(self, file: _File, data: bytes) -> None:
+        view = memoryview(data)
+        while view:
+            written = self._ops.write(file.fd, view)
+            if written <= 0:
+                raise OSError(0, "write made no progress")
+            file.dirty = True
+            view = view[written:]
+
+    def _undo(self, file: _File) -> None:
+        """After a failed append, cut the partial bytes off (best effort).
+
+        The run is refused from now on; if the cut fails too, what remains is an unterminated
+        line, which a reader treats as a torn tail and the next append (after a reopen) cuts.
+        """
+        with contextlib.suppress(OSError):
+            self._ops.truncate(file.fd, file.end)
+
+    def _sync_groups(self, groups: list[_Group]) -> int:
+        """Sync the directory if a file was created, then every file once, concurrently."""
+        syncs = 0
+        if self._dir_dirty:
+            try:
+                self._ops.sync_dir(self._directory)
+            except OSError as exc:
+                error = _store_error(self._directory, "cannot sync", exc)
+                for group in groups:
+                    fail_writes(group.writes, error)
+                return 0
+            syncs += 1
+            self._dir_dirty = False
+        files = [g.file for g in groups if g.file is not None]
+        errors = self._sync_all(files)
+        for group, failure in zip(groups, errors, strict=True):
+            assert group.file is not None
+            if failure is None:
+                group.file.dirty = False
+            else:
+                fail_writes(group.writes, _store_error(group.path, "cannot sync", failure))
+        return syncs + len(files)
+
+    def _sync_all(self, files: Sequence[_File]) -> list[OSError | None]:
+        if len(files) == 1:
+            return [self._sync_one(files[0])]
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(SYNC_WORKERS, thread_name_prefix="treadle-fsync")
+        return list(self._pool.map(self._sync_one, files))
+
+    def _sync_one(self, file: _File) -> OSError | None:
+        try:
+            self._ops.sync(file.fd)
+        except OSError as exc:
+            return exc
+        return None
+
+    def _evict(self, path: str, lost: list[tuple[str, TreadleError]]) -> int:
+        file = self._files[path]
+        synced = 0
+        if file.dirty:
+            synced = 1
+            failure = self._sync_one(file)
+            if failure is not None:
+                lost.append((file.run_id, _store_error(path, "cannot sync", failure)))
+        self._close(path)
+        return synced
+
+    def _close(self, path: str, *, finished: bool = False) -> None:
+        file = self._files.pop(path, None)
+        if file is None:
+            return
+        if not finished:
+            self._closed_ends[path] = FileHead(exists=True, end=file.end, header=file.header)
+        with contextlib.suppress(OSError):
+            self._ops.close(file.fd)
+
+    def finish(self) -> BatchReport:
+        """Make every file written here durable, then close it (and stop the sync pool)."""
+        lost: list[tuple[str, TreadleError]] = []
+        syncs = 0
+        if self._dir_dirty:
+            try:
+                self._ops.sync_dir(self._directory)
+                syncs += 1
+            except OSError as exc:
+                error = _store_error(self._directory, "cannot sync", exc)
+                lost.extend((f.run_id, error) for f in self._files.values())
+        for path in list(self._files):
+            syncs += self._evict(path, lost)
+        if self._pool is not None:
+            self._pool.shutdown(wait=False)
+        return BatchReport(syncs=syncs, lost=tuple(lost))
+
+
+def _next_seq(seq: int, line: bytes) -> int:
+    """The seq after a record frame: its first seq plus its records."""
+    try:
+        records = json.loads(line).get("records")
+    except ValueError:
+        records = None
+    return seq + (len(records) if isinstance(records, list) else 1)
+
+
+def _store_error(path: str, what: str, exc: OSError) -> StoreError:
+    err = StoreError(f"{what} {path}: {exc.strerror or exc}")
+    err.__cause__ = exc
+    return err

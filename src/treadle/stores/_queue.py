@@ -1,0 +1,104 @@
+"""The claiming rules of a fleet's queue, shared by every store that keeps one.
+
+docs/fleet.md, "Claiming": a worker claims, oldest first and up to its free slots, the runs of
+the agents (and agent versions) it serves that nobody drives live:
+
+* a queued run (never started), whatever version the worker serves of its agent;
+* an orphaned run: its driver's lease expired unreleased (a **takeover**: the driver died) or
+  was released without finishing the run (a clean shutdown);
+* a parked run (waiting for an approval, lease released) once its control stream grew past what
+  its last driver handled, or its approval deadline passed.
+
+A run is never claimed while quarantined, before its backoff ends (``not_before``), or once
+finished. A run whose drivers died ``max_takeovers`` times is quarantined instead of claimed.
+The SQL stores pick candidates with a statement that states the coarse part of these rules,
+then apply `claim_kind` to each candidate in the same transaction.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+from collections.abc import Mapping, Sequence
+from typing import Literal
+
+import attrs
+
+from treadle._exceptions import UsageError
+from treadle.stores import _leases
+from treadle.types import Lease, Message, RunState, Submission
+
+ClaimKind = Literal["queued", "takeover", "resume"]
+
+
+@attrs.frozen(kw_only=True)
+class QueueRow:
+    """The columns of a run's index row that the claiming rules read."""
+
+    state: RunState | None
+    agent: str | None
+    agent_version: str | None
+    lease: Lease | None
+    control_head: int
+    control_seen: int
+    awaiting_until: str | None
+    not_before: float
+    quarantined: str | None
+    takeovers: int
+
+
+def claim_kind(row: QueueRow, agents: Mapping[str, Sequence[str]], now: float) -> ClaimKind | None:
+    """How a worker serving ``agents`` may claim ``row`` at ``now``, or ``None``."""
+    if row.quarantined or row.state is None or row.state.is_terminal:
+        return None
+    if row.agent is None or row.agent not in agents or row.not_before > now:
+        return None
+    if _leases.is_live(row.lease, now):
+        return None
+    if row.state is RunState.QUEUED:
+        return "queued"
+    if row.agent_version is not None and row.agent_version not in agents[row.agent]:
+        return None
+    if row.lease is not None and row.lease.owner:
+        return "takeover"
+    if row.state is RunState.AWAITING_APPROVAL:
+        deadline = row.awaiting_until is not None and epoch_of(row.awaiting_until) <= now
+        if row.control_head <= row.control_seen and not deadline:
+            return None
+    return "resume"
+
+
+def next_not_before(now: float, takeovers: int, backoff_s: float) -> float:
+    """When a run claimed at ``now`` after ``takeovers`` deaths may be claimed again."""
+    return now + backoff_s * float(2**takeovers - 1)
+
+
+def quarantine_reason(takeovers: int, lease: Lease | None) -> str:
+    """Why a run is quarantined (shown by ``treadle runs``)."""
+    last = f" (last driver {lease.owner})" if lease is not None and lease.owner else ""
+    return (
+        f"its drivers died {takeovers} times{last}; `treadle unquarantine RUN_ID` makes it "
+        "claimable again"
+    )
+
+
+def same_submission(
+    run_id: str, earlier: Submission | None, agent: str, input: tuple[Message, ...]
+) -> Submission:
+    """The earlier submission of ``run_id``, when a new one repeats it.
+
+    Raises:
+        UsageError: the run was started without the queue, or for another agent or input.
+    """
+    if earlier is None:
+        raise UsageError(f"run {run_id!r} exists and was not submitted to a queue")
+    if earlier.agent != agent or earlier.input != input:
+        raise UsageError(
+            f"run {run_id!r} was already submitted for agent {earlier.agent!r} with another "
+            "input; a run id names one run"
+        )
+    return earlier
+
+
+def epoch_of(instant: str) -> float:
+    """Epoch seconds of an ISO-8601 instant."""
+    return float(dt.datetime.fromisoformat(instant).timestamp())

@@ -1,0 +1,1072 @@
+"""What the SQL stores (SQLite, PostgreSQL) share.
+
+The table layout, the statements, and the trio-side store on top of the commit engine.
+
+Tables (docs/crash-safety.md, "SQL stores"; docs/fleet.md)::
+
+    meta(key, value)                     layout version, creation marker, store id
+    runs(ord, run_id UNIQUE, ...)        one row per run: the run index, its lease and its
+                                         queue entry; ``ord`` is the order runs entered
+    records(run_id, seq, gen, kind, body, crc)   the log; PRIMARY KEY (run_id, seq)
+    control(run_id, pos, body, crc)      the control streams; PRIMARY KEY (run_id, pos)
+
+``body`` is one record as compact JSON (`treadle.stores._codec`), ``gen`` the lease generation
+of its writer and ``crc`` the CRC-32 of the row (`treadle.stores._codec.record_crc`): a read
+refuses a row whose checksum fails, a seq missing, or fewer records than the run's
+``next_seq`` says it has (`LogCorrupted`).
+
+A write commits only if the run's ``runs`` row still holds the writer's lease generation and
+the next seq the writer expects: a stale writer's rows are left out of the batch (`LeaseLost`)
+and so is a writer that sees fewer records than it acknowledged (`StoreError`), while the other
+runs of the batch commit. Lease expiry and the queue's backoff are judged by the store's clock
+(`SqlDialect.now`).
+
+Every statement is written once with ``?`` placeholders; `SqlDialect.sql` adapts it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime as dt
+import functools
+import threading
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, Final, Protocol, TypeVar
+
+import attrs
+import trio
+
+from treadle._exceptions import (
+    ConflictError,
+    LeaseLost,
+    LogCorrupted,
+    StoreError,
+    TreadleError,
+    UsageError,
+)
+from treadle._ids import check_run_id
+from treadle.stores import _leases, _queue
+from treadle.stores._codec import (
+    KIND_OF,
+    check_schema,
+    decode,
+    decode_messages,
+    encode_bytes,
+    encode_messages,
+    record_crc,
+)
+from treadle.stores._engine import CommitEngine, RunHead, StoreStatistics, Write, fail_writes
+from treadle.stores._index import IndexDelta, fold_delta
+from treadle.stores._ops import AppendStore
+from treadle.types import (
+    ApprovalDecided,
+    CancelRequested,
+    Claim,
+    ControlEntry,
+    Lease,
+    Message,
+    Record,
+    RunLog,
+    RunState,
+    RunSummary,
+    StopReason,
+    StoreOp,
+    Submission,
+)
+
+LAYOUT_VERSION: Final = 2
+"""Version of the table layout, stored in ``meta``; a database of a newer one is refused."""
+
+IDLE_CONNECTIONS: Final = 4
+"""Connections kept open between reads and control operations."""
+
+TERMINAL_STATES: Final = tuple(s.value for s in RunState if s.is_terminal)
+
+Row = tuple[str, int, int, str, bytes, int]
+"""One record row as stored: ``(run_id, seq, gen, kind, body, crc)``."""
+
+_T = TypeVar("_T")
+
+
+class Connection(Protocol):
+    """The DB-API connection methods the SQL stores use (sqlite3 and psycopg both have them)."""
+
+    def execute(self, sql: str, params: Sequence[Any] = ..., /) -> Any:
+        """Run one statement."""
+        ...
+
+    def close(self) -> None:
+        """Close the connection."""
+        ...
+
+
+class SqlDialect(Protocol):
+    """What differs between SQLite and PostgreSQL outside the committer.
+
+    Attributes:
+        description: the store, for messages (a path, a DSN without its password).
+        for_update: appended to a SELECT that must lock its rows (``""`` for SQLite, whose
+            write transactions lock the whole database).
+        skip_locked: appended to the claim query's SELECT (``FOR UPDATE SKIP LOCKED``).
+    """
+
+    description: str
+    for_update: str
+    skip_locked: str
+
+    def connect(self) -> Connection:
+        """Open a connection for reads and control operations (in a worker thread)."""
+        ...
+
+    def sql(self, text: str) -> str:
+        """``text`` with its ``?`` placeholders in the driver's style."""
+        ...
+
+    def begin_write(self, conn: Connection) -> None:
+        """Start a transaction that will write."""
+        ...
+
+    def now(self, conn: Connection) -> float:
+        """The store clock, epoch seconds (inside the current transaction)."""
+        ...
+
+    def error(self, exc: BaseException, what: str) -> TreadleError | None:
+        """The treadle error for a driver error (``None``: not a driver error)."""
+        ...
+
+
+# --------------------------------------------------------------------------- encoding rows
+
+
+def encode_rows(
+    run_id: str, seq: int, generation: int, records: tuple[Record, ...]
+) -> tuple[Row, ...]:
+    """The rows of one write (the engine's payload for the SQL stores)."""
+    rows = []
+    for offset, record in enumerate(records):
+        kind = KIND_OF[type(record)]
+        body = encode_bytes(record)
+        crc = record_crc(run_id, seq + offset, generation, kind, body)
+        rows.append((run_id, seq + offset, generation, kind, body, crc))
+    return tuple(rows)
+
+
+def decode_row(where: str, run_id: str, expected_seq: int, row: Sequence[Any]) -> Record:
+    """One stored record row, checked (seq, checksum, tag, schema version).
+
+    Raises:
+        LogCorrupted: the row is damaged (``offset`` is its seq).
+        SchemaTooNew: it was written by a newer schema version.
+    """
+    seq, gen, kind, body, crc = row
+    body = bytes(body)
+    if seq != expected_seq:
+        raise LogCorrupted(
+            f"run {run_id!r}: record seq {expected_seq} is missing",
+            where=where,
+            offset=expected_seq,
+        )
+    if record_crc(run_id, seq, gen, kind, body) != crc:
+        raise LogCorrupted(
+            f"run {run_id!r}: record {seq} fails its checksum", where=where, offset=seq
+        )
+    try:
+        record = decode(body)
+    except Exception as exc:
+        raise LogCorrupted(
+            f"run {run_id!r}: undecodable {kind} record: {exc}", where=where, offset=seq
+        ) from exc
+    if KIND_OF[type(record)] != kind or record.run_id != run_id:
+        raise LogCorrupted(
+            f"run {run_id!r}: record {seq} does not match its row", where=where, offset=seq
+        )
+    check_schema(record)
+    return record
+
+
+# --------------------------------------------------------------------------- the batch commit
+
+
+@attrs.frozen(kw_only=True)
+class RunBatch:
+    """The writes of one run in one batch, with what the ``runs`` row must say to take them.
+
+    Attributes:
+        run_id: the run.
+        writes: its writes, in seq order.
+        generation: the lease generation the writes carry (the first write's).
+        start: the seq the row's ``next_seq`` must equal.
+        stop: the row's ``next_seq`` after the writes.
+        delta: the index change of the writes together.
+    """
+
+    run_id: str
+    writes: tuple[Write, ...]
+    generation: int
+    start: int
+    stop: int
+    delta: IndexDelta
+
+    @property
+    def rows(self) -> list[Row]:
+        """Every record row of the writes."""
+        return [row for write in self.writes for row in write.payload]  # type: ignore[attr-defined]
+
+
+def group_by_run(batch: Sequence[Write]) -> list[RunBatch]:
+    """The batch's writes grouped by run, runs in order of their first write.
+
+    A run's writes carrying different generations are cut at the first change: the later
+    ones fail with `LeaseLost` (a driver never changes generation without a new lease).
+    """
+    by_run: dict[str, list[Write]] = {}
+    for write in batch:
+        by_run.setdefault(write.run_id, []).append(write)
+    groups = []
+    for run_id, writes in by_run.items():
+        generation = writes[0].generation
+        same = [w for w in writes if w.generation == generation]
+        if len(same) != len(writes):
+            other = next(w for w in writes if w.generation != generation)
+            fail_writes(writes, LeaseLost(run_id, generation=other.generation, current=None))
+            continue
+        deltas = [w.delta for w in writes if w.delta is not None]
+        groups.append(
+            RunBatch(
+                run_id=run_id,
+                writes=tuple(writes),
+                generation=generation,
+                start=writes[0].seq,
+                stop=writes[-1].end_seq,
+                delta=fold_delta(deltas),
+            )
+        )
+    return groups
+
+
+def refusal(group: RunBatch, stored: tuple[int, int] | None, where: str) -> TreadleError | None:
+    """Why the row ``(next_seq, lease_generation)`` refuses ``group``, or ``None``."""
+    run_id = group.run_id
+    if stored is None:
+        return LeaseLost(run_id, generation=group.generation, current=None)
+    next_seq, generation = stored
+    if generation != group.generation or group.generation < 1:
+        return LeaseLost(run_id, generation=group.generation, current=generation)
+    if next_seq < group.start:
+        return StoreError(
+            f"{where}: run {run_id!r} holds records up to seq {next_seq - 1} but this writer "
+            f"had {group.start - 1} acknowledged: the store lost acknowledged records (was "
+            "its file replaced or its WAL deleted?); the writer stops"
+        )
+    if next_seq != group.start:
+        return ConflictError(run_id, expected=next_seq, got=group.start)
+    return None
+
+
+def index_params(group: RunBatch) -> tuple[Any, ...]:
+    """Parameters of `UPDATE_RUN` for one run's batch."""
+    d = group.delta
+    until = d.awaiting_until
+    return (
+        group.stop,
+        d.state.value if d.state is not None else None,
+        d.agent,
+        d.agent_version,
+        d.started_at,
+        d.steps,
+        d.stop_reason.value if d.stop_reason is not None else None,
+        until is not None,
+        _queue.epoch_of(until) if until else None,
+        group.run_id,
+    )
+
+
+UPDATE_RUN: Final = (
+    "UPDATE runs SET next_seq = ?, state = COALESCE(?, state), agent = COALESCE(?, agent), "
+    "agent_version = COALESCE(?, agent_version), started_at = COALESCE(?, started_at), "
+    "steps = COALESCE(?, steps), stop_reason = COALESCE(?, stop_reason), "
+    "awaiting_until = CASE WHEN ? THEN ? ELSE awaiting_until END WHERE run_id = ?"
+)
+"""Moves a run's ``next_seq`` and applies its index delta (parameters: `index_params`)."""
+
+
+# --------------------------------------------------------------------------- reads
+
+
+def load_head(dialect: SqlDialect, conn: Connection, run_id: str) -> RunHead:
+    """The run's next seq as the ``runs`` row holds it (1 for a run without a row)."""
+    row = conn.execute(
+        dialect.sql("SELECT next_seq FROM runs WHERE run_id = ?"), (run_id,)
+    ).fetchone()
+    return RunHead(next_seq=1 if row is None else int(row[0]))
+
+
+def read_records(dialect: SqlDialect, conn: Connection, run_id: str) -> tuple[Record, ...]:
+    """The run's whole log, every row checked, in one read transaction.
+
+    Raises:
+        LogCorrupted: a row is damaged, a seq is missing, or records the run's row counts
+            are gone.
+        SchemaTooNew: the run was written by a newer schema version.
+    """
+    where = dialect.description
+    conn.execute("BEGIN")
+    try:
+        rows = conn.execute(
+            dialect.sql(
+                "SELECT seq, gen, kind, body, crc FROM records WHERE run_id = ? ORDER BY seq"
+            ),
+            (run_id,),
+        ).fetchall()
+        head = conn.execute(
+            dialect.sql("SELECT next_seq FROM runs WHERE run_id = ?"), (run_id,)
+        ).fetchone()
+    finally:
+        conn.execute("COMMIT")
+    records = tuple(decode_row(where, run_id, n, row) for n, row in enumerate(rows, start=1))
+    counted = 0 if head is None else int(head[0]) - 1
+    if counted > len(records):
+        raise LogCorrupted(
+            f"run {run_id!r}: records {len(records) + 1} to {counted} are missing",
+            where=where,
+            offset=len(records) + 1,
+        )
+    return records
+
+
+def list_run_ids(dialect: SqlDialect, conn: Connection) -> tuple[str, ...]:
+    """Runs with at least one record, in the order they entered the store."""
+    rows = conn.execute("SELECT run_id FROM runs WHERE next_seq > 1 ORDER BY ord").fetchall()
+    return tuple(r[0] for r in rows)
+
+
+_SUMMARY_COLUMNS: Final = (
+    "run_id, state, agent, agent_version, started_at, steps, stop_reason, awaiting_until, "
+    "lease_owner, lease_generation, lease_expires, lease_heartbeat, submitted_at, claims, "
+    "takeovers, quarantined"
+)
+
+
+def list_summaries(dialect: SqlDialect, conn: Connection) -> tuple[RunSummary, ...]:
+    """Every run with a state (started or queued), in the order they entered the store."""
+    conn.execute("BEGIN")
+    try:
+        now = dialect.now(conn)
+        rows = conn.execute(
+            f"SELECT {_SUMMARY_COLUMNS} FROM runs WHERE state IS NOT NULL OR next_seq > 1 "
+            "ORDER BY ord"
+        ).fetchall()
+    finally:
+        conn.execute("COMMIT")
+    return tuple(summary_of(dialect.description, row, now) for row in rows)
+
+
+def read_summary(dialect: SqlDialect, conn: Connection, run_id: str) -> RunSummary | None:
+    """One run's summary, or ``None``."""
+    conn.execute("BEGIN")
+    try:
+        now = dialect.now(conn)
+        row = conn.execute(
+            dialect.sql(
+                f"SELECT {_SUMMARY_COLUMNS} FROM runs WHERE run_id = ? "
+                "AND (state IS NOT NULL OR next_seq > 1)"
+            ),
+            (run_id,),
+        ).fetchone()
+    finally:
+        conn.execute("COMMIT")
+    return None if row is None else summary_of(dialect.description, row, now)
+
+
+def summary_of(where: str, row: Sequence[Any], now: float) -> RunSummary:
+    """A `RunSummary` from a row of `_SUMMARY_COLUMNS`; a damaged row gives ``error``."""
+    (
+        run_id,
+        state,
+        agent,
+        version,
+        started,
+        steps,
+        stop,
+        until,
+        owner,
+        gen,
+        expires,
+        beat,
+        submitted,
+        claims,
+        takeovers,
+        quarantined,
+    ) = row
+    lease = None
+    if gen:
+        lease = Lease(
+            run_id=run_id,
+            owner=owner,
+            generation=int(gen),
+            expires_at=float(expires),
+            heartbeat_at=float(beat),
+        )
+    try:
+        run_state = None if state is None else RunState(state)
+        stop_reason = None if stop is None else StopReason(stop)
+    except ValueError as exc:
+        return RunSummary(
+            run_id=run_id,
+            state=None,
+            liveness=_leases.liveness(state=None, lease=lease, quarantined=quarantined, now=now),
+            observed_at=now,
+            lease=lease,
+            error=f"damaged index row: {exc}",
+            where=where,
+        )
+    return RunSummary(
+        run_id=run_id,
+        state=run_state,
+        liveness=_leases.liveness(state=run_state, lease=lease, quarantined=quarantined, now=now),
+        observed_at=now,
+        lease=lease,
+        agent=agent,
+        agent_version=version,
+        steps=int(steps or 0),
+        stop_reason=stop_reason,
+        started_at=started,
+        submitted_at=submitted,
+        claims=int(claims or 0),
+        takeovers=int(takeovers or 0),
+        quarantined=quarantined,
+        awaiting_until=None if until is None else _iso(until),
+    )
+
+
+def _iso(epoch_s: float) -> str:
+    return dt.datetime.fromtimestamp(epoch_s, dt.UTC).isoformat()
+
+
+# --------------------------------------------------------------------------- leases
+
+
+_LEASE_COLUMNS: Final = "lease_owner, lease_generation, lease_expires, lease_heartbeat"
+
+
+def _lease_of(run_id: str, row: Sequence[Any] | None) -> Lease | None:
+    if row is None or not row[1]:
+        return None
+    owner, gen, expires, beat = row
+    return Lease(
+        run_id=run_id,
+        owner=owner,
+        generation=int(gen),
+        expires_at=float(expires),
+        heartbeat_at=float(beat),
+    )
+
+
+def _set_lease(dialect: SqlDialect, conn: Connection, lease: Lease) -> None:
+    conn.execute(
+        dialect.sql(
+            "UPDATE runs SET lease_owner = ?, lease_generation = ?, lease_expires = ?, "
+            "lease_heartbeat = ? WHERE run_id = ?"
+        ),
+        (lease.owner, lease.generation, lease.expires_at, lease.heartbeat_at, lease.run_id),
+    )
+
+
+def _locked_row(
+    dialect: SqlDialect, conn: Connection, run_id: str, columns: str, *, create: bool
+) -> Any:
+    query = dialect.sql(f"SELECT {columns} FROM runs WHERE run_id = ?{dialect.for_update}")
+    row = conn.execute(query, (run_id,)).fetchone()
+    if row is None and create:
+        conn.execute(
+            dialect.sql("INSERT INTO runs(run_id) VALUES (?) ON CONFLICT (run_id) DO NOTHING"),
+            (run_id,),
+        )
+        row = conn.execute(query, (run_id,)).fetchone()
+    return row
+
+
+def acquire_lease(
+    dialect: SqlDialect, conn: Connection, run_id: str, owner: str, ttl_s: float
+) -> Lease:
+    """Take or renew the lease on ``run_id`` in one transaction (`treadle.stores._leases`)."""
+    with write_transaction(dialect, conn):
+        now = dialect.now(conn)
+        current = _lease_of(run_id, _locked_row(dialect, conn, run_id, _LEASE_COLUMNS, create=True))
+        lease = _leases.acquire(current, run_id=run_id, owner=owner, ttl_s=ttl_s, now=now)
+        _set_lease(dialect, conn, lease)
+        return lease
+
+
+def renew_leases(
+    dialect: SqlDialect, conn: Connection, leases: Sequence[Lease], ttl_s: float
+) -> tuple[Lease, ...]:
+    """Renew the leases still held, in one transaction; the lost ones are left out."""
+    renewed = []
+    with write_transaction(dialect, conn):
+        now = dialect.now(conn)
+        for held in leases:
+            row = _locked_row(dialect, conn, held.run_id, _LEASE_COLUMNS, create=False)
+            fresh = _leases.renew(_lease_of(held.run_id, row), held, ttl_s=ttl_s, now=now)
+            if fresh is not None:
+                _set_lease(dialect, conn, fresh)
+                renewed.append(fresh)
+    return tuple(renewed)
+
+
+def release_lease(dialect: SqlDialect, conn: Connection, lease: Lease, control_seen: int) -> None:
+    """Clear the lease's owner if still held, and record the control position handled."""
+    with write_transaction(dialect, conn):
+        conn.execute(
+            dialect.sql(
+                "UPDATE runs SET lease_owner = '', control_seen = CASE WHEN control_seen > ? "
+                "THEN control_seen ELSE ? END WHERE run_id = ? AND lease_owner = ? AND "
+                "lease_generation = ?"
+            ),
+            (control_seen, control_seen, lease.run_id, lease.owner, lease.generation),
+        )
+
+
+def read_lease(dialect: SqlDialect, conn: Connection, run_id: str) -> Lease | None:
+    """The run's lease as stored."""
+    row = conn.execute(
+        dialect.sql(f"SELECT {_LEASE_COLUMNS} FROM runs WHERE run_id = ?"), (run_id,)
+    ).fetchone()
+    return _lease_of(run_id, row)
+
+
+class write_transaction:
+    """``with write_transaction(dialect, conn):`` BEGIN (for writing) ... COMMIT, or ROLLBACK.
+
+    A failing ROLLBACK (a lost connection) is not reported over the error that caused it: the
+    transaction is gone either way, and the first error propagates.
+    """
+
+    def __init__(self, dialect: SqlDialect, conn: Connection) -> None:
+        self._dialect, self._conn = dialect, conn
+
+    def __enter__(self) -> None:
+        self._dialect.begin_write(self._conn)
+
+    def __exit__(self, kind: object, exc: object, tb: object) -> None:
+        if kind is None:
+            self._conn.execute("COMMIT")
+            return
+        with contextlib.suppress(Exception):
+            self._conn.execute("ROLLBACK")
+
+
+class ConnectionPool:
+    """Idle connections shared by worker threads (thread-safe).
+
+    Args:
+        connect: opens a new connection.
+        keep: idle connections kept; more are closed when handed back.
+    """
+
+    def __init__(self, connect: Callable[[], Connection], keep: int = IDLE_CONNECTIONS) -> None:
+        self._connect = connect
+        self._keep = keep
+        self._idle: list[Connection] = []
+        self._lock = threading.Lock()
+        self._closed = False
+
+    def take(self) -> Connection:
+        """An idle connection, or a new one (blocking: call it in a worker thread)."""
+        with self._lock:
+            if self._idle:
+                return self._idle.pop()
+        return self._connect()
+
+    def give(self, conn: Connection, *, broken: bool = False) -> None:
+        """Hand ``conn`` back; a broken one, or one beyond ``keep``, is closed."""
+        with self._lock:
+            if not broken and not self._closed and len(self._idle) < self._keep:
+                self._idle.append(conn)
+                return
+        with contextlib.suppress(Exception):
+            conn.close()
+
+    def close(self) -> None:
+        """Close every idle connection; later ones handed back are closed."""
+        with self._lock:
+            self._closed = True
+            idle, self._idle = self._idle, []
+        for conn in idle:
+            with contextlib.suppress(Exception):
+                conn.close()
+
+
+# --------------------------------------------------------------------------- control streams
+
+
+def append_control(
+    dialect: SqlDialect, conn: Connection, record: CancelRequested | ApprovalDecided
+) -> ControlEntry:
+    """Append to the run's control stream and move its ``control_head``, in one transaction."""
+    run_id = record.run_id
+    kind = KIND_OF[type(record)]
+    body = encode_bytes(record)
+    with write_transaction(dialect, conn):
+        row = _locked_row(dialect, conn, run_id, "control_head, state, next_seq", create=False)
+        if row is None or (row[1] is None and row[2] <= 1):
+            raise UsageError(f"there is no run {run_id!r} in {dialect.description}")
+        position = int(row[0]) + 1
+        conn.execute(
+            dialect.sql("INSERT INTO control(run_id, pos, kind, body, crc) VALUES (?, ?, ?, ?, ?)"),
+            (run_id, position, kind, body, record_crc(run_id, position, 0, kind, body)),
+        )
+        conn.execute(
+            dialect.sql("UPDATE runs SET control_head = ? WHERE run_id = ?"), (position, run_id)
+        )
+    return ControlEntry(run_id=run_id, position=position, record=record)
+
+
+def read_control(
+    dialect: SqlDialect, conn: Connection, run_id: str, after: int
+) -> tuple[ControlEntry, ...]:
+    """The run's control entries after ``after``, each checked."""
+    rows = conn.execute(
+        dialect.sql(
+            "SELECT pos, kind, body, crc FROM control WHERE run_id = ? AND pos > ? ORDER BY pos"
+        ),
+        (run_id, after),
+    ).fetchall()
+    entries = []
+    for expected, (pos, kind, body, crc) in enumerate(rows, start=after + 1):
+        body = bytes(body)
+        if pos != expected or record_crc(run_id, pos, 0, kind, body) != crc:
+            raise LogCorrupted(
+                f"run {run_id!r}: control entry {expected} is damaged or missing",
+                where=dialect.description,
+                offset=expected,
+            )
+        try:
+            record = decode(body)
+        except Exception as exc:
+            raise LogCorrupted(
+                f"run {run_id!r}: undecodable control entry {pos}: {exc}",
+                where=dialect.description,
+                offset=pos,
+            ) from exc
+        if not isinstance(record, CancelRequested | ApprovalDecided):
+            raise LogCorrupted(
+                f"run {run_id!r}: control entry {pos} is a {kind}",
+                where=dialect.description,
+                offset=pos,
+            )
+        entries.append(ControlEntry(run_id=run_id, position=pos, record=record))
+    return tuple(entries)
+
+
+def control_heads(dialect: SqlDialect, conn: Connection, run_ids: Sequence[str]) -> dict[str, int]:
+    """The ``control_head`` of each run that has control entries."""
+    heads: dict[str, int] = {}
+    for start in range(0, len(run_ids), 500):
+        chunk = list(run_ids[start : start + 500])
+        marks = ", ".join("?" * len(chunk))
+        rows = conn.execute(
+            dialect.sql(
+                "SELECT run_id, control_head FROM runs WHERE control_head > 0 "
+                f"AND run_id IN ({marks})"
+            ),
+            chunk,
+        ).fetchall()
+        heads.update((r[0], int(r[1])) for r in rows)
+    return heads
+
+
+# --------------------------------------------------------------------------- the queue
+
+
+def submit(
+    dialect: SqlDialect, conn: Connection, run_id: str, agent: str, input: tuple[Message, ...]
+) -> Submission:
+    """Queue a run (idempotent: the same submission again returns the first)."""
+    with write_transaction(dialect, conn):
+        now = dialect.now(conn)
+        row = _locked_row(
+            dialect, conn, run_id, "state, next_seq, agent, submission, submitted_at", create=False
+        )
+        if row is not None and (row[0] is not None or row[1] > 1):
+            earlier = None
+            if row[3] is not None:
+                earlier = Submission(
+                    run_id=run_id,
+                    agent=row[2],
+                    input=decode_messages(bytes(row[3])),
+                    submitted_at=row[4],
+                )
+            return _queue.same_submission(run_id, earlier, agent, input)
+        if row is None:
+            conn.execute(dialect.sql("INSERT INTO runs(run_id) VALUES (?)"), (run_id,))
+        conn.execute(
+            dialect.sql(
+                "UPDATE runs SET state = ?, agent = ?, submission = ?, submitted_at = ? "
+                "WHERE run_id = ?"
+            ),
+            (RunState.QUEUED.value, agent, encode_messages(input), now, run_id),
+        )
+    return Submission(run_id=run_id, agent=agent, input=input, submitted_at=now)
+
+
+_QUEUE_COLUMNS: Final = (
+    "run_id, state, agent, agent_version, lease_owner, lease_generation, lease_expires, "
+    "lease_heartbeat, control_head, control_seen, awaiting_until, not_before, quarantined, "
+    "takeovers, submission, submitted_at"
+)
+
+
+def claim(
+    dialect: SqlDialect,
+    conn: Connection,
+    owner: str,
+    agents: Mapping[str, Sequence[str]],
+    limit: int,
+    ttl_s: float,
+    max_takeovers: int,
+    backoff_s: float,
+) -> tuple[Claim, ...]:
+    """Claim up to ``limit`` runs in one transaction (`treadle.stores._queue`)."""
+    if limit < 1 or not agents:
+        return ()
+    claims: list[Claim] = []
+    with write_transaction(dialect, conn):
+        now = dialect.now(conn)
+        query, params = _candidates(dialect, agents, now, limit)
+        for row in conn.execute(query, params).fetchall():
+            made = _claim_row(
+                dialect, conn, row, owner, agents, ttl_s, max_takeovers, backoff_s, now
+            )
+            if made is not None:
+                claims.append(made)
+    return tuple(claims)
+
+
+def _candidates(
+    dialect: SqlDialect, agents: Mapping[str, Sequence[str]], now: float, limit: int
+) -> tuple[str, list[Any]]:
+    """The claim query: the coarse part of the rules of `treadle.stores._queue`, in SQL."""
+    served = []
+    params: list[Any] = [*TERMINAL_STATES, now, now]
+    for agent, versions in agents.items():
+        marks = ", ".join("?" * len(versions)) or "NULL"
+        served.append(
+            "(agent = ? AND (state = 'queued' OR agent_version IS NULL OR "
+            f"agent_version IN ({marks})))"
+        )
+        params.extend([agent, *versions])
+    params.extend([now, limit])
+    terminal = ", ".join("?" * len(TERMINAL_STATES))
+    query = (
+        f"SELECT {_QUEUE_COLUMNS} FROM runs WHERE state IS NOT NULL AND state NOT IN ({terminal}) "
+        "AND quarantined IS NULL AND not_before <= ? AND (lease_owner = '' OR lease_expires <= ?) "
+        f"AND ({' OR '.join(served)}) AND (state <> 'awaiting_approval' OR lease_owner <> '' OR "
+        "control_head > control_seen OR awaiting_until <= ?) "
+        f"ORDER BY ord LIMIT ?{dialect.skip_locked}"
+    )
+    return dialect.sql(query), params
+
+
+def _claim_row(
+    dialect: SqlDialect,
+    conn: Connection,
+    row: Sequence[Any],
+    owner: str,
+    agents: Mapping[str, Sequence[str]],
+    ttl_s: float,
+    max_takeovers: int,
+    backoff_s: float,
+    now: float,
+) -> Claim | None:
+    (
+        run_id,
+        state,
+        agent,
+        version,
+        l_owner,
+        l_gen,
+        l_exp,
+        l_beat,
+        head,
+        seen,
+        until,
+        not_before,
+        quarantined,
+        takeovers,
+        submission,
+        submitted_at,
+    ) = row
+    lease = _lease_of(run_id, (l_owner, l_gen, l_exp, l_beat))
+    queue_row = _queue.QueueRow(
+        state=RunState(state),
+        agent=agent,
+        agent_version=version,
+        lease=lease,
+        control_head=int(head),
+        control_seen=int(seen),
+        awaiting_until=None if until is None else _iso(until),
+        not_before=float(not_before),
+        quarantined=quarantined,
+        takeovers=int(takeovers),
+    )
+    kind = _queue.claim_kind(queue_row, agents, now)
+    if kind is None:
+        return None
+    takeover = kind == "takeover"
+    count = int(takeovers) + (1 if takeover else 0)
+    if takeover and count >= max_takeovers:
+        conn.execute(
+            dialect.sql("UPDATE runs SET quarantined = ?, takeovers = ? WHERE run_id = ?"),
+            (_queue.quarantine_reason(count, lease), count, run_id),
+        )
+        return None
+    fresh = _leases.acquire(lease, run_id=run_id, owner=owner, ttl_s=ttl_s, now=now)
+    conn.execute(
+        dialect.sql(
+            "UPDATE runs SET lease_owner = ?, lease_generation = ?, lease_expires = ?, "
+            "lease_heartbeat = ?, claims = claims + 1, takeovers = ?, not_before = ? "
+            "WHERE run_id = ?"
+        ),
+        (
+            fresh.owner,
+            fresh.generation,
+            fresh.expires_at,
+            fresh.heartbeat_at,
+            count,
+            _queue.next_not_before(now, count, backoff_s),
+            run_id,
+        ),
+    )
+    queued = None
+    if kind == "queued" and submission is not None:
+        queued = Submission(
+            run_id=run_id,
+            agent=agent,
+            input=decode_messages(bytes(submission)),
+            submitted_at=submitted_at,
+        )
+    return Claim(lease=fresh, submission=queued, takeover=takeover)
+
+
+def release_quarantine(dialect: SqlDialect, conn: Connection, run_id: str) -> bool:
+    """Clear a run's quarantine and its takeover count; ``False`` if it was not quarantined."""
+    with write_transaction(dialect, conn):
+        cursor = conn.execute(
+            dialect.sql(
+                "UPDATE runs SET quarantined = NULL, takeovers = 0, not_before = 0 "
+                "WHERE run_id = ? AND quarantined IS NOT NULL"
+            ),
+            (run_id,),
+        )
+        return bool(cursor.rowcount)
+
+
+# --------------------------------------------------------------------------- the store
+
+
+class SqlStore(AppendStore):
+    """A run store on SQL tables; `treadle.SqliteStore` and `treadle.PostgresStore` are it.
+
+    It implements the run store seam and every capability (`LeaseStore`, `ControlStream`,
+    `RunIndex`, `RunQueue`). Writes go through the store's commit engine (group commit across
+    runs); reads and control operations run in worker threads on their own connections, so
+    they never wait for the committer and only ever see committed transactions. Use it from
+    the trio run that opened it.
+
+    Every write raises:
+        ConflictError: ``seq`` is not the run's next seq. Nothing of the write is stored.
+        LeaseLost: ``generation`` is not the run's current lease generation (another driver
+            took the run over). Nothing of the write is stored.
+        UsageError: a record cannot be encoded as JSON, or names another run.
+        StoreError: the transaction of this barrier failed (the driver's error is the
+            ``__cause__``), an earlier write of the run failed, the store lost records this
+            writer acknowledged, or the store is closed.
+
+    Cancellation:
+        Every operation is a checkpoint. A write cancelled before it was queued writes
+        nothing. A barrier cancelled while awaiting its commit stays queued and WILL commit.
+    """
+
+    def __init__(self, dialect: SqlDialect, engine: CommitEngine, pool: ConnectionPool) -> None:
+        """Private: use `treadle.open_sqlite_store` or `treadle.open_postgres_store`."""
+        self._dialect = dialect
+        self._engine = engine
+        self._pool = pool
+
+    @property
+    def description(self) -> str:
+        """The store, for messages (no password)."""
+        return self._dialect.description
+
+    def statistics(self) -> StoreStatistics:
+        """Commit counters since the store was opened."""
+        return self._engine.statistics()
+
+    async def _append(
+        self, run_id: str, seq: int, records: tuple[Record, ...], *, op: StoreOp, generation: int
+    ) -> None:
+        await self._engine.append(
+            run_id,
+            seq,
+            records,
+            generation=generation,
+            barrier=op.barrier,
+            closes=op is StoreOp.RUN_FINISHED,
+        )
+
+    async def read_log(self, run_id: str) -> RunLog:
+        """Read the run's whole log, after the writes queued for it here have committed.
+
+        Returns:
+            The log, records in seq order; an empty log for a run that does not exist.
+
+        Raises:
+            LogCorrupted: a stored record fails its checksum or cannot be decoded, a seq is
+                missing, or records the run's index row counts are gone (``offset``: a seq).
+            SchemaTooNew: the run was started by a newer schema version.
+            StoreError: the database cannot be read, or the store is closed.
+        """
+        await self._engine.settle(run_id)
+        records = await self._run(read_records, run_id)
+        return RunLog(run_id=run_id, records=records)
+
+    async def list_runs(self) -> tuple[str, ...]:
+        """Every run id with at least one committed record, in the order they entered."""
+        await self._engine.settle()
+        return await self._run(list_run_ids)
+
+    async def list_summaries(self) -> tuple[RunSummary, ...]:
+        """Every run (queued ones too) from the index, without reading logs."""
+        await self._engine.settle()
+        return await self._run(list_summaries)
+
+    async def read_summary(self, run_id: str) -> RunSummary | None:
+        """One run's summary from the index, or ``None``."""
+        await self._engine.settle(run_id)
+        return await self._run(read_summary, run_id)
+
+    async def acquire_lease(self, run_id: str, *, owner: str, ttl_s: float) -> Lease:
+        """Take (or renew, for its holder) the lease on ``run_id`` (`treadle.ports.LeaseStore`).
+
+        Raises:
+            RunLeased: another owner holds a live lease.
+            InvalidRunId: not an allowed run id.
+            StoreError: the store failed.
+        """
+        check_run_id(run_id)
+        _leases.check_ttl(ttl_s)
+        lease = await self._run(acquire_lease, run_id, owner, ttl_s)
+        self._engine.forget(run_id)  # another driver may have written since we last did
+        return lease
+
+    async def renew_leases(self, leases: Sequence[Lease], *, ttl_s: float) -> tuple[Lease, ...]:
+        """Renew the leases still held, in one transaction; a missing one was lost."""
+        _leases.check_ttl(ttl_s)
+        if not leases:
+            await trio.lowlevel.checkpoint()
+            return ()
+        return await self._run(renew_leases, tuple(leases), ttl_s)
+
+    async def release_lease(self, lease: Lease, *, control_seen: int = 0) -> None:
+        """Release the lease if still held, once the run's queued writes committed."""
+        await self._engine.settle(lease.run_id)
+        await self._run(release_lease, lease, control_seen)
+
+    async def read_lease(self, run_id: str) -> Lease | None:
+        """The run's lease as stored, or ``None``."""
+        return await self._run(read_lease, run_id)
+
+    async def append_control(self, record: CancelRequested | ApprovalDecided) -> ControlEntry:
+        """Append to the run's control stream; durable on return (`treadle.ports.ControlStream`).
+
+        Raises:
+            UsageError: the store holds no such run.
+            InvalidRunId: not an allowed run id.
+            StoreError: the write failed.
+        """
+        check_run_id(record.run_id)
+        return await self._run(append_control, record)
+
+    async def read_control(self, run_id: str, *, after: int = 0) -> tuple[ControlEntry, ...]:
+        """The run's control entries after position ``after``."""
+        return await self._run(read_control, run_id, after)
+
+    async def control_heads(self, run_ids: Sequence[str]) -> Mapping[str, int]:
+        """The last control position of each run that has entries."""
+        if not run_ids:
+            await trio.lowlevel.checkpoint()
+            return {}
+        return await self._run(control_heads, tuple(run_ids))
+
+    async def submit(self, run_id: str, *, agent: str, input: tuple[Message, ...]) -> Submission:
+        """Queue a new run (`treadle.ports.RunQueue.submit`)."""
+        check_run_id(run_id)
+        return await self._run(submit, run_id, agent, input)
+
+    async def claim(
+        self,
+        *,
+        owner: str,
+        agents: Mapping[str, Sequence[str]],
+        limit: int,
+        ttl_s: float,
+        max_takeovers: int,
+        backoff_s: float,
+    ) -> tuple[Claim, ...]:
+        """Claim up to ``limit`` runs, taking their leases (`treadle.ports.RunQueue.claim`)."""
+        _leases.check_ttl(ttl_s)
+        claims = await self._run(claim, owner, dict(agents), limit, ttl_s, max_takeovers, backoff_s)
+        for made in claims:
+            self._engine.forget(made.lease.run_id)
+        return claims
+
+    async def release_quarantine(self, run_id: str) -> bool:
+        """Make a quarantined run claimable again."""
+        return await self._run(release_quarantine, run_id)
+
+    async def aclose(self) -> None:
+        """Commit everything queued, stop the committer and close every connection.
+
+        Idempotent. Later operations raise `StoreError`.
+
+        Raises:
+            StoreError: a write failed after it returned and no later call of that run
+                reported it, or the committer did not stop in time.
+        """
+        try:
+            await self._engine.aclose()
+        finally:
+            self._pool.close()
+
+    async def _run(self, fn: Callable[..., _T], *args: Any) -> _T:
+        """``fn(dialect, conn, *args)`` in a worker thread, on a pooled connection."""
+        self._engine.check_open()
+        return await trio.to_thread.run_sync(
+            functools.partial(run_pooled, self._dialect, self._pool, fn, *args)
+        )
+
+
+def run_pooled(dialect: SqlDialect, pool: ConnectionPool, fn: Callable[..., _T], *args: Any) -> _T:
+    """``fn(dialect, conn, *args)`` on a pooled connection, driver errors translated.
+
+    Raises:
+        TreadleError: what ``fn`` raised, or the driver error as `StoreError` (or
+            `LogCorrupted` for a damaged database) with the driver's as ``__cause__``.
+    """
+    conn = None
+    broken = False
+    try:
+        conn = pool.take()
+        return fn(dialect, conn, *args)
+    except TreadleError:
+        raise
+    except Exception as exc:
+        error = dialect.error(exc, "cannot read or update")
+        if error is None:
+            raise
+        broken = True
+        raise error from exc
+    finally:
+        if conn is not None:
+            pool.give(conn, broken=broken)

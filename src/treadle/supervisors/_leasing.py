@@ -1,0 +1,193 @@
+"""Holding a run's lease while driving it: acquire, renew every TTL/3, release (docs/fleet.md).
+
+A `LeaseKeeper` renews every lease it holds for one store in one call per interval; a run
+driven on its own has a keeper of its own, a fleet worker one for all its runs. When a renewal
+shows that a lease was lost (another driver took the run over after it expired), the keeper
+tells the run's `LeaseHold`, which cancels the drive: the run stops without writing more, and
+its handle reports `treadle.LeaseLost`. Writes are fenced by the store anyway, so a lost lease
+can never let a stale driver write; the keeper only makes it stop sooner.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Callable, Iterator
+from typing import Final
+
+import attrs
+import trio
+
+from treadle._exceptions import LeaseLost
+from treadle.ports import LeaseStore, RunStore
+from treadle.types import Lease
+
+RELEASE_GRACE_S: Final = 5.0
+"""Seconds a lease release may take on a shutdown path (shielded) before it is left to expire."""
+
+_LOG = logging.getLogger("treadle.leases")
+
+
+def leases_of(store: RunStore) -> LeaseStore | None:
+    """``store`` as a `LeaseStore`, or ``None`` for a store without leases."""
+    return store if isinstance(store, LeaseStore) else None
+
+
+@attrs.define(eq=False)
+class LeaseHold:
+    """One run's lease as its driver holds it.
+
+    For a store without leases the hold is empty: generation 0, nothing to renew or release.
+
+    Attributes:
+        run_id: the run.
+        owner: the driver's owner id.
+        ttl_s: the lease duration (seconds).
+        store: the store's lease capability, or ``None``.
+        lease: the lease now (renewals replace it), or ``None`` while not held.
+        lost: the error once the lease was lost, else ``None``.
+    """
+
+    run_id: str
+    owner: str
+    ttl_s: float
+    store: LeaseStore | None
+    lease: Lease | None = None
+    lost: LeaseLost | None = None
+    _scope: trio.CancelScope | None = None
+
+    @property
+    def generation(self) -> int:
+        """The generation every write of the run carries (0 without leases)."""
+        return self.lease.generation if self.lease is not None else 0
+
+    async def acquire(self) -> None:
+        """Take the lease (or keep it, when held already).
+
+        Raises:
+            RunLeased: another live driver holds it.
+        """
+        if self.store is not None:
+            self.lease = await self.store.acquire_lease(
+                self.run_id, owner=self.owner, ttl_s=self.ttl_s
+            )
+            self.lost = None
+
+    def adopt(self, lease: Lease) -> None:
+        """Hold ``lease``, taken by a claim."""
+        self.lease = lease
+        self.lost = None
+
+    async def release(self, *, control_seen: int = 0) -> None:
+        """Give the lease up (a no-op when not held or lost).
+
+        Raises:
+            StoreError: the release failed (the lease then expires after its TTL).
+        """
+        lease, self.lease = self.lease, None
+        if self.store is not None and lease is not None and self.lost is None:
+            await self.store.release_lease(lease, control_seen=control_seen)
+
+    async def release_quietly(self, *, control_seen: int = 0) -> None:
+        """`release`, shielded and bounded, on a path that already carries an error.
+
+        A failure is logged and not raised over the error on its way out: the lease then
+        expires after its TTL, and the next driver takes the run over.
+        """
+        with trio.move_on_after(RELEASE_GRACE_S, shield=True):
+            try:
+                await self.release(control_seen=control_seen)
+            except Exception as exc:  # see the docstring: the first error propagates
+                _LOG.warning(
+                    "run %r: the lease was not released (%s); it expires", self.run_id, exc
+                )
+
+    @contextlib.contextmanager
+    def driving(self) -> Iterator[trio.CancelScope]:
+        """A cancel scope for one stretch of driving, cancelled if the lease is lost.
+
+        Raises:
+            LeaseLost: on leaving, when the lease was lost meanwhile.
+        """
+        with trio.CancelScope() as scope:
+            self._scope = scope
+            try:
+                yield scope
+            finally:
+                self._scope = None
+        if self.lost is not None:
+            raise self.lost
+
+    def lose(self, current: int | None) -> None:
+        """Called by the keeper when a renewal shows the lease was lost: stop driving."""
+        if self.lost is not None or self.lease is None:
+            return
+        self.lost = LeaseLost(self.run_id, generation=self.lease.generation, current=current)
+        self.lease = None
+        if self._scope is not None:
+            self._scope.cancel(reason=f"the lease of run {self.run_id!r} was lost")
+
+
+@attrs.define(eq=False)
+class LeaseKeeper:
+    """Renews the leases of one store's runs held in this process, every ``ttl_s / 3``.
+
+    Attributes:
+        store: the store's lease capability.
+        ttl_s: the lease duration (seconds).
+    """
+
+    store: LeaseStore
+    ttl_s: float
+    _holds: dict[str, LeaseHold] = attrs.Factory(dict)
+    _wake: trio.Event = attrs.Factory(trio.Event)
+
+    def add(self, hold: LeaseHold) -> Callable[[], None]:
+        """Keep ``hold``'s lease renewed; returns the function that stops renewing it."""
+        self._holds[hold.run_id] = hold
+
+        def stop() -> None:
+            if self._holds.get(hold.run_id) is hold:
+                del self._holds[hold.run_id]
+
+        return stop
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """Renew every ``ttl_s / 3`` seconds until cancelled.
+
+        A renewal that fails (the store is unreachable) is logged and tried again at the next
+        interval; the run's own writes report the outage, and fencing keeps a driver whose
+        lease expired meanwhile from writing after a takeover.
+        """
+        task_status.started()
+        while True:
+            await trio.sleep(self.ttl_s / 3)
+            await self.renew_once()
+
+    async def renew_once(self) -> None:
+        """Renew every held lease now; tell the holds whose lease was lost."""
+        holds = [h for h in self._holds.values() if h.lease is not None]
+        if not holds:
+            return
+        leases = [h.lease for h in holds if h.lease is not None]
+        try:
+            renewed = await self.store.renew_leases(leases, ttl_s=self.ttl_s)
+        except Exception as exc:  # see `run`: reported, retried, and writes stay fenced
+            _LOG.warning("lease renewal failed (%s); trying again in %.1f s", exc, self.ttl_s / 3)
+            return
+        fresh = {lease.run_id: lease for lease in renewed}
+        for hold in holds:
+            lease = fresh.get(hold.run_id)
+            if lease is not None:
+                if hold.lease is not None:  # not released meanwhile
+                    hold.lease = lease
+            elif hold.lease is not None and hold.lease.generation == _generation(leases, hold):
+                current = await self.store.read_lease(hold.run_id)
+                hold.lose(current.generation if current is not None else None)
+
+
+def _generation(leases: list[Lease], hold: LeaseHold) -> int:
+    for lease in leases:
+        if lease.run_id == hold.run_id:
+            return lease.generation
+    return -1

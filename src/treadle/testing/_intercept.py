@@ -1,0 +1,245 @@
+"""One store wrapper for every fault injector and recorder of writes.
+
+It forwards everything, and lets a subclass act around each of the six log writes (crash
+before or after it, fail it, kill the process, record it).
+
+`CrashingStore`, `FailingStore` (`treadle.testing.faults`) and `KillingStore`
+(`treadle.testing.crashdriver`) are it. The capabilities (leases, control streams, run index,
+queue) are forwarded when the inner store has them; `InterceptingStore.check_other` lets a
+subclass refuse them too (a crashed process reads nothing).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from treadle.ports import ControlStream, LeaseStore, RunIndex, RunQueue, RunStore
+from treadle.types import (
+    ActionIntent,
+    ActionResult,
+    ApprovalDecided,
+    ApprovalRequested,
+    CancelRequested,
+    Claim,
+    ControlEntry,
+    Lease,
+    Message,
+    ModelIntent,
+    ModelResult,
+    Record,
+    RunFinished,
+    RunLog,
+    RunStarted,
+    RunSummary,
+    StepRecord,
+    StoreOp,
+    Submission,
+)
+
+
+class InterceptingStore:
+    """Forwards to ``inner``; `before_write` and `after_write` run around each log write.
+
+    Args:
+        inner: the store that keeps what is written (it belongs to the caller).
+    """
+
+    def __init__(self, inner: RunStore) -> None:
+        self.inner = inner
+
+    # ------------------------------------------------------------------ hooks
+
+    async def before_write(self, op: StoreOp, records: tuple[Record, ...], seq: int) -> bool:
+        """Called before a write reaches ``inner``; returns whether `after_write` must act."""
+        return False
+
+    def after_write(self, act: bool, op: StoreOp, records: tuple[Record, ...], seq: int) -> None:
+        """Called once ``inner`` accepted the write (with what `before_write` returned)."""
+
+    def check_other(self) -> None:
+        """Called before every other operation (reads, leases, control): may raise."""
+
+    # ------------------------------------------------------------------ the six writes
+
+    async def _write(
+        self, op: StoreOp, records: tuple[Record, ...], seq: int, forward: Any
+    ) -> None:
+        act = await self.before_write(op, records, seq)
+        await forward()
+        self.after_write(act, op, records, seq)
+
+    async def write_run_started(self, record: RunStarted, *, seq: int, generation: int) -> None:
+        """Forward, with the hooks around it."""
+        await self._write(
+            StoreOp.RUN_STARTED,
+            (record,),
+            seq,
+            lambda: self.inner.write_run_started(record, seq=seq, generation=generation),
+        )
+
+    async def write_intent(
+        self, record: ModelIntent | ActionIntent, *, seq: int, generation: int
+    ) -> None:
+        """Forward, with the hooks around it."""
+        await self._write(
+            StoreOp.INTENT,
+            (record,),
+            seq,
+            lambda: self.inner.write_intent(record, seq=seq, generation=generation),
+        )
+
+    async def write_model_result(self, record: ModelResult, *, seq: int, generation: int) -> None:
+        """Forward, with the hooks around it."""
+        await self._write(
+            StoreOp.MODEL_RESULT,
+            (record,),
+            seq,
+            lambda: self.inner.write_model_result(record, seq=seq, generation=generation),
+        )
+
+    async def write_step(
+        self,
+        action_results: Sequence[ActionResult] | None,
+        step: StepRecord,
+        *,
+        seq: int,
+        generation: int,
+    ) -> None:
+        """Forward, with the hooks around it."""
+        await self._write(
+            StoreOp.STEP,
+            (*(action_results or ()), step),
+            seq,
+            lambda: self.inner.write_step(action_results, step, seq=seq, generation=generation),
+        )
+
+    async def write_control(
+        self,
+        record: CancelRequested | ApprovalRequested | ApprovalDecided,
+        *,
+        seq: int,
+        generation: int,
+    ) -> None:
+        """Forward, with the hooks around it."""
+        await self._write(
+            StoreOp.CONTROL,
+            (record,),
+            seq,
+            lambda: self.inner.write_control(record, seq=seq, generation=generation),
+        )
+
+    async def write_run_finished(self, record: RunFinished, *, seq: int, generation: int) -> None:
+        """Forward, with the hooks around it."""
+        await self._write(
+            StoreOp.RUN_FINISHED,
+            (record,),
+            seq,
+            lambda: self.inner.write_run_finished(record, seq=seq, generation=generation),
+        )
+
+    # ------------------------------------------------------------------ forwarded as is
+
+    async def read_log(self, run_id: str) -> RunLog:
+        """Forward."""
+        self.check_other()
+        return await self.inner.read_log(run_id)
+
+    async def list_runs(self) -> tuple[str, ...]:
+        """Forward."""
+        self.check_other()
+        return await self.inner.list_runs()
+
+    async def aclose(self) -> None:
+        """Nothing to release: the inner store belongs to the caller."""
+
+    def _refuse(self, kind: str) -> TypeError:
+        return TypeError(f"{type(self.inner).__name__} is no {kind}")
+
+    def _leases(self) -> LeaseStore:
+        self.check_other()
+        if not isinstance(self.inner, LeaseStore):
+            raise self._refuse("LeaseStore")
+        return self.inner
+
+    def _controls(self) -> ControlStream:
+        self.check_other()
+        if not isinstance(self.inner, ControlStream):
+            raise self._refuse("ControlStream")
+        return self.inner
+
+    def _index(self) -> RunIndex:
+        self.check_other()
+        if not isinstance(self.inner, RunIndex):
+            raise self._refuse("RunIndex")
+        return self.inner
+
+    def _queue(self) -> RunQueue:
+        self.check_other()
+        if not isinstance(self.inner, RunQueue):
+            raise self._refuse("RunQueue")
+        return self.inner
+
+    async def acquire_lease(self, run_id: str, *, owner: str, ttl_s: float) -> Lease:
+        """Forward."""
+        return await self._leases().acquire_lease(run_id, owner=owner, ttl_s=ttl_s)
+
+    async def renew_leases(self, leases: Sequence[Lease], *, ttl_s: float) -> tuple[Lease, ...]:
+        """Forward."""
+        return await self._leases().renew_leases(leases, ttl_s=ttl_s)
+
+    async def release_lease(self, lease: Lease, *, control_seen: int = 0) -> None:
+        """Forward."""
+        await self._leases().release_lease(lease, control_seen=control_seen)
+
+    async def read_lease(self, run_id: str) -> Lease | None:
+        """Forward."""
+        return await self._leases().read_lease(run_id)
+
+    async def append_control(self, record: CancelRequested | ApprovalDecided) -> ControlEntry:
+        """Forward."""
+        return await self._controls().append_control(record)
+
+    async def read_control(self, run_id: str, *, after: int = 0) -> tuple[ControlEntry, ...]:
+        """Forward."""
+        return await self._controls().read_control(run_id, after=after)
+
+    async def control_heads(self, run_ids: Sequence[str]) -> Mapping[str, int]:
+        """Forward."""
+        return await self._controls().control_heads(run_ids)
+
+    async def list_summaries(self) -> tuple[RunSummary, ...]:
+        """Forward."""
+        return await self._index().list_summaries()
+
+    async def read_summary(self, run_id: str) -> RunSummary | None:
+        """Forward."""
+        return await self._index().read_summary(run_id)
+
+    async def submit(self, run_id: str, *, agent: str, input: tuple[Message, ...]) -> Submission:
+        """Forward."""
+        return await self._queue().submit(run_id, agent=agent, input=input)
+
+    async def claim(
+        self,
+        *,
+        owner: str,
+        agents: Mapping[str, Sequence[str]],
+        limit: int,
+        ttl_s: float,
+        max_takeovers: int,
+        backoff_s: float,
+    ) -> tuple[Claim, ...]:
+        """Forward."""
+        return await self._queue().claim(
+            owner=owner,
+            agents=agents,
+            limit=limit,
+            ttl_s=ttl_s,
+            max_takeovers=max_takeovers,
+            backoff_s=backoff_s,
+        )
+
+    async def release_quarantine(self, run_id: str) -> bool:
+        """Forward."""
+        return await self._queue().release_quarantine(run_id)
