@@ -188,6 +188,8 @@ run_starteds = _build(
     input=_tuples(messages),
     snapshot=json_objects,
     schema_version=st.integers(min_value=1, max_value=t.SCHEMA_VERSION),
+    agent=st.none() | ids,
+    agent_version=st.none() | ids,
 )
 model_intents = _build(
     t.ModelIntent, run_id=ids, step=counts, intent_id=ids, attempt=counts, ts=timestamps
@@ -318,6 +320,46 @@ events = _build(
     text=st.none() | texts,
     ordinal=counts,
     step=st.none() | counts,
+)
+seconds = st.floats(min_value=0, max_value=2e9, allow_nan=False)
+leases = _build(
+    t.Lease, run_id=ids, owner=texts, generation=counts, expires_at=seconds, heartbeat_at=seconds
+)
+control_entries = _build(
+    t.ControlEntry,
+    run_id=ids,
+    position=counts,
+    record=st.one_of(cancel_requesteds, approval_decideds),
+)
+run_summaries = _build(
+    t.RunSummary,
+    run_id=ids,
+    state=st.none() | st.sampled_from(t.RunState),
+    liveness=st.sampled_from(t.Liveness),
+    observed_at=seconds,
+    lease=st.none() | leases,
+    agent=st.none() | ids,
+    agent_version=st.none() | ids,
+    steps=counts,
+    stop_reason=st.none() | st.sampled_from(t.StopReason),
+    started_at=st.none() | timestamps,
+    submitted_at=st.none() | seconds,
+    claims=counts,
+    takeovers=counts,
+    quarantined=st.none() | texts,
+    awaiting_until=st.none() | timestamps,
+    error=st.none() | texts,
+    where=st.none() | texts,
+)
+submissions = _build(
+    t.Submission, run_id=ids, agent=ids, input=_tuples(messages), submitted_at=seconds
+)
+claims = _build(
+    t.Claim,
+    lease=leases,
+    agent=ids,
+    submission=st.none() | submissions,
+    takeover=st.booleans(),
 )
 run_results = _build(
     t.RunResult,

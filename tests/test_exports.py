@@ -67,6 +67,7 @@ TESTING = sorted(
         "CrashingStore",
         "FailingFileOps",
         "FailingStore",
+        "InterceptingStore",
         "ScriptedModel",
         "SeamContractError",
         "SimulatedCrash",
@@ -80,6 +81,7 @@ TESTING = sorted(
         "check_run_store",
         "open_loopback_server",
         "say",
+        "seed_log",
     ]
 )
 

@@ -7,6 +7,8 @@ compared on resume (DESIGN §5).
 
 from __future__ import annotations
 
+import hashlib
+import json
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -46,6 +48,9 @@ class Agent:
         synthetic: the synthetic observation texts (part of the snapshot).
         observation_template: how an executed action's observation enters history;
             ``{observation}`` and ``{tool}`` are substituted.
+        version: the definition's version label, recorded in run-started; ``None`` derives
+            one from the snapshot (`version_label`). A fleet worker claims only runs of the
+            versions it serves (docs/fleet.md, "Deploys").
     """
 
     model: ModelClient
@@ -59,6 +64,15 @@ class Agent:
     limits: Limits = Limits()
     synthetic: SyntheticObservations = SyntheticObservations()
     observation_template: str = "{observation}"
+    version: str | None = None
+
+    @property
+    def version_label(self) -> str:
+        """``version``, or ``snap-`` and 12 hex digits of the snapshot's SHA-256."""
+        if self.version is not None:
+            return self.version
+        canonical = json.dumps(self.snapshot(), sort_keys=True, separators=(",", ":"))
+        return "snap-" + hashlib.sha256(canonical.encode("utf-8", "surrogatepass")).hexdigest()[:12]
 
     def snapshot(self) -> dict[str, JSONValue]:
         """The parameter snapshot: the model-visible settings, as plain JSON data.

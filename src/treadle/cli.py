@@ -13,12 +13,14 @@ from __future__ import annotations
 import json
 import os
 import sys
+import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
 import cattrs
 import click
+import trio
 from rich.console import Console
 from rich.table import Table
 
@@ -34,6 +36,8 @@ from treadle.agent import Agent
 from treadle.approvals import pending_approval
 from treadle.ports import RunIndex, RunStore
 from treadle.stores._codec import record_to_dict
+from treadle.stores._leases import is_live
+from treadle.supervisors._leasing import leases_of
 from treadle.types import (
     Liveness,
     Message,
@@ -296,6 +300,12 @@ def trajectory_table(log: RunLog) -> Table:
     help="Runs driven at the same time (with --all).",
 )
 @click.option("--json", "as_json", is_flag=True, help="One JSON object per run.")
+@click.option(
+    "--wait",
+    is_flag=True,
+    help="Wait for leases held by other drivers to expire (a driver that died lets go "
+    "within its lease TTL; a live one renews and keeps its runs).",
+)
 def resume(
     run_id: str | None,
     store_path: str,
@@ -303,20 +313,22 @@ def resume(
     resume_all: bool,
     max_concurrent: int,
     as_json: bool,
+    wait: bool,
 ) -> None:
     """Resume an unfinished run (or every one, with --all) and print how it ended.
 
     Finished model calls and actions are reused, never repeated; an action whose outcome was
-    lost follows its tool's replay policy. A finished run is only reported.
+    lost follows its tool's replay policy. A finished run is only reported. A run another live
+    driver holds the lease of is left to it (and named on standard error).
     """
     if (run_id is None) == (not resume_all):
         raise click.UsageError("give a RUN_ID or --all (not both)")
     agent = load_agent(agent_spec)
     if resume_all:
-        logs, errors = run_async(lambda: _resume_all(store_path, agent, max_concurrent))
+        logs, errors = run_async(lambda: _resume_all(store_path, agent, max_concurrent, wait))
     else:
         assert run_id is not None
-        logs, errors = [run_async(lambda: _resume_one(store_path, agent, run_id))], []
+        logs, errors = [run_async(lambda: _resume_one(store_path, agent, run_id, wait))], []
     for log in logs:
         ended = _ending(log)
         if as_json:
@@ -358,27 +370,63 @@ def load_agent(spec: str) -> Agent:
     return agent
 
 
-async def _resume_one(store_path: str, agent: Agent, run_id: str) -> RunLog:
+async def _resume_one(store_path: str, agent: Agent, run_id: str, wait: bool) -> RunLog:
     from treadle.supervisors.run import run
 
     async with open_store(store_path) as store:
         log = await store.read_log(run_id)
         if not log.records:
-            raise click.ClickException(f"no run {run_id!r} in {store_path}")
+            raise click.ClickException(f"no run {run_id!r} in {redact(store_path)}")
         if log.finished is None:
+            if wait:
+                await wait_for_leases(store, [run_id])
             await run(agent, store=store, run_id=run_id)
             log = await store.read_log(run_id)
     return log
 
 
+LEASE_POLL_S = 0.25
+"""Seconds between two looks at a lease while ``--wait`` waits for it to expire."""
+
+
+async def wait_for_leases(store: RunStore, run_ids: Sequence[str]) -> None:
+    """Wait until the leases of ``run_ids`` are free, or until they expire as seen now.
+
+    A driver that died lets its leases expire within their TTL; one that is alive renews
+    them, and once the expiry seen at the start has passed, the wait ends (the run is then
+    left to that driver).
+    """
+    leases = leases_of(store)
+    if leases is None:
+        return
+    now_leases = [await leases.read_lease(run_id) for run_id in run_ids]
+    clock = time.time()
+    horizon = max((lease.expires_at for lease in now_leases if lease and lease.owner), default=0)
+    with trio.move_on_after(max(0.0, horizon - clock) + 1.0):
+        while True:
+            held = [await leases.read_lease(run_id) for run_id in run_ids]
+            if not any(lease is not None and is_live(lease, time.time()) for lease in held):
+                return
+            await trio.sleep(LEASE_POLL_S)
+
+
 async def _resume_all(
-    store_path: str, agent: Agent, max_concurrent: int
+    store_path: str, agent: Agent, max_concurrent: int, wait: bool
 ) -> tuple[list[RunLog], list[Exception]]:
     from treadle.supervisors.recovery import resume_unfinished
 
     errors: list[Exception] = []
     async with open_store(store_path) as store:
         summaries = await _summaries_of(store)
+        driven = [s.run_id for s in summaries if s.liveness is Liveness.DRIVEN]
+        if driven and wait:
+            await wait_for_leases(store, driven)
+            summaries = await _summaries_of(store)
+        for summary in summaries:
+            if summary.liveness is Liveness.DRIVEN:
+                click.echo(
+                    f"{summary.run_id}: left to its driver, {driver_text(summary)}", err=True
+                )
         unfinished = [
             s.run_id
             for s in summaries

@@ -342,6 +342,10 @@ class RunQueue(Protocol):
         """Make a quarantined run claimable again; ``False`` when it was not quarantined."""
         ...
 
+    async def read_submission(self, run_id: str) -> Submission | None:
+        """The run's queue entry (agent, input, submitted at), or ``None`` if never queued."""
+        ...
+
 
 @runtime_checkable
 class EventSink(Protocol):

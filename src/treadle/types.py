@@ -852,11 +852,13 @@ class Claim:
 
     Attributes:
         lease: the lease the claim took (a takeover has the previous generation + 1).
+        agent: the name of the run's agent.
         submission: the queue entry of a run never started, else ``None``.
         takeover: the previous holder's lease expired without release (its driver died).
     """
 
     lease: Lease
+    agent: str
     submission: Submission | None = None
     takeover: bool = False
 

@@ -12,7 +12,7 @@ import trio
 
 from treadle import Agent, FixedStepClock, MemoryStore, NativeToolCallParser, Toolbox, tool
 from treadle.actors.executor import ActionsOutcome, RunActions
-from treadle.actors.writer import Op
+from treadle.types import StoreOp
 from treadle.stores._codec import encode
 from treadle.supervisors.run import (
     DEFAULT_ACTORS,
@@ -145,7 +145,7 @@ class LedgerExecutorActor:
                         arguments=tool_call.arguments,
                         ts=ctx.clock.now_iso(),
                     )
-                    await ctx.writer.barrier(Op.INTENT, intent)  # intent before effect
+                    await ctx.writer.barrier(StoreOp.INTENT, intent)  # intent before effect
                     written.append(intent)
                 intent_id = intent.intent_id
                 if intent_id not in self.ledger:  # the ledger says whether it happened

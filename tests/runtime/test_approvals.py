@@ -11,7 +11,6 @@ from treadle._exceptions import UsageError
 from treadle.agent import Agent
 from treadle.approvals import (
     arguments_digest,
-    control_log_id,
     decide,
     pending_approval,
     request_cancel,
@@ -126,19 +125,19 @@ async def test_a_decision_for_another_call_is_refused(autojump_clock):
         # applied: the run keeps waiting.
         request = handle.pending_approval
         forged = ApprovalDecided(
-            run_id=control_log_id("r"),
+            run_id="r",
             step=request.step,
             call_id="c1",
             arguments_digest=arguments_digest({"a": 1, "b": 3}),
             decision="approve",
             ts="2026-01-01T00:00:00+00:00",
         )
-        await store.write_control(forged, seq=1)
+        await store.append_control(forged)
         # Nor is one whose decision is not approve, reject or edit.
         unknown = attrs.evolve(
             forged, arguments_digest=request.arguments_digest, decision="expired"
         )
-        await store.write_control(unknown, seq=2)
+        await store.append_control(unknown)
         await trio.sleep(5)
         assert handle.state is RunState.AWAITING_APPROVAL
         assert tools.executed == []
@@ -291,7 +290,11 @@ async def main():
     )
     async with open_sqlite_store(db) as store:
         run_input = "pay" if mode == "new" else None
-        async with open_run(agent, run_input, store=store, run_id="r", control_poll_s=0.05) as h:
+        # The restarted process keeps its owner id: it continues the dead one's lease at
+        # once instead of waiting for it to expire.
+        async with open_run(
+            agent, run_input, store=store, run_id="r", control_poll_s=0.05, owner="driver"
+        ) as h:
             while h.state is not treadle.RunState.AWAITING_APPROVAL and h.result is None:
                 await trio.sleep(0.01)
             print(h.state.value, flush=True)

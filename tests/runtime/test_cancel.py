@@ -284,10 +284,10 @@ def test_cli_cancel_then_resume_and_tail(tmp_path, kind):
 class SlowIntentStore(MemoryStore):
     """Action intents take 1 s to become durable."""
 
-    async def write_intent(self, record, *, seq):
+    async def write_intent(self, record, *, seq, generation):
         if isinstance(record, ActionIntent):
             await trio.sleep(1)
-        await super().write_intent(record, seq=seq)
+        await super().write_intent(record, seq=seq, generation=generation)
 
 
 async def test_an_action_cancelled_while_its_intent_is_written_is_not_executed(autojump_clock):

@@ -218,19 +218,27 @@ def test_killed_driver_resumed_by_the_cli_in_a_fresh_interpreter(
     assert killed.returncode == KILLED, killed.stderr
     assert killed.stdout.splitlines() == ["ready"]
     resume = [
-        sys.executable, "-m", "treadle", "resume", "--all", "--json", "--store", str(store),
-        "--agent", "treadle.testing.crashes:agent_from_environment",
+        sys.executable, "-m", "treadle", "resume", "--all", "--wait", "--json", "--store",
+        str(store), "--agent", "treadle.testing.crashes:agent_from_environment",
     ]  # fmt: skip
     env = {**os.environ, LEDGER_ENV: str(ledger)}
+
+    async def present() -> list[str]:
+        async with open_store(kind, store) as opened:
+            return sorted(await opened.list_runs())
+
+    # A run whose first barrier never committed before the kill does not exist yet.
+    started = trio.run(present)
+    assert started
     resumed = subprocess.run(resume, capture_output=True, text=True, timeout=120, env=env)
     assert resumed.returncode == 0, resumed.stderr
     rows = [json.loads(line) for line in resumed.stdout.splitlines()]
-    assert sorted(row["run_id"] for row in rows) == sorted(RUNS)  # all were unfinished
+    assert sorted(row["run_id"] for row in rows) == started  # all were unfinished
     assert all(row["state"] in ("succeeded", "failed") for row in rows)
 
     async def read() -> list[RunLog]:
         async with open_store(kind, store) as opened:
-            return [await opened.read_log(run_id) for run_id in RUNS]
+            return [await opened.read_log(run_id) for run_id in started]
 
     for log in trio.run(read):
         entries = read_ledger(ledger, run_id=log.run_id)

@@ -132,7 +132,8 @@ async def test_a_cancel_requested_while_no_one_drove_the_run(tmp_path: Path) -> 
         await crash(store, "r", 4)  # type: ignore[arg-type]
         await crash(store, "s", 4)  # type: ignore[arg-type]
         await request_cancel(store, "r", reason="stop it", canceller="ops")
-        assert "r#control" in await store.list_runs()  # a control log, not a run
+        assert await store.list_runs() == ("r", "s")  # the control stream is not a run
+        assert [e.record.reason for e in await store.read_control("r")] == ["stop it"]
         results = {r.run_id: r for r in await treadle.resume_unfinished(make_agent(), store=store)}
     assert sorted(results) == ["r", "s"]
     assert results["r"].state is treadle.RunState.CANCELLED

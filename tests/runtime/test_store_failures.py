@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Literal
 
@@ -22,6 +22,7 @@ import treadle
 from treadle.ports import RunStore
 from treadle.stores.jsonl import open_jsonl_store
 from treadle.supervisors.run import run
+from treadle.testing import InterceptingStore, seed_log
 from treadle.testing.crashes import (
     RUN_INPUT,
     check_recovered_run,
@@ -31,18 +32,10 @@ from treadle.testing.crashes import (
 from treadle.testing.faults import FailingFileOps, FailingStore
 from treadle.types import (
     SCHEMA_VERSION,
-    ActionIntent,
-    ActionResult,
-    ApprovalDecided,
-    ApprovalRequested,
-    CancelRequested,
-    ModelIntent,
-    ModelResult,
     Record,
-    RunFinished,
     RunLog,
     RunStarted,
-    StepRecord,
+    StoreOp,
 )
 
 Kind = Literal["sqlite", "jsonl"]
@@ -61,50 +54,17 @@ async def opened(kind: Kind, tmp_path: Path) -> AsyncIterator[RunStore]:
 
 
 @attrs.define(eq=False)
-class Acks:
+class Acks(InterceptingStore):
     """Remembers the records of every barrier that returned."""
 
     inner: RunStore
     acknowledged: list[Record] = attrs.Factory(list)
     written: list[Record] = attrs.Factory(list)
 
-    async def _write(self, records: Sequence[Record], barrier: bool, write: object) -> None:
-        await write  # type: ignore[misc]
+    def after_write(self, act: bool, op: StoreOp, records: tuple[Record, ...], seq: int) -> None:
         self.written.extend(records)
-        if barrier:
+        if op.barrier:
             self.acknowledged = list(self.written)
-
-    async def write_run_started(self, record: RunStarted, *, seq: int) -> None:
-        await self._write([record], False, self.inner.write_run_started(record, seq=seq))
-
-    async def write_intent(self, record: ModelIntent | ActionIntent, *, seq: int) -> None:
-        await self._write([record], True, self.inner.write_intent(record, seq=seq))
-
-    async def write_model_result(self, record: ModelResult, *, seq: int) -> None:
-        await self._write([record], False, self.inner.write_model_result(record, seq=seq))
-
-    async def write_step(
-        self, action_results: Sequence[ActionResult] | None, step: StepRecord, *, seq: int
-    ) -> None:
-        records: list[Record] = [*(action_results or ()), step]
-        await self._write(records, False, self.inner.write_step(action_results, step, seq=seq))
-
-    async def write_control(
-        self, record: CancelRequested | ApprovalRequested | ApprovalDecided, *, seq: int
-    ) -> None:
-        await self._write([record], True, self.inner.write_control(record, seq=seq))
-
-    async def write_run_finished(self, record: RunFinished, *, seq: int) -> None:
-        await self._write([record], True, self.inner.write_run_finished(record, seq=seq))
-
-    async def read_log(self, run_id: str) -> RunLog:
-        return await self.inner.read_log(run_id)
-
-    async def list_runs(self) -> tuple[str, ...]:
-        return await self.inner.list_runs()
-
-    async def aclose(self) -> None:
-        await self.inner.aclose()
 
 
 async def baseline(tmp_path: Path) -> RunLog:
@@ -129,7 +89,7 @@ async def test_a_log_from_a_newer_schema_is_refused_and_left_alone(
         schema_version=SCHEMA_VERSION + 1,
     )
     async with opened(kind, tmp_path) as store:
-        await store.write_run_started(started, seq=1)
+        await seed_log(store, [started])
     async with opened(kind, tmp_path) as store:
         with pytest.raises(treadle.SchemaTooNew) as info:
             await run(agent, store=store, run_id="future")

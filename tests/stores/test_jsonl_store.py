@@ -1,9 +1,11 @@
-"""The JSONL store: the run store contract, its file format, torn tails, corruption, faults."""
+"""The JSONL store: the run store contract, its file format, torn tails and damage, repair,
+leases (flock) and fencing, control streams, listing damaged runs, faults, real processes."""
 
 from __future__ import annotations
 
 import contextlib
 import errno
+import hashlib
 import json
 import os
 import shutil
@@ -20,19 +22,27 @@ import pytest
 import trio
 import trio.testing
 
-from treadle._exceptions import ConflictError, LogCorrupted, SchemaTooNew, StoreError, UsageError
+from treadle._exceptions import (
+    ConflictError,
+    InvalidRunId,
+    LeaseLost,
+    LogCorrupted,
+    RunLeased,
+    SchemaTooNew,
+    StoreError,
+    UsageError,
+)
 from treadle.ports import RunStore
-from treadle.stores import _jsonl_commit
-from treadle.stores._lines import FrameError, frame, scan_lines, strict_utf8
-from treadle.stores.jsonl import (
+from treadle.stores import StoreStatistics, _engine, _jsonl_backend
+from treadle.stores._jsonl_files import (
     FORMAT_VERSION,
-    JsonlStatistics,
-    JsonlStore,
-    TornTail,
-    open_jsonl_store,
+    header_frame,
     read_run_file,
+    records_frame,
     run_file_name,
 )
+from treadle.stores._lines import FrameError, frame, scan_lines, strict_utf8
+from treadle.stores.jsonl import JsonlStore, TornTail, open_jsonl_store
 from treadle.testing.contracts import RUN_STORE_CHECKS, StoreCheck, StoreOpener, check_run_store
 from treadle.testing.faults import FailingFileOps
 from treadle.types import (
@@ -41,17 +51,22 @@ from treadle.types import (
     ActionOutcome,
     ActionResult,
     ActionStatus,
+    CancelRequested,
     DecisionKind,
+    Liveness,
     Message,
     ModelIntent,
     ModelResult,
     Record,
     RunStarted,
+    RunState,
     StepRecord,
 )
 
 CASES = Path(__file__).resolve().parent.parent / "fixtures" / "cases"
 TS = "2025-01-01T00:00:00+00:00"
+OWNER = "test-driver"
+TTL_S = 600.0
 
 
 def jsonl_opener(directory: Path) -> StoreOpener:
@@ -87,20 +102,37 @@ def started(run_id: str, text: str = "hi") -> RunStarted:
     )
 
 
+async def lease(store: JsonlStore, run_id: str, owner: str = OWNER) -> int:
+    """Take the run's lease and return the generation to write with."""
+    return (await store.acquire_lease(run_id, owner=owner, ttl_s=TTL_S)).generation
+
+
+@pytest.fixture
+def long_linger(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Non-barrier writes wait for a barrier or a reader, never for the clock."""
+    monkeypatch.setattr(_engine, "LINGER_S", 3600.0)
+
+
 @attrs.define
 class Steps:
-    """Writes a run as the loop does: per step 2 barriers and 2 non-barrier writes."""
+    """Writes a run as the loop does: per step 2 barriers and 2 non-barrier writes.
 
-    store: RunStore
+    `start` takes the run's lease first (unless a generation is given).
+    """
+
+    store: JsonlStore
     run_id: str
     seq: int = 1
     step: int = 0
     body: str = "observation"
+    generation: int = 0
     written: list[Record] = attrs.Factory(list)
 
     async def start(self) -> None:
+        if not self.generation:
+            self.generation = await lease(self.store, self.run_id)
         record = started(self.run_id)
-        await self.store.write_run_started(record, seq=self.seq)
+        await self.store.write_run_started(record, seq=self.seq, generation=self.generation)
         self._wrote(record)
 
     async def model(self) -> None:
@@ -108,10 +140,10 @@ class Steps:
         intent = ModelIntent(
             run_id=self.run_id, step=self.step, intent_id=f"m{self.step}", attempt=1, ts=TS
         )
-        await self.store.write_intent(intent, seq=self.seq)
+        await self.store.write_intent(intent, seq=self.seq, generation=self.generation)
         self._wrote(intent)
         result = ModelResult(run_id=self.run_id, step=self.step, intent_id=f"m{self.step}", ts=TS)
-        await self.store.write_model_result(result, seq=self.seq)
+        await self.store.write_model_result(result, seq=self.seq, generation=self.generation)
         self._wrote(result)
 
     async def action(self) -> None:
@@ -124,7 +156,7 @@ class Steps:
             arguments={"n": self.step},
             ts=TS,
         )
-        await self.store.write_intent(intent, seq=self.seq)
+        await self.store.write_intent(intent, seq=self.seq, generation=self.generation)
         self._wrote(intent)
 
     async def finish_step(self) -> None:
@@ -145,7 +177,7 @@ class Steps:
             model_intent_id=f"m{self.step}",
             decision=DecisionKind.ACTIONS,
         )
-        await self.store.write_step([result], record, seq=self.seq)
+        await self.store.write_step([result], record, seq=self.seq, generation=self.generation)
         self._wrote(result, record)
 
     async def next(self) -> None:
@@ -176,6 +208,10 @@ async def write_run(directory: Path, run_id: str = "r", steps: int = 2) -> tuple
             await run.next()
         path = Path(store.run_file(run_id))
     return path, run
+
+
+def cancel(run_id: str, reason: str = "test") -> CancelRequested:
+    return CancelRequested(run_id=run_id, ts=TS, reason=reason)
 
 
 # --------------------------------------------------------------------------- case 32
@@ -239,22 +275,28 @@ def test_case_32_torn_tail_is_reported_cut_and_the_next_append_gets_seq_4(tmp_pa
     assert lines_of(data)[3][0] == 228  # seq 4 starts where the torn line started
 
 
-def test_case_32_rules_for_a_complete_damaged_last_line_and_a_damaged_middle_line(
-    tmp_path: Path,
-) -> None:
+def test_case_32_a_damaged_line_is_damage_even_as_the_last_line(tmp_path: Path) -> None:
     torn = (CASES / "32-store-jsonl-torn-tail.jsonl").read_bytes()
     ended = ForeignLog(tmp_path / "ended.jsonl")
-    ended.path.write_bytes(torn + b"\n")  # the torn line got its newline: still the tail
-    scanned = ended.read()
-    assert len(scanned.items) == 3
-    assert scanned.torn is not None and scanned.torn.offset == 228
-    assert scanned.torn.reason.startswith("invalid UTF-8")
+    ended.path.write_bytes(torn + b"\n")  # the torn line got its newline: no torn write
+    with pytest.raises(LogCorrupted, match=r"\(the last line\)") as info:
+        ended.read()
+    assert info.value.offset == 228
+    assert isinstance(info.value.__cause__, FrameError)
+    assert str(info.value.__cause__).startswith("invalid UTF-8")
     middle = ForeignLog(tmp_path / "middle.jsonl")
     middle.path.write_bytes(torn + b'\n{"seq":5,"type":"x"}\n')
-    with pytest.raises(LogCorrupted) as info:
+    with pytest.raises(LogCorrupted, match="followed by 21 more bytes") as info:
         middle.read()
     assert info.value.offset == 228
     assert isinstance(info.value.__cause__, FrameError)
+    nul = ForeignLog(tmp_path / "nul.jsonl")
+    good = torn[:228]
+    nul.path.write_bytes(good + b"\0" * 40)  # a power cut: the length reached the disk
+    scanned = nul.read()
+    assert len(scanned.items) == 3 and scanned.end == 228
+    assert scanned.torn is not None and scanned.torn.reason == "a tail of NUL bytes"
+    assert (scanned.torn.offset, scanned.torn.length) == (228, 40)
 
 
 # --------------------------------------------------------------------------- our format
@@ -269,12 +311,20 @@ async def test_file_layout_and_frame_format(tmp_path: Path) -> None:
     assert lines[0]["seq"] == 0
     header = lines[0]["header"]
     assert header.pop("created_ns") > 0
-    assert header == {"format": "treadle.jsonl", "version": 1, "run_id": "Run/1"}
+    assert header == {"format": "treadle.jsonl", "version": 2, "run_id": "Run/1"}
+    assert FORMAT_VERSION == 2
+    assert "gen" not in lines[0]
     assert [line["seq"] for line in lines[1:]] == [1, 2, 3, 4, 5]
+    assert [line["gen"] for line in lines[1:]] == [run.generation] * 5 == [1] * 5
     assert [len(line["records"]) for line in lines[1:]] == [1, 1, 1, 1, 2]  # step: one line
     assert [r["kind"] for r in lines[-1]["records"]] == ["action_result", "step"]
+    leases = tmp_path / "runs" / ".leases"
+    assert sorted(p.name for p in leases.iterdir()) == ["%52un%2F1.lease", "%52un%2F1.lock"]
+    sidecar = json.loads((leases / "%52un%2F1.lease").read_text())
+    assert (sidecar["owner"], sidecar["generation"]) == (OWNER, 1)
     async with open_jsonl_store(tmp_path / "runs") as store:
         assert (await store.read_log("Run/1")).records == tuple(run.written)
+        assert await store.read_generations("Run/1") == (1,) * 6
 
 
 @pytest.mark.parametrize("last", ["barrier", "step"])
@@ -308,9 +358,11 @@ async def test_torn_tail_at_every_byte_offset_of_the_last_line(tmp_path: Path, l
                 assert (torn.offset, torn.length) == (start, cut - start)
                 assert torn.reason == "no trailing newline"
                 assert torn.head == original[start:cut][:256]
-                assert store.statistics().torn_tails == 1
             assert (directory / path.name).stat().st_size == cut  # reading never cuts
             await rewrite(store, run.written[-lost:], seq=len(kept) + 1)
+            await store.read_log("r")  # the rewrite is written, not just queued
+            assert store.statistics().counters["tails_cut"] == (0 if cut == start else 1)
+            assert len(store.torn_tails()) == (0 if cut == start else 1)  # not reported again
         assert (directory / path.name).read_bytes() == original, cut
         async with open_jsonl_store(directory) as store:
             assert (await store.read_log("r")).records == tuple(run.written)
@@ -318,18 +370,37 @@ async def test_torn_tail_at_every_byte_offset_of_the_last_line(tmp_path: Path, l
 
 
 async def rewrite(store: JsonlStore, records: list[Record], *, seq: int) -> None:
-    """Write the lost last operation again, as the resumed run would."""
+    """Write the lost last operation again, as the resumed run would (taking the lease)."""
+    g = await lease(store, records[0].run_id)
     first = records[0]
     if isinstance(first, ActionResult | StepRecord):
         *results, step = records
         assert isinstance(step, StepRecord)
-        await store.write_step([r for r in results if isinstance(r, ActionResult)], step, seq=seq)
+        await store.write_step(
+            [r for r in results if isinstance(r, ActionResult)], step, seq=seq, generation=g
+        )
     else:
         assert isinstance(first, ModelIntent | ActionIntent)
-        await store.write_intent(first, seq=seq)
+        await store.write_intent(first, seq=seq, generation=g)
 
 
-async def test_damaged_complete_last_line_is_a_torn_tail(tmp_path: Path) -> None:
+async def test_a_tail_of_nul_bytes_is_a_torn_tail(tmp_path: Path) -> None:
+    path, run = await write_run(tmp_path / "runs", steps=1)
+    original = path.read_bytes()
+    start, _ = lines_of(original)[-1]
+    path.write_bytes(original[:start] + b"\0" * 100)  # a power cut after the size grew
+    async with open_jsonl_store(tmp_path / "runs") as store:
+        assert (await store.read_log("r")).records == tuple(run.written[:-2])
+        (torn,) = store.torn_tails()
+        assert (torn.offset, torn.length, torn.reason) == (start, 100, "a tail of NUL bytes")
+        await rewrite(store, run.written[-2:], seq=len(run.written) - 1)
+    async with open_jsonl_store(tmp_path / "runs") as store:
+        assert (await store.read_log("r")).records == tuple(run.written)
+        assert await store.read_generations("r") == (1,) * 4 + (2,) * 2
+        assert store.torn_tails() == ()
+
+
+async def test_damaged_complete_last_line_is_damage_not_a_torn_tail(tmp_path: Path) -> None:
     path, run = await write_run(tmp_path / "source", steps=1)
     original = path.read_bytes()
     start, line = lines_of(original)[-1]
@@ -338,22 +409,49 @@ async def test_damaged_complete_last_line_is_a_torn_tail(tmp_path: Path) -> None
     for position in range(start, len(original) - 1):  # every byte but the newline
         damaged = bytearray(original)
         damaged[position] ^= 0x01 if damaged[position] ^ 0x01 != 0x0A else 0x02
-        found = read_run_file_bytes(tmp_path, bytes(damaged))
-        assert found.records == kept, position
-        assert found.torn is not None and found.torn.offset == start
-        assert found.torn.length == len(line)
-        reasons.add(found.torn.reason)
+        with pytest.raises(LogCorrupted, match=r"\(the last line\)") as info:
+            read_run_file_bytes(tmp_path, bytes(damaged))
+        assert info.value.offset == start, position
+        assert isinstance(info.value.__cause__, FrameError)
+        reasons.add(str(info.value.__cause__))
     assert reasons == {"checksum mismatch", "not a frame"}
     directory = tmp_path / "one"
     directory.mkdir()
     damaged = bytearray(original)
     damaged[len(original) - 20] ^= 0x01
-    (directory / path.name).write_bytes(bytes(damaged))
+    target = directory / path.name
+    target.write_bytes(bytes(damaged))
     async with open_jsonl_store(directory) as store:
+        with pytest.raises(LogCorrupted) as info:
+            await store.read_log("r")
+        assert (info.value.offset, info.value.where) == (start, str(target))
+        assert store.torn_tails() == ()
+        g = await lease(store, "r")
+        with pytest.raises(LogCorrupted):  # the first write reads the file: nothing is cut
+            await store.write_intent(
+                ModelIntent(run_id="r", step=2, intent_id="m2", attempt=1, ts=TS),
+                seq=len(kept) + 1,
+                generation=g,
+            )
+        assert target.read_bytes() == bytes(damaged)
+    async with open_jsonl_store(directory) as store:
+        repair = await store.repair("r", owner="operator")
+        assert repair is not None
+        assert (repair.path, repair.offset, repair.removed) == (str(target), start, len(line))
+        assert await trio.Path(repair.saved).read_bytes() == bytes(damaged[start:])
+        note = json.loads(await trio.Path(repair.note).read_text())
+        assert (note["offset"], note["removed_bytes"]) == (start, len(line))
+        assert note["sha256"] == hashlib.sha256(bytes(damaged[start:])).hexdigest()
+        assert Path(repair.saved).parent == directory / ".repairs"
+        assert target.read_bytes() == original[:start]
         assert (await store.read_log("r")).records == kept
-        assert store.torn_tails()[0].reason == "checksum mismatch"
+        assert await store.repair("r", owner="operator") is None  # nothing left to repair
         await rewrite(store, run.written[-2:], seq=len(kept) + 1)
-    assert (directory / path.name).read_bytes() == original
+        assert await store.list_runs() == ("r",)  # .repairs/ holds no run
+    async with open_jsonl_store(directory) as store:
+        assert (await store.read_log("r")).records == tuple(run.written)
+        # the rewrite came from a later lease holder (each repair held the lease in between)
+        assert await store.read_generations("r") == (1,) * 4 + (4,) * 2
 
 
 def read_run_file_bytes(tmp_path: Path, data: bytes) -> Any:
@@ -362,10 +460,10 @@ def read_run_file_bytes(tmp_path: Path, data: bytes) -> Any:
     return read_run_file(str(scratch))
 
 
-async def test_damaged_middle_line_is_log_corrupted_with_its_byte_offset(tmp_path: Path) -> None:
+async def test_damaged_line_is_log_corrupted_with_its_byte_offset(tmp_path: Path) -> None:
     path, _ = await write_run(tmp_path / "runs", steps=2)
     original = path.read_bytes()
-    for offset, line in lines_of(original)[:-1]:
+    for offset, line in lines_of(original):
         damaged = bytearray(original)
         damaged[offset + len(line) // 2] ^= 0x01
         path.write_bytes(bytes(damaged))
@@ -375,8 +473,9 @@ async def test_damaged_middle_line_is_log_corrupted_with_its_byte_offset(tmp_pat
             assert info.value.offset == offset
             assert info.value.where == str(path)
             intent = ModelIntent(run_id="r", step=3, intent_id="m3", attempt=1, ts=TS)
+            g = await lease(store, "r")
             with pytest.raises(LogCorrupted):  # the first write reads the file too
-                await store.write_intent(intent, seq=12)
+                await store.write_intent(intent, seq=12, generation=g)
         assert path.read_bytes() == bytes(damaged)  # nothing was cut or appended
     path.write_bytes(original)
 
@@ -394,12 +493,10 @@ async def test_a_missing_line_is_a_seq_gap(tmp_path: Path) -> None:
 async def test_a_record_of_another_run_is_corruption(tmp_path: Path) -> None:
     path, _ = await write_run(tmp_path / "runs", steps=1)
     stranger = ModelIntent(run_id="other", step=2, intent_id="x", attempt=1, ts=TS)
-    from treadle.stores.jsonl import records_frame
-
     size = path.stat().st_size
     with path.open("ab") as file:
-        file.write(records_frame(7, [stranger]))
-        file.write(records_frame(8, [stranger]))
+        file.write(records_frame(7, [stranger], generation=1))
+        file.write(records_frame(8, [stranger], generation=1))
     async with open_jsonl_store(tmp_path / "runs") as store:
         with pytest.raises(LogCorrupted, match="a record of run 'other'") as info:
             await store.read_log("r")
@@ -409,11 +506,9 @@ async def test_a_record_of_another_run_is_corruption(tmp_path: Path) -> None:
 async def test_a_torn_first_write_leaves_no_run(tmp_path: Path) -> None:
     directory = tmp_path / "runs"
     directory.mkdir()
-    from treadle.stores.jsonl import header_frame, records_frame
-
     path = directory / run_file_name("r")
     header = len(header_frame("r", created_ns=1))
-    whole = header_frame("r", created_ns=1) + records_frame(1, [started("r")])
+    whole = header_frame("r", created_ns=1) + records_frame(1, [started("r")], generation=1)
     for cut, torn in (
         (5, (0, 5)),
         (header, None),
@@ -422,11 +517,13 @@ async def test_a_torn_first_write_leaves_no_run(tmp_path: Path) -> None:
         await trio.Path(path).write_bytes(whole[:cut])
         async with open_jsonl_store(directory) as store:
             assert await store.list_runs() == ()
+            assert await store.list_summaries() == ()
             assert (await store.read_log("r")).records == ()
             assert [(t.offset, t.length) for t in store.torn_tails()] == ([torn] if torn else [])
-            await store.write_run_started(started("r"), seq=1)
+            g = await lease(store, "r")
+            await store.write_run_started(started("r"), seq=1, generation=g)
             assert await store.list_runs() == ("r",)
-            assert store.statistics().tails_cut == (1 if torn else 0)
+            assert store.statistics().counters["tails_cut"] == (1 if torn else 0)
         data = await trio.Path(path).read_bytes()
         assert data.endswith(whole[-30:]) and data.count(b"\n") == 2
 
@@ -434,38 +531,114 @@ async def test_a_torn_first_write_leaves_no_run(tmp_path: Path) -> None:
 async def test_newer_format_version_and_newer_schema_are_refused(tmp_path: Path) -> None:
     directory = tmp_path / "runs"
     directory.mkdir()
-    from treadle.stores.jsonl import records_frame
-
     header = {"format": "treadle.jsonl", "version": FORMAT_VERSION + 1, "run_id": "new"}
-    newer = frame(0, "header", json.dumps(header)) + records_frame(1, [started("new")])
+    newer = frame(0, "header", json.dumps(header)) + records_frame(
+        1, [started("new")], generation=1
+    )
     await trio.Path(directory / run_file_name("new")).write_bytes(newer)
     async with open_jsonl_store(directory) as store:
         with pytest.raises(SchemaTooNew) as info:
             await store.read_log("new")
         assert (info.value.version, info.value.supported) == (FORMAT_VERSION + 1, FORMAT_VERSION)
         future = attrs.evolve(started("future"), schema_version=SCHEMA_VERSION + 1)
-        await store.write_run_started(future, seq=1)
+        await store.write_run_started(future, seq=1, generation=await lease(store, "future"))
         with pytest.raises(SchemaTooNew) as info:
             await store.read_log("future")
         assert info.value.version == SCHEMA_VERSION + 1
 
 
+def v1_file(run_id: str, records: list[Record]) -> bytes:
+    """A run file as format version 1 wrote it: frames without ``gen``."""
+    from treadle.stores._codec import encode
+
+    header = {"format": "treadle.jsonl", "version": 1, "run_id": run_id, "created_ns": 1}
+    data = frame(0, "header", json.dumps(header))
+    for seq, record in enumerate(records, start=1):
+        data += frame(seq, "records", f"[{encode(record)}]")
+    return data
+
+
+async def test_a_version_1_directory_is_read_and_its_control_logs_moved(tmp_path: Path) -> None:
+    directory = tmp_path / "runs"
+    directory.mkdir()
+    log: list[Record] = [
+        started("r"),
+        ModelIntent(run_id="r", step=1, intent_id="m", attempt=1, ts=TS),
+    ]
+    (directory / "r.jsonl").write_bytes(v1_file("r", log))
+    pseudo = [cancel("r#control"), cancel("r#control", reason="again")]
+    (directory / "r%23control.jsonl").write_bytes(v1_file("r#control", list(pseudo)))
+    async with open_jsonl_store(directory) as store:
+        assert not (directory / "r%23control.jsonl").exists()
+        assert await store.list_runs() == ("r",)
+        assert (await store.read_log("r")).records == tuple(log)
+        assert await store.read_generations("r") == (0, 0)
+        entries = await store.read_control("r")
+        assert [(e.run_id, e.position, e.record) for e in entries] == [
+            ("r", 1, cancel("r")),
+            ("r", 2, cancel("r", reason="again")),
+        ]
+        g = await lease(store, "r")
+        result = ModelResult(run_id="r", step=1, intent_id="m", ts=TS)
+        await store.write_model_result(result, seq=3, generation=g)
+    async with open_jsonl_store(directory) as store:  # nothing is moved twice
+        assert (await store.read_log("r")).records == (*log, result)
+        assert await store.read_generations("r") == (0, 0, 1)
+        assert len(await store.read_control("r")) == 2
+
+
+# --------------------------------------------------------------------------- run ids
+
+
+VALID_IDS = [
+    "Run/1",
+    "CON",
+    "A",
+    "a",
+    "9",
+    "a.b_c-d:e@f/g+h=i",
+    "X" * 100,  # its encoded name is too long: named by its SHA-256
+    "x" * 200,  # the longest id, kept as it is
+]
+INVALID_IDS = ["ünï cødé", "a b", "..", "", "x" * 201, "%41", "r#control", ".hidden", "-x"]
+
+
 async def test_run_ids_round_trip_through_file_names(tmp_path: Path) -> None:
-    ids = ["Run/1", "ünï cødé", "a b", "..", "", "x" * 300, "CON", "%41", "A", "a"]
     async with open_jsonl_store(tmp_path / "runs") as store:
-        for run_id in ids:
-            await store.write_run_started(started(run_id), seq=1)
-    names = sorted(p.name for p in (tmp_path / "runs").iterdir())
-    assert len(names) == len(ids)
+        for run_id in VALID_IDS:
+            g = await lease(store, run_id)
+            await store.write_run_started(started(run_id), seq=1, generation=g)
+    names = sorted(p.name for p in (tmp_path / "runs").iterdir() if p.is_file())
+    assert len(names) == len(VALID_IDS)
     assert all(n.isascii() and "/" not in n and len(n) < 255 for n in names)
     assert not any(n.startswith(".") for n in names)
+    assert "A.jsonl" not in names and "%41.jsonl" in names  # never colliding with "a"
+    assert run_file_name("X" * 100).startswith("~")
+    assert f"{'x' * 200}.jsonl" in names
     async with open_jsonl_store(tmp_path / "runs") as store:
-        assert await store.list_runs() == tuple(ids)
-        for run_id in ids:
+        assert await store.list_runs() == tuple(VALID_IDS)
+        for run_id in VALID_IDS:
             assert (await store.read_log(run_id)).records == (started(run_id),)
 
 
-async def test_two_store_objects_share_a_directory(tmp_path: Path) -> None:
+@pytest.mark.parametrize("run_id", INVALID_IDS)
+async def test_invalid_run_ids_are_refused(tmp_path: Path, run_id: str) -> None:
+    async with open_jsonl_store(tmp_path / "runs") as store:
+        with pytest.raises(InvalidRunId):
+            await store.acquire_lease(run_id, owner=OWNER, ttl_s=TTL_S)
+        with pytest.raises(InvalidRunId):
+            await store.append_control(cancel(run_id))
+        with pytest.raises(LeaseLost):  # without a lease nothing is written
+            await store.write_run_started(started(run_id), seq=1, generation=1)
+        assert await store.list_runs() == ()
+    assert [p.name for p in (tmp_path / "runs").iterdir() if p.is_file()] == []
+    assert list((tmp_path / "runs" / ".leases").iterdir()) == []
+
+
+# --------------------------------------------------------------------------- store objects
+
+
+async def test_two_store_objects_share_a_directory(tmp_path: Path, long_linger: None) -> None:
     async with open_jsonl_store(tmp_path / "runs") as a, open_jsonl_store(tmp_path / "runs") as b:
         one, two = Steps(a, "one"), Steps(b, "two")
         await one.start()
@@ -478,27 +651,204 @@ async def test_two_store_objects_share_a_directory(tmp_path: Path) -> None:
         assert (await a.read_log("two")).records == tuple(two.written)
         await two.model()
         assert (await a.read_log("two")).records == tuple(two.written[:-1])  # up to the barrier
+        for _ in range(3):  # reads beside a live writer never make the writer fail
+            await one.next()
+            assert (await b.read_log("one")).records == tuple(one.written[:-2])
+        assert (await a.read_log("one")).records == tuple(one.written)
+        assert a.torn_tails() == () and b.torn_tails() == ()
 
 
-async def test_a_second_writer_of_a_run_conflicts_at_append(tmp_path: Path) -> None:
-    async with open_jsonl_store(tmp_path / "runs") as a, open_jsonl_store(tmp_path / "runs") as b:
+async def test_a_second_store_object_cannot_take_a_held_lease(tmp_path: Path) -> None:
+    directory = tmp_path / "runs"
+    async with open_jsonl_store(directory) as a, open_jsonl_store(directory) as b:
         first = Steps(a, "r")
         await first.start()
         await first.model()
-        await a.read_log("r")  # the model result is written, not just queued
-        assert (await b.read_log("r")).records == tuple(first.written)  # b knows seq 4 next
-        await first.action()  # a takes seq 4
-        intent = ModelIntent(run_id="r", step=1, intent_id="b", attempt=2, ts=TS)
+        held = await a.read_lease("r")
+        assert held is not None and (held.owner, held.generation) == (OWNER, 1)
+        for owner in ("b", OWNER):  # the OS lock is held by a: not even its owner id gets it
+            with pytest.raises(RunLeased) as info:
+                await b.acquire_lease("r", owner=owner, ttl_s=TTL_S)
+            assert (info.value.holder.owner, info.value.holder.generation) == (OWNER, 1)
+        assert await b.read_lease("r") == held  # from the sidecar
+        with pytest.raises(LeaseLost) as lost:  # b holds no lease: its write is refused at once
+            await b.write_intent(
+                ModelIntent(run_id="r", step=1, intent_id="b", attempt=2, ts=TS),
+                seq=first.seq,
+                generation=1,
+            )
+        assert lost.value.current is None
+        assert (await b.read_log("r")).records == tuple(first.written)  # nothing interleaved
+        await a.release_lease(held)
+        taken = await b.acquire_lease("r", owner="b", ttl_s=TTL_S)
+        assert taken.generation == 2
+        with pytest.raises(LeaseLost) as stale:  # a's lease is gone
+            await first.action()
+        assert (stale.value.generation, stale.value.current) == (1, None)
+        second = Steps(b, "r", seq=first.seq, step=first.step, generation=taken.generation)
+        await second.action()
+        await second.finish_step()
+        other = Steps(a, "other")
+        await other.start()  # a's other runs are unaffected
+        await other.next()
+    async with open_jsonl_store(directory) as store:
+        log = (await store.read_log("r")).records
+        assert log == (*first.written[:3], *second.written)
+        assert await store.read_generations("r") == (1, 1, 1, 2, 2, 2)
+        lease_now = await store.acquire_lease("r", owner="c", ttl_s=TTL_S)  # b closed: free
+        assert lease_now.generation == 3
+
+
+async def test_lines_appended_behind_the_writers_back_are_a_conflict(tmp_path: Path) -> None:
+    async with open_jsonl_store(tmp_path / "runs") as store:
+        run = Steps(store, "r")
+        await run.start()
+        await run.model()
+        await store.read_log("r")  # the model result is written, not just queued
+        rogue = ModelIntent(run_id="r", step=1, intent_id="rogue", attempt=2, ts=TS)
+        path = Path(store.run_file("r"))
+        async with await trio.Path(path).open("ab") as file:  # a writer ignoring the lease
+            await file.write(records_frame(run.seq, [rogue], generation=7))
         with pytest.raises(ConflictError) as info:
-            await b.write_intent(intent, seq=4)
+            await run.action()
         assert (info.value.expected, info.value.got) == (5, 4)
         with pytest.raises(StoreError, match="refuses further writes"):
-            await b.write_intent(intent, seq=5)
-        assert (await a.read_log("r")).records == tuple(first.written)  # nothing interleaved
-        await first.finish_step()
-        await b.write_run_started(started("other"), seq=1)  # other runs are unaffected
-    async with open_jsonl_store(tmp_path / "runs") as store:
-        assert (await store.read_log("r")).records == tuple(first.written)
+            await run.action()
+        log = (await store.read_log("r")).records
+        assert log == (*run.written, rogue)  # nothing of ours was appended after it
+        await Steps(store, "other").start()  # other runs are unaffected
+
+
+async def test_a_lease_held_by_another_process_drops_when_it_dies(tmp_path: Path) -> None:
+    directory = tmp_path / "runs"
+    script = (
+        "import sys, trio\n"
+        "from treadle.stores.jsonl import JsonlStore\n"
+        "from treadle.types import *\n"
+        "async def main(directory):\n"
+        "    store = await JsonlStore.open(directory)\n"
+        "    g = (await store.acquire_lease('r', owner='child', ttl_s=600)).generation\n"
+        "    await store.write_run_started(RunStarted(run_id='r', ts='t', input=(), "
+        "snapshot={}), seq=1, generation=g)\n"
+        "    await store.write_intent(ModelIntent(run_id='r', step=1, intent_id='m', "
+        "attempt=1, ts='t'), seq=2, generation=g)\n"
+        "    print('ready', flush=True)\n"
+        "    await trio.sleep_forever()\n"
+        "trio.run(main, sys.argv[1])\n"
+    )
+    command = [sys.executable, "-c", script, str(directory)]
+    process = await trio.lowlevel.open_process(command, stdout=subprocess.PIPE)
+    assert process.stdout is not None
+    try:
+        with trio.fail_after(60):
+            line = b""
+            while not line.endswith(b"\n"):
+                chunk = await process.stdout.receive_some(1)
+                assert chunk, "the child closed its stdout"
+                line += chunk
+        assert line == b"ready\n"
+        async with open_jsonl_store(directory) as store:
+            with pytest.raises(RunLeased) as info:
+                await lease(store, "r")
+            assert (info.value.holder.owner, info.value.holder.generation) == ("child", 1)
+            (summary,) = await store.list_summaries()
+            assert summary.liveness is Liveness.DRIVEN and summary.state is RunState.RUNNING
+            process.kill()
+            await process.wait()
+            seen = await store.read_lease("r")  # the sidecar still names the dead child ...
+            assert seen is not None and seen.owner == "child"
+            assert seen.expires_at <= time.time()  # ... but its lock is free: expired
+            (summary,) = await store.list_summaries()
+            assert summary.liveness is Liveness.ORPHANED
+            g = await lease(store, "r")  # no TTL to wait for
+            assert g == 2
+            result = ModelResult(run_id="r", step=1, intent_id="m", ts=TS)
+            await store.write_model_result(result, seq=3, generation=g)
+            assert await store.read_generations("r") == (1, 1, 2)
+    finally:
+        process.kill()
+        await process.wait()
+        await process.stdout.aclose()
+
+
+async def test_a_torn_tail_of_a_run_held_here_is_cut_not_reported(tmp_path: Path) -> None:
+    path, run = await write_run(tmp_path / "runs", steps=1)
+    original = path.read_bytes()
+    start, _ = lines_of(original)[-1]
+    path.write_bytes(original[: start + 10])
+    async with open_jsonl_store(tmp_path / "runs") as a, open_jsonl_store(tmp_path / "runs") as b:
+        g = await lease(a, "r")
+        assert (await a.read_log("r")).records == tuple(run.written[:-2])
+        assert a.torn_tails() == ()  # a holds the lease: its own append may be in flight
+        assert (await b.read_log("r")).records == tuple(run.written[:-2])
+        (torn,) = b.torn_tails()  # b does not
+        assert (torn.offset, torn.length) == (start, 10)
+        *results, step = run.written[-2:]
+        assert isinstance(step, StepRecord)
+        await a.write_step(
+            [r for r in results if isinstance(r, ActionResult)],
+            step,
+            seq=len(run.written) - 1,
+            generation=g,
+        )
+        assert (await a.read_log("r")).records == tuple(run.written)
+        assert a.statistics().counters["tails_cut"] == 1
+        assert "tails_cut" not in b.statistics().counters  # b never wrote
+
+
+# --------------------------------------------------------------------------- listing and control
+
+
+async def test_a_damaged_run_is_listed_and_summarised_with_its_error(tmp_path: Path) -> None:
+    directory = tmp_path / "runs"
+    await write_run(directory, run_id="good", steps=1)
+    bad, _ = await write_run(directory, run_id="Bad/1", steps=1)
+    data = bytearray(bad.read_bytes())
+    data[10] ^= 0x01  # inside the header line
+    bad.write_bytes(bytes(data))
+    async with open_jsonl_store(directory) as store:
+        assert sorted(await store.list_runs()) == ["Bad/1", "good"]  # by its file name
+        summaries = {s.run_id: s for s in await store.list_summaries()}
+        assert set(summaries) == {"Bad/1", "good"}
+        damaged = summaries["Bad/1"]
+        assert damaged.state is None and damaged.where == str(bad)
+        assert damaged.error is not None and "damaged" in damaged.error
+        fine = summaries["good"]
+        assert (fine.state, fine.steps, fine.error) == (RunState.RUNNING, 1, None)
+        alone = await store.read_summary("Bad/1")
+        assert alone is not None
+        assert alone == attrs.evolve(damaged, observed_at=alone.observed_at)
+        with pytest.raises(LogCorrupted) as info:
+            await store.read_log("Bad/1")
+        assert info.value.offset == 0
+        assert (await store.read_log("good")).records
+
+
+async def test_control_streams_are_per_run_and_never_listed(tmp_path: Path) -> None:
+    directory = tmp_path / "runs"
+    async with open_jsonl_store(directory) as store:
+        with pytest.raises(UsageError, match="no run"):
+            await store.append_control(cancel("r"))
+        run = Steps(store, "r")
+        await run.start()
+        await run.next()
+        one = await store.append_control(cancel("r"))
+        two = await store.append_control(cancel("r", reason="again"))
+        assert (one.run_id, one.position, two.position) == ("r", 1, 2)
+        assert await store.read_control("r") == (one, two)
+        assert await store.read_control("r", after=1) == (two,)
+        assert await store.control_heads(["r", "s"]) == {"r": 2}
+        assert await store.list_runs() == ("r",)
+        assert (await store.read_log("r")).records == tuple(run.written)
+    control = directory / ".control" / "r.jsonl"
+    data = control.read_bytes()
+    control.write_bytes(data + data[:15])  # an appender died half-way
+    async with open_jsonl_store(directory) as store:
+        assert await store.read_control("r") == (one, two)  # the torn entry is left out
+        three = await store.append_control(cancel("r", reason="third"))
+        assert three.position == 3
+        assert await store.control_heads(["r"]) == {"r": 3}
+        assert await store.read_control("r", after=2) == (three,)
 
 
 async def test_open_refuses_a_file_and_a_missing_parent(tmp_path: Path) -> None:
@@ -511,7 +861,7 @@ async def test_open_refuses_a_file_and_a_missing_parent(tmp_path: Path) -> None:
 
 async def test_statistics_is_a_frozen_record(tmp_path: Path) -> None:
     async with open_jsonl_store(tmp_path / "runs") as store:
-        assert store.statistics() == JsonlStatistics()
+        assert store.statistics() == StoreStatistics()
         with pytest.raises(attrs.exceptions.FrozenInstanceError):
             store.statistics().syncs = 1  # type: ignore[misc]
         assert store.torn_tails() == ()
@@ -539,15 +889,17 @@ async def test_group_commit_shares_syncs_across_100_concurrent_runs(tmp_path: Pa
         barriers = 100 * 5 * 2
         assert stats.writes_committed == 100 * (1 + 5 * 4)
         assert stats.records_written == 100 * (1 + 5 * 5)
-        assert stats.sync_rounds < barriers / 10, stats  # one round of syncs serves many runs
+        assert stats.commits < barriers / 10, stats  # one append-and-sync round serves many runs
         assert stats.max_batch >= 20, stats
-        assert stats.syncs <= barriers + stats.sync_rounds, stats  # never more than one per file
+        # at most one sync per file with a barrier per batch, and one of the directory
+        assert stats.syncs <= barriers + stats.commits, stats
+        assert stats.counters["tails_cut"] == 0
         for run in (runs[0], runs[57], runs[-1]):
             assert (await store.read_log(run.run_id)).records == tuple(run.written)
 
 
 async def test_more_runs_than_open_files(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(_jsonl_commit, "MAX_OPEN_FILES", 3)
+    monkeypatch.setattr(_jsonl_backend, "MAX_OPEN_FILES", 3)
     async with open_jsonl_store(tmp_path / "runs") as store:
         runs = [Steps(store, f"r{n}") for n in range(12)]
 
@@ -564,16 +916,20 @@ async def test_more_runs_than_open_files(tmp_path: Path, monkeypatch: pytest.Mon
             assert (await store.read_log(run.run_id)).records == tuple(run.written)
 
 
-async def test_non_barrier_writes_ride_with_the_next_barrier(tmp_path: Path) -> None:
+async def test_non_barrier_writes_ride_with_the_next_barrier(
+    tmp_path: Path, long_linger: None
+) -> None:
     async with open_jsonl_store(tmp_path / "runs") as store:
         run = Steps(store, "r")
         await run.start()
         assert store.statistics().pending == 1  # lingering for a barrier
         await run.model()  # a barrier, then a non-barrier
+        assert store.statistics().pending == 1
         await run.action()
         stats = store.statistics()
         assert stats.pending == 0 and stats.writes_committed == 4
-        assert stats.sync_rounds == 2, stats
+        assert stats.commits == 2, stats  # [started, intent] and [result, intent]
+        assert stats.syncs == 3, stats  # the new file's directory once, the file twice
 
 
 @attrs.define
@@ -591,27 +947,74 @@ async def test_cancelled_barrier_still_commits(tmp_path: Path) -> None:
     ops = GatedSync()
     ops.gate.set()
     async with open_jsonl_store(tmp_path / "runs", file_ops=ops) as store:
-        await store.write_run_started(started("r"), seq=1)
+        g = await lease(store, "r")
+        await store.write_run_started(started("r"), seq=1, generation=g)
         intent = ModelIntent(run_id="r", step=1, intent_id="m", attempt=1, ts=TS)
         with trio.CancelScope() as scope:
             scope.cancel()
-            await store.write_intent(intent, seq=2)  # cancelled before queuing: nothing
+            await store.write_intent(intent, seq=2, generation=g)  # cancelled before queuing
         assert (await store.read_log("r")).records == (started("r"),)
         ops.gate.clear()
         with trio.fail_after(30):
             async with trio.open_nursery() as nursery:
 
                 async def write() -> None:
-                    await store.write_intent(intent, seq=2)
+                    await store.write_intent(intent, seq=2, generation=g)
                     raise AssertionError("the barrier returned before its sync")
 
                 nursery.start_soon(write)
                 await trio.testing.wait_all_tasks_blocked()
+                assert store.statistics().pending == 1
                 nursery.cancel_scope.cancel(reason="test cancels a waiting barrier")
             ops.gate.set()
             assert (await store.read_log("r")).records == (started("r"), intent)
         result = ModelResult(run_id="r", step=1, intent_id="m", ts=TS)
-        await store.write_model_result(result, seq=3)  # the seq moved on
+        await store.write_model_result(result, seq=3, generation=g)  # the seq moved on
+
+
+async def test_every_operation_is_a_checkpoint(tmp_path: Path) -> None:
+    store = await JsonlStore.open(tmp_path / "runs")
+    run = Steps(store, "r")
+    with trio.testing.assert_checkpoints():
+        await run.start()
+    g = run.generation
+    held = await store.read_lease("r")
+    assert held is not None
+    for operation in (
+        lambda: store.write_intent(
+            ModelIntent(run_id="r", step=1, intent_id="m", attempt=1, ts=TS), seq=2, generation=g
+        ),
+        lambda: store.write_model_result(
+            ModelResult(run_id="r", step=1, intent_id="m", ts=TS), seq=3, generation=g
+        ),
+        lambda: store.write_step(
+            None,
+            StepRecord(run_id="r", step=1, ts=TS, model_intent_id="m", decision=None),
+            seq=4,
+            generation=g,
+        ),
+        lambda: store.write_control(cancel("r"), seq=5, generation=g),
+        lambda: store.read_log("r"),
+        lambda: store.read_generations("r"),
+        store.list_runs,
+        store.list_summaries,
+        lambda: store.read_summary("r"),
+        lambda: store.acquire_lease("r", owner=OWNER, ttl_s=TTL_S),
+        lambda: store.renew_leases([held], ttl_s=TTL_S),
+        lambda: store.renew_leases([], ttl_s=TTL_S),
+        lambda: store.read_lease("r"),
+        lambda: store.append_control(cancel("r")),
+        lambda: store.read_control("r"),
+        lambda: store.control_heads(["r"]),
+        lambda: store.release_lease(held),
+        lambda: store.release_lease(held),  # no longer held
+        lambda: store.read_lease("r"),  # from the sidecar
+        lambda: store.repair("r", owner=OWNER),
+        store.aclose,
+        store.aclose,
+    ):
+        with trio.testing.assert_checkpoints():
+            await operation()
 
 
 # --------------------------------------------------------------------------- write failures
@@ -637,11 +1040,13 @@ async def test_full_disk_fails_the_write_and_loses_nothing_acknowledged(tmp_path
         ops.space_bytes = None  # space is freed: the run is still refused in this store
         with pytest.raises(StoreError, match="refuses further writes"):
             await run.action()
-        await store.write_run_started(started("other"), seq=1)  # other runs are unaffected
+        await Steps(store, "other").start()  # other runs are unaffected
     async with open_jsonl_store(directory) as store:
         assert (await store.read_log("r")).records == tuple(acknowledged)
         assert store.torn_tails() == ()
-        resumed = Steps(store, "r", seq=len(acknowledged) + 1, step=1)
+        g = await lease(store, "r")
+        assert g == 2  # the closed store's lock dropped; the sidecar names generation 1
+        resumed = Steps(store, "r", seq=len(acknowledged) + 1, step=1, generation=g)
         await resumed.next()
         assert len((await store.read_log("r")).records) == len(acknowledged) + 5
 
@@ -663,12 +1068,13 @@ async def test_failed_non_barrier_surfaces_from_the_next_write_or_aclose(tmp_pat
     ops = FailingFileOps()
     store = await JsonlStore.open(tmp_path / "runs", file_ops=ops)
     try:
-        await store.write_run_started(started("r"), seq=1)
+        g_r, g_s = await lease(store, "r"), await lease(store, "s")
+        await store.write_run_started(started("r"), seq=1, generation=g_r)
         await store.read_log("r")  # written
         ops.space_bytes = ops.written
         result = ModelResult(run_id="r", step=1, intent_id="m", ts=TS)
-        await store.write_model_result(result, seq=2)  # queued: returns
-        await store.write_run_started(started("s"), seq=1)
+        await store.write_model_result(result, seq=2, generation=g_r)  # queued: returns
+        await store.write_run_started(started("s"), seq=1, generation=g_s)
         assert (await store.read_log("r")).records == (started("r"),)
         ops.space_bytes = None
     finally:
@@ -678,7 +1084,8 @@ async def test_failed_non_barrier_surfaces_from_the_next_write_or_aclose(tmp_pat
 
 async def test_bad_records_are_refused_and_the_seq_stays_free(tmp_path: Path) -> None:
     async with open_jsonl_store(tmp_path / "runs") as store:
-        await store.write_run_started(started("r"), seq=1)
+        g = await lease(store, "r")
+        await store.write_run_started(started("r"), seq=1, generation=g)
         bad = ActionIntent(
             run_id="r",
             step=1,
@@ -689,7 +1096,7 @@ async def test_bad_records_are_refused_and_the_seq_stays_free(tmp_path: Path) ->
             ts=TS,
         )
         with pytest.raises(UsageError, match="cannot encode"):
-            await store.write_intent(bad, seq=2)
+            await store.write_intent(bad, seq=2, generation=g)
         stranger = ActionResult(
             run_id="x",
             step=1,
@@ -701,11 +1108,13 @@ async def test_bad_records_are_refused_and_the_seq_stays_free(tmp_path: Path) ->
         )
         step = StepRecord(run_id="r", step=1, ts=TS, model_intent_id=None, decision=None)
         with pytest.raises(UsageError, match="holds a record of run 'x'"):
-            await store.write_step([stranger], step, seq=2)
+            await store.write_step([stranger], step, seq=2, generation=g)
         good = attrs.evolve(bad, arguments={"x": "\ud800 a lone surrogate is escaped"})
         with pytest.raises(ConflictError):
-            await store.write_intent(good, seq=3)
-        await store.write_intent(good, seq=2)
+            await store.write_intent(good, seq=3, generation=g)
+        with pytest.raises(LeaseLost):
+            await store.write_intent(good, seq=2, generation=g + 1)
+        await store.write_intent(good, seq=2, generation=g)
         assert (await store.read_log("r")).records == (started("r"), good)
 
 
@@ -721,18 +1130,20 @@ async def main(directory, space, body_chars):
     body = "y" * int(body_chars)
     ops = FailingFileOps(space_bytes=int(space) if space != "none" else None, kill=True)
     store = await JsonlStore.open(directory, file_ops=ops)
-    await store.write_run_started(RunStarted(run_id="r", ts="t", input=(), snapshot={}), seq=1)
+    g = (await store.acquire_lease("r", owner="child", ttl_s=600)).generation
+    await store.write_run_started(RunStarted(run_id="r", ts="t", input=(), snapshot={}), seq=1,
+                                  generation=g)
     seq = 2
     for step in range(1, 100000):
         intent = ModelIntent(run_id="r", step=step, intent_id=f"m{step}", attempt=1, ts="t")
-        await store.write_intent(intent, seq=seq)
+        await store.write_intent(intent, seq=seq, generation=g)
         print(seq, flush=True)
         outcome = ActionOutcome(status=ActionStatus.EXECUTED, observation=body)
         result = ActionResult(run_id="r", step=step, intent_id="a", call_id="c", tool="t",
                               outcome=outcome, ts="t")
         record = StepRecord(run_id="r", step=step, ts="t", model_intent_id=f"m{step}",
                             decision=None)
-        await store.write_step([result], record, seq=seq + 1)
+        await store.write_step([result], record, seq=seq + 1, generation=g)
         seq += 3
 
 trio.run(main, *sys.argv[1:])
@@ -772,10 +1183,14 @@ def check_after_kill(directory: Path, acked: list[int]) -> tuple[TornTail, ...]:
             )
             tails = store.torn_tails()
             step = sum(1 for r in records if isinstance(r, ModelIntent)) + 1
+            g = await lease(store, "r")  # the dead child's lock dropped with it
+            assert g == 2
             await store.write_intent(
                 ModelIntent(run_id="r", step=step, intent_id="next", attempt=1, ts="t"),
                 seq=len(records) + 1,
+                generation=g,
             )
+            assert store.statistics().counters["tails_cut"] == len(tails)
         async with open_jsonl_store(directory) as store:
             assert len((await store.read_log("r")).records) == len(records) + 1
             assert store.torn_tails() == ()
@@ -801,19 +1216,48 @@ def test_sigkill_from_outside_while_appending_large_lines(tmp_path: Path) -> Non
 
 
 async def test_a_crashed_first_write_of_another_store_object_is_cut(tmp_path: Path) -> None:
-    from treadle.stores.jsonl import header_frame, records_frame
-
     async with open_jsonl_store(tmp_path / "runs") as store:
         assert (await store.read_log("r")).records == ()  # no file yet
         path = Path(store.run_file("r"))
         # meanwhile another writer created the file and died half-way through its first line
-        remnant = header_frame("r", created_ns=1) + records_frame(1, [started("r")])[:-9]
-        await trio.Path(path).write_bytes(remnant)
-        await store.write_run_started(started("r"), seq=1)
+        remnant = header_frame("r", created_ns=1) + records_frame(1, [started("r")], generation=1)
+        await trio.Path(path).write_bytes(remnant[:-9])
+        g = await lease(store, "r")
+        await store.write_run_started(started("r"), seq=1, generation=g)
         await store.write_intent(
-            ModelIntent(run_id="r", step=1, intent_id="m", attempt=1, ts=TS), seq=2
+            ModelIntent(run_id="r", step=1, intent_id="m", attempt=1, ts=TS), seq=2, generation=g
         )
-        assert store.statistics().tails_cut == 1
+        assert store.statistics().counters["tails_cut"] == 1
     async with open_jsonl_store(tmp_path / "runs") as store:
         assert len((await store.read_log("r")).records) == 2
         assert store.torn_tails() == ()
+
+
+@attrs.define
+class RacingCreate(FailingFileOps):
+    """Another writer creates the run's file, and dies half-way, just before we create it."""
+
+    remnant: bytes = b""
+
+    def open(self, path: str, *, create: bool) -> int:
+        if create and self.remnant:
+            Path(path).write_bytes(self.remnant)
+            self.remnant = b""
+        return super().open(path, create=create)
+
+
+async def test_a_file_created_by_another_writer_meanwhile_is_not_trusted(tmp_path: Path) -> None:
+    remnant = header_frame("r", created_ns=1) + records_frame(1, [started("r")], generation=1)
+    ops = RacingCreate(remnant=remnant[:-9])
+    async with open_jsonl_store(tmp_path / "runs", file_ops=ops) as store:
+        g = await lease(store, "r")
+        await store.write_intent(
+            ModelIntent(run_id="r", step=1, intent_id="m", attempt=1, ts=TS), seq=1, generation=g
+        )
+        assert ops.remnant == b""  # the race happened
+        assert store.statistics().counters["tails_cut"] == 1
+    async with open_jsonl_store(tmp_path / "runs") as store:
+        records = (await store.read_log("r")).records
+        assert [type(r) for r in records] == [ModelIntent]
+        data = await trio.Path(store.run_file("r")).read_bytes()
+        assert data.count(b"\n") == 2 and b'"created_ns":1,' not in data  # our own header

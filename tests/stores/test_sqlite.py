@@ -1,4 +1,5 @@
-"""SQLite store specifics: WAL, group commit, other processes, failures, cancellation."""
+"""SQLite store specifics: WAL, group commit, other processes, leases and fencing, layout 2
+(checksummed rows, migration from layout 1, control streams), failures, cancellation."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import shutil
 import sqlite3
 import subprocess
 import sys
+import time
 from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
 
@@ -17,9 +19,20 @@ import pytest
 import trio
 import trio.testing
 
-from treadle._exceptions import ConflictError, LogCorrupted, SchemaTooNew, StoreError, UsageError
-from treadle.stores import SqliteStore, StoreStatistics, _sqlite_commit, open_sqlite_store
+from treadle._exceptions import (
+    ConflictError,
+    InvalidRunId,
+    LeaseLost,
+    LogCorrupted,
+    RunLeased,
+    SchemaTooNew,
+    StoreError,
+    TreadleError,
+    UsageError,
+)
+from treadle.stores import SqliteStore, StoreStatistics, _engine, _sql, open_sqlite_store
 from treadle.stores import sqlite as sqlite_module
+from treadle.stores._codec import KIND_OF, encode, record_crc
 from treadle.types import (
     ActionIntent,
     ActionOutcome,
@@ -27,13 +40,19 @@ from treadle.types import (
     ActionStatus,
     CancelRequested,
     DecisionKind,
+    Liveness,
     ModelIntent,
     ModelResult,
+    Record,
     RunStarted,
+    RunState,
     StepRecord,
 )
 
 TS = "2025-01-01T00:00:00+00:00"
+OWNER = "test-driver"
+TTL_S = 600.0
+T0 = 1_750_000_000.0  # the injected clocks start here (epoch seconds)
 
 # A child process's helpers: the same record pattern as `Steps` below, as source text.
 CHILD_PRELUDE = """
@@ -57,34 +76,62 @@ def started(run_id: str) -> RunStarted:
 
 
 @attrs.define
+class Clock:
+    """An injectable store clock (epoch seconds) that only moves when a test moves it."""
+
+    now: float = T0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+async def lease(store: SqliteStore, run_id: str, owner: str = OWNER) -> int:
+    """Take the run's lease and return the generation to write with."""
+    return (await store.acquire_lease(run_id, owner=owner, ttl_s=TTL_S)).generation
+
+
+@attrs.define
 class Steps:
-    """Writes a run as the loop does: per step 2 barriers and 2 non-barrier writes."""
+    """Writes a run as the loop does: per step 2 barriers and 2 non-barrier writes.
+
+    `start` takes the run's lease first (unless a generation is given).
+    """
 
     store: SqliteStore
     run_id: str
     seq: int = 1
     step: int = 0
     body: str = "x"
+    generation: int = 0
 
     async def start(self) -> None:
-        await self.store.write_run_started(started(self.run_id), seq=self.seq)
+        if not self.generation:
+            self.generation = await lease(self.store, self.run_id)
+        await self.store.write_run_started(
+            started(self.run_id), seq=self.seq, generation=self.generation
+        )
         self.seq += 1
 
     async def next(self) -> None:
         self.step += 1
-        run_id, step = self.run_id, self.step
+        run_id, step, g = self.run_id, self.step, self.generation
         mid, aid = f"m{step}", f"a{step}"
         await self.store.write_intent(
-            ModelIntent(run_id=run_id, step=step, intent_id=mid, attempt=1, ts=TS), seq=self.seq
+            ModelIntent(run_id=run_id, step=step, intent_id=mid, attempt=1, ts=TS),
+            seq=self.seq,
+            generation=g,
         )
         await self.store.write_model_result(
-            ModelResult(run_id=run_id, step=step, intent_id=mid, ts=TS), seq=self.seq + 1
+            ModelResult(run_id=run_id, step=step, intent_id=mid, ts=TS),
+            seq=self.seq + 1,
+            generation=g,
         )
         await self.store.write_intent(
             ActionIntent(
                 run_id=run_id, step=step, intent_id=aid, call_id="c", tool="t", arguments={}, ts=TS
             ),
             seq=self.seq + 2,
+            generation=g,
         )
         outcome = ActionOutcome(status=ActionStatus.EXECUTED, observation=self.body)
         result = ActionResult(
@@ -93,8 +140,12 @@ class Steps:
         record = StepRecord(
             run_id=run_id, step=step, ts=TS, model_intent_id=mid, decision=DecisionKind.ACTIONS
         )
-        await self.store.write_step([result], record, seq=self.seq + 3)
+        await self.store.write_step([result], record, seq=self.seq + 3, generation=g)
         self.seq += 5
+
+
+def intent(run_id: str, intent_id: str, attempt: int = 1) -> ModelIntent:
+    return ModelIntent(run_id=run_id, step=1, intent_id=intent_id, attempt=attempt, ts=TS)
 
 
 # --------------------------------------------------------------------------- settings
@@ -106,15 +157,46 @@ async def test_wal_mode_and_full_synchronous(tmp_path: Path) -> None:
         run = Steps(store, "r")
         await run.start()
         await run.next()
-        writer = store._committer._conn  # idle now: every barrier has returned
+        writer = store._engine._backend._conn  # idle now: every barrier has returned
         assert writer.execute("PRAGMA synchronous").fetchone()[0] == 2  # FULL
         probe = sqlite3.connect(path)
         try:
             assert probe.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
             layout = probe.execute("SELECT value FROM meta WHERE key = 'layout'").fetchone()[0]
-            assert int(layout) == sqlite_module.LAYOUT_VERSION
+            assert int(layout) == _sql.LAYOUT_VERSION == 2
         finally:
             probe.close()
+
+
+def columns(conn: sqlite3.Connection, table: str) -> list[str]:
+    return [row[1] for row in conn.execute(f"PRAGMA table_info({table})")]
+
+
+async def test_layout_2_tables_and_checksummed_rows(tmp_path: Path) -> None:
+    path = tmp_path / "s.db"
+    async with open_sqlite_store(path) as store:
+        run = Steps(store, "r")
+        await run.start()
+        await run.next()
+        await store.list_runs()  # the step write is committed, not just queued
+    with contextlib.closing(sqlite3.connect(path)) as conn:
+        tables = {r[0] for r in conn.execute("SELECT name FROM sqlite_master WHERE type='table'")}
+        assert tables == {"meta", "runs", "records", "control"}
+        assert columns(conn, "records") == ["run_id", "seq", "gen", "kind", "body", "crc"]
+        assert columns(conn, "control") == ["run_id", "pos", "kind", "body", "crc"]
+        meta = dict(conn.execute("SELECT key, value FROM meta").fetchall())
+        assert set(meta) == {"layout", "created", "store_id"}
+        rows = conn.execute(
+            "SELECT run_id, seq, gen, kind, body, crc FROM records ORDER BY seq"
+        ).fetchall()
+        assert [r[1] for r in rows] == [1, 2, 3, 4, 5, 6]
+        assert {r[2] for r in rows} == {run.generation} == {1}  # the writer's generation
+        for run_id, seq, gen, kind, body, crc in rows:
+            assert crc == record_crc(run_id, seq, gen, kind, bytes(body))
+        (row,) = conn.execute(
+            "SELECT next_seq, state, steps, lease_owner, lease_generation FROM runs"
+        ).fetchall()
+        assert row == (7, "running", 1, OWNER, 1)
 
 
 async def test_statistics_is_a_frozen_record(tmp_path: Path) -> None:
@@ -123,6 +205,13 @@ async def test_statistics_is_a_frozen_record(tmp_path: Path) -> None:
         assert stats == StoreStatistics()
         with pytest.raises(attrs.exceptions.FrozenInstanceError):
             stats.commits = 3  # type: ignore[misc]
+        run = Steps(store, "r")
+        await run.start()
+        await run.next()
+        await store.list_runs()  # the step write is committed, not just queued
+        stats = store.statistics()
+        assert (stats.writes_committed, stats.records_written, stats.pending) == (5, 6, 0)
+        assert stats.syncs == stats.commits  # one durable commit per committed transaction
 
 
 # --------------------------------------------------------------------------- group commit
@@ -160,11 +249,12 @@ async def test_group_commit_batches_100_concurrent_runs(tmp_path: Path) -> None:
 
 async def test_non_barrier_writes_are_committed_by_the_next_barrier(tmp_path: Path) -> None:
     async with open_sqlite_store(tmp_path / "s.db") as store:
-        await store.write_run_started(started("r"), seq=1)
-        await store.write_model_result(ModelResult(run_id="r", step=1, intent_id="m", ts=TS), seq=2)
-        await store.write_intent(
-            ModelIntent(run_id="r", step=1, intent_id="m2", attempt=2, ts=TS), seq=3
+        g = await lease(store, "r")
+        await store.write_run_started(started("r"), seq=1, generation=g)
+        await store.write_model_result(
+            ModelResult(run_id="r", step=1, intent_id="m", ts=TS), seq=2, generation=g
         )
+        await store.write_intent(intent("r", "m2", attempt=2), seq=3, generation=g)
         stats = store.statistics()
         assert stats.pending == 0
         assert stats.writes_committed == 3
@@ -173,7 +263,8 @@ async def test_non_barrier_writes_are_committed_by_the_next_barrier(tmp_path: Pa
 
 async def test_a_lone_non_barrier_write_commits_after_lingering(tmp_path: Path) -> None:
     async with open_sqlite_store(tmp_path / "s.db") as store:
-        await store.write_run_started(started("r"), seq=1)  # no barrier, no reader follows
+        g = await lease(store, "r")
+        await store.write_run_started(started("r"), seq=1, generation=g)  # no barrier follows
         assert store.statistics().pending == 1
         for _ in range(1000):  # bounded: 1000 x 10 ms
             if store.statistics().pending == 0:
@@ -185,9 +276,10 @@ async def test_a_lone_non_barrier_write_commits_after_lingering(tmp_path: Path) 
 async def test_too_many_pending_writes_make_non_barriers_wait(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(sqlite_module, "MAX_PENDING_WRITES", 0)
+    monkeypatch.setattr(_engine, "MAX_PENDING_WRITES", 0)
     async with open_sqlite_store(tmp_path / "s.db") as store:
-        await store.write_run_started(started("r"), seq=1)
+        g = await lease(store, "r")
+        await store.write_run_started(started("r"), seq=1, generation=g)
         assert store.statistics().pending == 0  # it waited for its commit
         assert store.statistics().writes_committed == 1
 
@@ -268,24 +360,25 @@ async def test_killed_writer_leaves_every_acknowledged_barrier(tmp_path: Path) -
     script = CHILD_PRELUDE + (
         "async def main(path):\n"
         "    store = await SqliteStore.open(path)\n"
+        "    g = (await store.acquire_lease('r', owner='child', ttl_s=600)).generation\n"
         "    await store.write_run_started(RunStarted(run_id='r', ts='t', input=(), "
-        "snapshot={}), seq=1)\n"
+        "snapshot={}), seq=1, generation=g)\n"
         "    seq, step = 2, 0\n"
         "    while True:\n"
         "        step += 1\n"
         "        await store.write_intent(ModelIntent(run_id='r', step=step, intent_id='m', "
-        "attempt=1, ts='t'), seq=seq)\n"
+        "attempt=1, ts='t'), seq=seq, generation=g)\n"
         "        await store.write_model_result(ModelResult(run_id='r', step=step, "
-        "intent_id='m', ts='t'), seq=seq + 1)\n"
+        "intent_id='m', ts='t'), seq=seq + 1, generation=g)\n"
         "        await store.write_intent(ActionIntent(run_id='r', step=step, intent_id='a', "
-        "call_id='c', tool='t', arguments={}, ts='t'), seq=seq + 2)\n"
+        "call_id='c', tool='t', arguments={}, ts='t'), seq=seq + 2, generation=g)\n"
         "        print(seq + 2, flush=True)\n"
         "        outcome = ActionOutcome(status=ActionStatus.EXECUTED, observation='o')\n"
         "        result = ActionResult(run_id='r', step=step, intent_id='a', call_id='c', "
         "tool='t', outcome=outcome, ts='t')\n"
         "        record = StepRecord(run_id='r', step=step, ts='t', model_intent_id='m', "
         "decision=None)\n"
-        "        await store.write_step([result], record, seq=seq + 3)\n"
+        "        await store.write_step([result], record, seq=seq + 3, generation=g)\n"
         "        seq += 5\n"
         "trio.run(main, sys.argv[1])\n"
     )
@@ -302,43 +395,139 @@ async def test_killed_writer_leaves_every_acknowledged_barrier(tmp_path: Path) -
     assert process.returncode is not None and process.returncode < 0
     async with open_sqlite_store(path) as store:
         records = (await store.read_log("r")).records
+        # The dead child's lease lives on in the database until it expires ...
+        with pytest.raises(RunLeased) as info:
+            await lease(store, "r", owner="resumer")
+        assert (info.value.holder.owner, info.value.holder.generation) == ("child", 1)
     assert len(records) >= acked
     namespace: dict[str, object] = {}
     exec(CHILD_PRELUDE, namespace)  # the same prefix checker the children use
     namespace["check_prefix"](records)  # type: ignore[operator]
+    # ... and once it has (on the store's clock), a new driver takes the run over.
+    async with open_sqlite_store(path, clock=lambda: time.time() + 2 * TTL_S) as store:
+        g = await lease(store, "r", owner="resumer")
+        assert g == 2
+        await store.write_control(cancel("r"), seq=len(records) + 1, generation=g)
+        assert (await store.read_log("r")).records == (*records, cancel("r"))
 
 
-async def test_a_second_store_object_conflicts_at_commit(tmp_path: Path) -> None:
+# --------------------------------------------------------------------------- leases and fencing
+
+
+async def test_a_live_lease_refuses_another_owner_and_bad_run_ids(tmp_path: Path) -> None:
+    clock = Clock()
+    async with open_sqlite_store(tmp_path / "s.db", clock=clock) as store:
+        held = await store.acquire_lease("r", owner="a", ttl_s=10)
+        assert (held.owner, held.generation, held.expires_at) == ("a", 1, T0 + 10)
+        with pytest.raises(RunLeased) as info:
+            await store.acquire_lease("r", owner="b", ttl_s=10)
+        assert info.value.holder == held
+        clock.now += 5
+        again = await store.acquire_lease("r", owner="a", ttl_s=10)  # the holder renews
+        assert (again.generation, again.expires_at) == (1, T0 + 15)
+        (renewed,) = await store.renew_leases([again], ttl_s=10)
+        assert renewed.generation == 1 and await store.read_lease("r") == renewed
+        for bad in ("", "a b", "r#control", "ünï", "-r", "x" * 201):
+            with pytest.raises(InvalidRunId):
+                await store.acquire_lease(bad, owner="a", ttl_s=10)
+        assert await store.read_lease("never") is None
+        with pytest.raises(LeaseLost) as lost:  # a run without any lease takes no write
+            await store.write_intent(intent("never", "m"), seq=1, generation=1)
+        assert lost.value.current is None
+        assert await store.list_runs() == ()
+
+
+async def test_a_stale_generation_is_fenced_off_and_stores_nothing(tmp_path: Path) -> None:
+    """Driver A's lease expires and B takes the run over: A can write nothing more of it."""
+    path = tmp_path / "s.db"
+    a_clock, b_clock = Clock(), Clock()
+    async with (
+        open_sqlite_store(path, clock=a_clock) as a,
+        open_sqlite_store(path, clock=b_clock) as b,
+    ):
+        first = Steps(a, "r")
+        await first.start()
+        await first.next()
+        await a.list_runs()  # A's step write is committed, not just queued
+        assert first.generation == 1
+        other = Steps(a, "other")
+        await other.start()
+        held = [await a.read_lease("r"), await a.read_lease("other")]
+        with pytest.raises(RunLeased):  # while A's lease is live, B cannot take the run
+            await lease(b, "r", owner="b")
+        b_clock.now += TTL_S + 1  # on B's clock A's lease has expired (A never renewed it)
+        g = await lease(b, "r", owner="b")
+        assert g == 2
+        renewed = await a.renew_leases([h for h in held if h is not None], ttl_s=TTL_S)
+        assert [h.run_id for h in renewed] == ["other"]  # A learns it lost r
+        with pytest.raises(LeaseLost) as info:
+            await a.write_intent(intent("r", "stale"), seq=first.seq, generation=1)
+        assert (info.value.generation, info.value.current) == (1, 2)
+        with pytest.raises(LeaseLost):  # and every later write of the run in this store
+            await a.write_intent(intent("r", "stale"), seq=first.seq + 1, generation=1)
+        await other.next()  # A's other runs are unaffected
+        log = await b.read_log("r")
+        assert len(log.records) == 6  # nothing of A's stale writes was stored
+        await b.write_intent(intent("r", "b"), seq=7, generation=g)  # B goes on from seq 7
+        with contextlib.closing(sqlite3.connect(path)) as conn:
+            gens = conn.execute("SELECT gen FROM records WHERE run_id = 'r' ORDER BY seq")
+            assert [row[0] for row in gens] == [1] * 6 + [2]
+        await a.list_runs()  # A's last step write of "other" is committed too
+        assert len((await b.read_log("other")).records) == 6
+
+
+async def test_a_writer_behind_the_stored_seq_conflicts_at_commit(tmp_path: Path) -> None:
+    """Two store objects of the same lease holder: the one behind gets `ConflictError`."""
     path = tmp_path / "s.db"
     async with open_sqlite_store(path) as a, open_sqlite_store(path) as b:
-        await b.write_run_started(started("r"), seq=1)
-        await b.write_intent(
-            ModelIntent(run_id="r", step=1, intent_id="b", attempt=1, ts=TS), seq=2
-        )
+        g = await lease(b, "r")
+        assert await lease(a, "r") == g  # the same owner: the same lease
+        await b.write_run_started(started("r"), seq=1, generation=g)
+        await b.write_intent(intent("r", "b"), seq=2, generation=g)
         # a learns seq 3 from the database; b still believes 3 is free
-        await a.write_intent(
-            ModelIntent(run_id="r", step=1, intent_id="a", attempt=2, ts=TS), seq=3
-        )
-        intent = ModelIntent(run_id="r", step=1, intent_id="b2", attempt=2, ts=TS)
+        await a.write_intent(intent("r", "a", attempt=2), seq=3, generation=g)
+        late = intent("r", "b2", attempt=2)
         with pytest.raises(ConflictError) as info:
-            await b.write_intent(intent, seq=3)
+            await b.write_intent(late, seq=3, generation=g)
         assert (info.value.expected, info.value.got) == (4, 3)
-        assert isinstance(info.value.__cause__, sqlite3.IntegrityError)
         with pytest.raises(StoreError, match="refuses further writes"):
-            await b.write_intent(intent, seq=4)
+            await b.write_intent(late, seq=4, generation=g)
         log = await a.read_log("r")
         assert [r.intent_id for r in log.records[1:]] == ["b", "a"]  # type: ignore[union-attr]
-        await b.write_run_started(started("other"), seq=1)  # other runs are unaffected
+        g_other = await lease(b, "other")
+        await b.write_run_started(started("other"), seq=1, generation=g_other)  # unaffected
+        with pytest.raises(ConflictError) as ahead:  # the engine's own check, before commit
+            await a.write_intent(late, seq=9, generation=g)
+        assert (ahead.value.expected, ahead.value.got) == (4, 9)
 
 
-async def test_a_conflict_fails_only_its_write_in_a_shared_transaction(tmp_path: Path) -> None:
+async def test_a_writer_that_had_more_records_acknowledged_stops(tmp_path: Path) -> None:
     path = tmp_path / "s.db"
-    async with open_sqlite_store(path) as a, open_sqlite_store(path) as b:
-        await b.write_run_started(started("r"), seq=1)
+    async with open_sqlite_store(path) as store:
+        run = Steps(store, "r")
+        await run.start()
+        await run.next()
+        await store.list_runs()  # all six records committed
+        with contextlib.closing(sqlite3.connect(path, isolation_level=None)) as conn:
+            conn.execute("DELETE FROM records WHERE run_id = 'r' AND seq > 2")
+            conn.execute("UPDATE runs SET next_seq = 3 WHERE run_id = 'r'")
+        with pytest.raises(StoreError, match="lost acknowledged records") as info:
+            await store.write_intent(intent("r", "m2"), seq=7, generation=run.generation)
+        assert not isinstance(info.value, ConflictError)
+        assert len((await store.read_log("r")).records) == 2  # nothing written after the hole
+
+
+async def test_a_fenced_write_fails_only_its_run_in_a_shared_transaction(tmp_path: Path) -> None:
+    path = tmp_path / "s.db"
+    a_clock = Clock(now=T0 + TTL_S + 1)  # on a's clock, b's leases have already expired
+    async with (
+        open_sqlite_store(path, clock=a_clock) as a,
+        open_sqlite_store(path, clock=Clock()) as b,
+    ):
+        gens = {run_id: await lease(b, run_id) for run_id in ("r", "x", "o")}
+        await b.write_run_started(started("r"), seq=1, generation=gens["r"])
         await b.list_runs()
-        await a.write_intent(
-            ModelIntent(run_id="r", step=1, intent_id="a", attempt=1, ts=TS), seq=2
-        )
+        assert await lease(a, "r", owner="a") == gens["r"] + 1  # a takes r over
         blocker = sqlite3.connect(path, isolation_level=None)
         blocker.execute("BEGIN IMMEDIATE")  # b's committer gets stuck on its next batch
         outcomes: dict[str, BaseException | None] = {}
@@ -346,18 +535,24 @@ async def test_a_conflict_fails_only_its_write_in_a_shared_transaction(tmp_path:
         async def attempt(name: str, write: Callable[[], Awaitable[None]]) -> None:
             try:
                 await write()
-            except StoreError as exc:
+            except TreadleError as exc:
                 outcomes[name] = exc
             else:
                 outcomes[name] = None
 
-        conflicting = ModelIntent(run_id="r", step=1, intent_id="b", attempt=1, ts=TS)
+        stale = intent("r", "b")
         with trio.fail_after(30):
             async with trio.open_nursery() as nursery:
-                nursery.start_soon(attempt, "x", lambda: b.write_control(cancel("x"), seq=1))
+                nursery.start_soon(
+                    attempt, "x", lambda: b.write_control(cancel("x"), seq=1, generation=gens["x"])
+                )
                 await trio.testing.wait_all_tasks_blocked()
-                nursery.start_soon(attempt, "r", lambda: b.write_intent(conflicting, seq=2))
-                nursery.start_soon(attempt, "o", lambda: b.write_control(cancel("o"), seq=1))
+                nursery.start_soon(
+                    attempt, "r", lambda: b.write_intent(stale, seq=2, generation=gens["r"])
+                )
+                nursery.start_soon(
+                    attempt, "o", lambda: b.write_control(cancel("o"), seq=1, generation=gens["o"])
+                )
                 for _ in range(1000):  # each first write of a run reads its next seq first
                     if b.statistics().pending == 3:
                         break
@@ -367,12 +562,115 @@ async def test_a_conflict_fails_only_its_write_in_a_shared_transaction(tmp_path:
                 blocker.execute("COMMIT")
                 blocker.close()
         assert outcomes["x"] is None and outcomes["o"] is None
-        assert isinstance(outcomes["r"], ConflictError)
+        assert isinstance(outcomes["r"], LeaseLost)
         assert (await a.read_log("o")).records == (cancel("o"),)
+        assert (await a.read_log("r")).records == (started("r"),)
 
 
 def cancel(run_id: str) -> CancelRequested:
     return CancelRequested(run_id=run_id, ts=TS, reason="test")
+
+
+# --------------------------------------------------------------------------- control streams
+
+
+async def test_control_streams_are_per_run_and_never_listed(tmp_path: Path) -> None:
+    path = tmp_path / "s.db"
+    async with open_sqlite_store(path) as store:
+        with pytest.raises(UsageError, match="no run"):
+            await store.append_control(cancel("r"))
+        with pytest.raises(InvalidRunId):
+            await store.append_control(cancel("r#control"))
+        run = Steps(store, "r")
+        await run.start()
+        await run.next()
+        one = await store.append_control(cancel("r"))
+        two = await store.append_control(attrs.evolve(cancel("r"), reason="again"))
+        assert (one.run_id, one.position, two.position) == ("r", 1, 2)
+        assert await store.read_control("r") == (one, two)
+        assert await store.read_control("r", after=1) == (two,)
+        assert await store.control_heads(["r", "s", "nope"]) == {"r": 2}
+        assert await store.list_runs() == ("r",)
+        assert len((await store.read_log("r")).records) == 6  # the log is not touched
+    async with open_sqlite_store(path) as store:
+        assert await store.read_control("r") == (one, two)  # durable
+    with contextlib.closing(sqlite3.connect(path, isolation_level=None)) as conn:
+        conn.execute(
+            "UPDATE control SET body = CAST(? AS BLOB) WHERE pos = 2", [encode(cancel("r"))]
+        )
+    async with open_sqlite_store(path) as store:
+        with pytest.raises(LogCorrupted) as info:
+            await store.read_control("r")
+        assert info.value.offset == 2
+
+
+# --------------------------------------------------------------------------- layout 1
+
+
+V1_SCHEMA = (
+    "CREATE TABLE meta(key TEXT PRIMARY KEY, value TEXT NOT NULL) WITHOUT ROWID",
+    "CREATE TABLE runs(run_id TEXT PRIMARY KEY)",
+    "CREATE TABLE records(run_id TEXT NOT NULL, seq INTEGER NOT NULL, kind TEXT NOT NULL, "
+    "body TEXT NOT NULL, PRIMARY KEY (run_id, seq)) WITHOUT ROWID",
+    "CREATE TRIGGER first_write AFTER INSERT ON records WHEN NEW.seq = 1 "
+    "BEGIN INSERT OR IGNORE INTO runs(run_id) VALUES (NEW.run_id); END",
+)
+
+
+def write_v1(path: Path, logs: list[tuple[str, list[Record]]]) -> None:
+    """A store as treadle's layout 1 wrote it (control logs as ``<run_id>#control``)."""
+    with contextlib.closing(sqlite3.connect(path, isolation_level=None)) as conn:
+        for statement in V1_SCHEMA:
+            conn.execute(statement)
+        conn.execute("INSERT INTO meta VALUES ('layout', '1')")
+        for log_id, records in logs:
+            for seq, record in enumerate(records, start=1):
+                conn.execute(
+                    "INSERT INTO records VALUES (?, ?, ?, ?)",
+                    (log_id, seq, KIND_OF[type(record)], encode(record)),
+                )
+
+
+async def test_a_layout_1_store_is_migrated_on_open(tmp_path: Path) -> None:
+    path = tmp_path / "s.db"
+    r_log: list[Record] = [started("r"), intent("r", "m")]
+    s_log: list[Record] = [started("s")]
+    pseudo = [
+        attrs.evolve(cancel("r"), run_id="r#control"),
+        attrs.evolve(cancel("r"), run_id="r#control", reason="again"),
+    ]
+    write_v1(path, [("r", r_log), ("s", s_log), ("r#control", list(pseudo))])
+    async with open_sqlite_store(path) as store:
+        assert await store.list_runs() == ("r", "s")  # the pseudo-run is no run any more
+        assert (await store.read_log("r")).records == tuple(r_log)
+        assert (await store.read_log("s")).records == tuple(s_log)
+        assert (await store.read_log("r#control")).records == ()
+        entries = await store.read_control("r")
+        assert [(e.run_id, e.position) for e in entries] == [("r", 1), ("r", 2)]
+        assert [e.record for e in entries] == [
+            cancel("r"),
+            attrs.evolve(cancel("r"), reason="again"),
+        ]
+        assert await store.control_heads(["r", "s"]) == {"r": 2}
+        summary = await store.read_summary("r")
+        assert summary is not None and summary.state is RunState.RUNNING
+        assert summary.liveness is Liveness.ORPHANED and summary.lease is None
+        g = await lease(store, "r")  # the migrated run is driven on with fencing
+        assert g == 1
+        await store.write_model_result(
+            ModelResult(run_id="r", step=1, intent_id="m", ts=TS), seq=3, generation=g
+        )
+    with contextlib.closing(sqlite3.connect(path)) as conn:
+        assert conn.execute("SELECT value FROM meta WHERE key = 'layout'").fetchone() == ("2",)
+        tables = {r[0] for r in conn.execute("SELECT name FROM sqlite_master WHERE type='table'")}
+        assert tables == {"meta", "runs", "records", "control"}
+        gens = [
+            r[0] for r in conn.execute("SELECT gen FROM records WHERE run_id = 'r' ORDER BY seq")
+        ]
+        assert gens == [0, 0, 1]  # migrated rows carry generation 0
+    async with open_sqlite_store(path) as store:  # opening again migrates nothing more
+        assert len((await store.read_log("r")).records) == 3
+        assert len(await store.read_control("r")) == 2
 
 
 # --------------------------------------------------------------------------- failures
@@ -454,23 +752,24 @@ def big_result(run_id: str) -> ModelResult:
 async def test_failed_barrier_raises_and_the_run_is_refused(tmp_path: Path) -> None:
     store = await full_store(tmp_path)
     try:
-        await store.write_run_started(started("r"), seq=1)
-        await store.write_run_started(started("other"), seq=1)
+        g, g_other = await lease(store, "r"), await lease(store, "other")
+        await store.write_run_started(started("r"), seq=1, generation=g)
+        await store.write_run_started(started("other"), seq=1, generation=g_other)
         await store.list_runs()  # both committed: the next transaction holds the big write only
         big = ActionIntent(
             run_id="r", step=1, intent_id="a", call_id="c", tool="t",
             arguments={"blob": "z" * 1_000_000}, ts=TS,
         )  # fmt: skip
         with pytest.raises(StoreError) as info:
-            await store.write_intent(big, seq=2)
+            await store.write_intent(big, seq=2, generation=g)
         assert isinstance(info.value.__cause__, sqlite3.OperationalError)
         assert "full" in str(info.value.__cause__)
-        small = ModelIntent(run_id="r", step=1, intent_id="m", attempt=1, ts=TS)
+        small = intent("r", "m")
         with pytest.raises(StoreError, match="refuses further writes"):
-            await store.write_intent(small, seq=3)
+            await store.write_intent(small, seq=3, generation=g)
         assert len((await store.read_log("r")).records) == 1  # nothing half-written
-        other = ModelIntent(run_id="other", step=1, intent_id="m", attempt=1, ts=TS)
-        await store.write_intent(other, seq=2)  # the failure is confined to its run
+        other = intent("other", "m")
+        await store.write_intent(other, seq=2, generation=g_other)  # confined to its run
     finally:
         await store.aclose()  # every failure was reported: no error here
 
@@ -478,12 +777,13 @@ async def test_failed_barrier_raises_and_the_run_is_refused(tmp_path: Path) -> N
 async def test_failed_non_barrier_surfaces_from_the_next_write(tmp_path: Path) -> None:
     store = await full_store(tmp_path)
     try:
-        await store.write_run_started(started("r"), seq=1)
-        await store.write_model_result(big_result("r"), seq=2)  # returns once queued
+        g = await lease(store, "r")
+        await store.write_run_started(started("r"), seq=1, generation=g)
+        await store.write_model_result(big_result("r"), seq=2, generation=g)  # returns, queued
         await store.list_runs()  # waits until the queued write's transaction is over
         small = ModelResult(run_id="r", step=1, intent_id="m", ts=TS)
         with pytest.raises(StoreError, match="refuses further writes") as info:
-            await store.write_model_result(small, seq=3)
+            await store.write_model_result(small, seq=3, generation=g)
         assert isinstance(info.value.__cause__, StoreError)
         assert isinstance(info.value.__cause__.__cause__, sqlite3.OperationalError)
     finally:
@@ -492,8 +792,9 @@ async def test_failed_non_barrier_surfaces_from_the_next_write(tmp_path: Path) -
 
 async def test_unreported_failure_is_raised_by_aclose(tmp_path: Path) -> None:
     store = await full_store(tmp_path)
-    await store.write_run_started(started("r"), seq=1)
-    await store.write_model_result(big_result("r"), seq=2)
+    g = await lease(store, "r")
+    await store.write_run_started(started("r"), seq=1, generation=g)
+    await store.write_model_result(big_result("r"), seq=2, generation=g)
     with pytest.raises(StoreError, match=r"failed after returning"):
         await store.aclose()
     await store.aclose()  # reported once; closing again is quiet
@@ -501,81 +802,182 @@ async def test_unreported_failure_is_raised_by_aclose(tmp_path: Path) -> None:
 
 async def test_bad_input_is_refused_and_loses_nothing(tmp_path: Path) -> None:
     async with open_sqlite_store(tmp_path / "s.db") as store:
-        await store.write_run_started(started("r"), seq=1)
+        g = await lease(store, "r")
+        await store.write_run_started(started("r"), seq=1, generation=g)
         bad = ActionIntent(
             run_id="r", step=1, intent_id="a", call_id="c", tool="t",
             arguments={"x": object()}, ts=TS,
         )  # fmt: skip
         with pytest.raises(UsageError, match="cannot encode"):
-            await store.write_intent(bad, seq=2)
+            await store.write_intent(bad, seq=2, generation=g)
         step = StepRecord(run_id="r", step=1, ts=TS, model_intent_id=None, decision=None)
         foreign = ActionResult(
             run_id="elsewhere", step=1, intent_id="a", call_id="c", tool="t", ts=TS,
             outcome=ActionOutcome(status=ActionStatus.EXECUTED, observation=""),
         )  # fmt: skip
         with pytest.raises(UsageError, match="elsewhere"):
-            await store.write_step([foreign], step, seq=2)
-        await store.write_step(None, step, seq=2)  # seq 2 is still the next one
+            await store.write_step([foreign], step, seq=2, generation=g)
+        await store.write_step(None, step, seq=2, generation=g)  # seq 2 is still the next one
         assert len((await store.read_log("r")).records) == 2
 
 
-def insert_rows(path: Path, rows: list[tuple[str, int, str, str]]) -> None:
-    with sqlite3.connect(path) as conn:
-        conn.executemany("INSERT INTO records VALUES (?, ?, ?, ?)", rows)
+Row = tuple[str, int, str, bytes]
+
+
+def insert_rows(path: Path, rows: list[Row], *, generation: int = 1) -> None:
+    """Insert record rows behind the store's back, each with a correct checksum."""
+    with contextlib.closing(sqlite3.connect(path, isolation_level=None)) as conn:
+        conn.executemany(
+            "INSERT INTO records(run_id, seq, gen, kind, body, crc) VALUES (?, ?, ?, ?, ?, ?)",
+            [
+                (
+                    run_id,
+                    seq,
+                    generation,
+                    kind,
+                    body,
+                    record_crc(run_id, seq, generation, kind, body),
+                )
+                for run_id, seq, kind, body in rows
+            ],
+        )
 
 
 @pytest.mark.parametrize(
-    ("row", "offset"),
+    ("row", "offset", "message"),
     [
-        (("r", 2, "model_intent", "{not json"), 2),
-        (("r", 2, "model_intent", '{"kind":"model_intent","run_id":"r"}'), 2),
-        (("r", 2, "step", '{"kind":"cancel_requested","run_id":"r","ts":"t"}'), 2),
-        (("r", 3, "cancel_requested", '{"kind":"cancel_requested","run_id":"r","ts":"t"}'), 2),
+        (("r", 2, "model_intent", b"{not json"), 2, "undecodable"),
+        (("r", 2, "model_intent", b'{"kind":"model_intent","run_id":"r"}'), 2, "undecodable"),
+        (
+            ("r", 2, "step", b'{"kind":"cancel_requested","run_id":"r","ts":"t"}'),
+            2,
+            "does not match its row",
+        ),
+        (
+            ("r", 3, "cancel_requested", b'{"kind":"cancel_requested","run_id":"r","ts":"t"}'),
+            2,
+            "seq 2 is missing",
+        ),
     ],
     ids=["not-json", "missing-fields", "wrong-kind", "gap"],
 )
 async def test_corrupt_log_names_the_seq(
-    tmp_path: Path, row: tuple[str, int, str, str], offset: int
+    tmp_path: Path, row: Row, offset: int, message: str
 ) -> None:
     path = tmp_path / "s.db"
     async with open_sqlite_store(path) as store:
-        await store.write_control(CancelRequested(run_id="r", ts=TS), seq=1)
+        g = await lease(store, "r")
+        await store.write_control(cancel("r"), seq=1, generation=g)
+        await store.list_runs()
         insert_rows(path, [row])
-        with pytest.raises(LogCorrupted) as info:
+        with pytest.raises(LogCorrupted, match=message) as info:
             await store.read_log("r")
         assert info.value.offset == offset
-        assert info.value.where == str(path)
+        assert info.value.where == store.description == f"SQLite store {path}"
+
+
+@pytest.mark.parametrize(
+    "damage",
+    [
+        "UPDATE records SET body = CAST(replace(CAST(body AS TEXT), 'm1', 'm2') AS BLOB)",
+        "UPDATE records SET gen = gen + 1",
+        "UPDATE records SET kind = 'model_result'",
+        "UPDATE records SET crc = (crc + 1) % 4294967296",
+    ],
+    ids=["body", "generation", "kind", "crc"],
+)
+async def test_a_changed_row_fails_its_checksum(tmp_path: Path, damage: str) -> None:
+    path = tmp_path / "s.db"
+    async with open_sqlite_store(path) as store:
+        run = Steps(store, "r")
+        await run.start()
+        await run.next()
+        await store.list_runs()
+        with contextlib.closing(sqlite3.connect(path, isolation_level=None)) as conn:
+            (changed,) = conn.execute(
+                "SELECT seq FROM records WHERE run_id = 'r' AND kind = 'model_intent'"
+            ).fetchone()
+            cursor = conn.execute(f"{damage} WHERE run_id = 'r' AND seq = ?", (changed,))
+            assert cursor.rowcount == 1
+        with pytest.raises(LogCorrupted, match="fails its checksum") as info:
+            await store.read_log("r")
+        assert info.value.offset == changed == 2
+        with pytest.raises(LogCorrupted):  # another store object sees the same damage
+            async with open_sqlite_store(path) as again:
+                await again.read_log("r")
+
+
+async def test_records_the_run_row_counts_must_all_be_there(tmp_path: Path) -> None:
+    path = tmp_path / "s.db"
+    async with open_sqlite_store(path) as store:
+        run = Steps(store, "r")
+        await run.start()
+        await run.next()
+        await store.list_runs()
+        with contextlib.closing(sqlite3.connect(path, isolation_level=None)) as conn:
+            conn.execute("DELETE FROM records WHERE run_id = 'r' AND seq >= 5")
+        with pytest.raises(LogCorrupted, match="records 5 to 6 are missing") as info:
+            await store.read_log("r")
+        assert info.value.offset == 5
 
 
 async def test_newer_schema_version_is_refused_on_read(tmp_path: Path) -> None:
     path = tmp_path / "s.db"
     async with open_sqlite_store(path) as store:
-        body = '{"kind":"run_started","run_id":"r","ts":"t","input":[],"snapshot":{},'
-        insert_rows(path, [("r", 1, "run_started", body + '"schema_version":99}')])
+        body = b'{"kind":"run_started","run_id":"r","ts":"t","input":[],"snapshot":{},'
+        insert_rows(path, [("r", 1, "run_started", body + b'"schema_version":99}')])
         with pytest.raises(SchemaTooNew):
             await store.read_log("r")
+
+
+@pytest.mark.parametrize("how", ["removed", "replaced", "wal-removed"])
+async def test_a_database_removed_or_replaced_while_open_stops_the_writer(
+    tmp_path: Path, how: str
+) -> None:
+    path = tmp_path / "s.db"
+    store = await SqliteStore.open(path)
+    try:
+        run, other = Steps(store, "r"), Steps(store, "other")
+        await run.start()
+        await run.next()
+        await other.start()
+        await store.list_runs()
+        if how == "removed":
+            os.unlink(path)
+        elif how == "replaced":
+            async with open_sqlite_store(tmp_path / "new.db"):
+                pass
+            os.replace(tmp_path / "new.db", path)
+        else:
+            os.unlink(f"{path}-wal")
+        with pytest.raises(StoreError, match="removed or replaced") as info:
+            await run.next()
+        assert not isinstance(info.value, ConflictError | LogCorrupted)
+        with pytest.raises(StoreError, match="removed or replaced"):  # every run stops
+            await other.next()
+    finally:
+        await store.aclose()  # both failures were reported
 
 
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")
 async def test_a_crashed_committer_fails_its_writes_and_refuses_more(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    def bug(self: object, batch: object) -> int:
+    def bug(self: object, batch: object) -> object:
         raise RuntimeError("a bug in the committer")
 
     store = await SqliteStore.open(tmp_path / "s.db")
-    monkeypatch.setattr(_sqlite_commit.Committer, "_commit", bug)
+    g, g_other = await lease(store, "r"), await lease(store, "other")
+    monkeypatch.setattr(sqlite_module.SqliteBackend, "commit", bug)
     with trio.fail_after(10):
-        await store.write_run_started(started("r"), seq=1)
+        await store.write_run_started(started("r"), seq=1, generation=g)
         with pytest.raises(StoreError) as info:
-            await store.write_intent(
-                ModelIntent(run_id="r", step=1, intent_id="m", attempt=1, ts=TS), seq=2
-            )
+            await store.write_intent(intent("r", "m"), seq=2, generation=g)
         assert isinstance(info.value.__cause__, RuntimeError)
         with pytest.raises(StoreError):
-            await store.write_run_started(started("other"), seq=1)
+            await store.write_run_started(started("other"), seq=1, generation=g_other)
         await store.aclose()
-        await trio.to_thread.run_sync(store._committer._thread.join)  # its error is reported
+        await trio.to_thread.run_sync(store._engine._committer._thread.join)  # it stopped
 
 
 # --------------------------------------------------------------------------- lifecycle
@@ -584,16 +986,17 @@ async def test_a_crashed_committer_fails_its_writes_and_refuses_more(
 async def test_cancelled_barrier_still_commits(tmp_path: Path) -> None:
     path = tmp_path / "s.db"
     async with open_sqlite_store(path) as store:
-        await store.write_run_started(started("r"), seq=1)
+        g = await lease(store, "r")
+        await store.write_run_started(started("r"), seq=1, generation=g)
         await store.list_runs()  # committed
         blocker = sqlite3.connect(path, isolation_level=None)
         blocker.execute("BEGIN IMMEDIATE")  # hold the write lock: the commit must wait
-        intent = ModelIntent(run_id="r", step=1, intent_id="m", attempt=1, ts=TS)
+        barrier = intent("r", "m")
         with trio.fail_after(30):
             async with trio.open_nursery() as nursery:
 
                 async def write() -> None:
-                    await store.write_intent(intent, seq=2)
+                    await store.write_intent(barrier, seq=2, generation=g)
                     raise AssertionError("the barrier returned while the lock was held")
 
                 nursery.start_soon(write)
@@ -603,9 +1006,9 @@ async def test_cancelled_barrier_still_commits(tmp_path: Path) -> None:
             blocker.execute("COMMIT")
             blocker.close()
             log = await store.read_log("r")  # waits for the queued barrier
-        assert log.records[-1] == intent
+        assert log.records[-1] == barrier
         result = ModelResult(run_id="r", step=1, intent_id="m", ts=TS)
-        await store.write_model_result(result, seq=3)  # the seq moved on
+        await store.write_model_result(result, seq=3, generation=g)  # the seq moved on
         assert (await store.read_log("r")).records[-1] == result
 
 
@@ -615,41 +1018,55 @@ async def test_every_operation_is_a_checkpoint(tmp_path: Path) -> None:
     with trio.testing.assert_checkpoints():
         await run.start()
     await store.list_runs()
-    for write in (
-        lambda: store.write_intent(
-            ModelIntent(run_id="r", step=1, intent_id="m", attempt=1, ts=TS), seq=2
-        ),
+    g = run.generation
+    held = await store.read_lease("r")
+    assert held is not None
+    for operation in (
+        lambda: store.write_intent(intent("r", "m"), seq=2, generation=g),
         lambda: store.write_model_result(
-            ModelResult(run_id="r", step=1, intent_id="m", ts=TS), seq=3
+            ModelResult(run_id="r", step=1, intent_id="m", ts=TS), seq=3, generation=g
         ),
         lambda: store.write_step(
             None,
             StepRecord(run_id="r", step=1, ts=TS, model_intent_id="m", decision=None),
             seq=4,
+            generation=g,
         ),
-        lambda: store.write_control(cancel("r"), seq=5),
+        lambda: store.write_control(cancel("r"), seq=5, generation=g),
         lambda: store.read_log("r"),
         store.list_runs,
+        store.list_summaries,
+        lambda: store.read_summary("r"),
+        lambda: store.acquire_lease("r", owner=OWNER, ttl_s=TTL_S),
+        lambda: store.renew_leases([held], ttl_s=TTL_S),
+        lambda: store.renew_leases([], ttl_s=TTL_S),
+        lambda: store.read_lease("r"),
+        lambda: store.append_control(cancel("r")),
+        lambda: store.read_control("r"),
+        lambda: store.control_heads(["r"]),
+        lambda: store.control_heads([]),
+        lambda: store.release_lease(held),
         store.aclose,
         store.aclose,
     ):
         with trio.testing.assert_checkpoints():
-            await write()
+            await operation()
 
 
 async def test_aclose_flushes_and_later_calls_raise(tmp_path: Path) -> None:
     path = tmp_path / "s.db"
     store = await SqliteStore.open(path)
-    await store.write_run_started(started("r"), seq=1)  # not a barrier
+    g = await lease(store, "r")
+    await store.write_run_started(started("r"), seq=1, generation=g)  # not a barrier
     await store.aclose()
     await store.aclose()
     with pytest.raises(StoreError, match="closed"):
-        await store.write_intent(
-            ModelIntent(run_id="r", step=1, intent_id="m", attempt=1, ts=TS), seq=2
-        )
+        await store.write_intent(intent("r", "m"), seq=2, generation=g)
     with pytest.raises(StoreError, match="closed"):
         await store.read_log("r")
     with pytest.raises(StoreError, match="closed"):
         await store.list_runs()
+    with pytest.raises(StoreError, match="closed"):
+        await store.acquire_lease("r", owner=OWNER, ttl_s=TTL_S)
     async with open_sqlite_store(path) as again:
         assert (await again.read_log("r")).records == (started("r"),)

@@ -43,28 +43,31 @@ def check_prefix(records, steps):
     assert not body or not isinstance(body[-1], ActionResult), "half a step write"
 
 async def write_run(store, run_id, steps):
+    g = (await store.acquire_lease(run_id, owner="writer", ttl_s=600)).generation
     await store.write_run_started(
-        RunStarted(run_id=run_id, ts="t", input=(), snapshot={}), seq=1)
+        RunStarted(run_id=run_id, ts="t", input=(), snapshot={}), seq=1, generation=g)
     seq = 2
     for step in range(1, steps + 1):
         m, a = f"m{step}", f"a{step}"
         await store.write_intent(
-            ModelIntent(run_id=run_id, step=step, intent_id=m, attempt=1, ts="t"), seq=seq)
+            ModelIntent(run_id=run_id, step=step, intent_id=m, attempt=1, ts="t"), seq=seq,
+            generation=g)
         await store.write_model_result(
-            ModelResult(run_id=run_id, step=step, intent_id=m, ts="t"), seq=seq + 1)
+            ModelResult(run_id=run_id, step=step, intent_id=m, ts="t"), seq=seq + 1,
+            generation=g)
         await store.write_intent(ActionIntent(
             run_id=run_id, step=step, intent_id=a, call_id="c", tool="t", arguments={},
-            ts="t"), seq=seq + 2)
+            ts="t"), seq=seq + 2, generation=g)
         outcome = ActionOutcome(status=ActionStatus.EXECUTED, observation="o" * 100)
         result = ActionResult(run_id=run_id, step=step, intent_id=a, call_id="c", tool="t",
                               outcome=outcome, ts="t")
         record = StepRecord(run_id=run_id, step=step, ts="t", model_intent_id=m,
                             decision=DecisionKind.ACTIONS)
-        await store.write_step([result], record, seq=seq + 3)
+        await store.write_step([result], record, seq=seq + 3, generation=g)
         seq += 5
     await store.write_run_finished(RunFinished(
         run_id=run_id, ts="t", state=RunState.SUCCEEDED, stop_reason=StopReason.FINAL_ANSWER,
-        totals=Totals()), seq=seq)
+        totals=Totals()), seq=seq, generation=g)
 """
 
 WRITER = (

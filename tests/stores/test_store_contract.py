@@ -18,7 +18,7 @@ from treadle.testing.contracts import (
     StoreOpener,
     check_run_store,
 )
-from treadle.types import ActionResult, Record, RunLog, StepRecord
+from treadle.types import ActionResult, Record, RunLog, StepRecord, StoreOp
 
 
 @attrs.frozen
@@ -91,7 +91,7 @@ class _NoSeqCheck(MemoryStore):
     """Appends whatever seq it is given."""
 
     async def _append(
-        self, run_id: str, seq: int, records: tuple[Record, ...], **options: bool
+        self, run_id: str, seq: int, records: tuple[Record, ...], **options: object
     ) -> None:
         self._logs.setdefault(run_id, []).extend(records)
 
@@ -101,9 +101,14 @@ class _DropsStepResults(MemoryStore):
     """Forgets the action results of a step write (not atomic)."""
 
     async def write_step(
-        self, action_results: Sequence[ActionResult] | None, step: StepRecord, *, seq: int
+        self,
+        action_results: Sequence[ActionResult] | None,
+        step: StepRecord,
+        *,
+        seq: int,
+        generation: int,
     ) -> None:
-        await self._append(step.run_id, seq, (step,), barrier=False)
+        await self._append(step.run_id, seq, (step,), op=StoreOp.STEP, generation=generation)
 
 
 @attrs.define(eq=False)

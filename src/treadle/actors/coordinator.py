@@ -77,6 +77,15 @@ class Parked(Exception):
         self.active_s = active_s
 
 
+class Drained(Exception):
+    """Raised by `RunCoordinator.run` at a safe point after `RunCoordinator.drain`.
+
+    The run is left unfinished between two steps (or parked while it waits on a human), so
+    that the process driving it can stop and another take it over from its log (a worker
+    shutting down, docs/fleet.md "Shutting a worker down").
+    """
+
+
 STOP_GRACE_S = 5.0
 """Seconds an actor may take to answer after its step ran out of active time."""
 
@@ -125,6 +134,7 @@ class RunCoordinator:
     _unsent_steps: list[StepRecord] = attrs.Factory(list)
     _final_answer: str | None = None
     _error: str | None = None
+    _draining: bool = False
 
     def cancel(self, reason: str = "", canceller: str = "") -> None:
         """Request cancellation: the step in flight is cancelled at once (DESIGN §6 A).
@@ -143,6 +153,16 @@ class RunCoordinator:
             self._reply_wait.deadline = min(
                 self._reply_wait.deadline, trio.current_time() + CANCEL_GRACE_S
             )
+
+    def drain(self) -> None:
+        """Stop at the next safe point: before the next step, or at once if waiting on a human.
+
+        The run is not cancelled: `run` raises `Drained` (or `Parked` while it waits for a
+        decision) and the log is left to resume from. A no-op once the run is finishing.
+        """
+        self._draining = True
+        if self._approval_wait is not None:
+            self._approval_wait.cancel()
 
     @property
     def awaiting(self) -> ApprovalRequested | None:
@@ -196,6 +216,8 @@ class RunCoordinator:
             reason = self.stop_reason()
             if reason is not None:
                 return await self._finish(reason)
+            if self._draining:
+                raise Drained(f"run {self.run_id!r} stopped between steps to be driven elsewhere")
             started = trio.current_time()
             reason = await self._step()
             if reason is not None:
@@ -432,7 +454,7 @@ class RunCoordinator:
         try:
             with trio.CancelScope() as wait:
                 self._approval_wait = wait
-                if self._cancel is not None:
+                if self._cancel is not None or self._draining:
                     wait.cancel()
                 deadline = began + max(0.0, remaining)
                 park_at = deadline
@@ -448,6 +470,9 @@ class RunCoordinator:
                                 continue
                             active = round(began - self._step_started - self._waited_s, 6)
                             raise Parked(request, deadline, active)
+            if self._draining and found is None and self._cancel is None:
+                active = round(began - self._step_started - self._waited_s, 6)
+                raise Parked(request, deadline, active)
         finally:
             self._approval_wait = None
             self._awaiting = None

@@ -9,6 +9,7 @@ A store implements only `AppendStore._append`.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from treadle.types import (
     ActionIntent,
@@ -24,6 +25,9 @@ from treadle.types import (
     StepRecord,
     StoreOp,
 )
+
+if TYPE_CHECKING:
+    from treadle.ports import RunStore
 
 
 class AppendStore:
@@ -106,3 +110,51 @@ class AppendStore:
         await self._append(
             record.run_id, seq, (record,), op=StoreOp.RUN_FINISHED, generation=generation
         )
+
+
+async def write_records(
+    store: RunStore, records: Sequence[Record], *, seq: int, generation: int
+) -> int:
+    """Write one run's ``records`` through the typed operations, as a driver would.
+
+    Each record goes through the operation of its kind; a step's action results and its step
+    record are one `RunStore.write_step`.
+
+    Returns:
+        The seq after the last record written.
+
+    Raises:
+        ValueError: action results that no step record follows.
+        ConflictError, LeaseLost, StoreError: as the store's writes.
+    """
+    pending: list[ActionResult] = []
+    for record in records:
+        if isinstance(record, ActionResult):
+            pending.append(record)
+            continue
+        seq += await _write_one(store, record, pending, seq, generation)
+        pending = []
+    if pending:
+        raise ValueError("action results must be followed by their step record")
+    return seq
+
+
+async def _write_one(
+    store: RunStore, record: Record, results: list[ActionResult], seq: int, generation: int
+) -> int:
+    if isinstance(record, StepRecord):
+        await store.write_step(results or None, record, seq=seq, generation=generation)
+        return len(results) + 1
+    if isinstance(record, RunStarted):
+        await store.write_run_started(record, seq=seq, generation=generation)
+    elif isinstance(record, ModelIntent | ActionIntent):
+        await store.write_intent(record, seq=seq, generation=generation)
+    elif isinstance(record, ModelResult):
+        await store.write_model_result(record, seq=seq, generation=generation)
+    elif isinstance(record, RunFinished):
+        await store.write_run_finished(record, seq=seq, generation=generation)
+    elif isinstance(record, CancelRequested | ApprovalRequested | ApprovalDecided):
+        await store.write_control(record, seq=seq, generation=generation)
+    else:  # an action result: only ever written with its step record
+        raise ValueError(f"a {type(record).__name__} cannot be written on its own")
+    return 1

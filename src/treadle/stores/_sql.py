@@ -126,6 +126,10 @@ class SqlDialect(Protocol):
         """Start a transaction that will write."""
         ...
 
+    def begin_read(self, conn: Connection) -> None:
+        """Start a read-only transaction whose statements share one snapshot."""
+        ...
+
     def now(self, conn: Connection) -> float:
         """The store clock, epoch seconds (inside the current transaction)."""
         ...
@@ -310,7 +314,7 @@ def read_records(dialect: SqlDialect, conn: Connection, run_id: str) -> tuple[Re
         SchemaTooNew: the run was written by a newer schema version.
     """
     where = dialect.description
-    conn.execute("BEGIN")
+    dialect.begin_read(conn)
     try:
         rows = conn.execute(
             dialect.sql(
@@ -349,7 +353,7 @@ _SUMMARY_COLUMNS: Final = (
 
 def list_summaries(dialect: SqlDialect, conn: Connection) -> tuple[RunSummary, ...]:
     """Every run with a state (started or queued), in the order they entered the store."""
-    conn.execute("BEGIN")
+    dialect.begin_read(conn)
     try:
         now = dialect.now(conn)
         rows = conn.execute(
@@ -363,7 +367,7 @@ def list_summaries(dialect: SqlDialect, conn: Connection) -> tuple[RunSummary, .
 
 def read_summary(dialect: SqlDialect, conn: Connection, run_id: str) -> RunSummary | None:
     """One run's summary, or ``None``."""
-    conn.execute("BEGIN")
+    dialect.begin_read(conn)
     try:
         now = dialect.now(conn)
         row = conn.execute(
@@ -846,7 +850,19 @@ def _claim_row(
             input=decode_messages(bytes(submission)),
             submitted_at=submitted_at,
         )
-    return Claim(lease=fresh, submission=queued, takeover=takeover)
+    return Claim(lease=fresh, agent=agent, submission=queued, takeover=takeover)
+
+
+def read_submission(dialect: SqlDialect, conn: Connection, run_id: str) -> Submission | None:
+    """The run's queue entry, or ``None``."""
+    row = conn.execute(
+        dialect.sql("SELECT agent, submission, submitted_at FROM runs WHERE run_id = ?"), (run_id,)
+    ).fetchone()
+    if row is None or row[1] is None:
+        return None
+    return Submission(
+        run_id=run_id, agent=row[0], input=decode_messages(bytes(row[1])), submitted_at=row[2]
+    )
 
 
 def release_quarantine(dialect: SqlDialect, conn: Connection, run_id: str) -> bool:
@@ -1024,6 +1040,10 @@ class SqlStore(AppendStore):
     async def release_quarantine(self, run_id: str) -> bool:
         """Make a quarantined run claimable again."""
         return await self._run(release_quarantine, run_id)
+
+    async def read_submission(self, run_id: str) -> Submission | None:
+        """The run's queue entry, or ``None``."""
+        return await self._run(read_submission, run_id)
 
     async def aclose(self) -> None:
         """Commit everything queued, stop the committer and close every connection.

@@ -176,18 +176,6 @@ class MemoryStore(AppendStore):
         row = self._rows.get(run_id)
         return row.lease if row is not None else None
 
-    def expire_leases(self, owner: str) -> None:
-        """Let every lease ``owner`` holds expire now, as its process dying would (no checkpoint).
-
-        A simulation calls it for the incarnation it crashed, so that the next incarnation
-        takes the run over at once, with the next generation.
-        """
-        now = self.clock()
-        for row in self._rows.values():
-            lease = row.lease
-            if lease is not None and lease.owner == owner and lease.expires_at > now:
-                row.lease = attrs.evolve(lease, expires_at=now)
-
     # ------------------------------------------------------------------ control stream
 
     async def append_control(self, record: CancelRequested | ApprovalDecided) -> ControlEntry:
@@ -301,8 +289,17 @@ class MemoryStore(AppendStore):
             row.lease = _leases.acquire(row.lease, run_id=run_id, owner=owner, ttl_s=ttl_s, now=now)
             queued = row.state is RunState.QUEUED
             submission = row.submission if queued else None
-            claims.append(Claim(lease=row.lease, submission=submission, takeover=takeover))
+            assert row.agent is not None  # claim_kind claims only runs of served agents
+            claims.append(
+                Claim(lease=row.lease, agent=row.agent, submission=submission, takeover=takeover)
+            )
         return tuple(claims)
+
+    async def read_submission(self, run_id: str) -> Submission | None:
+        """The run's queue entry, or ``None``."""
+        await trio.lowlevel.checkpoint()
+        row = self._rows.get(run_id)
+        return row.submission if row is not None else None
 
     async def release_quarantine(self, run_id: str) -> bool:
         """Make a quarantined run claimable again (its takeover count starts afresh)."""

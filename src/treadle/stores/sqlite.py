@@ -105,6 +105,10 @@ class SqliteDialect:
         """``BEGIN IMMEDIATE``: take the database's write lock now."""
         conn.execute("BEGIN IMMEDIATE")
 
+    def begin_read(self, conn: Any) -> None:
+        """``BEGIN``: a deferred transaction reads one snapshot of the WAL."""
+        conn.execute("BEGIN")
+
     def now(self, conn: Any) -> float:
         """The machine's wall clock (epoch seconds)."""
         return self._clock()

@@ -47,7 +47,13 @@ class Parking:
     decision: ApprovalDecided | None = None
     decided_here: bool = False
     cancel_request: tuple[str, str] | None = None
+    _draining: bool = False
     _wake: trio.Event = attrs.Factory(trio.Event)
+
+    def drain(self) -> None:
+        """Stop waiting here (the run stays parked in the store, claimable by others)."""
+        self._draining = True
+        self._wake.set()
 
     @property
     def state(self) -> RunState:
@@ -110,7 +116,7 @@ class Parking:
         """
         interval = math.inf if poll_s is None or watch is not None else poll_s
         with trio.move_on_at(self.deadline):
-            while self.decision is None and self.cancel_request is None:
+            while self.decision is None and self.cancel_request is None and not self._draining:
                 self._wake = trio.Event()
                 stop = watch(self._wake) if watch is not None and poll_s is not None else None
                 try:
@@ -121,6 +127,8 @@ class Parking:
                         stop()
                 if poll_s is not None:
                     await poll()
+        if self._draining:
+            return
         if self.decision is None and self.cancel_request is None and poll_s is not None:
             await last_poll()  # a decision written just before the deadline still counts
         if self.decision is None and self.cancel_request is None:

@@ -31,7 +31,7 @@ from treadle._clock import Clock, SystemClock
 from treadle._exceptions import LeaseError, RunInterrupted, StoreError, UsageError
 from treadle._ids import check_run_id, new_run_id
 from treadle._state import RunView, fold
-from treadle.actors.coordinator import Parked, RunCoordinator
+from treadle.actors.coordinator import Drained, Parked, RunCoordinator
 from treadle.actors.executor import RunActions, ToolExecutor
 from treadle.actors.gateway import CallModel, ModelGateway
 from treadle.actors.hydrator import ContextHydrator, Hydrate
@@ -168,6 +168,10 @@ class CoordinatorActor(Protocol):
 
     def close_inboxes(self) -> None:
         """Close the inboxes of the hydrator, gateway and executor (they then return)."""
+        ...
+
+    def drain(self) -> None:
+        """Stop at the next safe point (see `treadle.actors.coordinator.RunCoordinator.drain`)."""
         ...
 
 
@@ -361,6 +365,27 @@ class RunHandle:
     _error: BaseException | None = None
     _done: trio.Event = attrs.Factory(trio.Event)
     _changed: trio.Event = attrs.Factory(trio.Event)
+    _draining: bool = False
+    _left: str | None = None
+
+    def drain(self) -> None:
+        """Stop driving the run at its next safe point and let go of its lease.
+
+        The run is not cancelled: it stops between two steps (or at once while it waits on a
+        human), stays unfinished and resumable, and its lease is released so that another
+        driver takes it over from its log (docs/fleet.md, "Shutting a worker down").
+        `wait` then raises `RunInterrupted`; `left` says why.
+        """
+        self._draining = True
+        if self._coordinator is not None:
+            self._coordinator.drain()
+        elif self._parking is not None:
+            self._parking.drain()
+
+    @property
+    def left(self) -> str | None:
+        """Why this process stopped driving the unfinished run (``drained``, ``parked``)."""
+        return self._left
 
     def _transition(self) -> None:
         """Wake whoever waits for the run to be driven again (or to end)."""
@@ -445,7 +470,11 @@ class RunHandle:
         await self._done.wait()
         if self._error is not None:
             raise self._error
-        assert self._result is not None
+        if self._result is None:
+            raise RunInterrupted(
+                self.run_id,
+                f"this process stopped driving it ({self._left}); it resumes from its log",
+            )
         return self._result
 
     def statistics(self) -> WriterStatistics | None:
@@ -609,6 +638,8 @@ class _Options:
     actors: Actors
     park_after_s: float | None
     keeper: LeaseKeeper | None = None
+    agent_name: str | None = None
+    leave_parked: bool = False
 
 
 @asynccontextmanager
@@ -692,8 +723,14 @@ async def _supervise(
                     return
                 task_status = trio.TASK_STATUS_IGNORED  # reported when first driven
                 await hold.release(control_seen=parking.control_seen)
+                if options.leave_parked or handle._draining:
+                    handle._left = "parked"
+                    return
                 await _wait_parked(parking, store, run_id, options)
                 await _keep_decision(parking, store)
+                if handle._draining:
+                    handle._left = "parked"
+                    return
                 await hold.acquire()
     except BaseException as exc:
         leaves = _leaves(exc)
@@ -805,7 +842,7 @@ async def _drive(
     """
     clock = options.clock
     async with trio.open_nursery() as nursery:
-        started, view, resumed = _prepare(agent, input, log, clock)
+        started, view, resumed = _prepare(agent, input, log, clock, options.agent_name)
         actors = options.actors
         writer_send, writer_recv = trio.open_memory_channel[WriterRequest](WRITER_INBOX)
         writer = actors.writer(
@@ -864,9 +901,16 @@ async def _drive(
         if control is not None and options.control_poll_s is not None:
             nursery.start_soon(control.poll_every, options.control_poll_s, polling)
         parked: Parking | None = None
+        if handle._draining:
+            coordinator.drain()
         try:
             handle._result = await coordinator.run(resumed_steps=resumed)
             handle._done.set()  # answered: sinks may still drain in the background
+        except Drained:
+            handle._left = "drained"
+            handle._coordinator, handle._writer_client = None, None
+            handle._transition()
+            parked = None
         except Parked as signal:
             parked = Parking(
                 request=signal.request,
@@ -946,7 +990,7 @@ def _leaves(error: BaseException) -> list[BaseException]:
 
 
 def _prepare(
-    agent: Agent, input: RunInput | None, log: RunLog, clock: Clock
+    agent: Agent, input: RunInput | None, log: RunLog, clock: Clock, agent_name: str | None
 ) -> tuple[RunStarted, RunView, tuple[StepRecord, ...]]:
     """Build the run-started record (new run) or check the stored one (resume)."""
     snapshot = agent.snapshot()
@@ -956,7 +1000,12 @@ def _prepare(
         if input is None:
             raise UsageError(f"run {log.run_id!r} does not exist; a new run needs an input")
         started = RunStarted(
-            run_id=log.run_id, ts=clock.now_iso(), input=input_messages(input), snapshot=snapshot
+            run_id=log.run_id,
+            ts=clock.now_iso(),
+            input=input_messages(input),
+            snapshot=snapshot,
+            agent=agent_name,
+            agent_version=agent.version_label,
         )
         return started, RunView(), ()
     started = log.started

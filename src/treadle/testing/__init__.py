@@ -4,8 +4,11 @@
 * `CrashingStore`, `CrashingExecutor`, `SimulatedCrash`: a simulated process crash at any store
   write or in the middle of any action; `FailingStore`, `FailingFileOps`: a write that fails
   (a full disk, a failed sync) without a crash.
+* `InterceptingStore`: a store wrapper that forwards everything and lets a subclass act around
+  each of the six log writes (the base of the fault injectors above; write your own on it).
 * `check_crash_recovery`: crash a scripted run at every write and in every action, reopen the
   store, resume, and check what survived (`treadle.testing.crashes`).
+* `seed_log`: write a run's log into any store as a driver would (fixtures for tests).
 * `check_run_store` (store contract), `check_decision_parser`, `check_action_executor`,
   `check_model_client`: the seam contracts, reusable for your own implementations.
 * `open_loopback_server`, `CannedResponse`, `canned`: a real HTTP server on 127.0.0.1 for
@@ -17,7 +20,9 @@
 
 from __future__ import annotations
 
+from treadle.testing._intercept import InterceptingStore as InterceptingStore
 from treadle.testing.contracts import check_run_store as check_run_store
+from treadle.testing.contracts import seed_log as seed_log
 from treadle.testing.crashes import check_crash_recovery as check_crash_recovery
 from treadle.testing.faults import CrashingExecutor as CrashingExecutor
 from treadle.testing.faults import CrashingStore as CrashingStore
@@ -46,6 +51,7 @@ __all__ = [
     "FailingFileOps",
     "FailingStore",
     "FaultPlan",
+    "InterceptingStore",
     "ScriptedModel",
     "SeamContractError",
     "SimulatedCrash",
@@ -59,6 +65,7 @@ __all__ = [
     "check_run_store",
     "open_loopback_server",
     "say",
+    "seed_log",
     "simulate",
     "with_latency",
 ]

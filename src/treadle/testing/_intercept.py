@@ -243,3 +243,7 @@ class InterceptingStore:
     async def release_quarantine(self, run_id: str) -> bool:
         """Forward."""
         return await self._queue().release_quarantine(run_id)
+
+    async def read_submission(self, run_id: str) -> Submission | None:
+        """Forward."""
+        return await self._queue().read_submission(run_id)

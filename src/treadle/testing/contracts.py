@@ -34,6 +34,7 @@ import trio
 
 from treadle._exceptions import ConflictError, StoreError
 from treadle.ports import LeaseStore, RunStore
+from treadle.stores._ops import write_records
 from treadle.types import (
     ActionIntent,
     ActionOutcome,
@@ -68,6 +69,7 @@ __all__ = [
     "StoreOpener",
     "check_run_store",
     "lease_generation",
+    "seed_log",
 ]
 
 StoreOpener = Callable[[], AbstractAsyncContextManager[RunStore]]
@@ -139,6 +141,34 @@ async def lease_generation(store: RunStore, run_id: str, owner: str = CONTRACT_O
         return 0
     lease = await store.acquire_lease(run_id, owner=owner, ttl_s=CHECK_TIMEOUT_S * 10)
     return lease.generation
+
+
+async def seed_log(
+    store: RunStore, records: Sequence[Record], *, owner: str = CONTRACT_OWNER
+) -> None:
+    """Write ``records`` (one run's log, in order) to ``store`` as a driver would, then let go.
+
+    Each record goes through the store operation of its kind; a step's action results and its
+    step record are one `RunStore.write_step`. In a store with leases the run's lease is taken
+    first and released after, so that a run can then be driven (or resumed) from this log.
+    Seqs continue from what the store already holds of the run.
+
+    Raises:
+        ConflictError, LeaseLost, StoreError: as the store's writes.
+    """
+    if not records:
+        return
+    run_id = records[0].run_id
+    lease = None
+    if isinstance(store, LeaseStore):
+        lease = await store.acquire_lease(run_id, owner=owner, ttl_s=CHECK_TIMEOUT_S)
+    generation = lease.generation if lease is not None else 0
+    seq = len((await store.read_log(run_id)).records) + 1
+    try:
+        await write_records(store, records, seq=seq, generation=generation)
+    finally:
+        if lease is not None and isinstance(store, LeaseStore):
+            await store.release_lease(lease)
 
 
 @attrs.define(eq=False)

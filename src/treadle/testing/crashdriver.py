@@ -45,6 +45,9 @@ StoreKind = Literal["sqlite", "jsonl"]
 CRASH_DRIVER_OWNER = "treadle-crashdriver"
 """The lease owner of every driver incarnation (one incarnation at a time, by construction)."""
 
+CRASH_DRIVER_TTL_S = 2.0
+"""The drivers' lease TTL: another owner (``treadle resume --wait``) takes over this soon."""
+
 
 @asynccontextmanager
 async def open_store(kind: StoreKind, path: str | os.PathLike[str]) -> AsyncIterator[RunStore]:
@@ -188,7 +191,12 @@ async def drive(spec: DriverSpec, *, on_ready: Callable[[], None] | None = None)
             # One owner id for every incarnation: each starts after the one before died, so
             # it continues that driver's lease at once instead of waiting for it to expire.
             results[run_id] = await run(
-                agent, RUN_INPUT, store=store, run_id=run_id, owner=CRASH_DRIVER_OWNER
+                agent,
+                RUN_INPUT,
+                store=store,
+                run_id=run_id,
+                owner=CRASH_DRIVER_OWNER,
+                lease_ttl_s=CRASH_DRIVER_TTL_S,
             )
 
         async with trio.open_nursery() as nursery:

@@ -24,12 +24,13 @@ from typing import Literal, NoReturn
 import attrs
 
 from treadle._exceptions import StoreError
-from treadle.ports import ActionExecutor, RunStore
+from treadle.ports import ActionExecutor, LeaseStore, RunStore
 from treadle.stores._jsonl_backend import FileOps, OsFileOps
 from treadle.testing._intercept import InterceptingStore
 from treadle.types import (
     Action,
     ActionOutcome,
+    Lease,
     Record,
     ReplayPolicy,
     StoreOp,
@@ -53,7 +54,8 @@ class CrashingStore(InterceptingStore):
     Attributes:
         writes: write operations seen so far.
         crashed: whether the crash happened. From then on every operation (reads, leases and
-            control streams included) raises `SimulatedCrash`.
+            control streams included) raises `SimulatedCrash`; a lease the dying run releases
+            lapses first, as its TTL would make it.
     """
 
     inner: RunStore
@@ -87,6 +89,18 @@ class CrashingStore(InterceptingStore):
         """A dead process reads nothing."""
         if self.crashed:
             raise SimulatedCrash("the process is dead")
+
+    async def release_lease(self, lease: Lease, *, control_seen: int = 0) -> None:
+        """Forward; once dead, let the lease lapse (as its TTL would), then raise.
+
+        A process that died holds no lease for long: here it lapses at once, so that the
+        next incarnation takes the run over without waiting for the TTL.
+        """
+        if self.crashed:
+            if isinstance(self.inner, LeaseStore):
+                await self.inner.release_lease(lease, control_seen=control_seen)
+            raise SimulatedCrash("the process is dead")
+        await super().release_lease(lease, control_seen=control_seen)
 
 
 @attrs.define(eq=False)

@@ -1,0 +1,465 @@
+"""A run store in PostgreSQL, for a fleet of workers on many machines (docs/fleet.md).
+
+The tables are those of every SQL store (`treadle.stores._sql`), in one schema of the database.
+psycopg 3 is the driver; its async API is asyncio-only, so the store uses synchronous
+connections in threads: the commit engine's committer thread owns one, and reads and control
+operations run in trio worker threads on pooled ones.
+
+**One group commit is one statement.** A batch of writes of many runs is committed by a single
+statement (autocommit: it is its own transaction) whose data-modifying CTE first moves the
+``runs`` rows that still hold each writer's lease generation and expected next seq (the
+``UPDATE`` takes their row locks, so a concurrent takeover waits for it or wins before it),
+then inserts the records of exactly those runs. A stale writer's rows are filtered in the
+statement itself, never raised as an error that would abort the other runs' writes; the runs
+it left out get their reason (`LeaseLost`, `ConflictError`, lost records) from one more read.
+
+**A connection lost while committing leaves the outcome unknown.** The committer reconnects,
+reads each run's ``runs`` row back and counts as committed exactly the writes that are there;
+the others are tried once more on the new connection, and only then reported failed.
+
+Expiry of leases and the queue's backoff are judged by the server's clock
+(``clock_timestamp()``), so clock skew between worker machines cannot make two holders
+(docs/decisions/0012-lease-protocol.md). A password in the DSN is never printed, logged or
+shown (`treadle.stores._dsn.redact_dsn`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import re
+import time
+from collections.abc import AsyncIterator, Sequence
+from typing import Any, Final
+
+import trio
+
+from treadle._exceptions import LogCorrupted, SchemaTooNew, StoreError, TreadleError, UsageError
+from treadle.stores import _sql
+from treadle.stores._dsn import redact_dsn
+from treadle.stores._engine import BatchReport, CommitEngine, RunHead, Write, fail_writes
+from treadle.types import Record
+
+CONNECT_TIMEOUT_S: Final = 10
+"""Seconds a connection attempt may take (psycopg's ``connect_timeout``)."""
+
+RECONNECT_ATTEMPTS: Final = 5
+"""Times the committer tries to reconnect after losing its connection (0.2 s, 0.4 s ... apart)."""
+
+DEFAULT_SCHEMA: Final = "public"
+"""The schema the tables live in when none is given."""
+
+_SCHEMA_NAME: Final = re.compile(r"[a-z_][a-z0-9_]{0,62}")
+
+_TABLES: Final = (
+    "CREATE TABLE IF NOT EXISTS meta(key TEXT PRIMARY KEY, value TEXT NOT NULL)",
+    "CREATE TABLE IF NOT EXISTS runs(ord BIGSERIAL PRIMARY KEY, run_id TEXT NOT NULL UNIQUE, "
+    "next_seq BIGINT NOT NULL DEFAULT 1, state TEXT, agent TEXT, agent_version TEXT, "
+    "started_at TEXT, steps BIGINT NOT NULL DEFAULT 0, stop_reason TEXT, "
+    "awaiting_until DOUBLE PRECISION, lease_owner TEXT NOT NULL DEFAULT '', "
+    "lease_generation BIGINT NOT NULL DEFAULT 0, "
+    "lease_expires DOUBLE PRECISION NOT NULL DEFAULT 0, "
+    "lease_heartbeat DOUBLE PRECISION NOT NULL DEFAULT 0, "
+    "control_head BIGINT NOT NULL DEFAULT 0, control_seen BIGINT NOT NULL DEFAULT 0, "
+    "submitted_at DOUBLE PRECISION, submission BYTEA, claims BIGINT NOT NULL DEFAULT 0, "
+    "takeovers BIGINT NOT NULL DEFAULT 0, not_before DOUBLE PRECISION NOT NULL DEFAULT 0, "
+    "quarantined TEXT)",
+    "CREATE INDEX IF NOT EXISTS runs_open ON runs(agent, ord) WHERE quarantined IS NULL AND "
+    "state IS NOT NULL AND state NOT IN ('succeeded', 'failed', 'cancelled')",
+    "CREATE TABLE IF NOT EXISTS records(run_id TEXT NOT NULL, seq BIGINT NOT NULL, "
+    "gen BIGINT NOT NULL, kind TEXT NOT NULL, body BYTEA NOT NULL, crc BIGINT NOT NULL, "
+    "PRIMARY KEY (run_id, seq))",
+    "CREATE TABLE IF NOT EXISTS control(run_id TEXT NOT NULL, pos BIGINT NOT NULL, "
+    "kind TEXT NOT NULL, body BYTEA NOT NULL, crc BIGINT NOT NULL, PRIMARY KEY (run_id, pos))",
+)
+
+_COMMIT: Final = (
+    "WITH b AS (SELECT * FROM unnest(%b::text[], %b::int8[], %b::int8[], %b::int8[], "
+    "%b::text[], %b::text[], %b::text[], %b::text[], %b::int8[], %b::text[], %b::bool[], "
+    "%b::float8[]) AS b(run_id, gen, start, stop, state, agent, agent_version, started_at, "
+    "steps, stop_reason, set_until, until)), "
+    "ok AS (UPDATE runs r SET next_seq = b.stop, state = COALESCE(b.state, r.state), "
+    "agent = COALESCE(b.agent, r.agent), agent_version = COALESCE(b.agent_version, "
+    "r.agent_version), started_at = COALESCE(b.started_at, r.started_at), "
+    "steps = COALESCE(b.steps, r.steps), stop_reason = COALESCE(b.stop_reason, r.stop_reason), "
+    "awaiting_until = CASE WHEN b.set_until THEN b.until ELSE r.awaiting_until END "
+    "FROM b WHERE r.run_id = b.run_id AND r.lease_generation = b.gen AND r.next_seq = b.start "
+    "RETURNING r.run_id), "
+    "ins AS (INSERT INTO records(run_id, seq, gen, kind, body, crc) "
+    "SELECT v.run_id, v.seq, v.gen, v.kind, v.body, v.crc FROM unnest(%b::text[], %b::int8[], "
+    "%b::int8[], %b::text[], %b::bytea[], %b::int8[]) AS v(run_id, seq, gen, kind, body, crc) "
+    "WHERE v.run_id IN (SELECT run_id FROM ok)) "
+    "SELECT run_id FROM ok"
+)
+"""The group commit of one batch (see the module docstring)."""
+
+
+def _psycopg() -> Any:
+    try:
+        import psycopg
+    except ImportError as exc:  # pragma: no cover - psycopg is a dependency of the extra
+        raise UsageError(
+            "the PostgreSQL store needs psycopg 3: pip install 'treadle[postgres]'"
+        ) from exc
+    return psycopg
+
+
+# --------------------------------------------------------------------------- the dialect
+
+
+class PostgresDialect:
+    """`treadle.stores._sql.SqlDialect` for PostgreSQL.
+
+    Args:
+        dsn: the libpq connection string or URL (its password is never shown).
+        schema: the schema holding the tables.
+    """
+
+    for_update = " FOR UPDATE"
+    skip_locked = " FOR UPDATE SKIP LOCKED"
+
+    def __init__(self, dsn: str, schema: str) -> None:
+        self.dsn = dsn
+        self.schema = schema
+        self.description = f"PostgreSQL store {redact_dsn(dsn)} (schema {schema})"
+        self._sql: dict[str, str] = {}
+
+    def connect(self, application: str = "treadle") -> Any:
+        """A new autocommit connection whose search path is the store's schema."""
+        psycopg = _psycopg()
+        return psycopg.connect(
+            self.dsn,
+            autocommit=True,
+            connect_timeout=CONNECT_TIMEOUT_S,
+            application_name=application,
+            options=f"-c search_path={self.schema}",
+        )
+
+    def sql(self, text: str) -> str:
+        """``text`` with ``?`` placeholders as psycopg's ``%s``."""
+        converted = self._sql.get(text)
+        if converted is None:
+            converted = self._sql[text] = text.replace("%", "%%").replace("?", "%s")
+        return converted
+
+    def begin_write(self, conn: Any) -> None:
+        """``BEGIN``: row locks (``FOR UPDATE``) do the rest."""
+        conn.execute("BEGIN")
+
+    def begin_read(self, conn: Any) -> None:
+        """A repeatable-read, read-only transaction: its statements share one snapshot."""
+        conn.execute("BEGIN ISOLATION LEVEL REPEATABLE READ READ ONLY")
+
+    def now(self, conn: Any) -> float:
+        """The server's clock (``clock_timestamp()``), epoch seconds."""
+        row = conn.execute("SELECT extract(epoch FROM clock_timestamp())::float8").fetchone()
+        return float(row[0])
+
+    def error(self, exc: BaseException, what: str) -> TreadleError | None:
+        """Psycopg errors as `StoreError` (`LogCorrupted` for data corruption)."""
+        return _translate(self.description, exc, what)
+
+
+def _translate(description: str, exc: BaseException, what: str) -> TreadleError | None:
+    psycopg = _psycopg()
+    if not isinstance(exc, psycopg.Error):
+        return None
+    message = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    if isinstance(exc, psycopg.errors.DataCorrupted | psycopg.errors.IndexCorrupted):
+        return LogCorrupted(f"the database is damaged: {message}", where=description, offset=0)
+    return StoreError(f"{what} {description}: {message}")
+
+
+def _lost_connection(exc: BaseException) -> bool:
+    psycopg = _psycopg()
+    return isinstance(exc, psycopg.OperationalError | psycopg.InterfaceError)
+
+
+# --------------------------------------------------------------------------- the schema
+
+
+def _ensure_schema(dialect: PostgresDialect, conn: Any) -> None:
+    """Create the tables once (under an advisory lock); refuse a newer layout."""
+    psycopg = _psycopg()
+    conn.execute("BEGIN")
+    try:
+        conn.execute("SELECT pg_advisory_xact_lock(hashtext(%s))", (f"treadle:{dialect.schema}",))
+        conn.execute(
+            psycopg.sql.SQL("CREATE SCHEMA IF NOT EXISTS {}").format(
+                psycopg.sql.Identifier(dialect.schema)
+            )
+        )
+        for statement in _TABLES:
+            conn.execute(statement)
+        conn.execute(
+            "INSERT INTO meta(key, value) VALUES ('layout', %s), ('created', %s) "
+            "ON CONFLICT (key) DO NOTHING",
+            (str(_sql.LAYOUT_VERSION), repr(time.time())),
+        )
+        row = conn.execute("SELECT value FROM meta WHERE key = 'layout'").fetchone()
+        conn.execute("COMMIT")
+    except BaseException:
+        with contextlib.suppress(Exception):
+            conn.execute("ROLLBACK")
+        raise
+    layout = int(row[0])
+    if layout > _sql.LAYOUT_VERSION:
+        raise SchemaTooNew(layout, _sql.LAYOUT_VERSION)
+
+
+# --------------------------------------------------------------------------- the committer
+
+
+class PostgresBackend:
+    """The committer side of the PostgreSQL store: one statement per batch (`_COMMIT`)."""
+
+    def __init__(self, dialect: PostgresDialect, conn: Any, pool: _sql.ConnectionPool) -> None:
+        self.description = dialect.description
+        self._dialect = dialect
+        self._conn = conn
+        self._pool = pool
+
+    def encode(self, run_id: str, seq: int, generation: int, records: tuple[Record, ...]) -> object:
+        """The write's record rows."""
+        return _sql.encode_rows(run_id, seq, generation, records)
+
+    def admit(self, run_id: str, generation: int) -> None:
+        """Nothing to check before the statement (fencing happens inside it)."""
+
+    def load(self, run_id: str) -> RunHead:
+        """The run's next seq from its ``runs`` row."""
+        return _sql.run_pooled(self._dialect, self._pool, _sql.load_head, run_id)
+
+    def commit(self, batch: list[Write]) -> BatchReport:
+        """Commit ``batch`` with one statement; reconcile when the connection drops."""
+        groups = _sql.group_by_run(batch)
+        if not groups:
+            return BatchReport()
+        try:
+            committed = self._statement(groups)
+        except Exception as exc:
+            if not _lost_connection(exc):
+                error = _translate(self.description, exc, "cannot write to")
+                if error is None:
+                    raise
+                error.__cause__ = exc
+                for group in groups:
+                    fail_writes(group.writes, error)
+                return BatchReport()
+            committed = self._reconcile(groups, exc)
+        self._refuse_others(groups, committed)
+        return BatchReport(syncs=1 if committed else 0)
+
+    def _statement(self, groups: Sequence[_sql.RunBatch]) -> set[str]:
+        params = _commit_params(groups)
+        rows = self._conn.execute(_COMMIT, params).fetchall()
+        return {row[0] for row in rows}
+
+    def _reconcile(self, groups: list[_sql.RunBatch], lost: Exception) -> set[str]:
+        """After a lost connection: count what committed, retry the rest once."""
+        self._reconnect(lost)
+        committed = self._committed(groups)
+        rest = [g for g in groups if g.run_id not in committed]
+        if not rest:
+            return committed
+        try:
+            return committed | self._statement(rest)
+        except Exception as exc:
+            error = _translate(self.description, exc, "cannot write to")
+            if error is None:
+                raise
+            error.__cause__ = exc
+            for group in rest:
+                fail_writes(group.writes, error)
+            return committed
+
+    def _reconnect(self, lost: Exception) -> None:
+        with contextlib.suppress(Exception):
+            self._conn.close()
+        delay = 0.2
+        for attempt in range(RECONNECT_ATTEMPTS):
+            try:
+                self._conn = self._dialect.connect("treadle committer")
+                return
+            except Exception:
+                if attempt + 1 == RECONNECT_ATTEMPTS:
+                    raise StoreError(
+                        f"{self.description}: the connection was lost while committing and "
+                        f"could not be made again ({lost})"
+                    ) from lost
+                time.sleep(delay)
+                delay *= 2
+
+    def _committed(self, groups: Sequence[_sql.RunBatch]) -> set[str]:
+        """The runs whose writes of ``groups`` are in the database (read after a reconnect)."""
+        rows = self._conn.execute(
+            "SELECT run_id, next_seq, lease_generation FROM runs WHERE run_id = ANY(%s)",
+            ([g.run_id for g in groups],),
+        ).fetchall()
+        stored = {r[0]: (int(r[1]), int(r[2])) for r in rows}
+        done = set()
+        for group in groups:
+            found = stored.get(group.run_id)
+            if found is not None and found[0] >= group.stop and found[1] == group.generation:
+                last = self._conn.execute(
+                    "SELECT gen FROM records WHERE run_id = %s AND seq = %s",
+                    (group.run_id, group.stop - 1),
+                ).fetchone()
+                if last is not None and int(last[0]) == group.generation:
+                    done.add(group.run_id)
+        return done
+
+    def _refuse_others(self, groups: Sequence[_sql.RunBatch], committed: set[str]) -> None:
+        refused = [g for g in groups if g.run_id not in committed and not _failed(g)]
+        if not refused:
+            return
+        try:
+            rows = self._conn.execute(
+                "SELECT run_id, next_seq, lease_generation FROM runs WHERE run_id = ANY(%s)",
+                ([g.run_id for g in refused],),
+            ).fetchall()
+            stored = {r[0]: (int(r[1]), int(r[2])) for r in rows}
+        except Exception:  # the reasons only: the writes were refused either way
+            stored = {}
+        for group in refused:
+            reason = _sql.refusal(group, stored.get(group.run_id), self.description)
+            fail_writes(
+                group.writes,
+                reason or StoreError(f"{self.description}: run {group.run_id!r}: write refused"),
+            )
+
+    def finish(self) -> BatchReport:
+        """Close the committer's connection."""
+        with contextlib.suppress(Exception):
+            self._conn.close()
+        return BatchReport()
+
+
+def _failed(group: _sql.RunBatch) -> bool:
+    return any(w.error is not None for w in group.writes)
+
+
+def _commit_params(groups: Sequence[_sql.RunBatch]) -> list[list[Any]]:
+    """The 18 array parameters of `_COMMIT`: 12 per run, 6 per record."""
+    runs: list[list[Any]] = [[] for _ in range(12)]
+    records: list[list[Any]] = [[] for _ in range(6)]
+    for group in groups:
+        stop, state, agent, version, started, steps, reason, set_until, until, run_id = (
+            _sql.index_params(group)
+        )
+        for column, value in zip(
+            runs,
+            (
+                run_id,
+                group.generation,
+                group.start,
+                stop,
+                state,
+                agent,
+                version,
+                started,
+                steps,
+                reason,
+                set_until,
+                until,
+            ),
+            strict=True,
+        ):
+            column.append(value)
+        for row in group.rows:
+            for column, value in zip(records, row, strict=True):
+                column.append(value)
+    return [*runs, *records]
+
+
+# --------------------------------------------------------------------------- opening
+
+
+def _check_schema_name(schema: str) -> str:
+    if _SCHEMA_NAME.fullmatch(schema) is None:
+        raise UsageError(
+            f"invalid schema name {schema!r}: lower-case letters, digits and _ (at most 63)"
+        )
+    return schema
+
+
+def _open(dsn: str, schema: str) -> tuple[PostgresDialect, Any]:
+    dialect = PostgresDialect(dsn, schema)
+    try:
+        conn = dialect.connect("treadle committer")
+    except Exception as exc:
+        error = _translate(dialect.description, exc, "cannot connect to")
+        if error is None:
+            raise
+        raise error from exc
+    try:
+        _ensure_schema(dialect, conn)
+    except BaseException as exc:
+        with contextlib.suppress(Exception):
+            conn.close()
+        error = (
+            _translate(dialect.description, exc, "cannot open")
+            if isinstance(exc, Exception)
+            else None
+        )
+        if error is None:
+            raise
+        raise error from exc
+    return dialect, conn
+
+
+class PostgresStore(_sql.SqlStore):
+    """A run store in a PostgreSQL database; every capability (the fleet's queue included).
+
+    Open it with `open_postgres_store`, inside a trio run; the store belongs to that trio run.
+    Any number of processes on any number of machines may open the same database and schema:
+    leases keep each run to one driver, and the queue hands each claimable run to one worker
+    (``FOR UPDATE SKIP LOCKED``). See `treadle.stores._sql.SqlStore` for what every write
+    raises, and docs/fleet.md for what the guarantee needs from the server.
+    """
+
+    @classmethod
+    async def open(cls, dsn: str, *, schema: str = DEFAULT_SCHEMA) -> PostgresStore:
+        """Connect, create the tables if needed, and start the committer thread.
+
+        Args:
+            dsn: a libpq connection string or ``postgresql://`` URL.
+            schema: the schema holding the tables (created when missing).
+
+        Returns:
+            The open store; the caller owns it and must `aclose` it.
+
+        Raises:
+            StoreError: the server cannot be reached or refuses the connection (the message
+                never holds the password).
+            SchemaTooNew: the schema was laid out by a newer treadle.
+            UsageError: an invalid schema name, or psycopg is not installed.
+        """
+        _check_schema_name(schema)
+        token = trio.lowlevel.current_trio_token()
+        dialect, conn = await trio.to_thread.run_sync(_open, dsn, schema)
+        pool = _sql.ConnectionPool(dialect.connect)
+        engine = CommitEngine(PostgresBackend(dialect, conn, pool), token)
+        return cls(dialect, engine, pool)
+
+
+@contextlib.asynccontextmanager
+async def open_postgres_store(
+    dsn: str, *, schema: str = DEFAULT_SCHEMA
+) -> AsyncIterator[PostgresStore]:
+    """Open a `PostgresStore` for the duration of an ``async with`` block, then `aclose` it.
+
+    Args:
+        dsn: a libpq connection string or ``postgresql://`` URL.
+        schema: the schema holding the tables.
+
+    Yields:
+        The open store.
+
+    Raises:
+        StoreError: as `PostgresStore.open` and `PostgresStore.aclose`.
+    """
+    store = await PostgresStore.open(dsn, schema=schema)
+    try:
+        yield store
+    finally:
+        await store.aclose()

@@ -1,0 +1,207 @@
+"""Finishing a run that nobody drives as cancelled, without its agent definition.
+
+``treadle cancel`` on a run that no live driver holds (docs/fleet.md, "Cancelling"): the
+canceller takes the run's lease itself and writes what a driver would have written, so that a
+run whose agent no worker serves never waits in ``cancelling`` forever:
+
+* a model call whose outcome is unknown is recorded as abandoned (as resume would);
+* every action intent without a result gets its ``unknown`` result, with the synthetic
+  observation of the run's parameter snapshot, and its step record: no intent is left without
+  an outcome;
+* the cancel request (from the control stream) and the run-finished record (``cancelled``).
+
+A queued run (never started) gets a run-started record from its queue entry first.
+"""
+
+from __future__ import annotations
+
+import cattrs
+
+from treadle._clock import Clock, SystemClock
+from treadle._exceptions import UsageError
+from treadle._state import RunView, fold
+from treadle.approvals import read_control
+from treadle.ports import LeaseStore, RunQueue, RunStore
+from treadle.stores._leases import LEASE_TTL_S
+from treadle.stores._ops import write_records
+from treadle.types import (
+    ActionIntent,
+    ActionOutcome,
+    ActionResult,
+    ActionStatus,
+    CancelRequested,
+    DecisionKind,
+    Message,
+    ModelResult,
+    Record,
+    RunFinished,
+    RunLog,
+    RunResult,
+    RunStarted,
+    RunState,
+    StepRecord,
+    StopReason,
+    SyntheticObservations,
+)
+
+_PLAIN = cattrs.Converter()
+
+
+async def finish_cancelled(
+    store: RunStore,
+    run_id: str,
+    *,
+    owner: str,
+    reason: str = "",
+    canceller: str = "",
+    clock: Clock | None = None,
+) -> RunResult:
+    """Take the lease of a run nobody drives and finish it as cancelled.
+
+    Args:
+        store: the run's store (with leases).
+        run_id: the run.
+        owner: the canceller's lease owner id.
+        reason: the cancel reason, when the control stream holds no request.
+        canceller: who cancels, likewise.
+        clock: wall clock for record timestamps.
+
+    Returns:
+        The run's result (its stored one, if it finished meanwhile).
+
+    Raises:
+        RunLeased: a live driver holds the run (it picks the cancel up itself).
+        UsageError: the run does not exist.
+        StoreError: the store failed.
+    """
+    if not isinstance(store, LeaseStore):
+        raise TypeError(f"{type(store).__name__} keeps no leases")
+    clock = clock or SystemClock()
+    lease = await store.acquire_lease(run_id, owner=owner, ttl_s=LEASE_TTL_S)
+    try:
+        log = await store.read_log(run_id)
+        if log.finished is not None:
+            return RunResult.from_finished(log.finished)
+        records = await _closing_records(store, log, reason, canceller, clock)
+        await write_records(store, records, seq=len(log.records) + 1, generation=lease.generation)
+        finished = records[-1]
+        assert isinstance(finished, RunFinished)
+        return RunResult.from_finished(finished)
+    finally:
+        await store.release_lease(lease)
+
+
+async def _closing_records(
+    store: RunStore, log: RunLog, reason: str, canceller: str, clock: Clock
+) -> list[Record]:
+    records: list[Record] = []
+    if log.started is None:
+        records.append(await _started_from_queue(store, log.run_id, clock))
+    view = fold((*log.records, *records))
+    closing = _close_pending(log, view, clock)
+    for record in closing:
+        view.apply(record)
+    records += closing
+    requested = [r for r in await read_control(store, log.run_id) if isinstance(r, CancelRequested)]
+    first = requested[0] if requested else None
+    cancel = CancelRequested(
+        run_id=log.run_id,
+        ts=clock.now_iso(),
+        reason=first.reason if first else reason,
+        canceller=first.canceller if first else canceller,
+    )
+    if view.cancel is None:
+        records.append(cancel)
+        view.apply(cancel)
+    records.append(
+        RunFinished(
+            run_id=log.run_id,
+            ts=clock.now_iso(),
+            state=RunState.CANCELLED,
+            stop_reason=StopReason.CANCELLED,
+            totals=view.totals(),
+        )
+    )
+    return records
+
+
+async def _started_from_queue(store: RunStore, run_id: str, clock: Clock) -> RunStarted:
+    submission = await store.read_submission(run_id) if isinstance(store, RunQueue) else None
+    if submission is None:
+        raise UsageError(f"there is no run {run_id!r} in this store")
+    return RunStarted(
+        run_id=run_id,
+        ts=clock.now_iso(),
+        input=submission.input,
+        snapshot={},
+        agent=submission.agent,
+    )
+
+
+def _close_pending(log: RunLog, view: RunView, clock: Clock) -> list[Record]:
+    """The records that leave no intent of the pending step without an outcome."""
+    pending = view.pending
+    records: list[Record] = []
+    if pending.open_model_intent is not None:
+        records.append(
+            ModelResult(
+                run_id=log.run_id,
+                step=pending.step,
+                intent_id=pending.open_model_intent.intent_id,
+                ts=clock.now_iso(),
+                abandoned=True,
+            )
+        )
+    done = {r.intent_id for r in log.records if isinstance(r, ActionResult)}
+    open_intents = [i for i in pending.action_intents if i.intent_id not in done]
+    if not open_intents:
+        return records
+    synthetic = _synthetic(log)
+    results = [_unknown(intent, synthetic, clock) for intent in open_intents]
+    reply = pending.reply
+    records += results
+    records.append(
+        StepRecord(
+            run_id=log.run_id,
+            step=pending.step,
+            ts=clock.now_iso(),
+            model_intent_id=pending.reply_intent_id,
+            decision=DecisionKind.ACTIONS,
+            history_message=Message(
+                role="assistant",
+                content=reply.text if reply else None,
+                tool_calls=reply.tool_calls if reply else (),
+            ),
+            model_output_text=reply.text if reply else None,
+            visible_output_chars=len(reply.text or "") if reply else 0,
+            observations=tuple(r.outcome.observation for r in results),
+            action_result_ids=tuple(r.intent_id for r in results),
+        )
+    )
+    return records
+
+
+def _synthetic(log: RunLog) -> SyntheticObservations:
+    stored = log.started.snapshot.get("synthetic") if log.started is not None else None
+    try:
+        found = _PLAIN.structure(stored, SyntheticObservations) if stored else None
+    except Exception:  # a snapshot from another treadle: the default text says the same
+        found = None
+    return found or SyntheticObservations()
+
+
+def _unknown(intent: ActionIntent, synthetic: SyntheticObservations, clock: Clock) -> ActionResult:
+    return ActionResult(
+        run_id=intent.run_id,
+        step=intent.step,
+        intent_id=intent.intent_id,
+        call_id=intent.call_id,
+        tool=intent.tool,
+        outcome=ActionOutcome(
+            status=ActionStatus.UNKNOWN,
+            observation=synthetic.unknown.format(tool=intent.tool, detail=""),
+            observation_is_synthetic=True,
+            detail="the run was cancelled while nobody drove it",
+        ),
+        ts=clock.now_iso(),
+    )

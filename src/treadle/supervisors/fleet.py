@@ -1,0 +1,363 @@
+"""The fleet: many runs, driven by many worker processes over one store (docs/fleet.md).
+
+`open_fleet` is a worker inside the caller's trio program: it claims runs of the agents it
+serves from the store's queue, up to ``max_running`` at a time, drives each under its lease,
+and keeps every lease renewed in one call per interval. Runs are submitted durably
+(`Fleet.submit`) and wait in state ``queued`` until a worker with room claims them; a worker
+also claims orphaned runs (their driver's lease expired or was released unfinished) and parked
+ones (waiting on a human) once a decision or their deadline arrives, oldest first. A run whose
+drivers keep dying is quarantined by the store after ``max_takeovers`` takeovers.
+
+Leaving the ``async with`` block drains the worker: it stops claiming, asks every run it drives
+to stop at a safe point (between two steps, or at once while it waits on a human), releases
+their leases, and returns once they stopped, or after ``drain_s`` seconds cancels what is left
+(those runs stay resumable; their leases are released too). A worker killed outright leaves
+its leases to expire: the others take its runs over after the TTL.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from contextlib import asynccontextmanager
+from typing import Final
+
+import attrs
+import trio
+
+from treadle._clock import Clock, SystemClock
+from treadle._exceptions import LeaseError, UsageError
+from treadle._ids import check_run_id, new_run_id
+from treadle.agent import Agent, RunInput, input_messages
+from treadle.ports import EventSink, RunIndex, RunQueue, RunStore
+from treadle.stores._leases import LEASE_TTL_S, check_ttl, lease_owner
+from treadle.supervisors._leasing import LeaseHold, LeaseKeeper, leases_of
+from treadle.supervisors.run import (
+    CONTROL_POLL_S,
+    DEFAULT_ACTORS,
+    PARK_AFTER_S,
+    Actors,
+    RunHandle,
+    _Options,
+    drive_run,
+)
+from treadle.types import Claim, Liveness, RunResult
+
+AgentFactory = Callable[[], Agent]
+"""Builds the agent definition a worker serves under a name (called once per drive)."""
+
+CLAIM_POLL_S: Final = 1.0
+"""Seconds between two claim attempts of an idle worker (a local submit or a freed slot
+claims at once)."""
+
+DRAIN_S: Final = 30.0
+"""Seconds a draining worker gives its runs to reach a safe point before cancelling them."""
+
+MAX_TAKEOVERS: Final = 5
+"""Takeovers (deaths of a run's driver) after which the store quarantines a run."""
+
+BACKOFF_S: Final = 1.0
+"""Base delay before a run whose driver died is claimed again (doubled per takeover)."""
+
+_LOG = logging.getLogger("treadle.fleet")
+
+
+@attrs.frozen(kw_only=True)
+class FleetStatistics:
+    """Counters of one worker since it opened.
+
+    Attributes:
+        running: runs it drives now.
+        claimed: claims it made (takeovers included).
+        takeovers: claims of runs whose previous driver died.
+        finished: runs it drove to their run-finished record.
+        left: drives that ended without finishing the run (parked, drained, lease lost, an
+            error; the run stays resumable).
+    """
+
+    running: int
+    claimed: int
+    takeovers: int
+    finished: int
+    left: int
+
+
+@attrs.define(eq=False)
+class Fleet:
+    """A worker of a fleet; made by `open_fleet`.
+
+    Attributes:
+        owner: the worker's lease owner id.
+    """
+
+    owner: str
+    _store: RunStore
+    _queue: RunQueue
+    _agents: Mapping[str, AgentFactory]
+    _versions: Mapping[str, tuple[str, ...]]
+    _options: _Options
+    _sinks: Sequence[EventSink]
+    _max_running: int
+    _ttl_s: float
+    _poll_s: float
+    _max_takeovers: int
+    _backoff_s: float
+    _nursery: trio.Nursery
+    _handles: dict[str, RunHandle] = attrs.Factory(dict)
+    _wake: trio.Event = attrs.Factory(trio.Event)
+    _draining: bool = False
+    _claimed: int = 0
+    _takeovers: int = 0
+    _finished: int = 0
+    _left: int = 0
+
+    def statistics(self) -> FleetStatistics:
+        """Counters since the worker opened."""
+        return FleetStatistics(
+            running=len(self._handles),
+            claimed=self._claimed,
+            takeovers=self._takeovers,
+            finished=self._finished,
+            left=self._left,
+        )
+
+    async def submit(self, agent: str, input: RunInput, *, run_id: str | None = None) -> str:
+        """Submit a run durably; it waits ``queued`` until a worker serving ``agent`` claims it.
+
+        Submitting an existing run id again with the same agent and input returns it again.
+
+        Args:
+            agent: the agent name (a worker serving it must exist somewhere; this one need not
+                serve it).
+            input: the run input.
+            run_id: the run's id (docs/concepts.md, "Run ids"); a fresh one when omitted.
+
+        Returns:
+            The run id.
+
+        Raises:
+            UsageError: the run id exists with another agent or input, or was started without
+                the queue.
+            InvalidRunId: ``run_id`` is not an allowed run id.
+        """
+        run_id = check_run_id(run_id) if run_id is not None else new_run_id()
+        await self._queue.submit(run_id, agent=agent, input=input_messages(input))
+        self._wake.set()
+        return run_id
+
+    async def result(self, run_id: str, *, poll_s: float = CLAIM_POLL_S) -> RunResult:
+        """Wait until the run finished (whichever worker drove it) and return its result.
+
+        It waits for as long as the run takes, through takeovers and approval waits; bound it
+        with a cancel scope.
+
+        Raises:
+            UsageError: the store knows no such run.
+        """
+        return await wait_result(self._store, run_id, poll_s=poll_s)
+
+    def drain(self) -> None:
+        """Stop claiming and ask every driven run to stop at its next safe point."""
+        self._draining = True
+        self._wake.set()
+        for handle in list(self._handles.values()):
+            handle.drain()
+
+    async def _claim_loop(self) -> None:
+        while not self._draining:
+            free = self._max_running - len(self._handles)
+            if free > 0:
+                for made in await self._claim(free):
+                    self._nursery.start_soon(
+                        self._drive, made, name=f"treadle run {made.lease.run_id}"
+                    )
+            self._wake = trio.Event()
+            with trio.move_on_after(self._poll_s):
+                await self._wake.wait()
+
+    async def _claim(self, free: int) -> tuple[Claim, ...]:
+        try:
+            claims = await self._queue.claim(
+                owner=self.owner,
+                agents=self._versions,
+                limit=free,
+                ttl_s=self._ttl_s,
+                max_takeovers=self._max_takeovers,
+                backoff_s=self._backoff_s,
+            )
+        except Exception as exc:  # the store is unreachable: try again at the next interval
+            _LOG.warning("claiming runs failed (%s); trying again in %.1f s", exc, self._poll_s)
+            return ()
+        self._claimed += len(claims)
+        self._takeovers += sum(1 for made in claims if made.takeover)
+        return claims
+
+    async def _drive(self, made: Claim) -> None:
+        run_id = made.lease.run_id
+        hold = LeaseHold(
+            run_id=run_id, owner=self.owner, ttl_s=self._ttl_s, store=leases_of(self._store)
+        )
+        hold.adopt(made.lease)
+        options = attrs.evolve(self._options, agent_name=made.agent)
+        handle: RunHandle | None = None
+        try:
+            agent = self._agents[made.agent]()
+            run_input = made.submission.input if made.submission is not None else None
+            async with drive_run(
+                agent, run_input, store=self._store, hold=hold, sinks=self._sinks, options=options
+            ) as handle:
+                self._handles[run_id] = handle
+                if self._draining:
+                    handle.drain()
+            await handle.wait()
+            self._finished += 1
+        except Exception as exc:  # the run's own error: it is left resumable, others go on
+            self._left += 1
+            self._report(run_id, handle, exc)
+            await hold.release_quietly()
+        finally:
+            self._handles.pop(run_id, None)
+            self._wake.set()
+
+    def _report(self, run_id: str, handle: RunHandle | None, exc: Exception) -> None:
+        if handle is not None and handle.left is not None:
+            _LOG.info("run %r left %s: it resumes from its log", run_id, handle.left)
+        elif isinstance(exc, LeaseError):
+            _LOG.info("run %r: %s", run_id, exc)
+        else:
+            _LOG.warning("run %r stopped unfinished: %s", run_id, exc)
+
+
+async def wait_result(store: RunStore, run_id: str, *, poll_s: float = CLAIM_POLL_S) -> RunResult:
+    """Wait until ``run_id`` has its run-finished record and return its result.
+
+    Raises:
+        UsageError: the store knows no such run.
+    """
+    while True:
+        summary = await store.read_summary(run_id) if isinstance(store, RunIndex) else None
+        if summary is None:
+            log = await store.read_log(run_id)
+            if log.finished is not None:
+                return RunResult.from_finished(log.finished)
+            if not log.records:
+                raise UsageError(f"there is no run {run_id!r} in this store")
+        elif summary.liveness is Liveness.FINISHED:
+            log = await store.read_log(run_id)
+            assert log.finished is not None
+            return RunResult.from_finished(log.finished)
+        await trio.sleep(poll_s)
+
+
+@asynccontextmanager
+async def open_fleet(
+    store: RunStore,
+    agents: Mapping[str, AgentFactory | Agent],
+    *,
+    max_running: int = 16,
+    lease_ttl_s: float = LEASE_TTL_S,
+    claim_poll_s: float = CLAIM_POLL_S,
+    max_takeovers: int = MAX_TAKEOVERS,
+    backoff_s: float = BACKOFF_S,
+    drain_s: float = DRAIN_S,
+    owner: str | None = None,
+    sinks: Sequence[EventSink] = (),
+    clock: Clock | None = None,
+    control_poll_s: float | None = CONTROL_POLL_S,
+    park_after_s: float | None = PARK_AFTER_S,
+    actors: Actors = DEFAULT_ACTORS,
+) -> AsyncIterator[Fleet]:
+    """Run a worker of a fleet for the duration of an ``async with`` block.
+
+    Args:
+        store: a store with a queue and leases (`treadle.open_sqlite_store` for processes
+            on one machine, `treadle.open_postgres_store` for many machines).
+        agents: agent name -> a factory of the `treadle.Agent` served under it (or the agent
+            itself). Each agent's `treadle.Agent.version_label` is the version served: runs
+            started under another version are left to workers that serve it.
+        max_running: runs driven at the same time.
+        lease_ttl_s: lease duration (seconds); renewed every third of it. A worker that dies
+            loses its runs to the others this long after its last renewal.
+        claim_poll_s: seconds between claim attempts while idle.
+        max_takeovers: drivers' deaths after which a run is quarantined.
+        backoff_s: base delay before a run whose driver died is claimed again.
+        drain_s: seconds the drain at the end of the block waits for safe points.
+        owner: the worker's owner id (default ``host:pid:random``).
+        sinks: event sinks given to every run driven here.
+        clock: wall clock for record timestamps.
+        control_poll_s: seconds between reads of driven runs' control streams.
+        park_after_s: seconds a run waits for a human with its actors running before it is
+            parked: then its lease is released and its slot freed, and whichever worker is
+            free claims it when the decision (or the deadline) arrives.
+        actors: actor factories of every run (default: the real ones).
+
+    Yields:
+        The worker (`Fleet`): submit runs, wait for results, read its statistics.
+
+    Raises:
+        UsageError: the store has no queue or leases, ``agents`` is empty, or an argument is
+            out of range.
+
+    Cancellation:
+        Cancelling the block cancels every run driven here (they stay resumable; their leases
+        are released, within a bounded grace period, or else expire).
+    """
+    if not isinstance(store, RunQueue) or leases_of(store) is None:
+        raise UsageError(f"{type(store).__name__} has no queue: use SQLite or PostgreSQL")
+    if not agents:
+        raise UsageError("a worker serves at least one agent")
+    if max_running < 1 or not (drain_s >= 0 and math.isfinite(drain_s)):
+        raise UsageError("max_running must be at least 1 and drain_s a finite number >= 0")
+    check_ttl(lease_ttl_s)
+    factories = {name: _factory(value) for name, value in agents.items()}
+    versions = {name: (factory().version_label,) for name, factory in factories.items()}
+    leases = leases_of(store)
+    assert leases is not None
+    keeper = LeaseKeeper(store=leases, ttl_s=lease_ttl_s)
+    options = _Options(
+        clock=clock or SystemClock(),
+        rng=None,
+        approval_policy=None,
+        control_poll_s=control_poll_s,
+        actors=actors,
+        park_after_s=park_after_s,
+        keeper=keeper,
+        leave_parked=True,
+    )
+    async with trio.open_nursery() as outer:
+        await outer.start(keeper.run)
+        async with trio.open_nursery() as runs:
+            fleet = Fleet(
+                owner=owner or lease_owner(),
+                store=store,
+                queue=store,
+                agents=factories,
+                versions=versions,
+                options=options,
+                sinks=sinks,
+                max_running=max_running,
+                ttl_s=lease_ttl_s,
+                poll_s=claim_poll_s,
+                max_takeovers=max_takeovers,
+                backoff_s=backoff_s,
+                nursery=runs,
+            )
+            runs.start_soon(fleet._claim_loop, name="treadle fleet claims")
+            try:
+                yield fleet
+            finally:
+                fleet.drain()
+                runs.cancel_scope.deadline = trio.current_time() + drain_s
+        outer.cancel_scope.cancel()
+
+
+def _factory(value: AgentFactory | Agent) -> AgentFactory:
+    if isinstance(value, Agent):
+        return lambda: value
+    if not callable(value):
+        raise UsageError(f"{value!r} is neither a treadle.Agent nor a factory of one")
+    return value
+
+
+__all__ = ["AgentFactory", "Fleet", "FleetStatistics", "open_fleet", "wait_result"]
