@@ -18,6 +18,7 @@ import trio
 
 from treadle._exceptions import TreadleError
 from treadle.ports import RunStore
+from treadle.stores._dsn import is_dsn, redact_dsn
 from treadle.stores.jsonl import open_jsonl_store
 from treadle.stores.sqlite import open_sqlite_store
 from treadle.types import (
@@ -36,14 +37,19 @@ from treadle.types import (
 
 T = TypeVar("T")
 
+STORE_ENV = "TREADLE_STORE"
+"""The environment variable ``--store`` is read from when not given (keeps a DSN's password
+out of the process list)."""
+
 store_option = click.option(
     "--store",
     "store_path",
     required=True,
-    type=click.Path(),
-    help="SQLite store file, or JSONL store directory.",
+    envvar=STORE_ENV,
+    show_envvar=True,
+    help="SQLite store file, JSONL store directory, or PostgreSQL DSN (postgresql://...).",
 )
-"""The ``--store PATH`` option every command that reads runs takes."""
+"""The ``--store PATH|DSN`` option every command that reads runs takes."""
 
 
 def import_spec(spec: str, *, param_hint: str) -> Any:
@@ -72,16 +78,26 @@ def run_async(fn: Callable[[], Awaitable[T]]) -> T:
 
 
 @asynccontextmanager
-async def open_store(path: str) -> AsyncIterator[RunStore]:
-    """A JSONL store for a directory, a SQLite store for a file.
+async def open_store(path: str, *, create: bool = False) -> AsyncIterator[RunStore]:
+    """A PostgreSQL store for a DSN, a JSONL store for a directory, a SQLite store for a file.
+
+    Args:
+        path: the DSN or path.
+        create: make a SQLite store when nothing exists at ``path`` (``treadle worker`` and
+            ``treadle submit`` may start a store; the reading commands never do).
 
     Raises:
-        click.ClickException: nothing exists at ``path`` (a store is never created here).
+        click.ClickException: nothing exists at ``path`` (and ``create`` is false).
     """
-    if await trio.Path(path).is_dir():
+    if is_dsn(path):
+        from treadle.stores.postgres import open_postgres_store
+
+        async with open_postgres_store(path) as postgres:
+            yield postgres
+    elif await trio.Path(path).is_dir():
         async with open_jsonl_store(path) as jsonl:
             yield jsonl
-    elif await trio.Path(path).is_file():
+    elif create or await trio.Path(path).is_file():
         async with open_sqlite_store(path) as sqlite:
             yield sqlite
     else:
@@ -90,8 +106,6 @@ async def open_store(path: str) -> AsyncIterator[RunStore]:
 
 def redact(store: str) -> str:
     """A store path or DSN as it may be shown: a password in a DSN is replaced by ``***``."""
-    from treadle.stores._dsn import redact_dsn
-
     return redact_dsn(store)
 
 

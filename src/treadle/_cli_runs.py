@@ -1,8 +1,11 @@
-"""``treadle approve``, ``treadle cancel`` and ``treadle tail``: acting on runs of a store.
+"""``treadle approve``, ``cancel``, ``tail`` and ``repair``: acting on runs of a store.
 
-``approve`` and ``cancel`` work from any process: they append to the run's control log, which
-the process driving the run reads every 0.5 s (docs/decisions/0007-external-control.md).
-``tail`` prints a run's events as they are stored, from any seq, until the run finishes.
+``approve`` and ``cancel`` work from any process: they append to the run's control stream,
+which the process driving the run reads every 0.5 s (docs/decisions/0007-external-control.md),
+and say truthfully what happens next: who drives the run, or that nobody does (a cancel then
+finishes the run here; a decision waits until a driver claims the run). ``tail`` prints a
+run's events as they are stored, from any seq, until the run finishes, and says when nobody
+drives it. ``repair`` cuts a damaged JSONL log knowingly.
 """
 
 from __future__ import annotations
@@ -15,15 +18,23 @@ import click
 import trio
 
 from treadle._cli_common import describe, open_store, run_async, store_option
+from treadle._exceptions import RunLeased
 from treadle.approvals import decide, pending_approval, request_cancel
-from treadle.ports import RunStore
+from treadle.ports import RunIndex, RunStore
 from treadle.stores._codec import record_to_dict
+from treadle.stores._jsonl_files import Repair
+from treadle.stores._leases import lease_owner
+from treadle.stores.jsonl import JsonlStore
+from treadle.supervisors.finishing import finish_cancelled
 from treadle.types import (
     ApprovalDecided,
     ApprovalRequested,
+    Liveness,
     ModelIntent,
     Record,
     RunLog,
+    RunState,
+    RunSummary,
 )
 
 TAIL_POLL_S = 0.2
@@ -52,14 +63,22 @@ def approve_command(
     """Approve (or reject, or edit) the tool call a run waits on."""
     arguments = _json_object(edit) if edit is not None else None
 
-    async def go() -> ApprovalDecided:
+    async def go() -> tuple[ApprovalDecided, RunSummary | None]:
         async with open_store(store_path) as store:
-            return await decide(store, run_id, call_id=call_id, reject=reject, edit=arguments)
+            decided = await decide(store, run_id, call_id=call_id, reject=reject, edit=arguments)
+            return decided, await _summary(store, run_id)
 
-    decided = run_async(go)
-    click.echo(
-        f"{decided.decision}: call {decided.call_id} of step {decided.step} of run {run_id} "
-        "(the driving process picks it up within 0.5 s)"
+    decided, summary = run_async(go)
+    click.echo(f"{decided.decision}: call {decided.call_id} of step {decided.step} of run {run_id}")
+    click.echo(_next_for_decision(summary))
+
+
+def _next_for_decision(summary: RunSummary | None) -> str:
+    if summary is not None and summary.liveness is Liveness.DRIVEN and summary.lease:
+        return f"{summary.lease.owner} drives the run and applies the decision within about 1 s"
+    return (
+        "nobody drives the run now: the decision waits in its control stream until a driver "
+        "takes the run (a fleet worker claims it at once; or run `treadle resume`)"
     )
 
 
@@ -78,14 +97,33 @@ def _json_object(text: str) -> dict[str, Any]:
 @store_option
 @click.option("--reason", default="", help="Why; kept in the cancel record.")
 def cancel_command(run_id: str, store_path: str, reason: str) -> None:
-    """Ask the process driving a run to cancel it (durable; works from any process)."""
+    """Cancel a run (durable; works from any process).
 
-    async def go() -> None:
+    A run that a live driver holds is cancelled by that driver within about a second. A run
+    that nobody drives (crashed, parked, queued, or of an agent no worker serves) is finished
+    as cancelled here: this command takes its lease and writes the records a driver would.
+    """
+
+    async def go() -> str:
         async with open_store(store_path) as store:
             await request_cancel(store, run_id, reason=reason, canceller="treadle cancel")
+            summary = await _summary(store, run_id)
+            if summary is not None and summary.liveness is Liveness.DRIVEN and summary.lease:
+                return f"{summary.lease.owner} drives the run and stops it within about 1 s"
+            try:
+                result = await finish_cancelled(
+                    store, run_id, owner=lease_owner(), reason=reason, canceller="treadle cancel"
+                )
+            except RunLeased as exc:
+                return f"{exc.holder.owner} took the run meanwhile; it stops it within about 1 s"
+            return f"nobody drove the run: it is finished here, {result.state.value}"
 
-    run_async(go)
-    click.echo(f"cancel requested for run {run_id} (picked up within 0.5 s)")
+    outcome = run_async(go)
+    click.echo(f"cancel requested for run {run_id}: {outcome}")
+
+
+async def _summary(store: RunStore, run_id: str) -> RunSummary | None:
+    return await store.read_summary(run_id) if isinstance(store, RunIndex) else None
 
 
 @click.command("tail")
@@ -149,17 +187,41 @@ async def tail(
 
     next_seq = from_seq
     hinted: ApprovalRequested | None = None
+    said: Liveness | None = None
     while True:
         log = await store.read_log(run_id)
-        if log.started is None:
+        summary = await _summary(store, run_id)
+        if log.started is None and (summary is None or summary.state is not RunState.QUEUED):
             raise UsageError(f"there is no run {run_id!r} in this store")
         for seq in range(next_seq, len(log.records) + 1):
             show(seq, log.records[seq - 1])
         next_seq = max(next_seq, len(log.records) + 1)
         if log.finished is not None or not follow:
+            _say_liveness(summary, None)
             return
         hinted = _hint_approval(log, hinted, store_path)
+        said = _say_liveness(summary, said)
         await trio.sleep(poll_s)
+
+
+def _say_liveness(summary: RunSummary | None, said: Liveness | None) -> Liveness | None:
+    """Say once (and again when it changes) that nobody drives the run, and why."""
+    if summary is None or summary.liveness is said:
+        return said
+    words = {
+        Liveness.QUEUED: "it is queued: a worker serving its agent starts it",
+        Liveness.ORPHANED: "it is orphaned: its driver died or stopped; `treadle resume` or "
+        "a fleet worker takes it over",
+        Liveness.PARKED: "it is parked on an approval: a decision (treadle approve) or its "
+        "deadline makes a driver take it again",
+        Liveness.QUARANTINED: f"it is quarantined ({summary.quarantined})",
+    }
+    text = words.get(summary.liveness)
+    if text is not None:
+        click.echo(f"      … nobody drives run {summary.run_id}: {text}")
+    elif said is not None and summary.liveness is Liveness.DRIVEN and summary.lease:
+        click.echo(f"      … {summary.lease.owner} drives run {summary.run_id} now")
+    return summary.liveness
 
 
 def _hint_approval(
@@ -182,9 +244,36 @@ def format_event(seq: int, record: Record) -> str:
     return f"{seq:>5}  {'' if step is None else step:>4}  {what:<20} {detail}".rstrip()
 
 
+@click.command("repair")
+@click.argument("run_id")
+@store_option
+def repair_command(run_id: str, store_path: str) -> None:
+    """Cut a damaged JSONL run log at its first damaged line, keeping what it removes.
+
+    Run it knowingly: the damaged line and every line after it are removed from the log
+    (saved, with a note of offset, length and SHA-256, in the store's .repairs/ directory).
+    A torn tail left by a crash needs no repair; the store cuts it by itself.
+    """
+
+    async def go() -> Repair | None:
+        async with open_store(store_path) as store:
+            if not isinstance(store, JsonlStore):
+                raise click.ClickException("repair applies to JSONL stores")
+            return await store.repair(run_id, owner=lease_owner())
+
+    done = run_async(go)
+    if done is None:
+        click.echo(f"run {run_id}: its log reads without damage; nothing removed")
+        return
+    click.echo(
+        f"run {run_id}: removed {done.removed} bytes from offset {done.offset} of {done.path} "
+        f"({done.reason}); kept in {done.saved}, note {done.note}"
+    )
+
+
 def register(main: click.Group) -> None:
-    """Add ``approve``, ``cancel`` and ``tail`` to the ``treadle`` command group."""
-    for command in (approve_command, cancel_command, tail_command):
+    """Add ``approve``, ``cancel``, ``tail`` and ``repair`` to the ``treadle`` command group."""
+    for command in (approve_command, cancel_command, tail_command, repair_command):
         main.add_command(command)
 
 

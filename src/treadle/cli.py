@@ -4,7 +4,9 @@ Commands:
 
 * ``treadle probe``: one streaming call to an OpenAI-compatible endpoint, printed as JSON.
 * ``treadle runs`` / ``treadle show``: list the runs of a store; a run's trajectory as a table.
-* ``treadle resume``: resume an unfinished run (or all of them) of a SQLite or JSONL store.
+* ``treadle resume``: resume an unfinished run (or all of them) of a store.
+* ``treadle worker`` / ``submit`` / ``wait`` / ``unquarantine``: a fleet over one store.
+* ``treadle approve`` / ``cancel`` / ``tail`` / ``repair``: acting on one run.
 * ``treadle demo``: the airline replay demo (see `treadle.demo`).
 """
 
@@ -490,7 +492,16 @@ def _register_simulate() -> None:
 
 
 _register_simulate()
-import treadle._cli_runs  # noqa: E402, F401 (registers approve, cancel and tail)
+import treadle._cli_runs  # noqa: E402, F401 (registers approve, cancel, tail and repair)
+
+
+def _register_fleet() -> None:
+    from treadle._cli_fleet import register
+
+    register(main)
+
+
+_register_fleet()
 
 if __name__ == "__main__":  # pragma: no cover
     sys.exit(main())

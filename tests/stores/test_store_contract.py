@@ -11,6 +11,7 @@ import pytest
 
 from treadle.ports import RunStore
 from treadle.stores import JsonlStore, MemoryStore, SqliteStore
+from treadle.stores.postgres import PostgresStore
 from treadle.testing.contracts import (
     RUN_STORE_CHECKS,
     StoreCheck,
@@ -46,16 +47,20 @@ def _memory(cls: type[MemoryStore] = MemoryStore) -> StoreOpener:
     return _opener(make)
 
 
-def _harness(kind: str, tmp_path: Path) -> Harness:
+def _harness(kind: str, tmp_path: Path, request: pytest.FixtureRequest) -> Harness:
     if kind == "memory":
         return Harness(_memory(), persistent=False)
     if kind == "jsonl":
         return Harness(_opener(lambda: JsonlStore.open(tmp_path / "runs")), persistent=True)
+    if kind == "postgres":
+        dsn = request.getfixturevalue("postgres_dsn")
+        schema = request.getfixturevalue("postgres_schema")
+        return Harness(_opener(lambda: PostgresStore.open(dsn, schema=schema)), persistent=True)
     path = tmp_path / "runs.db"
     return Harness(_opener(lambda: SqliteStore.open(path)), persistent=True)
 
 
-STORES = ("memory", "sqlite", "jsonl")
+STORES = ("memory", "sqlite", "jsonl", "postgres")
 CASES = [
     pytest.param(kind, check, id=f"{kind}-{check.name}")
     for kind in STORES
@@ -66,12 +71,14 @@ CASES = [
 
 @pytest.fixture(params=STORES)
 def harness(request: pytest.FixtureRequest, tmp_path: Path) -> Harness:
-    return _harness(request.param, tmp_path)
+    return _harness(request.param, tmp_path, request)
 
 
 @pytest.mark.parametrize(("kind", "check"), CASES)
-async def test_contract(kind: str, check: StoreCheck, tmp_path: Path) -> None:
-    await check(_harness(kind, tmp_path).open_store)
+async def test_contract(
+    kind: str, check: StoreCheck, tmp_path: Path, request: pytest.FixtureRequest
+) -> None:
+    await check(_harness(kind, tmp_path, request).open_store)
 
 
 async def test_whole_suite_runs_through_the_public_runner(harness: Harness) -> None:

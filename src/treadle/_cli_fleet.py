@@ -1,0 +1,226 @@
+"""``treadle worker``, ``submit``, ``wait`` and ``unquarantine``: running a fleet (docs/fleet.md).
+
+``worker`` serves named agents from a store with a queue (SQLite on one machine, PostgreSQL on
+many) until SIGTERM or SIGINT, then drains: it stops claiming, stops its runs at a safe point,
+releases their leases and exits 0. ``submit`` queues a run and prints its id; ``wait`` waits
+for a run's result whichever worker drives it; ``unquarantine`` makes a quarantined run
+claimable again.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import sys
+from collections.abc import Callable
+
+import click
+import trio
+
+from treadle._cli_common import import_spec, open_store, redact, run_async, store_option
+from treadle.agent import Agent
+from treadle.ports import RunQueue
+from treadle.stores._leases import LEASE_TTL_S
+from treadle.supervisors.fleet import (
+    BACKOFF_S,
+    CLAIM_POLL_S,
+    DRAIN_S,
+    MAX_TAKEOVERS,
+    open_fleet,
+    wait_result,
+)
+from treadle.types import Message, RunResult, RunState
+
+
+def _agent_factory(spec: str) -> tuple[str, Callable[[], Agent]]:
+    """``NAME=MODULE:FACTORY`` as ``(name, factory)``.
+
+    Raises:
+        click.BadParameter: the spec is malformed, or FACTORY is not an Agent or a callable.
+    """
+    name, sep, target = spec.partition("=")
+    if not sep or not name or not target:
+        raise click.BadParameter(f"{spec!r} is not NAME=MODULE:FACTORY", param_hint="--agent")
+    found = import_spec(target, param_hint="--agent")
+    if isinstance(found, Agent):
+        agent: Agent = found
+        return name, lambda: agent
+    if not callable(found):
+        raise click.BadParameter(
+            f"{target} is neither an Agent nor a factory", param_hint="--agent"
+        )
+
+    def factory() -> Agent:
+        made = found()
+        if not isinstance(made, Agent):
+            raise TypeError(f"{target}() gave {type(made).__name__}, not a treadle.Agent")
+        return made
+
+    try:
+        factory()
+    except Exception as exc:
+        raise click.BadParameter(f"{target}() failed: {exc}", param_hint="--agent") from exc
+    return name, factory
+
+
+@click.command("worker")
+@store_option
+@click.option(
+    "--agent",
+    "agent_specs",
+    multiple=True,
+    required=True,
+    help="NAME=MODULE:FACTORY: serve the agent FACTORY() builds under NAME (repeatable).",
+)
+@click.option("--max-running", default=16, show_default=True, type=click.IntRange(min=1))
+@click.option(
+    "--lease-ttl",
+    "lease_ttl_s",
+    default=LEASE_TTL_S,
+    show_default=True,
+    type=click.FloatRange(min=0.1, max=3600),
+    help="Seconds a lease lasts unless renewed (every third of it).",
+)
+@click.option("--claim-poll", "claim_poll_s", default=CLAIM_POLL_S, show_default=True, type=float)
+@click.option(
+    "--max-takeovers",
+    default=MAX_TAKEOVERS,
+    show_default=True,
+    type=click.IntRange(min=1),
+    help="Deaths of a run's driver after which the run is quarantined.",
+)
+@click.option("--backoff", "backoff_s", default=BACKOFF_S, show_default=True, type=float)
+@click.option(
+    "--drain",
+    "drain_s",
+    default=DRAIN_S,
+    show_default=True,
+    type=click.FloatRange(min=0),
+    help="Seconds runs get to reach a safe point after SIGTERM before being cut.",
+)
+def worker_command(
+    store_path: str,
+    agent_specs: tuple[str, ...],
+    max_running: int,
+    lease_ttl_s: float,
+    claim_poll_s: float,
+    max_takeovers: int,
+    backoff_s: float,
+    drain_s: float,
+) -> None:
+    """Serve agents from a store's queue until SIGTERM or SIGINT, then drain and exit 0."""
+    agents = dict(_agent_factory(spec) for spec in agent_specs)
+
+    async def go() -> None:
+        async with open_store(store_path, create=True) as store:
+            if not isinstance(store, RunQueue):
+                raise click.ClickException(
+                    f"{redact(store_path)} has no queue (use SQLite or PostgreSQL)"
+                )
+            with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+                async with open_fleet(
+                    store,
+                    agents,
+                    max_running=max_running,
+                    lease_ttl_s=lease_ttl_s,
+                    claim_poll_s=claim_poll_s,
+                    max_takeovers=max_takeovers,
+                    backoff_s=backoff_s,
+                    drain_s=drain_s,
+                ) as fleet:
+                    served = ", ".join(sorted(agents))
+                    click.echo(f"worker {fleet.owner} serves {served} from {redact(store_path)}")
+                    async for signum in signals:
+                        click.echo(
+                            f"{signal.Signals(signum).name}: draining (at most {drain_s:g} s)"
+                        )
+                        break
+                stats = fleet.statistics()
+        click.echo(
+            f"worker stopped: {stats.finished} runs finished, {stats.left} left to resume, "
+            "leases released"
+        )
+
+    run_async(go)
+
+
+@click.command("submit")
+@store_option
+@click.option("--agent", "agent_name", required=True, help="The agent name a worker serves.")
+@click.option("--run-id", default=None, help="The run's id (default: a fresh one).")
+@click.argument("text")
+def submit_command(store_path: str, agent_name: str, run_id: str | None, text: str) -> None:
+    """Queue a run of an agent on TEXT; print its run id (submitting it again is idempotent)."""
+    from treadle._ids import check_run_id, new_run_id
+
+    chosen = check_run_id(run_id) if run_id is not None else new_run_id()
+
+    async def go() -> None:
+        async with open_store(store_path, create=True) as store:
+            if not isinstance(store, RunQueue):
+                raise click.ClickException(
+                    f"{redact(store_path)} has no queue (use SQLite or PostgreSQL)"
+                )
+            await store.submit(
+                chosen, agent=agent_name, input=(Message(role="user", content=text),)
+            )
+
+    run_async(go)
+    click.echo(chosen)
+
+
+@click.command("wait")
+@click.argument("run_id")
+@store_option
+@click.option("--json", "as_json", is_flag=True, help="Print the result as one JSON object.")
+@click.option("--poll", "poll_s", default=CLAIM_POLL_S, show_default=True, type=float)
+def wait_command(run_id: str, store_path: str, as_json: bool, poll_s: float) -> None:
+    """Wait until a run finished (whoever drives it); exit 0 when it succeeded, else 1."""
+
+    async def go() -> RunResult:
+        async with open_store(store_path) as store:
+            return await wait_result(store, run_id, poll_s=poll_s)
+
+    result = run_async(go)
+    if as_json:
+        click.echo(
+            json.dumps(
+                {
+                    "run_id": result.run_id,
+                    "state": result.state.value,
+                    "stop_reason": result.stop_reason.value,
+                    "final_answer": result.final_answer,
+                    "error": result.error,
+                    "steps": result.totals.steps,
+                },
+                ensure_ascii=False,
+            )
+        )
+    else:
+        answer = f": {result.final_answer}" if result.final_answer else ""
+        click.echo(f"{result.run_id}: {result.state.value} ({result.stop_reason.value}){answer}")
+    if result.state is not RunState.SUCCEEDED:
+        sys.exit(1)
+
+
+@click.command("unquarantine")
+@click.argument("run_id")
+@store_option
+def unquarantine_command(run_id: str, store_path: str) -> None:
+    """Make a quarantined run claimable again (its takeover count starts afresh)."""
+
+    async def go() -> bool:
+        async with open_store(store_path) as store:
+            if not isinstance(store, RunQueue):
+                raise click.ClickException(f"{redact(store_path)} has no queue")
+            return await store.release_quarantine(run_id)
+
+    if not run_async(go):
+        raise click.ClickException(f"run {run_id} is not quarantined")
+    click.echo(f"run {run_id} is claimable again")
+
+
+def register(main: click.Group) -> None:
+    """Add ``worker``, ``submit``, ``wait`` and ``unquarantine`` to the ``treadle`` group."""
+    for command in (worker_command, submit_command, wait_command, unquarantine_command):
+        main.add_command(command)

@@ -1,0 +1,627 @@
+"""Contract suites for the store capabilities: leases, control streams, run index, queue.
+
+Each capability protocol of `treadle.ports` has its own suite, run by our tests against every
+store that implements it, and usable for your own store::
+
+    await check_lease_store(open_store, clock=FakeClock(...))
+    await check_control_stream(open_store, persistent=True)
+    await check_run_index(open_store)
+    await check_run_queue(open_store, clock=FakeClock(...))
+
+``open_store`` opens the store under test (`treadle.testing.contracts.StoreOpener`). Checks
+that need time to pass take a `ContractClock`: its ``advance`` moves the store's clock (a fake
+clock the store was opened with) or, for a store with a clock of its own (PostgreSQL), sleeps.
+A store whose leases are OS locks (JSONL) has no expiry to check: pass ``clock=None``.
+Every check raises `treadle.testing.contracts.StoreContractError` naming itself.
+"""
+
+from __future__ import annotations
+
+import secrets
+from collections.abc import Awaitable, Callable
+from typing import Final, Protocol
+
+import attrs
+import trio
+
+from treadle._exceptions import InvalidRunId, LeaseLost, RunLeased, UsageError
+from treadle.ports import ControlStream, LeaseStore, RunIndex, RunQueue, RunStore
+from treadle.testing.contracts import (
+    CHECK_TIMEOUT_S,
+    StoreContractError,
+    StoreOpener,
+    seed_log,
+)
+from treadle.types import (
+    ApprovalDecided,
+    ApprovalRequested,
+    CancelRequested,
+    Liveness,
+    Message,
+    ModelIntent,
+    Record,
+    RunFinished,
+    RunStarted,
+    RunState,
+    StepRecord,
+    StopReason,
+    Totals,
+)
+
+__all__ = [
+    "ContractClock",
+    "FakeClock",
+    "SleepingClock",
+    "check_control_stream",
+    "check_lease_store",
+    "check_run_index",
+    "check_run_queue",
+]
+
+_TS: Final = "2025-01-01T00:00:00+00:00"
+_LONG: Final = 600.0
+
+
+class ContractClock(Protocol):
+    """Moves the store's clock forward for the checks that need a lease to expire."""
+
+    async def advance(self, seconds: float) -> None:
+        """Let ``seconds`` pass on the store's clock."""
+        ...
+
+
+@attrs.define(eq=False)
+class FakeClock:
+    """A store clock the checks move by hand; pass ``clock.now`` to the store as its clock.
+
+    Attributes:
+        at: the current instant (epoch seconds).
+    """
+
+    at: float = 1_800_000_000.0
+
+    def now(self) -> float:
+        """The current instant."""
+        return self.at
+
+    async def advance(self, seconds: float) -> None:
+        """Move forward ``seconds``."""
+        self.at += seconds
+        await trio.lowlevel.checkpoint()
+
+
+@attrs.define(eq=False)
+class SleepingClock:
+    """For a store with a clock of its own (PostgreSQL): let real time pass."""
+
+    async def advance(self, seconds: float) -> None:
+        """Sleep ``seconds`` (plus a little, for the server's clock to be past the instant)."""
+        await trio.sleep(seconds + 0.05)
+
+
+def _expect(condition: bool, check: str, message: str) -> None:
+    if not condition:
+        raise StoreContractError(f"[{check}] {message}")
+
+
+def _run_id(label: str) -> str:
+    return f"{label}-{secrets.token_hex(6)}"
+
+
+def _started(run_id: str, *, agent: str | None = None, version: str | None = None) -> RunStarted:
+    return RunStarted(
+        run_id=run_id,
+        ts=_TS,
+        input=(Message(role="user", content="hello"),),
+        snapshot={},
+        agent=agent,
+        agent_version=version,
+    )
+
+
+async def _raises(kind: type[BaseException], attempt: Awaitable[object]) -> BaseException | None:
+    try:
+        await attempt
+    except kind as exc:
+        return exc
+    return None
+
+
+Check = Callable[[StoreOpener, ContractClock | None], Awaitable[None]]
+
+
+async def _run_checks(
+    checks: tuple[tuple[str, Check, bool], ...],
+    open_store: StoreOpener,
+    clock: ContractClock | None,
+) -> None:
+    for _name, check, needs_clock in checks:
+        if needs_clock and clock is None:
+            continue
+        with trio.fail_after(CHECK_TIMEOUT_S):
+            await check(open_store, clock)
+
+
+# --------------------------------------------------------------------------- leases
+
+
+def _leases(store: RunStore, check: str) -> LeaseStore:
+    _expect(isinstance(store, LeaseStore), check, f"{type(store).__name__} is no LeaseStore")
+    assert isinstance(store, LeaseStore)
+    return store
+
+
+async def _lease_first_and_renewal(open_store: StoreOpener, clock: ContractClock | None) -> None:
+    check = "lease_first_and_renewal"
+    async with open_store() as store:
+        leases = _leases(store, check)
+        run_id = _run_id("lease")
+        _expect(await leases.read_lease(run_id) is None, check, "a new run has a lease")
+        first = await leases.acquire_lease(run_id, owner="a", ttl_s=_LONG)
+        _expect(first.generation == 1 and first.owner == "a", check, f"first lease is {first}")
+        _expect(first.expires_at > first.heartbeat_at, check, "the lease expires before it began")
+        again = await leases.acquire_lease(run_id, owner="a", ttl_s=_LONG)
+        _expect(again.generation == 1, check, "the holder acquiring again changed the generation")
+        (renewed,) = await leases.renew_leases([again], ttl_s=_LONG)
+        _expect(renewed.generation == 1, check, "renewal changed the generation")
+        _expect(renewed.expires_at >= again.expires_at, check, "renewal shortened the lease")
+        stored = await leases.read_lease(run_id)
+        _expect(stored is not None and stored.owner == "a", check, f"read_lease gave {stored}")
+        with trio.fail_after(CHECK_TIMEOUT_S):
+            refused = await _raises(
+                InvalidRunId, leases.acquire_lease("bad id", owner="a", ttl_s=1)
+            )
+        _expect(refused is not None, check, "a lease on an invalid run id was granted")
+
+
+async def _lease_other_owner_refused(open_store: StoreOpener, clock: ContractClock | None) -> None:
+    check = "lease_other_owner_refused"
+    async with open_store() as store:
+        leases = _leases(store, check)
+        run_id = _run_id("held")
+        await leases.acquire_lease(run_id, owner="a", ttl_s=_LONG)
+        error = await _raises(RunLeased, leases.acquire_lease(run_id, owner="b", ttl_s=_LONG))
+        _expect(error is not None, check, "a second owner got a live lease")
+        assert isinstance(error, RunLeased)
+        _expect(error.holder.owner == "a", check, f"RunLeased names {error.holder.owner!r}")
+        _expect("a" in str(error), check, "the message does not name the holder")
+
+
+async def _lease_fencing(open_store: StoreOpener, clock: ContractClock | None) -> None:
+    check = "lease_fencing"
+    async with open_store() as store:
+        leases = _leases(store, check)
+        run_id, other = _run_id("fenced"), _run_id("bystander")
+        old = await leases.acquire_lease(run_id, owner="a", ttl_s=_LONG)
+        await store.write_run_started(_started(run_id), seq=1, generation=old.generation)
+        await leases.release_lease(old)
+        new = await leases.acquire_lease(run_id, owner="b", ttl_s=_LONG)
+        _expect(new.generation == old.generation + 1, check, f"takeover gave {new.generation}")
+        ok = await leases.acquire_lease(other, owner="c", ttl_s=_LONG)
+        intent = ModelIntent(run_id=run_id, step=1, intent_id="m", attempt=1, ts=_TS)
+        stale: list[BaseException | None] = []
+
+        async def write_stale() -> None:
+            stale.append(
+                await _raises(
+                    LeaseLost, store.write_intent(intent, seq=2, generation=old.generation)
+                )
+            )
+
+        async with trio.open_nursery() as nursery:  # the stale write shares a batch with others
+            nursery.start_soon(write_stale)
+            nursery.start_soon(
+                lambda: store.write_run_started(_started(other), seq=1, generation=ok.generation)
+            )
+        _expect(stale[0] is not None, check, "a write of the old generation was accepted")
+        log = await store.read_log(run_id)
+        _expect(len(log.records) == 1, check, "a refused write is in the log")
+        bystander = await store.read_log(other)
+        _expect(len(bystander.records) == 1, check, "another run's write failed beside a stale one")
+
+
+async def _lease_required(open_store: StoreOpener, clock: ContractClock | None) -> None:
+    check = "lease_required"
+    async with open_store() as store:
+        run_id = _run_id("unleased")
+        intent = ModelIntent(run_id=run_id, step=1, intent_id="m", attempt=1, ts=_TS)
+        error = await _raises(LeaseLost, store.write_intent(intent, seq=1, generation=1))
+        _expect(error is not None, check, "a write of a run without a lease was accepted")
+        _expect((await store.read_log(run_id)).records == (), check, "the refused write landed")
+
+
+async def _lease_lost_renewal(open_store: StoreOpener, clock: ContractClock | None) -> None:
+    check = "lease_lost_renewal"
+    async with open_store() as store:
+        leases = _leases(store, check)
+        run_id, kept = _run_id("lost"), _run_id("kept")
+        old = await leases.acquire_lease(run_id, owner="a", ttl_s=_LONG)
+        mine = await leases.acquire_lease(kept, owner="a", ttl_s=_LONG)
+        await leases.release_lease(old)
+        await leases.acquire_lease(run_id, owner="b", ttl_s=_LONG)
+        renewed = await leases.renew_leases([old, mine], ttl_s=_LONG)
+        _expect([r.run_id for r in renewed] == [kept], check, f"renewal kept {renewed}")
+        await leases.release_lease(old)  # not held: leaves b's lease alone
+        current = await leases.read_lease(run_id)
+        _expect(current is not None and current.owner == "b", check, "a lost lease was released")
+
+
+async def _lease_expiry(open_store: StoreOpener, clock: ContractClock | None) -> None:
+    check = "lease_expiry"
+    assert clock is not None
+    async with open_store() as store:
+        leases = _leases(store, check)
+        run_id = _run_id("expiring")
+        first = await leases.acquire_lease(run_id, owner="a", ttl_s=1.0)
+        await clock.advance(1.5)
+        taken = await leases.acquire_lease(run_id, owner="b", ttl_s=_LONG)
+        _expect(taken.generation == first.generation + 1, check, f"takeover gave {taken}")
+        renewed = await leases.renew_leases([first], ttl_s=_LONG)
+        _expect(renewed == (), check, "the expired holder renewed after a takeover")
+        intent = ModelIntent(run_id=run_id, step=1, intent_id="m", attempt=1, ts=_TS)
+        error = await _raises(
+            LeaseLost, store.write_intent(intent, seq=1, generation=first.generation)
+        )
+        _expect(error is not None, check, "the expired holder wrote after the takeover")
+
+
+LEASE_CHECKS: Final[tuple[tuple[str, Check, bool], ...]] = (
+    ("lease_first_and_renewal", _lease_first_and_renewal, False),
+    ("lease_other_owner_refused", _lease_other_owner_refused, False),
+    ("lease_fencing", _lease_fencing, False),
+    ("lease_required", _lease_required, False),
+    ("lease_lost_renewal", _lease_lost_renewal, False),
+    ("lease_expiry", _lease_expiry, True),
+)
+"""The lease contract: ``(name, check, needs a clock)``."""
+
+
+async def check_lease_store(open_store: StoreOpener, *, clock: ContractClock | None) -> None:
+    """Hold a `LeaseStore` to its contract (docs/fleet.md, "Leases").
+
+    Args:
+        open_store: opens the store under test.
+        clock: moves the store's clock; ``None`` skips the expiry check (OS-lock leases).
+
+    Raises:
+        StoreContractError: the first check the store fails, naming it.
+    """
+    await _run_checks(LEASE_CHECKS, open_store, clock)
+
+
+# --------------------------------------------------------------------------- control streams
+
+
+def _controls(store: RunStore, check: str) -> ControlStream:
+    _expect(isinstance(store, ControlStream), check, f"{type(store).__name__} is no ControlStream")
+    assert isinstance(store, ControlStream)
+    return store
+
+
+def _cancel(run_id: str, reason: str) -> CancelRequested:
+    return CancelRequested(run_id=run_id, ts=_TS, reason=reason, canceller="check")
+
+
+async def _control_order(open_store: StoreOpener, clock: ContractClock | None) -> None:
+    check = "control_order"
+    async with open_store() as store:
+        controls = _controls(store, check)
+        run_id = _run_id("control")
+        missing = await _raises(UsageError, controls.append_control(_cancel(run_id, "x")))
+        _expect(missing is not None, check, "a control entry for an unknown run was accepted")
+        await seed_log(store, [_started(run_id)])
+        entries = [await controls.append_control(_cancel(run_id, f"r{n}")) for n in range(3)]
+        _expect([e.position for e in entries] == [1, 2, 3], check, f"positions {entries}")
+        read = await controls.read_control(run_id)
+        _expect(
+            [e.record.reason for e in read if isinstance(e.record, CancelRequested)]
+            == ["r0", "r1", "r2"],
+            check,
+            "entries out of order",
+        )
+        later = await controls.read_control(run_id, after=2)
+        _expect([e.position for e in later] == [3], check, f"after=2 gave {later}")
+        heads = await controls.control_heads([run_id, _run_id("none")])
+        _expect(dict(heads) == {run_id: 3}, check, f"control_heads gave {heads}")
+        _expect(
+            sum(1 for r in await store.list_runs() if r.startswith(run_id)) == 1,
+            check,
+            "a control stream is listed as a run",
+        )
+
+
+async def _control_concurrent(open_store: StoreOpener, clock: ContractClock | None) -> None:
+    check = "control_concurrent"
+    async with open_store() as store:
+        controls = _controls(store, check)
+        run_id = _run_id("racing")
+        await seed_log(store, [_started(run_id)])
+        async with trio.open_nursery() as nursery:
+            for n in range(20):
+                nursery.start_soon(controls.append_control, _cancel(run_id, f"r{n}"))
+        read = await controls.read_control(run_id)
+        _expect([e.position for e in read] == list(range(1, 21)), check, "positions collide")
+
+
+async def _control_durable(open_store: StoreOpener, clock: ContractClock | None) -> None:
+    check = "control_durable"
+    run_id = _run_id("kept")
+    async with open_store() as store:
+        await seed_log(store, [_started(run_id)])
+        await _controls(store, check).append_control(_cancel(run_id, "kept"))
+    async with open_store() as store:
+        read = await _controls(store, check).read_control(run_id)
+        _expect(len(read) == 1, check, "a reopened store lost a control entry")
+
+
+async def check_control_stream(open_store: StoreOpener, *, persistent: bool) -> None:
+    """Hold a `ControlStream` to its contract: ordered, durable, never listed as a run.
+
+    Raises:
+        StoreContractError: the first check the store fails, naming it.
+    """
+    with trio.fail_after(CHECK_TIMEOUT_S):
+        await _control_order(open_store, None)
+        await _control_concurrent(open_store, None)
+        if persistent:
+            await _control_durable(open_store, None)
+
+
+# --------------------------------------------------------------------------- run index
+
+
+def _index(store: RunStore, check: str) -> RunIndex:
+    _expect(isinstance(store, RunIndex), check, f"{type(store).__name__} is no RunIndex")
+    assert isinstance(store, RunIndex)
+    return store
+
+
+async def _summary_states(open_store: StoreOpener, clock: ContractClock | None) -> None:
+    check = "summary_states"
+    async with open_store() as store:
+        index = _index(store, check)
+        run_id = _run_id("index")
+        _expect(await index.read_summary(run_id) is None, check, "an unknown run has a summary")
+        request = ApprovalRequested(
+            run_id=run_id,
+            step=1,
+            call_id="c",
+            tool="t",
+            arguments_digest="d",
+            ts=_TS,
+            deadline_ts=_TS,
+        )
+        decided = ApprovalDecided(
+            run_id=run_id, step=1, call_id="c", arguments_digest="d", decision="approve", ts=_TS
+        )
+        step = StepRecord(run_id=run_id, step=1, ts=_TS, model_intent_id=None, decision=None)
+        finished = RunFinished(
+            run_id=run_id,
+            ts=_TS,
+            state=RunState.SUCCEEDED,
+            stop_reason=StopReason.FINAL_ANSWER,
+            totals=Totals(steps=1),
+        )
+        expected: list[tuple[Record, RunState]] = [
+            (_started(run_id, agent="a", version="v1"), RunState.RUNNING),
+            (request, RunState.AWAITING_APPROVAL),
+            (decided, RunState.RUNNING),
+            (step, RunState.RUNNING),
+            (finished, RunState.SUCCEEDED),
+        ]
+        for record, state in expected:
+            await seed_log(store, [record])
+            summary = await index.read_summary(run_id)
+            _expect(
+                summary is not None and summary.state is state,
+                check,
+                f"after a {type(record).__name__}: {summary}",
+            )
+        assert summary is not None
+        _expect(summary.liveness is Liveness.FINISHED, check, f"liveness {summary.liveness}")
+        _expect(
+            summary.stop_reason is StopReason.FINAL_ANSWER and summary.steps == 1,
+            check,
+            f"{summary}",
+        )
+        _expect((summary.agent, summary.agent_version) == ("a", "v1"), check, "agent not indexed")
+        listed = [s.run_id for s in await index.list_summaries()]
+        _expect(listed.count(run_id) == 1, check, "list_summaries does not list the run once")
+
+
+async def _summary_liveness(open_store: StoreOpener, clock: ContractClock | None) -> None:
+    check = "summary_liveness"
+    async with open_store() as store:
+        index, leases = _index(store, check), _leases(store, check)
+        run_id = _run_id("alive")
+        lease = await leases.acquire_lease(run_id, owner="driver", ttl_s=_LONG)
+        await store.write_run_started(_started(run_id), seq=1, generation=lease.generation)
+        summary = await index.read_summary(run_id)
+        _expect(summary is not None and summary.liveness is Liveness.DRIVEN, check, f"{summary}")
+        assert summary is not None and summary.lease is not None
+        _expect(summary.lease.owner == "driver", check, "the summary names another driver")
+        await leases.release_lease(lease)
+        summary = await index.read_summary(run_id)
+        _expect(summary is not None and summary.liveness is Liveness.ORPHANED, check, f"{summary}")
+
+
+async def check_run_index(open_store: StoreOpener) -> None:
+    """Hold a `RunIndex` to its contract: states and liveness follow the log and the lease.
+
+    Raises:
+        StoreContractError: the first check the store fails, naming it.
+    """
+    with trio.fail_after(CHECK_TIMEOUT_S):
+        await _summary_states(open_store, None)
+        await _summary_liveness(open_store, None)
+
+
+# --------------------------------------------------------------------------- the queue
+
+
+def _queue(store: RunStore, check: str) -> RunQueue:
+    _expect(isinstance(store, RunQueue), check, f"{type(store).__name__} is no RunQueue")
+    assert isinstance(store, RunQueue)
+    return store
+
+
+_INPUT: Final = (Message(role="user", content="q"),)
+
+
+async def _queue_submit(open_store: StoreOpener, clock: ContractClock | None) -> None:
+    check = "queue_submit"
+    async with open_store() as store:
+        queue = _queue(store, check)
+        run_id = _run_id("queued")
+        first = await queue.submit(run_id, agent="calc", input=_INPUT)
+        again = await queue.submit(run_id, agent="calc", input=_INPUT)
+        _expect(again == first, check, "submitting again changed the submission")
+        other = await _raises(
+            UsageError,
+            queue.submit(run_id, agent="calc", input=(Message(role="user", content="other"),)),
+        )
+        _expect(other is not None, check, "the same run id was submitted with another input")
+        summary = await _index(store, check).read_summary(run_id)
+        _expect(summary is not None and summary.state is RunState.QUEUED, check, f"{summary}")
+        assert summary is not None
+        _expect(summary.liveness is Liveness.QUEUED, check, f"liveness {summary.liveness}")
+        _expect(await queue.read_submission(run_id) == first, check, "read_submission differs")
+
+
+async def _queue_claims(open_store: StoreOpener, clock: ContractClock | None) -> None:
+    check = "queue_claims"
+    async with open_store() as store:
+        queue = _queue(store, check)
+        agent = _run_id("agent")
+        ids = [_run_id("job") for _ in range(3)]
+        for run_id in ids:
+            await queue.submit(run_id, agent=agent, input=_INPUT)
+        await queue.submit(_run_id("elsewhere"), agent=agent + "-other", input=_INPUT)
+        served = {agent: ("v1",)}
+        first = await queue.claim(
+            owner="w1", agents=served, limit=2, ttl_s=_LONG, max_takeovers=3, backoff_s=0
+        )
+        _expect([c.lease.run_id for c in first] == ids[:2], check, f"claimed {first}")
+        _expect(
+            all(c.lease.generation == 1 and c.submission is not None for c in first),
+            check,
+            "claims lack lease or submission",
+        )
+        rest = await queue.claim(
+            owner="w2", agents=served, limit=5, ttl_s=_LONG, max_takeovers=3, backoff_s=0
+        )
+        _expect([c.lease.run_id for c in rest] == ids[2:], check, f"a second worker claimed {rest}")
+        none = await queue.claim(
+            owner="w3", agents=served, limit=5, ttl_s=_LONG, max_takeovers=3, backoff_s=0
+        )
+        _expect(none == (), check, f"live leases were claimed again: {none}")
+
+
+async def _queue_takeover(open_store: StoreOpener, clock: ContractClock | None) -> None:
+    check = "queue_takeover"
+    assert clock is not None
+    async with open_store() as store:
+        queue = _queue(store, check)
+        agent = _run_id("agent")
+        run_id = _run_id("poison")
+        await queue.submit(run_id, agent=agent, input=_INPUT)
+        served = {agent: ("v1",)}
+        (claimed,) = await queue.claim(
+            owner="w1", agents=served, limit=1, ttl_s=1.0, max_takeovers=2, backoff_s=0
+        )
+        await store.write_run_started(
+            _started(run_id, agent=agent, version="v1"), seq=1, generation=claimed.lease.generation
+        )
+        await store.read_log(run_id)  # committed before the lease lapses
+        await clock.advance(1.5)
+        (taken,) = await queue.claim(
+            owner="w2", agents=served, limit=1, ttl_s=1.0, max_takeovers=2, backoff_s=0
+        )
+        _expect(taken.takeover and taken.lease.generation == 2, check, f"takeover claim {taken}")
+        other = await queue.claim(
+            owner="w3", agents={agent: ("v2",)}, limit=1, ttl_s=1.0, max_takeovers=2, backoff_s=0
+        )
+        _expect(other == (), check, "a worker of another version claimed a started run")
+        await clock.advance(1.5)
+        quarantined = await queue.claim(
+            owner="w3", agents=served, limit=1, ttl_s=1.0, max_takeovers=2, backoff_s=0
+        )
+        _expect(quarantined == (), check, "a run whose drivers died twice was claimed again")
+        summary = await _index(store, check).read_summary(run_id)
+        _expect(
+            summary is not None and summary.liveness is Liveness.QUARANTINED, check, f"{summary}"
+        )
+        _expect(await queue.release_quarantine(run_id), check, "release_quarantine refused")
+        (back,) = await queue.claim(
+            owner="w3", agents=served, limit=1, ttl_s=_LONG, max_takeovers=2, backoff_s=0
+        )
+        _expect(back.lease.generation == 3, check, f"the released run was claimed as {back}")
+
+
+async def _queue_parked(open_store: StoreOpener, clock: ContractClock | None) -> None:
+    check = "queue_parked"
+    assert clock is not None
+    async with open_store() as store:
+        queue, controls, leases = (
+            _queue(store, check),
+            _controls(store, check),
+            _leases(store, check),
+        )
+        agent = _run_id("agent")
+        run_id = _run_id("parked")
+        await queue.submit(run_id, agent=agent, input=_INPUT)
+        served = {agent: ("v1",)}
+        (claimed,) = await queue.claim(
+            owner="w1", agents=served, limit=1, ttl_s=_LONG, max_takeovers=3, backoff_s=0
+        )
+        gen = claimed.lease.generation
+        await store.write_run_started(
+            _started(run_id, agent=agent, version="v1"), seq=1, generation=gen
+        )
+        far = "2999-01-01T00:00:00+00:00"
+        request = ApprovalRequested(
+            run_id=run_id,
+            step=1,
+            call_id="c",
+            tool="t",
+            arguments_digest="d",
+            ts=_TS,
+            deadline_ts=far,
+        )
+        await store.write_control(request, seq=2, generation=gen)
+        await leases.release_lease(claimed.lease, control_seen=0)
+        waiting = await queue.claim(
+            owner="w2", agents=served, limit=1, ttl_s=_LONG, max_takeovers=3, backoff_s=0
+        )
+        _expect(waiting == (), check, "a parked run without news was claimed")
+        decided = ApprovalDecided(
+            run_id=run_id, step=1, call_id="c", arguments_digest="d", decision="approve", ts=_TS
+        )
+        await controls.append_control(decided)
+        (woken,) = await queue.claim(
+            owner="w2", agents=served, limit=1, ttl_s=_LONG, max_takeovers=3, backoff_s=0
+        )
+        _expect(not woken.takeover and woken.lease.generation == gen + 1, check, f"{woken}")
+
+
+QUEUE_CHECKS: Final[tuple[tuple[str, Check, bool], ...]] = (
+    ("queue_submit", _queue_submit, False),
+    ("queue_claims", _queue_claims, False),
+    ("queue_takeover", _queue_takeover, True),
+    ("queue_parked", _queue_parked, True),
+)
+"""The queue contract: ``(name, check, needs a clock)``."""
+
+
+async def check_run_queue(open_store: StoreOpener, *, clock: ContractClock | None) -> None:
+    """Hold a `RunQueue` to its contract (docs/fleet.md, "Claiming").
+
+    Args:
+        open_store: opens the store under test (it must also keep leases, a control stream
+            and a run index).
+        clock: moves the store's clock; ``None`` skips the checks that need time to pass.
+
+    Raises:
+        StoreContractError: the first check the store fails, naming it.
+    """
+    await _run_checks(QUEUE_CHECKS, open_store, clock)

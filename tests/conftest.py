@@ -1,0 +1,53 @@
+"""Fixtures shared by the whole suite: a real PostgreSQL server for the tests that need one.
+
+The server comes from ``TREADLE_TEST_POSTGRES`` (a DSN; `.ci/run` starts one on 127.0.0.1 and
+sets it), else from the default local DSN below. Without a server, those tests skip, except
+in CI (``CI`` set), where a missing server fails them loudly.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+from collections.abc import Iterator
+
+import pytest
+
+DEFAULT_DSN = "postgresql://treadle:treadle@127.0.0.1:5432/treadle_test"
+
+
+def _reachable(dsn: str) -> str | None:
+    """``None`` when a connection to ``dsn`` works, else why not."""
+    try:
+        import psycopg
+    except ImportError as exc:
+        return f"psycopg is not installed ({exc})"
+    try:
+        with psycopg.connect(dsn, connect_timeout=3) as conn:
+            conn.execute("SELECT 1")
+    except Exception as exc:
+        return f"no PostgreSQL at {dsn.split('@')[-1]}: {exc}"
+    return None
+
+
+@pytest.fixture(scope="session")
+def postgres_dsn() -> str:
+    """A DSN of a reachable PostgreSQL database (skip or, in CI, fail without one)."""
+    dsn = os.environ.get("TREADLE_TEST_POSTGRES", DEFAULT_DSN)
+    why = _reachable(dsn)
+    if why is not None:
+        if os.environ.get("CI"):
+            pytest.fail(f"CI must run the PostgreSQL tests: {why}")
+        pytest.skip(why)
+    return dsn
+
+
+@pytest.fixture
+def postgres_schema(postgres_dsn: str) -> Iterator[str]:
+    """A fresh, empty schema for one test (dropped afterwards)."""
+    import psycopg
+
+    schema = f"t_{secrets.token_hex(6)}"
+    yield schema
+    with psycopg.connect(postgres_dsn, autocommit=True) as conn:
+        conn.execute(f"DROP SCHEMA IF EXISTS {schema} CASCADE")

@@ -1,0 +1,93 @@
+"""The capability contracts (`treadle.testing.capabilities`) against every store that has them.
+
+Memory, SQLite and PostgreSQL keep leases with expiry, control streams, a run index and a
+queue; JSONL keeps leases as OS locks (no expiry to check), control streams and a run index.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
+
+import pytest
+
+from treadle.ports import RunStore
+from treadle.stores import JsonlStore, MemoryStore, SqliteStore
+from treadle.stores.postgres import PostgresStore
+from treadle.testing.capabilities import (
+    ContractClock,
+    FakeClock,
+    SleepingClock,
+    check_control_stream,
+    check_lease_store,
+    check_run_index,
+    check_run_queue,
+)
+from treadle.testing.contracts import StoreOpener
+
+
+def _opener(make: Callable[[], object]) -> StoreOpener:
+    @contextlib.asynccontextmanager
+    async def open_store() -> AsyncIterator[RunStore]:
+        store = await make()  # type: ignore[misc]
+        try:
+            yield store
+        finally:
+            await store.aclose()
+
+    return open_store
+
+
+def _store(
+    kind: str, tmp_path: Path, request: pytest.FixtureRequest
+) -> tuple[StoreOpener, ContractClock | None, bool]:
+    """``(opener, clock, persistent)`` for one kind of store."""
+    if kind == "memory":
+        clock = FakeClock()
+        memory = MemoryStore(clock=clock.now)
+
+        @contextlib.asynccontextmanager
+        async def same() -> AsyncIterator[RunStore]:
+            yield memory
+
+        return same, clock, False
+    if kind == "sqlite":
+        clock = FakeClock()
+        path = tmp_path / "runs.db"
+        return _opener(lambda: SqliteStore.open(path, clock=clock.now)), clock, True
+    if kind == "jsonl":
+        return _opener(lambda: JsonlStore.open(tmp_path / "runs")), None, True
+    dsn = request.getfixturevalue("postgres_dsn")
+    schema = request.getfixturevalue("postgres_schema")
+    return _opener(lambda: PostgresStore.open(dsn, schema=schema)), SleepingClock(), True
+
+
+ALL = ["memory", "sqlite", "jsonl", "postgres"]
+QUEUED = ["memory", "sqlite", "postgres"]
+
+
+@pytest.mark.parametrize("kind", ALL)
+async def test_lease_contract(kind: str, tmp_path: Path, request: pytest.FixtureRequest) -> None:
+    opener, clock, _ = _store(kind, tmp_path, request)
+    await check_lease_store(opener, clock=clock)
+
+
+@pytest.mark.parametrize("kind", ALL)
+async def test_control_stream_contract(
+    kind: str, tmp_path: Path, request: pytest.FixtureRequest
+) -> None:
+    opener, _, persistent = _store(kind, tmp_path, request)
+    await check_control_stream(opener, persistent=persistent)
+
+
+@pytest.mark.parametrize("kind", ALL)
+async def test_run_index_contract(kind: str, tmp_path: Path, request: pytest.FixtureRequest) -> None:
+    opener, _, _ = _store(kind, tmp_path, request)
+    await check_run_index(opener)
+
+
+@pytest.mark.parametrize("kind", QUEUED)
+async def test_run_queue_contract(kind: str, tmp_path: Path, request: pytest.FixtureRequest) -> None:
+    opener, clock, _ = _store(kind, tmp_path, request)
+    await check_run_queue(opener, clock=clock)
