@@ -13,9 +13,13 @@ from treadle._clock import Clock as Clock
 from treadle._clock import FixedStepClock as FixedStepClock
 from treadle._clock import SystemClock as SystemClock
 from treadle._exceptions import ConflictError as ConflictError
+from treadle._exceptions import InvalidRunId as InvalidRunId
+from treadle._exceptions import LeaseError as LeaseError
+from treadle._exceptions import LeaseLost as LeaseLost
 from treadle._exceptions import LogCorrupted as LogCorrupted
 from treadle._exceptions import ModelCallError as ModelCallError
 from treadle._exceptions import RunInterrupted as RunInterrupted
+from treadle._exceptions import RunLeased as RunLeased
 from treadle._exceptions import SchemaTooNew as SchemaTooNew
 from treadle._exceptions import SnapshotMismatch as SnapshotMismatch
 from treadle._exceptions import StoreError as StoreError
@@ -27,11 +31,19 @@ from treadle.models.anthropic import AnthropicMessagesClient as AnthropicMessage
 from treadle.models.openai import OpenAIChatClient as OpenAIChatClient
 from treadle.parsers import JsonToolCallParser as JsonToolCallParser
 from treadle.parsers import NativeToolCallParser as NativeToolCallParser
+from treadle.stores._leases import LEASE_TTL_S as LEASE_TTL_S
 from treadle.stores.jsonl import JsonlStore as JsonlStore
 from treadle.stores.jsonl import open_jsonl_store as open_jsonl_store
 from treadle.stores.memory import MemoryStore as MemoryStore
+from treadle.stores.postgres import PostgresStore as PostgresStore
+from treadle.stores.postgres import open_postgres_store as open_postgres_store
 from treadle.stores.sqlite import SqliteStore as SqliteStore
 from treadle.stores.sqlite import open_sqlite_store as open_sqlite_store
+from treadle.supervisors.finishing import finish_cancelled as finish_cancelled
+from treadle.supervisors.fleet import Fleet as Fleet
+from treadle.supervisors.fleet import FleetStatistics as FleetStatistics
+from treadle.supervisors.fleet import open_fleet as open_fleet
+from treadle.supervisors.fleet import wait_result as wait_result
 from treadle.supervisors.recovery import resume_unfinished as resume_unfinished
 from treadle.supervisors.run import ActorContext as ActorContext
 from treadle.supervisors.run import Actors as Actors
@@ -48,16 +60,20 @@ from treadle.types import Budgets as Budgets
 from treadle.types import Event as Event
 from treadle.types import EventKind as EventKind
 from treadle.types import ImageRef as ImageRef
+from treadle.types import Lease as Lease
 from treadle.types import Limits as Limits
+from treadle.types import Liveness as Liveness
 from treadle.types import Message as Message
 from treadle.types import ReplayPolicy as ReplayPolicy
 from treadle.types import RunResult as RunResult
 from treadle.types import RunState as RunState
+from treadle.types import RunSummary as RunSummary
 from treadle.types import StopReason as StopReason
 from treadle.types import SyntheticObservations as SyntheticObservations
 from treadle.types import Usage as Usage
 
 __all__ = [
+    "LEASE_TTL_S",
     "ActionStatus",
     "ActorContext",
     "Actors",
@@ -70,22 +86,32 @@ __all__ = [
     "Event",
     "EventKind",
     "FixedStepClock",
+    "Fleet",
+    "FleetStatistics",
     "ImageRef",
+    "InvalidRunId",
     "JsonToolCallParser",
     "JsonlStore",
+    "Lease",
+    "LeaseError",
+    "LeaseLost",
     "Limits",
+    "Liveness",
     "LogCorrupted",
     "MemoryStore",
     "Message",
     "ModelCallError",
     "NativeToolCallParser",
     "OpenAIChatClient",
+    "PostgresStore",
     "ReplayPolicy",
     "RunHandle",
     "RunInput",
     "RunInterrupted",
+    "RunLeased",
     "RunResult",
     "RunState",
+    "RunSummary",
     "SchemaTooNew",
     "SnapshotMismatch",
     "SqliteStore",
@@ -99,10 +125,14 @@ __all__ = [
     "TreadleError",
     "Usage",
     "UsageError",
+    "finish_cancelled",
+    "open_fleet",
     "open_jsonl_store",
+    "open_postgres_store",
     "open_run",
     "open_sqlite_store",
     "resume_unfinished",
     "run",
     "tool",
+    "wait_result",
 ]

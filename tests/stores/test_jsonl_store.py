@@ -67,6 +67,7 @@ CASES = Path(__file__).resolve().parent.parent / "fixtures" / "cases"
 TS = "2025-01-01T00:00:00+00:00"
 OWNER = "test-driver"
 TTL_S = 600.0
+T0 = 1_750_000_000.0  # an injected store clock (epoch seconds)
 
 
 def jsonl_opener(directory: Path) -> StoreOpener:
@@ -747,7 +748,8 @@ async def test_a_lease_held_by_another_process_drops_when_it_dies(tmp_path: Path
                 assert chunk, "the child closed its stdout"
                 line += chunk
         assert line == b"ready\n"
-        async with open_jsonl_store(directory) as store:
+        # the child's lease expires 600 s after its wall clock; ours stands still before that
+        async with open_jsonl_store(directory, clock=lambda: T0) as store:
             with pytest.raises(RunLeased) as info:
                 await lease(store, "r")
             assert (info.value.holder.owner, info.value.holder.generation) == ("child", 1)
@@ -757,7 +759,7 @@ async def test_a_lease_held_by_another_process_drops_when_it_dies(tmp_path: Path
             await process.wait()
             seen = await store.read_lease("r")  # the sidecar still names the dead child ...
             assert seen is not None and seen.owner == "child"
-            assert seen.expires_at <= time.time()  # ... but its lock is free: expired
+            assert seen.expires_at == T0  # ... but its lock is free: expired now
             (summary,) = await store.list_summaries()
             assert summary.liveness is Liveness.ORPHANED
             g = await lease(store, "r")  # no TTL to wait for
@@ -806,7 +808,7 @@ async def test_a_damaged_run_is_listed_and_summarised_with_its_error(tmp_path: P
     data = bytearray(bad.read_bytes())
     data[10] ^= 0x01  # inside the header line
     bad.write_bytes(bytes(data))
-    async with open_jsonl_store(directory) as store:
+    async with open_jsonl_store(directory, clock=lambda: 2e9) as store:
         assert sorted(await store.list_runs()) == ["Bad/1", "good"]  # by its file name
         summaries = {s.run_id: s for s in await store.list_summaries()}
         assert set(summaries) == {"Bad/1", "good"}
@@ -822,6 +824,26 @@ async def test_a_damaged_run_is_listed_and_summarised_with_its_error(tmp_path: P
             await store.read_log("Bad/1")
         assert info.value.offset == 0
         assert (await store.read_log("good")).records
+
+
+async def test_a_damaged_run_with_a_hashed_file_name_reads_as_damaged(tmp_path: Path) -> None:
+    """KNOWN BUG (left failing): the id listed for it does not lead back to its file.
+
+    A run id whose encoded name is too long is stored as ``~<sha256>.jsonl``. With its header
+    damaged, `list_runs` lists it as ``~<sha256>`` (`id_from_name`), but `read_log` of that id
+    looks for ``run_file_name("~<sha256>")`` = ``%7E<sha256>.jsonl`` and returns an EMPTY log
+    instead of raising the damage (and `repair` refuses the id as an invalid run id).
+    """
+    directory = tmp_path / "runs"
+    path, _ = await write_run(directory, run_id="X" * 100, steps=1)
+    assert path.name.startswith("~")
+    data = bytearray(path.read_bytes())
+    data[10] ^= 0x01  # inside the header line: the id cannot be read from the file
+    path.write_bytes(bytes(data))
+    async with open_jsonl_store(directory) as store:
+        (listed,) = await store.list_runs()
+        with pytest.raises(LogCorrupted):  # "reading it raises the error" (RunStore.list_runs)
+            await store.read_log(listed)
 
 
 async def test_control_streams_are_per_run_and_never_listed(tmp_path: Path) -> None:

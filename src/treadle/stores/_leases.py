@@ -89,9 +89,9 @@ def fence(run_id: str, generation: int, current: Lease | None) -> None:
     """Refuse a write of generation ``generation`` unless it is the run's current one.
 
     Raises:
-        LeaseLost: it is not (or the run has no lease at all).
+        LeaseLost: it is not, the lease was released, or the run has no lease at all.
     """
-    if current is None or current.generation != generation or generation < 1:
+    if current is None or not current.owner or current.generation != generation or generation < 1:
         raise LeaseLost(
             run_id, generation=generation, current=current.generation if current else None
         )

@@ -156,5 +156,5 @@ async def _write_one(
     elif isinstance(record, CancelRequested | ApprovalRequested | ApprovalDecided):
         await store.write_control(record, seq=seq, generation=generation)
     else:  # an action result: only ever written with its step record
-        raise ValueError(f"a {type(record).__name__} cannot be written on its own")
+        raise TypeError(f"a {type(record).__name__} cannot be written on its own")
     return 1

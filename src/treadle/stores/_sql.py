@@ -248,13 +248,18 @@ def group_by_run(batch: Sequence[Write]) -> list[RunBatch]:
     return groups
 
 
-def refusal(group: RunBatch, stored: tuple[int, int] | None, where: str) -> TreadleError | None:
-    """Why the row ``(next_seq, lease_generation)`` refuses ``group``, or ``None``."""
+def refusal(
+    group: RunBatch, stored: tuple[int, int, str] | None, where: str
+) -> TreadleError | None:
+    """Why the row ``(next_seq, lease_generation, lease_owner)`` refuses ``group``, or ``None``.
+
+    A released lease (no owner) writes nothing, like a lease taken over.
+    """
     run_id = group.run_id
     if stored is None:
         return LeaseLost(run_id, generation=group.generation, current=None)
-    next_seq, generation = stored
-    if generation != group.generation or group.generation < 1:
+    next_seq, generation, owner = stored
+    if generation != group.generation or group.generation < 1 or not owner:
         return LeaseLost(run_id, generation=group.generation, current=generation)
     if next_seq < group.start:
         return StoreError(
@@ -336,6 +341,14 @@ def read_records(dialect: SqlDialect, conn: Connection, run_id: str) -> tuple[Re
             offset=len(records) + 1,
         )
     return records
+
+
+def read_generations(dialect: SqlDialect, conn: Connection, run_id: str) -> tuple[int, ...]:
+    """The lease generation of each record's writer, in seq order."""
+    rows = conn.execute(
+        dialect.sql("SELECT gen FROM records WHERE run_id = ? ORDER BY seq"), (run_id,)
+    ).fetchall()
+    return tuple(int(r[0]) for r in rows)
 
 
 def list_run_ids(dialect: SqlDialect, conn: Connection) -> tuple[str, ...]:
@@ -946,6 +959,14 @@ class SqlStore(AppendStore):
         await self._engine.settle(run_id)
         records = await self._run(read_records, run_id)
         return RunLog(run_id=run_id, records=records)
+
+    async def read_generations(self, run_id: str) -> tuple[int, ...]:
+        """The lease generation of each record's writer, in seq order (an audit of fencing).
+
+        Records written before this layout (migrated) have generation 0.
+        """
+        await self._engine.settle(run_id)
+        return await self._run(read_generations, run_id)
 
     async def list_runs(self) -> tuple[str, ...]:
         """Every run id with at least one committed record, in the order they entered."""

@@ -45,6 +45,7 @@ import contextlib
 import errno
 import logging
 import os
+import re
 import sys
 import time
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
@@ -98,6 +99,8 @@ if sys.platform != "win32":
     import fcntl
 
 _LOG = logging.getLogger(__name__)
+
+_HASHED: Final = re.compile(r"~[0-9a-f]{64}")
 
 LOCK_RETRIES: Final = 20
 """Tries (5 ms apart) to take a free lease's lock while a listing probes it."""
@@ -232,7 +235,13 @@ class JsonlStore(AppendStore):
         return tuple(self._torn)
 
     def run_file(self, run_id: str) -> str:
-        """The file that holds (or will hold) the run's log."""
+        """The file that holds (or will hold) the run's log.
+
+        A listed id of the form ``~<sha256>`` (a file whose header cannot be read and whose
+        name is a hash) names that file itself.
+        """
+        if _HASHED.fullmatch(run_id):
+            return os.path.join(self._directory, f"{run_id}.jsonl")
         return os.path.join(self._directory, run_file_name(run_id))
 
     # ------------------------------------------------------------------ the run store seam

@@ -82,7 +82,8 @@ _COMMIT: Final = (
     "r.agent_version), started_at = COALESCE(b.started_at, r.started_at), "
     "steps = COALESCE(b.steps, r.steps), stop_reason = COALESCE(b.stop_reason, r.stop_reason), "
     "awaiting_until = CASE WHEN b.set_until THEN b.until ELSE r.awaiting_until END "
-    "FROM b WHERE r.run_id = b.run_id AND r.lease_generation = b.gen AND r.next_seq = b.start "
+    "FROM b WHERE r.run_id = b.run_id AND r.lease_generation = b.gen AND r.lease_owner <> '' "
+    "AND r.next_seq = b.start "
     "RETURNING r.run_id), "
     "ins AS (INSERT INTO records(run_id, seq, gen, kind, body, crc) "
     "SELECT v.run_id, v.seq, v.gen, v.kind, v.body, v.crc FROM unnest(%b::text[], %b::int8[], "
@@ -279,7 +280,6 @@ class PostgresBackend:
         for attempt in range(RECONNECT_ATTEMPTS):
             try:
                 self._conn = self._dialect.connect("treadle committer")
-                return
             except Exception:
                 if attempt + 1 == RECONNECT_ATTEMPTS:
                     raise StoreError(
@@ -288,6 +288,8 @@ class PostgresBackend:
                     ) from lost
                 time.sleep(delay)
                 delay *= 2
+            else:
+                return
 
     def _committed(self, groups: Sequence[_sql.RunBatch]) -> set[str]:
         """The runs whose writes of ``groups`` are in the database (read after a reconnect)."""
@@ -314,10 +316,11 @@ class PostgresBackend:
             return
         try:
             rows = self._conn.execute(
-                "SELECT run_id, next_seq, lease_generation FROM runs WHERE run_id = ANY(%s)",
+                "SELECT run_id, next_seq, lease_generation, lease_owner FROM runs "
+                "WHERE run_id = ANY(%s)",
                 ([g.run_id for g in refused],),
             ).fetchall()
-            stored = {r[0]: (int(r[1]), int(r[2])) for r in rows}
+            stored = {r[0]: (int(r[1]), int(r[2]), r[3]) for r in rows}
         except Exception:  # the reasons only: the writes were refused either way
             stored = {}
         for group in refused:

@@ -175,19 +175,19 @@ def _create(conn: sqlite3.Connection, clock: Callable[[], float]) -> None:
     conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
 
 
-def _ensure_layout(conn: sqlite3.Connection, clock: Callable[[], float]) -> None:
+def _ensure_layout(conn: sqlite3.Connection, clock: Callable[[], float], where: str) -> None:
     layout = _layout(conn)
     if layout is None:
         _create(conn, clock)
         layout = _layout(conn)
     if layout == 1:
-        _migrate_v1(conn)
+        _migrate_v1(conn, where)
         layout = _layout(conn)
     if layout is not None and layout > _sql.LAYOUT_VERSION:
         raise SchemaTooNew(layout, _sql.LAYOUT_VERSION)
 
 
-def _migrate_v1(conn: sqlite3.Connection) -> None:
+def _migrate_v1(conn: sqlite3.Connection, where: str) -> None:
     """Layout 1 to 2: checksummed rows, the run index, control streams instead of pseudo-runs.
 
     One transaction: every record is decoded, re-encoded with its checksum (generation 0),
@@ -206,7 +206,7 @@ def _migrate_v1(conn: sqlite3.Connection) -> None:
             conn.execute(statement)
         order = [r[0] for r in conn.execute("SELECT run_id FROM runs_v1 ORDER BY rowid")]
         for run_id in order:
-            _migrate_run(conn, run_id)
+            _migrate_run(conn, run_id, where)
         conn.execute("DROP TABLE records_v1")
         conn.execute("DROP TABLE runs_v1")
         conn.execute("UPDATE meta SET value = ? WHERE key = 'layout'", (str(_sql.LAYOUT_VERSION),))
@@ -220,14 +220,11 @@ def _migrate_v1(conn: sqlite3.Connection) -> None:
     conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
 
 
-def _migrate_run(conn: sqlite3.Connection, log_id: str) -> None:
-    bodies = [
-        r[0]
-        for r in conn.execute(
-            "SELECT body FROM records_v1 WHERE run_id = ? ORDER BY seq", (log_id,)
-        )
-    ]
-    records = [decode(body) for body in bodies]
+def _migrate_run(conn: sqlite3.Connection, log_id: str, where: str) -> None:
+    rows = conn.execute(
+        "SELECT seq, body FROM records_v1 WHERE run_id = ? ORDER BY seq", (log_id,)
+    ).fetchall()
+    records = [_decode_v1(where, log_id, seq, body) for seq, body in rows]
     if log_id.endswith(_V1_CONTROL_SUFFIX):
         run_id = log_id[: -len(_V1_CONTROL_SUFFIX)]
         conn.execute("INSERT OR IGNORE INTO runs(run_id) VALUES (?)", (run_id,))
@@ -242,9 +239,9 @@ def _migrate_run(conn: sqlite3.Connection, log_id: str) -> None:
         conn.execute("UPDATE runs SET control_head = ? WHERE run_id = ?", (len(controls), run_id))
         return
     conn.execute("INSERT OR IGNORE INTO runs(run_id) VALUES (?)", (log_id,))
-    rows = _sql.encode_rows(log_id, 1, 0, tuple(records))
+    encoded = _sql.encode_rows(log_id, 1, 0, tuple(records))
     conn.executemany(
-        "INSERT INTO records(run_id, seq, gen, kind, body, crc) VALUES (?, ?, ?, ?, ?, ?)", rows
+        "INSERT INTO records(run_id, seq, gen, kind, body, crc) VALUES (?, ?, ?, ?, ?, ?)", encoded
     )
     delta = index_delta(records)
     group = _sql.RunBatch(
@@ -258,6 +255,18 @@ def _migrate_run(conn: sqlite3.Connection, log_id: str) -> None:
     conn.execute(_sql.UPDATE_RUN, _sql.index_params(group))
 
 
+def _decode_v1(where: str, run_id: str, seq: int, body: str) -> Record:
+    try:
+        return decode(body)
+    except Exception as exc:
+        raise LogCorrupted(
+            f"run {run_id!r}: a layout-1 record cannot be decoded, so the store cannot be "
+            f"migrated: {exc}",
+            where=where,
+            offset=seq,
+        ) from exc
+
+
 def _with_run_id(
     record: CancelRequested | ApprovalDecided, run_id: str
 ) -> CancelRequested | ApprovalDecided:
@@ -268,7 +277,10 @@ def _with_run_id(
 
 
 def _configure_writer(
-    conn: sqlite3.Connection, pragmas: Mapping[str, int | str], clock: Callable[[], float]
+    conn: sqlite3.Connection,
+    pragmas: Mapping[str, int | str],
+    clock: Callable[[], float],
+    where: str,
 ) -> None:
     mode = conn.execute("PRAGMA journal_mode = WAL").fetchone()[0]
     if str(mode).lower() != "wal":
@@ -276,7 +288,7 @@ def _configure_writer(
     conn.execute("PRAGMA synchronous = FULL")
     for name, value in pragmas.items():
         conn.execute(f"PRAGMA {name} = {value}")
-    _ensure_layout(conn, clock)
+    _ensure_layout(conn, clock, where)
 
 
 def _file_id(path: str) -> tuple[int, int] | None:
@@ -377,16 +389,17 @@ class SqliteBackend:
             )
             raise self._broken
 
-    def _stored(self, run_ids: list[str]) -> dict[str, tuple[int, int]]:
-        found: dict[str, tuple[int, int]] = {}
+    def _stored(self, run_ids: list[str]) -> dict[str, tuple[int, int, str]]:
+        found: dict[str, tuple[int, int, str]] = {}
         for start in range(0, len(run_ids), 500):
             chunk = run_ids[start : start + 500]
             marks = ", ".join("?" * len(chunk))
             rows = self._conn.execute(
-                f"SELECT run_id, next_seq, lease_generation FROM runs WHERE run_id IN ({marks})",
+                "SELECT run_id, next_seq, lease_generation, lease_owner FROM runs "
+                f"WHERE run_id IN ({marks})",
                 chunk,
             ).fetchall()
-            found.update((r[0], (int(r[1]), int(r[2]))) for r in rows)
+            found.update((r[0], (int(r[1]), int(r[2]), r[3])) for r in rows)
         return found
 
     def _insert(self, rows: list[_sql.Row]) -> None:
@@ -436,7 +449,7 @@ def _open_writer(
     except sqlite3.Error as exc:
         raise StoreError(f"cannot open SQLite store {path}: {exc}") from exc
     try:
-        _configure_writer(conn, pragmas, clock)
+        _configure_writer(conn, pragmas, clock, path)
     except sqlite3.Error as exc:
         conn.close()
         error = _translate(path, exc, "cannot open")

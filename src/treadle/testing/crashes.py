@@ -61,6 +61,7 @@ from treadle.types import (
 )
 
 __all__ = [
+    "LATENCY_ENV",
     "LEDGER_ENV",
     "NEVER_TOOLS",
     "RUN_INPUT",
@@ -195,8 +196,9 @@ def _toolbox(ledger: str) -> Toolbox:
     return Toolbox([add, lookup, submit], default_timeout_s=30.0)
 
 
-def _model() -> ScriptedModel:
+def _model(latency_s: float = 0.0) -> ScriptedModel:
     return ScriptedModel(
+        latency_s=latency_s,
         turns=[
             call("add", a=2, b=3, call_id="c1"),
             calls(
@@ -217,6 +219,7 @@ def make_agent(
     *,
     wrap: Any = None,
     synthetic: SyntheticObservations = _SYNTHETIC,
+    latency_s: float = 0.0,
 ) -> Agent:
     """The scripted scenario's agent: four steps, five actions, one failed model attempt.
 
@@ -228,12 +231,13 @@ def make_agent(
         ledger: the file the tools record their executions in.
         wrap: ``callable(executor) -> executor`` applied to the toolbox (fault injection).
         synthetic: the synthetic observation texts.
+        latency_s: seconds (trio clock) each model call takes; not part of the snapshot.
     """
     executor: ActionExecutor = _toolbox(os.fspath(ledger))
     if wrap is not None:
         executor = wrap(executor)
     return Agent(
-        model=_model(),
+        model=_model(latency_s),
         executor=executor,
         parser=NativeToolCallParser(),
         model_name="scripted",
@@ -249,6 +253,9 @@ def make_agent(
 LEDGER_ENV: Final = "TREADLE_CRASH_LEDGER"
 """The environment variable naming the ledger file of `agent_from_environment`."""
 
+LATENCY_ENV: Final = "TREADLE_CRASH_LATENCY_S"
+"""The environment variable giving `agent_from_environment` its model latency (seconds)."""
+
 
 def agent_from_environment() -> Agent:
     """The scenario's agent with the ledger file named by ``$TREADLE_CRASH_LEDGER``.
@@ -261,7 +268,7 @@ def agent_from_environment() -> Agent:
     ledger = os.environ.get(LEDGER_ENV)
     if not ledger:
         raise UsageError(f"set {LEDGER_ENV} to the ledger file of the crash scenario")
-    return make_agent(ledger)
+    return make_agent(ledger, latency_s=float(os.environ.get(LATENCY_ENV, "0") or 0))
 
 
 # --------------------------------------------------------------------------- trajectories
