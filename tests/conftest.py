@@ -51,3 +51,23 @@ def postgres_schema(postgres_dsn: str) -> Iterator[str]:
     yield schema
     with psycopg.connect(postgres_dsn, autocommit=True) as conn:
         conn.execute(f"DROP SCHEMA IF EXISTS {schema} CASCADE")
+
+
+@pytest.fixture
+def postgres_database(postgres_dsn: str) -> Iterator[str]:
+    """The DSN of a fresh, empty database for one test (dropped afterwards).
+
+    For tests that hand a DSN to other processes (``treadle worker --store DSN``): the store
+    lives in the database's default schema.
+    """
+    import psycopg
+    from psycopg.conninfo import conninfo_to_dict, make_conninfo
+
+    name = f"t_{secrets.token_hex(6)}"
+    with psycopg.connect(postgres_dsn, autocommit=True) as conn:
+        conn.execute(f"CREATE DATABASE {name}")
+    params = conninfo_to_dict(postgres_dsn)
+    params["dbname"] = name
+    yield make_conninfo(**params)
+    with psycopg.connect(postgres_dsn, autocommit=True) as conn:
+        conn.execute(f"DROP DATABASE IF EXISTS {name} WITH (FORCE)")

@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 import signal
 import sys
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 
 import click
 import trio
@@ -109,9 +109,15 @@ def worker_command(
     drain_s: float,
 ) -> None:
     """Serve agents from a store's queue until SIGTERM or SIGINT, then drain and exit 0."""
+    early: list[int] = []  # a stop asked for before the worker is up: it claims nothing
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, lambda number, frame: early.append(number))
     agents = dict(_agent_factory(spec) for spec in agent_specs)
 
     async def go() -> None:
+        if early:
+            click.echo("stopped before it started: nothing claimed")
+            return
         async with open_store(store_path, create=True) as store:
             if not isinstance(store, RunQueue):
                 raise click.ClickException(
@@ -130,11 +136,8 @@ def worker_command(
                 ) as fleet:
                     served = ", ".join(sorted(agents))
                     click.echo(f"worker {fleet.owner} serves {served} from {redact(store_path)}")
-                    async for signum in signals:
-                        click.echo(
-                            f"{signal.Signals(signum).name}: draining (at most {drain_s:g} s)"
-                        )
-                        break
+                    sys.stdout.flush()  # a supervisor waits for this line
+                    await _until_stopped(signals, early, drain_s)
                 stats = fleet.statistics()
         click.echo(
             f"worker stopped: {stats.finished} runs finished, {stats.left} left to resume, "
@@ -142,6 +145,17 @@ def worker_command(
         )
 
     run_async(go)
+
+
+async def _until_stopped(signals: AsyncIterator[int], early: list[int], drain_s: float) -> None:
+    """Wait for SIGTERM or SIGINT (or take one that came while the worker was starting)."""
+    number = early[0] if early else None
+    if number is None:
+        async for signum in signals:
+            number = signum
+            break
+    if number is not None:
+        click.echo(f"{signal.Signals(number).name}: draining (at most {drain_s:g} s)")
 
 
 @click.command("submit")

@@ -433,7 +433,8 @@ class CommitEngine:
         Raises:
             StoreError: a write failed after it returned and no later call of that run
                 reported it (the first such error is the ``__cause__``), or the committer did
-                not stop within `CLOSE_GRACE_S`.
+                not stop within `CLOSE_GRACE_S`. A write refused because the run's lease was
+                taken over is not such a failure (its driver learns of it from the lease).
 
         Cancellation:
             The flush is shielded (bounded by `CLOSE_GRACE_S`).
@@ -450,7 +451,14 @@ class CommitEngine:
         self._raise_unreported()
 
     def _raise_unreported(self) -> None:
-        unreported = sorted(r for r, s in self._runs.items() if s.error and not s.reported)
+        # A write refused because the run's lease moved on lost nothing acknowledged: the
+        # driver learns of it from its lease (renewal or next write), and the run goes on
+        # under its new driver.
+        unreported = sorted(
+            r
+            for r, s in self._runs.items()
+            if s.error and not s.reported and not isinstance(s.error, LeaseLost)
+        )
         if not unreported:
             return
         for run_id in unreported:

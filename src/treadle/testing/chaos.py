@@ -81,16 +81,18 @@ class _Workers:
     cwd: str
     log_dir: Path
     processes: list[subprocess.Popen[bytes]] = attrs.Factory(list)
+    logs: dict[int, Path] = attrs.Factory(dict)
     started: int = 0
 
     def start(self) -> subprocess.Popen[bytes]:
         self.started += 1
-        out = open(self.log_dir / f"worker-{self.started}.log", "wb")  # noqa: SIM115
-        process = subprocess.Popen(
-            self.command, env=self.env, cwd=self.cwd, stdout=out, stderr=subprocess.STDOUT
-        )
-        out.close()
+        log = self.log_dir / f"worker-{self.started}.log"
+        with open(log, "wb") as out:
+            process = subprocess.Popen(
+                self.command, env=self.env, cwd=self.cwd, stdout=out, stderr=subprocess.STDOUT
+            )
         self.processes.append(process)
+        self.logs[process.pid] = log
         return process
 
     def kill_one(self, rng: random.Random) -> None:
@@ -104,7 +106,14 @@ class _Workers:
         self.start()
 
     def stop(self) -> list[int]:
+        """SIGTERM every worker once it is up (a signal before that kills it outright)."""
+        deadline = time.monotonic() + 60
         for process in self.processes:
+            log = self.logs[process.pid]
+            while process.poll() is None and time.monotonic() < deadline:
+                if b" serves " in log.read_bytes():
+                    break
+                time.sleep(0.02)
             if process.poll() is None:
                 process.send_signal(signal.SIGTERM)
         codes = []
