@@ -293,6 +293,16 @@ approval_decideds = _build(
     edited_arguments=st.none() | json_objects,
 )
 
+definition_accepteds = _build(
+    t.DefinitionAccepted,
+    run_id=ids,
+    ts=timestamps,
+    changed=_tuples(ids),
+    snapshot=json_objects,
+    agent_version=st.none() | ids,
+    accepted_by=texts,
+)
+
 RECORD_STRATEGIES: dict[type[Any], st.SearchStrategy[Any]] = {
     t.RunStarted: run_starteds,
     t.ModelIntent: model_intents,
@@ -304,6 +314,7 @@ RECORD_STRATEGIES: dict[type[Any], st.SearchStrategy[Any]] = {
     t.CancelRequested: cancel_requesteds,
     t.ApprovalRequested: approval_requesteds,
     t.ApprovalDecided: approval_decideds,
+    t.DefinitionAccepted: definition_accepteds,
 }
 """Log record class -> strategy; one entry per member of `treadle.types.Record`."""
 

@@ -27,6 +27,7 @@ from treadle.types import (
     ApprovalDecided,
     ApprovalRequested,
     CancelRequested,
+    DefinitionAccepted,
     ModelIntent,
     ModelResult,
     Record,
@@ -149,6 +150,11 @@ def describe(record: Record) -> tuple[str, str]:
     if isinstance(record, CancelRequested):
         who = f" by {record.canceller}" if record.canceller else ""
         return "cancel requested", clip(f"{record.reason}{who}".strip())
+    if isinstance(record, DefinitionAccepted):
+        return "definition accepted", clip(
+            f"{record.agent_version or 'unversioned'}, changed: {', '.join(record.changed)}"
+            + (f" (by {record.accepted_by})" if record.accepted_by else "")
+        )
     assert isinstance(record, RunFinished)
     undelivered = [
         f"{count} {what}"

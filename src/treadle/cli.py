@@ -303,6 +303,13 @@ def trajectory_table(log: RunLog) -> Table:
 )
 @click.option("--json", "as_json", is_flag=True, help="One JSON object per run.")
 @click.option(
+    "--accept-changed-definition",
+    "accept_change",
+    is_flag=True,
+    help="Go on even though the agent definition differs from the run's: the difference is "
+    "written to the log first (without this flag the resume is refused).",
+)
+@click.option(
     "--wait",
     is_flag=True,
     help="Wait for leases held by other drivers to expire (a driver that died lets go "
@@ -315,6 +322,7 @@ def resume(
     resume_all: bool,
     max_concurrent: int,
     as_json: bool,
+    accept_change: bool,
     wait: bool,
 ) -> None:
     """Resume an unfinished run (or every one, with --all) and print how it ended.
@@ -327,10 +335,13 @@ def resume(
         raise click.UsageError("give a RUN_ID or --all (not both)")
     agent = load_agent(agent_spec)
     if resume_all:
+        if accept_change:
+            raise click.UsageError("--accept-changed-definition takes one RUN_ID, not --all")
         logs, errors = run_async(lambda: _resume_all(store_path, agent, max_concurrent, wait))
     else:
         assert run_id is not None
-        logs, errors = [run_async(lambda: _resume_one(store_path, agent, run_id, wait))], []
+        logs = [run_async(lambda: _resume_one(store_path, agent, run_id, wait, accept_change))]
+        errors = []
     for log in logs:
         ended = _ending(log)
         if as_json:
@@ -372,7 +383,9 @@ def load_agent(spec: str) -> Agent:
     return agent
 
 
-async def _resume_one(store_path: str, agent: Agent, run_id: str, wait: bool) -> RunLog:
+async def _resume_one(
+    store_path: str, agent: Agent, run_id: str, wait: bool, accept_change: bool
+) -> RunLog:
     from treadle.supervisors.run import run
 
     async with open_store(store_path) as store:
@@ -382,7 +395,7 @@ async def _resume_one(store_path: str, agent: Agent, run_id: str, wait: bool) ->
         if log.finished is None:
             if wait:
                 await wait_for_leases(store, [run_id])
-            await run(agent, store=store, run_id=run_id)
+            await run(agent, store=store, run_id=run_id, accept_definition_change=accept_change)
             log = await store.read_log(run_id)
     return log
 

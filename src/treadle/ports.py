@@ -18,10 +18,10 @@ from treadle.types import (
     ActionOutcome,
     ActionResult,
     ApprovalDecided,
-    ApprovalRequested,
     CancelRequested,
     Claim,
     ControlEntry,
+    ControlRecord,
     Event,
     Lease,
     Message,
@@ -167,12 +167,12 @@ class RunStore(Protocol):
 
     async def write_control(
         self,
-        record: CancelRequested | ApprovalRequested | ApprovalDecided,
+        record: ControlRecord,
         *,
         seq: int,
         generation: int,
     ) -> None:
-        """Append an approval or cancel record to the run's log. A barrier."""
+        """Append a control record (approval, cancel, accepted definition) to the log. A barrier."""
         ...
 
     async def write_run_finished(self, record: RunFinished, *, seq: int, generation: int) -> None:

@@ -671,6 +671,33 @@ class ApprovalDecided:
     edited_arguments: Mapping[str, JSONValue] | None = None
 
 
+@attrs.frozen(kw_only=True)
+class DefinitionAccepted:
+    """The run goes on under a changed agent definition, accepted deliberately.
+
+    Written (a barrier) when a run is resumed with ``accept_definition_change=True`` (``treadle
+    resume --accept-changed-definition``) and the definition's snapshot differs from the one
+    the run was started (or last accepted) under; without the flag the resume is refused
+    (`treadle.SnapshotMismatch`). Later resumes compare with this snapshot (docs/fleet.md,
+    "Deploys").
+
+    Attributes:
+        run_id: the run.
+        ts: UTC instant, ISO-8601.
+        changed: the snapshot keys that differ, sorted.
+        snapshot: the accepted snapshot, in full.
+        agent_version: the accepted definition's version label.
+        accepted_by: who accepted it (the lease owner id of the driver that wrote it).
+    """
+
+    run_id: str
+    ts: str
+    changed: tuple[str, ...]
+    snapshot: Mapping[str, JSONValue]
+    agent_version: str | None = None
+    accepted_by: str = ""
+
+
 Record: TypeAlias = (
     RunStarted
     | ModelIntent
@@ -682,8 +709,14 @@ Record: TypeAlias = (
     | CancelRequested
     | ApprovalRequested
     | ApprovalDecided
+    | DefinitionAccepted
 )
 """Every log record, a closed union (serialised with a ``kind`` tag)."""
+
+ControlRecord: TypeAlias = (
+    CancelRequested | ApprovalRequested | ApprovalDecided | DefinitionAccepted
+)
+"""The records of `treadle.ports.RunStore.write_control` (barriers outside the step pattern)."""
 
 
 @attrs.frozen(kw_only=True)
@@ -884,6 +917,7 @@ class EventKind(enum.StrEnum):
     APPROVAL_REQUESTED = "approval_requested"
     APPROVAL_DECIDED = "approval_decided"
     CANCEL_REQUESTED = "cancel_requested"
+    DEFINITION_ACCEPTED = "definition_accepted"
     RUN_FINISHED = "run_finished"
     TEXT_DELTA = "text_delta"
     REASONING_DELTA = "reasoning_delta"

@@ -21,6 +21,7 @@ from treadle.types import (
     ApprovalDecided,
     ApprovalRequested,
     CancelRequested,
+    DefinitionAccepted,
     Event,
     EventKind,
     ModelIntent,
@@ -43,6 +44,7 @@ EVENT_KIND: dict[type[object], EventKind] = {
     ApprovalRequested: EventKind.APPROVAL_REQUESTED,
     ApprovalDecided: EventKind.APPROVAL_DECIDED,
     CancelRequested: EventKind.CANCEL_REQUESTED,
+    DefinitionAccepted: EventKind.DEFINITION_ACCEPTED,
     RunFinished: EventKind.RUN_FINISHED,
 }
 """The durable event kind of each log record."""
@@ -481,7 +483,9 @@ async def _write_step(store: RunStore, records: tuple[Record, ...], seq: int, ge
 
 async def _write_control(store: RunStore, records: tuple[Record, ...], seq: int, gen: int) -> None:
     (record,) = records
-    assert isinstance(record, CancelRequested | ApprovalRequested | ApprovalDecided)
+    assert isinstance(
+        record, CancelRequested | ApprovalRequested | ApprovalDecided | DefinitionAccepted
+    )
     await store.write_control(record, seq=seq, generation=gen)
 
 

@@ -24,6 +24,7 @@ from treadle.types import (
     ApprovalDecided,
     ApprovalRequested,
     CancelRequested,
+    DefinitionAccepted,
     Message,
     ModelIntent,
     ModelResult,
@@ -44,6 +45,7 @@ KIND_OF: Final[dict[type[Any], str]] = {
     CancelRequested: "cancel_requested",
     ApprovalRequested: "approval_requested",
     ApprovalDecided: "approval_decided",
+    DefinitionAccepted: "definition_accepted",
 }
 """Record class -> tag. Tags are schema: never rename one."""
 

@@ -16,6 +16,7 @@ from treadle.types import (
     ApprovalDecided,
     ApprovalRequested,
     CancelRequested,
+    DefinitionAccepted,
     Record,
     RunFinished,
     RunStarted,
@@ -78,6 +79,8 @@ def _apply(delta: IndexDelta, record: Record) -> IndexDelta:
         return attrs.evolve(delta, state=RunState.RUNNING, awaiting_until="")
     if isinstance(record, CancelRequested):
         return attrs.evolve(delta, state=RunState.CANCELLING, awaiting_until="")
+    if isinstance(record, DefinitionAccepted):
+        return attrs.evolve(delta, agent_version=record.agent_version)
     if isinstance(record, RunFinished):
         return attrs.evolve(
             delta,

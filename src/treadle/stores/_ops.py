@@ -17,6 +17,8 @@ from treadle.types import (
     ApprovalDecided,
     ApprovalRequested,
     CancelRequested,
+    ControlRecord,
+    DefinitionAccepted,
     ModelIntent,
     ModelResult,
     Record,
@@ -97,12 +99,12 @@ class AppendStore:
 
     async def write_control(
         self,
-        record: CancelRequested | ApprovalRequested | ApprovalDecided,
+        record: ControlRecord,
         *,
         seq: int,
         generation: int,
     ) -> None:
-        """Append an approval or cancel record to the run's log; a barrier."""
+        """Append a control record (approval, cancel, accepted definition); a barrier."""
         await self._append(record.run_id, seq, (record,), op=StoreOp.CONTROL, generation=generation)
 
     async def write_run_finished(self, record: RunFinished, *, seq: int, generation: int) -> None:
@@ -153,7 +155,9 @@ async def _write_one(
         await store.write_model_result(record, seq=seq, generation=generation)
     elif isinstance(record, RunFinished):
         await store.write_run_finished(record, seq=seq, generation=generation)
-    elif isinstance(record, CancelRequested | ApprovalRequested | ApprovalDecided):
+    elif isinstance(
+        record, CancelRequested | ApprovalRequested | ApprovalDecided | DefinitionAccepted
+    ):
         await store.write_control(record, seq=seq, generation=generation)
     else:  # an action result: only ever written with its step record
         raise TypeError(f"a {type(record).__name__} cannot be written on its own")

@@ -28,7 +28,7 @@ import attrs
 import trio
 
 from treadle._clock import Clock, SystemClock
-from treadle._exceptions import LeaseError, RunInterrupted, StoreError, UsageError
+from treadle._exceptions import LeaseError, RunInterrupted, SnapshotMismatch, StoreError, UsageError
 from treadle._ids import check_run_id, new_run_id
 from treadle._state import RunView, fold
 from treadle.actors.coordinator import Drained, Parked, RunCoordinator
@@ -44,7 +44,7 @@ from treadle.actors.writer import (
     stored_events,
     with_step_started,
 )
-from treadle.agent import Agent, RunInput, check_snapshot, input_messages
+from treadle.agent import Agent, RunInput, input_messages, snapshot_diff
 from treadle.approvals import ApprovalPolicy, requires_approval
 from treadle.ports import ControlStream, EventSink, RunStore
 from treadle.stores._codec import check_schema
@@ -55,6 +55,7 @@ from treadle.supervisors._parking import Parking
 from treadle.types import (
     ApprovalDecided,
     ApprovalRequested,
+    DefinitionAccepted,
     Event,
     RunLog,
     RunResult,
@@ -565,6 +566,7 @@ async def open_run(
     park_after_s: float | None = PARK_AFTER_S,
     lease_ttl_s: float = LEASE_TTL_S,
     owner: str | None = None,
+    accept_definition_change: bool = False,
 ) -> AsyncIterator[RunHandle]:
     """Start (or resume) a run in the background and yield its handle.
 
@@ -601,7 +603,12 @@ async def open_run(
             handle stays in memory until a decision, a cancel or the deadline resumes it from
             its log (docs/decisions/0010). ``None`` never parks.
         lease_ttl_s: the lease duration in seconds (default 15).
-        owner: the lease owner id (default: a fresh ``host:pid:random``).
+        owner: the lease owner id (default: a fresh ``host:pid:random``). A process restarted
+            under the owner id of one that died continues its leases at once.
+        accept_definition_change: resume even though the agent definition's snapshot
+            differs from the run's: the difference is written to the log first (a
+            `treadle.types.DefinitionAccepted` record, docs/fleet.md "Deploys"); without it,
+            `SnapshotMismatch` is raised.
 
     Raises:
         RunLeased: another live driver holds the run's lease (the error names it and the
@@ -622,6 +629,7 @@ async def open_run(
         control_poll_s=control_poll_s,
         actors=actors,
         park_after_s=park_after_s,
+        accept_definition_change=accept_definition_change,
     )
     async with drive_run(
         agent, input, store=store, hold=hold, sinks=sinks, options=options
@@ -640,6 +648,7 @@ class _Options:
     keeper: LeaseKeeper | None = None
     agent_name: str | None = None
     leave_parked: bool = False
+    accept_definition_change: bool = False
 
 
 @asynccontextmanager
@@ -842,7 +851,7 @@ async def _drive(
     """
     clock = options.clock
     async with trio.open_nursery() as nursery:
-        started, view, resumed = _prepare(agent, input, log, clock, options.agent_name)
+        started, view, resumed, accepted = _prepare(agent, input, log, clock, options, hold.owner)
         actors = options.actors
         writer_send, writer_recv = trio.open_memory_channel[WriterRequest](WRITER_INBOX)
         writer = actors.writer(
@@ -866,6 +875,9 @@ async def _drive(
         if view.next_seq == 1:
             await client.write(StoreOp.RUN_STARTED, started)
             view.apply(started)
+        if accepted is not None:  # the changed definition, accepted, is on record first
+            await client.barrier(StoreOp.CONTROL, accepted)
+            view.apply(accepted)
         context = ActorContext(
             run_id=log.run_id,
             agent=agent,
@@ -990,10 +1002,16 @@ def _leaves(error: BaseException) -> list[BaseException]:
 
 
 def _prepare(
-    agent: Agent, input: RunInput | None, log: RunLog, clock: Clock, agent_name: str | None
-) -> tuple[RunStarted, RunView, tuple[StepRecord, ...]]:
-    """Build the run-started record (new run) or check the stored one (resume)."""
+    agent: Agent, input: RunInput | None, log: RunLog, clock: Clock, options: _Options, owner: str
+) -> tuple[RunStarted, RunView, tuple[StepRecord, ...], DefinitionAccepted | None]:
+    """Build the run-started record (new run) or check the stored one (resume).
+
+    Returns:
+        The run-started record, the folded view, the step records, and the record accepting
+        a changed definition to write first (``accept_definition_change``), or ``None``.
+    """
     snapshot = agent.snapshot()
+    agent_name = options.agent_name
     if log.started is None:
         if log.records:
             raise StoreError(f"run {log.run_id!r}: log does not start with run-started")
@@ -1007,13 +1025,47 @@ def _prepare(
             agent=agent_name,
             agent_version=agent.version_label,
         )
-        return started, RunView(), ()
+        return started, RunView(), (), None
     started = log.started
     check_schema(started)
-    check_snapshot(log.run_id, started.snapshot, snapshot)
     if input is not None and input_messages(input) != started.input:
         raise UsageError(f"run {log.run_id!r}: the input differs from the stored input")
-    return started, fold(log.records), log.steps
+    accepted = _accepted_change(agent, log, started, clock, options, owner)
+    return started, fold(log.records), log.steps, accepted
+
+
+def _accepted_change(
+    agent: Agent,
+    log: RunLog,
+    started: RunStarted,
+    clock: Clock,
+    options: _Options,
+    owner: str,
+) -> DefinitionAccepted | None:
+    """``None`` when the definition matches the run's; the acceptance record when allowed.
+
+    Raises:
+        SnapshotMismatch: it differs and ``accept_definition_change`` was not given.
+    """
+    stored = started.snapshot
+    for record in reversed(log.records):
+        if isinstance(record, DefinitionAccepted):
+            stored = record.snapshot
+            break
+    snapshot = agent.snapshot()
+    changed = snapshot_diff(stored, snapshot)
+    if not changed:
+        return None
+    if not options.accept_definition_change:
+        raise SnapshotMismatch(log.run_id, changed)
+    return DefinitionAccepted(
+        run_id=log.run_id,
+        ts=clock.now_iso(),
+        changed=tuple(changed),
+        snapshot=snapshot,
+        agent_version=agent.version_label,
+        accepted_by=owner,
+    )
 
 
 async def _start_actors(
@@ -1066,6 +1118,7 @@ async def run(
     park_after_s: float | None = PARK_AFTER_S,
     lease_ttl_s: float = LEASE_TTL_S,
     owner: str | None = None,
+    accept_definition_change: bool = False,
 ) -> RunResult:
     """Run ``agent`` on ``input`` to the end and return the result.
 
@@ -1093,6 +1146,7 @@ async def run(
         park_after_s=park_after_s,
         lease_ttl_s=lease_ttl_s,
         owner=owner,
+        accept_definition_change=accept_definition_change,
     ) as handle:
         pass  # leaving the block waits for the run
     return await handle.wait()

@@ -19,10 +19,10 @@ from treadle.types import (
     ActionIntent,
     ActionResult,
     ApprovalDecided,
-    ApprovalRequested,
     CancelRequested,
     Claim,
     ControlEntry,
+    ControlRecord,
     Lease,
     Message,
     ModelIntent,
@@ -116,7 +116,7 @@ class InterceptingStore:
 
     async def write_control(
         self,
-        record: CancelRequested | ApprovalRequested | ApprovalDecided,
+        record: ControlRecord,
         *,
         seq: int,
         generation: int,

@@ -43,6 +43,7 @@ from treadle.types import (
     ApprovalDecided,
     ApprovalRequested,
     CancelRequested,
+    ControlRecord,
     DecisionKind,
     Message,
     ModelErrorInfo,
@@ -252,7 +253,7 @@ class _Writer:
         self.written.extend((*results, record))
         return record
 
-    async def control(self, record: CancelRequested | ApprovalRequested | ApprovalDecided) -> None:
+    async def control(self, record: ControlRecord) -> None:
         await self.store.write_control(record, seq=self.seq, generation=await self.lease())
         self.written.append(record)
 
