@@ -1,0 +1,127 @@
+"""The PostgreSQL store beyond the contracts: lost connections, an unknown commit outcome, the
+schema version, the DSN's password, and a stale writer filtered inside a shared batch."""
+
+from __future__ import annotations
+
+import psycopg
+import pytest
+import trio
+
+import treadle
+from treadle.stores import postgres
+from treadle.stores.postgres import PostgresStore
+from treadle.testing.contracts import lease_generation
+from treadle.types import Message, ModelIntent, RunStarted
+
+TS = "2026-01-01T00:00:00+00:00"
+
+
+def started(run_id: str) -> RunStarted:
+    return RunStarted(
+        run_id=run_id, ts=TS, input=(Message(role="user", content="hi"),), snapshot={}
+    )
+
+
+def intent(run_id: str, n: int) -> ModelIntent:
+    return ModelIntent(run_id=run_id, step=1, intent_id=f"{run_id}/m{n}", attempt=n, ts=TS)
+
+
+async def test_a_dropped_committer_connection_is_made_again_and_the_write_lands(
+    postgres_dsn: str, postgres_schema: str
+) -> None:
+    async with treadle.open_postgres_store(postgres_dsn, schema=postgres_schema) as store:
+        gen = await lease_generation(store, "r")
+        await store.write_run_started(started("r"), seq=1, generation=gen)
+        await store.write_intent(intent("r", 1), seq=2, generation=gen)
+        with psycopg.connect(postgres_dsn, autocommit=True) as admin:
+            killed = admin.execute(
+                "SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
+                "WHERE application_name = 'treadle committer' AND datname = current_database() "
+                "AND pid <> pg_backend_pid()"
+            ).fetchall()
+        assert killed  # the committer's connection is gone
+        await store.write_intent(intent("r", 2), seq=3, generation=gen)  # a barrier
+        log = await store.read_log("r")
+    assert [type(r).__name__ for r in log.records] == ["RunStarted", "ModelIntent", "ModelIntent"]
+
+
+class _LostAfterCommit(postgres.PostgresBackend):
+    """The connection drops right after the server committed: the outcome looks unknown."""
+
+    drops = 1
+
+    def _statement(self, groups):  # type: ignore[no-untyped-def]
+        committed = super()._statement(groups)
+        if self.drops:
+            self.drops -= 1
+            self._conn.close()
+            raise psycopg.OperationalError("server closed the connection unexpectedly")
+        return committed
+
+
+async def test_a_commit_whose_outcome_was_lost_is_read_back_not_repeated(
+    postgres_dsn: str, postgres_schema: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(postgres, "PostgresBackend", _LostAfterCommit)
+    async with treadle.open_postgres_store(postgres_dsn, schema=postgres_schema) as store:
+        gen = await lease_generation(store, "r")
+        await store.write_run_started(started("r"), seq=1, generation=gen)
+        await store.write_intent(intent("r", 1), seq=2, generation=gen)  # lost after COMMIT
+        await store.write_intent(intent("r", 2), seq=3, generation=gen)  # the next goes on
+        log = await store.read_log("r")
+        generations = await store.read_generations("r")
+    assert [type(r).__name__ for r in log.records] == ["RunStarted", "ModelIntent", "ModelIntent"]
+    assert generations == (gen, gen, gen)
+
+
+async def test_a_stale_writer_is_filtered_inside_a_shared_batch(
+    postgres_dsn: str, postgres_schema: str
+) -> None:
+    async with treadle.open_postgres_store(postgres_dsn, schema=postgres_schema) as store:
+        old = await store.acquire_lease("stale", owner="a", ttl_s=600)
+        await store.write_run_started(started("stale"), seq=1, generation=old.generation)
+        await store.release_lease(old)
+        await store.acquire_lease("stale", owner="b", ttl_s=600)
+        others = [f"ok{n}" for n in range(5)]
+        gens = {run_id: await lease_generation(store, run_id) for run_id in others}
+        outcomes: dict[str, BaseException | None] = {}
+
+        async def write(run_id: str, generation: int, seq: int) -> None:
+            try:
+                await store.write_intent(intent(run_id, 1), seq=seq, generation=generation)
+            except treadle.TreadleError as exc:
+                outcomes[run_id] = exc
+            else:
+                outcomes[run_id] = None
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(write, "stale", old.generation, 2)
+            for run_id in others:
+                nursery.start_soon(write, run_id, gens[run_id], 1)
+        commits = store.statistics().commits
+    assert isinstance(outcomes["stale"], treadle.LeaseLost)
+    assert all(outcomes[run_id] is None for run_id in others)
+    assert commits >= 1
+
+
+async def test_a_newer_schema_is_refused(postgres_dsn: str, postgres_schema: str) -> None:
+    async with treadle.open_postgres_store(postgres_dsn, schema=postgres_schema):
+        pass
+    with psycopg.connect(postgres_dsn, autocommit=True) as admin:
+        admin.execute(f"UPDATE {postgres_schema}.meta SET value = '99' WHERE key = 'layout'")
+    with pytest.raises(treadle.SchemaTooNew):
+        await PostgresStore.open(postgres_dsn, schema=postgres_schema)
+
+
+async def test_the_password_is_never_shown(postgres_dsn: str) -> None:
+    wrong = postgres_dsn.replace("treadle:treadle@", "treadle:not-the-secret-zz9@")
+    assert wrong != postgres_dsn
+    with pytest.raises(treadle.StoreError) as info:
+        await PostgresStore.open(wrong, schema="public")
+    assert "not-the-secret-zz9" not in str(info.value)
+    assert "***" in str(info.value)
+
+
+async def test_an_invalid_schema_name_is_refused(postgres_dsn: str) -> None:
+    with pytest.raises(treadle.UsageError, match="schema"):
+        await PostgresStore.open(postgres_dsn, schema="Robert'); DROP TABLE runs;--")
