@@ -7,6 +7,21 @@ import treadle.testing
 
 TREADLE = sorted(
     [
+        "InvalidRunId",
+        "LeaseError",
+        "LeaseLost",
+        "RunLeased",
+        "LEASE_TTL_S",
+        "PostgresStore",
+        "open_postgres_store",
+        "finish_cancelled",
+        "Fleet",
+        "FleetStatistics",
+        "open_fleet",
+        "wait_result",
+        "Lease",
+        "Liveness",
+        "RunSummary",
         "ActorContext",
         "Actors",
         "ActionStatus",

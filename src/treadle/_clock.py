@@ -1,4 +1,4 @@
-"""Injectable wall clock (STYLE rule 14).
+"""Injectable wall clock.
 
 Actors read trio time only for deadlines; every persisted instant comes from a `Clock`, so a
 simulation can make a log byte-identical for the same seed.

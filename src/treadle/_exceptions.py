@@ -72,7 +72,7 @@ class StoreError(TreadleError):
 class ConflictError(StoreError):
     """A write was refused because its seq is not the next one of the run's log.
 
-    This is what a second writer of the same run sees (DESIGN §8: one run has one driver).
+    This is what a second writer of the same run sees (docs/fleet.md: one run has one driver).
 
     Attributes:
         run_id: the run.

@@ -1,7 +1,8 @@
 """Decoding and repairing JSON written by a model (private; used by `treadle.parsers`).
 
 Everything here is pure and total: every function returns a result for any ``str`` input
-and never raises (the parser contract of DESIGN §3.2 rests on it). Repairs are narrow and
+and never raises (the parser contract of docs/seams.md, "Decision parser" rests on it). Repairs are
+narrow and
 named; anything they do not cover is reported as a failure with the parse error, never
 replaced by a silent ``{}``.
 

@@ -2,7 +2,8 @@
 
 `RunView` is derived from the log only, so a resumed run and a live run that wrote the same
 records agree on every counter. `PendingStep` describes the step in progress at the log's tail
-(records after the last step record), which is what the resume table of DESIGN §5 acts on.
+(records after the last step record), which is what the resume table of docs/crash-safety.md,
+"Resume" acts on.
 """
 
 from __future__ import annotations
@@ -58,7 +59,9 @@ class PendingStep:
 
 @attrs.define(eq=False)
 class RunView:
-    """Counters and flags of a run, folded from its log (DESIGN §6 stop rules read these).
+    """Counters and flags of a run, folded from its log.
+
+    The stop rules of docs/concepts.md, "Stop reasons" read these.
 
     Attributes:
         next_seq: the seq the next record gets.

@@ -1,8 +1,8 @@
-"""The agent definition: everything that assembles a run (DESIGN §1).
+"""The agent definition: everything that assembles a run (docs/concepts.md).
 
 `Agent` holds the five seams' implementations plus plain settings. Its parameter snapshot
 (`Agent.snapshot`) is the merged, model-visible part of it; it is stored in run-started and
-compared on resume (DESIGN §5).
+compared on resume (docs/crash-safety.md, "Resume").
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ class Agent:
             request); ``None`` leaves it to the provider.
         params: other sampling parameters in the provider's own form (``temperature``,
             ``reasoning_effort`` ...).
-        budgets: the four run budgets (DESIGN §6).
+        budgets: the four run budgets (docs/concepts.md, "Stop reasons").
         limits: per-call limits, seconds.
         synthetic: the synthetic observation texts (part of the snapshot).
         observation_template: how an executed action's observation enters history;

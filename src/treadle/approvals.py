@@ -2,7 +2,8 @@
 
 A tool declared with ``@tool(requires_approval=True)``, or any call an `ApprovalPolicy`
 selects by tool name and arguments, waits for a human decision before its action intent is
-written (DESIGN §6, docs/events.md). The request is bound to the call's id and to
+written (docs/concepts.md, "Stop reasons", docs/events.md). The request is bound to the call's id
+and to
 `arguments_digest` of its arguments; a decision that names another call or other arguments
 is refused.
 
@@ -88,7 +89,9 @@ def decision_for(
     reject: str | None = None,
     edit: Mapping[str, Any] | None = None,
 ) -> ApprovalDecided:
-    """The decision record answering ``request``: approve, reject or edit (DESIGN §6).
+    """The decision record answering ``request``: approve, reject or edit.
+
+    See docs/concepts.md, "Stop reasons".
 
     Raises:
         UsageError: no request is pending, ``call_id`` names another call, both ``reject``

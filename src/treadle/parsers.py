@@ -1,7 +1,8 @@
 """Decision parsers: turn a model reply into actions, a final answer or an invalid decision.
 
 Both parsers implement `treadle.ports.DecisionParser` and **never raise** for any reply
-(DESIGN §3.2). They are pure: parsing the same stored reply again (on resume) gives the
+(docs/seams.md, "Decision parser"). They are pure: parsing the same stored reply again (on resume)
+gives the
 same decision, synthesised call ids included.
 
 * `NativeToolCallParser`: for models with native tool calling. The model client puts

@@ -47,7 +47,7 @@ DeltaCallback = Callable[[str, str], None]
 
 @runtime_checkable
 class ModelClient(Protocol):
-    """Seam 1: one model call attempt (DESIGN §3.1).
+    """Seam 1: one model call attempt (docs/seams.md, "Model client").
 
     Retries, deadlines and budgets belong to the model gateway actor, not to clients: one
     ``complete`` call is exactly one HTTP attempt.
@@ -79,7 +79,8 @@ class ModelClient(Protocol):
 class DecisionParser(Protocol):
     """Seam 2: turn a reply into actions, a final answer, or an invalid decision.
 
-    It never raises for any input (DESIGN §3.2). If an implementation raises anyway, the
+    It never raises for any input (docs/seams.md, "Decision parser"). If an implementation raises
+    anyway, the
     library does not catch it: the run is left unfinished and resumable.
     """
 
@@ -90,7 +91,7 @@ class DecisionParser(Protocol):
 
 @runtime_checkable
 class ActionExecutor(Protocol):
-    """Seam 3: carry out one action and report its outcome (DESIGN §3.3)."""
+    """Seam 3: carry out one action and report its outcome (docs/seams.md, "Action executor")."""
 
     def tool_specs(self) -> tuple[ToolSpec, ...]:
         """The tools offered to the model, in declaration order."""

@@ -17,7 +17,8 @@ default is optional. A parameter annotated `ToolContext` receives the run, step 
 idempotency key of the call and is not shown to the model.
 
 `Toolbox` implements `treadle.ports.ActionExecutor`. Arguments are validated (strictly:
-no coercion, no extra keys) before the tool runs (DESIGN §9). Outcomes (DESIGN §3.3):
+no coercion, no extra keys) before the tool runs (docs/concepts.md, "Data that stays in"). Outcomes
+(docs/seams.md, "Action executor"):
 
 * unknown tool or invalid arguments: NOT_EXECUTED (the detail says why);
 * the tool raised: EXECUTED, observation ``Error: <ExceptionType>: <message>``;
@@ -61,7 +62,9 @@ _RESULTS: Final = make_converter()
 
 
 class EnvironmentFailure(TreadleError):
-    """Raised by a tool when the environment itself can no longer serve (DESIGN §3.3).
+    """Raised by a tool when the environment itself can no longer serve.
+
+    See docs/seams.md, "Action executor".
 
     The connection is gone, the protocol is broken, the sandbox died: the action becomes
     ENV_ERROR and the run ends with stop reason ``env_error``. An ordinary failure of the

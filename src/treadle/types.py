@@ -1,6 +1,6 @@
 """Immutable records and enums shared by every part of treadle.
 
-This module depends on nothing else in the package (DESIGN §2). It holds:
+This module depends on nothing else in the package (docs/design.md). It holds:
 
 * the enums of the run state machine, stop reasons and action statuses;
 * the model-visible request and reply shapes (messages, tool specs, tool calls, usage);
@@ -12,7 +12,7 @@ This module depends on nothing else in the package (DESIGN §2). It holds:
 
 All records are `attrs.frozen(kw_only=True)`; change them with `attrs.evolve`. Durations are
 seconds (`_s` suffix); instants are UTC wall-clock ISO-8601 strings from the injected clock,
-never trio time (STYLE rule 13).
+never trio time.
 """
 
 from __future__ import annotations
@@ -33,7 +33,10 @@ JSONValue: TypeAlias = Any
 
 
 class StopReason(enum.StrEnum):
-    """Why a run ended, checked in this order at the top of every step (DESIGN §6)."""
+    """Why a run ended, checked in this order at the top of every step.
+
+    See docs/concepts.md, "Stop reasons".
+    """
 
     CANCELLED = "cancelled"
     ENV_ERROR = "env_error"
@@ -49,11 +52,11 @@ class StopReason(enum.StrEnum):
 
 SUCCESS_STOP_REASONS = frozenset({StopReason.TASK_COMPLETED, StopReason.FINAL_ANSWER})
 """Stop reasons that end a run as `succeeded`; every other one ends it as `failed` or
-`cancelled`. An unknown stop reason is never success (DESIGN §6)."""
+`cancelled`. An unknown stop reason is never success (docs/concepts.md, "Stop reasons")."""
 
 
 class RunState(enum.StrEnum):
-    """The run state machine of DESIGN §6.
+    """The run state machine of docs/concepts.md, "Stop reasons".
 
     ``queued → running ⇄ awaiting_approval → succeeded | failed | interrupted`` and
     ``queued | running | awaiting_approval → cancelling → cancelled``. Terminal states never
@@ -76,7 +79,7 @@ class RunState(enum.StrEnum):
 
 
 class ActionStatus(enum.StrEnum):
-    """What happened to an action (DESIGN §3.3, §5).
+    """What happened to an action (docs/seams.md, "Action executor").
 
     EXECUTED: it ran in the environment, whatever its result (a tool that raised included).
     NOT_EXECUTED: it never started (unknown tool, invalid arguments, refused, rejected).
@@ -101,7 +104,7 @@ class ReplayPolicy(enum.StrEnum):
 
 
 class DecisionKind(enum.StrEnum):
-    """The three things a decision parser can return (DESIGN §3.2)."""
+    """The three things a decision parser can return (docs/seams.md, "Decision parser")."""
 
     ACTIONS = "actions"
     FINAL_ANSWER = "final_answer"
@@ -136,7 +139,9 @@ _BARRIER_OPS = frozenset({StoreOp.INTENT, StoreOp.CONTROL, StoreOp.RUN_FINISHED}
 
 @attrs.frozen(kw_only=True)
 class ImageRef:
-    """An image given to the model, kept in the log by reference only (DESIGN §9).
+    """An image given to the model, kept in the log by reference only.
+
+    See docs/concepts.md, "Data that stays in".
 
     Attributes:
         url: an ``http(s)`` URL the provider fetches itself, or a caller-side key
@@ -243,7 +248,7 @@ class ModelRequest:
 class Usage:
     """Token usage as reported by the provider; every count is ``None`` when not reported.
 
-    Unknown usage is never a made-up 0 (DESIGN §3.1). Units are tokens.
+    Unknown usage is never a made-up 0 (docs/seams.md, "Model client"). Units are tokens.
     """
 
     input_tokens: int | None = None
@@ -310,7 +315,9 @@ class ModelErrorInfo:
 
 @attrs.frozen(kw_only=True)
 class ParsedReply:
-    """What a decision parser returns (DESIGN §3.2); exactly one of three kinds.
+    """What a decision parser returns; exactly one of three kinds.
+
+    See docs/seams.md, "Decision parser".
 
     Attributes:
         kind: actions, final answer, or invalid decision.
@@ -334,7 +341,7 @@ class ParsedReply:
 
 @attrs.frozen(kw_only=True)
 class ActionOutcome:
-    """What the action executor returns for one action (DESIGN §3.3).
+    """What the action executor returns for one action (docs/seams.md, "Action executor").
 
     Attributes:
         status: EXECUTED, NOT_EXECUTED, ENV_ERROR (or UNKNOWN, only from resume).
@@ -385,7 +392,7 @@ class Action:
 
 @attrs.frozen(kw_only=True)
 class Budgets:
-    """The four run budgets of DESIGN §6; ``None`` means unlimited.
+    """The four run budgets of docs/concepts.md, "Stop reasons"; ``None`` means unlimited.
 
     Attributes:
         max_steps: steps (one model call + its action(s)).
@@ -402,7 +409,7 @@ class Budgets:
 
 @attrs.frozen(kw_only=True)
 class Limits:
-    """Per-call limits (DESIGN §6), seconds unless named otherwise.
+    """Per-call limits (docs/concepts.md, "Stop reasons"), seconds unless named otherwise.
 
     Attributes:
         tool_timeout_s: default per tool call.
@@ -434,7 +441,7 @@ class SyntheticObservations:
     """The observation texts the library puts into history when an action did not run.
 
     They are part of the agent definition and of its parameter snapshot, so a replay
-    reproduces them (DESIGN §3.3). ``{tool}`` and ``{detail}`` are substituted.
+    reproduces them (docs/seams.md, "Action executor"). ``{tool}`` and ``{detail}`` are substituted.
     """
 
     not_executed: str = "Error: the call to {tool} was not executed: {detail}"
@@ -542,7 +549,9 @@ class ActionResult:
 
 @attrs.frozen(kw_only=True)
 class StepRecord:
-    """One completed step (DESIGN §4); written atomically with its action results.
+    """One completed step; written atomically with its action results.
+
+    See docs/crash-safety.md, "The write protocol".
 
     Attributes:
         step: 1-based step index, contiguous.
@@ -606,7 +615,7 @@ class RunFinished:
 
     Attributes:
         state: succeeded, failed or cancelled.
-        stop_reason: which rule of DESIGN §6 ended it.
+        stop_reason: which rule of docs/concepts.md, "Stop reasons" ended it.
         final_answer: the model's final answer, when it gave one.
         error: a short description for failed runs (model error, env error), else ``None``.
         sink_drops: events the finishing process dropped for sinks that fell behind.
@@ -614,7 +623,7 @@ class RunFinished:
         subscriber_drops: live subscribers cut off for falling behind.
 
     The three delivery counters cover the process that finished the run, up to this record
-    (DESIGN §7: a slow or failing sink never stalls a run, it is counted instead).
+    (docs/concepts.md, "Actors": a slow or failing sink never stalls a run, it is counted instead).
     """
 
     run_id: str
@@ -964,7 +973,7 @@ class RunResult:
     Attributes:
         run_id: the run.
         state: succeeded, failed or cancelled.
-        stop_reason: the rule of DESIGN §6 that ended the run.
+        stop_reason: the rule of docs/concepts.md, "Stop reasons" that ended the run.
         final_answer: the model's final answer text, when it gave one.
         totals: steps, attempts, tokens and active time, derived from the log.
         error: a short description for failed runs.

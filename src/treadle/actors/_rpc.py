@@ -1,4 +1,4 @@
-"""Request/reply over memory channels (STYLE rule 9).
+"""Request/reply over memory channels.
 
 The requester opens a one-slot reply channel, puts its send end into the request, and awaits
 one reply. The replier answers with `reply` and never blocks on a requester that went away.

@@ -1,4 +1,6 @@
-"""The run coordinator: the state machine, the step loop, stop rules and budgets (DESIGN §6).
+"""The run coordinator: the state machine, the step loop, stop rules and budgets.
+
+See docs/concepts.md, "Stop reasons".
 
 It never reasons about text. Each iteration checks the stop rules A-H in order, then runs one
 step: a model request from the hydrator, the model call through the gateway, the parse, the
@@ -137,7 +139,9 @@ class RunCoordinator:
     _draining: bool = False
 
     def cancel(self, reason: str = "", canceller: str = "") -> None:
-        """Request cancellation: the step in flight is cancelled at once (DESIGN §6 A).
+        """Request cancellation: the step in flight is cancelled at once.
+
+        See docs/concepts.md, "Stop reasons", rule A.
 
         A no-op once the run is finishing or finished (terminal states never change).
         """
@@ -229,7 +233,10 @@ class RunCoordinator:
             channel.close()
 
     def stop_reason(self) -> StopReason | None:
-        """The first stop rule A-H that holds, or ``None`` to continue (DESIGN §6)."""
+        """The first stop rule A-H that holds, or ``None`` to continue.
+
+        See docs/concepts.md, "Stop reasons".
+        """
         view = self.view
         last = view.last_step
         if self._cancel is not None or view.cancel is not None:
@@ -318,7 +325,8 @@ class RunCoordinator:
         """The step's last model attempt, when it failed for good before its step record.
 
         A crash between a final model error and the step record leaves exactly that in the
-        log; resuming reuses the recorded result (DESIGN §5) instead of a new attempt. A cut
+        log; resuming reuses the recorded result (docs/crash-safety.md, "Resume") instead of a new
+        attempt. A cut
         (cancel, time or token budget) or an abandoned attempt is not a failure for good.
         """
         if pending.open_model_intent is not None or not pending.failures:
@@ -553,7 +561,10 @@ class RunCoordinator:
         return outcome
 
     async def _abandon(self, intent_id: str, step: int) -> None:
-        """Resume: a model intent without result is recorded as abandoned (DESIGN §5)."""
+        """Resume: a model intent without result is recorded as abandoned.
+
+        See docs/crash-safety.md, "Resume".
+        """
         record = ModelResult(
             run_id=self.run_id,
             step=step,

@@ -1,4 +1,6 @@
-"""The tool executor actor: intent before effect, timeouts, replay policies (DESIGN §3.3, §5).
+"""The tool executor actor: intent before effect, timeouts, replay policies.
+
+See docs/seams.md, "Action executor", and docs/crash-safety.md, "Resume".
 
 For each action it writes the action intent (a barrier) before the action starts, runs it
 under the per-call timeout inside the step's cancel scope, and turns the executor's outcome

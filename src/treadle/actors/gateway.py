@@ -1,9 +1,9 @@
 """The model gateway: one model call at a time per run, with attempts, retries and deadlines.
 
 Every HTTP attempt gets its own durable intent (a barrier written before the request leaves)
-and its own result record, failed attempts included (DESIGN §4, §6). Retries wait with
-exponential backoff and jitter, or exactly the server's Retry-After; a wait that would outlast
-the active-time budget is not slept.
+and its own result record, failed attempts included (docs/crash-safety.md, "The write protocol";
+docs/concepts.md, "Budgets"). Retries wait with exponential backoff and jitter, or exactly the
+server's Retry-After; a wait that would outlast the active-time budget is not slept.
 
 Each attempt runs under the agent's `Limits`: the connect, first-byte and stream-idle deadlines
 are handed to the client (`treadle.models.attempt_deadlines`; it applies the tighter of those
@@ -102,7 +102,8 @@ def backoff_s(retry: int, limits: Limits, rng: random.Random) -> float:
     Exponential from ``limits.retry_initial_s``, capped at ``limits.retry_max_s``, with
     "equal jitter" (half fixed, half uniform random).
 
-    The random source is injected so simulations are reproducible (DESIGN §7, issue on
+    The random source is injected so simulations are reproducible (docs/concepts.md, "Actors",
+    issue on
     determinism); see docs/decisions/0003-own-backoff.md.
     """
     ceiling = min(limits.retry_max_s, limits.retry_initial_s * 2.0 ** (retry - 1))

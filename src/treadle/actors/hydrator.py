@@ -1,4 +1,4 @@
-"""The context hydrator: builds each model request from the log (DESIGN §7).
+"""The context hydrator: builds each model request from the log (docs/concepts.md, "Actors").
 
 It keeps the history incrementally: the run input once, then per step record the assistant
 message and the observations exactly as they entered history. It writes nothing; resume feeds

@@ -3,7 +3,7 @@
 It assigns each record its seq (1, 2, 3 ... gapless), hands the write to the store (whose
 committer groups the barriers of all runs into one transaction), and fans each durable event
 out to subscribers and sinks through bounded buffers. A slow or failing sink never stalls the
-run: its events are dropped and counted (DESIGN §3.5, §7).
+run: its events are dropped and counted (docs/seams.md, "Event sink"; docs/concepts.md, "Actors").
 """
 
 from __future__ import annotations

@@ -1,4 +1,7 @@
-"""Model clients (DESIGN §2): the OpenAI-compatible and Anthropic Messages streaming clients."""
+"""Model clients: the OpenAI-compatible and Anthropic Messages streaming clients.
+
+See docs/design.md.
+"""
 
 from treadle.models._accumulate import parse_retry_after as parse_retry_after
 from treadle.models._probe import probe as probe

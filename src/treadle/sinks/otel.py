@@ -8,7 +8,8 @@ Spans follow the OpenTelemetry semantic conventions for generative AI (``gen_ai.
         execute_tool <tool>              one per action
 
 Span start and end times are the records' timestamps, so a sink that lags behind the run (it is
-fed through a bounded buffer, DESIGN §7) still draws the run as it happened. Approvals and the
+fed through a bounded buffer, docs/concepts.md, "Actors") still draws the run as it happened.
+Approvals and the
 cancel request are span events. Text and reasoning deltas are not exported.
 
 The sink only needs ``opentelemetry-api``; the application configures the SDK (exporters,

@@ -1,4 +1,4 @@
-"""The one private converter that turns log records into JSON and back (STYLE rule 7).
+"""The one private converter that turns log records into JSON and back.
 
 Records are a closed union tagged by ``kind``; unknown keys are refused so a typo or a
 foreign record never decodes silently. Each stored record carries the schema version in its

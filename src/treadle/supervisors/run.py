@@ -1,10 +1,11 @@
 """The run supervisor: one run's nursery, its five actors, and the handle callers hold.
 
-`open_run` starts a new run or resumes an unfinished one (DESIGN §5): it reads the log, checks
+`open_run` starts a new run or resumes an unfinished one (docs/crash-safety.md, "Resume"): it reads
+the log, checks
 the parameter snapshot, folds the log into the coordinator's view, and starts the event writer,
 context hydrator, model gateway and tool executor with `nursery.start` before the coordinator
 runs. Cancelling the run's nursery cancels all five. An actor that fails leaves the run
-`interrupted` with its error on the handle; the log stays resumable (DESIGN §8). A run that
+`interrupted` with its error on the handle; the log stays resumable (docs/fleet.md). A run that
 waits long for an approval is parked: its actors stop and it resumes from its log once
 decided (docs/decisions/0010-parking-waiting-runs.md).
 
@@ -94,7 +95,7 @@ class InboxActor(Protocol[RequestT_contra]):
 
 
 class WriterActor(InboxActor[WriterRequest], Protocol):
-    """The event writer role: the run's single writer to the store (DESIGN §7).
+    """The event writer role: the run's single writer to the store (docs/concepts.md, "Actors").
 
     It serves `treadle.actors.writer.WriterRequest` messages (appends, barriers, deltas,
     subscriptions) from its inbox until the inbox ends, writing records in the order it
@@ -412,7 +413,7 @@ class RunHandle:
         return self._result
 
     def cancel(self, reason: str = "", *, canceller: str = "") -> None:
-        """Cancel the run (DESIGN §6 rule A).
+        """Cancel the run (docs/concepts.md, "Stop reasons" rule A).
 
         The model call or action in flight is cancelled at once, a cancel record is written,
         and the run finishes ``cancelled``. A no-op once the run finished.
@@ -489,7 +490,7 @@ class RunHandle:
         """Yield the run's events from ``from_seq``.
 
         Stored events come first, then live ones, with no gap and no duplicate where they
-        meet (DESIGN §7).
+        meet (docs/concepts.md, "Actors").
 
         Durable events come with their seq; ephemeral deltas carry the seq of the durable
         event they follow and an ordinal. Ends after the run-finished event, or when the run

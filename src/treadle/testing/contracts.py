@@ -1,6 +1,7 @@
-"""Contract suites that any implementation of a treadle seam must pass (STYLE rule 18).
+"""Contract suites that any implementation of a treadle seam must pass.
 
-`check_run_store` holds a `treadle.ports.RunStore` to DESIGN §3.4: an empty log for a missing
+`check_run_store` holds a `treadle.ports.RunStore` to docs/seams.md, "Run store": an empty log for
+a missing
 run, writes read back equal and in order, the atomic step write, `ConflictError` on a wrong
 seq with the log unchanged, first-write order of `list_runs`, many concurrent runs, refusal
 after close and, for persistent stores, everything acknowledged surviving a reopen.

@@ -1,6 +1,6 @@
 """Crash recovery as a contract: crash a scripted run at every write, resume it, check it.
 
-`check_crash_recovery` holds any `treadle.ports.RunStore` to DESIGN §4–§5 under crashes. It
+`check_crash_recovery` holds any `treadle.ports.RunStore` to docs/crash-safety.md under crashes. It
 runs the scripted scenario of this module once uninterrupted, then once per crash point: a
 simulated process crash before and after every store write (`CrashingStore`) and in the
 middle of every action (`CrashingExecutor`, before and after the action's effect). After each

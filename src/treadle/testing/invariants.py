@@ -1,4 +1,4 @@
-"""Invariants of a run's log (DESIGN §4–§6), checked after every simulated run.
+"""Invariants of a run's log (docs/crash-safety.md), checked after every simulated run.
 
 Usable on any log: a simulation of your own agent, a log read back from a store after an
 incident. Each checker returns one sentence per violation, an empty list when all hold.
@@ -54,7 +54,7 @@ def check_invariants(
     budgets: Budgets | None = None,
     time_slack_s: float = TIME_SLACK_S,
 ) -> list[str]:
-    """Check a finished run's log (and its environment's ledger) against DESIGN §4–§6.
+    """Check a finished run's log (and its environment's ledger) against docs/crash-safety.md.
 
     Args:
         log: the run's log.
@@ -135,7 +135,9 @@ def _totals_match(run_id: str, records: Sequence[Any], finished: RunFinished) ->
 def check_budgets(
     log: RunLog, budgets: Budgets, *, time_slack_s: float = TIME_SLACK_S
 ) -> list[str]:
-    """Budgets never overshoot by more than the one call in flight (DESIGN §6).
+    """Budgets never overshoot by more than the one call in flight.
+
+    See docs/concepts.md, "Stop reasons".
 
     - steps: no more step records than ``max_steps``;
     - model attempts: no attempt started once ``max_model_attempts`` were made;
@@ -288,7 +290,7 @@ _CUT_KINDS = frozenset({StopReason.CANCELLED.value, StopReason.TIME_BUDGET.value
 
 
 def _no_attempt_after_final_error(run_id: str, records: Sequence[Any]) -> list[str]:
-    """A model call that failed for good is a finished call: resume never re-runs it (§5).
+    """A model call that failed for good is a finished call: resume never re-runs it.
 
     After a recorded non-retryable error (not a cut by cancel or budget), the same step gets
     no further model attempt.

@@ -1,7 +1,7 @@
 """Contract checks for the model client, decision parser and action executor seams.
 
 Each ``check_*`` function is public so that users who write their own implementation can hold
-it to the same contract as ours (DESIGN §3); the run store's contract is
+it to the same contract as ours (docs/seams.md); the run store's contract is
 `treadle.testing.contracts.check_run_store`. Every check raises `SeamContractError` (an
 `AssertionError`) naming the rule that was broken.
 """
@@ -141,7 +141,7 @@ def check_decision_parser(
     tools: Sequence[ToolSpec] = _TOOLS,
     replies: Sequence[ModelReply] | None = None,
 ) -> None:
-    """Hold ``parser`` to the decision parser contract (DESIGN §3.2).
+    """Hold ``parser`` to the decision parser contract (docs/seams.md, "Decision parser").
 
     For every reply (default: `adversarial_replies`) the parser must return a `ParsedReply`
     without raising; ``ACTIONS`` carries at least one action with an id and a mapping of
@@ -183,7 +183,7 @@ def _check_decision(parsed: ParsedReply, reply: ModelReply) -> None:
 
 
 async def check_action_executor(executor: ActionExecutor, *, sample: Action | None = None) -> None:
-    """Hold ``executor`` to the action executor contract (DESIGN §3.3).
+    """Hold ``executor`` to the action executor contract (docs/seams.md, "Action executor").
 
     Checks: ``tool_specs`` is a tuple of `ToolSpec` with unique names; an unknown tool is
     NOT_EXECUTED (never raises, never EXECUTED) and its replay policy is ``NEVER``; invalid
@@ -246,7 +246,7 @@ def _check_outcome(outcome: ActionOutcome) -> None:
 async def check_model_client(
     client: ModelClient, request: ModelRequest | None = None
 ) -> ModelReply:
-    """Hold ``client`` to the model client contract (DESIGN §3.1) on one call.
+    """Hold ``client`` to the model client contract (docs/seams.md, "Model client") on one call.
 
     Checks: the call returns a `ModelReply` (or raises `ModelCallError` with a classified
     kind); usage counts are ints or ``None`` (never a made-up value of another type); every

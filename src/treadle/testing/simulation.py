@@ -5,7 +5,7 @@ autojump), drives them through the real actors and a memory store, injects the f
 `FaultPlan` chosen from the seed (process crashes before or after store writes, store write
 failures, model errors, tool exceptions, timeouts, ENV_ERROR, cancellation, approval decisions
 at random delays, latency between the coordinator and the actors), resumes every crashed run
-from its log as a restarted process would, and checks the invariants of DESIGN §4–§6 on what
+from its log as a restarted process would, and checks the invariants of docs/crash-safety.md on what
 was written (`check_invariants`, from `treadle.testing.invariants`). The same seed gives a
 byte-identical log: ids and timestamps come from an injected clock and the run's seeded random
 source, and trio's own scheduling randomness is seeded too.
@@ -26,14 +26,16 @@ import trio
 import trio.testing
 
 from treadle._clock import FixedStepClock
-from treadle._exceptions import ModelCallError, RunInterrupted, StoreError, UsageError
+from treadle._exceptions import LeaseError, ModelCallError, RunInterrupted, StoreError, UsageError
 from treadle.actors._rpc import StepScope
 from treadle.agent import Agent, RunInput
 from treadle.approvals import Decision, decide
 from treadle.parsers import NativeToolCallParser
 from treadle.stores._codec import encode
+from treadle.stores._leases import LEASE_TTL_S
 from treadle.stores.memory import MemoryStore
 from treadle.supervisors.run import DEFAULT_ACTORS, Actors, InboxActor, RunHandle, open_run
+from treadle.testing._intercept import InterceptingStore
 from treadle.testing.faults import CrashingStore, FailingStore, SimulatedCrash
 from treadle.testing.invariants import TIME_SLACK_S as TIME_SLACK_S
 from treadle.testing.invariants import EffectLedger as EffectLedger
@@ -55,9 +57,11 @@ from treadle.types import (
     Limits,
     ModelErrorInfo,
     ModelReply,
+    Record,
     ReplayPolicy,
     RunLog,
     StopReason,
+    StoreOp,
     Usage,
 )
 
@@ -76,6 +80,7 @@ FAULT_KINDS = (
     "cancel",
     "approval",
     "latency",
+    "takeover",
 )
 """Every fault kind a `FaultPlan` can switch on."""
 
@@ -112,7 +117,10 @@ class FaultPlan:
 
         Crashes are frequent (0.5 per process incarnation); fatal model and environment
         faults are rare. ``approval`` is the rate of steps calling a tool that needs a human
-        decision; ``latency`` the rate of requests to the gateway and executor delayed.
+        decision; ``latency`` the rate of requests to the gateway and executor delayed;
+        ``takeover`` the rate of incarnations whose lease another driver takes over at a
+        seeded write (the incarnation is refused and stops, as a paused process woken after a
+        takeover would).
         """
         return cls(
             rates={
@@ -130,6 +138,7 @@ class FaultPlan:
                 "cancel": 0.05,
                 "approval": 0.1,
                 "latency": 0.2,
+                "takeover": 0.1,
             }
         )
 
@@ -664,10 +673,44 @@ def simulate(
     return trio.run(_simulate, seed, plan, runs, scenario, clock=clock)
 
 
+@attrs.define(eq=False)
+class _LeaseClock:
+    """The simulated store's clock: trio's virtual time, which a takeover fault moves ahead."""
+
+    ahead_s: float = 0.0
+
+    def now(self) -> float:
+        return 1_800_000_000.0 + trio.current_time() + self.ahead_s
+
+
+@attrs.define(eq=False)
+class _TakenOver(InterceptingStore):
+    """At write ``at``, another driver takes the run's lease over (after letting it expire).
+
+    The write then reaches the store with the old generation and is refused (`LeaseLost`):
+    the incarnation stops, and the next one takes the run over again from its log.
+    """
+
+    inner: MemoryStore
+    at: int
+    clock: _LeaseClock
+    writes: int = 0
+
+    async def before_write(self, op: StoreOp, records: tuple[Record, ...], seq: int) -> bool:
+        self.writes += 1
+        if self.writes == self.at:
+            run_id = records[0].run_id
+            self.clock.ahead_s += LEASE_TTL_S + 1.0  # the driver looked dead for a TTL
+            thief = await self.inner.acquire_lease(run_id, owner="another-driver", ttl_s=1.0)
+            await self.inner.release_lease(thief)
+        return False
+
+
 async def _simulate(seed: int, plan: FaultPlan, runs: int, scenario: Scenario) -> SimulationResult:
     rng = random.Random(seed)
     counts: dict[str, int] = {}
-    store = MemoryStore()
+    lease_clock = _LeaseClock()
+    store = MemoryStore(clock=lease_clock.now)
     world_seeds = [rng.randrange(2**32) for _ in range(runs)]
     worlds = [scenario.world(random.Random(ws), plan, counts) for ws in world_seeds]
     drive_seeds = [rng.randrange(2**32) for _ in range(runs)]
@@ -682,6 +725,7 @@ async def _simulate(seed: int, plan: FaultPlan, runs: int, scenario: Scenario) -
                 plan=plan,
                 rng=random.Random(drive_seeds[index]),
                 counts=counts,
+                lease_clock=lease_clock,
             )
             nursery.start_soon(driver.drive)
     logs = [await store.read_log(run_id) for run_id in run_ids]
@@ -810,6 +854,7 @@ class _Driver:
     plan: FaultPlan
     rng: random.Random
     counts: dict[str, int]
+    lease_clock: _LeaseClock
 
     async def drive(self) -> None:
         """Run incarnations until one ends the run (or `MAX_RESTARTS` is reached)."""
@@ -843,7 +888,7 @@ class _Driver:
                     actors=self._actors(),
                 ) as handle:
                     await _watch(handle, cancel_after, approver)
-            except (RunInterrupted, StoreError, SimulatedCrash, ModelCallError):
+            except (RunInterrupted, StoreError, SimulatedCrash, ModelCallError, LeaseError):
                 continue  # the process died: the next incarnation resumes from the log
             return
 
@@ -858,6 +903,10 @@ class _Driver:
         if self.plan.roll(self.rng, "store_error"):
             _count(self.counts, "store_error")
             return FailingStore(inner=self.store, fail_at=self.rng.randrange(1, 40))
+        if self.plan.roll(self.rng, "takeover"):
+            _count(self.counts, "takeover")
+            at = self.rng.randrange(2, 40)
+            return _TakenOver(inner=self.store, at=at, clock=self.lease_clock)
         return self.store
 
     def _actors(self) -> Actors:

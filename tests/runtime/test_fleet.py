@@ -1,0 +1,603 @@
+"""The fleet: a worker claims queued, orphaned and decided parked runs and drives them.
+
+Every test runs on trio's virtual clock; the store's lease and queue clock and the records'
+timestamps follow it (``1e9 + trio time``), so leases, backoffs and approval deadlines
+expire in virtual time.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+from pathlib import Path
+
+import attrs
+import pytest
+import trio
+import trio.testing
+
+import treadle
+from treadle._exceptions import UsageError
+from treadle.agent import Agent
+from treadle.approvals import decide, request_cancel
+from treadle.parsers import NativeToolCallParser
+from treadle.stores.jsonl import open_jsonl_store
+from treadle.stores.memory import MemoryStore
+from treadle.stores.sqlite import open_sqlite_store
+from treadle.supervisors.fleet import open_fleet, wait_result
+from treadle.testing import InterceptingStore, SimulatedCrash
+from treadle.testing.invariants import check_invariants
+from treadle.testing.scripted import ScriptedModel, call, say
+from treadle.tools import Toolbox, ToolContext
+from treadle.types import (
+    ActionResult,
+    ActionStatus,
+    ApprovalDecided,
+    Limits,
+    Liveness,
+    Message,
+    RunState,
+    StopReason,
+)
+
+EPOCH = 1e9
+_TRIO_CLOCK: list[trio.testing.MockClock] = []
+
+
+@pytest.fixture(autouse=True)
+def _virtual_time(autojump_clock):
+    _TRIO_CLOCK[:] = [autojump_clock]
+
+
+def store_now() -> float:
+    """The store's clock on trio's virtual time (callable from worker threads too)."""
+    return EPOCH + _TRIO_CLOCK[0].current_time()
+
+
+@attrs.define(eq=False)
+class VirtualClock:
+    """Record timestamps on the store's clock (approval deadlines are compared with it)."""
+
+    def now_iso(self) -> str:
+        return dt.datetime.fromtimestamp(store_now(), dt.UTC).isoformat()
+
+
+@attrs.define(eq=False)
+class World:
+    """The effects of every tool call of every run, and how many run at once."""
+
+    running: int = 0
+    peak: int = 0
+    started: list[str] = attrs.Factory(list)
+    effects: list[str] = attrs.Factory(list)
+
+    def agent(self, turns, *, version: str | None = "v1", limits: Limits | None = None) -> Agent:
+        world = self
+
+        @treadle.tool(timeout_s=600)
+        async def work(seconds: float, ctx: ToolContext) -> str:
+            """Work for a while."""
+            world.started.append(ctx.intent_id)
+            world.running += 1
+            world.peak = max(world.peak, world.running)
+            try:
+                await trio.sleep(seconds)
+            finally:
+                world.running -= 1
+            world.effects.append(ctx.intent_id)
+            return "worked"
+
+        @treadle.tool(requires_approval=True)
+        async def wire(amount: int, ctx: ToolContext) -> str:
+            """Send money."""
+            world.effects.append(ctx.intent_id)
+            return f"sent {amount}"
+
+        return Agent(
+            model=ScriptedModel(turns=turns),
+            executor=Toolbox([work, wire]),
+            parser=NativeToolCallParser(),
+            version=version,
+            limits=limits or Limits(tool_timeout_s=600),
+        )
+
+
+ONE_STEP = [call("work", seconds=10, call_id="w1"), say("done")]
+TWO_STEPS = [
+    call("work", seconds=10, call_id="w1"),
+    call("work", seconds=10, call_id="w2"),
+    say("done"),
+]
+WIRE = [call("wire", amount=5, call_id="p1"), say("paid")]
+
+
+def fleet(store, agents, **kwargs):
+    kwargs.setdefault("claim_poll_s", 1.0)
+    kwargs.setdefault("lease_ttl_s", 3.0)
+    kwargs.setdefault("backoff_s", 0.0)
+    return open_fleet(store, agents, clock=VirtualClock(), **kwargs)
+
+
+def new_store() -> MemoryStore:
+    return MemoryStore(clock=store_now)
+
+
+async def until(predicate, *, step_s: float = 0.5, limit_s: float = 3600) -> None:
+    with trio.fail_after(limit_s):
+        while not await predicate():
+            await trio.sleep(step_s)
+
+
+def liveness_is(store, run_id, *wanted):
+    async def check():
+        summary = await store.read_summary(run_id)
+        return summary is not None and summary.liveness in wanted
+
+    return check
+
+
+# --------------------------------------------------------------------------- submit and result
+
+
+async def test_a_submitted_run_is_claimed_driven_and_its_result_waited_for():
+    world, store = World(), new_store()
+    async with fleet(store, {"calc": lambda: world.agent(ONE_STEP)}) as worker:
+        run_id = await worker.submit("calc", "work please")
+        assert run_id.startswith("run-")
+        with trio.fail_after(60):
+            result = await worker.result(run_id)
+        stats = worker.statistics()
+    assert result.run_id == run_id
+    assert result.state is RunState.SUCCEEDED and result.final_answer == "done"
+    assert world.effects == [f"{run_id}/s1/a1"]
+    assert (stats.claimed, stats.finished, stats.takeovers, stats.left) == (1, 1, 0, 0)
+    summary = await store.read_summary(run_id)
+    assert summary.liveness is Liveness.FINISHED
+    assert (summary.agent, summary.agent_version, summary.claims) == ("calc", "v1", 1)
+    assert summary.lease.owner == ""
+    log = await store.read_log(run_id)
+    assert log.started.input == (Message(role="user", content="work please"),)
+    assert check_invariants(log) == []
+    # wait_result from anywhere returns the same result.
+    assert await wait_result(store, run_id) == result
+
+
+async def test_submitting_a_run_again_is_idempotent():
+    world, store = World(), new_store()
+    async with fleet(store, {"calc": lambda: world.agent(ONE_STEP)}) as worker:
+        first = await worker.submit("calc", "work", run_id="job-1")
+        again = await worker.submit("calc", "work", run_id="job-1")
+        assert first == again == "job-1"
+        with pytest.raises(UsageError, match="job-1"):
+            await worker.submit("calc", "other work", run_id="job-1")
+        with pytest.raises(UsageError, match="job-1"):
+            await worker.submit("other-agent", "work", run_id="job-1")
+        with trio.fail_after(60):
+            await worker.result("job-1")
+        # Once finished, the same submission still answers with the same run.
+        assert await worker.submit("calc", "work", run_id="job-1") == "job-1"
+        await trio.sleep(5)
+        stats = worker.statistics()
+    assert world.effects == ["job-1/s1/a1"]
+    assert stats.claimed == 1
+    assert await store.list_runs() == ("job-1",)
+
+
+async def test_a_run_started_without_the_queue_cannot_be_submitted():
+    world, store = World(), new_store()
+    await treadle.run(world.agent(ONE_STEP), "work", store=store, run_id="direct")
+    async with fleet(store, {"calc": lambda: world.agent(ONE_STEP)}) as worker:
+        with pytest.raises(UsageError, match="direct"):
+            await worker.submit("calc", "work", run_id="direct")
+
+
+async def test_submit_refuses_an_invalid_run_id():
+    world, store = World(), new_store()
+    async with fleet(store, {"calc": lambda: world.agent(ONE_STEP)}) as worker:
+        with pytest.raises(treadle.InvalidRunId):
+            await worker.submit("calc", "work", run_id="no spaces")
+    assert await store.list_summaries() == ()
+
+
+async def test_result_of_an_unknown_run_is_a_usage_error():
+    world, store = World(), new_store()
+    async with fleet(store, {"calc": lambda: world.agent(ONE_STEP)}) as worker:
+        with pytest.raises(UsageError, match="nope"):
+            await worker.result("nope")
+
+
+async def test_a_fleet_needs_a_store_with_a_queue_and_an_agent(tmp_path: Path):
+    world = World()
+    async with open_jsonl_store(tmp_path / "runs") as jsonl:
+        with pytest.raises(UsageError, match="queue"):
+            async with open_fleet(jsonl, {"calc": world.agent(ONE_STEP)}):
+                pytest.fail("a fleet opened on a store without a queue")
+    with pytest.raises(UsageError):
+        async with open_fleet(new_store(), {}):
+            pytest.fail("a fleet opened without agents")
+    with pytest.raises(UsageError):
+        async with open_fleet(new_store(), {"calc": world.agent(ONE_STEP)}, max_running=0):
+            pytest.fail("a fleet opened without slots")
+
+
+# --------------------------------------------------------------------------- claiming
+
+
+async def test_max_running_bounds_concurrency():
+    world, store = World(), new_store()
+    async with fleet(store, {"calc": lambda: world.agent(ONE_STEP)}, max_running=2) as worker:
+        ids = [await worker.submit("calc", f"job {n}", run_id=f"job-{n}") for n in range(6)]
+        seen_running = []
+        with trio.fail_after(600):
+            for run_id in ids:
+                while (await store.read_summary(run_id)).liveness is not Liveness.FINISHED:
+                    seen_running.append(worker.statistics().running)
+                    await trio.sleep(0.5)
+        stats = worker.statistics()
+    assert world.peak == 2
+    assert max(seen_running) == 2
+    assert sorted(world.effects) == sorted(f"{r}/s1/a1" for r in ids)
+    assert stats.finished == 6 and stats.claimed == 6
+    # Oldest first: the first two submitted ran first.
+    assert set(world.started[:2]) == {"job-0/s1/a1", "job-1/s1/a1"}
+
+
+async def test_a_worker_claims_only_runs_of_the_agents_it_serves():
+    world, store = World(), new_store()
+    async with fleet(store, {"a": lambda: world.agent(ONE_STEP)}) as worker_a:
+        await worker_a.submit("b", "for b", run_id="run-b")
+        await worker_a.submit("a", "for a", run_id="run-a")
+        with trio.fail_after(60):
+            await worker_a.result("run-a")
+        await trio.sleep(30)
+        summary = await store.read_summary("run-b")
+        assert summary.liveness is Liveness.QUEUED and summary.claims == 0
+        assert worker_a.statistics().claimed == 1
+    async with fleet(store, {"b": lambda: world.agent(ONE_STEP)}) as worker_b:
+        with trio.fail_after(60):
+            result = await worker_b.result("run-b")
+    assert result.final_answer == "done"
+    assert sorted(world.effects) == ["run-a/s1/a1", "run-b/s1/a1"]
+
+
+async def test_runs_started_under_one_version_are_left_to_workers_serving_it():
+    world, store = World(), new_store()
+    async with fleet(store, {"calc": lambda: world.agent(TWO_STEPS, version="v1")}) as v1:
+        await v1.submit("calc", "work", run_id="r")
+        await until(lambda: _started(world, "r/s1/a1"))
+    # Drained after its first step: an unfinished run of v1, nobody driving it.
+    summary = await store.read_summary("r")
+    assert summary.agent_version == "v1" and summary.liveness is Liveness.ORPHANED
+    async with fleet(store, {"calc": lambda: world.agent(TWO_STEPS, version="v2")}) as v2:
+        # A queued run is anyone's: v2 may start a fresh one.
+        await v2.submit("calc", "fresh", run_id="fresh")
+        with trio.fail_after(60):
+            await v2.result("fresh")
+        await trio.sleep(30)
+        assert (await store.read_summary("r")).liveness is Liveness.ORPHANED
+        assert v2.statistics().claimed == 1
+    assert (await store.read_summary("fresh")).agent_version == "v2"
+    async with fleet(store, {"calc": lambda: world.agent(TWO_STEPS, version="v1")}) as again:
+        with trio.fail_after(60):
+            result = await again.result("r")
+    assert result.stop_reason is StopReason.FINAL_ANSWER
+    assert world.effects.count("r/s1/a1") == 1 and world.effects.count("r/s2/a1") == 1
+
+
+async def _started(world: World, intent_id: str) -> bool:
+    await trio.lowlevel.checkpoint()
+    return intent_id in world.started
+
+
+# --------------------------------------------------------------------------- drain
+
+
+@pytest.mark.parametrize("kind", ["memory", "sqlite"])
+async def test_drain_at_the_end_of_the_block_leaves_runs_resumable(kind, tmp_path):
+    world = World()
+    if kind == "sqlite":
+        _TRIO_CLOCK[0].autojump_threshold = 0.05  # no jump while a store thread works
+        store_cm = open_sqlite_store(tmp_path / "runs.db", clock=store_now)
+    else:
+        store_cm = _memory()
+    async with store_cm as store:
+        ids = [f"job-{n}" for n in range(3)]
+        async with fleet(store, {"calc": lambda: world.agent(TWO_STEPS)}) as first:
+            for run_id in ids:
+                await first.submit("calc", "work", run_id=run_id)
+            await until(lambda: _all_started(world, [f"{r}/s1/a1" for r in ids]))
+            leaving = trio.current_time()
+        # The drain waited for each run's first step to end, and started no second one.
+        assert trio.current_time() - leaving < 15
+        stats = first.statistics()
+        assert stats.running == 0 and stats.left == 3 and stats.finished == 0
+        assert sorted(world.effects) == sorted(f"{r}/s1/a1" for r in ids)
+        assert all(not i.endswith("/s2/a1") for i in world.started)
+        for run_id in ids:
+            summary = await store.read_summary(run_id)
+            assert summary.liveness is Liveness.ORPHANED, summary
+            assert summary.lease.owner == ""
+            assert (await store.read_log(run_id)).finished is None
+        async with fleet(store, {"calc": lambda: world.agent(TWO_STEPS)}) as second:
+            with trio.fail_after(120):
+                results = [await second.result(run_id) for run_id in ids]
+            takeovers = second.statistics().takeovers
+        logs = [await store.read_log(run_id) for run_id in ids]
+    assert all(r.stop_reason is StopReason.FINAL_ANSWER for r in results)
+    assert takeovers == 0  # released leases: resumed, not taken over
+    # No finished tool call ran twice.
+    assert sorted(world.effects) == sorted(f"{r}/s{s}/a1" for r in ids for s in (1, 2))
+    assert all(check_invariants(log) == [] for log in logs)
+
+
+async def _all_started(world: World, intent_ids: list[str]) -> bool:
+    await trio.lowlevel.checkpoint()
+    return all(i in world.started for i in intent_ids)
+
+
+class _memory:
+    async def __aenter__(self):
+        return new_store()
+
+    async def __aexit__(self, *exc):
+        return None
+
+
+async def test_drain_cuts_runs_that_reach_no_safe_point_in_time_and_releases_them():
+    world, store = World(), new_store()
+    turns = [call("work", seconds=100, call_id="w1"), say("done")]
+    async with fleet(store, {"calc": lambda: world.agent(turns)}, drain_s=2) as worker:
+        await worker.submit("calc", "work", run_id="r")
+        await until(lambda: _started(world, "r/s1/a1"))
+        leaving = trio.current_time()
+    assert trio.current_time() - leaving <= 3
+    assert world.effects == []  # cut in the middle of its tool call
+    summary = await store.read_summary("r")
+    assert summary.liveness is Liveness.ORPHANED and summary.lease.owner == ""
+    async with fleet(store, {"calc": lambda: world.agent(turns)}) as again:
+        with trio.fail_after(60):
+            result = await again.result("r")
+    assert result.stop_reason is StopReason.FINAL_ANSWER
+    log = await store.read_log("r")
+    (outcome,) = [r.outcome for r in log.records if isinstance(r, ActionResult)]
+    assert outcome.status is ActionStatus.UNKNOWN  # never-policy: not run again
+    assert world.started == ["r/s1/a1"]
+
+
+# --------------------------------------------------------------------------- takeover
+
+
+async def test_a_queued_run_whose_claimer_died_is_taken_over():
+    world, store = World(), new_store()
+    await store.submit("r", agent="calc", input=(Message(role="user", content="work"),))
+    (dead,) = await store.claim(
+        owner="dead", agents={"calc": ("v1",)}, limit=1, ttl_s=3, max_takeovers=5, backoff_s=0
+    )
+    assert dead.lease.generation == 1 and dead.submission is not None
+    async with fleet(store, {"calc": lambda: world.agent(ONE_STEP)}) as worker:
+        await trio.sleep(2)
+        assert worker.statistics().claimed == 0  # its lease is still live
+        with trio.fail_after(60):
+            result = await worker.result("r")
+        stats = worker.statistics()
+    assert result.stop_reason is StopReason.FINAL_ANSWER
+    lease = await store.read_lease("r")
+    assert lease.generation == 2 and lease.owner == ""
+    assert stats.claimed == 1
+    assert world.effects == ["r/s1/a1"]
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="a queued run whose claimer died before writing run-started is claimed as "
+    "'queued', not as a takeover: the death is not counted (nor ever quarantined)",
+)
+async def test_the_death_of_a_queued_runs_claimer_counts_as_a_takeover():
+    world, store = World(), new_store()
+    await store.submit("r", agent="calc", input=(Message(role="user", content="work"),))
+    await store.claim(
+        owner="dead", agents={"calc": ("v1",)}, limit=1, ttl_s=3, max_takeovers=5, backoff_s=0
+    )
+    async with fleet(store, {"calc": lambda: world.agent(ONE_STEP)}) as worker:
+        with trio.fail_after(60):
+            await worker.result("r")
+        stats = worker.statistics()
+    assert stats.takeovers == 1
+    assert (await store.read_summary("r")).takeovers == 1
+
+
+async def test_a_started_run_whose_driver_died_is_taken_over_with_a_new_generation():
+    world, store = World(), new_store()
+    async with fleet(store, {"calc": lambda: world.agent(TWO_STEPS)}) as first:
+        await first.submit("calc", "work", run_id="r")
+        await until(lambda: _started(world, "r/s1/a1"))
+    # Drained after step 1. A driver claims it and dies at once (its lease is never renewed).
+    (dead,) = await store.claim(
+        owner="dead", agents={"calc": ("v1",)}, limit=1, ttl_s=3, max_takeovers=5, backoff_s=0
+    )
+    assert dead.lease.generation == 2 and not dead.takeover
+    async with fleet(store, {"calc": lambda: world.agent(TWO_STEPS)}) as second:
+        with trio.fail_after(60):
+            result = await second.result("r")
+        stats = second.statistics()
+    assert result.stop_reason is StopReason.FINAL_ANSWER
+    assert stats.takeovers == 1 and stats.claimed == 1
+    summary = await store.read_summary("r")
+    assert summary.takeovers == 1 and summary.claims == 3
+    assert summary.lease.generation == 3
+    assert sorted(world.effects) == ["r/s1/a1", "r/s2/a1"]
+
+
+class Dying(InterceptingStore):
+    """A worker process's view of the store: once ``dead``, nothing reaches the store."""
+
+    def __init__(self, inner) -> None:
+        super().__init__(inner)
+        self.dead = False
+
+    async def before_write(self, op, records, seq):
+        if self.dead:
+            raise SimulatedCrash("the worker died")
+        return False
+
+    def check_other(self) -> None:
+        if self.dead:
+            raise SimulatedCrash("the worker died")
+
+
+async def test_a_run_of_a_worker_that_died_is_taken_over_by_another():
+    world, store = World(), new_store()
+    dying = Dying(store)
+    with trio.fail_after(600):
+        async with (
+            fleet(dying, {"calc": lambda: world.agent(TWO_STEPS)}, owner="w1") as w1,
+            fleet(store, {"calc": lambda: world.agent(TWO_STEPS)}, owner="w2") as w2,
+        ):
+            await w1.submit("calc", "work", run_id="r")
+            await until(lambda: _started(world, "r/s1/a1"))
+            lease = await store.read_lease("r")
+            assert lease.owner == "w1"
+            dying.dead = True  # w1 can reach the store no more; its leases lapse
+            result = await w2.result("r")
+            stats = w2.statistics()
+    assert result.stop_reason is StopReason.FINAL_ANSWER
+    assert stats.takeovers == 1
+    summary = await store.read_summary("r")
+    assert summary.takeovers == 1 and summary.lease.generation == 2
+    log = await store.read_log("r")
+    # w1's first tool call was cut off by its death: the intent has an unknown outcome.
+    statuses = [r.outcome.status for r in log.records if isinstance(r, ActionResult)]
+    assert statuses[0] is ActionStatus.UNKNOWN
+    assert check_invariants(log) == []
+
+
+async def test_a_run_that_keeps_killing_its_drivers_is_quarantined_until_released():
+    world, store = World(), new_store()
+    await store.submit("r", agent="calc", input=(Message(role="user", content="work"),))
+    async with fleet(store, {"calc": lambda: world.agent(TWO_STEPS)}) as first:
+        await until(lambda: _started(world, "r/s1/a1"))
+    deaths = 0
+    for n in range(10):
+        claims = await store.claim(
+            owner=f"dead-{n}",
+            agents={"calc": ("v1",)},
+            limit=1,
+            ttl_s=3,
+            max_takeovers=3,
+            backoff_s=0,
+        )
+        if not claims:
+            break
+        deaths += 1
+        await trio.sleep(4)  # the driver dies: its lease lapses unrenewed
+    summary = await store.read_summary("r")
+    assert summary.liveness is Liveness.QUARANTINED, summary
+    assert summary.quarantined and "unquarantine" in summary.quarantined
+    assert deaths == 3  # the first claim, then two takeovers; the third death quarantines
+    async with fleet(
+        store, {"calc": lambda: world.agent(TWO_STEPS)}, max_takeovers=3
+    ) as worker:
+        await trio.sleep(30)
+        assert worker.statistics().claimed == 0
+        assert (await store.read_summary("r")).liveness is Liveness.QUARANTINED
+        assert await store.release_quarantine("r") is True
+        with trio.fail_after(60):
+            result = await worker.result("r")
+    assert result.stop_reason is StopReason.FINAL_ANSWER
+    assert await store.release_quarantine("r") is False
+    assert first.statistics().left == 1
+
+
+# --------------------------------------------------------------------------- approvals
+
+
+async def test_a_parked_run_frees_its_slot_and_a_decision_brings_it_back():
+    world, store = World(), new_store()
+    agents = {"pay": lambda: world.agent(WIRE), "calc": lambda: world.agent(ONE_STEP)}
+    async with fleet(store, agents, max_running=1, park_after_s=5) as worker:
+        await worker.submit("pay", "pay", run_id="p")
+        await until(liveness_is(store, "p", Liveness.DRIVEN))
+        await until(liveness_is(store, "p", Liveness.PARKED))
+        assert worker.statistics().running == 0
+        lease = await store.read_lease("p")
+        assert lease.owner == "" and lease.generation == 1
+        # Its slot serves another run meanwhile.
+        await worker.submit("calc", "work", run_id="c")
+        with trio.fail_after(60):
+            await worker.result("c")
+        await trio.sleep(30)
+        assert (await store.read_summary("p")).liveness is Liveness.PARKED
+        assert world.effects == ["c/s1/a1"]
+        await decide(store, "p", call_id="p1")
+        with trio.fail_after(30):
+            result = await worker.result("p")
+        stats = worker.statistics()
+    assert result.final_answer == "paid"
+    assert world.effects == ["c/s1/a1", "p/s1/a1"]
+    assert stats.takeovers == 0
+    assert (await store.read_lease("p")).generation == 2
+    log = await store.read_log("p")
+    (decided,) = [r for r in log.records if isinstance(r, ApprovalDecided)]
+    assert decided.decision == "approve"
+    assert check_invariants(log) == []
+
+
+async def test_a_parked_run_is_claimed_again_at_its_approval_deadline():
+    world, store = World(), new_store()
+    limits = Limits(approval_timeout_s=120, tool_timeout_s=600)
+    async with fleet(
+        store, {"pay": lambda: world.agent(WIRE, limits=limits)}, park_after_s=5
+    ) as worker:
+        began = trio.current_time()
+        await worker.submit("pay", "pay", run_id="p")
+        await until(liveness_is(store, "p", Liveness.PARKED))
+        assert worker.statistics().running == 0
+        with trio.fail_after(600):
+            result = await worker.result("p")
+        took = trio.current_time() - began
+    assert 119 <= took < 130
+    assert result.stop_reason is StopReason.FINAL_ANSWER
+    assert world.effects == []  # the call expired unapproved
+    log = await store.read_log("p")
+    (decided,) = [r for r in log.records if isinstance(r, ApprovalDecided)]
+    assert decided.decision == "expired"
+    (outcome,) = [r.outcome for r in log.records if isinstance(r, ActionResult)]
+    assert outcome.status is ActionStatus.NOT_EXECUTED
+    assert check_invariants(log) == []
+
+
+async def test_a_cancel_reaches_a_run_the_fleet_drives():
+    world, store = World(), new_store()
+    turns = [call("work", seconds=100, call_id="w1"), say("done")]
+    async with fleet(store, {"calc": lambda: world.agent(turns)}) as worker:
+        await worker.submit("calc", "work", run_id="r")
+        await until(lambda: _started(world, "r/s1/a1"))
+        await request_cancel(store, "r", reason="stop", canceller="ops")
+        with trio.fail_after(5):
+            result = await worker.result("r")
+    assert result.state is RunState.CANCELLED
+    assert world.effects == []
+
+
+async def test_a_cancel_reaches_a_parked_run_of_the_fleet():
+    world, store = World(), new_store()
+    async with fleet(store, {"pay": lambda: world.agent(WIRE)}, park_after_s=5) as worker:
+        await worker.submit("pay", "pay", run_id="p")
+        await until(liveness_is(store, "p", Liveness.PARKED))
+        await request_cancel(store, "p", reason="stop")
+        with trio.fail_after(30):
+            result = await worker.result("p")
+    assert result.state is RunState.CANCELLED
+    assert world.effects == []
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="request_cancel refuses a queued run ('there is no run'): it reads only the log, "
+    "which a queued run does not have yet",
+)
+async def test_a_queued_run_can_be_cancelled():
+    store = new_store()
+    await store.submit("q", agent="nobody-serves-me", input=(Message(role="user", content="x"),))
+    await request_cancel(store, "q", reason="not needed")
+    entries = await store.read_control("q")
+    assert len(entries) == 1
