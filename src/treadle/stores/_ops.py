@@ -30,6 +30,7 @@ from treadle.types import (
 
 if TYPE_CHECKING:
     from treadle.ports import RunStore
+    from treadle.stores._engine import CommitEngine
 
 
 class AppendStore:
@@ -111,6 +112,33 @@ class AppendStore:
         """Append the run-finished record; a barrier."""
         await self._append(
             record.run_id, seq, (record,), op=StoreOp.RUN_FINISHED, generation=generation
+        )
+
+
+class EngineStore(AppendStore):
+    """A store whose writes go through a commit engine (`treadle.stores._engine.CommitEngine`).
+
+    The subclass sets ``self._engine`` when it is opened.
+    """
+
+    _engine: CommitEngine
+
+    async def _append(
+        self,
+        run_id: str,
+        seq: int,
+        records: tuple[Record, ...],
+        *,
+        op: StoreOp,
+        generation: int,
+    ) -> None:
+        await self._engine.append(
+            run_id,
+            seq,
+            records,
+            generation=generation,
+            barrier=op.barrier,
+            closes=op is StoreOp.RUN_FINISHED,
         )
 
 

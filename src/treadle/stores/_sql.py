@@ -57,7 +57,7 @@ from treadle.stores._codec import (
 )
 from treadle.stores._engine import CommitEngine, RunHead, StoreStatistics, Write, fail_writes
 from treadle.stores._index import IndexDelta, fold_delta
-from treadle.stores._ops import AppendStore
+from treadle.stores._ops import EngineStore
 from treadle.types import (
     ApprovalDecided,
     CancelRequested,
@@ -70,7 +70,6 @@ from treadle.types import (
     RunState,
     RunSummary,
     StopReason,
-    StoreOp,
     Submission,
 )
 
@@ -891,10 +890,40 @@ def release_quarantine(dialect: SqlDialect, conn: Connection, run_id: str) -> bo
         return bool(cursor.rowcount)
 
 
+# --------------------------------------------------------------------------- the committer side
+
+
+class SqlBackend:
+    """What the SQL backends share: encoding rows, loading a run's next seq.
+
+    A subclass commits batches (`treadle.stores._engine.Backend.commit`) and finishes.
+
+    Args:
+        dialect: the store's dialect.
+        pool: connections for loading.
+    """
+
+    def __init__(self, dialect: SqlDialect, pool: ConnectionPool) -> None:
+        self.description = dialect.description
+        self._dialect = dialect
+        self._pool = pool
+
+    def encode(self, run_id: str, seq: int, generation: int, records: tuple[Record, ...]) -> object:
+        """The write's record rows."""
+        return encode_rows(run_id, seq, generation, records)
+
+    def admit(self, run_id: str, generation: int) -> None:
+        """Nothing to check before the transaction: fencing happens inside it."""
+
+    def load(self, run_id: str) -> RunHead:
+        """The run's next seq from its ``runs`` row."""
+        return run_pooled(self._dialect, self._pool, load_head, run_id)
+
+
 # --------------------------------------------------------------------------- the store
 
 
-class SqlStore(AppendStore):
+class SqlStore(EngineStore):
     """A run store on SQL tables; `treadle.SqliteStore` and `treadle.PostgresStore` are it.
 
     It implements the run store seam and every capability (`LeaseStore`, `ControlStream`,
@@ -931,18 +960,6 @@ class SqlStore(AppendStore):
     def statistics(self) -> StoreStatistics:
         """Commit counters since the store was opened."""
         return self._engine.statistics()
-
-    async def _append(
-        self, run_id: str, seq: int, records: tuple[Record, ...], *, op: StoreOp, generation: int
-    ) -> None:
-        await self._engine.append(
-            run_id,
-            seq,
-            records,
-            generation=generation,
-            barrier=op.barrier,
-            closes=op is StoreOp.RUN_FINISHED,
-        )
 
     async def read_log(self, run_id: str) -> RunLog:
         """Read the run's whole log, after the writes queued for it here have committed.

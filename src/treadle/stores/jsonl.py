@@ -82,17 +82,15 @@ from treadle.stores._jsonl_files import (
     sync_dir,
     write_sidecar,
 )
-from treadle.stores._ops import AppendStore
+from treadle.stores._ops import EngineStore
 from treadle.types import (
     ApprovalDecided,
     CancelRequested,
     ControlEntry,
     Lease,
-    Record,
     RunLog,
     RunState,
     RunSummary,
-    StoreOp,
 )
 
 if sys.platform != "win32":
@@ -139,7 +137,7 @@ class _Held:
     control_seen: int
 
 
-class JsonlStore(AppendStore):
+class JsonlStore(EngineStore):
     """A run store of JSON-lines files, one per run, in one directory.
 
     It implements the run store seam and the capabilities `LeaseStore`, `ControlStream` and
@@ -245,18 +243,6 @@ class JsonlStore(AppendStore):
         return os.path.join(self._directory, run_file_name(run_id))
 
     # ------------------------------------------------------------------ the run store seam
-
-    async def _append(
-        self, run_id: str, seq: int, records: tuple[Record, ...], *, op: StoreOp, generation: int
-    ) -> None:
-        await self._engine.append(
-            run_id,
-            seq,
-            records,
-            generation=generation,
-            barrier=op.barrier,
-            closes=op is StoreOp.RUN_FINISHED,
-        )
 
     async def read_log(self, run_id: str) -> RunLog:
         """Read the run's whole log, after the writes queued for it here are written.

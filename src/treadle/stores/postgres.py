@@ -36,8 +36,7 @@ import trio
 from treadle._exceptions import LogCorrupted, SchemaTooNew, StoreError, TreadleError, UsageError
 from treadle.stores import _sql
 from treadle.stores._dsn import redact_dsn
-from treadle.stores._engine import BatchReport, CommitEngine, RunHead, Write, fail_writes
-from treadle.types import Record
+from treadle.stores._engine import BatchReport, CommitEngine, Write, fail_writes
 
 CONNECT_TIMEOUT_S: Final = 10
 """Seconds a connection attempt may take (psycopg's ``connect_timeout``)."""
@@ -210,25 +209,13 @@ def _ensure_schema(dialect: PostgresDialect, conn: Any) -> None:
 # --------------------------------------------------------------------------- the committer
 
 
-class PostgresBackend:
+class PostgresBackend(_sql.SqlBackend):
     """The committer side of the PostgreSQL store: one statement per batch (`_COMMIT`)."""
 
     def __init__(self, dialect: PostgresDialect, conn: Any, pool: _sql.ConnectionPool) -> None:
-        self.description = dialect.description
-        self._dialect = dialect
+        super().__init__(dialect, pool)
+        self._dialect: PostgresDialect = dialect
         self._conn = conn
-        self._pool = pool
-
-    def encode(self, run_id: str, seq: int, generation: int, records: tuple[Record, ...]) -> object:
-        """The write's record rows."""
-        return _sql.encode_rows(run_id, seq, generation, records)
-
-    def admit(self, run_id: str, generation: int) -> None:
-        """Nothing to check before the statement (fencing happens inside it)."""
-
-    def load(self, run_id: str) -> RunHead:
-        """The run's next seq from its ``runs`` row."""
-        return _sql.run_pooled(self._dialect, self._pool, _sql.load_head, run_id)
 
     def commit(self, batch: list[Write]) -> BatchReport:
         """Commit ``batch`` with one statement; reconcile when the connection drops."""

@@ -39,7 +39,6 @@ from treadle.stores._codec import KIND_OF, decode, encode_bytes, record_crc
 from treadle.stores._engine import (
     BatchReport,
     CommitEngine,
-    RunHead,
     StoreStatistics,
     Write,
     fail_writes,
@@ -299,7 +298,7 @@ def _file_id(path: str) -> tuple[int, int] | None:
     return (info.st_dev, info.st_ino)
 
 
-class SqliteBackend:
+class SqliteBackend(_sql.SqlBackend):
     """The committer side of the SQLite store: one transaction per batch.
 
     A batch is ``BEGIN IMMEDIATE``; a check that the database and its WAL are the files
@@ -315,25 +314,12 @@ class SqliteBackend:
         pool: _sql.ConnectionPool,
         files: tuple[tuple[int, int] | None, tuple[int, int] | None],
     ) -> None:
-        self.description = dialect.description
-        self._dialect = dialect
+        super().__init__(dialect, pool)
         self._path = dialect.path
         self._conn = conn
-        self._pool = pool
         self._max_rows = conn.getlimit(sqlite3.SQLITE_LIMIT_VARIABLE_NUMBER) // 6
         self._files = files
         self._broken: StoreError | None = None
-
-    def encode(self, run_id: str, seq: int, generation: int, records: tuple[Record, ...]) -> object:
-        """The write's record rows."""
-        return _sql.encode_rows(run_id, seq, generation, records)
-
-    def admit(self, run_id: str, generation: int) -> None:
-        """Nothing to check before the transaction (fencing happens inside it)."""
-
-    def load(self, run_id: str) -> RunHead:
-        """The run's next seq from its ``runs`` row."""
-        return _sql.run_pooled(self._dialect, self._pool, _sql.load_head, run_id)
 
     def commit(self, batch: list[Write]) -> BatchReport:
         """Commit ``batch`` in one transaction; refused runs' writes get their error."""
