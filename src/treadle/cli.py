@@ -187,7 +187,8 @@ def runs(store_path: str, as_json: bool) -> None:
 def runs_table(store_path: str, summaries: Sequence[RunSummary]) -> Table:
     """The runs of a store as a table; run ids are never cut."""
     table = Table(title=f"runs in {redact(store_path)}")
-    table.add_column("run", overflow="fold")
+    longest = max((len(s.run_id) for s in summaries), default=3)
+    table.add_column("run", no_wrap=True, min_width=longest)
     for column in ("state", "driven by", "agent", "steps", "stop reason", "started"):
         table.add_column(column, overflow="fold")
     for summary in summaries:
@@ -198,7 +199,7 @@ def runs_table(store_path: str, summaries: Sequence[RunSummary]) -> Table:
             summary.agent or "",
             str(summary.steps),
             summary.stop_reason.value if summary.stop_reason else "",
-            summary.started_at or "",
+            (summary.started_at or "")[:19].replace("T", " "),
         )
     return table
 
