@@ -11,6 +11,7 @@ from click.testing import CliRunner
 
 import treadle
 from treadle.cli import main
+from treadle.stores._lines import frame
 from treadle.supervisors.run import run
 from treadle.testing.crashdriver import open_store
 from treadle.testing.crashes import (
@@ -167,3 +168,28 @@ def test_missing_store_and_missing_ledger_variable(tmp_path: Path) -> None:
         main, ["resume", "r", "--store", str(tmp_path), "--agent", AGENT]
     )
     assert unset.exit_code != 0 and LEDGER_ENV in unset.output
+
+
+def test_resume_all_reports_a_damaged_run_and_resumes_the_others(tmp_path: Path) -> None:
+    path = prepare(tmp_path, "jsonl", {"good": 9, "bad": 9, "newer": 9})
+    bad = path / "bad.jsonl"
+    data = bytearray(bad.read_bytes())
+    second = data.index(b"\n") + 1
+    data[second + 30] ^= 0x01  # a flipped bit in the middle of the run-started line
+    bad.write_bytes(bytes(data))
+    newer = path / "newer.jsonl"
+    _, rest = newer.read_bytes().split(b"\n", 1)
+    header = {"format": "treadle.jsonl", "version": 99, "run_id": "newer", "created_ns": 1}
+    newer.write_bytes(frame(0, "header", json.dumps(header)) + rest)
+    runner = CliRunner(env={LEDGER_ENV: str(tmp_path / "ledger.jsonl")})
+    listing = runner.invoke(main, ["runs", "--store", str(path), "--json"])
+    assert listing.exit_code == 1  # some runs cannot be read: said by the exit status
+    rows = {row["run_id"]: row for row in map(json.loads, listing.stdout.splitlines())}
+    assert set(rows) == {"good", "bad", "newer"}  # none hidden
+    assert rows["bad"]["error"] and rows["bad"]["where"] == str(bad)
+    assert "99" in rows["newer"]["error"] and rows["newer"]["where"] == str(newer)
+    result = runner.invoke(main, ["resume", "--all", "--store", str(path), "--agent", AGENT])
+    assert result.exit_code == 1
+    assert "good: succeeded (task_completed), 4 steps" in result.stdout
+    assert "'bad'" in result.stderr and str(bad) in result.stderr
+    assert "'newer'" in result.stderr and "99" in result.stderr
