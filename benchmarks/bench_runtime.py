@@ -1,10 +1,13 @@
 """Durable steps per second and CPU per step of the whole runtime (DESIGN §10).
 
-Workload: a model that answers instantly with one tool call per step and a final answer at
-the end, and a tool that does nothing. A step is one model call plus one tool call, with the
-full write protocol (two barriers per step). Run with:
+Workload (benchmarks/_workload.py): a model that answers instantly with one tool call per
+step and a final answer at the end, and a tool that does nothing. A step is one model call
+plus one tool call, with the full write protocol (two barriers per step). Run with:
 
     python benchmarks/bench_runtime.py [--steps 200] [--runs 100]
+
+See also bench_postgres.py (PostgreSQL, beside DBOS), bench_fleet.py (worker processes) and
+bench_stores_before_after.py (SQLite and JSONL before and after the store rewrite).
 """
 
 from __future__ import annotations
@@ -12,7 +15,6 @@ from __future__ import annotations
 import argparse
 import os
 import tempfile
-import time
 from collections.abc import Sequence
 
 import trio
@@ -20,50 +22,7 @@ from rich.console import Console
 from rich.table import Table
 
 import treadle
-from treadle.ports import DeltaCallback
-from treadle.types import ModelReply, ModelRequest, ToolCall
-
-
-class InstantModel:
-    """Calls ``noop`` until the run has ``steps`` steps, then answers."""
-
-    def __init__(self, steps: int) -> None:
-        self.steps = steps
-
-    async def complete(
-        self, request: ModelRequest, *, on_delta: DeltaCallback | None = None
-    ) -> ModelReply:
-        await trio.lowlevel.checkpoint()
-        turn = (len(request.messages) - 1) // 2
-        if turn >= self.steps - 1:
-            return ModelReply(text="done", finish_reason="stop")
-        call = ToolCall(id=f"c{turn}", name="noop", arguments={})
-        return ModelReply(tool_calls=(call,), finish_reason="tool_calls")
-
-
-@treadle.tool(replay=treadle.ReplayPolicy.SAFE)
-async def noop() -> str:
-    """Do nothing."""
-    return "ok"
-
-
-def make_agent(steps: int) -> treadle.Agent:
-    return treadle.Agent(
-        model=InstantModel(steps),
-        executor=treadle.Toolbox([noop]),
-        parser=treadle.NativeToolCallParser(),
-        budgets=treadle.Budgets(max_steps=steps + 1, max_model_attempts=None),
-    )
-
-
-async def drive(store: treadle.ports.RunStore, runs: int, steps: int, tag: str) -> int:
-    agent = make_agent(steps)
-    async with trio.open_nursery() as nursery:
-        for i in range(runs):
-            nursery.start_soon(
-                lambda i=i: treadle.run(agent, "go", store=store, run_id=f"{tag}-{i}")
-            )
-    return runs * steps
+from _workload import timed
 
 
 async def measure(kind: str, runs: int, steps: int) -> tuple[float, float, float]:
@@ -71,24 +30,16 @@ async def measure(kind: str, runs: int, steps: int) -> tuple[float, float, float
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "bench.db")
         if kind == "memory":
-            store: treadle.ports.RunStore = treadle.MemoryStore()
-            total, wall, cpu = await _timed(store, runs, steps)
-            return total / wall, cpu / total * 1e6, float("nan")
+            timing = await timed(treadle.MemoryStore(), runs, steps)
+            return timing.steps_per_s, timing.cpu_us_per_step, float("nan")
         async with treadle.open_sqlite_store(path) as store:
-            total, wall, cpu = await _timed(store, runs, steps)
+            timing = await timed(store, runs, steps)
         size = _dir_size(tmp)
-        return total / wall, cpu / total * 1e6, size / total
+        return timing.steps_per_s, timing.cpu_us_per_step, size / timing.steps
 
 
 def _dir_size(path: str) -> int:
     return sum(os.path.getsize(os.path.join(path, f)) for f in os.listdir(path))
-
-
-async def _timed(store: treadle.ports.RunStore, runs: int, steps: int) -> tuple[int, float, float]:
-    await drive(store, 1, 5, "warmup")
-    wall0, cpu0 = time.perf_counter(), time.process_time()
-    total = await drive(store, runs, steps, "bench")
-    return total, time.perf_counter() - wall0, time.process_time() - cpu0
 
 
 def main(argv: Sequence[str] | None = None) -> None:
