@@ -125,3 +125,20 @@ async def test_the_password_is_never_shown(postgres_dsn: str) -> None:
 async def test_an_invalid_schema_name_is_refused(postgres_dsn: str) -> None:
     with pytest.raises(treadle.UsageError, match="schema"):
         await PostgresStore.open(postgres_dsn, schema="Robert'); DROP TABLE runs;--")
+
+
+async def test_the_schema_comes_from_the_dsn_options(
+    postgres_dsn: str, postgres_schema: str
+) -> None:
+    from psycopg.conninfo import conninfo_to_dict, make_conninfo
+
+    params = conninfo_to_dict(postgres_dsn)
+    params["options"] = f"-c search_path={postgres_schema} -c statement_timeout=60000"
+    dsn = make_conninfo(**params)
+    async with treadle.open_postgres_store(dsn) as store:
+        assert f"schema {postgres_schema}" in store.description
+        gen = await lease_generation(store, "r")
+        await store.write_intent(intent("r", 1), seq=1, generation=gen)
+    with psycopg.connect(postgres_dsn) as admin:
+        (count,) = admin.execute(f"SELECT count(*) FROM {postgres_schema}.records").fetchone()
+    assert count == 1

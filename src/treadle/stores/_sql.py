@@ -125,6 +125,10 @@ class SqlDialect(Protocol):
         """Start a transaction that will write."""
         ...
 
+    def end_write(self) -> None:
+        """Called once a transaction begun by `begin_write` committed or rolled back."""
+        ...
+
     def begin_read(self, conn: Connection) -> None:
         """Start a read-only transaction whose statements share one snapshot."""
         ...
@@ -296,6 +300,20 @@ UPDATE_RUN: Final = (
     "awaiting_until = CASE WHEN ? THEN ? ELSE awaiting_until END WHERE run_id = ?"
 )
 """Moves a run's ``next_seq`` and applies its index delta (parameters: `index_params`)."""
+
+
+UPDATE_INDEX: Final = (
+    "UPDATE runs SET state = COALESCE(?, state), agent = COALESCE(?, agent), "
+    "agent_version = COALESCE(?, agent_version), started_at = COALESCE(?, started_at), "
+    "steps = COALESCE(?, steps), stop_reason = COALESCE(?, stop_reason), "
+    "awaiting_until = CASE WHEN ? THEN ? ELSE awaiting_until END WHERE run_id = ?"
+)
+"""Applies a run's index delta, leaving its next seq alone (SQLite's triggers move it)."""
+
+
+def index_only_params(group: RunBatch) -> tuple[Any, ...]:
+    """Parameters of `UPDATE_INDEX` for one run's batch."""
+    return index_params(group)[1:]
 
 
 # --------------------------------------------------------------------------- reads
@@ -565,11 +583,14 @@ class write_transaction:
         self._dialect.begin_write(self._conn)
 
     def __exit__(self, kind: object, exc: object, tb: object) -> None:
-        if kind is None:
-            self._conn.execute("COMMIT")
-            return
-        with contextlib.suppress(Exception):
-            self._conn.execute("ROLLBACK")
+        try:
+            if kind is None:
+                self._conn.execute("COMMIT")
+                return
+            with contextlib.suppress(Exception):
+                self._conn.execute("ROLLBACK")
+        finally:
+            self._dialect.end_write()
 
 
 class ConnectionPool:

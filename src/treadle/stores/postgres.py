@@ -126,12 +126,13 @@ class PostgresDialect:
     def connect(self, application: str = "treadle") -> Any:
         """A new autocommit connection whose search path is the store's schema."""
         psycopg = _psycopg()
+        _, other = schema_of(self.dsn)
         return psycopg.connect(
             self.dsn,
             autocommit=True,
             connect_timeout=CONNECT_TIMEOUT_S,
             application_name=application,
-            options=f"-c search_path={self.schema}",
+            options=" ".join([*other, f"-c search_path={self.schema}"]),
         )
 
     def sql(self, text: str) -> str:
@@ -144,6 +145,9 @@ class PostgresDialect:
     def begin_write(self, conn: Any) -> None:
         """``BEGIN``: row locks (``FOR UPDATE``) do the rest."""
         conn.execute("BEGIN")
+
+    def end_write(self) -> None:
+        """Nothing: row locks order PostgreSQL's writers."""
 
     def begin_read(self, conn: Any) -> None:
         """A repeatable-read, read-only transaction: its statements share one snapshot."""
@@ -364,6 +368,27 @@ def _commit_params(groups: Sequence[_sql.RunBatch]) -> list[list[Any]]:
 # --------------------------------------------------------------------------- opening
 
 
+_SEARCH_PATH: Final = re.compile(r"(?:-c\s*|--)search_path=(\S+)")
+
+
+def schema_of(dsn: str) -> tuple[str | None, list[str]]:
+    """The schema a DSN's ``options`` name (``-c search_path=NAME``), and its other options.
+
+    So ``postgresql://…/db?options=-csearch_path%3Dtenant_a`` (or ``options='-c
+    search_path=tenant_a'`` in keyword form) opens the store in schema ``tenant_a``, from any
+    command that takes ``--store``.
+    """
+    try:
+        from psycopg.conninfo import conninfo_to_dict
+
+        options = str(conninfo_to_dict(dsn).get("options") or "")
+    except Exception:  # not parseable here: psycopg reports it when connecting
+        return None, []
+    found = _SEARCH_PATH.search(options)
+    rest = _SEARCH_PATH.sub("", options).split()
+    return (found.group(1).split(",")[0] if found else None), rest
+
+
 def _check_schema_name(schema: str) -> str:
     if _SCHEMA_NAME.fullmatch(schema) is None:
         raise UsageError(
@@ -408,12 +433,14 @@ class PostgresStore(_sql.SqlStore):
     """
 
     @classmethod
-    async def open(cls, dsn: str, *, schema: str = DEFAULT_SCHEMA) -> PostgresStore:
+    async def open(cls, dsn: str, *, schema: str | None = None) -> PostgresStore:
         """Connect, create the tables if needed, and start the committer thread.
 
         Args:
             dsn: a libpq connection string or ``postgresql://`` URL.
-            schema: the schema holding the tables (created when missing).
+            schema: the schema holding the tables (created when missing); ``None`` takes the
+                one the DSN's ``options`` name (``-c search_path=NAME``, `schema_of`), else
+                ``public``.
 
         Returns:
             The open store; the caller owns it and must `aclose` it.
@@ -424,9 +451,9 @@ class PostgresStore(_sql.SqlStore):
             SchemaTooNew: the schema was laid out by a newer treadle.
             UsageError: an invalid schema name, or psycopg is not installed.
         """
-        _check_schema_name(schema)
+        chosen = _check_schema_name(schema or schema_of(dsn)[0] or DEFAULT_SCHEMA)
         token = trio.lowlevel.current_trio_token()
-        dialect, conn = await trio.to_thread.run_sync(_open, dsn, schema)
+        dialect, conn = await trio.to_thread.run_sync(_open, dsn, chosen)
         pool = _sql.ConnectionPool(dialect.connect)
         engine = CommitEngine(PostgresBackend(dialect, conn, pool), token)
         return cls(dialect, engine, pool)
@@ -434,13 +461,13 @@ class PostgresStore(_sql.SqlStore):
 
 @contextlib.asynccontextmanager
 async def open_postgres_store(
-    dsn: str, *, schema: str = DEFAULT_SCHEMA
+    dsn: str, *, schema: str | None = None
 ) -> AsyncIterator[PostgresStore]:
     """Open a `PostgresStore` for the duration of an ``async with`` block, then `aclose` it.
 
     Args:
         dsn: a libpq connection string or ``postgresql://`` URL.
-        schema: the schema holding the tables.
+        schema: the schema holding the tables (see `PostgresStore.open`).
 
     Yields:
         The open store.

@@ -24,6 +24,7 @@ import contextlib
 import os
 import secrets
 import sqlite3
+import threading
 import time
 from collections.abc import AsyncIterator, Callable, Mapping
 from os import PathLike
@@ -33,7 +34,14 @@ from typing import Any, Final
 import attrs
 import trio
 
-from treadle._exceptions import LogCorrupted, SchemaTooNew, StoreError, TreadleError, UsageError
+from treadle._exceptions import (
+    ConflictError,
+    LogCorrupted,
+    SchemaTooNew,
+    StoreError,
+    TreadleError,
+    UsageError,
+)
 from treadle.stores import _sql
 from treadle.stores._codec import KIND_OF, decode, encode_bytes, record_crc
 from treadle.stores._engine import (
@@ -45,6 +53,8 @@ from treadle.stores._engine import (
 )
 from treadle.stores._index import IndexDelta, index_delta
 from treadle.types import ApprovalDecided, CancelRequested, Record
+
+_FENCED: Final = "treadle: the row of the run refuses this record"
 
 BUSY_TIMEOUT_MS: Final = 10_000
 """How long (milliseconds) a connection waits for a lock held by another connection."""
@@ -66,6 +76,17 @@ _SCHEMA: Final = (
     "WITHOUT ROWID",
     "CREATE TABLE control(run_id TEXT NOT NULL, pos INTEGER NOT NULL, kind TEXT NOT NULL, "
     "body BLOB NOT NULL, crc INTEGER NOT NULL, PRIMARY KEY (run_id, pos)) WITHOUT ROWID",
+)
+
+_TRIGGERS: Final = (
+    # Fencing, in the statement that writes: a record lands only when its run's row holds the
+    # writer's live lease generation and expects exactly this seq.
+    "CREATE TRIGGER records_fence BEFORE INSERT ON records WHEN NOT EXISTS (SELECT 1 FROM runs "
+    "WHERE run_id = NEW.run_id AND lease_generation = NEW.gen AND lease_owner <> '' AND "
+    f"next_seq = NEW.seq) BEGIN SELECT RAISE(ABORT, '{_FENCED}'); END",
+    "CREATE TRIGGER records_advance AFTER INSERT ON records BEGIN UPDATE runs SET next_seq = "
+    "NEW.seq + 1, steps = CASE WHEN NEW.kind = 'step' THEN steps + 1 ELSE steps END "
+    "WHERE run_id = NEW.run_id; END",
 )
 
 _V1_CONTROL_SUFFIX: Final = "#control"
@@ -91,6 +112,10 @@ class SqliteDialect:
         self.path = path
         self.description = f"SQLite store {path}"
         self._clock = clock
+        # The store object's control writes (leases, control streams, claims) take turns here
+        # instead of all waiting in SQLite's busy handler at once, which is not fair: under load
+        # one of a hundred could wait past the busy timeout ("database is locked").
+        self._writing = threading.Lock()
 
     def connect(self) -> sqlite3.Connection:
         """A connection for reads and control operations (autocommit, busy timeout)."""
@@ -101,8 +126,17 @@ class SqliteDialect:
         return text
 
     def begin_write(self, conn: Any) -> None:
-        """``BEGIN IMMEDIATE``: take the database's write lock now."""
-        conn.execute("BEGIN IMMEDIATE")
+        """``BEGIN IMMEDIATE``: take the database's write lock now (one thread at a time)."""
+        self._writing.acquire()
+        try:
+            conn.execute("BEGIN IMMEDIATE")
+        except BaseException:
+            self._writing.release()
+            raise
+
+    def end_write(self) -> None:
+        """Let the next control write of this store object begin."""
+        self._writing.release()
 
     def begin_read(self, conn: Any) -> None:
         """``BEGIN``: a deferred transaction reads one snapshot of the WAL."""
@@ -157,7 +191,7 @@ def _create(conn: sqlite3.Connection, clock: Callable[[], float]) -> None:
     conn.execute("BEGIN IMMEDIATE")
     try:
         if _layout(conn) is None:  # another process may have created it meanwhile
-            for statement in _SCHEMA:
+            for statement in (*_SCHEMA, *_TRIGGERS):
                 conn.execute(statement)
             conn.executemany(
                 "INSERT INTO meta(key, value) VALUES (?, ?)",
@@ -208,6 +242,8 @@ def _migrate_v1(conn: sqlite3.Connection, where: str) -> None:
             _migrate_run(conn, run_id, where)
         conn.execute("DROP TABLE records_v1")
         conn.execute("DROP TABLE runs_v1")
+        for statement in _TRIGGERS:  # after the copy: migrated rows carry generation 0
+            conn.execute(statement)
         conn.execute("UPDATE meta SET value = ? WHERE key = 'layout'", (str(_sql.LAYOUT_VERSION),))
         conn.execute(
             "INSERT OR IGNORE INTO meta(key, value) VALUES ('created', ?)", (repr(time.time()),)
@@ -290,6 +326,22 @@ def _configure_writer(
     _ensure_layout(conn, clock, where)
 
 
+def _changes_index(group: _sql.RunBatch) -> bool:
+    """Whether the writes change index columns beyond next seq and steps (the triggers' part)."""
+    delta = group.delta
+    return any(
+        value is not None
+        for value in (
+            delta.state,
+            delta.agent,
+            delta.agent_version,
+            delta.started_at,
+            delta.stop_reason,
+            delta.awaiting_until,
+        )
+    )
+
+
 def _file_id(path: str) -> tuple[int, int] | None:
     try:
         info = os.stat(path)
@@ -322,7 +374,14 @@ class SqliteBackend(_sql.SqlBackend):
         self._broken: StoreError | None = None
 
     def commit(self, batch: list[Write]) -> BatchReport:
-        """Commit ``batch`` in one transaction; refused runs' writes get their error."""
+        """Commit ``batch`` in one transaction; refused runs' writes get their error.
+
+        The common batch is one multi-row INSERT, its own transaction: the ``records_fence``
+        trigger admits each row against its run's row and ``records_advance`` moves the run's
+        next seq. A batch that changes index columns (a run started, finished, waiting on a
+        human...) adds one UPDATE in the same transaction. Only when a row is refused is the
+        batch redone run by run, so that just the refused runs fail.
+        """
         if self._broken is not None:
             fail_writes(batch, self._broken)
             return BatchReport()
@@ -330,7 +389,12 @@ class SqliteBackend(_sql.SqlBackend):
         if not groups:
             return BatchReport()
         try:
-            committed = self._transaction(groups)
+            self._check_files()
+            try:
+                committed = self._all_at_once(groups)
+            except sqlite3.IntegrityError:
+                self._rollback()
+                committed = self._run_by_run(groups)
         except (sqlite3.Error, StoreError) as exc:
             self._rollback()
             error = (
@@ -346,23 +410,45 @@ class SqliteBackend(_sql.SqlBackend):
             return BatchReport()
         return BatchReport(syncs=1 if committed else 0)
 
-    def _transaction(self, groups: list[_sql.RunBatch]) -> bool:
+    def _all_at_once(self, groups: list[_sql.RunBatch]) -> bool:
+        rows = [row for group in groups for row in group.rows]
+        indexed = [g for g in groups if _changes_index(g)]
+        if not indexed and len(rows) <= self._max_rows:
+            self._conn.execute(_insert_sql(len(rows)), [v for row in rows for v in row])
+            return True
+        self._conn.execute("BEGIN IMMEDIATE")
+        self._insert(rows)
+        self._update_index(indexed)
+        self._conn.execute("COMMIT")
+        return True
+
+    def _run_by_run(self, groups: list[_sql.RunBatch]) -> bool:
+        """The slow path after a refused row: each run's writes alone, under a savepoint."""
         conn = self._conn
         conn.execute("BEGIN IMMEDIATE")
-        self._check_files()
-        stored = self._stored([g.run_id for g in groups])
         ok = []
         for group in groups:
-            error = _sql.refusal(group, stored.get(group.run_id), self.description)
-            if error is None:
-                ok.append(group)
+            conn.execute("SAVEPOINT run")
+            try:
+                self._insert(group.rows)
+            except sqlite3.IntegrityError:
+                conn.execute("ROLLBACK TO run")
+                stored = self._stored([group.run_id]).get(group.run_id)
+                error = _sql.refusal(group, stored, self.description)
+                fail_writes(
+                    group.writes, error or ConflictError(group.run_id, expected=-1, got=group.start)
+                )
             else:
-                fail_writes(group.writes, error)
-        if ok:
-            self._insert([row for group in ok for row in group.rows])
-            conn.executemany(_sql.UPDATE_RUN, [_sql.index_params(group) for group in ok])
+                ok.append(group)
+            finally:
+                conn.execute("RELEASE run")
+        self._update_index([g for g in ok if _changes_index(g)])
         conn.execute("COMMIT")
         return bool(ok)
+
+    def _update_index(self, groups: list[_sql.RunBatch]) -> None:
+        if groups:
+            self._conn.executemany(_sql.UPDATE_INDEX, [_sql.index_only_params(g) for g in groups])
 
     def _check_files(self) -> None:
         """Refuse to go on once the database file or its WAL was removed or replaced."""
