@@ -1,9 +1,10 @@
 """Raw run store throughput: memory vs SQLite, 1 run and 100 concurrent runs.
 
-A simulated step writes what the loop writes (DESIGN §4): model intent (barrier), model
-result, action intent (barrier), action result + step record (one atomic write); 5 records,
-2 barriers. SQLite runs in WAL mode with synchronous=FULL. Targets (DESIGN §10): >= 1,500
-durable steps/s for 1 run, >= 6,000 steps/s for 100 concurrent runs.
+A simulated step writes what the loop writes (docs/crash-safety.md, "The write protocol"):
+model intent (barrier), model result, action intent (barrier), action result + step record
+(one atomic write); 5 records, 2 barriers. Each run takes its lease first and writes with its
+generation. SQLite runs in WAL mode with synchronous=FULL. Targets: >= 1,500 durable steps/s
+for 1 run, >= 6,000 steps/s for 100 concurrent runs.
 
     python benchmarks/bench_store.py [--steps 3000] [--runs 100] [--run-steps 100]
 """
@@ -25,6 +26,7 @@ from rich.table import Table
 
 from treadle.ports import RunStore
 from treadle.stores import MemoryStore, SqliteStore, open_sqlite_store
+from treadle.testing.contracts import lease_generation
 from treadle.types import (
     ActionIntent,
     ActionOutcome,
@@ -68,18 +70,21 @@ class Result:
 
 
 async def write_run(store: RunStore, run_id: str, steps: int) -> None:
+    gen = await lease_generation(store, run_id)
     started = RunStarted(run_id=run_id, ts=TS, input=(), snapshot={"model": "m"})
-    await store.write_run_started(started, seq=1)
+    await store.write_run_started(started, seq=1, generation=gen)
     seq = 2
     for step in range(1, steps + 1):
-        await write_step(store, run_id, step, seq)
+        await write_step(store, run_id, step, seq, gen)
         seq += RECORDS_PER_STEP
 
 
-async def write_step(store: RunStore, run_id: str, step: int, seq: int) -> None:
+async def write_step(store: RunStore, run_id: str, step: int, seq: int, gen: int) -> None:
     mid, aid, call = f"{run_id}/m{step}", f"{run_id}/a{step}", f"call_{step}"
     await store.write_intent(
-        ModelIntent(run_id=run_id, step=step, intent_id=mid, attempt=1, ts=TS), seq=seq
+        ModelIntent(run_id=run_id, step=step, intent_id=mid, attempt=1, ts=TS),
+        seq=seq,
+        generation=gen,
     )
     reply = ModelReply(
         tool_calls=(ToolCall(id=call, name="noop", arguments={"n": step}),),
@@ -89,6 +94,7 @@ async def write_step(store: RunStore, run_id: str, step: int, seq: int) -> None:
     await store.write_model_result(
         ModelResult(run_id=run_id, step=step, intent_id=mid, ts=TS, reply=reply, latency_s=0.0),
         seq=seq + 1,
+        generation=gen,
     )
     await store.write_intent(
         ActionIntent(
@@ -101,6 +107,7 @@ async def write_step(store: RunStore, run_id: str, step: int, seq: int) -> None:
             ts=TS,
         ),
         seq=seq + 2,
+        generation=gen,
     )
     outcome = ActionOutcome(status=ActionStatus.EXECUTED, observation="ok")
     result = ActionResult(
@@ -115,7 +122,7 @@ async def write_step(store: RunStore, run_id: str, step: int, seq: int) -> None:
         observations=("ok",),
         action_result_ids=(aid,),
     )
-    await store.write_step([result], record, seq=seq + 3)
+    await store.write_step([result], record, seq=seq + 3, generation=gen)
 
 
 @contextlib.asynccontextmanager
