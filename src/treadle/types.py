@@ -128,10 +128,10 @@ class StoreOp(enum.Enum):
     @property
     def barrier(self) -> bool:
         """True when the operation returns only once durable, with everything before it."""
-        return self in _BARRIER_OPS
+        return self._value_ in _BARRIER_OPS
 
 
-_BARRIER_OPS = frozenset({StoreOp.INTENT, StoreOp.CONTROL, StoreOp.RUN_FINISHED})
+_BARRIER_OPS = frozenset(op.value for op in (StoreOp.INTENT, StoreOp.CONTROL, StoreOp.RUN_FINISHED))
 
 
 # --------------------------------------------------------------------------- model shapes

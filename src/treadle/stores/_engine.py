@@ -332,7 +332,7 @@ class CommitEngine:
             write.event = trio.Event()
         self._inbox.put(write, flush=wait)  # StoreError if the committer is gone
         state.head = None
-        state.next_seq = write.end_seq
+        state.next_seq = seq + len(records)
         state.last = self._last = write
         self._counters.pending += 1
         if write.event is None:
@@ -479,7 +479,8 @@ class _Inbox:
 
     def __init__(self, description: str) -> None:
         self._description = description
-        self._cond = threading.Condition(threading.Lock())
+        self._lock = threading.Lock()
+        self._cond = threading.Condition(self._lock)
         self._items: list[Write] = []
         self._flush = False
         self._stop = False
@@ -491,7 +492,7 @@ class _Inbox:
         Raises:
             StoreError: the committer thread has stopped.
         """
-        with self._cond:
+        with self._lock:
             if self._closed:
                 raise StoreError(f"the committer thread of the {self._description} has stopped")
             self._items.append(write)
@@ -513,7 +514,7 @@ class _Inbox:
 
     def close(self) -> list[Write]:
         """Refuse further writes; return those never taken."""
-        with self._cond:
+        with self._lock:
             self._closed = True
             leftover, self._items = self._items, []
             return leftover

@@ -8,7 +8,8 @@ from the write's records alone. Most writes change nothing but the next seq.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import attrs
 
@@ -54,49 +55,77 @@ _NOTHING = IndexDelta()
 
 def index_delta(records: Sequence[Record]) -> IndexDelta | None:
     """The index change of a write of ``records`` (applied in order); ``None`` for none."""
-    delta = _NOTHING
+    changes: dict[str, object] = {}
     for record in records:
-        delta = _apply(delta, record)
-    return None if delta is _NOTHING else delta
+        rule = _RULES.get(type(record))
+        if rule is not None:
+            changes.update(rule(record))
+    return IndexDelta(**changes) if changes else None  # type: ignore[arg-type]
 
 
-def _apply(delta: IndexDelta, record: Record) -> IndexDelta:
-    if isinstance(record, StepRecord):
-        return attrs.evolve(delta, steps=record.step)
-    if isinstance(record, RunStarted):
-        return attrs.evolve(
-            delta,
-            state=RunState.RUNNING,
-            agent=record.agent,
-            agent_version=record.agent_version,
-            started_at=record.ts,
-        )
-    if isinstance(record, ApprovalRequested):
-        return attrs.evolve(
-            delta, state=RunState.AWAITING_APPROVAL, awaiting_until=record.deadline_ts
-        )
-    if isinstance(record, ApprovalDecided):
-        return attrs.evolve(delta, state=RunState.RUNNING, awaiting_until="")
-    if isinstance(record, CancelRequested):
-        return attrs.evolve(delta, state=RunState.CANCELLING, awaiting_until="")
-    if isinstance(record, DefinitionAccepted):
-        return attrs.evolve(delta, agent_version=record.agent_version)
-    if isinstance(record, RunFinished):
-        return attrs.evolve(
-            delta,
-            state=record.state,
-            stop_reason=record.stop_reason,
-            steps=record.totals.steps,
-            awaiting_until="",
-        )
-    return delta
+def _step(record: StepRecord) -> dict[str, object]:
+    return {"steps": record.step}
+
+
+def _started(record: RunStarted) -> dict[str, object]:
+    return {
+        "state": RunState.RUNNING,
+        "agent": record.agent,
+        "agent_version": record.agent_version,
+        "started_at": record.ts,
+    }
+
+
+def _approval_requested(record: ApprovalRequested) -> dict[str, object]:
+    return {"state": RunState.AWAITING_APPROVAL, "awaiting_until": record.deadline_ts}
+
+
+def _approval_decided(record: ApprovalDecided) -> dict[str, object]:
+    return {"state": RunState.RUNNING, "awaiting_until": ""}
+
+
+def _cancel_requested(record: CancelRequested) -> dict[str, object]:
+    return {"state": RunState.CANCELLING, "awaiting_until": ""}
+
+
+def _definition_accepted(record: DefinitionAccepted) -> dict[str, object]:
+    return {"agent_version": record.agent_version}
+
+
+def _finished(record: RunFinished) -> dict[str, object]:
+    return {
+        "state": record.state,
+        "stop_reason": record.stop_reason,
+        "steps": record.totals.steps,
+        "awaiting_until": "",
+    }
+
+
+# The record types that change a run's index row; every other type changes only next seq.
+_RULES: dict[type, Callable[[Any], dict[str, object]]] = {
+    StepRecord: _step,
+    RunStarted: _started,
+    ApprovalRequested: _approval_requested,
+    ApprovalDecided: _approval_decided,
+    CancelRequested: _cancel_requested,
+    DefinitionAccepted: _definition_accepted,
+    RunFinished: _finished,
+}
 
 
 def fold_delta(deltas: Sequence[IndexDelta]) -> IndexDelta:
     """Several deltas of one run applied in order, as one."""
-    out = _NOTHING
+    if len(deltas) == 1:
+        return deltas[0]
+    if not deltas:
+        return _NOTHING
+    changes: dict[str, object] = {}
     for delta in deltas:
-        out = attrs.evolve(
-            out, **{k: v for k, v in attrs.asdict(delta, recurse=False).items() if v is not None}
-        )
-    return out
+        for name in _FIELDS:
+            value = getattr(delta, name)
+            if value is not None:
+                changes[name] = value
+    return IndexDelta(**changes)  # type: ignore[arg-type]
+
+
+_FIELDS = tuple(field.name for field in attrs.fields(IndexDelta))

@@ -223,21 +223,23 @@ class RunBatch:
 def group_by_run(batch: Sequence[Write]) -> list[RunBatch]:
     """The batch's writes grouped by run, runs in order of their first write.
 
-    A run's writes carrying different generations are cut at the first change: the later
-    ones fail with `LeaseLost` (a driver never changes generation without a new lease).
+    A run whose writes carry different generations writes none of them: all fail with
+    `LeaseLost` (a driver never changes generation without a new lease).
     """
     by_run: dict[str, list[Write]] = {}
     for write in batch:
-        by_run.setdefault(write.run_id, []).append(write)
+        writes = by_run.get(write.run_id)
+        if writes is None:
+            by_run[write.run_id] = [write]
+        else:
+            writes.append(write)
     groups = []
     for run_id, writes in by_run.items():
         generation = writes[0].generation
-        same = [w for w in writes if w.generation == generation]
-        if len(same) != len(writes):
-            other = next(w for w in writes if w.generation != generation)
+        other = next((w for w in writes if w.generation != generation), None)
+        if other is not None:
             fail_writes(writes, LeaseLost(run_id, generation=other.generation, current=None))
             continue
-        deltas = [w.delta for w in writes if w.delta is not None]
         groups.append(
             RunBatch(
                 run_id=run_id,
@@ -245,7 +247,7 @@ def group_by_run(batch: Sequence[Write]) -> list[RunBatch]:
                 generation=generation,
                 start=writes[0].seq,
                 stop=writes[-1].end_seq,
-                delta=fold_delta(deltas),
+                delta=fold_delta([w.delta for w in writes if w.delta is not None]),
             )
         )
     return groups

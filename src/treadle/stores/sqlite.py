@@ -329,16 +329,13 @@ def _configure_writer(
 def _changes_index(group: _sql.RunBatch) -> bool:
     """Whether the writes change index columns beyond next seq and steps (the triggers' part)."""
     delta = group.delta
-    return any(
-        value is not None
-        for value in (
-            delta.state,
-            delta.agent,
-            delta.agent_version,
-            delta.started_at,
-            delta.stop_reason,
-            delta.awaiting_until,
-        )
+    return not (
+        delta.state is None
+        and delta.agent is None
+        and delta.agent_version is None
+        and delta.started_at is None
+        and delta.stop_reason is None
+        and delta.awaiting_until is None
     )
 
 
