@@ -12,7 +12,6 @@ import trio
 
 from treadle import Agent, FixedStepClock, MemoryStore, NativeToolCallParser, Toolbox, tool
 from treadle.actors.executor import ActionsOutcome, RunActions
-from treadle.types import StoreOp
 from treadle.stores._codec import encode
 from treadle.supervisors.run import (
     DEFAULT_ACTORS,
@@ -41,6 +40,7 @@ from treadle.types import (
     ModelResult,
     RunLog,
     StopReason,
+    StoreOp,
     Usage,
 )
 

@@ -952,8 +952,9 @@ async def test_newer_schema_version_is_refused_on_read(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("how", ["removed", "replaced", "wal-removed"])
 async def test_a_database_removed_or_replaced_while_open_stops_the_writer(
-    tmp_path: Path, how: str
+    tmp_path: Path, how: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    monkeypatch.setattr(sqlite_module, "FILE_CHECK_INTERVAL_S", 0.0)  # check before every commit
     path = tmp_path / "s.db"
     store = await SqliteStore.open(path)
     try:
@@ -977,6 +978,27 @@ async def test_a_database_removed_or_replaced_while_open_stops_the_writer(
             await other.next()
     finally:
         await store.aclose()  # both failures were reported
+
+
+async def test_the_files_are_checked_at_most_every_interval(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    now = [1000.0]
+    monkeypatch.setattr(sqlite_module, "_monotonic", lambda: now[0])
+    path = tmp_path / "s.db"
+    store = await SqliteStore.open(path)
+    try:
+        run = Steps(store, "r")
+        await run.start()
+        await run.next()  # checked here: the clock has not moved since
+        os.unlink(path)
+        now[0] += sqlite_module.FILE_CHECK_INTERVAL_S / 2
+        await run.next()  # inside the interval: not checked, committed to the removed file
+        now[0] += sqlite_module.FILE_CHECK_INTERVAL_S
+        with pytest.raises(StoreError, match="removed or replaced"):
+            await run.next()
+    finally:
+        await store.aclose()
 
 
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")
