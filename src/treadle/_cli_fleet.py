@@ -18,6 +18,7 @@ import click
 import trio
 
 from treadle._cli_common import import_spec, open_store, redact, run_async, store_option
+from treadle._exceptions import TreadleError
 from treadle.agent import Agent
 from treadle.ports import RunQueue
 from treadle.stores._leases import LEASE_TTL_S
@@ -167,7 +168,10 @@ def submit_command(store_path: str, agent_name: str, run_id: str | None, text: s
     """Queue a run of an agent on TEXT; print its run id (submitting it again is idempotent)."""
     from treadle._ids import check_run_id, new_run_id
 
-    chosen = check_run_id(run_id) if run_id is not None else new_run_id()
+    try:
+        chosen = check_run_id(run_id) if run_id is not None else new_run_id()
+    except TreadleError as exc:
+        raise click.BadParameter(str(exc), param_hint="--run-id") from exc
 
     async def go() -> None:
         async with open_store(store_path, create=True) as store:

@@ -24,7 +24,7 @@ from typing import Any, TypeAlias
 
 from treadle._clock import Clock, SystemClock
 from treadle._exceptions import UsageError
-from treadle.ports import ControlStream, RunStore
+from treadle.ports import ControlStream, RunQueue, RunStore
 from treadle.types import (
     ActionIntent,
     ApprovalDecided,
@@ -202,9 +202,9 @@ async def request_cancel(
     """Durably ask whoever drives ``run_id`` to cancel it (from any process).
 
     The request is appended to the run's control stream. A driver picks it up within its poll
-    interval (0.5 s by default) and the run ends ``cancelled``; a run nobody drives picks it
-    up when it is next driven (`treadle.supervisors.finishing.finish_cancelled` ends such a
-    run at once).
+    interval (0.5 s by default) and the run ends ``cancelled``; a run nobody drives (a queued
+    run included) picks it up when it is next driven
+    (`treadle.supervisors.finishing.finish_cancelled` ends such a run at once).
 
     Returns:
         The record appended to the control stream.
@@ -216,7 +216,8 @@ async def request_cancel(
     """
     controls = _controls(store)
     log = await store.read_log(run_id)
-    _require_unfinished(log)
+    if log.started is not None or not await _queued(store, run_id):
+        _require_unfinished(log)
     record = CancelRequested(
         run_id=run_id,
         ts=(clock or SystemClock()).now_iso(),
@@ -288,6 +289,11 @@ async def read_control(
     if not isinstance(store, ControlStream):
         return ()
     return tuple(entry.record for entry in await store.read_control(run_id))
+
+
+async def _queued(store: RunStore, run_id: str) -> bool:
+    """Whether ``run_id`` waits in the store's queue (submitted, never started)."""
+    return isinstance(store, RunQueue) and await store.read_submission(run_id) is not None
 
 
 def _require_unfinished(log: RunLog) -> None:

@@ -82,12 +82,16 @@ async def test_control_stream_contract(
 
 
 @pytest.mark.parametrize("kind", ALL)
-async def test_run_index_contract(kind: str, tmp_path: Path, request: pytest.FixtureRequest) -> None:
+async def test_run_index_contract(
+    kind: str, tmp_path: Path, request: pytest.FixtureRequest
+) -> None:
     opener, _, _ = _store(kind, tmp_path, request)
     await check_run_index(opener)
 
 
 @pytest.mark.parametrize("kind", QUEUED)
-async def test_run_queue_contract(kind: str, tmp_path: Path, request: pytest.FixtureRequest) -> None:
+async def test_run_queue_contract(
+    kind: str, tmp_path: Path, request: pytest.FixtureRequest
+) -> None:
     opener, clock, _ = _store(kind, tmp_path, request)
     await check_run_queue(opener, clock=clock)

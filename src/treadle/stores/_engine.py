@@ -386,13 +386,16 @@ class CommitEngine:
         return state.next_seq if state is not None else None
 
     def forget(self, run_id: str) -> None:
-        """Drop what the engine knows of a run with nothing in flight (its lease was released).
+        """Drop what the engine knows of a run with nothing in flight (a lease was just taken).
 
-        The next write of the run loads its next seq from the store again; an unreported
-        failure of the run is kept (and raised by that write, or by `aclose`).
+        The next write of the run loads its next seq from the store again. A `LeaseLost`
+        refusal is dropped with the rest (it was the old lease's; the new one may write); any
+        other unreported failure of the run is kept (and raised by that write, or by `aclose`).
         """
         state = self._runs.get(run_id)
-        if state is not None and state.error is None and (state.last is None or state.last.done):
+        if state is None or not (state.last is None or state.last.done):
+            return
+        if state.error is None or isinstance(state.error, LeaseLost):
             del self._runs[run_id]
 
     def _deliver(self, batch: list[Write], report: BatchReport) -> None:

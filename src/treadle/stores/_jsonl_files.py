@@ -312,7 +312,8 @@ def probe_run_file(path: str) -> Probe | None:
         with open(path, "rb") as file:
             head = _first_lines(file, 2)
             size = os.fstat(file.fileno()).st_size
-            file.seek(max(0, size - _CHUNK))
+            tail_at = max(0, size - _CHUNK)
+            file.seek(tail_at)
             tail = file.read()
             mtime = os.fstat(file.fileno()).st_mtime_ns
     except FileNotFoundError:
@@ -321,7 +322,7 @@ def probe_run_file(path: str) -> Probe | None:
         error = StoreError(f"cannot read {path}: {exc.strerror or exc}")
         return Probe(name=name, run_id=id_from_name(name), created_ns=0, error=error)
     try:
-        return _probe(path, name, head, tail)
+        return _probe(path, name, head, tail, tail_at)
     except TreadleError as exc:
         return Probe(name=name, run_id=id_from_name(name), created_ns=mtime, error=exc)
 
@@ -336,7 +337,7 @@ def _first_lines(file: Any, count: int) -> bytes:
     return data
 
 
-def _probe(path: str, name: str, head: bytes, tail: bytes) -> Probe | None:
+def _probe(path: str, name: str, head: bytes, tail: bytes, tail_at: int) -> Probe | None:
     complete = head.split(b"\n")[:-1]  # the lines that end with a newline
     if not complete or not complete[0].strip(b"\0"):
         return None  # no header line reached the file: a first write that crashed
@@ -350,7 +351,7 @@ def _probe(path: str, name: str, head: bytes, tail: bytes) -> Probe | None:
         run_id=run_id,
         created_ns=created_ns,
         first=first_records[0],
-        tail=tuple(_tail_records(tail)),
+        tail=tuple(_tail_records(path, tail, tail_at)),
     )
 
 
@@ -361,21 +362,32 @@ def _checked(path: str, line: bytes, offset: int) -> tuple[int, bytes, int]:
         raise LogCorrupted(f"a line is damaged: {exc}", where=path, offset=offset) from exc
 
 
-def _tail_records(tail: bytes) -> list[Record]:
-    """The records of the intact record frames in ``tail`` (a file's last bytes), in order.
+def _tail_records(path: str, tail: bytes, tail_at: int) -> list[Record]:
+    """The records of the record frames in ``tail`` (the file's bytes from ``tail_at`` on).
 
-    Lines that are cut (the first one) or fail their check are skipped here: a full read of
-    the log judges damage.
+    The first line is skipped when ``tail`` starts inside it, and so is the unterminated
+    last line (a torn tail: the full read leaves it out too) and lines of NUL bytes (a tail
+    the file system zero-filled: the full read judges those).
+
+    Raises:
+        LogCorrupted: a complete line in ``tail`` is damaged (``offset``: where it starts).
     """
     records: list[Record] = []
-    start = 0 if tail.startswith(b'{"seq":') else tail.find(b"\n") + 1
-    for line in tail[start:].split(b"\n"):
-        try:
-            seq, _, _ = check_frame(line, 0)
-            items = json.loads(line).get("records", ()) if seq else ()
-            records.extend(record_from_dict(item) for item in items)
-        except Exception:  # see the docstring
-            continue
+    start = 0 if tail_at == 0 or tail.startswith(b'{"seq":') else tail.find(b"\n") + 1
+    lines = tail[start:].split(b"\n")
+    offset = tail_at + start
+    for line in lines[:-1]:  # the last piece has no newline: empty, or a torn tail
+        if line.strip(b"\0"):
+            seq, _, _ = _checked(path, line, offset)
+            if seq:
+                try:
+                    items = json.loads(line).get("records", ())
+                    records.extend(record_from_dict(item) for item in items)
+                except Exception as exc:  # checksum intact, content not a record frame
+                    raise LogCorrupted(
+                        f"a line is damaged: {exc}", where=path, offset=offset
+                    ) from exc
+        offset += len(line) + 1
     return records
 
 

@@ -3,7 +3,8 @@
 docs/fleet.md, "Claiming": a worker claims, oldest first and up to its free slots, the runs of
 the agents (and agent versions) it serves that nobody drives live:
 
-* a queued run (never started), whatever version the worker serves of its agent;
+* a queued run (never started), whatever version the worker serves of its agent (a takeover
+  when its last claimer died before it wrote run-started);
 * an orphaned run: its driver's lease expired unreleased (a **takeover**: the driver died) or
   was released without finishing the run (a clean shutdown);
 * a parked run (waiting for an approval, lease released) once its control stream grew past what
@@ -54,11 +55,12 @@ def claim_kind(row: QueueRow, agents: Mapping[str, Sequence[str]], now: float) -
         return None
     if _leases.is_live(row.lease, now):
         return None
-    if row.state is RunState.QUEUED:
-        return "queued"
+    died = row.lease is not None and bool(row.lease.owner)  # expired, never released
+    if row.state is RunState.QUEUED:  # its claimer may have died before run-started
+        return "takeover" if died else "queued"
     if row.agent_version is not None and row.agent_version not in agents[row.agent]:
         return None
-    if row.lease is not None and row.lease.owner:
+    if died:
         return "takeover"
     if row.state is RunState.AWAITING_APPROVAL:
         deadline = row.awaiting_until is not None and epoch_of(row.awaiting_until) <= now

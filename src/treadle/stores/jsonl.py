@@ -43,10 +43,12 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import functools
 import logging
 import os
 import re
 import sys
+import threading
 import time
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from os import PathLike
@@ -178,6 +180,7 @@ class JsonlStore(EngineStore):
         self._directory = directory
         self._clock = clock
         self._held: dict[str, _Held] = {}
+        self._sidecar_lock = threading.Lock()  # one sidecar write at a time (worker threads)
         self._torn: list[TornTail] = []
         self._heads: dict[str, tuple[tuple[int, int], int]] = {}
         backend = JsonlBackend(directory, self.run_file, ops, self._held_lease)
@@ -482,9 +485,16 @@ class JsonlStore(EngineStore):
             raise
         return fd, lease, seen
 
-    def _write_sidecar(self, held: _Held, durable: bool) -> None:
-        _, sidecar = self._lease_paths(held.lease.run_id)
-        write_sidecar(sidecar, held.lease, held.control_seen, durable=durable)
+    def _write_sidecar(self, held: _Held, durable: bool, *, released: bool = False) -> None:
+        """Write ``held``'s sidecar (in a worker thread), one write at a time.
+
+        A renewal that comes after the lease was released here writes nothing.
+        """
+        run_id = held.lease.run_id
+        _, sidecar = self._lease_paths(run_id)
+        with self._sidecar_lock:
+            if released or self._held.get(run_id) is held:
+                write_sidecar(sidecar, held.lease, held.control_seen, durable=durable)
 
     async def renew_leases(self, leases: Sequence[Lease], *, ttl_s: float) -> tuple[Lease, ...]:
         """Renew the held leases (their heartbeat in the sidecars); a missing one was lost."""
@@ -518,7 +528,9 @@ class JsonlStore(EngineStore):
         held.control_seen = max(held.control_seen, control_seen)
         del self._held[lease.run_id]
         try:
-            await trio.to_thread.run_sync(self._write_sidecar, held, False)
+            await trio.to_thread.run_sync(
+                functools.partial(self._write_sidecar, held, False, released=True)
+            )
         finally:
             os.close(held.fd)
             self._engine.forget(lease.run_id)

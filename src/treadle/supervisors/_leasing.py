@@ -46,6 +46,9 @@ class LeaseHold:
         store: the store's lease capability, or ``None``.
         lease: the lease now (renewals replace it), or ``None`` while not held.
         lost: the error once the lease was lost, else ``None``.
+        expire_on_failure: after the run's own error, leave the lease to expire instead of
+            releasing it (a fleet's hold: the next claim is then a takeover, with its backoff
+            and quarantine; docs/fleet.md, "Poison runs").
     """
 
     run_id: str
@@ -54,6 +57,7 @@ class LeaseHold:
     store: LeaseStore | None
     lease: Lease | None = None
     lost: LeaseLost | None = None
+    expire_on_failure: bool = False
     _scope: trio.CancelScope | None = None
 
     @property
@@ -101,6 +105,22 @@ class LeaseHold:
                 _LOG.warning(
                     "run %r: the lease was not released (%s); it expires", self.run_id, exc
                 )
+
+    async def release_failed(self) -> None:
+        """After the run's own error: `release_quietly`, or drop the lease unreleased.
+
+        With ``expire_on_failure`` the lease is no longer renewed nor released: it expires
+        after its TTL, and a run that fails at once is not claimed again in a hot loop.
+        """
+        if not self.expire_on_failure:
+            await self.release_quietly()
+            return
+        if self.lease is not None and self.lost is None:
+            _LOG.info(
+                "run %r: its lease is left to expire; it is retried as a takeover", self.run_id
+            )
+        self.lease = None
+        await trio.lowlevel.checkpoint()
 
     @contextlib.contextmanager
     def driving(self) -> Iterator[trio.CancelScope]:
@@ -182,8 +202,21 @@ class LeaseKeeper:
                 if hold.lease is not None:  # not released meanwhile
                     hold.lease = lease
             elif hold.lease is not None and hold.lease.generation == _generation(leases, hold):
-                current = await self.store.read_lease(hold.run_id)
-                hold.lose(current.generation if current is not None else None)
+                hold.lose(await self._current_generation(hold.run_id))
+
+    async def _current_generation(self, run_id: str) -> int | None:
+        """The generation that took ``run_id`` over, for the message; ``None`` if unknown.
+
+        The renewal already said the lease is lost: a store error here changes nothing.
+        """
+        try:
+            current = await self.store.read_lease(run_id)
+        except Exception as exc:
+            _LOG.warning(
+                "run %s: its lease was lost; reading who holds it now failed (%s)", run_id, exc
+            )
+            return None
+        return current.generation if current is not None else None
 
 
 def _generation(leases: list[Lease], hold: LeaseHold) -> int:

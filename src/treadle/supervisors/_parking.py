@@ -37,6 +37,7 @@ class Parking:
             deadline).
         decided_here: the decision came from the handle (it is not durable yet).
         cancel_request: ``(reason, canceller)`` once the run was cancelled while parked.
+        cancelled_here: the cancel came through this process's handle (not yet durable).
     """
 
     request: ApprovalRequested
@@ -47,6 +48,7 @@ class Parking:
     decision: ApprovalDecided | None = None
     decided_here: bool = False
     cancel_request: tuple[str, str] | None = None
+    cancelled_here: bool = False
     _draining: bool = False
     _wake: trio.Event = attrs.Factory(trio.Event)
 
@@ -62,10 +64,15 @@ class Parking:
             return RunState.CANCELLING
         return RunState.RUNNING if self.decision else RunState.AWAITING_APPROVAL
 
-    def cancel(self, reason: str = "", canceller: str = "") -> None:
-        """Cancel the parked run: it resumes only to record the cancel and finish."""
+    def cancel(self, reason: str = "", canceller: str = "", *, here: bool = False) -> None:
+        """Cancel the parked run: it resumes only to record the cancel and finish.
+
+        ``here``: asked through this process's handle, not read from the control stream (the
+        request is then made durable in the stream before the run is driven again).
+        """
         if self.cancel_request is None:
             self.cancel_request = (reason, canceller)
+            self.cancelled_here = here
             self._wake.set()
 
     def decide(

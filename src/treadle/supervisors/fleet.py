@@ -105,6 +105,7 @@ class Fleet:
     _backoff_s: float
     _nursery: trio.Nursery
     _handles: dict[str, RunHandle] = attrs.Factory(dict)
+    _driving: set[str] = attrs.Factory(set)  # claimed, not yet done (a handle or not yet)
     _wake: trio.Event = attrs.Factory(trio.Event)
     _draining: bool = False
     _claimed: int = 0
@@ -115,7 +116,7 @@ class Fleet:
     def statistics(self) -> FleetStatistics:
         """Counters since the worker opened."""
         return FleetStatistics(
-            running=len(self._handles),
+            running=len(self._driving),
             claimed=self._claimed,
             takeovers=self._takeovers,
             finished=self._finished,
@@ -166,9 +167,10 @@ class Fleet:
 
     async def _claim_loop(self) -> None:
         while not self._draining:
-            free = self._max_running - len(self._handles)
+            free = self._max_running - len(self._driving)
             if free > 0:
                 for made in await self._claim(free):
+                    self._driving.add(made.lease.run_id)
                     self._nursery.start_soon(
                         self._drive, made, name=f"treadle run {made.lease.run_id}"
                     )
@@ -196,11 +198,16 @@ class Fleet:
     async def _drive(self, made: Claim) -> None:
         run_id = made.lease.run_id
         hold = LeaseHold(
-            run_id=run_id, owner=self.owner, ttl_s=self._ttl_s, store=leases_of(self._store)
+            run_id=run_id,
+            owner=self.owner,
+            ttl_s=self._ttl_s,
+            store=leases_of(self._store),
+            expire_on_failure=True,
         )
         hold.adopt(made.lease)
         options = attrs.evolve(self._options, agent_name=made.agent)
         handle: RunHandle | None = None
+        finished = False
         try:
             agent = self._agents[made.agent]()
             run_input = made.submission.input if made.submission is not None else None
@@ -211,13 +218,20 @@ class Fleet:
                 if self._draining:
                     handle.drain()
             await handle.wait()
-            self._finished += 1
+            finished = True
         except Exception as exc:  # the run's own error: it is left resumable, others go on
-            self._left += 1
             self._report(run_id, handle, exc)
-            await hold.release_quietly()
-        finally:
+            if handle is not None and handle.left is not None:
+                await hold.release_quietly()
+            else:
+                await hold.release_failed()
+        finally:  # also when cut at the drain deadline (trio.Cancelled): left, not finished
+            if finished:
+                self._finished += 1
+            else:
+                self._left += 1
             self._handles.pop(run_id, None)
+            self._driving.discard(run_id)
             self._wake.set()
 
     def _report(self, run_id: str, handle: RunHandle | None, exc: Exception) -> None:

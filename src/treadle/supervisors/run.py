@@ -56,6 +56,7 @@ from treadle.supervisors._parking import Parking
 from treadle.types import (
     ApprovalDecided,
     ApprovalRequested,
+    CancelRequested,
     DefinitionAccepted,
     Event,
     RunLog,
@@ -419,7 +420,7 @@ class RunHandle:
         and the run finishes ``cancelled``. A no-op once the run finished.
         """
         if self._parking is not None:
-            self._parking.cancel(reason, canceller)
+            self._parking.cancel(reason, canceller, here=True)
         elif self._coordinator is not None:
             self._coordinator.cancel(reason, canceller)
 
@@ -671,6 +672,9 @@ async def drive_run(
         await hold.acquire()
     try:
         log = await store.read_log(hold.run_id)
+    except Exception:
+        await hold.release_failed()
+        raise
     except BaseException:
         await hold.release_quietly()
         raise
@@ -751,7 +755,7 @@ async def _supervise(
             raise
         handle._error = _interrupted(run_id, exc)
         if not isinstance(handle._error, LeaseError):
-            await hold.release_quietly()
+            await hold.release_failed()
         task_status_started_safely(task_status)
     finally:
         handle._parking = None
@@ -784,14 +788,27 @@ async def _keeping(hold: LeaseHold, options: _Options) -> AsyncIterator[None]:
 
 
 async def _keep_decision(parking: Parking, store: RunStore) -> None:
-    """Make a decision handed to the parked run's handle durable before driving again.
+    """Make a decision or cancel handed to the parked run's handle durable before driving again.
 
     It goes to the run's control stream, so that whoever drives the run next (this process,
-    or another that took it over meanwhile) applies it.
+    or another that took it over meanwhile, or after a crash) applies it.
     """
     controls = control_of(store)
+    if controls is None:
+        return
+    if parking.cancel_request is not None and parking.cancelled_here:
+        reason, canceller = parking.cancel_request
+        await controls.append_control(
+            CancelRequested(
+                run_id=parking.request.run_id,
+                ts=parking.clock.now_iso(),
+                reason=reason,
+                canceller=canceller,
+            )
+        )
+        parking.cancelled_here = False
     decided = parking.decision
-    if controls is not None and decided is not None and parking.decided_here:
+    if decided is not None and parking.decided_here:
         await controls.append_control(decided)
         parking.decided_here = False
 

@@ -1,0 +1,664 @@
+"""The fleet commands and the truthful run commands: ``treadle submit``, ``worker``, ``wait``,
+``cancel``, ``approve``, ``tail``, ``runs`` and ``unquarantine`` on a SQLite (or JSONL) store.
+
+``treadle worker`` runs as a real subprocess (it serves until SIGTERM); the other commands run
+in-process through click's runner, on stores prepared in-process with ``trio.run``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import select
+import signal
+import subprocess
+import sys
+import textwrap
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import pytest
+import trio
+from click.testing import CliRunner
+
+import treadle
+from treadle.cli import main
+from treadle.stores.jsonl import open_jsonl_store
+from treadle.stores.sqlite import SqliteStore, open_sqlite_store
+from treadle.testing import CrashingExecutor, CrashingStore, SimulatedCrash
+from treadle.testing.invariants import check_invariants
+from treadle.testing.scripted import ScriptedModel, call, say
+from treadle.types import (
+    ActionIntent,
+    ActionResult,
+    ActionStatus,
+    ApprovalDecided,
+    Message,
+    RunState,
+)
+
+AGENTS_MODULE = textwrap.dedent(
+    '''
+    """Agents the worker subprocess serves (written into the test's directory)."""
+
+    import trio
+
+    import treadle
+    from treadle.testing.scripted import ScriptedModel, call, say
+
+
+    @treadle.tool
+    async def add(a: int, b: int) -> int:
+        """Add two integers."""
+        return a + b
+
+
+    @treadle.tool(timeout_s=600)
+    async def slow(seconds: float) -> str:
+        """Take a while."""
+        await trio.sleep(seconds)
+        return "slept"
+
+
+    def calc() -> treadle.Agent:
+        return treadle.Agent(
+            model=ScriptedModel(turns=[call("add", a=2, b=3), say("2 + 3 = 5")]),
+            executor=treadle.Toolbox([add]),
+            parser=treadle.NativeToolCallParser(),
+            version="v1",
+        )
+
+
+    def sleeper() -> treadle.Agent:
+        return treadle.Agent(
+            model=ScriptedModel(turns=[call("slow", seconds=300), say("woke up")]),
+            executor=treadle.Toolbox([slow]),
+            parser=treadle.NativeToolCallParser(),
+            limits=treadle.Limits(tool_timeout_s=600),
+            version="v1",
+        )
+    '''
+)
+
+
+@treadle.tool
+async def add(a: int, b: int) -> int:
+    """Add two integers."""
+    return a + b
+
+
+@treadle.tool(requires_approval=True)
+async def wire(amount: int) -> str:
+    """Send money."""
+    return f"sent {amount}"
+
+
+def calc_agent(executor=None) -> treadle.Agent:
+    return treadle.Agent(
+        model=ScriptedModel(turns=[call("add", a=2, b=3), say("2 + 3 = 5")]),
+        executor=executor or treadle.Toolbox([add]),
+        parser=treadle.NativeToolCallParser(),
+    )
+
+
+def wire_agent() -> treadle.Agent:
+    return treadle.Agent(
+        model=ScriptedModel(turns=[call("wire", amount=5, call_id="p1"), say("paid")]),
+        executor=treadle.Toolbox([wire]),
+        parser=treadle.NativeToolCallParser(),
+    )
+
+
+def invoke(*args: str, env: dict[str, str] | None = None):
+    return CliRunner().invoke(main, list(args), env=env)
+
+
+def rows(db: Path) -> dict[str, dict]:
+    listed = invoke("runs", "--store", str(db), "--json")
+    assert listed.exit_code == 0, listed.output
+    found = [json.loads(line) for line in listed.stdout.splitlines()]
+    return {row["run_id"]: row for row in found}
+
+
+def read_log(db: Path, run_id: str):
+    async def go():
+        async with open_sqlite_store(db) as store:
+            return await store.read_log(run_id)
+
+    return trio.run(go)
+
+
+def leave_orphaned(db: Path, run_id: str) -> None:
+    """Start a run that stops unfinished: its driver's block failed, its lease released."""
+
+    async def go():
+        async with open_sqlite_store(db) as store:
+            with pytest.raises(RuntimeError):
+                async with treadle.open_run(calc_agent(), "2+3?", store=store, run_id=run_id):
+                    raise RuntimeError("the driving program failed")
+
+    trio.run(go)
+
+
+def leave_parked(db: Path, run_id: str) -> None:
+    """Start a run that waits on an approval and is parked; its process then goes away."""
+
+    async def go():
+        async with open_sqlite_store(db) as store:
+            with trio.CancelScope() as gone:
+                async with treadle.open_run(
+                    wire_agent(), "pay", store=store, run_id=run_id, park_after_s=0.1
+                ) as handle:
+                    with trio.fail_after(30):
+                        while handle._parking is None:  # noqa: ASYNC110 (a plain attribute)
+                            await trio.sleep(0.05)
+                    gone.cancel()
+
+    trio.run(go)
+
+
+# --------------------------------------------------------------------------- a worker subprocess
+
+
+@contextmanager
+def worker(tmp_path: Path, db: Path, *agents: str) -> Iterator[tuple[subprocess.Popen, str]]:
+    """``treadle worker`` serving ``agents`` (NAME=FACTORY of the agents module); yields the
+    process and the owner id it announced."""
+    (tmp_path / "fleet_agents.py").write_text(AGENTS_MODULE, encoding="utf-8")
+    command = [sys.executable, "-m", "treadle", "worker", "--store", str(db)]
+    for spec in agents:
+        command += ["--agent", f"{spec.split('=')[0]}=fleet_agents:{spec.split('=')[1]}"]
+    command += ["--claim-poll", "0.1", "--lease-ttl", "3", "--drain", "1"]
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.Popen(
+        command,
+        cwd=tmp_path,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        ready, _, _ = select.select([proc.stdout], [], [], 60)
+        assert ready, "the worker said nothing within 60 s"
+        first = proc.stdout.readline()
+        assert first.startswith("worker "), first + proc.stderr.read()
+        yield proc, first.split()[1]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=30)
+
+
+def stop(proc: subprocess.Popen) -> tuple[int, str, str]:
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=60)
+    return proc.returncode, out, err
+
+
+def cli(tmp_path: Path, *args: str, timeout: float = 60) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "treadle", *args],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
+    )
+
+
+def test_a_worker_drives_submitted_runs_and_exits_0_on_sigterm(tmp_path: Path):
+    db = tmp_path / "runs.db"
+    with worker(tmp_path, db, "calc=calc") as (proc, owner):
+        assert owner.split(":")[1] == str(proc.pid)  # host:pid:random
+        submitted = cli(tmp_path, "submit", "--store", str(db), "--agent", "calc", "2+3?")
+        assert submitted.returncode == 0, submitted.stderr
+        run_id = submitted.stdout.strip()
+        assert run_id.startswith("run-")
+        waited = cli(tmp_path, "wait", run_id, "--store", str(db), "--poll", "0.1")
+        assert waited.returncode == 0, waited.stdout + waited.stderr
+        assert "2 + 3 = 5" in waited.stdout and "succeeded" in waited.stdout
+        as_json = cli(tmp_path, "wait", run_id, "--store", str(db), "--json")
+        assert json.loads(as_json.stdout)["final_answer"] == "2 + 3 = 5"
+        assert proc.poll() is None  # it serves on until told to stop
+        code, out, err = stop(proc)
+    assert code == 0, err
+    assert "SIGTERM" in out and "leases released" in out
+    assert "1 runs finished" in out
+    row = rows(db)[run_id]
+    assert row["state"] == "succeeded" and row["liveness"] == "finished"
+    assert row["agent"] == "calc" and row["agent_version"] == "v1" and row["claims"] == 1
+    assert check_invariants(read_log(db, run_id)) == []
+
+
+def drain_a_worker_mid_run(tmp_path: Path, db: Path) -> tuple[int, str, str, str]:
+    """A worker drives a run with a long tool call; SIGTERM; the drain cuts it."""
+    with worker(tmp_path, db, "slow=sleeper") as (proc, owner):
+        submitted = invoke("submit", "--store", str(db), "--agent", "slow", "--run-id", "s", "go")
+        assert submitted.exit_code == 0, submitted.output
+        with _deadline(60) as expired:
+            while rows(db)["s"]["liveness"] != "driven":
+                expired()
+        assert rows(db)["s"]["driver"] == owner
+        code, out, err = stop(proc)
+    return code, out, err, owner
+
+
+def test_sigterm_drains_a_worker_and_leaves_its_runs_to_others(tmp_path: Path):
+    db = tmp_path / "runs.db"
+    code, out, err, _ = drain_a_worker_mid_run(tmp_path, db)
+    assert code == 0, err
+    assert "draining" in out and "leases released" in out
+    row = rows(db)["s"]
+    assert row["state"] == "running" and row["liveness"] == "orphaned"
+    assert row["driver"] is None and row["takeovers"] == 0
+    log = read_log(db, "s")
+    assert log.finished is None and isinstance(log.records[-1], ActionIntent)
+
+
+def test_a_drained_worker_counts_the_runs_it_left_to_resume(tmp_path: Path):
+    db = tmp_path / "runs.db"
+    code, out, err, _ = drain_a_worker_mid_run(tmp_path, db)
+    assert code == 0, err
+    assert "0 runs finished, 1 left to resume, leases released" in out
+
+
+@contextmanager
+def _deadline(seconds: float):
+    import time
+
+    end = time.monotonic() + seconds
+
+    def expired() -> None:
+        assert time.monotonic() < end, f"not within {seconds} s"
+        time.sleep(0.05)
+
+    yield expired
+
+
+def test_cancel_of_a_driven_run_names_its_driver_and_the_driver_stops_it(tmp_path: Path):
+    db = tmp_path / "runs.db"
+    with worker(tmp_path, db, "slow=sleeper") as (proc, owner):
+        submitted = invoke("submit", "--store", str(db), "--agent", "slow", "--run-id", "s", "go")
+        assert submitted.exit_code == 0, submitted.output
+        with _deadline(60) as expired:
+            while rows(db)["s"]["liveness"] != "driven":
+                expired()
+        cancelled = invoke("cancel", "s", "--store", str(db), "--reason", "enough")
+        assert cancelled.exit_code == 0, cancelled.output
+        assert f"{owner} drives the run" in cancelled.output
+        waited = cli(tmp_path, "wait", "s", "--store", str(db), "--poll", "0.1")
+        assert waited.returncode == 1
+        assert "cancelled" in waited.stdout
+        code, _, err = stop(proc)
+    assert code == 0, err
+    log = read_log(db, "s")
+    assert log.finished.state is RunState.CANCELLED
+    assert check_invariants(log) == []
+
+
+# --------------------------------------------------------------------------- submit and runs
+
+
+def test_submit_prints_the_run_id_and_runs_lists_it_queued_with_its_full_id(tmp_path: Path):
+    db = tmp_path / "runs.db"
+    long_id = "tenant-42/" + "x" * 150 + "/job=7"
+    submitted = invoke("submit", "--store", str(db), "--agent", "calc", "--run-id", long_id, "2+3")
+    assert submitted.exit_code == 0, submitted.output
+    assert submitted.stdout.strip() == long_id
+    fresh = invoke("submit", "--store", str(db), "--agent", "calc", "3+4")
+    assert fresh.exit_code == 0, fresh.output
+    fresh_id = fresh.stdout.strip()
+    found = rows(db)
+    assert list(found) == [long_id, fresh_id]
+    row = found[long_id]
+    assert (row["state"], row["liveness"], row["agent"]) == ("queued", "queued", "calc")
+    assert row["driver"] is None and row["submitted_at"] is not None and row["claims"] == 0
+    # Submitting the same again is idempotent; another input for the id is refused.
+    again = invoke("submit", "--store", str(db), "--agent", "calc", "--run-id", long_id, "2+3")
+    assert again.exit_code == 0 and again.stdout.strip() == long_id
+    other = invoke("submit", "--store", str(db), "--agent", "calc", "--run-id", long_id, "9+9")
+    assert other.exit_code != 0 and long_id in other.output
+    assert len(rows(db)) == 2
+    table = invoke("runs", "--store", str(db), env={"COLUMNS": "400"})
+    assert table.exit_code == 0, table.output
+    assert long_id in table.stdout and "nobody: queued" in table.stdout
+
+
+def test_submit_refuses_an_invalid_run_id_with_a_clear_error(tmp_path: Path):
+    db = tmp_path / "runs.db"
+    refused = invoke("submit", "--store", str(db), "--agent", "calc", "--run-id", "a b", "x")
+    assert refused.exit_code != 0
+    assert "invalid run id" in refused.output
+    assert isinstance(refused.exception, SystemExit)  # a clean error, not a traceback
+
+
+def test_wait_on_an_unknown_run_is_a_clear_error(tmp_path: Path):
+    db = tmp_path / "runs.db"
+    submitted = invoke("submit", "--store", str(db), "--agent", "calc", "--run-id", "known", "x")
+    assert submitted.exit_code == 0
+    waited = invoke("wait", "unknown", "--store", str(db))
+    assert waited.exit_code != 0 and "no run 'unknown'" in waited.output
+
+
+def damage_a_jsonl_run(directory: Path, line: int) -> Path:
+    """Three finished runs; one byte in the middle of line ``line`` of run ``bad`` changed."""
+
+    async def go():
+        async with open_jsonl_store(directory) as store:
+            for run_id in ("good-1", "bad", "good-2"):
+                await treadle.run(calc_agent(), "2+3?", store=store, run_id=run_id)
+            return store.run_file("bad")
+
+    bad_file = Path(trio.run(go))
+    lines = bad_file.read_bytes().split(b"\n")
+    assert len(lines) > 6  # header, eight record frames, the final newline
+    damaged = bytearray(lines[line])
+    middle = len(damaged) // 2
+    damaged[middle] = ord("#") if damaged[middle] != ord("#") else ord("%")
+    lines[line] = bytes(damaged)
+    bad_file.write_bytes(b"\n".join(lines))
+    return bad_file
+
+
+def check_damaged_run_listed(directory: Path, bad_file: Path) -> None:
+    listed = invoke("runs", "--store", str(directory), env={"COLUMNS": "400"})
+    assert listed.exit_code == 1, listed.output
+    assert "good-1" in listed.stdout and "good-2" in listed.stdout
+    assert "unreadable run bad" in listed.stderr and str(bad_file) in listed.stderr
+    as_json = invoke("runs", "--store", str(directory), "--json")
+    assert as_json.exit_code == 1
+    found = {r["run_id"]: r for r in map(json.loads, as_json.stdout.splitlines())}
+    assert set(found) == {"good-1", "bad", "good-2"}
+    assert found["good-1"]["state"] == "succeeded" and found["good-1"]["error"] is None
+    assert found["bad"]["error"] and found["bad"]["where"] == str(bad_file)
+    shown = invoke("show", "bad", "--store", str(directory))
+    assert shown.exit_code != 0 and "damaged" in shown.output
+
+
+def test_runs_names_a_run_whose_first_record_is_damaged(tmp_path: Path):
+    directory = tmp_path / "runs"
+    bad_file = damage_a_jsonl_run(directory, line=1)
+    check_damaged_run_listed(directory, bad_file)
+
+
+def test_runs_names_a_run_damaged_in_the_middle_of_its_log(tmp_path: Path):
+    directory = tmp_path / "runs"
+    bad_file = damage_a_jsonl_run(directory, line=5)
+    check_damaged_run_listed(directory, bad_file)
+
+
+def test_repair_cuts_a_damaged_log_and_runs_reads_clean_again(tmp_path: Path):
+    directory = tmp_path / "runs"
+    bad_file = damage_a_jsonl_run(directory, line=5)
+    damaged = invoke("show", "bad", "--store", str(directory))
+    assert damaged.exit_code != 0 and "damaged" in damaged.output
+    healthy = invoke("repair", "good-1", "--store", str(directory))
+    assert healthy.exit_code == 0, healthy.output
+    assert "reads without damage; nothing removed" in healthy.output
+    repaired = invoke("repair", "bad", "--store", str(directory))
+    assert repaired.exit_code == 0, repaired.output
+    assert "removed" in repaired.output and str(bad_file) in repaired.output
+    assert ".repairs" in repaired.output
+    shown = invoke("show", "bad", "--store", str(directory), "--json")
+    assert shown.exit_code == 0, shown.output
+    assert len(shown.stdout.splitlines()) == 4  # the frames before the damaged line
+    listed = invoke("runs", "--store", str(directory), "--json")
+    assert listed.exit_code == 0, listed.output
+    found = {r["run_id"]: r for r in map(json.loads, listed.stdout.splitlines())}
+    assert found["bad"]["error"] is None and found["bad"]["state"] == "running"
+    assert found["good-2"]["state"] == "succeeded"
+    db = tmp_path / "runs.db"
+    leave_orphaned(db, "o")
+    refused = invoke("repair", "o", "--store", str(db))
+    assert refused.exit_code != 0 and "JSONL" in refused.output
+
+
+# --------------------------------------------------------------------------- cancel, approve, tail
+
+
+def test_cancel_of_an_undriven_run_finishes_it_here(tmp_path: Path):
+    db = tmp_path / "runs.db"
+    leave_orphaned(db, "o")
+    assert rows(db)["o"]["liveness"] == "orphaned"
+    cancelled = invoke("cancel", "o", "--store", str(db), "--reason", "abandoned")
+    assert cancelled.exit_code == 0, cancelled.output
+    assert "nobody drove the run: it is finished here, cancelled" in cancelled.output
+    row = rows(db)["o"]
+    assert (row["state"], row["liveness"], row["stop_reason"]) == (
+        "cancelled",
+        "finished",
+        "cancelled",
+    )
+    log = read_log(db, "o")
+    assert check_invariants(log) == []
+    again = invoke("cancel", "o", "--store", str(db))
+    assert again.exit_code != 0 and "already finished" in again.output
+
+
+def test_cancel_of_a_run_that_crashed_in_an_action_leaves_no_intent_without_outcome(
+    tmp_path: Path,
+):
+    db = tmp_path / "runs.db"
+
+    async def go():
+        async with open_sqlite_store(db) as store:
+            crashing = CrashingStore(inner=store, crash_at=10**6)
+            executor = CrashingExecutor(
+                inner=treadle.Toolbox([add]), crash_at=1, when="after", store=crashing
+            )
+            with pytest.raises((SimulatedCrash, treadle.RunInterrupted)):
+                await treadle.run(calc_agent(executor), "2+3?", store=crashing, run_id="c")
+
+    trio.run(go)
+    cancelled = invoke("cancel", "c", "--store", str(db))
+    assert cancelled.exit_code == 0, cancelled.output
+    assert "finished here, cancelled" in cancelled.output
+    log = read_log(db, "c")
+    (intent,) = [r for r in log.records if isinstance(r, ActionIntent)]
+    (result,) = [r for r in log.records if isinstance(r, ActionResult)]
+    assert result.intent_id == intent.intent_id
+    assert result.outcome.status is ActionStatus.UNKNOWN
+    assert check_invariants(log) == []
+
+
+def test_cancel_of_a_queued_run_finishes_it_here(tmp_path: Path):
+    db = tmp_path / "runs.db"
+    submitted = invoke("submit", "--store", str(db), "--agent", "nobody", "--run-id", "q", "x")
+    assert submitted.exit_code == 0
+    cancelled = invoke("cancel", "q", "--store", str(db))
+    assert cancelled.exit_code == 0, cancelled.output
+    assert "finished here, cancelled" in cancelled.output
+    assert rows(db)["q"]["state"] == "cancelled"
+
+
+def test_cancel_of_a_run_another_driver_holds_says_who_drives_it(tmp_path: Path):
+    db = tmp_path / "runs.db"
+    leave_orphaned(db, "h")
+
+    async def hold():
+        async with open_sqlite_store(db) as store:
+            await store.acquire_lease("h", owner="host-b:4242:beef", ttl_s=3600)
+
+    trio.run(hold)
+    cancelled = invoke("cancel", "h", "--store", str(db))
+    assert cancelled.exit_code == 0, cancelled.output
+    assert "host-b:4242:beef drives the run" in cancelled.output
+    assert rows(db)["h"]["state"] == "running"  # left to its driver
+
+    async def controls():
+        async with open_sqlite_store(db) as store:
+            return [e.record for e in await store.read_control("h")]
+
+    (request,) = trio.run(controls)
+    assert request.canceller == "treadle cancel"
+
+
+def test_cancel_of_a_parked_run_finishes_it_here_without_running_the_call(tmp_path: Path):
+    db = tmp_path / "runs.db"
+    leave_parked(db, "p")
+    cancelled = invoke("cancel", "p", "--store", str(db))
+    assert cancelled.exit_code == 0, cancelled.output
+    assert "nobody drove the run: it is finished here, cancelled" in cancelled.output
+    log = read_log(db, "p")
+    assert log.finished.state is RunState.CANCELLED
+    assert not any(isinstance(r, ActionIntent) for r in log.records)
+    assert check_invariants(log) == []
+    refused = invoke("approve", "p", "--store", str(db))
+    assert refused.exit_code != 0 and "already finished" in refused.output
+
+
+def test_approve_of_an_undriven_run_says_the_decision_waits(tmp_path: Path):
+    db = tmp_path / "runs.db"
+    leave_parked(db, "p")
+    assert rows(db)["p"]["liveness"] == "parked"
+    before = read_log(db, "p").records
+    approved = invoke("approve", "p", "--store", str(db))
+    assert approved.exit_code == 0, approved.output
+    assert "approve: call p1 of step 1 of run p" in approved.output
+    assert "nobody drives the run now: the decision waits in its control stream" in (
+        approved.output
+    )
+    assert read_log(db, "p").records == before  # only the driver writes the log
+
+    async def resume():
+        async with open_sqlite_store(db) as store:
+            entries = await store.read_control("p")
+            result = await treadle.run(wire_agent(), store=store, run_id="p")
+            return entries, result, await store.read_log("p")
+
+    entries, result, log = trio.run(resume)
+    assert [e.record.decision for e in entries] == ["approve"]
+    assert result.final_answer == "paid"
+    (decided,) = [r for r in log.records if isinstance(r, ApprovalDecided)]
+    assert decided.decision == "approve"
+    assert check_invariants(log) == []
+
+
+def test_approve_of_a_run_another_driver_holds_names_it(tmp_path: Path):
+    db = tmp_path / "runs.db"
+    leave_parked(db, "p")
+
+    async def hold():
+        async with open_sqlite_store(db) as store:
+            await store.acquire_lease("p", owner="host-c:7:cafe", ttl_s=3600)
+
+    trio.run(hold)
+    approved = invoke("approve", "p", "--store", str(db), "--reject", "too much")
+    assert approved.exit_code == 0, approved.output
+    assert "reject: call p1" in approved.output
+    assert "host-c:7:cafe drives the run" in approved.output
+
+
+def test_tail_without_follow_says_nobody_drives_an_orphaned_run(tmp_path: Path):
+    db = tmp_path / "runs.db"
+    leave_orphaned(db, "o")
+    tailed = invoke("tail", "o", "--store", str(db), "--no-follow")
+    assert tailed.exit_code == 0, tailed.output
+    assert "run started" in tailed.output
+    assert "nobody drives run o: it is orphaned" in tailed.output
+    parked = tmp_path / "parked.db"
+    leave_parked(parked, "p")
+    tailed = invoke("tail", "p", "--store", str(parked), "--no-follow")
+    assert tailed.exit_code == 0, tailed.output
+    assert "nobody drives run p: it is parked on an approval" in tailed.output
+
+
+def test_tail_of_a_queued_run_says_it_is_queued(tmp_path: Path):
+    db = tmp_path / "runs.db"
+    assert invoke("submit", "--store", str(db), "--agent", "a", "--run-id", "q", "x").exit_code == 0
+    tailed = invoke("tail", "q", "--store", str(db), "--no-follow")
+    assert tailed.exit_code == 0, tailed.output
+    assert "nobody drives run q: it is queued" in tailed.output
+
+
+# --------------------------------------------------------------------------- unquarantine
+
+
+def test_unquarantine_makes_a_quarantined_run_claimable_again(tmp_path: Path):
+    db = tmp_path / "runs.db"
+    now = [1e9]
+
+    async def quarantine():
+        store = await SqliteStore.open(db, clock=lambda: now[0])
+        try:
+            await store.submit("r", agent="calc", input=(Message(role="user", content="x"),))
+            for n in range(5):
+                claims = await store.claim(
+                    owner=f"dead-{n}",
+                    agents={"calc": ("v1",)},
+                    limit=1,
+                    ttl_s=3,
+                    max_takeovers=2,
+                    backoff_s=0,
+                )
+                if claims and n == 0:
+                    # The first driver starts the run, then every driver dies.
+                    await store.write_run_started(
+                        treadle.types.RunStarted(
+                            run_id="r",
+                            ts="2001-09-09T01:46:40+00:00",
+                            input=claims[0].submission.input,
+                            snapshot={},
+                            agent="calc",
+                            agent_version="v1",
+                        ),
+                        seq=1,
+                        generation=claims[0].lease.generation,
+                    )
+                    assert (await store.read_log("r")).started is not None  # committed
+                now[0] += 10
+            return await store.read_summary("r")
+        finally:
+            await store.aclose()
+
+    summary = trio.run(quarantine)
+    assert summary.quarantined
+    row = rows(db)["r"]
+    assert row["liveness"] == "quarantined" and row["quarantined"]
+    table = invoke("runs", "--store", str(db), env={"COLUMNS": "400"})
+    assert "nobody: quarantined" in table.stdout
+    released = invoke("unquarantine", "r", "--store", str(db))
+    assert released.exit_code == 0, released.output
+    assert "run r is claimable again" in released.output
+    row = rows(db)["r"]
+    assert row["liveness"] == "orphaned" and row["quarantined"] is None
+    again = invoke("unquarantine", "r", "--store", str(db))
+    assert again.exit_code != 0 and "not quarantined" in again.output
+
+    async def claim():
+        async with open_sqlite_store(db, clock=lambda: now[0]) as store:
+            return await store.claim(
+                owner="alive",
+                agents={"calc": ("v1",)},
+                limit=1,
+                ttl_s=3,
+                max_takeovers=2,
+                backoff_s=0,
+            )
+
+    (claimed,) = trio.run(claim)
+    assert claimed.lease.run_id == "r" and claimed.lease.owner == "alive"
+
+
+# --------------------------------------------------------------------------- worker arguments
+
+
+def test_worker_refuses_a_store_without_a_queue_and_a_bad_agent_spec(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+):
+    (tmp_path / "fleet_agents.py").write_text(AGENTS_MODULE, encoding="utf-8")
+    monkeypatch.chdir(tmp_path)
+    directory = tmp_path / "runs"
+    directory.mkdir()
+    no_queue = invoke("worker", "--store", str(directory), "--agent", "calc=fleet_agents:calc")
+    assert no_queue.exit_code != 0 and "has no queue" in no_queue.output
+    for spec, message in [
+        ("calc", "NAME=MODULE:FACTORY"),
+        ("calc=fleet_agents:nothing_here", "cannot load"),
+        ("calc=fleet_agents", "MODULE:FACTORY"),
+    ]:
+        bad = invoke("worker", "--store", str(tmp_path / "runs.db"), "--agent", spec)
+        assert bad.exit_code == 2 and message in bad.output, (spec, bad.output)
+    assert not (tmp_path / "runs.db").exists()  # refused before any store was made
