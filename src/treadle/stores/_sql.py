@@ -877,8 +877,8 @@ def _claim_row(
             run_id,
         ),
     )
-    queued = None
-    if kind == "queued" and submission is not None:
+    queued = None  # a takeover of a run its dead claimer never started carries it too
+    if queue_row.state is RunState.QUEUED and submission is not None:
         queued = Submission(
             run_id=run_id,
             agent=agent,

@@ -558,6 +558,31 @@ async def _queue_takeover(open_store: StoreOpener, clock: ContractClock | None) 
         _expect(back.lease.generation == 3, check, f"the released run was claimed as {back}")
 
 
+async def _queue_unstarted_takeover(open_store: StoreOpener, clock: ContractClock | None) -> None:
+    check = "queue_unstarted_takeover"
+    assert clock is not None
+    async with open_store() as store:
+        queue = _queue(store, check)
+        agent = _run_id("agent")
+        run_id = _run_id("unstarted")
+        await queue.submit(run_id, agent=agent, input=_INPUT)
+        served = {agent: ("v1",)}
+        (claimed,) = await queue.claim(
+            owner="w1", agents=served, limit=1, ttl_s=1.0, max_takeovers=3, backoff_s=0
+        )
+        await clock.advance(1.5)  # w1 died before writing run-started
+        (taken,) = await queue.claim(
+            owner="w2", agents=served, limit=1, ttl_s=_LONG, max_takeovers=3, backoff_s=0
+        )
+        _expect(taken.takeover, check, f"the dead claimer was not counted: {taken}")
+        _expect(
+            taken.submission is not None and taken.submission.input == _INPUT,
+            check,
+            f"the takeover of a run never started lacks its submission: {taken}",
+        )
+        _expect(taken.lease.generation == claimed.lease.generation + 1, check, f"{taken}")
+
+
 async def _queue_parked(open_store: StoreOpener, clock: ContractClock | None) -> None:
     check = "queue_parked"
     assert clock is not None
@@ -608,6 +633,7 @@ QUEUE_CHECKS: Final[tuple[tuple[str, Check, bool], ...]] = (
     ("queue_submit", _queue_submit, False),
     ("queue_claims", _queue_claims, False),
     ("queue_takeover", _queue_takeover, True),
+    ("queue_unstarted_takeover", _queue_unstarted_takeover, True),
     ("queue_parked", _queue_parked, True),
 )
 """The queue contract: ``(name, check, needs a clock)``."""

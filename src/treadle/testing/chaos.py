@@ -149,7 +149,7 @@ async def run_chaos(
 
     Args:
         store: a SQLite file or a PostgreSQL DSN (a fresh one: it is filled with these runs).
-        workdir: a directory for the ledger and the workers' output.
+        workdir: a directory for the ledger and the workers' output (made if missing).
         workers: worker processes at any time.
         runs: runs submitted.
         max_running: each worker's concurrency.
@@ -165,6 +165,7 @@ async def run_chaos(
     from treadle._cli_common import open_store
 
     root = Path(workdir)
+    await trio.Path(root).mkdir(parents=True, exist_ok=True)
     ledger = root / "ledger.jsonl"
     baseline = await _baseline(root)
     rng = random.Random(seed)
