@@ -3,6 +3,9 @@ schema version, the DSN's password, and a stale writer filtered inside a shared 
 
 from __future__ import annotations
 
+import re
+import socket
+
 import psycopg
 import pytest
 import trio
@@ -113,9 +116,18 @@ async def test_a_newer_schema_is_refused(postgres_dsn: str, postgres_schema: str
         await PostgresStore.open(postgres_dsn, schema=postgres_schema)
 
 
-async def test_the_password_is_never_shown(postgres_dsn: str) -> None:
+@pytest.mark.parametrize("failure", ["wrong password", "nothing listens"])
+async def test_the_password_is_never_shown(postgres_dsn: str, failure: str) -> None:
+    """The server refuses the password (it must ask for one: `.ci/run` uses scram-sha-256 on
+    TCP), or no server answers at all: either error names the DSN with the password masked."""
     wrong = postgres_dsn.replace("treadle:treadle@", "treadle:not-the-secret-zz9@")
     assert wrong != postgres_dsn
+    if failure == "nothing listens":
+        with socket.socket() as probe:  # a port nobody listens on (bound, never listened)
+            probe.bind(("127.0.0.1", 0))
+            port = probe.getsockname()[1]
+        wrong = re.sub(r"@127\.0\.0\.1:\d+/", f"@127.0.0.1:{port}/", wrong)
+        assert f":{port}/" in wrong
     with pytest.raises(treadle.StoreError) as info:
         await PostgresStore.open(wrong, schema="public")
     assert "not-the-secret-zz9" not in str(info.value)
