@@ -12,8 +12,9 @@ from __future__ import annotations
 import datetime as dt
 import functools
 import sqlite3
+import unittest.mock
 from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
+from contextlib import asynccontextmanager, contextmanager
 from pathlib import Path
 
 import attrs
@@ -54,8 +55,9 @@ from treadle.types import (
 )
 
 EPOCH = 1e9
-THREAD_STORE_AUTOJUMP_S = 0.05
-"""Real seconds of idleness before the virtual clock jumps, with a store that uses threads."""
+THREAD_STORE_AUTOJUMP_S = 0.005
+"""Real seconds of idleness before the virtual clock jumps (or asks again whether a store's
+thread is still at work), with a store that uses threads."""
 
 
 _TRIO_CLOCK: list[trio.testing.MockClock] = []
@@ -102,15 +104,58 @@ async def opened_store(kind: str, tmp_path: Path, clock=store_now) -> AsyncItera
     if kind == "memory":
         yield MemoryStore(clock=clock)
         return
-    # The file stores work in threads: let the virtual clock jump only once they are idle,
-    # not while a write or a read is in flight in a worker thread.
-    _TRIO_CLOCK[0].autojump_threshold = THREAD_STORE_AUTOJUMP_S
     if kind == "sqlite":
-        async with open_sqlite_store(tmp_path / "runs.db", clock=clock) as store:
-            yield store
+        opened = open_sqlite_store(tmp_path / "runs.db", clock=clock)
     else:
-        async with open_jsonl_store(tmp_path / "runs", clock=clock) as store:
+        opened = open_jsonl_store(tmp_path / "runs", clock=clock)
+    with virtual_time_waits_for_threads() as store_opened:
+        async with opened as store:
+            store_opened(store)
             yield store
+
+
+_IN_THREADS = [0]
+
+
+async def _counted_run_sync(fn, *args, **kwargs):
+    _IN_THREADS[0] += 1
+    try:
+        return await _REAL_RUN_SYNC(fn, *args, **kwargs)
+    finally:
+        _IN_THREADS[0] -= 1
+
+
+_REAL_RUN_SYNC = trio.to_thread.run_sync
+
+
+@contextmanager
+def virtual_time_waits_for_threads():
+    """Let the virtual clock jump only while no store works in a thread.
+
+    The file stores do their I/O in worker threads (``trio.to_thread.run_sync`` and the
+    commit engine's committer thread). Trio counts a task waiting on a thread as blocked, so
+    the autojump clock would skip virtual seconds, past lease expiries, while a write is in
+    flight on a loaded machine. Here a jump waits until no ``run_sync`` call is out and the
+    store's engine has nothing pending. Yields the function that names the opened store.
+    """
+    mock = _TRIO_CLOCK[0]
+    stores: list[RunStore] = []
+    jump = mock._autojump
+
+    def busy() -> bool:
+        return _IN_THREADS[0] > 0 or any(s.statistics().pending for s in stores)
+
+    def held_jump() -> None:
+        if not busy():  # else the run loop asks again after the next idle threshold
+            jump()
+
+    mock._autojump = held_jump
+    mock.autojump_threshold = THREAD_STORE_AUTOJUMP_S
+    try:
+        with unittest.mock.patch.object(trio.to_thread, "run_sync", _counted_run_sync):
+            yield stores.append
+    finally:
+        del mock._autojump
 
 
 def sqlite_generations(tmp_path: Path, run_id: str) -> list[int]:
