@@ -337,6 +337,50 @@ async def test_the_lease_is_renewed_across_many_ttls(kind, tmp_path, autojump_cl
         assert set(gens) == {1}
 
 
+class RenewalCalls(FrozenRenewals):
+    """Records which runs each renewal call renewed."""
+
+    def __init__(self, inner: RunStore) -> None:
+        super().__init__(inner)
+        self.calls: list[tuple[float, frozenset[str]]] = []
+
+    async def renew_leases(self, leases, *, ttl_s):
+        self.calls.append((trio.current_time(), frozenset(lease.run_id for lease in leases)))
+        return await super().renew_leases(leases, ttl_s=ttl_s)
+
+
+async def test_runs_driven_on_their_own_share_one_renewal_per_interval(autojump_clock):
+    """Ten runs of one store renew in one call per TTL/3, and when the run that renewed ends
+    first, another goes on renewing the ones still driven."""
+    store = RenewalCalls(MemoryStore(clock=store_now))
+    lengths = {f"r{i}": 20 if i else 4 for i in range(10)}  # r0 ends first
+    results = {}
+
+    async def one(run_id):
+        agent, _ = make([call("sleep", s=lengths[run_id], call_id="c1"), say("done")])
+        results[run_id] = await treadle.run(
+            agent, "x", store=store, run_id=run_id, owner=f"o-{run_id}", lease_ttl_s=3
+        )
+
+    async with trio.open_nursery() as nursery:
+        for run_id in lengths:
+            nursery.start_soon(one, run_id)
+        await trio.sleep(12)  # r0 has finished; the other nine are inside their tool
+        lease = await store.read_lease("r5")
+        assert lease is not None and lease.expires_at > store_now()
+    assert all(r.stop_reason is StopReason.FINAL_ANSWER for r in results.values())
+    assert max(len(ids) for _, ids in store.calls) == 10  # all ten in one call
+    early = [ids for at, ids in store.calls if at < 4]
+    late = [ids for at, ids in store.calls if at > 5]
+    assert early and all(len(ids) == 10 for ids in early)
+    assert late and all("r0" not in ids and len(ids) == 9 for ids in late)
+    # One call per second (TTL/3) over the ~20 s, not one per run: fewer than 30, not 200.
+    assert 15 <= len(store.calls) < 30, len(store.calls)
+    for run_id in lengths:
+        final = await store.read_lease(run_id)
+        assert final is not None and final.generation == 1 and final.owner == ""
+
+
 # --------------------------------------------------------------------------- takeover
 
 

@@ -14,7 +14,7 @@ import treadle
 from treadle.stores import postgres
 from treadle.stores.postgres import PostgresStore
 from treadle.testing.contracts import lease_generation
-from treadle.types import Message, ModelIntent, RunStarted
+from treadle.types import CancelRequested, Message, ModelIntent, RunStarted
 
 TS = "2026-01-01T00:00:00+00:00"
 
@@ -137,6 +137,32 @@ async def test_the_password_is_never_shown(postgres_dsn: str, failure: str) -> N
 async def test_an_invalid_schema_name_is_refused(postgres_dsn: str) -> None:
     with pytest.raises(treadle.UsageError, match="schema"):
         await PostgresStore.open(postgres_dsn, schema="Robert'); DROP TABLE runs;--")
+
+
+async def test_lease_writes_do_not_wait_for_their_wal_flush(
+    postgres_dsn: str, postgres_schema: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Renewals and releases commit with synchronous_commit off (docs/decisions/0016); an
+    acquisition, the log's group commits and control appends keep the server's setting (on):
+    a driver outlives a server crash, so an acquisition lost with it could hand out its
+    generation twice."""
+    from treadle.stores import _sql
+
+    seen: list[str] = []
+    real = _sql.write_transaction.__enter__
+
+    def enter(self: _sql.write_transaction) -> None:
+        real(self)
+        seen.append(self._conn.execute("SHOW synchronous_commit").fetchone()[0])
+
+    monkeypatch.setattr(_sql.write_transaction, "__enter__", enter)
+    async with treadle.open_postgres_store(postgres_dsn, schema=postgres_schema) as store:
+        lease = await store.acquire_lease("r", owner="o", ttl_s=30)
+        await store.write_run_started(started("r"), seq=1, generation=lease.generation)
+        (lease,) = await store.renew_leases([lease], ttl_s=30)
+        await store.release_lease(lease)
+        await store.append_control(CancelRequested(run_id="r", ts=TS, reason="test"))
+    assert seen == ["on", "off", "off", "on"]
 
 
 async def test_the_schema_comes_from_the_dsn_options(

@@ -168,6 +168,35 @@ async def test_wal_mode_and_full_synchronous(tmp_path: Path) -> None:
             probe.close()
 
 
+async def test_lease_writes_skip_their_fsync_and_every_other_write_keeps_it(
+    tmp_path: Path,
+) -> None:
+    """Lease transactions commit with synchronous=NORMAL (docs/decisions/0016): the next FULL
+    commit of the log syncs the WAL, their frames with it. The pooled connection is FULL again
+    afterwards, so a control append on it (durable on return) still fsyncs."""
+    path = tmp_path / "s.db"
+    async with open_sqlite_store(path) as store:
+        seen: list[tuple[str, int]] = []
+        real = _sql.write_transaction.__enter__
+
+        def enter(self: _sql.write_transaction) -> None:
+            real(self)
+            seen.append(("in", self._conn.execute("PRAGMA synchronous").fetchone()[0]))
+
+        _sql.write_transaction.__enter__ = enter  # type: ignore[method-assign]
+        try:
+            lease = await store.acquire_lease("r", owner="o", ttl_s=30)
+            await Steps(store, "r", generation=lease.generation).start()
+            (lease,) = await store.renew_leases([lease], ttl_s=30)
+            await store.release_lease(lease)
+            await store.append_control(cancel("r"))
+        finally:
+            _sql.write_transaction.__enter__ = real  # type: ignore[method-assign]
+        assert [level for _, level in seen] == [1, 1, 1, 2]  # NORMAL x3 (leases), FULL
+        for conn in store._pool._idle:
+            assert conn.execute("PRAGMA synchronous").fetchone()[0] == 2
+
+
 def columns(conn: sqlite3.Connection, table: str) -> list[str]:
     return [row[1] for row in conn.execute(f"PRAGMA table_info({table})")]
 

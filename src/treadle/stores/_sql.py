@@ -107,11 +107,16 @@ class SqlDialect(Protocol):
         for_update: appended to a SELECT that must lock its rows (``""`` for SQLite, whose
             write transactions lock the whole database).
         skip_locked: appended to the claim query's SELECT (``FOR UPDATE SKIP LOCKED``).
+        flush_acquire: whether a lease acquisition must flush its own commit: yes where a
+            driver can outlive a server crash that loses an unflushed commit (PostgreSQL), so
+            that no generation is ever handed out twice; no where every driver dies with it
+            (SQLite: a power loss), docs/decisions/0016-lease-writes-ride-on-log-commits.md.
     """
 
     description: str
     for_update: str
     skip_locked: str
+    flush_acquire: bool
 
     def connect(self) -> Connection:
         """Open a connection for reads and control operations (in a worker thread)."""
@@ -121,12 +126,22 @@ class SqlDialect(Protocol):
         """``text`` with its ``?`` placeholders in the driver's style."""
         ...
 
-    def begin_write(self, conn: Connection) -> None:
-        """Start a transaction that will write."""
+    def begin_write(self, conn: Connection, *, flush: bool = True) -> None:
+        """Start a transaction that will write.
+
+        ``flush=False``: its commit need not wait for its own flush to disk (a lease operation,
+        docs/decisions/0016-lease-writes-ride-on-log-commits.md); the next flushed commit, or
+        the server's own schedule, makes it durable.
+        """
         ...
 
-    def end_write(self) -> None:
-        """Called once a transaction begun by `begin_write` committed or rolled back."""
+    def end_write(self, conn: Connection, *, flush: bool = True) -> None:
+        """Called once a transaction begun by `begin_write` committed or rolled back.
+
+        Raises:
+            sqlite3.Error or psycopg.Error: the connection could not be set back to flushing
+                commits (it must not be used again).
+        """
         ...
 
     def begin_read(self, conn: Connection) -> None:
@@ -526,7 +541,7 @@ def acquire_lease(
     dialect: SqlDialect, conn: Connection, run_id: str, owner: str, ttl_s: float
 ) -> Lease:
     """Take or renew the lease on ``run_id`` in one transaction (`treadle.stores._leases`)."""
-    with write_transaction(dialect, conn):
+    with write_transaction(dialect, conn, flush=dialect.flush_acquire):
         now = dialect.now(conn)
         current = _lease_of(run_id, _locked_row(dialect, conn, run_id, _LEASE_COLUMNS, create=True))
         lease = _leases.acquire(current, run_id=run_id, owner=owner, ttl_s=ttl_s, now=now)
@@ -539,7 +554,7 @@ def renew_leases(
 ) -> tuple[Lease, ...]:
     """Renew the leases still held, in one transaction; the lost ones are left out."""
     renewed = []
-    with write_transaction(dialect, conn):
+    with write_transaction(dialect, conn, flush=False):
         now = dialect.now(conn)
         for held in leases:
             row = _locked_row(dialect, conn, held.run_id, _LEASE_COLUMNS, create=False)
@@ -552,7 +567,7 @@ def renew_leases(
 
 def release_lease(dialect: SqlDialect, conn: Connection, lease: Lease, control_seen: int) -> None:
     """Clear the lease's owner if still held, and record the control position handled."""
-    with write_transaction(dialect, conn):
+    with write_transaction(dialect, conn, flush=False):
         conn.execute(
             dialect.sql(
                 "UPDATE runs SET lease_owner = '', control_seen = CASE WHEN control_seen > ? "
@@ -578,11 +593,11 @@ class write_transaction:
     transaction is gone either way, and the first error propagates.
     """
 
-    def __init__(self, dialect: SqlDialect, conn: Connection) -> None:
-        self._dialect, self._conn = dialect, conn
+    def __init__(self, dialect: SqlDialect, conn: Connection, *, flush: bool = True) -> None:
+        self._dialect, self._conn, self._flush = dialect, conn, flush
 
     def __enter__(self) -> None:
-        self._dialect.begin_write(self._conn)
+        self._dialect.begin_write(self._conn, flush=self._flush)
 
     def __exit__(self, kind: object, exc: object, tb: object) -> None:
         try:
@@ -592,7 +607,7 @@ class write_transaction:
             with contextlib.suppress(Exception):
                 self._conn.execute("ROLLBACK")
         finally:
-            self._dialect.end_write()
+            self._dialect.end_write(self._conn, flush=self._flush)
 
 
 class ConnectionPool:

@@ -116,6 +116,7 @@ class PostgresDialect:
 
     for_update = " FOR UPDATE"
     skip_locked = " FOR UPDATE SKIP LOCKED"
+    flush_acquire = True  # a worker outlives the server's crash
 
     def __init__(self, dsn: str, schema: str) -> None:
         self.dsn = dsn
@@ -142,12 +143,19 @@ class PostgresDialect:
             converted = self._sql[text] = text.replace("%", "%%").replace("?", "%s")
         return converted
 
-    def begin_write(self, conn: Any) -> None:
-        """``BEGIN``: row locks (``FOR UPDATE``) do the rest."""
-        conn.execute("BEGIN")
+    def begin_write(self, conn: Any, *, flush: bool = True) -> None:
+        """``BEGIN``: row locks (``FOR UPDATE``) do the rest.
 
-    def end_write(self) -> None:
-        """Nothing: row locks order PostgreSQL's writers."""
+        ``flush=False`` sets ``synchronous_commit = off`` for this transaction only: its commit
+        returns before its WAL is flushed, which the next flushed commit (or the WAL writer)
+        does.
+        """
+        conn.execute("BEGIN")
+        if not flush:
+            conn.execute("SET LOCAL synchronous_commit = off")
+
+    def end_write(self, conn: Any, *, flush: bool = True) -> None:
+        """Nothing: row locks order the writers; ``SET LOCAL`` ended with the transaction."""
 
     def begin_read(self, conn: Any) -> None:
         """A repeatable-read, read-only transaction: its statements share one snapshot."""

@@ -115,6 +115,7 @@ class SqliteDialect:
 
     for_update = ""
     skip_locked = ""
+    flush_acquire = False  # a power loss ends every driver on the machine with it
 
     def __init__(self, path: str, clock: Callable[[], float]) -> None:
         self.path = path
@@ -133,18 +134,28 @@ class SqliteDialect:
         """SQLite takes ``?`` placeholders as they are."""
         return text
 
-    def begin_write(self, conn: Any) -> None:
-        """``BEGIN IMMEDIATE``: take the database's write lock now (one thread at a time)."""
+    def begin_write(self, conn: Any, *, flush: bool = True) -> None:
+        """``BEGIN IMMEDIATE``: take the database's write lock now (one thread at a time).
+
+        ``flush=False`` commits with ``synchronous = NORMAL``: in WAL mode the commit does not
+        fsync; the next FULL commit of the log syncs the WAL, this transaction's frames with it.
+        """
+        if not flush:
+            conn.execute("PRAGMA synchronous = NORMAL")
         self._writing.acquire()
         try:
             conn.execute("BEGIN IMMEDIATE")
         except BaseException:
             self._writing.release()
+            if not flush:
+                conn.execute("PRAGMA synchronous = FULL")
             raise
 
-    def end_write(self) -> None:
-        """Let the next control write of this store object begin."""
+    def end_write(self, conn: Any, *, flush: bool = True) -> None:
+        """Let the next control write of this store object begin; flush commits again."""
         self._writing.release()
+        if not flush:
+            conn.execute("PRAGMA synchronous = FULL")
 
     def begin_read(self, conn: Any) -> None:
         """``BEGIN``: a deferred transaction reads one snapshot of the WAL."""

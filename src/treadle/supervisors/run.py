@@ -51,7 +51,7 @@ from treadle.ports import ControlStream, EventSink, RunStore
 from treadle.stores._codec import check_schema
 from treadle.stores._leases import LEASE_TTL_S, lease_owner
 from treadle.supervisors._control import ControlInbox, ControlIndex, control_of, shared_index
-from treadle.supervisors._leasing import LeaseHold, LeaseKeeper, leases_of
+from treadle.supervisors._leasing import LeaseHold, LeaseKeeper, leases_of, shared_keeper
 from treadle.supervisors._parking import Parking
 from treadle.types import (
     ApprovalDecided,
@@ -765,7 +765,7 @@ async def _supervise(
 
 @asynccontextmanager
 async def _keeping(hold: LeaseHold, options: _Options) -> AsyncIterator[None]:
-    """Keep ``hold`` renewed: by the fleet's keeper, or by one of the run's own."""
+    """Keep ``hold`` renewed: by the fleet's keeper, or by the one its store's runs share."""
     if hold.store is None:
         yield
         return
@@ -777,13 +777,14 @@ async def _keeping(hold: LeaseHold, options: _Options) -> AsyncIterator[None]:
         finally:
             stop()
         return
-    own = LeaseKeeper(store=hold.store, ttl_s=hold.ttl_s)
-    own.add(hold)
+    shared = shared_keeper(hold.store, hold.ttl_s)  # one renewal for all such runs
+    stop = shared.add(hold)
     async with trio.open_nursery() as nursery:
-        await nursery.start(own.run)
+        nursery.start_soon(shared.serve)
         try:
             yield
         finally:
+            stop()
             nursery.cancel_scope.cancel()
 
 
