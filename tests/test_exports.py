@@ -2,7 +2,13 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
+import pytest
+
 import treadle
+import treadle.models
 import treadle.testing
 
 TREADLE = sorted(
@@ -109,3 +115,35 @@ def test_treadle_exports():
 def test_testing_exports():
     assert sorted(treadle.testing.__all__) == TESTING
     assert all(hasattr(treadle.testing, name) for name in treadle.testing.__all__)
+
+
+def _loaded_after(code: str) -> set[str]:
+    """The top-level modules a fresh interpreter has loaded after running ``code``."""
+    script = (
+        f"import sys\n{code}\nprint(' '.join(sorted({{m.split('.')[0] for m in sys.modules}})))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", script], check=True, capture_output=True, text=True
+    ).stdout
+    return set(out.split())
+
+
+def test_import_treadle_loads_no_http_client_nor_schema_generator():
+    """``import treadle`` stays light (issue: slow start): the model clients, httpx and its
+    CLI dependencies load when a client is first used, msgspec when a tool is declared."""
+    loaded = _loaded_after("import treadle")
+    assert "treadle" in loaded
+    assert not loaded & {"httpx", "httpcore", "click", "rich", "pygments", "msgspec", "psycopg"}
+    used = _loaded_after("import treadle\ntreadle.OpenAIChatClient")
+    assert "httpx" in used  # the lazy name still resolves to the real client
+
+
+def test_the_lazy_names_are_the_real_ones():
+    from treadle.models.anthropic import AnthropicMessagesClient
+    from treadle.models.openai import OpenAIChatClient
+
+    assert treadle.OpenAIChatClient is OpenAIChatClient
+    assert treadle.AnthropicMessagesClient is AnthropicMessagesClient
+    assert treadle.models.OpenAIChatClient is OpenAIChatClient
+    with pytest.raises(AttributeError, match="NoSuchName"):
+        treadle.NoSuchName  # noqa: B018

@@ -9,6 +9,9 @@ The public names are re-exported here; implementation modules are private.
 
 from __future__ import annotations
 
+import importlib
+from typing import TYPE_CHECKING, Any
+
 from treadle._clock import Clock as Clock
 from treadle._clock import FixedStepClock as FixedStepClock
 from treadle._clock import SystemClock as SystemClock
@@ -27,8 +30,6 @@ from treadle._exceptions import TreadleError as TreadleError
 from treadle._exceptions import UsageError as UsageError
 from treadle.agent import Agent as Agent
 from treadle.agent import RunInput as RunInput
-from treadle.models.anthropic import AnthropicMessagesClient as AnthropicMessagesClient
-from treadle.models.openai import OpenAIChatClient as OpenAIChatClient
 from treadle.parsers import JsonToolCallParser as JsonToolCallParser
 from treadle.parsers import NativeToolCallParser as NativeToolCallParser
 from treadle.stores._leases import LEASE_TTL_S as LEASE_TTL_S
@@ -71,6 +72,27 @@ from treadle.types import RunSummary as RunSummary
 from treadle.types import StopReason as StopReason
 from treadle.types import SyntheticObservations as SyntheticObservations
 from treadle.types import Usage as Usage
+
+if TYPE_CHECKING:  # loaded on first use (`__getattr__`): the clients import httpx
+    from treadle.models.anthropic import AnthropicMessagesClient as AnthropicMessagesClient
+    from treadle.models.openai import OpenAIChatClient as OpenAIChatClient
+
+_LAZY = {
+    "AnthropicMessagesClient": "treadle.models.anthropic",
+    "OpenAIChatClient": "treadle.models.openai",
+}
+"""Names loaded on first access, so that ``import treadle`` does not load httpx."""
+
+
+def __getattr__(name: str) -> Any:
+    """Load a model client class on first use (PEP 562)."""
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'treadle' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
 
 __all__ = [
     "LEASE_TTL_S",

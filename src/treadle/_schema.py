@@ -19,8 +19,6 @@ from typing import Annotated, Any, Final, Literal, Union
 
 import attrs
 import cattrs
-import docstring_parser
-import msgspec
 from cattrs import cols
 from cattrs.gen import make_dict_structure_fn
 from cattrs.v import format_exception
@@ -342,6 +340,8 @@ def summary_of(doc: str | None) -> str:
 
 def argument_docs(doc: str | None) -> dict[str, str]:
     """Argument name -> description from the docstring's Google ``Args:`` section."""
+    import docstring_parser  # here: loaded when the first tool is declared, not on import
+
     parsed = docstring_parser.parse(doc or "", style=docstring_parser.DocstringStyle.GOOGLE)
     return {
         p.arg_name: " ".join((p.description or "").split())
@@ -367,6 +367,8 @@ def build_model(tool_name: str, parameters: tuple[Parameter, ...]) -> type[Any]:
 
 
 def _struct_field(p: Parameter) -> tuple[Any, ...]:
+    import msgspec  # here: loaded when the first tool is declared, not on import
+
     annotation = p.annotation
     if p.description:
         annotation = Annotated[annotation, msgspec.Meta(description=p.description)]
@@ -384,6 +386,8 @@ def build_schema(tool_name: str, parameters: tuple[Parameter, ...]) -> dict[str,
     Raises:
         UsageError: msgspec cannot describe a type or a default.
     """
+    import msgspec  # here: loaded when the first tool is declared, not on import
+
     name = _class_name(tool_name)
     try:
         struct = msgspec.defstruct(

@@ -30,7 +30,7 @@ from treadle._clock import Clock
 from treadle._exceptions import ModelCallError
 from treadle.actors._rpc import StepScope, reply
 from treadle.actors.writer import WriterClient
-from treadle.models._transport import attempt_deadlines, observe_usage
+from treadle.models._context import attempt_deadlines, observe_usage
 from treadle.ports import ModelClient
 from treadle.types import (
     Budgets,

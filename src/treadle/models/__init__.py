@@ -3,19 +3,47 @@
 See docs/design.md.
 """
 
-from treadle.models._accumulate import parse_retry_after as parse_retry_after
-from treadle.models._probe import probe as probe
-from treadle.models._sse import SSEDecodeError as SSEDecodeError
-from treadle.models._sse import SSEDecoder as SSEDecoder
-from treadle.models._sse import SSEEvent as SSEEvent
-from treadle.models._transport import UsageObserver as UsageObserver
-from treadle.models._transport import attempt_deadlines as attempt_deadlines
-from treadle.models._transport import current_deadlines as current_deadlines
-from treadle.models._transport import observe_usage as observe_usage
-from treadle.models._transport import report_usage as report_usage
-from treadle.models.anthropic import AnthropicMessagesClient as AnthropicMessagesClient
-from treadle.models.openai import ImageSource as ImageSource
-from treadle.models.openai import OpenAIChatClient as OpenAIChatClient
+import importlib
+from typing import TYPE_CHECKING, Any
+
+from treadle.models._context import UsageObserver as UsageObserver
+from treadle.models._context import attempt_deadlines as attempt_deadlines
+from treadle.models._context import current_deadlines as current_deadlines
+from treadle.models._context import observe_usage as observe_usage
+from treadle.models._context import report_usage as report_usage
+
+if TYPE_CHECKING:  # loaded on first use (`__getattr__`): they import httpx
+    from treadle.models._accumulate import parse_retry_after as parse_retry_after
+    from treadle.models._probe import probe as probe
+    from treadle.models._sse import SSEDecodeError as SSEDecodeError
+    from treadle.models._sse import SSEDecoder as SSEDecoder
+    from treadle.models._sse import SSEEvent as SSEEvent
+    from treadle.models.anthropic import AnthropicMessagesClient as AnthropicMessagesClient
+    from treadle.models.openai import ImageSource as ImageSource
+    from treadle.models.openai import OpenAIChatClient as OpenAIChatClient
+
+_LAZY = {
+    "parse_retry_after": "treadle.models._accumulate",
+    "probe": "treadle.models._probe",
+    "SSEDecodeError": "treadle.models._sse",
+    "SSEDecoder": "treadle.models._sse",
+    "SSEEvent": "treadle.models._sse",
+    "AnthropicMessagesClient": "treadle.models.anthropic",
+    "ImageSource": "treadle.models.openai",
+    "OpenAIChatClient": "treadle.models.openai",
+}
+"""Names loaded on first access: the clients bring httpx, which a run without them never needs."""
+
+
+def __getattr__(name: str) -> Any:
+    """Load a client-side name on first use (PEP 562)."""
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'treadle.models' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
 
 __all__ = [
     "AnthropicMessagesClient",

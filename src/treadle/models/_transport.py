@@ -1,8 +1,8 @@
 """What the OpenAI and Anthropic clients share.
 
 Sending one streaming request and reading its response (status, JSON body or server-sent
-events) under the attempt's deadlines, and the per-attempt usage and deadline context the
-model gateway sets.
+events) under the attempt's deadlines; the per-attempt usage and deadline context the model
+gateway sets is `treadle.models._context` (re-exported here).
 
 `StreamReader` holds the reading loop; each client supplies its accumulator and three hooks
 (a JSON body, the end of a stream without its final event, and an HTTP error status).
@@ -11,16 +11,20 @@ model gateway sets.
 from __future__ import annotations
 
 import contextlib
-import contextvars
 import hashlib
 import json
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator
 from typing import Any, ClassVar, Generic, Protocol, TypeVar
 
 import httpx
 import trio
 
 from treadle._exceptions import ModelCallError, UsageError
+from treadle.models._context import UsageObserver as UsageObserver
+from treadle.models._context import attempt_deadlines as attempt_deadlines
+from treadle.models._context import current_deadlines as current_deadlines
+from treadle.models._context import observe_usage as observe_usage
+from treadle.models._context import report_usage as report_usage
 from treadle.models._sse import SSEDecodeError, SSEDecoder, SSEEvent
 from treadle.types import ModelReply, Usage
 
@@ -32,70 +36,6 @@ connection reusable; a server that holds the body open past this loses the conne
 MAX_ERROR_BODY_BYTES = 64 * 1024
 MAX_JSON_BODY_BYTES = 16 * 1024 * 1024
 _MAGIC = ((b"\x89PNG", "image/png"), (b"\xff\xd8\xff", "image/jpeg"), (b"GIF8", "image/gif"))
-
-
-UsageObserver = Callable[[Usage], None]
-"""Receives the usage reported so far in the current attempt (running counts, tokens).
-
-It may raise `treadle.ModelCallError` to end the attempt (the model gateway does so when the
-reported usage crosses the run's remaining token budget); clients let that error propagate.
-"""
-
-_usage_observer: contextvars.ContextVar[UsageObserver | None] = contextvars.ContextVar(
-    "treadle_usage_observer", default=None
-)
-
-
-@contextlib.contextmanager
-def observe_usage(observer: UsageObserver) -> Iterator[None]:
-    """Route `report_usage` calls made by the current task to ``observer`` inside the block.
-
-    The model gateway wraps each attempt in this block, so a client needs no extra argument
-    (the `treadle.ports.ModelClient` seam is unchanged).
-    """
-    token = _usage_observer.set(observer)
-    try:
-        yield
-    finally:
-        _usage_observer.reset(token)
-
-
-_attempt_deadlines: contextvars.ContextVar[tuple[float, float, float] | None] = (
-    contextvars.ContextVar("treadle_attempt_deadlines", default=None)
-)
-
-
-@contextlib.contextmanager
-def attempt_deadlines(*, connect_s: float, first_byte_s: float, idle_s: float) -> Iterator[None]:
-    """Tighten the connect, first-byte and stream-idle deadlines of attempts made in the block.
-
-    A client applies the smaller of these and its own settings (seconds). The model gateway
-    sets them from the agent's `treadle.types.Limits` for each attempt.
-    """
-    token = _attempt_deadlines.set((connect_s, first_byte_s, idle_s))
-    try:
-        yield
-    finally:
-        _attempt_deadlines.reset(token)
-
-
-def current_deadlines() -> tuple[float, float, float] | None:
-    """``(connect_s, first_byte_s, idle_s)`` set by `attempt_deadlines`, or ``None``."""
-    return _attempt_deadlines.get()
-
-
-def report_usage(usage: Usage) -> None:
-    """Report the usage the server has reported so far in this attempt.
-
-    A client calls this each time the server reports (running or final) usage. Without an
-    observer (outside a gateway attempt) it does nothing.
-
-    Raises:
-        treadle.ModelCallError: the observer ended the attempt (e.g. kind ``token_budget``).
-    """
-    observer = _usage_observer.get()
-    if observer is not None:
-        observer(usage)
 
 
 class Accumulator(Protocol):

@@ -248,9 +248,7 @@ class LeaseKeeper:
         return current.generation if current is not None else None
 
 
-_SHARED: weakref.WeakValueDictionary[tuple[int, float], LeaseKeeper] = (
-    weakref.WeakValueDictionary()
-)
+_SHARED: weakref.WeakValueDictionary[tuple[int, float], LeaseKeeper] = weakref.WeakValueDictionary()
 """The keepers shared by the runs driven on their own, by ``(id(store), ttl_s)``.
 
 A keeper lives while a run uses it (each holds it), and it holds its store, so an id in a key

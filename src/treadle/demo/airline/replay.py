@@ -60,6 +60,7 @@ from treadle.demo.airline.scoring import (
     replay_tool_calls,
     score,
 )
+from treadle.demo.airline.settings import DEFAULT_CONCURRENCY as DEFAULT_CONCURRENCY
 from treadle.demo.airline.tools import WRITE_TOOLS
 from treadle.ports import ModelClient, RunStore
 from treadle.stores.sqlite import open_sqlite_store
@@ -82,9 +83,6 @@ MAX_CHILDREN: Final = 5
 
 STDERR_TAIL_BYTES: Final = 4096
 """How much of a failed driver's standard error is kept for the report."""
-
-DEFAULT_CONCURRENCY: Final = 4
-"""Runs driven at the same time by default (each in its own process)."""
 
 DEMO_RECORDING: Final = "30-1"
 """The recording `treadle demo` replays: two cancellations, 16 steps, recorded reward 1."""

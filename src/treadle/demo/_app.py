@@ -1,0 +1,488 @@
+"""What ``treadle demo`` does (the commands' options are declared in `treadle.demo.cli`).
+
+The replay, the workspace, the console view and the report tables; loaded only when a demo
+command runs, so that the rest of the CLI starts without them.
+"""
+
+from __future__ import annotations
+
+import datetime
+import functools
+import json
+import os
+import sys
+import tempfile
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any, Final, TypeVar
+
+import click
+import httpx
+import trio
+from rich.console import Console
+from rich.markup import escape
+from rich.table import Table
+
+from treadle._exceptions import TreadleError
+from treadle.demo.airline.data import DATA_ENV_VAR, AirlineDataNotFound, Recording
+from treadle.demo.airline.db import AirlineDatabase
+from treadle.demo.airline.replay import (
+    ChildExit,
+    CrashPoint,
+    LiveReport,
+    ReplayReport,
+    Workspace,
+    demo_crash_point,
+    find_recording,
+    load_trajectories,
+    locate_workload,
+    open_workspace,
+    pick_demo_recording,
+    policy_text,
+    recorded_steps,
+    replay_recordings,
+    run_id_of,
+    run_live,
+    tasks_by_id,
+)
+from treadle.demo.airline.replay_server import recording_key
+from treadle.demo.airline.tools import WRITE_TOOLS
+from treadle.models.openai import OpenAIChatClient
+from treadle.types import ActionIntent, ActionResult, RunLog
+
+T = TypeVar("T")
+
+CLIP: Final = 110
+"""Characters of a message shown per progress line."""
+
+LOCAL_FOLDER: Final = Path(".treadle")
+"""Where `treadle demo` keeps its stores by default (relative to the working directory)."""
+
+
+def _run(fn: Callable[[], Awaitable[T]]) -> T:
+    try:
+        return trio.run(fn)
+    except (TreadleError, AirlineDataNotFound) as exc:
+        raise click.ClickException(str(exc)) from exc
+
+
+def _clip(text: object, limit: int = CLIP) -> str:
+    flat = " ".join(str(text).split())
+    return flat if len(flat) <= limit else flat[: limit - 1] + "…"
+
+
+def _stamp() -> str:
+    return datetime.datetime.now(datetime.UTC).strftime("%Y%m%d-%H%M%S")
+
+
+def _default_store(kind: str) -> Path:
+    """A new store file under ``./.treadle/`` (a temporary folder when that is read-only)."""
+    try:
+        LOCAL_FOLDER.mkdir(exist_ok=True)
+        folder = LOCAL_FOLDER
+        if not os.access(folder, os.W_OK):
+            raise PermissionError(folder)
+    except OSError:
+        folder = Path(tempfile.mkdtemp(prefix="treadle-demo-"))
+    return folder / f"{kind}-{_stamp()}.db"
+
+
+def _workload(data_dir: str | None, console: Console) -> Path:
+    try:
+        return locate_workload(data_dir, notify=lambda text: console.print(f"[dim]{text}[/]"))
+    except AirlineDataNotFound as exc:
+        raise click.ClickException(str(exc)) from exc
+    except httpx.HTTPError as exc:
+        raise click.ClickException(
+            "the airline workload is not on this machine (looked for shared/workloads/airline "
+            f"above this folder and in ${DATA_ENV_VAR}) and downloading it failed: {exc}"
+        ) from exc
+
+
+def _recordings(path: Path) -> tuple[Recording, ...]:
+    try:
+        return load_trajectories(path)
+    except (OSError, TypeError, ValueError) as exc:
+        raise click.ClickException(f"cannot read recordings from {path}: {exc}") from exc
+
+
+# --------------------------------------------------------------------------- the demo view
+
+
+class DemoView:
+    """Prints a replay's progress as its driver processes report their run events.
+
+    Implements `treadle.demo.airline.replay.ReplayObserver`.
+    """
+
+    def __init__(self, console: Console, workspace: Workspace) -> None:
+        self.console = console
+        self.workspace = workspace
+        self.steps = 0
+        self.tool_calls = 0
+        self.customer_turns = 0
+        self.crash: CrashPoint | None = None
+
+    def child_started(
+        self, recording: Recording, pid: int, *, resume: bool, crash: CrashPoint | None
+    ) -> None:
+        """Announce a driver process."""
+        self.crash = crash
+        if resume:
+            self.console.rule(f"driver process {pid}: resumes the run from its log")
+        else:
+            self.console.rule(f"driver process {pid}: runs {run_id_of(recording)}")
+        if crash is not None:
+            self.console.print(
+                f"[yellow]this process will kill itself with SIGKILL {crash.describe()}[/]"
+            )
+
+    def event(self, recording: Recording, line: Mapping[str, Any]) -> None:
+        """Show one run event."""
+        kind = line.get("kind")
+        step = line.get("step")
+        label = f"step {step:>2}" if isinstance(step, int) else "       "
+        handler = {
+            "driver": self._driver,
+            "model_call_finished": self._model_finished,
+            "action_requested": self._action_requested,
+            "action_finished": self._action_finished,
+            "step_completed": self._step_completed,
+            "run_finished": self._run_finished,
+        }.get(str(kind))
+        if handler is not None:
+            handler(label, line)
+
+    def _driver(self, label: str, line: Mapping[str, Any]) -> None:
+        if line.get("stored_records"):
+            self.console.print(
+                f"[cyan]read the log: {line['stored_records']} records, "
+                f"{line['steps']} steps completed; continuing from there[/]"
+            )
+
+    def _model_finished(self, label: str, line: Mapping[str, Any]) -> None:
+        if line.get("abandoned"):
+            self.console.print(
+                f"{label}  [cyan]model call without a result (its process died): "
+                "recorded as abandoned, asked again[/]"
+            )
+        elif line.get("error"):
+            self.console.print(f"{label}  [red]model call failed: {escape(line['error'])}[/]")
+        elif line.get("text") and not line.get("tools"):
+            self.console.print(f"{label}  [bold green]agent[/]     {escape(_clip(line['text']))}")
+        elif line.get("text"):
+            self.console.print(f"{label}  [green]agent[/]     {escape(_clip(line['text']))}")
+
+    def _action_requested(self, label: str, line: Mapping[str, Any]) -> None:
+        tool = str(line.get("tool"))
+        if tool == "respond":
+            return
+        arguments = ", ".join(f"{k}={v}" for k, v in (line.get("arguments") or {}).items())
+        style = "bold magenta" if tool in WRITE_TOOLS else "magenta"
+        self.console.print(
+            f"{label}  [{style}]tool[/]      {escape(_clip(f'{tool}({arguments})'))}"
+        )
+
+    def _action_finished(self, label: str, line: Mapping[str, Any]) -> None:
+        observation = escape(_clip(line.get("observation") or "", CLIP - 4))
+        if line.get("tool") == "respond":
+            self.customer_turns += 1
+            self.console.print(f"{label}  [bold blue]customer[/]  {observation}")
+            return
+        self.tool_calls += 1
+        self.console.print(f"{label}  [dim]  → {observation}[/]")
+
+    def _step_completed(self, label: str, line: Mapping[str, Any]) -> None:
+        self.steps = int(line.get("step") or 0)
+
+    def _run_finished(self, label: str, line: Mapping[str, Any]) -> None:
+        self.console.print(
+            f"[bold]run finished: {line.get('state')} ({line.get('stop_reason')}), "
+            f"{line.get('steps')} steps[/]"
+        )
+
+    def child_exited(self, recording: Recording, exit: ChildExit, log: RunLog) -> None:
+        """Explain what a killed driver left behind."""
+        if not exit.killed:
+            return
+        self.console.print(
+            f"[bold red]✗ driver process {exit.pid} was killed with SIGKILL (kill -9)[/]"
+        )
+        self.console.print(
+            f"  the log holds {len(log.records)} durable records, {len(log.steps)} steps "
+            "completed; nothing after the last durable write survived the process"
+        )
+        for intent in _open_intents(log):
+            self._explain_open(intent, run_id_of(recording))
+
+    def _explain_open(self, intent: ActionIntent, run_id: str) -> None:
+        if intent.tool not in WRITE_TOOLS:
+            self.console.print(
+                f"  {intent.tool} has an intent but no result: it only reads, so the "
+                "resumed run will simply run it again"
+            )
+            return
+        db = AirlineDatabase(self.workspace.conversation_path(run_id))
+        applied = {row[0] for row in db.applied_actions()}
+        where = "HAS applied it" if intent.intent_id in applied else "has NOT applied it"
+        self.console.print(
+            f"  [bold]{intent.tool}[/] has an intent ({intent.intent_id}) but no result in the "
+            f"log; the airline database {where}.\n  The resumed run asks the database "
+            "(reconcile by intent id) instead of guessing, so the change happens exactly once."
+        )
+
+
+def _open_intents(log: RunLog) -> list[ActionIntent]:
+    finished = {r.intent_id for r in log.records if isinstance(r, ActionResult)}
+    return [r for r in log.records if isinstance(r, ActionIntent) and r.intent_id not in finished]
+
+
+def _print_demo_summary(
+    console: Console, report: ReplayReport, view: DemoView, store: Path, db: AirlineDatabase
+) -> None:
+    console.rule("result")
+    if report.error is not None:
+        console.print(f"[bold red]the replay failed: {escape(report.error)}[/]")
+    changes = db.applied_actions()
+    console.print(
+        f"steps {view.steps} · tool calls {report.tool_calls} "
+        f"({report.observations_matching} outputs identical to the recording) · "
+        f"customer turns {view.customer_turns}"
+    )
+    console.print(
+        f"crashes {report.crashes} · resumes {report.resumes} · "
+        f"history mismatches {report.history_mismatches}"
+    )
+    once = "yes" if report.applied_once and report.db_matches_recording else "NO"
+    console.print(f"database changes {len(changes)}, each applied exactly once: {once}")
+    console.print(
+        f"[bold]score {report.reward:.1f}[/]   recorded score {report.recorded_reward:.1f}"
+    )
+    console.print("look at the log:")
+    console.print(f"  treadle show {report.run_id} --store {store}", soft_wrap=True)
+
+
+# --------------------------------------------------------------------------- commands
+
+
+def run_demo(store_path: str | None, data_dir: str | None, key: str | None) -> None:
+    """``treadle demo``: replay a recorded conversation, SIGKILL it midway, resume it."""
+    console = Console(highlight=False)
+    data = _workload(data_dir, console)
+    trajectories = data / "trajectories.json"
+    recordings = _recordings(trajectories)
+    try:
+        recording = find_recording(recordings, key) if key else pick_demo_recording(recordings)
+    except LookupError as exc:
+        raise click.ClickException(str(exc)) from exc
+    store = Path(store_path) if store_path else _default_store("demo")
+    workspace = Workspace.beside(store)
+    crash = demo_crash_point(recording)
+    console.print(
+        f"[bold]treadle demo[/]: replaying recorded conversation task {recording.task_id}, "
+        f"trial {recording.trial} ({recorded_steps(recording)} steps; GPT-4o as an airline "
+        "agent, 14 tools, a simulated customer)"
+    )
+    console.print(f"[dim]the customer's brief: {escape(_clip(recording.task.instruction, 300))}[/]")
+    console.print(
+        f"[dim]model replies come from a replay server on 127.0.0.1; tools run for real on "
+        f"a SQLite airline database; the run is logged in {store}[/]"
+    )
+    view = DemoView(console, workspace)
+    reports = _run(
+        functools.partial(
+            replay_recordings,
+            [recording],
+            workspace=workspace,
+            trajectories=trajectories.absolute(),
+            data_dir=data,
+            crash_points={recording_key(recording): crash},
+            concurrency=1,
+            observer=view,
+        )
+    )
+    db = AirlineDatabase(workspace.conversation_path(run_id_of(recording)))
+    _print_demo_summary(console, reports[0], view, store, db)
+    if reports[0].error is not None:
+        sys.exit(1)
+
+
+def run_airline(
+    trajectories: str | None,
+    data_dir: str | None,
+    store_path: str | None,
+    crash: str,
+    seed: int,
+    concurrency: int,
+    as_json: bool,
+    live: bool,
+    base_url: str | None,
+    model: str | None,
+    api_key_env: str | None,
+    task_id: int | None,
+) -> None:
+    """``treadle demo airline``: replay recordings through treadle, or talk to a live model."""
+    console = Console(highlight=False, stderr=as_json)
+    data = _workload(data_dir, console)
+    path = Path(trajectories) if trajectories else data / "trajectories.json"
+    recordings = _recordings(path)
+    if live:
+        _live(console, data, recordings, store_path, base_url, model, api_key_env, task_id, as_json)
+        return
+    with open_workspace(store_path) as workspace:
+        reports = _run(
+            functools.partial(
+                replay_recordings,
+                recordings,
+                workspace=workspace,
+                trajectories=path.absolute(),
+                data_dir=data,
+                crash="random" if crash == "random" else "none",
+                seed=seed,
+                concurrency=concurrency,
+                emit=_json_line if as_json else None,
+            )
+        )
+    if not as_json:
+        console.print(_report_table(reports))
+    console.print(_totals(reports), soft_wrap=True)
+    if any(r.error is not None for r in reports):
+        sys.exit(1)
+
+
+def _json_line(report: ReplayReport) -> None:
+    click.echo(json.dumps(report.to_json(), ensure_ascii=False))
+    sys.stdout.flush()
+
+
+def _report_table(reports: Sequence[ReplayReport]) -> Table:
+    table = Table(title="airline replays")
+    for column in (
+        "task",
+        "trial",
+        "recorded",
+        "reward",
+        "tool calls",
+        "outputs equal",
+        "mismatches",
+        "crashes",
+        "resumes",
+        "applied once",
+    ):
+        table.add_column(column, justify="right")
+    for r in reports:
+        table.add_row(
+            str(r.task_id), str(r.trial), f"{r.recorded_reward:.0f}", f"{r.reward:.0f}",
+            str(r.tool_calls), str(r.observations_matching), str(r.history_mismatches),
+            str(r.crashes), str(r.resumes), "yes" if r.applied_once else "NO",
+        )  # fmt: skip
+    return table
+
+
+def _totals(reports: Sequence[ReplayReport]) -> str:
+    equal = sum(1 for r in reports if r.reward == r.recorded_reward and r.error is None)
+    recorded_calls = sum(r.recorded_tool_calls for r in reports)
+    matching = sum(r.observations_matching for r in reports)
+    share = f"{100 * matching / recorded_calls:.1f}%" if recorded_calls else "n/a"
+    return (
+        f"{len(reports)} recordings: reward equal to recorded {equal}/{len(reports)}; tool "
+        f"outputs reproduced {matching}/{recorded_calls} ({share}); history mismatches "
+        f"{sum(r.history_mismatches for r in reports)}; crashes "
+        f"{sum(r.crashes for r in reports)}, resumes {sum(r.resumes for r in reports)}; "
+        f"changes applied once in {sum(r.applied_once for r in reports)}/{len(reports)}; "
+        f"errors {sum(r.error is not None for r in reports)}"
+    )
+
+
+# --------------------------------------------------------------------------- live mode
+
+
+def _stdin_reader(console: Console) -> Callable[[], Awaitable[str | None]]:
+    echo_off = sys.stdin.isatty()
+
+    async def read_line() -> str | None:
+        console.print("[bold blue]you>[/] ", end="")
+        line: str = await trio.to_thread.run_sync(sys.stdin.readline, abandon_on_cancel=True)
+        if not line:
+            console.print()
+            return None
+        text = line.rstrip("\r\n")
+        if not echo_off:
+            console.print(escape(text))  # scripted input: show it, as a terminal would
+        return text
+
+    return read_line
+
+
+def _live(
+    console: Console,
+    data: Path,
+    recordings: Sequence[Recording],
+    store_path: str | None,
+    base_url: str | None,
+    model: str | None,
+    api_key_env: str | None,
+    task_id: int | None,
+    as_json: bool,
+) -> None:
+    if not base_url or not model:
+        raise click.UsageError("--live needs --base-url and --model")
+    api_key = None
+    if api_key_env is not None:
+        api_key = os.environ.get(api_key_env)
+        if not api_key:
+            raise click.BadParameter(f"{api_key_env} is not set", param_hint="--api-key-env")
+    tasks = tasks_by_id(recordings)
+    if task_id is not None and task_id not in tasks:
+        raise click.BadParameter(f"no task {task_id} in the recordings", param_hint="--task-id")
+    task = tasks[task_id] if task_id is not None else None
+    store = Path(store_path) if store_path else _default_store("live")
+    system = policy_text(data, recordings)
+    try:
+        client = OpenAIChatClient(base_url=base_url, api_key=api_key)
+    except TreadleError as exc:
+        raise click.BadParameter(str(exc), param_hint="--base-url") from exc
+    console.print(f"[bold]live airline agent[/] ({escape(model)} at {escape(base_url)})")
+    if task is not None:
+        console.print(f"[dim]you play the customer: {escape(task.instruction)}[/]")
+    console.print(
+        "[dim]type your messages; end a line with \\ to continue it; end the conversation "
+        "with ###STOP### or end of input[/]"
+    )
+
+    def show(kind: str, text: str) -> None:
+        if kind == "agent":
+            console.print(f"[bold green]agent>[/] {escape(text)}")
+        else:
+            console.print(f"[magenta]tool[/] [dim]{escape(_clip(text, 300))}[/]")
+
+    async def go() -> LiveReport | None:
+        try:
+            return await run_live(
+                client=client,
+                model=model,
+                workspace=Workspace.beside(store),
+                data_dir=data,
+                system=system,
+                read_line=_stdin_reader(console),
+                show=show,
+                task=task,
+                task_id=task_id,
+            )
+        finally:
+            await client.aclose()
+
+    report = _run(go)
+    if report is None:
+        console.print("no message; nothing was run")
+        return
+    if as_json:
+        click.echo(json.dumps(report.to_json(), ensure_ascii=False))
+    reward = "" if report.reward is None else f" · score {report.reward:.1f}"
+    console.print(
+        f"run {report.run_id}: {report.state} ({report.stop_reason}), {report.steps} steps, "
+        f"{report.tool_calls} tool calls{reward}"
+    )
+    console.print(
+        f"look at the log:  treadle show {report.run_id} --store {report.store}", soft_wrap=True
+    )
