@@ -81,7 +81,9 @@ async def test_airline_executor_keeps_the_contract(tmp_path):
     await check_action_executor(AirlineExecutor(db, QuietCustomer()), sample=sample)
 
 
-@pytest.mark.parametrize("reply", [say("hello"), call("lookup", q="x")], ids=["text", "tool-call"])
+@pytest.mark.parametrize(
+    "reply", [say("hello"), call("lookup", q="x", call_id="c1")], ids=["text", "tool-call"]
+)
 async def test_scripted_model_keeps_the_contract(reply):
     model = ScriptedModel(turns=[reply], stream_chunk_chars=2)
     got = await check_model_client(model)

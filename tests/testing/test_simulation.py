@@ -447,3 +447,64 @@ def test_a_scenario_swaps_actors_for_every_incarnation_and_the_twin():
     # Built for the run (again for each incarnation after a crash) and for its twin.
     assert len(built) >= 2
     assert set(built) == {"sim-5-0"}
+
+
+@attrs.frozen
+class _UnnamedCalls:
+    """The docs' notes scenario, its calls written without ``call_id=`` (a new user's way)."""
+
+    notes: int = 3
+
+    def __getattr__(self, name):
+        from examples.simulate_notes_agent import NotesScenario
+
+        return getattr(NotesScenario(notes=self.notes), name)
+
+    def world(self, rng, plan, counts):
+        from examples.simulate_notes_agent import Notes
+
+        from treadle.testing import ScriptedModel, call, say
+
+        call("warm_up")  # calls scripted elsewhere in the process must not shift the ids
+        turns = [call("save_note", text=f"note {i}") for i in range(self.notes)]
+        turns += [call("list_notes"), say("Saved them all.")]
+        world = Notes()
+        world.provider = ScriptedModel(turns=turns, latency_s=0.1)
+        return world
+
+
+@pytest.mark.parametrize("plan", [FaultPlan(rates={}), FaultPlan.default()], ids=["none", "all"])
+def test_a_scenario_whose_calls_have_no_call_id_is_green(plan):
+    """Issue: a scenario written with ``call(...)`` without ``call_id=`` failed every seed
+    ("step 1 differs from the fault-free twin's"): the ids came from a process-wide counter."""
+    for seed in range(20):
+        result = simulate(seed, plan=plan, scenario=_UnnamedCalls())
+        assert result.ok, (seed, result.violations)
+
+
+def test_unnamed_scripted_calls_are_named_by_their_place_in_the_script():
+    import trio
+
+    from treadle.testing import ScriptedModel, call, calls, say
+    from treadle.types import Message, ModelRequest, ToolCall
+
+    model = ScriptedModel(
+        turns=[call("a"), calls(ToolCall(id="", name="b"), ToolCall(id="mine", name="c")), say("x")]
+    )
+    first = trio.run(model.complete, ModelRequest(messages=(Message(role="user", content="go"),)))
+    assistant = Message(role="assistant", content="")
+    second = trio.run(
+        model.complete, ModelRequest(messages=(Message(role="user", content="go"), assistant))
+    )
+    assert [c.id for c in first.tool_calls] == ["call_1_1"]
+    assert [c.id for c in second.tool_calls] == ["call_2_1", "mine"]
+
+
+def test_a_twin_mismatch_names_the_field_and_both_values():
+    ours = ({"kind": "tool_calls", "calls": [{"id": "call_1", "name": "save"}]}, None, ())
+    theirs = ({"kind": "tool_calls", "calls": [{"id": "call_7", "name": "save"}]}, None, ())
+    message = simulation._step_difference("r1", 1, ours, theirs)
+    assert message == (
+        "r1: step 1 differs from the fault-free twin's at decision['calls'][0]['id']: "
+        "'call_1' here, 'call_7' in the twin"
+    )

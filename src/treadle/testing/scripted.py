@@ -8,7 +8,6 @@ one per attempt.
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -19,7 +18,8 @@ from treadle._exceptions import ModelCallError
 from treadle.ports import DeltaCallback
 from treadle.types import ModelErrorInfo, ModelReply, ModelRequest, ToolCall, Usage
 
-_call_ids = itertools.count(1)
+UNNAMED: str = ""
+"""The id of a scripted call written without ``call_id``; `ScriptedModel` names it by position."""
 
 STALLED = "stalled"
 """A scripted failure of this kind stalls the call forever instead of raising: the model
@@ -32,8 +32,13 @@ def say(text: str, *, usage: Usage | None = None) -> ModelReply:
 
 
 def call(name: str, /, *, call_id: str | None = None, **arguments: Any) -> ModelReply:
-    """A reply with one native tool call ``name(**arguments)``."""
-    return calls(ToolCall(id=call_id or f"call_{next(_call_ids)}", name=name, arguments=arguments))
+    """A reply with one native tool call ``name(**arguments)``.
+
+    Without ``call_id`` the `ScriptedModel` playing it names the call by its place in the
+    script, ``call_<turn>_<index>`` (both from 1), so the id is the same in every run of the
+    script, every resume and every simulated twin, whatever else the process scripted.
+    """
+    return calls(ToolCall(id=call_id or UNNAMED, name=name, arguments=arguments))
 
 
 def calls(*tool_calls: ToolCall, text: str | None = None, usage: Usage | None = None) -> ModelReply:
@@ -93,9 +98,20 @@ class ScriptedModel:
             raise ModelCallError(
                 ModelErrorInfo(kind="invalid_response", message=f"script has no turn {turn}")
             )
-        reply = self.turns[turn]
+        reply = _named(self.turns[turn], turn)
         if on_delta is not None and reply.text and self.stream_chunk_chars > 0:
             size = self.stream_chunk_chars
             for start in range(0, len(reply.text), size):
                 on_delta("text", reply.text[start : start + size])
         return reply
+
+
+def _named(reply: ModelReply, turn: int) -> ModelReply:
+    """``reply`` with its unnamed calls named by their place: ``call_<turn>_<index>``."""
+    if all(c.id != UNNAMED for c in reply.tool_calls):
+        return reply
+    named = tuple(
+        attrs.evolve(c, id=f"call_{turn + 1}_{index + 1}") if c.id == UNNAMED else c
+        for index, c in enumerate(reply.tool_calls)
+    )
+    return attrs.evolve(reply, tool_calls=named)

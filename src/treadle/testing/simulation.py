@@ -974,8 +974,59 @@ async def _fault_free_twin(scenario: Scenario, run_id: str, world: Any) -> RunLo
     return await store.read_log(run_id)
 
 
+_STEP_PARTS: tuple[str, ...] = ("decision", "history_message", "observations")
+"""What is compared of each step with the fault-free twin (`_trajectory`)."""
+
+
 def _trajectory(log: RunLog) -> list[tuple[Any, ...]]:
-    return [(s.decision, s.history_message, s.observations) for s in log.steps]
+    return [tuple(getattr(s, part) for part in _STEP_PARTS) for s in log.steps]
+
+
+def _first_difference(ours: Any, theirs: Any, path: str) -> tuple[str, Any, Any] | None:
+    """The first place where two values differ: ``(path, ours, theirs)``, or ``None``.
+
+    Descends into attrs records (by field), sequences (by index) and mappings (by key).
+    """
+    if ours == theirs:
+        return None
+    if type(ours) is type(theirs) and attrs.has(type(ours)):
+        for field in attrs.fields(type(ours)):
+            found = _first_difference(
+                getattr(ours, field.name), getattr(theirs, field.name), f"{path}.{field.name}"
+            )
+            if found is not None:
+                return found
+    elif isinstance(ours, tuple | list) and isinstance(theirs, tuple | list):
+        if len(ours) == len(theirs):
+            for index, (a, b) in enumerate(zip(ours, theirs, strict=True)):
+                found = _first_difference(a, b, f"{path}[{index}]")
+                if found is not None:
+                    return found
+    elif isinstance(ours, Mapping) and isinstance(theirs, Mapping) and ours.keys() == theirs.keys():
+        for key in ours:
+            found = _first_difference(ours[key], theirs[key], f"{path}[{key!r}]")
+            if found is not None:
+                return found
+    return path, ours, theirs
+
+
+def _clipped(value: Any, limit: int = 200) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 1] + "…"
+
+
+def _step_difference(run_id: str, step: int, ours: tuple[Any, ...], theirs: tuple[Any, ...]) -> str:
+    """A sentence naming the first field where step ``step`` differs, with both values."""
+    found = None
+    for part, a, b in zip(_STEP_PARTS, ours, theirs, strict=True):
+        found = _first_difference(a, b, part)
+        if found is not None:
+            break
+    where, a, b = found if found is not None else ("the step", ours, theirs)
+    return (
+        f"{run_id}: step {step} differs from the fault-free twin's at {where}: "
+        f"{_clipped(a)} here, {_clipped(b)} in the twin"
+    )
 
 
 _SPENT_BY_FAULTS = frozenset({StopReason.TIME_BUDGET, StopReason.MAX_MODEL_ATTEMPTS})
@@ -1008,7 +1059,7 @@ def _compare_with_twin(log: RunLog, twin: RunLog, scenario: Scenario) -> list[st
         return [f"{log.run_id}: {len(ours)} steps, its fault-free twin took {len(theirs)}"]
     for index in range(min(limit, len(theirs))):
         if ours[index] != theirs[index]:
-            return [f"{log.run_id}: step {index + 1} differs from the fault-free twin's"]
+            return [_step_difference(log.run_id, index + 1, ours[index], theirs[index])]
     return []
 
 
