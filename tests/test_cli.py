@@ -206,7 +206,27 @@ def test_show_reports_the_sink_failures_of_a_finished_run(tmp_path):
     assert 1 <= finished.sink_failures <= 11 and finished.sink_drops == 0
     shown = CliRunner().invoke(main, ["show", "r", "--store", str(db)], env={"COLUMNS": "200"})
     assert shown.exit_code == 0, shown.output
-    assert f"{finished.sink_failures} sink failures" in shown.output
+    one = finished.sink_failures == 1
+    assert f"{finished.sink_failures} sink failure{'' if one else 's'}" in shown.output
+
+
+def test_counts_of_one_are_singular(tmp_path):
+    """ "1 steps" read wrong (issue 13 item 6): the run shown took one step."""
+    db = tmp_path / "runs.db"
+
+    async def go():
+        agent = treadle.Agent(
+            model=ScriptedModel(turns=[say("hi")]),
+            executor=treadle.Toolbox([add]),
+            parser=treadle.NativeToolCallParser(),
+        )
+        async with treadle.open_sqlite_store(db) as store:
+            return await treadle.run(agent, "hello", store=store, run_id="one")
+
+    assert trio.run(go).state.value == "succeeded"
+    shown = CliRunner().invoke(main, ["show", "one", "--store", str(db)], env={"COLUMNS": "200"})
+    assert shown.exit_code == 0, shown.output
+    assert "1 step" in shown.output and "1 steps" not in shown.output
 
 
 def test_tail_marks_where_each_step_starts(tmp_path):

@@ -157,16 +157,21 @@ def describe(record: Record) -> tuple[str, str]:
         )
     assert isinstance(record, RunFinished)
     undelivered = [
-        f"{count} {what}"
+        counted(count, *what)
         for count, what in (
-            (record.sink_failures, "sink failures"),
-            (record.sink_drops, "events dropped for slow sinks"),
-            (record.subscriber_drops, "subscribers cut off"),
+            (record.sink_failures, ("sink failure", "sink failures")),
+            (record.sink_drops, ("event dropped for slow sinks", "events dropped for slow sinks")),
+            (record.subscriber_drops, ("subscriber cut off", "subscribers cut off")),
         )
         if count
     ]
     ending = f"{record.state.value} ({record.stop_reason.value})"
-    return "run finished", ", ".join([ending, f"{record.totals.steps} steps", *undelivered])
+    return "run finished", ", ".join([ending, counted(record.totals.steps, "step"), *undelivered])
+
+
+def counted(count: object, one: str, many: str | None = None) -> str:
+    """``"1 step"``, ``"2 steps"``: ``count`` with ``one`` or ``many`` (default ``one + "s"``)."""
+    return f"{count} {one if count == 1 else (many or one + 's')}"
 
 
 def model_detail(record: ModelResult) -> str:

@@ -27,6 +27,7 @@ from rich.console import Console
 from rich.table import Table
 
 from treadle._cli_common import (
+    counted,
     describe,
     import_spec,
     open_store,
@@ -348,10 +349,9 @@ def resume(
         if as_json:
             click.echo(json.dumps(ended, ensure_ascii=False))
         else:
-            steps = ended["steps"]
             click.echo(
                 f"{log.run_id}: {ended['state']} ({ended['stop_reason']}), "
-                f"{steps} step{'' if steps == 1 else 's'}"
+                f"{counted(ended['steps'], 'step')}"
             )
     if resume_all and not logs and not errors and not as_json:
         click.echo(f"nothing to resume: every run in {redact(store_path)} is finished or driven")

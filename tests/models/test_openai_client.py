@@ -6,6 +6,7 @@ import base64
 import hashlib
 import json
 
+import httpx
 import pytest
 import trio
 
@@ -356,3 +357,17 @@ async def test_client_is_reusable_across_calls():
         await client.aclose()
     assert [r.text for r in replies] == ["Hello"] * 3
     assert len(server.requests) == 3
+
+
+async def test_async_with_closes_the_client_it_made():
+    """The closing form the README shows: no socket is left open (issue 13 item 6)."""
+    async with open_loopback_server(canned(CannedResponse(headers=SSE, chunks=HELLO))) as server:
+        async with OpenAIChatClient(base_url=server.base_url) as client:
+            await client.complete(REQUEST)
+            assert not client._client.is_closed
+        assert client._client.is_closed
+        given = httpx.AsyncClient()
+        async with OpenAIChatClient(base_url=server.base_url, http_client=given):
+            pass
+        assert not given.is_closed  # a client handed in stays the caller's to close
+        await given.aclose()

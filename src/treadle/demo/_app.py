@@ -23,6 +23,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
+from treadle._cli_common import counted
 from treadle._exceptions import TreadleError
 from treadle.demo.airline.data import DATA_ENV_VAR, AirlineDataNotFound, Recording
 from treadle.demo.airline.db import AirlineDatabase
@@ -157,7 +158,7 @@ class DemoView:
         if line.get("stored_records"):
             self.console.print(
                 f"[cyan]read the log: {line['stored_records']} records, "
-                f"{line['steps']} steps completed; continuing from there[/]"
+                f"{counted(line['steps'], 'step')} completed; continuing from there[/]"
             )
 
     def _model_finished(self, label: str, line: Mapping[str, Any]) -> None:
@@ -198,7 +199,7 @@ class DemoView:
     def _run_finished(self, label: str, line: Mapping[str, Any]) -> None:
         self.console.print(
             f"[bold]run finished: {line.get('state')} ({line.get('stop_reason')}), "
-            f"{line.get('steps')} steps[/]"
+            f"{counted(line.get('steps'), 'step')}[/]"
         )
 
     def child_exited(self, recording: Recording, exit: ChildExit, log: RunLog) -> None:
@@ -480,8 +481,8 @@ def _live(
         click.echo(json.dumps(report.to_json(), ensure_ascii=False))
     reward = "" if report.reward is None else f" · score {report.reward:.1f}"
     console.print(
-        f"run {report.run_id}: {report.state} ({report.stop_reason}), {report.steps} steps, "
-        f"{report.tool_calls} tool calls{reward}"
+        f"run {report.run_id}: {report.state} ({report.stop_reason}), "
+        f"{counted(report.steps, 'step')}, {counted(report.tool_calls, 'tool call')}{reward}"
     )
     console.print(
         f"look at the log:  treadle show {report.run_id} --store {report.store}", soft_wrap=True

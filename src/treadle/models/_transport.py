@@ -14,7 +14,7 @@ import contextlib
 import hashlib
 import json
 from collections.abc import AsyncIterator
-from typing import Any, ClassVar, Generic, Protocol, TypeVar
+from typing import Any, ClassVar, Generic, Protocol, Self, TypeVar
 
 import httpx
 import trio
@@ -75,14 +75,16 @@ A = TypeVar("A", bound=Accumulator)
 class StreamReader(Generic[A]):
     """The response-reading half of a streaming model client.
 
-    Subclasses set ``_client`` (the `httpx.AsyncClient`) and implement `_add_body`,
-    `_end_of_stream` and `_status_error`.
+    Subclasses set ``_client`` (the `httpx.AsyncClient`, ``_owns_client`` when they made it)
+    and implement `_add_body`, `_end_of_stream` and `_status_error`. ``async with client:``
+    closes what the client opened, as `aclose` does.
     """
 
     first_event: ClassVar[str] = "first event"
     """How a timeout before any event names what it waited for."""
 
     _client: httpx.AsyncClient
+    _owns_client: bool
     _url: str
     _api_key: str | None
     _connect_s: float
@@ -117,6 +119,19 @@ class StreamReader(Generic[A]):
             return await self._read_response(response, chunks, acc, deadline, idle_s)
         finally:
             await dispose(response, chunks)
+
+    async def aclose(self) -> None:
+        """Close the HTTP client if this object created it (a given client stays open)."""
+        if self._owns_client:
+            await self._client.aclose()
+
+    async def __aenter__(self) -> Self:
+        """The client itself; leaving the block closes it (`aclose`)."""
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        """Close the client (`aclose`)."""
+        await self.aclose()
 
     def _deadlines(self) -> tuple[float, float, float]:
         """``(connect, first byte, idle)`` seconds: this client's, tightened by the attempt's."""

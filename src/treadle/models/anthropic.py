@@ -106,11 +106,6 @@ class AnthropicMessagesClient(StreamReader[MessageAccumulator]):
     def __repr__(self) -> str:
         return f"AnthropicMessagesClient(url={self._url!r})"
 
-    async def aclose(self) -> None:
-        """Close the HTTP client if this object created it (a given client stays open)."""
-        if self._owns_client:
-            await self._client.aclose()
-
     def request_body(self, request: ModelRequest) -> dict[str, Any]:
         """The JSON body sent for ``request``.
 

@@ -106,11 +106,6 @@ class OpenAIChatClient(StreamReader[StreamAccumulator]):
         self._send_reasoning = send_reasoning
         self._max_tokens_field = max_tokens_field
 
-    async def aclose(self) -> None:
-        """Close the HTTP client if this object created it (a given client stays open)."""
-        if self._owns_client:
-            await self._client.aclose()
-
     def request_body(self, request: ModelRequest) -> dict[str, Any]:
         """The JSON body sent for ``request``.
 
