@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import contextlib
 import json
 
 import attrs
@@ -486,3 +487,34 @@ async def test_the_deadline_is_durable_across_a_restart(autojump_clock):
     assert tools.executed == []
     decided = [r for r in (await store.read_log("r")).records if isinstance(r, ApprovalDecided)]
     assert [d.decision for d in decided] == ["expired"]
+
+
+@pytest.mark.parametrize("seed", range(8))
+async def test_a_subscriber_sees_the_handle_reflect_each_event_it_receives(seed, autojump_clock):
+    """Issue 13 item 1: the natural pattern (``approval_requested`` from ``handle.events()``,
+    then ``handle.approve()``) raised "not waiting for an approval": the handle changed one
+    scheduling step after the event. When a subscriber receives an event, the handle already
+    reflects it, for every event that changes what the handle reports."""
+    trio._core._run._r.seed(seed)  # trio's own scheduling order (the simulation does the same)
+    agent, tools, _ = make(
+        [call("add", a=1, b=2, call_id="c1"), call("add", a=3, b=4, call_id="c2"), say("done")]
+    )
+    store = MemoryStore()
+    seen = []
+    async with open_run(  # noqa: SIM117 (events() needs the handle)
+        agent, "x", store=store, run_id="r", approval_policy=only_add
+    ) as handle:
+        async with contextlib.aclosing(handle.events()) as events:
+            async for event in events:
+                seen.append(event.kind.value)
+                if event.kind.value == "run_started":
+                    assert handle.state is RunState.RUNNING
+                elif event.kind.value == "approval_requested":
+                    assert handle.state is RunState.AWAITING_APPROVAL
+                    assert handle.pending_approval is not None
+                    assert handle.pending_approval.call_id == event.record.call_id
+                    handle.approve(event.record.call_id)  # raised UsageError before
+                elif event.kind.value == "run_finished":
+                    assert handle.result is not None and handle.state is RunState.SUCCEEDED
+    assert seen.count("approval_requested") == 2
+    assert [a.arguments for a in tools.executed] == [{"a": 1, "b": 2}, {"a": 3, "b": 4}]

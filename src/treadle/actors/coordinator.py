@@ -440,7 +440,14 @@ class RunCoordinator:
                 ts=now,
                 deadline_ts=_plus_s(now, self.limits.approval_timeout_s),
             )
-            await self.writer.barrier(StoreOp.CONTROL, request)
+            # The handle reports the wait before the request's event reaches anyone: whoever
+            # receives it may decide at once (docs/events.md, "Approvals").
+            self._awaiting_state(request)
+            try:
+                await self.writer.barrier(StoreOp.CONTROL, request)
+            except BaseException:
+                self._awaiting_state(None)
+                raise
             self.view.apply(request)
         found = await self._await_decision(request)
         if found is None:
@@ -456,9 +463,7 @@ class RunCoordinator:
         remaining = seconds_between(self.clock.now_iso(), request.deadline_ts)
         began = trio.current_time()
         found: ApprovalDecided | None = None
-        self._awaiting = request
-        if self._cancel is None:
-            self.state = RunState.AWAITING_APPROVAL
+        self._awaiting_state(request)
         try:
             with trio.CancelScope() as wait:
                 self._approval_wait = wait
@@ -483,14 +488,18 @@ class RunCoordinator:
                 raise Parked(request, deadline, active)
         finally:
             self._approval_wait = None
-            self._awaiting = None
+            self._awaiting_state(None)
             waited = trio.current_time() - began
             self._waited_s += waited
             if self._step_scope is not None:
                 self._step_scope.deadline += waited
-            if self._cancel is None:
-                self.state = RunState.RUNNING
         return found
+
+    def _awaiting_state(self, request: ApprovalRequested | None) -> None:
+        """Wait on ``request`` (state ``awaiting_approval``), or on nothing (``running``)."""
+        self._awaiting = request
+        if self._cancel is None:
+            self.state = RunState.AWAITING_APPROVAL if request is not None else RunState.RUNNING
 
     def _matching_exists(self, request: ApprovalRequested) -> bool:
         return any(matches(decided, request) for decided in self._offered)

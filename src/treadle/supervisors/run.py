@@ -59,6 +59,7 @@ from treadle.types import (
     CancelRequested,
     DefinitionAccepted,
     Event,
+    EventKind,
     RunLog,
     RunResult,
     RunStarted,
@@ -538,7 +539,23 @@ class RunHandle:
                 async for event in live:
                     if event.seq >= from_seq:
                         last = max(last, (event.seq, event.ordinal))
+                        await self._reflected(event)
                         yield event
+
+    async def _reflected(self, event: Event) -> None:
+        """Wait until what the handle reports reflects ``event`` (docs/events.md, "Order").
+
+        The writer hands an event to its subscribers as soon as its record is durable; the
+        driver learns of it a scheduling step later. ``run_started`` waits until the run is
+        driven here (``state`` is ``running``), ``run_finished`` until ``result`` is set.
+        The approval request needs no wait: the handle reports it before its record is
+        written.
+        """
+        if event.kind is EventKind.RUN_STARTED:
+            while self._coordinator is None and self._parking is None and not self._done.is_set():
+                await self._changed.wait()
+        elif event.kind is EventKind.RUN_FINISHED:
+            await self._done.wait()
 
     async def _catch_up(self, from_seq: int, last_seq: int, tail: tuple[Event, ...]) -> list[Event]:
         if from_seq > last_seq:
