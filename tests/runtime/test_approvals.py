@@ -518,3 +518,43 @@ async def test_a_subscriber_sees_the_handle_reflect_each_event_it_receives(seed,
                     assert handle.result is not None and handle.state is RunState.SUCCEEDED
     assert seen.count("approval_requested") == 2
     assert [a.arguments for a in tools.executed] == [{"a": 1, "b": 2}, {"a": 3, "b": 4}]
+
+
+@pytest.mark.parametrize("seed", range(8))
+async def test_a_sink_sees_the_handle_reflect_each_event_it_receives(seed, autojump_clock):
+    """The same rule for sinks: a sink that approves from ``approval_requested`` can."""
+    trio._core._run._r.seed(seed)
+    agent, tools, model = make([call("add", a=1, b=2, call_id="c1"), say("done")])
+    model.latency_s = 1.0  # the handle is known before the first reply comes back
+    problems: list[str] = []
+    handles = []
+    checked = []
+
+    class Approver:
+        async def send(self, event):
+            if not handles:  # open_run has not yielded the handle yet
+                return
+            handle = handles[0]
+            kind = event.kind.value
+            checked.append(kind)
+            if kind == "run_started" and handle.state is not RunState.RUNNING:
+                problems.append(f"run_started while {handle.state}")
+            elif kind == "approval_requested":
+                if handle.pending_approval is None:
+                    problems.append("approval_requested with no pending approval")
+                else:
+                    handle.approve(event.record.call_id)
+            elif kind == "run_finished" and handle.result is None:
+                problems.append("run_finished with no result")
+
+    async with open_run(
+        agent, "x", store=MemoryStore(), run_id="r", approval_policy=only_add, sinks=[Approver()]
+    ) as handle:
+        handles.append(handle)
+        result = await handle.wait()
+        statistics = handle.statistics()
+    assert problems == []
+    assert {"approval_requested", "run_finished"} <= set(checked)
+    assert result.stop_reason is StopReason.FINAL_ANSWER
+    assert statistics is not None and statistics.sink_failures == 0
+    assert [a.arguments for a in tools.executed] == [{"a": 1, "b": 2}]

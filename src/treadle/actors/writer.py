@@ -8,7 +8,7 @@ run: its events are dropped and counted (docs/seams.md, "Event sink"; docs/conce
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Iterator, Sequence
 
 import attrs
 import trio
@@ -145,6 +145,8 @@ class SinkFeed:
         subscriber_drops: live subscribers cut off for falling behind (counted here so the
             count, too, spans the run's writers).
         on_warning: where warnings go (the current writer's subscribers), or ``None``.
+        reflected: awaited before each event goes to a sink: returns once what the run's
+            handle reports reflects the event (docs/events.md, "Reading events").
     """
 
     sinks: Sequence[EventSink] = ()
@@ -152,6 +154,7 @@ class SinkFeed:
     sink_failures: int = 0
     subscriber_drops: int = 0
     on_warning: Callable[[str], None] | None = None
+    reflected: Callable[[Event], Awaitable[None]] | None = None
     _inboxes: list[trio.MemorySendChannel[Event]] = attrs.Factory(list)
     _closed: trio.Event = attrs.Factory(trio.Event)
     _warned: set[tuple[int, str]] = attrs.Factory(set)
@@ -209,6 +212,8 @@ class SinkFeed:
     ) -> None:
         async with events:
             async for event in events:
+                if self.reflected is not None:
+                    await self.reflected(event)
                 try:
                     await sink.send(event)
                 except Exception as exc:  # a sink's failure never stops the run; it is counted

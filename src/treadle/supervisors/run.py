@@ -732,7 +732,7 @@ async def _supervise(
     del log  # a parked run keeps no records in memory
     parking: Parking | None = None
     try:
-        async with _sink_feed(sinks) as feed, _keeping(hold, options):
+        async with _sink_feed(sinks, handle) as feed, _keeping(hold, options):
             while True:
                 current, first = first or await store.read_log(run_id), None
                 with hold.driving():
@@ -832,12 +832,17 @@ async def _keep_decision(parking: Parking, store: RunStore) -> None:
 
 
 @asynccontextmanager
-async def _sink_feed(sinks: Sequence[EventSink]) -> AsyncIterator[SinkFeed | None]:
-    """The run's `SinkFeed`, running for the whole run; ``None`` (and no task) without sinks."""
+async def _sink_feed(
+    sinks: Sequence[EventSink], handle: RunHandle
+) -> AsyncIterator[SinkFeed | None]:
+    """The run's `SinkFeed`, running for the whole run; ``None`` (and no task) without sinks.
+
+    A sink receives an event once ``handle`` reflects it, as a subscriber does.
+    """
     if not sinks:
         yield None
         return
-    feed = SinkFeed(sinks=sinks)
+    feed = SinkFeed(sinks=sinks, reflected=handle._reflected)
     async with trio.open_nursery() as nursery:
         await nursery.start(feed.run)
         try:
