@@ -238,3 +238,30 @@ def test_tail_marks_where_each_step_starts(tmp_path):
     starts = [i for i, line in enumerate(lines) if line.split()[1:] == ["step", "started"]]
     assert [lines[i].split()[0] for i in starts] == ["1", "2"]
     assert all("model call" in lines[i + 1] for i in starts)
+
+
+def test_show_and_tail_json_speak_the_event_vocabulary(tmp_path):
+    """Issue 13 item 4: ``tail --json`` printed record kinds (``model_intent``, ``step``) and no
+    ``step_started``; the Python API and docs/events.md use event kinds. Both commands now
+    print exactly what ``handle.events()`` yields."""
+    db = tmp_path / "runs.db"
+    make_store(db)
+    runner = CliRunner()
+
+    async def api_events():
+        async with treadle.open_sqlite_store(db) as store:
+            log = await store.read_log("cli-run")
+        from treadle.actors.writer import stored_events
+
+        return [(e.seq, e.kind.value) for e in stored_events(log, 1, len(log.records))]
+
+    expected = trio.run(api_events)
+    assert "step_started" in {kind for _, kind in expected}
+    for command in (["show", "cli-run"], ["tail", "cli-run", "--no-follow"]):
+        out = runner.invoke(main, [*command, "--store", str(db), "--json"])
+        assert out.exit_code == 0, out.output
+        rows = [json.loads(line) for line in out.output.splitlines()]
+        assert [(r["seq"], r["kind"]) for r in rows] == expected, command
+        kinds = {r["kind"] for r in rows}
+        assert not kinds & {"model_intent", "model_result", "step", "action_intent"}
+        assert kinds <= {k.value for k in treadle.EventKind}

@@ -18,6 +18,7 @@ import trio
 
 from treadle._exceptions import TreadleError
 from treadle.ports import RunStore
+from treadle.stores._codec import record_to_dict
 from treadle.stores._dsn import is_dsn, redact_dsn
 from treadle.stores.jsonl import open_jsonl_store
 from treadle.stores.sqlite import open_sqlite_store
@@ -28,6 +29,7 @@ from treadle.types import (
     ApprovalRequested,
     CancelRequested,
     DefinitionAccepted,
+    Event,
     ModelIntent,
     ModelResult,
     Record,
@@ -188,3 +190,20 @@ def model_detail(record: ModelResult) -> str:
     text = (reply.text or "") if reply else ""
     calls = ", ".join(c.name for c in reply.tool_calls) if reply else ""
     return clip(f"{text} {'→ ' + calls if calls else ''}".strip()) + tokens
+
+
+def event_json(event: Event) -> dict[str, Any]:
+    """One event as ``treadle show --json`` and ``treadle tail --json`` print it.
+
+    ``{"seq", "kind"}`` with the event kind of docs/events.md ("Event types", the names the
+    Python API uses), then the record's fields; a step-started event has ``step`` and its
+    ``ordinal`` (1) instead.
+    """
+    data: dict[str, Any] = {"seq": event.seq, "kind": event.kind.value}
+    if event.record is None:
+        data.update(step=event.step, ordinal=event.ordinal)
+        return data
+    fields = record_to_dict(event.record)
+    del fields["kind"]  # the record's tag in the log format; the event kind names it here
+    data.update(fields)
+    return data

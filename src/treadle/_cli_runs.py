@@ -17,11 +17,11 @@ from typing import Any
 import click
 import trio
 
-from treadle._cli_common import describe, open_store, run_async, store_option
+from treadle._cli_common import describe, event_json, open_store, run_async, store_option
 from treadle._exceptions import RunLeased
+from treadle.actors.writer import durable_event, with_step_started
 from treadle.approvals import decide, pending_approval, request_cancel
 from treadle.ports import RunIndex, RunStore
-from treadle.stores._codec import record_to_dict
 from treadle.stores._jsonl_files import Repair
 from treadle.stores._leases import lease_owner
 from treadle.stores.jsonl import JsonlStore
@@ -137,7 +137,12 @@ async def _summary(store: RunStore, run_id: str) -> RunSummary | None:
     type=click.IntRange(min=1),
     help="The first seq to print.",
 )
-@click.option("--json", "as_json", is_flag=True, help="One JSON object per event.")
+@click.option(
+    "--json",
+    "as_json",
+    is_flag=True,
+    help="One JSON object per event (the event kinds of the Python API, step_started included).",
+)
 @click.option(
     "--follow/--no-follow",
     default=True,
@@ -149,7 +154,9 @@ def tail_command(run_id: str, store_path: str, from_seq: int, as_json: bool, fol
 
     def show(seq: int, record: Record) -> None:
         if as_json:
-            click.echo(json.dumps({"seq": seq, **record_to_dict(record)}, ensure_ascii=False))
+            for event in with_step_started([durable_event(run_id, seq, record)]):
+                if event.seq >= from_seq:
+                    click.echo(json.dumps(event_json(event), ensure_ascii=False))
             return
         if isinstance(record, ModelIntent) and record.attempt == 1:
             click.echo(f"{'':>5}  {record.step:>4}  step started")

@@ -29,16 +29,17 @@ from rich.table import Table
 from treadle._cli_common import (
     counted,
     describe,
+    event_json,
     import_spec,
     open_store,
     redact,
     run_async,
     store_option,
 )
+from treadle.actors.writer import stored_events
 from treadle.agent import Agent
 from treadle.approvals import pending_approval
 from treadle.ports import RunIndex, RunStore
-from treadle.stores._codec import record_to_dict
 from treadle.stores._leases import is_live
 from treadle.supervisors._leasing import leases_of
 from treadle.types import (
@@ -255,9 +256,14 @@ def summary_json(summary: RunSummary) -> dict[str, Any]:
 @main.command()
 @click.argument("run_id")
 @store_option
-@click.option("--json", "as_json", is_flag=True, help="Print every record as JSON, one a line.")
+@click.option(
+    "--json",
+    "as_json",
+    is_flag=True,
+    help="Print every event as JSON, one a line (the event kinds of the Python API).",
+)
 def show(run_id: str, store_path: str, as_json: bool) -> None:
-    """Show a run's trajectory as a table (or its records as JSON lines)."""
+    """Show a run's trajectory as a table (or its events as JSON lines)."""
 
     async def read() -> RunLog:
         async with open_store(store_path) as store:
@@ -267,8 +273,8 @@ def show(run_id: str, store_path: str, as_json: bool) -> None:
     if not log.records:
         raise click.ClickException(f"no run {run_id!r} in {store_path}")
     if as_json:
-        for seq, record in enumerate(log.records, start=1):
-            click.echo(json.dumps({"seq": seq, **record_to_dict(record)}, ensure_ascii=False))
+        for event in stored_events(log, 1, len(log.records)):
+            click.echo(json.dumps(event_json(event), ensure_ascii=False))
         return
     Console().print(trajectory_table(log))
 
