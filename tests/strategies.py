@@ -227,6 +227,7 @@ action_results = _build(
     ts=timestamps,
     duration_s=maybe_seconds,
     late=st.booleans(),
+    reconciled=st.booleans(),
 )
 step_records = _build(
     t.StepRecord,
@@ -264,6 +265,7 @@ run_finisheds = _build(
     totals=totals,
     final_answer=st.none() | texts,
     error=st.none() | texts,
+    model_error=st.none() | model_error_infos,
     sink_drops=counts,
     sink_failures=counts,
     subscriber_drops=counts,
@@ -380,4 +382,5 @@ run_results = _build(
     totals=totals,
     final_answer=st.none() | texts,
     error=st.none() | texts,
+    model_error=st.none() | model_error_infos,
 )

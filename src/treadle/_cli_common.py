@@ -134,6 +134,7 @@ def describe(record: Record) -> tuple[str, str]:
         return "action requested", clip(f"{record.tool}({args})")
     if isinstance(record, ActionResult):
         late = " (late, not applied)" if record.late else ""
+        late += " (reconciled after a crash, not run here)" if record.reconciled else ""
         outcome = record.outcome
         return "action finished", clip(
             f"{record.tool} {outcome.status.value}{late}: {outcome.observation}"
@@ -168,6 +169,10 @@ def describe(record: Record) -> tuple[str, str]:
         if count
     ]
     ending = f"{record.state.value} ({record.stop_reason.value})"
+    failure = record.model_error
+    if failure is not None:
+        status = f" HTTP {failure.status}" if failure.status is not None else ""
+        ending += clip(f": {failure.kind}{status} {failure.message}".rstrip())
     return "run finished", ", ".join([ending, counted(record.totals.steps, "step"), *undelivered])
 
 

@@ -534,7 +534,13 @@ class ActionIntent:
 
 @attrs.frozen(kw_only=True)
 class ActionResult:
-    """The outcome of one action, written together with its step record."""
+    """The outcome of one action, written together with its step record.
+
+    Attributes:
+        late: the step was cancelled while the call ran; the outcome was not applied.
+        reconciled: the outcome was established after a crash by the tool's ``reconcile``
+            hook (docs/crash-safety.md, "The resume table"), not by running the call here.
+    """
 
     run_id: str
     step: int
@@ -545,6 +551,7 @@ class ActionResult:
     ts: str
     duration_s: float | None = None
     late: bool = False
+    reconciled: bool = False
 
 
 @attrs.frozen(kw_only=True)
@@ -617,7 +624,10 @@ class RunFinished:
         state: succeeded, failed or cancelled.
         stop_reason: which rule of docs/concepts.md, "Stop reasons" ended it.
         final_answer: the model's final answer, when it gave one.
-        error: a short description for failed runs (model error, env error), else ``None``.
+        error: the kind of failure for failed runs (a model error's kind, e.g.
+            ``rate_limited``), else ``None``.
+        model_error: the model call's failure in full when a model error ended the run: kind,
+            provider message (credentials removed), HTTP status, retryability.
         sink_drops: events the finishing process dropped for sinks that fell behind.
         sink_failures: sink deliveries that raised in the finishing process.
         subscriber_drops: live subscribers cut off for falling behind.
@@ -633,6 +643,7 @@ class RunFinished:
     totals: Totals
     final_answer: str | None = None
     error: str | None = None
+    model_error: ModelErrorInfo | None = None
     sink_drops: int = 0
     sink_failures: int = 0
     subscriber_drops: int = 0
@@ -976,7 +987,10 @@ class RunResult:
         stop_reason: the rule of docs/concepts.md, "Stop reasons" that ended the run.
         final_answer: the model's final answer text, when it gave one.
         totals: steps, attempts, tokens and active time, derived from the log.
-        error: a short description for failed runs.
+        error: the kind of failure for failed runs (e.g. ``connection``), else ``None``.
+        model_error: when a model error ended the run, the failure in full: ``kind``,
+            ``message`` (the provider's, credentials removed), ``status`` (HTTP, ``None`` for
+            transport failures) and ``retryable``.
     """
 
     run_id: str
@@ -985,6 +999,7 @@ class RunResult:
     totals: Totals
     final_answer: str | None = None
     error: str | None = None
+    model_error: ModelErrorInfo | None = None
 
     @classmethod
     def from_finished(cls, record: RunFinished) -> RunResult:
@@ -996,4 +1011,5 @@ class RunResult:
             totals=record.totals,
             final_answer=record.final_answer,
             error=record.error,
+            model_error=record.model_error,
         )

@@ -3,6 +3,7 @@ from __future__ import annotations
 import trio
 from runtime_fakes import LedgerTools, SimpleParser
 
+from treadle._cli_common import describe
 from treadle._exceptions import ModelCallError
 from treadle.agent import Agent
 from treadle.stores.memory import MemoryStore
@@ -205,7 +206,7 @@ async def test_model_call_error_from_client_propagates_classification():
     class RefusingModel:
         async def complete(self, request, *, on_delta=None):
             await trio.lowlevel.checkpoint()
-            raise ModelCallError(ModelErrorInfo(kind="auth", status=401))
+            raise ModelCallError(ModelErrorInfo(kind="auth", status=401, message="key revoked"))
 
     agent = Agent(model=RefusingModel(), executor=LedgerTools(), parser=SimpleParser())
     store = MemoryStore()
@@ -217,6 +218,11 @@ async def test_model_call_error_from_client_propagates_classification():
     assert ModelCallError(ModelErrorInfo(kind="auth")).info.kind == "auth"
     assert result.stop_reason is StopReason.MODEL_ERROR and result.error == "auth"
     assert result.totals.model_attempts == 1
+    # The whole failure, not a bare word (issue 13 item 5): kind, status, message.
+    assert result.model_error == ModelErrorInfo(kind="auth", status=401, message="key revoked")
+    assert log.finished is not None and log.finished.model_error == result.model_error
+    title, detail = describe(log.finished)
+    assert title == "run finished" and "auth HTTP 401 key revoked" in detail
 
 
 async def test_a_stalled_attempt_is_ended_by_the_attempt_deadline_and_retried(autojump_clock):

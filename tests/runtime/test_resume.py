@@ -1,6 +1,9 @@
 from __future__ import annotations
 
+import json
+
 import pytest
+import trio
 from runtime_fakes import LedgerTools, SimpleParser
 
 from treadle._exceptions import RunInterrupted, SnapshotMismatch
@@ -10,6 +13,7 @@ from treadle.supervisors.run import run
 from treadle.testing.faults import CrashingStore, SimulatedCrash
 from treadle.testing.scripted import ScriptedModel, call, say
 from treadle.types import (
+    ActionOutcome,
     ActionResult,
     ActionStatus,
     Limits,
@@ -167,3 +171,50 @@ async def test_a_resumed_step_counts_the_recorded_model_time_as_active(autojump_
     assert result.latency_s >= 2.0
     # The model call the crashed process made counts in the resumed step's active time.
     assert log.steps[0].active_s >= result.latency_s
+
+
+class ReconcilingTools(LedgerTools):
+    """LedgerTools whose reconcile finds every call it executed (an idempotency-key lookup)."""
+
+    async def reconcile(self, action):
+        await super().reconcile(action)
+        if any(a.intent_id == action.intent_id for a in self.executed):
+            return ActionOutcome(status=ActionStatus.EXECUTED, observation="found: 3")
+        return None
+
+
+async def test_a_reconciled_result_is_marked_in_the_log_the_events_and_show(tmp_path):
+    """Issue 13 item 5: an outcome established by a reconcile hook looked exactly like an
+    executed one. Crash right after the first action's call ran (before its result)."""
+    from click.testing import CliRunner
+
+    from treadle.cli import main
+    from treadle.stores.sqlite import open_sqlite_store
+
+    tools = ReconcilingTools()
+    db = tmp_path / "runs.db"
+    async with open_sqlite_store(db) as raw:
+        crashing = CrashingStore(inner=raw, crash_at=5, when="before")  # the first action result
+        with pytest.raises((RunInterrupted, SimulatedCrash)):
+            await run(agent_with(tools), "go", store=crashing, run_id="r")
+    assert [a.call_id for a in tools.executed] == ["c1"]
+    async with open_sqlite_store(db) as store:
+        result = await run(agent_with(tools), "go", store=store, run_id="r")
+        log = await store.read_log("r")
+    assert result.final_answer == "done"
+    results = [r for r in log.records if isinstance(r, ActionResult)]
+    assert [(r.call_id, r.reconciled) for r in results] == [("c1", True), ("c2", False)]
+    assert [a.call_id for a in tools.executed] == ["c1", "c2"]  # c1 never ran twice
+
+    def cli(*args, **kwargs):
+        return trio.to_thread.run_sync(lambda: CliRunner().invoke(main, list(args), **kwargs))
+
+    shown = await cli("show", "r", "--store", str(db), env={"COLUMNS": "250"})
+    assert shown.exit_code == 0, shown.output
+    assert shown.output.count("reconciled after a crash") == 1
+    as_json = await cli("show", "r", "--store", str(db), "--json")
+    rows = [json.loads(line) for line in as_json.output.splitlines()]
+    assert [r.get("reconciled", False) for r in rows if r["kind"] == "action_finished"] == [
+        True,
+        False,
+    ]

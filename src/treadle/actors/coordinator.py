@@ -136,6 +136,7 @@ class RunCoordinator:
     _unsent_steps: list[StepRecord] = attrs.Factory(list)
     _final_answer: str | None = None
     _error: str | None = None
+    _model_error: ModelErrorInfo | None = None
     _draining: bool = False
 
     def cancel(self, reason: str = "", canceller: str = "") -> None:
@@ -305,6 +306,7 @@ class RunCoordinator:
                 return outcome.stop
             if outcome.reply is None:
                 self._error = outcome.error.kind if outcome.error else "model_error"
+                self._model_error = outcome.error
                 await self._write_step(
                     StepRecord(
                         run_id=self.run_id,
@@ -627,6 +629,7 @@ class RunCoordinator:
             totals=self.view.totals(extra_active_s=cut_active_s),
             final_answer=self._final_answer if reason is StopReason.FINAL_ANSWER else None,
             error=self._error if reason is StopReason.MODEL_ERROR else None,
+            model_error=self._model_error if reason is StopReason.MODEL_ERROR else None,
             sink_drops=delivery.sink_drops if delivery else 0,
             sink_failures=delivery.sink_failures if delivery else 0,
             subscriber_drops=delivery.subscriber_drops if delivery else 0,

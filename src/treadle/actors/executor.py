@@ -104,11 +104,11 @@ class ToolExecutor:
         actions = [self._action(message.step, i, call) for i, call in enumerate(message.calls)]
         existing = {intent.intent_id: intent for intent in message.existing}
         written: list[Record] = []
-        outcomes: dict[int, tuple[ActionOutcome, float]] = {}
+        outcomes: dict[int, tuple[ActionOutcome, float, bool]] = {}
         for index, action in enumerate(actions):
             detail = message.rejected.get(action.call_id)
             if detail is not None and action.intent_id not in existing:
-                outcomes[index] = (self._rejected(action, detail), 0.0)
+                outcomes[index] = (self._rejected(action, detail), 0.0, False)
         began: set[int] = set()
         with message.scope.open():
             fresh = [
@@ -132,9 +132,11 @@ class ToolExecutor:
         results: list[ActionResult] = []
         observations: list[str] = []
         for index, action in enumerate(actions):
-            outcome, duration = outcomes[index]
+            outcome, duration, reconciled = outcomes[index]
             rejected = action.call_id in message.rejected and action.intent_id not in existing
-            result, observation = self._result(action, outcome, duration, rejected=rejected)
+            result, observation = self._result(
+                action, outcome, duration, rejected=rejected, reconciled=reconciled
+            )
             observations.append(observation)
             results.append(result)
         return ActionsOutcome(
@@ -146,7 +148,7 @@ class ToolExecutor:
         actions: list[Action],
         existing: Mapping[str, ActionIntent],
         written: list[Record],
-        outcomes: dict[int, tuple[ActionOutcome, float]],
+        outcomes: dict[int, tuple[ActionOutcome, float, bool]],
         began: set[int],
     ) -> ActionsOutcome:
         """The step was cancelled: every action with an intent gets a result marked late.
@@ -160,8 +162,9 @@ class ToolExecutor:
         for index, action in enumerate(actions):
             if action.intent_id not in intents:
                 continue
+            reconciled = False
             if index in outcomes:
-                outcome, duration = outcomes[index]
+                outcome, duration, reconciled = outcomes[index]
             elif index in began:
                 outcome, duration = self._unknown(action), 0.0
             else:
@@ -170,14 +173,20 @@ class ToolExecutor:
                     ActionOutcome(status=ActionStatus.NOT_EXECUTED, observation=detail),
                     0.0,
                 )
-            result, _ = self._result(action, outcome, duration)
+            result, _ = self._result(action, outcome, duration, reconciled=reconciled)
             results.append(attrs.evolve(result, late=True))
         return ActionsOutcome(
             results=tuple(results), stop=StopReason.CANCELLED, written=tuple(written)
         )
 
     def _result(
-        self, action: Action, outcome: ActionOutcome, duration: float, *, rejected: bool = False
+        self,
+        action: Action,
+        outcome: ActionOutcome,
+        duration: float,
+        *,
+        rejected: bool = False,
+        reconciled: bool = False,
     ) -> tuple[ActionResult, str]:
         if rejected:  # already the synthetic text of a rejection
             observation = outcome.observation
@@ -192,6 +201,7 @@ class ToolExecutor:
             outcome=outcome,
             ts=self.clock.now_iso(),
             duration_s=round(duration, 6),
+            reconciled=reconciled,
         )
         return result, observation
 
@@ -241,16 +251,17 @@ class ToolExecutor:
         index: int,
         action: Action,
         replay: bool,
-        outcomes: dict[int, tuple[ActionOutcome, float]],
+        outcomes: dict[int, tuple[ActionOutcome, float, bool]],
     ) -> None:
         started = trio.current_time()
+        reconciled = False
         if replay and self.executor.replay_policy(action.tool) is not ReplayPolicy.SAFE:
-            outcome = await self.executor.reconcile(action)
-            if outcome is None:
-                outcome = self._unknown(action)
+            found = await self.executor.reconcile(action)
+            reconciled = found is not None
+            outcome = found if found is not None else self._unknown(action)
         else:
             outcome = await self._execute(attrs.evolve(action, replay=replay))
-        outcomes[index] = (outcome, trio.current_time() - started)
+        outcomes[index] = (outcome, trio.current_time() - started, reconciled)
 
     async def _execute(self, action: Action) -> ActionOutcome:
         with trio.move_on_after(self.limits.tool_timeout_s) as timeout:
