@@ -1,4 +1,4 @@
-"""The instant workload the runtime benchmarks share (bench_runtime's, DESIGN §10).
+"""The instant workload the runtime benchmarks share (bench_runtime's).
 
 A model that answers instantly with one tool call per step and a final answer at the end,
 and a tool that does nothing: a step is one model call plus one tool call, with the full

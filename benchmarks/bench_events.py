@@ -6,7 +6,8 @@ average (default 10 ms, a fast provider's pace; each gap is drawn uniformly from
 a half times that, with a fixed seed, so the runs are not in lockstep), then calls a tool. Each
 run has one live subscriber (`RunHandle.events`) that timestamps every text delta on receipt;
 one more subscriber on the first run is slow (it sleeps 20 ms per event) and is cut off when
-its 256-event buffer overflows, as DESIGN §7 says, without slowing anyone else.
+its 256-event buffer overflows, without slowing anyone else (docs/events.md, "Sinks and
+subscribers never stall a run").
 
 Two rows:
 

@@ -1,4 +1,4 @@
-"""Model gateway overhead per streamed chunk and per call (DESIGN §10).
+"""Model gateway overhead per streamed chunk and per call (docs/models.md, "Performance").
 
 A loopback HTTP server, in its own process, streams a reply of ``--tokens`` tokens, one SSE
 event per token, each event its own chunked write (OpenAI chat-completion chunks, or

@@ -1,4 +1,4 @@
-"""Durable steps per second and CPU per step of the whole runtime (DESIGN §10).
+"""Durable steps per second and CPU per step of the whole runtime (docs/concepts.md, "Actors").
 
 Workload (benchmarks/_workload.py): a model that answers instantly with one tool call per
 step and a final answer at the end, and a tool that does nothing. A step is one model call

@@ -1,4 +1,6 @@
-"""Hypothesis strategies for every record of `treadle.types` (STYLE rule 19).
+"""Hypothesis strategies for every record of `treadle.types`, every field set.
+
+The property tests thus cover the whole log format.
 
 Each strategy names every attrs field of its class; a test checks that (`missing_fields`), so
 a field added to a record without a strategy fails loudly instead of never being exercised.

@@ -1,4 +1,4 @@
-"""API keys never appear in anything a run writes (DESIGN §9).
+"""API keys never appear in anything a run writes (docs/models.md, "Credentials").
 
 Each real client runs a whole run against a loopback server that echoes the key back in its
 error bodies. Then everything the run produced is scanned for the key: the SQLite database

@@ -9,12 +9,8 @@ The public names are re-exported here; implementation modules are private.
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
-from treadle._clock import Clock as Clock
-from treadle._clock import FixedStepClock as FixedStepClock
-from treadle._clock import SystemClock as SystemClock
 from treadle._exceptions import ConflictError as ConflictError
 from treadle._exceptions import InvalidRunId as InvalidRunId
 from treadle._exceptions import LeaseError as LeaseError
@@ -28,71 +24,113 @@ from treadle._exceptions import SnapshotMismatch as SnapshotMismatch
 from treadle._exceptions import StoreError as StoreError
 from treadle._exceptions import TreadleError as TreadleError
 from treadle._exceptions import UsageError as UsageError
-from treadle.agent import Agent as Agent
-from treadle.agent import RunInput as RunInput
-from treadle.parsers import JsonToolCallParser as JsonToolCallParser
-from treadle.parsers import NativeToolCallParser as NativeToolCallParser
-from treadle.stores._leases import LEASE_TTL_S as LEASE_TTL_S
-from treadle.stores.jsonl import JsonlStore as JsonlStore
-from treadle.stores.jsonl import open_jsonl_store as open_jsonl_store
-from treadle.stores.memory import MemoryStore as MemoryStore
-from treadle.stores.postgres import PostgresStore as PostgresStore
-from treadle.stores.postgres import open_postgres_store as open_postgres_store
-from treadle.stores.sqlite import SqliteStore as SqliteStore
-from treadle.stores.sqlite import open_sqlite_store as open_sqlite_store
-from treadle.supervisors.finishing import finish_cancelled as finish_cancelled
-from treadle.supervisors.fleet import Fleet as Fleet
-from treadle.supervisors.fleet import FleetStatistics as FleetStatistics
-from treadle.supervisors.fleet import open_fleet as open_fleet
-from treadle.supervisors.fleet import wait_result as wait_result
-from treadle.supervisors.recovery import resume_unfinished as resume_unfinished
-from treadle.supervisors.run import ActorContext as ActorContext
-from treadle.supervisors.run import Actors as Actors
-from treadle.supervisors.run import RunHandle as RunHandle
-from treadle.supervisors.run import open_run as open_run
-from treadle.supervisors.run import run as run
-from treadle.tools import EnvironmentFailure as EnvironmentFailure
-from treadle.tools import Tool as Tool
-from treadle.tools import Toolbox as Toolbox
-from treadle.tools import ToolContext as ToolContext
-from treadle.tools import tool as tool
-from treadle.types import ActionStatus as ActionStatus
-from treadle.types import Budgets as Budgets
-from treadle.types import Event as Event
-from treadle.types import EventKind as EventKind
-from treadle.types import ImageRef as ImageRef
-from treadle.types import Lease as Lease
-from treadle.types import Limits as Limits
-from treadle.types import Liveness as Liveness
-from treadle.types import Message as Message
-from treadle.types import ReplayPolicy as ReplayPolicy
-from treadle.types import RunResult as RunResult
-from treadle.types import RunState as RunState
-from treadle.types import RunSummary as RunSummary
-from treadle.types import StopReason as StopReason
-from treadle.types import SyntheticObservations as SyntheticObservations
-from treadle.types import Usage as Usage
+from treadle._lazy import lazy_names
 
-if TYPE_CHECKING:  # loaded on first use (`__getattr__`): the clients import httpx
+if TYPE_CHECKING:  # each name loads with its module on first use (docs/design.md, "Start-up")
+    from treadle._clock import Clock as Clock
+    from treadle._clock import FixedStepClock as FixedStepClock
+    from treadle._clock import SystemClock as SystemClock
+    from treadle.agent import Agent as Agent
+    from treadle.agent import RunInput as RunInput
     from treadle.models.anthropic import AnthropicMessagesClient as AnthropicMessagesClient
     from treadle.models.openai import OpenAIChatClient as OpenAIChatClient
+    from treadle.parsers import JsonToolCallParser as JsonToolCallParser
+    from treadle.parsers import NativeToolCallParser as NativeToolCallParser
+    from treadle.stores._leases import LEASE_TTL_S as LEASE_TTL_S
+    from treadle.stores.jsonl import JsonlStore as JsonlStore
+    from treadle.stores.jsonl import open_jsonl_store as open_jsonl_store
+    from treadle.stores.memory import MemoryStore as MemoryStore
+    from treadle.stores.postgres import PostgresStore as PostgresStore
+    from treadle.stores.postgres import open_postgres_store as open_postgres_store
+    from treadle.stores.sqlite import SqliteStore as SqliteStore
+    from treadle.stores.sqlite import open_sqlite_store as open_sqlite_store
+    from treadle.supervisors.finishing import finish_cancelled as finish_cancelled
+    from treadle.supervisors.fleet import Fleet as Fleet
+    from treadle.supervisors.fleet import FleetStatistics as FleetStatistics
+    from treadle.supervisors.fleet import open_fleet as open_fleet
+    from treadle.supervisors.fleet import wait_result as wait_result
+    from treadle.supervisors.recovery import resume_unfinished as resume_unfinished
+    from treadle.supervisors.run import ActorContext as ActorContext
+    from treadle.supervisors.run import Actors as Actors
+    from treadle.supervisors.run import RunHandle as RunHandle
+    from treadle.supervisors.run import open_run as open_run
+    from treadle.supervisors.run import run as run
+    from treadle.tools import EnvironmentFailure as EnvironmentFailure
+    from treadle.tools import Tool as Tool
+    from treadle.tools import Toolbox as Toolbox
+    from treadle.tools import ToolContext as ToolContext
+    from treadle.tools import tool as tool
+    from treadle.types import ActionStatus as ActionStatus
+    from treadle.types import Budgets as Budgets
+    from treadle.types import Event as Event
+    from treadle.types import EventKind as EventKind
+    from treadle.types import ImageRef as ImageRef
+    from treadle.types import Lease as Lease
+    from treadle.types import Limits as Limits
+    from treadle.types import Liveness as Liveness
+    from treadle.types import Message as Message
+    from treadle.types import ReplayPolicy as ReplayPolicy
+    from treadle.types import RunResult as RunResult
+    from treadle.types import RunState as RunState
+    from treadle.types import RunSummary as RunSummary
+    from treadle.types import StopReason as StopReason
+    from treadle.types import SyntheticObservations as SyntheticObservations
+    from treadle.types import Usage as Usage
 
-_LAZY = {
-    "AnthropicMessagesClient": "treadle.models.anthropic",
-    "OpenAIChatClient": "treadle.models.openai",
-}
-"""Names loaded on first access, so that ``import treadle`` does not load httpx."""
-
-
-def __getattr__(name: str) -> Any:
-    """Load a model client class on first use (PEP 562)."""
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module 'treadle' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
-
+__getattr__ = lazy_names(
+    __name__,
+    {
+        "ActionStatus": "treadle.types",
+        "ActorContext": "treadle.supervisors.run",
+        "Actors": "treadle.supervisors.run",
+        "Agent": "treadle.agent",
+        "AnthropicMessagesClient": "treadle.models.anthropic",
+        "Budgets": "treadle.types",
+        "Clock": "treadle._clock",
+        "EnvironmentFailure": "treadle.tools",
+        "Event": "treadle.types",
+        "EventKind": "treadle.types",
+        "FixedStepClock": "treadle._clock",
+        "Fleet": "treadle.supervisors.fleet",
+        "FleetStatistics": "treadle.supervisors.fleet",
+        "ImageRef": "treadle.types",
+        "JsonToolCallParser": "treadle.parsers",
+        "JsonlStore": "treadle.stores.jsonl",
+        "LEASE_TTL_S": "treadle.stores._leases",
+        "Lease": "treadle.types",
+        "Limits": "treadle.types",
+        "Liveness": "treadle.types",
+        "MemoryStore": "treadle.stores.memory",
+        "Message": "treadle.types",
+        "NativeToolCallParser": "treadle.parsers",
+        "OpenAIChatClient": "treadle.models.openai",
+        "PostgresStore": "treadle.stores.postgres",
+        "ReplayPolicy": "treadle.types",
+        "RunHandle": "treadle.supervisors.run",
+        "RunInput": "treadle.agent",
+        "RunResult": "treadle.types",
+        "RunState": "treadle.types",
+        "RunSummary": "treadle.types",
+        "SqliteStore": "treadle.stores.sqlite",
+        "StopReason": "treadle.types",
+        "SyntheticObservations": "treadle.types",
+        "SystemClock": "treadle._clock",
+        "Tool": "treadle.tools",
+        "ToolContext": "treadle.tools",
+        "Toolbox": "treadle.tools",
+        "Usage": "treadle.types",
+        "finish_cancelled": "treadle.supervisors.finishing",
+        "open_fleet": "treadle.supervisors.fleet",
+        "open_jsonl_store": "treadle.stores.jsonl",
+        "open_postgres_store": "treadle.stores.postgres",
+        "open_run": "treadle.supervisors.run",
+        "open_sqlite_store": "treadle.stores.sqlite",
+        "resume_unfinished": "treadle.supervisors.recovery",
+        "run": "treadle.supervisors.run",
+        "tool": "treadle.tools",
+        "wait_result": "treadle.supervisors.fleet",
+    },
+)
 
 __all__ = [
     "LEASE_TTL_S",

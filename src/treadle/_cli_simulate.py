@@ -3,19 +3,17 @@
 from __future__ import annotations
 
 import json
+from typing import TYPE_CHECKING
 
 import click
 from rich.console import Console
 from rich.table import Table
 
 from treadle._cli_common import import_spec
-from treadle.testing.simulation import (
-    FAULT_KINDS,
-    FaultPlan,
-    Scenario,
-    SimulationResult,
-    simulate,
-)
+from treadle.testing.faults import FAULT_KINDS
+
+if TYPE_CHECKING:  # the simulation (trio.testing, the test kit) loads when the command runs
+    from treadle.testing.simulation import FaultPlan, Scenario, SimulationResult
 
 
 @click.command("simulate")
@@ -79,6 +77,8 @@ def simulate_command(
     as_json: bool,
 ) -> None:
     """Simulate runs under seeded faults and check the durability invariants."""
+    from treadle.testing.simulation import simulate
+
     plan = _plan(faults, rate)
     scenario = _load_scenario(agent) if agent else None
     if scenario is not None and steps != STEPS_DEFAULT:
@@ -133,6 +133,8 @@ _SCENARIO_METHODS = ("world", "agent", "input", "check", "changed_observation")
 
 
 def _plan(faults: str, rate: float | None) -> FaultPlan:
+    from treadle.testing.simulation import FaultPlan
+
     if faults == "none":
         return FaultPlan(rates={})
     default = FaultPlan.default()

@@ -130,7 +130,7 @@ async def test_snapshot_mismatch_names_keys():
     ],
 )
 async def test_a_model_call_that_failed_for_good_is_not_rerun_after_a_crash(error):
-    """The process dies between the final model error and its step record (DESIGN §5)."""
+    """The process dies between the final model error and its step record (docs/crash-safety.md, "Resume")."""
     retries = 0 if not error.retryable else 1
     failures = {0: [error] * (retries + 1)}
     limits = Limits(max_model_retries=retries, retry_initial_s=0.001, retry_max_s=0.001)

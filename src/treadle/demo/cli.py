@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import click
 
-from treadle.demo.airline.settings import DEFAULT_CONCURRENCY
+from treadle.demo._defaults import DEFAULT_CONCURRENCY
 
 
 @click.group(invoke_without_command=True)

@@ -3,9 +3,9 @@
 See docs/design.md.
 """
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
+from treadle._lazy import lazy_names
 from treadle.models._context import UsageObserver as UsageObserver
 from treadle.models._context import attempt_deadlines as attempt_deadlines
 from treadle.models._context import current_deadlines as current_deadlines
@@ -22,28 +22,19 @@ if TYPE_CHECKING:  # loaded on first use (`__getattr__`): they import httpx
     from treadle.models.openai import ImageSource as ImageSource
     from treadle.models.openai import OpenAIChatClient as OpenAIChatClient
 
-_LAZY = {
-    "parse_retry_after": "treadle.models._accumulate",
-    "probe": "treadle.models._probe",
-    "SSEDecodeError": "treadle.models._sse",
-    "SSEDecoder": "treadle.models._sse",
-    "SSEEvent": "treadle.models._sse",
-    "AnthropicMessagesClient": "treadle.models.anthropic",
-    "ImageSource": "treadle.models.openai",
-    "OpenAIChatClient": "treadle.models.openai",
-}
-"""Names loaded on first access: the clients bring httpx, which a run without them never needs."""
-
-
-def __getattr__(name: str) -> Any:
-    """Load a client-side name on first use (PEP 562)."""
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module 'treadle.models' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
-
+__getattr__ = lazy_names(
+    __name__,
+    {
+        "parse_retry_after": "treadle.models._accumulate",
+        "probe": "treadle.models._probe",
+        "SSEDecodeError": "treadle.models._sse",
+        "SSEDecoder": "treadle.models._sse",
+        "SSEEvent": "treadle.models._sse",
+        "AnthropicMessagesClient": "treadle.models.anthropic",
+        "ImageSource": "treadle.models.openai",
+        "OpenAIChatClient": "treadle.models.openai",
+    },
+)
 
 __all__ = [
     "AnthropicMessagesClient",

@@ -20,29 +20,53 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
+from treadle._lazy import lazy_names
 from treadle.testing._intercept import InterceptingStore as InterceptingStore
-from treadle.testing.contracts import check_run_store as check_run_store
-from treadle.testing.contracts import seed_log as seed_log
-from treadle.testing.crashes import check_crash_recovery as check_crash_recovery
 from treadle.testing.faults import CrashingExecutor as CrashingExecutor
 from treadle.testing.faults import CrashingStore as CrashingStore
 from treadle.testing.faults import FailingFileOps as FailingFileOps
 from treadle.testing.faults import FailingStore as FailingStore
 from treadle.testing.faults import SimulatedCrash as SimulatedCrash
-from treadle.testing.loopback import CannedResponse as CannedResponse
-from treadle.testing.loopback import canned as canned
-from treadle.testing.loopback import open_loopback_server as open_loopback_server
 from treadle.testing.scripted import ScriptedModel as ScriptedModel
 from treadle.testing.scripted import call as call
 from treadle.testing.scripted import calls as calls
 from treadle.testing.scripted import say as say
-from treadle.testing.seams import SeamContractError as SeamContractError
-from treadle.testing.seams import check_action_executor as check_action_executor
-from treadle.testing.seams import check_decision_parser as check_decision_parser
-from treadle.testing.seams import check_model_client as check_model_client
-from treadle.testing.simulation import FaultPlan as FaultPlan
-from treadle.testing.simulation import simulate as simulate
-from treadle.testing.simulation import with_latency as with_latency
+
+if TYPE_CHECKING:  # loaded on first use: the simulation and the contracts bring trio.testing
+    from treadle.testing.contracts import check_run_store as check_run_store
+    from treadle.testing.contracts import seed_log as seed_log
+    from treadle.testing.crashes import check_crash_recovery as check_crash_recovery
+    from treadle.testing.loopback import CannedResponse as CannedResponse
+    from treadle.testing.loopback import canned as canned
+    from treadle.testing.loopback import open_loopback_server as open_loopback_server
+    from treadle.testing.seams import SeamContractError as SeamContractError
+    from treadle.testing.seams import check_action_executor as check_action_executor
+    from treadle.testing.seams import check_decision_parser as check_decision_parser
+    from treadle.testing.seams import check_model_client as check_model_client
+    from treadle.testing.simulation import FaultPlan as FaultPlan
+    from treadle.testing.simulation import simulate as simulate
+    from treadle.testing.simulation import with_latency as with_latency
+
+__getattr__ = lazy_names(
+    __name__,
+    {
+        "check_run_store": "treadle.testing.contracts",
+        "seed_log": "treadle.testing.contracts",
+        "check_crash_recovery": "treadle.testing.crashes",
+        "CannedResponse": "treadle.testing.loopback",
+        "canned": "treadle.testing.loopback",
+        "open_loopback_server": "treadle.testing.loopback",
+        "SeamContractError": "treadle.testing.seams",
+        "check_action_executor": "treadle.testing.seams",
+        "check_decision_parser": "treadle.testing.seams",
+        "check_model_client": "treadle.testing.seams",
+        "FaultPlan": "treadle.testing.simulation",
+        "simulate": "treadle.testing.simulation",
+        "with_latency": "treadle.testing.simulation",
+    },
+)
 
 __all__ = [
     "CannedResponse",

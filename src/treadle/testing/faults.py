@@ -42,6 +42,26 @@ class SimulatedCrash(Exception):
     """Raised by a fault-injecting wrapper once its simulated process has died."""
 
 
+FAULT_KINDS = (
+    "crash",
+    "store_error",
+    "model_429",
+    "model_5xx",
+    "model_reset",
+    "model_truncated",
+    "model_stalled",
+    "model_context_length",
+    "tool_exception",
+    "tool_timeout",
+    "env_error",
+    "cancel",
+    "approval",
+    "latency",
+    "takeover",
+)
+"""Every fault kind a `FaultPlan` can switch on."""
+
+
 @attrs.define(eq=False)
 class CrashingStore(InterceptingStore):
     """A `treadle.ports.RunStore` that dies at write number ``crash_at`` (1-based).

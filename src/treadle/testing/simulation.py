@@ -36,6 +36,7 @@ from treadle.stores._leases import LEASE_TTL_S
 from treadle.stores.memory import MemoryStore
 from treadle.supervisors.run import DEFAULT_ACTORS, Actors, InboxActor, RunHandle, open_run
 from treadle.testing._intercept import InterceptingStore
+from treadle.testing.faults import FAULT_KINDS as FAULT_KINDS
 from treadle.testing.faults import CrashingStore, FailingStore, SimulatedCrash
 from treadle.testing.invariants import TIME_SLACK_S as TIME_SLACK_S
 from treadle.testing.invariants import EffectLedger as EffectLedger
@@ -64,25 +65,6 @@ from treadle.types import (
     StoreOp,
     Usage,
 )
-
-FAULT_KINDS = (
-    "crash",
-    "store_error",
-    "model_429",
-    "model_5xx",
-    "model_reset",
-    "model_truncated",
-    "model_stalled",
-    "model_context_length",
-    "tool_exception",
-    "tool_timeout",
-    "env_error",
-    "cancel",
-    "approval",
-    "latency",
-    "takeover",
-)
-"""Every fault kind a `FaultPlan` can switch on."""
 
 APPROVAL_TIMEOUT_S = 20.0
 """The simulated agent's approval deadline (virtual seconds)."""

@@ -35,6 +35,7 @@ from typing import Any, Final, Literal, Protocol
 import attrs
 import trio
 
+from treadle.demo._defaults import DEFAULT_CONCURRENCY as DEFAULT_CONCURRENCY
 from treadle.demo.airline.agent import (
     RESPOND_TOOL,
     AirlineExecutor,
@@ -60,7 +61,6 @@ from treadle.demo.airline.scoring import (
     replay_tool_calls,
     score,
 )
-from treadle.demo.airline.settings import DEFAULT_CONCURRENCY as DEFAULT_CONCURRENCY
 from treadle.demo.airline.tools import WRITE_TOOLS
 from treadle.ports import ModelClient, RunStore
 from treadle.stores.sqlite import open_sqlite_store
