@@ -16,6 +16,8 @@ when one runs (the replay brings httpx, the simulation and the workload code wit
 
 from __future__ import annotations
 
+from typing import Any
+
 import click
 
 from treadle.demo._defaults import DEFAULT_CONCURRENCY
@@ -101,34 +103,8 @@ def demo(ctx: click.Context, store_path: str | None, data_dir: str | None, key: 
     default=None,
     help="Live: play this task's customer and get the conversation scored.",
 )
-def airline(
-    trajectories: str | None,
-    data_dir: str | None,
-    store_path: str | None,
-    crash: str,
-    seed: int,
-    concurrency: int,
-    as_json: bool,
-    live: bool,
-    base_url: str | None,
-    model: str | None,
-    api_key_env: str | None,
-    task_id: int | None,
-) -> None:
+def airline(**options: Any) -> None:
     """Replay recorded airline conversations through treadle (or talk to a live model)."""
     from treadle.demo import _app
 
-    _app.run_airline(
-        trajectories,
-        data_dir,
-        store_path,
-        crash,
-        seed,
-        concurrency,
-        as_json,
-        live,
-        base_url,
-        model,
-        api_key_env,
-        task_id,
-    )
+    _app.run_airline(**options)
