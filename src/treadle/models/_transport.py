@@ -2,7 +2,7 @@
 
 Sending one streaming request and reading its response (status, JSON body or server-sent
 events) under the attempt's deadlines; the per-attempt usage and deadline context the model
-gateway sets is `treadle.models._context` (re-exported here).
+gateway sets is `treadle.models._context`.
 
 `StreamReader` holds the reading loop; each client supplies its accumulator and three hooks
 (a JSON body, the end of a stream without its final event, and an HTTP error status).
@@ -20,11 +20,7 @@ import httpx
 import trio
 
 from treadle._exceptions import ModelCallError, UsageError
-from treadle.models._context import UsageObserver as UsageObserver
-from treadle.models._context import attempt_deadlines as attempt_deadlines
-from treadle.models._context import current_deadlines as current_deadlines
-from treadle.models._context import observe_usage as observe_usage
-from treadle.models._context import report_usage as report_usage
+from treadle.models._context import current_deadlines, report_usage
 from treadle.models._sse import SSEDecodeError, SSEDecoder, SSEEvent
 from treadle.types import ModelReply, Usage
 
@@ -94,8 +90,9 @@ class StreamReader(Generic[A]):
     async def _attempt(self, body: dict[str, Any], headers: dict[str, str], acc: A) -> ModelReply:
         """Send ``body`` to ``self._url`` and read the reply into ``acc``.
 
-        Deadlines are this client's, tightened by the gateway's attempt (`attempt_deadlines`):
-        connect through httpx, first event and stream idle through trio cancel scopes.
+        Deadlines are this client's, tightened by the gateway's attempt
+        (`treadle.models._context.attempt_deadlines`): connect through httpx, first event and
+        stream idle through trio cancel scopes.
 
         Raises:
             UsageError: ``body`` cannot be encoded as JSON.
