@@ -36,6 +36,7 @@ from treadle.types import (
     ApprovalDecided,
     ApprovalRequested,
     CancelRequested,
+    Claim,
     Liveness,
     Message,
     ModelIntent,
@@ -517,18 +518,34 @@ async def _queue_claims(open_store: StoreOpener, clock: ContractClock | None) ->
         _expect(none == (), check, f"live leases were claimed again: {none}")
 
 
+async def _submitted_and_claimed(
+    queue: RunQueue, name: str, *, ttl_s: float, max_takeovers: int
+) -> tuple[str, dict[str, tuple[str, ...]], Claim]:
+    """Submit a fresh run of a fresh agent and claim it as worker ``w1``.
+
+    Returns:
+        ``(run_id, served, claim)``: ``served`` is the agents argument that serves the run
+        (its agent at version ``v1``).
+    """
+    agent = _run_id("agent")
+    run_id = _run_id(name)
+    await queue.submit(run_id, agent=agent, input=_INPUT)
+    served = {agent: ("v1",)}
+    (claimed,) = await queue.claim(
+        owner="w1", agents=served, limit=1, ttl_s=ttl_s, max_takeovers=max_takeovers, backoff_s=0
+    )
+    return run_id, served, claimed
+
+
 async def _queue_takeover(open_store: StoreOpener, clock: ContractClock | None) -> None:
     check = "queue_takeover"
     assert clock is not None
     async with open_store() as store:
         queue = _queue(store, check)
-        agent = _run_id("agent")
-        run_id = _run_id("poison")
-        await queue.submit(run_id, agent=agent, input=_INPUT)
-        served = {agent: ("v1",)}
-        (claimed,) = await queue.claim(
-            owner="w1", agents=served, limit=1, ttl_s=1.0, max_takeovers=2, backoff_s=0
+        run_id, served, claimed = await _submitted_and_claimed(
+            queue, "poison", ttl_s=1.0, max_takeovers=2
         )
+        agent = next(iter(served))
         await store.write_run_started(
             _started(run_id, agent=agent, version="v1"), seq=1, generation=claimed.lease.generation
         )
@@ -563,17 +580,14 @@ async def _queue_unstarted_takeover(open_store: StoreOpener, clock: ContractCloc
     assert clock is not None
     async with open_store() as store:
         queue = _queue(store, check)
-        agent = _run_id("agent")
-        run_id = _run_id("unstarted")
-        await queue.submit(run_id, agent=agent, input=_INPUT)
-        served = {agent: ("v1",)}
-        (claimed,) = await queue.claim(
-            owner="w1", agents=served, limit=1, ttl_s=1.0, max_takeovers=3, backoff_s=0
+        run_id, served, claimed = await _submitted_and_claimed(
+            queue, "unstarted", ttl_s=1.0, max_takeovers=3
         )
         await clock.advance(1.5)  # w1 died before writing run-started
         (taken,) = await queue.claim(
             owner="w2", agents=served, limit=1, ttl_s=_LONG, max_takeovers=3, backoff_s=0
         )
+        _expect(taken.lease.run_id == run_id, check, f"another run was claimed: {taken}")
         _expect(taken.takeover, check, f"the dead claimer was not counted: {taken}")
         _expect(
             taken.submission is not None and taken.submission.input == _INPUT,
@@ -592,13 +606,10 @@ async def _queue_parked(open_store: StoreOpener, clock: ContractClock | None) ->
             _controls(store, check),
             _leases(store, check),
         )
-        agent = _run_id("agent")
-        run_id = _run_id("parked")
-        await queue.submit(run_id, agent=agent, input=_INPUT)
-        served = {agent: ("v1",)}
-        (claimed,) = await queue.claim(
-            owner="w1", agents=served, limit=1, ttl_s=_LONG, max_takeovers=3, backoff_s=0
+        run_id, served, claimed = await _submitted_and_claimed(
+            queue, "parked", ttl_s=_LONG, max_takeovers=3
         )
+        agent = next(iter(served))
         gen = claimed.lease.generation
         await store.write_run_started(
             _started(run_id, agent=agent, version="v1"), seq=1, generation=gen
