@@ -530,7 +530,7 @@ async def _submitted_and_claimed(
     agent = _run_id("agent")
     run_id = _run_id(name)
     await queue.submit(run_id, agent=agent, input=_INPUT)
-    served = {agent: ("v1",)}
+    served: dict[str, tuple[str, ...]] = {agent: ("v1",)}
     (claimed,) = await queue.claim(
         owner="w1", agents=served, limit=1, ttl_s=ttl_s, max_takeovers=max_takeovers, backoff_s=0
     )
