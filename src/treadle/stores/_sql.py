@@ -589,8 +589,10 @@ def read_lease(dialect: SqlDialect, conn: Connection, run_id: str) -> Lease | No
 class write_transaction:
     """``with write_transaction(dialect, conn):`` BEGIN (for writing) ... COMMIT, or ROLLBACK.
 
-    A failing ROLLBACK (a lost connection) is not reported over the error that caused it: the
-    transaction is gone either way, and the first error propagates.
+    ``flush=False`` lets the commit return before its own flush to disk (lease operations only:
+    docs/decisions/0016-lease-writes-ride-on-log-commits.md); the connection flushes again
+    after it. A failing ROLLBACK (a lost connection) is not reported over the error that caused
+    it: the transaction is gone either way, and the first error propagates.
     """
 
     def __init__(self, dialect: SqlDialect, conn: Connection, *, flush: bool = True) -> None:
