@@ -4,11 +4,12 @@ A `LeaseKeeper` renews every lease it holds for one store in one call per interv
 worker has one for all its runs, and the runs driven on their own in one trio run share one per
 store and TTL (`shared_keeper`), so that 100 concurrent runs renew in one transaction per
 interval, not 100 (each a write transaction, and on SQLite an fsync, beside the log's group
-commits). When a renewal
-shows that a lease was lost (another driver took the run over after it expired), the keeper
-tells the run's `LeaseHold`, which cancels the drive: the run stops without writing more, and
-its handle reports `treadle.LeaseLost`. Writes are fenced by the store anyway, so a lost lease
-can never let a stale driver write; the keeper only makes it stop sooner.
+commits).
+
+When a renewal shows that a lease was lost (another driver took the run over after it expired),
+the keeper tells the run's `LeaseHold`, which cancels the drive: the run stops without writing
+more, and its handle reports `treadle.LeaseLost`. Writes are fenced by the store anyway, so a
+lost lease can never let a stale driver write; the keeper only makes it stop sooner.
 """
 
 from __future__ import annotations
