@@ -284,6 +284,7 @@ approval_requesteds = _build(
     arguments_digest=texts,
     ts=timestamps,
     deadline_ts=timestamps,
+    arguments=st.none() | json_objects,
 )
 approval_decideds = _build(
     t.ApprovalDecided,
@@ -295,6 +296,7 @@ approval_decideds = _build(
     ts=timestamps,
     message=texts,
     edited_arguments=st.none() | json_objects,
+    tool=st.just("") | ids,
 )
 
 definition_accepteds = _build(

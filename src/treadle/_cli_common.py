@@ -145,10 +145,12 @@ def describe(record: Record) -> tuple[str, str]:
     if isinstance(record, ApprovalRequested):
         return (
             "approval requested",
-            f"{record.tool} (call {record.call_id}) until {record.deadline_ts}",
+            clip(f"{call_text(record)} (call {record.call_id}) until {record.deadline_ts}"),
         )
     if isinstance(record, ApprovalDecided):
         message = f": {record.message}" if record.message else ""
+        if record.edited_arguments is not None:
+            message += " with " + json.dumps(dict(record.edited_arguments), ensure_ascii=False)
         return "approval decided", clip(f"{record.decision} call {record.call_id}{message}")
     if isinstance(record, CancelRequested):
         who = f" by {record.canceller}" if record.canceller else ""
@@ -174,6 +176,18 @@ def describe(record: Record) -> tuple[str, str]:
         status = f" HTTP {failure.status}" if failure.status is not None else ""
         ending += clip(f": {failure.kind}{status} {failure.message}".rstrip())
     return "run finished", ", ".join([ending, counted(record.totals.steps, "step"), *undelivered])
+
+
+def call_text(request: ApprovalRequested) -> str:
+    """``tool({"arg": ...})``: the call an approval request is about, as shown to approvers.
+
+    Pass a redacted request (`treadle.redaction.Redaction.request`): this prints what it is
+    given. A request from a log written before requests carried their arguments shows
+    ``tool(…)``.
+    """
+    if request.arguments is None:
+        return f"{request.tool}(…)"
+    return f"{request.tool}({json.dumps(dict(request.arguments), ensure_ascii=False)})"
 
 
 def counted(count: object, one: str, many: str | None = None) -> str:

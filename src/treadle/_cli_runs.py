@@ -17,11 +17,19 @@ from typing import Any
 import click
 import trio
 
-from treadle._cli_common import describe, event_json, open_store, run_async, store_option
+from treadle._cli_common import (
+    call_text,
+    describe,
+    event_json,
+    open_store,
+    run_async,
+    store_option,
+)
 from treadle._exceptions import RunLeased
 from treadle.actors.writer import durable_event, with_step_started
 from treadle.approvals import decide, pending_approval, request_cancel
 from treadle.ports import RunIndex, RunStore
+from treadle.redaction import Redaction
 from treadle.stores._jsonl_files import Repair
 from treadle.stores._leases import lease_owner
 from treadle.stores.jsonl import JsonlStore
@@ -63,13 +71,26 @@ def approve_command(
     """Approve (or reject, or edit) the tool call a run waits on."""
     arguments = _json_object(edit) if edit is not None else None
 
-    async def go() -> tuple[ApprovalDecided, RunSummary | None]:
+    async def go() -> tuple[ApprovalDecided, ApprovalRequested | None, RunSummary | None]:
         async with open_store(store_path) as store:
+            log = await store.read_log(run_id)
+            request = pending_approval(log)
             decided = await decide(store, run_id, call_id=call_id, reject=reject, edit=arguments)
-            return decided, await _summary(store, run_id)
+            if request is not None:
+                request = Redaction.of_log(log).request(request)
+            return decided, request, await _summary(store, run_id)
 
-    decided, summary = run_async(go)
-    click.echo(f"{decided.decision}: call {decided.call_id} of step {decided.step} of run {run_id}")
+    decided, request, summary = run_async(go)
+    call = f" {call_text(request)}" if request is not None else ""
+    click.echo(
+        f"{decided.decision}: call {decided.call_id}{call} of step {decided.step} of run {run_id}"
+    )
+    if decided.edited_arguments is not None:
+        click.echo(
+            "  runs with "
+            + json.dumps(dict(decided.edited_arguments), ensure_ascii=False)
+            + " instead (an edit replaces the whole argument object)"
+        )
     click.echo(_next_for_decision(summary))
 
 
@@ -200,8 +221,9 @@ async def tail(
         summary = await _summary(store, run_id)
         if log.started is None and (summary is None or summary.state is not RunState.QUEUED):
             raise UsageError(f"there is no run {run_id!r} in this store")
+        redaction = Redaction.of_log(log)
         for seq in range(next_seq, len(log.records) + 1):
-            show(seq, log.records[seq - 1])
+            show(seq, redaction.record(log.records[seq - 1]))
         next_seq = max(next_seq, len(log.records) + 1)
         if log.finished is not None or not follow:
             _say_liveness(summary, None)
@@ -236,8 +258,9 @@ def _hint_approval(
 ) -> ApprovalRequested | None:
     request = pending_approval(log)
     if request is not None and request != hinted:
+        shown = Redaction.of_log(log).request(request)
         click.echo(
-            f"      … waiting for approval of {request.tool} (call {request.call_id}) until "
+            f"      … waiting for approval of {call_text(shown)} (call {request.call_id}) until "
             f"{request.deadline_ts}: treadle approve {log.run_id} --store {store_path} "
             "[--reject MSG]"
         )

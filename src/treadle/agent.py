@@ -17,6 +17,7 @@ import cattrs
 
 from treadle._exceptions import SnapshotMismatch, UsageError
 from treadle.ports import ActionExecutor, DecisionParser, ModelClient
+from treadle.redaction import SNAPSHOT_KEY, secrets_of_tools
 from treadle.types import (
     Budgets,
     ImageRef,
@@ -78,11 +79,14 @@ class Agent:
         """The parameter snapshot: the model-visible settings, as plain JSON data.
 
         Keys: ``model``, ``system_prompt``, ``max_output_tokens``, ``params``, ``tools``,
-        ``parser``, ``synthetic``, ``observation_template``. Budgets and limits are not
-        model-visible and are left out, so a run can be resumed with other budgets.
-        Credentials never appear here (clients hold them, and clients are not snapshotted).
+        ``parser``, ``synthetic``, ``observation_template``, and ``secret_arguments`` when
+        a tool has secret arguments (`treadle.redaction`; an executor declares them with an
+        optional ``secret_arguments(tool)`` method, as `treadle.Toolbox` does). Budgets and
+        limits are not model-visible and are left out, so a run can be resumed with other
+        budgets. Credentials never appear here (clients hold them, and clients are not
+        snapshotted).
         """
-        return {
+        snapshot: dict[str, JSONValue] = {
             "model": self.model_name,
             "system_prompt": self.system_prompt,
             "max_output_tokens": self.max_output_tokens,
@@ -92,6 +96,18 @@ class Agent:
             "synthetic": _PLAIN.unstructure(self.synthetic),
             "observation_template": self.observation_template,
         }
+        secrets = _secret_arguments(self.executor)
+        if secrets:
+            snapshot[SNAPSHOT_KEY] = secrets
+        return snapshot
+
+
+def _secret_arguments(executor: ActionExecutor) -> dict[str, JSONValue]:
+    """``{tool: [secret argument names]}`` from an executor's optional ``secret_arguments``."""
+    ask = getattr(executor, "secret_arguments", None)
+    if ask is None:
+        return {}
+    return secrets_of_tools((spec.name, ask(spec.name)) for spec in executor.tool_specs())
 
 
 def snapshot_diff(stored: Mapping[str, JSONValue], current: Mapping[str, JSONValue]) -> list[str]:

@@ -30,8 +30,10 @@ from treadle.types import (
     ApprovalDecided,
     ApprovalRequested,
     CancelRequested,
+    DefinitionAccepted,
     JSONValue,
     RunLog,
+    RunStarted,
     StepRecord,
 )
 
@@ -64,16 +66,70 @@ def arguments_digest(arguments: Mapping[str, JSONValue]) -> str:
     return "sha256:" + hashlib.sha256(text.encode("utf-8")).hexdigest()
 
 
-def check_edit(edit: Mapping[str, JSONValue]) -> None:
-    """Refuse edited arguments that are not strict JSON data (no NaN or infinity).
+def check_edit(
+    edit: Mapping[str, JSONValue], tool: str = "", schema: Mapping[str, JSONValue] | None = None
+) -> None:
+    """Refuse edited arguments that are not strict JSON data or do not fit ``schema``.
+
+    An edit replaces the model's whole argument object (docs/events.md, "Approvals"), so it is
+    checked as a whole against the tool's argument schema (JSON Schema 2020-12, as the run's
+    parameter snapshot holds it; `tool_schema`). ``schema=None`` checks only that it is JSON.
 
     Raises:
-        UsageError: they are not.
+        UsageError: they are not strict JSON data (NaN, infinity, non-string keys), or they
+            do not fit ``schema``; the message lists each error with its path.
     """
     try:
         json.dumps(edit, allow_nan=False)
     except (TypeError, ValueError) as exc:
         raise UsageError(f"edited arguments are not JSON data: {exc}") from exc
+    if schema is None:
+        return
+    import jsonschema  # loaded on first use: a run that is never edited never needs it
+
+    validator = jsonschema.Draft202012Validator(schema)
+    errors = sorted(validator.iter_errors(edit), key=lambda e: list(map(str, e.absolute_path)))
+    if errors:
+        listed = "; ".join(
+            f"{'/'.join(map(str, e.absolute_path)) or '(arguments)'}: {e.message}"
+            for e in errors[:5]
+        )
+        more = f" (and {len(errors) - 5} more)" if len(errors) > 5 else ""
+        raise UsageError(
+            f"edited arguments do not fit the schema of {tool or 'the tool'}: {listed}{more}"
+        )
+
+
+def tool_schema(snapshot: Mapping[str, JSONValue], tool: str) -> Mapping[str, JSONValue]:
+    """The argument schema of ``tool`` in a parameter snapshot (key ``tools``).
+
+    Raises:
+        UsageError: the snapshot declares no tool of that name (an edit cannot be checked).
+    """
+    tools = snapshot.get("tools")
+    for spec in tools if isinstance(tools, list) else ():
+        if isinstance(spec, Mapping) and spec.get("name") == tool:
+            parameters = spec.get("parameters")
+            if isinstance(parameters, Mapping):
+                return parameters
+    raise UsageError(
+        f"the run's definition declares no tool {tool!r}: edited arguments cannot be checked"
+    )
+
+
+def current_snapshot(log: RunLog) -> Mapping[str, JSONValue]:
+    """The snapshot a run goes on under: the last accepted definition change, else its start's.
+
+    Raises:
+        UsageError: the log has no run-started record.
+    """
+    snapshot: Mapping[str, JSONValue] | None = None
+    for record in log.records:
+        if isinstance(record, RunStarted | DefinitionAccepted):
+            snapshot = record.snapshot
+    if snapshot is None:
+        raise UsageError(f"there is no run {log.run_id!r} in this store")
+    return snapshot
 
 
 EXPIRED_DETAIL = "no decision arrived before the approval deadline"
@@ -88,14 +144,17 @@ def decision_for(
     call_id: str | None = None,
     reject: str | None = None,
     edit: Mapping[str, Any] | None = None,
+    snapshot: Mapping[str, JSONValue] | None = None,
 ) -> ApprovalDecided:
     """The decision record answering ``request``: approve, reject or edit.
 
-    See docs/concepts.md, "Stop reasons".
+    See docs/events.md, "Approvals". ``snapshot``: the parameter snapshot the run goes on
+    under; an edit is checked against its schema of the tool (`check_edit`).
 
     Raises:
         UsageError: no request is pending, ``call_id`` names another call, both ``reject``
-            and ``edit`` were given, or the edited arguments cannot be digested.
+            and ``edit`` were given, or the edited arguments are not JSON data or do not fit
+            the tool's schema.
     """
     if request is None:
         raise UsageError(f"run {run_id!r} is not waiting for an approval")
@@ -104,7 +163,8 @@ def decision_for(
     if reject is not None and edit is not None:
         raise UsageError("a decision either rejects or edits the arguments, not both")
     if edit is not None:
-        check_edit(edit)
+        schema = None if snapshot is None else tool_schema(snapshot, request.tool)
+        check_edit(edit, request.tool, schema)
     decision = (
         Decision.REJECT if reject is not None else Decision.EDIT if edit is not None else None
     )
@@ -117,6 +177,7 @@ def decision_for(
         ts=clock.now_iso(),
         message=reject or "",
         edited_arguments=dict(edit) if edit is not None else None,
+        tool=request.tool,
     )
 
 
@@ -130,6 +191,7 @@ def expired_decision(request: ApprovalRequested, clock: Clock) -> ApprovalDecide
         decision=Decision.EXPIRED.value,
         ts=clock.now_iso(),
         message=EXPIRED_DETAIL,
+        tool=request.tool,
     )
 
 
@@ -245,7 +307,8 @@ async def decide(
         call_id: the call the decision is meant for; refused when it is not the pending
             one. ``None`` takes the pending call.
         reject: reject with this message (shown to the model in the synthetic observation).
-        edit: approve with these arguments instead of the model's.
+        edit: approve with these arguments instead of the model's: they replace the whole
+            argument object (no merge) and must fit the tool's argument schema.
         clock: wall clock for the record's timestamp.
 
     Returns:
@@ -255,7 +318,9 @@ async def decide(
         UsageError: the run does not exist, finished, waits on no approval, waits on
             another call, already has a decision for that call in its control stream (the
             first one counts; two deciders racing both write, and the first written wins),
-            both ``reject`` and ``edit`` were given, or the store has no control streams.
+            both ``reject`` and ``edit`` were given, the edit does not fit the tool's
+            argument schema in the run's parameter snapshot (nothing is written then), or
+            the store has no control streams.
         StoreError: the write failed.
     """
     if reject is not None and edit is not None:
@@ -277,7 +342,14 @@ async def decide(
             f"call {request.call_id!r} of run {run_id!r} already has a decision "
             f"({already.decision}) waiting to be applied; the first decision counts"
         )
-    decided = decision_for(run_id, request, clock or SystemClock(), reject=reject, edit=edit)
+    decided = decision_for(
+        run_id,
+        request,
+        clock or SystemClock(),
+        reject=reject,
+        edit=edit,
+        snapshot=current_snapshot(log),
+    )
     await controls.append_control(decided)
     return decided
 

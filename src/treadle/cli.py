@@ -40,6 +40,7 @@ from treadle.actors.writer import stored_events
 from treadle.agent import Agent
 from treadle.approvals import pending_approval
 from treadle.ports import RunIndex, RunStore
+from treadle.redaction import Redaction
 from treadle.stores._leases import is_live
 from treadle.supervisors._leasing import leases_of
 from treadle.types import (
@@ -280,7 +281,11 @@ def show(run_id: str, store_path: str, as_json: bool) -> None:
 
 
 def trajectory_table(log: RunLog) -> Table:
-    """A run's log as a readable table: one row per record, in seq order."""
+    """A run's log as a readable table: one row per record, in seq order.
+
+    Secret tool arguments are redacted (docs/events.md, "Secret arguments").
+    """
+    redaction = Redaction.of_log(log)
     table = Table(title=f"run {log.run_id}", show_lines=False)
     table.add_column("seq", justify="right")
     table.add_column("step", justify="right")
@@ -288,7 +293,8 @@ def trajectory_table(log: RunLog) -> Table:
     table.add_column("detail", overflow="fold")
     for seq, record in enumerate(log.records, start=1):
         step = getattr(record, "step", None)
-        table.add_row(str(seq), "" if step is None else str(step), *describe(record))
+        shown = redaction.record(record)
+        table.add_row(str(seq), "" if step is None else str(step), *describe(shown))
     return table
 
 

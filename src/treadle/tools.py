@@ -37,7 +37,7 @@ import inspect
 import json
 import math
 import re
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Collection, Mapping, Sequence
 from typing import Any, Final, TypeAlias, overload
 
 import attrs
@@ -111,6 +111,8 @@ class Tool:
         timeout_s: seconds a call may run; ``None`` uses the toolbox default.
         reconcile: the hook that establishes an interrupted call's outcome, if any.
         requires_approval: a human must approve each call before it runs.
+        secret_arguments: the names of arguments whose values are redacted on every path
+            out of the log (docs/events.md, "Secret arguments").
     """
 
     name: str
@@ -122,6 +124,7 @@ class Tool:
     timeout_s: float | None = None
     reconcile: ReconcileHook | None = None
     requires_approval: bool = False
+    secret_arguments: frozenset[str] = frozenset()
 
     @property
     def spec(self) -> ToolSpec:
@@ -159,6 +162,7 @@ def _make_tool(fn: ToolFunction, options: Mapping[str, Any]) -> Tool:
     name = getattr(fn, "__name__", "") if options["name"] is None else options["name"]
     _check_options(fn, name, options["timeout_s"], options["reconcile"], options["replay"])
     signature = read_signature(fn, tool_name=name, context_type=ToolContext)
+    secrets = _secret_arguments(name, options["secret_arguments"], signature)
     description = options["description"]
     return Tool(
         name=name,
@@ -170,7 +174,25 @@ def _make_tool(fn: ToolFunction, options: Mapping[str, Any]) -> Tool:
         timeout_s=options["timeout_s"],
         reconcile=options["reconcile"],
         requires_approval=options["requires_approval"],
+        secret_arguments=secrets,
     )
+
+
+def _secret_arguments(
+    name: str, declared: Collection[str], signature: ToolSignature
+) -> frozenset[str]:
+    if isinstance(declared, str):
+        raise UsageError(
+            f"tool {name!r}: secret_arguments takes a collection of names, e.g. ({declared!r},)"
+        )
+    properties = signature.schema.get("properties")
+    known = set(properties) if isinstance(properties, Mapping) else set()
+    unknown = sorted(set(declared) - known)
+    if unknown:
+        raise UsageError(
+            f"tool {name!r}: secret_arguments names no argument of the tool: {', '.join(unknown)}"
+        )
+    return frozenset(declared)
 
 
 @overload
@@ -187,6 +209,7 @@ def tool(
     timeout_s: float | None = None,
     reconcile: ReconcileHook | None = None,
     requires_approval: bool = False,
+    secret_arguments: Collection[str] = (),
 ) -> Callable[[ToolFunction], Tool]: ...
 
 
@@ -201,6 +224,7 @@ def tool(
     timeout_s: float | None = None,
     reconcile: ReconcileHook | None = None,
     requires_approval: bool = False,
+    secret_arguments: Collection[str] = (),
 ) -> Tool | Callable[[ToolFunction], Tool]:
     """Declare a tool; use bare (``@tool``) or with options (``@tool(timeout_s=30)``).
 
@@ -216,6 +240,9 @@ def tool(
         reconcile: ``async (action) -> ActionOutcome | None``, called on resume for a call
             whose outcome was never stored.
         requires_approval: a human must approve each call before it runs.
+        secret_arguments: names of arguments that are secret: their values stay in the log
+            (a resume needs them) and are redacted in events, sinks, the handle's pending
+            approval and the command line (docs/events.md, "Secret arguments").
 
     Returns:
         The `Tool`, or a decorator making one.
@@ -223,7 +250,8 @@ def tool(
     Raises:
         UsageError: the function is not ``async def``; an argument lacks an annotation, is
             ``*args``/``**kwargs``/positional-only, or has an unsupported type; the name is
-            not a valid tool name; or an option is out of range.
+            not a valid tool name; an option is out of range; or ``secret_arguments``
+            names an argument the tool does not have.
     """
     options = {
         "name": name,
@@ -233,6 +261,7 @@ def tool(
         "timeout_s": timeout_s,
         "reconcile": reconcile,
         "requires_approval": requires_approval,
+        "secret_arguments": secret_arguments,
     }
     if fn is not None:
         return _make_tool(fn, options)
@@ -317,6 +346,11 @@ class Toolbox:
         """Whether calls of ``tool`` wait for a human (``False`` for unknown tools)."""
         found = self._tools.get(tool)
         return found is not None and found.requires_approval
+
+    def secret_arguments(self, tool: str) -> frozenset[str]:
+        """The names of ``tool``'s secret arguments (none for unknown tools)."""
+        found = self._tools.get(tool)
+        return frozenset() if found is None else found.secret_arguments
 
     def timeout_s(self, tool: str) -> float:
         """Seconds one call of ``tool`` may run."""

@@ -666,7 +666,16 @@ class CancelRequested:
 
 @attrs.frozen(kw_only=True)
 class ApprovalRequested:
-    """A tool call waits for a human decision."""
+    """A tool call waits for a human decision.
+
+    Attributes:
+        arguments_digest: `treadle.approvals.arguments_digest` of the model's arguments; a
+            decision must name it.
+        deadline_ts: when the wait ends without a decision (ISO-8601).
+        arguments: the arguments the call would run with, as the model sent them; secret
+            ones are redacted on every path out of the log (docs/events.md, "Secret
+            arguments"). ``None`` in logs written before requests carried them.
+    """
 
     run_id: str
     step: int
@@ -675,11 +684,20 @@ class ApprovalRequested:
     arguments_digest: str
     ts: str
     deadline_ts: str
+    arguments: Mapping[str, JSONValue] | None = None
 
 
 @attrs.frozen(kw_only=True)
 class ApprovalDecided:
-    """A human decision on a pending tool call; ``decision`` is approve, reject or edit."""
+    """A human decision on a pending tool call; ``decision`` is approve, reject or edit.
+
+    Attributes:
+        arguments_digest: the digest of the request it answers (of the model's arguments).
+        message: a rejection's message (shown to the model).
+        edited_arguments: an edit's arguments: they replace the model's whole argument
+            object (docs/events.md, "Approvals").
+        tool: the tool of the call (``""`` in logs written before decisions carried it).
+    """
 
     run_id: str
     step: int
@@ -689,6 +707,7 @@ class ApprovalDecided:
     ts: str
     message: str = ""
     edited_arguments: Mapping[str, JSONValue] | None = None
+    tool: str = ""
 
 
 @attrs.frozen(kw_only=True)

@@ -442,7 +442,8 @@ async def test_tail_follows_a_live_run_from_any_seq(autojump_clock):
     assert [seq for seq, _ in shown] == list(range(2, len(log.records) + 1))
     assert [r for _, r in shown] == list(log.records[1:])
     lines = [format_event(seq, record) for seq, record in shown]
-    assert any("approval requested" in line and "add (call c1)" in line for line in lines)
+    shown = 'add({"a": 1, "b": 2}) (call c1)'
+    assert any("approval requested" in line and shown in line for line in lines)
     assert "run finished" in lines[-1] and "succeeded (final_answer)" in lines[-1]
 
 

@@ -441,6 +441,7 @@ class RunCoordinator:
                 arguments_digest=arguments_digest(call.arguments),
                 ts=now,
                 deadline_ts=_plus_s(now, self.limits.approval_timeout_s),
+                arguments=dict(call.arguments),
             )
             # The handle reports the wait before the request's event reaches anyone: whoever
             # receives it may decide at once (docs/events.md, "Approvals").

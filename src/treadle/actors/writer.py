@@ -15,6 +15,7 @@ import trio
 
 from treadle._exceptions import StoreError
 from treadle.ports import EventSink, RunStore
+from treadle.redaction import NO_REDACTION, Redaction
 from treadle.types import (
     ActionIntent,
     ActionResult,
@@ -239,6 +240,8 @@ class EventWriter:
         sinks: event sinks, each fed through its own bounded buffer (used when no ``feed``
             is given: the writer then runs its own).
         feed: the run's `SinkFeed`, run by the run supervisor so it outlives this writer.
+        redaction: the secret tool arguments, redacted in every event it hands out (the
+            records it writes keep them; docs/events.md, "Secret arguments").
     """
 
     run_id: str
@@ -247,6 +250,7 @@ class EventWriter:
     generation: int
     sinks: Sequence[EventSink] = ()
     feed: SinkFeed | None = None
+    redaction: Redaction = NO_REDACTION
     _subscribers: list[trio.MemorySendChannel[Event]] = attrs.Factory(list)
     _tail: list[Event] = attrs.Factory(list)
     _delta_ordinal: int = 0
@@ -322,7 +326,7 @@ class EventWriter:
         self.next_seq = seq + len(records)
         self._delta_ordinal = 0
         for offset, record in enumerate(records):
-            event = durable_event(self.run_id, seq + offset, record)
+            event = durable_event(self.run_id, seq + offset, record, self.redaction)
             self._tail.append(event)
             for published in with_step_started((event,)):
                 self._fan_out(published)
@@ -402,6 +406,8 @@ def _name(sink: EventSink) -> str:
 def stored_events(log: RunLog, from_seq: int, to_seq: int) -> list[Event]:
     """The durable events of ``log`` with seqs ``from_seq`` to ``to_seq`` (both included).
 
+    Secret arguments are redacted as the log's snapshots declare (`Redaction.of_log`).
+
     Raises:
         StoreError: fewer than ``to_seq`` records are readable.
     """
@@ -410,16 +416,20 @@ def stored_events(log: RunLog, from_seq: int, to_seq: int) -> list[Event]:
             f"run {log.run_id!r}: events up to seq {to_seq} requested but only "
             f"{len(log.records)} are readable"
         )
+    redaction = Redaction.of_log(log)
     durable = [
-        durable_event(log.run_id, seq, record)
+        durable_event(log.run_id, seq, record, redaction)
         for seq, record in enumerate(log.records[from_seq - 1 : to_seq], start=from_seq)
     ]
     return [e for e in with_step_started(durable) if e.seq >= from_seq]
 
 
-def durable_event(run_id: str, seq: int, record: Record) -> Event:
-    """The durable event of ``record`` at ``seq``."""
-    return Event(run_id=run_id, seq=seq, kind=EVENT_KIND[type(record)], record=record)
+def durable_event(
+    run_id: str, seq: int, record: Record, redaction: Redaction = NO_REDACTION
+) -> Event:
+    """The durable event of ``record`` at ``seq``, its secret arguments redacted."""
+    shown = redaction.record(record)
+    return Event(run_id=run_id, seq=seq, kind=EVENT_KIND[type(record)], record=shown)
 
 
 def with_step_started(events: Iterable[Event]) -> Iterator[Event]:

@@ -46,8 +46,9 @@ from treadle.actors.writer import (
     with_step_started,
 )
 from treadle.agent import Agent, RunInput, input_messages, snapshot_diff
-from treadle.approvals import ApprovalPolicy, requires_approval
+from treadle.approvals import ApprovalPolicy, check_edit, requires_approval, tool_schema
 from treadle.ports import ControlStream, EventSink, RunStore
+from treadle.redaction import NO_REDACTION, Redaction
 from treadle.stores._codec import check_schema
 from treadle.stores._leases import LEASE_TTL_S, lease_owner
 from treadle.supervisors._control import ControlInbox, ControlIndex, control_of, shared_index
@@ -60,6 +61,7 @@ from treadle.types import (
     DefinitionAccepted,
     Event,
     EventKind,
+    JSONValue,
     RunLog,
     RunResult,
     RunStarted,
@@ -192,6 +194,8 @@ class WriterContext:
         sinks: event sinks to feed through bounded buffers.
         feed: the run's `SinkFeed` over ``sinks``: it outlives each writer (a parked run
             gets a new writer when resumed), so hand events to it rather than to the sinks.
+        redaction: the run's secret tool arguments: every event handed out has them
+            redacted (docs/events.md, "Secret arguments").
     """
 
     run_id: str
@@ -200,6 +204,7 @@ class WriterContext:
     sinks: Sequence[EventSink]
     generation: int = 0
     feed: SinkFeed | None = None
+    redaction: Redaction = NO_REDACTION
 
 
 @attrs.frozen(kw_only=True)
@@ -258,6 +263,7 @@ def real_writer(context: WriterContext) -> EventWriter:
         generation=context.generation,
         sinks=context.sinks,
         feed=context.feed,
+        redaction=context.redaction,
     )
 
 
@@ -371,6 +377,8 @@ class RunHandle:
     _changed: trio.Event = attrs.Factory(trio.Event)
     _draining: bool = False
     _left: str | None = None
+    _snapshot: Mapping[str, JSONValue] | None = None
+    _redaction: Redaction = NO_REDACTION
 
     def drain(self) -> None:
         """Stop driving the run at its next safe point and let go of its lease.
@@ -427,7 +435,15 @@ class RunHandle:
 
     @property
     def pending_approval(self) -> ApprovalRequested | None:
-        """The approval request the run waits on now (state ``awaiting_approval``), or ``None``."""
+        """The approval request the run waits on now (state ``awaiting_approval``), or ``None``.
+
+        Its ``arguments`` are those the call would run with, secret ones redacted
+        (docs/events.md, "Secret arguments").
+        """
+        request = self._awaited()
+        return None if request is None else self._redaction.request(request)
+
+    def _awaited(self) -> ApprovalRequested | None:
         if self._parking is not None:
             parking = self._parking
             return None if parking.decision or parking.cancel_request else parking.request
@@ -448,15 +464,21 @@ class RunHandle:
             call_id: the call meant; refused when it is not the pending one (``None``: the
                 pending call, whichever it is).
             reject: reject with this message; the model sees it in a synthetic observation.
-            edit: run the call with these arguments instead.
+            edit: run the call with these arguments instead: they replace the model's whole
+                argument object (no merge; a secret argument must be given again) and must
+                fit the tool's argument schema in the run's parameter snapshot.
 
         Returns:
             The decision handed to the run.
 
         Raises:
-            UsageError: the run is not waiting for an approval, waits on another call, or
-                both ``reject`` and ``edit`` were given.
+            UsageError: the run is not waiting for an approval, waits on another call, both
+                ``reject`` and ``edit`` were given, or the edit is not JSON data or does not
+                fit the tool's schema (nothing is handed over then).
         """
+        request = self._awaited()
+        if edit is not None and request is not None and self._snapshot is not None:
+            check_edit(edit, request.tool, tool_schema(self._snapshot, request.tool))
         if self._parking is not None:
             return self._parking.decide(call_id=call_id, reject=reject, edit=edit)
         if self._coordinator is None:
@@ -893,6 +915,9 @@ async def _drive(
     clock = options.clock
     async with trio.open_nursery() as nursery:
         started, view, resumed, accepted = _prepare(agent, input, log, clock, options, hold.owner)
+        snapshot = accepted.snapshot if accepted is not None else agent.snapshot()
+        handle._snapshot = snapshot
+        handle._redaction = Redaction.of_log(log) | Redaction.of_snapshot(snapshot)
         actors = options.actors
         writer_send, writer_recv = trio.open_memory_channel[WriterRequest](WRITER_INBOX)
         writer = actors.writer(
@@ -903,6 +928,7 @@ async def _drive(
                 generation=hold.generation,
                 sinks=feed.sinks if feed is not None else (),
                 feed=feed,
+                redaction=handle._redaction,
             )
         )
         # The real writer also answers "does anyone want deltas?"; a fake one is asked nothing.
