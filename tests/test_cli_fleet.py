@@ -517,7 +517,7 @@ def test_approve_of_an_undriven_run_says_the_decision_waits(tmp_path: Path):
     before = read_log(db, "p").records
     approved = invoke("approve", "p", "--store", str(db))
     assert approved.exit_code == 0, approved.output
-    assert "approve: call p1 of step 1 of run p" in approved.output
+    assert 'approve: wire({"amount": 5}) (call p1) of step 1 of run p' in approved.output
     assert "nobody drives the run now: the decision waits in its control stream" in (
         approved.output
     )
@@ -548,7 +548,7 @@ def test_approve_of_a_run_another_driver_holds_names_it(tmp_path: Path):
     trio.run(hold)
     approved = invoke("approve", "p", "--store", str(db), "--reject", "too much")
     assert approved.exit_code == 0, approved.output
-    assert "reject: call p1" in approved.output
+    assert "(call p1) of step 1" in approved.output and "reject: " in approved.output
     assert "host-c:7:cafe drives the run" in approved.output
 
 

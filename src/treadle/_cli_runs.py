@@ -71,20 +71,21 @@ def approve_command(
     """Approve (or reject, or edit) the tool call a run waits on."""
     arguments = _json_object(edit) if edit is not None else None
 
-    async def go() -> tuple[ApprovalDecided, ApprovalRequested | None, RunSummary | None]:
+    async def go() -> tuple[Record, ApprovalRequested | None, RunSummary | None]:
         async with open_store(store_path) as store:
             log = await store.read_log(run_id)
             request = pending_approval(log)
             decided = await decide(store, run_id, call_id=call_id, reject=reject, edit=arguments)
-            if request is not None:
-                request = Redaction.of_log(log).request(request)
-            return decided, request, await _summary(store, run_id)
+            redaction = Redaction.of_log(log)  # an edit's secrets are not echoed either
+            shown = redaction.request(request) if request is not None else None
+            return redaction.record(decided), shown, await _summary(store, run_id)
 
     decided, request, summary = run_async(go)
-    call = f" {call_text(request)}" if request is not None else ""
-    click.echo(
-        f"{decided.decision}: call {decided.call_id}{call} of step {decided.step} of run {run_id}"
-    )
+    assert isinstance(decided, ApprovalDecided)
+    call = f"call {decided.call_id}"
+    if request is not None:
+        call = f"{call_text(request)} ({call})"
+    click.echo(f"{decided.decision}: {call} of step {decided.step} of run {run_id}")
     if decided.edited_arguments is not None:
         click.echo(
             "  runs with "

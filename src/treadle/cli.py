@@ -25,6 +25,7 @@ import click
 import trio
 from rich.console import Console
 from rich.table import Table
+from rich.text import Text
 
 from treadle._cli_common import (
     counted,
@@ -195,7 +196,7 @@ def runs_table(store_path: str, summaries: Sequence[RunSummary]) -> Table:
     for column in ("state", "driven by", "agent", "steps", "stop reason", "started"):
         table.add_column(column, overflow="fold")
     for summary in summaries:
-        table.add_row(
+        cells = (
             summary.run_id,
             summary.state.value if summary.state else "unreadable",
             driver_text(summary),
@@ -204,6 +205,7 @@ def runs_table(store_path: str, summaries: Sequence[RunSummary]) -> Table:
             summary.stop_reason.value if summary.stop_reason else "",
             (summary.started_at or "")[:19].replace("T", " "),
         )
+        table.add_row(*map(Text, cells))  # Text: a "[...]" in a cell is no markup
     return table
 
 
@@ -294,7 +296,8 @@ def trajectory_table(log: RunLog) -> Table:
     for seq, record in enumerate(log.records, start=1):
         step = getattr(record, "step", None)
         shown = redaction.record(record)
-        table.add_row(str(seq), "" if step is None else str(step), *describe(shown))
+        cells = (str(seq), "" if step is None else str(step), *describe(shown))
+        table.add_row(*map(Text, cells))  # what a tool or model wrote is never markup
     return table
 
 

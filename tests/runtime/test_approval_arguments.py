@@ -1,0 +1,241 @@
+"""Approvers see the arguments they approve; secret ones are redacted on every path out.
+
+docs/events.md, "Approvals" and "Secret arguments": the log keeps every argument (a resume
+needs them), events, sinks, the handle and the command line show secret ones as
+``[redacted]``, and an edit is checked against the tool's schema in the run's snapshot
+before anything is written.
+"""
+
+from __future__ import annotations
+
+import json
+
+import attrs
+import pytest
+import trio
+from click.testing import CliRunner
+
+from treadle._exceptions import UsageError
+from treadle.agent import Agent
+from treadle.approvals import arguments_digest, decide, read_control
+from treadle.cli import main
+from treadle.parsers import NativeToolCallParser
+from treadle.redaction import REDACTED, SNAPSHOT_KEY, Redaction
+from treadle.stores._codec import record_to_dict
+from treadle.stores.memory import MemoryStore
+from treadle.stores.sqlite import open_sqlite_store
+from treadle.supervisors.run import open_run
+from treadle.testing.scripted import ScriptedModel, call, say
+from treadle.tools import Toolbox, tool
+from treadle.types import (
+    ActionIntent,
+    ApprovalRequested,
+    ModelResult,
+    RunState,
+    StepRecord,
+    StopReason,
+)
+
+CARD = "4111111111111111"
+OTHER_CARD = "5500000000000004"
+
+
+def make_agent(charged: list[dict[str, object]]) -> Agent:
+    @tool(requires_approval=True, secret_arguments=("card",))
+    async def charge(amount: int, card: str, memo: str = "") -> str:
+        """Charge a card."""
+        charged.append({"amount": amount, "card": card, "memo": memo})
+        return f"charged {amount}"
+
+    @tool
+    async def lookup(order: str) -> str:
+        """Look an order up."""
+        return f"order {order}: 12 EUR"
+
+    return Agent(
+        model=ScriptedModel(
+            turns=[
+                call("lookup", order="A1", call_id="c0"),
+                call("charge", amount=12, card=CARD, memo="order A1", call_id="c1"),
+                say("done"),
+            ]
+        ),
+        executor=Toolbox([charge, lookup]),
+        parser=NativeToolCallParser(),
+    )
+
+
+class ListSink:
+    def __init__(self) -> None:
+        self.events: list[object] = []
+
+    async def send(self, event: object) -> None:
+        self.events.append(event)
+
+
+def as_text(events) -> str:
+    return json.dumps([record_to_dict(e.record) for e in events if e.record is not None])
+
+
+async def wait_for_state(handle, state):
+    with trio.fail_after(60):
+        while handle.state is not state:  # noqa: ASYNC110 (polling a plain property)
+            await trio.sleep(0.01)
+
+
+def test_a_tool_declares_its_secret_arguments_and_the_snapshot_records_them():
+    charged: list[dict[str, object]] = []
+    agent = make_agent(charged)
+    assert agent.snapshot()[SNAPSHOT_KEY] == {"charge": ["card"]}
+    plain = attrs.evolve(agent, executor=Toolbox([agent.executor.get("lookup")]))
+    assert SNAPSHOT_KEY not in plain.snapshot()  # no key, so older snapshots still match
+
+    async def f(card: str) -> str:
+        return card
+
+    with pytest.raises(UsageError, match="names no argument of the tool: pin"):
+        tool(secret_arguments=("pin",))(f)
+    with pytest.raises(UsageError, match="collection of names"):
+        tool(secret_arguments="card")(f)
+
+
+async def test_events_sinks_and_the_handle_show_arguments_with_secrets_redacted(autojump_clock):
+    charged: list[dict[str, object]] = []
+    store, sink = MemoryStore(), ListSink()
+    seen = []
+    async with open_run(
+        make_agent(charged), "pay order A1", store=store, run_id="r", sinks=[sink]
+    ) as handle:
+        async for event in handle.events():
+            seen.append(event)
+            if isinstance(event.record, ApprovalRequested):
+                pending = handle.pending_approval
+                assert pending is not None and pending.tool == "charge"
+                assert pending.arguments == {"amount": 12, "card": REDACTED, "memo": "order A1"}
+                # Still bound to the real arguments: the digest is of what the model sent.
+                digest = arguments_digest({"amount": 12, "card": CARD, "memo": "order A1"})
+                assert pending.arguments_digest == digest
+                assert event.record.arguments == pending.arguments
+                handle.approve("c1")
+        result = await handle.wait()
+        late = [e async for e in handle.events(from_seq=1)]  # read back from the store
+    assert result.stop_reason is StopReason.FINAL_ANSWER
+    assert charged == [{"amount": 12, "card": CARD, "memo": "order A1"}]
+    for events in (seen, sink.events, late):
+        text = as_text(events)
+        assert CARD not in text
+        assert text.count(REDACTED) >= 4  # model reply, request, intent, step history
+        assert "order A1" in text  # what is not secret is shown
+    log = await store.read_log("r")
+    for kind in (ApprovalRequested, ActionIntent, ModelResult, StepRecord):
+        assert any(
+            isinstance(r, kind) and CARD in json.dumps(record_to_dict(r)) for r in log.records
+        ), f"the log keeps the real value in {kind.__name__}"
+
+
+async def test_an_edit_that_does_not_fit_the_schema_is_refused_and_nothing_is_handed_over(
+    autojump_clock,
+):
+    charged: list[dict[str, object]] = []
+    store = MemoryStore()
+    async with open_run(make_agent(charged), "pay", store=store, run_id="r") as handle:
+        await wait_for_state(handle, RunState.AWAITING_APPROVAL)
+        for wrong, said in (
+            ({"amount": "twelve", "card": CARD}, "amount: 'twelve' is not of type 'integer'"),
+            ({"amount": 12}, "'card' is a required property"),
+            ({"amount": 12, "card": CARD, "tip": 1}, "'tip' was unexpected"),
+        ):
+            with pytest.raises(UsageError, match="do not fit the schema of charge") as caught:
+                handle.approve(edit=wrong)
+            assert said in str(caught.value)
+            assert handle.state is RunState.AWAITING_APPROVAL
+        # An edit replaces the whole object: what it says is what runs.
+        handle.approve(edit={"amount": 10, "card": OTHER_CARD})
+        await handle.wait()
+    assert charged == [{"amount": 10, "card": OTHER_CARD, "memo": ""}]
+
+
+def test_the_command_line_shows_arguments_redacts_secrets_and_checks_edits(tmp_path):
+    db = str(tmp_path / "runs.db")
+    charged: list[dict[str, object]] = []
+
+    async def until_the_approval_wait() -> None:
+        async with (
+            open_sqlite_store(db) as store,
+            open_run(make_agent(charged), "pay", store=store, run_id="r") as handle,
+        ):
+            await wait_for_state(handle, RunState.AWAITING_APPROVAL)
+            handle.drain()  # nobody drives it now: the CLI writes to its control stream
+
+    trio.run(until_the_approval_wait)
+    runner = CliRunner()
+    outputs = {
+        "show": runner.invoke(main, ["show", "r", "--store", db], env={"COLUMNS": "300"}),
+        "show --json": runner.invoke(main, ["show", "r", "--store", db, "--json"]),
+        "tail": runner.invoke(main, ["tail", "r", "--store", db, "--no-follow"]),
+        "tail --json": runner.invoke(main, ["tail", "r", "--store", db, "--no-follow", "--json"]),
+    }
+    for name, done in outputs.items():
+        assert done.exit_code == 0, (name, done.output)
+        assert CARD not in done.output, name
+        assert REDACTED in done.output, name
+    assert '"memo": "order A1"' in outputs["show"].output  # the table shows the arguments
+    requested = [
+        json.loads(line)
+        for line in outputs["show --json"].output.splitlines()
+        if '"approval_requested"' in line
+    ]
+    assert requested[0]["arguments"] == {"amount": 12, "card": REDACTED, "memo": "order A1"}
+
+    refused = runner.invoke(main, ["approve", "r", "--store", db, "--edit", '{"amount": 12}'])
+    assert refused.exit_code != 0
+    assert "'card' is a required property" in refused.output
+
+    async def control_records():
+        async with open_sqlite_store(db) as store:
+            return await read_control(store, "r")
+
+    assert trio.run(control_records) == ()  # nothing was written
+    edit = json.dumps({"amount": 12, "card": OTHER_CARD, "memo": "edited"})
+    approved = runner.invoke(main, ["approve", "r", "--store", db, "--edit", edit])
+    assert approved.exit_code == 0, approved.output
+    assert "charge(" in approved.output and CARD not in approved.output
+    assert OTHER_CARD not in approved.output and "edited" in approved.output
+
+    async def resume() -> None:
+        async with (
+            open_sqlite_store(db) as store,
+            open_run(make_agent(charged), store=store, run_id="r") as handle,
+        ):
+            await handle.wait()
+
+    trio.run(resume)
+    assert charged == [{"amount": 12, "card": OTHER_CARD, "memo": "edited"}]
+    shown = runner.invoke(main, ["show", "r", "--store", db, "--json"])
+    assert OTHER_CARD not in shown.output and CARD not in shown.output
+
+
+async def test_decide_checks_the_edit_against_the_snapshot_of_the_run(autojump_clock):
+    charged: list[dict[str, object]] = []
+    store = MemoryStore()
+    async with open_run(make_agent(charged), "pay", store=store, run_id="r") as handle:
+        await wait_for_state(handle, RunState.AWAITING_APPROVAL)
+        with pytest.raises(UsageError, match="'card' is a required property"):
+            await decide(store, "r", edit={"amount": 3})
+        assert await read_control(store, "r") == ()
+        handle.approve()
+        await handle.wait()
+
+
+def test_redaction_of_a_log_is_the_union_of_its_snapshots():
+    first = Redaction.of_snapshot({SNAPSHOT_KEY: {"charge": ["card"]}})
+    later = Redaction.of_snapshot({SNAPSHOT_KEY: {"charge": ["cvc"], "login": ["password"]}})
+    both = first | later
+    assert both.arguments("charge", {"card": 1, "cvc": 2, "amount": 3}) == {
+        "card": REDACTED,
+        "cvc": REDACTED,
+        "amount": 3,
+    }
+    assert both.arguments("login", {"password": "x"}) == {"password": REDACTED}
+    assert both.arguments("", {"password": "x", "n": 1}) == {"password": REDACTED, "n": 1}
+    assert not Redaction.of_snapshot({"tools": []})
