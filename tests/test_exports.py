@@ -147,3 +147,50 @@ def test_the_lazy_names_are_the_real_ones():
     assert treadle.models.OpenAIChatClient is OpenAIChatClient
     with pytest.raises(AttributeError, match="NoSuchName"):
         treadle.NoSuchName  # noqa: B018
+
+
+def _treadle_modules_after(code: str) -> set[str]:
+    """The ``treadle.*`` modules a fresh interpreter has loaded after running ``code``."""
+    script = (
+        f"import sys\n{code}\nprint(' '.join(m for m in sys.modules if m.startswith('treadle')))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", script], check=True, capture_output=True, text=True
+    ).stdout
+    return set(out.split())
+
+
+def test_treadle_help_imports_no_command():
+    """``treadle --help`` lists the commands without importing them (docs/design.md,
+    "Start-up"): no store, no runtime, no command module; a command loads when it runs."""
+    helped = (
+        "from treadle.cli import main\ntry:\n    main(['--help'])\nexcept SystemExit:\n    pass"
+    )
+    loaded = _treadle_modules_after(helped)
+    assert "treadle.cli" in loaded
+    assert not {m for m in loaded if m.startswith(("treadle.stores", "treadle.supervisors"))}
+    assert not {m for m in loaded if m.startswith("treadle._cli_")}
+    assert not _loaded_after(helped) & {"trio", "rich", "httpx", "psycopg"}
+    shown = "from treadle.cli import main\ntry:\n    main(['show', '--help'])\nexcept SystemExit:\n    pass"
+    assert "treadle._cli_store" in _treadle_modules_after(shown)
+
+
+def test_every_command_is_listed_with_its_own_help_line():
+    import importlib
+
+    import click
+
+    from treadle.cli import COMMANDS, main
+
+    modules = {entry.module for entry in COMMANDS.values()}
+    defined = {
+        value.name
+        for module in modules
+        for value in vars(importlib.import_module(module)).values()
+        if isinstance(value, click.Command) and value.name is not None
+    }
+    assert defined - {"airline"} == set(COMMANDS)  # `airline` is a subcommand of `demo`
+    for name, entry in COMMANDS.items():
+        command = main.get_command(click.Context(main), name)
+        assert command is not None and command.name == name
+        assert command.get_short_help_str(limit=300) == entry.help, name

@@ -236,9 +236,3 @@ def unquarantine_command(run_id: str, store_path: str) -> None:
     if not run_async(go):
         raise click.ClickException(f"run {run_id} is not quarantined")
     click.echo(f"run {run_id} is claimable again")
-
-
-def register(main: click.Group) -> None:
-    """Add ``worker``, ``submit``, ``wait`` and ``unquarantine`` to the ``treadle`` group."""
-    for command in (worker_command, submit_command, wait_command, unquarantine_command):
-        main.add_command(command)

@@ -300,18 +300,3 @@ def repair_command(run_id: str, store_path: str) -> None:
         f"run {run_id}: removed {done.removed} bytes from offset {done.offset} of {done.path} "
         f"({done.reason}); kept in {done.saved}, note {done.note}"
     )
-
-
-def register(main: click.Group) -> None:
-    """Add ``approve``, ``cancel``, ``tail`` and ``repair`` to the ``treadle`` command group."""
-    for command in (approve_command, cancel_command, tail_command, repair_command):
-        main.add_command(command)
-
-
-def _register() -> None:
-    from treadle.cli import main
-
-    register(main)
-
-
-_register()

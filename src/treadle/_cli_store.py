@@ -1,0 +1,373 @@
+"""``treadle runs``, ``show`` and ``resume``: a store's runs, one run's trajectory, resuming.
+
+``runs`` lists the runs of a store with who drives each (docs/fleet.md, "Liveness"); ``show``
+prints a run's log as a table or its events as JSON lines (secret arguments redacted,
+docs/events.md); ``resume`` drives unfinished runs of a store to their end with a given agent.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import click
+import trio
+from rich.console import Console
+from rich.table import Table
+from rich.text import Text
+
+from treadle._cli_common import (
+    counted,
+    describe,
+    event_json,
+    import_spec,
+    open_store,
+    redact,
+    run_async,
+    store_option,
+)
+from treadle.actors.writer import stored_events
+from treadle.agent import Agent
+from treadle.approvals import pending_approval
+from treadle.ports import RunIndex, RunStore
+from treadle.redaction import Redaction
+from treadle.stores._leases import is_live
+from treadle.supervisors._leasing import leases_of
+from treadle.types import Liveness, RunLog, RunSummary
+
+
+@click.command("runs")
+@store_option
+@click.option("--json", "as_json", is_flag=True, help="One JSON object per run.")
+def runs(store_path: str, as_json: bool) -> None:
+    """List the runs of a store: state, who drives each, steps.
+
+    A run that cannot be read (a damaged or too-new log) is listed with its error, and the
+    exit status is 1.
+    """
+    summaries = run_async(lambda: read_summaries(store_path))
+    if as_json:
+        for summary in summaries:
+            click.echo(json.dumps(summary_json(summary), ensure_ascii=False))
+    else:
+        Console().print(runs_table(store_path, summaries))
+    bad = [s for s in summaries if s.error is not None]
+    if bad:
+        for summary in bad:
+            click.echo(
+                f"unreadable run {summary.run_id} ({summary.where}): {summary.error}", err=True
+            )
+        raise SystemExit(1)
+
+
+def runs_table(store_path: str, summaries: Sequence[RunSummary]) -> Table:
+    """The runs of a store as a table; run ids are never cut."""
+    table = Table(title=f"runs in {redact(store_path)}")
+    longest = max((len(s.run_id) for s in summaries), default=3)
+    table.add_column("run", no_wrap=True, min_width=longest)
+    for column in ("state", "driven by", "agent", "steps", "stop reason", "started"):
+        table.add_column(column, overflow="fold")
+    for summary in summaries:
+        cells = (
+            summary.run_id,
+            summary.state.value if summary.state else "unreadable",
+            driver_text(summary),
+            summary.agent or "",
+            str(summary.steps),
+            summary.stop_reason.value if summary.stop_reason else "",
+            (summary.started_at or "")[:19].replace("T", " "),
+        )
+        table.add_row(*map(Text, cells))  # Text: a "[...]" in a cell is no markup
+    return table
+
+
+def driver_text(summary: RunSummary) -> str:
+    """Who drives a run, in words: the lease holder, or why nobody does."""
+    lease = summary.lease
+    if summary.liveness is Liveness.DRIVEN and lease is not None:
+        age = summary.heartbeat_age_s or 0.0
+        return f"{lease.owner} (generation {lease.generation}, heartbeat {age:.1f} s ago)"
+    if summary.liveness is Liveness.FINISHED:
+        return ""
+    if summary.liveness is Liveness.QUARANTINED:
+        return f"nobody: quarantined ({summary.quarantined})"
+    words = {
+        Liveness.QUEUED: "nobody: queued",
+        Liveness.PARKED: "nobody: parked (waits for a decision)",
+        Liveness.ORPHANED: "nobody: orphaned",
+    }
+    text = words.get(summary.liveness, "nobody")
+    if summary.liveness is Liveness.ORPHANED and lease is not None and lease.owner:
+        text += f" (lease of {lease.owner} expired)"
+    return text
+
+
+def summary_json(summary: RunSummary) -> dict[str, Any]:
+    """A run summary as the JSON object ``treadle runs --json`` prints."""
+    lease = summary.lease
+    driven = summary.liveness is Liveness.DRIVEN and lease is not None
+    return {
+        "run_id": summary.run_id,
+        "state": summary.state.value if summary.state else None,
+        "liveness": summary.liveness.value,
+        "driver": lease.owner if driven and lease else None,
+        "generation": lease.generation if lease else None,
+        "heartbeat_age_s": summary.heartbeat_age_s if driven else None,
+        "agent": summary.agent,
+        "agent_version": summary.agent_version,
+        "steps": summary.steps,
+        "stop_reason": summary.stop_reason.value if summary.stop_reason else None,
+        "started": summary.started_at,
+        "submitted_at": summary.submitted_at,
+        "claims": summary.claims,
+        "takeovers": summary.takeovers,
+        "quarantined": summary.quarantined,
+        "awaiting_until": summary.awaiting_until,
+        "error": summary.error,
+        "where": summary.where,
+    }
+
+
+@click.command("show")
+@click.argument("run_id")
+@store_option
+@click.option(
+    "--json",
+    "as_json",
+    is_flag=True,
+    help="Print every event as JSON, one a line (the event kinds of the Python API).",
+)
+def show(run_id: str, store_path: str, as_json: bool) -> None:
+    """Show a run's trajectory as a table (or its events as JSON lines)."""
+
+    async def read() -> RunLog:
+        async with open_store(store_path) as store:
+            return await store.read_log(run_id)
+
+    log = run_async(read)
+    if not log.records:
+        raise click.ClickException(f"no run {run_id!r} in {store_path}")
+    if as_json:
+        for event in stored_events(log, 1, len(log.records)):
+            click.echo(json.dumps(event_json(event), ensure_ascii=False))
+        return
+    Console().print(trajectory_table(log))
+
+
+def trajectory_table(log: RunLog) -> Table:
+    """A run's log as a readable table: one row per record, in seq order.
+
+    Secret tool arguments are redacted (docs/events.md, "Secret arguments").
+    """
+    redaction = Redaction.of_log(log)
+    table = Table(title=f"run {log.run_id}", show_lines=False)
+    table.add_column("seq", justify="right")
+    table.add_column("step", justify="right")
+    table.add_column("record")
+    table.add_column("detail", overflow="fold")
+    for seq, record in enumerate(log.records, start=1):
+        step = getattr(record, "step", None)
+        shown = redaction.record(record)
+        cells = (str(seq), "" if step is None else str(step), *describe(shown))
+        table.add_row(*map(Text, cells))  # what a tool or model wrote is never markup
+    return table
+
+
+@click.command("resume")
+@click.argument("run_id", required=False)
+@store_option
+@click.option(
+    "--agent",
+    "agent_spec",
+    required=True,
+    help="MODULE:FACTORY, a function of no arguments returning the run's treadle.Agent.",
+)
+@click.option("--all", "resume_all", is_flag=True, help="Resume every unfinished run instead.")
+@click.option(
+    "--max-concurrent",
+    default=16,
+    show_default=True,
+    type=click.IntRange(min=1),
+    help="Runs driven at the same time (with --all).",
+)
+@click.option("--json", "as_json", is_flag=True, help="One JSON object per run.")
+@click.option(
+    "--accept-changed-definition",
+    "accept_change",
+    is_flag=True,
+    help="Go on even though the agent definition differs from the run's: the difference is "
+    "written to the log first (without this flag the resume is refused).",
+)
+@click.option(
+    "--wait",
+    is_flag=True,
+    help="Wait for leases held by other drivers to expire (a driver that died lets go "
+    "within its lease TTL; a live one renews and keeps its runs).",
+)
+def resume(
+    run_id: str | None,
+    store_path: str,
+    agent_spec: str,
+    resume_all: bool,
+    max_concurrent: int,
+    as_json: bool,
+    accept_change: bool,
+    wait: bool,
+) -> None:
+    """Resume an unfinished run (or every one, with --all) and print how it ended.
+
+    Finished model calls and actions are reused, never repeated; an action whose outcome was
+    lost follows its tool's replay policy. A finished run is only reported. A run another live
+    driver holds the lease of is left to it (and named on standard error).
+    """
+    if (run_id is None) == (not resume_all):
+        raise click.UsageError("give a RUN_ID or --all (not both)")
+    agent = load_agent(agent_spec)
+    if resume_all:
+        if accept_change:
+            raise click.UsageError("--accept-changed-definition takes one RUN_ID, not --all")
+        logs, errors = run_async(lambda: _resume_all(store_path, agent, max_concurrent, wait))
+    else:
+        assert run_id is not None
+        logs = [run_async(lambda: _resume_one(store_path, agent, run_id, wait, accept_change))]
+        errors = []
+    for log in logs:
+        ended = _ending(log)
+        if as_json:
+            click.echo(json.dumps(ended, ensure_ascii=False))
+        else:
+            click.echo(
+                f"{log.run_id}: {ended['state']} ({ended['stop_reason']}), "
+                f"{counted(ended['steps'], 'step')}"
+            )
+    if resume_all and not logs and not errors and not as_json:
+        click.echo(f"nothing to resume: every run in {redact(store_path)} is finished or driven")
+    if errors:
+        for error in errors:
+            click.echo(" ".join([*getattr(error, "__notes__", []), str(error)]), err=True)
+        raise click.ClickException(f"{len(errors)} run(s) could not be resumed (see above)")
+
+
+def load_agent(spec: str) -> Agent:
+    """Load the agent definition named ``MODULE:FACTORY`` (``--agent``).
+
+    ``FACTORY`` is a `treadle.Agent` or a function of no arguments returning one.
+
+    Raises:
+        click.BadParameter: the spec is malformed, the module or name cannot be found, the
+            factory fails, or it gives something other than an Agent.
+    """
+    found = import_spec(spec, param_hint="--agent")
+    if not isinstance(found, Agent):
+        try:
+            found = found()
+        except Exception as exc:
+            raise click.BadParameter(f"{spec}() failed: {exc}", param_hint="--agent") from exc
+    if not isinstance(found, Agent):
+        raise click.BadParameter(
+            f"{spec} gave {type(found).__name__}, not a treadle.Agent", param_hint="--agent"
+        )
+    agent: Agent = found
+    return agent
+
+
+async def _resume_one(
+    store_path: str, agent: Agent, run_id: str, wait: bool, accept_change: bool
+) -> RunLog:
+    from treadle.supervisors.run import run
+
+    async with open_store(store_path) as store:
+        log = await store.read_log(run_id)
+        if not log.records:
+            raise click.ClickException(f"no run {run_id!r} in {redact(store_path)}")
+        if log.finished is None:
+            if wait:
+                await wait_for_leases(store, [run_id])
+            await run(agent, store=store, run_id=run_id, accept_definition_change=accept_change)
+            log = await store.read_log(run_id)
+    return log
+
+
+LEASE_POLL_S = 0.25
+"""Seconds between two looks at a lease while ``--wait`` waits for it to expire."""
+
+
+async def wait_for_leases(store: RunStore, run_ids: Sequence[str]) -> None:
+    """Wait until the leases of ``run_ids`` are free, or until they expire as seen now.
+
+    A driver that died lets its leases expire within their TTL; one that is alive renews
+    them, and once the expiry seen at the start has passed, the wait ends (the run is then
+    left to that driver).
+    """
+    leases = leases_of(store)
+    if leases is None:
+        return
+    now_leases = [await leases.read_lease(run_id) for run_id in run_ids]
+    clock = time.time()
+    horizon = max((lease.expires_at for lease in now_leases if lease and lease.owner), default=0)
+    with trio.move_on_after(max(0.0, horizon - clock) + 1.0):
+        while True:
+            held = [await leases.read_lease(run_id) for run_id in run_ids]
+            if not any(lease is not None and is_live(lease, time.time()) for lease in held):
+                return
+            await trio.sleep(LEASE_POLL_S)
+
+
+async def _resume_all(
+    store_path: str, agent: Agent, max_concurrent: int, wait: bool
+) -> tuple[list[RunLog], list[Exception]]:
+    from treadle.supervisors.recovery import resume_unfinished
+
+    errors: list[Exception] = []
+    async with open_store(store_path) as store:
+        summaries = await _summaries_of(store)
+        driven = [s.run_id for s in summaries if s.liveness is Liveness.DRIVEN]
+        if driven and wait:
+            await wait_for_leases(store, driven)
+            summaries = await _summaries_of(store)
+        for summary in summaries:
+            if summary.liveness is Liveness.DRIVEN:
+                click.echo(
+                    f"{summary.run_id}: left to its driver, {driver_text(summary)}", err=True
+                )
+        unfinished = [
+            s.run_id
+            for s in summaries
+            if s.error is None and s.liveness in (Liveness.ORPHANED, Liveness.PARKED)
+        ]
+        try:
+            await resume_unfinished(agent, store=store, max_concurrent=max_concurrent)
+        except ExceptionGroup as group:
+            errors = list(group.exceptions)
+        failed = {getattr(e, "run_id", None) for e in errors}
+        logs = [await store.read_log(r) for r in unfinished if r not in failed]
+    return logs, errors
+
+
+def _ending(log: RunLog) -> dict[str, Any]:
+    finished = log.finished
+    state = finished.state.value if finished else "unfinished"
+    if finished is None and pending_approval(log) is not None:
+        state = "awaiting_approval"
+    return {
+        "run_id": log.run_id,
+        "state": state,
+        "stop_reason": finished.stop_reason.value if finished else None,
+        "steps": len(log.steps),
+        "records": len(log.records),
+        "started": log.started.ts if log.started else None,
+    }
+
+
+async def read_summaries(store_path: str) -> tuple[RunSummary, ...]:
+    """Every run of the store at ``store_path`` with its state and liveness."""
+    async with open_store(store_path) as store:
+        return await _summaries_of(store)
+
+
+async def _summaries_of(store: RunStore) -> tuple[RunSummary, ...]:
+    if isinstance(store, RunIndex):
+        return await store.list_summaries()
+    raise click.ClickException(f"{type(store).__name__} keeps no run index")
