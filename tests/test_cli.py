@@ -6,6 +6,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import trio
 from click.testing import CliRunner
 
@@ -103,7 +104,7 @@ async def test_probe_prints_the_assembled_reply_with_decision(tmp_path):
         report = json.loads(done.stdout)
         sent = server.requests[0].json()
     assert [c["name"] for c in report["tool_calls"]] == ["get_weather", "get_local_time"]
-    assert report["error"] is None and report["usage"] is None
+    assert report["error"] is None and set(report["usage"].values()) == {None}
     assert report["decision"]["kind"] == "actions"
     assert sent["stream"] is True and sent["tools"][0]["function"]["name"] == "get_weather"
 
@@ -136,7 +137,9 @@ async def test_probe_reports_a_classified_error_and_keeps_the_key_out(tmp_path):
             env={**__import__("os").environ, "PROBE_KEY": "sk-secret-123"},
         )
     report = json.loads(done.stdout)
+    assert done.returncode == 1  # the endpoint call failed
     assert report["error"]["kind"] == "rate_limited" and report["error"]["retryable"] is True
+    assert report["error"]["status"] == 429 and report["error"]["message"]
     assert "sk-secret-123" not in done.stdout.decode() + done.stderr.decode()
     assert len(server.requests) == 2
     assert server.requests[0].header("authorization") == "Bearer sk-secret-123"
@@ -265,3 +268,69 @@ def test_show_and_tail_json_speak_the_event_vocabulary(tmp_path):
         kinds = {r["kind"] for r in rows}
         assert not kinds & {"model_intent", "model_result", "step", "action_intent"}
         assert kinds <= {k.value for k in treadle.EventKind}
+
+
+@pytest.mark.parametrize(
+    ("option", "content", "said"),
+    [
+        ("--tools", "not json", "not JSON"),
+        ("--tools", "{}", "expected a non-empty JSON list of tools"),
+        ("--tools", "[]", "expected a non-empty JSON list of tools"),
+        ("--tools", '[{"description": "no name"}]', "tool 0: 'name' must be a non-empty string"),
+        ("--tools", '[{"name": "f", "parameters": []}]', "'parameters' must be a JSON-schema"),
+        ("--tools", '[{"name": "f", "paramters": {}}]', "tool 0: unknown keys paramters"),
+        ("--messages", "[1", "not JSON"),
+        ("--messages", '{"role": "user"}', "expected a non-empty JSON list of messages"),
+        ("--messages", '[{"role": "robot", "content": "x"}]', "'role' must be one of"),
+        ("--messages", '[{"role": "tool", "content": "x"}]', "needs 'tool_call_id'"),
+        (
+            "--messages",
+            '[{"role": "assistant", "tool_calls": [{"id": "c", "function": {"name": "f", '
+            '"arguments": "{x"}}]}]',
+            "message 0: tool call 0: 'arguments' is not JSON",
+        ),
+    ],
+)
+def test_probe_refuses_input_files_it_cannot_use_naming_the_file(tmp_path, option, content, said):
+    path = tmp_path / "input.json"
+    path.write_text(content)
+    done = CliRunner().invoke(
+        main, ["probe", "--base-url", "http://127.0.0.1:9/v1", "--model", "m", option, str(path)]
+    )
+    assert done.exit_code == 2, done.output
+    assert str(path) in done.output and said in done.output
+    assert "Traceback" not in done.output
+
+
+async def test_probe_sends_tool_calls_and_tool_call_ids_from_the_messages_file(tmp_path):
+    messages = tmp_path / "messages.json"
+    call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": '{"a": 1}'}}
+    messages.write_text(
+        json.dumps(
+            [
+                {"role": "user", "content": "call f"},
+                {"role": "assistant", "content": None, "tool_calls": [call]},
+                {"role": "tool", "tool_call_id": "c1", "content": "2"},
+            ]
+        )
+    )
+    pong = b'data: {"choices": [{"index": 0, "delta": {"content": "2"}, "finish_reason": "stop"}]}'
+    response = CannedResponse(
+        headers={"content-type": "text/event-stream"}, chunks=[pong + b"\n\ndata: [DONE]\n\n"]
+    )
+    async with open_loopback_server(canned(response)) as server:
+        done = await trio.run_process(
+            [
+                *(sys.executable, "-m", "treadle", "probe", "--base-url", server.base_url),
+                *("--model", "m", "--messages", str(messages), "--json"),
+            ],
+            capture_stdout=True,
+            capture_stderr=True,
+            check=False,
+        )
+        assert done.returncode == 0, done.stderr.decode()
+        sent = server.requests[0].json()["messages"]
+    assert sent[1]["tool_calls"][0]["id"] == "c1"
+    assert json.loads(sent[1]["tool_calls"][0]["function"]["arguments"]) == {"a": 1}
+    assert sent[2] == {"role": "tool", "tool_call_id": "c1", "content": "2"}
+    assert json.loads(done.stdout)["text"] == "2"

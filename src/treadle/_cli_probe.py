@@ -1,4 +1,11 @@
-"""``treadle probe``: one streaming call to an OpenAI-compatible endpoint, printed as JSON."""
+"""``treadle probe``: one call to a model endpoint, reported as the JSON a run would record.
+
+The call goes through the client a run uses (``--protocol openai``: `OpenAIChatClient`;
+``anthropic``: `AnthropicMessagesClient`), and the reply is parsed by the run's decision
+parser, so the decision printed is the one a run would make (docs/models.md, "Probing an
+endpoint"). The exit status is 0 when the endpoint answered, 1 when the call failed (the JSON
+then holds the error), 2 for bad arguments or input files.
+"""
 
 from __future__ import annotations
 
@@ -7,38 +14,46 @@ import os
 from pathlib import Path
 from typing import Any
 
-import cattrs
 import click
 
 from treadle._cli_common import run_async
-from treadle.types import Message, ToolSpec
+from treadle.types import JSONValue, Message, ToolCall, ToolSpec
 
-_PLAIN = cattrs.Converter()
+ROLES = ("system", "user", "assistant", "tool")
 
 
 @click.command("probe")
 @click.option("--base-url", required=True, help="API root, e.g. http://127.0.0.1:8000/v1")
 @click.option("--model", required=True, help="Model name.")
+@click.option(
+    "--protocol",
+    type=click.Choice(["openai", "anthropic"]),
+    default="openai",
+    show_default=True,
+    help="OpenAI chat completions, or Anthropic Messages (--base-url as that client takes it).",
+)
 @click.option("--api-key-env", default=None, help="Environment variable holding the API key.")
 @click.option(
     "--tools",
     "tools_file",
     type=click.Path(exists=True, dir_okay=False),
     default=None,
-    help="JSON file: a list of tools ({name, description, parameters}).",
+    help="JSON file: a list of tools ({name, description, parameters}, or OpenAI's "
+    '{"type": "function", "function": {...}}).',
 )
 @click.option(
     "--messages",
     "messages_file",
     type=click.Path(exists=True, dir_okay=False),
     default=None,
-    help="JSON file: a list of chat messages to send.",
+    help="JSON file: a list of chat messages (OpenAI's shape: tool_calls and tool_call_id kept).",
 )
 @click.option("--max-attempts", default=3, show_default=True, type=click.IntRange(min=1))
 @click.option("--json", "as_json", is_flag=True, help="Print JSON (the only output form).")
 def probe(
     base_url: str,
     model: str,
+    protocol: str,
     api_key_env: str | None,
     tools_file: str | None,
     messages_file: str | None,
@@ -47,11 +62,10 @@ def probe(
 ) -> None:
     """Make one streaming call and print the assembled reply as JSON."""
     from treadle.models._probe import probe as probe_endpoint
-    from treadle.parsers import NativeToolCallParser
 
     api_key = _api_key(api_key_env)
-    tools = _load_tools(tools_file) if tools_file else ()
-    messages = _load_messages(messages_file) if messages_file else None
+    tools = load_tools(tools_file) if tools_file else ()
+    messages = load_messages(messages_file) if messages_file else None
 
     async def go() -> dict[str, Any]:
         return await probe_endpoint(
@@ -61,12 +75,13 @@ def probe(
             tools=tools,
             messages=messages,
             max_attempts=max_attempts,
+            protocol="anthropic" if protocol == "anthropic" else "openai",
         )
 
     report = run_async(go)
-    if tools and report.get("error") is None:
-        report["decision"] = _decision(report, tools, NativeToolCallParser())
     click.echo(json.dumps(report, ensure_ascii=False))
+    if report["error"] is not None:
+        raise SystemExit(1)
 
 
 def _api_key(env: str | None) -> str | None:
@@ -80,39 +95,127 @@ def _api_key(env: str | None) -> str | None:
     return value
 
 
-def _load_tools(path: str) -> tuple[ToolSpec, ...]:
-    data = json.loads(Path(path).read_text(encoding="utf-8"))
-    items = data if isinstance(data, list) else data.get("tools", [])
-    specs = []
-    for item in items:
-        spec = item.get("function", item) if isinstance(item, dict) else item
-        specs.append(_PLAIN.structure(spec, ToolSpec))
-    return tuple(specs)
+def _read_json(path: str, option: str) -> Any:
+    try:
+        return json.loads(Path(path).read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError) as exc:
+        raise click.BadParameter(f"{path}: cannot be read: {exc}", param_hint=option) from exc
+    except json.JSONDecodeError as exc:
+        raise click.BadParameter(f"{path}: not JSON: {exc}", param_hint=option) from exc
 
 
-def _load_messages(path: str) -> tuple[Message, ...]:
-    data = json.loads(Path(path).read_text(encoding="utf-8"))
-    return tuple(Message(role=m["role"], content=m.get("content")) for m in data)
+def load_tools(path: str) -> tuple[ToolSpec, ...]:
+    """The tools of a ``--tools`` file: a JSON list (or ``{"tools": [...]}``) of tool objects.
+
+    Each is ``{name, description?, parameters?}`` or OpenAI's ``{"type": "function",
+    "function": {...}}``.
+
+    Raises:
+        click.BadParameter: the file is not JSON, lists no tools, or an entry has the wrong
+            shape (the message names the file and the entry).
+    """
+    data = _read_json(path, "--tools")
+    items = data.get("tools") if isinstance(data, dict) else data
+    if not isinstance(items, list) or not items:
+        raise click.BadParameter(
+            f'{path}: expected a non-empty JSON list of tools (or {{"tools": [...]}}); '
+            "leave --tools out to offer none",
+            param_hint="--tools",
+        )
+    return tuple(_tool(path, index, item) for index, item in enumerate(items))
 
 
-def _decision(report: dict[str, Any], tools: tuple[ToolSpec, ...], parser: Any) -> dict[str, Any]:
-    from treadle.types import ModelReply, ToolCall
+def _tool(path: str, index: int, item: Any) -> ToolSpec:
+    where = f"{path}: tool {index}"
+    spec = item.get("function", item) if isinstance(item, dict) else item
+    if not isinstance(spec, dict):
+        raise click.BadParameter(f"{where}: expected an object", param_hint="--tools")
+    unknown = sorted(set(spec) - {"name", "description", "parameters", "strict"})
+    if unknown:
+        raise click.BadParameter(
+            f"{where}: unknown keys {', '.join(unknown)}", param_hint="--tools"
+        )
+    name, description = spec.get("name"), spec.get("description", "")
+    parameters = spec.get("parameters", {"type": "object", "properties": {}})
+    if not isinstance(name, str) or not name:
+        raise click.BadParameter(
+            f"{where}: 'name' must be a non-empty string", param_hint="--tools"
+        )
+    if not isinstance(description, str):
+        raise click.BadParameter(f"{where}: 'description' must be a string", param_hint="--tools")
+    if not isinstance(parameters, dict):
+        raise click.BadParameter(
+            f"{where}: 'parameters' must be a JSON-schema object", param_hint="--tools"
+        )
+    return ToolSpec(name=name, description=description, parameters=parameters)
 
-    reply = ModelReply(
-        text=report.get("text"),
-        tool_calls=tuple(
-            ToolCall(id=c["id"], name=c["name"], arguments=c["arguments"])
-            for c in report.get("tool_calls", [])
-        ),
-        finish_reason=report.get("finish_reason"),
+
+def load_messages(path: str) -> tuple[Message, ...]:
+    """The conversation of a ``--messages`` file, in OpenAI's chat shape.
+
+    A message is ``{role, content, tool_calls?, tool_call_id?, name?}``; an assistant's
+    ``tool_calls`` are ``{"id", "type": "function", "function": {"name", "arguments"}}``
+    (``arguments`` a JSON text or object) and are kept, as is a tool message's
+    ``tool_call_id``, so the request is one a server accepts.
+
+    Raises:
+        click.BadParameter: the file is not JSON, lists no messages, or a message has the
+            wrong shape (the message names the file and the entry).
+    """
+    data = _read_json(path, "--messages")
+    if not isinstance(data, list) or not data:
+        raise click.BadParameter(
+            f"{path}: expected a non-empty JSON list of messages", param_hint="--messages"
+        )
+    return tuple(_message(f"{path}: message {index}", item) for index, item in enumerate(data))
+
+
+def _message(where: str, item: Any) -> Message:
+    def bad(text: str) -> click.BadParameter:
+        return click.BadParameter(f"{where}: {text}", param_hint="--messages")
+
+    if not isinstance(item, dict):
+        raise bad("expected an object")
+    unknown = sorted(set(item) - {"role", "content", "tool_calls", "tool_call_id", "name"})
+    if unknown:
+        raise bad(f"unknown keys {', '.join(unknown)}")
+    role, content = item.get("role"), item.get("content")
+    if role not in ROLES:
+        raise bad(f"'role' must be one of {', '.join(ROLES)}, got {role!r}")
+    if content is not None and not isinstance(content, str):
+        raise bad("'content' must be a string or null")
+    calls = tuple(_call(where, i, c) for i, c in enumerate(item.get("tool_calls") or ()))
+    if calls and role != "assistant":
+        raise bad("only an assistant message has tool_calls")
+    call_id = item.get("tool_call_id")
+    if role == "tool" and not isinstance(call_id, str):
+        raise bad("a tool message needs 'tool_call_id', the id of the call it answers")
+    name = item.get("name")
+    return Message(
+        role=role,
+        content=content,
+        tool_calls=calls,
+        tool_call_id=call_id if role == "tool" else None,
+        name=name if isinstance(name, str) else None,
     )
-    parsed = parser.parse(reply, tools)
-    return {
-        "kind": parsed.kind.value,
-        "actions": [
-            {"id": a.id, "name": a.name, "arguments": dict(a.arguments)} for a in parsed.actions
-        ],
-        "text": parsed.text,
-        "feedback": parsed.feedback,
-        "repairs": list(parsed.repairs),
-    }
+
+
+def _call(where: str, index: int, item: Any) -> ToolCall:
+    def bad(text: str) -> click.BadParameter:
+        return click.BadParameter(f"{where}: tool call {index}: {text}", param_hint="--messages")
+
+    function = item.get("function", item) if isinstance(item, dict) else None
+    if not isinstance(function, dict) or not isinstance(item.get("id"), str):
+        raise bad('expected {"id", "type": "function", "function": {"name", "arguments"}}')
+    name, arguments = function.get("name"), function.get("arguments", {})
+    if not isinstance(name, str) or not name:
+        raise bad("'name' must be a non-empty string")
+    if isinstance(arguments, str):
+        try:
+            arguments = json.loads(arguments) if arguments.strip() else {}
+        except json.JSONDecodeError as exc:
+            raise bad(f"'arguments' is not JSON: {exc}") from exc
+    if not isinstance(arguments, dict):
+        raise bad("'arguments' must be a JSON object")
+    parsed: dict[str, JSONValue] = arguments
+    return ToolCall(id=item["id"], name=name, arguments=parsed)

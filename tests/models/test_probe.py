@@ -46,14 +46,28 @@ async def run_probe(*responses: CannedResponse, **kwargs):
 async def test_success_is_reported_with_usage():
     result, server = await run_probe(PONG)
     assert result == {
+        "protocol": "openai",
+        "model": "m",
         "text": "pong",
+        "reasoning": None,
+        "reasoning_signature": None,
         "tool_calls": [],
+        "invalid_tool_calls": [],
         "finish_reason": "stop",
         "usage": {
             "input_tokens": 9,
             "output_tokens": 1,
             "reasoning_tokens": None,
             "total_tokens": None,
+        },
+        "response_id": "chatcmpl-p",
+        "decision": {
+            "kind": "final_answer",
+            "actions": [],
+            "text": "pong",
+            "feedback": None,
+            "reason": None,
+            "repairs": [],
         },
         "error": None,
     }
@@ -75,8 +89,9 @@ async def test_tools_and_messages_are_sent_and_calls_reported():
         api_key="sk-x",
     )
     assert result["tool_calls"] == [{"id": "c1", "name": "f", "arguments": {"a": 1}}]
-    assert result["usage"] is None
+    assert set(result["usage"].values()) == {None}
     assert result["error"] is None
+    assert result["decision"]["kind"] == "actions"
     body = server.requests[0].json()
     assert body["tools"][0]["function"]["name"] == "f"
     assert body["messages"] == [{"role": "user", "content": "call f"}]
@@ -95,28 +110,81 @@ async def test_attempts_are_bounded_and_the_last_error_reported():
     failing = CannedResponse(status=503, headers={})
     result, server = await run_probe(failing, max_attempts=3, retry_initial_s=0)
     assert len(server.requests) == 3
-    assert result == {
-        "text": None,
-        "tool_calls": [],
-        "finish_reason": None,
-        "usage": None,
-        "error": {"kind": "server_error", "retryable": True, "retry_after_s": None},
+    assert result["text"] is None and result["tool_calls"] == [] and result["decision"] is None
+    assert result["error"] == {
+        "kind": "server_error",
+        "message": result["error"]["message"],
+        "retryable": True,
+        "retry_after_s": None,
+        "status": 503,
     }
 
 
 async def test_non_retryable_error_is_not_retried():
     result, server = await run_probe(CannedResponse(status=401), max_attempts=3)
     assert len(server.requests) == 1
-    assert result["error"] == {"kind": "auth", "retryable": False, "retry_after_s": None}
+    error = result["error"]
+    assert (error["kind"], error["retryable"], error["status"]) == ("auth", False, 401)
 
 
 async def test_a_wait_longer_than_allowed_ends_the_probe():
     limited = CannedResponse(status=429, headers={"retry-after": "120"})
     result, server = await run_probe(limited, PONG, max_retry_wait_s=5)
     assert len(server.requests) == 1
-    assert result["error"] == {"kind": "rate_limited", "retryable": True, "retry_after_s": 120.0}
+    error = result["error"]
+    assert (error["kind"], error["retry_after_s"], error["status"]) == ("rate_limited", 120.0, 429)
 
 
 async def test_max_attempts_must_be_positive():
     with pytest.raises(UsageError):
         await probe(base_url="http://127.0.0.1:9", model="m", max_attempts=0)
+
+
+async def test_a_call_whose_arguments_the_parser_repairs_is_the_decision_a_run_makes():
+    """The client leaves arguments it cannot decode as an invalid call; the run's parser
+    repairs them (a Python literal here), and the probe reports that decision, not "empty"."""
+    bad = {"index": 0, "id": "c1", "function": {"name": "f", "arguments": "{'a': 1}"}}
+    response = CannedResponse(
+        headers=SSE, chunks=sse(chunk({"tool_calls": [bad]}, "tool_calls"), "[DONE]")
+    )
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    result, _ = await run_probe(response, tools=[ToolSpec(name="f", parameters=schema)])
+    assert result["tool_calls"] == []
+    assert result["invalid_tool_calls"] == [
+        {"id": "c1", "name": "f", "raw_arguments": "{'a': 1}", "reason": "unparseable"}
+    ]
+    decision = result["decision"]
+    assert decision["kind"] == "actions"
+    assert decision["actions"] == [{"id": "c1", "name": "f", "arguments": {"a": 1}}]
+    assert decision["repairs"] == ["python_literal"]
+
+
+async def test_the_anthropic_protocol_reports_the_same_shape():
+    from test_anthropic_events import SSE as ANTHROPIC_SSE
+    from test_anthropic_events import text_reply
+
+    reply = CannedResponse(headers=ANTHROPIC_SSE, chunks=text_reply("po", "ng"))
+    result, server = await run_probe(reply, protocol="anthropic", api_key="sk-ant-x")
+    openai, _ = await run_probe(PONG)
+    assert set(result) == set(openai)
+    assert result["protocol"] == "anthropic"
+    assert (result["text"], result["finish_reason"]) == ("pong", "stop")
+    assert result["decision"]["kind"] == "final_answer"
+    assert server.requests[0].path.endswith("/v1/messages")
+    assert server.requests[0].header("x-api-key") == "sk-ant-x"
+
+
+async def test_reasoning_is_reported():
+    response = CannedResponse(
+        headers=SSE,
+        chunks=sse(
+            chunk({"reasoning_content": "think"}), chunk({"content": "pong"}, "stop"), "[DONE]"
+        ),
+    )
+    result, _ = await run_probe(response)
+    assert (result["reasoning"], result["text"]) == ("think", "pong")
+
+
+async def test_an_unknown_protocol_is_refused():
+    with pytest.raises(UsageError, match="protocol must be one of openai, anthropic"):
+        await probe(base_url="http://127.0.0.1:9", model="m", protocol="grpc")
