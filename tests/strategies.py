@@ -104,6 +104,8 @@ usages = _build(
     output_tokens=maybe_counts,
     reasoning_tokens=maybe_counts,
     total_tokens=maybe_counts,
+    cached_input_tokens=maybe_counts,
+    cache_creation_input_tokens=maybe_counts,
 )
 model_replies = _build(
     t.ModelReply,

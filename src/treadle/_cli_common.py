@@ -200,7 +200,16 @@ def model_detail(record: ModelResult) -> str:
     usage = record.usage
     tokens = ""
     if usage.input_tokens is not None or usage.output_tokens is not None:
-        tokens = f" [{usage.input_tokens} in / {usage.output_tokens} out tokens]"
+        cache = [
+            f"{count} {what}"
+            for count, what in (
+                (usage.cached_input_tokens, "cached"),
+                (usage.cache_creation_input_tokens, "written to cache"),
+            )
+            if count
+        ]
+        cached = f" ({', '.join(cache)})" if cache else ""
+        tokens = f" [{usage.input_tokens} in{cached} / {usage.output_tokens} out tokens]"
     if record.abandoned:
         return "abandoned (outcome unknown after a crash)"
     if record.error is not None:

@@ -249,12 +249,27 @@ class Usage:
     """Token usage as reported by the provider; every count is ``None`` when not reported.
 
     Unknown usage is never a made-up 0 (docs/seams.md, "Model client"). Units are tokens.
+    docs/models.md, "Usage" maps each provider's fields onto these.
+
+    Attributes:
+        input_tokens: the whole prompt, cached parts included, for every provider (Anthropic
+            reports uncached, cache-read and cache-write tokens apart; they are summed here).
+        output_tokens: generated tokens, reasoning included.
+        reasoning_tokens: of ``output_tokens``, those spent on reasoning.
+        total_tokens: the provider's own total.
+        cached_input_tokens: of ``input_tokens``, those read from the provider's prompt cache
+            (OpenAI ``prompt_tokens_details.cached_tokens``, DeepSeek
+            ``prompt_cache_hit_tokens``, Anthropic ``cache_read_input_tokens``).
+        cache_creation_input_tokens: of ``input_tokens``, those written to the cache
+            (Anthropic ``cache_creation_input_tokens``).
     """
 
     input_tokens: int | None = None
     output_tokens: int | None = None
     reasoning_tokens: int | None = None
     total_tokens: int | None = None
+    cached_input_tokens: int | None = None
+    cache_creation_input_tokens: int | None = None
 
     @property
     def known_total(self) -> int | None:
@@ -397,7 +412,9 @@ class Budgets:
     Attributes:
         max_steps: steps (one model call + its action(s)).
         max_model_attempts: every HTTP attempt, retries and abandoned attempts included.
-        token_budget: input + output tokens as reported; unknown usage never counts as 0.
+        token_budget: ``input_tokens + output_tokens`` as reported (cached input tokens are
+            part of ``input_tokens`` and count in full; reasoning tokens are part of
+            ``output_tokens``); unknown usage never counts as 0.
         time_budget_s: active seconds (running time, excluding waits for human approval).
     """
 

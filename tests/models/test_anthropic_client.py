@@ -27,7 +27,7 @@ from treadle._exceptions import ModelCallError, UsageError
 from treadle.models import AnthropicMessagesClient
 from treadle.ports import ModelClient
 from treadle.testing.loopback import CannedResponse, canned, open_loopback_server
-from treadle.types import ImageRef, Message, ModelRequest, ToolCall, ToolSpec
+from treadle.types import ImageRef, Message, ModelRequest, ToolCall, ToolSpec, Usage
 
 KEY = "sk-ant-api03-secret-123456"
 PNG = b"\x89PNG\r\n\x1a\n" + b"\x00" * 8
@@ -472,3 +472,22 @@ async def test_report_usage_outside_an_attempt_does_nothing():
         report_usage(Usage(input_tokens=2))
     report_usage(Usage(input_tokens=3))
     assert seen == [Usage(input_tokens=2)]
+
+
+async def test_cache_read_and_write_tokens_through_the_stream():
+    chunks = [
+        message_start(3, 1, cache_creation_input_tokens=1500, cache_read_input_tokens=20000),
+        block_start(0, {"type": "text", "text": ""}),
+        text_delta(0, "ok"),
+        block_stop(0),
+        message_delta("end_turn", 12),
+        MESSAGE_STOP,
+    ]
+    reply, _ = await call(CannedResponse(headers=SSE, chunks=chunks))
+    assert reply.usage == Usage(
+        input_tokens=21503,  # the whole prompt: uncached + cache writes + cache reads
+        output_tokens=12,
+        total_tokens=21515,
+        cached_input_tokens=20000,
+        cache_creation_input_tokens=1500,
+    )

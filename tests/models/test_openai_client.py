@@ -14,7 +14,7 @@ from treadle._exceptions import ModelCallError, UsageError
 from treadle.models import OpenAIChatClient
 from treadle.ports import ModelClient
 from treadle.testing.loopback import CannedResponse, canned, open_loopback_server
-from treadle.types import ImageRef, Message, ModelRequest, ToolCall, ToolSpec
+from treadle.types import ImageRef, Message, ModelRequest, ToolCall, ToolSpec, Usage
 
 KEY = "sk-secret-123456"
 SSE = {"content-type": "text/event-stream"}
@@ -371,3 +371,41 @@ async def test_async_with_closes_the_client_it_made():
             pass
         assert not given.is_closed  # a client handed in stays the caller's to close
         await given.aclose()
+
+
+@pytest.mark.parametrize(
+    ("usage", "expected"),
+    [
+        (  # OpenAI: cached tokens are part of prompt_tokens
+            {"prompt_tokens": 2006, "completion_tokens": 300, "total_tokens": 2306,
+             "prompt_tokens_details": {"cached_tokens": 1920},
+             "completion_tokens_details": {"reasoning_tokens": 64}},
+            Usage(input_tokens=2006, output_tokens=300, reasoning_tokens=64, total_tokens=2306,
+                  cached_input_tokens=1920),
+        ),
+        (  # DeepSeek: hit + miss = prompt_tokens
+            {"prompt_tokens": 100, "completion_tokens": 5, "total_tokens": 105,
+             "prompt_cache_hit_tokens": 64, "prompt_cache_miss_tokens": 36},
+            Usage(input_tokens=100, output_tokens=5, total_tokens=105, cached_input_tokens=64),
+        ),
+        (  # hit and miss alone still give the whole prompt
+            {"completion_tokens": 5, "prompt_cache_hit_tokens": 64, "prompt_cache_miss_tokens": 36},
+            Usage(input_tokens=100, output_tokens=5, cached_input_tokens=64),
+        ),
+        (  # Moonshot: a top-level cached_tokens
+            {"prompt_tokens": 50, "completion_tokens": 2, "cached_tokens": 32},
+            Usage(input_tokens=50, output_tokens=2, cached_input_tokens=32),
+        ),
+        (  # unreported cache counts stay unknown
+            {"prompt_tokens": 7, "completion_tokens": 1},
+            Usage(input_tokens=7, output_tokens=1),
+        ),
+    ],
+)  # fmt: skip
+async def test_usage_with_cached_prompt_tokens_through_the_stream(usage, expected):
+    final = {"id": "chatcmpl-t", "choices": [], "usage": usage}
+    response = CannedResponse(
+        headers=SSE, chunks=[sse(chunk({"content": "ok"}, "stop")), sse(final), sse("[DONE]")]
+    )
+    reply, _ = await call(response)
+    assert reply.usage == expected

@@ -59,6 +59,8 @@ async def test_success_is_reported_with_usage():
             "output_tokens": 1,
             "reasoning_tokens": None,
             "total_tokens": None,
+            "cached_input_tokens": None,
+            "cache_creation_input_tokens": None,
         },
         "response_id": "chatcmpl-p",
         "decision": {

@@ -139,16 +139,36 @@ def _number(value: str | None) -> float | None:
 
 
 def usage_from(payload: Any) -> Usage:
-    """Map an OpenAI ``usage`` object to `Usage`; a count the server did not give is ``None``."""
+    """Map an OpenAI-style ``usage`` object to `Usage`; a count not given is ``None``.
+
+    Cached prompt tokens come from ``prompt_tokens_details.cached_tokens`` (OpenAI), a
+    top-level ``cached_tokens`` (Moonshot) or ``prompt_cache_hit_tokens`` (DeepSeek, whose
+    ``prompt_cache_miss_tokens`` are the rest of the prompt: their sum is the prompt when
+    ``prompt_tokens`` is missing). ``input_tokens`` is always the whole prompt.
+    """
     if not isinstance(payload, Mapping):
         return Usage()
     details = payload.get("completion_tokens_details")
     reasoning = details.get("reasoning_tokens") if isinstance(details, Mapping) else None
+    prompt_details = payload.get("prompt_tokens_details")
+    cached = (
+        _count(prompt_details.get("cached_tokens")) if isinstance(prompt_details, Mapping) else None
+    )
+    hit, miss = (
+        _count(payload.get("prompt_cache_hit_tokens")),
+        _count(payload.get("prompt_cache_miss_tokens")),
+    )
+    if cached is None:
+        cached = hit if hit is not None else _count(payload.get("cached_tokens"))
+    prompt = _count(payload.get("prompt_tokens"))
+    if prompt is None and hit is not None and miss is not None:
+        prompt = hit + miss
     return Usage(
-        input_tokens=_count(payload.get("prompt_tokens")),
+        input_tokens=prompt,
         output_tokens=_count(payload.get("completion_tokens")),
         reasoning_tokens=_count(reasoning),
         total_tokens=_count(payload.get("total_tokens")),
+        cached_input_tokens=cached,
     )
 
 

@@ -76,18 +76,25 @@ def usage_from(payload: Any, previous: Usage) -> Usage:
     if not isinstance(payload, Mapping):
         return previous
     uncached = _count(payload.get("input_tokens"))
-    cached = [
-        _count(payload.get(k)) for k in ("cache_creation_input_tokens", "cache_read_input_tokens")
-    ]
+    written = _count(payload.get("cache_creation_input_tokens"))
+    read = _count(payload.get("cache_read_input_tokens"))
     input_tokens = previous.input_tokens
     if uncached is not None:
-        input_tokens = uncached + sum(c for c in cached if c is not None)
+        input_tokens = uncached + (written or 0) + (read or 0)
     output = _count(payload.get("output_tokens"))
     output_tokens = output if output is not None else previous.output_tokens
     total = None
     if input_tokens is not None and output_tokens is not None:
         total = input_tokens + output_tokens
-    return Usage(input_tokens=input_tokens, output_tokens=output_tokens, total_tokens=total)
+    return Usage(
+        input_tokens=input_tokens,
+        output_tokens=output_tokens,
+        total_tokens=total,
+        cached_input_tokens=read if read is not None else previous.cached_input_tokens,
+        cache_creation_input_tokens=(
+            written if written is not None else previous.cache_creation_input_tokens
+        ),
+    )
 
 
 def _count(value: Any) -> int | None:
