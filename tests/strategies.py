@@ -117,6 +117,8 @@ model_replies = _build(
     finish_reason=st.none() | st.sampled_from(["stop", "tool_calls", "length"]),
     usage=usages,
     response_id=st.none() | ids,
+    refusal=st.none() | texts,
+    provider_finish_reason=st.none() | st.sampled_from(["end_turn", "MAX_TOKENS", "eos"]),
 )
 model_error_infos = _build(
     t.ModelErrorInfo,

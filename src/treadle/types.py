@@ -290,10 +290,16 @@ class ModelReply:
             to be sent back with it on the next turn; ``None`` when there is none.
         tool_calls: complete tool calls, ordered by the provider's index.
         invalid_tool_calls: calls that could not be assembled (e.g. cut by ``length``).
-        finish_reason: the provider's finish reason (``stop``, ``tool_calls``, ``length`` ...),
-            ``None`` when it sent none.
+        finish_reason: the finish reason in the standard set ``stop``, ``length``,
+            ``tool_calls``, ``content_filter`` (docs/models.md, "Replies, finish reasons,
+            reasoning"), ``None`` when the server sent none.
         usage: as reported; all ``None`` when the server did not say.
         response_id: the provider's response id, when given.
+        refusal: the model's refusal text (OpenAI ``delta.refusal``), kept apart from the
+            visible text as the official SDK keeps it; ``None`` when it did not refuse.
+        provider_finish_reason: the server's own finish reason when it is not the standard
+            value ``finish_reason`` holds (``end_turn``, ``MAX_TOKENS``, ``eos`` ...); ``None``
+            when the server sent a standard one.
     """
 
     text: str | None = None
@@ -304,6 +310,8 @@ class ModelReply:
     finish_reason: str | None = None
     usage: Usage = Usage()
     response_id: str | None = None
+    refusal: str | None = None
+    provider_finish_reason: str | None = None
 
 
 @attrs.frozen(kw_only=True)

@@ -63,6 +63,8 @@ async def test_success_is_reported_with_usage():
             "cache_creation_input_tokens": None,
         },
         "response_id": "chatcmpl-p",
+        "refusal": None,
+        "provider_finish_reason": None,
         "decision": {
             "kind": "final_answer",
             "actions": [],

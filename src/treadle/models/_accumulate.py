@@ -14,7 +14,7 @@ import json
 import math
 import re
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, Final
 
 import attrs
 import orjson
@@ -31,6 +31,41 @@ _RATE_HINTS = ("rate_limit", "too_many_requests", "rate limit", "quota")
 _SERVER_HINTS = ("server_error", "internal", "overloaded", "unavailable", "api_error")
 MAX_MESSAGE_CHARS = 500
 """Provider error messages are cut to this many characters."""
+
+FINISH_REASONS: Final = {
+    **dict.fromkeys(
+        ("stop", "eos", "eos_token", "end_turn", "stop_sequence", "end", "complete",
+         "completed", "finished", "pause_turn"),
+        "stop",
+    ),
+    **dict.fromkeys(
+        ("length", "max_tokens", "max_output_tokens", "model_length", "token_limit",
+         "max_length"),
+        "length",
+    ),
+    **dict.fromkeys(
+        ("tool_calls", "tool_call", "tool_use", "function_call", "function_calls"), "tool_calls"
+    ),
+    **dict.fromkeys(
+        ("content_filter", "safety", "recitation", "blocklist", "prohibited_content", "spii",
+         "refusal", "image_safety", "language"),
+        "content_filter",
+    ),
+}  # fmt: skip
+"""A provider's finish reason, lower-cased -> the standard value (docs/models.md, "Replies,
+finish reasons, reasoning"); a reason not listed here is ``stop``, the server's own value kept."""
+
+FAILED_FINISH_REASONS: Final = frozenset({"error", "abort", "aborted", "cancelled", "canceled"})
+"""Finish reasons that say the generation failed: the attempt is an ``incomplete_stream``."""
+
+
+def standard_finish_reason(value: str) -> tuple[str, str | None]:
+    """``(standard value, the server's own value or None)`` for a finish reason.
+
+    The second item is ``None`` when the server's value is the standard one already.
+    """
+    standard = FINISH_REASONS.get(value.lower(), "stop")
+    return standard, None if value == standard else value
 
 
 def error_fields(payload: Any) -> tuple[str, Any, str]:
@@ -219,6 +254,7 @@ class StreamAccumulator:
     usage: Usage = Usage()
     _text: list[str] | None = None
     _reasoning: list[str] | None = None
+    _refusal: list[str] | None = None
     _calls: list[_CallBuffer] = attrs.Factory(list)
     _by_index: dict[int, _CallBuffer] = attrs.Factory(dict)
 
@@ -280,16 +316,39 @@ class StreamAccumulator:
 
         A call whose arguments are not a JSON object goes to ``invalid_tool_calls`` with its
         raw text: reason ``truncated`` when ``finish_reason`` is ``length``, else
-        ``unparseable``. It never appears in ``tool_calls``.
+        ``unparseable``. It never appears in ``tool_calls``. The finish reason is mapped onto
+        the standard set (`standard_finish_reason`), the server's own value kept.
+
+        Raises:
+            treadle.ModelCallError: ``incomplete_stream`` (retryable) when the response
+                carried nothing at all (no text, refusal, tool call or finish reason), or its
+                finish reason says the generation failed (``error``, ``abort``): neither is a
+                reply.
         """
+        if self.finish_reason is not None and self.finish_reason.lower() in FAILED_FINISH_REASONS:
+            raise self.failure(
+                "incomplete_stream",
+                f"the server ended the generation with finish_reason {self.finish_reason!r}",
+                retryable=True,
+            )
+        if self.finish_reason is None and not (self._text or self._refusal or self._calls):
+            raise self.failure(
+                "incomplete_stream",
+                f"the response carried no reply after {self.events} events: no text, no tool "
+                "call and no finish reason",
+                retryable=True,
+            )
+        finish, provider_finish = (
+            standard_finish_reason(self.finish_reason) if self.finish_reason else (None, None)
+        )
         calls: list[ToolCall] = []
         invalid: list[InvalidToolCall] = []
         for ordinal, buf in enumerate(sorted(self._calls, key=lambda b: b.index)):
             call_id = buf.id or self._synthetic_id(buf, ordinal)
             raw = "".join(buf.arguments)
             arguments = _object_or_none(raw)
-            if arguments is None or (not buf.name and self.finish_reason == "length"):
-                reason = "truncated" if self.finish_reason == "length" else "unparseable"
+            if arguments is None or (not buf.name and finish == "length"):
+                reason = "truncated" if finish == "length" else "unparseable"
                 invalid.append(
                     InvalidToolCall(id=call_id, name=buf.name, raw_arguments=raw, reason=reason)
                 )
@@ -300,9 +359,11 @@ class StreamAccumulator:
             reasoning=None if self._reasoning is None else "".join(self._reasoning),
             tool_calls=tuple(calls),
             invalid_tool_calls=tuple(invalid),
-            finish_reason=self.finish_reason,
+            finish_reason=finish,
             usage=self.usage,
             response_id=self.response_id,
+            refusal=None if self._refusal is None else "".join(self._refusal),
+            provider_finish_reason=provider_finish,
         )
 
     def add_completion(self, body: bytes) -> ModelReply:
@@ -344,10 +405,12 @@ class StreamAccumulator:
             reasoning = delta.get("reasoning", reasoning)
         if isinstance(reasoning, str):
             self._reasoning = self._append(self._reasoning, reasoning, "reasoning")
-        for key in ("content", "refusal"):
-            text = _text_of(delta.get(key))
-            if text is not None:
-                self._text = self._append(self._text, text, "text")
+        text = _text_of(delta.get("content"))
+        if text is not None:
+            self._text = self._append(self._text, text, "text")
+        refusal = delta.get("refusal")
+        if isinstance(refusal, str):  # kept apart from the text, as the official SDK keeps it
+            self._refusal = self._append(self._refusal, refusal, "text")
         for fragment in delta.get("tool_calls") or ():
             if isinstance(fragment, Mapping):
                 self._add_call_fragment(fragment)
