@@ -44,3 +44,31 @@ def test_no_doc_or_docstring_cites_internal_briefs():
             if re.search(r"\b(DESIGN|STYLE)(\.md)?\b", text):
                 cited.append(str(path.relative_to(ROOT)))
     assert cited == []
+
+
+def _headings(page: Path) -> set[str]:
+    """A page's headings, lower case; "1. Model client — `...`" also as "model client"."""
+    found = set()
+    for line in page.read_text(encoding="utf-8").splitlines():
+        if line.startswith("#"):
+            title = line.lstrip("#").strip().lower()
+            found.add(title)
+            found.add(re.sub(r"^\d+\.\s*", "", title).split(" — ")[0])
+    return found
+
+
+def test_cited_doc_sections_exist():
+    """Every `docs/<page>.md, "Section"` cited in code or docs names a heading of that page."""
+    wrong = []
+    sources = [*(ROOT / "src").rglob("*.py"), *DOCS.rglob("*.md"), ROOT / "README.md"]
+    for source in sources:
+        text = source.read_text(encoding="utf-8")
+        for page in re.findall(r"docs/[\w./-]+\.md", text):
+            if not (ROOT / page).exists():
+                wrong.append(f"{source.relative_to(ROOT)}: {page} does not exist")
+        # a citation may be broken over lines (and over comment markers)
+        flat = re.sub(r"\s*\n\s*(?:#\s*)?", " ", text)
+        for page, section in re.findall(r'(docs/[\w-]+\.md),? "([^"]+)"', flat):
+            if (ROOT / page).exists() and section.lower() not in _headings(ROOT / page):
+                wrong.append(f'{source.relative_to(ROOT)}: {page} has no section "{section}"')
+    assert wrong == []

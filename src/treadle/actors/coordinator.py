@@ -443,7 +443,7 @@ class RunCoordinator:
                 deadline_ts=_plus_s(now, self.limits.approval_timeout_s),
             )
             # The handle reports the wait before the request's event reaches anyone: whoever
-            # receives it may decide at once (docs/events.md, "Approvals").
+            # receives it may decide at once (docs/events.md, "Reading events").
             self._awaiting_state(request)
             try:
                 await self.writer.barrier(StoreOp.CONTROL, request)

@@ -1,1 +1,1 @@
-"""The supervisors: one run, a fleet of runs, recovery and finishing (docs/design.md, "Supervisors")."""
+"""The supervisors: one run, a fleet, recovery, finishing (docs/design.md, "Supervisors")."""
