@@ -564,7 +564,7 @@ class ActionResult:
     Attributes:
         late: the step was cancelled while the call ran; the outcome was not applied.
         reconciled: the outcome was established after a crash by the tool's ``reconcile``
-            hook (docs/crash-safety.md, "The resume table"), not by running the call here.
+            hook (docs/crash-safety.md, "Resume"), not by running the call here.
     """
 
     run_id: str

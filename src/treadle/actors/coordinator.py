@@ -444,7 +444,7 @@ class RunCoordinator:
                 arguments=dict(call.arguments),
             )
             # The handle reports the wait before the request's event reaches anyone: whoever
-            # receives it may decide at once (docs/events.md, "Approvals").
+            # receives it may decide at once (docs/events.md, "Reading events").
             self._awaiting_state(request)
             try:
                 await self.writer.barrier(StoreOp.CONTROL, request)

@@ -102,9 +102,8 @@ def backoff_s(retry: int, limits: Limits, rng: random.Random) -> float:
     Exponential from ``limits.retry_initial_s``, capped at ``limits.retry_max_s``, with
     "equal jitter" (half fixed, half uniform random).
 
-    The random source is injected so simulations are reproducible (docs/concepts.md, "Actors",
-    issue on
-    determinism); see docs/decisions/0003-own-backoff.md.
+    The random source is injected so simulations are reproducible (docs/simulation.md,
+    "Determinism"); see docs/decisions/0003-own-backoff.md.
     """
     ceiling = min(limits.retry_max_s, limits.retry_initial_s * 2.0 ** (retry - 1))
     return ceiling / 2 + rng.uniform(0, ceiling / 2)

@@ -1,7 +1,7 @@
 """Store addresses: telling a PostgreSQL DSN from a path, and hiding its password.
 
 A password never appears in a message, a log line or a command's output (docs/fleet.md,
-"Connecting"): every place that shows a store's address shows `redact_dsn` of it.
+"Stores"): every place that shows a store's address shows `redact_dsn` of it.
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ A store hands each write operation to the engine as a `Write`. The engine's comm
 takes everything pending, asks the store's `Backend` to commit it as one batch (one SQL
 transaction, or one append-and-sync round over files) and hands the batch back to trio with a
 single ``run_sync_soon``: group commit across every run of the store object
-(docs/crash-safety.md, "Group commit").
+(docs/crash-safety.md, "The stores").
 
 * **Barriers** wait for their batch. The other writes return once queued; they linger for up
   to `LINGER_S` so that they ride with the next barrier, and a failure of their batch is raised

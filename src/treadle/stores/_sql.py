@@ -2,7 +2,7 @@
 
 The table layout, the statements, and the trio-side store on top of the commit engine.
 
-Tables (docs/crash-safety.md, "SQL stores"; docs/fleet.md)::
+Tables (docs/crash-safety.md, "The stores"; docs/fleet.md, "Stores")::
 
     meta(key, value)                     layout version, creation marker, store id
     runs(ord, run_id UNIQUE, ...)        one row per run: the run index, its lease and its

@@ -61,7 +61,7 @@ BUSY_TIMEOUT_MS: Final = 10_000
 
 FILE_CHECK_INTERVAL_S: Final = 0.05
 """How often (seconds, at most) the committer checks that its database file and WAL are still
-the files it opened (docs/crash-safety.md, "Its files replaced under it"). Each check is two
+the files it opened (docs/crash-safety.md, "What the SQLite store detects"). Each check is two
 ``stat`` calls, and the committer gives up the GIL for each: on every commit they cost about
 a tenth of a single run's write path."""
 

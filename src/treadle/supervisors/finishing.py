@@ -1,8 +1,8 @@
 """Finishing a run that nobody drives as cancelled, without its agent definition.
 
-``treadle cancel`` on a run that no live driver holds (docs/fleet.md, "Cancelling"): the
-canceller takes the run's lease itself and writes what a driver would have written, so that a
-run whose agent no worker serves never waits in ``cancelling`` forever:
+``treadle cancel`` on a run that no live driver holds (docs/fleet.md, "Cancelling and
+approving"): the canceller takes the run's lease itself and writes what a driver would have
+written, so that a run whose agent no worker serves never waits in ``cancelling`` forever:
 
 * a model call whose outcome is unknown is recorded as abandoned (as resume would);
 * every action intent without a result gets its ``unknown`` result, with the synthetic

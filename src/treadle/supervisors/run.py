@@ -565,7 +565,7 @@ class RunHandle:
                         yield event
 
     async def _reflected(self, event: Event) -> None:
-        """Wait until what the handle reports reflects ``event`` (docs/events.md, "Order").
+        """Wait until what the handle reports reflects ``event`` (docs/events.md, "Reading events").
 
         The writer hands an event to its subscribers as soon as its record is durable; the
         driver learns of it a scheduling step later. ``run_started`` waits until the run is

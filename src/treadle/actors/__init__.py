@@ -1,0 +1,1 @@
+"""The five actors of a run (docs/design.md, "The five actors")."""

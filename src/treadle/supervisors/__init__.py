@@ -1,0 +1,1 @@
+"""The supervisors: one run, a fleet, recovery, finishing (docs/design.md, "Supervisors")."""

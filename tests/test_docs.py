@@ -1,0 +1,74 @@
+"""The documentation site builds without a warning, and every page is in its navigation."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+DOCS = ROOT / "docs"
+
+
+def test_mkdocs_build_is_strictly_clean(tmp_path):
+    done = subprocess.run(
+        [sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(tmp_path / "site")],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "WARNING" not in done.stderr, done.stderr
+    # the API reference was generated from the docstrings, not left empty
+    api = (tmp_path / "site" / "api" / "treadle" / "index.html").read_text(encoding="utf-8")
+    for name in ("treadle.run", "treadle.open_run", "treadle.Agent", "treadle.tool"):
+        assert f'id="{name}"' in api, name
+
+
+def test_every_page_is_in_the_navigation():
+    config = (ROOT / "mkdocs.yml").read_text(encoding="utf-8")
+    listed = set(re.findall(r"^\s*- (?:[^:\n]+: )?([\w./-]+\.md)\s*$", config, re.MULTILINE))
+    pages = {str(path.relative_to(DOCS)) for path in DOCS.rglob("*.md")}
+    assert pages - listed == set()
+    assert listed - pages == set()
+
+
+def test_no_doc_or_docstring_cites_internal_briefs():
+    cited = []
+    for base in (ROOT / "src", DOCS, ROOT / "README.md", ROOT / "examples"):
+        files = [base] if base.is_file() else [*base.rglob("*.py"), *base.rglob("*.md")]
+        for path in files:
+            text = path.read_text(encoding="utf-8")
+            if re.search(r"\b(DESIGN|STYLE)(\.md)?\b", text):
+                cited.append(str(path.relative_to(ROOT)))
+    assert cited == []
+
+
+def _headings(page: Path) -> set[str]:
+    """A page's headings, lower case; "1. Model client — `...`" also as "model client"."""
+    found = set()
+    for line in page.read_text(encoding="utf-8").splitlines():
+        if line.startswith("#"):
+            title = line.lstrip("#").strip().lower()
+            found.add(title)
+            found.add(re.sub(r"^\d+\.\s*", "", title).split(" — ")[0])
+    return found
+
+
+def test_cited_doc_sections_exist():
+    """Every `docs/<page>.md, "Section"` cited in code or docs names a heading of that page."""
+    wrong = []
+    sources = [*(ROOT / "src").rglob("*.py"), *DOCS.rglob("*.md"), ROOT / "README.md"]
+    for source in sources:
+        text = source.read_text(encoding="utf-8")
+        for page in re.findall(r"docs/[\w./-]+\.md", text):
+            if not (ROOT / page).exists():
+                wrong.append(f"{source.relative_to(ROOT)}: {page} does not exist")
+        # a citation may be broken over lines (and over comment markers)
+        flat = re.sub(r"\s*\n\s*(?:#\s*)?", " ", text)
+        for page, section in re.findall(r'(docs/[\w-]+\.md),? "([^"]+)"', flat):
+            if (ROOT / page).exists() and section.lower() not in _headings(ROOT / page):
+                wrong.append(f'{source.relative_to(ROOT)}: {page} has no section "{section}"')
+    assert wrong == []
