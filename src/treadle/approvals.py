@@ -71,7 +71,7 @@ def check_edit(
 ) -> None:
     """Refuse edited arguments that are not strict JSON data or do not fit ``schema``.
 
-    An edit replaces the model's whole argument object (docs/events.md, "Approvals"), so it is
+    An edit replaces the model's whole argument object (docs/events.md, "Human approval"), so it is
     checked as a whole against the tool's argument schema (JSON Schema 2020-12, as the run's
     parameter snapshot holds it; `tool_schema`). ``schema=None`` checks only that it is JSON.
 
@@ -148,7 +148,7 @@ def decision_for(
 ) -> ApprovalDecided:
     """The decision record answering ``request``: approve, reject or edit.
 
-    See docs/events.md, "Approvals". ``snapshot``: the parameter snapshot the run goes on
+    See docs/events.md, "Human approval". ``snapshot``: the parameter snapshot the run goes on
     under; an edit is checked against its schema of the tool (`check_edit`).
 
     Raises:

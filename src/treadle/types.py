@@ -720,7 +720,7 @@ class ApprovalDecided:
         arguments_digest: the digest of the request it answers (of the model's arguments).
         message: a rejection's message (shown to the model).
         edited_arguments: an edit's arguments: they replace the model's whole argument
-            object (docs/events.md, "Approvals").
+            object (docs/events.md, "Human approval").
         tool: the tool of the call (``""`` in logs written before decisions carried it).
     """
 
