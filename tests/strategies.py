@@ -192,6 +192,7 @@ run_starteds = _build(
     schema_version=st.integers(min_value=1, max_value=t.SCHEMA_VERSION),
     agent=st.none() | ids,
     agent_version=st.none() | ids,
+    surrogates_replaced=counts,
 )
 model_intents = _build(
     t.ModelIntent, run_id=ids, step=counts, intent_id=ids, attempt=counts, ts=timestamps
@@ -207,6 +208,7 @@ model_results = _build(
     abandoned=st.booleans(),
     latency_s=maybe_seconds,
     usage=usages,
+    surrogates_replaced=counts,
 )
 action_intents = _build(
     t.ActionIntent,
@@ -230,6 +232,7 @@ action_results = _build(
     duration_s=maybe_seconds,
     late=st.booleans(),
     reconciled=st.booleans(),
+    surrogates_replaced=counts,
 )
 step_records = _build(
     t.StepRecord,
@@ -273,7 +276,12 @@ run_finisheds = _build(
     subscriber_drops=counts,
 )
 cancel_requesteds = _build(
-    t.CancelRequested, run_id=ids, ts=timestamps, reason=texts, canceller=texts
+    t.CancelRequested,
+    run_id=ids,
+    ts=timestamps,
+    reason=texts,
+    canceller=texts,
+    surrogates_replaced=counts,
 )
 approval_requesteds = _build(
     t.ApprovalRequested,
@@ -295,6 +303,7 @@ approval_decideds = _build(
     ts=timestamps,
     message=texts,
     edited_arguments=st.none() | json_objects,
+    surrogates_replaced=counts,
 )
 
 definition_accepteds = _build(

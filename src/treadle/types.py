@@ -471,6 +471,9 @@ class RunStarted:
         agent_version: the agent definition's version (`treadle.Agent.version`, by default
             derived from the snapshot); a fleet worker claims only runs of versions it
             serves (docs/fleet.md, "Deploys").
+        surrogates_replaced: surrogate code points replaced (a lone one by U+FFFD) in
+            the input, so the log holds valid Unicode only
+            (docs/crash-safety.md, "Text that is not Unicode").
     """
 
     run_id: str
@@ -480,6 +483,7 @@ class RunStarted:
     schema_version: int = SCHEMA_VERSION
     agent: str | None = None
     agent_version: str | None = None
+    surrogates_replaced: int = 0
 
 
 @attrs.frozen(kw_only=True)
@@ -506,6 +510,9 @@ class ModelResult:
         history_text: the model output text that entered history (visible text).
         visible_chars: full length in characters of the visible output.
         usage: as reported for this attempt, including failed attempts.
+        surrogates_replaced: surrogate code points replaced (a lone one by U+FFFD) in
+            the reply or error the model client returned, so the log holds valid Unicode only
+            (docs/crash-safety.md, "Text that is not Unicode").
     """
 
     run_id: str
@@ -517,6 +524,7 @@ class ModelResult:
     abandoned: bool = False
     latency_s: float | None = None
     usage: Usage = Usage()
+    surrogates_replaced: int = 0
 
 
 @attrs.frozen(kw_only=True)
@@ -540,6 +548,9 @@ class ActionResult:
         late: the step was cancelled while the call ran; the outcome was not applied.
         reconciled: the outcome was established after a crash by the tool's ``reconcile``
             hook (docs/crash-safety.md, "The resume table"), not by running the call here.
+        surrogates_replaced: surrogate code points replaced (a lone one by U+FFFD) in
+            the outcome the executor returned, so the log holds valid Unicode only
+            (docs/crash-safety.md, "Text that is not Unicode").
     """
 
     run_id: str
@@ -552,6 +563,7 @@ class ActionResult:
     duration_s: float | None = None
     late: bool = False
     reconciled: bool = False
+    surrogates_replaced: int = 0
 
 
 @attrs.frozen(kw_only=True)
@@ -656,12 +668,18 @@ class CancelRequested:
     In a run's log it is written by the run's driver (the lease holder). Another process
     appends it to the run's control stream instead (`treadle.ports.ControlStream`), and the
     driver copies it into the log.
+
+    Attributes:
+        surrogates_replaced: surrogate code points replaced (a lone one by U+FFFD) in
+            the reason and the canceller, so the log holds valid Unicode only
+            (docs/crash-safety.md, "Text that is not Unicode").
     """
 
     run_id: str
     ts: str
     reason: str = ""
     canceller: str = ""
+    surrogates_replaced: int = 0
 
 
 @attrs.frozen(kw_only=True)
@@ -679,7 +697,13 @@ class ApprovalRequested:
 
 @attrs.frozen(kw_only=True)
 class ApprovalDecided:
-    """A human decision on a pending tool call; ``decision`` is approve, reject or edit."""
+    """A human decision on a pending tool call; ``decision`` is approve, reject or edit.
+
+    Attributes:
+        surrogates_replaced: surrogate code points replaced (a lone one by U+FFFD) in
+            the message and the edited arguments, so the log holds valid Unicode only
+            (docs/crash-safety.md, "Text that is not Unicode").
+    """
 
     run_id: str
     step: int
@@ -689,6 +713,7 @@ class ApprovalDecided:
     ts: str
     message: str = ""
     edited_arguments: Mapping[str, JSONValue] | None = None
+    surrogates_replaced: int = 0
 
 
 @attrs.frozen(kw_only=True)

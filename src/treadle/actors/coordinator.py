@@ -20,6 +20,7 @@ import trio
 
 from treadle._clock import Clock
 from treadle._state import PendingStep, RunView
+from treadle._text import repaired
 from treadle.actors._rpc import StepScope, request
 from treadle.actors.executor import ActionsOutcome, RunActions
 from treadle.actors.gateway import CallModel, ModelOutcome
@@ -201,7 +202,7 @@ class RunCoordinator:
         """
         if decided.decision not in (Decision.APPROVE, Decision.REJECT, Decision.EDIT):
             return  # "expired" is only ever written by the run itself
-        self._offered.append(attrs.evolve(decided, run_id=self.run_id))
+        self._offered.append(repaired(attrs.evolve(decided, run_id=self.run_id)))
         self._offer_arrived.set()
 
     async def run(self, *, resumed_steps: tuple[StepRecord, ...] = ()) -> RunResult:
@@ -614,8 +615,10 @@ class RunCoordinator:
             cut_active_s = 0.0
         if reason is StopReason.CANCELLED and self.view.cancel is None:
             why, who = self._cancel or ("", "")
-            cancel = CancelRequested(
-                run_id=self.run_id, ts=self.clock.now_iso(), reason=why, canceller=who
+            cancel = repaired(
+                CancelRequested(
+                    run_id=self.run_id, ts=self.clock.now_iso(), reason=why, canceller=who
+                )
             )
             await self.writer.barrier(StoreOp.CONTROL, cancel)
             self.view.apply(cancel)

@@ -17,6 +17,7 @@ import attrs
 import trio
 
 from treadle._clock import Clock
+from treadle._text import valid_unicode
 from treadle.actors._rpc import StepScope, reply
 from treadle.actors.writer import WriterClient
 from treadle.ports import ActionExecutor
@@ -188,6 +189,8 @@ class ToolExecutor:
         rejected: bool = False,
         reconciled: bool = False,
     ) -> tuple[ActionResult, str]:
+        # What the tool returned enters the log (and the history) as valid Unicode only.
+        outcome, replaced = valid_unicode(outcome)
         if rejected:  # already the synthetic text of a rejection
             observation = outcome.observation
         else:
@@ -202,6 +205,7 @@ class ToolExecutor:
             ts=self.clock.now_iso(),
             duration_s=round(duration, 6),
             reconciled=reconciled,
+            surrogates_replaced=replaced,
         )
         return result, observation
 

@@ -28,6 +28,7 @@ import trio
 
 from treadle._clock import Clock
 from treadle._exceptions import ModelCallError
+from treadle._text import repaired
 from treadle.actors._rpc import StepScope, reply
 from treadle.actors.writer import WriterClient
 from treadle.models._context import attempt_deadlines, observe_usage
@@ -280,15 +281,18 @@ class ModelGateway:
         error: ModelErrorInfo | None = None,
         usage: Usage | None = None,
     ) -> ModelResult:
-        result = ModelResult(
-            run_id=self.run_id,
-            step=intent.step,
-            intent_id=intent.intent_id,
-            ts=self.clock.now_iso(),
-            reply=reply_,
-            error=error,
-            latency_s=round(trio.current_time() - started, 6),
-            usage=reply_.usage if reply_ is not None else (usage or Usage()),
+        # What the client returned enters the log (and the history) as valid Unicode only.
+        result = repaired(
+            ModelResult(
+                run_id=self.run_id,
+                step=intent.step,
+                intent_id=intent.intent_id,
+                ts=self.clock.now_iso(),
+                reply=reply_,
+                error=error,
+                latency_s=round(trio.current_time() - started, 6),
+                usage=reply_.usage if reply_ is not None else (usage or Usage()),
+            )
         )
         written.append(result)
         await self.writer.write(StoreOp.MODEL_RESULT, result)

@@ -20,6 +20,7 @@ import httpx
 import trio
 
 from treadle._exceptions import ModelCallError, UsageError
+from treadle._text import valid_text
 from treadle.models._context import current_deadlines, report_usage
 from treadle.models._sse import SSEDecodeError, SSEDecoder, SSEEvent
 from treadle.types import ModelReply, Usage
@@ -249,11 +250,25 @@ class StreamReader(Generic[A]):
 
 
 def encode_body(body: dict[str, Any]) -> bytes:
-    """A request body as UTF-8 JSON; `UsageError` when it cannot be encoded."""
+    """A request body as UTF-8 JSON bytes.
+
+    Text that is not valid Unicode (a lone surrogate, in a log written before treadle made
+    such text valid where it enters the log, or in a system prompt) is sent with U+FFFD in
+    its place rather than making the request, and so the run, impossible to send
+    (docs/crash-safety.md, "Text that is not Unicode").
+
+    Raises:
+        UsageError: ``body`` is not JSON data (a value JSON has no form for, NaN or
+            infinity included).
+    """
     try:
-        return json.dumps(body, ensure_ascii=False, allow_nan=False).encode("utf-8")
+        text = json.dumps(body, ensure_ascii=False, allow_nan=False)
     except (TypeError, ValueError) as exc:
         raise UsageError(f"the request cannot be encoded as JSON: {exc}") from exc
+    try:
+        return text.encode("utf-8")
+    except UnicodeEncodeError:
+        return valid_text(text)[0].encode("utf-8")
 
 
 def digest(data: bytes) -> str:
