@@ -272,6 +272,7 @@ def real_hydrator(context: ActorContext) -> ContextHydrator:
         model=agent.model_name,
         max_output_tokens=agent.max_output_tokens,
         params=agent.params,
+        synthetic=agent.synthetic,
     )
 
 
