@@ -19,6 +19,7 @@ import attrs
 import trio
 
 from treadle._clock import Clock
+from treadle._exceptions import SeamViolation
 from treadle._state import PendingStep, RunView
 from treadle._text import repaired
 from treadle.actors._rpc import StepScope, request
@@ -34,6 +35,7 @@ from treadle.approvals import (
     expired_decision,
     matches,
 )
+from treadle.parsers import refuse_non_finite
 from treadle.ports import DecisionParser
 from treadle.types import (
     SUCCESS_STOP_REASONS,
@@ -322,6 +324,10 @@ class RunCoordinator:
                 return None
             reply, intent_id = outcome.reply, outcome.intent_id
         parsed = self.parser.parse(reply, self.tools)
+        if not isinstance(parsed, ParsedReply) or not isinstance(parsed.kind, DecisionKind):
+            # A bug in the parser: the run is interrupted, never ended with a made-up reason.
+            raise SeamViolation("decision parser", parsed, "a ParsedReply")
+        parsed = refuse_non_finite(parsed)  # whichever parser: arguments are strict JSON
         return await self._act(step, intent_id, parsed, scope, started)
 
     def _failed_for_good(self, pending: PendingStep) -> ModelErrorInfo | None:
