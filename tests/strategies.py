@@ -196,6 +196,7 @@ run_starteds = _build(
     schema_version=st.integers(min_value=1, max_value=t.SCHEMA_VERSION),
     agent=st.none() | ids,
     agent_version=st.none() | ids,
+    surrogates_replaced=counts,
 )
 model_intents = _build(
     t.ModelIntent, run_id=ids, step=counts, intent_id=ids, attempt=counts, ts=timestamps
@@ -211,6 +212,7 @@ model_results = _build(
     abandoned=st.booleans(),
     latency_s=maybe_seconds,
     usage=usages,
+    surrogates_replaced=counts,
 )
 action_intents = _build(
     t.ActionIntent,
@@ -234,6 +236,7 @@ action_results = _build(
     duration_s=maybe_seconds,
     late=st.booleans(),
     reconciled=st.booleans(),
+    surrogates_replaced=counts,
 )
 step_records = _build(
     t.StepRecord,
@@ -277,7 +280,12 @@ run_finisheds = _build(
     subscriber_drops=counts,
 )
 cancel_requesteds = _build(
-    t.CancelRequested, run_id=ids, ts=timestamps, reason=texts, canceller=texts
+    t.CancelRequested,
+    run_id=ids,
+    ts=timestamps,
+    reason=texts,
+    canceller=texts,
+    surrogates_replaced=counts,
 )
 approval_requesteds = _build(
     t.ApprovalRequested,
@@ -301,6 +309,7 @@ approval_decideds = _build(
     message=texts,
     edited_arguments=st.none() | json_objects,
     tool=st.just("") | ids,
+    surrogates_replaced=counts,
 )
 
 definition_accepteds = _build(

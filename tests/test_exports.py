@@ -56,6 +56,7 @@ TREADLE = sorted(
         "RunResult",
         "RunState",
         "SchemaTooNew",
+        "SeamViolation",
         "SnapshotMismatch",
         "JsonlStore",
         "SqliteStore",

@@ -20,6 +20,7 @@ from treadle._exceptions import ModelCallError as ModelCallError
 from treadle._exceptions import RunInterrupted as RunInterrupted
 from treadle._exceptions import RunLeased as RunLeased
 from treadle._exceptions import SchemaTooNew as SchemaTooNew
+from treadle._exceptions import SeamViolation as SeamViolation
 from treadle._exceptions import SnapshotMismatch as SnapshotMismatch
 from treadle._exceptions import StoreError as StoreError
 from treadle._exceptions import TreadleError as TreadleError
@@ -173,6 +174,7 @@ __all__ = [
     "RunState",
     "RunSummary",
     "SchemaTooNew",
+    "SeamViolation",
     "SnapshotMismatch",
     "SqliteStore",
     "StopReason",

@@ -19,6 +19,7 @@ import trio
 
 from treadle._cli_common import import_spec, open_store, redact, run_async, store_option
 from treadle._exceptions import TreadleError
+from treadle._text import valid_text
 from treadle.agent import Agent
 from treadle.ports import RunQueue
 from treadle.stores._leases import LEASE_TTL_S
@@ -180,7 +181,9 @@ def submit_command(store_path: str, agent_name: str, run_id: str | None, text: s
                     f"{redact(store_path)} has no queue (use SQLite or PostgreSQL)"
                 )
             await store.submit(
-                chosen, agent=agent_name, input=(Message(role="user", content=text),)
+                chosen,
+                agent=agent_name,
+                input=(Message(role="user", content=valid_text(text)[0]),),
             )
 
     run_async(go)

@@ -26,6 +26,7 @@ from treadle._cli_common import (
     store_option,
 )
 from treadle._exceptions import RunLeased
+from treadle._text import valid_unicode
 from treadle.actors.writer import durable_event, with_step_started
 from treadle.approvals import decide, pending_approval, request_cancel
 from treadle.ports import RunIndex, RunStore
@@ -175,6 +176,7 @@ def tail_command(run_id: str, store_path: str, from_seq: int, as_json: bool, fol
     """Print a run's events from a seq on, live, until the run finishes."""
 
     def show(seq: int, record: Record) -> None:
+        record, _ = valid_unicode(record)  # printable, whatever an old log holds
         if as_json:
             for event in with_step_started([durable_event(run_id, seq, record)]):
                 if event.seq >= from_seq:

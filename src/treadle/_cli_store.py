@@ -28,6 +28,7 @@ from treadle._cli_common import (
     run_async,
     store_option,
 )
+from treadle._text import valid_unicode
 from treadle.actors.writer import stored_events
 from treadle.agent import Agent
 from treadle.approvals import pending_approval
@@ -149,6 +150,9 @@ def show(run_id: str, store_path: str, as_json: bool) -> None:
     log = run_async(read)
     if not log.records:
         raise click.ClickException(f"no run {run_id!r} in {store_path}")
+    # A log written before text entering it was made valid Unicode may hold lone surrogates,
+    # which no terminal encoding prints (docs/crash-safety.md, "Text that is not Unicode").
+    log, _ = valid_unicode(log)
     if as_json:
         for event in stored_events(log, 1, len(log.records)):
             click.echo(json.dumps(event_json(event), ensure_ascii=False))

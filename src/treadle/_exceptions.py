@@ -15,6 +15,7 @@
         LeaseLost                             this driver's lease was taken over; write refused
       ModelCallError                          one model call attempt failed (.info, .usage)
       RunInterrupted                          an actor crashed; the run is left resumable
+      SeamViolation(TreadleError, TypeError)  a seam returned what its contract excludes (.seam)
 
 Every error carries the identifiers needed to act on it as attributes. `trio.Cancelled` is
 never caught or subclassed here.
@@ -140,6 +141,32 @@ class RunInterrupted(TreadleError):
     def __init__(self, run_id: str, message: str) -> None:
         super().__init__(f"run {run_id!r} interrupted: {message}")
         self.run_id = run_id
+
+
+class SeamViolation(TreadleError, TypeError):
+    """A seam implementation returned what its contract excludes (docs/seams.md).
+
+    A model client that returns no `treadle.types.ModelReply`, a decision parser that
+    returns no `treadle.types.ParsedReply`, an executor whose ``execute`` or ``reconcile``
+    returns no `treadle.types.ActionOutcome` (``None`` allowed for ``reconcile``). It is a bug
+    in that implementation, not an outcome of the run: the actor that got it fails, the run
+    is interrupted (`RunInterrupted`, this error as ``__cause__``) and its log is left
+    resumable, with nothing recorded for the call (docs/concepts.md, "Stop reasons").
+
+    Attributes:
+        seam: which seam, e.g. ``"model client"``.
+        returned: the ``repr`` of what it returned (cut to 200 characters).
+    """
+
+    def __init__(self, seam: str, returned: object, expected: str) -> None:
+        shown = repr(returned)
+        shown = shown[:200] + "…" if len(shown) > 200 else shown
+        super().__init__(
+            f"the {seam} returned {shown}, not {expected} (docs/seams.md); "
+            "the run is left resumable"
+        )
+        self.seam = seam
+        self.returned = shown
 
 
 class LeaseError(TreadleError):

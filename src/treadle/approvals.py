@@ -24,6 +24,7 @@ from typing import Any, TypeAlias
 
 from treadle._clock import Clock, SystemClock
 from treadle._exceptions import UsageError
+from treadle._text import repaired
 from treadle.ports import ControlStream, RunQueue, RunStore
 from treadle.types import (
     ActionIntent,
@@ -168,16 +169,18 @@ def decision_for(
     decision = (
         Decision.REJECT if reject is not None else Decision.EDIT if edit is not None else None
     )
-    return ApprovalDecided(
-        run_id=run_id,
-        step=request.step,
-        call_id=request.call_id,
-        arguments_digest=request.arguments_digest,
-        decision=(decision or Decision.APPROVE).value,
-        ts=clock.now_iso(),
-        message=reject or "",
-        edited_arguments=dict(edit) if edit is not None else None,
-        tool=request.tool,
+    return repaired(
+        ApprovalDecided(
+            run_id=run_id,
+            step=request.step,
+            call_id=request.call_id,
+            arguments_digest=request.arguments_digest,
+            decision=(decision or Decision.APPROVE).value,
+            ts=clock.now_iso(),
+            message=reject or "",
+            edited_arguments=dict(edit) if edit is not None else None,
+            tool=request.tool,
+        )
     )
 
 
@@ -280,11 +283,13 @@ async def request_cancel(
     log = await store.read_log(run_id)
     if log.started is not None or not await _queued(store, run_id):
         _require_unfinished(log)
-    record = CancelRequested(
-        run_id=run_id,
-        ts=(clock or SystemClock()).now_iso(),
-        reason=reason,
-        canceller=canceller,
+    record = repaired(
+        CancelRequested(
+            run_id=run_id,
+            ts=(clock or SystemClock()).now_iso(),
+            reason=reason,
+            canceller=canceller,
+        )
     )
     await controls.append_control(record)
     return record

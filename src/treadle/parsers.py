@@ -23,11 +23,18 @@ How the history is to be replayed (for the context hydrator):
 * An action whose ``call_id`` is not among ``history_message.tool_calls`` (the empty id of a
   text-reply tool, or a call written as JSON text) is not a native tool call: its
   observation goes back as a user message.
+
+Tool arguments are strict JSON: a number JSON cannot represent (``NaN``, ``Infinity``, or a
+literal like ``1e999`` that overflows to infinity) makes the reply an invalid decision
+(reason ``non_finite_number``) with feedback, whichever parser produced the calls
+(`refuse_non_finite`; the run coordinator applies it to every parser's decision), so what
+is validated, stored and run is the same data (docs/models.md, "Tool arguments").
 """
 
 from __future__ import annotations
 
 import hashlib
+import math
 from collections.abc import Mapping, Sequence
 from typing import Final
 
@@ -46,11 +53,13 @@ from treadle.types import (
 
 __all__ = [
     "EMPTY_REPLY",
+    "NON_FINITE_NUMBER",
     "SYNTHESISED_CALL_ID",
     "TOOL_CALL_FROM_CONTENT",
     "TRUNCATED",
     "JsonToolCallParser",
     "NativeToolCallParser",
+    "refuse_non_finite",
     "synthesise_call_id",
 ]
 
@@ -63,6 +72,8 @@ EMPTY_REPLY: Final = "empty_reply"
 """Invalid-decision reason: neither visible text nor a tool call."""
 TRUNCATED: Final = "truncated"
 """Invalid-decision reason: the output token limit cut a call (or the whole reply) short."""
+NON_FINITE_NUMBER: Final = "non_finite_number"
+"""Invalid-decision reason: a call's arguments hold NaN or an infinity (not strict JSON)."""
 
 _MAX_NAMES_LISTED: Final = 20
 
@@ -185,6 +196,12 @@ class _Collector:
         cut = self._reply.finish_reason == "length"
         if bad.reason == "unparseable" and not cut:
             self._add_decoded(call_id, bad)
+        elif bad.reason == NON_FINITE_NUMBER:
+            message = (
+                f"{_label(call_id, bad.name)} was not executed: its arguments hold a number "
+                "JSON cannot represent (NaN or infinity). Send finite numbers."
+            )
+            self.problem(call_id, bad.name, NON_FINITE_NUMBER, message)
         elif bad.reason == TRUNCATED or cut:
             message = (
                 f"{_label(call_id, bad.name)} was cut off by the output token limit before "
@@ -304,6 +321,9 @@ class NativeToolCallParser:
         Returns:
             The decision with the assistant message as it must be replayed.
         """
+        return refuse_non_finite(self._parse(reply, tools))
+
+    def _parse(self, reply: ModelReply, tools: Sequence[ToolSpec]) -> ParsedReply:
         names = _declared(tools)
         collected = _collect_native_calls(reply)
         if collected.problems:
@@ -428,6 +448,9 @@ class JsonToolCallParser:
         """
         if reply.tool_calls or reply.invalid_tool_calls:
             return self._native.parse(reply, tools)
+        return refuse_non_finite(self._parse(reply, tools))
+
+    def _parse(self, reply: ModelReply, tools: Sequence[ToolSpec]) -> ParsedReply:
         names = _declared(tools)
         text = _visible(reply.text)
         if text is None:
@@ -450,3 +473,53 @@ class JsonToolCallParser:
             repairs=repairs,
             history_message=_history(reply, text),
         )
+
+
+def has_non_finite(value: object) -> bool:
+    """Whether ``value`` (JSON data) holds a float that is NaN or infinite."""
+    if isinstance(value, float):
+        return not math.isfinite(value)
+    if isinstance(value, Mapping):
+        return any(has_non_finite(item) for item in value.values())
+    if isinstance(value, list | tuple):
+        return any(has_non_finite(item) for item in value)
+    return False
+
+
+def refuse_non_finite(parsed: ParsedReply) -> ParsedReply:
+    """``parsed``, or an invalid decision when a call's arguments hold NaN or an infinity.
+
+    JSON has no form for those numbers: stored, they would read back as something else than
+    what was validated and run. No call of such a reply is executed; the feedback names each
+    refused call, and the history message keeps every call id with the refused calls'
+    arguments as ``{}`` (so each is answered by the feedback). Any other decision is returned
+    as is.
+    """
+    if parsed.kind is not DecisionKind.ACTIONS:
+        return parsed
+    refused = {call.id: call for call in parsed.actions if has_non_finite(call.arguments)}
+    if not refused:
+        return parsed
+    lines = [
+        f"{_label(call.id, call.name)} was not executed: its arguments hold a number JSON "
+        "cannot represent (NaN or infinity). Send finite numbers."
+        for call in refused.values()
+    ]
+    if len(parsed.actions) > 1:
+        lines.append(
+            f"None of the {len(parsed.actions)} tool calls of this reply was executed; "
+            "send the ones you still need again."
+        )
+    history = parsed.history_message
+    calls = tuple(
+        attrs.evolve(call, arguments={}) if call.id in refused else call
+        for call in history.tool_calls
+    )
+    return ParsedReply(
+        kind=DecisionKind.INVALID,
+        text=parsed.text,
+        feedback=" ".join(lines),
+        reason=NON_FINITE_NUMBER,
+        repairs=parsed.repairs,
+        history_message=attrs.evolve(history, tool_calls=calls),
+    )

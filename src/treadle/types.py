@@ -496,6 +496,9 @@ class RunStarted:
         agent_version: the agent definition's version (`treadle.Agent.version`, by default
             derived from the snapshot); a fleet worker claims only runs of versions it
             serves (docs/fleet.md, "Deploys").
+        surrogates_replaced: surrogate code points replaced (a lone one by U+FFFD) in
+            the input, so the log holds valid Unicode only
+            (docs/crash-safety.md, "Text that is not Unicode").
     """
 
     run_id: str
@@ -505,6 +508,7 @@ class RunStarted:
     schema_version: int = SCHEMA_VERSION
     agent: str | None = None
     agent_version: str | None = None
+    surrogates_replaced: int = 0
 
 
 @attrs.frozen(kw_only=True)
@@ -531,6 +535,9 @@ class ModelResult:
         history_text: the model output text that entered history (visible text).
         visible_chars: full length in characters of the visible output.
         usage: as reported for this attempt, including failed attempts.
+        surrogates_replaced: surrogate code points replaced (a lone one by U+FFFD) in
+            the reply or error the model client returned, so the log holds valid Unicode only
+            (docs/crash-safety.md, "Text that is not Unicode").
     """
 
     run_id: str
@@ -542,6 +549,7 @@ class ModelResult:
     abandoned: bool = False
     latency_s: float | None = None
     usage: Usage = Usage()
+    surrogates_replaced: int = 0
 
 
 @attrs.frozen(kw_only=True)
@@ -565,6 +573,9 @@ class ActionResult:
         late: the step was cancelled while the call ran; the outcome was not applied.
         reconciled: the outcome was established after a crash by the tool's ``reconcile``
             hook (docs/crash-safety.md, "Resume"), not by running the call here.
+        surrogates_replaced: surrogate code points replaced (a lone one by U+FFFD) in
+            the outcome the executor returned, so the log holds valid Unicode only
+            (docs/crash-safety.md, "Text that is not Unicode").
     """
 
     run_id: str
@@ -577,6 +588,7 @@ class ActionResult:
     duration_s: float | None = None
     late: bool = False
     reconciled: bool = False
+    surrogates_replaced: int = 0
 
 
 @attrs.frozen(kw_only=True)
@@ -681,12 +693,18 @@ class CancelRequested:
     In a run's log it is written by the run's driver (the lease holder). Another process
     appends it to the run's control stream instead (`treadle.ports.ControlStream`), and the
     driver copies it into the log.
+
+    Attributes:
+        surrogates_replaced: surrogate code points replaced (a lone one by U+FFFD) in
+            the reason and the canceller, so the log holds valid Unicode only
+            (docs/crash-safety.md, "Text that is not Unicode").
     """
 
     run_id: str
     ts: str
     reason: str = ""
     canceller: str = ""
+    surrogates_replaced: int = 0
 
 
 @attrs.frozen(kw_only=True)
@@ -722,6 +740,9 @@ class ApprovalDecided:
         edited_arguments: an edit's arguments: they replace the model's whole argument
             object (docs/events.md, "Human approval").
         tool: the tool of the call (``""`` in logs written before decisions carried it).
+        surrogates_replaced: surrogate code points replaced (a lone one by U+FFFD) in
+            the message and the edited arguments, so the log holds valid Unicode only
+            (docs/crash-safety.md, "Text that is not Unicode").
     """
 
     run_id: str
@@ -733,6 +754,7 @@ class ApprovalDecided:
     message: str = ""
     edited_arguments: Mapping[str, JSONValue] | None = None
     tool: str = ""
+    surrogates_replaced: int = 0
 
 
 @attrs.frozen(kw_only=True)

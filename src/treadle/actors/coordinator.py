@@ -19,7 +19,9 @@ import attrs
 import trio
 
 from treadle._clock import Clock
+from treadle._exceptions import SeamViolation
 from treadle._state import PendingStep, RunView
+from treadle._text import repaired
 from treadle.actors._rpc import StepScope, request
 from treadle.actors.executor import ActionsOutcome, RunActions
 from treadle.actors.gateway import CallModel, ModelOutcome
@@ -33,6 +35,7 @@ from treadle.approvals import (
     expired_decision,
     matches,
 )
+from treadle.parsers import refuse_non_finite
 from treadle.ports import DecisionParser
 from treadle.types import (
     SUCCESS_STOP_REASONS,
@@ -201,7 +204,7 @@ class RunCoordinator:
         """
         if decided.decision not in (Decision.APPROVE, Decision.REJECT, Decision.EDIT):
             return  # "expired" is only ever written by the run itself
-        self._offered.append(attrs.evolve(decided, run_id=self.run_id))
+        self._offered.append(repaired(attrs.evolve(decided, run_id=self.run_id)))
         self._offer_arrived.set()
 
     async def run(self, *, resumed_steps: tuple[StepRecord, ...] = ()) -> RunResult:
@@ -321,6 +324,10 @@ class RunCoordinator:
                 return None
             reply, intent_id = outcome.reply, outcome.intent_id
         parsed = self.parser.parse(reply, self.tools)
+        if not isinstance(parsed, ParsedReply) or not isinstance(parsed.kind, DecisionKind):
+            # A bug in the parser: the run is interrupted, never ended with a made-up reason.
+            raise SeamViolation("decision parser", parsed, "a ParsedReply")
+        parsed = refuse_non_finite(parsed)  # whichever parser: arguments are strict JSON
         return await self._act(step, intent_id, parsed, scope, started)
 
     def _failed_for_good(self, pending: PendingStep) -> ModelErrorInfo | None:
@@ -615,8 +622,10 @@ class RunCoordinator:
             cut_active_s = 0.0
         if reason is StopReason.CANCELLED and self.view.cancel is None:
             why, who = self._cancel or ("", "")
-            cancel = CancelRequested(
-                run_id=self.run_id, ts=self.clock.now_iso(), reason=why, canceller=who
+            cancel = repaired(
+                CancelRequested(
+                    run_id=self.run_id, ts=self.clock.now_iso(), reason=why, canceller=who
+                )
             )
             await self.writer.barrier(StoreOp.CONTROL, cancel)
             self.view.apply(cancel)

@@ -17,6 +17,8 @@ import attrs
 import trio
 
 from treadle._clock import Clock
+from treadle._exceptions import SeamViolation
+from treadle._text import valid_unicode
 from treadle.actors._rpc import StepScope, reply
 from treadle.actors.writer import WriterClient
 from treadle.ports import ActionExecutor
@@ -188,6 +190,8 @@ class ToolExecutor:
         rejected: bool = False,
         reconciled: bool = False,
     ) -> tuple[ActionResult, str]:
+        # What the tool returned enters the log (and the history) as valid Unicode only.
+        outcome, replaced = valid_unicode(outcome)
         if rejected:  # already the synthetic text of a rejection
             observation = outcome.observation
         else:
@@ -202,6 +206,7 @@ class ToolExecutor:
             ts=self.clock.now_iso(),
             duration_s=round(duration, 6),
             reconciled=reconciled,
+            surrogates_replaced=replaced,
         )
         return result, observation
 
@@ -257,6 +262,10 @@ class ToolExecutor:
         reconciled = False
         if replay and self.executor.replay_policy(action.tool) is not ReplayPolicy.SAFE:
             found = await self.executor.reconcile(action)
+            if found is not None and not _is_outcome(found):
+                raise SeamViolation(
+                    "action executor's reconcile", found, "an ActionOutcome or None"
+                )
             reconciled = found is not None
             outcome = found if found is not None else self._unknown(action)
         else:
@@ -265,7 +274,10 @@ class ToolExecutor:
 
     async def _execute(self, action: Action) -> ActionOutcome:
         with trio.move_on_after(self.limits.tool_timeout_s) as timeout:
-            return await self.executor.execute(action)
+            outcome = await self.executor.execute(action)
+            if not _is_outcome(outcome):
+                raise SeamViolation("action executor", outcome, "an ActionOutcome")
+            return outcome
         assert timeout.cancelled_caught
         return ActionOutcome(
             status=ActionStatus.EXECUTED,
@@ -304,3 +316,8 @@ class ToolExecutor:
             )
         text = self.observation_template.format(observation=outcome.observation, tool=action.tool)
         return outcome, text
+
+
+def _is_outcome(value: object) -> bool:
+    """An `ActionOutcome` with a status of `ActionStatus` (what the seam may return)."""
+    return isinstance(value, ActionOutcome) and isinstance(value.status, ActionStatus)

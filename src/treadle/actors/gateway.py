@@ -20,6 +20,7 @@ cancelled and cut attempts included.
 
 from __future__ import annotations
 
+import json
 import random
 from collections.abc import Callable
 
@@ -27,13 +28,16 @@ import attrs
 import trio
 
 from treadle._clock import Clock
-from treadle._exceptions import ModelCallError
+from treadle._exceptions import ModelCallError, SeamViolation
+from treadle._text import repaired
 from treadle.actors._rpc import StepScope, reply
 from treadle.actors.writer import WriterClient
 from treadle.models._context import attempt_deadlines, observe_usage
+from treadle.parsers import NON_FINITE_NUMBER, has_non_finite
 from treadle.ports import ModelClient
 from treadle.types import (
     Budgets,
+    InvalidToolCall,
     Limits,
     ModelErrorInfo,
     ModelIntent,
@@ -256,7 +260,7 @@ class ModelGateway:
                 ),
                 trio.fail_after(self.limits.model_attempt_s),
             ):
-                return await self.client.complete(request, on_delta=on_delta)
+                reply_ = await self.client.complete(request, on_delta=on_delta)
         except ModelCallError as exc:
             return meter.error if meter.cut and meter.error is not None else exc
         except trio.TooSlowError:
@@ -268,6 +272,11 @@ class ModelGateway:
                 ),
                 usage=meter.last,
             )
+        if not isinstance(reply_, ModelReply):
+            # A bug in the client, not a result of the call: nothing is recorded for the
+            # attempt and the run is interrupted (its intent is abandoned on resume).
+            raise SeamViolation("model client", reply_, "a ModelReply")
+        return reply_
 
     async def _write_result(
         self,
@@ -279,19 +288,54 @@ class ModelGateway:
         error: ModelErrorInfo | None = None,
         usage: Usage | None = None,
     ) -> ModelResult:
-        result = ModelResult(
-            run_id=self.run_id,
-            step=intent.step,
-            intent_id=intent.intent_id,
-            ts=self.clock.now_iso(),
-            reply=reply_,
-            error=error,
-            latency_s=round(trio.current_time() - started, 6),
-            usage=reply_.usage if reply_ is not None else (usage or Usage()),
+        # What the client returned enters the log (and the history) as valid Unicode only,
+        # and with tool arguments that are strict JSON (stored as they were validated).
+        if reply_ is not None:
+            reply_ = strict_arguments(reply_)
+        result = repaired(
+            ModelResult(
+                run_id=self.run_id,
+                step=intent.step,
+                intent_id=intent.intent_id,
+                ts=self.clock.now_iso(),
+                reply=reply_,
+                error=error,
+                latency_s=round(trio.current_time() - started, 6),
+                usage=reply_.usage if reply_ is not None else (usage or Usage()),
+            )
         )
         written.append(result)
         await self.writer.write(StoreOp.MODEL_RESULT, result)
         return result
+
+
+def strict_arguments(reply: ModelReply) -> ModelReply:
+    """``reply`` with each tool call whose arguments hold NaN or an infinity made invalid.
+
+    JSON has no form for those numbers, so a stored call would read back with other
+    arguments than the ones validated. Such a call moves to ``invalid_tool_calls`` with
+    reason ``non_finite_number`` and its arguments as text (``NaN``, ``Infinity``), which the
+    parsers turn into an invalid decision with feedback (docs/models.md, "Tool arguments").
+    """
+    bad = [call for call in reply.tool_calls if has_non_finite(call.arguments)]
+    if not bad:
+        return reply
+    return attrs.evolve(
+        reply,
+        tool_calls=tuple(call for call in reply.tool_calls if call not in bad),
+        invalid_tool_calls=(
+            *(
+                InvalidToolCall(
+                    id=call.id,
+                    name=call.name,
+                    raw_arguments=json.dumps(call.arguments, ensure_ascii=False),
+                    reason=NON_FINITE_NUMBER,
+                )
+                for call in bad
+            ),
+            *reply.invalid_tool_calls,
+        ),
+    )
 
 
 def _tokens(usage: Usage) -> int:

@@ -3,6 +3,12 @@
 It keeps the history incrementally: the run input once, then per step record the assistant
 message and the observations exactly as they entered history. It writes nothing; resume feeds
 it the stored records and gets the same requests (history is read, never recomputed).
+
+Every tool call of an assistant message in a request is answered by a tool message before the
+next other message, whatever the log holds (providers refuse a request that leaves one
+unanswered). A call the log gives no observation for (a step cut by a cancel whose cancel
+record a crash lost, a run input ending on a tool call) is answered with the definition's
+synthetic ``unknown`` observation (docs/crash-safety.md, "Resume").
 """
 
 from __future__ import annotations
@@ -20,6 +26,8 @@ from treadle.types import (
     ModelRequest,
     RunStarted,
     StepRecord,
+    SyntheticObservations,
+    ToolCall,
     ToolSpec,
 )
 
@@ -43,6 +51,8 @@ class ContextHydrator:
         model: provider model name.
         max_output_tokens: the definition's cap, always sent.
         params: other sampling parameters.
+        synthetic: the definition's synthetic observations; ``unknown`` answers a tool call
+            the log holds no observation for.
     """
 
     started: RunStarted
@@ -51,12 +61,13 @@ class ContextHydrator:
     model: str
     max_output_tokens: int | None
     params: Mapping[str, JSONValue]
+    synthetic: SyntheticObservations = SyntheticObservations()
     _history: list[Message] = attrs.Factory(list)
 
     def __attrs_post_init__(self) -> None:
         if self.system_prompt is not None:
             self._history.append(Message(role="system", content=self.system_prompt))
-        self._history.extend(self.started.input)
+        self._history.extend(answer_every_call(self.started.input, self.synthetic))
 
     async def run(
         self,
@@ -73,7 +84,7 @@ class ContextHydrator:
     def build(self, new_steps: Sequence[StepRecord]) -> ModelRequest:
         """Add ``new_steps`` to the history and return the next request."""
         for step in new_steps:
-            self._history.extend(step_messages(step))
+            self._history.extend(answer_every_call(step_messages(step), self.synthetic))
         return ModelRequest(
             messages=tuple(self._history),
             tools=self.tools,
@@ -116,3 +127,38 @@ def step_messages(step: StepRecord) -> list[Message]:
         else:
             messages.append(Message(role="user", content=feedback))
     return messages
+
+
+def answer_every_call(
+    messages: Sequence[Message], synthetic: SyntheticObservations
+) -> list[Message]:
+    """``messages`` with every tool call of an assistant message answered by a tool message.
+
+    A call that no ``tool`` message answers before the next message of another role (or the
+    end) gets one there, whose text is ``synthetic.unknown`` for its tool: the history never
+    claims an outcome the log does not hold. ``messages`` that answer every call are returned
+    unchanged (as a new list).
+    """
+    out: list[Message] = []
+    waiting: list[ToolCall] = []
+    answered: set[str] = set()
+
+    def close() -> None:
+        for call in waiting:
+            if call.id not in answered:
+                text = synthetic.unknown.format(tool=call.name, detail="")
+                out.append(Message(role="tool", content=text, tool_call_id=call.id, name=call.name))
+        waiting.clear()
+        answered.clear()
+
+    for message in messages:
+        if message.role == "tool" and message.tool_call_id is not None:
+            answered.add(message.tool_call_id)
+            out.append(message)
+            continue
+        close()
+        out.append(message)
+        if message.role == "assistant":
+            waiting.extend(message.tool_calls)
+    close()
+    return out

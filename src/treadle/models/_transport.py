@@ -13,6 +13,9 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
+import logging
+import re
+import urllib.parse
 from collections.abc import AsyncIterator
 from typing import Any, ClassVar, Generic, Protocol, Self, TypeVar
 
@@ -20,6 +23,7 @@ import httpx
 import trio
 
 from treadle._exceptions import ModelCallError, UsageError
+from treadle._text import valid_text
 from treadle.models._context import current_deadlines, report_usage
 from treadle.models._sse import SSEDecodeError, SSEDecoder, SSEEvent
 from treadle.types import ModelReply, Usage
@@ -139,8 +143,9 @@ class StreamReader(Generic[A]):
         return (min(own[0], attempt[0]), min(own[1], attempt[1]), min(own[2], attempt[2]))
 
     def _redact(self, text: str) -> str:
-        """``text`` with the API key replaced by ``***`` (it never reaches a message)."""
-        return text.replace(self._api_key, "***") if self._api_key else text
+        """``text`` with the API key and URL query credentials replaced by ``***``."""
+        text = text.replace(self._api_key, "***") if self._api_key else text
+        return redact_url_secrets(text)
 
     def _add_body(self, acc: A, body: bytes) -> ModelReply:
         """Assemble a non-streamed JSON body (a server that ignored ``stream: true``)."""
@@ -248,12 +253,111 @@ class StreamReader(Generic[A]):
         return b"".join(parts)[:limit]
 
 
+def join_url(base_url: str, path: str) -> str:
+    """``path`` appended to the path of ``base_url``, its query string kept after it.
+
+    ``join_url("https://host/v1?api-version=2024", "/chat/completions")`` is
+    ``https://host/v1/chat/completions?api-version=2024``; a trailing ``/`` of the base path
+    is not doubled, and a fragment is dropped (it is never sent).
+    """
+    parts = urllib.parse.urlsplit(base_url)
+    joined = parts.path.rstrip("/") + "/" + path.lstrip("/")
+    return urllib.parse.urlunsplit((parts.scheme, parts.netloc, joined, parts.query, ""))
+
+
+SECRET_QUERY_NAMES: frozenset[str] = frozenset(
+    {
+        "key",
+        "api-key",
+        "api_key",
+        "apikey",
+        "x-api-key",
+        "token",
+        "access_token",
+        "auth",
+        "password",
+        "secret",
+        "sig",
+        "signature",
+        "code",
+    }
+)
+"""Query parameters whose value is a credential (lower case); redacted as ``***``."""
+
+_QUERY_PARAM = re.compile(r"([?&;])([^=&;#\s\"']+)=([^&;#\s\"']*)")
+
+
+def redact_url_secrets(text: str) -> str:
+    """``text`` with the value of every credential query parameter replaced by ``***``.
+
+    A parameter is a credential when its name, case-insensitively, is in `SECRET_QUERY_NAMES`
+    (``?key=...`` as Google's APIs use, ``api-key=`` as Azure's may, signatures of signed
+    URLs).
+    """
+
+    def hide(match: re.Match[str]) -> str:
+        name = urllib.parse.unquote(match[2]).lower()
+        return f"{match[1]}{match[2]}=***" if name in SECRET_QUERY_NAMES else match[0]
+
+    return _QUERY_PARAM.sub(hide, text)
+
+
+class _RedactUrlSecrets(logging.Filter):
+    """Rewrites a log record so that no credential of a URL's query string is in it."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        redacted = redact_url_secrets(message)
+        if redacted != message:
+            record.msg, record.args = redacted, None
+        return True
+
+
+HTTP_LOGGERS = (
+    "httpx",
+    "httpcore",
+    "httpcore.connection",
+    "httpcore.http11",
+    "httpcore.http2",
+    "httpcore.proxy",
+)
+"""The loggers of httpx and httpcore, which log request URLs (httpx at INFO)."""
+
+_FILTER = _RedactUrlSecrets()
+
+
+def install_log_redaction() -> None:
+    """Put the URL-credential filter on the httpx and httpcore loggers (once; idempotent).
+
+    A filter on a logger applies to what is logged on that very logger, so each of
+    `HTTP_LOGGERS` gets it. Called by every model client when it is made.
+    """
+    for name in HTTP_LOGGERS:
+        logger = logging.getLogger(name)
+        if _FILTER not in logger.filters:
+            logger.addFilter(_FILTER)
+
+
 def encode_body(body: dict[str, Any]) -> bytes:
-    """A request body as UTF-8 JSON; `UsageError` when it cannot be encoded."""
+    """A request body as UTF-8 JSON bytes.
+
+    Text that is not valid Unicode (a lone surrogate, in a log written before treadle made
+    such text valid where it enters the log, or in a system prompt) is sent with U+FFFD in
+    its place rather than making the request, and so the run, impossible to send
+    (docs/crash-safety.md, "Text that is not Unicode").
+
+    Raises:
+        UsageError: ``body`` is not JSON data (a value JSON has no form for, NaN or
+            infinity included).
+    """
     try:
-        return json.dumps(body, ensure_ascii=False, allow_nan=False).encode("utf-8")
+        text = json.dumps(body, ensure_ascii=False, allow_nan=False)
     except (TypeError, ValueError) as exc:
         raise UsageError(f"the request cannot be encoded as JSON: {exc}") from exc
+    try:
+        return text.encode("utf-8")
+    except UnicodeEncodeError:
+        return valid_text(text)[0].encode("utf-8")
 
 
 def digest(data: bytes) -> str:

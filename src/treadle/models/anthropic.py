@@ -23,6 +23,9 @@ from treadle.models._anthropic_stream import MessageAccumulator, classify_anthro
 from treadle.models._transport import (
     StreamReader,
     digest,
+    install_log_redaction,
+    join_url,
+    redact_url_secrets,
     sniff,
 )
 from treadle.models.openai import ImageSource
@@ -87,7 +90,8 @@ class AnthropicMessagesClient(StreamReader[MessageAccumulator]):
             raise UsageError(f"timeouts must be positive seconds, got {timeouts}")
         if default_max_tokens <= 0:
             raise UsageError(f"default_max_tokens must be positive, got {default_max_tokens}")
-        self._url = base_url.rstrip("/") + "/v1/messages"
+        self._url = join_url(base_url, "/v1/messages")
+        install_log_redaction()
         self._api_key = api_key if api_key is not None else os.environ.get(API_KEY_ENV) or None
         self._owns_client = http_client is None
         self._client = http_client if http_client is not None else httpx.AsyncClient()
@@ -104,7 +108,7 @@ class AnthropicMessagesClient(StreamReader[MessageAccumulator]):
         self._default_max_tokens = default_max_tokens
 
     def __repr__(self) -> str:
-        return f"AnthropicMessagesClient(url={self._url!r})"
+        return f"AnthropicMessagesClient(url={redact_url_secrets(self._url)!r})"
 
     def request_body(self, request: ModelRequest) -> dict[str, Any]:
         """The JSON body sent for ``request``.

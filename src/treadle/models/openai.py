@@ -25,6 +25,8 @@ from treadle.models._accumulate import (
 from treadle.models._transport import (
     StreamReader,
     digest,
+    install_log_redaction,
+    join_url,
     sniff,
 )
 from treadle.ports import DeltaCallback
@@ -90,7 +92,8 @@ class OpenAIChatClient(StreamReader[StreamAccumulator]):
         timeouts = (connect_timeout_s, first_byte_timeout_s, idle_timeout_s)
         if not all(t > 0 for t in timeouts):
             raise UsageError(f"timeouts must be positive seconds, got {timeouts}")
-        self._url = base_url.rstrip("/") + "/chat/completions"
+        self._url = join_url(base_url, "/chat/completions")
+        install_log_redaction()
         self._api_key = api_key
         self._owns_client = http_client is None
         self._client = http_client if http_client is not None else httpx.AsyncClient()

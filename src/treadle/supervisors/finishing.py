@@ -20,6 +20,7 @@ import cattrs
 from treadle._clock import Clock, SystemClock
 from treadle._exceptions import UsageError
 from treadle._state import RunView, fold
+from treadle._text import repaired
 from treadle.approvals import read_control
 from treadle.ports import LeaseStore, RunQueue, RunStore
 from treadle.stores._leases import LEASE_TTL_S
@@ -104,11 +105,13 @@ async def _closing_records(
     records += closing
     requested = [r for r in await read_control(store, log.run_id) if isinstance(r, CancelRequested)]
     first = requested[0] if requested else None
-    cancel = CancelRequested(
-        run_id=log.run_id,
-        ts=clock.now_iso(),
-        reason=first.reason if first else reason,
-        canceller=first.canceller if first else canceller,
+    cancel = repaired(
+        CancelRequested(
+            run_id=log.run_id,
+            ts=clock.now_iso(),
+            reason=first.reason if first else reason,
+            canceller=first.canceller if first else canceller,
+        )
     )
     if view.cancel is None:
         records.append(cancel)

@@ -29,6 +29,7 @@ import trio
 from treadle._clock import Clock, SystemClock
 from treadle._exceptions import LeaseError, UsageError
 from treadle._ids import check_run_id, new_run_id
+from treadle._text import valid_unicode
 from treadle.agent import Agent, RunInput, input_messages
 from treadle.ports import EventSink, RunIndex, RunQueue, RunStore
 from treadle.stores._leases import LEASE_TTL_S, check_ttl, lease_owner
@@ -143,7 +144,7 @@ class Fleet:
             InvalidRunId: ``run_id`` is not an allowed run id.
         """
         run_id = check_run_id(run_id) if run_id is not None else new_run_id()
-        await self._queue.submit(run_id, agent=agent, input=input_messages(input))
+        await self._queue.submit(run_id, agent=agent, input=valid_unicode(input_messages(input))[0])
         self._wake.set()
         return run_id
 

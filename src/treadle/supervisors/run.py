@@ -32,6 +32,7 @@ from treadle._clock import Clock, SystemClock
 from treadle._exceptions import LeaseError, RunInterrupted, SnapshotMismatch, StoreError, UsageError
 from treadle._ids import check_run_id, new_run_id
 from treadle._state import RunView, fold
+from treadle._text import repaired, valid_unicode
 from treadle.actors.coordinator import Drained, Parked, RunCoordinator
 from treadle.actors.executor import RunActions, ToolExecutor
 from treadle.actors.gateway import CallModel, ModelGateway
@@ -277,6 +278,7 @@ def real_hydrator(context: ActorContext) -> ContextHydrator:
         model=agent.model_name,
         max_output_tokens=agent.max_output_tokens,
         params=agent.params,
+        synthetic=agent.synthetic,
     )
 
 
@@ -839,11 +841,13 @@ async def _keep_decision(parking: Parking, store: RunStore) -> None:
     if parking.cancel_request is not None and parking.cancelled_here:
         reason, canceller = parking.cancel_request
         await controls.append_control(
-            CancelRequested(
-                run_id=parking.request.run_id,
-                ts=parking.clock.now_iso(),
-                reason=reason,
-                canceller=canceller,
+            repaired(
+                CancelRequested(
+                    run_id=parking.request.run_id,
+                    ts=parking.clock.now_iso(),
+                    reason=reason,
+                    canceller=canceller,
+                )
             )
         )
         parking.cancelled_here = False
@@ -1031,6 +1035,7 @@ async def _hand_over(parking: Parking, view: RunView, client: WriterClient) -> N
         return
     if view.pending.approval_requests.get(decided.call_id) != parking.request:
         return  # the log moved on (another process drove the run): nothing to hand over
+    decided = repaired(decided)
     await client.barrier(StoreOp.CONTROL, decided)
     view.apply(decided)
 
@@ -1084,18 +1089,20 @@ def _prepare(
             raise StoreError(f"run {log.run_id!r}: log does not start with run-started")
         if input is None:
             raise UsageError(f"run {log.run_id!r} does not exist; a new run needs an input")
-        started = RunStarted(
-            run_id=log.run_id,
-            ts=clock.now_iso(),
-            input=input_messages(input),
-            snapshot=snapshot,
-            agent=agent_name,
-            agent_version=agent.version_label,
+        started = repaired(
+            RunStarted(
+                run_id=log.run_id,
+                ts=clock.now_iso(),
+                input=input_messages(input),
+                snapshot=snapshot,
+                agent=agent_name,
+                agent_version=agent.version_label,
+            )
         )
         return started, RunView(), (), None
     started = log.started
     check_schema(started)
-    if input is not None and input_messages(input) != started.input:
+    if input is not None and valid_unicode(input_messages(input))[0] != started.input:
         raise UsageError(f"run {log.run_id!r}: the input differs from the stored input")
     accepted = _accepted_change(agent, log, started, clock, options, owner)
     return started, fold(log.records), log.steps, accepted

@@ -18,6 +18,7 @@ from treadle.types import (
     ApprovalRequested,
     Budgets,
     ModelIntent,
+    ModelRequest,
     ModelResult,
     RunFinished,
     RunLog,
@@ -90,6 +91,42 @@ def check_invariants(
         twice = sorted(k for k, n in ledger.effects.items() if n > 1)
         if twice:
             problems.append(f"{log.run_id}: never-policy actions applied twice: {twice}")
+    return problems
+
+
+def check_tool_replies(requests: Iterable[ModelRequest]) -> list[str]:
+    """Check that every request pairs each assistant tool call with its tool message.
+
+    OpenAI and Anthropic refuse a request in which an assistant message's tool call is not
+    answered by a ``tool`` message (same call id) before the next message of another role, or
+    a ``tool`` message answers no call of the assistant message before it.
+
+    Args:
+        requests: the requests a model client received, in order (for example
+            `treadle.testing.ScriptedModel.requests`).
+
+    Returns:
+        One sentence per violation, naming the request (0-based) and the call id.
+    """
+    problems: list[str] = []
+    for index, request in enumerate(requests):
+        waiting: dict[str, str] = {}
+        for message in (*request.messages, None):
+            if message is not None and message.role == "tool":
+                if message.tool_call_id not in waiting:
+                    problems.append(
+                        f"request {index}: tool message for call {message.tool_call_id!r} "
+                        "answers no call of the assistant message before it"
+                    )
+                waiting.pop(message.tool_call_id or "", None)
+                continue
+            problems.extend(
+                f"request {index}: tool call {call_id!r} ({tool}) has no tool message"
+                for call_id, tool in waiting.items()
+            )
+            waiting = {}
+            if message is not None and message.role == "assistant":
+                waiting = {call.id: call.name for call in message.tool_calls}
     return problems
 
 

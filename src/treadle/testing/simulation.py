@@ -44,6 +44,7 @@ from treadle.testing.invariants import _refused
 from treadle.testing.invariants import check_approvals as check_approvals
 from treadle.testing.invariants import check_budgets as check_budgets
 from treadle.testing.invariants import check_invariants as check_invariants
+from treadle.testing.invariants import check_tool_replies as check_tool_replies
 from treadle.testing.scripted import STALLED, ScriptedModel, call, say
 from treadle.tools import EnvironmentFailure, Toolbox, ToolContext, tool
 from treadle.types import (
@@ -716,6 +717,7 @@ async def _simulate(seed: int, plan: FaultPlan, runs: int, scenario: Scenario) -
         budgets = scenario.agent(worlds[index]).budgets
         violations.extend(check_invariants(log, budgets=budgets))
         violations.extend(scenario.check(log, worlds[index]))
+        violations.extend(_unanswered_calls(run_ids[index], worlds[index]))
         twin_world = scenario.world(random.Random(world_seeds[index]), plan, {})
         twin = await _fault_free_twin(scenario, run_ids[index], twin_world)
         violations.extend(_compare_with_twin(log, twin, scenario))
@@ -934,6 +936,18 @@ async def _watch(handle: RunHandle, cancel_after: float | None, approver: _Appro
         if len(group.exceptions) == 1:
             raise group.exceptions[0] from None
         raise
+
+
+def _unanswered_calls(run_id: str, world: Any) -> list[str]:
+    """`check_tool_replies` on every request the world's model received (``world.provider``).
+
+    A world without a ``provider`` that records ``requests`` (a `ScriptedModel`) is not
+    checked.
+    """
+    requests = getattr(getattr(world, "provider", None), "requests", None)
+    if requests is None:
+        return []
+    return [f"run {run_id!r}: {problem}" for problem in check_tool_replies(requests)]
 
 
 async def _fault_free_twin(scenario: Scenario, run_id: str, world: Any) -> RunLog:

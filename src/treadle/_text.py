@@ -1,0 +1,116 @@
+"""Text entering a run's log made valid Unicode (docs/crash-safety.md, "Text that is not Unicode").
+
+A Python ``str`` may hold surrogate code points (U+D800 to U+DFFF) that no UTF-8 encoder
+accepts: a file name decoded with ``surrogateescape`` in a tool's output, or an escaped lone
+surrogate in a server's JSON. Such text in a model request makes the request impossible to
+send, so a run holding it in its history could never take another step. Every boundary where
+outside text enters the log (model replies and errors, tool outcomes, approval decisions,
+cancel requests, run input) passes it through `valid_unicode` first: a surrogate pair becomes
+the character it encodes, a lone surrogate becomes U+FFFD, and the record counts the
+replacements in its ``surrogates_replaced`` field.
+"""
+
+from __future__ import annotations
+
+import enum
+import re
+from collections.abc import Mapping
+from typing import Any, TypeVar
+
+import attrs
+
+from treadle.types import (
+    ActionResult,
+    ApprovalDecided,
+    CancelRequested,
+    ModelResult,
+    RunStarted,
+)
+
+REPLACEMENT = "\ufffd"
+"""What a lone surrogate becomes."""
+
+T = TypeVar("T")
+
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def valid_text(text: str) -> tuple[str, int]:
+    """``text`` as valid Unicode, and how many surrogate code points it held.
+
+    A surrogate pair (high then low) is joined into the character it encodes; a lone
+    surrogate becomes U+FFFD. Text without surrogates is returned as is (the same object).
+    """
+    if text.isascii():
+        return text, 0
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        pass
+    else:
+        return text, 0
+    fixed = text.encode("utf-16-le", "surrogatepass").decode("utf-16-le", "replace")
+    return fixed, len(_SURROGATE.findall(text))
+
+
+def valid_unicode(value: T) -> tuple[T, int]:
+    """``value`` with every string in it made valid Unicode (`valid_text`), and the count.
+
+    Walks strings, mappings (keys and values), lists, tuples and attrs instances (the records
+    and their parts); anything else (numbers, enums, ``None``) is returned as is. An object
+    with nothing to replace is returned as is (the same object).
+    """
+    fixed, count = _walk(value)
+    return fixed, count
+
+
+def _walk(value: Any) -> tuple[Any, int]:
+    if isinstance(value, enum.Enum):
+        return value, 0
+    if isinstance(value, str):
+        return valid_text(value)
+    if isinstance(value, Mapping):
+        total = 0
+        items: list[tuple[Any, Any]] = []
+        for key, item in value.items():
+            new_key, kc = _walk(key)
+            new_item, ic = _walk(item)
+            total += kc + ic
+            items.append((new_key, new_item))
+        return (dict(items), total) if total else (value, 0)
+    if isinstance(value, list | tuple):
+        total = 0
+        parts: list[Any] = []
+        for item in value:
+            new_item, count = _walk(item)
+            total += count
+            parts.append(new_item)
+        if not total:
+            return value, 0
+        return (parts if isinstance(value, list) else tuple(parts)), total
+    if attrs.has(type(value)):
+        total = 0
+        changes: dict[str, Any] = {}
+        for field in attrs.fields(type(value)):
+            if not field.init:
+                continue
+            new, count = _walk(getattr(value, field.name))
+            if count:
+                total += count
+                changes[field.alias or field.name] = new
+        return (attrs.evolve(value, **changes), total) if total else (value, 0)
+    return value, 0
+
+
+R = TypeVar("R", RunStarted, ModelResult, ActionResult, CancelRequested, ApprovalDecided)
+
+
+def repaired(record: R) -> R:
+    """``record`` made valid Unicode, its ``surrogates_replaced`` field raised by the count.
+
+    One with nothing to replace is returned as is.
+    """
+    fixed, count = valid_unicode(record)
+    if not count:
+        return record
+    return attrs.evolve(fixed, surrogates_replaced=record.surrogates_replaced + count)

@@ -1,0 +1,85 @@
+"""The request URL keeps base_url's query string; no query credential reaches a log line."""
+
+from __future__ import annotations
+
+import json
+import logging
+
+import pytest
+import trio
+
+from treadle.models import AnthropicMessagesClient, OpenAIChatClient
+from treadle.testing.loopback import CannedResponse, canned, open_loopback_server
+from treadle.types import Message, ModelRequest
+
+SECRET = "AIzaSyQUERYSECRET123"
+SSE = {"content-type": "text/event-stream"}
+REQUEST = ModelRequest(messages=(Message(role="user", content="hi"),), model="m")
+
+OPENAI_REPLY = CannedResponse(
+    headers=SSE,
+    chunks=[
+        b"data: "
+        + json.dumps({"id": "c", "choices": [{"index": 0, "delta": {"content": "ok"}}]}).encode()
+        + b"\n\ndata: "
+        + json.dumps(
+            {"id": "c", "choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}]}
+        ).encode()
+        + b"\n\ndata: [DONE]\n\n"
+    ],
+)
+ANTHROPIC_REPLY = CannedResponse(
+    headers=SSE,
+    chunks=[
+        b'event: message_start\ndata: {"type":"message_start","message":{"id":"m","usage":'
+        b'{"input_tokens":1,"output_tokens":1}}}\n\n'
+        b'event: content_block_start\ndata: {"type":"content_block_start","index":0,'
+        b'"content_block":{"type":"text","text":""}}\n\n'
+        b'event: content_block_delta\ndata: {"type":"content_block_delta","index":0,'
+        b'"delta":{"type":"text_delta","text":"ok"}}\n\n'
+        b'event: content_block_stop\ndata: {"type":"content_block_stop","index":0}\n\n'
+        b'event: message_delta\ndata: {"type":"message_delta","delta":{"stop_reason":"end_turn"},'
+        b'"usage":{"output_tokens":1}}\n\n'
+        b'event: message_stop\ndata: {"type":"message_stop"}\n\n'
+    ],
+)
+
+
+@pytest.mark.parametrize(
+    ("make", "root", "path", "reply"),
+    [
+        (OpenAIChatClient, "/v1", "/v1/chat/completions", OPENAI_REPLY),
+        (AnthropicMessagesClient, "", "/v1/messages", ANTHROPIC_REPLY),
+    ],
+    ids=["openai", "anthropic"],
+)
+async def test_the_path_goes_before_the_query_and_no_log_line_holds_its_key(
+    caplog, make, root, path, reply
+):
+    caplog.set_level(logging.DEBUG)
+    query = f"api-version=2024-06-01&key={SECRET}"
+    async with open_loopback_server(canned(reply)) as server:
+        client = make(base_url=f"{server.base_url}{root}?{query}", api_key="sk-header-key")
+        try:
+            with trio.fail_after(10):
+                answer = await client.complete(REQUEST)
+        finally:
+            await client.aclose()
+    assert answer.text == "ok"
+    assert server.requests[0].path == f"{path}?{query}"
+    http_lines = [r for r in caplog.records if r.name == "httpx"]
+    assert any("HTTP Request: POST" in r.getMessage() for r in http_lines)
+    assert any("api-version=2024-06-01&key=***" in r.getMessage() for r in http_lines)
+    assert SECRET not in caplog.text
+    assert all(SECRET not in r.getMessage() for r in caplog.records)
+    assert SECRET not in repr(client)
+
+
+def test_join_url_keeps_the_query_and_does_not_double_slashes():
+    from treadle.models._transport import join_url
+
+    assert join_url("https://h/v1?api-version=1", "/chat/completions") == (
+        "https://h/v1/chat/completions?api-version=1"
+    )
+    assert join_url("https://h/v1/", "/chat/completions") == "https://h/v1/chat/completions"
+    assert join_url("https://h", "/v1/messages") == "https://h/v1/messages"
