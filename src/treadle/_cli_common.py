@@ -216,6 +216,8 @@ def model_detail(record: ModelResult) -> str:
         return clip(f"error {record.error.kind} {record.error.message}".strip()) + tokens
     reply = record.reply
     text = (reply.text or "") if reply else ""
+    if reply is not None and reply.refusal:
+        text = f"{text} refused: {reply.refusal}".strip()
     calls = ", ".join(c.name for c in reply.tool_calls) if reply else ""
     return clip(f"{text} {'→ ' + calls if calls else ''}".strip()) + tokens
 

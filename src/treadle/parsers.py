@@ -70,6 +70,8 @@ SYNTHESISED_CALL_ID: Final = "synthesised_call_id"
 
 EMPTY_REPLY: Final = "empty_reply"
 """Invalid-decision reason: neither visible text nor a tool call."""
+REFUSAL: Final = "refusal"
+"""Final-answer reason: the model refused (``ModelReply.refusal``), as the provider said."""
 TRUNCATED: Final = "truncated"
 """Invalid-decision reason: the output token limit cut a call (or the whole reply) short."""
 NON_FINITE_NUMBER: Final = "non_finite_number"
@@ -130,6 +132,30 @@ def _empty_reply(reply: ModelReply, names: frozenset[str]) -> ParsedReply:
         feedback=feedback,
         reason=reason,
         history_message=_history(reply, None),
+    )
+
+
+def _refused(reply: ModelReply) -> bool:
+    """A refusal without any tool call (a call beside a refusal is parsed as a call)."""
+    return (
+        _visible(reply.refusal) is not None
+        and not reply.tool_calls
+        and not reply.invalid_tool_calls
+    )
+
+
+def _refusal(reply: ModelReply) -> ParsedReply:
+    """The decision on a refusal: the final answer, marked ``reason="refusal"``.
+
+    The answer is the visible text when there is any, else the refusal's text; history keeps
+    it as the assistant's content, so the model sees what it said.
+    """
+    text = _visible(reply.text) or reply.refusal
+    return ParsedReply(
+        kind=DecisionKind.FINAL_ANSWER,
+        text=text,
+        reason=REFUSAL,
+        history_message=_history(reply, text),
     )
 
 
@@ -299,7 +325,8 @@ class NativeToolCallParser:
        whose ``name`` is a declared tool and whose ``arguments`` (or ``parameters``) is an
        object -> ACTIONS with one call, repair ``tool_call_from_content``;
     4. text -> FINAL_ANSWER, or, with ``text_reply_tool``, an action calling that tool with
-       ``{"content": text}`` and call id ``""``;
+       ``{"content": text}`` and call id ``""``; a refusal (``ModelReply.refusal``, no call)
+       -> FINAL_ANSWER with reason ``refusal``;
     5. nothing (no calls, empty or whitespace text) -> INVALID ``empty_reply`` (``truncated``
        when the output limit ended the reply).
 
@@ -324,6 +351,8 @@ class NativeToolCallParser:
         return refuse_non_finite(self._parse(reply, tools))
 
     def _parse(self, reply: ModelReply, tools: Sequence[ToolSpec]) -> ParsedReply:
+        if _refused(reply):
+            return _refusal(reply)
         names = _declared(tools)
         collected = _collect_native_calls(reply)
         if collected.problems:
@@ -446,7 +475,7 @@ class JsonToolCallParser:
         Returns:
             The decision with the assistant message as it must be replayed.
         """
-        if reply.tool_calls or reply.invalid_tool_calls:
+        if reply.tool_calls or reply.invalid_tool_calls or _refused(reply):
             return self._native.parse(reply, tools)
         return refuse_non_finite(self._parse(reply, tools))
 

@@ -347,7 +347,8 @@ class ParsedReply:
         actions: the tool calls to run (non-empty for ``ACTIONS``), in order.
         text: the final answer (``FINAL_ANSWER``), or visible text alongside actions.
         feedback: for ``INVALID``: the text fed back to the model.
-        reason: for ``INVALID``: a short machine-readable reason (``multiple_json_values``...).
+        reason: for ``INVALID``: a short machine-readable reason (``multiple_json_values``...);
+            for a ``FINAL_ANSWER`` that is the model's refusal: ``refusal``.
         repairs: names of the repairs applied to get here (``python_literal`` ...).
         history_message: the assistant message as it enters history (sanitised: never a
             merged or truncated argument string).

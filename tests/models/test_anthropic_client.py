@@ -381,12 +381,14 @@ async def test_usage_absent_stays_unknown():
 @pytest.mark.parametrize(
     ("stop_reason", "finish"),
     [("end_turn", "stop"), ("stop_sequence", "stop"), ("tool_use", "tool_calls"),
-     ("max_tokens", "length"), ("refusal", "content_filter"), ("pause_turn", "pause_turn")],
+     ("max_tokens", "length"), ("refusal", "content_filter"), ("pause_turn", "stop"),
+     ("model_context_window_exceeded", "length"), ("something_new", "stop")],
 )  # fmt: skip
 async def test_stop_reasons_are_mapped(stop_reason, finish):
     chunks = [*text_reply("x")[:-2], message_delta(stop_reason), MESSAGE_STOP]
     reply, _ = await call(CannedResponse(headers=SSE, chunks=chunks))
     assert reply.finish_reason == finish
+    assert reply.provider_finish_reason == stop_reason  # the server's own value is kept
 
 
 async def test_unknown_events_and_delta_types_are_ignored():

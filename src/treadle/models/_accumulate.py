@@ -72,8 +72,11 @@ def error_fields(payload: Any) -> tuple[str, Any, str]:
     """Pull ``(message, code, type)`` out of an error payload of any common shape.
 
     Accepts ``{"error": {...}}``, ``{"error": "text"}``, a bare error object, or
-    ``{"detail": ...}``; anything else gives an empty message.
+    ``{"detail": ...}``, alone or as the first item of a JSON list (Google's APIs answer
+    ``[{"error": {...}}]``); anything else gives an empty message.
     """
+    if isinstance(payload, list) and payload:
+        payload = payload[0]
     error = payload.get("error", payload) if isinstance(payload, Mapping) else payload
     if isinstance(error, str):
         return error[:MAX_MESSAGE_CHARS], None, ""
@@ -140,12 +143,21 @@ def _classify_status(status: int) -> tuple[str, bool]:
     return "invalid_response", False
 
 
-def parse_retry_after(headers: Mapping[str, str], *, now_s: float) -> float | None:
-    """Read the server-directed wait from ``retry-after-ms`` or ``Retry-After``.
+def parse_retry_after(
+    headers: Mapping[str, str], *, now_s: float, body: Any = None
+) -> float | None:
+    """Read the server-directed wait from ``retry-after-ms``, ``Retry-After`` or the body.
+
+    ``Retry-After`` is delay-seconds or an HTTP-date (RFC 9110, section 10.2.3). A date is
+    measured against the response's own ``Date`` header when it has a readable one, so a
+    client clock that is off does not change the wait, else against ``now_s``. Without a
+    header, a wait given in the error body counts: Google's ``RetryInfo.retryDelay``
+    (``"37s"``, in ``error.details``, also inside a JSON list body).
 
     Args:
         headers: response headers (case-insensitive mapping, e.g. `httpx.Headers`).
         now_s: the current UTC wall-clock time in seconds since the epoch, for HTTP-dates.
+        body: the decoded JSON error body, or ``None``.
 
     Returns:
         The wait in seconds (never negative), or ``None`` when absent or unreadable.
@@ -155,14 +167,48 @@ def parse_retry_after(headers: Mapping[str, str], *, now_s: float) -> float | No
         return max(0.0, milliseconds / 1000)
     value = headers.get("retry-after")
     if value is None:
-        return None
+        return retry_delay_in(body)
     seconds = _number(value)
     if seconds is None:
-        try:
-            seconds = email.utils.parsedate_to_datetime(value).timestamp() - now_s
-        except (TypeError, ValueError, IndexError):
-            return None
+        at = _http_date(value)
+        if at is None:
+            return retry_delay_in(body)
+        sent = _http_date(headers.get("date"))
+        seconds = at - (sent if sent is not None else now_s)
     return max(0.0, seconds)
+
+
+def _http_date(value: str | None) -> float | None:
+    if not value:
+        return None
+    try:
+        return email.utils.parsedate_to_datetime(value).timestamp()
+    except (TypeError, ValueError, IndexError):
+        return None
+
+
+_DELAY = re.compile(r"\A\s*(\d+(?:\.\d+)?)s\s*\Z")
+
+
+def retry_delay_in(body: Any) -> float | None:
+    """The wait a Google-style error body asks for (``RetryInfo.retryDelay``), in seconds."""
+    if isinstance(body, list) and body:
+        body = body[0]
+    error = body.get("error") if isinstance(body, Mapping) else None
+    details = error.get("details") if isinstance(error, Mapping) else None
+    for detail in details if isinstance(details, list) else ():
+        if not isinstance(detail, Mapping):
+            continue
+        kind, delay = detail.get("@type"), detail.get("retryDelay")
+        if (
+            isinstance(kind, str)
+            and kind.endswith("google.rpc.RetryInfo")
+            and isinstance(delay, str)
+        ):
+            found = _DELAY.match(delay)
+            if found is not None:
+                return float(found.group(1))
+    return None
 
 
 def _number(value: str | None) -> float | None:

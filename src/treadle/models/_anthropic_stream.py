@@ -16,7 +16,12 @@ from typing import Any
 import attrs
 
 from treadle._exceptions import ModelCallError
-from treadle.models._accumulate import classify_failure, error_fields, loads_event
+from treadle.models._accumulate import (
+    classify_failure,
+    error_fields,
+    loads_event,
+    standard_finish_reason,
+)
 from treadle.ports import DeltaCallback
 from treadle.types import InvalidToolCall, ModelErrorInfo, ModelReply, ToolCall, Usage
 
@@ -28,7 +33,9 @@ STOP_REASONS = {
     "model_context_window_exceeded": "length",
     "refusal": "content_filter",
 }
-"""Anthropic ``stop_reason`` → treadle's finish reason (the OpenAI names); others pass as is."""
+"""Anthropic ``stop_reason`` → the standard finish reason (the OpenAI names); others are mapped
+by `treadle.models._accumulate.standard_finish_reason`. The server's value is kept in
+``ModelReply.provider_finish_reason``."""
 
 ERROR_TYPES: Mapping[str, tuple[str, bool]] = {
     "invalid_request_error": ("bad_request", False),
@@ -209,7 +216,18 @@ class MessageAccumulator:
         A ``tool_use`` block whose input is not a JSON object goes to ``invalid_tool_calls``
         with its raw text: reason ``truncated`` when the reply was cut by ``max_tokens``, else
         ``unparseable``. It never appears in ``tool_calls``.
+
+        Raises:
+            treadle.ModelCallError: ``incomplete_stream`` (retryable) when the response held
+                no content block and no stop reason: that is no reply.
         """
+        if self.stop_reason is None and not self._blocks:
+            raise self.failure(
+                "incomplete_stream",
+                f"the response carried no reply after {self.events} events: no content block "
+                "and no stop reason",
+                retryable=True,
+            )
         calls: list[ToolCall] = []
         invalid: list[InvalidToolCall] = []
         reasoning: list[str] | None = None
@@ -242,6 +260,11 @@ class MessageAccumulator:
             finish_reason=finish,
             usage=self.usage,
             response_id=self.message_id,
+            provider_finish_reason=(
+                self.stop_reason
+                if self.stop_reason is not None and self.stop_reason != finish
+                else None
+            ),
         )
 
     def _ordered(self) -> list[_Block]:
@@ -334,7 +357,9 @@ _HANDLERS: dict[str, Callable[[MessageAccumulator, Mapping[str, Any]], None]] = 
 
 
 def _finish_reason(stop_reason: str | None) -> str | None:
-    return None if stop_reason is None else STOP_REASONS.get(stop_reason, stop_reason)
+    if stop_reason is None:
+        return None
+    return STOP_REASONS.get(stop_reason) or standard_finish_reason(stop_reason)[0]
 
 
 def _arguments(block: _Block, *, cut: bool) -> tuple[str, dict[str, Any] | None]:

@@ -50,6 +50,9 @@ class SSEDecoder:
     Comment lines (starting with ``:``) are ignored wherever they appear; a field's value may
     follow the colon with or without one space; an event is dispatched on an empty line and
     only when it holds at least one ``data`` line. A leading UTF-8 byte order mark is skipped.
+    One departure from the standard: an ``error:`` line (a field the standard ignores, which
+    some servers use to report a failure) makes its event an ``error`` event whose data starts
+    with that line's value, so a failure is never read as an empty success.
 
     Use `feed` for every read, then `close` at end of stream: an event that was never
     terminated by an empty line is discarded there, and `close` reports it.
@@ -66,6 +69,7 @@ class SSEDecoder:
     _skip_lf: bool = False
     _at_start: bool = True
     _data: list[str] = attrs.Factory(list)
+    _errors: list[str] = attrs.Factory(list)
     _event: str = ""
     _last_id: str | None = None
     _retry_ms: int | None = None
@@ -152,8 +156,14 @@ class SSEDecoder:
             self._last_id = value
         elif name == "retry" and value.isascii() and value.isdigit():
             self._retry_ms = int(value)
+        elif name == "error":
+            # Not an SSE field: the standard ignores it. Some servers report a failure as an
+            # `error: {...}` line; it becomes an `error` event so that it is never lost.
+            self._errors.append(value)
 
     def _dispatch(self) -> SSEEvent | None:
+        if self._errors:
+            self._data, self._event = self._errors + self._data, "error"
         if not self._data:
             self._reset_event()
             return None
@@ -169,6 +179,7 @@ class SSEDecoder:
 
     def _reset_event(self) -> None:
         self._data = []
+        self._errors = []
         self._event = ""
         self._retry_ms = None
         self._pending_fields = False

@@ -184,14 +184,39 @@ class StreamReader(Generic[A]):
                 body = b""  # the status alone classifies the failure
             raise self._status_error(response, body, acc)
         content_type = response.headers.get("content-type", "").lower()
-        if "json" in content_type:
+        if "event-stream" in content_type:
+            return await self._read_stream(chunks, acc, deadline, idle_s)
+        # The request asked for a stream, so a body that is one, whatever its label, is read
+        # as one, as the official SDKs read it (docs/models.md, "Replies, finish reasons, reasoning").
+        head, chunks = await self._peek(chunks, acc, deadline)
+        if any(label in content_type for label in NDJSON_TYPES):
+            return await self._read_stream(as_sse(chunks), acc, deadline, idle_s)
+        if SSE_START.match(head):
+            return await self._read_stream(chunks, acc, deadline, idle_s)
+        if "json" in content_type or head.lstrip().startswith(b"{"):
             body = await self._read_body(chunks, acc, MAX_JSON_BODY_BYTES, idle_s)
             reply = self._add_body(acc, body)
             report_usage(reply.usage)
             return reply
-        if content_type and "event-stream" not in content_type:
-            raise acc.failure("invalid_response", f"unexpected content-type {content_type!r}")
-        return await self._read_stream(chunks, acc, deadline, idle_s)
+        raise acc.failure(
+            "invalid_response",
+            f"unexpected content-type {content_type!r}: the body is neither a JSON object nor "
+            "server-sent events",
+        )
+
+    async def _peek(
+        self, chunks: AsyncIterator[bytes], acc: A, deadline: float
+    ) -> tuple[bytes, AsyncIterator[bytes]]:
+        """The body's first bytes (up to a line, or `PEEK_BYTES`), and the whole body again."""
+        seen: list[bytes] = []
+        size = 0
+        while size < PEEK_BYTES and not any(b"\n" in part for part in seen):
+            chunk = await self._next_chunk(chunks, acc, deadline, 0.0)
+            if chunk is None:
+                break
+            seen.append(chunk)
+            size += len(chunk)
+        return b"".join(seen), _chained(seen, chunks)
 
     async def _read_stream(
         self, chunks: AsyncIterator[bytes], acc: A, deadline: float, idle_s: float
@@ -398,6 +423,34 @@ async def dispose(response: httpx.Response, chunks: AsyncIterator[bytes]) -> Non
         with contextlib.suppress(Exception):
             while await anext(chunks, None) is not None:
                 pass
+
+
+PEEK_BYTES = 256
+"""Bytes of a body with an unexpected content type looked at to tell what it holds."""
+NDJSON_TYPES = ("ndjson", "jsonl", "json-seq", "jsonlines")
+"""Content-type labels of newline-delimited JSON: one chunk object a line."""
+SSE_START = re.compile(rb"\A(?:\xef\xbb\xbf)?\s*(?::|(?:data|event|id|retry|error)\s*:)")
+"""How a body of server-sent events starts (a comment, or one of the fields)."""
+
+
+async def _chained(first: list[bytes], rest: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
+    for chunk in first:
+        yield chunk
+    async for chunk in rest:
+        yield chunk
+
+
+async def as_sse(chunks: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
+    """Newline-delimited JSON as server-sent events: each non-empty line one ``data`` event."""
+    pending = b""
+    async for chunk in chunks:
+        pending += chunk
+        *lines, pending = pending.split(b"\n")
+        out = b"".join(b"data: " + line.strip() + b"\n\n" for line in lines if line.strip())
+        if out:
+            yield out
+    if pending.strip():
+        yield b"data: " + pending.strip() + b"\n\n"
 
 
 def decode_chunk(decoder: SSEDecoder, chunk: bytes, acc: Accumulator) -> list[SSEEvent]:

@@ -195,7 +195,7 @@ class AnthropicMessagesClient(StreamReader[MessageAccumulator]):
         message, _, type_ = error_fields(payload)
         status = response.status_code
         kind, retryable = classify_anthropic(status=status, type_=type_, message=message)
-        retry_after = parse_retry_after(response.headers, now_s=time.time())
+        retry_after = parse_retry_after(response.headers, now_s=time.time(), body=payload)
         info = ModelErrorInfo(
             kind=kind,
             message=self._redact(f"HTTP {status}: {message}" if message else f"HTTP {status}"),

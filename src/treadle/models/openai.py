@@ -189,7 +189,7 @@ class OpenAIChatClient(StreamReader[StreamAccumulator]):
         message, code, type_ = error_fields(payload)
         status = response.status_code
         kind, retryable = classify_failure(status=status, code=code, type_=type_, message=message)
-        retry_after = parse_retry_after(response.headers, now_s=time.time())
+        retry_after = parse_retry_after(response.headers, now_s=time.time(), body=payload)
         info = ModelErrorInfo(
             kind=kind,
             message=self._redact(f"HTTP {status}: {message}" if message else f"HTTP {status}"),

@@ -1,0 +1,229 @@
+"""Stream and error shapes as servers really send them, through a real HTTP server.
+
+docs/models.md, "Replies, finish reasons, reasoning" and "Errors and retryability": an error
+in a non-standard form is an error of its kind, never an empty success; a stream served under
+the wrong content type is read as a stream; finish reasons are mapped onto the standard set
+with the server's value kept; a refusal is kept apart from the text; Retry-After dates are
+measured against the response's Date, and Google's RetryInfo counts.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import trio
+from test_anthropic_events import MESSAGE_STOP, message_start
+from test_anthropic_events import SSE as ANTHROPIC_SSE
+
+from treadle._exceptions import ModelCallError
+from treadle.agent import Agent
+from treadle.models import AnthropicMessagesClient, OpenAIChatClient
+from treadle.parsers import REFUSAL, JsonToolCallParser, NativeToolCallParser
+from treadle.supervisors.run import run
+from treadle.testing.loopback import CannedResponse, canned, open_loopback_server
+from treadle.tools import Toolbox, tool
+from treadle.types import DecisionKind, Message, ModelRequest, StopReason
+
+SSE = {"content-type": "text/event-stream"}
+REQUEST = ModelRequest(messages=(Message(role="user", content="hi"),), model="m")
+
+
+def chunk(delta=None, finish=None) -> dict:
+    return {"id": "c", "choices": [{"index": 0, "delta": delta or {}, "finish_reason": finish}]}
+
+
+def data(*payloads) -> bytes:
+    return b"".join(
+        f"data: {p if isinstance(p, str) else json.dumps(p)}\n\n".encode() for p in payloads
+    )
+
+
+async def complete(response: CannedResponse, client_type=OpenAIChatClient):
+    """The reply (or the ModelCallError) of one call answered with ``response``."""
+    async with open_loopback_server(canned(response)) as server:
+        base = server.base_url + ("/v1" if client_type is OpenAIChatClient else "")
+        async with client_type(base_url=base, api_key="sk-test") as client:
+            try:
+                with trio.fail_after(10):
+                    return await client.complete(REQUEST)
+            except ModelCallError as err:
+                return err
+
+
+# --------------------------------------------------------------------------- errors in streams
+
+
+@pytest.mark.parametrize(
+    ("body", "kind"),
+    [
+        # a top-level error field in a chunk, then [DONE]
+        (data({"error": {"message": "Rate limit reached", "type": "rate_limit"}}, "[DONE]"),
+         "rate_limited"),
+        (data({"error": "upstream model crashed"}, "[DONE]"), "upstream_error"),
+        # an `error:` line (not an SSE field), then [DONE]
+        (b'error: {"message": "overloaded", "type": "server_error"}\n\n' + data("[DONE]"),
+         "server_error"),
+        (b"error: internal failure\n\n" + data("[DONE]"), "upstream_error"),
+        # nothing at all before [DONE]
+        (data("[DONE]"), "incomplete_stream"),
+        (data(chunk({"role": "assistant"}), "[DONE]"), "incomplete_stream"),
+        # a finish reason that says the generation failed
+        (data(chunk({"content": "par"}, "error"), "[DONE]"), "incomplete_stream"),
+        (data(chunk({}, "abort"), "[DONE]"), "incomplete_stream"),
+    ],
+)  # fmt: skip
+async def test_an_error_in_the_stream_is_an_error_of_its_kind_never_an_empty_success(body, kind):
+    failed = await complete(CannedResponse(headers=SSE, chunks=[body]))
+    assert isinstance(failed, ModelCallError), failed
+    assert failed.info.kind == kind
+
+
+async def test_an_anthropic_stream_with_nothing_in_it_is_no_reply():
+    failed = await complete(
+        CannedResponse(headers=ANTHROPIC_SSE, chunks=[message_start(), MESSAGE_STOP]),
+        AnthropicMessagesClient,
+    )
+    assert isinstance(failed, ModelCallError) and failed.info.kind == "incomplete_stream"
+
+
+# --------------------------------------------------------------------------- wrong content types
+
+
+HELLO = data(chunk({"content": "Hel"}), chunk({"content": "lo"}, "stop"), "[DONE]")
+
+
+@pytest.mark.parametrize(
+    ("content_type", "body"),
+    [
+        ("application/json", HELLO),
+        ("text/plain; charset=utf-8", HELLO),
+        ("application/octet-stream", b": keep-alive\n\n" + HELLO),
+        ("", HELLO),
+        (
+            "application/x-ndjson",
+            b"".join(
+                json.dumps(c).encode() + b"\n"
+                for c in (chunk({"content": "Hel"}), chunk({"content": "lo"}, "stop"))
+            ),
+        ),
+        ("application/jsonl", json.dumps(chunk({"content": "Hello"}, "stop")).encode()),
+    ],
+)
+async def test_a_stream_under_another_content_type_is_read_as_a_stream(content_type, body):
+    headers = {"content-type": content_type} if content_type else {}
+    reply = await complete(CannedResponse(headers=headers, chunks=[body[:7], body[7:]]))
+    assert not isinstance(reply, ModelCallError), reply
+    assert (reply.text, reply.finish_reason) == ("Hello", "stop")
+
+
+async def test_a_body_that_is_neither_json_nor_a_stream_is_an_invalid_response():
+    failed = await complete(CannedResponse(headers={"content-type": "text/html"}, chunks=[b"<h1>"]))
+    assert isinstance(failed, ModelCallError) and failed.info.kind == "invalid_response"
+
+
+# --------------------------------------------------------------------------- finish reasons
+
+
+@pytest.mark.parametrize(
+    ("sent", "standard"),
+    [("stop", "stop"), ("eos", "stop"), ("end_turn", "stop"), ("STOP", "stop"),
+     ("MAX_TOKENS", "length"), ("model_length", "length"), ("tool_use", "tool_calls"),
+     ("SAFETY", "content_filter"), ("something_new", "stop")],
+)  # fmt: skip
+async def test_finish_reasons_are_mapped_and_the_servers_value_is_kept(sent, standard):
+    body = data(chunk({"content": "x"}, sent), "[DONE]")
+    reply = await complete(CannedResponse(headers=SSE, chunks=[body]))
+    assert reply.finish_reason == standard
+    assert reply.provider_finish_reason == (None if sent == standard else sent)
+
+
+async def test_a_call_cut_under_a_nonstandard_length_reason_is_truncated():
+    cut = {"index": 0, "id": "c1", "function": {"name": "f", "arguments": '{"a": '}}
+    body = data(chunk({"tool_calls": [cut]}, "MAX_TOKENS"), "[DONE]")
+    reply = await complete(CannedResponse(headers=SSE, chunks=[body]))
+    assert reply.finish_reason == "length"
+    assert [c.reason for c in reply.invalid_tool_calls] == ["truncated"]
+
+
+# --------------------------------------------------------------------------- refusals
+
+
+REFUSED = data(
+    chunk({"role": "assistant", "content": None, "refusal": ""}),
+    chunk({"refusal": "I can't help "}),
+    chunk({"refusal": "with that."}, "stop"),
+    "[DONE]",
+)
+
+
+async def test_a_refusal_is_kept_apart_from_the_text_and_the_decision_says_so():
+    reply = await complete(CannedResponse(headers=SSE, chunks=[REFUSED]))
+    assert reply.text is None
+    assert reply.refusal == "I can't help with that."
+    for parser in (NativeToolCallParser(), JsonToolCallParser()):
+        parsed = parser.parse(reply, ())
+        assert parsed.kind is DecisionKind.FINAL_ANSWER and parsed.reason == REFUSAL
+        assert parsed.text == "I can't help with that."
+        assert parsed.history_message.content == "I can't help with that."
+
+
+async def test_a_refusal_through_a_run_is_recorded_and_shown(tmp_path):
+    from click.testing import CliRunner
+
+    from treadle.cli import main
+    from treadle.stores.sqlite import open_sqlite_store
+
+    @tool
+    async def noop() -> str:
+        """Do nothing."""
+        return ""
+
+    db = str(tmp_path / "runs.db")
+    async with (
+        open_loopback_server(canned(CannedResponse(headers=SSE, chunks=[REFUSED]))) as server,
+        OpenAIChatClient(base_url=server.base_url + "/v1") as model,
+    ):
+        agent = Agent(model=model, executor=Toolbox([noop]), parser=NativeToolCallParser())
+        async with open_sqlite_store(db) as store:
+            result = await run(agent, "do something bad", store=store, run_id="r")
+            log = await store.read_log("r")
+    assert result.stop_reason is StopReason.FINAL_ANSWER
+    assert result.final_answer == "I can't help with that."
+    (model_result,) = [r for r in log.records if type(r).__name__ == "ModelResult"]
+    assert model_result.reply.refusal == "I can't help with that."
+    shown = await trio.to_thread.run_sync(
+        lambda: CliRunner().invoke(main, ["show", "r", "--store", db], env={"COLUMNS": "200"})
+    )
+    assert "refused: I can't help with that." in shown.output
+
+
+# --------------------------------------------------------------------------- waits
+
+
+@pytest.mark.parametrize(
+    ("headers", "body", "wait"),
+    [
+        # an HTTP-date, measured against the response's own Date (this machine's clock differs)
+        ({"retry-after": "Wed, 21 Oct 2015 07:28:10 GMT", "date": "Wed, 21 Oct 2015 07:28:00 GMT"},
+         b"{}", 10.0),
+        # Google's RetryInfo inside a JSON list body
+        ({}, json.dumps([{"error": {"code": 429, "message": "Resource has been exhausted",
+                                    "status": "RESOURCE_EXHAUSTED",
+                                    "details": [{"@type": "type.googleapis.com/google.rpc.RetryInfo",
+                                                 "retryDelay": "37s"}]}}]).encode(), 37.0),
+        # the header wins over the body
+        ({"retry-after": "3"}, json.dumps({"error": {"details": [
+            {"@type": "type.googleapis.com/google.rpc.RetryInfo", "retryDelay": "37s"}]}}).encode(),
+         3.0),
+    ],
+)  # fmt: skip
+async def test_rate_limit_waits_are_honoured(headers, body, wait):
+    response = CannedResponse(
+        status=429, headers={"content-type": "application/json", **headers}, chunks=[body]
+    )
+    failed = await complete(response)
+    assert isinstance(failed, ModelCallError)
+    assert (failed.info.kind, failed.info.retry_after_s) == ("rate_limited", wait)
+    if body.startswith(b"["):
+        assert "Resource has been exhausted" in failed.info.message
