@@ -187,7 +187,8 @@ class StreamReader(Generic[A]):
         if "event-stream" in content_type:
             return await self._read_stream(chunks, acc, deadline, idle_s)
         # The request asked for a stream, so a body that is one, whatever its label, is read
-        # as one, as the official SDKs read it (docs/models.md, "Replies, finish reasons, reasoning").
+        # as one, as the official SDKs read it
+        # (docs/models.md, "Replies, finish reasons, reasoning").
         head, chunks = await self._peek(chunks, acc, deadline)
         if any(label in content_type for label in NDJSON_TYPES):
             return await self._read_stream(as_sse(chunks), acc, deadline, idle_s)
