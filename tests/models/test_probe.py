@@ -192,3 +192,62 @@ async def test_reasoning_is_reported():
 async def test_an_unknown_protocol_is_refused():
     with pytest.raises(UsageError, match="protocol must be one of openai, anthropic"):
         await probe(base_url="http://127.0.0.1:9", model="m", protocol="grpc")
+
+
+@pytest.mark.parametrize("protocol", ["openai", "anthropic"])
+async def test_the_probe_prints_what_a_runs_records_hold_for_the_same_reply(protocol):
+    """The reply fields equal the run's model-result record; the decision its step's."""
+    from test_anthropic_events import SSE as ANTHROPIC_SSE
+    from test_anthropic_events import text_reply, tool_reply
+
+    from treadle.agent import Agent
+    from treadle.models import AnthropicMessagesClient, OpenAIChatClient
+    from treadle.models._probe import _plain
+    from treadle.parsers import NativeToolCallParser
+    from treadle.stores.memory import MemoryStore
+    from treadle.supervisors.run import run
+    from treadle.testing.loopback import CannedResponse
+    from treadle.tools import Toolbox, tool
+    from treadle.types import ModelResult, StepRecord
+
+    @tool
+    async def get_weather(location: str) -> str:
+        """The weather."""
+        return "sunny"
+
+    if protocol == "openai":
+        call = {"index": 0, "id": "c1", "function": {"name": "get_weather", "arguments": ""}}
+        more = {"index": 0, "function": {"arguments": '{"location": "Paris"}'}}
+        first = CannedResponse(
+            headers=SSE,
+            chunks=sse(chunk({"tool_calls": [call]}), chunk({"tool_calls": [more]}, "tool_calls"))
+            + sse("[DONE]"),
+        )
+        client_type, base = OpenAIChatClient, "/v1"
+    else:
+        first = CannedResponse(headers=ANTHROPIC_SSE, chunks=tool_reply())
+        client_type, base = AnthropicMessagesClient, ""
+    done = (
+        PONG
+        if protocol == "openai"
+        else CannedResponse(headers=ANTHROPIC_SSE, chunks=text_reply("pong"))
+    )
+    tools = Toolbox([get_weather])
+    report, _ = await run_probe(first, protocol=protocol, tools=tools.tool_specs())
+    store = MemoryStore()
+    async with (
+        open_loopback_server(canned(first, done)) as server,
+        client_type(base_url=server.base_url + base) as model,
+    ):
+        agent = Agent(model=model, executor=tools, parser=NativeToolCallParser())
+        await run(agent, "weather?", store=store, run_id="r")
+    log = await store.read_log("r")
+    recorded = next(r for r in log.records if isinstance(r, ModelResult))
+    step = next(r for r in log.records if isinstance(r, StepRecord))
+    assert {k: report[k] for k in _plain(recorded.reply)} == _plain(recorded.reply)
+    assert report["decision"]["kind"] == step.decision.value
+    history_calls = [
+        {"id": c.id, "name": c.name, "arguments": dict(c.arguments)}
+        for c in step.history_message.tool_calls
+    ]
+    assert report["decision"]["actions"] == history_calls
