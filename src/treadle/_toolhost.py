@@ -108,7 +108,9 @@ class HostedCall(Generic[T]):
         took = trio.current_time() - self._started
         found = self._result
         if isinstance(found, outcome.Value):
-            what = f"returned {found.value!r:.200}"
+            observation = getattr(found.value, "observation", None)  # an ActionOutcome
+            shown = observation if isinstance(observation, str) else found.value
+            what = f"returned {shown!r:.200}"
         elif isinstance(found, outcome.Error):
             what = f"raised {type(found.error).__name__}: {found.error}"
         else:

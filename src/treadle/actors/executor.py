@@ -164,10 +164,21 @@ class ToolExecutor:
             result, observation = self._result(
                 action, outcome, duration, rejected=rejected, reconciled=reconciled
             )
+            if outcome.status is ActionStatus.UNKNOWN and not self._resolved_on_resume(
+                action, existing
+            ):
+                result = attrs.evolve(result, late=True)  # abandoned at its timeout
             observations.append(observation)
             results.append(result)
         return ActionsOutcome(
             results=tuple(results), observations=tuple(observations), written=tuple(written)
+        )
+
+    def _resolved_on_resume(self, action: Action, existing: Mapping[str, ActionIntent]) -> bool:
+        """Whether resume resolved the call by reconciling (not running) it."""
+        return (
+            action.intent_id in existing
+            and self.executor.replay_policy(action.tool) is not ReplayPolicy.SAFE
         )
 
     def _cut(

@@ -75,8 +75,7 @@ def check_invariants(
     problems.extend(_no_attempt_after_final_error(log.run_id, records))
     problems.extend(_steps_contiguous(log.run_id, records))
     problems.extend(check_approvals(log))
-    if log.finished is not None:
-        problems.extend(check_action_results(log))
+    problems.extend(check_action_results(log))
     finished = [r for r in records if isinstance(r, RunFinished)]
     if len(finished) != 1 or not isinstance(records[-1], RunFinished):
         problems.append(f"{log.run_id}: expected exactly one run-finished, last ({len(finished)})")
@@ -215,6 +214,8 @@ def check_action_results(log: RunLog) -> list[str]:
         One sentence per intent without a result or with more than one.
     """
     run_id = log.run_id
+    if log.finished is None:
+        return []
     counts: dict[str, int] = {}
     for record in log.records:
         if isinstance(record, ActionIntent):
