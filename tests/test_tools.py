@@ -262,7 +262,6 @@ async def _float_enum(value: _FloatEnum) -> str:
 @pytest.mark.parametrize(
     ("fn", "message"),
     [
-        (_sync, "must be an 'async def' function"),
         (_untyped, "has no type annotation"),
         (_star_args, "*cities is not allowed"),
         (_star_kwargs, "**cities is not allowed"),
@@ -297,6 +296,8 @@ def test_bad_declarations_raise_usage_error(fn: Callable[..., Any], message: str
         {"timeout_s": float("nan")},
         {"replay": "safe"},
         {"reconcile": lambda a: None},
+        {"isolation": "thread"},
+        {"isolation": "process"},  # a nested function cannot be imported in the child
     ],
 )
 def test_bad_options_raise_usage_error(options: dict[str, Any]) -> None:

@@ -1,13 +1,25 @@
 """Declaring tools (`tool`), validating their arguments, and running them (`Toolbox`).
 
-A tool is a typed ``async def`` function::
+A tool is a typed function, ``async def`` or plain ``def``::
 
     @tool(timeout_s=5)
     async def get_weather(city: str, days: int = 1) -> str:
         '''Get the weather forecast for a city.'''
         ...
 
-    toolbox = Toolbox([get_weather])
+    @tool
+    def read_file(path: str) -> str:  # runs in a worker thread
+        ...
+
+    @tool(isolation="process")
+    def render(job: str) -> str:  # runs in a child process, killed at its deadline
+        ...
+
+    toolbox = Toolbox([get_weather, read_file, render])
+
+What each kind guarantees when a call is cancelled or runs out of time is in
+docs/concepts.md, "Tools and cancellation": an ``async def`` tool gets a trio cancellation;
+a plain ``def`` tool runs in a worker thread the run abandons; a process tool is killed.
 
 The JSON schema of the arguments is generated from the signature (msgspec) and the
 description from the docstring's first paragraph; argument descriptions come from its
@@ -23,7 +35,10 @@ no coercion, no extra keys) before the tool runs (docs/concepts.md, "Data that s
 * unknown tool or invalid arguments: NOT_EXECUTED (the detail says why);
 * the tool raised: EXECUTED, observation ``Error: <ExceptionType>: <message>``;
 * the tool raised `EnvironmentFailure`: ENV_ERROR (the run ends);
-* the tool ran past its timeout: EXECUTED, ``Error: the call to X timed out after N s``;
+* the tool ran past its timeout: EXECUTED, ``Error: the call to X timed out after N s``
+  (a process tool's process is killed); a thread tool that is still running is abandoned:
+  UNKNOWN, ``Error: the call to X timed out after N s and was abandoned while it still
+  ran; its outcome is unknown``;
 * the tool returned: EXECUTED; a ``str`` is the observation as is, anything else compact
   JSON (attrs instances, enums and datetimes unstructured by cattrs).
 
@@ -36,22 +51,35 @@ from __future__ import annotations
 import inspect
 import json
 import math
+import os
+import pickle
 import re
+import signal
+import sys
+import threading
 from collections.abc import Awaitable, Callable, Collection, Mapping, Sequence
-from typing import Any, Final, TypeAlias, overload
+from typing import Any, Final, Literal, TypeAlias, overload
 
 import attrs
 import trio
 from cattrs.preconf.json import make_converter
 
+from treadle import _toolproc
 from treadle._exceptions import TreadleError, UsageError
 from treadle._schema import Invalid, ToolSignature, read_signature
+from treadle._toolhost import LOG
 from treadle.types import Action, ActionOutcome, ActionStatus, ReplayPolicy, ToolSpec
 
 __all__ = ["EnvironmentFailure", "ReconcileHook", "Tool", "ToolContext", "Toolbox", "tool"]
 
-ToolFunction: TypeAlias = Callable[..., Awaitable[Any]]
-"""A tool function: ``async def`` with annotated keyword-compatible parameters."""
+ToolFunction: TypeAlias = Callable[..., Any]
+"""A tool function: ``async def`` or plain ``def`` with annotated keyword-compatible
+parameters."""
+
+Isolation: TypeAlias = Literal["task", "thread", "process"]
+"""Where a tool's calls run: ``task`` (an ``async def`` tool, a trio task), ``thread`` (a plain
+``def`` tool, a worker thread) or ``process`` (a child process); docs/concepts.md, "Tools and
+cancellation"."""
 
 ReconcileHook: TypeAlias = Callable[[Action], Awaitable[ActionOutcome | None]]
 """``async (action) -> outcome | None``: on resume, tell what an interrupted call did (looked
@@ -104,7 +132,7 @@ class Tool:
     Attributes:
         name: the name the model calls it by (``[A-Za-z0-9_-]``, at most 64 characters).
         description: shown to the model.
-        fn: the ``async def`` function.
+        fn: the function (``async def`` or plain ``def``).
         signature: its arguments, JSON schema and validator.
         replay: what resume does with a call whose outcome is unknown (default ``NEVER``).
         completes_task: a call that returns normally signals task completion.
@@ -113,6 +141,8 @@ class Tool:
         requires_approval: a human must approve each call before it runs.
         secret_arguments: the names of arguments whose values are redacted on every path
             out of the log (docs/events.md, "Secret arguments").
+        isolation: where its calls run: ``task``, ``thread`` or ``process``
+            (docs/concepts.md, "Tools and cancellation").
     """
 
     name: str
@@ -125,6 +155,7 @@ class Tool:
     reconcile: ReconcileHook | None = None
     requires_approval: bool = False
     secret_arguments: frozenset[str] = frozenset()
+    isolation: Isolation = "task"
 
     @property
     def spec(self) -> ToolSpec:
@@ -134,17 +165,32 @@ class Tool:
         )
 
     async def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        """Call the function itself, bypassing validation and timeouts (for tests)."""
-        return await self.fn(*args, **kwargs)
+        """Call the function itself, here, bypassing validation, timeouts and isolation."""
+        result = self.fn(*args, **kwargs)
+        return await result if inspect.isawaitable(result) else result
 
 
 def _check_options(
-    fn: Callable[..., Any], name: str, timeout_s: float | None, reconcile: Any, replay: Any
+    fn: Callable[..., Any],
+    name: str,
+    timeout_s: float | None,
+    reconcile: Any,
+    replay: Any,
+    isolation: Any,
 ) -> None:
     if not _NAME.match(name):
         raise UsageError(f"tool name {name!r} must be 1-64 characters of A-Z, a-z, 0-9, _ or -")
-    if not _is_async(fn):
-        raise UsageError(f"tool {name!r}: {fn!r} must be an 'async def' function")
+    if not callable(fn):
+        raise UsageError(f"tool {name!r}: {fn!r} is not a function")
+    if isolation not in (None, "process"):
+        raise UsageError(f"tool {name!r}: isolation must be None or 'process', got {isolation!r}")
+    if isolation == "process":
+        qualname = getattr(fn, "__qualname__", "")
+        if not qualname or "<" in qualname or getattr(fn, "__module__", None) is None:
+            raise UsageError(
+                f"tool {name!r}: a process tool must be a function defined at the top level "
+                "of an importable module (it is imported again in the child process)"
+            )
     if timeout_s is not None and not (math.isfinite(timeout_s) and timeout_s > 0):
         raise UsageError(f"tool {name!r}: timeout_s must be a positive number of seconds")
     if reconcile is not None and not _is_async(reconcile):
@@ -160,7 +206,12 @@ def _is_async(fn: Any) -> bool:
 
 def _make_tool(fn: ToolFunction, options: Mapping[str, Any]) -> Tool:
     name = getattr(fn, "__name__", "") if options["name"] is None else options["name"]
-    _check_options(fn, name, options["timeout_s"], options["reconcile"], options["replay"])
+    isolation = options["isolation"]
+    _check_options(
+        fn, name, options["timeout_s"], options["reconcile"], options["replay"], isolation
+    )
+    if isolation is None:
+        isolation = "task" if _is_async(fn) else "thread"
     signature = read_signature(fn, tool_name=name, context_type=ToolContext)
     secrets = _secret_arguments(name, options["secret_arguments"], signature)
     description = options["description"]
@@ -175,6 +226,7 @@ def _make_tool(fn: ToolFunction, options: Mapping[str, Any]) -> Tool:
         reconcile=options["reconcile"],
         requires_approval=options["requires_approval"],
         secret_arguments=secrets,
+        isolation=isolation,
     )
 
 
@@ -210,6 +262,7 @@ def tool(
     reconcile: ReconcileHook | None = None,
     requires_approval: bool = False,
     secret_arguments: Collection[str] = (),
+    isolation: Literal["process"] | None = None,
 ) -> Callable[[ToolFunction], Tool]: ...
 
 
@@ -225,11 +278,13 @@ def tool(
     reconcile: ReconcileHook | None = None,
     requires_approval: bool = False,
     secret_arguments: Collection[str] = (),
+    isolation: Literal["process"] | None = None,
 ) -> Tool | Callable[[ToolFunction], Tool]:
     """Declare a tool; use bare (``@tool``) or with options (``@tool(timeout_s=30)``).
 
     Args:
-        fn: the ``async def`` function (when used bare).
+        fn: the function (when used bare): ``async def`` runs as a trio task; a plain
+            ``def`` runs in a worker thread that the run abandons when it stops waiting.
         name: the name the model sees; defaults to the function's name.
         description: shown to the model; defaults to the docstring's first paragraph.
         replay: ``SAFE`` for read-only or idempotent tools, re-executed on resume under the
@@ -243,15 +298,21 @@ def tool(
         secret_arguments: names of arguments that are secret: their values stay in the log
             (a resume needs them) and are redacted in events, sinks, the handle's pending
             approval and the command line (docs/events.md, "Secret arguments").
+        isolation: ``"process"`` runs each call in a child process that is killed
+            (SIGKILL) when the call is cancelled or times out; the function must be defined
+            at the top level of an importable module, and its arguments and return value
+            must pickle. ``None`` (the default): a task or a thread, as above. See
+            docs/concepts.md, "Tools and cancellation".
 
     Returns:
         The `Tool`, or a decorator making one.
 
     Raises:
-        UsageError: the function is not ``async def``; an argument lacks an annotation, is
+        UsageError: the function is not callable; an argument lacks an annotation, is
             ``*args``/``**kwargs``/positional-only, or has an unsupported type; the name is
-            not a valid tool name; an option is out of range; or ``secret_arguments``
-            names an argument the tool does not have.
+            not a valid tool name; an option is out of range; ``secret_arguments``
+            names an argument the tool does not have; or a process tool is not defined at
+            the top level of a module.
     """
     options = {
         "name": name,
@@ -262,6 +323,7 @@ def tool(
         "reconcile": reconcile,
         "requires_approval": requires_approval,
         "secret_arguments": secret_arguments,
+        "isolation": isolation,
     }
     if fn is not None:
         return _make_tool(fn, options)
@@ -303,6 +365,64 @@ def _environment_failure(exc: BaseException) -> EnvironmentFailure | None:
         if group is not None:
             return _environment_failure(group.exceptions[0])
     return None
+
+
+def _in_thread(found: Tool, kwargs: dict[str, Any], abandoned: threading.Event) -> Any:
+    """Run a thread tool; a call that ends after it was abandoned is logged, not returned."""
+    try:
+        return found.fn(**kwargs)
+    finally:
+        if abandoned.is_set():
+            LOG.warning(
+                "an abandoned call of %s ended in its worker thread (not recorded: the call "
+                "already has its result)",
+                found.name,
+            )
+
+
+async def _in_process(found: Tool, kwargs: dict[str, Any]) -> ActionOutcome:
+    """Run a process tool in a child process; killed at once when the call is cancelled."""
+    fn = found.fn
+    request = pickle.dumps(
+        {"module": fn.__module__, "qualname": fn.__qualname__, "kwargs": kwargs},
+    )
+    paths = [os.getcwd() if entry == "" else entry for entry in sys.path]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(paths)}
+    completed = await trio.run_process(
+        [sys.executable, "-m", _toolproc.__name__],
+        stdin=request,
+        capture_stdout=True,
+        check=False,
+        env=env,
+        deliver_cancel=_kill,
+    )
+    if completed.returncode != 0 or not completed.stdout:
+        detail = f"the process of {found.name} exited with status {completed.returncode}"
+        if completed.returncode < 0:
+            detail = f"the process of {found.name} was killed by signal {-completed.returncode}"
+        raise ToolProcessFailed(detail)
+    reply = pickle.loads(completed.stdout)
+    if reply[0] == _toolproc.REPLY_OK:
+        return Toolbox._returned(found, reply[1])
+    _, kind, message, failure = reply
+    text = f"Error: {kind}: {message}" if message else f"Error: {kind}"
+    if failure:
+        return ActionOutcome(status=ActionStatus.ENV_ERROR, observation=text, detail=text)
+    return ActionOutcome(status=ActionStatus.EXECUTED, observation=text)
+
+
+async def _kill(process: trio.Process) -> None:
+    """Cancel a process tool's call: SIGKILL, no grace (its state is the tool's own)."""
+    process.send_signal(signal.SIGKILL)
+    await trio.lowlevel.checkpoint()
+
+
+class ToolProcessFailed(TreadleError):
+    """The child process of a process tool died without a reply.
+
+    The call is EXECUTED with this error as observation (docs/concepts.md, "Tools and
+    cancellation").
+    """
 
 
 class Toolbox:
@@ -396,15 +516,37 @@ class Toolbox:
 
     async def _run(self, found: Tool, kwargs: dict[str, Any]) -> ActionOutcome:
         timeout = self.timeout_s(found.name)
+        abandoned = threading.Event()
         with trio.move_on_after(timeout):
             try:
-                result = await found.fn(**kwargs)
+                if found.isolation == "thread":
+                    result = await trio.to_thread.run_sync(
+                        _in_thread, found, kwargs, abandoned, abandon_on_cancel=True
+                    )
+                elif found.isolation == "process":
+                    return await _in_process(found, kwargs)
+                else:
+                    result = await found.fn(**kwargs)
             except Exception as exc:
                 return self._failed(exc)
+            except BaseException:  # cancelled (or timed out): a thread is left behind
+                abandoned.set()
+                raise
             return self._returned(found, result)
+        if found.isolation == "thread":
+            return ActionOutcome(
+                status=ActionStatus.UNKNOWN,
+                observation=(
+                    f"Error: the call to {found.name} timed out after {timeout:g} s and was "
+                    "abandoned while it still ran; its outcome is unknown. Check its effect "
+                    "before trying again."
+                ),
+                detail="abandoned in its worker thread at the timeout",
+            )
+        killed = " (its process was killed)" if found.isolation == "process" else ""
         return ActionOutcome(
             status=ActionStatus.EXECUTED,
-            observation=f"Error: the call to {found.name} timed out after {timeout:g} s",
+            observation=f"Error: the call to {found.name} timed out after {timeout:g} s{killed}",
         )
 
     @staticmethod

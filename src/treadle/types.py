@@ -368,7 +368,8 @@ class ActionOutcome:
     """What the action executor returns for one action (docs/seams.md, "Action executor").
 
     Attributes:
-        status: EXECUTED, NOT_EXECUTED, ENV_ERROR (or UNKNOWN, only from resume).
+        status: EXECUTED, NOT_EXECUTED, ENV_ERROR, or UNKNOWN (from resume, or for a call
+            abandoned while it still ran: docs/concepts.md, "Tools and cancellation").
         observation: the text that enters history. For NOT_EXECUTED, ENV_ERROR and UNKNOWN it
             is the definition's synthetic observation.
         observation_is_synthetic: true when ``observation`` is a synthetic observation.
@@ -571,7 +572,11 @@ class ActionResult:
     """The outcome of one action, written together with its step record.
 
     Attributes:
-        late: the step was cancelled while the call ran; the outcome was not applied.
+        late: the call was still running when the run stopped waiting for it: the step was
+            cancelled or cut by the time budget (the outcome is not applied: the run ends),
+            or the call was abandoned at its timeout (UNKNOWN; the model is told so). What
+            the call returns afterwards is a diagnostic only, never a second result
+            (docs/concepts.md, "Tools and cancellation").
         reconciled: the outcome was established after a crash by the tool's ``reconcile``
             hook (docs/crash-safety.md, "Resume"), not by running the call here.
         surrogates_replaced: surrogate code points replaced (a lone one by U+FFFD) in

@@ -8,6 +8,7 @@ from treadle._exceptions import ModelCallError
 from treadle.agent import Agent
 from treadle.stores.memory import MemoryStore
 from treadle.supervisors.run import open_run, run
+from treadle.testing.invariants import check_invariants
 from treadle.testing.scripted import ScriptedModel, call, say
 from treadle.types import (
     ActionResult,
@@ -160,7 +161,10 @@ async def test_time_budget_cancels_tool_in_flight(autojump_clock):
     assert result.stop_reason is StopReason.TIME_BUDGET
     assert 5 <= trio.current_time() - start < 6
     log = await store.read_log("r")
-    assert not any(isinstance(r, ActionResult) for r in log.records)
+    # The cut call has its one result: unknown, late (never applied).
+    (result,) = [r for r in log.records if isinstance(r, ActionResult)]
+    assert result.late and result.outcome.status is ActionStatus.UNKNOWN
+    assert check_invariants(log) == []
 
 
 async def test_cancel_from_handle_during_tool(autojump_clock):

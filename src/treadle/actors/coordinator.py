@@ -39,6 +39,8 @@ from treadle.parsers import refuse_non_finite
 from treadle.ports import DecisionParser
 from treadle.types import (
     SUCCESS_STOP_REASONS,
+    ActionIntent,
+    ActionOutcome,
     ActionResult,
     ActionStatus,
     ApprovalDecided,
@@ -97,7 +99,7 @@ STOP_GRACE_S = 5.0
 CANCEL_GRACE_S = 2.0
 """Seconds a cancelled tool call may take to finish writing its own state (it got a trio
 cancellation at once; a tool that shields its cleanup gets this long before the run stops
-waiting for it and finishes ``cancelled``)."""
+waiting for it, abandons it in the tool host and finishes ``cancelled``)."""
 
 
 @attrs.define(eq=False)
@@ -159,7 +161,7 @@ class RunCoordinator:
             self._approval_wait.cancel()
         if self._reply_wait is not None:
             self._reply_wait.deadline = min(
-                self._reply_wait.deadline, trio.current_time() + CANCEL_GRACE_S
+                self._reply_wait.deadline, trio.current_time() + CANCEL_GRACE_S + STOP_GRACE_S
             )
 
     def drain(self) -> None:
@@ -374,7 +376,7 @@ class RunCoordinator:
             calls, rejected = approved
             outcome = await self._run_actions(step, calls, rejected, scope)
             if outcome.stop is not None:
-                if outcome.stop is StopReason.CANCELLED and outcome.results:
+                if outcome.results:  # cancelled or cut by the time budget: kept, late
                     self._late = outcome.results
                     self._late_step = attrs.evolve(
                         record, action_result_ids=tuple(r.intent_id for r in outcome.results)
@@ -554,13 +556,15 @@ class RunCoordinator:
         scope: StepScope,
     ) -> ActionsOutcome:
         existing = tuple(self.view.pending.action_intents)
-        with trio.CancelScope() as wait:
+        handed: list[ActionIntent] = []
+        # The executor bounds its own wait (the tool host keeps a call it gives up on): this
+        # deadline only keeps an executor actor that does not answer from hanging the run.
+        with trio.CancelScope(deadline=scope.deadline + STOP_GRACE_S) as wait:
             self._reply_wait = wait
             if self._cancel is not None:
-                wait.deadline = trio.current_time() + CANCEL_GRACE_S
+                wait.deadline = trio.current_time() + CANCEL_GRACE_S + STOP_GRACE_S
             try:
-                outcome: ActionsOutcome = await _bounded(
-                    scope,
+                outcome: ActionsOutcome = await request(
                     self.executor,
                     lambda reply_to: RunActions(
                         step=step,
@@ -569,15 +573,42 @@ class RunCoordinator:
                         scope=scope,
                         rejected=rejected,
                         reply_to=reply_to,
+                        handed=handed,
                     ),
                 )
             finally:
                 self._reply_wait = None
-        if wait.cancelled_caught:  # cancelled, and the tool outlived its grace period
-            return ActionsOutcome(stop=StopReason.CANCELLED)
+        if wait.cancelled_caught:  # the executor did not answer in time
+            stop = StopReason.CANCELLED if self._cancel is not None else StopReason.TIME_BUDGET
+            for intent in handed:
+                self.view.apply(intent)
+            return ActionsOutcome(stop=stop, results=self._unanswered(handed), written=())
         for record in outcome.written:
             self.view.apply(record)
         return outcome
+
+    def _unanswered(self, intents: list[ActionIntent]) -> tuple[ActionResult, ...]:
+        """UNKNOWN late results for the intents of an executor that never answered."""
+        return tuple(
+            ActionResult(
+                run_id=self.run_id,
+                step=intent.step,
+                intent_id=intent.intent_id,
+                call_id=intent.call_id,
+                tool=intent.tool,
+                outcome=ActionOutcome(
+                    status=ActionStatus.UNKNOWN,
+                    observation=(
+                        f"the outcome of the call to {intent.tool} is unknown: the run "
+                        "stopped waiting for its executor"
+                    ),
+                    detail="the tool executor did not answer in time",
+                ),
+                ts=self.clock.now_iso(),
+                late=True,
+            )
+            for intent in intents
+        )
 
     async def _abandon(self, intent_id: str, step: int) -> None:
         """Resume: a model intent without result is recorded as abandoned.
@@ -609,9 +640,10 @@ class RunCoordinator:
 
     async def _finish(self, reason: StopReason, *, cut_active_s: float = 0.0) -> RunResult:
         self._finishing = True
-        if reason is StopReason.CANCELLED and self._late_step is not None:
+        if self._late_step is not None and reason in (StopReason.CANCELLED, StopReason.TIME_BUDGET):
             # What the cut step's actions did is kept, marked late, before the cancel
-            # record: none of it is applied (the run ends cancelled whatever they returned).
+            # record: none of it is applied (the run ends whatever they returned), and no
+            # intent is left without a result.
             late_step = attrs.evolve(
                 self._late_step, ts=self.clock.now_iso(), active_s=cut_active_s
             )

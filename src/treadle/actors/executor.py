@@ -7,11 +7,20 @@ under the per-call timeout inside the step's cancel scope, and turns the executo
 into what enters history: NOT_EXECUTED and ENV_ERROR get the definition's synthetic text (the
 executor's own text is kept as ``detail``), executed observations are cut to the limit and
 rendered through the observation template.
+
+The call itself runs in the tool host (`treadle._toolhost`, docs/decisions/0025-tool-host.md),
+not in the run's nursery: this actor only waits for it, so it answers on time whatever the
+call does. A call it stops waiting for (cancelled past its grace period, cut by the time
+budget, past its timeout) is abandoned: its result is UNKNOWN and ``late``, and what it
+returns afterwards is a diagnostic only. Every action whose intent was written gets exactly
+one result.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping
+from typing import Protocol
 
 import attrs
 import trio
@@ -19,6 +28,7 @@ import trio
 from treadle._clock import Clock
 from treadle._exceptions import SeamViolation
 from treadle._text import valid_unicode
+from treadle._toolhost import HostedCall, ToolHost, current_host
 from treadle.actors._rpc import StepScope, reply
 from treadle.actors.writer import WriterClient
 from treadle.ports import ActionExecutor
@@ -37,6 +47,14 @@ from treadle.types import (
     ToolCall,
 )
 
+_TIMEOUT_GRACE_S = 1.0
+"""Seconds past its timeout a call may take to end after it was cancelled, before the tool
+executor abandons it (an executor that times its own calls out answers within this)."""
+
+
+class _Done(Protocol):
+    def __call__(self, outcome: ActionOutcome, reconciled: bool = ...) -> None: ...
+
 
 @attrs.frozen(kw_only=True)
 class RunActions:
@@ -48,6 +66,8 @@ class RunActions:
         scope: the step's cancellation and active-time deadline.
         rejected: calls a human rejected (or whose approval expired), by call id, with the
             detail of their synthetic observation; they get no intent and never run.
+        handed: the executor appends each intent here once it handed it to the writer, so
+            that the coordinator can give it a result even if no answer comes.
     """
 
     step: int
@@ -56,6 +76,7 @@ class RunActions:
     scope: StepScope
     reply_to: trio.MemorySendChannel[ActionsOutcome]
     rejected: Mapping[str, str] = attrs.field(factory=dict)
+    handed: list[ActionIntent] = attrs.field(factory=list)
 
 
 @attrs.frozen(kw_only=True)
@@ -63,9 +84,9 @@ class ActionsOutcome:
     """The executor actor's answer.
 
     Attributes:
-        results: one result per call, in call order. When the step was cancelled: one
-            result per action whose intent was written, marked ``late`` (never applied);
-            empty when cut by the time budget.
+        results: one result per call, in call order. When the step was cancelled or cut
+            by the time budget: one result per action whose intent was written, marked
+            ``late`` (never applied).
         observations: the text each result put into history, in call order.
         stop: ``cancelled`` or ``time_budget`` when the step was cut off mid-action.
         written: the intents written, in order.
@@ -88,6 +109,8 @@ class ToolExecutor:
     limits: Limits
     synthetic: SyntheticObservations
     observation_template: str = "{observation}"
+    host: ToolHost | None = None
+    cancel_grace_s: float = 2.0
 
     async def run(
         self,
@@ -112,25 +135,29 @@ class ToolExecutor:
             if detail is not None and action.intent_id not in existing:
                 outcomes[index] = (self._rejected(action, detail), 0.0, False)
         began: set[int] = set()
-        with message.scope.open():
+        with message.scope.open() as cut:
             fresh = [
                 a
                 for i, a in enumerate(actions)
                 if a.intent_id not in existing and i not in outcomes
             ]
             for action in fresh:
-                await self._write_intent(action, written)
+                await self._write_intent(action, written, message.handed)
             async with trio.open_nursery() as nursery:
                 for index, action in enumerate(actions):
                     if index in outcomes:
                         continue
                     replay = action.intent_id in existing
                     began.add(index)
-                    nursery.start_soon(self._perform, index, action, replay, outcomes)
+                    nursery.start_soon(
+                        self._perform, index, action, replay, outcomes, message.scope
+                    )
         if message.scope.cancel_called:
-            return self._cancelled(actions, existing, written, outcomes, began)
-        if len(outcomes) < len(actions):
-            return ActionsOutcome(stop=StopReason.TIME_BUDGET, written=tuple(written))
+            stop = StopReason.CANCELLED
+            return self._cut(stop, actions, existing, written, outcomes, began)
+        if cut.cancelled_caught or len(outcomes) < len(actions):
+            stop = StopReason.TIME_BUDGET
+            return self._cut(stop, actions, existing, written, outcomes, began)
         results: list[ActionResult] = []
         observations: list[str] = []
         for index, action in enumerate(actions):
@@ -139,25 +166,37 @@ class ToolExecutor:
             result, observation = self._result(
                 action, outcome, duration, rejected=rejected, reconciled=reconciled
             )
+            if outcome.status is ActionStatus.UNKNOWN and not self._resolved_on_resume(
+                action, existing
+            ):
+                result = attrs.evolve(result, late=True)  # abandoned at its timeout
             observations.append(observation)
             results.append(result)
         return ActionsOutcome(
             results=tuple(results), observations=tuple(observations), written=tuple(written)
         )
 
-    def _cancelled(
+    def _resolved_on_resume(self, action: Action, existing: Mapping[str, ActionIntent]) -> bool:
+        """Whether resume resolved the call by reconciling (not running) it."""
+        return (
+            action.intent_id in existing
+            and self.executor.replay_policy(action.tool) is not ReplayPolicy.SAFE
+        )
+
+    def _cut(
         self,
+        stop: StopReason,
         actions: list[Action],
         existing: Mapping[str, ActionIntent],
         written: list[Record],
         outcomes: dict[int, tuple[ActionOutcome, float, bool]],
         began: set[int],
     ) -> ActionsOutcome:
-        """The step was cancelled: every action with an intent gets a result marked late.
+        """The step was cut (cancelled, or by the time budget): each intent gets a late result.
 
         A call that returned anyway (it finished within its grace period) keeps its
-        outcome; one cut by the cancellation is UNKNOWN; one that never started (cancelled
-        while its intent was being written) is NOT_EXECUTED. None of them is applied.
+        outcome; one cut while it ran, or abandoned, is UNKNOWN; one that never started
+        (cut while its intent was being written) is NOT_EXECUTED. None of them is applied.
         """
         intents = {r.intent_id for r in written if isinstance(r, ActionIntent)} | set(existing)
         results: list[ActionResult] = []
@@ -170,16 +209,18 @@ class ToolExecutor:
             elif index in began:
                 outcome, duration = self._unknown(action), 0.0
             else:
-                detail = "the run was cancelled before the call started"
+                detail = (
+                    "the run was cancelled before the call started"
+                    if stop is StopReason.CANCELLED
+                    else "the time budget ran out before the call started"
+                )
                 outcome, duration = (
                     ActionOutcome(status=ActionStatus.NOT_EXECUTED, observation=detail),
                     0.0,
                 )
             result, _ = self._result(action, outcome, duration, reconciled=reconciled)
             results.append(attrs.evolve(result, late=True))
-        return ActionsOutcome(
-            results=tuple(results), stop=StopReason.CANCELLED, written=tuple(written)
-        )
+        return ActionsOutcome(results=tuple(results), stop=stop, written=tuple(written))
 
     def _result(
         self,
@@ -236,7 +277,9 @@ class ToolExecutor:
             arguments=call.arguments,
         )
 
-    async def _write_intent(self, action: Action, written: list[Record]) -> None:
+    async def _write_intent(
+        self, action: Action, written: list[Record], handed: list[ActionIntent]
+    ) -> None:
         intent = ActionIntent(
             run_id=self.run_id,
             step=action.step,
@@ -248,6 +291,7 @@ class ToolExecutor:
         )
         durable = await self.writer.send_barrier(StoreOp.INTENT, intent)
         written.append(intent)
+        handed.append(intent)
         with durable:
             await durable.receive()
 
@@ -257,34 +301,115 @@ class ToolExecutor:
         action: Action,
         replay: bool,
         outcomes: dict[int, tuple[ActionOutcome, float, bool]],
+        step: StepScope,
     ) -> None:
         started = trio.current_time()
-        reconciled = False
+
+        def done(outcome: ActionOutcome, reconciled: bool = False) -> None:
+            outcomes[index] = (outcome, trio.current_time() - started, reconciled)
+
         if replay and self.executor.replay_policy(action.tool) is not ReplayPolicy.SAFE:
             found = await self.executor.reconcile(action)
             if found is not None and not _is_outcome(found):
                 raise SeamViolation(
                     "action executor's reconcile", found, "an ActionOutcome or None"
                 )
-            reconciled = found is not None
-            outcome = found if found is not None else self._unknown(action)
+            done(found if found is not None else self._unknown(action), found is not None)
         else:
-            outcome = await self._execute(attrs.evolve(action, replay=replay))
-        outcomes[index] = (outcome, trio.current_time() - started, reconciled)
+            await self._execute(attrs.evolve(action, replay=replay), step, done)
 
-    async def _execute(self, action: Action) -> ActionOutcome:
-        with trio.move_on_after(self.limits.tool_timeout_s) as timeout:
-            outcome = await self.executor.execute(action)
+    async def _execute(
+        self,
+        action: Action,
+        step: StepScope,
+        done: _Done,
+    ) -> None:
+        """Run the call in the host and wait for it, within its timeout and the step's scope.
+
+        On return ``done`` got the outcome. Cut by the step (`trio.Cancelled` raised): ``done``
+        got the outcome when the call ended within its grace period, else nothing (the call
+        was abandoned: its result is UNKNOWN).
+        """
+        host = self.host or current_host()
+        call: HostedCall[ActionOutcome] = host.start(
+            functools.partial(self.executor.execute, action),
+            description=f"the call {action.intent_id} ({action.tool}) of run {self.run_id!r}",
+            on_late=self.writer.warn,
+        )
+        limit, own = self._timeout_s(action.tool)
+        try:
+            # An executor that times its calls out itself (`Toolbox`) gets to answer first.
+            with trio.move_on_after(limit + _TIMEOUT_GRACE_S if own else limit):
+                await call.wait()
+            if not call.done:
+                call.cancel()
+                with trio.move_on_after(_TIMEOUT_GRACE_S):
+                    await call.wait()
+        except trio.Cancelled:
+            # Cancelled: the call gets its grace period. Cut by the time budget: none (the
+            # active time is spent); either way the run does not wait longer than that.
+            call.cancel()
+            grace = self.cancel_grace_s if step.cancel_called else 0.0
+            with trio.CancelScope(shield=True), trio.move_on_after(grace):
+                await call.wait()
+            self._settle(call, done, action)
+            raise
+        found = call.result()
+        if not call.done:
+            call.abandon()
+            done(
+                ActionOutcome(
+                    status=ActionStatus.UNKNOWN,
+                    observation=(
+                        f"Error: the call to {action.tool} timed out after {limit:g} s and "
+                        "was abandoned while it still ran; its outcome is unknown. Check "
+                        "its effect before trying again."
+                    ),
+                    detail="abandoned at its timeout: it did not end when cancelled",
+                )
+            )
+        elif found is None:  # it honoured the cancellation at its timeout
+            done(
+                ActionOutcome(
+                    status=ActionStatus.EXECUTED,
+                    observation=f"Error: the call to {action.tool} timed out after {limit:g} s",
+                )
+            )
+        else:
+            outcome = found.unwrap()
             if not _is_outcome(outcome):
                 raise SeamViolation("action executor", outcome, "an ActionOutcome")
-            return outcome
-        assert timeout.cancelled_caught
-        return ActionOutcome(
-            status=ActionStatus.EXECUTED,
-            observation=(
-                f"Error: the call to {action.tool} timed out after {self.limits.tool_timeout_s:g} s"
-            ),
-        )
+            done(outcome)
+
+    def _settle(self, call: HostedCall[ActionOutcome], done: _Done, action: Action) -> None:
+        """After a cut: keep what the call returned in time; abandon it otherwise."""
+        if not call.done:
+            call.abandon()
+            return
+        found = call.result()
+        if found is None:
+            return  # it ended by honouring the cancellation: outcome unknown
+        try:
+            done(found.unwrap())
+        except Exception as exc:  # a seam bug surfacing late: the result stays unknown
+            self.writer.warn(
+                f"the cut call {action.intent_id} ({action.tool}) raised "
+                f"{type(exc).__name__}: {exc}"
+            )
+
+    def _timeout_s(self, tool: str) -> tuple[float, bool]:
+        """The call's timeout (the limit, or the tool's own when shorter), and more.
+
+        The second value says whether the executor times its calls out itself (it has
+        ``timeout_s(tool)``, as `Toolbox` does).
+        """
+        own = getattr(self.executor, "timeout_s", None)
+        limit = self.limits.tool_timeout_s
+        if callable(own):
+            found = own(tool)
+            if isinstance(found, int | float) and found > 0:
+                return min(limit, float(found)), True
+        return limit, False
 
     def _finish(self, action: Action, outcome: ActionOutcome) -> tuple[ActionOutcome, str]:
         """Apply synthetic observations, truncation and the template."""

@@ -382,6 +382,10 @@ class EventWriter:
             )
         )
 
+    def warn(self, text: str) -> None:
+        """Tell the live subscribers ``text`` as a warning event (never stored, never blocks)."""
+        self._warn(text)
+
     def _subscribe(self, message: Subscribe) -> None:
         send, recv = trio.open_memory_channel[Event](SUBSCRIBER_BUFFER)
         self._subscribers.append(send)
@@ -586,6 +590,14 @@ class WriterClient:
             self.inbox.send_nowait(Delta(channel=channel, text=text))
         except (trio.WouldBlock, trio.BrokenResourceError, trio.ClosedResourceError):
             pass
+
+    def warn(self, text: str) -> None:
+        """Offer a live warning event to the run's subscribers (never stored, never blocks).
+
+        A no-op for a writer in another process.
+        """
+        if self.writer is not None:
+            self.writer.warn(text)
 
     async def subscribe(self) -> Subscription:
         """Join the live event stream (see `Subscription`)."""

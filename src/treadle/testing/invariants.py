@@ -76,6 +76,7 @@ def check_invariants(
     problems.extend(_no_attempt_after_final_error(log.run_id, records))
     problems.extend(_steps_contiguous(log.run_id, records))
     problems.extend(check_approvals(log))
+    problems.extend(check_action_results(log))
     finished = [r for r in records if isinstance(r, RunFinished)]
     if len(finished) != 1 or not isinstance(records[-1], RunFinished):
         problems.append(f"{log.run_id}: expected exactly one run-finished, last ({len(finished)})")
@@ -235,6 +236,35 @@ def check_budgets(
                     f"{run_id}: {total:.3f} s of active time overshoot the time budget of "
                     f"{budgets.time_budget_s} s"
                 )
+    return problems
+
+
+def check_action_results(log: RunLog) -> list[str]:
+    """Every action intent of a finished log has exactly one action result.
+
+    See docs/crash-safety.md, "What is guaranteed": the result is executed, not executed,
+    env error or unknown (a call the run abandoned is unknown and ``late``); what a call
+    returns after its result was written never becomes a second result. A log that is not
+    finished may end with intents still open (resume resolves them).
+
+    Returns:
+        One sentence per intent without a result or with more than one.
+    """
+    run_id = log.run_id
+    if log.finished is None:
+        return []
+    counts: dict[str, int] = {}
+    for record in log.records:
+        if isinstance(record, ActionIntent):
+            counts.setdefault(record.intent_id, 0)
+        elif isinstance(record, ActionResult) and record.intent_id in counts:
+            counts[record.intent_id] += 1
+    problems: list[str] = []
+    for intent_id, count in counts.items():
+        if count == 0:
+            problems.append(f"{run_id}: action intent {intent_id} has no result")
+        elif count > 1:
+            problems.append(f"{run_id}: action intent {intent_id} has {count} results")
     return problems
 
 

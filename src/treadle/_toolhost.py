@@ -1,0 +1,187 @@
+"""The tool host: where tool calls run, outside the nursery of the run that made them.
+
+See docs/decisions/0025-tool-host.md and docs/concepts.md, "Tools and cancellation".
+
+A run waits for a tool call; it does not contain it. The call runs as a task of the host (one
+per trio run, a system task holding a nursery, started on first use), and the run's tool
+executor waits for it with a cancellable wait. When the run gives up on the call (a cancel
+after its grace period, the time budget, the call's timeout) it cancels the call and stops
+waiting: the run ends on time whatever the call does (a shielded cleanup, a thread that
+cannot be interrupted), and the straggler finishes in the host. What it returns then is
+reported as a diagnostic only (a warning on the ``treadle.tools`` logger, a live warning event
+of the run while the run lasts, `HostStatistics`), never as a result.
+
+The host's nursery ends with the trio run: it is cancelled when the main task returns, and
+`trio.run` waits for the calls still in it.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Awaitable, Callable
+from typing import Any, Generic, TypeAlias, TypeVar
+
+import attrs
+import outcome
+import trio
+
+T = TypeVar("T")
+
+LOG = logging.getLogger("treadle.tools")
+
+
+@attrs.define(kw_only=True)
+class HostStatistics:
+    """Counters of a tool host (all since it started).
+
+    Attributes:
+        calls: calls started in the host.
+        running: calls that have not ended yet (abandoned ones included).
+        abandoned: calls whose run stopped waiting for them before they ended.
+        late_returns: abandoned calls that ended afterwards (their outcome went to
+            diagnostics only).
+    """
+
+    calls: int = 0
+    running: int = 0
+    abandoned: int = 0
+    late_returns: int = 0
+
+
+class HostedCall(Generic[T]):
+    """One call running in a `ToolHost`; the run waits on it with `wait`.
+
+    Attributes:
+        description: what the call is (for diagnostics), e.g. ``"run r, call a1 (sleep)"``.
+    """
+
+    def __init__(self, description: str, on_late: Callable[[str], None] | None) -> None:
+        self.description = description
+        self._scope = trio.CancelScope()
+        self._done = trio.Event()
+        self._result: outcome.Outcome[T] | None = None
+        self._abandoned = False
+        self._on_late = on_late
+        self._started = 0.0
+
+    @property
+    def done(self) -> bool:
+        """Whether the call has ended (returned, raised or honoured its cancellation)."""
+        return self._done.is_set()
+
+    async def wait(self) -> None:
+        """Wait until the call ends (a checkpoint; cancelling the wait leaves the call running)."""
+        await self._done.wait()
+
+    def result(self) -> outcome.Outcome[T] | None:
+        """The call's outcome once it ended; ``None`` when it is running or was cancelled."""
+        return self._result
+
+    def cancel(self) -> None:
+        """Deliver a trio cancellation to the call (it may shield itself from it)."""
+        self._scope.cancel()
+
+    def abandon(self) -> None:
+        """Stop caring about the call: cancel it; whatever it returns later is a diagnostic."""
+        self._scope.cancel()
+        if not self._done.is_set() and not self._abandoned:
+            self._abandoned = True
+            _HOST_STATS.abandoned += 1
+
+    async def _run(self, fn: Callable[[], Awaitable[T]]) -> None:
+        self._started = trio.current_time()
+        try:
+            with self._scope:
+                try:
+                    self._result = outcome.Value(await fn())
+                except Exception as exc:
+                    self._result = outcome.Error(exc)
+        finally:
+            _HOST_STATS.running -= 1
+            self._done.set()
+            if self._abandoned:
+                self._report_late()
+
+    def _report_late(self) -> None:
+        _HOST_STATS.late_returns += 1
+        took = trio.current_time() - self._started
+        found = self._result
+        if isinstance(found, outcome.Value):
+            observation = getattr(found.value, "observation", None)  # an ActionOutcome
+            shown = observation if isinstance(observation, str) else found.value
+            what = f"returned {shown!r:.200}"
+        elif isinstance(found, outcome.Error):
+            what = f"raised {type(found.error).__name__}: {found.error}"
+        else:
+            what = "was cancelled"
+        text = f"{self.description} ended {took:.3f} s after it started, abandoned: it {what}"
+        if found is None:  # it honoured the cancellation, later: nothing it did is lost
+            LOG.debug("%s", text)
+            return
+        LOG.warning("%s (not recorded: the call already has its result)", text)
+        if self._on_late is not None:
+            try:
+                self._on_late(text)
+            except Exception:  # a diagnostic must never fail the host
+                LOG.exception("reporting a late tool return failed")
+
+
+_HOST_STATS = HostStatistics()
+
+_Queued: TypeAlias = tuple[HostedCall[Any], Callable[[], Awaitable[Any]]]
+
+
+class ToolHost:
+    """Runs tool calls in a nursery that outlives the runs waiting on them."""
+
+    def __init__(self) -> None:
+        send, recv = trio.open_memory_channel[_Queued](math.inf)
+        self._send = send
+        self._recv = recv
+
+    def start(
+        self,
+        fn: Callable[[], Awaitable[T]],
+        *,
+        description: str,
+        on_late: Callable[[str], None] | None = None,
+    ) -> HostedCall[T]:
+        """Start ``fn()`` in the host and return the call to wait on (never blocks).
+
+        Args:
+            fn: the call, e.g. ``functools.partial(executor.execute, action)``.
+            description: names the call in diagnostics.
+            on_late: called with a sentence when an abandoned call ends.
+        """
+        call: HostedCall[T] = HostedCall(description, on_late)
+        _HOST_STATS.calls += 1
+        _HOST_STATS.running += 1
+        self._send.send_nowait((call, fn))
+        return call
+
+    async def serve(self) -> None:
+        """Run the calls handed to `start` until cancelled (the end of the trio run)."""
+        async with trio.open_nursery() as nursery:
+            async for call, fn in self._recv:
+                nursery.start_soon(call._run, fn)
+
+
+_CURRENT: trio.lowlevel.RunVar[ToolHost] = trio.lowlevel.RunVar("treadle_tool_host")
+
+
+def current_host() -> ToolHost:
+    """The tool host of the current trio run, started on first use (a system task)."""
+    try:
+        return _CURRENT.get()
+    except LookupError:
+        pass
+    host = ToolHost()
+    _CURRENT.set(host)
+    trio.lowlevel.spawn_system_task(host.serve, name="treadle tool host")
+    return host
+
+
+def host_statistics() -> HostStatistics:
+    """The counters of every tool host of this process (a copy)."""
+    return attrs.evolve(_HOST_STATS)

@@ -1,0 +1,36 @@
+"""Process tools for tests/runtime/test_stubborn_tools.py (imported again in their child).
+
+Each writes ``<dir>/started`` (its pid) when it begins and ``<dir>/done`` after its sleep: a
+process killed during the sleep never writes ``done``.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+import treadle
+
+
+@treadle.tool(isolation="process", timeout_s=30)
+def slow_write(directory: str, seconds: float) -> str:
+    """Sleep, then write a marker file."""
+    folder = Path(directory)
+    (folder / "started").write_text(str(os.getpid()))
+    time.sleep(seconds)
+    (folder / "done").write_text("done")
+    return "written"
+
+
+@treadle.tool(isolation="process")
+def double(n: int) -> int:
+    """Twice ``n``, computed in a child process."""
+    print("this goes to stderr, not into the reply")
+    return 2 * n
+
+
+@treadle.tool(isolation="process")
+def fail(message: str) -> str:
+    """Raise ValueError(message)."""
+    raise ValueError(message)

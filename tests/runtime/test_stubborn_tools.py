@@ -1,0 +1,325 @@
+"""Tools that ignore cancellation cannot hold a run past its budget, its timeout or a cancel.
+
+A plain ``def`` tool runs in a worker thread the run abandons; an ``async def`` tool that
+blocks in a thread or shields a long cleanup runs in the tool host and is abandoned there; a
+process tool is killed. Every action intent of a finished log has exactly one result, an
+abandoned call's is UNKNOWN and late, and what a call returns after that is a diagnostic.
+
+"The run ended before the tool did" is measured by the tool's own markers (a
+`threading.Event`, a `trio.Event` never set, a file written after a sleep), never by the
+wall clock; the trio clock is virtual except where a child process is involved.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from pathlib import Path
+
+import attrs
+import pytest
+import trio
+from process_tools import double, fail, slow_write
+from runtime_fakes import LedgerTools, SimpleParser
+
+import treadle
+from treadle._toolhost import host_statistics
+from treadle.actors.coordinator import CANCEL_GRACE_S
+from treadle.agent import Agent
+from treadle.approvals import request_cancel
+from treadle.stores.memory import MemoryStore
+from treadle.supervisors.finishing import finish_cancelled
+from treadle.supervisors.run import open_run
+from treadle.testing.invariants import check_action_results, check_invariants
+from treadle.testing.scripted import ScriptedModel, call, say
+from treadle.tools import Tool, Toolbox, tool
+from treadle.types import (
+    ActionIntent,
+    ActionResult,
+    ActionStatus,
+    Budgets,
+    Limits,
+    RunLog,
+    RunState,
+    StopReason,
+)
+
+REAL_WAIT_S = 20.0
+"""Real seconds a blocked thread waits at most (it is released at the end of each test)."""
+
+
+def make_agent(turns, tools: list[Tool], **kwargs) -> Agent:
+    model = ScriptedModel(turns=turns)
+    return Agent(model=model, executor=Toolbox(tools), parser=SimpleParser(), **kwargs)
+
+
+def results_of(log: RunLog) -> list[ActionResult]:
+    return [r for r in log.records if isinstance(r, ActionResult)]
+
+
+class Blocker:
+    """Tools that block in a thread until released: ``sync`` a plain ``def`` (abandonable),
+    ``async`` an ``async def`` awaiting a thread that ignores cancellation."""
+
+    def __init__(self) -> None:
+        self.release = threading.Event()
+        self.finished = threading.Event()
+
+        def block_sync(note: str) -> str:
+            """Block until released."""
+            self.release.wait(REAL_WAIT_S)
+            self.finished.set()
+            return "released"
+
+        async def block_async(note: str) -> str:
+            """Block in a thread that ignores cancellation until released."""
+            await trio.to_thread.run_sync(self.release.wait, REAL_WAIT_S)
+            self.finished.set()
+            return "released"
+
+        self.tools = {
+            "sync": tool(name="block")(block_sync),
+            "async": tool(name="block")(block_async),
+        }
+
+
+@pytest.fixture
+async def blocker():
+    """Released before the test's trio run ends (it waits for a thread nobody can cancel)."""
+    found = Blocker()
+    yield found
+    found.release.set()
+
+
+@pytest.mark.parametrize("kind", ["sync", "async"])
+async def test_a_blocked_call_cannot_hold_the_run_past_its_time_budget(
+    kind, blocker, autojump_clock
+):
+    agent = make_agent(
+        [call("block", note="x", call_id="c1"), say("never")],
+        [blocker.tools[kind]],
+        budgets=Budgets(time_budget_s=3),
+    )
+    store = MemoryStore()
+    result = await treadle.run(agent, "x", store=store, run_id="r")
+    assert not blocker.finished.is_set()  # the run returned while the tool still blocks
+    assert result.stop_reason is StopReason.TIME_BUDGET
+    assert result.totals.active_s == pytest.approx(3.0)
+    log = await store.read_log("r")
+    (cut,) = results_of(log)
+    assert cut.late and cut.outcome.status is ActionStatus.UNKNOWN
+    assert check_invariants(log, budgets=agent.budgets) == []
+
+
+@pytest.mark.parametrize("kind", ["sync", "async"])
+async def test_a_blocked_call_is_abandoned_at_its_timeout_and_the_run_goes_on(
+    kind, blocker, autojump_clock
+):
+    slow = attrs.evolve(blocker.tools[kind], timeout_s=2)
+    agent = make_agent([call("block", note="x", call_id="c1"), say("went on")], [slow])
+    store = MemoryStore()
+    result = await treadle.run(agent, "x", store=store, run_id="r")
+    assert not blocker.finished.is_set()
+    assert result.stop_reason is StopReason.FINAL_ANSWER and result.final_answer == "went on"
+    log = await store.read_log("r")
+    (abandoned,) = results_of(log)
+    assert abandoned.late and abandoned.outcome.status is ActionStatus.UNKNOWN
+    observation = log.steps[0].observations[0]
+    assert "timed out after 2 s and was abandoned" in observation
+    assert check_invariants(log) == []
+
+
+@pytest.mark.parametrize("kind", ["sync", "async"])
+async def test_cancel_during_a_blocked_call_ends_the_run_within_the_grace_period(
+    kind, blocker, autojump_clock
+):
+    agent = make_agent([call("block", note="x", call_id="c1"), say("never")], [blocker.tools[kind]])
+    store = MemoryStore()
+    async with open_run(agent, "x", store=store, run_id="r") as handle:
+        await trio.sleep(1)
+        handle.cancel("stop")
+        asked = trio.current_time()
+        result = await handle.wait()
+        took = trio.current_time() - asked  # virtual seconds
+    assert not blocker.finished.is_set()
+    assert result.state is RunState.CANCELLED
+    assert took <= CANCEL_GRACE_S + 0.01
+    log = await store.read_log("r")
+    (cut,) = results_of(log)
+    assert cut.late and cut.outcome.status is ActionStatus.UNKNOWN
+    assert check_invariants(log) == []
+
+
+async def test_a_shielded_cleanup_does_not_hold_treadle_run_and_its_late_return_is_no_record(
+    autojump_clock, caplog
+):
+    may_end = trio.Event()  # set only after the run returned
+    cleanup = {"began": False, "ended": False}
+
+    @tool
+    async def careful(note: str) -> str:
+        """Sleep; when cancelled, clean up (shielded) until allowed, then return anyway."""
+        try:
+            await trio.sleep(100)
+        except trio.Cancelled:
+            with trio.CancelScope(shield=True):
+                cleanup["began"] = True
+                await may_end.wait()
+                cleanup["ended"] = True
+            return "cleaned up"
+        return "slept"
+
+    agent = make_agent([call("careful", note="x", call_id="c1"), say("never")], [careful])
+    store = MemoryStore()
+    returned = trio.Event()
+    outcome: list[treadle.RunResult] = []
+    late_before = host_statistics().late_returns
+
+    async def drive() -> None:
+        outcome.append(await treadle.run(agent, "x", store=store, run_id="r"))
+        returned.set()
+
+    caplog.set_level(logging.WARNING, logger="treadle.tools")
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(drive)
+        try:
+            await trio.sleep(1)
+            await request_cancel(store, "r", reason="stop")
+            with trio.fail_after(60):
+                await returned.wait()
+            # treadle.run returned while the cleanup still waits on an event nobody set.
+            assert cleanup == {"began": True, "ended": False}
+        finally:
+            may_end.set()
+    assert outcome[0].state is RunState.CANCELLED
+    await trio.sleep(1)  # the straggler ends in the tool host
+    assert cleanup["ended"]
+    assert host_statistics().late_returns == late_before + 1
+    assert any("returned 'cleaned up'" in r.getMessage() for r in caplog.records)
+    log = await store.read_log("r")
+    (cut,) = results_of(log)  # its late return is no second record
+    assert cut.late and cut.outcome.status is ActionStatus.UNKNOWN
+    assert check_invariants(log) == []
+
+
+async def test_finish_cancelled_gives_a_pending_intent_its_unknown_result(blocker, autojump_clock):
+    agent = make_agent(
+        [call("block", note="x", call_id="c1"), say("never")], [blocker.tools["sync"]]
+    )
+    store = MemoryStore()
+    with trio.move_on_after(1):  # the driver goes away mid-call: the run stays unfinished
+        await treadle.run(agent, "x", store=store, run_id="r", owner="gone")
+    before = await store.read_log("r")
+    assert before.finished is None
+    assert [r.intent_id for r in before.records if isinstance(r, ActionIntent)] == ["r/s1/a1"]
+    assert results_of(before) == []
+    result = await finish_cancelled(store, "r", owner="canceller", reason="nobody drives it")
+    assert result.state is RunState.CANCELLED
+    log = await store.read_log("r")
+    (unknown,) = results_of(log)
+    assert unknown.intent_id == "r/s1/a1" and unknown.outcome.status is ActionStatus.UNKNOWN
+    assert check_invariants(log) == []
+
+
+# --------------------------------------------------------------- process tools
+
+
+@pytest.fixture
+def markers(tmp_path: Path) -> Path:
+    return tmp_path
+
+
+async def check_killed(folder: Path) -> None:
+    """The child never got past its 60 s sleep, and it is gone (reaped by the tool host)."""
+    assert not (folder / "done").exists()
+    started = folder / "started"
+    if started.exists():  # it may have been killed before it began (a slow start)
+        pid = int(started.read_text())
+        for _ in range(int(REAL_WAIT_S / 0.05)):  # polled: nothing signals a reaped child
+            if not _alive(pid):
+                break
+            await trio.sleep(0.05)
+        assert not _alive(pid)
+    assert not (folder / "done").exists()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+async def test_a_process_tool_runs_in_a_child_process():
+    agent = make_agent(
+        [call("double", n=21, call_id="c1"), call("fail", message="no", call_id="c2"), say("ok")],
+        [double, fail],
+    )
+    store = MemoryStore()
+    result = await treadle.run(agent, "x", store=store, run_id="r")
+    assert result.final_answer == "ok"
+    log = await store.read_log("r")
+    first, second = results_of(log)
+    assert (first.outcome.status, first.outcome.observation) == (ActionStatus.EXECUTED, "42")
+    assert second.outcome.observation == "Error: ValueError: no"
+
+
+async def test_a_process_tool_is_killed_at_its_timeout(markers):
+    slow = attrs.evolve(slow_write, timeout_s=3)
+    agent = make_agent(
+        [call("slow_write", directory=str(markers), seconds=60, call_id="c1"), say("went on")],
+        [slow],
+    )
+    store = MemoryStore()
+    result = await treadle.run(agent, "x", store=store, run_id="r")
+    await check_killed(markers)
+    assert result.final_answer == "went on"
+    log = await store.read_log("r")
+    (killed,) = results_of(log)
+    assert killed.outcome.observation == (
+        "Error: the call to slow_write timed out after 3 s (its process was killed)"
+    )
+    assert check_invariants(log) == []
+
+
+async def test_a_process_tool_is_killed_at_the_time_budget(markers):
+    agent = make_agent(
+        [call("slow_write", directory=str(markers), seconds=60, call_id="c1"), say("never")],
+        [slow_write],
+        budgets=Budgets(time_budget_s=3),
+        limits=Limits(tool_timeout_s=30),
+    )
+    store = MemoryStore()
+    result = await treadle.run(agent, "x", store=store, run_id="r")
+    await check_killed(markers)
+    assert result.stop_reason is StopReason.TIME_BUDGET
+    log = await store.read_log("r")
+    (cut,) = results_of(log)
+    assert cut.late and cut.outcome.status is ActionStatus.UNKNOWN
+    assert check_invariants(log) == []
+
+
+# --------------------------------------------------------------- the invariant checker
+
+
+async def test_the_checker_fails_a_finished_log_whose_intent_has_no_result_or_two():
+    agent = Agent(
+        model=ScriptedModel(turns=[call("add", a=1, b=2, call_id="c1"), say("3")]),
+        executor=LedgerTools(),
+        parser=SimpleParser(),
+    )
+    store = MemoryStore()
+    await treadle.run(agent, "x", store=store, run_id="r")
+    log = await store.read_log("r")
+    assert check_invariants(log) == [] and check_action_results(log) == []
+    (result,) = results_of(log)
+    missing = RunLog(run_id="r", records=tuple(r for r in log.records if r is not result))
+    assert check_action_results(missing) == ["r: action intent r/s1/a1 has no result"]
+    assert "r: action intent r/s1/a1 has no result" in check_invariants(missing)
+    index = log.records.index(result)
+    twice = RunLog(run_id="r", records=(*log.records[:index], result, *log.records[index:]))
+    assert check_action_results(twice) == ["r: action intent r/s1/a1 has 2 results"]
+    unfinished = RunLog(run_id="r", records=missing.records[:-1])
+    assert check_action_results(unfinished) == []  # resume resolves an open intent
