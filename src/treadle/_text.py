@@ -61,7 +61,7 @@ def valid_unicode(value: T) -> tuple[T, int]:
     and their parts); anything else (numbers, enums, ``None``) is returned as is. An object
     with nothing to replace is returned as is (the same object).
     """
-    if not _dirty(value):  # the common case, checked without building anything
+    if not holds_surrogates(value):  # the common case, checked without building anything
         return value, 0
     fixed, count = _walk(value)
     return fixed, count
@@ -72,27 +72,30 @@ def _field_names(cls: type) -> tuple[str, ...]:
     return tuple(field.name for field in attrs.fields(cls))
 
 
-def _dirty(value: Any) -> bool:
-    """Whether any string in ``value`` holds a surrogate (as `_walk` would find)."""
+def holds_surrogates(value: Any) -> bool:
+    """Whether any string in ``value`` holds a surrogate code point (text no UTF-8 encodes).
+
+    Walks what `valid_unicode` walks, building nothing.
+    """
     kind = type(value)
     if kind is str:
         return not value.isascii() and _SURROGATE.search(value) is not None
     if kind is dict:
-        return any(_dirty(k) or _dirty(v) for k, v in value.items())
+        return any(holds_surrogates(k) or holds_surrogates(v) for k, v in value.items())
     if kind is tuple or kind is list:
-        return any(_dirty(item) for item in value)
+        return any(holds_surrogates(item) for item in value)
     if value is None or kind is int or kind is float or kind is bool:
         return False
     if attrs.has(kind):
-        return any(_dirty(getattr(value, name)) for name in _field_names(kind))
+        return any(holds_surrogates(getattr(value, name)) for name in _field_names(kind))
     if isinstance(value, enum.Enum):
         return False
     if isinstance(value, str):
         return _SURROGATE.search(value) is not None
     if isinstance(value, Mapping):
-        return any(_dirty(k) or _dirty(v) for k, v in value.items())
+        return any(holds_surrogates(k) or holds_surrogates(v) for k, v in value.items())
     if isinstance(value, list | tuple):
-        return any(_dirty(item) for item in value)
+        return any(holds_surrogates(item) for item in value)
     return False
 
 

@@ -53,6 +53,8 @@ FAULT_KINDS = (
     "model_context_length",
     "tool_exception",
     "tool_timeout",
+    "tool_stuck",
+    "bad_text",
     "env_error",
     "cancel",
     "approval",

@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, Protocol
 
+from treadle._text import holds_surrogates
 from treadle.approvals import Decision
 from treadle.types import (
     ActionIntent,
@@ -77,6 +78,7 @@ def check_invariants(
     problems.extend(_steps_contiguous(log.run_id, records))
     problems.extend(check_approvals(log))
     problems.extend(check_action_results(log))
+    problems.extend(check_valid_text(log))
     finished = [r for r in records if isinstance(r, RunFinished)]
     if len(finished) != 1 or not isinstance(records[-1], RunFinished):
         problems.append(f"{log.run_id}: expected exactly one run-finished, last ({len(finished)})")
@@ -93,6 +95,23 @@ def check_invariants(
         if twice:
             problems.append(f"{log.run_id}: never-policy actions applied twice: {twice}")
     return problems
+
+
+def check_valid_text(log: RunLog) -> list[str]:
+    """Every string in every record is valid Unicode (no surrogate code points).
+
+    A surrogate in the log would make every later model request impossible to encode, so the
+    run could never take another step (docs/crash-safety.md, "Text that is not Unicode").
+
+    Returns:
+        One sentence per record holding such text, naming its seq and kind.
+    """
+    return [
+        f"{log.run_id}: record {seq} ({type(record).__name__}) holds text that is not valid "
+        "Unicode (a lone surrogate): no request built from it can be sent"
+        for seq, record in enumerate(log.records, start=1)
+        if holds_surrogates(record)
+    ]
 
 
 def check_tool_replies(requests: Iterable[ModelRequest]) -> list[str]:

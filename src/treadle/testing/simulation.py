@@ -117,6 +117,8 @@ class FaultPlan:
                 "model_context_length": 0.01,
                 "tool_exception": 0.1,
                 "tool_timeout": 0.05,
+                "tool_stuck": 0.03,
+                "bad_text": 0.05,
                 "env_error": 0.02,
                 "cancel": 0.05,
                 "approval": 0.1,
@@ -362,6 +364,18 @@ def _ledger_tools(ledger: Ledger) -> Toolbox:
         return "slow done"
 
     @tool
+    async def stuck(seconds: float) -> str:
+        """A tool that ignores cancellation: it shields a wait of ``seconds`` (virtual)."""
+        with trio.CancelScope(shield=True):
+            await trio.sleep(seconds)
+        return "stuck done"
+
+    @tool(replay=ReplayPolicy.SAFE)
+    async def listing(folder: str) -> str:
+        """List a folder: a name decoded with surrogateescape is not valid Unicode."""
+        return f"{folder}/caf\udce9.txt"
+
+    @tool
     async def outage(down: bool) -> str:
         """A tool whose environment can go away."""
         if down:
@@ -373,7 +387,10 @@ def _ledger_tools(ledger: Ledger) -> Toolbox:
         """Mark the task done."""
         return "done"
 
-    return Toolbox([deposit, withdraw, balance, flaky, slow, outage, finish], default_timeout_s=5.0)
+    return Toolbox(
+        [deposit, withdraw, balance, flaky, slow, stuck, listing, outage, finish],
+        default_timeout_s=5.0,
+    )
 
 
 @attrs.define(eq=False)
@@ -468,6 +485,8 @@ def _turn(rng: random.Random, plan: FaultPlan, counts: dict[str, int], turn: int
     for kind, name, arguments in (
         ("tool_exception", "flaky", {"fail": True}),
         ("tool_timeout", "slow", {"seconds": 60.0}),
+        ("tool_stuck", "stuck", {"seconds": 60.0}),
+        ("bad_text", "listing", {"folder": "inbox\ud800"}),
         ("env_error", "outage", {"down": True}),
         ("approval", "withdraw", {"amount": 1 + turn}),
     ):
