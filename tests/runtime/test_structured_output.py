@@ -425,3 +425,100 @@ def test_show_and_wait_display_the_output(tmp_path):
     assert json.loads(waited.output)["output"] == STORED
     plain = runner.invoke(main, ["wait", "r", "--store", str(db)])
     assert '"sky": "fog"' in plain.output
+
+
+# --------------------------------------------------------------------------- real crashes
+
+DRIVER = '''
+import json, sys
+import attrs, trio
+import treadle
+from treadle.testing.crashdriver import CRASH_DRIVER_OWNER, KillingStore
+from treadle.testing.scripted import ScriptedModel, call
+
+@attrs.frozen
+class Answer:
+    city: str
+    high_c: int
+
+@treadle.tool(replay=treadle.ReplayPolicy.SAFE)
+async def lookup(city: str) -> str:
+    """Look a city's weather up."""
+    return "18 C"
+
+class SettlingKiller(KillingStore):
+    """Dies before write ``kill_at``, after a pause that lets the committer's linger commit
+    the writes queued before it (so that they are durable when the process dies)."""
+
+    async def before_write(self, op, records, seq):
+        if self.writes + 1 == self.kill_at and self.when == "before":
+            await trio.sleep(0.2)
+        return await super().before_write(op, records, seq)
+
+async def main(db, kill_at, when):
+    model = ScriptedModel(turns=[call("lookup", city="Paris"), call("final_answer", city="Paris", high_c=18)])
+    agent = treadle.Agent(
+        model=model,
+        executor=treadle.Toolbox([lookup]),
+        parser=treadle.NativeToolCallParser(),
+        output_type=Answer,
+    )
+    async with treadle.open_sqlite_store(db) as sqlite:
+        store = SettlingKiller(inner=sqlite, kill_at=kill_at or None, when=when)
+        # One owner for every incarnation: each starts after the one before died.
+        result = await treadle.run(
+            agent, "Weather?", store=store, run_id="r", owner=CRASH_DRIVER_OWNER
+        )
+    print(json.dumps({"output": repr(result.output), "requests": len(model.requests)}))
+
+trio.run(main, sys.argv[1], int(sys.argv[2]), sys.argv[3])
+'''
+
+
+@pytest.mark.parametrize(
+    ("kill_at", "when"),
+    [
+        (7, "after"),  # right after the final model result was queued
+        (8, "before"),  # the final model result committed, the step record never written
+        (8, "after"),  # right after the final step record was queued
+        (9, "after"),  # run-finished durable: the stored result, nothing re-run
+    ],
+)
+def test_a_process_killed_in_the_final_step_resumes_to_the_same_output(tmp_path, kill_at, when):
+    import subprocess
+    import sys
+
+    import trio
+
+    script = tmp_path / "driver.py"
+    script.write_text(DRIVER)
+    db = tmp_path / "runs.db"
+    killed = subprocess.run(
+        [sys.executable, str(script), str(db), str(kill_at), when],
+        capture_output=True,
+        timeout=120,
+    )
+    assert killed.returncode == -9, killed.stderr.decode()
+
+    async def read():
+        async with treadle.open_sqlite_store(db) as store:
+            return await store.read_log("r")
+
+    before = trio.run(read)
+    assert (before.finished is not None) == (kill_at == 9)
+    resumed = subprocess.run(
+        [sys.executable, str(script), str(db), "0", "after"], capture_output=True, timeout=120
+    )
+    assert resumed.returncode == 0, resumed.stderr.decode()
+    outcome = json.loads(resumed.stdout)
+    assert outcome["output"] == "Answer(city='Paris', high_c=18)"
+    after = trio.run(read)
+    assert after.finished is not None
+    assert after.finished.output == {"city": "Paris", "high_c": 18}
+    # The resume table: a stored model reply is parsed again and never asked for again; a
+    # model intent whose result the kill lost is abandoned and asked once more.
+    finals = [r for r in before.records if isinstance(r, ModelResult) and r.step == 2]
+    assert outcome["requests"] == (0 if finals else 1)
+    abandoned = [r for r in after.records if isinstance(r, ModelResult) and r.abandoned]
+    assert len(abandoned) == (0 if finals else 1)
+    assert [s.decision for s in after.steps] == [DecisionKind.ACTIONS, DecisionKind.FINAL_ANSWER]
