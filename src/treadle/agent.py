@@ -16,7 +16,7 @@ import attrs
 import cattrs
 
 from treadle._exceptions import SnapshotMismatch, UsageError
-from treadle._output import OutputSpec
+from treadle._output import OutputMode, OutputSpec
 from treadle._output import resolve as resolve_output
 from treadle.ports import ActionExecutor, DecisionParser, ModelClient
 from treadle.redaction import SNAPSHOT_KEY, secrets_of_tools
@@ -84,7 +84,7 @@ class Agent:
     observation_template: str = "{observation}"
     version: str | None = None
     output_type: type[Any] | Mapping[str, JSONValue] | None = None
-    output_mode: str = "auto"
+    output_mode: OutputMode = "auto"
     _output: OutputSpec | None = attrs.field(
         init=False,
         repr=False,
