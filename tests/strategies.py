@@ -90,6 +90,9 @@ messages = _build(
     reasoning_signature=st.none() | texts,
 )
 tool_specs = _build(t.ToolSpec, name=ids, description=texts, parameters=json_objects)
+output_formats = _build(
+    t.OutputFormat, name=ids, schema=json_objects, strict=st.booleans(), description=texts
+)
 model_requests = _build(
     t.ModelRequest,
     messages=_tuples(messages),
@@ -97,6 +100,7 @@ model_requests = _build(
     model=texts,
     max_output_tokens=maybe_counts,
     params=json_objects,
+    output=st.none() | output_formats,
 )
 usages = _build(
     t.Usage,
@@ -255,6 +259,7 @@ step_records = _build(
     action_result_ids=_tuples(ids),
     env_error=st.booleans(),
     active_s=seconds,
+    output=st.none() | json_objects,
 )
 totals = _build(
     t.Totals,
@@ -275,6 +280,7 @@ run_finisheds = _build(
     final_answer=st.none() | texts,
     error=st.none() | texts,
     model_error=st.none() | model_error_infos,
+    output=st.none() | json_objects,
     sink_drops=counts,
     sink_failures=counts,
     subscriber_drops=counts,
@@ -400,4 +406,5 @@ run_results = _build(
     final_answer=st.none() | texts,
     error=st.none() | texts,
     model_error=st.none() | model_error_infos,
+    output=st.none() | json_objects,
 )

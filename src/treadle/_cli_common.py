@@ -141,7 +141,10 @@ def describe(record: Record) -> tuple[str, str]:
         )
     if isinstance(record, StepRecord):
         decision = record.decision.value if record.decision else "model failed"
-        return "step completed", decision + (" · task completed" if record.task_completed else "")
+        decision += " · task completed" if record.task_completed else ""
+        if record.output is not None:
+            return "step completed", clip(f"{decision} · output {json.dumps(record.output)}")
+        return "step completed", decision
     if isinstance(record, ApprovalRequested):
         return (
             "approval requested",
@@ -175,7 +178,10 @@ def describe(record: Record) -> tuple[str, str]:
     if failure is not None:
         status = f" HTTP {failure.status}" if failure.status is not None else ""
         ending += clip(f": {failure.kind}{status} {failure.message}".rstrip())
-    return "run finished", ", ".join([ending, counted(record.totals.steps, "step"), *undelivered])
+    shown = [ending, counted(record.totals.steps, "step"), *undelivered]
+    if record.output is not None:
+        shown.append("output " + json.dumps(record.output, ensure_ascii=False))
+    return "run finished", ", ".join(shown)
 
 
 def call_text(request: ApprovalRequested) -> str:

@@ -211,6 +211,7 @@ def wait_command(run_id: str, store_path: str, as_json: bool, poll_s: float) -> 
                     "state": result.state.value,
                     "stop_reason": result.stop_reason.value,
                     "final_answer": result.final_answer,
+                    "output": result.output,
                     "error": result.error,
                     "steps": result.totals.steps,
                 },
@@ -219,6 +220,8 @@ def wait_command(run_id: str, store_path: str, as_json: bool, poll_s: float) -> 
         )
     else:
         answer = f": {result.final_answer}" if result.final_answer else ""
+        if result.output is not None:
+            answer = ": " + json.dumps(result.output, ensure_ascii=False)
         click.echo(f"{result.run_id}: {result.state.value} ({result.stop_reason.value}){answer}")
     if result.state is not RunState.SUCCEEDED:
         sys.exit(1)

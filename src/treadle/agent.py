@@ -16,6 +16,8 @@ import attrs
 import cattrs
 
 from treadle._exceptions import SnapshotMismatch, UsageError
+from treadle._output import OutputMode, OutputSpec
+from treadle._output import resolve as resolve_output
 from treadle.ports import ActionExecutor, DecisionParser, ModelClient
 from treadle.redaction import SNAPSHOT_KEY, secrets_of_tools
 from treadle.types import (
@@ -25,6 +27,7 @@ from treadle.types import (
     Limits,
     Message,
     SyntheticObservations,
+    ToolSpec,
 )
 
 _PLAIN = cattrs.Converter()
@@ -52,6 +55,20 @@ class Agent:
         version: the definition's version label, recorded in run-started; ``None`` derives
             one from the snapshot (`version_label`). A fleet worker claims only runs of the
             versions it serves (docs/fleet.md, "Deploys").
+        output_type: the shape of the final answer: an attrs class (whose fields use the
+            types tool arguments may use), or a JSON schema (a mapping, 2020-12) whose top
+            level is an object; ``None`` (the default) for a free-text answer. The final
+            answer is validated against it, and `treadle.RunResult.output` holds it
+            (docs/structured-output.md).
+        output_mode: how the output is asked for: ``"native"`` (the provider's structured
+            output, e.g. OpenAI ``response_format``), ``"tool"`` (a declared ``final_answer``
+            tool whose arguments are the output), or ``"auto"`` (the default: native when
+            the model client declares ``native_output = True``, as `treadle.OpenAIChatClient`
+            does, else the tool). Ignored without ``output_type``.
+
+    Raises:
+        UsageError: an ``output_type`` or ``output_mode`` that cannot be used (see
+            docs/structured-output.md, "Output types").
     """
 
     model: ModelClient
@@ -66,6 +83,36 @@ class Agent:
     synthetic: SyntheticObservations = SyntheticObservations()
     observation_template: str = "{observation}"
     version: str | None = None
+    output_type: type[Any] | Mapping[str, JSONValue] | None = None
+    output_mode: OutputMode = "auto"
+    _output: OutputSpec | None = attrs.field(
+        init=False,
+        repr=False,
+        eq=False,
+        default=attrs.Factory(lambda self: self._resolve_output(), takes_self=True),
+    )
+
+    def _resolve_output(self) -> OutputSpec | None:
+        if self.output_type is None:
+            return None
+        native = getattr(self.model, "native_output", None)
+        return resolve_output(
+            self.output_type,
+            self.output_mode,
+            native_client=None if native is None else bool(native),
+            tool_names=frozenset(spec.name for spec in self.executor.tool_specs()),
+        )
+
+    @property
+    def output(self) -> OutputSpec | None:
+        """The resolved output type (mode, schema, validator), ``None`` without one."""
+        return self._output
+
+    def model_tools(self) -> tuple[ToolSpec, ...]:
+        """The tools the model sees: the executor's, then the final-answer tool in ``tool`` mode."""
+        tools = tuple(self.executor.tool_specs())
+        answer = self._output.tool_spec() if self._output is not None else None
+        return tools if answer is None else (*tools, answer)
 
     @property
     def version_label(self) -> str:
@@ -79,7 +126,9 @@ class Agent:
         """The parameter snapshot: the model-visible settings, as plain JSON data.
 
         Keys: ``model``, ``system_prompt``, ``max_output_tokens``, ``params``, ``tools``,
-        ``parser``, ``synthetic``, ``observation_template``, and ``secret_arguments`` when
+        ``parser``, ``synthetic``, ``observation_template``; ``output`` (mode, name, schema,
+        strict, description) only when ``output_type`` is set, so the snapshot of an agent
+        without one is what it always was; and ``secret_arguments`` when
         a tool has secret arguments (`treadle.redaction`; an executor declares them with an
         optional ``secret_arguments(tool)`` method, as `treadle.Toolbox` does). Budgets and
         limits are not model-visible and are left out, so a run can be resumed with other
@@ -96,6 +145,8 @@ class Agent:
             "synthetic": _PLAIN.unstructure(self.synthetic),
             "observation_template": self.observation_template,
         }
+        if self._output is not None:
+            snapshot["output"] = self._output.snapshot()
         secrets = _secret_arguments(self.executor)
         if secrets:
             snapshot[SNAPSHOT_KEY] = secrets

@@ -225,16 +225,39 @@ class ToolSpec:
 
 
 @attrs.frozen(kw_only=True)
+class OutputFormat:
+    """The shape a reply's text must have, asked for with the provider's native structured output.
+
+    Set on a request only when the agent's output is asked for natively
+    (docs/structured-output.md, "Native or a final-answer tool"); the OpenAI-compatible
+    client sends it as ``response_format: {"type": "json_schema", "json_schema": {...}}``.
+
+    Attributes:
+        name: the schema's name (``[A-Za-z0-9_-]``, at most 64 characters).
+        schema: the JSON schema (2020-12) of the output; its top level is an object.
+        strict: ask the provider to follow the schema exactly (OpenAI ``strict``).
+        description: what the output is, shown to the model; ``""`` for none.
+    """
+
+    name: str
+    schema: Mapping[str, JSONValue]
+    strict: bool = False
+    description: str = ""
+
+
+@attrs.frozen(kw_only=True)
 class ModelRequest:
     """The model-visible request built by the context hydrator.
 
     Attributes:
         messages: history, oldest first; the system prompt (if any) is element 0.
-        tools: the declared tools, in declaration order.
+        tools: the declared tools, in declaration order (with the final-answer tool last
+            when the output is asked for by a tool, docs/structured-output.md).
         model: the provider's model name.
         max_output_tokens: the definition's output cap; always sent, never raised by a request.
         params: other sampling parameters in the provider's own form (temperature,
             ``reasoning_effort``, ...), already merged from the definition.
+        output: the native structured output asked for, ``None`` for free text.
     """
 
     messages: tuple[Message, ...]
@@ -242,6 +265,7 @@ class ModelRequest:
     model: str = ""
     max_output_tokens: int | None = None
     params: Mapping[str, JSONValue] = attrs.field(factory=dict)
+    output: OutputFormat | None = None
 
 
 @attrs.frozen(kw_only=True)
@@ -619,6 +643,8 @@ class StepRecord:
         action_result_ids: intent ids of the step's action results (empty: no action).
         env_error: an action of this step ended with ENV_ERROR.
         active_s: active seconds this step took (approval waits excluded).
+        output: for a final answer of an agent with an output type, the validated output
+            as JSON data (an object); ``None`` otherwise (docs/structured-output.md).
     """
 
     run_id: str
@@ -636,6 +662,7 @@ class StepRecord:
     action_result_ids: tuple[str, ...] = ()
     env_error: bool = False
     active_s: float = 0.0
+    output: JSONValue = None
 
 
 @attrs.frozen(kw_only=True)
@@ -671,6 +698,9 @@ class RunFinished:
             ``rate_limited``), else ``None``.
         model_error: the model call's failure in full when a model error ended the run: kind,
             provider message (credentials removed), HTTP status, retryability.
+        output: the validated structured output as JSON data (an object) when the run's
+            agent has an output type and the run ended with a final answer, else ``None``
+            (docs/structured-output.md).
         sink_drops: events the finishing process dropped for sinks that fell behind.
         sink_failures: sink deliveries that raised in the finishing process.
         subscriber_drops: live subscribers cut off for falling behind.
@@ -687,6 +717,7 @@ class RunFinished:
     final_answer: str | None = None
     error: str | None = None
     model_error: ModelErrorInfo | None = None
+    output: JSONValue = None
     sink_drops: int = 0
     sink_failures: int = 0
     subscriber_drops: int = 0
@@ -1063,6 +1094,11 @@ class RunResult:
         model_error: when a model error ended the run, the failure in full: ``kind``,
             ``message`` (the provider's, credentials removed), ``status`` (HTTP, ``None`` for
             transport failures) and ``retryable``.
+        output: the structured output of a run whose agent has an output type and that
+            ended with a final answer: an instance of the attrs class when the result was
+            built knowing the class (`treadle.run`, `treadle.open_run`), else its JSON data
+            (a dict, e.g. read back from a store by `treadle.wait_result`); ``None``
+            otherwise (docs/structured-output.md, "Where the type is known").
     """
 
     run_id: str
@@ -1072,10 +1108,28 @@ class RunResult:
     final_answer: str | None = None
     error: str | None = None
     model_error: ModelErrorInfo | None = None
+    output: Any = None
 
     @classmethod
-    def from_finished(cls, record: RunFinished) -> RunResult:
-        """Build the result from a stored run-finished record."""
+    def from_finished(cls, record: RunFinished, *, output_type: Any = None) -> RunResult:
+        """Build the result from a stored run-finished record.
+
+        Args:
+            record: the run-finished record.
+            output_type: the agent's output type; when it is an attrs class, the stored
+                output is structured into an instance of it. Anything else (a JSON schema,
+                ``None``) leaves the output as its JSON data.
+
+        Raises:
+            UsageError: the stored output does not fit ``output_type`` (the message lists
+                each error with its path).
+        """
+        output = record.output
+        if output is not None and isinstance(output_type, type) and attrs.has(output_type):
+            # Loaded here: this module depends on nothing else in the package at import.
+            from treadle._output import structure_output
+
+            output = structure_output(output_type, output, run_id=record.run_id)
         return cls(
             run_id=record.run_id,
             state=record.state,
@@ -1084,4 +1138,5 @@ class RunResult:
             final_answer=record.final_answer,
             error=record.error,
             model_error=record.model_error,
+            output=output,
         )

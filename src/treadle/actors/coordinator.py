@@ -20,6 +20,7 @@ import trio
 
 from treadle._clock import Clock
 from treadle._exceptions import SeamViolation
+from treadle._output import OutputSpec
 from treadle._state import PendingStep, RunView
 from treadle._text import repaired
 from treadle.actors._rpc import StepScope, request
@@ -48,6 +49,7 @@ from treadle.types import (
     Budgets,
     CancelRequested,
     DecisionKind,
+    JSONValue,
     Limits,
     ModelErrorInfo,
     ModelRequest,
@@ -108,6 +110,8 @@ class RunCoordinator:
 
     Args:
         view: the run's state, folded from its log (fresh or resumed).
+        output: the agent's output type; a final answer must fit it
+            (docs/structured-output.md). ``None`` takes any final answer.
         state: the run state; readable by the run's handle.
     """
 
@@ -123,6 +127,7 @@ class RunCoordinator:
     gateway: trio.MemorySendChannel[CallModel]
     executor: trio.MemorySendChannel[RunActions]
     needs_approval: Callable[[str, Mapping[str, Any]], bool] = lambda tool, arguments: False
+    output: OutputSpec | None = None
     park_after_s: float | None = None
     carried_active_s: float = 0.0
     state: RunState = RunState.RUNNING
@@ -140,6 +145,7 @@ class RunCoordinator:
     _late_step: StepRecord | None = None
     _unsent_steps: list[StepRecord] = attrs.Factory(list)
     _final_answer: str | None = None
+    _answer_output: JSONValue = None
     _error: str | None = None
     _model_error: ModelErrorInfo | None = None
     _draining: bool = False
@@ -222,6 +228,7 @@ class RunCoordinator:
             and self.view.last_step.decision is DecisionKind.FINAL_ANSWER
         ):
             self._final_answer = self.view.last_step.model_output_text
+            self._answer_output = self.view.last_step.output
         while True:
             reason = self.stop_reason()
             if reason is not None:
@@ -330,7 +337,10 @@ class RunCoordinator:
             # A bug in the parser: the run is interrupted, never ended with a made-up reason.
             raise SeamViolation("decision parser", parsed, "a ParsedReply")
         parsed = refuse_non_finite(parsed)  # whichever parser: arguments are strict JSON
-        return await self._act(step, intent_id, parsed, scope, started)
+        output: JSONValue = None
+        if self.output is not None:  # the final answer must fit the output type
+            parsed, output = self.output.decide(parsed)
+        return await self._act(step, intent_id, parsed, scope, started, output)
 
     def _failed_for_good(self, pending: PendingStep) -> ModelErrorInfo | None:
         """The step's last model attempt, when it failed for good before its step record.
@@ -356,6 +366,7 @@ class RunCoordinator:
         parsed: ParsedReply,
         scope: StepScope,
         started: float,
+        output: JSONValue = None,
     ) -> StopReason | None:
         record = StepRecord(
             run_id=self.run_id,
@@ -367,6 +378,7 @@ class RunCoordinator:
             feedback=parsed.feedback,
             model_output_text=parsed.history_message.content,
             visible_output_chars=len(parsed.history_message.content or ""),
+            output=output,
         )
         results: tuple[ActionResult, ...] | None = None
         if parsed.kind is DecisionKind.ACTIONS:
@@ -395,6 +407,7 @@ class RunCoordinator:
             )
         elif parsed.kind is DecisionKind.FINAL_ANSWER:
             self._final_answer = parsed.text
+            self._answer_output = output
         record = attrs.evolve(record, ts=self.clock.now_iso(), active_s=self._elapsed(started))
         await self._write_step(record, results)
         return None
@@ -672,6 +685,7 @@ class RunCoordinator:
             final_answer=self._final_answer if reason is StopReason.FINAL_ANSWER else None,
             error=self._error if reason is StopReason.MODEL_ERROR else None,
             model_error=self._model_error if reason is StopReason.MODEL_ERROR else None,
+            output=self._answer_output if reason is StopReason.FINAL_ANSWER else None,
             sink_drops=delivery.sink_drops if delivery else 0,
             sink_failures=delivery.sink_failures if delivery else 0,
             subscriber_drops=delivery.subscriber_drops if delivery else 0,
@@ -679,7 +693,8 @@ class RunCoordinator:
         await self.writer.barrier(StoreOp.RUN_FINISHED, record)
         self.view.apply(record)
         self.state = state
-        return RunResult.from_finished(record)
+        output_type = self.output.output_type if self.output is not None else None
+        return RunResult.from_finished(record, output_type=output_type)
 
 
 def _plus_s(instant: str, seconds: float) -> str:

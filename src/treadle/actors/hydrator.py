@@ -24,6 +24,7 @@ from treadle.types import (
     JSONValue,
     Message,
     ModelRequest,
+    OutputFormat,
     RunStarted,
     StepRecord,
     SyntheticObservations,
@@ -53,6 +54,8 @@ class ContextHydrator:
         params: other sampling parameters.
         synthetic: the definition's synthetic observations; ``unknown`` answers a tool call
             the log holds no observation for.
+        output: the native structured output every request asks for, ``None`` for none
+            (docs/structured-output.md).
     """
 
     started: RunStarted
@@ -62,6 +65,7 @@ class ContextHydrator:
     max_output_tokens: int | None
     params: Mapping[str, JSONValue]
     synthetic: SyntheticObservations = SyntheticObservations()
+    output: OutputFormat | None = None
     _history: list[Message] = attrs.Factory(list)
 
     def __attrs_post_init__(self) -> None:
@@ -91,6 +95,7 @@ class ContextHydrator:
             model=self.model,
             max_output_tokens=self.max_output_tokens,
             params=self.params,
+            output=self.output,
         )
 
 

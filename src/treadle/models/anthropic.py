@@ -64,10 +64,17 @@ class AnthropicMessagesClient(StreamReader[MessageAccumulator]):
         default_max_tokens: ``max_tokens`` when the request has no output cap and the params
             set none (the API requires one).
 
+    Attributes:
+        native_output: ``False``: the Messages API has no native structured output here, so an
+            agent's output type is asked for with a final-answer tool
+            (docs/structured-output.md).
+
     Raises:
         UsageError: ``base_url`` is not an http(s) URL, a timeout is not positive, or
             ``default_max_tokens`` is not positive.
     """
+
+    native_output = False
 
     def __init__(
         self,
@@ -122,11 +129,17 @@ class AnthropicMessagesClient(StreamReader[MessageAccumulator]):
 
         Raises:
             UsageError: a param would replace ``model``, ``messages``, ``system``, ``tools`` or
-                ``stream``; an image is on a non-user message or cannot be resolved.
+                ``stream``; an image is on a non-user message or cannot be resolved; the
+                request asks for a native structured ``output`` (this client has none: the
+                agent's output type is asked for with a final-answer tool).
         """
         reserved = _RESERVED_PARAMS.intersection(request.params)
         if reserved:
             raise UsageError(f"request params may not set {sorted(reserved)}")
+        if request.output is not None:
+            raise UsageError(
+                "the Anthropic client has no native structured output: use output_mode='tool'"
+            )
         system = [m.content for m in request.messages if m.role == "system" and m.content]
         body: dict[str, Any] = {
             "model": request.model,

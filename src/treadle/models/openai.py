@@ -68,6 +68,9 @@ class OpenAIChatClient(StreamReader[StreamAccumulator]):
             (DeepSeek thinking mode needs it on tool-call turns; other servers may refuse it).
         max_tokens_field: the body key for the output cap (``max_completion_tokens`` for
             servers that refuse ``max_tokens``).
+        native_output: the server supports ``response_format`` with a JSON schema, so an
+            agent's output type is asked for natively under ``output_mode="auto"``; ``False``
+            makes such agents use the final-answer tool instead (docs/structured-output.md).
 
     Raises:
         UsageError: ``base_url`` is not an http(s) URL, or a timeout is not positive.
@@ -86,6 +89,7 @@ class OpenAIChatClient(StreamReader[StreamAccumulator]):
         extra_headers: Mapping[str, str] | None = None,
         send_reasoning: bool = False,
         max_tokens_field: str = "max_tokens",
+        native_output: bool = True,
     ) -> None:
         if not base_url.startswith(("http://", "https://")):
             raise UsageError(f"base_url must start with http:// or https://, got {base_url!r}")
@@ -108,16 +112,20 @@ class OpenAIChatClient(StreamReader[StreamAccumulator]):
         }
         self._send_reasoning = send_reasoning
         self._max_tokens_field = max_tokens_field
+        self.native_output = native_output
 
     def request_body(self, request: ModelRequest) -> dict[str, Any]:
         """The JSON body sent for ``request``.
 
         ``max_tokens`` (or ``max_tokens_field``) is the request's ``max_output_tokens`` when set
-        and is never overridden by ``params``; the other params are merged in last.
+        and is never overridden by ``params``; the other params are merged in last. A
+        request's ``output`` becomes ``response_format: {"type": "json_schema",
+        "json_schema": {"name", "schema", "strict", "description"}}``.
 
         Raises:
-            UsageError: a param would replace ``model``, ``messages``, ``tools`` or the stream
-                settings; or an image cannot be resolved (see `OpenAIChatClient`).
+            UsageError: a param would replace ``model``, ``messages``, ``tools``, the stream
+                settings or (when the request has an ``output``) ``response_format``; or an
+                image cannot be resolved (see `OpenAIChatClient`).
         """
         body: dict[str, Any] = {
             "model": request.model,
@@ -129,7 +137,18 @@ class OpenAIChatClient(StreamReader[StreamAccumulator]):
         body["stream_options"] = {"include_usage": True}
         if request.max_output_tokens is not None:
             body[self._max_tokens_field] = request.max_output_tokens
-        reserved = _RESERVED_PARAMS.intersection(request.params)
+        if request.output is not None:
+            schema: dict[str, Any] = {
+                "name": request.output.name,
+                "schema": dict(request.output.schema),
+                "strict": request.output.strict,
+            }
+            if request.output.description:
+                schema["description"] = request.output.description
+            body["response_format"] = {"type": "json_schema", "json_schema": schema}
+        reserved = set(_RESERVED_PARAMS.intersection(request.params))
+        if request.output is not None and "response_format" in request.params:
+            reserved.add("response_format")
         if reserved:
             raise UsageError(f"request params may not set {sorted(reserved)}")
         for key, value in request.params.items():

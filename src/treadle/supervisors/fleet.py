@@ -21,7 +21,7 @@ import logging
 import math
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from contextlib import asynccontextmanager
-from typing import Final
+from typing import Any, Final
 
 import attrs
 import trio
@@ -148,16 +148,20 @@ class Fleet:
         self._wake.set()
         return run_id
 
-    async def result(self, run_id: str, *, poll_s: float = CLAIM_POLL_S) -> RunResult:
+    async def result(
+        self, run_id: str, *, poll_s: float = CLAIM_POLL_S, output_type: Any = None
+    ) -> RunResult:
         """Wait until the run finished (whichever worker drove it) and return its result.
 
         It waits for as long as the run takes, through takeovers and approval waits; bound it
-        with a cancel scope.
+        with a cancel scope. ``output_type`` as for `wait_result`: without it a structured
+        output is its JSON data.
 
         Raises:
-            UsageError: the store knows no such run.
+            UsageError: the store knows no such run, or its output does not fit
+                ``output_type``.
         """
-        return await wait_result(self._store, run_id, poll_s=poll_s)
+        return await wait_result(self._store, run_id, poll_s=poll_s, output_type=output_type)
 
     def drain(self) -> None:
         """Stop claiming and ask every driven run to stop at its next safe point."""
@@ -244,24 +248,34 @@ class Fleet:
             _LOG.warning("run %r stopped unfinished: %s", run_id, exc)
 
 
-async def wait_result(store: RunStore, run_id: str, *, poll_s: float = CLAIM_POLL_S) -> RunResult:
+async def wait_result(
+    store: RunStore, run_id: str, *, poll_s: float = CLAIM_POLL_S, output_type: Any = None
+) -> RunResult:
     """Wait until ``run_id`` has its run-finished record and return its result.
 
+    Args:
+        store: the store holding the run.
+        run_id: the run.
+        poll_s: seconds between looks at the store.
+        output_type: the agent's output type: an attrs class structures
+            `treadle.RunResult.output` into an instance; otherwise it is the stored JSON data
+            (docs/structured-output.md, "Where the type is known").
+
     Raises:
-        UsageError: the store knows no such run.
+        UsageError: the store knows no such run, or its output does not fit ``output_type``.
     """
     while True:
         summary = await store.read_summary(run_id) if isinstance(store, RunIndex) else None
         if summary is None:
             log = await store.read_log(run_id)
             if log.finished is not None:
-                return RunResult.from_finished(log.finished)
+                return RunResult.from_finished(log.finished, output_type=output_type)
             if not log.records:
                 raise UsageError(f"there is no run {run_id!r} in this store")
         elif summary.liveness is Liveness.FINISHED:
             log = await store.read_log(run_id)
             assert log.finished is not None
-            return RunResult.from_finished(log.finished)
+            return RunResult.from_finished(log.finished, output_type=output_type)
         await trio.sleep(poll_s)
 
 

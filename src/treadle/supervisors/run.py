@@ -274,11 +274,12 @@ def real_hydrator(context: ActorContext) -> ContextHydrator:
     return ContextHydrator(
         started=context.started,
         system_prompt=agent.system_prompt,
-        tools=agent.executor.tool_specs(),
+        tools=agent.model_tools(),
         model=agent.model_name,
         max_output_tokens=agent.max_output_tokens,
         params=agent.params,
         synthetic=agent.synthetic,
+        output=agent.output.request_format() if agent.output is not None else None,
     )
 
 
@@ -317,7 +318,7 @@ def real_coordinator(context: CoordinatorContext) -> RunCoordinator:
         run_id=actor.run_id,
         view=context.view,
         parser=agent.parser,
-        tools=agent.executor.tool_specs(),
+        tools=agent.model_tools(),
         budgets=agent.budgets,
         limits=agent.limits,
         clock=actor.clock,
@@ -326,6 +327,7 @@ def real_coordinator(context: CoordinatorContext) -> RunCoordinator:
         gateway=context.gateway,
         executor=context.executor,
         needs_approval=context.needs_approval,
+        output=agent.output,
         park_after_s=context.park_after_s,
         carried_active_s=context.carried_active_s,
     )
@@ -722,7 +724,7 @@ async def drive_run(
     handle = RunHandle(run_id=hold.run_id, store=store)
     if log.finished is not None:
         await hold.release()
-        handle._result = RunResult.from_finished(log.finished)
+        handle._result = RunResult.from_finished(log.finished, output_type=agent.output_type)
         handle._done.set()
         yield handle
         return

@@ -1,0 +1,375 @@
+"""Structured output: the shape a run's final answer must have (docs/structured-output.md).
+
+An agent's ``output_type`` (an attrs class or a JSON schema) is resolved once, when the
+`treadle.Agent` is built, into an `OutputSpec`: how the model is asked for the output
+(``native``: the provider's structured output on the request; ``tool``: a declared
+final-answer tool whose arguments are the output), the JSON schema, and the validator.
+
+`OutputSpec.decide` turns a parser's decision into the run's decision: a final answer (or a
+call of the final-answer tool) whose output fits becomes a final answer carrying the output as
+JSON data; one that does not fit becomes an invalid decision whose feedback lists every error
+(docs/decisions/0040-structured-output.md). It is pure, so a resumed run decides the same
+from the stored reply.
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+import re
+import typing
+from collections.abc import Mapping
+from typing import Any, Final, Literal, TypeAlias
+
+import attrs
+import cattrs
+
+from treadle._exceptions import UsageError
+from treadle._repair import json_values, strip_code_fence
+from treadle._schema import (
+    _CONVERTER,
+    Parameter,
+    _format,
+    _kind,
+    build_schema,
+    check_type,
+    summary_of,
+)
+from treadle.types import DecisionKind, JSONValue, OutputFormat, ParsedReply, ToolSpec
+
+OUTPUT_TOOL: Final = "final_answer"
+"""The name of the final-answer tool declared in ``tool`` mode."""
+
+INVALID_OUTPUT: Final = "invalid_output"
+"""`ParsedReply.reason` of a final answer that does not fit the output schema."""
+
+OutputMode: TypeAlias = Literal["auto", "native", "tool"]
+"""How the output is asked for: ``native`` (the provider's structured output), ``tool`` (a
+final-answer tool), or ``auto`` (``native`` when the model client declares
+``native_output = True``, else ``tool``)."""
+
+_NAME: Final = re.compile(r"[^A-Za-z0-9_-]")
+_MAX_ERRORS: Final = 10
+_PLAIN: Final = cattrs.Converter()
+_TOOL_DESCRIPTION: Final = (
+    "Give your final answer. Call this alone, once the task is done: its arguments are the "
+    "answer, and the conversation ends with it."
+)
+
+
+@attrs.frozen(kw_only=True, eq=False)
+class OutputSpec:
+    """An agent's resolved output type.
+
+    Attributes:
+        mode: ``native`` or ``tool`` (never ``auto``: that is resolved against the client).
+        name: the final-answer tool's name (``tool``), or the schema's name (``native``).
+        schema: the JSON schema of the output; its top level is an object.
+        strict: whether the schema is in the subset OpenAI's ``strict`` mode accepts (every
+            object closed with ``additionalProperties: false``, every property required).
+        description: the attrs class's docstring summary, or the schema's ``description``.
+        output_type: the attrs class, or ``None`` for a JSON schema.
+    """
+
+    mode: str
+    name: str
+    schema: Mapping[str, JSONValue]
+    strict: bool
+    description: str = ""
+    output_type: type[Any] | None = None
+
+    def snapshot(self) -> dict[str, JSONValue]:
+        """The model-visible part, for the parameter snapshot's ``output`` key."""
+        return {
+            "mode": self.mode,
+            "name": self.name,
+            "schema": dict(self.schema),
+            "strict": self.strict,
+            "description": self.description,
+        }
+
+    def tool_spec(self) -> ToolSpec | None:
+        """The final-answer tool declared to the model in ``tool`` mode, else ``None``."""
+        if self.mode != "tool":
+            return None
+        description = _TOOL_DESCRIPTION
+        if self.description:
+            description += f" The answer: {self.description}"
+        return ToolSpec(name=self.name, description=description, parameters=dict(self.schema))
+
+    def request_format(self) -> OutputFormat | None:
+        """The native structured output put on every request in ``native`` mode, else ``None``."""
+        if self.mode != "native":
+            return None
+        return OutputFormat(
+            name=self.name,
+            schema=dict(self.schema),
+            strict=self.strict,
+            description=self.description,
+        )
+
+    def validate(self, value: Any) -> JSONValue | tuple[str, ...]:
+        """Check decoded JSON ``value`` against the output type.
+
+        Returns:
+            The output as JSON data (for an attrs class: its unstructured instance, with
+            defaults filled in), or every error as ``"<problem> @ $.path"``.
+        """
+        if self.output_type is not None:
+            return _validate_class(self.output_type, value)
+        return _validate_schema(self.schema, value)
+
+    def decide(self, parsed: ParsedReply) -> tuple[ParsedReply, JSONValue]:
+        """The run's decision for a parser's decision, and the output (``None`` without one).
+
+        * ``tool`` mode, a call of the final-answer tool: alone and fitting, a final answer
+          with its arguments as output; alone and not fitting, or with other calls, an
+          invalid decision (no call of the reply runs).
+        * a final answer (either mode): its text, one JSON object (optionally in one
+          ```` ```json ```` fence), fitting, is the output; anything else is an invalid
+          decision whose feedback lists the errors. A refusal is left as it is.
+        * other decisions are returned unchanged.
+        """
+        if parsed.kind is DecisionKind.ACTIONS and self.mode == "tool":
+            answers = [call for call in parsed.actions if call.name == self.name]
+            if not answers:
+                return parsed, None
+            if len(parsed.actions) > 1:
+                return self._invalid(
+                    parsed,
+                    f"The {self.name} tool must be called alone, after the results of the "
+                    f"other tools came back. None of the {len(parsed.actions)} tool calls of "
+                    "this reply was executed.",
+                ), None
+            return self._checked(parsed, answers[0].arguments)
+        if parsed.kind is not DecisionKind.FINAL_ANSWER or parsed.reason == "refusal":
+            return parsed, None
+        text = (parsed.text or "").strip()
+        inner = strip_code_fence(text)
+        found = json_values(text if inner is None else inner.strip())
+        if found.error is not None or len(found.values) != 1:
+            why = found.error or f"{len(found.values)} JSON values instead of one"
+            feedback = f"Your answer is not one JSON object ({why}). {self._ask}"
+            return self._invalid(parsed, feedback), None
+        return self._checked(parsed, found.values[0])
+
+    @property
+    def _ask(self) -> str:
+        if self.mode == "tool":
+            return f"Give the final answer by calling the {self.name} tool."
+        return "Answer with one JSON object that fits the schema."
+
+    def _checked(self, parsed: ParsedReply, value: Any) -> tuple[ParsedReply, JSONValue]:
+        checked = self.validate(value)
+        if isinstance(checked, tuple):
+            shown = "; ".join(checked[:_MAX_ERRORS])
+            more = f" (and {len(checked) - _MAX_ERRORS} more)" if len(checked) > _MAX_ERRORS else ""
+            message = f"Your answer does not fit the output schema: {shown}{more}. {self._ask}"
+            return self._invalid(parsed, message), None
+        decided = ParsedReply(
+            kind=DecisionKind.FINAL_ANSWER,
+            text=parsed.text,
+            repairs=parsed.repairs,
+            history_message=parsed.history_message,
+        )
+        return decided, checked
+
+    @staticmethod
+    def _invalid(parsed: ParsedReply, feedback: str) -> ParsedReply:
+        return ParsedReply(
+            kind=DecisionKind.INVALID,
+            text=parsed.text,
+            feedback=feedback,
+            reason=INVALID_OUTPUT,
+            repairs=parsed.repairs,
+            history_message=parsed.history_message,
+        )
+
+
+def resolve(
+    output_type: Any, mode: str, *, native_client: bool | None, tool_names: frozenset[str]
+) -> OutputSpec:
+    """Resolve an agent's ``output_type`` and ``output_mode``.
+
+    Args:
+        output_type: an attrs class, or a JSON schema (a mapping) whose top level is an
+            object.
+        mode: ``auto``, ``native`` or ``tool``.
+        native_client: the model client's ``native_output`` (``None`` when it declares
+            none).
+        tool_names: the executor's tool names.
+
+    Raises:
+        UsageError: an unknown mode; ``native`` with a client declaring
+            ``native_output = False``; a type that is neither an attrs class nor a mapping,
+            a field type that is not JSON-shaped, a schema that is not valid JSON Schema or
+            whose top level is not an object; or a tool of the executor named like the
+            final-answer tool in ``tool`` mode.
+    """
+    if mode not in ("auto", "native", "tool"):
+        raise UsageError(f"output_mode must be 'auto', 'native' or 'tool', got {mode!r}")
+    if mode == "native" and native_client is False:
+        raise UsageError(
+            "output_mode='native' needs a model client with native structured output; this "
+            "one has none (native_output = False): use output_mode='tool'"
+        )
+    resolved = mode if mode != "auto" else ("native" if native_client else "tool")
+    if isinstance(output_type, type) and attrs.has(output_type):
+        schema, description = _class_schema(output_type)
+        name = _NAME.sub("_", output_type.__name__)[:64] or "output"
+        cls: type[Any] | None = output_type
+    elif isinstance(output_type, Mapping):
+        schema = _checked_schema(output_type)
+        description = str(schema.get("description") or "")
+        name = "output"
+        cls = None
+    else:
+        raise UsageError(
+            f"output_type must be an attrs class or a JSON schema (a mapping), got {output_type!r}"
+        )
+    if resolved == "tool":
+        if OUTPUT_TOOL in tool_names:
+            raise UsageError(
+                f"the executor declares a tool named {OUTPUT_TOOL!r}, the name of the "
+                "final-answer tool: rename it, or use output_mode='native'"
+            )
+        name = OUTPUT_TOOL
+    return OutputSpec(
+        mode=resolved,
+        name=name,
+        schema=schema,
+        strict=is_strict(schema),
+        description=description,
+        output_type=cls,
+    )
+
+
+def _class_schema(cls: type[Any]) -> tuple[dict[str, Any], str]:
+    """The JSON schema of an attrs class (as tool arguments get theirs), and its summary."""
+    where = f"output_type {cls.__qualname__}"
+    try:
+        hints = typing.get_type_hints(cls, include_extras=True)
+    except (NameError, TypeError) as exc:
+        raise UsageError(f"{where}: cannot resolve the field types: {exc}") from exc
+    docs = _attribute_docs(cls.__doc__)
+    parameters = []
+    for field in attrs.fields(cls):
+        annotation = hints.get(field.name, field.type)
+        check_type(annotation, f"{where}, field {field.name!r}")
+        default: Any = inspect.Parameter.empty
+        if isinstance(field.default, attrs.Factory):  # type: ignore[arg-type]
+            if field.default.takes_self:
+                raise UsageError(f"{where}, field {field.name!r}: a default taking self")
+            default = field.default.factory()
+        elif field.default is not attrs.NOTHING:
+            default = field.default
+        parameters.append(
+            Parameter(
+                name=field.name,
+                annotation=annotation,
+                default=default,
+                description=docs.get(field.name),
+            )
+        )
+    schema = build_schema(_NAME.sub("_", cls.__name__), tuple(parameters))
+    return schema, summary_of(cls.__doc__)
+
+
+def _attribute_docs(doc: str | None) -> dict[str, str]:
+    """Field name -> description from the docstring's Google ``Attributes:`` section."""
+    import docstring_parser  # loaded with the first output type, as for tools
+
+    parsed = docstring_parser.parse(doc or "", style=docstring_parser.DocstringStyle.GOOGLE)
+    return {
+        p.arg_name: " ".join((p.description or "").split())
+        for p in parsed.params
+        if p.args and p.args[0] == "attribute"
+    }
+
+
+def _checked_schema(schema: Mapping[str, Any]) -> dict[str, Any]:
+    import jsonschema  # loaded with the first output schema
+
+    try:
+        plain = json.loads(json.dumps(schema, allow_nan=False))
+    except (TypeError, ValueError) as exc:
+        raise UsageError(f"output_type: the schema is not JSON data: {exc}") from exc
+    try:
+        jsonschema.Draft202012Validator.check_schema(plain)
+    except jsonschema.SchemaError as exc:
+        raise UsageError(f"output_type: not a valid JSON schema: {exc.message}") from exc
+    if plain.get("type") != "object":
+        raise UsageError(
+            'output_type: the schema\'s top level must be {"type": "object", ...} (providers '
+            "accept no other), got type " + repr(plain.get("type"))
+        )
+    return dict(plain)
+
+
+def is_strict(schema: Mapping[str, Any]) -> bool:
+    """Whether every object of ``schema`` is closed and requires all of its properties.
+
+    That is the subset OpenAI's ``strict: true`` accepts; a schema outside it is sent with
+    ``strict: false`` (the provider then follows it as best it can, and treadle validates
+    the output either way).
+    """
+
+    def walk(node: Any) -> bool:
+        if isinstance(node, list):
+            return all(walk(item) for item in node)
+        if not isinstance(node, Mapping):
+            return True
+        if "properties" in node or node.get("type") == "object":
+            properties = node.get("properties", {})
+            if node.get("additionalProperties") is not False:
+                return False
+            if set(node.get("required", ())) != set(properties):
+                return False
+        return all(walk(value) for key, value in node.items() if key != "enum" and key != "const")
+
+    return walk(schema)
+
+
+def _validate_class(cls: type[Any], value: Any) -> JSONValue | tuple[str, ...]:
+    if not isinstance(value, Mapping):
+        return (f"expected a JSON object, got {_kind(value)} @ $",)
+    try:
+        instance = _CONVERTER.structure(dict(value), cls)
+    except (cattrs.BaseValidationError, cattrs.ForbiddenExtraKeysError) as exc:
+        return tuple(cattrs.transform_error(exc, format_exception=_format))
+    return _PLAIN.unstructure(instance)
+
+
+def _validate_schema(schema: Mapping[str, Any], value: Any) -> JSONValue | tuple[str, ...]:
+    import jsonschema
+
+    validator = jsonschema.Draft202012Validator(schema)
+    errors = sorted(validator.iter_errors(value), key=lambda e: [str(p) for p in e.absolute_path])
+    if errors:
+        return tuple(f"{error.message} @ {_path(error.absolute_path)}" for error in errors)
+    return value
+
+
+def _path(parts: Any) -> str:
+    """``$.a[0].b``: a JSON path in the form cattrs gives tool-argument errors."""
+    out = "$"
+    for part in parts:
+        out += f"[{part}]" if isinstance(part, int) else f".{part}"
+    return out
+
+
+def structure_output(cls: type[Any], value: JSONValue, *, run_id: str = "") -> Any:
+    """Structure a stored output (JSON data) into an instance of the attrs class ``cls``.
+
+    Raises:
+        UsageError: ``value`` does not fit ``cls`` (the run was finished under another
+            output type); the message lists each error with its path.
+    """
+    try:
+        return _CONVERTER.structure(value, cls)
+    except (cattrs.BaseValidationError, cattrs.ForbiddenExtraKeysError) as exc:
+        errors = "; ".join(cattrs.transform_error(exc, format_exception=_format))
+        run = f" of run {run_id!r}" if run_id else ""
+        raise UsageError(
+            f"the stored output{run} does not fit {cls.__qualname__}: {errors}"
+        ) from exc

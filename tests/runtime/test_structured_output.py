@@ -1,0 +1,524 @@
+"""Structured output: Agent(output_type=...) end to end through the scripted model.
+
+The final answer is validated against the output type; one that does not fit is an invalid
+decision whose feedback lists the errors, and the run goes on; the output is stored in the
+final step record and in run-finished, and `RunResult.output` is typed where the type is known.
+"""
+
+from __future__ import annotations
+
+import json
+from enum import Enum
+
+import attrs
+import pytest
+from click.testing import CliRunner
+
+import treadle
+from treadle._exceptions import RunInterrupted, SnapshotMismatch, UsageError
+from treadle.cli import main
+from treadle.stores.memory import MemoryStore
+from treadle.supervisors.fleet import wait_result
+from treadle.supervisors.run import open_run, run
+from treadle.testing.faults import CrashingStore, SimulatedCrash
+from treadle.testing.scripted import ScriptedModel, call, calls, say
+from treadle.types import (
+    DecisionKind,
+    ModelIntent,
+    ModelReply,
+    ModelResult,
+    RunResult,
+    RunState,
+    StepRecord,
+    StopReason,
+    ToolCall,
+)
+
+
+class Sky(Enum):
+    CLEAR = "clear"
+    FOG = "fog"
+
+
+@attrs.frozen
+class Place:
+    name: str
+    country: str
+
+
+@attrs.frozen
+class Forecast:
+    """A day's forecast.
+
+    Attributes:
+        place: where.
+        high_c: the day's high, degrees Celsius.
+        sky: what the sky does.
+        notes: anything else worth saying.
+    """
+
+    place: Place
+    high_c: int
+    sky: Sky
+    notes: list[str] = attrs.Factory(list)
+
+
+SCHEMA = {
+    "type": "object",
+    "properties": {"city": {"type": "string"}, "high_c": {"type": "integer"}},
+    "required": ["city", "high_c"],
+    "additionalProperties": False,
+}
+
+GOOD = {"place": {"name": "Paris", "country": "FR"}, "high_c": 18, "sky": "fog"}
+STORED = {**GOOD, "notes": []}
+TYPED = Forecast(place=Place(name="Paris", country="FR"), high_c=18, sky=Sky.FOG)
+
+
+@treadle.tool(replay=treadle.ReplayPolicy.SAFE)
+async def lookup(city: str) -> str:
+    """Look a city's weather up."""
+    return f"{city}: 18 C, fog"
+
+
+def agent(turns, *, output_type=Forecast, mode="tool", parser=None, tools=(lookup,), **kw):
+    return treadle.Agent(
+        model=ScriptedModel(turns=turns),
+        executor=treadle.Toolbox(list(tools)),
+        parser=parser or treadle.NativeToolCallParser(),
+        output_type=output_type,
+        output_mode=mode,
+        **kw,
+    )
+
+
+async def run_log(definition, run_id="r", store=None):
+    store = store or MemoryStore()
+    result = await run(definition, "Weather in Paris?", store=store, run_id=run_id)
+    return result, await store.read_log(run_id)
+
+
+# --------------------------------------------------------------------------- valid output
+
+
+async def test_a_final_answer_tool_call_is_the_typed_output():
+    definition = agent([call("lookup", city="Paris"), call("final_answer", **GOOD)])
+    result, log = await run_log(definition)
+    assert result.state is RunState.SUCCEEDED
+    assert result.stop_reason is StopReason.FINAL_ANSWER
+    assert result.output == TYPED and isinstance(result.output, Forecast)
+    assert log.finished is not None and log.finished.output == STORED
+    assert log.steps[-1].decision is DecisionKind.FINAL_ANSWER
+    assert log.steps[-1].output == STORED
+    # The final-answer tool is declared to the model after the executor's tools, with the
+    # output schema as its arguments; it never reaches the executor.
+    request = definition.model.requests[0]
+    assert [t.name for t in request.tools] == ["lookup", "final_answer"]
+    assert request.tools[-1].parameters == definition.snapshot()["output"]["schema"]
+    assert request.output is None
+    assert [r.tool for r in log.records if hasattr(r, "tool")] == ["lookup", "lookup"]
+
+
+async def test_native_mode_asks_for_the_schema_on_every_request_and_reads_the_text():
+    definition = agent(
+        [call("lookup", city="Paris"), say(json.dumps(GOOD))], mode="native", tools=(lookup,)
+    )
+    result, _ = await run_log(definition)
+    assert result.output == TYPED
+    assert result.final_answer == json.dumps(GOOD)
+    for request in definition.model.requests:
+        assert request.output is not None
+        assert request.output.name == "Forecast"
+        assert request.output.description == "A day's forecast."
+        assert request.output.schema["properties"]["high_c"]["description"].startswith("the day")
+        assert [t.name for t in request.tools] == ["lookup"]
+
+
+async def test_a_json_schema_output_is_its_json_value():
+    definition = agent([say('```json\n{"city": "Paris", "high_c": 18}\n```')], output_type=SCHEMA)
+    result, log = await run_log(definition)
+    assert result.output == {"city": "Paris", "high_c": 18}
+    assert log.finished is not None and log.finished.output == {"city": "Paris", "high_c": 18}
+    assert definition.snapshot()["output"]["strict"] is True  # closed, all required
+
+
+async def test_the_json_tool_call_parser_reads_a_final_answer_written_as_text():
+    text = json.dumps({"name": "final_answer", "arguments": GOOD})
+    result, _ = await run_log(agent([say(text)], parser=treadle.JsonToolCallParser()))
+    assert result.output == TYPED
+
+
+# --------------------------------------------------------------------------- invalid output
+
+
+async def test_a_schema_violation_is_an_invalid_decision_listing_every_error():
+    bad = {"place": {"name": "Paris"}, "high_c": "warm", "sky": "rain", "wind": 3}
+    definition = agent([call("final_answer", **bad), call("final_answer", **GOOD)])
+    result, log = await run_log(definition)
+    assert result.output == TYPED
+    first = log.steps[0]
+    assert first.decision is DecisionKind.INVALID and first.output is None
+    feedback = first.feedback or ""
+    assert "does not fit the output schema" in feedback
+    for error in (
+        "required field missing @ $.place.country",
+        "expected an integer, got string @ $.high_c",
+        "expected one of 'clear', 'fog', got 'rain' @ $.sky",
+        "wind",
+    ):
+        assert error in feedback
+    # The model sees the feedback as the answer to its final-answer call.
+    second = definition.model.requests[1].messages
+    assert second[-1].role == "tool" and second[-1].content == feedback
+    assert second[-2].tool_calls[0].name == "final_answer"
+
+
+async def test_text_that_is_not_json_is_an_invalid_decision_then_a_valid_answer_ends_the_run():
+    definition = agent(
+        [say("It is foggy."), say('{"city": "Paris", "high_c": "18"}'), say(json.dumps(GOOD))],
+        mode="native",
+    )
+    result, log = await run_log(definition)
+    assert result.output == TYPED
+    assert [s.decision for s in log.steps] == [DecisionKind.INVALID] * 2 + [
+        DecisionKind.FINAL_ANSWER
+    ]
+    not_json, wrong = (s.feedback or "" for s in log.steps[:2])
+    assert "not one JSON object" in not_json and "Expecting value" in not_json
+    assert "Answer with one JSON object that fits the schema" in not_json
+    assert "required field missing @ $.place" in wrong and "city" in wrong
+    assert definition.model.requests[1].messages[-1].content == not_json
+
+
+async def test_a_json_schema_violation_lists_the_validators_errors():
+    definition = agent(
+        [say('{"city": 3, "high_c": 1.5, "extra": true}'), say('{"city": "P", "high_c": 1}')],
+        output_type=SCHEMA,
+        mode="native",
+    )
+    result, log = await run_log(definition)
+    assert result.output == {"city": "P", "high_c": 1}
+    feedback = log.steps[0].feedback or ""
+    assert "3 is not of type 'string' @ $.city" in feedback
+    assert "1.5 is not of type 'integer' @ $.high_c" in feedback
+    assert "Additional properties are not allowed ('extra' was unexpected) @ $" in feedback
+
+
+async def test_invalid_answers_are_bounded_by_the_invalid_decisions_limit():
+    definition = agent([say("no")] * 5, mode="native")
+    result, log = await run_log(definition)
+    assert result.stop_reason is StopReason.INVALID_DECISIONS
+    assert result.output is None and len(log.steps) == 3
+    assert log.finished is not None and log.finished.output is None
+
+
+async def test_the_final_answer_tool_called_with_other_tools_runs_none_of_them():
+    both = calls(
+        ToolCall(id="c1", name="lookup", arguments={"city": "Paris"}),
+        ToolCall(id="c2", name="final_answer", arguments=GOOD),
+    )
+    definition = agent([both, call("final_answer", **GOOD)])
+    result, log = await run_log(definition)
+    assert result.output == TYPED
+    assert log.steps[0].decision is DecisionKind.INVALID
+    assert "must be called alone" in (log.steps[0].feedback or "")
+    assert not [r for r in log.records if type(r).__name__ == "ActionIntent"]
+
+
+async def test_a_refusal_ends_the_run_without_output():
+    refused = ModelReply(refusal="I can't help with that.", finish_reason="stop")
+    result, _ = await run_log(agent([refused], mode="native"))
+    assert result.stop_reason is StopReason.FINAL_ANSWER and result.output is None
+    assert result.final_answer == "I can't help with that."
+
+
+# --------------------------------------------------------------------------- the definition
+
+
+def test_the_snapshot_has_an_output_key_only_with_an_output_type():
+    plain = treadle.Agent(
+        model=ScriptedModel(turns=[]),
+        executor=treadle.Toolbox([lookup]),
+        parser=treadle.NativeToolCallParser(),
+    )
+    assert "output" not in plain.snapshot()
+    assert plain.model_tools() == plain.executor.tool_specs()
+    with_output = attrs.evolve(plain, output_type=Forecast)
+    assert set(with_output.snapshot()) - set(plain.snapshot()) == {"output"}
+    output = with_output.snapshot()["output"]
+    assert output["mode"] == "tool" and output["name"] == "final_answer"
+    assert output["strict"] is False  # notes has a default
+    assert output["schema"]["required"] == ["place", "high_c", "sky"]
+    assert output["schema"]["$defs"]["Place"]["additionalProperties"] is False
+    assert with_output.version_label != plain.version_label
+
+
+def test_auto_mode_follows_the_clients_native_output():
+    openai = treadle.OpenAIChatClient(base_url="http://127.0.0.1:1/v1")
+    anthropic = treadle.AnthropicMessagesClient(api_key="k")
+    plain_openai = treadle.OpenAIChatClient(base_url="http://127.0.0.1:1/v1", native_output=False)
+    modes = [
+        treadle.Agent(
+            model=client,
+            executor=treadle.Toolbox([lookup]),
+            parser=treadle.NativeToolCallParser(),
+            output_type=Forecast,
+        ).snapshot()["output"]["mode"]
+        for client in (openai, anthropic, plain_openai, ScriptedModel(turns=[]))
+    ]
+    assert modes == ["native", "tool", "tool", "tool"]
+    with pytest.raises(UsageError, match="native structured output"):
+        treadle.Agent(
+            model=anthropic,
+            executor=treadle.Toolbox([]),
+            parser=treadle.NativeToolCallParser(),
+            output_type=Forecast,
+            output_mode="native",
+        )
+
+
+@treadle.tool(name="final_answer")
+async def clashing(text: str) -> str:
+    """A tool named like the final-answer tool."""
+    return text
+
+
+@pytest.mark.parametrize(
+    ("output_type", "mode", "tools", "said"),
+    [
+        ({"type": "array"}, "tool", (), "top level must be"),
+        ({"type": "object", "properties": 3}, "tool", (), "not a valid JSON schema"),
+        (str, "tool", (), "attrs class or a JSON schema"),
+        (Forecast, "sometimes", (), "output_mode must be"),
+        (Forecast, "tool", (clashing,), "a tool named 'final_answer'"),
+        (attrs.make_class("Bad", {"when": attrs.field(type=set)}), "tool", (), "unsupported"),
+    ],
+)
+def test_unusable_output_types_are_refused_when_the_agent_is_built(output_type, mode, tools, said):
+    with pytest.raises(UsageError, match=said):
+        agent([], output_type=output_type, mode=mode, tools=tools)
+
+
+async def test_changing_the_output_type_of_an_unfinished_run_is_a_snapshot_mismatch():
+    memory = MemoryStore()
+    with pytest.raises((RunInterrupted, SimulatedCrash)):
+        await run(
+            agent([call("final_answer", **GOOD)]),
+            "Weather in Paris?",
+            store=CrashingStore(inner=memory, crash_at=3),
+            run_id="r",
+        )
+    with pytest.raises(SnapshotMismatch) as info:
+        await run(agent([], output_type=SCHEMA), "Weather in Paris?", store=memory, run_id="r")
+    assert info.value.keys == ["output"]
+
+
+# --------------------------------------------------------------------------- resume
+
+
+@pytest.mark.parametrize("mode", ["tool", "native"])
+async def test_a_crash_right_after_the_final_model_result_resumes_to_the_same_output(mode):
+    final = call("final_answer", **GOOD) if mode == "tool" else say(json.dumps(GOOD))
+    turns = [call("lookup", city="Paris"), final]
+    expected, baseline = await run_log(agent(turns, mode=mode))
+    # The write that stores the final step's model result.
+    ops = _write_ops(baseline)
+    crash_at = max(i for i, kinds in enumerate(ops, start=1) if kinds == ("ModelResult",))
+    memory = MemoryStore()
+    crashed = agent(turns, mode=mode)
+    with pytest.raises((RunInterrupted, SimulatedCrash)):
+        await run(
+            crashed,
+            "Weather in Paris?",
+            store=CrashingStore(inner=memory, crash_at=crash_at, when="after"),
+            run_id="r",
+        )
+    log = await memory.read_log("r")
+    assert isinstance(log.records[-1], ModelResult) and log.records[-1].reply is not None
+    resumed = agent(turns, mode=mode)
+    result = await run(resumed, "Weather in Paris?", store=memory, run_id="r")
+    # The stored reply is parsed and checked again: no new model call.
+    assert resumed.model.requests == []
+    assert result.output == expected.output == TYPED
+    log = await memory.read_log("r")
+    assert log.finished is not None and log.finished.output == STORED
+    assert sum(isinstance(r, ModelIntent) for r in log.records) == 2
+
+
+def _write_ops(log):
+    """The baseline's store writes as tuples of record class names (one step write is one)."""
+    ops: list[tuple[str, ...]] = []
+    pending: list[str] = []
+    for record in log.records:
+        name = type(record).__name__
+        if name == "ActionResult":
+            pending.append(name)
+            continue
+        ops.append((*pending, name))
+        pending = []
+    return ops
+
+
+async def test_a_crash_after_the_final_step_record_finishes_with_the_stored_output():
+    turns = [call("final_answer", **GOOD)]
+    memory = MemoryStore()
+    # Writes: run-started, model intent, model result, step (crash after it), run-finished.
+    with pytest.raises((RunInterrupted, SimulatedCrash)):
+        await run(
+            agent(turns),
+            "Weather in Paris?",
+            store=CrashingStore(inner=memory, crash_at=4, when="after"),
+            run_id="r",
+        )
+    assert isinstance((await memory.read_log("r")).records[-1], StepRecord)
+    resumed = agent(turns)
+    result = await run(resumed, "Weather in Paris?", store=memory, run_id="r")
+    assert resumed.model.requests == []
+    assert result.output == TYPED
+
+
+# --------------------------------------------------------------------------- read back
+
+
+async def test_a_finished_run_read_back_gives_its_output_typed_or_as_json(tmp_path):
+    db = tmp_path / "runs.db"
+    async with treadle.open_sqlite_store(db) as store:
+        await run(agent([call("final_answer", **GOOD)]), "Weather?", store=store, run_id="r")
+    async with treadle.open_sqlite_store(db) as store:
+        again = agent([])
+        async with open_run(again, store=store, run_id="r") as handle:
+            result = await handle.wait()
+        assert result.output == TYPED  # the agent knows its output type
+        assert again.model.requests == []
+        stored = await wait_result(store, "r")
+        assert stored.output == STORED  # read without the agent: JSON data
+        typed = await wait_result(store, "r", output_type=Forecast)
+        assert typed.output == TYPED
+        finished = (await store.read_log("r")).finished
+    assert finished is not None
+    assert RunResult.from_finished(finished).output == STORED
+    assert RunResult.from_finished(finished, output_type=SCHEMA).output == STORED
+    assert RunResult.from_finished(finished, output_type=Forecast).output == TYPED
+    with pytest.raises(UsageError, match="does not fit Place"):
+        RunResult.from_finished(finished, output_type=Place)
+
+
+def test_show_and_wait_display_the_output(tmp_path):
+    import trio
+
+    db = tmp_path / "runs.db"
+
+    async def go():
+        async with treadle.open_sqlite_store(db) as store:
+            await run(agent([call("final_answer", **GOOD)]), "Weather?", store=store, run_id="r")
+
+    trio.run(go)
+    runner = CliRunner()
+    shown = runner.invoke(main, ["show", "r", "--store", str(db)], env={"COLUMNS": "250"})
+    assert shown.exit_code == 0, shown.output
+    assert "output" in shown.output and '"high_c": 18' in shown.output
+    events = runner.invoke(main, ["show", "r", "--store", str(db), "--json"])
+    finished = json.loads(events.output.splitlines()[-1])
+    assert finished["kind"] == "run_finished" and finished["output"] == STORED
+    waited = runner.invoke(main, ["wait", "r", "--store", str(db), "--json"])
+    assert waited.exit_code == 0, waited.output
+    assert json.loads(waited.output)["output"] == STORED
+    plain = runner.invoke(main, ["wait", "r", "--store", str(db)])
+    assert '"sky": "fog"' in plain.output
+
+
+# --------------------------------------------------------------------------- real crashes
+
+DRIVER = '''
+import json, sys
+import attrs, trio
+import treadle
+from treadle.testing.crashdriver import CRASH_DRIVER_OWNER, KillingStore
+from treadle.testing.scripted import ScriptedModel, call
+
+@attrs.frozen
+class Answer:
+    city: str
+    high_c: int
+
+@treadle.tool(replay=treadle.ReplayPolicy.SAFE)
+async def lookup(city: str) -> str:
+    """Look a city's weather up."""
+    return "18 C"
+
+class SettlingKiller(KillingStore):
+    """Dies before write ``kill_at``, after a pause that lets the committer's linger commit
+    the writes queued before it (so that they are durable when the process dies)."""
+
+    async def before_write(self, op, records, seq):
+        if self.writes + 1 == self.kill_at and self.when == "before":
+            await trio.sleep(0.2)
+        return await super().before_write(op, records, seq)
+
+async def main(db, kill_at, when):
+    model = ScriptedModel(turns=[call("lookup", city="Paris"), call("final_answer", city="Paris", high_c=18)])
+    agent = treadle.Agent(
+        model=model,
+        executor=treadle.Toolbox([lookup]),
+        parser=treadle.NativeToolCallParser(),
+        output_type=Answer,
+    )
+    async with treadle.open_sqlite_store(db) as sqlite:
+        store = SettlingKiller(inner=sqlite, kill_at=kill_at or None, when=when)
+        # One owner for every incarnation: each starts after the one before died.
+        result = await treadle.run(
+            agent, "Weather?", store=store, run_id="r", owner=CRASH_DRIVER_OWNER
+        )
+    print(json.dumps({"output": repr(result.output), "requests": len(model.requests)}))
+
+trio.run(main, sys.argv[1], int(sys.argv[2]), sys.argv[3])
+'''
+
+
+@pytest.mark.parametrize(
+    ("kill_at", "when"),
+    [
+        (7, "after"),  # right after the final model result was queued
+        (8, "before"),  # the final model result committed, the step record never written
+        (8, "after"),  # right after the final step record was queued
+        (9, "after"),  # run-finished durable: the stored result, nothing re-run
+    ],
+)
+def test_a_process_killed_in_the_final_step_resumes_to_the_same_output(tmp_path, kill_at, when):
+    import subprocess
+    import sys
+
+    import trio
+
+    script = tmp_path / "driver.py"
+    script.write_text(DRIVER)
+    db = tmp_path / "runs.db"
+    killed = subprocess.run(
+        [sys.executable, str(script), str(db), str(kill_at), when],
+        capture_output=True,
+        timeout=120,
+    )
+    assert killed.returncode == -9, killed.stderr.decode()
+
+    async def read():
+        async with treadle.open_sqlite_store(db) as store:
+            return await store.read_log("r")
+
+    before = trio.run(read)
+    assert (before.finished is not None) == (kill_at == 9)
+    resumed = subprocess.run(
+        [sys.executable, str(script), str(db), "0", "after"], capture_output=True, timeout=120
+    )
+    assert resumed.returncode == 0, resumed.stderr.decode()
+    outcome = json.loads(resumed.stdout)
+    assert outcome["output"] == "Answer(city='Paris', high_c=18)"
+    after = trio.run(read)
+    assert after.finished is not None
+    assert after.finished.output == {"city": "Paris", "high_c": 18}
+    # The resume table: a stored model reply is parsed again and never asked for again; a
+    # model intent whose result the kill lost is abandoned and asked once more.
+    finals = [r for r in before.records if isinstance(r, ModelResult) and r.step == 2]
+    assert outcome["requests"] == (0 if finals else 1)
+    abandoned = [r for r in after.records if isinstance(r, ModelResult) and r.abandoned]
+    assert len(abandoned) == (0 if finals else 1)
+    assert [s.decision for s in after.steps] == [DecisionKind.ACTIONS, DecisionKind.FINAL_ANSWER]
