@@ -85,6 +85,7 @@ TESTING = sorted(
         "simulate",
         "with_latency",
         "CannedResponse",
+        "ContractViolation",
         "CrashingExecutor",
         "CrashingStore",
         "FailingFileOps",
@@ -195,3 +196,36 @@ def test_every_command_is_listed_with_its_own_help_line():
         command = main.get_command(click.Context(main), name)
         assert command is not None and command.name == name
         assert command.get_short_help_str(limit=300) == entry.help, name
+
+
+NOT_ERRORS = {"Parked", "Drained", "SimulatedCrash"}
+"""Exceptions that are control-flow signals, not errors (drawn apart in the tree's docstring)."""
+
+
+def test_every_error_is_in_the_one_exception_tree():
+    """Every exception class treadle defines (the demo workload aside) is a `TreadleError`,
+    and the docstring that draws the tree names it (or names it a signal)."""
+    import importlib
+    import pkgutil
+
+    import treadle._exceptions as tree
+
+    found: dict[str, type] = {}
+    for module in pkgutil.walk_packages(treadle.__path__, "treadle."):
+        if module.name.startswith("treadle.demo") or module.name == "treadle.__main__":
+            continue
+        for name, value in vars(importlib.import_module(module.name)).items():
+            if (
+                isinstance(value, type)
+                and issubclass(value, BaseException)
+                and value.__module__ == module.name
+                and not name.startswith("_")
+            ):
+                found[name] = value
+    assert {"EnvironmentFailure", "SSEDecodeError", "FrameError", "StoreContractError"} <= set(
+        found
+    )
+    outside = sorted(n for n, c in found.items() if not issubclass(c, treadle.TreadleError))
+    assert outside == sorted(NOT_ERRORS)
+    drawn = tree.__doc__ or ""
+    assert [name for name in sorted(found) if name not in drawn] == []

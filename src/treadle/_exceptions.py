@@ -16,6 +16,28 @@
       ModelCallError                          one model call attempt failed (.info, .usage)
       RunInterrupted                          an actor crashed; the run is left resumable
       SeamViolation(TreadleError, TypeError)  a seam returned what its contract excludes (.seam)
+      EnvironmentFailure                      raised by a tool: its environment is gone (ENV_ERROR)
+      ToolProcessFailed                       a process tool's child died without a reply
+      ContractViolation(TreadleError, AssertionError)
+                                              the test kit found an implementation breaking a
+                                              contract (the message names the rule)
+        SeamContractError                     a seam contract (treadle.testing.seams)
+        StoreContractError                    the run store contract (treadle.testing.contracts)
+        CrashContractError                    crash recovery (treadle.testing.crashes)
+      SSEDecodeError(TreadleError, ValueError)
+                                              bytes that are no event stream (.offset); the
+                                              clients turn it into ModelCallError
+      FrameError                              a JSONL line that is no intact frame; the store
+                                              turns it into LogCorrupted or cuts a torn tail
+      ClientGone                              the loopback test server's client hung up early
+
+Defined next to what raises them: `SeamContractError`, `StoreContractError` and
+`CrashContractError` in their contract suites, `SSEDecodeError` in `treadle.models._sse`,
+`FrameError` in `treadle.stores._lines`, `ClientGone` in `treadle.testing.loopback`; the rest
+here. Not errors, and so outside the tree: the coordinator's control-flow signals `Parked` and
+`Drained` (a run stops being driven here, caught by the run supervisor), and the test kit's
+`SimulatedCrash` (a simulated process death, which must get past every handler a real death
+would).
 
 Every error carries the identifiers needed to act on it as attributes. `trio.Cancelled` is
 never caught or subclassed here.
@@ -30,6 +52,32 @@ from treadle.types import Lease, ModelErrorInfo, Usage
 
 class TreadleError(Exception):
     """Root of every error treadle raises."""
+
+
+class EnvironmentFailure(TreadleError):
+    """Raised by a tool when the environment itself can no longer serve.
+
+    See docs/seams.md, "Action executor".
+
+    The connection is gone, the protocol is broken, the sandbox died: the action becomes
+    ENV_ERROR and the run ends with stop reason ``env_error``. An ordinary failure of the
+    call (bad input, a command's non-zero exit) is any other exception: the model sees it.
+    """
+
+
+class ToolProcessFailed(TreadleError):
+    """The child process of a process tool died without a reply.
+
+    The call is EXECUTED with this error as observation (docs/concepts.md, "Tools and
+    cancellation").
+    """
+
+
+class ContractViolation(TreadleError, AssertionError):
+    """The test kit found an implementation that breaks a contract; the message names it.
+
+    An `AssertionError` too, so that pytest reports it as a failed check.
+    """
 
 
 class UsageError(TreadleError, ValueError):

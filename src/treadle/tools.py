@@ -65,7 +65,7 @@ import trio
 from cattrs.preconf.json import make_converter
 
 from treadle import _toolproc
-from treadle._exceptions import TreadleError, UsageError
+from treadle._exceptions import EnvironmentFailure, ToolProcessFailed, UsageError
 from treadle._schema import Invalid, ToolSignature, read_signature
 from treadle._toolhost import LOG
 from treadle.types import Action, ActionOutcome, ActionStatus, ReplayPolicy, ToolSpec
@@ -87,17 +87,6 @@ up by ``action.intent_id``), or ``None`` when that cannot be established."""
 
 _NAME: Final = re.compile(r"\A[A-Za-z0-9_-]{1,64}\Z")
 _RESULTS: Final = make_converter()
-
-
-class EnvironmentFailure(TreadleError):
-    """Raised by a tool when the environment itself can no longer serve.
-
-    See docs/seams.md, "Action executor".
-
-    The connection is gone, the protocol is broken, the sandbox died: the action becomes
-    ENV_ERROR and the run ends with stop reason ``env_error``. An ordinary failure of the
-    call (bad input, a command's non-zero exit) is any other exception: the model sees it.
-    """
 
 
 @attrs.frozen(kw_only=True)
@@ -415,14 +404,6 @@ async def _kill(process: trio.Process) -> None:
     """Cancel a process tool's call: SIGKILL, no grace (its state is the tool's own)."""
     process.send_signal(signal.SIGKILL)
     await trio.lowlevel.checkpoint()
-
-
-class ToolProcessFailed(TreadleError):
-    """The child process of a process tool died without a reply.
-
-    The call is EXECUTED with this error as observation (docs/concepts.md, "Tools and
-    cancellation").
-    """
 
 
 class Toolbox:

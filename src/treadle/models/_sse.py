@@ -11,10 +11,12 @@ from __future__ import annotations
 
 import attrs
 
+from treadle._exceptions import TreadleError
+
 _BOM = b"\xef\xbb\xbf"
 
 
-class SSEDecodeError(ValueError):
+class SSEDecodeError(TreadleError, ValueError):
     """The byte stream is not a valid event stream (its text is not UTF-8).
 
     Attributes:

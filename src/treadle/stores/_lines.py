@@ -32,7 +32,7 @@ from typing import Final, Generic, TypeVar
 
 import attrs
 
-from treadle._exceptions import LogCorrupted
+from treadle._exceptions import LogCorrupted, TreadleError
 
 T = TypeVar("T")
 
@@ -40,7 +40,7 @@ _PREFIX: Final = re.compile(rb'\{"seq":(0|[1-9][0-9]{0,17}),"crc":"([0-9a-f]{8})
 _ZEROS: Final = b"00000000"
 
 
-class FrameError(Exception):
+class FrameError(TreadleError):
     """A line that is not an intact frame (bad UTF-8, not a frame, checksum mismatch).
 
     Raised by a line check. At the end of a file it marks a torn tail; anywhere else the

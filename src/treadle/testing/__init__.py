@@ -22,6 +22,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from treadle._exceptions import ContractViolation as ContractViolation
 from treadle._lazy import lazy_names
 from treadle.testing._intercept import InterceptingStore as InterceptingStore
 from treadle.testing.faults import CrashingExecutor as CrashingExecutor
@@ -70,6 +71,7 @@ __getattr__ = lazy_names(
 
 __all__ = [
     "CannedResponse",
+    "ContractViolation",
     "CrashingExecutor",
     "CrashingStore",
     "FailingFileOps",

@@ -33,7 +33,7 @@ from typing import Any, Final
 import attrs
 import trio
 
-from treadle._exceptions import ConflictError, StoreError
+from treadle._exceptions import ConflictError, ContractViolation, StoreError
 from treadle.ports import LeaseStore, RunStore
 from treadle.stores._ops import write_records
 from treadle.types import (
@@ -87,7 +87,7 @@ CHECK_TIMEOUT_S: Final = 60.0
 _TS: Final = "2025-01-01T00:00:00+00:00"
 
 
-class StoreContractError(AssertionError):
+class StoreContractError(ContractViolation):
     """A store broke the run store contract; the message names the check and the difference."""
 
 

@@ -33,7 +33,7 @@ from typing import Any, Final, Literal
 import attrs
 import trio
 
-from treadle._exceptions import RunInterrupted, UsageError
+from treadle._exceptions import ContractViolation, RunInterrupted, UsageError
 from treadle.agent import Agent
 from treadle.parsers import NativeToolCallParser
 from treadle.ports import ActionExecutor, RunStore
@@ -86,7 +86,7 @@ CHECK_TIMEOUT_S: Final = 600.0
 _SYNTHETIC: Final = SyntheticObservations()
 
 
-class CrashContractError(AssertionError):
+class CrashContractError(ContractViolation):
     """A store (or the runtime on it) broke crash recovery; the message names the crash."""
 
 

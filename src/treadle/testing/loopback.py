@@ -27,6 +27,8 @@ import attrs
 import h11
 import trio
 
+from treadle._exceptions import TreadleError
+
 MAX_REQUEST_BYTES = 8 * 1024 * 1024
 
 
@@ -81,7 +83,7 @@ class CannedResponse:
     chunked: bool = True
 
 
-class ClientGone(Exception):
+class ClientGone(TreadleError):
     """The client closed the connection before the response was complete."""
 
 

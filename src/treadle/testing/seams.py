@@ -13,7 +13,7 @@ from collections.abc import Sequence
 
 import trio
 
-from treadle._exceptions import ModelCallError
+from treadle._exceptions import ContractViolation, ModelCallError
 from treadle.ports import ActionExecutor, DecisionParser, ModelClient
 from treadle.types import (
     Action,
@@ -40,7 +40,7 @@ __all__ = [
 ]
 
 
-class SeamContractError(AssertionError):
+class SeamContractError(ContractViolation):
     """An implementation broke a seam contract; the message names the rule."""
 
 
