@@ -141,6 +141,8 @@ def describe(record: Record) -> tuple[str, str]:
         )
     if isinstance(record, StepRecord):
         decision = record.decision.value if record.decision else "model failed"
+        if record.repairs:
+            decision += " · repaired: " + ", ".join(record.repairs)
         return "step completed", decision + (" · task completed" if record.task_completed else "")
     if isinstance(record, ApprovalRequested):
         return (

@@ -235,9 +235,7 @@ def _needs_no_arguments(spec: ToolSpec) -> bool:
     return not required
 
 
-def _collect_native_calls(
-    reply: ModelReply, tools: Sequence[ToolSpec] = ()
-) -> _Collected:
+def _collect_native_calls(reply: ModelReply, tools: Sequence[ToolSpec] = ()) -> _Collected:
     """Collect the reply's calls: complete ones first, then the repaired invalid ones.
 
     ``ModelReply`` keeps the two kinds apart, so complete calls come before repaired ones.

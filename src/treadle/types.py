@@ -576,6 +576,9 @@ class StepRecord:
         action_result_ids: intent ids of the step's action results (empty: no action).
         env_error: an action of this step ended with ENV_ERROR.
         active_s: active seconds this step took (approval waits excluded).
+        repairs: the repairs the parser applied to the reply to reach the decision
+            (`treadle.types.ParsedReply.repairs`, e.g. ``null_arguments_as_empty_object``;
+            docs/models.md, "Repairs"); empty when the reply was used as sent.
     """
 
     run_id: str
@@ -593,6 +596,7 @@ class StepRecord:
     action_result_ids: tuple[str, ...] = ()
     env_error: bool = False
     active_s: float = 0.0
+    repairs: tuple[str, ...] = ()
 
 
 @attrs.frozen(kw_only=True)

@@ -358,6 +358,7 @@ class RunCoordinator:
             feedback=parsed.feedback,
             model_output_text=parsed.history_message.content,
             visible_output_chars=len(parsed.history_message.content or ""),
+            repairs=tuple(parsed.repairs),
         )
         results: tuple[ActionResult, ...] | None = None
         if parsed.kind is DecisionKind.ACTIONS:
