@@ -248,6 +248,7 @@ step_records = _build(
     action_result_ids=_tuples(ids),
     env_error=st.booleans(),
     active_s=seconds,
+    repairs=_tuples(ids),
 )
 totals = _build(
     t.Totals,
