@@ -260,6 +260,7 @@ step_records = _build(
     env_error=st.booleans(),
     active_s=seconds,
     output=st.none() | json_objects,
+    repairs=_tuples(ids),
 )
 totals = _build(
     t.Totals,

@@ -171,6 +171,25 @@ def test_argument_repairs(
     assert parsed.repairs == repairs
 
 
+def test_null_arguments_mean_no_arguments_only_for_a_tool_without_required_ones() -> None:
+    parsed = native(bad("null", name="get_weather"))
+    assert parsed.kind is DecisionKind.ACTIONS
+    assert parsed.actions[0].arguments == {}
+    assert parsed.repairs == ("null_arguments_as_empty_object",)
+    needs_path = ToolSpec(
+        name="read_file",
+        parameters={
+            "type": "object",
+            "properties": {"path": {"type": "string"}},
+            "required": ["path"],
+        },
+    )
+    refused = native(bad("null"), (needs_path,))
+    assert refused.kind is DecisionKind.INVALID
+    assert refused.reason == "arguments_not_object"
+    assert refused.actions == ()
+
+
 @pytest.mark.parametrize(
     ("raw", "reason"),
     [
@@ -179,7 +198,6 @@ def test_argument_repairs(
         ('```json\n{"a": 1} {"b": 2}\n```', "multiple_json_values"),
         ('{"path": "a.rs"', "unparseable"),
         ("[1, 2]", "arguments_not_object"),
-        ("null", "arguments_not_object"),
         ("{'tags': {1, 2}}", "unparseable"),
         ("{'pair': (1, 2)}", "unparseable"),
         ("{'data': b'x'}", "unparseable"),

@@ -141,6 +141,8 @@ def describe(record: Record) -> tuple[str, str]:
         )
     if isinstance(record, StepRecord):
         decision = record.decision.value if record.decision else "model failed"
+        if record.repairs:
+            decision += " · repaired: " + ", ".join(record.repairs)
         decision += " · task completed" if record.task_completed else ""
         if record.output is not None:
             return "step completed", clip(f"{decision} · output {json.dumps(record.output)}")

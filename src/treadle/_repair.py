@@ -9,6 +9,10 @@ replaced by a silent ``{}``.
 Repair names (they end up in `treadle.types.ParsedReply.repairs`):
 
 * ``empty_arguments_as_empty_object``: empty or whitespace-only arguments mean ``{}``;
+* ``null_arguments_as_empty_object``: the arguments of a tool that needs none were JSON
+  ``null`` (several hosted providers send it), read as ``{}``;
+* ``dropped_text_after_arguments``: one complete JSON object followed by text that is not
+  JSON (prose, a closing remark); the object is used and the text dropped;
 * ``unwrapped_code_fence``: the whole text was one ````` or `````json fenced block;
 * ``decoded_json_string``: the arguments were a JSON string holding a JSON object;
 * ``python_literal``: a Python dict literal (single quotes, ``True``/``False``/``None``),
@@ -29,6 +33,8 @@ from typing import Any, Final
 import attrs
 
 EMPTY_AS_OBJECT: Final = "empty_arguments_as_empty_object"
+NULL_AS_OBJECT: Final = "null_arguments_as_empty_object"
+DROPPED_TRAILING_TEXT: Final = "dropped_text_after_arguments"
 UNWRAPPED_FENCE: Final = "unwrapped_code_fence"
 DECODED_JSON_STRING: Final = "decoded_json_string"
 PYTHON_LITERAL: Final = "python_literal"
@@ -199,7 +205,10 @@ def _json_type(value: Any) -> str:
     return "null" if value is None else "object"
 
 
-def _from_single_value(value: Any, repairs: list[str]) -> DecodedArguments:
+def _from_single_value(value: Any, repairs: list[str], *, null_ok: bool) -> DecodedArguments:
+    if value is None and null_ok:
+        repairs.append(NULL_AS_OBJECT)
+        return DecodedArguments(arguments={}, repairs=tuple(repairs))
     if isinstance(value, dict):
         return DecodedArguments(arguments=value, repairs=tuple(repairs))
     if isinstance(value, str):
@@ -214,14 +223,40 @@ def _from_single_value(value: Any, repairs: list[str]) -> DecodedArguments:
     )
 
 
-def decode_arguments(raw: str) -> DecodedArguments:
+def _prose_after(text: str) -> bool:
+    """True when ``text`` is one JSON object and then text that is not JSON at all.
+
+    Text after the object that starts like JSON (``{``, ``[``, ``"``, a digit ...) may be a
+    second, broken value: that is not guessed apart, and neither is a second object inside.
+    """
+    end = _end_of_first_value(text)
+    rest = text[end:].strip() if end is not None else ""
+    if not rest:
+        return False
+    return rest[0].isalpha() and "{" not in rest
+
+
+def _end_of_first_value(text: str) -> int | None:
+    try:
+        _, end = _DECODER.raw_decode(text, _JSON_WS.match(text, 0).end())  # type: ignore[union-attr]
+    except (ValueError, RecursionError):
+        return None
+    return end
+
+
+def decode_arguments(raw: str, *, null_ok: bool = False) -> DecodedArguments:
     """Decode the argument text of one tool call into a JSON object, repairing what is safe.
 
-    Order: empty -> ``{}``; unwrap one whole code fence; strict JSON; a Python dict literal.
-    Two or more JSON values back to back are never guessed apart (``multiple_json_values``).
+    Order: empty -> ``{}``; unwrap one whole code fence; strict JSON (``null`` -> ``{}`` when
+    ``null_ok``, a
+    JSON string holding an object -> that object); a Python dict literal; one JSON object
+    followed by prose (the prose is dropped). Two or more JSON values back to back are never
+    guessed apart (``multiple_json_values``).
 
     Args:
         raw: the argument text exactly as the model sent it.
+        null_ok: read JSON ``null`` as ``{}`` (for a tool that needs no argument); otherwise
+            ``null`` is ``arguments_not_object``.
 
     Returns:
         The decoded arguments and repairs, or the failure reason and error text.
@@ -244,13 +279,53 @@ def decode_arguments(raw: str) -> DecodedArguments:
                 error=f"the arguments hold {len(found.values)} JSON values",
                 count=len(found.values),
             )
-        return _from_single_value(found.values[0], repairs)
+        return _from_single_value(found.values[0], repairs, null_ok=null_ok)
     literal = python_literal(text)
     if isinstance(literal, dict):
         repairs.append(PYTHON_LITERAL)
         return DecodedArguments(arguments=literal, repairs=tuple(repairs))
+    if len(found.values) == 1 and isinstance(found.values[0], dict) and _prose_after(text):
+        repairs.append(DROPPED_TRAILING_TEXT)
+        return DecodedArguments(arguments=found.values[0], repairs=tuple(repairs))
     return DecodedArguments(
         repairs=tuple(repairs),
         reason=UNPARSEABLE,
         error=f"the arguments are not valid JSON ({found.error})",
     )
+
+
+def raw_decode(text: str, pos: int) -> tuple[Any, int]:
+    """Decode one strict JSON value at ``text[pos:]``; return it and where it ends.
+
+    Raises:
+        ValueError: no valid JSON value starts there (too deep a nesting included).
+    """
+    try:
+        return _DECODER.raw_decode(text, pos)
+    except RecursionError as exc:
+        raise ValueError("the JSON is nested too deeply") from exc
+
+
+def json_prefix(text: str) -> bool:
+    """True when ``text`` (stripped) could be the start of a JSON value cut off at its end.
+
+    Checks that brackets and quotes are still open at the end: a cut-off value has more
+    openers than closers, a broken one does not.
+    """
+    depth = 0
+    in_string = escaped = False
+    for char in text.strip():
+        if in_string:
+            if escaped:
+                escaped = False
+            elif char == "\\":
+                escaped = True
+            elif char == '"':
+                in_string = False
+        elif char == '"':
+            in_string = True
+        elif char in "{[":
+            depth += 1
+        elif char in "}]":
+            depth -= 1
+    return in_string or depth > 0

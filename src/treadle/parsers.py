@@ -53,9 +53,11 @@ from treadle.types import (
 
 __all__ = [
     "EMPTY_REPLY",
+    "INVALID_MARKUP",
     "NON_FINITE_NUMBER",
     "SYNTHESISED_CALL_ID",
     "TOOL_CALL_FROM_CONTENT",
+    "TOOL_CALL_MARKUP",
     "TRUNCATED",
     "JsonToolCallParser",
     "NativeToolCallParser",
@@ -67,6 +69,10 @@ TOOL_CALL_FROM_CONTENT: Final = "tool_call_from_content"
 """Repair: a native-tools reply wrote its one tool call as JSON in the content."""
 SYNTHESISED_CALL_ID: Final = "synthesised_call_id"
 """Repair: a native call had an empty or repeated id; a deterministic one was made up."""
+TOOL_CALL_MARKUP: Final = "tool_call_markup_in_text"
+"""Repair: the reply wrote its calls as chat-template markup (``<tool_call>`` ...) in its text."""
+INVALID_MARKUP: Final = "invalid_tool_call_markup"
+"""Invalid-decision reason: tool-call markup in the text that cannot be read as calls."""
 
 EMPTY_REPLY: Final = "empty_reply"
 """Invalid-decision reason: neither visible text nor a tool call."""
@@ -183,8 +189,9 @@ class _Collected:
 class _Collector:
     """Gathers the native calls of one reply, making every call id present and unique."""
 
-    def __init__(self, reply: ModelReply) -> None:
+    def __init__(self, reply: ModelReply, no_arguments: frozenset[str] = frozenset()) -> None:
         self._reply = reply
+        self._no_arguments = no_arguments
         self._seen: set[str] = set()
         self.calls: list[ToolCall] = []
         self.problems: list[_Problem] = []
@@ -240,7 +247,8 @@ class _Collector:
             self.problem(call_id, bad.name, bad.reason or "invalid", message + "executed.")
 
     def _add_decoded(self, call_id: str, bad: InvalidToolCall) -> None:
-        decoded = _repair.decode_arguments(bad.raw_arguments)
+        null_ok = bad.name in self._no_arguments
+        decoded = _repair.decode_arguments(bad.raw_arguments, null_ok=null_ok)
         self.repairs.extend(decoded.repairs)
         if decoded.arguments is not None:
             self.calls.append(ToolCall(id=call_id, name=bad.name, arguments=decoded.arguments))
@@ -264,12 +272,19 @@ class _Collector:
         )
 
 
-def _collect_native_calls(reply: ModelReply) -> _Collected:
+def _needs_no_arguments(spec: ToolSpec) -> bool:
+    """True when the tool's schema requires no argument (``null`` then means ``{}``)."""
+    required = spec.parameters.get("required")
+    return not required
+
+
+def _collect_native_calls(reply: ModelReply, tools: Sequence[ToolSpec] = ()) -> _Collected:
     """Collect the reply's calls: complete ones first, then the repaired invalid ones.
 
     ``ModelReply`` keeps the two kinds apart, so complete calls come before repaired ones.
     """
-    collector = _Collector(reply)
+    no_arguments = frozenset(spec.name for spec in tools if _needs_no_arguments(spec))
+    collector = _Collector(reply, no_arguments)
     for index, call in enumerate(reply.tool_calls):
         collector.add_valid(index, call)
     for offset, bad in enumerate(reply.invalid_tool_calls):
@@ -313,6 +328,50 @@ def _call_from_content(reply: ModelReply, names: frozenset[str]) -> ToolCall | N
     return ToolCall(id=call_id, name=call.name, arguments=call.arguments)
 
 
+def _markup_decision(
+    reply: ModelReply, markup: _textcalls.MarkupCalls, *, native: bool
+) -> ParsedReply:
+    """The decision for a reply whose text holds tool-call markup (never a final answer).
+
+    Readable markup of declared tools becomes the actions, the text outside it the reply's
+    text. Anything else (an unclosed block, bad JSON, an unknown tool, a stray marker) is an
+    invalid decision: no call of the reply runs.
+    """
+    text = reply.text or ""
+    outside = _visible(_outside(text, markup.spans))
+    if markup.errors:
+        truncated = reply.finish_reason == "length" and markup.unclosed
+        prefix = "Your reply was cut off by the output token limit. " if truncated else ""
+        how = (
+            "Call the tools through the tool-calling interface"
+            if native
+            else 'Write each tool call as <tool_call>{"name": "<tool name>", "arguments": {...}}'
+            "</tool_call>"
+        )
+        feedback = (
+            f"{prefix}Your tool call markup could not be read: {'; '.join(markup.errors)}. "
+            f"No tool was called. {how}."
+        )
+        return ParsedReply(
+            kind=DecisionKind.INVALID,
+            text=outside,
+            feedback=feedback,
+            reason=TRUNCATED if truncated else INVALID_MARKUP,
+            repairs=markup.repairs,
+            history_message=_history(reply, _visible(text)),
+        )
+    calls = _found_actions(reply, markup.calls, "markup")
+    repairs = _dedup([TOOL_CALL_MARKUP, *markup.repairs])
+    history = _history(reply, outside, calls) if native else _history(reply, _visible(text))
+    return ParsedReply(
+        kind=DecisionKind.ACTIONS,
+        actions=calls,
+        text=outside,
+        repairs=repairs,
+        history_message=history,
+    )
+
+
 class NativeToolCallParser:
     """Parser for models with native tool calling (OpenAI, Anthropic, most local servers).
 
@@ -321,13 +380,19 @@ class NativeToolCallParser:
     1. any call unusable (``truncated``, two JSON objects in one call, unparseable after
        repairs, not an object) -> INVALID, and no call of the reply is executed;
     2. calls -> ACTIONS (unknown tool names included: the executor reports them);
-    3. no calls, and the whole content (optionally in one `````json`` fence) is one object
+    3. no calls, and the text holds chat-template tool-call markup (``<tool_call>``,
+       ``<|tool_call|>``, ``<function=name>``, Mistral ``[TOOL_CALLS]``, ``<|python_tag|>``)
+       -> ACTIONS with the calls of declared tools, the text outside the markup as ``text``,
+       repair ``tool_call_markup_in_text``; markup that cannot be read (unclosed, bad JSON,
+       an unknown tool, a stray marker) -> INVALID ``invalid_tool_call_markup``
+       (``truncated`` when the output limit cut a block), never a final answer;
+    4. no calls, and the whole content (optionally in one `````json`` fence) is one object
        whose ``name`` is a declared tool and whose ``arguments`` (or ``parameters``) is an
        object -> ACTIONS with one call, repair ``tool_call_from_content``;
-    4. text -> FINAL_ANSWER, or, with ``text_reply_tool``, an action calling that tool with
+    5. text -> FINAL_ANSWER, or, with ``text_reply_tool``, an action calling that tool with
        ``{"content": text}`` and call id ``""``; a refusal (``ModelReply.refusal``, no call)
        -> FINAL_ANSWER with reason ``refusal``;
-    5. nothing (no calls, empty or whitespace text) -> INVALID ``empty_reply`` (``truncated``
+    6. nothing (no calls, empty or whitespace text) -> INVALID ``empty_reply`` (``truncated``
        when the output limit ended the reply).
 
     Args:
@@ -354,7 +419,7 @@ class NativeToolCallParser:
         if _refused(reply):
             return _refusal(reply)
         names = _declared(tools)
-        collected = _collect_native_calls(reply)
+        collected = _collect_native_calls(reply, tools)
         if collected.problems:
             return _invalid_calls(reply, collected)
         text = _visible(reply.text)
@@ -371,6 +436,10 @@ class NativeToolCallParser:
     def _without_calls(
         self, reply: ModelReply, text: str | None, names: frozenset[str]
     ) -> ParsedReply:
+        if text is not None:
+            markup = _textcalls.markup_calls(text, names)
+            if markup.found:
+                return _markup_decision(reply, markup, native=True)
         content_call = _call_from_content(reply, names) if text is not None else None
         if content_call is not None:
             return ParsedReply(
@@ -413,14 +482,17 @@ def _outside(text: str, spans: Sequence[_textcalls.Span]) -> str:
     return "\n".join(piece.strip() for piece in pieces if piece.strip())
 
 
-def _json_actions(reply: ModelReply, found: Sequence[_textcalls.FoundCall]) -> tuple[ToolCall, ...]:
+def _found_actions(
+    reply: ModelReply, found: Sequence[_textcalls.FoundCall], source: str
+) -> tuple[ToolCall, ...]:
+    """Calls read from the text, with their given ids or deterministic synthesised ones."""
     seen: set[str] = set()
     actions: list[ToolCall] = []
     for index, call in enumerate(found):
         call_id = call.id
         if call_id is None or call_id in seen:
             call_id = synthesise_call_id(
-                reply.response_id or "", "json", str(index), reply.text or ""
+                reply.response_id or "", source, str(index), reply.text or ""
             )
         seen.add(call_id)
         actions.append(ToolCall(id=call_id, name=call.name, arguments=call.arguments))
@@ -453,6 +525,9 @@ class JsonToolCallParser:
     first line that starts with ``{`` or ``[`` on. Several calls are several actions, in
     order; call ids are taken from an ``"id"`` key or synthesised deterministically.
 
+    Chat-template markup (``<tool_call>`` ..., as `NativeToolCallParser` reads it) is read
+    first; its calls are not native either (the history message is the text as written).
+
     Decisions: calls -> ACTIONS (visible text around them goes to ``ParsedReply.text``;
     unknown tool names included, the executor reports them); JSON that clearly tries to be a
     call but cannot be read (bad JSON mentioning a declared tool, a non-object
@@ -484,6 +559,9 @@ class JsonToolCallParser:
         text = _visible(reply.text)
         if text is None:
             return _empty_reply(reply, names)
+        markup = _textcalls.markup_calls(text, names)
+        if markup.found:
+            return _markup_decision(reply, markup, native=False)
         spans = [(span, _textcalls.calls_in(span, names)) for span in _textcalls.candidates(text)]
         used = [(span, found) for span, found in spans if found.is_calls]
         if not used:
@@ -497,7 +575,7 @@ class JsonToolCallParser:
         calls = [call for _, found in used for call in found.calls]
         return ParsedReply(
             kind=DecisionKind.ACTIONS,
-            actions=_json_actions(reply, calls),
+            actions=_found_actions(reply, calls, "json"),
             text=_visible(_outside(text, [span for span, _ in used])),
             repairs=repairs,
             history_message=_history(reply, text),

@@ -645,6 +645,9 @@ class StepRecord:
         active_s: active seconds this step took (approval waits excluded).
         output: for a final answer of an agent with an output type, the validated output
             as JSON data (an object); ``None`` otherwise (docs/structured-output.md).
+        repairs: the repairs the parser applied to the reply to reach the decision
+            (`treadle.types.ParsedReply.repairs`, e.g. ``null_arguments_as_empty_object``;
+            docs/models.md, "Repairs"); empty when the reply was used as sent.
     """
 
     run_id: str
@@ -663,6 +666,7 @@ class StepRecord:
     env_error: bool = False
     active_s: float = 0.0
     output: JSONValue = None
+    repairs: tuple[str, ...] = ()
 
 
 @attrs.frozen(kw_only=True)

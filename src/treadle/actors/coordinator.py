@@ -379,6 +379,7 @@ class RunCoordinator:
             model_output_text=parsed.history_message.content,
             visible_output_chars=len(parsed.history_message.content or ""),
             output=output,
+            repairs=tuple(parsed.repairs),
         )
         results: tuple[ActionResult, ...] | None = None
         if parsed.kind is DecisionKind.ACTIONS:

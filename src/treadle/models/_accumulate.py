@@ -282,7 +282,9 @@ class StreamAccumulator:
     Tool-call fragments are routed by ``index``; at one index, a fragment whose non-empty id
     differs from the id held there starts a new call. A name is set when empty, an identical
     repeat is ignored, anything else is appended. Empty ids and names never overwrite. Every
-    arguments fragment is appended, the first one included.
+    arguments fragment is appended, the first one included. The legacy ``function_call``
+    delta is one call without an id (one is synthesised), and ``finish_reason:
+    "function_call"`` is reported as ``tool_calls``.
 
     Attributes:
         on_delta: receives ``("text" | "reasoning", fragment)`` as fragments arrive.
@@ -442,8 +444,9 @@ class StreamAccumulator:
         delta = choice.get("delta")
         if isinstance(delta, Mapping):
             self._add_delta(delta)
-        if isinstance(choice.get("finish_reason"), str):
-            self.finish_reason = choice["finish_reason"]
+        finish = choice.get("finish_reason")
+        if isinstance(finish, str):
+            self.finish_reason = "tool_calls" if finish == "function_call" else finish
 
     def _add_delta(self, delta: Mapping[str, Any]) -> None:
         reasoning = delta.get("reasoning_content")
@@ -460,6 +463,10 @@ class StreamAccumulator:
         for fragment in delta.get("tool_calls") or ():
             if isinstance(fragment, Mapping):
                 self._add_call_fragment(fragment)
+        legacy = delta.get("function_call")
+        if isinstance(legacy, Mapping):
+            # The legacy single-call form: one call, no id, no index.
+            self._add_call_fragment({"index": _LEGACY_INDEX, "function": legacy})
 
     def _append(self, parts: list[str] | None, fragment: str, channel: str) -> list[str]:
         parts = [] if parts is None else parts
@@ -504,6 +511,10 @@ class StreamAccumulator:
         if self.response_id is None:
             seed += f"\0{buf.name}\0{''.join(buf.arguments)}"
         return "call_" + hashlib.sha256(seed.encode()).hexdigest()[:24]
+
+
+_LEGACY_INDEX = -1
+"""The index of a legacy ``function_call`` (before any ``tool_calls`` index)."""
 
 
 def _indexed(message: dict[str, Any]) -> dict[str, Any]:

@@ -8,14 +8,17 @@ idempotency key into ``applied_actions``, so calling it again with a key already
 returns the stored output and changes nothing.
 
 "Now" is 2024-05-15 15:00:00 EST (`NOW`). New reservation ids are the first unused of
-``HATHAT``, ``HATHAU``, ``HATHAV``, ...; a user's new certificate id is the first unused of
-``certificate_3221322``, ``certificate_3221323``, ... in that user's payment methods.
+``HATHAT``, ``HATHAU``, ``HATHAV`` (a fourth booking replaces ``HATHAV``); a user's new
+certificate id is the first unused of ``certificate_3221322`` to ``certificate_3221324`` in
+that user's payment methods.
+
+The tools reproduce the recorded environment (tau-bench's airline domain) exactly, its quirks
+included; docs/demo.md, "The environment's quirks", lists them.
 """
 
 from __future__ import annotations
 
 import ast
-import datetime
 import json
 import math
 import operator
@@ -62,10 +65,16 @@ BAG_PRICE: Final = 50
 """Each non-free checked bag, dollars."""
 
 FIRST_RESERVATION_ID: Final = "HATHAT"
-"""The first new reservation id; later ones count up in letters (``HATHAU`` ...)."""
+"""The first new reservation id; later ones count up in letters (``HATHAU``, ``HATHAV``)."""
+
+RESERVATION_IDS: Final = 3
+"""How many reservation ids `book_reservation` uses (``HATHAT`` to ``HATHAV``)."""
 
 FIRST_CERTIFICATE_NUMBER: Final = 3221322
 """The number in a user's first new certificate id, ``certificate_3221322``."""
+
+CERTIFICATE_IDS: Final = 3
+"""How many certificate ids `send_certificate` tries (``...322`` to ``...324``)."""
 
 
 class AirlineToolError(TreadleError):
@@ -129,9 +138,10 @@ def get_user_details(docs: Documents, args: Mapping[str, Any]) -> str:
 
 
 def get_reservation_details(docs: Documents, args: Mapping[str, Any]) -> str:
-    """Return the reservation as JSON."""
+    """Return the reservation as JSON; ``Error: user not found`` when there is none."""
     reservation = docs.get("reservations", args["reservation_id"])
-    return "Error: reservation not found" if reservation is None else json.dumps(reservation)
+    # The recorded environment says "user", not "reservation", here.
+    return "Error: user not found" if reservation is None else json.dumps(reservation)
 
 
 def list_all_airports(docs: Documents, args: Mapping[str, Any]) -> str:
@@ -158,19 +168,38 @@ def search_direct_flight(docs: Documents, args: Mapping[str, Any]) -> str:
     return json.dumps(found)
 
 
-def _next_day(date: str) -> str:
-    return (datetime.date.fromisoformat(date) + datetime.timedelta(days=1)).isoformat()
+def _next_day_label(date: str) -> str:
+    """The recorded environment's "next day" of ``date``: ``2024-05-`` + (last two digits + 1).
+
+    It ignores the month and does not pad: ``2024-05-05`` gives ``2024-05-6`` (a date no flight
+    has), ``2024-05-30`` gives ``2024-05-31``.
+
+    Raises:
+        ValueError: the last two characters of ``date`` are not a number (as ``int()`` does).
+    """
+    return f"2024-05-{int(date[-2:]) + 1}"
+
+
+def _leg_on(flight: Doc, day: Doc, date: str) -> Doc:
+    return {**{k: v for k, v in flight.items() if k != "dates"}, **day, "date": date}
+
+
+def _available_on(flight: Doc, date: str) -> bool:
+    day = flight["dates"].get(date)
+    return day is not None and day.get("status") == "available"
 
 
 def search_onestop_flight(docs: Documents, args: Mapping[str, Any]) -> str:
     """Return bookable one-stop connections as a JSON list of ``[first, second]`` legs.
 
-    The first leg leaves on the date; the second leaves the same day, or the next day when
-    the first arrives after midnight (``+1``), not before the first leg's scheduled arrival
-    time (compared as ``HH:MM:SS`` text). Each leg carries its ``date``.
-
-    As in the recorded environment, the second leg's status, seats and prices are those of
-    the search date even when its ``date`` is the next day.
+    Reproduces the recorded environment (docs/demo.md, "The environment's quirks"): the
+    second leg leaves on the search date, or on `_next_day_label` of it when the first leg
+    arrives after midnight (``+1``), and not before the first leg's scheduled arrival time
+    (compared as ``HH:MM:SS`` text). Both legs must be available on their own dates, but the
+    second leg's status, seats and prices shown are those of the search date (its ``date``
+    field is its own). A second leg without an entry for the search date makes the whole
+    search fail with ``Error: '<date>'``; a date whose last two characters are not a number
+    fails with the ``int()`` error text when an overnight first leg is considered.
     """
     date = args["date"]
     flights = [flight for _, flight in docs.all("flights")]
@@ -179,17 +208,27 @@ def search_onestop_flight(docs: Documents, args: Mapping[str, Any]) -> str:
         if first["origin"] != args["origin"]:
             continue
         arrival = first["scheduled_arrival_time_est"]
-        second_date = _next_day(date) if "+1" in arrival else date
         for second in flights:
-            if second["origin"] != first["destination"]:
-                continue
             if second["destination"] != args["destination"]:
                 continue
+            if first["destination"] != second["origin"]:
+                continue
+            try:
+                second_date = _next_day_label(date) if "+1" in arrival else date
+            except ValueError as exc:
+                return f"Error: {exc}"
             if arrival > second["scheduled_departure_time_est"]:
                 continue
-            leg1, leg2 = _offer(first, date), _offer(second, date)
-            if leg1 is not None and leg2 is not None:
-                found.append([{**leg1, "date": date}, {**leg2, "date": second_date}])
+            if not (_available_on(first, date) and _available_on(second, second_date)):
+                continue
+            if date not in second["dates"]:
+                return f"Error: {date!r}"
+            found.append(
+                [
+                    _leg_on(first, first["dates"][date], date),
+                    _leg_on(second, second["dates"][date], second_date),
+                ]
+            )
     return json.dumps(found)
 
 
@@ -271,17 +310,27 @@ def _priced_leg(docs: Documents, wanted: Mapping[str, Any], cabin: str, seats: i
     }
 
 
-def _next_id(taken: Callable[[str], bool], first: str) -> str:
-    """The first id from ``first`` upward (base-26 letter counting) that is not taken."""
-    candidate = first
-    while taken(candidate):
-        letters = list(candidate)
-        i = len(letters) - 1
-        while letters[i] == "Z":
-            letters[i] = "A"
-            i -= 1
-        letters[i] = chr(ord(letters[i]) + 1)
-        candidate = "".join(letters)
+def _successor(key: str) -> str:
+    """The next id in base-26 letter counting (``HATHAT`` -> ``HATHAU``)."""
+    letters = list(key)
+    i = len(letters) - 1
+    while letters[i] == "Z":
+        letters[i] = "A"
+        i -= 1
+    letters[i] = chr(ord(letters[i]) + 1)
+    return "".join(letters)
+
+
+def _new_reservation_id(docs: Documents) -> str:
+    """``HATHAT``, else ``HATHAU``, else ``HATHAV``, even when that one exists.
+
+    The recorded environment tries three ids only; a fourth booking replaces ``HATHAV``.
+    """
+    candidate = FIRST_RESERVATION_ID
+    for _ in range(RESERVATION_IDS - 1):
+        if docs.get("reservations", candidate) is None:
+            return candidate
+        candidate = _successor(candidate)
     return candidate
 
 
@@ -332,9 +381,7 @@ def book_reservation(docs: Documents, args: Mapping[str, Any]) -> str:
             method["amount"] -= payment["amount"]
         elif method["source"] == "certificate":
             del user["payment_methods"][payment["payment_id"]]
-    reservation_id = _next_id(
-        lambda key: docs.get("reservations", key) is not None, FIRST_RESERVATION_ID
-    )
+    reservation_id = _new_reservation_id(docs)
     reservation = {
         "reservation_id": reservation_id,
         "user_id": args["user_id"],
@@ -475,25 +522,31 @@ def update_reservation_passengers(docs: Documents, args: Mapping[str, Any]) -> s
 
 
 def send_certificate(docs: Documents, args: Mapping[str, Any]) -> str:
-    """Add a travel certificate of the given amount to the user's payment methods."""
+    """Add a travel certificate of the given amount to the user's payment methods.
+
+    The id is the first of ``certificate_3221322`` .. ``certificate_3221324`` the user does
+    not hold. When the user holds all three, nothing is added and the output is empty (the
+    recorded environment returned no text), as in docs/demo.md, "The environment's quirks".
+    """
     user = docs.get("users", args["user_id"])
     if user is None:
         return "Error: user not found"
     methods = user["payment_methods"]
-    number = FIRST_CERTIFICATE_NUMBER
-    while f"certificate_{number}" in methods:
-        number += 1
-    certificate_id = f"certificate_{number}"
-    methods[certificate_id] = {
-        "source": "certificate",
-        "amount": args["amount"],
-        "id": certificate_id,
-    }
-    docs.put("users", args["user_id"], user)
-    return (
-        f"Certificate {certificate_id} added to user {args['user_id']} "
-        f"with amount {args['amount']}."
-    )
+    for number in range(FIRST_CERTIFICATE_NUMBER, FIRST_CERTIFICATE_NUMBER + CERTIFICATE_IDS):
+        certificate_id = f"certificate_{number}"
+        if certificate_id in methods:
+            continue
+        methods[certificate_id] = {
+            "source": "certificate",
+            "amount": args["amount"],
+            "id": certificate_id,
+        }
+        docs.put("users", args["user_id"], user)
+        return (
+            f"Certificate {certificate_id} added to user {args['user_id']} "
+            f"with amount {args['amount']}."
+        )
+    return ""
 
 
 # --------------------------------------------------------------------------- specs
@@ -721,6 +774,10 @@ def _object_problem(schema: Mapping[str, Any], value: Any, where: str) -> str | 
             return f"{prefix}{key}: missing"
     for key, item in value.items():
         if key not in properties:
+            if where:
+                # Inside a flight, passenger or payment the recorded environment keeps
+                # unknown keys (a flight's price, origin and destination are overwritten).
+                continue
             return f"{prefix}{key}: unexpected argument"
         found = _problem(properties[key], item, f"{prefix}{key}")
         if found:
