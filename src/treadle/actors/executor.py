@@ -48,6 +48,8 @@ class RunActions:
         scope: the step's cancellation and active-time deadline.
         rejected: calls a human rejected (or whose approval expired), by call id, with the
             detail of their synthetic observation; they get no intent and never run.
+        revisions: the revisions the run observed before this step, folded from its log
+            (`treadle._state.RunView.revisions`), handed to every action of the step.
     """
 
     step: int
@@ -56,6 +58,7 @@ class RunActions:
     scope: StepScope
     reply_to: trio.MemorySendChannel[ActionsOutcome]
     rejected: Mapping[str, str] = attrs.field(factory=dict)
+    revisions: Mapping[str, tuple[int, ...]] = attrs.field(factory=dict)
 
 
 @attrs.frozen(kw_only=True)
@@ -103,7 +106,10 @@ class ToolExecutor:
 
     async def run_actions(self, message: RunActions) -> ActionsOutcome:
         """Write the intents, run the actions, and build their results."""
-        actions = [self._action(message.step, i, call) for i, call in enumerate(message.calls)]
+        actions = [
+            self._action(message.step, i, call, message.revisions)
+            for i, call in enumerate(message.calls)
+        ]
         existing = {intent.intent_id: intent for intent in message.existing}
         written: list[Record] = []
         outcomes: dict[int, tuple[ActionOutcome, float, bool]] = {}
@@ -226,7 +232,9 @@ class ToolExecutor:
             observation_is_synthetic=True,
         )
 
-    def _action(self, step: int, index: int, call: ToolCall) -> Action:
+    def _action(
+        self, step: int, index: int, call: ToolCall, revisions: Mapping[str, tuple[int, ...]]
+    ) -> Action:
         return Action(
             run_id=self.run_id,
             step=step,
@@ -234,6 +242,7 @@ class ToolExecutor:
             call_id=call.id,
             tool=call.name,
             arguments=call.arguments,
+            revisions=revisions,
         )
 
     async def _write_intent(self, action: Action, written: list[Record]) -> None:
@@ -294,8 +303,12 @@ class ToolExecutor:
                 if outcome.status is ActionStatus.NOT_EXECUTED
                 else self.synthetic.env_error
             )
+            if outcome.status is ActionStatus.NOT_EXECUTED and outcome.stale_resource:
+                template = self.synthetic.stale
             detail = outcome.detail or outcome.observation
-            text = template.format(tool=action.tool, detail=detail)
+            text = template.format(
+                tool=action.tool, detail=detail, resource=outcome.stale_resource or ""
+            )
             outcome = attrs.evolve(
                 outcome,
                 observation=text,
