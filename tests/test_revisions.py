@@ -10,6 +10,7 @@ import json
 from typing import Any
 
 import pytest
+import trio
 
 import treadle
 from treadle._exceptions import UsageError
@@ -225,3 +226,22 @@ def test_the_stale_text_is_in_the_snapshot_only_with_a_writing_tool() -> None:
     writing = _agent(add, get_flight, book)
     assert writing.snapshot()["synthetic"]["stale"] == treadle.SyntheticObservations().stale
     assert _agent(add, get_flight, book, synthetic=changed).snapshot() != writing.snapshot()
+
+
+async def test_a_stale_write_raised_in_a_nursery_is_still_stale() -> None:
+    @tool(writes="doc:{name}")
+    async def save(name: str, context: ToolContext) -> str:
+        """Save a document."""
+
+        async def check() -> None:
+            await trio.lowlevel.checkpoint()
+            raise StaleWrite(current=9)
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(check)
+        return "saved"
+
+    outcome = await Toolbox([save]).execute(action("save", {"doc:a": (8,)}, name="a"))
+    assert outcome.status is ActionStatus.NOT_EXECUTED
+    assert outcome.stale_resource == "doc:a"
+    assert outcome.detail == "you read revision 8; it is now at revision 9"

@@ -387,6 +387,17 @@ def _resource_key(found: Tool, kwargs: Mapping[str, Any]) -> str | None:
     return None if template is None else template.key(kwargs)
 
 
+def _stale_write(exc: BaseException) -> StaleWrite | None:
+    """The `StaleWrite` a tool raised, also from inside an exception group."""
+    if isinstance(exc, StaleWrite):
+        return exc
+    if isinstance(exc, BaseExceptionGroup):
+        group = exc.subgroup(StaleWrite)
+        if group is not None:
+            return _stale_write(group.exceptions[0])
+    return None
+
+
 def _stale(found: Tool, resource: str | None, seen: int | None, exc: StaleWrite) -> ActionOutcome:
     """The tool found its resource changed since the model read it: nothing was written."""
     parts = [] if seen is None else [f"you read revision {seen}"]
@@ -517,9 +528,10 @@ class Toolbox:
         with trio.move_on_after(timeout):
             try:
                 result = await found.fn(**kwargs)
-            except StaleWrite as exc:
-                return _stale(found, resource, seen, exc)
             except Exception as exc:
+                stale = _stale_write(exc)
+                if stale is not None:
+                    return _stale(found, resource, seen, stale)
                 return self._failed(exc)
             return self._returned(found, result, resource)
         return ActionOutcome(
