@@ -150,6 +150,8 @@ action_outcomes = _build(
     task_completed=st.booleans(),
     observation_truncated_chars=counts,
     detail=st.none() | texts,
+    revisions=st.dictionaries(texts, st.integers(), max_size=3),
+    stale_resource=st.none() | texts,
 )
 actions = _build(
     t.Action,
@@ -160,6 +162,7 @@ actions = _build(
     tool=ids,
     arguments=json_objects,
     replay=st.booleans(),
+    revisions=st.dictionaries(texts, _tuples(st.integers()), max_size=3),
 )
 
 # --------------------------------------------------------------------------- definition data
@@ -186,7 +189,12 @@ limits = _build(
     max_observation_chars=maybe_counts,
 )
 synthetic_observations = _build(
-    t.SyntheticObservations, not_executed=texts, env_error=texts, unknown=texts, rejected=texts
+    t.SyntheticObservations,
+    not_executed=texts,
+    env_error=texts,
+    unknown=texts,
+    rejected=texts,
+    stale=texts,
 )
 
 # --------------------------------------------------------------------------- log records

@@ -571,6 +571,8 @@ async def test_context_is_injected() -> None:
         "call_id": "call_1",
         "tool": "who",
         "replay": True,
+        "resource": None,
+        "seen_revision": None,
     }
 
 

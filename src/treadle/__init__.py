@@ -37,6 +37,8 @@ if TYPE_CHECKING:  # each name loads with its module on first use (docs/design.m
     from treadle.models.openai import OpenAIChatClient as OpenAIChatClient
     from treadle.parsers import JsonToolCallParser as JsonToolCallParser
     from treadle.parsers import NativeToolCallParser as NativeToolCallParser
+    from treadle.revisions import Observed as Observed
+    from treadle.revisions import StaleWrite as StaleWrite
     from treadle.stores._leases import LEASE_TTL_S as LEASE_TTL_S
     from treadle.stores.jsonl import JsonlStore as JsonlStore
     from treadle.stores.jsonl import open_jsonl_store as open_jsonl_store
@@ -104,6 +106,7 @@ __getattr__ = lazy_names(
         "MemoryStore": "treadle.stores.memory",
         "Message": "treadle.types",
         "NativeToolCallParser": "treadle.parsers",
+        "Observed": "treadle.revisions",
         "OpenAIChatClient": "treadle.models.openai",
         "PostgresStore": "treadle.stores.postgres",
         "ReplayPolicy": "treadle.types",
@@ -113,6 +116,7 @@ __getattr__ = lazy_names(
         "RunState": "treadle.types",
         "RunSummary": "treadle.types",
         "SqliteStore": "treadle.stores.sqlite",
+        "StaleWrite": "treadle.revisions",
         "StopReason": "treadle.types",
         "SyntheticObservations": "treadle.types",
         "SystemClock": "treadle._clock",
@@ -163,6 +167,7 @@ __all__ = [
     "Message",
     "ModelCallError",
     "NativeToolCallParser",
+    "Observed",
     "OpenAIChatClient",
     "PostgresStore",
     "ReplayPolicy",
@@ -177,6 +182,7 @@ __all__ = [
     "SeamViolation",
     "SnapshotMismatch",
     "SqliteStore",
+    "StaleWrite",
     "StopReason",
     "StoreError",
     "SyntheticObservations",

@@ -18,6 +18,8 @@
       SeamViolation(TreadleError, TypeError)  a seam returned what its contract excludes (.seam)
       EnvironmentFailure                      raised by a tool: its environment is gone (ENV_ERROR)
       ToolProcessFailed                       a process tool's child died without a reply
+      StaleWrite                              raised by a writing tool: its resource changed
+                                              since the model read it (NOT_EXECUTED)
       ContractViolation(TreadleError, AssertionError)
                                               the test kit found an implementation breaking a
                                               contract (the message names the rule)
@@ -33,11 +35,11 @@
 
 Defined next to what raises them: `SeamContractError`, `StoreContractError` and
 `CrashContractError` in their contract suites, `SSEDecodeError` in `treadle.models._sse`,
-`FrameError` in `treadle.stores._lines`, `ClientGone` in `treadle.testing.loopback`; the rest
-here. Not errors, and so outside the tree: the coordinator's control-flow signals `Parked` and
-`Drained` (a run stops being driven here, caught by the run supervisor), and the test kit's
-`SimulatedCrash` (a simulated process death, which must get past every handler a real death
-would).
+`FrameError` in `treadle.stores._lines`, `ClientGone` in `treadle.testing.loopback`,
+`StaleWrite` in `treadle.revisions`; the rest here. Not errors, and so outside the tree: the
+coordinator's control-flow signals `Parked` and `Drained` (a run stops being driven here,
+caught by the run supervisor), and the test kit's `SimulatedCrash` (a simulated process death,
+which must get past every handler a real death would).
 
 Every error carries the identifiers needed to act on it as attributes. `trio.Cancelled` is
 never caught or subclassed here.

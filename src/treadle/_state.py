@@ -10,8 +10,11 @@ from __future__ import annotations
 
 import attrs
 
+from treadle.revisions import RevisionTable, fold_revisions
 from treadle.types import (
     ActionIntent,
+    ActionResult,
+    ActionStatus,
     ApprovalDecided,
     ApprovalRequested,
     CancelRequested,
@@ -75,6 +78,9 @@ class RunView:
         cancel: the cancel request, if one was recorded.
         finished: the run-finished record, if the run is finished.
         pending: the step in progress at the tail.
+        revisions: the revisions of resources the run observed, by resource key, each
+            key's distinct revisions with the latest observed last: folded from the
+            executed, applied (not late) action results (docs/concepts.md, "Stale writes").
     """
 
     next_seq: int = 1
@@ -89,11 +95,16 @@ class RunView:
     cancel: CancelRequested | None = None
     finished: RunFinished | None = None
     pending: PendingStep = attrs.Factory(lambda: PendingStep(step=1))
+    revisions: RevisionTable = attrs.Factory(dict)
 
     @property
     def tokens(self) -> int:
         """Reported input + output tokens so far (unknown usage is not counted as anything)."""
         return (self.input_tokens or 0) + (self.output_tokens or 0)
+
+    def observed_revisions(self) -> dict[str, tuple[int, ...]]:
+        """A copy of `revisions`, for the executor to check the next step's writes against."""
+        return dict(self.revisions)
 
     def totals(self, *, extra_active_s: float = 0.0) -> Totals:
         """The run totals for a run-finished record."""
@@ -117,6 +128,10 @@ class RunView:
             self._apply_model_result(record)
         elif isinstance(record, ActionIntent):
             self.pending.action_intents.append(record)
+        elif isinstance(record, ActionResult):
+            outcome = record.outcome
+            if outcome.revisions and outcome.status is ActionStatus.EXECUTED and not record.late:
+                fold_revisions(self.revisions, outcome.revisions)
         elif isinstance(record, StepRecord):
             self._apply_step(record)
         elif isinstance(record, CancelRequested):

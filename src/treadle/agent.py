@@ -130,7 +130,11 @@ class Agent:
         strict, description) only when ``output_type`` is set, so the snapshot of an agent
         without one is what it always was; and ``secret_arguments`` when
         a tool has secret arguments (`treadle.redaction`; an executor declares them with an
-        optional ``secret_arguments(tool)`` method, as `treadle.Toolbox` does). Budgets and
+        optional ``secret_arguments(tool)`` method, as `treadle.Toolbox` does). The
+        ``stale`` synthetic text is in ``synthetic`` only when a tool writes a resource (an
+        executor tells with an optional ``writes(tool)`` method returning the tool's key
+        template or ``None``, as `treadle.Toolbox` does), so agents without one keep the
+        snapshot they had before that text existed (docs/concepts.md, "Stale writes"). Budgets and
         limits are not model-visible and are left out, so a run can be resumed with other
         budgets. Credentials never appear here (clients hold them, and clients are not
         snapshotted).
@@ -142,7 +146,7 @@ class Agent:
             "params": dict(self.params),
             "tools": [_PLAIN.unstructure(spec) for spec in self.executor.tool_specs()],
             "parser": type(self.parser).__qualname__,
-            "synthetic": _PLAIN.unstructure(self.synthetic),
+            "synthetic": _synthetic(self.synthetic, self.executor),
             "observation_template": self.observation_template,
         }
         if self._output is not None:
@@ -151,6 +155,15 @@ class Agent:
         if secrets:
             snapshot[SNAPSHOT_KEY] = secrets
         return snapshot
+
+
+def _synthetic(synthetic: SyntheticObservations, executor: ActionExecutor) -> dict[str, JSONValue]:
+    """The synthetic texts as snapshotted: ``stale`` only when a tool writes a resource."""
+    texts: dict[str, JSONValue] = _PLAIN.unstructure(synthetic)
+    writes = getattr(executor, "writes", None)
+    if writes is None or not any(writes(spec.name) for spec in executor.tool_specs()):
+        del texts["stale"]
+    return texts
 
 
 def _secret_arguments(executor: ActionExecutor) -> dict[str, JSONValue]:

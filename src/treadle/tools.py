@@ -40,7 +40,13 @@ no coercion, no extra keys) before the tool runs (docs/concepts.md, "Data that s
   UNKNOWN, ``Error: the call to X timed out after N s and was abandoned while it still
   ran; its outcome is unknown``;
 * the tool returned: EXECUTED; a ``str`` is the observation as is, anything else compact
-  JSON (attrs instances, enums and datetimes unstructured by cattrs).
+  JSON (attrs instances, enums and datetimes unstructured by cattrs);
+* a tool that writes a resource (``writes=``) the run never read, or whose base revision
+  argument names a revision the run never read: NOT_EXECUTED, before it runs;
+* the tool raised `treadle.revisions.StaleWrite`: NOT_EXECUTED with ``stale_resource`` set.
+
+A tool that reads a resource (``reads=``) returns `treadle.revisions.Observed` to report the
+revision it saw; it is in the outcome's ``revisions`` (docs/concepts.md, "Stale writes").
 
 For NOT_EXECUTED and ENV_ERROR the executor's own text is in both ``observation`` and
 ``detail``; the library's tool executor puts the synthetic observation into history.
@@ -68,6 +74,7 @@ from treadle import _toolproc
 from treadle._exceptions import EnvironmentFailure, ToolProcessFailed, UsageError
 from treadle._schema import Invalid, ToolSignature, read_signature
 from treadle._toolhost import LOG
+from treadle.revisions import Observed, ResourceTemplate, StaleWrite, check_write, is_revision
 from treadle.types import Action, ActionOutcome, ActionStatus, ReplayPolicy, ToolSpec
 
 __all__ = ["EnvironmentFailure", "ReconcileHook", "Tool", "ToolContext", "Toolbox", "tool"]
@@ -102,6 +109,13 @@ class ToolContext:
         tool: the tool name.
         replay: true when the call is re-executed on resume under the same ``intent_id``
             (replay policy ``SAFE``).
+        resource: the key of the resource the tool writes (``writes=``), else of the one
+            it reads (``reads=``); ``None`` when it declares neither.
+        seen_revision: for a tool that writes a resource: the revision of it the model saw
+            (its base revision argument when it passed one, else the latest this run
+            observed). Compare it with the current revision inside the write's transaction
+            and raise `treadle.revisions.StaleWrite` when they differ. ``None`` for other
+            tools; 0 is a revision (docs/concepts.md, "Stale writes").
     """
 
     run_id: str
@@ -110,6 +124,8 @@ class ToolContext:
     call_id: str
     tool: str
     replay: bool = False
+    resource: str | None = None
+    seen_revision: int | None = None
 
 
 @attrs.frozen(kw_only=True, eq=False)
@@ -132,6 +148,10 @@ class Tool:
             out of the log (docs/events.md, "Secret arguments").
         isolation: where its calls run: ``task``, ``thread`` or ``process``
             (docs/concepts.md, "Tools and cancellation").
+        reads: the key template of the resource a call reads, if any.
+        writes: the key template of the resource a call writes, if any.
+        base_revision: the argument in which the model passes the revision it changes
+            from, if any (docs/concepts.md, "Stale writes").
     """
 
     name: str
@@ -145,6 +165,9 @@ class Tool:
     requires_approval: bool = False
     secret_arguments: frozenset[str] = frozenset()
     isolation: Isolation = "task"
+    reads: ResourceTemplate | None = None
+    writes: ResourceTemplate | None = None
+    base_revision: str | None = None
 
     @property
     def spec(self) -> ToolSpec:
@@ -204,6 +227,7 @@ def _make_tool(fn: ToolFunction, options: Mapping[str, Any]) -> Tool:
     signature = read_signature(fn, tool_name=name, context_type=ToolContext)
     secrets = _secret_arguments(name, options["secret_arguments"], signature)
     description = options["description"]
+    reads, writes, base = _resources(name, options, signature, secrets)
     return Tool(
         name=name,
         description=signature.summary if description is None else description,
@@ -216,7 +240,37 @@ def _make_tool(fn: ToolFunction, options: Mapping[str, Any]) -> Tool:
         requires_approval=options["requires_approval"],
         secret_arguments=secrets,
         isolation=isolation,
+        reads=reads,
+        writes=writes,
+        base_revision=base,
     )
+
+
+def _resources(
+    name: str, options: Mapping[str, Any], signature: ToolSignature, secrets: frozenset[str]
+) -> tuple[ResourceTemplate | None, ResourceTemplate | None, str | None]:
+    """The ``reads``, ``writes`` and ``base_revision`` options, checked."""
+    arguments = {p.name: p for p in signature.parameters}
+    templates = [
+        None
+        if options[option] is None
+        else ResourceTemplate.parse(
+            options[option], tool=name, option=option, arguments=arguments, secret=secrets
+        )
+        for option in ("reads", "writes")
+    ]
+    base = options["base_revision"]
+    if base is not None:
+        if templates[1] is None:
+            raise UsageError(f"tool {name!r}: base_revision needs writes=")
+        if base not in arguments or arguments[base].annotation not in (int, int | None):
+            raise UsageError(f"tool {name!r}: base_revision must name an int argument")
+    elif templates[1] is not None and signature.context_parameter is None:
+        raise UsageError(
+            f"tool {name!r}: a tool that writes a resource needs a ToolContext parameter "
+            "(its seen_revision) or a base_revision argument"
+        )
+    return templates[0], templates[1], base
 
 
 def _secret_arguments(
@@ -252,6 +306,9 @@ def tool(
     requires_approval: bool = False,
     secret_arguments: Collection[str] = (),
     isolation: Literal["process"] | None = None,
+    reads: str | None = None,
+    writes: str | None = None,
+    base_revision: str | None = None,
 ) -> Callable[[ToolFunction], Tool]: ...
 
 
@@ -268,6 +325,9 @@ def tool(
     requires_approval: bool = False,
     secret_arguments: Collection[str] = (),
     isolation: Literal["process"] | None = None,
+    reads: str | None = None,
+    writes: str | None = None,
+    base_revision: str | None = None,
 ) -> Tool | Callable[[ToolFunction], Tool]:
     """Declare a tool; use bare (``@tool``) or with options (``@tool(timeout_s=30)``).
 
@@ -292,6 +352,16 @@ def tool(
             at the top level of an importable module, and its arguments and return value
             must pickle. ``None`` (the default): a task or a thread, as above. See
             docs/concepts.md, "Tools and cancellation".
+        reads: the key template of the resource a call reads, over its arguments
+            (``"reservation:{reservation_id}"``); the tool returns
+            `treadle.revisions.Observed` to report the revision it read.
+        writes: the key template of the resource a call writes. A call runs only when the
+            run read that resource before; the tool gets the revision the model saw
+            (``ToolContext.seen_revision``) and raises `treadle.revisions.StaleWrite` when
+            the resource changed since (docs/concepts.md, "Stale writes").
+        base_revision: with ``writes``: the name of an ``int`` argument in which the model
+            passes the revision it changes from; a call whose value the run never read is
+            refused before it runs.
 
     Returns:
         The `Tool`, or a decorator making one.
@@ -300,8 +370,11 @@ def tool(
         UsageError: the function is not callable; an argument lacks an annotation, is
             ``*args``/``**kwargs``/positional-only, or has an unsupported type; the name is
             not a valid tool name; an option is out of range; ``secret_arguments``
-            names an argument the tool does not have; or a process tool is not defined at
-            the top level of a module.
+            names an argument the tool does not have; a process tool is not defined at the
+            top level of a module; a ``reads``/``writes`` template is malformed or uses an
+            argument that is unknown or secret; ``base_revision`` does not name an ``int``
+            argument of a writing tool; or a writing tool has neither a `ToolContext`
+            parameter nor ``base_revision``.
     """
     options = {
         "name": name,
@@ -313,6 +386,9 @@ def tool(
         "requires_approval": requires_approval,
         "secret_arguments": secret_arguments,
         "isolation": isolation,
+        "reads": reads,
+        "writes": writes,
+        "base_revision": base_revision,
     }
     if fn is not None:
         return _make_tool(fn, options)
@@ -392,7 +468,7 @@ async def _in_process(found: Tool, kwargs: dict[str, Any]) -> ActionOutcome:
         raise ToolProcessFailed(detail)
     reply = pickle.loads(completed.stdout)
     if reply[0] == _toolproc.REPLY_OK:
-        return Toolbox._returned(found, reply[1])
+        return Toolbox._returned(found, reply[1], _resource_key(found, kwargs))
     _, kind, message, failure = reply
     text = f"Error: {kind}: {message}" if message else f"Error: {kind}"
     if failure:
@@ -404,6 +480,39 @@ async def _kill(process: trio.Process) -> None:
     """Cancel a process tool's call: SIGKILL, no grace (its state is the tool's own)."""
     process.send_signal(signal.SIGKILL)
     await trio.lowlevel.checkpoint()
+
+
+def _resource_key(found: Tool, kwargs: Mapping[str, Any]) -> str | None:
+    """The key of the resource a call writes, else of the one it reads, else ``None``."""
+    template = found.writes if found.writes is not None else found.reads
+    return None if template is None else template.key(kwargs)
+
+
+def _stale_write(exc: BaseException) -> StaleWrite | None:
+    """The `StaleWrite` a tool raised, also from inside an exception group."""
+    if isinstance(exc, StaleWrite):
+        return exc
+    if isinstance(exc, BaseExceptionGroup):
+        group = exc.subgroup(StaleWrite)
+        if group is not None:
+            return _stale_write(group.exceptions[0])
+    return None
+
+
+def _stale(found: Tool, resource: str | None, seen: int | None, exc: StaleWrite) -> ActionOutcome:
+    """The tool found its resource changed since the model read it: nothing was written."""
+    parts = [] if seen is None else [f"you read revision {seen}"]
+    if exc.current is not None:
+        parts.append(f"it is now at revision {exc.current}")
+    if exc.message:
+        parts.append(exc.message)
+    detail = "; ".join(parts) or str(exc)
+    return ActionOutcome(
+        status=ActionStatus.NOT_EXECUTED,
+        observation=detail,
+        detail=detail,
+        stale_resource=resource if resource is not None else found.name,
+    )
 
 
 class Toolbox:
@@ -453,6 +562,11 @@ class Toolbox:
         found = self._tools.get(tool)
         return frozenset() if found is None else found.secret_arguments
 
+    def writes(self, tool: str) -> str | None:
+        """The key template of the resource ``tool`` writes (``None``: none, or unknown)."""
+        found = self._tools.get(tool)
+        return None if found is None or found.writes is None else found.writes.text
+
     def timeout_s(self, tool: str) -> float:
         """Seconds one call of ``tool`` may run."""
         found = self._tools.get(tool)
@@ -469,8 +583,11 @@ class Toolbox:
 
         Returns:
             NOT_EXECUTED for an unknown tool or invalid arguments (``detail`` says which
-            and why); ENV_ERROR when the tool raised `EnvironmentFailure`; else EXECUTED,
-            with the return value, the raised error or the timeout as observation.
+            and why), for a write of a resource ``action.revisions`` holds no (such)
+            revision of, and when the tool raised `treadle.revisions.StaleWrite`
+            (``stale_resource`` set); ENV_ERROR when the tool raised `EnvironmentFailure`;
+            else EXECUTED, with the return value, the raised error or the timeout as
+            observation, and the revision an `treadle.revisions.Observed` value reported.
 
         Cancellation:
             Always a checkpoint, before the tool starts. `trio.Cancelled` from outside always
@@ -484,6 +601,14 @@ class Toolbox:
         kwargs = found.signature.validate(action.arguments)
         if isinstance(kwargs, Invalid):
             return _not_executed("invalid arguments: " + "; ".join(kwargs.errors))
+        resource = _resource_key(found, kwargs)
+        seen: int | None = None
+        if found.writes is not None and resource is not None:
+            base = kwargs.get(found.base_revision) if found.base_revision else None
+            checked = check_write(resource, action.revisions, base)
+            if isinstance(checked, str):
+                return _not_executed(checked)
+            seen = checked
         if found.signature.context_parameter is not None:
             kwargs[found.signature.context_parameter] = ToolContext(
                 run_id=action.run_id,
@@ -492,10 +617,14 @@ class Toolbox:
                 call_id=action.call_id,
                 tool=action.tool,
                 replay=replay or action.replay,
+                resource=resource,
+                seen_revision=seen,
             )
-        return await self._run(found, kwargs)
+        return await self._run(found, kwargs, resource, seen)
 
-    async def _run(self, found: Tool, kwargs: dict[str, Any]) -> ActionOutcome:
+    async def _run(
+        self, found: Tool, kwargs: dict[str, Any], resource: str | None, seen: int | None
+    ) -> ActionOutcome:
         timeout = self.timeout_s(found.name)
         abandoned = threading.Event()
         with trio.move_on_after(timeout):
@@ -509,11 +638,14 @@ class Toolbox:
                 else:
                     result = await found.fn(**kwargs)
             except Exception as exc:
+                stale = _stale_write(exc)
+                if stale is not None:
+                    return _stale(found, resource, seen, stale)
                 return self._failed(exc)
             except BaseException:  # cancelled (or timed out): a thread is left behind
                 abandoned.set()
                 raise
-            return self._returned(found, result)
+            return self._returned(found, result, resource)
         if found.isolation == "thread":
             return ActionOutcome(
                 status=ActionStatus.UNKNOWN,
@@ -539,7 +671,18 @@ class Toolbox:
         return ActionOutcome(status=ActionStatus.EXECUTED, observation=_error_text(exc))
 
     @staticmethod
-    def _returned(found: Tool, result: Any) -> ActionOutcome:
+    def _returned(found: Tool, result: Any, resource: str | None) -> ActionOutcome:
+        revisions: dict[str, int] = {}
+        if isinstance(result, Observed):
+            key = result.resource if result.resource is not None else resource
+            if key is None or not is_revision(result.revision):
+                text = (
+                    f"Error: {found.name} returned a revision without a resource key "
+                    "(declare reads= or writes=, or pass resource=) or one that is not an int"
+                )
+                return ActionOutcome(status=ActionStatus.EXECUTED, observation=text, detail=text)
+            revisions[key] = result.revision
+            result = result.value
         try:
             observation = observation_of(result)
         except (TypeError, ValueError) as exc:
@@ -549,6 +692,7 @@ class Toolbox:
             status=ActionStatus.EXECUTED,
             observation=observation,
             task_completed=found.completes_task,
+            revisions=revisions,
         )
 
     async def reconcile(self, action: Action) -> ActionOutcome | None:

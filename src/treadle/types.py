@@ -401,6 +401,13 @@ class ActionOutcome:
         observation_truncated_chars: characters cut from the observation (0 when synthetic).
         detail: the executor's own text for a non-executed action (diagnostics and events only,
             never history).
+        revisions: the revisions of resources the observation shows, by resource key (an
+            ``int``; 0 is a revision); the run's table of observed revisions is folded from
+            these (docs/concepts.md, "Stale writes"). Empty (and left out of the log) for
+            tools that report none.
+        stale_resource: for NOT_EXECUTED: the resource key the tool found changed since
+            the revision the model saw (`treadle.revisions.StaleWrite`); the observation is
+            then the definition's ``stale`` text. ``None`` otherwise.
     """
 
     status: ActionStatus
@@ -409,6 +416,8 @@ class ActionOutcome:
     task_completed: bool = False
     observation_truncated_chars: int = 0
     detail: str | None = None
+    revisions: Mapping[str, int] = attrs.field(factory=dict)
+    stale_resource: str | None = None
 
 
 @attrs.frozen(kw_only=True)
@@ -425,6 +434,9 @@ class Action:
         arguments: the decoded argument object (not yet validated).
         replay: true when resume re-executes a ``safe`` action whose intent was already
             written (its effect may have happened once before, under the same intent id).
+        revisions: the revisions the run observed before this step, by resource key, each
+            key's distinct revisions with the latest observed last (docs/concepts.md,
+            "Stale writes"); what a writing tool's call is checked against.
     """
 
     run_id: str
@@ -434,6 +446,7 @@ class Action:
     tool: str
     arguments: Mapping[str, JSONValue] = attrs.field(factory=dict)
     replay: bool = False
+    revisions: Mapping[str, tuple[int, ...]] = attrs.field(factory=dict)
 
 
 # --------------------------------------------------------------------------- definition data
@@ -493,6 +506,11 @@ class SyntheticObservations:
 
     They are part of the agent definition and of its parameter snapshot, so a replay
     reproduces them (docs/seams.md, "Action executor"). ``{tool}`` and ``{detail}`` are substituted.
+
+    ``stale`` is the text for a write refused because its resource changed since the model
+    read it (docs/concepts.md, "Stale writes"); ``{resource}`` is substituted too. It is in
+    the snapshot only when the executor has a tool that writes a resource, so the snapshot
+    of an agent without one is what it was before the text existed.
     """
 
     not_executed: str = "Error: the call to {tool} was not executed: {detail}"
@@ -502,6 +520,10 @@ class SyntheticObservations:
         "ran); it was not repeated. Check its effect before trying again."
     )
     rejected: str = "The call to {tool} was rejected by a human reviewer: {detail}"
+    stale: str = (
+        "Error: the call to {tool} was not executed: {resource} changed since you read it "
+        "({detail}). Read it again, then decide again from what you read."
+    )
 
 
 # --------------------------------------------------------------------------- log records

@@ -586,6 +586,7 @@ class RunCoordinator:
                         existing=existing,
                         scope=scope,
                         rejected=rejected,
+                        revisions=self.view.observed_revisions(),
                         reply_to=reply_to,
                         handed=handed,
                     ),

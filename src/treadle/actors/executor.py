@@ -68,6 +68,8 @@ class RunActions:
             detail of their synthetic observation; they get no intent and never run.
         handed: the executor appends each intent here once it handed it to the writer, so
             that the coordinator can give it a result even if no answer comes.
+        revisions: the revisions the run observed before this step, folded from its log
+            (`treadle._state.RunView.revisions`), handed to every action of the step.
     """
 
     step: int
@@ -77,6 +79,7 @@ class RunActions:
     reply_to: trio.MemorySendChannel[ActionsOutcome]
     rejected: Mapping[str, str] = attrs.field(factory=dict)
     handed: list[ActionIntent] = attrs.field(factory=list)
+    revisions: Mapping[str, tuple[int, ...]] = attrs.field(factory=dict)
 
 
 @attrs.frozen(kw_only=True)
@@ -126,7 +129,10 @@ class ToolExecutor:
 
     async def run_actions(self, message: RunActions) -> ActionsOutcome:
         """Write the intents, run the actions, and build their results."""
-        actions = [self._action(message.step, i, call) for i, call in enumerate(message.calls)]
+        actions = [
+            self._action(message.step, i, call, message.revisions)
+            for i, call in enumerate(message.calls)
+        ]
         existing = {intent.intent_id: intent for intent in message.existing}
         written: list[Record] = []
         outcomes: dict[int, tuple[ActionOutcome, float, bool]] = {}
@@ -267,7 +273,9 @@ class ToolExecutor:
             observation_is_synthetic=True,
         )
 
-    def _action(self, step: int, index: int, call: ToolCall) -> Action:
+    def _action(
+        self, step: int, index: int, call: ToolCall, revisions: Mapping[str, tuple[int, ...]]
+    ) -> Action:
         return Action(
             run_id=self.run_id,
             step=step,
@@ -275,6 +283,7 @@ class ToolExecutor:
             call_id=call.id,
             tool=call.name,
             arguments=call.arguments,
+            revisions=revisions,
         )
 
     async def _write_intent(
@@ -419,8 +428,12 @@ class ToolExecutor:
                 if outcome.status is ActionStatus.NOT_EXECUTED
                 else self.synthetic.env_error
             )
+            if outcome.status is ActionStatus.NOT_EXECUTED and outcome.stale_resource:
+                template = self.synthetic.stale
             detail = outcome.detail or outcome.observation
-            text = template.format(tool=action.tool, detail=detail)
+            text = template.format(
+                tool=action.tool, detail=detail, resource=outcome.stale_resource or ""
+            )
             outcome = attrs.evolve(
                 outcome,
                 observation=text,

@@ -1,0 +1,189 @@
+"""Stale-write protection: resources, their revisions, and what a run observed of them.
+
+See docs/concepts.md, "Stale writes", and docs/decisions/0045-stale-write-protection.md.
+
+A tool declares the resource it reads or writes with a key template over its arguments
+(``@tool(reads="reservation:{reservation_id}")``). A reading tool reports the revision of what
+it returned by returning `Observed`; the revision is logged with the action's result (in
+``ActionResult.outcome.revisions``), and the run's table of observed revisions is folded from
+the log (`fold_revisions`), so a resumed run has the same table. Before a writing tool runs,
+the executor checks that the run observed the resource and hands the tool the revision the
+model saw (``ToolContext.seen_revision``); the tool compares it with the current one inside
+its own transaction and raises `StaleWrite` when they differ.
+
+Revisions are integers; 0 is a revision like any other.
+"""
+
+from __future__ import annotations
+
+import enum
+import string
+from collections.abc import Collection, Mapping
+from typing import Any, Final, Generic, TypeVar
+
+import attrs
+
+from treadle._exceptions import TreadleError, UsageError
+
+__all__ = ["Observed", "ResourceTemplate", "StaleWrite", "check_write", "fold_revisions"]
+
+T = TypeVar("T")
+
+RevisionTable = dict[str, tuple[int, ...]]
+"""Resource key -> the distinct revisions a run observed of it, the latest observed last."""
+
+_FORMATTER: Final = string.Formatter()
+
+
+@attrs.frozen
+class Observed(Generic[T]):
+    """A tool's return value together with the revision of the resource it shows.
+
+    Return it from a tool declared with ``reads=`` (or ``writes=``, to report the revision a
+    write produced): the observation is made from ``value`` as if it had been returned
+    alone, and ``revision`` is logged as observed for the tool's resource key.
+
+    Attributes:
+        value: what the tool returns (a ``str`` or anything JSON can hold, as for any tool).
+        revision: the revision of the resource ``value`` shows (an ``int``; 0 is valid).
+        resource: the resource key, when it is not the tool's own (``None``: the key of its
+            ``writes=`` template, else of its ``reads=`` template: ``ToolContext.resource``).
+    """
+
+    value: T
+    revision: int = attrs.field(kw_only=True)
+    resource: str | None = attrs.field(default=None, kw_only=True)
+
+
+class StaleWrite(TreadleError):
+    """Raised by a writing tool that found its resource changed since the model read it.
+
+    Raise it inside the tool's transaction, before changing anything: the action becomes
+    NOT_EXECUTED, and the model is told, in the definition's ``SyntheticObservations.stale``
+    text, that the resource changed since it read it and must be read again
+    (docs/concepts.md, "Stale writes").
+
+    Args:
+        current: the resource's current revision, when known (shown to the model).
+        message: more detail for the model, optional.
+
+    Attributes:
+        current: the current revision, or ``None``.
+    """
+
+    def __init__(self, current: int | None = None, message: str = "") -> None:
+        super().__init__(message or "the resource changed since it was read")
+        self.current = current
+        self.message = message
+
+
+@attrs.frozen
+class ResourceTemplate:
+    """A resource key template over a tool's arguments, e.g. ``reservation:{reservation_id}``.
+
+    Attributes:
+        text: the template; each ``{name}`` is replaced by the argument's value.
+        fields: the argument names it uses, in order.
+    """
+
+    text: str
+    fields: tuple[str, ...]
+
+    @classmethod
+    def parse(
+        cls,
+        text: str,
+        *,
+        tool: str,
+        option: str,
+        arguments: Collection[str],
+        secret: Collection[str],
+    ) -> ResourceTemplate:
+        """Check ``text`` against the tool's arguments.
+
+        Raises:
+            UsageError: not a string, malformed, a field with a format spec, conversion,
+                index or attribute, a field that names no argument, or one that names a
+                secret argument (the key is logged in the clear).
+        """
+        if not isinstance(text, str) or not text:
+            raise UsageError(f"tool {tool!r}: {option} must be a non-empty key template")
+        try:
+            parts = list(_FORMATTER.parse(text))
+        except ValueError as exc:
+            raise UsageError(f"tool {tool!r}: {option}={text!r} is malformed: {exc}") from exc
+        fields: list[str] = []
+        for _, name, spec, conversion in parts:
+            if name is None:
+                continue
+            if spec or conversion or not name.isidentifier():
+                raise UsageError(
+                    f"tool {tool!r}: {option}={text!r}: a field is a bare argument name, "
+                    f"as in {{reservation_id}}"
+                )
+            if name not in arguments:
+                raise UsageError(f"tool {tool!r}: {option}={text!r} names no argument {name!r}")
+            if name in secret:
+                raise UsageError(
+                    f"tool {tool!r}: {option}={text!r} uses the secret argument {name!r}; "
+                    "resource keys are logged in the clear"
+                )
+            fields.append(name)
+        return cls(text=text, fields=tuple(fields))
+
+    def key(self, arguments: Mapping[str, Any]) -> str:
+        """The resource key of a call, from its validated arguments (values as ``str``)."""
+        return self.text.format_map({name: _text(arguments[name]) for name in self.fields})
+
+
+def _text(value: Any) -> str:
+    """An argument's value as it appears in a key (enums by value, ``None`` as ``null``)."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, enum.Enum):
+        return str(value.value)
+    return str(value)
+
+
+def is_revision(value: object) -> bool:
+    """True for an ``int`` revision (a ``bool`` is not one)."""
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def fold_revisions(table: RevisionTable, revisions: Mapping[str, int]) -> None:
+    """Record, in place, the revisions one applied action result observed.
+
+    A revision seen again moves to the end: the last one of a key is the latest observed.
+    """
+    for key, revision in revisions.items():
+        seen = table.get(key, ())
+        table[key] = (*(r for r in seen if r != revision), revision)
+
+
+def check_write(key: str, observed: Mapping[str, tuple[int, ...]], base: int | None) -> int | str:
+    """The revision the model saw of ``key``, or why the write is refused.
+
+    Args:
+        key: the resource key of the write.
+        observed: the run's observed revisions before the step (`RevisionTable`).
+        base: the base revision the model passed, ``None`` when it passed none.
+
+    Returns:
+        ``base`` when the run observed it, else the latest revision observed; a ``str``
+        (the refusal's detail, for the model) when the run never observed the resource or
+        never observed ``base``.
+    """
+    seen = observed.get(key, ())
+    if not seen:
+        return f"{key} was not read in this run; read it first, then change it from what you read"
+    if base is None:
+        return seen[-1]
+    if base not in seen:
+        listed = ", ".join(str(r) for r in sorted(seen))
+        return (
+            f"revision {base} of {key} was never read in this run (read: {listed}); "
+            "read it again and pass the revision you read"
+        )
+    return base
