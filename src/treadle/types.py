@@ -640,6 +640,34 @@ class ActionResult:
     duration_s: float | None = None
     late: bool = False
     reconciled: bool = False
+
+    @classmethod
+    def unknown(
+        cls,
+        intent: ActionIntent,
+        *,
+        observation: str,
+        detail: str,
+        ts: str,
+        synthetic: bool = False,
+        late: bool = False,
+    ) -> ActionResult:
+        """The UNKNOWN result of ``intent``: nobody can tell whether its call had an effect."""
+        return cls(
+            run_id=intent.run_id,
+            step=intent.step,
+            intent_id=intent.intent_id,
+            call_id=intent.call_id,
+            tool=intent.tool,
+            outcome=ActionOutcome(
+                status=ActionStatus.UNKNOWN,
+                observation=observation,
+                observation_is_synthetic=synthetic,
+                detail=detail,
+            ),
+            ts=ts,
+            late=late,
+        )
     surrogates_replaced: int = 0
 
 

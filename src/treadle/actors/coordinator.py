@@ -41,7 +41,6 @@ from treadle.ports import DecisionParser
 from treadle.types import (
     SUCCESS_STOP_REASONS,
     ActionIntent,
-    ActionOutcome,
     ActionResult,
     ActionStatus,
     ApprovalDecided,
@@ -605,20 +604,13 @@ class RunCoordinator:
     def _unanswered(self, intents: list[ActionIntent]) -> tuple[ActionResult, ...]:
         """UNKNOWN late results for the intents of an executor that never answered."""
         return tuple(
-            ActionResult(
-                run_id=self.run_id,
-                step=intent.step,
-                intent_id=intent.intent_id,
-                call_id=intent.call_id,
-                tool=intent.tool,
-                outcome=ActionOutcome(
-                    status=ActionStatus.UNKNOWN,
-                    observation=(
-                        f"the outcome of the call to {intent.tool} is unknown: the run "
-                        "stopped waiting for its executor"
-                    ),
-                    detail="the tool executor did not answer in time",
+            ActionResult.unknown(
+                intent,
+                observation=(
+                    f"the outcome of the call to {intent.tool} is unknown: the run "
+                    "stopped waiting for its executor"
                 ),
+                detail="the tool executor did not answer in time",
                 ts=self.clock.now_iso(),
                 late=True,
             )

@@ -27,9 +27,7 @@ from treadle.stores._leases import LEASE_TTL_S
 from treadle.stores._ops import write_records
 from treadle.types import (
     ActionIntent,
-    ActionOutcome,
     ActionResult,
-    ActionStatus,
     CancelRequested,
     DecisionKind,
     Message,
@@ -194,17 +192,10 @@ def _synthetic(log: RunLog) -> SyntheticObservations:
 
 
 def _unknown(intent: ActionIntent, synthetic: SyntheticObservations, clock: Clock) -> ActionResult:
-    return ActionResult(
-        run_id=intent.run_id,
-        step=intent.step,
-        intent_id=intent.intent_id,
-        call_id=intent.call_id,
-        tool=intent.tool,
-        outcome=ActionOutcome(
-            status=ActionStatus.UNKNOWN,
-            observation=synthetic.unknown.format(tool=intent.tool, detail=""),
-            observation_is_synthetic=True,
-            detail="the run was cancelled while nobody drove it",
-        ),
+    return ActionResult.unknown(
+        intent,
+        observation=synthetic.unknown.format(tool=intent.tool, detail=""),
+        detail="the run was cancelled while nobody drove it",
         ts=clock.now_iso(),
+        synthetic=True,
     )
