@@ -668,6 +668,7 @@ class ActionResult:
             ts=ts,
             late=late,
         )
+
     surrogates_replaced: int = 0
 
 

@@ -532,6 +532,38 @@ async def _concurrent_runs_interleave(open_store: StoreOpener) -> None:
         _expect(len(listed) == len(writers), check, f"list_runs shows {len(listed)} of 40 runs")
 
 
+async def _reads_beside_a_writer_change_nothing(open_store: StoreOpener) -> None:
+    check = "reads_beside_a_writer_change_nothing"
+    async with open_store() as store:
+        w = _Writer(store, _new_run_id("read-live"))
+        done = trio.Event()
+        seen: list[tuple[Record, ...]] = []
+
+        async def read_all_the_time() -> None:
+            while not done.is_set():
+                seen.append((await store.read_log(w.run_id)).records)
+                await store.list_runs()
+                await trio.lowlevel.checkpoint()
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(read_all_the_time)
+            nursery.start_soon(read_all_the_time)
+            await w.started()
+            for step in range(1, 13):  # a read after every write: no write may be refused
+                await w.step(step, actions=step % 3)
+            await w.finished()
+            done.set()
+        _expect(bool(seen), check, "the readers never ran")
+        await _expect_log(check, store, w.run_id, w.written)
+        final = tuple(w.written)
+        for records in seen:  # every read saw a prefix of what was written
+            _expect(
+                records == final[: len(records)],
+                check,
+                f"a read beside the writer saw {len(records)} records that are not a prefix",
+            )
+
+
 async def _closed_store_refuses_writes(open_store: StoreOpener) -> None:
     check = "closed_store_refuses_writes"
     async with open_store() as store:
@@ -604,6 +636,11 @@ RUN_STORE_CHECKS: Final[tuple[StoreCheck, ...]] = (
         name="concurrent_runs_interleave",
         doc="40 runs written concurrently each read back exactly their own records",
         fn=_concurrent_runs_interleave,
+    ),
+    StoreCheck(
+        name="reads_beside_a_writer_change_nothing",
+        doc="reading a run (and listing runs) while it is written never disturbs the writer",
+        fn=_reads_beside_a_writer_change_nothing,
     ),
     StoreCheck(
         name="closed_store_refuses_writes",
