@@ -16,7 +16,7 @@ import enum
 import functools
 import re
 from collections.abc import Mapping
-from typing import Any, TypeVar
+from typing import Any, Final, TypeVar
 
 import attrs
 
@@ -67,9 +67,19 @@ def valid_unicode(value: T) -> tuple[T, int]:
     return fixed, count
 
 
+_NO_TEXT: Final = re.compile(r"\A(?:\s*(?:int|float|bool|None)\s*\|?)+\Z")
+"""A field annotation that can hold no text (``int | None``, ``float``, ``bool`` ...)."""
+
+
 @functools.cache
 def _field_names(cls: type) -> tuple[str, ...]:
-    return tuple(field.name for field in attrs.fields(cls))
+    """The fields of an attrs class that may hold text (numbers and flags left out)."""
+    return tuple(
+        field.name
+        for field in attrs.fields(cls)
+        if not (isinstance(field.type, str) and _NO_TEXT.match(field.type))
+        and field.type not in (int, float, bool)
+    )
 
 
 def holds_surrogates(value: Any) -> bool:
