@@ -34,6 +34,7 @@ is validated, stored and run is the same data (docs/models.md, "Tool arguments")
 from __future__ import annotations
 
 import hashlib
+import json
 import math
 from collections.abc import Mapping, Sequence
 from typing import Final
@@ -55,6 +56,7 @@ __all__ = [
     "EMPTY_REPLY",
     "INVALID_MARKUP",
     "NON_FINITE_NUMBER",
+    "REFUSAL",
     "SYNTHESISED_CALL_ID",
     "TOOL_CALL_FROM_CONTENT",
     "TOOL_CALL_MARKUP",
@@ -62,6 +64,7 @@ __all__ = [
     "JsonToolCallParser",
     "NativeToolCallParser",
     "refuse_non_finite",
+    "strict_arguments",
     "synthesise_call_id",
 ]
 
@@ -629,4 +632,33 @@ def refuse_non_finite(parsed: ParsedReply) -> ParsedReply:
         reason=NON_FINITE_NUMBER,
         repairs=parsed.repairs,
         history_message=attrs.evolve(history, tool_calls=calls),
+    )
+
+
+def strict_arguments(reply: ModelReply) -> ModelReply:
+    """``reply`` with each tool call whose arguments hold NaN or an infinity made invalid.
+
+    JSON has no form for those numbers, so a stored call would read back with other
+    arguments than the ones validated. Such a call moves to ``invalid_tool_calls`` with
+    reason ``non_finite_number`` and its arguments as text (``NaN``, ``Infinity``), which the
+    parsers turn into an invalid decision with feedback (docs/models.md, "Tool arguments").
+    """
+    bad = [call for call in reply.tool_calls if has_non_finite(call.arguments)]
+    if not bad:
+        return reply
+    return attrs.evolve(
+        reply,
+        tool_calls=tuple(call for call in reply.tool_calls if call not in bad),
+        invalid_tool_calls=(
+            *(
+                InvalidToolCall(
+                    id=call.id,
+                    name=call.name,
+                    raw_arguments=json.dumps(call.arguments, ensure_ascii=False),
+                    reason=NON_FINITE_NUMBER,
+                )
+                for call in bad
+            ),
+            *reply.invalid_tool_calls,
+        ),
     )

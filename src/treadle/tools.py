@@ -445,8 +445,14 @@ def _in_thread(found: Tool, kwargs: dict[str, Any], abandoned: threading.Event) 
             )
 
 
-async def _in_process(found: Tool, kwargs: dict[str, Any]) -> ActionOutcome:
-    """Run a process tool in a child process; killed at once when the call is cancelled."""
+async def _in_process(
+    found: Tool, kwargs: dict[str, Any], resource: str | None, seen: int | None
+) -> ActionOutcome:
+    """Run a process tool in a child process; killed at once when the call is cancelled.
+
+    A `StaleWrite` raised in the child is a stale write here too (``resource`` and ``seen``:
+    the call's resource key and the revision the model saw).
+    """
     fn = found.fn
     request = pickle.dumps(
         {"module": fn.__module__, "qualname": fn.__qualname__, "kwargs": kwargs},
@@ -468,7 +474,9 @@ async def _in_process(found: Tool, kwargs: dict[str, Any]) -> ActionOutcome:
         raise ToolProcessFailed(detail)
     reply = pickle.loads(completed.stdout)
     if reply[0] == _toolproc.REPLY_OK:
-        return Toolbox._returned(found, reply[1], _resource_key(found, kwargs))
+        return Toolbox._returned(found, reply[1], resource)
+    if reply[0] == _toolproc.REPLY_STALE:
+        return _stale(found, resource, seen, StaleWrite(current=reply[1], message=reply[2]))
     _, kind, message, failure = reply
     text = f"Error: {kind}: {message}" if message else f"Error: {kind}"
     if failure:
@@ -634,7 +642,7 @@ class Toolbox:
                         _in_thread, found, kwargs, abandoned, abandon_on_cancel=True
                     )
                 elif found.isolation == "process":
-                    return await _in_process(found, kwargs)
+                    return await _in_process(found, kwargs, resource, seen)
                 else:
                     result = await found.fn(**kwargs)
             except Exception as exc:

@@ -65,6 +65,7 @@ async def test_success_is_reported_with_usage():
         "response_id": "chatcmpl-p",
         "refusal": None,
         "provider_finish_reason": None,
+        "surrogates_replaced": 0,
         "decision": {
             "kind": "final_answer",
             "actions": [],
@@ -251,3 +252,22 @@ async def test_the_probe_prints_what_a_runs_records_hold_for_the_same_reply(prot
         for c in step.history_message.tool_calls
     ]
     assert report["decision"]["actions"] == history_calls
+
+
+async def test_the_probe_reports_what_a_run_records_for_bad_text_and_non_finite_numbers():
+    """A lone surrogate is replaced (and counted), a NaN argument makes the call invalid,
+    as the gateway records them; the report is strict JSON."""
+    nan = {"index": 0, "id": "c1", "function": {"name": "add", "arguments": '{"a": NaN}'}}
+    response = CannedResponse(
+        headers=SSE,
+        chunks=[
+            b'data: {"choices": [{"index": 0, "delta": {"content": "a\\ud800b"}}]}\n\n',
+            *sse(chunk({"tool_calls": [nan]}, "tool_calls"), "[DONE]"),
+        ],
+    )
+    result, _ = await run_probe(response, tools=[ToolSpec(name="add")])
+    assert result["text"] == "a\ufffdb" and result["surrogates_replaced"] == 1
+    assert result["tool_calls"] == []
+    assert [c["reason"] for c in result["invalid_tool_calls"]] == ["non_finite_number"]
+    assert result["decision"]["kind"] == "invalid"
+    json.dumps(result, allow_nan=False).encode("utf-8")  # printable as strict JSON

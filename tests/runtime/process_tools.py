@@ -34,3 +34,9 @@ def double(n: int) -> int:
 def fail(message: str) -> str:
     """Raise ValueError(message)."""
     raise ValueError(message)
+
+
+@treadle.tool(isolation="process", writes="res:{rid}", base_revision="base")
+def stale_write(rid: str, base: int) -> str:
+    """A write that finds its resource changed since it was read."""
+    raise treadle.StaleWrite(current=base + 1)

@@ -20,7 +20,7 @@ from pathlib import Path
 import attrs
 import pytest
 import trio
-from process_tools import double, fail, slow_write
+from process_tools import double, fail, slow_write, stale_write
 from runtime_fakes import LedgerTools, SimpleParser
 
 import treadle
@@ -323,3 +323,21 @@ async def test_the_checker_fails_a_finished_log_whose_intent_has_no_result_or_tw
     assert check_action_results(twice) == ["r: action intent r/s1/a1 has 2 results"]
     unfinished = RunLog(run_id="r", records=missing.records[:-1])
     assert check_action_results(unfinished) == []  # resume resolves an open intent
+
+
+async def test_a_stale_write_in_a_process_tool_is_a_stale_write():
+    from treadle.types import Action
+
+    action = Action(
+        run_id="r",
+        step=1,
+        intent_id="r/s1/a1",
+        call_id="c",
+        tool="stale_write",
+        arguments={"rid": "A", "base": 4},
+        revisions={"res:A": (4,)},
+    )
+    outcome = await Toolbox([stale_write]).execute(action)
+    assert outcome.status is ActionStatus.NOT_EXECUTED
+    assert outcome.stale_resource == "res:A"
+    assert "it is now at revision 5" in outcome.detail

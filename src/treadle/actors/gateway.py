@@ -20,7 +20,6 @@ cancelled and cut attempts included.
 
 from __future__ import annotations
 
-import json
 import random
 from collections.abc import Callable
 
@@ -33,11 +32,10 @@ from treadle._text import repaired
 from treadle.actors._rpc import StepScope, reply
 from treadle.actors.writer import WriterClient
 from treadle.models._context import attempt_deadlines, observe_usage
-from treadle.parsers import NON_FINITE_NUMBER, has_non_finite
+from treadle.parsers import strict_arguments
 from treadle.ports import ModelClient
 from treadle.types import (
     Budgets,
-    InvalidToolCall,
     Limits,
     ModelErrorInfo,
     ModelIntent,
@@ -307,35 +305,6 @@ class ModelGateway:
         written.append(result)
         await self.writer.write(StoreOp.MODEL_RESULT, result)
         return result
-
-
-def strict_arguments(reply: ModelReply) -> ModelReply:
-    """``reply`` with each tool call whose arguments hold NaN or an infinity made invalid.
-
-    JSON has no form for those numbers, so a stored call would read back with other
-    arguments than the ones validated. Such a call moves to ``invalid_tool_calls`` with
-    reason ``non_finite_number`` and its arguments as text (``NaN``, ``Infinity``), which the
-    parsers turn into an invalid decision with feedback (docs/models.md, "Tool arguments").
-    """
-    bad = [call for call in reply.tool_calls if has_non_finite(call.arguments)]
-    if not bad:
-        return reply
-    return attrs.evolve(
-        reply,
-        tool_calls=tuple(call for call in reply.tool_calls if call not in bad),
-        invalid_tool_calls=(
-            *(
-                InvalidToolCall(
-                    id=call.id,
-                    name=call.name,
-                    raw_arguments=json.dumps(call.arguments, ensure_ascii=False),
-                    reason=NON_FINITE_NUMBER,
-                )
-                for call in bad
-            ),
-            *reply.invalid_tool_calls,
-        ),
-    )
 
 
 def _tokens(usage: Usage) -> int:

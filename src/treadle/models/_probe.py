@@ -16,7 +16,9 @@ import trio
 from cattrs.preconf.json import make_converter
 
 from treadle._exceptions import ModelCallError, UsageError
+from treadle._text import valid_unicode
 from treadle.models._transport import CLOSE_GRACE_S
+from treadle.parsers import strict_arguments
 from treadle.ports import DecisionParser, ModelClient
 from treadle.types import Message, ModelReply, ModelRequest, ParsedReply, ToolSpec
 
@@ -71,12 +73,15 @@ async def probe(
     Returns:
         ``{"protocol", "model", <every field of ModelReply>, "decision", "error"}``: the
         reply's fields (``text``, ``reasoning``, ``reasoning_signature``, ``tool_calls``,
-        ``invalid_tool_calls``, ``finish_reason``, ``usage``, ``response_id``...) under the
-        names a run's model-result record uses, all present (``None`` or empty when
-        absent); ``decision`` is ``{"kind", "actions", "text", "feedback", "reason",
-        "repairs"}`` as the parser decided, ``None`` when the call failed; ``error`` is
-        ``None`` or ``{"kind", "message", "status", "retryable", "retry_after_s"}`` of the
-        last failed attempt (``message`` is the provider's, credentials removed).
+        ``invalid_tool_calls``, ``finish_reason``, ``usage``, ``response_id``, ``refusal``,
+        ``provider_finish_reason``) under the names a run's model-result record uses, all
+        present (``None`` or empty when absent), made what a run records (a call with
+        non-finite numbers among the invalid calls, lone surrogates replaced: counted in
+        ``surrogates_replaced``); ``decision`` is ``{"kind", "actions", "text",
+        "feedback", "reason", "repairs"}`` as the parser decided, ``None`` when the call
+        failed; ``error`` is ``None`` or ``{"kind", "message", "status", "retryable",
+        "retry_after_s"}`` of the last failed attempt (``message`` is the provider's,
+        credentials removed).
 
     Raises:
         UsageError: ``max_attempts`` is below 1, ``protocol`` is unknown, or the request
@@ -101,13 +106,17 @@ async def probe(
     report: dict[str, Any] = {"protocol": protocol, "model": model}
     if error is None:
         assert reply is not None
-        report |= _plain(reply)
-        report["decision"] = _decision(_parser(parser).parse(reply, request.tools))
+        # What a run records: strict-JSON arguments, valid Unicode (as the gateway does).
+        recorded, replaced = valid_unicode(strict_arguments(reply))
+        report |= _plain(recorded)
+        report["surrogates_replaced"] = replaced
+        report["decision"] = _decision(_parser(parser).parse(recorded, request.tools))
         report["error"] = None
     else:
         report |= _plain(ModelReply(usage=error.usage))
+        report["surrogates_replaced"] = 0
         report["decision"] = None
-        report["error"] = _plain(error.info)
+        report["error"] = _plain(valid_unicode(error.info)[0])
     return report
 
 
