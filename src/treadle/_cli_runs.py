@@ -99,6 +99,12 @@ def approve_command(
 def _next_for_decision(summary: RunSummary | None) -> str:
     if summary is not None and summary.liveness is Liveness.DRIVEN and summary.lease:
         return f"{summary.lease.owner} drives the run and applies the decision within about 1 s"
+    if summary is not None and summary.liveness is Liveness.PARKED:
+        return (
+            "the run is parked on this approval: the process that parked it (or a fleet "
+            "worker serving its agent) takes it again and applies the decision within about "
+            "1 s; only if no such process runs any more, resume it with `treadle resume`"
+        )
     return (
         "nobody drives the run now: the decision waits in its control stream until a driver "
         "takes the run (a fleet worker claims it at once; or run `treadle resume`)"
@@ -265,7 +271,7 @@ def _hint_approval(
         click.echo(
             f"      … waiting for approval of {call_text(shown)} (call {request.call_id}) until "
             f"{request.deadline_ts}: treadle approve {log.run_id} --store {store_path} "
-            "[--reject MSG]"
+            "[--reject MSG | --edit JSON]"
         )
     return request
 

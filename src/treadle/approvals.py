@@ -19,13 +19,14 @@ from __future__ import annotations
 import enum
 import hashlib
 import json
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from typing import Any, TypeAlias
 
 from treadle._clock import Clock, SystemClock
 from treadle._exceptions import UsageError
 from treadle._text import repaired
 from treadle.ports import ControlStream, RunQueue, RunStore
+from treadle.redaction import Redaction
 from treadle.types import (
     ActionIntent,
     ApprovalDecided,
@@ -68,13 +69,18 @@ def arguments_digest(arguments: Mapping[str, JSONValue]) -> str:
 
 
 def check_edit(
-    edit: Mapping[str, JSONValue], tool: str = "", schema: Mapping[str, JSONValue] | None = None
+    edit: Mapping[str, JSONValue],
+    tool: str = "",
+    schema: Mapping[str, JSONValue] | None = None,
+    *,
+    secrets: Collection[str] = (),
 ) -> None:
     """Refuse edited arguments that are not strict JSON data or do not fit ``schema``.
 
-    An edit replaces the model's whole argument object (docs/events.md, "Human approval"), so it is
-    checked as a whole against the tool's argument schema (JSON Schema 2020-12, as the run's
-    parameter snapshot holds it; `tool_schema`). ``schema=None`` checks only that it is JSON.
+    An edit replaces the model's whole argument object (docs/events.md, "Human approval"), so
+    it is checked as a whole against the tool's argument schema (JSON Schema 2020-12, as the
+    run's parameter snapshot holds it; `tool_schema`). ``schema=None`` checks only that it is
+    JSON. The message about an argument named in ``secrets`` never repeats its value.
 
     Raises:
         UsageError: they are not strict JSON data (NaN, infinity, non-string keys), or they
@@ -92,13 +98,21 @@ def check_edit(
     errors = sorted(validator.iter_errors(edit), key=lambda e: list(map(str, e.absolute_path)))
     if errors:
         listed = "; ".join(
-            f"{'/'.join(map(str, e.absolute_path)) or '(arguments)'}: {e.message}"
+            f"{'/'.join(map(str, e.absolute_path)) or '(arguments)'}: {_complaint(e, secrets)}"
             for e in errors[:5]
         )
         more = f" (and {len(errors) - 5} more)" if len(errors) > 5 else ""
         raise UsageError(
             f"edited arguments do not fit the schema of {tool or 'the tool'}: {listed}{more}"
         )
+
+
+def _complaint(error: Any, secrets: Collection[str]) -> str:
+    """The schema's complaint, without the value when it is that of a secret argument."""
+    path = list(error.absolute_path)
+    if path and path[0] in secrets:
+        return f"the value does not fit ({error.validator}: {json.dumps(error.validator_value)})"
+    return str(error.message)
 
 
 def tool_schema(snapshot: Mapping[str, JSONValue], tool: str) -> Mapping[str, JSONValue]:
@@ -165,7 +179,8 @@ def decision_for(
         raise UsageError("a decision either rejects or edits the arguments, not both")
     if edit is not None:
         schema = None if snapshot is None else tool_schema(snapshot, request.tool)
-        check_edit(edit, request.tool, schema)
+        secrets = Redaction.of_snapshot(snapshot or {}).secrets.get(request.tool, ())
+        check_edit(edit, request.tool, schema, secrets=secrets)
     decision = (
         Decision.REJECT if reject is not None else Decision.EDIT if edit is not None else None
     )
@@ -205,7 +220,13 @@ def requires_approval(
 
     ``executor`` is asked through an optional ``requires_approval(tool) -> bool`` method
     (`treadle.tools.Toolbox` has one); executors without it never require approval themselves.
+    A call the executor would refuse to run anyway (an optional ``invalid_arguments(tool,
+    arguments) -> str | None`` says why: an unknown tool, arguments that do not validate)
+    never waits: it is NOT_EXECUTED with that reason, and no human decides in vain.
     """
+    invalid = getattr(executor, "invalid_arguments", None)
+    if invalid is not None and invalid(tool, arguments) is not None:
+        return False
     ask = getattr(executor, "requires_approval", None)
     if ask is not None and ask(tool):
         return True

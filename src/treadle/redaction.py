@@ -20,6 +20,8 @@ run-started one and any accepted definition change) and keeps the union.
 
 from __future__ import annotations
 
+import functools
+import re
 from collections.abc import Collection, Iterable, Mapping
 from typing import Final
 
@@ -132,13 +134,36 @@ class Redaction:
                 record,
                 reply=attrs.evolve(
                     reply,
+                    text=self.text(reply.text),
                     tool_calls=self._calls(reply.tool_calls),
                     invalid_tool_calls=tuple(self._invalid(c) for c in reply.invalid_tool_calls),
                 ),
             )
-        if isinstance(record, StepRecord) and record.history_message is not None:
-            return attrs.evolve(record, history_message=self._message(record.history_message))
+        if isinstance(record, StepRecord):
+            message = record.history_message
+            return attrs.evolve(
+                record,
+                history_message=self._message(message) if message is not None else None,
+                model_output_text=self.text(record.model_output_text),
+            )
         return record
+
+    def text(self, text: str | None) -> str | None:
+        """``text`` with the values of secret arguments written into it as a call replaced.
+
+        A model that writes its calls as text (a JSON object, ``<tool_call>`` markup, a
+        ``<parameter=name>`` block) puts the arguments into its visible text, and a parser
+        may run them as a call: there, a value after a secret argument's name as a JSON key
+        (``"card": "..."``, single quotes too) or inside its ``<parameter=card>`` block is
+        replaced. Prose is left as it is (docs/events.md, "Secret arguments").
+        """
+        if not text or not self.secrets:
+            return text
+        return self._pattern().sub(_redact_match, text)
+
+    def _pattern(self) -> re.Pattern[str]:
+        names = sorted(frozenset().union(*self.secrets.values()), key=len, reverse=True)
+        return _value_pattern(tuple(names))
 
     def request(self, request: ApprovalRequested) -> ApprovalRequested:
         """An approval request as it may leave the log (its secret arguments replaced)."""
@@ -169,9 +194,28 @@ class Redaction:
         return call
 
     def _message(self, message: Message) -> Message:
-        if not message.tool_calls:
-            return message
-        return attrs.evolve(message, tool_calls=self._calls(message.tool_calls))
+        return attrs.evolve(
+            message,
+            content=self.text(message.content),
+            tool_calls=self._calls(message.tool_calls),
+        )
+
+
+@functools.cache
+def _value_pattern(names: tuple[str, ...]) -> re.Pattern[str]:
+    alternatives = "|".join(re.escape(name) for name in names)
+    return re.compile(
+        rf"""(?P<key>(?P<q>["'])(?:{alternatives})(?P=q)\s*:\s*)"""
+        r"""(?P<value>"(?:[^"\\]|\\.)*"|'(?:[^'\\]|\\.)*'|[^,}\]\s]+)"""
+        rf"""|(?P<tag><parameter=(?:{alternatives})>)(?P<inner>.*?)(?P<end></parameter>|\Z)""",
+        re.DOTALL,
+    )
+
+
+def _redact_match(match: re.Match[str]) -> str:
+    if match.group("key") is not None:
+        return f'{match.group("key")}"{REDACTED}"'
+    return f"{match.group('tag')}{REDACTED}{match.group('end')}"
 
 
 NO_REDACTION: Final = Redaction()

@@ -575,6 +575,22 @@ class Toolbox:
         found = self._tools.get(tool)
         return None if found is None or found.writes is None else found.writes.text
 
+    def invalid_arguments(self, tool: str, arguments: Mapping[str, Any]) -> str | None:
+        """Why a call of ``tool`` with ``arguments`` cannot run, or ``None`` when it can.
+
+        The reasons are those `execute` reports: an unknown tool, arguments that do not
+        validate. `treadle.approvals.requires_approval` asks no human about such a call.
+        """
+        found = self._tools.get(tool)
+        if found is None:
+            return f"unknown tool {tool!r}"
+        checked = found.signature.validate(arguments)
+        return (
+            "invalid arguments: " + "; ".join(checked.errors)
+            if isinstance(checked, Invalid)
+            else None
+        )
+
     def timeout_s(self, tool: str) -> float:
         """Seconds one call of ``tool`` may run."""
         found = self._tools.get(tool)

@@ -24,7 +24,7 @@ from treadle.redaction import REDACTED, SNAPSHOT_KEY, Redaction
 from treadle.stores._codec import record_to_dict
 from treadle.stores.memory import MemoryStore
 from treadle.stores.sqlite import open_sqlite_store
-from treadle.supervisors.run import open_run
+from treadle.supervisors.run import open_run, run
 from treadle.testing.scripted import ScriptedModel, call, say
 from treadle.tools import Toolbox, tool
 from treadle.types import (
@@ -149,6 +149,9 @@ async def test_an_edit_that_does_not_fit_the_schema_is_refused_and_nothing_is_ha
                 handle.approve(edit=wrong)
             assert said in str(caught.value)
             assert handle.state is RunState.AWAITING_APPROVAL
+        with pytest.raises(UsageError, match="card: the value does not fit") as caught:
+            handle.approve(edit={"amount": 12, "card": 4111111111111111})
+        assert "4111111111111111" not in str(caught.value)  # a secret is never repeated
         # An edit replaces the whole object: what it says is what runs.
         handle.approve(edit={"amount": 10, "card": OTHER_CARD})
         await handle.wait()
@@ -239,3 +242,48 @@ def test_redaction_of_a_log_is_the_union_of_its_snapshots():
     assert both.arguments("login", {"password": "x"}) == {"password": REDACTED}
     assert both.arguments("", {"password": "x", "n": 1}) == {"password": REDACTED, "n": 1}
     assert not Redaction.of_snapshot({"tools": []})
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        json.dumps({"name": "charge", "arguments": {"amount": 12, "card": CARD}}),
+        '<tool_call>{"name": "charge", "arguments": {"amount": 12, "card": "' + CARD + '"}}'
+        "</tool_call>",
+    ],
+)
+async def test_a_call_written_as_text_has_its_secret_redacted_too(text, autojump_clock):
+    """A model that writes its call into its text (repaired into a call by the parser) puts
+    the secret into the reply's text and the history: redacted there as well."""
+    charged: list[dict[str, object]] = []
+    agent = make_agent(charged)
+    agent = attrs.evolve(agent, model=ScriptedModel(turns=[say(text), say("done")]))
+    store, sink = MemoryStore(), ListSink()
+    seen = []
+    async with open_run(agent, "pay", store=store, run_id="r", sinks=[sink]) as handle:
+        async for event in handle.events():
+            seen.append(event)
+            if isinstance(event.record, ApprovalRequested):
+                handle.approve()
+        await handle.wait()
+    assert charged == [{"amount": 12, "card": CARD, "memo": ""}]
+    for events in (seen, sink.events):
+        assert CARD not in as_text(events)
+    log = await store.read_log("r")
+    assert CARD in json.dumps([record_to_dict(r) for r in log.records])  # kept in the log
+
+
+async def test_no_human_is_asked_about_a_call_that_could_not_run(autojump_clock):
+    """Arguments that do not validate make the call NOT_EXECUTED without an approval wait
+    (the approver could only have wasted a decision on it)."""
+    charged: list[dict[str, object]] = []
+    agent = make_agent(charged)
+    bad = call("charge", amount="twelve", card=CARD, call_id="c1")
+    agent = attrs.evolve(agent, model=ScriptedModel(turns=[bad, say("done")]))
+    store = MemoryStore()
+    result = await run(agent, "pay", store=store, run_id="r")
+    assert result.stop_reason is StopReason.FINAL_ANSWER and charged == []
+    log = await store.read_log("r")
+    assert not any(isinstance(r, ApprovalRequested) for r in log.records)
+    (step,) = [r for r in log.records if isinstance(r, StepRecord)][:1]
+    assert "invalid arguments" in step.observations[0]

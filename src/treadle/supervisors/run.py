@@ -482,7 +482,9 @@ class RunHandle:
         """
         request = self._awaited()
         if edit is not None and request is not None and self._snapshot is not None:
-            check_edit(edit, request.tool, tool_schema(self._snapshot, request.tool))
+            secrets = self._redaction.secrets.get(request.tool, ())
+            schema = tool_schema(self._snapshot, request.tool)
+            check_edit(edit, request.tool, schema, secrets=secrets)
         if self._parking is not None:
             return self._parking.decide(call_id=call_id, reject=reject, edit=edit)
         if self._coordinator is None:
