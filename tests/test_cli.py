@@ -289,6 +289,9 @@ def test_show_and_tail_json_speak_the_event_vocabulary(tmp_path):
             '"arguments": "{x"}}]}]',
             "message 0: tool call 0: 'arguments' is not JSON",
         ),
+        ("--messages", '[{"role": "user"}]', "a user message needs 'content'"),
+        ("--messages", '[{"role": "user", "content": [{"type": "image_url"}]}]', "text parts"),
+        ("--tools", '[{"type": "function"}]', "tool 0: a {\"type\": \"function\"} tool needs"),
     ],
 )
 def test_probe_refuses_input_files_it_cannot_use_naming_the_file(tmp_path, option, content, said):
@@ -334,3 +337,15 @@ async def test_probe_sends_tool_calls_and_tool_call_ids_from_the_messages_file(t
     assert json.loads(sent[1]["tool_calls"][0]["function"]["arguments"]) == {"a": 1}
     assert sent[2] == {"role": "tool", "tool_call_id": "c1", "content": "2"}
     assert json.loads(done.stdout)["text"] == "2"
+
+
+def test_probe_takes_openai_shaped_messages_and_refuses_a_base_url_that_is_no_url(tmp_path):
+    from treadle._cli_probe import load_messages
+
+    path = tmp_path / "messages.json"
+    parts = [{"type": "text", "text": "Hel"}, {"type": "text", "text": "lo"}]
+    path.write_text(json.dumps({"messages": [{"role": "user", "content": parts}]}))
+    (message,) = load_messages(str(path))
+    assert (message.role, message.content) == ("user", "Hello")
+    done = CliRunner().invoke(main, ["probe", "--base-url", "notaurl", "--model", "m"])
+    assert done.exit_code == 2 and "must start with http:// or https://" in done.output

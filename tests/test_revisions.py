@@ -106,10 +106,13 @@ async def test_observed_needs_a_key_and_an_int_revision() -> None:
         return Observed("x", revision=0, resource="doc:readme")
 
     box = Toolbox([plain, boolean, explicit])
-    for name, arguments in (("plain", {}), ("boolean", {"name": "a"})):
+    for name, arguments, said in (
+        ("plain", {}, "returned a revision without a resource key"),
+        ("boolean", {"name": "a"}, "returned the revision True, which is not an int"),
+    ):
         outcome = await box.execute(action(name, **arguments))
         assert outcome.status is ActionStatus.EXECUTED
-        assert outcome.observation.startswith(f"Error: {name} returned a revision without")
+        assert outcome.observation.startswith(f"Error: {name} {said}")
         assert outcome.revisions == {}
     assert (await box.execute(action("explicit"))).revisions == {"doc:readme": 0}
 
@@ -245,3 +248,14 @@ async def test_a_stale_write_raised_in_a_nursery_is_still_stale() -> None:
     assert outcome.status is ActionStatus.NOT_EXECUTED
     assert outcome.stale_resource == "doc:a"
     assert outcome.detail == "you read revision 8; it is now at revision 9"
+
+
+async def test_a_read_without_observed_says_so_in_the_diagnostics() -> None:
+    @tool(reads="doc:{name}")
+    async def read(name: str) -> str:
+        """Forgets to report the revision."""
+        return "text"
+
+    outcome = await Toolbox([read]).execute(action("read", name="a"))
+    assert outcome.status is ActionStatus.EXECUTED and outcome.observation == "text"
+    assert outcome.revisions == {} and "returned no treadle.Observed value" in outcome.detail

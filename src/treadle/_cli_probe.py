@@ -63,6 +63,10 @@ def probe(
     """Make one streaming call and print the assembled reply as JSON."""
     from treadle.models._probe import probe as probe_endpoint
 
+    if not base_url.startswith(("http://", "https://")):
+        raise click.BadParameter(
+            f"must start with http:// or https://, got {base_url!r}", param_hint="--base-url"
+        )
     api_key = _api_key(api_key_env)
     tools = load_tools(tools_file) if tools_file else ()
     messages = load_messages(messages_file) if messages_file else None
@@ -127,6 +131,11 @@ def load_tools(path: str) -> tuple[ToolSpec, ...]:
 
 def _tool(path: str, index: int, item: Any) -> ToolSpec:
     where = f"{path}: tool {index}"
+    if isinstance(item, dict) and item.get("type") == "function" and "function" not in item:
+        raise click.BadParameter(
+            f'{where}: a {{"type": "function"}} tool needs its \'function\' object',
+            param_hint="--tools",
+        )
     spec = item.get("function", item) if isinstance(item, dict) else item
     if not isinstance(spec, dict):
         raise click.BadParameter(f"{where}: expected an object", param_hint="--tools")
@@ -163,9 +172,12 @@ def load_messages(path: str) -> tuple[Message, ...]:
             wrong shape (the message names the file and the entry).
     """
     data = _read_json(path, "--messages")
+    if isinstance(data, dict) and set(data) == {"messages"}:
+        data = data["messages"]  # a request body's `messages`, as it stands
     if not isinstance(data, list) or not data:
         raise click.BadParameter(
-            f"{path}: expected a non-empty JSON list of messages", param_hint="--messages"
+            f'{path}: expected a non-empty JSON list of messages (or {{"messages": [...]}})',
+            param_hint="--messages",
         )
     return tuple(_message(f"{path}: message {index}", item) for index, item in enumerate(data))
 
@@ -179,11 +191,13 @@ def _message(where: str, item: Any) -> Message:
     unknown = sorted(set(item) - {"role", "content", "tool_calls", "tool_call_id", "name"})
     if unknown:
         raise bad(f"unknown keys {', '.join(unknown)}")
-    role, content = item.get("role"), item.get("content")
+    role, content = item.get("role"), _content(item.get("content"))
     if role not in ROLES:
         raise bad(f"'role' must be one of {', '.join(ROLES)}, got {role!r}")
-    if content is not None and not isinstance(content, str):
-        raise bad("'content' must be a string or null")
+    if content is _NOT_TEXT:
+        raise bad("'content' must be a string, a list of text parts, or null")
+    if content is None and role in ("system", "user"):
+        raise bad(f"a {role} message needs 'content'")
     calls = tuple(_call(where, i, c) for i, c in enumerate(item.get("tool_calls") or ()))
     if calls and role != "assistant":
         raise bad("only an assistant message has tool_calls")
@@ -198,6 +212,21 @@ def _message(where: str, item: Any) -> Message:
         tool_call_id=call_id if role == "tool" else None,
         name=name if isinstance(name, str) else None,
     )
+
+
+_NOT_TEXT: Any = object()
+
+
+def _content(content: Any) -> Any:
+    """A message's content as text: a string, or OpenAI's list of ``{"type": "text"}`` parts."""
+    if content is None or isinstance(content, str):
+        return content
+    if isinstance(content, list) and all(
+        isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)
+        for part in content
+    ):
+        return "".join(part["text"] for part in content)
+    return _NOT_TEXT
 
 
 def _call(where: str, index: int, item: Any) -> ToolCall:

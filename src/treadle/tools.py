@@ -699,11 +699,16 @@ class Toolbox:
         revisions: dict[str, int] = {}
         if isinstance(result, Observed):
             key = result.resource if result.resource is not None else resource
-            if key is None or not is_revision(result.revision):
-                text = (
-                    f"Error: {found.name} returned a revision without a resource key "
-                    "(declare reads= or writes=, or pass resource=) or one that is not an int"
-                )
+            problem = (
+                f"returned the revision {result.revision!r}, which is not an int"
+                if not is_revision(result.revision)
+                else "returned a revision without a resource key (declare reads= or writes=, "
+                "or pass resource=)"
+                if key is None
+                else None
+            )
+            if problem is not None or key is None:
+                text = f"Error: {found.name} {problem}"
                 return ActionOutcome(status=ActionStatus.EXECUTED, observation=text, detail=text)
             revisions[key] = result.revision
             result = result.value
@@ -712,6 +717,19 @@ class Toolbox:
         except (TypeError, ValueError) as exc:
             text = f"Error: the result of {found.name} could not be written as JSON: {exc}"
             return ActionOutcome(status=ActionStatus.EXECUTED, observation=text, detail=text)
+        if found.reads is not None and not revisions:
+            # A read that reports no revision cannot let a later write through: say so in
+            # the diagnostics, where the tool's author looks (docs/concepts.md, "Stale writes").
+            detail = (
+                f"{found.name} is declared reads= but returned no treadle.Observed value: "
+                "no revision was recorded, so writes of the resource stay refused"
+            )
+            return ActionOutcome(
+                status=ActionStatus.EXECUTED,
+                observation=observation,
+                task_completed=found.completes_task,
+                detail=detail,
+            )
         return ActionOutcome(
             status=ActionStatus.EXECUTED,
             observation=observation,
