@@ -291,7 +291,7 @@ def test_show_and_tail_json_speak_the_event_vocabulary(tmp_path):
         ),
         ("--messages", '[{"role": "user"}]', "a user message needs 'content'"),
         ("--messages", '[{"role": "user", "content": [{"type": "image_url"}]}]', "text parts"),
-        ("--tools", '[{"type": "function"}]', "tool 0: a {\"type\": \"function\"} tool needs"),
+        ("--tools", '[{"type": "function"}]', 'tool 0: a {"type": "function"} tool needs'),
     ],
 )
 def test_probe_refuses_input_files_it_cannot_use_naming_the_file(tmp_path, option, content, said):
