@@ -67,6 +67,17 @@ async def test_the_stale_seat_change_is_refused_and_the_model_reads_again(
     assert [m.outcome.status for m in moves] == [ActionStatus.NOT_EXECUTED, ActionStatus.EXECUTED]
     assert moves[0].outcome.stale_resource == "reservation:R1"
     assert Bookings(tmp_path / "bookings.sqlite").read("R1") == FINAL
+    import io
+
+    from rich.console import Console
+
+    from treadle._cli_store import trajectory_table
+
+    console = Console(width=300, record=True, file=io.StringIO())
+    console.print(trajectory_table(log))
+    shown = console.export_text()
+    assert "(read reservation:R1@0)" in shown  # `treadle show` displays what was read
+    assert "(stale: reservation:R1 changed since it was read)" in shown
 
 
 @pytest.mark.parametrize("kill_at", [5, 6, 7, 8])

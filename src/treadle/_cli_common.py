@@ -136,6 +136,11 @@ def describe(record: Record) -> tuple[str, str]:
         late = " (late, not applied)" if record.late else ""
         late += " (reconciled after a crash, not run here)" if record.reconciled else ""
         outcome = record.outcome
+        if outcome.stale_resource:
+            late += f" (stale: {outcome.stale_resource} changed since it was read)"
+        if outcome.revisions:
+            seen = ", ".join(f"{key}@{rev}" for key, rev in outcome.revisions.items())
+            late += f" (read {seen})"
         return "action finished", clip(
             f"{record.tool} {outcome.status.value}{late}: {outcome.observation}"
         )
