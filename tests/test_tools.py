@@ -703,3 +703,28 @@ async def test_generated_schemas_refuse_extra_and_missing_arguments(
         outcome = await box.execute(action("generated", missing))
         assert outcome.status is ActionStatus.NOT_EXECUTED
         assert f"required field missing @ $.{required[0]}" in (outcome.detail or "")
+
+
+def test_the_tool_policies_protocol_names_every_optional_executor_method():
+    """The library asks executors only what `ToolPolicies` declares (the seam says all it
+    carries), and `Toolbox` answers all of it."""
+    import inspect
+    import re
+    from pathlib import Path
+
+    import treadle
+    from treadle.ports import ToolPolicies
+
+    declared = {
+        name
+        for name, value in vars(ToolPolicies).items()
+        if inspect.isfunction(value) and not name.startswith("_")
+    }
+    source = Path(treadle.__file__).parent
+    asked = {
+        name
+        for path in source.rglob("*.py")
+        for name in re.findall(r'getattr\((?:self\.)?executor, "(\w+)"', path.read_text())
+    }
+    assert asked and asked <= declared
+    assert isinstance(Toolbox([]), ToolPolicies)

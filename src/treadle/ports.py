@@ -10,7 +10,7 @@ users', is held to the contract suites in `treadle.testing`.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 from treadle.types import (
     Action,
@@ -91,7 +91,10 @@ class DecisionParser(Protocol):
 
 @runtime_checkable
 class ActionExecutor(Protocol):
-    """Seam 3: carry out one action and report its outcome (docs/seams.md, "Action executor")."""
+    """Seam 3: carry out one action and report its outcome (docs/seams.md, "Action executor").
+
+    What else the library may ask an executor about its tools is `ToolPolicies`.
+    """
 
     def tool_specs(self) -> tuple[ToolSpec, ...]:
         """The tools offered to the model, in declaration order."""
@@ -120,6 +123,36 @@ class ActionExecutor(Protocol):
         Returns:
             The outcome when it can be established (by ``action.intent_id``), else ``None``.
         """
+        ...
+
+
+@runtime_checkable
+class ToolPolicies(Protocol):
+    """What the library asks an action executor about its tools, when it can answer.
+
+    Each method is optional: the library looks each one up on the executor by name, and an
+    executor without it gets the default named below. `treadle.Toolbox` has them all (it
+    satisfies this Protocol; docs/seams.md, "Action executor").
+    """
+
+    def requires_approval(self, tool: str) -> bool:
+        """Whether every call of ``tool`` waits for a human (default: never)."""
+        ...
+
+    def secret_arguments(self, tool: str) -> frozenset[str]:
+        """Names of ``tool``'s arguments redacted out of the log (default: none)."""
+        ...
+
+    def invalid_arguments(self, tool: str, arguments: Mapping[str, Any]) -> str | None:
+        """Why a call cannot run, before any human is asked about it (default: ``None``)."""
+        ...
+
+    def timeout_s(self, tool: str) -> float:
+        """Seconds one call may run, when shorter than `Limits.tool_timeout_s` (default: it)."""
+        ...
+
+    def writes(self, tool: str) -> str | None:
+        """The key template of the resource ``tool`` writes (default: ``None``)."""
         ...
 
 
