@@ -48,12 +48,31 @@ never caught or subclassed here.
 from __future__ import annotations
 
 import datetime as dt
+from typing import TypeVar
 
 from treadle.types import Lease, ModelErrorInfo, Usage
 
 
 class TreadleError(Exception):
     """Root of every error treadle raises."""
+
+
+E = TypeVar("E", bound=BaseException)
+
+
+def raised(exc: BaseException, kind: type[E]) -> E | None:
+    """The ``kind`` exception ``exc`` is, or the first one it holds in (nested) exception groups.
+
+    A tool that raises inside its own nursery raises a group; what it means (an environment
+    failure, a stale write) is the exception inside. ``None`` when there is none.
+    """
+    if isinstance(exc, kind):
+        return exc
+    if isinstance(exc, BaseExceptionGroup):
+        group = exc.subgroup(kind)
+        if group is not None:
+            return raised(group.exceptions[0], kind)
+    return None
 
 
 class EnvironmentFailure(TreadleError):

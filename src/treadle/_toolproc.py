@@ -56,30 +56,19 @@ def _reply_of(request: dict[str, Any]) -> bytes:
     try:
         value = _call(request)
     except Exception as exc:
+        from treadle._exceptions import EnvironmentFailure, raised
         from treadle.revisions import StaleWrite
-        from treadle.tools import EnvironmentFailure
 
-        stale = _stale_write(exc, StaleWrite)
+        stale = raised(exc, StaleWrite)
         if stale is not None:
             return pickle.dumps((REPLY_STALE, stale.current, stale.message))
-        failure = isinstance(exc, EnvironmentFailure)
+        failure = raised(exc, EnvironmentFailure) is not None
         return pickle.dumps((REPLY_ERROR, type(exc).__name__, str(exc), failure))
     try:
         return pickle.dumps((REPLY_OK, value))
     except Exception as exc:
         text = f"the result could not be sent back from the tool's process: {exc}"
         return pickle.dumps((REPLY_ERROR, type(exc).__name__, text, False))
-
-
-def _stale_write(exc: BaseException, kind: type[Any]) -> Any:
-    """The ``kind`` (StaleWrite) instance ``exc`` is or holds (in an exception group)."""
-    if isinstance(exc, kind):
-        return exc
-    if isinstance(exc, BaseExceptionGroup):
-        group = exc.subgroup(kind)
-        if group is not None:
-            return _stale_write(group.exceptions[0], kind)
-    return None
 
 
 def main() -> None:

@@ -71,7 +71,7 @@ import trio
 from cattrs.preconf.json import make_converter
 
 from treadle import _toolproc
-from treadle._exceptions import EnvironmentFailure, ToolProcessFailed, UsageError
+from treadle._exceptions import EnvironmentFailure, ToolProcessFailed, UsageError, raised
 from treadle._schema import Invalid, ToolSignature, read_signature
 from treadle._toolhost import LOG
 from treadle.revisions import Observed, ResourceTemplate, StaleWrite, check_write, is_revision
@@ -422,16 +422,6 @@ def observation_of(result: Any) -> str:
     return json.dumps(data, ensure_ascii=False, separators=(",", ":"))
 
 
-def _environment_failure(exc: BaseException) -> EnvironmentFailure | None:
-    if isinstance(exc, EnvironmentFailure):
-        return exc
-    if isinstance(exc, BaseExceptionGroup):
-        group = exc.subgroup(EnvironmentFailure)
-        if group is not None:
-            return _environment_failure(group.exceptions[0])
-    return None
-
-
 def _in_thread(found: Tool, kwargs: dict[str, Any], abandoned: threading.Event) -> Any:
     """Run a thread tool; a call that ends after it was abandoned is logged, not returned."""
     try:
@@ -494,17 +484,6 @@ def _resource_key(found: Tool, kwargs: Mapping[str, Any]) -> str | None:
     """The key of the resource a call writes, else of the one it reads, else ``None``."""
     template = found.writes if found.writes is not None else found.reads
     return None if template is None else template.key(kwargs)
-
-
-def _stale_write(exc: BaseException) -> StaleWrite | None:
-    """The `StaleWrite` a tool raised, also from inside an exception group."""
-    if isinstance(exc, StaleWrite):
-        return exc
-    if isinstance(exc, BaseExceptionGroup):
-        group = exc.subgroup(StaleWrite)
-        if group is not None:
-            return _stale_write(group.exceptions[0])
-    return None
 
 
 def _stale(found: Tool, resource: str | None, seen: int | None, exc: StaleWrite) -> ActionOutcome:
@@ -662,7 +641,7 @@ class Toolbox:
                 else:
                     result = await found.fn(**kwargs)
             except Exception as exc:
-                stale = _stale_write(exc)
+                stale = raised(exc, StaleWrite)
                 if stale is not None:
                     return _stale(found, resource, seen, stale)
                 return self._failed(exc)
@@ -688,7 +667,7 @@ class Toolbox:
 
     @staticmethod
     def _failed(exc: Exception) -> ActionOutcome:
-        failure = _environment_failure(exc)
+        failure = raised(exc, EnvironmentFailure)
         if failure is not None:
             detail = _error_text(failure)
             return ActionOutcome(status=ActionStatus.ENV_ERROR, observation=detail, detail=detail)
