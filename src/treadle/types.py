@@ -652,7 +652,19 @@ class ActionResult:
         synthetic: bool = False,
         late: bool = False,
     ) -> ActionResult:
-        """The UNKNOWN result of ``intent``: nobody can tell whether its call had an effect."""
+        """The UNKNOWN result of ``intent``: nobody can tell whether its call had an effect.
+
+        Every intent of a finished log has exactly one result (docs/crash-safety.md); this is
+        the one written when the call's outcome cannot be established.
+
+        Args:
+            intent: the action intent answered.
+            observation: what the model is told.
+            detail: why the outcome is unknown (diagnostics).
+            ts: UTC instant, ISO-8601.
+            synthetic: the observation is the definition's synthetic ``unknown`` text.
+            late: the run stopped waiting for the call (it may still be running).
+        """
         return cls(
             run_id=intent.run_id,
             step=intent.step,
