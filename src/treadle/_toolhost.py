@@ -56,8 +56,11 @@ class HostedCall(Generic[T]):
         description: what the call is (for diagnostics), e.g. ``"run r, call a1 (sleep)"``.
     """
 
-    def __init__(self, description: str, on_late: Callable[[str], None] | None) -> None:
+    def __init__(
+        self, description: str, on_late: Callable[[str], None] | None, stats: HostStatistics
+    ) -> None:
         self.description = description
+        self._stats = stats
         self._scope = trio.CancelScope()
         self._done = trio.Event()
         self._result: outcome.Outcome[T] | None = None
@@ -87,7 +90,7 @@ class HostedCall(Generic[T]):
         self._scope.cancel()
         if not self._done.is_set() and not self._abandoned:
             self._abandoned = True
-            _HOST_STATS.abandoned += 1
+            self._stats.abandoned += 1
 
     async def _run(self, fn: Callable[[], Awaitable[T]]) -> None:
         self._started = trio.current_time()
@@ -98,13 +101,13 @@ class HostedCall(Generic[T]):
                 except Exception as exc:
                     self._result = outcome.Error(exc)
         finally:
-            _HOST_STATS.running -= 1
+            self._stats.running -= 1
             self._done.set()
             if self._abandoned:
                 self._report_late()
 
     def _report_late(self) -> None:
-        _HOST_STATS.late_returns += 1
+        self._stats.late_returns += 1
         took = trio.current_time() - self._started
         found = self._result
         if isinstance(found, outcome.Value):
@@ -127,8 +130,6 @@ class HostedCall(Generic[T]):
                 LOG.exception("reporting a late tool return failed")
 
 
-_HOST_STATS = HostStatistics()
-
 _Queued: TypeAlias = tuple[HostedCall[Any], Callable[[], Awaitable[Any]]]
 
 
@@ -139,6 +140,8 @@ class ToolHost:
         send, recv = trio.open_memory_channel[_Queued](math.inf)
         self._send = send
         self._recv = recv
+        self.stats = HostStatistics()
+        """This host's counters (`host_statistics` gives a copy)."""
 
     def start(
         self,
@@ -154,9 +157,9 @@ class ToolHost:
             description: names the call in diagnostics.
             on_late: called with a sentence when an abandoned call ends.
         """
-        call: HostedCall[T] = HostedCall(description, on_late)
-        _HOST_STATS.calls += 1
-        _HOST_STATS.running += 1
+        call: HostedCall[T] = HostedCall(description, on_late, self.stats)
+        self.stats.calls += 1
+        self.stats.running += 1
         self._send.send_nowait((call, fn))
         return call
 
@@ -183,5 +186,11 @@ def current_host() -> ToolHost:
 
 
 def host_statistics() -> HostStatistics:
-    """The counters of every tool host of this process (a copy)."""
-    return attrs.evolve(_HOST_STATS)
+    """The counters of the current trio run's tool host (a copy; all zero before its first call).
+
+    Kept with the host, not in the process: each trio run has its own.
+    """
+    try:
+        return attrs.evolve(_CURRENT.get().stats)
+    except LookupError:
+        return HostStatistics()
