@@ -69,6 +69,13 @@ class Redaction:
     """
 
     secrets: Mapping[str, frozenset[str]] = attrs.field(factory=dict)
+    _pattern: re.Pattern[str] | None = attrs.field(init=False, eq=False, repr=False)
+
+    @_pattern.default
+    def _text_pattern(self) -> re.Pattern[str] | None:
+        """The pattern `text` uses, built once: every secret name of every tool."""
+        names = frozenset().union(*self.secrets.values())
+        return _value_pattern(tuple(sorted(names, key=len, reverse=True))) if names else None
 
     @classmethod
     def of_snapshot(cls, snapshot: Mapping[str, JSONValue]) -> Redaction:
@@ -157,13 +164,9 @@ class Redaction:
         (``"card": "..."``, single quotes too) or inside its ``<parameter=card>`` block is
         replaced. Prose is left as it is (docs/events.md, "Secret arguments").
         """
-        if not text or not self.secrets:
+        if not text or self._pattern is None:
             return text
-        return self._pattern().sub(_redact_match, text)
-
-    def _pattern(self) -> re.Pattern[str]:
-        names = sorted(frozenset().union(*self.secrets.values()), key=len, reverse=True)
-        return _value_pattern(tuple(names))
+        return self._pattern.sub(_redact_match, text)
 
     def request(self, request: ApprovalRequested) -> ApprovalRequested:
         """An approval request as it may leave the log (its secret arguments replaced)."""
