@@ -138,6 +138,14 @@ def liveness_is(store, run_id, *wanted):
     return check
 
 
+def slot_freed(worker):
+    async def check():
+        await trio.lowlevel.checkpoint()
+        return worker.statistics().running == 0
+
+    return check
+
+
 # --------------------------------------------------------------------------- submit and result
 
 
@@ -644,6 +652,9 @@ async def _park_decide_and_finish(store, world):
     async with fleet(store, agents, max_running=1, park_after_s=5) as worker:
         await worker.submit("pay", "pay", run_id="p")
         await until(liveness_is(store, "p", Liveness.PARKED))
+        # The store shows the park as soon as the lease release is durable; the worker frees
+        # the slot when its driving task resumes after that write (an event, not a time).
+        await until(slot_freed(worker))
         assert worker.statistics().running == 0
         lease = await store.read_lease("p")
         assert lease.owner == "" and lease.generation == 1
@@ -685,6 +696,9 @@ async def _park_until_the_deadline(store, world):
         began = trio.current_time()
         await worker.submit("pay", "pay", run_id="p")
         await until(liveness_is(store, "p", Liveness.PARKED))
+        # The store shows the park as soon as the lease release is durable; the worker frees
+        # the slot when its driving task resumes after that write (an event, not a time).
+        await until(slot_freed(worker))
         assert worker.statistics().running == 0
         with trio.fail_after(600):
             result = await worker.result("p")
