@@ -47,6 +47,8 @@ if TYPE_CHECKING:  # each name loads with its module on first use (docs/design.m
     from treadle.stores.postgres import open_postgres_store as open_postgres_store
     from treadle.stores.sqlite import SqliteStore as SqliteStore
     from treadle.stores.sqlite import open_sqlite_store as open_sqlite_store
+    from treadle.supervisors.children import agent_tool as agent_tool
+    from treadle.supervisors.children import child_run_id as child_run_id
     from treadle.supervisors.finishing import finish_cancelled as finish_cancelled
     from treadle.supervisors.fleet import Fleet as Fleet
     from treadle.supervisors.fleet import FleetStatistics as FleetStatistics
@@ -124,6 +126,8 @@ __getattr__ = lazy_names(
         "ToolContext": "treadle.tools",
         "Toolbox": "treadle.tools",
         "Usage": "treadle.types",
+        "agent_tool": "treadle.supervisors.children",
+        "child_run_id": "treadle.supervisors.children",
         "finish_cancelled": "treadle.supervisors.finishing",
         "open_fleet": "treadle.supervisors.fleet",
         "open_jsonl_store": "treadle.stores.jsonl",
@@ -193,6 +197,8 @@ __all__ = [
     "TreadleError",
     "Usage",
     "UsageError",
+    "agent_tool",
+    "child_run_id",
     "finish_cancelled",
     "open_fleet",
     "open_jsonl_store",

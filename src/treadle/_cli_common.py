@@ -124,6 +124,10 @@ def describe(record: Record) -> tuple[str, str]:
     """What a record is and its detail, for tables and ``tail`` lines."""
     if isinstance(record, RunStarted):
         first = record.input[0].content if record.input else ""
+        if record.parent_run_id is not None:  # a child run: its parent's call first
+            return "run started", clip(
+                f"child of {record.parent_run_id} (call {record.parent_intent_id}): {first}"
+            )
         return "run started", clip(first)
     if isinstance(record, ModelIntent):
         return "model call started", f"attempt {record.attempt}"
@@ -141,6 +145,8 @@ def describe(record: Record) -> tuple[str, str]:
         if outcome.revisions:
             seen = ", ".join(f"{key}@{rev}" for key, rev in outcome.revisions.items())
             late += f" (read {seen})"
+        if outcome.child_run_id is not None:
+            late += f" (child run {outcome.child_run_id})"
         return "action finished", clip(
             f"{record.tool} {outcome.status.value}{late}: {outcome.observation}"
         )

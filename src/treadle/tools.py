@@ -40,7 +40,8 @@ no coercion, no extra keys) before the tool runs (docs/concepts.md, "Data that s
   UNKNOWN, ``Error: the call to X timed out after N s and was abandoned while it still
   ran; its outcome is unknown``;
 * the tool returned: EXECUTED; a ``str`` is the observation as is, anything else compact
-  JSON (attrs instances, enums and datetimes unstructured by cattrs);
+  JSON (attrs instances, enums and datetimes unstructured by cattrs); an `ActionOutcome`
+  is the outcome as is (a child-run tool's, `treadle.agent_tool`);
 * a tool that writes a resource (``writes=``) the run never read, or whose base revision
   argument names a revision the run never read: NOT_EXECUTED, before it runs;
 * the tool raised `treadle.revisions.StaleWrite`: NOT_EXECUTED with ``stale_resource`` set.
@@ -75,7 +76,7 @@ from treadle._exceptions import EnvironmentFailure, ToolProcessFailed, UsageErro
 from treadle._schema import Invalid, ToolSignature, read_signature
 from treadle._toolhost import LOG
 from treadle.revisions import Observed, ResourceTemplate, StaleWrite, check_write, is_revision
-from treadle.types import Action, ActionOutcome, ActionStatus, ReplayPolicy, ToolSpec
+from treadle.types import Action, ActionOutcome, ActionStatus, Event, ReplayPolicy, ToolSpec
 
 __all__ = ["EnvironmentFailure", "ReconcileHook", "Tool", "ToolContext", "Toolbox", "tool"]
 
@@ -116,6 +117,14 @@ class ToolContext:
             observed). Compare it with the current revision inside the write's transaction
             and raise `treadle.revisions.StaleWrite` when they differ. ``None`` for other
             tools; 0 is a revision (docs/concepts.md, "Stale writes").
+        tokens_left: the run's token budget minus the tokens it spent before this step
+            (``None``: no token budget); a child run draws from it (docs/child-runs.md,
+            "Budgets").
+        deadline: the trio time (`trio.current_time`) at which the run's time budget ends
+            (``inf``: no time budget).
+        forward_event: hands another run's event (a child run's) to this run's live
+            subscribers, never to its log (docs/child-runs.md, "Events"); ``None`` when
+            the call was not made by a driven run.
     """
 
     run_id: str
@@ -126,6 +135,11 @@ class ToolContext:
     replay: bool = False
     resource: str | None = None
     seen_revision: int | None = None
+    tokens_left: int | None = None
+    deadline: float = math.inf
+    forward_event: Callable[[Event], None] | None = attrs.field(
+        default=None, eq=False, repr=False
+    )
 
 
 @attrs.frozen(kw_only=True, eq=False)
@@ -571,7 +585,8 @@ class Toolbox:
         )
 
     def timeout_s(self, tool: str) -> float:
-        """Seconds one call of ``tool`` may run."""
+        """Seconds one call of ``tool`` may run (``inf`` for a child-run tool: its calls are
+        bounded by the run's budgets, docs/child-runs.md, "Budgets")."""
         found = self._tools.get(tool)
         if found is None or found.timeout_s is None:
             return self._default_timeout_s
@@ -622,6 +637,9 @@ class Toolbox:
                 replay=replay or action.replay,
                 resource=resource,
                 seen_revision=seen,
+                tokens_left=action.tokens_left,
+                deadline=action.deadline,
+                forward_event=action.forward,
             )
         return await self._run(found, kwargs, resource, seen)
 
@@ -675,6 +693,8 @@ class Toolbox:
 
     @staticmethod
     def _returned(found: Tool, result: Any, resource: str | None) -> ActionOutcome:
+        if isinstance(result, ActionOutcome):  # a tool reporting its outcome itself
+            return result
         revisions: dict[str, int] = {}
         if isinstance(result, Observed):
             key = result.resource if result.resource is not None else resource
