@@ -119,3 +119,141 @@ async def test_a_tool_call_runs_a_child_and_returns_its_answer():
     # The child's tokens count in the parent's totals; none of its records are in the parent's log.
     assert result.totals.input_tokens == 2 * 10 + 2 * 10
     assert all(r.run_id == "p" for r in parent.records)
+
+
+@pytest.fixture(params=["memory", "sqlite"])
+async def store(request, tmp_path):
+    if request.param == "memory":
+        yield MemoryStore()
+        return
+    opened = await SqliteStore.open(tmp_path / "runs.db")
+    try:
+        yield opened
+    finally:
+        await opened.aclose()
+
+
+async def test_the_parents_events_carry_the_childs_live_with_their_own_run_id_and_seq(store):
+    parent = parent_agent(store, child_agent())
+    # The parent's model takes a moment: its subscriber is there before the child starts.
+    parent = attrs.evolve(parent, model=attrs.evolve(parent.model, latency_s=0.2))
+    events = []
+    async with open_run(parent, "go", store=store, run_id="p") as handle:
+        async for event in handle.events():
+            events.append(event)
+    kid = child_run_id("p/s1/a1")
+    by_run: dict[str, list[int]] = {}
+    for event in events:
+        if event.durable:
+            by_run.setdefault(event.run_id, []).append(event.seq)
+    child_log = await store.read_log(kid)
+    parent_log = await store.read_log("p")
+    # One cursor per run id: each run's durable events are its log, gapless, in order.
+    assert by_run == {
+        "p": list(range(1, len(parent_log.records) + 1)),
+        kid: list(range(1, len(child_log.records) + 1)),
+    }
+    kinds = [e.kind for e in events if e.run_id == kid and e.durable]
+    assert kinds[0] is EventKind.RUN_STARTED and kinds[-1] is EventKind.RUN_FINISHED
+    # They arrive live, inside the parent's tool call: after its intent, before its result.
+    positions = [i for i, e in enumerate(events) if e.run_id == kid]
+    intent = next(i for i, e in enumerate(events) if isinstance(e.record, ActionIntent))
+    result = next(i for i, e in enumerate(events) if isinstance(e.record, ActionResult) and e.run_id == "p")
+    assert intent < min(positions) and max(positions) < result
+    assert all(r.run_id == "p" for r in parent_log.records)
+
+
+async def test_cancelling_the_parent_cancels_the_child_durably(store):
+    started = trio.Event()
+    never = trio.Event()
+
+    @tool
+    async def wait_forever(ctx: ToolContext) -> str:
+        """Wait (forever)."""
+        started.set()
+        await never.wait()
+        return "never"
+
+    child = attrs.evolve(
+        child_agent(turns=[call("wait_forever", call_id="w1"), say("never")]),
+        executor=Toolbox([wait_forever]),
+    )
+    async with open_run(parent_agent(store, child), "go", store=store, run_id="p") as handle:
+        await started.wait()
+        handle.cancel("stop", canceller="test")
+        result = await handle.wait()
+    assert result.state is RunState.CANCELLED
+    child_log = await store.read_log(child_run_id("p/s1/a1"))
+    assert child_log.finished is not None
+    assert child_log.finished.state is RunState.CANCELLED
+    cancels = [r for r in child_log.records if isinstance(r, CancelRequested)]
+    assert [c.canceller for c in cancels] == ["p"]
+    assert "parent" in cancels[0].reason
+    assert isinstance(child_log.records[-2], CancelRequested)
+
+
+async def test_a_child_run_call_is_bounded_by_the_budgets_not_the_tool_timeout(autojump_clock):
+    store = MemoryStore()  # the trio clock jumps: no store thread may wait on it
+    @tool
+    async def slow(ctx: ToolContext) -> str:
+        """Work for a minute."""
+        await trio.sleep(60)
+        return "worked"
+
+    child = attrs.evolve(
+        child_agent(turns=[call("slow", call_id="s1"), say("slow answer")]),
+        executor=Toolbox([slow], default_timeout_s=120),
+        limits=Limits(tool_timeout_s=120),
+    )
+    parent = parent_agent(store, child, limits=Limits(tool_timeout_s=1))
+    result = await run(parent, "go", store=store, run_id="p")
+    assert result.state is RunState.SUCCEEDED
+    log = await store.read_log("p")
+    action = next(r for r in log.records if isinstance(r, ActionResult))
+    assert action.outcome.observation == "slow answer"
+    assert action.duration_s is not None and action.duration_s >= 60
+
+
+async def test_the_child_draws_from_the_parents_token_budget(store):
+    # The parent spends 15 tokens before the call; 10 are left for the child, which spends 15
+    # on its first call and stops. Its 15 count in the parent's budget, which stops it too.
+    result = await run(
+        parent_agent(store, child_agent(), budgets=Budgets(token_budget=25)),
+        "go",
+        store=store,
+        run_id="p",
+    )
+    child_log = await store.read_log(child_run_id("p/s1/a1"))
+    assert child_log.finished is not None
+    assert child_log.finished.stop_reason is StopReason.TOKEN_BUDGET
+    assert child_log.finished.totals.input_tokens == 10
+    assert result.stop_reason is StopReason.TOKEN_BUDGET
+    assert result.totals.input_tokens == 20 and result.totals.output_tokens == 10
+    log = await store.read_log("p")
+    action = next(r for r in log.records if isinstance(r, ActionResult))
+    assert action.outcome.observation.startswith(f"Error: the child run {child_run_id('p/s1/a1')}")
+    assert "token_budget" in action.outcome.observation
+
+
+async def test_the_child_draws_from_the_parents_time_budget(autojump_clock):
+    store = MemoryStore()  # the trio clock jumps: no store thread may wait on it
+    @tool
+    async def slow(ctx: ToolContext) -> str:
+        """Work for a minute."""
+        await trio.sleep(60)
+        return "worked"
+
+    child = attrs.evolve(
+        child_agent(turns=[call("slow", call_id="s1"), say("slow answer")]),
+        executor=Toolbox([slow], default_timeout_s=120),
+        limits=Limits(tool_timeout_s=120),
+    )
+    parent = parent_agent(store, child, budgets=Budgets(time_budget_s=5))
+    began = trio.current_time()
+    result = await run(parent, "go", store=store, run_id="p")
+    assert result.stop_reason is StopReason.TIME_BUDGET
+    assert trio.current_time() - began < 10
+    child_log = await store.read_log(child_run_id("p/s1/a1"))
+    # Its time budget was what the parent had left: it stopped at the parent's deadline.
+    assert child_log.finished is not None and child_log.finished.state is not RunState.SUCCEEDED
+    assert child_log.finished.totals.active_s <= 5

@@ -253,7 +253,7 @@ class _Link:
         if handle is None or handle.result is not None:
             return  # not started yet (`attach` passes it on), or finished already
         controls = control_of(self.store)
-        reason = "the parent run was cancelled"
+        reason = "the parent run stopped waiting for it (cancelled, or out of time)"
         if controls is not None:  # durable first: whoever drives the child next finishes it
             await controls.append_control(
                 repaired(
