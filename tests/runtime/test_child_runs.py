@@ -19,11 +19,14 @@ from treadle.parsers import NativeToolCallParser
 from treadle.stores.memory import MemoryStore
 from treadle.stores.sqlite import SqliteStore
 from treadle.supervisors.run import open_run, run
+from treadle._exceptions import RunInterrupted, StoreError
+from treadle.testing.faults import CrashingStore, SimulatedCrash
 from treadle.testing.scripted import ScriptedModel, call, say
 from treadle.tools import Toolbox, ToolContext, tool
 from treadle.types import (
     ActionIntent,
     ActionResult,
+    ActionStatus,
     Budgets,
     CancelRequested,
     EventKind,
@@ -74,8 +77,15 @@ def child_agent(*, gate: trio.Event | None = None, executed: list[str] | None = 
     )
 
 
-def parent_agent(store, child: Agent, *, budgets=Budgets(), limits=Limits(), turns=None):
-    helper = agent_tool(child, store=store, name="helper", description="Ask the helper agent.")
+OWNER = "test-owner"
+
+
+def parent_agent(
+    store, child: Agent, *, budgets=Budgets(), limits=Limits(), turns=None, owner=None
+):
+    helper = agent_tool(
+        child, store=store, name="helper", description="Ask the helper agent.", owner=owner
+    )
     script = turns or [
         use("helper", "h1", task="do the thing"),
         say("the parent's answer", usage=USAGE),
@@ -257,3 +267,55 @@ async def test_the_child_draws_from_the_parents_time_budget(autojump_clock):
     # Its time budget was what the parent had left: it stopped at the parent's deadline.
     assert child_log.finished is not None and child_log.finished.state is not RunState.SUCCEEDED
     assert child_log.finished.totals.active_s <= 5
+
+
+def crash_points() -> list[tuple[int, str]]:
+    return [(n, when) for n in range(1, 40) for when in ("before", "after")]
+
+
+async def _writes_of_a_whole_run() -> int:
+    counter = CrashingStore(MemoryStore(), crash_at=10**6)
+    await run(parent_agent(counter, child_agent(), owner=OWNER), "go", store=counter, run_id="p", owner=OWNER)
+    return counter.writes
+
+
+@pytest.mark.parametrize("when", ["before", "after"])
+async def test_a_crash_at_every_write_of_parent_and_child_resumes_to_one_child(when):
+    """The crash kit's `CrashingStore` kills the process at every store write of either run
+    (the child's run-started naming its parent, the parent's result naming the child, the
+    child's records between); a fresh process resumes the parent, which re-attaches."""
+    total = await _writes_of_a_whole_run()
+    assert total >= 16  # both runs' writes are counted
+    while_the_child_ran = unknown = 0
+    for crash_at in range(1, total + 1):
+        inner = MemoryStore()
+        executed: list[str] = []
+        crashing = CrashingStore(inner, crash_at=crash_at, when=when)
+        dying = parent_agent(crashing, child_agent(executed=executed), owner=OWNER)
+        with pytest.raises((RunInterrupted, StoreError, SimulatedCrash)):
+            await run(dying, "go", store=crashing, run_id="p", owner=OWNER)
+        assert crashing.crashed
+        kid = child_run_id("p/s1/a1")
+        before = await inner.read_log(kid)
+        while_the_child_ran += before.started is not None and before.finished is None
+        resumed = parent_agent(inner, child_agent(executed=executed), owner=OWNER)
+        result = await run(resumed, "go", store=inner, run_id="p", owner=OWNER)
+        kid = child_run_id("p/s1/a1")
+        assert result.state is RunState.SUCCEEDED, crash_at
+        assert await inner.list_runs() == ("p", kid), crash_at  # exactly one child run
+        # The child's effect ('never' policy) happened at most once; once unless its outcome
+        # became unknown (the crash fell between its intent and its result).
+        assert executed in ([f"{kid}/s1/a1"], []), crash_at
+        child_log = await inner.read_log(kid)
+        assert child_log.finished is not None and child_log.finished.state is RunState.SUCCEEDED
+        notes = [r for r in child_log.records if isinstance(r, ActionResult)]
+        assert len(notes) == 1, crash_at
+        if not executed:
+            assert notes[0].outcome.status is ActionStatus.UNKNOWN, crash_at
+            unknown += 1
+        parent_log = await inner.read_log("p")
+        calls = [r for r in parent_log.records if isinstance(r, ActionResult)]
+        assert [c.outcome.child_run_id for c in calls] == [kid], crash_at
+        assert calls[0].outcome.observation == "the child's answer", crash_at
+    assert while_the_child_ran >= 6  # the crashes hit the child's writes too
+    assert unknown <= 2  # only a crash between the note's intent and its result loses it
