@@ -6,7 +6,12 @@ through the five actors of each.
 
 from __future__ import annotations
 
-import math
+import os
+import signal
+import subprocess
+import sys
+from contextlib import asynccontextmanager
+from pathlib import Path
 
 import attrs
 
@@ -38,6 +43,15 @@ from treadle.types import (
     StopReason,
     Usage,
 )
+
+@asynccontextmanager
+async def open_store_at(path):
+    store = await SqliteStore.open(path)
+    try:
+        yield store
+    finally:
+        await store.aclose()
+
 
 USAGE = Usage(input_tokens=10, output_tokens=5)
 
@@ -319,3 +333,37 @@ async def test_a_crash_at_every_write_of_parent_and_child_resumes_to_one_child(w
         assert calls[0].outcome.observation == "the child's answer", crash_at
     assert while_the_child_ran >= 6  # the crashes hit the child's writes too
     assert unknown <= 2  # only a crash between the note's intent and its result loses it
+
+
+async def test_a_parent_killed_while_its_child_runs_re_attaches_after_resume(tmp_path):
+    """A real crash: SIGKILL the process while the child run blocks in a tool call (its
+    effect already recorded), start a new process that resumes the parent: it waits for the
+    dead driver's child lease to lapse, re-attaches, and the child's effect stays single."""
+    db, ledger = tmp_path / "runs.db", tmp_path / "ledger"
+    driver = [sys.executable, str(Path(__file__).with_name("child_run_driver.py")), str(db)]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    first = subprocess.Popen([*driver, str(ledger), "block"], stdout=subprocess.PIPE, env=env)
+    assert first.stdout is not None
+    assert first.stdout.readline() == b"child running\n"  # blocks until the child is there
+    first.send_signal(signal.SIGKILL)
+    assert first.wait() == -signal.SIGKILL
+    first.stdout.close()
+    kid = child_run_id("p/s1/a1")
+    async with open_store_at(db) as store:
+        before = await store.read_log(kid)
+    assert before.finished is None and (await_parent := before.records[0]).parent_run_id == "p"
+    del await_parent
+    second = subprocess.run(
+        [*driver, str(ledger), "resume"], capture_output=True, env=env, check=True, timeout=120
+    )
+    assert second.stdout == b"succeeded thanks\n"
+    async with open_store_at(db) as store:
+        assert await store.list_runs() == ("p", kid)  # one child run, re-attached
+        child_log = await store.read_log(kid)
+        parent_log = await store.read_log("p")
+    assert child_log.finished is not None and child_log.finished.state is RunState.SUCCEEDED
+    effects = ledger.read_text().splitlines()
+    assert len(effects) == 1 and effects[0].endswith(f" {kid}/s1/a1")
+    assert int(effects[0].split()[0]) == first.pid
+    calls = [r for r in parent_log.records if isinstance(r, ActionResult)]
+    assert [(c.outcome.child_run_id, c.outcome.observation) for c in calls] == [(kid, "done")]

@@ -29,7 +29,7 @@ import attrs
 import trio
 
 from treadle._clock import SystemClock
-from treadle._exceptions import RunLeased, UsageError
+from treadle._exceptions import RunLeased, UsageError, raised
 from treadle._ids import MAX_RUN_ID_CHARS
 from treadle._text import repaired
 from treadle.agent import Agent
@@ -173,11 +173,21 @@ async def _call(settings: _Settings, task: str, ctx: ToolContext) -> ActionOutco
         try:
             result = await _attached(settings, child, task, run_id, ctx)
             break
-        except RunLeased as exc:
+        except Exception as exc:
+            leased = raised(exc, RunLeased)
+            if leased is None:
+                raise _unwrapped(exc) from None
             # The driver of an earlier attempt (a parent process that died) still holds the
             # child's lease: wait until it lapses, then take the child over from its log.
-            await trio.sleep(max(0.05, exc.holder.expires_at - time.time()))
+            await trio.sleep(max(0.05, leased.holder.expires_at - time.time()))
     return _outcome(run_id, result)
+
+
+def _unwrapped(exc: Exception) -> Exception:
+    """The lone error inside (nested) one-error groups, so the model reads what failed."""
+    while isinstance(exc, ExceptionGroup) and len(exc.exceptions) == 1:
+        exc = exc.exceptions[0]
+    return exc
 
 
 async def _attached(
