@@ -367,3 +367,25 @@ async def test_a_parent_killed_while_its_child_runs_re_attaches_after_resume(tmp
     assert int(effects[0].split()[0]) == first.pid
     calls = [r for r in parent_log.records if isinstance(r, ActionResult)]
     assert [(c.outcome.child_run_id, c.outcome.observation) for c in calls] == [(kid, "done")]
+
+
+def test_treadle_show_links_the_parent_and_the_child(tmp_path):
+    from click.testing import CliRunner
+
+    from treadle.cli import main
+
+    db = tmp_path / "runs.db"
+
+    async def write() -> None:
+        async with open_store_at(db) as store:
+            await run(parent_agent(store, child_agent()), "go", store=store, run_id="p")
+
+    trio.run(write)
+    kid = child_run_id("p/s1/a1")
+    env = {"COLUMNS": "250"}
+    parent = CliRunner().invoke(main, ["show", "p", "--store", str(db)], env=env)
+    assert parent.exit_code == 0, parent.output
+    assert f"(child run {kid})" in parent.output
+    child = CliRunner().invoke(main, ["show", kid, "--store", str(db)], env=env)
+    assert child.exit_code == 0, child.output
+    assert "child of p (call p/s1/a1)" in child.output
