@@ -137,9 +137,7 @@ class ToolContext:
     seen_revision: int | None = None
     tokens_left: int | None = None
     deadline: float = math.inf
-    forward_event: Callable[[Event], None] | None = attrs.field(
-        default=None, eq=False, repr=False
-    )
+    forward_event: Callable[[Event], None] | None = attrs.field(default=None, eq=False, repr=False)
 
 
 @attrs.frozen(kw_only=True, eq=False)
@@ -585,8 +583,11 @@ class Toolbox:
         )
 
     def timeout_s(self, tool: str) -> float:
-        """Seconds one call of ``tool`` may run (``inf`` for a child-run tool: its calls are
-        bounded by the run's budgets, docs/child-runs.md, "Budgets")."""
+        """Seconds one call of ``tool`` may run.
+
+        ``inf`` for a child-run tool: its calls are bounded by the run's budgets instead
+        (docs/child-runs.md, "Budgets").
+        """
         found = self._tools.get(tool)
         if found is None or found.timeout_s is None:
             return self._default_timeout_s

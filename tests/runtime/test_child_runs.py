@@ -14,17 +14,16 @@ from contextlib import asynccontextmanager
 from pathlib import Path
 
 import attrs
-
 import pytest
 import trio
 
 from treadle import agent_tool, child_run_id
+from treadle._exceptions import RunInterrupted, StoreError
 from treadle.agent import Agent
 from treadle.parsers import NativeToolCallParser
 from treadle.stores.memory import MemoryStore
 from treadle.stores.sqlite import SqliteStore
 from treadle.supervisors.run import open_run, run
-from treadle._exceptions import RunInterrupted, StoreError
 from treadle.testing.faults import CrashingStore, SimulatedCrash
 from treadle.testing.scripted import ScriptedModel, call, say
 from treadle.tools import Toolbox, ToolContext, tool
@@ -37,12 +36,13 @@ from treadle.types import (
     EventKind,
     Limits,
     ModelReply,
-    RunFinished,
+    RunLog,
     RunStarted,
     RunState,
     StopReason,
     Usage,
 )
+
 
 @asynccontextmanager
 async def open_store_at(path):
@@ -94,9 +94,7 @@ def child_agent(*, gate: trio.Event | None = None, executed: list[str] | None = 
 OWNER = "test-owner"
 
 
-def parent_agent(
-    store, child: Agent, *, budgets=Budgets(), limits=Limits(), turns=None, owner=None
-):
+def parent_agent(store, child: Agent, *, budgets=None, limits=None, turns=None, owner=None):
     helper = agent_tool(
         child, store=store, name="helper", description="Ask the helper agent.", owner=owner
     )
@@ -110,8 +108,8 @@ def parent_agent(
         parser=NativeToolCallParser(),
         model_name="parent-model",
         system_prompt="You are the parent.",
-        budgets=budgets,
-        limits=limits,
+        budgets=budgets or Budgets(),
+        limits=limits or Limits(),
     )
 
 
@@ -126,7 +124,9 @@ def test_child_run_id_is_derived_from_the_intent_id():
 async def test_a_tool_call_runs_a_child_and_returns_its_answer():
     store = MemoryStore()
     executed: list[str] = []
-    result = await run(parent_agent(store, child_agent(executed=executed)), "go", store=store, run_id="p")
+    result = await run(
+        parent_agent(store, child_agent(executed=executed)), "go", store=store, run_id="p"
+    )
     assert result.state is RunState.SUCCEEDED
     kid = child_run_id("p/s1/a1")
     assert executed == [f"{kid}/s1/a1"]
@@ -182,7 +182,9 @@ async def test_the_parents_events_carry_the_childs_live_with_their_own_run_id_an
     # They arrive live, inside the parent's tool call: after its intent, before its result.
     positions = [i for i, e in enumerate(events) if e.run_id == kid]
     intent = next(i for i, e in enumerate(events) if isinstance(e.record, ActionIntent))
-    result = next(i for i, e in enumerate(events) if isinstance(e.record, ActionResult) and e.run_id == "p")
+    result = next(
+        i for i, e in enumerate(events) if isinstance(e.record, ActionResult) and e.run_id == "p"
+    )
     assert intent < min(positions) and max(positions) < result
     assert all(r.run_id == "p" for r in parent_log.records)
 
@@ -218,6 +220,7 @@ async def test_cancelling_the_parent_cancels_the_child_durably(store):
 
 async def test_a_child_run_call_is_bounded_by_the_budgets_not_the_tool_timeout(autojump_clock):
     store = MemoryStore()  # the trio clock jumps: no store thread may wait on it
+
     @tool
     async def slow(ctx: ToolContext) -> str:
         """Work for a minute."""
@@ -261,6 +264,7 @@ async def test_the_child_draws_from_the_parents_token_budget(store):
 
 async def test_the_child_draws_from_the_parents_time_budget(autojump_clock):
     store = MemoryStore()  # the trio clock jumps: no store thread may wait on it
+
     @tool
     async def slow(ctx: ToolContext) -> str:
         """Work for a minute."""
@@ -289,7 +293,13 @@ def crash_points() -> list[tuple[int, str]]:
 
 async def _writes_of_a_whole_run() -> int:
     counter = CrashingStore(MemoryStore(), crash_at=10**6)
-    await run(parent_agent(counter, child_agent(), owner=OWNER), "go", store=counter, run_id="p", owner=OWNER)
+    await run(
+        parent_agent(counter, child_agent(), owner=OWNER),
+        "go",
+        store=counter,
+        run_id="p",
+        owner=OWNER,
+    )
     return counter.writes
 
 
@@ -335,7 +345,15 @@ async def test_a_crash_at_every_write_of_parent_and_child_resumes_to_one_child(w
     assert unknown <= 2  # only a crash between the note's intent and its result loses it
 
 
-async def test_a_parent_killed_while_its_child_runs_re_attaches_after_resume(tmp_path):
+def read_logs(db: Path, *run_ids: str) -> tuple[tuple[str, ...], list[RunLog]]:
+    async def read() -> tuple[tuple[str, ...], list[RunLog]]:
+        async with open_store_at(db) as store:
+            return await store.list_runs(), [await store.read_log(r) for r in run_ids]
+
+    return trio.run(read)
+
+
+def test_a_parent_killed_while_its_child_runs_re_attaches_after_resume(tmp_path):
     """A real crash: SIGKILL the process while the child run blocks in a tool call (its
     effect already recorded), start a new process that resumes the parent: it waits for the
     dead driver's child lease to lapse, re-attaches, and the child's effect stays single."""
@@ -349,18 +367,15 @@ async def test_a_parent_killed_while_its_child_runs_re_attaches_after_resume(tmp
     assert first.wait() == -signal.SIGKILL
     first.stdout.close()
     kid = child_run_id("p/s1/a1")
-    async with open_store_at(db) as store:
-        before = await store.read_log(kid)
-    assert before.finished is None and (await_parent := before.records[0]).parent_run_id == "p"
-    del await_parent
+    _, [before] = read_logs(db, kid)
+    assert before.finished is None and before.started is not None
+    assert before.started.parent_run_id == "p"
     second = subprocess.run(
         [*driver, str(ledger), "resume"], capture_output=True, env=env, check=True, timeout=120
     )
     assert second.stdout == b"succeeded thanks\n"
-    async with open_store_at(db) as store:
-        assert await store.list_runs() == ("p", kid)  # one child run, re-attached
-        child_log = await store.read_log(kid)
-        parent_log = await store.read_log("p")
+    listed, [child_log, parent_log] = read_logs(db, kid, "p")
+    assert listed == ("p", kid)  # one child run, re-attached
     assert child_log.finished is not None and child_log.finished.state is RunState.SUCCEEDED
     effects = ledger.read_text().splitlines()
     assert len(effects) == 1 and effects[0].endswith(f" {kid}/s1/a1")
