@@ -6,6 +6,7 @@ import datetime
 import enum
 import inspect
 import json
+import math
 import keyword
 from collections.abc import Callable
 from typing import Any, Literal
@@ -573,6 +574,9 @@ async def test_context_is_injected() -> None:
         "replay": True,
         "resource": None,
         "seen_revision": None,
+        "tokens_left": None,
+        "deadline": math.inf,
+        "forward_event": None,
     }
 
 
