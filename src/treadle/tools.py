@@ -44,7 +44,10 @@ no coercion, no extra keys) before the tool runs (docs/concepts.md, "Data that s
   is the outcome as is (a child-run tool's, `treadle.agent_tool`);
 * a tool that writes a resource (``writes=``) the run never read, or whose base revision
   argument names a revision the run never read: NOT_EXECUTED, before it runs;
-* the tool raised `treadle.revisions.StaleWrite`: NOT_EXECUTED with ``stale_resource`` set.
+* the tool raised `treadle.revisions.StaleWrite`: NOT_EXECUTED with ``stale_resource`` set;
+* the tool raised `ChildRunInterrupted` (a child-run tool whose child stopped unfinished): no
+  outcome; it propagates and fails the run's drive, which is left resumable
+  (docs/child-runs.md, "Run ids").
 
 A tool that reads a resource (``reads=``) returns `treadle.revisions.Observed` to report the
 revision it saw; it is in the outcome's ``revisions`` (docs/concepts.md, "Stale writes").
@@ -72,7 +75,13 @@ import trio
 from cattrs.preconf.json import make_converter
 
 from treadle import _toolproc
-from treadle._exceptions import EnvironmentFailure, ToolProcessFailed, UsageError, raised
+from treadle._exceptions import (
+    ChildRunInterrupted,
+    EnvironmentFailure,
+    ToolProcessFailed,
+    UsageError,
+    raised,
+)
 from treadle._schema import Invalid, ToolSignature, read_signature
 from treadle._toolhost import LOG
 from treadle.revisions import Observed, ResourceTemplate, StaleWrite, check_write, is_revision
@@ -659,7 +668,11 @@ class Toolbox:
                     return await _in_process(found, kwargs, resource, seen)
                 else:
                     result = await found.fn(**kwargs)
+            except ChildRunInterrupted:
+                raise  # not an outcome: the run's drive stops, a resume re-attaches
             except Exception as exc:
+                if raised(exc, ChildRunInterrupted) is not None:
+                    raise
                 stale = raised(exc, StaleWrite)
                 if stale is not None:
                     return _stale(found, resource, seen, stale)

@@ -29,7 +29,15 @@ import attrs
 import trio
 
 from treadle._clock import SystemClock
-from treadle._exceptions import RunLeased, UsageError, raised
+from treadle._exceptions import (
+    ChildRunInterrupted,
+    LeaseError,
+    RunInterrupted,
+    RunLeased,
+    StoreError,
+    UsageError,
+    raised,
+)
 from treadle._ids import MAX_RUN_ID_CHARS
 from treadle._text import repaired
 from treadle.agent import Agent
@@ -176,7 +184,12 @@ async def _call(settings: _Settings, task: str, ctx: ToolContext) -> ActionOutco
         except Exception as exc:
             leased = raised(exc, RunLeased)
             if leased is None:
-                raise _unwrapped(exc) from None
+                error = _unwrapped(exc)
+                if isinstance(error, RunInterrupted | StoreError | LeaseError):
+                    # The child is resumable and the call's outcome unknown: the parent's
+                    # drive stops too, and its resume replays the call, which re-attaches.
+                    raise ChildRunInterrupted(run_id, str(error)) from error
+                raise error from None
             # The driver of an earlier attempt (a parent process that died) still holds the
             # child's lease: wait until it lapses, then take the child over from its log.
             await trio.sleep(max(0.05, leased.holder.expires_at - time.time()))
