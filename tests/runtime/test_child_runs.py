@@ -18,13 +18,13 @@ import pytest
 import trio
 
 from treadle import agent_tool, child_run_id
-from treadle._exceptions import RunInterrupted, StoreError
+from treadle._exceptions import ChildRunInterrupted, RunInterrupted, StoreError
 from treadle.agent import Agent
 from treadle.parsers import NativeToolCallParser
 from treadle.stores.memory import MemoryStore
 from treadle.stores.sqlite import SqliteStore
 from treadle.supervisors.run import open_run, run
-from treadle.testing.faults import CrashingStore, SimulatedCrash
+from treadle.testing.faults import CrashingStore, FailingStore, SimulatedCrash
 from treadle.testing.scripted import ScriptedModel, call, say
 from treadle.tools import Toolbox, ToolContext, tool
 from treadle.types import (
@@ -404,3 +404,27 @@ def test_treadle_show_links_the_parent_and_the_child(tmp_path):
     child = CliRunner().invoke(main, ["show", kid, "--store", str(db)], env=env)
     assert child.exit_code == 0, child.output
     assert "child of p (call p/s1/a1)" in child.output
+
+
+async def test_a_child_whose_store_write_fails_interrupts_the_parent_which_re_attaches():
+    """The child's drive fails (a store write of the child, the process alive): the call's
+    outcome is unknown, so it is no observation; the parent's drive stops, resumable, and
+    its resume re-attaches to the child instead of recording the failure as a result."""
+    inner = MemoryStore()
+    # Write 4 is the parent's action intent; 5 the child's run-started, 6 its model intent.
+    failing = FailingStore(inner, fail_at=6)
+    executed: list[str] = []
+    with pytest.raises(RunInterrupted) as caught:
+        await run(parent_agent(failing, child_agent(executed=executed)), "go", store=failing, run_id="p")
+    assert isinstance(caught.value.__cause__, ChildRunInterrupted)
+    kid = child_run_id("p/s1/a1")
+    assert failing.failed_runs == {kid}
+    parent_log = await inner.read_log("p")
+    assert not any(isinstance(r, ActionResult) for r in parent_log.records)  # no outcome
+    result = await run(parent_agent(inner, child_agent(executed=executed)), "go", store=inner, run_id="p")
+    assert result.state is RunState.SUCCEEDED
+    assert await inner.list_runs() == ("p", kid)
+    assert executed == [f"{kid}/s1/a1"]
+    parent_log = await inner.read_log("p")
+    calls = [r for r in parent_log.records if isinstance(r, ActionResult)]
+    assert [c.outcome.observation for c in calls] == ["the child's answer"]

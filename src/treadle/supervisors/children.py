@@ -227,16 +227,23 @@ async def _attached(
         nursery.start_soon(link.watch)
         # Shielded: a cancel of this call reaches the child as a cancel (`_Link.watch`), not
         # as a cut of its actors, so the child writes its cancel and finishes.
-        with link.shield:
-            async with drive_run(
-                agent, task, store=settings.store, hold=hold, sinks=settings.sinks, options=options
-            ) as handle:
-                await link.attach(handle)
-                async with trio.open_nursery() as inner:
-                    if ctx.forward_event is not None:
-                        inner.start_soon(_forward, handle, ctx.forward_event)
-                    result = await handle.wait()
-        link.done = True
+        try:
+            with link.shield:
+                async with drive_run(
+                    agent,
+                    task,
+                    store=settings.store,
+                    hold=hold,
+                    sinks=settings.sinks,
+                    options=options,
+                ) as handle:
+                    await link.attach(handle)
+                    async with trio.open_nursery() as inner:
+                        if ctx.forward_event is not None:
+                            inner.start_soon(_forward, handle, ctx.forward_event)
+                        result = await handle.wait()
+        finally:
+            link.done = True  # the watcher's cancellation from here on is ours, not a cancel
         nursery.cancel_scope.cancel()
     return result
 

@@ -839,8 +839,8 @@ async def _simulate(seed: int, plan: FaultPlan, runs: int, scenario: Scenario) -
 async def check_child_runs(store: RunStore, parents: Iterable[RunLog]) -> list[str]:
     """The child runs in ``store`` of the ``parents`` (docs/child-runs.md):
 
-    - each child belongs to an action intent of its parent, under the run id derived from it
-      (so a parent re-attached to one child per call, never started a second);
+    - each child belongs to an action intent of its parent, under the run id derived from it,
+      and no call has two children (a resumed parent re-attached, never started a second);
     - each child of a finished parent is finished, and its log keeps every invariant
       (`check_invariants`); a cancelled parent's child may be left unfinished only when its
       cancel is in its control stream, for whoever drives it next;
@@ -851,12 +851,14 @@ async def check_child_runs(store: RunStore, parents: Iterable[RunLog]) -> list[s
     """
     logs = {log.run_id: log for log in parents}
     problems: list[str] = []
+    per_call: dict[str | None, list[str]] = {}
     for run_id in await store.list_runs():
         child = await store.read_log(run_id)
         started = child.started
         if started is None or started.parent_run_id not in logs:
             continue
         parent = logs[started.parent_run_id]
+        per_call.setdefault(started.parent_intent_id, []).append(run_id)
         intents = {r.intent_id for r in parent.records if isinstance(r, ActionIntent)}
         if started.parent_intent_id not in intents:
             problems.append(f"{run_id}: a child run of no action intent of {parent.run_id}")
@@ -876,6 +878,9 @@ async def check_child_runs(store: RunStore, parents: Iterable[RunLog]) -> list[s
                 problems.append(f"{run_id}: unfinished, its parent ended {finished.stop_reason}")
             continue
         problems.extend(check_invariants(child))
+    for intent_id, runs in per_call.items():
+        if len(runs) > 1:
+            problems.append(f"{intent_id}: one call started {len(runs)} child runs: {runs}")
     return problems
 
 
