@@ -6,8 +6,8 @@ import datetime
 import enum
 import inspect
 import json
-import math
 import keyword
+import math
 from collections.abc import Callable
 from typing import Any, Literal
 
@@ -577,6 +577,7 @@ async def test_context_is_injected() -> None:
         "tokens_left": None,
         "deadline": math.inf,
         "forward_event": None,
+        "run_cancelled": None,
     }
 
 

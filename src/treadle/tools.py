@@ -134,6 +134,9 @@ class ToolContext:
         forward_event: hands another run's event (a child run's) to this run's live
             subscribers, never to its log (docs/child-runs.md, "Events"); ``None`` when
             the call was not made by a driven run.
+        run_cancelled: ``run_cancelled()`` tells whether the run itself was cancelled (a
+            cancel request), as opposed to its drive stopping in this process (a drain, a
+            lost lease), which leaves the run resumable; ``None`` when nobody can tell.
     """
 
     run_id: str
@@ -147,6 +150,7 @@ class ToolContext:
     tokens_left: int | None = None
     deadline: float = math.inf
     forward_event: Callable[[Event], None] | None = attrs.field(default=None, eq=False, repr=False)
+    run_cancelled: Callable[[], bool] | None = attrs.field(default=None, eq=False, repr=False)
 
 
 @attrs.frozen(kw_only=True, eq=False)
@@ -650,6 +654,7 @@ class Toolbox:
                 tokens_left=action.tokens_left,
                 deadline=action.deadline,
                 forward_event=action.forward,
+                run_cancelled=action.cancelled,
             )
         return await self._run(found, kwargs, resource, seen)
 

@@ -451,6 +451,9 @@ class Action:
         forward: hands an event of another run (a child run) to this run's live
             subscribers, never to its log (docs/child-runs.md, "Events"); ``None`` when
             nobody can receive them.
+        cancelled: ``cancelled()`` tells whether the run itself was cancelled (a cancel
+            request), as opposed to its drive stopping in this process (a drain, a lost
+            lease), which leaves it resumable; ``None`` when nobody can tell.
     """
 
     run_id: str
@@ -464,6 +467,7 @@ class Action:
     tokens_left: int | None = None
     deadline: float = float("inf")
     forward: Callable[[Event], None] | None = attrs.field(default=None, eq=False, repr=False)
+    cancelled: Callable[[], bool] | None = attrs.field(default=None, eq=False, repr=False)
 
 
 # --------------------------------------------------------------------------- definition data

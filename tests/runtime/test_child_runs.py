@@ -23,6 +23,7 @@ from treadle.agent import Agent
 from treadle.parsers import NativeToolCallParser
 from treadle.stores.memory import MemoryStore
 from treadle.stores.sqlite import SqliteStore
+from treadle.supervisors.fleet import open_fleet
 from treadle.supervisors.run import open_run, run
 from treadle.testing.faults import CrashingStore, FailingStore, SimulatedCrash
 from treadle.testing.scripted import ScriptedModel, call, say
@@ -36,6 +37,7 @@ from treadle.types import (
     EventKind,
     Limits,
     ModelReply,
+    ReplayPolicy,
     RunLog,
     RunStarted,
     RunState,
@@ -145,10 +147,18 @@ async def test_a_tool_call_runs_a_child_and_returns_its_answer():
     assert all(r.run_id == "p" for r in parent.records)
 
 
-@pytest.fixture(params=["memory", "sqlite"])
+@pytest.fixture(params=["memory", "sqlite", "postgres"])
 async def store(request, tmp_path):
     if request.param == "memory":
         yield MemoryStore()
+        return
+    if request.param == "postgres":
+        from treadle.stores.postgres import open_postgres_store
+
+        dsn = request.getfixturevalue("postgres_dsn")
+        schema = request.getfixturevalue("postgres_schema")
+        async with open_postgres_store(dsn, schema=schema) as opened:
+            yield opened
         return
     opened = await SqliteStore.open(tmp_path / "runs.db")
     try:
@@ -415,16 +425,114 @@ async def test_a_child_whose_store_write_fails_interrupts_the_parent_which_re_at
     failing = FailingStore(inner, fail_at=6)
     executed: list[str] = []
     with pytest.raises(RunInterrupted) as caught:
-        await run(parent_agent(failing, child_agent(executed=executed)), "go", store=failing, run_id="p")
+        await run(
+            parent_agent(failing, child_agent(executed=executed)), "go", store=failing, run_id="p"
+        )
     assert isinstance(caught.value.__cause__, ChildRunInterrupted)
     kid = child_run_id("p/s1/a1")
     assert failing.failed_runs == {kid}
     parent_log = await inner.read_log("p")
     assert not any(isinstance(r, ActionResult) for r in parent_log.records)  # no outcome
-    result = await run(parent_agent(inner, child_agent(executed=executed)), "go", store=inner, run_id="p")
+    result = await run(
+        parent_agent(inner, child_agent(executed=executed)), "go", store=inner, run_id="p"
+    )
     assert result.state is RunState.SUCCEEDED
     assert await inner.list_runs() == ("p", kid)
     assert executed == [f"{kid}/s1/a1"]
     parent_log = await inner.read_log("p")
     calls = [r for r in parent_log.records if isinstance(r, ActionResult)]
     assert [c.outcome.observation for c in calls] == ["the child's answer"]
+
+
+# --------------------------------------------------------------------------- fleets (real time)
+
+
+@pytest.fixture(params=["sqlite", "postgres"])
+async def fleet_store(request, tmp_path):
+    if request.param == "sqlite":
+        from treadle.stores.sqlite import open_sqlite_store
+
+        async with open_sqlite_store(tmp_path / "fleet.db") as opened:
+            yield opened
+        return
+    from treadle.stores.postgres import open_postgres_store
+
+    dsn = request.getfixturevalue("postgres_dsn")
+    schema = request.getfixturevalue("postgres_schema")
+    async with open_postgres_store(dsn, schema=schema) as opened:
+        yield opened
+
+
+async def test_a_fleet_with_fewer_slots_than_parents_and_children_finishes_them_all(
+    fleet_store,
+):
+    """One slot, three parents, three children: a child is driven inside its parent's call,
+    under the parent's slot, so waiting parents never hold the slots their children need."""
+    executed: list[str] = []
+
+    def make() -> Agent:
+        return parent_agent(fleet_store, child_agent(executed=executed))
+
+    with trio.fail_after(60):
+        async with open_fleet(
+            fleet_store, {"parent": make}, max_running=1, claim_poll_s=0.1
+        ) as worker:
+            for run_id in ("p1", "p2", "p3"):
+                await worker.submit("parent", "go", run_id=run_id)
+            results = [await worker.result(r, poll_s=0.1) for r in ("p1", "p2", "p3")]
+            stats = worker.statistics()
+    assert [r.final_answer for r in results] == ["the parent's answer"] * 3
+    kids = [child_run_id(f"{r}/s1/a1") for r in ("p1", "p2", "p3")]
+    assert sorted(executed) == sorted(f"{k}/s1/a1" for k in kids)
+    assert sorted(await fleet_store.list_runs()) == sorted(["p1", "p2", "p3", *kids])
+    assert stats.finished == 3 and stats.claimed == 3
+
+
+async def test_a_worker_drained_while_a_child_runs_leaves_both_to_another_worker(fleet_store):
+    """Worker A stops (drains) while the child blocks: the parent's drive is cut, the child's
+    too, and neither is cancelled. Worker B claims the parent, which re-attaches to the
+    child: one child run, its effect once, driven to its end by B."""
+    executed: list[str] = []
+    gate, started = trio.Event(), trio.Event()
+
+    @tool(replay=ReplayPolicy.SAFE)
+    async def wait(ctx: ToolContext) -> str:
+        """Wait for the gate (read-only)."""
+        started.set()
+        await gate.wait()
+        return "open"
+
+    def make() -> Agent:
+        child = child_agent(
+            executed=executed,
+            turns=[use("note", "n1", text="hi"), call("wait", call_id="w1"), say("child done")],
+        )
+        base = child.executor
+        assert isinstance(base, Toolbox)
+        note = base.get("note")
+        assert note is not None
+        return parent_agent(
+            fleet_store, attrs.evolve(child, executor=Toolbox([note, wait])), owner=None
+        )
+
+    kid = child_run_id("p/s1/a1")
+    with trio.fail_after(60):
+        async with open_fleet(
+            fleet_store, {"parent": make}, max_running=1, claim_poll_s=0.1, drain_s=0.2, owner="a"
+        ) as first:
+            await first.submit("parent", "go", run_id="p")
+            await started.wait()
+        interrupted = await fleet_store.read_log(kid)
+        assert interrupted.finished is None
+        assert not any(isinstance(r, CancelRequested) for r in interrupted.records)
+        assert await fleet_store.read_control(kid) == ()
+        gate.set()
+        async with open_fleet(
+            fleet_store, {"parent": make}, max_running=1, claim_poll_s=0.1, owner="b"
+        ) as second:
+            result = await second.result("p", poll_s=0.1)
+    assert result.final_answer == "the parent's answer"
+    assert await fleet_store.list_runs() == ("p", kid)
+    assert executed == [f"{kid}/s1/a1"]
+    child_log = await fleet_store.read_log(kid)
+    assert child_log.finished is not None and child_log.finished.state is RunState.SUCCEEDED

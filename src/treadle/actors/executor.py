@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Protocol
 
 import attrs
@@ -139,6 +139,7 @@ class ToolExecutor:
                 tokens_left=message.tokens_left,
                 deadline=message.scope.deadline,
                 forward=self.writer.forward,
+                cancelled=_cancel_called(message.scope),
             )
             for i, call in enumerate(message.calls)
         ]
@@ -472,3 +473,8 @@ class ToolExecutor:
 def _is_outcome(value: object) -> bool:
     """An `ActionOutcome` with a status of `ActionStatus` (what the seam may return)."""
     return isinstance(value, ActionOutcome) and isinstance(value.status, ActionStatus)
+
+
+def _cancel_called(scope: StepScope) -> Callable[[], bool]:
+    """``() -> bool``: whether the run's step was cancelled (a cancel of the run itself)."""
+    return lambda: scope.cancel_called

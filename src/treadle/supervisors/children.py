@@ -222,7 +222,7 @@ async def _attached(
         park_after_s=None,
         parent=(ctx.run_id, ctx.intent_id),
     )
-    link = _Link(store=settings.store, run_id=run_id, canceller=ctx.run_id)
+    link = _Link(store=settings.store, run_id=run_id, canceller=ctx.run_id, ctx=ctx)
     async with trio.open_nursery() as nursery:
         nursery.start_soon(link.watch)
         # Shielded: a cancel of this call reaches the child as a cancel (`_Link.watch`), not
@@ -255,22 +255,36 @@ class _Link:
     store: RunStore
     run_id: str
     canceller: str
+    ctx: ToolContext
     shield: trio.CancelScope = attrs.Factory(lambda: trio.CancelScope(shield=True))
     handle: RunHandle | None = None
     cancelled: bool = False
     done: bool = False
 
     async def watch(self) -> None:
-        """Sleep until the call is cancelled (or the child ended); then cancel the child."""
+        """Sleep until the call is cancelled (or the child ended); then stop the child.
+
+        A cancel of the parent run, or its time budget running out, cancels the child
+        durably. The parent's drive stopping here (a drain, a lost lease) only cuts the
+        child's drive: both stay resumable, and the parent's resume re-attaches.
+        """
         try:
             await trio.sleep_forever()
         except trio.Cancelled:
             if not self.done:
-                self.cancelled = True
-                self.shield.deadline = trio.current_time() + CHILD_CANCEL_GRACE_S
-                with trio.CancelScope(shield=True, deadline=self.shield.deadline):
-                    await self._cancel()
+                if self._ends_child():
+                    self.cancelled = True
+                    self.shield.deadline = trio.current_time() + CHILD_CANCEL_GRACE_S
+                    with trio.CancelScope(shield=True, deadline=self.shield.deadline):
+                        await self._cancel()
+                else:
+                    self.shield.cancel()
             raise
+
+    def _ends_child(self) -> bool:
+        """Whether the parent run itself was cancelled or ran out of time (not just its drive)."""
+        asked = self.ctx.run_cancelled
+        return (asked is None or asked()) or trio.current_time() >= self.ctx.deadline
 
     async def attach(self, handle: RunHandle) -> None:
         """The child is driven now; a cancel that came first is passed on at once."""

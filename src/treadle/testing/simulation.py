@@ -31,9 +31,11 @@ from treadle.actors._rpc import StepScope
 from treadle.agent import Agent, RunInput
 from treadle.approvals import Decision, decide
 from treadle.parsers import NativeToolCallParser
+from treadle.ports import RunStore
 from treadle.stores._codec import encode
 from treadle.stores._leases import LEASE_TTL_S
 from treadle.stores.memory import MemoryStore
+from treadle.supervisors.children import agent_tool, child_run_id
 from treadle.supervisors.run import DEFAULT_ACTORS, Actors, InboxActor, RunHandle, open_run
 from treadle.testing._intercept import InterceptingStore
 from treadle.testing.faults import FAULT_KINDS as FAULT_KINDS
@@ -46,8 +48,6 @@ from treadle.testing.invariants import check_budgets as check_budgets
 from treadle.testing.invariants import check_invariants as check_invariants
 from treadle.testing.invariants import check_tool_replies as check_tool_replies
 from treadle.testing.scripted import STALLED, ScriptedModel, call, say
-from treadle.ports import RunStore
-from treadle.supervisors.children import agent_tool, child_run_id
 from treadle.tools import EnvironmentFailure, Tool, Toolbox, ToolContext, tool
 from treadle.types import (
     Action,
@@ -610,8 +610,10 @@ class ApprovingScenario(Scenario, Protocol):
 
 
 class StoreScenario(Scenario, Protocol):
-    """A `Scenario` whose agent needs the store its run is written to (a child-run tool does:
-    the children go to the same store, through the same faults)."""
+    """A `Scenario` whose agent needs the store its run is written to.
+
+    A child-run tool does: the children go to the same store, through the same faults.
+    """
 
     def agent_on(self, world: Any, store: RunStore) -> Agent:
         """A fresh agent definition acting on ``world``, writing child runs to ``store``."""
@@ -699,8 +701,10 @@ class LedgerScenario:
         return _agent(world.provider, world.ledger, world.script.budgets)
 
     def agent_on(self, world: Any, store: RunStore) -> Agent:
-        """The ledger agent, with the ``delegate`` tool writing its child runs to ``store``
-        when the world's script hands tasks to child runs."""
+        """The ledger agent; with ``delegate`` when the script hands tasks to child runs.
+
+        The child runs are written to ``store``.
+        """
         if not world.delegates:
             return self.agent(world)
         tools = _ledger_tools(world.ledger, _delegate(world, store))
@@ -716,17 +720,20 @@ class LedgerScenario:
         return plan
 
     def check(self, log: RunLog, world: Any) -> list[str]:
-        """No effect applied twice (the children's included); every decision is what the
-        ledger saw."""
+        """No effect applied twice (the children's included); decisions are the ledger's."""
         problems = check_invariants(log, ledger=world.ledger)
         problems += check_invariants(log, ledger=world.child_ledger)
         problems = [p for p in problems if "applied twice" in p]
         return problems + check_ledger_approvals(log, world.ledger, approval_tools={"withdraw"})
 
     def changed_observation(self, result: ActionResult) -> bool:
-        """The reconcile text marks an outcome established after a crash; a child run that
-        ended cancelled under a parent that went on was cancelled by an incarnation that
-        died before its own cancel was durable (docs/child-runs.md, "Cancellation")."""
+        """Whether a crash changed what ``result`` told the model.
+
+        The reconcile text marks an outcome established after a crash. A child run that
+        did not succeed under a parent that went on was cut by the faults (e.g. cancelled by
+        an incarnation that died before its own cancel was durable; docs/child-runs.md,
+        "Cancellation").
+        """
         outcome = result.outcome
         if outcome.child_run_id is not None:
             return outcome.observation.startswith(f"Error: the child run {outcome.child_run_id}")
@@ -837,7 +844,7 @@ async def _simulate(seed: int, plan: FaultPlan, runs: int, scenario: Scenario) -
 
 
 async def check_child_runs(store: RunStore, parents: Iterable[RunLog]) -> list[str]:
-    """The child runs in ``store`` of the ``parents`` (docs/child-runs.md):
+    """Check the child runs in ``store`` of the ``parents`` (docs/child-runs.md).
 
     - each child belongs to an action intent of its parent, under the run id derived from it,
       and no call has two children (a resumed parent re-attached, never started a second);
