@@ -536,3 +536,25 @@ async def test_a_worker_drained_while_a_child_runs_leaves_both_to_another_worker
     assert executed == [f"{kid}/s1/a1"]
     child_log = await fleet_store.read_log(kid)
     assert child_log.finished is not None and child_log.finished.state is RunState.SUCCEEDED
+
+
+@attrs.frozen
+class Forecast:
+    city: str
+    high_c: int
+
+
+async def test_a_child_with_an_output_type_answers_with_its_output_as_json():
+    store = MemoryStore()
+    child = Agent(
+        model=ScriptedModel(turns=[say('{"city": "Oslo", "high_c": 21}')]),
+        executor=Toolbox([]),
+        parser=NativeToolCallParser(),
+        output_type=Forecast,
+        output_mode="native",
+    )
+    result = await run(parent_agent(store, child), "go", store=store, run_id="p")
+    assert result.state is RunState.SUCCEEDED
+    log = await store.read_log("p")
+    action = next(r for r in log.records if isinstance(r, ActionResult))
+    assert action.outcome.observation == '{"city":"Oslo","high_c":21}'

@@ -46,7 +46,7 @@ from treadle.stores._leases import LEASE_TTL_S, check_ttl, lease_owner
 from treadle.supervisors._control import control_of
 from treadle.supervisors._leasing import LeaseHold, leases_of
 from treadle.supervisors.run import CONTROL_POLL_S, DEFAULT_ACTORS, RunHandle, _Options, drive_run
-from treadle.tools import Tool, ToolContext, tool
+from treadle.tools import Tool, ToolContext, observation_of, tool
 from treadle.types import (
     ActionOutcome,
     ActionStatus,
@@ -83,7 +83,7 @@ def child_run_id(intent_id: str) -> str:
     return "child-" + hashlib.sha256(derived.encode("utf-8", "surrogatepass")).hexdigest()[:32]
 
 
-def drawn_budgets(own: Budgets, ctx: ToolContext, now: float) -> Budgets:
+def _drawn_budgets(own: Budgets, ctx: ToolContext, now: float) -> Budgets:
     """The child's budgets: its own, each cut to what the parent has left (``now``: trio time).
 
     docs/child-runs.md, "Budgets".
@@ -122,8 +122,8 @@ def agent_tool(
     """A tool whose every call runs ``agent`` as a child run and returns its answer.
 
     The model calls it with one argument, ``task`` (the child run's input text). The call's
-    observation is the child's final answer (its structured output as JSON when it has one,
-    else a line naming how it ended); a child that did not succeed gives an ``Error:`` line
+    observation is the child's structured output as JSON when its agent has an output type,
+    else its final answer (or a line naming how it ended, for a completed task); a child that did not succeed gives an ``Error:`` line
     naming its run id, state and stop reason. Its outcome names the child
     (``ActionOutcome.child_run_id``) and carries the child's tokens (``usage``), which count
     in the parent's token budget. See docs/child-runs.md.
@@ -175,7 +175,7 @@ def agent_tool(
 async def _call(settings: _Settings, task: str, ctx: ToolContext) -> ActionOutcome:
     run_id = child_run_id(ctx.intent_id)
     child = attrs.evolve(
-        settings.agent, budgets=drawn_budgets(settings.agent.budgets, ctx, trio.current_time())
+        settings.agent, budgets=_drawn_budgets(settings.agent.budgets, ctx, trio.current_time())
     )
     while True:
         try:
@@ -324,7 +324,9 @@ def _outcome(run_id: str, result: RunResult) -> ActionOutcome:
     if totals.input_tokens is not None or totals.output_tokens is not None:
         usage = Usage(input_tokens=totals.input_tokens, output_tokens=totals.output_tokens)
     if result.state is RunState.SUCCEEDED:
-        if result.final_answer is not None:
+        if result.output is not None:  # a structured output: as JSON
+            observation = observation_of(result.output)
+        elif result.final_answer is not None:
             observation = result.final_answer
         else:
             observation = f"the child run {run_id} ended: {result.stop_reason.value}"
