@@ -123,8 +123,9 @@ def agent_tool(
 
     The model calls it with one argument, ``task`` (the child run's input text). The call's
     observation is the child's structured output as JSON when its agent has an output type,
-    else its final answer (or a line naming how it ended, for a completed task); a child that did not succeed gives an ``Error:`` line
-    naming its run id, state and stop reason. Its outcome names the child
+    else its final answer (or a line naming how it ended, for a completed task); a child that
+    did not succeed gives an ``Error:`` line naming its run id, state and stop reason. Its
+    outcome names the child
     (``ActionOutcome.child_run_id``) and carries the child's tokens (``usage``), which count
     in the parent's token budget. See docs/child-runs.md.
 
