@@ -469,8 +469,16 @@ async def _in_process(
     the call's resource key and the revision the model saw).
     """
     fn = found.fn
+    # The context's callables live in this process (the run's writer and step): the child
+    # process gets the context without them.
+    sent = {
+        key: attrs.evolve(value, forward_event=None, run_cancelled=None)
+        if isinstance(value, ToolContext)
+        else value
+        for key, value in kwargs.items()
+    }
     request = pickle.dumps(
-        {"module": fn.__module__, "qualname": fn.__qualname__, "kwargs": kwargs},
+        {"module": fn.__module__, "qualname": fn.__qualname__, "kwargs": sent},
     )
     paths = [os.getcwd() if entry == "" else entry for entry in sys.path]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(paths)}
