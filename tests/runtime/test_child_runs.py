@@ -169,12 +169,15 @@ async def store(request, tmp_path):
 
 async def test_the_parents_events_carry_the_childs_live_with_their_own_run_id_and_seq(store):
     parent = parent_agent(store, child_agent())
-    # The parent's model takes a moment: its subscriber is there before the child starts.
-    parent = attrs.evolve(parent, model=attrs.evolve(parent.model, latency_s=0.2))
     events = []
-    async with open_run(parent, "go", store=store, run_id="p") as handle:
+    # The call waits for a human: the child starts only once this subscriber has seen that.
+    async with open_run(
+        parent, "go", store=store, run_id="p", approval_policy=lambda tool, arguments: True
+    ) as handle:
         async for event in handle.events():
             events.append(event)
+            if event.kind is EventKind.APPROVAL_REQUESTED:
+                handle.approve()
     kid = child_run_id("p/s1/a1")
     by_run: dict[str, list[int]] = {}
     for event in events:
