@@ -1,0 +1,59 @@
+"""Serving the console: Hypercorn's trio worker over the Starlette app (docs/ui.md)."""
+
+from __future__ import annotations
+
+import signal
+from collections.abc import Callable
+
+import trio
+from hypercorn.config import Config
+from hypercorn.trio import serve as hypercorn_serve
+
+from treadle._cli_common import open_store
+from treadle._ui._app import Settings, create_app
+
+
+async def serve(
+    store_path: str,
+    *,
+    host: str,
+    port: int,
+    settings: Settings,
+    said: Callable[[str], None],
+) -> None:
+    """Serve the console for the store at ``store_path`` until SIGINT or SIGTERM.
+
+    ``said`` is called once with the URL served (the bound port, for ``port`` 0).
+
+    Raises:
+        click.ClickException: nothing exists at ``store_path``.
+        UsageError: the store keeps no run index.
+        OSError: the address cannot be bound.
+    """
+    config = Config()
+    config.bind = [f"[{host}]:{port}" if ":" in host else f"{host}:{port}"]
+    config.accesslog = None
+    config.graceful_timeout = 1.0
+    async with open_store(store_path) as store, trio.open_nursery() as nursery:
+        app = create_app(store, settings)
+        stop = trio.Event()
+        nursery.start_soon(_stop_on_signal, stop)
+        binds = await nursery.start(
+            lambda task_status: hypercorn_serve(
+                app,  # type: ignore[arg-type]
+                config,
+                shutdown_trigger=stop.wait,
+                task_status=task_status,
+            )
+        )
+        said(binds[0])
+        await stop.wait()
+        # hypercorn returns once its connections are closed (live streams within
+        # graceful_timeout); the signal task has returned by then.
+
+
+async def _stop_on_signal(stop: trio.Event) -> None:
+    with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+        async for _ in signals:
+            stop.set()
+            return
