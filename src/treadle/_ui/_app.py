@@ -369,6 +369,7 @@ class _Console:
             "pending": shown,
             "token_bars": _view.token_bars(blocks),
             "waterfall": _view.waterfall(blocks),
+            "span_s": _view.time_span_s(blocks),
             "token": self.settings.token,
         }
 

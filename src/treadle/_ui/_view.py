@@ -276,7 +276,36 @@ def waterfall(blocks: Iterable[Block], *, row: float = 14) -> list[Bar]:
 
     A bar starts at its intent's timestamp and lasts its measured latency or duration (or up
     to its result's timestamp); an attempt or call without a result is drawn as a sliver.
+    The axis spans `time_span_s` seconds.
     """
+    spans = _spans(blocks)
+    if not spans:
+        return []
+    origin = min(s for s, _, _, _ in spans)
+    scale = CHART_WIDTH / max(time_span_s(blocks), 1e-6)
+    return [
+        Bar(
+            x=round((start - origin) * scale, 2),
+            y=index * row,
+            width=round(max(duration * scale, 1.0), 2),
+            height=row - 3,
+            kind=kind,
+            label=label,
+        )
+        for index, (start, duration, kind, label) in enumerate(spans)
+    ]
+
+
+def time_span_s(blocks: Iterable[Block]) -> float:
+    """Seconds from the first model or tool call's start to the last one's end (0 for none)."""
+    spans = _spans(blocks)
+    if not spans:
+        return 0.0
+    return max(s + d for s, d, _, _ in spans) - min(s for s, _, _, _ in spans)
+
+
+def _spans(blocks: Iterable[Block]) -> list[tuple[float, float, str, str]]:
+    """``(start, seconds, kind, label)`` of each model attempt and tool call, in seq order."""
     spans: list[tuple[float, float, str, str]] = []
     for block in blocks:
         for attempt in block.attempts:
@@ -295,22 +324,7 @@ def waterfall(blocks: Iterable[Block], *, row: float = 14) -> list[Bar]:
             )
             label = f"step {block.step} {call.intent.tool}: {duration:.3f} s"
             spans.append((start, duration, "tool", label))
-    if not spans:
-        return []
-    origin = min(s for s, _, _, _ in spans)
-    end = max(s + d for s, d, _, _ in spans)
-    scale = CHART_WIDTH / max(end - origin, 1e-6)
-    return [
-        Bar(
-            x=round((start - origin) * scale, 2),
-            y=index * row,
-            width=round(max(duration * scale, 1.0), 2),
-            height=row - 3,
-            kind=kind,
-            label=label,
-        )
-        for index, (start, duration, kind, label) in enumerate(spans)
-    ]
+    return spans
 
 
 def _instant(ts: str) -> float:
