@@ -235,3 +235,30 @@ def test_loopback_names_are_loopback(host):
 
     assert is_loopback(host)
     assert not is_loopback("0.0.0.0") and not is_loopback("example.org")
+
+
+async def test_the_served_console_guards_a_jsonl_store_with_its_token(tmp_path):
+    """The real command on a real port: a given token guards reads and writes alike."""
+    from ui_support import start_console, stop
+
+    async with treadle.open_jsonl_store(tmp_path / "store") as store:
+        await treadle.run(markup_agent(), "read the page", store=store, run_id="markup")
+    process, url = await trio.to_thread.run_sync(
+        lambda: start_console(tmp_path / "store", "--token", TOKEN)
+    )
+    try:
+        async with httpx.AsyncClient(base_url=url) as http:
+            assert (await http.get("/")).status_code == 401
+            entered = await http.get("/", params={"token": TOKEN})
+            assert entered.status_code == 303
+            listed = await http.get("/")  # the cookie the redirect set
+            assert listed.status_code == 200 and 'data-run="markup"' in listed.text
+            origin = {"origin": url, "accept": "application/json"}
+            without = await http.post("/runs/markup/cancel", data={}, headers=origin)
+            assert without.status_code == 403  # the cookie alone does not make a write
+            late = await http.post("/runs/markup/cancel", data={"token": TOKEN}, headers=origin)
+            assert late.status_code == 409 and "finished" in late.json()["message"]
+            rebound = await http.get("/", headers={"host": f"evil.example:{url.rsplit(':', 1)[1]}"})
+            assert rebound.status_code == 400
+    finally:
+        assert await trio.to_thread.run_sync(stop, process) == 0
