@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import threading
 
 import httpx
 import pytest
@@ -18,6 +19,7 @@ from treadle.approvals import read_control
 from treadle.cli import main
 from treadle.stores.memory import MemoryStore
 from treadle.supervisors.run import open_run
+from treadle.testing.scripted import ScriptedModel, call, say
 from treadle.types import ApprovalDecided, CancelRequested, RunState, StopReason
 
 TOKEN = "t0ken-for-tests"
@@ -262,3 +264,88 @@ async def test_the_served_console_guards_a_jsonl_store_with_its_token(tmp_path):
             assert rebound.status_code == 400
     finally:
         assert await trio.to_thread.run_sync(stop, process) == 0
+
+
+RELEASE = threading.Event()
+
+
+@treadle.tool(timeout_s=0.2)
+def stuck(order_id: str) -> str:
+    """Blocks in its thread past its timeout: the run abandons it (UNKNOWN, late)."""
+    RELEASE.wait(60)
+    return order_id
+
+
+@treadle.tool(requires_approval=True, secret_arguments=["api_key"])
+async def charge(amount: int, api_key: str) -> str:
+    """Charge a card."""
+    return f"charged {amount}"
+
+
+async def test_an_unknown_late_outcome_is_highlighted_and_marked():
+    store = MemoryStore()
+    agent = treadle.Agent(
+        model=ScriptedModel(turns=[call("stuck", order_id="7", call_id="s1"), say("gave up")]),
+        executor=treadle.Toolbox([stuck]),
+        parser=treadle.NativeToolCallParser(),
+    )
+    try:
+        await treadle.run(agent, "go", store=store, run_id="r")
+    finally:
+        RELEASE.set()
+    async with client(store) as http:
+        page = (await http.get("/runs/r")).text
+    step = page[page.index('id="step-1"') : page.index('id="step-2"')]
+    assert 'class="block step highlighted"' in page[page.index('id="step-1"') - 60 :][:80]
+    assert "stuck: outcome unknown" in step and "stuck: late" in step
+    assert "status-unknown" in step
+    later = page[page.index('id="step-2"') - 60 :][:80]
+    assert "highlighted" not in later
+
+
+async def test_secret_arguments_stay_out_of_the_page_and_its_stream():
+    store = MemoryStore()
+    agent = treadle.Agent(
+        model=ScriptedModel(turns=[call("charge", amount=5, api_key="sk-live-123"), say("ok")]),
+        executor=treadle.Toolbox([charge]),
+        parser=treadle.NativeToolCallParser(),
+    )
+    async with open_run(agent, "pay", store=store, run_id="r", control_poll_s=0.05) as handle:
+        await wait_for(handle, RunState.AWAITING_APPROVAL)
+        async with client(store) as http:
+            waiting = (await http.get("/runs/r")).text
+            assert "&#34;amount&#34;: 5" in waiting and "[redacted]" in waiting
+            handle.approve()
+            await handle.wait()
+            page = (await http.get("/runs/r")).text
+            stream = (await http.get("/runs/r/events")).text
+    assert "sk-live-123" not in waiting + page + stream
+    assert "[redacted]" in page
+
+
+def test_a_record_kind_the_page_does_not_know_is_shown_by_its_fields():
+    """A newer version's record (a summary mark, say) renders as a folded field list."""
+    import attrs
+
+    from treadle._ui._app import templates
+    from treadle._ui._view import timeline
+    from treadle.types import RunLog
+
+    @attrs.frozen(kw_only=True)
+    class ContextSummarized:
+        run_id: str
+        step: int
+        ts: str
+        summary: str
+
+    async def go():
+        store = await finished_store()
+        return await store.read_log("markup")
+
+    log = trio.run(go)
+    extra = ContextSummarized(run_id="markup", step=1, ts="t", summary="<b>older turns</b>")
+    blocks = timeline(RunLog(run_id="markup", records=(*log.records, extra)))
+    (step,) = [b for b in blocks if b.id == "step-1"]
+    assert "context summarized" in step.marks
+    html = templates().get_template("_block.html").render(block=step)
+    assert "&lt;b&gt;older turns&lt;/b&gt;" in html and "<b>older" not in html
