@@ -349,3 +349,32 @@ def test_a_record_kind_the_page_does_not_know_is_shown_by_its_fields():
     assert "context summarized" in step.marks
     html = templates().get_template("_block.html").render(block=step)
     assert "&lt;b&gt;older turns&lt;/b&gt;" in html and "<b>older" not in html
+
+
+def test_a_thread_column_shows_when_runs_carry_threads():
+    """Runs of a store whose summaries carry a thread show it (the field is newer than this
+    console: it is read when present)."""
+    import attrs
+
+    from treadle._ui._app import Row, templates
+    from treadle.types import Liveness, RunSummary
+
+    @attrs.frozen(kw_only=True)
+    class ThreadedSummary(RunSummary):
+        thread: str | None = None
+
+    summary = ThreadedSummary(
+        run_id="r",
+        state=RunState.SUCCEEDED,
+        liveness=Liveness.FINISHED,
+        observed_at=0.0,
+        thread="support-<42>",
+    )
+    from treadle._ui._view import optional_field
+
+    row = Row(summary, "", 10, optional_field(summary, "thread", "thread_id"))
+    html = templates().get_template("_rows.html").render(rows=[row], threads=True)
+    assert "<td>support-&lt;42&gt;</td>" in html
+    assert "support-<42>" in row.search_text  # the search box finds runs by thread
+    plain = templates().get_template("_rows.html").render(rows=[row], threads=False)
+    assert "support-&lt;42&gt;</td>" not in plain
