@@ -12,6 +12,7 @@ import secrets
 import click
 
 from treadle._cli_common import run_async, store_option
+from treadle._exceptions import raised
 
 TOKEN_ENV = "TREADLE_UI_TOKEN"
 """The environment variable ``--token`` is read from when not given."""
@@ -65,14 +66,24 @@ def ui_command(store_path: str, host: str, port: int, token: str | None) -> None
             f"treadle ui needs the ui extra ({exc.name} is missing): "
             "python3 -m pip install 'treadle[ui]'"
         ) from exc
-    hosts = ("127.0.0.1", "localhost", host) if loopback else ("*",)
+    bare = host.strip("[]")
+    named = f"[{bare}]" if ":" in bare else bare  # a Host header brackets an IPv6 address
+    hosts = ("127.0.0.1", "localhost", "[::1]", named) if loopback else ("*",)
     settings = Settings(
         token=token or secrets.token_urlsafe(24),
         token_for_reads=token is not None,
-        allowed_hosts=tuple(dict.fromkeys(h.strip("[]") for h in hosts)),
+        allowed_hosts=tuple(dict.fromkeys(hosts)),
     )
 
     def said(url: str) -> None:
         click.echo(f"treadle ui: serving {url}", err=False)
 
-    run_async(lambda: serve(store_path, host=host, port=port, settings=settings, said=said))
+    try:
+        run_async(lambda: serve(store_path, host=host, port=port, settings=settings, said=said))
+    except BaseExceptionGroup as group:
+        unbound = raised(group, OSError)
+        if unbound is None:
+            raise
+        raise click.ClickException(f"cannot serve {host}:{port}: {unbound}") from group
+    except OSError as exc:
+        raise click.ClickException(f"cannot serve {host}:{port}: {exc}") from exc

@@ -378,3 +378,22 @@ def test_a_thread_column_shows_when_runs_carry_threads():
     assert "support-<42>" in row.search_text  # the search box finds runs by thread
     plain = templates().get_template("_rows.html").render(rows=[row], threads=False)
     assert "support-&lt;42&gt;</td>" not in plain
+
+
+def test_a_port_in_use_is_a_clear_error(tmp_path):
+    import socket
+
+    async def make():
+        async with treadle.open_sqlite_store(tmp_path / "runs.db") as store:
+            await treadle.run(markup_agent(), "x", store=store, run_id="markup")
+
+    trio.run(make)
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        result = CliRunner().invoke(
+            main, ["ui", "--store", str(tmp_path / "runs.db"), "--port", str(port)]
+        )
+    assert result.exit_code == 1
+    assert f"cannot serve 127.0.0.1:{port}" in result.output and "in use" in result.output

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import signal
+import socket
 from collections.abc import Callable
 
 import trio
 from hypercorn.config import Config
 from hypercorn.trio import serve as hypercorn_serve
+from starlette.applications import Starlette
 
 from treadle._cli_common import open_store
 from treadle._ui._app import Settings, create_app
@@ -31,11 +33,16 @@ async def serve(
         OSError: the address cannot be bound.
     """
     config = Config()
-    config.bind = [f"[{host}]:{port}" if ":" in host else f"{host}:{port}"]
+    config.bind = [f"fd://{listening_socket(host, port)}"]
     config.accesslog = None
     config.graceful_timeout = 1.0
-    async with open_store(store_path) as store, trio.open_nursery() as nursery:
+    async with open_store(store_path) as store:
         app = create_app(store, settings)
+        await _serve_app(app, config, said)
+
+
+async def _serve_app(app: Starlette, config: Config, said: Callable[[str], None]) -> None:
+    async with trio.open_nursery() as nursery:
         stop = trio.Event()
         nursery.start_soon(_stop_on_signal, stop)
         binds = await nursery.start(
@@ -50,6 +57,26 @@ async def serve(
         await stop.wait()
         # hypercorn returns once its connections are closed (live streams within
         # graceful_timeout); the signal task has returned by then.
+
+
+def listening_socket(host: str, port: int) -> int:
+    """A TCP socket bound to ``host:port``, as a file descriptor Hypercorn takes over.
+
+    Binding here (not in Hypercorn) closes the socket when the bind fails.
+
+    Raises:
+        OSError: the address cannot be bound (in use, not this machine's).
+    """
+    host = host.strip("[]")
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+    except OSError:
+        sock.close()
+        raise
+    return sock.detach()
 
 
 async def _stop_on_signal(stop: trio.Event) -> None:
