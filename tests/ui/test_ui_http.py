@@ -397,3 +397,22 @@ def test_a_port_in_use_is_a_clear_error(tmp_path):
         )
     assert result.exit_code == 1
     assert f"cannot serve 127.0.0.1:{port}" in result.output and "in use" in result.output
+
+
+async def test_a_damaged_run_is_listed_with_its_error_and_its_page_says_why(tmp_path):
+    async with treadle.open_jsonl_store(tmp_path) as store:
+        for run_id in ("good", "bad"):
+            await treadle.run(markup_agent(), "x", store=store, run_id=run_id)
+        bad_file = trio.Path(store.run_file("bad"))
+    lines = (await bad_file.read_bytes()).split(b"\n")
+    lines[3] = lines[3][:10] + b"#" + lines[3][11:]  # one byte of a record frame changed
+    await bad_file.write_bytes(b"\n".join(lines))
+    async with treadle.open_jsonl_store(tmp_path) as store, client(store) as http:
+        listed = await http.get("/")
+        page = await http.get("/runs/bad")
+        good = await http.get("/runs/good")
+    row = listed.text[listed.text.index('data-run="bad"') :]
+    row = row[: row.index("</tr>")]
+    assert "unreadable" in row and 'class="error"' in row
+    assert page.status_code == 500 and "bad" in page.text and 'class="notice refused"' in page.text
+    assert good.status_code == 200

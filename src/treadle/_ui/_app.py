@@ -33,7 +33,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from treadle._cli_runs import approve, cancel
 from treadle._cli_store import driver_text
-from treadle._exceptions import UsageError
+from treadle._exceptions import TreadleError, UsageError
 from treadle._text import valid_unicode
 from treadle._ui import _view
 from treadle.approvals import pending_approval
@@ -156,7 +156,11 @@ def create_app(store: RunStore, settings: Settings) -> Starlette:
         Middleware(_SecurityHeaders),
         Middleware(TrustedHostMiddleware, allowed_hosts=list(settings.allowed_hosts)),
     ]
-    return Starlette(routes=routes, middleware=middleware)
+    return Starlette(
+        routes=routes,
+        middleware=middleware,
+        exception_handlers={TreadleError: console.unreadable},
+    )
 
 
 class _Console:
@@ -167,6 +171,10 @@ class _Console:
         self.settings = settings
         self.env = env
         self._tokens: dict[str, int | None] = {}  # finished runs only: they never change
+
+    async def unreadable(self, request: Request, exc: Exception) -> Response:
+        """A run the store cannot read (a damaged or too-new log): the error, said plainly."""
+        return self._page("said.html", status=500, run_id="", message=str(exc), ok=False)
 
     # ----------------------------------------------------------------- guards
 
