@@ -416,3 +416,24 @@ async def test_a_damaged_run_is_listed_with_its_error_and_its_page_says_why(tmp_
     assert "unreadable" in row and 'class="error"' in row
     assert page.status_code == 500 and "bad" in page.text and 'class="notice refused"' in page.text
     assert good.status_code == 200
+
+
+async def test_a_rejection_from_the_form_reaches_the_model_and_the_call_never_runs():
+    store = MemoryStore()
+    agent = approval_agent()
+    async with open_run(agent, "pay", store=store, run_id="r", control_poll_s=0.05) as handle:
+        await wait_for(handle, RunState.AWAITING_APPROVAL)
+        async with client(store) as http:
+            said = await http.post(
+                "/runs/r/approve",
+                data={"token": TOKEN, "decision": "reject", "message": "not this month"},
+                headers=SAME,  # a plain form post: answered with a page
+            )
+        assert said.status_code == 200 and "reject" in said.text
+        result = await handle.wait()
+    assert result.state is RunState.SUCCEEDED and result.final_answer == "paid"
+    (decided,) = await read_control(store, "r")
+    assert decided.decision == "reject" and decided.message == "not this month"
+    log = await store.read_log("r")
+    (outcome,) = [r.outcome for r in log.records if type(r).__name__ == "ActionResult"]
+    assert outcome.status.value == "not_executed" and "not this month" in outcome.observation
