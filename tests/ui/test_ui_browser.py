@@ -48,6 +48,7 @@ def browser(tmp_path_factory):
 
     options = webdriver.ChromeOptions()
     options.binary_location = CHROMIUM
+    options.set_capability("goog:loggingPrefs", {"browser": "ALL"})
     for flag in (
         "--headless",
         "--no-sandbox",
@@ -124,6 +125,8 @@ def test_markup_in_an_observation_stays_text(browser, console):
     assert browser.find_elements("css selector", "#timeline script, #timeline b") == []
     assert browser.execute_script("return window.pwned === undefined")
     assert "run finished" in find(browser, "#timeline").text
+    # nothing on the page broke the policy or failed to load (the console logs both)
+    assert [e for e in browser.get_log("browser") if e["level"] == "SEVERE"] == []
 
 
 def test_a_live_run_streams_in_and_approving_it_from_the_page_resumes_it(browser, console):
