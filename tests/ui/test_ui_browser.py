@@ -157,6 +157,8 @@ def test_a_live_run_streams_in_and_approving_it_from_the_page_resumes_it(browser
         assert "paid" in find(browser, "#timeline .block.finish").text
         assert browser.execute_script("return window.notReloaded === true")
         assert "approve" in find(browser, "#notice").text
+        # what streamed in broke no policy either
+        assert [e for e in browser.get_log("browser") if e["level"] == "SEVERE"] == []
         assert finish(driver) == "succeeded"
     finally:
         driver.kill()
