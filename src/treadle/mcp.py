@@ -286,7 +286,8 @@ class McpTools:
     def image_source(self, image: ImageRef) -> bytes:
         """The bytes of an image a tool result of this session returned.
 
-        Pass it as a model client's ``image_source``. The session keeps the last 256 images in memory; the log holds only their reference.
+        Pass it as a model client's ``image_source``. The session keeps the last 256 images
+        in memory; the log holds only their reference.
 
         Raises:
             KeyError: the reference is not one of those images.
@@ -545,7 +546,8 @@ def _build_tools(
 def _target(server: McpServer) -> McpServer:
     if isinstance(server, str) and not server.startswith(("http://", "https://")):
         raise UsageError(f"an MCP server URL must start with http:// or https://, got {server!r}")
-    if not isinstance(server, str | StdioServerParameters | Transport | Server | MCPServer):
+    known = isinstance(server, str | StdioServerParameters | Server | MCPServer)
+    if not known and not hasattr(server, "__aenter__"):  # a Transport is an async context
         raise UsageError(
             "server must be an http(s) URL, mcp.StdioServerParameters, an mcp Transport or "
             f"an mcp server object, got {server!r}"
@@ -587,14 +589,20 @@ async def open_mcp_tools(
             handshake (e.g. `OSError`, `mcp.MCPError`), unchanged.
     """
     target = _target(server)
+    problem: UsageError | None = None
     async with Client(target) as client:
-        listed = await _list_tools(client)
-        chosen = _build_tools(
-            listed,
-            trusted=trusted,
-            options={} if tools is None else tools,
-            include=include,
-            prefix=prefix,
-            default_timeout_s=default_timeout_s,
-        )
-        yield McpTools(client, chosen)
+        try:
+            chosen = _build_tools(
+                await _list_tools(client),
+                trusted=trusted,
+                options={} if tools is None else tools,
+                include=include,
+                prefix=prefix,
+                default_timeout_s=default_timeout_s,
+            )
+        except UsageError as exc:  # raised below, once the session is closed: not in a group
+            problem = exc
+        if problem is None:
+            yield McpTools(client, chosen)
+    if problem is not None:
+        raise problem
