@@ -388,3 +388,37 @@ async def test_a_safe_call_in_flight_is_sent_again_with_the_same_key(tmp_path):
     sent = [(e["key"], e["replay"]) for e in _ledger(ledger)]
     assert sent == [(intent.intent_id, False), (intent.intent_id, True)]
     assert IDEMPOTENCY_KEY == mcp_server.IDEMPOTENCY_KEY
+
+
+async def test_a_trusted_servers_destructive_tool_waits_for_approval(tmp_path):
+    from treadle.agent import Agent
+    from treadle.parsers import NativeToolCallParser
+    from treadle.supervisors.run import open_run
+    from treadle.testing.scripted import ScriptedModel, call, say
+    from treadle.types import RunState
+
+    ledger = tmp_path / "ledger"
+    async with open_mcp_tools(stdio_server(ledger), trusted=True) as tools:
+        agent = Agent(
+            model=ScriptedModel(
+                turns=[
+                    call("lookup", key="balance", call_id="c1"),  # read-only: no approval
+                    call("charge", account="acme", cents=5, call_id="c2"),  # destructive
+                    say("charged"),
+                ]
+            ),
+            executor=tools,
+            parser=NativeToolCallParser(),
+            model_name="scripted",
+            system_prompt="You charge accounts.",
+        )
+        async with open_run(agent, "charge", store=MemoryStore(), run_id="r") as handle:
+            with trio.fail_after(60):
+                while handle.state is not RunState.AWAITING_APPROVAL:  # noqa: ASYNC110
+                    await trio.sleep(0.01)
+            assert handle.pending_approval.call_id == "c2"
+            assert [e["tool"] for e in _ledger(ledger)] == ["lookup"]
+            handle.approve("c2")
+            result = await handle.wait()
+    assert result.final_answer == "charged"
+    assert [e["tool"] for e in _ledger(ledger)] == ["lookup", "charge"]
