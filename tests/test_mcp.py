@@ -11,6 +11,7 @@ import contextlib
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -20,11 +21,19 @@ from typing import Any
 import mcp_types
 import pytest
 import trio
+from mcp import StdioServerParameters
 from mcp.client.stdio import stdio_client
 from tests.fixtures import mcp_server
 from tests.fixtures.mcp_driver import ROOT, drive, make_agent, stdio_server
 
-from treadle import ActionStatus, ImageRef, MemoryStore, ReplayPolicy, UsageError
+from treadle import (
+    ActionStatus,
+    EnvironmentFailure,
+    ImageRef,
+    MemoryStore,
+    ReplayPolicy,
+    UsageError,
+)
 from treadle.mcp import IDEMPOTENCY_KEY, McpToolOptions, McpTools, open_mcp_tools, policy_of
 from treadle.supervisors.run import run
 from treadle.testing.crashdriver import open_store
@@ -166,6 +175,31 @@ async def test_bad_options_and_names_are_clear_errors(tmp_path):
     assert [e["tool"] for e in _ledger(tmp_path / "ledger")] == ["tag"]  # its server name
 
 
+async def test_a_server_that_cannot_be_reached_is_an_environment_failure(tmp_path):
+    with socket.socket() as sock:  # a port nobody listens on
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    with pytest.raises(EnvironmentFailure, match=r"could not be opened: MCPError: .*ConnectError"):
+        async with open_mcp_tools(f"http://127.0.0.1:{port}/mcp"):
+            pass
+    missing = StdioServerParameters(command=str(tmp_path / "no-such-server"))
+    with pytest.raises(EnvironmentFailure, match="could not be opened: FileNotFoundError"):
+        async with open_mcp_tools(missing):
+            pass
+
+
+async def test_a_schema_that_is_no_json_schema_is_a_clear_error(tmp_path):
+    broken = mcp_types.Tool(
+        name="broken", input_schema={"type": "object", "properties": {"x": {"type": 5}}}
+    )
+    server = mcp_server.make_server(str(tmp_path / "ledger"), extra=[broken])
+    with pytest.raises(UsageError, match="'broken': the server's input schema is no valid JSON"):
+        async with open_mcp_tools(server):  # an in-process server
+            pass
+    async with open_mcp_tools(server, include=["tag"]) as tools:
+        assert (await tools.execute(_action("tag", item="y"))).observation == "tagged y"
+
+
 # --------------------------------------------------------------------------- calls and results
 
 
@@ -233,32 +267,69 @@ async def test_a_call_past_its_timeout_is_unknown(tmp_path):
     assert [e["key"] for e in _ledger(tmp_path / "ledger")] == ["i-hang"]
 
 
-async def test_a_broken_transport_is_env_error(tmp_path):
+async def _broken_in_flight(tools: McpTools, in_flight: Any, kill: Any) -> ActionOutcome:
+    """Call ``hang``, wait until ``in_flight()`` says the server has it, ``kill()`` the server."""
+    outcome: list[ActionOutcome] = []
+
+    async def call() -> None:
+        outcome.append(await tools.execute(_action("hang", "i-hang", job="j")))
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(call)
+        await in_flight()
+        kill()
+    return outcome[0]
+
+
+def _broke(outcome: ActionOutcome) -> None:
+    assert outcome.status is ActionStatus.ENV_ERROR
+    assert outcome.observation.startswith(
+        "Error: the connection to the MCP server broke during the call of hang"
+    )
+
+
+async def test_a_broken_stdio_transport_is_env_error(tmp_path):
     """The server process dies with a call in flight: the call is ENV_ERROR, not an error."""
     ledger = tmp_path / "ledger"
     read_fd, write_fd = os.pipe()
+    errors = trio.lowlevel.FdStream(read_fd)
+
+    async def in_flight() -> None:
+        seen = b""
+        while b"IN FLIGHT i-hang\n" not in seen:  # bounded: the server writes it
+            chunk = await errors.receive_some()
+            assert chunk, "the server's stderr closed before the call arrived"
+            seen += chunk
+
+    def kill() -> None:
+        os.kill(_ledger(ledger)[0]["pid"], signal.SIGKILL)
+
     with os.fdopen(write_fd, "w") as errlog:
         transport = stdio_client(stdio_server(ledger), errlog=errlog)
-        async with open_mcp_tools(transport) as tools:
-            errors = trio.lowlevel.FdStream(read_fd)
-            outcome: list[ActionOutcome] = []
+        async with errors, open_mcp_tools(transport) as tools:
+            _broke(await _broken_in_flight(tools, in_flight, kill))
 
-            async def call() -> None:
-                outcome.append(await tools.execute(_action("hang", "i-hang", job="j")))
 
-            async with trio.open_nursery() as nursery:
-                nursery.start_soon(call)
-                seen = b""
-                while b"IN FLIGHT i-hang\n" not in seen:  # bounded: the server writes it
-                    chunk = await errors.receive_some()
-                    assert chunk, "the server's stderr closed before the call arrived"
-                    seen += chunk
-                os.kill(_ledger(ledger)[0]["pid"], signal.SIGKILL)
-            await errors.aclose()
-    assert outcome[0].status is ActionStatus.ENV_ERROR
-    assert (
-        "the connection to the MCP server broke during the call of hang" in outcome[0].observation
-    )
+async def test_a_broken_http_transport_is_env_error(tmp_path):
+    """The HTTP server dies holding the call (no response headers yet), then is gone."""
+    with http_server(tmp_path / "ledger") as (url, proc):
+        assert proc.stderr is not None
+
+        async def in_flight() -> None:
+            line = "start"
+            while line and not line.startswith("IN FLIGHT i-hang"):  # bounded by the stream
+                line = await trio.to_thread.run_sync(proc.stderr.readline)
+            assert line, "the server's stderr closed before the call arrived"
+
+        def kill() -> None:
+            proc.kill()
+            proc.wait()
+
+        async with open_mcp_tools(url) as tools:
+            _broke(await _broken_in_flight(tools, in_flight, kill))
+            after = await tools.execute(_action("tag", "i-tag", item="x"))  # nobody listens now
+    assert after.status is ActionStatus.ENV_ERROR
+    assert "ConnectError" in after.observation
 
 
 # --------------------------------------------------------------------------- whole runs

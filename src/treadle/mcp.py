@@ -60,9 +60,10 @@ import mcp_types
 import trio
 from mcp import Client, MCPError, StdioServerParameters
 from mcp.client import Transport
+from mcp.client.streamable_http import streamable_http_client
 from mcp.server import MCPServer, Server
 
-from treadle._exceptions import UsageError, raised
+from treadle._exceptions import EnvironmentFailure, UsageError, raised
 from treadle.tools import ReconcileHook
 from treadle.types import (
     Action,
@@ -227,8 +228,11 @@ class McpTools:
     lifetime); pass it as an agent's ``executor``.
     """
 
-    def __init__(self, client: Client, tools: Sequence[McpTool]) -> None:
+    def __init__(
+        self, client: Client, tools: Sequence[McpTool], *, default_timeout_s: float = 30.0
+    ) -> None:
         self._client = client
+        self._default_timeout_s = default_timeout_s
         self._tools = {entry.name: entry for entry in tools}
         self._validators = {
             entry.name: _validator(entry.name, entry.spec.parameters) for entry in tools
@@ -264,9 +268,9 @@ class McpTools:
         return frozenset() if found is None else found.secret_arguments
 
     def timeout_s(self, tool: str) -> float:
-        """Seconds one call of ``tool`` may run (the default for unknown tools: 30)."""
+        """Seconds one call of ``tool`` may run (the session's default for unknown tools)."""
         found = self._tools.get(tool)
-        return 30.0 if found is None else found.timeout_s
+        return self._default_timeout_s if found is None else found.timeout_s
 
     def invalid_arguments(self, tool: str, arguments: Mapping[str, Any]) -> str | None:
         """Why a call of ``tool`` cannot run (unknown tool, schema errors), or ``None``."""
@@ -555,6 +559,53 @@ def _target(server: McpServer) -> McpServer:
     return server
 
 
+class _FailedRequestAsError(httpx2.AsyncBaseTransport):
+    """An HTTP transport that answers a POST whose connection failed with a JSON-RPC error.
+
+    The SDK lets a connection error before the response headers (a server that died while it
+    held the call) escape its own task group, which would cancel the caller's whole block;
+    answered as "connection closed" (CONNECTION_CLOSED), the call gets its ENV_ERROR and the
+    handshake a plain `mcp.MCPError`. Other methods (the event stream's GET, the session's
+    DELETE) keep their errors, which the SDK handles itself.
+    """
+
+    def __init__(self, inner: httpx2.AsyncBaseTransport) -> None:
+        self._inner = inner
+
+    async def handle_async_request(self, request: httpx2.Request) -> httpx2.Response:
+        try:
+            return await self._inner.handle_async_request(request)
+        except httpx2.TransportError as exc:
+            if request.method != "POST":
+                raise
+            error = {
+                "code": mcp_types.CONNECTION_CLOSED,
+                "message": f"the HTTP request failed: {type(exc).__name__}: {exc}",
+            }
+            body = _compact({"jsonrpc": "2.0", "id": None, "error": error}).encode()
+            return httpx2.Response(
+                503, headers={"content-type": "application/json"}, content=body, request=request
+            )
+
+    async def aclose(self) -> None:
+        await self._inner.aclose()
+
+
+@asynccontextmanager
+async def _connected(server: McpServer) -> AsyncIterator[Client]:
+    """An open `mcp.Client` of ``server`` (a URL gets `_FailedRequestAsError` under it)."""
+    if not isinstance(server, str):
+        async with Client(server) as client:
+            yield client
+        return
+    http = httpx2.AsyncClient(
+        timeout=httpx2.Timeout(30.0, read=300.0),  # the SDK's defaults
+        transport=_FailedRequestAsError(httpx2.AsyncHTTPTransport()),
+    )
+    async with http, Client(streamable_http_client(server, http_client=http)) as client:
+        yield client
+
+
 @asynccontextmanager
 async def open_mcp_tools(
     server: McpServer,
@@ -585,24 +636,51 @@ async def open_mcp_tools(
             server does not list, a name that is not 1-64 characters of ``[A-Za-z0-9_-]``
             with the prefix, a server schema that is no valid JSON schema, a bad timeout, or
             secret arguments the schema does not have.
-        Exception: what the SDK raises when the server cannot be reached or fails the
-            handshake (e.g. `OSError`, `mcp.MCPError`), unchanged.
+        EnvironmentFailure: the server cannot be reached, its command cannot start, or it
+            fails the handshake or the tool listing (the SDK's error is the ``__cause__``).
     """
     target = _target(server)
     problem: UsageError | None = None
-    async with Client(target) as client:
-        try:
-            chosen = _build_tools(
-                await _list_tools(client),
-                trusted=trusted,
-                options={} if tools is None else tools,
-                include=include,
-                prefix=prefix,
-                default_timeout_s=default_timeout_s,
-            )
-        except UsageError as exc:  # raised below, once the session is closed: not in a group
-            problem = exc
-        if problem is None:
-            yield McpTools(client, chosen)
+    entered = False
+    try:
+        async with _connected(target) as client:
+            try:
+                chosen = _build_tools(
+                    await _list_tools(client),
+                    trusted=trusted,
+                    options={} if tools is None else tools,
+                    include=include,
+                    prefix=prefix,
+                    default_timeout_s=default_timeout_s,
+                )
+                built = McpTools(client, chosen, default_timeout_s=default_timeout_s)
+            except UsageError as exc:  # raised below, once the session is closed
+                problem = exc
+            if problem is None:
+                entered = True
+                yield built
+    except Exception as exc:
+        if entered:
+            raise  # the block's own error, or the session's while the block ran
+        leaf = _leaf(exc)
+        raise EnvironmentFailure(
+            f"the MCP session with {_describe(target)} could not be opened: "
+            f"{type(leaf).__name__}: {leaf}"
+        ) from exc
     if problem is not None:
         raise problem
+
+
+def _leaf(exc: BaseException) -> BaseException:
+    """The first error in ``exc``'s (nested) exception groups, or ``exc`` itself."""
+    while isinstance(exc, BaseExceptionGroup) and exc.exceptions:
+        exc = exc.exceptions[0]
+    return exc
+
+
+def _describe(server: McpServer) -> str:
+    if isinstance(server, str):
+        return server
+    if isinstance(server, StdioServerParameters):
+        return f"the command {server.command!r}"
+    return repr(server)
