@@ -493,3 +493,21 @@ async def test_a_trusted_servers_destructive_tool_waits_for_approval(tmp_path):
             result = await handle.wait()
     assert result.final_answer == "charged"
     assert [e["tool"] for e in _ledger(ledger)] == ["lookup", "charge"]
+
+
+async def test_the_block_owns_the_session_and_its_server_process(tmp_path):
+    """Leaving the block closes the session and stops a stdio server; an error raised in the
+    block leaves it through the session's task group (docs/mcp.md, "The session")."""
+    ledger = tmp_path / "ledger"
+
+    class Boom(Exception):
+        pass
+
+    with pytest.RaisesGroup(Boom, flatten_subgroups=True):
+        async with open_mcp_tools(stdio_server(ledger)) as tools:
+            await tools.execute(_action("tag", item="z"))
+            (entry,) = _ledger(ledger)
+            os.kill(entry["pid"], 0)  # the server runs while the block does
+            raise Boom
+    with pytest.raises(ProcessLookupError):
+        os.kill(entry["pid"], 0)  # stopped and reaped when the block ended
