@@ -200,6 +200,20 @@ async def test_a_schema_that_is_no_json_schema_is_a_clear_error(tmp_path):
         assert (await tools.execute(_action("tag", item="y"))).observation == "tagged y"
 
 
+async def test_json_rpc_errors_are_refusals_or_failures_by_their_code(tmp_path):
+    server = mcp_server.make_server(str(tmp_path / "ledger"), extra=mcp_server.PROTOCOL_ERRORS)
+    async with open_mcp_tools(server, include=["picky", "crash"]) as tools:
+        picky = await tools.execute(_action("picky"))
+        crash = await tools.execute(_action("crash"))
+    assert picky.status is ActionStatus.NOT_EXECUTED
+    assert picky.detail == (
+        "the server refused the call of picky: Error: -32602: picky wants other arguments"
+    )
+    assert crash.status is ActionStatus.EXECUTED
+    assert crash.observation.startswith("Error: -32603: ")
+    assert [e["tool"] for e in _ledger(tmp_path / "ledger")] == ["picky", "crash"]
+
+
 # --------------------------------------------------------------------------- calls and results
 
 

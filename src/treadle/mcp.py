@@ -32,6 +32,8 @@ Outcomes (docs/seams.md, "Action executor"):
   ENV_ERROR (the run ends);
 * the call ran past its timeout: UNKNOWN (the server was asked to cancel it; whether its
   effect happened is unknown);
+* anything else the SDK raises (a result that is no valid MCP result, say) propagates: the
+  run is interrupted and stays resumable, the call's outcome unknown;
 * a result: EXECUTED; text blocks, structured content (compact JSON, when no text block
   already holds it), images (image references, `McpTools.image_source`), audio, resource
   links and embedded resources map onto the observation (docs/mcp.md, "Results").
