@@ -21,6 +21,7 @@ TREADLE = sorted(
         "PostgresStore",
         "open_postgres_store",
         "finish_cancelled",
+        "history",
         "Fleet",
         "FleetStatistics",
         "open_fleet",
