@@ -265,3 +265,23 @@ async def test_a_hydrator_without_a_store_refuses_a_thread_run() -> None:
     )
     with pytest.raises(StoreError, match="given no store"):
         await hydrator.inherit()
+
+
+async def test_a_retry_naming_its_run_starts_nothing_twice() -> None:
+    store = MemoryStore()
+    model, tools = ScriptedModel(turns=TURNS), LedgerTools()
+    await treadle.run(agent(model, tools), "add", store=store, run_id="t")
+    first = await treadle.run(
+        agent(model, tools), "now 3 and 4", store=store, thread_id="t", run_id="t.2"
+    )
+    calls = len(model.requests)
+    again = await treadle.run(
+        agent(model, tools), "now 3 and 4", store=store, thread_id="t", run_id="t.2"
+    )
+    assert again == first and len(model.requests) == calls
+    assert sorted(await store.list_runs()) == ["t", "t.2"]
+    with pytest.raises(UsageError, match="input differs"):
+        await treadle.run(agent(model, tools), "other", store=store, thread_id="t", run_id="t.2")
+    await treadle.run(agent(model, tools), "x", store=store, run_id="u")
+    with pytest.raises(UsageError, match="'u' exists and is not a later run of thread 't'"):
+        await treadle.run(agent(model, tools), "x", store=store, thread_id="t", run_id="u")

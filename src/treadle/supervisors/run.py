@@ -55,7 +55,7 @@ from treadle.stores._leases import LEASE_TTL_S, lease_owner
 from treadle.supervisors._control import ControlInbox, ControlIndex, control_of, shared_index
 from treadle.supervisors._leasing import LeaseHold, LeaseKeeper, leases_of, shared_keeper
 from treadle.supervisors._parking import Parking
-from treadle.supervisors.threads import Lineage, fork_lineage, next_in_thread
+from treadle.supervisors.threads import Lineage, fork_lineage, next_in_thread, run_in_thread
 from treadle.types import (
     ApprovalDecided,
     ApprovalRequested,
@@ -668,8 +668,9 @@ async def open_run(
             as the new user message: the new run ``<thread_id>.<n>`` starts from the history
             the thread's latest run ended with, read from the store (docs/threads.md,
             "Threads"). When the latest run is unfinished and was started with the same
-            input, that run is resumed instead. ``run_id``, when given, must be the run the
-            thread goes on as.
+            input, that run is resumed instead. ``run_id``, when given, names the run: an
+            existing run of the thread is resumed (or its result returned), which makes a
+            retry after a crash start nothing twice; a new one must be the thread's next.
         fork_of: fork this run: the new run starts from its history before step
             ``at_step`` and tries that step again (docs/threads.md, "Forks"); nothing
             before it is executed again. ``input``, when given, is added after that history.
@@ -726,8 +727,12 @@ async def _lineage(
     if thread_id is not None:
         if at_step is not None:
             raise UsageError("at_step goes with fork_of; a thread continues its whole history")
+        if run_id is not None:
+            known = await run_in_thread(store, thread_id, check_run_id(run_id), input)
+            if known is not None:  # a retry naming its run: resume it or return its result
+                return run_id, known
         next_id, lineage = await next_in_thread(store, thread_id, input)
-        if run_id is not None and check_run_id(run_id) != next_id:
+        if run_id is not None and run_id != next_id:
             raise UsageError(
                 f"thread {thread_id!r} goes on as run {next_id!r}, not {run_id!r} (a thread "
                 'names its runs, docs/threads.md, "Threads")'

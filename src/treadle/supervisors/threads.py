@@ -115,6 +115,30 @@ async def next_in_thread(
     return candidate, Lineage(continues=latest_id, thread=thread_id)
 
 
+async def run_in_thread(
+    store: RunStore, thread_id: str, run_id: str, input: RunInput | None
+) -> Lineage | None:
+    """The lineage of run ``run_id`` when it exists as a run of thread ``thread_id``.
+
+    ``None`` when there is no such run yet.
+
+    Raises:
+        UsageError: ``run_id`` exists but is not a run of that thread (the thread's first
+            run included: it continues no thread), or was started with another input than
+            ``input`` (finished or not).
+    """
+    log = await store.read_log(run_id)
+    if log.started is None:
+        return None
+    if log.started.thread != thread_id:
+        raise UsageError(f"run {run_id!r} exists and is not a later run of thread {thread_id!r}")
+    if input is not None and valid_unicode(input_messages(input))[0] != log.started.input:
+        raise UsageError(
+            f"run {run_id!r} of thread {thread_id!r}: the input differs from the stored input"
+        )
+    return Lineage.of(log.started)
+
+
 async def fork_lineage(store: RunStore, fork_of: str, at_step: int | None) -> Lineage:
     """The lineage of a fork of run ``fork_of`` at step ``at_step``, checked against its log.
 
