@@ -105,6 +105,7 @@ TESTING = sorted(
         "check_decision_parser",
         "check_model_client",
         "check_run_store",
+        "check_thread_crash_recovery",
         "open_loopback_server",
         "say",
         "seed_log",
