@@ -126,11 +126,10 @@ def lineage_text(started: RunStarted) -> str:
     ``""`` for a run that continues nothing, e.g. ``thread t, continues t.2`` or
     ``fork of r at step 3``.
     """
-    if started.continues is None:
-        return ""
-    if started.fork_step is not None:
-        return f"fork of {started.continues} at step {started.fork_step}"
-    return f"thread {started.thread}, continues {started.continues}"
+    from treadle.supervisors.threads import Lineage  # loaded with the commands that show runs
+
+    lineage = Lineage.of(started)
+    return lineage.describe() if lineage is not None else ""
 
 
 def describe(record: Record) -> tuple[str, str]:

@@ -285,3 +285,22 @@ async def test_a_retry_naming_its_run_starts_nothing_twice() -> None:
     await treadle.run(agent(model, tools), "x", store=store, run_id="u")
     with pytest.raises(UsageError, match="'u' exists and is not a later run of thread 't'"):
         await treadle.run(agent(model, tools), "x", store=store, thread_id="t", run_id="u")
+
+
+async def test_recovery_resumes_a_crashed_thread_run_with_its_history(tmp_path: Path) -> None:
+    model, tools = ScriptedModel(turns=TURNS), LedgerTools()
+    async with _closing(SqliteStore.open(tmp_path / "runs.db")) as store:
+        await treadle.run(agent(model, tools), "add", store=store, run_id="t")
+        with pytest.raises((RunInterrupted, SimulatedCrash)):
+            await treadle.run(
+                agent(model, tools),
+                "now 3 and 4",
+                store=CrashingStore(inner=store, crash_at=3, when="before"),
+                thread_id="t",
+            )
+    async with _closing(SqliteStore.open(tmp_path / "runs.db")) as store:
+        (result,) = await treadle.resume_unfinished(agent(model, tools), store=store)
+        ended = await treadle.history(store, "t.2")
+    assert (result.run_id, result.final_answer) == ("t.2", "3 + 4 = 7")
+    assert [m.content for m in ended if m.role == "user"] == ["add", "now 3 and 4"]
+    assert [a.arguments for a in tools.executed] == [{"a": 1, "b": 2}, {"a": 3, "b": 4}]
