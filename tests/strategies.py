@@ -217,6 +217,9 @@ run_starteds = _build(
     surrogates_replaced=counts,
     parent_run_id=st.none() | ids,
     parent_intent_id=st.none() | ids,
+    thread=st.none() | ids,
+    continues=st.none() | ids,
+    fork_step=st.none() | counts,
 )
 model_intents = _build(
     t.ModelIntent, run_id=ids, step=counts, intent_id=ids, attempt=counts, ts=timestamps

@@ -60,6 +60,7 @@ if TYPE_CHECKING:  # each name loads with its module on first use (docs/design.m
     from treadle.supervisors.run import RunHandle as RunHandle
     from treadle.supervisors.run import open_run as open_run
     from treadle.supervisors.run import run as run
+    from treadle.supervisors.threads import history as history
     from treadle.tools import EnvironmentFailure as EnvironmentFailure
     from treadle.tools import Tool as Tool
     from treadle.tools import Toolbox as Toolbox
@@ -129,6 +130,7 @@ __getattr__ = lazy_names(
         "agent_tool": "treadle.supervisors.children",
         "child_run_id": "treadle.supervisors.children",
         "finish_cancelled": "treadle.supervisors.finishing",
+        "history": "treadle.supervisors.threads",
         "open_fleet": "treadle.supervisors.fleet",
         "open_jsonl_store": "treadle.stores.jsonl",
         "open_postgres_store": "treadle.stores.postgres",
@@ -200,6 +202,7 @@ __all__ = [
     "agent_tool",
     "child_run_id",
     "finish_cancelled",
+    "history",
     "open_fleet",
     "open_jsonl_store",
     "open_postgres_store",

@@ -572,6 +572,15 @@ class RunStarted:
             (docs/child-runs.md); ``None`` otherwise.
         parent_intent_id: for a child run, the parent's action intent it serves (its run
             id is derived from it, `treadle.child_run_id`); ``None`` otherwise.
+        thread: for a run that continues a thread, the thread's id (the id of its first
+            run); ``None`` otherwise (docs/threads.md, "Threads").
+        continues: the run whose recorded history this run starts from: the thread's
+            previous run, or the run a fork forks; ``None`` for a run that starts afresh.
+            Only the id is recorded: the history is read from that run's log, never copied
+            (docs/threads.md, "How history is inherited").
+        fork_step: for a fork, the step of ``continues`` it tries again: the run starts from
+            that run's history before this step (docs/threads.md, "Forks"); ``None`` for a
+            thread's run, which starts from the whole history its predecessor ended with.
     """
 
     run_id: str
@@ -584,6 +593,9 @@ class RunStarted:
     surrogates_replaced: int = 0
     parent_run_id: str | None = None
     parent_intent_id: str | None = None
+    thread: str | None = None
+    continues: str | None = None
+    fork_step: int | None = None
 
 
 @attrs.frozen(kw_only=True)

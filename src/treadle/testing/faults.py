@@ -61,6 +61,7 @@ FAULT_KINDS = (
     "latency",
     "takeover",
     "child_run",
+    "thread",
 )
 """Every fault kind a `FaultPlan` can switch on."""
 
