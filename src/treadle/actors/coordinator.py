@@ -569,7 +569,7 @@ class RunCoordinator:
             )
             if outcome.reply is None:  # the summariser failed or a budget ended the call
                 return outcome
-            answer = await self._hydrate(False)
+            answer = await self._hydrate(force)
         return await self._gateway_call(step, scope, answer)
 
     async def _hydrate(self, force: bool) -> ModelRequest | Compaction:

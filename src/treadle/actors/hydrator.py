@@ -128,6 +128,8 @@ class ContextHydrator:
     _head: int = 0
     _meter: Meter = attrs.Factory(Meter)
     _last: tuple[tuple[Message, ...], int] | None = None
+    _last_tokens: int | None = None
+    _ceiling: int | None = None
 
     def __attrs_post_init__(self) -> None:
         if self.system_prompt is not None:
@@ -168,7 +170,12 @@ class ContextHydrator:
         if self.context_window is None:
             return self.build(message.new_steps)
         self._add(message.new_steps)
-        budget = self.budget or 0
+        if message.force and self._last_tokens is not None:
+            # The provider refused the last request: its real budget is below that
+            # request's size, whatever the declared window says; learnt for the run.
+            refused = self._last_tokens
+            self._ceiling = min(self._ceiling or refused, refused * 3 // 4)
+        budget = min(self.budget or 0, self._ceiling or (self.budget or 0))
         head = tuple(self._history[: self._head])
         if message.calibration is not None:
             self._meter.calibrate(*message.calibration)
@@ -217,6 +224,7 @@ class ContextHydrator:
                 rest = self._meter.tokens(fitted.messages[len(sent) :])
                 estimate = message.calibration[1] + rest
         self._last = (fitted.messages, counted)
+        self._last_tokens = None if message.force else estimate
         summary = fitted.summary
         context = ContextUsed(
             window=self.context_window or 0,
@@ -264,6 +272,7 @@ class ContextHydrator:
             model=self.summary_model or self.model,
             max_output_tokens=cap,
         )
+        self._last_tokens = self._meter.tokens(messages)
         return Compaction(request=request, through=chosen[-1].step)
 
 
