@@ -223,9 +223,7 @@ async def test_a_context_length_refusal_compacts_once_and_retries_the_step():
             if r.step == record.step and r.error and r.error.kind == "context_length_exceeded"
         ]
         assert len(refused) == 1  # once per step, then the retry
-    assert result.totals.model_attempts == sum(
-        1 for r in log.records if isinstance(r, ModelIntent)
-    )
+    assert result.totals.model_attempts == sum(1 for r in log.records if isinstance(r, ModelIntent))
     assert check_invariants(log) == []
 
 
