@@ -27,7 +27,6 @@ from treadle.types import (
     StopReason,
 )
 
-
 WINDOW = 1200
 GOAL = 30
 

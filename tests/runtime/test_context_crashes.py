@@ -18,7 +18,7 @@ from treadle.stores.sqlite import open_sqlite_store
 from treadle.testing import CrashingStore, SimulatedCrash
 from treadle.testing.invariants import check_invariants
 from treadle.testing.windowed import WindowedModel, windowed_agent
-from treadle.types import ModelIntent, ModelResult, RunLog, StopReason
+from treadle.types import ActionResult, ModelIntent, ModelResult, RunLog, StopReason
 
 WINDOW = 800
 GOAL = 16
@@ -134,10 +134,8 @@ def _write_number(log: RunLog, record_number: int) -> int:
     """The store write that carries record ``record_number`` (a step and its action results
     are one write)."""
     write = 0
-    seq = 0
-    for record in log.records:
-        seq += 1
-        if type(record).__name__ != "ActionResult":
+    for seq, record in enumerate(log.records, start=1):
+        if not isinstance(record, ActionResult):
             write += 1
         if seq == record_number:
             return write
