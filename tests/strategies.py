@@ -107,6 +107,7 @@ context_useds = _build(
     marked_to=maybe_counts,
     truncated=counts,
     forced=st.booleans(),
+    unfit=st.booleans(),
 )
 model_requests = _build(
     t.ModelRequest,

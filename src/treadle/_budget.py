@@ -8,6 +8,7 @@ plan is either a request that fits or the steps that must be summarised first
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Callable, Sequence
 from typing import Final
 
@@ -31,6 +32,28 @@ SUMMARY_MAX: Final = 2048
 """Tokens a summary may take at most."""
 MIN_CALIBRATION, MAX_CALIBRATION = 0.25, 8.0
 """Bounds on the factor reported usage applies to the counter (a wild report is clamped)."""
+
+
+_LIMITS = (
+    # OpenAI and OpenAI-compatible servers (vLLM, llama.cpp ...)
+    re.compile(r"maximum context length is (\d[\d,]*)", re.IGNORECASE),
+    # Anthropic: "prompt is too long: 210000 tokens > 200000 maximum"
+    re.compile(r"tokens? > (\d[\d,]*) maximum", re.IGNORECASE),
+    re.compile(r"context (?:window|length) (?:is |of )?(\d[\d,]*) tokens", re.IGNORECASE),
+)
+
+
+def window_from_error(message: str) -> int | None:
+    """The context window a provider's context-length error states, tokens; ``None`` if none.
+
+    Reads the OpenAI-compatible "maximum context length is N tokens" and Anthropic's
+    "N tokens > M maximum".
+    """
+    for pattern in _LIMITS:
+        found = pattern.search(message)
+        if found:
+            return int(found.group(1).replace(",", ""))
+    return None
 
 
 def estimate_messages(messages: Sequence[Message]) -> int:
@@ -83,6 +106,7 @@ class Fitted:
     marked_from: int | None = None
     marked_to: int | None = None
     truncated: int = 0
+    unfit: bool = False
 
 
 @attrs.frozen(kw_only=True)
@@ -205,7 +229,7 @@ def plan(
     if older:
         return Compact(after=after, through=older[-1].step, groups=tuple(older))
     # Only the newest steps remain and they still do not fit: truncate their observations.
-    return _truncated(head, summary, marked_groups, budget - base, meter, marked, steps)
+    return _truncated(head, summary, marked_groups, budget, fixed_tokens, meter, marked, steps)
 
 
 def _fitted(
@@ -217,6 +241,7 @@ def _fitted(
     marked: int = 0,
     steps: tuple[int, int] | None = None,
     truncated: int = 0,
+    unfit: bool = False,
 ) -> Fitted:
     return Fitted(
         messages=(*head, *summary_msgs, *(m for g in groups for m in g.messages)),
@@ -227,6 +252,7 @@ def _fitted(
         marked_from=steps[0] if steps else None,
         marked_to=steps[1] if steps else None,
         truncated=truncated,
+        unfit=unfit,
     )
 
 
@@ -283,15 +309,17 @@ def _truncated(
     head: Sequence[Message],
     summary: Summary | None,
     groups: Sequence[Group],
-    room: int,
+    budget: int,
+    fixed_tokens: int,
     meter: Meter,
     marked: int,
     steps: tuple[int, int] | None,
 ) -> Fitted:
-    """The newest groups with their largest observations cut until they fit ``room``."""
+    """The newest groups with their largest observations cut until the request fits."""
+    room = budget - fixed_tokens - meter.tokens(head)
     summary_msgs: list[Message] = []
     if summary is not None:
-        cap = summary_cap(room)
+        cap = summary_cap(max(room, 0))
         text = fit_text(summary.text, _chars(cap, meter), "[summary cut to fit]")
         summary_msgs = [summary_message(attrs.evolve(summary, text=text))]
     room -= meter.tokens(summary_msgs)
@@ -310,9 +338,17 @@ def _truncated(
         messages[index] = attrs.evolve(message, content=text)
         truncated += 1
     regrouped = [Group(step=groups[0].step, messages=tuple(messages))] if groups else []
-    tokens = meter.tokens([*head, *summary_msgs, *messages])
+    tokens = fixed_tokens + meter.tokens([*head, *summary_msgs, *messages])
     return _fitted(
-        head, summary_msgs, regrouped, summary, tokens, marked, steps, truncated=truncated
+        head,
+        summary_msgs,
+        regrouped,
+        summary,
+        tokens,
+        marked,
+        steps,
+        truncated=truncated,
+        unfit=tokens > budget,
     )
 
 

@@ -237,6 +237,8 @@ def context_detail(record: ModelResult) -> str:
         parts.append(f"{context.truncated} cut to fit")
     if context.forced:
         parts.append("compacted after a context-length refusal")
+    if context.unfit:
+        parts.append("over budget: what cannot be cut does not fit")
     return ", ".join(parts)
 
 

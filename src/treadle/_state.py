@@ -162,11 +162,14 @@ class RunView:
 
     def _apply_model_result(self, record: ModelResult) -> None:
         pending = self.pending
+        summary = record.summary_through is not None
         if pending.open_model_intent and pending.open_model_intent.intent_id == record.intent_id:
             pending.open_model_intent = None
         self.count_usage(record.usage)
         pending.recorded_s += record.latency_s or 0.0
-        if record.context is not None and record.usage.input_tokens:
+        # Calibrated from the step's own requests: a summariser's request (a few long
+        # texts) counts differently from a history of many short messages.
+        if record.context is not None and record.usage.input_tokens and not summary:
             self.calibration = (record.context.counted_tokens, record.usage.input_tokens)
         if record.summary_through is not None and record.reply is not None:
             self.summary = Summary(

@@ -297,6 +297,8 @@ class ContextUsed:
         truncated: observations of the newest steps cut to fit (with a marker).
         forced: built by a compaction after the provider refused the previous attempt
             for its context length.
+        unfit: what cannot be cut (the instructions, the input, the summariser's prompt)
+            alone exceeds the budget: the request was sent over it.
     """
 
     window: int
@@ -311,6 +313,7 @@ class ContextUsed:
     marked_to: int | None = None
     truncated: int = 0
     forced: bool = False
+    unfit: bool = False
 
 
 @attrs.frozen(kw_only=True)

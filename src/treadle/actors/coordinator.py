@@ -18,6 +18,7 @@ from typing import Any, TypeVar
 import attrs
 import trio
 
+from treadle._budget import window_from_error
 from treadle._clock import Clock
 from treadle._exceptions import SeamViolation
 from treadle._output import OutputSpec
@@ -563,7 +564,11 @@ class RunCoordinator:
     ) -> ModelOutcome:
         """The step's model call; first the summaries the hydrator asks for, each durable."""
         answer = await self._hydrate(force)
+        covered = self.view.summary.through if self.view.summary is not None else 0
         while isinstance(answer, Compaction):
+            if answer.through <= covered:  # a hydrator that ignores the summary it was given
+                raise SeamViolation("context hydrator", answer, "a summary of uncovered steps")
+            covered = answer.through
             outcome = await self._gateway_call(
                 step, scope, answer.request, summary_through=answer.through
             )
@@ -573,6 +578,10 @@ class RunCoordinator:
         return await self._gateway_call(step, scope, answer)
 
     async def _hydrate(self, force: bool) -> ModelRequest | Compaction:
+        failures = self.view.pending.failures
+        last = failures[-1] if force and failures else None
+        refused = last.context if last is not None else None
+        stated = window_from_error(last.error.message) if last and last.error else None
         answer: ModelRequest | Compaction = await request(
             self.hydrator,
             lambda reply_to: Hydrate(
@@ -581,6 +590,8 @@ class RunCoordinator:
                 summary=self.view.summary,
                 calibration=self.view.calibration,
                 force=force,
+                refused_tokens=refused.estimated_input_tokens if refused is not None else None,
+                refused_window=stated,
             ),
         )
         self._unsent_steps.clear()

@@ -77,6 +77,10 @@ class Hydrate:
             with a context record: the counter's count and the provider's report.
         force: the provider refused the step's last attempt for its context length:
             summarise every step but the newest.
+        refused_tokens: with ``force``, the estimated size of the refused request (from its
+            result's context record), ``None`` when unknown.
+        refused_window: with ``force``, the window the provider's error stated, tokens,
+            ``None`` when it stated none.
     """
 
     new_steps: tuple[StepRecord, ...]
@@ -84,6 +88,8 @@ class Hydrate:
     summary: Summary | None = None
     calibration: tuple[int, int] | None = None
     force: bool = False
+    refused_tokens: int | None = None
+    refused_window: int | None = None
 
 
 @attrs.define(eq=False)
@@ -170,11 +176,8 @@ class ContextHydrator:
         if self.context_window is None:
             return self.build(message.new_steps)
         self._add(message.new_steps)
-        if message.force and self._last_tokens is not None:
-            # The provider refused the last request: its real budget is below that
-            # request's size, whatever the declared window says; learnt for the run.
-            refused = self._last_tokens
-            self._ceiling = min(self._ceiling or refused, refused * 3 // 4)
+        if message.force:
+            self._lower_ceiling(message)
         budget = min(self.budget or 0, self._ceiling or (self.budget or 0))
         head = tuple(self._history[: self._head])
         if message.calibration is not None:
@@ -190,8 +193,25 @@ class ContextHydrator:
             force=message.force,
         )
         if isinstance(fitted, Compact):
-            return self._compaction(head, message.summary, fitted, budget)
+            return self._compaction(head, message.summary, fitted, budget, message.force)
         return self._fitted(fitted, message, budget, fixed)
+
+    def _lower_ceiling(self, message: Hydrate) -> None:
+        """Learn, for the rest of the run, that the provider's real budget is lower.
+
+        The window its error stated, less the output cap and the margin, when it stated
+        one; else nine tenths of the refused request's size (docs/context.md,
+        "Context-length errors").
+        """
+        ceiling: int | None = None
+        if message.refused_window is not None:
+            ceiling = message.refused_window - (self.max_output_tokens or 0) - self.margin_tokens
+        refused = message.refused_tokens or self._last_tokens
+        if refused is not None:
+            ceiling = min(ceiling or refused, refused * 9 // 10)
+        if ceiling is None:
+            ceiling = (self.budget or 0) * 9 // 10
+        self._ceiling = max(1, min(self._ceiling or ceiling, ceiling))
 
     def _add(self, new_steps: Sequence[StepRecord]) -> None:
         for step in new_steps:
@@ -239,11 +259,17 @@ class ContextHydrator:
             marked_to=fitted.marked_to,
             truncated=fitted.truncated,
             forced=message.force,
+            unfit=fitted.unfit,
         )
         return self._request(fitted.messages, context)
 
     def _compaction(
-        self, head: tuple[Message, ...], previous: Summary | None, compact: Compact, budget: int
+        self,
+        head: tuple[Message, ...],
+        previous: Summary | None,
+        compact: Compact,
+        budget: int,
+        forced: bool,
     ) -> Compaction:
         """The summariser request for the oldest steps of ``compact`` that fit the window."""
         cap = summary_cap(budget)
@@ -267,12 +293,25 @@ class ContextHydrator:
             groups=chosen,
             max_chars=max_chars,
         )
+        tokens = self._meter.tokens(messages)
+        context = ContextUsed(
+            window=self.context_window or 0,
+            budget=budget,
+            estimated_input_tokens=tokens,
+            counted_tokens=self._meter.raw(messages),
+            verbatim_from=chosen[0].step,
+            summary_intent_id=previous.intent_id if previous is not None else None,
+            summary_through=previous.through if previous is not None else None,
+            forced=forced,
+            unfit=tokens + cap > budget,
+        )
         request = ModelRequest(
             messages=messages,
             model=self.summary_model or self.model,
             max_output_tokens=cap,
+            context=context,
         )
-        self._last_tokens = self._meter.tokens(messages)
+        self._last_tokens = tokens
         return Compaction(request=request, through=chosen[-1].step)
 
 

@@ -415,8 +415,9 @@ def _compacts(records: Sequence[Any]) -> bool:
 def check_context(log: RunLog) -> list[str]:
     """The context budget's invariants (docs/context.md), from the log alone.
 
-    * every request fits: its recorded estimate is within its budget, unless nothing but
-      the newest step and the input was left to cut (``truncated``);
+    * every request fits: its recorded estimate is within its budget, unless what cannot
+      be cut alone exceeds it (``unfit``: the instructions, the input, the summariser's
+      prompt);
     * a summary is computed once: no two summaries of a run cover the same steps, and each
       covers more than the one before;
     * a request names only a summary the log holds, durable before it.
@@ -438,7 +439,7 @@ def check_context(log: RunLog) -> list[str]:
         context = record.context
         if context is None:
             continue
-        if context.estimated_input_tokens > context.budget and not context.truncated:
+        if context.estimated_input_tokens > context.budget and not context.unfit:
             problems.append(
                 f"{log.run_id}: request {record.intent_id} was estimated at "
                 f"{context.estimated_input_tokens} tokens, over its budget of {context.budget}"

@@ -11,8 +11,10 @@ answered with a summary that cites the newest fact it was shown.
 from __future__ import annotations
 
 import json
+import random
 import re
 from collections.abc import Callable
+from typing import Any
 
 import attrs
 
@@ -21,14 +23,20 @@ from treadle._exceptions import ModelCallError
 from treadle.agent import Agent
 from treadle.parsers import NativeToolCallParser
 from treadle.ports import DeltaCallback, ModelClient
+from treadle.testing.invariants import check_context
+from treadle.testing.simulation import FaultPlan
 from treadle.tools import Toolbox, tool
 from treadle.types import (
+    ActionResult,
     Budgets,
     Limits,
     Message,
     ModelErrorInfo,
     ModelReply,
     ModelRequest,
+    RunFinished,
+    RunLog,
+    StopReason,
     ToolCall,
     ToolSpec,
     Usage,
@@ -62,6 +70,8 @@ class WindowedModel:
         sizes: every request's size as counted here, in order (summaries included).
         summaries: summary requests answered.
         refused: requests refused for their length.
+        failures: per call (in order), an error to raise instead of answering, or ``None``.
+        requests: every request received, in order.
     """
 
     window: int
@@ -69,11 +79,18 @@ class WindowedModel:
     sizes: list[int] = attrs.Factory(list)
     summaries: int = 0
     refused: int = 0
+    failures: list[ModelErrorInfo | None] = attrs.Factory(list)
+    requests: list[ModelRequest] = attrs.Factory(list)
 
     async def complete(
         self, request: ModelRequest, *, on_delta: DeltaCallback | None = None
     ) -> ModelReply:
         """Answer one request (see the module docstring)."""
+        self.requests.append(request)
+        if self.failures:
+            failure = self.failures.pop(0)
+            if failure is not None:
+                raise ModelCallError(failure, usage=Usage())
         size = provider_tokens(request)
         self.sizes.append(size)
         if size + (request.max_output_tokens or 0) > self.window:
@@ -114,7 +131,7 @@ def fetch_toolbox(payload_chars: int) -> Toolbox:
     """A toolbox with ``fetch(n)``, whose result is ``n=<n>`` and ``payload_chars`` of data."""
 
     @tool
-    def fetch(n: int) -> str:
+    async def fetch(n: int) -> str:
         """Fetch record ``n``.
 
         Args:
@@ -149,3 +166,65 @@ def windowed_agent(
         budgets=budgets or Budgets(max_steps=200, max_model_attempts=1_000),
         limits=Limits(retry_initial_s=0.001, retry_max_s=0.001),
     )
+
+
+@attrs.define(eq=False)
+class _World:
+    provider: WindowedModel
+    declared: int
+
+
+@attrs.frozen(kw_only=True)
+class ContextScenario:
+    """A simulation scenario that compacts (docs/simulation.md; `FaultPlan.compaction`).
+
+    A counting task of ``goal`` steps whose history outgrows ``window`` several times. With
+    ``model_context_length`` on, the provider's real window is smaller than the one the
+    agent declares, so the provider refuses some requests; with ``model_5xx`` on, some calls
+    (summaries included) fail once and are retried.
+    """
+
+    goal: int = 24
+    window: int = 1400
+
+    def world(self, rng: random.Random, plan: FaultPlan, counts: dict[str, int]) -> Any:
+        """A windowed provider, perhaps with a smaller window than declared, and its faults."""
+        real = self.window
+        if plan.roll(rng, "model_context_length"):
+            counts["model_context_length"] = counts.get("model_context_length", 0) + 1
+            real = self.window * 3 // 4
+        failures: list[ModelErrorInfo | None] = []
+        for _ in range(self.goal * 2):
+            if plan.roll(rng, "model_5xx"):
+                counts["model_5xx"] = counts.get("model_5xx", 0) + 1
+                failures.append(ModelErrorInfo(kind="server_error", retryable=True, status=503))
+            else:
+                failures.append(None)
+        provider = WindowedModel(window=real, goal=self.goal, failures=failures)
+        return _World(provider=provider, declared=self.window)
+
+    def agent(self, world: Any) -> Agent:
+        """The counting agent declaring the scenario's window."""
+        return windowed_agent(world.provider, window=world.declared, payload_chars=300)
+
+    def input(self, world: Any) -> str:
+        """A fixed instruction."""
+        return f"count to {self.goal}"
+
+    def check(self, log: RunLog, world: Any) -> list[str]:
+        """A finished run counted to the goal; every request the budget built fits."""
+        problems = check_context(log)
+        last = log.records[-1] if log.records else None
+        answered = isinstance(last, RunFinished) and last.stop_reason is StopReason.FINAL_ANSWER
+        if answered and isinstance(last, RunFinished) and last.final_answer != self.answer:
+            problems.append(f"{log.run_id}: ended with {last.final_answer!r}")
+        return problems
+
+    @property
+    def answer(self) -> str:
+        """The final answer of a run that reached the goal."""
+        return f"done at n={self.goal}"
+
+    def changed_observation(self, result: ActionResult) -> bool:
+        """``fetch`` is deterministic: no outcome is established after a crash."""
+        return False
