@@ -191,3 +191,46 @@ def test_the_summariser_request_cites_the_run_input_and_the_earlier_summary():
     text = messages[1].content or ""
     assert "the task" in text and "Goal: count (step 1)." in text
     assert "## Step 5" in text and "fetch" in text and "[call c5]" in text
+
+
+OPENAI_BODY = {
+    "error": {
+        "message": "This model's maximum context length is 8192 tokens. However, your "
+        "messages resulted in 9013 tokens.",
+        "type": "invalid_request_error",
+        "code": "context_length_exceeded",
+    }
+}
+ANTHROPIC_BODY = {
+    "type": "error",
+    "error": {
+        "type": "invalid_request_error",
+        "message": "prompt is too long: 210000 tokens > 200000 maximum",
+    },
+}
+
+
+def test_context_length_errors_are_recognised_from_both_providers_bodies():
+    from treadle.models._accumulate import classify_failure, error_fields
+    from treadle.models._anthropic_stream import classify_anthropic
+
+    message, code, type_ = error_fields(OPENAI_BODY)
+    assert classify_failure(status=400, code=code, type_=type_, message=message) == (
+        "context_length_exceeded",
+        False,
+    )
+    message, _, type_ = error_fields(ANTHROPIC_BODY)
+    assert classify_anthropic(status=400, type_=type_, message=message) == (
+        "context_length_exceeded",
+        False,
+    )
+
+
+def test_the_stated_window_is_read_from_both_providers_messages():
+    from treadle._budget import window_from_error
+    from treadle.models._accumulate import error_fields
+
+    assert window_from_error(error_fields(OPENAI_BODY)[0]) == 8192
+    assert window_from_error(error_fields(ANTHROPIC_BODY)[0]) == 200000
+    assert window_from_error("HTTP 400: maximum context length is 131,072 tokens") == 131072
+    assert window_from_error("HTTP 400: bad request") is None

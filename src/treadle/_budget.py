@@ -116,7 +116,7 @@ class Compact:
     Attributes:
         after: the last step the current summary covers (0 for none).
         through: the last step the new summary must cover.
-        groups: the steps to summarise, as they would have been sent (markers applied).
+        groups: the steps to summarise, whole (no markers: the summary keeps their facts).
     """
 
     after: int
@@ -225,7 +225,8 @@ def plan(
     # Then the summary: keep the newest steps verbatim, summarise the ones before them.
     room = budget - base - summary_cap(budget)
     keep = _newest_that_fit(marked_groups, room, meter, at_most=1 if force else None)
-    older = marked_groups[: len(marked_groups) - keep]
+    # The summariser reads the steps as they were, not their markers: it keeps the facts.
+    older = live[: len(live) - keep]
     if older:
         return Compact(after=after, through=older[-1].step, groups=tuple(older))
     # Only the newest steps remain and they still do not fit: truncate their observations.

@@ -317,3 +317,18 @@ async def test_resume_of_a_finished_compacting_run_calls_no_model():
         result = await run(windowed_agent(again, window=WINDOW), store=store, run_id="f")
     assert result.stop_reason is StopReason.FINAL_ANSWER
     assert again.sizes == []
+
+
+async def test_the_summariser_reads_every_step_it_covers_whole():
+    # The model's summary cites the newest fact it was shown: a summary of steps 1-T that
+    # saw markers or a cut transcript would cite an older one.
+    model = WindowedModel(window=WINDOW, goal=GOAL)
+    store = MemoryStore()
+    await run(windowed_agent(model, window=WINDOW), "count", store=store, run_id="w")
+    log = await store.read_log("w")
+    summaries = _summaries(log)
+    assert len(summaries) >= 2
+    for summary in summaries:
+        assert summary.reply is not None
+        through = summary.summary_through
+        assert f"Facts: n={through} (step {through})." in (summary.reply.text or "")

@@ -24,6 +24,7 @@ import attrs
 import trio
 
 from treadle._budget import (
+    CHARS_PER_TOKEN,
     DEFAULT_SUMMARY_PROMPT,
     Compact,
     Fitted,
@@ -36,6 +37,7 @@ from treadle._budget import (
     plan,
     summary_cap,
     summary_messages,
+    transcript,
 )
 from treadle.actors._rpc import reply
 from treadle.types import (
@@ -277,15 +279,17 @@ class ContextHydrator:
         prompt_room = budget - cap - self._meter.tokens(framing) - MESSAGE_ROOM
         if previous is not None:
             prompt_room -= self._meter.tokens([Message(role="user", content=previous.text)])
+        # Steps enter the summariser's request as text: whole steps, oldest first, while
+        # their text fits (only a single step too large for it alone is cut).
+        max_chars = max(256, int(prompt_room * CHARS_PER_TOKEN / max(self._meter.factor, 0.25)))
         chosen: list[Group] = []
         used = 0
-        for group in compact.groups:  # oldest first, while they fit the summariser's window
-            size = self._meter.tokens(group.messages)
-            if chosen and used + size > prompt_room:
+        for group in compact.groups:
+            size = len(transcript([group])) + 2
+            if chosen and used + size > max_chars:
                 break
             chosen.append(group)
             used += size
-        max_chars = max(256, int(prompt_room * 3 / max(self._meter.factor, 0.25)))
         messages = summary_messages(
             prompt=self.summary_prompt,
             head=head,
