@@ -332,3 +332,32 @@ async def test_the_summariser_reads_every_step_it_covers_whole():
         assert summary.reply is not None
         through = summary.summary_through
         assert f"Facts: n={through} (step {through})." in (summary.reply.text or "")
+
+
+async def test_show_displays_the_context_of_each_model_call(tmp_path):
+    from click.testing import CliRunner
+
+    from treadle.cli import main
+
+    model = WindowedModel(window=WINDOW, goal=GOAL)
+    async with open_sqlite_store(tmp_path / "runs.db") as store:
+        await run(windowed_agent(model, window=WINDOW), "count", store=store, run_id="shown")
+        log = await store.read_log("shown")
+    summary = _summaries(log)[0]
+    user = next(r for r in _step_results(log) if r.step == summary.step)
+    assert user.context is not None
+    shown = await trio.to_thread.run_sync(
+        lambda: CliRunner().invoke(
+            main, ["show", "shown", "--store", str(tmp_path / "runs.db")], env={"COLUMNS": "400"}
+        )
+    )
+    assert shown.exit_code == 0, shown.output
+    assert "summary call started" in shown.output
+    assert "summary written" in shown.output
+    assert f"steps 1-{summary.summary_through}: Goal: count to {GOAL}." in shown.output
+    expected = (
+        f"context {user.context.estimated_input_tokens} est / {user.usage.input_tokens} "
+        f"reported of {user.context.budget} tokens, steps {user.context.verbatim_from}- "
+        f"verbatim, summary of 1-{summary.summary_through} ({summary.intent_id})"
+    )
+    assert expected in shown.output

@@ -16,6 +16,7 @@ from treadle import MemoryStore, RunInterrupted, run
 from treadle.ports import RunStore
 from treadle.stores.sqlite import open_sqlite_store
 from treadle.testing import CrashingStore, SimulatedCrash
+from treadle.testing.crashes import compare_trajectories
 from treadle.testing.invariants import check_invariants
 from treadle.testing.windowed import WindowedModel, windowed_agent
 from treadle.types import ActionResult, ModelIntent, ModelResult, RunLog, StopReason
@@ -59,8 +60,12 @@ async def _crash_then_resume(store: RunStore, reopen, at: int, when: str, run_id
     return survived, log, result, resumed
 
 
-def _check(survived: RunLog, log: RunLog, result, resumed: WindowedModel, point: str) -> None:
+def _check(
+    survived: RunLog, log: RunLog, result, resumed: WindowedModel, point: str, baseline: RunLog
+) -> None:
     assert result.stop_reason is StopReason.FINAL_ANSWER, point
+    # what the model saw and decided is the uninterrupted run's (the crash kit's comparison)
+    assert compare_trajectories(log, baseline) == [], point
     assert result.final_answer == f"done at n={GOAL}", point
     assert check_invariants(log) == [], point
     before = {r.intent_id for r in _summaries(survived)}
@@ -90,7 +95,7 @@ async def test_a_crash_at_every_write_resumes_without_recomputing_a_summary():
             survived, log, result, resumed = await _crash_then_resume(
                 store, reopen, at, when, f"r-{at}-{when}"
             )
-            _check(survived, log, result, resumed, point)
+            _check(survived, log, result, resumed, point, baseline)
             kept += bool(_summaries(survived))
             abandoned += any(
                 isinstance(r, ModelResult) and r.abandoned and r.intent_id.endswith("/m1")
@@ -124,7 +129,7 @@ async def test_crashes_at_the_summary_writes_on_sqlite(tmp_path):
                     when,
                     "run",
                 )
-            _check(survived, log, result, resumed, f"sqlite crash {when} record {at}")
+            _check(survived, log, result, resumed, f"sqlite crash {when} record {at}", baseline)
             if _summaries(survived):
                 reused += 1
     assert reused > 0  # some crash points left a durable summary, which resume reused
