@@ -327,7 +327,7 @@ def _truncated(
     messages = [m for g in groups for m in g.messages]
     truncated = 0
     while meter.tokens(messages) > room:
-        index = _largest_tool_result(messages, meter)
+        index = _largest_observation(messages)
         if index is None:
             break
         message = messages[index]
@@ -358,7 +358,8 @@ def _chars(tokens: int, meter: Meter) -> int:
     return max(0, int(tokens / max(meter.factor, MIN_CALIBRATION) * CHARS_PER_TOKEN))
 
 
-def _largest_tool_result(messages: Sequence[Message], meter: Meter) -> int | None:
+def _largest_observation(messages: Sequence[Message]) -> int | None:
+    """The index of the longest tool result or user message (an observation), if any."""
     best: tuple[int, int] | None = None
     for index, message in enumerate(messages):
         if message.role != "tool" and message.role != "user":

@@ -75,8 +75,9 @@ class Hydrate:
     Attributes:
         new_steps: step records not yet handed over, oldest first.
         summary: the latest durable summary of the run, ``None`` for none.
-        calibration: ``(counted, reported)`` input tokens of the run's latest model result
-            with a context record: the counter's count and the provider's report.
+        calibration: ``(counted, reported)`` input tokens of the run's latest step request
+            (not a summary's) with a context record: the counter's count and the provider's
+            report (docs/context.md, "Counting tokens").
         force: the provider refused the step's last attempt for its context length:
             summarise every step but the newest.
         refused_tokens: with ``force``, the estimated size of the refused request (from its
@@ -196,7 +197,7 @@ class ContextHydrator:
         )
         if isinstance(fitted, Compact):
             return self._compaction(head, message.summary, fitted, budget, message.force)
-        return self._fitted(fitted, message, budget, fixed)
+        return self._fitted(fitted, message, budget)
 
     def _lower_ceiling(self, message: Hydrate) -> None:
         """Learn, for the rest of the run, that the provider's real budget is lower.
@@ -235,7 +236,7 @@ class ContextHydrator:
             context=context,
         )
 
-    def _fitted(self, fitted: Fitted, message: Hydrate, budget: int, fixed: int) -> ModelRequest:
+    def _fitted(self, fitted: Fitted, message: Hydrate, budget: int) -> ModelRequest:
         counted = self._meter.raw(fitted.messages) + estimate_tools(self.tools)
         estimate = fitted.tokens
         if self._last is not None and message.calibration is not None:
