@@ -903,7 +903,7 @@ async def _wait_parked(parking: Parking, store: RunStore, run_id: str, options: 
         control.poll,
         functools.partial(control.poll, fresh=True),
         options.control_poll_s,
-        watch=(lambda wake: index.watch(run_id, control.seen, wake)) if index else None,
+        grown=(lambda wake: index.wait_grown(run_id, control.seen, wake)) if index else None,
     )
 
 
