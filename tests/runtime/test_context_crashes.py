@@ -158,3 +158,32 @@ class _Same:
 
     async def __aexit__(self, *exc: object) -> None:
         return None
+
+
+async def _summary_crash_on(open_store) -> None:
+    """Crash right after the first summary's result is durable; resume on a reopened store."""
+    baseline, _ = await _baseline()
+    first = next(
+        n
+        for n, r in enumerate(baseline.records, start=1)
+        if isinstance(r, ModelResult) and r.summary_through is not None
+    )
+    async with open_store() as store:
+        survived, log, result, resumed = await _crash_then_resume(
+            store, open_store, _write_number(baseline, first), "after", "store-kind"
+        )
+    _check(survived, log, result, resumed, "crash after the first summary", baseline)
+    assert _summaries(survived)  # the summary was durable before the crash ...
+    assert _summaries(survived)[0] == _summaries(log)[0]  # ... and is the one the run kept
+
+
+async def test_a_summary_survives_a_crash_on_jsonl(tmp_path):
+    from treadle.stores.jsonl import open_jsonl_store
+
+    await _summary_crash_on(lambda: open_jsonl_store(tmp_path / "runs"))
+
+
+async def test_a_summary_survives_a_crash_on_postgres(postgres_dsn, postgres_schema):
+    from treadle.stores.postgres import open_postgres_store
+
+    await _summary_crash_on(lambda: open_postgres_store(postgres_dsn, schema=postgres_schema))
