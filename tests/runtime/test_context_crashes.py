@@ -187,3 +187,71 @@ async def test_a_summary_survives_a_crash_on_postgres(postgres_dsn, postgres_sch
     from treadle.stores.postgres import open_postgres_store
 
     await _summary_crash_on(lambda: open_postgres_store(postgres_dsn, schema=postgres_schema))
+
+
+_KILLED_AFTER_SUMMARY = """
+import os, signal, sys
+import trio
+from treadle import run
+from treadle.stores.sqlite import open_sqlite_store
+from treadle.testing import InterceptingStore
+from treadle.testing.windowed import WindowedModel, windowed_agent
+from treadle.types import ModelResult
+
+
+class KillAfterSummary(InterceptingStore):
+    seen = False
+
+    async def before_write(self, op, records, seq):
+        if any(isinstance(r, ModelResult) and r.summary_through is not None for r in records):
+            self.seen = True
+            return False
+        return self.seen and op.barrier
+
+    def after_write(self, act, op, records, seq):
+        # The first barrier after the summary's result (the step's own intent) is durable,
+        # and with it everything written before it: die at once, as kill -9 would.
+        if act:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+
+async def main():
+    async with open_sqlite_store(sys.argv[1]) as store:
+        model = WindowedModel(window={window}, goal={goal})
+        summariser = WindowedModel(window={window}, goal={goal})
+        agent = windowed_agent(model, window={window}, summariser=summariser)
+        await run(agent, "count", store=KillAfterSummary(store), run_id="killed", owner="{owner}")
+
+
+trio.run(main)
+"""
+
+
+async def test_a_process_killed_after_its_summary_resumes_without_recomputing_it(tmp_path):
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    db = tmp_path / "runs.db"
+    script = tmp_path / "killed.py"
+    script.write_text(_KILLED_AFTER_SUMMARY.format(window=WINDOW, goal=GOAL, owner=OWNER))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    done = await trio.to_thread.run_sync(
+        lambda: subprocess.run(
+            [sys.executable, str(script), str(db)], env=env, capture_output=True, timeout=120
+        )
+    )
+    assert done.returncode == -signal.SIGKILL, done.stderr.decode()
+    baseline, _ = await _baseline()
+    async with open_sqlite_store(db) as store:
+        survived = await store.read_log("killed")
+        assert len(_summaries(survived)) == 1  # it died right after the first summary
+        last = survived.records[-1]
+        assert isinstance(last, ModelIntent) and not last.compaction  # the step's own call
+        resumed = WindowedModel(window=WINDOW, goal=GOAL)
+        with trio.fail_after(60):
+            result = await run(_agent(resumed), "count", store=store, run_id="killed", owner=OWNER)
+        log = await store.read_log("killed")
+    _check(survived, log, result, resumed, "SIGKILL after the first summary", baseline)
+    assert _summaries(survived)[0] in log.records
