@@ -122,7 +122,7 @@ def test_a_summary_is_asked_for_when_markers_are_not_enough():
     groups = [_group(s, 600) for s in range(1, 21)]
     fitted = plan(head=HEAD, groups=groups, summary=None, budget=900, fixed_tokens=0, meter=Meter())
     assert isinstance(fitted, Compact)
-    assert fitted.after == 0
+    assert fitted.after is None
     assert [g.step for g in fitted.groups] == list(range(1, fitted.through + 1))
     assert fitted.through < 20  # the newest steps are kept verbatim, never summarised
 

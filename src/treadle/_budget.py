@@ -114,12 +114,12 @@ class Compact:
     """Steps after ``after`` up to ``through`` must be summarised before a request fits.
 
     Attributes:
-        after: the last step the current summary covers (0 for none).
+        after: the last step the current summary covers (``None`` for none).
         through: the last step the new summary must cover.
         groups: the steps to summarise, whole (no markers: the summary keeps their facts).
     """
 
-    after: int
+    after: int | None
     through: int
     groups: tuple[Group, ...]
 
@@ -147,14 +147,18 @@ def marker(step: int, message: Message, tokens: int) -> str:
     """The re-fetch marker that replaces a large old observation (docs/context.md)."""
     tool = message.name or "a tool"
     call = f" (call {message.tool_call_id})" if message.tool_call_id else ""
+    where = f"at step {step}" if step > 0 else "in an earlier run of the thread"
     return (
-        f"[elided: the result of {tool}{call} at step {step}, about {tokens} tokens, left "
+        f"[elided: the result of {tool}{call} {where}, about {tokens} tokens, left "
         "out to fit the context window; call the tool again if it is needed]"
     )
 
 
 def with_markers(group: Group, meter: Meter) -> tuple[Group, int]:
-    """``group`` with each large tool result replaced by a marker, and how many were."""
+    """``group`` with each large tool result replaced by a marker, and how many were.
+
+    Steps up to 0 are the history inherited from a thread's earlier runs (docs/threads.md).
+    """
     out: list[Message] = []
     count = 0
     for message in group.messages:
@@ -170,13 +174,25 @@ def with_markers(group: Group, meter: Meter) -> tuple[Group, int]:
 
 def summary_message(summary: Summary) -> Message:
     """The message a summary enters the request as (after the run input)."""
+    covers = _covers(summary.through)
     return Message(
         role="user",
         content=(
-            f"[Summary of steps 1-{summary.through}, written earlier in this run; the steps "
-            f"after it follow verbatim]\n{summary.text}"
+            f"[Summary of {covers}, written earlier in this run; what follows it is "
+            f"verbatim]\n{summary.text}"
         ),
     )
+
+
+def _covers(through: int | None) -> str:
+    """What a summary through step ``through`` covers, in words."""
+    if through is None:
+        return "nothing yet"
+    if through > 0:
+        return f"steps 1-{through}"
+    if through == 0:
+        return "the thread's earlier runs"
+    return "the first part of the thread's earlier runs"
 
 
 def summary_cap(budget: int) -> int:
@@ -198,7 +214,8 @@ def plan(
 
     Args:
         head: the fixed instructions and the run input (always sent).
-        groups: every step's messages, oldest first.
+        groups: every step's messages, oldest first; steps up to 0 hold the history
+            inherited from a thread's earlier runs (`inherited_groups`), compacted like any.
         summary: the latest durable summary, or ``None``.
         budget: input tokens the request may use.
         fixed_tokens: tokens outside the messages (the declared tools).
@@ -210,8 +227,8 @@ def plan(
         `Fitted` when the history fits (markers and truncation applied as needed), else
         `Compact` naming the steps to summarise first.
     """
-    after = summary.through if summary is not None else 0
-    live = [g for g in groups if g.step > after]
+    after = summary.through if summary is not None else None
+    live = [g for g in groups if after is None or g.step > after]
     summary_msgs = [summary_message(summary)] if summary is not None else []
     base = fixed_tokens + meter.tokens(head)
     whole = [m for g in live for m in g.messages]
@@ -245,7 +262,7 @@ def _fitted(
     unfit: bool = False,
 ) -> Fitted:
     return Fitted(
-        messages=(*head, *summary_msgs, *(m for g in groups for m in g.messages)),
+        messages=assemble(head, summary_msgs, groups, summary),
         tokens=tokens,
         verbatim_from=groups[0].step if groups else None,
         summary=summary,
@@ -255,6 +272,42 @@ def _fitted(
         truncated=truncated,
         unfit=unfit,
     )
+
+
+def inherited_groups(messages: Sequence[Message]) -> list[Group]:
+    """A thread's inherited history as groups numbered up to 0 (the newest is step 0).
+
+    Each message but a tool result starts a group; a tool result joins the group of the call
+    it answers, so a call and its result are never split.
+    """
+    parts: list[list[Message]] = []
+    for message in messages:
+        if message.role == "tool" and parts:
+            parts[-1].append(message)
+        else:
+            parts.append([message])
+    return [Group(step=i - len(parts) + 1, messages=tuple(p)) for i, p in enumerate(parts)]
+
+
+def assemble(
+    head: Sequence[Message],
+    summary_msgs: Sequence[Message],
+    groups: Sequence[Group],
+    summary: Summary | None,
+) -> tuple[Message, ...]:
+    """A request's messages in history order.
+
+    The order is the instructions, then the history inherited from earlier runs of a thread
+    (steps up to 0, after the summary covering their first part), then the run's input, then
+    the summary of the run's own steps, then the steps sent verbatim.
+    """
+    cut = next((i for i, m in enumerate(head) if m.role != "system"), len(head))
+    system, inputs = head[:cut], head[cut:]
+    early = [m for g in groups if g.step <= 0 for m in g.messages]
+    late = [m for g in groups if g.step > 0 for m in g.messages]
+    if summary is not None and summary.through <= 0:
+        return (*system, *summary_msgs, *early, *inputs, *late)
+    return (*system, *early, *inputs, *summary_msgs, *late)
 
 
 def _marked(
@@ -338,7 +391,13 @@ def _truncated(
             break
         messages[index] = attrs.evolve(message, content=text)
         truncated += 1
-    regrouped = [Group(step=groups[0].step, messages=tuple(messages))] if groups else []
+    regrouped: list[Group] = []
+    at = 0
+    for group in groups:  # the same groups, with their cut messages
+        regrouped.append(
+            Group(step=group.step, messages=tuple(messages[at : at + len(group.messages)]))
+        )
+        at += len(group.messages)
     tokens = fixed_tokens + meter.tokens([*head, *summary_msgs, *messages])
     return _fitted(
         head,
@@ -458,7 +517,8 @@ def transcript(groups: Sequence[Group]) -> str:
     """The steps as plain text for the summariser, one block per step."""
     blocks: list[str] = []
     for group in groups:
-        lines = [f"## Step {group.step}"]
+        title = f"Step {group.step}" if group.step > 0 else "From the thread's earlier runs"
+        lines = [f"## {title}"]
         for message in group.messages:
             if message.role == "assistant":
                 if message.content:
@@ -489,9 +549,10 @@ def summary_messages(
     """
     goal = "\n".join(m.content or "" for m in head if m.role != "system")
     earlier = previous.text if previous is not None else "(none)"
+    covered = _covers(previous.through if previous is not None else None)
     steps = fit_text(transcript(groups), max_chars, "[later steps left out of this summary]")
     text = (
-        f"# The run's input\n{goal}\n\n# Earlier summary (steps 1-"
-        f"{previous.through if previous else 0})\n{earlier}\n\n# Steps to summarise\n{steps}"
+        f"# The run's input\n{goal}\n\n# Earlier summary (of {covered})\n{earlier}\n\n"
+        f"# Steps to summarise\n{steps}"
     )
     return (Message(role="system", content=prompt), Message(role="user", content=text))

@@ -361,3 +361,41 @@ async def test_show_displays_the_context_of_each_model_call(tmp_path):
         f"verbatim, summary of 1-{summary.summary_through} ({summary.intent_id})"
     )
     assert expected in shown.output
+
+
+async def test_a_threads_inherited_history_is_compacted_like_the_runs_own_steps():
+    # The first run of the thread is long (no window: it fits the provider's larger window);
+    # the second declares a small window: the inherited history does not fit, is summarised
+    # (a summary of step 0, the thread's earlier runs) and the second run finishes.
+    big = WindowedModel(window=10 * WINDOW, goal=20)
+    store = MemoryStore()
+    first = await run(windowed_agent(big, window=None), "count", store=store, run_id="chat")
+    assert first.stop_reason is StopReason.FINAL_ANSWER
+    seen: list[ModelRequest] = []
+    model = WindowedModel(window=WINDOW, goal=24)
+
+    class Spy:
+        async def complete(self, request, *, on_delta=None):
+            seen.append(request)
+            return await model.complete(request, on_delta=on_delta)
+
+    second = await run(
+        windowed_agent(Spy(), window=WINDOW), "count on", store=store, thread_id="chat"
+    )
+    assert second.stop_reason is StopReason.FINAL_ANSWER
+    assert second.final_answer == "done at n=24"
+    log = await store.read_log(second.run_id)
+    assert check_invariants(log) == []
+    assert max(model.sizes) + 64 <= WINDOW
+    summaries = _summaries(log)
+    # the inherited history is summarised oldest first, as far as needed (steps up to 0)
+    assert summaries and summaries[0].summary_through is not None
+    assert summaries[0].summary_through <= 0
+    first_request = next(r for r in seen if r.messages[0].content != DEFAULT_SUMMARY_PROMPT)
+    texts = [m.content or "" for m in first_request.messages]
+    # in history order: the instructions, the summary of the earlier runs' first part, what
+    # is left of them (their newest turn verbatim), then this run's input
+    assert texts[1].startswith("[Summary of the first part of the thread's earlier runs")
+    assert texts[-1] == "count on"
+    assert texts[-2] == "done at n=20"
+    assert check_tool_replies([first_request]) == []

@@ -564,9 +564,10 @@ class RunCoordinator:
     ) -> ModelOutcome:
         """The step's model call; first the summaries the hydrator asks for, each durable."""
         answer = await self._hydrate(force)
-        covered = self.view.summary.through if self.view.summary is not None else 0
+        # steps up to 0 are a thread's inherited history: a summary may cover part of it
+        covered = self.view.summary.through if self.view.summary is not None else None
         while isinstance(answer, Compaction):
-            if answer.through <= covered:  # a hydrator that ignores the summary it was given
+            if covered is not None and answer.through <= covered:  # ignores its summary
                 raise SeamViolation("context hydrator", answer, "a summary of uncovered steps")
             covered = answer.through
             outcome = await self._gateway_call(

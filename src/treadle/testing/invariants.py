@@ -424,17 +424,18 @@ def check_context(log: RunLog) -> list[str]:
     """
     problems: list[str] = []
     summaries: dict[str, int] = {}
-    last_through = 0
+    last_through: int | None = None  # steps up to 0: a thread's inherited history
     for record in log.records:
         if not isinstance(record, ModelResult):
             continue
         if record.summary_through is not None and record.reply is not None:
-            if record.summary_through <= last_through:
+            if last_through is not None and record.summary_through <= last_through:
                 problems.append(
                     f"{log.run_id}: summary {record.intent_id} covers steps 1-"
                     f"{record.summary_through}, already summarised (a summary recomputed)"
                 )
-            last_through = max(last_through, record.summary_through)
+            through = record.summary_through
+            last_through = through if last_through is None else max(last_through, through)
             summaries[record.intent_id] = record.summary_through
         context = record.context
         if context is None:
