@@ -84,8 +84,9 @@ class RunView:
             executed, applied (not late) action results (docs/concepts.md, "Stale writes").
         summary: the latest durable summary (a compaction's result), ``None`` for none
             (docs/context.md, "Summaries and resume").
-        calibration: ``(counted, reported)`` input tokens of the latest model result with a
-            context record and a reported input size.
+        calibration: ``(counted, reported)`` input tokens of the latest step request (not a
+            summary's) whose result has a context record and a reported input size
+            (docs/context.md, "Counting tokens").
     """
 
     next_seq: int = 1

@@ -256,8 +256,8 @@ class ContextHydrator:
     def _lower_ceiling(self, message: Hydrate) -> None:
         """Learn, for the rest of the run, that the provider's real budget is lower.
 
-        The window its error stated, less the output cap and the margin, when it stated
-        one; else nine tenths of the refused request's size (docs/context.md,
+        The lower of the window its error stated (less the output cap and the margin) and
+        nine tenths of the refused request's size, whichever is known (docs/context.md,
         "Context-length errors").
         """
         ceiling: int | None = None
