@@ -48,6 +48,7 @@ from treadle.actors.writer import (
 )
 from treadle.agent import Agent, RunInput, input_messages, snapshot_diff
 from treadle.approvals import ApprovalPolicy, check_edit, requires_approval, tool_schema
+from treadle.metrics import MetricsRecorder
 from treadle.ports import ControlStream, EventSink, RunStore
 from treadle.redaction import NO_REDACTION, Redaction
 from treadle.stores._codec import check_schema
@@ -197,6 +198,8 @@ class WriterContext:
             gets a new writer when resumed), so hand events to it rather than to the sinks.
         redaction: the run's secret tool arguments: every event handed out has them
             redacted (docs/events.md, "Secret arguments").
+        metrics: where the writer counts the records it appends (docs/metrics.md);
+            ``None``: nowhere.
     """
 
     run_id: str
@@ -206,6 +209,7 @@ class WriterContext:
     generation: int = 0
     feed: SinkFeed | None = None
     redaction: Redaction = NO_REDACTION
+    metrics: MetricsRecorder | None = None
 
 
 @attrs.frozen(kw_only=True)
@@ -265,6 +269,7 @@ def real_writer(context: WriterContext) -> EventWriter:
         sinks=context.sinks,
         feed=context.feed,
         redaction=context.redaction,
+        metrics=context.metrics,
     )
 
 
@@ -614,6 +619,7 @@ async def open_run(
     lease_ttl_s: float = LEASE_TTL_S,
     owner: str | None = None,
     accept_definition_change: bool = False,
+    metrics: MetricsRecorder | None = None,
 ) -> AsyncIterator[RunHandle]:
     """Start (or resume) a run in the background and yield its handle.
 
@@ -656,6 +662,9 @@ async def open_run(
             differs from the run's: the difference is written to the log first (a
             `treadle.types.DefinitionAccepted` record, docs/fleet.md "Deploys"); without it,
             `SnapshotMismatch` is raised.
+        metrics: counts the run's records (docs/metrics.md, "What is counted"); ``None``
+            (the default) counts nothing. The store's commits are counted only once
+            `treadle.metrics.MetricsRecorder.watch` watches the store.
 
     Raises:
         RunLeased: another live driver holds the run's lease (the error names it and the
@@ -677,6 +686,7 @@ async def open_run(
         actors=actors,
         park_after_s=park_after_s,
         accept_definition_change=accept_definition_change,
+        metrics=metrics,
     )
     async with drive_run(
         agent, input, store=store, hold=hold, sinks=sinks, options=options
@@ -696,6 +706,7 @@ class _Options:
     agent_name: str | None = None
     leave_parked: bool = False
     accept_definition_change: bool = False
+    metrics: MetricsRecorder | None = None
 
 
 @asynccontextmanager
@@ -937,6 +948,7 @@ async def _drive(
                 sinks=feed.sinks if feed is not None else (),
                 feed=feed,
                 redaction=handle._redaction,
+                metrics=options.metrics,
             )
         )
         # The real writer also answers "does anyone want deltas?"; a fake one is asked nothing.
@@ -1197,6 +1209,7 @@ async def run(
     lease_ttl_s: float = LEASE_TTL_S,
     owner: str | None = None,
     accept_definition_change: bool = False,
+    metrics: MetricsRecorder | None = None,
 ) -> RunResult:
     """Run ``agent`` on ``input`` to the end and return the result.
 
@@ -1225,6 +1238,7 @@ async def run(
         lease_ttl_s=lease_ttl_s,
         owner=owner,
         accept_definition_change=accept_definition_change,
+        metrics=metrics,
     ) as handle:
         pass  # leaving the block waits for the run
     return await handle.wait()
