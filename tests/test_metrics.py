@@ -183,8 +183,19 @@ def test_a_worker_serves_prometheus_metrics_that_match_its_runs_logs(tmp_path: P
         url = line.split()[-1]
         for run_id in RUNS:
             submitted = subprocess.run(
-                [sys.executable, "-m", "treadle", "submit", "--store", str(db)]
-                + ["--agent", "calc", "--run-id", run_id, "add"],
+                [
+                    sys.executable,
+                    "-m",
+                    "treadle",
+                    "submit",
+                    "--store",
+                    str(db),
+                    "--agent",
+                    "calc",
+                    "--run-id",
+                    run_id,
+                    "add",
+                ],
                 cwd=tmp_path,
                 capture_output=True,
                 text=True,
@@ -194,8 +205,17 @@ def test_a_worker_serves_prometheus_metrics_that_match_its_runs_logs(tmp_path: P
             assert submitted.returncode == 0, submitted.stderr
         for run_id in RUNS:
             waited = subprocess.run(
-                [sys.executable, "-m", "treadle", "wait", run_id, "--store", str(db)]
-                + ["--poll", "0.1"],
+                [
+                    sys.executable,
+                    "-m",
+                    "treadle",
+                    "wait",
+                    run_id,
+                    "--store",
+                    str(db),
+                    "--poll",
+                    "0.1",
+                ],
                 cwd=tmp_path,
                 capture_output=True,
                 text=True,
@@ -222,13 +242,12 @@ def test_a_worker_serves_prometheus_metrics_that_match_its_runs_logs(tmp_path: P
     assert _total(samples, "treadle_runs_started_total") == len(RUNS)
     for (state, reason), count in expected["finished"].items():
         assert (
-            _total(samples, "treadle_runs_finished_total", state=state, stop_reason=reason)
-            == count
+            _total(samples, "treadle_runs_finished_total", state=state, stop_reason=reason) == count
         )
     assert _total(samples, "treadle_steps_total") == expected["steps"]["steps"] == 12
-    assert _total(samples, "treadle_model_attempts_total", outcome="ok") == expected["attempts"][
-        "ok"
-    ]
+    assert (
+        _total(samples, "treadle_model_attempts_total", outcome="ok") == expected["attempts"]["ok"]
+    )
     assert _total(samples, "treadle_model_attempts_total") == sum(expected["attempts"].values())
     for kind, count in expected["tokens"].items():
         assert _total(samples, "treadle_tokens_total", kind=kind) == count
@@ -258,8 +277,18 @@ def test_the_worker_refuses_a_metrics_port_it_cannot_bind(tmp_path: Path):
         taken.listen()
         port = taken.getsockname()[1]
         done = subprocess.run(
-            [sys.executable, "-m", "treadle", "worker", "--store", str(tmp_path / "r.db")]
-            + ["--agent", "calc=metrics_agents:calc", "--metrics-port", str(port)],
+            [
+                sys.executable,
+                "-m",
+                "treadle",
+                "worker",
+                "--store",
+                str(tmp_path / "r.db"),
+                "--agent",
+                "calc=metrics_agents:calc",
+                "--metrics-port",
+                str(port),
+            ],
             cwd=tmp_path,
             capture_output=True,
             text=True,
@@ -318,29 +347,29 @@ async def test_opentelemetry_metrics_report_the_same_figures(tmp_path: Path):
     provider = MeterProvider(metric_readers=[reader])
     recorder = MetricsRecorder(outputs=(OpenTelemetryMetrics(meter=provider.get_meter("t")),))
     with trio.fail_after(60):
-        async with open_sqlite_store(tmp_path / "runs.db") as store:
-            async with treadle.open_fleet(
+        async with (
+            open_sqlite_store(tmp_path / "runs.db") as store,
+            treadle.open_fleet(
                 store,
                 {"calc": _agent},
                 claim_poll_s=0.05,
                 metrics=recorder,
                 metrics_refresh_s=0.05,
-            ) as fleet:
-                ids = [await fleet.submit("calc", "1+2?", run_id=f"o{i}") for i in range(2)]
-                for run_id in ids:
-                    assert (await fleet.result(run_id, poll_s=0.05)).final_answer == "3"
-                logs = [await store.read_log(run_id) for run_id in ids]
-                while True:  # the index gauge catches up at its next reading
-                    points = _points(reader)
-                    if _sum(points.get("treadle.store.runs", []), liveness="finished") == 2:
-                        break
-                    await trio.sleep(0.05)
+            ) as fleet,
+        ):
+            ids = [await fleet.submit("calc", "1+2?", run_id=f"o{i}") for i in range(2)]
+            for run_id in ids:
+                assert (await fleet.result(run_id, poll_s=0.05)).final_answer == "3"
+            logs = [await store.read_log(run_id) for run_id in ids]
+            while True:  # the index gauge catches up at its next reading
+                points = _points(reader)
+                if _sum(points.get("treadle.store.runs", []), liveness="finished") == 2:
+                    break
+                await trio.sleep(0.05)
     points = _points(reader)
     expected = _expected(logs)
     assert _sum(points["treadle.runs.started"]) == 2
-    assert (
-        _sum(points["treadle.runs.finished"], state="succeeded", stop_reason="final_answer") == 2
-    )
+    assert _sum(points["treadle.runs.finished"], state="succeeded", stop_reason="final_answer") == 2
     assert _sum(points["treadle.steps"]) == expected["steps"]["steps"] == 4
     assert _sum(points["treadle.model.attempts"], outcome="ok") == expected["attempts"]["ok"] == 4
     assert _sum(points["treadle.tokens"], kind="input") == expected["tokens"]["input"] == 32
