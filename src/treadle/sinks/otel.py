@@ -280,7 +280,6 @@ class OpenTelemetrySink:
         self._run = None
 
 
-
 @attrs.define(eq=False)
 class OpenTelemetryMetrics:
     """A `treadle.metrics.MetricsOutput` recording treadle's metrics as OpenTelemetry instruments.

@@ -31,6 +31,7 @@ from treadle._clock import Clock, SystemClock
 from treadle._exceptions import LeaseError, UsageError
 from treadle._ids import check_run_id, new_run_id
 from treadle._text import valid_unicode
+from treadle._trio_only import require_trio
 from treadle.agent import Agent, RunInput, input_messages
 from treadle.metrics import MetricsRecorder
 from treadle.ports import EventSink, RunIndex, RunQueue, RunStore
@@ -287,6 +288,7 @@ async def wait_result(
     Raises:
         UsageError: the store knows no such run, or its output does not fit ``output_type``.
     """
+    require_trio("treadle.wait_result")
     while True:
         summary = await store.read_summary(run_id) if isinstance(store, RunIndex) else None
         if summary is None:
@@ -362,6 +364,7 @@ async def open_fleet(
         Cancelling the block cancels every run driven here (they stay resumable; their leases
         are released, within a bounded grace period, or else expire).
     """
+    require_trio("treadle.open_fleet")
     if not isinstance(store, RunQueue) or leases_of(store) is None:
         raise UsageError(f"{type(store).__name__} has no queue: use SQLite or PostgreSQL")
     if not agents:

@@ -33,6 +33,7 @@ from treadle._exceptions import LeaseError, RunInterrupted, SnapshotMismatch, St
 from treadle._ids import check_run_id, new_run_id
 from treadle._state import RunView, fold
 from treadle._text import repaired, valid_unicode
+from treadle._trio_only import require_trio
 from treadle.actors.coordinator import Drained, Parked, RunCoordinator
 from treadle.actors.executor import RunActions, ToolExecutor
 from treadle.actors.gateway import CallModel, ModelGateway
@@ -674,6 +675,7 @@ async def open_run(
         SnapshotMismatch: resuming with a definition whose snapshot differs (names the keys).
         SchemaTooNew: the log was written by a newer treadle.
     """
+    require_trio("treadle.open_run")
     run_id = check_run_id(run_id) if run_id is not None else new_run_id()
     hold = LeaseHold(
         run_id=run_id, owner=owner or lease_owner(), ttl_s=lease_ttl_s, store=leases_of(store)
