@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import math
 import threading
@@ -35,6 +36,7 @@ from treadle.agent import Agent, RunInput
 from treadle.approvals import decide, request_cancel
 from treadle.metrics import MetricsRecorder
 from treadle.ports import EventSink, RunIndex, RunStore
+from treadle.stores._codec import record_to_dict
 from treadle.stores._leases import LEASE_TTL_S
 from treadle.supervisors.fleet import wait_result
 from treadle.supervisors.run import PARK_AFTER_S, RunHandle, open_run
@@ -511,4 +513,46 @@ async def open_runs(
             await asyncio.shield(portal.call(end))
 
 
-__all__ = ["ITERATE_BUFFER", "Runs", "StoreOpener", "TrioPortal", "open_portal", "open_runs"]
+def event_data(event: Event) -> dict[str, Any]:
+    """One event as JSON data: ``{"seq", "kind", ...}``, as ``treadle tail --json`` prints it.
+
+    A durable event has its record's fields after ``seq`` and ``kind`` (the event kinds of
+    docs/events.md, "Event types"); a delta has ``ordinal`` and ``text``; a step-started
+    event ``step`` and ``ordinal``.
+    """
+    data: dict[str, Any] = {"seq": event.seq, "kind": event.kind.value}
+    if event.record is not None:
+        fields = record_to_dict(event.record)
+        del fields["kind"]  # the record's tag in the log format; the event kind names it here
+        data.update(fields)
+    elif event.text is not None:
+        data.update(ordinal=event.ordinal, text=event.text)
+    else:
+        data.update(step=event.step, ordinal=event.ordinal)
+    return data
+
+
+def sse_frame(event: Event) -> bytes:
+    """One Server-Sent Events frame of ``event`` (docs/asyncio.md, "Streaming to a browser").
+
+    ``event:`` is the event kind and ``data:`` its `event_data` as one line of JSON. Only a
+    durable event carries ``id: <seq>``: a browser's ``EventSource`` then reconnects with
+    ``Last-Event-ID`` set to the last durable seq it saw, and the stream resumes at seq + 1
+    (deltas and step-started events, which share the seq of the event before them, carry
+    no id and leave the last id as it was).
+    """
+    body = json.dumps(event_data(event), ensure_ascii=False, separators=(",", ":"))
+    head = f"id: {event.seq}\n" if event.record is not None else ""
+    return f"{head}event: {event.kind.value}\ndata: {body}\n\n".encode()
+
+
+__all__ = [
+    "ITERATE_BUFFER",
+    "Runs",
+    "StoreOpener",
+    "TrioPortal",
+    "event_data",
+    "open_portal",
+    "open_runs",
+    "sse_frame",
+]
