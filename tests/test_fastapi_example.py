@@ -27,8 +27,12 @@ import pytest
 import trio
 
 from treadle.stores.sqlite import open_sqlite_store
-from treadle.testing.loopback import ClientGone, RecordedRequest, ResponseWriter
-from treadle.testing.loopback import open_loopback_server
+from treadle.testing.loopback import (
+    ClientGone,
+    RecordedRequest,
+    ResponseWriter,
+    open_loopback_server,
+)
 from treadle.types import ModelResult
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
@@ -125,8 +129,19 @@ def _free_port() -> int:
 def app_server(port: int, env: dict[str, str]) -> Iterator[tuple[subprocess.Popen, list[str]]]:
     """``uvicorn fastapi_app:app`` on 127.0.0.1:port, once its startup completed."""
     proc = subprocess.Popen(
-        [sys.executable, "-m", "uvicorn", "--app-dir", str(EXAMPLES), "fastapi_app:app"]
-        + ["--host", "127.0.0.1", "--port", str(port), "--no-access-log"],
+        [
+            sys.executable,
+            "-m",
+            "uvicorn",
+            "--app-dir",
+            str(EXAMPLES),
+            "fastapi_app:app",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--no-access-log",
+        ],
         env=env,
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,
