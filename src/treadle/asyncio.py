@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
 import logging
 import math
@@ -70,6 +71,7 @@ class TrioPortal:
         self._nursery = nursery
         self._closing = trio.Event()
         self._closed = False
+        self._pending: set[asyncio.Future[Any]] = set()
 
     def _soon(self, fn: Callable[..., object], *args: object) -> None:
         if self._closed:
@@ -97,6 +99,8 @@ class TrioPortal:
             cancellation at its next checkpoint) and does not wait for it to end.
         """
         future: asyncio.Future[T] = self._loop.create_future()
+        self._pending.add(future)
+        future.add_done_callback(self._pending.discard)
         scope = trio.CancelScope()
 
         async def task() -> None:
@@ -109,7 +113,8 @@ class TrioPortal:
             finally:
                 self._reply(_settle, future, outcome)
 
-        self._soon(self._nursery.start_soon, task)
+        name = getattr(fn, "__qualname__", repr(fn))
+        self._soon(functools.partial(self._nursery.start_soon, task, name=name))
         try:
             return await future
         except asyncio.CancelledError:
@@ -138,8 +143,9 @@ class TrioPortal:
         async def pump() -> None:
             with scope, send:
                 try:
-                    async for item in fn(*args):
-                        await send.send((item, None))
+                    async with _closing(fn(*args)) as items:
+                        async for item in items:
+                            await send.send((item, None))
                 except Exception as exc:
                     await send.send((None, exc))
 
@@ -158,10 +164,27 @@ class TrioPortal:
                 self._soon(scope.cancel)
                 self._soon(receive.close)
 
+    def _abandon(self) -> None:
+        """In the asyncio loop, once the trio thread ended: fail the calls still waiting."""
+        self._closed = True
+        for future in list(self._pending):
+            _settle(future, None)
+
     def _close(self) -> None:
         if not self._closed:
             self._soon(self._closing.set)
             self._closed = True
+
+
+@asynccontextmanager
+async def _closing(items: AsyncIterator[T]) -> AsyncIterator[AsyncIterator[T]]:
+    """``items``, closed at the end when it can be (an async generator can)."""
+    try:
+        yield items
+    finally:
+        close = getattr(items, "aclose", None)
+        if close is not None:
+            await close()
 
 
 async def _next(
@@ -226,6 +249,7 @@ async def open_portal() -> AsyncIterator[TrioPortal]:
         await done  # raises what trio failed with
         raise UsageError("the trio thread of the treadle.asyncio portal ended at once")
     portal = ready.result()
+    done.add_done_callback(lambda _: portal._abandon())
     try:
         yield portal
     finally:
@@ -310,8 +334,9 @@ class _Host:
     async def events(self, run_id: str, from_seq: int) -> AsyncIterator[Event]:
         handle = self.handles.get(run_id)
         if handle is not None:
-            async for event in handle.events(from_seq=from_seq):
-                yield event
+            async with _closing(handle.events(from_seq=from_seq)) as events:
+                async for event in events:
+                    yield event
             return
         if from_seq < 1:
             raise UsageError(f"events are numbered from 1; from_seq={from_seq} was asked")
