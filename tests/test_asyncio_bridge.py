@@ -94,11 +94,11 @@ def test_the_trio_api_called_from_asyncio_names_the_bridge(entry, tmp_path: Path
 
 def test_the_portal_calls_trio_and_hands_back_results_and_errors():
     async def answer(x: int) -> tuple[int, str]:
-        await trio.sleep(0)
+        await trio.lowlevel.checkpoint()
         return x + 1, trio.lowlevel.current_task().name
 
     async def fail() -> None:
-        await trio.sleep(0)
+        await trio.lowlevel.checkpoint()
         raise KeyError("inside trio")
 
     async def main():
@@ -150,7 +150,7 @@ def test_iterating_from_asyncio_and_leaving_early_stops_the_trio_iterator():
         async def numbers():
             try:
                 for n in range(10_000):
-                    await trio.sleep(0)
+                    await trio.lowlevel.checkpoint()
                     yield n
             finally:
                 loop.call_soon_threadsafe(stopped.set)
