@@ -44,6 +44,7 @@ class PrometheusOutput:
 
     registry: CollectorRegistry = attrs.Factory(CollectorRegistry)
     _instruments: dict[str, _Instrument] = attrs.Factory(dict)
+    _children: dict[tuple[str, tuple[str, ...]], _Instrument] = attrs.Factory(dict)
     _server: WSGIServer | None = None
 
     def __attrs_post_init__(self) -> None:
@@ -51,8 +52,12 @@ class PrometheusOutput:
             self._instruments[metric.prometheus] = _instrument(metric, self.registry)
 
     def _get(self, metric: Metric, labels: tuple[str, ...]) -> _Instrument:
-        instrument = self._instruments[metric.prometheus]
-        return instrument.labels(*labels) if labels else instrument
+        key = (metric.prometheus, labels)
+        child = self._children.get(key)
+        if child is None:  # a labelled child is looked up (under a lock) once, then kept
+            instrument = self._instruments[metric.prometheus]
+            child = self._children[key] = instrument.labels(*labels) if labels else instrument
+        return child
 
     def add(self, metric: Metric, value: float, labels: tuple[str, ...]) -> None:
         """Increment a counter by ``value``."""
