@@ -209,6 +209,9 @@ run_starteds = _build(
     agent=st.none() | ids,
     agent_version=st.none() | ids,
     surrogates_replaced=counts,
+    thread=st.none() | ids,
+    continues=st.none() | ids,
+    fork_step=st.none() | counts,
 )
 model_intents = _build(
     t.ModelIntent, run_id=ids, step=counts, intent_id=ids, attempt=counts, ts=timestamps

@@ -58,6 +58,7 @@ if TYPE_CHECKING:  # each name loads with its module on first use (docs/design.m
     from treadle.supervisors.run import RunHandle as RunHandle
     from treadle.supervisors.run import open_run as open_run
     from treadle.supervisors.run import run as run
+    from treadle.supervisors.threads import history as history
     from treadle.tools import EnvironmentFailure as EnvironmentFailure
     from treadle.tools import Tool as Tool
     from treadle.tools import Toolbox as Toolbox
@@ -125,6 +126,7 @@ __getattr__ = lazy_names(
         "Toolbox": "treadle.tools",
         "Usage": "treadle.types",
         "finish_cancelled": "treadle.supervisors.finishing",
+        "history": "treadle.supervisors.threads",
         "open_fleet": "treadle.supervisors.fleet",
         "open_jsonl_store": "treadle.stores.jsonl",
         "open_postgres_store": "treadle.stores.postgres",
@@ -194,6 +196,7 @@ __all__ = [
     "Usage",
     "UsageError",
     "finish_cancelled",
+    "history",
     "open_fleet",
     "open_jsonl_store",
     "open_postgres_store",

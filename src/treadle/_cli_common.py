@@ -120,11 +120,24 @@ def clip(text: str | None, limit: int = 100) -> str:
     return text if len(text) <= limit else text[: limit - 1] + "…"
 
 
+def lineage_text(started: RunStarted) -> str:
+    """Which thread a run belongs to or which run it forks, in words (docs/threads.md).
+
+    ``""`` for a run that continues nothing, e.g. ``thread t, continues t.2`` or
+    ``fork of r at step 3``.
+    """
+    from treadle.supervisors.threads import Lineage  # loaded with the commands that show runs
+
+    lineage = Lineage.of(started)
+    return lineage.describe() if lineage is not None else ""
+
+
 def describe(record: Record) -> tuple[str, str]:
     """What a record is and its detail, for tables and ``tail`` lines."""
     if isinstance(record, RunStarted):
         first = record.input[0].content if record.input else ""
-        return "run started", clip(first)
+        origin = lineage_text(record)
+        return "run started", clip(f"{origin} · {first}" if origin else first)
     if isinstance(record, ModelIntent):
         return "model call started", f"attempt {record.attempt}"
     if isinstance(record, ModelResult):

@@ -11,7 +11,7 @@ drives it. ``repair`` cuts a damaged JSONL log knowingly.
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import click
@@ -38,6 +38,7 @@ from treadle.supervisors.finishing import finish_cancelled
 from treadle.types import (
     ApprovalDecided,
     ApprovalRequested,
+    JSONValue,
     Liveness,
     ModelIntent,
     Record,
@@ -72,17 +73,11 @@ def approve_command(
     """Approve (or reject, or edit) the tool call a run waits on."""
     arguments = _json_object(edit) if edit is not None else None
 
-    async def go() -> tuple[Record, ApprovalRequested | None, RunSummary | None]:
+    async def go() -> tuple[ApprovalDecided, ApprovalRequested | None, str]:
         async with open_store(store_path) as store:
-            log = await store.read_log(run_id)
-            request = pending_approval(log)
-            decided = await decide(store, run_id, call_id=call_id, reject=reject, edit=arguments)
-            redaction = Redaction.of_log(log)  # an edit's secrets are not echoed either
-            shown = redaction.request(request) if request is not None else None
-            return redaction.record(decided), shown, await _summary(store, run_id)
+            return await approve(store, run_id, call_id=call_id, reject=reject, edit=arguments)
 
-    decided, request, summary = run_async(go)
-    assert isinstance(decided, ApprovalDecided)
+    decided, request, next_text = run_async(go)
     call = f"call {decided.call_id}"
     if request is not None:
         call = f"{call_text(request)} ({call})"
@@ -93,7 +88,38 @@ def approve_command(
             + json.dumps(dict(decided.edited_arguments), ensure_ascii=False)
             + " instead (an edit replaces the whole argument object)"
         )
-    click.echo(_next_for_decision(summary))
+    click.echo(next_text)
+
+
+async def approve(
+    store: RunStore,
+    run_id: str,
+    *,
+    call_id: str | None = None,
+    reject: str | None = None,
+    edit: Mapping[str, JSONValue] | None = None,
+) -> tuple[ApprovalDecided, ApprovalRequested | None, str]:
+    """Decide the call ``run_id`` waits on, as ``treadle approve`` and ``treadle ui`` do.
+
+    The decision goes to the run's control stream (`treadle.approvals.decide`, which makes
+    every check); what is returned is redacted (docs/events.md, "Secret arguments").
+
+    Returns:
+        The decision as written, the request it answers (``None`` when it cannot be read),
+        and one sentence saying who applies the decision and when.
+
+    Raises:
+        UsageError: `treadle.approvals.decide` refused the decision (nothing is written).
+        StoreError: the write failed.
+    """
+    log = await store.read_log(run_id)
+    request = pending_approval(log)
+    decided = await decide(store, run_id, call_id=call_id, reject=reject, edit=edit)
+    redaction = Redaction.of_log(log)  # an edit's secrets are not echoed either
+    shown = redaction.request(request) if request is not None else None
+    shown_decision = redaction.record(decided)
+    assert isinstance(shown_decision, ApprovalDecided)
+    return shown_decision, shown, _next_for_decision(await _summary(store, run_id))
 
 
 def _next_for_decision(summary: RunSummary | None) -> str:
@@ -135,20 +161,36 @@ def cancel_command(run_id: str, store_path: str, reason: str) -> None:
 
     async def go() -> str:
         async with open_store(store_path) as store:
-            await request_cancel(store, run_id, reason=reason, canceller="treadle cancel")
-            summary = await _summary(store, run_id)
-            if summary is not None and summary.liveness is Liveness.DRIVEN and summary.lease:
-                return f"{summary.lease.owner} drives the run and stops it within about 1 s"
-            try:
-                result = await finish_cancelled(
-                    store, run_id, owner=lease_owner(), reason=reason, canceller="treadle cancel"
-                )
-            except RunLeased as exc:
-                return f"{exc.holder.owner} took the run meanwhile; it stops it within about 1 s"
-            return f"nobody drove the run: it is finished here, {result.state.value}"
+            return await cancel(store, run_id, reason=reason, canceller="treadle cancel")
 
     outcome = run_async(go)
     click.echo(f"cancel requested for run {run_id}: {outcome}")
+
+
+async def cancel(store: RunStore, run_id: str, *, reason: str, canceller: str) -> str:
+    """Cancel ``run_id`` durably, as ``treadle cancel`` and ``treadle ui`` do.
+
+    Appends a cancel request to the run's control stream; a run that nobody drives is
+    finished as cancelled here (docs/decisions/0007-external-control.md).
+
+    Returns:
+        One sentence saying who stops the run, or that it was finished here.
+
+    Raises:
+        UsageError: the run does not exist or already finished.
+        StoreError: a write failed.
+    """
+    await request_cancel(store, run_id, reason=reason, canceller=canceller)
+    summary = await _summary(store, run_id)
+    if summary is not None and summary.liveness is Liveness.DRIVEN and summary.lease:
+        return f"{summary.lease.owner} drives the run and stops it within about 1 s"
+    try:
+        result = await finish_cancelled(
+            store, run_id, owner=lease_owner(), reason=reason, canceller=canceller
+        )
+    except RunLeased as exc:
+        return f"{exc.holder.owner} took the run meanwhile; it stops it within about 1 s"
+    return f"nobody drove the run: it is finished here, {result.state.value}"
 
 
 async def _summary(store: RunStore, run_id: str) -> RunSummary | None:

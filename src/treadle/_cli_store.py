@@ -23,6 +23,7 @@ from treadle._cli_common import (
     describe,
     event_json,
     import_spec,
+    lineage_text,
     open_store,
     redact,
     run_async,
@@ -36,24 +37,39 @@ from treadle.ports import RunIndex, RunStore
 from treadle.redaction import Redaction
 from treadle.stores._leases import is_live
 from treadle.supervisors._leasing import leases_of
-from treadle.types import Liveness, RunLog, RunSummary
+from treadle.types import Liveness, RunLog, RunStarted, RunSummary
 
 
 @click.command("runs")
 @store_option
 @click.option("--json", "as_json", is_flag=True, help="One JSON object per run.")
-def runs(store_path: str, as_json: bool) -> None:
+@click.option(
+    "--threads",
+    is_flag=True,
+    help="Also show each run's thread and the run it continues or forks (reads every log).",
+)
+def runs(store_path: str, as_json: bool, threads: bool) -> None:
     """List the runs of a store: state, who drives each, steps.
+
+    With ``--threads``, each run's thread and the run it continues (or forks, and at which
+    step) are shown too; they are read from each run's run-started record, so every log is
+    read (docs/threads.md, "On the command line").
 
     A run that cannot be read (a damaged or too-new log) is listed with its error, and the
     exit status is 1.
     """
     summaries = run_async(lambda: read_summaries(store_path))
+    starts: dict[str, RunStarted] | None = None
+    if threads:
+        starts = run_async(lambda: read_starts(store_path, summaries))
     if as_json:
         for summary in summaries:
-            click.echo(json.dumps(summary_json(summary), ensure_ascii=False))
+            row = summary_json(summary)
+            if starts is not None:
+                row.update(lineage_json(starts.get(summary.run_id)))
+            click.echo(json.dumps(row, ensure_ascii=False))
     else:
-        Console().print(runs_table(store_path, summaries))
+        Console().print(runs_table(store_path, summaries, starts))
     bad = [s for s in summaries if s.error is not None]
     if bad:
         for summary in bad:
@@ -63,14 +79,26 @@ def runs(store_path: str, as_json: bool) -> None:
         raise SystemExit(1)
 
 
-def runs_table(store_path: str, summaries: Sequence[RunSummary]) -> Table:
-    """The runs of a store as a table; run ids are never cut."""
+def runs_table(
+    store_path: str,
+    summaries: Sequence[RunSummary],
+    starts: dict[str, RunStarted] | None = None,
+) -> Table:
+    """The runs of a store as a table; run ids are never cut.
+
+    With ``starts`` (run id -> run-started record), a ``from`` column says which thread a run
+    continues or which run and step it forks.
+    """
     table = Table(title=f"runs in {redact(store_path)}")
     longest = max((len(s.run_id) for s in summaries), default=3)
     table.add_column("run", no_wrap=True, min_width=longest)
     for column in ("state", "driven by", "agent", "steps", "stop reason", "started"):
         table.add_column(column, overflow="fold")
+    if starts is not None:
+        table.add_column("from", overflow="fold")
     for summary in summaries:
+        started = starts.get(summary.run_id) if starts is not None else None
+        extra = () if starts is None else (lineage_text(started) if started else "",)
         cells = (
             summary.run_id,
             summary.state.value if summary.state else "unreadable",
@@ -79,6 +107,7 @@ def runs_table(store_path: str, summaries: Sequence[RunSummary]) -> Table:
             str(summary.steps),
             summary.stop_reason.value if summary.stop_reason else "",
             (summary.started_at or "")[:19].replace("T", " "),
+            *extra,
         )
         table.add_row(*map(Text, cells))  # Text: a "[...]" in a cell is no markup
     return table
@@ -131,6 +160,35 @@ def summary_json(summary: RunSummary) -> dict[str, Any]:
     }
 
 
+def lineage_json(started: RunStarted | None) -> dict[str, Any]:
+    """The thread keys ``treadle runs --threads --json`` adds (``None`` where not known).
+
+    ``thread``: the run's thread (its own id for a thread's first run, a fork included);
+    ``continues``: the run it starts from; ``fork_step``: the step of that run a fork tries
+    again.
+    """
+    if started is None:
+        return {"thread": None, "continues": None, "fork_step": None}
+    return {
+        "thread": started.thread or started.run_id,
+        "continues": started.continues,
+        "fork_step": started.fork_step,
+    }
+
+
+async def read_starts(store_path: str, summaries: Sequence[RunSummary]) -> dict[str, RunStarted]:
+    """The run-started record of each readable listed run (read from its log)."""
+    starts: dict[str, RunStarted] = {}
+    async with open_store(store_path) as store:
+        for summary in summaries:
+            if summary.error is not None or summary.started_at is None:
+                continue
+            started = (await store.read_log(summary.run_id)).started
+            if started is not None:
+                starts[summary.run_id] = started
+    return starts
+
+
 @click.command("show")
 @click.argument("run_id")
 @store_option
@@ -158,6 +216,12 @@ def show(run_id: str, store_path: str, as_json: bool) -> None:
             click.echo(json.dumps(event_json(event), ensure_ascii=False))
         return
     Console().print(trajectory_table(log))
+    started = log.started
+    if started is not None and started.continues is not None:
+        click.echo(
+            f"{lineage_text(started)}: the history it started from is that run's "
+            f"(treadle show {started.continues})"
+        )
 
 
 def trajectory_table(log: RunLog) -> Table:
@@ -166,7 +230,9 @@ def trajectory_table(log: RunLog) -> Table:
     Secret tool arguments are redacted (docs/events.md, "Secret arguments").
     """
     redaction = Redaction.of_log(log)
-    table = Table(title=f"run {log.run_id}", show_lines=False)
+    origin = lineage_text(log.started) if log.started is not None else ""
+    title = f"run {log.run_id}" + (f" ({origin})" if origin else "")
+    table = Table(title=title, show_lines=False)
     table.add_column("seq", justify="right")
     table.add_column("step", justify="right")
     table.add_column("record")

@@ -10,6 +10,7 @@ Commands, each in the module that implements it:
 * ``treadle worker`` / ``submit`` / ``wait`` / ``unquarantine``: a fleet over one store
   (`treadle._cli_fleet`).
 * ``treadle simulate``: seeded simulations (`treadle._cli_simulate`).
+* ``treadle ui``: the run console in the browser (`treadle._cli_ui`, which loads `treadle._ui`).
 * ``treadle demo``: the airline replay demo (`treadle.demo.cli`), when the demo is installed.
 
 The group loads a command's module only when that command runs (docs/design.md, "Start-up"):
@@ -95,6 +96,11 @@ COMMANDS: Final = {
         "treadle._cli_runs",
         "tail_command",
         "Print a run's events from a seq on, live, until the run finishes.",
+    ),
+    "ui": Entry(
+        "treadle._cli_ui",
+        "ui_command",
+        "Serve a run console for a store in the browser: runs, timelines, approvals, cancel.",
     ),
     "unquarantine": Entry(
         "treadle._cli_fleet",

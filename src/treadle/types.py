@@ -547,6 +547,15 @@ class RunStarted:
         surrogates_replaced: surrogate code points replaced (a lone one by U+FFFD) in
             the input, so the log holds valid Unicode only
             (docs/crash-safety.md, "Text that is not Unicode").
+        thread: for a run that continues a thread, the thread's id (the id of its first
+            run); ``None`` otherwise (docs/threads.md, "Threads").
+        continues: the run whose recorded history this run starts from: the thread's
+            previous run, or the run a fork forks; ``None`` for a run that starts afresh.
+            Only the id is recorded: the history is read from that run's log, never copied
+            (docs/threads.md, "How history is inherited").
+        fork_step: for a fork, the step of ``continues`` it tries again: the run starts from
+            that run's history before this step (docs/threads.md, "Forks"); ``None`` for a
+            thread's run, which starts from the whole history its predecessor ended with.
     """
 
     run_id: str
@@ -557,6 +566,9 @@ class RunStarted:
     agent: str | None = None
     agent_version: str | None = None
     surrogates_replaced: int = 0
+    thread: str | None = None
+    continues: str | None = None
+    fork_step: int | None = None
 
 
 @attrs.frozen(kw_only=True)

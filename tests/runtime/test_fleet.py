@@ -329,7 +329,11 @@ async def test_drain_at_the_end_of_the_block_leaves_runs_resumable(kind, tmp_pat
     world = World()
     async with opened_store(kind, tmp_path) as store:
         ids = [f"job-{n}" for n in range(3)]
-        async with fleet(store, {"calc": lambda: world.agent(TWO_STEPS)}) as first:
+        # A long lease: with the SQLite store, the virtual clock jumps while a commit thread
+        # works on a loaded machine, and a 3 s lease could expire between two renewals and
+        # make a resume look like a takeover.
+        agents = {"calc": lambda: world.agent(TWO_STEPS)}
+        async with fleet(store, agents, lease_ttl_s=60.0) as first:
             for run_id in ids:
                 await first.submit("calc", "work", run_id=run_id)
             await until(lambda: _all_started(world, [f"{r}/s1/a1" for r in ids]))
@@ -345,7 +349,7 @@ async def test_drain_at_the_end_of_the_block_leaves_runs_resumable(kind, tmp_pat
             assert summary.liveness is Liveness.ORPHANED, summary
             assert summary.lease.owner == ""
             assert (await store.read_log(run_id)).finished is None
-        async with fleet(store, {"calc": lambda: world.agent(TWO_STEPS)}) as second:
+        async with fleet(store, agents, lease_ttl_s=60.0) as second:
             with trio.fail_after(120):
                 results = [await second.result(run_id) for run_id in ids]
             takeovers = second.statistics().takeovers

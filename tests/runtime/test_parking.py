@@ -9,7 +9,7 @@ import trio
 import trio.testing
 from runtime_fakes import LedgerTools, SimpleParser
 
-from treadle._exceptions import UsageError
+from treadle._exceptions import StoreError, UsageError
 from treadle.agent import Agent
 from treadle.approvals import decide, request_cancel
 from treadle.parsers import NativeToolCallParser
@@ -410,21 +410,24 @@ async def test_an_edit_that_is_not_strict_json_is_refused(autojump_clock):
 
 
 class CountingStore(MemoryStore):
-    """Counts listings and control-log reads."""
+    """Counts readings of control heads and control-stream reads; can fail the readings."""
 
     def __init__(self):
         super().__init__()
         self.listings = 0
         self.control_reads = 0
+        self.failing_heads = 0
 
-    async def list_runs(self):
+    async def control_heads(self, run_ids):
         self.listings += 1
-        return await super().list_runs()
+        if self.failing_heads:
+            self.failing_heads -= 1
+            raise StoreError("the store is unreachable (injected)")
+        return await super().control_heads(run_ids)
 
-    async def read_log(self, run_id):
-        if run_id.endswith("#control"):
-            self.control_reads += 1
-        return await super().read_log(run_id)
+    async def read_control(self, run_id, *, after=0):
+        self.control_reads += 1
+        return await super().read_control(run_id, after=after)
 
 
 class StepCounter(trio.abc.Instrument):
@@ -475,4 +478,59 @@ async def test_many_parked_runs_share_one_listing_and_read_nothing_else(autojump
             await handles[7].wait()
         assert all(h._parking is not None for i, h in enumerate(handles) if i != 7)
         for handle in handles:
+            handle.cancel()
+
+
+async def _park_many(store, count, nursery):
+    handles = []
+
+    async def one(index):
+        agent, _ = make([call("add", a=index, b=1, call_id="c1"), say("ok")])
+        async with open_run(
+            agent,
+            "x",
+            store=store,
+            run_id=f"r{index}",
+            approval_policy=only_add,
+            park_after_s=PARK_AFTER_S,
+            control_poll_s=0.5,
+        ) as handle:
+            handles.append(handle)
+
+    for index in range(count):
+        nursery.start_soon(one, index)
+    with trio.fail_after(3600):
+        while len(handles) < count or any(h._parking is None for h in handles):  # noqa: ASYNC110
+            await trio.sleep(0.5)
+    return {h.run_id: h for h in handles}
+
+
+async def test_parked_runs_go_on_being_woken_after_each_reader_leaves(autojump_clock):
+    # The parked runs take turns reading the shared heads; deciding them one by one, the
+    # first waiters (the readers) included, still wakes every later one.
+    store = CountingStore()
+    async with trio.open_nursery() as nursery:
+        handles = await _park_many(store, 5, nursery)
+        for run_id in sorted(handles):
+            await decide(store, run_id)
+            with trio.fail_after(5):  # a few reading intervals
+                await handles[run_id].wait()
+            others = [h for r, h in handles.items() if r > run_id]
+            assert all(h._parking is not None for h in others)
+
+
+async def test_a_failed_reading_of_the_heads_is_logged_and_made_again(autojump_clock, caplog):
+    store = CountingStore()
+    async with trio.open_nursery() as nursery:
+        handles = await _park_many(store, 3, nursery)
+        before = store.listings
+        store.failing_heads = 4
+        await decide(store, "r1")
+        with trio.fail_after(30):  # four failed readings, then the one that sees the decision
+            await handles["r1"].wait()
+        assert store.listings - before >= 5
+        failures = [r for r in caplog.records if "reading the control heads failed" in r.message]
+        assert len(failures) == 4
+        assert all(handles[r]._parking is not None for r in ("r0", "r2"))
+        for handle in handles.values():
             handle.cancel()

@@ -9,6 +9,11 @@ next other message, whatever the log holds (providers refuse a request that leav
 unanswered). A call the log gives no observation for (a step cut by a cancel whose cancel
 record a crash lost, a run input ending on a tool call) is answered with the definition's
 synthetic ``unknown`` observation (docs/crash-safety.md, "Resume").
+
+A run that continues a thread or forks a run (its run-started record names the run it
+``continues``) starts from that run's recorded history: the hydrator reads it from the store
+when it starts (`recorded_history`, the one place a predecessor's history is loaded), and it
+is then simply part of the history it holds (docs/threads.md, "How history is inherited").
 """
 
 from __future__ import annotations
@@ -18,19 +23,24 @@ from collections.abc import Mapping, Sequence
 import attrs
 import trio
 
+from treadle._exceptions import StoreError, UsageError
 from treadle.actors._rpc import reply
+from treadle.ports import RunStore
 from treadle.types import (
     DecisionKind,
     JSONValue,
     Message,
     ModelRequest,
     OutputFormat,
+    RunLog,
     RunStarted,
     StepRecord,
     SyntheticObservations,
     ToolCall,
     ToolSpec,
 )
+
+_SYNTHETIC = SyntheticObservations()
 
 
 @attrs.frozen(kw_only=True)
@@ -56,6 +66,9 @@ class ContextHydrator:
             the log holds no observation for.
         output: the native structured output every request asks for, ``None`` for none
             (docs/structured-output.md).
+        store: the run's store, read (never written) for the history of the run
+            ``started.continues`` names; ``None`` for a hydrator that reads no store, which
+            refuses such a run.
     """
 
     started: RunStarted
@@ -66,6 +79,7 @@ class ContextHydrator:
     params: Mapping[str, JSONValue]
     synthetic: SyntheticObservations = SyntheticObservations()
     output: OutputFormat | None = None
+    store: RunStore | None = None
     _history: list[Message] = attrs.Factory(list)
 
     def __attrs_post_init__(self) -> None:
@@ -79,11 +93,48 @@ class ContextHydrator:
         *,
         task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
     ) -> None:
-        """Serve `Hydrate` requests until ``inbox`` ends."""
+        """Load the inherited history (`inherit`), then serve `Hydrate` requests.
+
+        It serves until ``inbox`` ends.
+
+        Raises:
+            StoreError: as `inherit`; the run stops unfinished and resumable.
+        """
+        await self.inherit()
         task_status.started()
         async with inbox:
             async for message in inbox:
                 reply(message.reply_to, self.build(message.new_steps))
+
+    async def inherit(self) -> None:
+        """Put the recorded history of the run ``started.continues`` names before the input.
+
+        It goes after the system prompt and before the run's own input, as messages of the
+        history like any other. A run that continues nothing inherits nothing.
+
+        Raises:
+            StoreError: that history cannot be read (a missing or damaged log, a thread's
+                predecessor that is not finished, a fork's run without the steps it forks
+                at), or this hydrator has no store (docs/threads.md, "When a thread cannot
+                go on").
+        """
+        started = self.started
+        if started.continues is None:
+            return
+        if self.store is None:
+            raise StoreError(
+                f"run {started.run_id!r} continues run {started.continues!r}, but its "
+                "hydrator was given no store to read that history from"
+            )
+        inherited = await recorded_history(
+            self.store,
+            started.continues,
+            before_step=started.fork_step,
+            synthetic=self.synthetic,
+            successor=started.run_id,
+        )
+        at = 1 if self.system_prompt is not None else 0
+        self._history[at:at] = inherited
 
     def build(self, new_steps: Sequence[StepRecord]) -> ModelRequest:
         """Add ``new_steps`` to the history and return the next request."""
@@ -167,3 +218,82 @@ def answer_every_call(
             waiting.extend(message.tool_calls)
     close()
     return out
+
+
+async def recorded_history(
+    store: RunStore,
+    run_id: str,
+    *,
+    before_step: int | None = None,
+    synthetic: SyntheticObservations = _SYNTHETIC,
+    successor: str | None = None,
+) -> list[Message]:
+    """The history run ``run_id`` holds, read from its log and those of the runs it continues.
+
+    The one place a run's history is loaded from a store (docs/threads.md, "How history is
+    inherited"): for each run of the chain, oldest first, what it inherited, its input, then
+    what each step record says entered history (`step_messages`), every tool call answered
+    (`answer_every_call`). Nothing is recomputed. The system prompt is not part of it (it
+    belongs to the agent definition).
+
+    Args:
+        store: the store holding the runs.
+        run_id: the run.
+        before_step: keep only the steps before this one (a fork's prefix); ``None``: all.
+        synthetic: the texts answering a call the log gives no observation for.
+        successor: the run that continues ``run_id``, named in errors; ``None`` when the
+            history is asked for by itself.
+
+    Returns:
+        The messages, oldest first (``role`` user, assistant or tool).
+
+    Raises:
+        UsageError: ``successor`` is ``None`` and ``run_id`` does not exist.
+        StoreError: a run of the chain is missing or unreadable, a thread's predecessor is
+            not finished, a fork's run has fewer steps than the fork needs, or the chain
+            runs in a circle.
+    """
+    chain: list[tuple[RunLog, int | None]] = []
+    seen: set[str] = set()
+    current: str | None = run_id
+    upto = before_step
+    while current is not None:
+        if current in seen:
+            raise StoreError(f"run {run_id!r}: its history continues itself ({current!r})")
+        seen.add(current)
+        log = await _read_link(store, current, upto, successor)
+        chain.append((log, upto))
+        started = log.started
+        assert started is not None  # _read_link refused it otherwise
+        successor, current, upto = current, started.continues, started.fork_step
+    history: list[Message] = []
+    for log, upto in reversed(chain):
+        assert log.started is not None
+        history.extend(answer_every_call(log.started.input, synthetic))
+        for step in log.steps:
+            if upto is not None and step.step >= upto:
+                break
+            history.extend(answer_every_call(step_messages(step), synthetic))
+    return history
+
+
+async def _read_link(
+    store: RunStore, run_id: str, before_step: int | None, successor: str | None
+) -> RunLog:
+    """The log of ``run_id``, checked to hold what its ``successor`` takes from it."""
+    whose = f"run {successor!r} continues run {run_id!r}" if successor else f"run {run_id!r}"
+    try:
+        log = await store.read_log(run_id)
+    except StoreError as exc:
+        raise StoreError(f"{whose}, whose log cannot be read: {exc}") from exc
+    if log.started is None:
+        if successor is None:
+            raise UsageError(f"no run {run_id!r} in the store")
+        raise StoreError(f"{whose}, whose log is missing (nothing was written)")
+    if successor is None:
+        return log
+    if before_step is None and log.finished is None:
+        raise StoreError(f"{whose}, which is not finished")
+    if before_step is not None and len(log.steps) < before_step - 1:
+        raise StoreError(f"{whose} from step {before_step}, but it holds {len(log.steps)} steps")
+    return log

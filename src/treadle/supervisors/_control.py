@@ -17,6 +17,7 @@ from typing import Protocol
 import attrs
 import trio
 
+from treadle._exceptions import StoreError
 from treadle.ports import ControlStream, RunStore
 from treadle.types import ApprovalDecided, CancelRequested, ControlEntry
 
@@ -42,9 +43,11 @@ def control_of(store: RunStore) -> ControlStream | None:
 
 @attrs.define(eq=False)
 class ControlIndex:
-    """The control heads of the runs one store drives (or parks) in this process.
+    """The control heads of the runs one store drives (or parks) in one trio run.
 
     One `ControlStream.control_heads` call at most every ``max_age_s`` answers for all of them.
+    It owns no task: the runs that wait on it take turns doing the reading (`wait_grown`), each
+    in its own task and nursery.
 
     Attributes:
         store: the store.
@@ -57,19 +60,11 @@ class ControlIndex:
     _registered: dict[str, int] = attrs.Factory(dict)
     _read_at: float = float("-inf")
     _reading: bool = False
-    _token: object = None
-    _watchers: dict[str, set[tuple[int, trio.Event]]] = attrs.Factory(dict)
-    _sweeping: bool = False
-
-    def _same_run(self) -> None:
-        token = trio.lowlevel.current_trio_token()
-        if token is not self._token:  # a store used again in another trio.run: a new clock
-            self._token, self._read_at, self._reading = token, float("-inf"), False
-            self._watchers, self._sweeping, self._registered = {}, False, {}
+    _watches: set[_Watch] = attrs.Factory(set)
+    _reader: _Watch | None = None
 
     def register(self, run_id: str) -> Callable[[], None]:
         """Include ``run_id`` in every reading of the heads; returns the function that stops."""
-        self._same_run()
         self._registered[run_id] = self._registered.get(run_id, 0) + 1
         self._read_at = float("-inf")  # read the newcomer's head at the next poll
 
@@ -89,7 +84,6 @@ class ControlIndex:
         Raises:
             StoreError: the store cannot be read.
         """
-        self._same_run()
         if trio.current_time() - self._read_at >= self.max_age_s and not self._reading:
             # One run reads; the others go on with the reading before (at most one interval
             # older) instead of queueing behind it.
@@ -101,74 +95,94 @@ class ControlIndex:
     async def _read(self) -> None:
         self._reading = True
         try:
-            ids = sorted({*self._registered, *self._watchers})
+            ids = sorted({*self._registered, *(w.run_id for w in self._watches)})
             self._heads = dict(await self.store.control_heads(ids))
             self._read_at = trio.current_time()
         finally:
             self._reading = False
 
-    def watch(self, run_id: str, seen: int, wake: trio.Event) -> Callable[[], None]:
-        """Set ``wake`` once a reading shows ``run_id``'s control stream beyond ``seen``.
+    async def wait_grown(self, run_id: str, seen: int, woken: trio.Event) -> None:
+        """Wait until ``woken`` is set: when a reading shows ``run_id``'s stream beyond ``seen``.
 
-        Parked runs wait this way instead of each reading on its own timer: one task per
-        store reads the heads every ``max_age_s`` while anyone watches, so 10,000 parked
-        runs cost one small read per interval, not 20,000 wake-ups a second.
+        The caller may set ``woken`` too (a decision handed over in process, a drain), and it
+        is set when the reading is handed to this waiter; either way the caller checks what
+        it waits for and calls again.
 
-        Returns:
-            A function that stops the watch.
+        Parked runs wait this way instead of each reading on its own timer: while anyone
+        waits, one of the waiters (the reader) reads the heads every ``max_age_s`` in its own
+        task and wakes only those whose stream grew, so 10,000 parked runs cost one small
+        read per interval, not 20,000 wake-ups a second, and no task outlives them. A reader
+        that leaves wakes another waiter, which takes the reading over
+        (docs/decisions/0010-parking-waiting-runs.md).
+
+        A reading that fails with `StoreError` is logged and made again at the next interval:
+        each waiting run reads its own control stream at its deadline, where a store that stays
+        broken is that run's error. Any other exception is the reader's error.
         """
-        self._same_run()
-        entry = (seen, wake)
-        self._watchers.setdefault(run_id, set()).add(entry)
-        if not self._sweeping:
-            self._sweeping = True
-            trio.lowlevel.spawn_system_task(self._sweep, name="treadle control-stream sweep")
-
-        def stop() -> None:
-            entries = self._watchers.get(run_id)
-            if entries is not None:
-                entries.discard(entry)
-                if not entries:
-                    del self._watchers[run_id]
-
-        return stop
-
-    async def _sweep(self) -> None:
-        """Read the heads every ``max_age_s`` while anyone watches; wake those that grew.
-
-        A failed reading is logged and tried again at the next interval: the watching runs
-        read their control streams themselves at their deadline, where a broken store
-        surfaces as their error.
-        """
+        watch = _Watch(run_id=run_id, seen=seen, woken=woken)
+        self._watches.add(watch)
         try:
-            while self._watchers:
-                await trio.sleep(self.max_age_s)
-                try:
-                    await self._read()
-                except Exception as exc:  # see the docstring
-                    _LOG.warning("reading the control heads failed (%s); trying again", exc)
-                    continue
-                for run_id, entries in list(self._watchers.items()):
-                    head = self._heads.get(run_id, 0)
-                    for seen, wake in entries:
-                        if head > seen:
-                            wake.set()
+            if self._reader is None:
+                await self._read_until_woken(watch)
+            else:
+                await woken.wait()
         finally:
-            self._sweeping = False
+            self._watches.discard(watch)
+            if self._reader is watch:
+                self._reader = None
+                for other in self._watches:  # hand the reading over
+                    other.woken.set()
+                    break
+
+    async def _read_until_woken(self, reader: _Watch) -> None:
+        """As the reader: read every interval until ``reader`` is woken."""
+        self._reader = reader
+        while not reader.woken.is_set():
+            with trio.move_on_at(self._read_at + self.max_age_s):
+                await reader.woken.wait()
+            if reader.woken.is_set():
+                return
+            try:
+                await self._read()
+            except StoreError as exc:  # see wait_grown
+                self._read_at = trio.current_time()
+                _LOG.warning("reading the control heads failed (%s); trying again", exc)
+                continue
+            for watch in self._watches:
+                if self._heads.get(watch.run_id, 0) > watch.seen:
+                    watch.woken.set()
 
 
-_INDEXES: weakref.WeakKeyDictionary[ControlStream, ControlIndex] = weakref.WeakKeyDictionary()
+@attrs.define(eq=False)
+class _Watch:
+    """A run waiting in `ControlIndex.wait_grown`: its stream, what it has seen, its wake-up."""
+
+    run_id: str
+    seen: int
+    woken: trio.Event
+
+
+_INDEXES: trio.lowlevel.RunVar[weakref.WeakKeyDictionary[ControlStream, ControlIndex]] = (
+    trio.lowlevel.RunVar("treadle control indexes")
+)
 
 
 def shared_index(store: ControlStream, max_age_s: float) -> ControlIndex | None:
-    """The `ControlIndex` shared by every run of ``store`` in this process.
+    """The `ControlIndex` shared by every run of ``store`` in the current trio run.
 
+    The indexes live as long as the trio run (a `trio.lowlevel.RunVar`) and their store (weak
+    keys): a store used again in another `trio.run` gets a new one, on that run's clock.
     ``None`` when the store cannot be a weak key (then each run reads its control stream).
     """
     try:
-        index = _INDEXES.get(store)
+        indexes = _INDEXES.get()
+    except LookupError:
+        indexes = weakref.WeakKeyDictionary()
+        _INDEXES.set(indexes)
+    try:
+        index = indexes.get(store)
         if index is None:
-            index = _INDEXES[store] = ControlIndex(store=store, max_age_s=max_age_s)
+            index = indexes[store] = ControlIndex(store=store, max_age_s=max_age_s)
     except TypeError:
         return None
     index.max_age_s = min(index.max_age_s, max_age_s)

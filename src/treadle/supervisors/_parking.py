@@ -109,7 +109,7 @@ class Parking:
         poll: Callable[[], Awaitable[None]],
         last_poll: Callable[[], Awaitable[None]],
         poll_s: float | None,
-        watch: Callable[[trio.Event], Callable[[], None]] | None = None,
+        grown: Callable[[trio.Event], Awaitable[None]] | None = None,
     ) -> None:
         """Wait for a decision or a cancel; at the deadline, decide ``expired``.
 
@@ -117,21 +117,23 @@ class Parking:
             poll: reads the control log once (decisions and cancels of other processes).
             last_poll: reads it once more at the deadline, trusting no shared listing.
             poll_s: seconds between two polls; ``None`` never polls.
-            watch: ``watch(wake) -> stop``: sets ``wake`` when the store's shared reading of
-                control heads shows the run's stream grew (`ControlIndex.watch`); then the
-                run reads its control stream only when woken, not every ``poll_s``.
+            grown: ``await grown(wake)`` returns once ``wake`` is set, which the store's
+                shared reading of control heads does when the run's stream grew beyond what
+                was handed over (`ControlIndex.wait_grown`); then the run reads its control
+                stream only when woken, not every ``poll_s``.
+
+        Raises:
+            StoreError: a reading of the control stream (or of the shared heads) failed.
         """
-        interval = math.inf if poll_s is None or watch is not None else poll_s
+        interval = math.inf if poll_s is None or grown is not None else poll_s
         with trio.move_on_at(self.deadline):
             while self.decision is None and self.cancel_request is None and not self._draining:
                 self._wake = trio.Event()
-                stop = watch(self._wake) if watch is not None and poll_s is not None else None
-                try:
-                    with trio.move_on_after(interval):
+                with trio.move_on_after(interval):
+                    if grown is not None and poll_s is not None:
+                        await grown(self._wake)
+                    else:
                         await self._wake.wait()
-                finally:
-                    if stop is not None:
-                        stop()
                 if poll_s is not None:
                     await poll()
         if self._draining:

@@ -57,6 +57,7 @@ from treadle.stores._leases import LEASE_TTL_S, lease_owner
 from treadle.supervisors._control import ControlInbox, ControlIndex, control_of, shared_index
 from treadle.supervisors._leasing import LeaseHold, LeaseKeeper, leases_of, shared_keeper
 from treadle.supervisors._parking import Parking
+from treadle.supervisors.threads import Lineage, fork_lineage, next_in_thread, run_in_thread
 from treadle.types import (
     ApprovalDecided,
     ApprovalRequested,
@@ -224,6 +225,8 @@ class ActorContext:
         writer: the client of the run's event writer (every write goes through it).
         clock: wall clock for record timestamps.
         rng: the run's random source (retry jitter).
+        store: the run's store, for reading (never writing): the hydrator reads the history
+            of the run ``started.continues`` names from it (docs/threads.md).
     """
 
     run_id: str
@@ -232,6 +235,7 @@ class ActorContext:
     writer: WriterClient
     clock: Clock
     rng: random.Random
+    store: RunStore | None = None
 
 
 @attrs.frozen(kw_only=True)
@@ -286,6 +290,7 @@ def real_hydrator(context: ActorContext) -> ContextHydrator:
         params=agent.params,
         synthetic=agent.synthetic,
         output=agent.output.request_format() if agent.output is not None else None,
+        store=context.store,
     )
 
 
@@ -621,6 +626,9 @@ async def open_run(
     owner: str | None = None,
     accept_definition_change: bool = False,
     metrics: MetricsRecorder | None = None,
+    thread_id: str | None = None,
+    fork_of: str | None = None,
+    at_step: int | None = None,
 ) -> AsyncIterator[RunHandle]:
     """Start (or resume) a run in the background and yield its handle.
 
@@ -666,16 +674,36 @@ async def open_run(
         metrics: counts the run's records (docs/metrics.md, "What is counted"); ``None``
             (the default) counts nothing. The store's commits are counted only once
             `treadle.metrics.MetricsRecorder.watch` watches the store.
+        thread_id: continue the thread of this id (the id of its first run) with ``input``
+            as the new user message: the new run ``<thread_id>.<n>`` starts from the history
+            the thread's latest run ended with, read from the store (docs/threads.md,
+            "Threads"). When the latest run is unfinished and was started with the same
+            input, that run is resumed instead. ``run_id``, when given, names the run: an
+            existing run of the thread is resumed (or its result returned), which makes a
+            retry after a crash start nothing twice; a new one must be the thread's next.
+        fork_of: fork this run: the new run starts from its history before step
+            ``at_step`` and tries that step again (docs/threads.md, "Forks"); nothing
+            before it is executed again. ``input``, when given, is added after that history.
+        at_step: the step of ``fork_of`` to try again (1 to its step count).
 
     Raises:
         RunLeased: another live driver holds the run's lease (the error names it and the
             expiry); nothing was read or written.
         InvalidRunId: ``run_id`` is not an allowed run id.
-        UsageError: no input for a new run, or an input that differs from the stored one.
+        UsageError: no input for a new run, or an input that differs from the stored one;
+            a thread that does not exist or whose latest run is not finished (started with
+            another input), a fork of a missing run or at a step it does not have, both
+            ``thread_id`` and ``fork_of``, or a ``run_id`` that exists with another lineage
+            (docs/threads.md, "When a thread cannot go on"). Nothing is written then.
         SnapshotMismatch: resuming with a definition whose snapshot differs (names the keys).
         SchemaTooNew: the log was written by a newer treadle.
     """
     require_trio("treadle.open_run")
+    lineage: Lineage | None = None
+    if thread_id is not None or fork_of is not None:
+        run_id, lineage = await _lineage(store, input, run_id, thread_id, fork_of, at_step)
+    elif at_step is not None:
+        raise UsageError("at_step is the step of the run named by fork_of, which is missing")
     run_id = check_run_id(run_id) if run_id is not None else new_run_id()
     hold = LeaseHold(
         run_id=run_id, owner=owner or lease_owner(), ttl_s=lease_ttl_s, store=leases_of(store)
@@ -689,11 +717,42 @@ async def open_run(
         park_after_s=park_after_s,
         accept_definition_change=accept_definition_change,
         metrics=metrics,
+        lineage=lineage,
     )
     async with drive_run(
         agent, input, store=store, hold=hold, sinks=sinks, options=options
     ) as handle:
         yield handle
+
+
+async def _lineage(
+    store: RunStore,
+    input: RunInput | None,
+    run_id: str | None,
+    thread_id: str | None,
+    fork_of: str | None,
+    at_step: int | None,
+) -> tuple[str, Lineage]:
+    """The run id and lineage of a run continuing ``thread_id`` or forking ``fork_of``."""
+    if thread_id is not None and fork_of is not None:
+        raise UsageError("give thread_id (continue a thread) or fork_of (fork a run), not both")
+    if thread_id is not None:
+        if at_step is not None:
+            raise UsageError("at_step goes with fork_of; a thread continues its whole history")
+        if run_id is not None:
+            known = await run_in_thread(store, thread_id, check_run_id(run_id), input)
+            if known is not None:  # a retry naming its run: resume it or return its result
+                return run_id, known
+        next_id, lineage = await next_in_thread(store, thread_id, input)
+        if run_id is not None and run_id != next_id:
+            raise UsageError(
+                f"thread {thread_id!r} goes on as run {next_id!r}, not {run_id!r} (a thread "
+                'names its runs, docs/threads.md, "Threads")'
+            )
+        return next_id, lineage
+    assert fork_of is not None
+    lineage = await fork_lineage(store, fork_of, at_step)
+    return (check_run_id(run_id) if run_id is not None else new_run_id()), lineage
 
 
 @attrs.frozen(kw_only=True)
@@ -709,6 +768,7 @@ class _Options:
     leave_parked: bool = False
     accept_definition_change: bool = False
     metrics: MetricsRecorder | None = None
+    lineage: Lineage | None = None
 
 
 @asynccontextmanager
@@ -908,7 +968,7 @@ async def _wait_parked(parking: Parking, store: RunStore, run_id: str, options: 
         control.poll,
         functools.partial(control.poll, fresh=True),
         options.control_poll_s,
-        watch=(lambda wake: index.watch(run_id, control.seen, wake)) if index else None,
+        grown=(lambda wake: index.wait_grown(run_id, control.seen, wake)) if index else None,
     )
 
 
@@ -974,6 +1034,7 @@ async def _drive(
             writer=client,
             clock=clock,
             rng=options.rng or random.Random(),
+            store=store,
         )
         needs_approval = functools.partial(
             requires_approval, agent.executor, options.approval_policy
@@ -1105,21 +1166,31 @@ def _prepare(
     if log.started is None:
         if log.records:
             raise StoreError(f"run {log.run_id!r}: log does not start with run-started")
-        if input is None:
+        lineage = options.lineage
+        if input is None and (lineage is None or lineage.fork_step is None):
             raise UsageError(f"run {log.run_id!r} does not exist; a new run needs an input")
         started = repaired(
             RunStarted(
                 run_id=log.run_id,
                 ts=clock.now_iso(),
-                input=input_messages(input),
+                input=input_messages(input) if input is not None else (),
                 snapshot=snapshot,
                 agent=agent_name,
                 agent_version=agent.version_label,
+                thread=lineage.thread if lineage is not None else None,
+                continues=lineage.continues if lineage is not None else None,
+                fork_step=lineage.fork_step if lineage is not None else None,
             )
         )
         return started, RunView(), (), None
     started = log.started
     check_schema(started)
+    if options.lineage is not None and Lineage.of(started) != options.lineage:
+        stored = Lineage.of(started)
+        raise UsageError(
+            f"run {log.run_id!r} exists as {stored.describe() if stored else 'a run of its own'},"
+            f" not as the {options.lineage.describe()} asked for (another caller started it)"
+        )
     if input is not None and valid_unicode(input_messages(input))[0] != started.input:
         raise UsageError(f"run {log.run_id!r}: the input differs from the stored input")
     accepted = _accepted_change(agent, log, started, clock, options, owner)
@@ -1212,11 +1283,16 @@ async def run(
     owner: str | None = None,
     accept_definition_change: bool = False,
     metrics: MetricsRecorder | None = None,
+    thread_id: str | None = None,
+    fork_of: str | None = None,
+    at_step: int | None = None,
 ) -> RunResult:
     """Run ``agent`` on ``input`` to the end and return the result.
 
     The same call resumes an unfinished ``run_id`` (without repeating any finished model call
-    or action) and returns the stored result of a finished one. Arguments as in `open_run`.
+    or action) and returns the stored result of a finished one. With ``thread_id`` it
+    continues a thread, with ``fork_of`` and ``at_step`` it forks a run (docs/threads.md).
+    Arguments as in `open_run`.
 
     Raises:
         RunInterrupted: an actor failed; the run is left resumable.
@@ -1241,6 +1317,9 @@ async def run(
         owner=owner,
         accept_definition_change=accept_definition_change,
         metrics=metrics,
+        thread_id=thread_id,
+        fork_of=fork_of,
+        at_step=at_step,
     ) as handle:
         pass  # leaving the block waits for the run
     return await handle.wait()

@@ -7,7 +7,9 @@
 * `InterceptingStore`: a store wrapper that forwards everything and lets a subclass act around
   each of the six log writes (the base of the fault injectors above; write your own on it).
 * `check_crash_recovery`: crash a scripted run at every write and in every action, reopen the
-  store, resume, and check what survived (`treadle.testing.crashes`).
+  store, resume, and check what survived (`treadle.testing.crashes`);
+  `check_thread_crash_recovery` does the same to a run that continues a thread
+  (docs/threads.md, "Crashes and resume").
 * `seed_log`: write a run's log into any store as a driver would (fixtures for tests).
 * `check_run_store` (store contract), `check_decision_parser`, `check_action_executor`,
   `check_model_client`: the seam contracts, reusable for your own implementations.
@@ -39,6 +41,9 @@ if TYPE_CHECKING:  # loaded on first use: the simulation and the contracts bring
     from treadle.testing.contracts import check_run_store as check_run_store
     from treadle.testing.contracts import seed_log as seed_log
     from treadle.testing.crashes import check_crash_recovery as check_crash_recovery
+    from treadle.testing.crashes import (
+        check_thread_crash_recovery as check_thread_crash_recovery,
+    )
     from treadle.testing.loopback import CannedResponse as CannedResponse
     from treadle.testing.loopback import canned as canned
     from treadle.testing.loopback import open_loopback_server as open_loopback_server
@@ -56,6 +61,7 @@ __getattr__ = lazy_names(
         "check_run_store": "treadle.testing.contracts",
         "seed_log": "treadle.testing.contracts",
         "check_crash_recovery": "treadle.testing.crashes",
+        "check_thread_crash_recovery": "treadle.testing.crashes",
         "CannedResponse": "treadle.testing.loopback",
         "canned": "treadle.testing.loopback",
         "open_loopback_server": "treadle.testing.loopback",
@@ -89,6 +95,7 @@ __all__ = [
     "check_decision_parser",
     "check_model_client",
     "check_run_store",
+    "check_thread_crash_recovery",
     "open_loopback_server",
     "say",
     "seed_log",

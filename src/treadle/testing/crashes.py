@@ -34,6 +34,7 @@ import attrs
 import trio
 
 from treadle._exceptions import ContractViolation, RunInterrupted, UsageError
+from treadle.actors.hydrator import recorded_history
 from treadle.agent import Agent
 from treadle.parsers import NativeToolCallParser
 from treadle.ports import ActionExecutor, RunStore
@@ -52,6 +53,7 @@ from treadle.types import (
     ActionStatus,
     Limits,
     ModelErrorInfo,
+    ModelReply,
     Record,
     ReplayPolicy,
     RunLog,
@@ -65,12 +67,14 @@ __all__ = [
     "LEDGER_ENV",
     "NEVER_TOOLS",
     "RUN_INPUT",
+    "THREAD_INPUT",
     "CrashContractError",
     "CrashReport",
     "LedgerEntry",
     "agent_from_environment",
     "check_crash_recovery",
     "check_recovered_run",
+    "check_thread_crash_recovery",
     "compare_trajectories",
     "make_agent",
     "read_ledger",
@@ -196,19 +200,22 @@ def _toolbox(ledger: str) -> Toolbox:
     return Toolbox([add, lookup, submit], default_timeout_s=30.0)
 
 
-def _model(latency_s: float = 0.0) -> ScriptedModel:
+def _model(latency_s: float = 0.0, more_turns: Sequence[ModelReply] = ()) -> ScriptedModel:
+    tools = [
+        call("add", a=2, b=3, call_id="c1"),
+        calls(
+            ToolCall(id="c2", name="lookup", arguments={"key": "rate"}),
+            ToolCall(id="c3", name="add", arguments={"a": 5, "b": 7}),
+        ),
+        call("lookup", key="total", call_id="c4"),
+        call("submit", answer="17", call_id="c5"),
+    ]
+    # The run completes its task at step 4; a fifth turn answers a model told that the
+    # submission's outcome is unknown. A thread's next run takes the turns from the fifth on.
+    last = [say("The total is 17, but its submission may not have gone through.")]
     return ScriptedModel(
         latency_s=latency_s,
-        turns=[
-            call("add", a=2, b=3, call_id="c1"),
-            calls(
-                ToolCall(id="c2", name="lookup", arguments={"key": "rate"}),
-                ToolCall(id="c3", name="add", arguments={"a": 5, "b": 7}),
-            ),
-            call("lookup", key="total", call_id="c4"),
-            call("submit", answer="17", call_id="c5"),
-            say("The total is 17, but its submission may not have gone through."),
-        ],
+        turns=[*tools, *(more_turns or last)],
         # one retryable failure: a failed attempt is a record of its own
         failures={2: [ModelErrorInfo(kind="rate_limited", retryable=True, retry_after_s=0.0)]},
     )
@@ -220,6 +227,7 @@ def make_agent(
     wrap: Any = None,
     synthetic: SyntheticObservations = _SYNTHETIC,
     latency_s: float = 0.0,
+    more_turns: Sequence[ModelReply] = (),
 ) -> Agent:
     """The scripted scenario's agent: four steps, five actions, one failed model attempt.
 
@@ -232,12 +240,15 @@ def make_agent(
         wrap: ``callable(executor) -> executor`` applied to the toolbox (fault injection).
         synthetic: the synthetic observation texts.
         latency_s: seconds (trio clock) each model call takes; not part of the snapshot.
+        more_turns: the model's replies after the scenario's four tool calls (instead of its
+            fifth, a text reply), for a run that continues the scenario's finished run in a
+            thread (the model counts turns over the whole history it is sent).
     """
     executor: ActionExecutor = _toolbox(os.fspath(ledger))
     if wrap is not None:
         executor = wrap(executor)
     return Agent(
-        model=_model(latency_s),
+        model=_model(latency_s, more_turns),
         executor=executor,
         parser=NativeToolCallParser(),
         model_name="scripted",
@@ -591,3 +602,162 @@ def _resume_counts(
 def _expect(condition: bool, crash: str, message: str) -> None:
     if not condition:
         raise CrashContractError(f"[crash {crash}] {message}")
+
+
+# --------------------------------------------------------------------------- threads
+
+THREAD_INPUT: Final = "Now look up the rate again, add 4 and 4, and submit that."
+"""The new message of the run that continues the scenario's run in a thread."""
+
+THREAD_TURNS: Final[tuple[ModelReply, ...]] = (
+    calls(
+        ToolCall(id="c6", name="lookup", arguments={"key": "rate"}),
+        ToolCall(id="c7", name="add", arguments={"a": 4, "b": 4}),
+    ),
+    call("submit", answer="8", call_id="c8"),
+)
+"""The model's replies in the thread's second run: two steps, three actions."""
+
+
+@attrs.frozen(kw_only=True)
+class ThreadCrashReport:
+    """What `check_thread_crash_recovery` did.
+
+    Attributes:
+        writes: store writes of the thread's second run, uninterrupted (its run-started,
+            which names the run it continues, is the first).
+        actions: actions of that run.
+        crashes: crashes injected into it (each followed by a reopen and a resume).
+    """
+
+    writes: int
+    actions: int
+    crashes: int
+
+
+async def check_thread_crash_recovery(
+    open_store: StoreOpener, *, workdir: str | os.PathLike[str]
+) -> ThreadCrashReport:
+    """Crash a run that continues a thread at every write and in every action; resume; check.
+
+    For each crash point: the scenario's run (the thread's first) runs to its end, then the
+    thread's second run (`THREAD_INPUT`, `THREAD_TURNS`) is started with ``thread_id`` and
+    crashed; the store is reopened and the same call is made again with the run's id, as a
+    restarted caller retrying exactly once would (it resumes the unfinished run, starts it
+    when its run-started never became durable, or returns the result of a run that finished
+    just before the crash). Checked on top of `check_recovered_run` for the second run:
+
+    * the first run's log and its tools' executions are unchanged: nothing of it ran again;
+    * every request of the second run starts with the first run's recorded history
+      (`treadle.history`), read from the store after every resume;
+    * the second run's run-started names the thread and the run it continues.
+
+    Args:
+        open_store: opens the store under test; every call must open the same storage.
+        workdir: an existing directory for the tools' ledger files.
+
+    Raises:
+        CrashContractError: a check failed; the message names the crash point.
+        trio.TooSlowError: the check hung for `CHECK_TIMEOUT_S`.
+    """
+    with trio.fail_after(CHECK_TIMEOUT_S):
+        baseline, writes = await _thread_baseline(open_store, Path(workdir))
+        actions = sum(1 for r in baseline.records if isinstance(r, ActionResult))
+        crashes = [
+            _Crash(label="store", at=k, when=w) for w in _WHENS for k in range(1, writes + 1)
+        ]
+        crashes += [
+            _Crash(label="action", at=k, when=w) for w in _WHENS for k in range(1, actions + 1)
+        ]
+        for crash in crashes:
+            await _crash_thread(open_store, Path(workdir), crash, baseline)
+    return ThreadCrashReport(writes=writes, actions=actions, crashes=len(crashes))
+
+
+async def _thread_root(store: RunStore, workdir: Path, name: str) -> tuple[str, Path]:
+    root = f"{name}-{secrets.token_hex(4)}"
+    ledger = workdir / f"{root}.ledger"
+    result = await run(make_agent(ledger), RUN_INPUT, store=store, run_id=root)
+    _expect(result.state.is_terminal, name, "the thread's first run did not finish")
+    return root, ledger
+
+
+async def _thread_baseline(open_store: StoreOpener, workdir: Path) -> tuple[RunLog, int]:
+    async with open_store() as store:
+        root, ledger = await _thread_root(store, workdir, "thread-baseline")
+        recorder = _Recorder(store)
+        result = await run(
+            make_agent(ledger, more_turns=THREAD_TURNS),
+            THREAD_INPUT,
+            store=recorder,
+            thread_id=root,
+        )
+        log = await store.read_log(result.run_id)
+    return log, len(recorder.attempts)
+
+
+async def _crash_thread(
+    open_store: StoreOpener, workdir: Path, crash: _Crash, baseline: RunLog
+) -> None:
+    name = f"thread {crash.label} {crash.when} {crash.at}"
+    async with open_store() as store:
+        root, ledger = await _thread_root(store, workdir, f"thread-{crash.label}-{crash.at}")
+        root_log = await store.read_log(root)
+        root_runs = read_ledger(ledger, run_id=root)
+        recorder = await _crash_continuation(store, crash, ledger, root, name)
+    async with open_store() as store:
+        second = f"{root}.2"
+        survived = await store.read_log(second)
+        _check_prefix(name, survived, recorder)
+        agent = make_agent(ledger, more_turns=THREAD_TURNS)
+        result = await run(
+            agent, THREAD_INPUT, store=store, thread_id=root, run_id=second, owner=_CHECK_OWNER
+        )
+        log = await store.read_log(second)
+        inherited = await recorded_history(store, root)
+        _expect(await store.read_log(root) == root_log, name, "the first run's log changed")
+    _expect(result.run_id == second, name, f"the thread went on as {result.run_id!r}")
+    started = log.started
+    _expect(
+        started is not None and (started.thread, started.continues) == (root, root),
+        name,
+        "the second run's run-started does not name its thread",
+    )
+    _expect(read_ledger(ledger, run_id=root) == root_runs, name, "the first run's tools ran again")
+    model = agent.model
+    assert isinstance(model, ScriptedModel)
+    for request in model.requests:
+        seen = list(request.messages[1 : len(inherited) + 1])
+        _expect(seen == inherited, name, "a request does not start with the thread's history")
+    problems = check_recovered_run(log, read_ledger(ledger, run_id=second), baseline)
+    _expect(not problems, name, "; ".join(problems))
+
+
+async def _crash_continuation(
+    store: RunStore, crash: _Crash, ledger: Path, root: str, name: str
+) -> _Recorder:
+    if crash.label == "store":
+        crashing = CrashingStore(inner=store, crash_at=crash.at, when=crash.when)
+        wrap = None
+    else:
+        crashing = CrashingStore(inner=store, crash_at=10**9)
+
+        def wrap(executor: ActionExecutor) -> ActionExecutor:
+            return CrashingExecutor(
+                inner=executor, crash_at=crash.at, when=crash.when, store=crashing
+            )
+
+    recorder = _Recorder(crashing)
+    try:
+        await run(
+            make_agent(ledger, wrap=wrap, more_turns=THREAD_TURNS),
+            THREAD_INPUT,
+            store=recorder,
+            thread_id=root,
+            owner=_CHECK_OWNER,
+        )
+    except (RunInterrupted, SimulatedCrash):
+        pass
+    else:
+        _expect(False, name, "the run finished without crashing")
+    return recorder

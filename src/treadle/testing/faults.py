@@ -60,6 +60,7 @@ FAULT_KINDS = (
     "approval",
     "latency",
     "takeover",
+    "thread",
 )
 """Every fault kind a `FaultPlan` can switch on."""
 

@@ -61,6 +61,8 @@ class ScriptedModel:
         latency_s: trio-clock seconds each call takes (virtual under ``autojump_clock``).
         stream_chunk_chars: when > 0, the reply text is streamed to ``on_delta`` in pieces of
             this many characters.
+        turn_offset: assistant messages of a request's history the script does not count
+            (those a run inherited from the runs its thread continues, docs/threads.md).
 
     Attributes:
         requests: every request received, in order.
@@ -70,6 +72,7 @@ class ScriptedModel:
     failures: Mapping[int, Sequence[ModelErrorInfo]] = attrs.Factory(dict)
     latency_s: float = 0.0
     stream_chunk_chars: int = 0
+    turn_offset: int = 0
     requests: list[ModelRequest] = attrs.Factory(list)
     _failed: dict[int, int] = attrs.Factory(dict)
 
@@ -86,7 +89,7 @@ class ScriptedModel:
             await trio.sleep(self.latency_s)
         else:
             await trio.lowlevel.checkpoint()
-        turn = sum(1 for m in request.messages if m.role == "assistant")
+        turn = sum(1 for m in request.messages if m.role == "assistant") - self.turn_offset
         scripted = self.failures.get(turn, ())
         failed = self._failed.get(turn, 0)
         if failed < len(scripted):
@@ -94,7 +97,7 @@ class ScriptedModel:
             if scripted[failed].kind == STALLED:
                 await trio.sleep_forever()  # a stream that never sends another byte
             raise ModelCallError(scripted[failed])
-        if turn >= len(self.turns):
+        if not 0 <= turn < len(self.turns):
             raise ModelCallError(
                 ModelErrorInfo(kind="invalid_response", message=f"script has no turn {turn}")
             )

@@ -4,7 +4,8 @@
 autojump), drives them through the real actors and a memory store, injects the faults of a
 `FaultPlan` chosen from the seed (process crashes before or after store writes, store write
 failures, model errors, tool exceptions, timeouts, ENV_ERROR, cancellation, approval decisions
-at random delays, latency between the coordinator and the actors), resumes every crashed run
+at random delays, latency between the coordinator and the actors, runs that continue a
+thread), resumes every crashed run
 from its log as a restarted process would, and checks the invariants of docs/crash-safety.md on what
 was written (`check_invariants`, from `treadle.testing.invariants`). The same seed gives a
 byte-identical log: ids and timestamps come from an injected clock and the run's seeded random
@@ -35,6 +36,7 @@ from treadle.stores._codec import encode
 from treadle.stores._leases import LEASE_TTL_S
 from treadle.stores.memory import MemoryStore
 from treadle.supervisors.run import DEFAULT_ACTORS, Actors, InboxActor, RunHandle, open_run
+from treadle.supervisors.threads import history, thread_run_id
 from treadle.testing._intercept import InterceptingStore
 from treadle.testing.faults import FAULT_KINDS as FAULT_KINDS
 from treadle.testing.faults import CrashingStore, FailingStore, SimulatedCrash
@@ -103,7 +105,8 @@ class FaultPlan:
         decision; ``latency`` the rate of requests to the gateway and executor delayed;
         ``takeover`` the rate of incarnations whose lease another driver takes over at a
         seeded write (the incarnation is refused and stops, as a paused process woken after a
-        takeover would).
+        takeover would); ``thread`` the rate of simulated runs that continue a thread (see
+        `FaultPlan.threads`).
         """
         return cls(
             rates={
@@ -124,8 +127,24 @@ class FaultPlan:
                 "approval": 0.1,
                 "latency": 0.2,
                 "takeover": 0.1,
+                "thread": 0.2,
             }
         )
+
+    @classmethod
+    def threads(cls) -> FaultPlan:
+        """The default plan with every simulated run continuing a thread.
+
+        Before such a run, its thread's first run (``sim-<seed>-<i>``, a final answer of the
+        same agent) is driven to its end without faults; the simulated run is the thread's
+        second (``sim-<seed>-<i>.2``), started with ``thread_id`` and resumed by its id
+        after every crash. On top of the other checks, every request the model received in
+        it must start with the first run's recorded history (docs/threads.md). Only worlds
+        whose ``provider`` is a `treadle.testing.ScriptedModel` can be continued so (its
+        ``turn_offset`` skips the inherited turn); others run as single runs.
+        """
+        default = cls.default()
+        return cls(rates={**default.rates, "thread": 1.0})
 
     @classmethod
     def of(cls, kinds: Iterable[str] = FAULT_KINDS, *, rate: float = 0.1) -> FaultPlan:
@@ -715,8 +734,19 @@ async def _simulate(seed: int, plan: FaultPlan, runs: int, scenario: Scenario) -
     store = MemoryStore(clock=lease_clock.now)
     world_seeds = [rng.randrange(2**32) for _ in range(runs)]
     worlds = [scenario.world(random.Random(ws), plan, counts) for ws in world_seeds]
+    threads = [
+        f"sim-{seed}-{index}" if _threadable(world) and plan.roll(rng, "thread") else None
+        for index, world in enumerate(worlds)
+    ]
     drive_seeds = [rng.randrange(2**32) for _ in range(runs)]
-    run_ids = [f"sim-{seed}-{index}" for index in range(runs)]
+    run_ids = [
+        thread_run_id(thread, 2) if thread else f"sim-{seed}-{index}"
+        for index, thread in enumerate(threads)
+    ]
+    for thread, world in zip(threads, worlds, strict=True):
+        if thread is not None:
+            _count(counts, "thread")
+            world.provider.turn_offset = 1
     async with trio.open_nursery() as nursery:
         for index in range(runs):
             driver = _Driver(
@@ -728,6 +758,7 @@ async def _simulate(seed: int, plan: FaultPlan, runs: int, scenario: Scenario) -
                 rng=random.Random(drive_seeds[index]),
                 counts=counts,
                 lease_clock=lease_clock,
+                thread=threads[index],
             )
             nursery.start_soon(driver.drive)
     logs = [await store.read_log(run_id) for run_id in run_ids]
@@ -737,8 +768,13 @@ async def _simulate(seed: int, plan: FaultPlan, runs: int, scenario: Scenario) -
         violations.extend(check_invariants(log, budgets=budgets))
         violations.extend(scenario.check(log, worlds[index]))
         violations.extend(_unanswered_calls(run_ids[index], worlds[index]))
+        thread = threads[index]
+        if thread is not None:
+            violations.extend(await _inherited(store, thread, run_ids[index], worlds[index]))
         twin_world = scenario.world(random.Random(world_seeds[index]), plan, {})
-        twin = await _fault_free_twin(scenario, run_ids[index], twin_world)
+        if thread is not None:
+            twin_world.provider.turn_offset = 1
+        twin = await _fault_free_twin(scenario, run_ids[index], twin_world, thread)
         violations.extend(_compare_with_twin(log, twin, scenario))
     return SimulationResult(
         seed=seed,
@@ -748,6 +784,50 @@ async def _simulate(seed: int, plan: FaultPlan, runs: int, scenario: Scenario) -
         steps=sum(len(log.steps) for log in logs),
         log_digest=log_digest(logs),
     )
+
+
+def _threadable(world: Any) -> bool:
+    """Whether a simulated run on ``world`` can continue a thread (see `FaultPlan.threads`)."""
+    return isinstance(getattr(world, "provider", None), ScriptedModel)
+
+
+THREAD_FIRST_ANSWER = "Noted; ask me again."
+"""The final answer of a simulated thread's first run (its only step)."""
+
+
+async def _start_thread(store: Any, scenario: Scenario, world: Any, thread: str) -> None:
+    """Drive thread ``thread``'s first run to its end, without faults (once per thread)."""
+    if (await store.read_log(thread)).finished is not None:
+        return
+    first = attrs.evolve(
+        scenario.agent(world), model=ScriptedModel(turns=[say(THREAD_FIRST_ANSWER)])
+    )
+    async with open_run(
+        first,
+        "earlier",
+        store=store,
+        run_id=thread,
+        clock=FixedStepClock(),
+        rng=random.Random(0),
+        control_poll_s=None,
+        actors=_scenario_actors(scenario, world),
+    ) as handle:
+        pass
+    await handle.wait()
+
+
+async def _inherited(store: MemoryStore, thread: str, run_id: str, world: Any) -> list[str]:
+    """Every request of the thread's second run starts with the first run's history."""
+    earlier = list(await history(store, thread))
+    problems = []
+    for number, request in enumerate(world.provider.requests, start=1):
+        seen = [m for m in request.messages if m.role != "system"][: len(earlier)]
+        if seen != earlier:
+            problems.append(
+                f"run {run_id!r}: request {number} does not start with the history of "
+                f"{thread!r} it continues"
+            )
+    return problems
 
 
 def log_digest(logs: Iterable[RunLog]) -> str:
@@ -858,9 +938,12 @@ class _Driver:
     rng: random.Random
     counts: dict[str, int]
     lease_clock: _LeaseClock
+    thread: str | None = None
 
     async def drive(self) -> None:
         """Run incarnations until one ends the run (or `MAX_RESTARTS` is reached)."""
+        if self.thread is not None:
+            await _start_thread(self.store, self.scenario, self.world, self.thread)
         clock = FixedStepClock()
         approver = _Approver(
             scenario=self.scenario,
@@ -889,6 +972,7 @@ class _Driver:
                     rng=random.Random(self.rng.randrange(2**32)),
                     control_poll_s=CONTROL_POLL_S,
                     actors=self._actors(),
+                    thread_id=self.thread,
                 ) as handle:
                     await _watch(handle, cancel_after, approver)
             except (RunInterrupted, StoreError, SimulatedCrash, ModelCallError, LeaseError):
@@ -969,9 +1053,13 @@ def _unanswered_calls(run_id: str, world: Any) -> list[str]:
     return [f"run {run_id!r}: {problem}" for problem in check_tool_replies(requests)]
 
 
-async def _fault_free_twin(scenario: Scenario, run_id: str, world: Any) -> RunLog:
+async def _fault_free_twin(
+    scenario: Scenario, run_id: str, world: Any, thread: str | None = None
+) -> RunLog:
     """The same world (model and tool faults, approvals included), without crashes or cancels."""
     store = MemoryStore()
+    if thread is not None:
+        await _start_thread(store, scenario, world, thread)
     approver = _Approver(
         scenario=scenario, world=world, run_id=run_id, store=store, may_restart=False
     )
@@ -984,6 +1072,7 @@ async def _fault_free_twin(scenario: Scenario, run_id: str, world: Any) -> RunLo
         rng=random.Random(0),
         control_poll_s=CONTROL_POLL_S,
         actors=_scenario_actors(scenario, world),
+        thread_id=thread,
     ) as handle:
         await _watch(handle, None, approver)
     return await store.read_log(run_id)

@@ -1,0 +1,89 @@
+"""``treadle ui``: the run console in the browser (docs/ui.md).
+
+This module imports nothing of the web stack: the command loads `treadle._ui` when it runs,
+and says which extra to install when its packages are missing.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import secrets
+
+import click
+
+from treadle._cli_common import run_async, store_option
+from treadle._exceptions import raised
+
+TOKEN_ENV = "TREADLE_UI_TOKEN"
+"""The environment variable ``--token`` is read from when not given."""
+
+
+def is_loopback(host: str) -> bool:
+    """Whether ``host`` names this machine only (``localhost``, 127.0.0.0/8, ``::1``)."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+@click.command("ui")
+@store_option
+@click.option("--host", default="127.0.0.1", show_default=True, help="The address to bind.")
+@click.option(
+    "--port",
+    default=8765,
+    show_default=True,
+    type=click.IntRange(0, 65535),
+    help="The port (0: any free one; the URL printed names it).",
+)
+@click.option(
+    "--token",
+    default=None,
+    envvar=TOKEN_ENV,
+    show_envvar=True,
+    help="A secret the console asks for (needed to bind an address other than loopback).",
+)
+def ui_command(store_path: str, host: str, port: int, token: str | None) -> None:
+    """Serve a run console for a store in the browser: runs, timelines, approvals, cancel.
+
+    It binds 127.0.0.1 by default. Another address is refused unless --token is given; then
+    every page needs the token (open /?token=TOKEN once). State-changing requests always need
+    the console's token and a same-origin request (docs/ui.md, "Safety").
+    """
+    loopback = is_loopback(host)
+    if not loopback and not token:
+        raise click.UsageError(
+            f"refusing to serve {host}, which is not a loopback address, without --token "
+            f"(or {TOKEN_ENV}): anyone who reaches it could approve or cancel runs"
+        )
+    try:
+        from treadle._ui._app import Settings
+        from treadle._ui._serve import serve
+    except ImportError as exc:
+        raise click.ClickException(
+            f"treadle ui needs the ui extra ({exc.name} is missing): "
+            "python3 -m pip install 'treadle[ui]'"
+        ) from exc
+    bare = host.strip("[]")
+    named = f"[{bare}]" if ":" in bare else bare  # a Host header brackets an IPv6 address
+    hosts = ("127.0.0.1", "localhost", "[::1]", named) if loopback else ("*",)
+    settings = Settings(
+        token=token or secrets.token_urlsafe(24),
+        token_for_reads=token is not None,
+        allowed_hosts=tuple(dict.fromkeys(hosts)),
+    )
+
+    def said(url: str) -> None:
+        click.echo(f"treadle ui: serving {url}", err=False)
+
+    try:
+        run_async(lambda: serve(store_path, host=host, port=port, settings=settings, said=said))
+    except BaseExceptionGroup as group:
+        unbound = raised(group, OSError)
+        if unbound is None:
+            raise
+        raise click.ClickException(f"cannot serve {host}:{port}: {unbound}") from group
+    except OSError as exc:
+        raise click.ClickException(f"cannot serve {host}:{port}: {exc}") from exc

@@ -1,0 +1,473 @@
+"""The run console's web app: Starlette routes over one open store.
+
+Pages are Jinja2 templates with autoescaping on for every value; live parts stream over
+server-sent events read from the store's log (the same reads ``treadle tail`` makes). Actions
+go through the code paths of ``treadle approve`` and ``treadle cancel``. Every response carries
+a Content-Security-Policy that allows this app's own script and style only, and every
+state-changing request needs the console's token and a same-origin request
+(docs/ui.md, "Safety").
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+from collections.abc import AsyncIterator, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import attrs
+import jinja2
+import trio
+from sse_starlette import EventSourceResponse, ServerSentEvent
+from starlette.applications import Starlette
+from starlette.datastructures import FormData
+from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
+from starlette.middleware.trustedhost import TrustedHostMiddleware
+from starlette.requests import Request
+from starlette.responses import HTMLResponse, JSONResponse, RedirectResponse, Response
+from starlette.routing import Mount, Route
+from starlette.staticfiles import StaticFiles
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from treadle._cli_runs import approve, cancel
+from treadle._cli_store import driver_text
+from treadle._exceptions import TreadleError, UsageError
+from treadle._text import valid_unicode
+from treadle._ui import _view
+from treadle.approvals import pending_approval
+from treadle.ports import RunIndex, RunStore
+from treadle.redaction import Redaction
+from treadle.types import ApprovalRequested, Liveness, RunLog, RunState, RunSummary
+
+HERE = Path(__file__).resolve().parent
+
+POLL_S = 0.2
+"""Seconds between two reads of the store by a live stream (as ``treadle tail``)."""
+
+CSP = (
+    "default-src 'none'; script-src 'self'; style-src 'self'; img-src 'self' data:; "
+    "connect-src 'self'; form-action 'self'; frame-ancestors 'none'; base-uri 'none'"
+)
+"""The Content-Security-Policy of every response: no inline script, nothing from elsewhere."""
+
+TOKEN_HEADER = "x-treadle-token"
+TOKEN_COOKIE = "treadle_token"
+
+
+@attrs.frozen
+class Settings:
+    """How the console was started.
+
+    Attributes:
+        token: the secret every state-changing request must carry.
+        token_for_reads: reads need the token too (it was given, not generated).
+        allowed_hosts: the Host header values served (a rebinding guard); ``("*",)`` for any.
+        poll_s: seconds between store reads of a live stream.
+        canceller: who the cancel records name.
+    """
+
+    token: str
+    token_for_reads: bool = False
+    allowed_hosts: tuple[str, ...] = ("127.0.0.1", "localhost")
+    poll_s: float = POLL_S
+    canceller: str = "treadle ui"
+
+
+@attrs.frozen
+class Row:
+    """One line of the runs list."""
+
+    summary: RunSummary
+    driver: str
+    tokens: int | None
+    thread: str | None
+
+    @property
+    def state(self) -> str:
+        """The run's state, or ``unreadable``."""
+        return self.summary.state.value if self.summary.state else "unreadable"
+
+    @property
+    def search_text(self) -> str:
+        """What the search box matches, lower-cased."""
+        parts = (self.summary.run_id, self.summary.agent, self.thread, self.driver, self.state)
+        return " ".join(p for p in parts if p).lower()
+
+
+class _SecurityHeaders:
+    """Adds the CSP and the other protective headers to every response."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        async def with_headers(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                headers = list(message.get("headers", []))
+                headers += [
+                    (b"content-security-policy", CSP.encode()),
+                    (b"x-content-type-options", b"nosniff"),
+                    (b"referrer-policy", b"no-referrer"),
+                    (b"x-frame-options", b"DENY"),
+                    (b"cache-control", b"no-store"),
+                ]
+                message = {**message, "headers": headers}
+            await send(message)
+
+        await self.app(scope, receive, with_headers)
+
+
+def templates() -> jinja2.Environment:
+    """The console's templates, every value autoescaped."""
+    env = jinja2.Environment(
+        loader=jinja2.FileSystemLoader(HERE / "templates"),
+        autoescape=True,
+        trim_blocks=True,
+        lstrip_blocks=True,
+        undefined=jinja2.StrictUndefined,
+    )
+    env.globals["json_text"] = _view.json_text
+    env.globals["CHART_WIDTH"] = _view.CHART_WIDTH
+    return env
+
+
+def create_app(store: RunStore, settings: Settings) -> Starlette:
+    """The console app over ``store`` (which the caller opens and closes).
+
+    Raises:
+        UsageError: ``store`` keeps no run index (the runs list needs one).
+    """
+    if not isinstance(store, RunIndex):
+        raise UsageError(f"{type(store).__name__} keeps no run index; the console needs one")
+    console = _Console(store, settings, templates())
+    routes = [
+        Route("/", console.runs_page),
+        Route("/runs/rows", console.runs_stream),
+        Route("/runs/{run_id}", console.run_page),
+        Route("/runs/{run_id}/events", console.run_stream),
+        Route("/runs/{run_id}/approve", console.approve, methods=["POST"]),
+        Route("/runs/{run_id}/cancel", console.cancel, methods=["POST"]),
+        Mount("/static", StaticFiles(directory=HERE / "static"), name="static"),
+    ]
+    middleware = [
+        Middleware(_SecurityHeaders),
+        Middleware(TrustedHostMiddleware, allowed_hosts=list(settings.allowed_hosts)),
+    ]
+    return Starlette(
+        routes=routes,
+        middleware=middleware,
+        exception_handlers={TreadleError: console.unreadable},
+    )
+
+
+class _Console:
+    """The route handlers, over one store."""
+
+    def __init__(self, store: RunStore, settings: Settings, env: jinja2.Environment) -> None:
+        self.store = store
+        self.settings = settings
+        self.env = env
+        # finished runs only (they never change): tokens, and the thread or fork text
+        self._tokens: dict[str, tuple[int | None, str | None]] = {}
+
+    async def unreadable(self, request: Request, exc: Exception) -> Response:
+        """A run the store cannot read (a damaged or too-new log): the error, said plainly."""
+        return self._page("said.html", status=500, run_id="", message=str(exc), ok=False)
+
+    # ----------------------------------------------------------------- guards
+
+    def _check_read(self, request: Request) -> Response | None:
+        """Refuse a read without the token when the token guards reads.
+
+        ``?token=`` sets the token cookie and redirects to the same page without it.
+        """
+        if not self.settings.token_for_reads:
+            return None
+        given = request.query_params.get("token")
+        if given is not None and self._good(given):
+            target = request.url.remove_query_params("token")
+            response = RedirectResponse(str(target), status_code=303)
+            response.set_cookie(TOKEN_COOKIE, given, httponly=True, samesite="strict", path="/")
+            return response
+        presented = request.cookies.get(TOKEN_COOKIE) or request.headers.get(TOKEN_HEADER)
+        if presented is None or not self._good(presented):
+            raise HTTPException(401, "this console needs its token: open it as /?token=TOKEN")
+        return None
+
+    def _check_write(self, request: Request, form: FormData) -> None:
+        """Refuse a state-changing request that is cross-site or lacks the token."""
+        expected = f"{request.url.scheme}://{request.headers.get('host', '')}"
+        origin = request.headers.get("origin")
+        if origin is None:
+            referer = request.headers.get("referer")
+            origin = _origin_of(referer) if referer else None
+        if origin is None or origin != expected:
+            raise HTTPException(403, "refused: not a same-origin request")
+        site = request.headers.get("sec-fetch-site")
+        if site is not None and site not in ("same-origin", "none"):
+            raise HTTPException(403, f"refused: a {site} request")
+        token = request.headers.get(TOKEN_HEADER) or form.get("token")
+        if not isinstance(token, str) or not self._good(token):
+            raise HTTPException(403, "refused: the console's token is missing or wrong")
+
+    def _good(self, token: str) -> bool:
+        return hmac.compare_digest(token.encode(), self.settings.token.encode())
+
+    # ----------------------------------------------------------------- runs list
+
+    async def runs_page(self, request: Request) -> Response:
+        """The runs list (``?q=`` searches, ``?state=`` filters by state or liveness)."""
+        refused = self._check_read(request)
+        if refused is not None:
+            return refused
+        rows = await self._rows()
+        q, state = request.query_params.get("q", ""), request.query_params.get("state", "")
+        shown = _filtered(rows, q, state)
+        states = sorted({r.state for r in rows} | {r.summary.liveness.value for r in rows})
+        return self._page(
+            "runs.html",
+            rows=shown,
+            total=len(rows),
+            q=q,
+            state=state,
+            states=states,
+            threads=any(r.thread for r in rows),
+        )
+
+    async def runs_stream(self, request: Request) -> Response:
+        """Server-sent ``rows`` events: the list's table body, each time it changes."""
+        self._check_read(request)
+        q, state = request.query_params.get("q", ""), request.query_params.get("state", "")
+
+        async def events() -> AsyncIterator[ServerSentEvent]:
+            last = None
+            while True:
+                rows = await self._rows()
+                html = self.env.get_template("_rows.html").render(
+                    rows=_filtered(rows, q, state), threads=any(r.thread for r in rows)
+                )
+                if html != last:
+                    last = html
+                    yield ServerSentEvent(data=html, event="rows")
+                await trio.sleep(max(self.settings.poll_s, 0.5))
+
+        return EventSourceResponse(events(), ping=15)
+
+    async def _rows(self) -> list[Row]:
+        assert isinstance(self.store, RunIndex)
+        summaries = await self.store.list_summaries()
+        rows = []
+        for summary in summaries:
+            tokens, thread = self._tokens.get(summary.run_id, (None, None))
+            if summary.run_id not in self._tokens and summary.error is None:
+                log = await self.store.read_log(summary.run_id)
+                tokens, thread = _view.run_tokens(log), _view.run_thread(log)
+                if log.finished is not None:
+                    self._tokens[summary.run_id] = (tokens, thread)
+            rows.append(Row(summary, driver_text(summary), tokens, thread))
+        return rows
+
+    # ----------------------------------------------------------------- one run
+
+    async def run_page(self, request: Request) -> Response:
+        """One run's timeline, charts and actions; it goes on live over `run_stream`."""
+        refused = self._check_read(request)
+        if refused is not None:
+            return refused
+        run_id = request.path_params["run_id"]
+        log, summary = await self._read(run_id)
+        blocks = _view.timeline(log)
+        return self._page(
+            "run.html",
+            blocks=blocks,
+            last_seq=len(log.records),
+            finished=log.finished is not None,
+            **self._panel_context(log, summary, blocks),
+        )
+
+    async def run_stream(self, request: Request) -> Response:
+        """Server-sent events of a run's log from a seq on, live, until the run finishes.
+
+        Each record is one ``record`` event whose id is its seq; a reconnect's
+        ``Last-Event-ID`` resumes after that seq (else ``?from=SEQ`` names the first one).
+        A ``finished`` event closes the stream once the run-finished record was sent.
+        """
+        self._check_read(request)
+        run_id = request.path_params["run_id"]
+        next_seq = _first_seq(request)
+        await self._read(run_id)  # a run that does not exist is a 404, not a stream
+
+        async def events() -> AsyncIterator[ServerSentEvent]:
+            nonlocal next_seq
+            while True:
+                log, summary = await self._read(run_id)
+                count = len(log.records)
+                if count >= next_seq:
+                    for event in self._record_events(log, summary, next_seq, count):
+                        yield event
+                    next_seq = count + 1
+                if log.finished is not None:
+                    yield ServerSentEvent(data="{}", event="finished")
+                    return
+                await trio.sleep(self.settings.poll_s)
+
+        return EventSourceResponse(events(), ping=15)
+
+    def _record_events(
+        self, log: RunLog, summary: RunSummary | None, first: int, last: int
+    ) -> list[ServerSentEvent]:
+        """One event per record ``first..last``; a block's HTML rides on its last record."""
+        blocks = _view.timeline(log)
+        owner = {s: b for b in blocks for s, _ in b.records}
+        last_of = {owner[s].id: s for s in range(first, last + 1) if s in owner}
+        block_template = self.env.get_template("_block.html")
+        events = []
+        for seq in range(first, last + 1):
+            block = owner.get(seq)
+            record = log.records[seq - 1]
+            data: dict[str, Any] = {
+                "seq": seq,
+                "kind": type(record).__name__,
+                "block": block.id if block else None,
+                "html": None,
+            }
+            if block is not None and last_of.get(block.id) == seq:
+                data["html"] = block_template.render(block=block)
+            if seq == last:
+                context = self._panel_context(log, summary, blocks)
+                data["panel"] = self.env.get_template("_panel.html").render(**context)
+                data["charts"] = self.env.get_template("_charts.html").render(**context)
+            events.append(ServerSentEvent(data=json.dumps(data), id=str(seq), event="record"))
+        return events
+
+    async def _read(self, run_id: str) -> tuple[RunLog, RunSummary | None]:
+        log = await self.store.read_log(run_id)
+        assert isinstance(self.store, RunIndex)
+        summary = await self.store.read_summary(run_id)
+        if log.started is None and (summary is None or summary.state is not RunState.QUEUED):
+            raise HTTPException(404, f"there is no run {run_id!r} in this store")
+        log, _ = valid_unicode(log)  # what an old log holds, made printable
+        return log, summary
+
+    def _panel_context(
+        self, log: RunLog, summary: RunSummary | None, blocks: Sequence[_view.Block]
+    ) -> dict[str, Any]:
+        pending = pending_approval(log)
+        shown: ApprovalRequested | None = None
+        if pending is not None:
+            shown = Redaction.of_log(log).request(pending)
+        finished = log.finished
+        state = summary.state.value if summary and summary.state else ""
+        if finished is not None:
+            state = finished.state.value
+        return {
+            "run_id": log.run_id,
+            "state": state,
+            "liveness": summary.liveness.value if summary else "",
+            "driver": driver_text(summary) if summary else "",
+            "driven": summary is not None and summary.liveness is Liveness.DRIVEN,
+            "summary": summary,
+            "started": log.started,
+            "finished_record": finished,
+            "steps": len(log.steps),
+            "tokens": _view.run_tokens(log),
+            "pending": shown,
+            "token_bars": _view.token_bars(blocks),
+            "waterfall": _view.waterfall(blocks),
+            "span_s": _view.time_span_s(blocks),
+            "token": self.settings.token,
+        }
+
+    # ----------------------------------------------------------------- actions
+
+    async def approve(self, request: Request) -> Response:
+        """Approve, reject or edit the call a run waits on (as ``treadle approve``)."""
+        form = await request.form()
+        self._check_write(request, form)
+        run_id = request.path_params["run_id"]
+        decision = str(form.get("decision", "approve"))
+        call_id = str(form.get("call_id") or "") or None
+        reject = edit = None
+        if decision == "reject":
+            reject = str(form.get("message", "")) or "rejected"
+        elif decision == "edit":
+            try:
+                edit = _object(str(form.get("arguments", "")))
+            except UsageError as exc:
+                return self._said(request, run_id, str(exc), ok=False)
+        elif decision != "approve":
+            return self._said(request, run_id, f"unknown decision {decision!r}", ok=False)
+        try:
+            decided, _, next_text = await approve(
+                self.store, run_id, call_id=call_id, reject=reject, edit=edit
+            )
+        except UsageError as exc:
+            return self._said(request, run_id, str(exc), ok=False)
+        said = f"{decided.decision}: call {decided.call_id}; {next_text}"
+        return self._said(request, run_id, said)
+
+    async def cancel(self, request: Request) -> Response:
+        """Cancel a run (as ``treadle cancel``)."""
+        form = await request.form()
+        self._check_write(request, form)
+        run_id = request.path_params["run_id"]
+        reason = str(form.get("reason", ""))
+        try:
+            outcome = await cancel(
+                self.store, run_id, reason=reason, canceller=self.settings.canceller
+            )
+        except UsageError as exc:
+            return self._said(request, run_id, str(exc), ok=False)
+        return self._said(request, run_id, f"cancel requested: {outcome}")
+
+    def _said(self, request: Request, run_id: str, message: str, *, ok: bool = True) -> Response:
+        """The answer to an action: JSON for the page's script, else a small page."""
+        status = 200 if ok else 409
+        if "application/json" in request.headers.get("accept", ""):
+            return JSONResponse({"ok": ok, "message": message}, status_code=status)
+        return self._page("said.html", status=status, run_id=run_id, message=message, ok=ok)
+
+    def _page(self, name: str, *, status: int = 200, **context: Any) -> HTMLResponse:
+        context.setdefault("token", self.settings.token)
+        html = self.env.get_template(name).render(**context)
+        return HTMLResponse(html, status_code=status)
+
+
+def _filtered(rows: Sequence[Row], q: str, state: str) -> list[Row]:
+    words = q.lower().split()
+    return [
+        r
+        for r in rows
+        if (not state or state in (r.state, r.summary.liveness.value))
+        and all(w in r.search_text for w in words)
+    ]
+
+
+def _first_seq(request: Request) -> int:
+    """The first seq a stream sends: after ``Last-Event-ID``, else ``?from=`` (default 1)."""
+    last = request.headers.get("last-event-id")
+    try:
+        if last:
+            return int(last) + 1
+        return max(1, int(request.query_params.get("from", "1")))
+    except ValueError:
+        raise HTTPException(400, "Last-Event-ID and ?from= take a seq (an integer)") from None
+
+
+def _origin_of(url: str) -> str | None:
+    scheme, sep, rest = url.partition("://")
+    if not sep:
+        return None
+    return f"{scheme}://{rest.split('/', 1)[0]}"
+
+
+def _object(text: str) -> Mapping[str, Any]:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise UsageError(f"the edited arguments are not JSON: {exc}") from exc
+    if not isinstance(value, dict):
+        raise UsageError("the edited arguments must be a JSON object")
+    return value

@@ -1,0 +1,118 @@
+// treadle run console: live updates over server-sent events, filtering, and actions.
+// The server renders every fragment with its values escaped; this script only places them.
+"use strict";
+
+function token() {
+  const meta = document.querySelector('meta[name="treadle-token"]');
+  return meta ? meta.content : "";
+}
+
+function filterRows() {
+  const q = document.getElementById("q");
+  const state = document.getElementById("state");
+  if (!q || !state) return;
+  const words = q.value.toLowerCase().split(/\s+/).filter(Boolean);
+  let shown = 0;
+  const rows = document.querySelectorAll("#rows tr.run");
+  rows.forEach((row) => {
+    const text = row.dataset.search || "";
+    const states = (row.dataset.state || "").split(" ");
+    const ok = words.every((w) => text.includes(w)) && (!state.value || states.includes(state.value));
+    row.hidden = !ok;
+    if (ok) shown += 1;
+  });
+  const count = document.getElementById("count");
+  if (count) count.textContent = shown + " of " + rows.length + " runs";
+}
+
+function runsPage() {
+  const q = document.getElementById("q");
+  const state = document.getElementById("state");
+  q.addEventListener("input", filterRows);
+  state.addEventListener("change", filterRows);
+  const source = new EventSource("/runs/rows");
+  const live = document.getElementById("live");
+  source.addEventListener("open", () => live.classList.add("on"));
+  source.addEventListener("error", () => live.classList.remove("on"));
+  source.addEventListener("rows", (event) => {
+    document.getElementById("rows").innerHTML = event.data;
+    filterRows();
+  });
+  filterRows();
+}
+
+function place(data) {
+  const timeline = document.getElementById("timeline");
+  if (data.html) {
+    const holder = document.createElement("template");
+    holder.innerHTML = data.html.trim();
+    const fresh = holder.content.firstElementChild;
+    const old = document.getElementById(data.block);
+    if (old) {
+      const open = Array.from(old.querySelectorAll("details")).map((d) => d.open);
+      old.replaceWith(fresh);
+      fresh.querySelectorAll("details").forEach((d, i) => { if (open[i]) d.open = true; });
+    } else {
+      timeline.appendChild(fresh);
+    }
+  }
+  if (data.panel != null) {
+    const panel = document.getElementById("panel");
+    const editing = panel.contains(document.activeElement);
+    if (!editing) { panel.innerHTML = data.panel; bindForms(); }
+  }
+  if (data.charts != null) document.getElementById("charts").innerHTML = data.charts;
+}
+
+function runPage() {
+  const run = document.getElementById("run");
+  bindForms();
+  if (run.dataset.finished === "true") return;
+  const last = Number(run.dataset.lastSeq);
+  const url = "/runs/" + encodeURIComponent(run.dataset.run) + "/events?from=" + (last + 1);
+  const source = new EventSource(url);
+  const live = document.getElementById("live");
+  live.hidden = false;
+  source.addEventListener("open", () => live.classList.add("on"));
+  source.addEventListener("error", () => live.classList.remove("on"));
+  source.addEventListener("record", (event) => {
+    const data = JSON.parse(event.data);
+    run.dataset.lastSeq = String(data.seq);
+    place(data);
+  });
+  source.addEventListener("finished", () => {
+    source.close();
+    live.hidden = true;
+    run.dataset.finished = "true";
+  });
+}
+
+function bindForms() {
+  document.querySelectorAll("form[data-action]").forEach((form) => {
+    if (form.dataset.bound) return;
+    form.dataset.bound = "1";
+    form.addEventListener("submit", async (event) => {
+      event.preventDefault();
+      const body = new FormData(form);
+      if (event.submitter && event.submitter.name) body.set(event.submitter.name, event.submitter.value);
+      const notice = document.getElementById("notice");
+      const response = await fetch(form.action, {
+        method: "POST",
+        body: body,
+        headers: { "Accept": "application/json", "X-Treadle-Token": token() },
+        credentials: "same-origin",
+      });
+      let said;
+      try { said = await response.json(); } catch (e) { said = { ok: false, message: response.statusText }; }
+      notice.hidden = false;
+      notice.textContent = said.message;
+      notice.className = "notice " + (said.ok ? "ok" : "refused");
+    });
+  });
+}
+
+document.addEventListener("DOMContentLoaded", () => {
+  const page = document.body.dataset.page;
+  if (page === "runs") runsPage();
+  if (page === "run") runPage();
+});

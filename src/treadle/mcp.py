@@ -1,0 +1,688 @@
+"""The tools of an MCP server as treadle tools (`open_mcp_tools`; extra ``treadle[mcp]``).
+
+::
+
+    async with open_mcp_tools("http://127.0.0.1:8000/mcp", trusted=True) as tools:
+        agent = Agent(model=..., executor=tools, parser=NativeToolCallParser(), ...)
+        result = await run(agent, "...", store=store)
+
+The server is the official ``mcp`` SDK's `mcp.Client` target: an ``http(s)`` URL (streamable
+HTTP), `mcp.StdioServerParameters` (a subprocess over stdin and stdout), an
+`mcp.client.Transport`, or an in-process `mcp.server.Server` / ``MCPServer``.
+
+Who owns what (docs/mcp.md, "The session"): the caller's ``async with`` block owns the MCP
+session and its tasks; a run that uses the tools runs inside that block. The tool calls run in
+the tool host and share the one session. Nothing of the session is in the run's log: a resume
+in another process opens a session of its own.
+
+Policies (docs/mcp.md, "Trust and policies"; docs/decisions/0070-mcp-trust-and-policies.md):
+a server's annotations count only when the caller marks it ``trusted``: then ``readOnlyHint``
+or ``idempotentHint`` makes a tool ``safe`` (re-sent on resume), any other is ``never``, and a
+destructive one (``destructiveHint`` absent or true, and not read-only) requires approval. For
+a server not trusted every tool is ``never`` and needs no approval. `McpToolOptions` overrides
+either per tool.
+
+Outcomes (docs/seams.md, "Action executor"):
+
+* unknown tool or arguments that fail the server's input schema: NOT_EXECUTED, before any
+  request; the server answering a JSON-RPC "method not found" or "invalid params": NOT_EXECUTED;
+* an ``isError`` result: EXECUTED, observation ``Error: <the result's text>``;
+* any other JSON-RPC error: EXECUTED, observation ``Error: <code>: <message>``;
+* a broken transport (the connection closed, the process died, the HTTP request failed):
+  ENV_ERROR (the run ends);
+* the call ran past its timeout: UNKNOWN (the server was asked to cancel it; whether its
+  effect happened is unknown);
+* anything else the SDK raises (a result that is no valid MCP result, say) propagates: the
+  run is interrupted and stays resumable, the call's outcome unknown;
+* a result: EXECUTED; text blocks, structured content (compact JSON, when no text block
+  already holds it), images (image references, `McpTools.image_source`), audio, resource
+  links and embedded resources map onto the observation (docs/mcp.md, "Results").
+
+Every call carries the action's intent id in its ``_meta`` as ``treadle/idempotency-key``, and
+``treadle/replay: true`` when resume re-sends a ``safe`` call.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import hashlib
+import json
+import math
+import re
+from collections.abc import AsyncIterator, Collection, Mapping, Sequence
+from contextlib import asynccontextmanager
+from typing import Any, Final, TypeAlias
+
+import anyio
+import attrs
+import httpx2
+import jsonschema
+import mcp_types
+import trio
+from mcp import Client, MCPError, StdioServerParameters
+from mcp.client import Transport
+from mcp.client.streamable_http import streamable_http_client
+from mcp.server import MCPServer, Server
+
+from treadle._exceptions import EnvironmentFailure, UsageError, raised
+from treadle.tools import ReconcileHook
+from treadle.types import (
+    Action,
+    ActionOutcome,
+    ActionStatus,
+    ImageRef,
+    JSONValue,
+    ReplayPolicy,
+    ToolSpec,
+)
+
+__all__ = [
+    "IDEMPOTENCY_KEY",
+    "REPLAY_KEY",
+    "McpServer",
+    "McpTool",
+    "McpToolOptions",
+    "McpTools",
+    "open_mcp_tools",
+    "policy_of",
+]
+
+IDEMPOTENCY_KEY: Final = "treadle/idempotency-key"
+"""The ``_meta`` key of every call's idempotency key: the action's intent id, the same on a
+resume's re-send (docs/mcp.md, "Idempotency keys")."""
+
+REPLAY_KEY: Final = "treadle/replay"
+"""The ``_meta`` key set to ``true`` on a ``safe`` call resume sends again."""
+
+McpServer: TypeAlias = str | StdioServerParameters | Transport | Server[Any] | MCPServer
+"""What `open_mcp_tools` connects to: an ``http(s)`` URL (streamable HTTP), a subprocess
+(`mcp.StdioServerParameters`), an `mcp.client.Transport`, or an in-process server."""
+
+_NAME: Final = re.compile(r"\A[A-Za-z0-9_-]{1,64}\Z")
+_MAX_PAGES: Final = 1000
+_MAX_IMAGES: Final = 256
+_MAX_ERRORS: Final = 5
+_TRANSPORT_ERRORS: Final = (
+    OSError,
+    httpx2.TransportError,
+    anyio.BrokenResourceError,
+    anyio.ClosedResourceError,
+    anyio.EndOfStream,
+)
+_NOT_RUN: Final = frozenset({mcp_types.METHOD_NOT_FOUND, mcp_types.INVALID_PARAMS})
+
+
+def _policy(value: ReplayPolicy | None) -> ReplayPolicy | None:
+    if value is not None and not isinstance(value, ReplayPolicy):
+        raise UsageError(f"replay must be a ReplayPolicy or None, got {value!r}")
+    return value
+
+
+def _names(value: Collection[str]) -> frozenset[str]:
+    if isinstance(value, str):
+        raise UsageError(f"secret_arguments takes a collection of names, e.g. ({value!r},)")
+    return frozenset(value)
+
+
+@attrs.frozen(kw_only=True)
+class McpToolOptions:
+    """What the caller decides about one MCP tool, over what its server's annotations say.
+
+    Attributes:
+        replay: ``SAFE`` or ``NEVER``; ``None`` keeps the policy from the annotations (for a
+            trusted server) or ``NEVER`` (docs/mcp.md, "Trust and policies").
+        requires_approval: whether each call waits for a human; ``None`` keeps the default
+            (a trusted server's destructive tools do, others do not).
+        timeout_s: seconds one call may run; ``None`` uses the default of `open_mcp_tools`.
+        secret_arguments: names of arguments redacted out of the log (docs/events.md,
+            "Secret arguments"); each must be a property of the tool's input schema.
+        reconcile: ``async (action) -> ActionOutcome | None``, asked on resume what an
+            interrupted ``never`` call did (e.g. by asking the server about
+            ``action.intent_id``, the idempotency key it was sent).
+
+    Raises:
+        UsageError: ``replay`` is no `ReplayPolicy`, ``secret_arguments`` is a string.
+    """
+
+    replay: ReplayPolicy | None = attrs.field(default=None, converter=_policy)
+    requires_approval: bool | None = None
+    timeout_s: float | None = None
+    secret_arguments: frozenset[str] = attrs.field(default=frozenset(), converter=_names)
+    reconcile: ReconcileHook | None = None
+
+
+@attrs.frozen(kw_only=True)
+class McpTool:
+    """One tool of an MCP server as the run sees it.
+
+    Attributes:
+        name: the name the model calls it by (the prefix, then the server's name).
+        server_name: its name on the server.
+        spec: name, description and input schema, as the server listed them.
+        annotations: the annotations as the server sent them (``{}`` when none), for display
+            and audits; they decided nothing unless the server is trusted.
+        replay: ``SAFE`` (re-sent on resume) or ``NEVER``.
+        requires_approval: each call waits for a human.
+        timeout_s: seconds one call may run.
+        secret_arguments: arguments redacted out of the log.
+        reconcile: the hook asked on resume, if any.
+    """
+
+    name: str
+    server_name: str
+    spec: ToolSpec
+    annotations: Mapping[str, JSONValue]
+    replay: ReplayPolicy
+    requires_approval: bool
+    timeout_s: float
+    secret_arguments: frozenset[str] = frozenset()
+    reconcile: ReconcileHook | None = None
+
+
+def policy_of(
+    annotations: mcp_types.ToolAnnotations | None, *, trusted: bool
+) -> tuple[ReplayPolicy, bool]:
+    """The replay policy and approval requirement an MCP tool gets before the caller's options.
+
+    The rule of docs/mcp.md, "Trust and policies": for a server not ``trusted``,
+    ``(NEVER, False)`` whatever it annotates. For a trusted one, ``SAFE`` when
+    ``readOnlyHint`` or ``idempotentHint`` is true, else ``NEVER``; approval when the tool is
+    destructive: not read-only and ``destructiveHint`` not false (the MCP specification's
+    defaults: absent annotations mean a destructive tool that is not read-only).
+
+    Returns:
+        ``(replay policy, requires approval)``.
+    """
+    if not trusted:
+        return ReplayPolicy.NEVER, False
+    hints = annotations or mcp_types.ToolAnnotations()
+    read_only = hints.read_only_hint is True
+    safe = read_only or hints.idempotent_hint is True
+    destructive = not read_only and hints.destructive_hint is not False
+    return (ReplayPolicy.SAFE if safe else ReplayPolicy.NEVER), destructive
+
+
+def _not_executed(detail: str) -> ActionOutcome:
+    return ActionOutcome(status=ActionStatus.NOT_EXECUTED, observation=detail, detail=detail)
+
+
+def _compact(value: Any) -> str:
+    return json.dumps(value, ensure_ascii=False, separators=(",", ":"))
+
+
+def _validator(name: str, schema: Mapping[str, Any]) -> jsonschema.protocols.Validator:
+    """A validator of the server's input schema for ``name``; a broken schema is a clear error."""
+    cls = jsonschema.validators.validator_for(schema)
+    try:
+        cls.check_schema(dict(schema))
+    except jsonschema.SchemaError as exc:
+        raise UsageError(
+            f"MCP tool {name!r}: the server's input schema is no valid JSON schema: {exc.message}"
+        ) from exc
+    return cls(dict(schema))
+
+
+class McpTools:
+    """The tools of one MCP session: a `treadle.ports.ActionExecutor` with `ToolPolicies`.
+
+    Built by `open_mcp_tools`, valid inside its ``async with`` block (the session's
+    lifetime); pass it as an agent's ``executor``.
+    """
+
+    def __init__(
+        self, client: Client, tools: Sequence[McpTool], *, default_timeout_s: float = 30.0
+    ) -> None:
+        self._client = client
+        self._default_timeout_s = default_timeout_s
+        self._tools = {entry.name: entry for entry in tools}
+        self._validators = {
+            entry.name: _validator(entry.name, entry.spec.parameters) for entry in tools
+        }
+        self._images: dict[str, bytes] = {}
+
+    @property
+    def tools(self) -> tuple[McpTool, ...]:
+        """The tools, in the order the server listed them."""
+        return tuple(self._tools.values())
+
+    def get(self, name: str) -> McpTool | None:
+        """The tool the model calls ``name``, or ``None``."""
+        return self._tools.get(name)
+
+    def tool_specs(self) -> tuple[ToolSpec, ...]:
+        """The tools offered to the model, in the order the server listed them."""
+        return tuple(entry.spec for entry in self._tools.values())
+
+    def replay_policy(self, tool: str) -> ReplayPolicy:
+        """The replay policy of ``tool`` (``NEVER`` for unknown tools)."""
+        found = self._tools.get(tool)
+        return ReplayPolicy.NEVER if found is None else found.replay
+
+    def requires_approval(self, tool: str) -> bool:
+        """Whether calls of ``tool`` wait for a human (``False`` for unknown tools)."""
+        found = self._tools.get(tool)
+        return found is not None and found.requires_approval
+
+    def secret_arguments(self, tool: str) -> frozenset[str]:
+        """The names of ``tool``'s secret arguments (none for unknown tools)."""
+        found = self._tools.get(tool)
+        return frozenset() if found is None else found.secret_arguments
+
+    def timeout_s(self, tool: str) -> float:
+        """Seconds one call of ``tool`` may run (the session's default for unknown tools)."""
+        found = self._tools.get(tool)
+        return self._default_timeout_s if found is None else found.timeout_s
+
+    def invalid_arguments(self, tool: str, arguments: Mapping[str, Any]) -> str | None:
+        """Why a call of ``tool`` cannot run (unknown tool, schema errors), or ``None``."""
+        if tool not in self._tools:
+            return f"unknown tool {tool!r}"
+        errors = sorted(
+            self._validators[tool].iter_errors(dict(arguments)), key=lambda e: list(e.path)
+        )
+        if not errors:
+            return None
+        shown = [
+            f"{'/'.join(str(p) for p in error.path) or '(arguments)'}: {error.message}"
+            for error in errors[:_MAX_ERRORS]
+        ]
+        return "invalid arguments: " + "; ".join(shown)
+
+    def image_source(self, image: ImageRef) -> bytes:
+        """The bytes of an image a tool result of this session returned.
+
+        Pass it as a model client's ``image_source``. The session keeps the last 256 images
+        in memory; the log holds only their reference.
+
+        Raises:
+            KeyError: the reference is not one of those images.
+        """
+        return self._images[image.url]
+
+    async def execute(self, action: Action) -> ActionOutcome:
+        """Check ``action``'s arguments against the server's schema, call the tool, report.
+
+        Returns:
+            The outcome, as the module docstring lists them.
+
+        Cancellation:
+            A checkpoint before the request. `trio.Cancelled` from outside propagates (the
+            SDK sends the server a cancellation); the call's outcome is then unknown.
+        """
+        await trio.lowlevel.checkpoint()
+        found = self._tools.get(action.tool)
+        if found is None:
+            known = ", ".join(self._tools) or "none"
+            return _not_executed(f"unknown tool {action.tool!r}; the known tools are: {known}")
+        problem = self.invalid_arguments(action.tool, action.arguments)
+        if problem is not None:
+            return _not_executed(problem)
+        meta: dict[str, Any] = {IDEMPOTENCY_KEY: action.intent_id}
+        if action.replay:
+            meta[REPLAY_KEY] = True
+        with trio.move_on_after(found.timeout_s):
+            try:
+                result = await self._client.call_tool(
+                    found.server_name,
+                    dict(action.arguments),
+                    meta=mcp_types.RequestParamsMeta(**meta),  # type: ignore[typeddict-item]
+                )
+            except Exception as exc:
+                return self._failed(found, exc)
+            return self._observed(result)
+        return ActionOutcome(
+            status=ActionStatus.UNKNOWN,
+            observation=(
+                f"Error: the call to {found.name} timed out after {found.timeout_s:g} s; the "
+                "server was asked to cancel it and its outcome is unknown. Check its effect "
+                "before trying again."
+            ),
+            detail="cancelled at its timeout while the server ran it",
+        )
+
+    @staticmethod
+    def _failed(found: McpTool, exc: Exception) -> ActionOutcome:
+        error = raised(exc, MCPError)
+        if error is not None and error.code != mcp_types.CONNECTION_CLOSED:
+            text = f"Error: {error.code}: {error.message}"
+            if error.code in _NOT_RUN:
+                return _not_executed(f"the server refused the call of {found.name}: {text}")
+            return ActionOutcome(status=ActionStatus.EXECUTED, observation=text, detail=text)
+        broken = error if error is not None else _transport_error(exc)
+        if broken is None:
+            raise exc
+        detail = (
+            f"Error: the connection to the MCP server broke during the call of {found.name} "
+            f"({type(broken).__name__}: {broken}); its outcome is unknown"
+        )
+        return ActionOutcome(status=ActionStatus.ENV_ERROR, observation=detail, detail=detail)
+
+    def _observed(self, result: mcp_types.CallToolResult) -> ActionOutcome:
+        parts = [self._block_text(block) for block in result.content]
+        structured = result.structured_content
+        if structured is not None and not any(
+            _holds(block, structured) for block in result.content
+        ):
+            parts.append(_compact(structured))
+        text = "\n".join(parts)
+        if result.is_error:
+            text = f"Error: {text}" if text else "Error: the tool reported an error, no text"
+        return ActionOutcome(status=ActionStatus.EXECUTED, observation=text)
+
+    def _block_text(self, block: mcp_types.ContentBlock) -> str:
+        if isinstance(block, mcp_types.TextContent):
+            return block.text
+        if isinstance(block, mcp_types.ImageContent):
+            return self._keep_image(block)
+        if isinstance(block, mcp_types.AudioContent):
+            return f"[audio {block.mime_type}, {_size(block.data)} bytes, not kept]"
+        if isinstance(block, mcp_types.ResourceLink):
+            return f"[resource link {block.uri} ({block.name})]"
+        resource = block.resource
+        if isinstance(resource, mcp_types.TextResourceContents):
+            return resource.text
+        kind = resource.mime_type or "unknown type"
+        return f"[resource {resource.uri}: {kind}, {_size(resource.blob)} bytes, not kept]"
+
+    def _keep_image(self, block: mcp_types.ImageContent) -> str:
+        try:
+            data = base64.b64decode(block.data, validate=True)
+        except (binascii.Error, ValueError):
+            return f"[image {block.mime_type}: the server sent data that is no base64]"
+        digest = hashlib.sha256(data).hexdigest()
+        ref = ImageRef(
+            url=f"ref:mcp-{digest}", digest=f"sha256:{digest}", media_type=block.mime_type
+        )
+        self._images.pop(ref.url, None)
+        self._images[ref.url] = data
+        while len(self._images) > _MAX_IMAGES:
+            del self._images[next(iter(self._images))]
+        return f"[image {ref.url} {block.mime_type}, {len(data)} bytes]"
+
+    async def reconcile(self, action: Action) -> ActionOutcome | None:
+        """Ask the tool's reconcile hook what an interrupted call did.
+
+        Returns:
+            The hook's outcome; ``None`` when the tool is unknown, has no hook, the hook
+            cannot tell, or it runs past the tool's timeout. Nothing is sent to the server
+            unless the hook sends it.
+
+        Raises:
+            Exception: whatever the hook raises.
+        """
+        found = self._tools.get(action.tool)
+        if found is None or found.reconcile is None:
+            await trio.lowlevel.checkpoint()
+            return None
+        with trio.move_on_after(found.timeout_s):
+            return await found.reconcile(action)
+        return None
+
+
+def _transport_error(exc: BaseException) -> BaseException | None:
+    """The error of a broken transport that ``exc`` is or holds, else ``None``."""
+    for kind in _TRANSPORT_ERRORS:
+        found = raised(exc, kind)
+        if found is not None:
+            return found
+    return None
+
+
+def _size(data: str) -> int:
+    """The decoded size of base64 ``data`` (an estimate for invalid data)."""
+    return len(data) * 3 // 4 - data.count("=", -2)
+
+
+def _holds(block: mcp_types.ContentBlock, structured: Any) -> bool:
+    """Whether a text block is the serialized structured content (servers should send both)."""
+    if not isinstance(block, mcp_types.TextContent):
+        return False
+    try:
+        return bool(json.loads(block.text) == structured)
+    except ValueError:
+        return False
+
+
+async def _list_tools(client: Client) -> list[mcp_types.Tool]:
+    found: list[mcp_types.Tool] = []
+    cursor: str | None = None
+    for _ in range(_MAX_PAGES):
+        page = await client.list_tools(cursor=cursor)
+        found.extend(page.tools)
+        cursor = page.next_cursor
+        if cursor is None:
+            return found
+    raise UsageError(f"the MCP server's tool list did not end after {_MAX_PAGES} pages")
+
+
+def _tool(
+    listed: mcp_types.Tool,
+    *,
+    name: str,
+    trusted: bool,
+    options: McpToolOptions,
+    default_timeout_s: float,
+) -> McpTool:
+    replay, approval = policy_of(listed.annotations, trusted=trusted)
+    schema: dict[str, Any] = dict(listed.input_schema)
+    properties = schema.get("properties")
+    known = set(properties) if isinstance(properties, Mapping) else set()
+    unknown = sorted(options.secret_arguments - known)
+    if unknown:
+        raise UsageError(
+            f"MCP tool {listed.name!r}: secret_arguments names no argument of the tool: "
+            + ", ".join(unknown)
+        )
+    timeout = options.timeout_s if options.timeout_s is not None else default_timeout_s
+    _check_timeout(timeout, f"MCP tool {listed.name!r}: timeout_s")
+    annotations = (
+        {}
+        if listed.annotations is None
+        else listed.annotations.model_dump(by_alias=True, exclude_none=True)
+    )
+    return McpTool(
+        name=name,
+        server_name=listed.name,
+        spec=ToolSpec(
+            name=name, description=listed.description or listed.title or "", parameters=schema
+        ),
+        annotations=annotations,
+        replay=options.replay if options.replay is not None else replay,
+        requires_approval=(
+            options.requires_approval if options.requires_approval is not None else approval
+        ),
+        timeout_s=timeout,
+        secret_arguments=options.secret_arguments,
+        reconcile=options.reconcile,
+    )
+
+
+def _check_timeout(value: float, what: str) -> None:
+    if not (isinstance(value, int | float) and math.isfinite(value) and value > 0):
+        raise UsageError(f"{what} must be a positive number of seconds, got {value!r}")
+
+
+def _build_tools(
+    listed: Sequence[mcp_types.Tool],
+    *,
+    trusted: bool,
+    options: Mapping[str, McpToolOptions],
+    include: Collection[str] | None,
+    prefix: str,
+    default_timeout_s: float,
+) -> list[McpTool]:
+    """The treadle tools of a server's listing (see `open_mcp_tools` for the arguments).
+
+    Raises:
+        UsageError: as `open_mcp_tools` says.
+    """
+    _check_timeout(default_timeout_s, "default_timeout_s")
+    names = [entry.name for entry in listed]
+    wanted = set(names) if include is None else set(include)
+    missing = sorted((wanted | set(options)) - set(names))
+    if missing:
+        raise UsageError(
+            "the MCP server has no tool named "
+            + ", ".join(repr(n) for n in missing)
+            + "; it has: "
+            + (", ".join(names) or "none")
+        )
+    chosen = [entry for entry in listed if entry.name in wanted]
+    bad = [entry.name for entry in chosen if not _NAME.match(prefix + entry.name)]
+    if bad:
+        raise UsageError(
+            "these MCP tool names are not 1-64 characters of A-Z, a-z, 0-9, _ or - "
+            f"(with the prefix {prefix!r}): {', '.join(bad)}; leave them out with include="
+        )
+    if len(set(names)) != len(names):
+        raise UsageError("the MCP server lists two tools under one name")
+    return [
+        _tool(
+            entry,
+            name=prefix + entry.name,
+            trusted=trusted,
+            options=options.get(entry.name, McpToolOptions()),
+            default_timeout_s=default_timeout_s,
+        )
+        for entry in chosen
+    ]
+
+
+def _target(server: McpServer) -> McpServer:
+    if isinstance(server, str) and not server.startswith(("http://", "https://")):
+        raise UsageError(f"an MCP server URL must start with http:// or https://, got {server!r}")
+    known = isinstance(server, str | StdioServerParameters | Server | MCPServer)
+    if not known and not hasattr(server, "__aenter__"):  # a Transport is an async context
+        raise UsageError(
+            "server must be an http(s) URL, mcp.StdioServerParameters, an mcp Transport or "
+            f"an mcp server object, got {server!r}"
+        )
+    return server
+
+
+class _FailedRequestAsError(httpx2.AsyncBaseTransport):
+    """An HTTP transport that answers a POST whose connection failed with a JSON-RPC error.
+
+    The SDK lets a connection error before the response headers (a server that died while it
+    held the call) escape its own task group, which would cancel the caller's whole block;
+    answered as "connection closed" (CONNECTION_CLOSED), the call gets its ENV_ERROR and the
+    handshake a plain `mcp.MCPError`. Other methods (the event stream's GET, the session's
+    DELETE) keep their errors, which the SDK handles itself.
+    """
+
+    def __init__(self, inner: httpx2.AsyncBaseTransport) -> None:
+        self._inner = inner
+
+    async def handle_async_request(self, request: httpx2.Request) -> httpx2.Response:
+        try:
+            return await self._inner.handle_async_request(request)
+        except httpx2.TransportError as exc:
+            if request.method != "POST":
+                raise
+            error = {
+                "code": mcp_types.CONNECTION_CLOSED,
+                "message": f"the HTTP request failed: {type(exc).__name__}: {exc}",
+            }
+            body = _compact({"jsonrpc": "2.0", "id": None, "error": error}).encode()
+            return httpx2.Response(
+                503, headers={"content-type": "application/json"}, content=body, request=request
+            )
+
+    async def aclose(self) -> None:
+        await self._inner.aclose()
+
+
+@asynccontextmanager
+async def _connected(server: McpServer) -> AsyncIterator[Client]:
+    """An open `mcp.Client` of ``server`` (a URL gets `_FailedRequestAsError` under it)."""
+    if not isinstance(server, str):
+        async with Client(server) as client:
+            yield client
+        return
+    http = httpx2.AsyncClient(
+        timeout=httpx2.Timeout(30.0, read=300.0),  # the SDK's defaults
+        transport=_FailedRequestAsError(httpx2.AsyncHTTPTransport()),
+    )
+    async with http, Client(streamable_http_client(server, http_client=http)) as client:
+        yield client
+
+
+@asynccontextmanager
+async def open_mcp_tools(
+    server: McpServer,
+    *,
+    trusted: bool = False,
+    tools: Mapping[str, McpToolOptions] | None = None,
+    include: Collection[str] | None = None,
+    prefix: str = "",
+    default_timeout_s: float = 30.0,
+) -> AsyncIterator[McpTools]:
+    """Connect to an MCP server, list its tools, and yield them as an action executor.
+
+    The block owns the session (docs/mcp.md, "The session"): run the agent inside it. On
+    leaving it the session closes (a stdio server's process is stopped); a call still
+    running in the tool host then fails, and its end is a diagnostic only.
+
+    Args:
+        server: what to connect to (`McpServer`).
+        trusted: let the server's annotations decide replay and approval (docs/mcp.md,
+            "Trust and policies"); otherwise every tool is ``never``.
+        tools: options per tool, by its name on the server (`McpToolOptions`).
+        include: the server's tool names to offer (default: all of them).
+        prefix: put before every name the model sees (e.g. ``"github_"``).
+        default_timeout_s: seconds one call may run when its options set none.
+
+    Raises:
+        UsageError: a URL that is not ``http(s)``, ``tools`` or ``include`` naming a tool the
+            server does not list, a name that is not 1-64 characters of ``[A-Za-z0-9_-]``
+            with the prefix, a server schema that is no valid JSON schema, a bad timeout, or
+            secret arguments the schema does not have.
+        EnvironmentFailure: the server cannot be reached, its command cannot start, or it
+            fails the handshake or the tool listing (the SDK's error is the ``__cause__``).
+    """
+    target = _target(server)
+    problem: UsageError | None = None
+    entered = False
+    try:
+        async with _connected(target) as client:
+            try:
+                chosen = _build_tools(
+                    await _list_tools(client),
+                    trusted=trusted,
+                    options={} if tools is None else tools,
+                    include=include,
+                    prefix=prefix,
+                    default_timeout_s=default_timeout_s,
+                )
+                built = McpTools(client, chosen, default_timeout_s=default_timeout_s)
+            except UsageError as exc:  # raised below, once the session is closed
+                problem = exc
+            if problem is None:
+                entered = True
+                yield built
+    except Exception as exc:
+        if entered:
+            raise  # the block's own error, or the session's while the block ran
+        leaf = _leaf(exc)
+        raise EnvironmentFailure(
+            f"the MCP session with {_describe(target)} could not be opened: "
+            f"{type(leaf).__name__}: {leaf}"
+        ) from exc
+    if problem is not None:
+        raise problem
+
+
+def _leaf(exc: BaseException) -> BaseException:
+    """The first error in ``exc``'s (nested) exception groups, or ``exc`` itself."""
+    while isinstance(exc, BaseExceptionGroup) and exc.exceptions:
+        exc = exc.exceptions[0]
+    return exc
+
+
+def _describe(server: McpServer) -> str:
+    if isinstance(server, str):
+        return server
+    if isinstance(server, StdioServerParameters):
+        return f"the command {server.command!r}"
+    return repr(server)

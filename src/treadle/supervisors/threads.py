@@ -1,0 +1,189 @@
+"""Threads and forks: which run a new run continues, and the history a run ended with.
+
+A **thread** is a conversation: runs that each continue the previous one with a new user
+message. Its id is the id of its first run; its n-th run (n >= 2) has the id
+``<thread id>.<n>`` (`thread_run_id`), so the thread's latest run is the one with the
+highest n, and two callers continuing the same thread at once name the same new run (one of
+them is refused; docs/decisions/0055-thread-ids.md). A **fork** is a new run that starts from
+another run's history before one of its steps and tries that step again.
+
+Neither copies history: the new run's run-started record names the run it continues
+(``continues``, with ``thread`` or ``fork_step``) and the context hydrator reads that run's
+history from the store (`treadle.actors.hydrator.recorded_history`; docs/threads.md).
+"""
+
+from __future__ import annotations
+
+import attrs
+
+from treadle._exceptions import UsageError
+from treadle._ids import check_run_id
+from treadle._text import valid_unicode
+from treadle.actors.hydrator import recorded_history
+from treadle.agent import RunInput, input_messages
+from treadle.ports import RunStore
+from treadle.types import Message, RunLog, RunStarted
+
+
+@attrs.frozen(kw_only=True)
+class Lineage:
+    """What a new run's run-started record says it continues (docs/threads.md).
+
+    Attributes:
+        continues: the run whose recorded history the new run starts from.
+        thread: the thread's id, for a thread's run; ``None`` for a fork.
+        fork_step: for a fork, the step of ``continues`` tried again; ``None`` for a thread.
+    """
+
+    continues: str
+    thread: str | None = None
+    fork_step: int | None = None
+
+    @classmethod
+    def of(cls, started: RunStarted) -> Lineage | None:
+        """The lineage a stored run-started record carries, ``None`` for none."""
+        if started.continues is None:
+            return None
+        return cls(continues=started.continues, thread=started.thread, fork_step=started.fork_step)
+
+    def describe(self) -> str:
+        """In words, e.g. ``thread t1, continues t1.2`` or ``fork of r1 at step 3``."""
+        if self.fork_step is not None:
+            return f"fork of {self.continues} at step {self.fork_step}"
+        return f"thread {self.thread}, continues {self.continues}"
+
+
+def thread_run_id(thread_id: str, n: int) -> str:
+    """The id of the ``n``-th run of thread ``thread_id`` (the first run's id for n = 1).
+
+    Raises:
+        InvalidRunId: the id would be too long (docs/concepts.md, "Run ids").
+    """
+    return thread_id if n == 1 else check_run_id(f"{thread_id}.{n}")
+
+
+async def next_in_thread(
+    store: RunStore, thread_id: str, input: RunInput | None
+) -> tuple[str, Lineage]:
+    """The run a call continuing thread ``thread_id`` with ``input`` drives, and its lineage.
+
+    That is the thread's next run, continuing its latest run (which must be finished). When the
+    latest run is unfinished and was started with this same input, it is that run: the call
+    resumes it (a retry after a crash starts nothing twice).
+
+    Raises:
+        UsageError: no input; the thread does not exist; ``thread_id`` names a run of
+            another thread (the message names that thread); the latest run is not finished
+            and was started with another message (the message names it and its state).
+        StoreError: a run of the thread cannot be read, or a run named like the thread's
+            next run belongs to no thread or another one.
+    """
+    check_run_id(thread_id)
+    if input is None:
+        raise UsageError(f"continuing thread {thread_id!r} needs an input (the new message)")
+    root = await store.read_log(thread_id)
+    if root.started is None:
+        raise UsageError(f"thread {thread_id!r} does not exist: no run {thread_id!r} in the store")
+    if root.started.thread is not None:
+        raise UsageError(
+            f"run {thread_id!r} is a run of thread {root.started.thread!r}; continue the "
+            f"thread with thread_id={root.started.thread!r}"
+        )
+    latest_id, latest, n = thread_id, root, 1
+    while True:
+        candidate = thread_run_id(thread_id, n + 1)
+        log = await store.read_log(candidate)
+        if log.started is None:
+            break
+        if log.started.thread != thread_id:
+            raise UsageError(
+                f"run {candidate!r} exists but is not a run of thread {thread_id!r}; "
+                "the thread cannot go on under that name"
+            )
+        latest_id, latest, n = candidate, log, n + 1
+    if latest.finished is None:
+        started = latest.started
+        assert started is not None
+        if n > 1 and valid_unicode(input_messages(input))[0] == started.input:
+            lineage = Lineage.of(started)
+            assert lineage is not None
+            return latest_id, lineage
+        raise UsageError(
+            f"thread {thread_id!r}: its latest run {latest_id!r} is not finished "
+            f"({_state(latest)}); wait for it or resume it before continuing the thread"
+        )
+    return candidate, Lineage(continues=latest_id, thread=thread_id)
+
+
+async def run_in_thread(
+    store: RunStore, thread_id: str, run_id: str, input: RunInput | None
+) -> Lineage | None:
+    """The lineage of run ``run_id`` when it exists as a run of thread ``thread_id``.
+
+    ``None`` when there is no such run yet.
+
+    Raises:
+        UsageError: ``run_id`` exists but is not a run of that thread (the thread's first
+            run included: it continues no thread), or was started with another input than
+            ``input`` (finished or not).
+    """
+    log = await store.read_log(run_id)
+    if log.started is None:
+        return None
+    if log.started.thread != thread_id:
+        raise UsageError(f"run {run_id!r} exists and is not a later run of thread {thread_id!r}")
+    if input is not None and valid_unicode(input_messages(input))[0] != log.started.input:
+        raise UsageError(
+            f"run {run_id!r} of thread {thread_id!r}: the input differs from the stored input"
+        )
+    return Lineage.of(log.started)
+
+
+async def fork_lineage(store: RunStore, fork_of: str, at_step: int | None) -> Lineage:
+    """The lineage of a fork of run ``fork_of`` at step ``at_step``, checked against its log.
+
+    Raises:
+        UsageError: no ``at_step``; the run does not exist; ``at_step`` is not one of its
+            steps (1 to its step count).
+        StoreError: its log cannot be read.
+    """
+    check_run_id(fork_of)
+    if at_step is None:
+        raise UsageError(f"a fork of run {fork_of!r} needs at_step (the step to try again)")
+    log = await store.read_log(fork_of)
+    if log.started is None:
+        raise UsageError(f"cannot fork run {fork_of!r}: no such run in the store")
+    steps = len(log.steps)
+    if isinstance(at_step, bool) or not isinstance(at_step, int) or not 1 <= at_step <= steps:
+        raise UsageError(
+            f"cannot fork run {fork_of!r} at step {at_step!r}: it has steps 1 to {steps}"
+        )
+    return Lineage(continues=fork_of, fork_step=at_step)
+
+
+def _state(log: RunLog) -> str:
+    return "started, not finished" if log.steps == () else f"{len(log.steps)} steps, not finished"
+
+
+async def history(store: RunStore, run_id: str) -> tuple[Message, ...]:
+    """The messages run ``run_id`` ended with (or holds so far, while unfinished).
+
+    Read from the store, never recomputed: what the run inherited (a thread's earlier runs,
+    a fork's prefix), its input, then what each step record says entered history: the
+    assistant message, a ``tool`` message per observation (a ``user`` message for a text
+    reply treated as an action), an invalid decision's feedback. Every tool call is answered.
+    The agent's system prompt is not included (docs/threads.md, "History").
+
+    Args:
+        store: the store holding the run (and the runs it continues).
+        run_id: the run.
+
+    Returns:
+        The messages, oldest first; continuing the run's thread adds the new message after
+        them.
+
+    Raises:
+        UsageError: there is no run ``run_id``.
+        StoreError: a log of the chain is missing or unreadable.
+    """
+    return tuple(await recorded_history(store, check_run_id(run_id)))

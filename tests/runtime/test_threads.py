@@ -1,0 +1,306 @@
+"""Threads and forks end to end through the real actors, on every store we ship."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
+
+import pytest
+import trio
+from runtime_fakes import LedgerTools, SimpleParser
+
+import treadle
+from treadle._exceptions import RunInterrupted, StoreError, UsageError
+from treadle.agent import Agent
+from treadle.ports import RunStore
+from treadle.stores.jsonl import JsonlStore
+from treadle.stores.memory import MemoryStore
+from treadle.stores.sqlite import SqliteStore
+from treadle.testing.faults import CrashingStore, SimulatedCrash
+from treadle.testing.scripted import ScriptedModel, call, say
+from treadle.types import Message, ModelIntent, RunStarted, RunState, StopReason
+
+# One script for the whole conversation: ScriptedModel answers turn i (i assistant messages in
+# the request), so a thread's second run sees its turns only if it holds the first run's history.
+TURNS = [
+    call("add", a=1, b=2, call_id="c1"),
+    say("1 + 2 = 3"),
+    call("add", a=3, b=4, call_id="c2"),
+    say("3 + 4 = 7"),
+    say("bye"),
+]
+
+
+def agent(model: ScriptedModel, tools: LedgerTools) -> Agent:
+    return Agent(model=model, executor=tools, parser=SimpleParser(), system_prompt="Be brief.")
+
+
+StoreMaker = Callable[[], contextlib.AbstractAsyncContextManager[RunStore]]
+
+
+@pytest.fixture(params=["memory", "sqlite", "jsonl", "postgres"])
+def open_store(request: pytest.FixtureRequest, tmp_path: Path) -> StoreMaker:
+    kind = request.param
+    if kind == "memory":
+        logs: dict = {}
+
+        @contextlib.asynccontextmanager
+        async def memory() -> AsyncIterator[RunStore]:
+            yield MemoryStore(_logs=logs)
+
+        return memory
+    if kind == "sqlite":
+        return lambda: _closing(SqliteStore.open(tmp_path / "runs.db"))
+    if kind == "jsonl":
+        return lambda: _closing(JsonlStore.open(tmp_path / "runs"))
+    dsn = request.getfixturevalue("postgres_dsn")
+    schema = request.getfixturevalue("postgres_schema")
+
+    def postgres() -> contextlib.AbstractAsyncContextManager[RunStore]:
+        from treadle.stores.postgres import open_postgres_store
+
+        return open_postgres_store(dsn, schema=schema)
+
+    return postgres
+
+
+@contextlib.asynccontextmanager
+async def _closing(opening) -> AsyncIterator[RunStore]:
+    store = await opening
+    try:
+        yield store
+    finally:
+        await store.aclose()
+
+
+async def test_a_thread_continues_with_the_recorded_history(open_store: StoreMaker) -> None:
+    model, tools = ScriptedModel(turns=TURNS), LedgerTools()
+    async with open_store() as store:
+        first = await treadle.run(agent(model, tools), "add 1 and 2", store=store, run_id="t")
+        second = await treadle.run(agent(model, tools), "now 3 and 4", store=store, thread_id="t")
+        third = await treadle.run(agent(model, tools), "thanks", store=store, thread_id="t")
+        logs = {r: await store.read_log(r) for r in ("t", "t.2", "t.3")}
+        ended = await treadle.history(store, "t.3")
+    assert (first.final_answer, second.final_answer, third.final_answer) == (
+        "1 + 2 = 3",
+        "3 + 4 = 7",
+        "bye",
+    )
+    assert (second.run_id, third.run_id) == ("t.2", "t.3")
+    # each run counts its own steps; no earlier model call or tool call ran again
+    assert [len(log.steps) for log in logs.values()] == [2, 2, 1]
+    assert [a.arguments for a in tools.executed] == [{"a": 1, "b": 2}, {"a": 3, "b": 4}]
+    assert len(model.requests) == 5
+    started = logs["t.3"].started
+    assert (started.thread, started.continues, started.fork_step) == ("t", "t.2", None)
+    assert [m.content for m in started.input] == ["thanks"]  # referenced, not copied
+    # the third run's first request: system prompt, then the whole thread, then its message
+    request = model.requests[4]
+    assert request.messages[0] == Message(role="system", content="Be brief.")
+    assert tuple(request.messages[1:]) == ended[:-1]
+    assert [m.role for m in ended] == [
+        *("user", "assistant", "tool", "assistant"),
+        *("user", "assistant", "tool", "assistant"),
+        *("user", "assistant"),
+    ]
+    assert [m.content for m in ended if m.role == "user"] == [
+        "add 1 and 2",
+        "now 3 and 4",
+        "thanks",
+    ]
+
+
+async def test_history_of_a_plain_run_is_its_input_and_steps() -> None:
+    store = MemoryStore()
+    model = ScriptedModel(turns=TURNS)
+    await treadle.run(agent(model, LedgerTools()), "add 1 and 2", store=store, run_id="r")
+    ended = await treadle.history(store, "r")
+    # what the model was asked last, plus the answer it gave
+    assert ended[:-1] == tuple(model.requests[-1].messages[1:])
+    assert ended[-1] == Message(role="assistant", content="1 + 2 = 3")
+    with pytest.raises(UsageError, match="no run 'nope'"):
+        await treadle.history(store, "nope")
+
+
+async def test_a_fork_tries_a_step_again_without_running_the_prefix(
+    open_store: StoreMaker,
+) -> None:
+    model, tools = ScriptedModel(turns=TURNS), LedgerTools()
+    async with open_store() as store:
+        await treadle.run(agent(model, tools), "add 1 and 2", store=store, run_id="r")
+        await treadle.run(agent(model, tools), "now 3 and 4", store=store, thread_id="r")
+        calls_before, executed_before = len(model.requests), len(tools.executed)
+        # try the answer of r.2's step 2 again, with another script for that turn
+        other = ScriptedModel(turns=[*TURNS[:3], say("3 + 4 is seven")])
+        result = await treadle.run(
+            agent(other, tools), store=store, run_id="f", fork_of="r.2", at_step=2
+        )
+        fork = await store.read_log("f")
+        ended = await treadle.history(store, "f")
+        source = await treadle.history(store, "r.2")
+    assert result.final_answer == "3 + 4 is seven"
+    assert (fork.started.continues, fork.started.fork_step, fork.started.thread) == ("r.2", 2, None)
+    assert fork.started.input == ()
+    # nothing before step 2 ran again: one model call, no tool call
+    assert len(other.requests) == 1 and len(tools.executed) == executed_before
+    assert len(model.requests) == calls_before
+    assert [i for i in fork.records if isinstance(i, ModelIntent)][0].step == 1
+    assert ended[:-1] == source[:-1]  # the shared prefix, read from r and r.2
+    assert ended[-1].content == "3 + 4 is seven" and source[-1].content == "3 + 4 = 7"
+
+
+async def test_a_fork_with_a_new_message_and_a_thread_of_its_own() -> None:
+    store = MemoryStore()
+    tools = LedgerTools()
+    await treadle.run(agent(ScriptedModel(turns=TURNS), tools), "add", store=store, run_id="r")
+    model = ScriptedModel(turns=[TURNS[0], say("fine: 3")])
+    await treadle.run(
+        agent(model, tools), "just say it", store=store, run_id="f", fork_of="r", at_step=2
+    )
+    assert [m.content for m in model.requests[0].messages if m.role == "user"][-1] == "just say it"
+    follow = ScriptedModel(turns=[TURNS[0], say("x"), say("again")])
+    later = await treadle.run(agent(follow, tools), "more", store=store, thread_id="f")
+    assert later.run_id == "f.2" and later.final_answer == "again"
+    assert [m.content for m in (await treadle.history(store, "f.2")) if m.role == "user"] == [
+        "add",
+        "just say it",
+        "more",
+    ]
+
+
+async def test_a_thread_that_cannot_go_on_is_refused_and_nothing_is_written() -> None:
+    store = MemoryStore()
+    model, tools = ScriptedModel(turns=TURNS), LedgerTools()
+    with pytest.raises(UsageError, match="thread 'x' does not exist"):
+        await treadle.run(agent(model, tools), "hi", store=store, thread_id="x")
+    await treadle.run(agent(model, tools), "add", store=store, run_id="t")
+    with pytest.raises(UsageError, match="needs an input"):
+        await treadle.run(agent(model, tools), store=store, thread_id="t")
+    with pytest.raises(UsageError, match="not both"):
+        await treadle.run(agent(model, tools), "a", store=store, thread_id="t", fork_of="t")
+    with pytest.raises(UsageError, match=r"goes on as run 't\.2', not 'other'"):
+        await treadle.run(agent(model, tools), "a", store=store, thread_id="t", run_id="other")
+    with pytest.raises(UsageError, match="at step 3: it has steps 1 to 2"):
+        await treadle.run(agent(model, tools), store=store, fork_of="t", at_step=3)
+    with pytest.raises(UsageError, match="needs at_step"):
+        await treadle.run(agent(model, tools), store=store, fork_of="t")
+    with pytest.raises(UsageError, match="cannot fork run 'zz'"):
+        await treadle.run(agent(model, tools), store=store, fork_of="zz", at_step=1)
+    await treadle.run(agent(model, tools), "more", store=store, thread_id="t")
+    with pytest.raises(UsageError, match="continue the thread with thread_id='t'"):
+        await treadle.run(agent(model, tools), "a", store=store, thread_id="t.2")
+    assert sorted(await store.list_runs()) == ["t", "t.2"]
+
+
+async def test_an_unfinished_latest_run_is_resumed_by_the_same_message_only() -> None:
+    memory = MemoryStore()
+    model, tools = ScriptedModel(turns=TURNS), LedgerTools()
+    await treadle.run(agent(model, tools), "add", store=memory, run_id="t")
+    # the continuation dies after its model intent (write 2 of the new run)
+    with pytest.raises((RunInterrupted, SimulatedCrash)):
+        await treadle.run(
+            agent(model, tools),
+            "now 3 and 4",
+            store=CrashingStore(inner=memory, crash_at=2, when="after"),
+            thread_id="t",
+        )
+    with pytest.raises(UsageError, match=r"latest run 't\.2' is not finished"):
+        await treadle.run(agent(model, tools), "something else", store=memory, thread_id="t")
+    result = await treadle.run(agent(model, tools), "now 3 and 4", store=memory, thread_id="t")
+    assert result.run_id == "t.2" and result.final_answer == "3 + 4 = 7"
+    assert [a.arguments for a in tools.executed] == [{"a": 1, "b": 2}, {"a": 3, "b": 4}]
+
+
+async def test_a_thread_run_driven_elsewhere_is_not_driven_twice(tmp_path: Path) -> None:
+    async with _closing(SqliteStore.open(tmp_path / "runs.db")) as store:
+        tools = LedgerTools()
+        await treadle.run(agent(ScriptedModel(turns=TURNS), tools), "add", store=store, run_id="t")
+        slow = ScriptedModel(turns=TURNS, latency_s=1.0)
+        async with treadle.open_run(
+            agent(slow, tools), "now 3 and 4", store=store, thread_id="t", owner="a"
+        ) as handle:
+            while not slow.requests:  # noqa: ASYNC110 (a plain attribute)
+                await trio.sleep(0.01)
+            with pytest.raises(treadle.RunLeased):
+                await treadle.run(
+                    agent(slow, tools), "now 3 and 4", store=store, thread_id="t", owner="b"
+                )
+            with pytest.raises(UsageError, match="not finished"):
+                await treadle.run(agent(slow, tools), "other", store=store, thread_id="t")
+        assert (await handle.wait()).state is RunState.SUCCEEDED
+
+
+async def test_a_missing_or_damaged_predecessor_stops_the_resume_and_loses_nothing() -> None:
+    logs: dict = {}
+    memory = MemoryStore(_logs=logs)
+    model, tools = ScriptedModel(turns=TURNS), LedgerTools()
+    await treadle.run(agent(model, tools), "add", store=memory, run_id="t")
+    with pytest.raises((RunInterrupted, SimulatedCrash)):
+        await treadle.run(
+            agent(model, tools),
+            "now 3 and 4",
+            store=CrashingStore(inner=memory, crash_at=1, when="after"),
+            thread_id="t",
+        )
+    kept = list(logs["t.2"])
+    root = logs.pop("t")  # the predecessor's log is gone
+    with pytest.raises(StoreError, match="continues run 't', whose log is missing"):
+        await treadle.run(agent(model, tools), store=memory, run_id="t.2")
+    assert logs["t.2"] == kept  # nothing written, nothing lost
+    logs["t"] = root[:-1]  # now it lost its run-finished record
+    with pytest.raises(StoreError, match="which is not finished"):
+        await treadle.run(agent(model, tools), store=memory, run_id="t.2")
+    logs["t"] = root
+    result = await treadle.run(agent(model, tools), store=memory, run_id="t.2")
+    assert result.stop_reason is StopReason.FINAL_ANSWER and result.final_answer == "3 + 4 = 7"
+
+
+async def test_a_hydrator_without_a_store_refuses_a_thread_run() -> None:
+    from treadle.actors.hydrator import ContextHydrator
+
+    started = RunStarted(run_id="t.2", ts="", input=(), snapshot={}, thread="t", continues="t")
+    hydrator = ContextHydrator(
+        started=started, system_prompt=None, tools=(), model="m", max_output_tokens=None, params={}
+    )
+    with pytest.raises(StoreError, match="given no store"):
+        await hydrator.inherit()
+
+
+async def test_a_retry_naming_its_run_starts_nothing_twice() -> None:
+    store = MemoryStore()
+    model, tools = ScriptedModel(turns=TURNS), LedgerTools()
+    await treadle.run(agent(model, tools), "add", store=store, run_id="t")
+    first = await treadle.run(
+        agent(model, tools), "now 3 and 4", store=store, thread_id="t", run_id="t.2"
+    )
+    calls = len(model.requests)
+    again = await treadle.run(
+        agent(model, tools), "now 3 and 4", store=store, thread_id="t", run_id="t.2"
+    )
+    assert again == first and len(model.requests) == calls
+    assert sorted(await store.list_runs()) == ["t", "t.2"]
+    with pytest.raises(UsageError, match="input differs"):
+        await treadle.run(agent(model, tools), "other", store=store, thread_id="t", run_id="t.2")
+    await treadle.run(agent(model, tools), "x", store=store, run_id="u")
+    with pytest.raises(UsageError, match="'u' exists and is not a later run of thread 't'"):
+        await treadle.run(agent(model, tools), "x", store=store, thread_id="t", run_id="u")
+
+
+async def test_recovery_resumes_a_crashed_thread_run_with_its_history(tmp_path: Path) -> None:
+    model, tools = ScriptedModel(turns=TURNS), LedgerTools()
+    async with _closing(SqliteStore.open(tmp_path / "runs.db")) as store:
+        await treadle.run(agent(model, tools), "add", store=store, run_id="t")
+        with pytest.raises((RunInterrupted, SimulatedCrash)):
+            await treadle.run(
+                agent(model, tools),
+                "now 3 and 4",
+                store=CrashingStore(inner=store, crash_at=3, when="before"),
+                thread_id="t",
+            )
+    async with _closing(SqliteStore.open(tmp_path / "runs.db")) as store:
+        (result,) = await treadle.resume_unfinished(agent(model, tools), store=store)
+        ended = await treadle.history(store, "t.2")
+    assert (result.run_id, result.final_answer) == ("t.2", "3 + 4 = 7")
+    assert [m.content for m in ended if m.role == "user"] == ["add", "now 3 and 4"]
+    assert [a.arguments for a in tools.executed] == [{"a": 1, "b": 2}, {"a": 3, "b": 4}]

@@ -1,0 +1,527 @@
+"""`treadle.mcp` against real MCP servers written with the same SDK (tests/fixtures/mcp_server.py).
+
+The servers run as real processes: over stdio (a child of the client) and over streamable HTTP
+on 127.0.0.1. Every call they receive is in their ledger file, so the tests count what reached
+the server, also across a client process killed with a call in flight.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import mcp_types
+import pytest
+import trio
+from mcp import StdioServerParameters
+from mcp.client.stdio import stdio_client
+from tests.fixtures import mcp_server
+from tests.fixtures.mcp_driver import ROOT, drive, make_agent, stdio_server
+
+from treadle import (
+    ActionStatus,
+    EnvironmentFailure,
+    ImageRef,
+    MemoryStore,
+    ReplayPolicy,
+    UsageError,
+)
+from treadle.mcp import IDEMPOTENCY_KEY, McpToolOptions, McpTools, open_mcp_tools, policy_of
+from treadle.supervisors.run import run
+from treadle.testing.crashdriver import open_store
+from treadle.types import Action, ActionIntent, ActionOutcome, ActionResult, RunLog
+
+SAFE, NEVER = ReplayPolicy.SAFE, ReplayPolicy.NEVER
+
+
+def _ledger(path: Path) -> list[dict[str, Any]]:
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+@contextlib.contextmanager
+def http_server(ledger: Path) -> Iterator[tuple[str, subprocess.Popen[str]]]:
+    """The test server on streamable HTTP on 127.0.0.1 (its URL and process); stopped after."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "tests.fixtures.mcp_server", str(ledger), "http"],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert proc.stdout is not None
+        line = proc.stdout.readline()  # bounded: the server prints it or exits
+        assert line.startswith("PORT "), f"the server did not start: {line!r}"
+        yield f"http://127.0.0.1:{int(line.split()[1])}/mcp", proc
+    finally:
+        proc.kill()
+        proc.wait()
+        for stream in (proc.stdout, proc.stderr):
+            if stream is not None:
+                stream.close()
+
+
+def _action(tool: str, intent_id: str = "i-1", **arguments: Any) -> Action:
+    return Action(
+        run_id="r", step=1, intent_id=intent_id, call_id="c", tool=tool, arguments=arguments
+    )
+
+
+# --------------------------------------------------------------------------- policies
+
+
+@pytest.mark.parametrize(
+    ("hints", "trusted", "expected"),
+    [
+        (None, False, (NEVER, False)),
+        ({"read_only_hint": True}, False, (NEVER, False)),
+        ({"idempotent_hint": True}, False, (NEVER, False)),
+        (None, True, (NEVER, True)),  # absent annotations: destructive, not read-only
+        ({}, True, (NEVER, True)),
+        ({"read_only_hint": True}, True, (SAFE, False)),
+        ({"read_only_hint": True, "destructive_hint": True}, True, (SAFE, False)),
+        ({"idempotent_hint": True}, True, (SAFE, True)),
+        ({"idempotent_hint": True, "destructive_hint": False}, True, (SAFE, False)),
+        ({"destructive_hint": False}, True, (NEVER, False)),
+        ({"read_only_hint": False, "idempotent_hint": False}, True, (NEVER, True)),
+    ],
+)
+def test_annotations_decide_only_for_a_trusted_server(hints, trusted, expected):
+    annotations = None if hints is None else mcp_types.ToolAnnotations(**hints)
+    assert policy_of(annotations, trusted=trusted) == expected
+
+
+async def test_a_trusted_servers_tools_take_their_policies_and_schemas_from_it(tmp_path):
+    async with open_mcp_tools(stdio_server(tmp_path / "ledger"), trusted=True) as tools:
+        found = {t.name: (t.replay, t.requires_approval) for t in tools.tools}
+        specs = {s.name: s for s in tools.tool_specs()}
+    assert found == {
+        "lookup": (SAFE, False),
+        "charge": (NEVER, True),
+        "tag": (SAFE, False),
+        "refuse": (SAFE, False),
+        "chart": (SAFE, False),
+        "hang": (NEVER, True),
+    }
+    served = {t.name: t for t in mcp_server.TOOLS}
+    for name, spec in specs.items():
+        assert spec.parameters == served[name].input_schema
+        assert spec.description == served[name].description
+
+
+async def test_an_untrusted_servers_tools_are_never_and_the_user_chooses_per_tool(tmp_path):
+    options = {
+        "lookup": McpToolOptions(replay=SAFE),
+        "charge": McpToolOptions(requires_approval=True, secret_arguments=("account",)),
+    }
+    async with open_mcp_tools(stdio_server(tmp_path / "ledger"), tools=options) as tools:
+        assert {t.name: (t.replay, t.requires_approval) for t in tools.tools} == {
+            "lookup": (SAFE, False),
+            "charge": (NEVER, True),
+            "tag": (NEVER, False),
+            "refuse": (NEVER, False),
+            "chart": (NEVER, False),
+            "hang": (NEVER, False),
+        }
+        assert tools.secret_arguments("charge") == {"account"}
+        assert tools.replay_policy("nope") is NEVER
+    # the user also overrides a trusted server's annotations
+    overrides = {
+        "charge": McpToolOptions(requires_approval=False),
+        "lookup": McpToolOptions(replay=NEVER),
+    }
+    async with open_mcp_tools(
+        stdio_server(tmp_path / "ledger"), trusted=True, tools=overrides
+    ) as tools:
+        assert not tools.requires_approval("charge")
+        assert tools.replay_policy("lookup") is NEVER
+        assert tools.replay_policy("tag") is SAFE
+
+
+async def test_bad_options_and_names_are_clear_errors(tmp_path):
+    server = stdio_server(tmp_path / "ledger")
+    with pytest.raises(UsageError, match="no tool named 'chrage'"):
+        async with open_mcp_tools(server, tools={"chrage": McpToolOptions()}):
+            pass
+    with pytest.raises(UsageError, match="secret_arguments names no argument of the tool: pin"):
+        async with open_mcp_tools(
+            server, tools={"charge": McpToolOptions(secret_arguments=["pin"])}
+        ):
+            pass
+    with pytest.raises(UsageError, match="http:// or https://"):
+        async with open_mcp_tools("ftp://127.0.0.1/mcp"):
+            pass
+    with pytest.raises(UsageError, match="timeout_s must be a positive number"):
+        async with open_mcp_tools(server, tools={"tag": McpToolOptions(timeout_s=0)}):
+            pass
+    dotted = server.model_copy(update={"args": [*server.args, "--dotted"]})
+    with pytest.raises(UsageError, match=r"files\.read; leave them out with include="):
+        async with open_mcp_tools(dotted):
+            pass
+    async with open_mcp_tools(dotted, include=["lookup", "tag"], prefix="fs_") as tools:
+        assert [s.name for s in tools.tool_specs()] == ["fs_lookup", "fs_tag"]
+        outcome = await tools.execute(_action("fs_tag", item="x"))
+    assert outcome.observation == "tagged x"
+    assert [e["tool"] for e in _ledger(tmp_path / "ledger")] == ["tag"]  # its server name
+
+
+async def test_a_server_that_cannot_be_reached_is_an_environment_failure(tmp_path):
+    with socket.socket() as sock:  # a port nobody listens on
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    with pytest.raises(EnvironmentFailure, match=r"could not be opened: MCPError: .*ConnectError"):
+        async with open_mcp_tools(f"http://127.0.0.1:{port}/mcp"):
+            pass
+    missing = StdioServerParameters(command=str(tmp_path / "no-such-server"))
+    with pytest.raises(EnvironmentFailure, match="could not be opened: FileNotFoundError"):
+        async with open_mcp_tools(missing):
+            pass
+
+
+async def test_a_schema_that_is_no_json_schema_is_a_clear_error(tmp_path):
+    broken = mcp_types.Tool(
+        name="broken", input_schema={"type": "object", "properties": {"x": {"type": 5}}}
+    )
+    server = mcp_server.make_server(str(tmp_path / "ledger"), extra=[broken])
+    with pytest.raises(UsageError, match="'broken': the server's input schema is no valid JSON"):
+        async with open_mcp_tools(server):  # an in-process server
+            pass
+    async with open_mcp_tools(server, include=["tag"]) as tools:
+        assert (await tools.execute(_action("tag", item="y"))).observation == "tagged y"
+
+
+async def test_json_rpc_errors_are_refusals_or_failures_by_their_code(tmp_path):
+    server = mcp_server.make_server(str(tmp_path / "ledger"), extra=mcp_server.PROTOCOL_ERRORS)
+    async with open_mcp_tools(server, include=["picky", "crash"]) as tools:
+        picky = await tools.execute(_action("picky"))
+        crash = await tools.execute(_action("crash"))
+    assert picky.status is ActionStatus.NOT_EXECUTED
+    assert picky.detail == (
+        "the server refused the call of picky: Error: -32602: picky wants other arguments"
+    )
+    assert crash.status is ActionStatus.EXECUTED
+    assert crash.observation.startswith("Error: -32603: ")
+    assert [e["tool"] for e in _ledger(tmp_path / "ledger")] == ["picky", "crash"]
+
+
+# --------------------------------------------------------------------------- calls and results
+
+
+async def _calls(tools: McpTools, ledger: Path) -> None:
+    """The result mapping, the same over either transport."""
+    found = await tools.execute(_action("lookup", "i-lookup", key="a"))
+    # the text block is the serialized structured content: it is not repeated
+    assert found == ActionOutcome(
+        status=ActionStatus.EXECUTED, observation='{"key": "a", "value": 42}'
+    )
+    refused = await tools.execute(_action("refuse", "i-refuse"))
+    assert refused == ActionOutcome(
+        status=ActionStatus.EXECUTED, observation="Error: the account is locked"
+    )
+    chart = await tools.execute(_action("chart", "i-chart"))
+    assert chart.status is ActionStatus.EXECUTED
+    text, image = chart.observation.split("\n")
+    assert text == "the chart:"
+    ref = image.split()[1]
+    assert image == f"[image {ref} image/png, {len(mcp_server.PNG)} bytes]"
+    assert tools.image_source(ImageRef(url=ref)) == mcp_server.PNG
+    with pytest.raises(KeyError):
+        tools.image_source(ImageRef(url="ref:mcp-0"))
+    invalid = await tools.execute(_action("charge", "i-bad", account="a", cents=0))
+    assert invalid.status is ActionStatus.NOT_EXECUTED
+    assert invalid.detail == "invalid arguments: cents: 0 is less than the minimum of 1"
+    unknown = await tools.execute(_action("delete_everything"))
+    assert unknown.status is ActionStatus.NOT_EXECUTED
+    assert "unknown tool 'delete_everything'" in unknown.observation
+    replayed = await tools.execute(attrs_evolve_replay(_action("tag", "i-tag", item="b")))
+    assert replayed.observation == "tagged b"
+    # what reached the server: no call with invalid arguments, each with its intent id
+    assert [(e["tool"], e["key"], e["replay"]) for e in _ledger(ledger)] == [
+        ("lookup", "i-lookup", False),
+        ("refuse", "i-refuse", False),
+        ("chart", "i-chart", False),
+        ("tag", "i-tag", True),
+    ]
+
+
+def attrs_evolve_replay(action: Action) -> Action:
+    import attrs
+
+    return attrs.evolve(action, replay=True)
+
+
+async def test_calls_over_stdio(tmp_path):
+    async with open_mcp_tools(stdio_server(tmp_path / "ledger")) as tools:
+        await _calls(tools, tmp_path / "ledger")
+
+
+async def test_calls_over_streamable_http(tmp_path):
+    with http_server(tmp_path / "ledger") as (url, _):
+        async with open_mcp_tools(url) as tools:
+            await _calls(tools, tmp_path / "ledger")
+
+
+async def test_a_call_past_its_timeout_is_unknown(tmp_path):
+    options = {"hang": McpToolOptions(timeout_s=0.5)}
+    async with open_mcp_tools(stdio_server(tmp_path / "ledger"), tools=options) as tools:
+        assert tools.timeout_s("hang") == 0.5
+        outcome = await tools.execute(_action("hang", "i-hang", job="j"))
+    assert outcome.status is ActionStatus.UNKNOWN
+    assert "timed out after 0.5 s" in outcome.observation
+    assert [e["key"] for e in _ledger(tmp_path / "ledger")] == ["i-hang"]
+
+
+async def _broken_in_flight(tools: McpTools, in_flight: Any, kill: Any) -> ActionOutcome:
+    """Call ``hang``, wait until ``in_flight()`` says the server has it, ``kill()`` the server."""
+    outcome: list[ActionOutcome] = []
+
+    async def call() -> None:
+        outcome.append(await tools.execute(_action("hang", "i-hang", job="j")))
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(call)
+        await in_flight()
+        kill()
+    return outcome[0]
+
+
+def _broke(outcome: ActionOutcome) -> None:
+    assert outcome.status is ActionStatus.ENV_ERROR
+    assert outcome.observation.startswith(
+        "Error: the connection to the MCP server broke during the call of hang"
+    )
+
+
+async def test_a_broken_stdio_transport_is_env_error(tmp_path):
+    """The server process dies with a call in flight: the call is ENV_ERROR, not an error."""
+    ledger = tmp_path / "ledger"
+    read_fd, write_fd = os.pipe()
+    errors = trio.lowlevel.FdStream(read_fd)
+
+    async def in_flight() -> None:
+        seen = b""
+        while b"IN FLIGHT i-hang\n" not in seen:  # bounded: the server writes it
+            chunk = await errors.receive_some()
+            assert chunk, "the server's stderr closed before the call arrived"
+            seen += chunk
+
+    def kill() -> None:
+        os.kill(_ledger(ledger)[0]["pid"], signal.SIGKILL)
+
+    with os.fdopen(write_fd, "w") as errlog:
+        transport = stdio_client(stdio_server(ledger), errlog=errlog)
+        async with errors, open_mcp_tools(transport) as tools:
+            _broke(await _broken_in_flight(tools, in_flight, kill))
+
+
+async def test_a_broken_http_transport_is_env_error(tmp_path):
+    """The HTTP server dies holding the call (no response headers yet), then is gone."""
+    with http_server(tmp_path / "ledger") as (url, proc):
+        assert proc.stderr is not None
+
+        async def in_flight() -> None:
+            line = "start"
+            while line and not line.startswith("IN FLIGHT i-hang"):  # bounded by the stream
+                line = await trio.to_thread.run_sync(proc.stderr.readline)
+            assert line, "the server's stderr closed before the call arrived"
+
+        def kill() -> None:
+            proc.kill()
+            proc.wait()
+
+        async with open_mcp_tools(url) as tools:
+            _broke(await _broken_in_flight(tools, in_flight, kill))
+            after = await tools.execute(_action("tag", "i-tag", item="x"))  # nobody listens now
+    assert after.status is ActionStatus.ENV_ERROR
+    assert "ConnectError" in after.observation
+
+
+# --------------------------------------------------------------------------- whole runs
+
+
+async def test_a_run_sends_each_intent_id_as_the_idempotency_key(tmp_path):
+    from treadle.agent import Agent
+    from treadle.parsers import NativeToolCallParser
+    from treadle.testing.scripted import ScriptedModel, call, say
+
+    ledger = tmp_path / "ledger"
+    store = MemoryStore()
+    with http_server(ledger) as (url, _):
+        async with open_mcp_tools(url, prefix="bank_") as tools:
+            agent = Agent(
+                model=ScriptedModel(
+                    turns=[
+                        call("bank_lookup", key="balance", call_id="c1"),
+                        call("bank_charge", account="acme", cents=250, call_id="c2"),
+                        say("charged"),
+                    ]
+                ),
+                executor=tools,
+                parser=NativeToolCallParser(),
+                model_name="scripted",
+                system_prompt="You charge accounts.",
+            )
+            result = await run(agent, "charge acme", store=store, run_id="run-http")
+    assert result.final_answer == "charged"
+    log = await store.read_log("run-http")
+    intents = [r.intent_id for r in log.records if isinstance(r, ActionIntent)]
+    assert [(e["tool"], e["key"]) for e in _ledger(ledger)] == list(
+        zip(["lookup", "charge"], intents, strict=True)
+    )
+    results = [r.outcome.observation for r in log.records if isinstance(r, ActionResult)]
+    assert results[1] == "charged 250 cents to acme"
+
+
+# --------------------------------------------------------------------------- real crashes
+
+
+def _result_of(log: RunLog, tool: str) -> tuple[ActionIntent, ActionResult]:
+    intent = next(r for r in log.records if isinstance(r, ActionIntent) and r.tool == tool)
+    result = next(r for r in log.records if isinstance(r, ActionResult) and r.tool == tool)
+    return intent, result
+
+
+def _kill_driver_in_flight(
+    store: Path, run_id: str, server: str, ledger: Path, stderr: Any
+) -> None:
+    """Start the driver, wait (by its or the server's stderr) until ``hang`` is in flight,
+    SIGKILL it."""
+    args = [
+        sys.executable,
+        "-m",
+        "tests.fixtures.mcp_driver",
+        str(store),
+        run_id,
+        server,
+        str(ledger),
+    ]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), str(ROOT)])}
+    driver = subprocess.Popen(args, cwd=ROOT, env=env, stderr=subprocess.PIPE, text=True)
+    try:
+        lines = stderr if stderr is not None else driver.stderr
+        assert lines is not None
+        for line in lines:  # bounded: the server writes the line, or the stream ends
+            if line.startswith("IN FLIGHT "):
+                break
+        else:
+            pytest.fail("the call never reached the server")
+        driver.send_signal(signal.SIGKILL)
+        assert driver.wait() == -signal.SIGKILL
+    finally:
+        driver.kill()
+        driver.wait()
+        if driver.stderr is not None:
+            driver.stderr.close()
+
+
+async def _resume_and_check(store: Path, run_id: str, server: Any, ledger: Path) -> None:
+    in_flight = _ledger(ledger)
+    assert [e["tool"] for e in in_flight] == ["hang"]  # the killed driver's call
+    await drive(str(store), run_id, server)  # a new process's view: a new session
+    async with open_store("sqlite", store) as reopened:
+        log = await reopened.read_log(run_id)
+    intent, result = _result_of(log, "hang")
+    assert result.outcome.status is ActionStatus.UNKNOWN
+    assert log.finished is not None and log.finished.state.value == "succeeded"
+    # the server saw the call once, under the intent id the log holds: no re-send
+    assert [(e["tool"], e["key"]) for e in _ledger(ledger)] == [("hang", intent.intent_id)]
+
+
+async def test_a_killed_client_is_resumed_without_resending_over_http(tmp_path):
+    ledger, store = tmp_path / "ledger", tmp_path / "runs.db"
+    with http_server(ledger) as (url, server):
+        _kill_driver_in_flight(store, "run-crash-http", url, ledger, server.stderr)
+        await _resume_and_check(store, "run-crash-http", url, ledger)
+
+
+async def test_a_killed_client_is_resumed_without_resending_over_stdio(tmp_path):
+    ledger, store = tmp_path / "ledger", tmp_path / "runs.db"
+    try:
+        # the stdio server is the driver's child and writes to the driver's stderr
+        _kill_driver_in_flight(store, "run-crash-stdio", "stdio", ledger, None)
+        await _resume_and_check(store, "run-crash-stdio", stdio_server(ledger), ledger)
+    finally:
+        for entry in _ledger(ledger):  # the killed driver's server may outlive it
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(entry["pid"], signal.SIGKILL)
+
+
+async def test_a_safe_call_in_flight_is_sent_again_with_the_same_key(tmp_path):
+    """The contrast: a tool the user marks ``safe`` is re-sent on resume, under the same
+    idempotency key and flagged as a replay (so the no-re-send above is the policy's doing)."""
+    ledger, store = tmp_path / "ledger", tmp_path / "runs.db"
+    with http_server(ledger) as (url, server):
+        _kill_driver_in_flight(store, "run-crash-safe", url, ledger, server.stderr)
+        options = {"hang": McpToolOptions(replay=SAFE, timeout_s=0.5)}
+        async with open_store("sqlite", store) as opened:
+            async with open_mcp_tools(url, tools=options) as tools:
+                from tests.fixtures.mcp_driver import OWNER
+
+                await run(make_agent(tools), store=opened, run_id="run-crash-safe", owner=OWNER)
+            log = await opened.read_log("run-crash-safe")
+    intent, _ = _result_of(log, "hang")
+    sent = [(e["key"], e["replay"]) for e in _ledger(ledger)]
+    assert sent == [(intent.intent_id, False), (intent.intent_id, True)]
+    assert IDEMPOTENCY_KEY == mcp_server.IDEMPOTENCY_KEY
+
+
+async def test_a_trusted_servers_destructive_tool_waits_for_approval(tmp_path):
+    from treadle.agent import Agent
+    from treadle.parsers import NativeToolCallParser
+    from treadle.supervisors.run import open_run
+    from treadle.testing.scripted import ScriptedModel, call, say
+    from treadle.types import RunState
+
+    ledger = tmp_path / "ledger"
+    async with open_mcp_tools(stdio_server(ledger), trusted=True) as tools:
+        agent = Agent(
+            model=ScriptedModel(
+                turns=[
+                    call("lookup", key="balance", call_id="c1"),  # read-only: no approval
+                    call("charge", account="acme", cents=5, call_id="c2"),  # destructive
+                    say("charged"),
+                ]
+            ),
+            executor=tools,
+            parser=NativeToolCallParser(),
+            model_name="scripted",
+            system_prompt="You charge accounts.",
+        )
+        async with open_run(agent, "charge", store=MemoryStore(), run_id="r") as handle:
+            with trio.fail_after(60):
+                while handle.state is not RunState.AWAITING_APPROVAL:  # noqa: ASYNC110
+                    await trio.sleep(0.01)
+            assert handle.pending_approval.call_id == "c2"
+            assert [e["tool"] for e in _ledger(ledger)] == ["lookup"]
+            handle.approve("c2")
+            result = await handle.wait()
+    assert result.final_answer == "charged"
+    assert [e["tool"] for e in _ledger(ledger)] == ["lookup", "charge"]
+
+
+async def test_the_block_owns_the_session_and_its_server_process(tmp_path):
+    """Leaving the block closes the session and stops a stdio server; an error raised in the
+    block leaves it through the session's task group (docs/mcp.md, "The session")."""
+    ledger = tmp_path / "ledger"
+
+    class Boom(Exception):
+        pass
+
+    with pytest.RaisesGroup(Boom, flatten_subgroups=True):
+        async with open_mcp_tools(stdio_server(ledger)) as tools:
+            await tools.execute(_action("tag", item="z"))
+            (entry,) = _ledger(ledger)
+            os.kill(entry["pid"], 0)  # the server runs while the block does
+            raise Boom
+    with pytest.raises(ProcessLookupError):
+        os.kill(entry["pid"], 0)  # stopped and reaped when the block ended

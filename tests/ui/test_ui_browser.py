@@ -1,0 +1,185 @@
+"""The run console in a real browser: headless Chromium driven by Selenium.
+
+The browser and its driver are Debian's (``apt-get install chromium chromium-driver``; .ci/run
+installs them). Nothing downloads a browser: the driver's path is given, so Selenium Manager
+never runs. Without them these tests skip, except in CI (``CI`` set), where they fail.
+Every wait is on the page's DOM, bounded by a generous hang limit, never a wall-time check.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+import trio
+from ui_support import MARKUP, markup_agent, start_console, start_driver, stop
+
+import treadle
+
+CHROMIUM = "/usr/bin/chromium"
+CHROMEDRIVER = "/usr/bin/chromedriver"
+HANG_S = 60
+"""The hang limit of each wait on the page (it is no speed check: a wait ends when the DOM
+shows what it waits for)."""
+
+
+def _missing() -> str | None:
+    try:
+        import selenium  # noqa: F401
+    except ImportError:
+        return "selenium is not installed"
+    for path in (CHROMIUM, CHROMEDRIVER):
+        if not (os.path.exists(path) or shutil.which(Path(path).name)):
+            return f"{path} is missing (apt-get install chromium chromium-driver)"
+    return None
+
+
+@pytest.fixture(scope="module")
+def browser(tmp_path_factory):
+    why = _missing()
+    if why is not None:
+        if os.environ.get("CI"):
+            pytest.fail(f"CI must run the browser tests: {why}")
+        pytest.skip(why)
+    from selenium import webdriver
+    from selenium.webdriver.chrome.service import Service
+
+    options = webdriver.ChromeOptions()
+    options.binary_location = CHROMIUM
+    options.set_capability("goog:loggingPrefs", {"browser": "ALL"})
+    for flag in (
+        "--headless",
+        "--no-sandbox",
+        "--disable-gpu",
+        "--disable-quic",
+        "--no-first-run",
+        "--disable-background-networking",
+        "--disable-component-update",
+        "--disable-sync",
+        "--disable-dev-shm-usage",
+        "--window-size=1280,1000",
+        f"--user-data-dir={tmp_path_factory.mktemp('chromium-profile')}",
+    ):
+        options.add_argument(flag)
+    driver = webdriver.Chrome(service=Service(executable_path=CHROMEDRIVER), options=options)
+    driver.set_page_load_timeout(HANG_S)
+    try:
+        yield driver
+    finally:
+        driver.quit()
+
+
+@pytest.fixture(scope="module")
+def console(tmp_path_factory):
+    """A served console over a SQLite store holding one finished run (``markup``)."""
+    tmp = tmp_path_factory.mktemp("console")
+    db = tmp / "runs.db"
+
+    async def first_run():
+        async with treadle.open_sqlite_store(db) as store:
+            await treadle.run(markup_agent(), "read the page", store=store, run_id="markup")
+
+    trio.run(first_run)
+    process, url = start_console(db)
+    try:
+        yield tmp, db, url
+    finally:
+        stop(process)
+
+
+def wait(browser, condition):
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    return WebDriverWait(browser, HANG_S, poll_frequency=0.05).until(condition)
+
+
+def present(css):
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support import expected_conditions as ec
+
+    return ec.presence_of_element_located((By.CSS_SELECTOR, css))
+
+
+def find(browser, css):
+    from selenium.webdriver.common.by import By
+
+    return browser.find_element(By.CSS_SELECTOR, css)
+
+
+def finish(process) -> str:
+    """The last line a driver process printed (its run's state) once it exited."""
+    out = process.stdout.read()
+    assert process.wait(timeout=HANG_S) == 0
+    process.stdout.close()
+    return out.strip().splitlines()[-1]
+
+
+def test_markup_in_an_observation_stays_text(browser, console):
+    _, _, url = console
+    browser.get(f"{url}/runs/markup")
+    observation = wait(browser, present("#step-1 pre.observation"))
+    assert observation.text == MARKUP  # shown as the characters the tool returned
+    assert browser.find_elements("css selector", "#pwned-img") == []
+    assert browser.find_elements("css selector", "#timeline script, #timeline b") == []
+    assert browser.execute_script("return window.pwned === undefined")
+    assert "run finished" in find(browser, "#timeline").text
+    # nothing on the page broke the policy or failed to load (the console logs both)
+    assert [e for e in browser.get_log("browser") if e["level"] == "SEVERE"] == []
+
+
+def test_a_live_run_streams_in_and_approving_it_from_the_page_resumes_it(browser, console):
+    tmp, db, url = console
+    browser.get(url)
+    wait(browser, present('#rows tr[data-run="markup"]'))
+    assert "succeeded" in find(browser, '#rows tr[data-run="markup"]').text
+    browser.execute_script("window.notReloaded = true")
+    driver, gate, marker = start_driver(tmp, db, "live")
+    try:
+        # the list shows the new run without a reload
+        wait(browser, present('#rows tr[data-run="live"]'))
+        assert browser.execute_script("return window.notReloaded === true")
+        find(browser, '#rows tr[data-run="live"] a').click()
+        wait(browser, present("#step-1 .call"))  # step 1 waits on the gate: its call runs
+        assert "wait_gate" in find(browser, "#step-1").text
+        browser.execute_script("window.notReloaded = true")
+        gate.touch()  # the tool returns: its result and step 2 are written now
+        wait(browser, present("#step-1 pre.observation"))
+        approve = wait(browser, present("#approve-button"))
+        assert browser.execute_script("return window.notReloaded === true")
+        assert "<script>window.pwned = true</script>" in find(browser, "#step-1").text
+        assert browser.execute_script("return window.pwned === undefined")
+        assert '"amount": 5' in find(browser, "#approval textarea").get_attribute("value")
+        assert not marker.exists()
+        approve.click()
+        wait(browser, present("#timeline .block.finish.state-succeeded"))
+        assert "paid" in find(browser, "#timeline .block.finish").text
+        assert browser.execute_script("return window.notReloaded === true")
+        assert "approve" in find(browser, "#notice").text
+        # what streamed in broke no policy either
+        assert [e for e in browser.get_log("browser") if e["level"] == "SEVERE"] == []
+        assert finish(driver) == "succeeded"
+    finally:
+        driver.kill()
+        driver.wait(timeout=HANG_S)
+    assert marker.read_text() == "5\n"  # the approved call ran once
+
+
+def test_cancel_from_the_page_stops_a_live_run(browser, console):
+    tmp, db, url = console
+    driver, _, marker = start_driver(tmp, db, "stop-me")
+    try:
+        browser.get(url)
+        wait(browser, present('#rows tr[data-run="stop-me"] a')).click()
+        wait(browser, present("#step-1 .call"))  # waits on a gate nobody opens
+        find(browser, "#cancel input[name=reason]").send_keys("not needed")
+        find(browser, "#cancel-button").click()
+        wait(browser, present("#timeline .block.finish.state-cancelled"))
+        assert "not needed" in find(browser, "#timeline .block.cancel").text
+        assert "cancel requested" in find(browser, "#notice").text
+        assert finish(driver) == "cancelled"
+    finally:
+        driver.kill()
+        driver.wait(timeout=HANG_S)
+    assert not marker.exists()

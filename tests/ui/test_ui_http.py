@@ -1,0 +1,429 @@
+"""The run console over plain HTTP: pages, the safety rules, and the live stream's resume."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import threading
+
+import httpx
+import pytest
+import trio
+from click.testing import CliRunner
+from ui_support import MARKUP, approval_agent, markup_agent
+
+import treadle
+from treadle._ui._app import CSP, Settings, create_app
+from treadle.approvals import read_control
+from treadle.cli import main
+from treadle.stores.memory import MemoryStore
+from treadle.supervisors.run import open_run
+from treadle.testing.scripted import ScriptedModel, call, say
+from treadle.types import ApprovalDecided, CancelRequested, RunState, StopReason
+
+TOKEN = "t0ken-for-tests"
+BASE = "http://127.0.0.1:8765"
+SAME = {"origin": BASE}
+
+
+def client(store, **settings) -> httpx.AsyncClient:
+    app = create_app(store, Settings(token=TOKEN, **settings))
+    return httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url=BASE)
+
+
+async def finished_store() -> MemoryStore:
+    store = MemoryStore()
+    await treadle.run(markup_agent(), "read the page", store=store, run_id="markup")
+    return store
+
+
+async def wait_for(handle, state):
+    with trio.fail_after(60):
+        while handle.state is not state:  # noqa: ASYNC110 (polling a plain property)
+            await trio.sleep(0.01)
+
+
+def sse(text: str) -> list[dict]:
+    """The events of a server-sent event stream: id, event and data of each."""
+    events = []
+    for chunk in text.replace("\r\n", "\n").split("\n\n"):
+        fields: dict = {}
+        for line in chunk.splitlines():
+            name, _, value = line.partition(": ")
+            if name in ("id", "event", "data"):
+                fields[name] = value
+        if "event" in fields:
+            events.append(fields)
+    return events
+
+
+async def test_the_runs_list_shows_each_run_and_filters_them():
+    store = await finished_store()
+    await treadle.run(markup_agent(), "again", store=store, run_id="other")
+    async with client(store) as http:
+        page = await http.get("/")
+        assert page.status_code == 200
+        assert 'data-run="markup"' in page.text and 'data-run="other"' in page.text
+        row = page.text[page.text.index('data-run="markup"') :]
+        row = row[: row.index("</tr>")]
+        assert "succeeded" in row and ">47<" in row  # tokens: 40 in + 7 out
+        assert "final_answer" in row
+        searched = await http.get("/", params={"q": "oth"})
+        assert 'data-run="other"' in searched.text and 'data-run="markup"' not in searched.text
+        none = await http.get("/", params={"state": "running"})
+        assert 'data-run="' not in none.text
+
+
+async def test_markup_a_tool_returned_is_text_and_every_page_has_a_strict_policy():
+    store = await finished_store()
+    async with client(store) as http:
+        page = await http.get("/runs/markup")
+    assert page.status_code == 200
+    assert MARKUP not in page.text and "<script>window" not in page.text
+    assert "&lt;script&gt;window.pwned = true&lt;/script&gt;" in page.text
+    assert page.headers["content-security-policy"] == CSP
+    assert "unsafe-inline" not in CSP and "script-src 'self'" in CSP
+    assert page.headers["x-content-type-options"] == "nosniff"
+
+
+async def test_state_changing_requests_need_the_token_and_the_same_origin():
+    store = MemoryStore()
+    agent = approval_agent()
+    async with open_run(agent, "pay", store=store, run_id="r", control_poll_s=0.05) as handle:
+        await wait_for(handle, RunState.AWAITING_APPROVAL)
+        async with client(store) as http:
+            form = {"token": TOKEN, "reason": "stop"}
+            refused = [
+                await http.post("/runs/r/cancel", data=form),  # no Origin, no Referer
+                await http.post("/runs/r/cancel", data=form, headers={"origin": "http://evil"}),
+                await http.post(
+                    "/runs/r/cancel", data=form, headers={"referer": "http://evil/runs/r"}
+                ),
+                await http.post(
+                    "/runs/r/cancel", data=form, headers={**SAME, "sec-fetch-site": "cross-site"}
+                ),
+                await http.post("/runs/r/cancel", data={"reason": "x"}, headers=SAME),
+                await http.post("/runs/r/cancel", data={**form, "token": "wrong"}, headers=SAME),
+                await http.post("/runs/r/approve", data={"decision": "approve"}, headers=SAME),
+            ]
+            assert [r.status_code for r in refused] == [403] * len(refused)
+            assert "same-origin" in refused[1].text and "token" in refused[4].text
+            assert await read_control(store, "r") == ()  # nothing was written
+            done = await http.post(
+                "/runs/r/cancel",
+                data=form,
+                headers={**SAME, "accept": "application/json", "sec-fetch-site": "same-origin"},
+            )
+            assert done.status_code == 200 and done.json()["ok"] is True
+        result = await handle.wait()
+    assert result.state is RunState.CANCELLED
+    (requested,) = await read_control(store, "r")
+    assert isinstance(requested, CancelRequested) and requested.canceller == "treadle ui"
+
+
+async def test_a_foreign_host_name_is_refused():
+    """A page of another site whose name resolves to 127.0.0.1 (DNS rebinding) reads nothing."""
+    store = await finished_store()
+    async with client(store) as http:
+        page = await http.get("/runs/markup", headers={"host": "evil.example:8765"})
+    assert page.status_code == 400 and "markup" not in page.text
+
+
+async def test_a_given_token_guards_reads_and_is_kept_in_a_cookie():
+    store = await finished_store()
+    async with client(store, token_for_reads=True) as http:
+        assert (await http.get("/")).status_code == 401
+        assert (await http.get("/runs/markup/events")).status_code == 401
+        assert (await http.get("/", params={"token": "wrong"})).status_code == 401
+        entered = await http.get("/runs/markup", params={"token": TOKEN})
+        assert entered.status_code == 303 and "token" not in entered.headers["location"]
+        assert "httponly" in entered.headers["set-cookie"].lower()
+        page = await http.get("/runs/markup")  # the cookie now
+        assert page.status_code == 200 and "run finished" in page.text
+
+
+async def test_the_approval_form_makes_the_checks_of_treadle_approve():
+    store = MemoryStore()
+    async with open_run(
+        approval_agent(), "pay", store=store, run_id="r", control_poll_s=0.05
+    ) as handle:
+        await wait_for(handle, RunState.AWAITING_APPROVAL)
+        async with client(store) as http:
+            page = await http.get("/runs/r")
+            assert 'id="approval"' in page.text and "&#34;amount&#34;: 5" in page.text
+            headers = {**SAME, "accept": "application/json"}
+
+            async def decide(**fields):
+                return await http.post(
+                    "/runs/r/approve", data={"token": TOKEN, **fields}, headers=headers
+                )
+
+            other = await decide(decision="approve", call_id="t2")
+            assert other.status_code == 409 and "waits on call 't1'" in other.json()["message"]
+            bad = await decide(decision="edit", arguments='{"amount": "five"}')
+            assert bad.status_code == 409
+            not_json = await decide(decision="edit", arguments="{")
+            assert not_json.status_code == 409 and "not JSON" in not_json.json()["message"]
+            assert await read_control(store, "r") == ()
+            edited = await decide(decision="edit", arguments='{"amount": 3}', call_id="t1")
+            assert edited.status_code == 200, edited.text
+            again = await decide(decision="approve")
+            assert again.status_code == 409 and "first decision counts" in again.json()["message"]
+        result = await handle.wait()
+    assert result.stop_reason is StopReason.FINAL_ANSWER
+    (decided,) = await read_control(store, "r")
+    assert isinstance(decided, ApprovalDecided) and decided.edited_arguments == {"amount": 3}
+
+
+async def test_the_stream_resumes_after_last_event_id_with_no_gap_and_no_duplicate():
+    store = MemoryStore()
+    async with open_run(
+        approval_agent(), "pay", store=store, run_id="r", control_poll_s=0.05
+    ) as handle:
+        await wait_for(handle, RunState.AWAITING_APPROVAL)
+        seen = len((await store.read_log("r")).records)
+        assert seen >= 4
+        async with client(store, poll_s=0.01) as http, trio.open_nursery() as nursery:
+            resumed: list[httpx.Response] = []
+
+            async def reconnect():  # as a browser does after a dropped connection
+                resumed.append(
+                    await http.get("/runs/r/events", headers={"last-event-id": str(seen - 2)})
+                )
+
+            nursery.start_soon(reconnect)
+            await trio.sleep(0.2)  # the stream is open and waits for records
+            handle.approve("t1")
+        await handle.wait()
+        async with client(store) as http:
+            whole = await http.get("/runs/r/events", params={"from": "1"})
+            bad = await http.get("/runs/r/events", headers={"last-event-id": "x"})
+            missing = await http.get("/runs/nope/events")
+    count = len((await store.read_log("r")).records)
+    events = sse(resumed[0].text)
+    assert [e["event"] for e in events][-1] == "finished"
+    ids = [int(e["id"]) for e in events if e["event"] == "record"]
+    assert ids == list(range(seen - 1, count + 1))  # from after the id, to the end, once each
+    full = [e for e in sse(whole.text) if e["event"] == "record"]
+    assert [int(e["id"]) for e in full] == list(range(1, count + 1))
+    by_id = {e["id"]: json.loads(e["data"]) for e in full}
+    for event in events[:-1]:
+        assert json.loads(event["data"])["kind"] == by_id[event["id"]]["kind"]
+    assert bad.status_code == 400 and missing.status_code == 404
+
+
+def test_another_host_is_refused_without_a_token():
+    refused = CliRunner().invoke(main, ["ui", "--store", "x.db", "--host", "0.0.0.0"])
+    assert refused.exit_code == 2 and "without --token" in refused.output
+
+
+def test_help_loads_no_part_of_the_web_stack():
+    script = (
+        "import sys\nfrom treadle.cli import main\n"
+        "for args in (['--help'], ['ui', '--help']):\n"
+        "    try:\n        main(args)\n    except SystemExit:\n        pass\n"
+        "print(' '.join(sorted({m.split('.')[0] for m in sys.modules})))"
+    )
+    out = subprocess.run([sys.executable, "-c", script], check=True, capture_output=True, text=True)
+    assert "--store" in out.stdout  # the ui command's own help was printed
+    loaded = set(out.stdout.split("\n")[-2].split())
+    assert not loaded & {"starlette", "hypercorn", "jinja2", "sse_starlette", "anyio"}
+
+
+@pytest.mark.parametrize("host", ["127.0.0.1", "localhost", "::1", "127.0.0.2"])
+def test_loopback_names_are_loopback(host):
+    from treadle._cli_ui import is_loopback
+
+    assert is_loopback(host)
+    assert not is_loopback("0.0.0.0") and not is_loopback("example.org")
+
+
+async def test_the_served_console_guards_a_jsonl_store_with_its_token(tmp_path):
+    """The real command on a real port: a given token guards reads and writes alike."""
+    from ui_support import start_console, stop
+
+    async with treadle.open_jsonl_store(tmp_path / "store") as store:
+        await treadle.run(markup_agent(), "read the page", store=store, run_id="markup")
+    process, url = await trio.to_thread.run_sync(
+        lambda: start_console(tmp_path / "store", "--token", TOKEN)
+    )
+    try:
+        async with httpx.AsyncClient(base_url=url) as http:
+            assert (await http.get("/")).status_code == 401
+            entered = await http.get("/", params={"token": TOKEN})
+            assert entered.status_code == 303
+            listed = await http.get("/")  # the cookie the redirect set
+            assert listed.status_code == 200 and 'data-run="markup"' in listed.text
+            origin = {"origin": url, "accept": "application/json"}
+            without = await http.post("/runs/markup/cancel", data={}, headers=origin)
+            assert without.status_code == 403  # the cookie alone does not make a write
+            late = await http.post("/runs/markup/cancel", data={"token": TOKEN}, headers=origin)
+            assert late.status_code == 409 and "finished" in late.json()["message"]
+            rebound = await http.get("/", headers={"host": f"evil.example:{url.rsplit(':', 1)[1]}"})
+            assert rebound.status_code == 400
+    finally:
+        assert await trio.to_thread.run_sync(stop, process) == 0
+
+
+RELEASE = threading.Event()
+
+
+@treadle.tool(timeout_s=0.2)
+def stuck(order_id: str) -> str:
+    """Blocks in its thread past its timeout: the run abandons it (UNKNOWN, late)."""
+    RELEASE.wait(60)
+    return order_id
+
+
+@treadle.tool(requires_approval=True, secret_arguments=["api_key"])
+async def charge(amount: int, api_key: str) -> str:
+    """Charge a card."""
+    return f"charged {amount}"
+
+
+async def test_an_unknown_late_outcome_is_highlighted_and_marked():
+    store = MemoryStore()
+    agent = treadle.Agent(
+        model=ScriptedModel(turns=[call("stuck", order_id="7", call_id="s1"), say("gave up")]),
+        executor=treadle.Toolbox([stuck]),
+        parser=treadle.NativeToolCallParser(),
+    )
+    try:
+        await treadle.run(agent, "go", store=store, run_id="r")
+    finally:
+        RELEASE.set()
+    async with client(store) as http:
+        page = (await http.get("/runs/r")).text
+    step = page[page.index('id="step-1"') : page.index('id="step-2"')]
+    assert 'class="block step highlighted"' in page[page.index('id="step-1"') - 60 :][:80]
+    assert "stuck: outcome unknown" in step and "stuck: late" in step
+    assert "status-unknown" in step
+    later = page[page.index('id="step-2"') - 60 :][:80]
+    assert "highlighted" not in later
+
+
+async def test_secret_arguments_stay_out_of_the_page_and_its_stream():
+    store = MemoryStore()
+    agent = treadle.Agent(
+        model=ScriptedModel(turns=[call("charge", amount=5, api_key="sk-live-123"), say("ok")]),
+        executor=treadle.Toolbox([charge]),
+        parser=treadle.NativeToolCallParser(),
+    )
+    async with open_run(agent, "pay", store=store, run_id="r", control_poll_s=0.05) as handle:
+        await wait_for(handle, RunState.AWAITING_APPROVAL)
+        async with client(store) as http:
+            waiting = (await http.get("/runs/r")).text
+            assert "&#34;amount&#34;: 5" in waiting and "[redacted]" in waiting
+            handle.approve()
+            await handle.wait()
+            page = (await http.get("/runs/r")).text
+            stream = (await http.get("/runs/r/events")).text
+    assert "sk-live-123" not in waiting + page + stream
+    assert "[redacted]" in page
+
+
+def test_a_record_kind_the_page_does_not_know_is_shown_by_its_fields():
+    """A newer version's record (a summary mark, say) renders as a folded field list."""
+    import attrs
+
+    from treadle._ui._app import templates
+    from treadle._ui._view import timeline
+    from treadle.types import RunLog
+
+    @attrs.frozen(kw_only=True)
+    class ContextSummarized:
+        run_id: str
+        step: int
+        ts: str
+        summary: str
+
+    async def go():
+        store = await finished_store()
+        return await store.read_log("markup")
+
+    log = trio.run(go)
+    extra = ContextSummarized(run_id="markup", step=1, ts="t", summary="<b>older turns</b>")
+    blocks = timeline(RunLog(run_id="markup", records=(*log.records, extra)))
+    (step,) = [b for b in blocks if b.id == "step-1"]
+    assert "context summarized" in step.marks
+    html = templates().get_template("_block.html").render(block=step)
+    assert "&lt;b&gt;older turns&lt;/b&gt;" in html and "<b>older" not in html
+
+
+async def test_the_list_and_a_run_page_show_threads_and_forks():
+    store = MemoryStore()
+    await treadle.run(markup_agent(), "read the page", store=store, run_id="chat")
+    await treadle.run(markup_agent(), "and again", store=store, thread_id="chat")
+    await treadle.run(markup_agent(), store=store, run_id="try", fork_of="chat", at_step=1)
+    async with client(store) as http:
+        listing = (await http.get("/")).text
+        continued = (await http.get("/runs/chat.2")).text
+        fork = (await http.get("/runs/try")).text
+        alone = (await http.get("/runs/chat")).text
+    assert "<th>thread</th>" in listing
+    assert "<td>chat</td>" in listing  # the thread's second run
+    assert "<td>fork of chat at step 1</td>" in listing
+    assert '<dd id="run-thread">chat</dd>' in continued
+    assert ">continues</dt>" in continued and 'href="/runs/chat"' in continued
+    assert ">forks</dt>" in fork and "at step 1" in fork
+    assert "run-continues" not in alone
+
+
+def test_a_port_in_use_is_a_clear_error(tmp_path):
+    import socket
+
+    async def make():
+        async with treadle.open_sqlite_store(tmp_path / "runs.db") as store:
+            await treadle.run(markup_agent(), "x", store=store, run_id="markup")
+
+    trio.run(make)
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        result = CliRunner().invoke(
+            main, ["ui", "--store", str(tmp_path / "runs.db"), "--port", str(port)]
+        )
+    assert result.exit_code == 1
+    assert f"cannot serve 127.0.0.1:{port}" in result.output and "in use" in result.output
+
+
+async def test_a_damaged_run_is_listed_with_its_error_and_its_page_says_why(tmp_path):
+    async with treadle.open_jsonl_store(tmp_path) as store:
+        for run_id in ("good", "bad"):
+            await treadle.run(markup_agent(), "x", store=store, run_id=run_id)
+        bad_file = trio.Path(store.run_file("bad"))
+    lines = (await bad_file.read_bytes()).split(b"\n")
+    lines[3] = lines[3][:10] + b"#" + lines[3][11:]  # one byte of a record frame changed
+    await bad_file.write_bytes(b"\n".join(lines))
+    async with treadle.open_jsonl_store(tmp_path) as store, client(store) as http:
+        listed = await http.get("/")
+        page = await http.get("/runs/bad")
+        good = await http.get("/runs/good")
+    row = listed.text[listed.text.index('data-run="bad"') :]
+    row = row[: row.index("</tr>")]
+    assert "unreadable" in row and 'class="error"' in row
+    assert page.status_code == 500 and "bad" in page.text and 'class="notice refused"' in page.text
+    assert good.status_code == 200
+
+
+async def test_a_rejection_from_the_form_reaches_the_model_and_the_call_never_runs():
+    store = MemoryStore()
+    agent = approval_agent()
+    async with open_run(agent, "pay", store=store, run_id="r", control_poll_s=0.05) as handle:
+        await wait_for(handle, RunState.AWAITING_APPROVAL)
+        async with client(store) as http:
+            said = await http.post(
+                "/runs/r/approve",
+                data={"token": TOKEN, "decision": "reject", "message": "not this month"},
+                headers=SAME,  # a plain form post: answered with a page
+            )
+        assert said.status_code == 200 and "reject" in said.text
+        result = await handle.wait()
+    assert result.state is RunState.SUCCEEDED and result.final_answer == "paid"
+    (decided,) = await read_control(store, "r")
+    assert decided.decision == "reject" and decided.message == "not this month"
+    log = await store.read_log("r")
+    (outcome,) = [r.outcome for r in log.records if type(r).__name__ == "ActionResult"]
+    assert outcome.status.value == "not_executed" and "not this month" in outcome.observation

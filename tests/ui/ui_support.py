@@ -1,0 +1,151 @@
+"""Shared pieces of the run console's tests: agents, a driver process, the served console."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import treadle
+from treadle.testing.scripted import ScriptedModel, call, say
+from treadle.types import Usage
+
+MARKUP = '<script>window.pwned = true</script><img src="x" id="pwned-img"><b>bold</b>'
+"""An observation that holds markup: the page must show it as text."""
+
+
+@treadle.tool
+async def fetch_page(url: str) -> str:
+    """Fetch a page (returns markup)."""
+    return MARKUP
+
+
+@treadle.tool(requires_approval=True)
+async def transfer(amount: int) -> str:
+    """Move money."""
+    return f"moved {amount}"
+
+
+def markup_agent() -> treadle.Agent:
+    """Fetches a page whose text is markup, then answers."""
+    return treadle.Agent(
+        model=ScriptedModel(
+            turns=[
+                call("fetch_page", url="http://example.invalid/", call_id="f1"),
+                say("done", usage=Usage(input_tokens=40, output_tokens=7)),
+            ]
+        ),
+        executor=treadle.Toolbox([fetch_page]),
+        parser=treadle.NativeToolCallParser(),
+    )
+
+
+def approval_agent() -> treadle.Agent:
+    """Asks to transfer 5 (a call that needs approval), then answers."""
+    return treadle.Agent(
+        model=ScriptedModel(turns=[call("transfer", amount=5, call_id="t1"), say("paid")]),
+        executor=treadle.Toolbox([transfer]),
+        parser=treadle.NativeToolCallParser(),
+    )
+
+
+DRIVER = """
+import sys
+from pathlib import Path
+
+import trio
+
+import treadle
+from treadle.stores.sqlite import open_sqlite_store
+from treadle.supervisors.run import open_run
+from treadle.testing.scripted import ScriptedModel, call, say
+
+db, run_id, gate, marker = sys.argv[1], sys.argv[2], Path(sys.argv[3]), Path(sys.argv[4])
+
+
+@treadle.tool
+async def wait_gate() -> str:
+    \"\"\"Wait until the test opens the gate.\"\"\"
+    while not gate.exists():
+        await trio.sleep(0.02)
+    return "<script>window.pwned = true</script>gate opened"
+
+
+@treadle.tool(requires_approval=True)
+async def transfer(amount: int) -> str:
+    \"\"\"Move money.\"\"\"
+    with marker.open("a") as out:
+        out.write(f"{amount}\\n")
+    return f"moved {amount}"
+
+
+async def main():
+    agent = treadle.Agent(
+        model=ScriptedModel(
+            turns=[call("wait_gate", call_id="g1"), call("transfer", amount=5, call_id="t1"),
+                   say("paid")]
+        ),
+        executor=treadle.Toolbox([wait_gate, transfer]),
+        parser=treadle.NativeToolCallParser(),
+    )
+    async with open_sqlite_store(db) as store:
+        async with open_run(agent, "pay 5", store=store, run_id=run_id, control_poll_s=0.05) as h:
+            result = await h.wait()
+    print(result.state.value, flush=True)
+
+
+trio.run(main)
+"""
+"""A process driving one run: step 1 waits on a gate file, step 2 needs an approval."""
+
+
+def start_driver(tmp: Path, db: Path, run_id: str) -> tuple[subprocess.Popen[str], Path, Path]:
+    """Start a driver process for ``run_id``; returns it, its gate file and its marker file."""
+    script = tmp / "driver.py"
+    script.write_text(DRIVER)
+    gate, marker = tmp / f"{run_id}.gate", tmp / f"{run_id}.executed"
+    process = subprocess.Popen(
+        [sys.executable, str(script), str(db), run_id, str(gate), str(marker)],
+        stdout=subprocess.PIPE,
+        text=True,
+        env=env(),
+    )
+    return process, gate, marker
+
+
+def env() -> dict[str, str]:
+    """The environment of a child process: this tree's treadle importable."""
+    src = str(Path(treadle.__file__).resolve().parents[1])
+    return {**os.environ, "PYTHONPATH": os.pathsep.join([src, os.environ.get("PYTHONPATH", "")])}
+
+
+def start_console(store: Path, *args: str) -> tuple[subprocess.Popen[str], str]:
+    """Run ``treadle ui --port 0`` on ``store``; returns the process and the URL it serves."""
+    process = subprocess.Popen(
+        [sys.executable, "-m", "treadle", "ui", "--store", str(store), "--port", "0", *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+        env=env(),
+    )
+    assert process.stdout is not None
+    line = process.stdout.readline()  # the server prints its URL once it listens
+    if not line.startswith("treadle ui: serving "):
+        process.kill()
+        process.wait(timeout=60)
+        raise AssertionError(f"treadle ui did not start: {line!r}")
+    return process, line.removeprefix("treadle ui: serving ").strip()
+
+
+def stop(process: subprocess.Popen[str]) -> int:
+    """Stop a process started here (SIGTERM, then SIGKILL after 30 s); returns its status."""
+    process.terminate()
+    try:
+        return process.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        return process.wait(timeout=30)
+    finally:
+        if process.stdout is not None:
+            process.stdout.close()
