@@ -232,16 +232,24 @@ def test_unfinished_runs_resume_when_the_bridge_opens_again(tmp_path: Path):
             await runs.start("pay", run_id="w1")
             await _until(runs, "w1", EventKind.APPROVAL_REQUESTED)
         # leaving the block drained the run: unfinished, its lease released
+        async with open_runs(
+            slow_agent(), store=sqlite(tmp_path / "r.db"), resume=False, drain_s=0
+        ) as runs:
+            await runs.start("sleep", run_id="other-agent")
+            await _until(runs, "other-agent", EventKind.ACTION_REQUESTED)
 
     async def second():
         async with open_runs(wire_agent(), store=sqlite(tmp_path / "r.db")) as runs:
-            resumed = runs.resumed
+            resumed, refused = runs.resumed, runs.not_resumed
             await runs.approve("w1")
-            return resumed, await runs.result("w1")
+            return resumed, refused, await runs.result("w1")
 
     run_asyncio(first)
-    resumed, result = run_asyncio(second)
+    resumed, refused, result = run_asyncio(second)
     assert resumed == ("w1",) and result.final_answer == "paid"
+    # a run of another agent definition is not resumed under this one, and does not stop it
+    ((run_id, why),) = refused
+    assert run_id == "other-agent" and why.startswith("SnapshotMismatch")
 
 
 def test_events_of_runs_not_driven_here_come_from_the_store(tmp_path: Path):

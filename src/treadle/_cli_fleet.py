@@ -137,6 +137,7 @@ def worker_command(
     agents = dict(_agent_factory(spec) for spec in agent_specs)
     exporter = _prometheus() if metrics_port is not None else None
     recorder = MetricsRecorder(outputs=(exporter,)) if exporter is not None else None
+    endpoint: str | None = None
 
     async def go() -> None:
         if early:
@@ -161,8 +162,8 @@ def worker_command(
                 ) as fleet:
                     served = ", ".join(sorted(agents))
                     click.echo(f"worker {fleet.owner} serves {served} from {redact(store_path)}")
-                    if exporter is not None and metrics_port is not None:
-                        _serve_metrics(exporter, metrics_port, metrics_host)
+                    if endpoint is not None:
+                        click.echo(f"metrics at {endpoint}")
                     sys.stdout.flush()  # a supervisor waits for this line
                     await _until_stopped(signals, early, drain_s)
                 stats = fleet.statistics()
@@ -172,6 +173,8 @@ def worker_command(
         )
 
     try:
+        if exporter is not None:  # bound before the worker claims anything
+            endpoint = _serve_metrics(exporter, metrics_port, metrics_host)
         run_async(go)
     finally:
         if exporter is not None:
@@ -189,12 +192,17 @@ def _prometheus() -> PrometheusOutput:
     return PrometheusOutput()
 
 
-def _serve_metrics(exporter: PrometheusOutput, port: int, host: str) -> None:
+def _serve_metrics(exporter: PrometheusOutput, port: int | None, host: str) -> str:
+    """Serve ``exporter``; return its URL.
+
+    Raises:
+        click.ClickException: the address cannot be bound.
+    """
     try:
-        bound = exporter.serve(port, host)
+        bound = exporter.serve(port or 0, host)
     except OSError as exc:
         raise click.ClickException(f"cannot serve metrics on {host}:{port}: {exc}") from exc
-    click.echo(f"metrics at http://{host}:{bound}/metrics")
+    return f"http://{host}:{bound}/metrics"
 
 
 async def _until_stopped(signals: AsyncIterator[int], early: list[int], drain_s: float) -> None:

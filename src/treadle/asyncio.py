@@ -30,7 +30,7 @@ from typing import Any, Final, TypeVar
 import attrs
 import trio
 
-from treadle._exceptions import RunLeased, UsageError
+from treadle._exceptions import RunLeased, TreadleError, UsageError
 from treadle._ids import check_run_id, new_run_id
 from treadle.actors.writer import stored_events
 from treadle.agent import Agent, RunInput
@@ -41,7 +41,7 @@ from treadle.stores._codec import record_to_dict
 from treadle.stores._leases import LEASE_TTL_S
 from treadle.supervisors.fleet import wait_result
 from treadle.supervisors.run import PARK_AFTER_S, RunHandle, open_run
-from treadle.types import ApprovalDecided, Event, Liveness, RunResult
+from treadle.types import ApprovalDecided, Event, Liveness, RunResult, RunState
 
 T = TypeVar("T")
 
@@ -292,29 +292,42 @@ class _Host:
         self, input: RunInput | None, run_id: str, *, task_status: trio.TaskStatus[str]
     ) -> None:
         handle: RunHandle | None = None
+        started = False
         try:
             async with open_run(
                 self.agent, input, store=self.store, run_id=run_id, **self.options
             ) as handle:
+                if handle.state is RunState.INTERRUPTED:  # it could not start (a mismatch)
+                    await handle.wait()  # raises its error, to the caller of start
                 self.handles[run_id] = handle
                 task_status.started(run_id)
+                started = True
             await handle.wait()
         except Exception as exc:
-            if handle is None:
-                raise  # to the caller of start (nothing was driven)
-            _LOG.warning("run %r stopped unfinished: %s", run_id, exc)
+            if not started:
+                raise  # to the caller of start (nothing is driven)
+            assert handle is not None
+            if handle.left is not None:  # drained or parked: it resumes from its log
+                _LOG.info("run %r left %s: it resumes from its log", run_id, handle.left)
+            else:
+                _LOG.warning("run %r stopped unfinished: %s", run_id, exc)
         finally:
             if handle is not None and self.handles.get(run_id) is handle:
                 del self.handles[run_id]
 
-    async def resume_unfinished(self) -> tuple[str, ...]:
+    async def resume_unfinished(self) -> tuple[tuple[str, ...], tuple[tuple[str, str], ...]]:
+        """Resume the store's unfinished runs: ``(resumed ids, (id, why not) pairs)``."""
         resumed: list[str] = []
+        refused: list[tuple[str, str]] = []
         for run_id in await self._unfinished():
             try:
                 resumed.append(await self.start(None, run_id))
             except RunLeased as exc:
                 _LOG.info("run %r is driven elsewhere: %s", run_id, exc)
-        return tuple(resumed)
+            except TreadleError as exc:  # another agent's run, a damaged log: the others go on
+                _LOG.warning("run %r cannot be resumed here: %s", run_id, exc)
+                refused.append((run_id, f"{type(exc).__name__}: {exc}"))
+        return tuple(resumed), tuple(refused)
 
     async def _unfinished(self) -> list[str]:
         store = self.store
@@ -387,11 +400,15 @@ class Runs:
     Attributes:
         portal: the portal the runs live behind (for calls of your own into trio).
         resumed: the run ids resumed when the block opened (``resume=True``).
+        not_resumed: unfinished runs that could not be resumed then, each with the error
+            (``SnapshotMismatch: ...`` for a run of another agent definition, say); a run
+            another live driver holds is in neither.
     """
 
     portal: TrioPortal
     _host: _Host
     resumed: tuple[str, ...] = ()
+    not_resumed: tuple[tuple[str, str], ...] = ()
 
     async def start(self, input: RunInput | None = None, *, run_id: str | None = None) -> str:
         """Start a run on ``input`` (or resume the unfinished ``run_id``) in the background.
@@ -476,7 +493,8 @@ async def open_runs(
         agent: the agent definition of every run.
         store: opens the store inside trio (``lambda: treadle.open_sqlite_store(path)``).
         resume: resume every unfinished run of the store that no other live driver holds,
-            before the block starts (after a restart of the application).
+            before the block starts (after a restart of the application); those that fail
+            to resume (`Runs.not_resumed`) are logged and left as they are.
         owner: the lease owner id (default ``host:pid:random``). An application restarted
             under the owner id of its dead predecessor resumes its runs at once instead of
             waiting for their leases to expire: use a fixed one only for a single instance
@@ -532,8 +550,8 @@ async def open_runs(
 
         host = await portal.call(begin)
         try:
-            resumed = await portal.call(host.resume_unfinished) if resume else ()
-            yield Runs(portal=portal, host=host, resumed=resumed)
+            resumed, refused = await portal.call(host.resume_unfinished) if resume else ((), ())
+            yield Runs(portal=portal, host=host, resumed=resumed, not_resumed=refused)
         finally:
             await asyncio.shield(portal.call(end))
 
