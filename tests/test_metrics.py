@@ -337,7 +337,16 @@ def _sum(points, **attributes) -> float:
     return sum(p.value for p in points if attributes.items() <= dict(p.attributes).items())
 
 
-async def test_opentelemetry_metrics_report_the_same_figures(tmp_path: Path):
+@pytest.fixture(params=["sqlite", "postgres"])
+def open_store(request, tmp_path: Path):
+    if request.param == "sqlite":
+        return lambda: open_sqlite_store(tmp_path / "runs.db")
+    dsn = request.getfixturevalue("postgres_dsn")
+    schema = request.getfixturevalue("postgres_schema")
+    return lambda: treadle.open_postgres_store(dsn, schema=schema)
+
+
+async def test_opentelemetry_metrics_report_the_same_figures(open_store):
     from opentelemetry.sdk.metrics import MeterProvider
     from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 
@@ -348,7 +357,7 @@ async def test_opentelemetry_metrics_report_the_same_figures(tmp_path: Path):
     recorder = MetricsRecorder(outputs=(OpenTelemetryMetrics(meter=provider.get_meter("t")),))
     with trio.fail_after(60):
         async with (
-            open_sqlite_store(tmp_path / "runs.db") as store,
+            open_store() as store,
             treadle.open_fleet(
                 store,
                 {"calc": _agent},
