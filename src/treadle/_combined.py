@@ -173,7 +173,7 @@ class CombinedTools:
 
         ``None`` when the owner has no ``timeout_s`` method (or ``tool`` is unknown): the
         library then applies `treadle.Limits.tool_timeout_s` and times the call out itself,
-        as for such an executor alone (docs/seams.md, "3. Action executor — `ActionExecutor`").
+        as for such an executor alone (docs/seams.md, "Action executor").
         """
         found = self._ask(tool, "timeout_s")
         return None if found is None else found[0](found[1])
