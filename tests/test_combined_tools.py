@@ -7,8 +7,12 @@ kit's (`CrashingStore`, `CrashingExecutor`) at every write and in the middle of 
 
 from __future__ import annotations
 
+import contextlib
 import inspect
-import json
+import os
+import signal
+import subprocess
+import sys
 from collections.abc import Awaitable
 from pathlib import Path
 from typing import Any
@@ -16,7 +20,14 @@ from typing import Any
 import pytest
 import trio
 from tests.fixtures import mcp_server
-from tests.fixtures.mcp_driver import http_server
+from tests.fixtures.mcp_driver import (
+    ROOT,
+    drive,
+    http_server,
+    local_tools,
+    read_ledger,
+    stdio_server,
+)
 
 import treadle
 from treadle import ActionStatus, ReplayPolicy, Toolbox, ToolContext, UsageError, tool
@@ -44,12 +55,6 @@ def _action(tool_name: str, intent_id: str = "r/s1/a1", **arguments: Any) -> Act
     return Action(
         run_id="r", step=1, intent_id=intent_id, call_id="c", tool=tool_name, arguments=arguments
     )
-
-
-def _ledger(path: Path) -> list[dict[str, Any]]:
-    if not path.exists():
-        return []
-    return [json.loads(line) for line in path.read_text().splitlines()]
 
 
 # --------------------------------------------------------------------------- local parts
@@ -253,7 +258,7 @@ async def test_the_combination_keeps_the_executor_contract(tmp_path):
         await check_action_executor(combined, sample=_action("lookup", key="k"))
         nested = treadle.combine_tools(combined, ("more_", Toolbox([save])))
         await check_action_executor(nested, sample=sample)
-    assert [e["tool"] for e in _ledger(tmp_path / "ledger")].count("tag") >= 2
+    assert [e["tool"] for e in read_ledger(tmp_path / "ledger")].count("tag") >= 2
 
 
 async def test_two_sessions_of_one_server_clash_until_prefixed(tmp_path):
@@ -269,37 +274,12 @@ async def test_two_sessions_of_one_server_clash_until_prefixed(tmp_path):
         assert (await combined.execute(_action("b_tag", "k-b", item="y"))).observation == (
             "tagged y"
         )
-    assert [(e["tool"], e["key"]) for e in _ledger(tmp_path / "ledger")] == [("tag", "k-b")]
+    assert [(e["tool"], e["key"]) for e in read_ledger(tmp_path / "ledger")] == [("tag", "k-b")]
 
 
 # --------------------------------------------------------------------------- runs and crashes
 
 RUN = "Note that acme pays, and charge acme 250 cents."
-
-
-def _local(ledger: Path) -> Toolbox:
-    """``note``: a ``never`` tool that records each execution, with a reconcile hook."""
-
-    async def reconcile_note(action: Action) -> ActionOutcome | None:
-        for entry in _ledger(ledger):
-            if entry["key"] == action.intent_id:
-                return ActionOutcome(status=ActionStatus.EXECUTED, observation=entry["result"])
-        return None
-
-    @tool(reconcile=reconcile_note)
-    async def note(text: str, ctx: ToolContext) -> str:
-        """Write a note (an effect that must happen at most once)."""
-        result = f"noted {text}"
-        line = json.dumps({"tool": ctx.tool, "key": ctx.intent_id, "result": result})
-        await trio.to_thread.run_sync(_append, ledger, line)
-        return result
-
-    return Toolbox([note])
-
-
-def _append(path: Path, line: str) -> None:
-    with path.open("a", encoding="utf-8") as f:
-        f.write(line + "\n")
 
 
 def _mixed_agent(executor: Any) -> treadle.Agent:
@@ -328,7 +308,7 @@ async def _run_mixed(
 ) -> treadle.RunResult:
     options = {"charge": McpToolOptions(timeout_s=20)}
     async with open_mcp_tools(url, prefix="bank_", tools=options) as bank:
-        executor: Any = treadle.combine_tools(_local(local), bank)
+        executor: Any = treadle.combine_tools(local_tools(local), bank)
         if wrap is not None:
             executor = wrap(executor)
         return await treadle.run(
@@ -354,8 +334,8 @@ async def test_one_step_calls_a_local_and_an_mcp_tool(tmp_path):
         "charged 250 cents to acme",
     )
     intents = {r.call_id: r.intent_id for r in log.records if isinstance(r, ActionIntent)}
-    assert [e["key"] for e in _ledger(local)] == [intents["c1"]]
-    assert [(e["tool"], e["key"]) for e in _ledger(remote)] == [("charge", intents["c2"])]
+    assert [e["key"] for e in read_ledger(local)] == [intents["c1"]]
+    assert [(e["tool"], e["key"]) for e in read_ledger(remote)] == [("charge", intents["c2"])]
     assert [t["name"] for t in log.started.snapshot["tools"]] == [
         "note",
         "bank_lookup",
@@ -391,7 +371,7 @@ async def _crash_then_resume(url: str, tmp_path: Path, name: str, crash: Any) ->
     Returns what resume did: ``"reconciled"`` (the local call), ``"unknown"`` (the MCP call).
     """
     local, db = tmp_path / f"{name}.local", tmp_path / f"{name}.db"
-    remote_before = len(_ledger(tmp_path / "remote"))
+    remote_before = len(read_ledger(tmp_path / "remote"))
     async with open_store("sqlite", db) as store:
         crashing, wrap = crash(store)
         await _crashes(_run_mixed(url, crashing, name, local, wrap=wrap))
@@ -402,17 +382,17 @@ async def _crash_then_resume(url: str, tmp_path: Path, name: str, crash: Any) ->
     assert result.state.value == "succeeded", name
     intents = {r.call_id: r.intent_id for r in log.records if isinstance(r, ActionIntent)}
     remote = [
-        e for e in _ledger(tmp_path / "remote")[remote_before:] if e["key"] in intents.values()
+        e for e in read_ledger(tmp_path / "remote")[remote_before:] if e["key"] in intents.values()
     ]
     # nothing ran twice, and nothing ran without its durable intent
-    for entries in (_ledger(local), remote):
+    for entries in (read_ledger(local), remote):
         keys = [e["key"] for e in entries]
         assert len(keys) == len(set(keys)), f"{name}: ran twice: {keys}"
         assert set(keys) <= set(intents.values()), f"{name}: ran without an intent"
     results = _by_call(log)
     assert set(results) == {"c1", "c2"}, name
     done = {r.call_id for r in survived.records if isinstance(r, ActionResult)}
-    for call_id, ran in (("c1", _ledger(local)), ("c2", remote)):
+    for call_id, ran in (("c1", read_ledger(local)), ("c2", remote)):
         outcome = results[call_id].outcome
         if call_id in done or outcome.status is ActionStatus.EXECUTED:
             assert len(ran) == 1, f"{name}: {call_id} executed, so it ran once"
@@ -477,8 +457,8 @@ async def test_a_crash_after_both_calls_ran_reconciles_the_local_one_only(tmp_pa
     assert results["c1"].reconciled
     assert results["c1"].outcome.observation == "noted acme pays"
     assert results["c2"].outcome.status is ActionStatus.UNKNOWN
-    assert len(_ledger(local)) == 1
-    assert [e["tool"] for e in _ledger(tmp_path / "remote")] == ["charge"]
+    assert len(read_ledger(local)) == 1
+    assert [e["tool"] for e in read_ledger(tmp_path / "remote")] == ["charge"]
 
 
 class _DieAfterBoth:
@@ -505,3 +485,59 @@ class _DieAfterBoth:
 
     async def reconcile(self, action: Action) -> ActionOutcome | None:
         return await self.inner.reconcile(action)  # type: ignore[no-any-return]
+
+
+def _kill_mixed_driver(store: Path, run_id: str, ledger: Path, local: Path) -> None:
+    """Start the mixed driver (stdio server), wait until its step's local call has run and its
+    MCP call is in flight (both say so on the driver's stderr), SIGKILL it."""
+    args = [sys.executable, "-m", "tests.fixtures.mcp_driver", str(store), run_id, "stdio"]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), str(ROOT)])}
+    driver = subprocess.Popen(
+        [*args, str(ledger), f"--mixed={local}"],
+        cwd=ROOT,
+        env=env,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert driver.stderr is not None
+        waiting = {"NOTED", "IN FLIGHT"}
+        for line in driver.stderr:  # bounded: the tools write the lines, or the stream ends
+            waiting -= {w for w in waiting if line.startswith(w + " ")}
+            if not waiting:
+                break
+        else:
+            pytest.fail(f"the step never got both calls going: {waiting} missing")
+        driver.send_signal(signal.SIGKILL)
+        assert driver.wait() == -signal.SIGKILL
+    finally:
+        driver.kill()
+        driver.wait()
+        if driver.stderr is not None:
+            driver.stderr.close()
+
+
+async def test_a_killed_process_resumes_a_mixed_step_without_repeating_either_call(tmp_path):
+    """A real SIGKILL while the step's MCP call is in flight and its local call is done:
+    the resumed run (a new process's view, a new session) asks the local part's hook and
+    sends nothing to the server again."""
+    ledger, local, store = tmp_path / "ledger", tmp_path / "local", tmp_path / "runs.db"
+    try:
+        _kill_mixed_driver(store, "run-mixed-kill", ledger, local)
+        assert [e["tool"] for e in read_ledger(ledger)] == ["hang"]
+        assert len(read_ledger(local)) == 1
+        await drive(str(store), "run-mixed-kill", stdio_server(ledger), local=local)
+        async with open_store("sqlite", store) as reopened:
+            log = await reopened.read_log("run-mixed-kill")
+    finally:
+        for entry in read_ledger(ledger):  # the killed driver's server may outlive it
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(entry["pid"], signal.SIGKILL)
+    assert log.finished is not None and log.finished.state.value == "succeeded"
+    results = _by_call(log)
+    assert results["c1"].reconciled and results["c1"].outcome.observation == "noted j1 started"
+    assert results["c2"].outcome.status is ActionStatus.UNKNOWN
+    assert not results["c2"].reconciled
+    intents = {r.call_id: r.intent_id for r in log.records if isinstance(r, ActionIntent)}
+    assert [e["key"] for e in read_ledger(local)] == [intents["c1"]]
+    assert [(e["tool"], e["key"]) for e in read_ledger(ledger)] == [("hang", intents["c2"])]
