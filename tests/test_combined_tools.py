@@ -249,6 +249,26 @@ async def test_a_stale_write_check_holds_across_parts():
 # --------------------------------------------------------------------------- with MCP
 
 
+async def test_an_mcp_parts_policies_reach_the_snapshot_under_the_combined_names(tmp_path):
+    server = mcp_server.make_server(str(tmp_path / "ledger"))
+    options = {
+        "charge": McpToolOptions(secret_arguments=("account",), requires_approval=True),
+        "lookup": McpToolOptions(replay=SAFE, timeout_s=2),
+    }
+    async with open_mcp_tools(server, tools=options, include=["charge", "lookup"]) as remote:
+        combined = treadle.combine_tools(Toolbox([send]), ("bank_", remote))
+        snapshot = _agent(combined).snapshot()
+        assert combined.requires_approval("bank_charge") and combined.requires_approval("send")
+        assert (combined.replay_policy("bank_lookup"), combined.timeout_s("bank_lookup")) == (
+            SAFE,
+            2,
+        )
+        refused = combined.invalid_arguments("bank_charge", {"account": "a", "cents": 0})
+    assert refused == "invalid arguments: cents: 0 is less than the minimum of 1"
+    assert snapshot["secret_arguments"] == {"send": ["token"], "bank_charge": ["account"]}
+    assert [t["name"] for t in snapshot["tools"]] == ["send", "bank_lookup", "bank_charge"]
+
+
 async def test_the_combination_keeps_the_executor_contract(tmp_path):
     server = mcp_server.make_server(str(tmp_path / "ledger"))
     async with open_mcp_tools(server, include=["lookup", "tag"]) as remote:
@@ -271,6 +291,7 @@ async def test_two_sessions_of_one_server_clash_until_prefixed(tmp_path):
             treadle.combine_tools(one, two)
         combined = treadle.combine_tools(("a_", one), ("b_", two))
         assert [s.name for s in combined.tool_specs()] == ["a_tag", "b_lookup", "b_tag"]
+        assert combined.timeout_s("b_tag") == two.timeout_s("tag") == 30
         assert (await combined.execute(_action("b_tag", "k-b", item="y"))).observation == (
             "tagged y"
         )

@@ -35,7 +35,7 @@ ToolPart: TypeAlias = ActionExecutor | tuple[str, ActionExecutor]
 _NAME: Final = re.compile(r"\A[A-Za-z0-9_-]{1,64}\Z")
 
 
-@attrs.frozen
+@attrs.frozen(kw_only=True)
 class _Route:
     """Where a combined tool name goes: the part's index and the tool's name there."""
 
@@ -198,8 +198,7 @@ class CombinedTools:
             await trio.lowlevel.checkpoint()
             known = ", ".join(self._routes) or "none"
             return _not_executed(f"unknown tool {action.tool!r}; the known tools are: {known}")
-        executor = self._parts[route.index][1]
-        return await executor.execute(attrs.evolve(action, tool=route.name))
+        return await self._parts[route.index][1].execute(_renamed(action, route.name))
 
     async def reconcile(self, action: Action) -> ActionOutcome | None:
         """Ask the owner what an interrupted call did (``None`` for a tool no part offers).
@@ -211,8 +210,12 @@ class CombinedTools:
         if route is None:
             await trio.lowlevel.checkpoint()
             return None
-        executor = self._parts[route.index][1]
-        return await executor.reconcile(attrs.evolve(action, tool=route.name))
+        return await self._parts[route.index][1].reconcile(_renamed(action, route.name))
+
+
+def _renamed(action: Action, name: str) -> Action:
+    """``action`` as its owner knows it: under the tool's name in that part."""
+    return action if action.tool == name else attrs.evolve(action, tool=name)
 
 
 def combine_tools(*parts: ToolPart) -> CombinedTools:
