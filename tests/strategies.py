@@ -93,6 +93,22 @@ tool_specs = _build(t.ToolSpec, name=ids, description=texts, parameters=json_obj
 output_formats = _build(
     t.OutputFormat, name=ids, schema=json_objects, strict=st.booleans(), description=texts
 )
+context_useds = _build(
+    t.ContextUsed,
+    window=counts,
+    budget=counts,
+    estimated_input_tokens=counts,
+    counted_tokens=counts,
+    verbatim_from=maybe_counts,
+    summary_intent_id=st.none() | ids,
+    summary_through=maybe_counts,
+    marked=counts,
+    marked_from=maybe_counts,
+    marked_to=maybe_counts,
+    truncated=counts,
+    forced=st.booleans(),
+    unfit=st.booleans(),
+)
 model_requests = _build(
     t.ModelRequest,
     messages=_tuples(messages),
@@ -101,6 +117,7 @@ model_requests = _build(
     max_output_tokens=maybe_counts,
     params=json_objects,
     output=st.none() | output_formats,
+    context=st.none() | context_useds,
 )
 usages = _build(
     t.Usage,
@@ -214,7 +231,13 @@ run_starteds = _build(
     fork_step=st.none() | counts,
 )
 model_intents = _build(
-    t.ModelIntent, run_id=ids, step=counts, intent_id=ids, attempt=counts, ts=timestamps
+    t.ModelIntent,
+    run_id=ids,
+    step=counts,
+    intent_id=ids,
+    attempt=counts,
+    ts=timestamps,
+    compaction=st.booleans(),
 )
 model_results = _build(
     t.ModelResult,
@@ -228,6 +251,8 @@ model_results = _build(
     latency_s=maybe_seconds,
     usage=usages,
     surrogates_replaced=counts,
+    context=st.none() | context_useds,
+    summary_through=maybe_counts,
 )
 action_intents = _build(
     t.ActionIntent,

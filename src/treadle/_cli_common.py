@@ -139,9 +139,16 @@ def describe(record: Record) -> tuple[str, str]:
         origin = lineage_text(record)
         return "run started", clip(f"{origin} · {first}" if origin else first)
     if isinstance(record, ModelIntent):
+        if record.compaction:
+            return "summary call started", f"attempt {record.attempt}"
         return "model call started", f"attempt {record.attempt}"
     if isinstance(record, ModelResult):
-        return "model call finished", model_detail(record)
+        if record.summary_through is not None:
+            return "summary written", f"steps 1-{record.summary_through}: " + model_detail(record)
+        detail = model_detail(record)
+        if record.context is not None:
+            detail += " · " + context_detail(record)
+        return "model call finished", detail
     if isinstance(record, ActionIntent):
         args = json.dumps(dict(record.arguments), ensure_ascii=False)
         return "action requested", clip(f"{record.tool}({args})")
@@ -219,6 +226,33 @@ def call_text(request: ApprovalRequested) -> str:
 def counted(count: object, one: str, many: str | None = None) -> str:
     """``"1 step"``, ``"2 steps"``: ``count`` with ``one`` or ``many`` (default ``one + "s"``)."""
     return f"{count} {one if count == 1 else (many or one + 's')}"
+
+
+def context_detail(record: ModelResult) -> str:
+    """The context a model call was given, in one line (docs/context.md, "The record")."""
+    context = record.context
+    if context is None:
+        return ""
+    parts = [f"context {context.estimated_input_tokens} est"]
+    if record.usage.input_tokens is not None:
+        parts[0] += f" / {record.usage.input_tokens} reported"
+    parts[0] += f" of {context.budget} tokens"
+    if context.verbatim_from is not None:
+        parts.append(f"steps {context.verbatim_from}- verbatim")
+    if context.summary_intent_id is not None:
+        parts.append(f"summary of 1-{context.summary_through} ({context.summary_intent_id})")
+    if context.marked:
+        parts.append(
+            f"{context.marked} observations of steps {context.marked_from}-{context.marked_to}"
+            " elided"
+        )
+    if context.truncated:
+        parts.append(f"{context.truncated} cut to fit")
+    if context.forced:
+        parts.append("compacted after a context-length refusal")
+    if context.unfit:
+        parts.append("over budget: what cannot be cut does not fit")
+    return ", ".join(parts)
 
 
 def model_detail(record: ModelResult) -> str:

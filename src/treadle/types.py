@@ -258,6 +258,9 @@ class ModelRequest:
         params: other sampling parameters in the provider's own form (temperature,
             ``reasoning_effort``, ...), already merged from the definition.
         output: the native structured output asked for, ``None`` for free text.
+        context: what the context budget did to build this request (never sent to the
+            provider; the gateway copies it into the attempt's `ModelResult`), ``None``
+            when the agent declares no context window (docs/context.md).
     """
 
     messages: tuple[Message, ...]
@@ -266,6 +269,51 @@ class ModelRequest:
     max_output_tokens: int | None = None
     params: Mapping[str, JSONValue] = attrs.field(factory=dict)
     output: OutputFormat | None = None
+    context: ContextUsed | None = None
+
+
+@attrs.frozen(kw_only=True)
+class ContextUsed:
+    """The context one model request was given, as ranges and ids (docs/context.md, "The record").
+
+    Its size does not grow with the run's length: steps are named by ranges, the summary by
+    its intent id, elided observations by a count and a step range.
+
+    Attributes:
+        window: the agent's context window, tokens.
+        budget: the input tokens the request may use: the window less the output cap and
+            the safety margin.
+        estimated_input_tokens: the request's size as the budget counted it, tokens
+            (calibrated from reported usage; the exact reported size of the previous
+            request's prefix when it is one).
+        counted_tokens: the token counter's own count of the request, before calibration.
+        verbatim_from: the first step sent verbatim (every later step is too); ``None``
+            when no step is sent.
+        summary_intent_id: the intent id of the summary sent in place of earlier steps,
+            ``None`` for none.
+        summary_through: the last step that summary covers.
+        marked: old observations replaced by a re-fetch marker.
+        marked_from / marked_to: the steps those observations belong to.
+        truncated: observations of the newest steps cut to fit (with a marker).
+        forced: built by a compaction after the provider refused the previous attempt
+            for its context length.
+        unfit: what cannot be cut (the instructions, the input, the summariser's prompt)
+            alone exceeds the budget: the request was sent over it.
+    """
+
+    window: int
+    budget: int
+    estimated_input_tokens: int
+    counted_tokens: int = 0
+    verbatim_from: int | None = None
+    summary_intent_id: str | None = None
+    summary_through: int | None = None
+    marked: int = 0
+    marked_from: int | None = None
+    marked_to: int | None = None
+    truncated: int = 0
+    forced: bool = False
+    unfit: bool = False
 
 
 @attrs.frozen(kw_only=True)
@@ -573,13 +621,19 @@ class RunStarted:
 
 @attrs.frozen(kw_only=True)
 class ModelIntent:
-    """Written (barrier) before a model request leaves. ``attempt`` counts from 1 per step."""
+    """Written (barrier) before a model request leaves. ``attempt`` counts from 1 per step.
+
+    Attributes:
+        compaction: the request asks for a summary of earlier steps (a compaction inside
+            the step, docs/context.md, "Summaries"), not for the step's reply.
+    """
 
     run_id: str
     step: int
     intent_id: str
     attempt: int
     ts: str
+    compaction: bool = False
 
 
 @attrs.frozen(kw_only=True)
@@ -598,6 +652,10 @@ class ModelResult:
         surrogates_replaced: surrogate code points replaced (a lone one by U+FFFD) in
             the reply or error the model client returned, so the log holds valid Unicode only
             (docs/crash-safety.md, "Text that is not Unicode").
+        context: the context the request was given (docs/context.md, "The record"); ``None``
+            without a context window.
+        summary_through: set on the result of a compaction: the last step its summary
+            (the reply's text) covers; ``None`` on a step's own attempts.
     """
 
     run_id: str
@@ -610,6 +668,8 @@ class ModelResult:
     latency_s: float | None = None
     usage: Usage = Usage()
     surrogates_replaced: int = 0
+    context: ContextUsed | None = None
+    summary_through: int | None = None
 
 
 @attrs.frozen(kw_only=True)

@@ -351,33 +351,23 @@ def test_a_record_kind_the_page_does_not_know_is_shown_by_its_fields():
     assert "&lt;b&gt;older turns&lt;/b&gt;" in html and "<b>older" not in html
 
 
-def test_a_thread_column_shows_when_runs_carry_threads():
-    """Runs of a store whose summaries carry a thread show it (the field is newer than this
-    console: it is read when present)."""
-    import attrs
-
-    from treadle._ui._app import Row, templates
-    from treadle.types import Liveness, RunSummary
-
-    @attrs.frozen(kw_only=True)
-    class ThreadedSummary(RunSummary):
-        thread: str | None = None
-
-    summary = ThreadedSummary(
-        run_id="r",
-        state=RunState.SUCCEEDED,
-        liveness=Liveness.FINISHED,
-        observed_at=0.0,
-        thread="support-<42>",
-    )
-    from treadle._ui._view import optional_field
-
-    row = Row(summary, "", 10, optional_field(summary, "thread", "thread_id"))
-    html = templates().get_template("_rows.html").render(rows=[row], threads=True)
-    assert "<td>support-&lt;42&gt;</td>" in html
-    assert "support-<42>" in row.search_text  # the search box finds runs by thread
-    plain = templates().get_template("_rows.html").render(rows=[row], threads=False)
-    assert "support-&lt;42&gt;</td>" not in plain
+async def test_the_list_and_a_run_page_show_threads_and_forks():
+    store = MemoryStore()
+    await treadle.run(markup_agent(), "read the page", store=store, run_id="chat")
+    await treadle.run(markup_agent(), "and again", store=store, thread_id="chat")
+    await treadle.run(markup_agent(), store=store, run_id="try", fork_of="chat", at_step=1)
+    async with client(store) as http:
+        listing = (await http.get("/")).text
+        continued = (await http.get("/runs/chat.2")).text
+        fork = (await http.get("/runs/try")).text
+        alone = (await http.get("/runs/chat")).text
+    assert "<th>thread</th>" in listing
+    assert "<td>chat</td>" in listing  # the thread's second run
+    assert "<td>fork of chat at step 1</td>" in listing
+    assert '<dd id="run-thread">chat</dd>' in continued
+    assert ">continues</dt>" in continued and 'href="/runs/chat"' in continued
+    assert ">forks</dt>" in fork and "at step 1" in fork
+    assert "run-continues" not in alone
 
 
 def test_a_port_in_use_is_a_clear_error(tmp_path):

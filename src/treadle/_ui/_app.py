@@ -128,7 +128,6 @@ def templates() -> jinja2.Environment:
         lstrip_blocks=True,
         undefined=jinja2.StrictUndefined,
     )
-    env.globals["optional_field"] = _view.optional_field
     env.globals["json_text"] = _view.json_text
     env.globals["CHART_WIDTH"] = _view.CHART_WIDTH
     return env
@@ -170,7 +169,8 @@ class _Console:
         self.store = store
         self.settings = settings
         self.env = env
-        self._tokens: dict[str, int | None] = {}  # finished runs only: they never change
+        # finished runs only (they never change): tokens, and the thread or fork text
+        self._tokens: dict[str, tuple[int | None, str | None]] = {}
 
     async def unreadable(self, request: Request, exc: Exception) -> Response:
         """A run the store cannot read (a damaged or too-new log): the error, said plainly."""
@@ -260,13 +260,12 @@ class _Console:
         summaries = await self.store.list_summaries()
         rows = []
         for summary in summaries:
-            tokens = self._tokens.get(summary.run_id)
+            tokens, thread = self._tokens.get(summary.run_id, (None, None))
             if summary.run_id not in self._tokens and summary.error is None:
                 log = await self.store.read_log(summary.run_id)
-                tokens = _view.run_tokens(log)
+                tokens, thread = _view.run_tokens(log), _view.run_thread(log)
                 if log.finished is not None:
-                    self._tokens[summary.run_id] = tokens
-            thread = _view.optional_field(summary, "thread", "thread_id")
+                    self._tokens[summary.run_id] = (tokens, thread)
             rows.append(Row(summary, driver_text(summary), tokens, thread))
         return rows
 

@@ -353,13 +353,17 @@ def run_tokens(log: RunLog) -> int | None:
     return sum(counts) if counts else None
 
 
-def optional_field(record: object, *names: str) -> Any:
-    """The first of ``names`` that ``record`` has and sets (fields newer versions add)."""
-    for name in names:
-        value = getattr(record, name, None)
-        if value:
-            return value
-    return None
+def run_thread(log: RunLog) -> str | None:
+    """What the runs list shows of a run's thread: its thread id, or the run and step it forks.
+
+    ``None`` for a run that neither continues a thread nor forks one (docs/threads.md).
+    """
+    started = log.started
+    if started is None:
+        return None
+    if started.fork_step is not None and started.continues is not None:
+        return f"fork of {started.continues} at step {started.fork_step}"
+    return started.thread
 
 
 def json_text(value: Mapping[str, Any] | None) -> str:

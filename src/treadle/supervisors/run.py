@@ -28,6 +28,7 @@ from typing import Any, Protocol, TypeVar
 import attrs
 import trio
 
+from treadle._budget import DEFAULT_SUMMARY_PROMPT
 from treadle._clock import Clock, SystemClock
 from treadle._exceptions import LeaseError, RunInterrupted, SnapshotMismatch, StoreError, UsageError
 from treadle._ids import check_run_id, new_run_id
@@ -284,6 +285,11 @@ def real_hydrator(context: ActorContext) -> ContextHydrator:
         params=agent.params,
         synthetic=agent.synthetic,
         output=agent.output.request_format() if agent.output is not None else None,
+        context_window=agent.context_window,
+        margin_tokens=agent.margin_tokens,
+        token_counter=agent.token_counter,
+        summary_prompt=agent.summary_prompt or DEFAULT_SUMMARY_PROMPT,
+        summary_model=agent.summary_model,
         store=context.store,
     )
 
@@ -299,6 +305,7 @@ def real_gateway(context: ActorContext) -> ModelGateway:
         limits=agent.limits,
         budgets=agent.budgets,
         rng=context.rng,
+        summariser=agent.summariser,
     )
 
 
@@ -335,6 +342,7 @@ def real_coordinator(context: CoordinatorContext) -> RunCoordinator:
         output=agent.output,
         park_after_s=context.park_after_s,
         carried_active_s=context.carried_active_s,
+        compaction=agent.context_window is not None,
     )
 
 

@@ -132,6 +132,28 @@ class FaultPlan:
         )
 
     @classmethod
+    def compaction(cls) -> FaultPlan:
+        """The faults that meet compaction: for `treadle.testing.windowed.ContextScenario`.
+
+        Crashes at any write (so at every write of a summary's intent and result), failed
+        store writes, lease takeovers, latency, retryable provider errors (a summary call
+        retried), and ``model_context_length``: the provider's real window is smaller than
+        the agent declares, so it refuses requests and the step compacts and retries
+        (docs/context.md, "Context-length errors"). Every log is checked by
+        `treadle.testing.invariants.check_context` besides the usual invariants.
+        """
+        return cls(
+            rates={
+                "crash": 0.7,
+                "store_error": 0.1,
+                "takeover": 0.1,
+                "latency": 0.2,
+                "model_5xx": 0.05,
+                "model_context_length": 0.3,
+            }
+        )
+
+    @classmethod
     def threads(cls) -> FaultPlan:
         """The default plan with every simulated run continuing a thread.
 
