@@ -92,6 +92,9 @@ class CombinedTools:
 
     The parts' tool lists are read once, when combined: a part whose list changes later is
     not followed (the list is part of the parameter snapshot, docs/crash-safety.md, "Resume").
+
+    Raises:
+        UsageError: when built, for a name clash or a bad name, as `combine_tools` says.
     """
 
     def __init__(self, parts: Sequence[tuple[str, ActionExecutor]]) -> None:
