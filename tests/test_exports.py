@@ -38,6 +38,8 @@ TREADLE = sorted(
         "AnthropicMessagesClient",
         "Budgets",
         "Clock",
+        "CombinedTools",
+        "combine_tools",
         "ConflictError",
         "EnvironmentFailure",
         "Event",

@@ -31,6 +31,8 @@ if TYPE_CHECKING:  # each name loads with its module on first use (docs/design.m
     from treadle._clock import Clock as Clock
     from treadle._clock import FixedStepClock as FixedStepClock
     from treadle._clock import SystemClock as SystemClock
+    from treadle._combined import CombinedTools as CombinedTools
+    from treadle._combined import combine_tools as combine_tools
     from treadle.agent import Agent as Agent
     from treadle.agent import RunInput as RunInput
     from treadle.models.anthropic import AnthropicMessagesClient as AnthropicMessagesClient
@@ -93,6 +95,7 @@ __getattr__ = lazy_names(
         "AnthropicMessagesClient": "treadle.models.anthropic",
         "Budgets": "treadle.types",
         "Clock": "treadle._clock",
+        "CombinedTools": "treadle._combined",
         "EnvironmentFailure": "treadle.tools",
         "Event": "treadle.types",
         "EventKind": "treadle.types",
@@ -129,6 +132,7 @@ __getattr__ = lazy_names(
         "Usage": "treadle.types",
         "agent_tool": "treadle.supervisors.children",
         "child_run_id": "treadle.supervisors.children",
+        "combine_tools": "treadle._combined",
         "finish_cancelled": "treadle.supervisors.finishing",
         "history": "treadle.supervisors.threads",
         "open_fleet": "treadle.supervisors.fleet",
@@ -152,6 +156,7 @@ __all__ = [
     "AnthropicMessagesClient",
     "Budgets",
     "Clock",
+    "CombinedTools",
     "ConflictError",
     "EnvironmentFailure",
     "Event",
@@ -201,6 +206,7 @@ __all__ = [
     "UsageError",
     "agent_tool",
     "child_run_id",
+    "combine_tools",
     "finish_cancelled",
     "history",
     "open_fleet",

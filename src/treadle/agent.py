@@ -40,7 +40,9 @@ class Agent:
 
     Attributes:
         model: the model client (seam 1); one call is one HTTP attempt.
-        executor: the action executor (seam 3), e.g. a `treadle.tools.Toolbox`.
+        executor: the action executor (seam 3), e.g. a `treadle.tools.Toolbox`, or several
+            executors' tools as one with `treadle.combine_tools` (docs/concepts.md,
+            "Several tool sources").
         parser: the decision parser (seam 2).
         model_name: the provider's model name, sent with every request.
         system_prompt: the system message, element 0 of every request; ``None`` for none.

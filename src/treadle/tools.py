@@ -17,6 +17,9 @@ A tool is a typed function, ``async def`` or plain ``def``::
 
     toolbox = Toolbox([get_weather, read_file, render])
 
+Tools from elsewhere (an MCP server's, another executor's) join a toolbox's in one executor
+with `treadle.combine_tools` (docs/concepts.md, "Several tool sources").
+
 What each kind guarantees when a call is cancelled or runs out of time is in
 docs/concepts.md, "Tools and cancellation": an ``async def`` tool gets a trio cancellation;
 a plain ``def`` tool runs in a worker thread the run abandons; a process tool is killed.
@@ -537,6 +540,9 @@ def _stale(found: Tool, resource: str | None, seen: int | None, exc: StaleWrite)
 
 class Toolbox:
     """The default action executor: a fixed set of tools (`treadle.ports.ActionExecutor`).
+
+    To offer other executors' tools beside these (an MCP server's), combine them:
+    ``combine_tools(toolbox, mcp_tools)`` (docs/concepts.md, "Several tool sources").
 
     Args:
         tools: the tools, in the order they are offered to the model.

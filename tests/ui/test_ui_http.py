@@ -20,7 +20,7 @@ from treadle.cli import main
 from treadle.stores.memory import MemoryStore
 from treadle.supervisors.run import open_run
 from treadle.testing.scripted import ScriptedModel, call, say
-from treadle.types import ApprovalDecided, CancelRequested, RunState, StopReason
+from treadle.types import ApprovalDecided, CancelRequested, ModelResult, RunState, StopReason
 
 TOKEN = "t0ken-for-tests"
 BASE = "http://127.0.0.1:8765"
@@ -368,6 +368,26 @@ async def test_the_list_and_a_run_page_show_threads_and_forks():
     assert ">continues</dt>" in continued and 'href="/runs/chat"' in continued
     assert ">forks</dt>" in fork and "at step 1" in fork
     assert "run-continues" not in alone
+
+
+async def test_a_run_page_shows_summaries_and_the_context_each_request_was_given():
+    from treadle.testing.windowed import WindowedModel, windowed_agent
+
+    store = MemoryStore()
+    model = WindowedModel(window=1200, goal=30)
+    await treadle.run(windowed_agent(model, window=1200), "count", store=store, run_id="long")
+    log = await store.read_log("long")
+    summaries = [r for r in log.records if isinstance(r, ModelResult) and r.summary_through]
+    assert summaries  # a run this long compacts
+    async with client(store) as http:
+        page = (await http.get("/runs/long")).text
+    assert page.count('<span class="mark summary">summary</span>') == len(summaries)
+    assert f"(steps through {summaries[0].summary_through})" in page
+    assert "earlier steps summarized" in page
+    assert page.count('class="context dim"') == sum(
+        1 for r in log.records if isinstance(r, ModelResult) and r.context is not None
+    )
+    assert f"summary of steps through {summaries[-1].summary_through}" in page
 
 
 def test_a_port_in_use_is_a_clear_error(tmp_path):

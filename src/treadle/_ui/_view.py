@@ -121,7 +121,7 @@ class Block:
 
     @property
     def marks(self) -> list[str]:
-        """Short marks for the step header: repairs, truncation, unknown outcomes."""
+        """Short marks for the step header: repairs, truncation, summaries, unknown outcomes."""
         marks = []
         record = self.step_record
         if record is not None:
@@ -130,6 +130,14 @@ class Block:
                 marks.append(f"observations truncated by {record.observation_truncated_chars}")
         if any(a.truncated for a in self.attempts):
             marks.append("reply truncated")
+        summaries = [a for a in self.attempts if a.intent.compaction]
+        if summaries:
+            marks.append("earlier steps summarized")
+        context = [a.result.context for a in self.attempts if a.result and a.result.context]
+        if any(c.marked for c in context):
+            marks.append("old observations elided")
+        if any(c.truncated for c in context):
+            marks.append("observations truncated to fit")
         if any(a.outcome_unknown for a in self.attempts):
             marks.append("model outcome unknown")
         for call in self.calls:

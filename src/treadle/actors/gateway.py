@@ -152,18 +152,23 @@ class ModelGateway:
                     reply(message.reply_to, await self.call(message))
             nursery.cancel_scope.cancel()
 
-    def _on_delta(self) -> Callable[[str, str], None] | None:
-        """The delta callback for an attempt, ``None`` when nobody listens for deltas.
+    def _on_delta(self) -> Callable[[str, str], None]:
+        """The delta callback for an attempt: it passes fragments on while someone listens.
 
-        The first time someone listens, a task starts that flushes a coalesced delta once
-        its first fragment is `DELTA_FLUSH_S` old, also when the stream pauses.
+        Whether anyone listens is asked per fragment, so a subscriber that joins during an
+        attempt (a browser reconnecting) gets the rest of that attempt's deltas. The first
+        time someone listens, a task starts that flushes a coalesced delta once its first
+        fragment is `DELTA_FLUSH_S` old, also when the stream pauses.
         """
+        return self._offer
+
+    def _offer(self, channel: str, text: str) -> None:
         if not self.writer.wants_deltas():
-            return None
+            return
         if not self._flushing and self._nursery is not None:
             self._flushing = True
             self._nursery.start_soon(self._coalescer.flush_late)
-        return self._coalescer.offer
+        self._coalescer.offer(channel, text)
 
     async def call(self, message: CallModel) -> ModelOutcome:
         """Make attempts until one succeeds, the error is final, or a budget ends the call."""

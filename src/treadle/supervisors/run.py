@@ -34,6 +34,7 @@ from treadle._exceptions import LeaseError, RunInterrupted, SnapshotMismatch, St
 from treadle._ids import check_run_id, new_run_id
 from treadle._state import RunView, fold
 from treadle._text import repaired, valid_unicode
+from treadle._trio_only import require_trio
 from treadle.actors.coordinator import Drained, Parked, RunCoordinator
 from treadle.actors.executor import RunActions, ToolExecutor
 from treadle.actors.gateway import CallModel, ModelGateway
@@ -49,6 +50,7 @@ from treadle.actors.writer import (
 )
 from treadle.agent import Agent, RunInput, input_messages, snapshot_diff
 from treadle.approvals import ApprovalPolicy, check_edit, requires_approval, tool_schema
+from treadle.metrics import MetricsRecorder
 from treadle.ports import ControlStream, EventSink, RunStore
 from treadle.redaction import NO_REDACTION, Redaction
 from treadle.stores._codec import check_schema
@@ -199,6 +201,8 @@ class WriterContext:
             gets a new writer when resumed), so hand events to it rather than to the sinks.
         redaction: the run's secret tool arguments: every event handed out has them
             redacted (docs/events.md, "Secret arguments").
+        metrics: where the writer counts the records it appends (docs/metrics.md);
+            ``None``: nowhere.
     """
 
     run_id: str
@@ -208,6 +212,7 @@ class WriterContext:
     generation: int = 0
     feed: SinkFeed | None = None
     redaction: Redaction = NO_REDACTION
+    metrics: MetricsRecorder | None = None
 
 
 @attrs.frozen(kw_only=True)
@@ -270,6 +275,7 @@ def real_writer(context: WriterContext) -> EventWriter:
         sinks=context.sinks,
         feed=context.feed,
         redaction=context.redaction,
+        metrics=context.metrics,
     )
 
 
@@ -632,6 +638,7 @@ async def open_run(
     lease_ttl_s: float = LEASE_TTL_S,
     owner: str | None = None,
     accept_definition_change: bool = False,
+    metrics: MetricsRecorder | None = None,
     thread_id: str | None = None,
     fork_of: str | None = None,
     at_step: int | None = None,
@@ -677,6 +684,9 @@ async def open_run(
             differs from the run's: the difference is written to the log first (a
             `treadle.types.DefinitionAccepted` record, docs/fleet.md "Deploys"); without it,
             `SnapshotMismatch` is raised.
+        metrics: counts the run's records (docs/metrics.md, "What is counted"); ``None``
+            (the default) counts nothing. The store's commits are counted only once
+            `treadle.metrics.MetricsRecorder.watch` watches the store.
         thread_id: continue the thread of this id (the id of its first run) with ``input``
             as the new user message: the new run ``<thread_id>.<n>`` starts from the history
             the thread's latest run ended with, read from the store (docs/threads.md,
@@ -701,6 +711,7 @@ async def open_run(
         SnapshotMismatch: resuming with a definition whose snapshot differs (names the keys).
         SchemaTooNew: the log was written by a newer treadle.
     """
+    require_trio("treadle.open_run")
     lineage: Lineage | None = None
     if thread_id is not None or fork_of is not None:
         run_id, lineage = await _lineage(store, input, run_id, thread_id, fork_of, at_step)
@@ -718,6 +729,7 @@ async def open_run(
         actors=actors,
         park_after_s=park_after_s,
         accept_definition_change=accept_definition_change,
+        metrics=metrics,
         lineage=lineage,
     )
     async with drive_run(
@@ -769,6 +781,7 @@ class _Options:
     parent: tuple[str, str] | None = None  # (run id, intent id) of a child run's parent
     leave_parked: bool = False
     accept_definition_change: bool = False
+    metrics: MetricsRecorder | None = None
     lineage: Lineage | None = None
 
 
@@ -1011,6 +1024,7 @@ async def _drive(
                 sinks=feed.sinks if feed is not None else (),
                 feed=feed,
                 redaction=handle._redaction,
+                metrics=options.metrics,
             )
         )
         # The real writer also answers "does anyone want deltas?"; a fake one is asked nothing.
@@ -1284,6 +1298,7 @@ async def run(
     lease_ttl_s: float = LEASE_TTL_S,
     owner: str | None = None,
     accept_definition_change: bool = False,
+    metrics: MetricsRecorder | None = None,
     thread_id: str | None = None,
     fork_of: str | None = None,
     at_step: int | None = None,
@@ -1317,6 +1332,7 @@ async def run(
         lease_ttl_s=lease_ttl_s,
         owner=owner,
         accept_definition_change=accept_definition_change,
+        metrics=metrics,
         thread_id=thread_id,
         fork_of=fork_of,
         at_step=at_step,
