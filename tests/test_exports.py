@@ -117,6 +117,132 @@ TESTING = sorted(
 )
 
 
+SIMULATION = sorted(
+    [
+        "APPROVAL_TIMEOUT_S",
+        "APPROVER_POLL_S",
+        "CHILD_ANSWER",
+        "CONTROL_POLL_S",
+        "FAULT_KINDS",
+        "LATENCY_MAX_S",
+        "MAX_RESTARTS",
+        "RECONCILED",
+        "THREAD_FIRST_ANSWER",
+        "TIME_SLACK_S",
+        "ActorScenario",
+        "ApprovalPlan",
+        "ApprovingScenario",
+        "DelayedActor",
+        "EffectLedger",
+        "FaultPlan",
+        "Ledger",
+        "LedgerScenario",
+        "Scenario",
+        "SimulationResult",
+        "StoreScenario",
+        "check_approvals",
+        "check_budgets",
+        "check_child_runs",
+        "check_invariants",
+        "check_ledger_approvals",
+        "check_tool_replies",
+        "log_digest",
+        "run_seeds",
+        "simulate",
+        "with_latency",
+    ]
+)
+"""`treadle.testing.simulation`: the names its private ``_sim_*`` modules define, and the
+invariant checkers it has always re-exported (docs/design.md, "The module map")."""
+
+REPLAY = sorted(
+    [
+        "DEFAULT_CONCURRENCY",
+        "DEMO_RECORDING",
+        "MAX_CHILDREN",
+        "RUN_ID_PREFIX",
+        "STDERR_TAIL_BYTES",
+        "ChildExit",
+        "CrashMode",
+        "CrashPoint",
+        "LiveReport",
+        "LiveShow",
+        "ReplayObserver",
+        "ReplayReport",
+        "RunCounts",
+        "Workspace",
+        "agent_replies",
+        "build_report",
+        "crash_point",
+        "default_cache_dir",
+        "demo_crash_point",
+        "expected_for",
+        "expected_writes",
+        "failed_report",
+        "find_recording",
+        "first_change_step",
+        "live_run_id",
+        "load_trajectories",
+        "locate_workload",
+        "open_workspace",
+        "pick_demo_recording",
+        "policy_text",
+        "recorded_steps",
+        "replay_recordings",
+        "run_id_of",
+        "run_live",
+        "spawn_driver",
+        "tasks_by_id",
+    ]
+)
+"""`treadle.demo.airline.replay`: the names its private modules define, and the default
+concurrency it re-exports."""
+
+SPLIT = {
+    "treadle.testing.simulation": (
+        SIMULATION,
+        ["_sim_faults", "_sim_scenario", "_sim_ledger", "_sim_checks", "_sim_run"],
+    ),
+    "treadle.demo.airline.replay": (
+        REPLAY,
+        ["_discovery", "_crash_points", "_workspace", "_report", "_drivers", "_live"],
+    ),
+}
+"""Each module split into private ones by responsibility: its pinned names, its parts."""
+
+
+@pytest.mark.parametrize("facade", sorted(SPLIT))
+def test_a_split_module_keeps_its_public_names(facade):
+    import importlib
+
+    module = importlib.import_module(facade)
+    pinned, _ = SPLIT[facade]
+    assert sorted(module.__all__) == pinned
+    assert all(hasattr(module, name) for name in module.__all__)
+
+
+@pytest.mark.parametrize("facade", sorted(SPLIT))
+def test_every_public_name_of_a_split_modules_parts_is_reexported_as_itself(facade):
+    """Nothing public is reachable only through a private part (and nothing twice)."""
+    import importlib
+
+    module = importlib.import_module(facade)
+    _, parts = SPLIT[facade]
+    package = facade.rsplit(".", 1)[0]
+    defined: dict[str, object] = {}
+    for part in parts:
+        private = importlib.import_module(f"{package}.{part}")
+        for name, value in vars(private).items():
+            if name.startswith("_") or getattr(value, "__module__", None) != private.__name__:
+                continue
+            if isinstance(value, type) or callable(value):
+                assert name not in defined, f"{name} is defined in two parts"
+                defined[name] = value
+    hidden = sorted(n for n in defined if n not in module.__all__)
+    assert hidden == []
+    assert all(getattr(module, name) is value for name, value in defined.items())
+
+
 def test_treadle_exports():
     assert sorted(treadle.__all__) == TREADLE
     assert all(hasattr(treadle, name) for name in treadle.__all__)

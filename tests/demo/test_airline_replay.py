@@ -357,9 +357,9 @@ def test_locate_workload_downloads_only_when_nothing_is_found(tmp_path, monkeypa
         (dest / "trajectories.json").write_text("[]")
         return dest
 
-    monkeypatch.setattr("treadle.demo.airline.replay.download_data", fake_download)
+    monkeypatch.setattr("treadle.demo.airline._discovery.download_data", fake_download)
     monkeypatch.setattr(
-        "treadle.demo.airline.replay.find_data_dir",
+        "treadle.demo.airline._discovery.find_data_dir",
         lambda explicit=None: (_ for _ in ()).throw(AirlineDataNotFound([tmp_path])),
     )
     cache = tmp_path / "cache"
@@ -622,8 +622,8 @@ def test_demo_without_data_or_network_says_so_clearly(tmp_path, monkeypatch):
     from click.testing import CliRunner
 
     from treadle.cli import main
+    from treadle.demo.airline import _discovery
     from treadle.demo.airline import data as airline_data
-    from treadle.demo.airline import replay as airline_replay
 
     def no_folder(explicit=None):
         raise airline_data.AirlineDataNotFound("not here")
@@ -632,9 +632,9 @@ def test_demo_without_data_or_network_says_so_clearly(tmp_path, monkeypatch):
         raise httpx.ConnectError("Name or service not known")
 
     monkeypatch.delenv("TREADLE_AIRLINE_DATA", raising=False)
-    monkeypatch.setattr(airline_replay, "find_data_dir", no_folder)
-    monkeypatch.setattr(airline_replay, "download_data", no_network)
-    monkeypatch.setattr(airline_replay, "default_cache_dir", lambda: tmp_path / "cache")
+    monkeypatch.setattr(_discovery, "find_data_dir", no_folder)
+    monkeypatch.setattr(_discovery, "download_data", no_network)
+    monkeypatch.setattr(_discovery, "default_cache_dir", lambda: tmp_path / "cache")
     result = CliRunner().invoke(main, ["demo"])
     assert result.exit_code == 1
     assert "downloading it failed" in result.output

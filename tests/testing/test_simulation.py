@@ -5,7 +5,7 @@ import re
 import attrs
 import pytest
 
-from treadle.testing import invariants, simulation
+from treadle.testing import _sim_checks, _sim_ledger, _sim_run, invariants, simulation
 from treadle.testing.simulation import FAULT_KINDS, FaultPlan, Ledger, check_invariants, simulate
 from treadle.types import ActionResult, Budgets, ReplayPolicy, RunFinished, StepRecord, Usage
 
@@ -34,14 +34,14 @@ def test_same_seed_gives_the_same_log_digest():
 
 def test_the_checker_finds_a_runtime_that_replays_never_actions(monkeypatch):
     """Break the resume rule on purpose: the simulation must catch it."""
-    original = simulation._ledger_tools
+    original = _sim_ledger._ledger_tools
 
     def replaying_tools(ledger):
         toolbox = original(ledger)
         monkeypatch.setattr(toolbox, "replay_policy", lambda tool: ReplayPolicy.SAFE)
         return toolbox
 
-    monkeypatch.setattr(simulation, "_ledger_tools", replaying_tools)
+    monkeypatch.setattr(_sim_ledger, "_ledger_tools", replaying_tools)
     plan = FaultPlan(rates={"crash": 1.0})
     failures = [r for r in (simulate(seed, plan=plan) for seed in range(60)) if not r.ok]
     assert failures, "a never-policy action applied twice went unnoticed"
@@ -58,8 +58,8 @@ async def _log_of_clean_run():
     from treadle.supervisors.run import run
 
     ledger = Ledger()
-    script = simulation._script(random.Random(1), FaultPlan(rates={}), {}, 4)
-    agent = simulation._agent(simulation._model(script), ledger, Budgets(max_steps=6))
+    script = _sim_ledger._script(random.Random(1), FaultPlan(rates={}), {}, 4)
+    agent = _sim_ledger._agent(_sim_ledger._model(script), ledger, Budgets(max_steps=6))
     store = MemoryStore()
     await run(agent, "x", store=store, run_id="r", clock=FixedStepClock(), rng=random.Random(0))
     await trio.lowlevel.checkpoint()
@@ -112,7 +112,7 @@ def test_cli_prints_one_line_per_seed_and_a_replay_command_on_failure(monkeypatc
     def broken_check(log, **options):
         return ["forced violation"]
 
-    monkeypatch.setattr(simulation, "check_invariants", broken_check)
+    monkeypatch.setattr(_sim_run, "check_invariants", broken_check)
     failing = runner.invoke(main, ["simulate", "--seeds", "3", "--from", "4"])
     assert failing.exit_code == 1
     assert "treadle simulate --from 4 --seeds 1" in failing.output
@@ -132,13 +132,13 @@ def test_user_scenario_from_the_docs_example_runs_green():
 def _capture_logs(monkeypatch):
     """Collect every simulated run's log (the twin comparison sees each one)."""
     logs = []
-    original = simulation._compare_with_twin
+    original = _sim_run._compare_with_twin
 
     def capturing(log, twin, scenario):
         logs.append(log)
         return original(log, twin, scenario)
 
-    monkeypatch.setattr(simulation, "_compare_with_twin", capturing)
+    monkeypatch.setattr(_sim_run, "_compare_with_twin", capturing)
     return logs
 
 
@@ -147,13 +147,13 @@ def test_approvals_of_every_kind_path_and_timing_are_exercised_and_green(monkeyp
 
     logs = _capture_logs(monkeypatch)
     answered = []
-    original = simulation._Approver._answer
+    original = _sim_run._Approver._answer
 
     async def recording(self, handle, request, plan):
         answered.append((plan.via, plan.restart and self.may_restart, plan.delay_s))
         await original(self, handle, request, plan)
 
-    monkeypatch.setattr(simulation._Approver, "_answer", recording)
+    monkeypatch.setattr(_sim_run._Approver, "_answer", recording)
     plan = FaultPlan(rates={"approval": 0.5, "crash": 0.3, "latency": 0.2})
     for seed in range(40):
         result = simulate(seed, plan=plan)
@@ -508,7 +508,7 @@ def test_unnamed_scripted_calls_are_named_by_their_place_in_the_script():
 def test_a_twin_mismatch_names_the_field_and_both_values():
     ours = ({"kind": "tool_calls", "calls": [{"id": "call_1", "name": "save"}]}, None, ())
     theirs = ({"kind": "tool_calls", "calls": [{"id": "call_7", "name": "save"}]}, None, ())
-    message = simulation._step_difference("r1", 1, ours, theirs)
+    message = _sim_checks._step_difference("r1", 1, ours, theirs)
     assert message == (
         "r1: step 1 differs from the fault-free twin's at decision['calls'][0]['id']: "
         "'call_1' here, 'call_7' in the twin"

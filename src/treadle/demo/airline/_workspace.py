@@ -1,0 +1,123 @@
+"""What a replay keeps next to its run store: databases, crash and resume counts, mismatches.
+
+Part of `treadle.demo.airline.replay`, which re-exports the public names (docs/demo.md).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import attrs
+
+from treadle.demo.airline.data import (
+    load_data,
+)
+from treadle.demo.airline.db import AirlineDatabase
+from treadle.demo.airline.replay_server import HistoryMismatch
+
+
+def _write_json_atomically(path: Path, value: Any) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(value), encoding="utf-8")
+    tmp.replace(path)
+
+
+@attrs.frozen(kw_only=True)
+class RunCounts:
+    """Driver processes of one run: how many were killed, and how many resumed it."""
+
+    crashes: int = 0
+    resumes: int = 0
+
+
+@attrs.frozen(kw_only=True)
+class Workspace:
+    """The files of a replay: the run store and, beside it, ``<store>.airline/``.
+
+    Attributes:
+        store: the SQLite run store file.
+        root: the folder holding ``fresh.sqlite3`` (the database every conversation starts
+            from), ``conversations/<run_id>.sqlite3``, ``runs/<run_id>.json`` (crash and
+            resume counts) and ``mismatches/<run_id>.jsonl`` (one history mismatch a line).
+    """
+
+    store: Path
+    root: Path
+
+    @classmethod
+    def beside(cls, store: str | os.PathLike[str]) -> Workspace:
+        """The workspace of a store file: ``<store>.airline/`` next to it (created)."""
+        path = Path(store).absolute()
+        root = path.with_name(path.name + ".airline")
+        root.mkdir(parents=True, exist_ok=True)
+        return cls(store=path, root=root)
+
+    def fresh_database(self, data_dir: Path) -> AirlineDatabase:
+        """The database every conversation starts from, built from the JSON files once."""
+        path = self.root / "fresh.sqlite3"
+        if not path.is_file():
+            tmp = path.with_name(f".fresh.{os.getpid()}.sqlite3")
+            tmp.unlink(missing_ok=True)
+            AirlineDatabase.create(tmp, load_data(data_dir))
+            tmp.replace(path)
+        return AirlineDatabase(path)
+
+    def conversation_path(self, run_id: str) -> Path:
+        """The database file of one conversation."""
+        return self.root / "conversations" / f"{run_id}.sqlite3"
+
+    def conversation(self, run_id: str, fresh: AirlineDatabase) -> AirlineDatabase:
+        """The conversation's database; a copy of ``fresh`` made (atomically) if missing."""
+        path = self.conversation_path(run_id)
+        if not path.is_file():
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_name(f".{run_id}.{os.getpid()}.sqlite3")
+            tmp.unlink(missing_ok=True)
+            fresh.copy_to(tmp)
+            tmp.replace(path)
+        return AirlineDatabase(path)
+
+    def counts(self, run_id: str) -> RunCounts:
+        """The run's crash and resume counts so far (zeros for a run never driven)."""
+        path = self.root / "runs" / f"{run_id}.json"
+        if not path.is_file():
+            return RunCounts()
+        raw = json.loads(path.read_text(encoding="utf-8"))
+        return RunCounts(crashes=int(raw["crashes"]), resumes=int(raw["resumes"]))
+
+    def save_counts(self, run_id: str, counts: RunCounts) -> None:
+        """Store the run's counts (atomically)."""
+        value = {"crashes": counts.crashes, "resumes": counts.resumes}
+        _write_json_atomically(self.root / "runs" / f"{run_id}.json", value)
+
+    def record_mismatch(self, run_id: str, mismatch: HistoryMismatch) -> None:
+        """Append one history mismatch to the run's file."""
+        path = self.root / "mismatches" / f"{run_id}.jsonl"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with path.open("a", encoding="utf-8") as f:
+            f.write(json.dumps(mismatch.to_json(), ensure_ascii=False) + "\n")
+
+    def mismatches(self, run_id: str) -> list[dict[str, Any]]:
+        """Every history mismatch recorded for the run, oldest first."""
+        path = self.root / "mismatches" / f"{run_id}.jsonl"
+        if not path.is_file():
+            return []
+        lines = path.read_text(encoding="utf-8").splitlines()
+        return [json.loads(line) for line in lines if line.strip()]
+
+
+@contextlib.contextmanager
+def open_workspace(store: str | os.PathLike[str] | None) -> Iterator[Workspace]:
+    """The workspace of ``store``; without a store, a temporary one removed afterwards."""
+    if store is not None:
+        yield Workspace.beside(store)
+        return
+    with tempfile.TemporaryDirectory(prefix="treadle-airline-") as tmp:
+        yield Workspace.beside(Path(tmp) / "runs.db")

@@ -1,0 +1,447 @@
+"""Driving the simulated runs: `simulate`, the crash-and-resume driver and the simulated human.
+
+Part of `treadle.testing.simulation`, which re-exports the public names (docs/simulation.md).
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import attrs
+import trio
+import trio.testing
+
+from treadle._clock import FixedStepClock
+from treadle._exceptions import LeaseError, ModelCallError, RunInterrupted, StoreError, UsageError
+from treadle.approvals import Decision, decide
+from treadle.stores.memory import MemoryStore
+from treadle.supervisors.run import Actors, RunHandle, open_run
+from treadle.supervisors.threads import thread_run_id
+from treadle.testing._sim_checks import (
+    _compare_with_twin,
+    _inherited,
+    _unanswered_calls,
+    check_child_runs,
+    log_digest,
+)
+from treadle.testing._sim_faults import (
+    ApprovalPlan,
+    FaultPlan,
+    _LeaseClock,
+    _TakenOver,
+    with_latency,
+)
+from treadle.testing._sim_ledger import CONTROL_POLL_S, LedgerScenario
+from treadle.testing._sim_scenario import Scenario, _scenario_actors, _scenario_agent
+from treadle.testing.faults import CrashingStore, FailingStore, SimulatedCrash
+from treadle.testing.invariants import (
+    check_invariants,
+)
+from treadle.testing.scripted import ScriptedModel, say
+from treadle.types import (
+    ApprovalRequested,
+    RunLog,
+)
+
+APPROVER_POLL_S = 0.5
+"""Virtual seconds between two looks of the simulated human at the run's pending approval."""
+
+
+MAX_RESTARTS = 20
+"""Crashes a simulated run may go through before the simulation gives up on it."""
+
+
+@attrs.frozen(kw_only=True)
+class SimulationResult:
+    """The outcome of one seed.
+
+    Attributes:
+        seed: the seed.
+        ok: no invariant was violated.
+        violations: what broke, one sentence each.
+        faults_injected: fault kind -> count.
+        steps: steps over all runs.
+        log_digest: sha256 of every run's encoded log, in run order.
+    """
+
+    seed: int
+    ok: bool
+    violations: tuple[str, ...]
+    faults_injected: dict[str, int]
+    steps: int
+    log_digest: str
+
+    def to_json(self) -> dict[str, Any]:
+        """The JSON line `treadle simulate` prints."""
+        return {
+            "seed": self.seed,
+            "ok": self.ok,
+            "violations": list(self.violations),
+            "faults_injected": self.faults_injected,
+            "steps": self.steps,
+            "log_digest": self.log_digest,
+        }
+
+
+def simulate(
+    seed: int,
+    *,
+    plan: FaultPlan | None = None,
+    runs: int = 1,
+    steps: int = 10,
+    scenario: Scenario | None = None,
+) -> SimulationResult:
+    """Simulate ``runs`` concurrent runs of a scenario under seed ``seed``.
+
+    Args:
+        seed: drives every choice: the worlds, the faults and trio's scheduling order.
+        plan: the fault plan (default: `FaultPlan.default`).
+        runs: concurrent runs sharing one store.
+        steps: scripted tool steps per run of the default `LedgerScenario`.
+        scenario: what to run (default: ``LedgerScenario(steps=steps)``).
+
+    Returns:
+        The result, with ``ok`` false and violations listed when an invariant broke.
+    """
+    plan = plan if plan is not None else FaultPlan.default()
+    scenario = scenario if scenario is not None else LedgerScenario(steps=steps)
+    trio._core._run._r.seed(seed)  # trio's own scheduling randomness, seeded too
+    clock = trio.testing.MockClock(autojump_threshold=0)
+    return trio.run(_simulate, seed, plan, runs, scenario, clock=clock)
+
+
+async def _simulate(seed: int, plan: FaultPlan, runs: int, scenario: Scenario) -> SimulationResult:
+    rng = random.Random(seed)
+    counts: dict[str, int] = {}
+    lease_clock = _LeaseClock()
+    store = MemoryStore(clock=lease_clock.now)
+    world_seeds = [rng.randrange(2**32) for _ in range(runs)]
+    worlds = [scenario.world(random.Random(ws), plan, counts) for ws in world_seeds]
+    threads = [
+        f"sim-{seed}-{index}" if _threadable(world) and plan.roll(rng, "thread") else None
+        for index, world in enumerate(worlds)
+    ]
+    drive_seeds = [rng.randrange(2**32) for _ in range(runs)]
+    run_ids = [
+        thread_run_id(thread, 2) if thread else f"sim-{seed}-{index}"
+        for index, thread in enumerate(threads)
+    ]
+    for thread, world in zip(threads, worlds, strict=True):
+        if thread is not None:
+            _count(counts, "thread")
+            world.provider.turn_offset = 1
+    async with trio.open_nursery() as nursery:
+        for index in range(runs):
+            driver = _Driver(
+                scenario=scenario,
+                run_id=run_ids[index],
+                world=worlds[index],
+                store=store,
+                plan=plan,
+                rng=random.Random(drive_seeds[index]),
+                counts=counts,
+                lease_clock=lease_clock,
+                thread=threads[index],
+            )
+            nursery.start_soon(driver.drive)
+    logs = [await store.read_log(run_id) for run_id in run_ids]
+    violations: list[str] = []
+    for index, log in enumerate(logs):
+        budgets = scenario.agent(worlds[index]).budgets
+        violations.extend(check_invariants(log, budgets=budgets))
+        violations.extend(scenario.check(log, worlds[index]))
+        violations.extend(_unanswered_calls(run_ids[index], worlds[index]))
+        thread = threads[index]
+        if thread is not None:
+            violations.extend(await _inherited(store, thread, run_ids[index], worlds[index]))
+        twin_world = scenario.world(random.Random(world_seeds[index]), plan, {})
+        if thread is not None:
+            twin_world.provider.turn_offset = 1
+        twin = await _fault_free_twin(scenario, run_ids[index], twin_world, thread)
+        violations.extend(_compare_with_twin(log, twin, scenario))
+    violations.extend(await check_child_runs(store, logs))
+    return SimulationResult(
+        seed=seed,
+        ok=not violations,
+        violations=tuple(violations),
+        faults_injected=dict(sorted(counts.items())),
+        steps=sum(len(log.steps) for log in logs),
+        log_digest=log_digest(logs),
+    )
+
+
+def _threadable(world: Any) -> bool:
+    """Whether a simulated run on ``world`` can continue a thread (see `FaultPlan.threads`)."""
+    return isinstance(getattr(world, "provider", None), ScriptedModel)
+
+
+THREAD_FIRST_ANSWER = "Noted; ask me again."
+"""The final answer of a simulated thread's first run (its only step)."""
+
+
+async def _start_thread(store: Any, scenario: Scenario, world: Any, thread: str) -> None:
+    """Drive thread ``thread``'s first run to its end, without faults (once per thread)."""
+    if (await store.read_log(thread)).finished is not None:
+        return
+    first = attrs.evolve(
+        scenario.agent(world), model=ScriptedModel(turns=[say(THREAD_FIRST_ANSWER)])
+    )
+    async with open_run(
+        first,
+        "earlier",
+        store=store,
+        run_id=thread,
+        clock=FixedStepClock(),
+        rng=random.Random(0),
+        control_poll_s=None,
+        actors=_scenario_actors(scenario, world),
+    ) as handle:
+        pass
+    await handle.wait()
+
+
+def _count(counts: dict[str, int], kind: str) -> None:
+    counts[kind] = counts.get(kind, 0) + 1
+
+
+@attrs.define(eq=False)
+class _Approver:
+    """The simulated human who decides a run's approval requests (outside our process).
+
+    It looks at the run's pending request every `APPROVER_POLL_S`, waits the scenario's
+    delay, and decides through the handle or the control log. Its memory of which calls
+    already went through a restart survives the driving process's crashes.
+    """
+
+    scenario: Scenario
+    world: Any
+    run_id: str
+    store: MemoryStore
+    may_restart: bool
+    clock: FixedStepClock = attrs.Factory(FixedStepClock)
+    restarted: set[str] = attrs.Factory(set)
+
+    async def serve(self, handle: RunHandle) -> None:
+        """Answer each request the run waits on, until cancelled."""
+        ask = getattr(self.scenario, "approval", None)
+        while True:
+            request = handle.pending_approval
+            if request is None:
+                await trio.sleep(APPROVER_POLL_S)
+                continue
+            plan: ApprovalPlan | None = ask(self.world, request) if ask is not None else None
+            if plan is not None:
+                await self._answer(handle, request, plan)
+            await self._until_answered(handle, request)
+
+    async def _answer(
+        self, handle: RunHandle, request: ApprovalRequested, plan: ApprovalPlan
+    ) -> None:
+        restart = plan.restart and self.may_restart and request.call_id not in self.restarted
+        if restart and plan.via == "handle":
+            await self._deliberate(handle, request, plan.delay_s / 2)
+            self.restarted.add(request.call_id)
+            raise SimulatedCrash("the process died while the run awaited approval")
+        await self._deliberate(handle, request, plan.delay_s)
+        reject = plan.message if plan.decision == Decision.REJECT else None
+        edit = plan.edit if plan.decision == Decision.EDIT else None
+        try:
+            if plan.via == "control":
+                await decide(
+                    self.store,
+                    self.run_id,
+                    call_id=request.call_id,
+                    reject=reject,
+                    edit=edit,
+                    clock=self.clock,
+                )
+            else:
+                handle.approve(request.call_id, reject=reject, edit=edit)
+        except UsageError:
+            return  # too late: the deadline (or a cancel) ended the wait first
+        if restart:
+            self.restarted.add(request.call_id)
+            raise SimulatedCrash("the process died right after the decision was written")
+
+    async def _deliberate(
+        self, handle: RunHandle, request: ApprovalRequested, delay_s: float
+    ) -> None:
+        """Take ``delay_s``, or less when the wait ends first (the decision is then late).
+
+        Each request's delay counts from when it appears, however late the previous
+        decision was: the human is not a queue.
+        """
+        with trio.move_on_after(delay_s):
+            await self._until_answered(handle, request)
+
+    @staticmethod
+    async def _until_answered(handle: RunHandle, request: ApprovalRequested) -> None:
+        while True:
+            pending = handle.pending_approval
+            if pending is None or (pending.step, pending.call_id) != (
+                request.step,
+                request.call_id,
+            ):
+                return
+            await trio.sleep(APPROVER_POLL_S)
+
+
+@attrs.define(eq=False)
+class _Driver:
+    """Drives one run through crashes (each one a "process restart") until it finishes."""
+
+    scenario: Scenario
+    run_id: str
+    world: Any
+    store: MemoryStore
+    plan: FaultPlan
+    rng: random.Random
+    counts: dict[str, int]
+    lease_clock: _LeaseClock
+    thread: str | None = None
+
+    async def drive(self) -> None:
+        """Run incarnations until one ends the run (or `MAX_RESTARTS` is reached)."""
+        if self.thread is not None:
+            await _start_thread(self.store, self.scenario, self.world, self.thread)
+        clock = FixedStepClock()
+        approver = _Approver(
+            scenario=self.scenario,
+            world=self.world,
+            run_id=self.run_id,
+            store=self.store,
+            may_restart=True,
+        )
+        for _attempt in range(MAX_RESTARTS):
+            faulty = self._faulty_store()
+            cancel_after = (
+                self.rng.uniform(0.0, 2.0) if self.plan.roll(self.rng, "cancel") else None
+            )
+            if cancel_after is not None:
+                _count(self.counts, "cancel")
+            # Each incarnation is a fresh process: a new agent (actors, tool objects) on the
+            # same world (environment and provider).
+            agent = _scenario_agent(self.scenario, self.world, faulty)
+            try:
+                async with open_run(
+                    agent,
+                    self.scenario.input(self.world),
+                    store=faulty,
+                    run_id=self.run_id,
+                    clock=clock,
+                    rng=random.Random(self.rng.randrange(2**32)),
+                    control_poll_s=CONTROL_POLL_S,
+                    actors=self._actors(),
+                    thread_id=self.thread,
+                ) as handle:
+                    await _watch(handle, cancel_after, approver)
+            except (RunInterrupted, StoreError, SimulatedCrash, ModelCallError, LeaseError):
+                continue  # the process died: the next incarnation resumes from the log
+            return
+
+    def _faulty_store(self) -> Any:
+        if self.plan.roll(self.rng, "crash"):
+            _count(self.counts, "crash")
+            crash_at = self.rng.randrange(1, 40)
+            after = self.rng.random() < 0.5
+            return CrashingStore(
+                inner=self.store, crash_at=crash_at, when="after" if after else "before"
+            )
+        if self.plan.roll(self.rng, "store_error"):
+            _count(self.counts, "store_error")
+            return FailingStore(inner=self.store, fail_at=self.rng.randrange(1, 40))
+        if self.plan.roll(self.rng, "takeover"):
+            _count(self.counts, "takeover")
+            at = self.rng.randrange(2, 40)
+            return _TakenOver(inner=self.store, at=at, clock=self.lease_clock)
+        return self.store
+
+    def _actors(self) -> Actors:
+        """The scenario's actors; the gateway and executor behind seeded latency when on."""
+        base = _scenario_actors(self.scenario, self.world)
+        rate = self.plan.rates.get("latency", 0.0)
+        if rate <= 0:
+            return base
+        counts = self.counts
+
+        def on_delay(_seconds: float) -> None:
+            _count(counts, "latency")
+
+        return attrs.evolve(
+            base,
+            gateway=with_latency(
+                base.gateway,
+                seed=self.rng.randrange(2**32),
+                rate=rate,
+                on_delay=on_delay,
+            ),
+            executor=with_latency(
+                base.executor,
+                seed=self.rng.randrange(2**32),
+                rate=rate,
+                on_delay=on_delay,
+            ),
+        )
+
+
+async def _watch(handle: RunHandle, cancel_after: float | None, approver: _Approver) -> None:
+    """Wait for the run while the human decides and the cancel fault fires."""
+    try:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(approver.serve, handle)
+            if cancel_after is not None:
+                with trio.move_on_after(cancel_after):
+                    await handle.wait()
+                handle.cancel("simulated cancel")
+            await handle.wait()
+            nursery.cancel_scope.cancel()
+    except BaseExceptionGroup as group:
+        if len(group.exceptions) == 1:
+            raise group.exceptions[0] from None
+        raise
+
+
+async def _fault_free_twin(
+    scenario: Scenario, run_id: str, world: Any, thread: str | None = None
+) -> RunLog:
+    """The same world (model and tool faults, approvals included), without crashes or cancels."""
+    store = MemoryStore()
+    if thread is not None:
+        await _start_thread(store, scenario, world, thread)
+    approver = _Approver(
+        scenario=scenario, world=world, run_id=run_id, store=store, may_restart=False
+    )
+    async with open_run(
+        _scenario_agent(scenario, world, store),
+        scenario.input(world),
+        store=store,
+        run_id=run_id,
+        clock=FixedStepClock(),
+        rng=random.Random(0),
+        control_poll_s=CONTROL_POLL_S,
+        actors=_scenario_actors(scenario, world),
+        thread_id=thread,
+    ) as handle:
+        await _watch(handle, None, approver)
+    return await store.read_log(run_id)
+
+
+def run_seeds(
+    seeds: Iterable[int],
+    *,
+    plan: FaultPlan | None = None,
+    runs: int = 1,
+    steps: int = 10,
+    scenario: Scenario | None = None,
+    on_result: Callable[[SimulationResult], None] | None = None,
+) -> list[SimulationResult]:
+    """Simulate every seed in turn (see `simulate`); ``on_result`` sees each as it ends."""
+    results = []
+    for seed in seeds:
+        result = simulate(seed, plan=plan, runs=runs, steps=steps, scenario=scenario)
+        if on_result is not None:
+            on_result(result)
+        results.append(result)
+    return results
