@@ -1,0 +1,221 @@
+"""The tool executor alone: a real `ToolExecutor` with a recording action executor and a
+fake writer.
+
+The test plays the coordinator (`RunActions` requests through the executor's inbox with
+`treadle.actors._rpc.request`); a `FakeWriter` plays the event writer (docs/design.md,
+"The five actors").
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import AsyncIterator
+
+import pytest
+import trio
+import trio.testing
+from actor_fakes import TS, FakeWriter, RecordingExecutor, start_fake_writer
+
+from treadle._clock import FixedStepClock
+from treadle._exceptions import SeamViolation
+from treadle.actors._rpc import StepScope, request
+from treadle.actors.executor import ActionsOutcome, RunActions, ToolExecutor
+from treadle.types import (
+    ActionIntent,
+    ActionOutcome,
+    ActionStatus,
+    Limits,
+    StopReason,
+    StoreOp,
+    SyntheticObservations,
+    ToolCall,
+)
+
+SYNTHETIC = SyntheticObservations()
+
+
+@contextlib.asynccontextmanager
+async def _alone(
+    executor: RecordingExecutor, fake: FakeWriter | None = None, **limits: float
+) -> AsyncIterator[tuple[trio.MemorySendChannel[RunActions], FakeWriter]]:
+    """The tool executor actor, started alone behind a fake writer.
+
+    On exit its inbox is closed and the block waits for the actor to return on its own, then
+    closes the fake writer's inbox.
+    """
+    async with trio.open_nursery() as outer:
+        writer, fake = await start_fake_writer(outer, fake)
+        actor = ToolExecutor(
+            run_id="r",
+            executor=executor,
+            writer=writer,
+            clock=FixedStepClock(),
+            limits=Limits(**limits),  # type: ignore[arg-type]
+            synthetic=SYNTHETIC,
+            observation_template="[{tool}] {observation}",
+            cancel_grace_s=2.0,
+        )
+        # 0: the executor's inbox is unbuffered (docs/design.md, "The five actors").
+        send, recv = trio.open_memory_channel[RunActions](0)
+        try:
+            async with trio.open_nursery() as nursery:
+                await nursery.start(actor.run, recv)
+                async with send:
+                    yield send, fake
+        finally:
+            writer.inbox.close()
+
+
+async def _run(
+    inbox: trio.MemorySendChannel[RunActions],
+    *calls: ToolCall,
+    scope: StepScope | None = None,
+    **fields: object,
+) -> ActionsOutcome:
+    """One `RunActions` of step 1 through the executor's inbox, as the coordinator sends it."""
+    fields.setdefault("existing", ())
+    outcome: ActionsOutcome = await request(
+        inbox,
+        lambda reply_to: RunActions(
+            step=1,
+            calls=calls,
+            scope=scope or StepScope(),
+            reply_to=reply_to,
+            **fields,  # type: ignore[arg-type]
+        ),
+    )
+    return outcome
+
+
+def _add(call_id: str, a: int, b: int) -> ToolCall:
+    return ToolCall(id=call_id, name="add", arguments={"a": a, "b": b})
+
+
+def _intent(index: int, call: ToolCall) -> ActionIntent:
+    return ActionIntent(
+        run_id="r",
+        step=1,
+        intent_id=f"r/s1/a{index}",
+        call_id=call.id,
+        tool=call.name,
+        arguments=call.arguments,
+        ts=TS,
+    )
+
+
+async def test_each_intent_is_durable_before_its_call_and_results_come_in_call_order():
+    tools = RecordingExecutor()
+    async with _alone(tools) as (inbox, fake):
+        outcome = await _run(inbox, _add("c1", 1, 2), _add("c2", 3, 4))
+    assert [r.intent_id for r in fake.records(ActionIntent)] == ["r/s1/a1", "r/s1/a2"]
+    assert {op for _, op, _ in fake.appended} == {StoreOp.INTENT}
+    assert outcome.written == tuple(fake.records())
+    assert [r.call_id for r in outcome.results] == ["c1", "c2"]
+    assert [r.outcome.observation for r in outcome.results] == ["3", "7"]
+    assert outcome.observations == ("[add] 3", "[add] 7")  # through the template
+    assert outcome.stop is None and len(tools.calls) == 2
+
+
+async def test_a_rejected_call_gets_no_intent_and_never_runs():
+    tools = RecordingExecutor()
+    async with _alone(tools) as (inbox, fake):
+        outcome = await _run(inbox, _add("c1", 1, 2), _add("c2", 5, 5), rejected={"c2": "too much"})
+    assert [r.call_id for r in fake.records(ActionIntent)] == ["c1"]
+    assert [a.call_id for a in tools.calls] == ["c1"]
+    rejected = outcome.results[1].outcome
+    assert rejected.status is ActionStatus.NOT_EXECUTED
+    assert outcome.observations[1] == SYNTHETIC.rejected.format(tool="add", detail="too much")
+
+
+async def test_on_resume_a_never_call_is_reconciled_and_a_safe_call_replayed():
+    tools = RecordingExecutor(safe=frozenset({"add"}))
+    write = ToolCall(id="c1", name="write")
+    add = _add("c2", 2, 2)
+    async with _alone(tools) as (inbox, fake):
+        outcome = await _run(inbox, write, add, existing=(_intent(1, write), _intent(2, add)))
+    assert fake.appended == []  # both intents were already in the log
+    assert [a.tool for a in tools.reconciled] == ["write"]
+    assert [(a.tool, a.replay) for a in tools.calls] == [("add", True)]
+    unknown = outcome.results[0]
+    assert unknown.outcome.status is ActionStatus.UNKNOWN and not unknown.late
+    assert outcome.results[1].outcome.observation == "4"
+
+
+async def test_a_call_past_its_timeout_is_cancelled_and_says_so(autojump_clock):
+    tools = RecordingExecutor()
+    async with _alone(tools, tool_timeout_s=3.0) as (inbox, _):
+        before = trio.current_time()
+        outcome = await _run(inbox, ToolCall(id="c1", name="wait"))
+        took = trio.current_time() - before
+    (result,) = outcome.results
+    assert result.outcome.observation == "Error: the call to wait timed out after 3 s"
+    assert 3.0 <= took < 3.0 + 1.0
+
+
+async def test_cancelling_the_step_ends_the_call_in_flight_with_a_late_result(autojump_clock):
+    tools = RecordingExecutor()
+    scope = StepScope()
+
+    async def cancel_once_running() -> None:
+        await trio.testing.wait_all_tasks_blocked()  # the call is in flight
+        assert [a.tool for a in tools.calls] == ["wait"]
+        scope.cancel("user cancel")
+
+    async with trio.open_nursery() as nursery, _alone(tools) as (inbox, fake):
+        nursery.start_soon(cancel_once_running)
+        outcome = await _run(inbox, ToolCall(id="c1", name="wait"), scope=scope)
+    assert outcome.stop is StopReason.CANCELLED
+    (result,) = outcome.results
+    assert result.late and result.intent_id == fake.records(ActionIntent)[0].intent_id
+
+
+async def test_a_step_cancelled_before_it_starts_runs_nothing(autojump_clock):
+    tools = RecordingExecutor()
+    scope = StepScope()
+    scope.cancel("cancelled already")
+    async with _alone(tools) as (inbox, _):
+        outcome = await _run(inbox, _add("c1", 1, 1), scope=scope)
+    assert outcome.stop is StopReason.CANCELLED and tools.calls == []
+
+
+async def test_an_executor_answering_something_else_fails_the_actor():
+    tools = RecordingExecutor()
+    with pytest.RaisesGroup(SeamViolation, flatten_subgroups=True):
+        async with _alone(tools) as (inbox, _):
+            await _run(inbox, ToolCall(id="c1", name="odd"))
+
+
+async def test_an_executor_that_raises_fails_the_actor():
+    """A raw action executor's exception is a seam bug: the run stops (a `Toolbox` turns a
+    tool's exception into an outcome before it gets here)."""
+    tools = RecordingExecutor()
+    with pytest.RaisesGroup(RuntimeError, flatten_subgroups=True):
+        async with _alone(tools) as (inbox, _):
+            await _run(inbox, ToolCall(id="c1", name="boom"))
+
+
+async def test_no_call_runs_when_its_intent_cannot_be_written():
+    tools = RecordingExecutor()
+    with pytest.RaisesGroup(trio.EndOfChannel, flatten_subgroups=True):
+        async with _alone(tools, FakeWriter(fail_at=1)) as (inbox, _):
+            await _run(inbox, _add("c1", 1, 1))
+    assert tools.calls == []
+
+
+async def test_a_reconcile_that_answers_something_else_fails_the_actor():
+    tools = RecordingExecutor(reconcile_with="found it")  # type: ignore[arg-type]
+    write = ToolCall(id="c1", name="write")
+    with pytest.RaisesGroup(SeamViolation, flatten_subgroups=True):
+        async with _alone(tools) as (inbox, _):
+            await _run(inbox, write, existing=(_intent(1, write),))
+
+
+async def test_a_reconciled_call_keeps_what_reconcile_found():
+    found = ActionOutcome(status=ActionStatus.EXECUTED, observation="it was written")
+    tools = RecordingExecutor(reconcile_with=found)
+    write = ToolCall(id="c1", name="write")
+    async with _alone(tools) as (inbox, _):
+        outcome = await _run(inbox, write, existing=(_intent(1, write),))
+    (result,) = outcome.results
+    assert result.reconciled and result.outcome.observation == "it was written"
+    assert tools.calls == []

@@ -1,0 +1,174 @@
+"""The model gateway alone: a real `ModelGateway` with a scripted model and a fake writer.
+
+The test plays the coordinator (it sends `CallModel` requests through the gateway's inbox with
+`treadle.actors._rpc.request`) and a `FakeWriter` plays the event writer, answering the intent
+barriers (docs/design.md, "The five actors").
+"""
+
+from __future__ import annotations
+
+import contextlib
+import random
+from collections.abc import AsyncIterator
+
+import pytest
+import trio
+import trio.testing
+from actor_fakes import FakeWriter, start_fake_writer
+
+from treadle._clock import FixedStepClock
+from treadle.actors._rpc import StepScope, request
+from treadle.actors.gateway import CallModel, ModelGateway, ModelOutcome
+from treadle.actors.writer import WriterClient
+from treadle.testing import ScriptedModel, say
+from treadle.testing.scripted import STALLED
+from treadle.types import (
+    Budgets,
+    Limits,
+    Message,
+    ModelErrorInfo,
+    ModelIntent,
+    ModelRequest,
+    ModelResult,
+    StopReason,
+    StoreOp,
+    Usage,
+)
+
+REQUEST = ModelRequest(messages=(Message(role="user", content="hi"),), model="m")
+
+RATE_LIMITED = ModelErrorInfo(kind="rate_limited", retryable=True, retry_after_s=2.0, status=429)
+
+
+def _gateway(
+    writer: WriterClient, model: ScriptedModel, budgets: Budgets | None = None, **limits: float
+) -> ModelGateway:
+    return ModelGateway(
+        run_id="r",
+        client=model,
+        writer=writer,
+        clock=FixedStepClock(),
+        limits=Limits(retry_initial_s=0.5, retry_max_s=4.0, **limits),  # type: ignore[arg-type]
+        budgets=budgets or Budgets(),
+        rng=random.Random(0),
+    )
+
+
+async def _call(
+    inbox: trio.MemorySendChannel[CallModel], scope: StepScope | None = None, **fields: int
+) -> ModelOutcome:
+    """One `CallModel` of step 1 through the gateway's inbox, as the coordinator sends it."""
+    counters = {"run_attempts": 0, "step_attempts": 0, "step_failures": 0, "tokens": 0}
+    counters.update(fields)
+    outcome: ModelOutcome = await request(
+        inbox,
+        lambda reply_to: CallModel(
+            step=1,
+            request=REQUEST,
+            scope=scope or StepScope(),
+            reply_to=reply_to,
+            **counters,
+        ),
+    )
+    return outcome
+
+
+@contextlib.asynccontextmanager
+async def _alone(
+    model: ScriptedModel, fake: FakeWriter | None = None, **options: object
+) -> AsyncIterator[tuple[trio.MemorySendChannel[CallModel], FakeWriter]]:
+    """The gateway, started alone behind a fake writer.
+
+    On exit its inbox is closed and the block waits for the gateway to return on its own
+    (nothing cancels it), then closes the fake writer's inbox.
+    """
+    async with trio.open_nursery() as outer:
+        writer, fake = await start_fake_writer(outer, fake)
+        gateway = _gateway(writer, model, **options)  # type: ignore[arg-type]
+        # 0: the gateway's inbox is unbuffered (docs/design.md, "The five actors").
+        send, recv = trio.open_memory_channel[CallModel](0)
+        try:
+            async with trio.open_nursery() as nursery:
+                await nursery.start(gateway.run, recv)
+                async with send:
+                    yield send, fake
+        finally:
+            writer.inbox.close()
+
+
+async def test_a_call_writes_its_intent_before_the_request_and_its_result_after(autojump_clock):
+    model = ScriptedModel(turns=[say("hello", usage=Usage(input_tokens=5, output_tokens=2))])
+    async with _alone(model) as (inbox, fake):
+        outcome = await _call(inbox)
+    assert outcome.reply is not None and outcome.reply.text == "hello"
+    assert outcome.intent_id == "r/s1/m1" and outcome.stop is None
+    ops = [(op, type(records[0])) for _, op, records in fake.appended]
+    assert ops == [(StoreOp.INTENT, ModelIntent), (StoreOp.MODEL_RESULT, ModelResult)]
+    assert outcome.written == tuple(fake.records())  # what it wrote comes back in its answer
+    assert len(model.requests) == 1
+
+
+async def test_a_retryable_error_is_retried_after_retry_after_with_its_own_intent(autojump_clock):
+    model = ScriptedModel(turns=[say("ok")], failures={0: [RATE_LIMITED]})
+    async with _alone(model) as (inbox, fake):
+        before = trio.current_time()
+        outcome = await _call(inbox)
+        waited = trio.current_time() - before
+    assert outcome.reply is not None
+    assert outcome.intent_id == "r/s1/m2"
+    results = fake.records(ModelResult)
+    assert [r.error.kind if r.error else None for r in results] == ["rate_limited", None]  # type: ignore[attr-defined]
+    assert waited >= RATE_LIMITED.retry_after_s  # exactly the server's Retry-After, not backoff
+
+
+async def test_a_final_error_is_answered_not_raised(autojump_clock):
+    final = ModelErrorInfo(kind="bad_request", status=400)
+    model = ScriptedModel(turns=[say("never")], failures={0: [final]})
+    async with _alone(model) as (inbox, _):
+        outcome = await _call(inbox)
+    assert outcome.reply is None and outcome.error == final and outcome.stop is None
+    assert len(model.requests) == 1
+
+
+async def test_the_attempt_budget_stops_the_call_before_any_attempt(autojump_clock):
+    model = ScriptedModel(turns=[say("never")])
+    async with _alone(model, budgets=Budgets(max_model_attempts=3)) as (inbox, fake):
+        outcome = await _call(inbox, run_attempts=3)
+    assert outcome.stop is StopReason.MAX_MODEL_ATTEMPTS
+    assert model.requests == [] and fake.appended == []
+
+
+async def test_cancelling_the_step_cuts_the_stream_and_records_the_cut_attempt(autojump_clock):
+    model = ScriptedModel(turns=[say("never")], failures={0: [ModelErrorInfo(kind=STALLED)]})
+    scope = StepScope()
+
+    async def cancel_once_called() -> None:
+        await trio.testing.wait_all_tasks_blocked()  # the stalled attempt is in flight
+        assert len(model.requests) == 1
+        scope.cancel("user cancel")
+
+    async with trio.open_nursery() as nursery, _alone(model) as (inbox, fake):
+        nursery.start_soon(cancel_once_called)
+        outcome = await _call(inbox, scope)
+    assert outcome.stop is StopReason.CANCELLED and outcome.reply is None
+    (result,) = fake.records(ModelResult)
+    assert result.error is not None and result.error.kind == "cancelled"  # type: ignore[attr-defined]
+
+
+async def test_a_retry_that_would_outlast_the_step_deadline_is_not_slept(autojump_clock):
+    model = ScriptedModel(turns=[say("ok")], failures={0: [RATE_LIMITED]})
+    async with _alone(model) as (inbox, _):
+        deadline = trio.current_time() + 1.0  # less than the 2 s Retry-After
+        before = trio.current_time()
+        outcome = await _call(inbox, StepScope(deadline))
+        assert trio.current_time() - before < 1.0
+    assert outcome.stop is StopReason.TIME_BUDGET and len(model.requests) == 1
+
+
+async def test_a_writer_that_fails_before_the_intent_is_durable_fails_the_gateway(autojump_clock):
+    """No request leaves before its intent is durable: a failed writer means no model call."""
+    model = ScriptedModel(turns=[say("never")])
+    with pytest.RaisesGroup(trio.EndOfChannel, flatten_subgroups=True):
+        async with _alone(model, FakeWriter(fail_at=1)) as (inbox, _):
+            await _call(inbox)
+    assert model.requests == []

@@ -1,0 +1,185 @@
+"""The event writer alone: a real `EventWriter` on a memory store, driven through its inbox.
+
+Nothing else of a run is started: the test plays the other actors through a `WriterClient`
+(docs/design.md, "The five actors").
+"""
+
+from __future__ import annotations
+
+import pytest
+import trio
+from actor_fakes import TS, started
+
+from treadle._exceptions import LeaseLost, StoreError
+from treadle.actors.writer import (
+    SUBSCRIBER_BUFFER,
+    Append,
+    EventWriter,
+    WriterClient,
+    WriterRequest,
+)
+from treadle.ports import LeaseStore, RunStore
+from treadle.stores.memory import MemoryStore
+from treadle.testing import FailingStore
+from treadle.types import EventKind, ModelIntent, Record, StoreOp
+
+
+def _intent(step: int, attempt: int = 1) -> ModelIntent:
+    return ModelIntent(
+        run_id="r", step=step, intent_id=f"r/s{step}/m{attempt}", attempt=attempt, ts=TS
+    )
+
+
+async def _start(nursery: trio.Nursery, store: RunStore) -> WriterClient:
+    """A writer of run ``r`` under a lease of ``store``, started in ``nursery``; its client."""
+    assert isinstance(store, LeaseStore)
+    lease = await store.acquire_lease("r", owner="test", ttl_s=3600.0)
+    writer = EventWriter(run_id="r", store=store, next_seq=1, generation=lease.generation)
+    send, recv = trio.open_memory_channel[WriterRequest](64)
+    await nursery.start(writer.run, recv)
+    return WriterClient(inbox=send, writer=writer)
+
+
+async def test_writes_get_gapless_seqs_and_a_barrier_answers_once_durable():
+    store = MemoryStore()
+    async with trio.open_nursery() as nursery:
+        client = await _start(nursery, store)
+        assert await client.barrier(StoreOp.RUN_STARTED, started()) == 1
+        await client.write(StoreOp.INTENT, _intent(1))
+        await client.write(StoreOp.INTENT, _intent(1, 2))
+        seq = await client.barrier(StoreOp.INTENT, _intent(1, 3))
+        assert seq == 4
+        # the barrier came back after the writes queued before it were stored
+        log = await store.read_log("r")
+        assert [r.intent_id for r in log.records[1:]] == ["r/s1/m1", "r/s1/m2", "r/s1/m3"]
+        assert client.statistics().last_seq == 4
+        client.inbox.close()
+
+
+async def test_a_subscriber_gets_the_tail_then_later_events_and_deltas_in_order():
+    async with trio.open_nursery() as nursery:
+        client = await _start(nursery, MemoryStore())
+        await client.barrier(StoreOp.RUN_STARTED, started())
+        subscription = await client.subscribe()
+        assert subscription.last_seq == 1
+        assert [e.kind for e in subscription.tail] == [EventKind.RUN_STARTED]
+        assert client.wants_deltas()
+        await client.barrier(StoreOp.INTENT, _intent(1))
+        client.delta("text", "Hel")
+        client.delta("text", "lo")
+        await client.barrier(StoreOp.INTENT, _intent(1, 2))
+        client.inbox.close()
+        seen = [(e.seq, e.kind, e.ordinal, e.text) async for e in subscription.events]
+    kinds = [(seq, kind) for seq, kind, _, _ in seen]
+    assert (2, EventKind.MODEL_CALL_STARTED) in kinds and (3, EventKind.MODEL_CALL_STARTED) in kinds
+    deltas = [
+        (seq, ordinal, text) for seq, kind, ordinal, text in seen if kind is EventKind.TEXT_DELTA
+    ]
+    assert deltas == [(2, 1, "Hel"), (2, 2, "lo")]  # numbered after the last durable event
+    assert kinds.index((3, EventKind.MODEL_CALL_STARTED)) > len(kinds) - 2  # the stream ended last
+
+
+async def test_a_subscriber_that_falls_behind_is_cut_off_and_counted():
+    async with trio.open_nursery() as nursery:
+        client = await _start(nursery, MemoryStore())
+        await client.barrier(StoreOp.RUN_STARTED, started())
+        subscription = await client.subscribe()
+        for _ in range(SUBSCRIBER_BUFFER + 1):
+            client.delta("text", "x")
+        await client.barrier(StoreOp.INTENT, _intent(1))
+        received = [event async for event in subscription.events]  # ends: it was cut off
+        assert len(received) == SUBSCRIBER_BUFFER
+        assert client.statistics().subscriber_drops == 1
+        client.inbox.close()
+
+
+async def test_a_failed_store_write_fails_the_writer_and_refuses_what_is_queued():
+    store = FailingStore(inner=MemoryStore(), fail_at=2)
+    lease = await store.acquire_lease("r", owner="test", ttl_s=3600.0)
+    writer = EventWriter(run_id="r", store=store, next_seq=1, generation=lease.generation)
+    send, recv = trio.open_memory_channel[WriterRequest](64)
+    client = WriterClient(inbox=send, writer=writer)
+    failures: list[BaseException] = []
+
+    async def serve() -> None:  # the writer's error, kept instead of cancelling the test
+        try:
+            await writer.run(recv)
+        except BaseExceptionGroup as group:
+            failures.append(group)
+
+    answers: list[object] = []
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(serve)
+        await client.barrier(StoreOp.RUN_STARTED, started())
+        replies = []
+        # all three queued before the writer runs; the first one's write fails
+        for intent in (_intent(1), _intent(1, 2), _intent(1, 3)):
+            reply_to, reply = trio.open_memory_channel[int](1)
+            send.send_nowait(Append(op=StoreOp.INTENT, records=(intent,), reply_to=reply_to))
+            replies.append(reply)
+        # The request whose write failed is left unanswered: in a run, the writer's failure
+        # cancels the nursery its requester runs in (docs/design.md, "The five actors").
+        for reply in replies[1:]:
+            try:
+                answers.append(await reply.receive())
+            except trio.EndOfChannel:
+                answers.append("refused")
+    assert answers == ["refused", "refused"]  # nobody waits forever on a failed writer
+    (group,) = failures
+    assert pytest.RaisesGroup(
+        pytest.RaisesExc(StoreError, match="no space"), flatten_subgroups=True
+    ).matches(group)
+    assert len((await store.inner.read_log("r")).records) == 1
+
+
+async def test_ending_the_inbox_ends_the_writer_and_closes_every_subscription():
+    async with trio.open_nursery() as nursery:
+        client = await _start(nursery, MemoryStore())
+        await client.barrier(StoreOp.RUN_STARTED, started())
+        first, second = await client.subscribe(), await client.subscribe()
+        client.inbox.close()
+        assert [e async for e in first.events] == []
+        assert [e async for e in second.events] == []
+
+
+async def test_a_cancelled_barrier_requester_still_gets_its_write_done():
+    """`send_barrier` hands the write over; a caller cancelled afterwards does not undo it."""
+    store = MemoryStore()
+    async with trio.open_nursery() as nursery:
+        client = await _start(nursery, store)
+        await client.barrier(StoreOp.RUN_STARTED, started())
+        with trio.CancelScope() as scope:
+            pending = await client.send_barrier(StoreOp.INTENT, _intent(1))
+            scope.cancel()
+            await pending.receive()
+        assert scope.cancelled_caught
+        pending.close()
+        assert await client.barrier(StoreOp.INTENT, _intent(1, 2)) == 3
+        client.inbox.close()
+    records: tuple[Record, ...] = (await store.read_log("r")).records
+    assert [getattr(r, "intent_id", None) for r in records] == [None, "r/s1/m1", "r/s1/m2"]
+
+
+async def test_a_bad_request_fails_the_writer_with_the_record_it_could_not_write():
+    """An `Append` whose records do not fit its store operation is a bug, not a write."""
+    with pytest.RaisesGroup(AssertionError, flatten_subgroups=True):
+        async with trio.open_nursery() as nursery:
+            client = await _start(nursery, MemoryStore())
+            await client.inbox.send(Append(op=StoreOp.RUN_STARTED, records=(_intent(1),)))
+            await trio.sleep_forever()
+
+
+async def test_a_writer_whose_lease_was_taken_over_cannot_write():
+    """Fencing: the store refuses the old generation's write, and the writer fails with it."""
+    store = MemoryStore()
+    with pytest.RaisesGroup(LeaseLost, flatten_subgroups=True):
+        async with trio.open_nursery() as nursery:
+            client = await _start(nursery, store)
+            await client.barrier(StoreOp.RUN_STARTED, started())
+            lease = await store.acquire_lease("r", owner="test", ttl_s=3600.0)
+            await store.release_lease(lease)
+            thief = await store.acquire_lease("r", owner="another", ttl_s=3600.0)
+            assert thief.generation > lease.generation
+            with pytest.raises(trio.EndOfChannel):
+                await client.barrier(StoreOp.INTENT, _intent(1))
+    assert len((await store.read_log("r")).records) == 1
