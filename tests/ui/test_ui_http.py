@@ -437,3 +437,46 @@ async def test_a_rejection_from_the_form_reaches_the_model_and_the_call_never_ru
     log = await store.read_log("r")
     (outcome,) = [r.outcome for r in log.records if type(r).__name__ == "ActionResult"]
     assert outcome.status.value == "not_executed" and "not this month" in outcome.observation
+
+
+@pytest.mark.parametrize("last", ["-3", "-1"])
+async def test_a_negative_last_event_id_is_refused_not_read_from_the_end(last):
+    """A bogus reconnect id sends no record twice or out of order: it is a 400."""
+    store = await finished_store()
+    async with client(store) as http:
+        bogus = await http.get("/runs/markup/events", headers={"last-event-id": last})
+        below = await http.get("/runs/markup/events", params={"from": "-7"})
+    assert bogus.status_code == 400 and "seq" in bogus.text
+    assert "event: record" not in bogus.text
+    ids = [int(e["id"]) for e in sse(below.text) if e["event"] == "record"]
+    assert ids == list(range(1, len((await store.read_log("markup")).records) + 1))
+
+
+async def test_a_run_id_with_a_slash_has_its_page_stream_and_actions():
+    """Run ids may hold ``/`` (docs/concepts.md, "Run ids"): the console's paths name them
+    with ``%2F``, so ``team/a/events`` is a run's page and never the stream of ``team/a``."""
+    store = MemoryStore()
+    await treadle.run(markup_agent(), "read the page", store=store, run_id="team/a/events")
+    async with open_run(
+        approval_agent(), "pay", store=store, run_id="team/b", control_poll_s=0.05
+    ) as handle:
+        await wait_for(handle, RunState.AWAITING_APPROVAL)
+        async with client(store) as http:
+            listed = await http.get("/")
+            page = await http.get("/runs/team%2Fa%2Fevents")
+            stream = await http.get("/runs/team%2Fa%2Fevents/events")
+            other = await http.get("/runs/team%2Fa/events")
+            waiting = await http.get("/runs/team%2Fb")
+            done = await http.post(
+                "/runs/team%2Fb/approve",
+                data={"token": TOKEN, "decision": "approve", "call_id": "t1"},
+                headers={**SAME, "accept": "application/json"},
+            )
+        assert done.status_code == 200 and done.json()["ok"] is True
+        result = await handle.wait()
+    assert 'href="/runs/team%2Fa%2Fevents"' in listed.text
+    assert page.status_code == 200 and 'data-run="team/a/events"' in page.text
+    assert [e["event"] for e in sse(stream.text)][-1] == "finished"
+    assert other.status_code == 404 and "team/a" in other.text
+    assert waiting.status_code == 200 and 'action="/runs/team%2Fb/approve"' in waiting.text
+    assert result.state is RunState.SUCCEEDED

@@ -15,6 +15,7 @@ import json
 from collections.abc import AsyncIterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
+from urllib.parse import quote, unquote
 
 import attrs
 import jinja2
@@ -119,6 +120,45 @@ class _SecurityHeaders:
         await self.app(scope, receive, with_headers)
 
 
+class _RunIdPaths:
+    """Keeps a ``/`` inside a run id's path segment (sent as ``%2F``) out of the routing.
+
+    Run ids may hold ``/`` (docs/concepts.md, "Run ids"), so the console's paths name a run
+    as one segment, `run_path` of its id. The router matches the decoded path, in which an
+    encoded ``/`` would split the segment; here each segment of the raw path is decoded by
+    itself and a ``/`` (and ``%``) in it is encoded again, so ``/runs/a%2Fevents`` is the page
+    of run ``a/events`` and ``/runs/a/events`` the stream of run ``a``. The handlers decode
+    the id (`_run_id`).
+    """
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        raw = scope.get("raw_path")
+        if scope["type"] == "http" and isinstance(raw, bytes) and raw.startswith(b"/runs/"):
+            segments = [unquote(part) for part in raw.decode("latin-1").split("/")]
+            path = "/".join(
+                quote(part, safe="") if "/" in part or "%" in part else part for part in segments
+            )
+            scope = {**scope, "path": path}
+        await self.app(scope, receive, send)
+
+
+def run_path(run_id: str) -> str:
+    """``run_id`` as one path segment, for the console's links and forms.
+
+    Every character outside letters, digits and ``_.-~`` is percent-encoded, ``/`` included
+    (`_RunIdPaths` routes on it).
+    """
+    return quote(run_id, safe="")
+
+
+def _run_id(request: Request) -> str:
+    """The run id a path names (its segment decoded, ``%2F`` back to ``/``)."""
+    return unquote(request.path_params["run_id"])
+
+
 def templates() -> jinja2.Environment:
     """The console's templates, every value autoescaped."""
     env = jinja2.Environment(
@@ -131,6 +171,7 @@ def templates() -> jinja2.Environment:
     env.globals["optional_field"] = _view.optional_field
     env.globals["json_text"] = _view.json_text
     env.globals["CHART_WIDTH"] = _view.CHART_WIDTH
+    env.filters["run_path"] = run_path
     return env
 
 
@@ -155,6 +196,7 @@ def create_app(store: RunStore, settings: Settings) -> Starlette:
     middleware = [
         Middleware(_SecurityHeaders),
         Middleware(TrustedHostMiddleware, allowed_hosts=list(settings.allowed_hosts)),
+        Middleware(_RunIdPaths),
     ]
     return Starlette(
         routes=routes,
@@ -277,7 +319,7 @@ class _Console:
         refused = self._check_read(request)
         if refused is not None:
             return refused
-        run_id = request.path_params["run_id"]
+        run_id = _run_id(request)
         log, summary = await self._read(run_id)
         blocks = _view.timeline(log)
         return self._page(
@@ -296,7 +338,7 @@ class _Console:
         A ``finished`` event closes the stream once the run-finished record was sent.
         """
         self._check_read(request)
-        run_id = request.path_params["run_id"]
+        run_id = _run_id(request)
         next_seq = _first_seq(request)
         await self._read(run_id)  # a run that does not exist is a 404, not a stream
 
@@ -387,7 +429,7 @@ class _Console:
         """Approve, reject or edit the call a run waits on (as ``treadle approve``)."""
         form = await request.form()
         self._check_write(request, form)
-        run_id = request.path_params["run_id"]
+        run_id = _run_id(request)
         decision = str(form.get("decision", "approve"))
         call_id = str(form.get("call_id") or "") or None
         reject = edit = None
@@ -413,7 +455,7 @@ class _Console:
         """Cancel a run (as ``treadle cancel``)."""
         form = await request.form()
         self._check_write(request, form)
-        run_id = request.path_params["run_id"]
+        run_id = _run_id(request)
         reason = str(form.get("reason", ""))
         try:
             outcome = await cancel(
@@ -447,14 +489,25 @@ def _filtered(rows: Sequence[Row], q: str, state: str) -> list[Row]:
 
 
 def _first_seq(request: Request) -> int:
-    """The first seq a stream sends: after ``Last-Event-ID``, else ``?from=`` (default 1)."""
+    """The first seq a stream sends: after ``Last-Event-ID``, else ``?from=`` (default 1).
+
+    Seqs count from 1 (docs/events.md, "Numbering"), so a ``Last-Event-ID`` below 0 names no
+    record a stream sent: it is refused (a 400), never read as a position from the log's end.
+    """
     last = request.headers.get("last-event-id")
+    refused = HTTPException(
+        400, "Last-Event-ID and ?from= take a seq (an integer, Last-Event-ID 0 or more)"
+    )
     try:
-        if last:
-            return int(last) + 1
-        return max(1, int(request.query_params.get("from", "1")))
+        seen = int(last) if last else None
+        first = max(1, int(request.query_params.get("from", "1")))
     except ValueError:
-        raise HTTPException(400, "Last-Event-ID and ?from= take a seq (an integer)") from None
+        raise refused from None
+    if seen is None:
+        return first
+    if seen < 0:
+        raise refused
+    return seen + 1
 
 
 def _origin_of(url: str) -> str | None:
