@@ -125,6 +125,12 @@ def _names(value: Collection[str]) -> frozenset[str]:
     return frozenset(value)
 
 
+def _approval(value: bool | None) -> bool | None:
+    if value is not None and not isinstance(value, bool):
+        raise UsageError(f"requires_approval must be True, False or None, got {value!r}")
+    return value
+
+
 @attrs.frozen(kw_only=True)
 class McpToolOptions:
     """What the caller decides about one MCP tool, over what its server's annotations say.
@@ -142,11 +148,12 @@ class McpToolOptions:
             ``action.intent_id``, the idempotency key it was sent).
 
     Raises:
-        UsageError: ``replay`` is no `ReplayPolicy`, ``secret_arguments`` is a string.
+        UsageError: ``replay`` is no `ReplayPolicy`, ``requires_approval`` no bool or
+            ``None``, ``secret_arguments`` is a string.
     """
 
     replay: ReplayPolicy | None = attrs.field(default=None, converter=_policy)
-    requires_approval: bool | None = None
+    requires_approval: bool | None = attrs.field(default=None, converter=_approval)
     timeout_s: float | None = None
     secret_arguments: frozenset[str] = attrs.field(default=frozenset(), converter=_names)
     reconcile: ReconcileHook | None = None
@@ -499,7 +506,8 @@ def _tool(
 
 
 def _check_timeout(value: float, what: str) -> None:
-    if not (isinstance(value, int | float) and math.isfinite(value) and value > 0):
+    number = isinstance(value, int | float) and not isinstance(value, bool)
+    if not (number and math.isfinite(value) and value > 0):
         raise UsageError(f"{what} must be a positive number of seconds, got {value!r}")
 
 
@@ -518,6 +526,10 @@ def _build_tools(
         UsageError: as `open_mcp_tools` says.
     """
     _check_timeout(default_timeout_s, "default_timeout_s")
+    if isinstance(include, str):
+        raise UsageError(f"include takes a collection of tool names, e.g. ({include!r},)")
+    if not isinstance(prefix, str):
+        raise UsageError(f"prefix must be a string, got {prefix!r}")
     names = [entry.name for entry in listed]
     wanted = set(names) if include is None else set(include)
     missing = sorted((wanted | set(options)) - set(names))
@@ -634,10 +646,11 @@ async def open_mcp_tools(
         default_timeout_s: seconds one call may run when its options set none.
 
     Raises:
-        UsageError: a URL that is not ``http(s)``, ``tools`` or ``include`` naming a tool the
-            server does not list, a name that is not 1-64 characters of ``[A-Za-z0-9_-]``
-            with the prefix, a server schema that is no valid JSON schema, a bad timeout, or
-            secret arguments the schema does not have.
+        UsageError: a URL that is not ``http(s)``, ``include`` that is a string (not a
+            collection of names), a ``prefix`` that is no string, ``tools`` or ``include``
+            naming a tool the server does not list, a name that is not 1-64 characters of
+            ``[A-Za-z0-9_-]`` with the prefix, a server schema that is no valid JSON
+            schema, a bad timeout, or secret arguments the schema does not have.
         EnvironmentFailure: the server cannot be reached, its command cannot start, or it
             fails the handshake or the tool listing (the SDK's error is the ``__cause__``).
     """
