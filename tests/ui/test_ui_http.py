@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import subprocess
 import sys
@@ -480,3 +481,27 @@ async def test_a_run_id_with_a_slash_has_its_page_stream_and_actions():
     assert other.status_code == 404 and "team/a" in other.text
     assert waiting.status_code == 200 and 'action="/runs/team%2Fb/approve"' in waiting.text
     assert result.state is RunState.SUCCEEDED
+
+
+async def test_a_run_whose_log_fails_its_read_does_not_take_the_list_down(tmp_path):
+    """A store whose index still summarizes a damaged run (SQLite: a record fails its
+    checksum): the list shows every other run and marks that one with the error."""
+    import sqlite3
+
+    db = tmp_path / "runs.db"
+    async with treadle.open_sqlite_store(db) as store:
+        for run_id in ("good", "bad"):
+            await treadle.run(markup_agent(), "x", store=store, run_id=run_id)
+    with contextlib.closing(sqlite3.connect(db)) as raw:
+        raw.execute(
+            "UPDATE records SET body = substr(body, 1, 20) WHERE run_id = 'bad' AND seq = 3"
+        )
+        raw.commit()
+    async with treadle.open_sqlite_store(db) as store, client(store, poll_s=0.01) as http:
+        listed = await http.get("/")  # the live list's stream renders the same rows
+        page = await http.get("/runs/bad")
+    assert listed.status_code == 200 and 'data-run="good"' in listed.text
+    row = listed.text[listed.text.index('data-run="bad"') :]
+    row = row[: row.index("</tr>")]
+    assert 'class="error"' in row and "checksum" in row
+    assert page.status_code == 500 and "checksum" in page.text

@@ -34,7 +34,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from treadle._cli_runs import approve, cancel
 from treadle._cli_store import driver_text
-from treadle._exceptions import TreadleError, UsageError
+from treadle._exceptions import StoreError, TreadleError, UsageError
 from treadle._text import valid_unicode
 from treadle._ui import _view
 from treadle.approvals import pending_approval
@@ -304,10 +304,16 @@ class _Console:
         for summary in summaries:
             tokens = self._tokens.get(summary.run_id)
             if summary.run_id not in self._tokens and summary.error is None:
-                log = await self.store.read_log(summary.run_id)
-                tokens = _view.run_tokens(log)
-                if log.finished is not None:
-                    self._tokens[summary.run_id] = tokens
+                try:
+                    log = await self.store.read_log(summary.run_id)
+                except StoreError as exc:
+                    # the index summarizes a run whose log fails its read: that row says
+                    # why, the others are listed (as for a log the index cannot read)
+                    summary = attrs.evolve(summary, error=str(exc))
+                else:
+                    tokens = _view.run_tokens(log)
+                    if log.finished is not None:
+                        self._tokens[summary.run_id] = tokens
             thread = _view.optional_field(summary, "thread", "thread_id")
             rows.append(Row(summary, driver_text(summary), tokens, thread))
         return rows
