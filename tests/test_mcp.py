@@ -554,3 +554,18 @@ async def test_options_of_the_wrong_type_are_clear_errors_not_guesses():
             pass
     async with open_mcp_tools(server, include=("tag",)) as tools:
         assert [s.name for s in tools.tool_specs()] == ["tag"]
+
+
+async def test_a_server_that_never_answers_the_handshake_is_an_environment_failure():
+    """A process that starts but never speaks MCP: opening its session fails after
+    ``connect_timeout_s`` with a clear error, it does not wait forever."""
+    silent = StdioServerParameters(
+        command=sys.executable, args=["-c", "import sys; sys.stdin.read()"]
+    )
+    with trio.fail_after(60):  # a hang limit: the open fails long before it
+        with pytest.raises(EnvironmentFailure, match=r"could not be opened.*did not answer"):
+            async with open_mcp_tools(silent, connect_timeout_s=0.5):
+                pass
+    with pytest.raises(UsageError, match="connect_timeout_s must be a positive number"):
+        async with open_mcp_tools(silent, connect_timeout_s=0):
+            pass

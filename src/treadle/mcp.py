@@ -111,6 +111,8 @@ _TRANSPORT_ERRORS: Final = (
     anyio.EndOfStream,
 )
 _NOT_RUN: Final = frozenset({mcp_types.METHOD_NOT_FOUND, mcp_types.INVALID_PARAMS})
+_SDK_TIMEOUT_MARGIN_S: Final = 60.0
+"""How far past a call's ``timeout_s`` the SDK's own read timeout of that request is set."""
 
 
 def _policy(value: ReplayPolicy | None) -> ReplayPolicy | None:
@@ -333,6 +335,9 @@ class McpTools:
                 result = await self._client.call_tool(
                     found.server_name,
                     dict(action.arguments),
+                    # the call's own timeout (above) ends it first: the session's
+                    # connect_timeout_s bounds the handshake and listing only
+                    read_timeout_seconds=found.timeout_s + _SDK_TIMEOUT_MARGIN_S,
                     meta=mcp_types.RequestParamsMeta(**meta),  # type: ignore[typeddict-item]
                 )
             except Exception as exc:
@@ -606,17 +611,22 @@ class _FailedRequestAsError(httpx2.AsyncBaseTransport):
 
 
 @asynccontextmanager
-async def _connected(server: McpServer) -> AsyncIterator[Client]:
-    """An open `mcp.Client` of ``server`` (a URL gets `_FailedRequestAsError` under it)."""
+async def _connected(server: McpServer, read_timeout_s: float) -> AsyncIterator[Client]:
+    """An open `mcp.Client` of ``server`` (a URL gets `_FailedRequestAsError` under it).
+
+    ``read_timeout_s`` bounds each request of the session that sets no timeout of its own
+    (the handshake, the tool listing).
+    """
     if not isinstance(server, str):
-        async with Client(server) as client:
+        async with Client(server, read_timeout_seconds=read_timeout_s) as client:
             yield client
         return
     http = httpx2.AsyncClient(
         timeout=httpx2.Timeout(30.0, read=300.0),  # the SDK's defaults
         transport=_FailedRequestAsError(httpx2.AsyncHTTPTransport()),
     )
-    async with http, Client(streamable_http_client(server, http_client=http)) as client:
+    transport = streamable_http_client(server, http_client=http)
+    async with http, Client(transport, read_timeout_seconds=read_timeout_s) as client:
         yield client
 
 
@@ -629,6 +639,7 @@ async def open_mcp_tools(
     include: Collection[str] | None = None,
     prefix: str = "",
     default_timeout_s: float = 30.0,
+    connect_timeout_s: float = 30.0,
 ) -> AsyncIterator[McpTools]:
     """Connect to an MCP server, list its tools, and yield them as an action executor.
 
@@ -644,6 +655,8 @@ async def open_mcp_tools(
         include: the server's tool names to offer (default: all of them).
         prefix: put before every name the model sees (e.g. ``"github_"``).
         default_timeout_s: seconds one call may run when its options set none.
+        connect_timeout_s: seconds the server may take to answer each request of the
+            handshake and the tool listing (a server that never answers fails then).
 
     Raises:
         UsageError: a URL that is not ``http(s)``, ``include`` that is a string (not a
@@ -652,13 +665,15 @@ async def open_mcp_tools(
             ``[A-Za-z0-9_-]`` with the prefix, a server schema that is no valid JSON
             schema, a bad timeout, or secret arguments the schema does not have.
         EnvironmentFailure: the server cannot be reached, its command cannot start, or it
-            fails the handshake or the tool listing (the SDK's error is the ``__cause__``).
+            fails the handshake or the tool listing or does not answer them within
+            ``connect_timeout_s`` (the SDK's error is the ``__cause__``).
     """
     target = _target(server)
+    _check_timeout(connect_timeout_s, "connect_timeout_s")
     problem: UsageError | None = None
     entered = False
     try:
-        async with _connected(target) as client:
+        async with _connected(target, connect_timeout_s) as client:
             try:
                 chosen = _build_tools(
                     await _list_tools(client),
@@ -678,9 +693,11 @@ async def open_mcp_tools(
         if entered:
             raise  # the block's own error, or the session's while the block ran
         leaf = _leaf(exc)
+        silent = isinstance(leaf, MCPError) and leaf.code == mcp_types.REQUEST_TIMEOUT
+        why = f"; it did not answer within {connect_timeout_s:g} s" if silent else ""
         raise EnvironmentFailure(
             f"the MCP session with {_describe(target)} could not be opened: "
-            f"{type(leaf).__name__}: {leaf}"
+            f"{type(leaf).__name__}: {leaf}{why}"
         ) from exc
     if problem is not None:
         raise problem
