@@ -15,6 +15,7 @@ from click.testing import CliRunner
 from ui_support import MARKUP, approval_agent, markup_agent
 
 import treadle
+from treadle._exceptions import StoreError
 from treadle._ui._app import CSP, Settings, create_app
 from treadle.approvals import read_control
 from treadle.cli import main
@@ -505,3 +506,41 @@ async def test_a_run_whose_log_fails_its_read_does_not_take_the_list_down(tmp_pa
     row = row[: row.index("</tr>")]
     assert 'class="error"' in row and "checksum" in row
     assert page.status_code == 500 and "checksum" in page.text
+
+
+class _DamagedAfter(MemoryStore):
+    """A store whose log of ``r`` fails its read from the ``fail_from``-th read on (a log
+    damaged while a page streams it)."""
+
+    def __init__(self, fail_from: int) -> None:
+        super().__init__()
+        self.reads: int | None = None  # counted (and failed) only while a page streams
+        self.fail_from = fail_from
+
+    async def read_log(self, run_id):
+        if run_id == "r" and self.reads is not None:
+            self.reads += 1
+            if self.reads >= self.fail_from:
+                raise StoreError("run 'r': a record fails its checksum")
+        return await super().read_log(run_id)
+
+
+async def test_a_log_damaged_while_it_streams_ends_the_stream_with_the_error():
+    """The stream says why it stops (an ``unreadable`` event), rather than breaking off
+    mid-response, which the browser would take for a dropped connection and retry."""
+    store = _DamagedAfter(fail_from=3)
+    async with open_run(
+        approval_agent(), "pay", store=store, run_id="r", control_poll_s=0.05
+    ) as handle:
+        await wait_for(handle, RunState.AWAITING_APPROVAL)
+        store.reads = 0
+        async with client(store, poll_s=0.01) as http:
+            stream = await http.get("/runs/r/events")
+        store.reads = None
+        handle.cancel("done")
+        await handle.wait()
+    events = sse(stream.text)
+    assert stream.status_code == 200
+    assert [e["event"] for e in events][-1] == "unreadable"
+    assert "checksum" in json.loads(events[-1]["data"])["message"]
+    assert all(e["event"] == "record" for e in events[:-1]) and events[:-1]

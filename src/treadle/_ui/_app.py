@@ -341,7 +341,9 @@ class _Console:
 
         Each record is one ``record`` event whose id is its seq; a reconnect's
         ``Last-Event-ID`` resumes after that seq (else ``?from=SEQ`` names the first one).
-        A ``finished`` event closes the stream once the run-finished record was sent.
+        A ``finished`` event closes the stream once the run-finished record was sent; an
+        ``unreadable`` event (``{"message": ...}``) closes it when the log cannot be read
+        any more (the page says why instead of reconnecting).
         """
         self._check_read(request)
         run_id = _run_id(request)
@@ -351,7 +353,12 @@ class _Console:
         async def events() -> AsyncIterator[ServerSentEvent]:
             nonlocal next_seq
             while True:
-                log, summary = await self._read(run_id)
+                try:
+                    log, summary = await self._read(run_id)
+                except StoreError as exc:  # damaged while streaming: say so, and stop
+                    said = {"message": str(exc)}
+                    yield ServerSentEvent(data=json.dumps(said), event="unreadable")
+                    return
                 count = len(log.records)
                 if count >= next_seq:
                     for event in self._record_events(log, summary, next_seq, count):
