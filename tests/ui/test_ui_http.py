@@ -544,3 +544,28 @@ async def test_a_log_damaged_while_it_streams_ends_the_stream_with_the_error():
     assert [e["event"] for e in events][-1] == "unreadable"
     assert "checksum" in json.loads(events[-1]["data"])["message"]
     assert all(e["event"] == "record" for e in events[:-1]) and events[:-1]
+
+
+async def test_behind_a_tls_proxy_the_https_origin_of_the_same_host_may_act():
+    """docs/ui.md has a shared network served behind TLS: the proxy speaks plain HTTP to the
+    console and the browser's Origin says ``https://`` with the same host."""
+    store = MemoryStore()
+    async with open_run(
+        approval_agent(), "pay", store=store, run_id="r", control_poll_s=0.05
+    ) as handle:
+        await wait_for(handle, RunState.AWAITING_APPROVAL)
+        async with client(store) as http:
+            other_host = await http.post(
+                "/runs/r/cancel",
+                data={"token": TOKEN},
+                headers={"origin": "https://evil.example:8765"},
+            )
+            assert other_host.status_code == 403
+            done = await http.post(
+                "/runs/r/cancel",
+                data={"token": TOKEN, "reason": "behind TLS"},
+                headers={"origin": "https://127.0.0.1:8765", "accept": "application/json"},
+            )
+            assert done.status_code == 200 and done.json()["ok"] is True
+        result = await handle.wait()
+    assert result.state is RunState.CANCELLED

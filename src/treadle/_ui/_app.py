@@ -239,13 +239,19 @@ class _Console:
         return None
 
     def _check_write(self, request: Request, form: FormData) -> None:
-        """Refuse a state-changing request that is cross-site or lacks the token."""
-        expected = f"{request.url.scheme}://{request.headers.get('host', '')}"
+        """Refuse a state-changing request that is cross-site or lacks the token.
+
+        The origin must name the console's own host; its scheme may be ``https`` as well as
+        the request's own, since behind a TLS proxy (docs/ui.md, "Safety") the browser's
+        origin is ``https://`` while the console is spoken to in plain HTTP.
+        """
+        host = request.headers.get("host", "")
+        expected = {f"{request.url.scheme}://{host}", f"https://{host}"}
         origin = request.headers.get("origin")
         if origin is None:
             referer = request.headers.get("referer")
             origin = _origin_of(referer) if referer else None
-        if origin is None or origin != expected:
+        if origin is None or origin not in expected:
             raise HTTPException(403, "refused: not a same-origin request")
         site = request.headers.get("sec-fetch-site")
         if site is not None and site not in ("same-origin", "none"):
