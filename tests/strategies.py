@@ -93,6 +93,22 @@ tool_specs = _build(t.ToolSpec, name=ids, description=texts, parameters=json_obj
 output_formats = _build(
     t.OutputFormat, name=ids, schema=json_objects, strict=st.booleans(), description=texts
 )
+context_useds = _build(
+    t.ContextUsed,
+    window=counts,
+    budget=counts,
+    estimated_input_tokens=counts,
+    counted_tokens=counts,
+    verbatim_from=maybe_counts,
+    summary_intent_id=st.none() | ids,
+    summary_through=maybe_counts,
+    marked=counts,
+    marked_from=maybe_counts,
+    marked_to=maybe_counts,
+    truncated=counts,
+    forced=st.booleans(),
+    unfit=st.booleans(),
+)
 model_requests = _build(
     t.ModelRequest,
     messages=_tuples(messages),
@@ -101,6 +117,7 @@ model_requests = _build(
     max_output_tokens=maybe_counts,
     params=json_objects,
     output=st.none() | output_formats,
+    context=st.none() | context_useds,
 )
 usages = _build(
     t.Usage,
@@ -152,6 +169,8 @@ action_outcomes = _build(
     detail=st.none() | texts,
     revisions=st.dictionaries(texts, st.integers(), max_size=3),
     stale_resource=st.none() | texts,
+    child_run_id=st.none() | ids,
+    usage=st.none() | usages,
 )
 actions = _build(
     t.Action,
@@ -163,6 +182,10 @@ actions = _build(
     arguments=json_objects,
     replay=st.booleans(),
     revisions=st.dictionaries(texts, _tuples(st.integers()), max_size=3),
+    tokens_left=maybe_counts,
+    deadline=seconds | st.just(float("inf")),
+    forward=st.none() | st.just(lambda event: None),
+    cancelled=st.none() | st.just(lambda: False),
 )
 
 # --------------------------------------------------------------------------- definition data
@@ -209,12 +232,20 @@ run_starteds = _build(
     agent=st.none() | ids,
     agent_version=st.none() | ids,
     surrogates_replaced=counts,
+    parent_run_id=st.none() | ids,
+    parent_intent_id=st.none() | ids,
     thread=st.none() | ids,
     continues=st.none() | ids,
     fork_step=st.none() | counts,
 )
 model_intents = _build(
-    t.ModelIntent, run_id=ids, step=counts, intent_id=ids, attempt=counts, ts=timestamps
+    t.ModelIntent,
+    run_id=ids,
+    step=counts,
+    intent_id=ids,
+    attempt=counts,
+    ts=timestamps,
+    compaction=st.booleans(),
 )
 model_results = _build(
     t.ModelResult,
@@ -228,6 +259,8 @@ model_results = _build(
     latency_s=maybe_seconds,
     usage=usages,
     surrogates_replaced=counts,
+    context=st.none() | context_useds,
+    summary_through=maybe_counts,
 )
 action_intents = _build(
     t.ActionIntent,

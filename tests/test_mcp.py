@@ -14,7 +14,6 @@ import signal
 import socket
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -24,7 +23,7 @@ import trio
 from mcp import StdioServerParameters
 from mcp.client.stdio import stdio_client
 from tests.fixtures import mcp_server
-from tests.fixtures.mcp_driver import ROOT, drive, make_agent, stdio_server
+from tests.fixtures.mcp_driver import ROOT, drive, http_server, make_agent, stdio_server
 
 from treadle import (
     ActionStatus,
@@ -46,29 +45,6 @@ def _ledger(path: Path) -> list[dict[str, Any]]:
     if not path.exists():
         return []
     return [json.loads(line) for line in path.read_text().splitlines()]
-
-
-@contextlib.contextmanager
-def http_server(ledger: Path) -> Iterator[tuple[str, subprocess.Popen[str]]]:
-    """The test server on streamable HTTP on 127.0.0.1 (its URL and process); stopped after."""
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "tests.fixtures.mcp_server", str(ledger), "http"],
-        cwd=ROOT,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-    try:
-        assert proc.stdout is not None
-        line = proc.stdout.readline()  # bounded: the server prints it or exits
-        assert line.startswith("PORT "), f"the server did not start: {line!r}"
-        yield f"http://127.0.0.1:{int(line.split()[1])}/mcp", proc
-    finally:
-        proc.kill()
-        proc.wait()
-        for stream in (proc.stdout, proc.stderr):
-            if stream is not None:
-                stream.close()
 
 
 def _action(tool: str, intent_id: str = "i-1", **arguments: Any) -> Action:

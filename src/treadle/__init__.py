@@ -31,6 +31,8 @@ if TYPE_CHECKING:  # each name loads with its module on first use (docs/design.m
     from treadle._clock import Clock as Clock
     from treadle._clock import FixedStepClock as FixedStepClock
     from treadle._clock import SystemClock as SystemClock
+    from treadle._combined import CombinedTools as CombinedTools
+    from treadle._combined import combine_tools as combine_tools
     from treadle.agent import Agent as Agent
     from treadle.agent import RunInput as RunInput
     from treadle.models.anthropic import AnthropicMessagesClient as AnthropicMessagesClient
@@ -47,6 +49,8 @@ if TYPE_CHECKING:  # each name loads with its module on first use (docs/design.m
     from treadle.stores.postgres import open_postgres_store as open_postgres_store
     from treadle.stores.sqlite import SqliteStore as SqliteStore
     from treadle.stores.sqlite import open_sqlite_store as open_sqlite_store
+    from treadle.supervisors.children import agent_tool as agent_tool
+    from treadle.supervisors.children import child_run_id as child_run_id
     from treadle.supervisors.finishing import finish_cancelled as finish_cancelled
     from treadle.supervisors.fleet import Fleet as Fleet
     from treadle.supervisors.fleet import FleetStatistics as FleetStatistics
@@ -91,6 +95,7 @@ __getattr__ = lazy_names(
         "AnthropicMessagesClient": "treadle.models.anthropic",
         "Budgets": "treadle.types",
         "Clock": "treadle._clock",
+        "CombinedTools": "treadle._combined",
         "EnvironmentFailure": "treadle.tools",
         "Event": "treadle.types",
         "EventKind": "treadle.types",
@@ -125,6 +130,9 @@ __getattr__ = lazy_names(
         "ToolContext": "treadle.tools",
         "Toolbox": "treadle.tools",
         "Usage": "treadle.types",
+        "agent_tool": "treadle.supervisors.children",
+        "child_run_id": "treadle.supervisors.children",
+        "combine_tools": "treadle._combined",
         "finish_cancelled": "treadle.supervisors.finishing",
         "history": "treadle.supervisors.threads",
         "open_fleet": "treadle.supervisors.fleet",
@@ -148,6 +156,7 @@ __all__ = [
     "AnthropicMessagesClient",
     "Budgets",
     "Clock",
+    "CombinedTools",
     "ConflictError",
     "EnvironmentFailure",
     "Event",
@@ -195,6 +204,9 @@ __all__ = [
     "TreadleError",
     "Usage",
     "UsageError",
+    "agent_tool",
+    "child_run_id",
+    "combine_tools",
     "finish_cancelled",
     "history",
     "open_fleet",

@@ -137,11 +137,21 @@ def describe(record: Record) -> tuple[str, str]:
     if isinstance(record, RunStarted):
         first = record.input[0].content if record.input else ""
         origin = lineage_text(record)
+        if record.parent_run_id is not None:  # a child run: its parent's call first
+            parent = f"child of {record.parent_run_id} (call {record.parent_intent_id})"
+            origin = f"{parent} · {origin}" if origin else parent
         return "run started", clip(f"{origin} · {first}" if origin else first)
     if isinstance(record, ModelIntent):
+        if record.compaction:
+            return "summary call started", f"attempt {record.attempt}"
         return "model call started", f"attempt {record.attempt}"
     if isinstance(record, ModelResult):
-        return "model call finished", model_detail(record)
+        if record.summary_through is not None:
+            return "summary written", f"steps 1-{record.summary_through}: " + model_detail(record)
+        detail = model_detail(record)
+        if record.context is not None:
+            detail += " · " + context_detail(record)
+        return "model call finished", detail
     if isinstance(record, ActionIntent):
         args = json.dumps(dict(record.arguments), ensure_ascii=False)
         return "action requested", clip(f"{record.tool}({args})")
@@ -154,6 +164,8 @@ def describe(record: Record) -> tuple[str, str]:
         if outcome.revisions:
             seen = ", ".join(f"{key}@{rev}" for key, rev in outcome.revisions.items())
             late += f" (read {seen})"
+        if outcome.child_run_id is not None:
+            late += f" (child run {outcome.child_run_id})"
         return "action finished", clip(
             f"{record.tool} {outcome.status.value}{late}: {outcome.observation}"
         )
@@ -219,6 +231,33 @@ def call_text(request: ApprovalRequested) -> str:
 def counted(count: object, one: str, many: str | None = None) -> str:
     """``"1 step"``, ``"2 steps"``: ``count`` with ``one`` or ``many`` (default ``one + "s"``)."""
     return f"{count} {one if count == 1 else (many or one + 's')}"
+
+
+def context_detail(record: ModelResult) -> str:
+    """The context a model call was given, in one line (docs/context.md, "The record")."""
+    context = record.context
+    if context is None:
+        return ""
+    parts = [f"context {context.estimated_input_tokens} est"]
+    if record.usage.input_tokens is not None:
+        parts[0] += f" / {record.usage.input_tokens} reported"
+    parts[0] += f" of {context.budget} tokens"
+    if context.verbatim_from is not None:
+        parts.append(f"steps {context.verbatim_from}- verbatim")
+    if context.summary_intent_id is not None:
+        parts.append(f"summary of 1-{context.summary_through} ({context.summary_intent_id})")
+    if context.marked:
+        parts.append(
+            f"{context.marked} observations of steps {context.marked_from}-{context.marked_to}"
+            " elided"
+        )
+    if context.truncated:
+        parts.append(f"{context.truncated} cut to fit")
+    if context.forced:
+        parts.append("compacted after a context-length refusal")
+    if context.unfit:
+        parts.append("over budget: what cannot be cut does not fit")
+    return ", ".join(parts)
 
 
 def model_detail(record: ModelResult) -> str:

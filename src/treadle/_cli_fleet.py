@@ -13,6 +13,7 @@ import json
 import signal
 import sys
 from collections.abc import AsyncIterator, Callable
+from typing import TYPE_CHECKING
 
 import click
 import trio
@@ -21,6 +22,7 @@ from treadle._cli_common import import_spec, open_store, redact, run_async, stor
 from treadle._exceptions import TreadleError
 from treadle._text import valid_text
 from treadle.agent import Agent
+from treadle.metrics import MetricsRecorder
 from treadle.ports import RunQueue
 from treadle.stores._leases import LEASE_TTL_S
 from treadle.supervisors.fleet import (
@@ -32,6 +34,9 @@ from treadle.supervisors.fleet import (
     wait_result,
 )
 from treadle.types import Message, RunResult, RunState
+
+if TYPE_CHECKING:
+    from treadle.sinks.prometheus import PrometheusOutput
 
 
 def _agent_factory(spec: str) -> tuple[str, Callable[[], Agent]]:
@@ -100,6 +105,19 @@ def _agent_factory(spec: str) -> tuple[str, Callable[[], Agent]]:
     type=click.FloatRange(min=0),
     help="Seconds runs get to reach a safe point after SIGTERM before being cut.",
 )
+@click.option(
+    "--metrics-port",
+    type=click.IntRange(min=0, max=65535),
+    default=None,
+    help="Serve Prometheus metrics at http://HOST:PORT/metrics (0: a free port; needs "
+    "treadle[metrics]).",
+)
+@click.option(
+    "--metrics-host",
+    default="127.0.0.1",
+    show_default=True,
+    help="The address the metrics endpoint listens on.",
+)
 def worker_command(
     store_path: str,
     agent_specs: tuple[str, ...],
@@ -109,12 +127,17 @@ def worker_command(
     max_takeovers: int,
     backoff_s: float,
     drain_s: float,
+    metrics_port: int | None,
+    metrics_host: str,
 ) -> None:
     """Serve agents from a store's queue until SIGTERM or SIGINT, then drain and exit 0."""
     early: list[int] = []  # a stop asked for before the worker is up: it claims nothing
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, lambda number, frame: early.append(number))
     agents = dict(_agent_factory(spec) for spec in agent_specs)
+    exporter = _prometheus() if metrics_port is not None else None
+    recorder = MetricsRecorder(outputs=(exporter,)) if exporter is not None else None
+    endpoint: str | None = None
 
     async def go() -> None:
         if early:
@@ -135,9 +158,12 @@ def worker_command(
                     max_takeovers=max_takeovers,
                     backoff_s=backoff_s,
                     drain_s=drain_s,
+                    metrics=recorder,
                 ) as fleet:
                     served = ", ".join(sorted(agents))
                     click.echo(f"worker {fleet.owner} serves {served} from {redact(store_path)}")
+                    if endpoint is not None:
+                        click.echo(f"metrics at {endpoint}")
                     sys.stdout.flush()  # a supervisor waits for this line
                     await _until_stopped(signals, early, drain_s)
                 stats = fleet.statistics()
@@ -146,7 +172,37 @@ def worker_command(
             "leases released"
         )
 
-    run_async(go)
+    try:
+        if exporter is not None:  # bound before the worker claims anything
+            endpoint = _serve_metrics(exporter, metrics_port, metrics_host)
+        run_async(go)
+    finally:
+        if exporter is not None:
+            exporter.close()
+
+
+def _prometheus() -> PrometheusOutput:
+    """A Prometheus output, or a usage error naming the extra to install."""
+    try:
+        from treadle.sinks.prometheus import PrometheusOutput
+    except ImportError as exc:
+        raise click.UsageError(
+            f"--metrics-port needs prometheus-client: pip install 'treadle[metrics]' ({exc})"
+        ) from exc
+    return PrometheusOutput()
+
+
+def _serve_metrics(exporter: PrometheusOutput, port: int | None, host: str) -> str:
+    """Serve ``exporter``; return its URL.
+
+    Raises:
+        click.ClickException: the address cannot be bound.
+    """
+    try:
+        bound = exporter.serve(port or 0, host)
+    except OSError as exc:
+        raise click.ClickException(f"cannot serve metrics on {host}:{port}: {exc}") from exc
+    return f"http://{host}:{bound}/metrics"
 
 
 async def _until_stopped(signals: AsyncIterator[int], early: list[int], drain_s: float) -> None:

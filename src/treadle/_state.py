@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import attrs
 
+from treadle._budget import Summary
 from treadle.revisions import RevisionTable, fold_revisions
 from treadle.types import (
     ActionIntent,
@@ -81,6 +82,11 @@ class RunView:
         revisions: the revisions of resources the run observed, by resource key, each
             key's distinct revisions with the latest observed last: folded from the
             executed, applied (not late) action results (docs/concepts.md, "Stale writes").
+        summary: the latest durable summary (a compaction's result), ``None`` for none
+            (docs/context.md, "Summaries and resume").
+        calibration: ``(counted, reported)`` input tokens of the latest step request (not a
+            summary's) whose result has a context record and a reported input size
+            (docs/context.md, "Counting tokens").
     """
 
     next_seq: int = 1
@@ -96,6 +102,8 @@ class RunView:
     finished: RunFinished | None = None
     pending: PendingStep = attrs.Factory(lambda: PendingStep(step=1))
     revisions: RevisionTable = attrs.Factory(dict)
+    summary: Summary | None = None
+    calibration: tuple[int, int] | None = None
 
     @property
     def tokens(self) -> int:
@@ -132,6 +140,8 @@ class RunView:
             outcome = record.outcome
             if outcome.revisions and outcome.status is ActionStatus.EXECUTED and not record.late:
                 fold_revisions(self.revisions, outcome.revisions)
+            if outcome.usage is not None:  # a child run's tokens count in this run's budget
+                self.count_usage(outcome.usage)
         elif isinstance(record, StepRecord):
             self._apply_step(record)
         elif isinstance(record, CancelRequested):
@@ -155,11 +165,22 @@ class RunView:
 
     def _apply_model_result(self, record: ModelResult) -> None:
         pending = self.pending
+        summary = record.summary_through is not None
         if pending.open_model_intent and pending.open_model_intent.intent_id == record.intent_id:
             pending.open_model_intent = None
         self.count_usage(record.usage)
         pending.recorded_s += record.latency_s or 0.0
-        if record.reply is not None:
+        # Calibrated from the step's own requests: a summariser's request (a few long
+        # texts) counts differently from a history of many short messages.
+        if record.context is not None and record.usage.input_tokens and not summary:
+            self.calibration = (record.context.counted_tokens, record.usage.input_tokens)
+        if record.summary_through is not None and record.reply is not None:
+            self.summary = Summary(
+                intent_id=record.intent_id,
+                through=record.summary_through,
+                text=record.reply.text or "",
+            )
+        elif record.reply is not None:
             pending.reply = record.reply
             pending.reply_intent_id = record.intent_id
         else:

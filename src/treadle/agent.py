@@ -15,6 +15,7 @@ from typing import Any
 import attrs
 import cattrs
 
+from treadle._budget import DEFAULT_SUMMARY_PROMPT, TokenCounter
 from treadle._exceptions import SnapshotMismatch, UsageError
 from treadle._output import OutputMode, OutputSpec
 from treadle._output import resolve as resolve_output
@@ -39,7 +40,9 @@ class Agent:
 
     Attributes:
         model: the model client (seam 1); one call is one HTTP attempt.
-        executor: the action executor (seam 3), e.g. a `treadle.tools.Toolbox`.
+        executor: the action executor (seam 3), e.g. a `treadle.tools.Toolbox`, or several
+            executors' tools as one with `treadle.combine_tools` (docs/concepts.md,
+            "Several tool sources").
         parser: the decision parser (seam 2).
         model_name: the provider's model name, sent with every request.
         system_prompt: the system message, element 0 of every request; ``None`` for none.
@@ -85,12 +88,44 @@ class Agent:
     version: str | None = None
     output_type: type[Any] | Mapping[str, JSONValue] | None = None
     output_mode: OutputMode = "auto"
+    context_window: int | None = None
+    context_margin: int | None = None
+    summariser: ModelClient | None = None
+    summary_model: str | None = None
+    summary_prompt: str | None = None
+    token_counter: TokenCounter | None = None
     _output: OutputSpec | None = attrs.field(
         init=False,
         repr=False,
         eq=False,
         default=attrs.Factory(lambda self: self._resolve_output(), takes_self=True),
     )
+
+    def __attrs_post_init__(self) -> None:
+        if self.context_window is None:
+            return
+        if self.input_budget <= 0:
+            raise UsageError(
+                f"context_window={self.context_window} leaves no room for input once "
+                f"max_output_tokens={self.max_output_tokens} and a margin of "
+                f"{self.margin_tokens} tokens are set aside"
+            )
+
+    @property
+    def margin_tokens(self) -> int:
+        """The safety margin in tokens (0 without a context window)."""
+        if self.context_window is None:
+            return 0
+        if self.context_margin is not None:
+            return self.context_margin
+        return max(64, self.context_window // 32)
+
+    @property
+    def input_budget(self) -> int:
+        """Input tokens a request may use: window less output cap and margin (docs/context.md)."""
+        if self.context_window is None:
+            return 0
+        return self.context_window - (self.max_output_tokens or 0) - self.margin_tokens
 
     def _resolve_output(self) -> OutputSpec | None:
         if self.output_type is None:
@@ -128,7 +163,8 @@ class Agent:
         Keys: ``model``, ``system_prompt``, ``max_output_tokens``, ``params``, ``tools``,
         ``parser``, ``synthetic``, ``observation_template``; ``output`` (mode, name, schema,
         strict, description) only when ``output_type`` is set, so the snapshot of an agent
-        without one is what it always was; and ``secret_arguments`` when
+        without one is what it always was; ``context`` (window, margin, summary model and
+        prompt) only when ``context_window`` is set; and ``secret_arguments`` when
         a tool has secret arguments (`treadle.redaction`; an executor declares them with an
         optional ``secret_arguments(tool)`` method, as `treadle.Toolbox` does). The
         ``stale`` synthetic text is in ``synthetic`` only when a tool writes a resource (an
@@ -151,6 +187,13 @@ class Agent:
         }
         if self._output is not None:
             snapshot["output"] = self._output.snapshot()
+        if self.context_window is not None:
+            snapshot["context"] = {
+                "window": self.context_window,
+                "margin": self.margin_tokens,
+                "summary_model": self.summary_model,
+                "summary_prompt": self.summary_prompt or DEFAULT_SUMMARY_PROMPT,
+            }
         secrets = _secret_arguments(self.executor)
         if secrets:
             snapshot[SNAPSHOT_KEY] = secrets

@@ -6,6 +6,9 @@
         agent = Agent(model=..., executor=tools, parser=NativeToolCallParser(), ...)
         result = await run(agent, "...", store=store)
 
+With local tools (or other servers) beside them: ``executor=combine_tools(Toolbox([...]),
+tools)`` (docs/mcp.md, "Local and MCP tools together").
+
 The server is the official ``mcp`` SDK's `mcp.Client` target: an ``http(s)`` URL (streamable
 HTTP), `mcp.StdioServerParameters` (a subprocess over stdin and stdout), an
 `mcp.client.Transport`, or an in-process `mcp.server.Server` / ``MCPServer``.
@@ -236,7 +239,8 @@ class McpTools:
     """The tools of one MCP session: a `treadle.ports.ActionExecutor` with `ToolPolicies`.
 
     Built by `open_mcp_tools`, valid inside its ``async with`` block (the session's
-    lifetime); pass it as an agent's ``executor``.
+    lifetime); pass it as an agent's ``executor``, alone or with local tools and other
+    sessions through `treadle.combine_tools` (docs/mcp.md, "Local and MCP tools together").
     """
 
     def __init__(

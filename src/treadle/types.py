@@ -18,7 +18,7 @@ never trio time.
 from __future__ import annotations
 
 import enum
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any, TypeAlias
 
 import attrs
@@ -258,6 +258,9 @@ class ModelRequest:
         params: other sampling parameters in the provider's own form (temperature,
             ``reasoning_effort``, ...), already merged from the definition.
         output: the native structured output asked for, ``None`` for free text.
+        context: what the context budget did to build this request (never sent to the
+            provider; the gateway copies it into the attempt's `ModelResult`), ``None``
+            when the agent declares no context window (docs/context.md).
     """
 
     messages: tuple[Message, ...]
@@ -266,6 +269,51 @@ class ModelRequest:
     max_output_tokens: int | None = None
     params: Mapping[str, JSONValue] = attrs.field(factory=dict)
     output: OutputFormat | None = None
+    context: ContextUsed | None = None
+
+
+@attrs.frozen(kw_only=True)
+class ContextUsed:
+    """The context one model request was given, as ranges and ids (docs/context.md, "The record").
+
+    Its size does not grow with the run's length: steps are named by ranges, the summary by
+    its intent id, elided observations by a count and a step range.
+
+    Attributes:
+        window: the agent's context window, tokens.
+        budget: the input tokens the request may use: the window less the output cap and
+            the safety margin.
+        estimated_input_tokens: the request's size as the budget counted it, tokens
+            (calibrated from reported usage; the exact reported size of the previous
+            request's prefix when it is one).
+        counted_tokens: the token counter's own count of the request, before calibration.
+        verbatim_from: the first step sent verbatim (every later step is too); ``None``
+            when no step is sent.
+        summary_intent_id: the intent id of the summary sent in place of earlier steps,
+            ``None`` for none.
+        summary_through: the last step that summary covers.
+        marked: old observations replaced by a re-fetch marker.
+        marked_from / marked_to: the steps those observations belong to.
+        truncated: observations of the newest steps cut to fit (with a marker).
+        forced: built by a compaction after the provider refused the previous attempt
+            for its context length.
+        unfit: what cannot be cut (the instructions, the input, the summariser's prompt)
+            alone exceeds the budget: the request was sent over it.
+    """
+
+    window: int
+    budget: int
+    estimated_input_tokens: int
+    counted_tokens: int = 0
+    verbatim_from: int | None = None
+    summary_intent_id: str | None = None
+    summary_through: int | None = None
+    marked: int = 0
+    marked_from: int | None = None
+    marked_to: int | None = None
+    truncated: int = 0
+    forced: bool = False
+    unfit: bool = False
 
 
 @attrs.frozen(kw_only=True)
@@ -408,6 +456,11 @@ class ActionOutcome:
         stale_resource: for NOT_EXECUTED: the resource key the tool found changed since
             the revision the model saw (`treadle.revisions.StaleWrite`); the observation is
             then the definition's ``stale`` text. ``None`` otherwise.
+        child_run_id: the run the call started (or re-attached to) as a child run, if
+            any (docs/child-runs.md).
+        usage: model tokens the call spent on the run's behalf (a child run's totals);
+            counted in the run's token budget. ``None`` (and left out of the log) for
+            calls that report none.
     """
 
     status: ActionStatus
@@ -418,6 +471,8 @@ class ActionOutcome:
     detail: str | None = None
     revisions: Mapping[str, int] = attrs.field(factory=dict)
     stale_resource: str | None = None
+    child_run_id: str | None = None
+    usage: Usage | None = None
 
 
 @attrs.frozen(kw_only=True)
@@ -437,6 +492,16 @@ class Action:
         revisions: the revisions the run observed before this step, by resource key, each
             key's distinct revisions with the latest observed last (docs/concepts.md,
             "Stale writes"); what a writing tool's call is checked against.
+        tokens_left: the run's token budget minus the tokens it spent before this step
+            (``None``: no token budget).
+        deadline: the trio time (`trio.current_time`) at which the run's time budget ends
+            during this step (``inf``: no time budget).
+        forward: hands an event of another run (a child run) to this run's live
+            subscribers, never to its log (docs/child-runs.md, "Events"); ``None`` when
+            nobody can receive them.
+        cancelled: ``cancelled()`` tells whether the run itself was cancelled (a cancel
+            request), as opposed to its drive stopping in this process (a drain, a lost
+            lease), which leaves it resumable; ``None`` when nobody can tell.
     """
 
     run_id: str
@@ -447,6 +512,10 @@ class Action:
     arguments: Mapping[str, JSONValue] = attrs.field(factory=dict)
     replay: bool = False
     revisions: Mapping[str, tuple[int, ...]] = attrs.field(factory=dict)
+    tokens_left: int | None = None
+    deadline: float = float("inf")
+    forward: Callable[[Event], None] | None = attrs.field(default=None, eq=False, repr=False)
+    cancelled: Callable[[], bool] | None = attrs.field(default=None, eq=False, repr=False)
 
 
 # --------------------------------------------------------------------------- definition data
@@ -547,6 +616,10 @@ class RunStarted:
         surrogates_replaced: surrogate code points replaced (a lone one by U+FFFD) in
             the input, so the log holds valid Unicode only
             (docs/crash-safety.md, "Text that is not Unicode").
+        parent_run_id: for a child run, the run whose tool call started it
+            (docs/child-runs.md); ``None`` otherwise.
+        parent_intent_id: for a child run, the parent's action intent it serves (its run
+            id is derived from it, `treadle.child_run_id`); ``None`` otherwise.
         thread: for a run that continues a thread, the thread's id (the id of its first
             run); ``None`` otherwise (docs/threads.md, "Threads").
         continues: the run whose recorded history this run starts from: the thread's
@@ -566,6 +639,8 @@ class RunStarted:
     agent: str | None = None
     agent_version: str | None = None
     surrogates_replaced: int = 0
+    parent_run_id: str | None = None
+    parent_intent_id: str | None = None
     thread: str | None = None
     continues: str | None = None
     fork_step: int | None = None
@@ -573,13 +648,19 @@ class RunStarted:
 
 @attrs.frozen(kw_only=True)
 class ModelIntent:
-    """Written (barrier) before a model request leaves. ``attempt`` counts from 1 per step."""
+    """Written (barrier) before a model request leaves. ``attempt`` counts from 1 per step.
+
+    Attributes:
+        compaction: the request asks for a summary of earlier steps (a compaction inside
+            the step, docs/context.md, "Summaries"), not for the step's reply.
+    """
 
     run_id: str
     step: int
     intent_id: str
     attempt: int
     ts: str
+    compaction: bool = False
 
 
 @attrs.frozen(kw_only=True)
@@ -598,6 +679,10 @@ class ModelResult:
         surrogates_replaced: surrogate code points replaced (a lone one by U+FFFD) in
             the reply or error the model client returned, so the log holds valid Unicode only
             (docs/crash-safety.md, "Text that is not Unicode").
+        context: the context the request was given (docs/context.md, "The record"); ``None``
+            without a context window.
+        summary_through: set on the result of a compaction: the last step its summary
+            (the reply's text) covers; ``None`` on a step's own attempts.
     """
 
     run_id: str
@@ -610,6 +695,8 @@ class ModelResult:
     latency_s: float | None = None
     usage: Usage = Usage()
     surrogates_replaced: int = 0
+    context: ContextUsed | None = None
+    summary_through: int | None = None
 
 
 @attrs.frozen(kw_only=True)

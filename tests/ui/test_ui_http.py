@@ -22,7 +22,7 @@ from treadle.cli import main
 from treadle.stores.memory import MemoryStore
 from treadle.supervisors.run import open_run
 from treadle.testing.scripted import ScriptedModel, call, say
-from treadle.types import ApprovalDecided, CancelRequested, RunState, StopReason
+from treadle.types import ApprovalDecided, CancelRequested, ModelResult, RunState, StopReason
 
 TOKEN = "t0ken-for-tests"
 BASE = "http://127.0.0.1:8765"
@@ -353,33 +353,76 @@ def test_a_record_kind_the_page_does_not_know_is_shown_by_its_fields():
     assert "&lt;b&gt;older turns&lt;/b&gt;" in html and "<b>older" not in html
 
 
-def test_a_thread_column_shows_when_runs_carry_threads():
-    """Runs of a store whose summaries carry a thread show it (the field is newer than this
-    console: it is read when present)."""
-    import attrs
+async def test_the_list_and_a_run_page_show_threads_and_forks():
+    store = MemoryStore()
+    await treadle.run(markup_agent(), "read the page", store=store, run_id="chat")
+    await treadle.run(markup_agent(), "and again", store=store, thread_id="chat")
+    await treadle.run(markup_agent(), store=store, run_id="try", fork_of="chat", at_step=1)
+    async with client(store) as http:
+        listing = (await http.get("/")).text
+        continued = (await http.get("/runs/chat.2")).text
+        fork = (await http.get("/runs/try")).text
+        alone = (await http.get("/runs/chat")).text
+    assert "<th>thread</th>" in listing
+    assert "<td>chat</td>" in listing  # the thread's second run
+    assert "<td>fork of chat at step 1</td>" in listing
+    assert '<dd id="run-thread">chat</dd>' in continued
+    assert ">continues</dt>" in continued and 'href="/runs/chat"' in continued
+    assert ">forks</dt>" in fork and "at step 1" in fork
+    assert "run-continues" not in alone
 
-    from treadle._ui._app import Row, templates
-    from treadle.types import Liveness, RunSummary
 
-    @attrs.frozen(kw_only=True)
-    class ThreadedSummary(RunSummary):
-        thread: str | None = None
+async def test_a_run_page_shows_summaries_and_the_context_each_request_was_given():
+    from treadle.testing.windowed import WindowedModel, windowed_agent
 
-    summary = ThreadedSummary(
-        run_id="r",
-        state=RunState.SUCCEEDED,
-        liveness=Liveness.FINISHED,
-        observed_at=0.0,
-        thread="support-<42>",
+    store = MemoryStore()
+    model = WindowedModel(window=1200, goal=30)
+    await treadle.run(windowed_agent(model, window=1200), "count", store=store, run_id="long")
+    log = await store.read_log("long")
+    summaries = [r for r in log.records if isinstance(r, ModelResult) and r.summary_through]
+    assert summaries  # a run this long compacts
+    async with client(store) as http:
+        page = (await http.get("/runs/long")).text
+    assert page.count('<span class="mark summary">summary</span>') == len(summaries)
+    assert f"(steps through {summaries[0].summary_through})" in page
+    assert "earlier steps summarized" in page
+    assert page.count('class="context dim"') == sum(
+        1 for r in log.records if isinstance(r, ModelResult) and r.context is not None
     )
-    from treadle._ui._view import optional_field
+    assert f"summary of steps through {summaries[-1].summary_through}" in page
 
-    row = Row(summary, "", 10, optional_field(summary, "thread", "thread_id"))
-    html = templates().get_template("_rows.html").render(rows=[row], threads=True)
-    assert "<td>support-&lt;42&gt;</td>" in html
-    assert "support-<42>" in row.search_text  # the search box finds runs by thread
-    plain = templates().get_template("_rows.html").render(rows=[row], threads=False)
-    assert "support-&lt;42&gt;</td>" not in plain
+
+async def test_a_parent_and_its_child_run_link_each_other():
+    @treadle.tool
+    async def note(text: str) -> str:
+        """Write a note."""
+        return f"noted {text}"
+
+    store = MemoryStore()
+    child = treadle.Agent(
+        model=ScriptedModel(turns=[call("note", call_id="n1", text="hi"), say("child done")]),
+        executor=treadle.Toolbox([note]),
+        parser=treadle.NativeToolCallParser(),
+    )
+    helper = treadle.agent_tool(child, store=store, name="helper", description="Ask a helper.")
+    parent = treadle.Agent(
+        model=ScriptedModel(turns=[call("helper", call_id="h1", task="go"), say("parent done")]),
+        executor=treadle.Toolbox([helper]),
+        parser=treadle.NativeToolCallParser(),
+    )
+    await treadle.run(parent, "start", store=store, run_id="p")
+    kid = treadle.child_run_id("p/s1/a1")
+    assert "/" in kid  # a run id with slashes must still have its pages
+    async with client(store) as http:
+        parent_page = (await http.get("/runs/p")).text
+        child_page = await http.get(f"/runs/{kid}")
+        child_events = await http.get(f"/runs/{kid}/events")
+    linked = kid.replace("/", "%2F")  # one path segment (docs/ui.md, "A run's page")
+    assert f'child run <a href="/runs/{linked}">{kid}</a>' in parent_page
+    assert child_page.status_code == 200
+    assert '<dd id="run-parent"><a href="/runs/p">p</a></dd>' in child_page.text
+    assert "child done" in child_page.text
+    assert child_events.status_code == 200 and "event: finished" in child_events.text
 
 
 def test_a_port_in_use_is_a_clear_error(tmp_path):

@@ -127,8 +127,8 @@ class _RunIdPaths:
     as one segment, `run_path` of its id. The router matches the decoded path, in which an
     encoded ``/`` would split the segment; here each segment of the raw path is decoded by
     itself and a ``/`` (and ``%``) in it is encoded again, so ``/runs/a%2Fevents`` is the page
-    of run ``a/events`` and ``/runs/a/events`` the stream of run ``a``. The handlers decode
-    the id (`_run_id`).
+    of run ``a/events`` and ``/runs/a/events`` the stream of run ``a``. The routes take the
+    id as a path (``/runs/a/b`` is run ``a/b`` too); the handlers decode it (`_run_id`).
     """
 
     def __init__(self, app: ASGIApp) -> None:
@@ -168,7 +168,6 @@ def templates() -> jinja2.Environment:
         lstrip_blocks=True,
         undefined=jinja2.StrictUndefined,
     )
-    env.globals["optional_field"] = _view.optional_field
     env.globals["json_text"] = _view.json_text
     env.globals["CHART_WIDTH"] = _view.CHART_WIDTH
     env.filters["run_path"] = run_path
@@ -187,10 +186,12 @@ def create_app(store: RunStore, settings: Settings) -> Starlette:
     routes = [
         Route("/", console.runs_page),
         Route("/runs/rows", console.runs_stream),
-        Route("/runs/{run_id}", console.run_page),
-        Route("/runs/{run_id}/events", console.run_stream),
-        Route("/runs/{run_id}/approve", console.approve, methods=["POST"]),
-        Route("/runs/{run_id}/cancel", console.cancel, methods=["POST"]),
+        # Run ids may hold "/" (a child run's does: docs/child-runs.md), so they match as
+        # paths; the routes with a suffix come first.
+        Route("/runs/{run_id:path}/events", console.run_stream),
+        Route("/runs/{run_id:path}/approve", console.approve, methods=["POST"]),
+        Route("/runs/{run_id:path}/cancel", console.cancel, methods=["POST"]),
+        Route("/runs/{run_id:path}", console.run_page),
         Mount("/static", StaticFiles(directory=HERE / "static"), name="static"),
     ]
     middleware = [
@@ -212,7 +213,8 @@ class _Console:
         self.store = store
         self.settings = settings
         self.env = env
-        self._tokens: dict[str, int | None] = {}  # finished runs only: they never change
+        # finished runs only (they never change): tokens, and the thread or fork text
+        self._tokens: dict[str, tuple[int | None, str | None]] = {}
 
     async def unreadable(self, request: Request, exc: Exception) -> Response:
         """A run the store cannot read (a damaged or too-new log): the error, said plainly."""
@@ -308,7 +310,7 @@ class _Console:
         summaries = await self.store.list_summaries()
         rows = []
         for summary in summaries:
-            tokens = self._tokens.get(summary.run_id)
+            tokens, thread = self._tokens.get(summary.run_id, (None, None))
             if summary.run_id not in self._tokens and summary.error is None:
                 try:
                     log = await self.store.read_log(summary.run_id)
@@ -317,10 +319,9 @@ class _Console:
                     # why, the others are listed (as for a log the index cannot read)
                     summary = attrs.evolve(summary, error=str(exc))
                 else:
-                    tokens = _view.run_tokens(log)
+                    tokens, thread = _view.run_tokens(log), _view.run_thread(log)
                     if log.finished is not None:
-                        self._tokens[summary.run_id] = tokens
-            thread = _view.optional_field(summary, "thread", "thread_id")
+                        self._tokens[summary.run_id] = (tokens, thread)
             rows.append(Row(summary, driver_text(summary), tokens, thread))
         return rows
 

@@ -121,7 +121,7 @@ class Block:
 
     @property
     def marks(self) -> list[str]:
-        """Short marks for the step header: repairs, truncation, unknown outcomes."""
+        """Short marks for the step header: repairs, truncation, summaries, unknown outcomes."""
         marks = []
         record = self.step_record
         if record is not None:
@@ -130,6 +130,14 @@ class Block:
                 marks.append(f"observations truncated by {record.observation_truncated_chars}")
         if any(a.truncated for a in self.attempts):
             marks.append("reply truncated")
+        summaries = [a for a in self.attempts if a.intent.compaction]
+        if summaries:
+            marks.append("earlier steps summarized")
+        context = [a.result.context for a in self.attempts if a.result and a.result.context]
+        if any(c.marked for c in context):
+            marks.append("old observations elided")
+        if any(c.truncated for c in context):
+            marks.append("observations truncated to fit")
         if any(a.outcome_unknown for a in self.attempts):
             marks.append("model outcome unknown")
         for call in self.calls:
@@ -353,13 +361,17 @@ def run_tokens(log: RunLog) -> int | None:
     return sum(counts) if counts else None
 
 
-def optional_field(record: object, *names: str) -> Any:
-    """The first of ``names`` that ``record`` has and sets (fields newer versions add)."""
-    for name in names:
-        value = getattr(record, name, None)
-        if value:
-            return value
-    return None
+def run_thread(log: RunLog) -> str | None:
+    """What the runs list shows of a run's thread: its thread id, or the run and step it forks.
+
+    ``None`` for a run that neither continues a thread nor forks one (docs/threads.md).
+    """
+    started = log.started
+    if started is None:
+        return None
+    if started.fork_step is not None and started.continues is not None:
+        return f"fork of {started.continues} at step {started.fork_step}"
+    return started.thread
 
 
 def json_text(value: Mapping[str, Any] | None) -> str:

@@ -18,6 +18,7 @@ from typing import Any, TypeVar
 import attrs
 import trio
 
+from treadle._budget import window_from_error
 from treadle._clock import Clock
 from treadle._exceptions import SeamViolation
 from treadle._output import OutputSpec
@@ -26,7 +27,7 @@ from treadle._text import repaired
 from treadle.actors._rpc import StepScope, request
 from treadle.actors.executor import ActionsOutcome, RunActions
 from treadle.actors.gateway import CallModel, ModelOutcome
-from treadle.actors.hydrator import Hydrate
+from treadle.actors.hydrator import Compaction, Hydrate
 from treadle.actors.writer import WriterClient
 from treadle.approvals import (
     EXPIRED_DETAIL,
@@ -112,6 +113,9 @@ class RunCoordinator:
         output: the agent's output type; a final answer must fit it
             (docs/structured-output.md). ``None`` takes any final answer.
         state: the run state; readable by the run's handle.
+        compaction: the agent declares a context window: a step whose attempt the provider
+            refused for its context length compacts once and retries (docs/context.md,
+            "Context-length errors").
     """
 
     run_id: str
@@ -129,6 +133,7 @@ class RunCoordinator:
     output: OutputSpec | None = None
     park_after_s: float | None = None
     carried_active_s: float = 0.0
+    compaction: bool = False
     state: RunState = RunState.RUNNING
     _step_scope: StepScope | None = None
     _cancel: tuple[str, str] | None = None
@@ -265,6 +270,11 @@ class RunCoordinator:
             return StopReason.MODEL_ERROR
         return self._budget_reason()
 
+    def _tokens_left(self) -> int | None:
+        """The token budget minus what the run spent (``None``: no token budget)."""
+        budget = self.budgets.token_budget
+        return None if budget is None else max(0, budget - self.view.tokens)
+
     def _budget_reason(self) -> StopReason | None:
         budgets, view = self.budgets, self.view
         if budgets.max_steps is not None and view.steps >= budgets.max_steps:
@@ -312,7 +322,9 @@ class RunCoordinator:
             if failed is not None:  # resume: reuse the recorded failure, never re-run it
                 outcome = ModelOutcome(error=failed)
             else:
-                outcome = await self._call_model(step, scope)
+                outcome = await self._call_model(step, scope, force=self._compact_retry(pending))
+                if outcome.stop is None and outcome.reply is None and self._compact_retry(pending):
+                    outcome = await self._call_model(step, scope, force=True)
             if outcome.stop is not None:
                 return outcome.stop
             if outcome.reply is None:
@@ -351,12 +363,28 @@ class RunCoordinator:
         """
         if pending.open_model_intent is not None or not pending.failures:
             return None
+        if self._compact_retry(pending):
+            return None
         error = pending.failures[-1].error
         if error is None or error.kind in _CUT_KINDS:
             return None
         if error.retryable and len(pending.failures) <= self.limits.max_model_retries:
             return None
         return error
+
+    def _compact_retry(self, pending: PendingStep) -> bool:
+        """Whether to compact once and retry the step (docs/context.md, "Context-length errors").
+
+        True when the agent compacts and the step's last attempt is the first the provider
+        refused for its context length.
+        """
+        if not self.compaction or not pending.failures:
+            return False
+        last = pending.failures[-1].error
+        if last is None or last.kind != CONTEXT_LENGTH:
+            return False
+        refused = [f for f in pending.failures if f.error and f.error.kind == CONTEXT_LENGTH]
+        return len(refused) == 1
 
     async def _act(
         self,
@@ -536,13 +564,54 @@ class RunCoordinator:
                 return decided
         return None
 
-    async def _call_model(self, step: int, scope: StepScope) -> ModelOutcome:
-        pending = self.view.pending
-        model_request: ModelRequest = await request(
+    async def _call_model(
+        self, step: int, scope: StepScope, *, force: bool = False
+    ) -> ModelOutcome:
+        """The step's model call; first the summaries the hydrator asks for, each durable."""
+        answer = await self._hydrate(force)
+        # steps up to 0 are a thread's inherited history: a summary may cover part of it
+        covered = self.view.summary.through if self.view.summary is not None else None
+        while isinstance(answer, Compaction):
+            if covered is not None and answer.through <= covered:  # ignores its summary
+                raise SeamViolation("context hydrator", answer, "a summary of uncovered steps")
+            covered = answer.through
+            outcome = await self._gateway_call(
+                step, scope, answer.request, summary_through=answer.through
+            )
+            if outcome.reply is None:  # the summariser failed or a budget ended the call
+                return outcome
+            answer = await self._hydrate(force)
+        return await self._gateway_call(step, scope, answer)
+
+    async def _hydrate(self, force: bool) -> ModelRequest | Compaction:
+        failures = self.view.pending.failures
+        last = failures[-1] if force and failures else None
+        refused = last.context if last is not None else None
+        stated = window_from_error(last.error.message) if last and last.error else None
+        answer: ModelRequest | Compaction = await request(
             self.hydrator,
-            lambda reply_to: Hydrate(new_steps=tuple(self._unsent_steps), reply_to=reply_to),
+            lambda reply_to: Hydrate(
+                new_steps=tuple(self._unsent_steps),
+                reply_to=reply_to,
+                summary=self.view.summary,
+                calibration=self.view.calibration,
+                force=force,
+                refused_tokens=refused.estimated_input_tokens if refused is not None else None,
+                refused_window=stated,
+            ),
         )
         self._unsent_steps.clear()
+        return answer
+
+    async def _gateway_call(
+        self,
+        step: int,
+        scope: StepScope,
+        model_request: ModelRequest,
+        *,
+        summary_through: int | None = None,
+    ) -> ModelOutcome:
+        pending = self.view.pending
         outcome: ModelOutcome = await _bounded(
             scope,
             self.gateway,
@@ -555,6 +624,7 @@ class RunCoordinator:
                 tokens=self.view.tokens,
                 scope=scope,
                 reply_to=reply_to,
+                summary_through=summary_through,
             ),
         )
         for record in outcome.written:
@@ -586,6 +656,7 @@ class RunCoordinator:
                         scope=scope,
                         rejected=rejected,
                         revisions=self.view.observed_revisions(),
+                        tokens_left=self._tokens_left(),
                         reply_to=reply_to,
                         handed=handed,
                     ),
@@ -695,6 +766,9 @@ def _plus_s(instant: str, seconds: float) -> str:
     """The ISO-8601 instant ``seconds`` after ``instant``."""
     return (dt.datetime.fromisoformat(instant) + dt.timedelta(seconds=seconds)).isoformat()
 
+
+CONTEXT_LENGTH = "context_length_exceeded"
+"""The error kind of an attempt the provider refused for its context length."""
 
 _CUT_KINDS = frozenset(
     {StopReason.CANCELLED.value, StopReason.TIME_BUDGET.value, StopReason.TOKEN_BUDGET.value}

@@ -66,6 +66,8 @@ class CallModel:
         step_failures: failed attempts already made in this step (retry accounting).
         tokens: reported tokens used by the run so far.
         scope: the step's cancellation and active-time deadline.
+        summary_through: set for a compaction: the request asks for a summary of the steps
+            up to this one (docs/context.md, "Summaries"); its intent and result say so.
     """
 
     step: int
@@ -76,6 +78,7 @@ class CallModel:
     tokens: int
     scope: StepScope
     reply_to: trio.MemorySendChannel[ModelOutcome]
+    summary_through: int | None = None
 
 
 @attrs.frozen(kw_only=True)
@@ -113,7 +116,12 @@ def backoff_s(retry: int, limits: Limits, rng: random.Random) -> float:
 
 @attrs.define(eq=False)
 class ModelGateway:
-    """The model gateway actor of one run."""
+    """The model gateway actor of one run.
+
+    Args:
+        summariser: the client of compaction calls (docs/context.md, "Summaries"); ``None``
+            makes them on ``client``.
+    """
 
     run_id: str
     client: ModelClient
@@ -122,6 +130,7 @@ class ModelGateway:
     limits: Limits
     budgets: Budgets
     rng: random.Random = attrs.Factory(random.Random)
+    summariser: ModelClient | None = None
     _coalescer: _Coalescer = attrs.field(
         init=False, default=attrs.Factory(lambda self: _Coalescer(self.writer), takes_self=True)
     )
@@ -143,18 +152,23 @@ class ModelGateway:
                     reply(message.reply_to, await self.call(message))
             nursery.cancel_scope.cancel()
 
-    def _on_delta(self) -> Callable[[str, str], None] | None:
-        """The delta callback for an attempt, ``None`` when nobody listens for deltas.
+    def _on_delta(self) -> Callable[[str, str], None]:
+        """The delta callback for an attempt: it passes fragments on while someone listens.
 
-        The first time someone listens, a task starts that flushes a coalesced delta once
-        its first fragment is `DELTA_FLUSH_S` old, also when the stream pauses.
+        Whether anyone listens is asked per fragment, so a subscriber that joins during an
+        attempt (a browser reconnecting) gets the rest of that attempt's deltas. The first
+        time someone listens, a task starts that flushes a coalesced delta once its first
+        fragment is `DELTA_FLUSH_S` old, also when the stream pauses.
         """
+        return self._offer
+
+    def _offer(self, channel: str, text: str) -> None:
         if not self.writer.wants_deltas():
-            return None
+            return
         if not self._flushing and self._nursery is not None:
             self._flushing = True
             self._nursery.start_soon(self._coalescer.flush_late)
-        return self._coalescer.offer
+        self._coalescer.offer(channel, text)
 
     async def call(self, message: CallModel) -> ModelOutcome:
         """Make attempts until one succeeds, the error is final, or a budget ends the call."""
@@ -220,33 +234,41 @@ class ModelGateway:
             intent_id=f"{self.run_id}/s{message.step}/m{attempt}",
             attempt=attempt,
             ts=self.clock.now_iso(),
+            compaction=message.summary_through is not None,
         )
+        client = self.client
+        if intent.compaction and self.summariser is not None:
+            client = self.summariser
         started = trio.current_time()
         outcome: ModelReply | ModelCallError | None = None
-        on_delta = self._on_delta()
+        on_delta = None if intent.compaction else self._on_delta()
         with message.scope.open():
             durable = await self.writer.send_barrier(StoreOp.INTENT, intent)
             written.append(intent)
             with durable:
                 await durable.receive()
-            outcome = await self._complete(message.request, on_delta, meter)
+            outcome = await self._complete(client, message.request, on_delta, meter)
         self._coalescer.flush()
         if outcome is None:
             if written and written[-1] is intent:
                 info = ModelErrorInfo(kind=self._cut_reason(message.scope).value)
                 await self._write_result(
-                    intent, written, error=info, usage=meter.last, started=started
+                    intent, written, message, error=info, usage=meter.last, started=started
                 )
             return None
         if isinstance(outcome, ModelCallError):
             usage = outcome.usage if _known(outcome.usage) else meter.last
             return await self._write_result(
-                intent, written, error=outcome.info, usage=usage, started=started
+                intent, written, message, error=outcome.info, usage=usage, started=started
             )
-        return await self._write_result(intent, written, reply_=outcome, started=started)
+        return await self._write_result(intent, written, message, reply_=outcome, started=started)
 
     async def _complete(
-        self, request: ModelRequest, on_delta: Callable[[str, str], None] | None, meter: _Meter
+        self,
+        client: ModelClient,
+        request: ModelRequest,
+        on_delta: Callable[[str, str], None] | None,
+        meter: _Meter,
     ) -> ModelReply | ModelCallError:
         try:
             with (
@@ -258,7 +280,7 @@ class ModelGateway:
                 ),
                 trio.fail_after(self.limits.model_attempt_s),
             ):
-                reply_ = await self.client.complete(request, on_delta=on_delta)
+                reply_ = await client.complete(request, on_delta=on_delta)
         except ModelCallError as exc:
             return meter.error if meter.cut and meter.error is not None else exc
         except trio.TooSlowError:
@@ -280,6 +302,7 @@ class ModelGateway:
         self,
         intent: ModelIntent,
         written: list[Record],
+        message: CallModel,
         *,
         started: float,
         reply_: ModelReply | None = None,
@@ -300,6 +323,8 @@ class ModelGateway:
                 error=error,
                 latency_s=round(trio.current_time() - started, 6),
                 usage=reply_.usage if reply_ is not None else (usage or Usage()),
+                context=message.request.context,
+                summary_through=message.summary_through,
             )
         )
         written.append(result)

@@ -14,6 +14,11 @@ A run that continues a thread or forks a run (its run-started record names the r
 ``continues``) starts from that run's recorded history: the hydrator reads it from the store
 when it starts (`recorded_history`, the one place a predecessor's history is loaded), and it
 is then simply part of the history it holds (docs/threads.md, "How history is inherited").
+
+With a context window, every request is fitted into it (docs/context.md, "What stays"): when
+older steps must go, the hydrator answers with a `Compaction` (a summariser request) instead
+of the step's request; the coordinator has the gateway make that call durably and hands the
+summary back. The hydrator still writes nothing.
 """
 
 from __future__ import annotations
@@ -23,10 +28,28 @@ from collections.abc import Mapping, Sequence
 import attrs
 import trio
 
+from treadle._budget import (
+    CHARS_PER_TOKEN,
+    DEFAULT_SUMMARY_PROMPT,
+    Compact,
+    Fitted,
+    Group,
+    Meter,
+    Summary,
+    TokenCounter,
+    estimate_messages,
+    estimate_tools,
+    inherited_groups,
+    plan,
+    summary_cap,
+    summary_messages,
+    transcript,
+)
 from treadle._exceptions import StoreError, UsageError
 from treadle.actors._rpc import reply
 from treadle.ports import RunStore
 from treadle.types import (
+    ContextUsed,
     DecisionKind,
     JSONValue,
     Message,
@@ -44,11 +67,43 @@ _SYNTHETIC = SyntheticObservations()
 
 
 @attrs.frozen(kw_only=True)
+class Compaction:
+    """The hydrator's answer when older steps must be summarised before the request fits.
+
+    Attributes:
+        request: the summariser's request (docs/context.md, "Summaries").
+        through: the last step the summary will cover.
+    """
+
+    request: ModelRequest
+    through: int
+
+
+@attrs.frozen(kw_only=True)
 class Hydrate:
-    """Ask for the next model request, after adding ``new_steps`` to the history."""
+    """Ask for the next model request, after adding ``new_steps`` to the history.
+
+    Attributes:
+        new_steps: step records not yet handed over, oldest first.
+        summary: the latest durable summary of the run, ``None`` for none.
+        calibration: ``(counted, reported)`` input tokens of the run's latest step request
+            (not a summary's) with a context record: the counter's count and the provider's
+            report (docs/context.md, "Counting tokens").
+        force: the provider refused the step's last attempt for its context length:
+            summarise every step but the newest.
+        refused_tokens: with ``force``, the estimated size of the refused request (from its
+            result's context record), ``None`` when unknown.
+        refused_window: with ``force``, the window the provider's error stated, tokens,
+            ``None`` when it stated none.
+    """
 
     new_steps: tuple[StepRecord, ...]
-    reply_to: trio.MemorySendChannel[ModelRequest]
+    reply_to: trio.MemorySendChannel[ModelRequest | Compaction]
+    summary: Summary | None = None
+    calibration: tuple[int, int] | None = None
+    force: bool = False
+    refused_tokens: int | None = None
+    refused_window: int | None = None
 
 
 @attrs.define(eq=False)
@@ -66,6 +121,13 @@ class ContextHydrator:
             the log holds no observation for.
         output: the native structured output every request asks for, ``None`` for none
             (docs/structured-output.md).
+        context_window: the model's context window, tokens; ``None`` sends the whole
+            history (docs/context.md).
+        margin_tokens: tokens kept free besides the output cap.
+        token_counter: counts a request's messages in tokens; ``None`` for the default
+            estimate (characters / 3), calibrated either way from reported usage.
+        summary_prompt: the summariser's system prompt.
+        summary_model: the model name of summariser requests; ``None`` for ``model``.
         store: the run's store, read (never written) for the history of the run
             ``started.continues`` names; ``None`` for a hydrator that reads no store, which
             refuses such a run.
@@ -79,13 +141,33 @@ class ContextHydrator:
     params: Mapping[str, JSONValue]
     synthetic: SyntheticObservations = SyntheticObservations()
     output: OutputFormat | None = None
+    context_window: int | None = None
+    margin_tokens: int = 0
+    token_counter: TokenCounter | None = None
+    summary_prompt: str = DEFAULT_SUMMARY_PROMPT
+    summary_model: str | None = None
     store: RunStore | None = None
     _history: list[Message] = attrs.Factory(list)
+    _groups: list[Group] = attrs.Factory(list)
+    _head: tuple[Message, ...] = ()
+    _meter: Meter = attrs.Factory(Meter)
+    _last: tuple[tuple[Message, ...], int] | None = None
+    _last_tokens: int | None = None
+    _ceiling: int | None = None
 
     def __attrs_post_init__(self) -> None:
         if self.system_prompt is not None:
             self._history.append(Message(role="system", content=self.system_prompt))
         self._history.extend(answer_every_call(self.started.input, self.synthetic))
+        self._head = tuple(self._history)
+        self._meter = Meter(counter=self.token_counter or estimate_messages)
+
+    @property
+    def budget(self) -> int | None:
+        """Input tokens a request may use: the window less the output cap and the margin."""
+        if self.context_window is None:
+            return None
+        return self.context_window - (self.max_output_tokens or 0) - self.margin_tokens
 
     async def run(
         self,
@@ -104,7 +186,7 @@ class ContextHydrator:
         task_status.started()
         async with inbox:
             async for message in inbox:
-                reply(message.reply_to, self.build(message.new_steps))
+                reply(message.reply_to, self.answer(message))
 
     async def inherit(self) -> None:
         """Put the recorded history of the run ``started.continues`` names before the input.
@@ -135,19 +217,165 @@ class ContextHydrator:
         )
         at = 1 if self.system_prompt is not None else 0
         self._history[at:at] = inherited
+        # the budget compacts it like the run's own steps (docs/context.md, "What stays")
+        self._groups[0:0] = inherited_groups(inherited)
 
     def build(self, new_steps: Sequence[StepRecord]) -> ModelRequest:
-        """Add ``new_steps`` to the history and return the next request."""
+        """Add ``new_steps`` to the history and return the next request (no window)."""
+        self._add(new_steps)
+        return self._request(tuple(self._history))
+
+    def answer(self, message: Hydrate) -> ModelRequest | Compaction:
+        """The next request, fitted to the window; or the summary it needs first.
+
+        Without a context window this is `build`. With one, see docs/context.md, "What stays".
+        """
+        if self.context_window is None:
+            return self.build(message.new_steps)
+        self._add(message.new_steps)
+        if message.force:
+            self._lower_ceiling(message)
+        budget = min(self.budget or 0, self._ceiling or (self.budget or 0))
+        head = self._head
+        if message.calibration is not None:
+            self._meter.calibrate(*message.calibration)
+        fixed = int(estimate_tools(self.tools) * self._meter.factor + 0.999)
+        fitted = plan(
+            head=head,
+            groups=self._groups,
+            summary=message.summary,
+            budget=budget,
+            fixed_tokens=fixed,
+            meter=self._meter,
+            force=message.force,
+        )
+        if isinstance(fitted, Compact):
+            return self._compaction(head, message.summary, fitted, budget, message.force)
+        return self._fitted(fitted, message, budget)
+
+    def _lower_ceiling(self, message: Hydrate) -> None:
+        """Learn, for the rest of the run, that the provider's real budget is lower.
+
+        The lower of the window its error stated (less the output cap and the margin) and
+        nine tenths of the refused request's size, whichever is known (docs/context.md,
+        "Context-length errors").
+        """
+        ceiling: int | None = None
+        if message.refused_window is not None:
+            ceiling = message.refused_window - (self.max_output_tokens or 0) - self.margin_tokens
+        refused = message.refused_tokens or self._last_tokens
+        if refused is not None:
+            ceiling = min(ceiling or refused, refused * 9 // 10)
+        if ceiling is None:
+            ceiling = (self.budget or 0) * 9 // 10
+        self._ceiling = max(1, min(self._ceiling or ceiling, ceiling))
+
+    def _add(self, new_steps: Sequence[StepRecord]) -> None:
         for step in new_steps:
-            self._history.extend(answer_every_call(step_messages(step), self.synthetic))
+            messages = answer_every_call(step_messages(step), self.synthetic)
+            self._history.extend(messages)
+            if messages:
+                self._groups.append(Group(step=step.step, messages=tuple(messages)))
+
+    def _request(
+        self, messages: tuple[Message, ...], context: ContextUsed | None = None
+    ) -> ModelRequest:
         return ModelRequest(
-            messages=tuple(self._history),
+            messages=messages,
             tools=self.tools,
             model=self.model,
             max_output_tokens=self.max_output_tokens,
             params=self.params,
             output=self.output,
+            context=context,
         )
+
+    def _fitted(self, fitted: Fitted, message: Hydrate, budget: int) -> ModelRequest:
+        counted = self._meter.raw(fitted.messages) + estimate_tools(self.tools)
+        estimate = fitted.tokens
+        if self._last is not None and message.calibration is not None:
+            sent, last_counted = self._last
+            # The previous request's reported size is exact for its prefix: only what
+            # follows it is estimated.
+            if last_counted == message.calibration[0] and fitted.messages[: len(sent)] == sent:
+                rest = self._meter.tokens(fitted.messages[len(sent) :])
+                estimate = message.calibration[1] + rest
+        self._last = (fitted.messages, counted)
+        self._last_tokens = None if message.force else estimate
+        summary = fitted.summary
+        context = ContextUsed(
+            window=self.context_window or 0,
+            budget=budget,
+            estimated_input_tokens=estimate,
+            counted_tokens=counted,
+            verbatim_from=fitted.verbatim_from,
+            summary_intent_id=summary.intent_id if summary is not None else None,
+            summary_through=summary.through if summary is not None else None,
+            marked=fitted.marked,
+            marked_from=fitted.marked_from,
+            marked_to=fitted.marked_to,
+            truncated=fitted.truncated,
+            forced=message.force,
+            unfit=fitted.unfit,
+        )
+        return self._request(fitted.messages, context)
+
+    def _compaction(
+        self,
+        head: tuple[Message, ...],
+        previous: Summary | None,
+        compact: Compact,
+        budget: int,
+        forced: bool,
+    ) -> Compaction:
+        """The summariser request for the oldest steps of ``compact`` that fit the window."""
+        cap = summary_cap(budget)
+        framing = [Message(role="system", content=self.summary_prompt), *head]
+        prompt_room = budget - cap - self._meter.tokens(framing) - MESSAGE_ROOM
+        if previous is not None:
+            prompt_room -= self._meter.tokens([Message(role="user", content=previous.text)])
+        # Steps enter the summariser's request as text: whole steps, oldest first, while
+        # their text fits (only a single step too large for it alone is cut).
+        max_chars = max(256, int(prompt_room * CHARS_PER_TOKEN / max(self._meter.factor, 0.25)))
+        chosen: list[Group] = []
+        used = 0
+        for group in compact.groups:
+            size = len(transcript([group])) + 2
+            if chosen and used + size > max_chars:
+                break
+            chosen.append(group)
+            used += size
+        messages = summary_messages(
+            prompt=self.summary_prompt,
+            head=head,
+            previous=previous,
+            groups=chosen,
+            max_chars=max_chars,
+        )
+        tokens = self._meter.tokens(messages)
+        context = ContextUsed(
+            window=self.context_window or 0,
+            budget=budget,
+            estimated_input_tokens=tokens,
+            counted_tokens=self._meter.raw(messages),
+            verbatim_from=chosen[0].step,
+            summary_intent_id=previous.intent_id if previous is not None else None,
+            summary_through=previous.through if previous is not None else None,
+            forced=forced,
+            unfit=tokens + cap > budget,
+        )
+        request = ModelRequest(
+            messages=messages,
+            model=self.summary_model or self.model,
+            max_output_tokens=cap,
+            context=context,
+        )
+        self._last_tokens = tokens
+        return Compaction(request=request, through=chosen[-1].step)
+
+
+MESSAGE_ROOM = 64
+"""Tokens reserved for the summariser request's framing (headings, the prompt's overhead)."""
 
 
 def step_messages(step: StepRecord) -> list[Message]:

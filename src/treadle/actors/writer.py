@@ -14,6 +14,7 @@ import attrs
 import trio
 
 from treadle._exceptions import StoreError
+from treadle.metrics import MetricsRecorder
 from treadle.ports import EventSink, RunStore
 from treadle.redaction import NO_REDACTION, Redaction
 from treadle.types import (
@@ -242,6 +243,8 @@ class EventWriter:
         feed: the run's `SinkFeed`, run by the run supervisor so it outlives this writer.
         redaction: the secret tool arguments, redacted in every event it hands out (the
             records it writes keep them; docs/events.md, "Secret arguments").
+        metrics: counts every record the writer appended (docs/metrics.md); ``None``
+            counts nothing.
     """
 
     run_id: str
@@ -251,6 +254,7 @@ class EventWriter:
     sinks: Sequence[EventSink] = ()
     feed: SinkFeed | None = None
     redaction: Redaction = NO_REDACTION
+    metrics: MetricsRecorder | None = None
     _subscribers: list[trio.MemorySendChannel[Event]] = attrs.Factory(list)
     _tail: list[Event] = attrs.Factory(list)
     _delta_ordinal: int = 0
@@ -325,6 +329,8 @@ class EventWriter:
         await _STORE_OPS[message.op](self.store, records, seq, self.generation)
         self.next_seq = seq + len(records)
         self._delta_ordinal = 0
+        if self.metrics is not None:
+            self.metrics.records(records)
         for offset, record in enumerate(records):
             event = durable_event(self.run_id, seq + offset, record, self.redaction)
             self._tail.append(event)
@@ -385,6 +391,15 @@ class EventWriter:
     def warn(self, text: str) -> None:
         """Tell the live subscribers ``text`` as a warning event (never stored, never blocks)."""
         self._warn(text)
+
+    def forward(self, event: Event) -> None:
+        """Hand another run's event (a child run's) to the live subscribers (never blocks).
+
+        It keeps its own run id and seq; nothing is stored in this run's log, and the sinks
+        are not fed (the child run feeds its own). docs/child-runs.md, "Events".
+        """
+        if event.run_id != self.run_id:
+            self._to_subscribers(event)
 
     def _subscribe(self, message: Subscribe) -> None:
         send, recv = trio.open_memory_channel[Event](SUBSCRIBER_BUFFER)
@@ -598,6 +613,14 @@ class WriterClient:
         """
         if self.writer is not None:
             self.writer.warn(text)
+
+    def forward(self, event: Event) -> None:
+        """Hand a child run's event to this run's live subscribers (see `EventWriter.forward`).
+
+        A no-op for a writer in another process.
+        """
+        if self.writer is not None:
+            self.writer.forward(event)
 
     async def subscribe(self) -> Subscription:
         """Join the live event stream (see `Subscription`)."""

@@ -14,6 +14,9 @@ cancel request are span events. Text and reasoning deltas are not exported.
 
 The sink only needs ``opentelemetry-api``; the application configures the SDK (exporters,
 processors) and may pass its own tracer.
+
+`OpenTelemetryMetrics` is the same package's metrics output: a `treadle.metrics.MetricsOutput`
+that records treadle's figures (docs/metrics.md) as OpenTelemetry instruments of a meter.
 """
 
 from __future__ import annotations
@@ -22,9 +25,11 @@ import datetime as dt
 from typing import Any
 
 import attrs
-from opentelemetry import trace
+from opentelemetry import metrics, trace
+from opentelemetry.metrics import Counter, Histogram, Meter
 from opentelemetry.trace import Span, SpanKind, Status, StatusCode, Tracer
 
+from treadle.metrics import METRICS, Metric, MetricKind
 from treadle.types import (
     ActionIntent,
     ActionResult,
@@ -43,7 +48,7 @@ from treadle.types import (
 )
 
 TRACER_NAME = "treadle"
-"""Instrumentation scope name of the spans."""
+"""Instrumentation scope name of the spans (and of the metrics' meter)."""
 
 
 def _ns(ts: str) -> int:
@@ -273,3 +278,56 @@ class OpenTelemetrySink:
             run.set_status(Status(StatusCode.ERROR, record.error or record.stop_reason.value))
         run.end(end_time=end)
         self._run = None
+
+
+@attrs.define(eq=False)
+class OpenTelemetryMetrics:
+    """A `treadle.metrics.MetricsOutput` recording treadle's metrics as OpenTelemetry instruments.
+
+    One instrument per metric of `treadle.metrics.METRICS` (a counter, a synchronous gauge
+    or a histogram with the catalogue's bucket bounds as advice), named by `Metric.otel`,
+    with the label names as attribute keys (docs/metrics.md, "OpenTelemetry"). Give it to a
+    `treadle.metrics.MetricsRecorder`, next to a Prometheus output or instead of it.
+
+    Args:
+        meter: where instruments are made; default
+            ``opentelemetry.metrics.get_meter("treadle")`` (the global meter provider).
+    """
+
+    meter: Meter | None = None
+    _counters: dict[str, Counter] = attrs.Factory(dict)
+    _gauges: dict[str, Any] = attrs.Factory(dict)  # the API's synchronous gauge type is private
+    _histograms: dict[str, Histogram] = attrs.Factory(dict)
+
+    def __attrs_post_init__(self) -> None:
+        meter = self.meter or metrics.get_meter(TRACER_NAME)
+        for m in METRICS:
+            if m.kind is MetricKind.COUNTER:
+                self._counters[m.otel] = meter.create_counter(
+                    m.otel, unit=m.unit, description=m.help
+                )
+            elif m.kind is MetricKind.GAUGE:
+                self._gauges[m.otel] = meter.create_gauge(m.otel, unit=m.unit, description=m.help)
+            else:
+                self._histograms[m.otel] = meter.create_histogram(
+                    m.otel,
+                    unit=m.unit,
+                    description=m.help,
+                    explicit_bucket_boundaries_advisory=m.buckets,
+                )
+
+    def add(self, metric: Metric, value: float, labels: tuple[str, ...]) -> None:
+        """Add to a counter."""
+        self._counters[metric.otel].add(value, _attributes(metric, labels))
+
+    def set(self, metric: Metric, value: float, labels: tuple[str, ...]) -> None:
+        """Set a gauge."""
+        self._gauges[metric.otel].set(value, _attributes(metric, labels))
+
+    def observe(self, metric: Metric, value: float, labels: tuple[str, ...]) -> None:
+        """Record one histogram value."""
+        self._histograms[metric.otel].record(value, _attributes(metric, labels))
+
+
+def _attributes(metric: Metric, labels: tuple[str, ...]) -> dict[str, str] | None:
+    return dict(zip(metric.labels, labels, strict=True)) if labels else None

@@ -28,8 +28,9 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import time
 from collections.abc import Callable, Mapping, Sequence
-from typing import Final, Protocol
+from typing import TYPE_CHECKING, Final, Protocol
 
 import attrs
 import trio
@@ -37,6 +38,9 @@ import trio
 from treadle._exceptions import ConflictError, LeaseLost, StoreError, TreadleError, UsageError
 from treadle.stores._index import IndexDelta, index_delta
 from treadle.types import Record
+
+if TYPE_CHECKING:
+    from treadle.metrics import MetricsRecorder
 
 LINGER_S: Final = 0.02
 """Seconds a queued non-barrier write may wait for a barrier to share its batch."""
@@ -238,10 +242,15 @@ class CommitEngine:
         backend: what commits batches.
         token: the trio run the store belongs to (batches are handed back to it).
 
+    Attributes:
+        metrics: where each committed batch's size and each barrier's wait are reported
+            (docs/metrics.md); ``None`` reports nothing.
+
     The engine belongs to one trio run. Every method must be called from it.
     """
 
     def __init__(self, backend: Backend, token: trio.lowlevel.TrioToken) -> None:
+        self.metrics: MetricsRecorder | None = None
         self._backend = backend
         self._runs: dict[str, _RunState] = {}
         self._last: Write | None = None
@@ -337,7 +346,11 @@ class CommitEngine:
         self._counters.pending += 1
         if write.event is None:
             return
+        metrics = self.metrics
+        queued = time.perf_counter() if metrics is not None else 0.0
         await write.event.wait()
+        if metrics is not None and barrier:
+            metrics.barrier(time.perf_counter() - queued)
         if write.error is not None:
             state.reported = True
             raise write.error
@@ -422,6 +435,8 @@ class CommitEngine:
             c.writes_committed += ok
             c.records_written += records
             c.max_batch = max(c.max_batch, ok)
+            if self.metrics is not None:
+                self.metrics.commit(ok)
 
     def _poison(self, run_id: str, error: TreadleError) -> None:
         state = self._runs.get(run_id)

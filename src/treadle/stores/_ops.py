@@ -29,6 +29,7 @@ from treadle.types import (
 )
 
 if TYPE_CHECKING:
+    from treadle.metrics import MetricsRecorder
     from treadle.ports import RunStore
     from treadle.stores._engine import CommitEngine
 
@@ -122,6 +123,13 @@ class EngineStore(AppendStore):
     """
 
     _engine: CommitEngine
+
+    def observe_commits(self, metrics: MetricsRecorder | None) -> None:
+        """Report each committed batch and each barrier's wait to ``metrics`` from now on.
+
+        ``None`` stops reporting (docs/metrics.md, "What is counted").
+        """
+        self._engine.metrics = metrics
 
     async def _append(
         self,

@@ -60,6 +60,7 @@ import trio
 
 from treadle._exceptions import LogCorrupted, RunLeased, StoreError, UsageError
 from treadle._ids import check_run_id
+from treadle._trio_only import require_trio
 from treadle.stores import _leases
 from treadle.stores._engine import CommitEngine, StoreStatistics
 from treadle.stores._index import index_delta
@@ -693,6 +694,7 @@ async def open_jsonl_store(
     Raises:
         StoreError: as `JsonlStore.open` and `JsonlStore.aclose`.
     """
+    require_trio("treadle.open_jsonl_store")
     store = await JsonlStore.open(directory, file_ops=file_ops, clock=clock)
     try:
         yield store

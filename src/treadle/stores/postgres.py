@@ -34,6 +34,7 @@ from typing import Any, Final
 import trio
 
 from treadle._exceptions import LogCorrupted, SchemaTooNew, StoreError, TreadleError, UsageError
+from treadle._trio_only import require_trio
 from treadle.stores import _sql
 from treadle.stores._dsn import redact_dsn
 from treadle.stores._engine import BatchReport, CommitEngine, Write, fail_writes
@@ -483,6 +484,7 @@ async def open_postgres_store(
     Raises:
         StoreError: as `PostgresStore.open` and `PostgresStore.aclose`.
     """
+    require_trio("treadle.open_postgres_store")
     store = await PostgresStore.open(dsn, schema=schema)
     try:
         yield store

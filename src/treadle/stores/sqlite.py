@@ -42,6 +42,7 @@ from treadle._exceptions import (
     TreadleError,
     UsageError,
 )
+from treadle._trio_only import require_trio
 from treadle.stores import _sql
 from treadle.stores._codec import KIND_OF, decode, encode_bytes, record_crc
 from treadle.stores._engine import (
@@ -647,6 +648,7 @@ async def open_sqlite_store(
     Raises:
         StoreError: as `SqliteStore.open` and `SqliteStore.aclose`.
     """
+    require_trio("treadle.open_sqlite_store")
     store = await SqliteStore.open(path, pragmas=pragmas, clock=clock)
     try:
         yield store

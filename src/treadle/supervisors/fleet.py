@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import logging
 import math
+from collections import Counter
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from contextlib import asynccontextmanager
 from typing import Any, Final
@@ -30,7 +31,9 @@ from treadle._clock import Clock, SystemClock
 from treadle._exceptions import LeaseError, UsageError
 from treadle._ids import check_run_id, new_run_id
 from treadle._text import valid_unicode
+from treadle._trio_only import require_trio
 from treadle.agent import Agent, RunInput, input_messages
+from treadle.metrics import MetricsRecorder
 from treadle.ports import EventSink, RunIndex, RunQueue, RunStore
 from treadle.stores._leases import LEASE_TTL_S, check_ttl, lease_owner
 from treadle.supervisors._leasing import LeaseHold, LeaseKeeper, leases_of
@@ -60,6 +63,9 @@ MAX_TAKEOVERS: Final = 5
 
 BACKOFF_S: Final = 1.0
 """Base delay before a run whose driver died is claimed again (doubled per takeover)."""
+
+METRICS_REFRESH_S: Final = 5.0
+"""Seconds between two readings of the store's run index for the metrics' run gauges."""
 
 _LOG = logging.getLogger("treadle.fleet")
 
@@ -105,6 +111,7 @@ class Fleet:
     _max_takeovers: int
     _backoff_s: float
     _nursery: trio.Nursery
+    _metrics: MetricsRecorder | None = None
     _handles: dict[str, RunHandle] = attrs.Factory(dict)
     _driving: set[str] = attrs.Factory(set)  # claimed, not yet done (a handle or not yet)
     _wake: trio.Event = attrs.Factory(trio.Event)
@@ -179,6 +186,8 @@ class Fleet:
                     self._nursery.start_soon(
                         self._drive, made, name=f"treadle run {made.lease.run_id}"
                     )
+            if self._metrics is not None:
+                self._metrics.running(len(self._driving))
             self._wake = trio.Event()
             with trio.move_on_after(self._poll_s):
                 await self._wake.wait()
@@ -237,7 +246,22 @@ class Fleet:
                 self._left += 1
             self._handles.pop(run_id, None)
             self._driving.discard(run_id)
+            if self._metrics is not None:
+                self._metrics.running(len(self._driving))
             self._wake.set()
+
+    async def _gauge_store(self, metrics: MetricsRecorder, every_s: float) -> None:
+        """Report the store's runs by liveness, from its run index, every ``every_s`` seconds."""
+        if not isinstance(self._store, RunIndex):
+            return
+        while True:
+            try:
+                summaries = await self._store.list_summaries()
+            except Exception as exc:  # a gauge goes stale; the runs are not affected
+                _LOG.warning("reading the run index for metrics failed (%s)", exc)
+            else:
+                metrics.store_runs(Counter(summary.liveness for summary in summaries))
+            await trio.sleep(every_s)
 
     def _report(self, run_id: str, handle: RunHandle | None, exc: Exception) -> None:
         if handle is not None and handle.left is not None:
@@ -264,6 +288,7 @@ async def wait_result(
     Raises:
         UsageError: the store knows no such run, or its output does not fit ``output_type``.
     """
+    require_trio("treadle.wait_result")
     while True:
         summary = await store.read_summary(run_id) if isinstance(store, RunIndex) else None
         if summary is None:
@@ -296,6 +321,8 @@ async def open_fleet(
     control_poll_s: float | None = CONTROL_POLL_S,
     park_after_s: float | None = PARK_AFTER_S,
     actors: Actors = DEFAULT_ACTORS,
+    metrics: MetricsRecorder | None = None,
+    metrics_refresh_s: float = METRICS_REFRESH_S,
 ) -> AsyncIterator[Fleet]:
     """Run a worker of a fleet for the duration of an ``async with`` block.
 
@@ -320,6 +347,11 @@ async def open_fleet(
             parked: then its lease is released and its slot freed, and whichever worker is
             free claims it when the decision (or the deadline) arrives.
         actors: actor factories of every run (default: the real ones).
+        metrics: counts the records of every run driven here, the store's commits, the
+            runs this worker drives and, every ``metrics_refresh_s`` seconds, the store's
+            runs by liveness (docs/metrics.md); ``None`` (the default) counts nothing.
+        metrics_refresh_s: seconds between two readings of the run index for the gauges
+            (each lists every run's index row, never a log).
 
     Yields:
         The worker (`Fleet`): submit runs, wait for results, read its statistics.
@@ -332,12 +364,15 @@ async def open_fleet(
         Cancelling the block cancels every run driven here (they stay resumable; their leases
         are released, within a bounded grace period, or else expire).
     """
+    require_trio("treadle.open_fleet")
     if not isinstance(store, RunQueue) or leases_of(store) is None:
         raise UsageError(f"{type(store).__name__} has no queue: use SQLite or PostgreSQL")
     if not agents:
         raise UsageError("a worker serves at least one agent")
     if max_running < 1 or not (drain_s >= 0 and math.isfinite(drain_s)):
         raise UsageError("max_running must be at least 1 and drain_s a finite number >= 0")
+    if not (metrics_refresh_s > 0 and math.isfinite(metrics_refresh_s)):
+        raise UsageError(f"metrics_refresh_s must be a finite number > 0, not {metrics_refresh_s}")
     check_ttl(lease_ttl_s)
     factories = {name: _factory(value) for name, value in agents.items()}
     versions = {name: (factory().version_label,) for name, factory in factories.items()}
@@ -353,7 +388,10 @@ async def open_fleet(
         park_after_s=park_after_s,
         keeper=keeper,
         leave_parked=True,
+        metrics=metrics,
     )
+    if metrics is not None:
+        metrics.watch(store)
     async with trio.open_nursery() as outer:
         await outer.start(keeper.run)
         async with trio.open_nursery() as runs:
@@ -371,8 +409,11 @@ async def open_fleet(
                 max_takeovers=max_takeovers,
                 backoff_s=backoff_s,
                 nursery=runs,
+                metrics=metrics,
             )
             runs.start_soon(fleet._claim_loop, name="treadle fleet claims")
+            if metrics is not None:
+                outer.start_soon(fleet._gauge_store, metrics, metrics_refresh_s)
             try:
                 yield fleet
             finally:

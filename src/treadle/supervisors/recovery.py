@@ -16,6 +16,7 @@ import trio
 
 from treadle._clock import Clock
 from treadle._exceptions import RunLeased, StoreError, UsageError
+from treadle._trio_only import require_trio
 from treadle.agent import Agent
 from treadle.ports import EventSink, RunStore
 from treadle.supervisors.run import run
@@ -64,6 +65,7 @@ async def resume_unfinished(
         Cancelling the call cancels every run it drives; they stay unfinished and
         resumable.
     """
+    require_trio("treadle.resume_unfinished")
     if max_concurrent < 1:
         raise UsageError(f"max_concurrent must be at least 1, got {max_concurrent}")
     run_ids = list(await store.list_runs())

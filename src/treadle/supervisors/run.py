@@ -28,11 +28,13 @@ from typing import Any, Protocol, TypeVar
 import attrs
 import trio
 
+from treadle._budget import DEFAULT_SUMMARY_PROMPT
 from treadle._clock import Clock, SystemClock
 from treadle._exceptions import LeaseError, RunInterrupted, SnapshotMismatch, StoreError, UsageError
 from treadle._ids import check_run_id, new_run_id
 from treadle._state import RunView, fold
 from treadle._text import repaired, valid_unicode
+from treadle._trio_only import require_trio
 from treadle.actors.coordinator import Drained, Parked, RunCoordinator
 from treadle.actors.executor import RunActions, ToolExecutor
 from treadle.actors.gateway import CallModel, ModelGateway
@@ -48,6 +50,7 @@ from treadle.actors.writer import (
 )
 from treadle.agent import Agent, RunInput, input_messages, snapshot_diff
 from treadle.approvals import ApprovalPolicy, check_edit, requires_approval, tool_schema
+from treadle.metrics import MetricsRecorder
 from treadle.ports import ControlStream, EventSink, RunStore
 from treadle.redaction import NO_REDACTION, Redaction
 from treadle.stores._codec import check_schema
@@ -198,6 +201,8 @@ class WriterContext:
             gets a new writer when resumed), so hand events to it rather than to the sinks.
         redaction: the run's secret tool arguments: every event handed out has them
             redacted (docs/events.md, "Secret arguments").
+        metrics: where the writer counts the records it appends (docs/metrics.md);
+            ``None``: nowhere.
     """
 
     run_id: str
@@ -207,6 +212,7 @@ class WriterContext:
     generation: int = 0
     feed: SinkFeed | None = None
     redaction: Redaction = NO_REDACTION
+    metrics: MetricsRecorder | None = None
 
 
 @attrs.frozen(kw_only=True)
@@ -269,6 +275,7 @@ def real_writer(context: WriterContext) -> EventWriter:
         sinks=context.sinks,
         feed=context.feed,
         redaction=context.redaction,
+        metrics=context.metrics,
     )
 
 
@@ -284,6 +291,11 @@ def real_hydrator(context: ActorContext) -> ContextHydrator:
         params=agent.params,
         synthetic=agent.synthetic,
         output=agent.output.request_format() if agent.output is not None else None,
+        context_window=agent.context_window,
+        margin_tokens=agent.margin_tokens,
+        token_counter=agent.token_counter,
+        summary_prompt=agent.summary_prompt or DEFAULT_SUMMARY_PROMPT,
+        summary_model=agent.summary_model,
         store=context.store,
     )
 
@@ -299,6 +311,7 @@ def real_gateway(context: ActorContext) -> ModelGateway:
         limits=agent.limits,
         budgets=agent.budgets,
         rng=context.rng,
+        summariser=agent.summariser,
     )
 
 
@@ -335,6 +348,7 @@ def real_coordinator(context: CoordinatorContext) -> RunCoordinator:
         output=agent.output,
         park_after_s=context.park_after_s,
         carried_active_s=context.carried_active_s,
+        compaction=agent.context_window is not None,
     )
 
 
@@ -528,7 +542,10 @@ class RunHandle:
         meet (docs/concepts.md, "Actors").
 
         Durable events come with their seq; ephemeral deltas carry the seq of the durable
-        event they follow and an ordinal. Ends after the run-finished event, or when the run
+        event they follow and an ordinal. While a tool call of the run drives a child run
+        in this process, the child's events come too, live, each with the child's run id
+        and its own seq (keep one cursor per run id; they are never in this run's log,
+        docs/child-runs.md, "Events"). Ends after the run-finished event, or when the run
         stops being driven here. The stream carries on, from the store, across a parked
         approval wait, and after the subscriber was cut off for falling behind (only
         deltas are then missing).
@@ -570,7 +587,9 @@ class RunHandle:
                         last = (event.seq, event.ordinal)
                         yield event
                 async for event in live:
-                    if event.seq >= from_seq:
+                    if event.run_id != self.run_id:  # a child run's, live: its own cursor
+                        yield event
+                    elif event.seq >= from_seq:
                         last = max(last, (event.seq, event.ordinal))
                         await self._reflected(event)
                         yield event
@@ -619,6 +638,7 @@ async def open_run(
     lease_ttl_s: float = LEASE_TTL_S,
     owner: str | None = None,
     accept_definition_change: bool = False,
+    metrics: MetricsRecorder | None = None,
     thread_id: str | None = None,
     fork_of: str | None = None,
     at_step: int | None = None,
@@ -664,6 +684,9 @@ async def open_run(
             differs from the run's: the difference is written to the log first (a
             `treadle.types.DefinitionAccepted` record, docs/fleet.md "Deploys"); without it,
             `SnapshotMismatch` is raised.
+        metrics: counts the run's records (docs/metrics.md, "What is counted"); ``None``
+            (the default) counts nothing. The store's commits are counted only once
+            `treadle.metrics.MetricsRecorder.watch` watches the store.
         thread_id: continue the thread of this id (the id of its first run) with ``input``
             as the new user message: the new run ``<thread_id>.<n>`` starts from the history
             the thread's latest run ended with, read from the store (docs/threads.md,
@@ -688,6 +711,7 @@ async def open_run(
         SnapshotMismatch: resuming with a definition whose snapshot differs (names the keys).
         SchemaTooNew: the log was written by a newer treadle.
     """
+    require_trio("treadle.open_run")
     lineage: Lineage | None = None
     if thread_id is not None or fork_of is not None:
         run_id, lineage = await _lineage(store, input, run_id, thread_id, fork_of, at_step)
@@ -705,6 +729,7 @@ async def open_run(
         actors=actors,
         park_after_s=park_after_s,
         accept_definition_change=accept_definition_change,
+        metrics=metrics,
         lineage=lineage,
     )
     async with drive_run(
@@ -774,8 +799,10 @@ class _Options:
     park_after_s: float | None
     keeper: LeaseKeeper | None = None
     agent_name: str | None = None
+    parent: tuple[str, str] | None = None  # (run id, intent id) of a child run's parent
     leave_parked: bool = False
     accept_definition_change: bool = False
+    metrics: MetricsRecorder | None = None
     lineage: Lineage | None = None
 
 
@@ -1018,6 +1045,7 @@ async def _drive(
                 sinks=feed.sinks if feed is not None else (),
                 feed=feed,
                 redaction=handle._redaction,
+                metrics=options.metrics,
             )
         )
         # The real writer also answers "does anyone want deltas?"; a fake one is asked nothing.
@@ -1184,6 +1212,8 @@ def _prepare(
                 snapshot=snapshot,
                 agent=agent_name,
                 agent_version=agent.version_label,
+                parent_run_id=options.parent[0] if options.parent else None,
+                parent_intent_id=options.parent[1] if options.parent else None,
                 thread=lineage.thread if lineage is not None else None,
                 continues=lineage.continues if lineage is not None else None,
                 fork_step=lineage.fork_step if lineage is not None else None,
@@ -1289,6 +1319,7 @@ async def run(
     lease_ttl_s: float = LEASE_TTL_S,
     owner: str | None = None,
     accept_definition_change: bool = False,
+    metrics: MetricsRecorder | None = None,
     thread_id: str | None = None,
     fork_of: str | None = None,
     at_step: int | None = None,
@@ -1322,6 +1353,7 @@ async def run(
         lease_ttl_s=lease_ttl_s,
         owner=owner,
         accept_definition_change=accept_definition_change,
+        metrics=metrics,
         thread_id=thread_id,
         fork_of=fork_of,
         at_step=at_step,

@@ -19,12 +19,12 @@ from __future__ import annotations
 import errno
 import os
 import signal
-from typing import Literal, NoReturn
+from typing import Any, Literal, NoReturn
 
 import attrs
 
 from treadle._exceptions import StoreError
-from treadle.ports import ActionExecutor, LeaseStore, RunStore
+from treadle.ports import ActionExecutor, LeaseStore, RunStore, ToolPolicies
 from treadle.stores._jsonl_backend import FileOps, OsFileOps
 from treadle.testing._intercept import InterceptingStore
 from treadle.types import (
@@ -60,6 +60,7 @@ FAULT_KINDS = (
     "approval",
     "latency",
     "takeover",
+    "child_run",
     "thread",
 )
 """Every fault kind a `FaultPlan` can switch on."""
@@ -178,6 +179,16 @@ class CrashingExecutor:
         self._check_alive()
         return await self.inner.reconcile(action)
 
+    def __getattr__(self, name: str) -> Any:
+        """Forward the inner executor's `treadle.ports.ToolPolicies` methods (those it has).
+
+        So a wrapped executor keeps its approvals, secret arguments, argument checks,
+        timeouts and stale-write declarations, and its run's snapshot is unchanged.
+        """
+        if name in _TOOL_POLICIES:
+            return getattr(self.inner, name)
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+
     def _check_alive(self) -> None:
         if self.crashed:
             raise SimulatedCrash("the process is dead")
@@ -187,6 +198,9 @@ class CrashingExecutor:
         if self.store is not None:
             self.store.crash()
         raise SimulatedCrash(message)
+
+
+_TOOL_POLICIES = frozenset(name for name in vars(ToolPolicies) if not name.startswith("_"))
 
 
 def _default_failure() -> StoreError:

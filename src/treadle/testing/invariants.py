@@ -79,6 +79,7 @@ def check_invariants(
     problems.extend(check_approvals(log))
     problems.extend(check_action_results(log))
     problems.extend(check_valid_text(log))
+    problems.extend(check_context(log))
     finished = [r for r in records if isinstance(r, RunFinished)]
     if len(finished) != 1 or not isinstance(records[-1], RunFinished):
         problems.append(f"{log.run_id}: expected exactly one run-finished, last ({len(finished)})")
@@ -164,11 +165,20 @@ def _sum_known(values: Iterable[int | None]) -> int | None:
 
 
 def _totals_match(run_id: str, records: Sequence[Any], finished: RunFinished) -> list[str]:
-    """The run-finished totals are what the log holds; unknown usage is never counted as 0."""
+    """The run-finished totals are what the log holds; unknown usage is never counted as 0.
+
+    The tokens include what action results report spending on the run's behalf (a child
+    run's, docs/child-runs.md, "Budgets").
+    """
     results = [r for r in records if isinstance(r, ModelResult)]
+    spent = [r.usage for r in results] + [
+        r.outcome.usage
+        for r in records
+        if isinstance(r, ActionResult) and r.outcome.usage is not None
+    ]
     expected = (
-        _sum_known(r.usage.input_tokens for r in results),
-        _sum_known(r.usage.output_tokens for r in results),
+        _sum_known(u.input_tokens for u in spent),
+        _sum_known(u.output_tokens for u in spent),
         sum(1 for r in results if _unknown(r.usage)),
         sum(1 for r in records if isinstance(r, ModelIntent)),
         sum(1 for r in records if isinstance(r, StepRecord)),
@@ -240,6 +250,8 @@ def check_budgets(
             attempts += 1
         elif isinstance(record, ModelResult):
             tokens += _tokens(record.usage)
+        elif isinstance(record, ActionResult) and record.outcome.usage is not None:
+            tokens += _tokens(record.outcome.usage)  # a child run's (docs/child-runs.md)
         elif isinstance(record, ActionIntent):
             if budgets.token_budget is not None and tokens > budgets.token_budget:
                 problems.append(
@@ -382,15 +394,73 @@ def _no_attempt_after_final_error(run_id: str, records: Sequence[Any]) -> list[s
     no further model attempt.
     """
     final: dict[int, str] = {}
+    refused: dict[int, int] = {}
     problems: list[str] = []
     for record in records:
         if isinstance(record, ModelResult) and record.error is not None:
+            if record.error.kind == _CONTEXT_LENGTH:
+                # A compacting run retries a step once after its first context-length
+                # refusal (docs/context.md, "Context-length errors"); the second is final.
+                refused[record.step] = refused.get(record.step, 0) + 1
+                if refused[record.step] == 1 and _compacts(records):
+                    continue
             if not record.error.retryable and record.error.kind not in _CUT_KINDS:
                 final.setdefault(record.step, record.intent_id)
         elif isinstance(record, ModelIntent) and record.step in final:
             problems.append(
                 f"{run_id}: model attempt {record.intent_id} after {final[record.step]} had "
                 "failed for good (a finished call was re-run)"
+            )
+    return problems
+
+
+_CONTEXT_LENGTH = "context_length_exceeded"
+
+
+def _compacts(records: Sequence[Any]) -> bool:
+    """The run declares a context window (its snapshot has the ``context`` key)."""
+    first = records[0] if records else None
+    return isinstance(first, RunStarted) and "context" in first.snapshot
+
+
+def check_context(log: RunLog) -> list[str]:
+    """The context budget's invariants (docs/context.md), from the log alone.
+
+    * every request fits: its recorded estimate is within its budget, unless what cannot
+      be cut alone exceeds it (``unfit``: the instructions, the input, the summariser's
+      prompt);
+    * a summary is computed once: no two summaries of a run cover the same steps, and each
+      covers more than the one before;
+    * a request names only a summary the log holds, durable before it.
+    """
+    problems: list[str] = []
+    summaries: dict[str, int] = {}
+    last_through: int | None = None  # steps up to 0: a thread's inherited history
+    for record in log.records:
+        if not isinstance(record, ModelResult):
+            continue
+        if record.summary_through is not None and record.reply is not None:
+            if last_through is not None and record.summary_through <= last_through:
+                problems.append(
+                    f"{log.run_id}: summary {record.intent_id} covers steps 1-"
+                    f"{record.summary_through}, already summarised (a summary recomputed)"
+                )
+            through = record.summary_through
+            last_through = through if last_through is None else max(last_through, through)
+            summaries[record.intent_id] = record.summary_through
+        context = record.context
+        if context is None:
+            continue
+        if context.estimated_input_tokens > context.budget and not context.unfit:
+            problems.append(
+                f"{log.run_id}: request {record.intent_id} was estimated at "
+                f"{context.estimated_input_tokens} tokens, over its budget of {context.budget}"
+            )
+        wanted = context.summary_intent_id
+        if wanted is not None and summaries.get(wanted) != context.summary_through:
+            problems.append(
+                f"{log.run_id}: request {record.intent_id} names summary {wanted} of steps "
+                f"1-{context.summary_through}, which the log does not hold before it"
             )
     return problems
 

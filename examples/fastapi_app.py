@@ -1,0 +1,189 @@
+"""A FastAPI application that drives treadle runs and streams them to a browser (docs/asyncio.md).
+
+treadle runs in a trio thread behind the bridge `treadle.asyncio.open_runs`; FastAPI (on
+uvicorn's asyncio loop) starts runs, streams their events over Server-Sent Events, approves
+and cancels. Kill the server mid-run and start it again: the run resumes from its log (the
+model call in flight is made afresh, no tool call runs twice), and the page's
+``EventSource`` reconnects with ``Last-Event-ID``, the last durable seq it saw, and carries
+on from the next one: no gap, no duplicate.
+
+Run it against any OpenAI-compatible server::
+
+    pip install 'treadle[fastapi]'
+    export TREADLE_EXAMPLE_STORE=runs.db TREADLE_EXAMPLE_MODEL_URL=http://127.0.0.1:8000/v1
+    uvicorn --app-dir examples fastapi_app:app --host 127.0.0.1 --port 8080
+
+then open http://127.0.0.1:8080/. Settings (environment variables):
+
+* ``TREADLE_EXAMPLE_STORE``: the SQLite file of the runs (default ``runs.db``);
+* ``TREADLE_EXAMPLE_MODEL_URL``: the model server's API root;
+* ``TREADLE_EXAMPLE_MODEL``: the model name sent (default ``example-model``);
+* ``TREADLE_EXAMPLE_LEDGER``: the file the ``save_note`` tool appends to (default
+  ``notes.txt``), its side effect;
+* ``TREADLE_EXAMPLE_OWNER``: the lease owner id. It is fixed (``fastapi-example``) so that
+  the restarted server continues its dead predecessor's leases at once; run one instance
+  per owner id (docs/fleet.md, "Leases").
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any
+
+from fastapi import FastAPI, Header, HTTPException, Request
+from fastapi.responses import HTMLResponse, StreamingResponse
+from pydantic import BaseModel
+
+import treadle
+from treadle.asyncio import Runs, open_runs, sse_frame
+
+LEDGER = Path(os.environ.get("TREADLE_EXAMPLE_LEDGER", "notes.txt"))
+
+
+@treadle.tool(replay=treadle.ReplayPolicy.SAFE)
+def save_note(text: str, ctx: treadle.ToolContext) -> str:
+    """Save a note (once per call: a replayed call finds its line by the intent id)."""
+    line = f"{ctx.intent_id}\t{text}\n"
+    if LEDGER.exists() and line in LEDGER.read_text(encoding="utf-8"):
+        return "saved"
+    with LEDGER.open("a", encoding="utf-8") as ledger:
+        ledger.write(line)
+        ledger.flush()
+        os.fsync(ledger.fileno())
+    return "saved"
+
+
+def make_agent() -> treadle.Agent:
+    """The agent the application runs: one tool, an OpenAI-compatible model."""
+    return treadle.Agent(
+        model=treadle.OpenAIChatClient(
+            base_url=os.environ.get("TREADLE_EXAMPLE_MODEL_URL", "http://127.0.0.1:8000/v1")
+        ),
+        model_name=os.environ.get("TREADLE_EXAMPLE_MODEL", "example-model"),
+        system_prompt="Save what the user asks you to note, then say what you saved.",
+        executor=treadle.Toolbox([save_note]),
+        parser=treadle.NativeToolCallParser(),
+    )
+
+
+@asynccontextmanager
+async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+    """Start treadle's trio thread (resuming unfinished runs) for the server's lifetime."""
+    store = os.environ.get("TREADLE_EXAMPLE_STORE", "runs.db")
+    async with open_runs(
+        make_agent(),
+        store=lambda: treadle.open_sqlite_store(store),
+        owner=os.environ.get("TREADLE_EXAMPLE_OWNER", "fastapi-example"),
+    ) as runs:
+        app.state.runs = runs
+        yield
+
+
+app = FastAPI(lifespan=lifespan)
+
+
+def _runs(request: Request) -> Runs:
+    runs: Runs = request.app.state.runs
+    return runs
+
+
+class NewRun(BaseModel):
+    """The body of ``POST /runs``."""
+
+    text: str
+    run_id: str | None = None
+
+
+class Decision(BaseModel):
+    """The body of ``POST /runs/{run_id}/approve``."""
+
+    reject: str | None = None
+
+
+@app.post("/runs")
+async def start_run(body: NewRun, request: Request) -> dict[str, str]:
+    """Start a run; its events are at ``/runs/{run_id}/events``."""
+    try:
+        run_id = await _runs(request).start(body.text, run_id=body.run_id)
+    except treadle.UsageError as exc:
+        raise HTTPException(status_code=400, detail=str(exc)) from exc
+    return {"run_id": run_id}
+
+
+@app.get("/runs/{run_id}/events")
+async def run_events(
+    run_id: str,
+    request: Request,
+    last_event_id: str | None = Header(default=None),
+    from_seq: int = 1,
+) -> StreamingResponse:
+    """The run's events as Server-Sent Events, from ``Last-Event-ID`` + 1 (or ``from_seq``)."""
+    if last_event_id is not None:
+        if not last_event_id.isdigit():
+            raise HTTPException(status_code=400, detail="Last-Event-ID must be a seq")
+        from_seq = int(last_event_id) + 1
+    events = _runs(request).events(run_id, from_seq=from_seq)
+
+    async def frames() -> AsyncIterator[bytes]:
+        yield b"retry: 500\n\n"  # the browser reconnects after half a second
+        async for event in events:
+            yield sse_frame(event)
+
+    return StreamingResponse(frames(), media_type="text/event-stream")
+
+
+@app.post("/runs/{run_id}/approve")
+async def approve(run_id: str, body: Decision, request: Request) -> dict[str, Any]:
+    """Approve (or reject) the tool call the run waits on."""
+    try:
+        decided = await _runs(request).approve(run_id, reject=body.reject)
+    except treadle.UsageError as exc:
+        raise HTTPException(status_code=409, detail=str(exc)) from exc
+    return {"decision": decided.decision, "call_id": decided.call_id}
+
+
+@app.post("/runs/{run_id}/cancel")
+async def cancel(run_id: str, request: Request) -> dict[str, str]:
+    """Cancel the run."""
+    try:
+        await _runs(request).cancel(run_id, "cancelled from the page", canceller="browser")
+    except treadle.UsageError as exc:
+        raise HTTPException(status_code=409, detail=str(exc)) from exc
+    return {"run_id": run_id}
+
+
+@app.get("/runs/{run_id}")
+async def result(run_id: str, request: Request) -> dict[str, Any]:
+    """Wait for the run's result."""
+    done = await _runs(request).result(run_id)
+    return {"state": done.state.value, "final_answer": done.final_answer}
+
+
+PAGE = """<!doctype html>
+<meta charset="utf-8"><title>treadle</title>
+<form id="f"><input id="t" value="Note: buy milk" size="40"> <button>Run</button></form>
+<pre id="out"></pre>
+<script>
+const out = document.getElementById("out");
+document.getElementById("f").onsubmit = async (e) => {
+  e.preventDefault();
+  const r = await fetch("/runs", {method: "POST", headers: {"content-type": "application/json"},
+    body: JSON.stringify({text: document.getElementById("t").value})});
+  const {run_id} = await r.json();
+  // EventSource reconnects by itself, sending Last-Event-ID: the last durable seq it saw
+  const source = new EventSource(`/runs/${encodeURIComponent(run_id)}/events`);
+  source.addEventListener("text_delta", (m) => { out.textContent += JSON.parse(m.data).text; });
+  source.addEventListener("model_call_started", () => { out.textContent += "\\n"; });
+  source.addEventListener("run_finished", () => source.close());
+};
+</script>
+"""
+
+
+@app.get("/", response_class=HTMLResponse)
+async def page() -> str:
+    """A page that starts a run and shows its text as it streams."""
+    return PAGE

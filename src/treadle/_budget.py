@@ -1,0 +1,558 @@
+"""The context budget: what of a run's history fits a model's context window (private).
+
+Pure functions, no I/O. The context hydrator calls `plan` with the history it holds; the
+plan is either a request that fits or the steps that must be summarised first
+(docs/context.md, "What stays").
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Callable, Sequence
+from typing import Final
+
+import attrs
+
+from treadle.types import Message, ToolSpec
+
+TokenCounter = Callable[[Sequence[Message]], int]
+"""``counter(messages) -> tokens``: a user's own count of a request's messages."""
+
+CHARS_PER_TOKEN: Final = 3.0
+"""The default estimate's characters per token: low on purpose (English runs near 4), so an
+uncalibrated estimate errs on the large side."""
+MESSAGE_OVERHEAD: Final = 6
+"""Tokens counted per message for its role and framing."""
+MARK_MIN_TOKENS: Final = 64
+"""An old observation is replaced by a re-fetch marker only when it is at least this large."""
+SUMMARY_SHARE: Final = 4
+"""A summary may take at most 1/SUMMARY_SHARE of the budget (and at most `SUMMARY_MAX`)."""
+SUMMARY_MAX: Final = 2048
+"""Tokens a summary may take at most."""
+MIN_CALIBRATION, MAX_CALIBRATION = 0.25, 8.0
+"""Bounds on the factor reported usage applies to the counter (a wild report is clamped)."""
+
+
+_LIMITS = (
+    # OpenAI and OpenAI-compatible servers (vLLM, llama.cpp ...)
+    re.compile(r"maximum context length is (\d[\d,]*)", re.IGNORECASE),
+    # Anthropic: "prompt is too long: 210000 tokens > 200000 maximum"
+    re.compile(r"tokens? > (\d[\d,]*) maximum", re.IGNORECASE),
+    re.compile(r"context (?:window|length) (?:is |of )?(\d[\d,]*) tokens", re.IGNORECASE),
+)
+
+
+def window_from_error(message: str) -> int | None:
+    """The context window a provider's context-length error states, tokens; ``None`` if none.
+
+    Reads the OpenAI-compatible "maximum context length is N tokens" and Anthropic's
+    "N tokens > M maximum".
+    """
+    for pattern in _LIMITS:
+        found = pattern.search(message)
+        if found:
+            return int(found.group(1).replace(",", ""))
+    return None
+
+
+def estimate_messages(messages: Sequence[Message]) -> int:
+    """The default counter: characters / `CHARS_PER_TOKEN` plus `MESSAGE_OVERHEAD` each."""
+    return sum(_message_tokens(m) for m in messages)
+
+
+def _message_tokens(message: Message) -> int:
+    chars = len(message.content or "") + len(message.reasoning or "")
+    for call in message.tool_calls:
+        chars += len(call.name) + len(call.id) + len(json.dumps(call.arguments))
+    return MESSAGE_OVERHEAD + int(chars / CHARS_PER_TOKEN + 0.999)
+
+
+def estimate_tools(tools: Sequence[ToolSpec]) -> int:
+    """Tokens the declared tools take, by the default estimate."""
+    chars = sum(len(t.name) + len(t.description) + len(json.dumps(t.parameters)) for t in tools)
+    return int(chars / CHARS_PER_TOKEN + 0.999)
+
+
+@attrs.frozen(kw_only=True)
+class Group:
+    """The history messages of one step: an assistant turn and the results answering it.
+
+    A group is kept or dropped whole, so a call and its result are never split.
+    """
+
+    step: int
+    messages: tuple[Message, ...]
+
+
+@attrs.frozen(kw_only=True)
+class Summary:
+    """A durable summary of steps 1 to ``through`` (the text of a compaction's reply)."""
+
+    intent_id: str
+    through: int
+    text: str
+
+
+@attrs.frozen(kw_only=True)
+class Fitted:
+    """A request that fits: its messages and what the budget did (`ContextUsed` fields)."""
+
+    messages: tuple[Message, ...]
+    tokens: int
+    verbatim_from: int | None
+    summary: Summary | None
+    marked: int = 0
+    marked_from: int | None = None
+    marked_to: int | None = None
+    truncated: int = 0
+    unfit: bool = False
+
+
+@attrs.frozen(kw_only=True)
+class Compact:
+    """Steps after ``after`` up to ``through`` must be summarised before a request fits.
+
+    Attributes:
+        after: the last step the current summary covers (``None`` for none).
+        through: the last step the new summary must cover.
+        groups: the steps to summarise, whole (no markers: the summary keeps their facts).
+    """
+
+    after: int | None
+    through: int
+    groups: tuple[Group, ...]
+
+
+@attrs.define(eq=False)
+class Meter:
+    """Counts tokens with the counter, scaled by the calibration factor reported usage set."""
+
+    counter: TokenCounter = estimate_messages
+    factor: float = 1.0
+
+    def calibrate(self, counted: int, reported: int) -> None:
+        """Learn from a request the counter put at ``counted`` and the provider at ``reported``."""
+        if counted > 0 and reported > 0:
+            self.factor = min(MAX_CALIBRATION, max(MIN_CALIBRATION, reported / counted))
+
+    def raw(self, messages: Sequence[Message]) -> int:
+        return int(self.counter(messages))
+
+    def tokens(self, messages: Sequence[Message]) -> int:
+        return int(self.raw(messages) * self.factor + 0.999)
+
+
+def marker(step: int, message: Message, tokens: int) -> str:
+    """The re-fetch marker that replaces a large old observation (docs/context.md)."""
+    tool = message.name or "a tool"
+    call = f" (call {message.tool_call_id})" if message.tool_call_id else ""
+    where = f"at step {step}" if step > 0 else "in an earlier run of the thread"
+    return (
+        f"[elided: the result of {tool}{call} {where}, about {tokens} tokens, left "
+        "out to fit the context window; call the tool again if it is needed]"
+    )
+
+
+def with_markers(group: Group, meter: Meter) -> tuple[Group, int]:
+    """``group`` with each large tool result replaced by a marker, and how many were.
+
+    Steps up to 0 are the history inherited from a thread's earlier runs (docs/threads.md).
+    """
+    out: list[Message] = []
+    count = 0
+    for message in group.messages:
+        size = meter.tokens([message])
+        if message.role == "tool" and size >= MARK_MIN_TOKENS:
+            text = marker(group.step, message, size)
+            out.append(attrs.evolve(message, content=text))
+            count += 1
+        else:
+            out.append(message)
+    return Group(step=group.step, messages=tuple(out)), count
+
+
+def summary_message(summary: Summary) -> Message:
+    """The message a summary enters the request as (after the run input)."""
+    covers = _covers(summary.through)
+    return Message(
+        role="user",
+        content=(
+            f"[Summary of {covers}, written earlier in this run; what follows it is "
+            f"verbatim]\n{summary.text}"
+        ),
+    )
+
+
+def _covers(through: int | None) -> str:
+    """What a summary through step ``through`` covers, in words."""
+    if through is None:
+        return "nothing yet"
+    if through > 0:
+        return f"steps 1-{through}"
+    if through == 0:
+        return "the thread's earlier runs"
+    return "the first part of the thread's earlier runs"
+
+
+def summary_cap(budget: int) -> int:
+    """Tokens a summary may take within ``budget``."""
+    return max(64, min(SUMMARY_MAX, budget // SUMMARY_SHARE))
+
+
+def plan(
+    *,
+    head: Sequence[Message],
+    groups: Sequence[Group],
+    summary: Summary | None,
+    budget: int,
+    fixed_tokens: int,
+    meter: Meter,
+    force: bool = False,
+) -> Fitted | Compact:
+    """Fit the history into ``budget`` tokens, in the order of docs/context.md, "What stays".
+
+    Args:
+        head: the fixed instructions and the run input (always sent).
+        groups: every step's messages, oldest first; steps up to 0 hold the history
+            inherited from a thread's earlier runs (`inherited_groups`), compacted like any.
+        summary: the latest durable summary, or ``None``.
+        budget: input tokens the request may use.
+        fixed_tokens: tokens outside the messages (the declared tools).
+        meter: the calibrated counter.
+        force: the provider refused the last request for its length: summarise every step
+            but the newest.
+
+    Returns:
+        `Fitted` when the history fits (markers and truncation applied as needed), else
+        `Compact` naming the steps to summarise first.
+    """
+    after = summary.through if summary is not None else None
+    live = [g for g in groups if after is None or g.step > after]
+    summary_msgs = [summary_message(summary)] if summary is not None else []
+    base = fixed_tokens + meter.tokens(head)
+    whole = [m for g in live for m in g.messages]
+    total = base + meter.tokens([*summary_msgs, *whole])
+    if not force and total <= budget:
+        return _fitted(head, summary_msgs, live, summary, total)
+    # Re-fetchable material goes first: large old observations become markers, oldest first.
+    marked_groups, marked, steps, total = _marked(live, meter, base, summary_msgs, budget, force)
+    if not force and total <= budget:
+        return _fitted(head, summary_msgs, marked_groups, summary, total, marked, steps)
+    # Then the summary: keep the newest steps verbatim, summarise the ones before them.
+    room = budget - base - summary_cap(budget)
+    keep = _newest_that_fit(marked_groups, room, meter, at_most=1 if force else None)
+    # The summariser reads the steps as they were, not their markers: it keeps the facts.
+    older = live[: len(live) - keep]
+    if older:
+        return Compact(after=after, through=older[-1].step, groups=tuple(older))
+    # Only the newest steps remain and they still do not fit: truncate their observations.
+    return _truncated(head, summary, marked_groups, budget, fixed_tokens, meter, marked, steps)
+
+
+def _fitted(
+    head: Sequence[Message],
+    summary_msgs: list[Message],
+    groups: Sequence[Group],
+    summary: Summary | None,
+    tokens: int,
+    marked: int = 0,
+    steps: tuple[int, int] | None = None,
+    truncated: int = 0,
+    unfit: bool = False,
+) -> Fitted:
+    return Fitted(
+        messages=assemble(head, summary_msgs, groups, summary),
+        tokens=tokens,
+        verbatim_from=groups[0].step if groups else None,
+        summary=summary,
+        marked=marked,
+        marked_from=steps[0] if steps else None,
+        marked_to=steps[1] if steps else None,
+        truncated=truncated,
+        unfit=unfit,
+    )
+
+
+def inherited_groups(messages: Sequence[Message]) -> list[Group]:
+    """A thread's inherited history as groups numbered up to 0 (the newest is step 0).
+
+    Each message but a tool result starts a group; a tool result joins the group of the call
+    it answers, so a call and its result are never split.
+    """
+    parts: list[list[Message]] = []
+    for message in messages:
+        if message.role == "tool" and parts:
+            parts[-1].append(message)
+        else:
+            parts.append([message])
+    return [Group(step=i - len(parts) + 1, messages=tuple(p)) for i, p in enumerate(parts)]
+
+
+def assemble(
+    head: Sequence[Message],
+    summary_msgs: Sequence[Message],
+    groups: Sequence[Group],
+    summary: Summary | None,
+) -> tuple[Message, ...]:
+    """A request's messages in history order.
+
+    The order is the instructions, then the history inherited from earlier runs of a thread
+    (steps up to 0, after the summary covering their first part), then the run's input, then
+    the summary of the run's own steps, then the steps sent verbatim.
+    """
+    cut = next((i for i, m in enumerate(head) if m.role != "system"), len(head))
+    system, inputs = head[:cut], head[cut:]
+    early = [m for g in groups if g.step <= 0 for m in g.messages]
+    late = [m for g in groups if g.step > 0 for m in g.messages]
+    if summary is not None and summary.through <= 0:
+        return (*system, *summary_msgs, *early, *inputs, *late)
+    return (*system, *early, *inputs, *summary_msgs, *late)
+
+
+def _marked(
+    groups: Sequence[Group],
+    meter: Meter,
+    base: int,
+    summary_msgs: list[Message],
+    budget: int,
+    every: bool,
+) -> tuple[list[Group], int, tuple[int, int] | None, int]:
+    """Mark large observations, oldest step first, until the groups fit ``budget``.
+
+    With ``every``, every group but the newest is marked. Returns the groups, the marker
+    count, the step range marked and the new total.
+    """
+    out = list(groups)
+    sizes = [meter.tokens(g.messages) for g in out]
+    total = base + meter.tokens(summary_msgs) + sum(sizes)
+    count = 0
+    first = last = None
+    for index in range(len(out) - 1):  # the newest step stays whole
+        if total <= budget and not every:
+            break
+        changed, n = with_markers(out[index], meter)
+        if not n:
+            continue
+        size = meter.tokens(changed.messages)
+        total += size - sizes[index]
+        out[index], sizes[index] = changed, size
+        count += n
+        first = out[index].step if first is None else first
+        last = out[index].step
+    steps = (first, last) if first is not None and last is not None else None
+    return out, count, steps, total
+
+
+def _newest_that_fit(
+    groups: Sequence[Group], room: int, meter: Meter, *, at_most: int | None
+) -> int:
+    """How many of the newest groups fit ``room`` tokens (at least one: the newest stays)."""
+    used = 0
+    kept = 0
+    for group in reversed(groups):
+        size = meter.tokens(group.messages)
+        if kept and (used + size > room or (at_most is not None and kept >= at_most)):
+            break
+        used += size
+        kept += 1
+    return kept
+
+
+def _truncated(
+    head: Sequence[Message],
+    summary: Summary | None,
+    groups: Sequence[Group],
+    budget: int,
+    fixed_tokens: int,
+    meter: Meter,
+    marked: int,
+    steps: tuple[int, int] | None,
+) -> Fitted:
+    """The newest groups with their largest observations cut until the request fits."""
+    room = budget - fixed_tokens - meter.tokens(head)
+    summary_msgs: list[Message] = []
+    if summary is not None:
+        cap = summary_cap(max(room, 0))
+        text = fit_text(summary.text, _chars(cap, meter), "[summary cut to fit]")
+        summary_msgs = [summary_message(attrs.evolve(summary, text=text))]
+    room -= meter.tokens(summary_msgs)
+    messages = [m for g in groups for m in g.messages]
+    truncated = 0
+    while meter.tokens(messages) > room:
+        index = _largest_observation(messages)
+        if index is None:
+            break
+        message = messages[index]
+        over = meter.tokens(messages) - room
+        keep = max(0, meter.tokens([message]) - over - MESSAGE_OVERHEAD)
+        text = fit_text(message.content or "", _chars(keep, meter), _cut_marker(message))
+        if text == message.content:
+            break
+        messages[index] = attrs.evolve(message, content=text)
+        truncated += 1
+    regrouped: list[Group] = []
+    at = 0
+    for group in groups:  # the same groups, with their cut messages
+        regrouped.append(
+            Group(step=group.step, messages=tuple(messages[at : at + len(group.messages)]))
+        )
+        at += len(group.messages)
+    tokens = fixed_tokens + meter.tokens([*head, *summary_msgs, *messages])
+    return _fitted(
+        head,
+        summary_msgs,
+        regrouped,
+        summary,
+        tokens,
+        marked,
+        steps,
+        truncated=truncated,
+        unfit=tokens > budget,
+    )
+
+
+def _chars(tokens: int, meter: Meter) -> int:
+    """Characters that the default estimate puts at ``tokens`` (calibration applied)."""
+    return max(0, int(tokens / max(meter.factor, MIN_CALIBRATION) * CHARS_PER_TOKEN))
+
+
+def _largest_observation(messages: Sequence[Message]) -> int | None:
+    """The index of the longest tool result or user message (an observation), if any."""
+    best: tuple[int, int] | None = None
+    for index, message in enumerate(messages):
+        if message.role != "tool" and message.role != "user":
+            continue
+        size = len(message.content or "")
+        if size and (best is None or size > best[0]):
+            best = (size, index)
+    return best[1] if best is not None else None
+
+
+def _cut_marker(message: Message) -> str:
+    tool = message.name or "the tool"
+    return f"[cut to fit the context window; call {tool} again for the rest]"
+
+
+def fit_text(text: str, max_chars: int, mark: str) -> str:
+    """``text`` cut to at most ``max_chars`` characters, ``mark`` included (docs/context.md).
+
+    The cut never falls inside a character (a string is cut by code points, and a
+    surrogate pair is never split) nor inside a JSON value: text that is a JSON array or
+    object keeps its first whole elements and stays valid JSON, followed by the marker on
+    its own line. Room for the marker is reserved first; when not even the marker fits,
+    the marker alone is cut. ``text`` that fits is returned unchanged.
+    """
+    if len(text) <= max_chars:
+        return text
+    room = max_chars - len(mark) - 1
+    if room <= 0:
+        return mark[: max(0, max_chars)]
+    head = _json_prefix(text, room)
+    if head is None:
+        head = text[:room]
+        if head and "\ud800" <= head[-1] <= "\udbff":  # never split a surrogate pair
+            head = head[:-1]
+        cut = head.rfind("\n")
+        if cut >= room // 2:  # prefer a line boundary when one is near
+            head = head[:cut]
+    return f"{head}\n{mark}"
+
+
+def _json_prefix(text: str, room: int) -> str | None:
+    """A valid JSON text of whole leading elements of ``text`` within ``room`` chars."""
+    stripped = text.strip()
+    if not stripped or stripped[0] not in "[{":
+        return None
+    try:
+        value = json.loads(stripped)
+    except ValueError:
+        return None
+    if isinstance(value, list):
+        parts = [json.dumps(item, ensure_ascii=False) for item in value]
+        return "[" + ", ".join(_leading(parts, room - 2)) + "]"
+    if isinstance(value, dict):
+        parts = [
+            f"{json.dumps(key, ensure_ascii=False)}: {json.dumps(item, ensure_ascii=False)}"
+            for key, item in value.items()
+        ]
+        return "{" + ", ".join(_leading(parts, room - 2)) + "}"
+    return None
+
+
+def _leading(parts: Sequence[str], room: int) -> list[str]:
+    """The leading ``parts`` whose join with ``", "`` fits ``room`` characters."""
+    kept: list[str] = []
+    used = 0
+    for part in parts:
+        extra = len(part) + (2 if kept else 0)
+        if used + extra > room:
+            break
+        kept.append(part)
+        used += extra
+    return kept
+
+
+DEFAULT_SUMMARY_PROMPT: Final = """\
+You are compacting the history of an agent run so that it can go on within its context \
+window. The earlier summary (if any) and the steps below will be replaced by what you write, \
+so keep everything the agent still needs and nothing else. Write plain text with these \
+sections, each line citing the step it comes from as (step N):
+
+Goal and acceptance criteria: what the user asked for and how success is judged.
+Constraints: every explicit constraint or preference the user stated, word for word \
+where short.
+Decisions: approvals, rejections and edits by a human reviewer, and choices the agent \
+committed to.
+Facts: what the tools returned that later steps may rely on (names, numbers, ids, paths, \
+results of checks); prefer the newest value when one changed.
+Open questions: what is still unknown, failing or pending.
+
+Carry over every line of the earlier summary that still holds, with its step. Do not \
+invent facts, do not answer the task, and do not call tools."""
+"""The default summariser prompt (docs/context.md, "Summaries")."""
+
+
+def transcript(groups: Sequence[Group]) -> str:
+    """The steps as plain text for the summariser, one block per step."""
+    blocks: list[str] = []
+    for group in groups:
+        title = f"Step {group.step}" if group.step > 0 else "From the thread's earlier runs"
+        lines = [f"## {title}"]
+        for message in group.messages:
+            if message.role == "assistant":
+                if message.content:
+                    lines.append(f"assistant: {message.content}")
+                for call in message.tool_calls:
+                    arguments = json.dumps(call.arguments, ensure_ascii=False)
+                    lines.append(f"assistant called {call.name}({arguments}) [call {call.id}]")
+            elif message.role == "tool":
+                lines.append(f"result of {message.name} [call {message.tool_call_id}]: ")
+                lines[-1] += message.content or ""
+            else:
+                lines.append(f"{message.role}: {message.content or ''}")
+        blocks.append("\n".join(lines))
+    return "\n\n".join(blocks)
+
+
+def summary_messages(
+    *,
+    prompt: str,
+    head: Sequence[Message],
+    previous: Summary | None,
+    groups: Sequence[Group],
+    max_chars: int,
+) -> tuple[Message, ...]:
+    """The summariser's request: its prompt, the run's goal, the earlier summary, the steps.
+
+    The steps' text is cut to ``max_chars`` (never inside a character or a JSON value).
+    """
+    goal = "\n".join(m.content or "" for m in head if m.role != "system")
+    earlier = previous.text if previous is not None else "(none)"
+    covered = _covers(previous.through if previous is not None else None)
+    steps = fit_text(transcript(groups), max_chars, "[later steps left out of this summary]")
+    text = (
+        f"# The run's input\n{goal}\n\n# Earlier summary (of {covered})\n{earlier}\n\n"
+        f"# Steps to summarise\n{steps}"
+    )
+    return (Message(role="system", content=prompt), Message(role="user", content=text))

@@ -1,0 +1,601 @@
+"""The asyncio bridge: run treadle from an asyncio application (docs/asyncio.md).
+
+treadle runs on trio. An asyncio program (FastAPI on uvicorn, say) runs it in a thread of its
+own, reached through a portal (docs/decisions/0075-asyncio-bridge-trio-thread.md):
+
+* `open_portal` starts trio in a daemon thread for the duration of an ``async with`` block;
+  `TrioPortal.call` runs a trio async function there and awaits its result from asyncio,
+  and `TrioPortal.iterate` iterates a trio async iterator from asyncio;
+* `open_runs` builds on it: a store opened inside trio and an asyncio face, `Runs`, to start
+  (or resume) runs, stream their events, approve, cancel and wait for results.
+
+Nothing of trio is touched from the asyncio thread: every call crosses by
+``TrioToken.run_sync_soon`` one way and ``loop.call_soon_threadsafe`` the other. Values
+crossing are treadle's frozen records (events, results, decisions).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import json
+import logging
+import math
+import threading
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
+from typing import Any, Final, TypeVar
+
+import attrs
+import trio
+
+from treadle._exceptions import RunLeased, TreadleError, UsageError
+from treadle._ids import check_run_id, new_run_id
+from treadle.actors.writer import stored_events
+from treadle.agent import Agent, RunInput
+from treadle.approvals import decide, request_cancel
+from treadle.metrics import MetricsRecorder
+from treadle.ports import EventSink, RunIndex, RunStore
+from treadle.stores._codec import record_to_dict
+from treadle.stores._leases import LEASE_TTL_S
+from treadle.supervisors.fleet import wait_result
+from treadle.supervisors.run import PARK_AFTER_S, RunHandle, open_run
+from treadle.types import ApprovalDecided, Event, Liveness, RunResult, RunState
+
+T = TypeVar("T")
+
+ITERATE_BUFFER: Final = 64
+"""Items a trio iterator may run ahead of its asyncio consumer before it waits."""
+
+DRAIN_S: Final = 10.0
+"""Seconds `open_runs` gives its runs to reach a safe point when the block ends."""
+
+_LOG = logging.getLogger("treadle.asyncio")
+
+
+class TrioPortal:
+    """A trio run in its own thread, reached from one asyncio event loop; made by `open_portal`.
+
+    Every method is called from the asyncio loop's thread.
+    """
+
+    def __init__(
+        self,
+        loop: asyncio.AbstractEventLoop,
+        token: trio.lowlevel.TrioToken,
+        nursery: trio.Nursery,
+    ) -> None:
+        self._loop = loop
+        self._token = token
+        self._nursery = nursery
+        self._closing = trio.Event()
+        self._closed = False
+        self._pending: set[asyncio.Future[Any]] = set()
+
+    def _soon(self, fn: Callable[..., object], *args: object) -> None:
+        if self._closed:
+            raise UsageError("the treadle.asyncio portal is closed (docs/asyncio.md)")
+        try:
+            self._token.run_sync_soon(fn, *args)
+        except trio.RunFinishedError:
+            raise UsageError("the treadle.asyncio portal's trio thread has stopped") from None
+
+    def _reply(self, fn: Callable[..., object], *args: object) -> None:
+        """In the trio thread: run ``fn(*args)`` in the asyncio loop (if it still runs)."""
+        with contextlib.suppress(RuntimeError):  # the loop closed: nobody waits any more
+            self._loop.call_soon_threadsafe(fn, *args)
+
+    async def call(self, fn: Callable[..., Awaitable[T]], *args: Any) -> T:
+        """Run ``await fn(*args)`` in the trio thread and return (or raise) what it did.
+
+        Raises:
+            Exception: whatever ``fn`` raised, unchanged.
+            UsageError: the portal is closed, or closed while the call ran (the call was
+                cancelled in trio).
+
+        Cancellation:
+            Cancelling the awaiting asyncio task cancels the call in trio (a trio
+            cancellation at its next checkpoint) and does not wait for it to end.
+        """
+        future: asyncio.Future[T] = self._loop.create_future()
+        self._pending.add(future)
+        future.add_done_callback(self._pending.discard)
+        scope = trio.CancelScope()
+
+        async def task() -> None:
+            outcome: tuple[Any, BaseException | None] | None = None
+            try:
+                with scope:
+                    outcome = (await fn(*args), None)
+            except Exception as exc:
+                outcome = (None, exc)
+            finally:
+                self._reply(_settle, future, outcome)
+
+        name = getattr(fn, "__qualname__", repr(fn))
+        self._soon(functools.partial(self._nursery.start_soon, task, name=name))
+        try:
+            return await future
+        except asyncio.CancelledError:
+            with contextlib.suppress(UsageError):
+                self._soon(scope.cancel)
+            raise
+
+    async def iterate(
+        self, fn: Callable[..., AsyncIterator[T]], *args: Any, buffer: int = ITERATE_BUFFER
+    ) -> AsyncIterator[T]:
+        """Iterate ``fn(*args)`` (a trio async iterator) from asyncio.
+
+        The trio side runs up to ``buffer`` items ahead and then waits for the consumer.
+
+        Raises:
+            Exception: whatever the trio iterator raised, after the items before it.
+            UsageError: the portal is closed.
+
+        Resource handling:
+            Leaving the loop early (break, an error, cancellation) cancels the trio
+            iterator.
+        """
+        send, receive = trio.open_memory_channel[tuple[Any, BaseException | None]](buffer)
+        scope = trio.CancelScope()
+
+        async def pump() -> None:
+            with scope, send:
+                try:
+                    async with _closing(fn(*args)) as items:
+                        async for item in items:
+                            await send.send((item, None))
+                except Exception as exc:
+                    await send.send((None, exc))
+
+        self._soon(self._nursery.start_soon, pump)
+        try:
+            while True:
+                got = await self.call(_next, receive)
+                if got is None:
+                    return
+                item, error = got
+                if error is not None:
+                    raise error
+                yield item
+        finally:
+            with contextlib.suppress(UsageError):
+                self._soon(scope.cancel)
+                self._soon(receive.close)
+
+    def _abandon(self) -> None:
+        """In the asyncio loop, once the trio thread ended: fail the calls still waiting."""
+        self._closed = True
+        for future in list(self._pending):
+            _settle(future, None)
+
+    def _close(self) -> None:
+        if not self._closed:
+            self._soon(self._closing.set)
+            self._closed = True
+
+
+@asynccontextmanager
+async def _closing(items: AsyncIterator[T]) -> AsyncIterator[AsyncIterator[T]]:
+    """``items``, closed at the end when it can be (an async generator can)."""
+    try:
+        yield items
+    finally:
+        close = getattr(items, "aclose", None)
+        if close is not None:
+            await close()
+
+
+async def _next(
+    receive: trio.MemoryReceiveChannel[tuple[Any, BaseException | None]],
+) -> tuple[Any, BaseException | None] | None:
+    try:
+        return await receive.receive()
+    except trio.EndOfChannel:
+        return None
+
+
+def _settle(future: asyncio.Future[Any], outcome: tuple[Any, BaseException | None] | None) -> None:
+    """In the asyncio loop: hand ``outcome`` to ``future`` unless its waiter gave up."""
+    if future.done():
+        return
+    if outcome is None:
+        future.set_exception(
+            UsageError("the call was cancelled in trio: the treadle.asyncio portal closed")
+        )
+    elif outcome[1] is not None:
+        future.set_exception(outcome[1])
+    else:
+        future.set_result(outcome[0])
+
+
+@asynccontextmanager
+async def open_portal() -> AsyncIterator[TrioPortal]:
+    """Run trio in a daemon thread for the duration of the block (from asyncio).
+
+    Yields:
+        The portal. Leaving the block cancels whatever still runs in it (a trio
+        cancellation) and waits for the trio thread to end.
+
+    Raises:
+        BaseException: what the trio thread itself failed with (never a call's error:
+            those go to the call's caller).
+    """
+    loop = asyncio.get_running_loop()
+    ready: asyncio.Future[TrioPortal] = loop.create_future()
+    done: asyncio.Future[None] = loop.create_future()
+
+    async def main() -> None:
+        async with trio.open_nursery() as nursery:
+            portal = TrioPortal(loop, trio.lowlevel.current_trio_token(), nursery)
+            loop.call_soon_threadsafe(_resolve, ready, portal)
+            await portal._closing.wait()
+            nursery.cancel_scope.cancel()
+
+    def thread() -> None:
+        try:
+            trio.run(main)
+        except BaseException as exc:
+            with contextlib.suppress(RuntimeError):
+                loop.call_soon_threadsafe(_fail, done, exc)
+        else:
+            with contextlib.suppress(RuntimeError):
+                loop.call_soon_threadsafe(_resolve, done, None)
+
+    threading.Thread(target=thread, name="treadle-trio", daemon=True).start()
+    await asyncio.wait((ready, done), return_when=asyncio.FIRST_COMPLETED)
+    if not ready.done():
+        await done  # raises what trio failed with
+        raise UsageError("the trio thread of the treadle.asyncio portal ended at once")
+    portal = ready.result()
+    done.add_done_callback(lambda _: portal._abandon())
+    try:
+        yield portal
+    finally:
+        portal._close()
+        await asyncio.shield(done)
+
+
+def _resolve(future: asyncio.Future[T], value: T) -> None:
+    if not future.done():
+        future.set_result(value)
+
+
+def _fail(future: asyncio.Future[Any], exc: BaseException) -> None:
+    if not future.done():
+        future.set_exception(exc)
+
+
+StoreOpener = Callable[[], AbstractAsyncContextManager[RunStore]]
+"""Opens the store inside trio, e.g. ``lambda: treadle.open_sqlite_store(path)``."""
+
+
+@attrs.define(eq=False)
+class _Host:
+    """The trio side of `Runs`: the store, the runs driven here and their nursery."""
+
+    agent: Agent
+    store: RunStore
+    nursery: trio.Nursery
+    options: Mapping[str, Any]
+    handles: dict[str, RunHandle] = attrs.Factory(dict)
+
+    async def start(self, input: RunInput | None, run_id: str | None) -> str:
+        chosen = check_run_id(run_id) if run_id is not None else new_run_id()
+        if chosen in self.handles:
+            return chosen
+        started: str = await self.nursery.start(self._drive, input, chosen)
+        return started
+
+    async def _drive(
+        self, input: RunInput | None, run_id: str, *, task_status: trio.TaskStatus[str]
+    ) -> None:
+        handle: RunHandle | None = None
+        started = False
+        try:
+            async with open_run(
+                self.agent, input, store=self.store, run_id=run_id, **self.options
+            ) as handle:
+                if handle.state is RunState.INTERRUPTED:  # it could not start (a mismatch)
+                    await handle.wait()  # raises its error, to the caller of start
+                self.handles[run_id] = handle
+                task_status.started(run_id)
+                started = True
+            await handle.wait()
+        except Exception as exc:
+            if not started:
+                raise  # to the caller of start (nothing is driven)
+            assert handle is not None
+            if handle.left is not None:  # drained or parked: it resumes from its log
+                _LOG.info("run %r left %s: it resumes from its log", run_id, handle.left)
+            else:
+                _LOG.warning("run %r stopped unfinished: %s", run_id, exc)
+        finally:
+            if handle is not None and self.handles.get(run_id) is handle:
+                del self.handles[run_id]
+
+    async def resume_unfinished(self) -> tuple[tuple[str, ...], tuple[tuple[str, str], ...]]:
+        """Resume the store's unfinished runs: ``(resumed ids, (id, why not) pairs)``."""
+        resumed: list[str] = []
+        refused: list[tuple[str, str]] = []
+        for run_id in await self._unfinished():
+            try:
+                resumed.append(await self.start(None, run_id))
+            except RunLeased as exc:
+                _LOG.info("run %r is driven elsewhere: %s", run_id, exc)
+            except TreadleError as exc:  # another agent's run, a damaged log: the others go on
+                _LOG.warning("run %r cannot be resumed here: %s", run_id, exc)
+                refused.append((run_id, f"{type(exc).__name__}: {exc}"))
+        return tuple(resumed), tuple(refused)
+
+    async def _unfinished(self) -> list[str]:
+        store = self.store
+        if isinstance(store, RunIndex):
+            return [
+                s.run_id
+                for s in await store.list_summaries()
+                if s.liveness not in (Liveness.FINISHED, Liveness.QUEUED) and s.error is None
+            ]
+        found = []
+        for run_id in await store.list_runs():
+            log = await store.read_log(run_id)
+            if log.finished is None and log.records:
+                found.append(run_id)
+        return found
+
+    async def events(self, run_id: str, from_seq: int) -> AsyncIterator[Event]:
+        handle = self.handles.get(run_id)
+        if handle is not None:
+            async with _closing(handle.events(from_seq=from_seq)) as events:
+                async for event in events:
+                    yield event
+            return
+        if from_seq < 1:
+            raise UsageError(f"events are numbered from 1; from_seq={from_seq} was asked")
+        log = await self.store.read_log(run_id)
+        if not log.records:
+            raise UsageError(f"there is no run {run_id!r} in this store")
+        for event in stored_events(log, from_seq, len(log.records)):
+            yield event
+
+    async def approve(
+        self,
+        run_id: str,
+        call_id: str | None,
+        reject: str | None,
+        edit: Mapping[str, Any] | None,
+    ) -> ApprovalDecided:
+        handle = self.handles.get(run_id)
+        if handle is not None and handle.pending_approval is not None:
+            return handle.approve(call_id, reject=reject, edit=edit)
+        return await decide(self.store, run_id, call_id=call_id, reject=reject, edit=edit)
+
+    async def cancel(self, run_id: str, reason: str, canceller: str) -> None:
+        handle = self.handles.get(run_id)
+        if handle is not None:
+            handle.cancel(reason, canceller=canceller)
+            await trio.lowlevel.checkpoint()
+            return
+        await request_cancel(self.store, run_id, reason=reason, canceller=canceller)
+
+    async def result(self, run_id: str) -> RunResult:
+        handle = self.handles.get(run_id)
+        if handle is not None:
+            return await handle.wait()
+        return await wait_result(self.store, run_id, output_type=self.agent.output_type)
+
+    def drain(self) -> None:
+        for handle in list(self.handles.values()):
+            handle.drain()
+
+
+@attrs.define(eq=False)
+class Runs:
+    """The asyncio face of runs driven in a trio thread; made by `open_runs`.
+
+    Every method is a coroutine of the asyncio loop that opened it; each call crosses to
+    trio and back (docs/asyncio.md, "The bridge").
+
+    Attributes:
+        portal: the portal the runs live behind (for calls of your own into trio).
+        resumed: the run ids resumed when the block opened (``resume=True``).
+        not_resumed: unfinished runs that could not be resumed then, each with the error
+            (``SnapshotMismatch: ...`` for a run of another agent definition, say); a run
+            another live driver holds is in neither.
+    """
+
+    portal: TrioPortal
+    _host: _Host
+    resumed: tuple[str, ...] = ()
+    not_resumed: tuple[tuple[str, str], ...] = ()
+
+    async def start(self, input: RunInput | None = None, *, run_id: str | None = None) -> str:
+        """Start a run on ``input`` (or resume the unfinished ``run_id``) in the background.
+
+        Returns once the run is driven here (its lease taken); a run already driven here
+        is left as it is.
+
+        Returns:
+            The run id (a fresh one when ``run_id`` is omitted).
+
+        Raises:
+            RunLeased: another live driver holds the run.
+            InvalidRunId, UsageError, SnapshotMismatch, SchemaTooNew: as `treadle.open_run`.
+        """
+        return await self.portal.call(self._host.start, input, run_id)
+
+    def events(self, run_id: str, *, from_seq: int = 1) -> AsyncIterator[Event]:
+        """The run's events from ``from_seq``, as `treadle.RunHandle.events` yields them.
+
+        For a run driven here: stored events, then live ones (text deltas included), with
+        no gap and no duplicate, ending after ``run_finished`` (or when the run stops being
+        driven here). For any other run of the store: its stored events, then the end.
+
+        Raises:
+            UsageError: ``from_seq`` is below 1, or the store has no such run.
+            StoreError: the stored prefix could not be read.
+        """
+        return self.portal.iterate(self._host.events, run_id, from_seq)
+
+    async def approve(
+        self,
+        run_id: str,
+        call_id: str | None = None,
+        *,
+        reject: str | None = None,
+        edit: Mapping[str, Any] | None = None,
+    ) -> ApprovalDecided:
+        """Decide the run's pending approval (docs/events.md, "Human approval").
+
+        A run driven here gets the decision from its handle; any other one through its
+        control stream (`treadle.approvals.decide`).
+
+        Raises:
+            UsageError: as `treadle.RunHandle.approve` and `treadle.approvals.decide`.
+        """
+        return await self.portal.call(self._host.approve, run_id, call_id, reject, edit)
+
+    async def cancel(self, run_id: str, reason: str = "", *, canceller: str = "") -> None:
+        """Cancel the run (docs/events.md, "Cancellation"); a no-op once it finished here.
+
+        Raises:
+            UsageError: the run is not driven here and does not exist or already finished.
+        """
+        await self.portal.call(self._host.cancel, run_id, reason, canceller)
+
+    async def result(self, run_id: str) -> RunResult:
+        """Wait for the run to finish (driven here or anywhere) and return its result.
+
+        Raises:
+            RunInterrupted: the run stopped unfinished here (it stays resumable).
+            UsageError: the store has no such run.
+        """
+        return await self.portal.call(self._host.result, run_id)
+
+
+@asynccontextmanager
+async def open_runs(
+    agent: Agent,
+    *,
+    store: StoreOpener,
+    resume: bool = True,
+    owner: str | None = None,
+    lease_ttl_s: float = LEASE_TTL_S,
+    park_after_s: float | None = PARK_AFTER_S,
+    sinks: Sequence[EventSink] = (),
+    metrics: MetricsRecorder | None = None,
+    drain_s: float = DRAIN_S,
+) -> AsyncIterator[Runs]:
+    """Drive runs of ``agent`` in a trio thread for the duration of the block (from asyncio).
+
+    Args:
+        agent: the agent definition of every run.
+        store: opens the store inside trio (``lambda: treadle.open_sqlite_store(path)``).
+        resume: resume every unfinished run of the store that no other live driver holds,
+            before the block starts (after a restart of the application); those that fail
+            to resume (`Runs.not_resumed`) are logged and left as they are.
+        owner: the lease owner id (default ``host:pid:random``). An application restarted
+            under the owner id of its dead predecessor resumes its runs at once instead of
+            waiting for their leases to expire: use a fixed one only for a single instance
+            (docs/fleet.md, "Leases").
+        lease_ttl_s: the lease duration in seconds.
+        park_after_s: as `treadle.open_run`.
+        sinks: event sinks of every run.
+        metrics: counts every run's records and the store's commits (docs/metrics.md).
+        drain_s: when the block ends, the seconds runs get to stop at a safe point (they
+            stay resumable, their leases released) before they are cut.
+
+    Yields:
+        The `Runs` face.
+
+    Raises:
+        UsageError: ``drain_s`` is negative or not finite.
+        StoreError: the store cannot be opened.
+    """
+    if not (drain_s >= 0 and math.isfinite(drain_s)):
+        raise UsageError(f"drain_s must be a finite number >= 0, not {drain_s}")
+    options = {
+        "owner": owner,
+        "lease_ttl_s": lease_ttl_s,
+        "park_after_s": park_after_s,
+        "sinks": sinks,
+        "metrics": metrics,
+    }
+    async with open_portal() as portal:
+        stop = trio.Event()
+        stopped = trio.Event()
+
+        async def serve(*, task_status: trio.TaskStatus[_Host]) -> None:
+            try:
+                async with store() as opened:
+                    if metrics is not None:
+                        metrics.watch(opened)
+                    async with trio.open_nursery() as nursery:
+                        host = _Host(agent=agent, store=opened, nursery=nursery, options=options)
+                        task_status.started(host)
+                        await stop.wait()
+                        host.drain()
+                        nursery.cancel_scope.deadline = trio.current_time() + drain_s
+            finally:
+                stopped.set()
+
+        async def begin() -> _Host:
+            host: _Host = await portal._nursery.start(serve)
+            return host
+
+        async def end() -> None:
+            stop.set()
+            await stopped.wait()
+
+        host = await portal.call(begin)
+        try:
+            resumed, refused = await portal.call(host.resume_unfinished) if resume else ((), ())
+            yield Runs(portal=portal, host=host, resumed=resumed, not_resumed=refused)
+        finally:
+            await asyncio.shield(portal.call(end))
+
+
+def event_data(event: Event) -> dict[str, Any]:
+    """One event as JSON data: ``{"seq", "kind", ...}``, as ``treadle tail --json`` prints it.
+
+    A durable event has its record's fields after ``seq`` and ``kind`` (the event kinds of
+    docs/events.md, "Event types"); a delta has ``ordinal`` and ``text``; a step-started
+    event ``step`` and ``ordinal``.
+    """
+    data: dict[str, Any] = {"seq": event.seq, "kind": event.kind.value}
+    if event.record is not None:
+        fields = record_to_dict(event.record)
+        del fields["kind"]  # the record's tag in the log format; the event kind names it here
+        data.update(fields)
+    elif event.text is not None:
+        data.update(ordinal=event.ordinal, text=event.text)
+    else:
+        data.update(step=event.step, ordinal=event.ordinal)
+    return data
+
+
+def sse_frame(event: Event) -> bytes:
+    """One Server-Sent Events frame of ``event`` (docs/asyncio.md, "Streaming to a browser").
+
+    ``event:`` is the event kind and ``data:`` its `event_data` as one line of JSON. Only a
+    durable event carries ``id: <seq>``: a browser's ``EventSource`` then reconnects with
+    ``Last-Event-ID`` set to the last durable seq it saw, and the stream resumes at seq + 1
+    (deltas and step-started events, which share the seq of the event before them, carry
+    no id and leave the last id as it was).
+    """
+    body = json.dumps(event_data(event), ensure_ascii=False, separators=(",", ":"))
+    head = f"id: {event.seq}\n" if event.record is not None else ""
+    return f"{head}event: {event.kind.value}\ndata: {body}\n\n".encode()
+
+
+__all__ = [
+    "ITERATE_BUFFER",
+    "Runs",
+    "StoreOpener",
+    "TrioPortal",
+    "event_data",
+    "open_portal",
+    "open_runs",
+    "sse_frame",
+]

@@ -1,0 +1,401 @@
+"""The context budget end to end: real actors, real stores, a model with a real window.
+
+docs/context.md: every request fits the window less the output cap and the margin; what
+stays, in order; durable summaries made inside the step; the context each model result
+records; a context-length refusal compacts once and retries the step.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import trio
+
+from treadle import MemoryStore, UsageError, run
+from treadle._budget import DEFAULT_SUMMARY_PROMPT, estimate_tools
+from treadle.stores._codec import encode
+from treadle.stores.sqlite import open_sqlite_store
+from treadle.testing.invariants import check_context, check_invariants, check_tool_replies
+from treadle.testing.windowed import WindowedModel, provider_tokens, windowed_agent
+from treadle.types import (
+    ModelIntent,
+    ModelRequest,
+    ModelResult,
+    RunLog,
+    StepRecord,
+    StopReason,
+)
+
+WINDOW = 1200
+GOAL = 30
+
+
+def _results(log: RunLog) -> list[ModelResult]:
+    return [r for r in log.records if isinstance(r, ModelResult)]
+
+
+def _step_results(log: RunLog) -> list[ModelResult]:
+    return [r for r in _results(log) if r.summary_through is None and r.reply is not None]
+
+
+def _summaries(log: RunLog) -> list[ModelResult]:
+    return [r for r in _results(log) if r.summary_through is not None and r.reply is not None]
+
+
+async def test_without_a_window_the_long_run_is_refused_by_the_provider():
+    model = WindowedModel(window=WINDOW, goal=GOAL)
+    result = await run(windowed_agent(model, window=None), "count", store=MemoryStore())
+    assert result.stop_reason is StopReason.MODEL_ERROR
+    assert result.error == "context_length_exceeded"
+    assert model.refused == 1
+
+
+async def test_with_a_window_every_request_fits_and_the_run_finishes(tmp_path):
+    model = WindowedModel(window=WINDOW, goal=GOAL)
+    agent = windowed_agent(model, window=WINDOW)
+    async with open_sqlite_store(tmp_path / "runs.db") as store:
+        result = await run(agent, "count", store=store, run_id="long")
+        log = await store.read_log("long")
+    assert result.stop_reason is StopReason.FINAL_ANSWER
+    assert result.final_answer == f"done at n={GOAL}"
+    assert model.refused == 0
+    # every request (summaries included) fitted the provider's own count of the window
+    assert max(model.sizes) + agent.max_output_tokens <= WINDOW  # type: ignore[operator]
+    assert check_invariants(log) == []
+    for record in _step_results(log):
+        context = record.context
+        assert context is not None
+        assert context.budget == WINDOW - 64 - agent.margin_tokens
+        assert context.estimated_input_tokens <= context.budget
+    assert _summaries(log), "a run this long must have compacted"
+    # the original records stay in the log: every step's record, in order
+    assert [s.step for s in log.steps] == list(range(1, GOAL + 2))
+
+
+async def test_the_summary_is_a_counted_model_attempt_not_a_step():
+    model = WindowedModel(window=WINDOW, goal=GOAL)
+    store = MemoryStore()
+    result = await run(windowed_agent(model, window=WINDOW), "count", store=store, run_id="r")
+    log = await store.read_log("r")
+    intents = [r for r in log.records if isinstance(r, ModelIntent)]
+    compactions = [i for i in intents if i.compaction]
+    assert len(compactions) == model.summaries == len(_summaries(log))
+    assert result.totals.model_attempts == len(intents)
+    assert result.totals.steps == GOAL + 1
+    tokens = sum((r.usage.input_tokens or 0) for r in _results(log))
+    assert result.totals.input_tokens == tokens
+    summary_tokens = sum((r.usage.input_tokens or 0) for r in _summaries(log))
+    assert summary_tokens > 0
+    # intent before effect: each summary's intent is durable before its result, in its step
+    seqs = {id(r): n for n, r in enumerate(log.records)}
+    for summary in _summaries(log):
+        intent = next(i for i in compactions if i.intent_id == summary.intent_id)
+        assert seqs[id(intent)] < seqs[id(summary)]
+        assert intent.step == summary.step
+        # made inside the step that needs it: that step's request uses it
+        user = next(r for r in _step_results(log) if r.step == summary.step)
+        assert user.context is not None
+        assert user.context.summary_intent_id == summary.intent_id
+        assert user.context.summary_through == summary.summary_through
+
+
+async def test_a_request_keeps_its_order_and_never_splits_a_call_from_its_result():
+    seen: list[ModelRequest] = []
+    model = WindowedModel(window=WINDOW, goal=GOAL)
+
+    class Spy:
+        async def complete(self, request, *, on_delta=None):
+            seen.append(request)
+            return await model.complete(request, on_delta=on_delta)
+
+    await run(windowed_agent(Spy(), window=WINDOW), "count to thirty", store=MemoryStore())
+    steps = [r for r in seen if r.messages[0].content != DEFAULT_SUMMARY_PROMPT]
+    assert check_tool_replies(steps) == []
+    for request in steps:
+        roles = [m.role for m in request.messages]
+        assert roles[:2] == ["system", "user"]  # the instructions, then the input
+        assert request.messages[1].content == "count to thirty"
+        summaries = [m for m in request.messages if (m.content or "").startswith("[Summary")]
+        if summaries:  # the summary comes right after the input, before the verbatim steps
+            assert request.messages[2] is summaries[0]
+        calls = {c.id for m in request.messages for c in m.tool_calls}
+        answered = {m.tool_call_id for m in request.messages if m.role == "tool"}
+        assert calls == answered
+    # the newest fact is always sent verbatim (the model counts on from it)
+    last = steps[-1]
+    assert f"n={GOAL} " in (last.messages[-1].content or "")
+
+
+async def test_old_large_observations_become_markers_naming_their_call():
+    model = WindowedModel(window=WINDOW, goal=12)
+    store = MemoryStore()
+    seen: list[ModelRequest] = []
+
+    class Spy:
+        async def complete(self, request, *, on_delta=None):
+            seen.append(request)
+            return await model.complete(request, on_delta=on_delta)
+
+    await run(windowed_agent(Spy(), window=WINDOW), "count", store=store, run_id="m")
+    log = await store.read_log("m")
+    marked = [r for r in _step_results(log) if r.context and r.context.marked]
+    assert marked, "markers come before any summary"
+    first = marked[0]
+    assert first.context is not None and first.context.summary_intent_id is None
+    request = next(r for r in seen if "[elided:" in "".join(m.content or "" for m in r.messages))
+    marker = next(m for m in request.messages if (m.content or "").startswith("[elided:"))
+    assert marker.tool_call_id is not None
+    assert f"call {marker.tool_call_id}" in (marker.content or "")
+    assert "call the tool again" in (marker.content or "")
+
+
+async def test_a_summariser_client_writes_the_summaries():
+    model = WindowedModel(window=WINDOW, goal=GOAL)
+    summariser = WindowedModel(window=WINDOW, goal=GOAL)
+    agent = windowed_agent(model, window=WINDOW, summariser=summariser)
+    await run(agent, "count", store=MemoryStore())
+    assert summariser.summaries > 0
+    assert model.summaries == 0
+
+
+async def test_reported_usage_calibrates_the_estimate():
+    model = WindowedModel(window=WINDOW, goal=8)
+    store = MemoryStore()
+    await run(windowed_agent(model, window=WINDOW), "count", store=store, run_id="c")
+    log = await store.read_log("c")
+    results = _step_results(log)
+    # the first request is estimated by the uncalibrated counter (which errs on the large
+    # side); once a report came back, the prefix's reported size is exact and only the new
+    # part is estimated
+    first = results[0]
+    assert first.context is not None and first.usage.input_tokens is not None
+    assert first.context.estimated_input_tokens >= first.usage.input_tokens
+    for record in results[2:]:
+        assert record.context is not None and record.usage.input_tokens is not None
+        error = abs(record.context.estimated_input_tokens - record.usage.input_tokens)
+        assert error <= 0.05 * record.usage.input_tokens, record
+
+
+async def test_a_token_counter_is_used_when_given():
+    counted: list[int] = []
+
+    def counter(messages):
+        counted.append(provider_tokens(ModelRequest(messages=tuple(messages))))
+        return counted[-1]
+
+    seen: list[ModelRequest] = []
+    model = WindowedModel(window=WINDOW, goal=6)
+
+    class Spy:
+        async def complete(self, request, *, on_delta=None):
+            seen.append(request)
+            return await model.complete(request, on_delta=on_delta)
+
+    store = MemoryStore()
+    agent = windowed_agent(Spy(), window=WINDOW, token_counter=counter)
+    await run(agent, "count", store=store, run_id="t")
+    log = await store.read_log("t")
+    assert counted
+    first = _step_results(log)[0]
+    assert first.context is not None
+    mine = provider_tokens(ModelRequest(messages=seen[0].messages))
+    assert first.context.counted_tokens == mine + estimate_tools(seen[0].tools)
+
+
+async def test_a_context_length_refusal_compacts_once_and_retries_the_step():
+    # The agent believes its window is twice the provider's: the provider refuses, and the
+    # step compacts and retries instead of failing the run.
+    model = WindowedModel(window=WINDOW, goal=GOAL)
+    store = MemoryStore()
+    agent = windowed_agent(model, window=2 * WINDOW)
+    result = await run(agent, "count", store=store, run_id="x")
+    log = await store.read_log("x")
+    assert result.stop_reason is StopReason.FINAL_ANSWER
+    assert model.refused > 0
+    forced = [r for r in _step_results(log) if r.context and r.context.forced]
+    assert forced
+    for record in forced:
+        refused = [
+            r
+            for r in _results(log)
+            if r.step == record.step and r.error and r.error.kind == "context_length_exceeded"
+        ]
+        assert len(refused) == 1  # once per step, then the retry
+    assert result.totals.model_attempts == sum(1 for r in log.records if isinstance(r, ModelIntent))
+    assert check_invariants(log) == []
+
+
+async def test_a_second_refusal_in_the_same_step_fails_the_run():
+    # A provider whose window is smaller than even the forced compaction can reach.
+    model = WindowedModel(window=300, goal=GOAL)
+    agent = windowed_agent(model, window=5000, payload_chars=2000, max_output_tokens=64)
+    store = MemoryStore()
+    result = await run(agent, "count", store=store, run_id="y")
+    log = await store.read_log("y")
+    assert result.stop_reason is StopReason.MODEL_ERROR
+    assert result.error == "context_length_exceeded"
+    last_step = log.steps[-1].step
+    refused = [
+        r
+        for r in _results(log)
+        if r.step == last_step and r.error and r.error.kind == "context_length_exceeded"
+    ]
+    assert len(refused) == 2
+    assert check_invariants(log) == []
+
+
+def test_a_window_with_no_room_for_input_is_refused():
+    model = WindowedModel(window=WINDOW, goal=1)
+    with pytest.raises(UsageError, match="no room for input"):
+        windowed_agent(model, window=100, max_output_tokens=64)
+
+
+def test_the_window_is_in_the_snapshot_only_when_set():
+    model = WindowedModel(window=WINDOW, goal=1)
+    assert "context" not in windowed_agent(model, window=None).snapshot()
+    snapshot = windowed_agent(model, window=WINDOW).snapshot()
+    assert snapshot["context"]["window"] == WINDOW  # type: ignore[index]
+
+
+async def test_log_bytes_per_step_stay_flat_in_run_length():
+    model = WindowedModel(window=WINDOW, goal=60)
+    store = MemoryStore()
+    await run(windowed_agent(model, window=WINDOW), "count", store=store, run_id="flat")
+    log = await store.read_log("flat")
+    per_step: dict[int, int] = {}
+    for record in log.records:
+        step = getattr(record, "step", None)
+        summary = isinstance(record, ModelResult | ModelIntent) and (
+            getattr(record, "summary_through", None) is not None
+            or getattr(record, "compaction", False)
+        )
+        if step is None or summary:
+            continue
+        per_step[step] = per_step.get(step, 0) + len(encode(record).encode())
+    early = [per_step[s] for s in range(3, 13)]
+    late = [per_step[s] for s in range(50, 60)]
+    assert max(late) <= max(early) * 1.05, (early, late)
+    # a summary's record is bounded by its output cap, not by the steps it covers
+    sizes = [len(encode(r).encode()) for r in _summaries(log)]
+    assert max(sizes) <= 2 * min(sizes)
+    context = _step_results(log)[-1].context
+    assert context is not None and len(json.dumps(encode(_step_results(log)[-1]))) < 2000
+
+
+async def test_check_context_catches_a_recomputed_summary():
+    model = WindowedModel(window=WINDOW, goal=GOAL)
+    store = MemoryStore()
+    await run(windowed_agent(model, window=WINDOW), "count", store=store, run_id="d")
+    log = await store.read_log("d")
+    assert check_context(log) == []
+    summary = _summaries(log)[0]
+    index = log.records.index(summary)
+    doubled = RunLog(
+        run_id=log.run_id,
+        records=(*log.records[: index + 1], summary, *log.records[index + 1 :]),
+    )
+    assert any("recomputed" in p for p in check_context(doubled))
+
+
+async def test_steps_hold_the_original_observations_after_compaction():
+    model = WindowedModel(window=WINDOW, goal=GOAL)
+    store = MemoryStore()
+    await run(windowed_agent(model, window=WINDOW), "count", store=store, run_id="o")
+    log = await store.read_log("o")
+    first: StepRecord = log.steps[0]
+    assert first.observations and first.observations[0].startswith("n=1 data")
+    assert len(first.observations[0]) > 300
+
+
+async def test_resume_of_a_finished_compacting_run_calls_no_model():
+    model = WindowedModel(window=WINDOW, goal=GOAL)
+    store = MemoryStore()
+    await run(windowed_agent(model, window=WINDOW), "count", store=store, run_id="f")
+    again = WindowedModel(window=WINDOW, goal=GOAL)
+    with trio.fail_after(30):
+        result = await run(windowed_agent(again, window=WINDOW), store=store, run_id="f")
+    assert result.stop_reason is StopReason.FINAL_ANSWER
+    assert again.sizes == []
+
+
+async def test_the_summariser_reads_every_step_it_covers_whole():
+    # The model's summary cites the newest fact it was shown: a summary of steps 1-T that
+    # saw markers or a cut transcript would cite an older one.
+    model = WindowedModel(window=WINDOW, goal=GOAL)
+    store = MemoryStore()
+    await run(windowed_agent(model, window=WINDOW), "count", store=store, run_id="w")
+    log = await store.read_log("w")
+    summaries = _summaries(log)
+    assert len(summaries) >= 2
+    for summary in summaries:
+        assert summary.reply is not None
+        through = summary.summary_through
+        assert f"Facts: n={through} (step {through})." in (summary.reply.text or "")
+
+
+async def test_show_displays_the_context_of_each_model_call(tmp_path):
+    from click.testing import CliRunner
+
+    from treadle.cli import main
+
+    model = WindowedModel(window=WINDOW, goal=GOAL)
+    async with open_sqlite_store(tmp_path / "runs.db") as store:
+        await run(windowed_agent(model, window=WINDOW), "count", store=store, run_id="shown")
+        log = await store.read_log("shown")
+    summary = _summaries(log)[0]
+    user = next(r for r in _step_results(log) if r.step == summary.step)
+    assert user.context is not None
+    shown = await trio.to_thread.run_sync(
+        lambda: CliRunner().invoke(
+            main, ["show", "shown", "--store", str(tmp_path / "runs.db")], env={"COLUMNS": "400"}
+        )
+    )
+    assert shown.exit_code == 0, shown.output
+    assert "summary call started" in shown.output
+    assert "summary written" in shown.output
+    assert f"steps 1-{summary.summary_through}: Goal: count to {GOAL}." in shown.output
+    expected = (
+        f"context {user.context.estimated_input_tokens} est / {user.usage.input_tokens} "
+        f"reported of {user.context.budget} tokens, steps {user.context.verbatim_from}- "
+        f"verbatim, summary of 1-{summary.summary_through} ({summary.intent_id})"
+    )
+    assert expected in shown.output
+
+
+async def test_a_threads_inherited_history_is_compacted_like_the_runs_own_steps():
+    # The first run of the thread is long (no window: it fits the provider's larger window);
+    # the second declares a small window: the inherited history does not fit, is summarised
+    # (a summary of step 0, the thread's earlier runs) and the second run finishes.
+    big = WindowedModel(window=10 * WINDOW, goal=20)
+    store = MemoryStore()
+    first = await run(windowed_agent(big, window=None), "count", store=store, run_id="chat")
+    assert first.stop_reason is StopReason.FINAL_ANSWER
+    seen: list[ModelRequest] = []
+    model = WindowedModel(window=WINDOW, goal=24)
+
+    class Spy:
+        async def complete(self, request, *, on_delta=None):
+            seen.append(request)
+            return await model.complete(request, on_delta=on_delta)
+
+    second = await run(
+        windowed_agent(Spy(), window=WINDOW), "count on", store=store, thread_id="chat"
+    )
+    assert second.stop_reason is StopReason.FINAL_ANSWER
+    assert second.final_answer == "done at n=24"
+    log = await store.read_log(second.run_id)
+    assert check_invariants(log) == []
+    assert max(model.sizes) + 64 <= WINDOW
+    summaries = _summaries(log)
+    # the inherited history is summarised oldest first, as far as needed (steps up to 0)
+    assert summaries and summaries[0].summary_through is not None
+    assert summaries[0].summary_through <= 0
+    first_request = next(r for r in seen if r.messages[0].content != DEFAULT_SUMMARY_PROMPT)
+    texts = [m.content or "" for m in first_request.messages]
+    # in history order: the instructions, the summary of the earlier runs' first part, what
+    # is left of them (their newest turn verbatim), then this run's input
+    assert texts[1].startswith("[Summary of the first part of the thread's earlier runs")
+    assert texts[-1] == "count on"
+    assert texts[-2] == "done at n=20"
+    assert check_tool_replies([first_request]) == []

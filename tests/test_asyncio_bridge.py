@@ -1,0 +1,284 @@
+"""The asyncio bridge (docs/asyncio.md): trio in a thread behind a portal, runs driven from
+asyncio, and a clear error for the trio API called from asyncio directly.
+
+Each test runs its own asyncio loop with ``asyncio.run`` (pytest-trio runs these plain
+functions as they are).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import pytest
+import trio
+
+import treadle
+from treadle.asyncio import Runs, event_data, open_portal, open_runs, sse_frame
+from treadle.testing.scripted import ScriptedModel, call, say
+from treadle.types import EventKind, RunState, StopReason
+
+
+@treadle.tool(requires_approval=True)
+async def wire(amount: int) -> str:
+    """Send money."""
+    return f"sent {amount}"
+
+
+@treadle.tool(timeout_s=600)
+async def slow(seconds: float) -> str:
+    """Take a while."""
+    await trio.sleep(seconds)
+    return "slept"
+
+
+def wire_agent() -> treadle.Agent:
+    return treadle.Agent(
+        model=ScriptedModel(turns=[call("wire", amount=5, call_id="p1"), say("paid")]),
+        executor=treadle.Toolbox([wire]),
+        parser=treadle.NativeToolCallParser(),
+    )
+
+
+def slow_agent() -> treadle.Agent:
+    return treadle.Agent(
+        model=ScriptedModel(turns=[call("slow", seconds=600), say("woke")]),
+        executor=treadle.Toolbox([slow]),
+        parser=treadle.NativeToolCallParser(),
+        limits=treadle.Limits(tool_timeout_s=600),
+    )
+
+
+def sqlite(path: Path):
+    return lambda: treadle.open_sqlite_store(path)
+
+
+def run_asyncio(main):
+    return asyncio.run(asyncio.wait_for(main(), 60))
+
+
+# --------------------------------------------------------------------------- the clear error
+
+
+@pytest.mark.parametrize(
+    "entry",
+    [
+        lambda tmp: treadle.run(wire_agent(), "pay", store=treadle.MemoryStore()),
+        lambda tmp: treadle.open_run(wire_agent(), "pay", store=treadle.MemoryStore()),
+        lambda tmp: treadle.open_sqlite_store(tmp / "r.db"),
+        lambda tmp: treadle.open_jsonl_store(tmp / "j"),
+        lambda tmp: treadle.open_fleet(treadle.MemoryStore(), {"a": wire_agent}),
+        lambda tmp: treadle.wait_result(treadle.MemoryStore(), "r"),
+        lambda tmp: treadle.resume_unfinished(wire_agent(), store=treadle.MemoryStore()),
+    ],
+)
+def test_the_trio_api_called_from_asyncio_names_the_bridge(entry, tmp_path: Path):
+    async def main():
+        made = entry(tmp_path)
+        with pytest.raises(treadle.UsageError) as raised:
+            if hasattr(made, "__aenter__"):
+                async with made:
+                    pass
+            else:
+                await made
+        return str(raised.value)
+
+    message = run_asyncio(main)
+    assert "called from asyncio" in message
+    assert "treadle.asyncio" in message and "docs/asyncio.md" in message
+    assert not (tmp_path / "r.db").exists()  # refused before anything was opened
+
+
+# --------------------------------------------------------------------------- the portal
+
+
+def test_the_portal_calls_trio_and_hands_back_results_and_errors():
+    async def answer(x: int) -> tuple[int, str]:
+        await trio.lowlevel.checkpoint()
+        return x + 1, trio.lowlevel.current_task().name
+
+    async def fail() -> None:
+        await trio.lowlevel.checkpoint()
+        raise KeyError("inside trio")
+
+    async def main():
+        async with open_portal() as portal:
+            value, task = await portal.call(answer, 41)
+            with pytest.raises(KeyError, match="inside trio"):
+                await portal.call(fail)
+        with pytest.raises(treadle.UsageError, match="closed"):
+            await portal.call(answer, 1)
+        return value, task
+
+    value, task = run_asyncio(main)
+    assert value == 42 and "answer" in task
+
+
+def test_cancelling_the_asyncio_caller_cancels_the_call_in_trio():
+    async def main():
+        started, ended = asyncio.Event(), asyncio.Event()
+        outcome: list[str] = []
+        loop = asyncio.get_running_loop()
+
+        async def forever() -> None:
+            try:
+                loop.call_soon_threadsafe(started.set)
+                await trio.sleep_forever()
+            except trio.Cancelled:
+                outcome.append("cancelled in trio")
+                raise
+            finally:
+                loop.call_soon_threadsafe(ended.set)
+
+        async with open_portal() as portal:
+            waiting = asyncio.create_task(portal.call(forever))
+            await started.wait()
+            waiting.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await waiting
+            await ended.wait()
+        return outcome
+
+    assert run_asyncio(main) == ["cancelled in trio"]
+
+
+def test_iterating_from_asyncio_and_leaving_early_stops_the_trio_iterator():
+    async def main():
+        stopped = asyncio.Event()
+        loop = asyncio.get_running_loop()
+
+        async def numbers():
+            try:
+                for n in range(10_000):
+                    await trio.lowlevel.checkpoint()
+                    yield n
+            finally:
+                loop.call_soon_threadsafe(stopped.set)
+
+        async def broken():
+            yield 1
+            raise ValueError("the iterator failed")
+
+        async with open_portal() as portal:
+            seen = []
+            async for n in portal.iterate(numbers, buffer=2):
+                seen.append(n)
+                if n == 4:
+                    break
+            await stopped.wait()
+            got = []
+            with pytest.raises(ValueError, match="the iterator failed"):
+                async for n in portal.iterate(broken):
+                    got.append(n)
+        return seen, got
+
+    seen, got = run_asyncio(main)
+    assert seen == [0, 1, 2, 3, 4] and got == [1]
+
+
+# --------------------------------------------------------------------------- runs from asyncio
+
+
+async def _until(runs: Runs, run_id: str, kind: EventKind) -> list:
+    seen = []
+    async for event in runs.events(run_id):
+        seen.append(event)
+        if event.kind is kind:
+            return seen
+    raise AssertionError(f"no {kind} in {[e.kind for e in seen]}")
+
+
+def test_runs_start_stream_approve_and_finish_from_asyncio(tmp_path: Path):
+    async def main():
+        async with open_runs(wire_agent(), store=sqlite(tmp_path / "r.db")) as runs:
+            assert runs.resumed == ()
+            run_id = await runs.start("pay", run_id="w1")
+            assert await runs.start("pay", run_id="w1") == "w1"  # driven here already
+            before = await _until(runs, run_id, EventKind.APPROVAL_REQUESTED)
+            decided = await runs.approve(run_id)
+            result = await runs.result(run_id)
+            events = [e async for e in runs.events(run_id)]
+        return before, decided, result, events
+
+    before, decided, result, events = run_asyncio(main)
+    assert before[-1].record.tool == "wire" and decided.decision == "approve"
+    assert result.state is RunState.SUCCEEDED and result.final_answer == "paid"
+    durable = [e.seq for e in events if e.record is not None]
+    assert durable == list(range(1, len(durable) + 1)) and events[-1].kind is EventKind.RUN_FINISHED
+    frame = sse_frame(events[-1]).decode()
+    assert frame.startswith(f"id: {events[-1].seq}\nevent: run_finished\ndata: {{")
+    assert event_data(events[-1])["state"] == "succeeded"
+    step_started = next(e for e in events if e.kind is EventKind.STEP_STARTED)
+    assert not sse_frame(step_started).startswith(b"id:")
+
+
+def test_a_cancel_from_asyncio_ends_the_run_cancelled(tmp_path: Path):
+    async def main():
+        async with open_runs(slow_agent(), store=sqlite(tmp_path / "r.db")) as runs:
+            run_id = await runs.start("sleep")
+            await _until(runs, run_id, EventKind.ACTION_REQUESTED)
+            await runs.cancel(run_id, "no time", canceller="test")
+            return await runs.result(run_id)
+
+    result = run_asyncio(main)
+    assert result.state is RunState.CANCELLED and result.stop_reason is StopReason.CANCELLED
+
+
+def test_unfinished_runs_resume_when_the_bridge_opens_again(tmp_path: Path):
+    async def first():
+        async with open_runs(
+            wire_agent(), store=sqlite(tmp_path / "r.db"), park_after_s=None
+        ) as runs:
+            await runs.start("pay", run_id="w1")
+            await _until(runs, "w1", EventKind.APPROVAL_REQUESTED)
+        # leaving the block drained the run: unfinished, its lease released
+        async with open_runs(
+            slow_agent(), store=sqlite(tmp_path / "r.db"), resume=False, drain_s=0
+        ) as runs:
+            await runs.start("sleep", run_id="other-agent")
+            await _until(runs, "other-agent", EventKind.ACTION_REQUESTED)
+
+    async def second():
+        async with open_runs(wire_agent(), store=sqlite(tmp_path / "r.db")) as runs:
+            resumed, refused = runs.resumed, runs.not_resumed
+            await runs.approve("w1")
+            return resumed, refused, await runs.result("w1")
+
+    run_asyncio(first)
+    resumed, refused, result = run_asyncio(second)
+    assert resumed == ("w1",) and result.final_answer == "paid"
+    # a run of another agent definition is not resumed under this one, and does not stop it
+    ((run_id, why),) = refused
+    assert run_id == "other-agent" and why.startswith("SnapshotMismatch")
+
+
+def test_events_of_runs_not_driven_here_come_from_the_store(tmp_path: Path):
+    db = tmp_path / "r.db"
+
+    async def finish_one() -> None:
+        async with treadle.open_sqlite_store(db) as store:
+            run = treadle.run(
+                treadle.Agent(
+                    model=ScriptedModel(turns=[say("hi")]),
+                    executor=treadle.Toolbox([]),
+                    parser=treadle.NativeToolCallParser(),
+                ),
+                "hello",
+                store=store,
+                run_id="done",
+            )
+            assert (await run).final_answer == "hi"
+
+    trio.run(finish_one)
+
+    async def main():
+        async with open_runs(wire_agent(), store=sqlite(db)) as runs:
+            stored = [e.kind async for e in runs.events("done", from_seq=2)]
+            with pytest.raises(treadle.UsageError, match="no run 'nope'"):
+                async for _ in runs.events("nope"):
+                    pass
+            return stored
+
+    stored = run_asyncio(main)
+    # from seq 2: the step-started event carries seq 1 (the event before it), so it is not
+    assert stored[0] is EventKind.MODEL_CALL_STARTED and stored[-1] is EventKind.RUN_FINISHED

@@ -1,0 +1,236 @@
+"""The context budget's pure parts: truncation and the plan of what stays (docs/context.md)."""
+
+from __future__ import annotations
+
+import json
+
+from hypothesis import given
+from hypothesis import strategies as st
+
+from treadle._budget import (
+    Compact,
+    Fitted,
+    Group,
+    Meter,
+    Summary,
+    fit_text,
+    plan,
+    summary_messages,
+)
+from treadle.types import Message, ToolCall
+
+MARK = "[cut]"
+
+
+@given(text=st.text(), room=st.integers(min_value=0, max_value=300))
+def test_fit_text_never_exceeds_its_room_and_keeps_a_prefix(text, room):
+    out = fit_text(text, room, MARK)
+    assert len(out) <= max(room, 0)
+    out.encode("utf-8")  # whole characters only: always encodable
+    if len(text) <= room:
+        assert out == text
+    elif room > len(MARK) + 1:
+        assert out.endswith(MARK)
+        assert text.startswith(out[: -len(MARK) - 1])
+
+
+def test_fit_text_never_splits_a_multibyte_character():
+    text = "é" * 50 + "😀" * 50
+    out = fit_text(text, 80, MARK)
+    assert out.encode("utf-8").decode("utf-8") == out
+    assert len(out) <= 80
+    assert out.endswith("\n" + MARK)
+
+
+def test_fit_text_never_splits_a_surrogate_pair():
+    text = "a" * 9 + "\ud83d\ude00" + "b" * 20
+    out = fit_text(text, 10 + len(MARK) + 1, MARK)
+    head = out[: -len(MARK) - 1]
+    assert not ("\ud800" <= head[-1] <= "\udbff")
+
+
+@given(
+    items=st.lists(st.dictionaries(st.text(max_size=5), st.integers(), max_size=3), max_size=30),
+    room=st.integers(min_value=10, max_value=400),
+)
+def test_fit_text_keeps_json_arrays_valid(items, room):
+    text = json.dumps(items)
+    out = fit_text(text, room, MARK)
+    assert len(out) <= room
+    if out != text:
+        head = out[: -len(MARK) - 1]
+        kept = json.loads(head)
+        assert kept == items[: len(kept)]  # whole leading elements, none cut inside
+
+
+def test_fit_text_keeps_json_objects_valid():
+    value = {f"key{i}": "v" * i for i in range(40)}
+    out = fit_text(json.dumps(value), 200, MARK)
+    kept = json.loads(out[: -len(MARK) - 1])
+    assert kept == {k: value[k] for k in list(value)[: len(kept)]}
+    assert len(out) <= 200
+
+
+def test_fit_text_reserves_room_for_its_marker():
+    out = fit_text("x" * 100, 20, MARK)
+    assert out.endswith(MARK) and len(out) == 20
+    assert fit_text("x" * 100, 3, MARK) == MARK[:3]
+
+
+def _group(step: int, size: int) -> Group:
+    call = ToolCall(id=f"c{step}", name="fetch", arguments={"n": step})
+    return Group(
+        step=step,
+        messages=(
+            Message(role="assistant", tool_calls=(call,)),
+            Message(
+                role="tool", content=f"n={step} " + "x" * size, tool_call_id=call.id, name="fetch"
+            ),
+        ),
+    )
+
+
+HEAD = (Message(role="system", content="rules"), Message(role="user", content="the task"))
+
+
+def test_everything_fits_unchanged():
+    groups = [_group(s, 30) for s in range(1, 4)]
+    fitted = plan(
+        head=HEAD, groups=groups, summary=None, budget=10_000, fixed_tokens=0, meter=Meter()
+    )
+    assert isinstance(fitted, Fitted)
+    assert fitted.messages == (*HEAD, *(m for g in groups for m in g.messages))
+    assert fitted.verbatim_from == 1 and fitted.marked == 0
+
+
+def test_old_observations_become_markers_before_any_summary():
+    groups = [_group(s, 600) for s in range(1, 6)]
+    meter = Meter()
+    whole = plan(head=HEAD, groups=groups, summary=None, budget=10_000, fixed_tokens=0, meter=meter)
+    assert isinstance(whole, Fitted)
+    budget = whole.tokens - 150  # one marker's worth less
+    fitted = plan(
+        head=HEAD, groups=groups, summary=None, budget=budget, fixed_tokens=0, meter=meter
+    )
+    assert isinstance(fitted, Fitted)
+    assert fitted.marked == 1 and (fitted.marked_from, fitted.marked_to) == (1, 1)  # the oldest
+    assert fitted.summary is None
+    assert fitted.messages[-1] == groups[-1].messages[-1]  # the newest stays verbatim
+
+
+def test_a_summary_is_asked_for_when_markers_are_not_enough():
+    groups = [_group(s, 600) for s in range(1, 21)]
+    fitted = plan(head=HEAD, groups=groups, summary=None, budget=900, fixed_tokens=0, meter=Meter())
+    assert isinstance(fitted, Compact)
+    assert fitted.after is None
+    assert [g.step for g in fitted.groups] == list(range(1, fitted.through + 1))
+    assert fitted.through < 20  # the newest steps are kept verbatim, never summarised
+
+
+def test_with_the_summary_the_request_fits_in_order():
+    groups = [_group(s, 600) for s in range(1, 21)]
+    first = plan(head=HEAD, groups=groups, summary=None, budget=900, fixed_tokens=0, meter=Meter())
+    assert isinstance(first, Compact)
+    summary = Summary(intent_id="r/s21/m1", through=first.through, text="Facts: n=1 (step 1).")
+    fitted = plan(
+        head=HEAD, groups=groups, summary=summary, budget=900, fixed_tokens=0, meter=Meter()
+    )
+    assert isinstance(fitted, Fitted)
+    assert fitted.tokens <= 900
+    assert fitted.messages[:2] == HEAD  # instructions and input first
+    assert fitted.messages[2].content.startswith(f"[Summary of steps 1-{first.through}")
+    assert fitted.verbatim_from == first.through + 1
+    # a call and its result are never split
+    calls = [c.id for m in fitted.messages for c in m.tool_calls]
+    answers = [m.tool_call_id for m in fitted.messages if m.role == "tool"]
+    assert calls == answers
+
+
+def test_forced_compaction_keeps_only_the_newest_step():
+    groups = [_group(s, 30) for s in range(1, 6)]
+    fitted = plan(
+        head=HEAD,
+        groups=groups,
+        summary=None,
+        budget=10_000,
+        fixed_tokens=0,
+        meter=Meter(),
+        force=True,
+    )
+    assert isinstance(fitted, Compact)
+    assert fitted.through == 4
+
+
+def test_a_newest_step_too_large_is_truncated_not_dropped():
+    groups = [_group(1, 20_000)]
+    fitted = plan(head=HEAD, groups=groups, summary=None, budget=500, fixed_tokens=0, meter=Meter())
+    assert isinstance(fitted, Fitted)
+    assert fitted.truncated == 1
+    tool = fitted.messages[-1]
+    assert tool.role == "tool" and tool.content.startswith("n=1 ")  # the fact at its head stays
+    assert "call fetch again" in tool.content
+    assert fitted.tokens <= 500
+
+
+def test_calibration_scales_the_count():
+    meter = Meter()
+    messages = [Message(role="user", content="x" * 300)]
+    raw = meter.tokens(messages)
+    meter.calibrate(raw, raw * 2)
+    assert meter.tokens(messages) == raw * 2
+    meter.calibrate(raw, raw * 1000)  # a wild report is clamped
+    assert meter.tokens(messages) <= raw * 8
+
+
+def test_the_summariser_request_cites_the_run_input_and_the_earlier_summary():
+    previous = Summary(intent_id="r/s5/m1", through=4, text="Goal: count (step 1).")
+    messages = summary_messages(
+        prompt="PROMPT", head=HEAD, previous=previous, groups=[_group(5, 10)], max_chars=10_000
+    )
+    assert messages[0].content == "PROMPT"
+    text = messages[1].content or ""
+    assert "the task" in text and "Goal: count (step 1)." in text
+    assert "## Step 5" in text and "fetch" in text and "[call c5]" in text
+
+
+OPENAI_BODY = {
+    "error": {
+        "message": "This model's maximum context length is 8192 tokens. However, your "
+        "messages resulted in 9013 tokens.",
+        "type": "invalid_request_error",
+        "code": "context_length_exceeded",
+    }
+}
+ANTHROPIC_BODY = {
+    "type": "error",
+    "error": {
+        "type": "invalid_request_error",
+        "message": "prompt is too long: 210000 tokens > 200000 maximum",
+    },
+}
+
+
+def test_context_length_errors_are_recognised_from_both_providers_bodies():
+    from treadle.models._accumulate import classify_failure, error_fields
+    from treadle.models._anthropic_stream import classify_anthropic
+
+    message, code, type_ = error_fields(OPENAI_BODY)
+    assert classify_failure(status=400, code=code, type_=type_, message=message) == (
+        "context_length_exceeded",
+        False,
+    )
+    message, _, type_ = error_fields(ANTHROPIC_BODY)
+    assert classify_anthropic(status=400, type_=type_, message=message) == (
+        "context_length_exceeded",
+        False,
+    )
+
+
+def test_the_stated_window_is_read_from_both_providers_messages():
+    from treadle._budget import window_from_error
+    from treadle.models._accumulate import error_fields
+
+    assert window_from_error(error_fields(OPENAI_BODY)[0]) == 8192
+    assert window_from_error(error_fields(ANTHROPIC_BODY)[0]) == 200000
+    assert window_from_error("HTTP 400: maximum context length is 131,072 tokens") == 131072
+    assert window_from_error("HTTP 400: bad request") is None

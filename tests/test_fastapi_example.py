@@ -1,0 +1,251 @@
+"""examples/fastapi_app.py survives a restart of its server mid-run (docs/asyncio.md).
+
+The application runs as a real ``uvicorn`` subprocess on 127.0.0.1 against a loopback model
+server (src/treadle/testing/loopback.py, in a thread of this process). The test reads the
+run's Server-Sent Events with httpx, SIGKILLs the server while the model streams its answer,
+starts it again, reconnects with ``Last-Event-ID`` set to the last seq it saw, and checks that
+the durable events of both connections are 1..N with no gap and no duplicate, that the run
+finished with its tool's side effect made once, and that the model call cut by the kill was
+made afresh.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import httpx
+import pytest
+import trio
+
+from treadle.stores.sqlite import open_sqlite_store
+from treadle.testing.loopback import (
+    ClientGone,
+    RecordedRequest,
+    ResponseWriter,
+    open_loopback_server,
+)
+from treadle.types import ModelResult
+
+EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+
+try:
+    import fastapi  # noqa: F401
+    import uvicorn  # noqa: F401
+except ImportError as missing:
+    if os.environ.get("CI"):
+        raise RuntimeError(f"CI must run the FastAPI example's test: {missing}") from missing
+    pytest.skip(f"needs treadle[fastapi]: {missing}", allow_module_level=True)
+
+ANSWER = [f"word{i} " for i in range(20)]
+
+
+def _chunk(delta: dict, finish: str | None = None) -> bytes:
+    body = {
+        "id": "chatcmpl-1",
+        "object": "chat.completion.chunk",
+        "model": "example-model",
+        "choices": [{"index": 0, "delta": delta, "finish_reason": finish}],
+    }
+    return f"data: {json.dumps(body)}\n\n".encode()
+
+
+class ModelServer:
+    """An OpenAI-compatible loopback server in a thread: turn 1 calls ``save_note``; turn 2
+    streams ``ANSWER``, except that its first attempt stalls after three words (the server
+    is killed then). Answer attempt n streams once ``gates[n - 1]`` is set: the test sets it
+    when its event stream is live, so the deltas are streamed to it."""
+
+    def __init__(self) -> None:
+        self.requests: list[RecordedRequest] = []
+        self.answers_started = 0
+        self.gates = [threading.Event(), threading.Event()]
+        self._ready = threading.Event()
+        self._port = 0
+        self._stop: trio.Event | None = None
+        self._token: trio.lowlevel.TrioToken | None = None
+        self._thread = threading.Thread(target=trio.run, args=(self._main,), daemon=True)
+
+    def __enter__(self) -> str:
+        self._thread.start()
+        assert self._ready.wait(30), "the model server did not start"
+        return f"http://127.0.0.1:{self._port}/v1"
+
+    def __exit__(self, *exc: object) -> None:
+        assert self._token is not None and self._stop is not None
+        self._token.run_sync_soon(self._stop.set)
+        self._thread.join(30)
+
+    async def _main(self) -> None:
+        self._stop = trio.Event()
+        self._token = trio.lowlevel.current_trio_token()
+        async with open_loopback_server(stream_handler=self._respond) as server:
+            self._port = server.port
+            self._ready.set()
+            await self._stop.wait()
+
+    async def _respond(self, request: RecordedRequest, writer: ResponseWriter) -> None:
+        self.requests.append(request)
+        turn = sum(m["role"] == "assistant" for m in request.json()["messages"])
+        await writer.start(200, {"content-type": "text/event-stream"})
+        if turn == 0:
+            call = {"index": 0, "id": "call_1", "type": "function"}
+            call["function"] = {"name": "save_note", "arguments": '{"text": "buy milk"}'}
+            await writer.write(_chunk({"role": "assistant", "tool_calls": [call]}))
+            await writer.write(_chunk({}, "tool_calls"))
+        else:
+            self.answers_started += 1
+            stall = self.answers_started == 1
+            gate = self.gates[min(self.answers_started, 2) - 1]
+            assert await trio.to_thread.run_sync(gate.wait, 60), "the test never subscribed"
+            for index, word in enumerate(ANSWER):
+                if stall and index == 3:
+                    try:
+                        await writer.pause(3600)  # until the killed server's socket closes
+                    except ClientGone:
+                        return
+                await writer.write(_chunk({"content": word}))
+                await writer.pause(0.02)
+            await writer.write(_chunk({}, "stop"))
+        await writer.write(b"data: [DONE]\n\n")
+        await writer.end()
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+@contextmanager
+def app_server(port: int, env: dict[str, str]) -> Iterator[tuple[subprocess.Popen, list[str]]]:
+    """``uvicorn fastapi_app:app`` on 127.0.0.1:port, once its startup completed."""
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "uvicorn",
+            "--app-dir",
+            str(EXAMPLES),
+            "fastapi_app:app",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--no-access-log",
+        ],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    lines: list[str] = []
+    started = threading.Event()
+
+    def read() -> None:
+        assert proc.stderr is not None
+        for line in proc.stderr:
+            lines.append(line)
+            if "Application startup complete" in line:
+                started.set()
+        started.set()  # the process ended: the check below reports it
+
+    threading.Thread(target=read, daemon=True).start()
+    try:
+        assert started.wait(60) and proc.poll() is None, "".join(lines)
+        yield proc, lines
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait(30)
+        assert proc.stderr is not None
+        proc.stderr.close()
+
+
+def sse(response: httpx.Response) -> Iterator[tuple[str | None, str, dict]]:
+    """``(id, event, data)`` of each frame of a Server-Sent Events response."""
+    frame: dict[str, str] = {}
+    for line in response.iter_lines():
+        if not line:
+            if "data" in frame:
+                yield frame.get("id"), frame.get("event", "message"), json.loads(frame["data"])
+            frame = {}
+            continue
+        name, _, value = line.partition(":")
+        frame[name] = value.removeprefix(" ")
+
+
+def test_the_example_resumes_after_a_kill_and_the_stream_reconnects_from_its_last_seq(
+    tmp_path: Path,
+):
+    db, ledger = tmp_path / "runs.db", tmp_path / "notes.txt"
+    port = _free_port()
+    url = f"http://127.0.0.1:{port}"
+    first: list[tuple[int, str]] = []
+    second: list[tuple[int, str]] = []
+    deltas_after_restart: list[str] = []
+    model = ModelServer()
+    with model as model_url:
+        env = {
+            **os.environ,
+            "TREADLE_EXAMPLE_STORE": str(db),
+            "TREADLE_EXAMPLE_MODEL_URL": model_url,
+            "TREADLE_EXAMPLE_LEDGER": str(ledger),
+            "TREADLE_EXAMPLE_OWNER": "example-test",
+        }
+        with app_server(port, env) as (server, _):
+            started = httpx.post(f"{url}/runs", json={"text": "note milk", "run_id": "r1"})
+            assert started.status_code == 200, started.text
+            assert started.json() == {"run_id": "r1"}
+            tool_done = False
+            with httpx.stream("GET", f"{url}/runs/r1/events", timeout=60) as response:
+                for event_id, kind, data in sse(response):
+                    model.gates[0].set()  # the stream is live
+                    if event_id is not None:
+                        assert int(event_id) == data["seq"]
+                        first.append((data["seq"], kind))
+                    tool_done = tool_done or kind == "action_finished"
+                    if kind == "text_delta" and tool_done:
+                        break  # the answer streams (and stalls after three words)
+            server.send_signal(signal.SIGKILL)  # mid-answer: the model call is in flight
+            server.wait(30)
+        assert ledger.read_text(encoding="utf-8").count("\n") == 1
+        last = first[-1][0]
+        with app_server(port, env) as (server, said):
+            headers = {"Last-Event-ID": str(last)}
+            with httpx.stream("GET", f"{url}/runs/r1/events", headers=headers, timeout=60) as r:
+                for event_id, kind, data in sse(r):
+                    model.gates[1].set()
+                    if event_id is not None:
+                        second.append((data["seq"], kind))
+                    elif kind == "text_delta":
+                        deltas_after_restart.append(data["text"])
+            result = httpx.get(f"{url}/runs/r1", timeout=60).json()
+            server.send_signal(signal.SIGTERM)  # uvicorn shuts down, then re-raises it
+            assert server.wait(60) in (0, -signal.SIGTERM)
+            assert any("Application shutdown complete" in line for line in said), said
+    assert model.answers_started == 2 and len(model.requests) == 3
+
+    async def read():
+        async with open_sqlite_store(db) as store:
+            return await store.read_log("r1")
+
+    log = trio.run(read)
+    seqs = [seq for seq, _ in first + second]
+    assert seqs == list(range(1, len(log.records) + 1))  # no gap, no duplicate
+    assert second[0][0] == last + 1 and second[-1][1] == "run_finished"
+    assert result == {"state": "succeeded", "final_answer": "".join(ANSWER)}
+    # the tool ran once: its line is in the ledger once, under its intent id
+    assert ledger.read_text(encoding="utf-8") == "r1/s1/a1\tbuy milk\n"
+    # the answer cut by the kill was recorded abandoned and asked again, streamed in full
+    model_results = [r for r in log.records if isinstance(r, ModelResult)]
+    assert [r.abandoned for r in model_results] == [False, True, False]
+    assert "".join(deltas_after_restart) == "".join(ANSWER)

@@ -1,0 +1,414 @@
+"""Metrics (docs/metrics.md): one recorder, two outputs.
+
+* ``treadle worker --metrics-port 0`` runs as a real subprocess on a SQLite store; after its
+  runs finished, its real HTTP endpoint is scraped and every count is checked against what
+  the runs' logs hold.
+* The OpenTelemetry output, read with the SDK's in-memory reader, reports the same figures
+  for runs of a fleet in this process.
+"""
+
+from __future__ import annotations
+
+import os
+import select
+import subprocess
+import sys
+import textwrap
+from collections import Counter
+from pathlib import Path
+
+import httpx
+import pytest
+import trio
+from prometheus_client.parser import text_string_to_metric_families
+
+import treadle
+from treadle.metrics import MetricsRecorder
+from treadle.stores.sqlite import open_sqlite_store
+from treadle.testing.scripted import ScriptedModel, calls, say
+from treadle.types import (
+    ActionResult,
+    ModelResult,
+    RunFinished,
+    RunLog,
+    StepRecord,
+    StoreOp,
+    ToolCall,
+    Usage,
+)
+
+AGENTS = textwrap.dedent(
+    '''
+    """Agents of the metrics test's worker."""
+
+    import treadle
+    from treadle.testing.scripted import ScriptedModel, calls, say
+    from treadle.types import ToolCall, Usage
+
+
+    @treadle.tool
+    async def add(a: int, b: int) -> int:
+        """Add two integers."""
+        return a + b
+
+
+    @treadle.tool
+    async def fail(why: str) -> str:
+        """Raise."""
+        raise ValueError(why)
+
+
+    def calc() -> treadle.Agent:
+        turns = [
+            calls(ToolCall(id="c1", name="add", arguments={"a": 2, "b": 3}),
+                  usage=Usage(input_tokens=11, output_tokens=4)),
+            calls(ToolCall(id="c2", name="nope", arguments={}),
+                  usage=Usage(input_tokens=20, output_tokens=2, reasoning_tokens=1)),
+            calls(ToolCall(id="c3", name="fail", arguments={"why": "no"})),
+            say("5", usage=Usage(input_tokens=30, output_tokens=1)),
+        ]
+        return treadle.Agent(
+            model=ScriptedModel(turns=turns),
+            executor=treadle.Toolbox([add, fail]),
+            parser=treadle.NativeToolCallParser(),
+            version="v1",
+        )
+    '''
+)
+
+RUNS = ("m1", "m2", "m3")
+
+
+def _samples(text: str) -> dict[tuple[str, frozenset[tuple[str, str]]], float]:
+    found: dict[tuple[str, frozenset[tuple[str, str]]], float] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            found[(sample.name, frozenset(sample.labels.items()))] = sample.value
+    return found
+
+
+def _total(samples, name: str, **labels: str) -> float:
+    want = set(labels.items())
+    return sum(v for (n, lab), v in samples.items() if n == name and want <= lab)
+
+
+def _expected(logs: list[RunLog]) -> dict[str, Counter]:
+    records = [r for log in logs for r in log.records]
+    writes = Counter()
+    for r in records:
+        if not isinstance(r, ActionResult):  # results ride with their step record
+            writes["all"] += 1
+    barriers = sum(
+        1
+        for r in records
+        if type(r).__name__ in {"ModelIntent", "ActionIntent", "RunFinished"}
+        or type(r).__name__ in {"ApprovalRequested", "ApprovalDecided", "CancelRequested"}
+    )
+    writes["barriers"] = barriers
+    return {
+        "steps": Counter(steps=sum(isinstance(r, StepRecord) for r in records)),
+        "attempts": Counter(
+            "ok" if r.error is None and not r.abandoned else "failed"
+            for r in records
+            if isinstance(r, ModelResult)
+        ),
+        "tokens": Counter(
+            {
+                kind: sum(
+                    getattr(r.usage, f"{kind}_tokens") or 0
+                    for r in records
+                    if isinstance(r, ModelResult)
+                )
+                for kind in ("input", "output", "reasoning")
+            }
+        ),
+        "tools": Counter(
+            (r.tool, r.outcome.status.value) for r in records if isinstance(r, ActionResult)
+        ),
+        "finished": Counter(
+            (r.state.value, r.stop_reason.value) for r in records if isinstance(r, RunFinished)
+        ),
+        "writes": writes,
+    }
+
+
+def _read_logs(db: Path) -> list[RunLog]:
+    async def go() -> list[RunLog]:
+        async with open_sqlite_store(db) as store:
+            return [await store.read_log(run_id) for run_id in RUNS]
+
+    return trio.run(go)
+
+
+def test_barrier_ops_are_the_ones_counted_here():
+    # the expected barrier count above names the records of the barrier operations
+    assert {op for op in StoreOp if op.barrier} == {
+        StoreOp.INTENT,
+        StoreOp.CONTROL,
+        StoreOp.RUN_FINISHED,
+    }
+
+
+def test_a_worker_serves_prometheus_metrics_that_match_its_runs_logs(tmp_path: Path):
+    db = tmp_path / "runs.db"
+    (tmp_path / "metrics_agents.py").write_text(AGENTS, encoding="utf-8")
+    command = [
+        sys.executable,
+        "-m",
+        "treadle",
+        "worker",
+        "--store",
+        str(db),
+        "--agent",
+        "calc=metrics_agents:calc",
+        "--claim-poll",
+        "0.1",
+        "--metrics-port",
+        "0",
+    ]
+    proc = subprocess.Popen(
+        command,
+        cwd=tmp_path,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        ready, _, _ = select.select([proc.stdout], [], [], 60)
+        assert ready, "the worker said nothing within 60 s"
+        assert proc.stdout.readline().startswith("worker ")
+        line = proc.stdout.readline()
+        assert line.startswith("metrics at http://127.0.0.1:"), line + proc.stderr.read()
+        url = line.split()[-1]
+        for run_id in RUNS:
+            submitted = subprocess.run(
+                [
+                    sys.executable,
+                    "-m",
+                    "treadle",
+                    "submit",
+                    "--store",
+                    str(db),
+                    "--agent",
+                    "calc",
+                    "--run-id",
+                    run_id,
+                    "add",
+                ],
+                cwd=tmp_path,
+                capture_output=True,
+                text=True,
+                timeout=60,
+                check=False,
+            )
+            assert submitted.returncode == 0, submitted.stderr
+        for run_id in RUNS:
+            waited = subprocess.run(
+                [
+                    sys.executable,
+                    "-m",
+                    "treadle",
+                    "wait",
+                    run_id,
+                    "--store",
+                    str(db),
+                    "--poll",
+                    "0.1",
+                ],
+                cwd=tmp_path,
+                capture_output=True,
+                text=True,
+                timeout=120,
+                check=False,
+            )
+            assert waited.returncode == 0, waited.stdout + waited.stderr
+        # The writer counts a record a scheduling step after the store holds it, and the
+        # index gauge is read every few seconds: scrape until both caught up (bounded).
+        for _ in range(400):
+            samples = _samples(httpx.get(url, timeout=10).text)
+            finished = _total(samples, "treadle_runs_finished_total")
+            store_finished = _total(samples, "treadle_store_runs", liveness="finished")
+            if finished == len(RUNS) and store_finished == len(RUNS):
+                break
+            trio.run(trio.sleep, 0.05)
+        else:
+            raise AssertionError(f"the metrics never caught up: {samples}")
+    finally:
+        proc.terminate()
+        proc.communicate(timeout=60)
+
+    expected = _expected(_read_logs(db))
+    assert _total(samples, "treadle_runs_started_total") == len(RUNS)
+    for (state, reason), count in expected["finished"].items():
+        assert (
+            _total(samples, "treadle_runs_finished_total", state=state, stop_reason=reason) == count
+        )
+    assert _total(samples, "treadle_steps_total") == expected["steps"]["steps"] == 12
+    assert (
+        _total(samples, "treadle_model_attempts_total", outcome="ok") == expected["attempts"]["ok"]
+    )
+    assert _total(samples, "treadle_model_attempts_total") == sum(expected["attempts"].values())
+    for kind, count in expected["tokens"].items():
+        assert _total(samples, "treadle_tokens_total", kind=kind) == count
+    assert expected["tokens"]["input"] == 3 * (11 + 20 + 30)
+    for (tool, outcome), count in expected["tools"].items():
+        assert _total(samples, "treadle_tool_calls_total", tool=tool, outcome=outcome) == count
+    assert expected["tools"][("nope", "not_executed")] == 3
+    assert expected["tools"][("add", "executed")] == 3
+    # every write of the runs' logs went through the worker's commit engine, in batches
+    assert _total(samples, "treadle_commit_batch_writes_sum") == expected["writes"]["all"]
+    batches = _total(samples, "treadle_commit_batch_writes_count")
+    assert 1 <= batches <= expected["writes"]["all"]
+    assert (
+        _total(samples, "treadle_barrier_latency_seconds_count") == expected["writes"]["barriers"]
+    )
+    assert _total(samples, "treadle_barrier_latency_seconds_sum") > 0
+    assert _total(samples, "treadle_store_runs", liveness="queued") == 0
+    assert _total(samples, "treadle_worker_running_runs") == 0
+
+
+def test_the_worker_refuses_a_metrics_port_it_cannot_bind(tmp_path: Path):
+    import socket
+
+    (tmp_path / "metrics_agents.py").write_text(AGENTS, encoding="utf-8")
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        done = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "treadle",
+                "worker",
+                "--store",
+                str(tmp_path / "r.db"),
+                "--agent",
+                "calc=metrics_agents:calc",
+                "--metrics-port",
+                str(port),
+            ],
+            cwd=tmp_path,
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=False,
+        )
+    assert done.returncode != 0
+    assert f"cannot serve metrics on 127.0.0.1:{port}" in done.stderr
+
+
+# --------------------------------------------------------------------------- OpenTelemetry
+
+
+def _agent() -> treadle.Agent:
+    @treadle.tool
+    async def add(a: int, b: int) -> int:
+        """Add two integers."""
+        return a + b
+
+    return treadle.Agent(
+        model=ScriptedModel(
+            turns=[
+                calls(
+                    ToolCall(id="c1", name="add", arguments={"a": 1, "b": 2}),
+                    usage=Usage(input_tokens=7, output_tokens=2),
+                ),
+                say("3", usage=Usage(input_tokens=9, output_tokens=1)),
+            ]
+        ),
+        executor=treadle.Toolbox([add]),
+        parser=treadle.NativeToolCallParser(),
+    )
+
+
+def _points(reader) -> dict[str, list]:
+    found: dict[str, list] = {}
+    data = reader.get_metrics_data()
+    for resource in data.resource_metrics:
+        for scope in resource.scope_metrics:
+            for metric in scope.metrics:
+                found.setdefault(metric.name, []).extend(metric.data.data_points)
+    return found
+
+
+def _sum(points, **attributes) -> float:
+    return sum(p.value for p in points if attributes.items() <= dict(p.attributes).items())
+
+
+@pytest.fixture(params=["sqlite", "postgres"])
+def open_store(request, tmp_path: Path):
+    if request.param == "sqlite":
+        return lambda: open_sqlite_store(tmp_path / "runs.db")
+    dsn = request.getfixturevalue("postgres_dsn")
+    schema = request.getfixturevalue("postgres_schema")
+    return lambda: treadle.open_postgres_store(dsn, schema=schema)
+
+
+async def test_opentelemetry_metrics_report_the_same_figures(open_store):
+    from opentelemetry.sdk.metrics import MeterProvider
+    from opentelemetry.sdk.metrics.export import InMemoryMetricReader
+
+    from treadle.sinks.otel import OpenTelemetryMetrics
+
+    reader = InMemoryMetricReader()
+    provider = MeterProvider(metric_readers=[reader])
+    recorder = MetricsRecorder(outputs=(OpenTelemetryMetrics(meter=provider.get_meter("t")),))
+    with trio.fail_after(60):
+        async with (
+            open_store() as store,
+            treadle.open_fleet(
+                store,
+                {"calc": _agent},
+                claim_poll_s=0.05,
+                metrics=recorder,
+                metrics_refresh_s=0.05,
+            ) as fleet,
+        ):
+            ids = [await fleet.submit("calc", "1+2?", run_id=f"o{i}") for i in range(2)]
+            for run_id in ids:
+                assert (await fleet.result(run_id, poll_s=0.05)).final_answer == "3"
+            logs = [await store.read_log(run_id) for run_id in ids]
+            while True:  # the index gauge catches up at its next reading
+                points = _points(reader)
+                if _sum(points.get("treadle.store.runs", []), liveness="finished") == 2:
+                    break
+                await trio.sleep(0.05)
+    points = _points(reader)
+    expected = _expected(logs)
+    assert _sum(points["treadle.runs.started"]) == 2
+    assert _sum(points["treadle.runs.finished"], state="succeeded", stop_reason="final_answer") == 2
+    assert _sum(points["treadle.steps"]) == expected["steps"]["steps"] == 4
+    assert _sum(points["treadle.model.attempts"], outcome="ok") == expected["attempts"]["ok"] == 4
+    assert _sum(points["treadle.tokens"], kind="input") == expected["tokens"]["input"] == 32
+    assert _sum(points["treadle.tokens"], kind="output") == expected["tokens"]["output"] == 6
+    assert _sum(points["treadle.tool.calls"], tool="add", outcome="executed") == 2
+    (batch,) = points["treadle.commit.batch_writes"]
+    assert batch.sum == expected["writes"]["all"] and batch.count >= 1
+    assert tuple(batch.explicit_bounds) == (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
+    (latency,) = points["treadle.barrier.latency"]
+    assert latency.count == expected["writes"]["barriers"]
+    assert _sum(points["treadle.worker.running_runs"]) == 0
+
+
+async def test_without_a_recorder_nothing_is_attached(tmp_path: Path):
+    async with open_sqlite_store(tmp_path / "runs.db") as store:
+        result = await treadle.run(_agent(), "1+2?", store=store, run_id="plain")
+        assert result.final_answer == "3"
+        assert store._engine.metrics is None
+        recorder = MetricsRecorder()
+        assert recorder.watch(store) is True
+        assert store._engine.metrics is recorder
+    assert MetricsRecorder().watch(treadle.MemoryStore()) is False
+
+
+def test_the_prometheus_output_names_every_metric_once():
+    from treadle.metrics import METRICS
+    from treadle.sinks.prometheus import PrometheusOutput
+
+    output = PrometheusOutput()
+    names = {family.name for family in output.registry.collect()}
+    assert names == {m.prometheus for m in METRICS}
+    with pytest.raises(ValueError, match="Duplicated"):
+        PrometheusOutput(registry=output.registry)
