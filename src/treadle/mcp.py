@@ -114,6 +114,8 @@ _TRANSPORT_ERRORS: Final = (
     anyio.EndOfStream,
 )
 _NOT_RUN: Final = frozenset({mcp_types.METHOD_NOT_FOUND, mcp_types.INVALID_PARAMS})
+_SDK_TIMEOUT_MARGIN_S: Final = 60.0
+"""How far past a call's ``timeout_s`` the SDK's own read timeout of that request is set."""
 
 
 def _policy(value: ReplayPolicy | None) -> ReplayPolicy | None:
@@ -126,6 +128,12 @@ def _names(value: Collection[str]) -> frozenset[str]:
     if isinstance(value, str):
         raise UsageError(f"secret_arguments takes a collection of names, e.g. ({value!r},)")
     return frozenset(value)
+
+
+def _approval(value: bool | None) -> bool | None:
+    if value is not None and not isinstance(value, bool):
+        raise UsageError(f"requires_approval must be True, False or None, got {value!r}")
+    return value
 
 
 @attrs.frozen(kw_only=True)
@@ -145,11 +153,12 @@ class McpToolOptions:
             ``action.intent_id``, the idempotency key it was sent).
 
     Raises:
-        UsageError: ``replay`` is no `ReplayPolicy`, ``secret_arguments`` is a string.
+        UsageError: ``replay`` is no `ReplayPolicy`, ``requires_approval`` no bool or
+            ``None``, ``secret_arguments`` is a string.
     """
 
     replay: ReplayPolicy | None = attrs.field(default=None, converter=_policy)
-    requires_approval: bool | None = None
+    requires_approval: bool | None = attrs.field(default=None, converter=_approval)
     timeout_s: float | None = None
     secret_arguments: frozenset[str] = attrs.field(default=frozenset(), converter=_names)
     reconcile: ReconcileHook | None = None
@@ -330,6 +339,9 @@ class McpTools:
                 result = await self._client.call_tool(
                     found.server_name,
                     dict(action.arguments),
+                    # the call's own timeout (above) ends it first: the session's
+                    # connect_timeout_s bounds the handshake and listing only
+                    read_timeout_seconds=found.timeout_s + _SDK_TIMEOUT_MARGIN_S,
                     meta=mcp_types.RequestParamsMeta(**meta),  # type: ignore[typeddict-item]
                 )
             except Exception as exc:
@@ -503,7 +515,8 @@ def _tool(
 
 
 def _check_timeout(value: float, what: str) -> None:
-    if not (isinstance(value, int | float) and math.isfinite(value) and value > 0):
+    number = isinstance(value, int | float) and not isinstance(value, bool)
+    if not (number and math.isfinite(value) and value > 0):
         raise UsageError(f"{what} must be a positive number of seconds, got {value!r}")
 
 
@@ -522,6 +535,10 @@ def _build_tools(
         UsageError: as `open_mcp_tools` says.
     """
     _check_timeout(default_timeout_s, "default_timeout_s")
+    if isinstance(include, str):
+        raise UsageError(f"include takes a collection of tool names, e.g. ({include!r},)")
+    if not isinstance(prefix, str):
+        raise UsageError(f"prefix must be a string, got {prefix!r}")
     names = [entry.name for entry in listed]
     wanted = set(names) if include is None else set(include)
     missing = sorted((wanted | set(options)) - set(names))
@@ -598,17 +615,22 @@ class _FailedRequestAsError(httpx2.AsyncBaseTransport):
 
 
 @asynccontextmanager
-async def _connected(server: McpServer) -> AsyncIterator[Client]:
-    """An open `mcp.Client` of ``server`` (a URL gets `_FailedRequestAsError` under it)."""
+async def _connected(server: McpServer, read_timeout_s: float) -> AsyncIterator[Client]:
+    """An open `mcp.Client` of ``server`` (a URL gets `_FailedRequestAsError` under it).
+
+    ``read_timeout_s`` bounds each request of the session that sets no timeout of its own
+    (the handshake, the tool listing).
+    """
     if not isinstance(server, str):
-        async with Client(server) as client:
+        async with Client(server, read_timeout_seconds=read_timeout_s) as client:
             yield client
         return
     http = httpx2.AsyncClient(
         timeout=httpx2.Timeout(30.0, read=300.0),  # the SDK's defaults
         transport=_FailedRequestAsError(httpx2.AsyncHTTPTransport()),
     )
-    async with http, Client(streamable_http_client(server, http_client=http)) as client:
+    transport = streamable_http_client(server, http_client=http)
+    async with http, Client(transport, read_timeout_seconds=read_timeout_s) as client:
         yield client
 
 
@@ -621,6 +643,7 @@ async def open_mcp_tools(
     include: Collection[str] | None = None,
     prefix: str = "",
     default_timeout_s: float = 30.0,
+    connect_timeout_s: float = 30.0,
 ) -> AsyncIterator[McpTools]:
     """Connect to an MCP server, list its tools, and yield them as an action executor.
 
@@ -636,20 +659,25 @@ async def open_mcp_tools(
         include: the server's tool names to offer (default: all of them).
         prefix: put before every name the model sees (e.g. ``"github_"``).
         default_timeout_s: seconds one call may run when its options set none.
+        connect_timeout_s: seconds the server may take to answer each request of the
+            handshake and the tool listing (a server that never answers fails then).
 
     Raises:
-        UsageError: a URL that is not ``http(s)``, ``tools`` or ``include`` naming a tool the
-            server does not list, a name that is not 1-64 characters of ``[A-Za-z0-9_-]``
-            with the prefix, a server schema that is no valid JSON schema, a bad timeout, or
-            secret arguments the schema does not have.
+        UsageError: a URL that is not ``http(s)``, ``include`` that is a string (not a
+            collection of names), a ``prefix`` that is no string, ``tools`` or ``include``
+            naming a tool the server does not list, a name that is not 1-64 characters of
+            ``[A-Za-z0-9_-]`` with the prefix, a server schema that is no valid JSON
+            schema, a bad timeout, or secret arguments the schema does not have.
         EnvironmentFailure: the server cannot be reached, its command cannot start, or it
-            fails the handshake or the tool listing (the SDK's error is the ``__cause__``).
+            fails the handshake or the tool listing or does not answer them within
+            ``connect_timeout_s`` (the SDK's error is the ``__cause__``).
     """
     target = _target(server)
+    _check_timeout(connect_timeout_s, "connect_timeout_s")
     problem: UsageError | None = None
     entered = False
     try:
-        async with _connected(target) as client:
+        async with _connected(target, connect_timeout_s) as client:
             try:
                 chosen = _build_tools(
                     await _list_tools(client),
@@ -669,9 +697,11 @@ async def open_mcp_tools(
         if entered:
             raise  # the block's own error, or the session's while the block ran
         leaf = _leaf(exc)
+        silent = isinstance(leaf, MCPError) and leaf.code == mcp_types.REQUEST_TIMEOUT
+        why = f"; it did not answer within {connect_timeout_s:g} s" if silent else ""
         raise EnvironmentFailure(
             f"the MCP session with {_describe(target)} could not be opened: "
-            f"{type(leaf).__name__}: {leaf}"
+            f"{type(leaf).__name__}: {leaf}{why}"
         ) from exc
     if problem is not None:
         raise problem
