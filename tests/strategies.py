@@ -169,6 +169,7 @@ action_outcomes = _build(
     detail=st.none() | texts,
     revisions=st.dictionaries(texts, st.integers(), max_size=3),
     stale_resource=st.none() | texts,
+    images=_tuples(image_refs, 2),
 )
 actions = _build(
     t.Action,
@@ -290,6 +291,7 @@ step_records = _build(
     model_output_text=st.none() | texts,
     visible_output_chars=counts,
     observations=_tuples(texts),
+    observation_images=_tuples(_tuples(image_refs, 2), 2),
     observation_truncated_chars=counts,
     task_completed=st.booleans(),
     action_result_ids=_tuples(ids),

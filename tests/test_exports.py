@@ -71,6 +71,7 @@ TREADLE = sorted(
         "SystemClock",
         "Tool",
         "ToolContext",
+        "ToolResult",
         "Toolbox",
         "TreadleError",
         "Usage",
