@@ -169,6 +169,8 @@ action_outcomes = _build(
     detail=st.none() | texts,
     revisions=st.dictionaries(texts, st.integers(), max_size=3),
     stale_resource=st.none() | texts,
+    child_run_id=st.none() | ids,
+    usage=st.none() | usages,
     images=_tuples(image_refs, 2),
 )
 actions = _build(
@@ -181,6 +183,10 @@ actions = _build(
     arguments=json_objects,
     replay=st.booleans(),
     revisions=st.dictionaries(texts, _tuples(st.integers()), max_size=3),
+    tokens_left=maybe_counts,
+    deadline=seconds | st.just(float("inf")),
+    forward=st.none() | st.just(lambda event: None),
+    cancelled=st.none() | st.just(lambda: False),
 )
 
 # --------------------------------------------------------------------------- definition data
@@ -227,6 +233,8 @@ run_starteds = _build(
     agent=st.none() | ids,
     agent_version=st.none() | ids,
     surrogates_replaced=counts,
+    parent_run_id=st.none() | ids,
+    parent_intent_id=st.none() | ids,
     thread=st.none() | ids,
     continues=st.none() | ids,
     fork_step=st.none() | counts,

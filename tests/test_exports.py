@@ -21,6 +21,8 @@ TREADLE = sorted(
         "PostgresStore",
         "open_postgres_store",
         "finish_cancelled",
+        "agent_tool",
+        "child_run_id",
         "history",
         "Fleet",
         "FleetStatistics",

@@ -7,6 +7,7 @@ import enum
 import inspect
 import json
 import keyword
+import math
 from collections.abc import Callable
 from typing import Any, Literal
 
@@ -573,6 +574,10 @@ async def test_context_is_injected() -> None:
         "replay": True,
         "resource": None,
         "seen_revision": None,
+        "tokens_left": None,
+        "deadline": math.inf,
+        "forward_event": None,
+        "run_cancelled": None,
     }
 
 

@@ -49,6 +49,8 @@ if TYPE_CHECKING:  # each name loads with its module on first use (docs/design.m
     from treadle.stores.postgres import open_postgres_store as open_postgres_store
     from treadle.stores.sqlite import SqliteStore as SqliteStore
     from treadle.stores.sqlite import open_sqlite_store as open_sqlite_store
+    from treadle.supervisors.children import agent_tool as agent_tool
+    from treadle.supervisors.children import child_run_id as child_run_id
     from treadle.supervisors.finishing import finish_cancelled as finish_cancelled
     from treadle.supervisors.fleet import Fleet as Fleet
     from treadle.supervisors.fleet import FleetStatistics as FleetStatistics
@@ -130,6 +132,8 @@ __getattr__ = lazy_names(
         "ToolResult": "treadle.tools",
         "Toolbox": "treadle.tools",
         "Usage": "treadle.types",
+        "agent_tool": "treadle.supervisors.children",
+        "child_run_id": "treadle.supervisors.children",
         "combine_tools": "treadle._combined",
         "finish_cancelled": "treadle.supervisors.finishing",
         "history": "treadle.supervisors.threads",
@@ -203,6 +207,8 @@ __all__ = [
     "TreadleError",
     "Usage",
     "UsageError",
+    "agent_tool",
+    "child_run_id",
     "combine_tools",
     "finish_cancelled",
     "history",

@@ -137,6 +137,9 @@ def describe(record: Record) -> tuple[str, str]:
     if isinstance(record, RunStarted):
         first = record.input[0].content if record.input else ""
         origin = lineage_text(record)
+        if record.parent_run_id is not None:  # a child run: its parent's call first
+            parent = f"child of {record.parent_run_id} (call {record.parent_intent_id})"
+            origin = f"{parent} · {origin}" if origin else parent
         return "run started", clip(f"{origin} · {first}" if origin else first)
     if isinstance(record, ModelIntent):
         if record.compaction:
@@ -161,6 +164,8 @@ def describe(record: Record) -> tuple[str, str]:
         if outcome.revisions:
             seen = ", ".join(f"{key}@{rev}" for key, rev in outcome.revisions.items())
             late += f" (read {seen})"
+        if outcome.child_run_id is not None:
+            late += f" (child run {outcome.child_run_id})"
         return "action finished", clip(
             f"{record.tool} {outcome.status.value}{late}: {outcome.observation}"
         )

@@ -15,6 +15,8 @@
         LeaseLost                             this driver's lease was taken over; write refused
       ModelCallError                          one model call attempt failed (.info, .usage)
       RunInterrupted                          an actor crashed; the run is left resumable
+      ChildRunInterrupted                     a child run stopped unfinished: the parent's
+                                              call fails its drive, which is left resumable
       SeamViolation(TreadleError, TypeError)  a seam returned what its contract excludes (.seam)
       EnvironmentFailure                      raised by a tool: its environment is gone (ENV_ERROR)
       ToolProcessFailed                       a process tool's child died without a reply
@@ -73,6 +75,23 @@ def raised(exc: BaseException, kind: type[E]) -> E | None:
         if group is not None:
             return raised(group.exceptions[0], kind)
     return None
+
+
+class ChildRunInterrupted(TreadleError):
+    """Raised by a child-run tool when its child stopped without finishing (docs/child-runs.md).
+
+    The child's drive failed (its store, its lease) and the child is resumable; the call's
+    outcome is not known yet. The tool executor does not turn it into an observation: it
+    fails the parent run's drive, which is left interrupted and resumable, and a resume
+    replays the call, which re-attaches to the child.
+
+    Attributes:
+        run_id: the child run.
+    """
+
+    def __init__(self, run_id: str, detail: str) -> None:
+        super().__init__(f"child run {run_id!r} stopped without finishing: {detail}")
+        self.run_id = run_id
 
 
 class EnvironmentFailure(TreadleError):

@@ -140,6 +140,8 @@ class RunView:
             outcome = record.outcome
             if outcome.revisions and outcome.status is ActionStatus.EXECUTED and not record.late:
                 fold_revisions(self.revisions, outcome.revisions)
+            if outcome.usage is not None:  # a child run's tokens count in this run's budget
+                self.count_usage(outcome.usage)
         elif isinstance(record, StepRecord):
             self._apply_step(record)
         elif isinstance(record, CancelRequested):

@@ -44,10 +44,14 @@ no coercion, no extra keys) before the tool runs (docs/concepts.md, "Data that s
   ran; its outcome is unknown``;
 * the tool returned: EXECUTED; a ``str`` is the observation as is, a `ToolResult` its
   ``text`` with its ``images``, anything else compact JSON (attrs instances, enums and
-  datetimes unstructured by cattrs);
+  datetimes unstructured by cattrs); an `ActionOutcome` is the outcome as is (a child-run
+  tool's, `treadle.agent_tool`);
 * a tool that writes a resource (``writes=``) the run never read, or whose base revision
   argument names a revision the run never read: NOT_EXECUTED, before it runs;
-* the tool raised `treadle.revisions.StaleWrite`: NOT_EXECUTED with ``stale_resource`` set.
+* the tool raised `treadle.revisions.StaleWrite`: NOT_EXECUTED with ``stale_resource`` set;
+* the tool raised `ChildRunInterrupted` (a child-run tool whose child stopped unfinished): no
+  outcome; it propagates and fails the run's drive, which is left resumable
+  (docs/child-runs.md, "Run ids").
 
 A tool that reads a resource (``reads=``) returns `treadle.revisions.Observed` to report the
 revision it saw; it is in the outcome's ``revisions`` (docs/concepts.md, "Stale writes").
@@ -75,11 +79,25 @@ import trio
 from cattrs.preconf.json import make_converter
 
 from treadle import _toolproc
-from treadle._exceptions import EnvironmentFailure, ToolProcessFailed, UsageError, raised
+from treadle._exceptions import (
+    ChildRunInterrupted,
+    EnvironmentFailure,
+    ToolProcessFailed,
+    UsageError,
+    raised,
+)
 from treadle._schema import Invalid, ToolSignature, read_signature
 from treadle._toolhost import LOG
 from treadle.revisions import Observed, ResourceTemplate, StaleWrite, check_write, is_revision
-from treadle.types import Action, ActionOutcome, ActionStatus, ImageRef, ReplayPolicy, ToolSpec
+from treadle.types import (
+    Action,
+    ActionOutcome,
+    ActionStatus,
+    Event,
+    ImageRef,
+    ReplayPolicy,
+    ToolSpec,
+)
 
 __all__ = [
     "EnvironmentFailure",
@@ -128,6 +146,17 @@ class ToolContext:
             observed). Compare it with the current revision inside the write's transaction
             and raise `treadle.revisions.StaleWrite` when they differ. ``None`` for other
             tools; 0 is a revision (docs/concepts.md, "Stale writes").
+        tokens_left: the run's token budget minus the tokens it spent before this step
+            (``None``: no token budget); a child run draws from it (docs/child-runs.md,
+            "Budgets").
+        deadline: the trio time (`trio.current_time`) at which the run's time budget ends
+            (``inf``: no time budget).
+        forward_event: hands another run's event (a child run's) to this run's live
+            subscribers, never to its log (docs/child-runs.md, "Events"); ``None`` when
+            the call was not made by a driven run.
+        run_cancelled: ``run_cancelled()`` tells whether the run itself was cancelled (a
+            cancel request), as opposed to its drive stopping in this process (a drain, a
+            lost lease), which leaves the run resumable; ``None`` when nobody can tell.
     """
 
     run_id: str
@@ -138,6 +167,10 @@ class ToolContext:
     replay: bool = False
     resource: str | None = None
     seen_revision: int | None = None
+    tokens_left: int | None = None
+    deadline: float = math.inf
+    forward_event: Callable[[Event], None] | None = attrs.field(default=None, eq=False, repr=False)
+    run_cancelled: Callable[[], bool] | None = attrs.field(default=None, eq=False, repr=False)
 
 
 def _image_refs(value: Sequence[ImageRef]) -> tuple[ImageRef, ...]:
@@ -495,8 +528,16 @@ async def _in_process(
     the call's resource key and the revision the model saw).
     """
     fn = found.fn
+    # The context's callables live in this process (the run's writer and step): the child
+    # process gets the context without them.
+    sent = {
+        key: attrs.evolve(value, forward_event=None, run_cancelled=None)
+        if isinstance(value, ToolContext)
+        else value
+        for key, value in kwargs.items()
+    }
     request = pickle.dumps(
-        {"module": fn.__module__, "qualname": fn.__qualname__, "kwargs": kwargs},
+        {"module": fn.__module__, "qualname": fn.__qualname__, "kwargs": sent},
     )
     paths = [os.getcwd() if entry == "" else entry for entry in sys.path]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(paths)}
@@ -625,7 +666,11 @@ class Toolbox:
         )
 
     def timeout_s(self, tool: str) -> float:
-        """Seconds one call of ``tool`` may run."""
+        """Seconds one call of ``tool`` may run.
+
+        ``inf`` for a child-run tool: its calls are bounded by the run's budgets instead
+        (docs/child-runs.md, "Budgets").
+        """
         found = self._tools.get(tool)
         if found is None or found.timeout_s is None:
             return self._default_timeout_s
@@ -676,6 +721,10 @@ class Toolbox:
                 replay=replay or action.replay,
                 resource=resource,
                 seen_revision=seen,
+                tokens_left=action.tokens_left,
+                deadline=action.deadline,
+                forward_event=action.forward,
+                run_cancelled=action.cancelled,
             )
         return await self._run(found, kwargs, resource, seen)
 
@@ -694,7 +743,11 @@ class Toolbox:
                     return await _in_process(found, kwargs, resource, seen)
                 else:
                     result = await found.fn(**kwargs)
+            except ChildRunInterrupted:
+                raise  # not an outcome: the run's drive stops, a resume re-attaches
             except Exception as exc:
+                if raised(exc, ChildRunInterrupted) is not None:
+                    raise
                 stale = raised(exc, StaleWrite)
                 if stale is not None:
                     return _stale(found, resource, seen, stale)
@@ -729,6 +782,8 @@ class Toolbox:
 
     @staticmethod
     def _returned(found: Tool, result: Any, resource: str | None) -> ActionOutcome:
+        if isinstance(result, ActionOutcome):  # a tool reporting its outcome itself
+            return result
         revisions: dict[str, int] = {}
         if isinstance(result, Observed):
             key = result.resource if result.resource is not None else resource

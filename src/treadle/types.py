@@ -18,7 +18,7 @@ never trio time.
 from __future__ import annotations
 
 import enum
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any, TypeAlias
 
 import attrs
@@ -457,6 +457,11 @@ class ActionOutcome:
         stale_resource: for NOT_EXECUTED: the resource key the tool found changed since
             the revision the model saw (`treadle.revisions.StaleWrite`); the observation is
             then the definition's ``stale`` text. ``None`` otherwise.
+        child_run_id: the run the call started (or re-attached to) as a child run, if
+            any (docs/child-runs.md).
+        usage: model tokens the call spent on the run's behalf (a child run's totals);
+            counted in the run's token budget. ``None`` (and left out of the log) for
+            calls that report none.
         images: images the call returned, in order, sent to the model with the observation
             (docs/models.md, "Images returned by tools"); references only, never bytes.
             Only an EXECUTED outcome's images enter history. Empty (and left out of the
@@ -471,6 +476,8 @@ class ActionOutcome:
     detail: str | None = None
     revisions: Mapping[str, int] = attrs.field(factory=dict)
     stale_resource: str | None = None
+    child_run_id: str | None = None
+    usage: Usage | None = None
     images: tuple[ImageRef, ...] = ()
 
 
@@ -491,6 +498,16 @@ class Action:
         revisions: the revisions the run observed before this step, by resource key, each
             key's distinct revisions with the latest observed last (docs/concepts.md,
             "Stale writes"); what a writing tool's call is checked against.
+        tokens_left: the run's token budget minus the tokens it spent before this step
+            (``None``: no token budget).
+        deadline: the trio time (`trio.current_time`) at which the run's time budget ends
+            during this step (``inf``: no time budget).
+        forward: hands an event of another run (a child run) to this run's live
+            subscribers, never to its log (docs/child-runs.md, "Events"); ``None`` when
+            nobody can receive them.
+        cancelled: ``cancelled()`` tells whether the run itself was cancelled (a cancel
+            request), as opposed to its drive stopping in this process (a drain, a lost
+            lease), which leaves it resumable; ``None`` when nobody can tell.
     """
 
     run_id: str
@@ -501,6 +518,10 @@ class Action:
     arguments: Mapping[str, JSONValue] = attrs.field(factory=dict)
     replay: bool = False
     revisions: Mapping[str, tuple[int, ...]] = attrs.field(factory=dict)
+    tokens_left: int | None = None
+    deadline: float = float("inf")
+    forward: Callable[[Event], None] | None = attrs.field(default=None, eq=False, repr=False)
+    cancelled: Callable[[], bool] | None = attrs.field(default=None, eq=False, repr=False)
 
 
 # --------------------------------------------------------------------------- definition data
@@ -601,6 +622,10 @@ class RunStarted:
         surrogates_replaced: surrogate code points replaced (a lone one by U+FFFD) in
             the input, so the log holds valid Unicode only
             (docs/crash-safety.md, "Text that is not Unicode").
+        parent_run_id: for a child run, the run whose tool call started it
+            (docs/child-runs.md); ``None`` otherwise.
+        parent_intent_id: for a child run, the parent's action intent it serves (its run
+            id is derived from it, `treadle.child_run_id`); ``None`` otherwise.
         thread: for a run that continues a thread, the thread's id (the id of its first
             run); ``None`` otherwise (docs/threads.md, "Threads").
         continues: the run whose recorded history this run starts from: the thread's
@@ -620,6 +645,8 @@ class RunStarted:
     agent: str | None = None
     agent_version: str | None = None
     surrogates_replaced: int = 0
+    parent_run_id: str | None = None
+    parent_intent_id: str | None = None
     thread: str | None = None
     continues: str | None = None
     fork_step: int | None = None

@@ -40,3 +40,9 @@ def fail(message: str) -> str:
 def stale_write(rid: str, base: int) -> str:
     """A write that finds its resource changed since it was read."""
     raise treadle.StaleWrite(current=base + 1)
+
+
+@treadle.tool(isolation="process")
+def whoami(ctx: treadle.ToolContext) -> str:
+    """Say which call this is (its context crossed into the child process)."""
+    return f"{ctx.intent_id} {ctx.forward_event} {ctx.run_cancelled}"

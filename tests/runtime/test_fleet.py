@@ -689,10 +689,12 @@ async def test_a_parked_run_is_claimed_again_at_its_approval_deadline(
 ):
     world = World()
     async with opened_store(kind, tmp_path) as store:
-        await _park_until_the_deadline(store, world)
+        # On SQLite the virtual clock jumps while a commit thread works, as far as the load on
+        # the machine makes it: the deadline is checked there by the claims, not by the time.
+        await _park_until_the_deadline(store, world, exact_clock=kind == "memory")
 
 
-async def _park_until_the_deadline(store, world):
+async def _park_until_the_deadline(store, world, *, exact_clock=True):
     limits = Limits(approval_timeout_s=40, tool_timeout_s=600)
     async with fleet(
         store, {"pay": lambda: world.agent(WIRE, limits=limits)}, park_after_s=5
@@ -707,7 +709,11 @@ async def _park_until_the_deadline(store, world):
         with trio.fail_after(600):
             result = await worker.result("p")
         took = trio.current_time() - began
-    assert 39 <= took < 50
+        claims = worker.statistics().claimed
+    assert took >= 39
+    if exact_clock:
+        assert took < 50
+    assert claims == 2  # submitted, then claimed again once at the deadline
     assert result.stop_reason is StopReason.FINAL_ANSWER
     assert world.effects == []  # the call expired unapproved
     log = await store.read_log("p")

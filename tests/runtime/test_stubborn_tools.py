@@ -20,7 +20,7 @@ from pathlib import Path
 import attrs
 import pytest
 import trio
-from process_tools import double, fail, slow_write, stale_write
+from process_tools import double, fail, slow_write, stale_write, whoami
 from runtime_fakes import LedgerTools, SimpleParser
 
 import treadle
@@ -264,6 +264,16 @@ async def test_a_process_tool_runs_in_a_child_process():
     first, second = results_of(log)
     assert (first.outcome.status, first.outcome.observation) == (ActionStatus.EXECUTED, "42")
     assert second.outcome.observation == "Error: ValueError: no"
+
+
+async def test_a_process_tool_gets_its_context_without_the_runs_callables():
+    """The context of a call made by a run holds callables of the run's process (its child
+    runs' event forwarding, its cancel): the child process gets the rest."""
+    agent = make_agent([call("whoami", call_id="c1"), say("ok")], [whoami])
+    store = MemoryStore()
+    await treadle.run(agent, "x", store=store, run_id="r")
+    (called,) = results_of(await store.read_log("r"))
+    assert called.outcome.observation == "r/s1/a1 None None"
 
 
 async def test_a_process_tool_is_killed_at_its_timeout(markers):

@@ -378,10 +378,11 @@ def test_the_checker_flags_a_reattempt_after_a_final_model_error(monkeypatch):
 
     # Put the bug back: the coordinator forgets the recorded failure on resume.
     monkeypatch.setattr(RunCoordinator, "_failed_for_good", lambda self, pending: None)
-    # Seed 3202 of this plan (the default one before `tool_stuck` and `bad_text` existed)
-    # crashes right after a final model error: a rare world, so the plan is pinned.
+    # Seed 3202 of this plan (the default one before `tool_stuck`, `bad_text` and `child_run`
+    # existed) crashes right after a final model error: a rare world, so the plan is pinned.
     rates = FaultPlan.default().rates
-    plan = FaultPlan(rates={k: v for k, v in rates.items() if k not in ("tool_stuck", "bad_text")})
+    old = ("tool_stuck", "bad_text", "child_run")
+    plan = FaultPlan(rates={k: v for k, v in rates.items() if k not in old})
     violations = simulate(3202, plan=plan).violations
     assert violations and all("failed for good" in v for v in violations)
 

@@ -271,6 +271,11 @@ class RunCoordinator:
             return StopReason.MODEL_ERROR
         return self._budget_reason()
 
+    def _tokens_left(self) -> int | None:
+        """The token budget minus what the run spent (``None``: no token budget)."""
+        budget = self.budgets.token_budget
+        return None if budget is None else max(0, budget - self.view.tokens)
+
     def _budget_reason(self) -> StopReason | None:
         budgets, view = self.budgets, self.view
         if budgets.max_steps is not None and view.steps >= budgets.max_steps:
@@ -653,6 +658,7 @@ class RunCoordinator:
                         scope=scope,
                         rejected=rejected,
                         revisions=self.view.observed_revisions(),
+                        tokens_left=self._tokens_left(),
                         reply_to=reply_to,
                         handed=handed,
                     ),

@@ -19,7 +19,8 @@ one result.
 from __future__ import annotations
 
 import functools
-from collections.abc import Mapping
+import math
+from collections.abc import Callable, Mapping
 from typing import Protocol
 
 import attrs
@@ -71,6 +72,8 @@ class RunActions:
             that the coordinator can give it a result even if no answer comes.
         revisions: the revisions the run observed before this step, folded from its log
             (`treadle._state.RunView.revisions`), handed to every action of the step.
+        tokens_left: the run's token budget minus what it spent (``None``: no budget),
+            handed to every action of the step (a child run draws from it).
     """
 
     step: int
@@ -81,6 +84,7 @@ class RunActions:
     rejected: Mapping[str, str] = attrs.field(factory=dict)
     handed: list[ActionIntent] = attrs.field(factory=list)
     revisions: Mapping[str, tuple[int, ...]] = attrs.field(factory=dict)
+    tokens_left: int | None = None
 
 
 @attrs.frozen(kw_only=True)
@@ -131,7 +135,13 @@ class ToolExecutor:
     async def run_actions(self, message: RunActions) -> ActionsOutcome:
         """Write the intents, run the actions, and build their results."""
         actions = [
-            self._action(message.step, i, call, message.revisions)
+            attrs.evolve(
+                self._action(message.step, i, call, message.revisions),
+                tokens_left=message.tokens_left,
+                deadline=message.scope.deadline,
+                forward=self.writer.forward,
+                cancelled=_cancel_called(message.scope),
+            )
             for i, call in enumerate(message.calls)
         ]
         existing = {intent.intent_id: intent for intent in message.existing}
@@ -411,12 +421,16 @@ class ToolExecutor:
         """The call's timeout (the limit, or the tool's own when shorter), and more.
 
         The second value says whether the executor times its calls out itself (it has
-        ``timeout_s(tool)``, as `Toolbox` does).
+        ``timeout_s(tool)``, as `Toolbox` does). A tool whose own timeout is ``inf`` (a
+        child-run tool, `treadle.agent_tool`) has none: the step's deadline (the time
+        budget) and cancellation bound it (docs/child-runs.md, "Budgets").
         """
         own = getattr(self.executor, "timeout_s", None)
         limit = self.limits.tool_timeout_s
         if callable(own):
             found = own(tool)
+            if found == math.inf:  # a child run: bounded by the run's budgets instead
+                return math.inf, True
             if isinstance(found, int | float) and found > 0:
                 return min(limit, float(found)), True
         return limit, False
@@ -466,3 +480,8 @@ def _is_outcome(value: object) -> bool:
         and isinstance(value.images, tuple)
         and all(isinstance(image, ImageRef) for image in value.images)
     )
+
+
+def _cancel_called(scope: StepScope) -> Callable[[], bool]:
+    """``() -> bool``: whether the run's step was cancelled (a cancel of the run itself)."""
+    return lambda: scope.cancel_called

@@ -392,6 +392,15 @@ class EventWriter:
         """Tell the live subscribers ``text`` as a warning event (never stored, never blocks)."""
         self._warn(text)
 
+    def forward(self, event: Event) -> None:
+        """Hand another run's event (a child run's) to the live subscribers (never blocks).
+
+        It keeps its own run id and seq; nothing is stored in this run's log, and the sinks
+        are not fed (the child run feeds its own). docs/child-runs.md, "Events".
+        """
+        if event.run_id != self.run_id:
+            self._to_subscribers(event)
+
     def _subscribe(self, message: Subscribe) -> None:
         send, recv = trio.open_memory_channel[Event](SUBSCRIBER_BUFFER)
         self._subscribers.append(send)
@@ -604,6 +613,14 @@ class WriterClient:
         """
         if self.writer is not None:
             self.writer.warn(text)
+
+    def forward(self, event: Event) -> None:
+        """Hand a child run's event to this run's live subscribers (see `EventWriter.forward`).
+
+        A no-op for a writer in another process.
+        """
+        if self.writer is not None:
+            self.writer.forward(event)
 
     async def subscribe(self) -> Subscription:
         """Join the live event stream (see `Subscription`)."""

@@ -548,7 +548,10 @@ class RunHandle:
         meet (docs/concepts.md, "Actors").
 
         Durable events come with their seq; ephemeral deltas carry the seq of the durable
-        event they follow and an ordinal. Ends after the run-finished event, or when the run
+        event they follow and an ordinal. While a tool call of the run drives a child run
+        in this process, the child's events come too, live, each with the child's run id
+        and its own seq (keep one cursor per run id; they are never in this run's log,
+        docs/child-runs.md, "Events"). Ends after the run-finished event, or when the run
         stops being driven here. The stream carries on, from the store, across a parked
         approval wait, and after the subscriber was cut off for falling behind (only
         deltas are then missing).
@@ -590,7 +593,9 @@ class RunHandle:
                         last = (event.seq, event.ordinal)
                         yield event
                 async for event in live:
-                    if event.seq >= from_seq:
+                    if event.run_id != self.run_id:  # a child run's, live: its own cursor
+                        yield event
+                    elif event.seq >= from_seq:
                         last = max(last, (event.seq, event.ordinal))
                         await self._reflected(event)
                         yield event
@@ -779,6 +784,7 @@ class _Options:
     park_after_s: float | None
     keeper: LeaseKeeper | None = None
     agent_name: str | None = None
+    parent: tuple[str, str] | None = None  # (run id, intent id) of a child run's parent
     leave_parked: bool = False
     accept_definition_change: bool = False
     metrics: MetricsRecorder | None = None
@@ -1191,6 +1197,8 @@ def _prepare(
                 snapshot=snapshot,
                 agent=agent_name,
                 agent_version=agent.version_label,
+                parent_run_id=options.parent[0] if options.parent else None,
+                parent_intent_id=options.parent[1] if options.parent else None,
                 thread=lineage.thread if lineage is not None else None,
                 continues=lineage.continues if lineage is not None else None,
                 fork_step=lineage.fork_step if lineage is not None else None,

@@ -60,6 +60,7 @@ FAULT_KINDS = (
     "approval",
     "latency",
     "takeover",
+    "child_run",
     "thread",
 )
 """Every fault kind a `FaultPlan` can switch on."""

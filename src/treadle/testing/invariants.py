@@ -165,11 +165,20 @@ def _sum_known(values: Iterable[int | None]) -> int | None:
 
 
 def _totals_match(run_id: str, records: Sequence[Any], finished: RunFinished) -> list[str]:
-    """The run-finished totals are what the log holds; unknown usage is never counted as 0."""
+    """The run-finished totals are what the log holds; unknown usage is never counted as 0.
+
+    The tokens include what action results report spending on the run's behalf (a child
+    run's, docs/child-runs.md, "Budgets").
+    """
     results = [r for r in records if isinstance(r, ModelResult)]
+    spent = [r.usage for r in results] + [
+        r.outcome.usage
+        for r in records
+        if isinstance(r, ActionResult) and r.outcome.usage is not None
+    ]
     expected = (
-        _sum_known(r.usage.input_tokens for r in results),
-        _sum_known(r.usage.output_tokens for r in results),
+        _sum_known(u.input_tokens for u in spent),
+        _sum_known(u.output_tokens for u in spent),
         sum(1 for r in results if _unknown(r.usage)),
         sum(1 for r in records if isinstance(r, ModelIntent)),
         sum(1 for r in records if isinstance(r, StepRecord)),
@@ -241,6 +250,8 @@ def check_budgets(
             attempts += 1
         elif isinstance(record, ModelResult):
             tokens += _tokens(record.usage)
+        elif isinstance(record, ActionResult) and record.outcome.usage is not None:
+            tokens += _tokens(record.outcome.usage)  # a child run's (docs/child-runs.md)
         elif isinstance(record, ActionIntent):
             if budgets.token_budget is not None and tokens > budgets.token_budget:
                 problems.append(

@@ -32,9 +32,11 @@ from treadle.actors._rpc import StepScope
 from treadle.agent import Agent, RunInput
 from treadle.approvals import Decision, decide
 from treadle.parsers import NativeToolCallParser
+from treadle.ports import RunStore
 from treadle.stores._codec import encode
 from treadle.stores._leases import LEASE_TTL_S
 from treadle.stores.memory import MemoryStore
+from treadle.supervisors.children import agent_tool, child_run_id
 from treadle.supervisors.run import DEFAULT_ACTORS, Actors, InboxActor, RunHandle, open_run
 from treadle.supervisors.threads import history, thread_run_id
 from treadle.testing._intercept import InterceptingStore
@@ -48,7 +50,7 @@ from treadle.testing.invariants import check_budgets as check_budgets
 from treadle.testing.invariants import check_invariants as check_invariants
 from treadle.testing.invariants import check_tool_replies as check_tool_replies
 from treadle.testing.scripted import STALLED, ScriptedModel, call, say
-from treadle.tools import EnvironmentFailure, Toolbox, ToolContext, tool
+from treadle.tools import EnvironmentFailure, Tool, Toolbox, ToolContext, tool
 from treadle.types import (
     Action,
     ActionIntent,
@@ -106,7 +108,9 @@ class FaultPlan:
         ``takeover`` the rate of incarnations whose lease another driver takes over at a
         seeded write (the incarnation is refused and stops, as a paused process woken after a
         takeover would); ``thread`` the rate of simulated runs that continue a thread (see
-        `FaultPlan.threads`).
+        `FaultPlan.threads`); ``child_run`` the rate of steps handing a task to a child run
+        (`treadle.agent_tool`, docs/child-runs.md), whose writes go through the same faulty
+        store, so crashes, store errors, takeovers and cancels hit the child too.
         """
         return cls(
             rates={
@@ -127,6 +131,7 @@ class FaultPlan:
                 "approval": 0.1,
                 "latency": 0.2,
                 "takeover": 0.1,
+                "child_run": 0.1,
                 "thread": 0.2,
             }
         )
@@ -362,7 +367,7 @@ RECONCILED = "applied (reconciled)"
 """The observation of a ledger effect established by ``reconcile`` after a crash."""
 
 
-def _ledger_tools(ledger: Ledger) -> Toolbox:
+def _ledger_tools(ledger: Ledger, *extra: Tool) -> Toolbox:
     async def reconcile(action: Action) -> ActionOutcome | None:
         await trio.lowlevel.checkpoint()
         if ledger.effects.get(action.intent_id):
@@ -429,8 +434,34 @@ def _ledger_tools(ledger: Ledger) -> Toolbox:
         return "done"
 
     return Toolbox(
-        [deposit, withdraw, balance, flaky, slow, stuck, listing, outage, finish],
+        [deposit, withdraw, balance, flaky, slow, stuck, listing, outage, finish, *extra],
         default_timeout_s=5.0,
+    )
+
+
+CHILD_ANSWER = "the child deposited"
+"""The final answer of every child run of the simulation (`FaultPlan` kind ``child_run``)."""
+
+
+def _child_agent(world: _LedgerWorld) -> Agent:
+    """The child agent of a ``delegate`` call: a deposit, a balance read, its answer.
+
+    It acts on a ledger of its own, so that what a crash does to a child's effect (reconciled
+    or unknown) never changes what the parent reads.
+    """
+    return attrs.evolve(
+        _agent(world.child_provider, world.child_ledger, Budgets()),
+        system_prompt="You deposit what you are asked to.",
+    )
+
+
+def _delegate(world: _LedgerWorld, store: RunStore) -> Tool:
+    return agent_tool(
+        _child_agent(world),
+        store=store,
+        name="delegate",
+        description="Hand a task to a child agent.",
+        control_poll_s=CONTROL_POLL_S,
     )
 
 
@@ -530,6 +561,7 @@ def _turn(rng: random.Random, plan: FaultPlan, counts: dict[str, int], turn: int
         ("bad_text", "listing", {"folder": "inbox\ud800"}),
         ("env_error", "outage", {"down": True}),
         ("approval", "withdraw", {"amount": 1 + turn}),
+        ("child_run", "delegate", {"task": f"deposit for turn {turn}"}),
     ):
         if plan.roll(rng, kind):
             counts[kind] = counts.get(kind, 0) + 1
@@ -618,6 +650,26 @@ class ApprovingScenario(Scenario, Protocol):
         ...
 
 
+class StoreScenario(Scenario, Protocol):
+    """A `Scenario` whose agent needs the store its run is written to.
+
+    A child-run tool does: the children go to the same store, through the same faults.
+    """
+
+    def agent_on(self, world: Any, store: RunStore) -> Agent:
+        """A fresh agent definition acting on ``world``, writing child runs to ``store``."""
+        ...
+
+
+def _scenario_agent(scenario: Scenario, world: Any, store: RunStore) -> Agent:
+    """The scenario's agent on ``store`` (`StoreScenario`), else ``scenario.agent(world)``."""
+    on = getattr(scenario, "agent_on", None)
+    if on is None:
+        return scenario.agent(world)
+    agent: Agent = on(world, store)
+    return agent
+
+
 class ActorScenario(Scenario, Protocol):
     """A `Scenario` that swaps some of the run's actors (see `treadle.Actors`).
 
@@ -640,11 +692,31 @@ def _scenario_actors(scenario: Scenario, world: Any) -> Actors:
     return actors
 
 
+def _child_provider() -> ScriptedModel:
+    """The child runs' provider (one for all of a world's children: it answers by turn)."""
+    turns = [
+        call("deposit", call_id="k1", amount=7),
+        call("balance", call_id="k2"),
+        say(CHILD_ANSWER),
+    ]
+    return ScriptedModel(
+        turns=[attrs.evolve(t, usage=Usage(input_tokens=20, output_tokens=5)) for t in turns],
+        latency_s=0.05,
+    )
+
+
 @attrs.define(eq=False)
 class _LedgerWorld:
     script: _Script
     provider: ScriptedModel
     ledger: Ledger
+    child_provider: ScriptedModel = attrs.Factory(_child_provider)
+    child_ledger: Ledger = attrs.Factory(Ledger)
+
+    @property
+    def delegates(self) -> bool:
+        """Whether the script hands a task to a child run."""
+        return any(c.name == "delegate" for t in self.script.turns for c in t.tool_calls)
 
 
 @attrs.frozen(kw_only=True)
@@ -669,6 +741,16 @@ class LedgerScenario:
         """The ledger agent on ``world``."""
         return _agent(world.provider, world.ledger, world.script.budgets)
 
+    def agent_on(self, world: Any, store: RunStore) -> Agent:
+        """The ledger agent; with ``delegate`` when the script hands tasks to child runs.
+
+        The child runs are written to ``store``.
+        """
+        if not world.delegates:
+            return self.agent(world)
+        tools = _ledger_tools(world.ledger, _delegate(world, store))
+        return attrs.evolve(self.agent(world), executor=tools)
+
     def input(self, world: Any) -> RunInput:
         """A fixed instruction."""
         return "simulate"
@@ -679,14 +761,24 @@ class LedgerScenario:
         return plan
 
     def check(self, log: RunLog, world: Any) -> list[str]:
-        """No effect applied twice; every decision is what the ledger saw."""
+        """No effect applied twice (the children's included); decisions are the ledger's."""
         problems = check_invariants(log, ledger=world.ledger)
+        problems += check_invariants(log, ledger=world.child_ledger)
         problems = [p for p in problems if "applied twice" in p]
         return problems + check_ledger_approvals(log, world.ledger, approval_tools={"withdraw"})
 
     def changed_observation(self, result: ActionResult) -> bool:
-        """The reconcile text marks an outcome established after a crash."""
-        return result.outcome.observation == RECONCILED
+        """Whether a crash changed what ``result`` told the model.
+
+        The reconcile text marks an outcome established after a crash. A child run that
+        did not succeed under a parent that went on was cut by the faults (e.g. cancelled by
+        an incarnation that died before its own cancel was durable; docs/child-runs.md,
+        "Cancellation").
+        """
+        outcome = result.outcome
+        if outcome.child_run_id is not None:
+            return outcome.observation.startswith(f"Error: the child run {outcome.child_run_id}")
+        return outcome.observation == RECONCILED
 
 
 def simulate(
@@ -798,6 +890,7 @@ async def _simulate(seed: int, plan: FaultPlan, runs: int, scenario: Scenario) -
             twin_world.provider.turn_offset = 1
         twin = await _fault_free_twin(scenario, run_ids[index], twin_world, thread)
         violations.extend(_compare_with_twin(log, twin, scenario))
+    violations.extend(await check_child_runs(store, logs))
     return SimulationResult(
         seed=seed,
         ok=not violations,
@@ -806,6 +899,54 @@ async def _simulate(seed: int, plan: FaultPlan, runs: int, scenario: Scenario) -
         steps=sum(len(log.steps) for log in logs),
         log_digest=log_digest(logs),
     )
+
+
+async def check_child_runs(store: RunStore, parents: Iterable[RunLog]) -> list[str]:
+    """Check the child runs in ``store`` of the ``parents`` (docs/child-runs.md).
+
+    - each child belongs to an action intent of its parent, under the run id derived from it,
+      and no call has two children (a resumed parent re-attached, never started a second);
+    - each child of a finished parent is finished, and its log keeps every invariant
+      (`check_invariants`); a cancelled parent's child may be left unfinished only when its
+      cancel is in its control stream, for whoever drives it next;
+    - each of the parent's results for that intent names the child.
+
+    Returns:
+        One sentence per violation.
+    """
+    logs = {log.run_id: log for log in parents}
+    problems: list[str] = []
+    per_call: dict[str | None, list[str]] = {}
+    for run_id in await store.list_runs():
+        child = await store.read_log(run_id)
+        started = child.started
+        if started is None or started.parent_run_id not in logs:
+            continue
+        parent = logs[started.parent_run_id]
+        per_call.setdefault(started.parent_intent_id, []).append(run_id)
+        intents = {r.intent_id for r in parent.records if isinstance(r, ActionIntent)}
+        if started.parent_intent_id not in intents:
+            problems.append(f"{run_id}: a child run of no action intent of {parent.run_id}")
+            continue
+        if run_id != child_run_id(started.parent_intent_id or ""):
+            problems.append(f"{run_id}: not the run id derived from its parent's intent")
+        named = {
+            r.outcome.child_run_id
+            for r in parent.records
+            if isinstance(r, ActionResult) and r.intent_id == started.parent_intent_id
+        }
+        if named - {run_id, None}:
+            problems.append(f"{run_id}: its parent's result names another child: {named}")
+        finished = parent.finished
+        if child.finished is None:
+            if finished is not None and finished.stop_reason is not StopReason.CANCELLED:
+                problems.append(f"{run_id}: unfinished, its parent ended {finished.stop_reason}")
+            continue
+        problems.extend(check_invariants(child))
+    for intent_id, runs in per_call.items():
+        if len(runs) > 1:
+            problems.append(f"{intent_id}: one call started {len(runs)} child runs: {runs}")
+    return problems
 
 
 def _threadable(world: Any) -> bool:
@@ -983,7 +1124,7 @@ class _Driver:
                 _count(self.counts, "cancel")
             # Each incarnation is a fresh process: a new agent (actors, tool objects) on the
             # same world (environment and provider).
-            agent = self.scenario.agent(self.world)
+            agent = _scenario_agent(self.scenario, self.world, faulty)
             try:
                 async with open_run(
                     agent,
@@ -1086,7 +1227,7 @@ async def _fault_free_twin(
         scenario=scenario, world=world, run_id=run_id, store=store, may_restart=False
     )
     async with open_run(
-        scenario.agent(world),
+        _scenario_agent(scenario, world, store),
         scenario.input(world),
         store=store,
         run_id=run_id,

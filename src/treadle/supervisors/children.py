@@ -1,0 +1,342 @@
+"""Child runs: a tool call that runs another agent and waits for its result.
+
+`agent_tool` turns an `treadle.Agent` into a `treadle.Tool`. Each call starts a **child run** of
+that agent on the call's ``task`` argument and returns the child's final answer as the
+observation (docs/child-runs.md):
+
+* the child's run id is derived from the parent's action intent id (`child_run_id`), and the
+  tool is ``safe`` to replay, so a parent resumed after a crash re-attaches to its child
+  (resumes it from its log, or reads its stored result) instead of starting a second one;
+* cancelling the parent cancels the child durably: a cancel request goes to the child's control
+  stream and its handle, and its log ends ``cancelled``;
+* the child draws from the parent's remaining token and time budgets, and the call is bounded
+  by those budgets, not by the per-call tool timeout;
+* the parent's live event stream carries the child's events, each with the child's run id and
+  its own seq; nothing of the child is copied into the parent's log;
+* the child's run-started record names its parent, and the parent's action result names the
+  child (`treadle show` prints both links).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import time
+from collections.abc import Callable, Sequence
+from typing import Final
+
+import attrs
+import trio
+
+from treadle._clock import SystemClock
+from treadle._exceptions import (
+    ChildRunInterrupted,
+    LeaseError,
+    RunInterrupted,
+    RunLeased,
+    StoreError,
+    UsageError,
+    raised,
+)
+from treadle._ids import MAX_RUN_ID_CHARS
+from treadle._text import repaired
+from treadle.agent import Agent
+from treadle.ports import EventSink, RunStore
+from treadle.stores._leases import LEASE_TTL_S, check_ttl, lease_owner
+from treadle.supervisors._control import control_of
+from treadle.supervisors._leasing import LeaseHold, leases_of
+from treadle.supervisors.run import CONTROL_POLL_S, DEFAULT_ACTORS, RunHandle, _Options, drive_run
+from treadle.tools import Tool, ToolContext, observation_of, tool
+from treadle.types import (
+    ActionOutcome,
+    ActionStatus,
+    Budgets,
+    CancelRequested,
+    Event,
+    ReplayPolicy,
+    RunResult,
+    RunState,
+    Usage,
+)
+
+__all__ = ["CHILD_CANCEL_GRACE_S", "agent_tool", "child_run_id"]
+
+CHILD_CANCEL_GRACE_S: Final = 1.5
+"""Seconds a cancelled child run gets to record its cancel and finish before its drive is
+cut (it then stays unfinished with the cancel in its control stream, and finishes
+``cancelled`` whenever it is next driven). Less than the tool executor's grace period for a
+cancelled call (2 s), so the parent waits for the child's ending."""
+
+_SUFFIX: Final = "/child"
+
+
+def child_run_id(intent_id: str) -> str:
+    """The run id of the child run that the action intent ``intent_id`` starts.
+
+    ``<intent_id>/child`` (e.g. ``r1/s2/a1/child``); when that is longer than the longest
+    allowed run id, ``child-`` and 32 hex digits of its SHA-256 instead. The same intent always
+    gives the same id, so a resumed parent finds its child (docs/child-runs.md, "Run ids").
+    """
+    derived = intent_id + _SUFFIX
+    if len(derived) <= MAX_RUN_ID_CHARS:
+        return derived
+    return "child-" + hashlib.sha256(derived.encode("utf-8", "surrogatepass")).hexdigest()[:32]
+
+
+def _drawn_budgets(own: Budgets, ctx: ToolContext, now: float) -> Budgets:
+    """The child's budgets: its own, each cut to what the parent has left (``now``: trio time).
+
+    docs/child-runs.md, "Budgets".
+    """
+    tokens = own.token_budget
+    if ctx.tokens_left is not None:
+        tokens = ctx.tokens_left if tokens is None else min(tokens, ctx.tokens_left)
+    seconds = own.time_budget_s
+    if math.isfinite(ctx.deadline):
+        left = max(0.0, ctx.deadline - now)
+        seconds = left if seconds is None else min(seconds, left)
+    return attrs.evolve(own, token_budget=tokens, time_budget_s=seconds)
+
+
+@attrs.frozen(kw_only=True)
+class _Settings:
+    agent: Agent
+    store: RunStore
+    sinks: Sequence[EventSink]
+    lease_ttl_s: float
+    owner: str | None
+    control_poll_s: float | None
+
+
+def agent_tool(
+    agent: Agent,
+    *,
+    store: RunStore,
+    name: str,
+    description: str,
+    sinks: Sequence[EventSink] = (),
+    lease_ttl_s: float = LEASE_TTL_S,
+    owner: str | None = None,
+    control_poll_s: float | None = CONTROL_POLL_S,
+) -> Tool:
+    """A tool whose every call runs ``agent`` as a child run and returns its answer.
+
+    The model calls it with one argument, ``task`` (the child run's input text). The call's
+    observation is the child's structured output as JSON when its agent has an output type,
+    else its final answer (or a line naming how it ended, for a completed task); a child that
+    did not succeed gives an ``Error:`` line naming its run id, state and stop reason. Its
+    outcome names the child
+    (``ActionOutcome.child_run_id``) and carries the child's tokens (``usage``), which count
+    in the parent's token budget. See docs/child-runs.md.
+
+    Args:
+        agent: the child's agent definition; its budgets are cut to what the parent has left.
+        store: the store the child run is written to (usually the parent's).
+        name: the tool name the model sees.
+        description: what the model is told the tool does.
+        sinks: event sinks of the child runs.
+        lease_ttl_s: the child runs' lease TTL (seconds). A parent resumed in a new process
+            waits until the lease of the child's dead driver expires, then re-attaches.
+        owner: the lease owner id for the child runs (default: a fresh one per call).
+        control_poll_s: seconds between reads of a child's control stream.
+
+    Returns:
+        The tool: replay policy ``safe`` (a replay re-attaches to the same child), no per-call
+        timeout (bounded by the parent's budgets and cancellation).
+
+    Raises:
+        UsageError: ``name`` is not a valid tool name, ``description`` is empty, or
+            ``lease_ttl_s`` is out of range.
+    """
+    if not description.strip():
+        raise UsageError(f"agent tool {name!r}: the description cannot be empty")
+    check_ttl(lease_ttl_s)
+    settings = _Settings(
+        agent=agent,
+        store=store,
+        sinks=tuple(sinks),
+        lease_ttl_s=lease_ttl_s,
+        owner=owner,
+        control_poll_s=control_poll_s,
+    )
+
+    async def call(task: str, ctx: ToolContext) -> ActionOutcome:
+        """Run the child agent.
+
+        Args:
+            task: the task for the agent, in words.
+            ctx: the call.
+        """
+        return await _call(settings, task, ctx)
+
+    declared = tool(name=name, description=description, replay=ReplayPolicy.SAFE)(call)
+    return attrs.evolve(declared, timeout_s=math.inf)
+
+
+async def _call(settings: _Settings, task: str, ctx: ToolContext) -> ActionOutcome:
+    run_id = child_run_id(ctx.intent_id)
+    child = attrs.evolve(
+        settings.agent, budgets=_drawn_budgets(settings.agent.budgets, ctx, trio.current_time())
+    )
+    while True:
+        try:
+            result = await _attached(settings, child, task, run_id, ctx)
+            break
+        except Exception as exc:
+            leased = raised(exc, RunLeased)
+            if leased is None:
+                error = _unwrapped(exc)
+                if isinstance(error, RunInterrupted | StoreError | LeaseError):
+                    # The child is resumable and the call's outcome unknown: the parent's
+                    # drive stops too, and its resume replays the call, which re-attaches.
+                    raise ChildRunInterrupted(run_id, str(error)) from error
+                raise error from None
+            # The driver of an earlier attempt (a parent process that died) still holds the
+            # child's lease: wait until it lapses, then take the child over from its log.
+            await trio.sleep(max(0.05, leased.holder.expires_at - time.time()))
+    return _outcome(run_id, result)
+
+
+def _unwrapped(exc: Exception) -> Exception:
+    """The lone error inside (nested) one-error groups, so the model reads what failed."""
+    while isinstance(exc, ExceptionGroup) and len(exc.exceptions) == 1:
+        exc = exc.exceptions[0]
+    return exc
+
+
+async def _attached(
+    settings: _Settings, agent: Agent, task: str, run_id: str, ctx: ToolContext
+) -> RunResult:
+    """Drive (or re-attach to) the child; a cancel of this call cancels it durably."""
+    hold = LeaseHold(
+        run_id=run_id,
+        owner=settings.owner or lease_owner(),
+        ttl_s=settings.lease_ttl_s,
+        store=leases_of(settings.store),
+    )
+    options = _Options(
+        clock=SystemClock(),
+        rng=None,
+        approval_policy=None,
+        control_poll_s=settings.control_poll_s,
+        actors=DEFAULT_ACTORS,
+        park_after_s=None,
+        parent=(ctx.run_id, ctx.intent_id),
+    )
+    link = _Link(store=settings.store, run_id=run_id, canceller=ctx.run_id, ctx=ctx)
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(link.watch)
+        # Shielded: a cancel of this call reaches the child as a cancel (`_Link.watch`), not
+        # as a cut of its actors, so the child writes its cancel and finishes.
+        try:
+            with link.shield:
+                async with drive_run(
+                    agent,
+                    task,
+                    store=settings.store,
+                    hold=hold,
+                    sinks=settings.sinks,
+                    options=options,
+                ) as handle:
+                    await link.attach(handle)
+                    async with trio.open_nursery() as inner:
+                        if ctx.forward_event is not None:
+                            inner.start_soon(_forward, handle, ctx.forward_event)
+                        result = await handle.wait()
+        finally:
+            link.done = True  # the watcher's cancellation from here on is ours, not a cancel
+        nursery.cancel_scope.cancel()
+    return result
+
+
+@attrs.define(eq=False)
+class _Link:
+    """The parent's side of one child drive: passes a cancel of the call on to the child."""
+
+    store: RunStore
+    run_id: str
+    canceller: str
+    ctx: ToolContext
+    shield: trio.CancelScope = attrs.Factory(lambda: trio.CancelScope(shield=True))
+    handle: RunHandle | None = None
+    cancelled: bool = False
+    done: bool = False
+
+    async def watch(self) -> None:
+        """Sleep until the call is cancelled (or the child ended); then stop the child.
+
+        A cancel of the parent run, or its time budget running out, cancels the child
+        durably. The parent's drive stopping here (a drain, a lost lease) only cuts the
+        child's drive: both stay resumable, and the parent's resume re-attaches.
+        """
+        try:
+            await trio.sleep_forever()
+        except trio.Cancelled:
+            if not self.done:
+                if self._ends_child():
+                    self.cancelled = True
+                    self.shield.deadline = trio.current_time() + CHILD_CANCEL_GRACE_S
+                    with trio.CancelScope(shield=True, deadline=self.shield.deadline):
+                        await self._cancel()
+                else:
+                    self.shield.cancel()
+            raise
+
+    def _ends_child(self) -> bool:
+        """Whether the parent run itself was cancelled or ran out of time (not just its drive)."""
+        asked = self.ctx.run_cancelled
+        return (asked is None or asked()) or trio.current_time() >= self.ctx.deadline
+
+    async def attach(self, handle: RunHandle) -> None:
+        """The child is driven now; a cancel that came first is passed on at once."""
+        self.handle = handle
+        if self.cancelled:
+            await self._cancel()
+
+    async def _cancel(self) -> None:
+        handle = self.handle
+        if handle is None or handle.result is not None:
+            return  # not started yet (`attach` passes it on), or finished already
+        controls = control_of(self.store)
+        reason = "the parent run stopped waiting for it (cancelled, or out of time)"
+        if controls is not None:  # durable first: whoever drives the child next finishes it
+            await controls.append_control(
+                repaired(
+                    CancelRequested(
+                        run_id=self.run_id,
+                        ts=SystemClock().now_iso(),
+                        reason=reason,
+                        canceller=self.canceller,
+                    )
+                )
+            )
+        handle.cancel(reason, canceller=self.canceller)
+
+
+async def _forward(handle: RunHandle, forward: Callable[[Event], None]) -> None:
+    """Hand each of the child's events to the parent's live subscribers."""
+    async for event in handle.events():
+        forward(event)
+
+
+def _outcome(run_id: str, result: RunResult) -> ActionOutcome:
+    totals = result.totals
+    usage = None
+    if totals.input_tokens is not None or totals.output_tokens is not None:
+        usage = Usage(input_tokens=totals.input_tokens, output_tokens=totals.output_tokens)
+    if result.state is RunState.SUCCEEDED:
+        if result.output is not None:  # a structured output: as JSON
+            observation = observation_of(result.output)
+        elif result.final_answer is not None:
+            observation = result.final_answer
+        else:
+            observation = f"the child run {run_id} ended: {result.stop_reason.value}"
+    else:
+        error = f": {result.error}" if result.error else ""
+        observation = (
+            f"Error: the child run {run_id} ended {result.state.value} "
+            f"({result.stop_reason.value}){error}"
+        )
+    return ActionOutcome(
+        status=ActionStatus.EXECUTED, observation=observation, child_run_id=run_id, usage=usage
+    )

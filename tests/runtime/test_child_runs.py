@@ -1,0 +1,563 @@
+"""Child runs (docs/child-runs.md): a tool call that runs another agent, end to end.
+
+Every test drives a real parent run whose tool call starts a real child run on a real store,
+through the five actors of each.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from contextlib import asynccontextmanager
+from pathlib import Path
+
+import attrs
+import pytest
+import trio
+
+from treadle import agent_tool, child_run_id
+from treadle._exceptions import ChildRunInterrupted, RunInterrupted, StoreError
+from treadle.agent import Agent
+from treadle.parsers import NativeToolCallParser
+from treadle.stores.memory import MemoryStore
+from treadle.stores.sqlite import SqliteStore
+from treadle.supervisors.fleet import open_fleet
+from treadle.supervisors.run import open_run, run
+from treadle.testing.faults import CrashingStore, FailingStore, SimulatedCrash
+from treadle.testing.scripted import ScriptedModel, call, say
+from treadle.tools import Toolbox, ToolContext, tool
+from treadle.types import (
+    ActionIntent,
+    ActionResult,
+    ActionStatus,
+    Budgets,
+    CancelRequested,
+    EventKind,
+    Limits,
+    ModelReply,
+    ReplayPolicy,
+    RunLog,
+    RunStarted,
+    RunState,
+    StopReason,
+    Usage,
+)
+
+
+@asynccontextmanager
+async def open_store_at(path):
+    store = await SqliteStore.open(path)
+    try:
+        yield store
+    finally:
+        await store.aclose()
+
+
+USAGE = Usage(input_tokens=10, output_tokens=5)
+
+
+def use(name: str, call_id: str, **arguments) -> ModelReply:
+    """A one-call reply that reports ``USAGE``."""
+    return attrs.evolve(call(name, call_id=call_id, **arguments), usage=USAGE)
+
+
+def child_agent(*, gate: trio.Event | None = None, executed: list[str] | None = None, turns=None):
+    """The child: one tool call (``note``, recorded in ``executed``), then its answer."""
+    done = executed if executed is not None else []
+
+    @tool
+    async def note(text: str, ctx: ToolContext) -> str:
+        """Write a note (an effect).
+
+        Args:
+            text: the note.
+            ctx: the call.
+        """
+        if gate is not None:
+            await gate.wait()
+        done.append(ctx.intent_id)
+        return f"noted {text}"
+
+    script = turns or [
+        use("note", "n1", text="hello"),
+        say("the child's answer", usage=USAGE),
+    ]
+    return Agent(
+        model=ScriptedModel(turns=script),
+        executor=Toolbox([note]),
+        parser=NativeToolCallParser(),
+        model_name="child-model",
+        system_prompt="You are the child.",
+    )
+
+
+OWNER = "test-owner"
+
+
+def parent_agent(store, child: Agent, *, budgets=None, limits=None, turns=None, owner=None):
+    helper = agent_tool(
+        child, store=store, name="helper", description="Ask the helper agent.", owner=owner
+    )
+    script = turns or [
+        use("helper", "h1", task="do the thing"),
+        say("the parent's answer", usage=USAGE),
+    ]
+    return Agent(
+        model=ScriptedModel(turns=script),
+        executor=Toolbox([helper]),
+        parser=NativeToolCallParser(),
+        model_name="parent-model",
+        system_prompt="You are the parent.",
+        budgets=budgets or Budgets(),
+        limits=limits or Limits(),
+    )
+
+
+def test_child_run_id_is_derived_from_the_intent_id():
+    assert child_run_id("p/s1/a2") == "p/s1/a2/child"
+    long = "r" * 195 + "/s1/a1"
+    derived = child_run_id(long)
+    assert derived.startswith("child-") and len(derived) == 38
+    assert derived == child_run_id(long) != child_run_id("r" * 195 + "/s1/a2")
+
+
+async def test_a_tool_call_runs_a_child_and_returns_its_answer():
+    store = MemoryStore()
+    executed: list[str] = []
+    result = await run(
+        parent_agent(store, child_agent(executed=executed)), "go", store=store, run_id="p"
+    )
+    assert result.state is RunState.SUCCEEDED
+    kid = child_run_id("p/s1/a1")
+    assert executed == [f"{kid}/s1/a1"]
+    child = await store.read_log(kid)
+    assert child.finished is not None and child.finished.state is RunState.SUCCEEDED
+    started = child.records[0]
+    assert isinstance(started, RunStarted)
+    assert (started.parent_run_id, started.parent_intent_id) == ("p", "p/s1/a1")
+    assert started.input[0].content == "do the thing"
+    parent = await store.read_log("p")
+    action = next(r for r in parent.records if isinstance(r, ActionResult))
+    assert action.outcome.observation == "the child's answer"
+    assert action.outcome.child_run_id == kid
+    # The child's tokens count in the parent's totals; none of its records are in the parent's log.
+    assert result.totals.input_tokens == 2 * 10 + 2 * 10
+    assert all(r.run_id == "p" for r in parent.records)
+
+
+@pytest.fixture(params=["memory", "sqlite", "postgres"])
+async def store(request, tmp_path):
+    if request.param == "memory":
+        yield MemoryStore()
+        return
+    if request.param == "postgres":
+        from treadle.stores.postgres import open_postgres_store
+
+        dsn = request.getfixturevalue("postgres_dsn")
+        schema = request.getfixturevalue("postgres_schema")
+        async with open_postgres_store(dsn, schema=schema) as opened:
+            yield opened
+        return
+    opened = await SqliteStore.open(tmp_path / "runs.db")
+    try:
+        yield opened
+    finally:
+        await opened.aclose()
+
+
+async def test_the_parents_events_carry_the_childs_live_with_their_own_run_id_and_seq(store):
+    parent = parent_agent(store, child_agent())
+    events = []
+    # The call waits for a human: the child starts only once this subscriber has seen that.
+    async with open_run(
+        parent, "go", store=store, run_id="p", approval_policy=lambda tool, arguments: True
+    ) as handle:
+        async for event in handle.events():
+            events.append(event)
+            if event.kind is EventKind.APPROVAL_REQUESTED:
+                handle.approve()
+    kid = child_run_id("p/s1/a1")
+    by_run: dict[str, list[int]] = {}
+    for event in events:
+        if event.durable:
+            by_run.setdefault(event.run_id, []).append(event.seq)
+    child_log = await store.read_log(kid)
+    parent_log = await store.read_log("p")
+    # One cursor per run id: each run's durable events are its log, gapless, in order.
+    assert by_run == {
+        "p": list(range(1, len(parent_log.records) + 1)),
+        kid: list(range(1, len(child_log.records) + 1)),
+    }
+    kinds = [e.kind for e in events if e.run_id == kid and e.durable]
+    assert kinds[0] is EventKind.RUN_STARTED and kinds[-1] is EventKind.RUN_FINISHED
+    # They arrive live, inside the parent's tool call: after its intent, before its result.
+    positions = [i for i, e in enumerate(events) if e.run_id == kid]
+    intent = next(i for i, e in enumerate(events) if isinstance(e.record, ActionIntent))
+    result = next(
+        i for i, e in enumerate(events) if isinstance(e.record, ActionResult) and e.run_id == "p"
+    )
+    assert intent < min(positions) and max(positions) < result
+    assert all(r.run_id == "p" for r in parent_log.records)
+
+
+async def test_cancelling_the_parent_cancels_the_child_durably(store):
+    started = trio.Event()
+    never = trio.Event()
+
+    @tool
+    async def wait_forever(ctx: ToolContext) -> str:
+        """Wait (forever)."""
+        started.set()
+        await never.wait()
+        return "never"
+
+    child = attrs.evolve(
+        child_agent(turns=[call("wait_forever", call_id="w1"), say("never")]),
+        executor=Toolbox([wait_forever]),
+    )
+    async with open_run(parent_agent(store, child), "go", store=store, run_id="p") as handle:
+        await started.wait()
+        handle.cancel("stop", canceller="test")
+        result = await handle.wait()
+    assert result.state is RunState.CANCELLED
+    child_log = await store.read_log(child_run_id("p/s1/a1"))
+    assert child_log.finished is not None
+    assert child_log.finished.state is RunState.CANCELLED
+    cancels = [r for r in child_log.records if isinstance(r, CancelRequested)]
+    assert [c.canceller for c in cancels] == ["p"]
+    assert "parent" in cancels[0].reason
+    assert isinstance(child_log.records[-2], CancelRequested)
+
+
+async def test_a_child_run_call_is_bounded_by_the_budgets_not_the_tool_timeout(autojump_clock):
+    store = MemoryStore()  # the trio clock jumps: no store thread may wait on it
+
+    @tool
+    async def slow(ctx: ToolContext) -> str:
+        """Work for a minute."""
+        await trio.sleep(60)
+        return "worked"
+
+    child = attrs.evolve(
+        child_agent(turns=[call("slow", call_id="s1"), say("slow answer")]),
+        executor=Toolbox([slow], default_timeout_s=120),
+        limits=Limits(tool_timeout_s=120),
+    )
+    parent = parent_agent(store, child, limits=Limits(tool_timeout_s=1))
+    result = await run(parent, "go", store=store, run_id="p")
+    assert result.state is RunState.SUCCEEDED
+    log = await store.read_log("p")
+    action = next(r for r in log.records if isinstance(r, ActionResult))
+    assert action.outcome.observation == "slow answer"
+    assert action.duration_s is not None and action.duration_s >= 60
+
+
+async def test_the_child_draws_from_the_parents_token_budget(store):
+    # The parent spends 15 tokens before the call; 10 are left for the child, which spends 15
+    # on its first call and stops. Its 15 count in the parent's budget, which stops it too.
+    result = await run(
+        parent_agent(store, child_agent(), budgets=Budgets(token_budget=25)),
+        "go",
+        store=store,
+        run_id="p",
+    )
+    child_log = await store.read_log(child_run_id("p/s1/a1"))
+    assert child_log.finished is not None
+    assert child_log.finished.stop_reason is StopReason.TOKEN_BUDGET
+    assert child_log.finished.totals.input_tokens == 10
+    assert result.stop_reason is StopReason.TOKEN_BUDGET
+    assert result.totals.input_tokens == 20 and result.totals.output_tokens == 10
+    log = await store.read_log("p")
+    action = next(r for r in log.records if isinstance(r, ActionResult))
+    assert action.outcome.observation.startswith(f"Error: the child run {child_run_id('p/s1/a1')}")
+    assert "token_budget" in action.outcome.observation
+
+
+async def test_the_child_draws_from_the_parents_time_budget(autojump_clock):
+    store = MemoryStore()  # the trio clock jumps: no store thread may wait on it
+
+    @tool
+    async def slow(ctx: ToolContext) -> str:
+        """Work for a minute."""
+        await trio.sleep(60)
+        return "worked"
+
+    child = attrs.evolve(
+        child_agent(turns=[call("slow", call_id="s1"), say("slow answer")]),
+        executor=Toolbox([slow], default_timeout_s=120),
+        limits=Limits(tool_timeout_s=120),
+    )
+    parent = parent_agent(store, child, budgets=Budgets(time_budget_s=5))
+    began = trio.current_time()
+    result = await run(parent, "go", store=store, run_id="p")
+    assert result.stop_reason is StopReason.TIME_BUDGET
+    assert trio.current_time() - began < 10
+    child_log = await store.read_log(child_run_id("p/s1/a1"))
+    # Its time budget was what the parent had left: it stopped at the parent's deadline.
+    assert child_log.finished is not None and child_log.finished.state is not RunState.SUCCEEDED
+    assert child_log.finished.totals.active_s <= 5
+
+
+def crash_points() -> list[tuple[int, str]]:
+    return [(n, when) for n in range(1, 40) for when in ("before", "after")]
+
+
+async def _writes_of_a_whole_run() -> int:
+    counter = CrashingStore(MemoryStore(), crash_at=10**6)
+    await run(
+        parent_agent(counter, child_agent(), owner=OWNER),
+        "go",
+        store=counter,
+        run_id="p",
+        owner=OWNER,
+    )
+    return counter.writes
+
+
+@pytest.mark.parametrize("when", ["before", "after"])
+async def test_a_crash_at_every_write_of_parent_and_child_resumes_to_one_child(when):
+    """The crash kit's `CrashingStore` kills the process at every store write of either run
+    (the child's run-started naming its parent, the parent's result naming the child, the
+    child's records between); a fresh process resumes the parent, which re-attaches."""
+    total = await _writes_of_a_whole_run()
+    assert total >= 16  # both runs' writes are counted
+    while_the_child_ran = unknown = 0
+    for crash_at in range(1, total + 1):
+        inner = MemoryStore()
+        executed: list[str] = []
+        crashing = CrashingStore(inner, crash_at=crash_at, when=when)
+        dying = parent_agent(crashing, child_agent(executed=executed), owner=OWNER)
+        with pytest.raises((RunInterrupted, StoreError, SimulatedCrash)):
+            await run(dying, "go", store=crashing, run_id="p", owner=OWNER)
+        assert crashing.crashed
+        kid = child_run_id("p/s1/a1")
+        before = await inner.read_log(kid)
+        while_the_child_ran += before.started is not None and before.finished is None
+        resumed = parent_agent(inner, child_agent(executed=executed), owner=OWNER)
+        result = await run(resumed, "go", store=inner, run_id="p", owner=OWNER)
+        kid = child_run_id("p/s1/a1")
+        assert result.state is RunState.SUCCEEDED, crash_at
+        assert await inner.list_runs() == ("p", kid), crash_at  # exactly one child run
+        # The child's effect ('never' policy) happened at most once; once unless its outcome
+        # became unknown (the crash fell between its intent and its result).
+        assert executed in ([f"{kid}/s1/a1"], []), crash_at
+        child_log = await inner.read_log(kid)
+        assert child_log.finished is not None and child_log.finished.state is RunState.SUCCEEDED
+        notes = [r for r in child_log.records if isinstance(r, ActionResult)]
+        assert len(notes) == 1, crash_at
+        if not executed:
+            assert notes[0].outcome.status is ActionStatus.UNKNOWN, crash_at
+            unknown += 1
+        parent_log = await inner.read_log("p")
+        calls = [r for r in parent_log.records if isinstance(r, ActionResult)]
+        assert [c.outcome.child_run_id for c in calls] == [kid], crash_at
+        assert calls[0].outcome.observation == "the child's answer", crash_at
+    assert while_the_child_ran >= 6  # the crashes hit the child's writes too
+    assert unknown <= 2  # only a crash between the note's intent and its result loses it
+
+
+def read_logs(db: Path, *run_ids: str) -> tuple[tuple[str, ...], list[RunLog]]:
+    async def read() -> tuple[tuple[str, ...], list[RunLog]]:
+        async with open_store_at(db) as store:
+            return await store.list_runs(), [await store.read_log(r) for r in run_ids]
+
+    return trio.run(read)
+
+
+def test_a_parent_killed_while_its_child_runs_re_attaches_after_resume(tmp_path):
+    """A real crash: SIGKILL the process while the child run blocks in a tool call (its
+    effect already recorded), start a new process that resumes the parent: it waits for the
+    dead driver's child lease to lapse, re-attaches, and the child's effect stays single."""
+    db, ledger = tmp_path / "runs.db", tmp_path / "ledger"
+    driver = [sys.executable, str(Path(__file__).with_name("child_run_driver.py")), str(db)]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    first = subprocess.Popen([*driver, str(ledger), "block"], stdout=subprocess.PIPE, env=env)
+    assert first.stdout is not None
+    assert first.stdout.readline() == b"child running\n"  # blocks until the child is there
+    first.send_signal(signal.SIGKILL)
+    assert first.wait() == -signal.SIGKILL
+    first.stdout.close()
+    kid = child_run_id("p/s1/a1")
+    _, [before] = read_logs(db, kid)
+    assert before.finished is None and before.started is not None
+    assert before.started.parent_run_id == "p"
+    second = subprocess.run(
+        [*driver, str(ledger), "resume"], capture_output=True, env=env, check=True, timeout=120
+    )
+    assert second.stdout == b"succeeded thanks\n"
+    listed, [child_log, parent_log] = read_logs(db, kid, "p")
+    assert listed == ("p", kid)  # one child run, re-attached
+    assert child_log.finished is not None and child_log.finished.state is RunState.SUCCEEDED
+    effects = ledger.read_text().splitlines()
+    assert len(effects) == 1 and effects[0].endswith(f" {kid}/s1/a1")
+    assert int(effects[0].split()[0]) == first.pid
+    calls = [r for r in parent_log.records if isinstance(r, ActionResult)]
+    assert [(c.outcome.child_run_id, c.outcome.observation) for c in calls] == [(kid, "done")]
+
+
+def test_treadle_show_links_the_parent_and_the_child(tmp_path):
+    from click.testing import CliRunner
+
+    from treadle.cli import main
+
+    db = tmp_path / "runs.db"
+
+    async def write() -> None:
+        async with open_store_at(db) as store:
+            await run(parent_agent(store, child_agent()), "go", store=store, run_id="p")
+
+    trio.run(write)
+    kid = child_run_id("p/s1/a1")
+    env = {"COLUMNS": "250"}
+    parent = CliRunner().invoke(main, ["show", "p", "--store", str(db)], env=env)
+    assert parent.exit_code == 0, parent.output
+    assert f"(child run {kid})" in parent.output
+    child = CliRunner().invoke(main, ["show", kid, "--store", str(db)], env=env)
+    assert child.exit_code == 0, child.output
+    assert "child of p (call p/s1/a1)" in child.output
+
+
+async def test_a_child_whose_store_write_fails_interrupts_the_parent_which_re_attaches():
+    """The child's drive fails (a store write of the child, the process alive): the call's
+    outcome is unknown, so it is no observation; the parent's drive stops, resumable, and
+    its resume re-attaches to the child instead of recording the failure as a result."""
+    inner = MemoryStore()
+    # Write 4 is the parent's action intent; 5 the child's run-started, 6 its model intent.
+    failing = FailingStore(inner, fail_at=6)
+    executed: list[str] = []
+    with pytest.raises(RunInterrupted) as caught:
+        await run(
+            parent_agent(failing, child_agent(executed=executed)), "go", store=failing, run_id="p"
+        )
+    assert isinstance(caught.value.__cause__, ChildRunInterrupted)
+    kid = child_run_id("p/s1/a1")
+    assert failing.failed_runs == {kid}
+    parent_log = await inner.read_log("p")
+    assert not any(isinstance(r, ActionResult) for r in parent_log.records)  # no outcome
+    result = await run(
+        parent_agent(inner, child_agent(executed=executed)), "go", store=inner, run_id="p"
+    )
+    assert result.state is RunState.SUCCEEDED
+    assert await inner.list_runs() == ("p", kid)
+    assert executed == [f"{kid}/s1/a1"]
+    parent_log = await inner.read_log("p")
+    calls = [r for r in parent_log.records if isinstance(r, ActionResult)]
+    assert [c.outcome.observation for c in calls] == ["the child's answer"]
+
+
+# --------------------------------------------------------------------------- fleets (real time)
+
+
+@pytest.fixture(params=["sqlite", "postgres"])
+async def fleet_store(request, tmp_path):
+    if request.param == "sqlite":
+        from treadle.stores.sqlite import open_sqlite_store
+
+        async with open_sqlite_store(tmp_path / "fleet.db") as opened:
+            yield opened
+        return
+    from treadle.stores.postgres import open_postgres_store
+
+    dsn = request.getfixturevalue("postgres_dsn")
+    schema = request.getfixturevalue("postgres_schema")
+    async with open_postgres_store(dsn, schema=schema) as opened:
+        yield opened
+
+
+async def test_a_fleet_with_fewer_slots_than_parents_and_children_finishes_them_all(
+    fleet_store,
+):
+    """One slot, three parents, three children: a child is driven inside its parent's call,
+    under the parent's slot, so waiting parents never hold the slots their children need."""
+    executed: list[str] = []
+
+    def make() -> Agent:
+        return parent_agent(fleet_store, child_agent(executed=executed))
+
+    with trio.fail_after(60):
+        async with open_fleet(
+            fleet_store, {"parent": make}, max_running=1, claim_poll_s=0.1
+        ) as worker:
+            for run_id in ("p1", "p2", "p3"):
+                await worker.submit("parent", "go", run_id=run_id)
+            results = [await worker.result(r, poll_s=0.1) for r in ("p1", "p2", "p3")]
+            stats = worker.statistics()
+    assert [r.final_answer for r in results] == ["the parent's answer"] * 3
+    kids = [child_run_id(f"{r}/s1/a1") for r in ("p1", "p2", "p3")]
+    assert sorted(executed) == sorted(f"{k}/s1/a1" for k in kids)
+    assert sorted(await fleet_store.list_runs()) == sorted(["p1", "p2", "p3", *kids])
+    assert stats.finished == 3 and stats.claimed == 3
+
+
+async def test_a_worker_drained_while_a_child_runs_leaves_both_to_another_worker(fleet_store):
+    """Worker A stops (drains) while the child blocks: the parent's drive is cut, the child's
+    too, and neither is cancelled. Worker B claims the parent, which re-attaches to the
+    child: one child run, its effect once, driven to its end by B."""
+    executed: list[str] = []
+    gate, started = trio.Event(), trio.Event()
+
+    @tool(replay=ReplayPolicy.SAFE)
+    async def wait(ctx: ToolContext) -> str:
+        """Wait for the gate (read-only)."""
+        started.set()
+        await gate.wait()
+        return "open"
+
+    def make() -> Agent:
+        child = child_agent(
+            executed=executed,
+            turns=[use("note", "n1", text="hi"), call("wait", call_id="w1"), say("child done")],
+        )
+        base = child.executor
+        assert isinstance(base, Toolbox)
+        note = base.get("note")
+        assert note is not None
+        return parent_agent(
+            fleet_store, attrs.evolve(child, executor=Toolbox([note, wait])), owner=None
+        )
+
+    kid = child_run_id("p/s1/a1")
+    with trio.fail_after(60):
+        async with open_fleet(
+            fleet_store, {"parent": make}, max_running=1, claim_poll_s=0.1, drain_s=0.2, owner="a"
+        ) as first:
+            await first.submit("parent", "go", run_id="p")
+            await started.wait()
+        interrupted = await fleet_store.read_log(kid)
+        assert interrupted.finished is None
+        assert not any(isinstance(r, CancelRequested) for r in interrupted.records)
+        assert await fleet_store.read_control(kid) == ()
+        gate.set()
+        async with open_fleet(
+            fleet_store, {"parent": make}, max_running=1, claim_poll_s=0.1, owner="b"
+        ) as second:
+            result = await second.result("p", poll_s=0.1)
+    assert result.final_answer == "the parent's answer"
+    assert await fleet_store.list_runs() == ("p", kid)
+    assert executed == [f"{kid}/s1/a1"]
+    child_log = await fleet_store.read_log(kid)
+    assert child_log.finished is not None and child_log.finished.state is RunState.SUCCEEDED
+
+
+@attrs.frozen
+class Forecast:
+    city: str
+    high_c: int
+
+
+async def test_a_child_with_an_output_type_answers_with_its_output_as_json():
+    store = MemoryStore()
+    child = Agent(
+        model=ScriptedModel(turns=[say('{"city": "Oslo", "high_c": 21}')]),
+        executor=Toolbox([]),
+        parser=NativeToolCallParser(),
+        output_type=Forecast,
+        output_mode="native",
+    )
+    result = await run(parent_agent(store, child), "go", store=store, run_id="p")
+    assert result.state is RunState.SUCCEEDED
+    log = await store.read_log("p")
+    action = next(r for r in log.records if isinstance(r, ActionResult))
+    assert action.outcome.observation == '{"city":"Oslo","high_c":21}'
