@@ -4,17 +4,23 @@ Every run talks to a real HTTP server on 127.0.0.1 (`treadle.testing.loopback`),
 the bodies it received: the image must be inside the Anthropic ``tool_result`` block, and in the
 ``user`` message after the tool messages for Chat Completions (docs/models.md, "Images returned
 by tools"). The MCP case uses the real test server (tests/fixtures/mcp_server.py) over stdio.
+Resume is checked after a simulated crash (`CrashingStore`) and after a real process
+(tests/fixtures/image_driver.py) is SIGKILLed with the image's model call in flight.
 """
 
 from __future__ import annotations
 
 import base64
 import json
+import os
+import signal
+import sys
+from pathlib import Path
 from typing import Any
 
 import pytest
 import trio
-from tests.fixtures import mcp_server
+from tests.fixtures import image_driver, mcp_server
 from tests.fixtures.mcp_driver import stdio_server
 
 import treadle
@@ -31,6 +37,7 @@ PNG = mcp_server.PNG
 PNG_B64 = base64.b64encode(PNG).decode()
 REF = ImageRef(url="ref:shot-1", digest=digest(PNG), media_type="image/png")
 SSE = {"content-type": "text/event-stream"}
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @treadle.tool
@@ -291,3 +298,51 @@ def test_a_tool_result_takes_references_only():
     with pytest.raises(treadle.UsageError, match="never bytes"):
         ToolResult(text="x", images=[PNG])  # type: ignore[list-item]
     assert ToolResult(text="x", images=[REF]).images == (REF,)
+
+
+@pytest.mark.parametrize("provider", ["openai", "anthropic"])
+async def test_a_run_killed_while_sending_an_image_resends_it_after_a_resume(provider, tmp_path):
+    """A real process is SIGKILLed with the image's model call in flight; the resume sends
+    the same image again, read back through the reference the log holds."""
+    db, images = tmp_path / "runs.db", tmp_path / "images"
+    images.mkdir()
+    in_flight = trio.Event()
+
+    async def first_process(request: Any) -> CannedResponse:
+        if not in_flight.is_set() and len(server.requests) == 1:
+            return _call(provider, "screenshot", {"page": "home"})
+        in_flight.set()
+        await trio.sleep_forever()  # the call that carries the image never answers
+        raise AssertionError("unreachable")
+
+    root = ROOT
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(root / "src"), str(root)])}
+    args = [sys.executable, "-m", "tests.fixtures.image_driver", str(db), provider]
+    async with open_loopback_server(first_process) as server:
+        driver = await trio.lowlevel.open_process(
+            [*args, server.base_url, str(images)], cwd=root, env=env
+        )
+        try:
+            with trio.fail_after(60):
+                await in_flight.wait()
+            driver.send_signal(signal.SIGKILL)
+            assert await driver.wait() == -signal.SIGKILL
+        finally:
+            driver.kill()
+            await driver.wait()
+    killed = server.requests[1].json()
+    assert _sent_images(provider, killed, "screenshot") == [
+        (_where(provider, "screenshot"), PNG_B64)
+    ]
+    async with open_loopback_server(canned(_text(provider, "A dot."))) as second:
+        await image_driver.drive(str(db), provider, second.base_url, images)
+    [resumed] = (r.json() for r in second.requests)
+    assert _sent_images(provider, resumed, "screenshot") == [
+        (_where(provider, "screenshot"), PNG_B64)
+    ]
+    async with treadle.open_sqlite_store(db) as store:
+        log = await store.read_log(image_driver.RUN_ID)
+    assert log.finished is not None and log.finished.stop_reason is treadle.StopReason.FINAL_ANSWER
+    ref = ImageRef(url="ref:home.png", media_type="image/png")
+    blobs = [path.read_bytes() for path in tmp_path.iterdir() if path.is_file()]
+    _check_log_holds_references(log, ref, blobs)
