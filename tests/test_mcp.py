@@ -211,6 +211,8 @@ async def _calls(tools: McpTools, ledger: Path) -> None:
     ref = image.split()[1]
     assert image == f"[image {ref} image/png, {len(mcp_server.PNG)} bytes]"
     assert tools.image_source(ImageRef(url=ref)) == mcp_server.PNG
+    sha = ref.removeprefix("ref:mcp-")
+    assert chart.images == (ImageRef(url=ref, digest=f"sha256:{sha}", media_type="image/png"),)
     with pytest.raises(KeyError):
         tools.image_source(ImageRef(url="ref:mcp-0"))
     invalid = await tools.execute(_action("charge", "i-bad", account="a", cents=0))

@@ -38,8 +38,10 @@ Outcomes (docs/seams.md, "Action executor"):
 * anything else the SDK raises (a result that is no valid MCP result, say) propagates: the
   run is interrupted and stays resumable, the call's outcome unknown;
 * a result: EXECUTED; text blocks, structured content (compact JSON, when no text block
-  already holds it), images (image references, `McpTools.image_source`), audio, resource
-  links and embedded resources map onto the observation (docs/mcp.md, "Results").
+  already holds it), audio, resource links and embedded resources map onto the
+  observation; images become the outcome's ``images`` (references the session resolves,
+  `McpTools.image_source`), each also named by a line of the observation (docs/mcp.md,
+  "Results").
 
 Every call carries the action's intent id in its ``_meta`` as ``treadle/idempotency-key``, and
 ``treadle/replay: true`` when resume re-sends a ``safe`` call.
@@ -305,8 +307,11 @@ class McpTools:
     def image_source(self, image: ImageRef) -> bytes:
         """The bytes of an image a tool result of this session returned.
 
-        Pass it as a model client's ``image_source``. The session keeps the last 256 images
-        in memory; the log holds only their reference.
+        A run whose executor holds this session asks it by itself (nothing to wire:
+        `treadle.ports.ToolPolicies`; docs/mcp.md, "Results"). The session keeps the last 256
+        images in memory; the log holds only their reference, so a run resumed in another
+        session cannot send an earlier session's images (docs/models.md, "Images returned by
+        tools").
 
         Raises:
             KeyError: the reference is not one of those images.
@@ -375,7 +380,8 @@ class McpTools:
         return ActionOutcome(status=ActionStatus.ENV_ERROR, observation=detail, detail=detail)
 
     def _observed(self, result: mcp_types.CallToolResult) -> ActionOutcome:
-        parts = [self._block_text(block) for block in result.content]
+        images: list[ImageRef] = []
+        parts = [self._block_text(block, images) for block in result.content]
         structured = result.structured_content
         if structured is not None and not any(
             _holds(block, structured) for block in result.content
@@ -384,13 +390,13 @@ class McpTools:
         text = "\n".join(parts)
         if result.is_error:
             text = f"Error: {text}" if text else "Error: the tool reported an error, no text"
-        return ActionOutcome(status=ActionStatus.EXECUTED, observation=text)
+        return ActionOutcome(status=ActionStatus.EXECUTED, observation=text, images=tuple(images))
 
-    def _block_text(self, block: mcp_types.ContentBlock) -> str:
+    def _block_text(self, block: mcp_types.ContentBlock, images: list[ImageRef]) -> str:
         if isinstance(block, mcp_types.TextContent):
             return block.text
         if isinstance(block, mcp_types.ImageContent):
-            return self._keep_image(block)
+            return self._keep_image(block, images)
         if isinstance(block, mcp_types.AudioContent):
             return f"[audio {block.mime_type}, {_size(block.data)} bytes, not kept]"
         if isinstance(block, mcp_types.ResourceLink):
@@ -401,7 +407,7 @@ class McpTools:
         kind = resource.mime_type or "unknown type"
         return f"[resource {resource.uri}: {kind}, {_size(resource.blob)} bytes, not kept]"
 
-    def _keep_image(self, block: mcp_types.ImageContent) -> str:
+    def _keep_image(self, block: mcp_types.ImageContent, images: list[ImageRef]) -> str:
         try:
             data = base64.b64decode(block.data, validate=True)
         except (binascii.Error, ValueError):
@@ -414,6 +420,7 @@ class McpTools:
         self._images[ref.url] = data
         while len(self._images) > _MAX_IMAGES:
             del self._images[next(iter(self._images))]
+        images.append(ref)
         return f"[image {ref.url} {block.mime_type}, {len(data)} bytes]"
 
     async def reconcile(self, action: Action) -> ActionOutcome | None:

@@ -301,8 +301,13 @@ def real_hydrator(context: ActorContext) -> ContextHydrator:
 
 
 def real_gateway(context: ActorContext) -> ModelGateway:
-    """The real model gateway on the agent's model client (the default `Actors.gateway`)."""
+    """The real model gateway on the agent's model client (the default `Actors.gateway`).
+
+    The executor's ``image_source`` (`treadle.ports.ToolPolicies`), when it has one, resolves
+    the ``ref:`` images its tools returned (docs/models.md, "Images returned by tools").
+    """
     agent = context.agent
+    executor = agent.executor
     return ModelGateway(
         run_id=context.run_id,
         client=agent.model,
@@ -312,6 +317,7 @@ def real_gateway(context: ActorContext) -> ModelGateway:
         budgets=agent.budgets,
         rng=context.rng,
         summariser=agent.summariser,
+        image_source=getattr(executor, "image_source", None),
     )
 
 
