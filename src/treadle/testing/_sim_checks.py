@@ -114,7 +114,12 @@ def _unanswered_calls(run_id: str, world: Any) -> list[str]:
     return [f"run {run_id!r}: {problem}" for problem in check_tool_replies(requests)]
 
 
-_STEP_PARTS: tuple[str, ...] = ("decision", "history_message", "observations")
+_STEP_PARTS: tuple[str, ...] = (
+    "decision",
+    "history_message",
+    "observations",
+    "observation_images",
+)
 """What is compared of each step with the fault-free twin (`_trajectory`)."""
 
 
