@@ -17,6 +17,7 @@ The host's nursery ends with the trio run: it is cancelled when the main task re
 
 from __future__ import annotations
 
+import contextvars
 import logging
 import math
 from collections.abc import Awaitable, Callable
@@ -67,6 +68,7 @@ class HostedCall(Generic[T]):
         self._abandoned = False
         self._on_late = on_late
         self._started = 0.0
+        self._context = contextvars.copy_context()  # the caller's, seen by the call
 
     @property
     def done(self) -> bool:
@@ -94,6 +96,8 @@ class HostedCall(Generic[T]):
 
     async def _run(self, fn: Callable[[], Awaitable[T]]) -> None:
         self._started = trio.current_time()
+        for variable, value in self._context.items():  # as if the caller had spawned it
+            variable.set(value)
         try:
             with self._scope:
                 try:

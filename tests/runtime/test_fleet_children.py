@@ -1,0 +1,198 @@
+"""Child runs queued in a fleet (docs/child-runs.md, "In a fleet"), on SQLite and PostgreSQL.
+
+A parent driven by a fleet worker whose agent tool names an agent the fleet serves submits its
+child to the fleet's queue and waits with its slot freed: any worker may claim the child, and
+parents waiting on children never hold every slot.
+"""
+
+from __future__ import annotations
+
+import attrs
+import pytest
+import trio
+
+from treadle import agent_tool, child_run_id
+from treadle.agent import Agent
+from treadle.parsers import NativeToolCallParser
+from treadle.supervisors.fleet import open_fleet
+from treadle.testing.scripted import ScriptedModel, call, say
+from treadle.tools import Toolbox, ToolContext, tool
+from treadle.types import (
+    ActionResult,
+    CancelRequested,
+    ReplayPolicy,
+    RunStarted,
+    RunState,
+    StopReason,
+)
+
+
+@pytest.fixture(params=["sqlite", "postgres"])
+async def fleet_store(request, tmp_path):
+    if request.param == "sqlite":
+        from treadle.stores.sqlite import open_sqlite_store
+
+        async with open_sqlite_store(tmp_path / "fleet.db") as opened:
+            yield opened
+        return
+    from treadle.stores.postgres import open_postgres_store
+
+    dsn = request.getfixturevalue("postgres_dsn")
+    schema = request.getfixturevalue("postgres_schema")
+    async with open_postgres_store(dsn, schema=schema) as opened:
+        yield opened
+
+
+def child_agent(executed: list[str], *, gate: trio.Event | None = None) -> Agent:
+    """One effect (``note``, recorded in ``executed``), then an answer."""
+
+    @tool
+    async def note(text: str, ctx: ToolContext) -> str:
+        """Write a note (an effect).
+
+        Args:
+            text: the note.
+            ctx: the call.
+        """
+        if gate is not None:
+            await gate.wait()
+        executed.append(ctx.intent_id)
+        return f"noted {text}"
+
+    return Agent(
+        model=ScriptedModel(turns=[call("note", call_id="n1", text="hi"), say("child done")]),
+        executor=Toolbox([note]),
+        parser=NativeToolCallParser(),
+        system_prompt="You are the child.",
+    )
+
+
+def parent_agent(store, child: Agent) -> Agent:
+    helper = agent_tool(
+        child,
+        store=store,
+        name="helper",
+        description="Ask the helper agent.",
+        fleet_agent="child",
+        control_poll_s=0.05,
+    )
+    return Agent(
+        model=ScriptedModel(
+            turns=[call("helper", call_id="h1", task="do the thing"), say("parent done")]
+        ),
+        executor=Toolbox([helper]),
+        parser=NativeToolCallParser(),
+        system_prompt="You are the parent.",
+    )
+
+
+async def test_one_slot_two_parents_whose_children_are_queued_all_finish(fleet_store):
+    """With one slot, a parent that held it while waiting would starve its queued child (and
+    the other parent): the waiting parent frees it, the child is claimed, all four finish."""
+    executed: list[str] = []
+    agents = {
+        "parent": lambda: parent_agent(fleet_store, child_agent(executed)),
+        "child": lambda: child_agent(executed),
+    }
+    waiting_seen: list[int] = []
+    with trio.fail_after(60):
+        async with open_fleet(fleet_store, agents, max_running=1, claim_poll_s=0.05) as worker:
+            for run_id in ("p1", "p2"):
+                await worker.submit("parent", "go", run_id=run_id)
+            results = []
+            for run_id in ("p1", "p2"):
+                results.append(await worker.result(run_id, poll_s=0.05))
+                waiting_seen.append(worker.statistics().waiting)
+            stats = worker.statistics()
+    assert [r.final_answer for r in results] == ["parent done"] * 2
+    kids = [child_run_id(f"{p}/s1/a1") for p in ("p1", "p2")]
+    assert sorted(executed) == sorted(f"{k}/s1/a1" for k in kids)
+    assert sorted(await fleet_store.list_runs()) == sorted(["p1", "p2", *kids])
+    # Each child was claimed from the queue (not driven inside its parent's call) and its
+    # first record names its parent; each parent was claimed twice or more.
+    assert stats.claimed == 4 and stats.finished == 4 and stats.waiting == 0
+    for parent, kid in zip(("p1", "p2"), kids, strict=True):
+        summary = await fleet_store.read_summary(kid)
+        assert summary is not None and summary.agent == "child" and summary.claims == 1
+        first = (await fleet_store.read_log(kid)).records[0]
+        assert isinstance(first, RunStarted)
+        assert (first.parent_run_id, first.parent_intent_id) == (parent, f"{parent}/s1/a1")
+        action = next(
+            r for r in (await fleet_store.read_log(parent)).records if isinstance(r, ActionResult)
+        )
+        assert action.outcome.child_run_id == kid
+        assert action.outcome.observation == "child done"
+
+
+async def test_the_child_is_claimed_by_the_worker_that_serves_it(fleet_store):
+    """Worker ``a`` serves only parents, worker ``b`` only children: b drives the child."""
+    executed: list[str] = []
+    with trio.fail_after(60):
+        async with (
+            open_fleet(
+                fleet_store,
+                {"parent": lambda: parent_agent(fleet_store, child_agent(executed))},
+                max_running=1,
+                claim_poll_s=0.05,
+                owner="a",
+            ) as a,
+            open_fleet(
+                fleet_store, {"child": lambda: child_agent(executed)}, claim_poll_s=0.05, owner="b"
+            ) as b,
+        ):
+            await a.submit("parent", "go", run_id="p")
+            result = await a.result("p", poll_s=0.05)
+            claims = (a.statistics(), b.statistics())
+    assert result.final_answer == "parent done"
+    kid = child_run_id("p/s1/a1")
+    assert executed == [f"{kid}/s1/a1"]
+    assert (claims[0].claimed, claims[0].finished) == (1, 1)
+    assert (claims[1].claimed, claims[1].finished) == (1, 1)
+    summary = await fleet_store.read_summary(kid)
+    assert summary is not None and summary.lease is not None
+    assert summary.lease.owner in ("", "b")  # released by b when it finished
+
+
+async def test_cancelling_a_waiting_parent_cancels_its_queued_child_durably(fleet_store):
+    """The parent waits (slot freed) on a child blocked in its tool; a cancel of the parent
+    reaches the child through its control stream, whoever drives it: both end cancelled."""
+    executed: list[str] = []
+    gate = trio.Event()  # never opened: the child's tool honours the cancel
+    entered = trio.Event()
+
+    @tool(replay=ReplayPolicy.SAFE)
+    async def block(ctx: ToolContext) -> str:
+        """Wait for the gate (read-only)."""
+        entered.set()
+        await gate.wait()
+        return "open"
+
+    def make_child() -> Agent:
+        return attrs.evolve(
+            child_agent(executed),
+            model=ScriptedModel(turns=[call("block", call_id="b1"), say("never")]),
+            executor=Toolbox([block]),
+        )
+
+    kid = child_run_id("p/s1/a1")
+    with trio.fail_after(60):
+        async with open_fleet(
+            fleet_store,
+            {"parent": lambda: parent_agent(fleet_store, make_child()), "child": make_child},
+            max_running=1,
+            claim_poll_s=0.05,
+            control_poll_s=0.05,
+        ) as worker:
+            await worker.submit("parent", "go", run_id="p")
+            await entered.wait()
+            assert worker.statistics().waiting == 1
+            await fleet_store.append_control(
+                CancelRequested(run_id="p", ts="2026-12-01T00:00:00Z", reason="stop", canceller="t")
+            )
+            parent = await worker.result("p", poll_s=0.05)
+            child = await worker.result(kid, poll_s=0.05)
+    assert parent.state is RunState.CANCELLED and parent.stop_reason is StopReason.CANCELLED
+    assert child.state is RunState.CANCELLED
+    cancels = [entry.record for entry in await fleet_store.read_control(kid)]
+    assert [(c.run_id, c.canceller) for c in cancels] == [(kid, "p")]
+    assert executed == []
