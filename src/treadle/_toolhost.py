@@ -9,7 +9,9 @@ after its grace period, the time budget, the call's timeout) it cancels the call
 waiting: the run ends on time whatever the call does (a shielded cleanup, a thread that
 cannot be interrupted), and the straggler finishes in the host. What it returns then is
 reported as a diagnostic only (a warning on the ``treadle.tools`` logger, a live warning event
-of the run while the run lasts, `HostStatistics`), never as a result.
+of the run while the run lasts, `HostStatistics`), never as a result. A call sees the context
+variables of the task that started it, as a task it spawned would (a fleet worker's drive
+reaches a child-run tool that way: docs/child-runs.md, "In a fleet").
 
 The host's nursery ends with the trio run: it is cancelled when the main task returns, and
 `trio.run` waits for the calls still in it.
