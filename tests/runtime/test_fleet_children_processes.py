@@ -3,7 +3,8 @@
 A worker process serves the parent agent (and maybe the child's); the child's tool writes its
 effect to a ledger outside treadle. A worker is killed (SIGKILL, a real crash) while the parent
 waits on its queued child, or while the child's tool runs; another worker takes over. Each time:
-exactly one child run, its effect once, both runs finished. On SQLite and a real PostgreSQL.
+exactly one child run, its effect once, both runs finished. A child that finishes while nobody
+drives its parent is found by the parent's resume. On SQLite and a real PostgreSQL.
 """
 
 from __future__ import annotations
@@ -208,3 +209,37 @@ async def test_a_worker_killed_while_the_child_runs_leaves_one_child_to_the_next
     assert "Traceback" not in err, err
     _check_one_child(results, logs, runs, _effects(tmp_path))
     assert results[1].final_answer == "child done"
+
+
+@pytest.mark.parametrize("store_spec", KINDS, indirect=True)
+async def test_a_child_that_finishes_while_nobody_drives_its_parent_is_found_by_its_resume(
+    store_spec: str, tmp_path: Path
+) -> None:
+    """Nothing notifies a parent that its child finished, so there is nothing to lose between
+    the two: worker a (parents) is killed while its parent waits, worker b (children) drives
+    the child to its end with no parent driven anywhere, then worker c (parents) takes the
+    parent over; its replayed call reads the finished child and runs nothing of it again."""
+    kid = treadle.child_run_id("p/s1/a1")
+    a = _worker(tmp_path, store_spec, "parent")
+    try:
+        await _submit(store_spec, "p")
+        await _until(lambda: _child_exists(store_spec, kid))
+        _kill(a)
+        b = _worker(tmp_path, store_spec, "child")
+        try:
+            with trio.fail_after(60):
+                async with open_store(store_spec) as opened:
+                    child = await treadle.wait_result(opened, kid, poll_s=0.05)
+                    parent_log = await opened.read_log("p")
+        finally:
+            err_b = _stop(b)
+        assert child.final_answer == "child done" and parent_log.finished is None
+        c = _worker(tmp_path, store_spec, "parent")
+        try:
+            results, logs, runs = await _results(store_spec, "p", kid)
+        finally:
+            err_c = _stop(c)
+    finally:
+        a.kill()
+    assert "Traceback" not in err_b + err_c, (err_b, err_c)
+    _check_one_child(results, logs, runs, _effects(tmp_path))
