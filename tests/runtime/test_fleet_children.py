@@ -11,6 +11,7 @@ import attrs
 import pytest
 import trio
 
+import treadle
 from treadle import agent_tool, child_run_id
 from treadle.agent import Agent
 from treadle.parsers import NativeToolCallParser
@@ -196,3 +197,36 @@ async def test_cancelling_a_waiting_parent_cancels_its_queued_child_durably(flee
     cancels = [entry.record for entry in await fleet_store.read_control(kid)]
     assert [(c.run_id, c.canceller) for c in cancels] == [(kid, "p")]
     assert executed == []
+
+
+async def test_a_child_started_inline_before_the_parent_came_to_a_fleet_is_re_attached_inline(
+    fleet_store,
+):
+    """The parent's call ran outside a fleet first and drove its child inline (here: the child
+    run exists, finished, under the derived id, not queued). Under a fleet the replayed call
+    does not queue it (a queue entry cannot name a run started without the queue): it reads
+    the child's stored result, and the child's effect is not repeated."""
+    executed: list[str] = []
+    kid = child_run_id("p/s1/a1")
+    earlier = await treadle.run(
+        child_agent(executed), "do the thing", store=fleet_store, run_id=kid
+    )
+    assert earlier.final_answer == "child done" and len(executed) == 1
+    agents = {
+        "parent": lambda: parent_agent(fleet_store, child_agent(executed)),
+        "child": lambda: child_agent(executed),
+    }
+    with trio.fail_after(60):
+        async with open_fleet(fleet_store, agents, max_running=1, claim_poll_s=0.05) as worker:
+            await worker.submit("parent", "go", run_id="p")
+            result = await worker.result("p", poll_s=0.05)
+            stats = worker.statistics()
+    assert result.final_answer == "parent done"
+    assert executed == [f"{kid}/s1/a1"]
+    assert stats.claimed == 1
+    action = next(
+        r for r in (await fleet_store.read_log("p")).records if isinstance(r, ActionResult)
+    )
+    assert (action.outcome.observation, action.outcome.child_run_id) == ("child done", kid)
+    summary = await fleet_store.read_summary(kid)
+    assert summary is not None and summary.submitted_at is None

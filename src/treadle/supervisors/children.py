@@ -45,7 +45,7 @@ from treadle._exceptions import (
 from treadle._ids import MAX_RUN_ID_CHARS
 from treadle._text import repaired
 from treadle.agent import Agent
-from treadle.ports import EventSink, RunStore
+from treadle.ports import EventSink, RunIndex, RunStore
 from treadle.stores._leases import LEASE_TTL_S, check_ttl, lease_owner
 from treadle.supervisors._control import control_of
 from treadle.supervisors._fleet_drive import FleetDrive, current_drive
@@ -209,7 +209,9 @@ async def _call(settings: _Settings, task: str, ctx: ToolContext) -> ActionOutco
         and drive.store is settings.store
         and drive.run_id == ctx.run_id
     ):
-        return _outcome(run_id, await _queued(settings, settings.fleet_agent, drive, task, ctx))
+        queued = await _queued(settings, settings.fleet_agent, drive, task, ctx)
+        if queued is not None:
+            return _outcome(run_id, queued)
     child = attrs.evolve(
         settings.agent, budgets=_drawn_budgets(settings.agent.budgets, ctx, trio.current_time())
     )
@@ -268,14 +270,22 @@ async def _attached(
 
 async def _queued(
     settings: _Settings, fleet_agent: str, drive: FleetDrive, task: str, ctx: ToolContext
-) -> RunResult:
+) -> RunResult | None:
     """Queue the child in the fleet (idempotently) and wait for it with the slot freed.
+
+    ``None`` when the child was started without the queue (an earlier drive of the parent,
+    outside a fleet, drove it inside the call): the call then re-attaches to it inline.
 
     A cancel of the parent run (or its time budget running out) cancels the child durably;
     a stop of the parent's drive leaves the child to run on, and the resumed parent's replay
     of the call finds it (docs/child-runs.md, "In a fleet").
     """
     run_id = child_run_id(ctx.intent_id)
+    store = settings.store
+    if isinstance(store, RunIndex):
+        summary = await store.read_summary(run_id)
+        if summary is not None and summary.submitted_at is None:
+            return None
     await drive.submit(fleet_agent, task, run_id)
     poll_s = settings.control_poll_s if settings.control_poll_s is not None else CONTROL_POLL_S
     try:
