@@ -390,6 +390,38 @@ async def test_a_run_page_shows_summaries_and_the_context_each_request_was_given
     assert f"summary of steps through {summaries[-1].summary_through}" in page
 
 
+async def test_a_parent_and_its_child_run_link_each_other():
+    @treadle.tool
+    async def note(text: str) -> str:
+        """Write a note."""
+        return f"noted {text}"
+
+    store = MemoryStore()
+    child = treadle.Agent(
+        model=ScriptedModel(turns=[call("note", call_id="n1", text="hi"), say("child done")]),
+        executor=treadle.Toolbox([note]),
+        parser=treadle.NativeToolCallParser(),
+    )
+    helper = treadle.agent_tool(child, store=store, name="helper", description="Ask a helper.")
+    parent = treadle.Agent(
+        model=ScriptedModel(turns=[call("helper", call_id="h1", task="go"), say("parent done")]),
+        executor=treadle.Toolbox([helper]),
+        parser=treadle.NativeToolCallParser(),
+    )
+    await treadle.run(parent, "start", store=store, run_id="p")
+    kid = treadle.child_run_id("p/s1/a1")
+    assert "/" in kid  # a run id with slashes must still have its pages
+    async with client(store) as http:
+        parent_page = (await http.get("/runs/p")).text
+        child_page = await http.get(f"/runs/{kid}")
+        child_events = await http.get(f"/runs/{kid}/events")
+    assert f'child run <a href="/runs/{kid}">{kid}</a>' in parent_page
+    assert child_page.status_code == 200
+    assert '<dd id="run-parent"><a href="/runs/p">p</a></dd>' in child_page.text
+    assert "child done" in child_page.text
+    assert child_events.status_code == 200 and "event: finished" in child_events.text
+
+
 def test_a_port_in_use_is_a_clear_error(tmp_path):
     import socket
 

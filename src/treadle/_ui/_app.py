@@ -145,10 +145,12 @@ def create_app(store: RunStore, settings: Settings) -> Starlette:
     routes = [
         Route("/", console.runs_page),
         Route("/runs/rows", console.runs_stream),
-        Route("/runs/{run_id}", console.run_page),
-        Route("/runs/{run_id}/events", console.run_stream),
-        Route("/runs/{run_id}/approve", console.approve, methods=["POST"]),
-        Route("/runs/{run_id}/cancel", console.cancel, methods=["POST"]),
+        # Run ids may hold "/" (a child run's does: docs/child-runs.md), so they match as
+        # paths; the routes with a suffix come first.
+        Route("/runs/{run_id:path}/events", console.run_stream),
+        Route("/runs/{run_id:path}/approve", console.approve, methods=["POST"]),
+        Route("/runs/{run_id:path}/cancel", console.cancel, methods=["POST"]),
+        Route("/runs/{run_id:path}", console.run_page),
         Mount("/static", StaticFiles(directory=HERE / "static"), name="static"),
     ]
     middleware = [
