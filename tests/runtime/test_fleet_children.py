@@ -16,7 +16,7 @@ from treadle import agent_tool, child_run_id
 from treadle.agent import Agent
 from treadle.parsers import NativeToolCallParser
 from treadle.supervisors.fleet import open_fleet
-from treadle.testing.scripted import ScriptedModel, call, say
+from treadle.testing.scripted import ScriptedModel, call, calls, say
 from treadle.tools import Toolbox, ToolContext, tool
 from treadle.types import (
     ActionResult,
@@ -25,6 +25,7 @@ from treadle.types import (
     RunStarted,
     RunState,
     StopReason,
+    ToolCall,
 )
 
 
@@ -230,3 +231,31 @@ async def test_a_child_started_inline_before_the_parent_came_to_a_fleet_is_re_at
     assert (action.outcome.observation, action.outcome.child_run_id) == ("child done", kid)
     summary = await fleet_store.read_summary(kid)
     assert summary is not None and summary.submitted_at is None
+
+
+async def test_a_parent_waiting_on_two_parallel_children_holds_no_slot_until_both_end(
+    fleet_store,
+):
+    """Two child-run calls in one step, one slot: the parent's slot stays free until its last
+    waiting call ends, so the second child is claimed after the first (were the slot taken
+    again when the first call returned, the second child would never run)."""
+    executed: list[str] = []
+
+    def make_parent() -> Agent:
+        base = parent_agent(fleet_store, child_agent(executed))
+        both = calls(
+            ToolCall(id="h1", name="helper", arguments={"task": "one"}),
+            ToolCall(id="h2", name="helper", arguments={"task": "two"}),
+        )
+        return attrs.evolve(base, model=ScriptedModel(turns=[both, say("parent done")]))
+
+    agents = {"parent": make_parent, "child": lambda: child_agent(executed)}
+    with trio.fail_after(60):
+        async with open_fleet(fleet_store, agents, max_running=1, claim_poll_s=0.05) as worker:
+            await worker.submit("parent", "go", run_id="p")
+            result = await worker.result("p", poll_s=0.05)
+            stats = worker.statistics()
+    assert result.final_answer == "parent done"
+    kids = [child_run_id(f"p/s1/a{n}") for n in (1, 2)]
+    assert sorted(executed) == sorted(f"{k}/s1/a1" for k in kids)
+    assert (stats.claimed, stats.finished, stats.waiting) == (3, 3, 0)

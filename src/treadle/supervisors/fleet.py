@@ -119,7 +119,7 @@ class Fleet:
     _metrics: MetricsRecorder | None = None
     _handles: dict[str, RunHandle] = attrs.Factory(dict)
     _driving: set[str] = attrs.Factory(set)  # claimed, not yet done (a handle or not yet)
-    _waiting: set[str] = attrs.Factory(set)  # driven, waiting on a child: slot freed
+    _waiting: Counter[str] = attrs.Factory(Counter)  # driven, waiting on children: no slot
     _returning: int = 0  # waiting drives whose child ended, about to take a slot again
     _room: trio.lowlevel.ParkingLot = attrs.Factory(trio.lowlevel.ParkingLot)
     _wake: trio.Event = attrs.Factory(trio.Event)
@@ -212,19 +212,22 @@ class Fleet:
         A parent that waits on its child holds no slot, so parents can never hold every slot
         while their children wait (docs/child-runs.md, "In a fleet").
         """
-        self._waiting.add(run_id)
+        self._waiting[run_id] += 1  # one count per call waiting (parallel calls of a step)
         self._room.unpark_all()
         self._wake.set()  # the claim loop may claim into the freed slot (the child, say)
         try:
             yield
         finally:
-            self._returning += 1
-            try:
-                while self._busy() >= self._max_running:
-                    await self._room.park()
-            finally:
-                self._returning -= 1
-                self._waiting.discard(run_id)
+            if self._waiting[run_id] == 1:  # the run's last waiting call: take a slot again
+                self._returning += 1
+                try:
+                    while self._busy() >= self._max_running:
+                        await self._room.park()
+                finally:
+                    self._returning -= 1
+            self._waiting[run_id] -= 1
+            if self._waiting[run_id] <= 0:
+                del self._waiting[run_id]
 
     def _drive_of(self, run_id: str) -> FleetDrive:
         async def submit(agent: str, task: str, child_id: str) -> object:
@@ -295,7 +298,7 @@ class Fleet:
                 self._left += 1
             self._handles.pop(run_id, None)
             self._driving.discard(run_id)
-            self._waiting.discard(run_id)
+            self._waiting.pop(run_id, None)
             self._room.unpark_all()
             if self._metrics is not None:
                 self._metrics.running(len(self._driving))
