@@ -96,16 +96,12 @@ async def test_one_slot_two_parents_whose_children_are_queued_all_finish(fleet_s
         "parent": lambda: parent_agent(fleet_store, child_agent(executed)),
         "child": lambda: child_agent(executed),
     }
-    waiting_seen: list[int] = []
     with trio.fail_after(60):
         async with open_fleet(fleet_store, agents, max_running=1, claim_poll_s=0.05) as worker:
             for run_id in ("p1", "p2"):
                 await worker.submit("parent", "go", run_id=run_id)
-            results = []
-            for run_id in ("p1", "p2"):
-                results.append(await worker.result(run_id, poll_s=0.05))
-                waiting_seen.append(worker.statistics().waiting)
-            stats = worker.statistics()
+            results = [await worker.result(run_id, poll_s=0.05) for run_id in ("p1", "p2")]
+    stats = worker.statistics()  # once drained: every drive has ended
     assert [r.final_answer for r in results] == ["parent done"] * 2
     kids = [child_run_id(f"{p}/s1/a1") for p in ("p1", "p2")]
     assert sorted(executed) == sorted(f"{k}/s1/a1" for k in kids)
@@ -144,7 +140,7 @@ async def test_the_child_is_claimed_by_the_worker_that_serves_it(fleet_store):
         ):
             await a.submit("parent", "go", run_id="p")
             result = await a.result("p", poll_s=0.05)
-            claims = (a.statistics(), b.statistics())
+    claims = (a.statistics(), b.statistics())  # once drained: every drive has ended
     assert result.final_answer == "parent done"
     kid = child_run_id("p/s1/a1")
     assert executed == [f"{kid}/s1/a1"]
@@ -221,7 +217,7 @@ async def test_a_child_started_inline_before_the_parent_came_to_a_fleet_is_re_at
         async with open_fleet(fleet_store, agents, max_running=1, claim_poll_s=0.05) as worker:
             await worker.submit("parent", "go", run_id="p")
             result = await worker.result("p", poll_s=0.05)
-            stats = worker.statistics()
+    stats = worker.statistics()  # once drained: every drive has ended
     assert result.final_answer == "parent done"
     assert executed == [f"{kid}/s1/a1"]
     assert stats.claimed == 1
@@ -254,7 +250,7 @@ async def test_a_parent_waiting_on_two_parallel_children_holds_no_slot_until_bot
         async with open_fleet(fleet_store, agents, max_running=1, claim_poll_s=0.05) as worker:
             await worker.submit("parent", "go", run_id="p")
             result = await worker.result("p", poll_s=0.05)
-            stats = worker.statistics()
+    stats = worker.statistics()  # once drained: every drive has ended
     assert result.final_answer == "parent done"
     kids = [child_run_id(f"p/s1/a{n}") for n in (1, 2)]
     assert sorted(executed) == sorted(f"{k}/s1/a1" for k in kids)
