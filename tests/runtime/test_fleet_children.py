@@ -7,14 +7,19 @@ parents waiting on children never hold every slot.
 
 from __future__ import annotations
 
+import contextlib
+
 import attrs
 import pytest
 import trio
 
 import treadle
 from treadle import agent_tool, child_run_id
+from treadle._exceptions import ChildRunInterrupted, StoreError
 from treadle.agent import Agent
 from treadle.parsers import NativeToolCallParser
+from treadle.stores.memory import MemoryStore
+from treadle.supervisors._fleet_drive import FleetDrive, current_drive
 from treadle.supervisors.fleet import open_fleet
 from treadle.testing.scripted import ScriptedModel, call, calls, say
 from treadle.tools import Toolbox, ToolContext, tool
@@ -22,6 +27,7 @@ from treadle.types import (
     ActionResult,
     CancelRequested,
     ReplayPolicy,
+    RunResult,
     RunStarted,
     RunState,
     StopReason,
@@ -255,3 +261,30 @@ async def test_a_parent_waiting_on_two_parallel_children_holds_no_slot_until_bot
     kids = [child_run_id(f"p/s1/a{n}") for n in (1, 2)]
     assert sorted(executed) == sorted(f"{k}/s1/a1" for k in kids)
     assert (stats.claimed, stats.finished, stats.waiting) == (3, 3, 0)
+
+
+async def test_a_store_error_while_queueing_the_child_interrupts_the_call_instead_of_answering():
+    """A failed submission (or reading) leaves the call's outcome unknown: the tool raises
+    `ChildRunInterrupted` (the parent's drive stops resumable, docs/child-runs.md, "Run ids"),
+    it never hands the model an error observation that would stand for the child's result."""
+    store = MemoryStore()
+    helper = agent_tool(
+        child_agent([]), store=store, name="helper", description="Ask.", fleet_agent="child"
+    )
+
+    async def submit(agent: str, task: str, run_id: str) -> object:
+        raise StoreError("the store is unreachable")
+
+    async def result(run_id: str, poll_s: float, output_type: object) -> RunResult:
+        raise AssertionError("not reached")
+
+    drive = FleetDrive(
+        run_id="p", store=store, submit=submit, result=result, waiting=contextlib.nullcontext
+    )
+    ctx = ToolContext(run_id="p", step=1, intent_id="p/s1/a1", call_id="h1", tool="helper")
+    token = current_drive.set(drive)
+    try:
+        with pytest.raises(ChildRunInterrupted, match="unreachable"):
+            await helper.fn(task="do it", ctx=ctx)
+    finally:
+        current_drive.reset(token)

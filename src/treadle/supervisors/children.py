@@ -15,9 +15,10 @@ observation (docs/child-runs.md):
   its own seq; nothing of the child is copied into the parent's log;
 * the child's run-started record names its parent, and the parent's action result names the
   child (`treadle show` prints both links);
-* under a fleet worker that serves the child's agent (``fleet_agent``), the child is submitted
-  to the fleet's queue instead, for any worker to claim, and the parent frees its slot while it
-  waits (docs/child-runs.md, "In a fleet").
+* under a fleet worker, given the name the fleet serves the child's agent under
+  (``fleet_agent``), the child is submitted to the fleet's queue instead, for any worker
+  serving it to claim, and the parent frees its slot while it waits (docs/child-runs.md,
+  "In a fleet").
 """
 
 from __future__ import annotations
@@ -163,8 +164,8 @@ def agent_tool(
         fleet_agent: the agent name under which fleet workers serve ``agent``. When the
             parent is driven by a fleet worker on ``store``, the child is submitted to the
             fleet's queue under this name (any worker serving it may claim it) and the
-            parent's slot is freed while it waits (docs/child-runs.md, "In a fleet"); otherwise, and
-            without it, the child is driven inside the call.
+            parent's slot is freed while it waits (docs/child-runs.md, "In a fleet");
+            otherwise, and without it, the child is driven inside the call.
 
     Returns:
         The tool: replay policy ``safe`` (a replay re-attaches to the same child), no per-call
@@ -282,15 +283,19 @@ async def _queued(
     """
     run_id = child_run_id(ctx.intent_id)
     store = settings.store
-    if isinstance(store, RunIndex):
-        summary = await store.read_summary(run_id)
-        if summary is not None and summary.submitted_at is None:
-            return None
-    await drive.submit(fleet_agent, task, run_id)
     poll_s = settings.control_poll_s if settings.control_poll_s is not None else CONTROL_POLL_S
     try:
+        if isinstance(store, RunIndex):
+            summary = await store.read_summary(run_id)
+            if summary is not None and summary.submitted_at is None:
+                return None
+        await drive.submit(fleet_agent, task, run_id)
         async with drive.waiting():
             return await drive.result(run_id, poll_s, settings.agent.output_type)
+    except StoreError as exc:
+        # The call's outcome is unknown, not an error to show the model: the parent's drive
+        # stops (resumable), and its resume replays the call, which finds the child.
+        raise ChildRunInterrupted(run_id, str(exc)) from exc
     except trio.Cancelled:
         if _parent_ended(ctx):
             with trio.CancelScope(shield=True, deadline=trio.current_time() + CHILD_CANCEL_GRACE_S):
