@@ -9,7 +9,9 @@ after its grace period, the time budget, the call's timeout) it cancels the call
 waiting: the run ends on time whatever the call does (a shielded cleanup, a thread that
 cannot be interrupted), and the straggler finishes in the host. What it returns then is
 reported as a diagnostic only (a warning on the ``treadle.tools`` logger, a live warning event
-of the run while the run lasts, `HostStatistics`), never as a result.
+of the run while the run lasts, `HostStatistics`), never as a result. A call sees the context
+variables of the task that started it, as a task it spawned would (a fleet worker's drive
+reaches a child-run tool that way: docs/child-runs.md, "In a fleet").
 
 The host's nursery ends with the trio run: it is cancelled when the main task returns, and
 `trio.run` waits for the calls still in it.
@@ -17,6 +19,7 @@ The host's nursery ends with the trio run: it is cancelled when the main task re
 
 from __future__ import annotations
 
+import contextvars
 import logging
 import math
 from collections.abc import Awaitable, Callable
@@ -67,6 +70,7 @@ class HostedCall(Generic[T]):
         self._abandoned = False
         self._on_late = on_late
         self._started = 0.0
+        self._context = contextvars.copy_context()  # the caller's, seen by the call
 
     @property
     def done(self) -> bool:
@@ -94,6 +98,8 @@ class HostedCall(Generic[T]):
 
     async def _run(self, fn: Callable[[], Awaitable[T]]) -> None:
         self._started = trio.current_time()
+        for variable, value in self._context.items():  # as if the caller had spawned it
+            variable.set(value)
         try:
             with self._scope:
                 try:

@@ -813,6 +813,8 @@ async def test_postgres_a_fleet_drives_claims_parks_and_resumes(postgres_dsn, po
                 assert (await store.read_lease("p")).owner == ""
                 await decide(store, "p")
                 paid = await worker.result("p", poll_s=0.1)
+                # result() reads the store; the worker counts the drive when its task ends
+                await until(slot_freed(worker), step_s=0.1)
                 stats = worker.statistics()
             log = await store.read_log("p")
     assert done.final_answer == "done" and paid.final_answer == "paid"

@@ -14,13 +14,18 @@ observation (docs/child-runs.md):
 * the parent's live event stream carries the child's events, each with the child's run id and
   its own seq; nothing of the child is copied into the parent's log;
 * the child's run-started record names its parent, and the parent's action result names the
-  child (`treadle show` prints both links).
+  child (`treadle show` prints both links);
+* under a fleet worker, given the name the fleet serves the child's agent under
+  (``fleet_agent``), the child is submitted to the fleet's queue instead, for any worker
+  serving it to claim, and the parent frees its slot while it waits (docs/child-runs.md,
+  "In a fleet").
 """
 
 from __future__ import annotations
 
 import hashlib
 import math
+import re
 import time
 from collections.abc import Callable, Sequence
 from typing import Final
@@ -41,9 +46,10 @@ from treadle._exceptions import (
 from treadle._ids import MAX_RUN_ID_CHARS
 from treadle._text import repaired
 from treadle.agent import Agent
-from treadle.ports import EventSink, RunStore
+from treadle.ports import EventSink, RunIndex, RunStore
 from treadle.stores._leases import LEASE_TTL_S, check_ttl, lease_owner
 from treadle.supervisors._control import control_of
+from treadle.supervisors._fleet_drive import FleetDrive, current_drive
 from treadle.supervisors._leasing import LeaseHold, leases_of
 from treadle.supervisors.run import CONTROL_POLL_S, DEFAULT_ACTORS, RunHandle, _Options, drive_run
 from treadle.tools import Tool, ToolContext, observation_of, tool
@@ -83,6 +89,19 @@ def child_run_id(intent_id: str) -> str:
     return "child-" + hashlib.sha256(derived.encode("utf-8", "surrogatepass")).hexdigest()[:32]
 
 
+_UNHASHED = re.compile(r"(?P<intent>(?P<run>.+)/s[1-9][0-9]*/a[1-9][0-9]*)/child")
+
+
+def parent_of(run_id: str) -> tuple[str, str] | None:
+    """``(parent run id, parent intent id)`` read back from a child's run id, else ``None``.
+
+    Only an unhashed id (``<run>/s<step>/a<n>/child``) names its parent; a fleet worker uses
+    it to link a queued child to its parent (docs/child-runs.md, "In a fleet").
+    """
+    found = _UNHASHED.fullmatch(run_id)
+    return (found["run"], found["intent"]) if found else None
+
+
 def _drawn_budgets(own: Budgets, ctx: ToolContext, now: float) -> Budgets:
     """The child's budgets: its own, each cut to what the parent has left (``now``: trio time).
 
@@ -106,6 +125,7 @@ class _Settings:
     lease_ttl_s: float
     owner: str | None
     control_poll_s: float | None
+    fleet_agent: str | None
 
 
 def agent_tool(
@@ -118,6 +138,7 @@ def agent_tool(
     lease_ttl_s: float = LEASE_TTL_S,
     owner: str | None = None,
     control_poll_s: float | None = CONTROL_POLL_S,
+    fleet_agent: str | None = None,
 ) -> Tool:
     """A tool whose every call runs ``agent`` as a child run and returns its answer.
 
@@ -138,7 +159,13 @@ def agent_tool(
         lease_ttl_s: the child runs' lease TTL (seconds). A parent resumed in a new process
             waits until the lease of the child's dead driver expires, then re-attaches.
         owner: the lease owner id for the child runs (default: a fresh one per call).
-        control_poll_s: seconds between reads of a child's control stream.
+        control_poll_s: seconds between reads of a child's control stream (and, for a
+            child queued in a fleet, between looks at whether it finished).
+        fleet_agent: the agent name under which fleet workers serve ``agent``. When the
+            parent is driven by a fleet worker on ``store``, the child is submitted to the
+            fleet's queue under this name (any worker serving it may claim it) and the
+            parent's slot is freed while it waits (docs/child-runs.md, "In a fleet");
+            otherwise, and without it, the child is driven inside the call.
 
     Returns:
         The tool: replay policy ``safe`` (a replay re-attaches to the same child), no per-call
@@ -158,6 +185,7 @@ def agent_tool(
         lease_ttl_s=lease_ttl_s,
         owner=owner,
         control_poll_s=control_poll_s,
+        fleet_agent=fleet_agent,
     )
 
     async def call(task: str, ctx: ToolContext) -> ActionOutcome:
@@ -175,6 +203,16 @@ def agent_tool(
 
 async def _call(settings: _Settings, task: str, ctx: ToolContext) -> ActionOutcome:
     run_id = child_run_id(ctx.intent_id)
+    drive = current_drive.get()
+    if (
+        drive is not None
+        and settings.fleet_agent is not None
+        and drive.store is settings.store
+        and drive.run_id == ctx.run_id
+    ):
+        queued = await _queued(settings, settings.fleet_agent, drive, task, ctx)
+        if queued is not None:
+            return _outcome(run_id, queued)
     child = attrs.evolve(
         settings.agent, budgets=_drawn_budgets(settings.agent.budgets, ctx, trio.current_time())
     )
@@ -224,6 +262,81 @@ async def _attached(
         parent=(ctx.run_id, ctx.intent_id),
     )
     link = _Link(store=settings.store, run_id=run_id, canceller=ctx.run_id, ctx=ctx)
+    inline = current_drive.set(None)  # the child's own child-run tools drive theirs inline
+    try:
+        return await _linked(settings, agent, task, hold, options, link, ctx)
+    finally:
+        current_drive.reset(inline)
+
+
+async def _queued(
+    settings: _Settings, fleet_agent: str, drive: FleetDrive, task: str, ctx: ToolContext
+) -> RunResult | None:
+    """Queue the child in the fleet (idempotently) and wait for it with the slot freed.
+
+    ``None`` when the child was started without the queue (an earlier drive of the parent,
+    outside a fleet, drove it inside the call): the call then re-attaches to it inline.
+
+    A cancel of the parent run (or its time budget running out) cancels the child durably;
+    a stop of the parent's drive leaves the child to run on, and the resumed parent's replay
+    of the call finds it (docs/child-runs.md, "In a fleet").
+    """
+    run_id = child_run_id(ctx.intent_id)
+    store = settings.store
+    poll_s = settings.control_poll_s if settings.control_poll_s is not None else CONTROL_POLL_S
+    try:
+        if isinstance(store, RunIndex):
+            summary = await store.read_summary(run_id)
+            if summary is not None and summary.submitted_at is None:
+                return None
+        await drive.submit(fleet_agent, task, run_id)
+        async with drive.waiting():
+            return await drive.result(run_id, poll_s, settings.agent.output_type)
+    except StoreError as exc:
+        # The call's outcome is unknown, not an error to show the model: the parent's drive
+        # stops (resumable), and its resume replays the call, which finds the child.
+        raise ChildRunInterrupted(run_id, str(exc)) from exc
+    except trio.Cancelled:
+        if _parent_ended(ctx):
+            with trio.CancelScope(shield=True, deadline=trio.current_time() + CHILD_CANCEL_GRACE_S):
+                await _cancel_child(settings.store, run_id, ctx.run_id)
+        raise
+
+
+def _parent_ended(ctx: ToolContext) -> bool:
+    """Whether the parent run itself was cancelled or ran out of time (not just its drive)."""
+    asked = ctx.run_cancelled
+    return (asked is None or asked()) or trio.current_time() >= ctx.deadline
+
+
+_CANCEL_REASON: Final = "the parent run stopped waiting for it (cancelled, or out of time)"
+
+
+async def _cancel_child(store: RunStore, run_id: str, canceller: str) -> None:
+    """Append a cancel to the child's control stream: whoever drives it next finishes it."""
+    controls = control_of(store)
+    if controls is not None:
+        await controls.append_control(
+            repaired(
+                CancelRequested(
+                    run_id=run_id,
+                    ts=SystemClock().now_iso(),
+                    reason=_CANCEL_REASON,
+                    canceller=canceller,
+                )
+            )
+        )
+
+
+async def _linked(
+    settings: _Settings,
+    agent: Agent,
+    task: str,
+    hold: LeaseHold,
+    options: _Options,
+    link: _Link,
+    ctx: ToolContext,
+) -> RunResult:
     async with trio.open_nursery() as nursery:
         nursery.start_soon(link.watch)
         # Shielded: a cancel of this call reaches the child as a cancel (`_Link.watch`), not
@@ -284,8 +397,7 @@ class _Link:
 
     def _ends_child(self) -> bool:
         """Whether the parent run itself was cancelled or ran out of time (not just its drive)."""
-        asked = self.ctx.run_cancelled
-        return (asked is None or asked()) or trio.current_time() >= self.ctx.deadline
+        return _parent_ended(self.ctx)
 
     async def attach(self, handle: RunHandle) -> None:
         """The child is driven now; a cancel that came first is passed on at once."""
@@ -297,20 +409,8 @@ class _Link:
         handle = self.handle
         if handle is None or handle.result is not None:
             return  # not started yet (`attach` passes it on), or finished already
-        controls = control_of(self.store)
-        reason = "the parent run stopped waiting for it (cancelled, or out of time)"
-        if controls is not None:  # durable first: whoever drives the child next finishes it
-            await controls.append_control(
-                repaired(
-                    CancelRequested(
-                        run_id=self.run_id,
-                        ts=SystemClock().now_iso(),
-                        reason=reason,
-                        canceller=self.canceller,
-                    )
-                )
-            )
-        handle.cancel(reason, canceller=self.canceller)
+        await _cancel_child(self.store, self.run_id, self.canceller)  # durable first
+        handle.cancel(_CANCEL_REASON, canceller=self.canceller)
 
 
 async def _forward(handle: RunHandle, forward: Callable[[Event], None]) -> None:

@@ -36,7 +36,9 @@ from treadle.agent import Agent, RunInput, input_messages
 from treadle.metrics import MetricsRecorder
 from treadle.ports import EventSink, RunIndex, RunQueue, RunStore
 from treadle.stores._leases import LEASE_TTL_S, check_ttl, lease_owner
+from treadle.supervisors._fleet_drive import FleetDrive, current_drive
 from treadle.supervisors._leasing import LeaseHold, LeaseKeeper, leases_of
+from treadle.supervisors.children import parent_of
 from treadle.supervisors.run import (
     CONTROL_POLL_S,
     DEFAULT_ACTORS,
@@ -75,12 +77,14 @@ class FleetStatistics:
     """Counters of one worker since it opened.
 
     Attributes:
-        running: runs it drives now.
+        running: runs it drives now (those waiting on a child run included).
         claimed: claims it made (takeovers included).
         takeovers: claims of runs whose previous driver died.
         finished: runs it drove to their run-finished record.
         left: drives that ended without finishing the run (parked, drained, lease lost, an
             error; the run stays resumable).
+        waiting: runs it drives that wait on a child run queued in the fleet, their slots
+            freed (docs/child-runs.md, "In a fleet").
     """
 
     running: int
@@ -88,6 +92,7 @@ class FleetStatistics:
     takeovers: int
     finished: int
     left: int
+    waiting: int = 0
 
 
 @attrs.define(eq=False)
@@ -114,6 +119,9 @@ class Fleet:
     _metrics: MetricsRecorder | None = None
     _handles: dict[str, RunHandle] = attrs.Factory(dict)
     _driving: set[str] = attrs.Factory(set)  # claimed, not yet done (a handle or not yet)
+    _waiting: Counter[str] = attrs.Factory(Counter)  # driven, waiting on children: no slot
+    _returning: int = 0  # waiting drives whose child ended, about to take a slot again
+    _room: trio.lowlevel.ParkingLot = attrs.Factory(trio.lowlevel.ParkingLot)
     _wake: trio.Event = attrs.Factory(trio.Event)
     _draining: bool = False
     _claimed: int = 0
@@ -129,6 +137,7 @@ class Fleet:
             takeovers=self._takeovers,
             finished=self._finished,
             left=self._left,
+            waiting=len(self._waiting),
         )
 
     async def submit(self, agent: str, input: RunInput, *, run_id: str | None = None) -> str:
@@ -179,7 +188,7 @@ class Fleet:
 
     async def _claim_loop(self) -> None:
         while not self._draining:
-            free = self._max_running - len(self._driving)
+            free = self._max_running - self._busy() - self._returning
             if free > 0:
                 for made in await self._claim(free):
                     self._driving.add(made.lease.run_id)
@@ -191,6 +200,48 @@ class Fleet:
             self._wake = trio.Event()
             with trio.move_on_after(self._poll_s):
                 await self._wake.wait()
+
+    def _busy(self) -> int:
+        """Slots taken: runs driven here, less those waiting on a child."""
+        return len(self._driving) - len(self._waiting)
+
+    @asynccontextmanager
+    async def _waiting_on_child(self, run_id: str) -> AsyncIterator[None]:
+        """Free ``run_id``'s slot for the block; then take a slot again, before new claims.
+
+        A parent that waits on its child holds no slot, so parents can never hold every slot
+        while their children wait (docs/child-runs.md, "In a fleet").
+        """
+        self._waiting[run_id] += 1  # one count per call waiting (parallel calls of a step)
+        self._room.unpark_all()
+        self._wake.set()  # the claim loop may claim into the freed slot (the child, say)
+        try:
+            yield
+        finally:
+            if self._waiting[run_id] == 1:  # the run's last waiting call: take a slot again
+                self._returning += 1
+                try:
+                    while self._busy() >= self._max_running:
+                        await self._room.park()
+                finally:
+                    self._returning -= 1
+            self._waiting[run_id] -= 1
+            if self._waiting[run_id] <= 0:
+                del self._waiting[run_id]
+
+    def _drive_of(self, run_id: str) -> FleetDrive:
+        async def submit(agent: str, task: str, child_id: str) -> object:
+            return await self.submit(agent, task, run_id=child_id)
+
+        return FleetDrive(
+            run_id=run_id,
+            store=self._store,
+            submit=submit,
+            result=lambda child_id, poll_s, output_type: wait_result(
+                self._store, child_id, poll_s=poll_s, output_type=output_type
+            ),
+            waiting=lambda: self._waiting_on_child(run_id),
+        )
 
     async def _claim(self, free: int) -> tuple[Claim, ...]:
         try:
@@ -219,9 +270,10 @@ class Fleet:
             expire_on_failure=True,
         )
         hold.adopt(made.lease)
-        options = attrs.evolve(self._options, agent_name=made.agent)
+        options = attrs.evolve(self._options, agent_name=made.agent, parent=parent_of(run_id))
         handle: RunHandle | None = None
         finished = False
+        current_drive.set(self._drive_of(run_id))  # this task's context: the run's tools see it
         try:
             agent = self._agents[made.agent]()
             run_input = made.submission.input if made.submission is not None else None
@@ -246,6 +298,8 @@ class Fleet:
                 self._left += 1
             self._handles.pop(run_id, None)
             self._driving.discard(run_id)
+            self._waiting.pop(run_id, None)
+            self._room.unpark_all()
             if self._metrics is not None:
                 self._metrics.running(len(self._driving))
             self._wake.set()

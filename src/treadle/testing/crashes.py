@@ -26,7 +26,7 @@ from __future__ import annotations
 import json
 import os
 import secrets
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, Final, Literal
 
@@ -479,18 +479,22 @@ async def _crash_and_resume(
     return _resume_counts(name, log, entries, len(survived.records))
 
 
-async def _crash(store: RunStore, crash: _Crash, ledger: Path, run_id: str, name: str) -> _Recorder:
+def _crashing(
+    store: RunStore, crash: _Crash
+) -> tuple[CrashingStore, Callable[[ActionExecutor], ActionExecutor] | None]:
+    """The store that dies at ``crash`` and, for a crash in an action, the executor wrapper."""
     if crash.label == "store":
-        crashing = CrashingStore(inner=store, crash_at=crash.at, when=crash.when)
-        wrap = None
-    else:
-        crashing = CrashingStore(inner=store, crash_at=10**9)
+        return CrashingStore(inner=store, crash_at=crash.at, when=crash.when), None
+    crashing = CrashingStore(inner=store, crash_at=10**9)
 
-        def wrap(executor: ActionExecutor) -> ActionExecutor:
-            return CrashingExecutor(
-                inner=executor, crash_at=crash.at, when=crash.when, store=crashing
-            )
+    def wrap(executor: ActionExecutor) -> ActionExecutor:
+        return CrashingExecutor(inner=executor, crash_at=crash.at, when=crash.when, store=crashing)
 
+    return crashing, wrap
+
+
+async def _crash(store: RunStore, crash: _Crash, ledger: Path, run_id: str, name: str) -> _Recorder:
+    crashing, wrap = _crashing(store, crash)
     recorder = _Recorder(crashing)
     try:
         await run(
@@ -737,17 +741,7 @@ async def _crash_thread(
 async def _crash_continuation(
     store: RunStore, crash: _Crash, ledger: Path, root: str, name: str
 ) -> _Recorder:
-    if crash.label == "store":
-        crashing = CrashingStore(inner=store, crash_at=crash.at, when=crash.when)
-        wrap = None
-    else:
-        crashing = CrashingStore(inner=store, crash_at=10**9)
-
-        def wrap(executor: ActionExecutor) -> ActionExecutor:
-            return CrashingExecutor(
-                inner=executor, crash_at=crash.at, when=crash.when, store=crashing
-            )
-
+    crashing, wrap = _crashing(store, crash)
     recorder = _Recorder(crashing)
     try:
         await run(
