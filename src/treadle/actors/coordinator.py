@@ -24,7 +24,7 @@ from treadle._exceptions import SeamViolation
 from treadle._output import OutputSpec
 from treadle._state import PendingStep, RunView
 from treadle._text import repaired
-from treadle.actors._rpc import StepScope, request
+from treadle.actors._rpc import ReplySlot, StepScope, request
 from treadle.actors.executor import ActionsOutcome, RunActions
 from treadle.actors.gateway import CallModel, ModelOutcome
 from treadle.actors.hydrator import Compaction, Hydrate
@@ -796,7 +796,7 @@ R = TypeVar("R")
 async def _bounded(
     scope: StepScope,
     inbox: trio.MemorySendChannel[Q],
-    make: Callable[[trio.MemorySendChannel[R]], Q],
+    make: Callable[[ReplySlot[R]], Q],
 ) -> R:
     """Request/reply whose wait ends at the step's deadline plus a grace period.
 

@@ -30,7 +30,7 @@ from treadle._clock import Clock
 from treadle._exceptions import SeamViolation
 from treadle._text import valid_unicode
 from treadle._toolhost import HostedCall, ToolHost, current_host
-from treadle.actors._rpc import StepScope, reply
+from treadle.actors._rpc import ReplySlot, StepScope, reply
 from treadle.actors.writer import WriterClient
 from treadle.ports import ActionExecutor
 from treadle.types import (
@@ -79,7 +79,7 @@ class RunActions:
     calls: tuple[ToolCall, ...]
     existing: tuple[ActionIntent, ...]
     scope: StepScope
-    reply_to: trio.MemorySendChannel[ActionsOutcome]
+    reply_to: ReplySlot[ActionsOutcome]
     rejected: Mapping[str, str] = attrs.field(factory=dict)
     handed: list[ActionIntent] = attrs.field(factory=list)
     revisions: Mapping[str, tuple[int, ...]] = attrs.field(factory=dict)
@@ -311,8 +311,7 @@ class ToolExecutor:
         durable = await self.writer.send_barrier(StoreOp.INTENT, intent)
         written.append(intent)
         handed.append(intent)
-        with durable:
-            await durable.receive()
+        await durable.receive()
 
     async def _perform(
         self,

@@ -14,6 +14,7 @@ import attrs
 import trio
 
 from treadle._exceptions import StoreError
+from treadle.actors._rpc import ReplySlot
 from treadle.metrics import MetricsRecorder
 from treadle.ports import EventSink, RunStore
 from treadle.redaction import NO_REDACTION, Redaction
@@ -75,7 +76,7 @@ class Append:
 
     op: StoreOp
     records: tuple[Record, ...]
-    reply_to: trio.MemorySendChannel[int] | None = None
+    reply_to: ReplySlot[int] | None = None
 
 
 @attrs.frozen(kw_only=True)
@@ -589,24 +590,19 @@ class WriterClient:
             trio.EndOfChannel: the writer failed before answering (its error ends the run).
         """
         pending = await self.send_barrier(op, *records)
-        with pending:
-            return await pending.receive()
+        return await pending.receive()
 
-    async def send_barrier(self, op: StoreOp, *records: Record) -> trio.MemoryReceiveChannel[int]:
-        """Hand a barrier write to the writer; await the returned channel for durability.
+    async def send_barrier(self, op: StoreOp, *records: Record) -> ReplySlot[int]:
+        """Hand a barrier write to the writer; await the returned slot's ``receive()``.
 
         Once this returns, the write is queued and will happen even if the caller is then
-        cancelled (so a cancelled caller knows whether its intent may be in the log).
+        cancelled (so a cancelled caller knows whether its intent may be in the log). The
+        slot's ``receive()`` returns the seq of the last record once the write is durable,
+        or raises `trio.EndOfChannel` when the writer failed before answering.
         """
-        # 1: the reply slot.
-        send, recv = trio.open_memory_channel[int](1)
-        try:
-            await self.inbox.send(Append(op=op, records=records, reply_to=send))
-        except BaseException:
-            send.close()
-            recv.close()
-            raise
-        return recv
+        slot = ReplySlot[int]()
+        await self.inbox.send(Append(op=op, records=records, reply_to=slot))
+        return slot
 
     def delta(self, channel: str, text: str) -> None:
         """Offer an ephemeral delta; dropped when the writer's inbox is full.
