@@ -395,19 +395,18 @@ class RunCoordinator:
         started: float,
         output: JSONValue = None,
     ) -> StopReason | None:
-        record = StepRecord(
-            run_id=self.run_id,
-            step=step,
-            ts="",
-            model_intent_id=intent_id,
-            decision=parsed.kind,
-            history_message=parsed.history_message,
-            feedback=parsed.feedback,
-            model_output_text=parsed.history_message.content,
-            visible_output_chars=len(parsed.history_message.content or ""),
-            output=output,
-            repairs=tuple(parsed.repairs),
-        )
+        fields: dict[str, Any] = {
+            "run_id": self.run_id,
+            "step": step,
+            "model_intent_id": intent_id,
+            "decision": parsed.kind,
+            "history_message": parsed.history_message,
+            "feedback": parsed.feedback,
+            "model_output_text": parsed.history_message.content,
+            "visible_output_chars": len(parsed.history_message.content or ""),
+            "output": output,
+            "repairs": tuple(parsed.repairs),
+        }
         results: tuple[ActionResult, ...] | None = None
         if parsed.kind is DecisionKind.ACTIONS:
             approved = await self._approvals(step, parsed.actions)
@@ -418,13 +417,14 @@ class RunCoordinator:
             if outcome.stop is not None:
                 if outcome.results:  # cancelled or cut by the time budget: kept, late
                     self._late = outcome.results
-                    self._late_step = attrs.evolve(
-                        record, action_result_ids=tuple(r.intent_id for r in outcome.results)
+                    self._late_step = StepRecord(
+                        ts="",
+                        action_result_ids=tuple(r.intent_id for r in outcome.results),
+                        **fields,
                     )
                 return outcome.stop
             results = outcome.results
-            record = attrs.evolve(
-                record,
+            fields.update(
                 observations=outcome.observations,
                 observation_truncated_chars=sum(
                     r.outcome.observation_truncated_chars for r in results
@@ -436,7 +436,8 @@ class RunCoordinator:
         elif parsed.kind is DecisionKind.FINAL_ANSWER:
             self._final_answer = parsed.text
             self._answer_output = output
-        record = attrs.evolve(record, ts=self.clock.now_iso(), active_s=self._elapsed(started))
+        # one record, built once its fields are known (a step record is wide)
+        record = StepRecord(ts=self.clock.now_iso(), active_s=self._elapsed(started), **fields)
         await self._write_step(record, results)
         return None
 
