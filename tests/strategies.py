@@ -171,6 +171,7 @@ action_outcomes = _build(
     stale_resource=st.none() | texts,
     child_run_id=st.none() | ids,
     usage=st.none() | usages,
+    images=_tuples(image_refs, 2),
 )
 actions = _build(
     t.Action,
@@ -298,6 +299,7 @@ step_records = _build(
     model_output_text=st.none() | texts,
     visible_output_chars=counts,
     observations=_tuples(texts),
+    observation_images=_tuples(_tuples(image_refs, 2), 2),
     observation_truncated_chars=counts,
     task_completed=st.booleans(),
     action_result_ids=_tuples(ids),

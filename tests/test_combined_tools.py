@@ -188,6 +188,7 @@ def test_the_combined_executor_has_every_policy_method():
         "invalid_arguments",
         "timeout_s",
         "writes",
+        "image_source",
     }
     assert all(callable(getattr(treadle.CombinedTools, name, None)) for name in wanted)
 

@@ -73,6 +73,7 @@ TREADLE = sorted(
         "SystemClock",
         "Tool",
         "ToolContext",
+        "ToolResult",
         "Toolbox",
         "TreadleError",
         "Usage",

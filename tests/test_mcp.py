@@ -211,6 +211,8 @@ async def _calls(tools: McpTools, ledger: Path) -> None:
     ref = image.split()[1]
     assert image == f"[image {ref} image/png, {len(mcp_server.PNG)} bytes]"
     assert tools.image_source(ImageRef(url=ref)) == mcp_server.PNG
+    sha = ref.removeprefix("ref:mcp-")
+    assert chart.images == (ImageRef(url=ref, digest=f"sha256:{sha}", media_type="image/png"),)
     with pytest.raises(KeyError):
         tools.image_source(ImageRef(url="ref:mcp-0"))
     invalid = await tools.execute(_action("charge", "i-bad", account="a", cents=0))
@@ -501,3 +503,47 @@ async def test_the_block_owns_the_session_and_its_server_process(tmp_path):
             raise Boom
     with pytest.raises(ProcessLookupError):
         os.kill(entry["pid"], 0)  # stopped and reaped when the block ended
+
+
+async def test_options_of_the_wrong_type_are_clear_errors_not_guesses():
+    """``include="tag"`` is no collection of names (it would be the letters t, a, g);
+    ``requires_approval="no"`` would be true; ``timeout_s=True`` would be 1 s."""
+    from mcp.server import MCPServer
+
+    server = MCPServer("one")
+
+    @server.tool()
+    def tag(item: str) -> str:
+        """Tag an item."""
+        return f"tagged {item}"
+
+    with pytest.raises(
+        UsageError, match=r"include takes a collection of tool names, e\.g\. \('tag',\)"
+    ):
+        async with open_mcp_tools(server, include="tag"):
+            pass
+    with pytest.raises(UsageError, match="prefix must be a string"):
+        async with open_mcp_tools(server, prefix=None):
+            pass
+    with pytest.raises(UsageError, match="requires_approval must be True, False or None"):
+        McpToolOptions(requires_approval="no")
+    with pytest.raises(UsageError, match="timeout_s must be a positive number"):
+        async with open_mcp_tools(server, tools={"tag": McpToolOptions(timeout_s=True)}):
+            pass
+    async with open_mcp_tools(server, include=("tag",)) as tools:
+        assert [s.name for s in tools.tool_specs()] == ["tag"]
+
+
+async def test_a_server_that_never_answers_the_handshake_is_an_environment_failure():
+    """A process that starts but never speaks MCP: opening its session fails after
+    ``connect_timeout_s`` with a clear error, it does not wait forever."""
+    silent = StdioServerParameters(
+        command=sys.executable, args=["-c", "import sys; sys.stdin.read()"]
+    )
+    with trio.fail_after(60):  # a hang limit: the open fails long before it
+        with pytest.raises(EnvironmentFailure, match=r"could not be opened.*did not answer"):
+            async with open_mcp_tools(silent, connect_timeout_s=0.5):
+                pass
+    with pytest.raises(UsageError, match="connect_timeout_s must be a positive number"):
+        async with open_mcp_tools(silent, connect_timeout_s=0):
+            pass

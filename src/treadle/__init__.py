@@ -67,6 +67,7 @@ if TYPE_CHECKING:  # each name loads with its module on first use (docs/design.m
     from treadle.tools import Tool as Tool
     from treadle.tools import Toolbox as Toolbox
     from treadle.tools import ToolContext as ToolContext
+    from treadle.tools import ToolResult as ToolResult
     from treadle.tools import tool as tool
     from treadle.types import ActionStatus as ActionStatus
     from treadle.types import Budgets as Budgets
@@ -128,6 +129,7 @@ __getattr__ = lazy_names(
         "SystemClock": "treadle._clock",
         "Tool": "treadle.tools",
         "ToolContext": "treadle.tools",
+        "ToolResult": "treadle.tools",
         "Toolbox": "treadle.tools",
         "Usage": "treadle.types",
         "agent_tool": "treadle.supervisors.children",
@@ -200,6 +202,7 @@ __all__ = [
     "SystemClock",
     "Tool",
     "ToolContext",
+    "ToolResult",
     "Toolbox",
     "TreadleError",
     "Usage",

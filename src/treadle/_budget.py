@@ -165,7 +165,7 @@ def with_markers(group: Group, meter: Meter) -> tuple[Group, int]:
         size = meter.tokens([message])
         if message.role == "tool" and size >= MARK_MIN_TOKENS:
             text = marker(group.step, message, size)
-            out.append(attrs.evolve(message, content=text))
+            out.append(attrs.evolve(message, content=text, images=()))  # re-fetched too
             count += 1
         else:
             out.append(message)

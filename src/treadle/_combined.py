@@ -24,7 +24,7 @@ import trio
 
 from treadle._exceptions import UsageError
 from treadle.ports import ActionExecutor
-from treadle.types import Action, ActionOutcome, ActionStatus, ReplayPolicy, ToolSpec
+from treadle.types import Action, ActionOutcome, ActionStatus, ImageRef, ReplayPolicy, ToolSpec
 
 __all__ = ["CombinedTools", "ToolPart", "combine_tools"]
 
@@ -185,6 +185,23 @@ class CombinedTools:
         """The key template of the resource ``tool`` writes, as its owner says (else ``None``)."""
         found = self._ask(tool, "writes")
         return None if found is None else found[0](found[1])
+
+    def image_source(self, image: ImageRef) -> bytes:
+        """The bytes of ``image`` from the first part that keeps it, in part order.
+
+        Raises:
+            KeyError: no part keeps it (or no part has an ``image_source``).
+        """
+        for _, part in self._parts:
+            source = getattr(part, "image_source", None)
+            if source is None:
+                continue
+            try:
+                data: bytes = source(image)
+            except LookupError:
+                continue
+            return data
+        raise KeyError(image.url)
 
     async def execute(self, action: Action) -> ActionOutcome:
         """Hand ``action`` to the part that owns its tool, under the tool's name there.

@@ -343,10 +343,12 @@ async def decide(
     Raises:
         UsageError: the run does not exist, finished, waits on no approval, waits on
             another call, already has a decision for that call in its control stream (the
-            first one counts; two deciders racing both write, and the first written wins),
-            both ``reject`` and ``edit`` were given, the edit does not fit the tool's
-            argument schema in the run's parameter snapshot (nothing is written then), or
-            the store has no control streams.
+            first one counts), both ``reject`` and ``edit`` were given, the edit does not
+            fit the tool's argument schema in the run's parameter snapshot (nothing is
+            written then), or the store has no control streams. Also when two deciders
+            raced: both wrote, and this decision, written after the other one, does not
+            count (the message names the one that does; the record stays in the
+            append-only stream, where the run's driver passes over it).
         StoreError: the write failed.
     """
     if reject is not None and edit is not None:
@@ -377,6 +379,14 @@ async def decide(
         snapshot=current_snapshot(log),
     )
     await controls.append_control(decided)
+    written = [r for r in await read_control(store, run_id) if isinstance(r, ApprovalDecided)]
+    first = next((r for r in written if matches(r, request)), decided)
+    if first != decided:
+        raise UsageError(
+            f"call {request.call_id!r} of run {run_id!r}: another decision ({first.decision}) "
+            f"was written just before this one ({decided.decision}); the first decision counts, "
+            "so this one, written after it, does not count"
+        )
     return decided
 
 

@@ -38,8 +38,10 @@ Outcomes (docs/seams.md, "Action executor"):
 * anything else the SDK raises (a result that is no valid MCP result, say) propagates: the
   run is interrupted and stays resumable, the call's outcome unknown;
 * a result: EXECUTED; text blocks, structured content (compact JSON, when no text block
-  already holds it), images (image references, `McpTools.image_source`), audio, resource
-  links and embedded resources map onto the observation (docs/mcp.md, "Results").
+  already holds it), audio, resource links and embedded resources map onto the
+  observation; images become the outcome's ``images`` (references the session resolves,
+  `McpTools.image_source`), each also named by a line of the observation (docs/mcp.md,
+  "Results").
 
 Every call carries the action's intent id in its ``_meta`` as ``treadle/idempotency-key``, and
 ``treadle/replay: true`` when resume re-sends a ``safe`` call.
@@ -114,6 +116,8 @@ _TRANSPORT_ERRORS: Final = (
     anyio.EndOfStream,
 )
 _NOT_RUN: Final = frozenset({mcp_types.METHOD_NOT_FOUND, mcp_types.INVALID_PARAMS})
+_SDK_TIMEOUT_MARGIN_S: Final = 60.0
+"""How far past a call's ``timeout_s`` the SDK's own read timeout of that request is set."""
 
 
 def _policy(value: ReplayPolicy | None) -> ReplayPolicy | None:
@@ -126,6 +130,12 @@ def _names(value: Collection[str]) -> frozenset[str]:
     if isinstance(value, str):
         raise UsageError(f"secret_arguments takes a collection of names, e.g. ({value!r},)")
     return frozenset(value)
+
+
+def _approval(value: bool | None) -> bool | None:
+    if value is not None and not isinstance(value, bool):
+        raise UsageError(f"requires_approval must be True, False or None, got {value!r}")
+    return value
 
 
 @attrs.frozen(kw_only=True)
@@ -145,11 +155,12 @@ class McpToolOptions:
             ``action.intent_id``, the idempotency key it was sent).
 
     Raises:
-        UsageError: ``replay`` is no `ReplayPolicy`, ``secret_arguments`` is a string.
+        UsageError: ``replay`` is no `ReplayPolicy`, ``requires_approval`` no bool or
+            ``None``, ``secret_arguments`` is a string.
     """
 
     replay: ReplayPolicy | None = attrs.field(default=None, converter=_policy)
-    requires_approval: bool | None = None
+    requires_approval: bool | None = attrs.field(default=None, converter=_approval)
     timeout_s: float | None = None
     secret_arguments: frozenset[str] = attrs.field(default=frozenset(), converter=_names)
     reconcile: ReconcileHook | None = None
@@ -296,8 +307,11 @@ class McpTools:
     def image_source(self, image: ImageRef) -> bytes:
         """The bytes of an image a tool result of this session returned.
 
-        Pass it as a model client's ``image_source``. The session keeps the last 256 images
-        in memory; the log holds only their reference.
+        A run whose executor holds this session asks it by itself (nothing to wire:
+        `treadle.ports.ToolPolicies`; docs/mcp.md, "Results"). The session keeps the last 256
+        images in memory; the log holds only their reference, so a run resumed in another
+        session cannot send an earlier session's images (docs/models.md, "Images returned by
+        tools").
 
         Raises:
             KeyError: the reference is not one of those images.
@@ -330,6 +344,9 @@ class McpTools:
                 result = await self._client.call_tool(
                     found.server_name,
                     dict(action.arguments),
+                    # the call's own timeout (above) ends it first: the session's
+                    # connect_timeout_s bounds the handshake and listing only
+                    read_timeout_seconds=found.timeout_s + _SDK_TIMEOUT_MARGIN_S,
                     meta=mcp_types.RequestParamsMeta(**meta),  # type: ignore[typeddict-item]
                 )
             except Exception as exc:
@@ -363,7 +380,8 @@ class McpTools:
         return ActionOutcome(status=ActionStatus.ENV_ERROR, observation=detail, detail=detail)
 
     def _observed(self, result: mcp_types.CallToolResult) -> ActionOutcome:
-        parts = [self._block_text(block) for block in result.content]
+        images: list[ImageRef] = []
+        parts = [self._block_text(block, images) for block in result.content]
         structured = result.structured_content
         if structured is not None and not any(
             _holds(block, structured) for block in result.content
@@ -372,13 +390,13 @@ class McpTools:
         text = "\n".join(parts)
         if result.is_error:
             text = f"Error: {text}" if text else "Error: the tool reported an error, no text"
-        return ActionOutcome(status=ActionStatus.EXECUTED, observation=text)
+        return ActionOutcome(status=ActionStatus.EXECUTED, observation=text, images=tuple(images))
 
-    def _block_text(self, block: mcp_types.ContentBlock) -> str:
+    def _block_text(self, block: mcp_types.ContentBlock, images: list[ImageRef]) -> str:
         if isinstance(block, mcp_types.TextContent):
             return block.text
         if isinstance(block, mcp_types.ImageContent):
-            return self._keep_image(block)
+            return self._keep_image(block, images)
         if isinstance(block, mcp_types.AudioContent):
             return f"[audio {block.mime_type}, {_size(block.data)} bytes, not kept]"
         if isinstance(block, mcp_types.ResourceLink):
@@ -389,7 +407,7 @@ class McpTools:
         kind = resource.mime_type or "unknown type"
         return f"[resource {resource.uri}: {kind}, {_size(resource.blob)} bytes, not kept]"
 
-    def _keep_image(self, block: mcp_types.ImageContent) -> str:
+    def _keep_image(self, block: mcp_types.ImageContent, images: list[ImageRef]) -> str:
         try:
             data = base64.b64decode(block.data, validate=True)
         except (binascii.Error, ValueError):
@@ -402,6 +420,7 @@ class McpTools:
         self._images[ref.url] = data
         while len(self._images) > _MAX_IMAGES:
             del self._images[next(iter(self._images))]
+        images.append(ref)
         return f"[image {ref.url} {block.mime_type}, {len(data)} bytes]"
 
     async def reconcile(self, action: Action) -> ActionOutcome | None:
@@ -503,7 +522,8 @@ def _tool(
 
 
 def _check_timeout(value: float, what: str) -> None:
-    if not (isinstance(value, int | float) and math.isfinite(value) and value > 0):
+    number = isinstance(value, int | float) and not isinstance(value, bool)
+    if not (number and math.isfinite(value) and value > 0):
         raise UsageError(f"{what} must be a positive number of seconds, got {value!r}")
 
 
@@ -522,6 +542,10 @@ def _build_tools(
         UsageError: as `open_mcp_tools` says.
     """
     _check_timeout(default_timeout_s, "default_timeout_s")
+    if isinstance(include, str):
+        raise UsageError(f"include takes a collection of tool names, e.g. ({include!r},)")
+    if not isinstance(prefix, str):
+        raise UsageError(f"prefix must be a string, got {prefix!r}")
     names = [entry.name for entry in listed]
     wanted = set(names) if include is None else set(include)
     missing = sorted((wanted | set(options)) - set(names))
@@ -598,17 +622,22 @@ class _FailedRequestAsError(httpx2.AsyncBaseTransport):
 
 
 @asynccontextmanager
-async def _connected(server: McpServer) -> AsyncIterator[Client]:
-    """An open `mcp.Client` of ``server`` (a URL gets `_FailedRequestAsError` under it)."""
+async def _connected(server: McpServer, read_timeout_s: float) -> AsyncIterator[Client]:
+    """An open `mcp.Client` of ``server`` (a URL gets `_FailedRequestAsError` under it).
+
+    ``read_timeout_s`` bounds each request of the session that sets no timeout of its own
+    (the handshake, the tool listing).
+    """
     if not isinstance(server, str):
-        async with Client(server) as client:
+        async with Client(server, read_timeout_seconds=read_timeout_s) as client:
             yield client
         return
     http = httpx2.AsyncClient(
         timeout=httpx2.Timeout(30.0, read=300.0),  # the SDK's defaults
         transport=_FailedRequestAsError(httpx2.AsyncHTTPTransport()),
     )
-    async with http, Client(streamable_http_client(server, http_client=http)) as client:
+    transport = streamable_http_client(server, http_client=http)
+    async with http, Client(transport, read_timeout_seconds=read_timeout_s) as client:
         yield client
 
 
@@ -621,6 +650,7 @@ async def open_mcp_tools(
     include: Collection[str] | None = None,
     prefix: str = "",
     default_timeout_s: float = 30.0,
+    connect_timeout_s: float = 30.0,
 ) -> AsyncIterator[McpTools]:
     """Connect to an MCP server, list its tools, and yield them as an action executor.
 
@@ -636,20 +666,25 @@ async def open_mcp_tools(
         include: the server's tool names to offer (default: all of them).
         prefix: put before every name the model sees (e.g. ``"github_"``).
         default_timeout_s: seconds one call may run when its options set none.
+        connect_timeout_s: seconds the server may take to answer each request of the
+            handshake and the tool listing (a server that never answers fails then).
 
     Raises:
-        UsageError: a URL that is not ``http(s)``, ``tools`` or ``include`` naming a tool the
-            server does not list, a name that is not 1-64 characters of ``[A-Za-z0-9_-]``
-            with the prefix, a server schema that is no valid JSON schema, a bad timeout, or
-            secret arguments the schema does not have.
+        UsageError: a URL that is not ``http(s)``, ``include`` that is a string (not a
+            collection of names), a ``prefix`` that is no string, ``tools`` or ``include``
+            naming a tool the server does not list, a name that is not 1-64 characters of
+            ``[A-Za-z0-9_-]`` with the prefix, a server schema that is no valid JSON
+            schema, a bad timeout, or secret arguments the schema does not have.
         EnvironmentFailure: the server cannot be reached, its command cannot start, or it
-            fails the handshake or the tool listing (the SDK's error is the ``__cause__``).
+            fails the handshake or the tool listing or does not answer them within
+            ``connect_timeout_s`` (the SDK's error is the ``__cause__``).
     """
     target = _target(server)
+    _check_timeout(connect_timeout_s, "connect_timeout_s")
     problem: UsageError | None = None
     entered = False
     try:
-        async with _connected(target) as client:
+        async with _connected(target, connect_timeout_s) as client:
             try:
                 chosen = _build_tools(
                     await _list_tools(client),
@@ -669,9 +704,11 @@ async def open_mcp_tools(
         if entered:
             raise  # the block's own error, or the session's while the block ran
         leaf = _leaf(exc)
+        silent = isinstance(leaf, MCPError) and leaf.code == mcp_types.REQUEST_TIMEOUT
+        why = f"; it did not answer within {connect_timeout_s:g} s" if silent else ""
         raise EnvironmentFailure(
             f"the MCP session with {_describe(target)} could not be opened: "
-            f"{type(leaf).__name__}: {leaf}"
+            f"{type(leaf).__name__}: {leaf}{why}"
         ) from exc
     if problem is not None:
         raise problem

@@ -23,6 +23,7 @@ from treadle.types import (
     ControlEntry,
     ControlRecord,
     Event,
+    ImageRef,
     Lease,
     Message,
     ModelIntent,
@@ -153,6 +154,15 @@ class ToolPolicies(Protocol):
 
     def writes(self, tool: str) -> str | None:
         """The key template of the resource ``tool`` writes (default: ``None``)."""
+        ...
+
+    def image_source(self, image: ImageRef) -> bytes:
+        """The bytes of a ``ref:`` image one of the executor's tool results returned.
+
+        The model client asks it when its own ``image_source`` does not hold the image
+        (docs/models.md, "Images returned by tools"); it raises `LookupError` for an image
+        it does not keep (default: the executor keeps none).
+        """
         ...
 
 

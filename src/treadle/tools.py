@@ -42,9 +42,10 @@ no coercion, no extra keys) before the tool runs (docs/concepts.md, "Data that s
   (a process tool's process is killed); a thread tool that is still running is abandoned:
   UNKNOWN, ``Error: the call to X timed out after N s and was abandoned while it still
   ran; its outcome is unknown``;
-* the tool returned: EXECUTED; a ``str`` is the observation as is, anything else compact
-  JSON (attrs instances, enums and datetimes unstructured by cattrs); an `ActionOutcome`
-  is the outcome as is (a child-run tool's, `treadle.agent_tool`);
+* the tool returned: EXECUTED; a ``str`` is the observation as is, a `ToolResult` its
+  ``text`` with its ``images``, anything else compact JSON (attrs instances, enums and
+  datetimes unstructured by cattrs); an `ActionOutcome` is the outcome as is (a child-run
+  tool's, `treadle.agent_tool`);
 * a tool that writes a resource (``writes=``) the run never read, or whose base revision
   argument names a revision the run never read: NOT_EXECUTED, before it runs;
 * the tool raised `treadle.revisions.StaleWrite`: NOT_EXECUTED with ``stale_resource`` set;
@@ -88,9 +89,25 @@ from treadle._exceptions import (
 from treadle._schema import Invalid, ToolSignature, read_signature
 from treadle._toolhost import LOG
 from treadle.revisions import Observed, ResourceTemplate, StaleWrite, check_write, is_revision
-from treadle.types import Action, ActionOutcome, ActionStatus, Event, ReplayPolicy, ToolSpec
+from treadle.types import (
+    Action,
+    ActionOutcome,
+    ActionStatus,
+    Event,
+    ImageRef,
+    ReplayPolicy,
+    ToolSpec,
+)
 
-__all__ = ["EnvironmentFailure", "ReconcileHook", "Tool", "ToolContext", "Toolbox", "tool"]
+__all__ = [
+    "EnvironmentFailure",
+    "ReconcileHook",
+    "Tool",
+    "ToolContext",
+    "ToolResult",
+    "Toolbox",
+    "tool",
+]
 
 ToolFunction: TypeAlias = Callable[..., Any]
 """A tool function: ``async def`` or plain ``def`` with annotated keyword-compatible
@@ -154,6 +171,45 @@ class ToolContext:
     deadline: float = math.inf
     forward_event: Callable[[Event], None] | None = attrs.field(default=None, eq=False, repr=False)
     run_cancelled: Callable[[], bool] | None = attrs.field(default=None, eq=False, repr=False)
+
+
+def _image_refs(value: Sequence[ImageRef]) -> tuple[ImageRef, ...]:
+    images = tuple(value)
+    for image in images:
+        if not isinstance(image, ImageRef):
+            raise UsageError(
+                f"a tool result's images are ImageRef references, never bytes; got {image!r:.80}"
+            )
+    return images
+
+
+@attrs.frozen(kw_only=True)
+class ToolResult:
+    """What a tool returns to show the model images beside its text.
+
+    ::
+
+        @tool
+        async def screenshot(page: str) -> ToolResult:
+            key = save_png(page)  # your storage; your image_source reads it back
+            return ToolResult(text=f"{page} rendered", images=[ImageRef(url=f"ref:{key}")])
+
+    The images enter the log as references only (docs/concepts.md, "Data that stays in"): an
+    ``http(s)`` URL the provider fetches, or a ``ref:<name>`` key that the model client's
+    ``image_source`` resolves to bytes for every request, this run's and a resumed one's
+    (docs/models.md, "Images returned by tools"). Wrap it in `treadle.revisions.Observed` to
+    report a revision too.
+
+    Attributes:
+        text: the observation text.
+        images: the images, in order (a sequence is stored as a tuple).
+
+    Raises:
+        UsageError: an image is not an `treadle.types.ImageRef` (bytes, a path, a str).
+    """
+
+    text: str = ""
+    images: tuple[ImageRef, ...] = attrs.field(default=(), converter=_image_refs)
 
 
 @attrs.frozen(kw_only=True, eq=False)
@@ -746,6 +802,9 @@ class Toolbox:
                 return ActionOutcome(status=ActionStatus.EXECUTED, observation=text, detail=text)
             revisions[key] = result.revision
             result = result.value
+        images: tuple[ImageRef, ...] = ()
+        if isinstance(result, ToolResult):
+            result, images = result.text, result.images
         try:
             observation = observation_of(result)
         except (TypeError, ValueError) as exc:
@@ -763,13 +822,26 @@ class Toolbox:
                 observation=observation,
                 task_completed=found.completes_task,
                 detail=detail,
+                images=images,
             )
         return ActionOutcome(
             status=ActionStatus.EXECUTED,
             observation=observation,
             task_completed=found.completes_task,
             revisions=revisions,
+            images=images,
         )
+
+    def image_source(self, image: ImageRef) -> bytes:
+        """A toolbox keeps no image bytes: its tools' ``ref:`` images are the caller's.
+
+        They resolve through the model client's ``image_source`` (docs/models.md, "Images
+        returned by tools").
+
+        Raises:
+            KeyError: always.
+        """
+        raise KeyError(image.url)
 
     async def reconcile(self, action: Action) -> ActionOutcome | None:
         """Ask the tool's reconcile hook what an interrupted call did.

@@ -194,7 +194,8 @@ class Message:
     Attributes:
         role: ``system``, ``user``, ``assistant`` or ``tool``.
         content: the text; ``None`` for a tool-only assistant turn (kept as null, never "").
-        images: images attached to a user message, in order after the text.
+        images: images attached to a ``user`` message, or returned by the tool call a
+            ``tool`` message answers (docs/models.md, "Images"), in order after the text.
         tool_calls: the calls of an assistant turn, in the order the model gave them.
         tool_call_id: for ``tool`` messages, the call this answers.
         name: for ``tool`` messages, the tool name.
@@ -461,6 +462,10 @@ class ActionOutcome:
         usage: model tokens the call spent on the run's behalf (a child run's totals);
             counted in the run's token budget. ``None`` (and left out of the log) for
             calls that report none.
+        images: images the call returned, in order, sent to the model with the observation
+            (docs/models.md, "Images returned by tools"); references only, never bytes.
+            Only an EXECUTED outcome's images enter history. Empty (and left out of the
+            log) for a result without images.
     """
 
     status: ActionStatus
@@ -473,6 +478,7 @@ class ActionOutcome:
     stale_resource: str | None = None
     child_run_id: str | None = None
     usage: Usage | None = None
+    images: tuple[ImageRef, ...] = ()
 
 
 @attrs.frozen(kw_only=True)
@@ -800,6 +806,9 @@ class StepRecord:
         model_output_text: the visible text that entered history.
         visible_output_chars: the full length of the visible output, in characters.
         observations: per action, the observation text that entered history, in call order.
+        observation_images: per action, the images that entered history with its
+            observation, in call order (references only); empty (and left out of the log)
+            when no action of the step returned an image.
         observation_truncated_chars: characters cut from the observations, summed.
         task_completed: the completion signal of this step.
         action_result_ids: intent ids of the step's action results (empty: no action).
@@ -822,6 +831,7 @@ class StepRecord:
     model_output_text: str | None = None
     visible_output_chars: int = 0
     observations: tuple[str, ...] = ()
+    observation_images: tuple[tuple[ImageRef, ...], ...] = ()
     observation_truncated_chars: int = 0
     task_completed: bool = False
     action_result_ids: tuple[str, ...] = ()

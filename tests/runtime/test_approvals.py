@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 
 import attrs
@@ -559,3 +560,56 @@ async def test_a_sink_sees_the_handle_reflect_each_event_it_receives(seed, autoj
     assert result.stop_reason is StopReason.FINAL_ANSWER
     assert statistics is not None and statistics.sink_failures == 0
     assert [a.arguments for a in tools.executed] == [{"a": 1, "b": 2}]
+
+
+class _RacingDeciders(MemoryStore):
+    """Holds the first control reads of the tasks named ``decider-*`` until both have read,
+    so both pass the "no decision yet" check before either writes (two processes deciding at
+    once: the console and ``treadle approve``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.both_read = trio.Event()
+        self.readers = 0
+
+    async def read_control(self, run_id, *, after=0):
+        entries = await super().read_control(run_id, after=after)
+        if trio.lowlevel.current_task().name.startswith("decider-") and not self.both_read.is_set():
+            self.readers += 1
+            if self.readers == 2:
+                self.both_read.set()
+            await self.both_read.wait()
+        return entries
+
+
+async def test_two_deciders_at_once_the_one_that_does_not_count_is_told(autojump_clock):
+    """Both decisions are written (the control stream is append-only), the first counts, and
+    the decider whose decision does not count gets an error saying so, not a success."""
+    agent, tools, _ = make([call("add", a=1, b=2, call_id="c1"), say("ok")])
+    store = _RacingDeciders()
+    outcomes: dict[str, object] = {}
+
+    async def decider(name, **decision):
+        try:
+            outcomes[name] = await decide(store, "r", call_id="c1", **decision)
+        except UsageError as exc:
+            outcomes[name] = exc
+
+    async with open_run(agent, "x", store=store, run_id="r", approval_policy=only_add) as handle:
+        await wait_for_state(handle, RunState.AWAITING_APPROVAL)
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(decider, "approve", name="decider-approve")
+            nursery.start_soon(
+                functools.partial(decider, "reject", reject="no"), name="decider-reject"
+            )
+        await handle.wait()
+    written = [e.record for e in await store.read_control("r")]
+    decisions = [r.decision for r in written if isinstance(r, ApprovalDecided)]
+    assert sorted(decisions) == ["approve", "reject"]  # both were written
+    first, second = decisions
+    assert isinstance(outcomes[first], ApprovalDecided)
+    refused = outcomes[second]
+    assert isinstance(refused, UsageError)
+    assert "does not count" in str(refused) and f"({first})" in str(refused)
+    ran = [a.arguments for a in tools.executed]
+    assert ran == ([{"a": 1, "b": 2}] if first == "approve" else [])  # the first one counted

@@ -304,3 +304,25 @@ async def test_recovery_resumes_a_crashed_thread_run_with_its_history(tmp_path: 
     assert (result.run_id, result.final_answer) == ("t.2", "3 + 4 = 7")
     assert [m.content for m in ended if m.role == "user"] == ["add", "now 3 and 4"]
     assert [a.arguments for a in tools.executed] == [{"a": 1, "b": 2}, {"a": 3, "b": 4}]
+
+
+async def test_a_new_run_over_a_damaged_chain_is_refused_before_it_is_written() -> None:
+    """The thread's latest run is finished, but an earlier run's log is damaged: continuing
+    the thread or forking its latest run is refused and writes nothing (no run left
+    unfinished, the thread not blocked for another message); once the log is back, it goes on."""
+    logs: dict = {}
+    memory = MemoryStore(_logs=logs)
+    model, tools = ScriptedModel(turns=TURNS), LedgerTools()
+    await treadle.run(agent(model, tools), "add", store=memory, run_id="t")
+    await treadle.run(agent(model, tools), "now 3 and 4", store=memory, thread_id="t")
+    root = logs["t"]
+    logs["t"] = root[:-1]  # the thread's first run lost its run-finished record
+    requests = len(model.requests)
+    with pytest.raises(StoreError, match=r"run 't\.2' continues run 't', which is not finished"):
+        await treadle.run(agent(model, tools), "bye?", store=memory, thread_id="t")
+    with pytest.raises(StoreError, match=r"run 't\.2' continues run 't', which is not finished"):
+        await treadle.run(agent(model, tools), store=memory, fork_of="t.2", at_step=1, run_id="f")
+    assert sorted(logs) == ["t", "t.2"] and len(model.requests) == requests
+    logs["t"] = root
+    result = await treadle.run(agent(model, tools), "bye?", store=memory, thread_id="t")
+    assert (result.run_id, result.final_answer) == ("t.3", "bye")

@@ -90,3 +90,26 @@ def test_bad_input_raises(text):
     with pytest.raises(Exception) as info:  # the codec raises several types
         _codec.decode(text)
     assert not isinstance(info.value, AssertionError)
+
+
+def test_tool_images_are_left_out_when_empty_and_kept_as_references():
+    """Records without tool images encode as before; with them, only references are stored."""
+    outcome = types.ActionOutcome(status=types.ActionStatus.EXECUTED, observation="ok")
+    result = types.ActionResult(
+        run_id="r", step=1, intent_id="r/s1/a1", call_id="c", tool="t", outcome=outcome, ts="t0"
+    )
+    step = types.StepRecord(
+        run_id="r", step=1, ts="t0", model_intent_id=None, decision=None, observations=("ok",)
+    )
+    for record in (result, step):
+        assert "images" not in _codec.encode(record)
+    ref = types.ImageRef(url="ref:shot", digest="sha256:" + "0" * 64, media_type="image/png")
+    with_image = attrs.evolve(result, outcome=attrs.evolve(outcome, images=(ref,)))
+    data = _codec.record_to_dict(with_image)
+    assert data["outcome"]["images"] == [
+        {"url": "ref:shot", "digest": "sha256:" + "0" * 64, "media_type": "image/png"}
+    ]
+    shown = attrs.evolve(step, observation_images=((ref,),))
+    assert _codec.decode(_codec.encode(shown)) == shown
+    # an older log's line (no such keys) still decodes
+    assert _codec.decode(_codec.encode(step)).observation_images == ()

@@ -1283,3 +1283,37 @@ async def test_a_file_created_by_another_writer_meanwhile_is_not_trusted(tmp_pat
         assert [type(r) for r in records] == [ModelIntent]
         data = await trio.Path(store.run_file("r")).read_bytes()
         assert data.count(b"\n") == 2 and b'"created_ns":1,' not in data  # our own header
+
+
+class _SlowSyncs:
+    """Real file operations whose syncs take 0.2 s of wall-clock time (a slow disk)."""
+
+    def __init__(self) -> None:
+        self.real = _jsonl_backend.OsFileOps()
+        self.entered = threading.Event()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.real, name)
+
+    def sync(self, fd: int) -> None:
+        self.entered.set()
+        time.sleep(0.2)
+        self.real.sync(fd)
+
+
+async def test_closing_waits_for_a_slow_commit_by_the_wall_clock_not_a_virtual_one(
+    tmp_path, autojump_clock
+):
+    # With the autojump clock, trio's time leaps while the commit thread sleeps: a grace
+    # period counted in trio time would be over at once and the close would fail.
+    ops = _SlowSyncs()
+    store = await JsonlStore.open(tmp_path / "runs", file_ops=ops)
+    started = RunStarted(run_id="r", ts="2026-01-01T00:00:00+00:00", input=(), snapshot={})
+    lease = await store.acquire_lease("r", owner="a", ttl_s=60)
+    # Not a barrier: it returns once queued, and the close waits for its slow commit.
+    await store.write_run_started(started, seq=1, generation=lease.generation)
+    await store.aclose()
+    assert ops.entered.is_set()
+    reopened = await JsonlStore.open(tmp_path / "runs")
+    assert (await reopened.read_log("r")).records == (started,)
+    await reopened.aclose()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import subprocess
 import sys
@@ -14,6 +15,7 @@ from click.testing import CliRunner
 from ui_support import MARKUP, approval_agent, markup_agent
 
 import treadle
+from treadle._exceptions import StoreError
 from treadle._ui._app import CSP, Settings, create_app
 from treadle.approvals import read_control
 from treadle.cli import main
@@ -415,7 +417,8 @@ async def test_a_parent_and_its_child_run_link_each_other():
         parent_page = (await http.get("/runs/p")).text
         child_page = await http.get(f"/runs/{kid}")
         child_events = await http.get(f"/runs/{kid}/events")
-    assert f'child run <a href="/runs/{kid}">{kid}</a>' in parent_page
+    linked = kid.replace("/", "%2F")  # one path segment (docs/ui.md, "A run's page")
+    assert f'child run <a href="/runs/{linked}">{kid}</a>' in parent_page
     assert child_page.status_code == 200
     assert '<dd id="run-parent"><a href="/runs/p">p</a></dd>' in child_page.text
     assert "child done" in child_page.text
@@ -479,3 +482,133 @@ async def test_a_rejection_from_the_form_reaches_the_model_and_the_call_never_ru
     log = await store.read_log("r")
     (outcome,) = [r.outcome for r in log.records if type(r).__name__ == "ActionResult"]
     assert outcome.status.value == "not_executed" and "not this month" in outcome.observation
+
+
+@pytest.mark.parametrize("last", ["-3", "-1"])
+async def test_a_negative_last_event_id_is_refused_not_read_from_the_end(last):
+    """A bogus reconnect id sends no record twice or out of order: it is a 400."""
+    store = await finished_store()
+    async with client(store) as http:
+        bogus = await http.get("/runs/markup/events", headers={"last-event-id": last})
+        below = await http.get("/runs/markup/events", params={"from": "-7"})
+    assert bogus.status_code == 400 and "seq" in bogus.text
+    assert "event: record" not in bogus.text
+    ids = [int(e["id"]) for e in sse(below.text) if e["event"] == "record"]
+    assert ids == list(range(1, len((await store.read_log("markup")).records) + 1))
+
+
+async def test_a_run_id_with_a_slash_has_its_page_stream_and_actions():
+    """Run ids may hold ``/`` (docs/concepts.md, "Run ids"): the console's paths name them
+    with ``%2F``, so ``team/a/events`` is a run's page and never the stream of ``team/a``."""
+    store = MemoryStore()
+    await treadle.run(markup_agent(), "read the page", store=store, run_id="team/a/events")
+    async with open_run(
+        approval_agent(), "pay", store=store, run_id="team/b", control_poll_s=0.05
+    ) as handle:
+        await wait_for(handle, RunState.AWAITING_APPROVAL)
+        async with client(store) as http:
+            listed = await http.get("/")
+            page = await http.get("/runs/team%2Fa%2Fevents")
+            stream = await http.get("/runs/team%2Fa%2Fevents/events")
+            other = await http.get("/runs/team%2Fa/events")
+            waiting = await http.get("/runs/team%2Fb")
+            done = await http.post(
+                "/runs/team%2Fb/approve",
+                data={"token": TOKEN, "decision": "approve", "call_id": "t1"},
+                headers={**SAME, "accept": "application/json"},
+            )
+        assert done.status_code == 200 and done.json()["ok"] is True
+        result = await handle.wait()
+    assert 'href="/runs/team%2Fa%2Fevents"' in listed.text
+    assert page.status_code == 200 and 'data-run="team/a/events"' in page.text
+    assert [e["event"] for e in sse(stream.text)][-1] == "finished"
+    assert other.status_code == 404 and "team/a" in other.text
+    assert waiting.status_code == 200 and 'action="/runs/team%2Fb/approve"' in waiting.text
+    assert result.state is RunState.SUCCEEDED
+
+
+async def test_a_run_whose_log_fails_its_read_does_not_take_the_list_down(tmp_path):
+    """A store whose index still summarizes a damaged run (SQLite: a record fails its
+    checksum): the list shows every other run and marks that one with the error."""
+    import sqlite3
+
+    db = tmp_path / "runs.db"
+    async with treadle.open_sqlite_store(db) as store:
+        for run_id in ("good", "bad"):
+            await treadle.run(markup_agent(), "x", store=store, run_id=run_id)
+    with contextlib.closing(sqlite3.connect(db)) as raw:
+        raw.execute(
+            "UPDATE records SET body = substr(body, 1, 20) WHERE run_id = 'bad' AND seq = 3"
+        )
+        raw.commit()
+    async with treadle.open_sqlite_store(db) as store, client(store, poll_s=0.01) as http:
+        listed = await http.get("/")  # the live list's stream renders the same rows
+        page = await http.get("/runs/bad")
+    assert listed.status_code == 200 and 'data-run="good"' in listed.text
+    row = listed.text[listed.text.index('data-run="bad"') :]
+    row = row[: row.index("</tr>")]
+    assert 'class="error"' in row and "checksum" in row
+    assert page.status_code == 500 and "checksum" in page.text
+
+
+class _DamagedAfter(MemoryStore):
+    """A store whose log of ``r`` fails its read from the ``fail_from``-th read on (a log
+    damaged while a page streams it)."""
+
+    def __init__(self, fail_from: int) -> None:
+        super().__init__()
+        self.reads: int | None = None  # counted (and failed) only while a page streams
+        self.fail_from = fail_from
+
+    async def read_log(self, run_id):
+        if run_id == "r" and self.reads is not None:
+            self.reads += 1
+            if self.reads >= self.fail_from:
+                raise StoreError("run 'r': a record fails its checksum")
+        return await super().read_log(run_id)
+
+
+async def test_a_log_damaged_while_it_streams_ends_the_stream_with_the_error():
+    """The stream says why it stops (an ``unreadable`` event), rather than breaking off
+    mid-response, which the browser would take for a dropped connection and retry."""
+    store = _DamagedAfter(fail_from=3)
+    async with open_run(
+        approval_agent(), "pay", store=store, run_id="r", control_poll_s=0.05
+    ) as handle:
+        await wait_for(handle, RunState.AWAITING_APPROVAL)
+        store.reads = 0
+        async with client(store, poll_s=0.01) as http:
+            stream = await http.get("/runs/r/events")
+        store.reads = None
+        handle.cancel("done")
+        await handle.wait()
+    events = sse(stream.text)
+    assert stream.status_code == 200
+    assert [e["event"] for e in events][-1] == "unreadable"
+    assert "checksum" in json.loads(events[-1]["data"])["message"]
+    assert all(e["event"] == "record" for e in events[:-1]) and events[:-1]
+
+
+async def test_behind_a_tls_proxy_the_https_origin_of_the_same_host_may_act():
+    """docs/ui.md has a shared network served behind TLS: the proxy speaks plain HTTP to the
+    console and the browser's Origin says ``https://`` with the same host."""
+    store = MemoryStore()
+    async with open_run(
+        approval_agent(), "pay", store=store, run_id="r", control_poll_s=0.05
+    ) as handle:
+        await wait_for(handle, RunState.AWAITING_APPROVAL)
+        async with client(store) as http:
+            other_host = await http.post(
+                "/runs/r/cancel",
+                data={"token": TOKEN},
+                headers={"origin": "https://evil.example:8765"},
+            )
+            assert other_host.status_code == 403
+            done = await http.post(
+                "/runs/r/cancel",
+                data={"token": TOKEN, "reason": "behind TLS"},
+                headers={"origin": "https://127.0.0.1:8765", "accept": "application/json"},
+            )
+            assert done.status_code == 200 and done.json()["ok"] is True
+        result = await handle.wait()
+    assert result.state is RunState.CANCELLED

@@ -15,6 +15,7 @@ import json
 from collections.abc import AsyncIterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
+from urllib.parse import quote, unquote
 
 import attrs
 import jinja2
@@ -33,7 +34,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from treadle._cli_runs import approve, cancel
 from treadle._cli_store import driver_text
-from treadle._exceptions import TreadleError, UsageError
+from treadle._exceptions import StoreError, TreadleError, UsageError
 from treadle._text import valid_unicode
 from treadle._ui import _view
 from treadle.approvals import pending_approval
@@ -119,6 +120,45 @@ class _SecurityHeaders:
         await self.app(scope, receive, with_headers)
 
 
+class _RunIdPaths:
+    """Keeps a ``/`` inside a run id's path segment (sent as ``%2F``) out of the routing.
+
+    Run ids may hold ``/`` (docs/concepts.md, "Run ids"), so the console's paths name a run
+    as one segment, `run_path` of its id. The router matches the decoded path, in which an
+    encoded ``/`` would split the segment; here each segment of the raw path is decoded by
+    itself and a ``/`` (and ``%``) in it is encoded again, so ``/runs/a%2Fevents`` is the page
+    of run ``a/events`` and ``/runs/a/events`` the stream of run ``a``. The routes take the
+    id as a path (``/runs/a/b`` is run ``a/b`` too); the handlers decode it (`_run_id`).
+    """
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        raw = scope.get("raw_path")
+        if scope["type"] == "http" and isinstance(raw, bytes) and raw.startswith(b"/runs/"):
+            segments = [unquote(part) for part in raw.decode("latin-1").split("/")]
+            path = "/".join(
+                quote(part, safe="") if "/" in part or "%" in part else part for part in segments
+            )
+            scope = {**scope, "path": path}
+        await self.app(scope, receive, send)
+
+
+def run_path(run_id: str) -> str:
+    """``run_id`` as one path segment, for the console's links and forms.
+
+    Every character outside letters, digits and ``_.-~`` is percent-encoded, ``/`` included
+    (`_RunIdPaths` routes on it).
+    """
+    return quote(run_id, safe="")
+
+
+def _run_id(request: Request) -> str:
+    """The run id a path names (its segment decoded, ``%2F`` back to ``/``)."""
+    return unquote(request.path_params["run_id"])
+
+
 def templates() -> jinja2.Environment:
     """The console's templates, every value autoescaped."""
     env = jinja2.Environment(
@@ -130,6 +170,7 @@ def templates() -> jinja2.Environment:
     )
     env.globals["json_text"] = _view.json_text
     env.globals["CHART_WIDTH"] = _view.CHART_WIDTH
+    env.filters["run_path"] = run_path
     return env
 
 
@@ -156,6 +197,7 @@ def create_app(store: RunStore, settings: Settings) -> Starlette:
     middleware = [
         Middleware(_SecurityHeaders),
         Middleware(TrustedHostMiddleware, allowed_hosts=list(settings.allowed_hosts)),
+        Middleware(_RunIdPaths),
     ]
     return Starlette(
         routes=routes,
@@ -199,13 +241,19 @@ class _Console:
         return None
 
     def _check_write(self, request: Request, form: FormData) -> None:
-        """Refuse a state-changing request that is cross-site or lacks the token."""
-        expected = f"{request.url.scheme}://{request.headers.get('host', '')}"
+        """Refuse a state-changing request that is cross-site or lacks the token.
+
+        The origin must name the console's own host; its scheme may be ``https`` as well as
+        the request's own, since behind a TLS proxy (docs/ui.md, "Safety") the browser's
+        origin is ``https://`` while the console is spoken to in plain HTTP.
+        """
+        host = request.headers.get("host", "")
+        expected = {f"{request.url.scheme}://{host}", f"https://{host}"}
         origin = request.headers.get("origin")
         if origin is None:
             referer = request.headers.get("referer")
             origin = _origin_of(referer) if referer else None
-        if origin is None or origin != expected:
+        if origin is None or origin not in expected:
             raise HTTPException(403, "refused: not a same-origin request")
         site = request.headers.get("sec-fetch-site")
         if site is not None and site not in ("same-origin", "none"):
@@ -264,10 +312,16 @@ class _Console:
         for summary in summaries:
             tokens, thread = self._tokens.get(summary.run_id, (None, None))
             if summary.run_id not in self._tokens and summary.error is None:
-                log = await self.store.read_log(summary.run_id)
-                tokens, thread = _view.run_tokens(log), _view.run_thread(log)
-                if log.finished is not None:
-                    self._tokens[summary.run_id] = (tokens, thread)
+                try:
+                    log = await self.store.read_log(summary.run_id)
+                except StoreError as exc:
+                    # the index summarizes a run whose log fails its read: that row says
+                    # why, the others are listed (as for a log the index cannot read)
+                    summary = attrs.evolve(summary, error=str(exc))
+                else:
+                    tokens, thread = _view.run_tokens(log), _view.run_thread(log)
+                    if log.finished is not None:
+                        self._tokens[summary.run_id] = (tokens, thread)
             rows.append(Row(summary, driver_text(summary), tokens, thread))
         return rows
 
@@ -278,7 +332,7 @@ class _Console:
         refused = self._check_read(request)
         if refused is not None:
             return refused
-        run_id = request.path_params["run_id"]
+        run_id = _run_id(request)
         log, summary = await self._read(run_id)
         blocks = _view.timeline(log)
         return self._page(
@@ -294,17 +348,24 @@ class _Console:
 
         Each record is one ``record`` event whose id is its seq; a reconnect's
         ``Last-Event-ID`` resumes after that seq (else ``?from=SEQ`` names the first one).
-        A ``finished`` event closes the stream once the run-finished record was sent.
+        A ``finished`` event closes the stream once the run-finished record was sent; an
+        ``unreadable`` event (``{"message": ...}``) closes it when the log cannot be read
+        any more (the page says why instead of reconnecting).
         """
         self._check_read(request)
-        run_id = request.path_params["run_id"]
+        run_id = _run_id(request)
         next_seq = _first_seq(request)
         await self._read(run_id)  # a run that does not exist is a 404, not a stream
 
         async def events() -> AsyncIterator[ServerSentEvent]:
             nonlocal next_seq
             while True:
-                log, summary = await self._read(run_id)
+                try:
+                    log, summary = await self._read(run_id)
+                except StoreError as exc:  # damaged while streaming: say so, and stop
+                    said = {"message": str(exc)}
+                    yield ServerSentEvent(data=json.dumps(said), event="unreadable")
+                    return
                 count = len(log.records)
                 if count >= next_seq:
                     for event in self._record_events(log, summary, next_seq, count):
@@ -388,7 +449,7 @@ class _Console:
         """Approve, reject or edit the call a run waits on (as ``treadle approve``)."""
         form = await request.form()
         self._check_write(request, form)
-        run_id = request.path_params["run_id"]
+        run_id = _run_id(request)
         decision = str(form.get("decision", "approve"))
         call_id = str(form.get("call_id") or "") or None
         reject = edit = None
@@ -414,7 +475,7 @@ class _Console:
         """Cancel a run (as ``treadle cancel``)."""
         form = await request.form()
         self._check_write(request, form)
-        run_id = request.path_params["run_id"]
+        run_id = _run_id(request)
         reason = str(form.get("reason", ""))
         try:
             outcome = await cancel(
@@ -448,14 +509,25 @@ def _filtered(rows: Sequence[Row], q: str, state: str) -> list[Row]:
 
 
 def _first_seq(request: Request) -> int:
-    """The first seq a stream sends: after ``Last-Event-ID``, else ``?from=`` (default 1)."""
+    """The first seq a stream sends: after ``Last-Event-ID``, else ``?from=`` (default 1).
+
+    Seqs count from 1 (docs/events.md, "Numbering"), so a ``Last-Event-ID`` below 0 names no
+    record a stream sent: it is refused (a 400), never read as a position from the log's end.
+    """
     last = request.headers.get("last-event-id")
+    refused = HTTPException(
+        400, "Last-Event-ID and ?from= take a seq (an integer, Last-Event-ID 0 or more)"
+    )
     try:
-        if last:
-            return int(last) + 1
-        return max(1, int(request.query_params.get("from", "1")))
+        seen = int(last) if last else None
+        first = max(1, int(request.query_params.get("from", "1")))
     except ValueError:
-        raise HTTPException(400, "Last-Event-ID and ?from= take a seq (an integer)") from None
+        raise refused from None
+    if seen is None:
+        return first
+    if seen < 0:
+        raise refused
+    return seen + 1
 
 
 def _origin_of(url: str) -> str | None:

@@ -49,6 +49,7 @@ from treadle.types import (
     Budgets,
     CancelRequested,
     DecisionKind,
+    ImageRef,
     JSONValue,
     Limits,
     ModelErrorInfo,
@@ -426,6 +427,7 @@ class RunCoordinator:
             results = outcome.results
             fields.update(
                 observations=outcome.observations,
+                observation_images=_observation_images(results),
                 observation_truncated_chars=sum(
                     r.outcome.observation_truncated_chars for r in results
                 ),
@@ -808,3 +810,9 @@ async def _bounded(
         return await request(inbox, make)
     with trio.fail_at(scope.deadline + STOP_GRACE_S):
         return await request(inbox, make)
+
+
+def _observation_images(results: tuple[ActionResult, ...]) -> tuple[tuple[ImageRef, ...], ...]:
+    """Per result, the images that enter history with it; empty when no result has any."""
+    images = tuple(r.outcome.images for r in results)
+    return images if any(images) else ()

@@ -39,6 +39,7 @@ from treadle.types import (
     ActionOutcome,
     ActionResult,
     ActionStatus,
+    ImageRef,
     Limits,
     Record,
     ReplayPolicy,
@@ -470,6 +471,7 @@ class ToolExecutor:
                 observation_is_synthetic=True,
                 observation_truncated_chars=0,
                 detail=detail,
+                images=(),
             )
             return outcome, text
         if outcome.observation_is_synthetic:
@@ -487,8 +489,13 @@ class ToolExecutor:
 
 
 def _is_outcome(value: object) -> bool:
-    """An `ActionOutcome` with a status of `ActionStatus` (what the seam may return)."""
-    return isinstance(value, ActionOutcome) and isinstance(value.status, ActionStatus)
+    """An `ActionOutcome` with a status of `ActionStatus` and images that are references."""
+    return (
+        isinstance(value, ActionOutcome)
+        and isinstance(value.status, ActionStatus)
+        and isinstance(value.images, tuple)
+        and all(isinstance(image, ImageRef) for image in value.images)
+    )
 
 
 def _cancel_called(scope: StepScope) -> Callable[[], bool]:

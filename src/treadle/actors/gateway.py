@@ -31,7 +31,7 @@ from treadle._exceptions import ModelCallError, SeamViolation
 from treadle._text import repaired
 from treadle.actors._rpc import ReplySlot, StepScope, reply
 from treadle.actors.writer import WriterClient
-from treadle.models._context import attempt_deadlines, observe_usage
+from treadle.models._context import ImageSource, attempt_deadlines, observe_usage, run_images
 from treadle.parsers import strict_arguments
 from treadle.ports import ModelClient
 from treadle.types import (
@@ -121,6 +121,9 @@ class ModelGateway:
     Args:
         summariser: the client of compaction calls (docs/context.md, "Summaries"); ``None``
             makes them on ``client``.
+        image_source: the run's own image source, which the client consults for every
+            attempt after its own: the executor's ``image_source`` (docs/models.md, "Images
+            returned by tools"); ``None`` when it has none.
     """
 
     run_id: str
@@ -131,6 +134,7 @@ class ModelGateway:
     budgets: Budgets
     rng: random.Random = attrs.Factory(random.Random)
     summariser: ModelClient | None = None
+    image_source: ImageSource | None = None
     _coalescer: _Coalescer = attrs.field(
         init=False, default=attrs.Factory(lambda self: _Coalescer(self.writer), takes_self=True)
     )
@@ -272,6 +276,7 @@ class ModelGateway:
         try:
             with (
                 observe_usage(meter),
+                run_images(self.image_source),
                 attempt_deadlines(
                     connect_s=self.limits.model_connect_s,
                     first_byte_s=self.limits.model_first_byte_s,

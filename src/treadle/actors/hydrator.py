@@ -382,7 +382,9 @@ def step_messages(step: StepRecord) -> list[Message]:
     """The history messages one step contributes, as stored in its step record.
 
     An action answering a native tool call becomes a ``tool`` message; an action without a
-    call id (a text reply treated as an action) becomes a ``user`` message. An invalid decision
+    call id (a text reply treated as an action) becomes a ``user`` message. Either carries
+    the images the action returned (``observation_images``; docs/models.md, "Images returned
+    by tools"). An invalid decision
     answers every call of the sanitised assistant message with the feedback, or else becomes a
     ``user`` message, so every tool-call id is always answered.
     """
@@ -394,13 +396,23 @@ def step_messages(step: StepRecord) -> list[Message]:
     empty = not step.history_message.content and not calls
     messages = [] if empty else [step.history_message]
     if step.decision is DecisionKind.ACTIONS:
+        images = step.observation_images or ((),) * len(step.observations)
         if calls:
-            for call, observation in zip(calls, step.observations, strict=False):
+            for call, observation, shown in zip(calls, step.observations, images, strict=False):
                 messages.append(
-                    Message(role="tool", content=observation, tool_call_id=call.id, name=call.name)
+                    Message(
+                        role="tool",
+                        content=observation,
+                        images=shown,
+                        tool_call_id=call.id,
+                        name=call.name,
+                    )
                 )
         else:
-            messages.extend(Message(role="user", content=o) for o in step.observations)
+            messages.extend(
+                Message(role="user", content=o, images=shown)
+                for o, shown in zip(step.observations, images, strict=False)
+            )
     elif step.decision is DecisionKind.INVALID:
         feedback = step.feedback or ""
         if calls:

@@ -10,7 +10,10 @@ import contextlib
 import contextvars
 from collections.abc import Callable, Iterator
 
-from treadle.types import Usage
+from treadle.types import ImageRef, Usage
+
+ImageSource = Callable[[ImageRef], bytes]
+"""Resolves a ``ref:<name>`` image to its bytes; raises `LookupError` or `OSError` if missing."""
 
 UsageObserver = Callable[[Usage], None]
 """Receives the usage reported so far in the current attempt (running counts, tokens).
@@ -74,3 +77,29 @@ def report_usage(usage: Usage) -> None:
     observer = _usage_observer.get()
     if observer is not None:
         observer(usage)
+
+
+_run_images: contextvars.ContextVar[ImageSource | None] = contextvars.ContextVar(
+    "treadle_run_images", default=None
+)
+
+
+@contextlib.contextmanager
+def run_images(source: ImageSource | None) -> Iterator[None]:
+    """Make ``source`` the run's own image source for attempts made in the block.
+
+    The model gateway sets the agent's executor's ``image_source`` here (an MCP session's
+    images, docs/models.md, "Images returned by tools"); a client resolves a ``ref:`` image
+    through its own ``image_source`` first and through this one when that does not hold it.
+    ``None`` leaves the run without one.
+    """
+    token = _run_images.set(source)
+    try:
+        yield
+    finally:
+        _run_images.reset(token)
+
+
+def current_image_source() -> ImageSource | None:
+    """The run's image source set by `run_images`, or ``None``."""
+    return _run_images.get()

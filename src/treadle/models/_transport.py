@@ -24,9 +24,14 @@ import trio
 
 from treadle._exceptions import ModelCallError, UsageError
 from treadle._text import valid_text
-from treadle.models._context import current_deadlines, report_usage
+from treadle.models._context import (
+    ImageSource,
+    current_deadlines,
+    current_image_source,
+    report_usage,
+)
 from treadle.models._sse import SSEDecodeError, SSEDecoder, SSEEvent
-from treadle.types import ModelReply, Usage
+from treadle.types import ImageRef, ModelReply, Usage
 
 CLOSE_GRACE_S = 1.0
 """Seconds a shielded close of the HTTP response may take after a failure or cancellation."""
@@ -389,6 +394,41 @@ def encode_body(body: dict[str, Any]) -> bytes:
 def digest(data: bytes) -> str:
     """``sha256:<hex>`` of ``data`` (how image references carry their bytes' digest)."""
     return "sha256:" + hashlib.sha256(data).hexdigest()
+
+
+def load_image(image: ImageRef, own: ImageSource | None) -> tuple[str, bytes]:
+    """The media type and bytes of a ``ref:`` image, checked against its digest.
+
+    The client's own source (``own``) is asked first; the run's (`current_image_source`: the
+    executor's images) when ``own`` is missing or raises `LookupError` (docs/models.md,
+    "Images").
+
+    Raises:
+        UsageError: there is no source at all, no source holds the image (or one raised
+            `OSError`), its bytes do not match ``image.digest``, or its media type is
+            unknown. Raised before anything is sent.
+    """
+    sources = [s for s in (own, current_image_source()) if s is not None]
+    if not sources:
+        raise UsageError(f"image {image.url!r} needs an image_source, and none was given")
+    failure: Exception | None = None
+    for source in sources:
+        try:
+            data = source(image)
+        except LookupError as exc:
+            failure = exc
+            continue
+        except OSError as exc:
+            raise UsageError(f"image {image.url!r} could not be loaded: {exc!r}") from exc
+        break
+    else:
+        raise UsageError(f"image {image.url!r} could not be loaded: {failure!r}") from failure
+    if image.digest is not None and image.digest != digest(data):
+        raise UsageError(f"image {image.url!r}: bytes do not match digest {image.digest}")
+    media_type = image.media_type or sniff(data)
+    if media_type is None:
+        raise UsageError(f"image {image.url!r}: unknown media type; set ImageRef.media_type")
+    return media_type, data
 
 
 def sniff(data: bytes) -> str | None:

@@ -20,15 +20,14 @@ import httpx
 from treadle._exceptions import ModelCallError, UsageError
 from treadle.models._accumulate import error_fields, parse_retry_after
 from treadle.models._anthropic_stream import MessageAccumulator, classify_anthropic
+from treadle.models._context import ImageSource
 from treadle.models._transport import (
     StreamReader,
-    digest,
     install_log_redaction,
     join_url,
+    load_image,
     redact_url_secrets,
-    sniff,
 )
-from treadle.models.openai import ImageSource
 from treadle.ports import DeltaCallback
 from treadle.types import ImageRef, Message, ModelErrorInfo, ModelReply, ModelRequest, ToolSpec
 
@@ -58,7 +57,8 @@ class AnthropicMessagesClient(StreamReader[MessageAccumulator]):
         first_byte_timeout_s: seconds from sending the request to the first event.
         idle_timeout_s: seconds of silence allowed between reads after the first event
             (``ping`` events count as traffic).
-        image_source: resolves ``ref:`` image references to bytes, sent as base64 sources.
+        image_source: resolves ``ref:`` image references to bytes, sent as base64 sources
+            (the run's executor's images are resolved too: docs/models.md, "Images").
         extra_headers: added to every request (e.g. ``anthropic-beta``).
         anthropic_version: the ``anthropic-version`` header.
         default_max_tokens: ``max_tokens`` when the request has no output cap and the params
@@ -123,13 +123,18 @@ class AnthropicMessagesClient(StreamReader[MessageAccumulator]):
         ``max_tokens`` is the request's ``max_output_tokens`` when set (no param can raise
         it), else a ``max_tokens`` param, else ``default_max_tokens``; other output-cap params
         (``max_completion_tokens``, ``max_output_tokens``) are dropped. System messages become
-        the top-level ``system``; tool messages become ``tool_result`` blocks of a user turn;
+        the top-level ``system``; tool messages become ``tool_result`` blocks of a user turn,
+        whose ``content`` is a list of a ``text`` block and ``image`` blocks when the call
+        returned images (a ``tool_result``'s content may hold text, image and document
+        blocks: Anthropic's "Handle tool calls",
+        https://platform.claude.com/docs/en/agents-and-tools/tool-use/handle-tool-calls);
         consecutive turns of one role are merged. Other params (``temperature``,
         ``thinking``, ``tool_choice`` ...) are merged in last, in Anthropic's own form.
 
         Raises:
             UsageError: a param would replace ``model``, ``messages``, ``system``, ``tools`` or
-                ``stream``; an image is on a non-user message or cannot be resolved; the
+                ``stream``; an image is on a system or assistant message or cannot be
+                resolved (`treadle.models.ImageSource`); the
                 request asks for a native structured ``output`` (this client has none: the
                 agent's output type is asked for with a final-answer tool).
         """
@@ -246,14 +251,20 @@ class AnthropicMessagesClient(StreamReader[MessageAccumulator]):
         return turns
 
     def _blocks(self, message: Message) -> list[dict[str, Any]]:
-        if message.images and message.role != "user":
-            raise UsageError(f"images are only allowed on user messages, not {message.role}")
+        if message.images and message.role not in ("user", "tool"):
+            raise UsageError(
+                f"images are only allowed on user and tool messages, not {message.role}"
+            )
         if message.role == "tool":
+            content: str | list[dict[str, Any]] = message.content or ""
+            if message.images:
+                text = [{"type": "text", "text": message.content}] if message.content else []
+                content = [*text, *(self._image(image) for image in message.images)]
             return [
                 {
                     "type": "tool_result",
                     "tool_use_id": message.tool_call_id or "",
-                    "content": message.content or "",
+                    "content": content,
                 }
             ]
         blocks: list[dict[str, Any]] = []
@@ -283,17 +294,7 @@ class AnthropicMessagesClient(StreamReader[MessageAccumulator]):
     def _image(self, image: ImageRef) -> dict[str, Any]:
         if not image.url.startswith("ref:"):
             return {"type": "image", "source": {"type": "url", "url": image.url}}
-        if self._image_source is None:
-            raise UsageError(f"image {image.url!r} needs an image_source, and none was given")
-        try:
-            data = self._image_source(image)
-        except (LookupError, OSError) as exc:
-            raise UsageError(f"image {image.url!r} could not be loaded: {exc!r}") from exc
-        if image.digest is not None and image.digest != digest(data):
-            raise UsageError(f"image {image.url!r}: bytes do not match digest {image.digest}")
-        media_type = image.media_type or sniff(data)
-        if media_type is None:
-            raise UsageError(f"image {image.url!r}: unknown media type; set ImageRef.media_type")
+        media_type, data = load_image(image, self._image_source)
         encoded = base64.b64encode(data).decode("ascii")
         return {
             "type": "image",

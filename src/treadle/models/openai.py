@@ -10,7 +10,7 @@ from __future__ import annotations
 import base64
 import json
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import httpx
@@ -22,12 +22,12 @@ from treadle.models._accumulate import (
     error_fields,
     parse_retry_after,
 )
+from treadle.models._context import ImageSource as ImageSource
 from treadle.models._transport import (
     StreamReader,
-    digest,
     install_log_redaction,
     join_url,
-    sniff,
+    load_image,
 )
 from treadle.ports import DeltaCallback
 from treadle.types import (
@@ -39,10 +39,6 @@ from treadle.types import (
     ToolCall,
     ToolSpec,
 )
-
-ImageSource = Callable[[ImageRef], bytes]
-"""Resolves a ``ref:<name>`` image to its bytes; raises `LookupError` or `OSError` if missing."""
-
 
 _RESERVED_PARAMS = frozenset({"model", "messages", "tools", "stream", "stream_options"})
 _CAP_KEYS = frozenset({"max_tokens", "max_completion_tokens", "max_output_tokens"})
@@ -62,7 +58,8 @@ class OpenAIChatClient(StreamReader[StreamAccumulator]):
             comments and keep-alive pings do not count).
         idle_timeout_s: seconds of silence allowed between reads once the first data event came
             (comments reset this timer).
-        image_source: resolves ``ref:`` image references to bytes, sent as ``data:`` URLs.
+        image_source: resolves ``ref:`` image references to bytes, sent as ``data:`` URLs
+            (the run's executor's images are resolved too: docs/models.md, "Images").
         extra_headers: added to every request.
         send_reasoning: send an assistant message's reasoning back as ``reasoning_content``
             (DeepSeek thinking mode needs it on tool-call turns; other servers may refuse it).
@@ -120,16 +117,22 @@ class OpenAIChatClient(StreamReader[StreamAccumulator]):
         ``max_tokens`` (or ``max_tokens_field``) is the request's ``max_output_tokens`` when set
         and is never overridden by ``params``; the other params are merged in last. A
         request's ``output`` becomes ``response_format: {"type": "json_schema",
-        "json_schema": {"name", "schema", "strict", "description"}}``.
+        "json_schema": {"name", "schema", "strict", "description"}}``. Images a tool call
+        returned follow the run of ``tool`` messages they belong to as one ``user`` message, a
+        caption naming the call before its images: a Chat Completions ``tool`` message's
+        content is text only (OpenAI API reference, "Create chat completion",
+        https://platform.openai.com/docs/api-reference/chat/create; docs/models.md, "Images
+        returned by tools").
 
         Raises:
             UsageError: a param would replace ``model``, ``messages``, ``tools``, the stream
                 settings or (when the request has an ``output``) ``response_format``; or an
-                image cannot be resolved (see `OpenAIChatClient`).
+                image is on a system or assistant message or cannot be resolved
+                (`treadle.models.ImageSource`).
         """
         body: dict[str, Any] = {
             "model": request.model,
-            "messages": [self._message(m) for m in request.messages],
+            "messages": self._messages(request.messages),
         }
         if request.tools:
             body["tools"] = [_tool(spec) for spec in request.tools]
@@ -218,11 +221,37 @@ class OpenAIChatClient(StreamReader[StreamAccumulator]):
         )
         return ModelCallError(info, usage=acc.usage)
 
+    def _messages(self, messages: Sequence[Message]) -> list[dict[str, Any]]:
+        """The wire messages; tool images follow their run of tool messages (decision 0073)."""
+        out: list[dict[str, Any]] = []
+        run: list[Message] = []  # the tool messages since the last other message
+        for message in messages:
+            if message.role != "tool" and run:
+                out.extend(self._tool_images(run))
+                run = []
+            if message.role == "tool":
+                run.append(message)
+            out.append(self._message(message))
+        out.extend(self._tool_images(run))
+        return out
+
+    def _tool_images(self, run: Sequence[Message]) -> list[dict[str, Any]]:
+        with_images = [m for m in run if m.images]
+        if not with_images:
+            return []
+        parts: list[dict[str, Any]] = []
+        for message in with_images:
+            parts.append({"type": "text", "text": _caption(message)})
+            parts.extend(self._image_part(image) for image in message.images)
+        return [{"role": "user", "content": parts}]
+
     def _message(self, message: Message) -> dict[str, Any]:
         out: dict[str, Any] = {"role": message.role, "content": message.content}
-        if message.images:
+        if message.images and message.role != "tool":
             if message.role != "user":
-                raise UsageError(f"images are only allowed on user messages, not {message.role}")
+                raise UsageError(
+                    f"images are only allowed on user and tool messages, not {message.role}"
+                )
             out["content"] = self._content_parts(message)
         if message.role == "tool":
             out["tool_call_id"] = message.tool_call_id
@@ -237,25 +266,29 @@ class OpenAIChatClient(StreamReader[StreamAccumulator]):
         parts: list[dict[str, Any]] = []
         if message.content:
             parts.append({"type": "text", "text": message.content})
-        for image in message.images:
-            parts.append({"type": "image_url", "image_url": {"url": self._image_url(image)}})
+        parts.extend(self._image_part(image) for image in message.images)
         return parts
+
+    def _image_part(self, image: ImageRef) -> dict[str, Any]:
+        return {"type": "image_url", "image_url": {"url": self._image_url(image)}}
 
     def _image_url(self, image: ImageRef) -> str:
         if not image.url.startswith("ref:"):
             return image.url
-        if self._image_source is None:
-            raise UsageError(f"image {image.url!r} needs an image_source, and none was given")
-        try:
-            data = self._image_source(image)
-        except (LookupError, OSError) as exc:
-            raise UsageError(f"image {image.url!r} could not be loaded: {exc!r}") from exc
-        if image.digest is not None and image.digest != digest(data):
-            raise UsageError(f"image {image.url!r}: bytes do not match digest {image.digest}")
-        media_type = image.media_type or sniff(data)
-        if media_type is None:
-            raise UsageError(f"image {image.url!r}: unknown media type; set ImageRef.media_type")
+        media_type, data = load_image(image, self._image_source)
         return f"data:{media_type};base64,{base64.b64encode(data).decode('ascii')}"
+
+
+def _caption(message: Message) -> str:
+    """The text before a tool call's images in the ``user`` message that carries them.
+
+    Chat Completions ``tool`` messages hold text only, so the images a call returned are sent
+    in a ``user`` message right after the run of tool messages, each call's images after
+    this caption naming the call (docs/decisions/0073-tool-images-on-chat-completions.md).
+    """
+    count = len(message.images)
+    noun = "image" if count == 1 else "images"
+    return f"[{count} {noun} returned by the call {message.tool_call_id} ({message.name}):]"
 
 
 def _tool(spec: ToolSpec) -> dict[str, Any]:

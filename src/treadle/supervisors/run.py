@@ -38,7 +38,7 @@ from treadle._trio_only import require_trio
 from treadle.actors.coordinator import Drained, Parked, RunCoordinator
 from treadle.actors.executor import RunActions, ToolExecutor
 from treadle.actors.gateway import CallModel, ModelGateway
-from treadle.actors.hydrator import ContextHydrator, Hydrate
+from treadle.actors.hydrator import ContextHydrator, Hydrate, recorded_history
 from treadle.actors.writer import (
     EventWriter,
     SinkFeed,
@@ -301,8 +301,13 @@ def real_hydrator(context: ActorContext) -> ContextHydrator:
 
 
 def real_gateway(context: ActorContext) -> ModelGateway:
-    """The real model gateway on the agent's model client (the default `Actors.gateway`)."""
+    """The real model gateway on the agent's model client (the default `Actors.gateway`).
+
+    The executor's ``image_source`` (`treadle.ports.ToolPolicies`), when it has one, resolves
+    the ``ref:`` images its tools returned (docs/models.md, "Images returned by tools").
+    """
     agent = context.agent
+    executor = agent.executor
     return ModelGateway(
         run_id=context.run_id,
         client=agent.model,
@@ -312,6 +317,7 @@ def real_gateway(context: ActorContext) -> ModelGateway:
         budgets=agent.budgets,
         rng=context.rng,
         summariser=agent.summariser,
+        image_source=getattr(executor, "image_source", None),
     )
 
 
@@ -762,10 +768,31 @@ async def _lineage(
                 f"thread {thread_id!r} goes on as run {next_id!r}, not {run_id!r} (a thread "
                 'names its runs, docs/threads.md, "Threads")'
             )
+        await _check_chain(store, next_id, lineage)
         return next_id, lineage
     assert fork_of is not None
     lineage = await fork_lineage(store, fork_of, at_step)
-    return (check_run_id(run_id) if run_id is not None else new_run_id()), lineage
+    fork_id = check_run_id(run_id) if run_id is not None else new_run_id()
+    await _check_chain(store, fork_id, lineage)
+    return fork_id, lineage
+
+
+async def _check_chain(store: RunStore, run_id: str, lineage: Lineage) -> None:
+    """Refuse to start ``run_id`` when the history it would inherit cannot be read.
+
+    Only for a run that does not exist yet: its run-started must not be written over a
+    chain whose runs are missing, damaged or unfinished (docs/threads.md, "When a thread
+    cannot go on"; docs/decisions/0080-check-the-chain-before-a-new-run.md). A run that
+    exists reads its chain when its hydrator starts, as every resume does.
+
+    Raises:
+        StoreError: as `treadle.actors.hydrator.recorded_history` (nothing is written).
+    """
+    if (await store.read_log(run_id)).started is not None:
+        return
+    await recorded_history(
+        store, lineage.continues, before_step=lineage.fork_step, successor=run_id
+    )
 
 
 @attrs.frozen(kw_only=True)

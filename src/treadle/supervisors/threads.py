@@ -73,10 +73,10 @@ async def next_in_thread(
 
     Raises:
         UsageError: no input; the thread does not exist; ``thread_id`` names a run of
-            another thread (the message names that thread); the latest run is not finished
+            another thread (the message names that thread); a run named like the thread's
+            next run belongs to no thread or another one; the latest run is not finished
             and was started with another message (the message names it and its state).
-        StoreError: a run of the thread cannot be read, or a run named like the thread's
-            next run belongs to no thread or another one.
+        StoreError: a run of the thread cannot be read.
     """
     check_run_id(thread_id)
     if input is None:

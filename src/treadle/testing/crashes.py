@@ -298,6 +298,7 @@ def trajectory(log: RunLog) -> tuple[tuple[Any, ...], ...]:
             s.history_message,
             s.feedback,
             s.observations,
+            s.observation_images,
             s.task_completed,
             s.env_error,
         )

@@ -1241,7 +1241,12 @@ async def _fault_free_twin(
     return await store.read_log(run_id)
 
 
-_STEP_PARTS: tuple[str, ...] = ("decision", "history_message", "observations")
+_STEP_PARTS: tuple[str, ...] = (
+    "decision",
+    "history_message",
+    "observations",
+    "observation_images",
+)
 """What is compared of each step with the fault-free twin (`_trajectory`)."""
 
 

@@ -80,6 +80,14 @@ function runPage() {
     run.dataset.lastSeq = String(data.seq);
     place(data);
   });
+  source.addEventListener("unreadable", (event) => {
+    source.close();
+    live.hidden = true;
+    const notice = document.getElementById("notice");
+    notice.hidden = false;
+    notice.textContent = JSON.parse(event.data).message;
+    notice.className = "notice refused";
+  });
   source.addEventListener("finished", () => {
     source.close();
     live.hidden = true;
