@@ -36,7 +36,7 @@ from rich.console import Console
 from rich.table import Table
 
 from treadle._clock import SystemClock
-from treadle.actors._rpc import StepScope
+from treadle.actors._rpc import ReplySlot, StepScope
 from treadle.actors.gateway import CallModel, ModelGateway, ModelOutcome
 from treadle.actors.writer import Append, WriterClient, WriterRequest
 from treadle.models import AnthropicMessagesClient, OpenAIChatClient
@@ -163,7 +163,7 @@ def gateway_call(gateway: ModelGateway) -> Callable[[], Awaitable[object]]:
     async def once() -> object:
         nonlocal step
         step += 1
-        reply_to, _ = trio.open_memory_channel[ModelOutcome](1)  # unused: `call` returns it
+        reply_to = ReplySlot[ModelOutcome]()  # unused: `call` returns it
         outcome = await gateway.call(
             CallModel(
                 step=step,

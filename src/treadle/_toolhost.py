@@ -146,6 +146,7 @@ class ToolHost:
         send, recv = trio.open_memory_channel[_Queued](math.inf)
         self._send = send
         self._recv = recv
+        self._nursery: trio.Nursery | None = None
         self.stats = HostStatistics()
         """This host's counters (`host_statistics` gives a copy)."""
 
@@ -166,14 +167,31 @@ class ToolHost:
         call: HostedCall[T] = HostedCall(description, on_late, self.stats)
         self.stats.calls += 1
         self.stats.running += 1
-        self._send.send_nowait((call, fn))
+        if self._nursery is not None:  # serving: straight into its nursery (no hand-off)
+            self._nursery.start_soon(call._run, fn)
+        else:
+            self._send.send_nowait((call, fn))
         return call
 
     async def serve(self) -> None:
         """Run the calls handed to `start` until cancelled (the end of the trio run)."""
         async with trio.open_nursery() as nursery:
-            async for call, fn in self._recv:
-                nursery.start_soon(call._run, fn)
+            try:
+                for call, fn in _drain(self._recv):  # handed over before it served
+                    nursery.start_soon(call._run, fn)
+                self._nursery = nursery
+                await trio.sleep_forever()
+            finally:
+                self._nursery = None
+
+
+def _drain(queued: trio.MemoryReceiveChannel[_Queued]) -> list[_Queued]:
+    drained: list[_Queued] = []
+    while True:
+        try:
+            drained.append(queued.receive_nowait())
+        except trio.WouldBlock:
+            return drained
 
 
 _CURRENT: trio.lowlevel.RunVar[ToolHost] = trio.lowlevel.RunVar("treadle_tool_host")

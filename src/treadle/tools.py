@@ -732,10 +732,11 @@ class Toolbox:
         self, found: Tool, kwargs: dict[str, Any], resource: str | None, seen: int | None
     ) -> ActionOutcome:
         timeout = self.timeout_s(found.name)
-        abandoned = threading.Event()
+        # only a call in a worker thread needs to learn it was abandoned
+        abandoned = threading.Event() if found.isolation == "thread" else None
         with trio.move_on_after(timeout):
             try:
-                if found.isolation == "thread":
+                if abandoned is not None:  # isolation "thread"
                     result = await trio.to_thread.run_sync(
                         _in_thread, found, kwargs, abandoned, abandon_on_cancel=True
                     )
@@ -753,7 +754,8 @@ class Toolbox:
                     return _stale(found, resource, seen, stale)
                 return self._failed(exc)
             except BaseException:  # cancelled (or timed out): a thread is left behind
-                abandoned.set()
+                if abandoned is not None:
+                    abandoned.set()
                 raise
             return self._returned(found, result, resource)
         if found.isolation == "thread":

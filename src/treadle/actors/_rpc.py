@@ -1,13 +1,17 @@
-"""Request/reply over memory channels.
+"""Request/reply between actors.
 
-The requester opens a one-slot reply channel, puts its send end into the request, and awaits
-one reply. The replier answers with `reply` and never blocks on a requester that went away.
+The requester makes a one-shot `ReplySlot`, puts it into the request, and awaits one reply.
+The replier answers with `reply` (or ``with reply_to: reply_to.send_nowait(value)``, as on a
+one-slot memory channel) and never blocks on a requester that went away. A slot is a few
+fields instead of a memory channel pair: a step makes several round trips, and this is each
+one's fixed cost (docs/performance.md, "Where the time goes").
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TypeVar
+from types import TracebackType
+from typing import Generic, TypeVar
 
 import trio
 
@@ -15,23 +19,106 @@ R = TypeVar("R")
 Q = TypeVar("Q")
 
 
-async def request(
-    inbox: trio.MemorySendChannel[Q], make: Callable[[trio.MemorySendChannel[R]], Q]
-) -> R:
+class ReplySlot(Generic[R]):
+    """The one reply to one request: both sides of what was a one-slot memory channel.
+
+    The replier calls `send_nowait` once, then `close` (or uses the slot as a context
+    manager); closing without a value makes the requester's `receive` raise
+    `trio.EndOfChannel`. Like a memory channel: sending on a closed slot raises
+    `trio.ClosedResourceError`, sending a second value `trio.WouldBlock`, and sending to a
+    requester that went away (it received, or was cancelled while waiting)
+    `trio.BrokenResourceError`.
+    """
+
+    __slots__ = ("_closed", "_gone", "_has_value", "_value", "_waiter")
+
+    def __init__(self) -> None:
+        self._value: R | None = None
+        self._has_value = False
+        self._closed = False
+        self._gone = False
+        self._waiter: trio.lowlevel.Task | None = None
+
+    def send_nowait(self, value: R) -> None:
+        """Hand the reply over (never blocks; see the class for what it raises)."""
+        if self._closed:
+            raise trio.ClosedResourceError("the reply was already sent and closed")
+        if self._gone:
+            raise trio.BrokenResourceError("the requester went away")
+        if self._has_value:
+            raise trio.WouldBlock
+        self._value = value
+        self._has_value = True
+        waiter = self._waiter
+        if waiter is not None:
+            self._waiter = None
+            trio.lowlevel.reschedule(waiter)
+
+    def close(self) -> None:
+        """No (more) reply: a requester still waiting gets `trio.EndOfChannel`."""
+        if self._closed:
+            return
+        self._closed = True
+        waiter = self._waiter
+        if waiter is not None:
+            self._waiter = None
+            trio.lowlevel.reschedule(waiter)
+
+    def __enter__(self) -> ReplySlot[R]:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc_value: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
+        self.close()
+
+    async def receive(self) -> R:
+        """The reply; at once when it is already there (no checkpoint then).
+
+        Raises:
+            trio.EndOfChannel: the replier closed the slot without answering.
+        """
+        if not self._has_value and not self._closed:
+            self._waiter = trio.lowlevel.current_task()
+
+            def abort(_: object) -> trio.lowlevel.Abort:
+                self._waiter = None
+                self._gone = True
+                return trio.lowlevel.Abort.SUCCEEDED
+
+            await trio.lowlevel.wait_task_rescheduled(abort)
+        if not self._has_value:
+            raise trio.EndOfChannel
+        self._has_value = False
+        self._gone = True
+        value = self._value
+        self._value = None
+        return value  # type: ignore[return-value]
+
+    def abandon(self) -> None:
+        """The requester stops waiting: a later reply is refused (`trio.BrokenResourceError`)."""
+        self._gone = True
+
+
+async def request(inbox: trio.MemorySendChannel[Q], make: Callable[[ReplySlot[R]], Q]) -> R:
     """Send ``make(reply_to)`` to ``inbox`` and return the one reply.
 
     Raises:
-        trio.EndOfChannel: the replier closed the reply channel without answering (it failed;
+        trio.EndOfChannel: the replier closed the reply slot without answering (it failed;
             its own error reaches the run supervisor through the nursery).
     """
-    # 1: the reply slot, so the replier never blocks on us.
-    send, recv = trio.open_memory_channel[R](1)
-    with recv:
-        await inbox.send(make(send))
-        return await recv.receive()
+    slot = ReplySlot[R]()
+    try:
+        await inbox.send(make(slot))
+        return await slot.receive()
+    finally:
+        slot.abandon()
 
 
-def reply(reply_to: trio.MemorySendChannel[R], value: R) -> None:
+def reply(reply_to: ReplySlot[R], value: R) -> None:
     """Answer a request; a requester that went away (cancelled) is ignored."""
     with reply_to:
         try:

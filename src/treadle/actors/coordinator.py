@@ -24,7 +24,7 @@ from treadle._exceptions import SeamViolation
 from treadle._output import OutputSpec
 from treadle._state import PendingStep, RunView
 from treadle._text import repaired
-from treadle.actors._rpc import StepScope, request
+from treadle.actors._rpc import ReplySlot, StepScope, request
 from treadle.actors.executor import ActionsOutcome, RunActions
 from treadle.actors.gateway import CallModel, ModelOutcome
 from treadle.actors.hydrator import Compaction, Hydrate
@@ -396,19 +396,18 @@ class RunCoordinator:
         started: float,
         output: JSONValue = None,
     ) -> StopReason | None:
-        record = StepRecord(
-            run_id=self.run_id,
-            step=step,
-            ts="",
-            model_intent_id=intent_id,
-            decision=parsed.kind,
-            history_message=parsed.history_message,
-            feedback=parsed.feedback,
-            model_output_text=parsed.history_message.content,
-            visible_output_chars=len(parsed.history_message.content or ""),
-            output=output,
-            repairs=tuple(parsed.repairs),
-        )
+        fields: dict[str, Any] = {
+            "run_id": self.run_id,
+            "step": step,
+            "model_intent_id": intent_id,
+            "decision": parsed.kind,
+            "history_message": parsed.history_message,
+            "feedback": parsed.feedback,
+            "model_output_text": parsed.history_message.content,
+            "visible_output_chars": len(parsed.history_message.content or ""),
+            "output": output,
+            "repairs": tuple(parsed.repairs),
+        }
         results: tuple[ActionResult, ...] | None = None
         if parsed.kind is DecisionKind.ACTIONS:
             approved = await self._approvals(step, parsed.actions)
@@ -419,13 +418,14 @@ class RunCoordinator:
             if outcome.stop is not None:
                 if outcome.results:  # cancelled or cut by the time budget: kept, late
                     self._late = outcome.results
-                    self._late_step = attrs.evolve(
-                        record, action_result_ids=tuple(r.intent_id for r in outcome.results)
+                    self._late_step = StepRecord(
+                        ts="",
+                        action_result_ids=tuple(r.intent_id for r in outcome.results),
+                        **fields,
                     )
                 return outcome.stop
             results = outcome.results
-            record = attrs.evolve(
-                record,
+            fields.update(
                 observations=outcome.observations,
                 observation_images=_observation_images(results),
                 observation_truncated_chars=sum(
@@ -438,7 +438,8 @@ class RunCoordinator:
         elif parsed.kind is DecisionKind.FINAL_ANSWER:
             self._final_answer = parsed.text
             self._answer_output = output
-        record = attrs.evolve(record, ts=self.clock.now_iso(), active_s=self._elapsed(started))
+        # one record, built once its fields are known (a step record is wide)
+        record = StepRecord(ts=self.clock.now_iso(), active_s=self._elapsed(started), **fields)
         await self._write_step(record, results)
         return None
 
@@ -798,7 +799,7 @@ R = TypeVar("R")
 async def _bounded(
     scope: StepScope,
     inbox: trio.MemorySendChannel[Q],
-    make: Callable[[trio.MemorySendChannel[R]], Q],
+    make: Callable[[ReplySlot[R]], Q],
 ) -> R:
     """Request/reply whose wait ends at the step's deadline plus a grace period.
 

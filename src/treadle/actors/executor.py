@@ -21,7 +21,7 @@ from __future__ import annotations
 import functools
 import math
 from collections.abc import Callable, Mapping
-from typing import Protocol
+from typing import Any, Protocol
 
 import attrs
 import trio
@@ -30,7 +30,7 @@ from treadle._clock import Clock
 from treadle._exceptions import SeamViolation
 from treadle._text import valid_unicode
 from treadle._toolhost import HostedCall, ToolHost, current_host
-from treadle.actors._rpc import StepScope, reply
+from treadle.actors._rpc import ReplySlot, StepScope, reply
 from treadle.actors.writer import WriterClient
 from treadle.ports import ActionExecutor
 from treadle.types import (
@@ -80,7 +80,7 @@ class RunActions:
     calls: tuple[ToolCall, ...]
     existing: tuple[ActionIntent, ...]
     scope: StepScope
-    reply_to: trio.MemorySendChannel[ActionsOutcome]
+    reply_to: ReplySlot[ActionsOutcome]
     rejected: Mapping[str, str] = attrs.field(factory=dict)
     handed: list[ActionIntent] = attrs.field(factory=list)
     revisions: Mapping[str, tuple[int, ...]] = attrs.field(factory=dict)
@@ -134,13 +134,17 @@ class ToolExecutor:
 
     async def run_actions(self, message: RunActions) -> ActionsOutcome:
         """Write the intents, run the actions, and build their results."""
+        cancelled = _cancel_called(message.scope)
         actions = [
-            attrs.evolve(
-                self._action(message.step, i, call, message.revisions),
+            self._action(
+                message.step,
+                i,
+                call,
+                message.revisions,
                 tokens_left=message.tokens_left,
                 deadline=message.scope.deadline,
                 forward=self.writer.forward,
-                cancelled=_cancel_called(message.scope),
+                cancelled=cancelled,
             )
             for i, call in enumerate(message.calls)
         ]
@@ -160,15 +164,20 @@ class ToolExecutor:
             ]
             for action in fresh:
                 await self._write_intent(action, written, message.handed)
-            async with trio.open_nursery() as nursery:
-                for index, action in enumerate(actions):
-                    if index in outcomes:
-                        continue
-                    replay = action.intent_id in existing
-                    began.add(index)
-                    nursery.start_soon(
-                        self._perform, index, action, replay, outcomes, message.scope
-                    )
+            runnable = [(i, a) for i, a in enumerate(actions) if i not in outcomes]
+            if len(runnable) == 1:  # the common case: performed here, no nursery or task
+                index, action = runnable[0]
+                began.add(index)
+                replay = action.intent_id in existing
+                await self._perform(index, action, replay, outcomes, message.scope)
+            else:
+                async with trio.open_nursery() as nursery:
+                    for index, action in runnable:
+                        replay = action.intent_id in existing
+                        began.add(index)
+                        nursery.start_soon(
+                            self._perform, index, action, replay, outcomes, message.scope
+                        )
         if message.scope.cancel_called:
             stop = StopReason.CANCELLED
             return self._cut(stop, actions, existing, written, outcomes, began)
@@ -285,7 +294,12 @@ class ToolExecutor:
         )
 
     def _action(
-        self, step: int, index: int, call: ToolCall, revisions: Mapping[str, tuple[int, ...]]
+        self,
+        step: int,
+        index: int,
+        call: ToolCall,
+        revisions: Mapping[str, tuple[int, ...]],
+        **more: Any,
     ) -> Action:
         return Action(
             run_id=self.run_id,
@@ -295,6 +309,7 @@ class ToolExecutor:
             tool=call.name,
             arguments=call.arguments,
             revisions=revisions,
+            **more,
         )
 
     async def _write_intent(
@@ -312,8 +327,7 @@ class ToolExecutor:
         durable = await self.writer.send_barrier(StoreOp.INTENT, intent)
         written.append(intent)
         handed.append(intent)
-        with durable:
-            await durable.receive()
+        await durable.receive()
 
     async def _perform(
         self,
@@ -336,7 +350,9 @@ class ToolExecutor:
                 )
             done(found if found is not None else self._unknown(action), found is not None)
         else:
-            await self._execute(attrs.evolve(action, replay=replay), step, done)
+            if action.replay is not replay:
+                action = attrs.evolve(action, replay=replay)
+            await self._execute(action, step, done)
 
     async def _execute(
         self,

@@ -29,7 +29,7 @@ import trio
 from treadle._clock import Clock
 from treadle._exceptions import ModelCallError, SeamViolation
 from treadle._text import repaired
-from treadle.actors._rpc import StepScope, reply
+from treadle.actors._rpc import ReplySlot, StepScope, reply
 from treadle.actors.writer import WriterClient
 from treadle.models._context import ImageSource, attempt_deadlines, observe_usage, run_images
 from treadle.parsers import strict_arguments
@@ -77,7 +77,7 @@ class CallModel:
     step_failures: int
     tokens: int
     scope: StepScope
-    reply_to: trio.MemorySendChannel[ModelOutcome]
+    reply_to: ReplySlot[ModelOutcome]
     summary_through: int | None = None
 
 
@@ -249,8 +249,7 @@ class ModelGateway:
         with message.scope.open():
             durable = await self.writer.send_barrier(StoreOp.INTENT, intent)
             written.append(intent)
-            with durable:
-                await durable.receive()
+            await durable.receive()
             outcome = await self._complete(client, message.request, on_delta, meter)
         self._coalescer.flush()
         if outcome is None:

@@ -46,7 +46,7 @@ from treadle._budget import (
     transcript,
 )
 from treadle._exceptions import StoreError, UsageError
-from treadle.actors._rpc import reply
+from treadle.actors._rpc import ReplySlot, reply
 from treadle.ports import RunStore
 from treadle.types import (
     ContextUsed,
@@ -98,7 +98,7 @@ class Hydrate:
     """
 
     new_steps: tuple[StepRecord, ...]
-    reply_to: trio.MemorySendChannel[ModelRequest | Compaction]
+    reply_to: ReplySlot[ModelRequest | Compaction]
     summary: Summary | None = None
     calibration: tuple[int, int] | None = None
     force: bool = False

@@ -14,6 +14,7 @@ import attrs
 import trio
 
 from treadle._exceptions import StoreError
+from treadle.actors._rpc import ReplySlot
 from treadle.metrics import MetricsRecorder
 from treadle.ports import EventSink, RunStore
 from treadle.redaction import NO_REDACTION, Redaction
@@ -75,7 +76,7 @@ class Append:
 
     op: StoreOp
     records: tuple[Record, ...]
-    reply_to: trio.MemorySendChannel[int] | None = None
+    reply_to: ReplySlot[int] | None = None
 
 
 @attrs.frozen(kw_only=True)
@@ -256,7 +257,8 @@ class EventWriter:
     redaction: Redaction = NO_REDACTION
     metrics: MetricsRecorder | None = None
     _subscribers: list[trio.MemorySendChannel[Event]] = attrs.Factory(list)
-    _tail: list[Event] = attrs.Factory(list)
+    _tail: list[tuple[int, Record]] = attrs.Factory(list)
+    """Recent records with their seqs; a subscriber's tail is made of them when it joins."""
     _delta_ordinal: int = 0
     _own_feed: bool = False
 
@@ -331,13 +333,18 @@ class EventWriter:
         self._delta_ordinal = 0
         if self.metrics is not None:
             self.metrics.records(records)
+        tail = self._tail
+        # Events are built only for someone listening: the tail keeps the records, and a
+        # subscriber joining later gets their events then (the same events either way).
+        listening = bool(self._subscribers) or self._feed.active
         for offset, record in enumerate(records):
-            event = durable_event(self.run_id, seq + offset, record, self.redaction)
-            self._tail.append(event)
-            for published in with_step_started((event,)):
-                self._fan_out(published)
-        if len(self._tail) > 2 * TAIL_KEEP:
-            del self._tail[:-TAIL_KEEP]
+            tail.append((seq + offset, record))
+            if listening:
+                event = durable_event(self.run_id, seq + offset, record, self.redaction)
+                for published in with_step_started((event,)):
+                    self._fan_out(published)
+        if len(tail) > 2 * TAIL_KEEP:
+            del tail[:-TAIL_KEEP]
         if message.reply_to is not None:
             with message.reply_to:
                 try:
@@ -404,7 +411,10 @@ class EventWriter:
     def _subscribe(self, message: Subscribe) -> None:
         send, recv = trio.open_memory_channel[Event](SUBSCRIBER_BUFFER)
         self._subscribers.append(send)
-        answer = Subscription(last_seq=self.next_seq - 1, tail=tuple(self._tail), events=recv)
+        tail = tuple(
+            durable_event(self.run_id, seq, record, self.redaction) for seq, record in self._tail
+        )
+        answer = Subscription(last_seq=self.next_seq - 1, tail=tail, events=recv)
         with message.reply_to:
             try:
                 message.reply_to.send_nowait(answer)
@@ -558,8 +568,17 @@ class WriterClient:
         return self.writer is not None and self.writer.wants_deltas
 
     async def write(self, op: StoreOp, *records: Record) -> None:
-        """Queue a non-barrier write; returns once the writer accepted it."""
-        await self.inbox.send(Append(op=op, records=records))
+        """Queue a non-barrier write; returns once the writer accepted it.
+
+        Room in the writer's inbox takes the write at once, without a checkpoint (nothing
+        waits for a non-barrier write, and the next barrier of the run follows it); a full
+        inbox waits for room.
+        """
+        message = Append(op=op, records=records)
+        try:
+            self.inbox.send_nowait(message)
+        except trio.WouldBlock:
+            await self.inbox.send(message)
 
     async def barrier(self, op: StoreOp, *records: Record) -> int:
         """Write and wait until durable (with everything written before it).
@@ -571,24 +590,19 @@ class WriterClient:
             trio.EndOfChannel: the writer failed before answering (its error ends the run).
         """
         pending = await self.send_barrier(op, *records)
-        with pending:
-            return await pending.receive()
+        return await pending.receive()
 
-    async def send_barrier(self, op: StoreOp, *records: Record) -> trio.MemoryReceiveChannel[int]:
-        """Hand a barrier write to the writer; await the returned channel for durability.
+    async def send_barrier(self, op: StoreOp, *records: Record) -> ReplySlot[int]:
+        """Hand a barrier write to the writer; await the returned slot's ``receive()``.
 
         Once this returns, the write is queued and will happen even if the caller is then
-        cancelled (so a cancelled caller knows whether its intent may be in the log).
+        cancelled (so a cancelled caller knows whether its intent may be in the log). The
+        slot's ``receive()`` returns the seq of the last record once the write is durable,
+        or raises `trio.EndOfChannel` when the writer failed before answering.
         """
-        # 1: the reply slot.
-        send, recv = trio.open_memory_channel[int](1)
-        try:
-            await self.inbox.send(Append(op=op, records=records, reply_to=send))
-        except BaseException:
-            send.close()
-            recv.close()
-            raise
-        return recv
+        slot = ReplySlot[int]()
+        await self.inbox.send(Append(op=op, records=records, reply_to=slot))
+        return slot
 
     def delta(self, channel: str, text: str) -> None:
         """Offer an ephemeral delta; dropped when the writer's inbox is full.
