@@ -34,6 +34,7 @@ from treadle.types import (
     ActionResult,
     ActionStatus,
     ApprovalDecided,
+    Liveness,
     Message,
     RunState,
 )
@@ -149,13 +150,18 @@ def leave_parked(db: Path, run_id: str) -> None:
             with trio.CancelScope() as gone:
                 async with treadle.open_run(
                     wire_agent(), "pay", store=store, run_id=run_id, park_after_s=0.1
-                ) as handle:
-                    with trio.fail_after(30):
-                        while handle._parking is None:  # noqa: ASYNC110 (a plain attribute)
+                ):
+                    with trio.fail_after(30):  # parked once the lease release is durable
+                        while not await _parked(store, run_id):  # noqa: ASYNC110 (the store)
                             await trio.sleep(0.05)
                     gone.cancel()
 
     trio.run(go)
+
+
+async def _parked(store, run_id: str) -> bool:
+    summary = await store.read_summary(run_id)  # None until the run-started record is in
+    return summary is not None and summary.liveness is Liveness.PARKED
 
 
 # --------------------------------------------------------------------------- a worker subprocess
