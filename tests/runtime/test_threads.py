@@ -240,7 +240,8 @@ async def test_a_missing_or_damaged_predecessor_stops_the_resume_and_loses_nothi
         await treadle.run(
             agent(model, tools),
             "now 3 and 4",
-            store=CrashingStore(inner=memory, crash_at=1, when="after"),
+            # dies before its second write, so its run-started record is surely stored
+            store=CrashingStore(inner=memory, crash_at=2, when="before"),
             thread_id="t",
         )
     kept = list(logs["t.2"])
