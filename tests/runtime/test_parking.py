@@ -442,27 +442,9 @@ class StepCounter(trio.abc.Instrument):
 
 async def test_many_parked_runs_share_one_listing_and_read_nothing_else(autojump_clock):
     store = CountingStore()
-    handles = []
-
-    async def one(index):
-        agent, _ = make([call("add", a=index, b=1, call_id="c1"), say("ok")])
-        async with open_run(
-            agent,
-            "x",
-            store=store,
-            run_id=f"r{index}",
-            approval_policy=only_add,
-            park_after_s=PARK_AFTER_S,
-            control_poll_s=0.5,
-        ) as handle:
-            handles.append(handle)
-
     async with trio.open_nursery() as nursery:
-        for index in range(50):
-            nursery.start_soon(one, index)
-        with trio.fail_after(3600):
-            while len(handles) < 50 or any(h._parking is None for h in handles):  # noqa: ASYNC110
-                await trio.sleep(0.5)
+        parked = await _park_many(store, 50, nursery)
+        handles = [parked[f"r{index}"] for index in range(50)]
         listings, reads = store.listings, store.control_reads
         steps = StepCounter()
         trio.lowlevel.add_instrument(steps)

@@ -418,12 +418,7 @@ async def check_crash_recovery(
     with trio.fail_after(CHECK_TIMEOUT_S):
         baseline, writes = await _baseline(open_store, Path(workdir))
         actions = sum(1 for r in baseline.records if isinstance(r, ActionResult))
-        crashes = [
-            _Crash(label="store", at=k, when=w) for w in _WHENS for k in range(1, writes + 1)
-        ]
-        crashes += [
-            _Crash(label="action", at=k, when=w) for w in _WHENS for k in range(1, actions + 1)
-        ]
+        crashes = _crash_points(writes, actions)
         totals = {"unknown": 0, "reconciled": 0, "replayed": 0}
         for crash in crashes:
             found = await _crash_and_resume(open_store, Path(workdir), crash, baseline)
@@ -477,6 +472,13 @@ async def _crash_and_resume(
     problems = check_recovered_run(log, entries, baseline)
     _expect(not problems, name, "; ".join(problems))
     return _resume_counts(name, log, entries, len(survived.records))
+
+
+def _crash_points(writes: int, actions: int) -> list[_Crash]:
+    """Before and after each of ``writes`` store writes, then in each of ``actions`` actions."""
+    crashes = [_Crash(label="store", at=k, when=w) for w in _WHENS for k in range(1, writes + 1)]
+    crashes += [_Crash(label="action", at=k, when=w) for w in _WHENS for k in range(1, actions + 1)]
+    return crashes
 
 
 def _crashing(
@@ -668,12 +670,7 @@ async def check_thread_crash_recovery(
     with trio.fail_after(CHECK_TIMEOUT_S):
         baseline, writes = await _thread_baseline(open_store, Path(workdir))
         actions = sum(1 for r in baseline.records if isinstance(r, ActionResult))
-        crashes = [
-            _Crash(label="store", at=k, when=w) for w in _WHENS for k in range(1, writes + 1)
-        ]
-        crashes += [
-            _Crash(label="action", at=k, when=w) for w in _WHENS for k in range(1, actions + 1)
-        ]
+        crashes = _crash_points(writes, actions)
         for crash in crashes:
             await _crash_thread(open_store, Path(workdir), crash, baseline)
     return ThreadCrashReport(writes=writes, actions=actions, crashes=len(crashes))
