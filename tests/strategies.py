@@ -187,6 +187,7 @@ actions = _build(
     deadline=seconds | st.just(float("inf")),
     forward=st.none() | st.just(lambda event: None),
     cancelled=st.none() | st.just(lambda: False),
+    can_park=st.booleans(),
 )
 
 # --------------------------------------------------------------------------- definition data
@@ -198,6 +199,7 @@ budgets = _build(
     token_budget=maybe_counts,
     time_budget_s=maybe_seconds,
 )
+budget_caps = _build(t.BudgetCaps, token_budget=maybe_counts, time_budget_s=maybe_seconds)
 limits = _build(
     t.Limits,
     tool_timeout_s=seconds,
@@ -238,6 +240,7 @@ run_starteds = _build(
     thread=st.none() | ids,
     continues=st.none() | ids,
     fork_step=st.none() | counts,
+    caps=st.none() | budget_caps,
 )
 model_intents = _build(
     t.ModelIntent,
@@ -374,6 +377,16 @@ definition_accepteds = _build(
     agent_version=st.none() | ids,
     accepted_by=texts,
 )
+children_awaiteds = _build(
+    t.ChildrenAwaited,
+    run_id=ids,
+    step=counts,
+    ts=timestamps,
+    intent_ids=_tuples(ids),
+    children=_tuples(ids),
+    active_s=seconds,
+    recheck_ts=timestamps,
+)
 
 RECORD_STRATEGIES: dict[type[Any], st.SearchStrategy[Any]] = {
     t.RunStarted: run_starteds,
@@ -387,6 +400,7 @@ RECORD_STRATEGIES: dict[type[Any], st.SearchStrategy[Any]] = {
     t.ApprovalRequested: approval_requesteds,
     t.ApprovalDecided: approval_decideds,
     t.DefinitionAccepted: definition_accepteds,
+    t.ChildrenAwaited: children_awaiteds,
 }
 """Log record class -> strategy; one entry per member of `treadle.types.Record`."""
 
@@ -435,7 +449,14 @@ run_summaries = _build(
     where=st.none() | texts,
 )
 submissions = _build(
-    t.Submission, run_id=ids, agent=ids, input=_tuples(messages), submitted_at=seconds
+    t.Submission,
+    run_id=ids,
+    agent=ids,
+    input=_tuples(messages),
+    submitted_at=seconds,
+    caps=st.none() | budget_caps,
+    parent_run_id=st.none() | ids,
+    parent_intent_id=st.none() | ids,
 )
 claims = _build(
     t.Claim,

@@ -333,7 +333,7 @@ def test_every_command_is_listed_with_its_own_help_line():
         assert command.get_short_help_str(limit=300) == entry.help, name
 
 
-NOT_ERRORS = {"Parked", "Drained", "SimulatedCrash"}
+NOT_ERRORS = {"Parked", "AwaitingChildren", "Drained", "ChildPending", "SimulatedCrash"}
 """Exceptions that are control-flow signals, not errors (drawn apart in the tree's docstring)."""
 
 

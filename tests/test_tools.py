@@ -578,6 +578,7 @@ async def test_context_is_injected() -> None:
         "deadline": math.inf,
         "forward_event": None,
         "run_cancelled": None,
+        "can_park": False,
     }
 
 

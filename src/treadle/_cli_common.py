@@ -28,6 +28,7 @@ from treadle.types import (
     ApprovalDecided,
     ApprovalRequested,
     CancelRequested,
+    ChildrenAwaited,
     DefinitionAccepted,
     Event,
     ModelIntent,
@@ -190,6 +191,11 @@ def describe(record: Record) -> tuple[str, str]:
     if isinstance(record, CancelRequested):
         who = f" by {record.canceller}" if record.canceller else ""
         return "cancel requested", clip(f"{record.reason}{who}".strip())
+    if isinstance(record, ChildrenAwaited):
+        return "children awaited", clip(
+            f"parked on {', '.join(record.children)} (call {', '.join(record.intent_ids)}); "
+            f"claimable again when one ends, or at {record.recheck_ts}"
+        )
     if isinstance(record, DefinitionAccepted):
         return "definition accepted", clip(
             f"{record.agent_version or 'unversioned'}, changed: {', '.join(record.changed)}"

@@ -39,9 +39,11 @@ Defined next to what raises them: `SeamContractError`, `StoreContractError` and
 `CrashContractError` in their contract suites, `SSEDecodeError` in `treadle.models._sse`,
 `FrameError` in `treadle.stores._lines`, `ClientGone` in `treadle.testing.loopback`,
 `StaleWrite` in `treadle.revisions`; the rest here. Not errors, and so outside the tree: the
-coordinator's control-flow signals `Parked` and `Drained` (a run stops being driven here,
-caught by the run supervisor), and the test kit's `SimulatedCrash` (a simulated process death,
-which must get past every handler a real death would).
+coordinator's control-flow signals `Parked`, `AwaitingChildren` and `Drained` (a run stops
+being driven here, caught by the run supervisor), a child-run tool's `ChildPending` (its
+call parks instead of answering, caught by the tool executor), and the test kit's
+`SimulatedCrash` (a simulated process death, which must get past every handler a real death
+would).
 
 Every error carries the identifiers needed to act on it as attributes. `trio.Cancelled` is
 never caught or subclassed here.
@@ -92,6 +94,28 @@ class ChildRunInterrupted(TreadleError):
     def __init__(self, run_id: str, detail: str) -> None:
         super().__init__(f"child run {run_id!r} stopped without finishing: {detail}")
         self.run_id = run_id
+
+
+class ChildPending(Exception):
+    """A child-run tool's call parks its run instead of answering (a signal, not an error).
+
+    Raised by `treadle.agent_tool` in a run a fleet worker drives, when the child it queued
+    has not finished after the worker's ``park_after_s`` and the tool executor allows the
+    call to park (every call of the step is ``safe`` to replay). The tool executor takes it
+    as "no outcome yet"; once every call of the step has ended or parked, the run records
+    `treadle.types.ChildrenAwaited` and its drive ends parked. Its resume replays the call,
+    which finds the child (docs/child-runs.md, "In a fleet").
+
+    Attributes:
+        run_id: the child run the call waits on.
+        recheck_s: seconds after which the parked run is claimable again even if the child
+            never woke it.
+    """
+
+    def __init__(self, run_id: str, recheck_s: float) -> None:
+        super().__init__(f"the call waits on child run {run_id!r}")
+        self.run_id = run_id
+        self.recheck_s = recheck_s
 
 
 class EnvironmentFailure(TreadleError):

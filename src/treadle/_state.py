@@ -19,13 +19,16 @@ from treadle.types import (
     ApprovalDecided,
     ApprovalRequested,
     CancelRequested,
+    ChildrenAwaited,
     DecisionKind,
+    Message,
     ModelIntent,
     ModelReply,
     ModelResult,
     Record,
     RunFinished,
     StepRecord,
+    SyntheticObservations,
     Totals,
     Usage,
 )
@@ -47,6 +50,8 @@ class PendingStep:
         approval_requests: approval requests recorded in this step, by call id.
         recorded_s: seconds of this step's model attempts as their results recorded them
             (``latency_s``); a step resumed after a crash counts them as active time.
+        children_awaited: the latest record of the step parking on child runs, or ``None``
+            (docs/child-runs.md, "In a fleet").
     """
 
     step: int
@@ -59,6 +64,7 @@ class PendingStep:
     approvals: dict[str, ApprovalDecided] = attrs.Factory(dict)
     approval_requests: dict[str, ApprovalRequested] = attrs.Factory(dict)
     recorded_s: float = 0.0
+    children_awaited: ChildrenAwaited | None = None
 
 
 @attrs.define(eq=False)
@@ -150,6 +156,8 @@ class RunView:
             self.pending.approval_requests[record.call_id] = record
         elif isinstance(record, ApprovalDecided):
             self.pending.approvals[record.call_id] = record
+        elif isinstance(record, ChildrenAwaited):
+            self.pending.children_awaited = record
         elif isinstance(record, RunFinished):
             self.finished = record
 
@@ -203,3 +211,64 @@ def fold(records: tuple[Record, ...]) -> RunView:
     for record in records:
         view.apply(record)
     return view
+
+
+def closing_records(
+    run_id: str, pending: PendingStep, synthetic: SyntheticObservations, ts: str, detail: str
+) -> list[Record]:
+    """What leaves no intent of a pending step without an outcome when the run ends there.
+
+    For a run that finishes (cancelled, a budget) before it ran the step its log shows in
+    progress again (docs/crash-safety.md, "Resume"): the open model intent is recorded as
+    abandoned, and every action intent gets its ``unknown`` result (the definition's
+    synthetic text) with the step's record. Empty when the pending step holds no open
+    intent (an action result is only ever written with its step record, so every action
+    intent of the pending step is open).
+
+    Args:
+        run_id: the run.
+        pending: the step in progress (`RunView.pending`).
+        synthetic: the definition's synthetic observations.
+        ts: the records' instant (ISO-8601).
+        detail: why the outcomes are unknown (diagnostics).
+    """
+    records: list[Record] = []
+    if pending.open_model_intent is not None:
+        intent_id = pending.open_model_intent.intent_id
+        step = pending.step
+        records.append(
+            ModelResult(run_id=run_id, step=step, intent_id=intent_id, ts=ts, abandoned=True)
+        )
+    if not pending.action_intents:
+        return records
+    results = [
+        ActionResult.unknown(
+            intent,
+            observation=synthetic.unknown.format(tool=intent.tool, detail=""),
+            detail=detail,
+            ts=ts,
+            synthetic=True,
+        )
+        for intent in pending.action_intents
+    ]
+    reply = pending.reply
+    records += results
+    records.append(
+        StepRecord(
+            run_id=run_id,
+            step=pending.step,
+            ts=ts,
+            model_intent_id=pending.reply_intent_id,
+            decision=DecisionKind.ACTIONS,
+            history_message=Message(
+                role="assistant",
+                content=reply.text if reply else None,
+                tool_calls=reply.tool_calls if reply else (),
+            ),
+            model_output_text=reply.text if reply else None,
+            visible_output_chars=len(reply.text or "") if reply else 0,
+            observations=tuple(r.outcome.observation for r in results),
+            action_result_ids=tuple(r.intent_id for r in results),
+        )
+    )
+    return records

@@ -18,6 +18,7 @@ from treadle.types import (
     ActionOutcome,
     ActionResult,
     ApprovalDecided,
+    BudgetCaps,
     CancelRequested,
     Claim,
     ControlEntry,
@@ -347,8 +348,25 @@ class RunQueue(Protocol):
     parked runs, with one atomic statement, oldest first, up to their free slots.
     """
 
-    async def submit(self, run_id: str, *, agent: str, input: tuple[Message, ...]) -> Submission:
+    async def submit(
+        self,
+        run_id: str,
+        *,
+        agent: str,
+        input: tuple[Message, ...],
+        caps: BudgetCaps | None = None,
+        parent: tuple[str, str] | None = None,
+    ) -> Submission:
         """Queue a new run; submitting an existing run id again returns its first submission.
+
+        Args:
+            run_id: the run.
+            agent: the agent name it is served under.
+            input: its input.
+            caps: for a child run, the bounds its parent's remaining budgets put on its own
+                (docs/child-runs.md, "Budgets"); kept with the entry, not compared when the
+                same run is submitted again.
+            parent: for a child run, ``(parent run id, parent intent id)``.
 
         Raises:
             UsageError: the run id exists and was submitted for another agent or input, or
@@ -384,6 +402,14 @@ class RunQueue(Protocol):
 
     async def release_quarantine(self, run_id: str) -> bool:
         """Make a quarantined run claimable again; ``False`` when it was not quarantined."""
+        ...
+
+    async def wake(self, run_id: str) -> bool:
+        """Make a run parked on child runs claimable now (state ``awaiting_child``).
+
+        Called once one of its children finished (docs/child-runs.md, "In a fleet").
+        ``False`` (nothing changed) when the run is in any other state.
+        """
         ...
 
     async def read_submission(self, run_id: str) -> Submission | None:

@@ -51,7 +51,9 @@ no coercion, no extra keys) before the tool runs (docs/concepts.md, "Data that s
 * the tool raised `treadle.revisions.StaleWrite`: NOT_EXECUTED with ``stale_resource`` set;
 * the tool raised `ChildRunInterrupted` (a child-run tool whose child stopped unfinished): no
   outcome; it propagates and fails the run's drive, which is left resumable
-  (docs/child-runs.md, "Run ids").
+  (docs/child-runs.md, "Run ids"); likewise `treadle._exceptions.ChildPending` (a child-run
+  tool whose call parks its run while its queued child works, docs/child-runs.md, "In a
+  fleet"), which the tool executor takes as "no outcome yet".
 
 A tool that reads a resource (``reads=``) returns `treadle.revisions.Observed` to report the
 revision it saw; it is in the outcome's ``revisions`` (docs/concepts.md, "Stale writes").
@@ -80,6 +82,7 @@ from cattrs.preconf.json import make_converter
 
 from treadle import _toolproc
 from treadle._exceptions import (
+    ChildPending,
     ChildRunInterrupted,
     EnvironmentFailure,
     ToolProcessFailed,
@@ -157,6 +160,9 @@ class ToolContext:
         run_cancelled: ``run_cancelled()`` tells whether the run itself was cancelled (a
             cancel request), as opposed to its drive stopping in this process (a drain, a
             lost lease), which leaves the run resumable; ``None`` when nobody can tell.
+        can_park: the call may park its run instead of answering, by raising
+            `treadle._exceptions.ChildPending` (every call of the step is ``safe`` to
+            replay; docs/child-runs.md, "In a fleet").
     """
 
     run_id: str
@@ -171,6 +177,7 @@ class ToolContext:
     deadline: float = math.inf
     forward_event: Callable[[Event], None] | None = attrs.field(default=None, eq=False, repr=False)
     run_cancelled: Callable[[], bool] | None = attrs.field(default=None, eq=False, repr=False)
+    can_park: bool = False
 
 
 def _image_refs(value: Sequence[ImageRef]) -> tuple[ImageRef, ...]:
@@ -725,6 +732,7 @@ class Toolbox:
                 deadline=action.deadline,
                 forward_event=action.forward,
                 run_cancelled=action.cancelled,
+                can_park=action.can_park,
             )
         return await self._run(found, kwargs, resource, seen)
 
@@ -744,11 +752,14 @@ class Toolbox:
                     return await _in_process(found, kwargs, resource, seen)
                 else:
                     result = await found.fn(**kwargs)
-            except ChildRunInterrupted:
-                raise  # not an outcome: the run's drive stops, a resume re-attaches
+            except (ChildRunInterrupted, ChildPending):
+                raise  # not an outcome: the run's drive stops or parks; a resume re-attaches
             except Exception as exc:
                 if raised(exc, ChildRunInterrupted) is not None:
                     raise
+                pending = raised(exc, ChildPending)
+                if pending is not None:
+                    raise pending from None
                 stale = raised(exc, StaleWrite)
                 if stale is not None:
                     return _stale(found, resource, seen, stale)

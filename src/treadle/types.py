@@ -60,12 +60,14 @@ class RunState(enum.StrEnum):
 
     ``queued → running ⇄ awaiting_approval → succeeded | failed | interrupted`` and
     ``queued | running | awaiting_approval → cancelling → cancelled``. Terminal states never
-    change.
+    change. ``running ⇄ awaiting_child``: in a fleet, a run whose tool call waits on a child
+    run it queued is parked until the child ends (docs/child-runs.md, "In a fleet").
     """
 
     QUEUED = "queued"
     RUNNING = "running"
     AWAITING_APPROVAL = "awaiting_approval"
+    AWAITING_CHILD = "awaiting_child"
     CANCELLING = "cancelling"
     SUCCEEDED = "succeeded"
     FAILED = "failed"
@@ -508,6 +510,9 @@ class Action:
         cancelled: ``cancelled()`` tells whether the run itself was cancelled (a cancel
             request), as opposed to its drive stopping in this process (a drain, a lost
             lease), which leaves it resumable; ``None`` when nobody can tell.
+        can_park: the call may park its run instead of answering (every call of the step
+            is ``safe`` to replay, so none of their outcomes is lost when the step is run
+            again): a child-run tool in a fleet does (docs/child-runs.md, "In a fleet").
     """
 
     run_id: str
@@ -522,6 +527,7 @@ class Action:
     deadline: float = float("inf")
     forward: Callable[[Event], None] | None = attrs.field(default=None, eq=False, repr=False)
     cancelled: Callable[[], bool] | None = attrs.field(default=None, eq=False, repr=False)
+    can_park: bool = False
 
 
 # --------------------------------------------------------------------------- definition data
@@ -542,6 +548,34 @@ class Budgets:
 
     max_steps: int | None = 50
     max_model_attempts: int | None = 200
+    token_budget: int | None = None
+    time_budget_s: float | None = None
+
+    def capped(self, caps: BudgetCaps | None) -> Budgets:
+        """These budgets, each cut to its cap in ``caps`` (``None``: unchanged)."""
+        if caps is None:
+            return self
+        tokens, seconds = self.token_budget, self.time_budget_s
+        if caps.token_budget is not None:
+            tokens = caps.token_budget if tokens is None else min(tokens, caps.token_budget)
+        if caps.time_budget_s is not None:
+            seconds = caps.time_budget_s if seconds is None else min(seconds, caps.time_budget_s)
+        if (tokens, seconds) == (self.token_budget, self.time_budget_s):
+            return self
+        return attrs.evolve(self, token_budget=tokens, time_budget_s=seconds)
+
+
+@attrs.frozen(kw_only=True)
+class BudgetCaps:
+    """Upper bounds a parent run puts on a child run's budgets (docs/child-runs.md, "Budgets").
+
+    Attributes:
+        token_budget: the parent's token budget minus what it had spent when it started the
+            child (``None``: no bound).
+        time_budget_s: the parent's active seconds left when it started the child (``None``:
+            no bound).
+    """
+
     token_budget: int | None = None
     time_budget_s: float | None = None
 
@@ -635,6 +669,9 @@ class RunStarted:
         fork_step: for a fork, the step of ``continues`` it tries again: the run starts from
             that run's history before this step (docs/threads.md, "Forks"); ``None`` for a
             thread's run, which starts from the whole history its predecessor ended with.
+        caps: for a child run queued in a fleet, the bounds its parent's remaining budgets
+            put on its own (docs/child-runs.md, "Budgets"); every drive of the run applies
+            them. ``None`` otherwise.
     """
 
     run_id: str
@@ -650,6 +687,7 @@ class RunStarted:
     thread: str | None = None
     continues: str | None = None
     fork_step: int | None = None
+    caps: BudgetCaps | None = None
 
 
 @attrs.frozen(kw_only=True)
@@ -944,6 +982,35 @@ class ApprovalRequested:
 
 
 @attrs.frozen(kw_only=True)
+class ChildrenAwaited:
+    """The run parks while tool calls of its step wait on child runs queued in a fleet.
+
+    Written (a barrier) by a run driven by a fleet worker when every call still running in
+    its step waits on a queued child run and every call of the step is ``safe`` to replay:
+    the worker then releases the run's lease and frees its slot. The run is claimable again
+    when one of the children finishes (the child's driver wakes it) or at ``recheck_ts``,
+    whichever comes first; its resume replays the step's calls, which find their children
+    (docs/child-runs.md, "In a fleet").
+
+    Attributes:
+        step: the step whose calls wait.
+        intent_ids: the action intents of the waiting calls.
+        children: the child run of each, in the same order.
+        active_s: active seconds of the step when it parked; the step's active time goes on
+            while the run is parked (the children's time is the parent's).
+        recheck_ts: when the run is claimable again even if no child woke it (ISO-8601).
+    """
+
+    run_id: str
+    step: int
+    ts: str
+    intent_ids: tuple[str, ...]
+    children: tuple[str, ...]
+    active_s: float
+    recheck_ts: str
+
+
+@attrs.frozen(kw_only=True)
 class ApprovalDecided:
     """A human decision on a pending tool call; ``decision`` is approve, reject or edit.
 
@@ -1009,11 +1076,12 @@ Record: TypeAlias = (
     | ApprovalRequested
     | ApprovalDecided
     | DefinitionAccepted
+    | ChildrenAwaited
 )
 """Every log record, a closed union (serialised with a ``kind`` tag)."""
 
 ControlRecord: TypeAlias = (
-    CancelRequested | ApprovalRequested | ApprovalDecided | DefinitionAccepted
+    CancelRequested | ApprovalRequested | ApprovalDecided | DefinitionAccepted | ChildrenAwaited
 )
 """The records of `treadle.ports.RunStore.write_control` (barriers outside the step pattern)."""
 
@@ -1096,8 +1164,9 @@ class ControlEntry:
 class Liveness(enum.StrEnum):
     """Who drives a run, as a run index reports it (docs/fleet.md, "Liveness").
 
-    DRIVEN: a live lease holder drives it. PARKED: it waits for an approval with nobody
-    holding its lease (a decision or its deadline makes it claimable). QUEUED: submitted,
+    DRIVEN: a live lease holder drives it. PARKED: it waits for an approval, or on child
+    runs, with nobody holding its lease (a decision or its deadline makes it claimable; a
+    child's end or the recheck instant, docs/child-runs.md "In a fleet"). QUEUED: submitted,
     never started. ORPHANED: unfinished, and its driver's lease expired or was released
     without finishing it. QUARANTINED: its drivers kept dying; only an explicit release
     makes it claimable again. FINISHED: it has its run-finished record.
@@ -1170,12 +1239,19 @@ class Submission:
         agent: the name of the agent (a factory every serving worker registers).
         input: the run input as messages.
         submitted_at: epoch seconds on the store's clock.
+        caps: for a child run, the bounds its parent's remaining budgets put on its own;
+            the run's run-started record keeps them (docs/child-runs.md, "Budgets").
+        parent_run_id: for a child run, the run whose tool call queued it.
+        parent_intent_id: for a child run, the parent's action intent it serves.
     """
 
     run_id: str
     agent: str
     input: tuple[Message, ...]
     submitted_at: float
+    caps: BudgetCaps | None = None
+    parent_run_id: str | None = None
+    parent_intent_id: str | None = None
 
 
 @attrs.frozen(kw_only=True)
@@ -1215,6 +1291,7 @@ class EventKind(enum.StrEnum):
     STEP_COMPLETED = "step_completed"
     APPROVAL_REQUESTED = "approval_requested"
     APPROVAL_DECIDED = "approval_decided"
+    CHILDREN_AWAITED = "children_awaited"
     CANCEL_REQUESTED = "cancel_requested"
     DEFINITION_ACCEPTED = "definition_accepted"
     RUN_FINISHED = "run_finished"

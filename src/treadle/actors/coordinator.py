@@ -22,7 +22,7 @@ from treadle._budget import window_from_error
 from treadle._clock import Clock
 from treadle._exceptions import SeamViolation
 from treadle._output import OutputSpec
-from treadle._state import PendingStep, RunView
+from treadle._state import PendingStep, RunView, closing_records
 from treadle._text import repaired
 from treadle.actors._rpc import ReplySlot, StepScope, request
 from treadle.actors.executor import ActionsOutcome, RunActions
@@ -48,6 +48,7 @@ from treadle.types import (
     ApprovalRequested,
     Budgets,
     CancelRequested,
+    ChildrenAwaited,
     DecisionKind,
     ImageRef,
     JSONValue,
@@ -62,6 +63,7 @@ from treadle.types import (
     StepRecord,
     StopReason,
     StoreOp,
+    SyntheticObservations,
     ToolCall,
     ToolSpec,
 )
@@ -85,6 +87,24 @@ class Parked(Exception):
         self.request = request
         self.deadline = deadline
         self.active_s = active_s
+
+
+class AwaitingChildren(Exception):
+    """Raised by `RunCoordinator.run` once its step parked on child runs queued in a fleet.
+
+    The `ChildrenAwaited` record is durable; the run supervisor stops the run's actors and
+    releases its lease, leaving the run claimable when a child wakes it or at the record's
+    ``recheck_ts`` (docs/child-runs.md, "In a fleet").
+
+    Attributes:
+        record: the durable record of the wait.
+    """
+
+    def __init__(self, record: ChildrenAwaited) -> None:
+        super().__init__(
+            f"run {record.run_id!r} parked on child runs {', '.join(record.children)}"
+        )
+        self.record = record
 
 
 class Drained(Exception):
@@ -117,6 +137,9 @@ class RunCoordinator:
         compaction: the agent declares a context window: a step whose attempt the provider
             refused for its context length compacts once and retries (docs/context.md,
             "Context-length errors").
+        synthetic: the definition's synthetic observations: a run that ends before it ran
+            its resumed step again gives that step's open intents their ``unknown`` results
+            (`treadle._state.closing_records`).
     """
 
     run_id: str
@@ -135,6 +158,7 @@ class RunCoordinator:
     park_after_s: float | None = None
     carried_active_s: float = 0.0
     compaction: bool = False
+    synthetic: SyntheticObservations = SyntheticObservations()
     state: RunState = RunState.RUNNING
     _step_scope: StepScope | None = None
     _cancel: tuple[str, str] | None = None
@@ -295,8 +319,8 @@ class RunCoordinator:
         """Run one step; return a stop reason when the step itself was cut off."""
         # A step resumed after parking continues its active time; one resumed after a crash
         # counts what its recorded model attempts took (the rest of the crashed process's
-        # time on it is unknown).
-        started = trio.current_time() - (self.carried_active_s or self.view.pending.recorded_s)
+        # time on it is unknown); one that parked on child runs counts its time parked.
+        started = trio.current_time() - (self.carried_active_s or self._recorded_s())
         self.carried_active_s = 0.0
         self._step_started = started
         deadline = float("inf")
@@ -311,6 +335,15 @@ class RunCoordinator:
             return await self._run_step(scope, started)
         finally:
             self._step_scope = None
+
+    def _recorded_s(self) -> float:
+        """Active seconds the log shows the pending step has taken (see `_step`)."""
+        pending = self.view.pending
+        awaited = pending.children_awaited
+        if awaited is None:
+            return pending.recorded_s
+        parked_s = max(0.0, seconds_between(awaited.ts, self.clock.now_iso()))
+        return max(pending.recorded_s, awaited.active_s + parked_s)
 
     async def _run_step(self, scope: StepScope, started: float) -> StopReason | None:
         pending = self.view.pending
@@ -415,6 +448,9 @@ class RunCoordinator:
                 return StopReason.CANCELLED
             calls, rejected = approved
             outcome = await self._run_actions(step, calls, rejected, scope)
+            if outcome.awaiting and outcome.stop is None:
+                await self._park_on_children(step, outcome, started)
+                return StopReason.CANCELLED  # cancelled while the wait became durable
             if outcome.stop is not None:
                 if outcome.results:  # cancelled or cut by the time budget: kept, late
                     self._late = outcome.results
@@ -442,6 +478,33 @@ class RunCoordinator:
         record = StepRecord(ts=self.clock.now_iso(), active_s=self._elapsed(started), **fields)
         await self._write_step(record, results)
         return None
+
+    async def _park_on_children(self, step: int, outcome: ActionsOutcome, started: float) -> None:
+        """Record that the step's calls wait on child runs (a barrier), then park.
+
+        Returns only when the run was cancelled meanwhile: it then finishes ``cancelled``
+        (the calls get their ``unknown`` results, `_finish`), rather than parking with a
+        cancel that its control stream shows as handled.
+
+        Raises:
+            AwaitingChildren: once the record is durable, unless cancelled meanwhile.
+        """
+        now = self.clock.now_iso()
+        recheck_s = min(awaited.recheck_s for awaited in outcome.awaiting)
+        record = ChildrenAwaited(
+            run_id=self.run_id,
+            step=step,
+            ts=now,
+            intent_ids=tuple(awaited.intent_id for awaited in outcome.awaiting),
+            children=tuple(awaited.child_run_id for awaited in outcome.awaiting),
+            active_s=self._elapsed(started),
+            recheck_ts=_plus_s(now, recheck_s),
+        )
+        if self._cancel is None:
+            await self.writer.barrier(StoreOp.CONTROL, record)
+            self.view.apply(record)
+        if self._cancel is None:
+            raise AwaitingChildren(record)
 
     async def _approvals(
         self, step: int, calls: tuple[ToolCall, ...]
@@ -715,6 +778,24 @@ class RunCoordinator:
         self.view.apply(record)
         self._unsent_steps.append(record)
 
+    async def _close_pending(self) -> None:
+        """A run ending before it ran its resumed step again: no intent stays without outcome."""
+        closing = closing_records(
+            self.run_id,
+            self.view.pending,
+            self.synthetic,
+            self.clock.now_iso(),
+            "the run ended before the interrupted step was run again",
+        )
+        if closing and isinstance(closing[0], ModelResult):
+            abandoned = closing.pop(0)
+            await self.writer.write(StoreOp.MODEL_RESULT, abandoned)
+            self.view.apply(abandoned)
+        if closing:
+            await self.writer.write(StoreOp.STEP, *closing)
+            for record in closing:
+                self.view.apply(record)
+
     def _elapsed(self, started: float) -> float:
         """Active seconds since ``started`` (approval waits of the step excluded)."""
         return round(trio.current_time() - started - self._waited_s, 6)
@@ -733,6 +814,8 @@ class RunCoordinator:
                 self.view.apply(result)
             self.view.apply(late_step)
             cut_active_s = 0.0
+        else:
+            await self._close_pending()
         if reason is StopReason.CANCELLED and self.view.cancel is None:
             why, who = self._cancel or ("", "")
             cancel = repaired(

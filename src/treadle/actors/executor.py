@@ -27,7 +27,7 @@ import attrs
 import trio
 
 from treadle._clock import Clock
-from treadle._exceptions import SeamViolation
+from treadle._exceptions import ChildPending, SeamViolation
 from treadle._text import valid_unicode
 from treadle._toolhost import HostedCall, ToolHost, current_host
 from treadle.actors._rpc import ReplySlot, StepScope, reply
@@ -88,22 +88,42 @@ class RunActions:
 
 
 @attrs.frozen(kw_only=True)
+class AwaitedChild:
+    """A call of the step that parked while its queued child run works.
+
+    Attributes:
+        intent_id: the call's action intent.
+        child_run_id: the child run it waits on.
+        recheck_s: seconds after which the parked run is claimable again without a wake-up.
+    """
+
+    intent_id: str
+    child_run_id: str
+    recheck_s: float
+
+
+@attrs.frozen(kw_only=True)
 class ActionsOutcome:
     """The executor actor's answer.
 
     Attributes:
         results: one result per call, in call order. When the step was cancelled or cut
             by the time budget: one result per action whose intent was written, marked
-            ``late`` (never applied).
+            ``late`` (never applied). Empty when calls parked (``awaiting``).
         observations: the text each result put into history, in call order.
         stop: ``cancelled`` or ``time_budget`` when the step was cut off mid-action.
         written: the intents written, in order.
+        awaiting: the calls that parked on child runs, in call order; non-empty only when
+            every other call ended and all of them may run again on resume (their
+            results are dropped: the step runs its calls again, docs/child-runs.md, "In a
+            fleet").
     """
 
     results: tuple[ActionResult, ...] = ()
     observations: tuple[str, ...] = ()
     stop: StopReason | None = None
     written: tuple[Record, ...] = ()
+    awaiting: tuple[AwaitedChild, ...] = ()
 
 
 @attrs.define(eq=False)
@@ -135,6 +155,11 @@ class ToolExecutor:
     async def run_actions(self, message: RunActions) -> ActionsOutcome:
         """Write the intents, run the actions, and build their results."""
         cancelled = _cancel_called(message.scope)
+        can_park = all(
+            self.executor.replay_policy(call.name) is ReplayPolicy.SAFE
+            for call in message.calls
+            if call.id not in message.rejected
+        )
         actions = [
             self._action(
                 message.step,
@@ -145,12 +170,14 @@ class ToolExecutor:
                 deadline=message.scope.deadline,
                 forward=self.writer.forward,
                 cancelled=cancelled,
+                can_park=can_park,
             )
             for i, call in enumerate(message.calls)
         ]
         existing = {intent.intent_id: intent for intent in message.existing}
         written: list[Record] = []
         outcomes: dict[int, tuple[ActionOutcome, float, bool]] = {}
+        awaiting: dict[int, AwaitedChild] = {}
         for index, action in enumerate(actions):
             detail = message.rejected.get(action.call_id)
             if detail is not None and action.intent_id not in existing:
@@ -169,18 +196,27 @@ class ToolExecutor:
                 index, action = runnable[0]
                 began.add(index)
                 replay = action.intent_id in existing
-                await self._perform(index, action, replay, outcomes, message.scope)
+                await self._perform(index, action, replay, outcomes, awaiting, message.scope)
             else:
                 async with trio.open_nursery() as nursery:
                     for index, action in runnable:
                         replay = action.intent_id in existing
                         began.add(index)
                         nursery.start_soon(
-                            self._perform, index, action, replay, outcomes, message.scope
+                            self._perform,
+                            index,
+                            action,
+                            replay,
+                            outcomes,
+                            awaiting,
+                            message.scope,
                         )
         if message.scope.cancel_called:
             stop = StopReason.CANCELLED
             return self._cut(stop, actions, existing, written, outcomes, began)
+        if awaiting and not cut.cancelled_caught and len(outcomes) + len(awaiting) == len(actions):
+            parked = tuple(awaiting[i] for i in sorted(awaiting))
+            return ActionsOutcome(written=tuple(written), awaiting=parked)
         if cut.cancelled_caught or len(outcomes) < len(actions):
             stop = StopReason.TIME_BUDGET
             return self._cut(stop, actions, existing, written, outcomes, began)
@@ -335,6 +371,7 @@ class ToolExecutor:
         action: Action,
         replay: bool,
         outcomes: dict[int, tuple[ActionOutcome, float, bool]],
+        awaiting: dict[int, AwaitedChild],
         step: StepScope,
     ) -> None:
         started = trio.current_time()
@@ -352,19 +389,26 @@ class ToolExecutor:
         else:
             if action.replay is not replay:
                 action = attrs.evolve(action, replay=replay)
-            await self._execute(action, step, done)
+            parked = await self._execute(action, step, done)
+            if parked is not None:
+                awaiting[index] = AwaitedChild(
+                    intent_id=action.intent_id,
+                    child_run_id=parked.run_id,
+                    recheck_s=parked.recheck_s,
+                )
 
     async def _execute(
         self,
         action: Action,
         step: StepScope,
         done: _Done,
-    ) -> None:
+    ) -> ChildPending | None:
         """Run the call in the host and wait for it, within its timeout and the step's scope.
 
-        On return ``done`` got the outcome. Cut by the step (`trio.Cancelled` raised): ``done``
-        got the outcome when the call ended within its grace period, else nothing (the call
-        was abandoned: its result is UNKNOWN).
+        On return ``done`` got the outcome, or the call parked on a child run: then it
+        returns the call's `ChildPending` and ``done`` got nothing. Cut by the step
+        (`trio.Cancelled` raised): ``done`` got the outcome when the call ended within its
+        grace period, else nothing (the call was abandoned: its result is UNKNOWN).
         """
         host = self.host or current_host()
         call: HostedCall[ActionOutcome] = host.start(
@@ -412,10 +456,18 @@ class ToolExecutor:
                 )
             )
         else:
-            outcome = found.unwrap()
+            try:
+                outcome = found.unwrap()
+            except ChildPending as parked:
+                if not action.can_park:
+                    raise SeamViolation(
+                        "action executor", parked, "an outcome (this call may not park)"
+                    ) from None
+                return parked
             if not _is_outcome(outcome):
                 raise SeamViolation("action executor", outcome, "an ActionOutcome")
             done(outcome)
+        return None
 
     def _settle(self, call: HostedCall[ActionOutcome], done: _Done, action: Action) -> None:
         """After a cut: keep what the call returned in time; abandon it otherwise."""

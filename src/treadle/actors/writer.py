@@ -24,6 +24,8 @@ from treadle.types import (
     ApprovalDecided,
     ApprovalRequested,
     CancelRequested,
+    ChildrenAwaited,
+    ControlRecord,
     DefinitionAccepted,
     Event,
     EventKind,
@@ -48,6 +50,7 @@ EVENT_KIND: dict[type[object], EventKind] = {
     ApprovalDecided: EventKind.APPROVAL_DECIDED,
     CancelRequested: EventKind.CANCEL_REQUESTED,
     DefinitionAccepted: EventKind.DEFINITION_ACCEPTED,
+    ChildrenAwaited: EventKind.CHILDREN_AWAITED,
     RunFinished: EventKind.RUN_FINISHED,
 }
 """The durable event kind of each log record."""
@@ -527,9 +530,7 @@ async def _write_step(store: RunStore, records: tuple[Record, ...], seq: int, ge
 
 async def _write_control(store: RunStore, records: tuple[Record, ...], seq: int, gen: int) -> None:
     (record,) = records
-    assert isinstance(
-        record, CancelRequested | ApprovalRequested | ApprovalDecided | DefinitionAccepted
-    )
+    assert isinstance(record, ControlRecord)
     await store.write_control(record, seq=seq, generation=gen)
 
 

@@ -23,7 +23,9 @@ from treadle.types import (
     ActionResult,
     ApprovalDecided,
     ApprovalRequested,
+    BudgetCaps,
     CancelRequested,
+    ChildrenAwaited,
     DefinitionAccepted,
     Message,
     ModelIntent,
@@ -32,6 +34,7 @@ from treadle.types import (
     RunFinished,
     RunStarted,
     StepRecord,
+    Submission,
 )
 
 KIND_OF: Final[dict[type[Any], str]] = {
@@ -46,6 +49,7 @@ KIND_OF: Final[dict[type[Any], str]] = {
     ApprovalRequested: "approval_requested",
     ApprovalDecided: "approval_decided",
     DefinitionAccepted: "definition_accepted",
+    ChildrenAwaited: "children_awaited",
 }
 """Record class -> tag. Tags are schema: never rename one."""
 
@@ -124,21 +128,52 @@ def decode(text: str | bytes) -> Record:
     return record_from_dict(json.loads(text))
 
 
-def encode_messages(messages: tuple[Message, ...]) -> bytes:
-    """A queued run's input as JSON bytes (a list of messages)."""
-    return orjson.dumps(_CONVERTER.unstructure(messages, tuple[Message, ...]))
+def encode_submission(submission: Submission) -> bytes:
+    """A queue entry's stored part as JSON bytes: its input, and a child run's caps and parent.
+
+    A plain submission is its list of input messages (the form every version reads); one
+    that carries caps or a parent is an object ``{"input": [...], "caps": {...}, "parent":
+    [run id, intent id]}``.
+    """
+    messages = _CONVERTER.unstructure(submission.input, tuple[Message, ...])
+    parent = submission.parent_run_id, submission.parent_intent_id
+    if submission.caps is None and parent == (None, None):
+        return orjson.dumps(messages)
+    data: dict[str, Any] = {"input": messages}
+    if submission.caps is not None:
+        data["caps"] = _CONVERTER.unstructure(submission.caps)
+    if parent != (None, None):
+        data["parent"] = list(parent)
+    return orjson.dumps(data)
 
 
-def decode_messages(data: bytes | str) -> tuple[Message, ...]:
-    """The input `encode_messages` stored.
+def decode_submission(
+    data: bytes | str, *, run_id: str, agent: str, submitted_at: float
+) -> Submission:
+    """The queue entry `encode_submission` stored.
 
     Raises:
-        ValueError: not a JSON list of messages (a cattrs error included).
+        ValueError: neither form (a cattrs error included).
     """
     try:
-        return _CONVERTER.structure(json.loads(data), tuple[Message, ...])
-    except cattrs.BaseValidationError as exc:
-        raise ValueError(f"not a list of messages: {exc}") from exc
+        found = json.loads(data)
+        parts = found if isinstance(found, dict) else {"input": found}
+        if set(parts) - {"input", "caps", "parent"}:
+            raise ValueError(f"unknown keys {sorted(set(parts) - {'input', 'caps', 'parent'})}")
+        caps = parts.get("caps")
+        parent = parts.get("parent") or (None, None)
+        run, intent = parent
+        return Submission(
+            run_id=run_id,
+            agent=agent,
+            input=_CONVERTER.structure(parts["input"], tuple[Message, ...]),
+            submitted_at=submitted_at,
+            caps=None if caps is None else _CONVERTER.structure(caps, BudgetCaps),
+            parent_run_id=run if isinstance(run, str) else None,
+            parent_intent_id=intent if isinstance(intent, str) else None,
+        )
+    except (cattrs.BaseValidationError, KeyError, TypeError) as exc:
+        raise ValueError(f"not a queue entry: {exc}") from exc
 
 
 def check_schema(record: Record) -> None:

@@ -17,6 +17,7 @@ from treadle.types import (
     ApprovalDecided,
     ApprovalRequested,
     CancelRequested,
+    ChildrenAwaited,
     DefinitionAccepted,
     Record,
     RunFinished,
@@ -38,7 +39,12 @@ class IndexDelta:
         started_at: the run-started instant (ISO-8601 UTC).
         steps: the number of the last step record written.
         stop_reason: the stop reason, once finished.
-        awaiting_until: the approval deadline (ISO-8601); ``""`` clears it.
+        awaiting_until: the approval deadline, or when a run waiting on child runs is
+            claimable again without a wake-up (ISO-8601); ``""`` clears it.
+        unpark: a step record was written: a row in state ``awaiting_child`` becomes
+            ``running`` with no ``awaiting_until`` (any other state stays; ``state``, when
+            set too, wins). Every step sets it, so a store applies it without a statement
+            of its own where it can (SQLite's trigger, PostgreSQL's commit statement).
     """
 
     state: RunState | None = None
@@ -48,6 +54,7 @@ class IndexDelta:
     steps: int | None = None
     stop_reason: StopReason | None = None
     awaiting_until: str | None = None
+    unpark: bool | None = None
 
 
 _NOTHING = IndexDelta()
@@ -59,12 +66,20 @@ def index_delta(records: Sequence[Record]) -> IndexDelta | None:
     for record in records:
         rule = _RULES.get(type(record))
         if rule is not None:
-            changes.update(rule(record))
+            _merge(changes, rule(record))
     return IndexDelta(**changes) if changes else None  # type: ignore[arg-type]
 
 
+def _merge(changes: dict[str, object], later: dict[str, object]) -> None:
+    """Apply the changes ``later`` onto ``changes``, resolving an unpark of a parked state."""
+    if later.get("unpark") and changes.get("state") is RunState.AWAITING_CHILD:
+        changes.update(state=RunState.RUNNING, awaiting_until="")
+    changes.update(later)
+
+
 def _step(record: StepRecord) -> dict[str, object]:
-    return {"steps": record.step}
+    # A step record ends a wait on child runs (the resumed step got its results).
+    return {"steps": record.step, "unpark": True}
 
 
 def _started(record: RunStarted) -> dict[str, object]:
@@ -78,6 +93,10 @@ def _started(record: RunStarted) -> dict[str, object]:
 
 def _approval_requested(record: ApprovalRequested) -> dict[str, object]:
     return {"state": RunState.AWAITING_APPROVAL, "awaiting_until": record.deadline_ts}
+
+
+def _children_awaited(record: ChildrenAwaited) -> dict[str, object]:
+    return {"state": RunState.AWAITING_CHILD, "awaiting_until": record.recheck_ts}
 
 
 def _approval_decided(record: ApprovalDecided) -> dict[str, object]:
@@ -107,6 +126,7 @@ _RULES: dict[type, Callable[[Any], dict[str, object]]] = {
     RunStarted: _started,
     ApprovalRequested: _approval_requested,
     ApprovalDecided: _approval_decided,
+    ChildrenAwaited: _children_awaited,
     CancelRequested: _cancel_requested,
     DefinitionAccepted: _definition_accepted,
     RunFinished: _finished,
@@ -121,10 +141,7 @@ def fold_delta(deltas: Sequence[IndexDelta]) -> IndexDelta:
         return _NOTHING
     changes: dict[str, object] = {}
     for delta in deltas:
-        for name in _FIELDS:
-            value = getattr(delta, name)
-            if value is not None:
-                changes[name] = value
+        _merge(changes, {n: v for n in _FIELDS if (v := getattr(delta, n)) is not None})
     return IndexDelta(**changes)  # type: ignore[arg-type]
 
 

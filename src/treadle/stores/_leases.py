@@ -113,6 +113,7 @@ def liveness(
         return Liveness.QUARANTINED
     if state is RunState.QUEUED:
         return Liveness.QUEUED
-    if state is RunState.AWAITING_APPROVAL and (lease is None or not lease.owner):
+    parked = state in (RunState.AWAITING_APPROVAL, RunState.AWAITING_CHILD)
+    if parked and (lease is None or not lease.owner):
         return Liveness.PARKED
     return Liveness.ORPHANED

@@ -14,11 +14,7 @@ from typing import TYPE_CHECKING
 from treadle.types import (
     ActionIntent,
     ActionResult,
-    ApprovalDecided,
-    ApprovalRequested,
-    CancelRequested,
     ControlRecord,
-    DefinitionAccepted,
     ModelIntent,
     ModelResult,
     Record,
@@ -191,9 +187,7 @@ async def _write_one(
         await store.write_model_result(record, seq=seq, generation=generation)
     elif isinstance(record, RunFinished):
         await store.write_run_finished(record, seq=seq, generation=generation)
-    elif isinstance(
-        record, CancelRequested | ApprovalRequested | ApprovalDecided | DefinitionAccepted
-    ):
+    elif isinstance(record, ControlRecord):
         await store.write_control(record, seq=seq, generation=generation)
     else:  # an action result: only ever written with its step record
         raise TypeError(f"a {type(record).__name__} cannot be written on its own")

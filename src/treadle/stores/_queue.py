@@ -8,7 +8,10 @@ the agents (and agent versions) it serves that nobody drives live:
 * an orphaned run: its driver's lease expired unreleased (a **takeover**: the driver died) or
   was released without finishing the run (a clean shutdown);
 * a parked run (waiting for an approval, lease released) once its control stream grew past what
-  its last driver handled, or its approval deadline passed.
+  its last driver handled, or its approval deadline passed;
+* a run parked on child runs (``awaiting_child``) once its control stream grew, one of its
+  children woke it (`treadle.ports.RunQueue.wake`), or its recheck instant passed
+  (docs/child-runs.md, "In a fleet").
 
 A run is never claimed while quarantined, before its backoff ends (``not_before``), or once
 finished. A run whose drivers died ``max_takeovers`` times is quarantined instead of claimed.
@@ -62,7 +65,7 @@ def claim_kind(row: QueueRow, agents: Mapping[str, Sequence[str]], now: float) -
         return None
     if died:
         return "takeover"
-    if row.state is RunState.AWAITING_APPROVAL:
+    if row.state in (RunState.AWAITING_APPROVAL, RunState.AWAITING_CHILD):
         deadline = row.awaiting_until is not None and epoch_of(row.awaiting_until) <= now
         if row.control_head <= row.control_seen and not deadline:
             return None

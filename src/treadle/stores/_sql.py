@@ -50,9 +50,9 @@ from treadle.stores._codec import (
     KIND_OF,
     check_schema,
     decode,
-    decode_messages,
+    decode_submission,
     encode_bytes,
-    encode_messages,
+    encode_submission,
     record_crc,
 )
 from treadle.stores._engine import CommitEngine, RunHead, StoreStatistics, Write, fail_writes
@@ -60,6 +60,7 @@ from treadle.stores._index import IndexDelta, fold_delta
 from treadle.stores._ops import EngineStore
 from treadle.types import (
     ApprovalDecided,
+    BudgetCaps,
     CancelRequested,
     Claim,
     ControlEntry,
@@ -735,10 +736,12 @@ def control_heads(dialect: SqlDialect, conn: Connection, run_ids: Sequence[str])
 # --------------------------------------------------------------------------- the queue
 
 
-def submit(
-    dialect: SqlDialect, conn: Connection, run_id: str, agent: str, input: tuple[Message, ...]
-) -> Submission:
-    """Queue a run (idempotent: the same submission again returns the first)."""
+def submit(dialect: SqlDialect, conn: Connection, entry: Submission) -> Submission:
+    """Queue a run (idempotent: the same submission again returns the first).
+
+    ``entry.submitted_at`` is set from the store's clock.
+    """
+    run_id, agent, input = entry.run_id, entry.agent, entry.input
     with write_transaction(dialect, conn):
         now = dialect.now(conn)
         row = _locked_row(
@@ -747,23 +750,21 @@ def submit(
         if row is not None and (row[0] is not None or row[1] > 1):
             earlier = None
             if row[3] is not None:
-                earlier = Submission(
-                    run_id=run_id,
-                    agent=row[2],
-                    input=decode_messages(bytes(row[3])),
-                    submitted_at=row[4],
+                earlier = decode_submission(
+                    bytes(row[3]), run_id=run_id, agent=row[2], submitted_at=row[4]
                 )
             return _queue.same_submission(run_id, earlier, agent, input)
         if row is None:
             conn.execute(dialect.sql("INSERT INTO runs(run_id) VALUES (?)"), (run_id,))
+        made = attrs.evolve(entry, submitted_at=now)
         conn.execute(
             dialect.sql(
                 "UPDATE runs SET state = ?, agent = ?, submission = ?, submitted_at = ? "
                 "WHERE run_id = ?"
             ),
-            (RunState.QUEUED.value, agent, encode_messages(input), now, run_id),
+            (RunState.QUEUED.value, agent, encode_submission(made), now, run_id),
         )
-    return Submission(run_id=run_id, agent=agent, input=input, submitted_at=now)
+    return made
 
 
 _QUEUE_COLUMNS: Final = (
@@ -817,7 +818,8 @@ def _candidates(
     query = (
         f"SELECT {_QUEUE_COLUMNS} FROM runs WHERE state IS NOT NULL AND state NOT IN ({terminal}) "
         "AND quarantined IS NULL AND not_before <= ? AND (lease_owner = '' OR lease_expires <= ?) "
-        f"AND ({' OR '.join(served)}) AND (state <> 'awaiting_approval' OR lease_owner <> '' OR "
+        f"AND ({' OR '.join(served)}) AND (state NOT IN ('awaiting_approval', 'awaiting_child') "
+        "OR lease_owner <> '' OR "
         "control_head > control_seen OR awaiting_until <= ?) "
         f"ORDER BY ord LIMIT ?{dialect.skip_locked}"
     )
@@ -896,11 +898,8 @@ def _claim_row(
     )
     queued = None  # a takeover of a run its dead claimer never started carries it too
     if queue_row.state is RunState.QUEUED and submission is not None:
-        queued = Submission(
-            run_id=run_id,
-            agent=agent,
-            input=decode_messages(bytes(submission)),
-            submitted_at=submitted_at,
+        queued = decode_submission(
+            bytes(submission), run_id=run_id, agent=agent, submitted_at=submitted_at
         )
     return Claim(lease=fresh, agent=agent, submission=queued, takeover=takeover)
 
@@ -912,9 +911,7 @@ def read_submission(dialect: SqlDialect, conn: Connection, run_id: str) -> Submi
     ).fetchone()
     if row is None or row[1] is None:
         return None
-    return Submission(
-        run_id=run_id, agent=row[0], input=decode_messages(bytes(row[1])), submitted_at=row[2]
-    )
+    return decode_submission(bytes(row[1]), run_id=run_id, agent=row[0], submitted_at=row[2])
 
 
 def release_quarantine(dialect: SqlDialect, conn: Connection, run_id: str) -> bool:
@@ -926,6 +923,20 @@ def release_quarantine(dialect: SqlDialect, conn: Connection, run_id: str) -> bo
                 "WHERE run_id = ? AND quarantined IS NOT NULL"
             ),
             (run_id,),
+        )
+        return bool(cursor.rowcount)
+
+
+def wake(dialect: SqlDialect, conn: Connection, run_id: str) -> bool:
+    """Make a run waiting on child runs claimable now; ``False`` if it waits on none."""
+    with write_transaction(dialect, conn, flush=False):
+        now = dialect.now(conn)
+        cursor = conn.execute(
+            dialect.sql(
+                "UPDATE runs SET awaiting_until = ? WHERE run_id = ? AND state = ? "
+                "AND (awaiting_until IS NULL OR awaiting_until > ?)"
+            ),
+            (now, run_id, RunState.AWAITING_CHILD.value, now),
         )
         return bool(cursor.rowcount)
 
@@ -1093,10 +1104,27 @@ class SqlStore(EngineStore):
             return {}
         return await self._run(control_heads, tuple(run_ids))
 
-    async def submit(self, run_id: str, *, agent: str, input: tuple[Message, ...]) -> Submission:
+    async def submit(
+        self,
+        run_id: str,
+        *,
+        agent: str,
+        input: tuple[Message, ...],
+        caps: BudgetCaps | None = None,
+        parent: tuple[str, str] | None = None,
+    ) -> Submission:
         """Queue a new run (`treadle.ports.RunQueue.submit`)."""
         check_run_id(run_id)
-        return await self._run(submit, run_id, agent, input)
+        entry = Submission(
+            run_id=run_id,
+            agent=agent,
+            input=input,
+            submitted_at=0.0,
+            caps=caps,
+            parent_run_id=parent[0] if parent else None,
+            parent_intent_id=parent[1] if parent else None,
+        )
+        return await self._run(submit, entry)
 
     async def claim(
         self,
@@ -1118,6 +1146,10 @@ class SqlStore(EngineStore):
     async def release_quarantine(self, run_id: str) -> bool:
         """Make a quarantined run claimable again."""
         return await self._run(release_quarantine, run_id)
+
+    async def wake(self, run_id: str) -> bool:
+        """Make a run parked on child runs claimable now (`treadle.ports.RunQueue.wake`)."""
+        return await self._run(wake, run_id)
 
     async def read_submission(self, run_id: str) -> Submission | None:
         """The run's queue entry, or ``None``."""

@@ -11,6 +11,7 @@ passes a function of trio's virtual clock so that leases expire in virtual time.
 
 from __future__ import annotations
 
+import datetime as dt
 import time
 from collections.abc import Callable, Mapping, Sequence
 
@@ -24,6 +25,7 @@ from treadle.stores._index import IndexDelta, index_delta
 from treadle.stores._ops import AppendStore
 from treadle.types import (
     ApprovalDecided,
+    BudgetCaps,
     CancelRequested,
     Claim,
     ControlEntry,
@@ -61,6 +63,8 @@ class _Row:
 
     def apply(self, delta: IndexDelta) -> None:
         """Set the columns ``delta`` changes."""
+        if delta.unpark and self.state is RunState.AWAITING_CHILD:
+            self.state, self.awaiting_until = RunState.RUNNING, None
         for name in ("state", "agent", "agent_version", "started_at", "steps", "stop_reason"):
             value = getattr(delta, name)
             if value is not None:
@@ -243,7 +247,15 @@ class MemoryStore(AppendStore):
 
     # ------------------------------------------------------------------ the queue
 
-    async def submit(self, run_id: str, *, agent: str, input: tuple[Message, ...]) -> Submission:
+    async def submit(
+        self,
+        run_id: str,
+        *,
+        agent: str,
+        input: tuple[Message, ...],
+        caps: BudgetCaps | None = None,
+        parent: tuple[str, str] | None = None,
+    ) -> Submission:
         """Queue a new run (idempotent for the same run id, agent and input)."""
         await trio.lowlevel.checkpoint()
         self._check_open()
@@ -254,7 +266,13 @@ class MemoryStore(AppendStore):
         row.state = RunState.QUEUED
         row.agent = agent
         row.submission = Submission(
-            run_id=run_id, agent=agent, input=input, submitted_at=self.clock()
+            run_id=run_id,
+            agent=agent,
+            input=input,
+            submitted_at=self.clock(),
+            caps=caps,
+            parent_run_id=parent[0] if parent else None,
+            parent_intent_id=parent[1] if parent else None,
         )
         return row.submission
 
@@ -309,6 +327,19 @@ class MemoryStore(AppendStore):
         if row is None or row.quarantined is None:
             return False
         row.quarantined, row.takeovers, row.not_before = None, 0, 0.0
+        return True
+
+    async def wake(self, run_id: str) -> bool:
+        """Make a run parked on child runs claimable now (`treadle.ports.RunQueue.wake`)."""
+        await trio.lowlevel.checkpoint()
+        self._check_open()
+        row = self._rows.get(run_id)
+        if row is None or row.state is not RunState.AWAITING_CHILD:
+            return False
+        now = self.clock()
+        if row.awaiting_until is not None and _queue.epoch_of(row.awaiting_until) <= now:
+            return False
+        row.awaiting_until = dt.datetime.fromtimestamp(now, dt.UTC).isoformat()
         return True
 
     # ------------------------------------------------------------------ internals

@@ -75,13 +75,15 @@ _TABLES: Final = (
 _COMMIT: Final = (
     "WITH b AS (SELECT * FROM unnest(%b::text[], %b::int8[], %b::int8[], %b::int8[], "
     "%b::text[], %b::text[], %b::text[], %b::text[], %b::int8[], %b::text[], %b::bool[], "
-    "%b::float8[]) AS b(run_id, gen, start, stop, state, agent, agent_version, started_at, "
-    "steps, stop_reason, set_until, until)), "
-    "ok AS (UPDATE runs r SET next_seq = b.stop, state = COALESCE(b.state, r.state), "
+    "%b::float8[], %b::bool[]) AS b(run_id, gen, start, stop, state, agent, agent_version, "
+    "started_at, steps, stop_reason, set_until, until, unpark)), "
+    "ok AS (UPDATE runs r SET next_seq = b.stop, state = COALESCE(b.state, CASE WHEN "
+    "b.unpark AND r.state = 'awaiting_child' THEN 'running' ELSE r.state END), "
     "agent = COALESCE(b.agent, r.agent), agent_version = COALESCE(b.agent_version, "
     "r.agent_version), started_at = COALESCE(b.started_at, r.started_at), "
     "steps = COALESCE(b.steps, r.steps), stop_reason = COALESCE(b.stop_reason, r.stop_reason), "
-    "awaiting_until = CASE WHEN b.set_until THEN b.until ELSE r.awaiting_until END "
+    "awaiting_until = CASE WHEN b.set_until THEN b.until WHEN b.unpark AND "
+    "r.state = 'awaiting_child' THEN NULL ELSE r.awaiting_until END "
     "FROM b WHERE r.run_id = b.run_id AND r.lease_generation = b.gen AND r.lease_owner <> '' "
     "AND r.next_seq = b.start "
     "RETURNING r.run_id), "
@@ -342,8 +344,8 @@ def _failed(group: _sql.RunBatch) -> bool:
 
 
 def _commit_params(groups: Sequence[_sql.RunBatch]) -> list[list[Any]]:
-    """The 18 array parameters of `_COMMIT`: 12 per run, 6 per record."""
-    runs: list[list[Any]] = [[] for _ in range(12)]
+    """The 19 array parameters of `_COMMIT`: 13 per run, 6 per record."""
+    runs: list[list[Any]] = [[] for _ in range(13)]
     records: list[list[Any]] = [[] for _ in range(6)]
     for group in groups:
         stop, state, agent, version, started, steps, reason, set_until, until, run_id = (
@@ -364,6 +366,7 @@ def _commit_params(groups: Sequence[_sql.RunBatch]) -> list[list[Any]]:
                 reason,
                 set_until,
                 until,
+                bool(group.delta.unpark),
             ),
             strict=True,
         ):

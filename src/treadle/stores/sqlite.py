@@ -93,9 +93,13 @@ _TRIGGERS: Final = (
     "CREATE TRIGGER records_fence BEFORE INSERT ON records WHEN NOT EXISTS (SELECT 1 FROM runs "
     "WHERE run_id = NEW.run_id AND lease_generation = NEW.gen AND lease_owner <> '' AND "
     f"next_seq = NEW.seq) BEGIN SELECT RAISE(ABORT, '{_FENCED}'); END",
+    # Next seq and steps move with every record; a step record also ends a wait on child runs
+    # (`treadle.stores._index.IndexDelta.unpark`), in the same statement.
     "CREATE TRIGGER records_advance AFTER INSERT ON records BEGIN UPDATE runs SET next_seq = "
-    "NEW.seq + 1, steps = CASE WHEN NEW.kind = 'step' THEN steps + 1 ELSE steps END "
-    "WHERE run_id = NEW.run_id; END",
+    "NEW.seq + 1, steps = CASE WHEN NEW.kind = 'step' THEN steps + 1 ELSE steps END, "
+    "state = CASE WHEN NEW.kind = 'step' AND state = 'awaiting_child' THEN 'running' "
+    "ELSE state END, awaiting_until = CASE WHEN NEW.kind = 'step' AND state = 'awaiting_child' "
+    "THEN NULL ELSE awaiting_until END WHERE run_id = NEW.run_id; END",
 )
 
 _V1_CONTROL_SUFFIX: Final = "#control"
@@ -238,6 +242,24 @@ def _ensure_layout(conn: sqlite3.Connection, clock: Callable[[], float], where: 
         layout = _layout(conn)
     if layout is not None and layout > _sql.LAYOUT_VERSION:
         raise SchemaTooNew(layout, _sql.LAYOUT_VERSION)
+    _ensure_triggers(conn)
+
+
+def _ensure_triggers(conn: sqlite3.Connection) -> None:
+    """Replace triggers an earlier version of the same layout created with today's."""
+    wanted = {statement.split()[2]: statement for statement in _TRIGGERS}
+    found = dict(conn.execute("SELECT name, sql FROM sqlite_master WHERE type = 'trigger'"))
+    if all(found.get(name) == statement for name, statement in wanted.items()):
+        return
+    conn.execute("BEGIN IMMEDIATE")
+    try:
+        for name, statement in wanted.items():
+            conn.execute(f"DROP TRIGGER IF EXISTS {name}")
+            conn.execute(statement)
+        conn.execute("COMMIT")
+    except BaseException:
+        conn.execute("ROLLBACK")
+        raise
 
 
 def _migrate_v1(conn: sqlite3.Connection, where: str) -> None:

@@ -16,7 +16,7 @@ from typing import Any
 import attrs
 
 from treadle.ports import RunStore
-from treadle.types import RunResult
+from treadle.types import BudgetCaps, RunResult
 
 
 @attrs.frozen(kw_only=True)
@@ -26,18 +26,26 @@ class FleetDrive:
     Attributes:
         run_id: the run the worker drives.
         store: the fleet's store.
-        submit: ``await submit(agent, task, run_id)`` queues a run idempotently.
-        result: ``await result(run_id, poll_s, output_type)`` waits until the run finished,
-            whichever worker drives it, and returns its result.
+        submit: ``await submit(agent, task, run_id, caps, parent)`` queues a child run
+            idempotently, with its budget caps and ``(parent run id, parent intent id)``.
+        result: ``await result(run_id, poll_s, output_type, patience_s)`` waits until the
+            run finished, whichever worker drives it, and returns its result; ``None`` when
+            it did not finish within ``patience_s`` seconds (it looks once at least).
         waiting: ``async with waiting():`` frees the run's slot for the block's duration and
             takes one again (before new claims) when it ends.
+        park_after_s: seconds a call waits on its queued child before it parks its run
+            (``None``: it never parks).
+        recheck_s: seconds after which a run parked on children is claimable again even
+            if no child woke it.
     """
 
     run_id: str
     store: RunStore
-    submit: Callable[[str, str, str], Awaitable[object]]
-    result: Callable[[str, float, Any], Awaitable[RunResult]]
+    submit: Callable[[str, str, str, BudgetCaps, tuple[str, str]], Awaitable[object]]
+    result: Callable[[str, float, Any, float], Awaitable[RunResult | None]]
     waiting: Callable[[], AbstractAsyncContextManager[None]]
+    park_after_s: float | None = None
+    recheck_s: float = 300.0
 
 
 current_drive: contextvars.ContextVar[FleetDrive | None] = contextvars.ContextVar(

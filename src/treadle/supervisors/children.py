@@ -35,6 +35,7 @@ import trio
 
 from treadle._clock import SystemClock
 from treadle._exceptions import (
+    ChildPending,
     ChildRunInterrupted,
     LeaseError,
     RunInterrupted,
@@ -44,11 +45,10 @@ from treadle._exceptions import (
     raised,
 )
 from treadle._ids import MAX_RUN_ID_CHARS
-from treadle._text import repaired
 from treadle.agent import Agent
 from treadle.ports import EventSink, RunIndex, RunStore
 from treadle.stores._leases import LEASE_TTL_S, check_ttl, lease_owner
-from treadle.supervisors._control import control_of
+from treadle.supervisors._child_links import PARENT_STOPPED, cancel_child
 from treadle.supervisors._fleet_drive import FleetDrive, current_drive
 from treadle.supervisors._leasing import LeaseHold, leases_of
 from treadle.supervisors.run import CONTROL_POLL_S, DEFAULT_ACTORS, RunHandle, _Options, drive_run
@@ -56,8 +56,7 @@ from treadle.tools import Tool, ToolContext, observation_of, tool
 from treadle.types import (
     ActionOutcome,
     ActionStatus,
-    Budgets,
-    CancelRequested,
+    BudgetCaps,
     Event,
     ReplayPolicy,
     RunResult,
@@ -102,19 +101,13 @@ def parent_of(run_id: str) -> tuple[str, str] | None:
     return (found["run"], found["intent"]) if found else None
 
 
-def _drawn_budgets(own: Budgets, ctx: ToolContext, now: float) -> Budgets:
-    """The child's budgets: its own, each cut to what the parent has left (``now``: trio time).
+def _caps(ctx: ToolContext, now: float) -> BudgetCaps:
+    """What the parent has left of its token and time budgets (``now``: trio time).
 
-    docs/child-runs.md, "Budgets".
+    A child's budgets are its own, each cut to these (docs/child-runs.md, "Budgets").
     """
-    tokens = own.token_budget
-    if ctx.tokens_left is not None:
-        tokens = ctx.tokens_left if tokens is None else min(tokens, ctx.tokens_left)
-    seconds = own.time_budget_s
-    if math.isfinite(ctx.deadline):
-        left = max(0.0, ctx.deadline - now)
-        seconds = left if seconds is None else min(seconds, left)
-    return attrs.evolve(own, token_budget=tokens, time_budget_s=seconds)
+    seconds = max(0.0, ctx.deadline - now) if math.isfinite(ctx.deadline) else None
+    return BudgetCaps(token_budget=ctx.tokens_left, time_budget_s=seconds)
 
 
 @attrs.frozen(kw_only=True)
@@ -213,9 +206,8 @@ async def _call(settings: _Settings, task: str, ctx: ToolContext) -> ActionOutco
         queued = await _queued(settings, settings.fleet_agent, drive, task, ctx)
         if queued is not None:
             return _outcome(run_id, queued)
-    child = attrs.evolve(
-        settings.agent, budgets=_drawn_budgets(settings.agent.budgets, ctx, trio.current_time())
-    )
+    budgets = settings.agent.budgets.capped(_caps(ctx, trio.current_time()))
+    child = attrs.evolve(settings.agent, budgets=budgets)
     while True:
         try:
             result = await _attached(settings, child, task, run_id, ctx)
@@ -277,21 +269,34 @@ async def _queued(
     ``None`` when the child was started without the queue (an earlier drive of the parent,
     outside a fleet, drove it inside the call): the call then re-attaches to it inline.
 
+    The child is queued with the parent's remaining budgets as its caps and the parent's
+    ids. When it has not finished after the worker's ``park_after_s`` and the call may park
+    (`treadle.ToolContext.can_park`), the call parks its run instead of waiting on.
+
     A cancel of the parent run (or its time budget running out) cancels the child durably;
     a stop of the parent's drive leaves the child to run on, and the resumed parent's replay
     of the call finds it (docs/child-runs.md, "In a fleet").
+
+    Raises:
+        ChildPending: the call parks its run (the child goes on).
     """
     run_id = child_run_id(ctx.intent_id)
     store = settings.store
     poll_s = settings.control_poll_s if settings.control_poll_s is not None else CONTROL_POLL_S
+    caps = _caps(ctx, trio.current_time())
+    park_after_s = drive.park_after_s if ctx.can_park else None
     try:
         if isinstance(store, RunIndex):
             summary = await store.read_summary(run_id)
             if summary is not None and summary.submitted_at is None:
                 return None
-        await drive.submit(fleet_agent, task, run_id)
+        await drive.submit(fleet_agent, task, run_id, caps, (ctx.run_id, ctx.intent_id))
+        patience_s = math.inf if park_after_s is None else park_after_s
         async with drive.waiting():
-            return await drive.result(run_id, poll_s, settings.agent.output_type)
+            found = await drive.result(run_id, poll_s, settings.agent.output_type, patience_s)
+            if found is None:
+                raise ChildPending(run_id, drive.recheck_s)
+            return found
     except StoreError as exc:
         # The call's outcome is unknown, not an error to show the model: the parent's drive
         # stops (resumable), and its resume replays the call, which finds the child.
@@ -299,7 +304,7 @@ async def _queued(
     except trio.Cancelled:
         if _parent_ended(ctx):
             with trio.CancelScope(shield=True, deadline=trio.current_time() + CHILD_CANCEL_GRACE_S):
-                await _cancel_child(settings.store, run_id, ctx.run_id)
+                await cancel_child(settings.store, run_id, ctx.run_id)
         raise
 
 
@@ -307,25 +312,6 @@ def _parent_ended(ctx: ToolContext) -> bool:
     """Whether the parent run itself was cancelled or ran out of time (not just its drive)."""
     asked = ctx.run_cancelled
     return (asked is None or asked()) or trio.current_time() >= ctx.deadline
-
-
-_CANCEL_REASON: Final = "the parent run stopped waiting for it (cancelled, or out of time)"
-
-
-async def _cancel_child(store: RunStore, run_id: str, canceller: str) -> None:
-    """Append a cancel to the child's control stream: whoever drives it next finishes it."""
-    controls = control_of(store)
-    if controls is not None:
-        await controls.append_control(
-            repaired(
-                CancelRequested(
-                    run_id=run_id,
-                    ts=SystemClock().now_iso(),
-                    reason=_CANCEL_REASON,
-                    canceller=canceller,
-                )
-            )
-        )
 
 
 async def _linked(
@@ -409,8 +395,8 @@ class _Link:
         handle = self.handle
         if handle is None or handle.result is not None:
             return  # not started yet (`attach` passes it on), or finished already
-        await _cancel_child(self.store, self.run_id, self.canceller)  # durable first
-        handle.cancel(_CANCEL_REASON, canceller=self.canceller)
+        await cancel_child(self.store, self.run_id, self.canceller)  # durable first
+        handle.cancel(PARENT_STOPPED, canceller=self.canceller)
 
 
 async def _forward(handle: RunHandle, forward: Callable[[Event], None]) -> None:

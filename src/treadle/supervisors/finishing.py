@@ -8,7 +8,9 @@ written, so that a run whose agent no worker serves never waits in ``cancelling`
 * every action intent without a result gets its ``unknown`` result, with the synthetic
   observation of the run's parameter snapshot, and its step record: no intent is left without
   an outcome;
-* the cancel request (from the control stream) and the run-finished record (``cancelled``).
+* the cancel request (from the control stream) and the run-finished record (``cancelled``);
+* then, as a driver would: a child run wakes its parent, and a run parked on child runs
+  cancels each child that has not finished (docs/child-runs.md, "In a fleet").
 
 A queued run (never started) gets a run-started record from its queue entry first.
 """
@@ -19,26 +21,21 @@ import cattrs
 
 from treadle._clock import Clock, SystemClock
 from treadle._exceptions import UsageError
-from treadle._state import RunView, fold
+from treadle._state import closing_records, fold
 from treadle._text import repaired
 from treadle.approvals import read_control
 from treadle.ports import LeaseStore, RunQueue, RunStore
 from treadle.stores._leases import LEASE_TTL_S
 from treadle.stores._ops import write_records
+from treadle.supervisors._child_links import cancel_awaited_children, wake_parent
 from treadle.types import (
-    ActionIntent,
-    ActionResult,
     CancelRequested,
-    DecisionKind,
-    Message,
-    ModelResult,
     Record,
     RunFinished,
     RunLog,
     RunResult,
     RunStarted,
     RunState,
-    StepRecord,
     StopReason,
     SyntheticObservations,
 )
@@ -85,6 +82,12 @@ async def finish_cancelled(
         await write_records(store, records, seq=len(log.records) + 1, generation=lease.generation)
         finished = records[-1]
         assert isinstance(finished, RunFinished)
+        started = log.started or records[0]
+        assert isinstance(started, RunStarted)
+        await wake_parent(store, started)
+        awaited = fold(log.records).pending.children_awaited
+        if awaited is not None:
+            await cancel_awaited_children(store, awaited)
         return RunResult.from_finished(finished)
     finally:
         await store.release_lease(lease)
@@ -97,7 +100,13 @@ async def _closing_records(
     if log.started is None:
         records.append(await _started_from_queue(store, log.run_id, clock))
     view = fold((*log.records, *records))
-    closing = _close_pending(log, view, clock)
+    closing = closing_records(
+        log.run_id,
+        view.pending,
+        _synthetic(log),
+        clock.now_iso(),
+        "the run was cancelled while nobody drove it",
+    )
     for record in closing:
         view.apply(record)
     records += closing
@@ -139,49 +148,6 @@ async def _started_from_queue(store: RunStore, run_id: str, clock: Clock) -> Run
     )
 
 
-def _close_pending(log: RunLog, view: RunView, clock: Clock) -> list[Record]:
-    """The records that leave no intent of the pending step without an outcome."""
-    pending = view.pending
-    records: list[Record] = []
-    if pending.open_model_intent is not None:
-        records.append(
-            ModelResult(
-                run_id=log.run_id,
-                step=pending.step,
-                intent_id=pending.open_model_intent.intent_id,
-                ts=clock.now_iso(),
-                abandoned=True,
-            )
-        )
-    done = {r.intent_id for r in log.records if isinstance(r, ActionResult)}
-    open_intents = [i for i in pending.action_intents if i.intent_id not in done]
-    if not open_intents:
-        return records
-    synthetic = _synthetic(log)
-    results = [_unknown(intent, synthetic, clock) for intent in open_intents]
-    reply = pending.reply
-    records += results
-    records.append(
-        StepRecord(
-            run_id=log.run_id,
-            step=pending.step,
-            ts=clock.now_iso(),
-            model_intent_id=pending.reply_intent_id,
-            decision=DecisionKind.ACTIONS,
-            history_message=Message(
-                role="assistant",
-                content=reply.text if reply else None,
-                tool_calls=reply.tool_calls if reply else (),
-            ),
-            model_output_text=reply.text if reply else None,
-            visible_output_chars=len(reply.text or "") if reply else 0,
-            observations=tuple(r.outcome.observation for r in results),
-            action_result_ids=tuple(r.intent_id for r in results),
-        )
-    )
-    return records
-
-
 def _synthetic(log: RunLog) -> SyntheticObservations:
     stored = log.started.snapshot.get("synthetic") if log.started is not None else None
     try:
@@ -189,13 +155,3 @@ def _synthetic(log: RunLog) -> SyntheticObservations:
     except Exception:  # a snapshot from another treadle: the default text says the same
         found = None
     return found or SyntheticObservations()
-
-
-def _unknown(intent: ActionIntent, synthetic: SyntheticObservations, clock: Clock) -> ActionResult:
-    return ActionResult.unknown(
-        intent,
-        observation=synthetic.unknown.format(tool=intent.tool, detail=""),
-        detail="the run was cancelled while nobody drove it",
-        ts=clock.now_iso(),
-        synthetic=True,
-    )

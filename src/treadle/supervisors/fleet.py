@@ -28,7 +28,7 @@ import attrs
 import trio
 
 from treadle._clock import Clock, SystemClock
-from treadle._exceptions import LeaseError, UsageError
+from treadle._exceptions import ChildPending, LeaseError, UsageError
 from treadle._ids import check_run_id, new_run_id
 from treadle._text import valid_unicode
 from treadle._trio_only import require_trio
@@ -48,7 +48,7 @@ from treadle.supervisors.run import (
     _Options,
     drive_run,
 )
-from treadle.types import Claim, Liveness, RunResult
+from treadle.types import BudgetCaps, Claim, Liveness, RunResult
 
 AgentFactory = Callable[[], Agent]
 """Builds the agent definition a worker serves under a name (called once per drive)."""
@@ -65,6 +65,10 @@ MAX_TAKEOVERS: Final = 5
 
 BACKOFF_S: Final = 1.0
 """Base delay before a run whose driver died is claimed again (doubled per takeover)."""
+
+CHILD_RECHECK_S: Final = 300.0
+"""Seconds after which a run parked on child runs is claimable again even if none of its
+children woke it (a child's driver that died between the child's end and the wake-up)."""
 
 METRICS_REFRESH_S: Final = 5.0
 """Seconds between two readings of the store's run index for the metrics' run gauges."""
@@ -116,6 +120,7 @@ class Fleet:
     _max_takeovers: int
     _backoff_s: float
     _nursery: trio.Nursery
+    _child_recheck_s: float = 300.0
     _metrics: MetricsRecorder | None = None
     _handles: dict[str, RunHandle] = attrs.Factory(dict)
     _driving: set[str] = attrs.Factory(set)  # claimed, not yet done (a handle or not yet)
@@ -210,15 +215,20 @@ class Fleet:
         """Free ``run_id``'s slot for the block; then take a slot again, before new claims.
 
         A parent that waits on its child holds no slot, so parents can never hold every slot
-        while their children wait (docs/child-runs.md, "In a fleet").
+        while their children wait (docs/child-runs.md, "In a fleet"). A call that leaves the
+        block parking its run (`ChildPending`) takes no slot again: its drive is ending.
         """
         self._waiting[run_id] += 1  # one count per call waiting (parallel calls of a step)
         self._room.unpark_all()
         self._wake.set()  # the claim loop may claim into the freed slot (the child, say)
+        parking = False
         try:
             yield
+        except ChildPending:
+            parking = True
+            raise
         finally:
-            if self._waiting[run_id] == 1:  # the run's last waiting call: take a slot again
+            if self._waiting[run_id] == 1 and not parking:  # the last waiting call: a slot
                 self._returning += 1
                 try:
                     while self._busy() >= self._max_running:
@@ -230,17 +240,26 @@ class Fleet:
                 del self._waiting[run_id]
 
     def _drive_of(self, run_id: str) -> FleetDrive:
-        async def submit(agent: str, task: str, child_id: str) -> object:
-            return await self.submit(agent, task, run_id=child_id)
+        async def submit(
+            agent: str, task: str, child_id: str, caps: BudgetCaps, parent: tuple[str, str]
+        ) -> object:
+            messages = valid_unicode(input_messages(task))[0]
+            await self._queue.submit(
+                check_run_id(child_id), agent=agent, input=messages, caps=caps, parent=parent
+            )
+            self._wake.set()
+            return child_id
 
         return FleetDrive(
             run_id=run_id,
             store=self._store,
             submit=submit,
-            result=lambda child_id, poll_s, output_type: wait_result(
-                self._store, child_id, poll_s=poll_s, output_type=output_type
+            result=lambda child_id, poll_s, output_type, patience_s: result_within(
+                self._store, child_id, poll_s, output_type, patience_s
             ),
             waiting=lambda: self._waiting_on_child(run_id),
+            park_after_s=self._options.park_after_s,
+            recheck_s=self._child_recheck_s,
         )
 
     async def _claim(self, free: int) -> tuple[Claim, ...]:
@@ -270,7 +289,16 @@ class Fleet:
             expire_on_failure=True,
         )
         hold.adopt(made.lease)
-        options = attrs.evolve(self._options, agent_name=made.agent, parent=parent_of(run_id))
+        entry = made.submission
+        parent = parent_of(run_id)
+        if entry is not None and entry.parent_run_id and entry.parent_intent_id:
+            parent = (entry.parent_run_id, entry.parent_intent_id)
+        options = attrs.evolve(
+            self._options,
+            agent_name=made.agent,
+            parent=parent,
+            caps=entry.caps if entry is not None else None,
+        )
         handle: RunHandle | None = None
         finished = False
         current_drive.set(self._drive_of(run_id))  # this task's context: the run's tools see it
@@ -343,6 +371,20 @@ async def wait_result(
         UsageError: the store knows no such run, or its output does not fit ``output_type``.
     """
     require_trio("treadle.wait_result")
+    found = await result_within(store, run_id, poll_s, output_type, math.inf)
+    assert found is not None
+    return found
+
+
+async def result_within(
+    store: RunStore, run_id: str, poll_s: float, output_type: Any, patience_s: float
+) -> RunResult | None:
+    """`wait_result` for at most ``patience_s`` seconds (``None`` then); it looks once at least.
+
+    Raises:
+        UsageError: as `wait_result`.
+    """
+    deadline = trio.current_time() + patience_s
     while True:
         summary = await store.read_summary(run_id) if isinstance(store, RunIndex) else None
         if summary is None:
@@ -355,7 +397,10 @@ async def wait_result(
             log = await store.read_log(run_id)
             assert log.finished is not None
             return RunResult.from_finished(log.finished, output_type=output_type)
-        await trio.sleep(poll_s)
+        left = deadline - trio.current_time()
+        if left <= 0:
+            return None
+        await trio.sleep(min(poll_s, left))
 
 
 @asynccontextmanager
@@ -377,6 +422,7 @@ async def open_fleet(
     actors: Actors = DEFAULT_ACTORS,
     metrics: MetricsRecorder | None = None,
     metrics_refresh_s: float = METRICS_REFRESH_S,
+    child_recheck_s: float = CHILD_RECHECK_S,
 ) -> AsyncIterator[Fleet]:
     """Run a worker of a fleet for the duration of an ``async with`` block.
 
@@ -397,15 +443,18 @@ async def open_fleet(
         sinks: event sinks given to every run driven here.
         clock: wall clock for record timestamps.
         control_poll_s: seconds between reads of driven runs' control streams.
-        park_after_s: seconds a run waits for a human with its actors running before it is
-            parked: then its lease is released and its slot freed, and whichever worker is
-            free claims it when the decision (or the deadline) arrives.
+        park_after_s: seconds a run waits for a human, or on a child run it queued, with
+            its actors running before it is parked: then its lease is released and its slot
+            freed, and whichever worker is free claims it when the decision (or the
+            deadline) arrives, or when a child ends (docs/child-runs.md, "In a fleet").
         actors: actor factories of every run (default: the real ones).
         metrics: counts the records of every run driven here, the store's commits, the
             runs this worker drives and, every ``metrics_refresh_s`` seconds, the store's
             runs by liveness (docs/metrics.md); ``None`` (the default) counts nothing.
         metrics_refresh_s: seconds between two readings of the run index for the gauges
             (each lists every run's index row, never a log).
+        child_recheck_s: seconds after which a run parked on child runs is claimable again
+            even if no child woke it (`CHILD_RECHECK_S`).
 
     Yields:
         The worker (`Fleet`): submit runs, wait for results, read its statistics.
@@ -427,6 +476,8 @@ async def open_fleet(
         raise UsageError("max_running must be at least 1 and drain_s a finite number >= 0")
     if not (metrics_refresh_s > 0 and math.isfinite(metrics_refresh_s)):
         raise UsageError(f"metrics_refresh_s must be a finite number > 0, not {metrics_refresh_s}")
+    if not (child_recheck_s > 0 and math.isfinite(child_recheck_s)):
+        raise UsageError(f"child_recheck_s must be a finite number > 0, not {child_recheck_s}")
     check_ttl(lease_ttl_s)
     factories = {name: _factory(value) for name, value in agents.items()}
     versions = {name: (factory().version_label,) for name, factory in factories.items()}
@@ -463,6 +514,7 @@ async def open_fleet(
                 max_takeovers=max_takeovers,
                 backoff_s=backoff_s,
                 nursery=runs,
+                child_recheck_s=child_recheck_s,
                 metrics=metrics,
             )
             runs.start_soon(fleet._claim_loop, name="treadle fleet claims")

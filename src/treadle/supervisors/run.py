@@ -35,7 +35,7 @@ from treadle._ids import check_run_id, new_run_id
 from treadle._state import RunView, fold
 from treadle._text import repaired, valid_unicode
 from treadle._trio_only import require_trio
-from treadle.actors.coordinator import Drained, Parked, RunCoordinator
+from treadle.actors.coordinator import AwaitingChildren, Drained, Parked, RunCoordinator
 from treadle.actors.executor import RunActions, ToolExecutor
 from treadle.actors.gateway import CallModel, ModelGateway
 from treadle.actors.hydrator import ContextHydrator, Hydrate, recorded_history
@@ -55,6 +55,7 @@ from treadle.ports import ControlStream, EventSink, RunStore
 from treadle.redaction import NO_REDACTION, Redaction
 from treadle.stores._codec import check_schema
 from treadle.stores._leases import LEASE_TTL_S, lease_owner
+from treadle.supervisors._child_links import cancel_awaited_children, wake_parent
 from treadle.supervisors._control import ControlInbox, ControlIndex, control_of, shared_index
 from treadle.supervisors._leasing import LeaseHold, LeaseKeeper, leases_of, shared_keeper
 from treadle.supervisors._parking import Parking
@@ -62,6 +63,7 @@ from treadle.supervisors.threads import Lineage, fork_lineage, next_in_thread, r
 from treadle.types import (
     ApprovalDecided,
     ApprovalRequested,
+    BudgetCaps,
     CancelRequested,
     DefinitionAccepted,
     Event,
@@ -355,6 +357,7 @@ def real_coordinator(context: CoordinatorContext) -> RunCoordinator:
         park_after_s=context.park_after_s,
         carried_active_s=context.carried_active_s,
         compaction=agent.context_window is not None,
+        synthetic=agent.synthetic,
     )
 
 
@@ -806,6 +809,7 @@ class _Options:
     keeper: LeaseKeeper | None = None
     agent_name: str | None = None
     parent: tuple[str, str] | None = None  # (run id, intent id) of a child run's parent
+    caps: BudgetCaps | None = None  # a queued child run's caps, recorded in run-started
     leave_parked: bool = False
     accept_definition_change: bool = False
     metrics: MetricsRecorder | None = None
@@ -878,7 +882,7 @@ async def _supervise(
             while True:
                 current, first = first or await store.read_log(run_id), None
                 with hold.driving():
-                    parking = await _drive(
+                    stretch = await _drive(
                         agent,
                         input,
                         current,
@@ -891,9 +895,13 @@ async def _supervise(
                         task_status,
                     )
                 del current
-                if parking is None:
+                if stretch is None:
                     await hold.release()
                     return
+                if isinstance(stretch, _ChildWait):  # claimable when a child wakes it
+                    await hold.release(control_seen=stretch.control_seen)
+                    return
+                parking = stretch
                 task_status = trio.TASK_STATUS_IGNORED  # reported when first driven
                 await hold.release(control_seen=parking.control_seen)
                 if options.leave_parked or handle._draining:
@@ -1017,6 +1025,18 @@ async def _nothing() -> None:
     await trio.lowlevel.checkpoint()
 
 
+@attrs.frozen
+class _ChildWait:
+    """The drive ended with the run parked on child runs (`AwaitingChildren`).
+
+    Attributes:
+        control_seen: the control-stream position handled: a later entry (a cancel) makes
+            the run claimable.
+    """
+
+    control_seen: int
+
+
 async def _drive(
     agent: Agent,
     input: RunInput | None,
@@ -1028,15 +1048,18 @@ async def _drive(
     parking: Parking | None,
     hold: LeaseHold,
     task_status: trio.TaskStatus[None],
-) -> Parking | None:
+) -> Parking | _ChildWait | None:
     """One stretch of driving: start the actors on ``log``, run until finished or parked.
 
     Returns:
-        The parking state when the coordinator parked the run, ``None`` when it finished.
+        The parking state when the coordinator parked the run on an approval, a
+        `_ChildWait` when it parked on child runs, ``None`` when it finished.
     """
     clock = options.clock
     async with trio.open_nursery() as nursery:
         started, view, resumed, accepted = _prepare(agent, input, log, clock, options, hold.owner)
+        if started.caps is not None:  # a queued child: its parent's remainder bounds it
+            agent = attrs.evolve(agent, budgets=agent.budgets.capped(started.caps))
         snapshot = accepted.snapshot if accepted is not None else agent.snapshot()
         handle._snapshot = snapshot
         handle._redaction = Redaction.of_log(log) | Redaction.of_snapshot(snapshot)
@@ -1103,12 +1126,21 @@ async def _drive(
         polling = trio.CancelScope()
         if control is not None and options.control_poll_s is not None:
             nursery.start_soon(control.poll_every, options.control_poll_s, polling)
-        parked: Parking | None = None
+        parked: Parking | _ChildWait | None = None
         if handle._draining:
             coordinator.drain()
+        awaited = view.pending.children_awaited  # the step parked on children last time
         try:
             handle._result = await coordinator.run(resumed_steps=resumed)
             handle._done.set()  # answered: sinks may still drain in the background
+            await wake_parent(store, started)
+            if awaited is not None:
+                await cancel_awaited_children(store, awaited)
+        except AwaitingChildren:
+            handle._left = "parked"
+            handle._coordinator, handle._writer_client = None, None
+            handle._transition()
+            parked = _ChildWait(control.seen if control is not None else 0)
         except Drained:
             handle._left = "drained"
             handle._coordinator, handle._writer_client = None, None
@@ -1223,6 +1255,7 @@ def _prepare(
                 thread=lineage.thread if lineage is not None else None,
                 continues=lineage.continues if lineage is not None else None,
                 fork_step=lineage.fork_step if lineage is not None else None,
+                caps=options.caps,
             )
         )
         return started, RunView(), (), None

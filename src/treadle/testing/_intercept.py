@@ -19,6 +19,7 @@ from treadle.types import (
     ActionIntent,
     ActionResult,
     ApprovalDecided,
+    BudgetCaps,
     CancelRequested,
     Claim,
     ControlEntry,
@@ -216,9 +217,19 @@ class InterceptingStore:
         """Forward."""
         return await self._index().read_summary(run_id)
 
-    async def submit(self, run_id: str, *, agent: str, input: tuple[Message, ...]) -> Submission:
+    async def submit(
+        self,
+        run_id: str,
+        *,
+        agent: str,
+        input: tuple[Message, ...],
+        caps: BudgetCaps | None = None,
+        parent: tuple[str, str] | None = None,
+    ) -> Submission:
         """Forward."""
-        return await self._queue().submit(run_id, agent=agent, input=input)
+        return await self._queue().submit(
+            run_id, agent=agent, input=input, caps=caps, parent=parent
+        )
 
     async def claim(
         self,
@@ -243,6 +254,10 @@ class InterceptingStore:
     async def release_quarantine(self, run_id: str) -> bool:
         """Forward."""
         return await self._queue().release_quarantine(run_id)
+
+    async def wake(self, run_id: str) -> bool:
+        """Forward."""
+        return await self._queue().wake(run_id)
 
     async def read_submission(self, run_id: str) -> Submission | None:
         """Forward."""

@@ -18,6 +18,7 @@ from treadle.types import (
     ApprovalDecided,
     ApprovalRequested,
     Budgets,
+    ChildrenAwaited,
     ModelIntent,
     ModelRequest,
     ModelResult,
@@ -78,6 +79,7 @@ def check_invariants(
     problems.extend(_steps_contiguous(log.run_id, records))
     problems.extend(check_approvals(log))
     problems.extend(check_action_results(log))
+    problems.extend(check_child_waits(log))
     problems.extend(check_valid_text(log))
     problems.extend(check_context(log))
     finished = [r for r in records if isinstance(r, RunFinished)]
@@ -296,6 +298,34 @@ def check_action_results(log: RunLog) -> list[str]:
             problems.append(f"{run_id}: action intent {intent_id} has no result")
         elif count > 1:
             problems.append(f"{run_id}: action intent {intent_id} has {count} results")
+    return problems
+
+
+def check_child_waits(log: RunLog) -> list[str]:
+    """A step parked on child runs (`ChildrenAwaited`) names calls that were waiting then.
+
+    Each named intent is an action intent of the record's step written before it and without
+    a result yet, and it names one child per intent (docs/child-runs.md, "In a fleet").
+
+    Returns:
+        One sentence per violation.
+    """
+    problems: list[str] = []
+    open_intents: dict[str, int] = {}
+    for record in log.records:
+        if isinstance(record, ActionIntent):
+            open_intents[record.intent_id] = record.step
+        elif isinstance(record, ActionResult):
+            open_intents.pop(record.intent_id, None)
+        elif isinstance(record, ChildrenAwaited):
+            if len(record.children) != len(record.intent_ids) or not record.intent_ids:
+                problems.append(f"{log.run_id}: a children-awaited record names no call per child")
+            for intent_id in record.intent_ids:
+                if open_intents.get(intent_id) != record.step:
+                    problems.append(
+                        f"{log.run_id}: step {record.step} parked on {intent_id}, which was "
+                        "not a call waiting in that step"
+                    )
     return problems
 
 

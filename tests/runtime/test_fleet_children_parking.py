@@ -1,0 +1,405 @@
+"""A parent whose queued child works parks: its lease and slot are freed, its actors stop.
+
+docs/child-runs.md, "In a fleet": after the worker's ``park_after_s`` a parent whose step waits
+only on queued children (every call of the step ``safe`` to replay) records
+`ChildrenAwaited`, releases its lease and ends its drive; the child's end wakes it (or its
+recheck instant comes), a worker claims it, and its step runs its calls again, which find
+their children. On SQLite and a real PostgreSQL.
+"""
+
+from __future__ import annotations
+
+import attrs
+import pytest
+import trio
+
+from treadle import agent_tool, child_run_id
+from treadle.agent import Agent
+from treadle.parsers import NativeToolCallParser
+from treadle.supervisors.fleet import open_fleet
+from treadle.testing.invariants import check_invariants
+from treadle.testing.scripted import ScriptedModel, call, calls, say
+from treadle.tools import Toolbox, ToolContext, tool
+from treadle.types import (
+    ActionResult,
+    ActionStatus,
+    BudgetCaps,
+    Budgets,
+    CancelRequested,
+    ChildrenAwaited,
+    Liveness,
+    ReplayPolicy,
+    RunStarted,
+    RunState,
+    StepRecord,
+    StopReason,
+    ToolCall,
+    Usage,
+)
+
+
+@pytest.fixture(params=["sqlite", "postgres"])
+async def fleet_store(request, tmp_path):
+    if request.param == "sqlite":
+        from treadle.stores.sqlite import open_sqlite_store
+
+        async with open_sqlite_store(tmp_path / "fleet.db") as opened:
+            yield opened
+        return
+    from treadle.stores.postgres import open_postgres_store
+
+    dsn = request.getfixturevalue("postgres_dsn")
+    schema = request.getfixturevalue("postgres_schema")
+    async with open_postgres_store(dsn, schema=schema) as opened:
+        yield opened
+
+
+def child_agent(executed: list[str], gate: trio.Event, **more) -> Agent:
+    """One effect (``note``, after ``gate`` is set), then an answer."""
+
+    @tool
+    async def note(text: str, ctx: ToolContext) -> str:
+        """Write a note (an effect).
+
+        Args:
+            text: the note.
+            ctx: the call.
+        """
+        await gate.wait()
+        executed.append(ctx.intent_id)
+        return f"noted {text}"
+
+    return Agent(
+        model=ScriptedModel(turns=[call("note", call_id="n1", text="hi"), say("child done")]),
+        executor=Toolbox([note]),
+        parser=NativeToolCallParser(),
+        system_prompt="You are the child.",
+        **more,
+    )
+
+
+def parent_agent(store, child: Agent, *, turns=None, tools=(), **more) -> Agent:
+    helper = agent_tool(
+        child,
+        store=store,
+        name="helper",
+        description="Ask the helper agent.",
+        fleet_agent="child",
+        control_poll_s=0.05,
+    )
+    return Agent(
+        model=ScriptedModel(
+            turns=turns or [call("helper", call_id="h1", task="do the thing"), say("parent done")]
+        ),
+        executor=Toolbox([helper, *tools]),
+        parser=NativeToolCallParser(),
+        system_prompt="You are the parent.",
+        **more,
+    )
+
+
+async def until(check, *, timeout_s: float = 60.0) -> None:
+    """Look every 20 ms until ``check()`` holds (the store is written by other tasks)."""
+    with trio.fail_after(timeout_s):
+        while True:
+            if await check():
+                return
+            await trio.sleep(0.02)
+
+
+async def parked(store, run_id: str) -> bool:
+    summary = await store.read_summary(run_id)
+    return (
+        summary is not None
+        and summary.state is RunState.AWAITING_CHILD
+        and summary.liveness is Liveness.PARKED
+    )
+
+
+def fleet(store, agents, **more):
+    settings = {"max_running": 1, "claim_poll_s": 0.05, "park_after_s": 0.2, **more}
+    return open_fleet(store, agents, **settings)
+
+
+async def test_a_waiting_parent_parks_and_its_childs_end_wakes_it(fleet_store):
+    """One slot: the parent parks (lease released, state awaiting_child, nothing driven but
+    the child), the child finishes, wakes it, and the parent's step finds the child's answer:
+    the child ran once, and the parent was claimed twice."""
+    executed: list[str] = []
+    gate = trio.Event()
+    agents = {
+        "parent": lambda: parent_agent(fleet_store, child_agent(executed, gate)),
+        "child": lambda: child_agent(executed, gate),
+    }
+    kid = child_run_id("p/s1/a1")
+    with trio.fail_after(60):
+        async with fleet(fleet_store, agents, child_recheck_s=3600) as worker:
+            await worker.submit("parent", "go", run_id="p")
+            await until(lambda: parked(fleet_store, "p"))
+            lease = (await fleet_store.read_summary("p")).lease
+            assert lease is not None and lease.owner == ""  # released, not expired
+            await until(lambda: _driven(fleet_store, kid))  # the child took the one slot
+            assert worker.statistics().waiting == 0  # no drive of the parent is left waiting
+            gate.set()
+            result = await worker.result("p", poll_s=0.05)
+    assert result.final_answer == "parent done"
+    assert executed == [f"{kid}/s1/a1"]
+    log = await fleet_store.read_log("p")
+    kinds = [type(r).__name__ for r in log.records]
+    awaited = [r for r in log.records if isinstance(r, ChildrenAwaited)]
+    assert len(awaited) == 1
+    assert (awaited[0].intent_ids, awaited[0].children) == (("p/s1/a1",), (kid,))
+    # parked after the intent; the replayed call's result and the step record follow
+    assert kinds.index("ChildrenAwaited") == kinds.index("ActionIntent") + 1
+    action = next(r for r in log.records if isinstance(r, ActionResult))
+    assert (action.outcome.observation, action.outcome.child_run_id) == ("child done", kid)
+    assert check_invariants(log) == []
+    summary = await fleet_store.read_summary("p")
+    assert summary.claims == 2 and summary.state is RunState.SUCCEEDED
+    # the invariant: a park names calls still waiting in its step (moved after the result: not)
+    records = list(log.records)
+    moved = records.pop(kinds.index("ChildrenAwaited"))
+    records.insert(kinds.index("StepRecord"), moved)
+    late = attrs.evolve(log, records=tuple(records))
+    assert any("not a call waiting" in p for p in check_invariants(late))
+
+
+async def _exists(store, run_id: str) -> bool:
+    return await store.read_summary(run_id) is not None
+
+
+async def _driven(store, run_id: str) -> bool:
+    summary = await store.read_summary(run_id)
+    return summary is not None and summary.liveness is Liveness.DRIVEN
+
+
+async def test_a_lost_wake_up_is_made_up_at_the_recheck_instant(fleet_store, monkeypatch):
+    """A child's driver that dies between the child's end and the wake-up: the parent is
+    claimed at its recheck instant anyway."""
+    woken: list[str] = []
+
+    async def lost(self, run_id: str) -> bool:
+        woken.append(run_id)
+        return False  # as if the waking process died first
+
+    monkeypatch.setattr(type(fleet_store), "wake", lost)
+    executed: list[str] = []
+    gate = trio.Event()
+    gate.set()
+    agents = {
+        "parent": lambda: parent_agent(fleet_store, child_agent(executed, gate)),
+        "child": lambda: child_agent(executed, gate),
+    }
+    with trio.fail_after(60):
+        async with fleet(fleet_store, agents, park_after_s=0.0, child_recheck_s=1.0) as worker:
+            await worker.submit("parent", "go", run_id="p")
+            result = await worker.result("p", poll_s=0.05)
+    assert result.final_answer == "parent done"
+    assert woken == ["p"]
+    awaited = next(r for r in (await fleet_store.read_log("p")).records if isinstance(r, ChildrenAwaited))
+    finished = (await fleet_store.read_log("p")).finished
+    assert finished is not None
+    # claimed again only at the recheck instant, not before
+    assert treadle_seconds(awaited.ts, finished.ts) >= 1.0
+
+
+def treadle_seconds(start: str, end: str) -> float:
+    from treadle.actors.coordinator import seconds_between
+
+    return seconds_between(start, end)
+
+
+async def test_cancelling_a_parked_parent_finishes_it_and_cancels_its_child(fleet_store):
+    """The cancel wakes the parked parent (its control stream grew); its resumed drive
+    finishes it ``cancelled`` without running the call again (the intent gets its unknown
+    result) and cancels the child it waited on."""
+    executed: list[str] = []
+    gate = trio.Event()
+    agents = {
+        "parent": lambda: parent_agent(fleet_store, child_agent(executed, gate)),
+        "child": lambda: child_agent(executed, gate),
+    }
+    kid = child_run_id("p/s1/a1")
+    with trio.fail_after(60):
+        async with fleet(fleet_store, agents, max_running=2, child_recheck_s=3600) as worker:
+            await worker.submit("parent", "go", run_id="p")
+            await until(lambda: parked(fleet_store, "p"))
+            await until(lambda: _driven(fleet_store, kid))
+            await fleet_store.append_control(
+                CancelRequested(run_id="p", ts="2026-12-01T00:00:00+00:00", reason="enough")
+            )
+            parent = await worker.result("p", poll_s=0.05)
+            child = await worker.result(kid, poll_s=0.05)
+    assert (parent.state, child.state) == (RunState.CANCELLED, RunState.CANCELLED)
+    assert executed == []  # the child's gated effect never happened
+    log = await fleet_store.read_log("p")
+    assert check_invariants(log) == []
+    action = next(r for r in log.records if isinstance(r, ActionResult))
+    assert action.outcome.status is ActionStatus.UNKNOWN
+    kid_log = await fleet_store.read_log(kid)
+    cancel = next(r for r in kid_log.records if isinstance(r, CancelRequested))
+    assert cancel.canceller == "p"
+
+
+async def test_a_queued_child_is_capped_by_what_its_parent_has_left(fleet_store):
+    """The parent spent 70 of its 100 tokens: its queued child is capped at 30 (recorded in
+    its run-started, applied by the worker that drives it) and stops at its token budget."""
+    executed: list[str] = []
+    gate = trio.Event()
+    gate.set()
+    spend = Usage(input_tokens=10, output_tokens=10)
+
+    def child() -> Agent:
+        agent = child_agent(executed, gate)
+        model = ScriptedModel(
+            turns=[
+                attrs.evolve(call("note", call_id="n1", text="hi"), usage=spend),
+                attrs.evolve(call("note", call_id="n2", text="again"), usage=spend),
+                say("child done"),
+            ]
+        )
+        return attrs.evolve(agent, model=model)
+
+    def parent() -> Agent:
+        return parent_agent(
+            fleet_store,
+            child(),
+            turns=[
+                attrs.evolve(call("helper", call_id="h1", task="do it"), usage=Usage(input_tokens=70, output_tokens=0)),
+                say("parent done"),
+            ],
+            budgets=Budgets(token_budget=100, time_budget_s=600.0),
+        )
+
+    kid = child_run_id("p/s1/a1")
+    with trio.fail_after(60):
+        async with fleet(fleet_store, {"parent": parent, "child": child}, max_running=2) as worker:
+            await worker.submit("parent", "go", run_id="p")
+            await until(lambda: _exists(fleet_store, kid))
+            child_result = await worker.result(kid, poll_s=0.05)
+            await worker.result("p", poll_s=0.05)
+    started = (await fleet_store.read_log(kid)).started
+    assert isinstance(started, RunStarted)
+    assert started.caps is not None and started.caps.token_budget == 30
+    assert started.caps.time_budget_s is not None and 0 < started.caps.time_budget_s <= 600
+    assert (started.parent_run_id, started.parent_intent_id) == ("p", "p/s1/a1")
+    assert child_result.stop_reason is StopReason.TOKEN_BUDGET
+    assert len(executed) == 1  # its second call took it to 40 tokens: stopped there
+
+
+async def test_a_step_with_a_call_that_may_not_run_twice_frees_the_slot_without_parking(
+    fleet_store,
+):
+    """Beside the child call, a ``never`` call: parking would drop its outcome (the step's
+    results are written together), so the parent waits with its slot freed, never parks."""
+    executed: list[str] = []
+    gate = trio.Event()
+    effects: list[str] = []
+
+    @tool
+    async def stamp(ctx: ToolContext) -> str:
+        """Stamp the record (an effect that must not happen twice).
+
+        Args:
+            ctx: the call.
+        """
+        effects.append(ctx.intent_id)
+        return "stamped"
+
+    def parent() -> Agent:
+        both = calls(
+            ToolCall(id="h1", name="helper", arguments={"task": "do it"}),
+            ToolCall(id="s1", name="stamp", arguments={}),
+        )
+        return parent_agent(
+            fleet_store,
+            child_agent(executed, gate),
+            turns=[both, say("parent done")],
+            tools=[stamp],
+        )
+
+    agents = {"parent": parent, "child": lambda: child_agent(executed, gate)}
+    with trio.fail_after(60):
+        async with fleet(fleet_store, agents, park_after_s=0.0) as worker:
+            await worker.submit("parent", "go", run_id="p")
+            await until(lambda: _driven(fleet_store, child_run_id("p/s1/a1")))
+            summary = await fleet_store.read_summary("p")
+            assert summary.state is RunState.RUNNING and summary.liveness is Liveness.DRIVEN
+            assert worker.statistics().waiting == 1
+            gate.set()
+            result = await worker.result("p", poll_s=0.05)
+    assert result.final_answer == "parent done"
+    assert effects == ["p/s1/a2"]
+    log = await fleet_store.read_log("p")
+    assert not any(isinstance(r, ChildrenAwaited) for r in log.records)
+
+
+async def test_two_parallel_children_park_the_parent_until_both_answered(fleet_store):
+    """Two child calls in one step, both safe: the parent parks on both; the first child's
+    end wakes it, its step finds the other still working and parks again; the second's end
+    wakes it for good. Each child ran once."""
+    executed: list[str] = []
+    gates = {"p/s1/a1": trio.Event(), "p/s1/a2": trio.Event()}
+
+    @tool(replay=ReplayPolicy.SAFE)
+    async def note(text: str, ctx: ToolContext) -> str:
+        """Note (waits for its parent call's gate).
+
+        Args:
+            text: the note.
+            ctx: the call.
+        """
+        parent_call = ctx.run_id.removesuffix("/child")
+        await gates[parent_call].wait()
+        executed.append(ctx.intent_id)
+        return f"noted {text}"
+
+    def child() -> Agent:
+        return Agent(
+            model=ScriptedModel(turns=[call("note", call_id="n1", text="hi"), say("child done")]),
+            executor=Toolbox([note]),
+            parser=NativeToolCallParser(),
+        )
+
+    def parent() -> Agent:
+        both = calls(
+            ToolCall(id="h1", name="helper", arguments={"task": "one"}),
+            ToolCall(id="h2", name="helper", arguments={"task": "two"}),
+        )
+        return parent_agent(fleet_store, child(), turns=[both, say("parent done")])
+
+    kids = [child_run_id(f"p/s1/a{n}") for n in (1, 2)]
+    with trio.fail_after(60):
+        async with fleet(
+            fleet_store, {"parent": parent, "child": child}, max_running=2, child_recheck_s=3600
+        ) as worker:
+            await worker.submit("parent", "go", run_id="p")
+            await until(lambda: parked(fleet_store, "p"))
+            gates["p/s1/a1"].set()
+            await worker.result(kids[0], poll_s=0.05)
+            await until(lambda: _parked_twice(fleet_store))
+            gates["p/s1/a2"].set()
+            result = await worker.result("p", poll_s=0.05)
+    assert result.final_answer == "parent done"
+    assert sorted(executed) == sorted(f"{k}/s1/a1" for k in kids)
+    log = await fleet_store.read_log("p")
+    awaited = [r for r in log.records if isinstance(r, ChildrenAwaited)]
+    assert [a.children for a in awaited] == [tuple(kids), (kids[1],)]
+    step = next(r for r in log.records if isinstance(r, StepRecord))
+    assert step.observations == ("child done", "child done")
+    assert check_invariants(log) == []
+
+
+async def _parked_twice(store) -> bool:
+    log = await store.read_log("p")
+    twice = sum(isinstance(r, ChildrenAwaited) for r in log.records) == 2
+    return twice and await parked(store, "p")
+
+
+def test_budget_caps_cut_only_what_they_bound():
+    own = Budgets(max_steps=9, token_budget=500, time_budget_s=None)
+    assert own.capped(None) is own
+    assert own.capped(BudgetCaps()) is own
+    capped = own.capped(BudgetCaps(token_budget=30, time_budget_s=12.5))
+    assert (capped.max_steps, capped.token_budget, capped.time_budget_s) == (9, 30, 12.5)
+    assert own.capped(BudgetCaps(token_budget=900)).token_budget == 500
