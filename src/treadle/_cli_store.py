@@ -37,7 +37,7 @@ from treadle.ports import RunIndex, RunStore
 from treadle.redaction import Redaction
 from treadle.stores._leases import is_live
 from treadle.supervisors._leasing import leases_of
-from treadle.types import Liveness, RunLog, RunStarted, RunSummary
+from treadle.types import Liveness, RunLog, RunStarted, RunState, RunSummary
 
 
 @click.command("runs")
@@ -129,6 +129,8 @@ def driver_text(summary: RunSummary) -> str:
         Liveness.ORPHANED: "nobody: orphaned",
     }
     text = words.get(summary.liveness, "nobody")
+    if summary.liveness is Liveness.PARKED and summary.state is RunState.AWAITING_CHILD:
+        text = "nobody: parked (waits on child runs)"
     if summary.liveness is Liveness.ORPHANED and lease is not None and lease.owner:
         text += f" (lease of {lease.owner} expired)"
     return text

@@ -14,6 +14,7 @@ import pytest
 import trio
 
 from treadle import agent_tool, child_run_id
+from treadle._cli_store import driver_text
 from treadle.agent import Agent
 from treadle.parsers import NativeToolCallParser
 from treadle.supervisors.fleet import open_fleet
@@ -136,8 +137,10 @@ async def test_a_waiting_parent_parks_and_its_childs_end_wakes_it(fleet_store):
         async with fleet(fleet_store, agents, child_recheck_s=3600) as worker:
             await worker.submit("parent", "go", run_id="p")
             await until(lambda: parked(fleet_store, "p"))
-            lease = (await fleet_store.read_summary("p")).lease
+            summary = await fleet_store.read_summary("p")
+            lease = summary.lease
             assert lease is not None and lease.owner == ""  # released, not expired
+            assert driver_text(summary) == "nobody: parked (waits on child runs)"
             await until(lambda: _driven(fleet_store, kid))  # the child took the one slot
             assert worker.statistics().waiting == 0  # no drive of the parent is left waiting
             gate.set()

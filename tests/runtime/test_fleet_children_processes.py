@@ -20,7 +20,7 @@ import trio
 
 import treadle
 from treadle._cli_common import open_store
-from treadle.types import Message, RunStarted, RunState
+from treadle.types import ChildrenAwaited, Liveness, Message, RunStarted, RunState
 
 KINDS = ["sqlite", "postgres"]
 
@@ -75,6 +75,7 @@ async def main() -> None:
         async with treadle.open_fleet(
             store, {name: agents[name] for name in served}, max_running=1,
             lease_ttl_s=1.0, claim_poll_s=0.05, backoff_s=0.05,
+            park_after_s=float(os.environ.get("PARK_AFTER_S", "5")),
         ):
             print("ready", flush=True)
             await trio.sleep_forever()
@@ -243,3 +244,44 @@ async def test_a_child_that_finishes_while_nobody_drives_its_parent_is_found_by_
         a.kill()
     assert "Traceback" not in err_b + err_c, (err_b, err_c)
     _check_one_child(results, logs, runs, _effects(tmp_path))
+
+
+@pytest.mark.parametrize("store_spec", KINDS, indirect=True)
+async def test_a_parked_parent_outlives_its_worker_and_the_childs_end_in_another_process_wakes_it(
+    store_spec: str, tmp_path: Path
+) -> None:
+    """Worker a (parents) parks the parent (its lease released, state awaiting_child) and is
+    killed: it held nothing. Worker b (children) drives the child to its end, which wakes the
+    parent at once; worker c (parents) claims it, its replayed call reads the finished child.
+    Nothing was taken over: the park was a clean release."""
+    kid = treadle.child_run_id("p/s1/a1")
+    a = _worker(tmp_path, store_spec, "parent", PARK_AFTER_S="0.1")
+    try:
+        await _submit(store_spec, "p")
+        await _until(lambda: _parked_on_child(store_spec, "p"))
+        _kill(a)
+        c = _worker(tmp_path, store_spec, "parent", PARK_AFTER_S="0.1")
+        b = _worker(tmp_path, store_spec, "child")
+        try:
+            results, logs, runs = await _results(store_spec, "p", kid)
+            async with open_store(store_spec) as opened:
+                summary = await opened.read_summary("p")  # type: ignore[attr-defined]
+        finally:
+            err = _stop(b) + _stop(c)
+    finally:
+        a.kill()
+    assert "Traceback" not in err, err
+    _check_one_child(results, logs, runs, _effects(tmp_path))
+    awaited = [r for r in logs[0].records if isinstance(r, ChildrenAwaited)]
+    assert [a.children for a in awaited] == [(kid,)]
+    assert (summary.claims, summary.takeovers) == (2, 0)
+
+
+async def _parked_on_child(store: str, run_id: str) -> bool:
+    async with open_store(store) as opened:
+        summary = await opened.read_summary(run_id)  # type: ignore[attr-defined]
+    return (
+        summary is not None
+        and summary.state is RunState.AWAITING_CHILD
+        and summary.liveness is Liveness.PARKED
+    )
