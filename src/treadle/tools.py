@@ -699,10 +699,12 @@ class Toolbox:
             observation, and the revision an `treadle.revisions.Observed` value reported.
 
         Cancellation:
-            Always a checkpoint, before the tool starts. `trio.Cancelled` from outside always
-            propagates; the tool's outcome is then unknown.
+            Called in a cancelled scope, the tool never starts (`trio.Cancelled`); otherwise
+            it yields to the scheduler where the tool does (a no-op tool not at all).
+            `trio.Cancelled` from outside always propagates; the tool's outcome is then
+            unknown.
         """
-        await trio.lowlevel.checkpoint()
+        await trio.lowlevel.checkpoint_if_cancelled()
         found = self._tools.get(action.tool)
         if found is None:
             known = ", ".join(self._tools) or "none"

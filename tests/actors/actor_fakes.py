@@ -10,6 +10,7 @@ from __future__ import annotations
 import attrs
 import trio
 
+from treadle.actors._mailbox import MailboxReceiver, open_mailbox
 from treadle.actors.writer import Append, Delta, Subscribe, WriterClient, WriterRequest
 from treadle.types import (
     Action,
@@ -58,7 +59,7 @@ class FakeWriter:
 
     async def run(
         self,
-        inbox: trio.MemoryReceiveChannel[WriterRequest],
+        inbox: MailboxReceiver[WriterRequest],
         *,
         task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
     ) -> None:
@@ -99,7 +100,7 @@ async def start_fake_writer(
     """Start ``fake`` (a new `FakeWriter` by default) in ``nursery``; return its client."""
     fake = fake if fake is not None else FakeWriter()
     # 64: the real writer's inbox is buffered the same (docs/design.md, "The five actors").
-    send, recv = trio.open_memory_channel[WriterRequest](64)
+    send, recv = open_mailbox[WriterRequest](64)
     await nursery.start(fake.run, recv)
     return WriterClient(inbox=send), fake
 

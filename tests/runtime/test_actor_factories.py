@@ -320,19 +320,22 @@ def test_with_latency_refuses_bad_rates():
 
 
 class CountingWriter:
-    """A swapped writer: the real one inside, with counters of its own."""
+    """A swapped writer: the real one inside, whose sink feed counted failures already."""
 
     def __init__(self, context):
         self.inner = real_writer(context)
+        self.inner.feed.sink_failures, self.inner.feed.sink_drops = 7, 3
 
     async def run(self, inbox, *, task_status=trio.TASK_STATUS_IGNORED):
         await self.inner.run(inbox, task_status=task_status)
 
     def statistics(self):
-        return attrs.evolve(self.inner.statistics(), sink_failures=7, sink_drops=3)
+        return self.inner.statistics()
 
 
-async def test_a_swapped_writers_counters_reach_the_run_finished_record():
+async def test_the_writer_stamps_its_own_delivery_counters_into_run_finished():
+    """The coordinator does not ask the writer for its counters: the writer that writes the
+    run-finished record puts its counters in (a swapped one, its own)."""
     agent = Agent(
         model=ScriptedModel(turns=[say("done")]),
         executor=Toolbox([]),

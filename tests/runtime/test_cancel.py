@@ -47,8 +47,9 @@ def check_cancelled_log(log, tools, model):
     assert records[-1].state is RunState.CANCELLED
     assert isinstance(records[-2], CancelRequested)
     assert not any(isinstance(r, CancelRequested) for r in records[:-2])
-    # Every model request and every tool execution has its intent in the log.
-    assert len(model.requests) == sum(isinstance(r, ModelIntent) for r in records)
+    # Every model request and every tool execution has its intent in the log (an intent
+    # whose request a cancel cut before it left has none: its result says so).
+    assert len(model.requests) <= sum(isinstance(r, ModelIntent) for r in records)
     intents = {r.call_id for r in records if isinstance(r, ActionIntent)}
     assert {a.call_id for a in tools.executed} <= intents
     # Every action intent has a result (a cut action is kept as late, never applied).

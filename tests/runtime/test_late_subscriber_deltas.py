@@ -1,6 +1,6 @@
 """A subscriber that joins during a model call gets the rest of that call's deltas
-(docs/events.md, "Reading events"): the gateway asks per fragment whether anyone
-listens, not once per attempt."""
+(docs/events.md, "Reading events"): the writer decides per delta whether anyone listens,
+not once per attempt. Fragments coalesced just before it joined may come with them."""
 
 from __future__ import annotations
 
@@ -40,5 +40,6 @@ async def test_a_subscriber_joining_mid_call_gets_the_rest_of_its_deltas():
                 model.listening.set()  # the subscription is live once it yields
                 if event.kind is EventKind.TEXT_DELTA:
                     deltas.append(event.text)
-    assert deltas == ["late"]
+    assert "".join(deltas) in ("late", "early late")  # "early " only if still coalescing
+    assert deltas and deltas[-1].endswith("late")
     assert handle.result is not None and handle.result.final_answer == "early late"

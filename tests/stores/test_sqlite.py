@@ -1087,7 +1087,9 @@ async def test_cancelled_barrier_still_commits(tmp_path: Path) -> None:
         assert (await store.read_log("r")).records[-1] == result
 
 
-async def test_every_operation_is_a_checkpoint(tmp_path: Path) -> None:
+async def test_every_operation_but_a_queued_write_is_a_checkpoint(tmp_path: Path) -> None:
+    """docs/seams.md, "Run store": a non-barrier write returns without a turn of the
+    scheduler; every other operation is a schedule point."""
     store = await SqliteStore.open(tmp_path / "s.db")
     run = Steps(store, "r")
     with trio.testing.assert_checkpoints():
@@ -1096,17 +1098,22 @@ async def test_every_operation_is_a_checkpoint(tmp_path: Path) -> None:
     g = run.generation
     held = await store.read_lease("r")
     assert held is not None
+    with trio.testing.assert_checkpoints():
+        await store.write_intent(intent("r", "m"), seq=2, generation=g)
+    task = trio.lowlevel.current_task()
+    cancel_points, schedule_points = task._cancel_points, task._schedule_points
+    await store.write_model_result(
+        ModelResult(run_id="r", step=1, intent_id="m", ts=TS), seq=3, generation=g
+    )
+    await store.write_step(
+        None,
+        StepRecord(run_id="r", step=1, ts=TS, model_intent_id="m", decision=None),
+        seq=4,
+        generation=g,
+    )
+    # each checked for a cancel, neither yielded
+    assert (task._cancel_points - cancel_points, task._schedule_points) == (2, schedule_points)
     for operation in (
-        lambda: store.write_intent(intent("r", "m"), seq=2, generation=g),
-        lambda: store.write_model_result(
-            ModelResult(run_id="r", step=1, intent_id="m", ts=TS), seq=3, generation=g
-        ),
-        lambda: store.write_step(
-            None,
-            StepRecord(run_id="r", step=1, ts=TS, model_intent_id="m", decision=None),
-            seq=4,
-            generation=g,
-        ),
         lambda: store.write_control(cancel("r"), seq=5, generation=g),
         lambda: store.read_log("r"),
         store.list_runs,

@@ -15,6 +15,8 @@ from typing import Generic, TypeVar
 
 import trio
 
+from treadle.actors._mailbox import MailboxSender
+
 R = TypeVar("R")
 Q = TypeVar("Q")
 
@@ -103,14 +105,14 @@ class ReplySlot(Generic[R]):
         self._gone = True
 
 
-async def request(inbox: trio.MemorySendChannel[Q], make: Callable[[ReplySlot[R]], Q]) -> R:
+async def request(inbox: MailboxSender[Q], make: Callable[[ReplySlot[R]], Q]) -> R:
     """Send ``make(reply_to)`` to ``inbox`` and return the one reply.
 
     Raises:
         trio.EndOfChannel: the replier closed the reply slot without answering (it failed;
             its own error reaches the run supervisor through the nursery).
     """
-    slot = ReplySlot[R]()
+    slot: ReplySlot[R] = ReplySlot()  # not ReplySlot[R](): calling an alias is slow
     try:
         await inbox.send(make(slot))
         return await slot.receive()

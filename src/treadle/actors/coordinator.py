@@ -24,6 +24,7 @@ from treadle._exceptions import SeamViolation
 from treadle._output import OutputSpec
 from treadle._state import PendingStep, RunView, closing_records
 from treadle._text import repaired
+from treadle.actors._mailbox import MailboxSender
 from treadle.actors._rpc import ReplySlot, StepScope, request
 from treadle.actors.executor import ActionsOutcome, RunActions
 from treadle.actors.gateway import CallModel, ModelOutcome
@@ -150,9 +151,9 @@ class RunCoordinator:
     limits: Limits
     clock: Clock
     writer: WriterClient
-    hydrator: trio.MemorySendChannel[Hydrate]
-    gateway: trio.MemorySendChannel[CallModel]
-    executor: trio.MemorySendChannel[RunActions]
+    hydrator: MailboxSender[Hydrate]
+    gateway: MailboxSender[CallModel]
+    executor: MailboxSender[RunActions]
     needs_approval: Callable[[str, Mapping[str, Any]], bool] = lambda tool, arguments: False
     output: OutputSpec | None = None
     park_after_s: float | None = None
@@ -826,7 +827,6 @@ class RunCoordinator:
             await self.writer.barrier(StoreOp.CONTROL, cancel)
             self.view.apply(cancel)
         state = _final_state(reason)
-        delivery = self.writer.statistics()
         record = RunFinished(
             run_id=self.run_id,
             ts=self.clock.now_iso(),
@@ -837,10 +837,7 @@ class RunCoordinator:
             error=self._error if reason is StopReason.MODEL_ERROR else None,
             model_error=self._model_error if reason is StopReason.MODEL_ERROR else None,
             output=self._answer_output if reason is StopReason.FINAL_ANSWER else None,
-            sink_drops=delivery.sink_drops if delivery else 0,
-            sink_failures=delivery.sink_failures if delivery else 0,
-            subscriber_drops=delivery.subscriber_drops if delivery else 0,
-        )
+        )  # the event writer stamps its delivery counters into it
         await self.writer.barrier(StoreOp.RUN_FINISHED, record)
         self.view.apply(record)
         self.state = state
@@ -881,7 +878,7 @@ R = TypeVar("R")
 
 async def _bounded(
     scope: StepScope,
-    inbox: trio.MemorySendChannel[Q],
+    inbox: MailboxSender[Q],
     make: Callable[[ReplySlot[R]], Q],
 ) -> R:
     """Request/reply whose wait ends at the step's deadline plus a grace period.

@@ -30,6 +30,7 @@ from treadle._clock import Clock
 from treadle._exceptions import ChildPending, SeamViolation
 from treadle._text import valid_unicode
 from treadle._toolhost import HostedCall, ToolHost, current_host
+from treadle.actors._mailbox import MailboxReceiver
 from treadle.actors._rpc import ReplySlot, StepScope, reply
 from treadle.actors.writer import WriterClient
 from treadle.ports import ActionExecutor
@@ -142,7 +143,7 @@ class ToolExecutor:
 
     async def run(
         self,
-        inbox: trio.MemoryReceiveChannel[RunActions],
+        inbox: MailboxReceiver[RunActions],
         *,
         task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
     ) -> None:

@@ -29,6 +29,7 @@ import trio
 from treadle._clock import Clock
 from treadle._exceptions import ModelCallError, SeamViolation
 from treadle._text import repaired
+from treadle.actors._mailbox import MailboxReceiver
 from treadle.actors._rpc import ReplySlot, StepScope, reply
 from treadle.actors.writer import WriterClient
 from treadle.models._context import ImageSource, attempt_deadlines, observe_usage, run_images
@@ -143,7 +144,7 @@ class ModelGateway:
 
     async def run(
         self,
-        inbox: trio.MemoryReceiveChannel[CallModel],
+        inbox: MailboxReceiver[CallModel],
         *,
         task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
     ) -> None:
@@ -157,18 +158,16 @@ class ModelGateway:
             nursery.cancel_scope.cancel()
 
     def _on_delta(self) -> Callable[[str, str], None]:
-        """The delta callback for an attempt: it passes fragments on while someone listens.
+        """The delta callback for an attempt: it coalesces fragments and hands them to the writer.
 
-        Whether anyone listens is asked per fragment, so a subscriber that joins during an
-        attempt (a browser reconnecting) gets the rest of that attempt's deltas. The first
-        time someone listens, a task starts that flushes a coalesced delta once its first
-        fragment is `DELTA_FLUSH_S` old, also when the stream pauses.
+        The writer drops a delta nobody listens to, and asks per delta, so a subscriber that
+        joins during an attempt (a browser reconnecting) gets the rest of that attempt's
+        deltas. On the first fragment a task starts that flushes a coalesced delta once its
+        first fragment is `DELTA_FLUSH_S` old, also when the stream pauses.
         """
         return self._offer
 
     def _offer(self, channel: str, text: str) -> None:
-        if not self.writer.wants_deltas():
-            return
         if not self._flushing and self._nursery is not None:
             self._flushing = True
             self._nursery.start_soon(self._coalescer.flush_late)
@@ -282,12 +281,12 @@ class ModelGateway:
                     first_byte_s=self.limits.model_first_byte_s,
                     idle_s=self.limits.model_idle_s,
                 ),
-                trio.fail_after(self.limits.model_attempt_s),
+                trio.move_on_after(self.limits.model_attempt_s) as limit,
             ):
                 reply_ = await client.complete(request, on_delta=on_delta)
         except ModelCallError as exc:
             return meter.error if meter.cut and meter.error is not None else exc
-        except trio.TooSlowError:
+        if limit.cancelled_caught:
             return ModelCallError(
                 ModelErrorInfo(
                     kind="timeout",

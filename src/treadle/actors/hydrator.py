@@ -46,6 +46,7 @@ from treadle._budget import (
     transcript,
 )
 from treadle._exceptions import StoreError, UsageError
+from treadle.actors._mailbox import MailboxReceiver
 from treadle.actors._rpc import ReplySlot, reply
 from treadle.ports import RunStore
 from treadle.types import (
@@ -171,7 +172,7 @@ class ContextHydrator:
 
     async def run(
         self,
-        inbox: trio.MemoryReceiveChannel[Hydrate],
+        inbox: MailboxReceiver[Hydrate],
         *,
         task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
     ) -> None:

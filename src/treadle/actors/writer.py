@@ -14,6 +14,7 @@ import attrs
 import trio
 
 from treadle._exceptions import StoreError
+from treadle.actors._mailbox import MailboxReceiver, MailboxSender
 from treadle.actors._rpc import ReplySlot
 from treadle.metrics import MetricsRecorder
 from treadle.ports import EventSink, RunStore
@@ -91,6 +92,20 @@ class Delta:
 
 
 @attrs.frozen(kw_only=True)
+class Warn:
+    """A live warning for the run's subscribers (never stored, never sent to sinks)."""
+
+    text: str
+
+
+@attrs.frozen(kw_only=True)
+class Forward:
+    """Another run's event (a child run's) for this run's live subscribers only."""
+
+    event: Event
+
+
+@attrs.frozen(kw_only=True)
 class Subscribe:
     """Join the live event stream.
 
@@ -98,7 +113,7 @@ class Subscribe:
     later event (durable and deltas).
     """
 
-    reply_to: trio.MemorySendChannel[Subscription]
+    reply_to: ReplySlot[Subscription]
 
 
 @attrs.frozen(kw_only=True)
@@ -116,7 +131,7 @@ class Subscription:
     events: trio.MemoryReceiveChannel[Event]
 
 
-WriterRequest = Append | Delta | Subscribe
+WriterRequest = Append | Delta | Warn | Forward | Subscribe
 
 
 @attrs.frozen(kw_only=True)
@@ -287,7 +302,7 @@ class EventWriter:
 
     async def run(
         self,
-        inbox: trio.MemoryReceiveChannel[WriterRequest],
+        inbox: MailboxReceiver[WriterRequest],
         *,
         task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
     ) -> None:
@@ -324,13 +339,19 @@ class EventWriter:
         if isinstance(message, Append):
             await self._append(message)
         elif isinstance(message, Delta):
-            self.publish_delta(message)
+            self._publish_delta(message)
+        elif isinstance(message, Warn):
+            self._warn(message.text)
+        elif isinstance(message, Forward):
+            self._forward(message.event)
         else:
             self._subscribe(message)
 
     async def _append(self, message: Append) -> None:
         seq = self.next_seq
         records = message.records
+        if message.op is StoreOp.RUN_FINISHED:  # the delivery counters are the writer's
+            records = tuple(self._stamped(r) for r in records)
         await _STORE_OPS[message.op](self.store, records, seq, self.generation)
         self.next_seq = seq + len(records)
         self._delta_ordinal = 0
@@ -355,8 +376,25 @@ class EventWriter:
                 except trio.BrokenResourceError:
                     pass
 
-    def publish_delta(self, message: Delta) -> None:
-        """Number ``message`` after the last durable event and fan it out (never blocks)."""
+    def _stamped(self, record: Record) -> Record:
+        """A run-finished record with this run's delivery counters in this process."""
+        if not isinstance(record, RunFinished):
+            return record
+        feed = self._feed
+        return attrs.evolve(
+            record,
+            sink_drops=feed.sink_drops,
+            sink_failures=feed.sink_failures,
+            subscriber_drops=feed.subscriber_drops,
+        )
+
+    def _publish_delta(self, message: Delta) -> None:
+        """Number ``message`` after the last durable event and fan it out (never blocks).
+
+        Nobody listening (no subscriber, no sink): dropped.
+        """
+        if not self._subscribers and not self._feed.active:
+            return
         self._delta_ordinal += 1
         kind = EventKind.TEXT_DELTA if message.channel == "text" else EventKind.REASONING_DELTA
         self._fan_out(
@@ -398,12 +436,8 @@ class EventWriter:
             )
         )
 
-    def warn(self, text: str) -> None:
-        """Tell the live subscribers ``text`` as a warning event (never stored, never blocks)."""
-        self._warn(text)
-
-    def forward(self, event: Event) -> None:
-        """Hand another run's event (a child run's) to the live subscribers (never blocks).
+    def _forward(self, event: Event) -> None:
+        """Hand another run's event (a child run's) to the live subscribers.
 
         It keeps its own run id and seq; nothing is stored in this run's log, and the sinks
         are not fed (the child run feeds its own). docs/child-runs.md, "Events".
@@ -424,11 +458,6 @@ class EventWriter:
             except trio.BrokenResourceError:
                 self._subscribers.remove(send)
                 send.close()
-
-    @property
-    def wants_deltas(self) -> bool:
-        """Whether anyone listens for ephemeral deltas."""
-        return bool(self._subscribers) or self._feed.active
 
 
 def _name(sink: EventSink) -> str:
@@ -485,7 +514,7 @@ def with_step_started(events: Iterable[Event]) -> Iterator[Event]:
         yield event
 
 
-def _refuse_pending(inbox: trio.MemoryReceiveChannel[WriterRequest]) -> None:
+def _refuse_pending(inbox: MailboxReceiver[WriterRequest]) -> None:
     """Close the reply channels of requests still queued when the writer stops.
 
     Their requesters then see `trio.EndOfChannel` instead of waiting forever.
@@ -552,34 +581,22 @@ _STORE_OPS = {
 
 @attrs.frozen
 class WriterClient:
-    """The handle other actors use to reach a run's event writer."""
+    """How the other actors reach a run's event writer: messages into its inbox, nothing else.
 
-    inbox: trio.MemorySendChannel[WriterRequest]
-    writer: EventWriter | None = None
-    stats: Callable[[], WriterStatistics] | None = None
+    Args:
+        inbox: the writer's inbox.
+    """
 
-    def statistics(self) -> WriterStatistics | None:
-        """The writer's counters (``None`` when no writer's counters are reachable)."""
-        if self.stats is not None:
-            return self.stats()
-        return self.writer.statistics() if self.writer is not None else None
-
-    def wants_deltas(self) -> bool:
-        """Whether anyone listens for ephemeral deltas (skip coalescing when not)."""
-        return self.writer is not None and self.writer.wants_deltas
+    inbox: MailboxSender[WriterRequest]
 
     async def write(self, op: StoreOp, *records: Record) -> None:
-        """Queue a non-barrier write; returns once the writer accepted it.
+        """Queue a non-barrier write; returns once the writer's inbox took it.
 
-        Room in the writer's inbox takes the write at once, without a checkpoint (nothing
-        waits for a non-barrier write, and the next barrier of the run follows it); a full
-        inbox waits for room.
+        Room in the inbox takes the write at once, without a checkpoint (nothing waits for a
+        non-barrier write, and the next barrier of the run follows it); a full inbox waits
+        for room.
         """
-        message = Append(op=op, records=records)
-        try:
-            self.inbox.send_nowait(message)
-        except trio.WouldBlock:
-            await self.inbox.send(message)
+        await self.inbox.send(Append(op=op, records=records))
 
     async def barrier(self, op: StoreOp, *records: Record) -> int:
         """Write and wait until durable (with everything written before it).
@@ -601,46 +618,46 @@ class WriterClient:
         slot's ``receive()`` returns the seq of the last record once the write is durable,
         or raises `trio.EndOfChannel` when the writer failed before answering.
         """
-        slot = ReplySlot[int]()
+        slot: ReplySlot[int] = ReplySlot()
         await self.inbox.send(Append(op=op, records=records, reply_to=slot))
         return slot
 
     def delta(self, channel: str, text: str) -> None:
-        """Offer an ephemeral delta; dropped when the writer's inbox is full.
+        """Offer an ephemeral delta (never blocks): dropped when the inbox is full or closed.
 
-        When the writer is in this process and has nothing queued, the delta is handed to
-        the subscribers and sinks at once (one task switch less); it then still follows
-        every durable event written before it, as the writer numbers it.
+        The writer numbers it after the durable events written before it and drops it when
+        nobody listens (docs/events.md, "Reading events").
         """
-        writer = self.writer
-        if writer is not None and self.inbox.statistics().current_buffer_used == 0:
-            writer.publish_delta(Delta(channel=channel, text=text))
-            return
-        try:
-            self.inbox.send_nowait(Delta(channel=channel, text=text))
-        except (trio.WouldBlock, trio.BrokenResourceError, trio.ClosedResourceError):
-            pass
+        self._offer(Delta(channel=channel, text=text))
 
     def warn(self, text: str) -> None:
         """Offer a live warning event to the run's subscribers (never stored, never blocks).
 
-        A no-op for a writer in another process.
+        Dropped when the inbox is full or the writer is gone (a call abandoned by a run that
+        has ended: the tool host logs it anyway, docs/decisions/0025-tool-host.md).
         """
-        if self.writer is not None:
-            self.writer.warn(text)
+        self._offer(Warn(text=text))
 
     def forward(self, event: Event) -> None:
-        """Hand a child run's event to this run's live subscribers (see `EventWriter.forward`).
+        """Offer a child run's event to this run's live subscribers (never blocks).
 
-        A no-op for a writer in another process.
+        It keeps its own run id and seq and is never stored here (docs/child-runs.md,
+        "Events"); dropped when the inbox is full or the writer is gone.
         """
-        if self.writer is not None:
-            self.writer.forward(event)
+        self._offer(Forward(event=event))
 
     async def subscribe(self) -> Subscription:
-        """Join the live event stream (see `Subscription`)."""
-        # 1: the reply slot.
-        send, recv = trio.open_memory_channel[Subscription](1)
-        with recv:
-            await self.inbox.send(Subscribe(reply_to=send))
-            return await recv.receive()
+        """Join the live event stream (see `Subscription`).
+
+        Raises:
+            trio.EndOfChannel: the writer stopped before answering.
+        """
+        slot: ReplySlot[Subscription] = ReplySlot()
+        await self.inbox.send(Subscribe(reply_to=slot))
+        return await slot.receive()
+
+    def _offer(self, message: WriterRequest) -> None:
+        try:
+            self.inbox.send_nowait(message)
+        except (trio.WouldBlock, trio.BrokenResourceError, trio.ClosedResourceError):
+            pass  # best effort by definition: live-only, never stored

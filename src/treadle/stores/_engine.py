@@ -305,14 +305,13 @@ class CommitEngine:
                 or the store is closed.
 
         Cancellation:
-            A checkpoint. Cancelled before it was queued, nothing is written; a barrier
-            cancelled while awaiting its batch stays queued and WILL commit (the run's next
-            seq has moved on).
+            Cancelled before it was queued, nothing is written; a barrier cancelled while
+            awaiting its batch stays queued and WILL commit (the run's next seq has moved
+            on). Only a barrier (or a write that waits for room) yields to the scheduler.
         """
-        if barrier:  # waiting for the batch below is the schedule point
-            await trio.lowlevel.checkpoint_if_cancelled()
-        else:
-            await trio.lowlevel.checkpoint()
+        # Cancelled: nothing is queued. No turn of the scheduler otherwise: a barrier yields
+        # where it waits for its batch, a non-barrier write returns at once.
+        await trio.lowlevel.checkpoint_if_cancelled()
         self.check_open()
         payload = self._encode(run_id, seq, generation, records)
         state = self._runs.get(run_id)

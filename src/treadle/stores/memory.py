@@ -117,7 +117,13 @@ class MemoryStore(AppendStore):
         op: StoreOp,
         generation: int,
     ) -> None:
-        await trio.lowlevel.checkpoint()
+        # A cancelled writer writes nothing. A barrier is a schedule point, as it is in a
+        # durable store; a non-barrier write takes no turn of the scheduler (docs/seams.md,
+        # "Run store").
+        if op.barrier:
+            await trio.lowlevel.checkpoint()
+        else:
+            await trio.lowlevel.checkpoint_if_cancelled()
         self._check_open()
         for record in records:
             if record.run_id != run_id:

@@ -35,6 +35,7 @@ from treadle._ids import check_run_id, new_run_id
 from treadle._state import RunView, fold
 from treadle._text import repaired, valid_unicode
 from treadle._trio_only import require_trio
+from treadle.actors._mailbox import MailboxReceiver, MailboxSender, open_mailbox
 from treadle.actors.coordinator import AwaitingChildren, Drained, Parked, RunCoordinator
 from treadle.actors.executor import RunActions, ToolExecutor
 from treadle.actors.gateway import CallModel, ModelGateway
@@ -97,7 +98,7 @@ class InboxActor(Protocol[RequestT_contra]):
 
     async def run(
         self,
-        inbox: trio.MemoryReceiveChannel[RequestT_contra],
+        inbox: MailboxReceiver[RequestT_contra],
         *,
         task_status: trio.TaskStatus[None] = ...,
     ) -> None:
@@ -260,9 +261,9 @@ class CoordinatorContext:
     actor: ActorContext
     view: RunView
     needs_approval: Callable[[str, Mapping[str, Any]], bool]
-    hydrator: trio.MemorySendChannel[Hydrate]
-    gateway: trio.MemorySendChannel[CallModel]
-    executor: trio.MemorySendChannel[RunActions]
+    hydrator: MailboxSender[Hydrate]
+    gateway: MailboxSender[CallModel]
+    executor: MailboxSender[RunActions]
     park_after_s: float | None = None
     carried_active_s: float = 0.0
 
@@ -1064,7 +1065,7 @@ async def _drive(
         handle._snapshot = snapshot
         handle._redaction = Redaction.of_log(log) | Redaction.of_snapshot(snapshot)
         actors = options.actors
-        writer_send, writer_recv = trio.open_memory_channel[WriterRequest](WRITER_INBOX)
+        writer_send, writer_recv = open_mailbox[WriterRequest](WRITER_INBOX)
         writer = actors.writer(
             WriterContext(
                 run_id=log.run_id,
@@ -1077,12 +1078,7 @@ async def _drive(
                 metrics=options.metrics,
             )
         )
-        # The real writer also answers "does anyone want deltas?"; a fake one is asked nothing.
-        client = WriterClient(
-            writer_send,
-            writer if isinstance(writer, EventWriter) else None,
-            stats=writer.statistics,
-        )
+        client = WriterClient(writer_send)
         handle._writer, handle._writer_client = writer, client
         await nursery.start(writer.run, writer_recv)
         if view.next_seq == 1:
@@ -1318,10 +1314,10 @@ async def _start_actors(
     carried_active_s: float,
 ) -> CoordinatorActor:
     """Build the hydrator, gateway and executor, start them, and build the coordinator."""
-    # 0: every request waits for its reply anyway; the coordinator has one step in flight.
-    hydrator_send, hydrator_recv = trio.open_memory_channel[Hydrate](0)
-    gateway_send, gateway_recv = trio.open_memory_channel[CallModel](0)
-    executor_send, executor_recv = trio.open_memory_channel[RunActions](0)
+    # 1: every request waits for its reply anyway; the coordinator has one step in flight.
+    hydrator_send, hydrator_recv = open_mailbox[Hydrate](1)
+    gateway_send, gateway_recv = open_mailbox[CallModel](1)
+    executor_send, executor_recv = open_mailbox[RunActions](1)
     hydrator = actors.hydrator(context)
     gateway = actors.gateway(context)
     executor = actors.executor(context)

@@ -13,6 +13,7 @@ import attrs
 import trio
 import trio.testing
 
+from treadle.actors._mailbox import MailboxReceiver, open_mailbox
 from treadle.actors._rpc import StepScope
 from treadle.approvals import Decision
 from treadle.stores._leases import LEASE_TTL_S
@@ -194,13 +195,13 @@ class DelayedActor(Generic[Q]):
 
     async def run(
         self,
-        inbox: trio.MemoryReceiveChannel[Q],
+        inbox: MailboxReceiver[Q],
         *,
         task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
     ) -> None:
         """Serve ``inbox`` through the delay until it ends; then the inner actor ends too."""
-        # 0: the inner actor takes one request at a time, like the coordinator's inboxes.
-        send, recv = trio.open_memory_channel[Q](0)
+        # 1: the inner actor takes one request at a time, like the coordinator's inboxes.
+        send, recv = open_mailbox[Q](1)
         async with trio.open_nursery() as nursery:
             await nursery.start(self.inner.run, recv)
             task_status.started()
