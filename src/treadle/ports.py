@@ -18,6 +18,7 @@ from treadle.types import (
     ActionOutcome,
     ActionResult,
     ApprovalDecided,
+    Attempt,
     BudgetCaps,
     CancelRequested,
     Claim,
@@ -51,18 +52,28 @@ DeltaCallback = Callable[[str, str], None]
 class ModelClient(Protocol):
     """Seam 1: one model call attempt (docs/seams.md, "Model client").
 
-    Retries, deadlines and budgets belong to the model gateway actor, not to clients: one
-    ``complete`` call is exactly one HTTP attempt.
+    Retries, the attempt total and budgets belong to the model gateway actor, not to clients:
+    one ``complete`` call is exactly one HTTP attempt. What the gateway hands the attempt (its
+    connect, first-byte and idle deadlines, the usage observer of the token budget, the run's
+    image source) comes as the ``attempt`` argument, and nowhere else.
     """
 
     async def complete(
-        self, request: ModelRequest, *, on_delta: DeltaCallback | None = None
+        self,
+        request: ModelRequest,
+        *,
+        on_delta: DeltaCallback | None = None,
+        attempt: Attempt = Attempt.STANDALONE,
     ) -> ModelReply:
         """Send one request and return the assembled reply.
 
         Args:
             request: the model-visible request.
             on_delta: receives text and reasoning fragments as they stream.
+            attempt: the attempt's deadlines (seconds; the client applies the smaller of
+                each and its own), usage observer and run image source (`Attempt`). The
+                model gateway always passes one; `Attempt.STANDALONE` for a call made
+                outside a run.
 
         Returns:
             The reply; usage counts are ``None`` where the server did not report them.
@@ -70,6 +81,8 @@ class ModelClient(Protocol):
         Raises:
             treadle.ModelCallError: the attempt failed; ``.info`` classifies it
                 (``retryable``, ``retry_after_s``) and ``.usage`` holds any usage reported.
+                A deadline of ``attempt`` that passed is kind ``timeout`` (retryable); an
+                error ``attempt.report_usage`` raised propagates unchanged.
 
         Cancellation:
             A checkpoint. Cancelling closes the connection; nothing is left open.

@@ -17,7 +17,7 @@ from treadle.testing.seams import (
     check_decision_parser,
     check_model_client,
 )
-from treadle.types import Action, DecisionKind, Message, ModelReply, ParsedReply
+from treadle.types import Action, Attempt, DecisionKind, Message, ModelReply, ParsedReply
 
 CASES = Path(__file__).resolve().parents[1] / "fixtures" / "cases"
 
@@ -113,7 +113,7 @@ async def test_openai_client_keeps_the_contract(case):
 
 
 class LyingModel:
-    async def complete(self, request, *, on_delta=None):
+    async def complete(self, request, *, on_delta=None, attempt=Attempt.STANDALONE):
         if on_delta:
             on_delta("text", "abc")
         return ModelReply(text="xyz")
