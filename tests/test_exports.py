@@ -110,6 +110,7 @@ TESTING = sorted(
         "check_crash_recovery",
         "check_decision_parser",
         "check_model_client",
+        "check_model_client_deadlines",
         "check_run_store",
         "check_thread_crash_recovery",
         "open_loopback_server",
