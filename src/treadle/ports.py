@@ -145,9 +145,12 @@ class ActionExecutor(Protocol):
 class ToolPolicies(Protocol):
     """What the library asks an action executor about its tools, when it can answer.
 
-    Each method is optional: the library looks each one up on the executor by name, and an
-    executor without it gets the default named below. `treadle.Toolbox` has them all (it
-    satisfies this Protocol; docs/seams.md, "Action executor").
+    Each method is optional: `treadle.policies.policies_of` looks each one up on the
+    executor by name, once for an agent (its `treadle.Agent.tool_policies`), and an executor
+    without it gets the default named below; nothing else in the library asks the executor
+    by name. `treadle.Toolbox` has them all (it satisfies this Protocol; docs/seams.md,
+    "Action executor"). `treadle.testing.seams.check_action_executor` checks the answers of
+    those an executor has.
     """
 
     def requires_approval(self, tool: str) -> bool:
@@ -159,11 +162,21 @@ class ToolPolicies(Protocol):
         ...
 
     def invalid_arguments(self, tool: str, arguments: Mapping[str, Any]) -> str | None:
-        """Why a call cannot run, before any human is asked about it (default: ``None``)."""
+        """Why a call cannot run, before any human is asked about it (default: ``None``).
+
+        An unknown tool, or arguments that do not validate against its schema, give a reason
+        (a call the executor would answer NOT_EXECUTED); such a call waits for no human.
+        """
         ...
 
-    def timeout_s(self, tool: str) -> float:
-        """Seconds one call may run, when shorter than `Limits.tool_timeout_s` (default: it)."""
+    def timeout_s(self, tool: str) -> float | None:
+        """Seconds one call of ``tool`` may run, when shorter than `Limits.tool_timeout_s`.
+
+        ``math.inf`` for a call the run's budgets bound instead (a child run); ``None`` for
+        a tool without a timeout of its own. Default: the limit, enforced by the tool
+        executor; an executor that answers times its calls out itself and is given one more
+        second to answer (docs/seams.md, "Action executor").
+        """
         ...
 
     def writes(self, tool: str) -> str | None:

@@ -11,6 +11,7 @@ import pytest
 import trio
 
 import treadle
+from treadle.policies import POLICY_METHODS, policies_of
 from treadle.testing.loopback import CannedResponse, canned, open_loopback_server
 from treadle.testing.scripted import ScriptedModel, call, say
 from treadle.testing.seams import (
@@ -68,6 +69,93 @@ async def test_toolbox_keeps_the_contract():
         run_id="r", step=1, intent_id="r/s1/a1", call_id="c", tool="lookup", arguments={"q": "x"}
     )
     await check_action_executor(treadle.Toolbox([lookup]), sample=sample)
+
+
+async def test_a_wrapped_toolbox_keeps_its_policies_and_the_contract():
+    from treadle.testing import CrashingExecutor
+
+    @treadle.tool(requires_approval=True, secret_arguments=["key"], timeout_s=3)
+    async def charge(amount: int, key: str) -> str:
+        """Charge."""
+        return "ok"
+
+    wrapped = CrashingExecutor(inner=treadle.Toolbox([lookup, charge]), crash_at=99)
+    await check_action_executor(wrapped)
+    assert policies_of(wrapped).declared == set(POLICY_METHODS)  # all of them were checked
+
+
+class Declaring:
+    """An executor of one tool, ``lookup(q)``, declaring the policies it is given."""
+
+    def __init__(self, **policies):
+        self.__dict__.update(policies)
+
+    def tool_specs(self):
+        return treadle.Toolbox([lookup]).tool_specs()
+
+    def replay_policy(self, tool):
+        return treadle.ReplayPolicy.NEVER
+
+    async def execute(self, action):
+        return await treadle.Toolbox([lookup]).execute(action)
+
+    async def reconcile(self, action):
+        return None
+
+
+def _lenient(tool, arguments):
+    return None
+
+
+def _unknown_image(image):
+    raise KeyError(image.url)
+
+
+def _broken_image(image):
+    raise ValueError("disk on fire")
+
+
+@pytest.mark.parametrize(
+    ("policies", "rule"),
+    [
+        ({"requires_approval": True}, "requires_approval is True, not a method"),
+        ({"requires_approval": lambda tool: "yes"}, "must be a bool"),
+        ({"secret_arguments": lambda tool: [1]}, "must be argument names"),
+        ({"timeout_s": lambda tool: 0}, "seconds above 0"),
+        ({"timeout_s": lambda tool: True}, "seconds above 0"),
+        ({"writes": lambda tool: ""}, "a key template"),
+        ({"invalid_arguments": _lenient}, "invalid_arguments must give the reason"),
+        ({"image_source": _broken_image}, "must raise LookupError"),
+        ({"image_source": lambda image: b"?"}, "for an image it never returned"),
+    ],
+    ids=[
+        "not-callable",
+        "approval-not-bool",
+        "secrets-not-names",
+        "zero-timeout",
+        "bool-timeout",
+        "empty-template",
+        "lenient-argument-check",
+        "image-error",
+        "invented-image",
+    ],
+)
+async def test_an_executor_declaring_a_broken_policy_fails_the_contract(policies, rule):
+    with pytest.raises(SeamContractError, match=rule):
+        await check_action_executor(Declaring(**policies))
+
+
+async def test_an_executor_declaring_sound_policies_keeps_the_contract():
+    executor = Declaring(
+        requires_approval=lambda tool: tool == "lookup",
+        secret_arguments=lambda tool: ("q",) if tool == "lookup" else (),
+        timeout_s=lambda tool: None if tool == "lookup" else float("inf"),
+        writes=lambda tool: None,
+        invalid_arguments=treadle.Toolbox([lookup]).invalid_arguments,
+        image_source=_unknown_image,
+    )
+    await check_action_executor(executor)
+    assert policies_of(executor).declared == set(POLICY_METHODS)  # all of them were checked
 
 
 async def test_airline_executor_keeps_the_contract(tmp_path):

@@ -14,7 +14,8 @@ from collections.abc import Sequence
 
 import trio
 
-from treadle._exceptions import ContractViolation, ModelCallError
+from treadle._exceptions import ContractViolation, ModelCallError, UsageError
+from treadle.policies import ExecutorPolicies, policies_of
 from treadle.ports import ActionExecutor, DecisionParser, ModelClient
 from treadle.types import (
     Action,
@@ -22,6 +23,7 @@ from treadle.types import (
     ActionStatus,
     Attempt,
     DecisionKind,
+    ImageRef,
     InvalidToolCall,
     Message,
     ModelErrorInfo,
@@ -195,9 +197,23 @@ async def check_action_executor(executor: ActionExecutor, *, sample: Action | No
     well-formed outcome; ``reconcile`` of an action never written returns ``None`` or an
     outcome; and ``execute`` is a checkpoint that lets `trio.Cancelled` through.
 
+    Then the `treadle.ports.ToolPolicies` methods the executor declares (those
+    `treadle.policies.policies_of` finds; an executor without one gets its default and is not
+    asked), for each tool and an unknown one: each is callable; ``requires_approval`` gives
+    a bool; ``secret_arguments`` a collection of str; ``invalid_arguments`` ``None`` or a
+    reason, and a reason for an unknown tool and for every call above that ``execute``
+    answered NOT_EXECUTED for its arguments (such a call must wait for no human);
+    ``timeout_s`` ``None`` or seconds above 0 (``math.inf`` allowed); ``writes`` ``None`` or
+    a non-empty key template; ``image_source`` raises `LookupError` for an image it does not
+    keep.
+
     Raises:
         SeamContractError: naming the broken rule.
     """
+    try:
+        policies = policies_of(executor)
+    except UsageError as exc:
+        raise SeamContractError(str(exc)) from exc
     specs = executor.tool_specs()
     _expect(isinstance(specs, tuple), "tool_specs must return a tuple")
     _expect(all(isinstance(s, ToolSpec) for s in specs), "tool_specs must hold ToolSpec records")
@@ -210,14 +226,18 @@ async def check_action_executor(executor: ActionExecutor, *, sample: Action | No
     outcome = await executor.execute(unknown)
     _check_outcome(outcome)
     _expect(outcome.status is ActionStatus.NOT_EXECUTED, "an unknown tool must be NOT_EXECUTED")
+    refused = [unknown]
     for spec in specs:
         if spec.parameters.get("required"):
-            bad = await executor.execute(_action(spec.name, {"__unexpected__": object()}))
+            bad_call = _action(spec.name, {"__unexpected__": object()})
+            bad = await executor.execute(bad_call)
             _check_outcome(bad)
             _expect(
                 bad.status is ActionStatus.NOT_EXECUTED,
                 f"invalid arguments for {spec.name} must be NOT_EXECUTED",
             )
+            refused.append(bad_call)
+    _check_policies(policies, [*names, unknown.tool], refused)
     if sample is not None:
         _check_outcome(await executor.execute(sample))
     reconciled = await executor.reconcile(_action(names[0] if names else "x", {}))
@@ -226,6 +246,57 @@ async def check_action_executor(executor: ActionExecutor, *, sample: Action | No
         scope.cancel()
         await executor.execute(sample or unknown)
     _expect(scope.cancelled_caught, "execute must be a checkpoint that lets Cancelled through")
+
+
+def _check_policies(
+    policies: ExecutorPolicies, tools: Sequence[str], refused: Sequence[Action]
+) -> None:
+    """The answers of the `treadle.ports.ToolPolicies` methods ``policies`` declares."""
+    declared = policies.declared
+    for tool in tools:
+        if "requires_approval" in declared:
+            answer: object = policies.requires_approval(tool)
+            _expect(isinstance(answer, bool), f"requires_approval({tool!r}) must be a bool")
+        if "secret_arguments" in declared:
+            names = policies.secret_arguments(tool)
+            _expect(
+                all(isinstance(name, str) for name in names),
+                f"secret_arguments({tool!r}) must be argument names (str)",
+            )
+        if "timeout_s" in declared:
+            seconds = policies.timeout_s(tool)
+            number = isinstance(seconds, int | float) and not isinstance(seconds, bool)
+            _expect(
+                seconds is None or (number and seconds > 0),
+                f"timeout_s({tool!r}) must be None or seconds above 0, got {seconds!r}",
+            )
+        if "writes" in declared:
+            template = policies.writes(tool)
+            _expect(
+                template is None or (isinstance(template, str) and bool(template)),
+                f"writes({tool!r}) must be None or a key template, got {template!r}",
+            )
+    if "invalid_arguments" in declared:
+        for action in refused:
+            reason = policies.invalid_arguments(action.tool, action.arguments)
+            _expect(
+                isinstance(reason, str) and bool(reason),
+                f"invalid_arguments must give the reason a call of {action.tool!r} with "
+                f"{dict(action.arguments)!r} is NOT_EXECUTED (no human is asked about it)",
+            )
+    if policies.image_source is not None:
+        missing = ImageRef(url="ref:__no_such_image__")
+        try:
+            data = policies.image_source(missing)
+        except LookupError:
+            pass
+        except Exception as exc:
+            rule = "image_source must raise LookupError for an image it does not keep"
+            raise SeamContractError(f"{rule}, raised {exc!r}") from exc
+        else:
+            raise SeamContractError(
+                f"image_source returned {type(data).__name__} for an image it never returned"
+            )
 
 
 def _action(tool: str, arguments: dict[str, object]) -> Action:
