@@ -105,10 +105,10 @@ def policies_of(executor: object) -> ExecutorPolicies:
         if method is None:
             continue
         if not callable(method):
+            where = 'docs/seams.md, "Action executor"'
             raise UsageError(
                 f"the action executor's {name} is {method!r}, not a method: the optional "
-                "ToolPolicies methods are called with the tool's name (docs/seams.md, "
-                '"Action executor")'
+                f"ToolPolicies methods are called with the tool's name ({where})"
             )
         found[name] = method
     if not found:
