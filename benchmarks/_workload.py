@@ -15,7 +15,7 @@ import trio
 
 import treadle
 from treadle.ports import DeltaCallback
-from treadle.types import ModelReply, ModelRequest, ToolCall
+from treadle.types import Attempt, ModelReply, ModelRequest, ToolCall
 
 
 class InstantModel:
@@ -25,7 +25,11 @@ class InstantModel:
         self.steps = steps
 
     async def complete(
-        self, request: ModelRequest, *, on_delta: DeltaCallback | None = None
+        self,
+        request: ModelRequest,
+        *,
+        on_delta: DeltaCallback | None = None,
+        attempt: Attempt = Attempt.STANDALONE,
     ) -> ModelReply:
         await trio.lowlevel.checkpoint()
         turn = (len(request.messages) - 1) // 2

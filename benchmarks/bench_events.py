@@ -40,7 +40,7 @@ from rich.table import Table
 import treadle
 from _stores import open_store
 from treadle.ports import DeltaCallback
-from treadle.types import EventKind, ModelReply, ModelRequest, ToolCall
+from treadle.types import Attempt, EventKind, ModelReply, ModelRequest, ToolCall
 
 STAMP = 20
 """Characters of the emission timestamp at the start of each fragment."""
@@ -55,7 +55,11 @@ class StreamingModel:
         self.rng = random.Random(7)
 
     async def complete(
-        self, request: ModelRequest, *, on_delta: DeltaCallback | None = None
+        self,
+        request: ModelRequest,
+        *,
+        on_delta: DeltaCallback | None = None,
+        attempt: Attempt = Attempt.STANDALONE,
     ) -> ModelReply:
         for _ in range(self.fragments):
             if on_delta is not None:

@@ -37,7 +37,7 @@ import trio
 import treadle
 from treadle.testing import ScriptedModel, call, say
 from treadle.testing.crashdriver import KillingStore
-from treadle.types import ModelReply, ModelRequest
+from treadle.types import Attempt, ModelReply, ModelRequest
 
 RUN_ID = "booking-R1"
 OWNER = "stale-booking-example"
@@ -150,11 +150,17 @@ class ScheduleDesk:
     bookings: Bookings
     inner: ScriptedModel = attrs.Factory(lambda: ScriptedModel(turns=TURNS))
 
-    async def complete(self, request: ModelRequest, *, on_delta: Any = None) -> ModelReply:
+    async def complete(
+        self,
+        request: ModelRequest,
+        *,
+        on_delta: Any = None,
+        attempt: Attempt = Attempt.STANDALONE,
+    ) -> ModelReply:
         """The scripted reply; the booking changes as the second call comes in."""
         if sum(m.role == "assistant" for m in request.messages) == 1:
             self.bookings.schedule_change()
-        return await self.inner.complete(request, on_delta=on_delta)
+        return await self.inner.complete(request, on_delta=on_delta, attempt=attempt)
 
 
 def make_agent(bookings: Bookings) -> treadle.Agent:

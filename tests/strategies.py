@@ -189,6 +189,14 @@ actions = _build(
     cancelled=st.none() | st.just(lambda: False),
     can_park=st.booleans(),
 )
+attempts = _build(
+    t.Attempt,
+    connect_s=seconds | st.just(float("inf")),
+    first_byte_s=seconds | st.just(float("inf")),
+    idle_s=seconds | st.just(float("inf")),
+    report_usage=st.just(lambda usage: None),
+    image_source=st.none() | st.just(lambda image: b""),
+)
 
 # --------------------------------------------------------------------------- definition data
 

@@ -34,6 +34,7 @@ from treadle import ActionStatus, ReplayPolicy, Toolbox, ToolContext, UsageError
 from treadle.agent import check_snapshot
 from treadle.approvals import requires_approval
 from treadle.mcp import McpToolOptions, open_mcp_tools
+from treadle.policies import policies_of
 from treadle.ports import ToolPolicies
 from treadle.testing import CrashingExecutor, CrashingStore, SimulatedCrash, check_action_executor
 from treadle.testing.crashdriver import open_store
@@ -170,9 +171,9 @@ def test_every_policy_question_is_answered_by_the_owner():
     assert combined.invalid_arguments("bare_send", {"anything": 1}) is None
     assert combined.invalid_arguments("nope", {}) == "unknown tool 'nope'"
     # the approval rule asks the combined executor, which asks the owner
-    assert requires_approval(combined, None, "send", {"to": "a", "token": "t"})
-    assert not requires_approval(combined, None, "bare_send", {})
-    assert not requires_approval(combined, None, "send", {"to": 1})  # refused, not asked
+    assert requires_approval(policies_of(combined), None, "send", {"to": "a", "token": "t"})
+    assert not requires_approval(policies_of(combined), None, "bare_send", {})
+    assert not requires_approval(policies_of(combined), None, "send", {"to": 1})  # refused, not asked
 
 
 def test_the_combined_executor_has_every_policy_method():

@@ -10,6 +10,7 @@ import pytest
 import treadle
 import treadle.models
 import treadle.testing
+import treadle.types
 
 TREADLE = sorted(
     [
@@ -109,6 +110,7 @@ TESTING = sorted(
         "check_crash_recovery",
         "check_decision_parser",
         "check_model_client",
+        "check_model_client_deadlines",
         "check_run_store",
         "check_thread_crash_recovery",
         "open_loopback_server",
@@ -117,6 +119,24 @@ TESTING = sorted(
     ]
 )
 
+
+MODELS = sorted(
+    [
+        "AnthropicMessagesClient",
+        "Attempt",
+        "ImageSource",
+        "OpenAIChatClient",
+        "SSEDecodeError",
+        "SSEDecoder",
+        "SSEEvent",
+        "UsageObserver",
+        "parse_retry_after",
+        "probe",
+    ]
+)
+"""`treadle.models`: the clients, and what a client of one's own needs (docs/models.md). What
+the gateway hands an attempt is the `Attempt` record (docs/decisions/0091-explicit-seams.md):
+no per-attempt context helpers."""
 
 SIMULATION = sorted(
     [
@@ -247,6 +267,12 @@ def test_every_public_name_of_a_split_modules_parts_is_reexported_as_itself(faca
 def test_treadle_exports():
     assert sorted(treadle.__all__) == TREADLE
     assert all(hasattr(treadle, name) for name in treadle.__all__)
+
+
+def test_models_exports():
+    assert sorted(treadle.models.__all__) == MODELS
+    assert all(hasattr(treadle.models, name) for name in treadle.models.__all__)
+    assert treadle.models.Attempt is treadle.types.Attempt
 
 
 def test_testing_exports():

@@ -713,12 +713,13 @@ async def test_generated_schemas_refuse_extra_and_missing_arguments(
 
 def test_the_tool_policies_protocol_names_every_optional_executor_method():
     """The library asks executors only what `ToolPolicies` declares (the seam says all it
-    carries), and `Toolbox` answers all of it."""
+    carries), in one place (`policies_of`), and `Toolbox` answers all of it."""
     import inspect
     import re
     from pathlib import Path
 
     import treadle
+    from treadle.policies import POLICY_METHODS, ExecutorPolicies, policies_of
     from treadle.ports import ToolPolicies
 
     declared = {
@@ -726,11 +727,14 @@ def test_the_tool_policies_protocol_names_every_optional_executor_method():
         for name, value in vars(ToolPolicies).items()
         if inspect.isfunction(value) and not name.startswith("_")
     }
+    assert set(POLICY_METHODS) == declared
+    assert {f.name for f in attrs.fields(ExecutorPolicies)} == {"declared", *declared}
     source = Path(treadle.__file__).parent
-    asked = {
-        name
+    asked_by_name = [
+        (path.name, name)
         for path in source.rglob("*.py")
-        for name in re.findall(r'getattr\((?:self\.)?executor, "(\w+)"', path.read_text())
-    }
-    assert asked and asked <= declared
+        for name in re.findall(r'getattr\((?:self\.)?\w*executor\w*, "(\w+)"', path.read_text())
+    ]
+    assert asked_by_name == []  # nothing looks an executor's methods up by name any more
     assert isinstance(Toolbox([]), ToolPolicies)
+    assert policies_of(Toolbox([])).declared == declared

@@ -23,6 +23,7 @@ import attrs
 import trio
 
 from treadle._exceptions import UsageError
+from treadle.policies import NO_POLICIES, ExecutorPolicies, policies_of
 from treadle.ports import ActionExecutor
 from treadle.types import Action, ActionOutcome, ActionStatus, ImageRef, ReplayPolicy, ToolSpec
 
@@ -99,6 +100,7 @@ class CombinedTools:
 
     def __init__(self, parts: Sequence[tuple[str, ActionExecutor]]) -> None:
         self._parts = tuple(parts)
+        self._policies = tuple(policies_of(executor) for _, executor in self._parts)
         self._specs: list[ToolSpec] = []
         self._routes: dict[str, _Route] = {}
         for index, (prefix, executor) in enumerate(self._parts):
@@ -141,13 +143,15 @@ class CombinedTools:
         """Every part's tools under their combined names: part order, then each part's order."""
         return tuple(self._specs)
 
-    def _ask(self, tool: str, method: str) -> tuple[Any, str] | None:
-        """The owner's ``method`` (bound) and the tool's name there; ``None`` if either lacks."""
-        found = self.part_of(tool)
-        if found is None:
-            return None
-        ask = getattr(found[0], method, None)
-        return None if ask is None else (ask, found[1])
+    def _owner(self, tool: str) -> tuple[ExecutorPolicies, str]:
+        """The owner's policies (looked up once, when combined) and the tool's name there.
+
+        A tool no part offers gets the policies of an executor that declares none.
+        """
+        route = self._routes.get(tool)
+        if route is None:
+            return NO_POLICIES, tool
+        return self._policies[route.index], route.name
 
     def replay_policy(self, tool: str) -> ReplayPolicy:
         """The owner's replay policy of ``tool`` (``NEVER`` for a tool no part offers)."""
@@ -156,20 +160,20 @@ class CombinedTools:
 
     def requires_approval(self, tool: str) -> bool:
         """The owner's answer (``False``: unknown tool, or the owner has no such method)."""
-        found = self._ask(tool, "requires_approval")
-        return found is not None and bool(found[0](found[1]))
+        policies, name = self._owner(tool)
+        return bool(policies.requires_approval(name))
 
     def secret_arguments(self, tool: str) -> frozenset[str]:
         """The owner's secret argument names of ``tool`` (none when it declares none)."""
-        found = self._ask(tool, "secret_arguments")
-        return frozenset() if found is None else frozenset(found[0](found[1]))
+        policies, name = self._owner(tool)
+        return policies.secret_arguments(name)
 
     def invalid_arguments(self, tool: str, arguments: Mapping[str, Any]) -> str | None:
         """Why a call cannot run: an unknown tool, else the owner's reason (``None``: it can)."""
         if tool not in self._routes:
             return f"unknown tool {tool!r}"
-        found = self._ask(tool, "invalid_arguments")
-        return None if found is None else found[0](found[1], arguments)
+        policies, name = self._owner(tool)
+        return policies.invalid_arguments(name, arguments)
 
     def timeout_s(self, tool: str) -> float | None:
         """The owner's timeout of ``tool`` in seconds.
@@ -178,13 +182,13 @@ class CombinedTools:
         library then applies `treadle.Limits.tool_timeout_s` and times the call out itself,
         as for such an executor alone (docs/seams.md, "Action executor").
         """
-        found = self._ask(tool, "timeout_s")
-        return None if found is None else found[0](found[1])
+        policies, name = self._owner(tool)
+        return policies.timeout_s(name)
 
     def writes(self, tool: str) -> str | None:
         """The key template of the resource ``tool`` writes, as its owner says (else ``None``)."""
-        found = self._ask(tool, "writes")
-        return None if found is None else found[0](found[1])
+        policies, name = self._owner(tool)
+        return policies.writes(name)
 
     def image_source(self, image: ImageRef) -> bytes:
         """The bytes of ``image`` from the first part that keeps it, in part order.
@@ -192,8 +196,8 @@ class CombinedTools:
         Raises:
             KeyError: no part keeps it (or no part has an ``image_source``).
         """
-        for _, part in self._parts:
-            source = getattr(part, "image_source", None)
+        for policies in self._policies:
+            source = policies.image_source
             if source is None:
                 continue
             try:

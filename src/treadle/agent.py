@@ -8,6 +8,7 @@ compared on resume (docs/crash-safety.md, "Resume").
 from __future__ import annotations
 
 import hashlib
+import inspect
 import json
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -19,6 +20,7 @@ from treadle._budget import DEFAULT_SUMMARY_PROMPT, TokenCounter
 from treadle._exceptions import SnapshotMismatch, UsageError
 from treadle._output import OutputMode, OutputSpec
 from treadle._output import resolve as resolve_output
+from treadle.policies import ExecutorPolicies, policies_of
 from treadle.ports import ActionExecutor, DecisionParser, ModelClient
 from treadle.redaction import SNAPSHOT_KEY, secrets_of_tools
 from treadle.types import (
@@ -100,8 +102,17 @@ class Agent:
         eq=False,
         default=attrs.Factory(lambda self: self._resolve_output(), takes_self=True),
     )
+    _policies: ExecutorPolicies = attrs.field(
+        init=False,
+        repr=False,
+        eq=False,
+        default=attrs.Factory(lambda self: policies_of(self.executor), takes_self=True),
+    )
 
     def __attrs_post_init__(self) -> None:
+        _check_takes_attempt("model", self.model)
+        if self.summariser is not None:
+            _check_takes_attempt("summariser", self.summariser)
         if self.context_window is None:
             return
         if self.input_budget <= 0:
@@ -139,6 +150,16 @@ class Agent:
         )
 
     @property
+    def tool_policies(self) -> ExecutorPolicies:
+        """The executor's `treadle.ports.ToolPolicies`, looked up once (`policies_of`).
+
+        What the run's actors, its supervisor and the snapshot ask about the tools: approval,
+        secret arguments, argument checks, timeouts, written resources, images
+        (docs/seams.md, "Action executor").
+        """
+        return self._policies
+
+    @property
     def output(self) -> OutputSpec | None:
         """The resolved output type (mode, schema, validator), ``None`` without one."""
         return self._output
@@ -166,7 +187,8 @@ class Agent:
         without one is what it always was; ``context`` (window, margin, summary model and
         prompt) only when ``context_window`` is set; and ``secret_arguments`` when
         a tool has secret arguments (`treadle.redaction`; an executor declares them with an
-        optional ``secret_arguments(tool)`` method, as `treadle.Toolbox` does). The
+        optional ``secret_arguments(tool)`` method, as `treadle.Toolbox` does; both are
+        read from `tool_policies`). The
         ``stale`` synthetic text is in ``synthetic`` only when a tool writes a resource (an
         executor tells with an optional ``writes(tool)`` method returning the tool's key
         template or ``None``, as `treadle.Toolbox` does), so agents without one keep the
@@ -175,14 +197,15 @@ class Agent:
         budgets. Credentials never appear here (clients hold them, and clients are not
         snapshotted).
         """
+        specs = self.executor.tool_specs()
         snapshot: dict[str, JSONValue] = {
             "model": self.model_name,
             "system_prompt": self.system_prompt,
             "max_output_tokens": self.max_output_tokens,
             "params": dict(self.params),
-            "tools": [_PLAIN.unstructure(spec) for spec in self.executor.tool_specs()],
+            "tools": [_PLAIN.unstructure(spec) for spec in specs],
             "parser": type(self.parser).__qualname__,
-            "synthetic": _synthetic(self.synthetic, self.executor),
+            "synthetic": _synthetic(self.synthetic, self._policies, specs),
             "observation_template": self.observation_template,
         }
         if self._output is not None:
@@ -194,27 +217,57 @@ class Agent:
                 "summary_model": self.summary_model,
                 "summary_prompt": self.summary_prompt or DEFAULT_SUMMARY_PROMPT,
             }
-        secrets = _secret_arguments(self.executor)
+        secrets = _secret_arguments(self._policies, specs)
         if secrets:
             snapshot[SNAPSHOT_KEY] = secrets
         return snapshot
 
 
-def _synthetic(synthetic: SyntheticObservations, executor: ActionExecutor) -> dict[str, JSONValue]:
+def _synthetic(
+    synthetic: SyntheticObservations, policies: ExecutorPolicies, specs: Sequence[ToolSpec]
+) -> dict[str, JSONValue]:
     """The synthetic texts as snapshotted: ``stale`` only when a tool writes a resource."""
     texts: dict[str, JSONValue] = _PLAIN.unstructure(synthetic)
-    writes = getattr(executor, "writes", None)
-    if writes is None or not any(writes(spec.name) for spec in executor.tool_specs()):
+    if not any(policies.writes(spec.name) for spec in specs):
         del texts["stale"]
     return texts
 
 
-def _secret_arguments(executor: ActionExecutor) -> dict[str, JSONValue]:
-    """``{tool: [secret argument names]}`` from an executor's optional ``secret_arguments``."""
-    ask = getattr(executor, "secret_arguments", None)
-    if ask is None:
+def _secret_arguments(
+    policies: ExecutorPolicies, specs: Sequence[ToolSpec]
+) -> dict[str, JSONValue]:
+    """``{tool: [secret argument names]}`` from the executor's ``secret_arguments``."""
+    if "secret_arguments" not in policies.declared:
         return {}
-    return secrets_of_tools((spec.name, ask(spec.name)) for spec in executor.tool_specs())
+    return secrets_of_tools((spec.name, policies.secret_arguments(spec.name)) for spec in specs)
+
+
+def _check_takes_attempt(role: str, client: object) -> None:
+    """Refuse a model client whose ``complete`` cannot take the ``attempt`` argument.
+
+    The model gateway passes ``attempt=`` to every call (docs/seams.md, "Model client");
+    a client written before it did would otherwise fail inside the run, on its first call.
+
+    Raises:
+        UsageError: ``complete`` has neither an ``attempt`` parameter nor ``**kwargs``.
+    """
+    complete = getattr(client, "complete", None)
+    if complete is None:
+        return  # not a model client at all: the first call says so
+    try:
+        parameters = inspect.signature(complete).parameters
+    except (TypeError, ValueError):
+        return
+    if "attempt" in parameters or any(
+        p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values()
+    ):
+        return
+    raise UsageError(
+        f"the {role}'s complete() takes no attempt argument: a model client is handed each "
+        "attempt's deadlines, usage observer and image source as "
+        "complete(request, *, on_delta=None, attempt=Attempt.STANDALONE) (treadle.types.Attempt; "
+        'docs/seams.md, "Model client")'
+    )
 
 
 def snapshot_diff(stored: Mapping[str, JSONValue], current: Mapping[str, JSONValue]) -> list[str]:

@@ -25,6 +25,7 @@ from typing import Any, TypeAlias
 from treadle._clock import Clock, SystemClock
 from treadle._exceptions import UsageError
 from treadle._text import repaired
+from treadle.policies import ExecutorPolicies
 from treadle.ports import ControlStream, RunQueue, RunStore
 from treadle.redaction import Redaction
 from treadle.types import (
@@ -214,21 +215,23 @@ def expired_decision(request: ApprovalRequested, clock: Clock) -> ApprovalDecide
 
 
 def requires_approval(
-    executor: object, policy: ApprovalPolicy | None, tool: str, arguments: Mapping[str, Any]
+    policies: ExecutorPolicies,
+    policy: ApprovalPolicy | None,
+    tool: str,
+    arguments: Mapping[str, Any],
 ) -> bool:
     """Whether a call waits for a human: the tool says so, or ``policy`` selects it.
 
-    ``executor`` is asked through an optional ``requires_approval(tool) -> bool`` method
-    (`treadle.tools.Toolbox` has one); executors without it never require approval themselves.
-    A call the executor would refuse to run anyway (an optional ``invalid_arguments(tool,
-    arguments) -> str | None`` says why: an unknown tool, arguments that do not validate)
-    never waits: it is NOT_EXECUTED with that reason, and no human decides in vain.
+    ``policies`` are the executor's (`treadle.policies.policies_of`; `treadle.tools.Toolbox`
+    declares ``requires_approval(tool)``); an executor without that method never requires
+    approval itself. A call the executor would refuse to run anyway (its
+    ``invalid_arguments(tool, arguments)`` says why: an unknown tool, arguments that do not
+    validate) never waits: it is NOT_EXECUTED with that reason, and no human decides in vain
+    (docs/events.md, "Human approval").
     """
-    invalid = getattr(executor, "invalid_arguments", None)
-    if invalid is not None and invalid(tool, arguments) is not None:
+    if policies.invalid_arguments(tool, arguments) is not None:
         return False
-    ask = getattr(executor, "requires_approval", None)
-    if ask is not None and ask(tool):
+    if policies.requires_approval(tool):
         return True
     return policy is not None and bool(policy(tool, arguments))
 

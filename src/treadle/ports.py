@@ -18,6 +18,7 @@ from treadle.types import (
     ActionOutcome,
     ActionResult,
     ApprovalDecided,
+    Attempt,
     BudgetCaps,
     CancelRequested,
     Claim,
@@ -51,18 +52,28 @@ DeltaCallback = Callable[[str, str], None]
 class ModelClient(Protocol):
     """Seam 1: one model call attempt (docs/seams.md, "Model client").
 
-    Retries, deadlines and budgets belong to the model gateway actor, not to clients: one
-    ``complete`` call is exactly one HTTP attempt.
+    Retries, the attempt total and budgets belong to the model gateway actor, not to clients:
+    one ``complete`` call is exactly one HTTP attempt. What the gateway hands the attempt (its
+    connect, first-byte and idle deadlines, the usage observer of the token budget, the run's
+    image source) comes as the ``attempt`` argument, and nowhere else.
     """
 
     async def complete(
-        self, request: ModelRequest, *, on_delta: DeltaCallback | None = None
+        self,
+        request: ModelRequest,
+        *,
+        on_delta: DeltaCallback | None = None,
+        attempt: Attempt = Attempt.STANDALONE,
     ) -> ModelReply:
         """Send one request and return the assembled reply.
 
         Args:
             request: the model-visible request.
             on_delta: receives text and reasoning fragments as they stream.
+            attempt: the attempt's deadlines (seconds; the client applies the smaller of
+                each and its own), usage observer and run image source (`Attempt`). The
+                model gateway always passes one; `Attempt.STANDALONE` for a call made
+                outside a run.
 
         Returns:
             The reply; usage counts are ``None`` where the server did not report them.
@@ -70,6 +81,8 @@ class ModelClient(Protocol):
         Raises:
             treadle.ModelCallError: the attempt failed; ``.info`` classifies it
                 (``retryable``, ``retry_after_s``) and ``.usage`` holds any usage reported.
+                A deadline of ``attempt`` that passed is kind ``timeout`` (retryable); an
+                error ``attempt.report_usage`` raised propagates unchanged.
 
         Cancellation:
             A checkpoint. Cancelling closes the connection; nothing is left open.
@@ -132,9 +145,12 @@ class ActionExecutor(Protocol):
 class ToolPolicies(Protocol):
     """What the library asks an action executor about its tools, when it can answer.
 
-    Each method is optional: the library looks each one up on the executor by name, and an
-    executor without it gets the default named below. `treadle.Toolbox` has them all (it
-    satisfies this Protocol; docs/seams.md, "Action executor").
+    Each method is optional: `treadle.policies.policies_of` looks each one up on the
+    executor by name, once for an agent (its `treadle.Agent.tool_policies`), and an executor
+    without it gets the default named below; nothing else in the library asks the executor
+    by name. `treadle.Toolbox` has them all (it satisfies this Protocol; docs/seams.md,
+    "Action executor"). `treadle.testing.seams.check_action_executor` checks the answers of
+    those an executor has.
     """
 
     def requires_approval(self, tool: str) -> bool:
@@ -146,11 +162,21 @@ class ToolPolicies(Protocol):
         ...
 
     def invalid_arguments(self, tool: str, arguments: Mapping[str, Any]) -> str | None:
-        """Why a call cannot run, before any human is asked about it (default: ``None``)."""
+        """Why a call cannot run, before any human is asked about it (default: ``None``).
+
+        An unknown tool, or arguments that do not validate against its schema, give a reason
+        (a call the executor would answer NOT_EXECUTED); such a call waits for no human.
+        """
         ...
 
-    def timeout_s(self, tool: str) -> float:
-        """Seconds one call may run, when shorter than `Limits.tool_timeout_s` (default: it)."""
+    def timeout_s(self, tool: str) -> float | None:
+        """Seconds one call of ``tool`` may run, when shorter than `Limits.tool_timeout_s`.
+
+        ``math.inf`` for a call the run's budgets bound instead (a child run); ``None`` for
+        a tool without a timeout of its own. Default: the limit, enforced by the tool
+        executor; an executor that answers times its calls out itself and is given one more
+        second to answer (docs/seams.md, "Action executor").
+        """
         ...
 
     def writes(self, tool: str) -> str | None:

@@ -18,8 +18,9 @@ never trio time.
 from __future__ import annotations
 
 import enum
+import math
 from collections.abc import Callable, Mapping
-from typing import Any, TypeAlias
+from typing import Any, ClassVar, TypeAlias
 
 import attrs
 
@@ -409,6 +410,64 @@ class ModelErrorInfo:
     retryable: bool = False
     retry_after_s: float | None = None
     status: int | None = None
+
+
+ImageSource: TypeAlias = Callable[[ImageRef], bytes]
+"""Resolves a ``ref:<name>`` image to its bytes; raises `LookupError` or `OSError` if missing."""
+
+UsageObserver: TypeAlias = Callable[[Usage], None]
+"""Receives the usage the server has reported so far in one attempt (running counts, tokens).
+
+It may raise `treadle.ModelCallError` to end the attempt (the model gateway's does so, with
+kind ``token_budget``, when the reported usage crosses the run's remaining token budget); the
+client lets that error propagate unchanged."""
+
+
+def _ignore_usage(usage: Usage) -> None:
+    """The usage observer of an attempt made outside a run: reports go nowhere."""
+
+
+@attrs.frozen(kw_only=True)
+class Attempt:
+    """What the model gateway hands one model call attempt (`treadle.ports.ModelClient`).
+
+    The gateway builds one for every attempt from the agent's `Limits` and the run's state and
+    passes it as ``complete(..., attempt=...)``; a client reads everything it needs about the
+    attempt from it (docs/seams.md, "Model client"; docs/models.md, "Writing a model
+    client"). A call made outside a run gets `Attempt.STANDALONE`: no deadline beyond the
+    client's own, usage reported to no one, no image source besides the client's.
+
+    Attributes:
+        connect_s: seconds the TCP/TLS connect may take (`Limits.model_connect_s`).
+        first_byte_s: seconds from sending the request to the first data event
+            (`Limits.model_first_byte_s`).
+        idle_s: seconds of silence allowed between two reads once the first event came
+            (`Limits.model_idle_s`). A client applies, for each of the three, the smaller of
+            this value and its own setting; ``math.inf`` leaves its own. A deadline that
+            passes ends the attempt with a retryable `ModelErrorInfo` of kind ``timeout``
+            (docs/models.md, "Deadlines inside every attempt").
+        report_usage: a client calls it with the usage the server has reported so far (a
+            `Usage`, in tokens) each time the server reports usage, running or final, before
+            it goes on reading; it may raise `treadle.ModelCallError` (kind
+            ``token_budget``) to end the attempt, which the client lets propagate unchanged
+            after closing the response (docs/models.md, "Budgets during a call").
+        image_source: the run's own source of ``ref:`` images (its executor's
+            ``image_source``, `treadle.ports.ToolPolicies`), asked after the client's own
+            source when that has none or raises `LookupError`; ``None`` when the run has none
+            (docs/models.md, "Images").
+    """
+
+    STANDALONE: ClassVar[Attempt]
+    """An attempt made outside a run: no extra deadline, no usage observer, no run images."""
+
+    connect_s: float = math.inf
+    first_byte_s: float = math.inf
+    idle_s: float = math.inf
+    report_usage: UsageObserver = _ignore_usage
+    image_source: ImageSource | None = None
+
+
+Attempt.STANDALONE = Attempt()
 
 
 @attrs.frozen(kw_only=True)

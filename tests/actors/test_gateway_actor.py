@@ -11,19 +11,25 @@ import contextlib
 import random
 from collections.abc import AsyncIterator
 
+import attrs
 import pytest
 import trio
 import trio.testing
 from actor_fakes import FakeWriter, start_fake_writer
 
 from treadle._clock import FixedStepClock
+from treadle._exceptions import ModelCallError
 from treadle.actors._rpc import StepScope, request
 from treadle.actors.gateway import CallModel, ModelGateway, ModelOutcome
 from treadle.actors.writer import WriterClient
+from treadle.ports import ModelClient
 from treadle.testing import ScriptedModel, say
 from treadle.testing.scripted import STALLED
 from treadle.types import (
+    Attempt,
     Budgets,
+    ImageRef,
+    ImageSource,
     Limits,
     Message,
     ModelErrorInfo,
@@ -41,7 +47,11 @@ RATE_LIMITED = ModelErrorInfo(kind="rate_limited", retryable=True, retry_after_s
 
 
 def _gateway(
-    writer: WriterClient, model: ScriptedModel, budgets: Budgets | None = None, **limits: float
+    writer: WriterClient,
+    model: ModelClient,
+    budgets: Budgets | None = None,
+    image_source: ImageSource | None = None,
+    **limits: float,
 ) -> ModelGateway:
     return ModelGateway(
         run_id="r",
@@ -51,6 +61,7 @@ def _gateway(
         limits=Limits(retry_initial_s=0.5, retry_max_s=4.0, **limits),  # type: ignore[arg-type]
         budgets=budgets or Budgets(),
         rng=random.Random(0),
+        image_source=image_source,
     )
 
 
@@ -75,7 +86,7 @@ async def _call(
 
 @contextlib.asynccontextmanager
 async def _alone(
-    model: ScriptedModel, fake: FakeWriter | None = None, **options: object
+    model: ModelClient, fake: FakeWriter | None = None, **options: object
 ) -> AsyncIterator[tuple[trio.MemorySendChannel[CallModel], FakeWriter]]:
     """The gateway, started alone behind a fake writer.
 
@@ -172,3 +183,37 @@ async def test_a_writer_that_fails_before_the_intent_is_durable_fails_the_gatewa
         async with _alone(model, FakeWriter(fail_at=1)) as (inbox, _):
             await _call(inbox)
     assert model.requests == []
+
+
+@attrs.define(eq=False)
+class AttemptSpy:
+    """A model client that keeps the `Attempt` of every call, answered by ``inner``."""
+
+    inner: ScriptedModel
+    attempts: list[Attempt] = attrs.Factory(list)
+
+    async def complete(self, request, *, on_delta=None, attempt=Attempt.STANDALONE):
+        self.attempts.append(attempt)
+        return await self.inner.complete(request, on_delta=on_delta, attempt=attempt)
+
+
+def _images(image: ImageRef) -> bytes:
+    raise KeyError(image.url)
+
+
+async def test_every_attempt_gets_its_own_record_of_the_limits_budget_and_images(autojump_clock):
+    spy = AttemptSpy(ScriptedModel(turns=[say("ok")], failures={0: [RATE_LIMITED]}))
+    options = {"model_connect_s": 3.0, "model_first_byte_s": 4.0, "model_idle_s": 5.0}
+    budgets = Budgets(token_budget=100)
+    async with _alone(spy, budgets=budgets, image_source=_images, **options) as (inbox, _):
+        outcome = await _call(inbox, tokens=40)
+    assert outcome.reply is not None
+    first, second = spy.attempts
+    assert first is not second  # one record per attempt, never shared with the next
+    for attempt in spy.attempts:
+        assert (attempt.connect_s, attempt.first_byte_s, attempt.idle_s) == (3.0, 4.0, 5.0)
+        assert attempt.image_source is _images
+    assert second.report_usage(Usage(input_tokens=30, output_tokens=30)) is None  # 60 left
+    with pytest.raises(ModelCallError) as cut:
+        second.report_usage(Usage(input_tokens=31, output_tokens=30))
+    assert cut.value.info.kind == "token_budget"

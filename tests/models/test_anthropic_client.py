@@ -464,16 +464,43 @@ async def test_a_complete_stream_leaves_its_connection_reusable(provider):
     assert len(set(peers)) == 1  # one TCP connection served all three calls
 
 
-async def test_report_usage_outside_an_attempt_does_nothing():
-    from treadle.models import observe_usage, report_usage
-    from treadle.types import Usage
+def test_a_call_outside_a_run_gets_the_standalone_attempt():
+    import inspect
+    import math
 
-    report_usage(Usage(input_tokens=1))  # no observer: nothing happens
+    from treadle.types import Attempt
+
+    standalone = Attempt.STANDALONE
+    assert (standalone.connect_s, standalone.first_byte_s, standalone.idle_s) == (math.inf,) * 3
+    assert standalone.image_source is None
+    assert standalone.report_usage(Usage(input_tokens=1)) is None  # reported to no one
+    default = inspect.signature(AnthropicMessagesClient.complete).parameters["attempt"].default
+    assert default is standalone
+
+
+async def test_every_usage_report_goes_to_the_attempt_and_one_that_raises_ends_it():
+    from treadle.types import Attempt, ModelErrorInfo
+
     seen: list[Usage] = []
-    with observe_usage(seen.append):
-        report_usage(Usage(input_tokens=2))
-    report_usage(Usage(input_tokens=3))
-    assert seen == [Usage(input_tokens=2)]
+    response = CannedResponse(headers=SSE, chunks=text_reply("a", "b"))
+    async with (
+        open_loopback_server(canned(response)) as server,
+        AnthropicMessagesClient(base_url=server.base_url, api_key=KEY) as client,
+    ):
+        reply = await client.complete(REQUEST, attempt=Attempt(report_usage=seen.append))
+        assert seen[0].input_tokens is not None  # message_start, before any text
+        assert seen[-1] == reply.usage
+
+        cut = ModelCallError(ModelErrorInfo(kind="token_budget"))
+
+        def budget(usage: Usage) -> None:
+            raise cut
+
+        with pytest.raises(ModelCallError) as caught:
+            await client.complete(REQUEST, attempt=Attempt(report_usage=budget))
+        assert caught.value is cut
+        with trio.fail_after(10):
+            await server.wait_early_disconnect()  # cut at message_start: the stream abandoned
 
 
 async def test_cache_read_and_write_tokens_through_the_stream():

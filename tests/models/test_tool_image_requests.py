@@ -15,7 +15,6 @@ import treadle
 from treadle._budget import Group, Meter, with_markers
 from treadle.actors.hydrator import step_messages
 from treadle.models import AnthropicMessagesClient, OpenAIChatClient
-from treadle.models._context import run_images
 from treadle.models._transport import digest
 from treadle.testing.scripted import ScriptedModel, call, say
 from treadle.types import (
@@ -101,13 +100,12 @@ def test_the_runs_image_source_answers_what_the_clients_own_does_not_hold(make: 
     request = ModelRequest(messages=_history()[:3])
     with pytest.raises(treadle.UsageError, match="could not be loaded"):
         client.request_body(request)
-    with run_images(_source):
-        assert DATA_URL.split(",")[1] in str(client.request_body(request))
+    assert DATA_URL.split(",")[1] in str(client.request_body(request, run_images=_source))
     bare = make(base_url="http://127.0.0.1:1", api_key="k")
     with pytest.raises(treadle.UsageError, match="needs an image_source"):
         bare.request_body(request)
-    with pytest.raises(treadle.UsageError, match="digest"), run_images(lambda _: b"other"):
-        bare.request_body(request)
+    with pytest.raises(treadle.UsageError, match="digest"):
+        bare.request_body(request, run_images=lambda _: b"other")
 
 
 @pytest.mark.parametrize("make", [OpenAIChatClient, AnthropicMessagesClient])

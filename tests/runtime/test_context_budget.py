@@ -19,6 +19,7 @@ from treadle.stores.sqlite import open_sqlite_store
 from treadle.testing.invariants import check_context, check_invariants, check_tool_replies
 from treadle.testing.windowed import WindowedModel, provider_tokens, windowed_agent
 from treadle.types import (
+    Attempt,
     ModelIntent,
     ModelRequest,
     ModelResult,
@@ -105,9 +106,9 @@ async def test_a_request_keeps_its_order_and_never_splits_a_call_from_its_result
     model = WindowedModel(window=WINDOW, goal=GOAL)
 
     class Spy:
-        async def complete(self, request, *, on_delta=None):
+        async def complete(self, request, *, on_delta=None, attempt=Attempt.STANDALONE):
             seen.append(request)
-            return await model.complete(request, on_delta=on_delta)
+            return await model.complete(request, on_delta=on_delta, attempt=attempt)
 
     await run(windowed_agent(Spy(), window=WINDOW), "count to thirty", store=MemoryStore())
     steps = [r for r in seen if r.messages[0].content != DEFAULT_SUMMARY_PROMPT]
@@ -133,9 +134,9 @@ async def test_old_large_observations_become_markers_naming_their_call():
     seen: list[ModelRequest] = []
 
     class Spy:
-        async def complete(self, request, *, on_delta=None):
+        async def complete(self, request, *, on_delta=None, attempt=Attempt.STANDALONE):
             seen.append(request)
-            return await model.complete(request, on_delta=on_delta)
+            return await model.complete(request, on_delta=on_delta, attempt=attempt)
 
     await run(windowed_agent(Spy(), window=WINDOW), "count", store=store, run_id="m")
     log = await store.read_log("m")
@@ -188,9 +189,9 @@ async def test_a_token_counter_is_used_when_given():
     model = WindowedModel(window=WINDOW, goal=6)
 
     class Spy:
-        async def complete(self, request, *, on_delta=None):
+        async def complete(self, request, *, on_delta=None, attempt=Attempt.STANDALONE):
             seen.append(request)
-            return await model.complete(request, on_delta=on_delta)
+            return await model.complete(request, on_delta=on_delta, attempt=attempt)
 
     store = MemoryStore()
     agent = windowed_agent(Spy(), window=WINDOW, token_counter=counter)
@@ -375,9 +376,9 @@ async def test_a_threads_inherited_history_is_compacted_like_the_runs_own_steps(
     model = WindowedModel(window=WINDOW, goal=24)
 
     class Spy:
-        async def complete(self, request, *, on_delta=None):
+        async def complete(self, request, *, on_delta=None, attempt=Attempt.STANDALONE):
             seen.append(request)
-            return await model.complete(request, on_delta=on_delta)
+            return await model.complete(request, on_delta=on_delta, attempt=attempt)
 
     second = await run(
         windowed_agent(Spy(), window=WINDOW), "count on", store=store, thread_id="chat"

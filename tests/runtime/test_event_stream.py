@@ -9,7 +9,7 @@ from treadle.stores.memory import MemoryStore
 from treadle.supervisors.run import open_run
 from treadle.supervisors.run import run as run_to_end
 from treadle.testing.scripted import ScriptedModel, call, say
-from treadle.types import EventKind, ModelErrorInfo, ModelReply, ModelResult, Usage
+from treadle.types import Attempt, EventKind, ModelErrorInfo, ModelReply, ModelResult, Usage
 
 TURNS = [call("sleep", s=1, call_id=f"c{i}") for i in range(4)] + [say("done")]
 
@@ -144,7 +144,7 @@ async def test_step_started_is_not_repeated_for_a_step_resumed_after_a_crash(aut
 class PausingModel:
     """Streams "Hel", "lo", pauses 5 s (virtual), then "!" and answers."""
 
-    async def complete(self, request, *, on_delta=None):
+    async def complete(self, request, *, on_delta=None, attempt=Attempt.STANDALONE):
         for piece, pause in (("Hel", 0.001), ("lo", 5.0), ("!", 0.0)):
             on_delta("text", piece)
             await trio.sleep(pause)

@@ -93,10 +93,11 @@ async def run_against(responses, *, client_kwargs=None, **agent_kwargs):
 
 
 async def test_reply_crossing_the_token_budget_ends_the_run_without_acting():
+    """A client that reports no usage before it returns: the reply is checked at the end."""
     tools = LedgerTools()
     reply = attrs.evolve(call("add", a=1, b=2), usage=Usage(input_tokens=60, output_tokens=50))
     agent = Agent(
-        model=ScriptedModel(turns=[reply] * 3),
+        model=ScriptedModel(turns=[reply] * 3, reports_usage=False),
         executor=tools,
         parser=SimpleParser(),
         budgets=Budgets(token_budget=100),
@@ -109,6 +110,26 @@ async def test_reply_crossing_the_token_budget_ends_the_run_without_acting():
     assert tools.executed == []
     [recorded] = results(await store.read_log("r"))
     assert recorded.reply is not None and recorded.usage.output_tokens == 50
+
+
+async def test_a_reported_usage_crossing_the_token_budget_ends_the_attempt_there():
+    """The same reply, reported to the attempt before it is returned: the attempt is cut."""
+    tools = LedgerTools()
+    reply = attrs.evolve(call("add", a=1, b=2), usage=Usage(input_tokens=60, output_tokens=50))
+    agent = Agent(
+        model=ScriptedModel(turns=[reply] * 3),
+        executor=tools,
+        parser=SimpleParser(),
+        budgets=Budgets(token_budget=100),
+    )
+    store = MemoryStore()
+    result = await run(agent, "x", store=store, run_id="r")
+    assert result.stop_reason is StopReason.TOKEN_BUDGET
+    assert (result.totals.input_tokens, result.totals.output_tokens) == (60, 50)
+    assert tools.executed == []
+    [recorded] = results(await store.read_log("r"))
+    assert recorded.reply is None and recorded.error is not None
+    assert recorded.error.kind == "token_budget" and recorded.usage.output_tokens == 50
 
 
 async def test_reply_reaching_the_budget_exactly_is_acted_on():

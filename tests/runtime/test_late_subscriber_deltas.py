@@ -7,7 +7,7 @@ from __future__ import annotations
 import trio
 
 import treadle
-from treadle.types import EventKind, ModelReply
+from treadle.types import Attempt, EventKind, ModelReply
 
 
 class TwoHalves:
@@ -17,7 +17,7 @@ class TwoHalves:
         self.streaming = trio.Event()
         self.listening = trio.Event()
 
-    async def complete(self, request, *, on_delta=None) -> ModelReply:
+    async def complete(self, request, *, on_delta=None, attempt=Attempt.STANDALONE) -> ModelReply:
         if on_delta is not None:
             on_delta("text", "early ")
         self.streaming.set()

@@ -13,6 +13,7 @@ from treadle.testing.scripted import ScriptedModel, call, say
 from treadle.types import (
     ActionResult,
     ActionStatus,
+    Attempt,
     Budgets,
     EventKind,
     ModelErrorInfo,
@@ -208,7 +209,7 @@ async def test_resume_finished_run_returns_stored_result():
 
 async def test_model_call_error_from_client_propagates_classification():
     class RefusingModel:
-        async def complete(self, request, *, on_delta=None):
+        async def complete(self, request, *, on_delta=None, attempt=Attempt.STANDALONE):
             await trio.lowlevel.checkpoint()
             raise ModelCallError(ModelErrorInfo(kind="auth", status=401, message="key revoked"))
 

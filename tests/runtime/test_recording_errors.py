@@ -50,7 +50,7 @@ def agent(model: Any, **kwargs: Any) -> treadle.Agent:
 class NoneModel:
     """A model client that breaks its seam: it returns ``None``."""
 
-    async def complete(self, request: Any, *, on_delta: Any = None) -> Any:
+    async def complete(self, request: Any, *, on_delta: Any = None, attempt: Any = None) -> Any:
         return None
 
 

@@ -15,7 +15,7 @@ from treadle.approvals import request_cancel
 from treadle.stores.jsonl import open_jsonl_store
 from treadle.testing.faults import CrashingStore, SimulatedCrash
 from treadle.testing.scripted import ScriptedModel, call, say
-from treadle.types import ModelReply, ModelRequest, RunStarted
+from treadle.types import Attempt, ModelReply, ModelRequest, RunStarted
 
 TURNS = [call("add", a=1, b=2, call_id="c1"), call("add", a=3, b=4, call_id="c2"), say("done")]
 
@@ -28,12 +28,18 @@ class CountingModel:
     now: int = 0
     most: int = 0
 
-    async def complete(self, request: ModelRequest, *, on_delta: object = None) -> ModelReply:
+    async def complete(
+        self,
+        request: ModelRequest,
+        *,
+        on_delta: object = None,
+        attempt: Attempt = Attempt.STANDALONE,
+    ) -> ModelReply:
         self.now += 1
         self.most = max(self.most, self.now)
         try:
             await trio.sleep(1.0)
-            return await self.inner.complete(request)
+            return await self.inner.complete(request, attempt=attempt)
         finally:
             self.now -= 1
 

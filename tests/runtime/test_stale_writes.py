@@ -23,6 +23,7 @@ from treadle.types import (
     ActionOutcome,
     ActionResult,
     ActionStatus,
+    Attempt,
     ModelReply,
     ModelRequest,
     RunLog,
@@ -93,11 +94,17 @@ class Meanwhile:
     change: Callable[[], None]
     done: bool = False
 
-    async def complete(self, request: ModelRequest, *, on_delta: Any = None) -> ModelReply:
+    async def complete(
+        self,
+        request: ModelRequest,
+        *,
+        on_delta: Any = None,
+        attempt: Attempt = Attempt.STANDALONE,
+    ) -> ModelReply:
         if not self.done and sum(m.role == "assistant" for m in request.messages) == self.turn:
             self.done = True
             self.change()
-        return await self.inner.complete(request, on_delta=on_delta)
+        return await self.inner.complete(request, on_delta=on_delta, attempt=attempt)
 
 
 def agent(desk: Desk, turns: list[ModelReply], **kwargs: Any) -> treadle.Agent:

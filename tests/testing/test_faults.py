@@ -6,6 +6,7 @@ import pytest
 
 import treadle
 from treadle.approvals import requires_approval
+from treadle.policies import policies_of
 from treadle.testing.faults import CrashingExecutor
 from treadle.testing.scripted import ScriptedModel
 
@@ -32,10 +33,13 @@ def test_a_crashing_executor_keeps_the_wrapped_tools_policies():
     tools = treadle.Toolbox([charge, look])
     wrapped = CrashingExecutor(inner=tools, crash_at=1)
     assert agent(wrapped).snapshot() == agent(tools).snapshot()  # secrets included
-    assert requires_approval(wrapped, None, "charge", {"amount": 1, "api_key": "k"})
-    assert not requires_approval(wrapped, None, "look", {"query": "q"})
+    assert requires_approval(policies_of(wrapped), None, "charge", {"amount": 1, "api_key": "k"})
+    assert not requires_approval(policies_of(wrapped), None, "look", {"query": "q"})
     assert wrapped.timeout_s("charge") == tools.timeout_s("charge") == 7
     assert wrapped.secret_arguments("charge") == frozenset({"api_key"})
+    policies = policies_of(wrapped)  # what a run of the wrapped executor asks
+    assert policies.declared == policies_of(tools).declared
+    assert policies.timeout_s("charge") == 7 and policies.image_source is not None
 
 
 def test_a_crashing_executor_has_only_the_policies_its_inner_executor_has():
@@ -53,5 +57,6 @@ def test_a_crashing_executor_has_only_the_policies_its_inner_executor_has():
 
     wrapped = CrashingExecutor(inner=Bare(), crash_at=1)
     assert getattr(wrapped, "timeout_s", None) is None
+    assert policies_of(wrapped).declared == frozenset()  # every default
     with pytest.raises(AttributeError, match="no attribute 'anything'"):
         wrapped.anything  # noqa: B018

@@ -3,12 +3,15 @@ contract checks of `treadle.testing.seams` (and a broken one fails them)."""
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
 import pytest
+import trio
 
 import treadle
+from treadle.policies import POLICY_METHODS, policies_of
 from treadle.testing.loopback import CannedResponse, canned, open_loopback_server
 from treadle.testing.scripted import ScriptedModel, call, say
 from treadle.testing.seams import (
@@ -16,8 +19,18 @@ from treadle.testing.seams import (
     check_action_executor,
     check_decision_parser,
     check_model_client,
+    check_model_client_deadlines,
 )
-from treadle.types import Action, DecisionKind, Message, ModelReply, ParsedReply
+from treadle.types import (
+    Action,
+    Attempt,
+    DecisionKind,
+    Message,
+    ModelErrorInfo,
+    ModelReply,
+    ParsedReply,
+    Usage,
+)
 
 CASES = Path(__file__).resolve().parents[1] / "fixtures" / "cases"
 
@@ -58,6 +71,93 @@ async def test_toolbox_keeps_the_contract():
     await check_action_executor(treadle.Toolbox([lookup]), sample=sample)
 
 
+async def test_a_wrapped_toolbox_keeps_its_policies_and_the_contract():
+    from treadle.testing import CrashingExecutor
+
+    @treadle.tool(requires_approval=True, secret_arguments=["key"], timeout_s=3)
+    async def charge(amount: int, key: str) -> str:
+        """Charge."""
+        return "ok"
+
+    wrapped = CrashingExecutor(inner=treadle.Toolbox([lookup, charge]), crash_at=99)
+    await check_action_executor(wrapped)
+    assert policies_of(wrapped).declared == set(POLICY_METHODS)  # all of them were checked
+
+
+class Declaring:
+    """An executor of one tool, ``lookup(q)``, declaring the policies it is given."""
+
+    def __init__(self, **policies):
+        self.__dict__.update(policies)
+
+    def tool_specs(self):
+        return treadle.Toolbox([lookup]).tool_specs()
+
+    def replay_policy(self, tool):
+        return treadle.ReplayPolicy.NEVER
+
+    async def execute(self, action):
+        return await treadle.Toolbox([lookup]).execute(action)
+
+    async def reconcile(self, action):
+        return None
+
+
+def _lenient(tool, arguments):
+    return None
+
+
+def _unknown_image(image):
+    raise KeyError(image.url)
+
+
+def _broken_image(image):
+    raise ValueError("disk on fire")
+
+
+@pytest.mark.parametrize(
+    ("policies", "rule"),
+    [
+        ({"requires_approval": True}, "requires_approval is True, not a method"),
+        ({"requires_approval": lambda tool: "yes"}, "must be a bool"),
+        ({"secret_arguments": lambda tool: [1]}, "must be argument names"),
+        ({"timeout_s": lambda tool: 0}, "seconds above 0"),
+        ({"timeout_s": lambda tool: True}, "seconds above 0"),
+        ({"writes": lambda tool: ""}, "a key template"),
+        ({"invalid_arguments": _lenient}, "invalid_arguments must give the reason"),
+        ({"image_source": _broken_image}, "must raise LookupError"),
+        ({"image_source": lambda image: b"?"}, "for an image it never returned"),
+    ],
+    ids=[
+        "not-callable",
+        "approval-not-bool",
+        "secrets-not-names",
+        "zero-timeout",
+        "bool-timeout",
+        "empty-template",
+        "lenient-argument-check",
+        "image-error",
+        "invented-image",
+    ],
+)
+async def test_an_executor_declaring_a_broken_policy_fails_the_contract(policies, rule):
+    with pytest.raises(SeamContractError, match=rule):
+        await check_action_executor(Declaring(**policies))
+
+
+async def test_an_executor_declaring_sound_policies_keeps_the_contract():
+    executor = Declaring(
+        requires_approval=lambda tool: tool == "lookup",
+        secret_arguments=lambda tool: ("q",) if tool == "lookup" else (),
+        timeout_s=lambda tool: None if tool == "lookup" else float("inf"),
+        writes=lambda tool: None,
+        invalid_arguments=treadle.Toolbox([lookup]).invalid_arguments,
+        image_source=_unknown_image,
+    )
+    await check_action_executor(executor)
+    assert policies_of(executor).declared == set(POLICY_METHODS)  # all of them were checked
+
+
 async def test_airline_executor_keeps_the_contract(tmp_path):
     from treadle.demo.airline.agent import AirlineExecutor
     from treadle.demo.airline.data import AirlineDataNotFound, find_data_dir, load_data
@@ -81,13 +181,25 @@ async def test_airline_executor_keeps_the_contract(tmp_path):
     await check_action_executor(AirlineExecutor(db, QuietCustomer()), sample=sample)
 
 
+USED = Usage(input_tokens=12, output_tokens=3)
+
+
 @pytest.mark.parametrize(
-    "reply", [say("hello"), call("lookup", q="x", call_id="c1")], ids=["text", "tool-call"]
+    ("reply", "reports"),
+    [
+        (say("hello"), True),
+        (call("lookup", q="x", call_id="c1"), True),
+        (say("hello", usage=USED), True),
+        (say("hello", usage=USED), False),
+    ],
+    ids=["text", "tool-call", "reported-usage", "unreported-usage"],
 )
-async def test_scripted_model_keeps_the_contract(reply):
-    model = ScriptedModel(turns=[reply], stream_chunk_chars=2)
+async def test_scripted_model_keeps_the_contract(reply, reports):
+    model = ScriptedModel(turns=[reply], stream_chunk_chars=2, reports_usage=reports)
     got = await check_model_client(model)
     assert got == reply
+    # a second call (a report that raises) is made only of a client that reported usage
+    assert len(model.requests) == (2 if reports and reply.usage == USED else 1)
 
 
 @pytest.mark.parametrize(
@@ -112,8 +224,159 @@ async def test_openai_client_keeps_the_contract(case):
     assert isinstance(reply, ModelReply)
 
 
-class LyingModel:
+def _anthropic_event(payload: dict) -> bytes:
+    return f"event: {payload['type']}\ndata: {json.dumps(payload)}\n\n".encode()
+
+
+ANTHROPIC_HELLO = [
+    _anthropic_event(
+        {
+            "type": "message_start",
+            "message": {
+                "id": "msg_1",
+                "type": "message",
+                "role": "assistant",
+                "content": [],
+                "usage": {"input_tokens": 12, "output_tokens": 1},
+            },
+        }
+    ),
+    _anthropic_event(
+        {"type": "content_block_start", "index": 0, "content_block": {"type": "text", "text": ""}}
+    ),
+    _anthropic_event(
+        {"type": "content_block_delta", "index": 0, "delta": {"type": "text_delta", "text": "Hi"}}
+    ),
+    _anthropic_event({"type": "content_block_stop", "index": 0}),
+    _anthropic_event(
+        {"type": "message_delta", "delta": {"stop_reason": "end_turn"}, "usage": {"output_tokens": 3}}
+    ),
+    _anthropic_event({"type": "message_stop"}),
+]
+SSE = {"content-type": "text/event-stream"}
+
+
+async def test_anthropic_client_keeps_the_contract():
+    response = CannedResponse(headers=SSE, chunks=ANTHROPIC_HELLO, pause_s=0)
+    async with (
+        open_loopback_server(canned(response)) as server,
+        treadle.AnthropicMessagesClient(base_url=server.base_url, api_key="k") as client,
+    ):
+        reply = await check_model_client(client)
+    assert reply.text == "Hi" and reply.usage.input_tokens == 12
+    assert len(server.requests) == 2  # it reports usage: the second call's report raised
+
+
+OPENAI_FIRST_EVENT = (CASES / "05-usage-chunk-empty-choices.sse").read_bytes().split(b"\n\n")[0]
+OPENAI_FIRST_EVENT += b"\n\n"
+
+
+def _client(make, server):
+    if make is treadle.OpenAIChatClient:
+        return make(base_url=server.base_url + "/v1")
+    return make(base_url=server.base_url, api_key="k")
+
+
+@pytest.mark.parametrize("make", [treadle.OpenAIChatClient, treadle.AnthropicMessagesClient])
+@pytest.mark.parametrize("stall", ["before-the-first-byte", "mid-stream"])
+async def test_the_http_clients_keep_the_attempts_deadlines(make, stall):
+    first = OPENAI_FIRST_EVENT if make is treadle.OpenAIChatClient else ANTHROPIC_HELLO[0]
+    if stall == "before-the-first-byte":
+        response = CannedResponse(headers=SSE, delay_s=3600.0, chunks=[first])
+    else:
+        response = CannedResponse(headers=SSE, chunks=[first, 3600.0, first])
+    async with open_loopback_server(canned(response)) as server, _client(make, server) as client:
+        error = await check_model_client_deadlines(client, deadline_s=0.2)
+        with trio.fail_after(10):
+            await server.wait_early_disconnect()  # the stalled response was abandoned
+    assert error.info.kind == "timeout" and error.info.retryable
+    assert ("idle" in error.info.message) is (stall == "mid-stream")
+
+
+class SlowModel:
+    """Ignores the attempt's deadlines: waits for a first byte forever."""
+
+    async def complete(self, request, *, on_delta=None, attempt=Attempt.STANDALONE):
+        await trio.sleep_forever()
+
+
+class PromptModel:
+    async def complete(self, request, *, on_delta=None, attempt=Attempt.STANDALONE):
+        await trio.lowlevel.checkpoint()
+        return say("too fast")
+
+
+class FinalTimeoutModel:
+    async def complete(self, request, *, on_delta=None, attempt=Attempt.STANDALONE):
+        await trio.sleep(attempt.first_byte_s)
+        raise treadle.ModelCallError(ModelErrorInfo(kind="timeout", retryable=False))
+
+
+@pytest.mark.parametrize(
+    ("model", "rule"),
+    [
+        (SlowModel(), "past the attempt's 0.5 s deadlines"),
+        (PromptModel(), "from a server that should stall"),
+        (FinalTimeoutModel(), "must raise a retryable timeout"),
+    ],
+    ids=["ignores-deadlines", "did-not-stall", "not-retryable"],
+)
+async def test_a_client_that_breaks_the_deadlines_fails_the_contract(autojump_clock, model, rule):
+    with pytest.raises(SeamContractError, match=rule):
+        await check_model_client_deadlines(model)
+
+
+class NoAttemptModel:
     async def complete(self, request, *, on_delta=None):
+        return say("hi")
+
+
+class RequiredAttemptModel:
+    async def complete(self, request, *, on_delta=None, attempt):
+        return say("hi")
+
+
+class SwallowingModel:
+    """Reports usage, and answers even when the report ends the attempt."""
+
+    async def complete(self, request, *, on_delta=None, attempt=Attempt.STANDALONE):
+        await trio.lowlevel.checkpoint()
+        try:
+            attempt.report_usage(USED)
+        except treadle.ModelCallError:
+            pass
+        return say("hi", usage=USED)
+
+
+class RelabellingModel:
+    """Reports usage, and turns the error that ends the attempt into one of its own."""
+
+    async def complete(self, request, *, on_delta=None, attempt=Attempt.STANDALONE):
+        await trio.lowlevel.checkpoint()
+        try:
+            attempt.report_usage(USED)
+        except treadle.ModelCallError as exc:
+            raise treadle.ModelCallError(ModelErrorInfo(kind="upstream_error")) from exc
+        return say("hi", usage=USED)
+
+
+@pytest.mark.parametrize(
+    ("model", "rule"),
+    [
+        (NoAttemptModel(), "must take the keyword argument attempt"),
+        (RequiredAttemptModel(), "attempt needs a default"),
+        (SwallowingModel(), "went on after attempt.report_usage raised"),
+        (RelabellingModel(), "replaced the error report_usage raised"),
+    ],
+    ids=["no-attempt", "attempt-required", "swallows-the-cut", "relabels-the-cut"],
+)
+async def test_a_client_that_ignores_its_attempt_fails_the_contract(model, rule):
+    with pytest.raises(SeamContractError, match=rule):
+        await check_model_client(model)
+
+
+class LyingModel:
+    async def complete(self, request, *, on_delta=None, attempt=Attempt.STANDALONE):
         if on_delta:
             on_delta("text", "abc")
         return ModelReply(text="xyz")

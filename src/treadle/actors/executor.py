@@ -33,6 +33,7 @@ from treadle._toolhost import HostedCall, ToolHost, current_host
 from treadle.actors._mailbox import MailboxReceiver
 from treadle.actors._rpc import ReplySlot, StepScope, reply
 from treadle.actors.writer import WriterClient
+from treadle.policies import ExecutorPolicies, policies_of
 from treadle.ports import ActionExecutor
 from treadle.types import (
     Action,
@@ -129,7 +130,12 @@ class ActionsOutcome:
 
 @attrs.define(eq=False)
 class ToolExecutor:
-    """The tool executor actor of one run."""
+    """The tool executor actor of one run.
+
+    Args:
+        policies: what ``executor`` declares about its tools (`treadle.Agent.tool_policies`);
+            looked up from ``executor`` when not given.
+    """
 
     run_id: str
     executor: ActionExecutor
@@ -140,6 +146,9 @@ class ToolExecutor:
     observation_template: str = "{observation}"
     host: ToolHost | None = None
     cancel_grace_s: float = 2.0
+    policies: ExecutorPolicies = attrs.field(
+        default=attrs.Factory(lambda self: policies_of(self.executor), takes_self=True)
+    )
 
     async def run(
         self,
@@ -489,19 +498,17 @@ class ToolExecutor:
     def _timeout_s(self, tool: str) -> tuple[float, bool]:
         """The call's timeout (the limit, or the tool's own when shorter), and more.
 
-        The second value says whether the executor times its calls out itself (it has
-        ``timeout_s(tool)``, as `Toolbox` does). A tool whose own timeout is ``inf`` (a
-        child-run tool, `treadle.agent_tool`) has none: the step's deadline (the time
-        budget) and cancellation bound it (docs/child-runs.md, "Budgets").
+        The second value says whether the executor times its calls out itself (its
+        ``timeout_s(tool)`` gives a number, as `Toolbox`'s does). A tool whose own timeout is
+        ``inf`` (a child-run tool, `treadle.agent_tool`) has none: the step's deadline (the
+        time budget) and cancellation bound it (docs/child-runs.md, "Budgets").
         """
-        own = getattr(self.executor, "timeout_s", None)
+        found = self.policies.timeout_s(tool)
         limit = self.limits.tool_timeout_s
-        if callable(own):
-            found = own(tool)
-            if found == math.inf:  # a child run: bounded by the run's budgets instead
-                return math.inf, True
-            if isinstance(found, int | float) and found > 0:
-                return min(limit, float(found)), True
+        if found == math.inf:  # a child run: bounded by the run's budgets instead
+            return math.inf, True
+        if isinstance(found, int | float) and found > 0:
+            return min(limit, float(found)), True
         return limit, False
 
     def _finish(self, action: Action, outcome: ActionOutcome) -> tuple[ActionOutcome, str]:

@@ -6,12 +6,12 @@ docs/concepts.md, "Budgets"). Retries wait with exponential backoff and jitter, 
 server's Retry-After; a wait that would outlast the active-time budget is not slept.
 
 Each attempt runs under the agent's `Limits`: the connect, first-byte and stream-idle deadlines
-are handed to the client (`treadle.models.attempt_deadlines`; it applies the tighter of those
-and its own), and the attempt total is a cancel scope here.
+are handed to the client in the attempt's `treadle.types.Attempt` (it applies the tighter of
+those and its own), and the attempt total is a cancel scope here.
 
 Budgets hold during a call. The step's cancel scope cancels the stream in flight when the run
 is cancelled or its active time runs out. Each attempt observes the usage the server reports
-while it streams (`treadle.models.observe_usage`): once the reported usage crosses the run's
+while it streams (`treadle.types.Attempt.report_usage`): once the reported usage crosses the run's
 remaining token budget the stream is cut there; a server that reports usage only at the end
 is checked when the call ends. Either way the run ends with ``token_budget`` and the reply is
 not acted on. Every attempt's result records the usage the server reported, failed,
@@ -32,11 +32,12 @@ from treadle._text import repaired
 from treadle.actors._mailbox import MailboxReceiver
 from treadle.actors._rpc import ReplySlot, StepScope, reply
 from treadle.actors.writer import WriterClient
-from treadle.models._context import ImageSource, attempt_deadlines, observe_usage, run_images
 from treadle.parsers import strict_arguments
 from treadle.ports import ModelClient
 from treadle.types import (
+    Attempt,
     Budgets,
+    ImageSource,
     Limits,
     ModelErrorInfo,
     ModelIntent,
@@ -272,25 +273,24 @@ class ModelGateway:
         on_delta: Callable[[str, str], None] | None,
         meter: _Meter,
     ) -> ModelReply | ModelCallError:
+        limits = self.limits
+        attempt = Attempt(
+            connect_s=limits.model_connect_s,
+            first_byte_s=limits.model_first_byte_s,
+            idle_s=limits.model_idle_s,
+            report_usage=meter,
+            image_source=self.image_source,
+        )
         try:
-            with (
-                observe_usage(meter),
-                run_images(self.image_source),
-                attempt_deadlines(
-                    connect_s=self.limits.model_connect_s,
-                    first_byte_s=self.limits.model_first_byte_s,
-                    idle_s=self.limits.model_idle_s,
-                ),
-                trio.move_on_after(self.limits.model_attempt_s) as limit,
-            ):
-                reply_ = await client.complete(request, on_delta=on_delta)
+            with trio.move_on_after(limits.model_attempt_s) as limit:
+                reply_ = await client.complete(request, on_delta=on_delta, attempt=attempt)
         except ModelCallError as exc:
             return meter.error if meter.cut and meter.error is not None else exc
         if limit.cancelled_caught:
             return ModelCallError(
                 ModelErrorInfo(
                     kind="timeout",
-                    message=f"attempt exceeded {self.limits.model_attempt_s} s",
+                    message=f"attempt exceeded {limits.model_attempt_s} s",
                     retryable=True,
                 ),
                 usage=meter.last,

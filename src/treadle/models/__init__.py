@@ -1,16 +1,16 @@
 """Model clients: the OpenAI-compatible and Anthropic Messages streaming clients.
 
-See docs/design.md.
+What a client is handed for each attempt (deadlines, the usage observer of the token budget,
+the run's image source) is one `Attempt` record, the ``attempt`` argument of
+`treadle.ports.ModelClient.complete` (docs/models.md, "Writing a model client").
 """
 
 from typing import TYPE_CHECKING
 
 from treadle._lazy import lazy_names
-from treadle.models._context import UsageObserver as UsageObserver
-from treadle.models._context import attempt_deadlines as attempt_deadlines
-from treadle.models._context import current_deadlines as current_deadlines
-from treadle.models._context import observe_usage as observe_usage
-from treadle.models._context import report_usage as report_usage
+from treadle.types import Attempt as Attempt
+from treadle.types import ImageSource as ImageSource
+from treadle.types import UsageObserver as UsageObserver
 
 if TYPE_CHECKING:  # loaded on first use (`__getattr__`): they import httpx
     from treadle.models._accumulate import parse_retry_after as parse_retry_after
@@ -19,7 +19,6 @@ if TYPE_CHECKING:  # loaded on first use (`__getattr__`): they import httpx
     from treadle.models._sse import SSEDecoder as SSEDecoder
     from treadle.models._sse import SSEEvent as SSEEvent
     from treadle.models.anthropic import AnthropicMessagesClient as AnthropicMessagesClient
-    from treadle.models.openai import ImageSource as ImageSource
     from treadle.models.openai import OpenAIChatClient as OpenAIChatClient
 
 __getattr__ = lazy_names(
@@ -31,23 +30,19 @@ __getattr__ = lazy_names(
         "SSEDecoder": "treadle.models._sse",
         "SSEEvent": "treadle.models._sse",
         "AnthropicMessagesClient": "treadle.models.anthropic",
-        "ImageSource": "treadle.models.openai",
         "OpenAIChatClient": "treadle.models.openai",
     },
 )
 
 __all__ = [
     "AnthropicMessagesClient",
+    "Attempt",
     "ImageSource",
     "OpenAIChatClient",
     "SSEDecodeError",
     "SSEDecoder",
     "SSEEvent",
     "UsageObserver",
-    "attempt_deadlines",
-    "current_deadlines",
-    "observe_usage",
     "parse_retry_after",
     "probe",
-    "report_usage",
 ]

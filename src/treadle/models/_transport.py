@@ -1,8 +1,8 @@
 """What the OpenAI and Anthropic clients share.
 
 Sending one streaming request and reading its response (status, JSON body or server-sent
-events) under the attempt's deadlines; the per-attempt usage and deadline context the model
-gateway sets is `treadle.models._context`.
+events) under the attempt's deadlines, reporting usage to the attempt's observer: both come
+from the `treadle.types.Attempt` the model gateway passes to ``complete``.
 
 `StreamReader` holds the reading loop; each client supplies its accumulator and three hooks
 (a JSON body, the end of a stream without its final event, and an HTTP error status).
@@ -24,14 +24,8 @@ import trio
 
 from treadle._exceptions import ModelCallError, UsageError
 from treadle._text import valid_text
-from treadle.models._context import (
-    ImageSource,
-    current_deadlines,
-    current_image_source,
-    report_usage,
-)
 from treadle.models._sse import SSEDecodeError, SSEDecoder, SSEEvent
-from treadle.types import ImageRef, ModelReply, Usage
+from treadle.types import Attempt, ImageRef, ImageSource, ModelReply, Usage
 
 CLOSE_GRACE_S = 1.0
 """Seconds a shielded close of the HTTP response may take after a failure or cancellation."""
@@ -96,12 +90,14 @@ class StreamReader(Generic[A]):
     _first_byte_s: float
     _idle_s: float
 
-    async def _attempt(self, body: dict[str, Any], headers: dict[str, str], acc: A) -> ModelReply:
+    async def _attempt(
+        self, body: dict[str, Any], headers: dict[str, str], acc: A, attempt: Attempt
+    ) -> ModelReply:
         """Send ``body`` to ``self._url`` and read the reply into ``acc``.
 
-        Deadlines are this client's, tightened by the gateway's attempt
-        (`treadle.models._context.attempt_deadlines`): connect through httpx, first event and
-        stream idle through trio cancel scopes.
+        Deadlines are this client's, tightened by ``attempt``'s: connect through httpx, first
+        event and stream idle through trio cancel scopes. Each usage the server reports goes
+        to ``attempt.report_usage``.
 
         Raises:
             UsageError: ``body`` cannot be encoded as JSON.
@@ -110,7 +106,7 @@ class StreamReader(Generic[A]):
         Cancellation:
             A checkpoint. Cancelling closes the response and its connection.
         """
-        connect_s, first_byte_s, idle_s = self._deadlines()
+        connect_s, first_byte_s, idle_s = self._deadlines(attempt)
         http_request = self._client.build_request(
             "POST",
             self._url,
@@ -122,7 +118,7 @@ class StreamReader(Generic[A]):
         response = await self._send(http_request, acc, deadline)
         chunks = response.aiter_bytes()
         try:
-            return await self._read_response(response, chunks, acc, deadline, idle_s)
+            return await self._read_response(response, chunks, acc, deadline, idle_s, attempt)
         finally:
             await dispose(response, chunks)
 
@@ -139,13 +135,13 @@ class StreamReader(Generic[A]):
         """Close the client (`aclose`)."""
         await self.aclose()
 
-    def _deadlines(self) -> tuple[float, float, float]:
+    def _deadlines(self, attempt: Attempt) -> tuple[float, float, float]:
         """``(connect, first byte, idle)`` seconds: this client's, tightened by the attempt's."""
-        own = (self._connect_s, self._first_byte_s, self._idle_s)
-        attempt = current_deadlines()
-        if attempt is None:
-            return own
-        return (min(own[0], attempt[0]), min(own[1], attempt[1]), min(own[2], attempt[2]))
+        return (
+            min(self._connect_s, attempt.connect_s),
+            min(self._first_byte_s, attempt.first_byte_s),
+            min(self._idle_s, attempt.idle_s),
+        )
 
     def _redact(self, text: str) -> str:
         """``text`` with the API key and URL query credentials replaced by ``***``."""
@@ -181,6 +177,7 @@ class StreamReader(Generic[A]):
         acc: A,
         deadline: float,
         idle_s: float,
+        attempt: Attempt,
     ) -> ModelReply:
         if not 200 <= response.status_code < 300:
             try:
@@ -190,19 +187,19 @@ class StreamReader(Generic[A]):
             raise self._status_error(response, body, acc)
         content_type = response.headers.get("content-type", "").lower()
         if "event-stream" in content_type:
-            return await self._read_stream(chunks, acc, deadline, idle_s)
+            return await self._read_stream(chunks, acc, deadline, idle_s, attempt)
         # The request asked for a stream, so a body that is one, whatever its label, is read
         # as one, as the official SDKs read it
         # (docs/models.md, "Replies, finish reasons, reasoning").
         head, chunks = await self._peek(chunks, acc, deadline)
         if any(label in content_type for label in NDJSON_TYPES):
-            return await self._read_stream(as_sse(chunks), acc, deadline, idle_s)
+            return await self._read_stream(as_sse(chunks), acc, deadline, idle_s, attempt)
         if SSE_START.match(head):
-            return await self._read_stream(chunks, acc, deadline, idle_s)
+            return await self._read_stream(chunks, acc, deadline, idle_s, attempt)
         if "json" in content_type or head.lstrip().startswith(b"{"):
             body = await self._read_body(chunks, acc, MAX_JSON_BODY_BYTES, idle_s)
             reply = self._add_body(acc, body)
-            report_usage(reply.usage)
+            attempt.report_usage(reply.usage)
             return reply
         raise acc.failure(
             "invalid_response",
@@ -225,10 +222,16 @@ class StreamReader(Generic[A]):
         return b"".join(seen), _chained(seen, chunks)
 
     async def _read_stream(
-        self, chunks: AsyncIterator[bytes], acc: A, deadline: float, idle_s: float
+        self,
+        chunks: AsyncIterator[bytes],
+        acc: A,
+        deadline: float,
+        idle_s: float,
+        attempt: Attempt,
     ) -> ModelReply:
         decoder = SSEDecoder()
         reported = acc.usage
+        report_usage = attempt.report_usage
         # One scope for the whole stream, its deadline moved on each read (a scope per read
         # costs more than the rest of the per-chunk work).
         with trio.CancelScope(deadline=deadline) as scope:
@@ -396,19 +399,21 @@ def digest(data: bytes) -> str:
     return "sha256:" + hashlib.sha256(data).hexdigest()
 
 
-def load_image(image: ImageRef, own: ImageSource | None) -> tuple[str, bytes]:
+def load_image(
+    image: ImageRef, own: ImageSource | None, run: ImageSource | None
+) -> tuple[str, bytes]:
     """The media type and bytes of a ``ref:`` image, checked against its digest.
 
-    The client's own source (``own``) is asked first; the run's (`current_image_source`: the
-    executor's images) when ``own`` is missing or raises `LookupError` (docs/models.md,
-    "Images").
+    The client's own source (``own``) is asked first; the run's (``run``: the attempt's
+    `treadle.types.Attempt.image_source`, the executor's images) when ``own`` is missing or
+    raises `LookupError` (docs/models.md, "Images").
 
     Raises:
         UsageError: there is no source at all, no source holds the image (or one raised
             `OSError`), its bytes do not match ``image.digest``, or its media type is
             unknown. Raised before anything is sent.
     """
-    sources = [s for s in (own, current_image_source()) if s is not None]
+    sources = [s for s in (own, run) if s is not None]
     if not sources:
         raise UsageError(f"image {image.url!r} needs an image_source, and none was given")
     failure: Exception | None = None

@@ -3,7 +3,8 @@
 `AnthropicMessagesClient` implements `treadle.ports.ModelClient` over
 ``POST {base_url}/v1/messages`` with ``stream: true``. Retries, budgets and the attempt
 deadline belong to the model gateway; this client enforces the connect, first-byte and idle
-deadlines of one attempt and reports running usage (`treadle.models.report_usage`).
+deadlines of one attempt (the tighter of its own and the attempt's) and reports running usage
+to the attempt's observer (`treadle.types.Attempt`).
 """
 
 from __future__ import annotations
@@ -20,7 +21,6 @@ import httpx
 from treadle._exceptions import ModelCallError, UsageError
 from treadle.models._accumulate import error_fields, parse_retry_after
 from treadle.models._anthropic_stream import MessageAccumulator, classify_anthropic
-from treadle.models._context import ImageSource
 from treadle.models._transport import (
     StreamReader,
     install_log_redaction,
@@ -29,7 +29,16 @@ from treadle.models._transport import (
     redact_url_secrets,
 )
 from treadle.ports import DeltaCallback
-from treadle.types import ImageRef, Message, ModelErrorInfo, ModelReply, ModelRequest, ToolSpec
+from treadle.types import (
+    Attempt,
+    ImageRef,
+    ImageSource,
+    Message,
+    ModelErrorInfo,
+    ModelReply,
+    ModelRequest,
+    ToolSpec,
+)
 
 API_KEY_ENV = "ANTHROPIC_API_KEY"
 """The environment variable read when no ``api_key`` is given."""
@@ -117,7 +126,9 @@ class AnthropicMessagesClient(StreamReader[MessageAccumulator]):
     def __repr__(self) -> str:
         return f"AnthropicMessagesClient(url={redact_url_secrets(self._url)!r})"
 
-    def request_body(self, request: ModelRequest) -> dict[str, Any]:
+    def request_body(
+        self, request: ModelRequest, *, run_images: ImageSource | None = None
+    ) -> dict[str, Any]:
         """The JSON body sent for ``request``.
 
         ``max_tokens`` is the request's ``max_output_tokens`` when set (no param can raise
@@ -129,7 +140,10 @@ class AnthropicMessagesClient(StreamReader[MessageAccumulator]):
         blocks: Anthropic's "Handle tool calls",
         https://platform.claude.com/docs/en/agents-and-tools/tool-use/handle-tool-calls);
         consecutive turns of one role are merged. Other params (``temperature``,
-        ``thinking``, ``tool_choice`` ...) are merged in last, in Anthropic's own form.
+        ``thinking``, ``tool_choice`` ...) are merged in last, in Anthropic's own form. A
+        ``ref:`` image is resolved through this client's ``image_source``, then through
+        ``run_images`` (the attempt's `treadle.types.Attempt.image_source`; docs/models.md,
+        "Images").
 
         Raises:
             UsageError: a param would replace ``model``, ``messages``, ``system``, ``tools`` or
@@ -149,7 +163,7 @@ class AnthropicMessagesClient(StreamReader[MessageAccumulator]):
         body: dict[str, Any] = {
             "model": request.model,
             "max_tokens": self._max_tokens(request),
-            "messages": self._turns(request.messages),
+            "messages": self._turns(request.messages, run_images),
         }
         if system:
             body["system"] = "\n\n".join(system)
@@ -162,7 +176,11 @@ class AnthropicMessagesClient(StreamReader[MessageAccumulator]):
         return body
 
     async def complete(
-        self, request: ModelRequest, *, on_delta: DeltaCallback | None = None
+        self,
+        request: ModelRequest,
+        *,
+        on_delta: DeltaCallback | None = None,
+        attempt: Attempt = Attempt.STANDALONE,
     ) -> ModelReply:
         """Send one streaming request and return the assembled reply.
 
@@ -170,6 +188,10 @@ class AnthropicMessagesClient(StreamReader[MessageAccumulator]):
             request: the model-visible request.
             on_delta: called with ``("text" | "reasoning", fragment)`` as fragments arrive
                 (thinking is ``reasoning``).
+            attempt: the attempt's deadlines (each the smaller of it and this client's
+                timeouts), usage observer (called with each usage the server reports,
+                ``message_start`` included) and the run's image source
+                (`treadle.types.Attempt`).
 
         Returns:
             The reply, with ``finish_reason`` in treadle's names (``stop``, ``tool_calls``,
@@ -180,13 +202,15 @@ class AnthropicMessagesClient(StreamReader[MessageAccumulator]):
             UsageError: the request cannot be encoded (see `request_body`).
             treadle.ModelCallError: the attempt failed; ``.info.kind`` is one of those listed on
                 `treadle.types.ModelErrorInfo`, ``.usage`` holds the usage reported before the
-                failure and ``.partial_text`` the text received (diagnostics only).
+                failure and ``.partial_text`` the text received (diagnostics only); or the
+                error ``attempt.report_usage`` raised.
 
         Cancellation:
             A checkpoint. Cancelling closes the response and its connection.
         """
         acc = MessageAccumulator(on_delta=on_delta, redact=self._redact)
-        return await self._attempt(self.request_body(request), self._auth_headers(), acc)
+        body = self.request_body(request, run_images=attempt.image_source)
+        return await self._attempt(body, self._auth_headers(), acc, attempt)
 
     def _auth_headers(self) -> dict[str, str]:
         if self._api_key is None:
@@ -233,13 +257,15 @@ class AnthropicMessagesClient(StreamReader[MessageAccumulator]):
             return param
         return self._default_max_tokens
 
-    def _turns(self, messages: tuple[Message, ...]) -> list[dict[str, Any]]:
+    def _turns(
+        self, messages: tuple[Message, ...], images: ImageSource | None
+    ) -> list[dict[str, Any]]:
         turns: list[dict[str, Any]] = []
         for message in messages:
             if message.role == "system":
                 continue
             role = "assistant" if message.role == "assistant" else "user"
-            blocks = self._blocks(message)
+            blocks = self._blocks(message, images)
             if turns and turns[-1]["role"] == role:
                 turns[-1]["content"].extend(blocks)
             else:
@@ -250,7 +276,7 @@ class AnthropicMessagesClient(StreamReader[MessageAccumulator]):
                 turn["content"] = content[0]["text"]
         return turns
 
-    def _blocks(self, message: Message) -> list[dict[str, Any]]:
+    def _blocks(self, message: Message, images: ImageSource | None) -> list[dict[str, Any]]:
         if message.images and message.role not in ("user", "tool"):
             raise UsageError(
                 f"images are only allowed on user and tool messages, not {message.role}"
@@ -259,7 +285,7 @@ class AnthropicMessagesClient(StreamReader[MessageAccumulator]):
             content: str | list[dict[str, Any]] = message.content or ""
             if message.images:
                 text = [{"type": "text", "text": message.content}] if message.content else []
-                content = [*text, *(self._image(image) for image in message.images)]
+                content = [*text, *(self._image(image, images) for image in message.images)]
             return [
                 {
                     "type": "tool_result",
@@ -279,7 +305,7 @@ class AnthropicMessagesClient(StreamReader[MessageAccumulator]):
             )
         if message.content or (message.role == "user" and not message.images):
             blocks.append({"type": "text", "text": message.content or ""})
-        blocks.extend(self._image(image) for image in message.images)
+        blocks.extend(self._image(image, images) for image in message.images)
         for call in message.tool_calls:
             blocks.append(
                 {
@@ -291,10 +317,10 @@ class AnthropicMessagesClient(StreamReader[MessageAccumulator]):
             )
         return blocks
 
-    def _image(self, image: ImageRef) -> dict[str, Any]:
+    def _image(self, image: ImageRef, images: ImageSource | None) -> dict[str, Any]:
         if not image.url.startswith("ref:"):
             return {"type": "image", "source": {"type": "url", "url": image.url}}
-        media_type, data = load_image(image, self._image_source)
+        media_type, data = load_image(image, self._image_source, images)
         encoded = base64.b64encode(data).decode("ascii")
         return {
             "type": "image",

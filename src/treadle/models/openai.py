@@ -22,7 +22,6 @@ from treadle.models._accumulate import (
     error_fields,
     parse_retry_after,
 )
-from treadle.models._context import ImageSource as ImageSource
 from treadle.models._transport import (
     StreamReader,
     install_log_redaction,
@@ -31,7 +30,9 @@ from treadle.models._transport import (
 )
 from treadle.ports import DeltaCallback
 from treadle.types import (
+    Attempt,
     ImageRef,
+    ImageSource,
     Message,
     ModelErrorInfo,
     ModelReply,
@@ -111,8 +112,14 @@ class OpenAIChatClient(StreamReader[StreamAccumulator]):
         self._max_tokens_field = max_tokens_field
         self.native_output = native_output
 
-    def request_body(self, request: ModelRequest) -> dict[str, Any]:
+    def request_body(
+        self, request: ModelRequest, *, run_images: ImageSource | None = None
+    ) -> dict[str, Any]:
         """The JSON body sent for ``request``.
+
+        A ``ref:`` image is resolved through this client's ``image_source``, then through
+        ``run_images`` (the attempt's `treadle.types.Attempt.image_source`; docs/models.md,
+        "Images").
 
         ``max_tokens`` (or ``max_tokens_field``) is the request's ``max_output_tokens`` when set
         and is never overridden by ``params``; the other params are merged in last. A
@@ -132,7 +139,7 @@ class OpenAIChatClient(StreamReader[StreamAccumulator]):
         """
         body: dict[str, Any] = {
             "model": request.model,
-            "messages": self._messages(request.messages),
+            "messages": self._messages(request.messages, run_images),
         }
         if request.tools:
             body["tools"] = [_tool(spec) for spec in request.tools]
@@ -160,13 +167,20 @@ class OpenAIChatClient(StreamReader[StreamAccumulator]):
         return body
 
     async def complete(
-        self, request: ModelRequest, *, on_delta: DeltaCallback | None = None
+        self,
+        request: ModelRequest,
+        *,
+        on_delta: DeltaCallback | None = None,
+        attempt: Attempt = Attempt.STANDALONE,
     ) -> ModelReply:
         """Send one streaming request and return the assembled reply.
 
         Args:
             request: the model-visible request.
             on_delta: called with ``("text" | "reasoning", fragment)`` as fragments arrive.
+            attempt: the attempt's deadlines (each the smaller of it and this client's
+                timeouts), usage observer (called with each usage the server reports) and
+                the run's image source (`treadle.types.Attempt`).
 
         Returns:
             The reply. A tool call cut off by ``finish_reason: length`` is in
@@ -176,13 +190,14 @@ class OpenAIChatClient(StreamReader[StreamAccumulator]):
             UsageError: the request cannot be encoded (see `request_body`).
             treadle.ModelCallError: the attempt failed; ``.info.kind`` is one of those listed on
                 `treadle.types.ModelErrorInfo`, ``.partial_text`` holds text received before
-                the failure (diagnostics only).
+                the failure (diagnostics only); or the error ``attempt.report_usage`` raised.
 
         Cancellation:
             A checkpoint. Cancelling closes the response and its connection.
         """
         acc = StreamAccumulator(on_delta=on_delta, redact=self._redact)
-        return await self._attempt(self.request_body(request), self._auth_headers(), acc)
+        body = self.request_body(request, run_images=attempt.image_source)
+        return await self._attempt(body, self._auth_headers(), acc, attempt)
 
     def _auth_headers(self) -> dict[str, str]:
         if self._api_key is None:
@@ -221,38 +236,45 @@ class OpenAIChatClient(StreamReader[StreamAccumulator]):
         )
         return ModelCallError(info, usage=acc.usage)
 
-    def _messages(self, messages: Sequence[Message]) -> list[dict[str, Any]]:
-        """The wire messages; tool images follow their run of tool messages (decision 0073)."""
+    def _messages(
+        self, messages: Sequence[Message], images: ImageSource | None
+    ) -> list[dict[str, Any]]:
+        """The wire messages; tool images follow their run of tool messages (decision 0073).
+
+        ``images`` is the run's image source, asked after this client's own.
+        """
         out: list[dict[str, Any]] = []
         run: list[Message] = []  # the tool messages since the last other message
         for message in messages:
             if message.role != "tool" and run:
-                out.extend(self._tool_images(run))
+                out.extend(self._tool_images(run, images))
                 run = []
             if message.role == "tool":
                 run.append(message)
-            out.append(self._message(message))
-        out.extend(self._tool_images(run))
+            out.append(self._message(message, images))
+        out.extend(self._tool_images(run, images))
         return out
 
-    def _tool_images(self, run: Sequence[Message]) -> list[dict[str, Any]]:
+    def _tool_images(
+        self, run: Sequence[Message], images: ImageSource | None
+    ) -> list[dict[str, Any]]:
         with_images = [m for m in run if m.images]
         if not with_images:
             return []
         parts: list[dict[str, Any]] = []
         for message in with_images:
             parts.append({"type": "text", "text": _caption(message)})
-            parts.extend(self._image_part(image) for image in message.images)
+            parts.extend(self._image_part(image, images) for image in message.images)
         return [{"role": "user", "content": parts}]
 
-    def _message(self, message: Message) -> dict[str, Any]:
+    def _message(self, message: Message, images: ImageSource | None) -> dict[str, Any]:
         out: dict[str, Any] = {"role": message.role, "content": message.content}
         if message.images and message.role != "tool":
             if message.role != "user":
                 raise UsageError(
                     f"images are only allowed on user and tool messages, not {message.role}"
                 )
-            out["content"] = self._content_parts(message)
+            out["content"] = self._content_parts(message, images)
         if message.role == "tool":
             out["tool_call_id"] = message.tool_call_id
             out["content"] = message.content or ""
@@ -262,20 +284,20 @@ class OpenAIChatClient(StreamReader[StreamAccumulator]):
             out["reasoning_content"] = message.reasoning
         return out
 
-    def _content_parts(self, message: Message) -> list[dict[str, Any]]:
+    def _content_parts(self, message: Message, images: ImageSource | None) -> list[dict[str, Any]]:
         parts: list[dict[str, Any]] = []
         if message.content:
             parts.append({"type": "text", "text": message.content})
-        parts.extend(self._image_part(image) for image in message.images)
+        parts.extend(self._image_part(image, images) for image in message.images)
         return parts
 
-    def _image_part(self, image: ImageRef) -> dict[str, Any]:
-        return {"type": "image_url", "image_url": {"url": self._image_url(image)}}
+    def _image_part(self, image: ImageRef, images: ImageSource | None) -> dict[str, Any]:
+        return {"type": "image_url", "image_url": {"url": self._image_url(image, images)}}
 
-    def _image_url(self, image: ImageRef) -> str:
+    def _image_url(self, image: ImageRef, images: ImageSource | None) -> str:
         if not image.url.startswith("ref:"):
             return image.url
-        media_type, data = load_image(image, self._image_source)
+        media_type, data = load_image(image, self._image_source, images)
         return f"data:{media_type};base64,{base64.b64encode(data).decode('ascii')}"
 
 

@@ -306,11 +306,10 @@ def real_hydrator(context: ActorContext) -> ContextHydrator:
 def real_gateway(context: ActorContext) -> ModelGateway:
     """The real model gateway on the agent's model client (the default `Actors.gateway`).
 
-    The executor's ``image_source`` (`treadle.ports.ToolPolicies`), when it has one, resolves
+    The executor's ``image_source`` (`treadle.Agent.tool_policies`), when it has one, resolves
     the ``ref:`` images its tools returned (docs/models.md, "Images returned by tools").
     """
     agent = context.agent
-    executor = agent.executor
     return ModelGateway(
         run_id=context.run_id,
         client=agent.model,
@@ -320,7 +319,7 @@ def real_gateway(context: ActorContext) -> ModelGateway:
         budgets=agent.budgets,
         rng=context.rng,
         summariser=agent.summariser,
-        image_source=getattr(executor, "image_source", None),
+        image_source=agent.tool_policies.image_source,
     )
 
 
@@ -330,6 +329,7 @@ def real_executor(context: ActorContext) -> ToolExecutor:
     return ToolExecutor(
         run_id=context.run_id,
         executor=agent.executor,
+        policies=agent.tool_policies,
         writer=context.writer,
         clock=context.clock,
         limits=agent.limits,
@@ -1097,7 +1097,7 @@ async def _drive(
             store=store,
         )
         needs_approval = functools.partial(
-            requires_approval, agent.executor, options.approval_policy
+            requires_approval, agent.tool_policies, options.approval_policy
         )
         coordinator = await _start_actors(
             nursery,

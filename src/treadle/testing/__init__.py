@@ -12,7 +12,8 @@
   (docs/threads.md, "Crashes and resume").
 * `seed_log`: write a run's log into any store as a driver would (fixtures for tests).
 * `check_run_store` (store contract), `check_decision_parser`, `check_action_executor`,
-  `check_model_client`: the seam contracts, reusable for your own implementations.
+  `check_model_client`, `check_model_client_deadlines`: the seam contracts, reusable for your
+  own implementations.
 * `open_loopback_server`, `CannedResponse`, `canned`: a real HTTP server on 127.0.0.1 for
   testing model clients without mocking the transport.
 * `simulate`, `FaultPlan`, `with_latency`: deterministic simulation under a seeded fault plan
@@ -51,6 +52,9 @@ if TYPE_CHECKING:  # loaded on first use: the simulation and the contracts bring
     from treadle.testing.seams import check_action_executor as check_action_executor
     from treadle.testing.seams import check_decision_parser as check_decision_parser
     from treadle.testing.seams import check_model_client as check_model_client
+    from treadle.testing.seams import (
+        check_model_client_deadlines as check_model_client_deadlines,
+    )
     from treadle.testing.simulation import FaultPlan as FaultPlan
     from treadle.testing.simulation import simulate as simulate
     from treadle.testing.simulation import with_latency as with_latency
@@ -69,6 +73,7 @@ __getattr__ = lazy_names(
         "check_action_executor": "treadle.testing.seams",
         "check_decision_parser": "treadle.testing.seams",
         "check_model_client": "treadle.testing.seams",
+        "check_model_client_deadlines": "treadle.testing.seams",
         "FaultPlan": "treadle.testing.simulation",
         "simulate": "treadle.testing.simulation",
         "with_latency": "treadle.testing.simulation",
@@ -94,6 +99,7 @@ __all__ = [
     "check_crash_recovery",
     "check_decision_parser",
     "check_model_client",
+    "check_model_client_deadlines",
     "check_run_store",
     "check_thread_crash_recovery",
     "open_loopback_server",

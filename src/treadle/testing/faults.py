@@ -24,7 +24,8 @@ from typing import Any, Literal, NoReturn
 import attrs
 
 from treadle._exceptions import StoreError
-from treadle.ports import ActionExecutor, LeaseStore, RunStore, ToolPolicies
+from treadle.policies import POLICY_METHODS
+from treadle.ports import ActionExecutor, LeaseStore, RunStore
 from treadle.stores._jsonl_backend import FileOps, OsFileOps
 from treadle.testing._intercept import InterceptingStore
 from treadle.types import (
@@ -183,7 +184,8 @@ class CrashingExecutor:
         """Forward the inner executor's `treadle.ports.ToolPolicies` methods (those it has).
 
         So a wrapped executor keeps its approvals, secret arguments, argument checks,
-        timeouts and stale-write declarations, and its run's snapshot is unchanged.
+        timeouts, stale-write declarations and images (`treadle.policies.policies_of` finds
+        the inner executor's methods through here), and its run's snapshot is unchanged.
         """
         if name in _TOOL_POLICIES:
             return getattr(self.inner, name)
@@ -200,7 +202,7 @@ class CrashingExecutor:
         raise SimulatedCrash(message)
 
 
-_TOOL_POLICIES = frozenset(name for name in vars(ToolPolicies) if not name.startswith("_"))
+_TOOL_POLICIES = frozenset(POLICY_METHODS)
 
 
 def _default_failure() -> StoreError:

@@ -16,7 +16,7 @@ import trio
 
 from treadle._exceptions import ModelCallError
 from treadle.ports import DeltaCallback
-from treadle.types import ModelErrorInfo, ModelReply, ModelRequest, ToolCall, Usage
+from treadle.types import Attempt, ModelErrorInfo, ModelReply, ModelRequest, ToolCall, Usage
 
 UNNAMED: str = ""
 """The id of a scripted call written without ``call_id``; `ScriptedModel` names it by position."""
@@ -63,6 +63,11 @@ class ScriptedModel:
             this many characters.
         turn_offset: assistant messages of a request's history the script does not count
             (those a run inherited from the runs its thread continues, docs/threads.md).
+        reports_usage: report a reply's known usage to the attempt's observer before
+            returning it, as a server that reports usage in its last event does (the token
+            budget then cuts the attempt, docs/models.md, "Budgets during a call"); ``False``
+            plays a client that reports none (the gateway checks the reply's usage when the
+            call ends).
 
     Attributes:
         requests: every request received, in order.
@@ -73,16 +78,27 @@ class ScriptedModel:
     latency_s: float = 0.0
     stream_chunk_chars: int = 0
     turn_offset: int = 0
+    reports_usage: bool = True
     requests: list[ModelRequest] = attrs.Factory(list)
     _failed: dict[int, int] = attrs.Factory(dict)
 
     async def complete(
-        self, request: ModelRequest, *, on_delta: DeltaCallback | None = None
+        self,
+        request: ModelRequest,
+        *,
+        on_delta: DeltaCallback | None = None,
+        attempt: Attempt = Attempt.STANDALONE,
     ) -> ModelReply:
         """Answer with the scripted reply for this turn (or raise its scripted failure).
 
+        With ``reports_usage``, a reply whose usage is known is reported to
+        ``attempt.report_usage`` once, before it is returned. The attempt's deadlines do not
+        apply: nothing is read from a network (``latency_s`` is not a wait for a first byte),
+        and a `STALLED` failure ends only at the gateway's attempt total or a cancel.
+
         Raises:
-            ModelCallError: a scripted failure, or ``invalid_response`` when the script ran out.
+            ModelCallError: a scripted failure, ``invalid_response`` when the script ran out,
+                or the error ``attempt.report_usage`` raised (e.g. ``token_budget``).
         """
         self.requests.append(request)
         if self.latency_s > 0:
@@ -106,7 +122,12 @@ class ScriptedModel:
             size = self.stream_chunk_chars
             for start in range(0, len(reply.text), size):
                 on_delta("text", reply.text[start : start + size])
+        if self.reports_usage and reply.usage != _UNKNOWN_USAGE:
+            attempt.report_usage(reply.usage)
         return reply
+
+
+_UNKNOWN_USAGE = Usage()
 
 
 def _named(reply: ModelReply, turn: int) -> ModelReply:

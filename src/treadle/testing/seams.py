@@ -8,20 +8,25 @@ it to the same contract as ours (docs/seams.md); the run store's contract is
 
 from __future__ import annotations
 
+import inspect
 import random
 from collections.abc import Sequence
 
 import trio
 
-from treadle._exceptions import ContractViolation, ModelCallError
+from treadle._exceptions import ContractViolation, ModelCallError, UsageError
+from treadle.policies import ExecutorPolicies, policies_of
 from treadle.ports import ActionExecutor, DecisionParser, ModelClient
 from treadle.types import (
     Action,
     ActionOutcome,
     ActionStatus,
+    Attempt,
     DecisionKind,
+    ImageRef,
     InvalidToolCall,
     Message,
+    ModelErrorInfo,
     ModelReply,
     ModelRequest,
     ParsedReply,
@@ -37,6 +42,7 @@ __all__ = [
     "check_action_executor",
     "check_decision_parser",
     "check_model_client",
+    "check_model_client_deadlines",
 ]
 
 
@@ -191,9 +197,23 @@ async def check_action_executor(executor: ActionExecutor, *, sample: Action | No
     well-formed outcome; ``reconcile`` of an action never written returns ``None`` or an
     outcome; and ``execute`` is a checkpoint that lets `trio.Cancelled` through.
 
+    Then the `treadle.ports.ToolPolicies` methods the executor declares (those
+    `treadle.policies.policies_of` finds; an executor without one gets its default and is not
+    asked), for each tool and an unknown one: each is callable; ``requires_approval`` gives
+    a bool; ``secret_arguments`` a collection of str; ``invalid_arguments`` ``None`` or a
+    reason, and a reason for an unknown tool and for every call above that ``execute``
+    answered NOT_EXECUTED for its arguments (such a call must wait for no human);
+    ``timeout_s`` ``None`` or seconds above 0 (``math.inf`` allowed); ``writes`` ``None`` or
+    a non-empty key template; ``image_source`` raises `LookupError` for an image it does not
+    keep.
+
     Raises:
         SeamContractError: naming the broken rule.
     """
+    try:
+        policies = policies_of(executor)
+    except UsageError as exc:
+        raise SeamContractError(str(exc)) from exc
     specs = executor.tool_specs()
     _expect(isinstance(specs, tuple), "tool_specs must return a tuple")
     _expect(all(isinstance(s, ToolSpec) for s in specs), "tool_specs must hold ToolSpec records")
@@ -206,14 +226,18 @@ async def check_action_executor(executor: ActionExecutor, *, sample: Action | No
     outcome = await executor.execute(unknown)
     _check_outcome(outcome)
     _expect(outcome.status is ActionStatus.NOT_EXECUTED, "an unknown tool must be NOT_EXECUTED")
+    refused = [unknown]
     for spec in specs:
         if spec.parameters.get("required"):
-            bad = await executor.execute(_action(spec.name, {"__unexpected__": object()}))
+            bad_call = _action(spec.name, {"__unexpected__": object()})
+            bad = await executor.execute(bad_call)
             _check_outcome(bad)
             _expect(
                 bad.status is ActionStatus.NOT_EXECUTED,
                 f"invalid arguments for {spec.name} must be NOT_EXECUTED",
             )
+            refused.append(bad_call)
+    _check_policies(policies, [*names, unknown.tool], refused)
     if sample is not None:
         _check_outcome(await executor.execute(sample))
     reconciled = await executor.reconcile(_action(names[0] if names else "x", {}))
@@ -222,6 +246,57 @@ async def check_action_executor(executor: ActionExecutor, *, sample: Action | No
         scope.cancel()
         await executor.execute(sample or unknown)
     _expect(scope.cancelled_caught, "execute must be a checkpoint that lets Cancelled through")
+
+
+def _check_policies(
+    policies: ExecutorPolicies, tools: Sequence[str], refused: Sequence[Action]
+) -> None:
+    """The answers of the `treadle.ports.ToolPolicies` methods ``policies`` declares."""
+    declared = policies.declared
+    for tool in tools:
+        if "requires_approval" in declared:
+            answer: object = policies.requires_approval(tool)
+            _expect(isinstance(answer, bool), f"requires_approval({tool!r}) must be a bool")
+        if "secret_arguments" in declared:
+            names = policies.secret_arguments(tool)
+            _expect(
+                all(isinstance(name, str) for name in names),
+                f"secret_arguments({tool!r}) must be argument names (str)",
+            )
+        if "timeout_s" in declared:
+            seconds = policies.timeout_s(tool)
+            number = isinstance(seconds, int | float) and not isinstance(seconds, bool)
+            _expect(
+                seconds is None or (number and seconds > 0),
+                f"timeout_s({tool!r}) must be None or seconds above 0, got {seconds!r}",
+            )
+        if "writes" in declared:
+            template = policies.writes(tool)
+            _expect(
+                template is None or (isinstance(template, str) and bool(template)),
+                f"writes({tool!r}) must be None or a key template, got {template!r}",
+            )
+    if "invalid_arguments" in declared:
+        for action in refused:
+            reason = policies.invalid_arguments(action.tool, action.arguments)
+            _expect(
+                isinstance(reason, str) and bool(reason),
+                f"invalid_arguments must give the reason a call of {action.tool!r} with "
+                f"{dict(action.arguments)!r} is NOT_EXECUTED (no human is asked about it)",
+            )
+    if policies.image_source is not None:
+        missing = ImageRef(url="ref:__no_such_image__")
+        try:
+            data = policies.image_source(missing)
+        except LookupError:
+            pass
+        except Exception as exc:
+            rule = "image_source must raise LookupError for an image it does not keep"
+            raise SeamContractError(f"{rule}, raised {exc!r}") from exc
+        else:
+            raise SeamContractError(
+                f"image_source returned {type(data).__name__} for an image it never returned"
+            )
 
 
 def _action(tool: str, arguments: dict[str, object]) -> Action:
@@ -246,33 +321,53 @@ def _check_outcome(outcome: ActionOutcome) -> None:
 async def check_model_client(
     client: ModelClient, request: ModelRequest | None = None
 ) -> ModelReply:
-    """Hold ``client`` to the model client contract (docs/seams.md, "Model client") on one call.
+    """Hold ``client`` to the model client contract (docs/seams.md, "Model client").
 
-    Checks: the call returns a `ModelReply` (or raises `ModelCallError` with a classified
-    kind); usage counts are ints or ``None`` (never a made-up value of another type); every
-    tool call has a non-empty id and a dict of arguments; the streamed text fragments, when
-    any were delivered, add up to the reply's text.
+    Makes up to two calls of ``request`` (default: a one-line user message), so the server
+    behind ``client`` must answer it twice.
+
+    Checks, on the first call (made with an `Attempt` that records every usage report):
+    ``complete`` takes the keyword-only ``attempt`` argument, with a default (a call outside a
+    run passes none); the call returns a `ModelReply` (or raises `ModelCallError` with a
+    classified kind and a `Usage`); usage counts are ints or ``None`` (never a made-up value
+    of another type); every tool call has a non-empty id and a dict of arguments; the
+    streamed text fragments, when any were delivered, add up to the reply's text; every
+    usage report is a `Usage`.
+
+    When the client reported usage, a second call's `Attempt` raises `ModelCallError` (kind
+    ``token_budget``) from the first report, as the model gateway's does when the run's token
+    budget is crossed: the call must end by raising that very error (docs/models.md,
+    "Budgets during a call"). A client that reports no usage is not asked this (the gateway
+    then checks the reply's usage when the call ends). The attempt's deadlines are held by
+    `check_model_client_deadlines`, against a server that stalls.
 
     Returns:
-        The reply, for further checks by the caller.
+        The first call's reply, for further checks by the caller.
 
     Raises:
         SeamContractError: naming the broken rule.
-        ModelCallError: the call failed (after its error was checked to be classified).
+        ModelCallError: the first call failed (after its error was checked to be classified).
     """
+    _check_takes_attempt(client)
     request = request or ModelRequest(messages=(Message(role="user", content="Say hi."),))
     fragments: list[str] = []
+    reports: list[object] = []
 
     def on_delta(channel: str, text: str) -> None:
         _expect(channel in ("text", "reasoning"), f"unknown delta channel {channel!r}")
         if channel == "text":
             fragments.append(text)
 
+    recording = Attempt(
+        connect_s=_GENEROUS_S,
+        first_byte_s=_GENEROUS_S,
+        idle_s=_GENEROUS_S,
+        report_usage=reports.append,
+    )
     try:
-        reply = await client.complete(request, on_delta=on_delta)
+        reply = await client.complete(request, on_delta=on_delta, attempt=recording)
     except ModelCallError as exc:
-        _expect(bool(exc.info.kind), "a model error must carry a kind")
-        _expect(isinstance(exc.usage, Usage), "a model error must carry usage (maybe unknown)")
+        _check_model_error(exc)
         raise
     _expect(isinstance(reply, ModelReply), f"complete returned {type(reply)!r}")
     for count in (reply.usage.input_tokens, reply.usage.output_tokens, reply.usage.total_tokens):
@@ -282,4 +377,113 @@ async def check_model_client(
         _expect(isinstance(call.arguments, dict), "tool call arguments must be a dict")
     if fragments:
         _expect("".join(fragments) == (reply.text or ""), "text deltas must add up to the text")
+    _expect(
+        all(isinstance(usage, Usage) for usage in reports),
+        "attempt.report_usage must be called with Usage records",
+    )
+    if reports:
+        await _check_usage_report_ends_the_attempt(client, request)
     return reply
+
+
+async def check_model_client_deadlines(
+    client: ModelClient,
+    request: ModelRequest | None = None,
+    *,
+    deadline_s: float = 0.5,
+    grace_s: float = 10.0,
+) -> ModelCallError:
+    """Hold ``client`` to the attempt's deadlines (docs/seams.md, "Model client").
+
+    ``client`` must be pointed at a server that stalls: it accepts the request and then sends
+    nothing, or stops sending in the middle of a stream (`treadle.testing.loopback` serves
+    either: a `CannedResponse` with a long ``delay_s``, or a long pause among its
+    ``chunks``). The call is made with an `Attempt` whose connect, first-byte and idle
+    deadlines are all ``deadline_s`` seconds; it must end by raising a retryable
+    `ModelCallError` of kind ``timeout`` (docs/models.md, "Deadlines inside every attempt").
+    A call still running ``grace_s`` seconds after its deadline is cancelled, and the client
+    broke the rule.
+
+    Returns:
+        The timeout error, for further checks by the caller.
+
+    Raises:
+        SeamContractError: the call did not end in time, ended with a reply (the server did
+            not stall), or raised anything but a retryable ``timeout``.
+    """
+    _check_takes_attempt(client)
+    request = request or ModelRequest(messages=(Message(role="user", content="Say hi."),))
+    tight = Attempt(connect_s=deadline_s, first_byte_s=deadline_s, idle_s=deadline_s)
+    with trio.move_on_after(deadline_s + grace_s):
+        try:
+            reply = await client.complete(request, attempt=tight)
+        except ModelCallError as exc:
+            _check_model_error(exc)
+            _expect(
+                exc.info.kind == "timeout" and exc.info.retryable,
+                f"a passed attempt deadline must raise a retryable timeout, got {exc.info!r}",
+            )
+            return exc
+        raise SeamContractError(
+            f"the call returned {type(reply).__name__} from a server that should stall: "
+            "point the client at one that sends nothing"
+        )
+    raise SeamContractError(
+        f"the call ran {grace_s:g} s past the attempt's {deadline_s:g} s deadlines: "
+        "complete must apply attempt.connect_s, first_byte_s and idle_s"
+    )
+
+
+_GENEROUS_S = 120.0
+"""Seconds of each deadline of the recording attempt: wide enough for any healthy server."""
+
+
+def _check_takes_attempt(client: ModelClient) -> None:
+    """``complete`` takes ``attempt`` by keyword, with a default (or takes ``**kwargs``)."""
+    try:
+        parameters = inspect.signature(client.complete).parameters
+    except (TypeError, ValueError):  # a callable without a signature: the call will tell
+        return
+    found = parameters.get("attempt")
+    if found is None:
+        _expect(
+            any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values()),
+            "complete must take the keyword argument attempt (treadle.types.Attempt)",
+        )
+        return
+    _expect(
+        found.kind in (inspect.Parameter.KEYWORD_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD),
+        "complete must take attempt by keyword",
+    )
+    _expect(
+        found.default is not inspect.Parameter.empty,
+        "complete's attempt needs a default (Attempt.STANDALONE) for calls outside a run",
+    )
+
+
+def _check_model_error(exc: ModelCallError) -> None:
+    _expect(bool(exc.info.kind), "a model error must carry a kind")
+    _expect(isinstance(exc.usage, Usage), "a model error must carry usage (maybe unknown)")
+
+
+async def _check_usage_report_ends_the_attempt(client: ModelClient, request: ModelRequest) -> None:
+    """A report that raises ends the attempt with that very error."""
+    cut = ModelCallError(ModelErrorInfo(kind="token_budget", message="contract check"))
+    reported: list[Usage] = []
+
+    def over_budget(usage: Usage) -> None:
+        reported.append(usage)
+        raise cut
+
+    try:
+        await client.complete(request, attempt=Attempt(report_usage=over_budget))
+    except ModelCallError as exc:
+        if exc is cut:
+            return
+        _expect(not reported, f"complete replaced the error report_usage raised with {exc!r}")
+        _check_model_error(exc)  # a failure before any report: nothing more to check
+        return
+    except Exception as exc:
+        what = "replaced the error report_usage raised with" if reported else "raised"
+        raise SeamContractError(f"complete {what} {exc!r}") from exc
+    _expect(not reported, "complete went on after attempt.report_usage raised")

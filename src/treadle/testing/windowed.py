@@ -28,6 +28,7 @@ from treadle.testing.simulation import FaultPlan
 from treadle.tools import Toolbox, tool
 from treadle.types import (
     ActionResult,
+    Attempt,
     Budgets,
     Limits,
     Message,
@@ -83,9 +84,20 @@ class WindowedModel:
     requests: list[ModelRequest] = attrs.Factory(list)
 
     async def complete(
-        self, request: ModelRequest, *, on_delta: DeltaCallback | None = None
+        self,
+        request: ModelRequest,
+        *,
+        on_delta: DeltaCallback | None = None,
+        attempt: Attempt = Attempt.STANDALONE,
     ) -> ModelReply:
-        """Answer one request (see the module docstring)."""
+        """Answer one request (see the module docstring).
+
+        The usage of an answer is reported to ``attempt.report_usage`` before it is returned.
+
+        Raises:
+            ModelCallError: a scripted failure, ``context_length_exceeded`` for a request over
+                the window, or the error ``attempt.report_usage`` raised.
+        """
         self.requests.append(request)
         if self.failures:
             failure = self.failures.pop(0)
@@ -104,6 +116,7 @@ class WindowedModel:
                 usage=Usage(),
             )
         usage = Usage(input_tokens=size, output_tokens=8)
+        attempt.report_usage(usage)
         if _is_summary(request):
             self.summaries += 1
             newest = _newest(request)
