@@ -7,6 +7,7 @@ simulation can make a log byte-identical for the same seed.
 from __future__ import annotations
 
 import datetime as dt
+import time
 from typing import Protocol
 
 import attrs
@@ -20,13 +21,30 @@ class Clock(Protocol):
         ...
 
 
+_DAY_NS = 86_400_000_000_000
+
+
 @attrs.define(eq=False)
 class SystemClock:
     """The real UTC wall clock."""
 
+    _day: int = -1
+    _prefix: str = ""
+
     def now_iso(self) -> str:
-        """The current UTC instant, ISO-8601."""
-        return dt.datetime.now(dt.UTC).isoformat()
+        """The current UTC instant, ISO-8601, to the microsecond (``...T12:00:00.000000+00:00``).
+
+        A step writes several records, each stamped: the date is formatted once a day, the
+        rest from integers (a third of `datetime.isoformat`'s cost).
+        """
+        day, rest = divmod(time.time_ns(), _DAY_NS)
+        if day != self._day:
+            self._day = day
+            self._prefix = dt.datetime.fromtimestamp(day * 86_400, dt.UTC).strftime("%Y-%m-%dT")
+        seconds, micros = divmod(rest // 1000, 1_000_000)
+        hours, seconds = divmod(seconds, 3600)
+        minutes, seconds = divmod(seconds, 60)
+        return f"{self._prefix}{hours:02d}:{minutes:02d}:{seconds:02d}.{micros:06d}+00:00"
 
 
 @attrs.define(eq=False)

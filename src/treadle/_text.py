@@ -82,6 +82,11 @@ def _field_names(cls: type) -> tuple[str, ...]:
     )
 
 
+_NOTHING_TO_WALK: Final = frozenset({type(None), int, float, bool})
+_TEXT_FIELDS: dict[type, tuple[str, ...]] = {}
+"""attrs class -> its fields that may hold text (`_field_names`), looked up without a call."""
+
+
 def holds_surrogates(value: Any) -> bool:
     """Whether any string in ``value`` holds a surrogate code point (text no UTF-8 encodes).
 
@@ -90,14 +95,27 @@ def holds_surrogates(value: Any) -> bool:
     kind = type(value)
     if kind is str:
         return not value.isascii() and _SURROGATE.search(value) is not None
-    if kind is dict:
-        return any(holds_surrogates(k) or holds_surrogates(v) for k, v in value.items())
-    if kind is tuple or kind is list:
-        return any(holds_surrogates(item) for item in value)
-    if value is None or kind is int or kind is float or kind is bool:
+    if kind in _NOTHING_TO_WALK:
         return False
-    if attrs.has(kind):
-        return any(holds_surrogates(getattr(value, name)) for name in _field_names(kind))
+    # Loops, not any(...): no generator frame per value (this runs on every result).
+    if kind is dict:
+        for key, item in value.items():  # noqa: SIM110
+            if holds_surrogates(key) or holds_surrogates(item):
+                return True
+        return False
+    if kind is tuple or kind is list:
+        for item in value:  # noqa: SIM110
+            if holds_surrogates(item):
+                return True
+        return False
+    names = _TEXT_FIELDS.get(kind)
+    if names is None and attrs.has(kind):
+        names = _TEXT_FIELDS[kind] = _field_names(kind)
+    if names is not None:
+        for name in names:  # noqa: SIM110
+            if holds_surrogates(getattr(value, name)):
+                return True
+        return False
     if isinstance(value, enum.Enum):
         return False
     if isinstance(value, str):

@@ -144,12 +144,19 @@ class StepScope:
         self.reason = ""
         self._open: set[trio.CancelScope] = set()
 
-    def open(self) -> _BoundScope:
+    def open(self, limit_s: float | None = None) -> _BoundScope:
         """A fresh cancel scope bound to this step's deadline and cancellation.
 
         Use as ``with step_scope.open() as scope:``; ``scope`` is the `trio.CancelScope`.
+
+        Args:
+            limit_s: also end the scope this many seconds from now (trio clock) when that
+                comes before the step's deadline: one scope for an actor's own limit and
+                the step's (each scope is a measurable part of a step's cost,
+                docs/performance.md). `_BoundScope.limit_expired` tells afterwards which
+                ended it.
         """
-        return _BoundScope(self)
+        return _BoundScope(self, limit_s)
 
     def cancel(self, reason: str) -> None:
         """Cancel everything open now or opened later, with ``reason``."""
@@ -167,13 +174,29 @@ class StepScope:
 class _BoundScope:
     """Context manager behind `StepScope.open` (a class: this is on every step's hot path)."""
 
-    __slots__ = ("_owner", "_scope")
+    __slots__ = ("_limit", "_owner", "_scope")
 
-    def __init__(self, owner: StepScope) -> None:
+    def __init__(self, owner: StepScope, limit_s: float | None = None) -> None:
         self._owner = owner
-        self._scope = trio.CancelScope(deadline=owner.deadline)
+        deadline = owner.deadline
+        self._limit = float("inf")
+        if limit_s is not None:
+            self._limit = trio.current_time() + limit_s
+            deadline = min(deadline, self._limit)
+        self._scope = trio.CancelScope(deadline=deadline)
         if owner.cancel_called:
             self._scope.cancel(reason=owner.reason)
+
+    @property
+    def limit_expired(self) -> bool:
+        """The scope caught a cancellation that its own limit caused (not the step's)."""
+        owner = self._owner
+        return (
+            self._scope.cancelled_caught
+            and not owner.cancel_called
+            and self._limit < owner.deadline
+            and trio.current_time() >= self._limit
+        )
 
     def __enter__(self) -> trio.CancelScope:
         self._owner._open.add(self._scope)

@@ -246,11 +246,22 @@ class ModelGateway:
         started = trio.current_time()
         outcome: ModelReply | ModelCallError | None = None
         on_delta = None if intent.compaction else self._on_delta()
-        with message.scope.open():
+        # One scope for the step and the attempt's limit (`Limits.model_attempt_s`).
+        bound = message.scope.open(limit_s=self.limits.model_attempt_s)
+        with bound:
             durable = await self.writer.send_barrier(StoreOp.INTENT, intent)
             written.append(intent)
             await durable.receive()
             outcome = await self._complete(client, message.request, on_delta, meter)
+        if outcome is None and bound.limit_expired and written and written[-1] is intent:
+            outcome = ModelCallError(
+                ModelErrorInfo(
+                    kind="timeout",
+                    message=f"attempt exceeded {self.limits.model_attempt_s} s",
+                    retryable=True,
+                ),
+                usage=meter.last,
+            )
         self._coalescer.flush()
         if outcome is None:
             if written and written[-1] is intent:
@@ -282,19 +293,9 @@ class ModelGateway:
             image_source=self.image_source,
         )
         try:
-            with trio.move_on_after(limits.model_attempt_s) as limit:
-                reply_ = await client.complete(request, on_delta=on_delta, attempt=attempt)
+            reply_ = await client.complete(request, on_delta=on_delta, attempt=attempt)
         except ModelCallError as exc:
             return meter.error if meter.cut and meter.error is not None else exc
-        if limit.cancelled_caught:
-            return ModelCallError(
-                ModelErrorInfo(
-                    kind="timeout",
-                    message=f"attempt exceeded {limits.model_attempt_s} s",
-                    retryable=True,
-                ),
-                usage=meter.last,
-            )
         if not isinstance(reply_, ModelReply):
             # A bug in the client, not a result of the call: nothing is recorded for the
             # attempt and the run is interrupted (its intent is abandoned on resume).
