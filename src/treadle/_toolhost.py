@@ -52,6 +52,38 @@ class HostStatistics:
     late_returns: int = 0
 
 
+class _Done:
+    """Set once when a call ends; its waiters are woken (a light `trio.Event`)."""
+
+    __slots__ = ("_set", "_waiters")
+
+    def __init__(self) -> None:
+        self._set = False
+        self._waiters: list[trio.lowlevel.Task] = []
+
+    def is_set(self) -> bool:
+        return self._set
+
+    def set(self) -> None:
+        self._set = True
+        waiters, self._waiters = self._waiters, []
+        for task in waiters:
+            trio.lowlevel.reschedule(task)
+
+    async def wait(self) -> None:
+        if self._set:
+            await trio.lowlevel.checkpoint()
+            return
+        task = trio.lowlevel.current_task()
+        self._waiters.append(task)
+
+        def abort(_: object) -> trio.lowlevel.Abort:
+            self._waiters.remove(task)
+            return trio.lowlevel.Abort.SUCCEEDED
+
+        await trio.lowlevel.wait_task_rescheduled(abort)
+
+
 class HostedCall(Generic[T]):
     """One call running in a `ToolHost`; the run waits on it with `wait`.
 
@@ -65,7 +97,7 @@ class HostedCall(Generic[T]):
         self.description = description
         self._stats = stats
         self._scope = trio.CancelScope()
-        self._done = trio.Event()
+        self._done = _Done()
         self._result: outcome.Outcome[T] | None = None
         self._abandoned = False
         self._on_late = on_late
