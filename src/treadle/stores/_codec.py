@@ -171,7 +171,10 @@ def encode_bytes(record: Record) -> bytes:
 def decode(text: str | bytes) -> Record:
     """Parse one record of the objects encoding; raises `ValueError` (or a cattrs error)."""
     # The standard library's decoder: orjson would turn integers beyond 64 bits into floats.
-    return record_from_dict(json.loads(text))
+    data = json.loads(text)
+    if not isinstance(data, dict):
+        raise ValueError(f"a JSON {type(data).__name__}, not an object")  # noqa: TRY004 - input
+    return record_from_dict(data)
 
 
 def record_crc(run_id: str, seq: int, generation: int, kind: str, body: bytes) -> int:
@@ -272,10 +275,6 @@ def compact_ts(text: str) -> int | str:
     return micros if micros_text(micros) == text else text
 
 
-def _ts_in(value: int | str) -> str:
-    return value if type(value) is str else micros_text(value)  # type: ignore[arg-type]
-
-
 # --------------------------------------------------------------------------- compact: intent ids
 
 
@@ -286,18 +285,6 @@ def _ref_out(value: str, prefix: str) -> int | str:
         if digits.isascii() and digits.isdigit() and str(int(digits)) == digits:
             return int(digits)
     return value
-
-
-def _ref_in(value: int | str, prefix: str) -> str:
-    return value if type(value) is str else f"{prefix}{value}"
-
-
-def _model_prefix(run_id: str, step: int) -> str:
-    return f"{run_id}/s{step}/m"
-
-
-def _action_prefix(run_id: str, step: int) -> str:
-    return f"{run_id}/s{step}/a"
 
 
 # --------------------------------------------------------------------------- compact: the schema
@@ -573,8 +560,8 @@ def _as_dict(value: Mapping[str, Any]) -> dict[str, Any]:
 
 
 _CONVERSIONS: Final[dict[str, tuple[str, str]]] = {
-    # shape -> (record value to wire, wire value to record); {v}: the value, {n}: the name of
-    # the nested class (its encoder _enc_{n}, decoder _dec_{n})
+    # shape -> (record value to wire, wire value to record), as Python expressions: {v} is
+    # the value, {n} the name of the nested class (its encoder _enc_{n}, decoder _dec_{n})
     "plain": ("{v}", "{v}"),
     "mapping": ("_as_dict({v})", "{v}"),
     "optional_mapping": ("(None if {v} is None else _as_dict({v}))", "{v}"),
@@ -583,24 +570,34 @@ _CONVERSIONS: Final[dict[str, tuple[str, str]]] = {
         "(None if {v} is None else _enc_{n}({v}))",
         "(None if {v} is None else _dec_{n}({v}))",
     ),
-    "objects": ("[_enc_{n}(x) for x in {v}]", "tuple([_dec_{n}(x) for x in {v}])"),
+    "objects": (
+        "[_enc_{n}(x) for x in {v}]",
+        "(tuple([_dec_{n}(x) for x in {v}]) if {v} else ())",
+    ),
     "objects2": (
         "[[_enc_{n}(y) for y in x] for x in {v}]",
-        "tuple([tuple([_dec_{n}(y) for y in x]) for x in {v}])",
+        "(tuple([tuple([_dec_{n}(y) for y in x]) for x in {v}]) if {v} else ())",
     ),
 }
 
 _SPECIAL_CONVERSIONS: Final[dict[str, tuple[str, str]]] = {
-    _TS: ("_ts_out({v})", "_ts_in({v})"),
+    _TS: ("_ts_out({v})", "({v} if type({v}) is str else _micros_text({v}))"),
     _OWN_MODEL_ID: (
         "(None if {v} == f'{{run_id}}/s{{r.step}}/m{{r.attempt}}' else {v})",
         "(f'{{run_id}}/s{{w.step}}/m{{w.attempt}}' if {v} is None else {v})",
     ),
-    _MODEL_REF: ("_ref_out({v}, _mp(run_id, r.step))", "_ref_in({v}, _mp(run_id, w.step))"),
-    _ACTION_REF: ("_ref_out({v}, _ap(run_id, r.step))", "_ref_in({v}, _ap(run_id, w.step))"),
+    _MODEL_REF: (
+        "_ref_out({v}, f'{{run_id}}/s{{r.step}}/m')",
+        "({v} if type({v}) is str else f'{{run_id}}/s{{w.step}}/m{{{v}}}')",
+    ),
+    _ACTION_REF: (
+        "_ref_out({v}, f'{{run_id}}/s{{r.step}}/a')",
+        "({v} if type({v}) is str else f'{{run_id}}/s{{w.step}}/a{{{v}}}')",
+    ),
     _ACTION_REFS: (
-        "[_ref_out(x, _ap(run_id, r.step)) for x in {v}]",
-        "tuple([_ref_in(x, _ap(run_id, w.step)) for x in {v}])",
+        "[_ref_out(x, f'{{run_id}}/s{{r.step}}/a') for x in {v}]",
+        "(tuple([x if type(x) is str else f'{{run_id}}/s{{w.step}}/a{{x}}' for x in {v}])"
+        " if {v} else ())",
     ),
 }
 
@@ -638,11 +635,8 @@ def _build(cls: type[Any]) -> _Shape:
         "_cls": cls,
         "_new": object.__new__,
         "_ts_out": compact_ts,
-        "_ts_in": _ts_in,
+        "_micros_text": micros_text,
         "_ref_out": _ref_out,
-        "_ref_in": _ref_in,
-        "_mp": _model_prefix,
-        "_ap": _action_prefix,
         "_as_dict": _as_dict,
     }
     wire_fields: list[Any] = []
@@ -760,16 +754,34 @@ def _struct_default(default: Any) -> Any:
 for _cls in WIRE:  # nested shapes are listed before the classes that hold them
     _SHAPES[_cls] = _build(_cls)
 
-_DECODERS: Final[dict[str, msgspec.json.Decoder[Any]]] = {
-    tag: msgspec.json.Decoder(_SHAPES[cls].wire) for tag, cls in CLASS_OF_TAG.items()
-}
-_ANY_RECORD: Final = msgspec.json.Decoder(
-    Union[tuple(_SHAPES[cls].wire for cls in TAG_OF)]  # noqa: UP007 - computed members
-)
-_FROM_WIRE: Final[dict[type[Any], Callable[..., Record]]] = {
-    _SHAPES[cls].wire: _SHAPES[cls].decode for cls in TAG_OF
-}
 _ENCODER: Final = msgspec.json.Encoder()
+
+
+def _unpacker(decoder: msgspec.json.Decoder[Any]) -> Callable[[bytes | str, str], Record]:
+    """The function that decodes a compact body with ``decoder`` and builds its record."""
+    decode_wire = decoder.decode
+    build = {_SHAPES[cls].wire: _SHAPES[cls].decode for cls in TAG_OF}
+
+    def unpack_body(body: bytes | str, run_id: str) -> Record:
+        try:
+            wire = decode_wire(body)
+        except msgspec.DecodeError:
+            if b"\\u" not in (body if isinstance(body, bytes) else body.encode()):
+                raise
+            # escaped lone surrogates, which msgspec's parser refuses: the standard library's
+            wire = msgspec.convert(json.loads(body), type=decoder.type)
+        record: Record = build[type(wire)](wire, run_id)
+        return record
+
+    return unpack_body
+
+
+_UNPACK: Final[dict[str, Callable[[bytes | str, str], Record]]] = {
+    tag: _unpacker(msgspec.json.Decoder(_SHAPES[cls].wire)) for tag, cls in CLASS_OF_TAG.items()
+}
+_UNPACK_ANY: Final = _unpacker(
+    msgspec.json.Decoder(Union[tuple(_SHAPES[cls].wire for cls in TAG_OF)])  # noqa: UP007
+)
 
 
 def is_compact(kind: str) -> bool:
@@ -810,33 +822,62 @@ def unpack(body: bytes | str, run_id: str, kind: str | None = None) -> Record:
             type, more fields than the tag has (`msgspec.ValidationError` and
             `msgspec.DecodeError` are `ValueError`).
     """
-    decoder = _ANY_RECORD if kind is None else _DECODERS.get(kind)
-    if decoder is None:
-        raise ValueError(f"{kind!r} is not a tag of the compact encoding")
-    try:
-        wire = decoder.decode(body)
-    except msgspec.DecodeError:
-        if b"\\u" not in (body if isinstance(body, bytes) else body.encode()):
-            raise
-        # escaped lone surrogates, which msgspec's parser refuses: the standard library's
-        wire = msgspec.convert(json.loads(body), type=decoder.type)
-    return _FROM_WIRE[type(wire)](wire, run_id)
+    if kind is None:
+        return _UNPACK_ANY(body, run_id)
+    return stored_decoder(kind)(body, run_id)
+
+
+def _objects_decoder(kind: str) -> Callable[[bytes | str, str], Record]:
+    def decode_object(body: bytes | str, run_id: str) -> Record:
+        record = decode(body)
+        if KIND_OF[type(record)] != kind:
+            raise ValueError(f"a {KIND_OF[type(record)]} record stored as {kind}")
+        if record.run_id != run_id:
+            raise ValueError(f"a record of run {record.run_id!r} in the log of run {run_id!r}")
+        return record
+
+    return decode_object
+
+
+_STORED: Final[dict[str, Callable[[bytes | str, str], Record]]] = {
+    **_UNPACK,
+    **{kind: _objects_decoder(kind) for kind in _CLASS_OF},
+}
+
+
+def stored_decoder(kind: str) -> Callable[[bytes | str, str], Record]:
+    """The decoder of a body stored under ``kind``, in either encoding.
+
+    It takes ``(body, run_id)`` and returns the record (a compact one gets ``run_id``; an
+    objects one must name it). It raises `ValueError` when the body does not decode as
+    ``kind`` says, or is a record of another run (a cattrs error or `KeyError` for the objects
+    encoding).
+
+    Raises:
+        ValueError: ``kind`` is a tag of neither encoding.
+    """
+    found = _STORED.get(kind)
+    if found is None:
+        raise ValueError(f"{kind!r} is not a tag of either encoding")
+    return found
 
 
 def decode_stored(kind: str, body: bytes | str, run_id: str) -> Record:
     """A stored record of either encoding, by the tag it was stored under.
 
     Raises:
-        ValueError: the body does not decode, its tag is not ``kind``, or it is a record of
-            another run (a cattrs error or `KeyError` for the objects encoding).
+        ValueError: as `stored_decoder` and its decoder.
     """
-    if kind in CLASS_OF_TAG:
-        return unpack(body, run_id, kind)
-    if kind not in _CLASS_OF:
-        raise ValueError(f"{kind!r} is not a tag of either encoding")
-    record = decode(body)
-    if KIND_OF[type(record)] != kind:
-        raise ValueError(f"a {KIND_OF[type(record)]} record stored as {kind}")
-    if record.run_id != run_id:
-        raise ValueError(f"a record of run {record.run_id!r} in the log of run {run_id!r}")
-    return record
+    return stored_decoder(kind)(body, run_id)
+
+
+def row_crc(run_id: str) -> Callable[[int, int, str, bytes], int]:
+    """`record_crc` for the rows of one run: ``(seq, generation, kind, body)`` -> the CRC."""
+    start = zlib.crc32(f"{run_id}\x1f".encode("utf-8", "surrogatepass"))
+    crc32 = zlib.crc32
+
+    def crc(seq: int, generation: int, kind: str, body: bytes) -> int:
+        head = f"{seq}\x1f{generation}\x1f{kind}\x1f".encode("utf-8", "surrogatepass")
+        return crc32(body, crc32(head, start))
+
+    return crc

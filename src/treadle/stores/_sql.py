@@ -54,11 +54,12 @@ from treadle.stores._codec import (
     check_schema,
     decode,
     decode_messages,
-    decode_stored,
     encode_bytes,
     encode_messages,
     pack,
     record_crc,
+    row_crc,
+    stored_decoder,
 )
 from treadle.stores._engine import CommitEngine, RunHead, StoreStatistics, Write, fail_writes
 from treadle.stores._index import IndexDelta, fold_delta
@@ -72,6 +73,7 @@ from treadle.types import (
     Message,
     Record,
     RunLog,
+    RunStarted,
     RunState,
     RunSummary,
     StopReason,
@@ -188,35 +190,41 @@ def encode_rows(
     return tuple(rows)
 
 
-def decode_row(where: str, run_id: str, expected_seq: int, row: Sequence[Any]) -> Record:
-    """One stored record row, checked (seq, checksum, tag, schema version).
+def decode_rows(where: str, run_id: str, rows: Sequence[Sequence[Any]]) -> tuple[Record, ...]:
+    """A run's stored record rows ``(seq, gen, kind, body, crc)`` from seq 1, as records.
+
+    Each row is checked: its seq, its checksum, that its body decodes as its tag says, and
+    the schema version of a run-started record.
 
     Raises:
-        LogCorrupted: the row is damaged (``offset`` is its seq).
-        SchemaTooNew: it was written by a newer schema version.
+        LogCorrupted: a row is damaged or missing (``offset`` is its seq).
+        SchemaTooNew: the run was started by a newer schema version.
     """
-    seq, gen, kind, body, crc = row
-    body = bytes(body)
-    if seq != expected_seq:
-        raise LogCorrupted(
-            f"run {run_id!r}: record seq {expected_seq} is missing",
-            where=where,
-            offset=expected_seq,
-        )
-    if record_crc(run_id, seq, gen, kind, body) != crc:
-        raise LogCorrupted(
-            f"run {run_id!r}: record {seq} fails its checksum", where=where, offset=seq
-        )
-    try:
-        record = decode_stored(kind, body, run_id)
-    except Exception as exc:
-        raise LogCorrupted(
-            f"run {run_id!r}: record {seq} ({kind}) does not decode: {exc}",
-            where=where,
-            offset=seq,
-        ) from exc
-    check_schema(record)
-    return record
+    crc_of = row_crc(run_id)
+    records: list[Record] = []
+    for expected, (seq, gen, kind, body, crc) in enumerate(rows, start=1):
+        if type(body) is not bytes:
+            body = bytes(body)  # a memoryview from PostgreSQL
+        if seq != expected:
+            raise LogCorrupted(
+                f"run {run_id!r}: record seq {expected} is missing", where=where, offset=expected
+            )
+        if crc_of(seq, gen, kind, body) != crc:
+            raise LogCorrupted(
+                f"run {run_id!r}: record {seq} fails its checksum", where=where, offset=seq
+            )
+        try:
+            record = stored_decoder(kind)(body, run_id)
+        except Exception as exc:
+            raise LogCorrupted(
+                f"run {run_id!r}: record {seq} ({kind}) does not decode: {exc}",
+                where=where,
+                offset=seq,
+            ) from exc
+        if type(record) is RunStarted:
+            check_schema(record)
+        records.append(record)
+    return tuple(records)
 
 
 # --------------------------------------------------------------------------- the batch commit
@@ -379,7 +387,7 @@ def read_records(dialect: SqlDialect, conn: Connection, run_id: str) -> tuple[Re
         ).fetchone()
     finally:
         conn.execute("COMMIT")
-    records = tuple(decode_row(where, run_id, n, row) for n, row in enumerate(rows, start=1))
+    records = decode_rows(where, run_id, rows)
     counted = 0 if head is None else int(head[0]) - 1
     if counted > len(records):
         raise LogCorrupted(
