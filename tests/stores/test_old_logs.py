@@ -115,6 +115,8 @@ async def test_an_old_sqlite_run_is_resumed_in_the_compact_encoding(old_sqlite: 
     async with open_sqlite_store(old_sqlite) as store:
         result = await treadle.run(agent(), store=store, run_id="old-open")
         log = await store.read_log("old-open")
+        summary = await store.read_summary("old-open")
+    assert summary is not None and summary.steps == 3  # old and new step rows both counted
     assert result.state is RunState.SUCCEEDED and result.final_answer == "done: 3"
     old = expected("sqlite", "old-open")
     assert log.records[: len(old)] == old  # what was stored stays what it was
