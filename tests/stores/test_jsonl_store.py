@@ -726,6 +726,41 @@ async def test_a_second_store_object_cannot_take_a_held_lease(tmp_path: Path) ->
         assert lease_now.generation == 3
 
 
+async def test_a_resume_reads_the_file_once_unless_it_changed_after_the_read(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The first write after a read of the log by the lease holder (a resume) trusts that read
+    when the file has not changed since; a file changed behind its back is read again."""
+    await write_run(tmp_path / "runs", steps=1)
+    heads: list[str] = []
+    real = _jsonl_backend.read_run_head
+
+    def counted(path: str) -> Any:
+        heads.append(path)
+        return real(path)
+
+    monkeypatch.setattr(_jsonl_backend, "read_run_head", counted)
+    async with open_jsonl_store(tmp_path / "runs") as store:
+        g = await lease(store, "r")
+        log = await store.read_log("r")
+        intent = ModelIntent(run_id="r", step=2, intent_id="m2", attempt=1, ts=TS)
+        await store.write_intent(intent, seq=len(log.records) + 1, generation=g)
+        assert heads == []
+        assert (await store.read_log("r")).records == (*log.records, intent)
+    async with open_jsonl_store(tmp_path / "runs") as store:
+        g = await lease(store, "r")
+        log = await store.read_log("r")
+        rogue = ModelIntent(run_id="r", step=2, intent_id="rogue", attempt=2, ts=TS)
+        path = Path(store.run_file("r"))
+        async with await trio.Path(path).open("ab") as file:  # a writer ignoring the lease
+            seq = len(log.records) + 1
+            await file.write(records_frame(seq, [rogue], generation=g, run_id="r"))
+        with pytest.raises(ConflictError) as info:
+            await store.write_intent(rogue, seq=seq, generation=g)
+        assert (info.value.expected, info.value.got) == (seq + 1, seq)
+        assert heads == [str(path)]  # read again: the file is not what the store read
+
+
 async def test_lines_appended_behind_the_writers_back_are_a_conflict(tmp_path: Path) -> None:
     async with open_jsonl_store(tmp_path / "runs") as store:
         run = Steps(store, "r")

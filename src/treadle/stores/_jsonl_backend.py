@@ -32,6 +32,9 @@ from treadle._exceptions import ConflictError, LeaseLost, LogCorrupted, StoreErr
 from treadle.stores._engine import BatchReport, RunHead, Write, fail_writes
 from treadle.stores._jsonl_files import (
     FORMAT_VERSION,
+    RunFile,
+    file_identity,
+    head_of,
     header_frame,
     read_run_head,
     records_frame,
@@ -206,6 +209,9 @@ class JsonlBackend:
         self._dir_dirty = False
         self._pool: ThreadPoolExecutor | None = None
         self._created_ns = 0
+        # What the store's last read of a file found, while nothing else wrote it: a run's
+        # first write after a read of its log (a resume) then skips reading it again.
+        self._read: dict[str, tuple[tuple[int, ...], FileRunHead]] = {}
 
     # ------------------------------------------------------------------ the trio side
 
@@ -227,12 +233,26 @@ class JsonlBackend:
             current = lease.generation if lease is not None else None
             raise LeaseLost(run_id, generation=generation, current=current)
 
+    def remember(self, path: str, found: RunFile) -> None:
+        """Note what a read of ``path`` found, for `load` (in the trio thread)."""
+        if found.identity is None:
+            return
+        if len(self._read) >= MAX_OPEN_FILES:
+            self._read.clear()
+        self._read[path] = (found.identity, head_of(found))
+
     def load(self, run_id: str) -> RunHead:
         """Read the run's file: its next seq, where its good prefix ends, its format.
 
-        Its frames are checked, its records not decoded (`read_run_head`).
+        Its frames are checked, its records not decoded (`read_run_head`); a file the store
+        read last (`remember`) and that has not changed since is not read again (should it
+        have changed unseen, the tail check of the first append refuses it).
         """
-        found = read_run_head(self._path_of(run_id))
+        path = self._path_of(run_id)
+        read = self._read.pop(path, None)
+        found = read[1] if read is not None and _identity(path) == read[0] else None
+        if found is None:
+            found = read_run_head(path)
         if found.run_id is not None and found.run_id != run_id:
             raise LogCorrupted(
                 f"the header names run {found.run_id!r}", where=self._path_of(run_id), offset=0
@@ -477,6 +497,13 @@ class JsonlBackend:
         if self._pool is not None:
             self._pool.shutdown(wait=False)
         return BatchReport(syncs=syncs, lost=tuple(lost))
+
+
+def _identity(path: str) -> tuple[int, ...] | None:
+    try:
+        return file_identity(os.stat(path))
+    except OSError:
+        return None
 
 
 def _file_head(found: FileRunHead) -> FileHead:

@@ -159,6 +159,8 @@ class RunFile:
         next_seq: the seq the next record gets.
         end: bytes of the good prefix.
         torn: the torn tail, if any.
+        identity: the file's `file_identity` while it was read, ``None`` when it changed
+            meanwhile (or does not exist).
     """
 
     exists: bool
@@ -170,6 +172,7 @@ class RunFile:
     next_seq: int
     end: int
     torn: TornSpan | None
+    identity: tuple[int, ...] | None = None
 
 
 _MISSING: Final = RunFile(
@@ -317,13 +320,30 @@ def read_bytes(path: str) -> bytes | None:
     Raises:
         StoreError: it cannot be read.
     """
+    return _read_identified(path)[0]
+
+
+def file_identity(stat: os.stat_result) -> tuple[int, ...]:
+    """Device, inode, size and modification time (ns): another write changes one of them."""
+    return (stat.st_dev, stat.st_ino, stat.st_size, stat.st_mtime_ns)
+
+
+def _read_identified(path: str) -> tuple[bytes | None, tuple[int, ...] | None]:
+    """A file's bytes and its identity while they were read (``None``: it changed meanwhile).
+
+    Raises:
+        StoreError: it cannot be read.
+    """
     try:
         with open(path, "rb") as file:
-            return file.read()
+            before = file_identity(os.fstat(file.fileno()))
+            data = file.read()
+            after = file_identity(os.fstat(file.fileno()))
     except FileNotFoundError:
-        return None
+        return None, None
     except OSError as exc:
         raise StoreError(f"cannot read {path}: {exc.strerror or exc}") from exc
+    return data, before if before == after and after[2] == len(data) else None
 
 
 def read_run_file(path: str) -> RunFile:
@@ -338,12 +358,14 @@ def read_run_file(path: str) -> RunFile:
         SchemaTooNew: the header or the run-started record is from a newer version.
         StoreError: the file cannot be read.
     """
-    data = read_bytes(path)
+    data, identity = _read_identified(path)
     if data is None:
         return _MISSING
     scanned = scan_lines(data, check_frame, where=path)
     if not scanned.items:
-        return attrs.evolve(_MISSING, exists=True, end=scanned.end, torn=scanned.torn)
+        return attrs.evolve(
+            _MISSING, exists=True, end=scanned.end, torn=scanned.torn, identity=identity
+        )
     run_id, created_ns, version = read_header(path, scanned.items[0])
     records: list[Record] = []
     generations: list[int] = []
@@ -361,6 +383,7 @@ def read_run_file(path: str) -> RunFile:
         next_seq=len(records) + 1,
         end=scanned.end,
         torn=scanned.torn,
+        identity=identity,
     )
 
 
@@ -382,6 +405,18 @@ class RunHead:
     version: int
     next_seq: int
     end: int
+
+
+def head_of(found: RunFile) -> RunHead:
+    """The `RunHead` of a file `read_run_file` read."""
+    version = found.version if found.run_id is not None else FORMAT_VERSION
+    return RunHead(
+        exists=found.exists,
+        run_id=found.run_id,
+        version=version,
+        next_seq=found.next_seq,
+        end=found.end,
+    )
 
 
 def read_run_head(path: str) -> RunHead:

@@ -21,6 +21,9 @@ The frame of the JSONL store (`frame`, `check_frame`) is one line of JSON whose 
 is the CRC-32 of the line itself, with the 8 hex digits of the field taken as zeros::
 
     {"seq":5,"crc":"00c0ffee","gen":2,"records":[...]}
+
+``frame`` takes the payload as JSON text; what the records in it look like is the codec's
+(`treadle.stores._codec`).
 """
 
 from __future__ import annotations

@@ -1,0 +1,124 @@
+"""Log bytes per step, by store and run length, and what encoding one record costs.
+
+Workload (benchmarks/_workload.py): an instant model and a no-op tool; a step is one model call
+plus one tool call: five records (model intent, model result, action intent, action result,
+step record), written as four store operations. ``--runs`` concurrent runs of S steps each
+are driven to the end on a fresh store, which is then closed; the bytes are those of every file
+the store left (SQLite: the database, its WAL checkpointed away on close; JSONL: the run files
+and their lease files), divided by the steps. S=50 and S=1000 by default: a log's bytes per
+step should not grow with its length.
+
+The second table reads the records of one run back and times each encoding of the codec on
+them (`treadle.stores._codec`): the JSON objects every log held before layout 3 / format 3,
+and the compact arrays written since (docs/decisions/0085-compact-log-records.md). Run with:
+
+    python benchmarks/bench_log_size.py [--runs 10] [--lengths 50,1000] [--repeat 5]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import trio
+from rich.console import Console
+from rich.table import Table
+
+import treadle
+from _workload import drive, load_note
+from treadle.stores import _codec
+
+
+async def measure(kind: str, runs: int, steps: int) -> tuple[int, list[Any]]:
+    """Drive ``runs`` runs of ``steps`` steps; return the store's bytes and one run's records."""
+    with tempfile.TemporaryDirectory() as tmp:
+        where = os.path.join(tmp, "bench.db" if kind == "sqlite" else "runs")
+        opener = treadle.open_sqlite_store if kind == "sqlite" else treadle.open_jsonl_store
+        async with opener(where) as store:
+            await drive(store, runs, steps, "bench-run")
+        async with opener(where) as store:
+            log = await store.read_log("bench-run-0")
+        size = sum(p.stat().st_size for p in Path(tmp).rglob("*") if p.is_file())
+    return size, list(log.records)
+
+
+def best_of(repeat: int, fn: Callable[[], object]) -> float:
+    """The median of ``repeat`` timings of ``fn``, seconds."""
+    times = []
+    for _ in range(repeat):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def codec_rows(records: list[Any], repeat: int) -> list[tuple[str, ...]]:
+    """Per record kind: bytes and µs per record, objects encoding then compact."""
+    compact = hasattr(_codec, "pack")
+    by_kind: dict[str, list[Any]] = {}
+    for record in records:
+        by_kind.setdefault(_codec.KIND_OF[type(record)], []).append(record)
+    rows = []
+    for kind, group in sorted(by_kind.items(), key=lambda kv: -len(kv[1])):
+        run_id = group[0].run_id
+        objects = [_codec.encode_bytes(r) for r in group]
+        n = len(group)
+        enc_o = best_of(repeat, lambda g=group: [_codec.encode_bytes(r) for r in g]) / n
+        dec_o = best_of(repeat, lambda b=objects: [_codec.decode(x) for x in b]) / n
+        row = [kind, str(n), f"{sum(map(len, objects)) / n:,.0f}"]
+        row += [f"{enc_o * 1e6:.1f}", f"{dec_o * 1e6:.1f}"]
+        if compact:
+            tag = _codec.TAG_OF[type(group[0])]
+            packed = [_codec.pack(r, run_id) for r in group]
+            enc_c = best_of(repeat, lambda g=group: [_codec.pack(r, run_id) for r in g]) / n
+            dec_c = best_of(
+                repeat, lambda b=packed: [_codec.unpack(x, run_id, tag) for x in b]
+            ) / n
+            row += [f"{sum(map(len, packed)) / n:,.0f}", f"{enc_c * 1e6:.1f}", f"{dec_c * 1e6:.1f}"]
+        else:
+            row += ["—", "—", "—"]
+        rows.append(tuple(row))
+    return rows
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--runs", type=int, default=10, help="concurrent runs per store")
+    parser.add_argument("--lengths", default="50,1000", help="steps per run, comma-separated")
+    parser.add_argument("--stores", default="sqlite,jsonl", help="comma-separated store kinds")
+    parser.add_argument("--repeat", type=int, default=5, help="timings per codec figure")
+    args = parser.parse_args(argv)
+    console = Console(width=120)
+    sizes = Table(title="treadle log bytes per step (model call + tool call)")
+    for column in ("store", "runs", "steps/run", "store bytes", "bytes/step"):
+        sizes.add_column(column, justify="right")
+    sample: list[Any] = []
+    for kind in args.stores.split(","):
+        for steps in (int(s) for s in args.lengths.split(",")):
+            size, records = trio.run(measure, kind, args.runs, steps)
+            if kind == "sqlite" and len(records) > len(sample):
+                sample = records
+            total = args.runs * steps
+            sizes.add_row(kind, str(args.runs), f"{steps:,}", f"{size:,}", f"{size / total:,.0f}")
+    console.print(sizes)
+    codec = Table(title="the codec on one run's records (bytes and µs per record)")
+    columns = ("kind", "records", "objects bytes", "encode µs", "decode µs")
+    for column in (*columns, "compact bytes", "encode µs", "decode µs"):
+        codec.add_column(column, justify="right")
+    for row in codec_rows(sample, args.repeat):
+        codec.add_row(*row)
+    console.print(codec)
+    console.print(
+        "Store bytes: every file the closed store left, divided by the steps. Codec: median of "
+        f"{args.repeat} timings of encoding (decoding) every record of the kind. " + load_note()
+    )
+
+
+if __name__ == "__main__":
+    main()
