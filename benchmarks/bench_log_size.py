@@ -77,9 +77,7 @@ def codec_rows(records: list[Any], repeat: int) -> list[tuple[str, ...]]:
             tag = _codec.TAG_OF[type(group[0])]
             packed = [_codec.pack(r, run_id) for r in group]
             enc_c = best_of(repeat, lambda g=group: [_codec.pack(r, run_id) for r in g]) / n
-            dec_c = best_of(
-                repeat, lambda b=packed: [_codec.unpack(x, run_id, tag) for x in b]
-            ) / n
+            dec_c = best_of(repeat, lambda b=packed: [_codec.unpack(x, run_id, tag) for x in b]) / n
             row += [f"{sum(map(len, packed)) / n:,.0f}", f"{enc_c * 1e6:.1f}", f"{dec_c * 1e6:.1f}"]
         else:
             row += ["—", "—", "—"]
