@@ -363,6 +363,8 @@ def test_lone_surrogates_are_escaped_and_read_back():
         ("ar", b'["ar",1,1,"c","t",["done","ok"],2]', "Invalid enum value 'done'"),
         ("rf", b'["rf",1,"succeeded","final_answer",[1,2,null,null,0,0.1,7]]', "at most length"),
         ("zz", b'["zz"]', "'zz' is not a tag of either encoding"),
+        ("cr", b'["cr",100000000000000000000000000]', "no instant of years 1 to 9999"),
+        ("cr", b'["cr",-62135596800000001]', "ordinal must be >= 1"),
         (
             "mi",
             b'{"kind":"model_intent","run_id":"r","step":1,"intent_id":"i","attempt":1,"ts":"t"}',

@@ -239,7 +239,10 @@ def micros_text(micros: int) -> str:
     head = _MINUTES.get(minute)
     if head is None:
         day, minutes = divmod(minute, 1440)
-        date = dt.date.fromordinal(_EPOCH_ORDINAL + day).isoformat()
+        try:
+            date = dt.date.fromordinal(_EPOCH_ORDINAL + day).isoformat()
+        except OverflowError as exc:
+            raise ValueError(f"{micros} microseconds is no instant of years 1 to 9999") from exc
         head = f"{date}T{minutes // 60:02d}:{minutes % 60:02d}:"
         if len(_MINUTES) >= 4096:
             _MINUTES.clear()
