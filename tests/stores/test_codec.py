@@ -260,6 +260,20 @@ def test_utc_timestamps_of_the_clocks_form_are_numbers(instant):
     )
 
 
+@given(
+    instant=st.datetimes(timezones=st.just(dt.UTC)),
+    at=st.integers(min_value=0, max_value=31),
+    char=st.sampled_from("0123456789:.-+TZ ٨x"),
+)
+def test_any_text_is_kept_or_given_back_exactly(instant, at, char):
+    """A timestamp with one character changed is a number only if it formats back to itself."""
+    text = instant.isoformat()
+    at = min(at, len(text) - 1)
+    changed = text[:at] + char + text[at + 1 :]
+    micros = _codec.compact_ts(changed)
+    assert micros == changed or _codec.micros_text(int(micros)) == changed
+
+
 @pytest.mark.parametrize(
     "text",
     [

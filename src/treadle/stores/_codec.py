@@ -257,25 +257,45 @@ def compact_ts(text: str) -> int | str:
     """``text`` as microseconds since the epoch when `micros_text` gives it back exactly.
 
     Any other text (another offset, another precision, not a timestamp) is kept as it is.
+    Exact by construction: the date, hour and minute must be those `micros_text` writes for
+    their minute (checked once per minute), the seconds two ASCII digits below 60, the
+    fraction six ASCII digits, not all zero (`micros_text` leaves a zero fraction out).
     """
     size = len(text)
-    if not ((size == 32 and text[19] == ".") or size == 25) or not text.endswith("+00:00"):
-        return text
-    minute = _MINUTE_OF.get(text[:17])
-    if minute is None:
-        try:
-            minute = (dt.datetime.fromisoformat(f"{text[:17]}00+00:00") - _EPOCH) // _ONE_US
-        except ValueError:
+    if size == 32:
+        fraction = text[20:26]
+        if text[19] != "." or not text.endswith("+00:00") or fraction == "000000":
             return text
-        minute //= _MINUTE_US
-        if len(_MINUTE_OF) >= 4096:
-            _MINUTE_OF.clear()
-        _MINUTE_OF[text[:17]] = minute
-    digits = text[17:19] + (text[20:26] if size == 32 else "000000")
-    if not (digits.isascii() and digits.isdigit()):
+    elif size == 25 and text.endswith("+00:00"):
+        fraction = "000000"
+    else:
         return text
-    micros = minute * _MINUTE_US + int(digits)
-    return micros if micros_text(micros) == text else text
+    seconds = text[17:19]
+    digits = seconds + fraction
+    if not (digits.isascii() and digits.isdigit()) or seconds >= "60":
+        return text
+    head = text[:17]
+    minute = _MINUTE_OF.get(head)
+    if minute is None:
+        minute = _minute_of(head)
+        if minute is None:
+            return text
+    return minute * _MINUTE_US + int(digits)
+
+
+def _minute_of(head: str) -> int | None:
+    """The minute ``YYYY-MM-DDTHH:MM:`` names, when `micros_text` writes it so; else ``None``."""
+    try:
+        instant = dt.datetime.fromisoformat(f"{head}00+00:00")
+    except ValueError:
+        return None
+    minute = (instant - _EPOCH) // _ONE_US // _MINUTE_US
+    if micros_text(minute * _MINUTE_US)[:17] != head:
+        return None
+    if len(_MINUTE_OF) >= 4096:
+        _MINUTE_OF.clear()
+    _MINUTE_OF[head] = minute
+    return minute
 
 
 # --------------------------------------------------------------------------- compact: intent ids
@@ -285,7 +305,7 @@ def _ref_out(value: str, prefix: str) -> int | str:
     """``value`` as its number when it is ``prefix`` + a number written plainly, else itself."""
     if value.startswith(prefix):
         digits = value[len(prefix) :]
-        if digits.isascii() and digits.isdigit() and str(int(digits)) == digits:
+        if digits.isascii() and digits.isdigit() and (digits[0] != "0" or digits == "0"):
             return int(digits)
     return value
 
@@ -622,9 +642,10 @@ def _build(cls: type[Any]) -> _Shape:
     """Make the wire struct, the encoder and the decoder of ``cls`` (nested classes first).
 
     The encoder and decoder are generated Python functions, one call per object and no loop
-    over fields, as attrs and cattrs make theirs. The decoder of a class built by its
-    ``__init__`` alone sets the instance's slots directly (what that ``__init__`` does, at
-    half the cost); a nested value equal to its field's shared default instance (an
+    over fields, as attrs and cattrs make theirs. The encoder first finds the last field that
+    does not hold its default, then converts the fields up to it only. The decoder of a class
+    built by its ``__init__`` alone sets the instance's slots directly (what that ``__init__``
+    does, at half the cost); a nested value equal to its field's shared default instance (an
     unreported `Usage`, say) is that instance.
     """
     hints = typing.get_type_hints(cls)
@@ -643,10 +664,9 @@ def _build(cls: type[Any]) -> _Shape:
         "_as_dict": _as_dict,
     }
     wire_fields: list[Any] = []
-    encoded: list[str] = [repr(tag)] if tag is not None else []
-    defaults: list[Any] = [tag] if tag is not None else []
+    required: list[str] = [repr(tag)] if tag is not None else []  # always written
+    optional: list[tuple[str, str]] = []  # (written value, test that it is not its default)
     values: dict[str, str] = {"run_id": "run_id"} if tag is not None else {}
-    required = len(encoded)
     for name in order:
         field, tp = fields[name], hints[name]
         special = _SPECIAL.get((cls, name))
@@ -666,29 +686,29 @@ def _build(cls: type[Any]) -> _Shape:
                 env[f"_enc_{inner.__name__}"] = _SHAPES[inner].encode
                 env[f"_dec_{inner.__name__}"] = _SHAPES[inner].decode
         nested = inner.__name__ if inner is not None else ""
-        encoded.append(out.format(v=f"r.{name}", n=nested))
+        written = out.format(v=f"r.{name}", n=nested)
         values[name] = back.format(v=f"w.{name}", n=nested)
         if special == _OWN_MODEL_ID:  # left out (None) when it has the run's own form
-            defaults.append(None)
+            optional.append((written, f"r.{name} != f'{{run_id}}/s{{r.step}}/m{{r.attempt}}'"))
             wire_fields.append((name, wire_type, None))
             continue
         if field.default is attrs.NOTHING or (cls, name) in _ALWAYS:
-            if required != len(encoded) - 1:
+            if optional:
                 raise TypeError(f"WIRE[{cls.__name__}]: {name!r} (required) follows an optional")
-            required += 1
-            defaults.append(None)
+            required.append(written)
             wire_fields.append((name, wire_type))
             continue
         default = field.default
         if isinstance(default, attrs.Factory):  # type: ignore[arg-type]
             default = default.factory()
         elif inner is not None and attrs.has(type(default)):  # a shared default instance
-            env[f"_default_{name}"] = default
             env[f"_wire_default_{name}"] = _wire_struct(default)
             values[name] = (
                 f"(_default_{name} if w.{name} == _wire_default_{name} else {values[name]})"
             )
-        defaults.append(_wire_default(default, tp))
+        env[f"_default_{name}"] = default
+        test = f"r.{name} is not None" if default is None else f"r.{name} != _default_{name}"
+        optional.append((written, test))
         wire_fields.append((name, wire_type, _struct_default(default)))
     wire = msgspec.defstruct(
         f"Wire{cls.__name__}",
@@ -698,8 +718,17 @@ def _build(cls: type[Any]) -> _Shape:
         forbid_unknown_fields=True,  # an array longer than the fields is refused
         gc=False,
     )
-    env["_defaults"] = tuple(defaults)
     run_arg = ", run_id" if tag is not None else ""
+    encode = [f"def encode(r{run_arg}):\n"]
+    if optional:  # n: how many optional fields to write (up to the last not at its default)
+        for count in range(len(optional), 0, -1):
+            keyword = "if" if count == len(optional) else "elif"
+            encode.append(f"    {keyword} {optional[count - 1][1]}:\n        n = {count}\n")
+        encode.append("    else:\n        return [" + ", ".join(required) + "]\n")
+    encode.append(f"    out = [{', '.join(required)}]\n")
+    for count, (written, _) in enumerate(optional, start=1):
+        encode.append(f"    if n >= {count}:\n        out.append({written})\n")
+    encode.append("    return out\n")
     if _plain_attrs(cls):
         for name in values:
             env[f"_set_{name}"] = cls.__dict__[name].__set__
@@ -707,16 +736,7 @@ def _build(cls: type[Any]) -> _Shape:
         make = f"    o = _new(_cls)\n{body}    return o\n"
     else:
         make = f"    return _cls({', '.join(f'{k}={v}' for k, v in values.items())})\n"
-    source = (
-        f"def encode(r{run_arg}):\n"
-        f"    out = [{', '.join(encoded)}]\n"
-        f"    n = len(out)\n"
-        f"    while n > {required} and out[n - 1] == _defaults[n - 1]:\n"
-        f"        n -= 1\n"
-        f"    del out[n:]\n"
-        f"    return out\n"
-        f"def decode(w{run_arg}):\n{make}"
-    )
+    source = "".join(encode) + f"def decode(w{run_arg}):\n{make}"
     exec(compile(source, f"<treadle compact codec: {cls.__name__}>", "exec"), env)
     return _Shape(wire=wire, encode=env["encode"], decode=env["decode"], source=source)
 
@@ -726,20 +746,6 @@ def _wire_struct(value: Any) -> msgspec.Struct:
     shape = _SHAPES[type(value)]
     wired: msgspec.Struct = msgspec.convert(shape.encode(value), type=shape.wire)
     return wired
-
-
-def _wire_default(default: Any, tp: Any) -> Any:
-    """A default value in its compact form (what the encoder compares trailing fields with)."""
-    if default is None:
-        return None
-    shape, inner = _shape_of(tp)
-    if inner is not None and shape in ("object", "optional_object"):
-        return _SHAPES[inner].encode(default)
-    if shape in ("objects", "objects2"):
-        return [*default]
-    if shape in ("mapping", "optional_mapping"):
-        return dict(default)
-    return default
 
 
 def _struct_default(default: Any) -> Any:
