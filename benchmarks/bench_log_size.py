@@ -2,17 +2,18 @@
 
 Workload (benchmarks/_workload.py): an instant model and a no-op tool; a step is one model call
 plus one tool call: five records (model intent, model result, action intent, action result,
-step record), written as four store operations. ``--runs`` concurrent runs of S steps each
-are driven to the end on a fresh store, which is then closed; the bytes are those of every file
-the store left (SQLite: the database, its WAL checkpointed away on close; JSONL: the run files
-and their lease files), divided by the steps. S=50 and S=1000 by default: a log's bytes per
-step should not grow with its length.
+step record), written as four store operations. ``--total / S`` concurrent runs of S steps
+each are driven to the end on a fresh store, which is then closed; the bytes are those of
+every file the store left (SQLite: the database, its WAL checkpointed away on close; JSONL:
+the run files and their lease files), divided by the steps. S=50 and S=1000 by default, the
+same total of steps for both (so that what a store costs once, its tables and their first
+pages, weighs the same): a log's bytes per step should not grow with its length.
 
 The second table reads the records of one run back and times each encoding of the codec on
 them (`treadle.stores._codec`): the JSON objects every log held before layout 3 / format 3,
 and the compact arrays written since (docs/decisions/0085-compact-log-records.md). Run with:
 
-    python benchmarks/bench_log_size.py [--runs 10] [--lengths 50,1000] [--repeat 5]
+    python benchmarks/bench_log_size.py [--total 10000] [--lengths 50,1000] [--repeat 5]
 """
 
 from __future__ import annotations
@@ -87,7 +88,7 @@ def codec_rows(records: list[Any], repeat: int) -> list[tuple[str, ...]]:
 
 def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--runs", type=int, default=10, help="concurrent runs per store")
+    parser.add_argument("--total", type=int, default=10_000, help="steps per store and length")
     parser.add_argument("--lengths", default="50,1000", help="steps per run, comma-separated")
     parser.add_argument("--stores", default="sqlite,jsonl", help="comma-separated store kinds")
     parser.add_argument("--repeat", type=int, default=5, help="timings per codec figure")
@@ -99,11 +100,12 @@ def main(argv: Sequence[str] | None = None) -> None:
     sample: list[Any] = []
     for kind in args.stores.split(","):
         for steps in (int(s) for s in args.lengths.split(",")):
-            size, records = trio.run(measure, kind, args.runs, steps)
+            runs = max(1, args.total // steps)
+            size, records = trio.run(measure, kind, runs, steps)
             if kind == "sqlite" and len(records) > len(sample):
                 sample = records
-            total = args.runs * steps
-            sizes.add_row(kind, str(args.runs), f"{steps:,}", f"{size:,}", f"{size / total:,.0f}")
+            total = runs * steps
+            sizes.add_row(kind, str(runs), f"{steps:,}", f"{size:,}", f"{size / total:,.0f}")
     console.print(sizes)
     codec = Table(title="the codec on one run's records (bytes and µs per record)")
     columns = ("kind", "records", "objects bytes", "encode µs", "decode µs")
