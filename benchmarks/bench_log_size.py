@@ -45,8 +45,12 @@ async def measure(kind: str, runs: int, steps: int) -> tuple[int, list[Any]]:
             await drive(store, runs, steps, "bench-run")
         async with opener(where) as store:
             log = await store.read_log("bench-run-0")
-        size = sum(p.stat().st_size for p in Path(tmp).rglob("*") if p.is_file())
+        size = tree_bytes(tmp)
     return size, list(log.records)
+
+
+def tree_bytes(where: str) -> int:
+    return sum(p.stat().st_size for p in Path(where).rglob("*") if p.is_file())
 
 
 def best_of(repeat: int, fn: Callable[[], object]) -> float:
@@ -77,8 +81,13 @@ def codec_rows(records: list[Any], repeat: int) -> list[tuple[str, ...]]:
         if compact:
             tag = _codec.TAG_OF[type(group[0])]
             packed = [_codec.pack(r, run_id) for r in group]
-            enc_c = best_of(repeat, lambda g=group: [_codec.pack(r, run_id) for r in g]) / n
-            dec_c = best_of(repeat, lambda b=packed: [_codec.unpack(x, run_id, tag) for x in b]) / n
+            enc_c = best_of(repeat, lambda g=group, i=run_id: [_codec.pack(r, i) for r in g]) / n
+            dec_c = (
+                best_of(
+                    repeat, lambda b=packed, i=run_id, k=tag: [_codec.unpack(x, i, k) for x in b]
+                )
+                / n
+            )
             row += [f"{sum(map(len, packed)) / n:,.0f}", f"{enc_c * 1e6:.1f}", f"{dec_c * 1e6:.1f}"]
         else:
             row += ["—", "—", "—"]
