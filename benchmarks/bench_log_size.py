@@ -53,14 +53,19 @@ def tree_bytes(where: str) -> int:
     return sum(p.stat().st_size for p in Path(where).rglob("*") if p.is_file())
 
 
-def best_of(repeat: int, fn: Callable[[], object]) -> float:
-    """The median of ``repeat`` timings of ``fn``, seconds."""
-    times = []
+def medians(repeat: int, fns: Sequence[Callable[[], object]]) -> list[float]:
+    """The median of ``repeat`` timings of each of ``fns``, seconds.
+
+    The functions take turns within each repeat, so that a machine busy with other work slows
+    them alike.
+    """
+    times: list[list[float]] = [[] for _ in fns]
     for _ in range(repeat):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+        for fn, taken in zip(fns, times, strict=True):
+            start = time.perf_counter()
+            fn()
+            taken.append(time.perf_counter() - start)
+    return [statistics.median(taken) for taken in times]
 
 
 def codec_rows(records: list[Any], repeat: int) -> list[tuple[str, ...]]:
@@ -74,21 +79,21 @@ def codec_rows(records: list[Any], repeat: int) -> list[tuple[str, ...]]:
         run_id = group[0].run_id
         objects = [_codec.encode_bytes(r) for r in group]
         n = len(group)
-        enc_o = best_of(repeat, lambda g=group: [_codec.encode_bytes(r) for r in g]) / n
-        dec_o = best_of(repeat, lambda b=objects: [_codec.decode(x) for x in b]) / n
-        row = [kind, str(n), f"{sum(map(len, objects)) / n:,.0f}"]
-        row += [f"{enc_o * 1e6:.1f}", f"{dec_o * 1e6:.1f}"]
+        fns: list[Callable[[], object]] = [
+            lambda g=group: [_codec.encode_bytes(r) for r in g],
+            lambda b=objects: [_codec.decode(x) for x in b],
+        ]
         if compact:
             tag = _codec.TAG_OF[type(group[0])]
             packed = [_codec.pack(r, run_id) for r in group]
-            enc_c = best_of(repeat, lambda g=group, i=run_id: [_codec.pack(r, i) for r in g]) / n
-            dec_c = (
-                best_of(
-                    repeat, lambda b=packed, i=run_id, k=tag: [_codec.unpack(x, i, k) for x in b]
-                )
-                / n
-            )
-            row += [f"{sum(map(len, packed)) / n:,.0f}", f"{enc_c * 1e6:.1f}", f"{dec_c * 1e6:.1f}"]
+            fns += [
+                lambda g=group, i=run_id: [_codec.pack(r, i) for r in g],
+                lambda b=packed, i=run_id, k=tag: [_codec.unpack(x, i, k) for x in b],
+            ]
+        taken = [f"{t / n * 1e6:.1f}" for t in medians(repeat, fns)]
+        row = [kind, str(n), f"{sum(map(len, objects)) / n:,.0f}", *taken[:2]]
+        if compact:
+            row += [f"{sum(map(len, packed)) / n:,.0f}", *taken[2:]]
         else:
             row += ["—", "—", "—"]
         rows.append(tuple(row))
@@ -125,7 +130,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     console.print(codec)
     console.print(
         "Store bytes: every file the closed store left, divided by the steps. Codec: median of "
-        f"{args.repeat} timings of encoding (decoding) every record of the kind. " + load_note()
+        f"{args.repeat} timings of encoding (decoding) every record of the kind, the four taking "
+        "turns. " + load_note()
     )
 
 
