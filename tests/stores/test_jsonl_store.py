@@ -519,6 +519,32 @@ async def test_a_record_of_another_run_is_corruption(tmp_path: Path) -> None:
     assert info.value.offset == size
 
 
+@pytest.mark.parametrize(
+    ("payload", "message"),
+    [
+        (b'[["mi","one",1,2]]', "Expected `int`, got `str`"),
+        (b'[["mi",1,1,2,null,false,"extra"]]', "at most length"),
+        (b'[["zz",1]]', "Invalid value 'zz'"),
+        (b"[]", "a frame holds no records"),
+        (b'[{"kind":"model_intent","run_id":"r"}]', "Expected `array`, got `object`"),
+    ],
+    ids=["wrong-type", "extra-field", "unknown-tag", "empty", "an-object"],
+)
+async def test_a_checksummed_compact_frame_that_does_not_decode_is_corruption(
+    tmp_path: Path, payload: bytes, message: str
+) -> None:
+    """Its checksum holds (a writer's bug, a forged line), its records do not: the line's offset."""
+    path, _ = await write_run(tmp_path / "runs", steps=1)
+    size = path.stat().st_size
+    with path.open("ab") as file:
+        file.write(frame(7, "records", payload, generation=1))
+        file.write(frame(8, "records", b'[["cr",1]]', generation=1))
+    async with open_jsonl_store(tmp_path / "runs") as store:
+        with pytest.raises(LogCorrupted, match=message) as info:
+            await store.read_log("r")
+    assert info.value.offset == size
+
+
 async def test_a_torn_first_write_leaves_no_run(tmp_path: Path) -> None:
     directory = tmp_path / "runs"
     directory.mkdir()

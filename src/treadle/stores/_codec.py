@@ -31,7 +31,7 @@ import types
 import typing
 import zlib
 from collections.abc import Callable, Mapping
-from typing import Annotated, Any, Final, Union
+from typing import Annotated, Any, Final, TypeAlias, Union
 
 import attrs
 import cattrs
@@ -765,27 +765,31 @@ for _cls in WIRE:  # nested shapes are listed before the classes that hold them
 
 _ENCODER: Final = msgspec.json.Encoder()
 
+Body: TypeAlias = bytes | str | msgspec.Raw
+"""A stored record's JSON text: a row's body, or a record of a JSONL frame left undecoded."""
 
-def _unpacker(decoder: msgspec.json.Decoder[Any]) -> Callable[[bytes | str, str], Record]:
+
+def _unpacker(decoder: msgspec.json.Decoder[Any]) -> Callable[[Body, str], Record]:
     """The function that decodes a compact body with ``decoder`` and builds its record."""
     decode_wire = decoder.decode
     build = {_SHAPES[cls].wire: _SHAPES[cls].decode for cls in TAG_OF}
 
-    def unpack_body(body: bytes | str, run_id: str) -> Record:
+    def unpack_body(body: Body, run_id: str) -> Record:
         try:
             wire = decode_wire(body)
         except msgspec.DecodeError:
-            if b"\\u" not in (body if isinstance(body, bytes) else body.encode()):
+            data = body.encode() if isinstance(body, str) else bytes(body)  # msgspec.Raw too
+            if b"\\u" not in data:
                 raise
             # escaped lone surrogates, which msgspec's parser refuses: the standard library's
-            wire = msgspec.convert(json.loads(body), type=decoder.type)
+            wire = msgspec.convert(json.loads(data), type=decoder.type)
         record: Record = build[type(wire)](wire, run_id)
         return record
 
     return unpack_body
 
 
-_UNPACK: Final[dict[str, Callable[[bytes | str, str], Record]]] = {
+_UNPACK: Final[dict[str, Callable[[Body, str], Record]]] = {
     tag: _unpacker(msgspec.json.Decoder(_SHAPES[cls].wire)) for tag, cls in CLASS_OF_TAG.items()
 }
 _UNPACK_ANY: Final = _unpacker(
@@ -817,7 +821,7 @@ def pack(record: Record, run_id: str) -> bytes:
         return json.dumps(items, ensure_ascii=True, separators=(",", ":")).encode("ascii")
 
 
-def unpack(body: bytes | str, run_id: str, kind: str | None = None) -> Record:
+def unpack(body: Body, run_id: str, kind: str | None = None) -> Record:
     """The record a compact body holds, with ``run_id`` restored.
 
     Args:
@@ -836,9 +840,9 @@ def unpack(body: bytes | str, run_id: str, kind: str | None = None) -> Record:
     return stored_decoder(kind)(body, run_id)
 
 
-def _objects_decoder(kind: str) -> Callable[[bytes | str, str], Record]:
-    def decode_object(body: bytes | str, run_id: str) -> Record:
-        record = decode(body)
+def _objects_decoder(kind: str) -> Callable[[Body, str], Record]:
+    def decode_object(body: Body, run_id: str) -> Record:
+        record = decode(bytes(body) if isinstance(body, msgspec.Raw) else body)
         if KIND_OF[type(record)] != kind:
             raise ValueError(f"a {KIND_OF[type(record)]} record stored as {kind}")
         if record.run_id != run_id:
@@ -848,13 +852,13 @@ def _objects_decoder(kind: str) -> Callable[[bytes | str, str], Record]:
     return decode_object
 
 
-_STORED: Final[dict[str, Callable[[bytes | str, str], Record]]] = {
+_STORED: Final[dict[str, Callable[[Body, str], Record]]] = {
     **_UNPACK,
     **{kind: _objects_decoder(kind) for kind in _CLASS_OF},
 }
 
 
-def stored_decoder(kind: str) -> Callable[[bytes | str, str], Record]:
+def stored_decoder(kind: str) -> Callable[[Body, str], Record]:
     """The decoder of a body stored under ``kind``, in either encoding.
 
     It takes ``(body, run_id)`` and returns the record (a compact one gets ``run_id``; an
@@ -871,7 +875,7 @@ def stored_decoder(kind: str) -> Callable[[bytes | str, str], Record]:
     return found
 
 
-def decode_stored(kind: str, body: bytes | str, run_id: str) -> Record:
+def decode_stored(kind: str, body: Body, run_id: str) -> Record:
     """A stored record of either encoding, by the tag it was stored under.
 
     Raises:
