@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import datetime as dt
 import enum
+import functools
 import json
 import types
 import typing
@@ -120,7 +121,13 @@ def _make() -> cattrs.Converter:
     return conv
 
 
-_CONVERTER: Final = _make()
+@functools.cache
+def _converter() -> cattrs.Converter:
+    """The objects encoding's converter, made when first used.
+
+    Making it takes tens of ms, and a process that meets only compact records never needs it.
+    """
+    return _make()
 
 
 def record_to_dict(record: Record) -> dict[str, Any]:
@@ -128,7 +135,7 @@ def record_to_dict(record: Record) -> dict[str, Any]:
 
     The named form of a record, for people and event streams (the objects encoding).
     """
-    data: dict[str, Any] = _CONVERTER.unstructure(record)
+    data: dict[str, Any] = _converter().unstructure(record)
     data["kind"] = KIND_OF[type(record)]
     return data
 
@@ -142,7 +149,7 @@ def record_from_dict(data: dict[str, Any]) -> Record:
     """
     cls = _CLASS_OF[data["kind"]]
     payload = {k: v for k, v in data.items() if k != "kind"}
-    record: Record = _CONVERTER.structure(payload, cls)
+    record: Record = _converter().structure(payload, cls)
     return record
 
 
@@ -189,7 +196,7 @@ def record_crc(run_id: str, seq: int, generation: int, kind: str, body: bytes) -
 
 def encode_messages(messages: tuple[Message, ...]) -> bytes:
     """A queued run's input as JSON bytes (a list of messages, objects encoding)."""
-    return orjson.dumps(_CONVERTER.unstructure(messages, tuple[Message, ...]))
+    return orjson.dumps(_converter().unstructure(messages, tuple[Message, ...]))
 
 
 def decode_messages(data: bytes | str) -> tuple[Message, ...]:
@@ -199,7 +206,7 @@ def decode_messages(data: bytes | str) -> tuple[Message, ...]:
         ValueError: not a JSON list of messages (a cattrs error included).
     """
     try:
-        return _CONVERTER.structure(json.loads(data), tuple[Message, ...])
+        return _converter().structure(json.loads(data), tuple[Message, ...])
     except cattrs.BaseValidationError as exc:
         raise ValueError(f"not a list of messages: {exc}") from exc
 
