@@ -804,11 +804,6 @@ _UNPACK_ANY: Final = _unpacker(
 )
 
 
-def is_compact(kind: str) -> bool:
-    """Whether ``kind`` is a tag of the compact encoding (else of the objects encoding)."""
-    return kind in CLASS_OF_TAG
-
-
 def pack(record: Record, run_id: str) -> bytes:
     """``record`` in the compact encoding: ``[tag, ...fields]`` as one line of JSON bytes.
 
