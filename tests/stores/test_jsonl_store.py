@@ -312,13 +312,22 @@ async def test_file_layout_and_frame_format(tmp_path: Path) -> None:
     assert lines[0]["seq"] == 0
     header = lines[0]["header"]
     assert header.pop("created_ns") > 0
-    assert header == {"format": "treadle.jsonl", "version": 2, "run_id": "Run/1"}
-    assert FORMAT_VERSION == 2
+    assert header == {"format": "treadle.jsonl", "version": 3, "run_id": "Run/1"}
+    assert FORMAT_VERSION == 3
     assert "gen" not in lines[0]
     assert [line["seq"] for line in lines[1:]] == [1, 2, 3, 4, 5]
     assert [line["gen"] for line in lines[1:]] == [run.generation] * 5 == [1] * 5
     assert [len(line["records"]) for line in lines[1:]] == [1, 1, 1, 1, 2]  # step: one line
-    assert [r["kind"] for r in lines[-1]["records"]] == ["action_result", "step"]
+    # compact records: a tag, then the fields; the run id is the header's
+    assert [r[0] for line in lines[1:] for r in line["records"]] == [
+        "rs",
+        "mi",
+        "mr",
+        "ai",
+        "ar",
+        "st",
+    ]
+    assert b"Run/1" not in data.split(b"\n", 1)[1]
     leases = tmp_path / "runs" / ".leases"
     assert sorted(p.name for p in leases.iterdir()) == ["%52un%2F1.lease", "%52un%2F1.lock"]
     sidecar = json.loads((leases / "%52un%2F1.lease").read_text())
@@ -492,14 +501,46 @@ async def test_a_missing_line_is_a_seq_gap(tmp_path: Path) -> None:
 
 
 async def test_a_record_of_another_run_is_corruption(tmp_path: Path) -> None:
-    path, _ = await write_run(tmp_path / "runs", steps=1)
+    """In a file of format 2, whose records name their run; a compact record names none (the
+    header's run is its run)."""
+    directory = tmp_path / "runs"
+    directory.mkdir()
+    path = directory / run_file_name("r")
+    mine = [started("r"), ModelIntent(run_id="r", step=1, intent_id="r/s1/m1", attempt=1, ts=TS)]
+    path.write_bytes(v2_file("r", mine))
     stranger = ModelIntent(run_id="other", step=2, intent_id="x", attempt=1, ts=TS)
     size = path.stat().st_size
     with path.open("ab") as file:
-        file.write(records_frame(7, [stranger], generation=1))
-        file.write(records_frame(8, [stranger], generation=1))
-    async with open_jsonl_store(tmp_path / "runs") as store:
+        file.write(records_frame(3, [stranger], generation=1, run_id="other", version=2))
+        file.write(records_frame(4, [stranger], generation=1, run_id="other", version=2))
+    async with open_jsonl_store(directory) as store:
         with pytest.raises(LogCorrupted, match="a record of run 'other'") as info:
+            await store.read_log("r")
+    assert info.value.offset == size
+
+
+@pytest.mark.parametrize(
+    ("payload", "message"),
+    [
+        (b'[["mi","one",1,2]]', "Expected `int`, got `str`"),
+        (b'[["mi",1,1,2,null,false,"extra"]]', "at most length"),
+        (b'[["zz",1]]', "Invalid value 'zz'"),
+        (b"[]", "a frame holds no records"),
+        (b'[{"kind":"model_intent","run_id":"r"}]', "Expected `array`, got `object`"),
+    ],
+    ids=["wrong-type", "extra-field", "unknown-tag", "empty", "an-object"],
+)
+async def test_a_checksummed_compact_frame_that_does_not_decode_is_corruption(
+    tmp_path: Path, payload: bytes, message: str
+) -> None:
+    """Its checksum holds (a writer's bug, a forged line), its records do not: the line's offset."""
+    path, _ = await write_run(tmp_path / "runs", steps=1)
+    size = path.stat().st_size
+    with path.open("ab") as file:
+        file.write(frame(7, "records", payload, generation=1))
+        file.write(frame(8, "records", b'[["cr",1]]', generation=1))
+    async with open_jsonl_store(tmp_path / "runs") as store:
+        with pytest.raises(LogCorrupted, match=message) as info:
             await store.read_log("r")
     assert info.value.offset == size
 
@@ -509,7 +550,9 @@ async def test_a_torn_first_write_leaves_no_run(tmp_path: Path) -> None:
     directory.mkdir()
     path = directory / run_file_name("r")
     header = len(header_frame("r", created_ns=1))
-    whole = header_frame("r", created_ns=1) + records_frame(1, [started("r")], generation=1)
+    whole = header_frame("r", created_ns=1) + records_frame(
+        1, [started("r")], generation=1, run_id="r"
+    )
     for cut, torn in (
         (5, (0, 5)),
         (header, None),
@@ -534,7 +577,7 @@ async def test_newer_format_version_and_newer_schema_are_refused(tmp_path: Path)
     directory.mkdir()
     header = {"format": "treadle.jsonl", "version": FORMAT_VERSION + 1, "run_id": "new"}
     newer = frame(0, "header", json.dumps(header)) + records_frame(
-        1, [started("new")], generation=1
+        1, [started("new")], generation=1, run_id="new"
     )
     await trio.Path(directory / run_file_name("new")).write_bytes(newer)
     async with open_jsonl_store(directory) as store:
@@ -546,6 +589,15 @@ async def test_newer_format_version_and_newer_schema_are_refused(tmp_path: Path)
         with pytest.raises(SchemaTooNew) as info:
             await store.read_log("future")
         assert info.value.version == SCHEMA_VERSION + 1
+
+
+def v2_file(run_id: str, records: list[Record], generation: int = 1) -> bytes:
+    """A run file as format version 2 wrote it: records as JSON objects naming their run."""
+    header = {"format": "treadle.jsonl", "version": 2, "run_id": run_id, "created_ns": 1}
+    data = frame(0, "header", json.dumps(header))
+    for seq, record in enumerate(records, start=1):
+        data += records_frame(seq, [record], generation=generation, run_id=run_id, version=2)
+    return data
 
 
 def v1_file(run_id: str, records: list[Record]) -> bytes:
@@ -700,6 +752,41 @@ async def test_a_second_store_object_cannot_take_a_held_lease(tmp_path: Path) ->
         assert lease_now.generation == 3
 
 
+async def test_a_resume_reads_the_file_once_unless_it_changed_after_the_read(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The first write after a read of the log by the lease holder (a resume) trusts that read
+    when the file has not changed since; a file changed behind its back is read again."""
+    await write_run(tmp_path / "runs", steps=1)
+    heads: list[str] = []
+    real = _jsonl_backend.read_run_head
+
+    def counted(path: str) -> Any:
+        heads.append(path)
+        return real(path)
+
+    monkeypatch.setattr(_jsonl_backend, "read_run_head", counted)
+    async with open_jsonl_store(tmp_path / "runs") as store:
+        g = await lease(store, "r")
+        log = await store.read_log("r")
+        intent = ModelIntent(run_id="r", step=2, intent_id="m2", attempt=1, ts=TS)
+        await store.write_intent(intent, seq=len(log.records) + 1, generation=g)
+        assert heads == []
+        assert (await store.read_log("r")).records == (*log.records, intent)
+    async with open_jsonl_store(tmp_path / "runs") as store:
+        g = await lease(store, "r")
+        log = await store.read_log("r")
+        rogue = ModelIntent(run_id="r", step=2, intent_id="rogue", attempt=2, ts=TS)
+        path = Path(store.run_file("r"))
+        async with await trio.Path(path).open("ab") as file:  # a writer ignoring the lease
+            seq = len(log.records) + 1
+            await file.write(records_frame(seq, [rogue], generation=g, run_id="r"))
+        with pytest.raises(ConflictError) as info:
+            await store.write_intent(rogue, seq=seq, generation=g)
+        assert (info.value.expected, info.value.got) == (seq + 1, seq)
+        assert heads == [str(path)]  # read again: the file is not what the store read
+
+
 async def test_lines_appended_behind_the_writers_back_are_a_conflict(tmp_path: Path) -> None:
     async with open_jsonl_store(tmp_path / "runs") as store:
         run = Steps(store, "r")
@@ -709,7 +796,7 @@ async def test_lines_appended_behind_the_writers_back_are_a_conflict(tmp_path: P
         rogue = ModelIntent(run_id="r", step=1, intent_id="rogue", attempt=2, ts=TS)
         path = Path(store.run_file("r"))
         async with await trio.Path(path).open("ab") as file:  # a writer ignoring the lease
-            await file.write(records_frame(run.seq, [rogue], generation=7))
+            await file.write(records_frame(run.seq, [rogue], generation=7, run_id="r"))
         with pytest.raises(ConflictError) as info:
             await run.action()
         assert (info.value.expected, info.value.got) == (5, 4)
@@ -1249,7 +1336,9 @@ async def test_a_crashed_first_write_of_another_store_object_is_cut(tmp_path: Pa
         assert (await store.read_log("r")).records == ()  # no file yet
         path = Path(store.run_file("r"))
         # meanwhile another writer created the file and died half-way through its first line
-        remnant = header_frame("r", created_ns=1) + records_frame(1, [started("r")], generation=1)
+        remnant = header_frame("r", created_ns=1) + records_frame(
+            1, [started("r")], generation=1, run_id="r"
+        )
         await trio.Path(path).write_bytes(remnant[:-9])
         g = await lease(store, "r")
         await store.write_run_started(started("r"), seq=1, generation=g)
@@ -1276,7 +1365,9 @@ class RacingCreate(FailingFileOps):
 
 
 async def test_a_file_created_by_another_writer_meanwhile_is_not_trusted(tmp_path: Path) -> None:
-    remnant = header_frame("r", created_ns=1) + records_frame(1, [started("r")], generation=1)
+    remnant = header_frame("r", created_ns=1) + records_frame(
+        1, [started("r")], generation=1, run_id="r"
+    )
     ops = RacingCreate(remnant=remnant[:-9])
     async with open_jsonl_store(tmp_path / "runs", file_ops=ops) as store:
         g = await lease(store, "r")

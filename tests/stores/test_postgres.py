@@ -12,6 +12,7 @@ import trio
 
 import treadle
 from treadle.stores import postgres
+from treadle.stores._codec import KIND_OF, encode_bytes, record_crc
 from treadle.stores.postgres import PostgresStore
 from treadle.testing.contracts import lease_generation
 from treadle.types import CancelRequested, Message, ModelIntent, RunStarted
@@ -114,6 +115,44 @@ async def test_a_newer_schema_is_refused(postgres_dsn: str, postgres_schema: str
         admin.execute(f"UPDATE {postgres_schema}.meta SET value = '99' WHERE key = 'layout'")
     with pytest.raises(treadle.SchemaTooNew):
         await PostgresStore.open(postgres_dsn, schema=postgres_schema)
+
+
+async def test_a_layout_2_schema_is_marked_3_and_its_rows_read_as_written(
+    postgres_dsn: str, postgres_schema: str
+) -> None:
+    """Rows written before the compact encoding (JSON objects) are read as they are; new rows
+    of the same run are compact; the mark makes an older treadle refuse the schema."""
+    async with treadle.open_postgres_store(postgres_dsn, schema=postgres_schema):
+        pass
+    old = [started("old"), intent("old", 1)]
+    with psycopg.connect(postgres_dsn, autocommit=True) as admin:
+        admin.execute(f"UPDATE {postgres_schema}.meta SET value = '2' WHERE key = 'layout'")
+        admin.execute(
+            f"INSERT INTO {postgres_schema}.runs(run_id, next_seq, state) "
+            "VALUES ('old', 3, 'running')"
+        )
+        for seq, record in enumerate(old, start=1):
+            kind, body = KIND_OF[type(record)], encode_bytes(record)
+            admin.execute(
+                f"INSERT INTO {postgres_schema}.records(run_id, seq, gen, kind, body, crc) "
+                "VALUES ('old', %s, 0, %s, %s, %s)",
+                (seq, kind, body, record_crc("old", seq, 0, kind, body)),
+            )
+    async with treadle.open_postgres_store(postgres_dsn, schema=postgres_schema) as store:
+        assert (await store.read_log("old")).records == tuple(old)
+        gen = await lease_generation(store, "old")
+        await store.write_intent(intent("old", 2), seq=3, generation=gen)
+        assert (await store.read_log("old")).records == (*old, intent("old", 2))
+    with psycopg.connect(postgres_dsn, autocommit=True) as admin:
+        layout = admin.execute(
+            f"SELECT value FROM {postgres_schema}.meta WHERE key = 'layout'"
+        ).fetchone()
+        kinds = admin.execute(
+            f"SELECT kind, body FROM {postgres_schema}.records WHERE run_id = 'old' ORDER BY seq"
+        ).fetchall()
+    assert layout == ("3",)
+    assert [k for k, _ in kinds] == ["run_started", "model_intent", "mi"]
+    assert bytes(kinds[-1][1]).startswith(b'["mi",1,2,')
 
 
 @pytest.mark.parametrize("failure", ["wrong password", "nothing listens"])

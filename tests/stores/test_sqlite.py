@@ -163,7 +163,7 @@ async def test_wal_mode_and_full_synchronous(tmp_path: Path) -> None:
         try:
             assert probe.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
             layout = probe.execute("SELECT value FROM meta WHERE key = 'layout'").fetchone()[0]
-            assert int(layout) == _sql.LAYOUT_VERSION == 2
+            assert int(layout) == _sql.LAYOUT_VERSION == 3
         finally:
             probe.close()
 
@@ -690,7 +690,7 @@ async def test_a_layout_1_store_is_migrated_on_open(tmp_path: Path) -> None:
             ModelResult(run_id="r", step=1, intent_id="m", ts=TS), seq=3, generation=g
         )
     with contextlib.closing(sqlite3.connect(path)) as conn:
-        assert conn.execute("SELECT value FROM meta WHERE key = 'layout'").fetchone() == ("2",)
+        assert conn.execute("SELECT value FROM meta WHERE key = 'layout'").fetchone() == ("3",)
         tables = {r[0] for r in conn.execute("SELECT name FROM sqlite_master WHERE type='table'")}
         assert tables == {"meta", "runs", "records", "control"}
         gens = [
@@ -895,30 +895,78 @@ def insert_rows(path: Path, rows: list[Row], *, generation: int = 1) -> None:
 @pytest.mark.parametrize(
     ("row", "offset", "message"),
     [
-        (("r", 2, "model_intent", b"{not json"), 2, "undecodable"),
-        (("r", 2, "model_intent", b'{"kind":"model_intent","run_id":"r"}'), 2, "undecodable"),
+        (("r", 2, "model_intent", b"{not json"), 2, "does not decode"),
+        (("r", 2, "model_intent", b'{"kind":"model_intent","run_id":"r"}'), 2, "does not decode"),
         (
             ("r", 2, "step", b'{"kind":"cancel_requested","run_id":"r","ts":"t"}'),
             2,
-            "does not match its row",
+            "a cancel_requested record stored as step",
+        ),
+        (
+            (
+                "r",
+                2,
+                "model_intent",
+                b'{"kind":"model_intent","run_id":"x","step":1,'
+                b'"intent_id":"i","attempt":1,"ts":"t"}',
+            ),
+            2,
+            "a record of run 'x'",
         ),
         (
             ("r", 3, "cancel_requested", b'{"kind":"cancel_requested","run_id":"r","ts":"t"}'),
             2,
             "seq 2 is missing",
         ),
+        # the compact encoding (layout 3)
+        (("r", 2, "mi", b'["mi",1'), 2, "does not decode"),
+        (("r", 2, "mi", b'["mi",1,1]'), 2, "at least length 4"),
+        (
+            ("r", 2, "mi", b'["mi",1,1,"t",null,false,"more"]'),
+            2,
+            "Expected `array` of at most length",
+        ),
+        (("r", 2, "mi", b'["mi","one",1,"t"]'), 2, r"Expected `int`, got `str` - at `\$\[1\]`"),
+        (("r", 2, "mi", b'["mi",-1,1,"t"]'), 2, None),  # a decodable record: no damage
+        (("r", 2, "st", b'["cr","t"]'), 2, "Invalid value 'cr'"),
+        (("r", 2, "zz", b'["zz","t"]'), 2, "'zz' is not a tag of either encoding"),
+        (("r", 2, "mr", b'["mr",1,-1,"t"]'), 2, "Expected `int` >= 0"),
+        (("r", 2, "mi", b'{"kind":"model_intent"}'), 2, "Expected `array`, got `object`"),
     ],
-    ids=["not-json", "missing-fields", "wrong-kind", "gap"],
+    ids=[
+        "not-json",
+        "missing-fields",
+        "wrong-kind",
+        "another-run",
+        "gap",
+        "compact-not-json",
+        "compact-missing-fields",
+        "compact-extra-fields",
+        "compact-wrong-type",
+        "compact-ok",
+        "compact-wrong-tag",
+        "compact-unknown-tag",
+        "compact-negative-intent-number",
+        "compact-tag-with-an-object",
+    ],
 )
 async def test_corrupt_log_names_the_seq(
-    tmp_path: Path, row: Row, offset: int, message: str
+    tmp_path: Path, row: Row, offset: int, message: str | None
 ) -> None:
+    """A row whose checksum holds but whose body does not decode as its tag says (a writer's
+    bug, or a forged row) is refused, naming its seq, in either encoding."""
     path = tmp_path / "s.db"
     async with open_sqlite_store(path) as store:
         g = await lease(store, "r")
         await store.write_control(cancel("r"), seq=1, generation=g)
         await store.list_runs()
         insert_rows(path, [row])
+        if message is None:
+            (_, second) = (await store.read_log("r")).records
+            assert second == ModelIntent(
+                run_id="r", step=-1, intent_id="r/s-1/m1", attempt=1, ts="t"
+            )
+            return
         with pytest.raises(LogCorrupted, match=message) as info:
             await store.read_log("r")
         assert info.value.offset == offset
@@ -928,9 +976,9 @@ async def test_corrupt_log_names_the_seq(
 @pytest.mark.parametrize(
     "damage",
     [
-        "UPDATE records SET body = CAST(replace(CAST(body AS TEXT), 'm1', 'm2') AS BLOB)",
+        "UPDATE records SET body = CAST(replace(CAST(body AS TEXT), ',1,', ',2,') AS BLOB)",
         "UPDATE records SET gen = gen + 1",
-        "UPDATE records SET kind = 'model_result'",
+        "UPDATE records SET kind = 'mr'",
         "UPDATE records SET crc = (crc + 1) % 4294967296",
     ],
     ids=["body", "generation", "kind", "crc"],
@@ -944,7 +992,7 @@ async def test_a_changed_row_fails_its_checksum(tmp_path: Path, damage: str) -> 
         await store.list_runs()
         with contextlib.closing(sqlite3.connect(path, isolation_level=None)) as conn:
             (changed,) = conn.execute(
-                "SELECT seq FROM records WHERE run_id = 'r' AND kind = 'model_intent'"
+                "SELECT seq FROM records WHERE run_id = 'r' AND kind = 'mi'"
             ).fetchone()
             cursor = conn.execute(f"{damage} WHERE run_id = 'r' AND seq = ?", (changed,))
             assert cursor.rowcount == 1

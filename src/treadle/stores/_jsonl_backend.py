@@ -30,7 +30,16 @@ import attrs
 
 from treadle._exceptions import ConflictError, LeaseLost, LogCorrupted, StoreError, TreadleError
 from treadle.stores._engine import BatchReport, RunHead, Write, fail_writes
-from treadle.stores._jsonl_files import header_frame, read_run_file, records_frame
+from treadle.stores._jsonl_files import (
+    FORMAT_VERSION,
+    RunFile,
+    file_identity,
+    head_of,
+    header_frame,
+    read_run_head,
+    records_frame,
+)
+from treadle.stores._jsonl_files import RunHead as FileRunHead
 from treadle.stores._lines import check_frame, scan_lines
 from treadle.types import Lease, Record
 
@@ -138,11 +147,14 @@ class FileHead:
         exists: the file exists.
         end: bytes of its good prefix (its torn tail, if any, starts here).
         header: it holds an intact header line.
+        version: the format version its records are written in: its header's, or
+            `FORMAT_VERSION` for a file the first write gives a header.
     """
 
     exists: bool
     end: int
     header: bool
+    version: int = FORMAT_VERSION
 
 
 @attrs.define(eq=False)
@@ -152,6 +164,7 @@ class _File:
     fd: int
     end: int
     header: bool
+    version: int = FORMAT_VERSION
     dirty: bool = False
 
 
@@ -196,12 +209,18 @@ class JsonlBackend:
         self._dir_dirty = False
         self._pool: ThreadPoolExecutor | None = None
         self._created_ns = 0
+        # What the store's last read of a file found, while nothing else wrote it: a run's
+        # first write after a read of its log (a resume) then skips reading it again.
+        self._read: dict[str, tuple[tuple[int, ...], FileRunHead]] = {}
 
     # ------------------------------------------------------------------ the trio side
 
     def encode(self, run_id: str, seq: int, generation: int, records: tuple[Record, ...]) -> object:
-        """The write's frame line."""
-        return records_frame(seq, records, generation=generation)
+        """The write's frame line, in the current format.
+
+        A file begun in an older format gets its own at append time (`_payload`).
+        """
+        return records_frame(seq, records, generation=generation, run_id=run_id)
 
     def admit(self, run_id: str, generation: int) -> None:
         """Refuse a write whose generation is not the lease this store object holds.
@@ -214,15 +233,31 @@ class JsonlBackend:
             current = lease.generation if lease is not None else None
             raise LeaseLost(run_id, generation=generation, current=current)
 
+    def remember(self, path: str, found: RunFile) -> None:
+        """Note what a read of ``path`` found, for `load` (in the trio thread)."""
+        if found.identity is None:
+            return
+        if len(self._read) >= MAX_OPEN_FILES:
+            self._read.clear()
+        self._read[path] = (found.identity, head_of(found))
+
     def load(self, run_id: str) -> RunHead:
-        """Read the run's file: its next seq and where its good prefix ends."""
-        found = read_run_file(self._path_of(run_id))
+        """Read the run's file: its next seq, where its good prefix ends, its format.
+
+        Its frames are checked, its records not decoded (`read_run_head`); a file the store
+        read last (`remember`) and that has not changed since is not read again (should it
+        have changed unseen, the tail check of the first append refuses it).
+        """
+        path = self._path_of(run_id)
+        read = self._read.pop(path, None)
+        found = read[1] if read is not None and _identity(path) == read[0] else None
+        if found is None:
+            found = read_run_head(path)
         if found.run_id is not None and found.run_id != run_id:
             raise LogCorrupted(
                 f"the header names run {found.run_id!r}", where=self._path_of(run_id), offset=0
             )
-        head = FileHead(exists=found.exists, end=found.end, header=found.run_id is not None)
-        return RunHead(next_seq=found.next_seq, state=head)
+        return RunHead(next_seq=found.next_seq, state=_file_head(found))
 
     # ------------------------------------------------------------------ one batch
 
@@ -264,7 +299,7 @@ class JsonlBackend:
         first = group.writes[0]
         try:
             file = self._open(group.path, first)
-            data = b"".join(w.payload for w in group.writes)  # type: ignore[misc]
+            data = b"".join([self._payload(file, w) for w in group.writes])
             if not file.header:
                 data = self._header(first.run_id) + data
             self._append_at(file, data, first, counts)
@@ -276,6 +311,28 @@ class JsonlBackend:
             fail_writes(group.writes, _store_error(group.path, "cannot append to", exc))
             return None
         return file
+
+    @staticmethod
+    def _payload(file: _File, write: Write) -> bytes:
+        """The write's line in the file's own format.
+
+        Raises:
+            StoreError: its records cannot be written in the older format of the file.
+        """
+        if file.version == FORMAT_VERSION:
+            return write.payload  # type: ignore[return-value]
+        try:
+            return records_frame(
+                write.seq,
+                write.records,
+                generation=write.generation,
+                run_id=write.run_id,
+                version=file.version,
+            )
+        except Exception as exc:
+            raise StoreError(
+                f"cannot write to {file.path} in its format (version {file.version}): {exc}"
+            ) from exc
 
     def _header(self, run_id: str) -> bytes:
         self._created_ns = max(self._created_ns + 1, time.time_ns())
@@ -324,7 +381,7 @@ class JsonlBackend:
         if file is not None:
             self._files.move_to_end(path)
             if head is not None:  # the run was loaded again (its lease moved): trust the read
-                file.end, file.header = head.end, head.header
+                file.end, file.header, file.version = head.end, head.header, head.version
             return file
         create = head is not None and not head.exists
         try:
@@ -335,13 +392,17 @@ class JsonlBackend:
         if head is None:
             head = self._closed_ends.pop(path, None) or self._reread(path)
         file = self._files[path] = _File(
-            run_id=first.run_id, path=path, fd=fd, end=head.end, header=head.header
+            run_id=first.run_id,
+            path=path,
+            fd=fd,
+            end=head.end,
+            header=head.header,
+            version=head.version,
         )
         return file
 
     def _reread(self, path: str) -> FileHead:
-        found = read_run_file(path)
-        return FileHead(exists=found.exists, end=found.end, header=found.run_id is not None)
+        return _file_head(read_run_head(path))
 
     def _write_all(self, file: _File, data: bytes) -> None:
         view = memoryview(data)
@@ -414,7 +475,9 @@ class JsonlBackend:
         if file is None:
             return
         if not finished:
-            self._closed_ends[path] = FileHead(exists=True, end=file.end, header=file.header)
+            self._closed_ends[path] = FileHead(
+                exists=True, end=file.end, header=file.header, version=file.version
+            )
         with contextlib.suppress(OSError):
             self._ops.close(file.fd)
 
@@ -434,6 +497,19 @@ class JsonlBackend:
         if self._pool is not None:
             self._pool.shutdown(wait=False)
         return BatchReport(syncs=syncs, lost=tuple(lost))
+
+
+def _identity(path: str) -> tuple[int, ...] | None:
+    try:
+        return file_identity(os.stat(path))
+    except OSError:
+        return None
+
+
+def _file_head(found: FileRunHead) -> FileHead:
+    return FileHead(
+        exists=found.exists, end=found.end, header=found.run_id is not None, version=found.version
+    )
 
 
 def _next_seq(seq: int, line: bytes) -> int:

@@ -1,7 +1,8 @@
 """The files of the JSONL store: names, frames, reading and checking them.
 
 Blocking functions: the store (`treadle.stores.jsonl`) calls them in worker threads. The
-format is described in docs/decisions/0004-jsonl-format.md::
+format is described in docs/decisions/0004-jsonl-format.md (frames) and
+docs/decisions/0085-compact-log-records.md (the records in them)::
 
     <directory>/<name>.jsonl              a run's log: a header frame, then record frames
     <directory>/.control/<name>.jsonl     the run's control stream: one frame per entry
@@ -25,20 +26,27 @@ from typing import Any, Final
 from urllib.parse import unquote
 
 import attrs
+import msgspec
 
 from treadle._exceptions import LogCorrupted, SchemaTooNew, StoreError, TreadleError
-from treadle.stores._codec import check_schema, encode, record_from_dict
+from treadle.stores._codec import check_schema, encode, pack, record_from_dict, unpack
 from treadle.stores._lines import FrameError, TornSpan, check_frame, frame, scan_lines
 from treadle.types import ApprovalDecided, CancelRequested, ControlEntry, Lease, Record
 
 FORMAT: Final = "treadle.jsonl"
 """The ``format`` of a run file's header."""
 
-FORMAT_VERSION: Final = 2
+FORMAT_VERSION: Final = 3
 """The frame format version written in every new header; a newer file is refused.
 
 2: record frames carry the writer's lease generation (``gen``); control streams and leases
-live in ``.control/`` and ``.leases/`` (version 1 kept a control log as a pseudo-run)."""
+live in ``.control/`` and ``.leases/`` (version 1 kept a control log as a pseudo-run).
+3: record frames hold their records in the compact encoding (``["mi",1,1,...]``,
+docs/decisions/0085-compact-log-records.md). A file keeps the encoding its header names: one
+begun in version 2 (or 1) is read, and appended to, in the JSON-object encoding."""
+
+COMPACT_FROM: Final = 3
+"""The first format version whose record frames are compact-encoded."""
 
 MAX_NAME_CHARS: Final = 200
 """Longest encoded run id kept in a file name; longer ones are named by their SHA-256."""
@@ -103,15 +111,30 @@ def header_frame(run_id: str, *, created_ns: int) -> bytes:
     return frame(0, "header", json.dumps(header, ensure_ascii=False, separators=(",", ":")))
 
 
-def records_frame(seq: int, records: Sequence[Record], *, generation: int) -> bytes:
-    """The line of one store operation (newline included).
+def records_frame(
+    seq: int,
+    records: Sequence[Record],
+    *,
+    generation: int,
+    run_id: str,
+    version: int = FORMAT_VERSION,
+) -> bytes:
+    """The line of one store operation (newline included), for a file of format ``version``.
+
+    Compact-encoded records from version 3 on; JSON objects (with their ``kind``) before.
 
     Raises:
         UnicodeEncodeError: a text cannot be written as UTF-8.
-        TypeError, ValueError: a record cannot be written as JSON.
+        TypeError, ValueError: a record cannot be written as JSON, or is of another run.
     """
-    payload = "[" + ",".join(encode(r) for r in records) + "]"
-    return frame(seq, "records", payload, generation=generation)
+    if version >= COMPACT_FROM:
+        payload = b"[" + b",".join([pack(r, run_id) for r in records]) + b"]"
+        return frame(seq, "records", payload, generation=generation)
+    for record in records:
+        if record.run_id != run_id:
+            raise ValueError(f"a record of run {record.run_id!r} in the file of run {run_id!r}")
+    text = "[" + ",".join(encode(r) for r in records) + "]"
+    return frame(seq, "records", text, generation=generation)
 
 
 def control_frame(position: int, record: CancelRequested | ApprovalDecided) -> bytes:
@@ -136,6 +159,8 @@ class RunFile:
         next_seq: the seq the next record gets.
         end: bytes of the good prefix.
         torn: the torn tail, if any.
+        identity: the file's `file_identity` while it was read, ``None`` when it changed
+            meanwhile (or does not exist).
     """
 
     exists: bool
@@ -147,6 +172,7 @@ class RunFile:
     next_seq: int
     end: int
     torn: TornSpan | None
+    identity: tuple[int, ...] | None = None
 
 
 _MISSING: Final = RunFile(
@@ -197,12 +223,34 @@ def read_header(where: str, found: tuple[int, bytes, int]) -> tuple[str, int, in
     return header["run_id"], created if isinstance(created, int) else 0, version
 
 
+class _RecordFrame(msgspec.Struct, forbid_unknown_fields=True):
+    """A record frame of format 3: its records left undecoded (`unpack` decodes each)."""
+
+    seq: int
+    crc: str
+    gen: int
+    records: list[msgspec.Raw]
+
+
+class _FrameHead(msgspec.Struct):
+    """What `read_run_head` needs of a record frame of any format: seq and record count."""
+
+    seq: int
+    records: list[msgspec.Raw]
+
+
+_RECORD_FRAME: Final = msgspec.json.Decoder(_RecordFrame)
+_FRAME_HEAD: Final = msgspec.json.Decoder(_FrameHead)
+
+
 def _read_records(
-    where: str, run_id: str, found: tuple[int, bytes, int], expected: int
+    where: str, run_id: str, found: tuple[int, bytes, int], expected: int, version: int
 ) -> tuple[list[Record], int]:
     seq, line, offset = found
     if seq != expected:
         raise LogCorrupted(f"frame seq {seq}, expected {expected}", where=where, offset=offset)
+    if version >= COMPACT_FROM:
+        return _read_compact(where, run_id, line, offset)
     data = _content(where, line, offset)
     items = data.get("records")
     if not isinstance(items, list) or not items:
@@ -227,19 +275,75 @@ def _read_records(
     return records, generation
 
 
+def _compact_frame(where: str, line: bytes, offset: int) -> tuple[list[Any], int]:
+    """A compact record frame's records (undecoded) and generation.
+
+    Raises:
+        LogCorrupted: not such a frame.
+    """
+    items: list[Any]
+    try:
+        found = _RECORD_FRAME.decode(line)
+        items, generation = found.records, found.gen
+    except msgspec.DecodeError as exc:  # ValidationError included
+        if b"\\u" not in line:
+            raise LogCorrupted(f"undecodable frame: {exc}", where=where, offset=offset) from exc
+        # an escaped lone surrogate, which msgspec's parser refuses; the standard library's
+        # reads it, and each record is handed on as JSON text again
+        data = _content(where, line, offset)
+        found_items, found_gen = data.get("records"), data.get("gen")
+        if not isinstance(found_items, list) or type(found_gen) is not int:
+            raise LogCorrupted("not a record frame", where=where, offset=offset) from exc
+        items = [json.dumps(x, ensure_ascii=True, separators=(",", ":")) for x in found_items]
+        generation = found_gen
+    if not items:
+        raise LogCorrupted("a frame holds no records", where=where, offset=offset)
+    return items, generation
+
+
+def _read_compact(where: str, run_id: str, line: bytes, offset: int) -> tuple[list[Record], int]:
+    items, generation = _compact_frame(where, line, offset)
+    records: list[Record] = []
+    for item in items:
+        try:
+            record = unpack(item, run_id)
+        except ValueError as exc:  # msgspec's errors included
+            raise LogCorrupted(f"undecodable record: {exc}", where=where, offset=offset) from exc
+        check_schema(record)
+        records.append(record)
+    return records, generation
+
+
 def read_bytes(path: str) -> bytes | None:
     """A file's bytes, or ``None`` when it does not exist.
 
     Raises:
         StoreError: it cannot be read.
     """
+    return _read_identified(path)[0]
+
+
+def file_identity(stat: os.stat_result) -> tuple[int, ...]:
+    """Device, inode, size and modification time (ns): another write changes one of them."""
+    return (stat.st_dev, stat.st_ino, stat.st_size, stat.st_mtime_ns)
+
+
+def _read_identified(path: str) -> tuple[bytes | None, tuple[int, ...] | None]:
+    """A file's bytes and its identity while they were read (``None``: it changed meanwhile).
+
+    Raises:
+        StoreError: it cannot be read.
+    """
     try:
         with open(path, "rb") as file:
-            return file.read()
+            before = file_identity(os.fstat(file.fileno()))
+            data = file.read()
+            after = file_identity(os.fstat(file.fileno()))
     except FileNotFoundError:
-        return None
+        return None, None
     except OSError as exc:
         raise StoreError(f"cannot read {path}: {exc.strerror or exc}") from exc
+    return data, before if before == after and after[2] == len(data) else None
 
 
 def read_run_file(path: str) -> RunFile:
@@ -254,17 +358,19 @@ def read_run_file(path: str) -> RunFile:
         SchemaTooNew: the header or the run-started record is from a newer version.
         StoreError: the file cannot be read.
     """
-    data = read_bytes(path)
+    data, identity = _read_identified(path)
     if data is None:
         return _MISSING
     scanned = scan_lines(data, check_frame, where=path)
     if not scanned.items:
-        return attrs.evolve(_MISSING, exists=True, end=scanned.end, torn=scanned.torn)
+        return attrs.evolve(
+            _MISSING, exists=True, end=scanned.end, torn=scanned.torn, identity=identity
+        )
     run_id, created_ns, version = read_header(path, scanned.items[0])
     records: list[Record] = []
     generations: list[int] = []
     for found in scanned.items[1:]:
-        more, generation = _read_records(path, run_id, found, len(records) + 1)
+        more, generation = _read_records(path, run_id, found, len(records) + 1, version)
         records.extend(more)
         generations.extend([generation] * len(more))
     return RunFile(
@@ -277,7 +383,77 @@ def read_run_file(path: str) -> RunFile:
         next_seq=len(records) + 1,
         end=scanned.end,
         torn=scanned.torn,
+        identity=identity,
     )
+
+
+@attrs.frozen(kw_only=True)
+class RunHead:
+    """Where a run file stands, read without decoding its records (`read_run_head`).
+
+    Attributes:
+        exists: the file exists.
+        run_id: from the header (``None`` while the file holds no intact header).
+        version: the header's format version; `FORMAT_VERSION` without a header (the
+            version the first write gives the file).
+        next_seq: the seq the next record gets.
+        end: bytes of the good prefix.
+    """
+
+    exists: bool
+    run_id: str | None
+    version: int
+    next_seq: int
+    end: int
+
+
+def head_of(found: RunFile) -> RunHead:
+    """The `RunHead` of a file `read_run_file` read."""
+    version = found.version if found.run_id is not None else FORMAT_VERSION
+    return RunHead(
+        exists=found.exists,
+        run_id=found.run_id,
+        version=version,
+        next_seq=found.next_seq,
+        end=found.end,
+    )
+
+
+def read_run_head(path: str) -> RunHead:
+    """The next seq and good prefix of a run file (blocking), its records left undecoded.
+
+    Every line's checksum, the header and the seqs are checked as `read_run_file` checks
+    them; what the records hold is not (`read_run_file` decodes them).
+
+    Raises:
+        LogCorrupted: a damaged line (not a torn tail), a bad header, a seq gap.
+        SchemaTooNew: the header is from a newer format version.
+        StoreError: the file cannot be read.
+    """
+    data = read_bytes(path)
+    if data is None:
+        return RunHead(exists=False, run_id=None, version=FORMAT_VERSION, next_seq=1, end=0)
+    scanned = scan_lines(data, check_frame, where=path)
+    if not scanned.items:
+        return RunHead(
+            exists=True, run_id=None, version=FORMAT_VERSION, next_seq=1, end=scanned.end
+        )
+    run_id, _, version = read_header(path, scanned.items[0])
+    next_seq = 1
+    for seq, line, offset in scanned.items[1:]:
+        if seq != next_seq:
+            raise LogCorrupted(f"frame seq {seq}, expected {next_seq}", where=path, offset=offset)
+        try:
+            count = len(_FRAME_HEAD.decode(line).records)
+        except msgspec.DecodeError as exc:
+            if b"\\u" not in line:  # else an escaped lone surrogate: see _compact_frame
+                raise LogCorrupted(f"undecodable frame: {exc}", where=path, offset=offset) from exc
+            items = _content(path, line, offset).get("records")
+            count = len(items) if isinstance(items, list) else 0
+        if not count:
+            raise LogCorrupted("a frame holds no records", where=path, offset=offset)
+        next_seq += count
+    return RunHead(exists=True, run_id=run_id, version=version, next_seq=next_seq, end=scanned.end)
 
 
 @attrs.frozen(kw_only=True)
@@ -341,17 +517,17 @@ def _probe(path: str, name: str, head: bytes, tail: bytes, tail_at: int) -> Prob
     complete = head.split(b"\n")[:-1]  # the lines that end with a newline
     if not complete or not complete[0].strip(b"\0"):
         return None  # no header line reached the file: a first write that crashed
-    run_id, created_ns, _ = read_header(path, _checked(path, complete[0], 0))
+    run_id, created_ns, version = read_header(path, _checked(path, complete[0], 0))
     if len(complete) < 2 or not complete[1].strip(b"\0"):
         return None  # no record line reached the file (a torn first record was never written)
     first_found = _checked(path, complete[1], len(complete[0]) + 1)
-    first_records, _ = _read_records(path, run_id, first_found, 1)
+    first_records, _ = _read_records(path, run_id, first_found, 1, version)
     return Probe(
         name=name,
         run_id=run_id,
         created_ns=created_ns,
         first=first_records[0],
-        tail=tuple(_tail_records(path, tail, tail_at)),
+        tail=tuple(_tail_records(path, tail, tail_at, run_id, version)),
     )
 
 
@@ -362,7 +538,7 @@ def _checked(path: str, line: bytes, offset: int) -> tuple[int, bytes, int]:
         raise LogCorrupted(f"a line is damaged: {exc}", where=path, offset=offset) from exc
 
 
-def _tail_records(path: str, tail: bytes, tail_at: int) -> list[Record]:
+def _tail_records(path: str, tail: bytes, tail_at: int, run_id: str, version: int) -> list[Record]:
     """The records of the record frames in ``tail`` (the file's bytes from ``tail_at`` on).
 
     The first line is skipped when ``tail`` starts inside it, and so is the unterminated
@@ -379,7 +555,9 @@ def _tail_records(path: str, tail: bytes, tail_at: int) -> list[Record]:
     for line in lines[:-1]:  # the last piece has no newline: empty, or a torn tail
         if line.strip(b"\0"):
             seq, _, _ = _checked(path, line, offset)
-            if seq:
+            if seq and version >= COMPACT_FROM:
+                records.extend(_read_compact(path, run_id, line, offset)[0])
+            elif seq:
                 try:
                     items = json.loads(line).get("records", ())
                     records.extend(record_from_dict(item) for item in items)

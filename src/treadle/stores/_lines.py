@@ -21,6 +21,9 @@ The frame of the JSONL store (`frame`, `check_frame`) is one line of JSON whose 
 is the CRC-32 of the line itself, with the 8 hex digits of the field taken as zeros::
 
     {"seq":5,"crc":"00c0ffee","gen":2,"records":[...]}
+
+``frame`` takes the payload as JSON text; what the records in it look like is the codec's
+(`treadle.stores._codec`).
 """
 
 from __future__ import annotations
@@ -108,8 +111,11 @@ def scan_lines(
     offsets: list[int] = []
     pos = 0
     size = len(data)
+    # Where the tail of NUL bytes and newlines begins, if there is one (computed once: asking
+    # at every line whether only such bytes follow would read the rest of the file each time).
+    zeros = _nul_tail(data)
     while pos < size:
-        if _only_nul(data, pos):
+        if pos >= zeros and data.find(b"\0", pos) >= 0:
             return _done(items, offsets, base + pos, _torn(data, pos, base, "a tail of NUL bytes"))
         newline = data.find(b"\n", pos)
         if newline < 0:
@@ -131,10 +137,16 @@ def scan_lines(
     return _done(items, offsets, base + pos, None)
 
 
-def _only_nul(data: bytes, pos: int) -> bool:
-    """Whether ``data[pos:]`` holds nothing but NUL bytes and newlines (and one NUL at least)."""
-    rest = data[pos:]
-    return b"\0" in rest and not rest.replace(b"\0", b"").replace(b"\n", b"")
+def _nul_tail(data: bytes) -> int:
+    """Where the tail of NUL bytes and newlines of ``data`` begins (``len(data)``: none).
+
+    A tail counts only if it holds one NUL byte at least. ``data[pos:]`` holds nothing but NUL
+    bytes and newlines exactly when ``pos`` is at or after it.
+    """
+    if data.find(b"\0") < 0:
+        return len(data)
+    end = len(data.rstrip(b"\0\n"))
+    return end if b"\0" in data[end:] else len(data)
 
 
 def _torn(data: bytes, pos: int, base: int, reason: str) -> TornSpan:
@@ -162,18 +174,19 @@ def strict_utf8(line: bytes) -> str:
 # --------------------------------------------------------------------------- JSONL frames
 
 
-def frame(seq: int, key: str, payload: str, *, generation: int | None = None) -> bytes:
+def frame(seq: int, key: str, payload: str | bytes, *, generation: int | None = None) -> bytes:
     """One frame line (newline included).
 
     ``{"seq":<seq>,"crc":"<hex>","<key>":<payload>}``, with ``"gen":<generation>`` before the
-    key when a generation is given.
+    key when a generation is given. ``payload`` is JSON text (UTF-8 when bytes).
 
     Raises:
         UnicodeEncodeError: ``payload`` holds a lone surrogate.
     """
     head = b'{"seq":%d,"crc":"' % seq
-    gen = "" if generation is None else f'"gen":{generation},'
-    tail = f'",{gen}"{key}":{payload}}}'.encode()
+    gen = b"" if generation is None else b'"gen":%d,' % generation
+    body = payload if isinstance(payload, bytes) else payload.encode()
+    tail = b'",%s"%s":%s}' % (gen, key.encode(), body)
     crc = zlib.crc32(tail, zlib.crc32(_ZEROS, zlib.crc32(head)))
     return b"%s%08x%s\n" % (head, crc, tail)
 

@@ -10,10 +10,12 @@ Tables (docs/crash-safety.md, "The stores"; docs/fleet.md, "Stores")::
     records(run_id, seq, gen, kind, body, crc)   the log; PRIMARY KEY (run_id, seq)
     control(run_id, pos, body, crc)      the control streams; PRIMARY KEY (run_id, pos)
 
-``body`` is one record as compact JSON (`treadle.stores._codec`), ``gen`` the lease generation
-of its writer and ``crc`` the CRC-32 of the row (`treadle.stores._codec.record_crc`): a read
-refuses a row whose checksum fails, a seq missing, or fewer records than the run's
-``next_seq`` says it has (`LogCorrupted`).
+``body`` is one record in the encoding its ``kind`` names (`treadle.stores._codec`: a compact
+JSON array under a two-letter tag, or, in rows written before layout 3, a JSON object under
+the long tag), ``gen`` the lease generation of its writer and ``crc`` the CRC-32 of the row
+(`treadle.stores._codec.record_crc`): a read refuses a row whose checksum fails, a seq
+missing, or fewer records than the run's ``next_seq`` says it has (`LogCorrupted`). Control
+entries keep the JSON-object encoding (other processes, of other versions, append to them).
 
 A write commits only if the run's ``runs`` row still holds the writer's lease generation and
 the next seq the writer expects: a stale writer's rows are left out of the batch (`LeaseLost`)
@@ -48,12 +50,16 @@ from treadle._ids import check_run_id
 from treadle.stores import _leases, _queue
 from treadle.stores._codec import (
     KIND_OF,
+    TAG_OF,
     check_schema,
     decode,
     decode_submission,
     encode_bytes,
     encode_submission,
+    pack,
     record_crc,
+    row_crc,
+    stored_decoder,
 )
 from treadle.stores._engine import CommitEngine, RunHead, StoreStatistics, Write, fail_writes
 from treadle.stores._index import IndexDelta, fold_delta
@@ -68,14 +74,20 @@ from treadle.types import (
     Message,
     Record,
     RunLog,
+    RunStarted,
     RunState,
     RunSummary,
     StopReason,
     Submission,
 )
 
-LAYOUT_VERSION: Final = 2
-"""Version of the table layout, stored in ``meta``; a database of a newer one is refused."""
+LAYOUT_VERSION: Final = 3
+"""Version of the table layout, stored in ``meta``; a database of a newer one is refused.
+
+3: record rows are written in the compact encoding (docs/decisions/0085-compact-log-records.md);
+rows written before keep theirs and are read as they are. A layout-2 database is marked 3 when
+a newer treadle opens it (nothing else changes), so an older treadle refuses it instead of
+reading rows it cannot decode."""
 
 IDLE_CONNECTIONS: Final = 4
 """Connections kept open between reads and control operations."""
@@ -164,47 +176,56 @@ class SqlDialect(Protocol):
 def encode_rows(
     run_id: str, seq: int, generation: int, records: tuple[Record, ...]
 ) -> tuple[Row, ...]:
-    """The rows of one write (the engine's payload for the SQL stores)."""
+    """The rows of one write (the engine's payload for the SQL stores), compact-encoded.
+
+    Raises:
+        ValueError: a record belongs to another run.
+        TypeError: a value is not JSON data.
+    """
     rows = []
     for offset, record in enumerate(records):
-        kind = KIND_OF[type(record)]
-        body = encode_bytes(record)
+        kind = TAG_OF[type(record)]
+        body = pack(record, run_id)
         crc = record_crc(run_id, seq + offset, generation, kind, body)
         rows.append((run_id, seq + offset, generation, kind, body, crc))
     return tuple(rows)
 
 
-def decode_row(where: str, run_id: str, expected_seq: int, row: Sequence[Any]) -> Record:
-    """One stored record row, checked (seq, checksum, tag, schema version).
+def decode_rows(where: str, run_id: str, rows: Sequence[Sequence[Any]]) -> tuple[Record, ...]:
+    """A run's stored record rows ``(seq, gen, kind, body, crc)`` from seq 1, as records.
+
+    Each row is checked: its seq, its checksum, that its body decodes as its tag says, and
+    the schema version of a run-started record.
 
     Raises:
-        LogCorrupted: the row is damaged (``offset`` is its seq).
-        SchemaTooNew: it was written by a newer schema version.
+        LogCorrupted: a row is damaged or missing (``offset`` is its seq).
+        SchemaTooNew: the run was started by a newer schema version.
     """
-    seq, gen, kind, body, crc = row
-    body = bytes(body)
-    if seq != expected_seq:
-        raise LogCorrupted(
-            f"run {run_id!r}: record seq {expected_seq} is missing",
-            where=where,
-            offset=expected_seq,
-        )
-    if record_crc(run_id, seq, gen, kind, body) != crc:
-        raise LogCorrupted(
-            f"run {run_id!r}: record {seq} fails its checksum", where=where, offset=seq
-        )
-    try:
-        record = decode(body)
-    except Exception as exc:
-        raise LogCorrupted(
-            f"run {run_id!r}: undecodable {kind} record: {exc}", where=where, offset=seq
-        ) from exc
-    if KIND_OF[type(record)] != kind or record.run_id != run_id:
-        raise LogCorrupted(
-            f"run {run_id!r}: record {seq} does not match its row", where=where, offset=seq
-        )
-    check_schema(record)
-    return record
+    crc_of = row_crc(run_id)
+    records: list[Record] = []
+    for expected, (seq, gen, kind, body, crc) in enumerate(rows, start=1):
+        if type(body) is not bytes:
+            body = bytes(body)  # a memoryview from PostgreSQL
+        if seq != expected:
+            raise LogCorrupted(
+                f"run {run_id!r}: record seq {expected} is missing", where=where, offset=expected
+            )
+        if crc_of(seq, gen, kind, body) != crc:
+            raise LogCorrupted(
+                f"run {run_id!r}: record {seq} fails its checksum", where=where, offset=seq
+            )
+        try:
+            record = stored_decoder(kind)(body, run_id)
+        except Exception as exc:
+            raise LogCorrupted(
+                f"run {run_id!r}: record {seq} ({kind}) does not decode: {exc}",
+                where=where,
+                offset=seq,
+            ) from exc
+        if type(record) is RunStarted:
+            check_schema(record)
+        records.append(record)
+    return tuple(records)
 
 
 # --------------------------------------------------------------------------- the batch commit
@@ -367,7 +388,7 @@ def read_records(dialect: SqlDialect, conn: Connection, run_id: str) -> tuple[Re
         ).fetchone()
     finally:
         conn.execute("COMMIT")
-    records = tuple(decode_row(where, run_id, n, row) for n, row in enumerate(rows, start=1))
+    records = decode_rows(where, run_id, rows)
     counted = 0 if head is None else int(head[0]) - 1
     if counted > len(records):
         raise LogCorrupted(

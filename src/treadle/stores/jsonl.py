@@ -1,6 +1,7 @@
 """A run store of plain files: one JSON-lines file per run in a directory, with group commit.
 
-Layout (format ``treadle.jsonl`` version 2; docs/decisions/0004-jsonl-format.md)::
+Layout (format ``treadle.jsonl`` version 3; docs/decisions/0004-jsonl-format.md and
+docs/decisions/0085-compact-log-records.md)::
 
     <directory>/run-42.jsonl              one file per run, named by its percent-encoded id
     <directory>/%52un%2F1.jsonl           (only a-z 0-9 . _ - are kept; "Run/1" here)
@@ -11,14 +12,16 @@ Layout (format ``treadle.jsonl`` version 2; docs/decisions/0004-jsonl-format.md)
 
 Each line of a run file is one frame, the result of ONE store operation::
 
-    {"seq":0,"crc":"1c291ca3","header":{"format":"treadle.jsonl","version":2,"run_id":"r",...}}
-    {"seq":1,"crc":"8d0b5e1a","gen":1,"records":[{...,"kind":"run_started"}]}
-    {"seq":5,"crc":"00c0ffee","gen":1,"records":[{...,"kind":"action_result"},{...,"kind":"step"}]}
+    {"seq":0,"crc":"1c291ca3","header":{"format":"treadle.jsonl","version":3,"run_id":"r",...}}
+    {"seq":1,"crc":"8d0b5e1a","gen":1,"records":[["rs",1796160068255627,[["user","go"]],...]]}
+    {"seq":5,"crc":"00c0ffee","gen":1,"records":[["ar",1,1,"c0","noop",...],["st",1,...]]}
 
 ``seq`` is the seq of the frame's first record (0 for the header); ``gen`` the lease generation
 of its writer; ``crc`` the CRC-32 (zlib) of the line's bytes, newline excluded, with its own 8
-hex digits taken as ``00000000``. An action result and its step record are one line, so they
-reach the disk together or not at all.
+hex digits taken as ``00000000``. Records are in the compact encoding of
+`treadle.stores._codec` (a tag, then the fields; the run id is the header's); a file begun in
+format 2 holds, and is appended, JSON objects naming their run and kind. An action result and
+its step record are one line, so they reach the disk together or not at all.
 
 Reading (`treadle.stores._lines.scan_lines`): what a lost write looks like (an unterminated
 last line, or a tail of NUL bytes after a power cut) is a torn tail: never acknowledged, left
@@ -184,8 +187,8 @@ class JsonlStore(EngineStore):
         self._sidecar_lock = threading.Lock()  # one sidecar write at a time (worker threads)
         self._torn: list[TornTail] = []
         self._heads: dict[str, tuple[tuple[int, int], int]] = {}
-        backend = JsonlBackend(directory, self.run_file, ops, self._held_lease)
-        self._engine = CommitEngine(backend, token)
+        self._backend = JsonlBackend(directory, self.run_file, ops, self._held_lease)
+        self._engine = CommitEngine(self._backend, token)
 
     @classmethod
     async def open(
@@ -269,6 +272,8 @@ class JsonlStore(EngineStore):
         self._check_run_id(path, run_id, found)
         if run_id not in self._held:
             self._note_torn(run_id, path, found)
+        else:
+            self._backend.remember(path, found)  # its first write here need not read it again
         return RunLog(run_id=run_id, records=found.records)
 
     async def read_generations(self, run_id: str) -> tuple[int, ...]:

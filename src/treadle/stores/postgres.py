@@ -193,7 +193,7 @@ def _lost_connection(exc: BaseException) -> bool:
 
 
 def _ensure_schema(dialect: PostgresDialect, conn: Any) -> None:
-    """Create the tables once (under an advisory lock); refuse a newer layout."""
+    """Create the tables once (under an advisory lock), mark layout 2 as 3; refuse a newer one."""
     psycopg = _psycopg()
     conn.execute("BEGIN")
     try:
@@ -210,6 +210,10 @@ def _ensure_schema(dialect: PostgresDialect, conn: Any) -> None:
             "ON CONFLICT (key) DO NOTHING",
             (str(_sql.LAYOUT_VERSION), repr(time.time())),
         )
+        # Layout 2 to 3 changes no table: new rows are compact-encoded, old ones are read as
+        # they are; the mark makes an older treadle refuse the schema instead of meeting rows
+        # it cannot decode (docs/decisions/0085-compact-log-records.md).
+        conn.execute("UPDATE meta SET value = %s WHERE key = 'layout' AND value = '2'", ("3",))
         row = conn.execute("SELECT value FROM meta WHERE key = 'layout'").fetchone()
         conn.execute("COMMIT")
     except BaseException:

@@ -1,6 +1,6 @@
 """The embedded default run store: one SQLite database file in WAL mode, with group commit.
 
-The tables are those of every SQL store (`treadle.stores._sql`, layout version 2). Several
+The tables are those of every SQL store (`treadle.stores._sql`, layout version 3). Several
 processes on one machine may open the same file: leases, fencing and the fleet's queue live in
 the database, and expiry is judged by the machine's wall clock.
 
@@ -44,7 +44,7 @@ from treadle._exceptions import (
 )
 from treadle._trio_only import require_trio
 from treadle.stores import _sql
-from treadle.stores._codec import KIND_OF, decode, encode_bytes, record_crc
+from treadle.stores._codec import KIND_OF, STEP_KINDS, decode, encode_bytes, record_crc
 from treadle.stores._engine import (
     BatchReport,
     CommitEngine,
@@ -87,19 +87,24 @@ _SCHEMA: Final = (
     "body BLOB NOT NULL, crc INTEGER NOT NULL, PRIMARY KEY (run_id, pos)) WITHOUT ROWID",
 )
 
+_ADVANCE: Final = (
+    "CREATE TRIGGER records_advance AFTER INSERT ON records BEGIN UPDATE runs SET next_seq = "
+    "NEW.seq + 1, steps = CASE WHEN NEW.kind IN ('{0}', '{1}') THEN steps + 1 ELSE steps END, "
+    "state = CASE WHEN NEW.kind IN ('{0}', '{1}') AND state = 'awaiting_child' THEN 'running' "
+    "ELSE state END, awaiting_until = CASE WHEN NEW.kind IN ('{0}', '{1}') AND "
+    "state = 'awaiting_child' THEN NULL ELSE awaiting_until END WHERE run_id = NEW.run_id; END"
+).format(*STEP_KINDS)
+"""Moves a run's next seq and counts its step records (stored under either tag); a step
+record also ends a wait on child runs (`treadle.stores._index.IndexDelta.unpark`), in the
+same statement."""
+
 _TRIGGERS: Final = (
     # Fencing, in the statement that writes: a record lands only when its run's row holds the
     # writer's live lease generation and expects exactly this seq.
     "CREATE TRIGGER records_fence BEFORE INSERT ON records WHEN NOT EXISTS (SELECT 1 FROM runs "
     "WHERE run_id = NEW.run_id AND lease_generation = NEW.gen AND lease_owner <> '' AND "
     f"next_seq = NEW.seq) BEGIN SELECT RAISE(ABORT, '{_FENCED}'); END",
-    # Next seq and steps move with every record; a step record also ends a wait on child runs
-    # (`treadle.stores._index.IndexDelta.unpark`), in the same statement.
-    "CREATE TRIGGER records_advance AFTER INSERT ON records BEGIN UPDATE runs SET next_seq = "
-    "NEW.seq + 1, steps = CASE WHEN NEW.kind = 'step' THEN steps + 1 ELSE steps END, "
-    "state = CASE WHEN NEW.kind = 'step' AND state = 'awaiting_child' THEN 'running' "
-    "ELSE state END, awaiting_until = CASE WHEN NEW.kind = 'step' AND state = 'awaiting_child' "
-    "THEN NULL ELSE awaiting_until END WHERE run_id = NEW.run_id; END",
+    _ADVANCE,
 )
 
 _V1_CONTROL_SUFFIX: Final = "#control"
@@ -240,6 +245,9 @@ def _ensure_layout(conn: sqlite3.Connection, clock: Callable[[], float], where: 
     if layout == 1:
         _migrate_v1(conn, where)
         layout = _layout(conn)
+    if layout == 2:
+        _migrate_v2(conn)
+        layout = _layout(conn)
     if layout is not None and layout > _sql.LAYOUT_VERSION:
         raise SchemaTooNew(layout, _sql.LAYOUT_VERSION)
     _ensure_triggers(conn)
@@ -295,6 +303,28 @@ def _migrate_v1(conn: sqlite3.Connection, where: str) -> None:
         conn.execute("ROLLBACK")
         raise
     conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+
+
+def _migrate_v2(conn: sqlite3.Connection) -> None:
+    """Layout 2 to 3: new rows are compact-encoded (docs/decisions/0085-compact-log-records.md).
+
+    One transaction, and no row is rewritten: the step-counting trigger learns the compact
+    step tag and the layout is marked 3 (so an older treadle refuses the database instead of
+    meeting rows it cannot decode). Rows written before keep their encoding and are read as
+    they are.
+    """
+    conn.execute("BEGIN IMMEDIATE")
+    try:
+        if _layout(conn) != 2:
+            conn.execute("ROLLBACK")
+            return
+        conn.execute("DROP TRIGGER IF EXISTS records_advance")
+        conn.execute(_ADVANCE)
+        conn.execute("UPDATE meta SET value = '3' WHERE key = 'layout'")
+        conn.execute("COMMIT")
+    except BaseException:
+        conn.execute("ROLLBACK")
+        raise
 
 
 def _migrate_run(conn: sqlite3.Connection, log_id: str, where: str) -> None:

@@ -93,7 +93,11 @@ async def _inherited(store: MemoryStore, thread: str, run_id: str, world: Any) -
 
 
 def log_digest(logs: Iterable[RunLog]) -> str:
-    """sha256 over every record of ``logs``, encoded as stored, in order."""
+    """sha256 over every record of ``logs``, in order, each in the codec's JSON-object form.
+
+    The digest is the records' (two stores holding the same records give the same digest),
+    not of any store's bytes.
+    """
     digest = hashlib.sha256()
     for log in logs:
         for record in log.records:
