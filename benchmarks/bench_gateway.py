@@ -36,9 +36,16 @@ from rich.console import Console
 from rich.table import Table
 
 from treadle._clock import SystemClock
-from treadle.actors._rpc import ReplySlot, StepScope
-from treadle.actors.gateway import CallModel, ModelGateway, ModelOutcome
-from treadle.actors.writer import Append, WriterClient, WriterRequest
+from treadle.actors import (
+    Append,
+    CallModel,
+    ModelGateway,
+    ModelOutcome,
+    ReplySlot,
+    StepScope,
+    WriterClient,
+    WriterRequest,
+)
 from treadle.models import AnthropicMessagesClient, OpenAIChatClient
 from treadle.ports import ModelClient
 from treadle.testing.loopback import CannedResponse, RecordedRequest, open_loopback_server

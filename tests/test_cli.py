@@ -254,7 +254,7 @@ def test_show_and_tail_json_speak_the_event_vocabulary(tmp_path):
     async def api_events():
         async with treadle.open_sqlite_store(db) as store:
             log = await store.read_log("cli-run")
-        from treadle.actors.writer import stored_events
+        from treadle.actors import stored_events
 
         return [(e.seq, e.kind.value) for e in stored_events(log, 1, len(log.records))]
 

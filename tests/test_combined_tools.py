@@ -173,7 +173,9 @@ def test_every_policy_question_is_answered_by_the_owner():
     # the approval rule asks the combined executor, which asks the owner
     assert requires_approval(policies_of(combined), None, "send", {"to": "a", "token": "t"})
     assert not requires_approval(policies_of(combined), None, "bare_send", {})
-    assert not requires_approval(policies_of(combined), None, "send", {"to": 1})  # refused, not asked
+    assert not requires_approval(
+        policies_of(combined), None, "send", {"to": 1}
+    )  # refused, not asked
 
 
 def test_the_combined_executor_has_every_policy_method():

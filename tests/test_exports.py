@@ -275,6 +275,77 @@ def test_models_exports():
     assert treadle.models.Attempt is treadle.types.Attempt
 
 
+ACTORS = sorted(
+    [
+        "CANCEL_GRACE_S",
+        "DELTA_FLUSH_CHARS",
+        "DELTA_FLUSH_S",
+        "SINK_BUFFER",
+        "STOP_GRACE_S",
+        "SUBSCRIBER_BUFFER",
+        "ActionsOutcome",
+        "Append",
+        "AwaitedChild",
+        "AwaitingChildren",
+        "CallModel",
+        "Cancel",
+        "Compaction",
+        "ContextHydrator",
+        "Control",
+        "Delta",
+        "Drain",
+        "Drained",
+        "EventWriter",
+        "Forward",
+        "Hydrate",
+        "MailboxReceiver",
+        "MailboxSender",
+        "ModelGateway",
+        "ModelOutcome",
+        "Offer",
+        "Parked",
+        "ReplySlot",
+        "RunActions",
+        "RunCoordinator",
+        "SinkFeed",
+        "StepScope",
+        "Subscribe",
+        "Subscription",
+        "ToolExecutor",
+        "Warn",
+        "WriterClient",
+        "WriterRequest",
+        "WriterStatistics",
+        "backoff_s",
+        "durable_event",
+        "open_mailbox",
+        "recorded_history",
+        "reply",
+        "request",
+        "seconds_between",
+        "step_messages",
+        "stored_events",
+        "with_step_started",
+    ]
+)
+
+
+@pytest.mark.parametrize(
+    ("package", "names"), [("treadle.actors", ACTORS)], ids=lambda v: v if isinstance(v, str) else ""
+)
+def test_a_package_face_exports_its_names_and_keeps_its_modules_private(package, names):
+    """A package's public names are its face's ``__all__``; every module behind it is private
+    (``_name.py``), so no implementation module is imported from outside by its own name."""
+    import importlib
+    import pkgutil
+
+    face = importlib.import_module(package)
+    assert sorted(face.__all__) == names
+    assert all(hasattr(face, name) for name in face.__all__)
+    modules = [m.name for m in pkgutil.iter_modules(face.__path__)]
+    assert [m for m in modules if not m.startswith("_")] == []
+
+
 def test_testing_exports():
     assert sorted(treadle.testing.__all__) == TESTING
     assert all(hasattr(treadle.testing, name) for name in treadle.testing.__all__)

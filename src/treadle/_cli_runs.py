@@ -27,7 +27,7 @@ from treadle._cli_common import (
 )
 from treadle._exceptions import RunLeased
 from treadle._text import valid_unicode
-from treadle.actors.writer import durable_event, with_step_started
+from treadle.actors import durable_event, with_step_started
 from treadle.approvals import decide, pending_approval, request_cancel
 from treadle.ports import RunIndex, RunStore
 from treadle.redaction import Redaction

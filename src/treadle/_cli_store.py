@@ -30,7 +30,7 @@ from treadle._cli_common import (
     store_option,
 )
 from treadle._text import valid_unicode
-from treadle.actors.writer import stored_events
+from treadle.actors import stored_events
 from treadle.agent import Agent
 from treadle.approvals import pending_approval
 from treadle.ports import RunIndex, RunStore

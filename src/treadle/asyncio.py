@@ -32,7 +32,7 @@ import trio
 
 from treadle._exceptions import RunLeased, TreadleError, UsageError
 from treadle._ids import check_run_id, new_run_id
-from treadle.actors.writer import stored_events
+from treadle.actors import stored_events
 from treadle.agent import Agent, RunInput
 from treadle.approvals import decide, request_cancel
 from treadle.metrics import MetricsRecorder

@@ -10,8 +10,15 @@ from __future__ import annotations
 import attrs
 import trio
 
-from treadle.actors._mailbox import MailboxReceiver, open_mailbox
-from treadle.actors.writer import Append, Delta, Subscribe, WriterClient, WriterRequest
+from treadle.actors import (
+    Append,
+    Delta,
+    MailboxReceiver,
+    Subscribe,
+    WriterClient,
+    WriterRequest,
+    open_mailbox,
+)
 from treadle.types import (
     Action,
     ActionOutcome,

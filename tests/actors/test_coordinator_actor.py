@@ -20,11 +20,16 @@ from actor_fakes import TS, FakeWriter, start_fake_writer
 from treadle._clock import FixedStepClock
 from treadle._exceptions import SeamViolation
 from treadle._state import RunView
-from treadle.actors._rpc import reply
-from treadle.actors.coordinator import RunCoordinator
-from treadle.actors.executor import ActionsOutcome, RunActions
-from treadle.actors.gateway import CallModel, ModelOutcome
-from treadle.actors.hydrator import Compaction, Hydrate
+from treadle.actors import (
+    ActionsOutcome,
+    CallModel,
+    Compaction,
+    Hydrate,
+    ModelOutcome,
+    RunActions,
+    RunCoordinator,
+    reply,
+)
 from treadle.parsers import NativeToolCallParser
 from treadle.testing import call, say
 from treadle.types import (

@@ -18,8 +18,7 @@ from actor_fakes import TS, FakeWriter, RecordingExecutor, start_fake_writer
 
 from treadle._clock import FixedStepClock
 from treadle._exceptions import SeamViolation
-from treadle.actors._rpc import StepScope, request
-from treadle.actors.executor import ActionsOutcome, RunActions, ToolExecutor
+from treadle.actors import ActionsOutcome, RunActions, StepScope, ToolExecutor, request
 from treadle.types import (
     ActionIntent,
     ActionOutcome,

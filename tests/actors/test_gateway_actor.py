@@ -19,9 +19,7 @@ from actor_fakes import FakeWriter, start_fake_writer
 
 from treadle._clock import FixedStepClock
 from treadle._exceptions import ModelCallError
-from treadle.actors._rpc import StepScope, request
-from treadle.actors.gateway import CallModel, ModelGateway, ModelOutcome
-from treadle.actors.writer import WriterClient
+from treadle.actors import CallModel, ModelGateway, ModelOutcome, StepScope, WriterClient, request
 from treadle.ports import ModelClient
 from treadle.testing import ScriptedModel, say
 from treadle.testing.scripted import STALLED

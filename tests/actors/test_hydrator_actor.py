@@ -15,8 +15,7 @@ import trio
 from actor_fakes import TS, started
 
 from treadle._exceptions import StoreError
-from treadle.actors._rpc import request
-from treadle.actors.hydrator import Compaction, ContextHydrator, Hydrate
+from treadle.actors import Compaction, ContextHydrator, Hydrate, request
 from treadle.agent import Agent
 from treadle.parsers import NativeToolCallParser
 from treadle.stores.memory import MemoryStore

@@ -11,14 +11,14 @@ import trio
 from actor_fakes import TS, started
 
 from treadle._exceptions import LeaseLost, StoreError
-from treadle.actors._mailbox import open_mailbox
-from treadle.actors._rpc import ReplySlot
-from treadle.actors.writer import (
+from treadle.actors import (
     SUBSCRIBER_BUFFER,
     Append,
     EventWriter,
+    ReplySlot,
     WriterClient,
     WriterRequest,
+    open_mailbox,
 )
 from treadle.ports import LeaseStore, RunStore
 from treadle.stores.memory import MemoryStore

@@ -13,7 +13,7 @@ import pytest
 
 import treadle
 from treadle._budget import Group, Meter, with_markers
-from treadle.actors.hydrator import step_messages
+from treadle.actors import step_messages
 from treadle.models import AnthropicMessagesClient, OpenAIChatClient
 from treadle.models._transport import digest
 from treadle.testing.scripted import ScriptedModel, call, say

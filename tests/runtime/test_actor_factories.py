@@ -11,7 +11,7 @@ import pytest
 import trio
 
 from treadle import Agent, FixedStepClock, MemoryStore, NativeToolCallParser, Toolbox, tool
-from treadle.actors.executor import ActionsOutcome, RunActions
+from treadle.actors import ActionsOutcome, RunActions
 from treadle.stores._codec import encode
 from treadle.supervisors.run import (
     DEFAULT_ACTORS,

@@ -5,7 +5,7 @@ import trio
 from runtime_fakes import LedgerTools, SimpleParser
 
 from treadle._exceptions import UsageError
-from treadle.actors.coordinator import CANCEL_GRACE_S
+from treadle.actors import CANCEL_GRACE_S
 from treadle.agent import Agent
 from treadle.approvals import request_cancel
 from treadle.stores.memory import MemoryStore

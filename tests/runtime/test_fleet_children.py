@@ -275,7 +275,9 @@ async def test_a_store_error_while_queueing_the_child_interrupts_the_call_instea
     async def submit(agent: str, task: str, run_id: str, caps: object, parent: object) -> object:
         raise StoreError("the store is unreachable")
 
-    async def result(run_id: str, poll_s: float, output_type: object, patience_s: float) -> RunResult:
+    async def result(
+        run_id: str, poll_s: float, output_type: object, patience_s: float
+    ) -> RunResult:
         raise AssertionError("not reached")
 
     drive = FleetDrive(

@@ -59,7 +59,9 @@ def agents(store: RunStore, executed: list[str]) -> dict[str, object]:
             control_poll_s=0.02,
         )
         return Agent(
-            model=ScriptedModel(turns=[call("helper", call_id="h1", task="go"), say("parent done")]),
+            model=ScriptedModel(
+                turns=[call("helper", call_id="h1", task="go"), say("parent done")]
+            ),
             executor=Toolbox([helper]),
             parser=NativeToolCallParser(),
         )

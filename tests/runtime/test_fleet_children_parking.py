@@ -199,7 +199,9 @@ async def test_a_lost_wake_up_is_made_up_at_the_recheck_instant(fleet_store, mon
             result = await worker.result("p", poll_s=0.05)
     assert result.final_answer == "parent done"
     assert woken == ["p"]
-    awaited = next(r for r in (await fleet_store.read_log("p")).records if isinstance(r, ChildrenAwaited))
+    awaited = next(
+        r for r in (await fleet_store.read_log("p")).records if isinstance(r, ChildrenAwaited)
+    )
     finished = (await fleet_store.read_log("p")).finished
     assert finished is not None
     # claimed again only at the recheck instant, not before
@@ -207,7 +209,7 @@ async def test_a_lost_wake_up_is_made_up_at_the_recheck_instant(fleet_store, mon
 
 
 def treadle_seconds(start: str, end: str) -> float:
-    from treadle.actors.coordinator import seconds_between
+    from treadle.actors import seconds_between
 
     return seconds_between(start, end)
 
@@ -268,7 +270,10 @@ async def test_a_queued_child_is_capped_by_what_its_parent_has_left(fleet_store)
             fleet_store,
             child(),
             turns=[
-                attrs.evolve(call("helper", call_id="h1", task="do it"), usage=Usage(input_tokens=70, output_tokens=0)),
+                attrs.evolve(
+                    call("helper", call_id="h1", task="do it"),
+                    usage=Usage(input_tokens=70, output_tokens=0),
+                ),
                 say("parent done"),
             ],
             budgets=Budgets(token_budget=100, time_budget_s=600.0),

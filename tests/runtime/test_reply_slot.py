@@ -6,7 +6,7 @@ import pytest
 import trio
 import trio.testing
 
-from treadle.actors._rpc import ReplySlot, reply, request
+from treadle.actors import ReplySlot, reply, request
 
 
 async def test_a_reply_sent_before_the_wait_is_returned_without_blocking() -> None:

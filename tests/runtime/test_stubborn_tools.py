@@ -25,7 +25,7 @@ from runtime_fakes import LedgerTools, SimpleParser
 
 import treadle
 from treadle._toolhost import host_statistics
-from treadle.actors.coordinator import CANCEL_GRACE_S
+from treadle.actors import CANCEL_GRACE_S
 from treadle.agent import Agent
 from treadle.approvals import request_cancel
 from treadle.stores.memory import MemoryStore

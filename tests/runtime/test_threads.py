@@ -258,7 +258,7 @@ async def test_a_missing_or_damaged_predecessor_stops_the_resume_and_loses_nothi
 
 
 async def test_a_hydrator_without_a_store_refuses_a_thread_run() -> None:
-    from treadle.actors.hydrator import ContextHydrator
+    from treadle.actors import ContextHydrator
 
     started = RunStarted(run_id="t.2", ts="", input=(), snapshot={}, thread="t", continues="t")
     hydrator = ContextHydrator(

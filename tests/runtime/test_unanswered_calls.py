@@ -11,7 +11,7 @@ from __future__ import annotations
 import trio
 
 import treadle
-from treadle.actors.hydrator import ContextHydrator
+from treadle.actors import ContextHydrator
 from treadle.stores.memory import MemoryStore
 from treadle.supervisors.run import open_run
 from treadle.testing.faults import CrashingStore, SimulatedCrash

@@ -249,7 +249,11 @@ ANTHROPIC_HELLO = [
     ),
     _anthropic_event({"type": "content_block_stop", "index": 0}),
     _anthropic_event(
-        {"type": "message_delta", "delta": {"stop_reason": "end_turn"}, "usage": {"output_tokens": 3}}
+        {
+            "type": "message_delta",
+            "delta": {"stop_reason": "end_turn"},
+            "usage": {"output_tokens": 3},
+        }
     ),
     _anthropic_event({"type": "message_stop"}),
 ]

@@ -343,8 +343,7 @@ async def test_check_budgets_flags_overshooting_logs(autojump_clock):
 
 def test_the_checker_finds_a_runtime_that_ignores_the_token_budget(monkeypatch):
     """Break the token budget on purpose: the simulation must catch the overshoot."""
-    from treadle.actors.coordinator import RunCoordinator
-    from treadle.actors.gateway import ModelGateway
+    from treadle.actors import ModelGateway, RunCoordinator
 
     original = RunCoordinator._budget_reason
 
@@ -374,7 +373,7 @@ def test_regression_a_model_call_that_failed_for_good_is_not_rerun_on_resume(see
 
 
 def test_the_checker_flags_a_reattempt_after_a_final_model_error(monkeypatch):
-    from treadle.actors.coordinator import RunCoordinator
+    from treadle.actors import RunCoordinator
 
     # Put the bug back: the coordinator forgets the recorded failure on resume.
     monkeypatch.setattr(RunCoordinator, "_failed_for_good", lambda self, pending: None)

@@ -1,6 +1,6 @@
 """Parked runs: a run that waits on a human keeps only its handle in memory.
 
-When a run has waited `treadle.actors.coordinator.RunCoordinator.park_after_s` for an approval
+When a run has waited `treadle.actors.RunCoordinator.park_after_s` for an approval
 decision, its coordinator raises `Parked`; the run supervisor stops the run's five actors and
 waits here for a decision, a cancel or the approval deadline, then resumes the run from its
 log like a restarted process would (docs/decisions/0010-parking-waiting-runs.md). The

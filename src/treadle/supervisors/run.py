@@ -35,17 +35,26 @@ from treadle._ids import check_run_id, new_run_id
 from treadle._state import RunView, fold
 from treadle._text import repaired, valid_unicode
 from treadle._trio_only import require_trio
-from treadle.actors._mailbox import MailboxReceiver, MailboxSender, open_mailbox
-from treadle.actors.coordinator import AwaitingChildren, Drained, Parked, RunCoordinator
-from treadle.actors.executor import RunActions, ToolExecutor
-from treadle.actors.gateway import CallModel, ModelGateway
-from treadle.actors.hydrator import ContextHydrator, Hydrate, recorded_history
-from treadle.actors.writer import (
+from treadle.actors import (
+    AwaitingChildren,
+    CallModel,
+    ContextHydrator,
+    Drained,
     EventWriter,
+    Hydrate,
+    MailboxReceiver,
+    MailboxSender,
+    ModelGateway,
+    Parked,
+    RunActions,
+    RunCoordinator,
     SinkFeed,
+    ToolExecutor,
     WriterClient,
     WriterRequest,
     WriterStatistics,
+    open_mailbox,
+    recorded_history,
     stored_events,
     with_step_started,
 )
@@ -109,7 +118,7 @@ class InboxActor(Protocol[RequestT_contra]):
 class WriterActor(InboxActor[WriterRequest], Protocol):
     """The event writer role: the run's single writer to the store (docs/concepts.md, "Actors").
 
-    It serves `treadle.actors.writer.WriterRequest` messages (appends, barriers, deltas,
+    It serves `treadle.actors.WriterRequest` messages (appends, barriers, deltas,
     subscriptions) from its inbox until the inbox ends, writing records in the order it
     receives them and answering each barrier once it is durable.
     """
@@ -185,7 +194,7 @@ class CoordinatorActor(Protocol):
         ...
 
     def drain(self) -> None:
-        """Stop at the next safe point (see `treadle.actors.coordinator.RunCoordinator.drain`)."""
+        """Stop at the next safe point (see `treadle.actors.RunCoordinator.drain`)."""
         ...
 
 
@@ -254,7 +263,7 @@ class CoordinatorContext:
         gateway: the gateway's inbox.
         executor: the executor's inbox.
         park_after_s: seconds of waiting for an approval after which the coordinator may
-            raise `treadle.actors.coordinator.Parked` (``None``: never park).
+            raise `treadle.actors.Parked` (``None``: never park).
         carried_active_s: active seconds of a step interrupted by parking, to carry on.
     """
 
@@ -790,7 +799,7 @@ async def _check_chain(store: RunStore, run_id: str, lineage: Lineage) -> None:
     exists reads its chain when its hydrator starts, as every resume does.
 
     Raises:
-        StoreError: as `treadle.actors.hydrator.recorded_history` (nothing is written).
+        StoreError: as `treadle.actors.recorded_history` (nothing is written).
     """
     if (await store.read_log(run_id)).started is not None:
         return

@@ -9,7 +9,7 @@ another run's history before one of its steps and tries that step again.
 
 Neither copies history: the new run's run-started record names the run it continues
 (``continues``, with ``thread`` or ``fork_step``) and the context hydrator reads that run's
-history from the store (`treadle.actors.hydrator.recorded_history`; docs/threads.md).
+history from the store (`treadle.actors.recorded_history`; docs/threads.md).
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import attrs
 from treadle._exceptions import UsageError
 from treadle._ids import check_run_id
 from treadle._text import valid_unicode
-from treadle.actors.hydrator import recorded_history
+from treadle.actors import recorded_history
 from treadle.agent import RunInput, input_messages
 from treadle.ports import RunStore
 from treadle.types import Message, RunLog, RunStarted

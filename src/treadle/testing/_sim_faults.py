@@ -13,8 +13,7 @@ import attrs
 import trio
 import trio.testing
 
-from treadle.actors._mailbox import MailboxReceiver, open_mailbox
-from treadle.actors._rpc import StepScope
+from treadle.actors import MailboxReceiver, StepScope, open_mailbox
 from treadle.approvals import Decision
 from treadle.stores._leases import LEASE_TTL_S
 from treadle.stores.memory import MemoryStore

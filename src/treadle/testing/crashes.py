@@ -34,7 +34,7 @@ import attrs
 import trio
 
 from treadle._exceptions import ContractViolation, RunInterrupted, UsageError
-from treadle.actors.hydrator import recorded_history
+from treadle.actors import recorded_history
 from treadle.agent import Agent
 from treadle.parsers import NativeToolCallParser
 from treadle.ports import ActionExecutor, RunStore

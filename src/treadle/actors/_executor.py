@@ -31,8 +31,9 @@ from treadle._exceptions import ChildPending, SeamViolation
 from treadle._text import valid_unicode
 from treadle._toolhost import HostedCall, ToolHost, current_host
 from treadle.actors._mailbox import MailboxReceiver
-from treadle.actors._rpc import ReplySlot, StepScope, reply
-from treadle.actors.writer import WriterClient
+from treadle.actors._messages import ActionsOutcome, AwaitedChild, RunActions
+from treadle.actors._rpc import StepScope, reply
+from treadle.actors._writer import WriterClient
 from treadle.policies import ExecutorPolicies, policies_of
 from treadle.ports import ActionExecutor
 from treadle.types import (
@@ -58,74 +59,6 @@ executor abandons it (an executor that times its own calls out answers within th
 
 class _Done(Protocol):
     def __call__(self, outcome: ActionOutcome, reconciled: bool = ...) -> None: ...
-
-
-@attrs.frozen(kw_only=True)
-class RunActions:
-    """Run the actions of ``step``.
-
-    Attributes:
-        calls: the tool calls, in the order the model gave them.
-        existing: action intents already in the log for this step (resume), in call order.
-        scope: the step's cancellation and active-time deadline.
-        rejected: calls a human rejected (or whose approval expired), by call id, with the
-            detail of their synthetic observation; they get no intent and never run.
-        handed: the executor appends each intent here once it handed it to the writer, so
-            that the coordinator can give it a result even if no answer comes.
-        revisions: the revisions the run observed before this step, folded from its log
-            (`treadle._state.RunView.revisions`), handed to every action of the step.
-        tokens_left: the run's token budget minus what it spent (``None``: no budget),
-            handed to every action of the step (a child run draws from it).
-    """
-
-    step: int
-    calls: tuple[ToolCall, ...]
-    existing: tuple[ActionIntent, ...]
-    scope: StepScope
-    reply_to: ReplySlot[ActionsOutcome]
-    rejected: Mapping[str, str] = attrs.field(factory=dict)
-    handed: list[ActionIntent] = attrs.field(factory=list)
-    revisions: Mapping[str, tuple[int, ...]] = attrs.field(factory=dict)
-    tokens_left: int | None = None
-
-
-@attrs.frozen(kw_only=True)
-class AwaitedChild:
-    """A call of the step that parked while its queued child run works.
-
-    Attributes:
-        intent_id: the call's action intent.
-        child_run_id: the child run it waits on.
-        recheck_s: seconds after which the parked run is claimable again without a wake-up.
-    """
-
-    intent_id: str
-    child_run_id: str
-    recheck_s: float
-
-
-@attrs.frozen(kw_only=True)
-class ActionsOutcome:
-    """The executor actor's answer.
-
-    Attributes:
-        results: one result per call, in call order. When the step was cancelled or cut
-            by the time budget: one result per action whose intent was written, marked
-            ``late`` (never applied). Empty when calls parked (``awaiting``).
-        observations: the text each result put into history, in call order.
-        stop: ``cancelled`` or ``time_budget`` when the step was cut off mid-action.
-        written: the intents written, in order.
-        awaiting: the calls that parked on child runs, in call order; non-empty only when
-            every other call ended and all of them may run again on resume (their
-            results are dropped: the step runs its calls again, docs/child-runs.md, "In a
-            fleet").
-    """
-
-    results: tuple[ActionResult, ...] = ()
-    observations: tuple[str, ...] = ()
-    stop: StopReason | None = None
-    written: tuple[Record, ...] = ()
-    awaiting: tuple[AwaitedChild, ...] = ()
 
 
 @attrs.define(eq=False)

@@ -47,7 +47,8 @@ from treadle._budget import (
 )
 from treadle._exceptions import StoreError, UsageError
 from treadle.actors._mailbox import MailboxReceiver
-from treadle.actors._rpc import ReplySlot, reply
+from treadle.actors._messages import Compaction, Hydrate
+from treadle.actors._rpc import reply
 from treadle.ports import RunStore
 from treadle.types import (
     ContextUsed,
@@ -65,46 +66,6 @@ from treadle.types import (
 )
 
 _SYNTHETIC = SyntheticObservations()
-
-
-@attrs.frozen(kw_only=True)
-class Compaction:
-    """The hydrator's answer when older steps must be summarised before the request fits.
-
-    Attributes:
-        request: the summariser's request (docs/context.md, "Summaries").
-        through: the last step the summary will cover.
-    """
-
-    request: ModelRequest
-    through: int
-
-
-@attrs.frozen(kw_only=True)
-class Hydrate:
-    """Ask for the next model request, after adding ``new_steps`` to the history.
-
-    Attributes:
-        new_steps: step records not yet handed over, oldest first.
-        summary: the latest durable summary of the run, ``None`` for none.
-        calibration: ``(counted, reported)`` input tokens of the run's latest step request
-            (not a summary's) with a context record: the counter's count and the provider's
-            report (docs/context.md, "Counting tokens").
-        force: the provider refused the step's last attempt for its context length:
-            summarise every step but the newest.
-        refused_tokens: with ``force``, the estimated size of the refused request (from its
-            result's context record), ``None`` when unknown.
-        refused_window: with ``force``, the window the provider's error stated, tokens,
-            ``None`` when it stated none.
-    """
-
-    new_steps: tuple[StepRecord, ...]
-    reply_to: ReplySlot[ModelRequest | Compaction]
-    summary: Summary | None = None
-    calibration: tuple[int, int] | None = None
-    force: bool = False
-    refused_tokens: int | None = None
-    refused_window: int | None = None
 
 
 @attrs.define(eq=False)

@@ -30,8 +30,9 @@ from treadle._clock import Clock
 from treadle._exceptions import ModelCallError, SeamViolation
 from treadle._text import repaired
 from treadle.actors._mailbox import MailboxReceiver
-from treadle.actors._rpc import ReplySlot, StepScope, reply
-from treadle.actors.writer import WriterClient
+from treadle.actors._messages import CallModel, ModelOutcome
+from treadle.actors._rpc import StepScope, reply
+from treadle.actors._writer import WriterClient
 from treadle.parsers import strict_arguments
 from treadle.ports import ModelClient
 from treadle.types import (
@@ -54,53 +55,6 @@ DELTA_FLUSH_CHARS = 1024
 """Coalesced deltas are flushed at about 1 KiB ..."""
 DELTA_FLUSH_S = 0.03
 """... or after 30 ms (trio clock), whichever comes first."""
-
-
-@attrs.frozen(kw_only=True)
-class CallModel:
-    """Make the model call of ``step``.
-
-    Attributes:
-        step: the step index.
-        request: the model request.
-        run_attempts: model attempts the run has made so far (budget accounting).
-        step_attempts: attempts already made in this step (resume), so ids stay unique.
-        step_failures: failed attempts already made in this step (retry accounting).
-        tokens: reported tokens used by the run so far.
-        scope: the step's cancellation and active-time deadline.
-        summary_through: set for a compaction: the request asks for a summary of the steps
-            up to this one (docs/context.md, "Summaries"); its intent and result say so.
-    """
-
-    step: int
-    request: ModelRequest
-    run_attempts: int
-    step_attempts: int
-    step_failures: int
-    tokens: int
-    scope: StepScope
-    reply_to: ReplySlot[ModelOutcome]
-    summary_through: int | None = None
-
-
-@attrs.frozen(kw_only=True)
-class ModelOutcome:
-    """The gateway's answer.
-
-    Attributes:
-        reply: the successful reply, or ``None``.
-        intent_id: the intent of the successful attempt.
-        error: the last attempt's error when the call failed for good.
-        stop: a budget that ended the call (``max_model_attempts``, ``token_budget``,
-            ``time_budget``) or ``cancelled``; ``None`` otherwise.
-        written: every record the gateway wrote, in order (the coordinator folds them).
-    """
-
-    reply: ModelReply | None = None
-    intent_id: str | None = None
-    error: ModelErrorInfo | None = None
-    stop: StopReason | None = None
-    written: tuple[Record, ...] = ()
 
 
 def backoff_s(retry: int, limits: Limits, rng: random.Random) -> float:

@@ -15,6 +15,15 @@ import trio
 
 from treadle._exceptions import StoreError
 from treadle.actors._mailbox import MailboxReceiver, MailboxSender
+from treadle.actors._messages import (
+    Append,
+    Delta,
+    Forward,
+    Subscribe,
+    Subscription,
+    Warn,
+    WriterRequest,
+)
 from treadle.actors._rpc import ReplySlot
 from treadle.metrics import MetricsRecorder
 from treadle.ports import EventSink, RunStore
@@ -68,70 +77,6 @@ SINK_GRACE_S = 2.0
 
 TAIL_KEEP = 64
 """Recent records kept in memory so a subscriber can join without a store read."""
-
-
-@attrs.frozen(kw_only=True)
-class Append:
-    """Write ``records`` with store operation ``op``.
-
-    ``reply_to`` is set for barriers: the writer answers once the write is durable. For a
-    `StoreOp.STEP` the records are the action results followed by the step record.
-    """
-
-    op: StoreOp
-    records: tuple[Record, ...]
-    reply_to: ReplySlot[int] | None = None
-
-
-@attrs.frozen(kw_only=True)
-class Delta:
-    """An ephemeral text or reasoning fragment (already coalesced by the sender)."""
-
-    channel: str
-    text: str
-
-
-@attrs.frozen(kw_only=True)
-class Warn:
-    """A live warning for the run's subscribers (never stored, never sent to sinks)."""
-
-    text: str
-
-
-@attrs.frozen(kw_only=True)
-class Forward:
-    """Another run's event (a child run's) for this run's live subscribers only."""
-
-    event: Event
-
-
-@attrs.frozen(kw_only=True)
-class Subscribe:
-    """Join the live event stream.
-
-    The reply is the seq of the last durable event and the channel that receives every
-    later event (durable and deltas).
-    """
-
-    reply_to: ReplySlot[Subscription]
-
-
-@attrs.frozen(kw_only=True)
-class Subscription:
-    """Answer to `Subscribe`.
-
-    Attributes:
-        last_seq: the seq of the last durable event before ``events`` starts.
-        tail: recent durable events up to ``last_seq`` (may start after seq 1).
-        events: later events; closed when the run ends or the subscriber fell too far behind.
-    """
-
-    last_seq: int
-    tail: tuple[Event, ...]
-    events: trio.MemoryReceiveChannel[Event]
-
-
-WriterRequest = Append | Delta | Warn | Forward | Subscribe
 
 
 @attrs.frozen(kw_only=True)

@@ -25,11 +25,16 @@ from treadle._output import OutputSpec
 from treadle._state import PendingStep, RunView, closing_records
 from treadle._text import repaired
 from treadle.actors._mailbox import MailboxSender
+from treadle.actors._messages import (
+    ActionsOutcome,
+    CallModel,
+    Compaction,
+    Hydrate,
+    ModelOutcome,
+    RunActions,
+)
 from treadle.actors._rpc import ReplySlot, StepScope, request
-from treadle.actors.executor import ActionsOutcome, RunActions
-from treadle.actors.gateway import CallModel, ModelOutcome
-from treadle.actors.hydrator import Compaction, Hydrate
-from treadle.actors.writer import WriterClient
+from treadle.actors._writer import WriterClient
 from treadle.approvals import (
     EXPIRED_DETAIL,
     Decision,
@@ -102,9 +107,7 @@ class AwaitingChildren(Exception):
     """
 
     def __init__(self, record: ChildrenAwaited) -> None:
-        super().__init__(
-            f"run {record.run_id!r} parked on child runs {', '.join(record.children)}"
-        )
+        super().__init__(f"run {record.run_id!r} parked on child runs {', '.join(record.children)}")
         self.record = record
 
 
