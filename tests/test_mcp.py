@@ -477,8 +477,7 @@ async def test_a_trusted_servers_destructive_tool_waits_for_approval(tmp_path):
         )
         async with open_run(agent, "charge", store=MemoryStore(), run_id="r") as handle:
             with trio.fail_after(60):
-                while handle.state is not RunState.AWAITING_APPROVAL:  # noqa: ASYNC110
-                    await trio.sleep(0.01)
+                await handle.wait_state(RunState.AWAITING_APPROVAL)
             assert handle.pending_approval.call_id == "c2"
             assert [e["tool"] for e in _ledger(ledger)] == ["lookup"]
             handle.approve("c2")

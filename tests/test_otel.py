@@ -16,7 +16,7 @@ from treadle.sinks.otel import OpenTelemetrySink
 from treadle.stores.memory import MemoryStore
 from treadle.supervisors.run import open_run
 from treadle.testing.scripted import ScriptedModel
-from treadle.types import ModelReply, ToolCall, Usage
+from treadle.types import ModelReply, RunState, ToolCall, Usage
 
 
 @treadle.tool
@@ -122,10 +122,8 @@ async def test_unknown_usage_is_not_exported_as_zero_and_rejections_are_errors(a
     ]
 
     async def reject(handle):
-        import trio
 
-        while handle.pending_approval is None:  # noqa: ASYNC110
-            await trio.sleep(0.01)
+        await handle.wait_state(RunState.AWAITING_APPROVAL)
         handle.approve(reject="no")
 
     await run_with_sink(turns, sink, decide=reject)

@@ -23,13 +23,19 @@ from treadle._state import RunView
 from treadle.actors import (
     ActionsOutcome,
     CallModel,
+    Cancel,
     Compaction,
+    Control,
     Hydrate,
+    MailboxSender,
     ModelOutcome,
+    Offer,
     RunActions,
     RunCoordinator,
+    open_mailbox,
     reply,
 )
+from treadle.approvals import decision_for
 from treadle.parsers import NativeToolCallParser
 from treadle.testing import call, say
 from treadle.types import (
@@ -179,6 +185,8 @@ class Fakes:
     hydrator: FakeHydrator
     gateway: FakeGateway
     executor: FakeExecutor
+    control: MailboxSender[Control]
+    statuses: list[tuple[RunState, ApprovalRequested | None]]
 
 
 @contextlib.asynccontextmanager
@@ -201,6 +209,7 @@ async def _alone(
             send, recv = trio.open_memory_channel[object](0)
             nursery.start_soon(fake.run, recv)
             channels[name] = send
+        statuses: list[tuple[RunState, ApprovalRequested | None]] = []
         coordinator = RunCoordinator(
             run_id="r",
             view=RunView(),
@@ -211,12 +220,18 @@ async def _alone(
             clock=FixedStepClock(),
             writer=writer,
             needs_approval=needs_approval,  # type: ignore[arg-type]
+            on_status=lambda state, awaiting: statuses.append((state, awaiting)),
             **channels,  # type: ignore[arg-type]
         )
+        control, control_inbox = open_mailbox[Control](16)
+        await nursery.start(coordinator.serve_control, control_inbox)
         try:
-            yield Fakes(coordinator, fake_writer, hydrator, gateway, executor)
+            yield Fakes(
+                coordinator, fake_writer, hydrator, gateway, executor, control, statuses
+            )
         finally:
             coordinator.close_inboxes()
+            control.close()
             writer.inbox.close()
 
 
@@ -267,7 +282,7 @@ async def test_cancel_reaches_the_action_in_flight_and_the_cancel_is_recorded(au
         async def cancel_once_acting() -> None:
             await trio.testing.wait_all_tasks_blocked()
             assert len(fakes.executor.requests) == 1  # the action is in flight
-            fakes.coordinator.cancel("stop it", "tester")
+            fakes.control.send_nowait(Cancel(reason="stop it", canceller="tester"))
 
         nursery.start_soon(cancel_once_acting)
         result = await fakes.coordinator.run()
@@ -289,10 +304,11 @@ async def test_a_call_that_needs_approval_waits_for_the_decision_and_a_rejection
 
         async def decide_once_asked() -> None:
             await trio.testing.wait_all_tasks_blocked()
-            assert fakes.coordinator.state is RunState.AWAITING_APPROVAL
-            awaiting = fakes.coordinator.awaiting
+            state, awaiting = fakes.statuses[-1]  # as the coordinator reported it
+            assert state is RunState.AWAITING_APPROVAL
             assert awaiting is not None and awaiting.call_id == "c1"
-            fakes.coordinator.decide(call_id="c1", reject="not today")
+            decided = decision_for("r", awaiting, FixedStepClock(), reject="not today")
+            fakes.control.send_nowait(Offer(decided=decided))
 
         nursery.start_soon(decide_once_asked)
         result = await fakes.coordinator.run()

@@ -39,6 +39,7 @@ from treadle.types import (
     ModelIntent,
     ModelResult,
     RunLog,
+    RunState,
     StopReason,
     StoreOp,
     Usage,
@@ -381,8 +382,7 @@ async def test_the_fake_executor_honours_a_rejection_and_an_intent_left_by_a_cra
         approval_policy=lambda tool, arguments: arguments.get("amount") == 4,
     ) as handle:
         with trio.fail_after(60):
-            while handle.pending_approval is None:  # noqa: ASYNC110
-                await trio.sleep(0.01)
+            await handle.wait_state(RunState.AWAITING_APPROVAL)
         handle.approve(reject="not four")
         await handle.wait()
     log = await store.read_log("r")

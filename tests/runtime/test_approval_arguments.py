@@ -79,8 +79,7 @@ def as_text(events) -> str:
 
 async def wait_for_state(handle, state):
     with trio.fail_after(60):
-        while handle.state is not state:  # noqa: ASYNC110 (polling a plain property)
-            await trio.sleep(0.01)
+        assert await handle.wait_state(state) is state
 
 
 def test_a_tool_declares_its_secret_arguments_and_the_snapshot_records_them():

@@ -48,8 +48,7 @@ def make(turns, **kwargs):
 
 async def wait_for_state(handle, state):
     with trio.fail_after(60):
-        while handle.state is not state:  # noqa: ASYNC110 (polling a plain property)
-            await trio.sleep(0.01)
+        assert await handle.wait_state(state) is state
 
 
 def kinds(log):

@@ -186,12 +186,8 @@ async def until(predicate, *, step_s: float = 0.1, limit_s: float = 600) -> None
 
 async def parked(handle) -> None:
     """Wait until the run is parked (its coordinator gone, the request pending)."""
-
-    def parked_or_ended() -> bool:
-        return handle._parking is not None or handle._done.is_set()
-
-    await until(parked_or_ended, step_s=0.5)
-    assert not handle._done.is_set(), f"the run ended instead of parking: {handle._error!r}"
+    with trio.fail_after(600):
+        assert await handle.wait_parked(), f"the run ended instead of parking: {handle.state}"
     await trio.sleep(0.1)  # let the stopped actors end
 
 

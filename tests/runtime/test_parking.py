@@ -67,8 +67,7 @@ def opened(agent, store, **kwargs):
 async def parked(handle) -> None:
     """Wait until the run is parked (its coordinator gone, the request pending)."""
     with trio.fail_after(3600):
-        while handle._parking is None:  # noqa: ASYNC110 (polling a plain attribute)
-            await trio.sleep(0.5)
+        assert await handle.wait_parked(), f"the run ended instead of parking: {handle.state}"
     await trio.sleep(0.1)  # the actors are told to stop once parked; let them end
 
 
@@ -220,8 +219,7 @@ async def test_each_call_of_a_batch_can_park_in_turn(autojump_clock):
             assert handle.pending_approval.call_id == call_id
             handle.approve(call_id)
             with trio.fail_after(3600):
-                while handle._parking is not None:  # noqa: ASYNC110
-                    await trio.sleep(0.1)
+                await handle.wait_state(RunState.RUNNING, RunState.SUCCEEDED)
         await handle.wait()
     # The batch's calls run concurrently: in any order.
     assert sorted(a.call_id for a in tools.executed) == ["a", "b"]
@@ -240,7 +238,7 @@ async def test_parking_can_be_switched_off(autojump_clock):
         agent, "x", store=store, run_id="r", approval_policy=only_add, park_after_s=None
     ) as handle:
         await trio.sleep(600)
-        assert handle._parking is None and handle.state is RunState.AWAITING_APPROVAL
+        assert not handle.parked and handle.state is RunState.AWAITING_APPROVAL
         handle.approve()
         await handle.wait()
 
@@ -302,8 +300,9 @@ async def test_a_decision_written_just_before_the_deadline_counts(autojump_clock
     )
     store = MemoryStore()
     async with opened(agent, store, control_poll_s=0.5) as handle:
+        await handle.wait_state(RunState.AWAITING_APPROVAL)
+        deadline = trio.current_time() + 30  # the request's approval_timeout_s
         await parked(handle)
-        deadline = handle._parking.deadline
         await trio.sleep_until(deadline - 0.1)  # between two polls, 0.1 s before the end
         await decide(store, "r")
         await handle.wait()
@@ -458,7 +457,7 @@ async def test_many_parked_runs_share_one_listing_and_read_nothing_else(autojump
         await decide(store, handles[7].run_id)  # "another process" decides one of them
         with trio.fail_after(2):  # picked up within a few listing intervals
             await handles[7].wait()
-        assert all(h._parking is not None for i, h in enumerate(handles) if i != 7)
+        assert all(h.parked for i, h in enumerate(handles) if i != 7)
         for handle in handles:
             handle.cancel()
 
@@ -482,8 +481,10 @@ async def _park_many(store, count, nursery):
     for index in range(count):
         nursery.start_soon(one, index)
     with trio.fail_after(3600):
-        while len(handles) < count or any(h._parking is None for h in handles):  # noqa: ASYNC110
+        while len(handles) < count:  # noqa: ASYNC110 (the runs start in their own tasks)
             await trio.sleep(0.5)
+        for handle in handles:
+            assert await handle.wait_parked()
     return {h.run_id: h for h in handles}
 
 
@@ -498,7 +499,7 @@ async def test_parked_runs_go_on_being_woken_after_each_reader_leaves(autojump_c
             with trio.fail_after(5):  # a few reading intervals
                 await handles[run_id].wait()
             others = [h for r, h in handles.items() if r > run_id]
-            assert all(h._parking is not None for h in others)
+            assert all(h.parked for h in others)
 
 
 async def test_a_failed_reading_of_the_heads_is_logged_and_made_again(autojump_clock, caplog):
@@ -513,6 +514,6 @@ async def test_a_failed_reading_of_the_heads_is_logged_and_made_again(autojump_c
         assert store.listings - before >= 5
         failures = [r for r in caplog.records if "reading the control heads failed" in r.message]
         assert len(failures) == 4
-        assert all(handles[r]._parking is not None for r in ("r0", "r2"))
+        assert all(handles[r].parked for r in ("r0", "r2"))
         for handle in handles.values():
             handle.cancel()

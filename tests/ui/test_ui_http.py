@@ -42,8 +42,7 @@ async def finished_store() -> MemoryStore:
 
 async def wait_for(handle, state):
     with trio.fail_after(60):
-        while handle.state is not state:  # noqa: ASYNC110 (polling a plain property)
-            await trio.sleep(0.01)
+        assert await handle.wait_state(state) is state
 
 
 def sse(text: str) -> list[dict]:

@@ -24,13 +24,16 @@ from treadle._exceptions import SeamViolation
 from treadle._output import OutputSpec
 from treadle._state import PendingStep, RunView, closing_records
 from treadle._text import repaired
-from treadle.actors._mailbox import MailboxSender
+from treadle.actors._mailbox import MailboxReceiver, MailboxSender
 from treadle.actors._messages import (
     ActionsOutcome,
     CallModel,
+    Cancel,
     Compaction,
+    Control,
     Hydrate,
     ModelOutcome,
+    Offer,
     RunActions,
 )
 from treadle.actors._rpc import ReplySlot, StepScope, request
@@ -39,7 +42,6 @@ from treadle.approvals import (
     EXPIRED_DETAIL,
     Decision,
     arguments_digest,
-    decision_for,
     expired_decision,
     matches,
 )
@@ -73,6 +75,10 @@ from treadle.types import (
     ToolCall,
     ToolSpec,
 )
+
+
+def _no_status(state: RunState, awaiting: ApprovalRequested | None) -> None:
+    """The default status report: nobody is told."""
 
 
 class Parked(Exception):
@@ -137,7 +143,10 @@ class RunCoordinator:
         view: the run's state, folded from its log (fresh or resumed).
         output: the agent's output type; a final answer must fit it
             (docs/structured-output.md). ``None`` takes any final answer.
-        state: the run state; readable by the run's handle.
+        on_status: ``on_status(state, awaiting)``: told every change of the run state and
+            of the approval request the run waits on (the run's handle owns what it
+            reports, docs/events.md "Reading events").
+        state: the run state now.
         compaction: the agent declares a context window: a step whose attempt the provider
             refused for its context length compacts once and retries (docs/context.md,
             "Context-length errors").
@@ -163,6 +172,7 @@ class RunCoordinator:
     carried_active_s: float = 0.0
     compaction: bool = False
     synthetic: SyntheticObservations = SyntheticObservations()
+    on_status: Callable[[RunState, ApprovalRequested | None], None] = _no_status
     state: RunState = RunState.RUNNING
     _step_scope: StepScope | None = None
     _cancel: tuple[str, str] | None = None
@@ -183,17 +193,45 @@ class RunCoordinator:
     _model_error: ModelErrorInfo | None = None
     _draining: bool = False
 
-    def cancel(self, reason: str = "", canceller: str = "") -> None:
-        """Request cancellation: the step in flight is cancelled at once.
+    async def serve_control(
+        self,
+        inbox: MailboxReceiver[Control],
+        *,
+        task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
+    ) -> None:
+        """Apply the `Control` messages of ``inbox`` (cancel, decision, drain) until it ends.
 
-        See docs/concepts.md, "Stop reasons", rule A.
-
-        A no-op once the run is finishing or finished (terminal states never change).
+        Each is applied at once, also while a step is in flight (`apply`).
         """
+        task_status.started()
+        with inbox:
+            async for message in inbox:
+                self.apply(message)
+
+    def apply(self, message: Control) -> None:
+        """Apply one control message now (never blocks).
+
+        * `Cancel`: the step in flight is cancelled at once (docs/concepts.md, "Stop
+          reasons", rule A); a no-op once the run is finishing or finished.
+        * `Offer`: an approval decision; one that matches no request of this run (another
+          step, call or arguments), or whose decision is not approve, reject or edit, is
+          never applied.
+        * `Drain`: stop at the next safe point (before the next step, or at once while
+          waiting on a human): `run` raises `Drained` (or `Parked`) and the log is left to
+          resume from.
+        """
+        if isinstance(message, Cancel):
+            self._on_cancel(message.reason, message.canceller)
+        elif isinstance(message, Offer):
+            self._on_offer(message.decided)
+        else:
+            self._on_drain()
+
+    def _on_cancel(self, reason: str, canceller: str) -> None:
         if self.state.is_terminal or self._finishing or self._cancel is not None:
             return
         self._cancel = (reason, canceller)
-        self.state = RunState.CANCELLING
+        self._set_state(RunState.CANCELLING)
         if self._step_scope is not None:
             self._step_scope.cancel(reason or "run cancelled")
         if self._approval_wait is not None:
@@ -203,46 +241,16 @@ class RunCoordinator:
                 self._reply_wait.deadline, trio.current_time() + CANCEL_GRACE_S + STOP_GRACE_S
             )
 
-    def drain(self) -> None:
-        """Stop at the next safe point: before the next step, or at once if waiting on a human.
-
-        The run is not cancelled: `run` raises `Drained` (or `Parked` while it waits for a
-        decision) and the log is left to resume from. A no-op once the run is finishing.
-        """
+    def _on_drain(self) -> None:
         self._draining = True
         if self._approval_wait is not None:
             self._approval_wait.cancel()
 
-    @property
-    def awaiting(self) -> ApprovalRequested | None:
-        """The approval request the run waits on now, or ``None``."""
-        return self._awaiting
+    def _set_state(self, state: RunState) -> None:
+        self.state = state
+        self.on_status(state, self._awaiting)
 
-    def decide(
-        self,
-        *,
-        call_id: str | None = None,
-        reject: str | None = None,
-        edit: Mapping[str, Any] | None = None,
-    ) -> ApprovalDecided:
-        """Answer the pending approval request in-process (the coordinator records it).
-
-        Raises:
-            UsageError: the run waits on no approval, on another call, or both ``reject``
-                and ``edit`` were given.
-        """
-        decided = decision_for(
-            self.run_id, self._awaiting, self.clock, call_id=call_id, reject=reject, edit=edit
-        )
-        self.offer(decided)
-        return decided
-
-    def offer(self, decided: ApprovalDecided) -> None:
-        """Hand over a decision (e.g. read from the control log).
-
-        One that matches no request of this run (another step, call or arguments), or whose
-        decision is not approve, reject or edit, is never applied.
-        """
+    def _on_offer(self, decided: ApprovalDecided) -> None:
         if decided.decision not in (Decision.APPROVE, Decision.REJECT, Decision.EDIT):
             return  # "expired" is only ever written by the run itself
         self._offered.append(repaired(attrs.evolve(decided, run_id=self.run_id)))
@@ -622,7 +630,11 @@ class RunCoordinator:
         """Wait on ``request`` (state ``awaiting_approval``), or on nothing (``running``)."""
         self._awaiting = request
         if self._cancel is None:
-            self.state = RunState.AWAITING_APPROVAL if request is not None else RunState.RUNNING
+            self._set_state(
+                RunState.AWAITING_APPROVAL if request is not None else RunState.RUNNING
+            )
+        else:
+            self.on_status(self.state, request)
 
     def _matching_exists(self, request: ApprovalRequested) -> bool:
         return any(matches(decided, request) for decided in self._offered)
@@ -843,7 +855,7 @@ class RunCoordinator:
         )  # the event writer stamps its delivery counters into it
         await self.writer.barrier(StoreOp.RUN_FINISHED, record)
         self.view.apply(record)
-        self.state = state
+        self._set_state(state)
         output_type = self.output.output_type if self.output is not None else None
         return RunResult.from_finished(record, output_type=output_type)
 

@@ -12,28 +12,16 @@ from __future__ import annotations
 import logging
 import weakref
 from collections.abc import Callable
-from typing import Protocol
 
 import attrs
 import trio
 
 from treadle._exceptions import StoreError
+from treadle.actors import Cancel, Control, Offer
 from treadle.ports import ControlStream, RunStore
-from treadle.types import ApprovalDecided, CancelRequested, ControlEntry
+from treadle.types import CancelRequested, ControlEntry
 
 _LOG = logging.getLogger("treadle.control")
-
-
-class ControlTarget(Protocol):
-    """Who takes the control stream's records: the coordinator, or a parked run's state."""
-
-    def cancel(self, reason: str = "", canceller: str = "") -> None:
-        """Cancel the run."""
-        ...
-
-    def offer(self, decided: ApprovalDecided) -> None:
-        """Take an approval decision (one matching no pending request is ignored)."""
-        ...
 
 
 def control_of(store: RunStore) -> ControlStream | None:
@@ -196,19 +184,20 @@ class ControlInbox:
     The stream is append-only, so the entries already handed over are a prefix of it. Cancel
     requests cancel the run (the coordinator writes the cancel record); approval decisions are
     offered to the target, which records the one matching its pending request and never
-    applies one that matches none (docs/decisions/0007).
+    applies one that matches none (docs/decisions/0007). Both go to it as
+    `treadle.actors.Control` messages.
 
     Attributes:
         store: the store's control streams.
         run_id: the run.
-        target: the coordinator, or a parked run's state.
+        target: takes each message: the coordinator's inbox, or a parked run's state.
         index: the store's shared reading of control heads (``None``: read every time).
         seen: the last position handed over.
     """
 
     store: ControlStream
     run_id: str
-    target: ControlTarget
+    target: Callable[[Control], None]
     index: ControlIndex | None = None
     seen: int = 0
 
@@ -230,9 +219,9 @@ class ControlInbox:
     def _hand_over(self, entry: ControlEntry) -> None:
         record = entry.record
         if isinstance(record, CancelRequested):
-            self.target.cancel(record.reason, record.canceller)
+            self.target(Cancel(reason=record.reason, canceller=record.canceller))
         else:
-            self.target.offer(record)
+            self.target(Offer(decided=record))
         self.seen = max(self.seen, entry.position)
 
     async def poll_every(self, interval_s: float, scope: trio.CancelScope) -> None:

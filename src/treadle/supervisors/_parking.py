@@ -10,14 +10,14 @@ approval request is already durable, so nothing is lost whether the process stay
 from __future__ import annotations
 
 import math
-from collections.abc import Awaitable, Callable, Mapping
-from typing import Any
+from collections.abc import Awaitable, Callable
 
 import attrs
 import trio
 
 from treadle._clock import Clock
-from treadle.approvals import Decision, decision_for, expired_decision, matches
+from treadle.actors import Cancel, Control, Offer
+from treadle.approvals import Decision, expired_decision, matches
 from treadle.types import ApprovalDecided, ApprovalRequested, RunState
 
 _HUMAN_DECISIONS = (Decision.APPROVE, Decision.REJECT, Decision.EDIT)
@@ -75,33 +75,27 @@ class Parking:
             self.cancelled_here = here
             self._wake.set()
 
-    def decide(
-        self,
-        *,
-        call_id: str | None = None,
-        reject: str | None = None,
-        edit: Mapping[str, Any] | None = None,
-    ) -> ApprovalDecided:
-        """Decide the pending request (see `treadle.RunHandle.approve`).
+    def apply(self, message: Control) -> None:
+        """Take a control message read from the control stream (see `treadle.actors.Control`).
 
-        Raises:
-            UsageError: a decision was already handed over, ``call_id`` names another
-                call, or both ``reject`` and ``edit`` were given.
+        A drain asked through the stream is not a thing: only this process drains.
         """
-        pending = None if self.decision or self.cancel_request else self.request
-        decided = decision_for(
-            self.request.run_id, pending, self.clock, call_id=call_id, reject=reject, edit=edit
-        )
-        self.offer(decided)
-        self.decided_here = self.decision is not None
-        return decided
+        if isinstance(message, Cancel):
+            self.cancel(message.reason, message.canceller)
+        elif isinstance(message, Offer):
+            self.offer(message.decided)
 
-    def offer(self, decided: ApprovalDecided) -> None:
-        """Take a decision read from the control log; one matching no request is ignored."""
+    def offer(self, decided: ApprovalDecided, *, here: bool = False) -> None:
+        """Take a decision; one matching no request (or not approve, reject, edit) is ignored.
+
+        ``here``: handed over through this process's handle (it is made durable in the
+        control stream before the run is driven again), not read from the stream.
+        """
         if self.decision is not None or decided.decision not in _HUMAN_DECISIONS:
             return  # "expired" is only ever decided by the run itself
         if matches(decided, self.request):
             self.decision = attrs.evolve(decided, run_id=self.request.run_id)
+            self.decided_here = here
             self._wake.set()
 
     async def wait(

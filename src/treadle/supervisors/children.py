@@ -51,7 +51,13 @@ from treadle.stores._leases import LEASE_TTL_S, check_ttl, lease_owner
 from treadle.supervisors._child_links import PARENT_STOPPED, cancel_child
 from treadle.supervisors._fleet_drive import FleetDrive, current_drive
 from treadle.supervisors._leasing import LeaseHold, leases_of
-from treadle.supervisors.run import CONTROL_POLL_S, DEFAULT_ACTORS, RunHandle, _Options, drive_run
+from treadle.supervisors.run import (
+    CONTROL_POLL_S,
+    DEFAULT_ACTORS,
+    DriveOptions,
+    RunHandle,
+    drive_run,
+)
 from treadle.tools import Tool, ToolContext, observation_of, tool
 from treadle.types import (
     ActionOutcome,
@@ -244,7 +250,7 @@ async def _attached(
         ttl_s=settings.lease_ttl_s,
         store=leases_of(settings.store),
     )
-    options = _Options(
+    options = DriveOptions(
         clock=SystemClock(),
         rng=None,
         approval_policy=None,
@@ -319,7 +325,7 @@ async def _linked(
     agent: Agent,
     task: str,
     hold: LeaseHold,
-    options: _Options,
+    options: DriveOptions,
     link: _Link,
     ctx: ToolContext,
 ) -> RunResult:

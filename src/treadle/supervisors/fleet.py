@@ -44,8 +44,8 @@ from treadle.supervisors.run import (
     DEFAULT_ACTORS,
     PARK_AFTER_S,
     Actors,
+    DriveOptions,
     RunHandle,
-    _Options,
     drive_run,
 )
 from treadle.types import BudgetCaps, Claim, Liveness, RunResult
@@ -112,7 +112,7 @@ class Fleet:
     _queue: RunQueue
     _agents: Mapping[str, AgentFactory]
     _versions: Mapping[str, tuple[str, ...]]
-    _options: _Options
+    _options: DriveOptions
     _sinks: Sequence[EventSink]
     _max_running: int
     _ttl_s: float
@@ -484,7 +484,7 @@ async def open_fleet(
     leases = leases_of(store)
     assert leases is not None
     keeper = LeaseKeeper(store=leases, ttl_s=lease_ttl_s)
-    options = _Options(
+    options = DriveOptions(
         clock=clock or SystemClock(),
         rng=None,
         approval_policy=None,

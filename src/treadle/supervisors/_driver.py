@@ -1,0 +1,645 @@
+"""Driving one run: its nursery, its actors, its lease, and parking (docs/crash-safety.md).
+
+`drive_run` starts a new run or resumes an unfinished one (docs/crash-safety.md, "Resume"):
+it reads the log, checks the parameter snapshot, folds the log into the coordinator's view,
+and starts the event writer, context hydrator, model gateway, tool executor and the
+coordinator's control inbox with `nursery.start` before the coordinator runs. Cancelling the
+run's nursery cancels all of them. An actor that fails leaves the run `interrupted` with its
+error on the handle; the log stays resumable (docs/fleet.md). A run that waits long for an
+approval is parked: its actors stop and it resumes from its log once decided
+(docs/decisions/0010-parking-waiting-runs.md); in a fleet, a run parked on child runs leaves
+its worker (docs/child-runs.md, "In a fleet").
+"""
+
+from __future__ import annotations
+
+import functools
+import random
+import sys
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from contextlib import asynccontextmanager
+from typing import Any
+
+import attrs
+import trio
+
+from treadle._clock import Clock
+from treadle._exceptions import LeaseError, RunInterrupted, SnapshotMismatch, StoreError, UsageError
+from treadle._state import RunView, fold
+from treadle._text import repaired, valid_unicode
+from treadle.actors import (
+    AwaitingChildren,
+    CallModel,
+    Cancel,
+    Control,
+    Drain,
+    Drained,
+    Hydrate,
+    MailboxSender,
+    Parked,
+    RunActions,
+    SinkFeed,
+    WriterClient,
+    WriterRequest,
+    open_mailbox,
+)
+from treadle.agent import Agent, RunInput, input_messages, snapshot_diff
+from treadle.approvals import ApprovalPolicy, requires_approval
+from treadle.metrics import MetricsRecorder
+from treadle.ports import ControlStream, EventSink, RunStore
+from treadle.redaction import Redaction
+from treadle.stores._codec import check_schema
+from treadle.supervisors._child_links import cancel_awaited_children, wake_parent
+from treadle.supervisors._control import ControlInbox, ControlIndex, control_of, shared_index
+from treadle.supervisors._factories import (
+    ActorContext,
+    Actors,
+    CoordinatorActor,
+    CoordinatorContext,
+    WriterContext,
+)
+from treadle.supervisors._handle import RunHandle
+from treadle.supervisors._leasing import LeaseHold, LeaseKeeper, shared_keeper
+from treadle.supervisors._parking import Parking
+from treadle.supervisors.threads import Lineage
+from treadle.types import (
+    ApprovalRequested,
+    BudgetCaps,
+    CancelRequested,
+    DefinitionAccepted,
+    RunLog,
+    RunResult,
+    RunStarted,
+    RunState,
+    StepRecord,
+    StoreOp,
+)
+
+WRITER_INBOX = 64
+"""Buffered writer requests: non-barrier writes and deltas never wait for the store."""
+
+CONTROL_INBOX = sys.maxsize
+"""The coordinator's inbox holds every control message sent (they are few, and a cancel or a
+decision is never dropped)."""
+
+
+PARK_AFTER_S = 5.0
+"""Seconds a run waits for an approval with its actors running before it is parked."""
+
+
+CONTROL_POLL_S = 0.5
+"""Seconds between two reads of a run's control log by the process driving it: a cancel or
+an approval decision written by another process is picked up within about twice this long
+(the listing of which control logs exist is shared and may be one interval old)."""
+
+
+@attrs.frozen(kw_only=True)
+class DriveOptions:
+    clock: Clock
+    rng: random.Random | None
+    approval_policy: ApprovalPolicy | None
+    control_poll_s: float | None
+    actors: Actors
+    park_after_s: float | None
+    keeper: LeaseKeeper | None = None
+    agent_name: str | None = None
+    parent: tuple[str, str] | None = None  # (run id, intent id) of a child run's parent
+    caps: BudgetCaps | None = None  # a queued child run's caps, recorded in run-started
+    leave_parked: bool = False
+    accept_definition_change: bool = False
+    metrics: MetricsRecorder | None = None
+    lineage: Lineage | None = None
+
+
+@asynccontextmanager
+async def drive_run(
+    agent: Agent,
+    input: RunInput | None,
+    *,
+    store: RunStore,
+    hold: LeaseHold,
+    sinks: Sequence[EventSink],
+    options: DriveOptions,
+) -> AsyncIterator[RunHandle]:
+    """`open_run` on a `LeaseHold` (a fleet passes the lease its claim took).
+
+    Raises:
+        RunLeased: the lease cannot be taken (it is taken unless ``hold`` holds it already).
+    """
+    if hold.lease is None:
+        await hold.acquire()
+    try:
+        log = await store.read_log(hold.run_id)
+    except Exception:
+        await hold.release_failed()
+        raise
+    except BaseException:
+        await hold.release_quietly()
+        raise
+    handle = RunHandle(run_id=hold.run_id, store=store, clock=options.clock)
+    if log.finished is not None:
+        await hold.release()
+        handle._finished_already(
+            RunResult.from_finished(log.finished, output_type=agent.output_type)
+        )
+        yield handle
+        return
+    try:
+        async with trio.open_nursery() as nursery:
+            await nursery.start(_supervise, agent, input, log, store, sinks, options, handle, hold)
+            yield handle
+    except BaseExceptionGroup as group:
+        # The run's own errors are on the handle; what reaches here came from the caller's
+        # block. Hand a single error back unwrapped, as the caller raised it.
+        if len(group.exceptions) == 1:
+            raise group.exceptions[0] from None
+        raise
+
+
+async def _supervise(
+    agent: Agent,
+    input: RunInput | None,
+    log: RunLog,
+    store: RunStore,
+    sinks: Sequence[EventSink],
+    options: DriveOptions,
+    handle: RunHandle,
+    hold: LeaseHold,
+    *,
+    task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
+) -> None:
+    """Drive the run while holding its lease; while parked, wait with the lease released."""
+    run_id = log.run_id
+    first: RunLog | None = log
+    del log  # a parked run keeps no records in memory
+    parking: Parking | None = None
+    try:
+        async with _sink_feed(sinks, handle) as feed, _keeping(hold, options):
+            while True:
+                current, first = first or await store.read_log(run_id), None
+                with hold.driving():
+                    stretch = await _drive(
+                        agent,
+                        input,
+                        current,
+                        store,
+                        feed,
+                        options,
+                        handle,
+                        parking,
+                        hold,
+                        task_status,
+                    )
+                del current
+                if stretch is None:
+                    await hold.release()
+                    return
+                if isinstance(stretch, _ChildWait):  # claimable when a child wakes it
+                    await hold.release(control_seen=stretch.control_seen)
+                    return
+                parking = stretch
+                task_status = trio.TASK_STATUS_IGNORED  # reported when first driven
+                await hold.release(control_seen=parking.control_seen)
+                if options.leave_parked or handle._draining_requested:
+                    handle._stopped_driving(left="parked")
+                    return
+                await _wait_parked(parking, store, run_id, options)
+                await _keep_decision(parking, store)
+                if handle._draining_requested:
+                    handle._stopped_driving(left="parked")
+                    return
+                await hold.acquire()
+    except BaseException as exc:
+        leaves = _leaves(exc)
+        if all(not isinstance(e, Exception) for e in leaves):
+            # Cancelled from outside (or KeyboardInterrupt): the run stays unfinished.
+            handle._failed(RunInterrupted(run_id, "the task driving the run was cancelled"))
+            await hold.release_quietly()
+            raise
+        error = _interrupted(run_id, exc)
+        handle._failed(error)
+        if not isinstance(error, LeaseError):
+            await hold.release_failed()
+        task_status_started_safely(task_status)
+    finally:
+        handle._ended()
+
+
+@asynccontextmanager
+async def _keeping(hold: LeaseHold, options: DriveOptions) -> AsyncIterator[None]:
+    """Keep ``hold`` renewed: by the fleet's keeper, or by the one its store's runs share."""
+    if hold.store is None:
+        yield
+        return
+    keeper = options.keeper
+    if keeper is not None:
+        stop = keeper.add(hold)
+        try:
+            yield
+        finally:
+            stop()
+        return
+    shared = shared_keeper(hold.store, hold.ttl_s)  # one renewal for all such runs
+    stop = shared.add(hold)
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(shared.serve)
+        try:
+            yield
+        finally:
+            stop()
+            nursery.cancel_scope.cancel()
+
+
+async def _keep_decision(parking: Parking, store: RunStore) -> None:
+    """Make a decision or cancel handed to the parked run's handle durable before driving again.
+
+    It goes to the run's control stream, so that whoever drives the run next (this process,
+    or another that took it over meanwhile, or after a crash) applies it.
+    """
+    controls = control_of(store)
+    if controls is None:
+        return
+    if parking.cancel_request is not None and parking.cancelled_here:
+        reason, canceller = parking.cancel_request
+        await controls.append_control(
+            repaired(
+                CancelRequested(
+                    run_id=parking.request.run_id,
+                    ts=parking.clock.now_iso(),
+                    reason=reason,
+                    canceller=canceller,
+                )
+            )
+        )
+        parking.cancelled_here = False
+    decided = parking.decision
+    if decided is not None and parking.decided_here:
+        await controls.append_control(decided)
+        parking.decided_here = False
+
+
+@asynccontextmanager
+async def _sink_feed(
+    sinks: Sequence[EventSink], handle: RunHandle
+) -> AsyncIterator[SinkFeed | None]:
+    """The run's `SinkFeed`, running for the whole run; ``None`` (and no task) without sinks.
+
+    A sink receives an event once ``handle`` reflects it, as a subscriber does.
+    """
+    if not sinks:
+        yield None
+        return
+    feed = SinkFeed(sinks=sinks, reflected=handle._reflected)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(feed.run)
+        try:
+            yield feed
+        finally:
+            feed.close()
+
+
+async def _wait_parked(
+    parking: Parking, store: RunStore, run_id: str, options: DriveOptions
+) -> None:
+    """Wait, with the actors stopped, for what ends the parking (reading the control stream)."""
+    controls = control_of(store)
+    if controls is None:
+        await parking.wait(_nothing, _nothing, None)
+        return
+    index = _index(controls, options)
+    control = ControlInbox(
+        store=controls, run_id=run_id, target=parking.apply, index=index, seen=parking.control_seen
+    )
+    await parking.wait(
+        control.poll,
+        functools.partial(control.poll, fresh=True),
+        options.control_poll_s,
+        grown=(lambda wake: index.wait_grown(run_id, control.seen, wake)) if index else None,
+    )
+
+
+async def _nothing() -> None:
+    await trio.lowlevel.checkpoint()
+
+
+@attrs.frozen
+class _ChildWait:
+    """The drive ended with the run parked on child runs (`AwaitingChildren`).
+
+    Attributes:
+        control_seen: the control-stream position handled: a later entry (a cancel) makes
+            the run claimable.
+    """
+
+    control_seen: int
+
+
+async def _drive(
+    agent: Agent,
+    input: RunInput | None,
+    log: RunLog,
+    store: RunStore,
+    feed: SinkFeed | None,
+    options: DriveOptions,
+    handle: RunHandle,
+    parking: Parking | None,
+    hold: LeaseHold,
+    task_status: trio.TaskStatus[None],
+) -> Parking | _ChildWait | None:
+    """One stretch of driving: start the actors on ``log``, run until finished or parked.
+
+    Returns:
+        The parking state when the coordinator parked the run on an approval, a
+        `_ChildWait` when it parked on child runs, ``None`` when it finished.
+    """
+    clock = options.clock
+    async with trio.open_nursery() as nursery:
+        started, view, resumed, accepted = _prepare(agent, input, log, clock, options, hold.owner)
+        if started.caps is not None:  # a queued child: its parent's remainder bounds it
+            agent = attrs.evolve(agent, budgets=agent.budgets.capped(started.caps))
+        snapshot = accepted.snapshot if accepted is not None else agent.snapshot()
+        redaction = Redaction.of_log(log) | Redaction.of_snapshot(snapshot)
+        handle._define(snapshot, redaction)
+        actors = options.actors
+        writer_send, writer_recv = open_mailbox[WriterRequest](WRITER_INBOX)
+        writer = actors.writer(
+            WriterContext(
+                run_id=log.run_id,
+                store=store,
+                next_seq=view.next_seq,
+                generation=hold.generation,
+                sinks=feed.sinks if feed is not None else (),
+                feed=feed,
+                redaction=redaction,
+                metrics=options.metrics,
+            )
+        )
+        client = WriterClient(writer_send)
+        await nursery.start(writer.run, writer_recv)
+        if view.next_seq == 1:
+            await client.write(StoreOp.RUN_STARTED, started)
+            view.apply(started)
+        if accepted is not None:  # the changed definition, accepted, is on record first
+            await client.barrier(StoreOp.CONTROL, accepted)
+            view.apply(accepted)
+        context = ActorContext(
+            run_id=log.run_id,
+            agent=agent,
+            started=started,
+            writer=client,
+            clock=clock,
+            rng=options.rng or random.Random(),
+            store=store,
+        )
+        needs_approval = functools.partial(
+            requires_approval, agent.tool_policies, options.approval_policy
+        )
+        coordinator = await _start_actors(
+            nursery,
+            actors,
+            context,
+            view,
+            needs_approval,
+            park_after_s=options.park_after_s,
+            carried_active_s=parking.active_s if parking is not None else 0.0,
+            on_status=handle._report,
+        )
+        # Requests reach the coordinator as messages; those of before it runs (a cancel
+        # handed to the parked run, a drain, the control stream's backlog) are applied
+        # before its first step.
+        control_send, control_recv = open_mailbox[Control](CONTROL_INBOX)
+        if parking is not None:
+            await _hand_over(parking, view, client)
+            if parking.cancel_request is not None:
+                reason, canceller = parking.cancel_request
+                control_send.send_nowait(Cancel(reason=reason, canceller=canceller))
+        handle._driving(control_send, writer, client)
+        if handle._draining_requested:
+            control_send.send_nowait(Drain())
+        control = _control_inbox(store, log.run_id, control_send, options)
+        stop_register = control.index.register(log.run_id) if control and control.index else None
+        if control is not None:
+            await control.poll(fresh=True)  # a cancel or decision written while no one drove it
+        await nursery.start(coordinator.serve_control, control_recv)
+        task_status.started()
+        polling = trio.CancelScope()
+        if control is not None and options.control_poll_s is not None:
+            nursery.start_soon(control.poll_every, options.control_poll_s, polling)
+        parked: Parking | _ChildWait | None = None
+        awaited = view.pending.children_awaited  # the step parked on children last time
+        try:
+            handle._finished(await coordinator.run(resumed_steps=resumed))
+            await wake_parent(store, started)
+            if awaited is not None:
+                await cancel_awaited_children(store, awaited)
+        except AwaitingChildren:
+            handle._stopped_driving(left="parked")
+            parked = _ChildWait(control.seen if control is not None else 0)
+        except Drained:
+            handle._stopped_driving(left="drained")
+            parked = None
+        except Parked as signal:
+            parked = Parking(
+                request=signal.request,
+                deadline=signal.deadline,
+                active_s=signal.active_s,
+                clock=clock,
+                control_seen=control.seen if control is not None else 0,
+            )
+            handle._stopped_driving(parking=parked)
+        finally:
+            control_send.close()
+            polling.cancel()
+            if stop_register is not None:
+                stop_register()
+            coordinator.close_inboxes()
+            writer_send.close()
+    return parked
+
+
+def _control_inbox(
+    store: RunStore, run_id: str, coordinator: MailboxSender[Control], options: DriveOptions
+) -> ControlInbox | None:
+    """The reader of the run's control stream, handing what it reads to the coordinator."""
+    controls = control_of(store)
+    if controls is None:
+        return None
+    return ControlInbox(
+        store=controls,
+        run_id=run_id,
+        target=coordinator.send_nowait,
+        index=_index(controls, options),
+    )
+
+
+async def _hand_over(parking: Parking, view: RunView, client: WriterClient) -> None:
+    """Record the decision that arrived while the run was parked (a barrier), if any.
+
+    The coordinator then finds the call decided in its view and goes on; an ``expired``
+    decision is recorded here too, as the coordinator would have at the deadline.
+    """
+    decided = parking.decision
+    if decided is None or decided.call_id in view.pending.approvals:
+        return
+    if view.pending.approval_requests.get(decided.call_id) != parking.request:
+        return  # the log moved on (another process drove the run): nothing to hand over
+    decided = repaired(decided)
+    await client.barrier(StoreOp.CONTROL, decided)
+    view.apply(decided)
+
+
+def _index(store: ControlStream, options: DriveOptions) -> ControlIndex | None:
+    """The store's shared reading of control heads (see `treadle.supervisors._control`)."""
+    if options.control_poll_s is None:
+        return None
+    return shared_index(store, options.control_poll_s)
+
+
+def task_status_started_safely(task_status: trio.TaskStatus[None]) -> None:
+    """Report start even when the run failed while starting (so `open_run` can yield)."""
+    try:
+        task_status.started()
+    except RuntimeError:  # already started
+        pass
+
+
+def _interrupted(run_id: str, error: BaseException) -> BaseException:
+    real = [e for e in _leaves(error) if isinstance(e, Exception)]
+    # A failed store write ends the event writer, and the other actors then fail on its
+    # closed inbox: the store's error is the cause, whichever leaf came first.
+    first = next((e for e in real if isinstance(e, StoreError | UsageError | LeaseError)), real[0])
+    if isinstance(first, StoreError | UsageError | LeaseError):
+        return first
+    interrupted = RunInterrupted(run_id, f"{type(first).__name__}: {first}")
+    interrupted.__cause__ = first
+    return interrupted
+
+
+def _leaves(error: BaseException) -> list[BaseException]:
+    if isinstance(error, BaseExceptionGroup):
+        return [leaf for sub in error.exceptions for leaf in _leaves(sub)]
+    return [error]
+
+
+def _prepare(
+    agent: Agent,
+    input: RunInput | None,
+    log: RunLog,
+    clock: Clock,
+    options: DriveOptions,
+    owner: str,
+) -> tuple[RunStarted, RunView, tuple[StepRecord, ...], DefinitionAccepted | None]:
+    """Build the run-started record (new run) or check the stored one (resume).
+
+    Returns:
+        The run-started record, the folded view, the step records, and the record accepting
+        a changed definition to write first (``accept_definition_change``), or ``None``.
+    """
+    snapshot = agent.snapshot()
+    agent_name = options.agent_name
+    if log.started is None:
+        if log.records:
+            raise StoreError(f"run {log.run_id!r}: log does not start with run-started")
+        lineage = options.lineage
+        if input is None and (lineage is None or lineage.fork_step is None):
+            raise UsageError(f"run {log.run_id!r} does not exist; a new run needs an input")
+        started = repaired(
+            RunStarted(
+                run_id=log.run_id,
+                ts=clock.now_iso(),
+                input=input_messages(input) if input is not None else (),
+                snapshot=snapshot,
+                agent=agent_name,
+                agent_version=agent.version_label,
+                parent_run_id=options.parent[0] if options.parent else None,
+                parent_intent_id=options.parent[1] if options.parent else None,
+                thread=lineage.thread if lineage is not None else None,
+                continues=lineage.continues if lineage is not None else None,
+                fork_step=lineage.fork_step if lineage is not None else None,
+                caps=options.caps,
+            )
+        )
+        return started, RunView(), (), None
+    started = log.started
+    check_schema(started)
+    if options.lineage is not None and Lineage.of(started) != options.lineage:
+        stored = Lineage.of(started)
+        raise UsageError(
+            f"run {log.run_id!r} exists as {stored.describe() if stored else 'a run of its own'},"
+            f" not as the {options.lineage.describe()} asked for (another caller started it)"
+        )
+    if input is not None and valid_unicode(input_messages(input))[0] != started.input:
+        raise UsageError(f"run {log.run_id!r}: the input differs from the stored input")
+    accepted = _accepted_change(agent, log, started, clock, options, owner)
+    return started, fold(log.records), log.steps, accepted
+
+
+def _accepted_change(
+    agent: Agent,
+    log: RunLog,
+    started: RunStarted,
+    clock: Clock,
+    options: DriveOptions,
+    owner: str,
+) -> DefinitionAccepted | None:
+    """``None`` when the definition matches the run's; the acceptance record when allowed.
+
+    Raises:
+        SnapshotMismatch: it differs and ``accept_definition_change`` was not given.
+    """
+    stored = started.snapshot
+    for record in reversed(log.records):
+        if isinstance(record, DefinitionAccepted):
+            stored = record.snapshot
+            break
+    snapshot = agent.snapshot()
+    changed = snapshot_diff(stored, snapshot)
+    if not changed:
+        return None
+    if not options.accept_definition_change:
+        raise SnapshotMismatch(log.run_id, changed)
+    return DefinitionAccepted(
+        run_id=log.run_id,
+        ts=clock.now_iso(),
+        changed=tuple(changed),
+        snapshot=snapshot,
+        agent_version=agent.version_label,
+        accepted_by=owner,
+    )
+
+
+async def _start_actors(
+    nursery: trio.Nursery,
+    actors: Actors,
+    context: ActorContext,
+    view: RunView,
+    needs_approval: Callable[[str, Mapping[str, Any]], bool],
+    *,
+    park_after_s: float | None,
+    carried_active_s: float,
+    on_status: Callable[[RunState, ApprovalRequested | None], None],
+) -> CoordinatorActor:
+    """Build the hydrator, gateway and executor, start them, and build the coordinator."""
+    # 1: every request waits for its reply anyway; the coordinator has one step in flight.
+    hydrator_send, hydrator_recv = open_mailbox[Hydrate](1)
+    gateway_send, gateway_recv = open_mailbox[CallModel](1)
+    executor_send, executor_recv = open_mailbox[RunActions](1)
+    hydrator = actors.hydrator(context)
+    gateway = actors.gateway(context)
+    executor = actors.executor(context)
+    await nursery.start(hydrator.run, hydrator_recv)
+    await nursery.start(gateway.run, gateway_recv)
+    await nursery.start(executor.run, executor_recv)
+    return actors.coordinator(
+        CoordinatorContext(
+            actor=context,
+            view=view,
+            needs_approval=needs_approval,
+            hydrator=hydrator_send,
+            gateway=gateway_send,
+            executor=executor_send,
+            park_after_s=park_after_s,
+            carried_active_s=carried_active_s,
+            on_status=on_status,
+        )
+    )

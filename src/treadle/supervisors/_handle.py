@@ -1,0 +1,397 @@
+"""The handle a caller holds on one run (docs/concepts.md, "Actors"; docs/events.md).
+
+The handle owns what it reports: the run's state and the approval it waits on are told to it
+by the run coordinator as they change, and it wakes whoever waits for a state
+(`RunHandle.wait_state`). It reaches the run only with messages: a cancel, a decision or a
+drain goes to the coordinator's inbox while the run is driven here, or to the parking state
+while it is parked (docs/decisions/0010-parking-waiting-runs.md).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import AsyncIterator, Mapping
+from typing import Any
+
+import attrs
+import trio
+
+from treadle._clock import Clock, SystemClock
+from treadle._exceptions import RunInterrupted, UsageError
+from treadle.actors import (
+    Cancel,
+    Control,
+    Drain,
+    MailboxSender,
+    Offer,
+    WriterClient,
+    WriterStatistics,
+    stored_events,
+    with_step_started,
+)
+from treadle.approvals import check_edit, decision_for, tool_schema
+from treadle.ports import RunStore
+from treadle.redaction import NO_REDACTION, Redaction
+from treadle.supervisors._factories import WriterActor
+from treadle.supervisors._parking import Parking
+from treadle.types import (
+    ApprovalDecided,
+    ApprovalRequested,
+    Event,
+    EventKind,
+    JSONValue,
+    RunResult,
+    RunState,
+)
+
+
+@attrs.define(eq=False)
+class RunHandle:
+    """A caller's handle on one run (new, resumed or already finished).
+
+    Attributes:
+        run_id: the run.
+    """
+
+    run_id: str
+    _store: RunStore
+    _clock: Clock = attrs.field(factory=SystemClock)
+    _control: MailboxSender[Control] | None = None
+    _status: RunState | None = None
+    _awaiting: ApprovalRequested | None = None
+    _writer: WriterActor | None = None
+    _writer_client: WriterClient | None = None
+    _parking: Parking | None = None
+    _result: RunResult | None = None
+    _error: BaseException | None = None
+    _done: trio.Event = attrs.Factory(trio.Event)
+    _changed: trio.Event = attrs.Factory(trio.Event)
+    _draining: bool = False
+    _left: str | None = None
+    _snapshot: Mapping[str, JSONValue] | None = None
+    _redaction: Redaction = NO_REDACTION
+
+    # ------------------------------------------------------------------ what it reports
+
+    @property
+    def state(self) -> RunState:
+        """The run state now (``interrupted`` when an actor failed)."""
+        if self._result is not None:
+            return self._result.state
+        if self._error is not None:
+            return RunState.INTERRUPTED
+        if self._parking is not None:
+            return self._parking.state
+        return self._status if self._status is not None else RunState.QUEUED
+
+    @property
+    def result(self) -> RunResult | None:
+        """The result once the run finished, else ``None``."""
+        return self._result
+
+    @property
+    def left(self) -> str | None:
+        """Why this process stopped driving the unfinished run (``drained``, ``parked``)."""
+        return self._left
+
+    @property
+    def parked(self) -> bool:
+        """Whether the run waits for a decision here with its actors stopped (parked).
+
+        docs/decisions/0010-parking-waiting-runs.md; `wait_parked` waits for it.
+        """
+        return self._parking is not None
+
+    @property
+    def pending_approval(self) -> ApprovalRequested | None:
+        """The approval request the run waits on now (state ``awaiting_approval``), or ``None``.
+
+        Its ``arguments`` are those the call would run with, secret ones redacted
+        (docs/events.md, "Secret arguments").
+        """
+        request = self._awaited()
+        return None if request is None else self._redaction.request(request)
+
+    async def wait_state(self, *states: RunState) -> RunState:
+        """Wait until the run's state is one of ``states``; return it.
+
+        Returns the state it has when it stops being driven here first (finished in
+        another state, interrupted, drained or parked away): check what came back.
+
+        Raises:
+            UsageError: no state was given.
+        """
+        if not states:
+            raise UsageError("wait_state needs at least one state to wait for")
+        while True:
+            changed = self._changed
+            state = self.state
+            if state in states or self._done.is_set():
+                await trio.lowlevel.checkpoint()
+                return state
+            await changed.wait()
+
+    async def wait_parked(self) -> bool:
+        """Wait until the run is parked here (its actors stopped, waiting for a decision).
+
+        Returns:
+            ``True`` once parked; ``False`` when the run stopped being driven here first
+            (it finished, failed or left).
+        """
+        while True:
+            changed = self._changed
+            if self._parking is not None or self._done.is_set():
+                await trio.lowlevel.checkpoint()
+                return self._parking is not None
+            await changed.wait()
+
+    def statistics(self) -> WriterStatistics | None:
+        """Delivery counters of the run in this process (parked stretches included).
+
+        ``None`` before the run was first driven here.
+        """
+        return self._writer.statistics() if self._writer is not None else None
+
+    # ------------------------------------------------------------------ what it asks
+
+    def cancel(self, reason: str = "", *, canceller: str = "") -> None:
+        """Cancel the run (docs/concepts.md, "Stop reasons" rule A).
+
+        The model call or action in flight is cancelled at once, a cancel record is written,
+        and the run finishes ``cancelled``. A no-op once the run finished.
+        """
+        if self._parking is not None:
+            self._parking.cancel(reason, canceller, here=True)
+        else:
+            self._send(Cancel(reason=reason, canceller=canceller))
+
+    def approve(
+        self,
+        call_id: str | None = None,
+        *,
+        reject: str | None = None,
+        edit: Mapping[str, Any] | None = None,
+    ) -> ApprovalDecided:
+        """Decide the pending approval: approve, reject with a message, or edit the arguments.
+
+        The decision is recorded (a barrier) before the action's intent; the run continues.
+
+        Args:
+            call_id: the call meant; refused when it is not the pending one (``None``: the
+                pending call, whichever it is).
+            reject: reject with this message; the model sees it in a synthetic observation.
+            edit: run the call with these arguments instead: they replace the model's whole
+                argument object (no merge; a secret argument must be given again) and must
+                fit the tool's argument schema in the run's parameter snapshot.
+
+        Returns:
+            The decision handed to the run.
+
+        Raises:
+            UsageError: the run is not waiting for an approval, waits on another call, both
+                ``reject`` and ``edit`` were given, or the edit is not JSON data or does not
+                fit the tool's schema (nothing is handed over then).
+        """
+        if self._parking is None and self._control is None:
+            raise UsageError(f"run {self.run_id!r} is not being driven here")
+        request = self._awaited()
+        if edit is not None and request is not None and self._snapshot is not None:
+            secrets = self._redaction.secrets.get(request.tool, ())
+            schema = tool_schema(self._snapshot, request.tool)
+            check_edit(edit, request.tool, schema, secrets=secrets)
+        decided = decision_for(
+            self.run_id, request, self._clock, call_id=call_id, reject=reject, edit=edit
+        )
+        if self._parking is not None:
+            self._parking.offer(decided, here=True)
+        else:
+            self._send(Offer(decided=decided))
+        return decided
+
+    def drain(self) -> None:
+        """Stop driving the run at its next safe point and let go of its lease.
+
+        The run is not cancelled: it stops between two steps (or at once while it waits on a
+        human), stays unfinished and resumable, and its lease is released so that another
+        driver takes it over from its log (docs/fleet.md, "Shutting a worker down").
+        `wait` then raises `RunInterrupted`; `left` says why.
+        """
+        self._draining = True
+        if self._parking is not None:
+            self._parking.drain()
+        else:
+            self._send(Drain())
+
+    def _send(self, message: Control) -> None:
+        """Hand ``message`` to the coordinator driving the run here (none: nothing to do)."""
+        if self._control is not None:
+            with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError):
+                self._control.send_nowait(message)
+
+    def _awaited(self) -> ApprovalRequested | None:
+        if self._parking is not None:
+            parking = self._parking
+            return None if parking.decision or parking.cancel_request else parking.request
+        return self._awaiting
+
+    # ------------------------------------------------------------------ told by the driver
+    # The run's driver (`treadle.supervisors._driver`) moves the handle through its states
+    # with these methods only; nothing else writes the handle's fields.
+
+    def _finished_already(self, result: RunResult) -> None:
+        """The run was finished before this drive: its stored result."""
+        self._result = result
+        self._done.set()
+
+    def _define(self, snapshot: Mapping[str, JSONValue], redaction: Redaction) -> None:
+        """The definition of the drive starting: its snapshot and the arguments to redact."""
+        self._snapshot, self._redaction = snapshot, redaction
+
+    def _driving(
+        self, control: MailboxSender[Control], writer: WriterActor, client: WriterClient
+    ) -> None:
+        """Driven here now: requests go to ``control``, subscriptions through ``client``."""
+        self._control, self._writer, self._writer_client = control, writer, client
+        self._parking = None
+        self._status, self._awaiting = RunState.RUNNING, None
+        self._transition()
+
+    def _stopped_driving(self, *, left: str | None = None, parking: Parking | None = None) -> None:
+        """The drive here ended unfinished: ``left`` says why, ``parking`` when parked here."""
+        self._control, self._writer_client = None, None
+        self._parking = parking
+        if left is not None:
+            self._left = left
+        self._transition()
+
+    def _finished(self, result: RunResult) -> None:
+        """The run finished: ``wait`` answers now (sinks may still drain behind it)."""
+        self._result = result
+        self._done.set()
+
+    def _failed(self, error: BaseException) -> None:
+        """The drive failed with ``error`` (raised by ``wait``); the run stays resumable."""
+        self._error = error
+
+    def _ended(self) -> None:
+        """Nothing drives the run here any more: ``wait`` and ``events`` return."""
+        self._parking = None
+        self._done.set()
+        self._transition()
+
+    @property
+    def _draining_requested(self) -> bool:
+        return self._draining
+
+    def _report(self, state: RunState, awaiting: ApprovalRequested | None) -> None:
+        """The coordinator's report of a new state (or awaited request): wake the waiters."""
+        self._status, self._awaiting = state, awaiting
+        self._transition()
+
+    def _transition(self) -> None:
+        """Wake whoever waits for the run to be driven again (or to end)."""
+        self._changed.set()
+        self._changed = trio.Event()
+
+    async def wait(self) -> RunResult:
+        """Wait for the run to finish and return its result.
+
+        Raises:
+            RunInterrupted: an actor failed; the log is left resumable (``__cause__`` holds
+                the error).
+            StoreError: the store failed; the run stopped without continuing.
+        """
+        await self._done.wait()
+        if self._error is not None:
+            raise self._error
+        if self._result is None:
+            raise RunInterrupted(
+                self.run_id,
+                f"this process stopped driving it ({self._left}); it resumes from its log",
+            )
+        return self._result
+
+    async def events(self, *, from_seq: int = 1) -> AsyncIterator[Event]:
+        """Yield the run's events from ``from_seq``.
+
+        Stored events come first, then live ones, with no gap and no duplicate where they
+        meet (docs/concepts.md, "Actors").
+
+        Durable events come with their seq; ephemeral deltas carry the seq of the durable
+        event they follow and an ordinal. While a tool call of the run drives a child run
+        in this process, the child's events come too, live, each with the child's run id
+        and its own seq (keep one cursor per run id; they are never in this run's log,
+        docs/child-runs.md, "Events"). Ends after the run-finished event, or when the run
+        stops being driven here. The stream carries on, from the store, across a parked
+        approval wait, and after the subscriber was cut off for falling behind (only
+        deltas are then missing).
+
+        Raises:
+            UsageError: ``from_seq`` is below 1.
+            StoreError: the stored prefix could not be read completely.
+        """
+        if from_seq < 1:
+            raise UsageError(f"events are numbered from 1; from_seq={from_seq} was asked")
+        # The (seq, ordinal) of the last event yielded: a reconnect reads from its seq again
+        # and skips what was yielded, so a derived step-started event (which shares the seq
+        # of the durable event before it) is not lost at the seam.
+        last: tuple[int, int] = (from_seq - 1, 0)
+        while True:
+            changed = self._changed
+            client = self._writer_client
+            start = max(from_seq, last[0])
+            subscription = None
+            if client is not None and not self._done.is_set():
+                with contextlib.suppress(
+                    trio.BrokenResourceError, trio.ClosedResourceError, trio.EndOfChannel
+                ):
+                    subscription = await client.subscribe()
+            if subscription is None:
+                log = await self._store.read_log(self.run_id)
+                for event in stored_events(log, start, len(log.records)):
+                    if (event.seq, event.ordinal) > last:
+                        last = (event.seq, event.ordinal)
+                        yield event
+                if self._done.is_set() or (self._parking is None and client is None):
+                    return
+                await changed.wait()  # parked (or between two drivers): wait for the next
+                continue
+            async with subscription.events as live:
+                caught_up = await self._catch_up(start, subscription.last_seq, subscription.tail)
+                for event in caught_up:
+                    if (event.seq, event.ordinal) > last:
+                        last = (event.seq, event.ordinal)
+                        yield event
+                async for event in live:
+                    if event.run_id != self.run_id:  # a child run's, live: its own cursor
+                        yield event
+                    elif event.seq >= from_seq:
+                        last = max(last, (event.seq, event.ordinal))
+                        await self._reflected(event)
+                        yield event
+
+    async def _reflected(self, event: Event) -> None:
+        """Wait until what the handle reports reflects ``event`` (docs/events.md, "Reading events").
+
+        The writer hands an event to its subscribers as soon as its record is durable; the
+        driver learns of it a scheduling step later. ``run_started`` waits until the run is
+        driven here (``state`` is ``running``), ``run_finished`` until ``result`` is set.
+        The approval request needs no wait: the handle reports it before its record is
+        written.
+        """
+        if event.kind is EventKind.RUN_STARTED:
+            while self._control is None and self._parking is None and not self._done.is_set():
+                await self._changed.wait()
+        elif event.kind is EventKind.RUN_FINISHED:
+            await self._done.wait()
+
+    async def _catch_up(self, from_seq: int, last_seq: int, tail: tuple[Event, ...]) -> list[Event]:
+        if from_seq > last_seq:
+            return []
+        tail_start = tail[0].seq if tail else last_seq + 1
+        events: list[Event] = []
+        if from_seq < tail_start:
+            log = await self._store.read_log(self.run_id)
+            events.extend(stored_events(log, from_seq, tail_start - 1))
+        events.extend(e for e in with_step_started(tail) if e.seq >= from_seq)
+        return events
