@@ -46,7 +46,7 @@ from rich.table import Table
 import treadle
 from _stores import fresh_database, postgres_dsn
 from _workload import STEPS_ENV, load_note
-from treadle.stores._dsn import redact_dsn
+from treadle.stores import redact_dsn
 from treadle.types import Message
 
 T = TypeVar("T")

@@ -34,7 +34,7 @@ from rich.table import Table
 
 from _stores import DSN_ENV, open_store, postgres_dsn
 from _workload import load_note, timed
-from treadle.stores._dsn import redact_dsn
+from treadle.stores import redact_dsn
 
 HERE = Path(__file__).resolve().parent
 DBOS_VENV = Path("/tmp/dbos-venv")

@@ -20,7 +20,7 @@ from pathlib import Path
 import trio
 
 import treadle
-from treadle.supervisors.run import open_run
+from treadle.supervisors import open_run
 from treadle.testing.scripted import ScriptedModel
 from treadle.types import ModelErrorInfo, ModelReply, RunState, ToolCall, Usage
 

@@ -12,7 +12,7 @@ from click.testing import CliRunner
 import treadle
 from treadle.cli import main
 from treadle.stores._lines import frame
-from treadle.supervisors.run import run
+from treadle.supervisors import run
 from treadle.testing.crashdriver import open_store
 from treadle.testing.crashes import (
     LEDGER_ENV,

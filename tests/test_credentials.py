@@ -17,7 +17,7 @@ import trio
 
 import treadle
 from treadle.models import AnthropicMessagesClient, OpenAIChatClient
-from treadle.stores._codec import encode
+from treadle.stores import record_to_json
 from treadle.testing.loopback import CannedResponse, canned, open_loopback_server
 from treadle.types import Message, ModelRequest
 
@@ -201,7 +201,7 @@ async def test_the_key_appears_nowhere_a_run_writes(provider, tmp_path, caplog, 
     assert any(r.status == 401 for r in _model_errors(logs))
 
     texts += [repr(record) for log in logs for record in log.records]
-    texts += [encode(record) for log in logs for record in log.records]
+    texts += [record_to_json(record) for log in logs for record in log.records]
     texts += [repr(result), repr(failed), repr(client), repr(agent), json.dumps(agent.snapshot())]
     err = info.value
     texts += [str(err), repr(err), err.info.message, err.partial_text]

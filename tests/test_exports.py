@@ -330,8 +330,58 @@ ACTORS = sorted(
 )
 
 
+SUPERVISORS = sorted(
+    [
+        "BACKOFF_S",
+        "CHILD_CANCEL_GRACE_S",
+        "CHILD_RECHECK_S",
+        "CLAIM_POLL_S",
+        "CONTROL_POLL_S",
+        "DEFAULT_ACTORS",
+        "DRAIN_S",
+        "MAX_TAKEOVERS",
+        "PARK_AFTER_S",
+        "WRITER_INBOX",
+        "ActorContext",
+        "Actors",
+        "AgentFactory",
+        "CoordinatorActor",
+        "CoordinatorContext",
+        "ExecutorActor",
+        "Fleet",
+        "FleetStatistics",
+        "GatewayActor",
+        "HydratorActor",
+        "InboxActor",
+        "Lineage",
+        "RunHandle",
+        "WriterActor",
+        "WriterContext",
+        "agent_tool",
+        "child_run_id",
+        "finish_cancelled",
+        "history",
+        "leases_of",
+        "open_fleet",
+        "open_run",
+        "parent_of",
+        "real_coordinator",
+        "real_executor",
+        "real_gateway",
+        "real_hydrator",
+        "real_writer",
+        "resume_unfinished",
+        "run",
+        "thread_run_id",
+        "wait_result",
+    ]
+)
+
+
 @pytest.mark.parametrize(
-    ("package", "names"), [("treadle.actors", ACTORS)], ids=lambda v: v if isinstance(v, str) else ""
+    ("package", "names"),
+    [("treadle.actors", ACTORS), ("treadle.supervisors", SUPERVISORS)],
+    ids=lambda v: v if isinstance(v, str) else "",
 )
 def test_a_package_face_exports_its_names_and_keeps_its_modules_private(package, names):
     """A package's public names are its face's ``__all__``; every module behind it is private
@@ -344,6 +394,78 @@ def test_a_package_face_exports_its_names_and_keeps_its_modules_private(package,
     assert all(hasattr(face, name) for name in face.__all__)
     modules = [m.name for m in pkgutil.iter_modules(face.__path__)]
     assert [m for m in modules if not m.startswith("_")] == []
+
+
+STORES = sorted(
+    [
+        "LEASE_TTL_S",
+        "EngineStore",
+        "JsonlStore",
+        "MemoryStore",
+        "SqliteStore",
+        "StoreStatistics",
+        "TornTail",
+        "check_schema",
+        "check_ttl",
+        "is_dsn",
+        "is_live",
+        "lease_owner",
+        "open_jsonl_store",
+        "open_sqlite_store",
+        "record_to_dict",
+        "record_to_json",
+        "redact_dsn",
+        "write_records",
+    ]
+)
+JSONL = sorted(
+    [
+        "FileOps",
+        "JsonlStore",
+        "OsFileOps",
+        "Repair",
+        "TornTail",
+        "open_jsonl_store",
+        "run_file_name",
+    ]
+)
+
+
+def test_stores_exports():
+    import treadle.stores
+    import treadle.stores.jsonl
+
+    assert sorted(treadle.stores.__all__) == STORES
+    assert all(hasattr(treadle.stores, name) for name in STORES)
+    assert sorted(treadle.stores.jsonl.__all__) == JSONL
+    assert all(hasattr(treadle.stores.jsonl, name) for name in JSONL)
+
+
+def test_no_module_imports_another_packages_private_module():
+    """``treadle.stores._codec`` is for ``treadle.stores`` alone: every other package reaches
+    it through the face (``treadle.stores``) or a public module of the package."""
+    import ast
+    from pathlib import Path
+
+    root = Path(treadle.__file__).parent
+    crossings = []
+    for path in sorted(root.rglob("*.py")):
+        here = ".".join(("treadle", *path.relative_to(root).with_suffix("").parts))
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            names = []
+            if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                names = [node.module]
+            elif isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names]
+            for name in names:
+                parts = name.split(".")
+                private = next((i for i, p in enumerate(parts) if p.startswith("_")), None)
+                if parts[0] != "treadle" or private is None or private < 2:
+                    continue  # not ours, public, or a private module of treadle itself
+                owner = ".".join(parts[:private])
+                if not (here == owner or here.startswith(owner + ".")):
+                    crossings.append(f"{here} imports {name}")
+    assert crossings == []
 
 
 def test_testing_exports():

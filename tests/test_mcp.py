@@ -34,7 +34,7 @@ from treadle import (
     UsageError,
 )
 from treadle.mcp import IDEMPOTENCY_KEY, McpToolOptions, McpTools, open_mcp_tools, policy_of
-from treadle.supervisors.run import run
+from treadle.supervisors import run
 from treadle.testing.crashdriver import open_store
 from treadle.types import Action, ActionIntent, ActionOutcome, ActionResult, RunLog
 
@@ -456,7 +456,7 @@ async def test_a_safe_call_in_flight_is_sent_again_with_the_same_key(tmp_path):
 async def test_a_trusted_servers_destructive_tool_waits_for_approval(tmp_path):
     from treadle.agent import Agent
     from treadle.parsers import NativeToolCallParser
-    from treadle.supervisors.run import open_run
+    from treadle.supervisors import open_run
     from treadle.testing.scripted import ScriptedModel, call, say
     from treadle.types import RunState
 

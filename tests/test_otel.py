@@ -14,7 +14,7 @@ from opentelemetry.trace import StatusCode
 import treadle
 from treadle.sinks.otel import OpenTelemetrySink
 from treadle.stores.memory import MemoryStore
-from treadle.supervisors.run import open_run
+from treadle.supervisors import open_run
 from treadle.testing.scripted import ScriptedModel
 from treadle.types import ModelReply, RunState, ToolCall, Usage
 

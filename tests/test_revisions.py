@@ -15,7 +15,7 @@ import trio
 import treadle
 from treadle._exceptions import UsageError
 from treadle.revisions import Observed, StaleWrite, check_write, fold_revisions
-from treadle.stores._codec import decode, encode
+from treadle.stores._codec import decode, record_to_json
 from treadle.testing import ScriptedModel, say
 from treadle.tools import Toolbox, ToolContext, tool
 from treadle.types import Action, ActionOutcome, ActionResult, ActionStatus
@@ -175,7 +175,7 @@ def result(outcome: ActionOutcome) -> ActionResult:
 
 def test_a_result_without_revisions_is_logged_as_before() -> None:
     plain = result(ActionOutcome(status=ActionStatus.EXECUTED, observation="x"))
-    line = encode(plain)
+    line = record_to_json(plain)
     assert json.loads(line) == {
         "run_id": "r",
         "step": 1,
@@ -194,8 +194,8 @@ def test_a_result_without_revisions_is_logged_as_before() -> None:
             stale_resource="reservation:R1",
         )
     )
-    assert decode(encode(observed)) == observed
-    assert json.loads(encode(observed))["outcome"]["revisions"] == {"reservation:R1": 0}
+    assert decode(record_to_json(observed)) == observed
+    assert json.loads(record_to_json(observed))["outcome"]["revisions"] == {"reservation:R1": 0}
 
 
 def _agent(*tools: treadle.Tool, **kwargs: Any) -> treadle.Agent:

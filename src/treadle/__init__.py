@@ -41,7 +41,7 @@ if TYPE_CHECKING:  # each name loads with its module on first use (docs/design.m
     from treadle.parsers import NativeToolCallParser as NativeToolCallParser
     from treadle.revisions import Observed as Observed
     from treadle.revisions import StaleWrite as StaleWrite
-    from treadle.stores._leases import LEASE_TTL_S as LEASE_TTL_S
+    from treadle.stores import LEASE_TTL_S as LEASE_TTL_S
     from treadle.stores.jsonl import JsonlStore as JsonlStore
     from treadle.stores.jsonl import open_jsonl_store as open_jsonl_store
     from treadle.stores.memory import MemoryStore as MemoryStore
@@ -49,20 +49,20 @@ if TYPE_CHECKING:  # each name loads with its module on first use (docs/design.m
     from treadle.stores.postgres import open_postgres_store as open_postgres_store
     from treadle.stores.sqlite import SqliteStore as SqliteStore
     from treadle.stores.sqlite import open_sqlite_store as open_sqlite_store
-    from treadle.supervisors.children import agent_tool as agent_tool
-    from treadle.supervisors.children import child_run_id as child_run_id
-    from treadle.supervisors.finishing import finish_cancelled as finish_cancelled
-    from treadle.supervisors.fleet import Fleet as Fleet
-    from treadle.supervisors.fleet import FleetStatistics as FleetStatistics
-    from treadle.supervisors.fleet import open_fleet as open_fleet
-    from treadle.supervisors.fleet import wait_result as wait_result
-    from treadle.supervisors.recovery import resume_unfinished as resume_unfinished
-    from treadle.supervisors.run import ActorContext as ActorContext
-    from treadle.supervisors.run import Actors as Actors
-    from treadle.supervisors.run import RunHandle as RunHandle
-    from treadle.supervisors.run import open_run as open_run
-    from treadle.supervisors.run import run as run
-    from treadle.supervisors.threads import history as history
+    from treadle.supervisors import ActorContext as ActorContext
+    from treadle.supervisors import Actors as Actors
+    from treadle.supervisors import Fleet as Fleet
+    from treadle.supervisors import FleetStatistics as FleetStatistics
+    from treadle.supervisors import RunHandle as RunHandle
+    from treadle.supervisors import agent_tool as agent_tool
+    from treadle.supervisors import child_run_id as child_run_id
+    from treadle.supervisors import finish_cancelled as finish_cancelled
+    from treadle.supervisors import history as history
+    from treadle.supervisors import open_fleet as open_fleet
+    from treadle.supervisors import open_run as open_run
+    from treadle.supervisors import resume_unfinished as resume_unfinished
+    from treadle.supervisors import run as run
+    from treadle.supervisors import wait_result as wait_result
     from treadle.tools import EnvironmentFailure as EnvironmentFailure
     from treadle.tools import Tool as Tool
     from treadle.tools import Toolbox as Toolbox
@@ -90,8 +90,8 @@ __getattr__ = lazy_names(
     __name__,
     {
         "ActionStatus": "treadle.types",
-        "ActorContext": "treadle.supervisors.run",
-        "Actors": "treadle.supervisors.run",
+        "ActorContext": "treadle.supervisors",
+        "Actors": "treadle.supervisors",
         "Agent": "treadle.agent",
         "AnthropicMessagesClient": "treadle.models.anthropic",
         "Budgets": "treadle.types",
@@ -101,12 +101,12 @@ __getattr__ = lazy_names(
         "Event": "treadle.types",
         "EventKind": "treadle.types",
         "FixedStepClock": "treadle._clock",
-        "Fleet": "treadle.supervisors.fleet",
-        "FleetStatistics": "treadle.supervisors.fleet",
+        "Fleet": "treadle.supervisors",
+        "FleetStatistics": "treadle.supervisors",
         "ImageRef": "treadle.types",
         "JsonToolCallParser": "treadle.parsers",
         "JsonlStore": "treadle.stores.jsonl",
-        "LEASE_TTL_S": "treadle.stores._leases",
+        "LEASE_TTL_S": "treadle.stores",
         "Lease": "treadle.types",
         "Limits": "treadle.types",
         "Liveness": "treadle.types",
@@ -117,7 +117,7 @@ __getattr__ = lazy_names(
         "OpenAIChatClient": "treadle.models.openai",
         "PostgresStore": "treadle.stores.postgres",
         "ReplayPolicy": "treadle.types",
-        "RunHandle": "treadle.supervisors.run",
+        "RunHandle": "treadle.supervisors",
         "RunInput": "treadle.agent",
         "RunResult": "treadle.types",
         "RunState": "treadle.types",
@@ -132,20 +132,20 @@ __getattr__ = lazy_names(
         "ToolResult": "treadle.tools",
         "Toolbox": "treadle.tools",
         "Usage": "treadle.types",
-        "agent_tool": "treadle.supervisors.children",
-        "child_run_id": "treadle.supervisors.children",
+        "agent_tool": "treadle.supervisors",
+        "child_run_id": "treadle.supervisors",
         "combine_tools": "treadle._combined",
-        "finish_cancelled": "treadle.supervisors.finishing",
-        "history": "treadle.supervisors.threads",
-        "open_fleet": "treadle.supervisors.fleet",
+        "finish_cancelled": "treadle.supervisors",
+        "history": "treadle.supervisors",
+        "open_fleet": "treadle.supervisors",
         "open_jsonl_store": "treadle.stores.jsonl",
         "open_postgres_store": "treadle.stores.postgres",
-        "open_run": "treadle.supervisors.run",
+        "open_run": "treadle.supervisors",
         "open_sqlite_store": "treadle.stores.sqlite",
-        "resume_unfinished": "treadle.supervisors.recovery",
-        "run": "treadle.supervisors.run",
+        "resume_unfinished": "treadle.supervisors",
+        "run": "treadle.supervisors",
         "tool": "treadle.tools",
-        "wait_result": "treadle.supervisors.fleet",
+        "wait_result": "treadle.supervisors",
     },
 )
 

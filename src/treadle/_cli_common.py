@@ -18,8 +18,7 @@ import trio
 
 from treadle._exceptions import TreadleError
 from treadle.ports import RunStore
-from treadle.stores._codec import record_to_dict
-from treadle.stores._dsn import is_dsn, redact_dsn
+from treadle.stores import is_dsn, record_to_dict, redact_dsn
 from treadle.stores.jsonl import open_jsonl_store
 from treadle.stores.sqlite import open_sqlite_store
 from treadle.types import (
@@ -127,7 +126,7 @@ def lineage_text(started: RunStarted) -> str:
     ``""`` for a run that continues nothing, e.g. ``thread t, continues t.2`` or
     ``fork of r at step 3``.
     """
-    from treadle.supervisors.threads import Lineage  # loaded with the commands that show runs
+    from treadle.supervisors import Lineage  # loaded with the commands that show runs
 
     lineage = Lineage.of(started)
     return lineage.describe() if lineage is not None else ""

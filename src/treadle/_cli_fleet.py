@@ -24,8 +24,8 @@ from treadle._text import valid_text
 from treadle.agent import Agent
 from treadle.metrics import MetricsRecorder
 from treadle.ports import RunQueue
-from treadle.stores._leases import LEASE_TTL_S
-from treadle.supervisors.fleet import (
+from treadle.stores import LEASE_TTL_S
+from treadle.supervisors import (
     BACKOFF_S,
     CLAIM_POLL_S,
     DRAIN_S,

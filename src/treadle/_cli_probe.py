@@ -61,7 +61,7 @@ def probe(
     as_json: bool,
 ) -> None:
     """Make one streaming call and print the assembled reply as JSON."""
-    from treadle.models._probe import probe as probe_endpoint
+    from treadle.models import probe as probe_endpoint
 
     if not base_url.startswith(("http://", "https://")):
         raise click.BadParameter(

@@ -31,10 +31,9 @@ from treadle.actors import durable_event, with_step_started
 from treadle.approvals import decide, pending_approval, request_cancel
 from treadle.ports import RunIndex, RunStore
 from treadle.redaction import Redaction
-from treadle.stores._jsonl_files import Repair
-from treadle.stores._leases import lease_owner
-from treadle.stores.jsonl import JsonlStore
-from treadle.supervisors.finishing import finish_cancelled
+from treadle.stores import lease_owner
+from treadle.stores.jsonl import JsonlStore, Repair
+from treadle.supervisors import finish_cancelled
 from treadle.types import (
     ApprovalDecided,
     ApprovalRequested,

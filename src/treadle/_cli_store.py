@@ -35,8 +35,8 @@ from treadle.agent import Agent
 from treadle.approvals import pending_approval
 from treadle.ports import RunIndex, RunStore
 from treadle.redaction import Redaction
-from treadle.stores._leases import is_live
-from treadle.supervisors._leasing import leases_of
+from treadle.stores import is_live
+from treadle.supervisors import leases_of
 from treadle.types import Liveness, RunLog, RunStarted, RunState, RunSummary
 
 
@@ -348,7 +348,7 @@ def load_agent(spec: str) -> Agent:
 async def _resume_one(
     store_path: str, agent: Agent, run_id: str, wait: bool, accept_change: bool
 ) -> RunLog:
-    from treadle.supervisors.run import run
+    from treadle.supervisors import run
 
     async with open_store(store_path) as store:
         log = await store.read_log(run_id)
@@ -390,7 +390,7 @@ async def wait_for_leases(store: RunStore, run_ids: Sequence[str]) -> None:
 async def _resume_all(
     store_path: str, agent: Agent, max_concurrent: int, wait: bool
 ) -> tuple[list[RunLog], list[Exception]]:
-    from treadle.supervisors.recovery import resume_unfinished
+    from treadle.supervisors import resume_unfinished
 
     errors: list[Exception] = []
     async with open_store(store_path) as store:

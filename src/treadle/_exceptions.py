@@ -35,15 +35,14 @@
                                               turns it into LogCorrupted or cuts a torn tail
       ClientGone                              the loopback test server's client hung up early
 
-Defined next to what raises them: `SeamContractError`, `StoreContractError` and
-`CrashContractError` in their contract suites, `SSEDecodeError` in `treadle.models._sse`,
-`FrameError` in `treadle.stores._lines`, `ClientGone` in `treadle.testing.loopback`,
-`StaleWrite` in `treadle.revisions`; the rest here. Not errors, and so outside the tree: the
-coordinator's control-flow signals `Parked`, `AwaitingChildren` and `Drained` (a run stops
-being driven here, caught by the run supervisor), a child-run tool's `ChildPending` (its
-call parks instead of answering, caught by the tool executor), and the test kit's
-`SimulatedCrash` (a simulated process death, which must get past every handler a real death
-would).
+Defined next to what raises them: `SeamContractError`, `StoreContractError` and `CrashContractError`
+in their contract suites, `SSEDecodeError` in `treadle.models` (module `_sse`), `FrameError` in the
+JSONL store's framing (`treadle.stores._lines`, caught there), `ClientGone` in
+`treadle.testing.loopback`, `StaleWrite` in `treadle.revisions`; the rest here. Not errors, and so
+outside the tree: the coordinator's control-flow signals `Parked`, `AwaitingChildren` and `Drained`
+(a run stops being driven here, caught by the run supervisor), a child-run tool's `ChildPending`
+(its call parks instead of answering, caught by the tool executor), and the test kit's
+`SimulatedCrash` (a simulated process death, which must get past every handler a real death would).
 
 Every error carries the identifiers needed to act on it as attributes. `trio.Cancelled` is
 never caught or subclassed here.

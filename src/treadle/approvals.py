@@ -293,7 +293,7 @@ async def request_cancel(
     The request is appended to the run's control stream. A driver picks it up within its poll
     interval (0.5 s by default) and the run ends ``cancelled``; a run nobody drives (a queued
     run included) picks it up when it is next driven
-    (`treadle.supervisors.finishing.finish_cancelled` ends such a run at once).
+    (`treadle.finish_cancelled` ends such a run at once).
 
     Returns:
         The record appended to the control stream.

@@ -37,10 +37,8 @@ from treadle.agent import Agent, RunInput
 from treadle.approvals import decide, request_cancel
 from treadle.metrics import MetricsRecorder
 from treadle.ports import EventSink, RunIndex, RunStore
-from treadle.stores._codec import record_to_dict
-from treadle.stores._leases import LEASE_TTL_S
-from treadle.supervisors.fleet import wait_result
-from treadle.supervisors.run import PARK_AFTER_S, RunHandle, open_run
+from treadle.stores import LEASE_TTL_S, record_to_dict
+from treadle.supervisors import PARK_AFTER_S, RunHandle, open_run, wait_result
 from treadle.types import ApprovalDecided, Event, Liveness, RunResult, RunState
 
 T = TypeVar("T")

@@ -252,7 +252,7 @@ class MetricsRecorder:
         store itself. Returns whether the store has a commit engine (`treadle.MemoryStore`
         has none: it commits nothing).
         """
-        from treadle.stores._ops import EngineStore
+        from treadle.stores import EngineStore
 
         if not isinstance(store, EngineStore):
             return False

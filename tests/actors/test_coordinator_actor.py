@@ -226,9 +226,7 @@ async def _alone(
         control, control_inbox = open_mailbox[Control](16)
         await nursery.start(coordinator.serve_control, control_inbox)
         try:
-            yield Fakes(
-                coordinator, fake_writer, hydrator, gateway, executor, control, statuses
-            )
+            yield Fakes(coordinator, fake_writer, hydrator, gateway, executor, control, statuses)
         finally:
             coordinator.close_inboxes()
             control.close()

@@ -19,7 +19,7 @@ from treadle.actors import Compaction, ContextHydrator, Hydrate, request
 from treadle.agent import Agent
 from treadle.parsers import NativeToolCallParser
 from treadle.stores.memory import MemoryStore
-from treadle.supervisors.run import run
+from treadle.supervisors import run
 from treadle.testing import ScriptedModel, say
 from treadle.tools import Toolbox
 from treadle.types import (

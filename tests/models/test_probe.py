@@ -206,7 +206,7 @@ async def test_the_probe_prints_what_a_runs_records_hold_for_the_same_reply(prot
     from treadle.models._probe import _plain
     from treadle.parsers import NativeToolCallParser
     from treadle.stores.memory import MemoryStore
-    from treadle.supervisors.run import run
+    from treadle.supervisors import run
     from treadle.testing.loopback import CannedResponse
     from treadle.tools import Toolbox, tool
     from treadle.types import ModelResult, StepRecord

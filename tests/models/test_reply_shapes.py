@@ -20,7 +20,7 @@ from treadle._exceptions import ModelCallError
 from treadle.agent import Agent
 from treadle.models import AnthropicMessagesClient, OpenAIChatClient
 from treadle.parsers import REFUSAL, JsonToolCallParser, NativeToolCallParser
-from treadle.supervisors.run import run
+from treadle.supervisors import run
 from treadle.testing.loopback import CannedResponse, canned, open_loopback_server
 from treadle.tools import Toolbox, tool
 from treadle.types import DecisionKind, Message, ModelRequest, StopReason

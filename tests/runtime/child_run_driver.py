@@ -17,7 +17,7 @@ from treadle import agent_tool
 from treadle.agent import Agent
 from treadle.parsers import NativeToolCallParser
 from treadle.stores.sqlite import SqliteStore
-from treadle.supervisors.run import run
+from treadle.supervisors import run
 from treadle.testing.scripted import ScriptedModel, call, say
 from treadle.tools import Toolbox, ToolContext, tool
 from treadle.types import ReplayPolicy

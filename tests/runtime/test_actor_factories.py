@@ -12,8 +12,8 @@ import trio
 
 from treadle import Agent, FixedStepClock, MemoryStore, NativeToolCallParser, Toolbox, tool
 from treadle.actors import ActionsOutcome, RunActions
-from treadle.stores._codec import encode
-from treadle.supervisors.run import (
+from treadle.stores import record_to_json
+from treadle.supervisors import (
     DEFAULT_ACTORS,
     ActorContext,
     Actors,
@@ -89,7 +89,7 @@ async def _run(agent: Agent, actors: Actors = DEFAULT_ACTORS, run_id: str = "r")
 
 
 def _encoded(log: RunLog) -> list[str]:
-    return [encode(record) for record in log.records]
+    return [record_to_json(record) for record in log.records]
 
 
 @attrs.define(eq=False)

@@ -24,7 +24,7 @@ from treadle.redaction import REDACTED, SNAPSHOT_KEY, Redaction
 from treadle.stores._codec import record_to_dict
 from treadle.stores.memory import MemoryStore
 from treadle.stores.sqlite import open_sqlite_store
-from treadle.supervisors.run import open_run, run
+from treadle.supervisors import open_run, run
 from treadle.testing.scripted import ScriptedModel, call, say
 from treadle.tools import Toolbox, tool
 from treadle.types import (

@@ -18,7 +18,7 @@ from treadle.approvals import (
     request_cancel,
 )
 from treadle.stores.memory import MemoryStore
-from treadle.supervisors.run import open_run
+from treadle.supervisors import open_run
 from treadle.testing.scripted import ScriptedModel, call, say
 from treadle.tools import Toolbox, tool
 from treadle.types import (
@@ -49,6 +49,19 @@ def make(turns, **kwargs):
 async def wait_for_state(handle, state):
     with trio.fail_after(60):
         assert await handle.wait_state(state) is state
+
+
+async def wait_for_durable_request(handle):
+    """Wait until the run's approval request is in its log (`decide` on the store finds it).
+
+    The handle reports the wait from just before the request is written; its event comes
+    once it is durable (docs/events.md, "Reading events").
+    """
+    with trio.fail_after(60):
+        async with contextlib.aclosing(handle.events()) as events:
+            async for event in events:
+                if event.kind.value == "approval_requested":
+                    return
 
 
 def kinds(log):
@@ -117,7 +130,7 @@ async def test_a_decision_for_another_call_is_refused(autojump_clock):
     async with open_run(
         agent, "x", store=store, run_id="r", approval_policy=only_add, control_poll_s=0.5
     ) as handle:
-        await wait_for_state(handle, RunState.AWAITING_APPROVAL)
+        await wait_for_durable_request(handle)
         with pytest.raises(UsageError, match="waits on call 'c1'"):
             handle.approve("c2")
         with pytest.raises(UsageError, match="waits on call 'c1'"):
@@ -209,7 +222,7 @@ async def test_a_decision_written_while_no_one_drives_the_run_is_used_on_resume(
         async with open_run(
             agent, "x", store=store, run_id="r", approval_policy=only_add
         ) as handle:
-            await wait_for_state(handle, RunState.AWAITING_APPROVAL)
+            await wait_for_durable_request(handle)
             crash.cancel()
     await decide(store, "r", reject="no")
     agent, tools, _ = make(turns)
@@ -269,7 +282,7 @@ import trio
 
 import treadle
 from treadle.stores.sqlite import open_sqlite_store
-from treadle.supervisors.run import open_run
+from treadle.supervisors import open_run
 from treadle.testing.scripted import ScriptedModel, call, say
 
 db, marker, mode = sys.argv[1], Path(sys.argv[2]), sys.argv[3]
@@ -612,3 +625,40 @@ async def test_two_deciders_at_once_the_one_that_does_not_count_is_told(autojump
     assert "does not count" in str(refused) and f"({first})" in str(refused)
     ran = [a.arguments for a in tools.executed]
     assert ran == ([{"a": 1, "b": 2}] if first == "approve" else [])  # the first one counted
+
+
+@pytest.mark.parametrize("offset", [-0.001, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.001])
+@pytest.mark.parametrize("via", ["handle", "store"])
+async def test_a_decision_sent_as_the_run_parks_is_kept(offset, via, autojump_clock):
+    """A decision that reaches the coordinator's inbox as it parks goes to the parked run.
+
+    The run parks ``park_after_s`` after it starts waiting; a decision sent at that very
+    moment (each order of the two, over several runs) is applied, never left behind in the
+    stopped coordinator's inbox (which made the run wait out its deadline and expire).
+    """
+    agent, tools, _ = make([call("add", a=1, b=2, call_id="c1"), say("ok")])
+    store = MemoryStore()
+    async with open_run(
+        agent,
+        "x",
+        store=store,
+        run_id="r",
+        approval_policy=only_add,
+        control_poll_s=0.5 if via == "store" else None,
+        park_after_s=5.0,
+    ) as handle:
+        await wait_for_state(handle, RunState.AWAITING_APPROVAL)
+        began = trio.current_time()
+        await wait_for_durable_request(handle)
+        await trio.sleep_until(began + 5.0 + offset)
+        if via == "handle":
+            handle.approve()
+        else:
+            await decide(store, "r")
+        with trio.fail_after(60):
+            result = await handle.wait()
+    assert result.stop_reason is StopReason.FINAL_ANSWER
+    assert [a.call_id for a in tools.executed] == ["c1"]
+    log = await store.read_log("r")
+    (decided,) = [r for r in log.records if isinstance(r, ApprovalDecided)]
+    assert decided.decision == "approve"

@@ -11,7 +11,7 @@ from treadle.actors import CANCEL_GRACE_S
 from treadle.agent import Agent
 from treadle.approvals import request_cancel
 from treadle.stores.memory import MemoryStore
-from treadle.supervisors.run import CONTROL_POLL_S, open_run
+from treadle.supervisors import CONTROL_POLL_S, open_run
 from treadle.testing.scripted import ScriptedModel, call, say
 from treadle.types import (
     Action,

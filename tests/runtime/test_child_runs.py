@@ -23,8 +23,7 @@ from treadle.agent import Agent
 from treadle.parsers import NativeToolCallParser
 from treadle.stores.memory import MemoryStore
 from treadle.stores.sqlite import SqliteStore
-from treadle.supervisors.fleet import open_fleet
-from treadle.supervisors.run import open_run, run
+from treadle.supervisors import open_fleet, open_run, run
 from treadle.testing.faults import CrashingStore, FailingStore, SimulatedCrash
 from treadle.testing.scripted import ScriptedModel, call, say
 from treadle.tools import Toolbox, ToolContext, tool

@@ -14,7 +14,7 @@ import trio
 
 from treadle import MemoryStore, UsageError, run
 from treadle._budget import DEFAULT_SUMMARY_PROMPT, estimate_tools
-from treadle.stores._codec import encode
+from treadle.stores import record_to_json
 from treadle.stores.sqlite import open_sqlite_store
 from treadle.testing.invariants import check_context, check_invariants, check_tool_replies
 from treadle.testing.windowed import WindowedModel, provider_tokens, windowed_agent
@@ -273,15 +273,15 @@ async def test_log_bytes_per_step_stay_flat_in_run_length():
         )
         if step is None or summary:
             continue
-        per_step[step] = per_step.get(step, 0) + len(encode(record).encode())
+        per_step[step] = per_step.get(step, 0) + len(record_to_json(record).encode())
     early = [per_step[s] for s in range(3, 13)]
     late = [per_step[s] for s in range(50, 60)]
     assert max(late) <= max(early) * 1.05, (early, late)
     # a summary's record is bounded by its output cap, not by the steps it covers
-    sizes = [len(encode(r).encode()) for r in _summaries(log)]
+    sizes = [len(record_to_json(r).encode()) for r in _summaries(log)]
     assert max(sizes) <= 2 * min(sizes)
     context = _step_results(log)[-1].context
-    assert context is not None and len(json.dumps(encode(_step_results(log)[-1]))) < 2000
+    assert context is not None and len(json.dumps(record_to_json(_step_results(log)[-1]))) < 2000
 
 
 async def test_check_context_catches_a_recomputed_summary():

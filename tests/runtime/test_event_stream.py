@@ -6,8 +6,8 @@ from runtime_fakes import LedgerTools, SimpleParser
 
 from treadle.agent import Agent
 from treadle.stores.memory import MemoryStore
-from treadle.supervisors.run import open_run
-from treadle.supervisors.run import run as run_to_end
+from treadle.supervisors import open_run
+from treadle.supervisors import run as run_to_end
 from treadle.testing.scripted import ScriptedModel, call, say
 from treadle.types import Attempt, EventKind, ModelErrorInfo, ModelReply, ModelResult, Usage
 

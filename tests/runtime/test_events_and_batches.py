@@ -6,7 +6,7 @@ from runtime_fakes import LedgerTools, SimpleParser
 
 import treadle
 from treadle.stores.memory import MemoryStore
-from treadle.supervisors.run import open_run, run
+from treadle.supervisors import open_run, run
 from treadle.testing.scripted import ScriptedModel, calls, say
 from treadle.types import ActionResult, EventKind, StepRecord, ToolCall
 

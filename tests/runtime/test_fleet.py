@@ -24,7 +24,7 @@ from treadle.parsers import NativeToolCallParser
 from treadle.stores.jsonl import open_jsonl_store
 from treadle.stores.memory import MemoryStore
 from treadle.stores.sqlite import open_sqlite_store
-from treadle.supervisors.fleet import open_fleet, wait_result
+from treadle.supervisors import open_fleet, wait_result
 from treadle.testing import InterceptingStore, SimulatedCrash
 from treadle.testing.invariants import check_invariants
 from treadle.testing.scripted import ScriptedModel, call, say
@@ -338,8 +338,11 @@ async def test_drain_at_the_end_of_the_block_leaves_runs_resumable(kind, tmp_pat
                 await first.submit("calc", "work", run_id=run_id)
             await until(lambda: _all_started(world, [f"{r}/s1/a1" for r in ids]))
             leaving = trio.current_time()
-        # The drain waited for each run's first step to end, and started no second one.
-        assert trio.current_time() - leaving < 15
+        # The drain waited for each run's first step to end, and started no second one. The
+        # memory store's virtual time is exact; with SQLite the clock jumps to the next timer
+        # whenever every task waits on the commit thread, so only the counts below bound it.
+        if kind == "memory":
+            assert trio.current_time() - leaving < 15
         stats = first.statistics()
         assert stats.running == 0 and stats.left == 3 and stats.finished == 0
         assert sorted(world.effects) == sorted(f"{r}/s1/a1" for r in ids)

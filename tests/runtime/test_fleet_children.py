@@ -19,8 +19,8 @@ from treadle._exceptions import ChildRunInterrupted, StoreError
 from treadle.agent import Agent
 from treadle.parsers import NativeToolCallParser
 from treadle.stores.memory import MemoryStore
+from treadle.supervisors import open_fleet
 from treadle.supervisors._fleet_drive import FleetDrive, current_drive
-from treadle.supervisors.fleet import open_fleet
 from treadle.testing.scripted import ScriptedModel, call, calls, say
 from treadle.tools import Toolbox, ToolContext, tool
 from treadle.types import (

@@ -20,7 +20,7 @@ from treadle.agent import Agent
 from treadle.parsers import NativeToolCallParser
 from treadle.ports import RunStore
 from treadle.stores.sqlite import open_sqlite_store
-from treadle.supervisors.fleet import open_fleet
+from treadle.supervisors import open_fleet
 from treadle.testing.faults import CrashingStore, SimulatedCrash
 from treadle.testing.invariants import check_invariants
 from treadle.testing.scripted import ScriptedModel, call, say

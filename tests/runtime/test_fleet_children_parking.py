@@ -17,7 +17,7 @@ from treadle import agent_tool, child_run_id
 from treadle._cli_store import driver_text
 from treadle.agent import Agent
 from treadle.parsers import NativeToolCallParser
-from treadle.supervisors.fleet import open_fleet
+from treadle.supervisors import open_fleet
 from treadle.testing.invariants import check_invariants
 from treadle.testing.scripted import ScriptedModel, call, calls, say
 from treadle.tools import Toolbox, ToolContext, tool

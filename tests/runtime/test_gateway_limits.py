@@ -17,7 +17,7 @@ from runtime_fakes import LedgerTools, SimpleParser
 from treadle.agent import Agent
 from treadle.models import OpenAIChatClient
 from treadle.stores.memory import MemoryStore
-from treadle.supervisors.run import open_run, run
+from treadle.supervisors import open_run, run
 from treadle.testing.loopback import CannedResponse, canned, open_loopback_server
 from treadle.testing.scripted import ScriptedModel, call
 from treadle.types import (

@@ -31,8 +31,7 @@ from treadle.ports import RunStore
 from treadle.stores.jsonl import open_jsonl_store
 from treadle.stores.memory import MemoryStore
 from treadle.stores.sqlite import open_sqlite_store
-from treadle.supervisors.finishing import finish_cancelled
-from treadle.supervisors.run import open_run
+from treadle.supervisors import finish_cancelled, open_run
 from treadle.testing import CrashingExecutor, CrashingStore, InterceptingStore, SimulatedCrash
 from treadle.testing.invariants import check_approvals, check_invariants
 from treadle.testing.scripted import ScriptedModel, call, calls, say

@@ -7,7 +7,7 @@ from treadle._cli_common import describe
 from treadle._exceptions import ModelCallError
 from treadle.agent import Agent
 from treadle.stores.memory import MemoryStore
-from treadle.supervisors.run import open_run, run
+from treadle.supervisors import open_run, run
 from treadle.testing.invariants import check_invariants
 from treadle.testing.scripted import ScriptedModel, call, say
 from treadle.types import (

@@ -14,7 +14,7 @@ from treadle.agent import Agent
 from treadle.approvals import decide, request_cancel
 from treadle.parsers import NativeToolCallParser
 from treadle.stores.memory import MemoryStore
-from treadle.supervisors.run import open_run
+from treadle.supervisors import open_run
 from treadle.testing.scripted import ScriptedModel, call, say
 from treadle.tools import Toolbox, tool
 from treadle.types import (

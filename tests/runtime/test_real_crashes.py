@@ -33,7 +33,7 @@ import pytest
 import trio
 
 from treadle.stores.memory import MemoryStore
-from treadle.supervisors.run import run
+from treadle.supervisors import run
 from treadle.testing.crashdriver import DriverSpec, child_main, open_store, read_kill_note
 from treadle.testing.crashes import (
     LEDGER_ENV,

@@ -9,7 +9,7 @@ from runtime_fakes import LedgerTools, SimpleParser
 from treadle._exceptions import RunInterrupted, SnapshotMismatch
 from treadle.agent import Agent
 from treadle.stores.memory import MemoryStore
-from treadle.supervisors.run import run
+from treadle.supervisors import run
 from treadle.testing.faults import CrashingStore, SimulatedCrash
 from treadle.testing.scripted import ScriptedModel, call, say
 from treadle.types import (

@@ -21,7 +21,7 @@ import pytest
 import treadle
 from treadle.ports import RunStore
 from treadle.stores.jsonl import open_jsonl_store
-from treadle.supervisors.run import run
+from treadle.supervisors import run
 from treadle.testing import InterceptingStore, seed_log
 from treadle.testing.crashes import (
     RUN_INPUT,

@@ -18,8 +18,7 @@ import treadle
 from treadle._exceptions import RunInterrupted, SnapshotMismatch, UsageError
 from treadle.cli import main
 from treadle.stores.memory import MemoryStore
-from treadle.supervisors.fleet import wait_result
-from treadle.supervisors.run import open_run, run
+from treadle.supervisors import open_run, run, wait_result
 from treadle.testing.faults import CrashingStore, SimulatedCrash
 from treadle.testing.scripted import ScriptedModel, call, calls, say
 from treadle.types import (

@@ -29,8 +29,7 @@ from treadle.actors import CANCEL_GRACE_S
 from treadle.agent import Agent
 from treadle.approvals import request_cancel
 from treadle.stores.memory import MemoryStore
-from treadle.supervisors.finishing import finish_cancelled
-from treadle.supervisors.run import open_run
+from treadle.supervisors import finish_cancelled, open_run
 from treadle.testing.invariants import check_action_results, check_invariants
 from treadle.testing.scripted import ScriptedModel, call, say
 from treadle.tools import Tool, Toolbox, tool

@@ -28,7 +28,7 @@ from treadle import ImageRef, ToolResult
 from treadle.mcp import open_mcp_tools
 from treadle.models import AnthropicMessagesClient, OpenAIChatClient
 from treadle.models._transport import digest
-from treadle.stores._codec import encode
+from treadle.stores import record_to_json
 from treadle.testing.faults import CrashingStore, SimulatedCrash
 from treadle.testing.loopback import CannedResponse, canned, open_loopback_server
 from treadle.types import ActionResult, RunLog, StepRecord
@@ -168,7 +168,7 @@ def _check_log_holds_references(log: RunLog, ref: ImageRef, raw: list[bytes]) ->
     assert result.outcome.images == (ref,)
     step = next(r for r in log.records if isinstance(r, StepRecord) and r.observations)
     assert step.observation_images == ((ref,),)
-    encoded = "".join(encode(record) for record in log.records)
+    encoded = "".join(record_to_json(record) for record in log.records)
     assert base64.b64encode(PNG).decode() not in encoded
     assert all(PNG not in blob for blob in raw)
 

@@ -13,7 +13,7 @@ import trio
 import treadle
 from treadle.actors import ContextHydrator
 from treadle.stores.memory import MemoryStore
-from treadle.supervisors.run import open_run
+from treadle.supervisors import open_run
 from treadle.testing.faults import CrashingStore, SimulatedCrash
 from treadle.testing.invariants import check_tool_replies
 from treadle.testing.scripted import ScriptedModel, calls, say

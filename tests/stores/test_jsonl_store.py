@@ -602,12 +602,12 @@ def v2_file(run_id: str, records: list[Record], generation: int = 1) -> bytes:
 
 def v1_file(run_id: str, records: list[Record]) -> bytes:
     """A run file as format version 1 wrote it: frames without ``gen``."""
-    from treadle.stores._codec import encode
+    from treadle.stores._codec import record_to_json
 
     header = {"format": "treadle.jsonl", "version": 1, "run_id": run_id, "created_ns": 1}
     data = frame(0, "header", json.dumps(header))
     for seq, record in enumerate(records, start=1):
-        data += frame(seq, "records", f"[{encode(record)}]")
+        data += frame(seq, "records", f"[{record_to_json(record)}]")
     return data
 
 

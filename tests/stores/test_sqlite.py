@@ -32,7 +32,7 @@ from treadle._exceptions import (
 )
 from treadle.stores import SqliteStore, StoreStatistics, _engine, _sql, open_sqlite_store
 from treadle.stores import sqlite as sqlite_module
-from treadle.stores._codec import KIND_OF, encode, record_crc
+from treadle.stores._codec import KIND_OF, record_crc, record_to_json
 from treadle.types import (
     ActionIntent,
     ActionOutcome,
@@ -625,7 +625,7 @@ async def test_control_streams_are_per_run_and_never_listed(tmp_path: Path) -> N
         assert await store.read_control("r") == (one, two)  # durable
     with contextlib.closing(sqlite3.connect(path, isolation_level=None)) as conn:
         conn.execute(
-            "UPDATE control SET body = CAST(? AS BLOB) WHERE pos = 2", [encode(cancel("r"))]
+            "UPDATE control SET body = CAST(? AS BLOB) WHERE pos = 2", [record_to_json(cancel("r"))]
         )
     async with open_sqlite_store(path) as store:
         with pytest.raises(LogCorrupted) as info:
@@ -656,7 +656,7 @@ def write_v1(path: Path, logs: list[tuple[str, list[Record]]]) -> None:
             for seq, record in enumerate(records, start=1):
                 conn.execute(
                     "INSERT INTO records VALUES (?, ?, ?, ?)",
-                    (log_id, seq, KIND_OF[type(record)], encode(record)),
+                    (log_id, seq, KIND_OF[type(record)], record_to_json(record)),
                 )
 
 

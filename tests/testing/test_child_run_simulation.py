@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import itertools
 
-from treadle.supervisors import children
+from treadle.supervisors import _children as children
 from treadle.testing.simulation import FaultPlan, simulate
 
 PLAN = FaultPlan(rates={**FaultPlan.default().rates, "child_run": 0.5})

@@ -55,7 +55,7 @@ async def _log_of_clean_run():
 
     from treadle._clock import FixedStepClock
     from treadle.stores.memory import MemoryStore
-    from treadle.supervisors.run import run
+    from treadle.supervisors import run
 
     ledger = Ledger()
     script = _sim_ledger._script(random.Random(1), FaultPlan(rates={}), {}, 4)
@@ -196,7 +196,7 @@ async def _approval_log(edit=None, reject=None):
         Toolbox,
         tool,
     )
-    from treadle.supervisors.run import open_run
+    from treadle.supervisors import open_run
     from treadle.testing import ScriptedModel, call, say
 
     @tool(requires_approval=True)
@@ -431,7 +431,7 @@ def test_simulate_refuses_an_agent_factory_and_steps_with_a_scenario():
 def test_a_scenario_swaps_actors_for_every_incarnation_and_the_twin():
     import attrs
 
-    from treadle.supervisors.run import Actors, real_executor
+    from treadle.supervisors import Actors, real_executor
     from treadle.testing.simulation import LedgerScenario
 
     built: list[str] = []

@@ -5,7 +5,7 @@ from __future__ import annotations
 import attrs
 
 from treadle.actors import ContextHydrator
-from treadle.supervisors.run import ActorContext, Actors, real_hydrator
+from treadle.supervisors import ActorContext, Actors, real_hydrator
 from treadle.testing.simulation import FAULT_KINDS, FaultPlan, LedgerScenario, simulate
 
 

@@ -20,7 +20,7 @@ from treadle._ui._app import CSP, Settings, create_app
 from treadle.approvals import read_control
 from treadle.cli import main
 from treadle.stores.memory import MemoryStore
-from treadle.supervisors.run import open_run
+from treadle.supervisors import open_run
 from treadle.testing.scripted import ScriptedModel, call, say
 from treadle.types import ApprovalDecided, CancelRequested, ModelResult, RunState, StopReason
 

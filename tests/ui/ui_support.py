@@ -58,7 +58,7 @@ import trio
 
 import treadle
 from treadle.stores.sqlite import open_sqlite_store
-from treadle.supervisors.run import open_run
+from treadle.supervisors import open_run
 from treadle.testing.scripted import ScriptedModel, call, say
 
 db, run_id, gate, marker = sys.argv[1], sys.argv[2], Path(sys.argv[3]), Path(sys.argv[4])

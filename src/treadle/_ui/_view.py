@@ -17,7 +17,7 @@ from typing import Any
 import attrs
 
 from treadle.redaction import Redaction
-from treadle.stores._codec import record_to_dict
+from treadle.stores import record_to_dict
 from treadle.types import (
     ActionIntent,
     ActionResult,

@@ -630,9 +630,7 @@ class RunCoordinator:
         """Wait on ``request`` (state ``awaiting_approval``), or on nothing (``running``)."""
         self._awaiting = request
         if self._cancel is None:
-            self._set_state(
-                RunState.AWAITING_APPROVAL if request is not None else RunState.RUNNING
-            )
+            self._set_state(RunState.AWAITING_APPROVAL if request is not None else RunState.RUNNING)
         else:
             self.on_status(self.state, request)
 

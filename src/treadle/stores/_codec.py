@@ -158,7 +158,7 @@ def record_from_dict(data: dict[str, Any]) -> Record:
     return record
 
 
-def encode(record: Record) -> str:
+def record_to_json(record: Record) -> str:
     """Serialise ``record`` in the objects encoding: one line of compact JSON (no newline).
 
     orjson is the fast path; values it refuses (integers beyond 64 bits, lone surrogates)
@@ -172,7 +172,7 @@ def encode(record: Record) -> str:
 
 
 def encode_bytes(record: Record) -> bytes:
-    """`encode` as UTF-8 bytes (orjson's output as is on the fast path)."""
+    """`record_to_json` as UTF-8 bytes (orjson's output as is on the fast path)."""
     data = record_to_dict(record)
     try:
         return orjson.dumps(data)

@@ -29,7 +29,7 @@ import attrs
 import msgspec
 
 from treadle._exceptions import LogCorrupted, SchemaTooNew, StoreError, TreadleError
-from treadle.stores._codec import check_schema, encode, pack, record_from_dict, unpack
+from treadle.stores._codec import check_schema, pack, record_from_dict, record_to_json, unpack
 from treadle.stores._lines import FrameError, TornSpan, check_frame, frame, scan_lines
 from treadle.types import ApprovalDecided, CancelRequested, ControlEntry, Lease, Record
 
@@ -133,13 +133,13 @@ def records_frame(
     for record in records:
         if record.run_id != run_id:
             raise ValueError(f"a record of run {record.run_id!r} in the file of run {run_id!r}")
-    text = "[" + ",".join(encode(r) for r in records) + "]"
+    text = "[" + ",".join(record_to_json(r) for r in records) + "]"
     return frame(seq, "records", text, generation=generation)
 
 
 def control_frame(position: int, record: CancelRequested | ApprovalDecided) -> bytes:
     """The line of one control-stream entry (newline included)."""
-    return frame(position, "control", encode(record))
+    return frame(position, "control", record_to_json(record))
 
 
 # --------------------------------------------------------------------------- reading run files

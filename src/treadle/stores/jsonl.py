@@ -109,7 +109,15 @@ _HASHED: Final = re.compile(r"~[0-9a-f]{64}")
 LOCK_RETRIES: Final = 20
 """Tries (5 ms apart) to take a free lease's lock while a listing probes it."""
 
-__all__ = ["FileOps", "JsonlStore", "OsFileOps", "TornTail", "open_jsonl_store", "run_file_name"]
+__all__ = [
+    "FileOps",
+    "JsonlStore",
+    "OsFileOps",
+    "Repair",
+    "TornTail",
+    "open_jsonl_store",
+    "run_file_name",
+]
 
 
 @attrs.frozen(kw_only=True)

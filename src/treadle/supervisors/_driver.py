@@ -13,6 +13,7 @@ its worker (docs/child-runs.md, "In a fleet").
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import random
 import sys
@@ -35,6 +36,7 @@ from treadle.actors import (
     Drain,
     Drained,
     Hydrate,
+    MailboxReceiver,
     MailboxSender,
     Parked,
     RunActions,
@@ -48,7 +50,7 @@ from treadle.approvals import ApprovalPolicy, requires_approval
 from treadle.metrics import MetricsRecorder
 from treadle.ports import ControlStream, EventSink, RunStore
 from treadle.redaction import Redaction
-from treadle.stores._codec import check_schema
+from treadle.stores import check_schema
 from treadle.supervisors._child_links import cancel_awaited_children, wake_parent
 from treadle.supervisors._control import ControlInbox, ControlIndex, control_of, shared_index
 from treadle.supervisors._factories import (
@@ -61,7 +63,7 @@ from treadle.supervisors._factories import (
 from treadle.supervisors._handle import RunHandle
 from treadle.supervisors._leasing import LeaseHold, LeaseKeeper, shared_keeper
 from treadle.supervisors._parking import Parking
-from treadle.supervisors.threads import Lineage
+from treadle.supervisors._threads import Lineage
 from treadle.types import (
     ApprovalRequested,
     BudgetCaps,
@@ -376,12 +378,7 @@ async def _drive(
         )
         client = WriterClient(writer_send)
         await nursery.start(writer.run, writer_recv)
-        if view.next_seq == 1:
-            await client.write(StoreOp.RUN_STARTED, started)
-            view.apply(started)
-        if accepted is not None:  # the changed definition, accepted, is on record first
-            await client.barrier(StoreOp.CONTROL, accepted)
-            view.apply(accepted)
+        await _open_log(client, view, started, accepted)
         context = ActorContext(
             run_id=log.run_id,
             agent=agent,
@@ -434,18 +431,12 @@ async def _drive(
                 await cancel_awaited_children(store, awaited)
         except AwaitingChildren:
             handle._stopped_driving(left="parked")
-            parked = _ChildWait(control.seen if control is not None else 0)
+            parked = _child_wait(control, _unapplied(control_recv))
         except Drained:
             handle._stopped_driving(left="drained")
             parked = None
         except Parked as signal:
-            parked = Parking(
-                request=signal.request,
-                deadline=signal.deadline,
-                active_s=signal.active_s,
-                clock=clock,
-                control_seen=control.seen if control is not None else 0,
-            )
+            parked = _parking(signal, clock, control, _unapplied(control_recv))
             handle._stopped_driving(parking=parked)
         finally:
             control_send.close()
@@ -455,6 +446,65 @@ async def _drive(
             coordinator.close_inboxes()
             writer_send.close()
     return parked
+
+
+def _unapplied(inbox: MailboxReceiver[Control]) -> list[Control]:
+    """The control messages sent to a coordinator that stopped before it applied them.
+
+    The coordinator raised `Parked` or `AwaitingChildren` in this task, so its control task
+    has not run since: what is still in its inbox (a decision or cancel from the handle, or
+    read from the control stream) goes to what waits in its place instead of being lost.
+    """
+    messages: list[Control] = []
+    with contextlib.suppress(trio.WouldBlock, trio.EndOfChannel, trio.ClosedResourceError):
+        while True:
+            messages.append(inbox.receive_nowait())
+    return messages
+
+
+def _parking(
+    signal: Parked, clock: Clock, control: ControlInbox | None, unapplied: list[Control]
+) -> Parking:
+    """The parking state of a run parked on ``signal``, given what its coordinator missed."""
+    parking = Parking(
+        request=signal.request,
+        deadline=signal.deadline,
+        active_s=signal.active_s,
+        clock=clock,
+        control_seen=control.seen if control is not None else 0,
+    )
+    for message in unapplied:
+        parking.apply(message)
+    return parking
+
+
+def _child_wait(control: ControlInbox | None, unapplied: list[Control]) -> _ChildWait:
+    """The wait of a run parked on child runs, given what its coordinator missed.
+
+    A cancel its coordinator missed leaves the run claimable at once (nothing of the control
+    stream counts as handled): the next drive reads the stream from its start and applies it.
+    """
+    if control is None or any(isinstance(m, Cancel) for m in unapplied):
+        return _ChildWait(0)
+    return _ChildWait(control.seen)
+
+
+async def _open_log(
+    client: WriterClient,
+    view: RunView,
+    started: RunStarted,
+    accepted: DefinitionAccepted | None,
+) -> None:
+    """Write what opens this drive: run-started for a new run, then an accepted definition.
+
+    The changed definition (``accepted``) is a barrier: it is on record before any step.
+    """
+    if view.next_seq == 1:
+        await client.write(StoreOp.RUN_STARTED, started)
+        view.apply(started)
+    if accepted is not None:
+        await client.barrier(StoreOp.CONTROL, accepted)
+        view.apply(accepted)
 
 
 def _control_inbox(

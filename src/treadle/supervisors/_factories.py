@@ -1,4 +1,4 @@
-"""The factories of a run's five actors and the roles they fill (docs/design.md, "Actors").
+"""The factories of a run's five actors and the roles they fill (docs/design.md, "The five actors").
 
 The five actors are built by the factories of an `Actors` record, each defaulting to the real
 actor; a caller replaces any one of them (a simulated gateway, a fake environment) without

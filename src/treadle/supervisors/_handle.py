@@ -117,6 +117,10 @@ class RunHandle:
 
         Returns the state it has when it stops being driven here first (finished in
         another state, interrupted, drained or parked away): check what came back.
+        ``awaiting_approval`` is reported from just before the request is written, so that
+        `approve` works at once; the request is durable (and `treadle.approvals.decide`
+        finds it) once its ``approval_requested`` event is delivered (docs/events.md,
+        "Reading events").
 
         Raises:
             UsageError: no state was given.

@@ -12,10 +12,9 @@ from typing import Any
 import attrs
 
 from treadle.ports import RunStore
-from treadle.stores._codec import encode
+from treadle.stores import record_to_json
 from treadle.stores.memory import MemoryStore
-from treadle.supervisors.children import child_run_id
-from treadle.supervisors.threads import history
+from treadle.supervisors import child_run_id, history
 from treadle.testing._sim_scenario import Scenario
 from treadle.testing.invariants import (
     check_invariants,
@@ -101,7 +100,7 @@ def log_digest(logs: Iterable[RunLog]) -> str:
     digest = hashlib.sha256()
     for log in logs:
         for record in log.records:
-            digest.update(encode(record).encode("utf-8"))
+            digest.update(record_to_json(record).encode("utf-8"))
             digest.update(b"\n")
     return digest.hexdigest()
 

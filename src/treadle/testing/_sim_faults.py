@@ -15,9 +15,9 @@ import trio.testing
 
 from treadle.actors import MailboxReceiver, StepScope, open_mailbox
 from treadle.approvals import Decision
-from treadle.stores._leases import LEASE_TTL_S
+from treadle.stores import LEASE_TTL_S
 from treadle.stores.memory import MemoryStore
-from treadle.supervisors.run import InboxActor
+from treadle.supervisors import InboxActor
 from treadle.testing._intercept import InterceptingStore
 from treadle.testing.faults import FAULT_KINDS
 from treadle.testing.scripted import STALLED
@@ -238,7 +238,7 @@ def with_latency(
     are. The same seed draws the same delays for the same sequence of requests.
 
     Args:
-        factory: the actor factory to wrap (e.g. `treadle.supervisors.run.real_gateway`).
+        factory: the actor factory to wrap (e.g. `treadle.supervisors.real_gateway`).
         seed: seeds the delays.
         rate: the probability (0..1) that a request is delayed.
         max_s: the longest delay, seconds.

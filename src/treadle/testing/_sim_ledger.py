@@ -17,7 +17,7 @@ from treadle.agent import Agent, RunInput
 from treadle.approvals import Decision
 from treadle.parsers import NativeToolCallParser
 from treadle.ports import RunStore
-from treadle.supervisors.children import agent_tool
+from treadle.supervisors import agent_tool
 from treadle.testing._sim_faults import _MODEL_FAULTS, _PERSISTENT, ApprovalPlan, FaultPlan
 from treadle.testing.invariants import (
     _refused,

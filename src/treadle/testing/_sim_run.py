@@ -17,8 +17,7 @@ from treadle._clock import FixedStepClock
 from treadle._exceptions import LeaseError, ModelCallError, RunInterrupted, StoreError, UsageError
 from treadle.approvals import Decision, decide
 from treadle.stores.memory import MemoryStore
-from treadle.supervisors.run import Actors, RunHandle, open_run
-from treadle.supervisors.threads import thread_run_id
+from treadle.supervisors import Actors, RunHandle, open_run, thread_run_id
 from treadle.testing._sim_checks import (
     _compare_with_twin,
     _inherited,

@@ -10,7 +10,7 @@ from typing import Any, Protocol
 
 from treadle.agent import Agent, RunInput
 from treadle.ports import RunStore
-from treadle.supervisors.run import DEFAULT_ACTORS, Actors
+from treadle.supervisors import DEFAULT_ACTORS, Actors
 from treadle.testing._sim_faults import ApprovalPlan, FaultPlan
 from treadle.types import (
     ActionResult,

@@ -34,7 +34,7 @@ import attrs
 import trio
 
 from treadle.stores.memory import MemoryStore
-from treadle.supervisors.run import run
+from treadle.supervisors import run
 from treadle.testing.crashes import (
     LATENCY_ENV,
     LEDGER_ENV,

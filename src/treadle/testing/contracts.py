@@ -35,7 +35,7 @@ import trio
 
 from treadle._exceptions import ConflictError, ContractViolation, StoreError
 from treadle.ports import LeaseStore, RunStore
-from treadle.stores._ops import write_records
+from treadle.stores import write_records
 from treadle.types import (
     ActionIntent,
     ActionOutcome,

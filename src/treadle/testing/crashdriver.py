@@ -35,7 +35,7 @@ import trio
 from treadle.ports import RunStore
 from treadle.stores.jsonl import JsonlStore
 from treadle.stores.sqlite import SqliteStore
-from treadle.supervisors.run import run
+from treadle.supervisors import run
 from treadle.testing._intercept import InterceptingStore
 from treadle.testing.crashes import RUN_INPUT, make_agent
 from treadle.types import Record, RunResult, StoreOp

@@ -38,7 +38,7 @@ from treadle.actors import recorded_history
 from treadle.agent import Agent
 from treadle.parsers import NativeToolCallParser
 from treadle.ports import ActionExecutor, RunStore
-from treadle.supervisors.run import run
+from treadle.supervisors import run
 from treadle.testing._intercept import InterceptingStore
 from treadle.testing.contracts import StoreOpener
 from treadle.testing.faults import CrashingExecutor, CrashingStore, SimulatedCrash

@@ -26,7 +26,7 @@ import attrs
 from treadle._exceptions import StoreError
 from treadle.policies import POLICY_METHODS
 from treadle.ports import ActionExecutor, LeaseStore, RunStore
-from treadle.stores._jsonl_backend import FileOps, OsFileOps
+from treadle.stores.jsonl import FileOps, OsFileOps
 from treadle.testing._intercept import InterceptingStore
 from treadle.types import (
     Action,

@@ -35,7 +35,7 @@ from treadle.demo.airline.scoring import (
 )
 from treadle.ports import ModelClient
 from treadle.stores.sqlite import open_sqlite_store
-from treadle.supervisors.run import run
+from treadle.supervisors import run
 from treadle.types import (
     Action,
     ActionOutcome,

@@ -49,7 +49,7 @@ from treadle.demo.airline.replay import find_recording, load_trajectories, run_i
 from treadle.models.openai import OpenAIChatClient
 from treadle.ports import RunStore
 from treadle.stores.sqlite import open_sqlite_store
-from treadle.supervisors.run import open_run
+from treadle.supervisors import open_run
 from treadle.testing.crashdriver import KillingStore
 from treadle.types import (
     ActionIntent,

@@ -25,8 +25,7 @@ from treadle._state import closing_records, fold
 from treadle._text import repaired
 from treadle.approvals import read_control
 from treadle.ports import LeaseStore, RunQueue, RunStore
-from treadle.stores._leases import LEASE_TTL_S
-from treadle.stores._ops import write_records
+from treadle.stores import LEASE_TTL_S, write_records
 from treadle.supervisors._child_links import cancel_awaited_children, wake_parent
 from treadle.types import (
     CancelRequested,

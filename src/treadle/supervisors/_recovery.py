@@ -19,7 +19,7 @@ from treadle._exceptions import RunLeased, StoreError, UsageError
 from treadle._trio_only import require_trio
 from treadle.agent import Agent
 from treadle.ports import EventSink, RunStore
-from treadle.supervisors.run import run
+from treadle.supervisors._run import run
 from treadle.types import RunResult, RunStarted
 
 AgentFor = Callable[[RunStarted], Agent]

@@ -35,19 +35,13 @@ from treadle._trio_only import require_trio
 from treadle.agent import Agent, RunInput, input_messages
 from treadle.metrics import MetricsRecorder
 from treadle.ports import EventSink, RunIndex, RunQueue, RunStore
-from treadle.stores._leases import LEASE_TTL_S, check_ttl, lease_owner
+from treadle.stores import LEASE_TTL_S, check_ttl, lease_owner
+from treadle.supervisors._children import parent_of
+from treadle.supervisors._driver import CONTROL_POLL_S, PARK_AFTER_S, DriveOptions, drive_run
+from treadle.supervisors._factories import DEFAULT_ACTORS, Actors
 from treadle.supervisors._fleet_drive import FleetDrive, current_drive
+from treadle.supervisors._handle import RunHandle
 from treadle.supervisors._leasing import LeaseHold, LeaseKeeper, leases_of
-from treadle.supervisors.children import parent_of
-from treadle.supervisors.run import (
-    CONTROL_POLL_S,
-    DEFAULT_ACTORS,
-    PARK_AFTER_S,
-    Actors,
-    DriveOptions,
-    RunHandle,
-    drive_run,
-)
 from treadle.types import BudgetCaps, Claim, Liveness, RunResult
 
 AgentFactory = Callable[[], Agent]

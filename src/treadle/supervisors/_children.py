@@ -47,17 +47,13 @@ from treadle._exceptions import (
 from treadle._ids import MAX_RUN_ID_CHARS
 from treadle.agent import Agent
 from treadle.ports import EventSink, RunIndex, RunStore
-from treadle.stores._leases import LEASE_TTL_S, check_ttl, lease_owner
+from treadle.stores import LEASE_TTL_S, check_ttl, lease_owner
 from treadle.supervisors._child_links import PARENT_STOPPED, cancel_child
+from treadle.supervisors._driver import CONTROL_POLL_S, DriveOptions, drive_run
+from treadle.supervisors._factories import DEFAULT_ACTORS
 from treadle.supervisors._fleet_drive import FleetDrive, current_drive
+from treadle.supervisors._handle import RunHandle
 from treadle.supervisors._leasing import LeaseHold, leases_of
-from treadle.supervisors.run import (
-    CONTROL_POLL_S,
-    DEFAULT_ACTORS,
-    DriveOptions,
-    RunHandle,
-    drive_run,
-)
 from treadle.tools import Tool, ToolContext, observation_of, tool
 from treadle.types import (
     ActionOutcome,

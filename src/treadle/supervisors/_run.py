@@ -33,31 +33,20 @@ from treadle.agent import Agent, RunInput
 from treadle.approvals import ApprovalPolicy
 from treadle.metrics import MetricsRecorder
 from treadle.ports import EventSink, RunStore
-from treadle.stores._leases import LEASE_TTL_S, lease_owner
-from treadle.supervisors._driver import CONTROL_POLL_S as CONTROL_POLL_S
-from treadle.supervisors._driver import PARK_AFTER_S as PARK_AFTER_S
-from treadle.supervisors._driver import WRITER_INBOX as WRITER_INBOX
-from treadle.supervisors._driver import DriveOptions as DriveOptions
-from treadle.supervisors._driver import drive_run as drive_run
-from treadle.supervisors._factories import DEFAULT_ACTORS as DEFAULT_ACTORS
-from treadle.supervisors._factories import ActorContext as ActorContext
-from treadle.supervisors._factories import Actors as Actors
-from treadle.supervisors._factories import CoordinatorActor as CoordinatorActor
-from treadle.supervisors._factories import CoordinatorContext as CoordinatorContext
-from treadle.supervisors._factories import ExecutorActor as ExecutorActor
-from treadle.supervisors._factories import GatewayActor as GatewayActor
-from treadle.supervisors._factories import HydratorActor as HydratorActor
-from treadle.supervisors._factories import InboxActor as InboxActor
-from treadle.supervisors._factories import WriterActor as WriterActor
-from treadle.supervisors._factories import WriterContext as WriterContext
-from treadle.supervisors._factories import real_coordinator as real_coordinator
-from treadle.supervisors._factories import real_executor as real_executor
-from treadle.supervisors._factories import real_gateway as real_gateway
-from treadle.supervisors._factories import real_hydrator as real_hydrator
-from treadle.supervisors._factories import real_writer as real_writer
-from treadle.supervisors._handle import RunHandle as RunHandle
+from treadle.stores import LEASE_TTL_S, lease_owner
+from treadle.supervisors._driver import (
+    CONTROL_POLL_S,
+    PARK_AFTER_S,
+    DriveOptions,
+    drive_run,
+)
+from treadle.supervisors._factories import (
+    DEFAULT_ACTORS,
+    Actors,
+)
+from treadle.supervisors._handle import RunHandle
 from treadle.supervisors._leasing import LeaseHold, leases_of
-from treadle.supervisors.threads import Lineage, fork_lineage, next_in_thread, run_in_thread
+from treadle.supervisors._threads import Lineage, fork_lineage, next_in_thread, run_in_thread
 from treadle.types import (
     RunResult,
 )
