@@ -221,10 +221,7 @@ def encode_values(
 
 def rows_of(values: Sequence[Any]) -> list[Row]:
     """`encode_values`' flat values as rows."""
-    return [
-        tuple(values[start : start + ROW_WIDTH])
-        for start in range(0, len(values), ROW_WIDTH)
-    ]
+    return [tuple(values[start : start + ROW_WIDTH]) for start in range(0, len(values), ROW_WIDTH)]
 
 
 def decode_rows(where: str, run_id: str, rows: Sequence[Sequence[Any]]) -> tuple[Record, ...]:
