@@ -32,7 +32,7 @@ from treadle._exceptions import (
 )
 from treadle.stores import SqliteStore, StoreStatistics, _engine, _sql, open_sqlite_store
 from treadle.stores import sqlite as sqlite_module
-from treadle.stores._codec import KIND_OF, record_crc, record_to_json
+from treadle.stores._codec import KIND_OF, STEP_KINDS, record_crc, record_to_json
 from treadle.types import (
     ActionIntent,
     ActionOutcome,
@@ -775,6 +775,39 @@ async def test_open_refuses_a_newer_layout(tmp_path: Path) -> None:
         conn.execute("UPDATE meta SET value = '99' WHERE key = 'layout'")
     with pytest.raises(SchemaTooNew):
         await SqliteStore.open(path)
+
+
+# The step-counting trigger of a layout-3 store written before it became two statements.
+_EARLIER_ADVANCE = (
+    "CREATE TRIGGER records_advance AFTER INSERT ON records BEGIN UPDATE runs SET next_seq = "
+    "NEW.seq + 1, steps = CASE WHEN NEW.kind IN ('{0}', '{1}') THEN steps + 1 ELSE steps END, "
+    "state = CASE WHEN NEW.kind IN ('{0}', '{1}') AND state = 'awaiting_child' THEN 'running' "
+    "ELSE state END, awaiting_until = CASE WHEN NEW.kind IN ('{0}', '{1}') AND "
+    "state = 'awaiting_child' THEN NULL ELSE awaiting_until END WHERE run_id = NEW.run_id; END"
+).format(*STEP_KINDS)
+
+
+async def test_an_earlier_trigger_of_the_same_layout_is_replaced_on_open(tmp_path: Path) -> None:
+    path = tmp_path / "s.db"
+    async with open_sqlite_store(path) as store:
+        run = Steps(store, "r")
+        await run.start()
+        await run.next()
+    with contextlib.closing(sqlite3.connect(path, isolation_level=None)) as conn:
+        conn.execute("DROP TRIGGER records_advance")
+        conn.execute(_EARLIER_ADVANCE)
+    async with open_sqlite_store(path) as store:
+        run.store = store
+        await run.next()
+        await store.list_runs()  # the step write is committed, not just queued
+    with contextlib.closing(sqlite3.connect(path)) as conn:
+        (sql,) = conn.execute(
+            "SELECT sql FROM sqlite_master WHERE type = 'trigger' AND name = 'records_advance'"
+        ).fetchone()
+        assert sql == sqlite_module._ADVANCE
+        assert conn.execute("SELECT value FROM meta WHERE key = 'layout'").fetchone() == ("3",)
+        row = conn.execute("SELECT next_seq, state, steps FROM runs WHERE run_id = 'r'").fetchone()
+        assert row == (12, "running", 2)
 
 
 @pytest.mark.parametrize(

@@ -27,9 +27,11 @@ next seq is loaded, how a batch is committed and what happens at stop.
 from __future__ import annotations
 
 import contextlib
+import queue
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
+from types import MappingProxyType
 from typing import TYPE_CHECKING, Final, Protocol
 
 import attrs
@@ -55,6 +57,8 @@ MAX_PENDING_WRITES: Final = 10_000
 CLOSE_GRACE_S: Final = 30.0
 """Seconds `CommitEngine.aclose` waits (shielded) for the committer to flush and stop."""
 
+_monotonic = time.monotonic
+
 
 @attrs.define(eq=False, slots=True)
 class Write:
@@ -72,7 +76,9 @@ class Write:
         head: `Backend.load`'s state, carried by the first write of a run in this engine.
         error: set by the backend when the write was refused or its batch failed.
         done: the batch holding the write has been handed back.
-        event: set once ``done``, for a waiter.
+        waiter: the task of a barrier (or of a write waiting for room) awaiting the batch;
+            rescheduled once ``done``.
+        event: set once ``done``, for readers settling on the write (`CommitEngine.settle`).
     """
 
     run_id: str
@@ -86,7 +92,13 @@ class Write:
     head: object = None
     error: TreadleError | None = None
     done: bool = False
+    waiter: trio.lowlevel.Task | None = None
     event: trio.Event | None = None
+
+    def abort_wait(self, _: object) -> trio.lowlevel.Abort:
+        """The waiter was cancelled: it stops waiting, the write stays queued and commits."""
+        self.waiter = None
+        return trio.lowlevel.Abort.SUCCEEDED
 
     @property
     def count(self) -> int:
@@ -126,7 +138,14 @@ class BatchReport:
 
     syncs: int = 0
     lost: tuple[tuple[str, TreadleError], ...] = ()
-    counters: Mapping[str, int] = attrs.Factory(dict)
+    counters: Mapping[str, int] = MappingProxyType({})
+
+
+NOTHING_COMMITTED: Final = BatchReport()
+"""The report of a batch that made nothing durable (shared: a report is immutable)."""
+
+ONE_SYNC: Final = BatchReport(syncs=1)
+"""The report of a batch made durable by one commit (shared)."""
 
 
 class Backend(Protocol):
@@ -312,7 +331,8 @@ class CommitEngine:
         # Cancelled: nothing is queued. No turn of the scheduler otherwise: a barrier yields
         # where it waits for its batch, a non-barrier write returns at once.
         await trio.lowlevel.checkpoint_if_cancelled()
-        self.check_open()
+        if self._closed:
+            self.check_open()
         payload = self._encode(run_id, seq, generation, records)
         state = self._runs.get(run_id)
         if state is None:
@@ -324,30 +344,22 @@ class CommitEngine:
         if seq != state.next_seq:
             raise ConflictError(run_id, expected=state.next_seq, got=seq)
         self._backend.admit(run_id, generation)
-        write = Write(
-            run_id=run_id,
-            seq=seq,
-            generation=generation,
-            records=records,
-            payload=payload,
-            barrier=barrier,
-            closes=closes,
-            delta=index_delta(records),
-            head=state.head,
-        )
-        wait = barrier or self._counters.pending >= MAX_PENDING_WRITES
-        if wait:
-            write.event = trio.Event()
+        delta = index_delta(records)
+        write = Write(run_id, seq, generation, records, payload, barrier, closes, delta, state.head)
+        counters = self._counters
+        wait = barrier or counters.pending >= MAX_PENDING_WRITES
         self._inbox.put(write, flush=wait)  # StoreError if the committer is gone
         state.head = None
         state.next_seq = seq + len(records)
         state.last = self._last = write
-        self._counters.pending += 1
-        if write.event is None:
+        counters.pending += 1
+        if not wait:
             return
         metrics = self.metrics
         queued = time.perf_counter() if metrics is not None else 0.0
-        await write.event.wait()
+        # The batch is handed back by `_deliver`, in this thread, never before this yields.
+        write.waiter = trio.lowlevel.current_task()
+        await trio.lowlevel.wait_task_rescheduled(write.abort_wait)
         if metrics is not None and barrier:
             metrics.barrier(time.perf_counter() - queued)
         if write.error is not None:
@@ -413,13 +425,17 @@ class CommitEngine:
     def _deliver(self, batch: list[Write], report: BatchReport) -> None:
         """In the trio thread: record the outcome of one batch and wake its waiters."""
         ok = records = 0
+        reschedule = trio.lowlevel.reschedule
         for write in batch:
             write.done = True
             if write.error is None:
                 ok += 1
-                records += write.count
+                records += len(write.records)
             else:
                 self._poison(write.run_id, write.error)
+            if write.waiter is not None:
+                reschedule(write.waiter)
+                write.waiter = None
             if write.event is not None:
                 write.event.set()
         for run_id, error in report.lost:
@@ -427,13 +443,15 @@ class CommitEngine:
         c = self._counters
         c.pending -= len(batch)
         c.syncs += report.syncs
-        for name, value in report.counters.items():
-            c.counters[name] = c.counters.get(name, 0) + value
+        if report.counters:
+            for name, value in report.counters.items():
+                c.counters[name] = c.counters.get(name, 0) + value
         if ok:
             c.commits += 1
             c.writes_committed += ok
             c.records_written += records
-            c.max_batch = max(c.max_batch, ok)
+            if ok > c.max_batch:
+                c.max_batch = ok
             if self.metrics is not None:
                 self.metrics.commit(ok)
 
@@ -487,25 +505,45 @@ class CommitEngine:
         ) from first
 
 
+_AWAKE: Final = 0
+_NAPPING: Final = 1  # waits until a deadline: only a flush (or stop) wakes it before
+_ASLEEP: Final = 2  # waits without a deadline: any write wakes it
+
+
 class _Inbox:
-    """The writes handed to the committer thread.
+    """The writes handed to the committer thread, and how the committer waits for them.
 
     A queued write does not wake the committer for a batch of its own: it lingers for up to
     `LINGER_S` so that it rides with the next barrier. A flush request (a barrier, a reader
     waiting for a write) or stopping ends the linger early.
+
+    Waking the committer is the costly part of a hand-off (a futex wake, a context switch and
+    the GIL), so it is woken only when it must be: when it waits without a deadline, by any
+    write; when it naps until a deadline, only by a flush. After each batch the committer naps
+    for `LINGER_S` (`take`'s ``nap_until``): a run's non-barrier writes between two barriers
+    (a model result, a step record) then wake nobody, and its next barrier wakes the committer
+    once. A write queued during a nap waits no longer than the nap, so never more than
+    `LINGER_S`.
+
+    The state is guarded by one lock; the committer sleeps on a queue of wake tokens, which the
+    trio thread fills only when it moves the committer from a wait to `_AWAKE`, so a token
+    never wakes it twice (a token left by a wait that timed out at the same moment makes one
+    spurious turn of `take`'s loop, nothing more).
     """
 
     def __init__(self, description: str) -> None:
         self._description = description
         self._lock = threading.Lock()
-        self._cond = threading.Condition(self._lock)
+        self._tokens: queue.SimpleQueue[None] = queue.SimpleQueue()
         self._items: list[Write] = []
+        self._since = 0.0  # monotonic seconds when the oldest queued write was queued
         self._flush = False
         self._stop = False
         self._closed = False
+        self._sleep = _AWAKE
 
     def put(self, write: Write, *, flush: bool) -> None:
-        """Queue ``write``; ``flush`` wakes the committer now.
+        """Queue ``write``; ``flush`` has the committer take it now.
 
         Raises:
             StoreError: the committer thread has stopped.
@@ -513,22 +551,37 @@ class _Inbox:
         with self._lock:
             if self._closed:
                 raise StoreError(f"the committer thread of the {self._description} has stopped")
-            self._items.append(write)
-            self._flush = self._flush or flush
-            if flush or len(self._items) == 1:
-                self._cond.notify()
+            items = self._items
+            if not items:
+                self._since = _monotonic()
+            items.append(write)
+            sleep = self._sleep
+            if flush:
+                self._flush = True
+            elif sleep == _NAPPING:
+                return
+            if sleep == _AWAKE:
+                return
+            self._sleep = _AWAKE
+        self._tokens.put(None)
 
     def flush(self) -> None:
         """Wake the committer to take what is queued now."""
-        with self._cond:
+        with self._lock:
             self._flush = True
-            self._cond.notify()
+            wake = self._sleep != _AWAKE
+            self._sleep = _AWAKE
+        if wake:
+            self._tokens.put(None)
 
     def stop(self) -> None:
         """Ask the committer to take what is queued, finish the backend and stop."""
-        with self._cond:
+        with self._lock:
             self._stop = True
-            self._cond.notify()
+            wake = self._sleep != _AWAKE
+            self._sleep = _AWAKE
+        if wake:
+            self._tokens.put(None)
 
     def close(self) -> list[Write]:
         """Refuse further writes; return those never taken."""
@@ -537,17 +590,49 @@ class _Inbox:
             leftover, self._items = self._items, []
             return leftover
 
-    def take(self) -> tuple[list[Write], bool]:
-        """Block until there is work; return ``(batch, stopping)``, oldest writes first."""
-        with self._cond:
-            while not self._items and not self._stop:
-                self._cond.wait()
-            if not (self._flush or self._stop):
-                self._cond.wait_for(lambda: self._flush or self._stop, LINGER_S)
-            items = self._items
+    def take(self, nap_until: float | None) -> tuple[list[Write], bool]:
+        """Block until there is a batch; return ``(batch, stopping)``, oldest writes first.
+
+        Args:
+            nap_until: a monotonic deadline (seconds) until which the committer naps rather
+                than sleeps: a write queued before it does not wake it (see the class).
+
+        A batch is taken once a flush was asked for, the oldest write has lingered for
+        `LINGER_S`, or the inbox stops. Above `SPLIT_ABOVE` queued writes only the older half
+        is taken.
+        """
+        lock = self._lock
+        with lock:
+            while True:
+                items = self._items
+                if self._stop or (items and self._flush):
+                    break
+                now = _monotonic()
+                due: float | None
+                if items:
+                    due = self._since + LINGER_S
+                    if due <= now:
+                        break
+                else:
+                    self._flush = False  # asked for writes that are already taken
+                    if nap_until is not None and now >= nap_until:
+                        nap_until = None
+                    due = nap_until
+                self._sleep = _ASLEEP if due is None else _NAPPING
+                lock.release()
+                try:
+                    self._tokens.get(timeout=None if due is None else due - now)
+                except queue.Empty:
+                    pass
+                finally:
+                    lock.acquire()
+                self._sleep = _AWAKE
             cut = len(items) if len(items) <= SPLIT_ABOVE else (len(items) + 1) // 2
-            batch, self._items = items[:cut], items[cut:]
-            self._flush = bool(self._items) and self._flush
+            if cut == len(items):
+                batch, self._items = items, []
+                self._flush = False
+            else:
+                batch, self._items = items[:cut], items[cut:]
             return batch, self._stop and not self._items
 
 
@@ -587,24 +672,33 @@ class _Committer:
             leftover = self._inbox.close()
             if leftover:
                 _fail(leftover, RuntimeError("the committer thread stopped"))
-                self._call_soon(self._deliver, leftover, BatchReport())
+                self._call_soon(self._deliver, leftover, NOTHING_COMMITTED)
             self._call_soon(self._stopped)
 
     def _loop(self) -> None:
         stopping = False
+        nap_until = None
         while not stopping:
-            batch, stopping = self._inbox.take()
+            batch, stopping = self._inbox.take(nap_until)
             try:
-                report = self._backend.commit(batch) if batch else BatchReport()
+                report = self._backend.commit(batch) if batch else NOTHING_COMMITTED
                 if stopping:
                     report = _merge(report, self._backend.finish())
             except BaseException as exc:  # a bug: fail this batch, then stop the thread
                 _fail(batch, exc)
-                self._call_soon(self._deliver, batch, BatchReport())
+                self._call_soon(self._deliver, batch, NOTHING_COMMITTED)
                 if not stopping:
                     self._finish_quietly()
                 raise
-            self._call_soon(self._deliver, batch, report)
+            if batch or stopping:
+                self._run_sync_soon(batch, report)
+            nap_until = _monotonic() + LINGER_S
+
+    def _run_sync_soon(self, batch: list[Write], report: BatchReport) -> None:
+        try:
+            self._token.run_sync_soon(self._deliver, batch, report)
+        except trio.RunFinishedError:  # the trio run is gone: nobody waits any more
+            pass
 
     def _finish_quietly(self) -> None:
         with contextlib.suppress(Exception):
@@ -620,7 +714,9 @@ def _merge(first: BatchReport, second: BatchReport) -> BatchReport:
     for name, value in second.counters.items():
         counters[name] = counters.get(name, 0) + value
     return BatchReport(
-        syncs=first.syncs + second.syncs, lost=first.lost + second.lost, counters=counters
+        syncs=first.syncs + second.syncs,
+        lost=first.lost + second.lost,
+        counters=MappingProxyType(counters),
     )
 
 

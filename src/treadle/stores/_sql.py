@@ -176,19 +176,52 @@ class SqlDialect(Protocol):
 def encode_rows(
     run_id: str, seq: int, generation: int, records: tuple[Record, ...]
 ) -> tuple[Row, ...]:
-    """The rows of one write (the engine's payload for the SQL stores), compact-encoded.
+    """The rows of one write, compact-encoded (a migration's; the engine takes `encode_values`).
 
     Raises:
         ValueError: a record belongs to another run.
         TypeError: a value is not JSON data.
     """
-    rows = []
+    values = encode_values(run_id, seq, generation, records)
+    return tuple(rows_of(values))
+
+
+ROW_WIDTH: Final = 6
+"""Values per record row in `encode_values`' flat tuple (the columns of `Row`)."""
+
+
+def encode_values(
+    run_id: str, seq: int, generation: int, records: tuple[Record, ...]
+) -> tuple[Any, ...]:
+    """The rows of one write (the engine's payload for the SQL stores), compact-encoded.
+
+    Returns:
+        The rows' values in one flat tuple, `ROW_WIDTH` per record in seq order:
+        ``(run_id, seq, gen, kind, body, crc, run_id, seq + 1, ...)``. A batch's statement
+        parameters are the concatenation of its writes' tuples, with no row objects between.
+
+    Raises:
+        ValueError: a record belongs to another run.
+        TypeError: a value is not JSON data.
+    """
+    if len(records) == 1:
+        record = records[0]
+        kind = TAG_OF[type(record)]
+        body = pack(record, run_id)
+        crc = record_crc(run_id, seq, generation, kind, body)
+        return (run_id, seq, generation, kind, body, crc)
+    values: list[Any] = []
     for offset, record in enumerate(records):
         kind = TAG_OF[type(record)]
         body = pack(record, run_id)
         crc = record_crc(run_id, seq + offset, generation, kind, body)
-        rows.append((run_id, seq + offset, generation, kind, body, crc))
-    return tuple(rows)
+        values += (run_id, seq + offset, generation, kind, body, crc)
+    return tuple(values)
+
+
+def rows_of(values: Sequence[Any]) -> list[Row]:
+    """`encode_values`' flat values as rows."""
+    return [tuple(values[start : start + ROW_WIDTH]) for start in range(0, len(values), ROW_WIDTH)]
 
 
 def decode_rows(where: str, run_id: str, rows: Sequence[Sequence[Any]]) -> tuple[Record, ...]:
@@ -252,9 +285,17 @@ class RunBatch:
     delta: IndexDelta
 
     @property
+    def values(self) -> list[Any]:
+        """The values of every record row of the writes, flat (see `encode_values`)."""
+        values: list[Any] = []
+        for write in self.writes:
+            values += write.payload  # type: ignore[arg-type]
+        return values
+
+    @property
     def rows(self) -> list[Row]:
         """Every record row of the writes."""
-        return [row for write in self.writes for row in write.payload]  # type: ignore[attr-defined]
+        return rows_of(self.values)
 
 
 def group_by_run(batch: Sequence[Write]) -> list[RunBatch]:
@@ -981,8 +1022,8 @@ class SqlBackend:
         self._pool = pool
 
     def encode(self, run_id: str, seq: int, generation: int, records: tuple[Record, ...]) -> object:
-        """The write's record rows."""
-        return encode_rows(run_id, seq, generation, records)
+        """The write's record rows, flat (`encode_values`)."""
+        return encode_values(run_id, seq, generation, records)
 
     def admit(self, run_id: str, generation: int) -> None:
         """Nothing to check before the transaction: fencing happens inside it."""

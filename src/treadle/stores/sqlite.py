@@ -46,6 +46,8 @@ from treadle._trio_only import require_trio
 from treadle.stores import _sql
 from treadle.stores._codec import KIND_OF, STEP_KINDS, decode, encode_bytes, record_crc
 from treadle.stores._engine import (
+    NOTHING_COMMITTED,
+    ONE_SYNC,
     BatchReport,
     CommitEngine,
     StoreStatistics,
@@ -89,14 +91,19 @@ _SCHEMA: Final = (
 
 _ADVANCE: Final = (
     "CREATE TRIGGER records_advance AFTER INSERT ON records BEGIN UPDATE runs SET next_seq = "
-    "NEW.seq + 1, steps = CASE WHEN NEW.kind IN ('{0}', '{1}') THEN steps + 1 ELSE steps END, "
-    "state = CASE WHEN NEW.kind IN ('{0}', '{1}') AND state = 'awaiting_child' THEN 'running' "
-    "ELSE state END, awaiting_until = CASE WHEN NEW.kind IN ('{0}', '{1}') AND "
-    "state = 'awaiting_child' THEN NULL ELSE awaiting_until END WHERE run_id = NEW.run_id; END"
+    "NEW.seq + 1, steps = steps + (NEW.kind = '{0}' OR NEW.kind = '{1}') "
+    "WHERE run_id = NEW.run_id; UPDATE runs SET state = 'running', awaiting_until = NULL "
+    "WHERE (NEW.kind = '{0}' OR NEW.kind = '{1}') AND run_id = NEW.run_id "
+    "AND state = 'awaiting_child'; END"
 ).format(*STEP_KINDS)
 """Moves a run's next seq and counts its step records (stored under either tag); a step
-record also ends a wait on child runs (`treadle.stores._index.IndexDelta.unpark`), in the
-same statement."""
+record also ends a wait on child runs (`treadle.stores._index.IndexDelta.unpark`).
+
+Two statements, so that the common row costs one page of ``runs``: the first sets no column
+the ``runs_open`` index depends on (setting ``state``, even to itself, rewrites the index
+entry), and the second finds nothing to change unless a step record meets a run waiting on
+its children. The step tags are compared with ``=``: an ``IN`` list would build a temporary
+table on every row."""
 
 _TRIGGERS: Final = (
     # Fencing, in the statement that writes: a record lands only when its run's row holds the
@@ -400,7 +407,11 @@ def _configure_writer(
 
 def _changes_index(group: _sql.RunBatch) -> bool:
     """Whether the writes change index columns beyond next seq and steps (the triggers' part)."""
-    delta = group.delta
+    return _delta_changes_index(group.delta)
+
+
+def _delta_changes_index(delta: IndexDelta) -> bool:
+    """Whether ``delta`` sets index columns beyond next seq and steps (the triggers' part)."""
     return not (
         delta.state is None
         and delta.agent is None
@@ -438,7 +449,8 @@ class SqliteBackend(_sql.SqlBackend):
         super().__init__(dialect, pool)
         self._path = dialect.path
         self._conn = conn
-        self._max_rows = conn.getlimit(sqlite3.SQLITE_LIMIT_VARIABLE_NUMBER) // 6
+        self._cursor = conn.cursor()
+        self._max_rows = conn.getlimit(sqlite3.SQLITE_LIMIT_VARIABLE_NUMBER) // _sql.ROW_WIDTH
         self._files = files
         self._files_checked = -FILE_CHECK_INTERVAL_S
         self._broken: StoreError | None = None
@@ -446,25 +458,31 @@ class SqliteBackend(_sql.SqlBackend):
     def commit(self, batch: list[Write]) -> BatchReport:
         """Commit ``batch`` in one transaction; refused runs' writes get their error.
 
-        The common batch is one multi-row INSERT, its own transaction: the ``records_fence``
-        trigger admits each row against its run's row and ``records_advance`` moves the run's
-        next seq. A batch that changes index columns (a run started, finished, waiting on a
-        human...) adds one UPDATE in the same transaction. Only when a row is refused is the
-        batch redone run by run, so that just the refused runs fail.
+        The common batch is one multi-row INSERT, its own transaction, its parameters the
+        writes' flat values end to end (`treadle.stores._sql.encode_values`): the
+        ``records_fence`` trigger admits each row against its run's row and
+        ``records_advance`` moves the run's next seq. A batch that changes index columns (a
+        run started, finished, waiting on a human...) or holds more rows than one statement
+        takes is grouped by run and adds one UPDATE in the same transaction. Only when a row
+        is refused is the batch redone run by run, so that just the refused runs fail.
         """
         if self._broken is not None:
             fail_writes(batch, self._broken)
-            return BatchReport()
-        groups = _sql.group_by_run(batch)
-        if not groups:
-            return BatchReport()
+            return NOTHING_COMMITTED
         try:
             self._check_files()
             try:
-                committed = self._all_at_once(groups)
+                if self._plain(batch):
+                    values: list[Any] = []
+                    for write in batch:
+                        values += write.payload  # type: ignore[arg-type]
+                    self._cursor.execute(_insert_sql(len(values) // _sql.ROW_WIDTH), values)
+                    return ONE_SYNC
+                groups = _sql.group_by_run(batch)
+                committed = self._all_at_once(groups) if groups else False
             except sqlite3.IntegrityError:
                 self._rollback()
-                committed = self._run_by_run(groups)
+                committed = self._run_by_run(_sql.group_by_run(batch))
         except (sqlite3.Error, StoreError) as exc:
             self._rollback()
             error = (
@@ -475,20 +493,26 @@ class SqliteBackend(_sql.SqlBackend):
             assert error is not None
             if error is not exc:
                 error.__cause__ = exc
-            for group in groups:
-                fail_writes(group.writes, error)
-            return BatchReport()
-        return BatchReport(syncs=1 if committed else 0)
+            fail_writes(batch, error)
+            return NOTHING_COMMITTED
+        return ONE_SYNC if committed else NOTHING_COMMITTED
+
+    def _plain(self, batch: list[Write]) -> bool:
+        """Whether ``batch`` is one INSERT: it sets no index column but the triggers' own.
+
+        And it holds few enough rows for one statement.
+        """
+        rows = 0
+        for write in batch:
+            if write.delta is not None and _delta_changes_index(write.delta):
+                return False
+            rows += len(write.records)
+        return rows <= self._max_rows
 
     def _all_at_once(self, groups: list[_sql.RunBatch]) -> bool:
-        rows = [row for group in groups for row in group.rows]
-        indexed = [g for g in groups if _changes_index(g)]
-        if not indexed and len(rows) <= self._max_rows:
-            self._conn.execute(_insert_sql(len(rows)), [v for row in rows for v in row])
-            return True
         self._conn.execute("BEGIN IMMEDIATE")
-        self._insert(rows)
-        self._update_index(indexed)
+        self._insert([v for group in groups for v in group.values])
+        self._update_index([g for g in groups if _changes_index(g)])
         self._conn.execute("COMMIT")
         return True
 
@@ -500,7 +524,7 @@ class SqliteBackend(_sql.SqlBackend):
         for group in groups:
             conn.execute("SAVEPOINT run")
             try:
-                self._insert(group.rows)
+                self._insert(group.values)
             except sqlite3.IntegrityError:
                 conn.execute("ROLLBACK TO run")
                 stored = self._stored([group.run_id]).get(group.run_id)
@@ -552,10 +576,15 @@ class SqliteBackend(_sql.SqlBackend):
             found.update((r[0], (int(r[1]), int(r[2]), r[3])) for r in rows)
         return found
 
-    def _insert(self, rows: list[_sql.Row]) -> None:
-        for start in range(0, len(rows), self._max_rows):
-            chunk = rows[start : start + self._max_rows]
-            self._conn.execute(_insert_sql(len(chunk)), [v for row in chunk for v in row])
+    def _insert(self, values: list[Any]) -> None:
+        """INSERT flat row values (`treadle.stores._sql.encode_values`).
+
+        In as few statements as SQLite's limit on parameters allows.
+        """
+        step = self._max_rows * _sql.ROW_WIDTH
+        for start in range(0, len(values), step):
+            chunk = values[start : start + step]
+            self._cursor.execute(_insert_sql(len(chunk) // _sql.ROW_WIDTH), chunk)
 
     def _rollback(self) -> None:
         with contextlib.suppress(sqlite3.Error):
@@ -566,7 +595,7 @@ class SqliteBackend(_sql.SqlBackend):
         """Close the writer connection."""
         with contextlib.suppress(sqlite3.Error):
             self._conn.close()
-        return BatchReport()
+        return NOTHING_COMMITTED
 
 
 _INSERT_CACHE: dict[int, str] = {}
