@@ -1,19 +1,14 @@
-"""The run supervisor: one run's nursery, its five actors, and the handle callers hold.
+"""The run API: `open_run` (a run in the background, and its handle) and `run` (to the end).
 
-`open_run` starts a new run or resumes an unfinished one (docs/crash-safety.md, "Resume"): it reads
-the log, checks
-the parameter snapshot, folds the log into the coordinator's view, and starts the event writer,
-context hydrator, model gateway and tool executor with `nursery.start` before the coordinator
-runs. Cancelling the run's nursery cancels all five. An actor that fails leaves the run
+`open_run` starts a new run or resumes an unfinished one (docs/crash-safety.md, "Resume"): it
+reads the log, checks the parameter snapshot, folds the log into the coordinator's view, and
+starts the event writer, context hydrator, model gateway and tool executor with
+`nursery.start` before the coordinator runs (the driver, `treadle.supervisors._driver`; the
+actors come from the factories of an `Actors` record, `treadle.supervisors._factories`).
+Cancelling the run's nursery cancels all five. An actor that fails leaves the run
 `interrupted` with its error on the handle; the log stays resumable (docs/fleet.md). A run that
 waits long for an approval is parked: its actors stop and it resumes from its log once
 decided (docs/decisions/0010-parking-waiting-runs.md).
-
-The five actors are built by the factories of an `Actors` record, each defaulting to the real
-actor; a caller replaces any one of them (a simulated gateway, a fake environment) without
-touching the others (docs/decisions/0009-actor-factories.md). Each role has a `Protocol`
-(`WriterActor`, `HydratorActor`, `GatewayActor`, `ExecutorActor`, `CoordinatorActor`), so a
-fake is type-checked against what the supervisor and the other actors use.
 """
 
 from __future__ import annotations
