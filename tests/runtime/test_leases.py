@@ -579,6 +579,9 @@ async def test_drain_stops_between_steps_and_lets_go_of_the_lease(autojump_clock
             await handle.wait()
         assert trio.current_time() == pytest.approx(10, abs=0.5)  # after the step, not at once
     assert handle.left == "drained"
+    # Nothing here drives it: a cancel through this handle is refused, not dropped.
+    with pytest.raises(treadle.UsageError, match=r"not driven here any more \(drained\)"):
+        handle.cancel("too late")
     assert [a.call_id for a in tools.executed] == ["c1"]  # the step finished, none began after
     log = await store.read_log("r")
     assert log.finished is None and len(log.steps) == 1

@@ -162,12 +162,27 @@ class RunHandle:
         """Cancel the run (docs/concepts.md, "Stop reasons" rule A).
 
         The model call or action in flight is cancelled at once, a cancel record is written,
-        and the run finishes ``cancelled``. A no-op once the run finished.
+        and the run finishes ``cancelled``. A no-op once the run finished (or failed here).
+
+        Raises:
+            UsageError: this process stopped driving the run unfinished (drained, or parked
+                away on child runs; `left` says which): nothing here could apply the cancel.
+                Cancel it through the store instead (`treadle.approvals.request_cancel`,
+                ``treadle cancel``), which whoever drives it next applies.
         """
         if self._parking is not None:
             self._parking.cancel(reason, canceller, here=True)
+        elif self._control is None and self._left is not None and not self._ended_here:
+            raise UsageError(
+                f"run {self.run_id!r} is not driven here any more ({self._left}); cancel it "
+                "through the store (treadle.approvals.request_cancel or `treadle cancel`)"
+            )
         else:
             self._send(Cancel(reason=reason, canceller=canceller))
+
+    @property
+    def _ended_here(self) -> bool:
+        return self._result is not None or self._error is not None
 
     def approve(
         self,
@@ -256,7 +271,7 @@ class RunHandle:
     ) -> None:
         """Driven here now: requests go to ``control``, subscriptions through ``client``."""
         self._control, self._writer, self._writer_client = control, writer, client
-        self._parking = None
+        self._parking, self._left = None, None
         self._status, self._awaiting = RunState.RUNNING, None
         self._transition()
 
