@@ -92,6 +92,11 @@ reading rows it cannot decode."""
 IDLE_CONNECTIONS: Final = 4
 """Connections kept open between reads and control operations."""
 
+MAX_WORKERS: Final = 8
+"""Reads and control operations of one store object that run at once, each in a worker thread
+on a connection of its own; more wait their turn. Without a bound, a hundred runs starting at
+once opened some thirty connections (each with its own page cache) and as many threads."""
+
 TERMINAL_STATES: Final = tuple(s.value for s in RunState if s.is_terminal)
 
 Row = tuple[str, int, int, str, bytes, int]
@@ -1064,6 +1069,7 @@ class SqlStore(EngineStore):
         self._dialect = dialect
         self._engine = engine
         self._pool = pool
+        self._workers = trio.CapacityLimiter(MAX_WORKERS)
 
     @property
     def description(self) -> str:
@@ -1235,7 +1241,8 @@ class SqlStore(EngineStore):
         """``fn(dialect, conn, *args)`` in a worker thread, on a pooled connection."""
         self._engine.check_open()
         return await trio.to_thread.run_sync(
-            functools.partial(run_pooled, self._dialect, self._pool, fn, *args)
+            functools.partial(run_pooled, self._dialect, self._pool, fn, *args),
+            limiter=self._workers,
         )
 
 
