@@ -14,6 +14,7 @@ import attrs
 import pytest
 import trio
 from click.testing import CliRunner
+from tests.fixtures.approval_waits import wait_for_state
 
 from treadle._exceptions import UsageError
 from treadle.agent import Agent
@@ -75,11 +76,6 @@ class ListSink:
 
 def as_text(events) -> str:
     return json.dumps([record_to_dict(e.record) for e in events if e.record is not None])
-
-
-async def wait_for_state(handle, state):
-    with trio.fail_after(60):
-        assert await handle.wait_state(state) is state
 
 
 def test_a_tool_declares_its_secret_arguments_and_the_snapshot_records_them():

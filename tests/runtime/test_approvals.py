@@ -8,6 +8,7 @@ import attrs
 import pytest
 import trio
 from runtime_fakes import LedgerTools, SimpleParser
+from tests.fixtures.approval_waits import wait_for_durable_request, wait_for_state
 
 from treadle._exceptions import UsageError
 from treadle.agent import Agent
@@ -44,24 +45,6 @@ def make(turns, **kwargs):
     tools = LedgerTools()
     model = ScriptedModel(turns=turns)
     return Agent(model=model, executor=tools, parser=SimpleParser(), **kwargs), tools, model
-
-
-async def wait_for_state(handle, state):
-    with trio.fail_after(60):
-        assert await handle.wait_state(state) is state
-
-
-async def wait_for_durable_request(handle):
-    """Wait until the run's approval request is in its log (`decide` on the store finds it).
-
-    The handle reports the wait from just before the request is written; its event comes
-    once it is durable (docs/events.md, "Reading events").
-    """
-    with trio.fail_after(60):
-        async with contextlib.aclosing(handle.events()) as events:
-            async for event in events:
-                if event.kind.value == "approval_requested":
-                    return
 
 
 def kinds(log):
