@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import collections
+import functools
 
 import pytest
 import trio
@@ -517,3 +518,60 @@ async def test_a_failed_reading_of_the_heads_is_logged_and_made_again(autojump_c
         assert all(handles[r].parked for r in ("r0", "r2"))
         for handle in handles.values():
             handle.cancel()
+
+
+@pytest.mark.parametrize(("by_handle", "by_store"), [(1, 1), (2, 1), (3, 3)])
+async def test_decisions_in_one_turn_leave_someone_reading_for_the_other_parked_runs(
+    by_handle, by_store
+):
+    """Parked runs share one reader of the control heads. When the reader and others leave in
+    the same turn (approved through their handles), the reading is handed to a run that
+    still waits, so a decision written from elsewhere reaches it at the next reading, not
+    at its approval deadline (15 minutes on)."""
+    for trial in range(10):  # which run is the reader, and who is woken first, varies
+        clock = trio.testing.MockClock(autojump_threshold=0)
+        stuck = await trio.to_thread.run_sync(
+            functools.partial(trio.run, _parked_then_decided, by_handle, by_store, clock=clock)
+        )
+        assert stuck == [], f"trial {trial}: {stuck} waited past the next reading"
+
+
+async def _parked_then_decided(by_handle: int, by_store: int) -> list[str]:
+    store = MemoryStore()
+    handles = {}
+    ids = [f"a{i}" for i in range(by_handle)] + [f"c{i}" for i in range(by_store)]
+    all_parked = trio.Event()
+
+    async def one(run_id: str) -> None:
+        agent, _ = make([call("add", a=1, b=2, call_id="c1"), say("3")])
+        async with open_run(
+            agent,
+            "x",
+            store=store,
+            run_id=run_id,
+            approval_policy=only_add,
+            park_after_s=PARK_AFTER_S,
+        ) as handle:
+            handles[run_id] = handle
+            assert await handle.wait_parked()
+            if len(handles) == len(ids) and all(h.parked for h in handles.values()):
+                all_parked.set()
+            with trio.move_on_after(30):
+                await handle.wait()
+            if handle.result is None:
+                handle.cancel("cleanup")
+
+    async with trio.open_nursery() as nursery:
+        for run_id in ids:
+            nursery.start_soon(one, run_id)
+        await all_parked.wait()
+        for i in range(by_handle):
+            handles[f"a{i}"].approve()  # all in this one turn
+        await trio.sleep(1)
+        for i in range(by_store):
+            await decide(store, f"c{i}")  # from another process: through the control stream
+        began = trio.current_time()
+        for i in range(by_store):
+            await handles[f"c{i}"].wait()
+        late = trio.current_time() - began > 5  # the control poll is 0.5 s
+    return [f"c{i}" for i in range(by_store) if late or handles[f"c{i}"].result is None]

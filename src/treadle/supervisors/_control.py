@@ -118,9 +118,20 @@ class ControlIndex:
             self._watches.discard(watch)
             if self._reader is watch:
                 self._reader = None
-                for other in self._watches:  # hand the reading over
-                    other.woken.set()
-                    break
+            if self._reader is None:
+                self._hand_over()
+
+    def _hand_over(self) -> None:
+        """Wake a waiter that is not woken yet, to take the reading over.
+
+        Not one that is woken already: it may be leaving in this same turn (its decision
+        arrived), and then nobody would read. A waiter woken this way that leaves instead of
+        reading hands over in turn, so while anyone waits someone reads.
+        """
+        for other in self._watches:
+            if not other.woken.is_set():
+                other.woken.set()
+                return
 
     async def _read_until_woken(self, reader: _Watch) -> None:
         """As the reader: read every interval until ``reader`` is woken."""
