@@ -575,3 +575,38 @@ async def _parked_then_decided(by_handle: int, by_store: int) -> list[str]:
             await handles[f"c{i}"].wait()
         late = trio.current_time() - began > 5  # the control poll is 0.5 s
     return [f"c{i}" for i in range(by_store) if late or handles[f"c{i}"].result is None]
+
+
+@pytest.mark.parametrize("finish", ["approved elsewhere", "cancelled through the store"])
+async def test_a_run_finished_elsewhere_while_parked_here_is_not_driven_again(
+    finish, autojump_clock
+):
+    """Parked here with its lease released, the run is finished by another driver (or, with
+    nobody driving it, by a cancel through the store). When its parking here ends (the
+    deadline, or the cancel it reads), this process reports the stored result instead of
+    driving the finished run again, which wrote a second run-finished record."""
+    from treadle.testing.invariants import check_invariants
+
+    store = MemoryStore()
+    turns = [call("add", a=1, b=2, call_id="c1"), say("3")]
+    agent, tools = make(turns, limits=Limits(approval_timeout_s=60))
+    async with opened(agent, store) as here:
+        await parked(here)
+        if finish == "approved elsewhere":
+            other_agent, other_tools = make(turns, limits=Limits(approval_timeout_s=60))
+            async with open_run(
+                other_agent, store=store, run_id="r", approval_policy=only_add, park_after_s=None
+            ) as there:
+                await there.wait_state(RunState.AWAITING_APPROVAL)
+                there.approve()
+                assert (await there.wait()).stop_reason is StopReason.FINAL_ANSWER
+            assert len(other_tools.executed) == 1
+        else:
+            await request_cancel(store, "r", reason="stop")
+        with trio.fail_after(600):
+            result = await here.wait()
+    log = await store.read_log("r")
+    assert check_invariants(log) == []
+    assert [type(r).__name__ for r in log.records].count("RunFinished") == 1
+    assert result.state is log.finished.state
+    assert tools.executed == []

@@ -179,6 +179,12 @@ async def _supervise(
         async with _sink_feed(sinks, handle) as feed, _keeping(hold, options):
             while True:
                 current, first = first or await store.read_log(run_id), None
+                if current.finished is not None:  # finished elsewhere while it was parked here
+                    await hold.release()
+                    handle._finished(
+                        RunResult.from_finished(current.finished, output_type=agent.output_type)
+                    )
+                    return
                 with hold.driving():
                     stretch = await _drive(
                         agent,
