@@ -645,3 +645,28 @@ async def test_a_decision_sent_as_the_run_parks_is_kept(offset, via, autojump_cl
     log = await store.read_log("r")
     (decided,) = [r for r in log.records if isinstance(r, ApprovalDecided)]
     assert decided.decision == "approve"
+
+
+async def test_a_second_decision_or_one_behind_a_cancel_is_refused(autojump_clock):
+    """The run applies the first message it gets; a later decision's caller is told."""
+    agent, tools, _ = make([call("add", a=1, b=2, call_id="c1"), say("3")])
+    async with open_run(
+        agent, "x", store=MemoryStore(), run_id="r", approval_policy=only_add, park_after_s=None
+    ) as handle:
+        await wait_for_state(handle, RunState.AWAITING_APPROVAL)
+        handle.approve()
+        with pytest.raises(UsageError, match="handed to it already"):
+            handle.approve(reject="no, after all")  # in the same turn, before it is applied
+        assert (await handle.wait()).stop_reason is StopReason.FINAL_ANSWER
+    assert [a.call_id for a in tools.executed] == ["c1"]
+
+    agent, tools, _ = make([call("add", a=1, b=2, call_id="c1"), say("3")])
+    async with open_run(
+        agent, "x", store=MemoryStore(), run_id="r", approval_policy=only_add, park_after_s=None
+    ) as handle:
+        await wait_for_state(handle, RunState.AWAITING_APPROVAL)
+        handle.cancel("stop")
+        with pytest.raises(UsageError, match="being cancelled"):
+            handle.approve()
+        assert (await handle.wait()).stop_reason is StopReason.CANCELLED
+    assert tools.executed == []

@@ -610,3 +610,17 @@ async def test_a_run_finished_elsewhere_while_parked_here_is_not_driven_again(
     assert [type(r).__name__ for r in log.records].count("RunFinished") == 1
     assert result.state is log.finished.state
     assert tools.executed == []
+
+
+async def test_cancelling_a_parked_run_never_reports_it_running_again(autojump_clock):
+    agent, tools = make([call("add", a=1, b=2, call_id="c1"), say("3")])
+    async with opened(agent, MemoryStore()) as handle:
+        await parked(handle)
+        handle.cancel("stop")
+        assert handle.state is RunState.CANCELLING
+        # Driven again to write the cancel: cancelling throughout, never running.
+        with trio.fail_after(60):
+            reached = await handle.wait_state(RunState.RUNNING, RunState.CANCELLED)
+        assert reached is RunState.CANCELLED
+        assert (await handle.wait()).stop_reason is StopReason.CANCELLED
+    assert tools.executed == []

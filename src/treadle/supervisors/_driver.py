@@ -416,7 +416,12 @@ async def _drive(
             if parking.cancel_request is not None:
                 reason, canceller = parking.cancel_request
                 control_send.send_nowait(Cancel(reason=reason, canceller=canceller))
-        handle._driving(control_send, writer, client)
+        handle._driving(
+            control_send,
+            writer,
+            client,
+            cancelling=parking is not None and parking.cancel_request is not None,
+        )
         if handle._draining_requested:
             control_send.send_nowait(Drain())
         control = _control_inbox(store, log.run_id, control_send, options)

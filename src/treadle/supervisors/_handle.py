@@ -59,6 +59,8 @@ class RunHandle:
     _control: MailboxSender[Control] | None = None
     _status: RunState | None = None
     _awaiting: ApprovalRequested | None = None
+    _offered_for: ApprovalRequested | None = None
+    _cancel_sent: bool = False
     _writer: WriterActor | None = None
     _writer_client: WriterClient | None = None
     _parking: Parking | None = None
@@ -179,6 +181,7 @@ class RunHandle:
             )
         else:
             self._send(Cancel(reason=reason, canceller=canceller))
+            self._cancel_sent = self._control is not None
 
     @property
     def _ended_here(self) -> bool:
@@ -218,6 +221,8 @@ class RunHandle:
             secrets = self._redaction.secrets.get(request.tool, ())
             schema = tool_schema(self._snapshot, request.tool)
             check_edit(edit, request.tool, schema, secrets=secrets)
+        if self._parking is None:
+            self._check_first_decision(request)
         decided = decision_for(
             self.run_id, request, self._clock, call_id=call_id, reject=reject, edit=edit
         )
@@ -225,7 +230,22 @@ class RunHandle:
             self._parking.offer(decided, here=True)
         else:
             self._send(Offer(decided=decided))
+            self._offered_for = request
         return decided
+
+    def _check_first_decision(self, request: ApprovalRequested | None) -> None:
+        """Refuse a decision behind a cancel, or a second one on the same request.
+
+        The run applies the first message it gets and ignores the others; the caller of a
+        later one is told here (as a parked run's state refuses them).
+        """
+        if self._cancel_sent:
+            raise UsageError(f"run {self.run_id!r} is being cancelled")
+        if request is not None and request == self._offered_for:
+            raise UsageError(
+                f"run {self.run_id!r}: a decision on call {request.call_id!r} was handed "
+                "to it already"
+            )
 
     def drain(self) -> None:
         """Stop driving the run at its next safe point and let go of its lease.
@@ -267,12 +287,21 @@ class RunHandle:
         self._snapshot, self._redaction = snapshot, redaction
 
     def _driving(
-        self, control: MailboxSender[Control], writer: WriterActor, client: WriterClient
+        self,
+        control: MailboxSender[Control],
+        writer: WriterActor,
+        client: WriterClient,
+        *,
+        cancelling: bool = False,
     ) -> None:
-        """Driven here now: requests go to ``control``, subscriptions through ``client``."""
+        """Driven here now: requests go to ``control``, subscriptions through ``client``.
+
+        ``cancelling``: a cancel handed over from the parking state goes with the drive.
+        """
         self._control, self._writer, self._writer_client = control, writer, client
         self._parking, self._left = None, None
-        self._status, self._awaiting = RunState.RUNNING, None
+        self._status = RunState.CANCELLING if cancelling else RunState.RUNNING
+        self._awaiting, self._offered_for, self._cancel_sent = None, None, cancelling
         self._transition()
 
     def _stopped_driving(self, *, left: str | None = None, parking: Parking | None = None) -> None:
