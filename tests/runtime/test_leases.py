@@ -630,6 +630,57 @@ async def test_drain_of_a_parked_run_ends_its_wait(autojump_clock):
     assert (await store.read_summary("r")).liveness is Liveness.PARKED
 
 
+@pytest.mark.parametrize("where", ["driven", "parked"])
+@pytest.mark.parametrize("order", ["drain first", "decision first"])
+@pytest.mark.parametrize("decision", ["approve", "cancel"])
+async def test_a_decision_or_cancel_sent_with_a_drain_is_kept(
+    where, order, decision, autojump_clock
+):
+    """A drain and a decision (or cancel) in the same turn: the drain lets the run go, and
+    the decision is not lost with it: it is applied before the run stops, or made durable in
+    the control stream for whoever drives the run next."""
+    from tests.fixtures.approval_waits import wait_for_state
+
+    agent, tools = make([call("add", a=1, b=2, call_id="c1"), say("3")])
+    store = MemoryStore(clock=store_now)
+    park_after_s = 5.0 if where == "parked" else None
+    async with open_run(
+        agent,
+        "x",
+        store=store,
+        run_id="r",
+        owner="a",
+        approval_policy=only_add,
+        park_after_s=park_after_s,
+    ) as handle:
+        if where == "parked":
+            await parked(handle)
+        else:
+            await wait_for_state(handle, RunState.AWAITING_APPROVAL)
+        decide_here = handle.approve if decision == "approve" else handle.cancel
+        if order == "drain first":
+            handle.drain()
+            decide_here()
+        else:
+            decide_here()
+            handle.drain()
+        with trio.fail_after(60):
+            try:
+                first = await handle.wait()
+            except treadle.RunInterrupted:
+                first = None
+    if first is None:  # let go unfinished: the next driver applies what was decided
+        result = await treadle.run(
+            agent, store=store, run_id="r", owner="b", approval_policy=only_add
+        )
+    else:
+        result = first
+    expected = StopReason.FINAL_ANSWER if decision == "approve" else StopReason.CANCELLED
+    assert result.stop_reason is expected
+    assert len(tools.executed) == (1 if decision == "approve" else 0)
+    assert check_invariants(await store.read_log("r")) == []
+
+
 # --------------------------------------------------------------------------- parking
 
 

@@ -614,6 +614,8 @@ class RunCoordinator:
                                 continue
                             active = round(began - self._step_started - self._waited_s, 6)
                             raise Parked(request, deadline, active)
+            if found is None and self._cancel is None:
+                found = self._matching(request)  # a decision that came with the drain
             if self._draining and found is None and self._cancel is None:
                 active = round(began - self._step_started - self._waited_s, 6)
                 raise Parked(request, deadline, active)

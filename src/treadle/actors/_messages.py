@@ -262,10 +262,13 @@ class Cancel:
     Attributes:
         reason: why, in words (recorded in the cancel record).
         canceller: who asked (recorded too).
+        here: asked through this process's handle, so not durable yet (``False``: read from
+            the run's control stream).
     """
 
     reason: str = ""
     canceller: str = ""
+    here: bool = False
 
 
 @attrs.frozen(kw_only=True)
@@ -274,9 +277,15 @@ class Offer:
 
     One that matches no request of the run, or whose decision is not approve, reject or
     edit, is never applied (docs/events.md, "Human approval").
+
+    Attributes:
+        decided: the decision.
+        here: handed over through this process's handle, so not durable yet (``False``: read
+            from the run's control stream).
     """
 
     decided: ApprovalDecided
+    here: bool = False
 
 
 @attrs.frozen(kw_only=True)

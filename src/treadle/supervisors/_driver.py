@@ -209,6 +209,7 @@ async def _supervise(
                 task_status = trio.TASK_STATUS_IGNORED  # reported when first driven
                 await hold.release(control_seen=parking.control_seen)
                 if options.leave_parked or handle._draining_requested:
+                    await _keep_decision(parking, store)  # for whoever drives it next
                     handle._stopped_driving(left="parked")
                     return
                 await _wait_parked(parking, store, run_id, options)

@@ -180,7 +180,7 @@ class RunHandle:
                 "through the store (treadle.approvals.request_cancel or `treadle cancel`)"
             )
         else:
-            self._send(Cancel(reason=reason, canceller=canceller))
+            self._send(Cancel(reason=reason, canceller=canceller, here=True))
             self._cancel_sent = self._control is not None
 
     @property
@@ -229,7 +229,7 @@ class RunHandle:
         if self._parking is not None:
             self._parking.offer(decided, here=True)
         else:
-            self._send(Offer(decided=decided))
+            self._send(Offer(decided=decided, here=True))
             self._offered_for = request
         return decided
 

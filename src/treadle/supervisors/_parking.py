@@ -76,14 +76,17 @@ class Parking:
             self._wake.set()
 
     def apply(self, message: Control) -> None:
-        """Take a control message read from the control stream (see `treadle.actors.Control`).
+        """Take a control message (`treadle.actors.Control`) read from the control stream.
+
+        Or, with ``here`` set, one the handle sent to a coordinator that parked before it
+        applied it: then it is made durable before the run is driven again.
 
         A drain asked through the stream is not a thing: only this process drains.
         """
         if isinstance(message, Cancel):
-            self.cancel(message.reason, message.canceller)
+            self.cancel(message.reason, message.canceller, here=message.here)
         elif isinstance(message, Offer):
-            self.offer(message.decided)
+            self.offer(message.decided, here=message.here)
 
     def offer(self, decided: ApprovalDecided, *, here: bool = False) -> None:
         """Take a decision; one matching no request (or not approve, reject, edit) is ignored.
