@@ -670,3 +670,27 @@ async def test_a_second_decision_or_one_behind_a_cancel_is_refused(autojump_cloc
             handle.approve()
         assert (await handle.wait()).stop_reason is StopReason.CANCELLED
     assert tools.executed == []
+
+
+@pytest.mark.parametrize("before_s", [0.001, 0.1, 0.45])
+async def test_a_decision_written_just_before_the_deadline_counts_for_a_driven_run(
+    before_s, autojump_clock
+):
+    """A run that never parks reads its control stream every ``control_poll_s``; at the
+    deadline it parks once, so the stream is read once more before the call expires."""
+    store = MemoryStore()
+    agent, tools, _ = make(
+        [call("add", a=1, b=2, call_id="c1"), say("3")], limits=Limits(approval_timeout_s=60)
+    )
+    async with open_run(
+        agent, "x", store=store, run_id="r", approval_policy=only_add, park_after_s=None
+    ) as handle:
+        await wait_for_state(handle, RunState.AWAITING_APPROVAL)
+        began = trio.current_time()
+        await trio.sleep_until(began + 60 - before_s)
+        await decide(store, "r")  # from another process, just in time
+        result = await handle.wait()
+    assert result.stop_reason is StopReason.FINAL_ANSWER
+    assert [a.call_id for a in tools.executed] == ["c1"]
+    decided = [r for r in (await store.read_log("r")).records if isinstance(r, ApprovalDecided)]
+    assert [d.decision for d in decided] == ["approve"]

@@ -147,6 +147,11 @@ class RunCoordinator:
             of the approval request the run waits on (the run's handle owns what it
             reports, docs/events.md "Reading events").
         state: the run state now.
+        park_at_deadline: when the deadline passes while it waits with no decision, raise
+            `Parked` instead of expiring the call, so that the supervisor reads the control
+            stream once more (a decision written just before the deadline counts) and hands
+            the decision, or ``expired``, to the resumed run (docs/events.md, "Human
+            approval"). A wait that begins past the deadline expires at once.
         compaction: the agent declares a context window: a step whose attempt the provider
             refused for its context length compacts once and retries (docs/context.md,
             "Context-length errors").
@@ -169,6 +174,7 @@ class RunCoordinator:
     needs_approval: Callable[[str, Mapping[str, Any]], bool] = lambda tool, arguments: False
     output: OutputSpec | None = None
     park_after_s: float | None = None
+    park_at_deadline: bool = False
     carried_active_s: float = 0.0
     compaction: bool = False
     synthetic: SyntheticObservations = SyntheticObservations()
@@ -616,7 +622,11 @@ class RunCoordinator:
                             raise Parked(request, deadline, active)
             if found is None and self._cancel is None:
                 found = self._matching(request)  # a decision that came with the drain
-            if self._draining and found is None and self._cancel is None:
+            at_deadline = self.park_at_deadline and remaining > 0
+            if found is None and self._cancel is None and (self._draining or at_deadline):
+                # Drained; or at the deadline, parked so that the control stream is read once
+                # more (a decision written just before the deadline counts) before expiring.
+                # A drive that began past the deadline read the stream as it began: it expires.
                 active = round(began - self._step_started - self._waited_s, 6)
                 raise Parked(request, deadline, active)
         finally:

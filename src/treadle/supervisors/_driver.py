@@ -405,6 +405,7 @@ async def _drive(
             view,
             needs_approval,
             park_after_s=options.park_after_s,
+            park_at_deadline=control_of(store) is not None,
             carried_active_s=parking.active_s if parking is not None else 0.0,
             on_status=handle._report,
         )
@@ -678,6 +679,7 @@ async def _start_actors(
     needs_approval: Callable[[str, Mapping[str, Any]], bool],
     *,
     park_after_s: float | None,
+    park_at_deadline: bool,
     carried_active_s: float,
     on_status: Callable[[RunState, ApprovalRequested | None], None],
 ) -> CoordinatorActor:
@@ -701,6 +703,7 @@ async def _start_actors(
             gateway=gateway_send,
             executor=executor_send,
             park_after_s=park_after_s,
+            park_at_deadline=park_at_deadline,
             carried_active_s=carried_active_s,
             on_status=on_status,
         )

@@ -194,6 +194,8 @@ class CoordinatorContext:
         executor: the executor's inbox.
         park_after_s: seconds of waiting for an approval after which the coordinator may
             raise `treadle.actors.Parked` (``None``: never park).
+        park_at_deadline: park at an approval deadline instead of expiring the call at once
+            (`treadle.actors.RunCoordinator`; set when the run has a control stream).
         carried_active_s: active seconds of a step interrupted by parking, to carry on.
         on_status: ``on_status(state, awaiting)``: where the coordinator reports each change
             of the run state and of the approval request it waits on (the run's handle).
@@ -206,6 +208,7 @@ class CoordinatorContext:
     gateway: MailboxSender[CallModel]
     executor: MailboxSender[RunActions]
     park_after_s: float | None = None
+    park_at_deadline: bool = False
     carried_active_s: float = 0.0
     on_status: Callable[[RunState, ApprovalRequested | None], None] = _no_status
 
@@ -298,6 +301,7 @@ def real_coordinator(context: CoordinatorContext) -> RunCoordinator:
         needs_approval=context.needs_approval,
         output=agent.output,
         park_after_s=context.park_after_s,
+        park_at_deadline=context.park_at_deadline,
         carried_active_s=context.carried_active_s,
         compaction=agent.context_window is not None,
         synthetic=agent.synthetic,
