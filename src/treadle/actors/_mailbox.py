@@ -25,13 +25,47 @@ from __future__ import annotations
 
 from collections import deque
 from types import TracebackType
-from typing import Generic, TypeVar
+from typing import Generic, Self, TypeVar
 
 import trio
 
 T = TypeVar("T")
 T_co = TypeVar("T_co", covariant=True)
 T_contra = TypeVar("T_contra", contravariant=True)
+
+
+class Closing:
+    """``with`` and ``async with`` for a resource closed by its synchronous ``close()``.
+
+    The mailbox's two ends and `treadle.actors.ReplySlot` close without waiting, so both
+    forms of the block just call ``close()`` on the way out, whatever ended it.
+    """
+
+    def close(self) -> None:
+        """Close the resource (never blocks)."""
+        raise NotImplementedError
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc_value: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
+        self.close()
+
+    async def __aenter__(self) -> Self:
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc_value: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
+        self.close()
 
 
 class _State(Generic[T]):
@@ -78,7 +112,7 @@ class open_mailbox(tuple["MailboxSender[T]", "MailboxReceiver[T]"]):
         """Not called: `__new__` returns a plain tuple."""
 
 
-class MailboxSender(Generic[T_contra]):
+class MailboxSender(Closing, Generic[T_contra]):
     """The sending end of a mailbox (several tasks may send)."""
 
     __slots__ = ("_state",)
@@ -142,30 +176,8 @@ class MailboxSender(Generic[T_contra]):
         while state.senders:
             state.wake_sender()
 
-    def __enter__(self) -> MailboxSender[T_contra]:
-        return self
 
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc_value: BaseException | None,
-        traceback: TracebackType | None,
-    ) -> None:
-        self.close()
-
-    async def __aenter__(self) -> MailboxSender[T_contra]:
-        return self
-
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc_value: BaseException | None,
-        traceback: TracebackType | None,
-    ) -> None:
-        self.close()
-
-
-class MailboxReceiver(Generic[T_co]):
+class MailboxReceiver(Closing, Generic[T_co]):
     """The receiving end of a mailbox (one task receives at a time)."""
 
     __slots__ = ("_state",)
@@ -229,28 +241,6 @@ class MailboxReceiver(Generic[T_co]):
         state.buffer.clear()
         while state.senders:
             state.wake_sender()
-
-    def __enter__(self) -> MailboxReceiver[T_co]:
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc_value: BaseException | None,
-        traceback: TracebackType | None,
-    ) -> None:
-        self.close()
-
-    async def __aenter__(self) -> MailboxReceiver[T_co]:
-        return self
-
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc_value: BaseException | None,
-        traceback: TracebackType | None,
-    ) -> None:
-        self.close()
 
     def __aiter__(self) -> MailboxReceiver[T_co]:
         return self

@@ -10,18 +10,17 @@ one's fixed cost (docs/performance.md, "Where the time goes").
 from __future__ import annotations
 
 from collections.abc import Callable
-from types import TracebackType
 from typing import Generic, TypeVar
 
 import trio
 
-from treadle.actors._mailbox import MailboxSender
+from treadle.actors._mailbox import Closing, MailboxSender
 
 R = TypeVar("R")
 Q = TypeVar("Q")
 
 
-class ReplySlot(Generic[R]):
+class ReplySlot(Closing, Generic[R]):
     """The one reply to one request: both sides of what was a one-slot memory channel.
 
     The replier calls `send_nowait` once, then `close` (or uses the slot as a context
@@ -65,17 +64,6 @@ class ReplySlot(Generic[R]):
         if waiter is not None:
             self._waiter = None
             trio.lowlevel.reschedule(waiter)
-
-    def __enter__(self) -> ReplySlot[R]:
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc_value: BaseException | None,
-        traceback: TracebackType | None,
-    ) -> None:
-        self.close()
 
     async def receive(self) -> R:
         """The reply; at once when it is already there (no checkpoint then).
