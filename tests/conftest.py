@@ -1,4 +1,5 @@
-"""Fixtures shared by the whole suite: a real PostgreSQL server for the tests that need one.
+"""Fixtures shared by the whole suite: a real PostgreSQL server for the tests that need one,
+and a store a fleet can run on (SQLite or that server).
 
 The server comes from ``TREADLE_TEST_POSTGRES`` (a DSN; `.ci/run` starts one on 127.0.0.1 and
 sets it), else from the default local DSN below. Without a server, those tests skip, except
@@ -71,3 +72,21 @@ def postgres_database(postgres_dsn: str) -> Iterator[str]:
     yield make_conninfo(**params)
     with psycopg.connect(postgres_dsn, autocommit=True) as conn:
         conn.execute(f"DROP DATABASE IF EXISTS {name} WITH (FORCE)")
+
+
+@pytest.fixture(params=["sqlite", "postgres"])
+async def fleet_store(request, tmp_path):
+    """A store with every capability a fleet needs: SQLite in ``tmp_path``, then PostgreSQL
+    (a schema of its own on the test server)."""
+    if request.param == "sqlite":
+        from treadle.stores.sqlite import open_sqlite_store
+
+        async with open_sqlite_store(tmp_path / "fleet.db") as opened:
+            yield opened
+        return
+    from treadle.stores.postgres import open_postgres_store
+
+    dsn = request.getfixturevalue("postgres_dsn")
+    schema = request.getfixturevalue("postgres_schema")
+    async with open_postgres_store(dsn, schema=schema) as opened:
+        yield opened

@@ -449,22 +449,6 @@ async def test_a_child_whose_store_write_fails_interrupts_the_parent_which_re_at
 # --------------------------------------------------------------------------- fleets (real time)
 
 
-@pytest.fixture(params=["sqlite", "postgres"])
-async def fleet_store(request, tmp_path):
-    if request.param == "sqlite":
-        from treadle.stores.sqlite import open_sqlite_store
-
-        async with open_sqlite_store(tmp_path / "fleet.db") as opened:
-            yield opened
-        return
-    from treadle.stores.postgres import open_postgres_store
-
-    dsn = request.getfixturevalue("postgres_dsn")
-    schema = request.getfixturevalue("postgres_schema")
-    async with open_postgres_store(dsn, schema=schema) as opened:
-        yield opened
-
-
 async def test_a_fleet_with_fewer_slots_than_parents_and_children_finishes_them_all(
     fleet_store,
 ):

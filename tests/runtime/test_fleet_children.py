@@ -35,22 +35,6 @@ from treadle.types import (
 )
 
 
-@pytest.fixture(params=["sqlite", "postgres"])
-async def fleet_store(request, tmp_path):
-    if request.param == "sqlite":
-        from treadle.stores.sqlite import open_sqlite_store
-
-        async with open_sqlite_store(tmp_path / "fleet.db") as opened:
-            yield opened
-        return
-    from treadle.stores.postgres import open_postgres_store
-
-    dsn = request.getfixturevalue("postgres_dsn")
-    schema = request.getfixturevalue("postgres_schema")
-    async with open_postgres_store(dsn, schema=schema) as opened:
-        yield opened
-
-
 def child_agent(executed: list[str], *, gate: trio.Event | None = None) -> Agent:
     """One effect (``note``, recorded in ``executed``), then an answer."""
 
