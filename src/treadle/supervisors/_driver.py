@@ -139,11 +139,7 @@ async def drive_run(
         await hold.release_quietly()
         raise
     handle = RunHandle(run_id=hold.run_id, store=store, clock=options.clock)
-    if log.finished is not None:
-        await hold.release()
-        handle._finished_already(
-            RunResult.from_finished(log.finished, output_type=agent.output_type)
-        )
+    if await _finished_before(log, agent, hold, handle):
         yield handle
         return
     try:
@@ -156,6 +152,20 @@ async def drive_run(
         if len(group.exceptions) == 1:
             raise group.exceptions[0] from None
         raise
+
+
+async def _finished_before(log: RunLog, agent: Agent, hold: LeaseHold, handle: RunHandle) -> bool:
+    """Whether ``log`` is finished already; if so, let the lease go and report its result.
+
+    A finished run is never driven again (docs/crash-safety.md, "Resume"): not when it was
+    finished before `open_run`, nor when another driver finished it while it was parked
+    here.
+    """
+    if log.finished is None:
+        return False
+    await hold.release()
+    handle._finished(RunResult.from_finished(log.finished, output_type=agent.output_type))
+    return True
 
 
 async def _supervise(
@@ -179,12 +189,8 @@ async def _supervise(
         async with _sink_feed(sinks, handle) as feed, _keeping(hold, options):
             while True:
                 current, first = first or await store.read_log(run_id), None
-                if current.finished is not None:  # finished elsewhere while it was parked here
-                    await hold.release()
-                    handle._finished(
-                        RunResult.from_finished(current.finished, output_type=agent.output_type)
-                    )
-                    return
+                if await _finished_before(current, agent, hold, handle):
+                    return  # finished elsewhere while it was parked here
                 with hold.driving():
                     stretch = await _drive(
                         agent,

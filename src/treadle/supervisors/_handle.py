@@ -277,11 +277,6 @@ class RunHandle:
     # The run's driver (`treadle.supervisors._driver`) moves the handle through its states
     # with these methods only; nothing else writes the handle's fields.
 
-    def _finished_already(self, result: RunResult) -> None:
-        """The run was finished before this drive: its stored result."""
-        self._result = result
-        self._done.set()
-
     def _define(self, snapshot: Mapping[str, JSONValue], redaction: Redaction) -> None:
         """The definition of the drive starting: its snapshot and the arguments to redact."""
         self._snapshot, self._redaction = snapshot, redaction
@@ -313,7 +308,10 @@ class RunHandle:
         self._transition()
 
     def _finished(self, result: RunResult) -> None:
-        """The run finished: ``wait`` answers now (sinks may still drain behind it)."""
+        """The run finished, here or before this drive: ``wait`` answers now.
+
+        Sinks may still drain behind it.
+        """
         self._result = result
         self._done.set()
 
