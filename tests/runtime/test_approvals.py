@@ -630,9 +630,8 @@ async def test_a_decision_sent_as_the_run_parks_is_kept(offset, via, autojump_cl
         control_poll_s=0.5 if via == "store" else None,
         park_after_s=5.0,
     ) as handle:
-        await wait_for_state(handle, RunState.AWAITING_APPROVAL)
-        began = trio.current_time()
-        await wait_for_durable_request(handle)
+        await wait_for_state(handle, RunState.AWAITING_APPROVAL)  # the request is durable
+        began = trio.current_time()  # the wait, and so the 5 s to parking, start here
         await trio.sleep_until(began + 5.0 + offset)
         if via == "handle":
             handle.approve()
