@@ -1052,7 +1052,12 @@ class GatedSync(FailingFileOps):
         super().sync(fd)
 
 
-async def test_cancelled_barrier_still_commits(tmp_path: Path) -> None:
+async def test_cancelled_barrier_still_commits(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The barrier must wait in the committer thread to be cancelled there: committed in the
+    # trio thread (the engine was idle), the gated sync would block the test's own loop.
+    monkeypatch.setattr(_jsonl_backend.JsonlBackend, "commits_here", False)
     ops = GatedSync()
     ops.gate.set()
     async with open_jsonl_store(tmp_path / "runs", file_ops=ops) as store:

@@ -6,6 +6,10 @@ transaction, or one append-and-sync round over files) and hands the batch back t
 single ``run_sync_soon``: group commit across every run of the store object
 (docs/crash-safety.md, "The stores").
 
+* **A barrier met by an idle engine commits on the trio thread** (`CommitEngine.append`): when
+  the committer waits, no other task is runnable and the last commit was quick, the barrier
+  and everything queued before it commit right there, without waking the committer or the
+  run loop's wake-up socket (docs/decisions/0093-commit-here-when-idle.md).
 * **Barriers** wait for their batch. The other writes return once queued; they linger for up
   to `LINGER_S` so that they ride with the next barrier, and a failure of their batch is raised
   by the run's next write (or by `CommitEngine.aclose`).
@@ -53,6 +57,10 @@ works on one half while the other commits (instead of every run moving in lock s
 
 MAX_PENDING_WRITES: Final = 10_000
 """Queued, uncommitted writes above which a non-barrier write waits for its batch."""
+
+COMMIT_HERE_MAX_S: Final = 0.002
+"""Seconds the last commit may have taken for a barrier to commit on the trio thread: it
+blocks the run loop for as long (docs/decisions/0093-commit-here-when-idle.md)."""
 
 CLOSE_GRACE_S: Final = 30.0
 """Seconds `CommitEngine.aclose` waits (shielded) for the committer to flush and stop."""
@@ -153,9 +161,12 @@ class Backend(Protocol):
 
     Attributes:
         description: the store, for messages (a path, a DSN without its password).
+        commits_here: whether `commit_here` may commit at all (``False``: the engine never
+            asks it, every batch goes to the committer).
     """
 
     description: str
+    commits_here: bool
 
     def encode(self, run_id: str, seq: int, generation: int, records: tuple[Record, ...]) -> object:
         """Encode one write (in the trio thread, before it is queued); pure.
@@ -179,6 +190,17 @@ class Backend(Protocol):
 
         Raises:
             StoreError: the store cannot be read (`LogCorrupted`, `SchemaTooNew` included).
+        """
+        ...
+
+    def commit_here(self, batch: list[Write]) -> BatchReport | None:
+        """Commit ``batch`` as `commit` does, in the trio thread, unless that would wait.
+
+        Called only while the committer waits for work, so the two never overlap. Returns
+        ``None``, with nothing of ``batch`` committed and no error set, when committing would
+        wait for another process or a server (a lock, a network round trip): the engine
+        hands the batch to the committer instead. A backend that never commits here returns
+        ``None`` and says so in ``commits_here``.
         """
         ...
 
@@ -348,7 +370,8 @@ class CommitEngine:
         write = Write(run_id, seq, generation, records, payload, barrier, closes, delta, state.head)
         counters = self._counters
         wait = barrier or counters.pending >= MAX_PENDING_WRITES
-        self._inbox.put(write, flush=wait)  # StoreError if the committer is gone
+        if not (barrier and self._commit_here(write)):
+            self._inbox.put(write, flush=wait)  # StoreError if the committer is gone
         state.head = None
         state.next_seq = seq + len(records)
         state.last = self._last = write
@@ -357,14 +380,58 @@ class CommitEngine:
             return
         metrics = self.metrics
         queued = time.perf_counter() if metrics is not None else 0.0
-        # The batch is handed back by `_deliver`, in this thread, never before this yields.
-        write.waiter = trio.lowlevel.current_task()
-        await trio.lowlevel.wait_task_rescheduled(write.abort_wait)
+        if write.done:  # committed here: durable, so a cancellation now does not undo it
+            await trio.lowlevel.cancel_shielded_checkpoint()
+        else:
+            # The batch is handed back by `_deliver`, in this thread, never before this yields.
+            write.waiter = trio.lowlevel.current_task()
+            await trio.lowlevel.wait_task_rescheduled(write.abort_wait)
         if metrics is not None and barrier:
             metrics.barrier(time.perf_counter() - queued)
         if write.error is not None:
             state.reported = True
             raise write.error
+
+    @trio.lowlevel.enable_ki_protection  # not torn by Ctrl-C halfway through a transaction
+    def _commit_here(self, write: Write) -> bool:
+        """Commit the barrier ``write`` in this thread, with everything queued before it.
+
+        Only when the backend may commit here, the last commit took at most
+        `COMMIT_HERE_MAX_S`, no other task is runnable (nothing ready to run waits for the
+        run loop that the commit blocks) and the committer is not committing. ``False``:
+        nothing was done, queue ``write`` for the committer. ``True``: ``write`` is done
+        (committed, or failed with its batch), or the backend would have waited (another
+        process's lock) and the batch is queued for the committer, at the head of the queue.
+        A bug in the backend fails the batch and stops the engine, as in the committer.
+        """
+        if (
+            not self._backend.commits_here
+            or self._committer.last_commit_s > COMMIT_HERE_MAX_S
+            or trio.lowlevel.current_statistics().tasks_runnable
+        ):
+            return False
+        batch = self._inbox.claim()
+        if batch is None:
+            return False
+        batch.append(write)
+        began = _monotonic()
+        try:
+            report = self._backend.commit_here(batch)
+        except BaseException as exc:
+            _fail(batch, exc)
+            self._inbox.close()
+            self._inbox.stop()
+            report = NOTHING_COMMITTED
+        else:
+            self._committer.last_commit_s = _monotonic() - began
+            if report is None and self._inbox.hand_back(batch):
+                return True
+            if report is None:  # the committer stopped meanwhile
+                gone = f"the committer thread of the {self._backend.description} has stopped"
+                _fail(batch, StoreError(gone))
+                report = NOTHING_COMMITTED
+        self._deliver(batch, report)
+        return True
 
     def _encode(
         self, run_id: str, seq: int, generation: int, records: tuple[Record, ...]
@@ -541,6 +608,7 @@ class _Inbox:
         self._stop = False
         self._closed = False
         self._sleep = _AWAKE
+        self._committing = False  # the committer took a batch and has not committed it yet
 
     def put(self, write: Write, *, flush: bool) -> None:
         """Queue ``write``; ``flush`` has the committer take it now.
@@ -564,6 +632,37 @@ class _Inbox:
                 return
             self._sleep = _AWAKE
         self._tokens.put(None)
+
+    def claim(self) -> list[Write] | None:
+        """Take every queued write for a commit in the trio thread, if the committer waits.
+
+        ``None``: the committer is committing a batch (or stopping). Only the trio thread
+        queues writes, so until it calls `hand_back` or is done with the batch, the committer
+        finds nothing to take and never touches the backend.
+        """
+        with self._lock:
+            if self._committing or self._stop or self._closed:
+                return None
+            items, self._items = self._items, []
+            return items
+
+    def hand_back(self, batch: list[Write]) -> bool:
+        """Queue a claimed batch that was not committed; the committer takes it now.
+
+        ``False``: the committer thread has stopped, nothing was queued.
+        """
+        with self._lock:
+            if self._closed:
+                return False
+            if not self._items:
+                self._since = _monotonic()
+            self._items[:0] = batch
+            self._flush = True
+            wake = self._sleep != _AWAKE
+            self._sleep = _AWAKE
+        if wake:
+            self._tokens.put(None)
+        return True
 
     def flush(self) -> None:
         """Wake the committer to take what is queued now."""
@@ -633,7 +732,13 @@ class _Inbox:
                 self._flush = False
             else:
                 batch, self._items = items[:cut], items[cut:]
+            self._committing = bool(batch)
             return batch, self._stop and not self._items
+
+    def committed(self) -> None:
+        """The committer is done with the batch it took (the backend is free)."""
+        with self._lock:
+            self._committing = False
 
 
 class _Committer:
@@ -653,6 +758,9 @@ class _Committer:
         self._deliver = deliver
         self._stopped = stopped
         self._thread = threading.Thread(target=self._main, name="treadle-committer", daemon=True)
+        self.last_commit_s = 0.0
+        """Seconds the last commit took, in this thread or the trio thread (a float is
+        assigned whole under the GIL)."""
 
     def start(self) -> None:
         """Start the thread."""
@@ -681,7 +789,13 @@ class _Committer:
         while not stopping:
             batch, stopping = self._inbox.take(nap_until)
             try:
-                report = self._backend.commit(batch) if batch else NOTHING_COMMITTED
+                if batch:
+                    began = _monotonic()
+                    report = self._backend.commit(batch)
+                    self.last_commit_s = _monotonic() - began
+                    self._inbox.committed()
+                else:
+                    report = NOTHING_COMMITTED
                 if stopping:
                     report = _merge(report, self._backend.finish())
             except BaseException as exc:  # a bug: fail this batch, then stop the thread

@@ -261,6 +261,13 @@ class JsonlBackend:
 
     # ------------------------------------------------------------------ one batch
 
+    commits_here = True
+    """A batch waits for no other process (a run's file is written only under its lease)."""
+
+    def commit_here(self, batch: list[Write]) -> BatchReport:
+        """`commit`, in the trio thread: it never waits for another process."""
+        return self.commit(batch)
+
     def commit(self, batch: list[Write]) -> BatchReport:
         """Append and sync one batch, at most half of `MAX_OPEN_FILES` files at a time."""
         groups: dict[str, _Group] = {}

@@ -236,6 +236,14 @@ class PostgresBackend(_sql.SqlBackend):
         self._dialect: PostgresDialect = dialect
         self._conn = conn
 
+    commits_here = False
+    """A commit is a round trip to the server (and may wait for a row lock): never in the
+    trio thread."""
+
+    def commit_here(self, batch: list[Write]) -> None:
+        """Never commits in the trio thread (see ``commits_here``)."""
+        return None
+
     def commit(self, batch: list[Write]) -> BatchReport:
         """Commit ``batch`` with one statement; reconcile when the connection drops."""
         groups = _sql.group_by_run(batch)

@@ -430,6 +430,16 @@ def _file_id(path: str) -> tuple[int, int] | None:
     return (info.st_dev, info.st_ino)
 
 
+class _Busy(Exception):
+    """A commit in the trio thread met another connection's write lock and gave up."""
+
+
+def _is_busy(exc: BaseException) -> bool:
+    """Whether ``exc`` is SQLite's ``SQLITE_BUSY`` (any extended code of it)."""
+    code = getattr(exc, "sqlite_errorcode", None)
+    return isinstance(code, int) and code & 0xFF == sqlite3.SQLITE_BUSY
+
+
 class SqliteBackend(_sql.SqlBackend):
     """The committer side of the SQLite store: one transaction per batch.
 
@@ -437,7 +447,12 @@ class SqliteBackend(_sql.SqlBackend):
     opened; one read of the batch's runs rows (their next seq and lease generation); one
     multi-row INSERT of every record the rows admit; one UPDATE per run (next seq, index
     columns); ``COMMIT``. Few statements: the thread re-takes the GIL after every SQLite call.
+
+    In the trio thread (`commit_here`) the same batch gives up instead of waiting for another
+    connection's write lock: the committer then commits it, waiting up to the busy timeout.
     """
+
+    commits_here = True
 
     def __init__(
         self,
@@ -454,6 +469,25 @@ class SqliteBackend(_sql.SqlBackend):
         self._files = files
         self._files_checked = -FILE_CHECK_INTERVAL_S
         self._broken: StoreError | None = None
+        self._give_up_when_busy = False
+
+    def commit_here(self, batch: list[Write]) -> BatchReport | None:
+        """`commit`, except that another connection's write lock makes it return ``None``.
+
+        With the busy timeout at 0, SQLite reports the lock at once (``SQLITE_BUSY``) rather
+        than waiting for it; the transaction is rolled back, so nothing of ``batch`` is
+        committed, and the committer commits it instead.
+        """
+        conn = self._conn
+        conn.execute("PRAGMA busy_timeout = 0")
+        self._give_up_when_busy = True
+        try:
+            return self.commit(batch)
+        except _Busy:
+            return None
+        finally:
+            self._give_up_when_busy = False
+            conn.execute(f"PRAGMA busy_timeout = {BUSY_TIMEOUT_MS}")
 
     def commit(self, batch: list[Write]) -> BatchReport:
         """Commit ``batch`` in one transaction; refused runs' writes get their error.
@@ -485,6 +519,8 @@ class SqliteBackend(_sql.SqlBackend):
                 committed = self._run_by_run(_sql.group_by_run(batch))
         except (sqlite3.Error, StoreError) as exc:
             self._rollback()
+            if self._give_up_when_busy and _is_busy(exc):
+                raise _Busy from exc
             error = (
                 exc
                 if isinstance(exc, StoreError)

@@ -1,0 +1,235 @@
+"""A barrier met by an idle commit engine commits in the trio thread (docs/decisions/0093).
+
+Which thread committed a batch is read from the backend's ``commit`` (wrapped per test): the
+trio thread's commits skip two cross-thread wake-ups, the committer's keep the run loop free.
+"""
+
+from __future__ import annotations
+
+import random
+import sqlite3
+import threading
+import time
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import trio
+
+import treadle
+from treadle._exceptions import StoreError
+from treadle.ports import RunStore
+from treadle.stores import _engine, _jsonl_backend, postgres
+from treadle.stores import sqlite as sqlite_module
+from treadle.types import ModelIntent, ModelResult, RunStarted
+
+TS = "2026-01-01T00:00:00+00:00"
+BACKENDS = {
+    "sqlite": sqlite_module.SqliteBackend,
+    "jsonl": _jsonl_backend.JsonlBackend,
+    "postgres": postgres.PostgresBackend,
+}
+
+
+def started(run_id: str) -> RunStarted:
+    return RunStarted(run_id=run_id, ts=TS, input=(), snapshot={"k": "v"})
+
+
+def intent(run_id: str, step: int) -> ModelIntent:
+    return ModelIntent(run_id=run_id, step=step, intent_id=f"m{step}", attempt=1, ts=TS)
+
+
+def result(run_id: str, step: int) -> ModelResult:
+    return ModelResult(run_id=run_id, step=step, intent_id=f"m{step}", ts=TS)
+
+
+class Commits:
+    """Records which thread committed each batch, and how many writes it held."""
+
+    def __init__(self) -> None:
+        self.batches: list[tuple[int, int]] = []  # (thread ident, writes)
+        self.trio_thread = threading.get_ident()
+        self.slow_once_s = 0.0
+        self.bug: BaseException | None = None
+
+    def wrap(self, monkeypatch: pytest.MonkeyPatch, backend: type) -> None:
+        original: Callable[..., Any] = backend.commit
+
+        def commit(this: object, batch: list[_engine.Write]) -> object:
+            self.batches.append((threading.get_ident(), len(batch)))
+            if self.bug is not None:
+                raise self.bug
+            if self.slow_once_s:
+                time.sleep(self.slow_once_s)
+                self.slow_once_s = 0.0
+            return original(this, batch)
+
+        monkeypatch.setattr(backend, "commit", commit)
+
+    def threads(self) -> list[str]:
+        return ["trio" if t == self.trio_thread else "committer" for t, _ in self.batches]
+
+
+@pytest.fixture
+def commits(monkeypatch: pytest.MonkeyPatch) -> Commits:
+    """The thread of each commit; a real sync counts as quick unless it takes 0.5 s."""
+    monkeypatch.setattr(_engine, "COMMIT_HERE_MAX_S", 0.5)
+    found = Commits()
+    for backend in BACKENDS.values():
+        found.wrap(monkeypatch, backend)
+    return found
+
+
+@pytest.fixture(params=["sqlite", "jsonl"])
+async def store(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterator[RunStore]:
+    if request.param == "sqlite":
+        async with treadle.open_sqlite_store(tmp_path / "s.db") as opened:
+            yield opened
+    else:
+        async with treadle.open_jsonl_store(tmp_path / "runs") as opened:
+            yield opened
+
+
+async def lease(store: Any, run_id: str) -> int:
+    return int((await store.acquire_lease(run_id, owner="me", ttl_s=60.0)).generation)
+
+
+async def test_an_idle_engine_commits_a_barrier_and_what_lingers_in_the_trio_thread(
+    store: Any, commits: Commits
+) -> None:
+    g = await lease(store, "r")
+    await store.write_run_started(started("r"), seq=1, generation=g)  # lingers, no wake-up
+    await store.write_intent(intent("r", 1), seq=2, generation=g)  # the barrier takes it along
+    assert commits.batches == [(commits.trio_thread, 2)]
+    stats = store.statistics()
+    assert (stats.commits, stats.writes_committed, stats.pending) == (1, 2, 0)
+    assert (await store.read_log("r")).records == (started("r"), intent("r", 1))
+
+
+async def test_a_runnable_task_sends_the_barrier_to_the_committer(
+    store: Any, commits: Commits
+) -> None:
+    g = await lease(store, "r")
+    await store.write_run_started(started("r"), seq=1, generation=g)
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(trio.lowlevel.checkpoint)  # runnable: it waits for the run loop
+        await store.write_intent(intent("r", 1), seq=2, generation=g)
+    assert commits.threads() == ["committer"]
+    await store.write_intent(intent("r", 2), seq=3, generation=g)  # idle again: here
+    assert commits.threads() == ["committer", "trio"]
+    assert len((await store.read_log("r")).records) == 3
+
+
+async def test_after_a_slow_commit_the_next_barrier_goes_to_the_committer(
+    store: Any, commits: Commits
+) -> None:
+    g = await lease(store, "r")
+    await store.write_run_started(started("r"), seq=1, generation=g)
+    commits.slow_once_s = 0.6  # above the 0.5 s the fixture allows
+    await store.write_intent(intent("r", 1), seq=2, generation=g)  # here, and slow
+    await store.write_intent(intent("r", 2), seq=3, generation=g)  # so: the committer
+    await store.write_intent(intent("r", 3), seq=4, generation=g)  # that was quick: here
+    assert commits.threads() == ["trio", "committer", "trio"]
+    assert len((await store.read_log("r")).records) == 4
+
+
+async def test_another_connections_write_lock_hands_the_barrier_to_the_committer(
+    tmp_path: Path, commits: Commits
+) -> None:
+    path = tmp_path / "s.db"
+    async with treadle.open_sqlite_store(path) as store:
+        g = await lease(store, "r")
+        await store.write_run_started(started("r"), seq=1, generation=g)
+        blocker = sqlite3.connect(path, isolation_level=None)
+        blocker.execute("BEGIN IMMEDIATE")  # holds the write lock
+        done = trio.Event()
+
+        async def write() -> None:
+            await store.write_intent(intent("r", 1), seq=2, generation=g)
+            done.set()
+
+        with trio.fail_after(20):
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(write)
+                # The run loop is not blocked while the lock is held: this task keeps running.
+                for _ in range(20):
+                    await trio.sleep(0.01)
+                assert not done.is_set() and store.statistics().pending == 2
+                blocker.execute("COMMIT")
+                blocker.close()
+        # the attempt here gave up at once, the committer waited for the lock and committed
+        assert commits.threads() == ["trio", "committer"]
+        assert (await store.read_log("r")).records == (started("r"), intent("r", 1))
+        stats = store.statistics()
+        assert (stats.commits, stats.writes_committed, stats.pending) == (1, 2, 0)
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")
+async def test_a_bug_in_a_commit_here_fails_the_batch_and_stops_the_engine(
+    store: Any, commits: Commits
+) -> None:
+    g, g_other = await lease(store, "r"), await lease(store, "other")
+    await store.write_run_started(started("r"), seq=1, generation=g)
+    commits.bug = RuntimeError("a bug in the backend")
+    with pytest.raises(StoreError) as info:
+        await store.write_intent(intent("r", 1), seq=2, generation=g)
+    assert isinstance(info.value.__cause__, RuntimeError)
+    assert commits.threads() == ["trio"]
+    with pytest.raises(StoreError, match="stopped"):  # nothing more is accepted
+        await store.write_intent(intent("other", 1), seq=1, generation=g_other)
+    engine = store._engine
+    with trio.fail_after(20):
+        await store.aclose()  # both failures were reported to their writers
+    assert not engine._committer._thread.is_alive()
+
+
+async def test_postgres_never_commits_in_the_trio_thread(
+    postgres_dsn: str, postgres_schema: str, commits: Commits
+) -> None:
+    async with treadle.open_postgres_store(postgres_dsn, schema=postgres_schema) as store:
+        g = await lease(store, "r")
+        await store.write_run_started(started("r"), seq=1, generation=g)
+        await store.write_intent(intent("r", 1), seq=2, generation=g)
+        assert commits.threads() == ["committer"]
+        assert (await store.read_log("r")).records == (started("r"), intent("r", 1))
+
+
+@pytest.mark.parametrize("seed", range(4))
+async def test_runs_interleaved_on_both_paths_each_commit_every_write_once_in_order(
+    store: Any, commits: Commits, seed: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Barriers and lingering writes of 12 runs, with other tasks runnable at random moments,
+    some commits slow: whichever thread commits, each run's log is exactly what it wrote."""
+    rng = random.Random(seed)
+    monkeypatch.setattr(_engine, "COMMIT_HERE_MAX_S", 0.05)
+    runs = {f"r{i}": await lease(store, f"r{i}") for i in range(12)}
+    wrote: dict[str, list[object]] = {run_id: [] for run_id in runs}
+
+    async def one_run(run_id: str, nursery: trio.Nursery) -> None:
+        g = runs[run_id]
+        await store.write_run_started(started(run_id), seq=1, generation=g)
+        wrote[run_id].append(started(run_id))
+        for step in range(1, 16):
+            if rng.random() < 0.3:
+                nursery.start_soon(trio.lowlevel.checkpoint)
+            if rng.random() < 0.05:
+                commits.slow_once_s = 0.08
+            await store.write_intent(intent(run_id, step), seq=2 * step, generation=g)
+            await store.write_model_result(result(run_id, step), seq=2 * step + 1, generation=g)
+            wrote[run_id] += [intent(run_id, step), result(run_id, step)]
+            if rng.random() < 0.5:
+                await trio.lowlevel.checkpoint()
+
+    with trio.fail_after(60):
+        async with trio.open_nursery() as nursery:
+            for run_id in runs:
+                nursery.start_soon(one_run, run_id, nursery)
+    await store._engine.settle()
+    for run_id, g in runs.items():  # one at a time, on an idle engine
+        await store.write_intent(intent(run_id, 16), seq=32, generation=g)
+        wrote[run_id].append(intent(run_id, 16))
+    for run_id, records in wrote.items():
+        assert (await store.read_log(run_id)).records == tuple(records)
+    assert store.statistics().pending == 0
+    assert {"trio", "committer"} <= set(commits.threads())  # both paths were taken
