@@ -233,3 +233,29 @@ async def test_runs_interleaved_on_both_paths_each_commit_every_write_once_in_or
         assert (await store.read_log(run_id)).records == tuple(records)
     assert store.statistics().pending == 0
     assert {"trio", "committer"} <= set(commits.threads())  # both paths were taken
+
+
+async def test_writes_lingering_between_barriers_committed_here_wake_nobody(
+    store: Any, commits: Commits, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The committer, left nothing by barriers committed here, naps on while writes come:
+    the non-barrier writes between them wake it at most once, not once each."""
+    monkeypatch.setattr(_engine, "NAP_FOR_S", 60.0)  # however slow this machine's syncs
+    wakes = 0
+    put = _engine._Inbox.put
+
+    def counted(inbox: _engine._Inbox, write: _engine.Write, *, flush: bool) -> None:
+        nonlocal wakes
+        if inbox._sleep == _engine._ASLEEP:  # this put wakes the committer
+            wakes += 1
+        put(inbox, write, flush=flush)
+
+    monkeypatch.setattr(_engine._Inbox, "put", counted)
+    g = await lease(store, "r")
+    await store.write_run_started(started("r"), seq=1, generation=g)
+    for step in range(1, 31):
+        await store.write_intent(intent("r", step), seq=2 * step, generation=g)
+        await store.write_model_result(result("r", step), seq=2 * step + 1, generation=g)
+    assert commits.threads().count("trio") >= 25
+    assert wakes <= 2, wakes  # the first lingering write (the committer slept), maybe one more
+    assert len((await store.read_log("r")).records) == 61

@@ -55,6 +55,10 @@ SPLIT_ABOVE: Final = 64
 """Pending writes above which the committer takes only the older half per batch, so that trio
 works on one half while the other commits (instead of every run moving in lock step)."""
 
+NAP_FOR_S: Final = 1.0
+"""Seconds after the latest write was queued during which an idle committer keeps napping in
+turns of `LINGER_S` (looking at its queue 50 times a second) before it sleeps until woken."""
+
 MAX_PENDING_WRITES: Final = 10_000
 """Queued, uncommitted writes above which a non-barrier write waits for its batch."""
 
@@ -589,8 +593,10 @@ class _Inbox:
     write; when it naps until a deadline, only by a flush. After each batch the committer naps
     for `LINGER_S` (`take`'s ``nap_until``): a run's non-barrier writes between two barriers
     (a model result, a step record) then wake nobody, and its next barrier wakes the committer
-    once. A write queued during a nap waits no longer than the nap, so never more than
-    `LINGER_S`.
+    once. While writes keep coming (the last one queued less than `NAP_FOR_S` ago) it naps
+    again when a nap ends, even with nothing to commit: barriers committed in the trio thread
+    leave it nothing, and the writes lingering between them must not wake it either. A write
+    queued during a nap waits no longer than the nap, so never more than `LINGER_S`.
 
     The state is guarded by one lock; the committer sleeps on a queue of wake tokens, which the
     trio thread fills only when it moves the committer from a wait to `_AWAKE`, so a token
@@ -714,8 +720,9 @@ class _Inbox:
                         break
                 else:
                     self._flush = False  # asked for writes that are already taken
-                    if nap_until is not None and now >= nap_until:
-                        nap_until = None
+                    if nap_until is None or now >= nap_until:
+                        # writes came lately: nap (again), so the next one wakes nobody
+                        nap_until = now + LINGER_S if now - self._since < NAP_FOR_S else None
                     due = nap_until
                 self._sleep = _ASLEEP if due is None else _NAPPING
                 lock.release()
