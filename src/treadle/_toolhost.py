@@ -64,12 +64,14 @@ class _Done:
     def is_set(self) -> bool:
         return self._set
 
+    @trio.lowlevel.enable_ki_protection
     def set(self) -> None:
         self._set = True
         waiters, self._waiters = self._waiters, []
         for task in waiters:
             trio.lowlevel.reschedule(task)
 
+    @trio.lowlevel.enable_ki_protection
     async def wait(self) -> None:
         if self._set:
             await trio.lowlevel.checkpoint()
@@ -128,6 +130,10 @@ class HostedCall(Generic[T]):
             self._abandoned = True
             self._stats.abandoned += 1
 
+    # Protected from Ctrl-C as the host's own system task is: a signal landing in a call is
+    # delivered to the trio run's main task instead; raised here, it would escape into the
+    # system task and end the trio run with a TrioInternalError.
+    @trio.lowlevel.enable_ki_protection
     async def _run(self, fn: Callable[[], Awaitable[T]]) -> None:
         self._started = trio.current_time()
         for variable, value in self._context.items():  # as if the caller had spawned it
@@ -136,7 +142,8 @@ class HostedCall(Generic[T]):
             with self._scope:
                 try:
                     self._result = outcome.Value(await fn())
-                except Exception as exc:
+                except (Exception, KeyboardInterrupt, SystemExit) as exc:
+                    # the run waiting on the call raises it (an abandoned call's is reported)
                     self._result = outcome.Error(exc)
         finally:
             self._stats.running -= 1

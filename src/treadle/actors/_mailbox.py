@@ -15,7 +15,10 @@ for message in inbox``, ``with inbox``):
 * the receiver's end closed: a send raises `trio.BrokenResourceError`; the sender's end
   closed: a send raises `trio.ClosedResourceError`, and the receiver gets the messages still
   buffered, then `trio.EndOfChannel`;
-* a wait (a full buffer, an empty one) is cancellable, and a cancelled wait loses nothing.
+* a wait (a full buffer, an empty one) is cancellable, and a cancelled wait loses nothing;
+* as trio's channels, every operation is protected from Ctrl-C (`KeyboardInterrupt` is
+  delivered once it is done): raised between noting a waiting task and waiting, it would leave
+  a task that a later message wakes while it waits elsewhere, a `trio.TrioInternalError`.
 
 An actor still checkpoints wherever it waits for something (a reply, a store write, a model
 call), so a run never holds the scheduler.
@@ -120,6 +123,7 @@ class MailboxSender(Closing, Generic[T_contra]):
     def __init__(self, state: _State[T_contra]) -> None:
         self._state = state
 
+    @trio.lowlevel.enable_ki_protection
     def send_nowait(self, message: T_contra) -> None:
         """Put ``message`` in the mailbox without waiting.
 
@@ -138,6 +142,7 @@ class MailboxSender(Closing, Generic[T_contra]):
         state.buffer.append(message)
         state.wake_receiver()
 
+    @trio.lowlevel.enable_ki_protection
     async def send(self, message: T_contra) -> None:
         """Put ``message`` in the mailbox; wait (cancellably) while the buffer is full.
 
@@ -166,6 +171,7 @@ class MailboxSender(Closing, Generic[T_contra]):
 
             await trio.lowlevel.wait_task_rescheduled(abort)
 
+    @trio.lowlevel.enable_ki_protection
     def close(self) -> None:
         """No more messages: the receiver gets those buffered, then `trio.EndOfChannel`."""
         state = self._state
@@ -185,6 +191,7 @@ class MailboxReceiver(Closing, Generic[T_co]):
     def __init__(self, state: _State[T_co]) -> None:
         self._state = state
 
+    @trio.lowlevel.enable_ki_protection
     def receive_nowait(self) -> T_co:
         """The oldest message, without waiting.
 
@@ -204,6 +211,7 @@ class MailboxReceiver(Closing, Generic[T_co]):
             raise trio.EndOfChannel
         raise trio.WouldBlock
 
+    @trio.lowlevel.enable_ki_protection
     async def receive(self) -> T_co:
         """The oldest message; wait (cancellably) while the mailbox is empty.
 
@@ -232,6 +240,7 @@ class MailboxReceiver(Closing, Generic[T_co]):
 
             await trio.lowlevel.wait_task_rescheduled(abort)
 
+    @trio.lowlevel.enable_ki_protection
     def close(self) -> None:
         """Stop receiving: buffered messages are dropped, senders get `BrokenResourceError`."""
         state = self._state

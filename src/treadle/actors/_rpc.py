@@ -40,6 +40,7 @@ class ReplySlot(Closing, Generic[R]):
         self._gone = False
         self._waiter: trio.lowlevel.Task | None = None
 
+    @trio.lowlevel.enable_ki_protection
     def send_nowait(self, value: R) -> None:
         """Hand the reply over (never blocks; see the class for what it raises)."""
         if self._closed:
@@ -55,6 +56,7 @@ class ReplySlot(Closing, Generic[R]):
             self._waiter = None
             trio.lowlevel.reschedule(waiter)
 
+    @trio.lowlevel.enable_ki_protection
     def close(self) -> None:
         """No (more) reply: a requester still waiting gets `trio.EndOfChannel`."""
         if self._closed:
@@ -65,6 +67,7 @@ class ReplySlot(Closing, Generic[R]):
             self._waiter = None
             trio.lowlevel.reschedule(waiter)
 
+    @trio.lowlevel.enable_ki_protection
     async def receive(self) -> R:
         """The reply; at once when it is already there (no checkpoint then).
 

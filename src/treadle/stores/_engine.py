@@ -329,6 +329,7 @@ class CommitEngine:
             counters=dict(c.counters),
         )
 
+    @trio.lowlevel.enable_ki_protection
     async def append(
         self,
         run_id: str,
@@ -353,6 +354,9 @@ class CommitEngine:
             Cancelled before it was queued, nothing is written; a barrier cancelled while
             awaiting its batch stays queued and WILL commit (the run's next seq has moved
             on). Only a barrier (or a write that waits for room) yields to the scheduler.
+
+        Protected from Ctrl-C, as trio's channels are: `KeyboardInterrupt` never leaves the
+        engine's bookkeeping half done or a waiting task noted that no longer waits.
         """
         # Cancelled: nothing is queued. No turn of the scheduler otherwise: a barrier yields
         # where it waits for its batch, a non-barrier write returns at once.

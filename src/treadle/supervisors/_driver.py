@@ -226,10 +226,18 @@ async def _supervise(
                 await hold.acquire()
     except BaseException as exc:
         leaves = _leaves(exc)
-        if all(not isinstance(e, Exception) for e in leaves):
-            # Cancelled from outside (or KeyboardInterrupt): the run stays unfinished.
-            handle._failed(RunInterrupted(run_id, "the task driving the run was cancelled"))
+        stopping = [e for e in leaves if isinstance(e, KeyboardInterrupt | SystemExit)]
+        if stopping or all(not isinstance(e, Exception) for e in leaves):
+            # Cancelled from outside, or the process is stopping (Ctrl-C, SystemExit): the
+            # run stays unfinished, and the interrupt goes on even when an actor failed of it
+            # on the way (a task it ended left a closed inbox behind).
+            why = (
+                type(stopping[0]).__name__ if stopping else "the task driving the run was cancelled"
+            )
+            handle._failed(RunInterrupted(run_id, why))
             await hold.release_quietly()
+            if stopping and stopping[0] is not exc:
+                raise stopping[0] from None  # not the errors it caused in the actors it ended
             raise
         error = _interrupted(run_id, exc)
         handle._failed(error)

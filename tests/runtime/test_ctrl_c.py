@@ -1,0 +1,143 @@
+"""Ctrl-C: a process driving runs ends in KeyboardInterrupt, and its runs resume.
+
+The subprocess tests send a real SIGINT to a process driving many runs at once
+(tests/fixtures/ctrl_c_driver.py), at moments spread over its steps: whichever task the
+signal lands in, the process must end in `KeyboardInterrupt`, not in a `trio.TrioInternalError`
+(a waiting task noted by an inbox when the interrupt struck, woken later while it waited
+elsewhere) nor in a run error that hides the interrupt.
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+import random
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import trio
+
+import treadle
+from treadle.ports import DeltaCallback
+from treadle.testing.scripted import ScriptedModel, say
+from treadle.types import ActionIntent, Attempt, ModelReply, ModelRequest, RunFinished
+
+DRIVER = Path(__file__).parent.parent / "fixtures" / "ctrl_c_driver.py"
+ROOT = Path(__file__).parent.parent.parent
+
+
+def interrupt(where: str, runs: int, steps: int, effects: Path, delay_s: float) -> str:
+    """Start the driver, SIGINT it ``delay_s`` after its runs started; its stderr."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
+    child = subprocess.Popen(
+        [sys.executable, str(DRIVER), where, str(runs), str(steps), str(effects)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
+    assert child.stdout is not None
+    try:
+        assert child.stdout.readline().strip() == "driving"
+        try:
+            child.wait(delay_s)
+        except subprocess.TimeoutExpired:
+            child.send_signal(signal.SIGINT)
+        out, err = child.communicate(timeout=60)
+    finally:
+        child.kill()
+    assert "done" not in out, "the runs finished before the interrupt: make them longer"
+    assert child.returncode != 0
+    return err
+
+
+def test_ctrl_c_while_many_runs_go_ends_in_keyboard_interrupt(tmp_path: Path) -> None:
+    rng = random.Random(8)
+    for round_ in range(8):
+        err = interrupt("memory", 60, 400, tmp_path / f"e{round_}", rng.uniform(0.05, 0.8))
+        assert "KeyboardInterrupt" in err, err[-3000:]
+        for wrong in ("TrioInternalError", "RunInterrupted", "BrokenResourceError"):
+            assert wrong not in err, err[-3000:]
+
+
+async def test_runs_stopped_by_ctrl_c_resume_and_run_each_call_once(tmp_path: Path) -> None:
+    path, effects = tmp_path / "s.db", tmp_path / "effects"
+    runs, steps = 20, 60
+    err = await trio.to_thread.run_sync(interrupt, str(path), runs, steps, effects, 0.4)
+    assert "KeyboardInterrupt" in err and "TrioInternalError" not in err, err[-3000:]
+    done_before = effects.read_text().count("\n") if effects.exists() else 0
+    assert done_before < runs * (steps - 1)
+    os.environ["CTRL_C_EFFECTS"] = str(effects)
+    try:
+        sys.path.insert(0, str(DRIVER.parent))
+        import ctrl_c_driver
+
+        async with treadle.open_sqlite_store(path) as store:
+            with trio.fail_after(60):
+                await ctrl_c_driver._drive(_agent(ctrl_c_driver, steps), store, runs)
+            logged = set()
+            for i in range(runs):
+                log = await store.read_log(f"r{i}")
+                assert isinstance(log.records[-1], RunFinished)
+                logged |= {
+                    f"r{i} {r.intent_id}" for r in log.records if isinstance(r, ActionIntent)
+                }
+    finally:
+        sys.path.remove(str(DRIVER.parent))
+        del os.environ["CTRL_C_EFFECTS"]
+    calls = collections.Counter(effects.read_text().splitlines())
+    assert max(calls.values()) == 1  # no call ran twice
+    assert set(calls) <= logged  # and each ran under its durable intent
+    # At most the call in flight at the interrupt, per run, did not run: its intent is
+    # durable, its outcome unknown, and a `never`-replay call is not run again on resume.
+    assert len(logged - set(calls)) <= runs
+
+
+def _agent(driver: object, steps: int) -> treadle.Agent:
+    return treadle.Agent(
+        model=driver.Model(steps),  # type: ignore[attr-defined]
+        executor=treadle.Toolbox([driver.effect]),  # type: ignore[attr-defined]
+        parser=treadle.NativeToolCallParser(),
+        budgets=treadle.Budgets(max_steps=steps + 1, max_model_attempts=None),
+    )
+
+
+class InterruptedModel:
+    """Raises KeyboardInterrupt in the model gateway's task, as Ctrl-C landing there does."""
+
+    async def complete(
+        self,
+        request: ModelRequest,
+        *,
+        on_delta: DeltaCallback | None = None,
+        attempt: Attempt = Attempt.STANDALONE,
+    ) -> ModelReply:
+        await trio.lowlevel.checkpoint()
+        raise KeyboardInterrupt
+
+
+async def test_an_interrupt_in_one_actor_is_not_hidden_by_the_errors_it_causes() -> None:
+    """The gateway's task ends with the interrupt; the coordinator then fails on its closed
+    inbox. The run must raise the interrupt, not a run error about the inbox, and stay
+    unfinished: the same run finishes when driven again."""
+    store = treadle.MemoryStore()
+    agent = _plain(InterruptedModel())
+    with pytest.raises(KeyboardInterrupt):
+        await treadle.run(agent, "hi", store=store, run_id="r")
+    log = await store.read_log("r")
+    assert not any(isinstance(r, RunFinished) for r in log.records)
+    again = _plain(ScriptedModel(turns=[say("hello")]))
+    result = await treadle.run(again, "hi", store=store, run_id="r")
+    assert result.final_answer == "hello"
+
+
+def _plain(model: treadle.ports.ModelClient) -> treadle.Agent:
+    return treadle.Agent(
+        model=model,
+        executor=treadle.Toolbox([]),
+        parser=treadle.NativeToolCallParser(),
+        budgets=treadle.Budgets(max_steps=3),
+    )
