@@ -77,7 +77,7 @@ async def test_runs_stopped_by_ctrl_c_resume_and_run_each_call_once(tmp_path: Pa
 
         async with treadle.open_sqlite_store(path) as store:
             with trio.fail_after(60):
-                await ctrl_c_driver._drive(_agent(ctrl_c_driver, steps), store, runs)
+                await ctrl_c_driver._drive(ctrl_c_driver.agent(steps), store, runs)
             logged = set()
             for i in range(runs):
                 log = await store.read_log(f"r{i}")
@@ -94,15 +94,6 @@ async def test_runs_stopped_by_ctrl_c_resume_and_run_each_call_once(tmp_path: Pa
     # At most the call in flight at the interrupt, per run, did not run: its intent is
     # durable, its outcome unknown, and a `never`-replay call is not run again on resume.
     assert len(logged - set(calls)) <= runs
-
-
-def _agent(driver: object, steps: int) -> treadle.Agent:
-    return treadle.Agent(
-        model=driver.Model(steps),  # type: ignore[attr-defined]
-        executor=treadle.Toolbox([driver.effect]),  # type: ignore[attr-defined]
-        parser=treadle.NativeToolCallParser(),
-        budgets=treadle.Budgets(max_steps=steps + 1, max_model_attempts=None),
-    )
 
 
 class InterruptedModel:
