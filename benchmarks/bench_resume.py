@@ -44,7 +44,7 @@ from rich.table import Table
 import treadle
 from treadle.ports import DeltaCallback, RunStore
 from treadle.testing._intercept import InterceptingStore
-from treadle.types import ModelReply, ModelRequest, Record, StoreOp, ToolCall
+from treadle.types import Attempt, ModelReply, ModelRequest, Record, StoreOp, ToolCall
 
 RUN_ID = "bench-run-0001"
 OWNER = "bench:resume:owner"
@@ -70,7 +70,11 @@ class InstantModel:
         self.steps = steps
 
     async def complete(
-        self, request: ModelRequest, *, on_delta: DeltaCallback | None = None
+        self,
+        request: ModelRequest,
+        *,
+        on_delta: DeltaCallback | None = None,
+        attempt: Attempt = Attempt.STANDALONE,
     ) -> ModelReply:
         await trio.lowlevel.checkpoint()
         COUNTS.model_calls += 1
