@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import secrets
 import tempfile
+import time
 from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager, contextmanager
 
@@ -46,9 +47,17 @@ def fresh_database(dsn: str, prefix: str = "treadle_bench") -> Iterator[str]:
         try:
             yield conninfo.make_conninfo(dsn, dbname=name)
         finally:
-            admin.execute(
-                sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(name))
-            )
+            drop = sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(name))
+            for wait_s in (0.1, 0.2, 0.5, 1.0, 2.0, 4.0, 0.0):
+                try:
+                    admin.execute(drop)
+                    break
+                except psycopg.errors.InsufficientPrivilege:
+                    # an autovacuum worker (the server's own role) is in the database: FORCE
+                    # may not end it, and it ends by itself
+                    if not wait_s:
+                        raise
+                    time.sleep(wait_s)
 
 
 @asynccontextmanager

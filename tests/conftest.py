@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import secrets
+import time
 from collections.abc import Iterator
 
 import pytest
@@ -71,7 +72,14 @@ def postgres_database(postgres_dsn: str) -> Iterator[str]:
     params["dbname"] = name
     yield make_conninfo(**params)
     with psycopg.connect(postgres_dsn, autocommit=True) as conn:
-        conn.execute(f"DROP DATABASE IF EXISTS {name} WITH (FORCE)")
+        for attempt in range(40):  # an autovacuum worker in it may not be ended by FORCE
+            try:
+                conn.execute(f"DROP DATABASE IF EXISTS {name} WITH (FORCE)")
+                return
+            except psycopg.errors.InsufficientPrivilege:
+                if attempt == 39:
+                    raise
+                time.sleep(0.25)  # it ends by itself
 
 
 @pytest.fixture(params=["sqlite", "postgres"])
