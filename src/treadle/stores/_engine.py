@@ -56,8 +56,9 @@ SPLIT_ABOVE: Final = 64
 works on one half while the other commits (instead of every run moving in lock step)."""
 
 NAP_FOR_S: Final = 1.0
-"""Seconds after the latest write was queued during which an idle committer keeps napping in
-turns of `LINGER_S` (looking at its queue 50 times a second) before it sleeps until woken."""
+"""Seconds after a write last found the queue empty during which an idle committer keeps
+napping in turns of `LINGER_S` (looking at its queue 50 times a second) before it sleeps
+until woken."""
 
 MAX_PENDING_WRITES: Final = 10_000
 """Queued, uncommitted writes above which a non-barrier write waits for its batch."""
@@ -415,7 +416,8 @@ class CommitEngine:
         if (
             not self._backend.commits_here
             or self._committer.last_commit_s > COMMIT_HERE_MAX_S
-            or trio.lowlevel.current_statistics().tasks_runnable
+            or self._inbox.committing  # the common case with many runs: ask no more
+            or trio.lowlevel.current_statistics().tasks_runnable  # counts every fd it waits on
         ):
             return False
         batch = self._inbox.claim()
@@ -597,7 +599,7 @@ class _Inbox:
     write; when it naps until a deadline, only by a flush. After each batch the committer naps
     for `LINGER_S` (`take`'s ``nap_until``): a run's non-barrier writes between two barriers
     (a model result, a step record) then wake nobody, and its next barrier wakes the committer
-    once. While writes keep coming (the last one queued less than `NAP_FOR_S` ago) it naps
+    once. While writes keep coming (one found the queue empty less than `NAP_FOR_S` ago) it naps
     again when a nap ends, even with nothing to commit: barriers committed in the trio thread
     leave it nothing, and the writes lingering between them must not wake it either. A write
     queued during a nap waits no longer than the nap, so never more than `LINGER_S`.
@@ -642,6 +644,14 @@ class _Inbox:
                 return
             self._sleep = _AWAKE
         self._tokens.put(None)
+
+    @property
+    def committing(self) -> bool:
+        """Whether the committer has a batch in hand.
+
+        Read without the lock: a hint, which `claim` checks again under it.
+        """
+        return self._committing
 
     def claim(self) -> list[Write] | None:
         """Take every queued write for a commit in the trio thread, if the committer waits.
