@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 import trio
+from tests.fixtures import ctrl_c_driver
 
 import treadle
 from treadle.ports import DeltaCallback
@@ -63,31 +64,24 @@ def test_ctrl_c_while_many_runs_go_ends_in_keyboard_interrupt(tmp_path: Path) ->
             assert wrong not in err, err[-3000:]
 
 
-async def test_runs_stopped_by_ctrl_c_resume_and_run_each_call_once(tmp_path: Path) -> None:
+async def test_runs_stopped_by_ctrl_c_resume_and_run_each_call_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     path, effects = tmp_path / "s.db", tmp_path / "effects"
     runs, steps = 20, 60
     err = await trio.to_thread.run_sync(interrupt, str(path), runs, steps, effects, 0.4)
     assert "KeyboardInterrupt" in err and "TrioInternalError" not in err, err[-3000:]
     done_before = effects.read_text().count("\n") if effects.exists() else 0
     assert done_before < runs * (steps - 1)
-    os.environ["CTRL_C_EFFECTS"] = str(effects)
-    try:
-        sys.path.insert(0, str(DRIVER.parent))
-        import ctrl_c_driver
-
-        async with treadle.open_sqlite_store(path) as store:
-            with trio.fail_after(60):
-                await ctrl_c_driver._drive(ctrl_c_driver.agent(steps), store, runs)
-            logged = set()
-            for i in range(runs):
-                log = await store.read_log(f"r{i}")
-                assert isinstance(log.records[-1], RunFinished)
-                logged |= {
-                    f"r{i} {r.intent_id}" for r in log.records if isinstance(r, ActionIntent)
-                }
-    finally:
-        sys.path.remove(str(DRIVER.parent))
-        del os.environ["CTRL_C_EFFECTS"]
+    monkeypatch.setenv("CTRL_C_EFFECTS", str(effects))  # the driver's tool writes there
+    async with treadle.open_sqlite_store(path) as store:
+        with trio.fail_after(60):
+            await ctrl_c_driver.drive(ctrl_c_driver.agent(steps), store, runs)
+        logged = set()
+        for i in range(runs):
+            log = await store.read_log(f"r{i}")
+            assert isinstance(log.records[-1], RunFinished)
+            logged |= {f"r{i} {r.intent_id}" for r in log.records if isinstance(r, ActionIntent)}
     calls = collections.Counter(effects.read_text().splitlines())
     assert max(calls.values()) == 1  # no call ran twice
     assert set(calls) <= logged  # and each ran under its durable intent

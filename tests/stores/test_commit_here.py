@@ -165,7 +165,6 @@ async def test_another_connections_write_lock_hands_the_barrier_to_the_committer
         assert (stats.commits, stats.writes_committed, stats.pending) == (1, 2, 0)
 
 
-@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")
 async def test_a_bug_in_a_commit_here_fails_the_batch_and_stops_the_engine(
     store: Any, commits: Commits
 ) -> None:
