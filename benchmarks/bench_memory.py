@@ -1,7 +1,9 @@
 """Resident memory of 100 concurrent SQLite runs, above what importing treadle takes.
 
-Each row runs in a fresh process: it imports treadle (and the benchmark's workload), reads
-its resident set size (the baseline), runs C runs of the instant workload at once on SQLite
+Each row runs in a fresh process: it imports treadle (and the benchmark's workload), then the
+modules a run needs that ``import treadle`` leaves to first use (the stores, actors and
+supervisors: their size is its own column), reads its resident set size (the baseline), runs
+C runs of the instant workload at once on SQLite
 (``synchronous=FULL``, benchmarks/_workload.py), and reads the peak resident set size
 (Linux ``VmHWM``) and the size at the end. The reference is the bare two-commit loop of
 benchmarks/bench_vs_bare.py in the same process setup (C threads, one connection each).
@@ -15,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import importlib
 import json
 import statistics
 import subprocess
@@ -43,10 +46,19 @@ def child(kind: str, runs: int, steps: int) -> None:
     import bench_vs_bare  # imports treadle, trio, sqlite3 and the workload
 
     gc.collect()
+    imported = _status_kib("VmRSS")
+    importlib.import_module("treadle.stores")  # what the first run would import
+    importlib.import_module("treadle.supervisors")
+    gc.collect()
     baseline = _status_kib("VmRSS")
     timing = bench_vs_bare.measure(kind, runs, steps)
     peak, end = _status_kib("VmHWM"), _status_kib("VmRSS")
-    print(json.dumps({"baseline": baseline, "peak": peak, "end": end, "steps": timing.steps}))
+    lazy = baseline - imported
+    print(
+        json.dumps(
+            {"baseline": baseline, "lazy": lazy, "peak": peak, "end": end, "steps": timing.steps}
+        )
+    )
 
 
 def _one(kind: str, runs: int, steps: int) -> dict[str, int]:
@@ -73,7 +85,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         child(args.child, args.runs, args.steps)
         return
     table = Table(title=f"resident memory, {args.runs} concurrent runs (medians)")
-    for column in ("system", "C", "baseline MB", "peak growth MB", "end growth MB"):
+    columns = ("system", "C", "baseline MB", "imports MB", "peak growth MB", "end growth MB")
+    for column in columns:
         table.add_column(column, justify="right")
     for kind in ("bare", "sqlite", "jsonl"):
         rows = [_one(kind, args.runs, args.steps) for _ in range(args.repeat)]
@@ -86,6 +99,7 @@ def main(argv: Sequence[str] | None = None) -> None:
             "bare loop (sqlite3)" if kind == "bare" else f"treadle, {kind}",
             str(args.runs),
             f"{baseline:.1f}",
+            f"{statistics.median(r['lazy'] for r in rows) * 1024 / MB:.1f}",
             f"{med('peak'):.1f}",
             f"{med('end'):.1f}",
         )

@@ -87,6 +87,17 @@ def test_text_alongside_calls_is_kept() -> None:
     assert parsed.history_message.tool_calls == (call,)
 
 
+def test_a_call_whose_id_stands_is_the_models_own_object() -> None:
+    # The run's history keeps every call: a copy per step would be kept twice.
+    kept = ToolCall(id="c1", name="get_weather", arguments={"city": "Oslo"})
+    renamed = ToolCall(id="c1", name="read_file", arguments={})  # duplicate id: a new one
+    parsed = native(ModelReply(tool_calls=(kept, renamed)))
+    assert parsed.actions[0] is kept
+    assert parsed.actions[1] is not renamed
+    assert parsed.actions[1].id != "c1"
+    assert parsed.history_message.tool_calls[0] is kept
+
+
 def test_null_content_never_becomes_the_string_none() -> None:
     call = ToolCall(id="c1", name="get_weather", arguments={"city": "Oslo"})
     parsed = native(ModelReply(text=None, tool_calls=(call,)))

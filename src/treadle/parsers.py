@@ -217,7 +217,8 @@ class _Collector:
     def add_valid(self, index: int, call: ToolCall) -> None:
         call_id = self.call_id(call.id, index, call.name)
         if isinstance(call.arguments, Mapping):
-            self.calls.append(attrs.evolve(call, id=call_id))
+            # the model's own call when its id stands: a step keeps it in the run's history
+            self.calls.append(call if call_id == call.id else attrs.evolve(call, id=call_id))
             return
         message = (
             f"{_label(call_id, call.name)} was not executed: its arguments are not a JSON "

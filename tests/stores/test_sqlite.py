@@ -276,6 +276,53 @@ async def test_group_commit_batches_100_concurrent_runs(tmp_path: Path) -> None:
             assert log.records[-1].step == 5  # type: ignore[union-attr]
 
 
+async def test_group_commits_prepare_a_few_insert_shapes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Each distinct INSERT stays prepared in the committer connection's statement cache:
+    # batches of up to ONE_STATEMENT_ROWS rows are one INSERT of their size, larger ones
+    # INSERTs of a power of two rows in one transaction (docs/performance.md, "Memory").
+    shapes: list[int] = []
+    insert_sql = sqlite_module._insert_sql
+
+    def recording(count: int) -> str:
+        shapes.append(count)
+        return insert_sql(count)
+
+    monkeypatch.setattr(sqlite_module, "_insert_sql", recording)
+    async with open_sqlite_store(tmp_path / "s.db") as store:
+        runs = [Steps(store, f"run-{n:03}") for n in range(60)]
+
+        async def drive(run: Steps) -> None:
+            await run.start()
+            for _ in range(4):
+                await run.next()
+
+        with trio.fail_after(60):
+            async with trio.open_nursery() as nursery:
+                for run in runs:
+                    nursery.start_soon(drive, run)
+        await store.list_runs()  # waits for the tails to commit
+        assert store.statistics().records_written == 60 * (1 + 4 * 5)
+        for run in runs:
+            assert len((await store.read_log(run.run_id)).records) == 21
+    small = sqlite_module.ONE_STATEMENT_ROWS
+    most = sqlite_module.INSERT_ROWS_MAX
+    assert any(count > small for count in shapes), shapes  # some batch took the long path
+    for count in shapes:
+        assert count <= small or (count <= most and count & (count - 1) == 0), shapes
+
+
+def test_in_lists_are_padded_to_a_power_of_two() -> None:
+    for n in (1, 2, 3, 5, 8, 9, 100, 512):
+        marks, params = _sql.padded_in([f"r{i}" for i in range(n)])
+        size = len(params)
+        assert size >= n and size & (size - 1) == 0 and size < 2 * n + 1
+        assert marks.count("?") == size
+        assert params[:n] == [f"r{i}" for i in range(n)]
+        assert set(params[n:]) <= {f"r{n - 1}"}
+
+
 async def test_non_barrier_writes_are_committed_by_the_next_barrier(tmp_path: Path) -> None:
     async with open_sqlite_store(tmp_path / "s.db") as store:
         g = await lease(store, "r")

@@ -111,6 +111,8 @@ class ContextHydrator:
     store: RunStore | None = None
     _history: list[Message] = attrs.Factory(list)
     _groups: list[Group] = attrs.Factory(list)
+    """The history's steps, one group each, for fitting it to the context window; kept only
+    when there is a window (a run's memory, docs/performance.md, "Memory")."""
     _head: tuple[Message, ...] = ()
     _meter: Meter = attrs.Factory(Meter)
     _last: tuple[tuple[Message, ...], int] | None = None
@@ -180,7 +182,8 @@ class ContextHydrator:
         at = 1 if self.system_prompt is not None else 0
         self._history[at:at] = inherited
         # the budget compacts it like the run's own steps (docs/context.md, "What stays")
-        self._groups[0:0] = inherited_groups(inherited)
+        if self.context_window is not None:
+            self._groups[0:0] = inherited_groups(inherited)
 
     def build(self, new_steps: Sequence[StepRecord]) -> ModelRequest:
         """Add ``new_steps`` to the history and return the next request (no window)."""
@@ -236,7 +239,7 @@ class ContextHydrator:
         for step in new_steps:
             messages = answer_every_call(step_messages(step), self.synthetic)
             self._history.extend(messages)
-            if messages:
+            if messages and self.context_window is not None:
                 self._groups.append(Group(step=step.step, messages=tuple(messages)))
 
     def _request(

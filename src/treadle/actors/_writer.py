@@ -75,8 +75,9 @@ SINK_BUFFER = 256
 SINK_GRACE_S = 2.0
 """Seconds sinks may take to drain their buffers after the run ended before being cancelled."""
 
-TAIL_KEEP = 64
-"""Recent records kept in memory so a subscriber can join without a store read."""
+TAIL_KEEP = 16
+"""Recent records kept in memory so a subscriber can join without a store read (16 to 32 are
+kept; one joining further behind reads the store: docs/performance.md, "Memory")."""
 
 
 @attrs.frozen(kw_only=True)

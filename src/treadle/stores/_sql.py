@@ -783,12 +783,23 @@ def read_control(
     return tuple(entries)
 
 
+def padded_in(values: Sequence[str]) -> tuple[str, list[str]]:
+    """The placeholders and parameters of ``IN (...)`` for ``values`` (at least one).
+
+    The list is padded to a power of two by repeating its last value: a query then has a few
+    shapes instead of one per length, and each shape a driver prepares stays in its
+    connection's statement cache (docs/performance.md, "Memory").
+    """
+    padded = list(values)
+    padded += [padded[-1]] * ((1 << (len(padded) - 1).bit_length()) - len(padded))
+    return ", ".join("?" * len(padded)), padded
+
+
 def control_heads(dialect: SqlDialect, conn: Connection, run_ids: Sequence[str]) -> dict[str, int]:
     """The ``control_head`` of each run that has control entries."""
     heads: dict[str, int] = {}
-    for start in range(0, len(run_ids), 500):
-        chunk = list(run_ids[start : start + 500])
-        marks = ", ".join("?" * len(chunk))
+    for start in range(0, len(run_ids), 512):
+        marks, chunk = padded_in(run_ids[start : start + 512])
         rows = conn.execute(
             dialect.sql(
                 "SELECT run_id, control_head FROM runs WHERE control_head > 0 "

@@ -19,7 +19,7 @@ import random
 import sys
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from contextlib import asynccontextmanager
-from typing import Any
+from typing import Any, Final
 
 import attrs
 import trio
@@ -93,6 +93,11 @@ CONTROL_POLL_S = 0.5
 """Seconds between two reads of a run's control log by the process driving it: a cancel or
 an approval decision written by another process is picked up within about twice this long
 (the listing of which control logs exist is shared and may be one interval old)."""
+
+
+_JITTER: Final = random.Random()
+"""Retry jitter of the runs given no random source: one unseeded source for all of them
+(a `random.Random` holds 2.5 KB of state; jitter needs no source of its own per run)."""
 
 
 @attrs.frozen(kw_only=True)
@@ -406,7 +411,7 @@ async def _drive(
             started=started,
             writer=client,
             clock=clock,
-            rng=options.rng or random.Random(),
+            rng=options.rng or _JITTER,
             store=store,
         )
         needs_approval = functools.partial(

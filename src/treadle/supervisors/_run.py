@@ -91,7 +91,7 @@ async def open_run(
         run_id: the run's id (docs/concepts.md, "Run ids"); a fresh random one when omitted.
         sinks: event sinks fed through bounded buffers.
         clock: wall clock for record timestamps (default: the system clock).
-        rng: random source for retry jitter (default: a fresh unseeded one).
+        rng: random source for retry jitter (default: one unseeded source the runs share).
         approval_policy: ``policy(tool, arguments) -> bool``: calls it selects wait for a
             human decision, as do tools declared with ``requires_approval=True``.
         control_poll_s: seconds between reads of the run's control stream (cancel and
