@@ -10,6 +10,7 @@ import shutil
 import sqlite3
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
@@ -913,6 +914,48 @@ async def test_failed_non_barrier_surfaces_from_the_next_write(tmp_path: Path) -
         assert isinstance(info.value.__cause__.__cause__, sqlite3.OperationalError)
     finally:
         await store.aclose()
+
+
+async def test_a_barrier_queued_behind_its_runs_failed_write_names_that_failure(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A full disk fails the batch holding run-started (a write that does not wait); the
+    # run's next write, a barrier, is queued before the trio side learns of it. It must be
+    # refused with that failure as cause, never reach the database, where the missing seq 1
+    # looked like records the store had lost.
+    took, release = threading.Event(), threading.Event()
+    original = sqlite_module.SqliteBackend.commit
+    failure = StoreError("disk I/O error (injected)")
+
+    def commit(this: object, batch: list[_engine.Write]) -> object:
+        if any(w.run_id == "r" and w.seq == 1 for w in batch):
+            took.set()
+            release.wait(10)
+            _engine.fail_writes(batch, failure)
+            return _engine.NOTHING_COMMITTED
+        return original(this, batch)
+
+    monkeypatch.setattr(sqlite_module.SqliteBackend, "commit", commit)
+    async with open_sqlite_store(tmp_path / "s.db") as store:
+        g = await lease(store, "r")
+        await store.write_run_started(started("r"), seq=1, generation=g)  # returns at once
+        await trio.to_thread.run_sync(took.wait, 10)  # the committer holds it
+        refused: list[BaseException] = []
+
+        async def barrier() -> None:
+            try:
+                await store.write_intent(intent("r", "m1"), seq=2, generation=g)
+            except TreadleError as exc:
+                refused.append(exc)
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(barrier)
+            await trio.testing.wait_all_tasks_blocked()  # queued behind the failing batch
+            release.set()
+        assert len(refused) == 1, refused
+        assert "an earlier write of this run failed" in str(refused[0]), refused
+        assert refused[0].__cause__ is failure
+        assert (await store.read_log("r")).records == ()
 
 
 async def test_unreported_failure_is_raised_by_aclose(tmp_path: Path) -> None:

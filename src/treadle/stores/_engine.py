@@ -424,16 +424,14 @@ class CommitEngine:
         if batch is None:
             return False
         batch.append(write)
-        began = _monotonic()
         try:
-            report = self._backend.commit_here(batch)
+            report = self._committer.commit(batch, here=True)
         except BaseException as exc:
             _fail(batch, exc)
             self._inbox.close()
             self._inbox.stop()
             report = NOTHING_COMMITTED
         else:
-            self._committer.last_commit_s = _monotonic() - began
             if report is None and self._inbox.hand_back(batch):
                 return True
             if report is None:  # the committer stopped meanwhile
@@ -782,6 +780,38 @@ class _Committer:
         self.last_commit_s = 0.0
         """Seconds the last commit took, in this thread or the trio thread (a float is
         assigned whole under the GIL)."""
+        self._failed: dict[tuple[str, int], TreadleError] = {}
+        """The first failure of each (run, lease generation) among the batches committed."""
+
+    def commit(self, batch: list[Write], *, here: bool = False) -> BatchReport | None:
+        """Have the backend commit ``batch``: in this thread, or in the trio thread (``here``).
+
+        A run's later writes may be queued before the trio side learns that an earlier one
+        failed (a non-barrier write does not wait for its commit): they are refused here,
+        with that failure as their cause, and never reach the backend, which would take the
+        missing seqs for lost records. Commits never overlap (the trio thread commits only a
+        batch it claimed from an idle committer), so this needs no lock. ``None``: the
+        backend would have waited in the trio thread (`Backend.commit_here`).
+        """
+        failed = self._failed
+        kept = batch
+        if failed:
+            kept = []
+            for write in batch:
+                cause = failed.get((write.run_id, write.generation))
+                if cause is None:
+                    kept.append(write)
+                elif write.error is None:
+                    write.error = refusal(write.run_id, cause)
+        if not kept:
+            return NOTHING_COMMITTED
+        began = _monotonic()
+        report = self._backend.commit_here(kept) if here else self._backend.commit(kept)
+        self.last_commit_s = _monotonic() - began
+        for write in kept:
+            if write.error is not None:
+                failed.setdefault((write.run_id, write.generation), write.error)
+        return report
 
     def start(self) -> None:
         """Start the thread."""
@@ -811,9 +841,8 @@ class _Committer:
             batch, stopping = self._inbox.take(nap_until)
             try:
                 if batch:
-                    began = _monotonic()
-                    report = self._backend.commit(batch)
-                    self.last_commit_s = _monotonic() - began
+                    report = self.commit(batch)
+                    assert report is not None
                     self._inbox.committed()
                 else:
                     report = NOTHING_COMMITTED
