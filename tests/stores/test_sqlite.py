@@ -247,19 +247,25 @@ async def test_statistics_is_a_frozen_record(tmp_path: Path) -> None:
 # --------------------------------------------------------------------------- group commit
 
 
+async def drive_concurrently(store: SqliteStore, count: int, steps: int) -> list[Steps]:
+    """``count`` runs at once, each started and written ``steps`` steps."""
+    runs = [Steps(store, f"run-{n:03}") for n in range(count)]
+
+    async def drive(run: Steps) -> None:
+        await run.start()
+        for _ in range(steps):
+            await run.next()
+
+    with trio.fail_after(60):
+        async with trio.open_nursery() as nursery:
+            for run in runs:
+                nursery.start_soon(drive, run)
+    return runs
+
+
 async def test_group_commit_batches_100_concurrent_runs(tmp_path: Path) -> None:
     async with open_sqlite_store(tmp_path / "s.db") as store:
-        runs = [Steps(store, f"run-{n:03}") for n in range(100)]
-
-        async def drive(run: Steps) -> None:
-            await run.start()
-            for _ in range(5):
-                await run.next()
-
-        with trio.fail_after(60):
-            async with trio.open_nursery() as nursery:
-                for run in runs:
-                    nursery.start_soon(drive, run)
+        runs = await drive_concurrently(store, 100, 5)
         listed = await store.list_runs()  # also waits for the tails to commit
         assert sorted(listed) == [r.run_id for r in runs]
         stats = store.statistics()
@@ -292,17 +298,7 @@ async def test_group_commits_prepare_a_few_insert_shapes(
 
     monkeypatch.setattr(sqlite_module, "_insert_sql", recording)
     async with open_sqlite_store(tmp_path / "s.db") as store:
-        runs = [Steps(store, f"run-{n:03}") for n in range(60)]
-
-        async def drive(run: Steps) -> None:
-            await run.start()
-            for _ in range(4):
-                await run.next()
-
-        with trio.fail_after(60):
-            async with trio.open_nursery() as nursery:
-                for run in runs:
-                    nursery.start_soon(drive, run)
+        runs = await drive_concurrently(store, 60, 4)
         await store.list_runs()  # waits for the tails to commit
         assert store.statistics().records_written == 60 * (1 + 4 * 5)
         for run in runs:
