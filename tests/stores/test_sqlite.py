@@ -14,6 +14,7 @@ import threading
 import time
 from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import attrs
 import pytest
@@ -283,31 +284,29 @@ async def test_group_commit_batches_100_concurrent_runs(tmp_path: Path) -> None:
             assert log.records[-1].step == 5  # type: ignore[union-attr]
 
 
-async def test_group_commits_prepare_a_few_insert_shapes(
+async def test_connections_keep_a_bounded_statement_cache(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    # Each distinct INSERT stays prepared in the committer connection's statement cache:
-    # batches of up to ONE_STATEMENT_ROWS rows are one INSERT of their size, larger ones
-    # INSERTs of a power of two rows in one transaction (docs/performance.md, "Memory").
-    shapes: list[int] = []
-    insert_sql = sqlite_module._insert_sql
+    # Group commits make an INSERT per batch size; every connection the store opens (the
+    # committer's and the readers') keeps only STATEMENT_CACHE of them prepared
+    # (docs/decisions/0094-few-statement-shapes.md).
+    caches: list[object] = []
+    connect = sqlite3.connect
 
-    def recording(count: int) -> str:
-        shapes.append(count)
-        return insert_sql(count)
+    def recording(*args: Any, **kwargs: Any) -> sqlite3.Connection:
+        caches.append(kwargs.get("cached_statements"))
+        return connect(*args, **kwargs)
 
-    monkeypatch.setattr(sqlite_module, "_insert_sql", recording)
+    monkeypatch.setattr(sqlite_module.sqlite3, "connect", recording)
     async with open_sqlite_store(tmp_path / "s.db") as store:
         runs = await drive_concurrently(store, 60, 4)
-        await store.list_runs()  # waits for the tails to commit
+        await store.list_runs()  # a reader's connection, and waits for the tails to commit
         assert store.statistics().records_written == 60 * (1 + 4 * 5)
         for run in runs:
             assert len((await store.read_log(run.run_id)).records) == 21
-    small = sqlite_module.ONE_STATEMENT_ROWS
-    most = sqlite_module.INSERT_ROWS_MAX
-    assert any(count > small for count in shapes), shapes  # some batch took the long path
-    for count in shapes:
-        assert count <= small or (count <= most and count & (count - 1) == 0), shapes
+    assert len(caches) >= 2, caches
+    assert set(caches) == {sqlite_module.STATEMENT_CACHE}, caches
+    assert sqlite_module.STATEMENT_CACHE < 128  # Python's default
 
 
 def test_in_lists_are_padded_to_a_power_of_two() -> None:

@@ -196,8 +196,16 @@ def _translate(path: str, exc: BaseException, what: str) -> TreadleError | None:
     return StoreError(f"{what} SQLite store {path}: {text}")
 
 
+STATEMENT_CACHE: Final = 16
+"""Prepared statements each connection keeps (Python's `sqlite3` default: 128). A group commit
+is one INSERT of exactly its rows, so a hundred runs make an INSERT per batch size; kept, they
+held some 7 MB of SQLite's memory (docs/decisions/0094-few-statement-shapes.md)."""
+
+
 def _connect(path: str) -> sqlite3.Connection:
-    conn = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
+    conn = sqlite3.connect(
+        path, isolation_level=None, check_same_thread=False, cached_statements=STATEMENT_CACHE
+    )
     conn.execute(f"PRAGMA busy_timeout = {BUSY_TIMEOUT_MS}")
     return conn
 
@@ -492,8 +500,7 @@ class SqliteBackend(_sql.SqlBackend):
     def commit(self, batch: list[Write]) -> BatchReport:
         """Commit ``batch`` in one transaction; refused runs' writes get their error.
 
-        The common batch is one multi-row INSERT, its own transaction (or, past
-        `ONE_STATEMENT_ROWS`, a few in one transaction), its parameters the
+        The common batch is one multi-row INSERT, its own transaction, its parameters the
         writes' flat values end to end (`treadle.stores._sql.encode_values`): the
         ``records_fence`` trigger admits each row against its run's row and
         ``records_advance`` moves the run's next seq. A batch that changes index columns (a
@@ -511,13 +518,7 @@ class SqliteBackend(_sql.SqlBackend):
                     values: list[Any] = []
                     for write in batch:
                         values += write.payload  # type: ignore[arg-type]
-                    rows = len(values) // _sql.ROW_WIDTH
-                    if rows <= ONE_STATEMENT_ROWS:
-                        self._cursor.execute(_insert_sql(rows), values)
-                    else:
-                        self._conn.execute("BEGIN IMMEDIATE")
-                        self._insert(values)
-                        self._conn.execute("COMMIT")
+                    self._cursor.execute(_insert_sql(len(values) // _sql.ROW_WIDTH), values)
                     return ONE_SYNC
                 groups = _sql.group_by_run(batch)
                 committed = self._all_at_once(groups) if groups else False
@@ -621,18 +622,12 @@ class SqliteBackend(_sql.SqlBackend):
     def _insert(self, values: list[Any]) -> None:
         """INSERT flat row values (`treadle.stores._sql.encode_values`).
 
-        In statements of a power of two rows each, at most `INSERT_ROWS_MAX` (and what
-        SQLite's limit on parameters allows): the connection's cache of prepared statements
-        holds a few shapes instead of one per batch size (docs/performance.md, "Memory").
+        In as few statements as SQLite's limit on parameters allows.
         """
-        width = _sql.ROW_WIDTH
-        most = min(INSERT_ROWS_MAX, self._max_rows)
-        start, rows = 0, len(values) // width
-        while rows:
-            count = min(most, 1 << (rows.bit_length() - 1))
-            end = start + count * width
-            self._cursor.execute(_insert_sql(count), values[start:end])
-            start, rows = end, rows - count
+        step = self._max_rows * _sql.ROW_WIDTH
+        for start in range(0, len(values), step):
+            chunk = values[start : start + step]
+            self._cursor.execute(_insert_sql(len(chunk) // _sql.ROW_WIDTH), chunk)
 
     def _rollback(self) -> None:
         with contextlib.suppress(sqlite3.Error):
@@ -645,15 +640,6 @@ class SqliteBackend(_sql.SqlBackend):
             self._conn.close()
         return NOTHING_COMMITTED
 
-
-ONE_STATEMENT_ROWS: Final = 8
-"""A plain batch of at most this many rows is one INSERT of exactly its rows, a transaction of
-its own; a larger one is several INSERTs (`INSERT_ROWS_MAX`) in one transaction."""
-
-INSERT_ROWS_MAX: Final = 64
-"""The most rows one INSERT of the committer writes. Every distinct statement stays prepared in
-the connection's cache: with one statement per batch size, group commits across a hundred runs
-held some 7 MB of prepared statements."""
 
 _INSERT_CACHE: dict[int, str] = {}
 
