@@ -311,12 +311,16 @@ async def test_connections_keep_a_bounded_statement_cache(
 
 def test_in_lists_are_padded_to_a_power_of_two() -> None:
     for n in (1, 2, 3, 5, 8, 9, 100, 512):
-        marks, params = _sql.padded_in([f"r{i}" for i in range(n)])
+        ((marks, params),) = _sql.in_lists([f"r{i}" for i in range(n)])
         size = len(params)
         assert size >= n and size & (size - 1) == 0 and size < 2 * n + 1
         assert marks.count("?") == size
         assert params[:n] == [f"r{i}" for i in range(n)]
         assert set(params[n:]) <= {f"r{n - 1}"}
+    assert list(_sql.in_lists([])) == []
+    lists = list(_sql.in_lists([f"r{i}" for i in range(_sql.IN_LIST_MAX + 3)]))
+    assert [len(params) for _, params in lists] == [_sql.IN_LIST_MAX, 4]
+    assert lists[1][1] == [f"r{_sql.IN_LIST_MAX + i}" for i in (0, 1, 2, 2)]
 
 
 async def test_non_barrier_writes_are_committed_by_the_next_barrier(tmp_path: Path) -> None:

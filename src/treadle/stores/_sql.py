@@ -32,7 +32,7 @@ import contextlib
 import datetime as dt
 import functools
 import threading
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, Final, Protocol, TypeVar
 
 import attrs
@@ -783,23 +783,28 @@ def read_control(
     return tuple(entries)
 
 
-def padded_in(values: Sequence[str]) -> tuple[str, list[str]]:
-    """The placeholders and parameters of ``IN (...)`` for ``values`` (at least one).
+IN_LIST_MAX: Final = 512
+"""The most values one ``IN (...)`` list holds (a power of two; longer lists are split)."""
 
-    The list is padded to a power of two by repeating its last value: a query then has a few
+
+def in_lists(values: Sequence[str]) -> Iterator[tuple[str, list[str]]]:
+    """``values`` as ``IN (...)`` lists: ``(placeholders, parameters)`` pairs, none if empty.
+
+    Each list holds at most `IN_LIST_MAX` values and is padded to a power of two by
+    repeating its last value (which changes no ``IN`` test): a query then comes in a few
     shapes instead of one per length, and each shape a driver prepares stays in its
-    connection's statement cache (docs/performance.md, "Memory").
+    connection's statement cache (docs/decisions/0094-few-statement-shapes.md).
     """
-    padded = list(values)
-    padded += [padded[-1]] * ((1 << (len(padded) - 1).bit_length()) - len(padded))
-    return ", ".join("?" * len(padded)), padded
+    for start in range(0, len(values), IN_LIST_MAX):
+        chunk = list(values[start : start + IN_LIST_MAX])
+        chunk += [chunk[-1]] * ((1 << (len(chunk) - 1).bit_length()) - len(chunk))
+        yield ", ".join("?" * len(chunk)), chunk
 
 
 def control_heads(dialect: SqlDialect, conn: Connection, run_ids: Sequence[str]) -> dict[str, int]:
     """The ``control_head`` of each run that has control entries."""
     heads: dict[str, int] = {}
-    for start in range(0, len(run_ids), 512):
-        marks, chunk = padded_in(run_ids[start : start + 512])
+    for marks, chunk in in_lists(run_ids):
         rows = conn.execute(
             dialect.sql(
                 "SELECT run_id, control_head FROM runs WHERE control_head > 0 "

@@ -609,8 +609,7 @@ class SqliteBackend(_sql.SqlBackend):
 
     def _stored(self, run_ids: list[str]) -> dict[str, tuple[int, int, str]]:
         found: dict[str, tuple[int, int, str]] = {}
-        for start in range(0, len(run_ids), 512):
-            marks, chunk = _sql.padded_in(run_ids[start : start + 512])
+        for marks, chunk in _sql.in_lists(run_ids):
             rows = self._conn.execute(
                 "SELECT run_id, next_seq, lease_generation, lease_owner FROM runs "
                 f"WHERE run_id IN ({marks})",
