@@ -36,7 +36,7 @@ import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from types import MappingProxyType
-from typing import TYPE_CHECKING, Final, Protocol
+from typing import TYPE_CHECKING, Final, Protocol, TypeVar
 
 import attrs
 import trio
@@ -47,6 +47,8 @@ from treadle.types import Record
 
 if TYPE_CHECKING:
     from treadle.metrics import MetricsRecorder
+
+_R = TypeVar("_R")
 
 LINGER_S: Final = 0.02
 """Seconds a queued non-barrier write may wait for a barrier to share its batch."""
@@ -425,7 +427,7 @@ class CommitEngine:
             return False
         batch.append(write)
         try:
-            report = self._committer.commit(batch, here=True)
+            report = self._committer.commit_here(batch)
         except BaseException as exc:
             _fail(batch, exc)
             self._inbox.close()
@@ -783,15 +785,25 @@ class _Committer:
         self._failed: dict[tuple[str, int], TreadleError] = {}
         """The first failure of each (run, lease generation) among the batches committed."""
 
-    def commit(self, batch: list[Write], *, here: bool = False) -> BatchReport | None:
-        """Have the backend commit ``batch``: in this thread, or in the trio thread (``here``).
+    def commit(self, batch: list[Write]) -> BatchReport:
+        """Have the backend commit ``batch`` (in the committer thread)."""
+        return self._commit(batch, self._backend.commit)
+
+    def commit_here(self, batch: list[Write]) -> BatchReport | None:
+        """Have the backend commit ``batch`` in the trio thread (`Backend.commit_here`).
+
+        ``None``: the backend would have waited (another process's lock); nothing was done.
+        """
+        return self._commit(batch, self._backend.commit_here)
+
+    def _commit(self, batch: list[Write], commit: Callable[[list[Write]], _R]) -> _R | BatchReport:
+        """``commit(batch)``, timed, less the writes of runs whose earlier write failed.
 
         A run's later writes may be queued before the trio side learns that an earlier one
         failed (a non-barrier write does not wait for its commit): they are refused here,
         with that failure as their cause, and never reach the backend, which would take the
         missing seqs for lost records. Commits never overlap (the trio thread commits only a
-        batch it claimed from an idle committer), so this needs no lock. ``None``: the
-        backend would have waited in the trio thread (`Backend.commit_here`).
+        batch it claimed from an idle committer), so this needs no lock.
         """
         failed = self._failed
         kept = batch
@@ -806,7 +818,7 @@ class _Committer:
         if not kept:
             return NOTHING_COMMITTED
         began = _monotonic()
-        report = self._backend.commit_here(kept) if here else self._backend.commit(kept)
+        report = commit(kept)
         self.last_commit_s = _monotonic() - began
         for write in kept:
             if write.error is not None:
@@ -842,7 +854,6 @@ class _Committer:
             try:
                 if batch:
                     report = self.commit(batch)
-                    assert report is not None
                     self._inbox.committed()
                 else:
                     report = NOTHING_COMMITTED
