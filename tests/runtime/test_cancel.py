@@ -313,3 +313,32 @@ async def test_an_action_cancelled_while_its_intent_is_written_is_not_executed(a
     assert late.late
     assert late.outcome.status is ActionStatus.NOT_EXECUTED
     assert "before the call started" in late.outcome.observation
+
+
+@pytest.mark.parametrize("kind", ["memory", "sqlite"])
+async def test_a_dropped_store_is_freed_within_the_trio_run_that_drove_it(kind, tmp_path):
+    # The runs of a store share one reading of its control heads per trio run, found
+    # through the store as a weak key; the index must not hold the store (and every log
+    # it keeps) alive until the trio run ends.
+    import gc
+    import weakref
+
+    from treadle.stores.sqlite import open_sqlite_store
+    from treadle.supervisors._control import shared_index
+
+    agent, _, _ = make(turns=[say("done")])
+    if kind == "memory":
+        store = MemoryStore()
+        async with open_run(agent, "x", store=store, run_id="r") as handle:
+            await handle.wait()
+    else:
+        async with (
+            open_sqlite_store(str(tmp_path / "runs.db")) as store,
+            open_run(agent, "x", store=store, run_id="r") as handle,
+        ):
+            await handle.wait()
+    assert shared_index(store, CONTROL_POLL_S) is not None  # the runs had one
+    dropped = weakref.ref(store)
+    del store, handle
+    gc.collect()
+    assert dropped() is None

@@ -37,12 +37,15 @@ class ControlIndex:
     It owns no task: the runs that wait on it take turns doing the reading (`wait_grown`), each
     in its own task and nursery.
 
+    It holds its store weakly: the trio run's indexes are keyed by their stores (weak keys),
+    and a strong reference back would keep every store used in the trio run, with all it holds,
+    alive until the trio run ends.
+
     Attributes:
-        store: the store.
         max_age_s: seconds a reading of the heads is reused for (the shortest poll asked).
     """
 
-    store: ControlStream
+    _store: weakref.ref[ControlStream]
     max_age_s: float
     _heads: dict[str, int] = attrs.Factory(dict)
     _registered: dict[str, int] = attrs.Factory(dict)
@@ -50,6 +53,18 @@ class ControlIndex:
     _reading: bool = False
     _watches: set[_Watch] = attrs.Factory(set)
     _reader: _Watch | None = None
+
+    @property
+    def store(self) -> ControlStream:
+        """The store (alive while a run of it uses the index).
+
+        Raises:
+            ReferenceError: the store is gone.
+        """
+        store = self._store()
+        if store is None:
+            raise ReferenceError("the control index's store is gone")
+        return store
 
     def register(self, run_id: str) -> Callable[[], None]:
         """Include ``run_id`` in every reading of the heads; returns the function that stops."""
@@ -181,7 +196,7 @@ def shared_index(store: ControlStream, max_age_s: float) -> ControlIndex | None:
     try:
         index = indexes.get(store)
         if index is None:
-            index = indexes[store] = ControlIndex(store=store, max_age_s=max_age_s)
+            index = indexes[store] = ControlIndex(weakref.ref(store), max_age_s)
     except TypeError:
         return None
     index.max_age_s = min(index.max_age_s, max_age_s)
