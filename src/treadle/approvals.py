@@ -227,13 +227,14 @@ def requires_approval(
     approval itself. A call the executor would refuse to run anyway (its
     ``invalid_arguments(tool, arguments)`` says why: an unknown tool, arguments that do not
     validate) never waits: it is NOT_EXECUTED with that reason, and no human decides in vain
-    (docs/events.md, "Human approval").
+    (docs/events.md, "Human approval"). The arguments are validated only for a call that
+    would otherwise wait, and before ``policy`` sees them.
     """
+    if not policies.requires_approval(tool) and policy is None:
+        return False  # the common case: no validation needed to say so
     if policies.invalid_arguments(tool, arguments) is not None:
         return False
-    if policies.requires_approval(tool):
-        return True
-    return policy is not None and bool(policy(tool, arguments))
+    return policies.requires_approval(tool) or bool(policy is not None and policy(tool, arguments))
 
 
 def pending_approval(log: RunLog) -> ApprovalRequested | None:
