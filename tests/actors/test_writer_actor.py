@@ -185,3 +185,13 @@ async def test_a_writer_whose_lease_was_taken_over_cannot_write():
             with pytest.raises(trio.EndOfChannel):
                 await client.barrier(StoreOp.INTENT, _intent(1))
     assert len((await store.read_log("r")).records) == 1
+
+
+async def test_a_writer_without_sinks_runs_in_one_task():
+    # No task waits to feed sinks a run does not have (each task is memory and
+    # scheduling every run pays: docs/performance.md, "Memory").
+    async with trio.open_nursery() as nursery:
+        await _start(nursery, MemoryStore())
+        (writer_task,) = nursery.child_tasks
+        assert [n.child_tasks for n in writer_task.child_nurseries] == [frozenset()]
+        nursery.cancel_scope.cancel()

@@ -259,7 +259,7 @@ class EventWriter:
         """
         feed = self._feed
         async with trio.open_nursery() as nursery:
-            if self._own_feed:
+            if self._own_feed and feed.sinks:  # no task for a feed with nothing to feed
                 await nursery.start(feed.run)
             feed.on_warning = self._warn
             task_status.started()
