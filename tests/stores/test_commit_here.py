@@ -22,7 +22,15 @@ from treadle._exceptions import StoreError
 from treadle.ports import RunStore
 from treadle.stores import _engine, _jsonl_backend, postgres
 from treadle.stores import sqlite as sqlite_module
-from treadle.types import ModelIntent, ModelResult, RunStarted
+from treadle.types import (
+    ModelIntent,
+    ModelResult,
+    RunFinished,
+    RunStarted,
+    RunState,
+    StopReason,
+    Totals,
+)
 
 TS = "2026-01-01T00:00:00+00:00"
 BACKENDS = {
@@ -258,3 +266,36 @@ async def test_writes_lingering_between_barriers_committed_here_wake_nobody(
     assert commits.threads().count("trio") >= 25
     assert wakes <= 2, wakes  # the first lingering write (the committer slept), maybe one more
     assert len((await store.read_log("r")).records) == 61
+
+
+def finished(run_id: str) -> RunFinished:
+    return RunFinished(
+        run_id=run_id,
+        ts=TS,
+        state=RunState.SUCCEEDED,
+        stop_reason=StopReason.FINAL_ANSWER,
+        totals=Totals(),
+    )
+
+
+async def test_a_finished_run_leaves_nothing_in_the_engine_on_either_path(
+    store: Any, commits: Commits
+) -> None:
+    """A store object serving runs for days keeps nothing of the runs that finished, whichever
+    thread committed their run-finished record; a run still going keeps its next seq."""
+    for run_id in ("here", "there", "going"):
+        g = await lease(store, run_id)
+        await store.write_run_started(started(run_id), seq=1, generation=g)
+        await store.write_intent(intent(run_id, 1), seq=2, generation=g)
+        if run_id == "going":
+            continue
+        if run_id == "there":
+            async with trio.open_nursery() as nursery:  # runnable: the committer commits it
+                nursery.start_soon(trio.lowlevel.checkpoint)
+                await store.write_run_finished(finished(run_id), seq=3, generation=g)
+        else:
+            await store.write_run_finished(finished(run_id), seq=3, generation=g)
+    assert commits.threads()[-3:] == ["trio", "committer", "trio"]
+    assert set(store._engine._runs) == {"going"}
+    for run_id in ("here", "there"):  # read back from the store, not from the engine
+        assert (await store.read_log(run_id)).records[-1] == finished(run_id)

@@ -387,6 +387,8 @@ class CommitEngine:
         state.next_seq = seq + len(records)
         state.last = self._last = write
         counters.pending += 1
+        if write.closes and write.done:  # committed here, before it was the run's last
+            self._finished(write)
         if not wait:
             return
         metrics = self.metrics
@@ -508,6 +510,8 @@ class CommitEngine:
             if write.error is None:
                 ok += 1
                 records += len(write.records)
+                if write.closes:
+                    self._finished(write)
             else:
                 self._poison(write.run_id, write.error)
             if write.waiter is not None:
@@ -531,6 +535,16 @@ class CommitEngine:
                 c.max_batch = ok
             if self.metrics is not None:
                 self.metrics.commit(ok)
+
+    def _finished(self, write: Write) -> None:
+        """The run's run-finished record is durable: forget the run, as `forget` does.
+
+        A store object serving runs for days must not keep something of every run it ever
+        wrote; a later write of the run (there is none in the write protocol) loads it again.
+        """
+        state = self._runs.get(write.run_id)
+        if state is not None and state.last is write and write.error is state.error is None:
+            del self._runs[write.run_id]
 
     def _poison(self, run_id: str, error: TreadleError) -> None:
         state = self._runs.get(run_id)
