@@ -624,3 +624,25 @@ async def test_cancelling_a_parked_run_never_reports_it_running_again(autojump_c
         assert reached is RunState.CANCELLED
         assert (await handle.wait()).stop_reason is StopReason.CANCELLED
     assert tools.executed == []
+
+
+async def test_a_block_failing_as_the_run_parks_still_releases_the_lease(autojump_clock):
+    # The run lets its lease go as it parks; the caller's block fails at that moment and
+    # cancels the release halfway. The lease is released on the way out all the same, so
+    # the run can be driven again at once, not only once the lease has expired.
+    agent, tools = make([call("add", a=1, b=2, call_id="c1"), say("3")])
+    store = MemoryStore()
+    with pytest.raises(KeyError):
+        async with opened(agent, store) as handle:
+            assert await handle.wait_parked()
+            raise KeyError("the caller's block fails")
+    lease = await store.read_lease("r")
+    assert lease is not None
+    assert lease.owner == ""
+    with trio.fail_after(1):  # long before the lease's TTL
+        async with opened(agent, store) as handle:
+            await handle.wait_state(RunState.AWAITING_APPROVAL)
+            handle.approve("c1")
+            result = await handle.wait()
+    assert result.stop_reason is StopReason.FINAL_ANSWER
+    assert [a.arguments for a in tools.executed] == [{"a": 1, "b": 2}]

@@ -90,12 +90,17 @@ class LeaseHold:
     async def release(self, *, control_seen: int = 0) -> None:
         """Give the lease up (a no-op when not held or lost).
 
+        The hold keeps the lease until the store has released it: a release cancelled or
+        failed halfway (the caller's block failing as the run parks) is made again by
+        `release_quietly` on the way out. Releasing is idempotent (`LeaseStore`).
+
         Raises:
             StoreError: the release failed (the lease then expires after its TTL).
         """
-        lease, self.lease = self.lease, None
+        lease = self.lease
         if self.store is not None and lease is not None and self.lost is None:
             await self.store.release_lease(lease, control_seen=control_seen)
+        self.lease = None
 
     async def release_quietly(self, *, control_seen: int = 0) -> None:
         """`release`, shielded and bounded, on a path that already carries an error.
