@@ -195,3 +195,22 @@ async def test_a_writer_without_sinks_runs_in_one_task():
         (writer_task,) = nursery.child_tasks
         assert [n.child_tasks for n in writer_task.child_nurseries] == [frozenset()]
         nursery.cancel_scope.cancel()
+
+
+async def test_subscribers_that_left_do_not_pile_up_while_the_run_is_quiet():
+    # A client reconnecting again and again while the run writes nothing (a long tool call,
+    # an approval wait): each one that left is dropped when the next one joins.
+    async with trio.open_nursery() as nursery:
+        client, writer = await _start(nursery, MemoryStore())
+        await client.barrier(StoreOp.RUN_STARTED, started())
+        staying = await client.subscribe()
+        for _ in range(50):
+            leaving = await client.subscribe()
+            await leaving.events.aclose()
+        assert len(writer._subscribers) == 2  # the one staying, and the last to leave
+        seq = await client.barrier(StoreOp.INTENT, _intent(1))
+        event = await staying.events.receive()
+        while not event.durable:  # the step-started event before the step's first record
+            event = await staying.events.receive()
+        assert (event.seq, event.kind) == (seq, EventKind.MODEL_CALL_STARTED)
+        client.inbox.close()

@@ -392,6 +392,10 @@ class EventWriter:
             self._to_subscribers(event)
 
     def _subscribe(self, message: Subscribe) -> None:
+        # Subscribers that left are dropped here too, not only at the next event: a client
+        # reconnecting again and again to a run that is quiet for long (a long tool call, an
+        # approval wait) must not pile up channels.
+        self._subscribers[:] = [c for c in self._subscribers if _listened(c)]
         send, recv = trio.open_memory_channel[Event](SUBSCRIBER_BUFFER)
         self._subscribers.append(send)
         tail = tuple(
@@ -404,6 +408,14 @@ class EventWriter:
             except trio.BrokenResourceError:
                 self._subscribers.remove(send)
                 send.close()
+
+
+def _listened(channel: trio.MemorySendChannel[Event]) -> bool:
+    """Whether the subscriber behind ``channel`` is still there (else it is closed here)."""
+    if channel.statistics().open_receive_channels:
+        return True
+    channel.close()
+    return False
 
 
 def _name(sink: EventSink) -> str:
