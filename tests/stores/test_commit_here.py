@@ -299,3 +299,9 @@ async def test_a_finished_run_leaves_nothing_in_the_engine_on_either_path(
     assert set(store._engine._runs) == {"going"}
     for run_id in ("here", "there"):  # read back from the store, not from the engine
         assert (await store.read_log(run_id)).records[-1] == finished(run_id)
+    going = await store.read_lease("going")
+    await store.release_lease(going)  # parked, or left to another process: forgotten too
+    assert store._engine._runs == {}
+    g = await lease(store, "going")  # and loaded again when it goes on
+    await store.write_intent(intent("going", 2), seq=3, generation=g)
+    assert len((await store.read_log("going")).records) == 3

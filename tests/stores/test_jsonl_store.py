@@ -1025,6 +1025,27 @@ async def test_more_runs_than_open_files(tmp_path: Path, monkeypatch: pytest.Mon
             assert (await store.read_log(run.run_id)).records == tuple(run.written)
 
 
+async def test_runs_whose_closed_ends_were_dropped_go_on_from_their_files(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Beyond `CLOSED_ENDS_KEEP` the ends of closed files are dropped: memory stays bounded
+    with many unfinished runs, and a run whose end was dropped reads its file's head again."""
+    monkeypatch.setattr(_jsonl_backend, "MAX_OPEN_FILES", 3)
+    monkeypatch.setattr(_jsonl_backend, "CLOSED_ENDS_KEEP", 2)
+    async with open_jsonl_store(tmp_path / "runs") as store:
+        runs = [Steps(store, f"r{n}") for n in range(12)]
+        for run in runs:  # twelve files opened in turn: nine closed, seven ends dropped
+            await run.start()
+            await run.next()
+        assert len(store._backend._closed_ends) <= 2
+        for run in runs:  # each reopened: from its remembered end, or from its file
+            await run.next()
+        assert len(store._backend._closed_ends) <= 2
+    async with open_jsonl_store(tmp_path / "runs") as store:
+        for run in runs:
+            assert (await store.read_log(run.run_id)).records == tuple(run.written)
+
+
 async def test_non_barrier_writes_ride_with_the_next_barrier(
     tmp_path: Path, long_linger: None
 ) -> None:

@@ -49,6 +49,11 @@ SYNC_WORKERS: Final = 8
 MAX_OPEN_FILES: Final = 256
 """Run files kept open at once; the least recently written is synced and closed beyond it."""
 
+CLOSED_ENDS_KEEP: Final = 4 * MAX_OPEN_FILES
+"""Ends of closed files of runs still going, kept so that reopening one reads nothing; beyond
+it the oldest is dropped (a reopen then reads the file's head again). A process that leaves
+many runs unfinished (parked, interrupted, handed to another process) keeps no more."""
+
 
 class FileOps(Protocol):
     """The file operations the committer uses; `OsFileOps` is the real one.
@@ -396,8 +401,9 @@ class JsonlBackend:
             self._dir_dirty = self._dir_dirty or create
         except FileExistsError:  # created meanwhile: the tail check tells a remnant from a writer
             fd = self._ops.open(path, create=False)
-        if head is None:
-            head = self._closed_ends.pop(path, None) or self._reread(path)
+        remembered = self._closed_ends.pop(path, None)
+        if head is None:  # the run goes on here: its end as it was closed, or read again
+            head = remembered or self._reread(path)
         file = self._files[path] = _File(
             run_id=first.run_id,
             path=path,
@@ -482,9 +488,12 @@ class JsonlBackend:
         if file is None:
             return
         if not finished:
-            self._closed_ends[path] = FileHead(
+            ends = self._closed_ends
+            ends[path] = FileHead(
                 exists=True, end=file.end, header=file.header, version=file.version
             )
+            if len(ends) > CLOSED_ENDS_KEEP:
+                del ends[next(iter(ends))]
         with contextlib.suppress(OSError):
             self._ops.close(file.fd)
 

@@ -1161,6 +1161,7 @@ class SqlStore(EngineStore):
         """Release the lease if still held, once the run's queued writes committed."""
         await self._engine.settle(lease.run_id)
         await self._run(release_lease, lease, control_seen)
+        self._engine.forget(lease.run_id)  # its next write comes with a new lease: loaded then
 
     async def read_lease(self, run_id: str) -> Lease | None:
         """The run's lease as stored, or ``None``."""
