@@ -230,11 +230,12 @@ def requires_approval(
     (docs/events.md, "Human approval"). The arguments are validated only for a call that
     would otherwise wait, and before ``policy`` sees them.
     """
-    if not policies.requires_approval(tool) and policy is None:
+    declared = policies.requires_approval(tool)
+    if not declared and policy is None:
         return False  # the common case: no validation needed to say so
     if policies.invalid_arguments(tool, arguments) is not None:
         return False
-    return policies.requires_approval(tool) or bool(policy is not None and policy(tool, arguments))
+    return declared or bool(policy is not None and policy(tool, arguments))
 
 
 def pending_approval(log: RunLog) -> ApprovalRequested | None:

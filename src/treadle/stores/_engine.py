@@ -387,8 +387,6 @@ class CommitEngine:
         state.next_seq = seq + len(records)
         state.last = self._last = write
         counters.pending += 1
-        if write.closes and write.done:  # committed here, before it was the run's last
-            self._finished(write)
         if not wait:
             return
         metrics = self.metrics
@@ -489,8 +487,10 @@ class CommitEngine:
         return state.next_seq if state is not None else None
 
     def forget(self, run_id: str) -> None:
-        """Drop what the engine knows of a run with nothing in flight (a lease was just taken).
+        """Drop what the engine knows of a run with nothing in flight.
 
+        Called when a lease was taken or released, and when a run-finished record is durable:
+        a store object serving runs for days keeps nothing of a run nobody drives through it.
         The next write of the run loads its next seq from the store again. A `LeaseLost`
         refusal is dropped with the rest (it was the old lease's; the new one may write); any
         other unreported failure of the run is kept (and raised by that write, or by `aclose`).
@@ -510,8 +510,8 @@ class CommitEngine:
             if write.error is None:
                 ok += 1
                 records += len(write.records)
-                if write.closes:
-                    self._finished(write)
+                if write.closes:  # the run is finished: keep nothing of it
+                    self.forget(write.run_id)
             else:
                 self._poison(write.run_id, write.error)
             if write.waiter is not None:
@@ -535,16 +535,6 @@ class CommitEngine:
                 c.max_batch = ok
             if self.metrics is not None:
                 self.metrics.commit(ok)
-
-    def _finished(self, write: Write) -> None:
-        """The run's run-finished record is durable: forget the run, as `forget` does.
-
-        A store object serving runs for days must not keep something of every run it ever
-        wrote; a later write of the run (there is none in the write protocol) loads it again.
-        """
-        state = self._runs.get(write.run_id)
-        if state is not None and state.last is write and write.error is state.error is None:
-            del self._runs[write.run_id]
 
     def _poison(self, run_id: str, error: TreadleError) -> None:
         state = self._runs.get(run_id)
