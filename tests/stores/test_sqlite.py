@@ -284,6 +284,34 @@ async def test_group_commit_batches_100_concurrent_runs(tmp_path: Path) -> None:
             assert log.records[-1].step == 5  # type: ignore[union-attr]
 
 
+async def test_a_hundred_runs_starting_at_once_load_in_a_bounded_number_of_threads(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Each run's first write loads its head in a worker thread on a pooled connection; the
+    # loads share the store's bound with its reads (`_engine.MAX_WORKERS`), or a hundred runs
+    # starting at once would load in forty threads, each opening a connection.
+    lock = threading.Lock()
+    busy = [0, 0]  # now, most at once
+    load = _sql.load_head
+
+    def slow_load(*args: Any) -> Any:
+        with lock:
+            busy[0] += 1
+            busy[1] = max(busy)
+        try:
+            time.sleep(0.02)  # long enough for every waiting load to overlap with this one
+            return load(*args)
+        finally:
+            with lock:
+                busy[0] -= 1
+
+    monkeypatch.setattr(_sql, "load_head", slow_load)
+    async with open_sqlite_store(tmp_path / "s.db") as store:
+        runs = await drive_concurrently(store, 100, 1)
+        assert sorted(await store.list_runs()) == [run.run_id for run in runs]
+    assert 2 <= busy[1] <= _engine.MAX_WORKERS, busy
+
+
 async def test_connections_keep_a_bounded_statement_cache(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

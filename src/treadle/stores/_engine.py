@@ -62,6 +62,11 @@ NAP_FOR_S: Final = 1.0
 napping in turns of `LINGER_S` (looking at its queue 50 times a second) before it sleeps
 until woken."""
 
+MAX_WORKERS: Final = 8
+"""Worker threads one store object's loads and reads run in at once (each on a connection of
+its own, on a SQL store); more wait their turn. Without a bound, a hundred runs starting at once
+loaded their heads in some forty threads, opening and closing some seventy connections."""
+
 MAX_PENDING_WRITES: Final = 10_000
 """Queued, uncommitted writes above which a non-barrier write waits for its batch."""
 
@@ -291,6 +296,9 @@ class CommitEngine:
         token: the trio run the store belongs to (batches are handed back to it).
 
     Attributes:
+        workers: bounds the worker threads of the store object's loads and reads
+            (`MAX_WORKERS`); the engine loads a run's head under it, and a store runs its own
+            reads under it too.
         metrics: where each committed batch's size and each barrier's wait are reported
             (docs/metrics.md); ``None`` reports nothing.
 
@@ -299,6 +307,7 @@ class CommitEngine:
 
     def __init__(self, backend: Backend, token: trio.lowlevel.TrioToken) -> None:
         self.metrics: MetricsRecorder | None = None
+        self.workers = trio.CapacityLimiter(MAX_WORKERS)
         self._backend = backend
         self._runs: dict[str, _RunState] = {}
         self._last: Write | None = None
@@ -457,7 +466,7 @@ class CommitEngine:
             raise UsageError(f"run {run_id!r}: cannot encode {records!r}: {exc}") from exc
 
     async def _load(self, run_id: str) -> _RunState:
-        head = await trio.to_thread.run_sync(self._backend.load, run_id)
+        head = await trio.to_thread.run_sync(self._backend.load, run_id, limiter=self.workers)
         # another task may have loaded (and advanced) the run meanwhile: keep that one
         return self._runs.setdefault(run_id, _RunState(next_seq=head.next_seq, head=head.state))
 

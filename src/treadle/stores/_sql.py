@@ -92,10 +92,6 @@ reading rows it cannot decode."""
 IDLE_CONNECTIONS: Final = 4
 """Connections kept open between reads and control operations."""
 
-MAX_WORKERS: Final = 8
-"""Reads and control operations of one store object that run at once, each in a worker thread
-on a connection of its own; more wait their turn. Without a bound, a hundred runs starting at
-once opened some thirty connections (each with its own page cache) and as many threads."""
 
 TERMINAL_STATES: Final = tuple(s.value for s in RunState if s.is_terminal)
 
@@ -1085,7 +1081,6 @@ class SqlStore(EngineStore):
         self._dialect = dialect
         self._engine = engine
         self._pool = pool
-        self._workers = trio.CapacityLimiter(MAX_WORKERS)
 
     @property
     def description(self) -> str:
@@ -1259,7 +1254,7 @@ class SqlStore(EngineStore):
         self._engine.check_open()
         return await trio.to_thread.run_sync(
             functools.partial(run_pooled, self._dialect, self._pool, fn, *args),
-            limiter=self._workers,
+            limiter=self._engine.workers,
         )
 
 
