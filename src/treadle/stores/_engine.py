@@ -62,10 +62,13 @@ NAP_FOR_S: Final = 1.0
 napping in turns of `LINGER_S` (looking at its queue 50 times a second) before it sleeps
 until woken."""
 
-MAX_WORKERS: Final = 8
+MAX_WORKERS: Final = 4
 """Worker threads one store object's loads and reads run in at once (each on a connection of
-its own, on a SQL store); more wait their turn. Without a bound, a hundred runs starting at once
-loaded their heads in some forty threads, opening and closing some seventy connections."""
+its own, on a SQL store, which keeps as many open between them); more wait their turn. Without
+a bound, a hundred runs starting at once loaded their heads in some forty threads, opening and
+closing some seventy connections. Eight took 1.6 MB more than four (threads' allocator arenas,
+connections) for 100 concurrent SQLite runs, and no throughput: a read takes a millisecond or
+less."""
 
 MAX_PENDING_WRITES: Final = 10_000
 """Queued, uncommitted writes above which a non-barrier write waits for its batch."""

@@ -61,7 +61,14 @@ from treadle.stores._codec import (
     row_crc,
     stored_decoder,
 )
-from treadle.stores._engine import CommitEngine, RunHead, StoreStatistics, Write, fail_writes
+from treadle.stores._engine import (
+    MAX_WORKERS,
+    CommitEngine,
+    RunHead,
+    StoreStatistics,
+    Write,
+    fail_writes,
+)
 from treadle.stores._index import IndexDelta, fold_delta
 from treadle.stores._ops import EngineStore
 from treadle.types import (
@@ -89,8 +96,9 @@ rows written before keep theirs and are read as they are. A layout-2 database is
 a newer treadle opens it (nothing else changes), so an older treadle refuses it instead of
 reading rows it cannot decode."""
 
-IDLE_CONNECTIONS: Final = 4
-"""Connections kept open between reads and control operations."""
+IDLE_CONNECTIONS: Final = MAX_WORKERS
+"""Connections kept open between reads and control operations: as many as run at once, so
+that none is closed and opened again while runs start (`treadle.stores._engine.MAX_WORKERS`)."""
 
 
 TERMINAL_STATES: Final = tuple(s.value for s in RunState if s.is_terminal)
