@@ -170,6 +170,16 @@ async def test_wal_mode_and_full_synchronous(tmp_path: Path) -> None:
             probe.close()
 
 
+@pytest.mark.parametrize(("pragmas", "cache_size"), [(None, -1024), ({"cache_size": -4096}, -4096)])
+async def test_the_writers_page_cache_is_a_mebibyte_unless_the_pragmas_say(
+    tmp_path: Path, pragmas: dict[str, int] | None, cache_size: int
+) -> None:
+    assert sqlite_module.WRITER_PRAGMAS == {"cache_size": -1024}
+    async with open_sqlite_store(tmp_path / "s.db", pragmas=pragmas) as store:
+        writer = store._engine._backend._conn  # idle: nothing was written
+        assert writer.execute("PRAGMA cache_size").fetchone()[0] == cache_size
+
+
 async def test_lease_writes_skip_their_fsync_and_every_other_write_keeps_it(
     tmp_path: Path,
 ) -> None:

@@ -29,6 +29,7 @@ import time
 from collections.abc import AsyncIterator, Callable, Mapping
 from os import PathLike
 from pathlib import Path
+from types import MappingProxyType
 from typing import Any, Final
 
 import attrs
@@ -200,6 +201,12 @@ STATEMENT_CACHE: Final = 16
 """Prepared statements each connection keeps (Python's `sqlite3` default: 128). A group commit
 is one INSERT of exactly its rows, so a hundred runs make an INSERT per batch size; kept, they
 held some 7 MB of SQLite's memory (docs/decisions/0094-few-statement-shapes.md)."""
+
+WRITER_PRAGMAS: Final[Mapping[str, int | str]] = MappingProxyType({"cache_size": -1024})
+"""PRAGMAs of the writer connection that ``pragmas`` may override. Its page cache is 1 MiB
+(SQLite's default is 2 MB): the writer appends, so the pages it touches are the right edges of
+a few B-trees; the other megabyte was resident memory of every store object and bought no
+throughput in benchmarks/bench_vs_bare.py."""
 
 
 def _connect(path: str) -> sqlite3.Connection:
@@ -408,7 +415,7 @@ def _configure_writer(
     if str(mode).lower() != "wal":
         raise StoreError(f"SQLite refused WAL mode (journal_mode is {mode!r})")
     conn.execute("PRAGMA synchronous = FULL")
-    for name, value in pragmas.items():
+    for name, value in {**WRITER_PRAGMAS, **pragmas}.items():
         conn.execute(f"PRAGMA {name} = {value}")
     _ensure_layout(conn, clock, where)
 
@@ -720,8 +727,8 @@ class SqliteStore(_sql.SqlStore):
 
         Args:
             path: the database file; its directory must exist.
-            pragmas: extra PRAGMAs for the writer connection (e.g. ``cache_size``);
-                ``journal_mode`` and ``synchronous`` are fixed (WAL, FULL).
+            pragmas: extra PRAGMAs for the writer connection (e.g. ``cache_size``), over
+                `WRITER_PRAGMAS`; ``journal_mode`` and ``synchronous`` are fixed (WAL, FULL).
             clock: the store clock for lease expiry and the queue (epoch seconds); tests
                 inject one, every process of a deployment uses the machine's wall clock.
 
