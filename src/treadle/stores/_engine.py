@@ -63,12 +63,11 @@ napping in turns of `LINGER_S` (looking at its queue 50 times a second) before i
 until woken."""
 
 MAX_WORKERS: Final = 4
-"""Worker threads one store object's loads and reads run in at once (each on a connection of
-its own, on a SQL store, which keeps as many open between them); more wait their turn. Without
-a bound, a hundred runs starting at once loaded their heads in some forty threads, opening and
-closing some seventy connections. Eight took 1.6 MB more than four (threads' allocator arenas,
-connections) for 100 concurrent SQLite runs, and no throughput: a read takes a millisecond or
-less."""
+"""Worker threads that one store object's loads of a run's head (every store) and its reads
+(the SQL stores, each on a pooled connection, as many kept open) run in at once; more wait
+their turn. Without a bound, a hundred runs starting at once loaded their heads in some forty
+threads, opening and closing some seventy connections; eight took 1.6 MB more than four for
+100 concurrent SQLite runs, and no throughput (docs/performance.md, "Memory")."""
 
 MAX_PENDING_WRITES: Final = 10_000
 """Queued, uncommitted writes above which a non-barrier write waits for its batch."""
@@ -299,9 +298,8 @@ class CommitEngine:
         token: the trio run the store belongs to (batches are handed back to it).
 
     Attributes:
-        workers: bounds the worker threads of the store object's loads and reads
-            (`MAX_WORKERS`); the engine loads a run's head under it, and a store runs its own
-            reads under it too.
+        workers: bounds the worker threads of the store object (`MAX_WORKERS`): the engine
+            loads a run's head under it, and the SQL stores run their reads under it too.
         metrics: where each committed batch's size and each barrier's wait are reported
             (docs/metrics.md); ``None`` reports nothing.
 

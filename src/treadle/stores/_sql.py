@@ -96,11 +96,6 @@ rows written before keep theirs and are read as they are. A layout-2 database is
 a newer treadle opens it (nothing else changes), so an older treadle refuses it instead of
 reading rows it cannot decode."""
 
-IDLE_CONNECTIONS: Final = MAX_WORKERS
-"""Connections kept open between reads and control operations: as many as run at once, so
-that none is closed and opened again while runs start (`treadle.stores._engine.MAX_WORKERS`)."""
-
-
 TERMINAL_STATES: Final = tuple(s.value for s in RunState if s.is_terminal)
 
 Row = tuple[str, int, int, str, bytes, int]
@@ -689,10 +684,12 @@ class ConnectionPool:
 
     Args:
         connect: opens a new connection.
-        keep: idle connections kept; more are closed when handed back.
+        keep: idle connections kept; more are closed when handed back. As many as the store's
+            reads that run at once (`treadle.stores._engine.MAX_WORKERS`), so that none is
+            closed and opened again while runs start.
     """
 
-    def __init__(self, connect: Callable[[], Connection], keep: int = IDLE_CONNECTIONS) -> None:
+    def __init__(self, connect: Callable[[], Connection], keep: int = MAX_WORKERS) -> None:
         self._connect = connect
         self._keep = keep
         self._idle: list[Connection] = []

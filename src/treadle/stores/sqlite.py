@@ -206,7 +206,7 @@ WRITER_PRAGMAS: Final[Mapping[str, int | str]] = MappingProxyType({"cache_size":
 """PRAGMAs of the writer connection that ``pragmas`` may override. Its page cache is 1 MiB
 (SQLite's default is 2 MB): the writer appends, so the pages it touches are the right edges of
 a few B-trees; the other megabyte was resident memory of every store object and bought no
-throughput in benchmarks/bench_vs_bare.py."""
+throughput in paired runs of 100 concurrent runs (docs/performance.md, "Memory")."""
 
 
 def _connect(path: str) -> sqlite3.Connection:
