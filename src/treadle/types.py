@@ -190,7 +190,9 @@ class InvalidToolCall:
     reason: str
 
 
-@attrs.frozen(kw_only=True)
+# No weak-reference slot: a run keeps two messages a step in its history, and without the slot
+# each takes 96 bytes instead of 112 (docs/performance.md, "Memory").
+@attrs.frozen(kw_only=True, weakref_slot=False)
 class Message:
     """One chat message of the model-visible history (OpenAI chat shape, provider-neutral).
 

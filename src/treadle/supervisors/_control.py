@@ -1,17 +1,19 @@
 """Reading a run's control stream (cancels and approval decisions of other processes).
 
-Each driven run reads its control stream every ``control_poll_s`` (docs/decisions/0007). With
+Each driven run's control stream is read every ``control_poll_s`` (docs/decisions/0007). With
 thousands of runs in one process that would be thousands of store reads a second, almost all
 of empty streams. So the runs of one store share a `ControlIndex`: one
 `treadle.ports.ControlStream.control_heads` call per interval, for every run polling through
-it, says which streams grew, and only those are read.
+it, says which streams grew, and only those are read. The driven runs' polling is one task
+for all of them, hosted by one of the runs at a time (`treadle.supervisors._relay`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 import attrs
 import trio
@@ -19,6 +21,7 @@ import trio
 from treadle._exceptions import StoreError
 from treadle.actors import Cancel, Control, Offer
 from treadle.ports import ControlStream, RunStore
+from treadle.supervisors._relay import Relay
 from treadle.types import CancelRequested, ControlEntry
 
 _LOG = logging.getLogger("treadle.control")
@@ -34,21 +37,23 @@ class ControlIndex:
     """The control heads of the runs one store drives (or parks) in one trio run.
 
     One `ControlStream.control_heads` call at most every ``max_age_s`` answers for all of them.
-    It owns no task: the runs that wait on it take turns doing the reading (`wait_grown`), each
-    in its own task and nursery.
+    It owns no task: the driven runs' polling (`subscribe`) is one task hosted by one of them
+    at a time, and the parked runs that wait on it take turns doing the reading
+    (`wait_grown`), each in its own task and nursery.
 
-    It holds its store weakly: the trio run's indexes are keyed by their stores (weak keys),
-    and a strong reference back would keep every store used in the trio run, with all it holds,
-    alive until the trio run ends.
+    A shared index holds its store weakly: the trio run's indexes are keyed by their stores
+    (weak keys), and a strong reference back would keep every store used in the trio run, with
+    all it holds, alive until the trio run ends.
 
     Attributes:
         max_age_s: seconds a reading of the heads is reused for (the shortest poll asked).
     """
 
-    _store: weakref.ref[ControlStream]
+    _store: Callable[[], ControlStream | None]
     max_age_s: float
     _heads: dict[str, int] = attrs.Factory(dict)
-    _registered: dict[str, int] = attrs.Factory(dict)
+    _inboxes: dict[ControlInbox, None] = attrs.Factory(dict)  # an ordered set
+    _relay: Relay = attrs.Factory(lambda self: Relay(self._poll_inboxes), takes_self=True)
     _read_at: float = float("-inf")
     _reading: bool = False
     _watches: set[_Watch] = attrs.Factory(set)
@@ -66,18 +71,21 @@ class ControlIndex:
             raise ReferenceError("the control index's store is gone")
         return store
 
-    def register(self, run_id: str) -> Callable[[], None]:
-        """Include ``run_id`` in every reading of the heads; returns the function that stops."""
-        self._registered[run_id] = self._registered.get(run_id, 0) + 1
-        self._read_at = float("-inf")  # read the newcomer's head at the next poll
+    def subscribe(self, inbox: ControlInbox, nursery: trio.Nursery) -> Callable[[], None]:
+        """Poll ``inbox`` every ``max_age_s`` from now on; returns the function that stops.
+
+        The polling is one task for every subscribed inbox, hosted in ``nursery`` or in another
+        subscriber's (`treadle.supervisors._relay.Relay`); stop before ``nursery`` closes. A
+        reading finds which streams grew beyond what their inbox handed over, and only those
+        are read. A reading that fails with `StoreError` is logged and made again at the next
+        interval: the run's own writes report a store that stays broken.
+        """
+        self._inboxes[inbox] = None
+        leave = self._relay.join(nursery)
 
         def stop() -> None:
-            count = self._registered.get(run_id, 0) - 1
-            if count > 0:
-                self._registered[run_id] = count
-            else:
-                self._registered.pop(run_id, None)
-                self._heads.pop(run_id, None)
+            self._inboxes.pop(inbox, None)
+            leave()
 
         return stop
 
@@ -98,7 +106,7 @@ class ControlIndex:
     async def _read(self) -> None:
         self._reading = True
         try:
-            ids = sorted({*self._registered, *(w.run_id for w in self._watches)})
+            ids = sorted({*(i.run_id for i in self._inboxes), *(w.run_id for w in self._watches)})
             self._heads = dict(await self.store.control_heads(ids))
             self._read_at = trio.current_time()
         finally:
@@ -163,8 +171,32 @@ class ControlIndex:
                 _LOG.warning("reading the control heads failed (%s); trying again", exc)
                 continue
             for watch in self._watches:
-                if self._heads.get(watch.run_id, 0) > watch.seen:
+                if self._grown(watch.run_id, watch.seen):
                     watch.woken.set()
+
+    async def _poll_inboxes(self) -> None:
+        """The subscribed inboxes' polling (see `subscribe`), until cancelled."""
+        while True:
+            await trio.sleep_until(self._read_at + self.max_age_s)
+            try:
+                await self._read()
+                for inbox in [i for i in self._inboxes if self._grown(i.run_id, i.seen)]:
+                    entries = await inbox.read()
+                    if inbox in self._inboxes:  # not stopped while reading
+                        with contextlib.suppress(trio.BrokenResourceError):
+                            # its coordinator stopped, and its run is stopping: what it did
+                            # not take stays in the stream for the run's next driver
+                            inbox.hand_over(entries)
+            except StoreError as exc:  # see subscribe
+                self._read_at = trio.current_time()
+                _LOG.warning("reading the control streams failed (%s); trying again", exc)
+                continue
+            for watch in self._watches:
+                if self._grown(watch.run_id, watch.seen):
+                    watch.woken.set()
+
+    def _grown(self, run_id: str, seen: int) -> bool:
+        return self._heads.get(run_id, 0) > seen
 
 
 @attrs.define(eq=False)
@@ -181,12 +213,12 @@ _INDEXES: trio.lowlevel.RunVar[weakref.WeakKeyDictionary[ControlStream, ControlI
 )
 
 
-def shared_index(store: ControlStream, max_age_s: float) -> ControlIndex | None:
+def shared_index(store: ControlStream, max_age_s: float) -> ControlIndex:
     """The `ControlIndex` shared by every run of ``store`` in the current trio run.
 
     The indexes live as long as the trio run (a `trio.lowlevel.RunVar`) and their store (weak
-    keys): a store used again in another `trio.run` gets a new one, on that run's clock.
-    ``None`` when the store cannot be a weak key (then each run reads its control stream).
+    keys): a store used again in another `trio.run` gets a new one, on that run's clock. A
+    store that cannot be a weak key gets an index of its own for each caller.
     """
     try:
         indexes = _INDEXES.get()
@@ -197,8 +229,8 @@ def shared_index(store: ControlStream, max_age_s: float) -> ControlIndex | None:
         index = indexes.get(store)
         if index is None:
             index = indexes[store] = ControlIndex(weakref.ref(store), max_age_s)
-    except TypeError:
-        return None
+    except TypeError:  # not weakly referable: not shared
+        return ControlIndex(lambda: store, max_age_s)
     index.max_age_s = min(index.max_age_s, max_age_s)
     return index
 
@@ -239,20 +271,22 @@ class ControlInbox:
         """
         if not fresh and self.index is not None and await self.index.head(self.run_id) <= self.seen:
             return
-        for entry in await self.store.read_control(self.run_id, after=self.seen):
-            self._hand_over(entry)
+        self.hand_over(await self.read())
 
-    def _hand_over(self, entry: ControlEntry) -> None:
-        record = entry.record
-        if isinstance(record, CancelRequested):
-            self.target(Cancel(reason=record.reason, canceller=record.canceller))
-        else:
-            self.target(Offer(decided=record))
-        self.seen = max(self.seen, entry.position)
+    async def read(self) -> tuple[ControlEntry, ...]:
+        """The entries after the last one handed over.
 
-    async def poll_every(self, interval_s: float, scope: trio.CancelScope) -> None:
-        """Poll every ``interval_s`` seconds until ``scope`` is cancelled."""
-        with scope:
-            while True:
-                await trio.sleep(interval_s)
-                await self.poll()
+        Raises:
+            StoreError: the store cannot be read.
+        """
+        return await self.store.read_control(self.run_id, after=self.seen)
+
+    def hand_over(self, entries: Iterable[ControlEntry]) -> None:
+        """Give ``entries`` (read after `seen`) to the target, in order."""
+        for entry in entries:
+            record = entry.record
+            if isinstance(record, CancelRequested):
+                self.target(Cancel(reason=record.reason, canceller=record.canceller))
+            else:
+                self.target(Offer(decided=record))
+            self.seen = max(self.seen, entry.position)

@@ -90,9 +90,9 @@ PARK_AFTER_S = 5.0
 
 
 CONTROL_POLL_S = 0.5
-"""Seconds between two reads of a run's control log by the process driving it: a cancel or
-an approval decision written by another process is picked up within about twice this long
-(the listing of which control logs exist is shared and may be one interval old)."""
+"""Seconds between two readings of the control streams' heads by the process driving the runs
+of a store: a cancel or an approval decision written by another process is picked up within
+about this long (docs/decisions/0095-one-task-for-a-stores-runs.md)."""
 
 
 _JITTER: Final = random.Random()
@@ -268,14 +268,12 @@ async def _keeping(hold: LeaseHold, options: DriveOptions) -> AsyncIterator[None
             stop()
         return
     shared = shared_keeper(hold.store, hold.ttl_s)  # one renewal for all such runs
-    stop = shared.add(hold)
     async with trio.open_nursery() as nursery:
-        nursery.start_soon(shared.serve)
+        stop = shared.share(hold, nursery)
         try:
             yield
         finally:
             stop()
-            nursery.cancel_scope.cancel()
 
 
 async def _keep_decision(parking: Parking, store: RunStore) -> None:
@@ -446,14 +444,15 @@ async def _drive(
         if handle._draining_requested:
             control_send.send_nowait(Drain())
         control = _control_inbox(store, log.run_id, control_send, options)
-        stop_register = control.index.register(log.run_id) if control and control.index else None
         if control is not None:
             await control.poll(fresh=True)  # a cancel or decision written while no one drove it
         await nursery.start(coordinator.serve_control, control_recv)
         task_status.started()
-        polling = trio.CancelScope()
-        if control is not None and options.control_poll_s is not None:
-            nursery.start_soon(control.poll_every, options.control_poll_s, polling)
+        stop_polling = (
+            control.index.subscribe(control, nursery)
+            if control is not None and control.index is not None
+            else None
+        )
         parked: Parking | _ChildWait | None = None
         awaited = view.pending.children_awaited  # the step parked on children last time
         try:
@@ -472,9 +471,8 @@ async def _drive(
             handle._stopped_driving(parking=parked)
         finally:
             control_send.close()
-            polling.cancel()
-            if stop_register is not None:
-                stop_register()
+            if stop_polling is not None:
+                stop_polling()
             coordinator.close_inboxes()
             writer_send.close()
     return parked

@@ -25,6 +25,7 @@ import trio
 
 from treadle._exceptions import LeaseLost
 from treadle.ports import LeaseStore, RunStore
+from treadle.supervisors._relay import Relay
 from treadle.types import Lease
 
 RELEASE_GRACE_S: Final = 5.0
@@ -173,8 +174,7 @@ class LeaseKeeper:
     ttl_s: float
     _holds: dict[str, LeaseHold] = attrs.Factory(dict)
     _renewed_at: float = attrs.Factory(trio.current_time)
-    _renewing: bool = False
-    _handover: trio.Event = attrs.Factory(trio.Event)
+    _relay: Relay = attrs.Factory(lambda self: Relay(self.run), takes_self=True)
     _token: object = attrs.Factory(trio.lowlevel.current_trio_token)
 
     def add(self, hold: LeaseHold) -> Callable[[], None]:
@@ -200,24 +200,22 @@ class LeaseKeeper:
             self._renewed_at = trio.current_time()
             await self.renew_once()
 
-    async def serve(self) -> None:
-        """Renew while the calling task lives, taking turns with the keeper's other members.
+    def share(self, hold: LeaseHold, nursery: trio.Nursery) -> Callable[[], None]:
+        """`add` ``hold``, the renewal hosted in turn by the runs that share the keeper.
 
-        Every run that shares the keeper calls this in its own nursery; one of them renews
-        (`run`), the others wait, and when the renewing run ends (its task is cancelled) one of
-        the waiting ones goes on from the last renewal. No task outlives the runs it serves.
+        The renewal (`run`) is one task, in the nursery of one of the runs that share the
+        keeper; when that run leaves, it goes on in another's (`treadle.supervisors._relay`).
+        Returns the function that stops renewing ``hold`` and leaves; call it before
+        ``nursery`` closes.
         """
-        while True:
-            if self._renewing:
-                await self._handover.wait()
-                continue
-            self._renewing = True
-            try:
-                await self.run()
-            finally:
-                self._renewing = False
-                self._handover.set()
-                self._handover = trio.Event()
+        stop = self.add(hold)
+        leave = self._relay.join(nursery)
+
+        def stop_and_leave() -> None:
+            stop()
+            leave()
+
+        return stop_and_leave
 
     async def renew_once(self) -> None:
         """Renew every held lease now; tell the holds whose lease was lost."""
@@ -264,7 +262,7 @@ names one live store."""
 def shared_keeper(store: LeaseStore, ttl_s: float) -> LeaseKeeper:
     """The `LeaseKeeper` shared in this trio run by the runs of ``store`` with TTL ``ttl_s``.
 
-    Every run that holds it also calls `LeaseKeeper.serve` while it drives.
+    Every run that holds it joins it with `LeaseKeeper.share` while it drives.
     """
     key = (id(store), ttl_s)
     keeper = _SHARED.get(key)

@@ -1,0 +1,193 @@
+"""The relay: one task for many runs, hosted in one member's nursery at a time."""
+
+from __future__ import annotations
+
+import pytest
+import trio
+from runtime_fakes import LedgerTools, SimpleParser
+
+import treadle
+from treadle.agent import Agent, Limits
+from treadle.approvals import request_cancel
+from treadle.stores.memory import MemoryStore
+from treadle.supervisors import CONTROL_POLL_S
+from treadle.supervisors._relay import Relay
+from treadle.testing.scripted import ScriptedModel, call, say
+from treadle.types import RunState, StopReason
+
+
+class Ticker:
+    """A job that ticks every second of its own, counting its starts and its copies."""
+
+    def __init__(self) -> None:
+        self.running = 0
+        self.most_at_once = 0
+        self.starts = 0
+        self.ticks: list[float] = []
+
+    async def job(self) -> None:
+        self.starts += 1
+        self.running += 1
+        self.most_at_once = max(self.most_at_once, self.running)
+        try:
+            while True:
+                await trio.sleep(1)
+                self.ticks.append(trio.current_time())
+        finally:
+            self.running -= 1
+
+
+async def member(
+    relay: Relay, lasts_s: float, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
+) -> None:
+    """Join ``relay`` (then report started), stay ``lasts_s`` seconds, leave."""
+    async with trio.open_nursery() as nursery:
+        leave = relay.join(nursery)
+        task_status.started()
+        try:
+            await trio.sleep(lasts_s)
+        finally:
+            leave()
+
+
+async def test_three_members_run_one_job_and_it_moves_on_when_its_host_leaves(autojump_clock):
+    ticker = Ticker()
+    relay = Relay(ticker.job)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(member, relay, 3.5)
+        await nursery.start(member, relay, 6.2)
+        await nursery.start(member, relay, 9.5)
+    assert ticker.most_at_once == 1
+    assert ticker.starts == 3  # in the first member's nursery, then the second's, the third's
+    # Hosted by the first until 3.5, the second from 3.5 to 6.2, the third until 9.5.
+    assert ticker.ticks == [1.0, 2.0, 3.0, 4.5, 5.5, 7.2, 8.2, 9.2]
+    assert not relay.hosted
+    assert ticker.running == 0
+
+
+async def test_a_host_leaving_mid_tick_keeps_the_jobs_timing(autojump_clock):
+    ticks: list[float] = []
+    next_at = [1.0]
+
+    async def job() -> None:
+        while True:
+            await trio.sleep_until(next_at[0])
+            ticks.append(trio.current_time())
+            next_at[0] += 1
+
+    relay = Relay(job)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(member, relay, 2.5)
+        await nursery.start(member, relay, 5.2)
+    assert ticks == [1.0, 2.0, 3.0, 4.0, 5.0]
+
+
+async def test_a_job_that_fails_fails_its_host_once_and_goes_on_at_the_next_arrival(
+    autojump_clock,
+):
+    starts: list[int] = []
+
+    async def job() -> None:
+        starts.append(len(starts))
+        await trio.sleep(1)
+        if len(starts) == 1:
+            raise RuntimeError("the job failed")
+        await trio.sleep_forever()
+
+    relay = Relay(job)
+    with pytest.raises(BaseException) as failed:
+        await member(relay, 5)
+    assert "the job failed" in repr(failed.value)  # in an exception group, or alone
+    assert starts == [0] and not relay.hosted
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(member, relay, 3)
+        await trio.sleep(2)
+        assert starts == [0, 1] and relay.hosted  # b arrived and hosts it
+    assert not relay.hosted
+
+
+async def test_a_host_cancelled_from_outside_hands_the_job_on_when_it_leaves(autojump_clock):
+    ticker = Ticker()
+    relay = Relay(ticker.job)
+    a_scope = trio.CancelScope()
+
+    async def a() -> None:
+        with a_scope:
+            async with trio.open_nursery() as nursery:
+                leave = relay.join(nursery)
+                try:
+                    await trio.sleep_forever()
+                finally:
+                    with trio.CancelScope(shield=True):
+                        await trio.sleep(2)  # a slow exit: the job ended, a is still a member
+                    leave()
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(a)
+        await trio.sleep(0.5)
+        nursery.start_soon(member, relay, 6)
+        await trio.sleep(1)
+        a_scope.cancel()
+        await trio.sleep(1)
+        assert not relay.hosted  # not restarted in the cancelled nursery, nor yet elsewhere
+        await trio.sleep(2)
+        assert relay.hosted  # a left: b hosts it
+    assert ticker.starts == 2 and ticker.most_at_once == 1
+
+
+def make(model_turns):
+    return Agent(
+        model=ScriptedModel(model_turns),
+        executor=LedgerTools(),
+        parser=SimpleParser(),
+        limits=Limits(tool_timeout_s=600),
+    )
+
+
+def _named_tasks(name: str) -> int:
+    count = 0
+    stack = [trio.lowlevel.current_root_task()]
+    while stack:
+        task = stack.pop()
+        count += name in task.name
+        stack.extend(t for n in task.child_nurseries for t in n.child_tasks)
+    return count
+
+
+async def test_the_runs_of_a_store_renew_and_poll_in_one_task_each(autojump_clock):
+    store = MemoryStore()
+    counted: list[tuple[int, int]] = []
+
+    async def one(i: int) -> None:
+        agent = make([call("sleep", s=10, call_id="c1"), say("done")])
+        await treadle.run(agent, "x", store=store, run_id=f"r{i}")
+
+    async with trio.open_nursery() as nursery:
+        for i in range(10):
+            nursery.start_soon(one, i)
+        await trio.sleep(5)
+        counted.append((_named_tasks("LeaseKeeper.run"), _named_tasks("_poll_inboxes")))
+    assert counted == [(1, 1)]
+
+
+async def test_a_cancel_reaches_a_run_after_the_run_that_polled_for_it_ended(autojump_clock):
+    store = MemoryStore()
+    results = {}
+
+    async def one(run_id: str, sleep_s: float) -> None:
+        agent = make([call("sleep", s=sleep_s, call_id="c1"), say("done")])
+        results[run_id] = await treadle.run(agent, "x", store=store, run_id=run_id)
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(one, "first", 2)
+        await trio.sleep(1)  # "first" hosts the polling by now
+        nursery.start_soon(one, "second", 60)
+        await trio.sleep(5)
+        assert results["first"].stop_reason is StopReason.FINAL_ANSWER
+        requested = trio.current_time()
+        await request_cancel(store, "second", reason="from the CLI")
+        await trio.sleep(CONTROL_POLL_S + 0.01)
+        assert "second" in results, "the cancel did not land within one poll interval"
+        landed = trio.current_time() - requested
+    assert results["second"].state is RunState.CANCELLED
+    assert landed <= CONTROL_POLL_S + 0.01
