@@ -191,3 +191,27 @@ async def test_a_cancel_reaches_a_run_after_the_run_that_polled_for_it_ended(aut
         landed = trio.current_time() - requested
     assert results["second"].state is RunState.CANCELLED
     assert landed <= CONTROL_POLL_S + 0.01
+
+
+async def test_run_drives_in_the_calling_task_and_open_run_in_a_task_of_its_own(autojump_clock):
+    store = MemoryStore()
+    counted: dict[str, int] = {}
+
+    async def with_run() -> None:
+        agent = make([call("sleep", s=10, call_id="c1"), say("done")])
+        result = await treadle.run(agent, "x", store=store, run_id="a")
+        assert result.stop_reason is StopReason.FINAL_ANSWER
+
+    async def with_open_run() -> None:
+        agent = make([call("sleep", s=10, call_id="c1"), say("done")])
+        async with treadle.open_run(agent, "x", store=store, run_id="b") as handle:
+            await trio.sleep(5)
+            counted["open_run"] = _named_tasks("_supervise")
+            assert (await handle.wait()).stop_reason is StopReason.FINAL_ANSWER
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(with_run)
+        await trio.sleep(5)
+        counted["run"] = _named_tasks("_supervise")
+    await with_open_run()
+    assert counted == {"run": 0, "open_run": 1}

@@ -109,7 +109,9 @@ class ContextHydrator:
     summary_prompt: str = DEFAULT_SUMMARY_PROMPT
     summary_model: str | None = None
     store: RunStore | None = None
-    _history: list[Message] = attrs.Factory(list)
+    _history: tuple[Message, ...] = ()
+    """The history so far; a tuple, so that a request without a window carries it as it is
+    instead of a copy (one array of it a run, not two: docs/performance.md, "Memory")."""
     _groups: list[Group] = attrs.Factory(list)
     """The history's steps, one group each, for fitting it to the context window; kept only
     when there is a window (a run's memory, docs/performance.md, "Memory")."""
@@ -120,10 +122,15 @@ class ContextHydrator:
     _ceiling: int | None = None
 
     def __attrs_post_init__(self) -> None:
-        if self.system_prompt is not None:
-            self._history.append(Message(role="system", content=self.system_prompt))
-        self._history.extend(answer_every_call(self.started.input, self.synthetic))
-        self._head = tuple(self._history)
+        system = (
+            ()
+            if self.system_prompt is None
+            else (Message(role="system", content=self.system_prompt),)
+        )
+        self._history = self._head = (
+            *system,
+            *answer_every_call(self.started.input, self.synthetic),
+        )
         self._meter = Meter(counter=self.token_counter or estimate_messages)
 
     @property
@@ -180,7 +187,7 @@ class ContextHydrator:
             successor=started.run_id,
         )
         at = 1 if self.system_prompt is not None else 0
-        self._history[at:at] = inherited
+        self._history = (*self._history[:at], *inherited, *self._history[at:])
         # the budget compacts it like the run's own steps (docs/context.md, "What stays")
         if self.context_window is not None:
             self._groups[0:0] = inherited_groups(inherited)
@@ -188,7 +195,7 @@ class ContextHydrator:
     def build(self, new_steps: Sequence[StepRecord]) -> ModelRequest:
         """Add ``new_steps`` to the history and return the next request (no window)."""
         self._add(new_steps)
-        return self._request(tuple(self._history))
+        return self._request(self._history)
 
     def answer(self, message: Hydrate) -> ModelRequest | Compaction:
         """The next request, fitted to the window; or the summary it needs first.
@@ -236,11 +243,14 @@ class ContextHydrator:
         self._ceiling = max(1, min(self._ceiling or ceiling, ceiling))
 
     def _add(self, new_steps: Sequence[StepRecord]) -> None:
+        added: list[Message] = []
         for step in new_steps:
             messages = answer_every_call(step_messages(step), self.synthetic)
-            self._history.extend(messages)
+            added.extend(messages)
             if messages and self.context_window is not None:
                 self._groups.append(Group(step=step.step, messages=tuple(messages)))
+        if added:  # one new tuple for all of them: a resume adds a thousand steps at once
+            self._history += tuple(added)
 
     def _request(
         self, messages: tuple[Message, ...], context: ContextUsed | None = None

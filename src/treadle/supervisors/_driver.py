@@ -127,8 +127,13 @@ async def drive_run(
     hold: LeaseHold,
     sinks: Sequence[EventSink],
     options: DriveOptions,
+    wait: bool = False,
 ) -> AsyncIterator[RunHandle]:
     """`open_run` on a `LeaseHold` (a fleet passes the lease its claim took).
+
+    With ``wait``, the run is driven in the calling task, and the block is entered once it
+    stopped being driven (finished, failed, or parked and left), instead of the run being
+    driven in a task of its own while the block runs.
 
     Raises:
         RunLeased: the lease cannot be taken (it is taken unless ``hold`` holds it already).
@@ -145,6 +150,10 @@ async def drive_run(
         raise
     handle = RunHandle(run_id=hold.run_id, store=store, clock=options.clock)
     if await _finished_before(log, agent, hold, handle):
+        yield handle
+        return
+    if wait:
+        await _supervise(agent, input, log, store, sinks, options, handle, hold)
         yield handle
         return
     try:

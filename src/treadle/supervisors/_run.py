@@ -138,6 +138,58 @@ async def open_run(
         SchemaTooNew: the log was written by a newer treadle.
     """
     require_trio("treadle.open_run")
+    async with _opened(
+        agent,
+        input,
+        wait=False,
+        store=store,
+        run_id=run_id,
+        sinks=sinks,
+        clock=clock,
+        rng=rng,
+        approval_policy=approval_policy,
+        control_poll_s=control_poll_s,
+        actors=actors,
+        park_after_s=park_after_s,
+        lease_ttl_s=lease_ttl_s,
+        owner=owner,
+        accept_definition_change=accept_definition_change,
+        metrics=metrics,
+        thread_id=thread_id,
+        fork_of=fork_of,
+        at_step=at_step,
+    ) as handle:
+        yield handle
+
+
+@asynccontextmanager
+async def _opened(
+    agent: Agent,
+    input: RunInput | None,
+    *,
+    wait: bool,
+    store: RunStore,
+    run_id: str | None,
+    sinks: Sequence[EventSink],
+    clock: Clock | None,
+    rng: random.Random | None,
+    approval_policy: ApprovalPolicy | None,
+    control_poll_s: float | None,
+    actors: Actors,
+    park_after_s: float | None,
+    lease_ttl_s: float,
+    owner: str | None,
+    accept_definition_change: bool,
+    metrics: MetricsRecorder | None,
+    thread_id: str | None,
+    fork_of: str | None,
+    at_step: int | None,
+) -> AsyncIterator[RunHandle]:
+    """`open_run`; with ``wait``, driven in the calling task, and entered once it stopped.
+
+    `run` waits (it has nothing else to do meanwhile): the run then takes no task of its own
+    besides its actors' (docs/performance.md, "Memory").
+    """
     lineage: Lineage | None = None
     if thread_id is not None or fork_of is not None:
         run_id, lineage = await _lineage(store, input, run_id, thread_id, fork_of, at_step)
@@ -159,7 +211,7 @@ async def open_run(
         lineage=lineage,
     )
     async with drive_run(
-        agent, input, store=store, hold=hold, sinks=sinks, options=options
+        agent, input, store=store, hold=hold, sinks=sinks, options=options, wait=wait
     ) as handle:
         yield handle
 
@@ -250,9 +302,11 @@ async def run(
         LeaseLost: another driver took the run over while this call drove it.
         UsageError, SnapshotMismatch, SchemaTooNew: as in `open_run`.
     """
-    async with open_run(
+    require_trio("treadle.run")
+    async with _opened(
         agent,
         input,
+        wait=True,
         store=store,
         run_id=run_id,
         sinks=sinks,
@@ -270,5 +324,5 @@ async def run(
         fork_of=fork_of,
         at_step=at_step,
     ) as handle:
-        pass  # leaving the block waits for the run
+        pass  # entered once the run stopped being driven
     return await handle.wait()
