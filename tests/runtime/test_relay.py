@@ -7,6 +7,7 @@ import trio
 from runtime_fakes import LedgerTools, SimpleParser
 
 import treadle
+from treadle._exceptions import StoreError
 from treadle.agent import Agent, Limits
 from treadle.approvals import request_cancel
 from treadle.stores.memory import MemoryStore
@@ -215,3 +216,49 @@ async def test_run_drives_in_the_calling_task_and_open_run_in_a_task_of_its_own(
         counted["run"] = _named_tasks("_supervise")
     await with_open_run()
     assert counted == {"run": 0, "open_run": 1}
+
+
+class FlakyControl(MemoryStore):
+    """Fails the readings of control heads and streams while ``failing`` is set."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.failing: set[str] = set()
+        self.failed: list[str] = []
+
+    async def control_heads(self, run_ids):
+        if "heads" in self.failing:
+            self.failed.append("heads")
+            raise StoreError("the heads cannot be read")
+        return await super().control_heads(run_ids)
+
+    async def read_control(self, run_id, *, after=0):
+        if "streams" in self.failing:
+            self.failed.append("stream")
+            raise StoreError("the stream cannot be read")
+        return await super().read_control(run_id, after=after)
+
+
+@pytest.mark.parametrize("what", ["heads", "streams"])
+async def test_a_failed_control_reading_is_logged_and_made_again(what, autojump_clock, caplog):
+    store = FlakyControl()
+    results = {}
+
+    async def one(run_id: str) -> None:
+        agent = make([call("sleep", s=60, call_id="c1"), say("done")])
+        results[run_id] = await treadle.run(agent, "x", store=store, run_id=run_id)
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(one, "polled")  # hosts the polling
+        nursery.start_soon(one, "cancelled")
+        await trio.sleep(2)
+        store.failing.add(what)
+        await request_cancel(store, "cancelled", reason="stop")
+        await trio.sleep(3 * CONTROL_POLL_S)
+        assert store.failed and not results  # failing readings stopped no run
+        store.failing.clear()
+        await trio.sleep(CONTROL_POLL_S + 0.01)
+        assert results["cancelled"].state is RunState.CANCELLED
+        nursery.cancel_scope.cancel()
+    assert "polled" not in results  # still driven when the test ended it
+    assert "trying again" in caplog.text

@@ -164,36 +164,46 @@ class ControlIndex:
                 await reader.woken.wait()
             if reader.woken.is_set():
                 return
-            try:
-                await self._read()
-            except StoreError as exc:  # see wait_grown
-                self._read_at = trio.current_time()
-                _LOG.warning("reading the control heads failed (%s); trying again", exc)
-                continue
-            for watch in self._watches:
-                if self._grown(watch.run_id, watch.seen):
-                    watch.woken.set()
+            await self._refresh()
+
+    async def _refresh(self) -> bool:
+        """Read the heads and wake the waiters whose stream grew.
+
+        Returns ``False`` when the reading failed with `StoreError`: it is logged and made
+        again at the next interval (see `wait_grown` and `subscribe`).
+        """
+        try:
+            await self._read()
+        except StoreError as exc:
+            self._read_at = trio.current_time()
+            _LOG.warning("reading the control heads failed (%s); trying again", exc)
+            return False
+        for watch in self._watches:
+            if self._grown(watch.run_id, watch.seen):
+                watch.woken.set()
+        return True
 
     async def _poll_inboxes(self) -> None:
         """The subscribed inboxes' polling (see `subscribe`), until cancelled."""
         while True:
             await trio.sleep_until(self._read_at + self.max_age_s)
-            try:
-                await self._read()
-                for inbox in [i for i in self._inboxes if self._grown(i.run_id, i.seen)]:
-                    entries = await inbox.read()
-                    if inbox in self._inboxes:  # not stopped while reading
-                        with contextlib.suppress(trio.BrokenResourceError):
-                            # its coordinator stopped, and its run is stopping: what it did
-                            # not take stays in the stream for the run's next driver
-                            inbox.hand_over(entries)
-            except StoreError as exc:  # see subscribe
-                self._read_at = trio.current_time()
-                _LOG.warning("reading the control streams failed (%s); trying again", exc)
+            if not await self._refresh():
                 continue
-            for watch in self._watches:
-                if self._grown(watch.run_id, watch.seen):
-                    watch.woken.set()
+            for inbox in [i for i in self._inboxes if self._grown(i.run_id, i.seen)]:
+                try:
+                    entries = await inbox.read()
+                except StoreError as exc:  # see subscribe
+                    _LOG.warning(
+                        "reading run %r's control stream failed (%s); trying again",
+                        inbox.run_id,
+                        exc,
+                    )
+                    continue
+                if inbox in self._inboxes:  # not stopped while reading
+                    with contextlib.suppress(trio.BrokenResourceError):
+                        # its coordinator stopped, and its run is stopping: what it did not
+                        # take stays in the stream for the run's next driver
+                        inbox.hand_over(entries)
 
     def _grown(self, run_id: str, seen: int) -> bool:
         return self._heads.get(run_id, 0) > seen
