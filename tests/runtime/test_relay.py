@@ -107,7 +107,7 @@ async def test_a_job_that_fails_fails_its_host_once_and_goes_on_at_the_next_arri
     assert not relay.hosted
 
 
-async def test_a_host_cancelled_from_outside_hands_the_job_on_when_it_leaves(autojump_clock):
+async def test_a_host_cancelled_from_outside_hands_the_job_on_at_once(autojump_clock):
     ticker = Ticker()
     relay = Relay(ticker.job)
     a_scope = trio.CancelScope()
@@ -120,7 +120,7 @@ async def test_a_host_cancelled_from_outside_hands_the_job_on_when_it_leaves(aut
                     await trio.sleep_forever()
                 finally:
                     with trio.CancelScope(shield=True):
-                        await trio.sleep(2)  # a slow exit: the job ended, a is still a member
+                        await trio.sleep(2)  # a slow exit: a stays a member meanwhile
                     leave()
 
     async with trio.open_nursery() as nursery:
@@ -129,11 +129,11 @@ async def test_a_host_cancelled_from_outside_hands_the_job_on_when_it_leaves(aut
         nursery.start_soon(member, relay, 6)
         await trio.sleep(1)
         a_scope.cancel()
-        await trio.sleep(1)
-        assert not relay.hosted  # not restarted in the cancelled nursery, nor yet elsewhere
-        await trio.sleep(2)
-        assert relay.hosted  # a left: b hosts it
-    assert ticker.starts == 2 and ticker.most_at_once == 1
+        await trio.sleep(0.1)
+        assert relay.hosted and ticker.starts == 2  # b hosts it, without waiting for a
+        await trio.sleep(3)
+        assert ticker.starts == 2  # a left later: nothing to hand on
+    assert ticker.most_at_once == 1
 
 
 def make(model_turns):
@@ -262,3 +262,63 @@ async def test_a_failed_control_reading_is_logged_and_made_again(what, autojump_
         nursery.cancel_scope.cancel()
     assert "polled" not in results  # still driven when the test ended it
     assert "trying again" in caplog.text
+
+
+async def test_a_run_polling_more_often_shortens_the_wait_under_way(autojump_clock):
+    store = MemoryStore()
+    results = {}
+
+    async def one(run_id: str, poll_s: float) -> None:
+        agent = make([call("sleep", s=60, call_id="c1"), say("done")])
+        results[run_id] = await treadle.run(
+            agent, "x", store=store, run_id=run_id, control_poll_s=poll_s
+        )
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(one, "slow", 30)  # hosts the polling, every 30 s
+        await trio.sleep(1)
+        nursery.start_soon(one, "fast", 0.5)
+        await trio.sleep(1)
+        await request_cancel(store, "fast", reason="stop")
+        await trio.sleep(0.5 + 0.01)
+        assert results["fast"].state is RunState.CANCELLED
+        nursery.cancel_scope.cancel()
+
+
+class SlowRenewals(MemoryStore):
+    """Renewals take 0.2 s (a slow store); records when each began."""
+
+    def __init__(self) -> None:
+        super().__init__(clock=trio.current_time)
+        self.began: list[float] = []
+
+    async def renew_leases(self, leases, *, ttl_s):
+        self.began.append(trio.current_time())
+        await trio.sleep(0.2)
+        return await super().renew_leases(leases, ttl_s=ttl_s)
+
+
+async def test_a_renewal_cut_short_with_its_host_is_made_again_at_once(autojump_clock):
+    store = SlowRenewals()
+    results = {}
+    host = trio.CancelScope()
+
+    async def one(run_id: str) -> None:
+        agent = make([call("sleep", s=5, call_id="c1"), say("done")])
+        results[run_id] = await treadle.run(agent, "x", store=store, run_id=run_id, lease_ttl_s=1.5)
+
+    async def hosting() -> None:
+        with host:
+            await one("host")
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(hosting)  # joins first: it renews, every 0.5 s
+        await trio.sleep(0.1)
+        nursery.start_soon(one, "other")
+        await trio.sleep_until(0.6)  # the renewal of 0.5 s is under way
+        host.cancel()
+    assert results["other"].stop_reason is StopReason.FINAL_ANSWER
+    assert "host" not in results
+    # The renewal begun at 0.5 was cut with its host; the next host made it again at once,
+    # not half an interval later.
+    assert any(0.6 <= at < 0.7 for at in store.began), store.began

@@ -13,7 +13,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import weakref
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 
 import attrs
 import trio
@@ -57,6 +57,7 @@ class ControlIndex:
     _read_at: float = float("-inf")
     _reading: bool = False
     _watches: set[_Watch] = attrs.Factory(set)
+    _naps: set[trio.CancelScope] = attrs.Factory(set)  # the waits for the next reading
     _reader: _Watch | None = None
 
     @property
@@ -88,6 +89,27 @@ class ControlIndex:
             leave()
 
         return stop
+
+    def ask(self, max_age_s: float) -> None:
+        """Read at least every ``max_age_s`` from now on (a run that polls more often joined).
+
+        A wait for the next reading that is already under way ends earlier too.
+        """
+        if max_age_s >= self.max_age_s:
+            return
+        self.max_age_s = max_age_s
+        for nap in self._naps:
+            nap.deadline = min(nap.deadline, self._read_at + max_age_s)
+
+    @contextlib.contextmanager
+    def _napping(self) -> Iterator[None]:
+        """Until the next reading is due (sooner when `ask` shortens the interval)."""
+        with trio.move_on_at(self._read_at + self.max_age_s) as nap:
+            self._naps.add(nap)
+            try:
+                yield
+            finally:
+                self._naps.discard(nap)
 
     async def head(self, run_id: str) -> int:
         """The run's last control position per a reading at most ``max_age_s`` old.
@@ -160,7 +182,7 @@ class ControlIndex:
         """As the reader: read every interval until ``reader`` is woken."""
         self._reader = reader
         while not reader.woken.is_set():
-            with trio.move_on_at(self._read_at + self.max_age_s):
+            with self._napping():
                 await reader.woken.wait()
             if reader.woken.is_set():
                 return
@@ -186,7 +208,8 @@ class ControlIndex:
     async def _poll_inboxes(self) -> None:
         """The subscribed inboxes' polling (see `subscribe`), until cancelled."""
         while True:
-            await trio.sleep_until(self._read_at + self.max_age_s)
+            with self._napping():
+                await trio.sleep_forever()
             if not await self._refresh():
                 continue
             for inbox in [i for i in self._inboxes if self._grown(i.run_id, i.seen)]:
@@ -241,7 +264,7 @@ def shared_index(store: ControlStream, max_age_s: float) -> ControlIndex:
             index = indexes[store] = ControlIndex(weakref.ref(store), max_age_s)
     except TypeError:  # not weakly referable: not shared
         return ControlIndex(lambda: store, max_age_s)
-    index.max_age_s = min(index.max_age_s, max_age_s)
+    index.ask(max_age_s)
     return index
 
 

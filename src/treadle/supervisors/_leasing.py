@@ -197,8 +197,11 @@ class LeaseKeeper:
         task_status.started()
         while True:
             await trio.sleep_until(self._renewed_at + self.ttl_s / 3)
-            self._renewed_at = trio.current_time()
+            started = trio.current_time()
             await self.renew_once()
+            # Only a renewal that was made counts: one cancelled halfway (its host run was
+            # cancelled) is made again at once by the next host (`share`).
+            self._renewed_at = started
 
     def share(self, hold: LeaseHold, nursery: trio.Nursery) -> Callable[[], None]:
         """`add` ``hold``, the renewal hosted in turn by the runs that share the keeper.

@@ -22,10 +22,10 @@ import trio
 class Relay:
     """Runs ``job`` in one member's nursery at a time, while it has members.
 
-    ``job`` runs until cancelled. When it ends otherwise (it returned, or raised into its host's
-    nursery, or the host's nursery was cancelled from outside) it is not restarted in that
-    member's nursery; the next member to join or leave starts it in another one. So a job
-    that keeps failing fails each member at most once.
+    ``job`` runs until cancelled. When its host's nursery is cancelled from outside, the job
+    goes on at once in another member's nursery, not again in that one. When it raises into
+    its host's nursery, it is not restarted there either; the next member to join or leave
+    starts it in another one, so a job that keeps failing fails each member at most once.
 
     Attributes:
         job: the shared work, ``async def job() -> None``.
@@ -76,13 +76,18 @@ class Relay:
         self._members[key].start_soon(self._hosted, key, scope, name=self.job)
 
     async def _hosted(self, key: int, scope: trio.CancelScope) -> None:
+        failed = True
         try:
             with scope:
                 await self.job()
+            failed = False  # its host left (or it returned)
+        except trio.Cancelled:
+            failed = False  # its host is cancelled from outside: on to another at once
+            raise
         finally:
             if self._host == key:
                 self._host = self._scope = None
                 if key in self._members:
                     self._unfit.add(key)  # ended while its host stays: not there again
-                else:
+                if not failed:
                     self._start()
