@@ -503,6 +503,53 @@ async def test_parked_runs_go_on_being_woken_after_each_reader_leaves(autojump_c
             assert all(h.parked for h in others)
 
 
+def _reading_tasks() -> int:
+    """Tasks reading control heads: the store's one shared reading."""
+
+    def walk(task) -> int:
+        own = "ControlIndex._poll" in task.name
+        return own + sum(walk(child) for n in task.child_nurseries for child in n.child_tasks)
+
+    return walk(trio.lowlevel.current_root_task())
+
+
+async def test_parked_and_driven_runs_share_one_reading_task(autojump_clock):
+    # One task reads the heads for the runs of a store, driven or parked. It goes on after
+    # the driven run that hosted it ends, and wakes the parked run whose stream grew.
+    store = CountingStore()
+    ended = {}
+
+    async def driven(run_id: str, sleep_s: float) -> None:
+        agent, _ = make([call("sleep", s=sleep_s, call_id="c1"), say("done")])
+        async with open_run(agent, "x", store=store, run_id=run_id) as handle:
+            ended[run_id] = await handle.wait()
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(driven, "d0", 2)  # hosts the reading first
+        await trio.sleep(0.1)
+        handles = await _park_many(store, 4, nursery)
+        assert ended["d0"].stop_reason is StopReason.FINAL_ANSWER  # it ran 2 s, parking 5
+        assert _reading_tasks() == 1
+        nursery.start_soon(driven, "d1", 50)  # within the tool's default timeout
+        await trio.sleep(1)
+        assert _reading_tasks() == 1
+        handles["r2"].cancel()  # a parked run leaves in process
+        await trio.sleep(1)
+        assert _reading_tasks() == 1
+        listings = store.listings
+        await decide(store, "r1")  # "another process" decides one of them
+        with trio.fail_after(2):  # picked up within a few listing intervals
+            await handles["r1"].wait()
+        assert store.listings - listings <= 5
+        assert handles["r0"].parked and handles["r3"].parked
+        for handle in handles.values():
+            handle.cancel()
+        await trio.sleep(1)
+        assert _reading_tasks() == 1  # "d1" still polls
+        nursery.cancel_scope.cancel()
+    assert _reading_tasks() == 0
+
+
 async def test_a_failed_reading_of_the_heads_is_logged_and_made_again(autojump_clock, caplog):
     store = CountingStore()
     async with trio.open_nursery() as nursery:

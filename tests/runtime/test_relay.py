@@ -43,12 +43,12 @@ async def member(
 ) -> None:
     """Join ``relay`` (then report started), stay ``lasts_s`` seconds, leave."""
     async with trio.open_nursery() as nursery:
-        leave = relay.join(nursery)
+        key = relay.join(nursery)
         task_status.started()
         try:
             await trio.sleep(lasts_s)
         finally:
-            leave()
+            relay.leave(key)
 
 
 async def test_three_members_run_one_job_and_it_moves_on_when_its_host_leaves(autojump_clock):
@@ -115,13 +115,13 @@ async def test_a_host_cancelled_from_outside_hands_the_job_on_at_once(autojump_c
     async def a() -> None:
         with a_scope:
             async with trio.open_nursery() as nursery:
-                leave = relay.join(nursery)
+                key = relay.join(nursery)
                 try:
                     await trio.sleep_forever()
                 finally:
                     with trio.CancelScope(shield=True):
                         await trio.sleep(2)  # a slow exit: a stays a member meanwhile
-                    leave()
+                    relay.leave(key)
 
     async with trio.open_nursery() as nursery:
         nursery.start_soon(a)
@@ -167,7 +167,7 @@ async def test_the_runs_of_a_store_renew_and_poll_in_one_task_each(autojump_cloc
         for i in range(10):
             nursery.start_soon(one, i)
         await trio.sleep(5)
-        counted.append((_named_tasks("LeaseKeeper.run"), _named_tasks("_poll_inboxes")))
+        counted.append((_named_tasks("LeaseKeeper.run"), _named_tasks("ControlIndex._poll")))
     assert counted == [(1, 1)]
 
 

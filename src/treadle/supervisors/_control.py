@@ -4,8 +4,8 @@ Each driven run's control stream is read every ``control_poll_s`` (docs/decision
 thousands of runs in one process that would be thousands of store reads a second, almost all
 of empty streams. So the runs of one store share a `ControlIndex`: one
 `treadle.ports.ControlStream.control_heads` call per interval, for every run polling through
-it, says which streams grew, and only those are read. The driven runs' polling is one task
-for all of them, hosted by one of the runs at a time (`treadle.supervisors._relay`).
+it, says which streams grew, and only those are read. That reading is one task for all the
+runs, driven or parked, hosted by one of them at a time (`treadle.supervisors._relay`).
 """
 
 from __future__ import annotations
@@ -37,9 +37,8 @@ class ControlIndex:
     """The control heads of the runs one store drives (or parks) in one trio run.
 
     One `ControlStream.control_heads` call at most every ``max_age_s`` answers for all of them.
-    It owns no task: the driven runs' polling (`subscribe`) is one task hosted by one of them
-    at a time, and the parked runs that wait on it take turns doing the reading
-    (`wait_grown`), each in its own task and nursery.
+    It owns no task: the reading is one task for every run polling (`subscribe`) or waiting
+    (`wait_grown`) through it, hosted by one of them at a time.
 
     A shared index holds its store weakly: the trio run's indexes are keyed by their stores
     (weak keys), and a strong reference back would keep every store used in the trio run, with
@@ -53,12 +52,11 @@ class ControlIndex:
     max_age_s: float
     _heads: dict[str, int] = attrs.Factory(dict)
     _inboxes: dict[ControlInbox, None] = attrs.Factory(dict)  # an ordered set
-    _relay: Relay = attrs.Factory(lambda self: Relay(self._poll_inboxes), takes_self=True)
+    _relay: Relay = attrs.Factory(lambda self: Relay(self._poll), takes_self=True)
     _read_at: float = float("-inf")
     _reading: bool = False
     _watches: set[_Watch] = attrs.Factory(set)
     _naps: set[trio.CancelScope] = attrs.Factory(set)  # the waits for the next reading
-    _reader: _Watch | None = None
 
     @property
     def store(self) -> ControlStream:
@@ -82,11 +80,11 @@ class ControlIndex:
         interval: the run's own writes report a store that stays broken.
         """
         self._inboxes[inbox] = None
-        leave = self._relay.join(nursery)
+        key = self._relay.join(nursery)
 
         def stop() -> None:
             self._inboxes.pop(inbox, None)
-            leave()
+            self._relay.leave(key)
 
         return stop
 
@@ -134,59 +132,38 @@ class ControlIndex:
         finally:
             self._reading = False
 
-    async def wait_grown(self, run_id: str, seen: int, woken: trio.Event) -> None:
-        """Wait until ``woken`` is set: when a reading shows ``run_id``'s stream beyond ``seen``.
+    async def wait_grown(
+        self, inbox: ControlInbox, nursery: trio.Nursery, woken: trio.Event
+    ) -> None:
+        """Wait until ``woken`` is set: when a reading shows ``inbox``'s stream grew.
+
+        Grew, that is, beyond what ``inbox`` had handed over when the wait began.
 
         The caller may set ``woken`` too (a decision handed over in process, a drain), and it
-        is set when the reading is handed to this waiter; either way the caller checks what
-        it waits for and calls again.
+        is set when a reading shows the stream grew; either way the caller checks what it
+        waits for and calls again.
 
-        Parked runs wait this way instead of each reading on its own timer: while anyone
-        waits, one of the waiters (the reader) reads the heads every ``max_age_s`` in its own
-        task and wakes only those whose stream grew, so 10,000 parked runs cost one small
-        read per interval, not 20,000 wake-ups a second, and no task outlives them. A reader
-        that leaves wakes another waiter, which takes the reading over
-        (docs/decisions/0010-parking-waiting-runs.md).
+        Parked runs wait this way instead of each reading on its own timer: the reading is
+        the driven runs' polling job (`subscribe`), which reads the heads every ``max_age_s``
+        for every run waiting or polling through the index and wakes only the waiters whose
+        stream grew. So 10,000 parked runs cost one small read per interval, not 20,000
+        wake-ups a second. While it waits, the caller is a member that can host the job in
+        ``nursery`` (`treadle.supervisors._relay.Relay`), so no task outlives the runs it
+        serves (docs/decisions/0010-parking-waiting-runs.md).
 
         A reading that fails with `StoreError` is logged and made again at the next interval:
         each waiting run reads its own control stream at its deadline, where a store that stays
-        broken is that run's error. Any other exception is the reader's error.
+        broken is that run's error. Any other exception is the error of the run hosting the
+        job.
         """
-        watch = _Watch(run_id=run_id, seen=seen, woken=woken)
+        watch = _Watch(run_id=inbox.run_id, seen=inbox.seen, woken=woken)
         self._watches.add(watch)
+        key = self._relay.join(nursery)
         try:
-            if self._reader is None:
-                await self._read_until_woken(watch)
-            else:
-                await woken.wait()
+            await woken.wait()
         finally:
             self._watches.discard(watch)
-            if self._reader is watch:
-                self._reader = None
-            if self._reader is None:
-                self._hand_over()
-
-    def _hand_over(self) -> None:
-        """Wake a waiter that is not woken yet, to take the reading over.
-
-        Not one that is woken already: it may be leaving in this same turn (its decision
-        arrived), and then nobody would read. A waiter woken this way that leaves instead of
-        reading hands over in turn, so while anyone waits someone reads.
-        """
-        for other in self._watches:
-            if not other.woken.is_set():
-                other.woken.set()
-                return
-
-    async def _read_until_woken(self, reader: _Watch) -> None:
-        """As the reader: read every interval until ``reader`` is woken."""
-        self._reader = reader
-        while not reader.woken.is_set():
-            with self._napping():
-                await reader.woken.wait()
-            if reader.woken.is_set():
-                return
-            await self._refresh()
+            self._relay.leave(key)
 
     async def _refresh(self) -> bool:
         """Read the heads and wake the waiters whose stream grew.
@@ -205,8 +182,8 @@ class ControlIndex:
                 watch.woken.set()
         return True
 
-    async def _poll_inboxes(self) -> None:
-        """The subscribed inboxes' polling (see `subscribe`), until cancelled."""
+    async def _poll(self) -> None:
+        """Read for the subscribed inboxes and the waiters until cancelled (see `subscribe`)."""
         while True:
             with self._napping():
                 await trio.sleep_forever()

@@ -200,7 +200,7 @@ async def _supervise(
     del log  # a parked run keeps no records in memory
     parking: Parking | None = None
     try:
-        async with _sink_feed(sinks, handle) as feed, _keeping(hold, options):
+        async with _sink_feed(sinks, handle) as feed, _keeping(hold, options) as nursery:
             while True:
                 current, first = first or await store.read_log(run_id), None
                 if await _finished_before(current, agent, hold, handle):
@@ -232,7 +232,7 @@ async def _supervise(
                     await _keep_decision(parking, store)  # for whoever drives it next
                     handle._stopped_driving(left="parked")
                     return
-                await _wait_parked(parking, store, run_id, options)
+                await _wait_parked(parking, store, run_id, options, nursery)
                 await _keep_decision(parking, store)
                 if handle._draining_requested:
                     handle._stopped_driving(left="parked")
@@ -263,26 +263,32 @@ async def _supervise(
 
 
 @asynccontextmanager
-async def _keeping(hold: LeaseHold, options: DriveOptions) -> AsyncIterator[None]:
-    """Keep ``hold`` renewed: by the fleet's keeper, or by the one its store's runs share."""
-    if hold.store is None:
-        yield
-        return
-    keeper = options.keeper
-    if keeper is not None:
-        stop = keeper.add(hold)
-        try:
-            yield
-        finally:
-            stop()
-        return
-    shared = shared_keeper(hold.store, hold.ttl_s)  # one renewal for all such runs
+async def _keeping(hold: LeaseHold, options: DriveOptions) -> AsyncIterator[trio.Nursery]:
+    """Keep ``hold`` renewed: by the fleet's keeper, or by the one its store's runs share.
+
+    Yields the nursery in which this run can host the work the runs of its store share (the
+    shared renewal, and the control reading while it is parked: `Relay`).
+    """
     async with trio.open_nursery() as nursery:
-        stop = shared.share(hold, nursery)
+        stop = _keep(hold, options, nursery)
         try:
-            yield
+            yield nursery
         finally:
             stop()
+
+
+def _keep(hold: LeaseHold, options: DriveOptions, nursery: trio.Nursery) -> Callable[[], None]:
+    """Start keeping ``hold`` renewed; returns the function that stops."""
+    if hold.store is None:
+        return _nothing_to_stop
+    if options.keeper is not None:
+        return options.keeper.add(hold)
+    shared = shared_keeper(hold.store, hold.ttl_s)  # one renewal for all such runs
+    return shared.share(hold, nursery)
+
+
+def _nothing_to_stop() -> None:
+    """What stops keeping a hold without a store's lease."""
 
 
 async def _keep_decision(parking: Parking, store: RunStore) -> None:
@@ -334,9 +340,12 @@ async def _sink_feed(
 
 
 async def _wait_parked(
-    parking: Parking, store: RunStore, run_id: str, options: DriveOptions
+    parking: Parking, store: RunStore, run_id: str, options: DriveOptions, nursery: trio.Nursery
 ) -> None:
-    """Wait, with the actors stopped, for what ends the parking (reading the control stream)."""
+    """Wait, with the actors stopped, for what ends the parking (reading the control stream).
+
+    ``nursery`` can host the store's shared control reading meanwhile (`ControlIndex`).
+    """
     controls = control_of(store)
     if controls is None:
         await parking.wait(_nothing, _nothing, None)
@@ -349,7 +358,7 @@ async def _wait_parked(
         control.poll,
         functools.partial(control.poll, fresh=True),
         options.control_poll_s,
-        grown=(lambda wake: index.wait_grown(run_id, control.seen, wake)) if index else None,
+        grown=functools.partial(index.wait_grown, control, nursery) if index is not None else None,
     )
 
 

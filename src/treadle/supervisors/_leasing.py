@@ -212,11 +212,11 @@ class LeaseKeeper:
         ``nursery`` closes.
         """
         stop = self.add(hold)
-        leave = self._relay.join(nursery)
+        key = self._relay.join(nursery)
 
         def stop_and_leave() -> None:
             stop()
-            leave()
+            self._relay.leave(key)
 
         return stop_and_leave
 

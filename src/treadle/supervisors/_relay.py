@@ -43,8 +43,8 @@ class Relay:
         """Whether the job runs (or is starting) in a member's nursery."""
         return self._host is not None
 
-    def join(self, nursery: trio.Nursery) -> Callable[[], None]:
-        """Make a member that can host the job in ``nursery``; returns the function to leave.
+    def join(self, nursery: trio.Nursery) -> int:
+        """Make a member that can host the job in ``nursery``; returns its key for `leave`.
 
         Leave before ``nursery`` closes (in the block that opened it): leaving cancels the job
         if this member hosts it, and the nursery's exit then waits for the job's task.
@@ -53,18 +53,18 @@ class Relay:
         self._members[key] = nursery
         if self._host is None:
             self._start()
+        return key
 
-        def leave() -> None:
-            if self._members.pop(key, None) is None:
-                return
-            self._unfit.discard(key)
-            if self._host == key:
-                assert self._scope is not None
-                self._scope.cancel()  # its task hands the job over as it ends
-            elif self._host is None:
-                self._start()
-
-        return leave
+    def leave(self, key: int) -> None:
+        """The member ``key`` (from `join`) leaves; a second call does nothing."""
+        if self._members.pop(key, None) is None:
+            return
+        self._unfit.discard(key)
+        if self._host == key:
+            assert self._scope is not None
+            self._scope.cancel()  # its task hands the job over as it ends
+        elif self._host is None:
+            self._start()
 
     def _start(self) -> None:
         """Start the job in the first member's nursery fit to host it, if there is one."""
