@@ -11,6 +11,7 @@ drives it. ``repair`` cuts a damaged JSONL log knowingly.
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -38,6 +39,7 @@ from treadle.types import (
     ApprovalDecided,
     ApprovalRequested,
     JSONValue,
+    Lease,
     Liveness,
     ModelIntent,
     Record,
@@ -182,14 +184,28 @@ async def cancel(store: RunStore, run_id: str, *, reason: str, canceller: str) -
     await request_cancel(store, run_id, reason=reason, canceller=canceller)
     summary = await _summary(store, run_id)
     if summary is not None and summary.liveness is Liveness.DRIVEN and summary.lease:
-        return f"{summary.lease.owner} drives the run and stops it within about 1 s"
+        return _held(summary.lease, "drives the run")
     try:
         result = await finish_cancelled(
             store, run_id, owner=lease_owner(), reason=reason, canceller=canceller
         )
     except RunLeased as exc:
-        return f"{exc.holder.owner} took the run meanwhile; it stops it within about 1 s"
+        return _held(exc.holder, "took the run meanwhile")
     return f"nobody drove the run: it is finished here, {result.state.value}"
+
+
+def _held(lease: Lease, what: str) -> str:
+    """Who stops a run whose lease is held, and what happens if that process is gone.
+
+    The holder may have crashed without releasing the lease: until it expires, nobody else
+    may write the run, so the cancel waits in the control stream for the next driver.
+    """
+    left = max(0.0, lease.expires_at - time.time())
+    return (
+        f"{lease.owner} {what} and stops it within about 1 s. If that process is gone, its "
+        f"lease expires in about {left:.0f} s: the run's next driver applies the cancel, or run "
+        "this command again then to finish the run here"
+    )
 
 
 async def _summary(store: RunStore, run_id: str) -> RunSummary | None:

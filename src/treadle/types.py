@@ -612,6 +612,20 @@ class Budgets:
     token_budget: int | None = None
     time_budget_s: float | None = None
 
+    def __attrs_post_init__(self) -> None:
+        """Refuse a budget that is not ``None`` or a number of the right kind, 0 or more.
+
+        Raises:
+            treadle.UsageError: names the budget and the value (a 0 budget is allowed: it
+                stops the run before its first step).
+        """
+        _check_amounts(
+            self,
+            counts=("max_steps", "max_model_attempts", "token_budget"),
+            seconds=("time_budget_s",),
+            optional=True,
+        )
+
     def capped(self, caps: BudgetCaps | None) -> Budgets:
         """These budgets, each cut to its cap in ``caps`` (``None``: unchanged)."""
         if caps is None:
@@ -668,6 +682,49 @@ class Limits:
     retry_max_s: float = 30.0
     invalid_decisions: int = 3
     max_observation_chars: int | None = 20_000
+
+    def __attrs_post_init__(self) -> None:
+        """Refuse a limit that is not a number of the right kind, 0 or more.
+
+        Raises:
+            treadle.UsageError: names the limit and the value.
+        """
+        _check_amounts(
+            self,
+            counts=("max_model_retries", "invalid_decisions", "max_observation_chars"),
+            seconds=tuple(f.name for f in attrs.fields(Limits) if f.name.endswith("_s")),
+            optional=False,
+        )
+
+
+def _check_amounts(
+    value: object, *, counts: tuple[str, ...], seconds: tuple[str, ...], optional: bool
+) -> None:
+    """Check that ``value``'s ``counts`` are ints and its ``seconds`` real numbers, all >= 0.
+
+    ``None`` passes where ``optional`` (unlimited), and for ``max_observation_chars``.
+
+    Raises:
+        treadle.UsageError: the first field that does not fit, with its value.
+    """
+    from treadle._exceptions import UsageError  # (the exceptions module imports this one)
+
+    kind = type(value).__name__
+    for name in (*counts, *seconds):
+        amount = getattr(value, name)
+        if amount is None and (optional or name == "max_observation_chars"):
+            continue
+        if name in counts:
+            fits = isinstance(amount, int) and not isinstance(amount, bool)
+            wanted = "a whole number"
+        else:
+            fits = isinstance(amount, int | float) and not isinstance(amount, bool)
+            fits = fits and not math.isnan(amount)
+            wanted = "a number of seconds"
+        if not fits or amount < 0:
+            allowed = "None (unlimited) or " if optional else ""
+            must = f"{kind}.{name} must be {allowed}{wanted} of 0 or more"
+            raise UsageError(f"{must}, not {amount!r}")
 
 
 @attrs.frozen(kw_only=True)

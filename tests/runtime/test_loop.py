@@ -1,10 +1,11 @@
 from __future__ import annotations
 
+import pytest
 import trio
 from runtime_fakes import LedgerTools, SimpleParser
 
 from treadle._cli_common import describe
-from treadle._exceptions import ModelCallError
+from treadle._exceptions import ModelCallError, UsageError
 from treadle.agent import Agent
 from treadle.stores.memory import MemoryStore
 from treadle.supervisors import open_run, run
@@ -16,6 +17,7 @@ from treadle.types import (
     Attempt,
     Budgets,
     EventKind,
+    Limits,
     ModelErrorInfo,
     RunState,
     StopReason,
@@ -248,3 +250,30 @@ async def test_a_stalled_attempt_is_ended_by_the_attempt_deadline_and_retried(au
     log = await store.read_log("r")
     first = next(r for r in log.records if isinstance(r, ModelResult))
     assert first.error is not None and first.error.kind == "timeout"
+
+
+@pytest.mark.parametrize(
+    ("make", "named"),
+    [
+        (lambda: Budgets(max_steps="10"), "Budgets.max_steps"),
+        (lambda: Budgets(time_budget_s="60"), "Budgets.time_budget_s"),
+        (lambda: Budgets(max_steps=-1), "Budgets.max_steps"),
+        (lambda: Budgets(token_budget=1.5), "Budgets.token_budget"),
+        (lambda: Budgets(max_model_attempts=True), "Budgets.max_model_attempts"),
+        (lambda: Budgets(time_budget_s=float("nan")), "Budgets.time_budget_s"),
+        (lambda: Limits(tool_timeout_s=-1), "Limits.tool_timeout_s"),
+        (lambda: Limits(max_model_retries=None), "Limits.max_model_retries"),
+        (lambda: Limits(max_observation_chars="many"), "Limits.max_observation_chars"),
+    ],
+)
+def test_a_budget_or_limit_of_the_wrong_kind_is_refused_when_made(make, named):
+    # Before, such a budget was taken, and the run failed at its first check with a
+    # TypeError that named no budget, leaving an unfinished run in the store.
+    with pytest.raises(UsageError, match=rf"^{named} must be .*, not "):
+        make()
+
+
+def test_zero_and_unlimited_budgets_are_allowed():
+    assert Budgets(max_steps=0, token_budget=0, time_budget_s=0).max_steps == 0
+    assert Budgets(max_steps=None, max_model_attempts=None).max_steps is None
+    assert Limits(max_observation_chars=None, tool_timeout_s=0.5).tool_timeout_s == 0.5

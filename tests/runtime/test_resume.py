@@ -6,7 +6,7 @@ import pytest
 import trio
 from runtime_fakes import LedgerTools, SimpleParser
 
-from treadle._exceptions import RunInterrupted, SnapshotMismatch
+from treadle._exceptions import RunInterrupted, SnapshotMismatch, UsageError
 from treadle.agent import Agent
 from treadle.stores.memory import MemoryStore
 from treadle.supervisors import run
@@ -120,6 +120,28 @@ async def test_snapshot_mismatch_names_keys():
     with pytest.raises(SnapshotMismatch) as info:
         await run(other, store=memory, run_id="r")
     assert info.value.keys == ["model", "system_prompt"]
+
+
+@pytest.mark.parametrize("finished", [True, False])
+async def test_another_input_under_a_run_id_is_refused_finished_or_not(finished):
+    # Before, a finished run returned its stored answer to a question it was never asked.
+    memory = MemoryStore()
+    tools = LedgerTools()
+    if finished:
+        first = await run(agent_with(tools), "go", store=memory, run_id="r")
+        assert first.stop_reason is StopReason.FINAL_ANSWER
+    else:
+        with pytest.raises((RunInterrupted, SimulatedCrash)):
+            await run(
+                agent_with(tools), "go", store=CrashingStore(inner=memory, crash_at=3), run_id="r"
+            )
+    records = len((await memory.read_log("r")).records)
+    with pytest.raises(UsageError, match=r"input differs .* give a new run id"):
+        await run(agent_with(LedgerTools()), "something else", store=memory, run_id="r")
+    assert len((await memory.read_log("r")).records) == records  # nothing written
+    again = await run(agent_with(LedgerTools()), "go", store=memory, run_id="r")  # lease let go
+    assert again.stop_reason is StopReason.FINAL_ANSWER
+    assert (await run(agent_with(LedgerTools()), store=memory, run_id="r")) == again
 
 
 @pytest.mark.parametrize(

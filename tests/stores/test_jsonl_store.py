@@ -964,8 +964,10 @@ async def test_open_refuses_a_file_and_a_missing_parent(tmp_path: Path) -> None:
     (tmp_path / "file").write_text("x")
     with pytest.raises(StoreError, match="not a directory"):
         await JsonlStore.open(tmp_path / "file")
-    with pytest.raises(StoreError, match="is not a directory"):
+    with pytest.raises(StoreError, match=r"the folder .*missing does not exist"):
         await JsonlStore.open(tmp_path / "missing" / "runs")
+    with pytest.raises(StoreError, match=r"file is not a directory"):
+        await JsonlStore.open(tmp_path / "file" / "runs")
 
 
 async def test_statistics_is_a_frozen_record(tmp_path: Path) -> None:

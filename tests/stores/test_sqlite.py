@@ -807,22 +807,30 @@ async def test_a_damaged_layout_1_record_is_log_corrupted_on_open(tmp_path: Path
 
 
 async def test_open_refuses_a_missing_directory(tmp_path: Path) -> None:
-    with pytest.raises(StoreError, match="is not a directory"):
+    with pytest.raises(StoreError, match=r"the folder .*nope does not exist"):
         await SqliteStore.open(tmp_path / "nope" / "s.db")
 
 
 async def test_open_refuses_a_file_as_directory(tmp_path: Path) -> None:
     (tmp_path / "file").write_text("x")
-    with pytest.raises(StoreError):
+    with pytest.raises(StoreError, match=r"file is not a directory"):
         await SqliteStore.open(tmp_path / "file" / "s.db")
+
+
+async def test_open_refuses_a_directory_as_the_store_file(tmp_path: Path) -> None:
+    # SQLite itself says only "unable to open database file"
+    with pytest.raises(StoreError, match=r"it is a directory; give the path of a file in it"):
+        await SqliteStore.open(tmp_path)
+    assert os.listdir(tmp_path) == []
 
 
 async def test_open_refuses_a_file_that_is_not_a_database(tmp_path: Path) -> None:
     path = tmp_path / "s.db"
     path.write_bytes(b"definitely not sqlite " * 100)
-    with pytest.raises(StoreError) as info:
+    with pytest.raises(StoreError, match="damaged, or the file is not a SQLite database") as info:
         await SqliteStore.open(path)
     assert isinstance(info.value.__cause__, sqlite3.DatabaseError)
+    assert path.read_bytes() == b"definitely not sqlite " * 100  # left as it was
 
 
 @contextlib.contextmanager

@@ -695,6 +695,10 @@ def open_directory(directory: str) -> None:
     path = Path(directory)
     if path.exists() and not path.is_dir():
         raise StoreError(f"cannot open JSONL store {directory}: not a directory")
+    if not path.parent.exists():
+        raise StoreError(
+            f"cannot open JSONL store {directory}: the folder {path.parent} does not exist"
+        )
     if not path.parent.is_dir():
         raise StoreError(f"cannot open JSONL store {directory}: {path.parent} is not a directory")
     try:

@@ -192,8 +192,14 @@ def _translate(path: str, exc: BaseException, what: str) -> TreadleError | None:
     if not isinstance(exc, sqlite3.Error):
         return None
     text = str(exc)
-    if "malformed" in text or "not a database" in text:
+    if "malformed" in text:
         return LogCorrupted(f"the database is damaged: {text}", where=path, offset=0)
+    if "not a database" in text:  # a damaged header, or a path to some other file
+        return LogCorrupted(
+            f"the database is damaged, or the file is not a SQLite database: {text}",
+            where=path,
+            offset=0,
+        )
     return StoreError(f"{what} SQLite store {path}: {text}")
 
 
@@ -666,12 +672,28 @@ def _insert_sql(count: int) -> str:
 _FileIds = tuple[tuple[int, int] | None, tuple[int, int] | None]
 
 
+def _check_path(path: str) -> None:
+    """Refuse a store path SQLite would refuse with only "unable to open database file".
+
+    Raises:
+        StoreError: ``path`` is a directory, or its folder is missing or not a directory.
+    """
+    parent = Path(path).parent
+    if Path(path).is_dir():
+        raise StoreError(
+            f"cannot open SQLite store {path}: it is a directory; give the path of a file in"
+            f" it, such as {Path(path) / 'runs.db'}"
+        )
+    if not parent.exists():
+        raise StoreError(f"cannot open SQLite store {path}: the folder {parent} does not exist")
+    if not parent.is_dir():
+        raise StoreError(f"cannot open SQLite store {path}: {parent} is not a directory")
+
+
 def _open_writer(
     path: str, pragmas: Mapping[str, int | str], clock: Callable[[], float]
 ) -> tuple[sqlite3.Connection, _FileIds]:
-    parent = Path(path).parent
-    if not parent.is_dir():
-        raise StoreError(f"cannot open SQLite store {path}: {parent} is not a directory")
+    _check_path(path)
     try:
         conn = _connect(path)
     except sqlite3.Error as exc:

@@ -148,6 +148,12 @@ async def drive_run(
     except BaseException:
         await hold.release_quietly()
         raise
+    if log.finished is not None and log.started is not None:
+        try:
+            _check_input(log.started, input)
+        except UsageError:
+            await hold.release()
+            raise
     handle = RunHandle(run_id=hold.run_id, store=store, clock=options.clock)
     if await _finished_before(log, agent, hold, handle):
         yield handle
@@ -666,10 +672,25 @@ def _prepare(
             f"run {log.run_id!r} exists as {stored.describe() if stored else 'a run of its own'},"
             f" not as the {options.lineage.describe()} asked for (another caller started it)"
         )
-    if input is not None and valid_unicode(input_messages(input))[0] != started.input:
-        raise UsageError(f"run {log.run_id!r}: the input differs from the stored input")
+    _check_input(started, input)
     accepted = _accepted_change(agent, log, started, clock, options, owner)
     return started, fold(log.records), log.steps, accepted
+
+
+def _check_input(started: RunStarted, input: RunInput | None) -> None:
+    """Refuse ``input`` when it is not the input the run was started with.
+
+    A run id names one run: the same call again resumes it, or returns its result when it
+    finished (docs/concepts.md, "Run ids"); another input under the same id is a mistake.
+
+    Raises:
+        UsageError: the input differs (``None`` means "whatever it was", and passes).
+    """
+    if input is not None and valid_unicode(input_messages(input))[0] != started.input:
+        raise UsageError(
+            f"run {started.run_id!r}: the input differs from the stored input (a run id names "
+            "one run; give a new run id to start another)"
+        )
 
 
 def _accepted_change(
