@@ -11,6 +11,7 @@ from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
 import pytest
+import trio
 
 from treadle.ports import RunStore
 from treadle.stores import JsonlStore, MemoryStore, SqliteStore
@@ -25,6 +26,7 @@ from treadle.testing.capabilities import (
     check_run_queue,
 )
 from treadle.testing.contracts import StoreOpener
+from treadle.types import RunStarted
 
 
 def _opener(make: Callable[[], object]) -> StoreOpener:
@@ -95,3 +97,37 @@ async def test_run_queue_contract(
 ) -> None:
     opener, clock, _ = _store(kind, tmp_path, request)
     await check_run_queue(opener, clock=clock)
+
+
+async def test_lease_renewals_and_control_readings_never_wait_behind_the_runs_reads(
+    fleet_store,
+) -> None:
+    # With hundreds of runs starting, their reads filled the store's worker threads; the one
+    # renewal for all runs waited its turn behind them (and lost it each time the run hosting
+    # it ended) until leases expired under runs still driven, and cancels landed seconds late.
+    from treadle.approvals import request_cancel
+
+    store = fleet_store
+    lease = await store.acquire_lease("r", owner="o", ttl_s=600)
+    await store.write_run_started(
+        RunStarted(run_id="r", ts="2026-01-01T00:00:00+00:00", input=(), snapshot={}),
+        seq=1,
+        generation=lease.generation,
+    )
+    await request_cancel(store, "r", reason="stop")
+    workers = store._engine.workers
+    holders = [object() for _ in range(workers.total_tokens)]
+    for holder in holders:  # every worker thread taken, as by reads of starting runs
+        await workers.acquire_on_behalf_of(holder)
+    try:
+        with trio.fail_after(10):
+            (renewed,) = await store.renew_leases([lease], ttl_s=600)
+            heads = await store.control_heads(["r"])
+            entries = await store.read_control("r")
+            current = await store.read_lease("r")
+    finally:
+        for holder in holders:
+            workers.release_on_behalf_of(holder)
+    assert renewed.generation == lease.generation
+    assert heads == {"r": 1} and len(entries) == 1
+    assert current is not None and current.expires_at == renewed.expires_at

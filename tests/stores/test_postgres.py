@@ -3,6 +3,7 @@ schema version, the DSN's password, and a stale writer filtered inside a shared 
 
 from __future__ import annotations
 
+import functools
 import re
 import socket
 
@@ -219,3 +220,90 @@ async def test_the_schema_comes_from_the_dsn_options(
     with psycopg.connect(postgres_dsn) as admin:
         (count,) = admin.execute(f"SELECT count(*) FROM {postgres_schema}.records").fetchone()
     assert count == 1
+
+
+def _locked(dsn: str, schema: str, run_id: str) -> bool:
+    """Whether another transaction holds ``run_id``'s ``runs`` row lock (probed with NOWAIT)."""
+    with psycopg.connect(dsn, options=f"-c search_path={schema}") as probe:
+        try:
+            probe.execute("SELECT 1 FROM runs WHERE run_id = %s FOR UPDATE NOWAIT", (run_id,))
+        except psycopg.errors.LockNotAvailable:
+            return True
+        probe.rollback()
+        return False
+
+
+async def _waiting_for_a_lock(dsn: str, application: str) -> None:
+    with trio.fail_after(30):
+        while True:
+            with psycopg.connect(dsn, autocommit=True) as admin:
+                waiting = admin.execute(
+                    "SELECT 1 FROM pg_stat_activity WHERE application_name = %s "
+                    "AND wait_event_type = 'Lock'",
+                    (application,),
+                ).fetchall()
+            if waiting:
+                return
+            await trio.sleep(0.02)
+
+
+@pytest.mark.parametrize("what", ["commit", "renewal"])
+async def test_a_commit_and_a_renewal_lock_their_runs_rows_in_run_id_order(
+    postgres_dsn: str, postgres_schema: str, what: str
+) -> None:
+    # Both take the row locks of several runs in one transaction. Taken in an order of their
+    # own (a batch's order of first writes, the order of the leases asked), the renewal and
+    # the group commit deadlocked under load and the runs of the batch failed.
+    from treadle.stores import _sql
+    from treadle.stores._engine import Write
+
+    async with treadle.open_postgres_store(postgres_dsn, schema=postgres_schema) as store:
+        leases = {r: await store.acquire_lease(r, owner="o", ttl_s=600) for r in "abc"}
+        for run_id, lease in leases.items():
+            await store.write_run_started(started(run_id), seq=1, generation=lease.generation)
+        dialect, pool = store._dialect, store._pool
+        application = f"test {what}"
+        conn = dialect.connect(application)
+        if what == "commit":
+            backend = postgres.PostgresBackend(dialect, conn, pool)
+            writes = [
+                Write(
+                    run_id=r,
+                    seq=2,
+                    generation=leases[r].generation,
+                    records=(intent(r, 1),),
+                    payload=_sql.encode_values(r, 2, leases[r].generation, (intent(r, 1),)),
+                    barrier=True,
+                    closes=False,
+                    delta=None,
+                )
+                for r in "cba"  # the batch's order
+            ]
+            job = functools.partial(backend.commit, writes)
+        else:  # through the store (its pooled connections are named "treadle")
+            application = "treadle"
+            ordered = [leases[r] for r in "cba"]
+            renew = functools.partial(store.renew_leases, ordered, ttl_s=600)
+            job = functools.partial(trio.from_thread.run, renew)
+        with psycopg.connect(postgres_dsn, options=f"-c search_path={postgres_schema}") as other:
+            other.execute("SELECT 1 FROM runs WHERE run_id = 'b' FOR UPDATE")
+            done: dict[str, object] = {}
+
+            async def run_job() -> None:
+                done["out"] = await trio.to_thread.run_sync(job)
+
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(run_job)
+                try:
+                    await _waiting_for_a_lock(postgres_dsn, application)  # for 'b'
+                    held = [_locked(postgres_dsn, postgres_schema, r) for r in "ac"]
+                finally:
+                    other.rollback()  # 'b' is free: the job goes on and ends
+        conn.close()
+        assert held == [True, False]  # 'a' taken before waiting for 'b', 'c' not yet
+        if what == "commit":
+            assert [w.error for w in writes] == [None, None, None]
+            logs = [await store.read_log(r) for r in "abc"]
+            assert [len(log.records) for log in logs] == [2, 2, 2]
+        else:
+            assert sorted(lease.run_id for lease in done["out"]) == ["a", "b", "c"]

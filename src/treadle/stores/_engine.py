@@ -69,6 +69,14 @@ their turn. Without a bound, a hundred runs starting at once loaded their heads 
 threads, opening and closing some seventy connections; eight took 1.6 MB more than four for
 100 concurrent SQLite runs, and no throughput (docs/performance.md, "Memory")."""
 
+SHARED_WORKERS: Final = 2
+"""Worker threads of their own for the store calls of the work a store's runs share, one task
+each (docs/decisions/0095-one-task-for-a-stores-runs.md): renewing their leases and reading
+their control heads and streams. They never queue behind the runs' own reads: with 300 runs
+starting on a SQLite store, a renewal waiting its turn behind their reads (and cancelled, and
+queued again, each time the run hosting it ended) let 203 leases go unrenewed past their TTL
+while their runs were driven, and cancels landed 5 s late instead of within the poll interval."""
+
 MAX_PENDING_WRITES: Final = 10_000
 """Queued, uncommitted writes above which a non-barrier write waits for its batch."""
 
@@ -300,6 +308,8 @@ class CommitEngine:
     Attributes:
         workers: bounds the worker threads of the store object (`MAX_WORKERS`): the engine
             loads a run's head under it, and the SQL stores run their reads under it too.
+        shared: bounds the threads of the SQL stores' lease renewals and control readings
+            (`SHARED_WORKERS`), apart from ``workers``.
         metrics: where each committed batch's size and each barrier's wait are reported
             (docs/metrics.md); ``None`` reports nothing.
 
@@ -309,6 +319,7 @@ class CommitEngine:
     def __init__(self, backend: Backend, token: trio.lowlevel.TrioToken) -> None:
         self.metrics: MetricsRecorder | None = None
         self.workers = trio.CapacityLimiter(MAX_WORKERS)
+        self.shared = trio.CapacityLimiter(SHARED_WORKERS)
         self._backend = backend
         self._runs: dict[str, _RunState] = {}
         self._last: Write | None = None

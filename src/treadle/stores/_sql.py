@@ -32,6 +32,7 @@ import contextlib
 import datetime as dt
 import functools
 import threading
+import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, Final, Protocol, TypeVar
 
@@ -63,6 +64,7 @@ from treadle.stores._codec import (
 )
 from treadle.stores._engine import (
     MAX_WORKERS,
+    SHARED_WORKERS,
     CommitEngine,
     RunHead,
     StoreStatistics,
@@ -619,17 +621,53 @@ def acquire_lease(
 def renew_leases(
     dialect: SqlDialect, conn: Connection, leases: Sequence[Lease], ttl_s: float
 ) -> tuple[Lease, ...]:
-    """Renew the leases still held, in one transaction; the lost ones are left out."""
+    """Renew the leases still held, in one transaction; the lost ones are left out.
+
+    The rows are locked in run id order, as the group commit locks them (PostgreSQL): two
+    transactions that take the same row locks in one order cannot deadlock.
+    """
     renewed = []
     with write_transaction(dialect, conn, flush=False):
         now = dialect.now(conn)
-        for held in leases:
+        for held in sorted(leases, key=_by_run):
             row = _locked_row(dialect, conn, held.run_id, _LEASE_COLUMNS, create=False)
             fresh = _leases.renew(_lease_of(held.run_id, row), held, ttl_s=ttl_s, now=now)
             if fresh is not None:
                 _set_lease(dialect, conn, fresh)
                 renewed.append(fresh)
     return tuple(renewed)
+
+
+def renew_leases_again_on_deadlock(
+    dialect: SqlDialect, conn: Connection, leases: Sequence[Lease], ttl_s: float
+) -> tuple[Lease, ...]:
+    """`renew_leases`, made again when the server ended it as a deadlock victim (40P01).
+
+    The server rolled the whole transaction back, so making it again renews each lease once.
+    Another program's transactions on the same rows may lock them in another order.
+    """
+    attempt = 0
+    while True:
+        try:
+            return renew_leases(dialect, conn, leases, ttl_s)
+        except Exception as exc:
+            if attempt == DEADLOCK_RETRIES or not deadlock(exc):
+                raise
+        attempt += 1
+        time.sleep(0.01 * attempt)
+
+
+def deadlock(exc: BaseException) -> bool:
+    """Whether the server ended the transaction to break a deadlock (SQLSTATE 40P01)."""
+    return getattr(exc, "sqlstate", None) == "40P01"
+
+
+DEADLOCK_RETRIES: Final = 5
+"""Times a transaction the server ended as a deadlock victim is made again before it fails."""
+
+
+def _by_run(lease: Lease) -> str:
+    return lease.run_id
 
 
 def release_lease(dialect: SqlDialect, conn: Connection, lease: Lease, control_seen: int) -> None:
@@ -685,11 +723,14 @@ class ConnectionPool:
     Args:
         connect: opens a new connection.
         keep: idle connections kept; more are closed when handed back. As many as the store's
-            reads that run at once (`treadle.stores._engine.MAX_WORKERS`), so that none is
-            closed and opened again while runs start.
+            calls that run at once (`treadle.stores._engine.MAX_WORKERS` and
+            `treadle.stores._engine.SHARED_WORKERS`), so that none is closed and opened again
+            while runs start.
     """
 
-    def __init__(self, connect: Callable[[], Connection], keep: int = MAX_WORKERS) -> None:
+    def __init__(
+        self, connect: Callable[[], Connection], keep: int = MAX_WORKERS + SHARED_WORKERS
+    ) -> None:
         self._connect = connect
         self._keep = keep
         self._idle: list[Connection] = []
@@ -1155,7 +1196,7 @@ class SqlStore(EngineStore):
         if not leases:
             await trio.lowlevel.checkpoint()
             return ()
-        return await self._run(renew_leases, tuple(leases), ttl_s)
+        return await self._run(renew_leases_again_on_deadlock, tuple(leases), ttl_s, shared=True)
 
     async def release_lease(self, lease: Lease, *, control_seen: int = 0) -> None:
         """Release the lease if still held, once the run's queued writes committed."""
@@ -1165,7 +1206,7 @@ class SqlStore(EngineStore):
 
     async def read_lease(self, run_id: str) -> Lease | None:
         """The run's lease as stored, or ``None``."""
-        return await self._run(read_lease, run_id)
+        return await self._run(read_lease, run_id, shared=True)
 
     async def append_control(self, record: CancelRequested | ApprovalDecided) -> ControlEntry:
         """Append to the run's control stream; durable on return (`treadle.ports.ControlStream`).
@@ -1180,14 +1221,14 @@ class SqlStore(EngineStore):
 
     async def read_control(self, run_id: str, *, after: int = 0) -> tuple[ControlEntry, ...]:
         """The run's control entries after position ``after``."""
-        return await self._run(read_control, run_id, after)
+        return await self._run(read_control, run_id, after, shared=True)
 
     async def control_heads(self, run_ids: Sequence[str]) -> Mapping[str, int]:
         """The last control position of each run that has entries."""
         if not run_ids:
             await trio.lowlevel.checkpoint()
             return {}
-        return await self._run(control_heads, tuple(run_ids))
+        return await self._run(control_heads, tuple(run_ids), shared=True)
 
     async def submit(
         self,
@@ -1254,12 +1295,16 @@ class SqlStore(EngineStore):
         finally:
             self._pool.close()
 
-    async def _run(self, fn: Callable[..., _T], *args: Any) -> _T:
-        """``fn(dialect, conn, *args)`` in a worker thread, on a pooled connection."""
+    async def _run(self, fn: Callable[..., _T], *args: Any, shared: bool = False) -> _T:
+        """``fn(dialect, conn, *args)`` in a worker thread, on a pooled connection.
+
+        ``shared``: a call of the work the store's runs share (a lease renewal, a control
+        reading), in threads of its own (`SHARED_WORKERS`), not behind the runs' reads.
+        """
         self._engine.check_open()
         return await trio.to_thread.run_sync(
             functools.partial(run_pooled, self._dialect, self._pool, fn, *args),
-            limiter=self._engine.workers,
+            limiter=self._engine.shared if shared else self._engine.workers,
         )
 
 

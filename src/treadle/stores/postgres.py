@@ -93,7 +93,15 @@ _COMMIT: Final = (
     "WHERE v.run_id IN (SELECT run_id FROM ok)) "
     "SELECT run_id FROM ok"
 )
-"""The group commit of one batch (see the module docstring)."""
+"""The group commit of one batch (see the module docstring), after `_LOCK_ROWS`."""
+
+_LOCK_ROWS: Final = "SELECT 1 FROM runs WHERE run_id = ANY(%s) ORDER BY run_id FOR UPDATE"
+"""Locks the batch's ``runs`` rows in run id order, in the transaction of `_COMMIT`.
+
+The lease renewal locks them in that order too: two transactions that take the same row locks
+in one order cannot deadlock. Taken by `_COMMIT` itself, in the order of its plan, the renewal
+and the commit deadlocked under load. A separate statement: locked by a part of `_COMMIT`
+itself, rows the commit had waited for were refused (its update had read them before)."""
 
 
 def _psycopg() -> Any:
@@ -186,6 +194,8 @@ def _translate(description: str, exc: BaseException, what: str) -> TreadleError 
 
 def _lost_connection(exc: BaseException) -> bool:
     psycopg = _psycopg()
+    if _sql.deadlock(exc):  # an OperationalError too, but the connection is fine
+        return False
     return isinstance(exc, psycopg.OperationalError | psycopg.InterfaceError)
 
 
@@ -265,9 +275,25 @@ class PostgresBackend(_sql.SqlBackend):
         return BatchReport(syncs=1 if committed else 0)
 
     def _statement(self, groups: Sequence[_sql.RunBatch]) -> set[str]:
+        """Run `_COMMIT`; one the server ended as a deadlock victim is run again.
+
+        The rows are locked first, in run id order (`_LOCK_ROWS`). A deadlock rolls the
+        transaction back whole, so running it again writes each record once; the lock order
+        avoids deadlocks with the renewal, this covers other programs' transactions.
+        """
         params = _commit_params(groups)
-        rows = self._conn.execute(_COMMIT, params).fetchall()
-        return {row[0] for row in rows}
+        ids = sorted(g.run_id for g in groups)
+        attempt = 0
+        while True:
+            try:
+                with self._conn.transaction():
+                    self._conn.execute(_LOCK_ROWS, (ids,))
+                    return {row[0] for row in self._conn.execute(_COMMIT, params).fetchall()}
+            except Exception as exc:
+                if attempt == _sql.DEADLOCK_RETRIES or not _sql.deadlock(exc):
+                    raise
+            attempt += 1
+            time.sleep(0.01 * attempt)
 
     def _reconcile(self, groups: list[_sql.RunBatch], lost: Exception) -> set[str]:
         """After a lost connection: count what committed, retry the rest once."""
