@@ -16,7 +16,8 @@ from typing import Any, TypeVar
 import click
 import trio
 
-from treadle._exceptions import TreadleError
+from treadle._exceptions import InvalidRunId, TreadleError
+from treadle._ids import check_run_id
 from treadle.ports import RunStore
 from treadle.stores import is_dsn, record_to_dict, redact_dsn
 from treadle.stores.jsonl import open_jsonl_store
@@ -53,6 +54,21 @@ store_option = click.option(
     help="SQLite store file, JSONL store directory, or PostgreSQL DSN (postgresql://...).",
 )
 """The ``--store PATH|DSN`` option every command that reads runs takes."""
+
+
+def _checked_run_id(ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:
+    """A run id as docs/concepts.md, "Run ids" allows it, refused before the store is opened."""
+    if value is None:
+        return None
+    try:
+        return check_run_id(value)
+    except InvalidRunId as exc:
+        raise click.BadParameter(str(exc), ctx=ctx, param=param) from exc
+
+
+def run_id_argument(*, required: bool = True) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """The ``RUN_ID`` argument of the commands about one run, checked as a run id."""
+    return click.argument("run_id", required=required, callback=_checked_run_id)
 
 
 def import_spec(spec: str, *, param_hint: str) -> Any:

@@ -18,7 +18,14 @@ from typing import TYPE_CHECKING
 import click
 import trio
 
-from treadle._cli_common import import_spec, open_store, redact, run_async, store_option
+from treadle._cli_common import (
+    import_spec,
+    open_store,
+    redact,
+    run_async,
+    run_id_argument,
+    store_option,
+)
 from treadle._exceptions import TreadleError
 from treadle._text import valid_text
 from treadle.agent import Agent
@@ -247,7 +254,7 @@ def submit_command(store_path: str, agent_name: str, run_id: str | None, text: s
 
 
 @click.command("wait")
-@click.argument("run_id")
+@run_id_argument()
 @store_option
 @click.option("--json", "as_json", is_flag=True, help="Print the result as one JSON object.")
 @click.option("--poll", "poll_s", default=CLAIM_POLL_S, show_default=True, type=float)
@@ -284,7 +291,7 @@ def wait_command(run_id: str, store_path: str, as_json: bool, poll_s: float) -> 
 
 
 @click.command("unquarantine")
-@click.argument("run_id")
+@run_id_argument()
 @store_option
 def unquarantine_command(run_id: str, store_path: str) -> None:
     """Make a quarantined run claimable again (its takeover count starts afresh)."""

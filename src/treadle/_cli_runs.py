@@ -24,6 +24,7 @@ from treadle._cli_common import (
     event_json,
     open_store,
     run_async,
+    run_id_argument,
     store_option,
 )
 from treadle._exceptions import RunLeased
@@ -53,7 +54,7 @@ TAIL_POLL_S = 0.2
 
 
 @click.command("approve")
-@click.argument("run_id")
+@run_id_argument()
 @store_option
 @click.option("--reject", "reject", default=None, help="Reject the call with this message.")
 @click.option(
@@ -149,7 +150,7 @@ def _json_object(text: str) -> dict[str, Any]:
 
 
 @click.command("cancel")
-@click.argument("run_id")
+@run_id_argument()
 @store_option
 @click.option("--reason", default="", help="Why; kept in the cancel record.")
 def cancel_command(run_id: str, store_path: str, reason: str) -> None:
@@ -213,7 +214,7 @@ async def _summary(store: RunStore, run_id: str) -> RunSummary | None:
 
 
 @click.command("tail")
-@click.argument("run_id")
+@run_id_argument()
 @store_option
 @click.option(
     "--from",
@@ -341,7 +342,7 @@ def format_event(seq: int, record: Record) -> str:
 
 
 @click.command("repair")
-@click.argument("run_id")
+@run_id_argument()
 @store_option
 def repair_command(run_id: str, store_path: str) -> None:
     """Cut a damaged JSONL run log at its first damaged line, keeping what it removes.

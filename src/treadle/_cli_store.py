@@ -27,6 +27,7 @@ from treadle._cli_common import (
     open_store,
     redact,
     run_async,
+    run_id_argument,
     store_option,
 )
 from treadle._text import valid_unicode
@@ -192,7 +193,7 @@ async def read_starts(store_path: str, summaries: Sequence[RunSummary]) -> dict[
 
 
 @click.command("show")
-@click.argument("run_id")
+@run_id_argument()
 @store_option
 @click.option(
     "--json",
@@ -248,7 +249,7 @@ def trajectory_table(log: RunLog) -> Table:
 
 
 @click.command("resume")
-@click.argument("run_id", required=False)
+@run_id_argument(required=False)
 @store_option
 @click.option(
     "--agent",

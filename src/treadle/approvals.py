@@ -24,6 +24,7 @@ from typing import Any, TypeAlias
 
 from treadle._clock import Clock, SystemClock
 from treadle._exceptions import UsageError
+from treadle._ids import check_run_id
 from treadle._text import repaired
 from treadle.policies import ExecutorPolicies
 from treadle.ports import ControlStream, RunQueue, RunStore
@@ -301,10 +302,12 @@ async def request_cancel(
         The record appended to the control stream.
 
     Raises:
+        InvalidRunId: not an allowed run id (docs/concepts.md, "Run ids"); nothing is read.
         UsageError: the run does not exist or already finished (terminal states never
             change), or the store has no control streams.
         StoreError: the write failed.
     """
+    check_run_id(run_id)
     controls = _controls(store)
     log = await store.read_log(run_id)
     if log.started is not None or not await _queued(store, run_id):
@@ -346,6 +349,7 @@ async def decide(
         The decision as appended to the run's control stream.
 
     Raises:
+        InvalidRunId: not an allowed run id (docs/concepts.md, "Run ids"); nothing is read.
         UsageError: the run does not exist, finished, waits on no approval, waits on
             another call, already has a decision for that call in its control stream (the
             first one counts), both ``reject`` and ``edit`` were given, the edit does not
@@ -356,6 +360,7 @@ async def decide(
             append-only stream, where the run's driver passes over it).
         StoreError: the write failed.
     """
+    check_run_id(run_id)
     if reject is not None and edit is not None:
         raise UsageError("a decision either rejects or edits the arguments, not both")
     controls = _controls(store)

@@ -342,3 +342,35 @@ async def test_a_dropped_store_is_freed_within_the_trio_run_that_drove_it(kind, 
     del store, handle
     gc.collect()
     assert dropped() is None
+
+
+@pytest.mark.parametrize("run_id", ["", "bad id", "a#b", "x" * 201, "\udcff"])
+async def test_cancel_and_decide_refuse_an_invalid_run_id_before_reading(tmp_path, run_id):
+    # They answered "there is no run ..." (or a UnicodeEncodeError from the database driver)
+    # where docs/concepts.md, "Run ids" promises InvalidRunId before anything is read.
+    from treadle._exceptions import InvalidRunId
+    from treadle.approvals import decide
+    from treadle.stores.sqlite import open_sqlite_store
+
+    async with open_sqlite_store(tmp_path / "runs.db") as store:
+        with pytest.raises(InvalidRunId):
+            await request_cancel(store, run_id)
+        with pytest.raises(InvalidRunId):
+            await decide(store, run_id)
+        with pytest.raises(InvalidRunId):
+            await store.read_log(run_id)
+
+
+@pytest.mark.parametrize("command", ["cancel", "approve", "show", "tail", "resume"])
+def test_the_cli_refuses_an_invalid_run_id_with_a_usage_error(tmp_path, command):
+    from click.testing import CliRunner
+
+    from treadle.cli import main
+
+    args = [command, "\udcff", "--store", str(tmp_path / "runs.db")]
+    if command == "resume":
+        args += ["--agent", "nowhere:agent"]
+    result = CliRunner().invoke(main, args)
+    assert result.exit_code == 2, result.output
+    assert "RUN_ID]': invalid run id '\\udcff'" in result.output.replace("'RUN_ID'", "'[RUN_ID]'")
+    assert result.exception is None or isinstance(result.exception, SystemExit)

@@ -693,3 +693,25 @@ async def test_a_block_failing_as_the_run_parks_still_releases_the_lease(autojum
             result = await handle.wait()
     assert result.stop_reason is StopReason.FINAL_ANSWER
     assert [a.arguments for a in tools.executed] == [{"a": 1, "b": 2}]
+
+
+async def test_a_parked_run_finished_as_cancelled_by_another_process_reports_its_result(
+    autojump_clock,
+):
+    # `treadle cancel` finishes a parked run itself: it takes the free lease, writes the
+    # cancel, and lets go. The parked run, woken by the cancel in its control stream, found
+    # the lease held and its handle raised RunLeased instead of reporting the cancelled run.
+    from treadle.supervisors import finish_cancelled
+
+    agent, tools = make([call("add", a=1, b=2, call_id="c1"), say("3")])
+    store = MemoryStore()
+    async with opened(agent, store, control_poll_s=0.5) as handle:
+        await parked(handle)
+        await store.acquire_lease("r", owner="the cli", ttl_s=600)  # it holds the lease
+        await request_cancel(store, "r", reason="enough", canceller="treadle cancel")
+        await trio.sleep(1.5)  # the parked run is woken and finds the lease held
+        finished = await finish_cancelled(store, "r", owner="the cli")
+        result = await handle.wait()
+    assert finished.state is RunState.CANCELLED
+    assert result.state is RunState.CANCELLED and result == finished
+    assert tools.executed == []

@@ -1148,7 +1148,9 @@ class SqlStore(EngineStore):
                 missing, or records the run's index row counts are gone (``offset``: a seq).
             SchemaTooNew: the run was started by a newer schema version.
             StoreError: the database cannot be read, or the store is closed.
+            InvalidRunId: not an allowed run id; nothing is read.
         """
+        check_run_id(run_id)
         await self._engine.settle(run_id)
         records = await self._run(read_records, run_id)
         return RunLog(run_id=run_id, records=records)

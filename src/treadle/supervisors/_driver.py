@@ -25,7 +25,14 @@ import attrs
 import trio
 
 from treadle._clock import Clock
-from treadle._exceptions import LeaseError, RunInterrupted, SnapshotMismatch, StoreError, UsageError
+from treadle._exceptions import (
+    LeaseError,
+    RunInterrupted,
+    RunLeased,
+    SnapshotMismatch,
+    StoreError,
+    UsageError,
+)
 from treadle._state import RunView, fold
 from treadle._text import repaired, valid_unicode
 from treadle.actors import (
@@ -243,7 +250,7 @@ async def _supervise(
                 if handle._draining_requested:
                     handle._stopped_driving(left="parked")
                     return
-                await hold.acquire()
+                await _take_back(hold, store, run_id)
     except BaseException as exc:
         leaves = _leaves(exc)
         stopping = [e for e in leaves if isinstance(e, KeyboardInterrupt | SystemExit)]
@@ -281,6 +288,33 @@ async def _keeping(hold: LeaseHold, options: DriveOptions) -> AsyncIterator[trio
             yield nursery
         finally:
             stop()
+
+
+async def _take_back(hold: LeaseHold, store: RunStore, run_id: str) -> None:
+    """Take the lease of a parked run back, or see that the run was finished meanwhile.
+
+    While the run was parked its lease was free, and another process may hold it for a
+    moment: ``treadle cancel`` finishes a parked run as cancelled that way. So a lease held
+    elsewhere is asked for again for a few seconds, as long as the run is unfinished; the
+    caller then reads the log and reports a run finished elsewhere.
+
+    Raises:
+        RunLeased: another driver still holds the lease after the waits (it drives the run).
+    """
+    for wait_s in _TAKE_BACK_WAITS_S:
+        try:
+            await hold.acquire()
+        except RunLeased:
+            if (await store.read_log(run_id)).finished is not None:
+                return
+        else:
+            return
+        await trio.sleep(wait_s)
+    await hold.acquire()
+
+
+_TAKE_BACK_WAITS_S: Final = (0.05, 0.1, 0.2, 0.5, 1.0, 2.0)
+"""The waits between asking again for a parked run's lease held elsewhere (`_take_back`)."""
 
 
 def _keep(hold: LeaseHold, options: DriveOptions, nursery: trio.Nursery) -> Callable[[], None]:
