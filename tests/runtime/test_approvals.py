@@ -443,6 +443,16 @@ async def test_tail_follows_a_live_run_from_any_seq(autojump_clock):
     assert "run finished" in lines[-1] and "succeeded (final_answer)" in lines[-1]
 
 
+class TrioTimeClock:
+    """A wall clock that follows trio's clock (a mock clock's jumps included)."""
+
+    def now_iso(self):
+        import datetime as dt
+
+        start = dt.datetime(2026, 1, 1, tzinfo=dt.UTC)
+        return (start + dt.timedelta(seconds=trio.current_time())).isoformat()
+
+
 class SettableClock:
     def __init__(self):
         import datetime as dt
@@ -676,13 +686,23 @@ async def test_a_decision_written_just_before_the_deadline_counts_for_a_driven_r
     before_s, autojump_clock
 ):
     """A run that never parks reads its control stream every ``control_poll_s``; at the
-    deadline it parks once, so the stream is read once more before the call expires."""
+    deadline it parks once, so the stream is read once more before the call expires.
+
+    The deadline is a wall-clock instant: the wall clock here follows trio's (on the system
+    clock, real time passing while the loaded machine wrote the request moved the deadline
+    before the test's last millisecond)."""
     store = MemoryStore()
     agent, tools, _ = make(
         [call("add", a=1, b=2, call_id="c1"), say("3")], limits=Limits(approval_timeout_s=60)
     )
     async with open_run(
-        agent, "x", store=store, run_id="r", approval_policy=only_add, park_after_s=None
+        agent,
+        "x",
+        store=store,
+        run_id="r",
+        approval_policy=only_add,
+        park_after_s=None,
+        clock=TrioTimeClock(),
     ) as handle:
         await wait_for_state(handle, RunState.AWAITING_APPROVAL)
         began = trio.current_time()

@@ -69,7 +69,7 @@ their turn. Without a bound, a hundred runs starting at once loaded their heads 
 threads, opening and closing some seventy connections; eight took 1.6 MB more than four for
 100 concurrent SQLite runs, and no throughput (docs/performance.md, "Memory")."""
 
-SHARED_WORKERS: Final = 2
+SHARED_WORKERS: Final = 1
 """Worker threads of their own for the store calls of the work a store's runs share, one task
 each (docs/decisions/0095-one-task-for-a-stores-runs.md): renewing their leases and reading
 their control heads and streams. They never queue behind the runs' own reads: with 300 runs
