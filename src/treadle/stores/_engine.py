@@ -63,19 +63,22 @@ napping in turns of `LINGER_S` (looking at its queue 50 times a second) before i
 until woken."""
 
 MAX_WORKERS: Final = 4
-"""Worker threads that one store object's loads of a run's head (every store) and its reads
-(the SQL stores, each on a pooled connection, as many kept open) run in at once; more wait
-their turn. Without a bound, a hundred runs starting at once loaded their heads in some forty
+"""Worker threads that one store object's calls run in at once, `SHARED_WORKERS` of them kept
+for its lease and control calls: the others run its loads of a run's head (every store) and
+its reads (the SQL stores, each on a pooled connection, as many kept open); more wait their
+turn. Without a bound, a hundred runs starting at once loaded their heads in some forty
 threads, opening and closing some seventy connections; eight took 1.6 MB more than four for
 100 concurrent SQLite runs, and no throughput (docs/performance.md, "Memory")."""
 
 SHARED_WORKERS: Final = 1
-"""Worker threads of their own for the store calls of the work a store's runs share, one task
-each (docs/decisions/0095-one-task-for-a-stores-runs.md): renewing their leases and reading
-their control heads and streams. They never queue behind the runs' own reads: with 300 runs
-starting on a SQLite store, a renewal waiting its turn behind their reads (and cancelled, and
-queued again, each time the run hosting it ended) let 203 leases go unrenewed past their TTL
-while their runs were driven, and cancels landed 5 s late instead of within the poll interval."""
+"""Worker threads of the `MAX_WORKERS` kept for the store calls of the work a store's runs
+share, one task each (docs/decisions/0095-one-task-for-a-stores-runs.md): renewing their
+leases and reading their control heads and streams. They never queue behind the runs' own
+reads: with 300 runs starting on a SQLite store, a renewal waiting its turn behind their
+reads (and cancelled, and queued again, each time the run hosting it ended) let 203 leases go
+unrenewed past their TTL while their runs were driven, and cancels landed 5 s late instead of
+within the poll interval. A thread more on top of the four instead cost about 0.3 MB of
+resident memory for 100 runs (docs/decisions/0096-lease-and-control-calls-apart.md)."""
 
 MAX_PENDING_WRITES: Final = 10_000
 """Queued, uncommitted writes above which a non-barrier write waits for its batch."""
@@ -306,8 +309,9 @@ class CommitEngine:
         token: the trio run the store belongs to (batches are handed back to it).
 
     Attributes:
-        workers: bounds the worker threads of the store object (`MAX_WORKERS`): the engine
-            loads a run's head under it, and the SQL stores run their reads under it too.
+        workers: bounds the worker threads of the store object's reads (`MAX_WORKERS` less
+            `SHARED_WORKERS`): the engine loads a run's head under it, and the SQL stores
+            run their reads under it too.
         shared: bounds the threads of the SQL stores' lease renewals and control readings
             (`SHARED_WORKERS`), apart from ``workers``.
         metrics: where each committed batch's size and each barrier's wait are reported
@@ -318,7 +322,7 @@ class CommitEngine:
 
     def __init__(self, backend: Backend, token: trio.lowlevel.TrioToken) -> None:
         self.metrics: MetricsRecorder | None = None
-        self.workers = trio.CapacityLimiter(MAX_WORKERS)
+        self.workers = trio.CapacityLimiter(MAX_WORKERS - SHARED_WORKERS)
         self.shared = trio.CapacityLimiter(SHARED_WORKERS)
         self._backend = backend
         self._runs: dict[str, _RunState] = {}

@@ -622,8 +622,8 @@ def renew_leases(
 ) -> tuple[Lease, ...]:
     """Renew the leases still held, in one transaction; the lost ones are left out.
 
-    The rows are locked in run id order, as the group commit locks them (PostgreSQL): two
-    transactions that take the same row locks in one order cannot deadlock.
+    The rows are locked in run id order (code point order), as the group commit locks them
+    (PostgreSQL): two transactions that take the same row locks in one order cannot deadlock.
     """
     renewed = []
     with write_transaction(dialect, conn, flush=False):
@@ -722,10 +722,9 @@ class ConnectionPool:
     Args:
         connect: opens a new connection.
         keep: idle connections kept; more are closed when handed back. As many as the store's
-            reads that run at once (`treadle.stores._engine.MAX_WORKERS`), so that none is
-            closed and opened again while runs start. A lease or control call
-            (`treadle.stores._engine.SHARED_WORKERS`) takes one of them when one is idle, as
-            it mostly is: keeping one more open for it cost about 0.3 MB for 100 runs.
+            calls that run at once (`treadle.stores._engine.MAX_WORKERS`, its reads and its
+            lease and control calls), so that none is closed and opened again while runs
+            start.
     """
 
     def __init__(self, connect: Callable[[], Connection], keep: int = MAX_WORKERS) -> None:

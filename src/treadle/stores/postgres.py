@@ -95,11 +95,15 @@ _COMMIT: Final = (
 )
 """The group commit of one batch (see the module docstring), after `_LOCK_ROWS`."""
 
-_LOCK_ROWS: Final = "SELECT 1 FROM runs WHERE run_id = ANY(%s) ORDER BY run_id FOR UPDATE"
+_LOCK_ROWS: Final = (
+    'SELECT 1 FROM runs WHERE run_id = ANY(%s) ORDER BY run_id COLLATE "C" FOR UPDATE'
+)
 """Locks the batch's ``runs`` rows in run id order, in the transaction of `_COMMIT`.
 
 The lease renewal locks them in that order too: two transactions that take the same row locks
-in one order cannot deadlock. Taken by `_COMMIT` itself, in the order of its plan, the renewal
+in one order cannot deadlock. The order is code point order (Python's ``sorted``), the "C"
+collation's: the database's own collation orders some ids otherwise, and a deadlock with the
+renewal was seen once that way. Taken by `_COMMIT` itself, in the order of its plan, the renewal
 and the commit deadlocked under load. A separate statement: locked by a part of `_COMMIT`
 itself, rows the commit had waited for were refused (its update had read them before)."""
 
