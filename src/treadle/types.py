@@ -20,7 +20,7 @@ from __future__ import annotations
 import enum
 import math
 from collections.abc import Callable, Mapping
-from typing import Any, ClassVar, TypeAlias
+from typing import Any, ClassVar, Final, TypeAlias
 
 import attrs
 
@@ -619,12 +619,9 @@ class Budgets:
             treadle.UsageError: names the budget and the value (a 0 budget is allowed: it
                 stops the run before its first step).
         """
-        _check_amounts(
-            self,
-            counts=("max_steps", "max_model_attempts", "token_budget"),
-            seconds=("time_budget_s",),
-            optional=True,
-        )
+        counts = ("max_steps", "max_model_attempts", "token_budget")
+        seconds = ("time_budget_s",)
+        _check_amounts(self, counts=counts, seconds=seconds, unlimited=counts + seconds)
 
     def capped(self, caps: BudgetCaps | None) -> Budgets:
         """These budgets, each cut to its cap in ``caps`` (``None``: unchanged)."""
@@ -692,27 +689,34 @@ class Limits:
         _check_amounts(
             self,
             counts=("max_model_retries", "invalid_decisions", "max_observation_chars"),
-            seconds=tuple(f.name for f in attrs.fields(Limits) if f.name.endswith("_s")),
-            optional=False,
+            seconds=_LIMIT_SECONDS,
+            unlimited=("max_observation_chars",),
         )
 
 
+_LIMIT_SECONDS: Final = tuple(f.name for f in attrs.fields(Limits) if f.name.endswith("_s"))
+"""The fields of `Limits` in seconds (their names end in ``_s``)."""
+
+
 def _check_amounts(
-    value: object, *, counts: tuple[str, ...], seconds: tuple[str, ...], optional: bool
+    value: object,
+    *,
+    counts: tuple[str, ...],
+    seconds: tuple[str, ...],
+    unlimited: tuple[str, ...],
 ) -> None:
     """Check that ``value``'s ``counts`` are ints and its ``seconds`` real numbers, all >= 0.
 
-    ``None`` passes where ``optional`` (unlimited), and for ``max_observation_chars``.
+    The fields named in ``unlimited`` may also be ``None`` (no limit).
 
     Raises:
         treadle.UsageError: the first field that does not fit, with its value.
     """
     from treadle._exceptions import UsageError  # (the exceptions module imports this one)
 
-    kind = type(value).__name__
     for name in (*counts, *seconds):
         amount = getattr(value, name)
-        if amount is None and (optional or name == "max_observation_chars"):
+        if amount is None and name in unlimited:
             continue
         if name in counts:
             fits = isinstance(amount, int) and not isinstance(amount, bool)
@@ -722,8 +726,8 @@ def _check_amounts(
             fits = fits and not math.isnan(amount)
             wanted = "a number of seconds"
         if not fits or amount < 0:
-            allowed = "None (unlimited) or " if optional else ""
-            must = f"{kind}.{name} must be {allowed}{wanted} of 0 or more"
+            allowed = "None (unlimited) or " if name in unlimited else ""
+            must = f"{type(value).__name__}.{name} must be {allowed}{wanted} of 0 or more"
             raise UsageError(f"{must}, not {amount!r}")
 
 

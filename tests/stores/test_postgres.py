@@ -307,3 +307,34 @@ async def test_a_commit_and_a_renewal_lock_their_runs_rows_in_run_id_order(
             assert [len(log.records) for log in logs] == [2, 2, 2]
         else:
             assert sorted(lease.run_id for lease in done["out"]) == ["a", "b", "c"]
+
+
+class _Refused(Exception):
+    """A driver error with a SQLSTATE, as psycopg's errors carry it."""
+
+    def __init__(self, sqlstate: str) -> None:
+        super().__init__(sqlstate)
+        self.sqlstate = sqlstate
+
+
+def test_a_transaction_ended_as_a_deadlock_victim_is_made_again_and_nothing_else_is() -> None:
+    from treadle.stores import _sql
+
+    tries: list[int] = []
+
+    def transaction(failures: int, sqlstate: str) -> str:
+        tries.append(1)
+        if len(tries) <= failures:
+            raise _Refused(sqlstate)
+        return "committed"
+
+    assert _sql.again_on_deadlock(lambda: transaction(2, "40P01")) == "committed"
+    assert len(tries) == 3
+    tries.clear()
+    with pytest.raises(_Refused):  # another error: not made again
+        _sql.again_on_deadlock(lambda: transaction(1, "23505"))
+    assert len(tries) == 1
+    tries.clear()
+    with pytest.raises(_Refused):  # deadlocked every time: the last one is raised
+        _sql.again_on_deadlock(lambda: transaction(99, "40P01"))
+    assert len(tries) == _sql.DEADLOCK_RETRIES + 1

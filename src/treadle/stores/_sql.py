@@ -640,15 +640,27 @@ def renew_leases(
 def renew_leases_again_on_deadlock(
     dialect: SqlDialect, conn: Connection, leases: Sequence[Lease], ttl_s: float
 ) -> tuple[Lease, ...]:
-    """`renew_leases`, made again when the server ended it as a deadlock victim (40P01).
+    """`renew_leases`, made again when it is ended as a deadlock victim (`again_on_deadlock`).
 
-    The server rolled the whole transaction back, so making it again renews each lease once.
     Another program's transactions on the same rows may lock them in another order.
+    """
+    return again_on_deadlock(functools.partial(renew_leases, dialect, conn, leases, ttl_s))
+
+
+def again_on_deadlock(transaction: Callable[[], _T]) -> _T:
+    """``transaction()``, made again while it is ended as a deadlock victim (SQLSTATE 40P01).
+
+    At most `DEADLOCK_RETRIES` times again (PostgreSQL; SQLite never ends one so). The server
+    rolls a deadlock victim's whole transaction back, so making it again does its writes once.
+    ``transaction`` must be one whole transaction (blocking: call it in a worker thread).
+
+    Raises:
+        Exception: what the last attempt raised (the deadlock after the last retry).
     """
     attempt = 0
     while True:
         try:
-            return renew_leases(dialect, conn, leases, ttl_s)
+            return transaction()
         except Exception as exc:
             if attempt == DEADLOCK_RETRIES or not deadlock(exc):
                 raise

@@ -287,17 +287,13 @@ class PostgresBackend(_sql.SqlBackend):
         """
         params = _commit_params(groups)
         ids = sorted(g.run_id for g in groups)
-        attempt = 0
-        while True:
-            try:
-                with self._conn.transaction():
-                    self._conn.execute(_LOCK_ROWS, (ids,))
-                    return {row[0] for row in self._conn.execute(_COMMIT, params).fetchall()}
-            except Exception as exc:
-                if attempt == _sql.DEADLOCK_RETRIES or not _sql.deadlock(exc):
-                    raise
-            attempt += 1
-            time.sleep(0.01 * attempt)
+
+        def transaction() -> set[str]:
+            with self._conn.transaction():
+                self._conn.execute(_LOCK_ROWS, (ids,))
+                return {row[0] for row in self._conn.execute(_COMMIT, params).fetchall()}
+
+        return _sql.again_on_deadlock(transaction)
 
     def _reconcile(self, groups: list[_sql.RunBatch], lost: Exception) -> set[str]:
         """After a lost connection: count what committed, retry the rest once."""

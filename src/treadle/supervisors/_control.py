@@ -13,7 +13,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import weakref
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable
 
 import attrs
 import trio
@@ -56,7 +56,7 @@ class ControlIndex:
     _read_at: float = float("-inf")
     _reading: bool = False
     _watches: set[_Watch] = attrs.Factory(set)
-    _naps: set[trio.CancelScope] = attrs.Factory(set)  # the waits for the next reading
+    _nap: trio.CancelScope | None = None  # the reading task's wait for its next reading
 
     @property
     def store(self) -> ControlStream:
@@ -96,18 +96,8 @@ class ControlIndex:
         if max_age_s >= self.max_age_s:
             return
         self.max_age_s = max_age_s
-        for nap in self._naps:
-            nap.deadline = min(nap.deadline, self._read_at + max_age_s)
-
-    @contextlib.contextmanager
-    def _napping(self) -> Iterator[None]:
-        """Until the next reading is due (sooner when `ask` shortens the interval)."""
-        with trio.move_on_at(self._read_at + self.max_age_s) as nap:
-            self._naps.add(nap)
-            try:
-                yield
-            finally:
-                self._naps.discard(nap)
+        if self._nap is not None:
+            self._nap.deadline = min(self._nap.deadline, self._read_at + max_age_s)
 
     async def head(self, run_id: str) -> int:
         """The run's last control position per a reading at most ``max_age_s`` old.
@@ -185,8 +175,12 @@ class ControlIndex:
     async def _poll(self) -> None:
         """Read for the subscribed inboxes and the waiters until cancelled (see `subscribe`)."""
         while True:
-            with self._napping():
-                await trio.sleep_forever()
+            # until the next reading is due (sooner when `ask` shortens the interval)
+            try:
+                with trio.move_on_at(self._read_at + self.max_age_s) as self._nap:
+                    await trio.sleep_forever()
+            finally:
+                self._nap = None
             if not await self._refresh():
                 continue
             for inbox in [i for i in self._inboxes if self._grown(i.run_id, i.seen)]:

@@ -250,7 +250,7 @@ async def _supervise(
                 if handle._draining_requested:
                     handle._stopped_driving(left="parked")
                     return
-                await _take_back(hold, store, run_id)
+                first = await _take_back(hold, store, run_id)
     except BaseException as exc:
         leaves = _leaves(exc)
         stopping = [e for e in leaves if isinstance(e, KeyboardInterrupt | SystemExit)]
@@ -290,13 +290,16 @@ async def _keeping(hold: LeaseHold, options: DriveOptions) -> AsyncIterator[trio
             stop()
 
 
-async def _take_back(hold: LeaseHold, store: RunStore, run_id: str) -> None:
+async def _take_back(hold: LeaseHold, store: RunStore, run_id: str) -> RunLog | None:
     """Take the lease of a parked run back, or see that the run was finished meanwhile.
 
     While the run was parked its lease was free, and another process may hold it for a
     moment: ``treadle cancel`` finishes a parked run as cancelled that way. So a lease held
-    elsewhere is asked for again for a few seconds, as long as the run is unfinished; the
-    caller then reads the log and reports a run finished elsewhere.
+    elsewhere is asked for again for a few seconds, as long as the run is unfinished.
+
+    Returns:
+        The finished log when the run was finished elsewhere (the caller reports it), else
+        ``None``: the lease is held again.
 
     Raises:
         RunLeased: another driver still holds the lease after the waits (it drives the run).
@@ -305,12 +308,14 @@ async def _take_back(hold: LeaseHold, store: RunStore, run_id: str) -> None:
         try:
             await hold.acquire()
         except RunLeased:
-            if (await store.read_log(run_id)).finished is not None:
-                return
+            log = await store.read_log(run_id)
+            if log.finished is not None:
+                return log
         else:
-            return
+            return None
         await trio.sleep(wait_s)
     await hold.acquire()
+    return None
 
 
 _TAKE_BACK_WAITS_S: Final = (0.05, 0.1, 0.2, 0.5, 1.0, 2.0)
