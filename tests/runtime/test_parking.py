@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import collections
 import functools
+import gc
+import weakref
 
 import pytest
 import trio
@@ -26,6 +28,7 @@ from treadle.types import (
     Budgets,
     EventKind,
     Limits,
+    RunLog,
     RunState,
     StepRecord,
     StopReason,
@@ -715,3 +718,57 @@ async def test_a_parked_run_finished_as_cancelled_by_another_process_reports_its
     assert finished.state is RunState.CANCELLED
     assert result.state is RunState.CANCELLED and result == finished
     assert tools.executed == []
+
+
+class _LogsKept(MemoryStore):
+    """A memory store that keeps a weak reference to every log it hands out."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.handed_out: list[weakref.ref[RunLog]] = []
+
+    async def read_log(self, run_id: str) -> RunLog:
+        log = await super().read_log(run_id)
+        self.handed_out.append(weakref.ref(log))
+        return log
+
+
+@pytest.mark.parametrize("entry", ["open_run", "run"])
+async def test_a_parked_run_keeps_no_log_in_memory(autojump_clock, entry):
+    # The frame of the drive lasts as long as the run: it held the log it read first, the
+    # whole of a long run's records, for as long as the run stayed parked.
+    from treadle.supervisors import run
+
+    agent, tools = make([call("add", a=1, b=2, call_id="c1"), say("3")])
+    store = _LogsKept()
+    results = []
+    async with trio.open_nursery() as nursery:
+        if entry == "open_run":
+
+            async def driven() -> None:
+                async with opened(agent, store) as handle:
+                    results.append(await handle.wait())
+
+        else:
+
+            async def driven() -> None:
+                results.append(
+                    await run(
+                        agent,
+                        "x",
+                        store=store,
+                        run_id="r",
+                        approval_policy=only_add,
+                        park_after_s=PARK_AFTER_S,
+                    )
+                )
+
+        nursery.start_soon(driven)
+        await trio.sleep(PARK_AFTER_S + 10)  # parked: waiting past park_after_s
+        gc.collect()
+        assert store.handed_out, "the run read no log"
+        kept = [ref for ref in store.handed_out if ref() is not None]
+        assert kept == [], f"{len(kept)} of {len(store.handed_out)} logs still in memory"
+        await decide(store, "r", call_id="c1")
+    assert results[0].stop_reason is StopReason.FINAL_ANSWER
+    assert [a.arguments for a in tools.executed] == [{"a": 1, "b": 2}]

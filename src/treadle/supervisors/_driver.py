@@ -165,13 +165,18 @@ async def drive_run(
     if await _finished_before(log, agent, hold, handle):
         yield handle
         return
+    # This frame lasts as long as the run, parked or not: it keeps no reference to the log
+    # (a parked run keeps no records in memory; `_supervise` reads the log again to resume).
     if wait:
-        await _supervise(agent, input, log, store, sinks, options, handle, hold)
+        supervising = _supervise(agent, input, log, store, sinks, options, handle, hold)
+        del log
+        await supervising
         yield handle
         return
     try:
         async with trio.open_nursery() as nursery:
             await nursery.start(_supervise, agent, input, log, store, sinks, options, handle, hold)
+            del log
             yield handle
     except BaseExceptionGroup as group:
         # The run's own errors are on the handle; what reaches here came from the caller's
@@ -213,7 +218,7 @@ async def _supervise(
     del log  # a parked run keeps no records in memory
     parking: Parking | None = None
     try:
-        async with _sink_feed(sinks, handle) as feed, _keeping(hold, options) as nursery:
+        async with _keeping(hold, options, sinks, handle) as (nursery, feed):
             while True:
                 current, first = first or await store.read_log(run_id), None
                 if await _finished_before(current, agent, hold, handle):
@@ -276,18 +281,30 @@ async def _supervise(
 
 
 @asynccontextmanager
-async def _keeping(hold: LeaseHold, options: DriveOptions) -> AsyncIterator[trio.Nursery]:
-    """Keep ``hold`` renewed: by the fleet's keeper, or by the one its store's runs share.
+async def _keeping(
+    hold: LeaseHold, options: DriveOptions, sinks: Sequence[EventSink], handle: RunHandle
+) -> AsyncIterator[tuple[trio.Nursery, SinkFeed | None]]:
+    """The nursery of the run's drive, for as long as the run stays in this process.
 
-    Yields the nursery in which this run can host the work the runs of its store share (the
-    shared renewal, and the control reading while it is parked: `Relay`).
+    In it, ``hold`` is kept renewed (by the fleet's keeper, or by the one its store's runs
+    share), the run's `SinkFeed` feeds ``sinks`` (``None``, and no task, without sinks; a
+    sink receives an event once ``handle`` reflects it, as a subscriber does), and the run
+    can host the work the runs of its store share (the shared renewal, and the control
+    reading while it is parked: `Relay`). One block and one nursery for all three: a parked
+    run keeps them while it waits (docs/performance.md, "Memory").
     """
     async with trio.open_nursery() as nursery:
         stop = _keep(hold, options, nursery)
+        feed: SinkFeed | None = None
         try:
-            yield nursery
+            if sinks:
+                feed = SinkFeed(sinks=sinks, reflected=handle._reflected)
+                await nursery.start(feed.run)
+            yield nursery, feed
         finally:
             stop()
+            if feed is not None:
+                feed.close()
 
 
 async def _take_back(hold: LeaseHold, store: RunStore, run_id: str) -> RunLog | None:
@@ -362,26 +379,6 @@ async def _keep_decision(parking: Parking, store: RunStore) -> None:
     if decided is not None and parking.decided_here:
         await controls.append_control(decided)
         parking.decided_here = False
-
-
-@asynccontextmanager
-async def _sink_feed(
-    sinks: Sequence[EventSink], handle: RunHandle
-) -> AsyncIterator[SinkFeed | None]:
-    """The run's `SinkFeed`, running for the whole run; ``None`` (and no task) without sinks.
-
-    A sink receives an event once ``handle`` reflects it, as a subscriber does.
-    """
-    if not sinks:
-        yield None
-        return
-    feed = SinkFeed(sinks=sinks, reflected=handle._reflected)
-    async with trio.open_nursery() as nursery:
-        await nursery.start(feed.run)
-        try:
-            yield feed
-        finally:
-            feed.close()
 
 
 async def _wait_parked(

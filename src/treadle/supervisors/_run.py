@@ -13,9 +13,11 @@ decided (docs/decisions/0010-parking-waiting-runs.md).
 
 from __future__ import annotations
 
+import functools
 import random
-from collections.abc import AsyncIterator, Sequence
-from contextlib import asynccontextmanager
+from collections.abc import Awaitable, Callable, Sequence
+from contextlib import AbstractAsyncContextManager
+from types import TracebackType
 
 from treadle._clock import Clock, SystemClock
 from treadle._exceptions import UsageError
@@ -47,8 +49,7 @@ from treadle.types import (
 )
 
 
-@asynccontextmanager
-async def open_run(
+def open_run(
     agent: Agent,
     input: RunInput | None = None,
     *,
@@ -68,7 +69,7 @@ async def open_run(
     thread_id: str | None = None,
     fork_of: str | None = None,
     at_step: int | None = None,
-) -> AsyncIterator[RunHandle]:
+) -> AbstractAsyncContextManager[RunHandle]:
     """Start (or resume) a run in the background and yield its handle.
 
     A new ``run_id`` starts a run on ``input``. An existing unfinished ``run_id`` is resumed
@@ -137,33 +138,72 @@ async def open_run(
         SnapshotMismatch: resuming with a definition whose snapshot differs (names the keys).
         SchemaTooNew: the log was written by a newer treadle.
     """
-    require_trio("treadle.open_run")
-    async with _opened(
-        agent,
-        input,
-        wait=False,
-        store=store,
-        run_id=run_id,
-        sinks=sinks,
-        clock=clock,
-        rng=rng,
-        approval_policy=approval_policy,
-        control_poll_s=control_poll_s,
-        actors=actors,
-        park_after_s=park_after_s,
-        lease_ttl_s=lease_ttl_s,
-        owner=owner,
-        accept_definition_change=accept_definition_change,
-        metrics=metrics,
-        thread_id=thread_id,
-        fork_of=fork_of,
-        at_step=at_step,
-    ) as handle:
-        yield handle
+    return _Opening(
+        "treadle.open_run",
+        functools.partial(
+            _prepared,
+            agent,
+            input,
+            wait=False,
+            store=store,
+            run_id=run_id,
+            sinks=sinks,
+            clock=clock,
+            rng=rng,
+            approval_policy=approval_policy,
+            control_poll_s=control_poll_s,
+            actors=actors,
+            park_after_s=park_after_s,
+            lease_ttl_s=lease_ttl_s,
+            owner=owner,
+            accept_definition_change=accept_definition_change,
+            metrics=metrics,
+            thread_id=thread_id,
+            fork_of=fork_of,
+            at_step=at_step,
+        ),
+    )
 
 
-@asynccontextmanager
-async def _opened(
+class _Opening:
+    """The block `open_run` returns: the run prepared on entry, then `drive_run`'s block.
+
+    A class rather than a generator-based context manager: a parked run keeps its block for
+    as long as it waits, and each generator frame would hold every argument of the call
+    (docs/performance.md, "Memory").
+    """
+
+    __slots__ = ("_driving", "_name", "_prepare")
+
+    def __init__(
+        self,
+        name: str,
+        prepare: Callable[[], Awaitable[AbstractAsyncContextManager[RunHandle]]],
+    ) -> None:
+        self._name = name
+        self._prepare: Callable[[], Awaitable[AbstractAsyncContextManager[RunHandle]]] | None
+        self._prepare = prepare
+        self._driving: AbstractAsyncContextManager[RunHandle] | None = None
+
+    async def __aenter__(self) -> RunHandle:
+        require_trio(self._name)
+        if self._prepare is None:
+            raise UsageError(f"the block of {self._name}(...) can be entered only once")
+        prepare, self._prepare = self._prepare, None  # let the arguments go
+        self._driving = await prepare()
+        return await self._driving.__aenter__()
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc_value: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> bool | None:
+        assert self._driving is not None
+        return await self._driving.__aexit__(exc_type, exc_value, traceback)
+
+
+async def _prepared(
     agent: Agent,
     input: RunInput | None,
     *,
@@ -184,11 +224,12 @@ async def _opened(
     thread_id: str | None,
     fork_of: str | None,
     at_step: int | None,
-) -> AsyncIterator[RunHandle]:
-    """`open_run`; with ``wait``, driven in the calling task, and entered once it stopped.
+) -> AbstractAsyncContextManager[RunHandle]:
+    """The block of `open_run` (`drive_run`'s, not yet entered): its lineage, lease and options.
 
-    `run` waits (it has nothing else to do meanwhile): the run then takes no task of its own
-    besides its actors' (docs/performance.md, "Memory").
+    With ``wait`` the run is driven in the calling task, and the block is entered once it
+    stopped: `run` waits (it has nothing else to do meanwhile), so the run takes no task of
+    its own besides its actors' (docs/performance.md, "Memory").
     """
     lineage: Lineage | None = None
     if thread_id is not None or fork_of is not None:
@@ -210,10 +251,7 @@ async def _opened(
         metrics=metrics,
         lineage=lineage,
     )
-    async with drive_run(
-        agent, input, store=store, hold=hold, sinks=sinks, options=options, wait=wait
-    ) as handle:
-        yield handle
+    return drive_run(agent, input, store=store, hold=hold, sinks=sinks, options=options, wait=wait)
 
 
 async def _lineage(
@@ -303,7 +341,7 @@ async def run(
         UsageError, SnapshotMismatch, SchemaTooNew: as in `open_run`.
     """
     require_trio("treadle.run")
-    async with _opened(
+    driving = await _prepared(
         agent,
         input,
         wait=True,
@@ -323,6 +361,7 @@ async def run(
         thread_id=thread_id,
         fork_of=fork_of,
         at_step=at_step,
-    ) as handle:
+    )
+    async with driving as handle:
         pass  # entered once the run stopped being driven
     return await handle.wait()
