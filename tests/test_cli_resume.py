@@ -3,26 +3,32 @@
 from __future__ import annotations
 
 import json
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from pathlib import Path
+from typing import Any
 
+import attrs
 import pytest
 import trio
 from click.testing import CliRunner
 
 import treadle
 from treadle.cli import main
+from treadle.ports import ModelClient
 from treadle.stores._lines import frame
 from treadle.supervisors import run
 from treadle.testing.crashdriver import open_store
 from treadle.testing.crashes import (
     LEDGER_ENV,
     RUN_INPUT,
+    agent_from_environment,
     check_recovered_run,
     make_agent,
     read_ledger,
 )
 from treadle.testing.faults import CrashingStore, SimulatedCrash
-from treadle.types import RunLog
+from treadle.types import ModelReply, ModelRequest, RunLog
 
 AGENT = "treadle.testing.crashes:agent_from_environment"
 
@@ -42,6 +48,47 @@ def other_agent() -> treadle.Agent:
 
 def not_an_agent() -> str:
     return "nope"
+
+
+OPENED: list[str] = []
+"""What `agent_in_a_block` did, in order (the CLI runs in this process under CliRunner)."""
+
+
+class _OpenedClient:
+    """A model client usable only inside the block that opened it (as an HTTP client is)."""
+
+    def __init__(self, client: ModelClient) -> None:
+        self.client = client
+        self.open = True
+
+    async def complete(self, request: ModelRequest, **kwargs: Any) -> ModelReply:
+        assert self.open, "the model client was used after its block was left"
+        OPENED.append("model called")
+        return await self.client.complete(request, **kwargs)
+
+
+@asynccontextmanager
+async def agent_in_a_block() -> AsyncIterator[treadle.Agent]:
+    """The scenario's agent, yielded by a block that must stay open while it is used."""
+    OPENED.append("entered")
+    agent = agent_from_environment()
+    client = _OpenedClient(agent.model)
+    try:
+        yield attrs.evolve(agent, model=client)
+    finally:
+        client.open = False
+        OPENED.append("left")
+
+
+@asynccontextmanager
+async def block_failing_on_entry() -> AsyncIterator[treadle.Agent]:
+    raise ConnectionRefusedError("no model server")
+    yield  # pragma: no cover
+
+
+@asynccontextmanager
+async def block_of_a_string() -> AsyncIterator[str]:
+    yield "nope"
 
 
 def store_path(tmp_path: Path, kind: str) -> Path:
@@ -124,6 +171,29 @@ def test_resume_all_unfinished_runs(tmp_path: Path, kind: str) -> None:
     ]
 
 
+@pytest.mark.parametrize("all_runs", [False, True])
+def test_the_agent_may_come_from_a_block_kept_open_while_it_drives(
+    tmp_path: Path, all_runs: bool
+) -> None:
+    # An agent whose model client must be opened (as the tutorial's) comes from an async
+    # context manager: entered before the run is driven, left after it finished.
+    path = prepare(tmp_path, "sqlite", {"r1": 9})
+    runner = CliRunner(env={LEDGER_ENV: str(tmp_path / "ledger.jsonl")})
+    which = ["--all"] if all_runs else ["r1"]
+    OPENED.clear()
+    result = runner.invoke(
+        main,
+        ["resume", *which, "--store", str(path), "--agent", "test_cli_resume:agent_in_a_block"],
+    )
+    assert result.exit_code == 0, result.output
+    assert result.output.strip() == "r1: succeeded (task_completed), 4 steps"
+    assert OPENED[0] == "entered" and OPENED[-1] == "left"
+    assert "model called" in OPENED  # the resumed steps called the model inside the block
+    entries = read_ledger(tmp_path / "ledger.jsonl", run_id="r1")
+    (log,) = read_logs(tmp_path, "sqlite", ["r1"])
+    assert check_recovered_run(log, entries, baseline(tmp_path)) == []
+
+
 def test_snapshot_mismatch_is_refused_naming_the_keys(tmp_path: Path) -> None:
     path = prepare(tmp_path, "jsonl", {"r1": 9})
     runner = CliRunner()
@@ -147,6 +217,14 @@ def test_snapshot_mismatch_is_refused_naming_the_keys(tmp_path: Path) -> None:
         (["r1", "--agent", "no_such_module:x"], "cannot load no_such_module:x"),
         (["r1", "--agent", "test_cli_resume:not_an_agent"], "gave str, not a treadle.Agent"),
         (["r1", "--agent", "treadle.testing.crashes:make_agent"], "make_agent() failed"),
+        (
+            ["r1", "--agent", "test_cli_resume:block_failing_on_entry"],
+            "entering what test_cli_resume:block_failing_on_entry() returned failed: no model",
+        ),
+        (
+            ["r1", "--agent", "test_cli_resume:block_of_a_string"],
+            "gave str, not a treadle.Agent",
+        ),
     ],
 )
 def test_bad_arguments_are_clear_errors(tmp_path: Path, arguments: list[str], message: str) -> None:

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
+from contextlib import AbstractAsyncContextManager, AsyncExitStack, asynccontextmanager
 from typing import Any
 
 import click
@@ -255,7 +256,8 @@ def trajectory_table(log: RunLog) -> Table:
     "--agent",
     "agent_spec",
     required=True,
-    help="MODULE:FACTORY, a function of no arguments returning the run's treadle.Agent.",
+    help="MODULE:FACTORY: the run's treadle.Agent, a function of no arguments returning "
+    "one, or returning an async context manager that yields one.",
 )
 @click.option("--all", "resume_all", is_flag=True, help="Resume every unfinished run instead.")
 @click.option(
@@ -297,14 +299,13 @@ def resume(
     """
     if (run_id is None) == (not resume_all):
         raise click.UsageError("give a RUN_ID or --all (not both)")
-    agent = load_agent(agent_spec)
     if resume_all:
         if accept_change:
             raise click.UsageError("--accept-changed-definition takes one RUN_ID, not --all")
-        logs, errors = run_async(lambda: _resume_all(store_path, agent, max_concurrent, wait))
+        logs, errors = run_async(lambda: _resume_all(store_path, agent_spec, max_concurrent, wait))
     else:
         assert run_id is not None
-        logs = [run_async(lambda: _resume_one(store_path, agent, run_id, wait, accept_change))]
+        logs = [run_async(lambda: _resume_one(store_path, agent_spec, run_id, wait, accept_change))]
         errors = []
     for log in logs:
         ended = _ending(log)
@@ -323,35 +324,59 @@ def resume(
         raise click.ClickException(f"{len(errors)} run(s) could not be resumed (see above)")
 
 
-def load_agent(spec: str) -> Agent:
-    """Load the agent definition named ``MODULE:FACTORY`` (``--agent``).
+@asynccontextmanager
+async def opened_agent(spec: str) -> AsyncIterator[Agent]:
+    """The agent definition named ``MODULE:FACTORY`` (``--agent``), for the block's duration.
 
-    ``FACTORY`` is a `treadle.Agent` or a function of no arguments returning one.
+    ``FACTORY`` is a `treadle.Agent`, a function of no arguments returning one, or a function
+    of no arguments returning an async context manager that yields one (the model client
+    and whatever else the agent needs open, such as ``async with
+    treadle.OpenAIChatClient(...)``): it is entered before the first run and left after the
+    last (docs/tutorial.md, "A crash, and a resume that does not pay twice").
 
     Raises:
         click.BadParameter: the spec is malformed, the module or name cannot be found, the
-            factory fails, or it gives something other than an Agent.
+            factory (or entering its context manager) fails, or it gives something other
+            than an Agent.
     """
     found = import_spec(spec, param_hint="--agent")
-    if not isinstance(found, Agent):
+    if isinstance(found, Agent):
+        yield found
+        return
+    try:
+        made = found()
+    except Exception as exc:
+        raise click.BadParameter(f"{spec}() failed: {exc}", param_hint="--agent") from exc
+    if not isinstance(made, AbstractAsyncContextManager):
+        yield _an_agent(spec, made)
+        return
+    async with AsyncExitStack() as stack:
         try:
-            found = found()
+            entered = await stack.enter_async_context(made)
         except Exception as exc:
-            raise click.BadParameter(f"{spec}() failed: {exc}", param_hint="--agent") from exc
-    if not isinstance(found, Agent):
+            raise click.BadParameter(
+                f"entering what {spec}() returned failed: {exc}", param_hint="--agent"
+            ) from exc
+        yield _an_agent(spec, entered)
+
+
+def _an_agent(spec: str, made: object) -> Agent:
+    """``made``, checked to be an Agent (`opened_agent`)."""
+    if not isinstance(made, Agent):
         raise click.BadParameter(
-            f"{spec} gave {type(found).__name__}, not a treadle.Agent", param_hint="--agent"
+            f"{spec} gave {type(made).__name__}, not a treadle.Agent (nor an async context "
+            "manager yielding one)",
+            param_hint="--agent",
         )
-    agent: Agent = found
-    return agent
+    return made
 
 
 async def _resume_one(
-    store_path: str, agent: Agent, run_id: str, wait: bool, accept_change: bool
+    store_path: str, agent_spec: str, run_id: str, wait: bool, accept_change: bool
 ) -> RunLog:
     from treadle.supervisors import run
 
-    async with open_store(store_path) as store:
+    async with opened_agent(agent_spec) as agent, open_store(store_path) as store:
         log = await store.read_log(run_id)
         if not log.records:
             raise click.ClickException(f"no run {run_id!r} in {redact(store_path)}")
@@ -389,12 +414,12 @@ async def wait_for_leases(store: RunStore, run_ids: Sequence[str]) -> None:
 
 
 async def _resume_all(
-    store_path: str, agent: Agent, max_concurrent: int, wait: bool
+    store_path: str, agent_spec: str, max_concurrent: int, wait: bool
 ) -> tuple[list[RunLog], list[Exception]]:
     from treadle.supervisors import resume_unfinished
 
     errors: list[Exception] = []
-    async with open_store(store_path) as store:
+    async with opened_agent(agent_spec) as agent, open_store(store_path) as store:
         summaries = await _summaries_of(store)
         driven = [s.run_id for s in summaries if s.liveness is Liveness.DRIVEN]
         if driven and wait:
