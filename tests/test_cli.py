@@ -2,10 +2,13 @@ from __future__ import annotations
 
 import contextlib
 import json
+import re
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
+import click
 import pytest
 import trio
 from click.testing import CliRunner
@@ -51,6 +54,21 @@ def test_runs_and_show(tmp_path):
     records = runner.invoke(main, ["show", "cli-run", "--store", str(db), "--json"])
     kinds = [json.loads(line)["kind"] for line in records.output.splitlines()]
     assert kinds[0] == "run_started" and kinds[-1] == "run_finished"
+
+
+def test_the_runs_table_of_finished_runs_fits_80_columns(tmp_path):
+    # Finished runs have no driver, and a run not served by a fleet names no agent: the two
+    # empty columns made the start time wrap onto a second line at 80 columns.
+    db = tmp_path / "runs.db"
+    make_store(db)
+    table = CliRunner(env={"COLUMNS": "80"}).invoke(main, ["runs", "--store", str(db)])
+    assert table.exit_code == 0, table.output
+    lines = table.output.splitlines()
+    (header,) = [line for line in lines if line.startswith("┃")]
+    (row,) = [line for line in lines if line.startswith("│")]  # one line: nothing wrapped
+    assert "driven by" not in header and "agent" not in header
+    assert "started" in header and "stop reason" in header and "cli-run" in row
+    assert re.search(r"│ \d{4}-\d\d-\d\d \d\d:\d\d:\d\d │$", row), table.output
 
 
 def test_show_unknown_run_and_missing_store_are_clear_errors(tmp_path):
@@ -150,6 +168,26 @@ def test_module_entry_point_runs():
         [sys.executable, "-m", "treadle", "--help"], capture_output=True, text=True, timeout=60
     )
     assert done.returncode == 0 and "probe" in done.stdout
+
+
+def _help_texts(command: click.Command, path: tuple[str, ...]) -> Iterator[tuple[str, str]]:
+    """``(command path, its --help text)`` for ``command`` and every command under it."""
+    context = click.Context(command, info_name=" ".join(path))
+    yield " ".join(path), command.get_help(context)
+    if isinstance(command, click.Group):
+        for name in command.list_commands(context):
+            found = command.get_command(context, name)
+            assert found is not None
+            yield from _help_texts(found, (*path, name))
+
+
+def test_help_texts_show_no_docstring_markup():
+    # A command's help is its docstring: reST's ``literal`` and `reference` marks, which the
+    # API docs render, show up raw in a terminal.
+    texts = dict(_help_texts(main, ("treadle",)))
+    assert len(texts) > 10
+    marked = {name: text for name, text in texts.items() if "`" in text}
+    assert marked == {}
 
 
 def test_runs_lists_runs_of_a_jsonl_store_without_control_logs_and_shows_waiting_runs(tmp_path):

@@ -53,7 +53,7 @@ from treadle.types import Liveness, RunLog, RunStarted, RunState, RunSummary
 def runs(store_path: str, as_json: bool, threads: bool) -> None:
     """List the runs of a store: state, who drives each, steps.
 
-    With ``--threads``, each run's thread and the run it continues (or forks, and at which
+    With --threads, each run's thread and the run it continues (or forks, and at which
     step) are shown too; they are read from each run's run-started record, so every log is
     read (docs/threads.md, "On the command line").
 
@@ -86,33 +86,49 @@ def runs_table(
     summaries: Sequence[RunSummary],
     starts: dict[str, RunStarted] | None = None,
 ) -> Table:
-    """The runs of a store as a table; run ids are never cut.
+    """The runs of a store as a table; run ids and start times are never cut or wrapped.
 
-    With ``starts`` (run id -> run-started record), a ``from`` column says which thread a run
-    continues or which run and step it forks.
+    ``driven by`` and ``agent`` are left out when no run has one (finished runs have no
+    driver, and only runs a fleet serves name their agent), so a table of finished runs fits
+    80 columns. With ``starts`` (run id -> run-started record), a ``from`` column says which
+    thread a run continues or which run and step it forks.
     """
+    rows = [_row(summary, starts) for summary in summaries]
+    columns = [
+        column
+        for column in _RUN_COLUMNS
+        if (column != "from" or starts is not None)
+        and (column not in _OPTIONAL_COLUMNS or any(row[column] for row in rows))
+    ]
     table = Table(title=f"runs in {redact(store_path)}")
-    longest = max((len(s.run_id) for s in summaries), default=3)
-    table.add_column("run", no_wrap=True, min_width=longest)
-    for column in ("state", "driven by", "agent", "steps", "stop reason", "started"):
-        table.add_column(column, overflow="fold")
-    if starts is not None:
-        table.add_column("from", overflow="fold")
-    for summary in summaries:
-        started = starts.get(summary.run_id) if starts is not None else None
-        extra = () if starts is None else (lineage_text(started) if started else "",)
-        cells = (
-            summary.run_id,
-            summary.state.value if summary.state else "unreadable",
-            driver_text(summary),
-            summary.agent or "",
-            str(summary.steps),
-            summary.stop_reason.value if summary.stop_reason else "",
-            (summary.started_at or "")[:19].replace("T", " "),
-            *extra,
-        )
-        table.add_row(*map(Text, cells))  # Text: a "[...]" in a cell is no markup
+    for column in columns:
+        if column in ("run", "started"):
+            longest = max((len(row[column]) for row in rows), default=len(column))
+            table.add_column(column, no_wrap=True, min_width=longest)
+        else:
+            table.add_column(column, overflow="fold")
+    for row in rows:  # Text: a "[...]" in a cell is no markup
+        table.add_row(*(Text(row[column]) for column in columns))
     return table
+
+
+_RUN_COLUMNS = ("run", "state", "driven by", "agent", "steps", "stop reason", "started", "from")
+_OPTIONAL_COLUMNS = frozenset({"driven by", "agent"})
+
+
+def _row(summary: RunSummary, starts: dict[str, RunStarted] | None) -> dict[str, str]:
+    """One run's cells of `runs_table`, by column."""
+    started = starts.get(summary.run_id) if starts is not None else None
+    return {
+        "run": summary.run_id,
+        "state": summary.state.value if summary.state else "unreadable",
+        "driven by": driver_text(summary),
+        "agent": summary.agent or "",
+        "steps": str(summary.steps),
+        "stop reason": summary.stop_reason.value if summary.stop_reason else "",
+        "started": (summary.started_at or "")[:19].replace("T", " "),
+        "from": lineage_text(started) if started else "",
+    }
 
 
 def driver_text(summary: RunSummary) -> str:
