@@ -11,6 +11,7 @@ from rich.console import Console
 from rich.table import Table
 
 from treadle._cli_common import import_spec
+from treadle._text import valid_unicode
 from treadle.testing.faults import FAULT_KINDS
 
 if TYPE_CHECKING:  # the simulation (trio.testing, the test kit) loads when the command runs
@@ -101,8 +102,13 @@ def simulate_command(
             failing.append(result)
     _summary(seeds, total_steps, failing)
     if failing:
-        replay = _replay_command(failing[0].seed, faults, rate, runs_per_seed, steps, agent)
-        click.echo(f"replay the first failing seed: {replay}", err=True)
+        alone = seeds == 1
+        if alone and not as_json:
+            _show_logs(failing[0])
+        replay = _replay_command(
+            failing[0].seed, faults, rate, runs_per_seed, steps, agent, as_json=as_json
+        )
+        click.echo(_next_step(failing[0], replay, alone=alone, as_json=as_json), err=True)
         raise SystemExit(1)
 
 
@@ -161,8 +167,40 @@ def _plan(faults: str, rate: float | None) -> FaultPlan:
     return plan
 
 
+def _next_step(failed: SimulationResult, replay: str, *, alone: bool, as_json: bool) -> str:
+    """What to do about the first failing seed: replay it alone, unless this was that replay.
+
+    A seed simulated alone fails the same way each time (the same logs, docs/simulation.md):
+    instead of the same command again, its runs' logs are shown (`_show_logs`), or the line
+    says how to see them.
+    """
+    if not alone:
+        return f"replay the first failing seed: {replay}"
+    where = "above" if not as_json else "shown when it is simulated without --json"
+    return (
+        f"seed {failed.seed} fails the same way each time it is simulated (log digest "
+        f"{failed.log_digest[:16]}...); its runs' logs are {where}"
+    )
+
+
+def _show_logs(failed: SimulationResult) -> None:
+    """Print each run's log of a failing seed, as ``treadle show`` prints a run."""
+    from treadle._cli_store import trajectory_table
+
+    console = Console()
+    for log in failed.logs:
+        console.print(trajectory_table(valid_unicode(log)[0]))
+
+
 def _replay_command(
-    seed: int, faults: str, rate: float | None, runs: int, steps: int, agent: str | None
+    seed: int,
+    faults: str,
+    rate: float | None,
+    runs: int,
+    steps: int,
+    agent: str | None,
+    *,
+    as_json: bool,
 ) -> str:
     """The command that simulates ``seed`` alone with everything else as given."""
     parts = ["treadle simulate", f"--from {seed} --seeds 1 --faults {faults}"]
@@ -173,7 +211,8 @@ def _replay_command(
         parts.append(f"--agent {agent}")
     else:
         parts.append(f"--steps {steps}")
-    parts.append("--json")
+    if as_json:  # without it, a seed failing alone shows its runs' logs
+        parts.append("--json")
     return " ".join(parts)
 
 

@@ -116,6 +116,15 @@ def test_cli_prints_one_line_per_seed_and_a_replay_command_on_failure(monkeypatc
     failing = runner.invoke(main, ["simulate", "--seeds", "3", "--from", "4"])
     assert failing.exit_code == 1
     assert "treadle simulate --from 4 --seeds 1" in failing.output
+    # The replay itself does not suggest the same command again: it shows the run's log.
+    alone = runner.invoke(main, ["simulate", "--seeds", "1", "--from", "4"])
+    assert alone.exit_code == 1
+    assert "--from 4 --seeds 1" not in alone.output
+    assert "seed 4 fails the same way each time" in alone.stderr
+    assert "sim-4-0" in alone.stdout and "run finished" in alone.stdout  # its log, as show
+    quiet = runner.invoke(main, ["simulate", "--seeds", "1", "--from", "4", "--json"])
+    assert quiet.exit_code == 1 and "run finished" not in quiet.stdout
+    assert "shown when it is simulated without --json" in quiet.stderr
 
 
 def test_user_scenario_from_the_docs_example_runs_green():

@@ -63,6 +63,8 @@ class SimulationResult:
         faults_injected: fault kind -> count.
         steps: steps over all runs.
         log_digest: sha256 of every run's encoded log, in run order.
+        logs: every simulated run's log as the store held it at the end, in run order (not
+            the logs of child runs); not compared by ``==``, which the digest covers.
     """
 
     seed: int
@@ -71,6 +73,7 @@ class SimulationResult:
     faults_injected: dict[str, int]
     steps: int
     log_digest: str
+    logs: tuple[RunLog, ...] = attrs.field(default=(), eq=False, repr=False)
 
     def to_json(self) -> dict[str, Any]:
         """The JSON line `treadle simulate` prints."""
@@ -168,6 +171,7 @@ async def _simulate(seed: int, plan: FaultPlan, runs: int, scenario: Scenario) -
         faults_injected=dict(sorted(counts.items())),
         steps=sum(len(log.steps) for log in logs),
         log_digest=log_digest(logs),
+        logs=tuple(logs),
     )
 
 
