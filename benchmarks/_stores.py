@@ -5,13 +5,13 @@ from __future__ import annotations
 import os
 import secrets
 import tempfile
-import time
 from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager, contextmanager
 
 import trio
 
 import treadle
+from treadle.testing import postgres
 
 DEFAULT_DSN = "postgresql://treadle:treadle@127.0.0.1:5432/treadle_test"
 DSN_ENV = "TREADLE_BENCH_POSTGRES"
@@ -38,26 +38,8 @@ def drop_schema(dsn: str, schema: str) -> None:
 @contextmanager
 def fresh_database(dsn: str, prefix: str = "treadle_bench") -> Iterator[str]:
     """A new database on ``dsn``'s server, dropped afterwards; yields its DSN (keyword form)."""
-    import psycopg
-    from psycopg import conninfo, sql
-
-    name = new_schema_name(prefix)
-    with psycopg.connect(dsn, autocommit=True) as admin:
-        admin.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(name)))
-        try:
-            yield conninfo.make_conninfo(dsn, dbname=name)
-        finally:
-            drop = sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(name))
-            for wait_s in (0.1, 0.2, 0.5, 1.0, 2.0, 4.0, 0.0):
-                try:
-                    admin.execute(drop)
-                    break
-                except psycopg.errors.InsufficientPrivilege:
-                    # an autovacuum worker (the server's own role) is in the database: FORCE
-                    # may not end it, and it ends by itself
-                    if not wait_s:
-                        raise
-                    time.sleep(wait_s)
+    with postgres.fresh_database(dsn, prefix=prefix) as fresh:
+        yield fresh
 
 
 @asynccontextmanager

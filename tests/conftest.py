@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import os
 import secrets
-import time
 from collections.abc import Iterator
 
 import pytest
@@ -62,24 +61,10 @@ def postgres_database(postgres_dsn: str) -> Iterator[str]:
     For tests that hand a DSN to other processes (``treadle worker --store DSN``): the store
     lives in the database's default schema.
     """
-    import psycopg
-    from psycopg.conninfo import conninfo_to_dict, make_conninfo
+    from treadle.testing.postgres import fresh_database
 
-    name = f"t_{secrets.token_hex(6)}"
-    with psycopg.connect(postgres_dsn, autocommit=True) as conn:
-        conn.execute(f"CREATE DATABASE {name}")
-    params = conninfo_to_dict(postgres_dsn)
-    params["dbname"] = name
-    yield make_conninfo(**params)
-    with psycopg.connect(postgres_dsn, autocommit=True) as conn:
-        for attempt in range(40):  # an autovacuum worker in it may not be ended by FORCE
-            try:
-                conn.execute(f"DROP DATABASE IF EXISTS {name} WITH (FORCE)")
-                return
-            except psycopg.errors.InsufficientPrivilege:
-                if attempt == 39:
-                    raise
-                time.sleep(0.25)  # it ends by itself
+    with fresh_database(postgres_dsn, prefix="t") as dsn:
+        yield dsn
 
 
 @pytest.fixture(params=["sqlite", "postgres"])

@@ -19,6 +19,7 @@
 * `simulate`, `FaultPlan`, `with_latency`: deterministic simulation under a seeded fault plan
   (`treadle.testing.simulation`, docs/simulation.md); `with_latency` wraps any actor factory of
   `treadle.Actors` so its requests arrive after seeded delays on the virtual clock.
+* `treadle.testing.postgres.fresh_database`: a throwaway PostgreSQL database for one test.
 """
 
 from __future__ import annotations
