@@ -9,12 +9,13 @@ from __future__ import annotations
 import contextlib
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 import trio
 
 from treadle.ports import RunStore
-from treadle.stores import JsonlStore, MemoryStore, SqliteStore
+from treadle.stores import JsonlStore, MemoryStore, SqliteStore, open_jsonl_store
 from treadle.stores.postgres import PostgresStore
 from treadle.testing.capabilities import (
     ContractClock,
@@ -105,9 +106,35 @@ async def test_lease_renewals_and_control_readings_never_wait_behind_the_runs_re
     # With hundreds of runs starting, their reads filled the store's worker threads; the one
     # renewal for all runs waited its turn behind them (and lost it each time the run hosting
     # it ended) until leases expired under runs still driven, and cancels landed seconds late.
+    await _shared_calls_pass_full_workers(fleet_store)
+
+
+async def test_a_jsonl_store_bounds_its_reads_and_keeps_a_thread_for_shared_calls(
+    tmp_path: Path,
+) -> None:
+    # A JSONL store ran every call in trio's default pool (up to 40 threads at once), with
+    # renewals and control readings queued among the runs' reads.
+    async with open_jsonl_store(tmp_path / "runs") as store:
+        await _shared_calls_pass_full_workers(store)
+        workers = store._engine.workers
+        holders = [object() for _ in range(workers.total_tokens)]
+        for holder in holders:
+            await workers.acquire_on_behalf_of(holder)
+        try:
+            with trio.move_on_after(0.5) as waited:  # no read while every worker is taken
+                await store.read_log("r")
+            assert waited.cancelled_caught
+        finally:
+            for holder in holders:
+                workers.release_on_behalf_of(holder)
+        assert len((await store.read_log("r")).records) == 1
+
+
+async def _shared_calls_pass_full_workers(store: Any) -> None:
+    """Renew, read the control heads, the control stream and the lease of a run with every
+    worker thread for reads taken: each must still be served."""
     from treadle.approvals import request_cancel
 
-    store = fleet_store
     lease = await store.acquire_lease("r", owner="o", ttl_s=600)
     await store.write_run_started(
         RunStarted(run_id="r", ts="2026-01-01T00:00:00+00:00", input=(), snapshot={}),

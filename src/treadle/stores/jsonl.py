@@ -56,7 +56,7 @@ import time
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from os import PathLike
 from pathlib import Path
-from typing import Final
+from typing import Any, Final, TypeVar
 
 import attrs
 import trio
@@ -118,6 +118,8 @@ __all__ = [
     "open_jsonl_store",
     "run_file_name",
 ]
+
+_T = TypeVar("_T")
 
 
 @attrs.frozen(kw_only=True)
@@ -257,6 +259,22 @@ class JsonlStore(EngineStore):
             return os.path.join(self._directory, f"{run_id}.jsonl")
         return os.path.join(self._directory, run_file_name(run_id))
 
+    async def _in_worker(self, fn: Callable[..., _T], *args: Any) -> _T:
+        """``fn(*args)`` in one of the store object's worker threads for the runs' own calls.
+
+        At most `treadle.stores._engine.MAX_WORKERS` less `SHARED_WORKERS` at once, as the
+        SQL stores' (docs/performance.md, "Memory").
+        """
+        return await trio.to_thread.run_sync(fn, *args, limiter=self._engine.workers)
+
+    async def _in_shared_worker(self, fn: Callable[..., _T], *args: Any) -> _T:
+        """``fn(*args)`` in the thread kept for the work a store's runs share.
+
+        Lease renewals, lease and control readings: never behind the runs' reads
+        (docs/decisions/0096-lease-and-control-calls-apart.md).
+        """
+        return await trio.to_thread.run_sync(fn, *args, limiter=self._engine.shared)
+
     # ------------------------------------------------------------------ the run store seam
 
     async def read_log(self, run_id: str) -> RunLog:
@@ -276,7 +294,7 @@ class JsonlStore(EngineStore):
         """
         await self._engine.settle(run_id)
         path = self.run_file(run_id)
-        found = await trio.to_thread.run_sync(read_run_file, path)
+        found = await self._in_worker(read_run_file, path)
         self._check_run_id(path, run_id, found)
         if run_id not in self._held:
             self._note_torn(run_id, path, found)
@@ -287,7 +305,7 @@ class JsonlStore(EngineStore):
     async def read_generations(self, run_id: str) -> tuple[int, ...]:
         """The lease generation of each record's writer, in seq order (0 for version-1 lines)."""
         await self._engine.settle(run_id)
-        found = await trio.to_thread.run_sync(read_run_file, self.run_file(run_id))
+        found = await self._in_worker(read_run_file, self.run_file(run_id))
         return found.generations
 
     async def list_runs(self) -> tuple[str, ...]:
@@ -308,22 +326,22 @@ class JsonlStore(EngineStore):
         Reads each file's header, first record and last 64 KiB, never whole logs.
         """
         probes = await self._probes()
-        return tuple(await trio.to_thread.run_sync(self._summaries, probes))
+        return tuple(await self._in_worker(self._summaries, probes))
 
     async def read_summary(self, run_id: str) -> RunSummary | None:
         """One run's summary, or ``None`` for a run without records."""
         await self._engine.settle(run_id)
-        probe = await trio.to_thread.run_sync(probe_run_file, self.run_file(run_id))
+        probe = await self._in_worker(probe_run_file, self.run_file(run_id))
         if probe is None:
             return None
-        (summary,) = await trio.to_thread.run_sync(self._summaries, [probe])
+        (summary,) = await self._in_worker(self._summaries, [probe])
         return summary
 
     async def _probes(self) -> list[Probe]:
         self._engine.check_open()
         await self._engine.settle()
         try:
-            probes = await trio.to_thread.run_sync(self._probe_all)
+            probes = await self._in_worker(self._probe_all)
         except OSError as exc:
             raise StoreError(f"cannot list {self._directory}: {exc.strerror or exc}") from exc
         return sorted(probes, key=lambda p: (p.created_ns, p.run_id))
@@ -419,9 +437,7 @@ class JsonlStore(EngineStore):
         """
         lease = await self.acquire_lease(run_id, owner=owner, ttl_s=_leases.LEASE_TTL_S)
         try:
-            return await trio.to_thread.run_sync(
-                repair_run_file, self._directory, run_file_name(run_id)
-            )
+            return await self._in_worker(repair_run_file, self._directory, run_file_name(run_id))
         finally:
             await self.release_lease(lease)
 
@@ -469,9 +485,9 @@ class JsonlStore(EngineStore):
         if held is not None:
             renewed = _leases.acquire(held.lease, run_id=run_id, owner=owner, ttl_s=ttl_s, now=now)
             held.lease = renewed
-            await trio.to_thread.run_sync(self._write_sidecar, held, False)
+            await self._in_worker(self._write_sidecar, held, False)
             return renewed
-        fd, lease, seen = await trio.to_thread.run_sync(self._lock, run_id, owner, ttl_s, now)
+        fd, lease, seen = await self._in_worker(self._lock, run_id, owner, ttl_s, now)
         self._held[run_id] = _Held(fd=fd, lease=lease, control_seen=seen)
         self._engine.forget(run_id)
         return lease
@@ -522,7 +538,7 @@ class JsonlStore(EngineStore):
                 held.lease = fresh
                 renewed.append(held)
         if renewed:
-            await trio.to_thread.run_sync(self._write_sidecars, renewed)
+            await self._in_shared_worker(self._write_sidecars, renewed)
         else:
             await trio.lowlevel.checkpoint()
         return tuple(h.lease for h in renewed)
@@ -542,7 +558,7 @@ class JsonlStore(EngineStore):
         held.control_seen = max(held.control_seen, control_seen)
         del self._held[lease.run_id]
         try:
-            await trio.to_thread.run_sync(
+            await self._in_worker(
                 functools.partial(self._write_sidecar, held, False, released=True)
             )
         finally:
@@ -555,7 +571,7 @@ class JsonlStore(EngineStore):
         if held is not None:
             await trio.lowlevel.checkpoint()
             return held.lease
-        return await trio.to_thread.run_sync(self._lease_now, run_id, self._clock())
+        return await self._in_shared_worker(self._lease_now, run_id, self._clock())
 
     def _lease_now(self, run_id: str, now: float) -> Lease | None:
         held = self._held.get(run_id)
@@ -585,7 +601,7 @@ class JsonlStore(EngineStore):
         run_id = check_run_id(record.run_id)
         self._engine.check_open()
         await self._engine.settle(run_id)
-        return await trio.to_thread.run_sync(self._append_control, record)
+        return await self._in_worker(self._append_control, record)
 
     def _append_control(self, record: CancelRequested | ApprovalDecided) -> ControlEntry:
         run_id = record.run_id
@@ -616,14 +632,14 @@ class JsonlStore(EngineStore):
 
     async def read_control(self, run_id: str, *, after: int = 0) -> tuple[ControlEntry, ...]:
         """The run's control entries after position ``after``."""
-        entries = await trio.to_thread.run_sync(
+        entries = await self._in_shared_worker(
             read_control_file, self._control_path(run_id), run_id
         )
         return entries[after:]
 
     async def control_heads(self, run_ids: Sequence[str]) -> Mapping[str, int]:
         """The last control position of each run that has entries (files re-read on change)."""
-        return await trio.to_thread.run_sync(self._control_heads, tuple(run_ids))
+        return await self._in_shared_worker(self._control_heads, tuple(run_ids))
 
     def _control_heads(self, run_ids: tuple[str, ...]) -> dict[str, int]:
         heads = {}
