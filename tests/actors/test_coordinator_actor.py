@@ -9,6 +9,7 @@ actors").
 from __future__ import annotations
 
 import contextlib
+import gc
 from collections.abc import AsyncIterator, Callable, Sequence
 
 import attrs
@@ -314,6 +315,44 @@ async def test_a_call_that_needs_approval_waits_for_the_decision_and_a_rejection
     assert [type(r) for r in fakes.writer.records()][:2] == [ApprovalRequested, ApprovalDecided]
     (request,) = fakes.executor.requests
     assert request.rejected == {"c1": "not today"}
+
+
+async def test_decisions_for_a_step_the_run_has_left_are_not_kept(autojump_clock):
+    # A decision written for a step the run has already left can never match a request: the
+    # coordinator kept every one of them for as long as the run lasted (days, in a service).
+    replies = [_add("c1", 1, 1), _add("c2", 2, 2), say("fine")]
+    needs = {"needs_approval": lambda tool, arguments: tool == "add"}
+    async with _alone(replies, **needs) as fakes, trio.open_nursery() as nursery:  # type: ignore[arg-type]
+
+        async def decide_each_request() -> None:
+            for call_id in ("c1", "c2"):
+                await trio.testing.wait_all_tasks_blocked()
+                awaiting = fakes.statuses[-1][1]  # as the coordinator reported it
+                assert awaiting is not None and awaiting.call_id == call_id
+                if call_id == "c2":  # stale: for step 1, which the run has left
+                    for index in range(50):
+                        stale = attrs.evolve(
+                            decision_for("r", awaiting, FixedStepClock()),
+                            step=1,
+                            call_id=f"stale-{index}",
+                        )
+                        await fakes.control.send(Offer(decided=stale))
+                await fakes.control.send(
+                    Offer(decided=decision_for("r", awaiting, FixedStepClock()))
+                )
+                await trio.sleep(1)  # the step goes on to its next request
+
+        nursery.start_soon(decide_each_request)
+        result = await fakes.coordinator.run()
+    gc.collect()  # the coordinator is still alive (``fakes``); what it keeps is too
+    kept = [
+        o
+        for o in gc.get_objects()
+        if isinstance(o, ApprovalDecided) and o.call_id.startswith("stale-")
+    ]
+    assert kept == []
+    assert result.stop_reason is StopReason.FINAL_ANSWER
+    assert [d.call_id for d in fakes.writer.records(ApprovalDecided)] == ["c1", "c2"]  # type: ignore[attr-defined]
 
 
 async def test_an_unanswered_approval_expires_at_its_deadline(autojump_clock):

@@ -221,7 +221,7 @@ class RunCoordinator:
           reasons", rule A); a no-op once the run is finishing or finished.
         * `Offer`: an approval decision; one that matches no request of this run (another
           step, call or arguments), or whose decision is not approve, reject or edit, is
-          never applied.
+          never applied; one for a step the run has left is not kept.
         * `Drain`: stop at the next safe point (before the next step, or at once while
           waiting on a human): `run` raises `Drained` (or `Parked`) and the log is left to
           resume from.
@@ -259,6 +259,8 @@ class RunCoordinator:
     def _on_offer(self, decided: ApprovalDecided) -> None:
         if decided.decision not in (Decision.APPROVE, Decision.REJECT, Decision.EDIT):
             return  # "expired" is only ever written by the run itself
+        if decided.step < self.view.pending.step:
+            return  # for a step already done: it can never match, so it is not kept
         self._offered.append(repaired(attrs.evolve(decided, run_id=self.run_id)))
         self._offer_arrived.set()
 
@@ -650,9 +652,12 @@ class RunCoordinator:
         return any(matches(decided, request) for decided in self._offered)
 
     def _matching(self, request: ApprovalRequested) -> ApprovalDecided | None:
-        for decided in self._offered:
+        # Offers for earlier steps can never match again: let them go (a service keeps a
+        # run for days, and a decision may be written for a step the run has left).
+        offered = self._offered = [d for d in self._offered if d.step >= request.step]
+        for decided in offered:
             if matches(decided, request):
-                self._offered.remove(decided)
+                offered.remove(decided)
                 return decided
         return None
 
