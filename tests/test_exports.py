@@ -20,6 +20,7 @@ TREADLE = sorted(
         "RunLeased",
         "LEASE_TTL_S",
         "PostgresStore",
+        "RepairRefused",
         "open_postgres_store",
         "finish_cancelled",
         "agent_tool",

@@ -17,6 +17,7 @@ from treadle._exceptions import LeaseError as LeaseError
 from treadle._exceptions import LeaseLost as LeaseLost
 from treadle._exceptions import LogCorrupted as LogCorrupted
 from treadle._exceptions import ModelCallError as ModelCallError
+from treadle._exceptions import RepairRefused as RepairRefused
 from treadle._exceptions import RunInterrupted as RunInterrupted
 from treadle._exceptions import RunLeased as RunLeased
 from treadle._exceptions import SchemaTooNew as SchemaTooNew
@@ -183,6 +184,7 @@ __all__ = [
     "Observed",
     "OpenAIChatClient",
     "PostgresStore",
+    "RepairRefused",
     "ReplayPolicy",
     "RunHandle",
     "RunInput",

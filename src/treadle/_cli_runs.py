@@ -20,9 +20,11 @@ import trio
 
 from treadle._cli_common import (
     call_text,
+    counted,
     describe,
     event_json,
     open_store,
+    redact,
     run_async,
     run_id_argument,
     store_option,
@@ -344,25 +346,40 @@ def format_event(seq: int, record: Record) -> str:
 @click.command("repair")
 @run_id_argument()
 @store_option
-def repair_command(run_id: str, store_path: str) -> None:
+@click.option(
+    "--force",
+    is_flag=True,
+    help="Cut even when intact lines after the damage hold an action intent (a resume would "
+    "run that call again) or the run's end (a resume would reopen it).",
+)
+def repair_command(run_id: str, store_path: str, force: bool) -> None:
     """Cut a damaged JSONL run log at its first damaged line, keeping what it removes.
 
     Run it knowingly: the damaged line and every line after it are removed from the log
     (saved, with a note of offset, length and SHA-256, in the store's .repairs/ directory).
-    A torn tail left by a crash needs no repair; the store cuts it by itself.
+    A cut that would remove an intact action intent or the run's end is refused without
+    --force: check those calls' effects first. A torn tail left by a crash needs no
+    repair; the store cuts it by itself.
     """
 
     async def go() -> Repair | None:
         async with open_store(store_path) as store:
             if not isinstance(store, JsonlStore):
                 raise click.ClickException("repair applies to JSONL stores")
-            return await store.repair(run_id, owner=lease_owner())
+            if run_id not in await store.list_runs():
+                raise click.ClickException(f"no run {run_id!r} in {redact(store_path)}")
+            return await store.repair(run_id, owner=lease_owner(), force=force)
 
     done = run_async(go)
     if done is None:
         click.echo(f"run {run_id}: its log reads without damage; nothing removed")
         return
+    intact = (
+        f", {counted(done.intact_removed, 'intact record')} among them"
+        if done.intact_removed
+        else ""
+    )
     click.echo(
-        f"run {run_id}: removed {done.removed} bytes from offset {done.offset} of {done.path} "
-        f"({done.reason}); kept in {done.saved}, note {done.note}"
+        f"run {run_id}: removed {done.removed} bytes{intact} from offset {done.offset} of "
+        f"{done.path} ({done.reason}); kept in {done.saved}, note {done.note}"
     )

@@ -6,6 +6,8 @@
       UsageError(TreadleError, ValueError)    our API was misused (bad argument, bad definition)
         SnapshotMismatch                      resume with a different agent definition (.keys)
         InvalidRunId                          a run id outside the allowed form (.run_id)
+        RepairRefused                         a log repair would cut acknowledged intents or
+                                              the run's end (.where); nothing was changed
       StoreError                              persistence failed; the run's state is unknown
         ConflictError                         a write's seq is not the next one (two writers)
         LogCorrupted                          a log cannot be read back (.offset)
@@ -197,6 +199,22 @@ class ConflictError(StoreError):
         self.run_id = run_id
         self.expected = expected
         self.got = got
+
+
+class RepairRefused(UsageError):
+    """A repair of a damaged log would cut acknowledged facts; nothing was changed.
+
+    The intact lines after the damage held an action intent (a call that may have run,
+    which a resume would run again) or the run-finished record (docs/crash-safety.md, "Torn
+    tails and damage"). ``treadle repair --force`` cuts anyway.
+
+    Attributes:
+        where: the log's file.
+    """
+
+    def __init__(self, message: str, *, where: str) -> None:
+        super().__init__(message)
+        self.where = where
 
 
 class LogCorrupted(StoreError):

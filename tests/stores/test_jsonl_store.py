@@ -464,6 +464,32 @@ async def test_damaged_complete_last_line_is_damage_not_a_torn_tail(tmp_path: Pa
         assert await store.read_generations("r") == (1,) * 4 + (4,) * 2
 
 
+async def test_a_repair_refuses_to_cut_intact_action_intents_unless_forced(tmp_path: Path):
+    # Damage in the middle: the cut removed every later line, intact action intents among
+    # them, and the resume that followed ran those calls again (a payment paid twice).
+    from treadle import RepairRefused
+
+    path, run = await write_run(tmp_path, steps=2)
+    original = path.read_bytes()
+    start, line = lines_of(original)[3]  # the first step's model result
+    damaged = bytearray(original)
+    damaged[start + len(line) - 5] ^= 0x01
+    path.write_bytes(bytes(damaged))
+    async with open_jsonl_store(tmp_path) as store:
+        with pytest.raises(RepairRefused) as info:
+            await store.repair("r", owner="operator")
+        message = str(info.value)
+        assert "2 action intent(s)" in message and "t (intent a1)" in message
+        assert "--force" in message and info.value.where == str(path)
+        assert path.read_bytes() == bytes(damaged)  # nothing was changed
+        assert not (tmp_path / ".repairs").exists()
+        forced = await store.repair("r", owner="operator", force=True)
+        assert forced is not None and forced.offset == start
+        # every record after the first two, but the damaged line's own model result
+        assert forced.intact_removed == len(run.written) - 3
+        assert (await store.read_log("r")).records == tuple(run.written[:2])
+
+
 def read_run_file_bytes(tmp_path: Path, data: bytes) -> Any:
     scratch = tmp_path / "scratch.jsonl"
     scratch.write_bytes(data)

@@ -28,10 +28,24 @@ from urllib.parse import unquote
 import attrs
 import msgspec
 
-from treadle._exceptions import LogCorrupted, SchemaTooNew, StoreError, TreadleError
+from treadle._exceptions import (
+    LogCorrupted,
+    RepairRefused,
+    SchemaTooNew,
+    StoreError,
+    TreadleError,
+)
 from treadle.stores._codec import check_schema, pack, record_from_dict, record_to_json, unpack
 from treadle.stores._lines import FrameError, TornSpan, check_frame, frame, scan_lines
-from treadle.types import ApprovalDecided, CancelRequested, ControlEntry, Lease, Record
+from treadle.types import (
+    ActionIntent,
+    ApprovalDecided,
+    CancelRequested,
+    ControlEntry,
+    Lease,
+    Record,
+    RunFinished,
+)
 
 FORMAT: Final = "treadle.jsonl"
 """The ``format`` of a run file's header."""
@@ -756,6 +770,7 @@ class Repair:
         saved: the file in ``.repairs/`` holding the removed bytes.
         note: the JSON note written beside it.
         reason: the damage found.
+        intact_removed: records of intact lines after the damaged one that the cut removed.
     """
 
     path: str
@@ -764,17 +779,28 @@ class Repair:
     saved: str
     note: str
     reason: str
+    intact_removed: int = 0
 
 
-def repair_run_file(directory: str, name: str) -> Repair | None:
+def repair_run_file(directory: str, name: str, *, force: bool = False) -> Repair | None:
     """Cut a run file at its first damaged line, keeping what was removed (blocking).
 
     The removed bytes go to ``.repairs/<name>.<ns>.removed`` with a JSON note beside them
     (offset, length, SHA-256, the damage); the file is cut and synced. The caller must hold
     the run's lease (nobody writes meanwhile).
 
+    Intact lines after the damaged one are removed too. Among them, an action intent is an
+    acknowledged call whose tool may have run, and a run-finished record says the run
+    ended: cutting either makes a resume run the call again, or reopen a finished run. So
+    unless ``force``, such a cut is refused (docs/crash-safety.md, "Torn tails and damage").
+
     Returns:
         What was removed, or ``None`` when the file reads without damage.
+
+    Raises:
+        RepairRefused: the cut would remove an intact action intent or run-finished record
+            (and ``force`` is false); nothing was changed.
+        StoreError: the file cannot be read or written.
     """
     path = os.path.join(directory, name)
     try:
@@ -786,6 +812,9 @@ def repair_run_file(directory: str, name: str) -> Repair | None:
     data = read_bytes(path) or b""
     offset = min(damage.offset, len(data))
     removed = data[offset:]
+    lost = _intact_after(path, data, offset)
+    if not force:
+        _refuse_losing_facts(path, lost)
     stamp = time.time_ns()
     repairs = os.path.join(directory, REPAIR_DIR)
     os.makedirs(repairs, exist_ok=True)
@@ -815,5 +844,62 @@ def repair_run_file(directory: str, name: str) -> Repair | None:
     finally:
         os.close(fd)
     return Repair(
-        path=path, offset=offset, removed=len(removed), saved=saved, note=note, reason=str(damage)
+        path=path,
+        offset=offset,
+        removed=len(removed),
+        saved=saved,
+        note=note,
+        reason=str(damage),
+        intact_removed=len(lost),
+    )
+
+
+def _intact_after(path: str, data: bytes, offset: int) -> list[Record]:
+    """The records of the intact frames after the damaged line at ``offset`` (best effort).
+
+    Lines that fail their check or do not decode are left out: only what is known to have
+    been written is counted.
+    """
+    try:
+        scanned = scan_lines(data[:offset], check_frame, where=path)
+        run_id, _, version = read_header(path, scanned.items[0])
+    except (LogCorrupted, FrameError, IndexError, SchemaTooNew):
+        return []  # the damage is in the header: nothing after it can be read as this run's
+    end = data.find(b"\n", offset)
+    found: list[Record] = []
+    for line in data[end + 1 :].split(b"\n") if end >= 0 else ():
+        try:
+            check_frame(line, 0)
+            if version >= COMPACT_FROM:
+                items, _ = _compact_frame(path, line, 0)
+                found.extend(unpack(item, run_id) for item in items)
+            else:
+                found.extend(record_from_dict(r) for r in _content(path, line, 0)["records"])
+        except (LogCorrupted, FrameError, ValueError, KeyError, TypeError):
+            continue
+    return found
+
+
+def _refuse_losing_facts(path: str, lost: Sequence[Record]) -> None:
+    """Raise `RepairRefused` when ``lost`` holds an action intent or a run-finished record."""
+    calls = [r for r in lost if isinstance(r, ActionIntent)]
+    finished = any(isinstance(r, RunFinished) for r in lost)
+    if not calls and not finished:
+        return
+    what = []
+    if calls:
+        named = ", ".join(f"{c.tool} (intent {c.intent_id})" for c in calls[:5])
+        more = f" and {len(calls) - 5} more" if len(calls) > 5 else ""
+        what.append(
+            f"{len(calls)} action intent(s) whose call may have run, which a resume would "
+            f"run again: {named}{more}"
+        )
+    if finished:
+        what.append("the run-finished record, which a resume would reopen")
+    check = "Check those calls' effects first, then cut" if calls else "Cut"
+    raise RepairRefused(
+        where=path,
+        message=f"{path}: the cut would also remove {len(lost)} intact record(s) after the damaged "
+        f"line, among them {' and '.join(what)}. {check} anyway with force (treadle repair "
+        "--force)",
     )

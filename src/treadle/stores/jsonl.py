@@ -420,7 +420,7 @@ class JsonlStore(EngineStore):
             run_id,
         )
 
-    async def repair(self, run_id: str, *, owner: str) -> Repair | None:
+    async def repair(self, run_id: str, *, owner: str, force: bool = False) -> Repair | None:
         """Cut the run's file at its first damaged line, keeping what is removed.
 
         Run it knowingly (``treadle repair``): records after the damage are removed too. The
@@ -428,16 +428,29 @@ class JsonlStore(EngineStore):
         ``.repairs/``. The store takes the run's lease for the repair (nobody may write it
         meanwhile) and releases it after.
 
+        Args:
+            run_id: the run.
+            owner: the lease owner id of the repair.
+            force: cut even when intact lines after the damage hold an action intent (a
+                call that may have run: a resume would run it again) or the run-finished
+                record (a resume would reopen the run); refused otherwise.
+
         Returns:
             What was removed, or ``None`` when the file reads without damage.
 
         Raises:
             RunLeased: another driver holds the run's lease.
+            RepairRefused: the cut would remove such a record, and ``force`` is false
+                (nothing was changed; docs/crash-safety.md, "Torn tails and damage").
             StoreError: the file cannot be repaired.
         """
         lease = await self.acquire_lease(run_id, owner=owner, ttl_s=_leases.LEASE_TTL_S)
         try:
-            return await self._in_worker(repair_run_file, self._directory, run_file_name(run_id))
+            return await self._in_worker(
+                functools.partial(repair_run_file, force=force),
+                self._directory,
+                run_file_name(run_id),
+            )
         finally:
             await self.release_lease(lease)
 
