@@ -81,6 +81,24 @@ async def agent_in_a_block() -> AsyncIterator[treadle.Agent]:
 
 
 @asynccontextmanager
+async def other_agent_beside_a_server() -> AsyncIterator[treadle.Agent]:
+    """`other_agent` from a block that runs a task beside it, as a model server's would."""
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(trio.sleep_forever)
+        yield other_agent()
+        nursery.cancel_scope.cancel()
+
+
+@asynccontextmanager
+async def agent_beside_a_server() -> AsyncIterator[treadle.Agent]:
+    """The scenario's agent from a block that runs a task beside it."""
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(trio.sleep_forever)
+        yield agent_from_environment()
+        nursery.cancel_scope.cancel()
+
+
+@asynccontextmanager
 async def block_failing_on_entry() -> AsyncIterator[treadle.Agent]:
     raise ConnectionRefusedError("no model server")
     yield  # pragma: no cover
@@ -194,6 +212,39 @@ def test_the_agent_may_come_from_a_block_kept_open_while_it_drives(
     assert check_recovered_run(log, entries, baseline(tmp_path)) == []
 
 
+def test_errors_of_a_run_driven_beside_a_server_are_one_line(tmp_path: Path) -> None:
+    # The agent's block runs a nursery (the tutorial's model server): every error of the
+    # resume came out of it wrapped in exception groups, as a 60-line traceback.
+    path = prepare(tmp_path, "sqlite", {"r1": 9})
+    runner = CliRunner(env={LEDGER_ENV: str(tmp_path / "ledger.jsonl")})
+    changed = runner.invoke(
+        main,
+        [
+            "resume",
+            "r1",
+            "--store",
+            str(path),
+            "--agent",
+            "test_cli_resume:other_agent_beside_a_server",
+        ],
+    )
+    assert changed.exit_code == 1 and "Traceback" not in changed.output
+    assert "differs from the stored parameter snapshot in: system_prompt" in changed.output
+
+    async def hold() -> None:
+        async with treadle.open_sqlite_store(path) as store:
+            await store.acquire_lease("r1", owner="a live driver", ttl_s=600)
+
+    trio.run(hold)
+    leased = runner.invoke(
+        main,
+        ["resume", "r1", "--store", str(path), "--agent", "test_cli_resume:agent_beside_a_server"],
+    )
+    assert leased.exit_code == 1 and "Traceback" not in leased.output
+    (line,) = leased.output.strip().splitlines()
+    assert "a live driver" in line and "give --wait" in line
+
+
 def test_snapshot_mismatch_is_refused_naming_the_keys(tmp_path: Path) -> None:
     path = prepare(tmp_path, "jsonl", {"r1": 9})
     runner = CliRunner()
@@ -210,7 +261,7 @@ def test_snapshot_mismatch_is_refused_naming_the_keys(tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     ("arguments", "message"),
     [
-        (["r1", "--agent", AGENT], "no run 'r1'"),
+        (["r9", "--agent", AGENT], "no run 'r9'"),
         (["--agent", AGENT], "give a RUN_ID or --all"),
         (["r1", "--all", "--agent", AGENT], "give a RUN_ID or --all"),
         (["r1", "--agent", "nocolon"], "is not MODULE:FACTORY"),
@@ -228,8 +279,8 @@ def test_snapshot_mismatch_is_refused_naming_the_keys(tmp_path: Path) -> None:
     ],
 )
 def test_bad_arguments_are_clear_errors(tmp_path: Path, arguments: list[str], message: str) -> None:
-    path = prepare(tmp_path, "sqlite", {})
-    path.touch()
+    # The agent is loaded only when a run needs driving: r1 is unfinished.
+    path = prepare(tmp_path, "sqlite", {"r1": 9})
     runner = CliRunner(env={LEDGER_ENV: str(tmp_path / "ledger.jsonl")})
     result = runner.invoke(main, ["resume", *arguments, "--store", str(path)])
     assert result.exit_code != 0
@@ -242,8 +293,9 @@ def test_missing_store_and_missing_ledger_variable(tmp_path: Path) -> None:
         main, ["resume", "r", "--store", str(tmp_path / "nope"), "--agent", AGENT]
     )
     assert missing.exit_code == 1 and "no store at" in missing.output
+    path = prepare(tmp_path, "sqlite", {"r1": 9})
     unset = CliRunner(env={LEDGER_ENV: ""}).invoke(
-        main, ["resume", "r", "--store", str(tmp_path), "--agent", AGENT]
+        main, ["resume", "r1", "--store", str(path), "--agent", AGENT]
     )
     assert unset.exit_code != 0 and LEDGER_ENV in unset.output
 

@@ -89,11 +89,31 @@ def import_spec(spec: str, *, param_hint: str) -> Any:
 
 
 def run_async(fn: Callable[[], Awaitable[T]]) -> T:
-    """Run ``fn`` under trio; a treadle error becomes a clear command-line error."""
+    """Run ``fn`` under trio; a treadle error becomes a clear command-line error.
+
+    An error that reached here through nurseries (an agent factory's block that runs a
+    server, say) arrives wrapped in exception groups of one error each: it is unwrapped
+    first, so that it too prints as one line.
+    """
     try:
         return trio.run(fn)
+    except BaseExceptionGroup as group:
+        error = _only_error(group)
+        if error is None:
+            raise
+        if isinstance(error, TreadleError):
+            raise click.ClickException(str(error)) from error
+        raise error from group
     except TreadleError as exc:
         raise click.ClickException(str(exc)) from exc
+
+
+def _only_error(group: BaseExceptionGroup[BaseException]) -> BaseException | None:
+    """The one error inside nested groups of one, when it is a treadle or click error."""
+    found: BaseException = group
+    while isinstance(found, BaseExceptionGroup) and len(found.exceptions) == 1:
+        found = found.exceptions[0]
+    return found if isinstance(found, TreadleError | click.ClickException) else None
 
 
 @asynccontextmanager

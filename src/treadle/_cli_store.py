@@ -31,6 +31,7 @@ from treadle._cli_common import (
     run_id_argument,
     store_option,
 )
+from treadle._exceptions import RunLeased
 from treadle._text import valid_unicode
 from treadle.actors import stored_events
 from treadle.agent import Agent
@@ -315,6 +316,7 @@ def resume(
     """
     if (run_id is None) == (not resume_all):
         raise click.UsageError("give a RUN_ID or --all (not both)")
+    import_spec(agent_spec, param_hint="--agent")  # a wrong name is refused before anything
     if resume_all:
         if accept_change:
             raise click.UsageError("--accept-changed-definition takes one RUN_ID, not --all")
@@ -392,15 +394,25 @@ async def _resume_one(
 ) -> RunLog:
     from treadle.supervisors import run
 
-    async with opened_agent(agent_spec) as agent, open_store(store_path) as store:
+    async with open_store(store_path) as store:
         log = await store.read_log(run_id)
         if not log.records:
             raise click.ClickException(f"no run {run_id!r} in {redact(store_path)}")
-        if log.finished is None:
-            if wait:
-                await wait_for_leases(store, [run_id])
-            await run(agent, store=store, run_id=run_id, accept_definition_change=accept_change)
-            log = await store.read_log(run_id)
+        if log.finished is not None:
+            return log  # only reported: its agent is not even opened
+        if wait:
+            await wait_for_leases(store, [run_id])
+        async with opened_agent(agent_spec) as agent:
+            try:
+                await run(agent, store=store, run_id=run_id, accept_definition_change=accept_change)
+            except RunLeased as exc:
+                if wait:
+                    raise
+                raise click.ClickException(
+                    f"{exc}. If that process is gone, give --wait to wait for its lease to "
+                    "expire (within its TTL)"
+                ) from exc
+        log = await store.read_log(run_id)
     return log
 
 
@@ -435,7 +447,7 @@ async def _resume_all(
     from treadle.supervisors import resume_unfinished
 
     errors: list[Exception] = []
-    async with opened_agent(agent_spec) as agent, open_store(store_path) as store:
+    async with open_store(store_path) as store, opened_agent(agent_spec) as agent:
         summaries = await _summaries_of(store)
         driven = [s.run_id for s in summaries if s.liveness is Liveness.DRIVEN]
         if driven and wait:
