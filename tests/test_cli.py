@@ -71,6 +71,26 @@ def test_the_runs_table_of_finished_runs_fits_80_columns(tmp_path):
     assert re.search(r"│ \d{4}-\d\d-\d\d \d\d:\d\d:\d\d │$", row), table.output
 
 
+def test_reading_commands_refuse_a_folder_or_file_that_holds_no_store(tmp_path):
+    # `treadle runs --store .` in a project folder made .control/ and .leases/ in it and
+    # listed the project's own .jsonl files as damaged runs, which `treadle repair` would
+    # then empty; an empty file got treadle's tables written into it.
+    folder = tmp_path / "project"
+    folder.mkdir()
+    (folder / "ledger.jsonl").write_text('{"a": 1}\n')
+    empty = tmp_path / "empty.db"
+    empty.touch()
+    runner = CliRunner()
+    for command in (["runs"], ["show", "ledger"], ["repair", "ledger"]):
+        refused = runner.invoke(main, [*command, "--store", str(folder)])
+        assert refused.exit_code == 1 and "holds no JSONL store" in refused.output, command
+    assert sorted(p.name for p in folder.iterdir()) == ["ledger.jsonl"]
+    assert (folder / "ledger.jsonl").read_text() == '{"a": 1}\n'
+    refused = runner.invoke(main, ["runs", "--store", str(empty)])
+    assert refused.exit_code == 1 and "the file is empty" in refused.output
+    assert empty.stat().st_size == 0
+
+
 def test_show_unknown_run_and_missing_store_are_clear_errors(tmp_path):
     runner = CliRunner()
     missing = runner.invoke(main, ["runs", "--store", str(tmp_path / "nope.db")])

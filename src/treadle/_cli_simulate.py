@@ -67,7 +67,13 @@ if TYPE_CHECKING:  # the simulation (trio.testing, the test kit) loads when the 
     metavar="MODULE:FACTORY",
     help="A scenario factory (see docs/simulation.md); default: the ledger scenario.",
 )
-@click.option("--json", "as_json", is_flag=True, help="One JSON line per seed, then the summary.")
+@click.option(
+    "--json",
+    "as_json",
+    is_flag=True,
+    help="One JSON line per seed on standard output (the summary table and a failing seed's "
+    "violations go to standard error, as always).",
+)
 def simulate_command(
     seeds: int,
     first: int,

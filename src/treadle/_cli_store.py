@@ -138,8 +138,8 @@ def driver_text(summary: RunSummary) -> str:
     if summary.liveness is Liveness.DRIVEN and lease is not None:
         age = summary.heartbeat_age_s or 0.0
         return f"{lease.owner} (generation {lease.generation}, heartbeat {age:.1f} s ago)"
-    if summary.liveness is Liveness.FINISHED:
-        return ""
+    if summary.liveness is Liveness.FINISHED or summary.error is not None:
+        return ""  # an unreadable run is no orphan to resume: its error says why
     if summary.liveness is Liveness.QUARANTINED:
         return f"nobody: quarantined ({summary.quarantined})"
     words = {

@@ -222,11 +222,13 @@ class LogCorrupted(StoreError):
 
     Attributes:
         where: the file or table holding the log.
-        offset: byte offset (files) or seq (tables) of the first bad record.
+        offset: byte offset (files) or seq (tables) of the first bad record; ``None`` when
+            the damage is the database's own (SQLite found its file malformed), not a record's.
     """
 
-    def __init__(self, message: str, *, where: str, offset: int) -> None:
-        super().__init__(f"{where}: {message} (at offset {offset})")
+    def __init__(self, message: str, *, where: str, offset: int | None) -> None:
+        at = "" if offset is None else f" (at offset {offset})"
+        super().__init__(f"{where}: {message}{at}")
         self.where = where
         self.offset = offset
 

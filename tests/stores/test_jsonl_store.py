@@ -490,6 +490,20 @@ async def test_a_repair_refuses_to_cut_intact_action_intents_unless_forced(tmp_p
         assert (await store.read_log("r")).records == tuple(run.written[:2])
 
 
+async def test_a_repair_refuses_to_empty_a_file_without_a_treadle_header(tmp_path: Path):
+    # Another program's .jsonl in the store's folder reads as a run damaged at its first
+    # line: the cut emptied it.
+    from treadle import RepairRefused
+
+    await write_run(tmp_path, steps=1)
+    foreign = tmp_path / "ledger.jsonl"
+    foreign.write_text('{"kind": "payment", "amount_cents": 12500}\n')
+    async with open_jsonl_store(tmp_path) as store:
+        with pytest.raises(RepairRefused, match="no treadle header"):
+            await store.repair("ledger", owner="operator")
+        assert foreign.read_text() == '{"kind": "payment", "amount_cents": 12500}\n'
+
+
 def read_run_file_bytes(tmp_path: Path, data: bytes) -> Any:
     scratch = tmp_path / "scratch.jsonl"
     scratch.write_bytes(data)

@@ -727,6 +727,28 @@ def open_directory(directory: str) -> None:
         raise StoreError(f"cannot open JSONL store {directory}: {exc.strerror or exc}") from exc
 
 
+def holds_a_store(directory: str) -> bool:
+    """Whether ``directory`` holds a JSONL store (blocking; reads at most a few lines).
+
+    A store once opened has its ``.leases`` and ``.control`` sub-directories; one written
+    by an older treadle is known by a run file whose first line is a treadle header. A
+    command that only reads uses this to refuse any other folder instead of creating those
+    sub-directories in it and listing its own files as damaged runs.
+    """
+    path = Path(directory)
+    if (path / LEASE_DIR).is_dir() or (path / CONTROL_DIR).is_dir():
+        return True
+    for name in list_run_files(directory)[:8]:
+        try:
+            with open(path / name, "rb") as file:
+                first = file.readline(4096)
+        except OSError:
+            continue
+        if f'"format":"{FORMAT}"'.encode() in first.replace(b" ", b""):
+            return True
+    return False
+
+
 def migrate_v1_control(directory: str) -> int:
     """Turn version-1 control pseudo-runs (``<run_id>#control``) into control streams.
 
@@ -798,8 +820,9 @@ def repair_run_file(directory: str, name: str, *, force: bool = False) -> Repair
         What was removed, or ``None`` when the file reads without damage.
 
     Raises:
-        RepairRefused: the cut would remove an intact action intent or run-finished record
-            (and ``force`` is false); nothing was changed.
+        RepairRefused: the cut would remove an intact action intent or run-finished record,
+            or the whole file (its first line is no treadle header: it may be another
+            program's file), and ``force`` is false; nothing was changed.
         StoreError: the file cannot be read or written.
     """
     path = os.path.join(directory, name)
@@ -810,8 +833,15 @@ def repair_run_file(directory: str, name: str, *, force: bool = False) -> Repair
     else:
         return None
     data = read_bytes(path) or b""
-    offset = min(damage.offset, len(data))
+    offset = min(damage.offset or 0, len(data))
     removed = data[offset:]
+    if offset == 0 and not force:
+        raise RepairRefused(
+            where=path,
+            message=f"{path}: its first line is no treadle header ({damage}), so it may not be "
+            "a treadle run log at all; the cut would empty it. Nothing was changed. Cut anyway "
+            "with force (treadle repair --force)",
+        )
     lost = _intact_after(path, data, offset)
     if not force:
         _refuse_losing_facts(path, lost)

@@ -193,12 +193,12 @@ def _translate(path: str, exc: BaseException, what: str) -> TreadleError | None:
         return None
     text = str(exc)
     if "malformed" in text:
-        return LogCorrupted(f"the database is damaged: {text}", where=path, offset=0)
+        return LogCorrupted(f"the database is damaged: {text}", where=path, offset=None)
     if "not a database" in text:  # a damaged header, or a path to some other file
         return LogCorrupted(
             f"the database is damaged, or the file is not a SQLite database: {text}",
             where=path,
-            offset=0,
+            offset=None,
         )
     return StoreError(f"{what} SQLite store {path}: {text}")
 
