@@ -504,6 +504,21 @@ async def test_a_repair_refuses_to_empty_a_file_without_a_treadle_header(tmp_pat
         assert foreign.read_text() == '{"kind": "payment", "amount_cents": 12500}\n'
 
 
+async def test_a_copy_of_a_run_file_is_listed_as_what_it_is(tmp_path: Path):
+    # A run file copied under another name was listed as the run again, a second identical
+    # row, while reading it by that name said the header names another run.
+    path, _ = await write_run(tmp_path, steps=1)
+    shutil.copy(path, tmp_path / "copy.jsonl")
+    async with open_jsonl_store(tmp_path) as store:
+        summaries = {s.run_id: s for s in await store.list_summaries()}
+        assert sorted(summaries) == ["copy", "r"]
+        assert summaries["r"].error is None
+        assert summaries["copy"].error is not None
+        assert "the header names run 'r'" in summaries["copy"].error
+        with pytest.raises(LogCorrupted, match="the header names run 'r'"):
+            await store.read_log("copy")
+
+
 def read_run_file_bytes(tmp_path: Path, data: bytes) -> Any:
     scratch = tmp_path / "scratch.jsonl"
     scratch.write_bytes(data)

@@ -532,6 +532,8 @@ def _probe(path: str, name: str, head: bytes, tail: bytes, tail_at: int) -> Prob
     if not complete or not complete[0].strip(b"\0"):
         return None  # no header line reached the file: a first write that crashed
     run_id, created_ns, version = read_header(path, _checked(path, complete[0], 0))
+    if run_file_name(run_id) != name:  # a copy, or a file renamed: reading it says the same
+        raise LogCorrupted(f"the header names run {run_id!r}", where=path, offset=0)
     if len(complete) < 2 or not complete[1].strip(b"\0"):
         return None  # no record line reached the file (a torn first record was never written)
     first_found = _checked(path, complete[1], len(complete[0]) + 1)
