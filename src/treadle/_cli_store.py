@@ -87,7 +87,7 @@ def runs_table(
     summaries: Sequence[RunSummary],
     starts: dict[str, RunStarted] | None = None,
 ) -> Table:
-    """The runs of a store as a table; run ids and start times are never cut or wrapped.
+    """The runs of a store as a table; run ids, states and start times are never cut.
 
     ``driven by`` and ``agent`` are left out when no run has one (finished runs have no
     driver, and only runs a fleet serves name their agent), so a table of finished runs fits
@@ -103,9 +103,9 @@ def runs_table(
     ]
     table = Table(title=f"runs in {redact(store_path)}")
     for column in columns:
-        if column in ("run", "started"):
+        if column in _WHOLE_COLUMNS:  # short words, never cut: the others wrap instead
             longest = max((len(row[column]) for row in rows), default=len(column))
-            table.add_column(column, no_wrap=True, min_width=longest)
+            table.add_column(column, no_wrap=True, min_width=max(longest, len(column)))
         else:
             table.add_column(column, overflow="fold")
     for row in rows:  # Text: a "[...]" in a cell is no markup
@@ -115,6 +115,7 @@ def runs_table(
 
 _RUN_COLUMNS = ("run", "state", "driven by", "agent", "steps", "stop reason", "started", "from")
 _OPTIONAL_COLUMNS = frozenset({"driven by", "agent"})
+_WHOLE_COLUMNS = frozenset({"run", "state", "steps", "stop reason", "started"})
 
 
 def _row(summary: RunSummary, starts: dict[str, RunStarted] | None) -> dict[str, str]:
@@ -137,7 +138,7 @@ def driver_text(summary: RunSummary) -> str:
     lease = summary.lease
     if summary.liveness is Liveness.DRIVEN and lease is not None:
         age = summary.heartbeat_age_s or 0.0
-        return f"{lease.owner} (generation {lease.generation}, heartbeat {age:.1f} s ago)"
+        return f"{lease.owner} (gen. {lease.generation}, renewed {age:.1f} s ago)"
     if summary.liveness is Liveness.FINISHED or summary.error is not None:
         return ""  # an unreadable run is no orphan to resume: its error says why
     if summary.liveness is Liveness.QUARANTINED:
