@@ -20,8 +20,7 @@ from treadle._exceptions import InvalidRunId, TreadleError
 from treadle._ids import check_run_id
 from treadle.ports import RunStore
 from treadle.stores import is_dsn, record_to_dict, redact_dsn
-from treadle.stores._jsonl_files import holds_a_store
-from treadle.stores.jsonl import open_jsonl_store
+from treadle.stores.jsonl import JsonlStore, open_jsonl_store
 from treadle.stores.sqlite import open_sqlite_store
 from treadle.types import (
     ActionIntent,
@@ -135,7 +134,7 @@ async def open_store(path: str, *, create: bool = False) -> AsyncIterator[RunSto
         async with open_postgres_store(path) as postgres:
             yield postgres
     elif await trio.Path(path).is_dir():
-        if not create and not await trio.to_thread.run_sync(holds_a_store, path):
+        if not create and not await trio.to_thread.run_sync(JsonlStore.is_store, path):
             raise click.ClickException(
                 f"no store at {path}: the folder holds no JSONL store (a JSONL store's folder "
                 "holds .leases/ and .control/ and a file per run)"

@@ -75,6 +75,7 @@ from treadle.stores._jsonl_files import (
     Repair,
     RunFile,
     control_frame,
+    holds_a_store,
     list_run_files,
     migrate_v1_control,
     open_directory,
@@ -258,6 +259,17 @@ class JsonlStore(EngineStore):
         if _HASHED.fullmatch(run_id):
             return os.path.join(self._directory, f"{run_id}.jsonl")
         return os.path.join(self._directory, run_file_name(run_id))
+
+    @staticmethod
+    def is_store(directory: str | os.PathLike[str]) -> bool:
+        """Whether ``directory`` holds a JSONL store (blocking; reads at most a few lines).
+
+        A store once opened has its ``.leases`` and ``.control`` sub-directories; one written
+        by an older treadle is known by a run file whose first line is a treadle header.
+        Opening a store makes it one: a program that only reads (``treadle runs``) asks
+        first, so as to leave any other folder as it is.
+        """
+        return holds_a_store(os.fspath(directory))
 
     async def _in_worker(self, fn: Callable[..., _T], *args: Any) -> _T:
         """``fn(*args)`` in one of the store object's worker threads for the runs' own calls.
