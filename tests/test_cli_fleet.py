@@ -407,12 +407,12 @@ def test_repair_cuts_a_damaged_log_and_runs_reads_clean_again(tmp_path: Path):
     before = bad_file.read_bytes()
     refused = invoke("repair", "bad", "--store", str(directory))
     assert refused.exit_code == 1 and "Traceback" not in refused.output
-    assert "4 intact record(s)" in refused.output and "the run-finished record" in refused.output
+    assert "readable record(s)" in refused.output and "the run-finished record" in refused.output
     assert "--force" in refused.output and bad_file.read_bytes() == before
     repaired = invoke("repair", "bad", "--store", str(directory), "--force")
     assert repaired.exit_code == 0, repaired.output
     assert "removed" in repaired.output and str(bad_file) in repaired.output
-    assert "4 intact records among them" in repaired.output
+    assert "readable records among them" in repaired.output
     assert ".repairs" in repaired.output
     missing = invoke("repair", "nosuch", "--store", str(directory))
     assert missing.exit_code == 1 and "no run 'nosuch'" in missing.output

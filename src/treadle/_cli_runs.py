@@ -375,8 +375,8 @@ def repair_command(run_id: str, store_path: str, force: bool) -> None:
         click.echo(f"run {run_id}: its log reads without damage; nothing removed")
         return
     intact = (
-        f", {counted(done.intact_removed, 'intact record')} among them"
-        if done.intact_removed
+        f", {counted(done.readable_removed, 'readable record')} among them"
+        if done.readable_removed
         else ""
     )
     click.echo(

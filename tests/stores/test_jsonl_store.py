@@ -8,6 +8,7 @@ import errno
 import hashlib
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -479,15 +480,55 @@ async def test_a_repair_refuses_to_cut_intact_action_intents_unless_forced(tmp_p
         with pytest.raises(RepairRefused) as info:
             await store.repair("r", owner="operator")
         message = str(info.value)
-        assert "2 action intent(s)" in message and "t (intent a1)" in message
+        assert "2 action call(s)" in message and "t (intent a1)" in message
         assert "--force" in message and info.value.where == str(path)
         assert path.read_bytes() == bytes(damaged)  # nothing was changed
         assert not (tmp_path / ".repairs").exists()
         forced = await store.repair("r", owner="operator", force=True)
         assert forced is not None and forced.offset == start
-        # every record after the first two, but the damaged line's own model result
-        assert forced.intact_removed == len(run.written) - 3
+        # every record after the first two (the damaged line's own, if it still decodes)
+        assert len(run.written) - 3 <= forced.readable_removed <= len(run.written) - 2
         assert (await store.read_log("r")).records == tuple(run.written[:2])
+
+
+def _crc_changed(line: bytes) -> bytes:
+    """``line`` with one hex digit of its checksum changed: its JSON still reads."""
+    at = line.index(b'"crc":"') + len(b'"crc":"')
+    return line[:at] + (b"0" if line[at : at + 1] != b"0" else b"1") + line[at + 1 :]
+
+
+def _unreadable(line: bytes) -> bytes:
+    """``line`` with a byte in its middle made into JSON no decoder reads."""
+    middle = len(line) // 2
+    return line[:middle] + b"#" + line[middle + 1 :]
+
+
+@pytest.mark.parametrize("damage", ["checksum of the last intent", "lines swapped", "intent gone"])
+async def test_a_repair_refuses_whenever_a_call_that_ran_is_still_readable(
+    tmp_path: Path, damage: str
+):
+    # The check looked only at intact lines after the damaged one: an intent on the damaged
+    # line itself (a wrong checksum, a line out of its place), or a result proving the call
+    # ran after an unreadable intent, was cut, and the resume ran the call again.
+    from treadle import RepairRefused
+
+    path, _ = await write_run(tmp_path, steps=2)
+    lines = path.read_bytes().split(b"\n")  # 0 header, 1 started, 4 and 8 the action intents
+    if damage == "checksum of the last intent":
+        lines = [*lines[:8], _crc_changed(lines[8]), b""]
+        expected = "t (intent a2)"
+    elif damage == "lines swapped":
+        lines[4], lines[5] = lines[5], lines[4]
+        expected = "t (intent a1)"
+    else:
+        lines[4] = _unreadable(lines[4])
+        expected = "t (intent a1)"
+    path.write_bytes(b"\n".join(lines))
+    before = path.read_bytes()
+    async with open_jsonl_store(tmp_path) as store:
+        with pytest.raises(RepairRefused, match=re.escape(expected)):
+            await store.repair("r", owner="operator")
+    assert path.read_bytes() == before
 
 
 async def test_a_repair_refuses_to_empty_a_file_without_a_treadle_header(tmp_path: Path):

@@ -39,6 +39,7 @@ from treadle.stores._codec import check_schema, pack, record_from_dict, record_t
 from treadle.stores._lines import FrameError, TornSpan, check_frame, frame, scan_lines
 from treadle.types import (
     ActionIntent,
+    ActionResult,
     ApprovalDecided,
     CancelRequested,
     ControlEntry,
@@ -794,7 +795,8 @@ class Repair:
         saved: the file in ``.repairs/`` holding the removed bytes.
         note: the JSON note written beside it.
         reason: the damage found.
-        intact_removed: records of intact lines after the damaged one that the cut removed.
+        readable_removed: records the cut removed that could still be read (the damaged
+            line's own included, when it decodes).
     """
 
     path: str
@@ -803,7 +805,7 @@ class Repair:
     saved: str
     note: str
     reason: str
-    intact_removed: int = 0
+    readable_removed: int = 0
 
 
 def repair_run_file(directory: str, name: str, *, force: bool = False) -> Repair | None:
@@ -844,7 +846,7 @@ def repair_run_file(directory: str, name: str, *, force: bool = False) -> Repair
             "a treadle run log at all; the cut would empty it. Nothing was changed. Cut anyway "
             "with force (treadle repair --force)",
         )
-    lost = _intact_after(path, data, offset)
+    lost = _readable_from(path, data, offset)
     if not force:
         _refuse_losing_facts(path, lost)
     stamp = time.time_ns()
@@ -882,56 +884,59 @@ def repair_run_file(directory: str, name: str, *, force: bool = False) -> Repair
         saved=saved,
         note=note,
         reason=str(damage),
-        intact_removed=len(lost),
+        readable_removed=len(lost),
     )
 
 
-def _intact_after(path: str, data: bytes, offset: int) -> list[Record]:
-    """The records of the intact frames after the damaged line at ``offset`` (best effort).
+def _readable_from(path: str, data: bytes, offset: int) -> list[Record]:
+    """The records still readable in the lines from ``offset`` on (the damaged one included).
 
-    Lines that fail their check or do not decode are left out: only what is known to have
-    been written is counted.
+    A line flagged as damaged may be intact (a line out of its place) or readable despite a
+    wrong checksum: what it holds counts, as it may be an acknowledged intent. So the
+    checksum is not required here, only records that decode; anything else is left out.
     """
     try:
         scanned = scan_lines(data[:offset], check_frame, where=path)
         run_id, _, version = read_header(path, scanned.items[0])
     except (LogCorrupted, FrameError, IndexError, SchemaTooNew):
         return []  # the damage is in the header: nothing after it can be read as this run's
-    end = data.find(b"\n", offset)
     found: list[Record] = []
-    for line in data[end + 1 :].split(b"\n") if end >= 0 else ():
+    for line in data[offset:].split(b"\n"):
         try:
-            check_frame(line, 0)
             if version >= COMPACT_FROM:
                 items, _ = _compact_frame(path, line, 0)
                 found.extend(unpack(item, run_id) for item in items)
             else:
                 found.extend(record_from_dict(r) for r in _content(path, line, 0)["records"])
-        except (LogCorrupted, FrameError, ValueError, KeyError, TypeError):
+        except (LogCorrupted, ValueError, KeyError, TypeError):
             continue
     return found
 
 
 def _refuse_losing_facts(path: str, lost: Sequence[Record]) -> None:
-    """Raise `RepairRefused` when ``lost`` holds an action intent or a run-finished record."""
-    calls = [r for r in lost if isinstance(r, ActionIntent)]
+    """Raise `RepairRefused` when ``lost`` shows a call that may have run, or the run's end.
+
+    An action intent or an action result (the call ran) in the cut would make a resume run
+    the call again; a run-finished record, reopen the run.
+    """
+    calls = {r.intent_id: r for r in lost if isinstance(r, ActionIntent | ActionResult)}
     finished = any(isinstance(r, RunFinished) for r in lost)
     if not calls and not finished:
         return
     what = []
     if calls:
-        named = ", ".join(f"{c.tool} (intent {c.intent_id})" for c in calls[:5])
+        named = ", ".join(f"{c.tool} (intent {c.intent_id})" for c in list(calls.values())[:5])
         more = f" and {len(calls) - 5} more" if len(calls) > 5 else ""
         what.append(
-            f"{len(calls)} action intent(s) whose call may have run, which a resume would "
-            f"run again: {named}{more}"
+            f"{len(calls)} action call(s) that may have run, which a resume would run "
+            f"again: {named}{more}"
         )
     if finished:
         what.append("the run-finished record, which a resume would reopen")
     check = "Check those calls' effects first, then cut" if calls else "Cut"
     raise RepairRefused(
         where=path,
-        message=f"{path}: the cut would also remove {len(lost)} intact record(s) after the damaged "
-        f"line, among them {' and '.join(what)}. {check} anyway with force (treadle repair "
+        message=f"{path}: the cut would remove {len(lost)} readable record(s) from the damaged "
+        f"line on, among them {' and '.join(what)}. {check} anyway with force (treadle repair "
         "--force)",
     )
