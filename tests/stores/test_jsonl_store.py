@@ -28,6 +28,7 @@ from treadle._exceptions import (
     InvalidRunId,
     LeaseLost,
     LogCorrupted,
+    RepairRefused,
     RunLeased,
     SchemaTooNew,
     StoreError,
@@ -395,6 +396,20 @@ async def rewrite(store: JsonlStore, records: list[Record], *, seq: int) -> None
         await store.write_intent(first, seq=seq, generation=g)
 
 
+async def test_nul_bytes_that_a_newline_ends_are_damage_not_a_torn_tail(tmp_path: Path) -> None:
+    # A lost append's zeros run to the end of the file, its newline included. An
+    # acknowledged last line overwritten with NULs but its newline kept was cut as a torn
+    # tail, and the resume ran its call again.
+    path, _ = await write_run(tmp_path / "runs", steps=1)
+    original = path.read_bytes()
+    start, line = lines_of(original)[-1]
+    path.write_bytes(original[:start] + b"\0" * (len(line) - 1) + b"\n")
+    async with open_jsonl_store(tmp_path / "runs") as store:
+        with pytest.raises(LogCorrupted) as info:
+            await store.read_log("r")
+        assert info.value.offset == start and store.torn_tails() == ()
+
+
 async def test_a_tail_of_nul_bytes_is_a_torn_tail(tmp_path: Path) -> None:
     path, run = await write_run(tmp_path / "runs", steps=1)
     original = path.read_bytes()
@@ -446,7 +461,11 @@ async def test_damaged_complete_last_line_is_damage_not_a_torn_tail(tmp_path: Pa
             )
         assert target.read_bytes() == bytes(damaged)
     async with open_jsonl_store(directory) as store:
-        repair = await store.repair("r", owner="operator")
+        # the damaged line still reads: the action's result, proof that its call ran
+        with pytest.raises(RepairRefused, match=r"action call\(s\) that may have run"):
+            await store.repair("r", owner="operator")
+        assert target.read_bytes() == bytes(damaged)
+        repair = await store.repair("r", owner="operator", force=True)
         assert repair is not None
         assert (repair.path, repair.offset, repair.removed) == (str(target), start, len(line))
         assert await trio.Path(repair.saved).read_bytes() == bytes(damaged[start:])
@@ -461,14 +480,14 @@ async def test_damaged_complete_last_line_is_damage_not_a_torn_tail(tmp_path: Pa
         assert await store.list_runs() == ("r",)  # .repairs/ holds no run
     async with open_jsonl_store(directory) as store:
         assert (await store.read_log("r")).records == tuple(run.written)
-        # the rewrite came from a later lease holder (each repair held the lease in between)
-        assert await store.read_generations("r") == (1,) * 4 + (4,) * 2
+        # the rewrite came from a later lease holder (each repair, the refused one too, held
+        # the lease in between)
+        assert await store.read_generations("r") == (1,) * 4 + (5,) * 2
 
 
 async def test_a_repair_refuses_to_cut_intact_action_intents_unless_forced(tmp_path: Path):
     # Damage in the middle: the cut removed every later line, intact action intents among
     # them, and the resume that followed ran those calls again (a payment paid twice).
-    from treadle import RepairRefused
 
     path, run = await write_run(tmp_path, steps=2)
     original = path.read_bytes()
@@ -510,7 +529,6 @@ async def test_a_repair_refuses_whenever_a_call_that_ran_is_still_readable(
     # The check looked only at intact lines after the damaged one: an intent on the damaged
     # line itself (a wrong checksum, a line out of its place), or a result proving the call
     # ran after an unreadable intent, was cut, and the resume ran the call again.
-    from treadle import RepairRefused
 
     path, _ = await write_run(tmp_path, steps=2)
     lines = path.read_bytes().split(b"\n")  # 0 header, 1 started, 4 and 8 the action intents
@@ -534,7 +552,6 @@ async def test_a_repair_refuses_whenever_a_call_that_ran_is_still_readable(
 async def test_a_repair_refuses_to_empty_a_file_without_a_treadle_header(tmp_path: Path):
     # Another program's .jsonl in the store's folder reads as a run damaged at its first
     # line: the cut emptied it.
-    from treadle import RepairRefused
 
     await write_run(tmp_path, steps=1)
     foreign = tmp_path / "ledger.jsonl"

@@ -140,10 +140,14 @@ def scan_lines(
 def _nul_tail(data: bytes) -> int:
     """Where the tail of NUL bytes and newlines of ``data`` begins (``len(data)``: none).
 
-    A tail counts only if it holds one NUL byte at least. ``data[pos:]`` holds nothing but NUL
+    A tail counts only if it holds one NUL byte at least and does not end with a newline (a
+    lost append's zeros run to the end of the file). ``data[pos:]`` holds nothing but NUL
     bytes and newlines exactly when ``pos`` is at or after it.
     """
-    if data.find(b"\0") < 0:
+    if data.find(b"\0") < 0 or data.endswith(b"\n"):
+        # A write that did not reach the disk leaves zeros up to the file's end, its final
+        # newline included: NUL bytes that a newline ends were never a lost append. They
+        # are a damaged line, left to its frame check.
         return len(data)
     end = len(data.rstrip(b"\0\n"))
     return end if b"\0" in data[end:] else len(data)
