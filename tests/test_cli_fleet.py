@@ -7,6 +7,7 @@ in-process through click's runner, on stores prepared in-process with ``trio.run
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -680,3 +681,34 @@ def test_worker_refuses_a_store_without_a_queue_and_a_bad_agent_spec(
         bad = invoke("worker", "--store", str(tmp_path / "runs.db"), "--agent", spec)
         assert bad.exit_code == 2 and message in bad.output, (spec, bad.output)
     assert not (tmp_path / "runs.db").exists()  # refused before any store was made
+
+
+ENTERED: list[str] = []
+
+
+@contextlib.asynccontextmanager
+async def calc_in_a_block():
+    """The calculator agent, yielded by a block the worker keeps open while it serves."""
+    ENTERED.append("entered")
+    try:
+        yield calc_agent()
+    finally:
+        ENTERED.append("left")
+
+
+async def test_a_worker_enters_an_agent_block_once_and_leaves_it_when_it_stops():
+    # `treadle worker --agent NAME=MODULE:FACTORY` took only factories returning an agent;
+    # one returning a block (the agent's model client, opened once) was refused.
+    from treadle._cli_fleet import _agent_factory, _served
+
+    ENTERED.clear()
+    name, source = _agent_factory("calc=test_cli_fleet:calc_in_a_block")
+    assert name == "calc" and ENTERED == []  # made, not yet entered
+    async with _served({name: source}, {name: "test_cli_fleet:calc_in_a_block"}) as served:
+        assert ENTERED == ["entered"]
+        first, second = served["calc"](), served["calc"]()
+        assert isinstance(first, treadle.Agent) and first is second
+    assert ENTERED == ["entered", "left"]
+    plain_name, plain = _agent_factory("calc=test_cli_fleet:calc_agent")
+    async with _served({plain_name: plain}, {plain_name: "test_cli_fleet:calc_agent"}) as served:
+        assert isinstance(served["calc"](), treadle.Agent)

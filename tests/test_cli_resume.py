@@ -105,6 +105,20 @@ async def block_failing_on_entry() -> AsyncIterator[treadle.Agent]:
 
 
 @asynccontextmanager
+async def block_failing_on_exit() -> AsyncIterator[treadle.Agent]:
+    async with trio.open_nursery():
+        yield agent_from_environment()
+        raise ConnectionResetError("the model server did not stop cleanly")
+
+
+@asynccontextmanager
+async def block_failing_in_a_nursery_on_entry() -> AsyncIterator[treadle.Agent]:
+    async with trio.open_nursery():
+        raise ConnectionRefusedError("port 8000 is taken")
+    yield  # pragma: no cover
+
+
+@asynccontextmanager
 async def block_of_a_string() -> AsyncIterator[str]:
     yield "nope"
 
@@ -210,6 +224,23 @@ def test_the_agent_may_come_from_a_block_kept_open_while_it_drives(
     entries = read_ledger(tmp_path / "ledger.jsonl", run_id="r1")
     (log,) = read_logs(tmp_path, "sqlite", ["r1"])
     assert check_recovered_run(log, entries, baseline(tmp_path)) == []
+
+
+def test_a_block_failing_on_entry_or_exit_is_one_line_and_the_run_is_reported(
+    tmp_path: Path,
+) -> None:
+    path = prepare(tmp_path, "sqlite", {"r1": 9})
+    runner = CliRunner(env={LEDGER_ENV: str(tmp_path / "ledger.jsonl")})
+    spec = "test_cli_resume:block_failing_in_a_nursery_on_entry"
+    entry = runner.invoke(main, ["resume", "r1", "--store", str(path), "--agent", spec])
+    assert entry.exit_code == 1 and "Traceback" not in entry.output
+    (line,) = entry.output.strip().splitlines()
+    assert line.endswith("returned failed: port 8000 is taken")  # not "Exceptions from Trio..."
+    spec = "test_cli_resume:block_failing_on_exit"
+    done = runner.invoke(main, ["resume", "r1", "--store", str(path), "--agent", spec])
+    assert done.exit_code == 0 and "Traceback" not in done.output
+    assert done.stdout.strip() == "r1: succeeded (task_completed), 4 steps"
+    assert "leaving what" in done.stderr and "did not stop cleanly" in done.stderr
 
 
 def test_errors_of_a_run_driven_beside_a_server_are_one_line(tmp_path: Path) -> None:

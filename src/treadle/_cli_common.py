@@ -10,7 +10,7 @@ import json
 import os
 import sys
 from collections.abc import AsyncIterator, Awaitable, Callable
-from contextlib import asynccontextmanager
+from contextlib import AbstractAsyncContextManager, AsyncExitStack, asynccontextmanager
 from typing import Any, TypeVar
 
 import click
@@ -18,6 +18,7 @@ import trio
 
 from treadle._exceptions import InvalidRunId, TreadleError
 from treadle._ids import check_run_id
+from treadle.agent import Agent
 from treadle.ports import RunStore
 from treadle.stores import is_dsn, record_to_dict, redact_dsn
 from treadle.stores.jsonl import JsonlStore, open_jsonl_store
@@ -88,6 +89,59 @@ def import_spec(spec: str, *, param_hint: str) -> Any:
         raise click.BadParameter(f"cannot load {spec}: {exc}", param_hint=param_hint) from exc
 
 
+def an_agent(spec: str, made: object) -> Agent:
+    """``made``, checked to be the `treadle.Agent` that ``--agent``'s FACTORY gives.
+
+    Raises:
+        click.BadParameter: it is something else.
+    """
+    if not isinstance(made, Agent):
+        raise click.BadParameter(
+            f"{spec} gave {type(made).__name__}, not a treadle.Agent (nor an async context "
+            "manager yielding one)",
+            param_hint="--agent",
+        )
+    return made
+
+
+async def entered(stack: AsyncExitStack, block: AbstractAsyncContextManager[T], spec: str) -> T:
+    """Enter the block ``--agent``'s FACTORY returned, on ``stack``; what it yields.
+
+    Raises:
+        click.ClickException: entering it failed (its server or client could not start);
+            the message is that error's, taken out of the exception groups of one error
+            a nursery in the block wraps it in.
+    """
+    try:
+        return await stack.enter_async_context(block)
+    except Exception as exc:
+        raise click.ClickException(
+            f"--agent {spec}: entering what {spec}() returned failed: {_innermost(exc)}"
+        ) from exc
+
+
+async def left(stack: AsyncExitStack, spec: str) -> None:
+    """Leave the blocks on ``stack`` after the command's work is done (`entered`).
+
+    The work was done and is reported either way: a failure to leave is a line on
+    standard error, not the command's error.
+    """
+    try:
+        await stack.aclose()
+    except Exception as exc:
+        click.echo(
+            f"warning: --agent {spec}: leaving what {spec}() returned failed: {_innermost(exc)}",
+            err=True,
+        )
+
+
+def _innermost(error: BaseException) -> BaseException:
+    """``error``, or the one error inside nested exception groups of one error each."""
+    while isinstance(error, BaseExceptionGroup) and len(error.exceptions) == 1:
+        error = error.exceptions[0]
+    return error
+
+
 def run_async(fn: Callable[[], Awaitable[T]]) -> T:
     """Run ``fn`` under trio; a treadle error becomes a clear command-line error.
 
@@ -110,9 +164,7 @@ def run_async(fn: Callable[[], Awaitable[T]]) -> T:
 
 def _only_error(group: BaseExceptionGroup[BaseException]) -> BaseException | None:
     """The one error inside nested groups of one, when it is a treadle or click error."""
-    found: BaseException = group
-    while isinstance(found, BaseExceptionGroup) and len(found.exceptions) == 1:
-        found = found.exceptions[0]
+    found = _innermost(group)
     return found if isinstance(found, TreadleError | click.ClickException) else None
 
 

@@ -9,16 +9,20 @@ claimable again.
 
 from __future__ import annotations
 
+import functools
 import json
 import signal
 import sys
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Mapping
+from contextlib import AbstractAsyncContextManager, AsyncExitStack, asynccontextmanager
 from typing import TYPE_CHECKING
 
 import click
 import trio
 
 from treadle._cli_common import (
+    an_agent,
+    entered,
     import_spec,
     open_store,
     redact,
@@ -46,8 +50,16 @@ if TYPE_CHECKING:
     from treadle.sinks.prometheus import PrometheusOutput
 
 
-def _agent_factory(spec: str) -> tuple[str, Callable[[], Agent]]:
-    """``NAME=MODULE:FACTORY`` as ``(name, factory)``.
+AgentSource = Callable[[], Agent] | AbstractAsyncContextManager[object]
+"""What ``--agent`` names: a factory called per run, or a block entered once (`_served`)."""
+
+
+def _agent_factory(spec: str) -> tuple[str, AgentSource]:
+    """``NAME=MODULE:FACTORY`` as ``(name, factory or block)``.
+
+    A FACTORY whose call returns an async context manager (the agent's model client and
+    whatever else it needs, opened once) gives that block, entered when the worker starts
+    and left when it stops (`_served`); any other is called per run.
 
     Raises:
         click.BadParameter: the spec is malformed, or FACTORY is not an Agent or a callable.
@@ -63,18 +75,42 @@ def _agent_factory(spec: str) -> tuple[str, Callable[[], Agent]]:
         raise click.BadParameter(
             f"{target} is neither an Agent nor a factory", param_hint="--agent"
         )
-
-    def factory() -> Agent:
-        made = found()
-        if not isinstance(made, Agent):
-            raise TypeError(f"{target}() gave {type(made).__name__}, not a treadle.Agent")
-        return made
-
     try:
-        factory()
+        made = found()
     except Exception as exc:
         raise click.BadParameter(f"{target}() failed: {exc}", param_hint="--agent") from exc
+    if isinstance(made, AbstractAsyncContextManager):
+        return name, made
+    an_agent(target, made)
+
+    def factory() -> Agent:
+        each = found()
+        if not isinstance(each, Agent):
+            raise TypeError(f"{target}() gave {type(each).__name__}, not a treadle.Agent")
+        return each
+
     return name, factory
+
+
+@asynccontextmanager
+async def _served(
+    agents: Mapping[str, AgentSource], specs: Mapping[str, str]
+) -> AsyncIterator[dict[str, Callable[[], Agent]]]:
+    """The worker's agents, the blocks among them entered for as long as it serves."""
+    async with AsyncExitStack() as stack:
+        served: dict[str, Callable[[], Agent]] = {}
+        for name, source in agents.items():
+            if isinstance(source, AbstractAsyncContextManager):
+                agent = an_agent(specs[name], await entered(stack, source, specs[name]))
+                served[name] = functools.partial(_same, agent)
+            else:
+                served[name] = source
+        yield served
+
+
+def _same(agent: Agent) -> Agent:
+    """The agent a worker's block yielded, for each run (`_served`)."""
+    return agent
 
 
 @click.command("worker")
@@ -84,7 +120,8 @@ def _agent_factory(spec: str) -> tuple[str, Callable[[], Agent]]:
     "agent_specs",
     multiple=True,
     required=True,
-    help="NAME=MODULE:FACTORY: serve the agent FACTORY() builds under NAME (repeatable).",
+    help="NAME=MODULE:FACTORY: serve under NAME the agent FACTORY() builds for each run, or "
+    "the one the async context manager it returns yields (entered once) (repeatable).",
 )
 @click.option("--max-running", default=16, show_default=True, type=click.IntRange(min=1))
 @click.option(
@@ -142,6 +179,7 @@ def worker_command(
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, lambda number, frame: early.append(number))
     agents = dict(_agent_factory(spec) for spec in agent_specs)
+    specs = {spec.partition("=")[0]: spec.partition("=")[2] for spec in agent_specs}
     exporter = _prometheus() if metrics_port is not None else None
     recorder = MetricsRecorder(outputs=(exporter,)) if exporter is not None else None
     endpoint: str | None = None
@@ -156,17 +194,20 @@ def worker_command(
                     f"{redact(store_path)} has no queue (use SQLite or PostgreSQL)"
                 )
             with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
-                async with open_fleet(
-                    store,
-                    agents,
-                    max_running=max_running,
-                    lease_ttl_s=lease_ttl_s,
-                    claim_poll_s=claim_poll_s,
-                    max_takeovers=max_takeovers,
-                    backoff_s=backoff_s,
-                    drain_s=drain_s,
-                    metrics=recorder,
-                ) as fleet:
+                async with (
+                    _served(agents, specs) as served_agents,
+                    open_fleet(
+                        store,
+                        served_agents,
+                        max_running=max_running,
+                        lease_ttl_s=lease_ttl_s,
+                        claim_poll_s=claim_poll_s,
+                        max_takeovers=max_takeovers,
+                        backoff_s=backoff_s,
+                        drain_s=drain_s,
+                        metrics=recorder,
+                    ) as fleet,
+                ):
                     served = ", ".join(sorted(agents))
                     click.echo(f"worker {fleet.owner} serves {served} from {redact(store_path)}")
                     if endpoint is not None:

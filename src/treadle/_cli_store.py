@@ -20,10 +20,13 @@ from rich.table import Table
 from rich.text import Text
 
 from treadle._cli_common import (
+    an_agent,
     counted,
     describe,
+    entered,
     event_json,
     import_spec,
+    left,
     lineage_text,
     open_store,
     redact,
@@ -367,27 +370,17 @@ async def opened_agent(spec: str) -> AsyncIterator[Agent]:
     except Exception as exc:
         raise click.BadParameter(f"{spec}() failed: {exc}", param_hint="--agent") from exc
     if not isinstance(made, AbstractAsyncContextManager):
-        yield _an_agent(spec, made)
+        yield an_agent(spec, made)
         return
-    async with AsyncExitStack() as stack:
-        try:
-            entered = await stack.enter_async_context(made)
-        except Exception as exc:
-            raise click.BadParameter(
-                f"entering what {spec}() returned failed: {exc}", param_hint="--agent"
-            ) from exc
-        yield _an_agent(spec, entered)
-
-
-def _an_agent(spec: str, made: object) -> Agent:
-    """``made``, checked to be an Agent (`opened_agent`)."""
-    if not isinstance(made, Agent):
-        raise click.BadParameter(
-            f"{spec} gave {type(made).__name__}, not a treadle.Agent (nor an async context "
-            "manager yielding one)",
-            param_hint="--agent",
-        )
-    return made
+    stack = AsyncExitStack()
+    agent = an_agent(spec, await entered(stack, made, spec))
+    try:
+        yield agent
+    except BaseException as exc:  # the block sees the body's error, which is the one reported
+        if not await stack.__aexit__(type(exc), exc, exc.__traceback__):
+            raise
+        return
+    await left(stack, spec)
 
 
 async def _resume_one(
