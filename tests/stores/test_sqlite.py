@@ -837,6 +837,21 @@ async def test_open_refuses_a_file_that_is_not_a_database(tmp_path: Path) -> Non
     assert "offset" not in str(info.value)
 
 
+async def test_open_leaves_another_programs_database_as_it_was(tmp_path: Path) -> None:
+    # The refusal came after the store had switched the file to WAL mode and written its
+    # header: a reading command changed another program's database.
+    path = tmp_path / "other.db"
+    conn = sqlite3.connect(path)
+    conn.execute("CREATE TABLE t (x)")
+    conn.commit()
+    conn.close()
+    before = path.read_bytes()
+    with pytest.raises(StoreError, match=r"other\.db: not a treadle store \(it holds tables"):
+        await SqliteStore.open(path)
+    assert path.read_bytes() == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["other.db"]
+
+
 @contextlib.contextmanager
 def read_only(directory: Path) -> Iterator[None]:
     """Make ``directory`` unwritable: mode 0o500, or the immutable flag for root."""

@@ -417,6 +417,10 @@ def _configure_writer(
     clock: Callable[[], float],
     where: str,
 ) -> None:
+    try:  # before anything is changed: another program's database is left as it is
+        _layout(conn)
+    except StoreError as exc:
+        raise StoreError(f"{where}: {exc}") from None
     mode = conn.execute("PRAGMA journal_mode = WAL").fetchone()[0]
     if str(mode).lower() != "wal":
         raise StoreError(f"SQLite refused WAL mode (journal_mode is {mode!r})")
