@@ -410,6 +410,26 @@ async def test_nul_bytes_that_a_newline_ends_are_damage_not_a_torn_tail(tmp_path
         assert info.value.offset == start and store.torn_tails() == ()
 
 
+@pytest.mark.parametrize("damage", ["header of NUL bytes", "blank line after the header"])
+async def test_damage_in_the_first_lines_is_listed_not_hidden(tmp_path: Path, damage: str):
+    # The listing took a first line of NULs, or a blank second line, for a first write that
+    # never reached the disk, and left the run out (and `treadle repair` could not find it).
+    path, _ = await write_run(tmp_path, steps=1)
+    lines = path.read_bytes().split(b"\n")
+    if damage == "header of NUL bytes":
+        lines[0] = b"\0" * len(lines[0])
+    else:
+        lines.insert(1, b"")
+    path.write_bytes(b"\n".join(lines))
+    async with open_jsonl_store(tmp_path) as store:
+        (summary,) = await store.list_summaries()
+        assert summary.run_id == "r" and summary.error is not None
+        with pytest.raises(LogCorrupted):
+            await store.read_log("r")
+        with pytest.raises(RepairRefused):  # found, and nothing readable is cut silently
+            await store.repair("r", owner="operator")
+
+
 async def test_a_tail_of_nul_bytes_is_a_torn_tail(tmp_path: Path) -> None:
     path, run = await write_run(tmp_path / "runs", steps=1)
     original = path.read_bytes()

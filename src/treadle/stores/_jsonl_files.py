@@ -530,12 +530,15 @@ def _first_lines(file: Any, count: int) -> bytes:
 
 def _probe(path: str, name: str, head: bytes, tail: bytes, tail_at: int) -> Probe | None:
     complete = head.split(b"\n")[:-1]  # the lines that end with a newline
-    if not complete or not complete[0].strip(b"\0"):
+    # NUL bytes are a lost write only when they run to the file's end (`scan_lines`); a
+    # file that ends with a newline has none, and such a line is a damaged one.
+    lost = not tail.endswith(b"\n")
+    if not complete or (lost and not complete[0].strip(b"\0")):
         return None  # no header line reached the file: a first write that crashed
     run_id, created_ns, version = read_header(path, _checked(path, complete[0], 0))
     if run_file_name(run_id) != name:  # a copy, or a file renamed: reading it says the same
         raise LogCorrupted(f"the header names run {run_id!r}", where=path, offset=0)
-    if len(complete) < 2 or not complete[1].strip(b"\0"):
+    if len(complete) < 2 or (lost and not complete[1].strip(b"\0")):
         return None  # no record line reached the file (a torn first record was never written)
     first_found = _checked(path, complete[1], len(complete[0]) + 1)
     first_records, _ = _read_records(path, run_id, first_found, 1, version)
