@@ -354,3 +354,36 @@ def test_resume_all_reports_a_damaged_run_and_resumes_the_others(tmp_path: Path)
     assert "good: succeeded (task_completed), 4 steps" in result.stdout
     assert "'bad'" in result.stderr and str(bad) in result.stderr
     assert "'newer'" in result.stderr and "99" in result.stderr
+
+
+def test_ctrl_c_during_a_resume_says_the_run_is_left_resumable(tmp_path: Path) -> None:
+    # Click printed only "Aborted!".
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from treadle.testing.crashes import LATENCY_ENV
+
+    path = prepare(tmp_path, "sqlite", {"r1": 9})
+    env = {**os.environ, LEDGER_ENV: str(tmp_path / "ledger.jsonl"), LATENCY_ENV: "30"}
+    command = [sys.executable, "-m", "treadle", "resume", "r1", "--store", str(path)]
+    child = subprocess.Popen(
+        [*command, "--agent", AGENT], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE
+    )
+
+    async def driven() -> bool:
+        async with treadle.open_sqlite_store(path) as store:
+            lease = await store.read_lease("r1")
+            return lease is not None and bool(lease.owner)
+
+    deadline = time.monotonic() + 60
+    while not trio.run(driven):  # the child holds the run's lease: it is driving it
+        assert child.poll() is None and time.monotonic() < deadline, child.communicate()
+        time.sleep(0.1)
+    child.send_signal(signal.SIGINT)
+    out, err = child.communicate(timeout=60)
+    assert child.returncode == 130, (out, err)
+    assert b"interrupted: r1 is left unfinished and resumable" in err
+    assert b"Traceback" not in err

@@ -321,14 +321,27 @@ def resume(
     if (run_id is None) == (not resume_all):
         raise click.UsageError("give a RUN_ID or --all (not both)")
     import_spec(agent_spec, param_hint="--agent")  # a wrong name is refused before anything
-    if resume_all:
-        if accept_change:
-            raise click.UsageError("--accept-changed-definition takes one RUN_ID, not --all")
-        logs, errors = run_async(lambda: _resume_all(store_path, agent_spec, max_concurrent, wait))
-    else:
-        assert run_id is not None
-        logs = [run_async(lambda: _resume_one(store_path, agent_spec, run_id, wait, accept_change))]
-        errors = []
+    if resume_all and accept_change:
+        raise click.UsageError("--accept-changed-definition takes one RUN_ID, not --all")
+    try:
+        if resume_all:
+            logs, errors = run_async(
+                lambda: _resume_all(store_path, agent_spec, max_concurrent, wait)
+            )
+        else:
+            assert run_id is not None
+            logs = [
+                run_async(lambda: _resume_one(store_path, agent_spec, run_id, wait, accept_change))
+            ]
+            errors = []
+    except KeyboardInterrupt:
+        which = run_id if run_id is not None else "what was being resumed"
+        click.echo(
+            f"interrupted: {which} is left unfinished and resumable; nothing it finished is "
+            "repeated when it is resumed again",
+            err=True,
+        )
+        raise SystemExit(130) from None
     for log in logs:
         ended = _ending(log)
         if as_json:
