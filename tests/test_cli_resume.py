@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
+from collections.abc import AsyncIterator, Callable
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from pathlib import Path
 from typing import Any
 
@@ -81,21 +81,20 @@ async def agent_in_a_block() -> AsyncIterator[treadle.Agent]:
 
 
 @asynccontextmanager
-async def other_agent_beside_a_server() -> AsyncIterator[treadle.Agent]:
-    """`other_agent` from a block that runs a task beside it, as a model server's would."""
+async def _beside_a_server(make: Callable[[], treadle.Agent]) -> AsyncIterator[treadle.Agent]:
+    """``make()`` from a block that runs a task beside it, as a model server's would."""
     async with trio.open_nursery() as nursery:
         nursery.start_soon(trio.sleep_forever)
-        yield other_agent()
+        yield make()
         nursery.cancel_scope.cancel()
 
 
-@asynccontextmanager
-async def agent_beside_a_server() -> AsyncIterator[treadle.Agent]:
-    """The scenario's agent from a block that runs a task beside it."""
-    async with trio.open_nursery() as nursery:
-        nursery.start_soon(trio.sleep_forever)
-        yield agent_from_environment()
-        nursery.cancel_scope.cancel()
+def other_agent_beside_a_server() -> AbstractAsyncContextManager[treadle.Agent]:
+    return _beside_a_server(other_agent)
+
+
+def agent_beside_a_server() -> AbstractAsyncContextManager[treadle.Agent]:
+    return _beside_a_server(agent_from_environment)
 
 
 @asynccontextmanager

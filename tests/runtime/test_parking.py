@@ -56,16 +56,12 @@ def count_tasks() -> int:
     return walk(trio.lowlevel.current_root_task())
 
 
+PARKING = {"approval_policy": only_add, "park_after_s": PARK_AFTER_S}
+"""What `opened` passes: ``add`` waits for approval, and the run parks after a while."""
+
+
 def opened(agent, store, **kwargs):
-    return open_run(
-        agent,
-        "x",
-        store=store,
-        run_id="r",
-        approval_policy=only_add,
-        park_after_s=PARK_AFTER_S,
-        **kwargs,
-    )
+    return open_run(agent, "x", store=store, run_id="r", **PARKING, **kwargs)
 
 
 async def parked(handle) -> None:
@@ -752,16 +748,7 @@ async def test_a_parked_run_keeps_no_log_in_memory(autojump_clock, entry):
         else:
 
             async def driven() -> None:
-                results.append(
-                    await run(
-                        agent,
-                        "x",
-                        store=store,
-                        run_id="r",
-                        approval_policy=only_add,
-                        park_after_s=PARK_AFTER_S,
-                    )
-                )
+                results.append(await run(agent, "x", store=store, run_id="r", **PARKING))
 
         nursery.start_soon(driven)
         await trio.sleep(PARK_AFTER_S + 10)  # parked: waiting past park_after_s
