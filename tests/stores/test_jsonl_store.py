@@ -569,6 +569,39 @@ async def test_a_repair_refuses_whenever_a_call_that_ran_is_still_readable(
     assert path.read_bytes() == before
 
 
+async def test_a_repair_refuses_to_cut_an_unreadable_line_where_an_intent_would_be(
+    tmp_path: Path,
+):
+    # An unreadable line right after a model reply whose call has no intent yet: it may be
+    # that call's acknowledged intent, and the resume after the cut ran the call again.
+    import treadle
+    from treadle.testing import ScriptedModel, call, say
+
+    @treadle.tool
+    async def pay(amount: int) -> str:
+        """Pay."""
+        return "paid"
+
+    agent = treadle.Agent(
+        model=ScriptedModel(turns=[call("pay", amount=5), say("done")]),
+        executor=treadle.Toolbox([pay]),
+        parser=treadle.NativeToolCallParser(),
+    )
+    async with open_jsonl_store(tmp_path) as store:
+        await treadle.run(agent, "pay 5", store=store, run_id="r")
+        records = (await store.read_log("r")).records
+        path = trio.Path(store.run_file("r"))
+    seq = next(i for i, r in enumerate(records, start=1) if isinstance(r, ActionIntent))
+    lines = (await path.read_bytes()).split(b"\n")
+    (at,) = [i for i, line in enumerate(lines) if line.startswith(b'{"seq":%d,' % seq)]
+    lines = [*lines[:at], b"\0" * len(lines[at]), b""]  # the intent's line overwritten
+    await path.write_bytes(b"\n".join(lines))
+    async with open_jsonl_store(tmp_path) as store:
+        with pytest.raises(RepairRefused, match=r"pay \(call .*\) have no intent before it"):
+            await store.repair("r", owner="operator")
+        assert (await store.repair("r", owner="operator", force=True)) is not None
+
+
 async def test_a_repair_refuses_to_empty_a_file_without_a_treadle_header(tmp_path: Path):
     # Another program's .jsonl in the store's folder reads as a run damaged at its first
     # line: the cut emptied it.

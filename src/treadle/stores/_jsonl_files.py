@@ -35,6 +35,7 @@ from treadle._exceptions import (
     StoreError,
     TreadleError,
 )
+from treadle._state import fold
 from treadle.stores._codec import check_schema, pack, record_from_dict, record_to_json, unpack
 from treadle.stores._lines import FrameError, TornSpan, check_frame, frame, scan_lines
 from treadle.types import (
@@ -376,6 +377,11 @@ def read_run_file(path: str) -> RunFile:
     data, identity = _read_identified(path)
     if data is None:
         return _MISSING
+    return _parsed(path, data, identity)
+
+
+def _parsed(path: str, data: bytes, identity: tuple[int, ...] | None) -> RunFile:
+    """`read_run_file` of the bytes ``data`` read from ``path`` (raises as it does)."""
     scanned = scan_lines(data, check_frame, where=path)
     if not scanned.items:
         return attrs.evolve(
@@ -852,6 +858,7 @@ def repair_run_file(directory: str, name: str, *, force: bool = False) -> Repair
     lost = _readable_from(path, data, offset)
     if not force:
         _refuse_losing_facts(path, lost)
+        _refuse_cutting_after_calls(path, data, offset)
     stamp = time.time_ns()
     repairs = os.path.join(directory, REPAIR_DIR)
     os.makedirs(repairs, exist_ok=True)
@@ -914,6 +921,33 @@ def _readable_from(path: str, data: bytes, offset: int) -> list[Record]:
         except (LogCorrupted, ValueError, KeyError, TypeError):
             continue
     return found
+
+
+def _refuse_cutting_after_calls(path: str, data: bytes, offset: int) -> None:
+    """Raise `RepairRefused` when what is kept ends on a model reply whose calls lack intents.
+
+    The next record after such a reply is the intent of one of its calls (or its approval
+    request): an unreadable line there may have held an acknowledged intent, whose call a
+    resume would run again.
+    """
+    try:
+        kept = _parsed(path, data[:offset], None).records
+    except TreadleError:
+        return  # nothing before the damage reads: the other checks decide
+    pending = fold(kept).pending
+    reply = pending.reply
+    if reply is None or len(pending.action_intents) >= len(reply.tool_calls):
+        return
+    started = {intent.call_id for intent in pending.action_intents}
+    calls = [c for c in reply.tool_calls if c.id not in started]
+    named = ", ".join(f"{c.name} (call {c.id})" for c in calls[:5])
+    raise RepairRefused(
+        where=path,
+        message=f"{path}: the damaged line follows the model reply of step {pending.step}, "
+        f"whose calls {named} have no intent before it: it may have held the intent of one, "
+        "whose call a resume would run again. Check those calls' effects first, then cut "
+        "anyway with force (treadle repair --force)",
+    )
 
 
 def _refuse_losing_facts(path: str, lost: Sequence[Record]) -> None:
