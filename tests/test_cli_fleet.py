@@ -704,11 +704,11 @@ async def test_a_worker_enters_an_agent_block_once_and_leaves_it_when_it_stops()
     ENTERED.clear()
     name, source = _agent_factory("calc=test_cli_fleet:calc_in_a_block")
     assert name == "calc" and ENTERED == []  # made, not yet entered
-    async with _served({name: source}, {name: "test_cli_fleet:calc_in_a_block"}) as served:
+    async with _served({name: source}) as served:
         assert ENTERED == ["entered"]
         first, second = served["calc"](), served["calc"]()
         assert isinstance(first, treadle.Agent) and first is second
     assert ENTERED == ["entered", "left"]
     plain_name, plain = _agent_factory("calc=test_cli_fleet:calc_agent")
-    async with _served({plain_name: plain}, {plain_name: "test_cli_fleet:calc_agent"}) as served:
+    async with _served({plain_name: plain}) as served:
         assert isinstance(served["calc"](), treadle.Agent)

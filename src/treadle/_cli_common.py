@@ -104,28 +104,64 @@ def an_agent(spec: str, made: object) -> Agent:
     return made
 
 
-async def entered(stack: AsyncExitStack, block: AbstractAsyncContextManager[T], spec: str) -> T:
-    """Enter the block ``--agent``'s FACTORY returned, on ``stack``; what it yields.
+def made_agent(
+    spec: str,
+) -> tuple[Callable[[], object], Agent | AbstractAsyncContextManager[object]]:
+    """Import ``--agent``'s ``MODULE:FACTORY`` and call FACTORY once; ``(factory, made)``.
+
+    FACTORY is a `treadle.Agent` (then ``factory`` returns it), or a function of no
+    arguments returning one, or returning an async context manager that yields one
+    (`agent_block` enters it). ``made`` is what the one call gave: the Agent, or the block,
+    not yet entered.
+
+    Raises:
+        click.BadParameter: the spec is malformed, the name cannot be found, FACTORY is not
+            callable or fails, or it gives something other than an Agent or a block.
+    """
+    found = import_spec(spec, param_hint="--agent")
+    if isinstance(found, Agent):
+        agent: Agent = found
+        return (lambda: agent), agent
+    if not callable(found):
+        raise click.BadParameter(f"{spec} is neither an Agent nor a factory", param_hint="--agent")
+    try:
+        made = found()
+    except Exception as exc:
+        raise click.BadParameter(f"{spec}() failed: {exc}", param_hint="--agent") from exc
+    if isinstance(made, AbstractAsyncContextManager):
+        return found, made
+    return found, an_agent(spec, made)
+
+
+@asynccontextmanager
+async def agent_block(
+    spec: str, block: AbstractAsyncContextManager[object]
+) -> AsyncIterator[Agent]:
+    """Enter the block ``--agent``'s FACTORY returned (`made_agent`) and yield its Agent.
+
+    An error of the command's body reaches the block as it leaves, and is the one reported;
+    a block failing to leave after the body succeeded is a warning on standard error (the
+    work was done, and is reported).
 
     Raises:
         click.ClickException: entering it failed (its server or client could not start);
             the message is that error's, taken out of the exception groups of one error
             a nursery in the block wraps it in.
+        click.BadParameter: it yielded something other than an Agent.
     """
+    stack = AsyncExitStack()
     try:
-        return await stack.enter_async_context(block)
+        entered = await stack.enter_async_context(block)
     except Exception as exc:
         raise click.ClickException(
             f"--agent {spec}: entering what {spec}() returned failed: {_innermost(exc)}"
         ) from exc
-
-
-async def left(stack: AsyncExitStack, spec: str) -> None:
-    """Leave the blocks on ``stack`` after the command's work is done (`entered`).
-
-    The work was done and is reported either way: a failure to leave is a line on
-    standard error, not the command's error.
-    """
+    try:
+        yield an_agent(spec, entered)
+    except BaseException as exc:
+        if not await stack.__aexit__(type(exc), exc, exc.__traceback__):
+            raise
+        return
     try:
         await stack.aclose()
     except Exception as exc:
@@ -151,21 +187,13 @@ def run_async(fn: Callable[[], Awaitable[T]]) -> T:
     """
     try:
         return trio.run(fn)
-    except BaseExceptionGroup as group:
-        error = _only_error(group)
-        if error is None:
-            raise
+    except (TreadleError, BaseExceptionGroup) as exc:
+        error = _innermost(exc)
         if isinstance(error, TreadleError):
             raise click.ClickException(str(error)) from error
-        raise error from group
-    except TreadleError as exc:
-        raise click.ClickException(str(exc)) from exc
-
-
-def _only_error(group: BaseExceptionGroup[BaseException]) -> BaseException | None:
-    """The one error inside nested groups of one, when it is a treadle or click error."""
-    found = _innermost(group)
-    return found if isinstance(found, TreadleError | click.ClickException) else None
+        if isinstance(error, click.ClickException):  # out of the groups a nursery made
+            raise error from exc
+        raise
 
 
 @asynccontextmanager

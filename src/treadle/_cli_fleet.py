@@ -21,9 +21,8 @@ import click
 import trio
 
 from treadle._cli_common import (
-    an_agent,
-    entered,
-    import_spec,
+    agent_block,
+    made_agent,
     open_store,
     redact,
     run_async,
@@ -50,59 +49,46 @@ if TYPE_CHECKING:
     from treadle.sinks.prometheus import PrometheusOutput
 
 
-AgentSource = Callable[[], Agent] | AbstractAsyncContextManager[object]
+AgentSource = Callable[[], Agent] | AbstractAsyncContextManager[Agent]
 """What ``--agent`` names: a factory called per run, or a block entered once (`_served`)."""
 
 
 def _agent_factory(spec: str) -> tuple[str, AgentSource]:
-    """``NAME=MODULE:FACTORY`` as ``(name, factory or block)``.
+    """``NAME=MODULE:FACTORY`` as ``(name, factory or block)`` (see `made_agent`).
 
     A FACTORY whose call returns an async context manager (the agent's model client and
-    whatever else it needs, opened once) gives that block, entered when the worker starts
-    and left when it stops (`_served`); any other is called per run.
+    whatever else it needs, opened once) gives its `agent_block`, entered when the worker
+    starts and left when it stops (`_served`); any other is called per run.
 
     Raises:
-        click.BadParameter: the spec is malformed, or FACTORY is not an Agent or a callable.
+        click.BadParameter: the spec is malformed, or as `made_agent`.
     """
     name, sep, target = spec.partition("=")
     if not sep or not name or not target:
         raise click.BadParameter(f"{spec!r} is not NAME=MODULE:FACTORY", param_hint="--agent")
-    found = import_spec(target, param_hint="--agent")
-    if isinstance(found, Agent):
-        agent: Agent = found
-        return name, lambda: agent
-    if not callable(found):
-        raise click.BadParameter(
-            f"{target} is neither an Agent nor a factory", param_hint="--agent"
-        )
-    try:
-        made = found()
-    except Exception as exc:
-        raise click.BadParameter(f"{target}() failed: {exc}", param_hint="--agent") from exc
-    if isinstance(made, AbstractAsyncContextManager):
-        return name, made
-    an_agent(target, made)
+    factory, made = made_agent(target)
+    if not isinstance(made, Agent):
+        return name, agent_block(target, made)
 
-    def factory() -> Agent:
-        each = found()
-        if not isinstance(each, Agent):
-            raise TypeError(f"{target}() gave {type(each).__name__}, not a treadle.Agent")
-        return each
+    def each() -> Agent:
+        made = factory()
+        if not isinstance(made, Agent):
+            raise TypeError(f"{target}() gave {type(made).__name__}, not a treadle.Agent")
+        return made
 
-    return name, factory
+    return name, each
 
 
 @asynccontextmanager
 async def _served(
-    agents: Mapping[str, AgentSource], specs: Mapping[str, str]
+    agents: Mapping[str, AgentSource],
 ) -> AsyncIterator[dict[str, Callable[[], Agent]]]:
     """The worker's agents, the blocks among them entered for as long as it serves."""
     async with AsyncExitStack() as stack:
         served: dict[str, Callable[[], Agent]] = {}
         for name, source in agents.items():
             if isinstance(source, AbstractAsyncContextManager):
-                agent = an_agent(specs[name], await entered(stack, source, specs[name]))
-                served[name] = functools.partial(_same, agent)
+                served[name] = functools.partial(_same, await stack.enter_async_context(source))
             else:
                 served[name] = source
         yield served
@@ -179,7 +165,6 @@ def worker_command(
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, lambda number, frame: early.append(number))
     agents = dict(_agent_factory(spec) for spec in agent_specs)
-    specs = {spec.partition("=")[0]: spec.partition("=")[2] for spec in agent_specs}
     exporter = _prometheus() if metrics_port is not None else None
     recorder = MetricsRecorder(outputs=(exporter,)) if exporter is not None else None
     endpoint: str | None = None
@@ -195,7 +180,7 @@ def worker_command(
                 )
             with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
                 async with (
-                    _served(agents, specs) as served_agents,
+                    _served(agents) as served_agents,
                     open_fleet(
                         store,
                         served_agents,

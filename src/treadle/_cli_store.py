@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import AsyncIterator, Sequence
-from contextlib import AbstractAsyncContextManager, AsyncExitStack, asynccontextmanager
+from contextlib import asynccontextmanager
 from typing import Any
 
 import click
@@ -20,14 +20,13 @@ from rich.table import Table
 from rich.text import Text
 
 from treadle._cli_common import (
-    an_agent,
+    agent_block,
     counted,
     describe,
-    entered,
     event_json,
     import_spec,
-    left,
     lineage_text,
+    made_agent,
     open_store,
     redact,
     run_async,
@@ -370,30 +369,15 @@ async def opened_agent(spec: str) -> AsyncIterator[Agent]:
     last (docs/tutorial.md, "A crash, and a resume that does not pay twice").
 
     Raises:
-        click.BadParameter: the spec is malformed, the module or name cannot be found, the
-            factory (or entering its context manager) fails, or it gives something other
-            than an Agent.
+        click.BadParameter: as `made_agent` and `agent_block`.
+        click.ClickException: entering the block failed (`agent_block`).
     """
-    found = import_spec(spec, param_hint="--agent")
-    if isinstance(found, Agent):
-        yield found
+    _, made = made_agent(spec)
+    if isinstance(made, Agent):
+        yield made
         return
-    try:
-        made = found()
-    except Exception as exc:
-        raise click.BadParameter(f"{spec}() failed: {exc}", param_hint="--agent") from exc
-    if not isinstance(made, AbstractAsyncContextManager):
-        yield an_agent(spec, made)
-        return
-    stack = AsyncExitStack()
-    agent = an_agent(spec, await entered(stack, made, spec))
-    try:
+    async with agent_block(spec, made) as agent:
         yield agent
-    except BaseException as exc:  # the block sees the body's error, which is the one reported
-        if not await stack.__aexit__(type(exc), exc, exc.__traceback__):
-            raise
-        return
-    await left(stack, spec)
 
 
 async def _resume_one(
