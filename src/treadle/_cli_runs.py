@@ -349,16 +349,16 @@ def format_event(seq: int, record: Record) -> str:
 @click.option(
     "--force",
     is_flag=True,
-    help="Cut even when intact lines after the damage hold an action intent (a resume would "
-    "run that call again) or the run's end (a resume would reopen it).",
+    help="Cut even when what it removes shows a call that may have run (a resume would run "
+    "it again), holds the run's end (a resume would reopen it), or the file has no header.",
 )
 def repair_command(run_id: str, store_path: str, force: bool) -> None:
     """Cut a damaged JSONL run log at its first damaged line, keeping what it removes.
 
     Run it knowingly: the damaged line and every line after it are removed from the log
     (saved, with a note of offset, length and SHA-256, in the store's .repairs/ directory).
-    A cut that would remove an intact action intent or the run's end is refused without
-    --force: check those calls' effects first. A torn tail left by a crash needs no
+    A cut that would remove a call that may have run, or the run's end, is refused
+    without --force: check those calls' effects first. A torn tail left by a crash needs no
     repair; the store cuts it by itself.
     """
 
@@ -366,7 +366,7 @@ def repair_command(run_id: str, store_path: str, force: bool) -> None:
         async with open_store(store_path) as store:
             if not isinstance(store, JsonlStore):
                 raise click.ClickException("repair applies to JSONL stores")
-            if run_id not in await store.list_runs():
+            if await store.read_summary(run_id) is None:  # its one file, not every run's
                 raise click.ClickException(f"no run {run_id!r} in {redact(store_path)}")
             return await store.repair(run_id, owner=lease_owner(), force=force)
 

@@ -6,8 +6,8 @@
       UsageError(TreadleError, ValueError)    our API was misused (bad argument, bad definition)
         SnapshotMismatch                      resume with a different agent definition (.keys)
         InvalidRunId                          a run id outside the allowed form (.run_id)
-        RepairRefused                         a log repair would cut acknowledged intents or
-                                              the run's end (.where); nothing was changed
+        RepairRefused                         a log repair would cut a call that may have run
+                                              or the run's end (.where); nothing was changed
       StoreError                              persistence failed; the run's state is unknown
         ConflictError                         a write's seq is not the next one (two writers)
         LogCorrupted                          a log cannot be read back (.offset)
@@ -204,9 +204,10 @@ class ConflictError(StoreError):
 class RepairRefused(UsageError):
     """A repair of a damaged log would cut acknowledged facts; nothing was changed.
 
-    The intact lines after the damage held an action intent (a call that may have run,
-    which a resume would run again) or the run-finished record (docs/crash-safety.md, "Torn
-    tails and damage"). ``treadle repair --force`` cuts anyway.
+    What the cut would remove still shows a call that may have run (a readable action
+    intent or result, or an unreadable line where the next intent would be), which a resume
+    would run again, or the run-finished record; or the file has no treadle header
+    (docs/crash-safety.md, "Torn tails and damage"). ``treadle repair --force`` cuts anyway.
 
     Attributes:
         where: the log's file.

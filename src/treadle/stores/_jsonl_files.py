@@ -753,11 +753,11 @@ def holds_a_store(directory: str) -> bool:
     for name in list_run_files(directory)[:8]:
         try:
             with open(path / name, "rb") as file:
-                first = file.readline(4096)
-        except OSError:
+                first = file.readline(4096).rstrip(b"\n")
+            read_header(name, _checked(name, first, 0))
+        except (OSError, TreadleError):
             continue
-        if f'"format":"{FORMAT}"'.encode() in first.replace(b" ", b""):
-            return True
+        return True
     return False
 
 
@@ -824,41 +824,46 @@ def repair_run_file(directory: str, name: str, *, force: bool = False) -> Repair
     (offset, length, SHA-256, the damage); the file is cut and synced. The caller must hold
     the run's lease (nobody writes meanwhile).
 
-    Intact lines after the damaged one are removed too. Among them, an action intent is an
-    acknowledged call whose tool may have run, and a run-finished record says the run
-    ended: cutting either makes a resume run the call again, or reopen a finished run. So
-    unless ``force``, such a cut is refused (docs/crash-safety.md, "Torn tails and damage").
+    The lines after the damaged one are removed too. Unless ``force``, a cut is refused
+    (docs/crash-safety.md, "Torn tails and damage") when what it removes, the damaged line
+    included, still reads as an action intent or result (a call that may have run, which a
+    resume would run again) or the run-finished record (a resume would reopen the run); when
+    the damaged line is unreadable and follows a model reply whose calls have no intent yet
+    (it may have held one); and when the first line is no treadle header (the cut would
+    empty what may be another program's file).
 
     Returns:
         What was removed, or ``None`` when the file reads without damage.
 
     Raises:
-        RepairRefused: the cut would remove an intact action intent or run-finished record,
-            or the whole file (its first line is no treadle header: it may be another
-            program's file), and ``force`` is false; nothing was changed.
+        RepairRefused: one of the cuts above, ``force`` being false; nothing was changed.
         StoreError: the file cannot be read or written.
     """
     path = os.path.join(directory, name)
+    data = read_bytes(path) or b""
     try:
-        read_run_file(path)
+        _parsed(path, data, None)
     except LogCorrupted as exc:
         damage = exc
     else:
         return None
-    data = read_bytes(path) or b""
     offset = min(damage.offset or 0, len(data))
     removed = data[offset:]
-    if offset == 0 and not force:
-        raise RepairRefused(
-            where=path,
-            message=f"{path}: its first line is no treadle header ({damage}), so it may not be "
-            "a treadle run log at all; the cut would empty it. Nothing was changed. Cut anyway "
-            "with force (treadle repair --force)",
-        )
-    lost = _readable_from(path, data, offset)
-    if not force:
-        _refuse_losing_facts(path, lost)
-        _refuse_cutting_after_calls(path, data, offset)
+    if offset == 0:
+        if not force:
+            raise RepairRefused(
+                where=path,
+                message=f"{path}: its first line is no treadle header ({damage}), so it may not "
+                "be a treadle run log at all; the cut would empty it. Nothing was changed. Cut "
+                "anyway with force (treadle repair --force)",
+            )
+        lost: list[Record] = []
+    else:
+        kept = _parsed(path, data[:offset], None)  # the lines before the first damaged one
+        lost = _readable(path, data[offset:], kept)
+        if not force:
+            _refuse_losing_facts(path, lost)
+            _refuse_cutting_after_calls(path, kept.records)
     stamp = time.time_ns()
     repairs = os.path.join(directory, REPAIR_DIR)
     os.makedirs(repairs, exist_ok=True)
@@ -898,24 +903,21 @@ def repair_run_file(directory: str, name: str, *, force: bool = False) -> Repair
     )
 
 
-def _readable_from(path: str, data: bytes, offset: int) -> list[Record]:
-    """The records still readable in the lines from ``offset`` on (the damaged one included).
+def _readable(path: str, lines: bytes, kept: RunFile) -> list[Record]:
+    """The records still readable in ``lines`` (the damaged line and those after it).
 
     A line flagged as damaged may be intact (a line out of its place) or readable despite a
     wrong checksum: what it holds counts, as it may be an acknowledged intent. So the
-    checksum is not required here, only records that decode; anything else is left out.
+    checksum is not required here, only records that decode (as the run ``kept``'s header
+    says); anything else is left out.
     """
-    try:
-        scanned = scan_lines(data[:offset], check_frame, where=path)
-        run_id, _, version = read_header(path, scanned.items[0])
-    except (LogCorrupted, FrameError, IndexError, SchemaTooNew):
-        return []  # the damage is in the header: nothing after it can be read as this run's
+    assert kept.run_id is not None
     found: list[Record] = []
-    for line in data[offset:].split(b"\n"):
+    for line in lines.split(b"\n"):
         try:
-            if version >= COMPACT_FROM:
+            if kept.version >= COMPACT_FROM:
                 items, _ = _compact_frame(path, line, 0)
-                found.extend(unpack(item, run_id) for item in items)
+                found.extend(unpack(item, kept.run_id) for item in items)
             else:
                 found.extend(record_from_dict(r) for r in _content(path, line, 0)["records"])
         except (LogCorrupted, ValueError, KeyError, TypeError):
@@ -923,17 +925,13 @@ def _readable_from(path: str, data: bytes, offset: int) -> list[Record]:
     return found
 
 
-def _refuse_cutting_after_calls(path: str, data: bytes, offset: int) -> None:
-    """Raise `RepairRefused` when what is kept ends on a model reply whose calls lack intents.
+def _refuse_cutting_after_calls(path: str, kept: tuple[Record, ...]) -> None:
+    """Raise `RepairRefused` when ``kept`` ends on a model reply whose calls lack intents.
 
     The next record after such a reply is the intent of one of its calls (or its approval
     request): an unreadable line there may have held an acknowledged intent, whose call a
     resume would run again.
     """
-    try:
-        kept = _parsed(path, data[:offset], None).records
-    except TreadleError:
-        return  # nothing before the damage reads: the other checks decide
     pending = fold(kept).pending
     reply = pending.reply
     if reply is None or len(pending.action_intents) >= len(reply.tool_calls):

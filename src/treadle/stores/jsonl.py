@@ -443,17 +443,17 @@ class JsonlStore(EngineStore):
         Args:
             run_id: the run.
             owner: the lease owner id of the repair.
-            force: cut even when intact lines after the damage hold an action intent (a
-                call that may have run: a resume would run it again) or the run-finished
-                record (a resume would reopen the run); refused otherwise.
+            force: cut even what a repair refuses to cut: a call that may have
+                run (a resume would run it again), the run-finished record (a resume would
+                reopen the run), or a file without a treadle header.
 
         Returns:
             What was removed, or ``None`` when the file reads without damage.
 
         Raises:
             RunLeased: another driver holds the run's lease.
-            RepairRefused: the cut would remove such a record, and ``force`` is false
-                (nothing was changed; docs/crash-safety.md, "Torn tails and damage").
+            RepairRefused: such a cut, ``force`` being false (nothing was changed;
+                docs/crash-safety.md, "Torn tails and damage").
             StoreError: the file cannot be repaired.
         """
         lease = await self.acquire_lease(run_id, owner=owner, ttl_s=_leases.LEASE_TTL_S)
