@@ -759,3 +759,13 @@ async def test_a_parked_run_keeps_no_log_in_memory(autojump_clock, entry):
         await decide(store, "r", call_id="c1")
     assert results[0].stop_reason is StopReason.FINAL_ANSWER
     assert [a.arguments for a in tools.executed] == [{"a": 1, "b": 2}]
+
+
+async def test_the_block_of_open_run_is_entered_once(autojump_clock):
+    agent, _ = make([say("done")])
+    block = opened(agent, MemoryStore())
+    async with block as handle:
+        await handle.wait()
+    with pytest.raises(UsageError, match="can be entered only once"):
+        async with block:
+            pass

@@ -430,6 +430,19 @@ async def test_damage_in_the_first_lines_is_listed_not_hidden(tmp_path: Path, da
             await store.repair("r", owner="operator")
 
 
+async def test_is_store_knows_a_store_by_its_folders_or_a_run_file_header(tmp_path: Path):
+    await write_run(tmp_path / "runs", steps=1)
+    assert JsonlStore.is_store(tmp_path / "runs")
+    shutil.rmtree(tmp_path / "runs" / ".leases")  # as an older treadle left a store
+    shutil.rmtree(tmp_path / "runs" / ".control")
+    assert JsonlStore.is_store(tmp_path / "runs")  # by its run file's header
+    other = tmp_path / "project"
+    other.mkdir()
+    (other / "ledger.jsonl").write_text('{"format": "treadle.jsonl"}\n')  # no header frame
+    assert not JsonlStore.is_store(other)
+    assert not JsonlStore.is_store(tmp_path / "empty-folder-that-is-missing")
+
+
 async def test_a_tail_of_nul_bytes_is_a_torn_tail(tmp_path: Path) -> None:
     path, run = await write_run(tmp_path / "runs", steps=1)
     original = path.read_bytes()

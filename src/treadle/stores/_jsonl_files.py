@@ -748,6 +748,8 @@ def holds_a_store(directory: str) -> bool:
     sub-directories in it and listing its own files as damaged runs.
     """
     path = Path(directory)
+    if not path.is_dir():
+        return False
     if (path / LEASE_DIR).is_dir() or (path / CONTROL_DIR).is_dir():
         return True
     for name in list_run_files(directory)[:8]:
