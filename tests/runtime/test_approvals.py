@@ -292,9 +292,11 @@ async def main():
         async with open_run(
             agent, run_input, store=store, run_id="r", control_poll_s=0.05, owner="driver"
         ) as h:
-            while h.state is not treadle.RunState.AWAITING_APPROVAL and h.result is None:
-                await trio.sleep(0.01)
-            print(h.state.value, flush=True)
+            # The request is durable once its event is delivered (RunHandle.wait_state).
+            async for event in h.events():
+                if event.kind.value in ("approval_requested", "run_finished"):
+                    break
+            print((await h.wait_state(treadle.RunState.AWAITING_APPROVAL)).value, flush=True)
             result = await h.wait()
     print(json.dumps({"state": result.state.value, "answer": result.final_answer}), flush=True)
 

@@ -10,6 +10,7 @@ elsewhere) nor in a run error that hides the interrupt.
 from __future__ import annotations
 
 import collections
+import concurrent.futures
 import os
 import random
 import signal
@@ -50,6 +51,7 @@ def interrupt(where: str, runs: int, steps: int, effects: Path, delay_s: float) 
         out, err = child.communicate(timeout=60)
     finally:
         child.kill()
+        child.communicate()  # reaped, its pipes closed, whatever failed above
     assert "done" not in out, "the runs finished before the interrupt: make them longer"
     assert child.returncode != 0
     return err
@@ -62,6 +64,27 @@ def test_ctrl_c_while_many_runs_go_ends_in_keyboard_interrupt(tmp_path: Path) ->
         assert "KeyboardInterrupt" in err, err[-3000:]
         for wrong in ("TrioInternalError", "RunInterrupted", "BrokenResourceError"):
             assert wrong not in err, err[-3000:]
+
+
+def interrupt_at_task_start(nth: int, effects: Path) -> subprocess.CompletedProcess[str]:
+    """Run 5 runs of 30 steps; SIGINT lands inside trio's nth task-start call."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
+    args = [sys.executable, str(DRIVER), "memory", "5", "30", str(effects), str(nth)]
+    return subprocess.run(args, capture_output=True, text=True, env=env, timeout=30)
+
+
+def test_ctrl_c_inside_trio_task_start_ends_in_keyboard_interrupt(tmp_path: Path) -> None:
+    """trio's `start`, `start_soon` and `started` are not protected from Ctrl-C: an interrupt
+    raised inside ``started()`` left a ``start()`` waiting for ever, and the process went on
+    driving its other runs (treadle makes these calls from protected frames; src/treadle/_tasks.py).
+    Each moment from the 20th to the 59th such call, as the runs and their actors start."""
+    moments = range(20, 60)
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        ended = list(pool.map(lambda n: interrupt_at_task_start(n, tmp_path / f"e{n}"), moments))
+    for nth, child in zip(moments, ended, strict=True):
+        assert child.returncode != 0 and "done" not in child.stdout, (nth, child.stdout)
+        assert "KeyboardInterrupt" in child.stderr, (nth, child.stderr[-3000:])
+        assert "TrioInternalError" not in child.stderr, (nth, child.stderr[-3000:])
 
 
 async def test_runs_stopped_by_ctrl_c_resume_and_run_each_call_once(

@@ -18,6 +18,7 @@ from typing import Any, TypeVar
 import attrs
 import trio
 
+from treadle import _tasks
 from treadle._budget import window_from_error
 from treadle._clock import Clock
 from treadle._exceptions import SeamViolation
@@ -209,7 +210,7 @@ class RunCoordinator:
 
         Each is applied at once, also while a step is in flight (`apply`).
         """
-        task_status.started()
+        _tasks.started(task_status)
         with inbox:
             async for message in inbox:
                 self.apply(message)

@@ -26,6 +26,7 @@ from typing import Any, Protocol
 import attrs
 import trio
 
+from treadle import _tasks
 from treadle._clock import Clock
 from treadle._exceptions import ChildPending, SeamViolation
 from treadle._text import valid_unicode
@@ -90,7 +91,7 @@ class ToolExecutor:
         task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
     ) -> None:
         """Serve `RunActions` requests, one step at a time, until ``inbox`` ends."""
-        task_status.started()
+        _tasks.started(task_status)
         async with inbox:
             async for message in inbox:
                 reply(message.reply_to, await self.run_actions(message))
@@ -145,7 +146,8 @@ class ToolExecutor:
                     for index, action in runnable:
                         replay = action.intent_id in existing
                         began.add(index)
-                        nursery.start_soon(
+                        _tasks.start_soon(
+                            nursery,
                             self._perform,
                             index,
                             action,

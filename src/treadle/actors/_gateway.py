@@ -26,6 +26,7 @@ from collections.abc import Callable
 import attrs
 import trio
 
+from treadle import _tasks
 from treadle._clock import Clock
 from treadle._exceptions import ModelCallError, SeamViolation
 from treadle._text import repaired
@@ -106,7 +107,7 @@ class ModelGateway:
         """Serve `CallModel` requests, one at a time, until ``inbox`` ends."""
         async with trio.open_nursery() as nursery:
             self._nursery = nursery
-            task_status.started()
+            _tasks.started(task_status)
             async with inbox:
                 async for message in inbox:
                     reply(message.reply_to, await self.call(message))
@@ -125,7 +126,7 @@ class ModelGateway:
     def _offer(self, channel: str, text: str) -> None:
         if not self._flushing and self._nursery is not None:
             self._flushing = True
-            self._nursery.start_soon(self._coalescer.flush_late)
+            _tasks.start_soon(self._nursery, self._coalescer.flush_late)
         self._coalescer.offer(channel, text)
 
     async def call(self, message: CallModel) -> ModelOutcome:

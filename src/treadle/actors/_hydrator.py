@@ -28,6 +28,7 @@ from collections.abc import Mapping, Sequence
 import attrs
 import trio
 
+from treadle import _tasks
 from treadle._budget import (
     CHARS_PER_TOKEN,
     DEFAULT_SUMMARY_PROMPT,
@@ -154,7 +155,7 @@ class ContextHydrator:
             StoreError: as `inherit`; the run stops unfinished and resumable.
         """
         await self.inherit()
-        task_status.started()
+        _tasks.started(task_status)
         async with inbox:
             async for message in inbox:
                 reply(message.reply_to, self.answer(message))

@@ -13,6 +13,7 @@ from collections.abc import Awaitable, Callable, Iterable, Iterator, Sequence
 import attrs
 import trio
 
+from treadle import _tasks
 from treadle._exceptions import StoreError
 from treadle.actors._mailbox import MailboxReceiver, MailboxSender
 from treadle.actors._messages import (
@@ -132,8 +133,8 @@ class SinkFeed:
             for index, sink in enumerate(self.sinks):
                 send, recv = trio.open_memory_channel[Event](SINK_BUFFER)
                 self._inboxes.append(send)
-                nursery.start_soon(self._pump, index, sink, recv)
-            task_status.started()
+                _tasks.start_soon(nursery, self._pump, index, sink, recv)
+            _tasks.started(task_status)
             try:
                 await self._closed.wait()
             finally:
@@ -260,9 +261,9 @@ class EventWriter:
         feed = self._feed
         async with trio.open_nursery() as nursery:
             if self._own_feed and feed.sinks:  # no task for a feed with nothing to feed
-                await nursery.start(feed.run)
+                await _tasks.start(nursery, feed.run)
             feed.on_warning = self._warn
-            task_status.started()
+            _tasks.started(task_status)
             try:
                 # `with`, not `async with`: closing must not checkpoint, or a cancellation
                 # arriving there would replace a store error on its way out.

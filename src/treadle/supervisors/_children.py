@@ -33,6 +33,7 @@ from typing import Final
 import attrs
 import trio
 
+from treadle import _tasks
 from treadle._clock import SystemClock
 from treadle._exceptions import (
     ChildPending,
@@ -326,7 +327,7 @@ async def _linked(
     ctx: ToolContext,
 ) -> RunResult:
     async with trio.open_nursery() as nursery:
-        nursery.start_soon(link.watch)
+        _tasks.start_soon(nursery, link.watch)
         # Shielded: a cancel of this call reaches the child as a cancel (`_Link.watch`), not
         # as a cut of its actors, so the child writes its cancel and finishes.
         try:
@@ -342,7 +343,7 @@ async def _linked(
                     await link.attach(handle)
                     async with trio.open_nursery() as inner:
                         if ctx.forward_event is not None:
-                            inner.start_soon(_forward, handle, ctx.forward_event)
+                            _tasks.start_soon(inner, _forward, handle, ctx.forward_event)
                         result = await handle.wait()
         finally:
             link.done = True  # the watcher's cancellation from here on is ours, not a cancel

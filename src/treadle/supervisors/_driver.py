@@ -24,6 +24,7 @@ from typing import Any, Final
 import attrs
 import trio
 
+from treadle import _tasks
 from treadle._clock import Clock
 from treadle._exceptions import (
     LeaseError,
@@ -175,7 +176,9 @@ async def drive_run(
         return
     try:
         async with trio.open_nursery() as nursery:
-            await nursery.start(_supervise, agent, input, log, store, sinks, options, handle, hold)
+            await _tasks.start(
+                nursery, _supervise, agent, input, log, store, sinks, options, handle, hold
+            )
             del log
             yield handle
     except BaseExceptionGroup as group:
@@ -299,7 +302,7 @@ async def _keeping(
         try:
             if sinks:
                 feed = SinkFeed(sinks=sinks, reflected=handle._reflected)
-                await nursery.start(feed.run)
+                await _tasks.start(nursery, feed.run)
             yield nursery, feed
         finally:
             stop()
@@ -461,7 +464,7 @@ async def _drive(
             )
         )
         client = WriterClient(writer_send)
-        await nursery.start(writer.run, writer_recv)
+        await _tasks.start(nursery, writer.run, writer_recv)
         await _open_log(client, view, started, accepted)
         context = ActorContext(
             run_id=log.run_id,
@@ -506,8 +509,8 @@ async def _drive(
         control = _control_inbox(store, log.run_id, control_send, options)
         if control is not None:
             await control.poll(fresh=True)  # a cancel or decision written while no one drove it
-        await nursery.start(coordinator.serve_control, control_recv)
-        task_status.started()
+        await _tasks.start(nursery, coordinator.serve_control, control_recv)
+        _tasks.started(task_status)
         stop_polling = (
             control.index.subscribe(control, nursery)
             if control is not None and control.index is not None
@@ -638,7 +641,7 @@ def _index(store: ControlStream, options: DriveOptions) -> ControlIndex | None:
 def task_status_started_safely(task_status: trio.TaskStatus[None]) -> None:
     """Report start even when the run failed while starting (so `open_run` can yield)."""
     try:
-        task_status.started()
+        _tasks.started(task_status)
     except RuntimeError:  # already started
         pass
 
@@ -783,9 +786,9 @@ async def _start_actors(
     hydrator = actors.hydrator(context)
     gateway = actors.gateway(context)
     executor = actors.executor(context)
-    await nursery.start(hydrator.run, hydrator_recv)
-    await nursery.start(gateway.run, gateway_recv)
-    await nursery.start(executor.run, executor_recv)
+    await _tasks.start(nursery, hydrator.run, hydrator_recv)
+    await _tasks.start(nursery, gateway.run, gateway_recv)
+    await _tasks.start(nursery, executor.run, executor_recv)
     return actors.coordinator(
         CoordinatorContext(
             actor=context,

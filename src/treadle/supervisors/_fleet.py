@@ -27,6 +27,7 @@ from typing import Any, Final
 import attrs
 import trio
 
+from treadle import _tasks
 from treadle._clock import Clock, SystemClock
 from treadle._exceptions import ChildPending, LeaseError, UsageError
 from treadle._ids import check_run_id, new_run_id
@@ -191,8 +192,8 @@ class Fleet:
             if free > 0:
                 for made in await self._claim(free):
                     self._driving.add(made.lease.run_id)
-                    self._nursery.start_soon(
-                        self._drive, made, name=f"treadle run {made.lease.run_id}"
+                    _tasks.start_soon(
+                        self._nursery, self._drive, made, name=f"treadle run {made.lease.run_id}"
                     )
             if self._metrics is not None:
                 self._metrics.running(len(self._driving))
@@ -492,7 +493,7 @@ async def open_fleet(
     if metrics is not None:
         metrics.watch(store)
     async with trio.open_nursery() as outer:
-        await outer.start(keeper.run)
+        await _tasks.start(outer, keeper.run)
         async with trio.open_nursery() as runs:
             fleet = Fleet(
                 owner=owner or lease_owner(),
@@ -511,9 +512,9 @@ async def open_fleet(
                 child_recheck_s=child_recheck_s,
                 metrics=metrics,
             )
-            runs.start_soon(fleet._claim_loop, name="treadle fleet claims")
+            _tasks.start_soon(runs, fleet._claim_loop, name="treadle fleet claims")
             if metrics is not None:
-                outer.start_soon(fleet._gauge_store, metrics, metrics_refresh_s)
+                _tasks.start_soon(outer, fleet._gauge_store, metrics, metrics_refresh_s)
             try:
                 yield fleet
             finally:

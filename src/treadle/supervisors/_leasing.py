@@ -23,6 +23,7 @@ from typing import Final
 import attrs
 import trio
 
+from treadle import _tasks
 from treadle._exceptions import LeaseLost
 from treadle.ports import LeaseStore, RunStore
 from treadle.supervisors._relay import Relay
@@ -194,7 +195,7 @@ class LeaseKeeper:
         interval; the run's own writes report the outage, and fencing keeps a driver whose
         lease expired meanwhile from writing after a takeover.
         """
-        task_status.started()
+        _tasks.started(task_status)
         while True:
             await trio.sleep_until(self._renewed_at + self.ttl_s / 3)
             started = trio.current_time()

@@ -14,6 +14,7 @@ from collections.abc import Callable, Sequence
 
 import trio
 
+from treadle import _tasks
 from treadle._clock import Clock
 from treadle._exceptions import RunLeased, StoreError, UsageError
 from treadle._trio_only import require_trio
@@ -89,7 +90,7 @@ async def resume_unfinished(
 
     async with trio.open_nursery() as nursery:
         for run_id, seed in zip(run_ids, seeds, strict=True):
-            nursery.start_soon(resume_one, run_id, seed)
+            _tasks.start_soon(nursery, resume_one, run_id, seed)
     if errors:
         raise ExceptionGroup(f"{len(errors)} of the unfinished runs could not be resumed", errors)
     return [results[run_id] for run_id in run_ids if run_id in results]

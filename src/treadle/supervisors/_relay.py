@@ -17,6 +17,8 @@ from collections.abc import Awaitable, Callable
 import attrs
 import trio
 
+from treadle import _tasks
+
 
 @attrs.define(eq=False)
 class Relay:
@@ -73,7 +75,7 @@ class Relay:
             return
         scope = trio.CancelScope()
         self._host, self._scope = key, scope
-        self._members[key].start_soon(self._hosted, key, scope, name=self.job)
+        _tasks.start_soon(self._members[key], self._hosted, key, scope, name=self.job)
 
     async def _hosted(self, key: int, scope: trio.CancelScope) -> None:
         failed = True

@@ -13,6 +13,7 @@ import attrs
 import trio
 import trio.testing
 
+from treadle import _tasks
 from treadle.actors import MailboxReceiver, StepScope, open_mailbox
 from treadle.approvals import Decision
 from treadle.stores import LEASE_TTL_S
@@ -202,8 +203,8 @@ class DelayedActor(Generic[Q]):
         # 1: the inner actor takes one request at a time, like the coordinator's inboxes.
         send, recv = open_mailbox[Q](1)
         async with trio.open_nursery() as nursery:
-            await nursery.start(self.inner.run, recv)
-            task_status.started()
+            await _tasks.start(nursery, self.inner.run, recv)
+            _tasks.started(task_status)
             async with inbox, send:
                 async for message in inbox:
                     await self._delay(message)
