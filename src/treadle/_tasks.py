@@ -1,19 +1,25 @@
-"""Starting trio tasks so that a Ctrl-C cannot strand them (docs/crash-safety.md, item 8).
+"""Starting treadle's tasks so that a Ctrl-C cannot tear them (docs/crash-safety.md, item 8).
 
-trio (0.35) moves a task between its bookkeeping sets in plain Python inside
-`trio.Nursery.start_soon`, `trio.Nursery.start` and `trio.TaskStatus.started`, and does not
-protect those calls from `KeyboardInterrupt` as it protects its channels, events and cancel
-scopes. A SIGINT that lands halfway through one of them, in a task that is not protected,
-raises there and leaves the bookkeeping half done. Seen with 60 runs starting at once: the
-interrupt struck inside ``started()`` after the new actor had moved to its nursery but before
-the temporary nursery of ``start()`` was told it had no children left, so ``start()`` never
-returned, the run's nursery never ended, the interrupt sat in it unseen, and the process went
-on driving its other runs as if no Ctrl-C had come.
+trio delivers a SIGINT by raising `KeyboardInterrupt` wherever the main thread happens to be,
+unless that code is protected (trio's own internals, its system tasks), in which case it
+delivers the interrupt to the trio run's main task at its next wait. An interrupt raised in
+the middle of bookkeeping that is not protected leaves it half done. Two such places were
+seen with 60 runs starting and stepping at once:
 
-The functions here make those calls from a protected frame. A signal that lands inside one of
-them is delivered to the trio run's main task instead (trio's rule for its own protected
-code), which ends the runs as any Ctrl-C does. Only the call itself is protected: the task it
-starts runs unprotected, as it would have.
+* inside trio's `trio.TaskStatus.started` (trio 0.35 protects neither it nor
+  `trio.Nursery.start` and `trio.Nursery.start_soon`): the new actor had moved to its nursery
+  but the temporary nursery of ``start()`` was never told it had no children left, so
+  ``start()`` never returned, the run's nursery never ended, the interrupt sat in it unseen,
+  and the process went on driving its other runs as if no Ctrl-C had come;
+* between leaving a step's bound cancel scope in treadle's own bookkeeping and leaving the
+  trio cancel scope under it, so trio found its cancel scope stack corrupted.
+
+So every task treadle starts runs protected, as trio's system tasks do, and so do the calls
+that start them: a Ctrl-C is delivered to the main task, whose nursery then cancels the
+runs, and a run stops at its next checkpoint, unfinished and resumable. What the tasks call
+(a model client, a sink, a hook) runs protected too: it is stopped by the cancellation that
+follows, not by an interrupt raised in the middle of it. Code that never reaches a
+checkpoint cannot be interrupted (a tight loop in a model client, say).
 """
 
 from __future__ import annotations
@@ -30,32 +36,45 @@ T = TypeVar("T")
 def start_soon(
     nursery: trio.Nursery, fn: Callable[..., Awaitable[object]], *args: object, name: object = None
 ) -> None:
-    """``nursery.start_soon(fn, *args, name=name)``, protected from Ctrl-C.
+    """``nursery.start_soon(fn, *args, name=name)``; the call and the task are protected.
 
     Raises:
         RuntimeError: ``nursery`` is closed (as `trio.Nursery.start_soon` raises).
     """
-    nursery.start_soon(fn, *args, name=name)
+    nursery.start_soon(protected, fn, *args, name=fn if name is None else name)
 
 
 @trio.lowlevel.enable_ki_protection
 async def start(
     nursery: trio.Nursery, fn: Callable[..., Awaitable[object]], *args: object, name: object = None
 ) -> Any:
-    """``await nursery.start(fn, *args, name=name)``, protected from Ctrl-C; what it returns.
+    """``await nursery.start(fn, *args, name=name)``, protected as `start_soon`; its value.
 
     Raises:
         RuntimeError: ``nursery`` is closed, or ``fn`` returned without reporting its start.
         BaseException: whatever ``fn`` raised before it reported its start.
     """
-    return await nursery.start(fn, *args, name=name)
+    return await nursery.start(_protected_start, fn, *args, name=fn if name is None else name)
 
 
 @trio.lowlevel.enable_ki_protection
 def started(task_status: trio.TaskStatus[T], value: T | None = None) -> None:
-    """``task_status.started(value)``, protected from Ctrl-C.
+    """``task_status.started(value)``, protected from Ctrl-C (for a task not started here).
 
     Raises:
         RuntimeError: ``task_status`` reported its start already.
     """
     task_status.started(value)  # type: ignore[arg-type]
+
+
+@trio.lowlevel.enable_ki_protection
+async def protected(fn: Callable[..., Awaitable[T]], *args: object) -> T:
+    """``await fn(*args)``, with everything it runs protected from Ctrl-C."""
+    return await fn(*args)
+
+
+@trio.lowlevel.enable_ki_protection
+async def _protected_start(
+    fn: Callable[..., Awaitable[object]], *args: object, task_status: trio.TaskStatus[Any]
+) -> object:
+    return await fn(*args, task_status=task_status)

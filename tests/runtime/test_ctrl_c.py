@@ -149,3 +149,33 @@ def _plain(model: treadle.ports.ModelClient) -> treadle.Agent:
         parser=treadle.NativeToolCallParser(),
         budgets=treadle.Budgets(max_steps=3),
     )
+
+
+class ProtectionProbe(ScriptedModel):
+    """Notes whether Ctrl-C is held off where the model gateway calls the model."""
+
+    protected: list[bool]
+
+    async def complete(
+        self,
+        request: ModelRequest,
+        *,
+        on_delta: DeltaCallback | None = None,
+        attempt: Attempt = Attempt.STANDALONE,
+    ) -> ModelReply:
+        self.protected.append(trio.lowlevel.currently_ki_protected())
+        return await super().complete(request, on_delta=on_delta, attempt=attempt)
+
+
+async def test_a_run_and_what_its_tasks_call_are_protected_from_ctrl_c() -> None:
+    """By `treadle.run` in the caller's task and by `open_run` in a task of its own, the
+    model is called with Ctrl-C held off (delivered to the main task instead), while the
+    caller's own code is not (docs/crash-safety.md, item 8)."""
+    assert not trio.lowlevel.currently_ki_protected()
+    model = ProtectionProbe(turns=[say("one")])
+    model.protected = []
+    await treadle.run(_plain(model), "hi", store=treadle.MemoryStore(), run_id="a")
+    async with treadle.open_run(_plain(model), "hi", store=treadle.MemoryStore()) as handle:
+        assert not trio.lowlevel.currently_ki_protected()
+        await handle.wait()
+    assert model.protected == [True, True]

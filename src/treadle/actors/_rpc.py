@@ -189,10 +189,14 @@ class _BoundScope:
             and trio.current_time() >= self._limit
         )
 
+    # Protected from Ctrl-C: an interrupt between the bookkeeping and the trio scope under it
+    # would leave the trio scope entered (or exited) alone, a corrupted cancel scope stack.
+    @trio.lowlevel.enable_ki_protection
     def __enter__(self) -> trio.CancelScope:
         self._owner._open.add(self._scope)
         return self._scope.__enter__()
 
+    @trio.lowlevel.enable_ki_protection
     def __exit__(self, *exc_info: object) -> bool | None:
         self._owner._open.discard(self._scope)
         return self._scope.__exit__(*exc_info)  # type: ignore[arg-type]

@@ -19,6 +19,8 @@ from collections.abc import Awaitable, Callable, Sequence
 from contextlib import AbstractAsyncContextManager
 from types import TracebackType
 
+import trio
+
 from treadle._clock import Clock, SystemClock
 from treadle._exceptions import UsageError
 from treadle._ids import check_run_id, new_run_id
@@ -185,6 +187,9 @@ class _Opening:
         self._prepare = prepare
         self._driving: AbstractAsyncContextManager[RunHandle] | None = None
 
+    # Protected from Ctrl-C, as the tasks of the run are (treadle._tasks): an interrupt between
+    # this block and `drive_run`'s would leave the run's nursery entered and never left.
+    @trio.lowlevel.enable_ki_protection
     async def __aenter__(self) -> RunHandle:
         require_trio(self._name)
         if self._prepare is None:
@@ -193,6 +198,7 @@ class _Opening:
         self._driving = await prepare()
         return await self._driving.__aenter__()
 
+    @trio.lowlevel.enable_ki_protection
     async def __aexit__(
         self,
         exc_type: type[BaseException] | None,
@@ -305,6 +311,9 @@ async def _check_chain(store: RunStore, run_id: str, lineage: Lineage) -> None:
     )
 
 
+# Protected from Ctrl-C, as the run's tasks are (treadle._tasks): it drives the run in the
+# calling task, and an interrupt arrives as a cancellation of the caller's nursery.
+@trio.lowlevel.enable_ki_protection
 async def run(
     agent: Agent,
     input: RunInput | None = None,
