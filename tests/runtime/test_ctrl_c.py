@@ -17,6 +17,7 @@ import signal
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import trio
@@ -156,15 +157,9 @@ class ProtectionProbe(ScriptedModel):
 
     protected: list[bool]
 
-    async def complete(
-        self,
-        request: ModelRequest,
-        *,
-        on_delta: DeltaCallback | None = None,
-        attempt: Attempt = Attempt.STANDALONE,
-    ) -> ModelReply:
+    async def complete(self, request: ModelRequest, **options: Any) -> ModelReply:
         self.protected.append(trio.lowlevel.currently_ki_protected())
-        return await super().complete(request, on_delta=on_delta, attempt=attempt)
+        return await super().complete(request, **options)
 
 
 async def test_a_run_and_what_its_tasks_call_are_protected_from_ctrl_c() -> None:
