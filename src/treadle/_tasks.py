@@ -69,12 +69,20 @@ def started(task_status: trio.TaskStatus[T], value: T | None = None) -> None:
 
 @trio.lowlevel.enable_ki_protection
 async def protected(fn: Callable[..., Awaitable[T]], *args: object) -> T:
-    """``await fn(*args)``, with everything it runs protected from Ctrl-C."""
-    return await fn(*args)
+    """``await fn(*args)``, with everything it runs protected from Ctrl-C.
+
+    Keeps no reference to ``args`` while ``fn`` runs (a task may drop an argument it no
+    longer needs, as a parked run drops its log: docs/performance.md, "Memory").
+    """
+    running = fn(*args)
+    del args
+    return await running
 
 
 @trio.lowlevel.enable_ki_protection
 async def _protected_start(
     fn: Callable[..., Awaitable[object]], *args: object, task_status: trio.TaskStatus[Any]
 ) -> object:
-    return await fn(*args, task_status=task_status)
+    running = fn(*args, task_status=task_status)
+    del args  # as in `protected`
+    return await running
