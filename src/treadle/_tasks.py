@@ -14,12 +14,15 @@ seen with 60 runs starting and stepping at once:
 * between leaving a step's bound cancel scope in treadle's own bookkeeping and leaving the
   trio cancel scope under it, so trio found its cancel scope stack corrupted.
 
-So every task treadle starts runs protected, as trio's system tasks do, and so do the calls
-that start them: a Ctrl-C is delivered to the main task, whose nursery then cancels the
-runs, and a run stops at its next checkpoint, unfinished and resumable. What the tasks call
-(a model client, a sink, a hook) runs protected too: it is stopped by the cancellation that
-follows, not by an interrupt raised in the middle of it. Code that never reaches a
-checkpoint cannot be interrupted (a tight loop in a model client, say).
+So treadle's own tasks run protected, as trio's system tasks do: the actors' ``run`` methods,
+the drive of a run, the lease renewal, the control reading, the fleet's claims and runs (each
+marked with `trio.lowlevel.enable_ki_protection`, which costs nothing per call), and the
+calls that start tasks (the functions here). A Ctrl-C is then delivered to the main task,
+whose nursery cancels the runs, and a run stops at its next checkpoint, unfinished and
+resumable. What those tasks call (a model client, a sink, a hook) runs protected too: it is
+stopped by the cancellation that follows, not by an interrupt raised in the middle of it.
+Code that never reaches a checkpoint cannot be interrupted (a tight loop in a model client,
+say). An actor a user supplies runs as its author wrote it.
 """
 
 from __future__ import annotations
@@ -36,53 +39,32 @@ T = TypeVar("T")
 def start_soon(
     nursery: trio.Nursery, fn: Callable[..., Awaitable[object]], *args: object, name: object = None
 ) -> None:
-    """``nursery.start_soon(fn, *args, name=name)``; the call and the task are protected.
+    """``nursery.start_soon(fn, *args, name=name)``, protected from Ctrl-C.
 
     Raises:
         RuntimeError: ``nursery`` is closed (as `trio.Nursery.start_soon` raises).
     """
-    nursery.start_soon(protected, fn, *args, name=fn if name is None else name)
+    nursery.start_soon(fn, *args, name=name)
 
 
 @trio.lowlevel.enable_ki_protection
 async def start(
     nursery: trio.Nursery, fn: Callable[..., Awaitable[object]], *args: object, name: object = None
 ) -> Any:
-    """``await nursery.start(fn, *args, name=name)``, protected as `start_soon`; its value.
+    """``await nursery.start(fn, *args, name=name)``, protected from Ctrl-C; what it returns.
 
     Raises:
         RuntimeError: ``nursery`` is closed, or ``fn`` returned without reporting its start.
         BaseException: whatever ``fn`` raised before it reported its start.
     """
-    return await nursery.start(_protected_start, fn, *args, name=fn if name is None else name)
+    return await nursery.start(fn, *args, name=name)
 
 
 @trio.lowlevel.enable_ki_protection
 def started(task_status: trio.TaskStatus[T], value: T | None = None) -> None:
-    """``task_status.started(value)``, protected from Ctrl-C (for a task not started here).
+    """``task_status.started(value)``, protected from Ctrl-C.
 
     Raises:
         RuntimeError: ``task_status`` reported its start already.
     """
     task_status.started(value)  # type: ignore[arg-type]
-
-
-@trio.lowlevel.enable_ki_protection
-async def protected(fn: Callable[..., Awaitable[T]], *args: object) -> T:
-    """``await fn(*args)``, with everything it runs protected from Ctrl-C.
-
-    Keeps no reference to ``args`` while ``fn`` runs (a task may drop an argument it no
-    longer needs, as a parked run drops its log: docs/performance.md, "Memory").
-    """
-    running = fn(*args)
-    del args
-    return await running
-
-
-@trio.lowlevel.enable_ki_protection
-async def _protected_start(
-    fn: Callable[..., Awaitable[object]], *args: object, task_status: trio.TaskStatus[Any]
-) -> object:
-    running = fn(*args, task_status=task_status)
-    del args  # as in `protected`
-    return await running

@@ -200,6 +200,7 @@ class RunCoordinator:
     _model_error: ModelErrorInfo | None = None
     _draining: bool = False
 
+    @trio.lowlevel.enable_ki_protection  # a task of treadle's: treadle._tasks
     async def serve_control(
         self,
         inbox: MailboxReceiver[Control],
@@ -265,6 +266,7 @@ class RunCoordinator:
         self._offered.append(repaired(attrs.evolve(decided, run_id=self.run_id)))
         self._offer_arrived.set()
 
+    @trio.lowlevel.enable_ki_protection  # a task of treadle's: treadle._tasks
     async def run(self, *, resumed_steps: tuple[StepRecord, ...] = ()) -> RunResult:
         """Run steps until a stop rule holds; write run-finished (a barrier) and return.
 

@@ -84,6 +84,7 @@ class ToolExecutor:
         default=attrs.Factory(lambda self: policies_of(self.executor), takes_self=True)
     )
 
+    @trio.lowlevel.enable_ki_protection  # a task of treadle's: treadle._tasks
     async def run(
         self,
         inbox: MailboxReceiver[RunActions],
@@ -310,6 +311,7 @@ class ToolExecutor:
         handed.append(intent)
         await durable.receive()
 
+    @trio.lowlevel.enable_ki_protection  # a task of treadle's: treadle._tasks
     async def _perform(
         self,
         index: int,

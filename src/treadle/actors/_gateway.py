@@ -98,6 +98,7 @@ class ModelGateway:
     _nursery: trio.Nursery | None = attrs.field(init=False, default=None)
     _flushing: bool = attrs.field(init=False, default=False)
 
+    @trio.lowlevel.enable_ki_protection  # a task of treadle's: treadle._tasks
     async def run(
         self,
         inbox: MailboxReceiver[CallModel],
@@ -370,6 +371,7 @@ class _Coalescer:
             self._parts.clear()
             self._size = 0
 
+    @trio.lowlevel.enable_ki_protection  # a task of treadle's: treadle._tasks
     async def flush_late(self) -> None:
         """Flush each coalesced delta `DELTA_FLUSH_S` after its first fragment, forever.
 

@@ -141,6 +141,7 @@ class ContextHydrator:
             return None
         return self.context_window - (self.max_output_tokens or 0) - self.margin_tokens
 
+    @trio.lowlevel.enable_ki_protection  # a task of treadle's: treadle._tasks
     async def run(
         self,
         inbox: MailboxReceiver[Hydrate],

@@ -127,6 +127,7 @@ class SinkFeed:
     _closed: trio.Event = attrs.Factory(trio.Event)
     _warned: set[tuple[int, str]] = attrs.Factory(set)
 
+    @trio.lowlevel.enable_ki_protection  # a task of treadle's: treadle._tasks
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """Pump events to the sinks until `close`; then give them `SINK_GRACE_S` to drain."""
         async with trio.open_nursery() as nursery:
@@ -175,6 +176,7 @@ class SinkFeed:
         if self.on_warning is not None:
             self.on_warning(text)
 
+    @trio.lowlevel.enable_ki_protection  # a task of treadle's: treadle._tasks
     async def _pump(
         self, index: int, sink: EventSink, events: trio.MemoryReceiveChannel[Event]
     ) -> None:
@@ -247,6 +249,7 @@ class EventWriter:
             subscriber_drops=feed.subscriber_drops,
         )
 
+    @trio.lowlevel.enable_ki_protection  # a task of treadle's: treadle._tasks
     async def run(
         self,
         inbox: MailboxReceiver[WriterRequest],

@@ -364,6 +364,7 @@ class _Link:
     cancelled: bool = False
     done: bool = False
 
+    @trio.lowlevel.enable_ki_protection  # a task of treadle's: treadle._tasks
     async def watch(self) -> None:
         """Sleep until the call is cancelled (or the child ended); then stop the child.
 
@@ -402,6 +403,7 @@ class _Link:
         handle.cancel(PARENT_STOPPED, canceller=self.canceller)
 
 
+@trio.lowlevel.enable_ki_protection  # a task of treadle's: treadle._tasks
 async def _forward(handle: RunHandle, forward: Callable[[Event], None]) -> None:
     """Hand each of the child's events to the parent's live subscribers."""
     async for event in handle.events():

@@ -203,6 +203,7 @@ async def _finished_before(log: RunLog, agent: Agent, hold: LeaseHold, handle: R
     return True
 
 
+@trio.lowlevel.enable_ki_protection  # a task of treadle's: treadle._tasks
 async def _supervise(
     agent: Agent,
     input: RunInput | None,

@@ -186,6 +186,7 @@ class Fleet:
         for handle in list(self._handles.values()):
             handle.drain()
 
+    @trio.lowlevel.enable_ki_protection  # a task of treadle's: treadle._tasks
     async def _claim_loop(self) -> None:
         while not self._draining:
             free = self._max_running - self._busy() - self._returning
@@ -274,6 +275,7 @@ class Fleet:
         self._takeovers += sum(1 for made in claims if made.takeover)
         return claims
 
+    @trio.lowlevel.enable_ki_protection  # a task of treadle's: treadle._tasks
     async def _drive(self, made: Claim) -> None:
         run_id = made.lease.run_id
         hold = LeaseHold(
@@ -327,6 +329,7 @@ class Fleet:
                 self._metrics.running(len(self._driving))
             self._wake.set()
 
+    @trio.lowlevel.enable_ki_protection  # a task of treadle's: treadle._tasks
     async def _gauge_store(self, metrics: MetricsRecorder, every_s: float) -> None:
         """Report the store's runs by liveness, from its run index, every ``every_s`` seconds."""
         if not isinstance(self._store, RunIndex):

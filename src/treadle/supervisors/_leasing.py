@@ -188,6 +188,7 @@ class LeaseKeeper:
 
         return stop
 
+    @trio.lowlevel.enable_ki_protection  # a task of treadle's: treadle._tasks
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """Renew every ``ttl_s / 3`` seconds until cancelled.
 

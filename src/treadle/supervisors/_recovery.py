@@ -75,6 +75,7 @@ async def resume_unfinished(
     errors: list[Exception] = []
     seeds = [rng.random() for _ in run_ids] if rng is not None else [None] * len(run_ids)
 
+    @trio.lowlevel.enable_ki_protection  # a task of treadle's: treadle._tasks
     async def resume_one(run_id: str, seed: float | None) -> None:
         async with limiter:
             try:

@@ -77,6 +77,7 @@ class Relay:
         self._host, self._scope = key, scope
         _tasks.start_soon(self._members[key], self._hosted, key, scope, name=self.job)
 
+    @trio.lowlevel.enable_ki_protection  # a task of treadle's: treadle._tasks
     async def _hosted(self, key: int, scope: trio.CancelScope) -> None:
         failed = True
         try:
