@@ -29,8 +29,6 @@ import attrs
 import outcome
 import trio
 
-from treadle import _tasks
-
 T = TypeVar("T")
 
 LOG = logging.getLogger("treadle.tools")
@@ -209,7 +207,7 @@ class ToolHost:
         self.stats.calls += 1
         self.stats.running += 1
         if self._nursery is not None:  # serving: straight into its nursery (no hand-off)
-            _tasks.start_soon(self._nursery, call._run, fn)
+            self._nursery.start_soon(call._run, fn)
         else:
             self._send.send_nowait((call, fn))
         return call
@@ -219,7 +217,7 @@ class ToolHost:
         async with trio.open_nursery() as nursery:
             try:
                 for call, fn in _drain(self._recv):  # handed over before it served
-                    _tasks.start_soon(nursery, call._run, fn)
+                    nursery.start_soon(call._run, fn)
                 self._nursery = nursery
                 await trio.sleep_forever()
             finally:

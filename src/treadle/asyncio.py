@@ -30,7 +30,6 @@ from typing import Any, Final, TypeVar
 import attrs
 import trio
 
-from treadle import _tasks
 from treadle._exceptions import RunLeased, TreadleError, UsageError
 from treadle._ids import check_run_id, new_run_id
 from treadle.actors import stored_events
@@ -284,7 +283,7 @@ class _Host:
         chosen = check_run_id(run_id) if run_id is not None else new_run_id()
         if chosen in self.handles:
             return chosen
-        started: str = await _tasks.start(self.nursery, self._drive, input, chosen)
+        started: str = await self.nursery.start(self._drive, input, chosen)
         return started
 
     async def _drive(
@@ -299,7 +298,7 @@ class _Host:
                 if handle.state is RunState.INTERRUPTED:  # it could not start (a mismatch)
                     await handle.wait()  # raises its error, to the caller of start
                 self.handles[run_id] = handle
-                _tasks.started(task_status, run_id)
+                task_status.started(run_id)
                 started = True
             await handle.wait()
         except Exception as exc:
@@ -532,7 +531,7 @@ async def open_runs(
                         metrics.watch(opened)
                     async with trio.open_nursery() as nursery:
                         host = _Host(agent=agent, store=opened, nursery=nursery, options=options)
-                        _tasks.started(task_status, host)
+                        task_status.started(host)
                         await stop.wait()
                         host.drain()
                         nursery.cancel_scope.deadline = trio.current_time() + drain_s
@@ -540,7 +539,7 @@ async def open_runs(
                 stopped.set()
 
         async def begin() -> _Host:
-            host: _Host = await _tasks.start(portal._nursery, serve)
+            host: _Host = await portal._nursery.start(serve)
             return host
 
         async def end() -> None:

@@ -77,7 +77,7 @@ def interrupt_at_task_start(nth: int, effects: Path) -> subprocess.CompletedProc
 def test_ctrl_c_inside_trio_task_start_ends_in_keyboard_interrupt(tmp_path: Path) -> None:
     """trio's `start`, `start_soon` and `started` are not protected from Ctrl-C: an interrupt
     raised inside ``started()`` left a ``start()`` waiting for ever, and the process went on
-    driving its other runs (treadle makes these calls from protected frames; src/treadle/_tasks.py).
+    driving its other runs (treadle makes these calls from protected frames; decision 0097).
     Each moment from the 20th to the 59th such call, as the runs and their actors start."""
     moments = range(20, 60)
     with concurrent.futures.ThreadPoolExecutor(4) as pool:

@@ -18,7 +18,6 @@ from typing import Any, TypeVar
 import attrs
 import trio
 
-from treadle import _tasks
 from treadle._budget import window_from_error
 from treadle._clock import Clock
 from treadle._exceptions import SeamViolation
@@ -200,7 +199,7 @@ class RunCoordinator:
     _model_error: ModelErrorInfo | None = None
     _draining: bool = False
 
-    @trio.lowlevel.enable_ki_protection  # a task of treadle's: treadle._tasks
+    @trio.lowlevel.enable_ki_protection  # Ctrl-C reaches the main task: decision 0097
     async def serve_control(
         self,
         inbox: MailboxReceiver[Control],
@@ -211,7 +210,7 @@ class RunCoordinator:
 
         Each is applied at once, also while a step is in flight (`apply`).
         """
-        _tasks.started(task_status)
+        task_status.started()
         with inbox:
             async for message in inbox:
                 self.apply(message)
@@ -266,7 +265,7 @@ class RunCoordinator:
         self._offered.append(repaired(attrs.evolve(decided, run_id=self.run_id)))
         self._offer_arrived.set()
 
-    @trio.lowlevel.enable_ki_protection  # a task of treadle's: treadle._tasks
+    @trio.lowlevel.enable_ki_protection  # Ctrl-C reaches the main task: decision 0097
     async def run(self, *, resumed_steps: tuple[StepRecord, ...] = ()) -> RunResult:
         """Run steps until a stop rule holds; write run-finished (a barrier) and return.
 

@@ -26,7 +26,6 @@ from typing import Any, Protocol
 import attrs
 import trio
 
-from treadle import _tasks
 from treadle._clock import Clock
 from treadle._exceptions import ChildPending, SeamViolation
 from treadle._text import valid_unicode
@@ -84,7 +83,7 @@ class ToolExecutor:
         default=attrs.Factory(lambda self: policies_of(self.executor), takes_self=True)
     )
 
-    @trio.lowlevel.enable_ki_protection  # a task of treadle's: treadle._tasks
+    @trio.lowlevel.enable_ki_protection  # Ctrl-C reaches the main task: decision 0097
     async def run(
         self,
         inbox: MailboxReceiver[RunActions],
@@ -92,7 +91,7 @@ class ToolExecutor:
         task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
     ) -> None:
         """Serve `RunActions` requests, one step at a time, until ``inbox`` ends."""
-        _tasks.started(task_status)
+        task_status.started()
         async with inbox:
             async for message in inbox:
                 reply(message.reply_to, await self.run_actions(message))
@@ -147,8 +146,7 @@ class ToolExecutor:
                     for index, action in runnable:
                         replay = action.intent_id in existing
                         began.add(index)
-                        _tasks.start_soon(
-                            nursery,
+                        nursery.start_soon(
                             self._perform,
                             index,
                             action,
@@ -311,7 +309,7 @@ class ToolExecutor:
         handed.append(intent)
         await durable.receive()
 
-    @trio.lowlevel.enable_ki_protection  # a task of treadle's: treadle._tasks
+    @trio.lowlevel.enable_ki_protection  # Ctrl-C reaches the main task: decision 0097
     async def _perform(
         self,
         index: int,

@@ -26,7 +26,6 @@ from collections.abc import Callable
 import attrs
 import trio
 
-from treadle import _tasks
 from treadle._clock import Clock
 from treadle._exceptions import ModelCallError, SeamViolation
 from treadle._text import repaired
@@ -98,7 +97,7 @@ class ModelGateway:
     _nursery: trio.Nursery | None = attrs.field(init=False, default=None)
     _flushing: bool = attrs.field(init=False, default=False)
 
-    @trio.lowlevel.enable_ki_protection  # a task of treadle's: treadle._tasks
+    @trio.lowlevel.enable_ki_protection  # Ctrl-C reaches the main task: decision 0097
     async def run(
         self,
         inbox: MailboxReceiver[CallModel],
@@ -108,7 +107,7 @@ class ModelGateway:
         """Serve `CallModel` requests, one at a time, until ``inbox`` ends."""
         async with trio.open_nursery() as nursery:
             self._nursery = nursery
-            _tasks.started(task_status)
+            task_status.started()
             async with inbox:
                 async for message in inbox:
                     reply(message.reply_to, await self.call(message))
@@ -127,7 +126,7 @@ class ModelGateway:
     def _offer(self, channel: str, text: str) -> None:
         if not self._flushing and self._nursery is not None:
             self._flushing = True
-            _tasks.start_soon(self._nursery, self._coalescer.flush_late)
+            self._nursery.start_soon(self._coalescer.flush_late)
         self._coalescer.offer(channel, text)
 
     async def call(self, message: CallModel) -> ModelOutcome:
@@ -371,7 +370,7 @@ class _Coalescer:
             self._parts.clear()
             self._size = 0
 
-    @trio.lowlevel.enable_ki_protection  # a task of treadle's: treadle._tasks
+    @trio.lowlevel.enable_ki_protection  # Ctrl-C reaches the main task: decision 0097
     async def flush_late(self) -> None:
         """Flush each coalesced delta `DELTA_FLUSH_S` after its first fragment, forever.
 

@@ -28,7 +28,6 @@ from collections.abc import Mapping, Sequence
 import attrs
 import trio
 
-from treadle import _tasks
 from treadle._budget import (
     CHARS_PER_TOKEN,
     DEFAULT_SUMMARY_PROMPT,
@@ -141,7 +140,7 @@ class ContextHydrator:
             return None
         return self.context_window - (self.max_output_tokens or 0) - self.margin_tokens
 
-    @trio.lowlevel.enable_ki_protection  # a task of treadle's: treadle._tasks
+    @trio.lowlevel.enable_ki_protection  # Ctrl-C reaches the main task: decision 0097
     async def run(
         self,
         inbox: MailboxReceiver[Hydrate],
@@ -156,7 +155,7 @@ class ContextHydrator:
             StoreError: as `inherit`; the run stops unfinished and resumable.
         """
         await self.inherit()
-        _tasks.started(task_status)
+        task_status.started()
         async with inbox:
             async for message in inbox:
                 reply(message.reply_to, self.answer(message))

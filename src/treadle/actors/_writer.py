@@ -13,7 +13,6 @@ from collections.abc import Awaitable, Callable, Iterable, Iterator, Sequence
 import attrs
 import trio
 
-from treadle import _tasks
 from treadle._exceptions import StoreError
 from treadle.actors._mailbox import MailboxReceiver, MailboxSender
 from treadle.actors._messages import (
@@ -127,15 +126,15 @@ class SinkFeed:
     _closed: trio.Event = attrs.Factory(trio.Event)
     _warned: set[tuple[int, str]] = attrs.Factory(set)
 
-    @trio.lowlevel.enable_ki_protection  # a task of treadle's: treadle._tasks
+    @trio.lowlevel.enable_ki_protection  # Ctrl-C reaches the main task: decision 0097
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """Pump events to the sinks until `close`; then give them `SINK_GRACE_S` to drain."""
         async with trio.open_nursery() as nursery:
             for index, sink in enumerate(self.sinks):
                 send, recv = trio.open_memory_channel[Event](SINK_BUFFER)
                 self._inboxes.append(send)
-                _tasks.start_soon(nursery, self._pump, index, sink, recv)
-            _tasks.started(task_status)
+                nursery.start_soon(self._pump, index, sink, recv)
+            task_status.started()
             try:
                 await self._closed.wait()
             finally:
@@ -176,7 +175,7 @@ class SinkFeed:
         if self.on_warning is not None:
             self.on_warning(text)
 
-    @trio.lowlevel.enable_ki_protection  # a task of treadle's: treadle._tasks
+    @trio.lowlevel.enable_ki_protection  # Ctrl-C reaches the main task: decision 0097
     async def _pump(
         self, index: int, sink: EventSink, events: trio.MemoryReceiveChannel[Event]
     ) -> None:
@@ -249,7 +248,7 @@ class EventWriter:
             subscriber_drops=feed.subscriber_drops,
         )
 
-    @trio.lowlevel.enable_ki_protection  # a task of treadle's: treadle._tasks
+    @trio.lowlevel.enable_ki_protection  # Ctrl-C reaches the main task: decision 0097
     async def run(
         self,
         inbox: MailboxReceiver[WriterRequest],
@@ -264,9 +263,9 @@ class EventWriter:
         feed = self._feed
         async with trio.open_nursery() as nursery:
             if self._own_feed and feed.sinks:  # no task for a feed with nothing to feed
-                await _tasks.start(nursery, feed.run)
+                await nursery.start(feed.run)
             feed.on_warning = self._warn
-            _tasks.started(task_status)
+            task_status.started()
             try:
                 # `with`, not `async with`: closing must not checkpoint, or a cancellation
                 # arriving there would replace a store error on its way out.

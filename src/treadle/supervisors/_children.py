@@ -33,7 +33,6 @@ from typing import Final
 import attrs
 import trio
 
-from treadle import _tasks
 from treadle._clock import SystemClock
 from treadle._exceptions import (
     ChildPending,
@@ -327,7 +326,7 @@ async def _linked(
     ctx: ToolContext,
 ) -> RunResult:
     async with trio.open_nursery() as nursery:
-        _tasks.start_soon(nursery, link.watch)
+        nursery.start_soon(link.watch)
         # Shielded: a cancel of this call reaches the child as a cancel (`_Link.watch`), not
         # as a cut of its actors, so the child writes its cancel and finishes.
         try:
@@ -343,7 +342,7 @@ async def _linked(
                     await link.attach(handle)
                     async with trio.open_nursery() as inner:
                         if ctx.forward_event is not None:
-                            _tasks.start_soon(inner, _forward, handle, ctx.forward_event)
+                            inner.start_soon(_forward, handle, ctx.forward_event)
                         result = await handle.wait()
         finally:
             link.done = True  # the watcher's cancellation from here on is ours, not a cancel
@@ -364,7 +363,7 @@ class _Link:
     cancelled: bool = False
     done: bool = False
 
-    @trio.lowlevel.enable_ki_protection  # a task of treadle's: treadle._tasks
+    @trio.lowlevel.enable_ki_protection  # Ctrl-C reaches the main task: decision 0097
     async def watch(self) -> None:
         """Sleep until the call is cancelled (or the child ended); then stop the child.
 
@@ -403,7 +402,7 @@ class _Link:
         handle.cancel(PARENT_STOPPED, canceller=self.canceller)
 
 
-@trio.lowlevel.enable_ki_protection  # a task of treadle's: treadle._tasks
+@trio.lowlevel.enable_ki_protection  # Ctrl-C reaches the main task: decision 0097
 async def _forward(handle: RunHandle, forward: Callable[[Event], None]) -> None:
     """Hand each of the child's events to the parent's live subscribers."""
     async for event in handle.events():

@@ -24,7 +24,6 @@ from typing import Any, Final
 import attrs
 import trio
 
-from treadle import _tasks
 from treadle._clock import Clock
 from treadle._exceptions import (
     LeaseError,
@@ -127,6 +126,7 @@ class DriveOptions:
 
 
 @asynccontextmanager
+@trio.lowlevel.enable_ki_protection  # Ctrl-C reaches the main task: decision 0097
 async def drive_run(
     agent: Agent,
     input: RunInput | None,
@@ -176,9 +176,7 @@ async def drive_run(
         return
     try:
         async with trio.open_nursery() as nursery:
-            await _tasks.start(
-                nursery, _supervise, agent, input, log, store, sinks, options, handle, hold
-            )
+            await nursery.start(_supervise, agent, input, log, store, sinks, options, handle, hold)
             del log
             yield handle
     except BaseExceptionGroup as group:
@@ -203,7 +201,7 @@ async def _finished_before(log: RunLog, agent: Agent, hold: LeaseHold, handle: R
     return True
 
 
-@trio.lowlevel.enable_ki_protection  # a task of treadle's: treadle._tasks
+@trio.lowlevel.enable_ki_protection  # Ctrl-C reaches the main task: decision 0097
 async def _supervise(
     agent: Agent,
     input: RunInput | None,
@@ -303,7 +301,7 @@ async def _keeping(
         try:
             if sinks:
                 feed = SinkFeed(sinks=sinks, reflected=handle._reflected)
-                await _tasks.start(nursery, feed.run)
+                await nursery.start(feed.run)
             yield nursery, feed
         finally:
             stop()
@@ -465,7 +463,7 @@ async def _drive(
             )
         )
         client = WriterClient(writer_send)
-        await _tasks.start(nursery, writer.run, writer_recv)
+        await nursery.start(writer.run, writer_recv)
         await _open_log(client, view, started, accepted)
         context = ActorContext(
             run_id=log.run_id,
@@ -510,8 +508,8 @@ async def _drive(
         control = _control_inbox(store, log.run_id, control_send, options)
         if control is not None:
             await control.poll(fresh=True)  # a cancel or decision written while no one drove it
-        await _tasks.start(nursery, coordinator.serve_control, control_recv)
-        _tasks.started(task_status)
+        await nursery.start(coordinator.serve_control, control_recv)
+        task_status.started()
         stop_polling = (
             control.index.subscribe(control, nursery)
             if control is not None and control.index is not None
@@ -642,7 +640,7 @@ def _index(store: ControlStream, options: DriveOptions) -> ControlIndex | None:
 def task_status_started_safely(task_status: trio.TaskStatus[None]) -> None:
     """Report start even when the run failed while starting (so `open_run` can yield)."""
     try:
-        _tasks.started(task_status)
+        task_status.started()
     except RuntimeError:  # already started
         pass
 
@@ -787,9 +785,9 @@ async def _start_actors(
     hydrator = actors.hydrator(context)
     gateway = actors.gateway(context)
     executor = actors.executor(context)
-    await _tasks.start(nursery, hydrator.run, hydrator_recv)
-    await _tasks.start(nursery, gateway.run, gateway_recv)
-    await _tasks.start(nursery, executor.run, executor_recv)
+    await nursery.start(hydrator.run, hydrator_recv)
+    await nursery.start(gateway.run, gateway_recv)
+    await nursery.start(executor.run, executor_recv)
     return actors.coordinator(
         CoordinatorContext(
             actor=context,

@@ -27,7 +27,6 @@ from typing import Any, Final
 import attrs
 import trio
 
-from treadle import _tasks
 from treadle._clock import Clock, SystemClock
 from treadle._exceptions import ChildPending, LeaseError, UsageError
 from treadle._ids import check_run_id, new_run_id
@@ -186,15 +185,15 @@ class Fleet:
         for handle in list(self._handles.values()):
             handle.drain()
 
-    @trio.lowlevel.enable_ki_protection  # a task of treadle's: treadle._tasks
+    @trio.lowlevel.enable_ki_protection  # Ctrl-C reaches the main task: decision 0097
     async def _claim_loop(self) -> None:
         while not self._draining:
             free = self._max_running - self._busy() - self._returning
             if free > 0:
                 for made in await self._claim(free):
                     self._driving.add(made.lease.run_id)
-                    _tasks.start_soon(
-                        self._nursery, self._drive, made, name=f"treadle run {made.lease.run_id}"
+                    self._nursery.start_soon(
+                        self._drive, made, name=f"treadle run {made.lease.run_id}"
                     )
             if self._metrics is not None:
                 self._metrics.running(len(self._driving))
@@ -275,7 +274,7 @@ class Fleet:
         self._takeovers += sum(1 for made in claims if made.takeover)
         return claims
 
-    @trio.lowlevel.enable_ki_protection  # a task of treadle's: treadle._tasks
+    @trio.lowlevel.enable_ki_protection  # Ctrl-C reaches the main task: decision 0097
     async def _drive(self, made: Claim) -> None:
         run_id = made.lease.run_id
         hold = LeaseHold(
@@ -329,7 +328,7 @@ class Fleet:
                 self._metrics.running(len(self._driving))
             self._wake.set()
 
-    @trio.lowlevel.enable_ki_protection  # a task of treadle's: treadle._tasks
+    @trio.lowlevel.enable_ki_protection  # Ctrl-C reaches the main task: decision 0097
     async def _gauge_store(self, metrics: MetricsRecorder, every_s: float) -> None:
         """Report the store's runs by liveness, from its run index, every ``every_s`` seconds."""
         if not isinstance(self._store, RunIndex):
@@ -402,6 +401,7 @@ async def result_within(
 
 
 @asynccontextmanager
+@trio.lowlevel.enable_ki_protection  # Ctrl-C reaches the main task: decision 0097
 async def open_fleet(
     store: RunStore,
     agents: Mapping[str, AgentFactory | Agent],
@@ -496,7 +496,7 @@ async def open_fleet(
     if metrics is not None:
         metrics.watch(store)
     async with trio.open_nursery() as outer:
-        await _tasks.start(outer, keeper.run)
+        await outer.start(keeper.run)
         async with trio.open_nursery() as runs:
             fleet = Fleet(
                 owner=owner or lease_owner(),
@@ -515,9 +515,9 @@ async def open_fleet(
                 child_recheck_s=child_recheck_s,
                 metrics=metrics,
             )
-            _tasks.start_soon(runs, fleet._claim_loop, name="treadle fleet claims")
+            runs.start_soon(fleet._claim_loop, name="treadle fleet claims")
             if metrics is not None:
-                _tasks.start_soon(outer, fleet._gauge_store, metrics, metrics_refresh_s)
+                outer.start_soon(fleet._gauge_store, metrics, metrics_refresh_s)
             try:
                 yield fleet
             finally:

@@ -23,7 +23,6 @@ from typing import Final
 import attrs
 import trio
 
-from treadle import _tasks
 from treadle._exceptions import LeaseLost
 from treadle.ports import LeaseStore, RunStore
 from treadle.supervisors._relay import Relay
@@ -188,7 +187,7 @@ class LeaseKeeper:
 
         return stop
 
-    @trio.lowlevel.enable_ki_protection  # a task of treadle's: treadle._tasks
+    @trio.lowlevel.enable_ki_protection  # Ctrl-C reaches the main task: decision 0097
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """Renew every ``ttl_s / 3`` seconds until cancelled.
 
@@ -196,7 +195,7 @@ class LeaseKeeper:
         interval; the run's own writes report the outage, and fencing keeps a driver whose
         lease expired meanwhile from writing after a takeover.
         """
-        _tasks.started(task_status)
+        task_status.started()
         while True:
             await trio.sleep_until(self._renewed_at + self.ttl_s / 3)
             started = trio.current_time()

@@ -14,7 +14,6 @@ from collections.abc import Callable, Sequence
 
 import trio
 
-from treadle import _tasks
 from treadle._clock import Clock
 from treadle._exceptions import RunLeased, StoreError, UsageError
 from treadle._trio_only import require_trio
@@ -27,6 +26,7 @@ AgentFor = Callable[[RunStarted], Agent]
 """Chooses the agent definition for a run from its stored run-started record."""
 
 
+@trio.lowlevel.enable_ki_protection  # Ctrl-C reaches the main task: decision 0097
 async def resume_unfinished(
     agent: Agent | AgentFor,
     *,
@@ -75,7 +75,7 @@ async def resume_unfinished(
     errors: list[Exception] = []
     seeds = [rng.random() for _ in run_ids] if rng is not None else [None] * len(run_ids)
 
-    @trio.lowlevel.enable_ki_protection  # a task of treadle's: treadle._tasks
+    @trio.lowlevel.enable_ki_protection  # Ctrl-C reaches the main task: decision 0097
     async def resume_one(run_id: str, seed: float | None) -> None:
         async with limiter:
             try:
@@ -91,7 +91,7 @@ async def resume_unfinished(
 
     async with trio.open_nursery() as nursery:
         for run_id, seed in zip(run_ids, seeds, strict=True):
-            _tasks.start_soon(nursery, resume_one, run_id, seed)
+            nursery.start_soon(resume_one, run_id, seed)
     if errors:
         raise ExceptionGroup(f"{len(errors)} of the unfinished runs could not be resumed", errors)
     return [results[run_id] for run_id in run_ids if run_id in results]

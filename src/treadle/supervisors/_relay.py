@@ -17,8 +17,6 @@ from collections.abc import Awaitable, Callable
 import attrs
 import trio
 
-from treadle import _tasks
-
 
 @attrs.define(eq=False)
 class Relay:
@@ -75,9 +73,9 @@ class Relay:
             return
         scope = trio.CancelScope()
         self._host, self._scope = key, scope
-        _tasks.start_soon(self._members[key], self._hosted, key, scope, name=self.job)
+        self._members[key].start_soon(self._hosted, key, scope, name=self.job)
 
-    @trio.lowlevel.enable_ki_protection  # a task of treadle's: treadle._tasks
+    @trio.lowlevel.enable_ki_protection  # Ctrl-C reaches the main task: decision 0097
     async def _hosted(self, key: int, scope: trio.CancelScope) -> None:
         failed = True
         try:

@@ -187,8 +187,8 @@ class _Opening:
         self._prepare = prepare
         self._driving: AbstractAsyncContextManager[RunHandle] | None = None
 
-    # Protected from Ctrl-C, as the tasks of the run are (treadle._tasks): an interrupt between
-    # this block and `drive_run`'s would leave the run's nursery entered and never left.
+    # Protected from Ctrl-C, as the run's tasks are (decision 0097): an interrupt between this
+    # block and `drive_run`'s would leave the run's nursery entered and never left.
     @trio.lowlevel.enable_ki_protection
     async def __aenter__(self) -> RunHandle:
         require_trio(self._name)
@@ -311,7 +311,7 @@ async def _check_chain(store: RunStore, run_id: str, lineage: Lineage) -> None:
     )
 
 
-# Protected from Ctrl-C, as the run's tasks are (treadle._tasks): it drives the run in the
+# Protected from Ctrl-C, as the run's tasks are (decision 0097): it drives the run in the
 # calling task, and an interrupt arrives as a cancellation of the caller's nursery.
 @trio.lowlevel.enable_ki_protection
 async def run(

@@ -13,7 +13,6 @@ import attrs
 import trio
 import trio.testing
 
-from treadle import _tasks
 from treadle.actors import MailboxReceiver, StepScope, open_mailbox
 from treadle.approvals import Decision
 from treadle.stores import LEASE_TTL_S
@@ -203,8 +202,8 @@ class DelayedActor(Generic[Q]):
         # 1: the inner actor takes one request at a time, like the coordinator's inboxes.
         send, recv = open_mailbox[Q](1)
         async with trio.open_nursery() as nursery:
-            await _tasks.start(nursery, self.inner.run, recv)
-            _tasks.started(task_status)
+            await nursery.start(self.inner.run, recv)
+            task_status.started()
             async with inbox, send:
                 async for message in inbox:
                     await self._delay(message)

@@ -13,7 +13,6 @@ import attrs
 import trio
 import trio.testing
 
-from treadle import _tasks
 from treadle._clock import FixedStepClock
 from treadle._exceptions import LeaseError, ModelCallError, RunInterrupted, StoreError, UsageError
 from treadle.approvals import Decision, decide
@@ -148,7 +147,7 @@ async def _simulate(seed: int, plan: FaultPlan, runs: int, scenario: Scenario) -
                 lease_clock=lease_clock,
                 thread=threads[index],
             )
-            _tasks.start_soon(nursery, driver.drive)
+            nursery.start_soon(driver.drive)
     logs = [await store.read_log(run_id) for run_id in run_ids]
     violations: list[str] = []
     for index, log in enumerate(logs):
@@ -394,7 +393,7 @@ async def _watch(handle: RunHandle, cancel_after: float | None, approver: _Appro
     """Wait for the run while the human decides and the cancel fault fires."""
     try:
         async with trio.open_nursery() as nursery:
-            _tasks.start_soon(nursery, approver.serve, handle)
+            nursery.start_soon(approver.serve, handle)
             if cancel_after is not None:
                 with trio.move_on_after(cancel_after):
                     await handle.wait()

@@ -32,7 +32,6 @@ from typing import Any, Literal
 import attrs
 import trio
 
-from treadle import _tasks
 from treadle.ports import RunStore
 from treadle.stores.jsonl import JsonlStore
 from treadle.stores.sqlite import SqliteStore
@@ -202,7 +201,7 @@ async def drive(spec: DriverSpec, *, on_ready: Callable[[], None] | None = None)
 
         async with trio.open_nursery() as nursery:
             for run_id in spec.run_ids:
-                _tasks.start_soon(nursery, one, run_id)
+                nursery.start_soon(one, run_id)
     return [results[run_id] for run_id in spec.run_ids]
 
 
