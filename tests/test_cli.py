@@ -3,6 +3,7 @@ from __future__ import annotations
 import contextlib
 import json
 import re
+import sqlite3
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -89,6 +90,37 @@ def test_reading_commands_refuse_a_folder_or_file_that_holds_no_store(tmp_path):
     refused = runner.invoke(main, ["runs", "--store", str(empty)])
     assert refused.exit_code == 1 and "the file is empty" in refused.output
     assert empty.stat().st_size == 0
+
+
+def test_an_empty_store_option_is_a_usage_error():
+    # `--store ''` (or an empty $TREADLE_STORE) ended in a FileNotFoundError traceback.
+    refused = CliRunner().invoke(main, ["runs", "--store", ""])
+    assert refused.exit_code == 2 and "is empty" in refused.output
+    assert refused.exception is None or isinstance(refused.exception, SystemExit)
+
+
+@pytest.mark.parametrize(
+    ("change", "said"),
+    [
+        ("UPDATE meta SET value = 'abc' WHERE key = 'layout'", "holds the layout 'abc'"),
+        ("UPDATE runs SET steps = 'many'", "damaged index row: invalid literal"),
+        (
+            "UPDATE runs SET lease_generation = 1, lease_owner = 'x', lease_expires = 'soon', "
+            "lease_heartbeat = 0",
+            "its lease is unreadable",
+        ),
+    ],
+)
+def test_index_columns_changed_by_hand_are_named_not_a_traceback(tmp_path, change, said):
+    db = tmp_path / "runs.db"
+    make_store(db)
+    conn = sqlite3.connect(db)
+    conn.execute(change)
+    conn.commit()
+    conn.close()
+    listed = CliRunner().invoke(main, ["runs", "--store", str(db)])
+    assert listed.exit_code == 1 and said in listed.output
+    assert not isinstance(listed.exception, ValueError | TypeError)
 
 
 def test_show_unknown_run_and_missing_store_are_clear_errors(tmp_path):

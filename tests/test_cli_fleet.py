@@ -568,6 +568,9 @@ def test_approve_of_a_run_another_driver_holds_names_it(tmp_path: Path):
     assert approved.exit_code == 0, approved.output
     assert "(call p1) of step 1" in approved.output and "reject: " in approved.output
     assert "host-c:7:cafe drives the run" in approved.output
+    # The holder may be dead: when its lease runs out, and who applies the decision then.
+    assert "If that process is gone, its lease expires in about" in approved.output
+    assert "for its next driver" in approved.output
 
 
 def test_tail_without_follow_says_nobody_drives_an_orphaned_run(tmp_path: Path):

@@ -260,6 +260,7 @@ def test_errors_of_a_run_driven_beside_a_server_are_one_line(tmp_path: Path) -> 
     )
     assert changed.exit_code == 1 and "Traceback" not in changed.output
     assert "differs from the stored parameter snapshot in: system_prompt" in changed.output
+    assert "give --accept-changed-definition" in changed.output  # the way on, named
 
     async def hold() -> None:
         async with treadle.open_sqlite_store(path) as store:

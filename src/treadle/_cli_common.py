@@ -46,12 +46,21 @@ STORE_ENV = "TREADLE_STORE"
 """The environment variable ``--store`` is read from when not given (keeps a DSN's password
 out of the process list)."""
 
+
+def _checked_store(ctx: click.Context, param: click.Parameter, value: str) -> str:
+    """A store path or DSN, refused when empty (an empty ``$TREADLE_STORE`` included)."""
+    if not value.strip():
+        raise click.BadParameter("is empty: name a SQLite file, a JSONL folder or a DSN")
+    return value
+
+
 store_option = click.option(
     "--store",
     "store_path",
     required=True,
     envvar=STORE_ENV,
     show_envvar=True,
+    callback=_checked_store,
     help="SQLite store file, JSONL store directory, or PostgreSQL DSN (postgresql://...).",
 )
 """The ``--store PATH|DSN`` option every command that reads runs takes."""

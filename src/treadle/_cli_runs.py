@@ -128,7 +128,12 @@ async def approve(
 
 def _next_for_decision(summary: RunSummary | None) -> str:
     if summary is not None and summary.liveness is Liveness.DRIVEN and summary.lease:
-        return f"{summary.lease.owner} drives the run and applies the decision within about 1 s"
+        return (
+            f"{summary.lease.owner} drives the run and applies the decision within about 1 s. "
+            f"If that process is gone, {_expiry(summary.lease)}: the decision waits in the "
+            "run's control stream for its next driver (`treadle resume --wait`, or a fleet "
+            "worker)"
+        )
     if summary is not None and summary.liveness is Liveness.PARKED:
         return (
             "the run is parked on this approval: the process that parked it (or a fleet "
@@ -203,12 +208,17 @@ def _held(lease: Lease, what: str) -> str:
     The holder may have crashed without releasing the lease: until it expires, nobody else
     may write the run, so the cancel waits in the control stream for the next driver.
     """
-    left = max(0.0, lease.expires_at - time.time())
     return (
-        f"{lease.owner} {what} and stops it within about 1 s. If that process is gone, its "
-        f"lease expires in about {left:.0f} s: the run's next driver applies the cancel, or run "
-        "this command again then to finish the run here"
+        f"{lease.owner} {what} and stops it within about 1 s. If that process is gone, "
+        f"{_expiry(lease)}: the run's next driver applies the cancel, or run this command "
+        "again then to finish the run here"
     )
+
+
+def _expiry(lease: Lease) -> str:
+    """When a lease whose holder may be dead runs out, as a clause."""
+    left = max(0.0, lease.expires_at - time.time())
+    return f"its lease expires in about {left:.0f} s"
 
 
 async def _summary(store: RunStore, run_id: str) -> RunSummary | None:

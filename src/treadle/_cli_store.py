@@ -33,7 +33,7 @@ from treadle._cli_common import (
     run_id_argument,
     store_option,
 )
-from treadle._exceptions import RunLeased
+from treadle._exceptions import RunLeased, SnapshotMismatch
 from treadle._text import valid_unicode
 from treadle.actors import stored_events
 from treadle.agent import Agent
@@ -402,6 +402,11 @@ async def _resume_one(
                 raise click.ClickException(
                     f"{exc}. If that process is gone, give --wait to wait for its lease to "
                     "expire (within its TTL)"
+                ) from exc
+            except SnapshotMismatch as exc:
+                raise click.ClickException(
+                    f"{exc}. To go on with this definition, give --accept-changed-definition "
+                    "(the difference is written to the run's log first)"
                 ) from exc
         log = await store.read_log(run_id)
     return log

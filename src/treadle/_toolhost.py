@@ -142,8 +142,13 @@ class HostedCall(Generic[T]):
             with self._scope:
                 try:
                     self._result = outcome.Value(await fn())
-                except (Exception, KeyboardInterrupt, SystemExit) as exc:
-                    # the run waiting on the call raises it (an abandoned call's is reported)
+                except trio.Cancelled:
+                    raise  # the call's own scope (cancelled: no result) or the host's end
+                except BaseException as exc:
+                    # The run waiting on the call raises it (an abandoned call's is reported).
+                    # Any other BaseException too (asyncio's CancelledError from a bridged
+                    # call, GeneratorExit, a subclass of the caller's): raised in this system
+                    # task it would end the trio run with TrioInternalError.
                     self._result = outcome.Error(exc)
         finally:
             self._stats.running -= 1

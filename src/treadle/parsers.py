@@ -28,7 +28,9 @@ Tool arguments are strict JSON: a number JSON cannot represent (``NaN``, ``Infin
 literal like ``1e999`` that overflows to infinity) makes the reply an invalid decision
 (reason ``non_finite_number``) with feedback, whichever parser produced the calls
 (`refuse_non_finite`; the run coordinator applies it to every parser's decision), so what
-is validated, stored and run is the same data (docs/models.md, "Tool arguments").
+is validated, stored and run is the same data (docs/models.md, "Tool arguments"). Arguments
+nested deeper than `MAX_ARGUMENT_DEPTH` are refused the same way (reason
+``nested_too_deep``): no store, validator or encoder has to follow them down.
 """
 
 from __future__ import annotations
@@ -55,6 +57,8 @@ from treadle.types import (
 __all__ = [
     "EMPTY_REPLY",
     "INVALID_MARKUP",
+    "MAX_ARGUMENT_DEPTH",
+    "NESTED_TOO_DEEP",
     "NON_FINITE_NUMBER",
     "REFUSAL",
     "SYNTHESISED_CALL_ID",
@@ -63,6 +67,7 @@ __all__ = [
     "TRUNCATED",
     "JsonToolCallParser",
     "NativeToolCallParser",
+    "argument_problem",
     "refuse_non_finite",
     "strict_arguments",
     "synthesise_call_id",
@@ -85,6 +90,13 @@ TRUNCATED: Final = "truncated"
 """Invalid-decision reason: the output token limit cut a call (or the whole reply) short."""
 NON_FINITE_NUMBER: Final = "non_finite_number"
 """Invalid-decision reason: a call's arguments hold NaN or an infinity (not strict JSON)."""
+NESTED_TOO_DEEP: Final = "nested_too_deep"
+"""Invalid-decision reason: a call's arguments are nested deeper than `MAX_ARGUMENT_DEPTH`."""
+MAX_ARGUMENT_DEPTH: Final = 64
+"""The deepest nesting of objects and arrays a call's arguments may have (the arguments
+object itself is level 1). Deeper data is refused before anything walks it recursively:
+Python's JSON encoder and decoder, orjson (255 levels) and schema validation each have a
+depth limit of their own, and a run must not fail on one at every resume."""
 
 _MAX_NAMES_LISTED: Final = 20
 
@@ -233,12 +245,9 @@ class _Collector:
         cut = self._reply.finish_reason == "length"
         if bad.reason == "unparseable" and not cut:
             self._add_decoded(call_id, bad)
-        elif bad.reason == NON_FINITE_NUMBER:
-            message = (
-                f"{_label(call_id, bad.name)} was not executed: its arguments hold a number "
-                "JSON cannot represent (NaN or infinity). Send finite numbers."
-            )
-            self.problem(call_id, bad.name, NON_FINITE_NUMBER, message)
+        elif bad.reason in (NON_FINITE_NUMBER, NESTED_TOO_DEEP):
+            message = _refusal_feedback(call_id, bad.name, bad.reason)
+            self.problem(call_id, bad.name, bad.reason, message)
         elif bad.reason == TRUNCATED or cut:
             message = (
                 f"{_label(call_id, bad.name)} was cut off by the output token limit before "
@@ -586,36 +595,48 @@ class JsonToolCallParser:
         )
 
 
-def has_non_finite(value: object) -> bool:
-    """Whether ``value`` (JSON data) holds a float that is NaN or infinite."""
-    if isinstance(value, float):
-        return not math.isfinite(value)
-    if isinstance(value, Mapping):
-        return any(has_non_finite(item) for item in value.values())
-    if isinstance(value, list | tuple):
-        return any(has_non_finite(item) for item in value)
-    return False
+def argument_problem(value: object) -> str | None:
+    """Why ``value`` (a call's decoded arguments) cannot be stored as they are, or ``None``.
+
+    Returns:
+        `NESTED_TOO_DEEP` when objects and arrays nest deeper than `MAX_ARGUMENT_DEPTH`
+        (a value that holds itself always does), `NON_FINITE_NUMBER` when a float is NaN or
+        infinite, else ``None``. Walked level by level, without recursion.
+    """
+    level: list[object] = [value]
+    depth = 1  # of the containers in ``level``
+    while level:
+        below: list[object] = []
+        for item in level:
+            if isinstance(item, float):
+                if not math.isfinite(item):
+                    return NON_FINITE_NUMBER
+            elif isinstance(item, Mapping | list | tuple):
+                if depth > MAX_ARGUMENT_DEPTH:
+                    return NESTED_TOO_DEEP
+                below.extend(item.values() if isinstance(item, Mapping) else item)
+        level = below
+        depth += 1
+    return None
 
 
 def refuse_non_finite(parsed: ParsedReply) -> ParsedReply:
-    """``parsed``, or an invalid decision when a call's arguments hold NaN or an infinity.
+    """``parsed``, or an invalid decision when a call's arguments cannot be stored as they are.
 
-    JSON has no form for those numbers: stored, they would read back as something else than
-    what was validated and run. No call of such a reply is executed; the feedback names each
-    refused call, and the history message keeps every call id with the refused calls'
-    arguments as ``{}`` (so each is answered by the feedback). Any other decision is returned
-    as is.
+    That is, when they hold NaN or an infinity, or nest deeper than `MAX_ARGUMENT_DEPTH`
+    (`argument_problem`). JSON has no form for those numbers: stored, they would read back
+    as something else than what was validated and run. No call of such a reply is executed;
+    the feedback names each refused call, and the history message keeps every call id with
+    the refused calls' arguments as ``{}`` (so each is answered by the feedback). Any other
+    decision is returned as is.
     """
     if parsed.kind is not DecisionKind.ACTIONS:
         return parsed
-    refused = {call.id: call for call in parsed.actions if has_non_finite(call.arguments)}
+    problems = {call.id: argument_problem(call.arguments) for call in parsed.actions}
+    refused = {call.id: call for call in parsed.actions if problems[call.id] is not None}
     if not refused:
         return parsed
-    lines = [
-        f"{_label(call.id, call.name)} was not executed: its arguments hold a number JSON "
-        "cannot represent (NaN or infinity). Send finite numbers."
-        for call in refused.values()
-    ]
+    lines = [_refusal_feedback(call.id, call.name, problems[call.id]) for call in refused.values()]
     if len(parsed.actions) > 1:
         lines.append(
             f"None of the {len(parsed.actions)} tool calls of this reply was executed; "
@@ -626,40 +647,65 @@ def refuse_non_finite(parsed: ParsedReply) -> ParsedReply:
         attrs.evolve(call, arguments={}) if call.id in refused else call
         for call in history.tool_calls
     )
+    first = next(problem for problem in problems.values() if problem is not None)
     return ParsedReply(
         kind=DecisionKind.INVALID,
         text=parsed.text,
         feedback=" ".join(lines),
-        reason=NON_FINITE_NUMBER,
+        reason=first,
         repairs=parsed.repairs,
         history_message=attrs.evolve(history, tool_calls=calls),
     )
 
 
-def strict_arguments(reply: ModelReply) -> ModelReply:
-    """``reply`` with each tool call whose arguments hold NaN or an infinity made invalid.
+def _refusal_feedback(call_id: str, name: str, problem: str | None) -> str:
+    """The feedback sentence for a call refused for ``problem`` (`argument_problem`'s)."""
+    if problem == NESTED_TOO_DEEP:
+        return (
+            f"{_label(call_id, name)} was not executed: its arguments nest objects and arrays "
+            f"deeper than {MAX_ARGUMENT_DEPTH} levels. Send flatter arguments."
+        )
+    return (
+        f"{_label(call_id, name)} was not executed: its arguments hold a number JSON "
+        "cannot represent (NaN or infinity). Send finite numbers."
+    )
 
-    JSON has no form for those numbers, so a stored call would read back with other
-    arguments than the ones validated. Such a call moves to ``invalid_tool_calls`` with
-    reason ``non_finite_number`` and its arguments as text (``NaN``, ``Infinity``), which the
-    parsers turn into an invalid decision with feedback (docs/models.md, "Tool arguments").
+
+def strict_arguments(reply: ModelReply) -> ModelReply:
+    """``reply`` with each tool call whose arguments cannot be stored as they are made invalid.
+
+    That is, arguments holding NaN or an infinity (JSON has no form for those numbers, so a
+    stored call would read back with other arguments than the ones validated), or nested
+    deeper than `MAX_ARGUMENT_DEPTH`. Such a call moves to ``invalid_tool_calls`` with
+    reason ``non_finite_number`` or ``nested_too_deep`` and its arguments as text (``NaN``,
+    ``Infinity``; empty when too deep to write), which the parsers turn into an invalid
+    decision with feedback (docs/models.md, "Tool arguments").
     """
-    bad = [call for call in reply.tool_calls if has_non_finite(call.arguments)]
-    if not bad:
+    problems = {id(call): argument_problem(call.arguments) for call in reply.tool_calls}
+    if not any(problems.values()):
         return reply
+    bad = [call for call in reply.tool_calls if problems[id(call)] is not None]
     return attrs.evolve(
         reply,
-        tool_calls=tuple(call for call in reply.tool_calls if call not in bad),
+        tool_calls=tuple(call for call in reply.tool_calls if problems[id(call)] is None),
         invalid_tool_calls=(
             *(
                 InvalidToolCall(
                     id=call.id,
                     name=call.name,
-                    raw_arguments=json.dumps(call.arguments, ensure_ascii=False),
-                    reason=NON_FINITE_NUMBER,
+                    raw_arguments=_as_text(call.arguments),
+                    reason=problems[id(call)] or NON_FINITE_NUMBER,
                 )
                 for call in bad
             ),
             *reply.invalid_tool_calls,
         ),
     )
+
+
+def _as_text(arguments: object) -> str:
+    """Refused arguments as JSON text (NaN as ``NaN``); ``""`` when they are too deep for it."""
+    try:
+        return json.dumps(arguments, ensure_ascii=False)
+    except (RecursionError, ValueError, TypeError):
+        return ""

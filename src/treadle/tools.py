@@ -505,12 +505,16 @@ def observation_of(result: Any) -> str:
     enums, datetimes) and written as compact JSON, non-ASCII kept.
 
     Raises:
-        TypeError, ValueError: the value cannot be written as JSON.
+        TypeError, ValueError: the value cannot be written as JSON (a value that holds
+            itself, or nests deeper than Python's recursion limit, is a `ValueError`).
     """
     if isinstance(result, str):
         return result
-    data = _RESULTS.unstructure(result)
-    return json.dumps(data, ensure_ascii=False, separators=(",", ":"))
+    try:
+        data = _RESULTS.unstructure(result)
+        return json.dumps(data, ensure_ascii=False, separators=(",", ":"))
+    except RecursionError:
+        raise ValueError("it holds itself or nests too deeply") from None
 
 
 def _in_thread(found: Tool, kwargs: dict[str, Any], abandoned: threading.Event) -> Any:
@@ -766,10 +770,13 @@ class Toolbox:
                 if stale is not None:
                     return _stale(found, resource, seen, stale)
                 return self._failed(exc)
-            except BaseException:  # cancelled (or timed out): a thread is left behind
+            except (trio.Cancelled, KeyboardInterrupt, SystemExit, BaseExceptionGroup):
+                # cancelled (or timed out): a thread is left behind
                 if abandoned is not None:
                     abandoned.set()
                 raise
+            except BaseException as exc:  # asyncio's CancelledError, GeneratorExit, ...
+                return self._failed(exc)
             return self._returned(found, result, resource)
         if found.isolation == "thread":
             return ActionOutcome(
@@ -788,7 +795,7 @@ class Toolbox:
         )
 
     @staticmethod
-    def _failed(exc: Exception) -> ActionOutcome:
+    def _failed(exc: BaseException) -> ActionOutcome:
         failure = raised(exc, EnvironmentFailure)
         if failure is not None:
             detail = _error_text(failure)

@@ -20,7 +20,7 @@ from __future__ import annotations
 import enum
 import math
 from collections.abc import Callable, Mapping
-from typing import Any, ClassVar, Final, TypeAlias
+from typing import Any, ClassVar, Final, NoReturn, TypeAlias
 
 import attrs
 
@@ -681,7 +681,11 @@ class Limits:
     max_observation_chars: int | None = 20_000
 
     def __attrs_post_init__(self) -> None:
-        """Refuse a limit that is not a number of the right kind, 0 or more.
+        """Refuse a limit that is not a number of the right kind, or out of its range.
+
+        Every limit is 0 or more, and seconds at most `MAX_SECONDS`; a wait that can never
+        be met is refused too: the deadlines of a tool call, a model call and an approval
+        are more than 0, and ``invalid_decisions`` is 1 or more.
 
         Raises:
             treadle.UsageError: names the limit and the value.
@@ -692,10 +696,28 @@ class Limits:
             seconds=_LIMIT_SECONDS,
             unlimited=("max_observation_chars",),
         )
+        for name in _LIMIT_DEADLINES:
+            if getattr(self, name) == 0:
+                _refuse(self, name, "a number of seconds of more than 0")
+        if self.invalid_decisions == 0:
+            _refuse(self, "invalid_decisions", "a whole number of 1 or more")
 
 
 _LIMIT_SECONDS: Final = tuple(f.name for f in attrs.fields(Limits) if f.name.endswith("_s"))
 """The fields of `Limits` in seconds (their names end in ``_s``)."""
+_LIMIT_DEADLINES: Final = tuple(n for n in _LIMIT_SECONDS if not n.startswith("retry_"))
+"""The fields of `Limits` that bound a wait (all seconds but the retry backoff's)."""
+
+MAX_SECONDS: Final = 10 * 365 * 86_400
+"""The most seconds a budget or limit may hold (ten years): a deadline stamped into a
+record as an ISO-8601 instant must be one (``inf`` or ``1e12`` is not)."""
+
+
+def _refuse(value: object, name: str, wanted: str) -> NoReturn:
+    from treadle._exceptions import UsageError  # (the exceptions module imports this one)
+
+    amount = getattr(value, name)
+    raise UsageError(f"{type(value).__name__}.{name} must be {wanted}, not {amount!r}")
 
 
 def _check_amounts(
@@ -705,30 +727,27 @@ def _check_amounts(
     seconds: tuple[str, ...],
     unlimited: tuple[str, ...],
 ) -> None:
-    """Check that ``value``'s ``counts`` are ints and its ``seconds`` real numbers, all >= 0.
+    """Check that ``value``'s ``counts`` are ints >= 0 and its ``seconds`` in [0, `MAX_SECONDS`].
 
     The fields named in ``unlimited`` may also be ``None`` (no limit).
 
     Raises:
         treadle.UsageError: the first field that does not fit, with its value.
     """
-    from treadle._exceptions import UsageError  # (the exceptions module imports this one)
-
     for name in (*counts, *seconds):
         amount = getattr(value, name)
         if amount is None and name in unlimited:
             continue
         if name in counts:
             fits = isinstance(amount, int) and not isinstance(amount, bool)
-            wanted = "a whole number"
+            wanted = "a whole number of 0 or more"
         else:
             fits = isinstance(amount, int | float) and not isinstance(amount, bool)
-            fits = fits and not math.isnan(amount)
-            wanted = "a number of seconds"
+            fits = fits and not math.isnan(amount) and amount <= MAX_SECONDS
+            wanted = f"a number of seconds from 0 to {MAX_SECONDS:,}"
         if not fits or amount < 0:
             allowed = "None (unlimited) or " if name in unlimited else ""
-            must = f"{type(value).__name__}.{name} must be {allowed}{wanted} of 0 or more"
-            raise UsageError(f"{must}, not {amount!r}")
+            _refuse(value, name, allowed + wanted)
 
 
 @attrs.frozen(kw_only=True)

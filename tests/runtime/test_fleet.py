@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import datetime as dt
 import functools
+import math
 from pathlib import Path
 
 import attrs
@@ -229,6 +230,31 @@ async def test_a_fleet_needs_a_store_with_a_queue_and_an_agent(tmp_path: Path, a
     with pytest.raises(UsageError):
         async with open_fleet(new_store(), {"calc": world.agent(ONE_STEP)}, max_running=0):
             pytest.fail("a fleet opened without slots")
+
+
+@pytest.mark.parametrize(
+    ("setting", "value"),
+    [
+        ("backoff_s", math.nan),
+        ("backoff_s", math.inf),
+        ("backoff_s", -5.0),
+        ("claim_poll_s", -1.0),
+        ("claim_poll_s", math.nan),
+        ("claim_poll_s", 0.0),
+        ("control_poll_s", math.inf),
+        ("park_after_s", -1.0),
+        ("max_takeovers", 0),
+    ],
+)
+async def test_a_fleet_refuses_a_setting_out_of_range_before_it_claims(setting, value):
+    # Before, a NaN backoff was taken and every claim failed in the store, forever; a
+    # negative claim poll failed the worker's claim loop after it had started.
+    world, store = World(), new_store()
+    await store.submit("job-1", agent="calc", input=(Message(role="user", content="work"),))
+    with pytest.raises(UsageError, match=setting):
+        async with fleet(store, {"calc": world.agent(ONE_STEP)}, **{setting: value}):
+            pytest.fail("a fleet opened with a setting out of range")
+    assert world.effects == []
 
 
 # --------------------------------------------------------------------------- claiming

@@ -264,6 +264,13 @@ async def test_a_stalled_attempt_is_ended_by_the_attempt_deadline_and_retried(au
         (lambda: Limits(tool_timeout_s=-1), "Limits.tool_timeout_s"),
         (lambda: Limits(max_model_retries=None), "Limits.max_model_retries"),
         (lambda: Limits(max_observation_chars="many"), "Limits.max_observation_chars"),
+        # out of range: a deadline no ISO-8601 instant can hold, a wait that cannot be met
+        (lambda: Limits(approval_timeout_s=float("inf")), "Limits.approval_timeout_s"),
+        (lambda: Limits(approval_timeout_s=1e12), "Limits.approval_timeout_s"),
+        (lambda: Budgets(time_budget_s=float("inf")), "Budgets.time_budget_s"),
+        (lambda: Limits(model_attempt_s=0), "Limits.model_attempt_s"),
+        (lambda: Limits(tool_timeout_s=0.0), "Limits.tool_timeout_s"),
+        (lambda: Limits(invalid_decisions=0), "Limits.invalid_decisions"),
     ],
 )
 def test_a_budget_or_limit_of_the_wrong_kind_is_refused_when_made(make, named):

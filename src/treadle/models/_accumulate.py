@@ -424,7 +424,7 @@ class StreamAccumulator:
                 object, or the classified kind of its ``error`` object.
         """
         try:
-            payload = json.loads(body)
+            payload = loads_json(body)
         except ValueError as exc:
             raise self.failure("invalid_response", f"body is not JSON: {exc}") from exc
         if not isinstance(payload, dict):
@@ -541,10 +541,24 @@ def _text_of(content: Any) -> str | None:
 
 def _object_or_none(raw: str) -> dict[str, Any] | None:
     try:
-        value = json.loads(raw)
+        value = loads_json(raw)
     except ValueError:
         return None
     return value if isinstance(value, dict) else None
+
+
+def loads_json(data: str | bytes) -> Any:
+    """Decode JSON a server sent with the stdlib (``NaN`` and big integers read exactly).
+
+    Raises:
+        ValueError: ``data`` is not JSON, or nests deeper than the decoder can follow (its
+            `RecursionError`, about a thousand levels: a server's data must not crash the
+            run that reads it).
+    """
+    try:
+        return json.loads(data)
+    except RecursionError:
+        raise ValueError("the JSON nests too deeply to be decoded") from None
 
 
 def loads_event(data: str) -> Any:
@@ -555,9 +569,9 @@ def loads_event(data: str) -> Any:
     the stdlib, exactly.
 
     Raises:
-        ValueError: ``data`` is not JSON.
+        ValueError: ``data`` is not JSON (or nests too deeply, `loads_json`).
     """
     try:
         return orjson.loads(data)
     except orjson.JSONDecodeError:
-        return json.loads(data)
+        return loads_json(data)

@@ -20,6 +20,7 @@ from treadle.models._accumulate import (
     classify_failure,
     error_fields,
     loads_event,
+    loads_json,
     standard_finish_reason,
 )
 from treadle.ports import DeltaCallback
@@ -186,7 +187,7 @@ class MessageAccumulator:
                 or the classified kind of its ``error`` object.
         """
         try:
-            payload = json.loads(body)
+            payload = loads_json(body)
         except ValueError as exc:
             raise self.failure("invalid_response", f"body is not JSON: {exc}") from exc
         if not isinstance(payload, Mapping):
@@ -377,7 +378,7 @@ def _arguments(block: _Block, *, cut: bool) -> tuple[str, dict[str, Any] | None]
     if not raw.strip():
         return raw, None if cut else {}
     try:
-        value = json.loads(raw)
+        value = loads_json(raw)
     except ValueError:
         return raw, None
     return raw, value if isinstance(value, dict) else None

@@ -10,7 +10,6 @@ to the attempt's observer (`treadle.types.Attempt`).
 from __future__ import annotations
 
 import base64
-import json
 import os
 import time
 from collections.abc import Mapping
@@ -19,7 +18,7 @@ from typing import Any
 import httpx
 
 from treadle._exceptions import ModelCallError, UsageError
-from treadle.models._accumulate import error_fields, parse_retry_after
+from treadle.models._accumulate import error_fields, loads_json, parse_retry_after
 from treadle.models._anthropic_stream import MessageAccumulator, classify_anthropic
 from treadle.models._transport import (
     StreamReader,
@@ -231,7 +230,7 @@ class AnthropicMessagesClient(StreamReader[MessageAccumulator]):
         self, response: httpx.Response, body: bytes, acc: MessageAccumulator
     ) -> ModelCallError:
         try:
-            payload: Any = json.loads(body)
+            payload: Any = loads_json(body)
         except ValueError:
             payload = body.decode("utf-8", "replace").strip()
         message, _, type_ = error_fields(payload)

@@ -20,6 +20,7 @@ from treadle.models._accumulate import (
     StreamAccumulator,
     classify_failure,
     error_fields,
+    loads_json,
     parse_retry_after,
 )
 from treadle.models._transport import (
@@ -220,7 +221,7 @@ class OpenAIChatClient(StreamReader[StreamAccumulator]):
         self, response: httpx.Response, body: bytes, acc: StreamAccumulator
     ) -> ModelCallError:
         try:
-            payload: Any = json.loads(body)
+            payload: Any = loads_json(body)
         except ValueError:
             payload = body.decode("utf-8", "replace").strip()
         message, code, type_ = error_fields(payload)

@@ -97,6 +97,23 @@ rows written before keep theirs and are read as they are. A layout-2 database is
 a newer treadle opens it (nothing else changes), so an older treadle refuses it instead of
 reading rows it cannot decode."""
 
+
+def layout_of(value: object) -> int:
+    """The layout version a ``meta`` row holds (its text, as stored).
+
+    Raises:
+        StoreError: the row holds no whole number (the table was changed by hand, or is
+            not a treadle store's).
+    """
+    try:
+        return int(str(value))
+    except ValueError:
+        raise StoreError(
+            f"not a readable treadle store: its meta table holds the layout {value!r}, "
+            "not a version number"
+        ) from None
+
+
 TERMINAL_STATES: Final = tuple(s.value for s in RunState if s.is_terminal)
 
 Row = tuple[str, int, int, str, bytes, int]
@@ -499,6 +516,24 @@ def read_summary(dialect: SqlDialect, conn: Connection, run_id: str) -> RunSumma
 
 def summary_of(where: str, row: Sequence[Any], now: float) -> RunSummary:
     """A `RunSummary` from a row of `_SUMMARY_COLUMNS`; a damaged row gives ``error``."""
+    run_id, quarantined = row[0], row[15]
+    lease: Lease | None = None
+    try:
+        lease = _lease_of(run_id, row[8:12])
+        return _summary(where, row, now, lease)
+    except (StoreError, TypeError, ValueError, OverflowError) as exc:
+        return RunSummary(
+            run_id=run_id,
+            state=None,
+            liveness=_leases.liveness(state=None, lease=lease, quarantined=quarantined, now=now),
+            observed_at=now,
+            lease=lease,
+            error=str(exc) if isinstance(exc, StoreError) else f"damaged index row: {exc}",
+            where=where,
+        )
+
+
+def _summary(where: str, row: Sequence[Any], now: float, lease: Lease | None) -> RunSummary:
     (
         run_id,
         state,
@@ -508,37 +543,16 @@ def summary_of(where: str, row: Sequence[Any], now: float) -> RunSummary:
         steps,
         stop,
         until,
-        owner,
-        gen,
-        expires,
-        beat,
+        _,
+        _,
+        _,
+        _,
         submitted,
         claims,
         takeovers,
         quarantined,
     ) = row
-    lease = None
-    if gen:
-        lease = Lease(
-            run_id=run_id,
-            owner=owner,
-            generation=int(gen),
-            expires_at=float(expires),
-            heartbeat_at=float(beat),
-        )
-    try:
-        run_state = None if state is None else RunState(state)
-        stop_reason = None if stop is None else StopReason(stop)
-    except ValueError as exc:
-        return RunSummary(
-            run_id=run_id,
-            state=None,
-            liveness=_leases.liveness(state=None, lease=lease, quarantined=quarantined, now=now),
-            observed_at=now,
-            lease=lease,
-            error=f"damaged index row: {exc}",
-            where=where,
-        )
+    run_state = None if state is None else RunState(state)
     return RunSummary(
         run_id=run_id,
         state=run_state,
@@ -548,7 +562,7 @@ def summary_of(where: str, row: Sequence[Any], now: float) -> RunSummary:
         agent=agent,
         agent_version=version,
         steps=int(steps or 0),
-        stop_reason=stop_reason,
+        stop_reason=None if stop is None else StopReason(stop),
         started_at=started,
         submitted_at=submitted,
         claims=int(claims or 0),
@@ -569,16 +583,25 @@ _LEASE_COLUMNS: Final = "lease_owner, lease_generation, lease_expires, lease_hea
 
 
 def _lease_of(run_id: str, row: Sequence[Any] | None) -> Lease | None:
+    """The lease a row of `_LEASE_COLUMNS` holds (``None``: none).
+
+    Raises:
+        StoreError: the row's lease columns hold no numbers (changed by hand).
+    """
     if row is None or not row[1]:
         return None
     owner, gen, expires, beat = row
-    return Lease(
-        run_id=run_id,
-        owner=owner,
-        generation=int(gen),
-        expires_at=float(expires),
-        heartbeat_at=float(beat),
-    )
+    try:
+        return Lease(
+            run_id=run_id,
+            owner=owner,
+            generation=int(gen),
+            expires_at=float(expires),
+            heartbeat_at=float(beat),
+        )
+    except (TypeError, ValueError) as exc:
+        damage = f"damaged index row of run {run_id!r}: its lease is unreadable ({exc})"
+        raise StoreError(damage) from None
 
 
 def _set_lease(dialect: SqlDialect, conn: Connection, lease: Lease) -> None:

@@ -234,7 +234,7 @@ def _ensure_schema(dialect: PostgresDialect, conn: Any) -> None:
         with contextlib.suppress(Exception):
             conn.execute("ROLLBACK")
         raise
-    layout = int(row[0])
+    layout = _sql.layout_of(row[0])
     if layout > _sql.LAYOUT_VERSION:
         raise SchemaTooNew(layout, _sql.LAYOUT_VERSION)
 

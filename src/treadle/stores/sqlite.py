@@ -240,7 +240,7 @@ def _layout(conn: sqlite3.Connection) -> int | None:
     row = conn.execute("SELECT value FROM meta WHERE key = 'layout'").fetchone()
     if row is None:
         raise StoreError("not a treadle store (its meta table names no layout)")
-    return int(row[0])
+    return _sql.layout_of(row[0])
 
 
 def _create(conn: sqlite3.Connection, clock: Callable[[], float]) -> None:

@@ -470,12 +470,19 @@ async def open_fleet(
         raise UsageError(f"{type(store).__name__} has no queue: use SQLite or PostgreSQL")
     if not agents:
         raise UsageError("a worker serves at least one agent")
-    if max_running < 1 or not (drain_s >= 0 and math.isfinite(drain_s)):
-        raise UsageError("max_running must be at least 1 and drain_s a finite number >= 0")
-    if not (metrics_refresh_s > 0 and math.isfinite(metrics_refresh_s)):
-        raise UsageError(f"metrics_refresh_s must be a finite number > 0, not {metrics_refresh_s}")
-    if not (child_recheck_s > 0 and math.isfinite(child_recheck_s)):
-        raise UsageError(f"child_recheck_s must be a finite number > 0, not {child_recheck_s}")
+    if max_running < 1 or max_takeovers < 1:
+        raise UsageError(
+            f"max_running and max_takeovers must be at least 1, not {max_running} and "
+            f"{max_takeovers}"
+        )
+    _check_seconds(drain_s=drain_s, backoff_s=backoff_s, park_after_s=park_after_s)
+    _check_seconds(
+        above_zero=True,
+        metrics_refresh_s=metrics_refresh_s,
+        child_recheck_s=child_recheck_s,
+        claim_poll_s=claim_poll_s,
+        control_poll_s=control_poll_s,
+    )
     check_ttl(lease_ttl_s)
     factories = {name: _factory(value) for name, value in agents.items()}
     versions = {name: (factory().version_label,) for name, factory in factories.items()}
@@ -524,6 +531,24 @@ async def open_fleet(
                 fleet.drain()
                 runs.cancel_scope.deadline = trio.current_time() + drain_s
         outer.cancel_scope.cancel()
+
+
+def _check_seconds(*, above_zero: bool = False, **seconds: float | None) -> None:
+    """Refuse a duration that is not a finite number >= 0 (> 0 with ``above_zero``).
+
+    ``None`` passes (the settings that take it mean "never"). A NaN or an infinity would
+    reach a sleep or a timestamp and fail there, long after the worker started.
+
+    Raises:
+        UsageError: names the first setting out of range, with its value.
+    """
+    for name, value in seconds.items():
+        if value is None:
+            continue
+        number = isinstance(value, int | float) and not isinstance(value, bool)
+        if not (number and math.isfinite(value) and (value > 0 if above_zero else value >= 0)):
+            bound = "> 0" if above_zero else ">= 0"
+            raise UsageError(f"{name} must be a finite number of seconds {bound}, not {value!r}")
 
 
 def _factory(value: AgentFactory | Agent) -> AgentFactory:
