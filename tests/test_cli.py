@@ -92,6 +92,58 @@ def test_reading_commands_refuse_a_folder_or_file_that_holds_no_store(tmp_path):
     assert empty.stat().st_size == 0
 
 
+def test_a_piped_runs_table_is_not_cut_at_80_columns(tmp_path):
+    # Piped (no terminal, no $COLUMNS), rich laid the table out for 80 columns: a long run
+    # id and the start time were cut short. A pipe gets the whole row.
+    db = tmp_path / "runs.db"
+    run_id = "a-run-id-long-enough-to-need-more-than-eighty-columns-in-the-table"
+
+    async def go() -> None:
+        agent = treadle.Agent(
+            model=ScriptedModel(turns=[say("done")]),
+            executor=treadle.Toolbox([add]),
+            parser=treadle.NativeToolCallParser(),
+        )
+        async with treadle.open_sqlite_store(db) as store:
+            await treadle.run(agent, "go", store=store, run_id=run_id)
+
+    trio.run(go)
+    table = CliRunner(env={"COLUMNS": None}).invoke(main, ["runs", "--store", str(db)])
+    assert table.exit_code == 0, table.output
+    (row,) = [line for line in table.output.splitlines() if line.startswith("│")]
+    assert run_id in row and re.search(r"│ \d{4}-\d\d-\d\d \d\d:\d\d:\d\d │$", row), row
+
+
+def test_a_damaged_run_listed_by_its_hashed_file_name_can_be_named_by_it(tmp_path):
+    # A long run id's JSONL file is named by its hash; with its header damaged, `treadle
+    # runs` lists it under that name, which every command refused as an invalid run id.
+    directory = tmp_path / "runs"
+    run_id = "A" * 150
+
+    async def go() -> None:
+        agent = treadle.Agent(
+            model=ScriptedModel(turns=[say("done")]),
+            executor=treadle.Toolbox([add]),
+            parser=treadle.NativeToolCallParser(),
+        )
+        async with treadle.open_jsonl_store(directory) as store:
+            await treadle.run(agent, "go", store=store, run_id=run_id)
+
+    trio.run(go)
+    (path,) = directory.glob("~*.jsonl")
+    data = bytearray(path.read_bytes())
+    data[20] = ord("X")
+    path.write_bytes(bytes(data))
+    name = path.stem
+    listed = CliRunner().invoke(main, ["runs", "--store", str(directory)])
+    assert name in listed.output
+    for command in (["show", name], ["repair", name]):
+        named = CliRunner().invoke(main, [*command, "--store", str(directory)])
+        assert named.exit_code == 1 and "invalid run id" not in named.output, named.output
+        assert "no treadle header" in named.output or "damaged" in named.output, named.output
+    assert bytes(data) == path.read_bytes()  # a refused repair changed nothing
+
+
 def test_an_empty_store_option_is_a_usage_error():
     # `--store ''` (or an empty $TREADLE_STORE) ended in a FileNotFoundError traceback.
     refused = CliRunner().invoke(main, ["runs", "--store", ""])

@@ -15,6 +15,7 @@ from typing import Any, TypeVar
 
 import click
 import trio
+from rich.console import Console
 
 from treadle._exceptions import InvalidRunId, TreadleError
 from treadle._ids import check_run_id
@@ -47,6 +48,19 @@ STORE_ENV = "TREADLE_STORE"
 out of the process list)."""
 
 
+PIPED_WIDTH = 200
+"""Columns of a table printed to a pipe or file when ``$COLUMNS`` does not say (rich's
+default there is 80, which cut the runs table's last columns short)."""
+
+
+def table_console(*, stderr: bool = False) -> Console:
+    """A rich console for the commands' tables: the terminal's width, `PIPED_WIDTH` piped."""
+    console = Console(stderr=stderr)
+    if not console.is_terminal and "COLUMNS" not in os.environ:
+        console.width = PIPED_WIDTH
+    return console
+
+
 def _checked_store(ctx: click.Context, param: click.Parameter, value: str) -> str:
     """A store path or DSN, refused when empty (an empty ``$TREADLE_STORE`` included)."""
     if not value.strip():
@@ -67,9 +81,15 @@ store_option = click.option(
 
 
 def _checked_run_id(ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:
-    """A run id as docs/concepts.md, "Run ids" allows it, refused before the store is opened."""
+    """A run id as docs/concepts.md, "Run ids" allows it, refused before the store is opened.
+
+    A JSONL file's hashed name (``~<sha256>``), under which ``treadle runs`` lists a run
+    whose header is damaged, passes too: the JSONL store takes it for that file.
+    """
     if value is None:
         return None
+    if JsonlStore.is_hashed_name(value):
+        return value
     try:
         return check_run_id(value)
     except InvalidRunId as exc:

@@ -7,10 +7,9 @@ import logging
 from typing import TYPE_CHECKING
 
 import click
-from rich.console import Console
 from rich.table import Table
 
-from treadle._cli_common import import_spec
+from treadle._cli_common import import_spec, table_console
 from treadle._text import valid_unicode
 from treadle.testing.faults import FAULT_KINDS
 
@@ -182,10 +181,13 @@ def _next_step(failed: SimulationResult, replay: str, *, alone: bool, as_json: b
     """
     if not alone:
         return f"replay the first failing seed: {replay}"
-    where = "above" if not as_json else "shown when it is simulated without --json"
+    where = "on standard output" if not as_json else "shown when it is simulated without --json"
+    injected = ", ".join(f"{kind} x{n}" for kind, n in sorted(failed.faults_injected.items()))
     return (
         f"seed {failed.seed} fails the same way each time it is simulated (log digest "
-        f"{failed.log_digest[:16]}...); its runs' logs are {where}"
+        f"{failed.log_digest[:16]}...); its runs' logs are {where}. Faults injected: "
+        f"{injected or 'none'} (a crash writes no record: look at the steps after each "
+        "resume, where a call may have run again)"
     )
 
 
@@ -193,7 +195,7 @@ def _show_logs(failed: SimulationResult) -> None:
     """Print each run's log of a failing seed, as ``treadle show`` prints a run."""
     from treadle._cli_store import trajectory_table
 
-    console = Console()
+    console = table_console()
     for log in failed.logs:
         console.print(trajectory_table(valid_unicode(log)[0]))
 
@@ -223,7 +225,7 @@ def _replay_command(
 
 
 def _summary(seeds: int, steps: int, failing: list[SimulationResult]) -> None:
-    console = Console(stderr=True)
+    console = table_console(stderr=True)
     table = Table(title="simulation")
     for column in ("seeds", "steps", "failing"):
         table.add_column(column, justify="right")

@@ -15,7 +15,6 @@ from typing import Any
 
 import click
 import trio
-from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
@@ -32,6 +31,7 @@ from treadle._cli_common import (
     run_async,
     run_id_argument,
     store_option,
+    table_console,
 )
 from treadle._exceptions import RunLeased, SnapshotMismatch
 from treadle._text import valid_unicode
@@ -74,7 +74,7 @@ def runs(store_path: str, as_json: bool, threads: bool) -> None:
                 row.update(lineage_json(starts.get(summary.run_id)))
             click.echo(json.dumps(row, ensure_ascii=False))
     else:
-        Console().print(runs_table(store_path, summaries, starts))
+        table_console().print(runs_table(store_path, summaries, starts))
     bad = [s for s in summaries if s.error is not None]
     if bad:
         for summary in bad:
@@ -239,7 +239,7 @@ def show(run_id: str, store_path: str, as_json: bool) -> None:
         for event in stored_events(log, 1, len(log.records)):
             click.echo(json.dumps(event_json(event), ensure_ascii=False))
         return
-    Console().print(trajectory_table(log))
+    table_console().print(trajectory_table(log))
     started = log.started
     if started is not None and started.continues is not None:
         click.echo(

@@ -121,6 +121,7 @@ def test_cli_prints_one_line_per_seed_and_a_replay_command_on_failure(monkeypatc
     assert alone.exit_code == 1
     assert "--from 4 --seeds 1" not in alone.output
     assert "seed 4 fails the same way each time" in alone.stderr
+    assert "logs are on standard output. Faults injected: " in alone.stderr
     assert "sim-4-0" in alone.stdout and "run finished" in alone.stdout  # its log, as show
     quiet = runner.invoke(main, ["simulate", "--seeds", "1", "--from", "4", "--json"])
     assert quiet.exit_code == 1 and "run finished" not in quiet.stdout

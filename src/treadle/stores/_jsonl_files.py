@@ -92,8 +92,18 @@ def encode_run_id(run_id: str) -> str:
     )
 
 
+HASHED_NAME: Final = re.compile(r"~[0-9a-f]{64}")
+"""A hashed file stem, ``~<sha256>``: no run id has it (an id starts with a letter or digit)."""
+
+
 def run_file_name(run_id: str) -> str:
-    """The name of a run's file: its encoded id, or ``~`` and the SHA-256 of the id."""
+    """The name of a run's file: its encoded id, or ``~`` and the SHA-256 of the id.
+
+    A hashed stem itself (`HASHED_NAME`, the name a run whose header is damaged is listed
+    under) names its own file.
+    """
+    if HASHED_NAME.fullmatch(run_id):
+        return f"{run_id}.jsonl"
     encoded = encode_run_id(run_id)
     if not encoded or encoded.startswith(".") or len(encoded) > MAX_NAME_CHARS:
         digest = hashlib.sha256(run_id.encode("utf-8", "surrogatepass")).hexdigest()

@@ -49,7 +49,6 @@ import errno
 import functools
 import logging
 import os
-import re
 import sys
 import threading
 import time
@@ -70,6 +69,7 @@ from treadle.stores._index import index_delta
 from treadle.stores._jsonl_backend import FileOps, JsonlBackend, OsFileOps
 from treadle.stores._jsonl_files import (
     CONTROL_DIR,
+    HASHED_NAME,
     LEASE_DIR,
     Probe,
     Repair,
@@ -105,7 +105,6 @@ if sys.platform != "win32":
 
 _LOG = logging.getLogger(__name__)
 
-_HASHED: Final = re.compile(r"~[0-9a-f]{64}")
 
 LOCK_RETRIES: Final = 20
 """Tries (5 ms apart) to take a free lease's lock while a listing probes it."""
@@ -256,9 +255,16 @@ class JsonlStore(EngineStore):
         A listed id of the form ``~<sha256>`` (a file whose header cannot be read and whose
         name is a hash) names that file itself.
         """
-        if _HASHED.fullmatch(run_id):
-            return os.path.join(self._directory, f"{run_id}.jsonl")
         return os.path.join(self._directory, run_file_name(run_id))
+
+    @staticmethod
+    def is_hashed_name(name: str) -> bool:
+        """Whether ``name`` is a hashed file name (``~<sha256>``) rather than a run id.
+
+        The store lists a run whose file header cannot be read under its file's name, and
+        a long run id's file is named by its hash: `run_file` takes that name back.
+        """
+        return HASHED_NAME.fullmatch(name) is not None
 
     @staticmethod
     def is_store(directory: str | os.PathLike[str]) -> bool:
@@ -502,7 +508,8 @@ class JsonlStore(EngineStore):
             InvalidRunId: not an allowed run id.
             StoreError: the lock or sidecar cannot be written.
         """
-        check_run_id(run_id)
+        if not self.is_hashed_name(run_id):  # a damaged run listed by its file's name
+            check_run_id(run_id)
         _leases.check_ttl(ttl_s)
         self._engine.check_open()
         now = self._clock()
