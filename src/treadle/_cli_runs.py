@@ -13,7 +13,6 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Callable, Mapping
-from typing import Any
 
 import click
 import trio
@@ -29,10 +28,10 @@ from treadle._cli_common import (
     run_id_argument,
     store_option,
 )
-from treadle._exceptions import RunLeased
+from treadle._exceptions import RunLeased, UsageError
 from treadle._text import valid_unicode
 from treadle.actors import durable_event, with_step_started
-from treadle.approvals import decide, pending_approval, request_cancel
+from treadle.approvals import decide, edited_arguments, pending_approval, request_cancel
 from treadle.ports import RunIndex, RunStore
 from treadle.redaction import Redaction
 from treadle.stores import lease_owner
@@ -75,7 +74,10 @@ def approve_command(
     run_id: str, store_path: str, reject: str | None, edit: str | None, call_id: str | None
 ) -> None:
     """Approve (or reject, or edit) the tool call a run waits on."""
-    arguments = _json_object(edit) if edit is not None else None
+    try:
+        arguments = edited_arguments(edit) if edit is not None else None
+    except UsageError as exc:
+        raise click.BadParameter(str(exc), param_hint="--edit") from exc
 
     async def go() -> tuple[ApprovalDecided, ApprovalRequested | None, str]:
         async with open_store(store_path) as store:
@@ -144,16 +146,6 @@ def _next_for_decision(summary: RunSummary | None) -> str:
         "nobody drives the run now: the decision waits in its control stream until a driver "
         "takes the run (a fleet worker claims it at once; or run `treadle resume`)"
     )
-
-
-def _json_object(text: str) -> dict[str, Any]:
-    try:
-        value = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise click.BadParameter(f"not JSON: {exc}", param_hint="--edit") from exc
-    if not isinstance(value, dict):
-        raise click.BadParameter("must be a JSON object", param_hint="--edit")
-    return value
 
 
 @click.command("cancel")

@@ -70,6 +70,25 @@ def arguments_digest(arguments: Mapping[str, JSONValue]) -> str:
     return "sha256:" + hashlib.sha256(text.encode("utf-8")).hexdigest()
 
 
+def edited_arguments(text: str) -> dict[str, JSONValue]:
+    """The edited arguments a person typed (``treadle approve --edit``, the run console).
+
+    Only read here; `check_edit` checks them against the tool's schema.
+
+    Raises:
+        UsageError: ``text`` is not JSON, nests too deeply to be read, or is not an object.
+    """
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise UsageError(f"the edited arguments are not JSON: {exc}") from exc
+    except RecursionError:
+        raise UsageError("the edited arguments nest too deeply to be read") from None
+    if not isinstance(value, dict):
+        raise UsageError("the edited arguments must be a JSON object")
+    return value
+
+
 def check_edit(
     edit: Mapping[str, JSONValue],
     tool: str = "",
@@ -85,9 +104,16 @@ def check_edit(
     JSON. The message about an argument named in ``secrets`` never repeats its value.
 
     Raises:
-        UsageError: they are not strict JSON data (NaN, infinity, non-string keys), or they
-            do not fit ``schema``; the message lists each error with its path.
+        UsageError: they are not strict JSON data (NaN, infinity, non-string keys), they
+            nest deeper than a model's arguments may (`treadle.parsers.MAX_ARGUMENT_DEPTH`),
+            or they do not fit ``schema``; the message lists each error with its path.
     """
+    from treadle.parsers import MAX_ARGUMENT_DEPTH, NESTED_TOO_DEEP, argument_problem
+
+    if argument_problem(edit) == NESTED_TOO_DEEP:
+        raise UsageError(
+            f"edited arguments nest objects and arrays deeper than {MAX_ARGUMENT_DEPTH} levels"
+        )
     try:
         json.dumps(edit, allow_nan=False)
     except (TypeError, ValueError) as exc:

@@ -152,6 +152,12 @@ def test_a_live_run_streams_in_and_approving_it_from_the_page_resumes_it(browser
         assert browser.execute_script("return window.pwned === undefined")
         assert '"amount": 5' in find(browser, "#approval textarea").get_attribute("value")
         assert not marker.exists()
+        # Enter in a field submits with the form's default button, the first submit button:
+        # it is disabled, so Enter in the rejection message never approves (HTML's implicit
+        # submission does nothing then). The three decisions are buttons after it.
+        default = "return document.querySelector('#approval button[type=submit]')"
+        assert browser.execute_script(default + ".disabled") is True
+        assert browser.execute_script(default + ".id") == ""
         approve.click()
         wait(browser, present("#timeline .block.finish.state-succeeded"))
         assert "paid" in find(browser, "#timeline .block.finish").text

@@ -166,6 +166,20 @@ async def test_the_approval_form_makes_the_checks_of_treadle_approve():
             assert bad.status_code == 409
             not_json = await decide(decision="edit", arguments="{")
             assert not_json.status_code == 409 and "not JSON" in not_json.json()["message"]
+            deep = await decide(decision="edit", arguments='{"a": ' + "[" * 5000 + "]" * 5000 + "}")
+            assert deep.status_code == 409 and "nest too deeply" in deep.json()["message"]
+            too_deep = await decide(
+                decision="edit", arguments='{"amount": ' + "[" * 70 + "]" * 70 + "}"
+            )
+            assert too_deep.status_code == 409 and "deeper than 64" in too_deep.json()["message"]
+            # No decision sent (a form without its button, a JSON body): nothing is decided.
+            # Before, it approved, also with a rejection message in it.
+            silent = await decide(message="NO - do not pay")
+            assert silent.status_code == 409 and "no decision" in silent.json()["message"]
+            as_json = await http.post(
+                "/runs/r/approve", json={"decision": "reject", "token": TOKEN}, headers=headers
+            )
+            assert as_json.status_code in (403, 409)
             assert await read_control(store, "r") == ()
             edited = await decide(decision="edit", arguments='{"amount": 3}', call_id="t1")
             assert edited.status_code == 200, edited.text
@@ -611,3 +625,14 @@ async def test_behind_a_tls_proxy_the_https_origin_of_the_same_host_may_act():
             assert done.status_code == 200 and done.json()["ok"] is True
         result = await handle.wait()
     assert result.state is RunState.CANCELLED
+
+
+@pytest.mark.parametrize(
+    "path", ["/runs/a%20b", "/runs/%C3%A9", "/runs/" + "x" * 300, "/runs/a%20b/events"]
+)
+async def test_a_path_naming_no_possible_run_is_a_404_that_says_why(path):
+    # An invalid run id went to the handler of unreadable logs: a 500.
+    async with client(await finished_store()) as http:
+        answer = await http.get(path, headers=SAME)
+    assert answer.status_code == 404, answer.text
+    assert "invalid run id" in answer.text or "there is no run" in answer.text

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import hmac
 import json
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
 from typing import Any
 from urllib.parse import quote, unquote
@@ -34,10 +34,10 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from treadle._cli_runs import approve, cancel
 from treadle._cli_store import driver_text
-from treadle._exceptions import StoreError, TreadleError, UsageError
+from treadle._exceptions import InvalidRunId, StoreError, TreadleError, UsageError
 from treadle._text import valid_unicode
 from treadle._ui import _view
-from treadle.approvals import pending_approval
+from treadle.approvals import edited_arguments, pending_approval
 from treadle.ports import RunIndex, RunStore
 from treadle.redaction import Redaction
 from treadle.types import ApprovalRequested, Liveness, RunLog, RunState, RunSummary
@@ -202,7 +202,7 @@ def create_app(store: RunStore, settings: Settings) -> Starlette:
     return Starlette(
         routes=routes,
         middleware=middleware,
-        exception_handlers={TreadleError: console.unreadable},
+        exception_handlers={TreadleError: console.unreadable, InvalidRunId: console.no_such_run},
     )
 
 
@@ -215,6 +215,10 @@ class _Console:
         self.env = env
         # finished runs only (they never change): tokens, and the thread or fork text
         self._tokens: dict[str, tuple[int | None, str | None]] = {}
+
+    async def no_such_run(self, request: Request, exc: Exception) -> Response:
+        """A path naming no possible run (docs/concepts.md, "Run ids"): a 404 saying why."""
+        return self._page("said.html", status=404, run_id="", message=str(exc), ok=False)
 
     async def unreadable(self, request: Request, exc: Exception) -> Response:
         """A run the store cannot read (a damaged or too-new log): the error, said plainly."""
@@ -450,18 +454,21 @@ class _Console:
         form = await request.form()
         self._check_write(request, form)
         run_id = _run_id(request)
-        decision = str(form.get("decision", "approve"))
+        # No default: a form sent without its button (Enter in the message box of a browser
+        # that submits anyway, a script) must not approve what its author meant to reject.
+        decision = str(form.get("decision", ""))
         call_id = str(form.get("call_id") or "") or None
         reject = edit = None
         if decision == "reject":
             reject = str(form.get("message", "")) or "rejected"
         elif decision == "edit":
             try:
-                edit = _object(str(form.get("arguments", "")))
+                edit = edited_arguments(str(form.get("arguments", "")))
             except UsageError as exc:
                 return self._said(request, run_id, str(exc), ok=False)
         elif decision != "approve":
-            return self._said(request, run_id, f"unknown decision {decision!r}", ok=False)
+            said = f"unknown decision {decision!r}" if decision else "no decision was sent"
+            return self._said(request, run_id, f"{said}: send approve, edit or reject", ok=False)
         try:
             decided, _, next_text = await approve(
                 self.store, run_id, call_id=call_id, reject=reject, edit=edit
@@ -535,13 +542,3 @@ def _origin_of(url: str) -> str | None:
     if not sep:
         return None
     return f"{scheme}://{rest.split('/', 1)[0]}"
-
-
-def _object(text: str) -> Mapping[str, Any]:
-    try:
-        value = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise UsageError(f"the edited arguments are not JSON: {exc}") from exc
-    if not isinstance(value, dict):
-        raise UsageError("the edited arguments must be a JSON object")
-    return value
