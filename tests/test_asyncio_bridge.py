@@ -114,6 +114,39 @@ def test_the_portal_calls_trio_and_hands_back_results_and_errors():
     assert value == 42 and "answer" in task
 
 
+class Unusual(BaseException):
+    """A library's own BaseException (neither trio's nor Python's exit)."""
+
+
+def test_a_call_raising_a_base_exception_hands_it_back_unchanged():
+    # Before, any BaseException ended the portal's trio thread, and its caller was told
+    # "the call was cancelled in trio: the portal closed".
+    async def odd() -> None:
+        await trio.lowlevel.checkpoint()
+        raise Unusual("odd")
+
+    async def leave(code: int) -> None:
+        await trio.lowlevel.checkpoint()
+        raise SystemExit(code)
+
+    async def ok() -> str:
+        return "still serving"
+
+    async def main():
+        async with open_portal() as portal:
+            with pytest.raises(Unusual, match="odd"):
+                await portal.call(odd)
+            assert await portal.call(ok) == "still serving"  # only the call ended
+            with pytest.raises(SystemExit) as left:
+                await portal.call(leave, 3)
+            assert left.value.code == 3
+            with pytest.raises(treadle.UsageError, match="closed|stopped"):
+                await portal.call(ok)  # an exit ends the trio thread, as it ends a trio run
+
+    with pytest.RaisesGroup(SystemExit, flatten_subgroups=True, allow_unwrapped=True):
+        run_asyncio(main)  # leaving the block raises what ended the thread
+
+
 def test_cancelling_the_asyncio_caller_cancels_the_call_in_trio():
     async def main():
         started, ended = asyncio.Event(), asyncio.Event()
@@ -210,6 +243,22 @@ def test_runs_start_stream_approve_and_finish_from_asyncio(tmp_path: Path):
     assert event_data(events[-1])["state"] == "succeeded"
     step_started = next(e for e in events if e.kind is EventKind.STEP_STARTED)
     assert not sse_frame(step_started).startswith(b"id:")
+
+
+def test_two_starts_of_one_run_at_once_make_one_driver(tmp_path: Path):
+    # A client retrying `POST /runs` with the same id, under a fixed owner: both starts
+    # passed the check for runs driven here before either had registered, the lease let the
+    # same owner in twice, and the run died with LeaseLost (one start got a ConflictError).
+    async def main():
+        async with open_runs(wire_agent(), store=sqlite(tmp_path / "r.db"), owner="app-1") as runs:
+            started = await asyncio.gather(*(runs.start("pay", run_id="w1") for _ in range(3)))
+            await _until(runs, "w1", EventKind.APPROVAL_REQUESTED)
+            await runs.approve("w1")
+            return started, await runs.result("w1")
+
+    started, result = run_asyncio(main)
+    assert started == ["w1", "w1", "w1"]
+    assert result.state is RunState.SUCCEEDED and result.final_answer == "paid"
 
 
 def test_a_cancel_from_asyncio_ends_the_run_cancelled(tmp_path: Path):

@@ -88,7 +88,9 @@ class TrioPortal:
         """Run ``await fn(*args)`` in the trio thread and return (or raise) what it did.
 
         Raises:
-            Exception: whatever ``fn`` raised, unchanged.
+            BaseException: whatever ``fn`` raised, unchanged. A `KeyboardInterrupt` or
+                `SystemExit` also ends the portal's trio thread (as it ends a trio run);
+                any other exception ends only the call.
             UsageError: the portal is closed, or closed while the call ran (the call was
                 cancelled in trio).
 
@@ -106,7 +108,12 @@ class TrioPortal:
             try:
                 with scope:
                     outcome = (await fn(*args), None)
-            except Exception as exc:
+            except trio.Cancelled:
+                raise  # the portal closes: the caller is told so
+            except (KeyboardInterrupt, SystemExit) as exc:
+                outcome = (None, exc)
+                raise  # the caller gets it, and it ends the trio thread as trio would
+            except BaseException as exc:  # anything else is the call's (a library's own kind)
                 outcome = (None, exc)
             finally:
                 self._reply(_settle, future, outcome)
@@ -170,7 +177,8 @@ class TrioPortal:
 
     def _close(self) -> None:
         if not self._closed:
-            self._soon(self._closing.set)
+            with contextlib.suppress(UsageError):  # the thread stopped: nothing to close
+                self._soon(self._closing.set)
             self._closed = True
 
 
@@ -278,12 +286,24 @@ class _Host:
     nursery: trio.Nursery
     options: Mapping[str, Any]
     handles: dict[str, RunHandle] = attrs.Factory(dict)
+    starting: dict[str, trio.Event] = attrs.Factory(dict)
+    """Run id -> set once its start here ended (started or failed)."""
 
     async def start(self, input: RunInput | None, run_id: str | None) -> str:
         chosen = check_run_id(run_id) if run_id is not None else new_run_id()
+        # A second start of a run being started here waits for the first, then finds it
+        # driven (or starts it itself if the first failed): two drivers of one run in one
+        # process would share its lease (docs/asyncio.md, "The bridge").
+        while (pending := self.starting.get(chosen)) is not None:
+            await pending.wait()
         if chosen in self.handles:
             return chosen
-        started: str = await self.nursery.start(self._drive, input, chosen)
+        ended = self.starting[chosen] = trio.Event()
+        try:
+            started: str = await self.nursery.start(self._drive, input, chosen)
+        finally:
+            del self.starting[chosen]
+            ended.set()
         return started
 
     async def _drive(
