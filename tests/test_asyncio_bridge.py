@@ -140,7 +140,7 @@ def test_a_call_raising_a_base_exception_hands_it_back_unchanged():
             with pytest.raises(SystemExit) as left:
                 await portal.call(leave, 3)
             assert left.value.code == 3
-            with pytest.raises(treadle.UsageError, match="closed|stopped"):
+            with pytest.raises(treadle.UsageError, match=r"closed|stopped"):
                 await portal.call(ok)  # an exit ends the trio thread, as it ends a trio run
 
     with pytest.RaisesGroup(SystemExit, flatten_subgroups=True, allow_unwrapped=True):
