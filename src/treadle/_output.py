@@ -337,7 +337,21 @@ def _validate_class(cls: type[Any], value: Any) -> JSONValue | tuple[str, ...]:
         instance = _CONVERTER.structure(dict(value), cls)
     except (cattrs.BaseValidationError, cattrs.ForbiddenExtraKeysError) as exc:
         return tuple(cattrs.transform_error(exc, format_exception=_format))
-    return _PLAIN.unstructure(instance)
+    data: JSONValue = _PLAIN.unstructure(instance)
+    # What is stored is read back (`structure_output`) into the instance the run returns:
+    # a converter that changes a value again on that read (one that scales it, say) would
+    # make the result differ from what was validated and stored.
+    try:
+        again = _PLAIN.unstructure(_CONVERTER.structure(data, cls))
+    except (cattrs.BaseValidationError, cattrs.ForbiddenExtraKeysError, ValueError) as exc:
+        again = f"an error ({exc})"
+    if again != data:
+        return (
+            f"{cls.__qualname__} does not read back as it was validated: stored as {data!r:.200}, "
+            f"it reads back as {again!r:.200} (its converters must give the same value when "
+            "applied again; docs/structured-output.md) @ $",
+        )
+    return data
 
 
 def _validate_schema(schema: Mapping[str, Any], value: Any) -> JSONValue | tuple[str, ...]:

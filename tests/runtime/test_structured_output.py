@@ -100,6 +100,36 @@ async def run_log(definition, run_id="r", store=None):
 # --------------------------------------------------------------------------- valid output
 
 
+@attrs.frozen
+class Price:
+    """A price."""
+
+    cents: int = attrs.field(converter=lambda value: value * 100)
+
+
+@attrs.frozen
+class Name:
+    """A name."""
+
+    name: str = attrs.field(converter=str.strip)
+
+
+async def test_an_output_that_reads_back_otherwise_than_it_was_validated_is_never_stored():
+    # The stored output is read back into the class for RunResult.output: a converter ran
+    # again there, and a run answered cents=5 returned Price(cents=50000) (stored: 500).
+    definition = agent([call("final_answer", cents=5)] * 3, output_type=Price)
+    result, log = await run_log(definition)
+    assert result.stop_reason is StopReason.INVALID_DECISIONS and result.output is None
+    assert all(step.output is None for step in log.steps)
+    assert "does not read back as it was validated" in (log.steps[0].feedback or "")
+    # A converter that gives the same value again is fine: stored and returned alike.
+    stripped = agent([call("final_answer", name="  Ada ")], output_type=Name)
+    named, named_log = await run_log(stripped, run_id="n")
+    assert named.output == Name(name="Ada") and named_log.finished is not None
+    assert named_log.finished.output == {"name": "Ada"}
+
+
+
 async def test_a_final_answer_tool_call_is_the_typed_output():
     definition = agent([call("lookup", city="Paris"), call("final_answer", **GOOD)])
     result, log = await run_log(definition)
