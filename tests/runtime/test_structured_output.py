@@ -129,7 +129,6 @@ async def test_an_output_that_reads_back_otherwise_than_it_was_validated_is_neve
     assert named_log.finished.output == {"name": "Ada"}
 
 
-
 async def test_a_final_answer_tool_call_is_the_typed_output():
     definition = agent([call("lookup", city="Paris"), call("final_answer", **GOOD)])
     result, log = await run_log(definition)
