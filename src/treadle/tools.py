@@ -149,9 +149,9 @@ class ToolContext:
             observed). Compare it with the current revision inside the write's transaction
             and raise `treadle.revisions.StaleWrite` when they differ. ``None`` for other
             tools; 0 is a revision (docs/concepts.md, "Stale writes").
-        tokens_left: the run's token budget minus the tokens it spent before this step
-            (``None``: no token budget); a child run draws from it (docs/child-runs.md,
-            "Budgets").
+        tokens_left: this call's share of the run's token budget: what the run has left
+            before this step, divided evenly among the step's calls that run (``None``: no
+            token budget); a child run draws from it (docs/child-runs.md, "Budgets").
         deadline: the trio time (`trio.current_time`) at which the run's time budget ends
             (``inf``: no time budget).
         forward_event: hands another run's event (a child run's) to this run's live

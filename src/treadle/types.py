@@ -561,8 +561,9 @@ class Action:
         revisions: the revisions the run observed before this step, by resource key, each
             key's distinct revisions with the latest observed last (docs/concepts.md,
             "Stale writes"); what a writing tool's call is checked against.
-        tokens_left: the run's token budget minus the tokens it spent before this step
-            (``None``: no token budget).
+        tokens_left: this call's share of the run's token budget: what the run has left
+            before this step, divided evenly among the step's calls that run (they run at
+            once, and together stay within it; ``None``: no token budget).
         deadline: the trio time (`trio.current_time`) at which the run's time budget ends
             during this step (``inf``: no time budget).
         forward: hands an event of another run (a child run) to this run's live

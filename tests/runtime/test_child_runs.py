@@ -274,6 +274,39 @@ async def test_the_child_draws_from_the_parents_token_budget(store):
     assert "token_budget" in action.outcome.observation
 
 
+async def test_calls_running_at_once_share_what_the_token_budget_has_left():
+    # Each of two child runs started by one step was given the whole remainder, so the two
+    # together could spend twice what the parent had left.
+    shares: list[int | None] = []
+
+    @tool
+    async def spend(ctx: ToolContext) -> str:
+        """Draw on the budget.
+
+        Args:
+            ctx: the call.
+        """
+        shares.append(ctx.tokens_left)
+        return "ok"
+
+    two = ModelReply(
+        tool_calls=(
+            call("spend", call_id="a").tool_calls[0],
+            call("spend", call_id="b").tool_calls[0],
+        ),
+        finish_reason="tool_calls",
+        usage=Usage(input_tokens=20, output_tokens=9),
+    )
+    definition = Agent(
+        model=ScriptedModel(turns=[two, use("spend", "c"), say("done")]),
+        executor=Toolbox([spend]),
+        parser=NativeToolCallParser(),
+        budgets=Budgets(token_budget=100),
+    )
+    await run(definition, "go", store=MemoryStore(), run_id="p")
+    assert shares == [35, 35, 56]  # (100 - 29) // 2 each, then all of 100 - 29 - 15 alone
+
+
 async def test_the_child_draws_from_the_parents_time_budget(autojump_clock):
     store = MemoryStore()  # the trio clock jumps: no store thread may wait on it
 

@@ -104,13 +104,17 @@ class ToolExecutor:
             for call in message.calls
             if call.id not in message.rejected
         )
+        running = sum(1 for call in message.calls if call.id not in message.rejected)
+        tokens_left = message.tokens_left
+        if tokens_left is not None and running > 1:  # calls at once share what is left
+            tokens_left //= running
         actions = [
             self._action(
                 message.step,
                 i,
                 call,
                 message.revisions,
-                tokens_left=message.tokens_left,
+                tokens_left=tokens_left,
                 deadline=message.scope.deadline,
                 forward=self.writer.forward,
                 cancelled=cancelled,
