@@ -479,6 +479,30 @@ async def test_a_child_whose_store_write_fails_interrupts_the_parent_which_re_at
     assert [c.outcome.observation for c in calls] == ["the child's answer"]
 
 
+async def test_a_child_whose_definition_changed_interrupts_the_parent_not_its_call():
+    """Re-attached under a changed definition, the child is refused (SnapshotMismatch). As an
+    error observation, the parent went on and finished while the child stayed unfinished
+    for good; the parent now stops resumable, and goes on once the child was resumed with
+    the change accepted."""
+    inner = MemoryStore()
+    failing = FailingStore(inner, fail_at=6)  # the child's model intent: both interrupted
+    with pytest.raises(RunInterrupted):
+        await run(parent_agent(failing, child_agent()), "go", store=failing, run_id="p")
+    changed = attrs.evolve(child_agent(), system_prompt="You are the child, briefly.")
+    with pytest.raises(RunInterrupted) as caught:
+        await run(parent_agent(inner, changed), "go", store=inner, run_id="p")
+    assert isinstance(caught.value.__cause__, ChildRunInterrupted)
+    assert "differs from the stored parameter snapshot" in str(caught.value)
+    kid = child_run_id("p/s1/a1")
+    for run_id in ("p", kid):
+        assert (await inner.read_log(run_id)).finished is None  # both resumable
+    assert not any(isinstance(r, ActionResult) for r in (await inner.read_log("p")).records)
+    accepted = await run(changed, store=inner, run_id=kid, accept_definition_change=True)
+    assert accepted.state is RunState.SUCCEEDED
+    result = await run(parent_agent(inner, changed), "go", store=inner, run_id="p")
+    assert result.state is RunState.SUCCEEDED
+
+
 # --------------------------------------------------------------------------- fleets (real time)
 
 

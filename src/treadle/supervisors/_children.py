@@ -40,6 +40,7 @@ from treadle._exceptions import (
     LeaseError,
     RunInterrupted,
     RunLeased,
+    SnapshotMismatch,
     StoreError,
     UsageError,
     raised,
@@ -218,9 +219,11 @@ async def _call(settings: _Settings, task: str, ctx: ToolContext) -> ActionOutco
             leased = raised(exc, RunLeased)
             if leased is None:
                 error = _unwrapped(exc)
-                if isinstance(error, RunInterrupted | StoreError | LeaseError):
+                if isinstance(error, RunInterrupted | StoreError | LeaseError | SnapshotMismatch):
                     # The child is resumable and the call's outcome unknown: the parent's
                     # drive stops too, and its resume replays the call, which re-attaches.
+                    # A child whose definition changed since it started is such a child:
+                    # as an error observation, the parent went on and left it unfinished.
                     raise ChildRunInterrupted(run_id, str(error)) from error
                 raise error from None
             # The driver of an earlier attempt (a parent process that died) still holds the
