@@ -339,11 +339,14 @@ class LeaseLost(LeaseError):
     """
 
     def __init__(self, run_id: str, *, generation: int, current: int | None) -> None:
-        now = "no lease" if current is None else f"generation {current}"
+        if current == generation:  # the same generation, no longer this driver's to hold
+            why = "it was released (or taken again under this driver's owner id)"
+        else:
+            now = "no lease" if current is None else f"generation {current}"
+            why = f"the store holds {now}; another driver took the run over"
         super().__init__(
-            f"run {run_id!r}: this driver's lease (generation {generation}) was lost, the "
-            f"store holds {now}; another driver took the run over, so this one stopped "
-            "without writing more"
+            f"run {run_id!r}: this driver's lease (generation {generation}) was lost: {why}, "
+            "so this one stopped without writing more"
         )
         self.run_id = run_id
         self.generation = generation

@@ -1083,3 +1083,19 @@ async def test_postgres_the_same_store_object_drives_a_run_again_after_a_fenced_
                     await handle.wait()
             result = await treadle.run(agent, store=raw, run_id="r", owner="b")
     assert result.stop_reason is StopReason.FINAL_ANSWER
+
+
+@pytest.mark.parametrize(
+    ("current", "said"),
+    [
+        (1, "it was released (or taken again under this driver's owner id)"),
+        (2, "the store holds generation 2; another driver took the run over"),
+        (None, "the store holds no lease; another driver took the run over"),
+    ],
+)
+def test_a_lost_lease_says_why_without_contradicting_itself(current, said):
+    # Lost at the same generation (released, or taken again by the same owner id), the
+    # message said "generation 1 was lost, the store holds generation 1; another driver
+    # took the run over".
+    message = str(LeaseLost("r", generation=1, current=current))
+    assert said in message and message.startswith("run 'r': this driver's lease (generation 1)")
