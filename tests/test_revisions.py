@@ -259,3 +259,22 @@ async def test_a_read_without_observed_says_so_in_the_diagnostics() -> None:
     outcome = await Toolbox([read]).execute(action("read", name="a"))
     assert outcome.status is ActionStatus.EXECUTED and outcome.observation == "text"
     assert outcome.revisions == {} and "returned no treadle.Observed value" in outcome.detail
+
+
+def test_a_key_keeps_the_values_of_its_fields_apart() -> None:
+    # Owner "a" and path "b/c" (read) and owner "a/b" and path "c" (written) both gave the
+    # key file:a/b/c: a write of a file the model never read ran as if it had read it.
+    from treadle.revisions import ResourceTemplate
+
+    template = ResourceTemplate.parse(
+        "file:{owner}/{path}", tool="t", option="writes", arguments=("owner", "path"), secret=()
+    )
+    read = template.key({"owner": "a", "path": "b/c"})
+    written = template.key({"owner": "a/b", "path": "c"})
+    assert read == "file:a/b%2Fc" and written == "file:a%2Fb/c"
+    assert template.key({"owner": "50%", "path": "x"}) == "file:50%25/x"
+    assert template.key({"owner": "order-17", "path": "notes.txt"}) == "file:order-17/notes.txt"
+    one = ResourceTemplate.parse(
+        "reservation:{id}", tool="t", option="reads", arguments=("id",), secret=()
+    )
+    assert one.key({"id": "R1/2"}) == "reservation:R1/2"  # one field: nothing to keep apart

@@ -84,10 +84,15 @@ class ResourceTemplate:
     Attributes:
         text: the template; each ``{name}`` is replaced by the argument's value.
         fields: the argument names it uses, in order.
+        escaped: characters percent-encoded in a value (``%`` and those of the text between
+            two fields), so that two calls share a key only when their values are the same:
+            under ``file:{owner}/{path}``, owner ``a/b`` and path ``c`` give ``file:a%2Fb/c``,
+            never the key of owner ``a`` and path ``b/c``.
     """
 
     text: str
     fields: tuple[str, ...]
+    escaped: frozenset[str] = frozenset("%")
 
     @classmethod
     def parse(
@@ -113,7 +118,10 @@ class ResourceTemplate:
         except ValueError as exc:
             raise UsageError(f"tool {tool!r}: {option}={text!r} is malformed: {exc}") from exc
         fields: list[str] = []
-        for _, name, spec, conversion in parts:
+        escaped = {"%"}
+        for literal, name, spec, conversion in parts:
+            if fields:  # text between two fields separates their values: kept out of them
+                escaped.update(literal)
             if name is None:
                 continue
             if spec or conversion or not name.isidentifier():
@@ -129,11 +137,26 @@ class ResourceTemplate:
                     "resource keys are logged in the clear"
                 )
             fields.append(name)
-        return cls(text=text, fields=tuple(fields))
+        return cls(text=text, fields=tuple(fields), escaped=frozenset(escaped))
 
     def key(self, arguments: Mapping[str, Any]) -> str:
-        """The resource key of a call, from its validated arguments (values as ``str``)."""
-        return self.text.format_map({name: _text(arguments[name]) for name in self.fields})
+        """The resource key of a call, from its validated arguments (values as ``str``).
+
+        A value's characters in `escaped` are percent-encoded (their UTF-8 bytes).
+        """
+        return self.text.format_map(
+            {name: self._escape(_text(arguments[name])) for name in self.fields}
+        )
+
+    def _escape(self, value: str) -> str:
+        if not any(ch in self.escaped for ch in value):
+            return value
+        return "".join(
+            "".join(f"%{b:02X}" for b in ch.encode("utf-8", "surrogatepass"))
+            if ch in self.escaped
+            else ch
+            for ch in value
+        )
 
 
 def _text(value: Any) -> str:
