@@ -459,24 +459,32 @@ def fit_text(text: str, max_chars: int, mark: str) -> str:
     return f"{head}\n{mark}"
 
 
+_DECODER: Final = json.JSONDecoder()
+
+
 def _json_prefix(text: str, room: int) -> str | None:
     """A valid JSON text of whole leading elements of ``text`` within ``room`` chars."""
     stripped = text.strip()
     if not stripped or stripped[0] not in "[{":
         return None
     try:
-        value = json.loads(stripped)
-    except ValueError:
+        # The leading value: text after it (the marker of an earlier cut, such as
+        # `Limits.max_observation_chars`'s) gives way to this cut's marker.
+        value, end = _DECODER.raw_decode(stripped)
+        rest = stripped[end:].strip()
+        if rest and not (rest.startswith("[") and rest.endswith("]") and "\n" not in rest):
+            return None  # more than a marker after it: the text is not one JSON value
+        if isinstance(value, list):
+            parts = [json.dumps(item, ensure_ascii=False) for item in value]
+            return "[" + ", ".join(_leading(parts, room - 2)) + "]"
+        if isinstance(value, dict):
+            parts = [
+                f"{json.dumps(key, ensure_ascii=False)}: {json.dumps(item, ensure_ascii=False)}"
+                for key, item in value.items()
+            ]
+            return "{" + ", ".join(_leading(parts, room - 2)) + "}"
+    except (ValueError, RecursionError):  # not JSON, or too deep to follow: cut as text
         return None
-    if isinstance(value, list):
-        parts = [json.dumps(item, ensure_ascii=False) for item in value]
-        return "[" + ", ".join(_leading(parts, room - 2)) + "]"
-    if isinstance(value, dict):
-        parts = [
-            f"{json.dumps(key, ensure_ascii=False)}: {json.dumps(item, ensure_ascii=False)}"
-            for key, item in value.items()
-        ]
-        return "{" + ", ".join(_leading(parts, room - 2)) + "}"
     return None
 
 

@@ -666,7 +666,9 @@ class Limits:
         max_model_retries: retries of one model call after its first attempt.
         retry_initial_s / retry_max_s: exponential backoff bounds (jitter added).
         invalid_decisions: consecutive unparseable replies that end the run.
-        max_observation_chars: observations longer than this are cut (``None``: never cut).
+        max_observation_chars: observations longer than this are cut, as the context
+            window cuts (never inside a character or a JSON value) and followed by a
+            marker line that says so (``None``: never cut; docs/context.md, "Truncation").
     """
 
     tool_timeout_s: float = 10.0

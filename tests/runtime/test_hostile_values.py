@@ -12,6 +12,7 @@ import asyncio
 import json
 from typing import Any
 
+import attrs
 import pytest
 import trio
 import trio.lowlevel
@@ -222,3 +223,31 @@ async def test_a_tool_result_that_cannot_be_written_as_json_is_an_error_observat
     (found,) = [r for r in log.records if isinstance(r, ActionResult)]
     assert "could not be written as JSON" in found.outcome.observation
     assert "nests too deeply" in found.outcome.observation
+
+
+async def test_an_observation_over_the_limit_is_cut_between_json_elements_with_a_marker():
+    # It was cut at the limit, in the middle of a value, with nothing to tell the model; the
+    # context window's own cut then could not keep it valid JSON either.
+    rows = [{"k": i, "v": "x" * 20} for i in range(100)]
+
+    @treadle.tool(replay=treadle.ReplayPolicy.SAFE)
+    async def listing() -> list[dict[str, Any]]:
+        """List the rows."""
+        return rows
+
+    store = MemoryStore()
+    model = ScriptedModel(turns=[call("listing", call_id="c1"), say("done")])
+    definition = attrs.evolve(
+        agent(model, listing), limits=treadle.Limits(max_observation_chars=500)
+    )
+    await treadle.run(definition, "go", store=store, run_id="r")
+    log = await store.read_log("r")
+    (found,) = [r for r in log.records if isinstance(r, ActionResult)]
+    observation = found.outcome.observation
+    assert len(observation) <= 500
+    head, mark = observation.rsplit("\n", 1)
+    assert mark == "[cut: the result is longer than 500 characters]"
+    kept = json.loads(head)
+    assert kept == rows[: len(kept)] and 0 < len(kept) < len(rows)
+    whole = len(json.dumps(rows, ensure_ascii=False, separators=(",", ":")))
+    assert found.outcome.observation_truncated_chars == whole - len(head)

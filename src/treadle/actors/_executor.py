@@ -26,6 +26,7 @@ from typing import Any, Protocol
 import attrs
 import trio
 
+from treadle._budget import fit_text
 from treadle._clock import Clock
 from treadle._exceptions import ChildPending, SeamViolation
 from treadle._text import valid_unicode
@@ -477,11 +478,17 @@ class ToolExecutor:
             return outcome, outcome.observation
         limit = self.limits.max_observation_chars
         if limit is not None and len(outcome.observation) > limit:
-            cut = len(outcome.observation) - limit
+            # As the context window cuts (docs/context.md, "Truncation"): never inside a
+            # character or a JSON value, and the model is told what happened.
+            mark = f"[cut: the result is longer than {limit} characters]"
+            kept = fit_text(outcome.observation, limit, mark)
+            shown = len(kept) - len(mark) - 1 if kept.endswith(mark) else 0
             outcome = attrs.evolve(
                 outcome,
-                observation=outcome.observation[:limit],
-                observation_truncated_chars=outcome.observation_truncated_chars + cut,
+                observation=kept,
+                observation_truncated_chars=outcome.observation_truncated_chars
+                + len(outcome.observation)
+                - max(0, shown),
             )
         text = self.observation_template.format(observation=outcome.observation, tool=action.tool)
         return outcome, text
