@@ -113,6 +113,15 @@ class Agent:
         _check_takes_attempt("model", self.model)
         if self.summariser is not None:
             _check_takes_attempt("summariser", self.summariser)
+        for name, least in (("max_output_tokens", 1), ("context_window", 1), ("context_margin", 0)):
+            value = getattr(self, name)
+            if value is not None and (
+                not isinstance(value, int) or isinstance(value, bool) or value < least
+            ):
+                raise UsageError(
+                    f"Agent.{name} must be None or a whole number of tokens of {least} or "
+                    f"more, not {value!r}"
+                )
         if self.context_window is None:
             return
         if self.input_budget <= 0:

@@ -252,6 +252,27 @@ def test_a_window_with_no_room_for_input_is_refused():
         windowed_agent(model, window=100, max_output_tokens=64)
 
 
+@pytest.mark.parametrize(
+    ("settings", "named"),
+    [
+        ({"context_window": -10}, "context_window"),
+        ({"context_window": 1000.5}, "context_window"),
+        ({"context_window": True}, "context_window"),
+        ({"context_window": 1000, "context_margin": -5000}, "context_margin"),
+        ({"context_window": 1000, "max_output_tokens": -4000}, "max_output_tokens"),
+        ({"max_output_tokens": 0}, "max_output_tokens"),
+    ],
+)
+def test_token_settings_that_are_not_whole_numbers_in_range_are_refused(settings, named):
+    # A negative margin or output cap made the input budget larger than the window, and a
+    # negative output cap was sent to the provider.
+    from treadle import Agent, NativeToolCallParser, Toolbox
+
+    model = WindowedModel(window=WINDOW, goal=1)
+    with pytest.raises(UsageError, match=rf"^Agent\.{named} must be None or a whole number"):
+        Agent(model=model, executor=Toolbox([]), parser=NativeToolCallParser(), **settings)
+
+
 def test_the_window_is_in_the_snapshot_only_when_set():
     model = WindowedModel(window=WINDOW, goal=1)
     assert "context" not in windowed_agent(model, window=None).snapshot()
