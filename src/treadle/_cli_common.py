@@ -183,7 +183,7 @@ async def agent_block(
         entered = await stack.enter_async_context(block)
     except Exception as exc:
         raise click.ClickException(
-            f"--agent {spec}: entering what {spec}() returned failed: {_innermost(exc)}"
+            f"--agent {spec}: entering what {spec}() returned failed: {innermost(exc)}"
         ) from exc
     try:
         yield an_agent(spec, entered)
@@ -195,12 +195,12 @@ async def agent_block(
         await stack.aclose()
     except Exception as exc:
         click.echo(
-            f"warning: --agent {spec}: leaving what {spec}() returned failed: {_innermost(exc)}",
+            f"warning: --agent {spec}: leaving what {spec}() returned failed: {innermost(exc)}",
             err=True,
         )
 
 
-def _innermost(error: BaseException) -> BaseException:
+def innermost(error: BaseException) -> BaseException:
     """``error``, or the one error inside nested exception groups of one error each."""
     while isinstance(error, BaseExceptionGroup) and len(error.exceptions) == 1:
         error = error.exceptions[0]
@@ -217,7 +217,7 @@ def run_async(fn: Callable[[], Awaitable[T]]) -> T:
     try:
         return trio.run(fn)
     except (TreadleError, BaseExceptionGroup) as exc:
-        error = _innermost(exc)
+        error = innermost(exc)
         if isinstance(error, TreadleError):
             raise click.ClickException(str(error)) from error
         if isinstance(error, click.ClickException):  # out of the groups a nursery made

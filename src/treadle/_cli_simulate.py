@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 import click
 from rich.table import Table
 
-from treadle._cli_common import import_spec, table_console
+from treadle._cli_common import import_spec, innermost, table_console
 from treadle._text import valid_unicode
 from treadle.testing.faults import FAULT_KINDS
 
@@ -99,7 +99,15 @@ def simulate_command(
     failing: list[SimulationResult] = []
     total_steps = 0
     for seed in range(first, first + seeds):
-        result = simulate(seed, plan=plan, runs=runs_per_seed, steps=steps, scenario=scenario)
+        try:
+            result = simulate(seed, plan=plan, runs=runs_per_seed, steps=steps, scenario=scenario)
+        except Exception as exc:
+            if scenario is None:
+                raise  # the built-in scenario failing is a bug of treadle's: its traceback
+            raise click.ClickException(
+                f"seed {seed}: the scenario from --agent {agent} failed: {innermost(exc)!r} "
+                "(its world, agent, input or check raised; the seeds before it passed)"
+            ) from exc
         total_steps += result.steps
         if as_json:
             click.echo(json.dumps(result.to_json()))

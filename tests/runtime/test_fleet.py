@@ -570,6 +570,32 @@ async def test_a_run_that_keeps_killing_its_drivers_is_quarantined_until_release
     assert first.statistics().left == 1
 
 
+async def test_a_quarantined_run_cancelled_no_longer_says_it_can_be_released(autojump_clock):
+    # Finished as cancelled, its summary still said "`treadle unquarantine RUN_ID` makes it
+    # claimable again": a finished run has nothing to claim.
+    from treadle.supervisors._finishing import finish_cancelled
+
+    world, store = World(), new_store()
+    await store.submit("r", agent="calc", input=(Message(role="user", content="work"),))
+    async with fleet(store, {"calc": lambda: world.agent(TWO_STEPS)}):
+        await until(lambda: _started(world, "r/s1/a1"))
+    for n in range(3):
+        await store.claim(
+            owner=f"dead-{n}",
+            agents={"calc": ("v1",)},
+            limit=1,
+            ttl_s=3,
+            max_takeovers=2,
+            backoff_s=0,
+        )
+        await trio.sleep(4)
+    assert (await store.read_summary("r")).liveness is Liveness.QUARANTINED
+    result = await finish_cancelled(store, "r", owner="canceller", reason="poison")
+    assert result.state is RunState.CANCELLED
+    summary = await store.read_summary("r")
+    assert summary.liveness is Liveness.FINISHED and summary.quarantined is None
+
+
 class CountingClaims(InterceptingStore):
     """Counts the runs claimed; sets ``too_many`` past ``limit`` claims."""
 

@@ -30,3 +30,15 @@ def agent_factory() -> Agent:
     return Agent(
         model=ScriptedModel(turns=[say("hi")]), executor=Toolbox([]), parser=NativeToolCallParser()
     )
+
+
+@attrs.frozen(kw_only=True)
+class CheckRaises(LedgerScenario):
+    """A scenario whose own check raises (a bug of its author's)."""
+
+    def check(self, log, world):
+        raise KeyError("check broke")
+
+
+def check_raises() -> CheckRaises:
+    return CheckRaises(steps=3)

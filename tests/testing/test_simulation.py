@@ -436,6 +436,11 @@ def test_simulate_refuses_an_agent_factory_and_steps_with_a_scenario():
     for faults in ("", "crash,", "all,crash"):
         bad = runner.invoke(main, ["simulate", "--faults", faults])
         assert bad.exit_code == 2 and "choose from crash" in bad.output, faults
+    # A scenario's own hook raising is its author's bug: one line naming it, no traceback.
+    broken = runner.invoke(main, ["simulate", "--agent", "flaky_scenario:check_raises"])
+    assert broken.exit_code == 1 and "Traceback" not in broken.output
+    assert "seed 0: the scenario from --agent flaky_scenario:check_raises failed" in broken.output
+    assert "KeyError('check broke')" in broken.output
 
 
 def test_a_scenario_swaps_actors_for_every_incarnation_and_the_twin():

@@ -86,6 +86,11 @@ def quarantine_reason(takeovers: int, lease: Lease | None) -> str:
     )
 
 
+def still_quarantined(state: RunState | None, reason: str | None) -> str | None:
+    """The quarantine a run summary shows: none once the run finished (nothing to claim)."""
+    return None if state is not None and state.is_terminal else reason
+
+
 def same_submission(
     run_id: str, earlier: Submission | None, agent: str, input: tuple[Message, ...]
 ) -> Submission:

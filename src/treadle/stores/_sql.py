@@ -567,7 +567,7 @@ def _summary(where: str, row: Sequence[Any], now: float, lease: Lease | None) ->
         submitted_at=submitted,
         claims=int(claims or 0),
         takeovers=int(takeovers or 0),
-        quarantined=quarantined,
+        quarantined=_queue.still_quarantined(run_state, quarantined),
         awaiting_until=None if until is None else _iso(until),
     )
 

@@ -247,7 +247,7 @@ class MemoryStore(AppendStore):
             submitted_at=row.submission.submitted_at if row.submission else None,
             claims=row.claims,
             takeovers=row.takeovers,
-            quarantined=row.quarantined,
+            quarantined=_queue.still_quarantined(row.state, row.quarantined),
             awaiting_until=row.awaiting_until,
         )
 
