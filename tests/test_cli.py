@@ -92,11 +92,8 @@ def test_reading_commands_refuse_a_folder_or_file_that_holds_no_store(tmp_path):
     assert empty.stat().st_size == 0
 
 
-def test_a_piped_runs_table_is_not_cut_at_80_columns(tmp_path):
-    # Piped (no terminal, no $COLUMNS), rich laid the table out for 80 columns: a long run
-    # id and the start time were cut short. A pipe gets the whole row.
-    db = tmp_path / "runs.db"
-    run_id = "a-run-id-long-enough-to-need-more-than-eighty-columns-in-the-table"
+def answered_once(opener, run_id: str) -> None:
+    """Run ``run_id`` to its answer, one model call, in the store ``opener()`` opens."""
 
     async def go() -> None:
         agent = treadle.Agent(
@@ -104,10 +101,19 @@ def test_a_piped_runs_table_is_not_cut_at_80_columns(tmp_path):
             executor=treadle.Toolbox([add]),
             parser=treadle.NativeToolCallParser(),
         )
-        async with treadle.open_sqlite_store(db) as store:
+        async with opener() as store:
             await treadle.run(agent, "go", store=store, run_id=run_id)
 
     trio.run(go)
+
+
+def test_a_piped_runs_table_is_not_cut_at_80_columns(tmp_path):
+    # Piped (no terminal, no $COLUMNS), rich laid the table out for 80 columns: a long run
+    # id and the start time were cut short. A pipe gets the whole row.
+    db = tmp_path / "runs.db"
+    run_id = "a-run-id-long-enough-to-need-more-than-eighty-columns-in-the-table"
+
+    answered_once(lambda: treadle.open_sqlite_store(db), run_id)
     table = CliRunner(env={"COLUMNS": None}).invoke(main, ["runs", "--store", str(db)])
     assert table.exit_code == 0, table.output
     (row,) = [line for line in table.output.splitlines() if line.startswith("│")]
@@ -120,16 +126,7 @@ def test_a_damaged_run_listed_by_its_hashed_file_name_can_be_named_by_it(tmp_pat
     directory = tmp_path / "runs"
     run_id = "A" * 150
 
-    async def go() -> None:
-        agent = treadle.Agent(
-            model=ScriptedModel(turns=[say("done")]),
-            executor=treadle.Toolbox([add]),
-            parser=treadle.NativeToolCallParser(),
-        )
-        async with treadle.open_jsonl_store(directory) as store:
-            await treadle.run(agent, "go", store=store, run_id=run_id)
-
-    trio.run(go)
+    answered_once(lambda: treadle.open_jsonl_store(directory), run_id)
     (path,) = directory.glob("~*.jsonl")
     data = bytearray(path.read_bytes())
     data[20] = ord("X")

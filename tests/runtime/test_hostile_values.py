@@ -152,6 +152,17 @@ async def test_a_streamed_event_too_deep_to_decode_is_an_invalid_response():
     assert "nests too deeply" in failed[-1].error.message
 
 
+async def the_one_result(tool: Any) -> ActionResult:
+    """Run one call of ``tool`` then an answer; the call's result (the run must finish)."""
+    store = MemoryStore()
+    model = ScriptedModel(turns=[call(tool.name, call_id="c1"), say("done")])
+    result = await treadle.run(agent(model, tool), "go", store=store, run_id="r")
+    assert result.stop_reason is treadle.StopReason.FINAL_ANSWER
+    log = await store.read_log("r")
+    (found,) = [r for r in log.records if isinstance(r, ActionResult)]
+    return found
+
+
 class Unusual(BaseException):
     """A `BaseException` a library might raise (neither trio's nor Python's exit)."""
 
@@ -165,12 +176,7 @@ async def test_a_tool_raising_a_base_exception_is_an_error_observation(raised):
         """Fail oddly."""
         raise raised
 
-    store = MemoryStore()
-    model = ScriptedModel(turns=[call("fragile", call_id="c1"), say("done")])
-    result = await treadle.run(agent(model, fragile), "go", store=store, run_id="r")
-    assert result.stop_reason is treadle.StopReason.FINAL_ANSWER
-    log = await store.read_log("r")
-    (found,) = [r for r in log.records if isinstance(r, ActionResult)]
+    found = await the_one_result(fragile)
     assert found.outcome.status is treadle.ActionStatus.EXECUTED
     assert found.outcome.observation.startswith(f"Error: {type(raised).__name__}")
 
@@ -215,12 +221,7 @@ async def test_a_tool_result_that_cannot_be_written_as_json_is_an_error_observat
         """Return an odd value."""
         return value
 
-    store = MemoryStore()
-    model = ScriptedModel(turns=[call("odd", call_id="c1"), say("done")])
-    result = await treadle.run(agent(model, odd), "go", store=store, run_id="r")
-    assert result.stop_reason is treadle.StopReason.FINAL_ANSWER
-    log = await store.read_log("r")
-    (found,) = [r for r in log.records if isinstance(r, ActionResult)]
+    found = await the_one_result(odd)
     assert "could not be written as JSON" in found.outcome.observation
     assert "nests too deeply" in found.outcome.observation
 
