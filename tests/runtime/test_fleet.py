@@ -535,11 +535,8 @@ async def test_a_run_of_a_worker_that_died_is_taken_over_by_another(autojump_clo
     assert check_invariants(log) == []
 
 
-async def test_a_run_that_keeps_killing_its_drivers_is_quarantined_until_released(autojump_clock):
-    world, store = World(), new_store()
-    await store.submit("r", agent="calc", input=(Message(role="user", content="work"),))
-    async with fleet(store, {"calc": lambda: world.agent(TWO_STEPS)}) as first:
-        await until(lambda: _started(world, "r/s1/a1"))
+async def drivers_die(store, *, max_takeovers: int) -> int:
+    """Claim the run again and again, each claimer dying at once; the deaths until none can."""
     deaths = 0
     for n in range(10):
         claims = await store.claim(
@@ -547,13 +544,22 @@ async def test_a_run_that_keeps_killing_its_drivers_is_quarantined_until_release
             agents={"calc": ("v1",)},
             limit=1,
             ttl_s=3,
-            max_takeovers=3,
+            max_takeovers=max_takeovers,
             backoff_s=0,
         )
         if not claims:
-            break
+            return deaths
         deaths += 1
         await trio.sleep(4)  # the driver dies: its lease lapses unrenewed
+    return deaths
+
+
+async def test_a_run_that_keeps_killing_its_drivers_is_quarantined_until_released(autojump_clock):
+    world, store = World(), new_store()
+    await store.submit("r", agent="calc", input=(Message(role="user", content="work"),))
+    async with fleet(store, {"calc": lambda: world.agent(TWO_STEPS)}) as first:
+        await until(lambda: _started(world, "r/s1/a1"))
+    deaths = await drivers_die(store, max_takeovers=3)
     summary = await store.read_summary("r")
     assert summary.liveness is Liveness.QUARANTINED, summary
     assert summary.quarantined and "unquarantine" in summary.quarantined
@@ -579,16 +585,7 @@ async def test_a_quarantined_run_cancelled_no_longer_says_it_can_be_released(aut
     await store.submit("r", agent="calc", input=(Message(role="user", content="work"),))
     async with fleet(store, {"calc": lambda: world.agent(TWO_STEPS)}):
         await until(lambda: _started(world, "r/s1/a1"))
-    for n in range(3):
-        await store.claim(
-            owner=f"dead-{n}",
-            agents={"calc": ("v1",)},
-            limit=1,
-            ttl_s=3,
-            max_takeovers=2,
-            backoff_s=0,
-        )
-        await trio.sleep(4)
+    assert await drivers_die(store, max_takeovers=2) == 2
     assert (await store.read_summary("r")).liveness is Liveness.QUARANTINED
     result = await finish_cancelled(store, "r", owner="canceller", reason="poison")
     assert result.state is RunState.CANCELLED
