@@ -176,6 +176,21 @@ async def test_a_schema_that_is_no_json_schema_is_a_clear_error(tmp_path):
         assert (await tools.execute(_action("tag", item="y"))).observation == "tagged y"
 
 
+async def test_a_schema_whose_reference_leads_nowhere_makes_the_call_not_executed(tmp_path):
+    # Accepted at open (its shape is valid JSON Schema), it failed the first call's check
+    # with a referencing error: the run was interrupted, and the call's outcome read
+    # "unknown" on resume although it never reached the server.
+    nowhere = mcp_types.Tool(
+        name="nowhere",
+        input_schema={"type": "object", "properties": {"a": {"$ref": "#/definitions/nope"}}},
+    )
+    server = mcp_server.make_server(str(tmp_path / "ledger"), extra=[nowhere])
+    async with open_mcp_tools(server, include=["nowhere"]) as tools:
+        outcome = await tools.execute(_action("nowhere", a=1))
+    assert outcome.status is ActionStatus.NOT_EXECUTED
+    assert "input schema of 'nowhere' cannot be checked" in (outcome.detail or outcome.observation)
+
+
 async def test_json_rpc_errors_are_refusals_or_failures_by_their_code(tmp_path):
     server = mcp_server.make_server(str(tmp_path / "ledger"), extra=mcp_server.PROTOCOL_ERRORS)
     async with open_mcp_tools(server, include=["picky", "crash"]) as tools:

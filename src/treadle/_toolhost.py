@@ -142,9 +142,11 @@ class HostedCall(Generic[T]):
             with self._scope:
                 try:
                     self._result = outcome.Value(await fn())
-                except trio.Cancelled:
-                    raise  # the call's own scope (cancelled: no result) or the host's end
                 except BaseException as exc:
+                    if _cancellation(exc):
+                        # The call's own scope takes it (cancelled: no result), also from
+                        # a nursery of the call's, or it is the host's end.
+                        raise
                     # The run waiting on the call raises it (an abandoned call's is reported).
                     # Any other BaseException too (asyncio's CancelledError from a bridged
                     # call, GeneratorExit, a subclass of the caller's): raised in this system
@@ -178,6 +180,13 @@ class HostedCall(Generic[T]):
                 self._on_late(text)
             except Exception:  # a diagnostic must never fail the host
                 LOG.exception("reporting a late tool return failed")
+
+
+def _cancellation(exc: BaseException) -> bool:
+    """Whether ``exc`` is trio's cancellation, or a group that holds one (a call's nursery's)."""
+    if isinstance(exc, trio.Cancelled):
+        return True
+    return isinstance(exc, BaseExceptionGroup) and exc.subgroup(trio.Cancelled) is not None
 
 
 _Queued: TypeAlias = tuple[HostedCall[Any], Callable[[], Awaitable[Any]]]

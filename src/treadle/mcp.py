@@ -293,9 +293,12 @@ class McpTools:
         """Why a call of ``tool`` cannot run (unknown tool, schema errors), or ``None``."""
         if tool not in self._tools:
             return f"unknown tool {tool!r}"
-        errors = sorted(
-            self._validators[tool].iter_errors(dict(arguments)), key=lambda e: list(e.path)
-        )
+        try:
+            errors = sorted(
+                self._validators[tool].iter_errors(dict(arguments)), key=lambda e: list(e.path)
+            )
+        except Exception as exc:  # the server's schema itself is broken (a $ref to nowhere)
+            return f"the server's input schema of {tool!r} cannot be checked: {exc}"
         if not errors:
             return None
         shown = [

@@ -289,10 +289,13 @@ def _check_options(
         raise UsageError(f"tool {name!r}: isolation must be None or 'process', got {isolation!r}")
     if isolation == "process":
         qualname = getattr(fn, "__qualname__", "")
-        if not qualname or "<" in qualname or getattr(fn, "__module__", None) is None:
+        module = getattr(fn, "__module__", None)
+        # `__main__` is the script being run: the child process is a `__main__` of its own.
+        if not qualname or "<" in qualname or module is None or module == "__main__":
             raise UsageError(
                 f"tool {name!r}: a process tool must be a function defined at the top level "
-                "of an importable module (it is imported again in the child process)"
+                "of an importable module, not in the script being run (it is imported again "
+                "in the child process)"
             )
     if timeout_s is not None and not (math.isfinite(timeout_s) and timeout_s > 0):
         raise UsageError(f"tool {name!r}: timeout_s must be a positive number of seconds")
@@ -559,6 +562,7 @@ async def _in_process(
         check=False,
         env=env,
         deliver_cancel=_kill,
+        start_new_session=True,  # its own process group: `_kill` kills what it started too
     )
     if completed.returncode != 0 or not completed.stdout:
         detail = f"the process of {found.name} exited with status {completed.returncode}"
@@ -578,8 +582,15 @@ async def _in_process(
 
 
 async def _kill(process: trio.Process) -> None:
-    """Cancel a process tool's call: SIGKILL, no grace (its state is the tool's own)."""
-    process.send_signal(signal.SIGKILL)
+    """Cancel a process tool's call: SIGKILL to its process group, no grace.
+
+    The group is the tool's process and every process it started (they stay in its group
+    unless they leave it themselves), so nothing of the call runs on after the kill.
+    """
+    try:
+        os.killpg(process.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):  # the group is gone: the process alone
+        process.send_signal(signal.SIGKILL)
     await trio.lowlevel.checkpoint()
 
 
@@ -690,6 +701,8 @@ class Toolbox:
     async def execute(self, action: Action, *, replay: bool = False) -> ActionOutcome:
         """Validate ``action``'s arguments, run its tool under its timeout, and report.
 
+        The timeout is the tool's own, or ``action.timeout_s`` when that is shorter.
+
         Args:
             action: the action; ``arguments`` are the decoded JSON object from the model.
             replay: the call is re-executed on resume (passed to the tool's context).
@@ -740,12 +753,19 @@ class Toolbox:
                 run_cancelled=action.cancelled,
                 can_park=action.can_park,
             )
-        return await self._run(found, kwargs, resource, seen)
+        return await self._run(found, kwargs, resource, seen, action.timeout_s)
 
     async def _run(
-        self, found: Tool, kwargs: dict[str, Any], resource: str | None, seen: int | None
+        self,
+        found: Tool,
+        kwargs: dict[str, Any],
+        resource: str | None,
+        seen: int | None,
+        run_timeout_s: float,
     ) -> ActionOutcome:
-        timeout = self.timeout_s(found.name)
+        # The run may stop waiting sooner than the tool's own timeout (`Limits.tool_timeout_s`):
+        # then the call ends here at that time, and says what it did (a thread is abandoned).
+        timeout = min(self.timeout_s(found.name), run_timeout_s)
         # only a call in a worker thread needs to learn it was abandoned
         abandoned = threading.Event() if found.isolation == "thread" else None
         with trio.move_on_after(timeout):

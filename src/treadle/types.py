@@ -575,6 +575,11 @@ class Action:
         can_park: the call may park its run instead of answering (every call of the step
             is ``safe`` to replay, so none of their outcomes is lost when the step is run
             again): a child-run tool in a fleet does (docs/child-runs.md, "In a fleet").
+        timeout_s: seconds the call may run, as the run applies it: `Limits.tool_timeout_s`,
+            or the executor's own timeout of the tool when shorter (``inf``: none). An
+            executor that times its calls out itself, as `treadle.Toolbox` does, ends the
+            call by then, so that it reports the timeout before the run stops waiting
+            (docs/concepts.md, "Tools and cancellation").
     """
 
     run_id: str
@@ -590,6 +595,7 @@ class Action:
     forward: Callable[[Event], None] | None = attrs.field(default=None, eq=False, repr=False)
     cancelled: Callable[[], bool] | None = attrs.field(default=None, eq=False, repr=False)
     can_park: bool = False
+    timeout_s: float = float("inf")
 
 
 # --------------------------------------------------------------------------- definition data

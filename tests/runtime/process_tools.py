@@ -46,3 +46,17 @@ def stale_write(rid: str, base: int) -> str:
 def whoami(ctx: treadle.ToolContext) -> str:
     """Say which call this is (its context crossed into the child process)."""
     return f"{ctx.intent_id} {ctx.forward_event} {ctx.run_cancelled}"
+
+
+@treadle.tool(isolation="process", timeout_s=30)
+def spawn_and_wait(directory: str) -> str:
+    """Start a grandchild that sleeps, then write its pid as ``started`` and wait for it."""
+    import subprocess
+    import sys
+
+    folder = Path(directory)
+    script = f"import time, pathlib; time.sleep(60); pathlib.Path({str(folder / 'done')!r}).write_text('done')"
+    grandchild = subprocess.Popen([sys.executable, "-c", script])
+    (folder / "started").write_text(str(grandchild.pid))
+    grandchild.wait()
+    return "waited"

@@ -20,10 +20,12 @@ from pathlib import Path
 import attrs
 import pytest
 import trio
-from process_tools import double, fail, slow_write, stale_write, whoami
+import trio.testing
+from process_tools import double, fail, slow_write, spawn_and_wait, stale_write, whoami
 from runtime_fakes import LedgerTools, SimpleParser
 
 import treadle
+from treadle._exceptions import UsageError
 from treadle._toolhost import host_statistics
 from treadle.actors import CANCEL_GRACE_S
 from treadle.agent import Agent
@@ -291,6 +293,81 @@ async def test_a_process_tool_is_killed_at_its_timeout(markers):
         "Error: the call to slow_write timed out after 3 s (its process was killed)"
     )
     assert check_invariants(log) == []
+
+
+async def test_a_process_tools_own_processes_are_killed_with_it(markers):
+    # Only the tool's process got SIGKILL: a process it started ran on and made its effect.
+    spawner = attrs.evolve(spawn_and_wait, timeout_s=3)
+    agent = make_agent(
+        [call("spawn_and_wait", directory=str(markers), call_id="c1"), say("went on")],
+        [spawner],
+    )
+    store = MemoryStore()
+    result = await treadle.run(agent, "x", store=store, run_id="r")
+    assert result.final_answer == "went on"
+    await check_killed(markers)  # ``started`` holds the grandchild's pid
+
+
+def test_a_process_tool_of_the_script_being_run_is_refused_when_declared():
+    # The child process is a `__main__` of its own: every call failed with AttributeError.
+    def double(n: int) -> int:
+        """Twice n."""
+        return 2 * n
+
+    double.__module__ = "__main__"
+    double.__qualname__ = "double"
+    with pytest.raises(UsageError, match="not in the script being run"):
+        treadle.tool(isolation="process")(double)
+
+
+@tool(name="nested")
+async def nested_sleep(note: str) -> str:
+    """Sleep in a task of its own nursery (its cancellation comes out of the nursery)."""
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(trio.sleep_forever)
+    return "never"
+
+
+@pytest.mark.parametrize("kind", ["thread", "nursery"])
+async def test_the_runs_tool_timeout_below_the_tools_own_is_the_calls_timeout(
+    kind, blocker, autojump_clock
+):
+    """`Limits.tool_timeout_s` shorter than the tool's own: the Toolbox ends the call then.
+
+    Before, the executor cut the call first: a thread running on was recorded EXECUTED
+    "timed out" (not unknown, and the model might retry it), and a task whose cancellation
+    came out of its own nursery interrupted the run."""
+    found = blocker.tools["sync"] if kind == "thread" else nested_sleep
+    slow = attrs.evolve(found, timeout_s=600)
+    agent = make_agent(
+        [call(slow.name, note="x", call_id="c1"), say("went on")],
+        [slow],
+        limits=Limits(tool_timeout_s=2),
+    )
+    store = MemoryStore()
+    result = await treadle.run(agent, "x", store=store, run_id="r")
+    assert result.final_answer == "went on"
+    (timed_out,) = results_of(await store.read_log("r"))
+    if kind == "thread":
+        assert timed_out.outcome.status is ActionStatus.UNKNOWN and timed_out.late
+    else:
+        assert timed_out.outcome.status is ActionStatus.EXECUTED and not timed_out.late
+        assert timed_out.outcome.observation == "Error: the call to nested timed out after 2 s"
+
+
+def test_a_hosted_call_cancelled_out_of_its_own_nursery_ends_with_no_result():
+    """A cancellation raised as a group (from the call's nursery) is the call's scope's to
+    take: stored as the call's error, it was raised again in the run, interrupting it."""
+    from treadle._toolhost import current_host
+
+    async def main() -> object:
+        call = current_host().start(lambda: nested_sleep.fn(note="x"), description="nested")
+        await trio.testing.wait_all_tasks_blocked()
+        call.cancel()
+        await call.wait()
+        return call.result()
+
+    assert trio.run(main) is None
 
 
 async def test_a_process_tool_is_killed_at_the_time_budget(markers):

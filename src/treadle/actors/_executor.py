@@ -294,6 +294,7 @@ class ToolExecutor:
             tool=call.name,
             arguments=call.arguments,
             revisions=revisions,
+            timeout_s=self._timeout_s(call.name)[0],
             **more,
         )
 
