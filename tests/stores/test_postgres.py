@@ -338,3 +338,75 @@ def test_a_transaction_ended_as_a_deadlock_victim_is_made_again_and_nothing_else
     with pytest.raises(_Refused):  # deadlocked every time: the last one is raised
         _sql.again_on_deadlock(lambda: transaction(99, "40P01"))
     assert len(tries) == _sql.DEADLOCK_RETRIES + 1
+
+
+async def test_opening_a_store_at_its_layout_takes_no_lock_on_its_tables(
+    postgres_dsn: str, postgres_schema: str
+) -> None:
+    # Every open ran the schema's DDL: CREATE INDEX IF NOT EXISTS waits for writers of
+    # `runs` to finish, and every commit of the fleet then queued behind it (a worker paused
+    # in a commit, plus any CLI command, stalled them all).
+    async with treadle.open_postgres_store(postgres_dsn, schema=postgres_schema):
+        pass  # lays the schema out
+    with psycopg.connect(postgres_dsn, autocommit=True) as writer:
+        writer.execute(f"SET search_path = {postgres_schema}")
+        writer.execute("BEGIN")
+        writer.execute("LOCK TABLE runs IN ROW EXCLUSIVE MODE")  # as a commit in flight
+        with trio.fail_after(60):  # before: until the writer's transaction ended
+            async with treadle.open_postgres_store(postgres_dsn, schema=postgres_schema) as store:
+                assert await store.list_runs() == ()
+        writer.execute("ROLLBACK")
+
+
+async def test_a_connection_paused_inside_a_transaction_is_ended_by_the_server(
+    postgres_dsn: str, postgres_schema: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A process stopped in the middle of a commit (SIGSTOP) kept its row locks for as long
+    as it stayed stopped: no other worker could take its runs over."""
+    monkeypatch.setattr(postgres, "IDLE_IN_TRANSACTION_S", 1)
+    dialect = postgres.PostgresDialect(postgres_dsn, postgres_schema)
+    paused = dialect.connect("treadle paused")
+    pid = paused.execute("SELECT pg_backend_pid()").fetchone()[0]
+    paused.execute("BEGIN")
+    paused.execute("SELECT 1")  # then nothing more: the process is stopped
+    with psycopg.connect(postgres_dsn, autocommit=True) as admin, trio.fail_after(60):
+        while admin.execute("SELECT 1 FROM pg_stat_activity WHERE pid = %s", (pid,)).fetchone():  # noqa: ASYNC110 (polling the server)
+            await trio.sleep(0.1)
+    with pytest.raises(psycopg.errors.IdleInTransactionSessionTimeout):
+        paused.execute("SELECT 1")
+    paused.close()
+
+
+def test_the_committer_keeps_trying_to_reconnect_through_a_server_restart(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """It gave up after five attempts (about 3 s): its thread ended, and the worker went on
+    claiming runs that could never be written (each quarantined in the end)."""
+    now = [0.0]  # the committer's clock: its sleeps move it on
+    slept: list[float] = []
+    back_at = [20.0]  # the server is back 20 s after the connection was lost
+
+    def sleep(seconds: float) -> None:
+        slept.append(seconds)
+        now[0] += seconds
+
+    class Dialect:
+        def connect(self, application: str) -> object:
+            if now[0] < back_at[0]:
+                raise psycopg.OperationalError("connection refused")
+            return "a connection"
+
+    class Lost:
+        def close(self) -> None:
+            pass
+
+    monkeypatch.setattr(postgres.time, "sleep", sleep)
+    monkeypatch.setattr(postgres.time, "monotonic", lambda: now[0])
+    committer = type("Committer", (), {})()
+    committer._conn, committer._dialect, committer.description = Lost(), Dialect(), "store"
+    postgres.PostgresBackend._reconnect(committer, OSError("gone"))  # type: ignore[arg-type]
+    assert committer._conn == "a connection" and len(slept) > 5 and max(slept) <= 5.0
+    now[0], back_at[0] = 0.0, float("inf")  # a server that never comes back
+    with pytest.raises(treadle.StoreError, match="could not be made again in 60 s"):
+        postgres.PostgresBackend._reconnect(committer, OSError("gone"))  # type: ignore[arg-type]
+    assert 55.0 <= now[0] <= 60.0

@@ -42,8 +42,29 @@ from treadle.stores._engine import BatchReport, CommitEngine, Write, fail_writes
 CONNECT_TIMEOUT_S: Final = 10
 """Seconds a connection attempt may take (psycopg's ``connect_timeout``)."""
 
-RECONNECT_ATTEMPTS: Final = 5
-"""Times the committer tries to reconnect after losing its connection (0.2 s, 0.4 s ... apart)."""
+RECONNECT_FOR_S: Final = 60.0
+"""Seconds the committer keeps trying to reconnect after losing its connection (0.2 s, 0.4 s
+... apart, at most 5 s): a server restart or a failover takes that long. Its writes wait."""
+
+IDLE_IN_TRANSACTION_S: Final = 30
+"""Seconds a connection may sit inside a transaction without a statement before the server
+ends it (``idle_in_transaction_session_timeout``): a process paused in the middle of a commit
+(SIGSTOP, a frozen VM) then lets go of the rows it locked, and the runs it drove can be
+taken over (docs/fleet.md, "Leases")."""
+
+KEEPALIVE: Final = {
+    "keepalives": 1,
+    "keepalives_idle": 10,
+    "keepalives_interval": 5,
+    "keepalives_count": 3,
+    "tcp_user_timeout": 30_000,
+}
+"""libpq's TCP keepalive settings: a connection to a server that vanished without a word (a
+network partition) fails within about half a minute, not the operating system's two hours."""
+
+DDL_LOCK_TIMEOUT: Final = "10s"
+"""How long creating the tables waits for a lock (the first open of a schema, or an upgrade):
+refused then, rather than stalling every commit of the fleet queued behind it."""
 
 DEFAULT_SCHEMA: Final = "public"
 """The schema the tables live in when none is given."""
@@ -143,12 +164,14 @@ class PostgresDialect:
         """A new autocommit connection whose search path is the store's schema."""
         psycopg = _psycopg()
         _, other = schema_of(self.dsn)
+        idle = f"-c idle_in_transaction_session_timeout={IDLE_IN_TRANSACTION_S}s"
         return psycopg.connect(
             self.dsn,
             autocommit=True,
             connect_timeout=CONNECT_TIMEOUT_S,
             application_name=application,
-            options=" ".join([*other, f"-c search_path={self.schema}"]),
+            options=" ".join([*other, idle, f"-c search_path={self.schema}"]),
+            **KEEPALIVE,
         )
 
     def sql(self, text: str) -> str:
@@ -207,10 +230,18 @@ def _lost_connection(exc: BaseException) -> bool:
 
 
 def _ensure_schema(dialect: PostgresDialect, conn: Any) -> None:
-    """Create the tables once (under an advisory lock), mark layout 2 as 3; refuse a newer one."""
+    """Create the tables once (under an advisory lock), mark layout 2 as 3; refuse a newer one.
+
+    A schema already at this layout is only read: creating what exists would still take
+    locks on its tables (``CREATE INDEX IF NOT EXISTS`` waits for writers to finish, and
+    every commit then waits behind it).
+    """
     psycopg = _psycopg()
+    if _current_layout(conn) == _sql.LAYOUT_VERSION:
+        return
     conn.execute("BEGIN")
     try:
+        conn.execute(f"SET LOCAL lock_timeout = '{DDL_LOCK_TIMEOUT}'")
         conn.execute("SELECT pg_advisory_xact_lock(hashtext(%s))", (f"treadle:{dialect.schema}",))
         conn.execute(
             psycopg.sql.SQL("CREATE SCHEMA IF NOT EXISTS {}").format(
@@ -237,6 +268,16 @@ def _ensure_schema(dialect: PostgresDialect, conn: Any) -> None:
     layout = _sql.layout_of(row[0])
     if layout > _sql.LAYOUT_VERSION:
         raise SchemaTooNew(layout, _sql.LAYOUT_VERSION)
+
+
+def _current_layout(conn: Any) -> int | None:
+    """The schema's layout when its ``meta`` table says; ``None`` when there is none yet."""
+    psycopg = _psycopg()
+    try:
+        row = conn.execute("SELECT value FROM meta WHERE key = 'layout'").fetchone()
+    except psycopg.errors.UndefinedTable:  # a new schema (autocommit: nothing to roll back)
+        return None
+    return None if row is None else _sql.layout_of(row[0])
 
 
 # --------------------------------------------------------------------------- the committer
@@ -317,17 +358,18 @@ class PostgresBackend(_sql.SqlBackend):
         with contextlib.suppress(Exception):
             self._conn.close()
         delay = 0.2
-        for attempt in range(RECONNECT_ATTEMPTS):
+        give_up = time.monotonic() + RECONNECT_FOR_S
+        while True:
             try:
                 self._conn = self._dialect.connect("treadle committer")
             except Exception:
-                if attempt + 1 == RECONNECT_ATTEMPTS:
+                if time.monotonic() + delay > give_up:
                     raise StoreError(
                         f"{self.description}: the connection was lost while committing and "
-                        f"could not be made again ({lost})"
+                        f"could not be made again in {RECONNECT_FOR_S:g} s ({lost})"
                     ) from lost
                 time.sleep(delay)
-                delay *= 2
+                delay = min(delay * 2, 5.0)
             else:
                 return
 
