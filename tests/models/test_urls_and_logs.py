@@ -83,3 +83,38 @@ def test_join_url_keeps_the_query_and_does_not_double_slashes():
     )
     assert join_url("https://h/v1/", "/chat/completions") == "https://h/v1/chat/completions"
     assert join_url("https://h", "/v1/messages") == "https://h/v1/messages"
+
+
+async def test_no_log_line_holds_the_password_of_the_base_urls_user_information(caplog):
+    # httpx logs the request URL: "POST http://user:PASSWORD@host/..." went out as it was.
+    caplog.set_level(logging.DEBUG)
+    async with open_loopback_server(canned(OPENAI_REPLY)) as server:
+        userinfo = server.base_url.replace("http://", f"http://proxyuser:{SECRET}@")
+        client = OpenAIChatClient(base_url=f"{userinfo}/v1", api_key="sk-header-key")
+        try:
+            with trio.fail_after(10):
+                await client.complete(REQUEST)
+        finally:
+            await client.aclose()
+    assert any("proxyuser:***@" in r.getMessage() for r in caplog.records if r.name == "httpx")
+    assert SECRET not in caplog.text
+
+
+@pytest.mark.parametrize("make", [OpenAIChatClient, AnthropicMessagesClient])
+@pytest.mark.parametrize("key", ["sk-key\n", " sk-key", "sk key", "sk-\tkey"])
+def test_an_api_key_with_whitespace_is_refused_when_the_client_is_made(make, key):
+    # A key read from a file kept its line break: every request failed on the header, and
+    # the error quoting the header's bytes (with the line break escaped) carried the key
+    # into the run's records, `treadle show` and the logs.
+    from treadle import UsageError
+
+    with pytest.raises(UsageError, match="whitespace or a control character") as refused:
+        make(base_url="http://127.0.0.1:9/v1", api_key=key)
+    assert "sk" not in str(refused.value)
+
+
+def test_the_key_is_redacted_also_as_a_repr_writes_it():
+    key = "sk-SE\\CRET"  # one backslash, which a repr doubles
+    client = OpenAIChatClient(base_url="http://127.0.0.1:9/v1", api_key=key)
+    text = f"Illegal header value {('Bearer ' + key).encode()!r}"
+    assert "CRET" in text and "CRET" not in client._redact(text)

@@ -144,8 +144,14 @@ class StreamReader(Generic[A]):
         )
 
     def _redact(self, text: str) -> str:
-        """``text`` with the API key and URL query credentials replaced by ``***``."""
-        text = text.replace(self._api_key, "***") if self._api_key else text
+        """``text`` with the API key and URL credentials replaced by ``***``.
+
+        Also the key as a ``repr`` writes it (an error quoting a header's bytes escapes them).
+        """
+        key = self._api_key
+        if key:
+            for form in (key, repr(key)[1:-1], repr(key.encode("utf-8", "replace"))[2:-1]):
+                text = text.replace(form, "***")
         return redact_url_secrets(text)
 
     def _add_body(self, acc: A, body: bytes) -> ModelReply:
@@ -321,19 +327,41 @@ SECRET_QUERY_NAMES: frozenset[str] = frozenset(
 _QUERY_PARAM = re.compile(r"([?&;])([^=&;#\s\"']+)=([^&;#\s\"']*)")
 
 
-def redact_url_secrets(text: str) -> str:
-    """``text`` with the value of every credential query parameter replaced by ``***``.
+_USERINFO = re.compile(r"(\b[a-zA-Z][a-zA-Z0-9+.-]*://)([^/@\s:\"']*):([^/@\s\"']*)@")
 
-    A parameter is a credential when its name, case-insensitively, is in `SECRET_QUERY_NAMES`
-    (``?key=...`` as Google's APIs use, ``api-key=`` as Azure's may, signatures of signed
-    URLs).
+
+def redact_url_secrets(text: str) -> str:
+    """``text`` with URL credentials replaced by ``***``.
+
+    That is, the password of a URL's user information (``https://user:***@host/``) and the
+    value of every credential query parameter: one whose name, case-insensitively, is in
+    `SECRET_QUERY_NAMES` (``?key=...`` as Google's APIs use, ``api-key=`` as Azure's may,
+    signatures of signed URLs).
     """
 
     def hide(match: re.Match[str]) -> str:
         name = urllib.parse.unquote(match[2]).lower()
         return f"{match[1]}{match[2]}=***" if name in SECRET_QUERY_NAMES else match[0]
 
-    return _QUERY_PARAM.sub(hide, text)
+    return _QUERY_PARAM.sub(hide, _USERINFO.sub(r"\1\2:***@", text))
+
+
+def check_api_key(api_key: str | None) -> str | None:
+    """``api_key`` as given, refused when it holds whitespace or a control character.
+
+    A key read from a file with its line break would be sent in a header no server
+    accepts, and the error quoting that header would carry the key.
+
+    Raises:
+        UsageError: the key holds a space, a line break or another control character
+            (strip it: ``open(path).read().strip()``).
+    """
+    if api_key is not None and any(ch.isspace() or ord(ch) < 32 for ch in api_key):
+        raise UsageError(
+            "the API key holds whitespace or a control character (a line break read from a "
+            "file?): strip it"
+        )
+    return api_key
 
 
 class _RedactUrlSecrets(logging.Filter):

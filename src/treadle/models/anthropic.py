@@ -22,6 +22,7 @@ from treadle.models._accumulate import error_fields, loads_json, parse_retry_aft
 from treadle.models._anthropic_stream import MessageAccumulator, classify_anthropic
 from treadle.models._transport import (
     StreamReader,
+    check_api_key,
     install_log_redaction,
     join_url,
     load_image,
@@ -78,8 +79,9 @@ class AnthropicMessagesClient(StreamReader[MessageAccumulator]):
             (docs/structured-output.md).
 
     Raises:
-        UsageError: ``base_url`` is not an http(s) URL, a timeout is not positive, or
-            ``default_max_tokens`` is not positive.
+        UsageError: ``base_url`` is not an http(s) URL, a timeout is not positive,
+            ``default_max_tokens`` is not positive, or the API key holds whitespace or a
+            control character (a line break read from a file).
     """
 
     native_output = False
@@ -107,7 +109,9 @@ class AnthropicMessagesClient(StreamReader[MessageAccumulator]):
             raise UsageError(f"default_max_tokens must be positive, got {default_max_tokens}")
         self._url = join_url(base_url, "/v1/messages")
         install_log_redaction()
-        self._api_key = api_key if api_key is not None else os.environ.get(API_KEY_ENV) or None
+        self._api_key = check_api_key(
+            api_key if api_key is not None else os.environ.get(API_KEY_ENV) or None
+        )
         self._owns_client = http_client is None
         self._client = http_client if http_client is not None else httpx.AsyncClient()
         self._connect_s = connect_timeout_s

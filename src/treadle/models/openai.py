@@ -25,6 +25,7 @@ from treadle.models._accumulate import (
 )
 from treadle.models._transport import (
     StreamReader,
+    check_api_key,
     install_log_redaction,
     join_url,
     load_image,
@@ -72,7 +73,8 @@ class OpenAIChatClient(StreamReader[StreamAccumulator]):
             makes such agents use the final-answer tool instead (docs/structured-output.md).
 
     Raises:
-        UsageError: ``base_url`` is not an http(s) URL, or a timeout is not positive.
+        UsageError: ``base_url`` is not an http(s) URL, a timeout is not positive, or
+            ``api_key`` holds whitespace or a control character (a line break read from a file).
     """
 
     def __init__(
@@ -97,7 +99,7 @@ class OpenAIChatClient(StreamReader[StreamAccumulator]):
             raise UsageError(f"timeouts must be positive seconds, got {timeouts}")
         self._url = join_url(base_url, "/chat/completions")
         install_log_redaction()
-        self._api_key = api_key
+        self._api_key = check_api_key(api_key)
         self._owns_client = http_client is None
         self._client = http_client if http_client is not None else httpx.AsyncClient()
         self._connect_s = connect_timeout_s
