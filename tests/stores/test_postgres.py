@@ -174,6 +174,36 @@ async def test_the_password_is_never_shown(postgres_dsn: str, failure: str) -> N
     assert "***" in str(info.value)
 
 
+@pytest.mark.parametrize(
+    "password", ["50%off-hunter22", "my hunter22", "pa/hunter22", "pa@hunter22"]
+)
+async def test_a_password_written_raw_in_a_url_is_never_shown(
+    postgres_dsn: str, password: str
+) -> None:
+    """A raw '%', space, '/' or '@' in a URL's password: the DSN cannot be read, or libpq
+    misreads it (a host 'hunter22@127.0.0.1'); its message quoted the password, and the
+    DSN's redaction stopped at the '/' or the first '@'."""
+    wrong = postgres_dsn.replace("treadle:treadle@", f"treadle:{password}@")
+    with pytest.raises((treadle.StoreError, treadle.UsageError)) as info:
+        await PostgresStore.open(wrong, schema="public")
+    assert "hunter22" not in str(info.value) and "***" in str(info.value)
+
+
+def test_a_dsn_is_told_from_a_path_and_its_password_hidden_however_written() -> None:
+    from treadle.stores import is_dsn, redact_dsn
+
+    assert is_dsn("port=5432 password=hunter22") and is_dsn("sslmode=require host=db")
+    assert not is_dsn("runs.db") and not is_dsn("./data/runs")
+    hidden = {
+        "postgresql://u:pa/hunter22@h/db": "postgresql://u:***@h/db",
+        "postgresql://u:p@hunter22@h/db": "postgresql://u:***@h/db",
+        "postgresql://u@h/db?%70assword=hunter22&x=1": "postgresql://u@h/db?%70assword=***&x=1",
+        "port=5432 password=hunter22": "port=5432 password=***",
+    }
+    for dsn, shown in hidden.items():
+        assert redact_dsn(dsn) == shown
+
+
 async def test_an_invalid_schema_name_is_refused(postgres_dsn: str) -> None:
     with pytest.raises(treadle.UsageError, match="schema"):
         await PostgresStore.open(postgres_dsn, schema="Robert'); DROP TABLE runs;--")

@@ -7,28 +7,75 @@ A password never appears in a message, a log line or a command's output (docs/fl
 from __future__ import annotations
 
 import re
+import urllib.parse
 from typing import Final
 
-_URL: Final = re.compile(r"^(postgres(?:ql)?://)([^@/]*)@", re.IGNORECASE)
+_SCHEMES: Final = ("postgresql://", "postgres://")
 _KEYWORD: Final = re.compile(r"(\bpassword\s*=\s*)('(?:[^'\\]|\\.)*'|\S+)", re.IGNORECASE)
+_LIBPQ_KEYWORDS: Final = frozenset(
+    {
+        "host",
+        "hostaddr",
+        "port",
+        "dbname",
+        "user",
+        "password",
+        "passfile",
+        "service",
+        "sslmode",
+        "options",
+        "application_name",
+        "connect_timeout",
+        "target_session_attrs",
+    }
+)
+"""Keywords of libpq's ``key=value`` connection strings that mark one (any of them will do:
+the others can come from ``PG*`` environment variables)."""
+_FIRST_KEY: Final = re.compile(r"^\s*([a-z_]+)\s*=")
+_QUERY_PASSWORD: Final = re.compile(r"([?&])([^=&]*)=([^&]*)")
 
 
 def is_dsn(store: str) -> bool:
     """Whether ``store`` names a PostgreSQL database (a URL or ``key=value`` keywords)."""
-    lowered = store.lower()
-    return lowered.startswith(("postgresql://", "postgres://")) or (
-        "=" in store and ("dbname=" in lowered or "host=" in lowered or "user=" in lowered)
-    )
+    if store.lower().startswith(_SCHEMES):
+        return True
+    first = _FIRST_KEY.match(store.lower())
+    return first is not None and first.group(1) in _LIBPQ_KEYWORDS
 
 
 def redact_dsn(store: str) -> str:
-    """``store`` with any password replaced by ``***`` (a path comes back unchanged)."""
+    """``store`` with any password replaced by ``***`` (a path comes back unchanged).
 
-    def user_only(match: re.Match[str]) -> str:
-        user = match.group(2).split(":", 1)[0]
-        return f"{match.group(1)}{user}:***@" if ":" in match.group(2) else match.group(0)
+    In a URL, the user information runs to the last ``@`` (a password holding a raw ``/``
+    or ``@`` is hidden whole), and a ``password`` query parameter is hidden however its name
+    is percent-encoded.
+    """
+    if not store.lower().startswith(_SCHEMES):
+        return _KEYWORD.sub(lambda m: f"{m.group(1)}***", store)
+    scheme, rest = store.split("://", 1)
+    userinfo, at, address = rest.rpartition("@")
+    if at and ":" in userinfo:
+        rest = f"{userinfo.split(':', 1)[0]}:***@{address}"
 
-    if store.lower().startswith(("postgresql://", "postgres://")):
-        text = _URL.sub(user_only, store)
-        return re.sub(r"([?&]password=)[^&]*", r"\1***", text, flags=re.IGNORECASE)
-    return _KEYWORD.sub(lambda m: f"{m.group(1)}***", store)
+    def hide(match: re.Match[str]) -> str:
+        named = urllib.parse.unquote(match.group(2)).strip().lower() == "password"
+        return f"{match.group(1)}{match.group(2)}=***" if named else match.group(0)
+
+    return f"{scheme}://{_QUERY_PASSWORD.sub(hide, rest)}"
+
+
+def scrub_password(text: str, store: str) -> str:
+    """``text`` (a driver's message about ``store``) with each piece of its password hidden.
+
+    libpq quotes what it misread of a URL whose password holds a raw ``@`` or ``/`` (as a
+    host name, say): every piece of the password between those characters, 3 characters
+    long or more, is replaced by ``***``.
+    """
+    if not store.lower().startswith(_SCHEMES):
+        return text
+    userinfo = store.split("://", 1)[1].rpartition("@")[0]
+    password = userinfo.split(":", 1)[1] if ":" in userinfo else ""
+    for piece in sorted(re.split(r"[@/]", password), key=len, reverse=True):
+        if len(piece) >= 3:
+            text = text.replace(piece, "***")
+    return text

@@ -36,7 +36,7 @@ import trio
 from treadle._exceptions import LogCorrupted, SchemaTooNew, StoreError, TreadleError, UsageError
 from treadle._trio_only import require_trio
 from treadle.stores import _sql
-from treadle.stores._dsn import redact_dsn
+from treadle.stores._dsn import redact_dsn, scrub_password
 from treadle.stores._engine import BatchReport, CommitEngine, Write, fail_writes
 
 CONNECT_TIMEOUT_S: Final = 10
@@ -481,6 +481,21 @@ def schema_of(dsn: str) -> tuple[str | None, list[str]]:
     return (found.group(1).split(",")[0] if found else None), rest
 
 
+def _check_readable(dsn: str) -> None:
+    """Refuse a DSN libpq cannot read, without quoting it (the quote is of its password).
+
+    Raises:
+        UsageError: ``dsn`` is malformed.
+    """
+    try:
+        _psycopg().conninfo.conninfo_to_dict(dsn)
+    except _psycopg().ProgrammingError:
+        raise UsageError(
+            f"the PostgreSQL DSN {redact_dsn(dsn)} cannot be read: in a URL, a '%', a space, "
+            "a '/' or an '@' in the password is written %25, %20, %2F or %40"
+        ) from None
+
+
 def _check_schema_name(schema: str) -> str:
     if _SCHEMA_NAME.fullmatch(schema) is None:
         raise UsageError(
@@ -490,6 +505,7 @@ def _check_schema_name(schema: str) -> str:
 
 
 def _open(dsn: str, schema: str) -> tuple[PostgresDialect, Any]:
+    _check_readable(dsn)
     dialect = PostgresDialect(dsn, schema)
     try:
         conn = dialect.connect("treadle committer")
@@ -497,7 +513,7 @@ def _open(dsn: str, schema: str) -> tuple[PostgresDialect, Any]:
         error = _translate(dialect.description, exc, "cannot connect to")
         if error is None:
             raise
-        raise error from exc
+        raise StoreError(scrub_password(str(error), dsn)) from None
     try:
         _ensure_schema(dialect, conn)
     except BaseException as exc:
