@@ -233,7 +233,7 @@ def test_a_worker_drives_submitted_runs_and_exits_0_on_sigterm(tmp_path: Path):
         code, out, err = stop(proc)
     assert code == 0, err
     assert "SIGTERM" in out and "leases released" in out
-    assert "1 runs finished" in out
+    assert "1 run finished here, 0 drives ended" in out
     row = rows(db)[run_id]
     assert row["state"] == "succeeded" and row["liveness"] == "finished"
     assert row["agent"] == "calc" and row["agent_version"] == "v1" and row["claims"] == 1
@@ -269,7 +269,7 @@ def test_a_drained_worker_counts_the_runs_it_left_to_resume(tmp_path: Path):
     db = tmp_path / "runs.db"
     code, out, err, _ = drain_a_worker_mid_run(tmp_path, db)
     assert code == 0, err
-    assert "0 runs finished, 1 left to resume, leases released" in out
+    assert "0 runs finished here, 1 drive ended with the run unfinished" in out
 
 
 @contextmanager

@@ -22,6 +22,7 @@ import trio
 
 from treadle._cli_common import (
     agent_block,
+    counted,
     made_agent,
     open_store,
     redact,
@@ -201,8 +202,9 @@ def worker_command(
                     await _until_stopped(signals, early, drain_s)
                 stats = fleet.statistics()
         click.echo(
-            f"worker stopped: {stats.finished} runs finished, {stats.left} left to resume, "
-            "leases released"
+            f"worker stopped: {counted(stats.finished, 'run')} finished here, "
+            f"{counted(stats.left, 'drive')} ended with the run unfinished (parked, drained, "
+            "taken over or failed: each run goes on from its log), leases released"
         )
 
     try:
