@@ -6,6 +6,7 @@ trio thread's commits skip two cross-thread wake-ups, the committer's keep the r
 
 from __future__ import annotations
 
+import contextlib
 import random
 import sqlite3
 import threading
@@ -23,6 +24,7 @@ from treadle.ports import RunStore
 from treadle.stores import _engine, _jsonl_backend, postgres
 from treadle.stores import sqlite as sqlite_module
 from treadle.types import (
+    Message,
     ModelIntent,
     ModelResult,
     RunFinished,
@@ -189,6 +191,30 @@ async def test_a_bug_in_a_commit_here_fails_the_batch_and_stops_the_engine(
     with trio.fail_after(20):
         await store.aclose()  # both failures were reported to their writers
     assert not engine._committer._thread.is_alive()
+
+
+async def test_a_store_whose_committer_stopped_claims_no_run(
+    tmp_path: Path, commits: Commits
+) -> None:
+    """Its committer gone (a database out of reach for good, a bug), a fleet worker went on
+    claiming runs it could never write: each failed, its lease expired, and the runs were
+    quarantined one takeover at a time. Now the claim is refused and the runs stay queued
+    for other workers."""
+    async with treadle.open_sqlite_store(tmp_path / "s.db") as store:
+        await store.submit("queued", agent="a", input=(Message(role="user", content="x"),))
+        g = await lease(store, "r")
+        await store.write_run_started(started("r"), seq=1, generation=g)
+        commits.bug = RuntimeError("a bug in the backend")
+        with pytest.raises(StoreError):
+            await store.write_intent(intent("r", 1), seq=2, generation=g)
+        with pytest.raises(StoreError, match="no write can be committed"):
+            await store.claim(
+                owner="w", agents={"a": ("",)}, limit=1, ttl_s=10, max_takeovers=3, backoff_s=0
+            )
+        summary = await store.read_summary("queued")
+        assert summary is not None and summary.liveness is treadle.Liveness.QUEUED
+        with trio.fail_after(20), contextlib.suppress(StoreError):
+            await store.aclose()  # reports the write that failed
 
 
 async def test_postgres_never_commits_in_the_trio_thread(

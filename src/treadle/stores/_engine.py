@@ -344,6 +344,20 @@ class CommitEngine:
         if self._closed:
             raise StoreError(f"the {self._backend.description} is closed")
 
+    def check_writable(self) -> None:
+        """Raise `StoreError` when no write can be committed any more.
+
+        That is, once the engine is closed, or once its committer thread stopped (it could
+        not reach the database again, or a bug ended it): a run taken now could never be
+        written, so a fleet claims nothing until the store is opened again.
+        """
+        self.check_open()
+        if self._inbox.refusing or not self._committer.alive:
+            raise StoreError(
+                f"the committer thread of the {self._backend.description} has stopped; no "
+                "write can be committed until the store is opened again"
+            )
+
     def statistics(self) -> StoreStatistics:
         """Counters since the engine started."""
         c = self._counters
@@ -731,6 +745,11 @@ class _Inbox:
         if wake:
             self._tokens.put(None)
 
+    @property
+    def refusing(self) -> bool:
+        """Whether writes are refused (`close` was called: the committer stopped or failed)."""
+        return self._closed
+
     def close(self) -> list[Write]:
         """Refuse further writes; return those never taken."""
         with self._lock:
@@ -864,6 +883,11 @@ class _Committer:
             return True
         self._thread.join(timeout_s)
         return not self._thread.is_alive()
+
+    @property
+    def alive(self) -> bool:
+        """Whether the committer thread still runs."""
+        return self._thread.is_alive()
 
     def _main(self) -> None:
         try:

@@ -1296,8 +1296,14 @@ class SqlStore(EngineStore):
         max_takeovers: int,
         backoff_s: float,
     ) -> tuple[Claim, ...]:
-        """Claim up to ``limit`` runs, taking their leases (`treadle.ports.RunQueue.claim`)."""
+        """Claim up to ``limit`` runs, taking their leases (`treadle.ports.RunQueue.claim`).
+
+        Raises:
+            StoreError: the store failed, or its committer has stopped (no run taken now
+                could be written: `CommitEngine.check_writable`).
+        """
         _leases.check_ttl(ttl_s)
+        self._engine.check_writable()
         claims = await self._run(claim, owner, dict(agents), limit, ttl_s, max_takeovers, backoff_s)
         for made in claims:
             self._engine.forget(made.lease.run_id)
