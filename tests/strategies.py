@@ -188,6 +188,7 @@ actions = _build(
     forward=st.none() | st.just(lambda event: None),
     cancelled=st.none() | st.just(lambda: False),
     can_park=st.booleans(),
+    timeout_s=seconds | st.just(float("inf")),
 )
 attempts = _build(
     t.Attempt,

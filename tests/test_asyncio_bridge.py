@@ -147,6 +147,27 @@ def test_a_call_raising_a_base_exception_hands_it_back_unchanged():
         run_asyncio(main)  # leaving the block raises what ended the thread
 
 
+def test_a_call_that_reaches_a_closing_portal_is_refused_not_an_internal_error():
+    """A call made as the trio thread ends (a SystemExit of an earlier call is ending it)
+    reached a nursery that takes no more tasks: the refusal, raised in a callback of the
+    trio run, ended it with TrioInternalError. It now fails that call alone."""
+    from treadle.asyncio import TrioPortal
+
+    async def main() -> list[bool]:
+        async with trio.open_nursery() as nursery:
+            pass  # closed: it takes no more tasks
+        loop = asyncio.new_event_loop()
+        try:
+            portal = TrioPortal(loop, trio.lowlevel.current_trio_token(), nursery)
+            refused: list[bool] = []
+            portal._spawn(trio.sleep_forever, "late", lambda: refused.append(True))
+        finally:
+            loop.close()
+        return refused
+
+    assert trio.run(main) == [True]
+
+
 def test_cancelling_the_asyncio_caller_cancels_the_call_in_trio():
     async def main():
         started, ended = asyncio.Event(), asyncio.Event()

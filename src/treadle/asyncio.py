@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import functools
 import json
 import logging
 import math
@@ -79,6 +78,20 @@ class TrioPortal:
         except trio.RunFinishedError:
             raise UsageError("the treadle.asyncio portal's trio thread has stopped") from None
 
+    def _spawn(
+        self, fn: Callable[[], Awaitable[None]], name: str, refused: Callable[[], object]
+    ) -> None:
+        """In the trio thread: start ``fn`` in the portal's nursery, or call ``refused``.
+
+        The nursery refuses new tasks once it is closing (a call raised `SystemExit`, and the
+        thread is ending before the portal was closed): raised here, in a callback of the
+        run, that refusal would end it with `trio.TrioInternalError`.
+        """
+        try:
+            self._nursery.start_soon(fn, name=name)
+        except RuntimeError:
+            refused()
+
     def _reply(self, fn: Callable[..., object], *args: object) -> None:
         """In the trio thread: run ``fn(*args)`` in the asyncio loop (if it still runs)."""
         with contextlib.suppress(RuntimeError):  # the loop closed: nobody waits any more
@@ -119,7 +132,7 @@ class TrioPortal:
                 self._reply(_settle, future, outcome)
 
         name = getattr(fn, "__qualname__", repr(fn))
-        self._soon(functools.partial(self._nursery.start_soon, task, name=name))
+        self._soon(self._spawn, task, name, lambda: self._reply(_settle, future, None))
         try:
             return await future
         except asyncio.CancelledError:
@@ -154,7 +167,7 @@ class TrioPortal:
                 except Exception as exc:
                     await send.send((None, exc))
 
-        self._soon(self._nursery.start_soon, pump)
+        self._soon(self._spawn, pump, "pump", send.close)
         try:
             while True:
                 got = await self.call(_next, receive)
