@@ -29,6 +29,8 @@ import attrs
 import outcome
 import trio
 
+from treadle._exceptions import raised
+
 T = TypeVar("T")
 
 LOG = logging.getLogger("treadle.tools")
@@ -143,7 +145,7 @@ class HostedCall(Generic[T]):
                 try:
                     self._result = outcome.Value(await fn())
                 except BaseException as exc:
-                    if _cancellation(exc):
+                    if raised(exc, trio.Cancelled) is not None:
                         # The call's own scope takes it (cancelled: no result), also from
                         # a nursery of the call's, or it is the host's end.
                         raise
@@ -180,13 +182,6 @@ class HostedCall(Generic[T]):
                 self._on_late(text)
             except Exception:  # a diagnostic must never fail the host
                 LOG.exception("reporting a late tool return failed")
-
-
-def _cancellation(exc: BaseException) -> bool:
-    """Whether ``exc`` is trio's cancellation, or a group that holds one (a call's nursery's)."""
-    if isinstance(exc, trio.Cancelled):
-        return True
-    return isinstance(exc, BaseExceptionGroup) and exc.subgroup(trio.Cancelled) is not None
 
 
 _Queued: TypeAlias = tuple[HostedCall[Any], Callable[[], Awaitable[Any]]]

@@ -26,6 +26,7 @@ from treadle._clock import Clock, SystemClock
 from treadle._exceptions import UsageError
 from treadle._ids import check_run_id
 from treadle._text import repaired
+from treadle.parsers import MAX_ARGUMENT_DEPTH, NESTED_TOO_DEEP, argument_problem
 from treadle.policies import ExecutorPolicies
 from treadle.ports import ControlStream, RunQueue, RunStore
 from treadle.redaction import Redaction
@@ -108,8 +109,6 @@ def check_edit(
             nest deeper than a model's arguments may (`treadle.parsers.MAX_ARGUMENT_DEPTH`),
             or they do not fit ``schema``; the message lists each error with its path.
     """
-    from treadle.parsers import MAX_ARGUMENT_DEPTH, NESTED_TOO_DEEP, argument_problem
-
     if argument_problem(edit) == NESTED_TOO_DEEP:
         raise UsageError(
             f"edited arguments nest objects and arrays deeper than {MAX_ARGUMENT_DEPTH} levels"

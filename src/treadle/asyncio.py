@@ -29,7 +29,7 @@ from typing import Any, Final, TypeVar
 import attrs
 import trio
 
-from treadle._exceptions import RunLeased, TreadleError, UsageError
+from treadle._exceptions import RunLeased, TreadleError, UsageError, raised
 from treadle._ids import check_run_id, new_run_id
 from treadle.actors import stored_events
 from treadle.agent import Agent, RunInput
@@ -121,13 +121,12 @@ class TrioPortal:
             try:
                 with scope:
                     outcome = (await fn(*args), None)
-            except trio.Cancelled:
-                raise  # the portal closes: the caller is told so
-            except (KeyboardInterrupt, SystemExit) as exc:
-                outcome = (None, exc)
-                raise  # the caller gets it, and it ends the trio thread as trio would
-            except BaseException as exc:  # anything else is the call's (a library's own kind)
-                outcome = (None, exc)
+            except BaseException as exc:
+                if raised(exc, trio.Cancelled) is not None:
+                    raise  # the portal closes (also out of fn's nursery): the caller is told so
+                outcome = (None, exc)  # the caller's, whatever it is (a library's own kind)
+                if isinstance(exc, KeyboardInterrupt | SystemExit):
+                    raise  # it also ends the trio thread, as it ends a trio run
             finally:
                 self._reply(_settle, future, outcome)
 

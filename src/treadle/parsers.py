@@ -681,25 +681,23 @@ def strict_arguments(reply: ModelReply) -> ModelReply:
     ``Infinity``; empty when too deep to write), which the parsers turn into an invalid
     decision with feedback (docs/models.md, "Tool arguments").
     """
-    problems = {id(call): argument_problem(call.arguments) for call in reply.tool_calls}
-    if not any(problems.values()):
+    kept: list[ToolCall] = []
+    refused: list[InvalidToolCall] = []
+    for call in reply.tool_calls:
+        problem = argument_problem(call.arguments)
+        if problem is None:
+            kept.append(call)
+        else:
+            raw = _as_text(call.arguments)
+            refused.append(
+                InvalidToolCall(id=call.id, name=call.name, raw_arguments=raw, reason=problem)
+            )
+    if not refused:
         return reply
-    bad = [call for call in reply.tool_calls if problems[id(call)] is not None]
     return attrs.evolve(
         reply,
-        tool_calls=tuple(call for call in reply.tool_calls if problems[id(call)] is None),
-        invalid_tool_calls=(
-            *(
-                InvalidToolCall(
-                    id=call.id,
-                    name=call.name,
-                    raw_arguments=_as_text(call.arguments),
-                    reason=problems[id(call)] or NON_FINITE_NUMBER,
-                )
-                for call in bad
-            ),
-            *reply.invalid_tool_calls,
-        ),
+        tool_calls=tuple(kept),
+        invalid_tool_calls=(*refused, *reply.invalid_tool_calls),
     )
 
 

@@ -581,6 +581,11 @@ async def _in_process(
     return ActionOutcome(status=ActionStatus.EXECUTED, observation=text)
 
 
+_LEAVES_THE_CALL: Final = (trio.Cancelled, KeyboardInterrupt, SystemExit)
+"""What a tool raises that is no outcome of its call, also inside exception groups: trio's
+cancellation (its timeout, the run's cancel) and the process's exit."""
+
+
 async def _kill(process: trio.Process) -> None:
     """Cancel a process tool's call: SIGKILL to its process group, no grace.
 
@@ -790,13 +795,13 @@ class Toolbox:
                 if stale is not None:
                     return _stale(found, resource, seen, stale)
                 return self._failed(exc)
-            except (trio.Cancelled, KeyboardInterrupt, SystemExit, BaseExceptionGroup):
+            except BaseException as exc:
+                if not any(raised(exc, kind) for kind in _LEAVES_THE_CALL):
+                    return self._failed(exc)  # asyncio's CancelledError, GeneratorExit, ...
                 # cancelled (or timed out): a thread is left behind
                 if abandoned is not None:
                     abandoned.set()
                 raise
-            except BaseException as exc:  # asyncio's CancelledError, GeneratorExit, ...
-                return self._failed(exc)
             return self._returned(found, result, resource)
         if found.isolation == "thread":
             return ActionOutcome(

@@ -181,7 +181,9 @@ class InvalidToolCall:
         id: call id (provider's, or synthesised).
         name: tool name, possibly empty.
         raw_arguments: the argument text exactly as received.
-        reason: ``truncated`` (cut by the output-token limit) or ``unparseable``.
+        reason: ``truncated`` (cut by the output-token limit), ``unparseable``, or a refusal
+            of `treadle.parsers.strict_arguments` (``non_finite_number``,
+            ``nested_too_deep``).
     """
 
     id: str

@@ -168,7 +168,13 @@ class Unusual(BaseException):
 
 
 @pytest.mark.parametrize(
-    "raised", [asyncio.CancelledError("bridged"), GeneratorExit(), Unusual("odd")]
+    "raised",
+    [
+        asyncio.CancelledError("bridged"),
+        GeneratorExit(),
+        Unusual("odd"),
+        BaseExceptionGroup("out of the tool's nursery", [Unusual("odd")]),
+    ],
 )
 async def test_a_tool_raising_a_base_exception_is_an_error_observation(raised):
     @treadle.tool(replay=treadle.ReplayPolicy.SAFE)

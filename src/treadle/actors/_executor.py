@@ -100,15 +100,13 @@ class ToolExecutor:
     async def run_actions(self, message: RunActions) -> ActionsOutcome:
         """Write the intents, run the actions, and build their results."""
         cancelled = _cancel_called(message.scope)
+        running = [call for call in message.calls if call.id not in message.rejected]
         can_park = all(
-            self.executor.replay_policy(call.name) is ReplayPolicy.SAFE
-            for call in message.calls
-            if call.id not in message.rejected
+            self.executor.replay_policy(call.name) is ReplayPolicy.SAFE for call in running
         )
-        running = sum(1 for call in message.calls if call.id not in message.rejected)
         tokens_left = message.tokens_left
-        if tokens_left is not None and running > 1:  # calls at once share what is left
-            tokens_left //= running
+        if tokens_left is not None and len(running) > 1:  # calls at once share what is left
+            tokens_left //= len(running)
         actions = [
             self._action(
                 message.step,

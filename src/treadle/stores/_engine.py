@@ -352,7 +352,7 @@ class CommitEngine:
         written, so a fleet claims nothing until the store is opened again.
         """
         self.check_open()
-        if self._inbox.refusing or not self._committer.alive:
+        if self._inbox.refusing:  # the committer's last act closes it, whatever stopped it
             raise StoreError(
                 f"the committer thread of the {self._backend.description} has stopped; no "
                 "write can be committed until the store is opened again"
@@ -883,11 +883,6 @@ class _Committer:
             return True
         self._thread.join(timeout_s)
         return not self._thread.is_alive()
-
-    @property
-    def alive(self) -> bool:
-        """Whether the committer thread still runs."""
-        return self._thread.is_alive()
 
     def _main(self) -> None:
         try:
