@@ -50,12 +50,11 @@ def redact_dsn(store: str) -> str:
     or ``@`` is hidden whole), and a ``password`` query parameter is hidden however its name
     is percent-encoded.
     """
-    if not store.lower().startswith(_SCHEMES):
+    parts = _url_parts(store)
+    if parts is None:
         return _KEYWORD.sub(lambda m: f"{m.group(1)}***", store)
-    scheme, rest = store.split("://", 1)
-    userinfo, at, address = rest.rpartition("@")
-    if at and ":" in userinfo:
-        rest = f"{userinfo.split(':', 1)[0]}:***@{address}"
+    scheme, user, password, address = parts
+    rest = address if user is None else f"{user}{'' if password is None else ':***'}@{address}"
 
     def hide(match: re.Match[str]) -> str:
         named = urllib.parse.unquote(match.group(2)).strip().lower() == "password"
@@ -71,11 +70,24 @@ def scrub_password(text: str, store: str) -> str:
     host name, say): every piece of the password between those characters, 3 characters
     long or more, is replaced by ``***``.
     """
-    if not store.lower().startswith(_SCHEMES):
-        return text
-    userinfo = store.split("://", 1)[1].rpartition("@")[0]
-    password = userinfo.split(":", 1)[1] if ":" in userinfo else ""
-    for piece in sorted(re.split(r"[@/]", password), key=len, reverse=True):
+    parts = _url_parts(store)
+    password = parts[2] if parts is not None else None
+    for piece in sorted(re.split(r"[@/]", password or ""), key=len, reverse=True):
         if len(piece) >= 3:
             text = text.replace(piece, "***")
     return text
+
+
+def _url_parts(store: str) -> tuple[str, str | None, str | None, str] | None:
+    """``(scheme, user, password, the rest)`` of a DSN URL; ``None`` for anything else.
+
+    Its user information runs to the last ``@``; a path or libpq keywords give ``None``.
+    """
+    if not store.lower().startswith(_SCHEMES):
+        return None
+    scheme, rest = store.split("://", 1)
+    userinfo, at, address = rest.rpartition("@")
+    if not at:
+        return scheme, None, None, rest
+    user, colon, password = userinfo.partition(":")
+    return scheme, user, password if colon else None, address
