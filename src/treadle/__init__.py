@@ -24,6 +24,7 @@ from treadle._exceptions import SchemaTooNew as SchemaTooNew
 from treadle._exceptions import SeamViolation as SeamViolation
 from treadle._exceptions import SnapshotMismatch as SnapshotMismatch
 from treadle._exceptions import StoreError as StoreError
+from treadle._exceptions import StoreStopped as StoreStopped
 from treadle._exceptions import TreadleError as TreadleError
 from treadle._exceptions import UsageError as UsageError
 from treadle._lazy import lazy_names
@@ -200,6 +201,7 @@ __all__ = [
     "StaleWrite",
     "StopReason",
     "StoreError",
+    "StoreStopped",
     "SyntheticObservations",
     "SystemClock",
     "Tool",

@@ -12,6 +12,8 @@
         ConflictError                         a write's seq is not the next one (two writers)
         LogCorrupted                          a log cannot be read back (.offset)
         SchemaTooNew                          a log written by a newer treadle (.version)
+        StoreStopped                          the store commits nothing more (its committer
+                                              stopped): open it again
       LeaseError                              a run's lease says someone else drives it
         RunLeased                             another live driver holds the lease (.holder)
         LeaseLost                             this driver's lease was taken over; write refused
@@ -181,6 +183,17 @@ class InvalidRunId(UsageError):
 
 class StoreError(TreadleError):
     """A store operation failed; what was not acknowledged may not be durable."""
+
+
+class StoreStopped(StoreError):
+    """The store commits nothing more: its committer thread has stopped.
+
+    It stops when its database stayed out of reach past the reconnect window, or a bug ended
+    it. Writes and claims through this store object fail from then on (a claim with this
+    error); what was acknowledged before is durable. A fleet worker ends with it, so that
+    whatever supervises the worker starts it again with a fresh store (docs/fleet.md, "What
+    each crash does").
+    """
 
 
 class ConflictError(StoreError):

@@ -23,6 +23,7 @@ from treadle._exceptions import StoreError
 from treadle.ports import RunStore
 from treadle.stores import _engine, _jsonl_backend, postgres
 from treadle.stores import sqlite as sqlite_module
+from treadle.testing.scripted import ScriptedModel, say
 from treadle.types import (
     Message,
     ModelIntent,
@@ -207,7 +208,7 @@ async def test_a_store_whose_committer_stopped_claims_no_run(
         commits.bug = RuntimeError("a bug in the backend")
         with pytest.raises(StoreError):
             await store.write_intent(intent("r", 1), seq=2, generation=g)
-        with pytest.raises(StoreError, match="no write can be committed"):
+        with pytest.raises(treadle.StoreStopped, match="no write can be committed"):
             await store.claim(
                 owner="w", agents={"a": ("",)}, limit=1, ttl_s=10, max_takeovers=3, backoff_s=0
             )
@@ -215,6 +216,35 @@ async def test_a_store_whose_committer_stopped_claims_no_run(
         assert summary is not None and summary.liveness is treadle.Liveness.QUEUED
         with trio.fail_after(20), contextlib.suppress(StoreError):
             await store.aclose()  # reports the write that failed
+
+
+async def test_a_worker_whose_committer_stopped_ends_and_leaves_its_queue_to_others(
+    tmp_path: Path, commits: Commits
+) -> None:
+    """A worker that only refused each claim stayed up for good, so nothing restarted it:
+    now the refusal ends the worker, with `StoreStopped`, and the queued run stays queued."""
+    agent = treadle.Agent(
+        model=ScriptedModel(turns=[say("done")]),
+        executor=treadle.Toolbox([]),
+        parser=treadle.NativeToolCallParser(),
+    )
+    async with treadle.open_sqlite_store(tmp_path / "s.db") as store:
+        await store.submit("queued", agent="a", input=(Message(role="user", content="x"),))
+        g = await lease(store, "r")
+        await store.write_run_started(started("r"), seq=1, generation=g)
+        commits.bug = RuntimeError("a bug in the backend")
+        with pytest.raises(StoreError):
+            await store.write_intent(intent("r", 1), seq=2, generation=g)
+        with (
+            trio.fail_after(20),
+            pytest.RaisesGroup(treadle.StoreStopped, allow_unwrapped=True, flatten_subgroups=True),
+        ):
+            async with treadle.open_fleet(store, {"a": agent}, claim_poll_s=0.05):
+                await trio.sleep_forever()  # the worker ends by itself
+        summary = await store.read_summary("queued")
+        assert summary is not None and summary.liveness is treadle.Liveness.QUEUED
+        with trio.fail_after(20), contextlib.suppress(StoreError):
+            await store.aclose()
 
 
 async def test_postgres_never_commits_in_the_trio_thread(

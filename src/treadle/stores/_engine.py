@@ -41,7 +41,14 @@ from typing import TYPE_CHECKING, Final, Protocol, TypeVar
 import attrs
 import trio
 
-from treadle._exceptions import ConflictError, LeaseLost, StoreError, TreadleError, UsageError
+from treadle._exceptions import (
+    ConflictError,
+    LeaseLost,
+    StoreError,
+    StoreStopped,
+    TreadleError,
+    UsageError,
+)
 from treadle.stores._index import IndexDelta, index_delta
 from treadle.types import Record
 
@@ -345,15 +352,20 @@ class CommitEngine:
             raise StoreError(f"the {self._backend.description} is closed")
 
     def check_writable(self) -> None:
-        """Raise `StoreError` when no write can be committed any more.
+        """Raise when no write can be committed any more.
 
         That is, once the engine is closed, or once its committer thread stopped (it could
         not reach the database again, or a bug ended it): a run taken now could never be
-        written, so a fleet claims nothing until the store is opened again.
+        written, so a fleet claims nothing more and ends (docs/fleet.md, "What each
+        crash does").
+
+        Raises:
+            StoreError: the engine is closed.
+            StoreStopped: the committer thread has stopped.
         """
         self.check_open()
         if self._inbox.refusing:  # the committer's last act closes it, whatever stopped it
-            raise StoreError(
+            raise StoreStopped(
                 f"the committer thread of the {self._backend.description} has stopped; no "
                 "write can be committed until the store is opened again"
             )
@@ -477,7 +489,7 @@ class CommitEngine:
                 return True
             if report is None:  # the committer stopped meanwhile
                 gone = f"the committer thread of the {self._backend.description} has stopped"
-                _fail(batch, StoreError(gone))
+                _fail(batch, StoreStopped(gone))
                 report = NOTHING_COMMITTED
         self._deliver(batch, report)
         return True
@@ -669,11 +681,11 @@ class _Inbox:
         """Queue ``write``; ``flush`` has the committer take it now.
 
         Raises:
-            StoreError: the committer thread has stopped.
+            StoreStopped: the committer thread has stopped.
         """
         with self._lock:
             if self._closed:
-                raise StoreError(f"the committer thread of the {self._description} has stopped")
+                raise StoreStopped(f"the committer thread of the {self._description} has stopped")
             items = self._items
             if not items:
                 self._since = _monotonic()

@@ -1299,8 +1299,9 @@ class SqlStore(EngineStore):
         """Claim up to ``limit`` runs, taking their leases (`treadle.ports.RunQueue.claim`).
 
         Raises:
-            StoreError: the store failed, or its committer has stopped (no run taken now
-                could be written: `CommitEngine.check_writable`).
+            StoreError: the store failed.
+            StoreStopped: its committer has stopped (no run taken now could be written:
+                `CommitEngine.check_writable`).
         """
         _leases.check_ttl(ttl_s)
         self._engine.check_writable()

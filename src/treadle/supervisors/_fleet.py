@@ -28,7 +28,7 @@ import attrs
 import trio
 
 from treadle._clock import Clock, SystemClock
-from treadle._exceptions import ChildPending, LeaseError, UsageError
+from treadle._exceptions import ChildPending, LeaseError, StoreStopped, UsageError
 from treadle._ids import check_run_id, new_run_id
 from treadle._text import valid_unicode
 from treadle._trio_only import require_trio
@@ -267,6 +267,9 @@ class Fleet:
                 max_takeovers=self._max_takeovers,
                 backoff_s=self._backoff_s,
             )
+        except StoreStopped as exc:  # nothing can be written through this store object again
+            _LOG.error("claiming runs failed for good, the worker ends: %s", exc)
+            raise
         except Exception as exc:  # the store is unreachable: try again at the next interval
             _LOG.warning("claiming runs failed (%s); trying again in %.1f s", exc, self._poll_s)
             return ()
@@ -460,6 +463,10 @@ async def open_fleet(
     Raises:
         UsageError: the store has no queue or leases, ``agents`` is empty, or an argument is
             out of range.
+        StoreStopped: the store's committer stopped (its database stayed out of reach): the
+            worker claims nothing more and the block ends, its runs cancelled and left to
+            other workers (docs/fleet.md, "What each crash does"). Raised out of the block
+            wrapped in an exception group, as trio's nurseries raise.
 
     Cancellation:
         Cancelling the block cancels every run driven here (they stay resumable; their leases
