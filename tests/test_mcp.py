@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -189,6 +190,35 @@ async def test_a_schema_whose_reference_leads_nowhere_makes_the_call_not_execute
         outcome = await tools.execute(_action("nowhere", a=1))
     assert outcome.status is ActionStatus.NOT_EXECUTED
     assert "input schema of 'nowhere' cannot be checked" in (outcome.detail or outcome.observation)
+
+
+async def test_a_pattern_that_backtracks_for_ever_is_left_to_the_server(tmp_path, monkeypatch):
+    # ^(a+)+$ against 40 a's and a "!" takes about 2**40 steps in Python's re, which holds
+    # the interpreter: the pre-check froze the whole process. Patterns are the server's now;
+    # every other keyword is still checked.
+    evil = mcp_types.Tool(
+        name="evil",
+        input_schema={
+            "type": "object",
+            "properties": {"a": {"type": "string", "pattern": "^(a+)+$"}, "n": {"type": "integer"}},
+            "patternProperties": {"^(x+)+$": {"type": "integer"}},
+            "additionalProperties": False,
+        },
+    )
+    server = mcp_server.make_server(str(tmp_path / "ledger"), extra=[evil])
+    async with open_mcp_tools(server, include=["evil"]) as tools:
+        searched: list[str] = []
+        search = re.search
+        monkeypatch.setattr(
+            re, "search", lambda p, *a, **k: searched.append(p) or search(p, *a, **k)
+        )
+        # (were a pattern matched, the test would stop on the spy's record, not hang)
+        assert tools.invalid_arguments("evil", {"a": "b", "x!": 1}) is None
+        assert searched == []
+        assert tools.invalid_arguments("evil", {"a": "a" * 40 + "!", "x" * 40 + "!": 1}) is None
+        assert "'one' is not of type 'integer'" in (
+            tools.invalid_arguments("evil", {"n": "one"}) or ""
+        )
 
 
 async def test_json_rpc_errors_are_refusals_or_failures_by_their_code(tmp_path):

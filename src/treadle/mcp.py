@@ -55,7 +55,7 @@ import hashlib
 import json
 import math
 import re
-from collections.abc import AsyncIterator, Collection, Mapping, Sequence
+from collections.abc import AsyncIterator, Collection, Iterator, Mapping, Sequence
 from contextlib import asynccontextmanager
 from typing import Any, Final, TypeAlias
 
@@ -226,7 +226,14 @@ def _compact(value: Any) -> str:
 
 
 def _validator(name: str, schema: Mapping[str, Any]) -> jsonschema.protocols.Validator:
-    """A validator of the server's input schema for ``name``; a broken schema is a clear error."""
+    """A validator of the server's input schema for ``name``; a broken schema is a clear error.
+
+    It checks every keyword but those that match the server's regular expressions
+    (``pattern``, ``patternProperties``, and ``additionalProperties`` next to
+    ``patternProperties``), which it leaves to the server: a pattern that backtracks
+    catastrophically (``^(a+)+$``) takes exponential time in Python's `re`, which holds the
+    interpreter throughout and so would freeze every run of the process (docs/mcp.md).
+    """
     cls = jsonschema.validators.validator_for(schema)
     try:
         cls.check_schema(dict(schema))
@@ -234,7 +241,25 @@ def _validator(name: str, schema: Mapping[str, Any]) -> jsonschema.protocols.Val
         raise UsageError(
             f"MCP tool {name!r}: the server's input schema is no valid JSON schema: {exc.message}"
         ) from exc
-    return cls(dict(schema))
+    additional = cls.VALIDATORS.get("additionalProperties")
+
+    def additional_properties(
+        validator: Any, value: Any, instance: Any, schema: Any
+    ) -> Iterator[jsonschema.ValidationError]:
+        if additional is None or "patternProperties" in schema:
+            return iter(())
+        return iter(additional(validator, value, instance, schema))
+
+    without_patterns = {
+        "pattern": _no_check,
+        "patternProperties": _no_check,
+        "additionalProperties": additional_properties,
+    }
+    return jsonschema.validators.extend(cls, without_patterns)(dict(schema))
+
+
+def _no_check(*_: object) -> Iterator[jsonschema.ValidationError]:
+    return iter(())
 
 
 class McpTools:
