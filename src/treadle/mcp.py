@@ -255,7 +255,10 @@ def _validator(name: str, schema: Mapping[str, Any]) -> jsonschema.protocols.Val
         "patternProperties": _no_check,
         "additionalProperties": additional_properties,
     }
-    return jsonschema.validators.extend(cls, without_patterns)(dict(schema))
+    extended: type[jsonschema.protocols.Validator] = jsonschema.validators.extend(  # type: ignore[no-untyped-call]
+        cls, without_patterns
+    )
+    return extended(dict(schema))
 
 
 def _no_check(*_: object) -> Iterator[jsonschema.ValidationError]:
