@@ -109,6 +109,7 @@ __all__ = [
     "ToolContext",
     "ToolResult",
     "Toolbox",
+    "call_tools_inline",
     "tool",
 ]
 
@@ -520,6 +521,22 @@ def observation_of(result: Any) -> str:
         raise ValueError("it holds itself or nests too deeply") from None
 
 
+_CALLS_INLINE: Final = trio.lowlevel.RunVar[bool]("treadle.tools.calls_inline", default=False)
+
+
+def call_tools_inline() -> None:
+    """From now on in this trio run, call every ``def`` and process tool directly, in trio's thread.
+
+    For runs on a virtual clock (`treadle.testing.simulation`, docs/simulation.md): there the
+    clock jumps whenever every task waits, also while a worker thread or a child process
+    runs a call, so a call of a few real milliseconds could time out at a random virtual
+    moment. Called directly, the function returns before virtual time moves on, the same way
+    every time. Those tools then have neither their isolation nor their timeout: a call that
+    blocks, blocks the run.
+    """
+    _CALLS_INLINE.set(True)
+
+
 def _in_thread(found: Tool, kwargs: dict[str, Any], abandoned: threading.Event) -> Any:
     """Run a thread tool; a call that ends after it was abandoned is logged, not returned."""
     try:
@@ -775,7 +792,12 @@ class Toolbox:
         abandoned = threading.Event() if found.isolation == "thread" else None
         with trio.move_on_after(timeout):
             try:
-                if abandoned is not None:  # isolation "thread"
+                if found.isolation != "task" and _CALLS_INLINE.get():
+                    await trio.lowlevel.checkpoint()
+                    result = found.fn(**kwargs)
+                    if inspect.isawaitable(result):  # an ``async def`` process tool
+                        result = await result
+                elif abandoned is not None:  # isolation "thread"
                     result = await trio.to_thread.run_sync(
                         _in_thread, found, kwargs, abandoned, abandon_on_cancel=True
                     )

@@ -537,3 +537,63 @@ def test_the_review_fault_kinds_are_injected_and_the_invariants_hold(kind):
     results = [simulate(seed, plan=plan) for seed in range(40)]
     assert sum(r.faults_injected.get(kind, 0) for r in results) >= 10
     assert [r.violations for r in results if not r.ok] == []
+
+
+@attrs.define(eq=False)
+class _SlowWorld:
+    provider: object = None
+    done: list[int] = attrs.Factory(list)
+
+
+@attrs.frozen
+class _SlowSyncTools:
+    """A scenario whose tool is a plain ``def`` taking 20 ms of real time (timeout 1 s)."""
+
+    calls: int = 3
+
+    def world(self, rng, plan, counts):
+        from treadle.testing import ScriptedModel, call, say
+
+        world = _SlowWorld()
+        turns = [call("compute", x=i) for i in range(self.calls)] + [say("done")]
+        world.provider = ScriptedModel(turns=turns)
+        return world
+
+    def agent(self, world):
+        import time
+
+        import treadle
+
+        @treadle.tool(replay=ReplayPolicy.SAFE, timeout_s=1.0)
+        def compute(x: int) -> str:
+            """Compute slowly."""
+            time.sleep(0.02)
+            world.done.append(x)
+            return f"result {x}"
+
+        return treadle.Agent(
+            model=world.provider,
+            executor=treadle.Toolbox([compute]),
+            parser=treadle.NativeToolCallParser(),
+            budgets=Budgets(max_steps=10),
+        )
+
+    def input(self, world):
+        return "go"
+
+    def check(self, log, world):
+        outcomes = [r.outcome.observation for r in log.records if isinstance(r, ActionResult)]
+        return [] if outcomes == [f"result {i}" for i in range(self.calls)] else [str(outcomes)]
+
+    def changed_observation(self, result):
+        return False
+
+
+def test_a_def_tool_returns_in_a_simulation_the_same_way_every_time():
+    """A ``def`` tool ran in a worker thread while the virtual clock jumped (every task
+    waited), so its calls timed out after a virtual second or returned, by the thread's
+    timing; the seed still passed. It is called directly in trio's thread now."""
+    plan = FaultPlan(rates={})
+    results = [simulate(seed, plan=plan, scenario=_SlowSyncTools()) for seed in (0, 0, 1)]
+    assert all(result.ok for result in results), [r.violations for r in results]
+    assert results[0].log_digest == results[1].log_digest

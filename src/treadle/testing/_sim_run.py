@@ -39,6 +39,7 @@ from treadle.testing.invariants import (
     check_invariants,
 )
 from treadle.testing.scripted import ScriptedModel, say
+from treadle.tools import call_tools_inline
 from treadle.types import (
     ApprovalRequested,
     RunLog,
@@ -115,6 +116,7 @@ def simulate(
 
 
 async def _simulate(seed: int, plan: FaultPlan, runs: int, scenario: Scenario) -> SimulationResult:
+    call_tools_inline()  # a worker thread or a child process would race the virtual clock
     rng = random.Random(seed)
     counts: dict[str, int] = {}
     lease_clock = _LeaseClock()
