@@ -14,12 +14,15 @@ from treadle.testing.scripted import ScriptedModel, call, say
 from treadle.types import (
     ActionIntent,
     ActionOutcome,
+    ActionStatus,
     DecisionKind,
+    ModelReply,
     ModelResult,
     ParsedReply,
     RunFinished,
     StepRecord,
     ToolCall,
+    Usage,
 )
 
 CALLS: list[tuple[Any, ...]] = []
@@ -80,6 +83,39 @@ class NoneExecutor:
         return None
 
 
+class ReplyModel:
+    """A model client whose every reply is ``reply``; ``report`` is reported as usage first."""
+
+    def __init__(self, reply: Any, report: Any = None) -> None:
+        self.reply, self.report = reply, report
+
+    async def complete(self, request: Any, *, on_delta: Any = None, attempt: Any = None) -> Any:
+        if self.report is not None:
+            attempt.report_usage(self.report)
+        return self.reply
+
+
+class OutcomeExecutor(NoneExecutor):
+    """An executor whose ``execute`` returns ``outcome``."""
+
+    def __init__(self, outcome: Any) -> None:
+        super().__init__()
+        self.outcome = outcome
+
+    async def execute(self, action: Any) -> Any:
+        return self.outcome
+
+
+def _reply(**fields: Any) -> ModelReply:
+    return ModelReply(
+        tool_calls=(ToolCall(id="c1", name="add", arguments={"a": 1, "b": 2}),), **fields
+    )
+
+
+def _outcome(**fields: Any) -> ActionOutcome:
+    return ActionOutcome(**{"status": ActionStatus.EXECUTED, "observation": "3", **fields})
+
+
 TURNS = [call("add", a=1, b=2, call_id="c1"), say("3")]
 
 
@@ -89,6 +125,38 @@ TURNS = [call("add", a=1, b=2, call_id="c1"), say("3")]
         ("model client", {"model": NoneModel()}),
         ("decision parser", {"parser": NoneParser()}),
         ("action executor", {"executor": NoneExecutor()}),
+        # Shapes the memory store kept but a durable store cannot encode, or that unbind a
+        # budget or end a run: each reached the log (docs/seams.md).
+        ("model client", {"model": ReplyModel(_reply(usage=Usage(input_tokens=-972100)))}),
+        ("model client", {"model": ReplyModel(_reply(), report=Usage(output_tokens=-5))}),
+        ("model client", {"model": ReplyModel(_reply(), report="lots")}),
+        ("model client", {"model": ReplyModel(_reply(text=42))}),
+        (
+            "model client",
+            {
+                "model": ReplyModel(
+                    ModelReply(tool_calls=(ToolCall(id="c1", name="add", arguments=[1, 2]),))
+                )
+            },  # type: ignore[arg-type]
+        ),
+        (
+            "model client",
+            {
+                "model": ReplyModel(
+                    ModelReply(
+                        tool_calls=(
+                            ToolCall(id="c1", name="add", arguments={"a": object(), "b": 2}),
+                        )
+                    )
+                )
+            },
+        ),
+        ("action executor", {"executor": OutcomeExecutor(_outcome(task_completed="false"))}),
+        (
+            "action executor",
+            {"executor": OutcomeExecutor(_outcome(observation_truncated_chars=-1))},
+        ),
+        ("action executor", {"executor": OutcomeExecutor(_outcome(observation=3))}),
     ],
 )
 async def test_a_seam_returning_what_its_contract_excludes_interrupts_the_run(seam, broken):

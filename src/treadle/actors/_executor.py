@@ -29,6 +29,7 @@ import trio
 from treadle._budget import fit_text
 from treadle._clock import Clock
 from treadle._exceptions import ChildPending, SeamViolation
+from treadle._shapes import outcome_problem
 from treadle._text import valid_unicode
 from treadle._toolhost import HostedCall, ToolHost, current_host
 from treadle.actors._mailbox import MailboxReceiver
@@ -43,7 +44,6 @@ from treadle.types import (
     ActionOutcome,
     ActionResult,
     ActionStatus,
-    ImageRef,
     Limits,
     Record,
     ReplayPolicy,
@@ -330,9 +330,12 @@ class ToolExecutor:
 
         if replay and self.executor.replay_policy(action.tool) is not ReplayPolicy.SAFE:
             found = await self.executor.reconcile(action)
-            if found is not None and not _is_outcome(found):
+            problem = None if found is None else outcome_problem(found)
+            if problem is not None:
                 raise SeamViolation(
-                    "action executor's reconcile", found, "an ActionOutcome or None"
+                    "action executor's reconcile",
+                    found,
+                    f"a valid ActionOutcome or None ({problem})",
                 )
             done(found if found is not None else self._unknown(action), found is not None)
         else:
@@ -413,8 +416,11 @@ class ToolExecutor:
                         "action executor", parked, "an outcome (this call may not park)"
                     ) from None
                 return parked
-            if not _is_outcome(outcome):
-                raise SeamViolation("action executor", outcome, "an ActionOutcome")
+            problem = outcome_problem(outcome)
+            if problem is not None:
+                raise SeamViolation(
+                    "action executor", outcome, f"a valid ActionOutcome ({problem})"
+                )
             done(outcome)
         return None
 
@@ -491,16 +497,6 @@ class ToolExecutor:
             )
         text = self.observation_template.format(observation=outcome.observation, tool=action.tool)
         return outcome, text
-
-
-def _is_outcome(value: object) -> bool:
-    """An `ActionOutcome` with a status of `ActionStatus` and images that are references."""
-    return (
-        isinstance(value, ActionOutcome)
-        and isinstance(value.status, ActionStatus)
-        and isinstance(value.images, tuple)
-        and all(isinstance(image, ImageRef) for image in value.images)
-    )
 
 
 def _cancel_called(scope: StepScope) -> Callable[[], bool]:

@@ -28,6 +28,7 @@ import trio
 
 from treadle._clock import Clock
 from treadle._exceptions import ModelCallError, SeamViolation
+from treadle._shapes import reply_problem, usage_problem
 from treadle._text import repaired
 from treadle.actors._mailbox import MailboxReceiver
 from treadle.actors._messages import CallModel, ModelOutcome
@@ -251,10 +252,12 @@ class ModelGateway:
             reply_ = await client.complete(request, on_delta=on_delta, attempt=attempt)
         except ModelCallError as exc:
             return meter.error if meter.cut and meter.error is not None else exc
-        if not isinstance(reply_, ModelReply):
+        problem = reply_problem(reply_)
+        if problem is not None:
             # A bug in the client, not a result of the call: nothing is recorded for the
             # attempt and the run is interrupted (its intent is abandoned on resume).
-            raise SeamViolation("model client", reply_, "a ModelReply")
+            raise SeamViolation("model client", reply_, f"a valid ModelReply ({problem})")
+        assert isinstance(reply_, ModelReply)
         return reply_
 
     async def _write_result(
@@ -325,6 +328,9 @@ class _Meter:
     error: ModelCallError | None = None
 
     def __call__(self, usage: Usage) -> None:
+        problem = usage_problem(usage)
+        if problem is not None:  # a bug in the client: raised out of its call
+            raise SeamViolation("model client", usage, f"a valid usage report ({problem})")
         self.last = usage
         if self.limit is None or _tokens(usage) <= self.limit:
             return

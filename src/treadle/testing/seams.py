@@ -15,6 +15,7 @@ from collections.abc import Sequence
 import trio
 
 from treadle._exceptions import ContractViolation, ModelCallError, UsageError
+from treadle._shapes import outcome_problem, reply_problem, usage_problem
 from treadle.policies import ExecutorPolicies, policies_of
 from treadle.ports import ActionExecutor, DecisionParser, ModelClient
 from treadle.types import (
@@ -311,10 +312,8 @@ def _action(tool: str, arguments: dict[str, object]) -> Action:
 
 
 def _check_outcome(outcome: ActionOutcome) -> None:
-    _expect(isinstance(outcome, ActionOutcome), f"execute returned {type(outcome)!r}")
-    _expect(isinstance(outcome.observation, str), "observation must be text")
-    _expect(isinstance(outcome.task_completed, bool), "task_completed must be a bool")
-    _expect(outcome.observation_truncated_chars >= 0, "truncated chars must be >= 0")
+    problem = outcome_problem(outcome)
+    _expect(problem is None, problem or "")
     _expect(outcome.status is not ActionStatus.UNKNOWN, "only resume reports UNKNOWN")
 
 
@@ -369,18 +368,12 @@ async def check_model_client(
     except ModelCallError as exc:
         _check_model_error(exc)
         raise
-    _expect(isinstance(reply, ModelReply), f"complete returned {type(reply)!r}")
-    for count in (reply.usage.input_tokens, reply.usage.output_tokens, reply.usage.total_tokens):
-        _expect(count is None or isinstance(count, int), "usage counts must be int or None")
-    for call in reply.tool_calls:
-        _expect(bool(call.id), "every tool call needs an id")
-        _expect(isinstance(call.arguments, dict), "tool call arguments must be a dict")
+    problem = reply_problem(reply)
+    _expect(problem is None, problem or "")
     if fragments:
         _expect("".join(fragments) == (reply.text or ""), "text deltas must add up to the text")
-    _expect(
-        all(isinstance(usage, Usage) for usage in reports),
-        "attempt.report_usage must be called with Usage records",
-    )
+    reported = [problem for problem in map(usage_problem, reports) if problem is not None]
+    _expect(not reported, f"attempt.report_usage: {reported[0] if reported else ''}")
     if reports:
         await _check_usage_report_ends_the_attempt(client, request)
     return reply
