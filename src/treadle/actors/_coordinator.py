@@ -184,6 +184,10 @@ class RunCoordinator:
     _cancel: tuple[str, str] | None = None
     _finishing: bool = False
     _reply_wait: trio.CancelScope | None = None
+    _asked: tuple[str, ReplySlot[Any]] | None = None  # the hydrator's or gateway's request
+    _give_up: trio.CancelScope | None = None  # serve_control's wait, ended to give up on it
+    _give_up_at: float = float("inf")
+    _gave_up: bool = False
     _approval_wait: trio.CancelScope | None = None
     _awaiting: ApprovalRequested | None = None
     _offered: list[ApprovalDecided] = attrs.Factory(list)
@@ -212,8 +216,66 @@ class RunCoordinator:
         """
         task_status.started()
         with inbox:
-            async for message in inbox:
-                self.apply(message)
+            while True:
+                with trio.CancelScope(deadline=self._give_up_at) as self._give_up:
+                    try:
+                        message = await inbox.receive()
+                    except trio.EndOfChannel:
+                        return
+                    self.apply(message)
+                if self._give_up.cancelled_caught:
+                    self._give_up_at = float("inf")
+                    self._stop_waiting()
+
+    def _stop_waiting(self) -> None:
+        """A cancel's grace period ran out: end the wait for the hydrator's or gateway's reply.
+
+        Each enforces the cancellation itself and answers within it; one that does not (a
+        fake that stops answering) would hold the run for good. Its reply slot is closed, and
+        the request raises `trio.TooSlowError` naming it (`_ask`).
+        """
+        if self._asked is not None:
+            self._gave_up = True
+            self._asked[1].close()
+
+    async def _ask(
+        self,
+        actor: str,
+        scope: StepScope | None,
+        inbox: MailboxSender[Q],
+        make: Callable[[ReplySlot[R]], Q],
+    ) -> R:
+        """Request/reply whose wait ends at the step's deadline or a cancel, plus grace.
+
+        The actor enforces the deadline and the cancellation itself; the grace periods
+        (`STOP_GRACE_S` after the deadline, `CANCEL_GRACE_S` more after a cancel) only make
+        sure that an actor ignoring them cannot hang the run.
+
+        Raises:
+            trio.TooSlowError: the actor did not answer within its grace period; the run is
+                interrupted and left resumable.
+        """
+
+        def asking(reply_to: ReplySlot[R]) -> Q:
+            self._asked = (actor, reply_to)
+            return make(reply_to)
+
+        try:
+            if scope is None or scope.deadline == float("inf"):
+                return await request(inbox, asking)  # each actor bounds its own calls
+            with trio.fail_at(scope.deadline + STOP_GRACE_S):
+                return await request(inbox, asking)
+        except trio.TooSlowError:
+            late = f"{STOP_GRACE_S:g} s after the step's deadline"
+        except trio.EndOfChannel:
+            if not self._gave_up:  # it failed (its error reaches the run's supervisor) or broke
+                closed = f"the {actor} actor closed a request without answering"
+                raise trio.EndOfChannel(closed) from None
+            late = f"{CANCEL_GRACE_S + STOP_GRACE_S:g} s after the run was cancelled"
+        finally:
+            self._asked = None
+            self._gave_up = False
+        raise trio.TooSlowError(f"the {actor} actor did not answer {late}")
 
     def apply(self, message: Control) -> None:
         """Apply one control message now (never blocks).
@@ -243,10 +305,12 @@ class RunCoordinator:
             self._step_scope.cancel(reason or "run cancelled")
         if self._approval_wait is not None:
             self._approval_wait.cancel()
+        give_up_at = trio.current_time() + CANCEL_GRACE_S + STOP_GRACE_S
         if self._reply_wait is not None:
-            self._reply_wait.deadline = min(
-                self._reply_wait.deadline, trio.current_time() + CANCEL_GRACE_S + STOP_GRACE_S
-            )
+            self._reply_wait.deadline = min(self._reply_wait.deadline, give_up_at)
+        self._give_up_at = give_up_at
+        if self._give_up is not None:
+            self._give_up.deadline = give_up_at
 
     def _on_drain(self) -> None:
         self._draining = True
@@ -687,7 +751,9 @@ class RunCoordinator:
         last = failures[-1] if force and failures else None
         refused = last.context if last is not None else None
         stated = window_from_error(last.error.message) if last and last.error else None
-        answer: ModelRequest | Compaction = await request(
+        answer: ModelRequest | Compaction = await self._ask(
+            "context hydrator",
+            None,
             self.hydrator,
             lambda reply_to: Hydrate(
                 new_steps=tuple(self._unsent_steps),
@@ -711,7 +777,8 @@ class RunCoordinator:
         summary_through: int | None = None,
     ) -> ModelOutcome:
         pending = self.view.pending
-        outcome: ModelOutcome = await _bounded(
+        outcome: ModelOutcome = await self._ask(
+            "model gateway",
             scope,
             self.gateway,
             lambda reply_to: CallModel(
@@ -906,22 +973,6 @@ def _final_state(reason: StopReason) -> RunState:
 
 Q = TypeVar("Q")
 R = TypeVar("R")
-
-
-async def _bounded(
-    scope: StepScope,
-    inbox: MailboxSender[Q],
-    make: Callable[[ReplySlot[R]], Q],
-) -> R:
-    """Request/reply whose wait ends at the step's deadline plus a grace period.
-
-    The actor enforces the deadline itself; the grace period only guarantees that an actor
-    ignoring its deadline cannot hang the run (it raises `trio.TooSlowError`).
-    """
-    if scope.deadline == float("inf"):  # each actor bounds its own calls (limits)
-        return await request(inbox, make)
-    with trio.fail_at(scope.deadline + STOP_GRACE_S):
-        return await request(inbox, make)
 
 
 def _observation_images(results: tuple[ActionResult, ...]) -> tuple[tuple[ImageRef, ...], ...]:

@@ -192,6 +192,11 @@ class MailboxReceiver(Closing, Generic[T_co]):
     def __init__(self, state: _State[T_co]) -> None:
         self._state = state
 
+    @property
+    def sender_closed(self) -> bool:
+        """Whether the sending end was closed: no message will come after those queued."""
+        return self._state.sender_closed
+
     @trio.lowlevel.enable_ki_protection
     def receive_nowait(self) -> T_co:
         """The oldest message, without waiting.

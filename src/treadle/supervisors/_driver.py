@@ -17,7 +17,7 @@ import contextlib
 import functools
 import random
 import sys
-from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from contextlib import asynccontextmanager
 from typing import Any, Final
 
@@ -765,6 +765,36 @@ def _accepted_change(
     )
 
 
+@trio.lowlevel.enable_ki_protection  # Ctrl-C reaches the main task: decision 0097
+async def _serving(
+    role: str,
+    serve: Callable[..., Awaitable[None]],
+    inbox: MailboxReceiver[Any],
+    *,
+    task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
+) -> None:
+    """Run an actor over ``inbox``; one that returns while the run still sends to it fails.
+
+    An actor serves until its inbox is closed for sending (the coordinator closes it at the
+    run's end). One that returns sooner (a fake that stops serving) would leave the request
+    it never took waiting for good: it fails the run instead, naming the actor, and the run
+    is left resumable (docs/simulation.md, "Swapping actors"). It counts as started at once:
+    requests wait in its inbox until it takes them, so an actor that never reports itself
+    ready cannot hold the run's start.
+
+    Raises:
+        trio.BrokenResourceError: the actor returned before its inbox was closed.
+    """
+    with inbox:
+        task_status.started()
+        await serve(inbox)
+        if not inbox.sender_closed:
+            raise trio.BrokenResourceError(
+                f"the {role} actor returned while the run still needed it (an actor serves "
+                "its inbox until the run closes it)"
+            )
+
+
 async def _start_actors(
     nursery: trio.Nursery,
     actors: Actors,
@@ -785,9 +815,9 @@ async def _start_actors(
     hydrator = actors.hydrator(context)
     gateway = actors.gateway(context)
     executor = actors.executor(context)
-    await nursery.start(hydrator.run, hydrator_recv)
-    await nursery.start(gateway.run, gateway_recv)
-    await nursery.start(executor.run, executor_recv)
+    await nursery.start(_serving, "context hydrator", hydrator.run, hydrator_recv)
+    await nursery.start(_serving, "model gateway", gateway.run, gateway_recv)
+    await nursery.start(_serving, "tool executor", executor.run, executor_recv)
     return actors.coordinator(
         CoordinatorContext(
             actor=context,
