@@ -10,7 +10,15 @@ import attrs
 import pytest
 import trio
 
-from treadle import Agent, FixedStepClock, MemoryStore, NativeToolCallParser, Toolbox, tool
+from treadle import (
+    Agent,
+    FixedStepClock,
+    MemoryStore,
+    NativeToolCallParser,
+    RunInterrupted,
+    Toolbox,
+    tool,
+)
 from treadle.actors import ActionsOutcome, RunActions
 from treadle.stores import record_to_json
 from treadle.supervisors import (
@@ -389,3 +397,51 @@ async def test_the_fake_executor_honours_a_rejection_and_an_intent_left_by_a_cra
     assert ledger == {"r/s1/a1": {"amount": 3}}  # applied once, after the resume; c2 refused
     assert [r.call_id for r in log.records if isinstance(r, ActionIntent)] == ["c1"]
     assert check_invariants(log) == []
+
+
+@attrs.define(eq=False)
+class _StopsServing:
+    """A fake actor that either returns once started or takes requests and never answers."""
+
+    returns: bool
+
+    async def run(self, inbox: Any, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
+        task_status.started()
+        if self.returns:
+            return
+        async for _ in inbox:  # each reply slot is dropped unanswered
+            pass
+
+
+@pytest.mark.parametrize("role", ["hydrator", "gateway", "executor"])
+async def test_an_actor_that_returns_while_the_run_needs_it_fails_the_run_naming_it(
+    role: str, autojump_clock: Any
+) -> None:
+    """Its inbox was never read again: the run waited for the reply for good."""
+    actors = attrs.evolve(DEFAULT_ACTORS, **{role: lambda ctx: _StopsServing(returns=True)})
+    store = MemoryStore()
+    with trio.fail_after(3600), pytest.raises(RunInterrupted, match=r"actor returned while"):
+        await run(_agent([]), "go", store=store, run_id="r", actors=actors)
+    assert (await store.read_log("r")).finished is None  # left resumable
+
+
+@pytest.mark.parametrize(
+    ("role", "actor"), [("hydrator", "context hydrator"), ("gateway", "model gateway")]
+)
+async def test_a_cancel_ends_a_run_whose_actor_never_answers(
+    role: str, actor: str, autojump_clock: Any
+) -> None:
+    """Neither the time budget (none here) nor a cancel reached a request the actor took
+    and never answered: the run hung for good. Now the wait ends 7 s after the cancel."""
+    actors = attrs.evolve(DEFAULT_ACTORS, **{role: lambda ctx: _StopsServing(returns=False)})
+    async with open_run(_agent([]), "go", store=MemoryStore(), run_id="r", actors=actors) as handle:
+        await trio.sleep(60)
+        assert handle.state is RunState.RUNNING  # it waits for the actor: no deadline
+        cancelled_at = trio.current_time()
+        handle.cancel("test")
+        with (
+            trio.fail_after(3600),
+            pytest.raises(RunInterrupted, match=f"the {actor} actor did not answer 7 s after"),
+        ):
+            await handle.wait()
+        assert trio.current_time() - cancelled_at == pytest.approx(7.0)
