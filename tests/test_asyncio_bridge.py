@@ -147,6 +147,57 @@ def test_a_call_raising_a_base_exception_hands_it_back_unchanged():
         run_asyncio(main)  # leaving the block raises what ended the thread
 
 
+def test_an_iterator_raising_a_base_exception_ends_only_its_iteration():
+    # Before, the pump let it into the portal's nursery: every call and run of the process
+    # was told "the portal closed".
+    async def items():
+        yield 1
+        raise Unusual("odd")
+
+    async def ok() -> str:
+        return "still serving"
+
+    async def main():
+        seen = []
+        async with open_portal() as portal:
+            with pytest.raises(Unusual, match="odd"):
+                async for item in portal.iterate(items):
+                    seen.append(item)
+            assert await portal.call(ok) == "still serving"
+        return seen
+
+    assert run_asyncio(main) == [1]
+
+
+class _Loud:
+    """A callable whose repr is what a host's bound method's repr was: costly, here counted."""
+
+    def __init__(self) -> None:
+        self.reprs = 0
+
+    async def __call__(self) -> str:
+        await trio.lowlevel.checkpoint()
+        return "answered"
+
+    def __repr__(self) -> str:
+        self.reprs += 1
+        return "x" * 1000
+
+
+def test_a_call_never_builds_its_functions_repr():
+    """The task name was ``getattr(fn, "__qualname__", repr(fn))``, whose default is always
+    evaluated: the repr of a `Runs` host method holds every run it drives, and each call
+    cost time in proportion (22 ms with 300 runs), the asyncio loop blocked meanwhile."""
+    loud = _Loud()
+
+    async def main():
+        async with open_portal() as portal:
+            return await portal.call(loud)
+
+    assert run_asyncio(main) == "answered"
+    assert loud.reprs == 0
+
+
 def test_a_call_that_reaches_a_closing_portal_is_refused_not_an_internal_error():
     """A call made as the trio thread ends (a SystemExit of an earlier call is ending it)
     reached a nursery that takes no more tasks: the refusal, raised in a callback of the

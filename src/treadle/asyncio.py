@@ -130,7 +130,9 @@ class TrioPortal:
             finally:
                 self._reply(_settle, future, outcome)
 
-        name = getattr(fn, "__qualname__", repr(fn))
+        # Not repr(fn) as a getattr default (always evaluated): the repr of a bound method of
+        # an attrs object holds the whole object, every run a host drives included.
+        name = getattr(fn, "__qualname__", None) or type(fn).__qualname__
         self._soon(self._spawn, task, name, lambda: self._reply(_settle, future, None))
         try:
             return await future
@@ -147,7 +149,9 @@ class TrioPortal:
         The trio side runs up to ``buffer`` items ahead and then waits for the consumer.
 
         Raises:
-            Exception: whatever the trio iterator raised, after the items before it.
+            BaseException: whatever the trio iterator raised, after the items before it,
+                unchanged; as in `call`, only a `KeyboardInterrupt` or `SystemExit` also ends
+                the portal's trio thread.
             UsageError: the portal is closed.
 
         Resource handling:
@@ -163,8 +167,12 @@ class TrioPortal:
                     async with _closing(fn(*args)) as items:
                         async for item in items:
                             await send.send((item, None))
-                except Exception as exc:
-                    await send.send((None, exc))
+                except BaseException as exc:
+                    if raised(exc, trio.Cancelled) is not None:
+                        raise  # the consumer left, or the portal closes
+                    await send.send((None, exc))  # the consumer's, whatever it is, as in `call`
+                    if isinstance(exc, KeyboardInterrupt | SystemExit):
+                        raise  # it also ends the trio thread, as it ends a trio run
 
         self._soon(self._spawn, pump, "pump", send.close)
         try:
