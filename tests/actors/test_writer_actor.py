@@ -62,22 +62,47 @@ async def test_a_subscriber_gets_the_tail_then_later_events_and_deltas_in_order(
     async with trio.open_nursery() as nursery:
         client, _ = await _start(nursery, MemoryStore())
         await client.barrier(StoreOp.RUN_STARTED, started())
-        subscription = await client.subscribe()
-        assert subscription.last_seq == 1
-        assert [e.kind for e in subscription.tail] == [EventKind.RUN_STARTED]
         await client.barrier(StoreOp.INTENT, _intent(1))
+        subscription = await client.subscribe()
+        assert subscription.last_seq == 2
+        assert [e.kind for e in subscription.tail] == [
+            EventKind.RUN_STARTED,
+            EventKind.MODEL_CALL_STARTED,
+        ]
+        await client.barrier(StoreOp.INTENT, _intent(1, 2))
         client.delta("text", "Hel")
         client.delta("text", "lo")
-        await client.barrier(StoreOp.INTENT, _intent(1, 2))
+        await client.barrier(StoreOp.INTENT, _intent(1, 3))
         client.inbox.close()
         seen = [(e.seq, e.kind, e.ordinal, e.text) async for e in subscription.events]
     kinds = [(seq, kind) for seq, kind, _, _ in seen]
-    assert (2, EventKind.MODEL_CALL_STARTED) in kinds and (3, EventKind.MODEL_CALL_STARTED) in kinds
+    assert (3, EventKind.MODEL_CALL_STARTED) in kinds and (4, EventKind.MODEL_CALL_STARTED) in kinds
     deltas = [
         (seq, ordinal, text) for seq, kind, ordinal, text in seen if kind is EventKind.TEXT_DELTA
     ]
-    assert deltas == [(2, 1, "Hel"), (2, 2, "lo")]  # numbered after the last durable event
-    assert kinds.index((3, EventKind.MODEL_CALL_STARTED)) > len(kinds) - 2  # the stream ended last
+    assert deltas == [(3, 1, "Hel"), (3, 2, "lo")]  # numbered after the last durable event
+    assert kinds.index((4, EventKind.MODEL_CALL_STARTED)) > len(kinds) - 2  # the stream ended last
+
+
+async def test_the_event_of_a_record_written_without_a_barrier_waits_for_the_next_barrier():
+    """A subscriber was shown a model reply and a final-answer step that a crash then took
+    back (the records were queued, not yet durable): after the resume, reading on from the
+    last seq it saw skipped the abandonment and the new attempt. Now an event is handed out
+    once its record is durable: with the run's next barrier."""
+    async with trio.open_nursery() as nursery:
+        client, writer = await _start(nursery, MemoryStore())
+        subscription = await client.subscribe()
+        await client.barrier(StoreOp.RUN_STARTED, started())  # queued, not durable
+        assert writer.statistics().last_seq == 0
+        await client.barrier(StoreOp.INTENT, _intent(1))  # a barrier: both are durable
+        assert writer.statistics().last_seq == 2
+        client.inbox.close()
+        seen = [(e.seq, e.kind) async for e in subscription.events]
+    assert seen == [
+        (1, EventKind.RUN_STARTED),
+        (1, EventKind.STEP_STARTED),
+        (2, EventKind.MODEL_CALL_STARTED),
+    ]
 
 
 async def test_a_subscriber_that_falls_behind_is_cut_off_and_counted():
@@ -209,8 +234,10 @@ async def test_subscribers_that_left_do_not_pile_up_while_the_run_is_quiet():
             await leaving.events.aclose()
         assert len(writer._subscribers) == 2  # the one staying, and the last to leave
         seq = await client.barrier(StoreOp.INTENT, _intent(1))
-        event = await staying.events.receive()
-        while not event.durable:  # the step-started event before the step's first record
-            event = await staying.events.receive()
-        assert (event.seq, event.kind) == (seq, EventKind.MODEL_CALL_STARTED)
+        # run-started became durable with this barrier: its event comes first
+        events = [await staying.events.receive() for _ in range(3)]
+        assert [(e.seq, e.kind) for e in events if e.durable] == [
+            (1, EventKind.RUN_STARTED),
+            (seq, EventKind.MODEL_CALL_STARTED),
+        ]
         client.inbox.close()

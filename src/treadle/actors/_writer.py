@@ -224,11 +224,16 @@ class EventWriter:
     metrics: MetricsRecorder | None = None
     _subscribers: list[trio.MemorySendChannel[Event]] = attrs.Factory(list)
     _tail: list[tuple[int, Record]] = attrs.Factory(list)
-    """Recent records with their seqs; a subscriber's tail is made of them when it joins."""
+    """Recent durable records with their seqs; a subscriber's tail is made of them."""
+    _held: list[tuple[int, Record]] = attrs.Factory(list)
+    """Records written without a barrier, not yet known durable: their events wait."""
+    _shown: int = 0
+    """The seq of the last record whose event was handed out (every one before it too)."""
     _delta_ordinal: int = 0
     _own_feed: bool = False
 
     def __attrs_post_init__(self) -> None:
+        self._shown = self.next_seq - 1  # a resumed run's log is durable
         self._own_feed = self.feed is None
         if self.feed is None:
             self.feed = SinkFeed(sinks=self.sinks)
@@ -242,7 +247,7 @@ class EventWriter:
         """Counters of this writer and its sink feed (see `WriterStatistics`)."""
         feed = self._feed
         return WriterStatistics(
-            last_seq=self.next_seq - 1,
+            last_seq=self._shown,
             sink_drops=feed.sink_drops,
             sink_failures=feed.sink_failures,
             subscriber_drops=feed.subscriber_drops,
@@ -303,27 +308,42 @@ class EventWriter:
             records = tuple(self._stamped(r) for r in records)
         await _STORE_OPS[message.op](self.store, records, seq, self.generation)
         self.next_seq = seq + len(records)
-        self._delta_ordinal = 0
         if self.metrics is not None:
             self.metrics.records(records)
-        tail = self._tail
-        # Events are built only for someone listening: the tail keeps the records, and a
-        # subscriber joining later gets their events then (the same events either way).
-        listening = bool(self._subscribers) or self._feed.active
-        for offset, record in enumerate(records):
-            tail.append((seq + offset, record))
-            if listening:
-                event = durable_event(self.run_id, seq + offset, record, self.redaction)
-                for published in with_step_started((event,)):
-                    self._fan_out(published)
-        if len(tail) > 2 * TAIL_KEEP:
-            del tail[:-TAIL_KEEP]
+        held = self._held
+        held.extend((seq + offset, record) for offset, record in enumerate(records))
+        if message.op.barrier:  # durable, and every write before it (docs/seams.md)
+            self._show(held)
+            held.clear()
         if message.reply_to is not None:
             with message.reply_to:
                 try:
                     message.reply_to.send_nowait(self.next_seq - 1)
                 except trio.BrokenResourceError:
                     pass
+
+    def _show(self, durable: list[tuple[int, Record]]) -> None:
+        """Hand out the events of ``durable`` records, in order, and keep them in the tail.
+
+        An event is handed out only once its record is durable (docs/events.md,
+        "Numbering"): a record written without a barrier waits for the run's next barrier,
+        so a crash can never take back an event a subscriber or a sink was given. Events are
+        built only for someone listening: the tail keeps the records, and a subscriber
+        joining later gets their events then (the same events either way).
+        """
+        tail = self._tail
+        listening = bool(self._subscribers) or self._feed.active
+        if durable:
+            self._delta_ordinal = 0
+        for seq, record in durable:
+            tail.append((seq, record))
+            self._shown = seq  # (a sink's warning raised while it is handed out follows it)
+            if listening:
+                event = durable_event(self.run_id, seq, record, self.redaction)
+                for published in with_step_started((event,)):
+                    self._fan_out(published)
+        if len(tail) > 2 * TAIL_KEEP:
+            del tail[:-TAIL_KEEP]
 
     def _stamped(self, record: Record) -> Record:
         """A run-finished record with this run's delivery counters in this process."""
@@ -349,7 +369,7 @@ class EventWriter:
         self._fan_out(
             Event(
                 run_id=self.run_id,
-                seq=self.next_seq - 1,
+                seq=self._shown,
                 kind=kind,
                 text=message.text,
                 ordinal=self._delta_ordinal,
@@ -378,7 +398,7 @@ class EventWriter:
         self._to_subscribers(
             Event(
                 run_id=self.run_id,
-                seq=self.next_seq - 1,
+                seq=self._shown,
                 kind=EventKind.WARNING,
                 text=text,
                 ordinal=self._delta_ordinal,
@@ -404,7 +424,7 @@ class EventWriter:
         tail = tuple(
             durable_event(self.run_id, seq, record, self.redaction) for seq, record in self._tail
         )
-        answer = Subscription(last_seq=self.next_seq - 1, tail=tail, events=recv)
+        answer = Subscription(last_seq=self._shown, tail=tail, events=recv)
         with message.reply_to:
             try:
                 message.reply_to.send_nowait(answer)
