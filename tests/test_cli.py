@@ -409,6 +409,31 @@ def test_show_and_tail_json_speak_the_event_vocabulary(tmp_path):
         assert kinds <= {k.value for k in treadle.EventKind}
 
 
+def test_tail_json_keeps_its_notes_off_stdout(tmp_path):
+    """``tail --json`` printed "nobody drives run ..." and approval hints among the events on
+    stdout: a JSON-lines reader broke on them. They go to stderr with --json."""
+    from treadle.types import RunStarted
+
+    db = tmp_path / "runs.db"
+
+    async def orphan():
+        async with treadle.open_sqlite_store(db) as store:
+            lease = await store.acquire_lease("orphan", owner="gone", ttl_s=60)
+            started = RunStarted(
+                run_id="orphan", ts="2026-01-01T00:00:00+00:00", input=(), snapshot={}
+            )
+            await store.write_run_started(started, seq=1, generation=lease.generation)
+            await store.release_lease(lease)
+
+    trio.run(orphan)
+    out = CliRunner().invoke(main, ["tail", "orphan", "--store", str(db), "--json", "--no-follow"])
+    assert out.exit_code == 0, out.output
+    assert [json.loads(line)["kind"] for line in out.stdout.splitlines()] == ["run_started"]
+    assert "nobody drives run orphan: it is orphaned" in out.stderr
+    plain = CliRunner().invoke(main, ["tail", "orphan", "--store", str(db), "--no-follow"])
+    assert "nobody drives run orphan" in plain.stdout  # without --json, one readable stream
+
+
 @pytest.mark.parametrize(
     ("option", "content", "said"),
     [

@@ -10,6 +10,7 @@ drives it. ``repair`` cuts a damaged JSONL log knowingly.
 
 from __future__ import annotations
 
+import functools
 import json
 import time
 from collections.abc import Callable, Mapping
@@ -256,7 +257,16 @@ def tail_command(run_id: str, store_path: str, from_seq: int, as_json: bool, fol
 
     async def go() -> None:
         async with open_store(store_path) as store:
-            await tail(store, run_id, from_seq, show, follow=follow, store_path=store_path)
+            # With --json, stdout holds only events (one JSON object a line); notes go to stderr.
+            await tail(
+                store,
+                run_id,
+                from_seq,
+                show,
+                follow=follow,
+                store_path=store_path,
+                say=functools.partial(click.echo, err=as_json),
+            )
 
     try:
         run_async(go)
@@ -273,11 +283,13 @@ async def tail(
     follow: bool = True,
     poll_s: float = TAIL_POLL_S,
     store_path: str = "STORE",
+    say: Callable[[str], object] = click.echo,
 ) -> None:
     """Call ``show(seq, record)`` for each record from ``from_seq`` on, as they are stored.
 
     Returns after the run-finished record (or at once without ``follow``). While the run
-    waits for an approval, prints the command that decides it (naming ``store_path``).
+    waits for an approval, ``say``s the command that decides it (naming ``store_path``), and
+    whenever nobody drives the run, why.
 
     Raises:
         UsageError: the run does not exist.
@@ -297,14 +309,16 @@ async def tail(
             show(seq, redaction.record(log.records[seq - 1]))
         next_seq = max(next_seq, len(log.records) + 1)
         if log.finished is not None or not follow:
-            _say_liveness(summary, None)
+            _say_liveness(summary, None, say)
             return
-        hinted = _hint_approval(log, hinted, store_path)
-        said = _say_liveness(summary, said)
+        hinted = _hint_approval(log, hinted, store_path, say)
+        said = _say_liveness(summary, said, say)
         await trio.sleep(poll_s)
 
 
-def _say_liveness(summary: RunSummary | None, said: Liveness | None) -> Liveness | None:
+def _say_liveness(
+    summary: RunSummary | None, said: Liveness | None, say: Callable[[str], object]
+) -> Liveness | None:
     """Say once (and again when it changes) that nobody drives the run, and why."""
     if summary is None or summary.liveness is said:
         return said
@@ -318,19 +332,19 @@ def _say_liveness(summary: RunSummary | None, said: Liveness | None) -> Liveness
     }
     text = words.get(summary.liveness)
     if text is not None:
-        click.echo(f"      … nobody drives run {summary.run_id}: {text}")
+        say(f"      … nobody drives run {summary.run_id}: {text}")
     elif said is not None and summary.liveness is Liveness.DRIVEN and summary.lease:
-        click.echo(f"      … {summary.lease.owner} drives run {summary.run_id} now")
+        say(f"      … {summary.lease.owner} drives run {summary.run_id} now")
     return summary.liveness
 
 
 def _hint_approval(
-    log: RunLog, hinted: ApprovalRequested | None, store_path: str
+    log: RunLog, hinted: ApprovalRequested | None, store_path: str, say: Callable[[str], object]
 ) -> ApprovalRequested | None:
     request = pending_approval(log)
     if request is not None and request != hinted:
         shown = Redaction.of_log(log).request(request)
-        click.echo(
+        say(
             f"      … waiting for approval of {call_text(shown)} (call {request.call_id}) until "
             f"{request.deadline_ts}: treadle approve {log.run_id} --store {store_path} "
             "[--reject MSG | --edit JSON]"
