@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
+import sqlite3
 from collections.abc import AsyncIterator, Callable
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from pathlib import Path
@@ -387,3 +389,53 @@ def test_ctrl_c_during_a_resume_says_the_run_is_left_resumable(tmp_path: Path) -
     assert child.returncode == 130, (out, err)
     assert b"interrupted: r1 is left unfinished and resumable" in err
     assert b"Traceback" not in err
+
+
+def test_resume_all_reports_a_run_whose_index_row_is_damaged_as_it_resumes_it(
+    tmp_path: Path,
+) -> None:
+    """A damaged state in a SQLite index row: the run's log was whole and `resume --all`
+    drove it to its end, tool calls and all, yet said "nothing to resume"."""
+    path = prepare(tmp_path, "sqlite", {"r": 9})
+    with contextlib.closing(sqlite3.connect(path)) as conn:
+        conn.execute("UPDATE runs SET state = 'sunning' WHERE run_id = 'r'")
+        conn.commit()
+    runner = CliRunner(env={LEDGER_ENV: str(tmp_path / "ledger.jsonl")})
+    result = runner.invoke(main, ["resume", "--all", "--store", str(path), "--agent", AGENT])
+    assert result.exit_code == 0, result.output
+    assert result.stdout.splitlines() == ["r: succeeded (task_completed), 4 steps"]
+
+
+def test_a_run_index_row_without_a_run_id_is_damage_not_an_empty_store(tmp_path: Path) -> None:
+    """One flipped bit of the runs page left a row whose run id reads as NULL: `treadle runs`
+    showed an empty store and `resume --all` said "nothing to resume" (exit 0) while an
+    unfinished run with its payments made sat in the log. Both now fail, naming the damage."""
+    path = prepare(tmp_path, "sqlite", {"r": 9})
+    with contextlib.closing(sqlite3.connect(path)) as conn:  # damage as a bad page reads
+        conn.execute("PRAGMA writable_schema = ON")
+        conn.execute(
+            "UPDATE sqlite_master SET sql = replace(sql, 'run_id TEXT NOT NULL UNIQUE', "
+            "'run_id TEXT UNIQUE') WHERE name = 'runs'"
+        )
+        conn.commit()
+    with contextlib.closing(sqlite3.connect(path)) as conn:
+        conn.execute("UPDATE runs SET run_id = NULL WHERE run_id = 'r'")
+        conn.commit()
+    runner = CliRunner(env={LEDGER_ENV: str(tmp_path / "ledger.jsonl")})
+    for command in (["runs"], ["resume", "--all", "--agent", AGENT]):
+        result = runner.invoke(main, [*command, "--store", str(path)])
+        assert result.exit_code == 1, (command, result.output)
+        assert "the run index is damaged: a row has no run id" in result.output, command
+
+
+def test_a_schema_text_that_is_not_utf8_is_a_damaged_database_not_a_traceback(
+    tmp_path: Path,
+) -> None:
+    path = prepare(tmp_path, "sqlite", {"r": None})
+    data = bytearray(path.read_bytes())
+    at = data.index(b"CREATE TABLE runs")
+    data[at + 7] = 0xF5  # no UTF-8 byte: the schema's text no longer decodes
+    path.write_bytes(bytes(data))
+    result = CliRunner().invoke(main, ["runs", "--store", str(path)])
+    assert result.exit_code == 1
+    assert "the database is damaged" in result.output and "Traceback" not in result.output

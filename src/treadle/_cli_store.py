@@ -33,7 +33,7 @@ from treadle._cli_common import (
     store_option,
     table_console,
 )
-from treadle._exceptions import RunLeased, SnapshotMismatch
+from treadle._exceptions import RunLeased, SnapshotMismatch, TreadleError
 from treadle._text import valid_unicode
 from treadle.actors import stored_events
 from treadle.agent import Agent
@@ -454,18 +454,39 @@ async def _resume_all(
                 click.echo(
                     f"{summary.run_id}: left to its driver, {driver_text(summary)}", err=True
                 )
+        # What resume_unfinished takes up: every run its log says is unfinished, a run whose
+        # index row is damaged (its summary an error) included, unless another driver holds it.
         unfinished = [
             s.run_id
             for s in summaries
-            if s.error is None and s.liveness in (Liveness.ORPHANED, Liveness.PARKED)
+            if s.liveness in (Liveness.ORPHANED, Liveness.PARKED)
+            or (s.error is not None and await _unfinished_log(store, s.run_id))
         ]
         try:
             await resume_unfinished(agent, store=store, max_concurrent=max_concurrent)
         except ExceptionGroup as group:
             errors = list(group.exceptions)
         failed = {getattr(e, "run_id", None) for e in errors}
-        logs = [await store.read_log(r) for r in unfinished if r not in failed]
+        logs = []
+        for run_id in unfinished:
+            if run_id in failed:
+                continue
+            try:
+                log = await store.read_log(run_id)
+            except TreadleError:  # its resume failed too, and that error is reported
+                continue
+            if log.started is not None:
+                logs.append(log)
     return logs, errors
+
+
+async def _unfinished_log(store: RunStore, run_id: str) -> bool:
+    """Whether ``run_id``'s log is readable and unfinished (its index row said nothing)."""
+    try:
+        log = await store.read_log(run_id)
+    except TreadleError:
+        return False  # resume_unfinished fails it, and that error is reported
+    return log.started is not None and log.finished is None
 
 
 def _ending(log: RunLog) -> dict[str, Any]:

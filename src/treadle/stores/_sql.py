@@ -260,6 +260,12 @@ def decode_rows(where: str, run_id: str, rows: Sequence[Sequence[Any]]) -> tuple
     records: list[Record] = []
     for expected, (seq, gen, kind, body, crc) in enumerate(rows, start=1):
         if type(body) is not bytes:
+            if not isinstance(body, bytes | bytearray | memoryview):  # a damaged row's type
+                raise LogCorrupted(
+                    f"run {run_id!r}: record {expected} holds no bytes",
+                    where=where,
+                    offset=expected,
+                )
             body = bytes(body)  # a memoryview from PostgreSQL
         if seq != expected:
             raise LogCorrupted(
@@ -471,9 +477,40 @@ def read_generations(dialect: SqlDialect, conn: Connection, run_id: str) -> tupl
 
 
 def list_run_ids(dialect: SqlDialect, conn: Connection) -> tuple[str, ...]:
-    """Runs with at least one record, in the order they entered the store."""
-    rows = conn.execute("SELECT run_id FROM runs WHERE next_seq > 1 ORDER BY ord").fetchall()
-    return tuple(r[0] for r in rows)
+    """Runs with at least one record, in the order they entered the store.
+
+    Raises:
+        LogCorrupted: a row of the index has no run id (`_check_ids`).
+    """
+    rows = conn.execute(
+        f"SELECT run_id FROM runs WHERE next_seq > 1 OR {_NO_RUN_ID} ORDER BY ord"
+    ).fetchall()
+    return _check_ids(dialect, tuple(r[0] for r in rows))
+
+
+_NO_RUN_ID: Final = "COALESCE(run_id, '') = ''"
+"""A row without a run id. Not ``run_id IS NULL``: SQLite reads that as false for a NOT NULL
+column without looking, and a damaged row is just what breaks the constraint."""
+
+
+def _check_ids(dialect: SqlDialect, run_ids: tuple[Any, ...]) -> tuple[Any, ...]:
+    """``run_ids``, unless the index holds a row without one.
+
+    Such a row (the column is NOT NULL) is a damaged file, read back as garbage: its run would
+    drop out of every listing, and `treadle resume --all` would skip it, although its log is
+    there.
+
+    Raises:
+        LogCorrupted: a run id is ``None``.
+    """
+    if None in run_ids or "" in run_ids:
+        raise LogCorrupted(
+            "the run index is damaged: a row has no run id, so a run may be missing from the "
+            "listing (check the database, e.g. PRAGMA integrity_check for SQLite)",
+            where=dialect.description,
+            offset=None,
+        )
+    return run_ids
 
 
 _SUMMARY_COLUMNS: Final = (
@@ -490,10 +527,11 @@ def list_summaries(dialect: SqlDialect, conn: Connection) -> tuple[RunSummary, .
         now = dialect.now(conn)
         rows = conn.execute(
             f"SELECT {_SUMMARY_COLUMNS} FROM runs WHERE state IS NOT NULL OR next_seq > 1 "
-            "ORDER BY ord"
+            f"OR {_NO_RUN_ID} ORDER BY ord"
         ).fetchall()
     finally:
         conn.execute("COMMIT")
+    _check_ids(dialect, tuple(row[0] for row in rows))
     return tuple(summary_of(dialect.description, row, now) for row in rows)
 
 

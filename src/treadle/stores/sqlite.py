@@ -189,6 +189,8 @@ class SqliteDialect:
 
 
 def _translate(path: str, exc: BaseException, what: str) -> TreadleError | None:
+    if isinstance(exc, UnicodeDecodeError):  # a TEXT value of the file is not UTF-8
+        return LogCorrupted(f"the database is damaged: {exc}", where=path, offset=None)
     if not isinstance(exc, sqlite3.Error):
         return None
     text = str(exc)
@@ -704,7 +706,7 @@ def _open_writer(
         raise StoreError(f"cannot open SQLite store {path}: {exc}") from exc
     try:
         _configure_writer(conn, pragmas, clock, path)
-    except sqlite3.Error as exc:
+    except (sqlite3.Error, UnicodeDecodeError) as exc:
         conn.close()
         error = _translate(path, exc, "cannot open")
         assert error is not None
