@@ -439,3 +439,50 @@ def test_a_schema_text_that_is_not_utf8_is_a_damaged_database_not_a_traceback(
     result = CliRunner().invoke(main, ["runs", "--store", str(path)])
     assert result.exit_code == 1
     assert "the database is damaged" in result.output and "Traceback" not in result.output
+
+
+def _duplicate_a_middle_line(lines: list[bytes]) -> list[bytes]:
+    return [*lines[:3], lines[2], *lines[3:]]
+
+
+def _swap_the_last_two(lines: list[bytes]) -> list[bytes]:
+    return [*lines[:-2], lines[-1], lines[-2]]
+
+
+def _drop_a_middle_line(lines: list[bytes]) -> list[bytes]:
+    return [*lines[:3], *lines[4:]]
+
+
+def _blank_middle_line(lines: list[bytes]) -> list[bytes]:
+    return [*lines[:3], b"", *lines[3:]]
+
+
+def _nul_line_then_more(lines: list[bytes]) -> list[bytes]:
+    return [*lines[:3], b"\0" * 20, *lines[3:]]
+
+
+@pytest.mark.parametrize(
+    "damage",
+    [
+        _duplicate_a_middle_line,
+        _swap_the_last_two,
+        _drop_a_middle_line,
+        _blank_middle_line,
+        _nul_line_then_more,
+    ],
+)
+def test_runs_lists_damage_in_a_jsonl_files_last_64_kib(tmp_path: Path, damage: Any) -> None:
+    """docs/crash-safety.md: `treadle runs` lists a run damaged in its last 64 KiB with its
+    error and exits 1. It checked each line's checksum but not that the seqs follow, nor
+    empty lines or NUL bytes a newline ends: these were listed as healthy runs (exit 0)."""
+    path = prepare(tmp_path, "jsonl", {"r": 9})
+    file = path / "r.jsonl"
+    lines = file.read_bytes().split(b"\n")[:-1]
+    file.write_bytes(b"".join(line + b"\n" for line in damage(lines)))
+    runner = CliRunner()
+    listing = runner.invoke(main, ["runs", "--store", str(path), "--json"])
+    assert listing.exit_code == 1, listing.output
+    (row,) = map(json.loads, listing.stdout.splitlines())
+    assert row["run_id"] == "r" and row["error"] and row["where"] == str(file)
+    shown = runner.invoke(main, ["show", "r", "--store", str(path)])
+    assert shown.exit_code == 1  # the full read refuses it the same way

@@ -577,31 +577,35 @@ def _checked(path: str, line: bytes, offset: int) -> tuple[int, bytes, int]:
 def _tail_records(path: str, tail: bytes, tail_at: int, run_id: str, version: int) -> list[Record]:
     """The records of the record frames in ``tail`` (the file's bytes from ``tail_at`` on).
 
-    The first line is skipped when ``tail`` starts inside it, and so is the unterminated
-    last line (a torn tail: the full read leaves it out too) and lines of NUL bytes (a tail
-    the file system zero-filled: the full read judges those).
+    The first line is skipped when ``tail`` starts inside it. The rest is judged as the full
+    read judges it (`treadle.stores._lines.scan_lines`): a torn tail (an unterminated last
+    line, or NUL bytes to the end) is left out, as the full read leaves it out, and any other
+    line must be an intact frame whose seq follows the frame before it.
 
     Raises:
-        LogCorrupted: a complete line in ``tail`` is damaged (``offset``: where it starts).
+        LogCorrupted: a complete line in ``tail`` is damaged (an empty line or NUL bytes a
+            newline ends included), or its seq does not follow (a line lost, repeated or
+            moved); ``offset``: where it starts.
     """
     records: list[Record] = []
     start = 0 if tail_at == 0 or tail.startswith(b'{"seq":') else tail.find(b"\n") + 1
-    lines = tail[start:].split(b"\n")
-    offset = tail_at + start
-    for line in lines[:-1]:  # the last piece has no newline: empty, or a torn tail
-        if line.strip(b"\0"):
-            seq, _, _ = _checked(path, line, offset)
-            if seq and version >= COMPACT_FROM:
-                records.extend(_read_compact(path, run_id, line, offset)[0])
-            elif seq:
-                try:
-                    items = json.loads(line).get("records", ())
-                    records.extend(record_from_dict(item) for item in items)
-                except Exception as exc:  # checksum intact, content not a record frame
-                    raise LogCorrupted(
-                        f"a line is damaged: {exc}", where=path, offset=offset
-                    ) from exc
-        offset += len(line) + 1
+    scanned = scan_lines(tail[start:], check_frame, where=path, base=tail_at + start)
+    expected: int | None = None
+    for seq, line, offset in scanned.items:
+        if not seq:  # the header
+            continue
+        if expected is not None and seq != expected:
+            raise LogCorrupted(f"frame seq {seq}, expected {expected}", where=path, offset=offset)
+        if version >= COMPACT_FROM:
+            found = _read_compact(path, run_id, line, offset)[0]
+        else:
+            try:
+                items = json.loads(line).get("records", ())
+                found = [record_from_dict(item) for item in items]
+            except Exception as exc:  # checksum intact, content not a record frame
+                raise LogCorrupted(f"a line is damaged: {exc}", where=path, offset=offset) from exc
+        records.extend(found)
+        expected = seq + len(found)
     return records
 
 
