@@ -31,3 +31,39 @@ def test_the_checker_finds_a_runtime_that_starts_a_second_child_on_resume(monkey
         result = simulate(seed, plan=PLAN)
         found.extend(v for v in result.violations if "child runs:" in v)
     assert found and "one call started 2 child runs" in found[0]
+
+
+def test_a_seeds_child_runs_are_written_the_same_byte_for_byte():
+    """A child run took the wall clock and an unseeded random source: the same seed wrote its
+    child runs with other timestamps each time. It takes its parent's clock now, and a
+    random source drawn from its parent's."""
+    import trio
+
+    from treadle.stores import record_to_json
+    from treadle.testing.simulation import LedgerScenario
+
+    stores = []
+
+    class Capturing(LedgerScenario):
+        def agent_on(self, world, store):
+            stores.append(store)
+            return super().agent_on(world, store)
+
+    def every_log(seed: int) -> dict[str, list[str]]:
+        stores.clear()
+        simulate(seed, plan=FaultPlan(rates={"child_run": 1.0}), scenario=Capturing())
+        store = stores[-1]
+        while hasattr(store, "inner"):
+            store = store.inner
+
+        async def read() -> dict[str, list[str]]:
+            logs = {}
+            for run_id in await store.list_runs():
+                logs[run_id] = [record_to_json(r) for r in (await store.read_log(run_id)).records]
+            return logs
+
+        return trio.run(read)
+
+    first, second = every_log(0), every_log(0)
+    assert any("child" in run_id for run_id in first)
+    assert first == second

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+import random
 import re
 import time
 from collections.abc import Callable, Sequence
@@ -50,7 +51,7 @@ from treadle.agent import Agent
 from treadle.ports import EventSink, RunIndex, RunStore
 from treadle.stores import LEASE_TTL_S, check_ttl, lease_owner
 from treadle.supervisors._child_links import PARENT_STOPPED, cancel_child
-from treadle.supervisors._driver import CONTROL_POLL_S, DriveOptions, drive_run
+from treadle.supervisors._driver import CONTROL_POLL_S, DriveOptions, drive_run, run_timing
 from treadle.supervisors._factories import DEFAULT_ACTORS
 from treadle.supervisors._fleet_drive import FleetDrive, current_drive
 from treadle.supervisors._handle import RunHandle
@@ -249,9 +250,10 @@ async def _attached(
         ttl_s=settings.lease_ttl_s,
         store=leases_of(settings.store),
     )
+    clock, rng = run_timing.get() or (SystemClock(), None)
     options = DriveOptions(
-        clock=SystemClock(),
-        rng=None,
+        clock=clock,
+        rng=None if rng is None else random.Random(f"{run_id}:{rng.getrandbits(64)}"),
         approval_policy=None,
         control_poll_s=settings.control_poll_s,
         actors=DEFAULT_ACTORS,

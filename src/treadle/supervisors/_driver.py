@@ -14,6 +14,7 @@ its worker (docs/child-runs.md, "In a fleet").
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import functools
 import random
 import sys
@@ -103,6 +104,16 @@ about this long (docs/decisions/0095-one-task-for-a-stores-runs.md)."""
 
 
 _JITTER: Final = random.Random()
+
+run_timing: Final[contextvars.ContextVar[tuple[Clock, random.Random | None] | None]] = (
+    contextvars.ContextVar("treadle_run_timing", default=None)
+)
+"""The clock and random source of the run the current task serves (``None`` outside one).
+
+Set where a run's actors start, so every task of the run (a tool call's included) inherits
+it: a child run started inside a call takes its parent's clock and a random source drawn from
+its parent's, so a simulation's child runs are as deterministic as their parents
+(docs/simulation.md, "Determinism")."""
 """Retry jitter of the runs given no random source: one unseeded source for all of them
 (a `random.Random` holds 2.5 KB of state; jitter needs no source of its own per run)."""
 
@@ -441,6 +452,7 @@ async def _drive(
         `_ChildWait` when it parked on child runs, ``None`` when it finished.
     """
     clock = options.clock
+    run_timing.set((clock, options.rng))  # inherited by the run's tasks (a child run's tool)
     async with trio.open_nursery() as nursery:
         started, view, resumed, accepted = _prepare(agent, input, log, clock, options, hold.owner)
         if started.caps is not None:  # a queued child: its parent's remainder bounds it
