@@ -194,6 +194,16 @@ async def test_a_bug_in_a_commit_here_fails_the_batch_and_stops_the_engine(
     assert not engine._committer._thread.is_alive()
 
 
+async def _stop_the_committer_beside_a_queued_run(store: Any, commits: Commits) -> None:
+    """Queue run ``queued``, then make a bug in a commit of run ``r`` stop the committer."""
+    await store.submit("queued", agent="a", input=(Message(role="user", content="x"),))
+    g = await lease(store, "r")
+    await store.write_run_started(started("r"), seq=1, generation=g)
+    commits.bug = RuntimeError("a bug in the backend")
+    with pytest.raises(StoreError):
+        await store.write_intent(intent("r", 1), seq=2, generation=g)
+
+
 async def test_a_store_whose_committer_stopped_claims_no_run(
     tmp_path: Path, commits: Commits
 ) -> None:
@@ -202,12 +212,7 @@ async def test_a_store_whose_committer_stopped_claims_no_run(
     quarantined one takeover at a time. Now the claim is refused and the runs stay queued
     for other workers."""
     async with treadle.open_sqlite_store(tmp_path / "s.db") as store:
-        await store.submit("queued", agent="a", input=(Message(role="user", content="x"),))
-        g = await lease(store, "r")
-        await store.write_run_started(started("r"), seq=1, generation=g)
-        commits.bug = RuntimeError("a bug in the backend")
-        with pytest.raises(StoreError):
-            await store.write_intent(intent("r", 1), seq=2, generation=g)
+        await _stop_the_committer_beside_a_queued_run(store, commits)
         with pytest.raises(treadle.StoreStopped, match="no write can be committed"):
             await store.claim(
                 owner="w", agents={"a": ("",)}, limit=1, ttl_s=10, max_takeovers=3, backoff_s=0
@@ -229,12 +234,7 @@ async def test_a_worker_whose_committer_stopped_ends_and_leaves_its_queue_to_oth
         parser=treadle.NativeToolCallParser(),
     )
     async with treadle.open_sqlite_store(tmp_path / "s.db") as store:
-        await store.submit("queued", agent="a", input=(Message(role="user", content="x"),))
-        g = await lease(store, "r")
-        await store.write_run_started(started("r"), seq=1, generation=g)
-        commits.bug = RuntimeError("a bug in the backend")
-        with pytest.raises(StoreError):
-            await store.write_intent(intent("r", 1), seq=2, generation=g)
+        await _stop_the_committer_beside_a_queued_run(store, commits)
         with (
             trio.fail_after(20),
             pytest.RaisesGroup(treadle.StoreStopped, allow_unwrapped=True, flatten_subgroups=True),
