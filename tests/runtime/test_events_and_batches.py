@@ -198,3 +198,42 @@ async def test_a_cut_off_subscriber_gets_the_same_events_as_a_reader_of_the_log(
     log = await store.read_log("r")
     assert log.finished.subscriber_drops == 1
     assert live == stored
+
+
+class KeepingSink:
+    def __init__(self) -> None:
+        self.events: list[treadle.Event] = []
+
+    async def send(self, event: treadle.Event) -> None:
+        self.events.append(event)
+
+
+async def test_a_run_drained_between_steps_hands_its_last_step_to_its_sinks(tmp_path):
+    """A step's results and record are written without a barrier, and their events wait for
+    the next one; a drain between steps writes none, so the sink never got that step (and a
+    later drive of the run starts after it). The drive's end now hands them out once the
+    store committed them."""
+
+    @treadle.tool
+    async def slow(x: int) -> int:
+        """Take a moment."""
+        await trio.sleep(0.3)
+        return x
+
+    turns = [calls(ToolCall(id="c1", name="slow", arguments={"x": 1})), say("done")]
+    sink = KeepingSink()
+    async with treadle.open_sqlite_store(tmp_path / "s.db") as store:
+        agent_ = treadle.Agent(
+            model=ScriptedModel(turns=turns),
+            executor=treadle.Toolbox([slow]),
+            parser=treadle.NativeToolCallParser(),
+        )
+        async with open_run(agent_, "go", store=store, run_id="r", sinks=[sink]) as handle:
+            await trio.sleep(0.15)  # in the tool call
+            handle.drain()
+            with pytest.raises(treadle.RunInterrupted):
+                await handle.wait()
+        log = await store.read_log("r")
+    assert isinstance(log.records[-1], StepRecord)  # stopped after the step, no barrier
+    shown = [e.seq for e in sink.events if e.durable]
+    assert shown == list(range(1, len(log.records) + 1))

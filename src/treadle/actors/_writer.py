@@ -278,6 +278,7 @@ class EventWriter:
                     try:
                         async for message in inbox:
                             await self._serve(message)
+                        await self._show_held()
                     finally:
                         _refuse_pending(inbox)
             finally:
@@ -321,6 +322,19 @@ class EventWriter:
                     message.reply_to.send_nowait(self.next_seq - 1)
                 except trio.BrokenResourceError:
                     pass
+
+    async def _show_held(self) -> None:
+        """At the end of the drive: hand out the events still held, once they are durable.
+
+        A run that stops without a barrier after its last records (drained between steps,
+        parked) would otherwise never show them: the next driver starts after them, and the
+        run's sinks would keep a gap. Reading the log waits until the store committed every
+        write it acknowledged (docs/seams.md, "Run store"); it happens only when events wait.
+        """
+        if self._held:
+            await self.store.read_log(self.run_id)
+            self._show(self._held)
+            self._held.clear()
 
     def _show(self, durable: list[tuple[int, Record]]) -> None:
         """Hand out the events of ``durable`` records, in order, and keep them in the tail.
