@@ -162,11 +162,12 @@ async def test_a_failed_store_write_fails_the_writer_and_refuses_what_is_queued(
 async def test_ending_the_inbox_ends_the_writer_and_closes_every_subscription():
     async with trio.open_nursery() as nursery:
         client, _ = await _start(nursery, MemoryStore())
-        await client.barrier(StoreOp.RUN_STARTED, started())
+        await client.barrier(StoreOp.RUN_STARTED, started())  # no barrier: its event waits
         first, second = await client.subscribe(), await client.subscribe()
-        client.inbox.close()
-        assert [e async for e in first.events] == []
-        assert [e async for e in second.events] == []
+        assert first.tail == second.tail == ()
+        client.inbox.close()  # the drive's end: what waited is handed out, then they close
+        assert [e.kind async for e in first.events] == [EventKind.RUN_STARTED]
+        assert [e.kind async for e in second.events] == [EventKind.RUN_STARTED]
 
 
 async def test_a_cancelled_barrier_requester_still_gets_its_write_done():
