@@ -16,6 +16,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Final
 
+import attrs
+
 from treadle.types import ActionOutcome, ActionStatus, ImageRef, ModelReply, ToolCall, Usage
 
 _MAX_DEPTH: Final = 80
@@ -37,11 +39,12 @@ def usage_problem(usage: object) -> str | None:
     """Why ``usage`` is no `Usage` of token counts (each ``None`` or an int >= 0), or ``None``."""
     if not isinstance(usage, Usage):
         return f"usage must be a Usage record, not {type(usage).__name__}"
-    for name, count in _counts(usage):
+    for field in attrs.fields(Usage):  # every field of Usage is a count of tokens
+        count = getattr(usage, field.name)
         if count is None:
             continue
         if isinstance(count, bool) or not isinstance(count, int) or count < 0:
-            return f"usage.{name} must be None or a count of tokens >= 0, not {count!r}"
+            return f"usage.{field.name} must be None or a count of tokens >= 0, not {count!r}"
     return None
 
 
@@ -90,18 +93,6 @@ def outcome_problem(outcome: object) -> str | None:
     if outcome.usage is not None:
         return usage_problem(outcome.usage)
     return None
-
-
-def _counts(usage: Usage) -> tuple[tuple[str, object], ...]:
-    """The counts of ``usage`` by field name."""
-    return (
-        ("input_tokens", usage.input_tokens),
-        ("output_tokens", usage.output_tokens),
-        ("reasoning_tokens", usage.reasoning_tokens),
-        ("total_tokens", usage.total_tokens),
-        ("cached_input_tokens", usage.cached_input_tokens),
-        ("cache_creation_input_tokens", usage.cache_creation_input_tokens),
-    )
 
 
 def _call_problem(call: object) -> str | None:

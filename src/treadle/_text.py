@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import enum
 import functools
+import json
 import re
 from collections.abc import Mapping
 from typing import Any, Final, TypeVar
@@ -177,3 +178,19 @@ def repaired(record: R) -> R:
     if not count:
         return record
     return attrs.evolve(fixed, surrogates_replaced=record.surrogates_replaced + count)
+
+
+def loads_json(data: str | bytes) -> Any:
+    """Decode JSON from outside the process (a server's body, a person's edit) with the stdlib.
+
+    ``NaN`` and big integers read exactly.
+
+    Raises:
+        ValueError: ``data`` is not JSON, or nests deeper than the decoder can follow (its
+            `RecursionError`, about a thousand levels: outside data must not crash the run
+            or the command that reads it).
+    """
+    try:
+        return json.loads(data)
+    except RecursionError:
+        raise ValueError("the JSON nests too deeply to be decoded") from None

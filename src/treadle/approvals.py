@@ -25,7 +25,7 @@ from typing import Any, TypeAlias
 from treadle._clock import Clock, SystemClock
 from treadle._exceptions import UsageError
 from treadle._ids import check_run_id
-from treadle._text import repaired
+from treadle._text import loads_json, repaired
 from treadle.parsers import MAX_ARGUMENT_DEPTH, NESTED_TOO_DEEP, argument_problem
 from treadle.policies import ExecutorPolicies
 from treadle.ports import ControlStream, RunQueue, RunStore
@@ -80,10 +80,10 @@ def edited_arguments(text: str) -> dict[str, JSONValue]:
         UsageError: ``text`` is not JSON, nests too deeply to be read, or is not an object.
     """
     try:
-        value = json.loads(text)
+        value = loads_json(text)
     except json.JSONDecodeError as exc:
         raise UsageError(f"the edited arguments are not JSON: {exc}") from exc
-    except RecursionError:
+    except ValueError:  # JSON nested past what the decoder follows
         raise UsageError("the edited arguments nest too deeply to be read") from None
     if not isinstance(value, dict):
         raise UsageError("the edited arguments must be a JSON object")

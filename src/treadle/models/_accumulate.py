@@ -20,6 +20,7 @@ import attrs
 import orjson
 
 from treadle._exceptions import ModelCallError
+from treadle._text import loads_json
 from treadle.ports import DeltaCallback
 from treadle.types import InvalidToolCall, ModelErrorInfo, ModelReply, ToolCall, Usage
 
@@ -545,20 +546,6 @@ def _object_or_none(raw: str) -> dict[str, Any] | None:
     except ValueError:
         return None
     return value if isinstance(value, dict) else None
-
-
-def loads_json(data: str | bytes) -> Any:
-    """Decode JSON a server sent with the stdlib (``NaN`` and big integers read exactly).
-
-    Raises:
-        ValueError: ``data`` is not JSON, or nests deeper than the decoder can follow (its
-            `RecursionError`, about a thousand levels: a server's data must not crash the
-            run that reads it).
-    """
-    try:
-        return json.loads(data)
-    except RecursionError:
-        raise ValueError("the JSON nests too deeply to be decoded") from None
 
 
 def loads_event(data: str) -> Any:

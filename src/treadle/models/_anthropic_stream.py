@@ -16,11 +16,11 @@ from typing import Any
 import attrs
 
 from treadle._exceptions import ModelCallError
+from treadle._text import loads_json
 from treadle.models._accumulate import (
     classify_failure,
     error_fields,
     loads_event,
-    loads_json,
     standard_finish_reason,
 )
 from treadle.ports import DeltaCallback

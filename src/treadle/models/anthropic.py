@@ -18,7 +18,8 @@ from typing import Any
 import httpx
 
 from treadle._exceptions import ModelCallError, UsageError
-from treadle.models._accumulate import error_fields, loads_json, parse_retry_after
+from treadle._text import loads_json
+from treadle.models._accumulate import error_fields, parse_retry_after
 from treadle.models._anthropic_stream import MessageAccumulator, classify_anthropic
 from treadle.models._transport import (
     StreamReader,

@@ -16,11 +16,11 @@ from typing import Any
 import httpx
 
 from treadle._exceptions import ModelCallError, UsageError
+from treadle._text import loads_json
 from treadle.models._accumulate import (
     StreamAccumulator,
     classify_failure,
     error_fields,
-    loads_json,
     parse_retry_after,
 )
 from treadle.models._transport import (
