@@ -237,3 +237,30 @@ async def test_a_run_drained_between_steps_hands_its_last_step_to_its_sinks(tmp_
     assert isinstance(log.records[-1], StepRecord)  # stopped after the step, no barrier
     shown = [e.seq for e in sink.events if e.durable]
     assert shown == list(range(1, len(log.records) + 1))
+
+
+async def test_every_event_a_subscriber_gets_is_already_in_the_database_file(tmp_path):
+    """docs/events.md, "Numbering": an event is handed out once its record is durable. A
+    second connection to the SQLite file, opened as each event arrives, must already find
+    its record there: before, a model result's event went out while the record was queued,
+    and a crash then could take back what the subscriber had been shown."""
+    import contextlib
+    import sqlite3
+
+    turns = [calls(ToolCall(id=f"c{i}", name="add", arguments={"a": i, "b": 1})) for i in range(5)]
+    path = tmp_path / "s.db"
+    late: list[tuple[int, int]] = []
+    async with treadle.open_sqlite_store(path) as store:
+        async with open_run(agent([*turns, say("done")]), "x", store=store, run_id="r") as handle:
+            async for event in handle.events():
+                if not event.durable:
+                    continue
+                with contextlib.closing(sqlite3.connect(path)) as conn:  # committed rows only
+                    (stored,) = conn.execute(
+                        "SELECT COALESCE(MAX(seq), 0) FROM records WHERE run_id = 'r'"
+                    ).fetchone()
+                if stored < event.seq:
+                    late.append((event.seq, stored))
+        log = await store.read_log("r")
+    assert len(log.records) > 20
+    assert late == []
