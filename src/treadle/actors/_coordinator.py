@@ -184,10 +184,9 @@ class RunCoordinator:
     _cancel: tuple[str, str] | None = None
     _finishing: bool = False
     _reply_wait: trio.CancelScope | None = None
-    _asked: tuple[str, ReplySlot[Any]] | None = None  # the hydrator's or gateway's request
+    _asked: ReplySlot[Any] | None = None  # the reply the hydrator or gateway owes; None: given up
     _give_up: trio.CancelScope | None = None  # serve_control's wait, ended to give up on it
     _give_up_at: float = float("inf")
-    _gave_up: bool = False
     _approval_wait: trio.CancelScope | None = None
     _awaiting: ApprovalRequested | None = None
     _offered: list[ApprovalDecided] = attrs.Factory(list)
@@ -234,9 +233,9 @@ class RunCoordinator:
         fake that stops answering) would hold the run for good. Its reply slot is closed, and
         the request raises `trio.TooSlowError` naming it (`_ask`).
         """
-        if self._asked is not None:
-            self._gave_up = True
-            self._asked[1].close()
+        asked, self._asked = self._asked, None  # `_ask` tells the give-up by this None
+        if asked is not None:
+            asked.close()
 
     async def _ask(
         self,
@@ -257,7 +256,7 @@ class RunCoordinator:
         """
 
         def asking(reply_to: ReplySlot[R]) -> Q:
-            self._asked = (actor, reply_to)
+            self._asked = reply_to
             return make(reply_to)
 
         try:
@@ -268,13 +267,13 @@ class RunCoordinator:
         except trio.TooSlowError:
             late = f"{STOP_GRACE_S:g} s after the step's deadline"
         except trio.EndOfChannel:
-            if not self._gave_up:  # it failed (its error reaches the run's supervisor) or broke
+            if self._asked is not None:  # not given up: the actor failed (its error reaches
+                # the run's supervisor) or closed the reply unanswered
                 closed = f"the {actor} actor closed a request without answering"
                 raise trio.EndOfChannel(closed) from None
             late = f"{CANCEL_GRACE_S + STOP_GRACE_S:g} s after the run was cancelled"
         finally:
             self._asked = None
-            self._gave_up = False
         raise trio.TooSlowError(f"the {actor} actor did not answer {late}")
 
     def apply(self, message: Control) -> None:
