@@ -17,13 +17,14 @@ import textwrap
 from collections import Counter
 from pathlib import Path
 
+import attrs
 import httpx
 import pytest
 import trio
 from prometheus_client.parser import text_string_to_metric_families
 
 import treadle
-from treadle.metrics import MetricsRecorder
+from treadle.metrics import UNKNOWN_TOOL, MetricsRecorder
 from treadle.stores.sqlite import open_sqlite_store
 from treadle.testing.scripted import ScriptedModel, calls, say
 from treadle.types import (
@@ -31,6 +32,7 @@ from treadle.types import (
     ModelResult,
     RunFinished,
     RunLog,
+    RunState,
     StepRecord,
     StoreOp,
     ToolCall,
@@ -122,14 +124,23 @@ def _expected(logs: list[RunLog]) -> dict[str, Counter]:
                 for kind in ("input", "output", "reasoning")
             }
         ),
+        # a tool the run's definition does not list is counted as UNKNOWN_TOOL
         "tools": Counter(
-            (r.tool, r.outcome.status.value) for r in records if isinstance(r, ActionResult)
+            (r.tool if r.tool in _listed(log) else UNKNOWN_TOOL, r.outcome.status.value)
+            for log in logs
+            for r in log.records
+            if isinstance(r, ActionResult)
         ),
         "finished": Counter(
             (r.state.value, r.stop_reason.value) for r in records if isinstance(r, RunFinished)
         ),
         "writes": writes,
     }
+
+
+def _listed(log: RunLog) -> set[str]:
+    assert log.started is not None
+    return {spec["name"] for spec in log.started.snapshot["tools"]}
 
 
 def _read_logs(db: Path) -> list[RunLog]:
@@ -254,7 +265,7 @@ def test_a_worker_serves_prometheus_metrics_that_match_its_runs_logs(tmp_path: P
     assert expected["tokens"]["input"] == 3 * (11 + 20 + 30)
     for (tool, outcome), count in expected["tools"].items():
         assert _total(samples, "treadle_tool_calls_total", tool=tool, outcome=outcome) == count
-    assert expected["tools"][("nope", "not_executed")] == 3
+    assert expected["tools"][(UNKNOWN_TOOL, "not_executed")] == 3
     assert expected["tools"][("add", "executed")] == 3
     # every write of the runs' logs went through the worker's commit engine, in batches
     assert _total(samples, "treadle_commit_batch_writes_sum") == expected["writes"]["all"]
@@ -412,3 +423,77 @@ def test_the_prometheus_output_names_every_metric_once():
     assert names == {m.prometheus for m in METRICS}
     with pytest.raises(ValueError, match="Duplicated"):
         PrometheusOutput(registry=output.registry)
+
+
+class _Tally:
+    """A metrics output that adds up counters by (metric, labels)."""
+
+    def __init__(self) -> None:
+        self.counts: Counter = Counter()
+
+    def add(self, metric, value: float, labels: tuple[str, ...]) -> None:
+        self.counts[(metric.prometheus, labels)] += value
+
+    def set(self, metric, value: float, labels: tuple[str, ...]) -> None:
+        pass
+
+    def observe(self, metric, value: float, labels: tuple[str, ...]) -> None:
+        pass
+
+
+async def test_a_tool_the_run_does_not_have_is_one_series_whatever_its_name():
+    # The model names tools: each name it makes up would be a new series in the exporter.
+    made_up = [
+        ToolCall(id=f"c{i}", name=f"nope_{i}" * (1 + 50 * i), arguments={}) for i in range(3)
+    ]
+    agent = attrs.evolve(
+        _agent(),
+        model=ScriptedModel(
+            turns=[
+                calls(ToolCall(id="a", name="add", arguments={"a": 1, "b": 2})),
+                calls(*made_up),
+                say("3"),
+            ]
+        ),
+    )
+    tally = _Tally()
+    result = await treadle.run(
+        agent, "1+2?", store=treadle.MemoryStore(), metrics=MetricsRecorder(outputs=(tally,))
+    )
+    assert result.final_answer == "3"
+    tools = {
+        labels: n for (name, labels), n in tally.counts.items() if name == "treadle_tool_calls"
+    }
+    assert tools == {("add", "executed"): 1, (UNKNOWN_TOOL, "not_executed"): 3}
+
+
+class _Broken:
+    """A metrics output whose exporter is down."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def add(self, metric, value: float, labels: tuple[str, ...]) -> None:
+        self.calls += 1
+        raise RuntimeError("exporter down")
+
+    set = add
+    observe = add
+
+
+async def test_an_output_that_raises_is_logged_and_never_reaches_the_run(tmp_path: Path, caplog):
+    broken, tally = _Broken(), _Tally()
+    recorder = MetricsRecorder(outputs=(broken, tally))
+    async with open_sqlite_store(tmp_path / "runs.db") as store:
+        assert recorder.watch(store)  # commit observations fail too
+        result = await treadle.run(_agent(), "1+2?", store=store, run_id="m", metrics=recorder)
+        log = await store.read_log("m")
+    assert result.state is RunState.SUCCEEDED and result.final_answer == "3"
+    assert log.finished is not None and log.finished.state is RunState.SUCCEEDED
+    # the output after the broken one got every update
+    assert tally.counts[("treadle_runs_finished", ("succeeded", "final_answer"))] == 1
+    assert tally.counts[("treadle_steps", ())] == 2
+    assert recorder.failures == broken.calls > 2
+    logged = [r for r in caplog.records if r.name == "treadle.metrics"]
+    assert len(logged) == 1  # its first failure, with the traceback
+    assert "_Broken" in logged[0].getMessage() and logged[0].exc_info is not None

@@ -279,6 +279,18 @@ def _check_takes_attempt(role: str, client: object) -> None:
     )
 
 
+def tool_names(snapshot: Mapping[str, JSONValue]) -> frozenset[str] | None:
+    """The names of the tools a parameter snapshot lists (``None`` when it lists none)."""
+    specs = snapshot.get("tools")
+    if not isinstance(specs, list):
+        return None
+    return frozenset(
+        name
+        for spec in specs
+        if isinstance(spec, Mapping) and isinstance(name := spec.get("name"), str)
+    )
+
+
 def snapshot_diff(stored: Mapping[str, JSONValue], current: Mapping[str, JSONValue]) -> list[str]:
     """The sorted keys whose values differ between two snapshots (a missing key differs)."""
     keys = set(stored) | set(current)

@@ -264,7 +264,7 @@ async def open_portal() -> AsyncIterator[TrioPortal]:
             trio.run(main)
         except BaseException as exc:
             with contextlib.suppress(RuntimeError):
-                loop.call_soon_threadsafe(_fail, done, exc)
+                loop.call_soon_threadsafe(_fail, done, _exit_of(exc))
         else:
             with contextlib.suppress(RuntimeError):
                 loop.call_soon_threadsafe(_resolve, done, None)
@@ -281,6 +281,24 @@ async def open_portal() -> AsyncIterator[TrioPortal]:
     finally:
         portal._close()
         await asyncio.shield(done)
+
+
+def _exit_of(exc: BaseException) -> BaseException:
+    """The `KeyboardInterrupt` or `SystemExit` that ended the trio thread, out of its group.
+
+    The portal's nursery wraps what ended it in an exception group; an exit alone leaves
+    the block as itself, as it leaves a trio run (docs/asyncio.md, "The bridge"), so that
+    ``except KeyboardInterrupt`` around the block catches it. A group holding other errors
+    too is left as it is.
+    """
+    if isinstance(exc, BaseExceptionGroup):
+        exits, rest = exc.split((KeyboardInterrupt, SystemExit))
+        if exits is not None and rest is None:
+            found: BaseException = exits
+            while isinstance(found, BaseExceptionGroup):
+                found = found.exceptions[0]
+            return found
+    return exc
 
 
 def _resolve(future: asyncio.Future[T], value: T) -> None:

@@ -17,14 +17,16 @@ test per record written and per committed batch, and nothing else.
 
 Every method of the recorder is synchronous and must be called from the trio thread that
 runs treadle (outputs are free to be read from other threads: the Prometheus registry is
-scraped from its HTTP server's thread).
+scraped from its HTTP server's thread). An output that raises never reaches a run: the
+recorder logs it and goes on (docs/metrics.md, "When an output fails").
 """
 
 from __future__ import annotations
 
 import enum
-from collections.abc import Iterable, Mapping, Sequence
-from typing import Final, Protocol
+import logging
+from collections.abc import Container, Iterable, Mapping, Sequence
+from typing import Final, Literal, Protocol
 
 import attrs
 
@@ -190,6 +192,12 @@ class MetricsOutput(Protocol):
 
 _TOKEN_KINDS: Final = ("input", "output", "reasoning")
 
+UNKNOWN_TOOL: Final = "(unknown)"
+"""The ``tool`` label of a call to a tool the run does not have: the model names tools, and
+each name it makes up would otherwise be a new series (docs/metrics.md, "What is counted")."""
+
+_LOG: Final = logging.getLogger("treadle.metrics")
+
 
 @attrs.define(eq=False)
 class MetricsRecorder:
@@ -200,19 +208,28 @@ class MetricsRecorder:
     (docs/metrics.md, "Exporting").
 
     Args:
-        outputs: where updates go, each in turn (an output that raises stops the update
-            from reaching the later ones, and the exception propagates: an output must not
-            raise).
+        outputs: where updates go, each in turn. An output that raises (an `Exception`)
+            does not stop the update from reaching the others, and never reaches the run
+            that wrote the record: its first failure is logged with its traceback on the
+            ``treadle.metrics`` logger, every failure counts in `failures`
+            (docs/metrics.md, "When an output fails").
+
+    Attributes:
+        failures: how many updates an output failed to take (raised), over all outputs.
     """
 
     outputs: Sequence[MetricsOutput] = ()
+    failures: int = attrs.field(default=0, init=False)
+    _failed: set[int] = attrs.field(factory=set, init=False, repr=False)
 
-    def records(self, records: Iterable[Record]) -> None:
+    def records(self, records: Iterable[Record], tools: Container[str] | None = None) -> None:
         """Count log records one run's event writer appended (docs/metrics.md, "What is counted").
 
         Run-started, run-finished (state, stop reason), step, model-call result (outcome and
         tokens as reported; an unreported count adds nothing) and action result (tool and
-        status) records count; the others (intents, approvals, cancels) do not.
+        status) records count; the others (intents, approvals, cancels) do not. ``tools``:
+        the names of the run's tools; a call to any other name is counted under the tool
+        `UNKNOWN_TOOL` (``None``: every name as it is).
         """
         for record in records:
             if isinstance(record, StepRecord):
@@ -220,7 +237,8 @@ class MetricsRecorder:
             elif isinstance(record, ModelResult):
                 self._model_result(record)
             elif isinstance(record, ActionResult):
-                self._add(TOOL_CALLS, 1, (record.tool, record.outcome.status.value))
+                name = record.tool if tools is None or record.tool in tools else UNKNOWN_TOOL
+                self._add(TOOL_CALLS, 1, (name, record.outcome.status.value))
             elif isinstance(record, RunStarted):
                 self._add(RUNS_STARTED, 1, ())
             elif isinstance(record, RunFinished):
@@ -269,23 +287,39 @@ class MetricsRecorder:
 
     def running(self, runs: int) -> None:
         """The worker drives ``runs`` runs now."""
-        for output in self.outputs:
-            output.set(RUNNING, runs, ())
+        self._update("set", RUNNING, runs, ())
 
     def store_runs(self, counts: Mapping[Liveness, int]) -> None:
         """The store's run index holds ``counts`` runs of each liveness (absent ones: 0)."""
         for liveness in Liveness:
-            value = counts.get(liveness, 0)
-            for output in self.outputs:
-                output.set(STORE_RUNS, value, (liveness.value,))
+            self._update("set", STORE_RUNS, counts.get(liveness, 0), (liveness.value,))
 
     def _add(self, metric: Metric, value: float, labels: tuple[str, ...]) -> None:
-        for output in self.outputs:
-            output.add(metric, value, labels)
+        self._update("add", metric, value, labels)
 
     def _observe(self, metric: Metric, value: float, labels: tuple[str, ...]) -> None:
+        self._update("observe", metric, value, labels)
+
+    def _update(
+        self,
+        method: Literal["add", "set", "observe"],
+        metric: Metric,
+        value: float,
+        labels: tuple[str, ...],
+    ) -> None:
         for output in self.outputs:
-            output.observe(metric, value, labels)
+            try:
+                getattr(output, method)(metric, value, labels)
+            except Exception:
+                self.failures += 1
+                if id(output) not in self._failed:
+                    self._failed.add(id(output))
+                    _LOG.exception(
+                        "metrics output %s failed to take %s; the run goes on, and this "
+                        "output's later failures are only counted (MetricsRecorder.failures)",
+                        type(output).__qualname__,
+                        metric.prometheus,
+                    )
 
 
 __all__ = [
@@ -300,6 +334,7 @@ __all__ = [
     "STORE_RUNS",
     "TOKENS",
     "TOOL_CALLS",
+    "UNKNOWN_TOOL",
     "Metric",
     "MetricKind",
     "MetricsOutput",

@@ -230,6 +230,75 @@ async def test_cancelling_the_parent_cancels_the_child_durably(store):
     assert isinstance(child_log.records[-2], CancelRequested)
 
 
+async def test_children_with_calls_that_ignore_the_cancel_still_finish_cancelled(store):
+    # The grandchild's call shields itself from the cancel: each level's calls get half its
+    # parent's grace, so each level records its cancel before its parent stops waiting.
+    started = trio.Event()
+    never = trio.Event()
+
+    @tool
+    async def stuck(ctx: ToolContext) -> str:
+        """Wait, ignoring cancellation."""
+        started.set()
+        with trio.CancelScope(shield=True):
+            await never.wait()
+        return "never"
+
+    grandchild = attrs.evolve(
+        child_agent(turns=[call("stuck", call_id="w1"), say("never")]),
+        executor=Toolbox([stuck]),
+    )
+    child = attrs.evolve(
+        child_agent(turns=[call("helper", call_id="g1", task="deeper"), say("never")]),
+        executor=Toolbox([agent_tool(grandchild, store=store, name="helper", description="Ask.")]),
+    )
+    async with open_run(parent_agent(store, child), "go", store=store, run_id="p") as handle:
+        await started.wait()
+        handle.cancel("stop", canceller="test")
+        with trio.fail_after(30):
+            result = await handle.wait()
+        never.set()  # the abandoned call ends, so the tool host can close
+    assert result.state is RunState.CANCELLED
+    kid = child_run_id("p/s1/a1")
+    for run_id in (kid, child_run_id(f"{kid}/s1/a1")):
+        log = await store.read_log(run_id)
+        assert log.finished is not None, run_id
+        assert log.finished.state is RunState.CANCELLED, run_id
+
+
+async def test_a_childs_records_are_counted_in_the_parents_metrics(store):
+    from treadle.metrics import MetricsRecorder
+
+    class Tally:
+        def __init__(self) -> None:
+            self.counts: dict[tuple[str, tuple[str, ...]], float] = {}
+
+        def add(self, metric, value: float, labels: tuple[str, ...]) -> None:
+            key = (metric.prometheus, labels)
+            self.counts[key] = self.counts.get(key, 0) + value
+
+        def set(self, metric, value: float, labels: tuple[str, ...]) -> None:
+            pass
+
+        def observe(self, metric, value: float, labels: tuple[str, ...]) -> None:
+            pass
+
+    tally = Tally()
+    recorder = MetricsRecorder(outputs=[tally])
+    result = await run(
+        parent_agent(store, child_agent()), "go", store=store, run_id="p", metrics=recorder
+    )
+    assert result.state is RunState.SUCCEEDED
+    steps = sum(v for (name, _), v in tally.counts.items() if name == "treadle_steps")
+    runs = sum(v for (name, _), v in tally.counts.items() if name == "treadle_runs_started")
+    calls = {
+        labels: v for (name, labels), v in tally.counts.items() if name == "treadle_tool_calls"
+    }
+    assert runs == 2  # the parent and its child
+    assert steps == 4  # two each
+    assert calls == {("helper", "executed"): 1, ("note", "executed"): 1}
+
+
 async def test_a_child_run_call_is_bounded_by_the_budgets_not_the_tool_timeout(autojump_clock):
     store = MemoryStore()  # the trio clock jumps: no store thread may wait on it
 

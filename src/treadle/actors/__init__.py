@@ -18,7 +18,6 @@ the actors of a step share. `Parked`, `AwaitingChildren` and `Drained` are the c
 signals that the run stops being driven here (caught by the run supervisor).
 """
 
-from treadle.actors._coordinator import CANCEL_GRACE_S as CANCEL_GRACE_S
 from treadle.actors._coordinator import STOP_GRACE_S as STOP_GRACE_S
 from treadle.actors._coordinator import AwaitingChildren as AwaitingChildren
 from treadle.actors._coordinator import Drained as Drained
@@ -54,6 +53,7 @@ from treadle.actors._messages import Subscribe as Subscribe
 from treadle.actors._messages import Subscription as Subscription
 from treadle.actors._messages import Warn as Warn
 from treadle.actors._messages import WriterRequest as WriterRequest
+from treadle.actors._rpc import CANCEL_GRACE_S as CANCEL_GRACE_S
 from treadle.actors._rpc import ReplySlot as ReplySlot
 from treadle.actors._rpc import StepScope as StepScope
 from treadle.actors._rpc import reply as reply

@@ -36,7 +36,7 @@ from treadle.actors._messages import (
     Offer,
     RunActions,
 )
-from treadle.actors._rpc import ReplySlot, StepScope, request
+from treadle.actors._rpc import CANCEL_GRACE_S, ReplySlot, StepScope, request
 from treadle.actors._writer import WriterClient
 from treadle.approvals import (
     EXPIRED_DETAIL,
@@ -128,11 +128,6 @@ class Drained(Exception):
 
 STOP_GRACE_S = 5.0
 """Seconds an actor may take to answer after its step ran out of active time."""
-
-CANCEL_GRACE_S = 2.0
-"""Seconds a cancelled tool call may take to finish writing its own state (it got a trio
-cancellation at once; a tool that shields its cleanup gets this long before the run stops
-waiting for it, abandons it in the tool host and finishes ``cancelled``)."""
 
 
 @attrs.define(eq=False)

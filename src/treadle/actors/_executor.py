@@ -34,7 +34,7 @@ from treadle._text import valid_unicode
 from treadle._toolhost import HostedCall, ToolHost, current_host
 from treadle.actors._mailbox import MailboxReceiver
 from treadle.actors._messages import ActionsOutcome, AwaitedChild, RunActions
-from treadle.actors._rpc import StepScope, reply
+from treadle.actors._rpc import CANCEL_GRACE_S, StepScope, reply
 from treadle.actors._writer import WriterClient
 from treadle.policies import ExecutorPolicies, policies_of
 from treadle.ports import ActionExecutor
@@ -79,7 +79,7 @@ class ToolExecutor:
     synthetic: SyntheticObservations
     observation_template: str = "{observation}"
     host: ToolHost | None = None
-    cancel_grace_s: float = 2.0
+    cancel_grace_s: float = CANCEL_GRACE_S
     policies: ExecutorPolicies = attrs.field(
         default=attrs.Factory(lambda self: policies_of(self.executor), takes_self=True)
     )

@@ -19,6 +19,12 @@ from treadle.actors._mailbox import Closing, MailboxSender
 R = TypeVar("R")
 Q = TypeVar("Q")
 
+CANCEL_GRACE_S = 2.0
+"""Seconds a cancelled tool call may take to finish writing its own state (it got a trio
+cancellation at once; a tool that shields its cleanup gets this long before the run stops
+waiting for it, abandons it in the tool host and finishes ``cancelled``). A child run gets
+less (docs/child-runs.md, "Cancellation")."""
+
 
 class ReplySlot(Closing, Generic[R]):
     """The one reply to one request: both sides of what was a one-slot memory channel.

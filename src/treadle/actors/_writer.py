@@ -212,6 +212,8 @@ class EventWriter:
             records it writes keep them; docs/events.md, "Secret arguments").
         metrics: counts every record the writer appended (docs/metrics.md); ``None``
             counts nothing.
+        tools: the names of the run's tools, for the metrics' ``tool`` label (a call to
+            another name counts as `treadle.metrics.UNKNOWN_TOOL`; ``None``: as named).
     """
 
     run_id: str
@@ -222,6 +224,7 @@ class EventWriter:
     feed: SinkFeed | None = None
     redaction: Redaction = NO_REDACTION
     metrics: MetricsRecorder | None = None
+    tools: frozenset[str] | None = None
     _subscribers: list[trio.MemorySendChannel[Event]] = attrs.Factory(list)
     _tail: list[tuple[int, Record]] = attrs.Factory(list)
     """Recent durable records with their seqs; a subscriber's tail is made of them."""
@@ -310,7 +313,7 @@ class EventWriter:
         await _STORE_OPS[message.op](self.store, records, seq, self.generation)
         self.next_seq = seq + len(records)
         if self.metrics is not None:
-            self.metrics.records(records)
+            self.metrics.records(records, self.tools)
         held = self._held
         held.extend((seq + offset, record) for offset, record in enumerate(records))
         if message.op.barrier:  # durable, and every write before it (docs/seams.md)

@@ -47,11 +47,18 @@ from treadle._exceptions import (
     raised,
 )
 from treadle._ids import MAX_RUN_ID_CHARS
+from treadle.actors import CANCEL_GRACE_S
 from treadle.agent import Agent
 from treadle.ports import EventSink, RunIndex, RunStore
 from treadle.stores import LEASE_TTL_S, check_ttl, lease_owner
 from treadle.supervisors._child_links import PARENT_STOPPED, cancel_child
-from treadle.supervisors._driver import CONTROL_POLL_S, DriveOptions, drive_run, run_timing
+from treadle.supervisors._driver import (
+    CONTROL_POLL_S,
+    DriveOptions,
+    RunScope,
+    drive_run,
+    run_scope,
+)
 from treadle.supervisors._factories import DEFAULT_ACTORS
 from treadle.supervisors._fleet_drive import FleetDrive, current_drive
 from treadle.supervisors._handle import RunHandle
@@ -70,11 +77,17 @@ from treadle.types import (
 
 __all__ = ["CHILD_CANCEL_GRACE_S", "agent_tool", "child_run_id"]
 
-CHILD_CANCEL_GRACE_S: Final = 1.5
-"""Seconds a cancelled child run gets to record its cancel and finish before its drive is
-cut (it then stays unfinished with the cancel in its control stream, and finishes
-``cancelled`` whenever it is next driven). Less than the tool executor's grace period for a
-cancelled call (2 s), so the parent waits for the child's ending."""
+CHILD_CANCEL_GRACE_S: Final = 0.75 * CANCEL_GRACE_S
+"""Seconds a cancelled child run of a top-level run gets to record its cancel and finish
+before its drive is cut (1.5; it then stays unfinished with the cancel in its control stream,
+and finishes ``cancelled`` whenever it is next driven). Three quarters of the parent's grace
+period for a cancelled call (`treadle.actors.CANCEL_GRACE_S`), so the parent waits for the
+child's ending; the child's own calls get half of it, so the child records its cancel in
+time even when a call of its own ignores the cancellation. Each level of nesting halves both
+(docs/child-runs.md, "Cancellation")."""
+
+_WINDOW_SHARE: Final = CHILD_CANCEL_GRACE_S / CANCEL_GRACE_S
+_GRACE_SHARE: Final = 0.5
 
 _SUFFIX: Final = "/child"
 
@@ -250,17 +263,26 @@ async def _attached(
         ttl_s=settings.lease_ttl_s,
         store=leases_of(settings.store),
     )
-    clock, rng = run_timing.get() or (SystemClock(), None)
+    parent = run_scope.get() or RunScope(SystemClock(), None, None, CANCEL_GRACE_S)
+    rng = parent.rng
     options = DriveOptions(
-        clock=clock,
+        clock=parent.clock,
         rng=None if rng is None else random.Random(f"{run_id}:{rng.getrandbits(64)}"),
         approval_policy=None,
         control_poll_s=settings.control_poll_s,
         actors=DEFAULT_ACTORS,
         park_after_s=None,
         parent=(ctx.run_id, ctx.intent_id),
+        metrics=parent.metrics,
+        cancel_grace_s=parent.cancel_grace_s * _GRACE_SHARE,
     )
-    link = _Link(store=settings.store, run_id=run_id, canceller=ctx.run_id, ctx=ctx)
+    link = _Link(
+        store=settings.store,
+        run_id=run_id,
+        canceller=ctx.run_id,
+        ctx=ctx,
+        window_s=parent.cancel_grace_s * _WINDOW_SHARE,
+    )
     inline = current_drive.set(None)  # the child's own child-run tools drive theirs inline
     try:
         return await _linked(settings, agent, task, hold, options, link, ctx)
@@ -363,6 +385,7 @@ class _Link:
     run_id: str
     canceller: str
     ctx: ToolContext
+    window_s: float  # how long the cancelled child gets to finish (`CHILD_CANCEL_GRACE_S`)
     shield: trio.CancelScope = attrs.Factory(lambda: trio.CancelScope(shield=True))
     handle: RunHandle | None = None
     cancelled: bool = False
@@ -382,7 +405,7 @@ class _Link:
             if not self.done:
                 if self._ends_child():
                     self.cancelled = True
-                    self.shield.deadline = trio.current_time() + CHILD_CANCEL_GRACE_S
+                    self.shield.deadline = trio.current_time() + self.window_s
                     with trio.CancelScope(shield=True, deadline=self.shield.deadline):
                         await self._cancel()
                 else:

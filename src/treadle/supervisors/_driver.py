@@ -37,6 +37,7 @@ from treadle._exceptions import (
 from treadle._state import RunView, fold
 from treadle._text import repaired, valid_unicode
 from treadle.actors import (
+    CANCEL_GRACE_S,
     AwaitingChildren,
     CallModel,
     Cancel,
@@ -53,7 +54,7 @@ from treadle.actors import (
     WriterRequest,
     open_mailbox,
 )
-from treadle.agent import Agent, RunInput, input_messages, snapshot_diff
+from treadle.agent import Agent, RunInput, input_messages, snapshot_diff, tool_names
 from treadle.approvals import ApprovalPolicy, requires_approval
 from treadle.metrics import MetricsRecorder
 from treadle.ports import ControlStream, EventSink, RunStore
@@ -104,18 +105,37 @@ about this long (docs/decisions/0095-one-task-for-a-stores-runs.md)."""
 
 
 _JITTER: Final = random.Random()
-
-run_timing: Final[contextvars.ContextVar[tuple[Clock, random.Random | None] | None]] = (
-    contextvars.ContextVar("treadle_run_timing", default=None)
-)
-"""The clock and random source of the run the current task serves (``None`` outside one).
-
-Set where a run's actors start, so every task of the run (a tool call's included) inherits
-it: a child run started inside a call takes its parent's clock and a random source drawn from
-its parent's, so a simulation's child runs are as deterministic as their parents
-(docs/simulation.md, "Determinism")."""
 """Retry jitter of the runs given no random source: one unseeded source for all of them
 (a `random.Random` holds 2.5 KB of state; jitter needs no source of its own per run)."""
+
+
+@attrs.frozen
+class RunScope:
+    """What a run hands down to the child runs started inside its tool calls.
+
+    Attributes:
+        clock: the run's clock: a child run takes it, so a simulation's child runs are as
+            deterministic as their parents (docs/simulation.md, "Determinism").
+        rng: the run's random source (``None``: unseeded); a child draws its own from it.
+        metrics: where the run's records are counted; a child's are counted there too
+            (docs/metrics.md, "What is counted").
+        cancel_grace_s: seconds the run's cancelled tool calls get to finish; a child run
+            gets less (docs/child-runs.md, "Cancellation").
+    """
+
+    clock: Clock
+    rng: random.Random | None
+    metrics: MetricsRecorder | None
+    cancel_grace_s: float
+
+
+run_scope: Final[contextvars.ContextVar[RunScope | None]] = contextvars.ContextVar(
+    "treadle_run_scope", default=None
+)
+"""The `RunScope` of the run the current task serves (``None`` outside one).
+
+Set where a run's actors start, so every task of the run (a tool call's included) inherits
+it."""
 
 
 @attrs.frozen(kw_only=True)
@@ -134,6 +154,7 @@ class DriveOptions:
     accept_definition_change: bool = False
     metrics: MetricsRecorder | None = None
     lineage: Lineage | None = None
+    cancel_grace_s: float = CANCEL_GRACE_S  # a child run's is less (docs/child-runs.md)
 
 
 @asynccontextmanager
@@ -452,7 +473,8 @@ async def _drive(
         `_ChildWait` when it parked on child runs, ``None`` when it finished.
     """
     clock = options.clock
-    run_timing.set((clock, options.rng))  # inherited by the run's tasks (a child run's tool)
+    # inherited by the run's tasks (a child run's tool)
+    run_scope.set(RunScope(clock, options.rng, options.metrics, options.cancel_grace_s))
     async with trio.open_nursery() as nursery:
         started, view, resumed, accepted = _prepare(agent, input, log, clock, options, hold.owner)
         if started.caps is not None:  # a queued child: its parent's remainder bounds it
@@ -472,6 +494,7 @@ async def _drive(
                 feed=feed,
                 redaction=redaction,
                 metrics=options.metrics,
+                tools=tool_names(snapshot),
             )
         )
         client = WriterClient(writer_send)
@@ -485,6 +508,7 @@ async def _drive(
             clock=clock,
             rng=options.rng or _JITTER,
             store=store,
+            cancel_grace_s=options.cancel_grace_s,
         )
         needs_approval = functools.partial(
             requires_approval, agent.tool_policies, options.approval_policy

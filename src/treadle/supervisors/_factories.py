@@ -20,6 +20,7 @@ from treadle._budget import DEFAULT_SUMMARY_PROMPT
 from treadle._clock import Clock
 from treadle._state import RunView
 from treadle.actors import (
+    CANCEL_GRACE_S,
     CallModel,
     ContextHydrator,
     Control,
@@ -141,6 +142,8 @@ class WriterContext:
             redacted (docs/events.md, "Secret arguments").
         metrics: where the writer counts the records it appends (docs/metrics.md);
             ``None``: nowhere.
+        tools: the names of the run's tools (from its parameter snapshot), for the
+            metrics' ``tool`` label.
     """
 
     run_id: str
@@ -151,6 +154,7 @@ class WriterContext:
     feed: SinkFeed | None = None
     redaction: Redaction = NO_REDACTION
     metrics: MetricsRecorder | None = None
+    tools: frozenset[str] | None = None
 
 
 @attrs.frozen(kw_only=True)
@@ -166,6 +170,9 @@ class ActorContext:
         rng: the run's random source (retry jitter).
         store: the run's store, for reading (never writing): the hydrator reads the history
             of the run ``started.continues`` names from it (docs/threads.md).
+        cancel_grace_s: seconds a cancelled tool call gets to finish before the executor
+            abandons it (`treadle.actors.CANCEL_GRACE_S`; less in a child run,
+            docs/child-runs.md "Cancellation").
     """
 
     run_id: str
@@ -175,6 +182,7 @@ class ActorContext:
     clock: Clock
     rng: random.Random
     store: RunStore | None = None
+    cancel_grace_s: float = CANCEL_GRACE_S
 
 
 def _no_status(state: RunState, awaiting: ApprovalRequested | None) -> None:
@@ -224,6 +232,7 @@ def real_writer(context: WriterContext) -> EventWriter:
         feed=context.feed,
         redaction=context.redaction,
         metrics=context.metrics,
+        tools=context.tools,
     )
 
 
@@ -280,6 +289,7 @@ def real_executor(context: ActorContext) -> ToolExecutor:
         limits=agent.limits,
         synthetic=agent.synthetic,
         observation_template=agent.observation_template,
+        cancel_grace_s=context.cancel_grace_s,
     )
 
 
