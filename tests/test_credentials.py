@@ -221,3 +221,24 @@ def _model_errors(logs):
             error = getattr(record, "error", None)
             if isinstance(error, treadle.types.ModelErrorInfo):
                 yield error
+
+
+@pytest.mark.parametrize("provider", ["openai", "anthropic"])
+@pytest.mark.parametrize("cut", [8, 20, len(KEY) - 1])
+async def test_a_key_cut_short_by_the_message_limit_is_hidden_too(provider, cut, monkeypatch):
+    # A server's message is kept to 500 characters: when that cuts inside the echoed key, the
+    # start of the key that is left must go as well.
+    message = "x" * (500 - cut) + f"{KEY} (rest of the message)"
+    if provider == "openai":
+        payload = {"error": {"message": message}}
+    else:
+        payload = {"type": "error", "error": {"type": "authentication_error", "message": message}}
+    denied = CannedResponse(status=401, headers=JSON, chunks=[json.dumps(payload).encode()])
+    async with open_loopback_server(canned(denied)) as server:
+        client = make_client(provider, server.base_url, monkeypatch)
+        with pytest.raises(treadle.ModelCallError) as info:
+            await client.complete(ModelRequest(messages=(Message(role="user", content="x"),)))
+        await client.aclose()
+    text = info.value.info.message
+    assert KEY[:8] not in text and text.endswith("***")
+    assert "x" * 100 in text  # the rest of the message stays

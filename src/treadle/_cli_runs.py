@@ -346,7 +346,7 @@ def _hint_approval(
         shown = Redaction.of_log(log).request(request)
         say(
             f"      … waiting for approval of {call_text(shown)} (call {request.call_id}) until "
-            f"{request.deadline_ts}: treadle approve {log.run_id} --store {store_path} "
+            f"{request.deadline_ts}: treadle approve {log.run_id} --store {redact(store_path)} "
             "[--reject MSG | --edit JSON]"
         )
     return request

@@ -231,7 +231,7 @@ def show(run_id: str, store_path: str, as_json: bool) -> None:
 
     log = run_async(read)
     if not log.records:
-        raise click.ClickException(f"no run {run_id!r} in {store_path}")
+        raise click.ClickException(f"no run {run_id!r} in {redact(store_path)}")
     # A log written before text entering it was made valid Unicode may hold lone surrogates,
     # which no terminal encoding prints (docs/crash-safety.md, "Text that is not Unicode").
     log, _ = valid_unicode(log)

@@ -440,3 +440,47 @@ def test_the_committer_keeps_trying_to_reconnect_through_a_server_restart(
     with pytest.raises(treadle.StoreError, match="could not be made again in 60 s"):
         postgres.PostgresBackend._reconnect(committer, OSError("gone"))  # type: ignore[arg-type]
     assert 55.0 <= now[0] <= 60.0
+
+
+async def test_the_cli_never_shows_the_password_of_its_store(
+    postgres_dsn: str, postgres_schema: str
+) -> None:
+    """``treadle show`` of a missing run printed the DSN as given, and ``treadle tail`` its
+    hint for approving a parked run too: both with the password in clear."""
+    from click.testing import CliRunner
+
+    from treadle._cli_runs import _hint_approval
+    from treadle.cli import main
+    from treadle.types import ApprovalRequested
+
+    password = postgres_dsn.split("://", 1)[1].split("@", 1)[0].split(":", 1)[1]
+    assert password
+    sep = "&" if "?" in postgres_dsn else "?"
+    dsn = f"{postgres_dsn}{sep}options=-csearch_path%3D{postgres_schema}"
+    async with treadle.open_postgres_store(dsn) as store:  # a run parked on an approval
+        lease = await store.acquire_lease("parked", owner="gone", ttl_s=60)
+        ts = "2026-01-01T00:00:00+00:00"
+        started = RunStarted(run_id="parked", ts=ts, input=(), snapshot={})
+        await store.write_run_started(started, seq=1, generation=lease.generation)
+        asked = ApprovalRequested(
+            run_id="parked",
+            step=1,
+            call_id="c1",
+            tool="wire",
+            arguments_digest="d",
+            arguments={"amount": 5},
+            deadline_ts="2027-01-01T00:00:00+00:00",
+            ts=ts,
+        )
+        await store.write_control(asked, seq=2, generation=lease.generation)
+        await store.release_lease(lease)
+        log = await store.read_log("parked")
+    out = await trio.to_thread.run_sync(
+        lambda: CliRunner().invoke(main, ["show", "nosuch", "--store", dsn])
+    )
+    said: list[str] = []
+    _hint_approval(log, None, dsn, said.append)  # what `tail` says while the run waits
+    for text in (out.output, *said):
+        assert f":{password}@" not in text and ":***@" in text, text
+    assert "no run 'nosuch'" in out.output
+    assert "treadle approve parked --store" in said[0]

@@ -146,12 +146,15 @@ class StreamReader(Generic[A]):
     def _redact(self, text: str) -> str:
         """``text`` with the API key and URL credentials replaced by ``***``.
 
-        Also the key as a ``repr`` writes it (an error quoting a header's bytes escapes them).
+        Also the key as a ``repr`` writes it (an error quoting a header's bytes escapes them),
+        and the start of the key where a message was cut short inside it (a server's message
+        is kept to 500 characters; docs/models.md, "Credentials").
         """
         key = self._api_key
         if key:
             for form in (key, repr(key)[1:-1], repr(key.encode("utf-8", "replace"))[2:-1]):
                 text = text.replace(form, "***")
+            text = _without_key_starts(text, key)
         return redact_url_secrets(text)
 
     def _add_body(self, acc: A, body: bytes) -> ModelReply:
@@ -328,6 +331,28 @@ _QUERY_PARAM = re.compile(r"([?&;])([^=&;#\s\"']+)=([^&;#\s\"']*)")
 
 
 _USERINFO = re.compile(r"(\b[a-zA-Z][a-zA-Z0-9+.-]*://)([^/@\s:\"']*):([^/@\s\"']*)@")
+
+
+KEY_START_CHARS = 8
+"""The shortest start of an API key that is redacted on its own (a message cut inside it)."""
+
+
+def _without_key_starts(text: str, key: str) -> str:
+    """``text`` with each run of the key's first characters replaced by ``***``.
+
+    A run is at least `KEY_START_CHARS` characters long (the whole key when it is shorter).
+    """
+    least = min(len(key), KEY_START_CHARS)
+    head = key[:least]
+    parts: list[str] = []
+    start = 0
+    while (found := text.find(head, start)) >= 0:
+        end = found + least
+        while end < len(text) and end - found < len(key) and text[end] == key[end - found]:
+            end += 1
+        parts += (text[start:found], "***")
+        start = end
+    return "".join(parts) + text[start:] if parts else text
 
 
 def redact_url_secrets(text: str) -> str:
