@@ -13,7 +13,7 @@ import json
 
 import pytest
 import trio
-from test_anthropic_events import MESSAGE_STOP, message_start
+from test_anthropic_events import MESSAGE_STOP, event, message_start
 from test_anthropic_events import SSE as ANTHROPIC_SSE
 
 from treadle._exceptions import ModelCallError
@@ -227,3 +227,66 @@ async def test_rate_limit_waits_are_honoured(headers, body, wait):
     assert (failed.info.kind, failed.info.retry_after_s) == ("rate_limited", wait)
     if body.startswith(b"["):
         assert "Resource has been exhausted" in failed.info.message
+
+
+# --------------------------------------------------------------------------- usage as written
+
+
+@pytest.mark.parametrize(
+    ("usage", "expected"),
+    [
+        # a whole number written as a float, and one too large for 64 bits (a float once decoded)
+        ({"prompt_tokens": 5000.0, "completion_tokens": 3}, (5000, 3)),
+        ({"prompt_tokens": 100000000000000000000, "completion_tokens": 3}, (10**20, 3)),
+        ({"prompt_tokens": 1e23, "completion_tokens": 3}, (int(1e23), 3)),
+        # not a count: unknown, never zero
+        ({"prompt_tokens": 2.5, "completion_tokens": "3"}, (None, None)),
+        ({"prompt_tokens": -1, "completion_tokens": True}, (None, None)),
+    ],
+)
+async def test_openai_usage_counts_as_servers_write_them(usage, expected):
+    body = data(chunk({"content": "hi"}, "stop"), {"id": "c", "choices": [], "usage": usage})
+    reply = await complete(CannedResponse(headers=SSE, chunks=[body + data("[DONE]")]))
+    assert (reply.usage.input_tokens, reply.usage.output_tokens) == expected
+
+
+async def test_a_later_openai_usage_report_keeps_the_counts_it_leaves_out():
+    body = data(
+        {"id": "c", "choices": [], "usage": {"prompt_tokens": 50, "completion_tokens": 2}},
+        chunk({"content": "hi"}, "stop"),
+        {"id": "c", "choices": [], "usage": {"completion_tokens": 4}},
+        {"id": "c", "choices": [], "usage": {}},
+        "[DONE]",
+    )
+    reply = await complete(CannedResponse(headers=SSE, chunks=[body]))
+    assert (reply.usage.input_tokens, reply.usage.output_tokens) == (50, 4)
+
+
+async def test_anthropic_usage_too_large_for_64_bits_still_counts():
+    stop = {"type": "message_delta", "delta": {"stop_reason": "end_turn"}}
+    body = b"".join(
+        [
+            message_start(input_tokens=1e23, output_tokens=1.0),
+            event(
+                {
+                    "type": "content_block_start",
+                    "index": 0,
+                    "content_block": {"type": "text", "text": ""},
+                }
+            ),
+            event(
+                {
+                    "type": "content_block_delta",
+                    "index": 0,
+                    "delta": {"type": "text_delta", "text": "hi"},
+                }
+            ),
+            event({"type": "content_block_stop", "index": 0}),
+            event({**stop, "usage": {"output_tokens": 7.0}}),
+            MESSAGE_STOP,
+        ]
+    )
+    reply = await complete(
+        CannedResponse(headers=ANTHROPIC_SSE, chunks=[body]), AnthropicMessagesClient
+    )
+    assert (reply.usage.input_tokens, reply.usage.output_tokens) == (int(1e23), 7)

@@ -234,30 +234,54 @@ def usage_from(payload: Any) -> Usage:
     reasoning = details.get("reasoning_tokens") if isinstance(details, Mapping) else None
     prompt_details = payload.get("prompt_tokens_details")
     cached = (
-        _count(prompt_details.get("cached_tokens")) if isinstance(prompt_details, Mapping) else None
+        usage_count(prompt_details.get("cached_tokens"))
+        if isinstance(prompt_details, Mapping)
+        else None
     )
     hit, miss = (
-        _count(payload.get("prompt_cache_hit_tokens")),
-        _count(payload.get("prompt_cache_miss_tokens")),
+        usage_count(payload.get("prompt_cache_hit_tokens")),
+        usage_count(payload.get("prompt_cache_miss_tokens")),
     )
     if cached is None:
-        cached = hit if hit is not None else _count(payload.get("cached_tokens"))
-    prompt = _count(payload.get("prompt_tokens"))
+        cached = hit if hit is not None else usage_count(payload.get("cached_tokens"))
+    prompt = usage_count(payload.get("prompt_tokens"))
     if prompt is None and hit is not None and miss is not None:
         prompt = hit + miss
     return Usage(
         input_tokens=prompt,
-        output_tokens=_count(payload.get("completion_tokens")),
-        reasoning_tokens=_count(reasoning),
-        total_tokens=_count(payload.get("total_tokens")),
+        output_tokens=usage_count(payload.get("completion_tokens")),
+        reasoning_tokens=usage_count(reasoning),
+        total_tokens=usage_count(payload.get("total_tokens")),
         cached_input_tokens=cached,
     )
 
 
-def _count(value: Any) -> int | None:
-    if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
+def usage_count(value: Any) -> int | None:
+    """A token count as a server wrote it, as an `int` (``None``: absent or not a count).
+
+    A whole number written as a float counts as that number: ``5000.0``, and a count too
+    large for a 64-bit integer that a JSON decoder turns into a float (``1e20``), so that
+    such a report is not taken for no report at all.
+    """
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, float) and math.isfinite(value) and value.is_integer():
+        value = int(value)
+    if isinstance(value, int) and value >= 0:
         return value
     return None
+
+
+def _merged(before: Usage, report: Usage) -> Usage:
+    """``report``, with each count it leaves out (``None``) as ``before`` had it."""
+    return Usage(
+        **{
+            field.name: getattr(before, field.name)
+            if getattr(report, field.name) is None
+            else getattr(report, field.name)
+            for field in attrs.fields(Usage)
+        }
+    )
 
 
 @attrs.define(eq=False)
@@ -347,8 +371,8 @@ class StreamAccumulator:
             raise self._inband_error(chunk)
         if isinstance(chunk.get("id"), str) and chunk["id"] and self.response_id is None:
             self.response_id = chunk["id"]
-        if chunk.get("usage") is not None:
-            self.usage = usage_from(chunk["usage"])
+        if chunk.get("usage") is not None:  # a count it leaves out keeps the one reported before
+            self.usage = _merged(self.usage, usage_from(chunk["usage"]))
         for choice in chunk.get("choices") or ():
             if isinstance(choice, Mapping) and choice.get("index") in (0, None):
                 self._add_choice(choice)

@@ -22,6 +22,7 @@ from treadle.models._accumulate import (
     error_fields,
     loads_event,
     standard_finish_reason,
+    usage_count,
 )
 from treadle.ports import DeltaCallback
 from treadle.types import InvalidToolCall, ModelErrorInfo, ModelReply, ToolCall, Usage
@@ -83,13 +84,13 @@ def usage_from(payload: Any, previous: Usage) -> Usage:
     """
     if not isinstance(payload, Mapping):
         return previous
-    uncached = _count(payload.get("input_tokens"))
-    written = _count(payload.get("cache_creation_input_tokens"))
-    read = _count(payload.get("cache_read_input_tokens"))
+    uncached = usage_count(payload.get("input_tokens"))
+    written = usage_count(payload.get("cache_creation_input_tokens"))
+    read = usage_count(payload.get("cache_read_input_tokens"))
     input_tokens = previous.input_tokens
     if uncached is not None:
         input_tokens = uncached + (written or 0) + (read or 0)
-    output = _count(payload.get("output_tokens"))
+    output = usage_count(payload.get("output_tokens"))
     output_tokens = output if output is not None else previous.output_tokens
     total = None
     if input_tokens is not None and output_tokens is not None:
@@ -103,12 +104,6 @@ def usage_from(payload: Any, previous: Usage) -> Usage:
             written if written is not None else previous.cache_creation_input_tokens
         ),
     )
-
-
-def _count(value: Any) -> int | None:
-    if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
-        return value
-    return None
 
 
 @attrs.define(eq=False)
