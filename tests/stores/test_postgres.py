@@ -6,6 +6,7 @@ from __future__ import annotations
 import functools
 import re
 import socket
+import time
 
 import psycopg
 import pytest
@@ -484,3 +485,66 @@ async def test_the_cli_never_shows_the_password_of_its_store(
         assert f":{password}@" not in text and ":***@" in text, text
     assert "no run 'nosuch'" in out.output
     assert "treadle approve parked --store" in said[0]
+
+
+class _OneRunFails(postgres.PostgresBackend):
+    """Statements holding run ``bad`` fail while ``failing`` (the server refuses its row);
+    the first statement, of run ``slow``, takes a while, so the others meet in one batch."""
+
+    failing = True
+    error: type[Exception] = psycopg.errors.DataError
+    statements: list[list[str]] = []
+
+    def _statement(self, groups):  # type: ignore[no-untyped-def]
+        ids = sorted(g.run_id for g in groups)
+        type(self).statements.append(ids)
+        if ids == ["slow"]:
+            time.sleep(0.3)
+        if type(self).failing and "bad" in ids:
+            raise type(self).error("the server refuses this row")
+        return super()._statement(groups)
+
+
+@pytest.mark.parametrize(
+    "error", [psycopg.errors.DataError, psycopg.errors.QueryCanceled], ids=["refused", "timeout"]
+)
+async def test_one_runs_failing_write_fails_only_that_run_and_it_can_be_driven_again(
+    postgres_dsn: str, postgres_schema: str, monkeypatch: pytest.MonkeyPatch, error
+) -> None:
+    """One run's write failed the shared statement, and every run of the batch failed with it;
+    the failed run's later drives in the same store object were refused for good."""
+    monkeypatch.setattr(postgres, "PostgresBackend", _OneRunFails)
+    monkeypatch.setattr(_OneRunFails, "statements", [])
+    monkeypatch.setattr(_OneRunFails, "error", error)
+    monkeypatch.setattr(_OneRunFails, "failing", True)
+    async with treadle.open_postgres_store(postgres_dsn, schema=postgres_schema) as store:
+        leases = {
+            r: await store.acquire_lease(r, owner="w", ttl_s=60) for r in ("slow", "a", "b", "bad")
+        }
+        failures: dict[str, Exception] = {}
+
+        async def start(run_id: str) -> None:
+            generation = leases[run_id].generation
+            try:
+                await store.write_run_started(started(run_id), seq=1, generation=generation)
+                await store.write_intent(intent(run_id, 1), seq=2, generation=generation)
+            except treadle.StoreError as exc:  # the barrier reports the batch's failure
+                failures[run_id] = exc
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(start, "slow")
+            await trio.sleep(0.05)  # the committer is in the slow statement: the rest queue
+            for run_id in ("a", "b", "bad"):
+                nursery.start_soon(start, run_id)
+        assert any(len(ids) > 1 and "bad" in ids for ids in _OneRunFails.statements)
+        assert set(failures) == {"bad"}
+        for run_id in ("slow", "a", "b"):
+            assert (await store.read_log(run_id)).started is not None
+        # The cause is gone: the same store object drives the failed run again.
+        _OneRunFails.failing = False
+        await store.release_lease(leases["bad"])
+        again = await store.acquire_lease("bad", owner="w", ttl_s=60)
+        await store.write_run_started(started("bad"), seq=1, generation=again.generation)
+        await store.write_intent(intent("bad", 1), seq=2, generation=again.generation)
+        log = await store.read_log("bad")
+    assert [type(r).__name__ for r in log.records] == ["RunStarted", "ModelIntent"]

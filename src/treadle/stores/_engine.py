@@ -302,7 +302,7 @@ def refusal(run_id: str, cause: TreadleError) -> TreadleError:
     else:
         err = StoreError(
             f"run {run_id!r}: an earlier write of this run failed ({cause}); the store refuses "
-            "further writes of it (open the store again to resume the run)"
+            "further writes of this drive of it (resume the run once the cause is gone)"
         )
     err.__cause__ = cause
     return err
@@ -542,14 +542,18 @@ class CommitEngine:
 
         Called when a lease was taken or released, and when a run-finished record is durable:
         a store object serving runs for days keeps nothing of a run nobody drives through it.
-        The next write of the run loads its next seq from the store again. A `LeaseLost`
-        refusal is dropped with the rest (it was the old lease's; the new one may write); any
-        other unreported failure of the run is kept (and raised by that write, or by `aclose`).
+        The next write of the run loads its next seq from the store again, so a run whose
+        write failed (a statement timeout, a lost connection) can be driven again through
+        this store object once the cause is gone (docs/crash-safety.md, "The stores"). A
+        failure the run's writer already raised goes with the rest, as does a `LeaseLost`
+        refusal (it was the old lease's; the new one may write); an unreported failure is
+        kept, to be raised by the run's next write or by `aclose`.
         """
         state = self._runs.get(run_id)
         if state is None or not (state.last is None or state.last.done):
             return
-        if state.error is None or isinstance(state.error, LeaseLost):
+        error = state.error
+        if error is None or state.reported or isinstance(error, LeaseLost):
             del self._runs[run_id]
 
     def _deliver(self, batch: list[Write], report: BatchReport) -> None:

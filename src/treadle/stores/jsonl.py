@@ -165,7 +165,8 @@ class JsonlStore(EngineStore):
     Barriers return once their line and every earlier line of the run are synced. The other
     writes return once queued; if their append later fails, the error is raised by the next
     write of that run. After a write of a run fails, the store refuses every further write of
-    that run; open the store again to resume it.
+    that drive of the run; resume the run (its lease taken again, the store reads it from its
+    file again) once the cause is gone.
 
     Every write raises:
         ConflictError: ``seq`` is not the run's next seq, or whole lines are in the file

@@ -308,16 +308,43 @@ class PostgresBackend(_sql.SqlBackend):
             committed = self._statement(groups)
         except Exception as exc:
             if not _lost_connection(exc):
-                error = _translate(self.description, exc, "cannot write to")
-                if error is None:
-                    raise
-                error.__cause__ = exc
-                for group in groups:
-                    fail_writes(group.writes, error)
-                return BatchReport()
-            committed = self._reconcile(groups, exc)
+                committed = self._each(groups, exc)
+            else:
+                committed = self._reconcile(groups, exc)
         self._refuse_others(groups, committed)
         return BatchReport(syncs=1 if committed else 0)
+
+    def _each(self, groups: Sequence[_sql.RunBatch], failure: Exception) -> set[str]:
+        """After ``failure`` of a statement for ``groups``: commit each run's writes alone.
+
+        One run's writes can fail a statement for all (a record past the server's size
+        limit, a statement timeout on its row): the others must not fail with it
+        (docs/fleet.md, "What each crash does"). A batch of one run fails as it is.
+        """
+        if len(groups) == 1:
+            self._fail(groups, failure)
+            return set()
+        committed: set[str] = set()
+        for group in groups:
+            try:
+                committed |= self._statement([group])
+            except Exception as exc:
+                if _lost_connection(exc):
+                    self._reconnect(exc)
+                    if self._committed([group]):
+                        committed.add(group.run_id)
+                        continue
+                self._fail([group], exc)
+        return committed
+
+    def _fail(self, groups: Sequence[_sql.RunBatch], exc: Exception) -> None:
+        """Fail every write of ``groups`` with the `StoreError` for ``exc`` (or raise it)."""
+        error = _translate(self.description, exc, "cannot write to")
+        if error is None:
+            raise exc
+        error.__cause__ = exc
+        for group in groups:
+            fail_writes(group.writes, error)
 
     def _statement(self, groups: Sequence[_sql.RunBatch]) -> set[str]:
         """Run `_COMMIT`; one the server ended as a deadlock victim is run again.
@@ -346,13 +373,11 @@ class PostgresBackend(_sql.SqlBackend):
         try:
             return committed | self._statement(rest)
         except Exception as exc:
-            error = _translate(self.description, exc, "cannot write to")
-            if error is None:
-                raise
-            error.__cause__ = exc
-            for group in rest:
-                fail_writes(group.writes, error)
-            return committed
+            if _lost_connection(exc):
+                self._reconnect(exc)
+                committed |= self._committed(rest)
+                rest = [g for g in rest if g.run_id not in committed]
+            return committed | self._each(rest, exc) if rest else committed
 
     def _reconnect(self, lost: Exception) -> None:
         with contextlib.suppress(Exception):
