@@ -435,6 +435,33 @@ def test_repair_cuts_a_damaged_log_and_runs_reads_clean_again(tmp_path: Path):
 # --------------------------------------------------------------------------- cancel, approve, tail
 
 
+def test_cancel_of_a_run_its_driver_finishes_meanwhile_says_nothing_was_cancelled(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+):
+    """Between the cancel request and the look at the run, its driver finished it succeeded:
+    the command said "it is finished here, succeeded" and exited 0."""
+    from treadle import _cli_runs
+    from treadle.types import RunResult, RunState, StopReason, Totals
+
+    db = tmp_path / "runs.db"
+    leave_orphaned(db, "o")
+
+    async def finished_by_its_driver(*args, **kwargs) -> RunResult:
+        await trio.lowlevel.checkpoint()
+        return RunResult(
+            run_id="o",
+            state=RunState.SUCCEEDED,
+            stop_reason=StopReason.FINAL_ANSWER,
+            totals=Totals(),
+        )
+
+    monkeypatch.setattr(_cli_runs, "finish_cancelled", finished_by_its_driver)
+    cancelled = invoke("cancel", "o", "--store", str(db))
+    assert cancelled.exit_code == 1, cancelled.output
+    assert "finished succeeded (final_answer) before the cancel reached it" in cancelled.output
+    assert "nothing was cancelled" in cancelled.output
+
+
 def test_cancel_of_an_undriven_run_finishes_it_here(tmp_path: Path):
     db = tmp_path / "runs.db"
     leave_orphaned(db, "o")

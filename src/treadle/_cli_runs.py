@@ -179,7 +179,8 @@ async def cancel(store: RunStore, run_id: str, *, reason: str, canceller: str) -
         One sentence saying who stops the run, or that it was finished here.
 
     Raises:
-        UsageError: the run does not exist or already finished.
+        UsageError: the run does not exist or already finished (also when its driver
+            finished it between the request and this command's look at it).
         StoreError: a write failed.
     """
     await request_cancel(store, run_id, reason=reason, canceller=canceller)
@@ -192,6 +193,11 @@ async def cancel(store: RunStore, run_id: str, *, reason: str, canceller: str) -
         )
     except RunLeased as exc:
         return _held(exc.holder, "took the run meanwhile")
+    if result.state is not RunState.CANCELLED:  # its driver finished it meanwhile
+        raise UsageError(
+            f"run {run_id!r} finished {result.state.value} ({result.stop_reason.value}) before "
+            "the cancel reached it: nothing was cancelled"
+        )
     return f"nobody drove the run: it is finished here, {result.state.value}"
 
 
