@@ -513,3 +513,33 @@ def test_probe_takes_openai_shaped_messages_and_refuses_a_base_url_that_is_no_ur
     assert (message.role, message.content) == ("user", "Hello")
     done = CliRunner().invoke(main, ["probe", "--base-url", "notaurl", "--model", "m"])
     assert done.exit_code == 2 and "must start with http:// or https://" in done.output
+
+
+def test_show_and_tail_never_pass_terminal_controls_through(tmp_path):
+    """What a model or tool wrote went to the terminal raw: an escape sequence set the
+    window title and colours, a carriage return overwrote the line."""
+    hostile = "\x1b]0;PWNED\x07\x1b[31mred\x1b[0m\rover\u202eevil\x9b2J"
+
+    @treadle.tool
+    async def fetch_page() -> str:
+        """Fetch the page."""
+        return hostile
+
+    async def go():
+        agent = treadle.Agent(
+            model=ScriptedModel(turns=[call("fetch_page"), say(f"the page says {hostile}")]),
+            executor=treadle.Toolbox([fetch_page]),
+            parser=treadle.NativeToolCallParser(),
+        )
+        async with treadle.open_sqlite_store(tmp_path / "runs.db") as store:
+            await treadle.run(agent, f"read {hostile}", store=store, run_id="r")
+
+    trio.run(go)
+    for command in ("show", "tail"):
+        out = CliRunner().invoke(main, [command, "r", "--store", str(tmp_path / "runs.db")])
+        assert out.exit_code == 0, out.output
+        controls = [
+            ch for ch in out.output if (ord(ch) < 32 and ch != "\n") or 0x7F <= ord(ch) < 0xA0
+        ]
+        assert controls == [] and "\u202e" not in out.output, (command, out.output)
+        assert "\\x1b]0;PWNED\\x07" in out.output  # shown, as escapes

@@ -8,6 +8,7 @@ from __future__ import annotations
 import importlib
 import json
 import os
+import re
 import sys
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import AbstractAsyncContextManager, AsyncExitStack, asynccontextmanager
@@ -284,8 +285,32 @@ def lineage_text(started: RunStarted) -> str:
     return lineage.describe() if lineage is not None else ""
 
 
+_UNPRINTABLE = re.compile("[\x00-\x1f\x7f-\x9f\u061c\u200e\u200f\u202a-\u202e\u2066-\u2069]")
+"""Control characters (an escape sequence's ESC included) and the bidirectional controls."""
+
+
+def printable(text: str) -> str:
+    r"""``text`` safe to print on a terminal: each control character written as an escape.
+
+    What a model or a tool wrote reaches ``show`` and ``tail``: an escape sequence in it
+    would set the terminal's title or colours, a carriage return overwrite a line, a
+    bidirectional control reorder what follows. Each is shown as ``\xNN`` (``\uNNNN``).
+    """
+    return _UNPRINTABLE.sub(_escaped, text)
+
+
+def _escaped(match: re.Match[str]) -> str:
+    code = ord(match[0])
+    return f"\\x{code:02x}" if code < 0x100 else f"\\u{code:04x}"
+
+
 def describe(record: Record) -> tuple[str, str]:
-    """What a record is and its detail, for tables and ``tail`` lines."""
+    """What a record is and its detail, for tables and ``tail`` lines (printable text)."""
+    what, detail = _describe(record)
+    return what, printable(detail)
+
+
+def _describe(record: Record) -> tuple[str, str]:
     if isinstance(record, RunStarted):
         first = record.input[0].content if record.input else ""
         origin = lineage_text(record)

@@ -27,6 +27,7 @@ from treadle._cli_common import (
     lineage_text,
     made_agent,
     open_store,
+    printable,
     redact,
     run_async,
     run_id_argument,
@@ -255,7 +256,7 @@ def trajectory_table(log: RunLog) -> Table:
     """
     redaction = Redaction.of_log(log)
     origin = lineage_text(log.started) if log.started is not None else ""
-    title = f"run {log.run_id}" + (f" ({origin})" if origin else "")
+    title = f"run {log.run_id}" + (f" ({printable(origin)})" if origin else "")
     table = Table(title=title, show_lines=False)
     table.add_column("seq", justify="right")
     table.add_column("step", justify="right")

@@ -189,3 +189,47 @@ def test_cancel_from_the_page_stops_a_live_run(browser, console):
         driver.kill()
         driver.wait(timeout=HANG_S)
     assert not marker.exists()
+
+
+def test_cancel_without_javascript_posts_the_plain_form(browser, console):
+    """With scripts off the form is posted as HTML: the console's own referrer policy made
+    Chromium send ``Origin: null``, and the same-origin check refused every such post."""
+    tmp, db, url = console
+    driver, _, marker = start_driver(tmp, db, "no-script")
+    browser.execute_cdp_cmd("Emulation.setScriptExecutionDisabled", {"value": True})
+    try:
+        # without scripts nothing streams in: load the page again until the call shows
+        wait(
+            browser,
+            lambda b: (
+                b.get(f"{url}/runs/no-script") or b.find_elements("css selector", "#step-1 .call")
+            ),
+        )
+        find(browser, "#cancel input[name=reason]").send_keys("posted plainly")
+        find(browser, "#cancel-button").click()
+        wait(browser, lambda b: "/cancel" in b.current_url)  # the console's answer page
+        text = find(browser, "body").text
+        assert "refused" not in text, text
+        assert "cancel requested" in text, text
+        assert finish(driver) == "cancelled"
+    finally:
+        browser.execute_cdp_cmd("Emulation.setScriptExecutionDisabled", {"value": False})
+        driver.kill()
+        driver.wait(timeout=HANG_S)
+    assert not marker.exists()
+
+
+def test_a_run_named_rows_opens_as_a_run(browser, console):
+    """The runs list's live stream was served at /runs/rows, so run ``rows`` never opened."""
+    _, db, url = console
+
+    async def named_rows():
+        async with treadle.open_sqlite_store(db) as store:
+            await treadle.run(markup_agent(), "read the page", store=store, run_id="rows")
+
+    trio.run(named_rows)
+    browser.get(url)
+    wait(browser, present('#rows tr[data-run="rows"] a')).click()
+    observation = wait(browser, present("#step-1 pre.observation"))
+    assert observation.text == MARKUP
+    assert "run finished" in find(browser, "#timeline").text

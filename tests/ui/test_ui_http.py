@@ -22,7 +22,14 @@ from treadle.cli import main
 from treadle.stores.memory import MemoryStore
 from treadle.supervisors import open_run
 from treadle.testing.scripted import ScriptedModel, call, say
-from treadle.types import ApprovalDecided, CancelRequested, ModelResult, RunState, StopReason
+from treadle.types import (
+    ApprovalDecided,
+    CancelRequested,
+    ModelResult,
+    RunLog,
+    RunState,
+    StopReason,
+)
 
 TOKEN = "t0ken-for-tests"
 BASE = "http://127.0.0.1:8765"
@@ -640,3 +647,34 @@ async def test_a_path_naming_no_possible_run_is_a_404_that_says_why(path):
         answer = await http.get(path, headers=SAME)
     assert answer.status_code == 404, answer.text
     assert "invalid run id" in answer.text or "there is no run" in answer.text
+
+
+class _GoneAfter(_DamagedAfter):
+    """A store whose run ``r`` is gone from the ``fail_from``-th read on (deleted by hand)."""
+
+    async def read_log(self, run_id):
+        if run_id == "r" and self.reads is not None:
+            self.reads += 1
+            if self.reads >= self.fail_from:
+                return RunLog(run_id="r", records=())
+        return await MemoryStore.read_log(self, run_id)
+
+
+async def test_a_run_gone_while_it_streams_ends_the_stream_with_the_reason():
+    """The stream's 404 for a run that no longer exists broke the response mid-stream (an
+    ASGI error, the connection cut) instead of ending it with an ``unreadable`` event."""
+    store = _GoneAfter(fail_from=3)
+    async with open_run(
+        approval_agent(), "pay", store=store, run_id="r", control_poll_s=0.05
+    ) as handle:
+        await wait_for(handle, RunState.AWAITING_APPROVAL)
+        store.reads = 0
+        async with client(store, poll_s=0.01) as http:
+            stream = await http.get("/runs/r/events")
+        store.reads = None
+        handle.cancel("done")
+        await handle.wait()
+    events = sse(stream.text)
+    assert stream.status_code == 200
+    assert [e["event"] for e in events][-1] == "unreadable"
+    assert "there is no run 'r'" in json.loads(events[-1]["data"])["message"]

@@ -110,7 +110,9 @@ class _SecurityHeaders:
                 headers += [
                     (b"content-security-policy", CSP.encode()),
                     (b"x-content-type-options", b"nosniff"),
-                    (b"referrer-policy", b"no-referrer"),
+                    # same-origin: a plain form post (no scripts) carries its Origin; with
+                    # no-referrer, Chromium sends "Origin: null" and the post is refused
+                    (b"referrer-policy", b"same-origin"),
                     (b"x-frame-options", b"DENY"),
                     (b"cache-control", b"no-store"),
                 ]
@@ -185,7 +187,7 @@ def create_app(store: RunStore, settings: Settings) -> Starlette:
     console = _Console(store, settings, templates())
     routes = [
         Route("/", console.runs_page),
-        Route("/runs/rows", console.runs_stream),
+        Route("/rows", console.runs_stream),  # outside /runs/: "rows" is a valid run id
         # Run ids may hold "/" (a child run's does: docs/child-runs.md), so they match as
         # paths; the routes with a suffix come first.
         Route("/runs/{run_id:path}/events", console.run_stream),
@@ -354,7 +356,7 @@ class _Console:
         ``Last-Event-ID`` resumes after that seq (else ``?from=SEQ`` names the first one).
         A ``finished`` event closes the stream once the run-finished record was sent; an
         ``unreadable`` event (``{"message": ...}``) closes it when the log cannot be read
-        any more (the page says why instead of reconnecting).
+        any more, or the run is gone (the page says why instead of reconnecting).
         """
         self._check_read(request)
         run_id = _run_id(request)
@@ -366,8 +368,9 @@ class _Console:
             while True:
                 try:
                     log, summary = await self._read(run_id)
-                except StoreError as exc:  # damaged while streaming: say so, and stop
-                    said = {"message": str(exc)}
+                except (StoreError, HTTPException) as exc:  # damaged or gone: say so, stop
+                    message = exc.detail if isinstance(exc, HTTPException) else str(exc)
+                    said = {"message": message}
                     yield ServerSentEvent(data=json.dumps(said), event="unreadable")
                     return
                 count = len(log.records)

@@ -30,7 +30,7 @@ function runsPage() {
   const state = document.getElementById("state");
   q.addEventListener("input", filterRows);
   state.addEventListener("change", filterRows);
-  const source = new EventSource("/runs/rows");
+  const source = new EventSource("/rows");
   const live = document.getElementById("live");
   source.addEventListener("open", () => live.classList.add("on"));
   source.addEventListener("error", () => live.classList.remove("on"));
