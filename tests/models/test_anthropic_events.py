@@ -175,3 +175,42 @@ def test_events_orjson_refuses_still_decode_and_tool_inputs_stay_exact():
     with pytest.raises(ModelCallError) as info:
         acc.add("{not json")
     assert info.value.info.kind == "invalid_response"
+
+
+def _started(*blocks: dict) -> MessageAccumulator:
+    acc = MessageAccumulator()
+    acc.add(json.dumps({"type": "message_start", "message": {"id": "m"}}))
+    for index, block in blocks:
+        acc.add(json.dumps({"type": "content_block_start", "index": index, "content_block": block}))
+    return acc
+
+
+TOOL = {"type": "tool_use", "id": "toolu_1", "name": "f", "input": {}}
+TEXT = {"type": "text", "text": ""}
+
+
+def test_a_second_block_at_one_index_breaks_the_protocol_and_drops_no_call():
+    # The second start replaced the first block: its call vanished, and the run went on.
+    acc = _started((0, TOOL))
+    delta = {"type": "input_json_delta", "partial_json": '{"a": 1}'}
+    acc.add(json.dumps({"type": "content_block_delta", "index": 0, "delta": delta}))
+    second = {**TOOL, "id": "toolu_2"}
+    with pytest.raises(ModelCallError) as info:
+        acc.add(json.dumps({"type": "content_block_start", "index": 0, "content_block": second}))
+    assert info.value.info.kind == "invalid_response"
+    assert "block 0 twice" in info.value.info.message
+
+
+@pytest.mark.parametrize(
+    ("block", "delta"),
+    [
+        (TEXT, {"type": "input_json_delta", "partial_json": '{"a": 1}'}),  # became text
+        (TOOL, {"type": "text_delta", "text": '{"a": 1}'}),  # became the call's arguments
+        (TEXT, {"type": "thinking_delta", "thinking": "hmm"}),
+    ],
+)
+def test_a_delta_of_another_kind_of_block_breaks_the_protocol(block, delta):
+    acc = _started((0, block))
+    with pytest.raises(ModelCallError) as info:
+        acc.add(json.dumps({"type": "content_block_delta", "index": 0, "delta": delta}))
+    assert info.value.info.kind == "invalid_response"

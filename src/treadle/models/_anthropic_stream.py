@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, Final
 
 import attrs
 
@@ -104,6 +104,16 @@ def usage_from(payload: Any, previous: Usage) -> Usage:
             written if written is not None else previous.cache_creation_input_tokens
         ),
     )
+
+
+_DELTA_BLOCKS: Final = {
+    "text_delta": ("text",),
+    "thinking_delta": ("thinking",),
+    "signature_delta": ("thinking",),
+    "input_json_delta": ("tool_use", "server_tool_use", "mcp_tool_use"),
+}
+"""The block types each delta type belongs to (Anthropic's streaming reference, "Content block
+delta types"): a delta of another block breaks the protocol."""
 
 
 @attrs.define(eq=False)
@@ -279,6 +289,8 @@ class MessageAccumulator:
         block = payload.get("content_block")
         if not isinstance(index, int) or not isinstance(block, Mapping):
             raise self.failure("invalid_response", "content_block_start without index or block")
+        if index in self._blocks:  # a second block at one index would replace the first
+            raise self.failure("invalid_response", f"content_block_start for block {index} twice")
         held = _Block(
             index=index,
             type=_str(block.get("type")),
@@ -300,6 +312,11 @@ class MessageAccumulator:
         if held is None or not isinstance(delta, Mapping):
             raise self.failure("invalid_response", "content_block_delta for an unknown block")
         kind = delta.get("type")
+        expected = _DELTA_BLOCKS.get(kind) if isinstance(kind, str) else None
+        if expected is not None and held.type not in expected:
+            raise self.failure(
+                "invalid_response", f"a {kind} for block {index}, a {held.type or 'typeless'} block"
+            )
         if kind == "text_delta":
             self._append(held, _str(delta.get("text")), "text")
         elif kind == "thinking_delta":
