@@ -7,6 +7,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from treadle.models import SSEDecodeError, SSEDecoder, SSEEvent
+from treadle.models._sse import MAX_EVENT_BYTES
 
 
 def decode(*reads: bytes) -> tuple[list[SSEEvent], bool]:
@@ -191,3 +192,30 @@ def test_cutting_the_last_terminator_reports_truncation(events):
     decoded, truncated = decode(body[:-1])
     assert truncated is True
     assert decoded == expected_events(events)[:-1]
+
+
+def test_a_line_that_never_ends_is_refused_past_the_bound_not_kept():
+    # A server that never sends a line end made the decoder keep (and re-scan) it all.
+    decoder = SSEDecoder()
+    piece = b"x" * 65536
+    decoder.feed(b"data: ")
+    with pytest.raises(SSEDecodeError, match="a line longer than"):
+        for _ in range(MAX_EVENT_BYTES // len(piece) + 1):
+            decoder.feed(piece)
+
+
+def test_an_event_that_never_ends_is_refused_past_the_bound():
+    decoder = SSEDecoder(max_event_bytes=1000)
+    decoder.feed(b"data: " + b"y" * 400 + b"\n" + b"data: " + b"y" * 400 + b"\n")
+    with pytest.raises(SSEDecodeError, match="an event longer than 1000 bytes"):
+        decoder.feed(b"data: " + b"y" * 400 + b"\n")
+
+
+def test_a_long_line_in_many_reads_is_one_event_as_sent():
+    decoder = SSEDecoder(max_event_bytes=10_000_000)
+    body = b"data: " + b"z" * 3_000_000 + b"\r\n\r\n"
+    events = []
+    for start in range(0, len(body), 4096):
+        events += decoder.feed(body[start : start + 4096])
+    assert [len(e.data) for e in events] == [3_000_000]
+    assert decoder.close() is False

@@ -15,9 +15,16 @@ from treadle._exceptions import TreadleError
 
 _BOM = b"\xef\xbb\xbf"
 
+MAX_EVENT_BYTES = 16 * 1024 * 1024
+"""The largest line, and the largest event (its data lines together), in bytes: a model's
+whole reply fits many times over (a non-streamed body has the same bound), and a server that
+never ends a line or an event cannot fill the memory (`SSEDecodeError` past it)."""
+
 
 class SSEDecodeError(TreadleError, ValueError):
-    """The byte stream is not a valid event stream (its text is not UTF-8).
+    """The byte stream is not a valid event stream.
+
+    Its text is not UTF-8, or a line or an event is longer than `MAX_EVENT_BYTES`.
 
     Attributes:
         offset: byte offset in the whole stream of the start of the bad line.
@@ -66,7 +73,11 @@ class SSEDecoder:
 
     comments: int = 0
     events: int = 0
-    _buffer: bytes = b""
+    max_event_bytes: int = MAX_EVENT_BYTES
+    _pieces: list[bytes] = attrs.Factory(list)
+    """The start of a line not ended yet, as read (joined once, when the line ends)."""
+    _line_bytes: int = 0
+    _data_bytes: int = 0
     _offset: int = 0
     _skip_lf: bool = False
     _at_start: bool = True
@@ -87,23 +98,44 @@ class SSEDecoder:
             The events completed by this chunk, in stream order (often empty).
 
         Raises:
-            SSEDecodeError: a complete line is not valid UTF-8.
+            SSEDecodeError: a complete line is not valid UTF-8, or a line or an event grew
+                past `max_event_bytes`.
         """
         if self._skip_lf and chunk[:1] == b"\n":
             chunk = chunk[1:]
             self._offset += 1
         if chunk:
             self._skip_lf = False
-        buffer = self._buffer + chunk
         if self._at_start:
+            buffer = self._joined() + chunk
             if len(buffer) < len(_BOM) and _BOM.startswith(buffer):
-                self._buffer = buffer
+                self._keep(buffer)
                 return []
             self._at_start = False
             if buffer.startswith(_BOM):
                 buffer = buffer[len(_BOM) :]
                 self._offset += len(_BOM)
-        return self._split(buffer)
+            chunk = buffer
+        if b"\n" not in chunk and b"\r" not in chunk:  # a line goes on: keep the piece only
+            self._keep(chunk)
+            return []
+        return self._split(self._joined() + chunk)
+
+    def _joined(self) -> bytes:
+        """The pieces of the unended line, as one (each byte is joined once)."""
+        joined = b"".join(self._pieces)
+        self._pieces.clear()
+        self._line_bytes = 0
+        return joined
+
+    def _keep(self, piece: bytes) -> None:
+        """Keep ``piece`` of a line not ended yet; refuse a line past the bound."""
+        self._pieces.append(piece)
+        self._line_bytes += len(piece)
+        if self._line_bytes > self.max_event_bytes:
+            raise SSEDecodeError(
+                f"a line longer than {self.max_event_bytes} bytes, not ended", offset=self._offset
+            )
 
     def close(self) -> bool:
         """End the stream.
@@ -112,8 +144,8 @@ class SSEDecoder:
             True when an unterminated event (a partial line, or field lines without the
             empty line that dispatches them) was discarded; False on a clean end.
         """
-        truncated = bool(self._buffer) or self._pending_fields
-        self._buffer = b""
+        truncated = self._line_bytes > 0 or self._pending_fields
+        self._joined()
         self._reset_event()
         return truncated
 
@@ -129,7 +161,8 @@ class SSEDecoder:
                 out.append(event)
         if lines and lines[-1].endswith(b"\r"):
             self._skip_lf = True
-        self._buffer = rest
+        if rest:
+            self._keep(rest)
         return out
 
     def _line(self, raw: bytes) -> SSEEvent | None:
@@ -152,6 +185,12 @@ class SSEDecoder:
         self._pending_fields = True
         if name == "data":
             self._data.append(value)
+            self._data_bytes += len(value) + 1
+            if self._data_bytes > self.max_event_bytes:
+                raise SSEDecodeError(
+                    f"an event longer than {self.max_event_bytes} bytes, not ended",
+                    offset=self._offset,
+                )
         elif name == "event":
             self._event = value
         elif name == "id" and "\0" not in value:
@@ -181,6 +220,7 @@ class SSEDecoder:
 
     def _reset_event(self) -> None:
         self._data = []
+        self._data_bytes = 0
         self._errors = []
         self._event = ""
         self._retry_ms = None
