@@ -503,3 +503,21 @@ async def test_shared_ids_stay_unique_and_equal_across_a_resume(tmp_path):
     [stored] = [r for r in log.records if isinstance(r, ModelResult) and r.reply is not None][:1]
     again = NativeToolCallParser().parse(stored.reply, SPECS)
     assert [a.id for a in again.actions] == history
+
+
+async def test_a_negative_tool_call_index_is_never_the_legacy_calls():
+    # The legacy call is kept at index -1: a tool call sent at index -1 was merged into it,
+    # one invalid call with two JSON values for arguments.
+    legacy = {"name": "get_weather", "arguments": '{"city": "Oslo"}'}
+    indexed = {"index": -1, "id": "call_9", "type": "function"}
+    indexed["function"] = {"name": "get_weather", "arguments": '{"city": "Rome"}'}
+    for tool_calls in ([indexed], [{k: v for k, v in indexed.items() if k != "id"}]):
+        chunks = sse(
+            chunk({"role": "assistant", "function_call": legacy}),
+            chunk({"tool_calls": tool_calls}),
+            chunk(finish="tool_calls"),
+        )
+        parsed = NativeToolCallParser().parse(await openai_reply(chunks), SPECS)
+        assert_actions(
+            parsed, [("get_weather", {"city": "Oslo"}), ("get_weather", {"city": "Rome"})]
+        )

@@ -491,7 +491,7 @@ class StreamAccumulator:
         legacy = delta.get("function_call")
         if isinstance(legacy, Mapping):
             # The legacy single-call form: one call, no id, no index.
-            self._add_call_fragment({"index": _LEGACY_INDEX, "function": legacy})
+            self._add_call_fragment({"function": legacy}, legacy=True)
 
     def _append(self, parts: list[str] | None, fragment: str, channel: str) -> list[str]:
         parts = [] if parts is None else parts
@@ -501,18 +501,20 @@ class StreamAccumulator:
                 self.on_delta(channel, fragment)
         return parts
 
-    def _add_call_fragment(self, fragment: Mapping[str, Any]) -> None:
+    def _add_call_fragment(self, fragment: Mapping[str, Any], *, legacy: bool = False) -> None:
         function = fragment.get("function")
         function = function if isinstance(function, Mapping) else {}
         call_id = _str(fragment.get("id"))
         arguments = function.get("arguments")
         if arguments is not None and not isinstance(arguments, str):
             arguments = json.dumps(arguments)
-        buf = self._buffer_for(fragment.get("index"), call_id)
+        index = _LEGACY_INDEX if legacy else fragment.get("index")
+        buf = self._buffer_for(index, call_id, legacy=legacy)
         buf.merge(call_id, _str(function.get("name")), arguments or "")
 
-    def _buffer_for(self, index: Any, call_id: str) -> _CallBuffer:
-        if not isinstance(index, int) or isinstance(index, bool):
+    def _buffer_for(self, index: Any, call_id: str, *, legacy: bool = False) -> _CallBuffer:
+        # a server's index is >= 0 (a negative one is read as none: the legacy call's is -1)
+        if not legacy and (not isinstance(index, int) or isinstance(index, bool) or index < 0):
             index = self._index_without_index(call_id)
         held = self._by_index.get(index)
         if held is None or (call_id and held.id and call_id != held.id):
@@ -522,14 +524,15 @@ class StreamAccumulator:
         return held
 
     def _index_without_index(self, call_id: str) -> int:
-        for buf in self._calls:
+        calls = [buf for buf in self._calls if buf.index != _LEGACY_INDEX]
+        for buf in calls:
             if call_id and buf.id == call_id:
                 return buf.index
-        if not self._calls:
+        if not calls:
             return 0
         if call_id:
-            return max(buf.index for buf in self._calls) + 1
-        return self._calls[-1].index
+            return max(buf.index for buf in calls) + 1
+        return calls[-1].index
 
     def _synthetic_id(self, buf: _CallBuffer, ordinal: int) -> str:
         seed = f"{self.response_id}\0{buf.index}\0{ordinal}"
