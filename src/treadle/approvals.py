@@ -77,14 +77,15 @@ def edited_arguments(text: str) -> dict[str, JSONValue]:
     Only read here; `check_edit` checks them against the tool's schema.
 
     Raises:
-        UsageError: ``text`` is not JSON, nests too deeply to be read, or is not an object.
+        UsageError: ``text`` is not JSON, cannot be read (it nests too deeply, or holds an
+            integer of more digits than Python converts), or is not an object.
     """
     try:
         value = loads_json(text)
     except json.JSONDecodeError as exc:
         raise UsageError(f"the edited arguments are not JSON: {exc}") from exc
-    except ValueError:  # JSON nested past what the decoder follows
-        raise UsageError("the edited arguments nest too deeply to be read") from None
+    except ValueError as exc:  # nested past what the decoder follows, a number too long
+        raise UsageError(f"the edited arguments cannot be read: {exc}") from None
     if not isinstance(value, dict):
         raise UsageError("the edited arguments must be a JSON object")
     return value

@@ -715,3 +715,13 @@ async def test_a_decision_written_just_before_the_deadline_counts_for_a_driven_r
     assert [a.call_id for a in tools.executed] == ["c1"]
     decided = [r for r in (await store.read_log("r")).records if isinstance(r, ApprovalDecided)]
     assert [d.decision for d in decided] == ["approve"]
+
+
+def test_an_edit_holding_an_integer_too_long_to_read_says_so():
+    """It was reported as nesting too deeply."""
+    from treadle.approvals import edited_arguments
+
+    with pytest.raises(UsageError) as info:
+        edited_arguments('{"amount": ' + "9" * 5000 + "}")
+    assert "nest" not in str(info.value)
+    assert "4300 digits" in str(info.value)
