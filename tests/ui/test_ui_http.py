@@ -174,7 +174,7 @@ async def test_the_approval_form_makes_the_checks_of_treadle_approve():
             not_json = await decide(decision="edit", arguments="{")
             assert not_json.status_code == 409 and "not JSON" in not_json.json()["message"]
             deep = await decide(decision="edit", arguments='{"a": ' + "[" * 5000 + "]" * 5000 + "}")
-            assert deep.status_code == 409 and "nest too deeply" in deep.json()["message"]
+            assert deep.status_code == 409 and "nests too deeply" in deep.json()["message"]
             too_deep = await decide(
                 decision="edit", arguments='{"amount": ' + "[" * 70 + "]" * 70 + "}"
             )
