@@ -666,6 +666,13 @@ def test_unquarantine_makes_a_quarantined_run_claimable_again(tmp_path: Path):
     assert summary.quarantined
     row = rows(db)["r"]
     assert row["liveness"] == "quarantined" and row["quarantined"]
+    # `wait` on it said nothing and waited for good: it says why, and --timeout ends it
+    waited = invoke("wait", "r", "--store", str(db), "--timeout", "0.3", "--poll", "0.05")
+    assert waited.exit_code == 2, waited.output
+    assert (
+        "run r is quarantined: no worker takes it until `treadle unquarantine r`" in waited.stderr
+    )
+    assert "run r has not finished after 0.3 s" in waited.stderr
     table = invoke("runs", "--store", str(db), env={"COLUMNS": "400"})
     assert "nobody: quarantined" in table.stdout
     released = invoke("unquarantine", "r", "--store", str(db))

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import json
+import math
 import signal
 import sys
 from collections.abc import AsyncIterator, Callable, Mapping
@@ -34,7 +35,7 @@ from treadle._exceptions import TreadleError
 from treadle._text import valid_text
 from treadle.agent import Agent
 from treadle.metrics import MetricsRecorder
-from treadle.ports import RunQueue
+from treadle.ports import RunIndex, RunQueue, RunStore
 from treadle.stores import LEASE_TTL_S
 from treadle.supervisors import (
     BACKOFF_S,
@@ -44,7 +45,7 @@ from treadle.supervisors import (
     open_fleet,
     wait_result,
 )
-from treadle.types import Message, RunResult, RunState
+from treadle.types import Liveness, Message, RunResult, RunState
 
 if TYPE_CHECKING:
     from treadle.sinks.prometheus import PrometheusOutput
@@ -286,14 +287,30 @@ def submit_command(store_path: str, agent_name: str, run_id: str | None, text: s
 @store_option
 @click.option("--json", "as_json", is_flag=True, help="Print the result as one JSON object.")
 @click.option("--poll", "poll_s", default=CLAIM_POLL_S, show_default=True, type=float)
-def wait_command(run_id: str, store_path: str, as_json: bool, poll_s: float) -> None:
-    """Wait until a run finished (whoever drives it); exit 0 when it succeeded, else 1."""
+@click.option(
+    "--timeout",
+    "timeout_s",
+    type=click.FloatRange(min=0),
+    default=None,
+    help="Give up after this many seconds (exit 2); default: wait as long as it takes.",
+)
+def wait_command(
+    run_id: str, store_path: str, as_json: bool, poll_s: float, timeout_s: float | None
+) -> None:
+    """Wait until a run finished (whoever drives it); exit 0 when it succeeded, else 1.
 
-    async def go() -> RunResult:
+    Exit 2 when ``--timeout`` passed first. A run that is quarantined (no worker takes it
+    until ``treadle unquarantine``) is said so on stderr, once, and waited for on.
+    """
+
+    async def go() -> RunResult | None:
         async with open_store(store_path) as store:
-            return await wait_result(store, run_id, poll_s=poll_s)
+            return await _wait(store, run_id, poll_s, timeout_s)
 
     result = run_async(go)
+    if result is None:
+        click.echo(f"run {run_id} has not finished after {timeout_s:g} s", err=True)
+        sys.exit(2)
     if as_json:
         click.echo(
             json.dumps(
@@ -316,6 +333,31 @@ def wait_command(run_id: str, store_path: str, as_json: bool, poll_s: float) -> 
         click.echo(f"{result.run_id}: {result.state.value} ({result.stop_reason.value}){answer}")
     if result.state is not RunState.SUCCEEDED:
         sys.exit(1)
+
+
+async def _wait(
+    store: RunStore, run_id: str, poll_s: float, timeout_s: float | None
+) -> RunResult | None:
+    """The run's result, or ``None`` after ``timeout_s``; says once that it is quarantined."""
+    deadline = trio.current_time() + (math.inf if timeout_s is None else timeout_s)
+    said = False
+    while True:
+        summary = await store.read_summary(run_id) if isinstance(store, RunIndex) else None
+        if not said and summary is not None and summary.liveness is Liveness.QUARANTINED:
+            said = True
+            click.echo(
+                f"run {run_id} is quarantined: no worker takes it until "
+                f"`treadle unquarantine {run_id}`; waiting on",
+                err=True,
+            )
+        with trio.move_on_at(min(deadline, trio.current_time() + QUARANTINE_LOOK_S)):
+            return await wait_result(store, run_id, poll_s=poll_s)
+        if trio.current_time() >= deadline:
+            return None
+
+
+QUARANTINE_LOOK_S = 5.0
+"""Seconds between two looks of ``treadle wait`` at whether its run is quarantined."""
 
 
 @click.command("unquarantine")
