@@ -342,6 +342,19 @@ def test_submit_refuses_an_invalid_run_id_with_a_clear_error(tmp_path: Path):
     assert isinstance(refused.exception, SystemExit)  # a clean error, not a traceback
 
 
+def test_show_and_approve_of_a_queued_run_say_it_is_queued(tmp_path: Path):
+    """Both said there was no such run, while `runs` and `tail` listed it as queued."""
+    db = tmp_path / "runs.db"
+    submitted = invoke("submit", "--store", str(db), "--agent", "calc", "--run-id", "q", "x")
+    assert submitted.exit_code == 0, submitted.output
+    shown = invoke("show", "q", "--store", str(db))
+    assert shown.exit_code == 0, shown.output
+    assert "run q is queued (agent calc)" in shown.output
+    approved = invoke("approve", "q", "--store", str(db))
+    assert approved.exit_code != 0
+    assert "run 'q' is queued, not started: nothing waits for a decision" in approved.output
+
+
 def test_wait_on_an_unknown_run_is_a_clear_error(tmp_path: Path):
     db = tmp_path / "runs.db"
     submitted = invoke("submit", "--store", str(db), "--agent", "calc", "--run-id", "known", "x")

@@ -39,11 +39,11 @@ from treadle._text import valid_unicode
 from treadle.actors import stored_events
 from treadle.agent import Agent
 from treadle.approvals import pending_approval
-from treadle.ports import RunIndex, RunStore
+from treadle.ports import RunIndex, RunQueue, RunStore
 from treadle.redaction import Redaction
 from treadle.stores import is_live
 from treadle.supervisors import leases_of
-from treadle.types import Liveness, RunLog, RunStarted, RunState, RunSummary
+from treadle.types import Liveness, RunLog, RunStarted, RunState, RunSummary, Submission
 
 
 @click.command("runs")
@@ -226,11 +226,21 @@ async def read_starts(store_path: str, summaries: Sequence[RunSummary]) -> dict[
 def show(run_id: str, store_path: str, as_json: bool) -> None:
     """Show a run's trajectory as a table (or its events as JSON lines)."""
 
-    async def read() -> RunLog:
+    async def read() -> tuple[RunLog, Submission | None]:
         async with open_store(store_path) as store:
-            return await store.read_log(run_id)
+            log = await store.read_log(run_id)
+            queued = None
+            if not log.records and isinstance(store, RunQueue):
+                queued = await store.read_submission(run_id)
+            return log, queued
 
-    log = run_async(read)
+    log, queued = run_async(read)
+    if queued is not None:  # submitted, no record written yet
+        click.echo(
+            f"run {run_id} is queued (agent {queued.agent}): a worker serving it starts it; "
+            "it has no records yet"
+        )
+        return
     if not log.records:
         raise click.ClickException(f"no run {run_id!r} in {redact(store_path)}")
     # A log written before text entering it was made valid Unicode may hold lone surrogates,

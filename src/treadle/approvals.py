@@ -391,6 +391,8 @@ async def decide(
         raise UsageError("a decision either rejects or edits the arguments, not both")
     controls = _controls(store)
     log = await store.read_log(run_id)
+    if log.started is None and await _queued(store, run_id):
+        raise UsageError(f"run {run_id!r} is queued, not started: nothing waits for a decision")
     _require_unfinished(log)
     request = pending_approval(log)
     if request is None:
