@@ -71,6 +71,7 @@ TREADLE = sorted(
         "StaleWrite",
         "StopReason",
         "StoreError",
+        "StoreRefused",
         "StoreStopped",
         "SyntheticObservations",
         "SystemClock",

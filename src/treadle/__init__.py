@@ -24,6 +24,7 @@ from treadle._exceptions import SchemaTooNew as SchemaTooNew
 from treadle._exceptions import SeamViolation as SeamViolation
 from treadle._exceptions import SnapshotMismatch as SnapshotMismatch
 from treadle._exceptions import StoreError as StoreError
+from treadle._exceptions import StoreRefused as StoreRefused
 from treadle._exceptions import StoreStopped as StoreStopped
 from treadle._exceptions import TreadleError as TreadleError
 from treadle._exceptions import UsageError as UsageError
@@ -201,6 +202,7 @@ __all__ = [
     "StaleWrite",
     "StopReason",
     "StoreError",
+    "StoreRefused",
     "StoreStopped",
     "SyntheticObservations",
     "SystemClock",

@@ -14,6 +14,9 @@
         SchemaTooNew                          a log written by a newer treadle (.version)
         StoreStopped                          the store commits nothing more (its committer
                                               stopped): open it again
+        StoreRefused                          the database refuses the store's statements for
+                                              a reason trying again does not change (a
+                                              privilege the role lacks, a table it dropped)
       LeaseError                              a run's lease says someone else drives it
         RunLeased                             another live driver holds the lease (.holder)
         LeaseLost                             this driver's lease was taken over; write refused
@@ -193,6 +196,15 @@ class StoreStopped(StoreError):
     error); what was acknowledged before is durable. A fleet worker ends with it, so that
     whatever supervises the worker starts it again with a fresh store (docs/fleet.md, "What
     each crash does").
+    """
+
+
+class StoreRefused(StoreError):
+    """The database refuses the store's statements for a reason trying again does not change.
+
+    The store's role lacks a privilege (read-only, revoked), or a table or column it needs
+    is gone. A fleet worker ends with it at its claim instead of trying again for good, so
+    that its supervisor reports it (docs/fleet.md, "What each crash does").
     """
 
 

@@ -548,3 +548,32 @@ async def test_one_runs_failing_write_fails_only_that_run_and_it_can_be_driven_a
         await store.write_intent(intent("bad", 1), seq=2, generation=again.generation)
         log = await store.read_log("bad")
     assert [type(r).__name__ for r in log.records] == ["RunStarted", "ModelIntent"]
+
+
+async def test_a_worker_whose_role_may_not_claim_ends_instead_of_trying_for_good(
+    postgres_dsn: str, postgres_schema: str
+) -> None:
+    """A role without the privileges a claim needs: the worker logged "trying again" every
+    interval for good, alive and doing nothing."""
+    from treadle.testing.scripted import ScriptedModel, say
+
+    def agent() -> treadle.Agent:
+        return treadle.Agent(
+            model=ScriptedModel(turns=[say("hi")]),
+            executor=treadle.Toolbox([]),
+            parser=treadle.NativeToolCallParser(),
+        )
+
+    async with treadle.open_postgres_store(postgres_dsn, schema=postgres_schema) as store:
+        with psycopg.connect(postgres_dsn, autocommit=True) as admin:
+            admin.execute(f"REVOKE UPDATE ON {postgres_schema}.runs FROM CURRENT_USER")
+        with (
+            trio.fail_after(30),
+            pytest.RaisesGroup(
+                pytest.RaisesExc(treadle.StoreRefused, match="permission denied"),
+                flatten_subgroups=True,
+                allow_unwrapped=True,
+            ),
+        ):
+            async with treadle.open_fleet(store, {"calc": agent}, claim_poll_s=0.05):
+                await trio.sleep_forever()

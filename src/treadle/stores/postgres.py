@@ -33,7 +33,14 @@ from typing import Any, Final
 
 import trio
 
-from treadle._exceptions import LogCorrupted, SchemaTooNew, StoreError, TreadleError, UsageError
+from treadle._exceptions import (
+    LogCorrupted,
+    SchemaTooNew,
+    StoreError,
+    StoreRefused,
+    TreadleError,
+    UsageError,
+)
 from treadle._trio_only import require_trio
 from treadle.stores import _sql
 from treadle.stores._dsn import redact_dsn, scrub_password
@@ -216,6 +223,16 @@ def _translate(description: str, exc: BaseException, what: str) -> TreadleError 
     message = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
     if isinstance(exc, psycopg.errors.DataCorrupted | psycopg.errors.IndexCorrupted):
         return LogCorrupted(f"the database is damaged: {message}", where=description, offset=0)
+    errors = psycopg.errors
+    if isinstance(
+        exc,
+        errors.InsufficientPrivilege
+        | errors.UndefinedTable
+        | errors.UndefinedColumn
+        | errors.UndefinedFunction
+        | errors.ReadOnlySqlTransaction,
+    ):
+        return StoreRefused(f"{what} {description}: {message}")
     return StoreError(f"{what} {description}: {message}")
 
 

@@ -28,7 +28,7 @@ import attrs
 import trio
 
 from treadle._clock import Clock, SystemClock
-from treadle._exceptions import ChildPending, LeaseError, StoreStopped, UsageError
+from treadle._exceptions import ChildPending, LeaseError, StoreRefused, StoreStopped, UsageError
 from treadle._ids import check_run_id, new_run_id
 from treadle._text import valid_unicode
 from treadle._trio_only import require_trio
@@ -267,7 +267,7 @@ class Fleet:
                 max_takeovers=self._max_takeovers,
                 backoff_s=self._backoff_s,
             )
-        except StoreStopped as exc:  # nothing can be written through this store object again
+        except (StoreStopped, StoreRefused) as exc:  # trying again changes nothing
             _LOG.error("claiming runs failed for good, the worker ends: %s", exc)
             raise
         except Exception as exc:  # the store is unreachable: try again at the next interval
@@ -467,6 +467,8 @@ async def open_fleet(
             worker claims nothing more and the block ends, its runs cancelled and left to
             other workers (docs/fleet.md, "What each crash does"). Raised out of the block
             wrapped in an exception group, as trio's nurseries raise.
+        StoreRefused: the database refuses the worker's claim for a reason trying again
+            does not change (a privilege its role lacks); the block ends the same way.
 
     Cancellation:
         Cancelling the block cancels every run driven here (they stay resumable; their leases
