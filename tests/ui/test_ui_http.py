@@ -678,3 +678,38 @@ async def test_a_run_gone_while_it_streams_ends_the_stream_with_the_reason():
     assert stream.status_code == 200
     assert [e["event"] for e in events][-1] == "unreadable"
     assert "there is no run 'r'" in json.loads(events[-1]["data"])["message"]
+
+
+class _CountedReads(MemoryStore):
+    """Counts the reads of each run's log."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.reads: dict[str, int] = {}
+
+    async def read_log(self, run_id):
+        self.reads[run_id] = self.reads.get(run_id, 0) + 1
+        return await super().read_log(run_id)
+
+
+async def test_the_runs_list_reads_a_log_again_only_when_its_run_moved():
+    """Every poll of every open list re-read every unfinished run's log whole: twenty tabs on
+    sixty idle runs of 500 steps kept the console busy and no tab got its table."""
+    store = _CountedReads()
+    async with open_run(
+        approval_agent(), "pay", store=store, run_id="r", control_poll_s=0.05
+    ) as handle:
+        await wait_for(handle, RunState.AWAITING_APPROVAL)
+        async with client(store) as http:
+            store.reads.clear()
+            for _ in range(3):
+                listed = await http.get("/")
+                assert listed.status_code == 200 and 'data-run="r"' in listed.text
+            assert store.reads.get("r") == 1  # the run did not move: read once
+            handle.cancel("done")
+            await handle.wait()
+            listed = await http.get("/")
+            assert "cancelled" in listed.text
+            assert store.reads.get("r") == 2  # it moved (finished): read again, once
+            await http.get("/")
+            assert store.reads.get("r") == 2

@@ -217,6 +217,8 @@ class _Console:
         self.env = env
         # finished runs only (they never change): tokens, and the thread or fork text
         self._tokens: dict[str, tuple[int | None, str | None]] = {}
+        # unfinished runs: the same, as of the steps and state their summary showed then
+        self._moving: dict[str, tuple[tuple[int, RunState | None], int | None, str | None]] = {}
 
     async def no_such_run(self, request: Request, exc: Exception) -> Response:
         """A path naming no possible run (docs/concepts.md, "Run ids"): a 404 saying why."""
@@ -312,22 +314,36 @@ class _Console:
         return EventSourceResponse(events(), ping=15)
 
     async def _rows(self) -> list[Row]:
+        """The list's rows, with each run's tokens and thread read from its log.
+
+        A log is read again only when the run's summary shows a new step or state (every
+        tab and every poll share what was read): a list of runs that do not move costs one
+        read of the index, however long their logs.
+        """
         assert isinstance(self.store, RunIndex)
         summaries = await self.store.list_summaries()
         rows = []
         for summary in summaries:
             tokens, thread = self._tokens.get(summary.run_id, (None, None))
             if summary.run_id not in self._tokens and summary.error is None:
-                try:
-                    log = await self.store.read_log(summary.run_id)
-                except StoreError as exc:
-                    # the index summarizes a run whose log fails its read: that row says
-                    # why, the others are listed (as for a log the index cannot read)
-                    summary = attrs.evolve(summary, error=str(exc))
+                seen = (summary.steps, summary.state)
+                known = self._moving.get(summary.run_id)
+                if known is not None and known[0] == seen:
+                    _, tokens, thread = known
                 else:
-                    tokens, thread = _view.run_tokens(log), _view.run_thread(log)
-                    if log.finished is not None:
-                        self._tokens[summary.run_id] = (tokens, thread)
+                    try:
+                        log = await self.store.read_log(summary.run_id)
+                    except StoreError as exc:
+                        # the index summarizes a run whose log fails its read: that row says
+                        # why, the others are listed (as for a log the index cannot read)
+                        summary = attrs.evolve(summary, error=str(exc))
+                    else:
+                        tokens, thread = _view.run_tokens(log), _view.run_thread(log)
+                        if log.finished is not None:
+                            self._tokens[summary.run_id] = (tokens, thread)
+                            self._moving.pop(summary.run_id, None)
+                        else:
+                            self._moving[summary.run_id] = (seen, tokens, thread)
             rows.append(Row(summary, driver_text(summary), tokens, thread))
         return rows
 
