@@ -592,10 +592,8 @@ class _DamagedAfter(MemoryStore):
         return await super().read_log(run_id)
 
 
-async def test_a_log_damaged_while_it_streams_ends_the_stream_with_the_error():
-    """The stream says why it stops (an ``unreadable`` event), rather than breaking off
-    mid-response, which the browser would take for a dropped connection and retry."""
-    store = _DamagedAfter(fail_from=3)
+async def _streamed_while_failing(store: _DamagedAfter) -> list[dict]:
+    """The events of run ``r``'s stream while ``store`` fails its reads from some read on."""
     async with open_run(
         approval_agent(), "pay", store=store, run_id="r", control_poll_s=0.05
     ) as handle:
@@ -606,8 +604,14 @@ async def test_a_log_damaged_while_it_streams_ends_the_stream_with_the_error():
         store.reads = None
         handle.cancel("done")
         await handle.wait()
-    events = sse(stream.text)
     assert stream.status_code == 200
+    return sse(stream.text)
+
+
+async def test_a_log_damaged_while_it_streams_ends_the_stream_with_the_error():
+    """The stream says why it stops (an ``unreadable`` event), rather than breaking off
+    mid-response, which the browser would take for a dropped connection and retry."""
+    events = await _streamed_while_failing(_DamagedAfter(fail_from=3))
     assert [e["event"] for e in events][-1] == "unreadable"
     assert "checksum" in json.loads(events[-1]["data"])["message"]
     assert all(e["event"] == "record" for e in events[:-1]) and events[:-1]
@@ -663,19 +667,7 @@ class _GoneAfter(_DamagedAfter):
 async def test_a_run_gone_while_it_streams_ends_the_stream_with_the_reason():
     """The stream's 404 for a run that no longer exists broke the response mid-stream (an
     ASGI error, the connection cut) instead of ending it with an ``unreadable`` event."""
-    store = _GoneAfter(fail_from=3)
-    async with open_run(
-        approval_agent(), "pay", store=store, run_id="r", control_poll_s=0.05
-    ) as handle:
-        await wait_for(handle, RunState.AWAITING_APPROVAL)
-        store.reads = 0
-        async with client(store, poll_s=0.01) as http:
-            stream = await http.get("/runs/r/events")
-        store.reads = None
-        handle.cancel("done")
-        await handle.wait()
-    events = sse(stream.text)
-    assert stream.status_code == 200
+    events = await _streamed_while_failing(_GoneAfter(fail_from=3))
     assert [e["event"] for e in events][-1] == "unreadable"
     assert "there is no run 'r'" in json.loads(events[-1]["data"])["message"]
 
