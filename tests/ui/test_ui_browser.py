@@ -108,6 +108,17 @@ def find(browser, css):
     return browser.find_element(By.CSS_SELECTOR, css)
 
 
+def clicked(browser, css) -> bool:
+    """Click the element, if it is there: the live list may replace it between find and click."""
+    from selenium.common.exceptions import NoSuchElementException, StaleElementReferenceException
+
+    try:
+        find(browser, css).click()
+    except (NoSuchElementException, StaleElementReferenceException):
+        return False
+    return True
+
+
 def finish(process) -> str:
     """The last line a driver process printed (its run's state) once it exited."""
     out = process.stdout.read()
@@ -229,7 +240,7 @@ def test_a_run_named_rows_opens_as_a_run(browser, console):
 
     trio.run(named_rows)
     browser.get(url)
-    wait(browser, present('#rows tr[data-run="rows"] a')).click()
+    wait(browser, lambda b: clicked(b, '#rows tr[data-run="rows"] a'))
     observation = wait(browser, present("#step-1 pre.observation"))
     assert observation.text == MARKUP
     assert "run finished" in find(browser, "#timeline").text

@@ -705,3 +705,31 @@ async def test_the_runs_list_reads_a_log_again_only_when_its_run_moved():
             assert store.reads.get("r") == 2  # it moved (finished): read again, once
             await http.get("/")
             assert store.reads.get("r") == 2
+
+
+# The console stops reading a body with a file part: httpx's test transport then drops the
+# rest of its own stream, which Python reports as an unfinished async generator.
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
+async def test_an_action_form_holding_a_file_is_refused_unstored():
+    """Another site's page could post a huge file; the console wrote it to a temporary file
+    before it checked the origin. Now it checks first, and a form may hold no file."""
+    store = MemoryStore()
+    async with open_run(
+        approval_agent(), "pay", store=store, run_id="r", control_poll_s=0.05
+    ) as handle:
+        await wait_for(handle, RunState.AWAITING_APPROVAL)
+        async with client(store) as http:
+            form = {"token": TOKEN, "reason": "stop"}
+            built = httpx.Request(
+                "POST", "http://x/", data=form, files={"upload": ("big.bin", b"x" * 4096)}
+            )
+            built.read()
+            with_file = await http.post(
+                "/runs/r/cancel",
+                content=built.content,
+                headers={**SAME, "content-type": built.headers["content-type"]},
+            )
+            assert with_file.status_code == 400, with_file.text
+            assert await read_control(store, "r") == ()  # nothing was written
+        handle.cancel("done")
+        await handle.wait()

@@ -55,6 +55,8 @@ CSP = (
 
 TOKEN_HEADER = "x-treadle-token"
 TOKEN_COOKIE = "treadle_token"
+MAX_FORM_FIELDS = 16
+"""The most fields an action's form may hold (the approval form has six)."""
 
 
 @attrs.frozen
@@ -248,8 +250,19 @@ class _Console:
             raise HTTPException(401, "this console needs its token: open it as /?token=TOKEN")
         return None
 
-    def _check_write(self, request: Request, form: FormData) -> None:
-        """Refuse a state-changing request that is cross-site or lacks the token.
+    async def _form(self, request: Request) -> FormData:
+        """The form of a state-changing request that is same-site and carries the token.
+
+        The origin is checked before the body is read, and the form may hold no file: a
+        page of another site cannot make the console store what it posts.
+        """
+        self._check_origin(request)
+        form = await request.form(max_files=0, max_fields=MAX_FORM_FIELDS)
+        self._check_write(request, form)
+        return form
+
+    def _check_origin(self, request: Request) -> None:
+        """Refuse a state-changing request that is cross-site.
 
         The origin must name the console's own host; its scheme may be ``https`` as well as
         the request's own, since behind a TLS proxy (docs/ui.md, "Safety") the browser's
@@ -266,6 +279,9 @@ class _Console:
         site = request.headers.get("sec-fetch-site")
         if site is not None and site not in ("same-origin", "none"):
             raise HTTPException(403, f"refused: a {site} request")
+
+    def _check_write(self, request: Request, form: FormData) -> None:
+        """Refuse a state-changing request without the console's token (header or form)."""
         token = request.headers.get(TOKEN_HEADER) or form.get("token")
         if not isinstance(token, str) or not self._good(token):
             raise HTTPException(403, "refused: the console's token is missing or wrong")
@@ -470,8 +486,7 @@ class _Console:
 
     async def approve(self, request: Request) -> Response:
         """Approve, reject or edit the call a run waits on (as ``treadle approve``)."""
-        form = await request.form()
-        self._check_write(request, form)
+        form = await self._form(request)
         run_id = _run_id(request)
         # No default: a form sent without its button (Enter in the message box of a browser
         # that submits anyway, a script) must not approve what its author meant to reject.
@@ -499,8 +514,7 @@ class _Console:
 
     async def cancel(self, request: Request) -> Response:
         """Cancel a run (as ``treadle cancel``)."""
-        form = await request.form()
-        self._check_write(request, form)
+        form = await self._form(request)
         run_id = _run_id(request)
         reason = str(form.get("reason", ""))
         try:
