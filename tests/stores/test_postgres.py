@@ -119,6 +119,21 @@ async def test_a_newer_schema_is_refused(postgres_dsn: str, postgres_schema: str
         await PostgresStore.open(postgres_dsn, schema=postgres_schema)
 
 
+@pytest.mark.parametrize("layout", ["1", "0", "-3"])
+async def test_a_layout_no_postgresql_store_had_is_refused(
+    postgres_dsn: str, postgres_schema: str, layout: str
+) -> None:
+    """A meta table changed by hand to an older layout was used as it was."""
+    async with treadle.open_postgres_store(postgres_dsn, schema=postgres_schema):
+        pass
+    with psycopg.connect(postgres_dsn, autocommit=True) as admin:
+        admin.execute(
+            f"UPDATE {postgres_schema}.meta SET value = %s WHERE key = 'layout'", (layout,)
+        )
+    with pytest.raises(treadle.StoreError, match="which no PostgreSQL store had"):
+        await PostgresStore.open(postgres_dsn, schema=postgres_schema)
+
+
 async def test_a_layout_2_schema_is_marked_3_and_its_rows_read_as_written(
     postgres_dsn: str, postgres_schema: str
 ) -> None:

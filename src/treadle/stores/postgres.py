@@ -46,6 +46,9 @@ from treadle.stores import _sql
 from treadle.stores._dsn import redact_dsn, scrub_password
 from treadle.stores._engine import BatchReport, CommitEngine, Write, fail_writes
 
+FIRST_LAYOUT: Final = 2
+"""The first layout of a PostgreSQL store (layout 1 was SQLite's alone)."""
+
 CONNECT_TIMEOUT_S: Final = 10
 """Seconds a connection attempt may take (psycopg's ``connect_timeout``)."""
 
@@ -285,6 +288,11 @@ def _ensure_schema(dialect: PostgresDialect, conn: Any) -> None:
     layout = _sql.layout_of(row[0])
     if layout > _sql.LAYOUT_VERSION:
         raise SchemaTooNew(layout, _sql.LAYOUT_VERSION)
+    if layout < FIRST_LAYOUT:
+        raise StoreError(
+            f"not a readable treadle store: its meta table holds the layout {layout}, which no "
+            f"PostgreSQL store had (the first was {FIRST_LAYOUT}); the table was changed by hand"
+        )
 
 
 def _current_layout(conn: Any) -> int | None:
