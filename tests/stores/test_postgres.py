@@ -215,9 +215,28 @@ def test_a_dsn_is_told_from_a_path_and_its_password_hidden_however_written() -> 
         "postgresql://u:p@hunter22@h/db": "postgresql://u:***@h/db",
         "postgresql://u@h/db?%70assword=hunter22&x=1": "postgresql://u@h/db?%70assword=***&x=1",
         "port=5432 password=hunter22": "port=5432 password=***",
+        # a raw space in an unquoted password: libpq cannot read it; it is hidden whole
+        "host=h password=hun ter22 dbname=d": "host=h password=*** dbname=d",
+        "host=h password='hun ter22' dbname=d": "host=h password=*** dbname=d",
     }
     for dsn, shown in hidden.items():
         assert redact_dsn(dsn) == shown
+
+
+@pytest.mark.parametrize(
+    ("dsn", "said"),
+    [
+        ("host=127.0.0.1 password=hunter22 foo=bar", 'invalid connection option "foo"'),
+        ("host=127.0.0.1 password=hun ter22 dbname=d", 'missing "=" after "***"'),
+        ("postgresql://u:50%off-hunter22@127.0.0.1/d", "in a URL, a '%'"),
+    ],
+)
+async def test_a_dsn_libpq_cannot_read_is_refused_with_its_reason_and_no_password(dsn, said):
+    """A key=value DSN with an unknown keyword got the hint about escaping a URL's password."""
+    with pytest.raises(treadle.UsageError) as info:
+        await PostgresStore.open(dsn, schema="public")
+    assert said in str(info.value)
+    assert "hunter22" not in str(info.value) and "ter22" not in str(info.value)
 
 
 async def test_an_invalid_schema_name_is_refused(postgres_dsn: str) -> None:

@@ -11,7 +11,11 @@ import urllib.parse
 from typing import Final
 
 _SCHEMES: Final = ("postgresql://", "postgres://")
-_KEYWORD: Final = re.compile(r"(\bpassword\s*=\s*)('(?:[^'\\]|\\.)*'|\S+)", re.IGNORECASE)
+_KEYWORD: Final = re.compile(
+    r"(\bpassword\s*=\s*)('(?:[^'\\]|\\.)*'|\S+(?:\s+[^\s=]+(?=\s|$))*)", re.IGNORECASE
+)
+"""A ``password=`` keyword and its value: quoted, or up to the next ``key=`` (a password
+written with a raw space, which libpq cannot read, is hidden whole too)."""
 _LIBPQ_KEYWORDS: Final = frozenset(
     {
         "host",
@@ -67,12 +71,15 @@ def scrub_password(text: str, store: str) -> str:
     """``text`` (a driver's message about ``store``) with each piece of its password hidden.
 
     libpq quotes what it misread of a URL whose password holds a raw ``@`` or ``/`` (as a
-    host name, say): every piece of the password between those characters, 3 characters
-    long or more, is replaced by ``***``.
+    host name, say), or of ``key=value`` keywords whose password holds a raw space (as a
+    keyword): every piece of the password between those characters, 3 characters long or
+    more, is replaced by ``***``.
     """
     parts = _url_parts(store)
     password = parts[2] if parts is not None else None
-    for piece in sorted(re.split(r"[@/]", password or ""), key=len, reverse=True):
+    if parts is None and (keyword := _KEYWORD.search(store)) is not None:
+        password = keyword.group(2).strip("'")
+    for piece in sorted(re.split(r"[@/\s]", password or ""), key=len, reverse=True):
         if len(piece) >= 3:
             text = text.replace(piece, "***")
     return text

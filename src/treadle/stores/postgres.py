@@ -539,11 +539,16 @@ def _check_readable(dsn: str) -> None:
     """
     try:
         _psycopg().conninfo.conninfo_to_dict(dsn)
-    except _psycopg().ProgrammingError:
-        raise UsageError(
-            f"the PostgreSQL DSN {redact_dsn(dsn)} cannot be read: in a URL, a '%', a space, "
-            "a '/' or an '@' in the password is written %25, %20, %2F or %40"
-        ) from None
+    except _psycopg().ProgrammingError as exc:
+        if "://" in dsn:
+            raise UsageError(
+                f"the PostgreSQL DSN {redact_dsn(dsn)} cannot be read: in a URL, a '%', a "
+                "space, a '/' or an '@' in the password is written %25, %20, %2F or %40"
+            ) from None
+        # key=value form: libpq's own words (an unknown keyword, a missing '='), the
+        # password hidden as in every message about the store
+        said = redact_dsn(scrub_password(str(exc).strip().splitlines()[0], dsn))
+        raise UsageError(f"the PostgreSQL DSN {redact_dsn(dsn)} cannot be read: {said}") from None
 
 
 def _check_schema_name(schema: str) -> str:
