@@ -350,6 +350,9 @@ def test_show_and_approve_of_a_queued_run_say_it_is_queued(tmp_path: Path):
     shown = invoke("show", "q", "--store", str(db))
     assert shown.exit_code == 0, shown.output
     assert "run q is queued (agent calc)" in shown.output
+    as_json = invoke("show", "q", "--store", str(db), "--json")
+    assert as_json.exit_code == 0 and as_json.stdout == ""  # no event yet; the note on stderr
+    assert "run q is queued" in as_json.stderr
     approved = invoke("approve", "q", "--store", str(db))
     assert approved.exit_code != 0
     assert "run 'q' is queued, not started: nothing waits for a decision" in approved.output

@@ -299,8 +299,8 @@ def wait_command(
 ) -> None:
     """Wait until a run finished (whoever drives it); exit 0 when it succeeded, else 1.
 
-    Exit 2 when ``--timeout`` passed first. A run that is quarantined (no worker takes it
-    until ``treadle unquarantine``) is said so on stderr, once, and waited for on.
+    Exit 2 when --timeout passed first. A run that is quarantined (no worker takes it
+    until treadle unquarantine) is said so on stderr, once, and waited for on.
     """
 
     async def go() -> RunResult | None:

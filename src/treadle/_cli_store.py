@@ -235,10 +235,11 @@ def show(run_id: str, store_path: str, as_json: bool) -> None:
             return log, queued
 
     log, queued = run_async(read)
-    if queued is not None:  # submitted, no record written yet
+    if queued is not None:  # submitted, no record written yet: no event to print
         click.echo(
             f"run {run_id} is queued (agent {queued.agent}): a worker serving it starts it; "
-            "it has no records yet"
+            "it has no records yet",
+            err=as_json,  # --json: stdout holds events only
         )
         return
     if not log.records:

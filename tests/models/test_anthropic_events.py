@@ -214,3 +214,11 @@ def test_a_delta_of_another_kind_of_block_breaks_the_protocol(block, delta):
     with pytest.raises(ModelCallError) as info:
         acc.add(json.dumps({"type": "content_block_delta", "index": 0, "delta": delta}))
     assert info.value.info.kind == "invalid_response"
+
+
+def test_a_block_index_of_true_is_no_index():
+    acc = MessageAccumulator()
+    acc.add(json.dumps({"type": "message_start", "message": {"id": "m"}}))
+    with pytest.raises(ModelCallError) as info:
+        acc.add(json.dumps({"type": "content_block_start", "index": True, "content_block": TEXT}))
+    assert info.value.info.kind == "invalid_response"

@@ -219,3 +219,15 @@ def test_a_long_line_in_many_reads_is_one_event_as_sent():
         events += decoder.feed(body[start : start + 4096])
     assert [len(e.data) for e in events] == [3_000_000]
     assert decoder.close() is False
+
+
+def test_error_lines_count_toward_the_event_bound_in_bytes():
+    # `error:` lines were kept without a bound, and data was counted in characters
+    decoder = SSEDecoder(max_event_bytes=1000)
+    with pytest.raises(SSEDecodeError, match="an event longer than 1000 bytes"):
+        for _ in range(100):
+            decoder.feed(b"error: " + b"e" * 20 + b"\n")
+    wide = SSEDecoder(max_event_bytes=1000)
+    with pytest.raises(SSEDecodeError, match="an event longer than 1000 bytes"):
+        wide.feed(("data: " + "\u20ac" * 300 + "\n").encode())  # 900 bytes of 3-byte characters
+        wide.feed(("data: " + "\u20ac" * 100 + "\n").encode())

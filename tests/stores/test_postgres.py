@@ -584,11 +584,13 @@ async def test_one_runs_failing_write_fails_only_that_run_and_it_can_be_driven_a
     assert [type(r).__name__ for r in log.records] == ["RunStarted", "ModelIntent"]
 
 
+@pytest.mark.parametrize("revoked", ["UPDATE ON {schema}.runs", "INSERT ON {schema}.records"])
 async def test_a_worker_whose_role_may_not_claim_ends_instead_of_trying_for_good(
-    postgres_dsn: str, postgres_schema: str
+    postgres_dsn: str, postgres_schema: str, revoked: str
 ) -> None:
     """A role without the privileges a claim needs: the worker logged "trying again" every
-    interval for good, alive and doing nothing."""
+    interval for good, alive and doing nothing. One that may claim but not write a run's
+    records took the run over again and again until it was quarantined."""
     from treadle.testing.scripted import ScriptedModel, say
 
     def agent() -> treadle.Agent:
@@ -599,8 +601,9 @@ async def test_a_worker_whose_role_may_not_claim_ends_instead_of_trying_for_good
         )
 
     async with treadle.open_postgres_store(postgres_dsn, schema=postgres_schema) as store:
+        await store.submit("r", agent="calc", input=(Message(role="user", content="hi"),))
         with psycopg.connect(postgres_dsn, autocommit=True) as admin:
-            admin.execute(f"REVOKE UPDATE ON {postgres_schema}.runs FROM CURRENT_USER")
+            admin.execute(f"REVOKE {revoked.format(schema=postgres_schema)} FROM CURRENT_USER")
         with (
             trio.fail_after(30),
             pytest.RaisesGroup(
@@ -611,3 +614,5 @@ async def test_a_worker_whose_role_may_not_claim_ends_instead_of_trying_for_good
         ):
             async with treadle.open_fleet(store, {"calc": agent}, claim_poll_s=0.05):
                 await trio.sleep_forever()
+        summary = await store.read_summary("r")
+    assert summary is not None and summary.takeovers == 0 and summary.quarantined is None

@@ -1387,3 +1387,25 @@ async def test_aclose_flushes_and_later_calls_raise(tmp_path: Path) -> None:
         await store.acquire_lease("r", owner=OWNER, ttl_s=TTL_S)
     async with open_sqlite_store(path) as again:
         assert (await again.read_log("r")).records == (started("r"),)
+
+
+def test_a_write_the_database_refuses_for_good_is_store_refused(tmp_path):
+    """A read-only database (a file or folder the process may not write, a query-only
+    connection) refuses every write the same way: `StoreRefused`, which ends a fleet worker
+    instead of having it take its runs over again and again."""
+    import sqlite3
+
+    import treadle
+    from treadle.stores.sqlite import _translate
+
+    conn = sqlite3.connect(tmp_path / "ro.db")
+    conn.execute("CREATE TABLE t (x)")
+    conn.execute("PRAGMA query_only = 1")
+    with pytest.raises(sqlite3.OperationalError) as info:
+        conn.execute("INSERT INTO t VALUES (1)")
+    conn.close()
+    refused = _translate("ro.db", info.value, "cannot write to")
+    assert isinstance(refused, treadle.StoreRefused) and "readonly" in str(refused)
+    busy = sqlite3.OperationalError("database is locked")
+    busy.sqlite_errorcode = sqlite3.SQLITE_BUSY
+    assert type(_translate("ro.db", busy, "cannot write to")) is treadle.StoreError

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable, Mapping
-from typing import Any, Final
+from typing import Any, Final, TypeGuard
 
 import attrs
 
@@ -114,6 +114,11 @@ _DELTA_BLOCKS: Final = {
 }
 """The block types each delta type belongs to (Anthropic's streaming reference, "Content block
 delta types"): a delta of another block breaks the protocol."""
+
+
+def _is_index(value: object) -> TypeGuard[int]:
+    """Whether ``value`` is a block index: an integer (JSON ``true`` is none)."""
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 @attrs.define(eq=False)
@@ -287,7 +292,7 @@ class MessageAccumulator:
     def _block_start(self, payload: Mapping[str, Any]) -> None:
         index = payload.get("index")
         block = payload.get("content_block")
-        if not isinstance(index, int) or not isinstance(block, Mapping):
+        if not _is_index(index) or not isinstance(block, Mapping):
             raise self.failure("invalid_response", "content_block_start without index or block")
         if index in self._blocks:  # a second block at one index would replace the first
             raise self.failure("invalid_response", f"content_block_start for block {index} twice")
@@ -307,7 +312,7 @@ class MessageAccumulator:
 
     def _block_delta(self, payload: Mapping[str, Any]) -> None:
         index = payload.get("index")
-        held = self._blocks.get(index) if isinstance(index, int) else None
+        held = self._blocks.get(index) if _is_index(index) else None
         delta = payload.get("delta")
         if held is None or not isinstance(delta, Mapping):
             raise self.failure("invalid_response", "content_block_delta for an unknown block")

@@ -178,6 +178,12 @@ class SSEDecoder:
             self.comments += 1
             return None
         name, _, value = line.partition(":")
+        if name in ("data", "error"):  # what an event keeps: bounded, in bytes as read
+            self._data_bytes += len(raw)
+            if self._data_bytes > self.max_event_bytes:
+                raise SSEDecodeError(
+                    f"an event longer than {self.max_event_bytes} bytes, not ended", offset=start
+                )
         self._field(name, value[1:] if value.startswith(" ") else value)
         return None
 
@@ -185,12 +191,6 @@ class SSEDecoder:
         self._pending_fields = True
         if name == "data":
             self._data.append(value)
-            self._data_bytes += len(value) + 1
-            if self._data_bytes > self.max_event_bytes:
-                raise SSEDecodeError(
-                    f"an event longer than {self.max_event_bytes} bytes, not ended",
-                    offset=self._offset,
-                )
         elif name == "event":
             self._event = value
         elif name == "id" and "\0" not in value:

@@ -340,7 +340,8 @@ KEY_START_CHARS = 8
 def _without_key_starts(text: str, key: str) -> str:
     """``text`` with each run of the key's first characters replaced by ``***``.
 
-    A run is at least `KEY_START_CHARS` characters long (the whole key when it is shorter).
+    A run is at least `KEY_START_CHARS` characters long (the whole key when it is shorter),
+    or 3 at the very end of ``text``, where a message cut short inside the key ends.
     """
     least = min(len(key), KEY_START_CHARS)
     head = key[:least]
@@ -352,7 +353,11 @@ def _without_key_starts(text: str, key: str) -> str:
             end += 1
         parts += (text[start:found], "***")
         start = end
-    return "".join(parts) + text[start:] if parts else text
+    text = "".join(parts) + text[start:] if parts else text
+    for size in range(min(len(key), KEY_START_CHARS) - 1, 2, -1):
+        if text.endswith(key[:size]):
+            return text[:-size] + "***"
+    return text
 
 
 def redact_url_secrets(text: str) -> str:

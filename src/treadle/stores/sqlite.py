@@ -40,6 +40,7 @@ from treadle._exceptions import (
     LogCorrupted,
     SchemaTooNew,
     StoreError,
+    StoreRefused,
     TreadleError,
     UsageError,
 )
@@ -202,7 +203,15 @@ def _translate(path: str, exc: BaseException, what: str) -> TreadleError | None:
             where=path,
             offset=None,
         )
+    code = getattr(exc, "sqlite_errorcode", None)
+    if isinstance(code, int) and code & 0xFF in _REFUSALS:  # a read-only file or folder
+        return StoreRefused(f"{what} SQLite store {path}: {text}")
     return StoreError(f"{what} SQLite store {path}: {text}")
+
+
+_REFUSALS: Final = frozenset({sqlite3.SQLITE_READONLY, sqlite3.SQLITE_AUTH, sqlite3.SQLITE_PERM})
+"""SQLite's primary result codes for what trying again does not change (a read-only file,
+a denied access): `treadle.StoreRefused`."""
 
 
 STATEMENT_CACHE: Final = 16
