@@ -77,7 +77,10 @@ from treadle.types import (
 
 __all__ = ["CHILD_CANCEL_GRACE_S", "agent_tool", "child_run_id"]
 
-CHILD_CANCEL_GRACE_S: Final = 0.75 * CANCEL_GRACE_S
+_WINDOW_SHARE: Final = 0.75
+_GRACE_SHARE: Final = 0.5
+
+CHILD_CANCEL_GRACE_S: Final = _WINDOW_SHARE * CANCEL_GRACE_S
 """Seconds a cancelled child run of a top-level run gets to record its cancel and finish
 before its drive is cut (1.5; it then stays unfinished with the cancel in its control stream,
 and finishes ``cancelled`` whenever it is next driven). Three quarters of the parent's grace
@@ -85,9 +88,6 @@ period for a cancelled call (`treadle.actors.CANCEL_GRACE_S`), so the parent wai
 child's ending; the child's own calls get half of it, so the child records its cancel in
 time even when a call of its own ignores the cancellation. Each level of nesting halves both
 (docs/child-runs.md, "Cancellation")."""
-
-_WINDOW_SHARE: Final = CHILD_CANCEL_GRACE_S / CANCEL_GRACE_S
-_GRACE_SHARE: Final = 0.5
 
 _SUFFIX: Final = "/child"
 
