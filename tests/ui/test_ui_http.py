@@ -66,6 +66,16 @@ def sse(text: str) -> list[dict]:
     return events
 
 
+@contextlib.asynccontextmanager
+async def awaiting_approval(store):
+    """Run ``r`` of `approval_agent` driven on ``store``, once it waits on its approval."""
+    async with open_run(
+        approval_agent(), "pay", store=store, run_id="r", control_poll_s=0.05
+    ) as handle:
+        await wait_for(handle, RunState.AWAITING_APPROVAL)
+        yield handle
+
+
 async def test_the_runs_list_shows_each_run_and_filters_them():
     store = await finished_store()
     await treadle.run(markup_agent(), "again", store=store, run_id="other")
@@ -153,10 +163,7 @@ async def test_a_given_token_guards_reads_and_is_kept_in_a_cookie():
 
 async def test_the_approval_form_makes_the_checks_of_treadle_approve():
     store = MemoryStore()
-    async with open_run(
-        approval_agent(), "pay", store=store, run_id="r", control_poll_s=0.05
-    ) as handle:
-        await wait_for(handle, RunState.AWAITING_APPROVAL)
+    async with awaiting_approval(store) as handle:
         async with client(store) as http:
             page = await http.get("/runs/r")
             assert 'id="approval"' in page.text and "&#34;amount&#34;: 5" in page.text
@@ -204,10 +211,7 @@ async def test_the_approval_form_makes_the_checks_of_treadle_approve():
 
 async def test_the_stream_resumes_after_last_event_id_with_no_gap_and_no_duplicate():
     store = MemoryStore()
-    async with open_run(
-        approval_agent(), "pay", store=store, run_id="r", control_poll_s=0.05
-    ) as handle:
-        await wait_for(handle, RunState.AWAITING_APPROVAL)
+    async with awaiting_approval(store) as handle:
         seen = len((await store.read_log("r")).records)
         assert seen >= 4
         async with client(store, poll_s=0.01) as http, trio.open_nursery() as nursery:
@@ -594,10 +598,7 @@ class _DamagedAfter(MemoryStore):
 
 async def _streamed_while_failing(store: _DamagedAfter) -> list[dict]:
     """The events of run ``r``'s stream while ``store`` fails its reads from some read on."""
-    async with open_run(
-        approval_agent(), "pay", store=store, run_id="r", control_poll_s=0.05
-    ) as handle:
-        await wait_for(handle, RunState.AWAITING_APPROVAL)
+    async with awaiting_approval(store) as handle:
         store.reads = 0
         async with client(store, poll_s=0.01) as http:
             stream = await http.get("/runs/r/events")
@@ -621,10 +622,7 @@ async def test_behind_a_tls_proxy_the_https_origin_of_the_same_host_may_act():
     """docs/ui.md has a shared network served behind TLS: the proxy speaks plain HTTP to the
     console and the browser's Origin says ``https://`` with the same host."""
     store = MemoryStore()
-    async with open_run(
-        approval_agent(), "pay", store=store, run_id="r", control_poll_s=0.05
-    ) as handle:
-        await wait_for(handle, RunState.AWAITING_APPROVAL)
+    async with awaiting_approval(store) as handle:
         async with client(store) as http:
             other_host = await http.post(
                 "/runs/r/cancel",
@@ -688,23 +686,19 @@ async def test_the_runs_list_reads_a_log_again_only_when_its_run_moved():
     """Every poll of every open list re-read every unfinished run's log whole: twenty tabs on
     sixty idle runs of 500 steps kept the console busy and no tab got its table."""
     store = _CountedReads()
-    async with open_run(
-        approval_agent(), "pay", store=store, run_id="r", control_poll_s=0.05
-    ) as handle:
-        await wait_for(handle, RunState.AWAITING_APPROVAL)
-        async with client(store) as http:
-            store.reads.clear()
-            for _ in range(3):
-                listed = await http.get("/")
-                assert listed.status_code == 200 and 'data-run="r"' in listed.text
-            assert store.reads.get("r") == 1  # the run did not move: read once
-            handle.cancel("done")
-            await handle.wait()
+    async with awaiting_approval(store) as handle, client(store) as http:
+        store.reads.clear()
+        for _ in range(3):
             listed = await http.get("/")
-            assert "cancelled" in listed.text
-            assert store.reads.get("r") == 2  # it moved (finished): read again, once
-            await http.get("/")
-            assert store.reads.get("r") == 2
+            assert listed.status_code == 200 and 'data-run="r"' in listed.text
+        assert store.reads.get("r") == 1  # the run did not move: read once
+        handle.cancel("done")
+        await handle.wait()
+        listed = await http.get("/")
+        assert "cancelled" in listed.text
+        assert store.reads.get("r") == 2  # it moved (finished): read again, once
+        await http.get("/")
+        assert store.reads.get("r") == 2
 
 
 # The console stops reading a body with a file part: httpx's test transport then drops the
@@ -714,10 +708,7 @@ async def test_an_action_form_holding_a_file_is_refused_unstored():
     """Another site's page could post a huge file; the console wrote it to a temporary file
     before it checked the origin. Now it checks first, and a form may hold no file."""
     store = MemoryStore()
-    async with open_run(
-        approval_agent(), "pay", store=store, run_id="r", control_poll_s=0.05
-    ) as handle:
-        await wait_for(handle, RunState.AWAITING_APPROVAL)
+    async with awaiting_approval(store) as handle:
         async with client(store) as http:
             form = {"token": TOKEN, "reason": "stop"}
             built = httpx.Request(
