@@ -528,6 +528,11 @@ class _OneRunFails(postgres.PostgresBackend):
     failing = True
     error: type[Exception] = psycopg.errors.DataError
     statements: list[list[str]] = []
+    reconnects = 0
+
+    def _reconnect(self, lost):  # type: ignore[no-untyped-def]
+        type(self).reconnects += 1
+        super()._reconnect(lost)
 
     def _statement(self, groups):  # type: ignore[no-untyped-def]
         ids = sorted(g.run_id for g in groups)
@@ -551,6 +556,7 @@ async def test_one_runs_failing_write_fails_only_that_run_and_it_can_be_driven_a
     monkeypatch.setattr(_OneRunFails, "statements", [])
     monkeypatch.setattr(_OneRunFails, "error", error)
     monkeypatch.setattr(_OneRunFails, "failing", True)
+    monkeypatch.setattr(_OneRunFails, "reconnects", 0)
     async with treadle.open_postgres_store(postgres_dsn, schema=postgres_schema) as store:
         leases = {
             r: await store.acquire_lease(r, owner="w", ttl_s=60) for r in ("slow", "a", "b", "bad")
@@ -572,6 +578,8 @@ async def test_one_runs_failing_write_fails_only_that_run_and_it_can_be_driven_a
                 nursery.start_soon(start, run_id)
         assert any(len(ids) > 1 and "bad" in ids for ids in _OneRunFails.statements)
         assert set(failures) == {"bad"}
+        # the statement's failure left the connection as it was: it was not made again
+        assert _OneRunFails.reconnects == 0
         for run_id in ("slow", "a", "b"):
             assert (await store.read_log(run_id)).started is not None
         # The cause is gone: the same store object drives the failed run again.

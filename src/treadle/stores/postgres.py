@@ -332,7 +332,7 @@ class PostgresBackend(_sql.SqlBackend):
         try:
             committed = self._statement(groups)
         except Exception as exc:
-            if not _lost_connection(exc):
+            if not self._lost(exc):
                 committed = self._each(groups, exc)
             else:
                 committed = self._reconcile(groups, exc)
@@ -354,13 +354,22 @@ class PostgresBackend(_sql.SqlBackend):
             try:
                 committed |= self._statement([group])
             except Exception as exc:
-                if _lost_connection(exc):
+                if self._lost(exc):
                     self._reconnect(exc)
                     if self._committed([group]):
                         committed.add(group.run_id)
                         continue
                 self._fail([group], exc)
         return committed
+
+    def _lost(self, exc: BaseException) -> bool:
+        """Whether ``exc`` cost the committer its connection.
+
+        A statement the server ended (a statement timeout) is an `OperationalError` too, but
+        leaves the connection as it was: no reconnect, and no wait for one.
+        """
+        conn = self._conn
+        return _lost_connection(exc) and bool(conn.closed or getattr(conn, "broken", True))
 
     def _fail(self, groups: Sequence[_sql.RunBatch], exc: Exception) -> None:
         """Fail every write of ``groups`` with the `StoreError` for ``exc`` (or raise it)."""
@@ -398,7 +407,7 @@ class PostgresBackend(_sql.SqlBackend):
         try:
             return committed | self._statement(rest)
         except Exception as exc:
-            if _lost_connection(exc):
+            if self._lost(exc):
                 self._reconnect(exc)
                 committed |= self._committed(rest)
                 rest = [g for g in rest if g.run_id not in committed]
