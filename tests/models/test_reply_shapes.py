@@ -290,3 +290,57 @@ async def test_anthropic_usage_too_large_for_64_bits_still_counts():
         CannedResponse(headers=ANTHROPIC_SSE, chunks=[body]), AnthropicMessagesClient
     )
     assert (reply.usage.input_tokens, reply.usage.output_tokens) == (int(1e23), 7)
+
+
+# --------------------------------------------------------------------------- a stream left open
+
+
+async def _left_open(body: bytes, client_type):
+    """The reply of a server that sends ``body`` and then neither ends the stream nor closes."""
+    response = CannedResponse(headers=SSE, chunks=[body, 3600.0])
+    async with open_loopback_server(canned(response)) as server:
+        base = server.base_url + ("/v1" if client_type is OpenAIChatClient else "")
+        async with client_type(base_url=base, api_key="sk-test", idle_timeout_s=0.3) as client:
+            try:
+                with trio.fail_after(30):
+                    return await client.complete(REQUEST)
+            except ModelCallError as err:
+                return err
+
+
+async def test_a_whole_openai_reply_whose_stream_stays_open_is_taken_at_the_idle_deadline():
+    # The complete reply was thrown away as a timeout, retried, and its tokens paid twice.
+    done = {"id": "c", "choices": [], "usage": {"prompt_tokens": 9, "completion_tokens": 2}}
+    reply = await _left_open(data(chunk({"content": "hi"}, "stop"), done), OpenAIChatClient)
+    assert not isinstance(reply, ModelCallError), reply
+    assert reply.text == "hi" and reply.usage.output_tokens == 2
+    # without the usage chunk, more could still come: a timeout, as before
+    cut = await _left_open(data(chunk({"content": "hi"}, "stop")), OpenAIChatClient)
+    assert isinstance(cut, ModelCallError) and cut.info.kind == "timeout"
+
+
+async def test_a_whole_anthropic_reply_whose_stream_stays_open_is_taken_at_the_idle_deadline():
+    stop = {"type": "message_delta", "delta": {"stop_reason": "end_turn"}}
+    start = {
+        "type": "content_block_start",
+        "index": 0,
+        "content_block": {"type": "text", "text": ""},
+    }
+    delta = {
+        "type": "content_block_delta",
+        "index": 0,
+        "delta": {"type": "text_delta", "text": "hi"},
+    }
+    blocks = [
+        message_start(),
+        event(start),
+        event(delta),
+        event({"type": "content_block_stop", "index": 0}),
+    ]
+    reply = await _left_open(
+        b"".join([*blocks, event({**stop, "usage": {"output_tokens": 3}})]), AnthropicMessagesClient
+    )
+    assert not isinstance(reply, ModelCallError), reply
+    assert reply.text == "hi" and reply.usage.output_tokens == 3
+    cut = await _left_open(b"".join(blocks), AnthropicMessagesClient)
+    assert isinstance(cut, ModelCallError) and cut.info.kind == "timeout"

@@ -262,8 +262,19 @@ class StreamReader(Generic[A]):
         if not scope.cancelled_caught:
             await drain(chunks)
             return acc.reply()
+        if acc.events and self._finished(acc):  # the whole reply came; only the end did not
+            return self._end_of_stream(acc, truncated=decoder.close())
         what = "next read (stream idle)" if acc.events else self.first_event
         raise acc.failure("timeout", f"no {what} in time", retryable=True)
+
+    def _finished(self, acc: A) -> bool:
+        """Whether ``acc`` holds a whole reply, although its stream has not ended.
+
+        A stream that then stays open past the idle deadline is taken as ended, rather than
+        its whole reply thrown away and asked for (and paid for) again (docs/models.md,
+        "What comes back"). No by default.
+        """
+        return False
 
     async def _next_chunk(
         self,

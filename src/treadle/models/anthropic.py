@@ -224,6 +224,10 @@ class AnthropicMessagesClient(StreamReader[MessageAccumulator]):
     def _add_body(self, acc: MessageAccumulator, body: bytes) -> ModelReply:
         return acc.add_message(body)
 
+    def _finished(self, acc: MessageAccumulator) -> bool:
+        """``message_delta`` gave the stop reason: every content block came before it."""
+        return acc.stop_reason is not None
+
     def _end_of_stream(self, acc: MessageAccumulator, *, truncated: bool) -> ModelReply:
         if acc.stop_reason is not None and not truncated:
             return acc.reply()  # message_delta came; only message_stop is missing

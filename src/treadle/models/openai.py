@@ -212,6 +212,13 @@ class OpenAIChatClient(StreamReader[StreamAccumulator]):
     def _add_body(self, acc: StreamAccumulator, body: bytes) -> ModelReply:
         return acc.add_completion(body)
 
+    def _finished(self, acc: StreamAccumulator) -> bool:
+        """Whether a finish reason came, then the usage ``include_usage`` asks for.
+
+        That is all a stream sends before ``[DONE]``.
+        """
+        return acc.finish_reason is not None and acc.usage.output_tokens is not None
+
     def _end_of_stream(self, acc: StreamAccumulator, *, truncated: bool) -> ModelReply:
         if acc.finish_reason is not None and not truncated:
             return acc.reply()
