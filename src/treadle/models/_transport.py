@@ -272,7 +272,7 @@ class StreamReader(Generic[A]):
 
         A stream that then stays open past the idle deadline is taken as ended, rather than
         its whole reply thrown away and asked for (and paid for) again (docs/models.md,
-        "What comes back"). No by default.
+        "Replies, finish reasons, reasoning"). No by default.
         """
         return False
 
