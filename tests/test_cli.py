@@ -543,24 +543,3 @@ def test_show_and_tail_never_pass_terminal_controls_through(tmp_path):
         ]
         assert controls == [] and "\u202e" not in out.output, (command, out.output)
         assert "\\x1b]0;PWNED\\x07" in out.output  # shown, as escapes
-
-
-@pytest.mark.parametrize(
-    ("missing", "said"),
-    [("starlette", "treadle ui needs the ui extra"), ("treadle._ui._app", None)],
-)
-def test_ui_says_the_extra_is_missing_only_when_it_is(tmp_path, monkeypatch, missing, said):
-    """Any ImportError at the console's start was reported as a missing ``ui`` extra, one
-    raised by treadle's own code too (which pip cannot fix)."""
-    import sys
-
-    make_store(tmp_path / "runs.db")
-    for name in ("treadle._ui._app", "treadle._ui._serve"):
-        monkeypatch.delitem(sys.modules, name, raising=False)
-    monkeypatch.setitem(sys.modules, missing, None)  # importing it fails
-    out = CliRunner().invoke(main, ["ui", "--store", str(tmp_path / "runs.db")])
-    assert out.exit_code != 0
-    if said is not None:
-        assert said in out.output
-    else:
-        assert isinstance(out.exception, ImportError) and "ui extra" not in out.output

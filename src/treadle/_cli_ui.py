@@ -14,12 +14,6 @@ import click
 from treadle._cli_common import run_async, store_option
 from treadle._exceptions import raised
 
-UI_PACKAGES = frozenset(
-    {"starlette", "hypercorn", "jinja2", "sse_starlette", "multipart", "python_multipart"}
-)
-"""The top-level modules of the ``ui`` extra (pyproject.toml): only their absence is reported
-as a missing extra; any other import error is treadle's own and is raised as it is."""
-
 TOKEN_ENV = "TREADLE_UI_TOKEN"
 """The environment variable ``--token`` is read from when not given."""
 
@@ -68,9 +62,6 @@ def ui_command(store_path: str, host: str, port: int, token: str | None) -> None
         from treadle._ui._app import Settings
         from treadle._ui._serve import serve
     except ImportError as exc:
-        top = (exc.name or "").partition(".")[0]
-        if top not in UI_PACKAGES:  # not a missing extra: treadle's own import failed
-            raise
         raise click.ClickException(
             f"treadle ui needs the ui extra ({exc.name} is missing): "
             "python3 -m pip install 'treadle[ui]'"
