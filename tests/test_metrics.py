@@ -425,20 +425,14 @@ def test_the_prometheus_output_names_every_metric_once():
         PrometheusOutput(registry=output.registry)
 
 
-class _Tally:
-    """A metrics output that adds up counters by (metric, labels)."""
-
-    def __init__(self) -> None:
-        self.counts: Counter = Counter()
-
-    def add(self, metric, value: float, labels: tuple[str, ...]) -> None:
-        self.counts[(metric.prometheus, labels)] += value
-
-    def set(self, metric, value: float, labels: tuple[str, ...]) -> None:
-        pass
-
-    def observe(self, metric, value: float, labels: tuple[str, ...]) -> None:
-        pass
+def _counted(output, name: str) -> dict[tuple[str, ...], float]:
+    """The samples of counter ``name`` a `PrometheusOutput` holds, by their label values."""
+    return {
+        tuple(sample.labels.values()): sample.value
+        for family in output.registry.collect()
+        for sample in family.samples
+        if sample.name == name
+    }
 
 
 async def test_a_tool_the_run_does_not_have_is_one_series_whatever_its_name():
@@ -456,14 +450,14 @@ async def test_a_tool_the_run_does_not_have_is_one_series_whatever_its_name():
             ]
         ),
     )
-    tally = _Tally()
+    from treadle.sinks.prometheus import PrometheusOutput
+
+    output = PrometheusOutput()
     result = await treadle.run(
-        agent, "1+2?", store=treadle.MemoryStore(), metrics=MetricsRecorder(outputs=(tally,))
+        agent, "1+2?", store=treadle.MemoryStore(), metrics=MetricsRecorder(outputs=(output,))
     )
     assert result.final_answer == "3"
-    tools = {
-        labels: n for (name, labels), n in tally.counts.items() if name == "treadle_tool_calls"
-    }
+    tools = _counted(output, "treadle_tool_calls_total")
     assert tools == {("add", "executed"): 1, (UNKNOWN_TOOL, "not_executed"): 3}
 
 
@@ -482,8 +476,10 @@ class _Broken:
 
 
 async def test_an_output_that_raises_is_logged_and_never_reaches_the_run(tmp_path: Path, caplog):
-    broken, tally = _Broken(), _Tally()
-    recorder = MetricsRecorder(outputs=(broken, tally))
+    from treadle.sinks.prometheus import PrometheusOutput
+
+    broken, output = _Broken(), PrometheusOutput()
+    recorder = MetricsRecorder(outputs=(broken, output))
     async with open_sqlite_store(tmp_path / "runs.db") as store:
         assert recorder.watch(store)  # commit observations fail too
         result = await treadle.run(_agent(), "1+2?", store=store, run_id="m", metrics=recorder)
@@ -491,8 +487,9 @@ async def test_an_output_that_raises_is_logged_and_never_reaches_the_run(tmp_pat
     assert result.state is RunState.SUCCEEDED and result.final_answer == "3"
     assert log.finished is not None and log.finished.state is RunState.SUCCEEDED
     # the output after the broken one got every update
-    assert tally.counts[("treadle_runs_finished", ("succeeded", "final_answer"))] == 1
-    assert tally.counts[("treadle_steps", ())] == 2
+    finished = _counted(output, "treadle_runs_finished_total")
+    assert finished[("succeeded", "final_answer")] == 1
+    assert _counted(output, "treadle_steps_total")[()] == 2
     assert recorder.failures == broken.calls > 2
     logged = [r for r in caplog.records if r.name == "treadle.metrics"]
     assert len(logged) == 1  # its first failure, with the traceback

@@ -268,31 +268,22 @@ async def test_children_with_calls_that_ignore_the_cancel_still_finish_cancelled
 
 async def test_a_childs_records_are_counted_in_the_parents_metrics(store):
     from treadle.metrics import MetricsRecorder
+    from treadle.sinks.prometheus import PrometheusOutput
 
-    class Tally:
-        def __init__(self) -> None:
-            self.counts: dict[tuple[str, tuple[str, ...]], float] = {}
-
-        def add(self, metric, value: float, labels: tuple[str, ...]) -> None:
-            key = (metric.prometheus, labels)
-            self.counts[key] = self.counts.get(key, 0) + value
-
-        def set(self, metric, value: float, labels: tuple[str, ...]) -> None:
-            pass
-
-        def observe(self, metric, value: float, labels: tuple[str, ...]) -> None:
-            pass
-
-    tally = Tally()
-    recorder = MetricsRecorder(outputs=[tally])
+    output = PrometheusOutput()
+    recorder = MetricsRecorder(outputs=[output])
     result = await run(
         parent_agent(store, child_agent()), "go", store=store, run_id="p", metrics=recorder
     )
     assert result.state is RunState.SUCCEEDED
-    steps = sum(v for (name, _), v in tally.counts.items() if name == "treadle_steps")
-    runs = sum(v for (name, _), v in tally.counts.items() if name == "treadle_runs_started")
+    value = output.registry.get_sample_value
+    steps = value("treadle_steps_total")
+    runs = value("treadle_runs_started_total")
     calls = {
-        labels: v for (name, labels), v in tally.counts.items() if name == "treadle_tool_calls"
+        tuple(sample.labels.values()): sample.value
+        for family in output.registry.collect()
+        for sample in family.samples
+        if sample.name == "treadle_tool_calls_total"
     }
     assert runs == 2  # the parent and its child
     assert steps == 4  # two each
