@@ -369,7 +369,7 @@ class PostgresBackend(_sql.SqlBackend):
         leaves the connection as it was: no reconnect, and no wait for one.
         """
         conn = self._conn
-        return _lost_connection(exc) and bool(conn.closed or getattr(conn, "broken", True))
+        return _lost_connection(exc) and bool(conn.closed or conn.broken)
 
     def _fail(self, groups: Sequence[_sql.RunBatch], exc: Exception) -> None:
         """Fail every write of ``groups`` with the `StoreError` for ``exc`` (or raise it)."""

@@ -494,7 +494,7 @@ async def _drive(
                 feed=feed,
                 redaction=redaction,
                 metrics=options.metrics,
-                tools=tool_names(snapshot),
+                tools=tool_names(snapshot) if options.metrics is not None else None,
             )
         )
         client = WriterClient(writer_send)
