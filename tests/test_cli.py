@@ -6,6 +6,7 @@ import re
 import sqlite3
 import subprocess
 import sys
+import types
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -543,3 +544,33 @@ def test_show_and_tail_never_pass_terminal_controls_through(tmp_path):
         ]
         assert controls == [] and "\u202e" not in out.output, (command, out.output)
         assert "\\x1b]0;PWNED\\x07" in out.output  # shown, as escapes
+
+
+class _FailingImport(types.ModuleType):
+    """A stand-in for ``treadle._ui._app`` whose names fail to import, as if ``name`` were
+    missing: no real console module is imported, so nothing can start serving."""
+
+    def __init__(self, name: str | None) -> None:
+        super().__init__("treadle._ui._app")
+        self.missing = name
+
+    def __getattr__(self, attribute: str) -> object:
+        raise ImportError(f"No module named {self.missing!r}", name=self.missing)
+
+
+@pytest.mark.parametrize(
+    ("missing", "extra"),
+    [("starlette", True), ("markupsafe", True), ("treadle._ui._views", False), (None, False)],
+)
+def test_ui_says_the_extra_is_missing_only_when_a_package_is(tmp_path, monkeypatch, missing, extra):
+    """Any ImportError at the console's start was reported as a missing ``ui`` extra, one
+    raised by treadle's own code too (which pip cannot fix)."""
+    make_store(tmp_path / "runs.db")
+    monkeypatch.setitem(sys.modules, "treadle._ui._app", _FailingImport(missing))
+    out = CliRunner().invoke(main, ["ui", "--store", str(tmp_path / "runs.db")])
+    assert out.exit_code != 0
+    if extra:
+        assert f"treadle ui needs the ui extra ({missing} is missing)" in out.output
+    else:
+        assert isinstance(out.exception, ImportError) and out.exception.name == missing
+        assert "ui extra" not in out.output

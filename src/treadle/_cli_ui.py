@@ -62,6 +62,8 @@ def ui_command(store_path: str, host: str, port: int, token: str | None) -> None
         from treadle._ui._app import Settings
         from treadle._ui._serve import serve
     except ImportError as exc:
+        if exc.name is None or exc.name.partition(".")[0] == "treadle":
+            raise  # treadle's own import failed: not a missing package, and pip cannot fix it
         raise click.ClickException(
             f"treadle ui needs the ui extra ({exc.name} is missing): "
             "python3 -m pip install 'treadle[ui]'"
