@@ -673,6 +673,10 @@ class Limits:
             whole attempt.
         max_model_retries: retries of one model call after its first attempt.
         retry_initial_s / retry_max_s: exponential backoff bounds (jitter added).
+        retry_after_max_s: the longest server-directed wait (``Retry-After``) slept before a
+            retry; a server asking for longer ends the model call with its error at once
+            (docs/models.md, "Errors and retryability"). ``None``: any wait the time budget
+            allows.
         invalid_decisions: consecutive unparseable replies that end the run.
         max_observation_chars: observations longer than this are cut, as the context
             window cuts (never inside a character or a JSON value) and followed by a
@@ -688,6 +692,7 @@ class Limits:
     max_model_retries: int = 4
     retry_initial_s: float = 0.5
     retry_max_s: float = 30.0
+    retry_after_max_s: float | None = 600.0
     invalid_decisions: int = 3
     max_observation_chars: int | None = 20_000
 
@@ -705,7 +710,7 @@ class Limits:
             self,
             counts=("max_model_retries", "invalid_decisions", "max_observation_chars"),
             seconds=_LIMIT_SECONDS,
-            unlimited=("max_observation_chars",),
+            unlimited=("max_observation_chars", "retry_after_max_s"),
         )
         for name in _LIMIT_DEADLINES:
             if getattr(self, name) == 0:

@@ -49,7 +49,7 @@ def _gateway(
     model: ModelClient,
     budgets: Budgets | None = None,
     image_source: ImageSource | None = None,
-    **limits: float,
+    **limits: float | None,
 ) -> ModelGateway:
     return ModelGateway(
         run_id="r",
@@ -172,6 +172,26 @@ async def test_a_retry_that_would_outlast_the_step_deadline_is_not_slept(autojum
         outcome = await _call(inbox, StepScope(deadline))
         assert trio.current_time() - before < 1.0
     assert outcome.stop is StopReason.TIME_BUDGET and len(model.requests) == 1
+
+
+@pytest.mark.parametrize(("cap", "slept"), [(600.0, False), (None, True), (3600.0, True)])
+async def test_a_server_directed_wait_past_the_cap_ends_the_call_with_its_error(
+    autojump_clock, cap, slept
+):
+    """Without a time budget, `Retry-After: 99999999` kept a run asleep for three years."""
+    quota = attrs.evolve(RATE_LIMITED, retry_after_s=3600.0)  # an hourly quota spent
+    model = ScriptedModel(turns=[say("ok")], failures={0: [quota]})
+    async with _alone(model, retry_after_max_s=cap) as (inbox, fake):
+        before = trio.current_time()
+        outcome = await _call(inbox)
+        waited = trio.current_time() - before
+    if slept:
+        assert outcome.reply is not None and waited >= 3600.0 and len(model.requests) == 2
+    else:
+        assert outcome.reply is None and outcome.stop is None and outcome.error == quota
+        assert waited < 1.0 and len(model.requests) == 1
+        (result,) = fake.records(ModelResult)
+        assert result.error == quota  # type: ignore[attr-defined]  # the wait it asked for
 
 
 async def test_a_writer_that_fails_before_the_intent_is_durable_fails_the_gateway(autojump_clock):

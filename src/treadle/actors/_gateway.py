@@ -3,7 +3,8 @@
 Every HTTP attempt gets its own durable intent (a barrier written before the request leaves)
 and its own result record, failed attempts included (docs/crash-safety.md, "The write protocol";
 docs/concepts.md, "Budgets"). Retries wait with exponential backoff and jitter, or exactly the
-server's Retry-After; a wait that would outlast the active-time budget is not slept.
+server's Retry-After; a wait that would outlast the active-time budget, or a server-directed
+wait longer than `Limits.retry_after_max_s`, is not slept.
 
 Each attempt runs under the agent's `Limits`: the connect, first-byte and stream-idle deadlines
 are handed to the client in the attempt's `treadle.types.Attempt` (it applies the tighter of
@@ -161,6 +162,8 @@ class ModelGateway:
             wait = result.error.retry_after_s
             if wait is None:
                 wait = backoff_s(failures, self.limits, self.rng)
+            elif self.limits.retry_after_max_s is not None and wait > self.limits.retry_after_max_s:
+                return ModelOutcome(error=result.error, written=tuple(written))
             if trio.current_time() + wait >= message.scope.deadline:
                 return ModelOutcome(stop=StopReason.TIME_BUDGET, written=tuple(written))
             with message.scope.open() as scope:
