@@ -765,3 +765,34 @@ async def test_a_worker_enters_an_agent_block_once_and_leaves_it_when_it_stops()
     plain_name, plain = _agent_factory("calc=test_cli_fleet:calc_agent")
     async with _served({plain_name: plain}) as served:
         assert isinstance(served["calc"](), treadle.Agent)
+
+
+@pytest.mark.parametrize("command", [["runs"], ["show", "r1"], ["wait", "r1"], ["cancel", "r1"]])
+def test_reading_commands_leave_no_tables_in_a_database_without_a_store(
+    postgres_database: str, command: list[str]
+):
+    """`treadle runs --store DSN` created treadle's tables in whatever database it was given."""
+    import psycopg
+
+    def tables() -> int:
+        with psycopg.connect(postgres_database) as conn:
+            row = conn.execute(
+                "SELECT count(*) FROM information_schema.tables WHERE table_schema = 'public'"
+            ).fetchone()
+            assert row is not None
+            return int(row[0])
+
+    out = invoke(*command, "--store", postgres_database)
+    assert out.exit_code == 1, out.output
+    assert "no treadle store in PostgreSQL" in out.output
+    assert "schema 'public' has no treadle tables" in out.output
+    assert tables() == 0
+
+    async def create() -> None:  # a worker, `treadle submit` or the API creates them
+        async with treadle.open_postgres_store(postgres_database):
+            pass
+
+    trio.run(create)
+    assert tables() > 0
+    listed = invoke("runs", "--store", postgres_database)
+    assert listed.exit_code == 0, listed.output

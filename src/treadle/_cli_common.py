@@ -232,8 +232,9 @@ async def open_store(path: str, *, create: bool = False) -> AsyncIterator[RunSto
 
     Args:
         path: the DSN or path.
-        create: make a SQLite store when nothing exists at ``path`` (``treadle worker`` and
-            ``treadle submit`` may start a store; the reading commands never do).
+        create: make a store when nothing exists at ``path`` (``treadle worker`` and
+            ``treadle submit`` may start a store, a PostgreSQL one's tables included; the
+            reading commands never do).
 
     Raises:
         click.ClickException: nothing exists at ``path`` (and ``create`` is false).
@@ -241,7 +242,7 @@ async def open_store(path: str, *, create: bool = False) -> AsyncIterator[RunSto
     if is_dsn(path):
         from treadle.stores.postgres import open_postgres_store
 
-        async with open_postgres_store(path) as postgres:
+        async with open_postgres_store(path, create=create) as postgres:
             yield postgres
     elif await trio.Path(path).is_dir():
         if not create and not await trio.to_thread.run_sync(JsonlStore.is_store, path):

@@ -295,6 +295,29 @@ def _ensure_schema(dialect: PostgresDialect, conn: Any) -> None:
         )
 
 
+def _check_schema(dialect: PostgresDialect, conn: Any) -> None:
+    """Refuse a schema that holds no treadle store, or one laid out by a newer treadle.
+
+    Raises:
+        StoreError: no ``meta`` table (or no layout in it) in the schema.
+        SchemaTooNew: the schema was laid out by a newer treadle.
+    """
+    layout = _current_layout(conn)
+    if layout is None:
+        raise StoreError(
+            f"no treadle store in {dialect.description}: schema {dialect.schema!r} has no "
+            "treadle tables (a worker, `treadle submit` or `treadle.open_postgres_store` "
+            "creates them)"
+        )
+    if layout > _sql.LAYOUT_VERSION:
+        raise SchemaTooNew(layout, _sql.LAYOUT_VERSION)
+    if layout < FIRST_LAYOUT:
+        raise StoreError(
+            f"not a readable treadle store: its meta table holds the layout {layout}, which no "
+            f"PostgreSQL store had (the first was {FIRST_LAYOUT}); the table was changed by hand"
+        )
+
+
 def _current_layout(conn: Any) -> int | None:
     """The schema's layout when its ``meta`` table says; ``None`` when there is none yet."""
     psycopg = _psycopg()
@@ -568,7 +591,7 @@ def _check_schema_name(schema: str) -> str:
     return schema
 
 
-def _open(dsn: str, schema: str) -> tuple[PostgresDialect, Any]:
+def _open(dsn: str, schema: str, create: bool) -> tuple[PostgresDialect, Any]:
     _check_readable(dsn)
     dialect = PostgresDialect(dsn, schema)
     try:
@@ -579,7 +602,10 @@ def _open(dsn: str, schema: str) -> tuple[PostgresDialect, Any]:
             raise
         raise StoreError(scrub_password(str(error), dsn)) from None
     try:
-        _ensure_schema(dialect, conn)
+        if create:
+            _ensure_schema(dialect, conn)
+        else:
+            _check_schema(dialect, conn)
     except BaseException as exc:
         with contextlib.suppress(Exception):
             conn.close()
@@ -605,7 +631,9 @@ class PostgresStore(_sql.SqlStore):
     """
 
     @classmethod
-    async def open(cls, dsn: str, *, schema: str | None = None) -> PostgresStore:
+    async def open(
+        cls, dsn: str, *, schema: str | None = None, create: bool = True
+    ) -> PostgresStore:
         """Connect, create the tables if needed, and start the committer thread.
 
         Args:
@@ -613,19 +641,22 @@ class PostgresStore(_sql.SqlStore):
             schema: the schema holding the tables (created when missing); ``None`` takes the
                 one the DSN's ``options`` name (``-c search_path=NAME``, `schema_of`), else
                 ``public``.
+            create: create the schema and its tables when missing; ``False`` refuses a schema
+                without them instead (reading commands must not leave tables in a database
+                they were pointed at by mistake).
 
         Returns:
             The open store; the caller owns it and must `aclose` it.
 
         Raises:
             StoreError: the server cannot be reached or refuses the connection (the message
-                never holds the password).
+                never holds the password); with ``create=False``, the schema holds no store.
             SchemaTooNew: the schema was laid out by a newer treadle.
             UsageError: an invalid schema name, or psycopg is not installed.
         """
         chosen = _check_schema_name(schema or schema_of(dsn)[0] or DEFAULT_SCHEMA)
         token = trio.lowlevel.current_trio_token()
-        dialect, conn = await trio.to_thread.run_sync(_open, dsn, chosen)
+        dialect, conn = await trio.to_thread.run_sync(_open, dsn, chosen, create)
         pool = _sql.ConnectionPool(dialect.connect)
         engine = CommitEngine(PostgresBackend(dialect, conn, pool), token)
         return cls(dialect, engine, pool)
@@ -633,13 +664,14 @@ class PostgresStore(_sql.SqlStore):
 
 @contextlib.asynccontextmanager
 async def open_postgres_store(
-    dsn: str, *, schema: str | None = None
+    dsn: str, *, schema: str | None = None, create: bool = True
 ) -> AsyncIterator[PostgresStore]:
     """Open a `PostgresStore` for the duration of an ``async with`` block, then `aclose` it.
 
     Args:
         dsn: a libpq connection string or ``postgresql://`` URL.
         schema: the schema holding the tables (see `PostgresStore.open`).
+        create: create the tables when missing (see `PostgresStore.open`).
 
     Yields:
         The open store.
@@ -648,7 +680,7 @@ async def open_postgres_store(
         StoreError: as `PostgresStore.open` and `PostgresStore.aclose`.
     """
     require_trio("treadle.open_postgres_store")
-    store = await PostgresStore.open(dsn, schema=schema)
+    store = await PostgresStore.open(dsn, schema=schema, create=create)
     try:
         yield store
     finally:
