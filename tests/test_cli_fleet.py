@@ -73,6 +73,21 @@ AGENTS_MODULE = textwrap.dedent(
         )
 
 
+    @treadle.tool
+    async def collector() -> str:
+        """The worker process's garbage collector settings."""
+        import gc
+        return f"threshold {gc.get_threshold()[0]}, frozen {gc.get_freeze_count() > 0}"
+
+
+    def gc_probe() -> treadle.Agent:
+        return treadle.Agent(
+            model=ScriptedModel(turns=[call("collector"), say("seen")]),
+            executor=treadle.Toolbox([collector]),
+            parser=treadle.NativeToolCallParser(),
+        )
+
+
     def sleeper() -> treadle.Agent:
         return treadle.Agent(
             model=ScriptedModel(turns=[call("slow", seconds=300), say("woke up")]),
@@ -796,3 +811,18 @@ def test_reading_commands_leave_no_tables_in_a_database_without_a_store(
     assert tables() > 0
     listed = invoke("runs", "--store", postgres_database)
     assert listed.exit_code == 0, listed.output
+
+
+def test_a_worker_tunes_its_collector_for_many_runs(tmp_path: Path):
+    """A worker owns its process: its runs see a young-generation threshold of 10,000 and the
+    import-time objects frozen (docs/performance.md, "Garbage collection")."""
+    db = tmp_path / "runs.db"
+    with worker(tmp_path, db, "probe=gc_probe") as (proc, _):
+        submitted = cli(tmp_path, "submit", "--store", str(db), "--agent", "probe", "gc?")
+        run_id = submitted.stdout.strip()
+        waited = cli(tmp_path, "wait", run_id, "--store", str(db), "--poll", "0.1")
+        assert waited.returncode == 0, waited.stdout + waited.stderr
+        code, _, err = stop(proc)
+    assert code == 0, err
+    (result,) = [r for r in read_log(db, run_id).records if isinstance(r, ActionResult)]
+    assert result.outcome.observation == "threshold 10000, frozen True"
