@@ -194,3 +194,21 @@ def loads_json(data: str | bytes) -> Any:
         return json.loads(data)
     except RecursionError:
         raise ValueError("the JSON nests too deeply to be decoded") from None
+
+
+def require_text(what: str, value: object, *, optional: bool = False) -> None:
+    """Refuse ``value`` unless it is a ``str`` (or ``None`` when ``optional``).
+
+    For text a caller hands to a run's log (a cancel's reason, a rejection's message): the
+    record would be written with a value its decoder refuses, and the log would read as
+    damaged from then on.
+
+    Raises:
+        treadle.UsageError: names ``what`` and the value's type.
+    """
+    if isinstance(value, str) or (optional and value is None):
+        return
+    from treadle._exceptions import UsageError  # (the exceptions module imports types)
+
+    wanted = "a str or None" if optional else "a str"
+    raise UsageError(f"{what} must be {wanted}, not {type(value).__name__} {value!r:.80}")

@@ -25,7 +25,7 @@ from typing import Any, TypeAlias
 from treadle._clock import Clock, SystemClock
 from treadle._exceptions import UsageError
 from treadle._ids import check_run_id
-from treadle._text import loads_json, repaired
+from treadle._text import loads_json, repaired, require_text
 from treadle.parsers import MAX_ARGUMENT_DEPTH, NESTED_TOO_DEEP, argument_problem
 from treadle.policies import ExecutorPolicies
 from treadle.ports import ControlStream, RunQueue, RunStore
@@ -195,10 +195,12 @@ def decision_for(
     under; an edit is checked against its schema of the tool (`check_edit`).
 
     Raises:
-        UsageError: no request is pending, ``call_id`` names another call, both ``reject``
-            and ``edit`` were given, or the edited arguments are not JSON data or do not fit
-            the tool's schema.
+        UsageError: no request is pending, ``call_id`` names another call, ``call_id`` or
+            ``reject`` is not a ``str``, both ``reject`` and ``edit`` were given, or the
+            edited arguments are not JSON data or do not fit the tool's schema.
     """
+    require_text("call_id", call_id, optional=True)
+    require_text("a rejection's message (reject)", reject, optional=True)
     if request is None:
         raise UsageError(f"run {run_id!r} is not waiting for an approval")
     if call_id is not None and call_id != request.call_id:
@@ -330,10 +332,13 @@ async def request_cancel(
     Raises:
         InvalidRunId: not an allowed run id (docs/concepts.md, "Run ids"); nothing is read.
         UsageError: the run does not exist or already finished (terminal states never
-            change), or the store has no control streams.
+            change), ``reason`` or ``canceller`` is not a ``str``, or the store has no
+            control streams.
         StoreError: the write failed.
     """
     check_run_id(run_id)
+    require_text("a cancel's reason", reason)
+    require_text("a cancel's canceller", canceller)
     controls = _controls(store)
     log = await store.read_log(run_id)
     if log.started is not None or not await _queued(store, run_id):
@@ -387,6 +392,8 @@ async def decide(
         StoreError: the write failed.
     """
     check_run_id(run_id)
+    require_text("call_id", call_id, optional=True)
+    require_text("a rejection's message (reject)", reject, optional=True)
     if reject is not None and edit is not None:
         raise UsageError("a decision either rejects or edits the arguments, not both")
     controls = _controls(store)

@@ -18,6 +18,7 @@ import trio
 
 from treadle._clock import Clock, SystemClock
 from treadle._exceptions import RunInterrupted, UsageError
+from treadle._text import require_text
 from treadle.actors import (
     Cancel,
     Control,
@@ -167,11 +168,14 @@ class RunHandle:
         and the run finishes ``cancelled``. A no-op once the run finished (or failed here).
 
         Raises:
-            UsageError: this process stopped driving the run unfinished (drained, or parked
-                away on child runs; `left` says which): nothing here could apply the cancel.
-                Cancel it through the store instead (`treadle.approvals.request_cancel`,
+            UsageError: ``reason`` or ``canceller`` is not a ``str``; or this process stopped
+                driving the run unfinished (drained, or parked away on child runs; `left`
+                says which): nothing here could apply the cancel. Cancel it through the
+                store instead (`treadle.approvals.request_cancel`,
                 ``treadle cancel``), which whoever drives it next applies.
         """
+        require_text("a cancel's reason", reason)
+        require_text("a cancel's canceller", canceller)
         if self._parking is not None:
             self._parking.cancel(reason, canceller, here=True)
         elif self._control is None and self._left is not None and not self._ended_here:

@@ -1,0 +1,83 @@
+"""Values a caller hands the API that are not what it takes.
+
+Each is refused where it is handed over, with a `treadle.UsageError` naming it, and nothing is
+written: a value the log's decoder refuses, once written, made the whole log read as damaged.
+"""
+
+from __future__ import annotations
+
+from contextlib import aclosing
+from pathlib import Path
+
+import pytest
+
+import treadle
+import treadle.approvals
+from treadle.testing.scripted import ScriptedModel, call, say
+from treadle.types import CancelRequested
+
+
+@treadle.tool(requires_approval=True)
+async def refund(order: str) -> str:
+    """Refund an order."""
+    return f"refunded {order}"
+
+
+def refund_agent() -> treadle.Agent:
+    return treadle.Agent(
+        model=ScriptedModel(turns=[call("refund", order="A1"), say("done")]),
+        executor=treadle.Toolbox([refund]),
+        parser=treadle.NativeToolCallParser(),
+    )
+
+
+async def _waiting(handle: treadle.RunHandle) -> None:
+    async with aclosing(handle.events()) as events:
+        async for event in events:
+            if event.kind is treadle.EventKind.APPROVAL_REQUESTED:
+                return
+
+
+@pytest.mark.parametrize("reason", [None, 123, {"a": 1}, b"bytes"])
+async def test_a_cancel_reason_that_is_not_text_is_refused_and_the_log_stays_readable(
+    tmp_path: Path, reason: object
+):
+    async with treadle.open_sqlite_store(tmp_path / "runs.db") as store:
+        async with treadle.open_run(refund_agent(), "go", store=store, run_id="r") as handle:
+            await _waiting(handle)
+            with pytest.raises(treadle.UsageError, match="a cancel's reason must be a str"):
+                handle.cancel(reason)  # type: ignore[arg-type]
+            with pytest.raises(treadle.UsageError, match="a cancel's canceller must be a str"):
+                handle.cancel("stop", canceller=7)  # type: ignore[arg-type]
+            with pytest.raises(treadle.UsageError, match="a cancel's reason must be a str"):
+                await treadle.approvals.request_cancel(store, "r", reason=reason)  # type: ignore[arg-type]
+            handle.cancel("a real reason")
+        result = await handle.wait()
+        log = await store.read_log("r")  # raised LogCorrupted once a bad reason was written
+    assert result.stop_reason is treadle.StopReason.CANCELLED
+    cancels = [r for r in log.records if isinstance(r, CancelRequested)]
+    assert [c.reason for c in cancels] == ["a real reason"]
+
+
+@pytest.mark.parametrize("through", ["handle", "store"])
+async def test_a_rejection_message_that_is_not_text_is_refused_before_anything_is_written(
+    tmp_path: Path, through: str
+):
+    """`decide(reject=42)` wrote the decision, then said another one had been written first;
+    the run applied it anyway. Through the handle, the log read as damaged afterwards."""
+    async with treadle.open_sqlite_store(tmp_path / "runs.db") as store:
+        async with treadle.open_run(refund_agent(), "go", store=store, run_id="r") as handle:
+            await _waiting(handle)
+            with pytest.raises(treadle.UsageError, match=r"a rejection's message \(reject\)"):
+                if through == "handle":
+                    handle.approve(reject=42)  # type: ignore[arg-type]
+                else:
+                    await treadle.approvals.decide(store, "r", reject=42)  # type: ignore[arg-type]
+            assert await treadle.approvals.read_control(store, "r") == ()  # nothing written
+            with pytest.raises(treadle.UsageError, match="call_id must be a str or None"):
+                handle.approve(call_id=1)  # type: ignore[arg-type]
+            handle.approve(reject="no refunds today")
+        result = await handle.wait()
+        log = await store.read_log("r")
+    assert result.stop_reason is treadle.StopReason.FINAL_ANSWER
+    assert "no refunds today" in (log.steps[0].observations[0] or "")
