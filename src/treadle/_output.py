@@ -298,12 +298,48 @@ def _checked_schema(schema: Mapping[str, Any]) -> dict[str, Any]:
         jsonschema.Draft202012Validator.check_schema(plain)
     except jsonschema.SchemaError as exc:
         raise UsageError(f"output_type: not a valid JSON schema: {exc.message}") from exc
+    _check_references(plain)
     if plain.get("type") != "object":
         raise UsageError(
             'output_type: the schema\'s top level must be {"type": "object", ...} (providers '
             "accept no other), got type " + repr(plain.get("type"))
         )
     return dict(plain)
+
+
+def _check_references(schema: dict[str, Any]) -> None:
+    """Refuse a schema with a ``$ref`` (or ``$dynamicRef``) that names nothing inside it.
+
+    `check_schema` passes ``{"$ref": "#/$defs/Missing"}``; validating an answer against it
+    then raised inside the run, interrupting it at every resume. A reference is looked up as
+    the validator would, from the base URI of the subschema holding it (``$id``); a
+    reference outside the schema (a URL) is refused too: nothing is fetched.
+
+    Raises:
+        UsageError: names the reference that does not resolve.
+    """
+    from referencing import Registry
+    from referencing.exceptions import Unresolvable
+    from referencing.jsonschema import DRAFT202012
+
+    def walk(resolver: Any, resource: Any) -> None:
+        contents = resource.contents
+        if isinstance(contents, dict):
+            for keyword in ("$ref", "$dynamicRef"):
+                reference = contents.get(keyword)
+                if isinstance(reference, str):
+                    try:
+                        resolver.lookup(reference)
+                    except Unresolvable as exc:
+                        raise UsageError(
+                            f"output_type: {keyword} {reference!r} names nothing in the "
+                            f"schema ({exc}); a reference must point inside it"
+                        ) from None
+        for sub in resource.subresources():
+            walk(resolver.in_subresource(sub), sub)
+
+    root = DRAFT202012.create_resource(schema)
+    walk(Registry().resolver_with_root(root), root)
 
 
 def is_strict(schema: Mapping[str, Any]) -> bool:

@@ -316,6 +316,18 @@ async def clashing(text: str) -> str:
     [
         ({"type": "array"}, "tool", (), "top level must be"),
         ({"type": "object", "properties": 3}, "tool", (), "not a valid JSON schema"),
+        (  # passed check_schema; the first answer then interrupted the run at every resume
+            {"type": "object", "properties": {"a": {"$ref": "#/$defs/Missing"}}},
+            "native",
+            (),
+            r"\$ref '#/\$defs/Missing' names nothing in the schema",
+        ),
+        (
+            {"type": "object", "anyOf": [{"$ref": "https://example.com/s.json"}]},
+            "tool",
+            (),
+            "a reference must point inside it",
+        ),
         (str, "tool", (), "attrs class or a JSON schema"),
         (Forecast, "sometimes", (), "output_mode must be"),
         (Forecast, "tool", (clashing,), "a tool named 'final_answer'"),
@@ -325,6 +337,21 @@ async def clashing(text: str) -> str:
 def test_unusable_output_types_are_refused_when_the_agent_is_built(output_type, mode, tools, said):
     with pytest.raises(UsageError, match=said):
         agent([], output_type=output_type, mode=mode, tools=tools)
+
+
+def test_references_inside_the_schema_are_accepted():
+    defs = {"Temp": {"type": "number"}}
+    nested = {"$id": "https://example.com/n.json", "$defs": {"Z": {"type": "string"}}}
+    schema = {
+        "type": "object",
+        "properties": {
+            "t": {"$ref": "#/$defs/Temp"},
+            "n": {**nested, "$ref": "#/$defs/Z"},  # resolved from its own $id
+            "again": {"items": {"$ref": "#"}},
+        },
+        "$defs": defs,
+    }
+    assert agent([], output_type=schema).output_type == schema
 
 
 async def test_changing_the_output_type_of_an_unfinished_run_is_a_snapshot_mismatch():
