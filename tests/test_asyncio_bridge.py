@@ -334,6 +334,24 @@ def test_two_starts_of_one_run_at_once_make_one_driver(tmp_path: Path):
     assert result.state is RunState.SUCCEEDED and result.final_answer == "paid"
 
 
+def test_a_start_with_another_input_under_a_run_id_driven_here_is_refused(tmp_path: Path):
+    """It returned the id, and the result of the run started on the first input."""
+
+    async def main():
+        async with open_runs(wire_agent(), store=sqlite(tmp_path / "r.db")) as runs:
+            await runs.start("pay", run_id="w1")
+            await _until(runs, "w1", EventKind.APPROVAL_REQUESTED)  # driven here
+            assert await runs.start("pay", run_id="w1") == "w1"  # the same again: its id
+            assert await runs.start(run_id="w1") == "w1"  # no input: whatever it was
+            with pytest.raises(treadle.UsageError, match="the input differs"):
+                await runs.start("pay twice", run_id="w1")
+            await runs.approve("w1")
+            return await runs.result("w1")
+
+    result = run_asyncio(main)
+    assert result.state is RunState.SUCCEEDED and result.final_answer == "paid"
+
+
 def test_a_cancel_from_asyncio_ends_the_run_cancelled(tmp_path: Path):
     async def main():
         async with open_runs(slow_agent(), store=sqlite(tmp_path / "r.db")) as runs:

@@ -29,6 +29,7 @@ from treadle.types import (
     JSONValue,
     Limits,
     Message,
+    RunStarted,
     SyntheticObservations,
     ToolSpec,
 )
@@ -327,14 +328,20 @@ def input_messages(value: RunInput) -> tuple[Message, ...]:
     """Normalise a run input into messages, oldest first.
 
     Raises:
-        UsageError: an empty input, or an image given as raw bytes instead of an `ImageRef`.
+        UsageError: an input of another type, an empty input, or an image given as raw bytes
+            instead of an `ImageRef`.
     """
     if isinstance(value, str):
         messages: tuple[Message, ...] = (Message(role="user", content=value),)
     elif isinstance(value, Message):
         messages = (value,)
+    elif isinstance(value, Sequence):
+        messages = tuple(value)  # type: ignore[arg-type]  # (a str is taken above)
     else:
-        messages = tuple(value)
+        raise UsageError(
+            "a run's input is a str, a Message or a sequence of Message records, "
+            f"not {type(value).__name__} {value!r:.80}"
+        )
     if not messages:
         raise UsageError("a run needs a non-empty input")
     for message in messages:
@@ -343,3 +350,21 @@ def input_messages(value: RunInput) -> tuple[Message, ...]:
         if any(not isinstance(image, ImageRef) for image in message.images):
             raise UsageError("images enter a run as ImageRef references, never as bytes")
     return messages
+
+
+def check_input(started: RunStarted, input: RunInput | None) -> None:
+    """Refuse ``input`` when it is not the input the run was started with.
+
+    A run id names one run: the same call again resumes it, or returns its result when it
+    finished (docs/concepts.md, "Run ids"); another input under the same id is a mistake.
+
+    Raises:
+        UsageError: the input differs (``None`` means "whatever it was", and passes).
+    """
+    from treadle._text import valid_unicode  # (it imports the record types this module does)
+
+    if input is not None and valid_unicode(input_messages(input))[0] != started.input:
+        raise UsageError(
+            f"run {started.run_id!r}: the input differs from the stored input (a run id names "
+            "one run; give a new run id to start another)"
+        )

@@ -32,7 +32,7 @@ import trio
 from treadle._exceptions import RunLeased, TreadleError, UsageError, raised
 from treadle._ids import check_run_id, new_run_id
 from treadle.actors import stored_events
-from treadle.agent import Agent, RunInput
+from treadle.agent import Agent, RunInput, check_input
 from treadle.approvals import decide, request_cancel
 from treadle.metrics import MetricsRecorder
 from treadle.ports import EventSink, RunIndex, RunStore
@@ -335,6 +335,8 @@ class _Host:
         while (pending := self.starting.get(chosen)) is not None:
             await pending.wait()
         if chosen in self.handles:
+            if input is not None:  # the same run again, not another input under its id
+                await self._check_input(chosen, input)
             return chosen
         ended = self.starting[chosen] = trio.Event()
         try:
@@ -343,6 +345,19 @@ class _Host:
             del self.starting[chosen]
             ended.set()
         return started
+
+    async def _check_input(self, run_id: str, input: RunInput) -> None:
+        """Refuse ``input`` when the run driven here was started on another one.
+
+        As `treadle.open_run` refuses it for a run that is not driven here (docs/concepts.md,
+        "Run ids"). Reads the run's log: this is the path of a repeated start only.
+
+        Raises:
+            UsageError: the input differs from the stored input.
+        """
+        started = (await self.store.read_log(run_id)).started
+        if started is not None:
+            check_input(started, input)
 
     async def _drive(
         self, input: RunInput | None, run_id: str, *, task_status: trio.TaskStatus[str]

@@ -81,3 +81,16 @@ async def test_a_rejection_message_that_is_not_text_is_refused_before_anything_i
         log = await store.read_log("r")
     assert result.stop_reason is treadle.StopReason.FINAL_ANSWER
     assert "no refunds today" in (log.steps[0].observations[0] or "")
+
+
+@pytest.mark.parametrize("given", [5, None, object(), {"role": "user"}])
+async def test_a_run_input_of_another_type_is_refused_before_anything_is_written(given: object):
+    """`treadle.run(agent, 5)` interrupted the run with a TypeError from inside."""
+    store = treadle.MemoryStore()
+    if given is None:  # None is "resume": a run that does not exist cannot be
+        with pytest.raises(treadle.UsageError, match="a new run needs an input"):
+            await treadle.run(refund_agent(), None, store=store, run_id="r")
+    else:
+        with pytest.raises(treadle.UsageError, match="a run's input is a str, a Message"):
+            await treadle.run(refund_agent(), given, store=store, run_id="r")  # type: ignore[arg-type]
+    assert await store.list_runs() == ()

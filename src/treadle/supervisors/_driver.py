@@ -35,7 +35,7 @@ from treadle._exceptions import (
     UsageError,
 )
 from treadle._state import RunView, fold
-from treadle._text import repaired, valid_unicode
+from treadle._text import repaired
 from treadle.actors import (
     CANCEL_GRACE_S,
     AwaitingChildren,
@@ -54,7 +54,14 @@ from treadle.actors import (
     WriterRequest,
     open_mailbox,
 )
-from treadle.agent import Agent, RunInput, input_messages, snapshot_diff, tool_names
+from treadle.agent import (
+    Agent,
+    RunInput,
+    check_input,
+    input_messages,
+    snapshot_diff,
+    tool_names,
+)
 from treadle.approvals import ApprovalPolicy, requires_approval
 from treadle.metrics import MetricsRecorder
 from treadle.ports import ControlStream, EventSink, RunStore
@@ -190,7 +197,7 @@ async def drive_run(
         raise
     if log.finished is not None and log.started is not None:
         try:
-            _check_input(log.started, input)
+            check_input(log.started, input)
         except UsageError:
             await hold.release()
             raise
@@ -746,25 +753,9 @@ def _prepare(
             f"run {log.run_id!r} exists as {stored.describe() if stored else 'a run of its own'},"
             f" not as the {options.lineage.describe()} asked for (another caller started it)"
         )
-    _check_input(started, input)
+    check_input(started, input)
     accepted = _accepted_change(agent, log, started, clock, options, owner)
     return started, fold(log.records), log.steps, accepted
-
-
-def _check_input(started: RunStarted, input: RunInput | None) -> None:
-    """Refuse ``input`` when it is not the input the run was started with.
-
-    A run id names one run: the same call again resumes it, or returns its result when it
-    finished (docs/concepts.md, "Run ids"); another input under the same id is a mistake.
-
-    Raises:
-        UsageError: the input differs (``None`` means "whatever it was", and passes).
-    """
-    if input is not None and valid_unicode(input_messages(input))[0] != started.input:
-        raise UsageError(
-            f"run {started.run_id!r}: the input differs from the stored input (a run id names "
-            "one run; give a new run id to start another)"
-        )
 
 
 def _accepted_change(
