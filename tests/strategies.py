@@ -220,6 +220,7 @@ limits = _build(
     max_model_retries=counts,
     retry_initial_s=seconds,
     retry_max_s=seconds,
+    retry_after_max_s=maybe_seconds,
     invalid_decisions=counts,
     max_observation_chars=maybe_counts,
 )

@@ -36,6 +36,27 @@ from treadle.types import (
 
 _PLAIN = cattrs.Converter()
 
+_SEAM_METHODS: dict[str, tuple[str, ...]] = {
+    "model": ("complete",),
+    "executor": ("tool_specs", "execute"),
+    "parser": ("parse",),
+    "summariser": ("complete",),
+}
+"""The methods an agent's seams are checked for when it is built (the whole Protocols are
+in docs/seams.md; `treadle.testing.contracts` checks what they do)."""
+
+_TEXT_FIELDS: tuple[str, ...] = (
+    "model_name",
+    "system_prompt",
+    "observation_template",
+    "version",
+    "summary_model",
+    "summary_prompt",
+)
+_OPTIONAL_TEXT: frozenset[str] = frozenset(
+    {"system_prompt", "version", "summary_model", "summary_prompt"}
+)
+
 
 @attrs.frozen(kw_only=True)
 class Agent:
@@ -73,8 +94,10 @@ class Agent:
             does, else the tool). Ignored without ``output_type``.
 
     Raises:
-        UsageError: an ``output_type`` or ``output_mode`` that cannot be used (see
-            docs/structured-output.md, "Output types").
+        UsageError: a part of the wrong kind (a seam without its methods, budgets or limits
+            that are not `Budgets` or `Limits`, params that are not JSON data, a text field
+            that is not a ``str``), or an ``output_type`` or ``output_mode`` that cannot be
+            used (see docs/structured-output.md, "Output types").
     """
 
     model: ModelClient
@@ -132,6 +155,47 @@ class Agent:
                 f"{self.margin_tokens} tokens are set aside"
             )
 
+    def _check_parts(self) -> None:
+        """Refuse a part of the wrong kind when the agent is built, not inside its first run.
+
+        A run of an agent with ``model=None`` or ``budgets={...}`` was started, written to the
+        store, and interrupted by an `AttributeError` at its first step, at every resume.
+
+        Raises:
+            UsageError: names the part and what it must be.
+        """
+        for name, methods in _SEAM_METHODS.items():
+            part = getattr(self, name)
+            if part is None and name == "summariser":
+                continue
+            missing = [m for m in methods if not callable(getattr(part, m, None))]
+            if missing:
+                raise UsageError(
+                    f"Agent.{name} must have {' and '.join(f'{m}()' for m in methods)} "
+                    f"(docs/seams.md), not {type(part).__name__} {part!r:.80}"
+                )
+        for name, kind in (
+            ("budgets", Budgets),
+            ("limits", Limits),
+            ("synthetic", SyntheticObservations),
+        ):
+            if not isinstance(getattr(self, name), kind):
+                raise UsageError(
+                    f"Agent.{name} must be a treadle.{kind.__name__}, "
+                    f"not {type(getattr(self, name)).__name__}"
+                )
+        for name in _TEXT_FIELDS:
+            value = getattr(self, name)
+            if not (isinstance(value, str) or (value is None and name in _OPTIONAL_TEXT)):
+                wanted = "a str or None" if name in _OPTIONAL_TEXT else "a str"
+                raise UsageError(f"Agent.{name} must be {wanted}, not {value!r:.80}")
+        if not isinstance(self.params, Mapping):
+            raise UsageError(f"Agent.params must be a mapping, not {type(self.params).__name__}")
+        try:
+            json.dumps(self.params, allow_nan=False)
+        except (TypeError, ValueError) as exc:
+            raise UsageError(f"Agent.params must be JSON data: {exc}") from None
+
     @property
     def margin_tokens(self) -> int:
         """The safety margin in tokens (0 without a context window)."""
@@ -149,6 +213,7 @@ class Agent:
         return self.context_window - (self.max_output_tokens or 0) - self.margin_tokens
 
     def _resolve_output(self) -> OutputSpec | None:
+        self._check_parts()  # the first thing __init__ computes from the parts
         if self.output_type is None:
             return None
         native = getattr(self.model, "native_output", None)

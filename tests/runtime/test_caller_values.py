@@ -94,3 +94,38 @@ async def test_a_run_input_of_another_type_is_refused_before_anything_is_written
         with pytest.raises(treadle.UsageError, match="a run's input is a str, a Message"):
             await treadle.run(refund_agent(), given, store=store, run_id="r")  # type: ignore[arg-type]
     assert await store.list_runs() == ()
+
+
+def _agent(**changed: object) -> treadle.Agent:
+    parts: dict[str, object] = {
+        "model": ScriptedModel(turns=[say("ok")]),
+        "executor": treadle.Toolbox([refund]),
+        "parser": treadle.NativeToolCallParser(),
+    }
+    return treadle.Agent(**{**parts, **changed})  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("changed", "said"),
+    [
+        ({"model": None}, r"Agent.model must have complete\(\)"),
+        ({"executor": [refund]}, r"Agent.executor must have tool_specs\(\) and execute\(\)"),
+        ({"executor": None, "output_type": {"type": "object"}}, "Agent.executor must have"),
+        ({"parser": None}, r"Agent.parser must have parse\(\)"),
+        ({"summariser": object()}, r"Agent.summariser must have complete\(\)"),
+        ({"budgets": {"max_steps": 3}}, "Agent.budgets must be a treadle.Budgets, not dict"),
+        ({"limits": None}, "Agent.limits must be a treadle.Limits"),
+        ({"synthetic": "text"}, "Agent.synthetic must be a treadle.SyntheticObservations"),
+        ({"params": {"x": object()}}, "Agent.params must be JSON data"),
+        ({"params": {"t": float("nan")}}, "Agent.params must be JSON data"),
+        ({"params": [("t", 1)]}, "Agent.params must be a mapping"),
+        ({"model_name": 3}, "Agent.model_name must be a str, not 3"),
+        ({"system_prompt": b"be nice"}, "Agent.system_prompt must be a str or None"),
+    ],
+)
+async def test_an_agent_part_of_the_wrong_kind_is_refused_when_it_is_built(changed, said):
+    """Such an agent was built; its first run was written to the store and interrupted by an
+    AttributeError at its first step, at every resume."""
+    with pytest.raises(treadle.UsageError, match=said):
+        _agent(**changed)
+    assert (await treadle.run(_agent(), "go", store=treadle.MemoryStore())).final_answer == "ok"
