@@ -416,6 +416,11 @@ def _check_kind(param: inspect.Parameter, where: str) -> None:
         raise UsageError(f"{where}: argument {param.name!r} is positional-only")
     if param.name.startswith("_"):
         raise UsageError(f"{where}: argument {param.name!r} must not start with '_'")
+    if param.name == "self":  # the arguments' record takes it as its own first parameter
+        raise UsageError(
+            f"{where}: an argument named 'self' is not allowed (a method becomes a tool once "
+            "bound: treadle.tool(instance.method))"
+        )
 
 
 def _is_context(hint: Any, context_type: type) -> bool:

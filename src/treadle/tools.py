@@ -498,7 +498,10 @@ def _not_executed(detail: str) -> ActionOutcome:
 
 
 def _error_text(exc: BaseException) -> str:
-    message = str(exc)
+    try:
+        message = str(exc)
+    except Exception as broken:  # its __str__ raised: the call still failed with it
+        message = f"(its message could not be read: {type(broken).__name__})"
     return f"Error: {type(exc).__name__}: {message}" if message else f"Error: {type(exc).__name__}"
 
 
@@ -512,8 +515,8 @@ def observation_of(result: Any) -> str:
         TypeError, ValueError: the value cannot be written as JSON (a value that holds
             itself, or nests deeper than Python's recursion limit, is a `ValueError`).
     """
-    if isinstance(result, str):
-        return result
+    if isinstance(result, str):  # a subclass as a plain str: its own __str__ is not called
+        return result if type(result) is str else str.__str__(result)
     try:
         data = _RESULTS.unstructure(result)
         return json.dumps(data, ensure_ascii=False, separators=(",", ":"))

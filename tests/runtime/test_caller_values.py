@@ -129,3 +129,74 @@ async def test_an_agent_part_of_the_wrong_kind_is_refused_when_it_is_built(chang
     with pytest.raises(treadle.UsageError, match=said):
         _agent(**changed)
     assert (await treadle.run(_agent(), "go", store=treadle.MemoryStore())).final_answer == "ok"
+
+
+def test_a_tool_argument_named_self_is_refused_with_a_clear_error():
+    """It raised a SyntaxError from the generated arguments record."""
+
+    async def f(self: int) -> int:
+        """A tool whose argument is named self."""
+        return self
+
+    with pytest.raises(treadle.UsageError, match="an argument named 'self' is not allowed"):
+        treadle.tool(f)
+
+
+class _Unprintable(Exception):
+    def __str__(self) -> str:
+        raise RuntimeError("str fails")
+
+
+class _UnprintableText(str):
+    def __str__(self) -> str:
+        raise RuntimeError("str fails")
+
+
+@treadle.tool
+async def unprintable(fail: bool) -> str:
+    """Raise an exception, or return a text, that cannot be printed."""
+    if fail:
+        raise _Unprintable()
+    return _UnprintableText("the text")
+
+
+@pytest.mark.parametrize(
+    ("fail", "observation"),
+    [
+        (True, "Error: _Unprintable: (its message could not be read: RuntimeError)"),
+        (False, "the text"),
+    ],
+)
+async def test_a_tool_whose_exception_or_text_cannot_be_printed_is_still_executed(
+    fail: bool, observation: str
+):
+    """Such a call interrupted the run, and its resume recorded the outcome as unknown."""
+    agent = treadle.Agent(
+        model=ScriptedModel(turns=[call("unprintable", fail=fail), say("done")]),
+        executor=treadle.Toolbox([unprintable]),
+        parser=treadle.NativeToolCallParser(),
+    )
+    store = treadle.MemoryStore()
+    result = await treadle.run(agent, "go", store=store, run_id="r")
+    assert result.final_answer == "done"
+    (step, _) = (await store.read_log("r")).steps
+    assert step.observations == (observation,)
+
+
+@pytest.mark.parametrize(
+    ("arguments", "said"),
+    [
+        ({"seed": None}, "seed must be an int, not None"),
+        ({"seed": "1"}, "seed must be an int"),
+        ({"seed": 1.5}, "seed must be an int"),
+        ({"seed": True}, "seed must be an int"),
+        ({"seed": 1, "runs": 0}, "runs must be a whole number of 1 or more"),
+        ({"seed": 1, "steps": -1}, "steps must be a whole number of 1 or more"),
+    ],
+)
+def test_a_simulation_needs_a_seed_that_reproduces_it(arguments: dict[str, object], said: str):
+    """`simulate(None)` ran, unseeded: two calls gave two digests and no seed to replay."""
+    from treadle.testing.simulation import simulate
+
+    with pytest.raises(treadle.UsageError, match=said):
+        simulate(**arguments)  # type: ignore[arg-type]

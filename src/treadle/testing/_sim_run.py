@@ -107,7 +107,15 @@ def simulate(
 
     Returns:
         The result, with ``ok`` false and violations listed when an invariant broke.
+
+    Raises:
+        UsageError: ``seed`` is not an int (a seed must reproduce the simulation), or
+            ``runs`` or ``steps`` is not a whole number of 1 or more.
     """
+    for name, value, least in (("seed", seed, None), ("runs", runs, 1), ("steps", steps, 1)):
+        if not isinstance(value, int) or isinstance(value, bool) or (least and value < least):
+            wanted = "an int" if least is None else f"a whole number of {least} or more"
+            raise UsageError(f"simulate: {name} must be {wanted}, not {value!r}")
     plan = plan if plan is not None else FaultPlan.default()
     scenario = scenario if scenario is not None else LedgerScenario(steps=steps)
     trio._core._run._r.seed(seed)  # trio's own scheduling randomness, seeded too
