@@ -42,6 +42,7 @@ from treadle.stores._jsonl_files import (
     read_run_file,
     records_frame,
     run_file_name,
+    write_sidecar,
 )
 from treadle.stores._lines import FrameError, frame, scan_lines, strict_utf8
 from treadle.stores.jsonl import JsonlStore, TornTail, open_jsonl_store
@@ -55,6 +56,7 @@ from treadle.types import (
     ActionStatus,
     CancelRequested,
     DecisionKind,
+    Lease,
     Liveness,
     Message,
     ModelIntent,
@@ -1622,3 +1624,47 @@ async def test_closing_waits_for_a_slow_commit_by_the_wall_clock_not_a_virtual_o
     reopened = await JsonlStore.open(tmp_path / "runs")
     assert (await reopened.read_log("r")).records == (started,)
     await reopened.aclose()
+
+
+async def test_a_finished_run_whose_lease_release_fails_returns_its_result(
+    tmp_path, monkeypatch, caplog
+):
+    """A full disk at the release after run-finished was durable: `treadle.run` raised
+    `RunInterrupted` (a raw `OSError`) for a run whose log says it succeeded."""
+    import treadle
+    import treadle.stores.jsonl as jsonl_module
+    from treadle.testing.scripted import ScriptedModel, say
+
+    written = jsonl_module.write_sidecar
+
+    def full_at_release(path, lease, control_seen, *, durable):
+        if lease.owner == "":  # the release's write
+            raise OSError(errno.ENOSPC, "No space left on device")
+        written(path, lease, control_seen, durable=durable)
+
+    monkeypatch.setattr(jsonl_module, "write_sidecar", full_at_release)
+    agent = treadle.Agent(
+        model=ScriptedModel(turns=[say("done")]),
+        executor=treadle.Toolbox([]),
+        parser=treadle.NativeToolCallParser(),
+    )
+    async with treadle.open_jsonl_store(tmp_path / "runs") as store:
+        result = await treadle.run(agent, "go", store=store, run_id="r1")
+        assert result.state is treadle.RunState.SUCCEEDED and result.final_answer == "done"
+        assert (await store.read_log("r1")).finished is not None
+        again = await treadle.run(agent, "go", store=store, run_id="r1")  # finished: no drive
+        assert again.final_answer == "done"
+    assert "the lease was not released" in caplog.text and "No space left" in caplog.text
+
+
+def test_a_lease_file_that_cannot_be_written_leaves_no_temporary_file(tmp_path, monkeypatch):
+    path = tmp_path / "r.lease"
+    lease = Lease(run_id="r", owner="o", generation=1, expires_at=9.0, heartbeat_at=1.0)
+
+    def full(fd: int) -> None:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(os, "fsync", full)
+    with pytest.raises(OSError, match="No space left"):
+        write_sidecar(str(path), lease, 0, durable=True)
+    assert list(tmp_path.iterdir()) == []

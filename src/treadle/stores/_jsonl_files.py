@@ -15,6 +15,8 @@ docs/decisions/0085-compact-log-records.md (the records in them)::
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import hashlib
 import json
 import os
@@ -704,12 +706,18 @@ def write_sidecar(path: str, lease: Lease, control_seen: int, *, durable: bool) 
     temporary = f"{path}.{os.getpid()}.tmp"
     fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     try:
-        os.write(fd, data)
-        if durable:
-            os.fsync(fd)
-    finally:
-        os.close(fd)
-    os.replace(temporary, path)
+        try:
+            if os.write(fd, data) != len(data):
+                raise OSError(errno.ENOSPC, "the lease file was written in part")
+            if durable:
+                os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(temporary, path)
+    except OSError:
+        with contextlib.suppress(OSError):  # no half-written file left beside the lease
+            os.unlink(temporary)
+        raise
     if durable:
         sync_dir(os.path.dirname(path))
 

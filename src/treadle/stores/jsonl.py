@@ -552,12 +552,18 @@ class JsonlStore(EngineStore):
         """Write ``held``'s sidecar (in a worker thread), one write at a time.
 
         A renewal that comes after the lease was released here writes nothing.
+
+        Raises:
+            StoreError: the sidecar cannot be written (nothing of the write is left behind).
         """
         run_id = held.lease.run_id
         _, sidecar = self._lease_paths(run_id)
         with self._sidecar_lock:
             if released or self._held.get(run_id) is held:
-                write_sidecar(sidecar, held.lease, held.control_seen, durable=durable)
+                try:
+                    write_sidecar(sidecar, held.lease, held.control_seen, durable=durable)
+                except OSError as exc:  # a full disk, say: the lease's heartbeat is not written
+                    raise StoreError(f"cannot write {sidecar}: {exc.strerror or exc}") from exc
 
     async def renew_leases(self, leases: Sequence[Lease], *, ttl_s: float) -> tuple[Lease, ...]:
         """Renew the held leases (their heartbeat in the sidecars); a missing one was lost."""

@@ -235,7 +235,7 @@ async def _finished_before(log: RunLog, agent: Agent, hold: LeaseHold, handle: R
     """
     if log.finished is None:
         return False
-    await hold.release()
+    await hold.release_quietly()  # finished: a lease not released only expires
     handle._finished(RunResult.from_finished(log.finished, output_type=agent.output_type))
     return True
 
@@ -278,8 +278,8 @@ async def _supervise(
                         task_status,
                     )
                 del current
-                if stretch is None:
-                    await hold.release()
+                if stretch is None:  # finished: a failed release is logged, the lease expires
+                    await hold.release_quietly()
                     return
                 if isinstance(stretch, _ChildWait):  # claimable when a child wakes it
                     await hold.release(control_seen=stretch.control_seen)
