@@ -624,3 +624,27 @@ async def test_a_worker_whose_role_may_not_claim_ends_instead_of_trying_for_good
                 await trio.sleep_forever()
         summary = await store.read_summary("r")
     assert summary is not None and summary.takeovers == 0 and summary.quarantined is None
+
+
+async def test_submits_of_one_run_id_at_once_all_return_its_submission(
+    postgres_dsn: str, postgres_schema: str
+) -> None:
+    """Two submits both found no row and both inserted one: the second failed on the unique
+    key (`StoreError`), where submitting the same run again is idempotent (a client retrying
+    a submit whose answer it did not get)."""
+    message = (Message(role="user", content="go"),)
+    async with (
+        treadle.open_postgres_store(postgres_dsn, schema=postgres_schema) as one,
+        treadle.open_postgres_store(postgres_dsn, schema=postgres_schema) as two,
+    ):
+        for attempt in range(25):
+            run_id = f"race-{attempt}"
+            answers: list[object] = []
+
+            async def submit(store: PostgresStore, answers=answers, run_id=run_id) -> None:
+                answers.append(await store.submit(run_id, agent="a", input=message))
+
+            async with trio.open_nursery() as nursery:
+                for store in (one, two, one, two):
+                    nursery.start_soon(submit, store)
+            assert len(answers) == 4 and len({a.submitted_at for a in answers}) == 1  # type: ignore[attr-defined]

@@ -939,8 +939,10 @@ def submit(dialect: SqlDialect, conn: Connection, entry: Submission) -> Submissi
     run_id, agent, input = entry.run_id, entry.agent, entry.input
     with write_transaction(dialect, conn):
         now = dialect.now(conn)
+        # create=True: two submits of one id at once both find no row; the second's INSERT
+        # then waits for the first's and does nothing, and it reads the first's submission.
         row = _locked_row(
-            dialect, conn, run_id, "state, next_seq, agent, submission, submitted_at", create=False
+            dialect, conn, run_id, "state, next_seq, agent, submission, submitted_at", create=True
         )
         if row is not None and (row[0] is not None or row[1] > 1):
             earlier = None
@@ -949,8 +951,6 @@ def submit(dialect: SqlDialect, conn: Connection, entry: Submission) -> Submissi
                     bytes(row[3]), run_id=run_id, agent=row[2], submitted_at=row[4]
                 )
             return _queue.same_submission(run_id, earlier, agent, input)
-        if row is None:
-            conn.execute(dialect.sql("INSERT INTO runs(run_id) VALUES (?)"), (run_id,))
         made = attrs.evolve(entry, submitted_at=now)
         conn.execute(
             dialect.sql(
