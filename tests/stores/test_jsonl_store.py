@@ -1094,6 +1094,31 @@ async def test_a_damaged_run_is_listed_and_summarised_with_its_error(tmp_path: P
         assert (await store.read_log("good")).records
 
 
+@pytest.mark.parametrize("put", ["directory", "fifo", "symlink loop"])
+async def test_a_run_file_that_is_not_a_regular_file_is_listed_as_unreadable(
+    tmp_path: Path, put: str
+) -> None:
+    """A directory or a FIFO in a run file's place was left out of the listing (and reading the
+    FIFO hung); a symbolic link to itself made the whole store unreadable (a raw OSError)."""
+    directory = tmp_path / "runs"
+    await write_run(directory, run_id="good", steps=1)
+    odd = directory / "odd.jsonl"
+    if put == "directory":
+        odd.mkdir()
+    elif put == "fifo":
+        os.mkfifo(odd)
+    else:
+        odd.symlink_to(odd)
+    async with open_jsonl_store(directory, clock=lambda: 2e9) as store:
+        assert sorted(await store.list_runs()) == ["good", "odd"]
+        summaries = {s.run_id: s for s in await store.list_summaries()}
+        assert summaries["odd"].error is not None and summaries["odd"].where == str(odd)
+        assert summaries["good"].error is None
+        with trio.fail_after(10), pytest.raises(StoreError, match=f"cannot read {odd}"):
+            await store.read_log("odd")
+        assert (await store.read_log("good")).records
+
+
 async def test_a_damaged_run_with_a_hashed_file_name_reads_as_damaged(tmp_path: Path) -> None:
     """KNOWN BUG (left failing): the id listed for it does not lead back to its file.
 

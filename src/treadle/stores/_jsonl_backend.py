@@ -36,6 +36,7 @@ from treadle.stores._jsonl_files import (
     file_identity,
     head_of,
     header_frame,
+    open_regular,
     read_run_head,
     records_frame,
 )
@@ -103,11 +104,15 @@ class OsFileOps:
     """`FileOps` on the real filesystem (``os`` calls)."""
 
     def open(self, path: str, *, create: bool) -> int:
-        """Open to read and append; ``create`` uses ``O_CREAT | O_EXCL``."""
-        flags = os.O_RDWR | os.O_APPEND | getattr(os, "O_CLOEXEC", 0)
+        """Open to read and append; ``create`` uses ``O_CREAT | O_EXCL``.
+
+        Raises:
+            OSError: as `treadle.stores._jsonl_files.open_regular` (not a regular file).
+        """
+        flags = os.O_RDWR | os.O_APPEND
         if create:
             flags |= os.O_CREAT | os.O_EXCL
-        return os.open(path, flags, 0o644)
+        return open_regular(path, flags)
 
     def write(self, fd: int, data: bytes | memoryview) -> int:
         """``os.write``."""

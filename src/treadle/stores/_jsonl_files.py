@@ -21,6 +21,7 @@ import hashlib
 import json
 import os
 import re
+import stat as stat_module
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -356,6 +357,29 @@ def file_identity(stat: os.stat_result) -> tuple[int, ...]:
     return (stat.st_dev, stat.st_ino, stat.st_size, stat.st_mtime_ns)
 
 
+def open_regular(path: str, flags: int = os.O_RDONLY, mode: int = 0o644) -> int:
+    """``os.open`` of a store file that must be a regular file (a run or control file).
+
+    Opened without blocking, so that a FIFO put in a run file's place does not hang the
+    reader; anything but a regular file (a directory, a FIFO, a device) is refused.
+
+    Raises:
+        OSError: it cannot be opened, or is not a regular file (``strerror`` says so).
+    """
+    fd = os.open(path, flags | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0), mode)
+    try:
+        regular = stat_module.S_ISREG(os.fstat(fd).st_mode)
+        if regular:
+            os.set_blocking(fd, True)
+    except BaseException:
+        os.close(fd)
+        raise
+    if not regular:
+        os.close(fd)
+        raise OSError(errno.EINVAL, "not a regular file", path)
+    return fd
+
+
 def _read_identified(path: str) -> tuple[bytes | None, tuple[int, ...] | None]:
     """A file's bytes and its identity while they were read (``None``: it changed meanwhile).
 
@@ -363,7 +387,7 @@ def _read_identified(path: str) -> tuple[bytes | None, tuple[int, ...] | None]:
         StoreError: it cannot be read.
     """
     try:
-        with open(path, "rb") as file:
+        with open(open_regular(path), "rb") as file:
             before = file_identity(os.fstat(file.fileno()))
             data = file.read()
             after = file_identity(os.fstat(file.fileno()))
@@ -518,7 +542,7 @@ def probe_run_file(path: str) -> Probe | None:
     """
     name = os.path.basename(path)
     try:
-        with open(path, "rb") as file:
+        with open(open_regular(path), "rb") as file:
             head = _first_lines(file, 2)
             size = os.fstat(file.fileno()).st_size
             tail_at = max(0, size - _CHUNK)
@@ -612,12 +636,13 @@ def _tail_records(path: str, tail: bytes, tail_at: int, run_id: str, version: in
 
 
 def list_run_files(directory: str) -> list[str]:
-    """The names of the run files of ``directory`` (no control, lease or repair files)."""
-    return [
-        entry.name
-        for entry in os.scandir(directory)
-        if _NAME.fullmatch(entry.name) and entry.is_file()
-    ]
+    """The names of the run files of ``directory`` (no control, lease or repair files).
+
+    Every entry named as a run file is listed, whatever it is: one that is not a regular file
+    (a directory, a FIFO, a symbolic link that leads nowhere) is a damaged run, reported when
+    it is read, never left out nor allowed to stop the listing.
+    """
+    return [entry.name for entry in os.scandir(directory) if _NAME.fullmatch(entry.name)]
 
 
 # --------------------------------------------------------------------------- control streams

@@ -79,6 +79,7 @@ from treadle.stores._jsonl_files import (
     list_run_files,
     migrate_v1_control,
     open_directory,
+    open_regular,
     probe_run_file,
     read_control_file,
     read_run_file,
@@ -649,7 +650,7 @@ class JsonlStore(EngineStore):
         path = self._control_path(run_id)
         created = not os.path.exists(path)
         try:
-            fd = os.open(path, os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o644)
+            fd = open_regular(path, os.O_RDWR | os.O_APPEND | os.O_CREAT)
         except OSError as exc:
             raise StoreError(f"cannot open {path}: {exc.strerror or exc}") from exc
         try:
