@@ -258,3 +258,28 @@ async def test_an_observation_over_the_limit_is_cut_between_json_elements_with_a
     assert kept == rows[: len(kept)] and 0 < len(kept) < len(rows)
     whole = len(json.dumps(rows, ensure_ascii=False, separators=(",", ":")))
     assert found.outcome.observation_truncated_chars == whole - len(head)
+
+
+@treadle.tool
+async def take(data: str) -> str:
+    """Take some data."""
+    return "took"
+
+
+@pytest.mark.parametrize("kind", ["sqlite", "jsonl"])
+async def test_a_reply_the_store_cannot_encode_interrupts_the_run_naming_that_cause(tmp_path, kind):
+    """An integer past Python's 4,300 digits (a custom model client can hand one over): the
+    error's message was built from the records' repr, which failed again, so about half the
+    runs reported another actor's `BrokenResourceError` as the cause."""
+    agent_ = agent(ScriptedModel(turns=[call("take", data=10**5000), say("ok")]), take)
+    for attempt in range(6):
+        path = tmp_path / f"{attempt}"
+        opened = (
+            treadle.open_sqlite_store(path.with_suffix(".db"))
+            if kind == "sqlite"
+            else treadle.open_jsonl_store(path)
+        )
+        async with opened as store:
+            with pytest.raises(treadle.UsageError) as info:
+                await treadle.run(agent_, "go", store=store, run_id="r")
+        assert "cannot encode ModelResult (seq 3): ValueError: Exceeds the limit" in str(info.value)

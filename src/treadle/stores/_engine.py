@@ -505,7 +505,12 @@ class CommitEngine:
         try:
             return self._backend.encode(run_id, seq, generation, records)
         except Exception as exc:
-            raise UsageError(f"run {run_id!r}: cannot encode {records!r}: {exc}") from exc
+            # Named by kind and seq, never by repr: a record's repr may be megabytes long,
+            # or fail itself (an integer past Python's 4,300 digits for str()).
+            kinds = ", ".join(f"{type(r).__name__} (seq {seq + i})" for i, r in enumerate(records))
+            raise UsageError(
+                f"run {run_id!r}: cannot encode {kinds}: {type(exc).__name__}: {exc!s:.500}"
+            ) from exc
 
     async def _load(self, run_id: str) -> _RunState:
         head = await trio.to_thread.run_sync(self._backend.load, run_id, limiter=self.workers)
