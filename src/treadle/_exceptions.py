@@ -376,3 +376,25 @@ class LeaseLost(LeaseError):
         self.run_id = run_id
         self.generation = generation
         self.current = current
+
+
+def refusal_in(exc: BaseException) -> StoreRefused | None:
+    """The `StoreRefused` that ``exc`` is or holds (in groups, or as a cause), if any.
+
+    A run's write refused for a privilege its role lacks reaches the drive wrapped (in the
+    run's interruption, in the engine's refusal of the run's later writes): the worker ends
+    on it as on a refused claim, and the run is left to a worker that may write.
+    """
+    seen: set[int] = set()
+    todo: list[BaseException] = [exc]
+    while todo:
+        found = todo.pop()
+        if id(found) in seen:
+            continue
+        seen.add(id(found))
+        if isinstance(found, StoreRefused):
+            return found
+        if isinstance(found, BaseExceptionGroup):
+            todo.extend(found.exceptions)
+        todo.extend(e for e in (found.__cause__, found.__context__) if e is not None)
+    return None

@@ -623,6 +623,15 @@ async def test_a_worker_whose_role_may_not_claim_ends_instead_of_trying_for_good
             async with treadle.open_fleet(store, {"calc": agent}, claim_poll_s=0.05):
                 await trio.sleep_forever()
         summary = await store.read_summary("r")
+        assert summary is not None and summary.takeovers == 0 and summary.quarantined is None
+        # The refused run was released, not left to expire: a claim of it is no takeover.
+        assert summary.lease is None or summary.lease.owner == ""
+        with psycopg.connect(postgres_dsn, autocommit=True) as admin:
+            admin.execute(f"GRANT {revoked.format(schema=postgres_schema)} TO CURRENT_USER")
+        async with treadle.open_fleet(store, {"calc": agent}, claim_poll_s=0.05):
+            result = await treadle.wait_result(store, "r", poll_s=0.05)
+        summary = await store.read_summary("r")
+    assert result.final_answer == "hi"
     assert summary is not None and summary.takeovers == 0 and summary.quarantined is None
 
 

@@ -33,6 +33,7 @@ from treadle._exceptions import (
     SnapshotMismatch,
     StoreError,
     UsageError,
+    refusal_in,
 )
 from treadle._state import RunView, fold
 from treadle._text import repaired
@@ -314,7 +315,9 @@ async def _supervise(
             raise
         error = _interrupted(run_id, exc)
         handle._failed(error)
-        if not isinstance(error, LeaseError):
+        if refusal_in(exc) is not None:  # the database refuses the driver, not the run
+            await hold.release_quietly()  # (its lease expiring would count as a takeover)
+        elif not isinstance(error, LeaseError):
             await hold.release_failed()
         task_status_started_safely(task_status)
     finally:

@@ -28,7 +28,14 @@ import attrs
 import trio
 
 from treadle._clock import Clock, SystemClock
-from treadle._exceptions import ChildPending, LeaseError, StoreRefused, StoreStopped, UsageError
+from treadle._exceptions import (
+    ChildPending,
+    LeaseError,
+    StoreRefused,
+    StoreStopped,
+    UsageError,
+    refusal_in,
+)
 from treadle._ids import check_run_id, new_run_id
 from treadle._text import valid_unicode
 from treadle._trio_only import require_trio
@@ -314,7 +321,7 @@ class Fleet:
             finished = True
         except Exception as exc:  # the run's own error: it is left resumable, others go on
             self._report(run_id, handle, exc)
-            refused = _refusal_in(exc)
+            refused = refusal_in(exc)
             if refused is not None:  # not the run's: the database refuses this worker
                 await hold.release_quietly()
                 _LOG.error("the store refuses this worker's writes, the worker ends: %s", refused)
@@ -357,28 +364,6 @@ class Fleet:
             _LOG.info("run %r: %s", run_id, exc)
         else:
             _LOG.warning("run %r stopped unfinished: %s", run_id, exc)
-
-
-def _refusal_in(exc: BaseException) -> StoreRefused | None:
-    """The `StoreRefused` that ``exc`` is or holds (in groups, or as a cause), if any.
-
-    A run's write refused for a privilege its role lacks reaches the drive wrapped (in the
-    run's interruption, in the engine's refusal of the run's later writes): the worker ends
-    on it as on a refused claim, and the run is left to a worker that may write.
-    """
-    seen: set[int] = set()
-    todo: list[BaseException] = [exc]
-    while todo:
-        found = todo.pop()
-        if id(found) in seen:
-            continue
-        seen.add(id(found))
-        if isinstance(found, StoreRefused):
-            return found
-        if isinstance(found, BaseExceptionGroup):
-            todo.extend(found.exceptions)
-        todo.extend(e for e in (found.__cause__, found.__context__) if e is not None)
-    return None
 
 
 async def wait_result(
