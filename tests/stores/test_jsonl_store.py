@@ -1693,3 +1693,32 @@ def test_a_lease_file_that_cannot_be_written_leaves_no_temporary_file(tmp_path, 
     with pytest.raises(OSError, match="No space left"):
         write_sidecar(str(path), lease, 0, durable=True)
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("damage", ["lost", "garbage"])
+async def test_a_lost_lease_file_never_starts_the_generations_over(tmp_path: Path, damage: str):
+    """Without its lease file (or with one that does not read), the next holder took
+    generation 1 while the log held generation-2 lines: the generations went backwards."""
+    directory = tmp_path / "runs"
+    async with open_jsonl_store(directory) as store:
+        run = Steps(store, "r")
+        await run.start()
+        await run.next()
+        first = await store.read_lease("r")
+        assert first is not None
+        await store.release_lease(first)
+        second = await store.acquire_lease("r", owner="other", ttl_s=60)
+        run.generation = second.generation
+        await run.next()
+        await store.release_lease(second)
+        sidecar = directory / ".leases" / "r.lease"
+        if damage == "lost":
+            sidecar.unlink()
+        else:
+            sidecar.write_bytes(b"garbage")
+        third = await store.acquire_lease("r", owner="third", ttl_s=60)
+        assert (first.generation, second.generation, third.generation) == (1, 2, 3)
+        run.generation = third.generation
+        await run.next()
+        generations = await store.read_generations("r")
+    assert list(generations) == sorted(generations) and generations[-1] == 3

@@ -60,7 +60,7 @@ from typing import Any, Final, TypeVar
 import attrs
 import trio
 
-from treadle._exceptions import LogCorrupted, RunLeased, StoreError, UsageError
+from treadle._exceptions import LogCorrupted, RunLeased, StoreError, TreadleError, UsageError
 from treadle._ids import check_run_id
 from treadle._trio_only import require_trio
 from treadle.stores import _leases
@@ -322,6 +322,20 @@ class JsonlStore(EngineStore):
             self._backend.remember(path, found)  # its first write here need not read it again
         return RunLog(run_id=run_id, records=found.records)
 
+    def _last_generation(self, run_id: str) -> int:
+        """The highest lease generation in the run's log (0: none), read in a worker thread.
+
+        A lease file lost or damaged (a restored backup, a disk error) must not start the
+        generations over: a new holder's generation stays above every one that wrote.
+
+        A damaged log counts as none (reading the run reports the damage).
+        """
+        try:
+            found = read_run_file(self.run_file(run_id))
+        except TreadleError:  # a damaged log: reading the run reports it, not taking its lease
+            return 0
+        return max(found.generations, default=0)
+
     async def read_generations(self, run_id: str) -> tuple[int, ...]:
         """The lease generation of each record's writer, in seq order (0 for version-1 lines)."""
         await self._engine.settle(run_id)
@@ -535,7 +549,10 @@ class JsonlStore(EngineStore):
         try:
             _lock_or_refuse(fd, run_id, sidecar, now)
             current, seen = read_sidecar(sidecar, run_id)
-            generation = (current.generation if current is not None else 0) + 1
+            last = current.generation if current is not None else 0
+            if last == 0:  # no lease file, or a damaged one: the log says what was written
+                last = self._last_generation(run_id)
+            generation = last + 1
             lease = Lease(
                 run_id=run_id,
                 owner=owner,
