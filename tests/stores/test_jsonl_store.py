@@ -377,7 +377,11 @@ async def test_torn_tail_at_every_byte_offset_of_the_last_line(tmp_path: Path, l
             await store.read_log("r")  # the rewrite is written, not just queued
             assert store.statistics().counters["tails_cut"] == (0 if cut == start else 1)
             assert len(store.torn_tails()) == (0 if cut == start else 1)  # not reported again
-        assert (directory / path.name).read_bytes() == original, cut
+        data = (directory / path.name).read_bytes()
+        assert data[:start] == original[:start], cut
+        # The same line again, by a holder of a generation above every one in the log (the
+        # lease file was not copied: it is taken from the log).
+        assert json.loads(data[start:])["gen"] == json.loads(line)["gen"] + 1, cut
         async with open_jsonl_store(directory) as store:
             assert (await store.read_log("r")).records == tuple(run.written)
             assert store.torn_tails() == ()
@@ -1722,3 +1726,34 @@ async def test_a_lost_lease_file_never_starts_the_generations_over(tmp_path: Pat
         await run.next()
         generations = await store.read_generations("r")
     assert list(generations) == sorted(generations) and generations[-1] == 3
+
+
+async def test_a_run_file_removed_while_the_store_holds_it_fails_the_next_barrier(
+    tmp_path: Path, monkeypatch
+):
+    """The store went on confirming writes, barriers included, into the unlinked file: the run
+    succeeded, and a later drive of its id started it over and paid again."""
+    import treadle
+
+    monkeypatch.setattr(_jsonl_backend, "FILE_CHECK_INTERVAL_S", 0.0)  # before every barrier
+    from treadle.testing.scripted import ScriptedModel, call, say
+
+    directory = tmp_path / "runs"
+    payments: list[str] = []
+
+    @treadle.tool
+    async def pay(amount: int) -> str:
+        """Pay."""
+        payments.append("paid")
+        (directory / "r1.jsonl").unlink()  # the file goes while the store holds it open
+        return "paid"
+
+    agent = treadle.Agent(
+        model=ScriptedModel(turns=[call("pay", amount=5), say("done")]),
+        executor=treadle.Toolbox([pay]),
+        parser=treadle.NativeToolCallParser(),
+    )
+    async with open_jsonl_store(directory) as store:
+        with pytest.raises(StoreError, match="removed or replaced while the store held it open"):
+            await treadle.run(agent, "go", store=store, run_id="r1")
+    assert payments == ["paid"]

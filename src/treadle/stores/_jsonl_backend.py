@@ -56,6 +56,12 @@ it the oldest is dropped (a reopen then reads the file's head again). A process 
 many runs unfinished (parked, interrupted, handed to another process) keeps no more."""
 
 
+FILE_CHECK_INTERVAL_S: Final = 0.05
+"""How often (seconds, at most) the committer checks, before a barrier, that a run's file is
+still the file it holds open (docs/crash-safety.md, "What the JSONL store detects"): one
+``stat`` and one ``fstat``."""
+
+
 class FileOps(Protocol):
     """The file operations the committer uses; `OsFileOps` is the real one.
 
@@ -93,6 +99,10 @@ class FileOps(Protocol):
 
     def close(self, fd: int) -> None:
         """Close the fd."""
+        ...
+
+    def same_file(self, fd: int, path: str) -> bool:
+        """Whether ``path`` still names the file open as ``fd`` (not removed nor replaced)."""
         ...
 
 
@@ -148,6 +158,15 @@ class OsFileOps:
         """``os.close``."""
         os.close(fd)
 
+    def same_file(self, fd: int, path: str) -> bool:
+        """Device and inode of ``path`` (``stat``) and of ``fd`` (``fstat``) compared."""
+        try:
+            named = os.stat(path)
+        except FileNotFoundError:
+            return False
+        held = os.fstat(fd)
+        return (named.st_dev, named.st_ino) == (held.st_dev, held.st_ino)
+
 
 @attrs.frozen(kw_only=True)
 class FileHead:
@@ -176,6 +195,8 @@ class _File:
     header: bool
     version: int = FORMAT_VERSION
     dirty: bool = False
+    checked: float = -FILE_CHECK_INTERVAL_S
+    """When (monotonic seconds) the path was last found to name this open file."""
 
 
 @attrs.define(eq=False)
@@ -316,6 +337,8 @@ class JsonlBackend:
         first = group.writes[0]
         try:
             file = self._open(group.path, first)
+            if group.barrier:
+                self._check_identity(file)
             data = b"".join([self._payload(file, w) for w in group.writes])
             if not file.header:
                 data = self._header(first.run_id) + data
@@ -328,6 +351,32 @@ class JsonlBackend:
             fail_writes(group.writes, _store_error(group.path, "cannot append to", exc))
             return None
         return file
+
+    def _check_identity(self, file: _File) -> None:
+        """Refuse to confirm writes into a run file that was removed or replaced meanwhile.
+
+        Appends to an fd whose file was unlinked succeed and sync, and are lost: the run
+        would go on (and a later drive start it over, repeating its tool calls). Checked
+        before a barrier, at most every `FILE_CHECK_INTERVAL_S` per file; the file is closed
+        and the run's writes fail (the engine then refuses the run's later writes here).
+
+        Raises:
+            StoreError: the path names another file, or none.
+        """
+        now = time.monotonic()
+        if now - file.checked < FILE_CHECK_INTERVAL_S:
+            return
+        if self._ops.same_file(file.fd, file.path):
+            file.checked = now
+            return
+        self._files.pop(file.path, None)
+        self._closed_ends.pop(file.path, None)
+        with contextlib.suppress(OSError):
+            self._ops.close(file.fd)
+        raise StoreError(
+            f"{file.path}: the run's file was removed or replaced while the store held it open; "
+            "nothing more of the run is written (docs/crash-safety.md, \"What the JSONL store detects\")"
+        )
 
     @staticmethod
     def _payload(file: _File, write: Write) -> bytes:

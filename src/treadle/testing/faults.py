@@ -324,6 +324,10 @@ class FailingFileOps:
         """Forward."""
         self.inner.close(fd)
 
+    def same_file(self, fd: int, path: str) -> bool:
+        """Forward."""
+        return self.inner.same_file(fd, path)
+
     def _fault(self, error: OSError) -> NoReturn:
         if self.kill:
             os.kill(os.getpid(), signal.SIGKILL)
