@@ -374,8 +374,9 @@ class JsonlBackend:
         with contextlib.suppress(OSError):
             self._ops.close(file.fd)
         raise StoreError(
-            f"{file.path}: the run's file was removed or replaced while the store held it open; "
-            "nothing more of the run is written (docs/crash-safety.md, \"What the JSONL store detects\")"
+            f"{file.path}: the run's file was removed or replaced while the store held it "
+            "open; nothing more of the run is written (docs/crash-safety.md, "
+            '"What the JSONL store detects")'
         )
 
     @staticmethod
