@@ -1409,3 +1409,32 @@ def test_a_write_the_database_refuses_for_good_is_store_refused(tmp_path):
     busy = sqlite3.OperationalError("database is locked")
     busy.sqlite_errorcode = sqlite3.SQLITE_BUSY
     assert type(_translate("ro.db", busy, "cannot write to")) is treadle.StoreError
+
+
+async def test_a_committer_whose_backend_gives_up_stops_with_a_log_line_not_a_traceback(
+    tmp_path: Path, monkeypatch, caplog
+):
+    """A database out of reach past the reconnect window: the committer thread died with a
+    raw "Exception in thread treadle-committer" traceback among the worker's log lines."""
+    import treadle
+    from treadle.testing.scripted import ScriptedModel, say
+
+    printed: list[object] = []
+    monkeypatch.setattr(threading, "excepthook", printed.append)
+    monkeypatch.setattr(sqlite_module.SqliteBackend, "commits_here", False)  # in the thread
+
+    def gone(self: object, batch: object) -> object:
+        raise StoreError("the database could not be reached again in 60 s")
+
+    monkeypatch.setattr(sqlite_module.SqliteBackend, "commit", gone)
+    agent = treadle.Agent(
+        model=ScriptedModel(turns=[say("hi")]),
+        executor=treadle.Toolbox([]),
+        parser=treadle.NativeToolCallParser(),
+    )
+    async with open_sqlite_store(tmp_path / "runs.db") as store:
+        with pytest.raises(StoreError, match="could not be reached again"):
+            await treadle.run(agent, "go", store=store, run_id="r")
+    assert printed == []
+    assert "the committer of the SQLite store" in caplog.text
+    assert "could not be reached again in 60 s" in caplog.text

@@ -31,6 +31,7 @@ next seq is loaded, how a batch is committed and what happens at stop.
 from __future__ import annotations
 
 import contextlib
+import logging
 import queue
 import threading
 import time
@@ -56,6 +57,8 @@ if TYPE_CHECKING:
     from treadle.metrics import MetricsRecorder
 
 _R = TypeVar("_R")
+
+_LOG = logging.getLogger("treadle.stores")
 
 LINGER_S: Final = 0.02
 """Seconds a queued non-barrier write may wait for a barrier to share its batch."""
@@ -928,12 +931,15 @@ class _Committer:
                     report = NOTHING_COMMITTED
                 if stopping:
                     report = _merge(report, self._backend.finish())
-            except BaseException as exc:  # a bug: fail this batch, then stop the thread
+            except BaseException as exc:  # fail this batch, then stop the thread
                 _fail(batch, exc)
                 self._call_soon(self._deliver, batch, NOTHING_COMMITTED)
                 if not stopping:
                     self._finish_quietly()
-                raise
+                if isinstance(exc, StoreError):  # the backend gave up (its database is gone)
+                    _LOG.error("the committer of the %s stops: %s", self._backend.description, exc)
+                    return  # every writer gets the error; it is no bug to print a trace of
+                raise  # a bug: the thread's traceback is printed
             if batch or stopping:
                 self._run_sync_soon(batch, report)
             nap_until = _monotonic() + LINGER_S
