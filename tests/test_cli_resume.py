@@ -486,3 +486,25 @@ def test_runs_lists_damage_in_a_jsonl_files_last_64_kib(tmp_path: Path, damage: 
     assert row["run_id"] == "r" and row["error"] and row["where"] == str(file)
     shown = runner.invoke(main, ["show", "r", "--store", str(path)])
     assert shown.exit_code == 1  # the full read refuses it the same way
+
+
+def test_resume_of_a_queued_run_says_it_is_queued_and_resume_all_counts_them(tmp_path: Path):
+    """`resume` of a queued run said there was no such run, and `resume --all` said every run
+    was finished or driven while queued runs waited for a worker."""
+    path = tmp_path / "runs.db"
+    runner = CliRunner()
+    for run_id in ("q1", "q2"):
+        submitted = runner.invoke(
+            main, ["submit", "--store", str(path), "--agent", "nobody", "--run-id", run_id, "hi"]
+        )
+        assert submitted.exit_code == 0, submitted.output
+    one = runner.invoke(
+        main, ["resume", "q1", "--store", str(path), "--agent", "test_cli_resume:other_agent"]
+    )
+    assert one.exit_code == 1
+    assert "run 'q1' is queued for agent 'nobody', not started" in one.output
+    every = runner.invoke(
+        main, ["resume", "--all", "--store", str(path), "--agent", "test_cli_resume:other_agent"]
+    )
+    assert every.exit_code == 0, every.output
+    assert "is finished or driven (2 runs queued for a worker)" in every.output

@@ -363,7 +363,11 @@ def resume(
                 f"{counted(ended['steps'], 'step')}"
             )
     if resume_all and not logs and not errors and not as_json:
-        click.echo(f"nothing to resume: every run in {redact(store_path)} is finished or driven")
+        queued = run_async(lambda: _queued(store_path))
+        waiting = f" ({counted(queued, 'run')} queued for a worker)" if queued else ""
+        click.echo(
+            f"nothing to resume: every run in {redact(store_path)} is finished or driven{waiting}"
+        )
     if errors:
         for error in errors:
             click.echo(" ".join([*getattr(error, "__notes__", []), str(error)]), err=True)
@@ -392,6 +396,14 @@ async def opened_agent(spec: str) -> AsyncIterator[Agent]:
         yield agent
 
 
+async def _queued(store_path: str) -> int:
+    """How many runs of the store are queued (submitted, not started yet): 0 without a queue."""
+    async with open_store(store_path) as store:
+        if not isinstance(store, RunIndex):
+            return 0
+        return sum(s.liveness is Liveness.QUEUED for s in await store.list_summaries())
+
+
 async def _resume_one(
     store_path: str, agent_spec: str, run_id: str, wait: bool, accept_change: bool
 ) -> RunLog:
@@ -400,6 +412,12 @@ async def _resume_one(
     async with open_store(store_path) as store:
         log = await store.read_log(run_id)
         if not log.records:
+            queued = await store.read_submission(run_id) if isinstance(store, RunQueue) else None
+            if queued is not None:
+                raise click.ClickException(
+                    f"run {run_id!r} is queued for agent {queued.agent!r}, not started: a "
+                    "worker serving that agent starts it (treadle worker)"
+                )
             raise click.ClickException(f"no run {run_id!r} in {redact(store_path)}")
         if log.finished is not None:
             return log  # only reported: its agent is not even opened
