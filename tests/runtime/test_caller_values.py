@@ -200,3 +200,14 @@ def test_a_simulation_needs_a_seed_that_reproduces_it(arguments: dict[str, objec
 
     with pytest.raises(treadle.UsageError, match=said):
         simulate(**arguments)  # type: ignore[arg-type]
+
+
+async def test_approving_a_finished_run_says_it_finished():
+    """It said the run "is being cancelled" of a run that had finished cancelled."""
+    store = treadle.MemoryStore()
+    async with treadle.open_run(refund_agent(), "go", store=store, run_id="r") as handle:
+        await _waiting(handle)
+        handle.cancel("no")
+        await handle.wait()
+        with pytest.raises(treadle.UsageError, match="run 'r' finished cancelled: nothing waits"):
+            handle.approve()

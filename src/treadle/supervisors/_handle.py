@@ -218,6 +218,11 @@ class RunHandle:
                 ``reject`` and ``edit`` were given, or the edit is not JSON data or does not
                 fit the tool's schema (nothing is handed over then).
         """
+        if self._result is not None:
+            raise UsageError(
+                f"run {self.run_id!r} finished {self._result.state.value}: nothing waits for a "
+                "decision"
+            )
         if self._parking is None and self._control is None:
             raise UsageError(f"run {self.run_id!r} is not being driven here")
         request = self._awaited()
