@@ -6,6 +6,7 @@ from __future__ import annotations
 import functools
 import re
 import socket
+import threading
 import time
 
 import psycopg
@@ -657,3 +658,30 @@ async def test_submits_of_one_run_id_at_once_all_return_its_submission(
                 for store in (one, two, one, two):
                     nursery.start_soon(submit, store)
             assert len(answers) == 4 and len({a.submitted_at for a in answers}) == 1  # type: ignore[attr-defined]
+
+
+async def test_a_renewal_passes_over_a_row_kept_locked_and_renews_the_other_leases(
+    postgres_dsn: str, postgres_schema: str
+) -> None:
+    """One run's row locked by another transaction held up the renewal of every lease of the
+    holder until they all expired, and each of its runs was taken over."""
+    async with treadle.open_postgres_store(postgres_dsn, schema=postgres_schema) as store:
+        held = [await store.acquire_lease(r, owner="w", ttl_s=60) for r in ("a", "b", "c")]
+        with psycopg.connect(postgres_dsn) as other:  # a transaction that keeps b locked
+            other.execute(f"SELECT 1 FROM {postgres_schema}.runs WHERE run_id = 'b' FOR UPDATE")
+            # Let go after 10 s whatever happens, so that a renewal that waits for the lock
+            # fails the assertions below instead of hanging the test.
+            letting_go = threading.Timer(10.0, other.rollback)
+            letting_go.start()
+            try:
+                renewed = {x.run_id: x for x in await store.renew_leases(held, ttl_s=60)}
+                assert letting_go.is_alive()  # b was passed over, not waited for
+            finally:
+                letting_go.cancel()
+            assert set(renewed) == {"a", "b", "c"}  # b is still held, not lost
+            assert renewed["b"] == held[1]  # not renewed this time
+            assert renewed["a"].heartbeat_at > held[0].heartbeat_at
+            assert renewed["c"].heartbeat_at > held[2].heartbeat_at
+            other.rollback()
+        again = {x.run_id: x for x in await store.renew_leases(held, ttl_s=60)}
+    assert again["b"].heartbeat_at > held[1].heartbeat_at  # its turn came

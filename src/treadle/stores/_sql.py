@@ -685,17 +685,64 @@ def renew_leases(
 
     The rows are locked in run id order (code point order), as the group commit locks them
     (PostgreSQL): two transactions that take the same row locks in one order cannot deadlock.
+    A row another transaction keeps locked for longer than `RENEW_LOCK_WAIT_MS` (someone's
+    long transaction, not a commit) is passed over: a lease that is still this holder's there
+    is returned as it was, unrenewed this time, and renewed at the next turn. Waiting on one
+    locked row held up every other lease of the holder until they expired, and each of its
+    runs was taken over.
     """
     renewed = []
+    waits = bool(dialect.for_update)  # row locks (PostgreSQL); SQLite locks the whole file
     with write_transaction(dialect, conn, flush=False):
         now = dialect.now(conn)
+        if waits:
+            conn.execute(f"SET LOCAL lock_timeout = '{RENEW_LOCK_WAIT_MS}ms'")
         for held in sorted(leases, key=_by_run):
-            row = _locked_row(dialect, conn, held.run_id, _LEASE_COLUMNS, create=False)
+            row = (
+                _row_unless_kept_locked(dialect, conn, held.run_id)
+                if waits
+                else (_locked_row(dialect, conn, held.run_id, _LEASE_COLUMNS, create=False))
+            )
+            if row is _KEPT_LOCKED:
+                unlocked = conn.execute(
+                    dialect.sql(f"SELECT {_LEASE_COLUMNS} FROM runs WHERE run_id = ?"),
+                    (held.run_id,),
+                ).fetchone()
+                still = _leases.renew(_lease_of(held.run_id, unlocked), held, ttl_s=ttl_s, now=now)
+                if still is not None and held.expires_at > now:
+                    renewed.append(held)  # held still, not renewed this time
+                continue
             fresh = _leases.renew(_lease_of(held.run_id, row), held, ttl_s=ttl_s, now=now)
             if fresh is not None:
                 _set_lease(dialect, conn, fresh)
                 renewed.append(fresh)
     return tuple(renewed)
+
+
+RENEW_LOCK_WAIT_MS: Final = 250
+"""Milliseconds a lease renewal waits for a run's row that another transaction has locked
+(PostgreSQL ``lock_timeout``) before passing it over until its next turn."""
+
+_KEPT_LOCKED: Final = object()
+"""`_row_unless_kept_locked`'s answer for a row that stayed locked."""
+
+
+def _row_unless_kept_locked(dialect: SqlDialect, conn: Connection, run_id: str) -> Any:
+    """The run's lease columns, locked; `_KEPT_LOCKED` when the lock was not had in time.
+
+    Under a savepoint, so that the lock timeout ends only this row's attempt, not the
+    transaction (PostgreSQL, SQLSTATE 55P03).
+    """
+    conn.execute("SAVEPOINT renew_row")
+    try:
+        row = _locked_row(dialect, conn, run_id, _LEASE_COLUMNS, create=False)
+    except Exception as exc:
+        if getattr(exc, "sqlstate", None) != "55P03":  # lock_not_available
+            raise
+        conn.execute("ROLLBACK TO SAVEPOINT renew_row")
+        return _KEPT_LOCKED
+    conn.execute("RELEASE SAVEPOINT renew_row")
+    return row
 
 
 def renew_leases_again_on_deadlock(
