@@ -666,7 +666,9 @@ class LostThenBlip(InterceptingStore):
         return await super().read_lease(run_id)
 
 
-async def test_a_store_error_after_a_lost_renewal_does_not_bring_the_worker_down(autojump_clock):
+async def test_a_store_error_after_a_lost_renewal_does_not_bring_the_worker_down(
+    autojump_clock, caplog
+):
     world, inner = World(), new_store()
     store = LostThenBlip(inner)
     async with fleet(store, {"calc": lambda: world.agent(TWO_STEPS)}) as worker:
@@ -679,6 +681,10 @@ async def test_a_store_error_after_a_lost_renewal_does_not_bring_the_worker_down
         with trio.fail_after(120):
             result = await worker.result("later")
     assert result.stop_reason is StopReason.FINAL_ANSWER
+    # The lost lease is a warning, which `treadle worker` prints (an INFO line it does not).
+    lost = [r for r in caplog.records if r.getMessage().startswith("run 'r': ")]
+    assert lost and all(r.levelname == "WARNING" for r in lost)
+    assert "lease" in lost[0].getMessage()
 
 
 async def test_statistics_count_a_run_cut_at_the_drain_deadline_as_left(autojump_clock):

@@ -360,8 +360,8 @@ class Fleet:
     def _report(self, run_id: str, handle: RunHandle | None, exc: Exception) -> None:
         if handle is not None and handle.left is not None:
             _LOG.info("run %r left %s: it resumes from its log", run_id, handle.left)
-        elif isinstance(exc, LeaseError):
-            _LOG.info("run %r: %s", run_id, exc)
+        elif isinstance(exc, LeaseError):  # another worker took it over: the operator sees it
+            _LOG.warning("run %r: %s", run_id, exc)
         else:
             _LOG.warning("run %r stopped unfinished: %s", run_id, exc)
 
