@@ -375,8 +375,8 @@ class JsonlBackend:
             self._ops.close(file.fd)
         raise StoreError(
             f"{file.path}: the run's file was removed or replaced while the store held it "
-            "open; nothing more of the run is written (docs/crash-safety.md, "
-            '"What the JSONL store detects")'
+            "open; nothing more of the run is written "
+            '(docs/crash-safety.md, "What the JSONL store detects")'
         )
 
     @staticmethod
