@@ -285,7 +285,16 @@ def _ensure_schema(dialect: PostgresDialect, conn: Any) -> None:
         with contextlib.suppress(Exception):
             conn.execute("ROLLBACK")
         raise
-    layout = _sql.layout_of(row[0])
+    _check_layout(_sql.layout_of(row[0]))
+
+
+def _check_layout(layout: int) -> None:
+    """Refuse a layout newer than this treadle's, or one no PostgreSQL store had.
+
+    Raises:
+        SchemaTooNew: the schema was laid out by a newer treadle.
+        StoreError: a layout below `FIRST_LAYOUT` (its meta table was changed by hand).
+    """
     if layout > _sql.LAYOUT_VERSION:
         raise SchemaTooNew(layout, _sql.LAYOUT_VERSION)
     if layout < FIRST_LAYOUT:
@@ -309,13 +318,7 @@ def _check_schema(dialect: PostgresDialect, conn: Any) -> None:
             "treadle tables (a worker, `treadle submit` or `treadle.open_postgres_store` "
             "creates them)"
         )
-    if layout > _sql.LAYOUT_VERSION:
-        raise SchemaTooNew(layout, _sql.LAYOUT_VERSION)
-    if layout < FIRST_LAYOUT:
-        raise StoreError(
-            f"not a readable treadle store: its meta table holds the layout {layout}, which no "
-            f"PostgreSQL store had (the first was {FIRST_LAYOUT}); the table was changed by hand"
-        )
+    _check_layout(layout)
 
 
 def _current_layout(conn: Any) -> int | None:
