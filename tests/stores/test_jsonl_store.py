@@ -1757,3 +1757,18 @@ async def test_a_run_file_removed_while_the_store_holds_it_fails_the_next_barrie
         with pytest.raises(StoreError, match="removed or replaced while the store held it open"):
             await treadle.run(agent, "go", store=store, run_id="r1")
     assert payments == ["paid"]
+
+
+def test_telling_a_store_folder_never_blocks_on_a_fifo_named_like_a_run_file(tmp_path: Path):
+    """Every entry named like a run file is listed now: a FIFO must not block the look at a
+    folder's first lines (`treadle runs --store FOLDER` of a folder that holds no store)."""
+    from treadle.stores._jsonl_files import holds_a_store
+
+    os.mkfifo(tmp_path / "x.jsonl")
+    (tmp_path / "y%23control.jsonl").mkdir()
+    answers: list[bool] = []
+    looking = threading.Thread(target=lambda: answers.append(holds_a_store(str(tmp_path))))
+    looking.daemon = True  # a regression blocks in open(): the test fails, it does not hang
+    looking.start()
+    looking.join(30)
+    assert answers == [False]

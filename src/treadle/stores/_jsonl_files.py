@@ -801,7 +801,7 @@ def holds_a_store(directory: str) -> bool:
         return True
     for name in list_run_files(directory)[:8]:
         try:
-            with open(path / name, "rb") as file:
+            with open(open_regular(str(path / name)), "rb") as file:  # a FIFO never blocks
                 first = file.readline(4096).rstrip(b"\n")
             read_header(name, _checked(name, first, 0))
         except (OSError, TreadleError):
@@ -821,6 +821,8 @@ def migrate_v1_control(directory: str) -> int:
         if not name.endswith("%23control.jsonl"):
             continue
         path = os.path.join(directory, name)
+        if not os.path.isfile(path):  # not a run file at all: listed as unreadable, not moved
+            continue
         found = read_run_file(path)
         if found.run_id is None or not found.run_id.endswith(_V1_CONTROL_SUFFIX):
             continue
