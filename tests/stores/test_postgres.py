@@ -206,6 +206,25 @@ async def test_a_password_written_raw_in_a_url_is_never_shown(
     assert "hunter22" not in str(info.value) and "***" in str(info.value)
 
 
+@pytest.mark.parametrize("password", ["p@ss/word", "p@ss", "ab/cd", "x@y@z"])
+async def test_a_raw_at_or_slash_in_a_url_password_is_refused_before_connecting(
+    postgres_dsn: str, password: str
+) -> None:
+    """libpq ends the user information at the first '@': it connected to host 'ss' and named
+    it in its error, two characters of the password too short to be masked."""
+    wrong = postgres_dsn.replace("treadle:treadle@", f"treadle:{password}@")
+    with pytest.raises(treadle.UsageError, match="is written %25, %20, %2F or %40") as info:
+        await PostgresStore.open(wrong, schema="public")
+    said = str(info.value)
+    assert password not in said and "treadle:***@127.0.0.1:" in said  # hidden whole
+    assert "host" not in said  # no host libpq made of a piece of the password
+    escaped = postgres_dsn.replace(
+        "treadle:treadle@", "treadle:" + password.replace("@", "%40").replace("/", "%2F") + "@"
+    )
+    with pytest.raises(treadle.StoreError, match="password authentication failed"):
+        await PostgresStore.open(escaped, schema="public")  # read as meant: a wrong password
+
+
 def test_a_dsn_is_told_from_a_path_and_its_password_hidden_however_written() -> None:
     from treadle.stores import is_dsn, redact_dsn
 
