@@ -294,6 +294,29 @@ async def test_calls_over_streamable_http(tmp_path):
             await _calls(tools, tmp_path / "ledger")
 
 
+async def test_a_call_past_the_runs_shorter_timeout_is_unknown_too(tmp_path):
+    """With the tool's timeout (30 s) longer than the run's `Limits.tool_timeout_s`, the run cut
+    the call at its own limit and recorded it EXECUTED ("timed out"), though the server may
+    still run it; and the documented 30 s never applied."""
+    import treadle
+    from treadle.testing.scripted import ScriptedModel, call, say
+
+    options = {"hang": McpToolOptions(requires_approval=False)}
+    async with open_mcp_tools(stdio_server(tmp_path / "ledger"), tools=options) as tools:
+        assert tools.timeout_s("hang") == 30.0
+        agent = treadle.Agent(
+            model=ScriptedModel(turns=[call("hang", job="j"), say("done")]),
+            executor=tools,
+            parser=treadle.NativeToolCallParser(),
+            limits=treadle.Limits(tool_timeout_s=0.5),
+        )
+        store = treadle.MemoryStore()
+        await treadle.run(agent, "go", store=store, run_id="r")
+    (result,) = [r for r in (await store.read_log("r")).records if isinstance(r, ActionResult)]
+    assert result.outcome.status is ActionStatus.UNKNOWN
+    assert "timed out after 0.5 s; the server was asked to cancel it" in result.outcome.observation
+
+
 async def test_a_call_past_its_timeout_is_unknown(tmp_path):
     options = {"hang": McpToolOptions(timeout_s=0.5)}
     async with open_mcp_tools(stdio_server(tmp_path / "ledger"), tools=options) as tools:

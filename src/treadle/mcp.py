@@ -370,14 +370,18 @@ class McpTools:
         meta: dict[str, Any] = {IDEMPOTENCY_KEY: action.intent_id}
         if action.replay:
             meta[REPLAY_KEY] = True
-        with trio.move_on_after(found.timeout_s):
+        # The tool's own timeout, or the run's when that is shorter (`Action.timeout_s`): timed
+        # out here, the call is UNKNOWN (the server may still run it); cut by the run, it
+        # would read as a call that ended at its timeout.
+        timeout_s = min(found.timeout_s, action.timeout_s)
+        with trio.move_on_after(timeout_s):
             try:
                 result = await self._client.call_tool(
                     found.server_name,
                     dict(action.arguments),
                     # the call's own timeout (above) ends it first: the session's
                     # connect_timeout_s bounds the handshake and listing only
-                    read_timeout_seconds=found.timeout_s + _SDK_TIMEOUT_MARGIN_S,
+                    read_timeout_seconds=timeout_s + _SDK_TIMEOUT_MARGIN_S,
                     meta=mcp_types.RequestParamsMeta(**meta),  # type: ignore[typeddict-item]
                 )
             except Exception as exc:
@@ -386,7 +390,7 @@ class McpTools:
         return ActionOutcome(
             status=ActionStatus.UNKNOWN,
             observation=(
-                f"Error: the call to {found.name} timed out after {found.timeout_s:g} s; the "
+                f"Error: the call to {found.name} timed out after {timeout_s:g} s; the "
                 "server was asked to cancel it and its outcome is unknown. Check its effect "
                 "before trying again."
             ),
