@@ -335,8 +335,9 @@ def resume(
     if resume_all and accept_change:
         raise click.UsageError("--accept-changed-definition takes one RUN_ID, not --all")
     try:
+        queued = 0
         if resume_all:
-            logs, errors = run_async(
+            logs, errors, queued = run_async(
                 lambda: _resume_all(store_path, agent_spec, max_concurrent, wait)
             )
         else:
@@ -363,7 +364,6 @@ def resume(
                 f"{counted(ended['steps'], 'step')}"
             )
     if resume_all and not logs and not errors and not as_json:
-        queued = run_async(lambda: _queued(store_path))
         waiting = f" ({counted(queued, 'run')} queued for a worker)" if queued else ""
         click.echo(
             f"nothing to resume: every run in {redact(store_path)} is finished or driven{waiting}"
@@ -394,14 +394,6 @@ async def opened_agent(spec: str) -> AsyncIterator[Agent]:
         return
     async with agent_block(spec, made) as agent:
         yield agent
-
-
-async def _queued(store_path: str) -> int:
-    """How many runs of the store are queued (submitted, not started yet): 0 without a queue."""
-    async with open_store(store_path) as store:
-        if not isinstance(store, RunIndex):
-            return 0
-        return sum(s.liveness is Liveness.QUEUED for s in await store.list_summaries())
 
 
 async def _resume_one(
@@ -469,7 +461,11 @@ async def wait_for_leases(store: RunStore, run_ids: Sequence[str]) -> None:
 
 async def _resume_all(
     store_path: str, agent_spec: str, max_concurrent: int, wait: bool
-) -> tuple[list[RunLog], list[Exception]]:
+) -> tuple[list[RunLog], list[Exception], int]:
+    """Resume every unfinished run: the logs of those resumed, the errors, the queued runs.
+
+    Queued runs (submitted, not started) are counted, not resumed: a worker starts them.
+    """
     from treadle.supervisors import resume_unfinished
 
     errors: list[Exception] = []
@@ -507,7 +503,8 @@ async def _resume_all(
                 continue
             if log.started is not None:
                 logs.append(log)
-    return logs, errors
+    queued = sum(s.liveness is Liveness.QUEUED for s in summaries)
+    return logs, errors, queued
 
 
 async def _unfinished_log(store: RunStore, run_id: str) -> bool:
