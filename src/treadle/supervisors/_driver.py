@@ -33,7 +33,6 @@ from treadle._exceptions import (
     SnapshotMismatch,
     StoreError,
     UsageError,
-    refusal_in,
 )
 from treadle._state import RunView, fold
 from treadle._text import repaired
@@ -190,8 +189,8 @@ async def drive_run(
         await hold.acquire()
     try:
         log = await store.read_log(hold.run_id)
-    except Exception:
-        await hold.release_failed()
+    except Exception as exc:
+        await hold.release_failed(exc)
         raise
     except BaseException:
         await hold.release_quietly()
@@ -315,10 +314,8 @@ async def _supervise(
             raise
         error = _interrupted(run_id, exc)
         handle._failed(error)
-        if refusal_in(exc) is not None:  # the database refuses the driver, not the run
-            await hold.release_quietly()  # (its lease expiring would count as a takeover)
-        elif not isinstance(error, LeaseError):
-            await hold.release_failed()
+        if not isinstance(error, LeaseError):
+            await hold.release_failed(exc)
         task_status_started_safely(task_status)
     finally:
         handle._ended()

@@ -321,15 +321,14 @@ class Fleet:
             finished = True
         except Exception as exc:  # the run's own error: it is left resumable, others go on
             self._report(run_id, handle, exc)
-            refused = refusal_in(exc)
-            if refused is not None:  # not the run's: the database refuses this worker
-                await hold.release_quietly()
-                _LOG.error("the store refuses this worker's writes, the worker ends: %s", refused)
-                raise refused from exc
             if handle is not None and handle.left is not None:
                 await hold.release_quietly()
             else:
-                await hold.release_failed()
+                await hold.release_failed(exc)  # released when the database refuses the worker
+            refused = refusal_in(exc)
+            if refused is not None:  # not the run's: the database refuses this worker
+                _LOG.error("the store refuses this worker's writes, the worker ends: %s", refused)
+                raise refused from exc
         finally:  # also when cut at the drain deadline (trio.Cancelled): left, not finished
             if finished:
                 self._finished += 1

@@ -23,7 +23,7 @@ from typing import Final
 import attrs
 import trio
 
-from treadle._exceptions import LeaseLost
+from treadle._exceptions import LeaseLost, refusal_in
 from treadle.ports import LeaseStore, RunStore
 from treadle.supervisors._relay import Relay
 from treadle.types import Lease
@@ -117,13 +117,16 @@ class LeaseHold:
                     "run %r: the lease was not released (%s); it expires", self.run_id, exc
                 )
 
-    async def release_failed(self) -> None:
-        """After the run's own error: `release_quietly`, or drop the lease unreleased.
+    async def release_failed(self, error: BaseException) -> None:
+        """After the run's ``error``: `release_quietly`, or drop the lease unreleased.
 
         With ``expire_on_failure`` the lease is no longer renewed nor released: it expires
-        after its TTL, and a run that fails at once is not claimed again in a hot loop.
+        after its TTL, and a run that fails at once is not claimed again in a hot loop. Not
+        when ``error`` is the database refusing the driver (`StoreRefused`, anywhere in it):
+        that is not the run's failure, and its next claim must not count as a takeover
+        (docs/fleet.md), so the lease is released.
         """
-        if not self.expire_on_failure:
+        if not self.expire_on_failure or refusal_in(error) is not None:
             await self.release_quietly()
             return
         if self.lease is not None and self.lost is None:
