@@ -692,25 +692,22 @@ def renew_leases(
     runs was taken over.
     """
     renewed = []
-    waits = bool(dialect.for_update)  # row locks (PostgreSQL); SQLite locks the whole file
+    row_locks = bool(dialect.for_update)  # PostgreSQL; SQLite locks the whole file instead
     with write_transaction(dialect, conn, flush=False):
         now = dialect.now(conn)
-        if waits:
+        if row_locks:
             conn.execute(f"SET LOCAL lock_timeout = '{RENEW_LOCK_WAIT_MS}ms'")
         for held in sorted(leases, key=_by_run):
-            row = (
-                _row_unless_kept_locked(dialect, conn, held.run_id)
-                if waits
-                else (_locked_row(dialect, conn, held.run_id, _LEASE_COLUMNS, create=False))
-            )
-            if row is _KEPT_LOCKED:
-                unlocked = conn.execute(
+            row = _row_unless_kept_locked(dialect, conn, held.run_id, savepoint=row_locks)
+            if row is _KEPT_LOCKED:  # read it unlocked: still this holder's, and not expired?
+                row = conn.execute(
                     dialect.sql(f"SELECT {_LEASE_COLUMNS} FROM runs WHERE run_id = ?"),
                     (held.run_id,),
                 ).fetchone()
-                still = _leases.renew(_lease_of(held.run_id, unlocked), held, ttl_s=ttl_s, now=now)
-                if still is not None and held.expires_at > now:
-                    renewed.append(held)  # held still, not renewed this time
+                if _leases.renew(_lease_of(held.run_id, row), held, ttl_s=ttl_s, now=now) and (
+                    held.expires_at > now
+                ):
+                    renewed.append(held)  # held still, renewed at its next turn
                 continue
             fresh = _leases.renew(_lease_of(held.run_id, row), held, ttl_s=ttl_s, now=now)
             if fresh is not None:
@@ -727,12 +724,16 @@ _KEPT_LOCKED: Final = object()
 """`_row_unless_kept_locked`'s answer for a row that stayed locked."""
 
 
-def _row_unless_kept_locked(dialect: SqlDialect, conn: Connection, run_id: str) -> Any:
+def _row_unless_kept_locked(
+    dialect: SqlDialect, conn: Connection, run_id: str, *, savepoint: bool
+) -> Any:
     """The run's lease columns, locked; `_KEPT_LOCKED` when the lock was not had in time.
 
-    Under a savepoint, so that the lock timeout ends only this row's attempt, not the
-    transaction (PostgreSQL, SQLSTATE 55P03).
+    With ``savepoint`` (PostgreSQL's row locks), under a savepoint, so that the lock timeout
+    (SQLSTATE 55P03) ends only this row's attempt, not the transaction.
     """
+    if not savepoint:
+        return _locked_row(dialect, conn, run_id, _LEASE_COLUMNS, create=False)
     conn.execute("SAVEPOINT renew_row")
     try:
         row = _locked_row(dialect, conn, run_id, _LEASE_COLUMNS, create=False)

@@ -570,29 +570,31 @@ def _check_readable(dsn: str) -> None:
     """Refuse a DSN libpq cannot read, without quoting it (the quote is of its password).
 
     Raises:
-        UsageError: ``dsn`` is malformed.
+        UsageError: ``dsn`` is malformed, or is a URL whose user information holds a raw
+            ``@`` or ``/`` (libpq would read a piece of the password as the host).
     """
     url = "://" in dsn
-    # libpq ends a URL's user information at its first '@' (and its host at the first '/'):
-    # a raw '@' or '/' before the last '@' connects elsewhere, and names a piece of the
-    # password as the host in its error
-    userinfo = dsn.split("://", 1)[-1].split("?", 1)[0].rpartition("@")[0]
-    readable = not (url and ("@" in userinfo or "/" in userinfo))
     try:
         _psycopg().conninfo.conninfo_to_dict(dsn)
     except _psycopg().ProgrammingError as exc:
-        readable, error = False, exc
-    if readable:
-        return
-    if url:
+        if not url:  # key=value form: libpq's own words (an unknown keyword, a missing '='),
+            # the password hidden as in every message about the store
+            said = redact_dsn(scrub_password(str(exc).strip().splitlines()[0], dsn))
+            raise UsageError(
+                f"the PostgreSQL DSN {redact_dsn(dsn)} cannot be read: {said}"
+            ) from None
+        misread = True
+    else:
+        # libpq ends a URL's user information at its first '@' (and its host at the first
+        # '/'): a raw '@' or '/' before the last '@' connects elsewhere, and names a piece of
+        # the password as the host in its error
+        userinfo = dsn.split("://", 1)[-1].split("?", 1)[0].rpartition("@")[0]
+        misread = url and ("@" in userinfo or "/" in userinfo)
+    if misread:
         raise UsageError(
             f"the PostgreSQL DSN {redact_dsn(dsn)} cannot be read: in a URL, a '%', a "
             "space, a '/' or an '@' in the password is written %25, %20, %2F or %40"
         )
-    # key=value form: libpq's own words (an unknown keyword, a missing '='), the password
-    # hidden as in every message about the store
-    said = redact_dsn(scrub_password(str(error).strip().splitlines()[0], dsn))
-    raise UsageError(f"the PostgreSQL DSN {redact_dsn(dsn)} cannot be read: {said}")
 
 
 def _check_schema_name(schema: str) -> str:
