@@ -311,6 +311,18 @@ def _controls(store: RunStore) -> ControlStream:
     return store
 
 
+def check_cancel_text(reason: object, canceller: object) -> None:
+    """Refuse a cancel's ``reason`` or ``canceller`` that is not a ``str`` (`require_text`).
+
+    Written as it was, the cancel record would read back as damaged (docs/crash-safety.md).
+
+    Raises:
+        UsageError: names the one that is not.
+    """
+    require_text("a cancel's reason", reason)
+    require_text("a cancel's canceller", canceller)
+
+
 async def request_cancel(
     store: RunStore,
     run_id: str,
@@ -337,8 +349,7 @@ async def request_cancel(
         StoreError: the write failed.
     """
     check_run_id(run_id)
-    require_text("a cancel's reason", reason)
-    require_text("a cancel's canceller", canceller)
+    check_cancel_text(reason, canceller)
     controls = _controls(store)
     log = await store.read_log(run_id)
     if log.started is not None or not await _queued(store, run_id):
@@ -392,8 +403,6 @@ async def decide(
         StoreError: the write failed.
     """
     check_run_id(run_id)
-    require_text("call_id", call_id, optional=True)
-    require_text("a rejection's message (reject)", reject, optional=True)
     if reject is not None and edit is not None:
         raise UsageError("a decision either rejects or edits the arguments, not both")
     controls = _controls(store)

@@ -936,9 +936,10 @@ class _Committer:
                 self._call_soon(self._deliver, batch, NOTHING_COMMITTED)
                 if not stopping:
                     self._finish_quietly()
-                if isinstance(exc, StoreError):  # the backend gave up (its database is gone)
+                if isinstance(exc, StoreError):  # the backend gave up (its database is gone):
+                    # every writer gets the error; one log line, no traceback of a bug
                     _LOG.error("the committer of the %s stops: %s", self._backend.description, exc)
-                    return  # every writer gets the error; it is no bug to print a trace of
+                    return
                 raise  # a bug: the thread's traceback is printed
             if batch or stopping:
                 self._run_sync_soon(batch, report)

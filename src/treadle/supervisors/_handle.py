@@ -18,7 +18,6 @@ import trio
 
 from treadle._clock import Clock, SystemClock
 from treadle._exceptions import RunInterrupted, UsageError
-from treadle._text import require_text
 from treadle.actors import (
     Cancel,
     Control,
@@ -30,7 +29,7 @@ from treadle.actors import (
     stored_events,
     with_step_started,
 )
-from treadle.approvals import check_edit, decision_for, tool_schema
+from treadle.approvals import check_cancel_text, check_edit, decision_for, tool_schema
 from treadle.ports import RunStore
 from treadle.redaction import NO_REDACTION, Redaction
 from treadle.supervisors._factories import WriterActor
@@ -174,8 +173,7 @@ class RunHandle:
                 store instead (`treadle.approvals.request_cancel`,
                 ``treadle cancel``), which whoever drives it next applies.
         """
-        require_text("a cancel's reason", reason)
-        require_text("a cancel's canceller", canceller)
+        check_cancel_text(reason, canceller)
         if self._parking is not None:
             self._parking.cancel(reason, canceller, here=True)
         elif self._control is None and self._left is not None and not self._ended_here:
