@@ -215,6 +215,18 @@ async def write_run(directory: Path, run_id: str = "r", steps: int = 2) -> tuple
     return path, run
 
 
+def paying_agent(pay: Any) -> Any:
+    """An agent that calls the tool ``pay`` (a function) once with ``amount=5``, then answers."""
+    import treadle
+    from treadle.testing.scripted import ScriptedModel, call, say
+
+    return treadle.Agent(
+        model=ScriptedModel(turns=[call("pay", amount=5), say("done")]),
+        executor=treadle.Toolbox([treadle.tool(pay)]),
+        parser=treadle.NativeToolCallParser(),
+    )
+
+
 def cancel(run_id: str, reason: str = "test") -> CancelRequested:
     return CancelRequested(run_id=run_id, ts=TS, reason=reason)
 
@@ -594,20 +606,13 @@ async def test_a_repair_refuses_to_cut_an_unreadable_line_where_an_intent_would_
     # An unreadable line right after a model reply whose call has no intent yet: it may be
     # that call's acknowledged intent, and the resume after the cut ran the call again.
     import treadle
-    from treadle.testing import ScriptedModel, call, say
 
-    @treadle.tool
     async def pay(amount: int) -> str:
         """Pay."""
         return "paid"
 
-    agent = treadle.Agent(
-        model=ScriptedModel(turns=[call("pay", amount=5), say("done")]),
-        executor=treadle.Toolbox([pay]),
-        parser=treadle.NativeToolCallParser(),
-    )
     async with open_jsonl_store(tmp_path) as store:
-        await treadle.run(agent, "pay 5", store=store, run_id="r")
+        await treadle.run(paying_agent(pay), "pay 5", store=store, run_id="r")
         records = (await store.read_log("r")).records
         path = trio.Path(store.run_file("r"))
     seq = next(i for i, r in enumerate(records, start=1) if isinstance(r, ActionIntent))
@@ -1736,26 +1741,18 @@ async def test_a_run_file_removed_while_the_store_holds_it_fails_the_next_barrie
     import treadle
 
     monkeypatch.setattr(_jsonl_backend, "FILE_CHECK_INTERVAL_S", 0.0)  # before every barrier
-    from treadle.testing.scripted import ScriptedModel, call, say
-
     directory = tmp_path / "runs"
     payments: list[str] = []
 
-    @treadle.tool
     async def pay(amount: int) -> str:
         """Pay."""
         payments.append("paid")
         (directory / "r1.jsonl").unlink()  # the file goes while the store holds it open
         return "paid"
 
-    agent = treadle.Agent(
-        model=ScriptedModel(turns=[call("pay", amount=5), say("done")]),
-        executor=treadle.Toolbox([pay]),
-        parser=treadle.NativeToolCallParser(),
-    )
     async with open_jsonl_store(directory) as store:
         with pytest.raises(StoreError, match="removed or replaced while the store held it open"):
-            await treadle.run(agent, "go", store=store, run_id="r1")
+            await treadle.run(paying_agent(pay), "go", store=store, run_id="r1")
     assert payments == ["paid"]
 
 
