@@ -29,7 +29,7 @@ from treadle._text import loads_json, repaired, require_text
 from treadle.parsers import MAX_ARGUMENT_DEPTH, NESTED_TOO_DEEP, argument_problem
 from treadle.policies import ExecutorPolicies
 from treadle.ports import ControlStream, RunQueue, RunStore
-from treadle.redaction import Redaction
+from treadle.redaction import REDACTED, Redaction
 from treadle.types import (
     ActionIntent,
     ApprovalDecided,
@@ -143,6 +143,29 @@ def _complaint(error: Any, secrets: Collection[str]) -> str:
     return str(error.message)
 
 
+def kept_secrets(
+    edit: Mapping[str, Any], request: ApprovalRequested, secrets: Collection[str]
+) -> Mapping[str, Any]:
+    """``edit`` with each secret argument it leaves at `REDACTED` given its requested value.
+
+    An approver is shown secret arguments as ``[redacted]`` (the handle, ``treadle approve``,
+    the run console's edit box), so an edit of another argument made from what was shown
+    would run the call with the placeholder as the secret. A secret argument whose edited
+    value is exactly `REDACTED` keeps the value the model sent (docs/events.md, "Secret
+    arguments"); any other value, or leaving the argument out, is the edit's. Nothing else is
+    merged: the edit still replaces the model's whole argument object.
+    """
+    arguments = request.arguments
+    if not secrets or arguments is None or not isinstance(edit, Mapping):
+        return edit
+    kept = {
+        name: arguments[name]
+        for name in secrets
+        if name in arguments and isinstance(edit.get(name), str) and edit[name] == REDACTED
+    }
+    return {**edit, **kept} if kept else edit
+
+
 def tool_schema(snapshot: Mapping[str, JSONValue], tool: str) -> Mapping[str, JSONValue]:
     """The argument schema of ``tool`` in a parameter snapshot (key ``tools``).
 
@@ -188,11 +211,14 @@ def decision_for(
     reject: str | None = None,
     edit: Mapping[str, Any] | None = None,
     snapshot: Mapping[str, JSONValue] | None = None,
+    redaction: Redaction | None = None,
 ) -> ApprovalDecided:
     """The decision record answering ``request``: approve, reject or edit.
 
     See docs/events.md, "Human approval". ``snapshot``: the parameter snapshot the run goes on
-    under; an edit is checked against its schema of the tool (`check_edit`).
+    under; an edit is checked against its schema of the tool (`check_edit`). ``redaction``:
+    the run's secret arguments (`Redaction.of_log`; by default the snapshot's); a secret one
+    the edit leaves at ``[redacted]`` keeps its requested value (`kept_secrets`).
 
     Raises:
         UsageError: no request is pending, ``call_id`` names another call, ``call_id`` or
@@ -209,7 +235,9 @@ def decision_for(
         raise UsageError("a decision either rejects or edits the arguments, not both")
     if edit is not None:
         schema = None if snapshot is None else tool_schema(snapshot, request.tool)
-        secrets = Redaction.of_snapshot(snapshot or {}).secrets.get(request.tool, ())
+        redaction = redaction or Redaction.of_snapshot(snapshot or {})
+        secrets = redaction.secrets.get(request.tool, ())
+        edit = kept_secrets(edit, request, secrets)
         check_edit(edit, request.tool, schema, secrets=secrets)
     decision = (
         Decision.REJECT if reject is not None else Decision.EDIT if edit is not None else None
@@ -431,6 +459,7 @@ async def decide(
         reject=reject,
         edit=edit,
         snapshot=current_snapshot(log),
+        redaction=Redaction.of_log(log),
     )
     await controls.append_control(decided)
     written = [r for r in await read_control(store, run_id) if isinstance(r, ApprovalDecided)]

@@ -153,6 +153,28 @@ async def test_an_edit_that_does_not_fit_the_schema_is_refused_and_nothing_is_ha
     assert charged == [{"amount": 10, "card": OTHER_CARD, "memo": ""}]
 
 
+async def test_an_edit_made_from_the_shown_arguments_keeps_the_secret_it_never_saw(
+    autojump_clock,
+):
+    """The approver sees ``card: [redacted]``; editing the amount must not charge that text.
+
+    Before, the placeholder replaced the card number: the call ran with ``"[redacted]"``.
+    """
+    charged: list[dict[str, object]] = []
+    store = MemoryStore()
+    async with open_run(make_agent(charged), "pay", store=store, run_id="r") as handle:
+        await wait_for_state(handle, RunState.AWAITING_APPROVAL)
+        pending = handle.pending_approval
+        assert pending is not None and pending.arguments is not None
+        assert pending.arguments["card"] == REDACTED
+        handle.approve(edit={**pending.arguments, "amount": 10})
+        await handle.wait()
+    assert charged == [{"amount": 10, "card": CARD, "memo": "order A1"}]
+    log = await store.read_log("r")
+    (intent,) = [r for r in log.records if isinstance(r, ActionIntent) and r.tool == "charge"]
+    assert intent.arguments == {"amount": 10, "card": CARD, "memo": "order A1"}
+
+
 def test_the_command_line_shows_arguments_redacts_secrets_and_checks_edits(tmp_path):
     db = str(tmp_path / "runs.db")
     charged: list[dict[str, object]] = []
@@ -211,6 +233,41 @@ def test_the_command_line_shows_arguments_redacts_secrets_and_checks_edits(tmp_p
     assert charged == [{"amount": 12, "card": OTHER_CARD, "memo": "edited"}]
     shown = runner.invoke(main, ["show", "r", "--store", db, "--json"])
     assert OTHER_CARD not in shown.output and CARD not in shown.output
+
+
+def test_an_edit_given_as_treadle_show_printed_it_keeps_the_secret(tmp_path):
+    db = str(tmp_path / "runs.db")
+    charged: list[dict[str, object]] = []
+
+    async def until_the_approval_wait() -> None:
+        async with (
+            open_sqlite_store(db) as store,
+            open_run(make_agent(charged), "pay", store=store, run_id="r") as handle,
+        ):
+            await wait_for_state(handle, RunState.AWAITING_APPROVAL)
+            handle.drain()
+
+    trio.run(until_the_approval_wait)
+    runner = CliRunner()
+    shown = runner.invoke(main, ["show", "r", "--store", db, "--json"])
+    (requested,) = [
+        json.loads(line) for line in shown.output.splitlines() if '"approval_requested"' in line
+    ]
+    edit = json.dumps({**requested["arguments"], "memo": "edited"})
+    assert REDACTED in edit and CARD not in edit
+    approved = runner.invoke(main, ["approve", "r", "--store", db, "--edit", edit])
+    assert approved.exit_code == 0, approved.output
+    assert CARD not in approved.output
+
+    async def resume() -> object:
+        async with open_sqlite_store(db) as store:
+            async with open_run(make_agent(charged), store=store, run_id="r") as handle:
+                await handle.wait()
+            return (await read_control(store, "r"))[0]
+
+    decided = trio.run(resume)
+    assert decided.edited_arguments == {"amount": 12, "card": CARD, "memo": "edited"}
+    assert charged == [{"amount": 12, "card": CARD, "memo": "edited"}]
 
 
 async def test_decide_checks_the_edit_against_the_snapshot_of_the_run(autojump_clock):

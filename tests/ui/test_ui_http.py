@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import html
 import json
 import subprocess
 import sys
@@ -23,6 +24,7 @@ from treadle.stores.memory import MemoryStore
 from treadle.supervisors import open_run
 from treadle.testing.scripted import ScriptedModel, call, say
 from treadle.types import (
+    ActionIntent,
     ApprovalDecided,
     CancelRequested,
     ModelResult,
@@ -353,6 +355,34 @@ async def test_secret_arguments_stay_out_of_the_page_and_its_stream():
     assert "[redacted]" in page
 
 
+async def test_an_edit_made_in_the_approval_box_keeps_the_secret_it_shows_redacted():
+    """The box shows ``"api_key": "[redacted]"``; changing the amount there must not run the
+    call with that text as the key (it did: the placeholder replaced the secret)."""
+    store = MemoryStore()
+    agent = treadle.Agent(
+        model=ScriptedModel(turns=[call("charge", amount=5, api_key="sk-live-123"), say("ok")]),
+        executor=treadle.Toolbox([charge]),
+        parser=treadle.NativeToolCallParser(),
+    )
+    async with open_run(agent, "pay", store=store, run_id="r", control_poll_s=0.05) as handle:
+        await wait_for(handle, RunState.AWAITING_APPROVAL)
+        async with client(store) as http:
+            page = (await http.get("/runs/r")).text
+            box = page[page.index('<textarea name="arguments"') :]
+            shown = html.unescape(box[box.index(">") + 1 : box.index("</textarea>")])
+            assert json.loads(shown) == {"amount": 5, "api_key": "[redacted]"}
+            edited = await http.post(
+                "/runs/r/approve",
+                data={"token": TOKEN, "decision": "edit", "arguments": shown.replace("5", "3")},
+                headers={**SAME, "accept": "application/json"},
+            )
+            assert edited.status_code == 200, edited.text
+        await handle.wait()
+    log = await store.read_log("r")
+    (intent,) = [r for r in log.records if isinstance(r, ActionIntent)]
+    assert intent.arguments == {"amount": 3, "api_key": "sk-live-123"}
+
+
 def test_a_record_kind_the_page_does_not_know_is_shown_by_its_fields():
     """A newer version's record (a summary mark, say) renders as a folded field list."""
     import attrs
@@ -377,8 +407,8 @@ def test_a_record_kind_the_page_does_not_know_is_shown_by_its_fields():
     blocks = timeline(RunLog(run_id="markup", records=(*log.records, extra)))
     (step,) = [b for b in blocks if b.id == "step-1"]
     assert "context summarized" in step.marks
-    html = templates().get_template("_block.html").render(block=step)
-    assert "&lt;b&gt;older turns&lt;/b&gt;" in html and "<b>older" not in html
+    rendered = templates().get_template("_block.html").render(block=step)
+    assert "&lt;b&gt;older turns&lt;/b&gt;" in rendered and "<b>older" not in rendered
 
 
 async def test_the_list_and_a_run_page_show_threads_and_forks():

@@ -29,7 +29,7 @@ from treadle.actors import (
     stored_events,
     with_step_started,
 )
-from treadle.approvals import check_cancel_text, check_edit, decision_for, tool_schema
+from treadle.approvals import check_cancel_text, decision_for
 from treadle.ports import RunStore
 from treadle.redaction import NO_REDACTION, Redaction
 from treadle.supervisors._factories import WriterActor
@@ -224,14 +224,17 @@ class RunHandle:
         if self._parking is None and self._control is None:
             raise UsageError(f"run {self.run_id!r} is not being driven here")
         request = self._awaited()
-        if edit is not None and request is not None and self._snapshot is not None:
-            secrets = self._redaction.secrets.get(request.tool, ())
-            schema = tool_schema(self._snapshot, request.tool)
-            check_edit(edit, request.tool, schema, secrets=secrets)
         if self._parking is None:
             self._check_first_decision(request)
         decided = decision_for(
-            self.run_id, request, self._clock, call_id=call_id, reject=reject, edit=edit
+            self.run_id,
+            request,
+            self._clock,
+            call_id=call_id,
+            reject=reject,
+            edit=edit,
+            snapshot=self._snapshot,
+            redaction=self._redaction,
         )
         if self._parking is not None:
             self._parking.offer(decided, here=True)
