@@ -57,8 +57,8 @@ class _LostAfterCommit(postgres.PostgresBackend):
 
     drops = 1
 
-    def _statement(self, groups):  # type: ignore[no-untyped-def]
-        committed = super()._statement(groups)
+    def _statement(self, groups, **held):  # type: ignore[no-untyped-def]
+        committed = super()._statement(groups, **held)
         if self.drops:
             self.drops -= 1
             self._conn.close()
@@ -338,7 +338,9 @@ async def test_a_commit_and_a_renewal_lock_their_runs_rows_in_run_id_order(
 ) -> None:
     # Both take the row locks of several runs in one transaction. Taken in an order of their
     # own (a batch's order of first writes, the order of the leases asked), the renewal and
-    # the group commit deadlocked under load and the runs of the batch failed.
+    # the group commit deadlocked under load and the runs of the batch failed. The commit now
+    # takes the free rows without waiting and commits their runs; it waits for a held row
+    # alone, so it holds no other row meanwhile.
     from treadle.stores import _sql
     from treadle.stores._engine import Write
 
@@ -382,16 +384,28 @@ async def test_a_commit_and_a_renewal_lock_their_runs_rows_in_run_id_order(
                 try:
                     await _waiting_for_a_lock(postgres_dsn, application)  # for 'b'
                     held = [_locked(postgres_dsn, postgres_schema, r) for r in "ac"]
+                    durable = _records(postgres_dsn, postgres_schema)
                 finally:
                     other.rollback()  # 'b' is free: the job goes on and ends
         conn.close()
-        assert held == [True, False]  # 'a' taken before waiting for 'b', 'c' not yet
+        if what == "commit":
+            assert held == [False, False]  # 'a' and 'c' committed, not waiting for 'b'
+            assert (durable["a"], durable["c"]) == (2, 2)  # started, and the intent of the batch
+        else:
+            assert held == [True, False]  # 'a' taken before waiting for 'b', 'c' not yet
         if what == "commit":
             assert [w.error for w in writes] == [None, None, None]
             logs = [await store.read_log(r) for r in "abc"]
             assert [len(log.records) for log in logs] == [2, 2, 2]
         else:
             assert sorted(lease.run_id for lease in done["out"]) == ["a", "b", "c"]
+
+
+def _records(dsn: str, schema: str) -> dict[str, int]:
+    """How many records each run has, read by another connection."""
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        rows = conn.execute(f"SELECT run_id, count(*) FROM {schema}.records GROUP BY run_id")
+        return {run_id: int(n) for run_id, n in rows.fetchall()}
 
 
 class _Refused(Exception):
@@ -554,14 +568,14 @@ class _OneRunFails(postgres.PostgresBackend):
         type(self).reconnects += 1
         super()._reconnect(lost)
 
-    def _statement(self, groups):  # type: ignore[no-untyped-def]
+    def _statement(self, groups, **held):  # type: ignore[no-untyped-def]
         ids = sorted(g.run_id for g in groups)
         type(self).statements.append(ids)
         if ids == ["slow"]:
             time.sleep(0.3)
         if type(self).failing and "bad" in ids:
             raise type(self).error("the server refuses this row")
-        return super()._statement(groups)
+        return super()._statement(groups, **held)
 
 
 @pytest.mark.parametrize(
@@ -704,3 +718,43 @@ async def test_a_renewal_passes_over_a_row_kept_locked_and_renews_the_other_leas
             other.rollback()
         again = {x.run_id: x for x in await store.renew_leases(held, ttl_s=60)}
     assert again["b"].heartbeat_at > held[1].heartbeat_at  # its turn came
+
+
+async def test_a_write_waits_alone_and_bounded_for_a_row_kept_locked(
+    postgres_dsn: str, postgres_schema: str
+) -> None:
+    """One run's row locked by another transaction held up the commit of every run of the
+    store's batch, for as long as the lock was kept: a worker's runs all stood still."""
+    async with treadle.open_postgres_store(postgres_dsn, schema=postgres_schema) as store:
+        gens = {r: await lease_generation(store, r) for r in ("a", "b", "c")}
+        for r, gen in gens.items():
+            await store.write_run_started(started(r), seq=1, generation=gen)
+            await store.write_intent(intent(r, 1), seq=2, generation=gen)  # a barrier
+        ended: list[str] = []
+        failed: dict[str, BaseException] = {}
+
+        async def write(r: str) -> None:
+            try:
+                await store.write_intent(intent(r, 2), seq=3, generation=gens[r])
+            except treadle.StoreError as exc:
+                failed[r] = exc
+            ended.append(r)
+
+        with psycopg.connect(postgres_dsn) as other:  # a transaction that keeps b locked
+            other.execute(f"SELECT 1 FROM {postgres_schema}.runs WHERE run_id = 'b' FOR UPDATE")
+            # Let go after 20 s whatever happens, so that a write that waits for the lock
+            # fails the assertions below instead of hanging the test.
+            letting_go = threading.Timer(20.0, other.rollback)
+            letting_go.start()
+            try:
+                async with trio.open_nursery() as nursery:
+                    for r in ("a", "b", "c"):
+                        nursery.start_soon(write, r)
+                assert letting_go.is_alive()  # b's write gave up; it did not wait it out
+            finally:
+                letting_go.cancel()
+            other.rollback()
+        assert sorted(ended) == ["a", "b", "c"] and set(failed) == {"b"}
+        assert "the row of run 'b' stayed locked by another transaction" in str(failed["b"])
+        logs = {r: await store.read_log(r) for r in gens}
+    assert [len(logs[r].records) for r in ("a", "b", "c")] == [3, 2, 3]  # nothing of b's write

@@ -127,9 +127,12 @@ _COMMIT: Final = (
 """The group commit of one batch (see the module docstring), after `_LOCK_ROWS`."""
 
 _LOCK_ROWS: Final = (
-    'SELECT 1 FROM runs WHERE run_id = ANY(%s) ORDER BY run_id COLLATE "C" FOR UPDATE'
+    'SELECT run_id FROM runs WHERE run_id = ANY(%s) ORDER BY run_id COLLATE "C" FOR UPDATE'
 )
 """Locks the batch's ``runs`` rows in run id order, in the transaction of `_COMMIT`.
+
+A batch first takes them with `_LOCK_FREE_ROWS`, which passes over rows another transaction
+holds; only the runs of those rows then wait, each alone and at most `COMMIT_LOCK_WAIT_MS`.
 
 The lease renewal locks them in that order too: two transactions that take the same row locks
 in one order cannot deadlock. The order is code point order (Python's ``sorted``), the "C"
@@ -137,6 +140,15 @@ collation's: the database's own collation orders some ids otherwise, and a deadl
 renewal was seen once that way. Taken by `_COMMIT` itself, in the order of its plan, the renewal
 and the commit deadlocked under load. A separate statement: locked by a part of `_COMMIT`
 itself, rows the commit had waited for were refused (its update had read them before)."""
+
+_LOCK_FREE_ROWS: Final = _LOCK_ROWS + " SKIP LOCKED"
+"""`_LOCK_ROWS`, passing over the rows another transaction holds (it returns the rest)."""
+
+COMMIT_LOCK_WAIT_MS: Final = 2_000
+"""How long (milliseconds) a run's write waits for its ``runs`` row when another transaction
+holds it (an operator's open transaction, a stuck client): then the write fails with
+`StoreError` and the run is interrupted, to be resumed (docs/fleet.md, "What each crash
+does"). The other runs of the batch do not wait for it: they commit first."""
 
 
 def _psycopg() -> Any:
@@ -355,13 +367,17 @@ class PostgresBackend(_sql.SqlBackend):
         groups = _sql.group_by_run(batch)
         if not groups:
             return BatchReport()
+        held: list[_sql.RunBatch] = []
         try:
-            committed = self._statement(groups)
+            committed = self._statement(groups, held=held)
         except Exception as exc:
+            held.clear()  # every group is dealt with below
             if not self._lost(exc):
                 committed = self._each(groups, exc)
             else:
                 committed = self._reconcile(groups, exc)
+        for group in held:  # their rows were locked elsewhere: each waits alone, bounded
+            committed |= self._alone(group)
         self._refuse_others(groups, committed)
         return BatchReport(syncs=1 if committed else 0)
 
@@ -377,16 +393,29 @@ class PostgresBackend(_sql.SqlBackend):
             return set()
         committed: set[str] = set()
         for group in groups:
-            try:
-                committed |= self._statement([group])
-            except Exception as exc:
-                if self._lost(exc):
-                    self._reconnect(exc)
-                    if self._committed([group]):
-                        committed.add(group.run_id)
-                        continue
-                self._fail([group], exc)
+            committed |= self._alone(group)
         return committed
+
+    def _alone(self, group: _sql.RunBatch) -> set[str]:
+        """Commit one run's writes in their own transaction (waiting for its row, bounded)."""
+        try:
+            return self._statement([group])
+        except Exception as exc:
+            if self._lost(exc):
+                self._reconnect(exc)
+                if self._committed([group]):
+                    return {group.run_id}
+            if getattr(exc, "sqlstate", None) == "55P03":  # lock_not_available
+                error = StoreError(
+                    f"cannot write to {self.description}: the row of run {group.run_id!r} "
+                    f"stayed locked by another transaction for {COMMIT_LOCK_WAIT_MS / 1000:g} s;"
+                    " nothing of the write was stored"
+                )
+                error.__cause__ = exc
+                fail_writes(group.writes, error)
+                return set()
+            self._fail([group], exc)
+            return set()
 
     def _lost(self, exc: BaseException) -> bool:
         """Whether ``exc`` cost the committer its connection.
@@ -406,20 +435,37 @@ class PostgresBackend(_sql.SqlBackend):
         for group in groups:
             fail_writes(group.writes, error)
 
-    def _statement(self, groups: Sequence[_sql.RunBatch]) -> set[str]:
+    def _statement(
+        self, groups: Sequence[_sql.RunBatch], *, held: list[_sql.RunBatch] | None = None
+    ) -> set[str]:
         """Run `_COMMIT`; one the server ended as a deadlock victim is run again.
 
         The rows are locked first, in run id order (`_LOCK_ROWS`). A deadlock rolls the
         transaction back whole, so running it again writes each record once; the lock order
         avoids deadlocks with the renewal, this covers other programs' transactions.
+
+        With ``held`` the rows another transaction holds are passed over (`_LOCK_FREE_ROWS`):
+        their runs' groups are left out of the commit and put in ``held``. Without it the
+        rows are waited for, up to `COMMIT_LOCK_WAIT_MS` (then lock_not_available, 55P03).
         """
-        params = _commit_params(groups)
         ids = sorted(g.run_id for g in groups)
 
         def transaction() -> set[str]:
-            with self._conn.transaction():
-                self._conn.execute(_LOCK_ROWS, (ids,))
-                return {row[0] for row in self._conn.execute(_COMMIT, params).fetchall()}
+            conn = self._conn
+            with conn.transaction():
+                kept = groups
+                if held is None:
+                    conn.execute(f"SET LOCAL lock_timeout = '{COMMIT_LOCK_WAIT_MS}ms'")
+                    conn.execute(_LOCK_ROWS, (ids,))
+                else:
+                    held.clear()  # (a deadlock's retry starts over)
+                    free = {row[0] for row in conn.execute(_LOCK_FREE_ROWS, (ids,))}
+                    if len(free) < len(groups):
+                        kept = [g for g in groups if g.run_id in free]
+                        held.extend(g for g in groups if g.run_id not in free)
+                        if not kept:
+                            return set()
+                return {row[0] for row in conn.execute(_COMMIT, _commit_params(kept)).fetchall()}
 
         return _sql.again_on_deadlock(transaction)
 
