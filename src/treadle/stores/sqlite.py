@@ -506,6 +506,8 @@ class SqliteBackend(_sql.SqlBackend):
         self._files_checked = -FILE_CHECK_INTERVAL_S
         self._broken: StoreError | None = None
         self._give_up_when_busy = False
+        # the wait the connection was opened with (`BUSY_TIMEOUT_MS`, or a ``pragmas`` one)
+        self._wait_ms = self._busy_ms = int(conn.execute("PRAGMA busy_timeout").fetchone()[0])
 
     def commit_here(self, batch: list[Write]) -> BatchReport | None:
         """`commit`, except that another connection's write lock makes it return ``None``.
@@ -514,8 +516,7 @@ class SqliteBackend(_sql.SqlBackend):
         than waiting for it; the transaction is rolled back, so nothing of ``batch`` is
         committed, and the committer commits it instead.
         """
-        conn = self._conn
-        conn.execute("PRAGMA busy_timeout = 0")
+        self._busy_timeout(0)
         self._give_up_when_busy = True
         try:
             return self.commit(batch)
@@ -523,7 +524,16 @@ class SqliteBackend(_sql.SqlBackend):
             return None
         finally:
             self._give_up_when_busy = False
-            conn.execute(f"PRAGMA busy_timeout = {BUSY_TIMEOUT_MS}")
+
+    def _busy_timeout(self, ms: int) -> None:
+        """Set the connection's busy timeout to ``ms`` unless it is that already.
+
+        A run alone commits in the trio thread every time, many runs in the committer: the
+        PRAGMA is run only when the side changes (two statements a commit, otherwise).
+        """
+        if self._busy_ms != ms:
+            self._conn.execute(f"PRAGMA busy_timeout = {ms}")
+            self._busy_ms = ms
 
     def commit(self, batch: list[Write]) -> BatchReport:
         """Commit ``batch`` in one transaction; refused runs' writes get their error.
@@ -539,6 +549,8 @@ class SqliteBackend(_sql.SqlBackend):
         if self._broken is not None:
             fail_writes(batch, self._broken)
             return NOTHING_COMMITTED
+        if not self._give_up_when_busy:
+            self._busy_timeout(self._wait_ms)
         try:
             self._check_files()
             try:
