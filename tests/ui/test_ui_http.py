@@ -602,6 +602,11 @@ async def test_a_run_whose_log_fails_its_read_does_not_take_the_list_down(tmp_pa
     async with treadle.open_sqlite_store(db) as store, client(store, poll_s=0.01) as http:
         listed = await http.get("/")  # the live list's stream renders the same rows
         page = await http.get("/runs/bad")
+        # The page's script asks for JSON: it got the HTML error page, which it cannot read.
+        headers = {**SAME, "accept": "application/json"}
+        cancel = await http.post("/runs/bad/cancel", data={"token": TOKEN}, headers=headers)
+    assert cancel.status_code == 500 and cancel.json()["ok"] is False
+    assert "checksum" in cancel.json()["message"]
     assert listed.status_code == 200 and 'data-run="good"' in listed.text
     row = listed.text[listed.text.index('data-run="bad"') :]
     row = row[: row.index("</tr>")]

@@ -224,11 +224,14 @@ class _Console:
 
     async def no_such_run(self, request: Request, exc: Exception) -> Response:
         """A path naming no possible run (docs/concepts.md, "Run ids"): a 404 saying why."""
-        return self._page("said.html", status=404, run_id="", message=str(exc), ok=False)
+        return self._said(request, "", str(exc), ok=False, status=404)
 
     async def unreadable(self, request: Request, exc: Exception) -> Response:
-        """A run the store cannot read (a damaged or too-new log): the error, said plainly."""
-        return self._page("said.html", status=500, run_id="", message=str(exc), ok=False)
+        """A store error (a damaged or too-new log, a failed write): the error, said plainly.
+
+        As JSON to a caller that asks for it (the page's script), else as a page.
+        """
+        return self._said(request, "", str(exc), ok=False, status=500)
 
     # ----------------------------------------------------------------- guards
 
@@ -525,9 +528,21 @@ class _Console:
             return self._said(request, run_id, str(exc), ok=False)
         return self._said(request, run_id, f"cancel requested: {outcome}")
 
-    def _said(self, request: Request, run_id: str, message: str, *, ok: bool = True) -> Response:
-        """The answer to an action: JSON for the page's script, else a small page."""
-        status = 200 if ok else 409
+    def _said(
+        self,
+        request: Request,
+        run_id: str,
+        message: str,
+        *,
+        ok: bool = True,
+        status: int | None = None,
+    ) -> Response:
+        """The answer to an action: JSON for the page's script, else a small page.
+
+        ``status``: 200 when ``ok``, else 409 (a refused action), unless given.
+        """
+        if status is None:
+            status = 200 if ok else 409
         if "application/json" in request.headers.get("accept", ""):
             return JSONResponse({"ok": ok, "message": message}, status_code=status)
         return self._page("said.html", status=status, run_id=run_id, message=message, ok=ok)
