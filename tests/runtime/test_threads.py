@@ -288,6 +288,28 @@ async def test_a_retry_naming_its_run_starts_nothing_twice() -> None:
         await treadle.run(agent(model, tools), "x", store=store, thread_id="t", run_id="u")
 
 
+async def test_a_fork_naming_a_finished_run_of_another_lineage_is_refused() -> None:
+    """It returned that run's result as the fork's: a plain run, a fork of another run, or
+    the forked run itself (an unfinished one was refused already)."""
+    store = MemoryStore()
+    model, tools = ScriptedModel(turns=TURNS), LedgerTools()
+    await treadle.run(agent(model, tools), "add", store=store, run_id="a")
+    await treadle.run(agent(model, tools), "add", store=store, run_id="b")
+    fork = await treadle.run(agent(model, tools), store=store, fork_of="a", at_step=1, run_id="f")
+    calls = len(model.requests)
+    for fork_of, run_id, said in (
+        ("a", "b", "'b' exists as a run of its own, not as the fork of a at step 1"),
+        ("b", "f", "'f' exists as fork of a at step 1, not as the fork of b at step 1"),
+        ("a", "a", "'a' exists as a run of its own, not as the fork of a at step 1"),
+    ):
+        with pytest.raises(UsageError, match=said):
+            await treadle.run(
+                agent(model, tools), store=store, fork_of=fork_of, at_step=1, run_id=run_id
+            )
+    again = await treadle.run(agent(model, tools), store=store, fork_of="a", at_step=1, run_id="f")
+    assert again == fork and len(model.requests) == calls  # the same fork: its result
+
+
 async def test_recovery_resumes_a_crashed_thread_run_with_its_history(tmp_path: Path) -> None:
     model, tools = ScriptedModel(turns=TURNS), LedgerTools()
     async with _closing(SqliteStore.open(tmp_path / "runs.db")) as store:

@@ -197,6 +197,7 @@ async def drive_run(
         raise
     if log.finished is not None and log.started is not None:
         try:
+            _check_lineage(log.started, options.lineage)
             check_input(log.started, input)
         except UsageError:
             await hold.release()
@@ -747,15 +748,27 @@ def _prepare(
         return started, RunView(), (), None
     started = log.started
     check_schema(started)
-    if options.lineage is not None and Lineage.of(started) != options.lineage:
-        stored = Lineage.of(started)
-        raise UsageError(
-            f"run {log.run_id!r} exists as {stored.describe() if stored else 'a run of its own'},"
-            f" not as the {options.lineage.describe()} asked for (another caller started it)"
-        )
+    _check_lineage(started, options.lineage)
     check_input(started, input)
     accepted = _accepted_change(agent, log, started, clock, options, owner)
     return started, fold(log.records), log.steps, accepted
+
+
+def _check_lineage(started: RunStarted, lineage: Lineage | None) -> None:
+    """Refuse a stored run that is not the fork or thread run a caller asked for.
+
+    Finished or not: a finished run of another lineage is not the result of this fork.
+
+    Raises:
+        UsageError: ``lineage`` is given and the stored run has another one (or none).
+    """
+    if lineage is not None and Lineage.of(started) != lineage:
+        stored = Lineage.of(started)
+        raise UsageError(
+            f"run {started.run_id!r} exists as "
+            f"{stored.describe() if stored else 'a run of its own'}, not as the "
+            f"{lineage.describe()} asked for (another caller started it)"
+        )
 
 
 def _accepted_change(
