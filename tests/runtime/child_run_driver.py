@@ -3,7 +3,8 @@
 ``python child_run_driver.py STORE LEDGER block``: the child records its ``note`` effect in
 LEDGER, then blocks in ``wait``; the process prints ``child running`` and waits to be killed.
 ``python child_run_driver.py STORE LEDGER resume``: resumes the parent (it re-attaches to the
-child), prints the parent's state and exits.
+child), prints the parent's state and exits. Both runs' leases last 2 s: a killed driver's
+lapse soon.
 """
 
 from __future__ import annotations
@@ -86,6 +87,7 @@ async def main(path: str, ledger: str, mode: str) -> None:
             store=store,
             run_id="p",
             owner=PARENT_OWNER,
+            lease_ttl_s=CHILD_LEASE_TTL_S,
         )
         print(result.state.value, result.final_answer, flush=True)
     finally:

@@ -10,6 +10,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from contextlib import asynccontextmanager
 from pathlib import Path
 
@@ -487,6 +488,44 @@ def test_a_parent_killed_while_its_child_runs_re_attaches_after_resume(tmp_path)
     assert int(effects[0].split()[0]) == first.pid
     calls = [r for r in parent_log.records if isinstance(r, ActionResult)]
     assert [(c.outcome.child_run_id, c.outcome.observation) for c in calls] == [(kid, "done")]
+
+
+def test_cancelling_a_parent_killed_while_its_child_runs_cancels_the_child(tmp_path):
+    """A real crash, then `treadle cancel` of the parent nobody drives: it finished the parent
+    and left the child running (orphaned), so a later resume of the child made new effects."""
+    from click.testing import CliRunner
+
+    from treadle.cli import main
+
+    db, ledger = tmp_path / "runs.db", tmp_path / "ledger"
+    driver = [sys.executable, str(Path(__file__).with_name("child_run_driver.py")), str(db)]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    first = subprocess.Popen([*driver, str(ledger), "block"], stdout=subprocess.PIPE, env=env)
+    assert first.stdout is not None
+    assert first.stdout.readline() == b"child running\n"
+    first.send_signal(signal.SIGKILL)
+    assert first.wait() == -signal.SIGKILL
+    first.stdout.close()
+    # Until the dead driver's leases lapse (2 s), the cancel is only requested; then the
+    # command finishes the run itself.
+    for _ in range(600):
+        said = CliRunner().invoke(main, ["cancel", "p", "--store", str(db)])
+        assert said.exit_code == 0, said.output
+        if "finished here, cancelled" in said.output:
+            break
+        time.sleep(0.05)
+    else:
+        raise AssertionError(f"the parent was never finished: {said.output}")
+    kid = child_run_id("p/s1/a1")
+    _, [child_log, parent_log] = read_logs(db, kid, "p")
+    assert parent_log.finished is not None and parent_log.finished.state is RunState.CANCELLED
+    assert child_log.finished is not None and child_log.finished.state is RunState.CANCELLED
+    again = subprocess.run(
+        [*driver, str(ledger), "resume"], capture_output=True, env=env, check=True, timeout=120
+    )
+    assert again.stdout == b"cancelled None\n"  # finished: never driven again
+    effects = ledger.read_text().splitlines()
+    assert len(effects) == 1 and effects[0].endswith(f" {kid}/s1/a1")  # nothing new
 
 
 def test_treadle_show_links_the_parent_and_the_child(tmp_path):

@@ -10,16 +10,35 @@
 
 from __future__ import annotations
 
+import hashlib
 import logging
+from collections.abc import Iterable
 from typing import Final
 
 from treadle._clock import SystemClock
 from treadle._exceptions import StoreError
+from treadle._ids import MAX_RUN_ID_CHARS
 from treadle._text import repaired
 from treadle.ports import ControlStream, RunIndex, RunQueue, RunStore
 from treadle.types import CancelRequested, ChildrenAwaited, Liveness, RunStarted
 
 _LOG = logging.getLogger("treadle.children")
+
+_SUFFIX: Final = "/child"
+
+
+def child_run_id(intent_id: str) -> str:
+    """The run id of the child run that the action intent ``intent_id`` starts.
+
+    ``<intent_id>/child`` (e.g. ``r1/s2/a1/child``); when that is longer than the longest
+    allowed run id, ``child-`` and 32 hex digits of its SHA-256 instead. The same intent always
+    gives the same id, so a resumed parent finds its child (docs/child-runs.md, "Run ids").
+    """
+    derived = intent_id + _SUFFIX
+    if len(derived) <= MAX_RUN_ID_CHARS:
+        return derived
+    return "child-" + hashlib.sha256(derived.encode("utf-8", "surrogatepass")).hexdigest()[:32]
+
 
 PARENT_STOPPED: Final = "the parent run stopped waiting for it (cancelled, or out of time)"
 """The reason of the cancel a parent appends to its child's control stream."""
@@ -82,6 +101,47 @@ async def cancel_awaited_children(store: RunStore, awaited: ChildrenAwaited) -> 
                 child,
                 exc,
             )
+
+
+async def cancel_started_children(
+    store: RunStore, parent: str, intent_ids: Iterable[str]
+) -> list[str]:
+    """Cancel the unfinished child runs that the action intents ``intent_ids`` started.
+
+    For a parent finished without the results of those intents while nobody drove it (its
+    process died during the call, `treadle.finish_cancelled`): a child run id is derived from
+    its intent (`child_run_id`), so each intent's child, if one was started (its run-started
+    names the intent) or queued, gets a cancel in its control stream. An intent of an
+    ordinary tool has no such run and is passed over. Returns the child run ids cancelled.
+
+    A failure is logged, not raised, as in `cancel_awaited_children`.
+    """
+    cancelled = []
+    for intent_id in intent_ids:
+        child = child_run_id(intent_id)
+        try:
+            if await _started_by(store, child, intent_id):
+                await cancel_child(store, child, parent)
+                cancelled.append(child)
+        except StoreError as exc:
+            _LOG.warning(
+                "run %r finished but could not cancel its child run %r (%s)", parent, child, exc
+            )
+    return cancelled
+
+
+async def _started_by(store: RunStore, run_id: str, intent_id: str) -> bool:
+    """Whether ``run_id`` is an unfinished child run of the intent ``intent_id``."""
+    if isinstance(store, RunIndex):
+        summary = await store.read_summary(run_id)
+        if summary is None or summary.liveness is Liveness.FINISHED:
+            return False
+    log = await store.read_log(run_id)
+    if log.finished is not None:
+        return False
+    if log.started is None:  # queued by a fleet worker, not yet claimed
+        return isinstance(store, RunQueue) and await store.read_submission(run_id) is not None
+    return log.started.parent_intent_id == intent_id
 
 
 async def _finished(store: RunStore, run_id: str) -> bool:

@@ -23,7 +23,6 @@ observation (docs/child-runs.md):
 
 from __future__ import annotations
 
-import hashlib
 import math
 import random
 import re
@@ -46,12 +45,11 @@ from treadle._exceptions import (
     UsageError,
     raised,
 )
-from treadle._ids import MAX_RUN_ID_CHARS
 from treadle.actors import CANCEL_GRACE_S
 from treadle.agent import Agent
 from treadle.ports import EventSink, RunIndex, RunStore
 from treadle.stores import LEASE_TTL_S, check_ttl, lease_owner
-from treadle.supervisors._child_links import PARENT_STOPPED, cancel_child
+from treadle.supervisors._child_links import PARENT_STOPPED, cancel_child, child_run_id
 from treadle.supervisors._driver import (
     CONTROL_POLL_S,
     DriveOptions,
@@ -88,22 +86,6 @@ period for a cancelled call (`treadle.actors.CANCEL_GRACE_S`), so the parent wai
 child's ending; the child's own calls get half of it, so the child records its cancel in
 time even when a call of its own ignores the cancellation. Each level of nesting halves both
 (docs/child-runs.md, "Cancellation")."""
-
-_SUFFIX: Final = "/child"
-
-
-def child_run_id(intent_id: str) -> str:
-    """The run id of the child run that the action intent ``intent_id`` starts.
-
-    ``<intent_id>/child`` (e.g. ``r1/s2/a1/child``); when that is longer than the longest
-    allowed run id, ``child-`` and 32 hex digits of its SHA-256 instead. The same intent always
-    gives the same id, so a resumed parent finds its child (docs/child-runs.md, "Run ids").
-    """
-    derived = intent_id + _SUFFIX
-    if len(derived) <= MAX_RUN_ID_CHARS:
-        return derived
-    return "child-" + hashlib.sha256(derived.encode("utf-8", "surrogatepass")).hexdigest()[:32]
-
 
 _UNHASHED = re.compile(r"(?P<intent>(?P<run>.+)/s[1-9][0-9]*/a[1-9][0-9]*)/child")
 

@@ -10,23 +10,31 @@ written, so that a run whose agent no worker serves never waits in ``cancelling`
   an outcome;
 * the cancel request (from the control stream) and the run-finished record (``cancelled``);
 * then, as a driver would: a child run wakes its parent, and a run parked on child runs
-  cancels each child that has not finished (docs/child-runs.md, "In a fleet").
+  cancels each child that has not finished (docs/child-runs.md, "In a fleet"); a run that
+  died during a child run's call cancels that child and, when nobody drives it either,
+  finishes it the same way.
 
 A queued run (never started) gets a run-started record from its queue entry first.
 """
 
 from __future__ import annotations
 
+import logging
+
 import cattrs
 
 from treadle._clock import Clock, SystemClock
-from treadle._exceptions import UsageError
+from treadle._exceptions import RunLeased, StoreError, UsageError
 from treadle._state import closing_records, fold
 from treadle._text import repaired
 from treadle.approvals import read_control
 from treadle.ports import LeaseStore, RunQueue, RunStore
 from treadle.stores import LEASE_TTL_S, write_records
-from treadle.supervisors._child_links import cancel_awaited_children, wake_parent
+from treadle.supervisors._child_links import (
+    cancel_awaited_children,
+    cancel_started_children,
+    wake_parent,
+)
 from treadle.types import (
     CancelRequested,
     Record,
@@ -40,6 +48,7 @@ from treadle.types import (
 )
 
 _PLAIN = cattrs.Converter()
+_LOG = logging.getLogger("treadle.children")
 
 
 async def finish_cancelled(
@@ -84,12 +93,31 @@ async def finish_cancelled(
         started = log.started or records[0]
         assert isinstance(started, RunStarted)
         await wake_parent(store, started)
-        awaited = fold(log.records).pending.children_awaited
-        if awaited is not None:
-            await cancel_awaited_children(store, awaited)
+        pending = fold(log.records).pending
+        if pending.children_awaited is not None:
+            await cancel_awaited_children(store, pending.children_awaited)
+        else:
+            intents = [intent.intent_id for intent in pending.action_intents]
+            children = await cancel_started_children(store, run_id, intents)
+            for child in children:  # its driver died with the parent's: finish it here too
+                await _finish_child(store, child, owner, clock)
         return RunResult.from_finished(finished)
     finally:
         await store.release_lease(lease)
+
+
+async def _finish_child(store: RunStore, run_id: str, owner: str, clock: Clock) -> None:
+    """Finish a child cancelled above when nobody drives it; a live driver applies the cancel.
+
+    A failure is logged, not raised: the cancel is in the child's control stream, so whoever
+    drives it next finishes it ``cancelled``.
+    """
+    try:
+        await finish_cancelled(store, run_id, owner=owner, clock=clock)
+    except RunLeased:
+        pass  # driven (a fleet worker holds it, or its old lease has not expired yet)
+    except (StoreError, UsageError) as exc:
+        _LOG.warning("could not finish the cancelled child run %r (%s)", run_id, exc)
 
 
 async def _closing_records(
