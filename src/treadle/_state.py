@@ -8,6 +8,8 @@ records agree on every counter. `PendingStep` describes the step in progress at 
 
 from __future__ import annotations
 
+import datetime as dt
+
 import attrs
 
 from treadle._budget import Summary
@@ -213,8 +215,34 @@ def fold(records: tuple[Record, ...]) -> RunView:
     return view
 
 
+def seconds_between(start: str, end: str) -> float:
+    """Seconds from ISO-8601 instant ``start`` to ``end`` (negative when ``end`` is earlier)."""
+    return (dt.datetime.fromisoformat(end) - dt.datetime.fromisoformat(start)).total_seconds()
+
+
+def carried_active_s(pending: PendingStep, now: str) -> float:
+    """Active seconds the log shows the pending step has taken by ``now`` (ISO-8601).
+
+    What its recorded model attempts took (the rest of a crashed process's time on it is
+    unknown); for a step parked on child runs, its active time when it parked plus the time
+    since: a parked parent's time goes on (docs/child-runs.md, "Parking while the child
+    works").
+    """
+    awaited = pending.children_awaited
+    if awaited is None:
+        return pending.recorded_s
+    parked_s = max(0.0, seconds_between(awaited.ts, now))
+    return max(pending.recorded_s, awaited.active_s + parked_s)
+
+
 def closing_records(
-    run_id: str, pending: PendingStep, synthetic: SyntheticObservations, ts: str, detail: str
+    run_id: str,
+    pending: PendingStep,
+    synthetic: SyntheticObservations,
+    ts: str,
+    detail: str,
+    *,
+    active_s: float = 0.0,
 ) -> list[Record]:
     """What leaves no intent of a pending step without an outcome when the run ends there.
 
@@ -231,6 +259,7 @@ def closing_records(
         synthetic: the definition's synthetic observations.
         ts: the records' instant (ISO-8601).
         detail: why the outcomes are unknown (diagnostics).
+        active_s: the step record's active seconds (`carried_active_s`).
     """
     records: list[Record] = []
     if pending.open_model_intent is not None:
@@ -269,6 +298,7 @@ def closing_records(
             visible_output_chars=len(reply.text or "") if reply else 0,
             observations=tuple(r.outcome.observation for r in results),
             action_result_ids=tuple(r.intent_id for r in results),
+            active_s=round(active_s, 6),
         )
     )
     return records

@@ -227,6 +227,35 @@ async def test_cancelling_a_parked_parent_finishes_it_and_cancels_its_child(flee
     kid_log = await fleet_store.read_log(kid)
     cancel = next(r for r in kid_log.records if isinstance(r, CancelRequested))
     assert cancel.canceller == "p"
+    # Its time parked is active time (before, the closing step record counted none of it,
+    # nor what the step took before parking: the totals said 0.0 s).
+    awaited = next(r for r in log.records if isinstance(r, ChildrenAwaited))
+    step = next(r for r in log.records if isinstance(r, StepRecord))
+    parked_s = treadle_seconds(awaited.ts, step.ts)
+    assert parked_s > 0 and abs(step.active_s - (awaited.active_s + parked_s)) < 1e-5
+    assert parent.totals.active_s >= step.active_s
+
+
+async def test_a_parked_parent_stops_when_its_time_budget_is_spent(fleet_store):
+    """Its recheck instant was the child's recheck (an hour here) whatever its time budget:
+    a parent with 1 s left parked for the hour, and then counted none of it."""
+    gate = trio.Event()
+    agents = {  # nobody serves the child: it stays queued
+        "parent": lambda: parent_agent(
+            fleet_store, child_agent([], gate), budgets=Budgets(time_budget_s=1.0)
+        ),
+    }
+    with trio.fail_after(60):
+        async with fleet(fleet_store, agents, child_recheck_s=3600) as worker:
+            await worker.submit("parent", "go", run_id="p")
+            await until(lambda: parked(fleet_store, "p"))
+            parent = await worker.result("p", poll_s=0.05)
+    assert parent.stop_reason is StopReason.TIME_BUDGET
+    log = await fleet_store.read_log("p")
+    awaited = next(r for r in log.records if isinstance(r, ChildrenAwaited))
+    assert treadle_seconds(awaited.ts, awaited.recheck_ts) <= 1.0 - awaited.active_s + 1e-3
+    assert parent.totals.active_s >= 1.0
+    assert check_invariants(log) == []
 
 
 async def test_a_queued_child_is_capped_by_what_its_parent_has_left(fleet_store):

@@ -18,12 +18,12 @@ the actors of a step share. `Parked`, `AwaitingChildren` and `Drained` are the c
 signals that the run stops being driven here (caught by the run supervisor).
 """
 
+from treadle._state import seconds_between as seconds_between
 from treadle.actors._coordinator import STOP_GRACE_S as STOP_GRACE_S
 from treadle.actors._coordinator import AwaitingChildren as AwaitingChildren
 from treadle.actors._coordinator import Drained as Drained
 from treadle.actors._coordinator import Parked as Parked
 from treadle.actors._coordinator import RunCoordinator as RunCoordinator
-from treadle.actors._coordinator import seconds_between as seconds_between
 from treadle.actors._executor import ToolExecutor as ToolExecutor
 from treadle.actors._gateway import DELTA_FLUSH_CHARS as DELTA_FLUSH_CHARS
 from treadle.actors._gateway import DELTA_FLUSH_S as DELTA_FLUSH_S

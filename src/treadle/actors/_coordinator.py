@@ -22,7 +22,13 @@ from treadle._budget import window_from_error
 from treadle._clock import Clock
 from treadle._exceptions import SeamViolation
 from treadle._output import OutputSpec
-from treadle._state import PendingStep, RunView, closing_records
+from treadle._state import (
+    PendingStep,
+    RunView,
+    carried_active_s,
+    closing_records,
+    seconds_between,
+)
 from treadle._text import repaired
 from treadle.actors._mailbox import MailboxReceiver, MailboxSender
 from treadle.actors._messages import (
@@ -344,10 +350,11 @@ class RunCoordinator:
                 return await self._finish(reason)
             if self._draining:
                 raise Drained(f"run {self.run_id!r} stopped between steps to be driven elsewhere")
-            started = trio.current_time()
             reason = await self._step()
             if reason is not None:
-                return await self._finish(reason, cut_active_s=self._elapsed(started))
+                # from the step's start as `_step` counts it: the time it carried (parked on
+                # children, or recorded before a crash) is the cut step's too
+                return await self._finish(reason, cut_active_s=self._elapsed(self._step_started))
 
     def close_inboxes(self) -> None:
         """Close the hydrator, gateway and executor inboxes: their actors then return."""
@@ -418,12 +425,7 @@ class RunCoordinator:
 
     def _recorded_s(self) -> float:
         """Active seconds the log shows the pending step has taken (see `_step`)."""
-        pending = self.view.pending
-        awaited = pending.children_awaited
-        if awaited is None:
-            return pending.recorded_s
-        parked_s = max(0.0, seconds_between(awaited.ts, self.clock.now_iso()))
-        return max(pending.recorded_s, awaited.active_s + parked_s)
+        return carried_active_s(self.view.pending, self.clock.now_iso())
 
     async def _run_step(self, scope: StepScope, started: float) -> StopReason | None:
         pending = self.view.pending
@@ -571,13 +573,17 @@ class RunCoordinator:
         """
         now = self.clock.now_iso()
         recheck_s = min(awaited.recheck_s for awaited in outcome.awaiting)
+        active_s = self._elapsed(started)
+        budget_s = self.budgets.time_budget_s
+        if budget_s is not None:  # its time budget runs on while parked: claimable when spent
+            recheck_s = min(recheck_s, max(0.0, budget_s - self.view.active_s - active_s))
         record = ChildrenAwaited(
             run_id=self.run_id,
             step=step,
             ts=now,
             intent_ids=tuple(awaited.intent_id for awaited in outcome.awaiting),
             children=tuple(awaited.child_run_id for awaited in outcome.awaiting),
-            active_s=self._elapsed(started),
+            active_s=active_s,
             recheck_ts=_plus_s(now, recheck_s),
         )
         if self._cancel is None:
@@ -874,12 +880,14 @@ class RunCoordinator:
 
     async def _close_pending(self) -> None:
         """A run ending before it ran its resumed step again: no intent stays without outcome."""
+        now = self.clock.now_iso()
         closing = closing_records(
             self.run_id,
             self.view.pending,
             self.synthetic,
-            self.clock.now_iso(),
+            now,
             "the run ended before the interrupted step was run again",
+            active_s=carried_active_s(self.view.pending, now),
         )
         if closing and isinstance(closing[0], ModelResult):
             abandoned = closing.pop(0)
@@ -950,11 +958,6 @@ _CUT_KINDS = frozenset(
     {StopReason.CANCELLED.value, StopReason.TIME_BUDGET.value, StopReason.TOKEN_BUDGET.value}
 )
 """Error kinds of attempts cut by the run itself, not failed by the provider."""
-
-
-def seconds_between(start: str, end: str) -> float:
-    """Seconds from ISO-8601 instant ``start`` to ``end`` (negative when ``end`` is earlier)."""
-    return (dt.datetime.fromisoformat(end) - dt.datetime.fromisoformat(start)).total_seconds()
 
 
 def _final_state(reason: StopReason) -> RunState:

@@ -25,7 +25,7 @@ import cattrs
 
 from treadle._clock import Clock, SystemClock
 from treadle._exceptions import RunLeased, StoreError, UsageError
-from treadle._state import closing_records, fold
+from treadle._state import carried_active_s, closing_records, fold
 from treadle._text import repaired
 from treadle.approvals import read_control
 from treadle.ports import LeaseStore, RunQueue, RunStore
@@ -127,12 +127,14 @@ async def _closing_records(
     if log.started is None:
         records.append(await _started_from_queue(store, log.run_id, clock))
     view = fold((*log.records, *records))
+    now = clock.now_iso()
     closing = closing_records(
         log.run_id,
         view.pending,
         _synthetic(log),
-        clock.now_iso(),
+        now,
         "the run was cancelled while nobody drove it",
+        active_s=carried_active_s(view.pending, now),
     )
     for record in closing:
         view.apply(record)
