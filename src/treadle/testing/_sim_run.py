@@ -5,6 +5,8 @@ Part of `treadle.testing.simulation`, which re-exports the public names (docs/si
 
 from __future__ import annotations
 
+import heapq
+import itertools
 import random
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -123,7 +125,33 @@ def simulate(
     return trio.run(_simulate, seed, plan, runs, scenario, clock=clock)
 
 
+class _RegistrationOrderDeadlines(trio._core._run.Deadlines):
+    """trio's deadline heap, ties broken by the order deadlines were set, not by ``id()``.
+
+    trio orders cancel scopes that share a deadline by their ``id()``, a memory address: on
+    the virtual clock deadlines tie exactly (a child run's time budget ends where its
+    parent's step does), and which scope expired first then changed from one simulation of
+    a seed to the next, and with it the log (docs/simulation.md, "Determinism").
+    """
+
+    _order = itertools.count()
+
+    def add(self, deadline: float, cancel_scope: trio.CancelScope) -> None:
+        heapq.heappush(self._heap, (deadline, next(self._order), cancel_scope))
+        self._active += 1
+
+
+def _order_deadline_ties() -> None:
+    """Give this trio run `_RegistrationOrderDeadlines` (before any deadline is set)."""
+    runner = trio._core._run.GLOBAL_RUN_CONTEXT.runner
+    old = runner.deadlines
+    if type(old) is not trio._core._run.Deadlines or old._active:
+        raise RuntimeError(f"simulate: trio's deadlines are not as expected: {old!r}")
+    runner.deadlines = _RegistrationOrderDeadlines()
+
+
 async def _simulate(seed: int, plan: FaultPlan, runs: int, scenario: Scenario) -> SimulationResult:
+    _order_deadline_ties()
     call_tools_inline()  # a worker thread or a child process would race the virtual clock
     rng = random.Random(seed)
     counts: dict[str, int] = {}
