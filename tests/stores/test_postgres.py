@@ -758,3 +758,81 @@ async def test_a_write_waits_alone_and_bounded_for_a_row_kept_locked(
         assert "the row of run 'b' stayed locked by another transaction" in str(failed["b"])
         logs = {r: await store.read_log(r) for r in gens}
     assert [len(logs[r].records) for r in ("a", "b", "c")] == [3, 2, 3]  # nothing of b's write
+
+
+class _CountsWaits(postgres.PostgresBackend):
+    """Records the runs of each commit statement that waits for rows held elsewhere."""
+
+    waits: list[list[str]] = []
+
+    def _statement(self, groups, **held):  # type: ignore[no-untyped-def]
+        if "held" not in held:
+            type(self).waits.append(sorted(g.run_id for g in groups))
+        return super()._statement(groups, **held)
+
+
+async def test_runs_whose_rows_are_kept_locked_wait_once_together(
+    postgres_dsn: str, postgres_schema: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each held row was waited for alone, one after the other: with 8 rows held, a worker's
+    other runs stood still 8 times 2 s."""
+    monkeypatch.setattr(postgres, "PostgresBackend", _CountsWaits)
+    monkeypatch.setattr(_CountsWaits, "waits", [])
+    async with treadle.open_postgres_store(postgres_dsn, schema=postgres_schema) as store:
+        gens = {r: await lease_generation(store, r) for r in ("a", "b", "c", "d")}
+        for r, gen in gens.items():
+            await store.write_run_started(started(r), seq=1, generation=gen)
+            await store.write_intent(intent(r, 1), seq=2, generation=gen)
+        _CountsWaits.waits.clear()
+        failed: dict[str, BaseException] = {}
+
+        async def write(r: str) -> None:
+            try:
+                await store.write_intent(intent(r, 2), seq=3, generation=gens[r])
+            except treadle.StoreError as exc:
+                failed[r] = exc
+
+        with psycopg.connect(postgres_dsn) as other:  # keeps b, c and d locked
+            other.execute(
+                f"SELECT 1 FROM {postgres_schema}.runs WHERE run_id IN ('b', 'c', 'd') FOR UPDATE"
+            )
+            letting_go = threading.Timer(20.0, other.rollback)
+            letting_go.start()
+            try:
+                async with trio.open_nursery() as nursery:
+                    for r in gens:
+                        nursery.start_soon(write, r)
+                assert letting_go.is_alive()
+            finally:
+                letting_go.cancel()
+            other.rollback()
+        assert set(failed) == {"b", "c", "d"}
+        # one wait, for the held rows together (a batch may hold a, or not)
+        assert [w for w in _CountsWaits.waits if w != ["a"]] == [["b", "c", "d"]]
+
+
+async def test_a_call_waits_for_a_row_kept_locked_at_most_its_lock_wait(
+    postgres_dsn: str, postgres_schema: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A lease release, a cancel's control append: they waited for as long as another
+    transaction kept the run's row (a worker's drain and a `treadle cancel` hung with it)."""
+    monkeypatch.setattr(postgres, "CALL_LOCK_WAIT_MS", 300)
+    async with treadle.open_postgres_store(postgres_dsn, schema=postgres_schema) as store:
+        held = await store.acquire_lease("r", owner="w", ttl_s=60)
+        await store.write_run_started(started("r"), seq=1, generation=held.generation)
+        await store.read_log("r")
+        with psycopg.connect(postgres_dsn) as other:
+            other.execute(f"SELECT 1 FROM {postgres_schema}.runs WHERE run_id = 'r' FOR UPDATE")
+            letting_go = threading.Timer(20.0, other.rollback)
+            letting_go.start()
+            try:
+                with pytest.raises(treadle.StoreError, match="kept a lock this needs"):
+                    await store.release_lease(held)
+                cancel = CancelRequested(run_id="r", ts=TS, reason="stop")
+                with pytest.raises(treadle.StoreError, match="kept a lock this needs"):
+                    await store.append_control(cancel)
+                assert letting_go.is_alive()
+            finally:
+                letting_go.cancel()
+            other.rollback()
+        await store.release_lease(held)  # once let go, it works

@@ -1032,6 +1032,31 @@ async def test_unreported_failure_is_raised_by_aclose(tmp_path: Path) -> None:
     await store.aclose()  # reported once; closing again is quiet
 
 
+async def test_an_unreported_failure_does_not_fail_the_runs_next_drive(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A write failed after its driver stopped waiting (its lease was lost meanwhile, its
+    drive cut): the error was kept, so the run's next drive through the same store object
+    failed at once ("an earlier write of this run failed"), long after the cause had gone,
+    and `aclose` failed after it."""
+    store = await full_store(tmp_path)
+    held = await store.acquire_lease("r", owner=OWNER, ttl_s=TTL_S)
+    g = held.generation
+    await store.write_run_started(started("r"), seq=1, generation=g)
+    await store.write_model_result(big_result("r"), seq=2, generation=g)  # queued; it fails
+    assert (await store.read_log("r")).records == ()  # its batch failed: nothing is there
+    await store.release_lease(held)  # the drive ends, told nothing
+    assert "failed after its driver stopped waiting" in caplog.text
+    again = await lease(store, "r")
+    await store.write_run_started(started("r"), seq=1, generation=again)
+    await store.write_intent(intent("r", "m1"), seq=2, generation=again)
+    assert [type(r).__name__ for r in (await store.read_log("r")).records] == [
+        "RunStarted",
+        "ModelIntent",
+    ]
+    await store.aclose()  # nothing is left unreported
+
+
 async def test_bad_input_is_refused_and_loses_nothing(tmp_path: Path) -> None:
     async with open_sqlite_store(tmp_path / "s.db") as store:
         g = await lease(store, "r")

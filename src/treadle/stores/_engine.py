@@ -554,15 +554,24 @@ class CommitEngine:
         write failed (a statement timeout, a lost connection) can be driven again through
         this store object once the cause is gone (docs/crash-safety.md, "The stores"). A
         failure the run's writer already raised goes with the rest, as does a `LeaseLost`
-        refusal (it was the old lease's; the new one may write); an unreported failure is
-        kept, to be raised by the run's next write or by `aclose`.
+        refusal (it was the old lease's; the new one may write). So does a failure nobody
+        was told of (its driver stopped waiting: its lease was lost meanwhile, or its drive
+        was cut), logged as a warning: the lease moved on, and the run's next drive, here or
+        elsewhere, goes on from what the store holds, as after a crash. Kept, it failed that
+        next drive at once, and `aclose` after it.
         """
         state = self._runs.get(run_id)
         if state is None or not (state.last is None or state.last.done):
             return
         error = state.error
-        if error is None or state.reported or isinstance(error, LeaseLost):
-            del self._runs[run_id]
+        if error is not None and not state.reported and not isinstance(error, LeaseLost):
+            _LOG.warning(
+                "run %r: a write of its last drive here failed after its driver stopped "
+                "waiting for it (%s); the run's next drive goes on from what is stored",
+                run_id,
+                error,
+            )
+        del self._runs[run_id]
 
     def _deliver(self, batch: list[Write], report: BatchReport) -> None:
         """In the trio thread: record the outcome of one batch and wake its waiters."""

@@ -26,6 +26,7 @@ shown (`treadle.stores._dsn.redact_dsn`).
 from __future__ import annotations
 
 import contextlib
+import functools
 import re
 import time
 from collections.abc import AsyncIterator, Sequence
@@ -144,6 +145,14 @@ itself, rows the commit had waited for were refused (its update had read them be
 _LOCK_FREE_ROWS: Final = _LOCK_ROWS + " SKIP LOCKED"
 """`_LOCK_ROWS`, passing over the rows another transaction holds (it returns the rest)."""
 
+CALL_LOCK_WAIT_MS: Final = 5_000
+"""How long (milliseconds) a statement of the store's calls waits for a lock another
+transaction holds (a row kept locked, a table locked by a migration): reads, leases, claims,
+control appends and submits, not the committer's commits. It then fails with `StoreError`
+saying so, rather than hang: a worker's lease release, its claims and its drain, and
+``treadle cancel`` or ``approve``, wait that long at most (docs/fleet.md, "What each crash
+does")."""
+
 COMMIT_LOCK_WAIT_MS: Final = 2_000
 """How long (milliseconds) a run's write waits for its ``runs`` row when another transaction
 holds it (an operator's open transaction, a stuck client): then the write fails with
@@ -182,17 +191,26 @@ class PostgresDialect:
         self.description = f"PostgreSQL store {redact_dsn(dsn)} (schema {schema})"
         self._sql: dict[str, str] = {}
 
-    def connect(self, application: str = "treadle") -> Any:
-        """A new autocommit connection whose search path is the store's schema."""
+    def connect(self, application: str = "treadle", *, lock_wait_ms: int = 0) -> Any:
+        """A new autocommit connection whose search path is the store's schema.
+
+        ``lock_wait_ms``: how long its statements wait for a lock (``lock_timeout``; 0, the
+        server's default, waits as long as the lock is held).
+        """
         psycopg = _psycopg()
         _, other = schema_of(self.dsn)
-        idle = f"-c idle_in_transaction_session_timeout={IDLE_IN_TRANSACTION_S}s"
+        settings = [
+            f"-c idle_in_transaction_session_timeout={IDLE_IN_TRANSACTION_S}s",
+            f"-c search_path={self.schema}",
+        ]
+        if lock_wait_ms:
+            settings.append(f"-c lock_timeout={lock_wait_ms}")
         return psycopg.connect(
             self.dsn,
             autocommit=True,
             connect_timeout=CONNECT_TIMEOUT_S,
             application_name=application,
-            options=" ".join([*other, idle, f"-c search_path={self.schema}"]),
+            options=" ".join([*other, *settings]),
             **KEEPALIVE,
         )
 
@@ -239,6 +257,11 @@ def _translate(description: str, exc: BaseException, what: str) -> TreadleError 
     if isinstance(exc, psycopg.errors.DataCorrupted | psycopg.errors.IndexCorrupted):
         return LogCorrupted(f"the database is damaged: {message}", where=description, offset=0)
     errors = psycopg.errors
+    if _lock_timeout(exc):
+        return StoreError(
+            f"{what} {description}: another transaction kept a lock this needs for more than "
+            f"{CALL_LOCK_WAIT_MS / 1000:g} s ({message}); try again once it has let go"
+        )
     if isinstance(
         exc,
         errors.InsufficientPrivilege
@@ -249,6 +272,11 @@ def _translate(description: str, exc: BaseException, what: str) -> TreadleError 
     ):
         return StoreRefused(f"{what} {description}: {message}")
     return StoreError(f"{what} {description}: {message}")
+
+
+def _lock_timeout(exc: BaseException) -> bool:
+    """Whether a statement gave up waiting for a lock (``lock_timeout``, SQLSTATE 55P03)."""
+    return getattr(exc, "sqlstate", None) == "55P03"
 
 
 def _lost_connection(exc: BaseException) -> bool:
@@ -376,8 +404,8 @@ class PostgresBackend(_sql.SqlBackend):
                 committed = self._each(groups, exc)
             else:
                 committed = self._reconcile(groups, exc)
-        for group in held:  # their rows were locked elsewhere: each waits alone, bounded
-            committed |= self._alone(group)
+        if held:  # their rows were locked elsewhere: they wait together, bounded
+            committed |= self._held(held)
         self._refuse_others(groups, committed)
         return BatchReport(syncs=1 if committed else 0)
 
@@ -396,6 +424,32 @@ class PostgresBackend(_sql.SqlBackend):
             committed |= self._alone(group)
         return committed
 
+    def _held(self, held: list[_sql.RunBatch]) -> set[str]:
+        """Commit the runs whose rows another transaction held when the batch took its rows.
+
+        One wait for all of them, at most `COMMIT_LOCK_WAIT_MS`; then the rows free by then
+        are committed and the runs of those still held fail (`_locked`): the batch waits
+        that long once, however many rows are held.
+        """
+        try:
+            return self._statement(held)
+        except Exception as exc:
+            if self._lost(exc):
+                return self._reconcile(held, exc)
+            if not _lock_timeout(exc):
+                return self._each(held, exc)
+        still: list[_sql.RunBatch] = []
+        try:
+            committed = self._statement(held, held=still)
+        except Exception as exc:
+            if self._lost(exc):
+                return self._reconcile(held, exc)
+            self._fail(held, exc)
+            return set()
+        for group in still:
+            self._locked(group)
+        return committed
+
     def _alone(self, group: _sql.RunBatch) -> set[str]:
         """Commit one run's writes in their own transaction (waiting for its row, bounded)."""
         try:
@@ -405,17 +459,21 @@ class PostgresBackend(_sql.SqlBackend):
                 self._reconnect(exc)
                 if self._committed([group]):
                     return {group.run_id}
-            if getattr(exc, "sqlstate", None) == "55P03":  # lock_not_available
-                error = StoreError(
-                    f"cannot write to {self.description}: the row of run {group.run_id!r} "
-                    f"stayed locked by another transaction for {COMMIT_LOCK_WAIT_MS / 1000:g} s;"
-                    " nothing of the write was stored"
-                )
-                error.__cause__ = exc
-                fail_writes(group.writes, error)
+            if _lock_timeout(exc):
+                self._locked(group, exc)
                 return set()
             self._fail([group], exc)
             return set()
+
+    def _locked(self, group: _sql.RunBatch, cause: BaseException | None = None) -> None:
+        """Fail ``group``'s writes: its run's row stayed locked past `COMMIT_LOCK_WAIT_MS`."""
+        error = StoreError(
+            f"cannot write to {self.description}: the row of run {group.run_id!r} stayed "
+            f"locked by another transaction for {COMMIT_LOCK_WAIT_MS / 1000:g} s; nothing of "
+            "the write was stored"
+        )
+        error.__cause__ = cause
+        fail_writes(group.writes, error)
 
     def _lost(self, exc: BaseException) -> bool:
         """Whether ``exc`` cost the committer its connection.
@@ -717,7 +775,9 @@ class PostgresStore(_sql.SqlStore):
         chosen = _check_schema_name(schema or schema_of(dsn)[0] or DEFAULT_SCHEMA)
         token = trio.lowlevel.current_trio_token()
         dialect, conn = await trio.to_thread.run_sync(_open, dsn, chosen, create)
-        pool = _sql.ConnectionPool(dialect.connect)
+        pool = _sql.ConnectionPool(
+            functools.partial(dialect.connect, lock_wait_ms=CALL_LOCK_WAIT_MS)
+        )
         engine = CommitEngine(PostgresBackend(dialect, conn, pool), token)
         return cls(dialect, engine, pool)
 
