@@ -340,6 +340,31 @@ async def test_max_tokens_in_the_middle_of_a_tool_call_is_an_invalid_call():
     assert invalid.raw_arguments == '{"path": "/tmp/x", "text": "half'
 
 
+async def test_max_tokens_after_input_that_parses_still_leaves_the_last_call_unexecuted():
+    """What arrived of the cut call parsed (``{"path": "/tmp/a"}``), so it was executed: the
+    limit may have cut more arguments, or more calls, after it (docs/models.md, "Output
+    cap"). A call before it is whole and runs."""
+    chunks = [
+        message_start(),
+        block_start(0, {"type": "tool_use", "id": "toolu_a", "name": "read", "input": {}}),
+        json_delta(0, '{"path": "/tmp/b"}'),
+        block_stop(0),
+        block_start(1, {"type": "tool_use", "id": "toolu_b", "name": "delete_file", "input": {}}),
+        json_delta(1, '{"path": "/tmp/a"}'),
+        block_stop(1),
+        message_delta("max_tokens", 100),
+        MESSAGE_STOP,
+    ]
+    reply, _ = await call(CannedResponse(headers=SSE, chunks=chunks))
+    assert [(c.id, c.arguments) for c in reply.tool_calls] == [("toolu_a", {"path": "/tmp/b"})]
+    [invalid] = reply.invalid_tool_calls
+    assert (invalid.id, invalid.reason, invalid.raw_arguments) == (
+        "toolu_b",
+        "truncated",
+        '{"path": "/tmp/a"}',
+    )
+
+
 async def test_tool_call_cut_before_any_input_is_not_executable():
     chunks = [
         message_start(),

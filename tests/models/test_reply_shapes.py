@@ -146,6 +146,17 @@ async def test_a_call_cut_under_a_nonstandard_length_reason_is_truncated():
     assert [c.reason for c in reply.invalid_tool_calls] == ["truncated"]
 
 
+async def test_a_cut_call_whose_arguments_parse_is_still_truncated():
+    """``finish_reason: length`` after ``{"path": "/tmp/a"}``: the call was executed, where the
+    limit may have cut it (docs/models.md, "Output cap"). The call before it is whole."""
+    whole = {"index": 0, "id": "c0", "function": {"name": "read", "arguments": '{"p": 1}'}}
+    cut = {"index": 1, "id": "c1", "function": {"name": "rm", "arguments": '{"path": "/tmp/a"}'}}
+    body = data(chunk({"tool_calls": [whole]}), chunk({"tool_calls": [cut]}, "length"), "[DONE]")
+    reply = await complete(CannedResponse(headers=SSE, chunks=[body]))
+    assert [c.id for c in reply.tool_calls] == ["c0"]
+    assert [(c.id, c.reason) for c in reply.invalid_tool_calls] == [("c1", "truncated")]
+
+
 # --------------------------------------------------------------------------- refusals
 
 

@@ -389,7 +389,9 @@ class StreamAccumulator:
 
         A call whose arguments are not a JSON object goes to ``invalid_tool_calls`` with its
         raw text: reason ``truncated`` when ``finish_reason`` is ``length``, else
-        ``unparseable``. It never appears in ``tool_calls``. The finish reason is mapped onto
+        ``unparseable``. It never appears in ``tool_calls``. With ``finish_reason`` ``length``
+        the last call goes there (``truncated``) whatever its arguments: the output limit cut
+        it (docs/models.md, "Output cap"). The finish reason is mapped onto
         the standard set (`standard_finish_reason`), the server's own value kept.
 
         Raises:
@@ -416,11 +418,15 @@ class StreamAccumulator:
         )
         calls: list[ToolCall] = []
         invalid: list[InvalidToolCall] = []
-        for ordinal, buf in enumerate(sorted(self._calls, key=lambda b: b.index)):
+        ordered = sorted(self._calls, key=lambda b: b.index)
+        for ordinal, buf in enumerate(ordered):
             call_id = buf.id or self._synthetic_id(buf, ordinal)
             raw = "".join(buf.arguments)
             arguments = _object_or_none(raw)
-            if arguments is None or (not buf.name and finish == "length"):
+            # The last call is where the output limit cut the reply, also when what arrived
+            # of it parses (docs/models.md, "Output cap"); the ones before it are whole.
+            cut = finish == "length" and ordinal == len(ordered) - 1
+            if arguments is None or cut:
                 reason = "truncated" if finish == "length" else "unparseable"
                 invalid.append(
                     InvalidToolCall(id=call_id, name=buf.name, raw_arguments=raw, reason=reason)

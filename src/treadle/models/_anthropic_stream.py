@@ -226,7 +226,9 @@ class MessageAccumulator:
 
         A ``tool_use`` block whose input is not a JSON object goes to ``invalid_tool_calls``
         with its raw text: reason ``truncated`` when the reply was cut by ``max_tokens``, else
-        ``unparseable``. It never appears in ``tool_calls``.
+        ``unparseable``. It never appears in ``tool_calls``. Cut by ``max_tokens``, a
+        ``tool_use`` block that is the reply's last block goes there (``truncated``) whatever
+        its input (docs/models.md, "Output cap").
 
         Raises:
             treadle.ModelCallError: ``incomplete_stream`` (retryable) when the response held
@@ -243,13 +245,17 @@ class MessageAccumulator:
         invalid: list[InvalidToolCall] = []
         reasoning: list[str] | None = None
         finish = _finish_reason(self.stop_reason)
-        for block in self._ordered():
+        blocks = self._ordered()
+        for block in blocks:
             if block.type in ("thinking", "redacted_thinking"):
                 reasoning = (reasoning or []) + block.parts
             elif block.type == "tool_use":
                 call_id = block.id or f"toolu_{block.index}"
+                # The last block is where max_tokens cut the reply, also when what arrived of
+                # its input parses (docs/models.md, "Output cap").
+                cut = finish == "length" and block is blocks[-1]
                 raw, arguments = _arguments(block, cut=finish == "length")
-                if arguments is None or not block.name:
+                if arguments is None or not block.name or cut:
                     reason = "truncated" if finish == "length" else "unparseable"
                     invalid.append(
                         InvalidToolCall(
