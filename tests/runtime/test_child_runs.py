@@ -528,6 +528,44 @@ def test_cancelling_a_parent_killed_while_its_child_runs_cancels_the_child(tmp_p
     assert len(effects) == 1 and effects[0].endswith(f" {kid}/s1/a1")  # nothing new
 
 
+def test_resuming_every_run_leaves_a_child_to_its_parents_resume(tmp_path):
+    """A real crash, then `resume_unfinished` (`treadle resume --all`) with the parent's
+    definition: it also resumed the child with it, which failed on the child's snapshot
+    (the command exited 1) or raced the parent's re-attaching to it."""
+    from child_run_driver import parent
+
+    from treadle.supervisors import resume_unfinished
+    from treadle.types import Liveness
+
+    db, ledger = tmp_path / "runs.db", tmp_path / "ledger"
+    driver = [sys.executable, str(Path(__file__).with_name("child_run_driver.py")), str(db)]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    first = subprocess.Popen([*driver, str(ledger), "block"], stdout=subprocess.PIPE, env=env)
+    assert first.stdout is not None
+    assert first.stdout.readline() == b"child running\n"
+    first.send_signal(signal.SIGKILL)
+    assert first.wait() == -signal.SIGKILL
+    first.stdout.close()
+    kid = child_run_id("p/s1/a1")
+
+    async def resume_all() -> list[str]:
+        async with open_store_at(db) as store:
+            with trio.fail_after(60):  # both dead leases lapse (2 s)
+                while True:
+                    found = [await store.read_summary(r) for r in ("p", kid)]
+                    if all(s is not None and s.liveness is Liveness.ORPHANED for s in found):
+                        break
+                    await trio.sleep(0.05)
+            results = await resume_unfinished(parent(store, str(ledger), False), store=store)
+            return [r.run_id for r in results]
+
+    assert trio.run(resume_all) == ["p"]  # the child was finished by the parent's resume
+    _, [child_log, parent_log] = read_logs(db, kid, "p")
+    assert parent_log.finished is not None and parent_log.finished.state is RunState.SUCCEEDED
+    assert child_log.finished is not None and child_log.finished.state is RunState.SUCCEEDED
+    assert len(ledger.read_text().splitlines()) == 1  # its `never` effect stayed single
+
+
 def test_treadle_show_links_the_parent_and_the_child(tmp_path):
     from click.testing import CliRunner
 

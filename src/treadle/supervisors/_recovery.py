@@ -1,7 +1,9 @@
 """Recovery: resume every unfinished run of a store, as a process does after a crash.
 
-`resume_unfinished` lists the store's runs, skips the finished ones and those another live
-driver holds the lease of, and drives each other unfinished run to its end with `treadle.run`
+`resume_unfinished` lists the store's runs, skips the finished ones, those another live
+driver holds the lease of and child runs whose parent is unfinished (the parent's resume
+re-attaches to its child, with the child's own agent: docs/child-runs.md), and drives each
+other unfinished run to its end with `treadle.run`
 (the resume table of docs/crash-safety.md applies: finished intents are reused, an interrupted
 model call is abandoned and made afresh, an interrupted action follows its tool's replay
 policy), at most ``max_concurrent`` at a time.
@@ -18,9 +20,9 @@ from treadle._clock import Clock
 from treadle._exceptions import RunLeased, StoreError, UsageError
 from treadle._trio_only import require_trio
 from treadle.agent import Agent
-from treadle.ports import EventSink, RunStore
+from treadle.ports import EventSink, RunIndex, RunStore
 from treadle.supervisors._run import run
-from treadle.types import RunResult, RunStarted
+from treadle.types import Liveness, RunResult, RunStarted
 
 AgentFor = Callable[[RunStarted], Agent]
 """Chooses the agent definition for a run from its stored run-started record."""
@@ -42,7 +44,8 @@ async def resume_unfinished(
         agent: the agent definition, or a function choosing it from a run's run-started
             record (its snapshot and input), for stores that hold runs of several agents.
         store: the run store; its runs are taken in `list_runs` order. A run another live
-            driver holds the lease of is left to it (neither resumed nor an error).
+            driver holds the lease of is left to it (neither resumed nor an error), as is a
+            child run whose parent is unfinished (the parent's resume re-attaches to it).
         max_concurrent: runs driven at the same time (at least 1).
         sinks: event sinks given to every resumed run.
         clock: wall clock for record timestamps (default: the system clock).
@@ -111,6 +114,9 @@ async def _resume(
     started = log.started
     if started is None:
         raise StoreError(f"run {run_id!r}: its log does not start with run-started")
+    parent = started.parent_run_id
+    if parent is not None and not await _finished(store, parent):
+        return None  # the parent's resume re-attaches to it, with the child's own agent
     definition = agent if isinstance(agent, Agent) else agent(started)
     if not isinstance(definition, Agent):
         raise UsageError(f"run {run_id!r}: the agent factory returned {definition!r}")
@@ -122,3 +128,11 @@ async def _resume(
         clock=clock,
         rng=random.Random(seed) if seed is not None else None,
     )
+
+
+async def _finished(store: RunStore, run_id: str) -> bool:
+    if isinstance(store, RunIndex):
+        summary = await store.read_summary(run_id)
+        if summary is not None:
+            return summary.liveness is Liveness.FINISHED
+    return (await store.read_log(run_id)).finished is not None
