@@ -150,6 +150,46 @@ async def test_a_waiting_parent_parks_and_its_childs_end_wakes_it(fleet_store):
     assert any("not a call waiting" in p for p in check_invariants(late))
 
 
+def _another_object_on(store):
+    """A second store object on ``store``'s file or DSN and schema (as a worker's agent
+    factory opens its own)."""
+    dialect = store._dialect
+    if hasattr(dialect, "dsn"):
+        from treadle.stores.postgres import open_postgres_store
+
+        return open_postgres_store(dialect.dsn, schema=dialect.schema)
+    from treadle.stores.sqlite import open_sqlite_store
+
+    return open_sqlite_store(dialect.path)
+
+
+async def test_a_tool_on_another_store_object_of_the_fleets_database_queues_the_child(
+    fleet_store,
+):
+    """`treadle worker` opens its store itself, so an agent factory's `agent_tool` holds
+    another store object on the same database: the child ran inline in the parent's call,
+    never queued, without a word (docs/child-runs.md, "In a fleet")."""
+    executed: list[str] = []
+    gate = trio.Event()
+    gate.set()
+    kid = child_run_id("p/s1/a1")
+    async with _another_object_on(fleet_store) as own:
+        assert fleet_store.same_database(own) and own.same_database(fleet_store)
+        agents = {
+            "parent": lambda: parent_agent(own, child_agent(executed, gate)),
+            "child": lambda: child_agent(executed, gate),
+        }
+        with trio.fail_after(60):
+            async with fleet(fleet_store, agents, max_running=2) as worker:
+                await worker.submit("parent", "go", run_id="p")
+                result = await worker.result("p", poll_s=0.05)
+    assert result.final_answer == "parent done"
+    summary = await fleet_store.read_summary(kid)
+    assert summary is not None and summary.agent == "child"
+    assert summary.submitted_at is not None and summary.claims == 1  # queued, claimed
+    assert executed == [f"{kid}/s1/a1"]
+
+
 async def _exists(store, run_id: str) -> bool:
     return await store.read_summary(run_id) is not None
 

@@ -120,6 +120,13 @@ class EngineStore(AppendStore):
 
     _engine: CommitEngine
 
+    def same_database(self, other: object) -> bool:
+        """Whether ``other`` is a store object on the same stored runs: here, this object.
+
+        SQL stores also answer yes for another object on the same file or DSN and schema.
+        """
+        return other is self
+
     def observe_commits(self, metrics: MetricsRecorder | None) -> None:
         """Report each committed batch and each barrier's wait to ``metrics`` from now on.
 

@@ -139,6 +139,7 @@ class SqlDialect(Protocol):
 
     Attributes:
         description: the store, for messages (a path, a DSN without its password).
+        identity: what names the tables: two dialects of one identity are one database.
         for_update: appended to a SELECT that must lock its rows (``""`` for SQLite, whose
             write transactions lock the whole database).
         skip_locked: appended to the claim query's SELECT (``FOR UPDATE SKIP LOCKED``).
@@ -149,6 +150,7 @@ class SqlDialect(Protocol):
     """
 
     description: str
+    identity: tuple[str, ...]
     for_update: str
     skip_locked: str
     flush_acquire: bool
@@ -1239,6 +1241,17 @@ class SqlStore(EngineStore):
         Every operation is a checkpoint. A write cancelled before it was queued writes
         nothing. A barrier cancelled while awaiting its commit stays queued and WILL commit.
     """
+
+    def same_database(self, other: object) -> bool:
+        """Whether ``other`` is a store object on the same tables as this one.
+
+        This object, or another SQL store of the same SQLite file (by its real path) or the
+        same PostgreSQL DSN and schema: a fleet worker queues a child run only on its own
+        database (docs/child-runs.md, "In a fleet").
+        """
+        return other is self or (
+            isinstance(other, SqlStore) and other._dialect.identity == self._dialect.identity
+        )
 
     def __init__(self, dialect: SqlDialect, engine: CommitEngine, pool: ConnectionPool) -> None:
         """Private: use `treadle.open_sqlite_store` or `treadle.open_postgres_store`."""

@@ -188,6 +188,7 @@ class PostgresDialect:
     def __init__(self, dsn: str, schema: str) -> None:
         self.dsn = dsn
         self.schema = schema
+        self.identity: tuple[str, ...] = ("postgresql", dsn, schema)
         self.description = f"PostgreSQL store {redact_dsn(dsn)} (schema {schema})"
         self._sql: dict[str, str] = {}
 

@@ -139,6 +139,7 @@ class SqliteDialect:
     def __init__(self, path: str, clock: Callable[[], float]) -> None:
         self.path = path
         self.description = f"SQLite store {path}"
+        self.identity: tuple[str, ...] = ("sqlite", os.path.realpath(path))
         self._clock = clock
         # The store object's control writes (leases, control streams, claims) take turns here
         # instead of all waiting in SQLite's busy handler at once, which is not fair: under load

@@ -48,7 +48,7 @@ from treadle._exceptions import (
 from treadle.actors import CANCEL_GRACE_S
 from treadle.agent import Agent
 from treadle.ports import EventSink, RunIndex, RunStore
-from treadle.stores import LEASE_TTL_S, check_ttl, lease_owner
+from treadle.stores import LEASE_TTL_S, EngineStore, check_ttl, lease_owner
 from treadle.supervisors._child_links import PARENT_STOPPED, cancel_child, child_run_id
 from treadle.supervisors._driver import (
     CONTROL_POLL_S,
@@ -199,7 +199,7 @@ async def _call(settings: _Settings, task: str, ctx: ToolContext) -> ActionOutco
     if (
         drive is not None
         and settings.fleet_agent is not None
-        and drive.store is settings.store
+        and _same_database(drive.store, settings.store)
         and drive.run_id == ctx.run_id
     ):
         queued = await _queued(settings, settings.fleet_agent, drive, task, ctx)
@@ -226,6 +226,15 @@ async def _call(settings: _Settings, task: str, ctx: ToolContext) -> ActionOutco
             # child's lease: wait until it lapses, then take the child over from its log.
             await trio.sleep(max(0.05, leased.holder.expires_at - time.time()))
     return _outcome(run_id, result)
+
+
+def _same_database(fleet: RunStore, tool: RunStore) -> bool:
+    """Whether the tool's store is the fleet's: the same object, or one on its tables.
+
+    A worker's agent factory cannot be handed the worker's store object (`treadle worker`
+    opens it), so it opens its own on the same file or DSN: that one queues children too.
+    """
+    return fleet is tool or (isinstance(fleet, EngineStore) and fleet.same_database(tool))
 
 
 def _unwrapped(exc: Exception) -> Exception:
