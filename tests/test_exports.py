@@ -71,6 +71,7 @@ TREADLE = sorted(
         "StaleWrite",
         "StopReason",
         "StoreError",
+        "StoreBusy",
         "StoreRefused",
         "StoreStopped",
         "SyntheticObservations",

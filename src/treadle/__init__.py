@@ -23,6 +23,7 @@ from treadle._exceptions import RunLeased as RunLeased
 from treadle._exceptions import SchemaTooNew as SchemaTooNew
 from treadle._exceptions import SeamViolation as SeamViolation
 from treadle._exceptions import SnapshotMismatch as SnapshotMismatch
+from treadle._exceptions import StoreBusy as StoreBusy
 from treadle._exceptions import StoreError as StoreError
 from treadle._exceptions import StoreRefused as StoreRefused
 from treadle._exceptions import StoreStopped as StoreStopped
@@ -201,6 +202,7 @@ __all__ = [
     "SqliteStore",
     "StaleWrite",
     "StopReason",
+    "StoreBusy",
     "StoreError",
     "StoreRefused",
     "StoreStopped",

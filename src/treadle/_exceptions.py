@@ -17,6 +17,8 @@
         StoreRefused                          the database refuses the store's statements for
                                               a reason trying again does not change (a
                                               privilege the role lacks, a table it dropped)
+        StoreBusy                             another transaction kept a lock the store
+                                              needed past its wait: try again later
       LeaseError                              a run's lease says someone else drives it
         RunLeased                             another live driver holds the lease (.holder)
         LeaseLost                             this driver's lease was taken over; write refused
@@ -208,6 +210,17 @@ class StoreRefused(StoreError):
     """
 
 
+class StoreBusy(StoreError):
+    """Another transaction kept a lock the store needed for longer than the store waits.
+
+    A run's row kept locked by an operator's open transaction, a table locked by a
+    migration (PostgreSQL: `treadle.stores.postgres.COMMIT_LOCK_WAIT_MS`, ``CALL_LOCK_WAIT_MS``).
+    Nothing of the failed write was stored; trying again once the lock is gone works. A
+    fleet drive that ends on it releases its run's lease: the run's next claim is no
+    takeover (docs/fleet.md, "What each crash does").
+    """
+
+
 class ConflictError(StoreError):
     """A write was refused because its seq is not the next one of the run's log.
 
@@ -385,6 +398,17 @@ def refusal_in(exc: BaseException) -> StoreRefused | None:
     run's interruption, in the engine's refusal of the run's later writes): the worker ends
     on it as on a refused claim, and the run is left to a worker that may write.
     """
+    found = _held_in(exc, StoreRefused)
+    return found if isinstance(found, StoreRefused) else None
+
+
+def busy_in(exc: BaseException) -> StoreBusy | None:
+    """The `StoreBusy` that ``exc`` is or holds (in groups, or as a cause), if any."""
+    found = _held_in(exc, StoreBusy)
+    return found if isinstance(found, StoreBusy) else None
+
+
+def _held_in(exc: BaseException, kind: type[BaseException]) -> BaseException | None:
     seen: set[int] = set()
     todo: list[BaseException] = [exc]
     while todo:
@@ -392,7 +416,7 @@ def refusal_in(exc: BaseException) -> StoreRefused | None:
         if id(found) in seen:
             continue
         seen.add(id(found))
-        if isinstance(found, StoreRefused):
+        if isinstance(found, kind):
             return found
         if isinstance(found, BaseExceptionGroup):
             todo.extend(found.exceptions)

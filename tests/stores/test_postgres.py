@@ -836,3 +836,46 @@ async def test_a_call_waits_for_a_row_kept_locked_at_most_its_lock_wait(
                 letting_go.cancel()
             other.rollback()
         await store.release_lease(held)  # once let go, it works
+
+
+async def test_a_run_whose_write_gave_up_on_a_locked_row_is_released_not_taken_over(
+    postgres_dsn: str, postgres_schema: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Its drive ended on the lock and left the lease to expire, so the next claim counted a
+    takeover: five operator locks quarantined a run for no fault of its own."""
+    from treadle.testing.scripted import ScriptedModel, call, say
+
+    monkeypatch.setattr(postgres, "COMMIT_LOCK_WAIT_MS", 200)
+    gate, called = trio.Event(), trio.Event()
+
+    @treadle.tool(replay=treadle.ReplayPolicy.SAFE)
+    async def wait() -> str:
+        """Wait for the test."""
+        called.set()
+        await gate.wait()
+        return "waited"
+
+    def agent() -> treadle.Agent:
+        return treadle.Agent(
+            model=ScriptedModel(turns=[call("wait", call_id="w1"), say("done")]),
+            executor=treadle.Toolbox([wait]),
+            parser=treadle.NativeToolCallParser(),
+        )
+
+    async with treadle.open_postgres_store(postgres_dsn, schema=postgres_schema) as store:
+        await store.submit("r", agent="a", input=(Message(role="user", content="go"),))
+        with psycopg.connect(postgres_dsn) as other, trio.fail_after(60):
+            async with treadle.open_fleet(store, {"a": agent}, claim_poll_s=0.05) as fleet:
+                await called.wait()
+                other.execute(f"SELECT 1 FROM {postgres_schema}.runs WHERE run_id = 'r' FOR UPDATE")
+                letting_go = threading.Timer(1.5, other.rollback)  # past the write's wait
+                letting_go.start()
+                gate.set()  # the call's result and the next intent meet the locked row
+                try:
+                    result = await fleet.result("r", poll_s=0.05)
+                finally:
+                    letting_go.cancel()
+                    other.rollback()
+        summary = await store.read_summary("r")
+    assert result.final_answer == "done"
+    assert summary is not None and summary.takeovers == 0 and summary.claims == 2

@@ -37,6 +37,7 @@ import trio
 from treadle._exceptions import (
     LogCorrupted,
     SchemaTooNew,
+    StoreBusy,
     StoreError,
     StoreRefused,
     TreadleError,
@@ -259,7 +260,7 @@ def _translate(description: str, exc: BaseException, what: str) -> TreadleError 
         return LogCorrupted(f"the database is damaged: {message}", where=description, offset=0)
     errors = psycopg.errors
     if _lock_timeout(exc):
-        return StoreError(
+        return StoreBusy(
             f"{what} {description}: another transaction kept a lock this needs for more than "
             f"{CALL_LOCK_WAIT_MS / 1000:g} s ({message}); try again once it has let go"
         )
@@ -468,7 +469,7 @@ class PostgresBackend(_sql.SqlBackend):
 
     def _locked(self, group: _sql.RunBatch, cause: BaseException | None = None) -> None:
         """Fail ``group``'s writes: its run's row stayed locked past `COMMIT_LOCK_WAIT_MS`."""
-        error = StoreError(
+        error = StoreBusy(
             f"cannot write to {self.description}: the row of run {group.run_id!r} stayed "
             f"locked by another transaction for {COMMIT_LOCK_WAIT_MS / 1000:g} s; nothing of "
             "the write was stored"

@@ -23,7 +23,7 @@ from typing import Final
 import attrs
 import trio
 
-from treadle._exceptions import LeaseLost, refusal_in
+from treadle._exceptions import LeaseLost, busy_in, refusal_in
 from treadle.ports import LeaseStore, RunStore
 from treadle.supervisors._relay import Relay
 from treadle.types import Lease
@@ -122,11 +122,12 @@ class LeaseHold:
 
         With ``expire_on_failure`` the lease is no longer renewed nor released: it expires
         after its TTL, and a run that fails at once is not claimed again in a hot loop. Not
-        when ``error`` is the database refusing the driver (`StoreRefused`, anywhere in it):
-        that is not the run's failure, and its next claim must not count as a takeover
+        when ``error`` is the database refusing the driver (`StoreRefused`) or another
+        transaction keeping a lock past the store's wait (`StoreBusy`), anywhere in it: that
+        is not the run's failure, and its next claim must not count as a takeover
         (docs/fleet.md), so the lease is released.
         """
-        if not self.expire_on_failure or refusal_in(error) is not None:
+        if not self.expire_on_failure or refusal_in(error) or busy_in(error):
             await self.release_quietly()
             return
         if self.lease is not None and self.lost is None:
