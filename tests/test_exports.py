@@ -321,6 +321,7 @@ ACTORS = sorted(
         "WriterRequest",
         "WriterStatistics",
         "backoff_s",
+        "check_from_seq",
         "durable_event",
         "open_mailbox",
         "recorded_history",

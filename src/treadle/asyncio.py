@@ -31,7 +31,7 @@ import trio
 
 from treadle._exceptions import RunLeased, TreadleError, UsageError, raised
 from treadle._ids import check_run_id, new_run_id
-from treadle.actors import stored_events
+from treadle.actors import check_from_seq, stored_events
 from treadle.agent import Agent, RunInput, check_input
 from treadle.approvals import decide, request_cancel
 from treadle.metrics import MetricsRecorder
@@ -416,14 +416,13 @@ class _Host:
         return found
 
     async def events(self, run_id: str, from_seq: int) -> AsyncIterator[Event]:
+        check_from_seq(from_seq)
         handle = self.handles.get(run_id)
         if handle is not None:
             async with _closing(handle.events(from_seq=from_seq)) as events:
                 async for event in events:
                     yield event
             return
-        if from_seq < 1:
-            raise UsageError(f"events are numbered from 1; from_seq={from_seq} was asked")
         log = await self.store.read_log(run_id)
         if not log.records:
             raise UsageError(f"there is no run {run_id!r} in this store")
@@ -504,7 +503,8 @@ class Runs:
         driven here). For any other run of the store: its stored events, then the end.
 
         Raises:
-            UsageError: ``from_seq`` is below 1, or the store has no such run.
+            UsageError: ``from_seq`` is not a whole number of 1 or more, or the store has no
+                such run.
             StoreError: the stored prefix could not be read.
         """
         return self.portal.iterate(self._host.events, run_id, from_seq)

@@ -339,6 +339,10 @@ async def test_events_refuses_a_seq_below_one(autojump_clock):
         with pytest.raises(UsageError, match="numbered from 1"):
             async for _ in handle.events(from_seq=0):
                 pass
+        for wrong in (2.5, "3", True):  # a raw TypeError, or (True) the events from seq 1
+            with pytest.raises(UsageError, match="must be a whole number"):
+                async for _ in handle.events(from_seq=wrong):  # type: ignore[arg-type]
+                    pass
 
 
 async def test_a_decided_parked_run_reports_running(autojump_clock):

@@ -64,6 +64,7 @@ from treadle.actors._writer import EventWriter as EventWriter
 from treadle.actors._writer import SinkFeed as SinkFeed
 from treadle.actors._writer import WriterClient as WriterClient
 from treadle.actors._writer import WriterStatistics as WriterStatistics
+from treadle.actors._writer import check_from_seq as check_from_seq
 from treadle.actors._writer import durable_event as durable_event
 from treadle.actors._writer import stored_events as stored_events
 from treadle.actors._writer import with_step_started as with_step_started
@@ -109,6 +110,7 @@ __all__ = [
     "WriterRequest",
     "WriterStatistics",
     "backoff_s",
+    "check_from_seq",
     "durable_event",
     "open_mailbox",
     "recorded_history",

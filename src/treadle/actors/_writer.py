@@ -13,7 +13,7 @@ from collections.abc import Awaitable, Callable, Iterable, Iterator, Sequence
 import attrs
 import trio
 
-from treadle._exceptions import StoreError
+from treadle._exceptions import StoreError, UsageError
 from treadle.actors._mailbox import MailboxReceiver, MailboxSender
 from treadle.actors._messages import (
     Append,
@@ -460,6 +460,18 @@ def _listened(channel: trio.MemorySendChannel[Event]) -> bool:
 
 def _name(sink: EventSink) -> str:
     return type(sink).__name__
+
+
+def check_from_seq(from_seq: object) -> None:
+    """Refuse a ``from_seq`` that is no seq: events are numbered from 1, in whole numbers.
+
+    Raises:
+        UsageError: ``from_seq`` is not an ``int`` (a ``bool`` neither) or is below 1.
+    """
+    if not isinstance(from_seq, int) or isinstance(from_seq, bool):
+        raise UsageError(f"from_seq must be a whole number, not {from_seq!r}")
+    if from_seq < 1:
+        raise UsageError(f"events are numbered from 1; from_seq={from_seq} was asked")
 
 
 def stored_events(log: RunLog, from_seq: int, to_seq: int) -> list[Event]:

@@ -26,6 +26,7 @@ from treadle.actors import (
     Offer,
     WriterClient,
     WriterStatistics,
+    check_from_seq,
     stored_events,
     with_step_started,
 )
@@ -383,11 +384,10 @@ class RunHandle:
         deltas are then missing).
 
         Raises:
-            UsageError: ``from_seq`` is below 1.
+            UsageError: ``from_seq`` is not a whole number of 1 or more.
             StoreError: the stored prefix could not be read completely.
         """
-        if from_seq < 1:
-            raise UsageError(f"events are numbered from 1; from_seq={from_seq} was asked")
+        check_from_seq(from_seq)
         # The (seq, ordinal) of the last event yielded: a reconnect reads from its seq again
         # and skips what was yielded, so a derived step-started event (which shares the seq
         # of the durable event before it) is not lost at the seam.
