@@ -350,6 +350,38 @@ async def _started(world: World, intent_id: str) -> bool:
 # --------------------------------------------------------------------------- drain
 
 
+class _ReleaseStuck(MemoryStore):
+    """Once ``stuck`` holds an event, the next lease release sets it and waits 30 s (as one
+    under a row lock another transaction keeps)."""
+
+    stuck: list[trio.Event] = []
+
+    async def release_lease(self, lease, **more):  # type: ignore[no-untyped-def]
+        if self.stuck:
+            self.stuck.pop().set()
+            await trio.sleep(30)  # the lock is let go after the drain's deadline
+        return await super().release_lease(lease, **more)
+
+
+async def test_a_run_finished_before_the_drain_cut_its_release_counts_as_finished(
+    autojump_clock, monkeypatch
+):
+    """Its run-finished record was durable; the drain deadline cut its lease release: the
+    worker said "1 drive ended with the run unfinished"."""
+    world = World()
+    store = _ReleaseStuck(clock=store_now)
+    released = trio.Event()
+    monkeypatch.setattr(_ReleaseStuck, "stuck", [released])
+    with trio.fail_after(600):
+        agents = {"calc": lambda: world.agent([say("done")])}
+        async with fleet(store, agents, drain_s=1) as worker:
+            await worker.submit("calc", "work", run_id="r")
+            await released.wait()
+    assert (await store.read_log("r")).finished is not None
+    stats = worker.statistics()
+    assert (stats.finished, stats.left) == (1, 0)
+
+
 @pytest.mark.parametrize("kind", ["memory", "sqlite"])
 async def test_drain_at_the_end_of_the_block_leaves_runs_resumable(kind, tmp_path, autojump_clock):
     world = World()

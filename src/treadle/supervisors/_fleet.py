@@ -330,7 +330,8 @@ class Fleet:
                 _LOG.error("the store refuses this worker's writes, the worker ends: %s", refused)
                 raise refused from exc
         finally:  # also when cut at the drain deadline (trio.Cancelled): left, not finished
-            if finished:
+            # unless its run-finished record was durable (cut while its lease was released)
+            if finished or (handle is not None and handle.result is not None):
                 self._finished += 1
             else:
                 self._left += 1
