@@ -105,11 +105,14 @@ async def approve(
     call_id: str | None = None,
     reject: str | None = None,
     edit: Mapping[str, JSONValue] | None = None,
+    step: int | None = None,
+    arguments_digest: str | None = None,
 ) -> tuple[ApprovalDecided, ApprovalRequested | None, str]:
     """Decide the call ``run_id`` waits on, as ``treadle approve`` and ``treadle ui`` do.
 
     The decision goes to the run's control stream (`treadle.approvals.decide`, which makes
-    every check); what is returned is redacted (docs/events.md, "Secret arguments").
+    every check, of ``step`` and ``arguments_digest`` too: the request the decider saw);
+    what is returned is redacted (docs/events.md, "Secret arguments").
 
     Returns:
         The decision as written, the request it answers (``None`` when it cannot be read),
@@ -121,7 +124,15 @@ async def approve(
     """
     log = await store.read_log(run_id)
     request = pending_approval(log)
-    decided = await decide(store, run_id, call_id=call_id, reject=reject, edit=edit)
+    decided = await decide(
+        store,
+        run_id,
+        call_id=call_id,
+        reject=reject,
+        edit=edit,
+        step=step,
+        arguments_digest=arguments_digest,
+    )
     redaction = Redaction.of_log(log)  # an edit's secrets are not echoed either
     shown = redaction.request(request) if request is not None else None
     shown_decision = redaction.record(decided)

@@ -402,6 +402,8 @@ async def decide(
     reject: str | None = None,
     edit: Mapping[str, JSONValue] | None = None,
     clock: Clock | None = None,
+    step: int | None = None,
+    arguments_digest: str | None = None,
 ) -> ApprovalDecided:
     """Durably approve, reject or edit the tool call ``run_id`` waits on (from any process).
 
@@ -414,6 +416,11 @@ async def decide(
         edit: approve with these arguments instead of the model's: they replace the whole
             argument object (no merge) and must fit the tool's argument schema.
         clock: wall clock for the record's timestamp.
+        step: the step of the request the decider was shown; refused when the pending one
+            is of another step. ``None`` takes the pending one's.
+        arguments_digest: the digest of the arguments the decider was shown
+            (`ApprovalRequested.arguments_digest`); refused when the pending request's
+            differ (a model may ask again under the same call id with other arguments).
 
     Returns:
         The decision as appended to the run's control stream.
@@ -421,10 +428,11 @@ async def decide(
     Raises:
         InvalidRunId: not an allowed run id (docs/concepts.md, "Run ids"); nothing is read.
         UsageError: the run does not exist, finished, waits on no approval, waits on
-            another call, already has a decision for that call in its control stream (the
-            first one counts), both ``reject`` and ``edit`` were given, the edit does not
-            fit the tool's argument schema in the run's parameter snapshot (nothing is
-            written then), or the store has no control streams. Also when two deciders
+            another call (or on one of another step or arguments than ``step`` and
+            ``arguments_digest`` say), already has a decision for that call in its control
+            stream (the first one counts), both ``reject`` and ``edit`` were given, the
+            edit does not fit the tool's argument schema in the run's parameter snapshot
+            (nothing is written then), or the store has no control streams. Also when two deciders
             raced: both wrote, and this decision, written after the other one, does not
             count (the message names the one that does; the record stays in the
             append-only stream, where the run's driver passes over it).
@@ -444,6 +452,13 @@ async def decide(
     if call_id is not None and call_id != request.call_id:
         raise UsageError(
             f"run {run_id!r} waits on call {request.call_id!r} ({request.tool}), not on {call_id!r}"
+        )
+    if (step is not None and step != request.step) or (
+        arguments_digest is not None and arguments_digest != request.arguments_digest
+    ):
+        raise UsageError(
+            f"run {run_id!r} waits on call {request.call_id!r} of step {request.step} with "
+            "other arguments than those shown: look at the call it waits on now, then decide"
         )
     earlier = [r for r in await read_control(store, run_id) if isinstance(r, ApprovalDecided)]
     already = next((r for r in earlier if matches(r, request)), None)

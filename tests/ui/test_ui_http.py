@@ -211,6 +211,53 @@ async def test_the_approval_form_makes_the_checks_of_treadle_approve():
     assert isinstance(decided, ApprovalDecided) and decided.edited_arguments == {"amount": 3}
 
 
+async def test_a_decision_is_for_the_request_the_page_showed():
+    """The form carried only the call id: a model that asked again under the same call id
+    with other arguments (amount 5, then 5000) had the page's approve of the 5 (its panel not
+    refreshed while the operator typed) approve the 5000. And after a restart of the
+    console, the page's header token was stale while its form's was current: refused, with
+    a plain-text 403 the page's script showed as an empty notice."""
+    store = MemoryStore()
+    async with awaiting_approval(store) as handle:
+        async with client(store) as http:
+            page = (await http.get("/runs/r")).text
+            shown = {
+                name: page.split(f'name="{name}" value="', 1)[1].split('"', 1)[0]
+                for name in ("call_id", "step", "digest")
+            }
+            pending = handle.pending_approval
+            assert pending is not None
+            assert (shown["step"], shown["digest"]) == (
+                str(pending.step),
+                pending.arguments_digest,
+            )
+            headers = {**SAME, "accept": "application/json"}
+
+            async def decide(token_header: str, **fields):
+                return await http.post(
+                    "/runs/r/approve",
+                    data={"token": TOKEN, "decision": "approve", **shown, **fields},
+                    headers={**headers, "x-treadle-token": token_header},
+                )
+
+            other = await decide(TOKEN, digest="0" * 64)
+            assert other.status_code == 409
+            assert "other arguments than those shown" in other.json()["message"]
+            later = await decide(TOKEN, step=str(pending.step + 1))
+            assert later.status_code == 409
+            assert await read_control(store, "r") == ()
+            refused = await http.post(
+                "/runs/r/approve",
+                data={"token": "stale", "decision": "approve", **shown},
+                headers={**headers, "x-treadle-token": "stale"},
+            )
+            assert refused.status_code == 403 and refused.json()["ok"] is False
+            assert "token is missing or wrong" in refused.json()["message"]
+            approved = await decide("a-stale-one-from-before-a-restart")  # the form's is good
+            assert approved.status_code == 200, approved.text
+        await handle.wait()
+
+
 async def test_the_stream_resumes_after_last_event_id_with_no_gap_and_no_duplicate():
     store = MemoryStore()
     async with awaiting_approval(store) as handle:

@@ -27,7 +27,13 @@ from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
 from starlette.middleware.trustedhost import TrustedHostMiddleware
 from starlette.requests import Request
-from starlette.responses import HTMLResponse, JSONResponse, RedirectResponse, Response
+from starlette.responses import (
+    HTMLResponse,
+    JSONResponse,
+    PlainTextResponse,
+    RedirectResponse,
+    Response,
+)
 from starlette.routing import Mount, Route
 from starlette.staticfiles import StaticFiles
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -206,7 +212,11 @@ def create_app(store: RunStore, settings: Settings) -> Starlette:
     return Starlette(
         routes=routes,
         middleware=middleware,
-        exception_handlers={TreadleError: console.unreadable, InvalidRunId: console.no_such_run},
+        exception_handlers={
+            TreadleError: console.unreadable,
+            InvalidRunId: console.no_such_run,
+            HTTPException: console.refused,
+        },
     )
 
 
@@ -225,6 +235,17 @@ class _Console:
     async def no_such_run(self, request: Request, exc: Exception) -> Response:
         """A path naming no possible run (docs/concepts.md, "Run ids"): a 404 saying why."""
         return self._said(request, "", str(exc), ok=False, status=404)
+
+    async def refused(self, request: Request, exc: Exception) -> Response:
+        """A refused request (no token, another origin, no such run): JSON to a JSON caller.
+
+        Else as Starlette answers it, the reason as plain text.
+        """
+        assert isinstance(exc, HTTPException)
+        if "application/json" in request.headers.get("accept", ""):
+            body = {"ok": False, "message": exc.detail}
+            return JSONResponse(body, status_code=exc.status_code, headers=exc.headers)
+        return PlainTextResponse(exc.detail, status_code=exc.status_code, headers=exc.headers)
 
     async def unreadable(self, request: Request, exc: Exception) -> Response:
         """A store error (a damaged or too-new log, a failed write): the error, said plainly.
@@ -285,9 +306,13 @@ class _Console:
 
     def _check_write(self, request: Request, form: FormData) -> None:
         """Refuse a state-changing request without the console's token (header or form)."""
-        token = request.headers.get(TOKEN_HEADER) or form.get("token")
-        if not isinstance(token, str) or not self._good(token):
-            raise HTTPException(403, "refused: the console's token is missing or wrong")
+        # Either one: after a restart (a new token) an open page's header is stale while
+        # its form, re-rendered by the live stream, carries the new one.
+        given = (request.headers.get(TOKEN_HEADER), form.get("token"))
+        if not any(isinstance(token, str) and self._good(token) for token in given):
+            raise HTTPException(
+                403, "refused: the console's token is missing or wrong (reload the page)"
+            )
 
     def _good(self, token: str) -> bool:
         return hmac.compare_digest(token.encode(), self.settings.token.encode())
@@ -495,6 +520,10 @@ class _Console:
         # that submits anyway, a script) must not approve what its author meant to reject.
         decision = str(form.get("decision", ""))
         call_id = str(form.get("call_id") or "") or None
+        # The request the page showed: a model may ask again under the same call id
+        shown_step = str(form.get("step") or "")
+        step = int(shown_step) if shown_step.isdecimal() else None
+        digest = str(form.get("digest") or "") or None
         reject = edit = None
         if decision == "reject":
             reject = str(form.get("message", "")) or "rejected"
@@ -508,7 +537,13 @@ class _Console:
             return self._said(request, run_id, f"{said}: send approve, edit or reject", ok=False)
         try:
             decided, _, next_text = await approve(
-                self.store, run_id, call_id=call_id, reject=reject, edit=edit
+                self.store,
+                run_id,
+                call_id=call_id,
+                reject=reject,
+                edit=edit,
+                step=step,
+                arguments_digest=digest,
             )
         except UsageError as exc:
             return self._said(request, run_id, str(exc), ok=False)
