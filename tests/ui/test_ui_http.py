@@ -700,6 +700,14 @@ async def test_a_log_damaged_while_it_streams_ends_the_stream_with_the_error():
     assert all(e["event"] == "record" for e in events[:-1]) and events[:-1]
 
 
+async def test_a_reconnect_to_a_damaged_log_gets_the_unreadable_event():
+    """The browser reconnects its stream (Last-Event-ID): the first read failed before the
+    stream began, and it got the HTML error page, dropped the stream and said nothing."""
+    events = await _streamed_while_failing(_DamagedAfter(fail_from=1))
+    assert [e["event"] for e in events] == ["unreadable"]
+    assert "checksum" in json.loads(events[0]["data"])["message"]
+
+
 async def test_behind_a_tls_proxy_the_https_origin_of_the_same_host_may_act():
     """docs/ui.md has a shared network served behind TLS: the proxy speaks plain HTTP to the
     console and the browser's Origin says ``https://`` with the same host."""

@@ -421,7 +421,10 @@ class _Console:
         self._check_read(request)
         run_id = _run_id(request)
         next_seq = _first_seq(request)
-        await self._read(run_id)  # a run that does not exist is a 404, not a stream
+        try:
+            await self._read(run_id)  # a run that does not exist is a 404, not a stream
+        except StoreError as exc:  # damaged: a reconnect is told why, as the stream would
+            return EventSourceResponse(_unreadable(str(exc)), ping=15)
 
         async def events() -> AsyncIterator[ServerSentEvent]:
             nonlocal next_seq
@@ -430,8 +433,8 @@ class _Console:
                     log, summary = await self._read(run_id)
                 except (StoreError, HTTPException) as exc:  # damaged or gone: say so, stop
                     message = exc.detail if isinstance(exc, HTTPException) else str(exc)
-                    said = {"message": message}
-                    yield ServerSentEvent(data=json.dumps(said), event="unreadable")
+                    async for said in _unreadable(message):
+                        yield said
                     return
                 count = len(log.records)
                 if count >= next_seq:
@@ -625,3 +628,8 @@ def _origin_of(url: str) -> str | None:
     if not sep:
         return None
     return f"{scheme}://{rest.split('/', 1)[0]}"
+
+
+async def _unreadable(message: str) -> AsyncIterator[ServerSentEvent]:
+    """The one event of a run stream that stops because the log cannot be read."""
+    yield ServerSentEvent(data=json.dumps({"message": message}), event="unreadable")
