@@ -175,9 +175,9 @@ async def test_an_edit_made_from_the_shown_arguments_keeps_the_secret_it_never_s
     assert intent.arguments == {"amount": 10, "card": CARD, "memo": "order A1"}
 
 
-def test_the_command_line_shows_arguments_redacts_secrets_and_checks_edits(tmp_path):
-    db = str(tmp_path / "runs.db")
-    charged: list[dict[str, object]] = []
+def left_waiting_for_approval(db: str, charged: list[dict[str, object]]) -> None:
+    """Drive run ``r`` in ``db`` to its approval wait, then stop driving it (drained): nobody
+    drives it, and the command line writes to its control stream."""
 
     async def until_the_approval_wait() -> None:
         async with (
@@ -185,9 +185,15 @@ def test_the_command_line_shows_arguments_redacts_secrets_and_checks_edits(tmp_p
             open_run(make_agent(charged), "pay", store=store, run_id="r") as handle,
         ):
             await wait_for_state(handle, RunState.AWAITING_APPROVAL)
-            handle.drain()  # nobody drives it now: the CLI writes to its control stream
+            handle.drain()
 
     trio.run(until_the_approval_wait)
+
+
+def test_the_command_line_shows_arguments_redacts_secrets_and_checks_edits(tmp_path):
+    db = str(tmp_path / "runs.db")
+    charged: list[dict[str, object]] = []
+    left_waiting_for_approval(db, charged)
     runner = CliRunner()
     outputs = {
         "show": runner.invoke(main, ["show", "r", "--store", db], env={"COLUMNS": "300"}),
@@ -238,16 +244,7 @@ def test_the_command_line_shows_arguments_redacts_secrets_and_checks_edits(tmp_p
 def test_an_edit_given_as_treadle_show_printed_it_keeps_the_secret(tmp_path):
     db = str(tmp_path / "runs.db")
     charged: list[dict[str, object]] = []
-
-    async def until_the_approval_wait() -> None:
-        async with (
-            open_sqlite_store(db) as store,
-            open_run(make_agent(charged), "pay", store=store, run_id="r") as handle,
-        ):
-            await wait_for_state(handle, RunState.AWAITING_APPROVAL)
-            handle.drain()
-
-    trio.run(until_the_approval_wait)
+    left_waiting_for_approval(db, charged)
     runner = CliRunner()
     shown = runner.invoke(main, ["show", "r", "--store", db, "--json"])
     (requested,) = [

@@ -459,11 +459,9 @@ def read_logs(db: Path, *run_ids: str) -> tuple[tuple[str, ...], list[RunLog]]:
     return trio.run(read)
 
 
-def test_a_parent_killed_while_its_child_runs_re_attaches_after_resume(tmp_path):
-    """A real crash: SIGKILL the process while the child run blocks in a tool call (its
-    effect already recorded), start a new process that resumes the parent: it waits for the
-    dead driver's child lease to lapse, re-attaches, and the child's effect stays single."""
-    db, ledger = tmp_path / "runs.db", tmp_path / "ledger"
+def _killed_while_the_child_runs(db: Path, ledger: Path):  # type: ignore[no-untyped-def]
+    """Run `child_run_driver.py` until its child blocks in a call (its effect recorded), then
+    SIGKILL it. Returns the driver's command, its environment and the killed process's pid."""
     driver = [sys.executable, str(Path(__file__).with_name("child_run_driver.py")), str(db)]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
     first = subprocess.Popen([*driver, str(ledger), "block"], stdout=subprocess.PIPE, env=env)
@@ -472,6 +470,15 @@ def test_a_parent_killed_while_its_child_runs_re_attaches_after_resume(tmp_path)
     first.send_signal(signal.SIGKILL)
     assert first.wait() == -signal.SIGKILL
     first.stdout.close()
+    return driver, env, first.pid
+
+
+def test_a_parent_killed_while_its_child_runs_re_attaches_after_resume(tmp_path):
+    """A real crash: SIGKILL the process while the child run blocks in a tool call (its
+    effect already recorded), start a new process that resumes the parent: it waits for the
+    dead driver's child lease to lapse, re-attaches, and the child's effect stays single."""
+    db, ledger = tmp_path / "runs.db", tmp_path / "ledger"
+    driver, env, killed = _killed_while_the_child_runs(db, ledger)
     kid = child_run_id("p/s1/a1")
     _, [before] = read_logs(db, kid)
     assert before.finished is None and before.started is not None
@@ -485,7 +492,7 @@ def test_a_parent_killed_while_its_child_runs_re_attaches_after_resume(tmp_path)
     assert child_log.finished is not None and child_log.finished.state is RunState.SUCCEEDED
     effects = ledger.read_text().splitlines()
     assert len(effects) == 1 and effects[0].endswith(f" {kid}/s1/a1")
-    assert int(effects[0].split()[0]) == first.pid
+    assert int(effects[0].split()[0]) == killed
     calls = [r for r in parent_log.records if isinstance(r, ActionResult)]
     assert [(c.outcome.child_run_id, c.outcome.observation) for c in calls] == [(kid, "done")]
 
@@ -498,14 +505,7 @@ def test_cancelling_a_parent_killed_while_its_child_runs_cancels_the_child(tmp_p
     from treadle.cli import main
 
     db, ledger = tmp_path / "runs.db", tmp_path / "ledger"
-    driver = [sys.executable, str(Path(__file__).with_name("child_run_driver.py")), str(db)]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
-    first = subprocess.Popen([*driver, str(ledger), "block"], stdout=subprocess.PIPE, env=env)
-    assert first.stdout is not None
-    assert first.stdout.readline() == b"child running\n"
-    first.send_signal(signal.SIGKILL)
-    assert first.wait() == -signal.SIGKILL
-    first.stdout.close()
+    driver, env, _ = _killed_while_the_child_runs(db, ledger)
     # Until the dead driver's leases lapse (2 s), the cancel is only requested; then the
     # command finishes the run itself.
     for _ in range(600):
@@ -538,14 +538,7 @@ def test_resuming_every_run_leaves_a_child_to_its_parents_resume(tmp_path):
     from treadle.types import Liveness
 
     db, ledger = tmp_path / "runs.db", tmp_path / "ledger"
-    driver = [sys.executable, str(Path(__file__).with_name("child_run_driver.py")), str(db)]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
-    first = subprocess.Popen([*driver, str(ledger), "block"], stdout=subprocess.PIPE, env=env)
-    assert first.stdout is not None
-    assert first.stdout.readline() == b"child running\n"
-    first.send_signal(signal.SIGKILL)
-    assert first.wait() == -signal.SIGKILL
-    first.stdout.close()
+    _killed_while_the_child_runs(db, ledger)
     kid = child_run_id("p/s1/a1")
 
     async def resume_all() -> list[str]:

@@ -720,41 +720,59 @@ async def test_a_renewal_passes_over_a_row_kept_locked_and_renews_the_other_leas
     assert again["b"].heartbeat_at > held[1].heartbeat_at  # its turn came
 
 
+async def two_records_each(store: PostgresStore, run_ids: str) -> dict[str, int]:
+    """Lease each run (one letter each) and make its run-started and an intent durable; the
+    generations by run."""
+    gens = {r: await lease_generation(store, r) for r in run_ids}
+    for r, gen in gens.items():
+        await store.write_run_started(started(r), seq=1, generation=gen)
+        await store.write_intent(intent(r, 1), seq=2, generation=gen)  # a barrier
+    return gens
+
+
+async def third_writes_while_locked(
+    dsn: str, schema: str, store: PostgresStore, gens: dict[str, int], locked: str
+) -> dict[str, BaseException]:
+    """Write each run's third record (a barrier) at once while another transaction keeps the
+    rows of ``locked`` (letters) locked; the `StoreError` of each run whose write failed.
+
+    The lock is let go after 20 s whatever happens, so that a write that waits it out fails
+    the assertion here instead of hanging the test.
+    """
+    failed: dict[str, BaseException] = {}
+
+    async def write(r: str) -> None:
+        try:
+            await store.write_intent(intent(r, 2), seq=3, generation=gens[r])
+        except treadle.StoreError as exc:
+            failed[r] = exc
+
+    with psycopg.connect(dsn) as other:
+        other.execute(
+            f"SELECT 1 FROM {schema}.runs WHERE run_id = ANY(%s) FOR UPDATE", (list(locked),)
+        )
+        letting_go = threading.Timer(20.0, other.rollback)
+        letting_go.start()
+        try:
+            async with trio.open_nursery() as nursery:
+                for r in gens:
+                    nursery.start_soon(write, r)
+            assert letting_go.is_alive()  # the writes gave up; they did not wait it out
+        finally:
+            letting_go.cancel()
+        other.rollback()
+    return failed
+
+
 async def test_a_write_waits_alone_and_bounded_for_a_row_kept_locked(
     postgres_dsn: str, postgres_schema: str
 ) -> None:
     """One run's row locked by another transaction held up the commit of every run of the
     store's batch, for as long as the lock was kept: a worker's runs all stood still."""
     async with treadle.open_postgres_store(postgres_dsn, schema=postgres_schema) as store:
-        gens = {r: await lease_generation(store, r) for r in ("a", "b", "c")}
-        for r, gen in gens.items():
-            await store.write_run_started(started(r), seq=1, generation=gen)
-            await store.write_intent(intent(r, 1), seq=2, generation=gen)  # a barrier
-        ended: list[str] = []
-        failed: dict[str, BaseException] = {}
-
-        async def write(r: str) -> None:
-            try:
-                await store.write_intent(intent(r, 2), seq=3, generation=gens[r])
-            except treadle.StoreError as exc:
-                failed[r] = exc
-            ended.append(r)
-
-        with psycopg.connect(postgres_dsn) as other:  # a transaction that keeps b locked
-            other.execute(f"SELECT 1 FROM {postgres_schema}.runs WHERE run_id = 'b' FOR UPDATE")
-            # Let go after 20 s whatever happens, so that a write that waits for the lock
-            # fails the assertions below instead of hanging the test.
-            letting_go = threading.Timer(20.0, other.rollback)
-            letting_go.start()
-            try:
-                async with trio.open_nursery() as nursery:
-                    for r in ("a", "b", "c"):
-                        nursery.start_soon(write, r)
-                assert letting_go.is_alive()  # b's write gave up; it did not wait it out
-            finally:
-                letting_go.cancel()
-            other.rollback()
-        assert sorted(ended) == ["a", "b", "c"] and set(failed) == {"b"}
+        gens = await two_records_each(store, "abc")
+        failed = await third_writes_while_locked(postgres_dsn, postgres_schema, store, gens, "b")
+        assert set(failed) == {"b"}
         assert "the row of run 'b' stayed locked by another transaction" in str(failed["b"])
         logs = {r: await store.read_log(r) for r in gens}
     assert [len(logs[r].records) for r in ("a", "b", "c")] == [3, 2, 3]  # nothing of b's write
@@ -779,33 +797,9 @@ async def test_runs_whose_rows_are_kept_locked_wait_once_together(
     monkeypatch.setattr(postgres, "PostgresBackend", _CountsWaits)
     monkeypatch.setattr(_CountsWaits, "waits", [])
     async with treadle.open_postgres_store(postgres_dsn, schema=postgres_schema) as store:
-        gens = {r: await lease_generation(store, r) for r in ("a", "b", "c", "d")}
-        for r, gen in gens.items():
-            await store.write_run_started(started(r), seq=1, generation=gen)
-            await store.write_intent(intent(r, 1), seq=2, generation=gen)
+        gens = await two_records_each(store, "abcd")
         _CountsWaits.waits.clear()
-        failed: dict[str, BaseException] = {}
-
-        async def write(r: str) -> None:
-            try:
-                await store.write_intent(intent(r, 2), seq=3, generation=gens[r])
-            except treadle.StoreError as exc:
-                failed[r] = exc
-
-        with psycopg.connect(postgres_dsn) as other:  # keeps b, c and d locked
-            other.execute(
-                f"SELECT 1 FROM {postgres_schema}.runs WHERE run_id IN ('b', 'c', 'd') FOR UPDATE"
-            )
-            letting_go = threading.Timer(20.0, other.rollback)
-            letting_go.start()
-            try:
-                async with trio.open_nursery() as nursery:
-                    for r in gens:
-                        nursery.start_soon(write, r)
-                assert letting_go.is_alive()
-            finally:
-                letting_go.cancel()
-            other.rollback()
+        failed = await third_writes_while_locked(postgres_dsn, postgres_schema, store, gens, "bcd")
         assert set(failed) == {"b", "c", "d"}
         # one wait, for the held rows together (a batch may hold a, or not)
         assert [w for w in _CountsWaits.waits if w != ["a"]] == [["b", "c", "d"]]

@@ -69,10 +69,11 @@ def sse(text: str) -> list[dict]:
 
 
 @contextlib.asynccontextmanager
-async def awaiting_approval(store):
-    """Run ``r`` of `approval_agent` driven on ``store``, once it waits on its approval."""
+async def awaiting_approval(store, agent=None):
+    """Run ``r`` of ``agent`` (`approval_agent`) driven on ``store``, once it waits on its
+    approval."""
     async with open_run(
-        approval_agent(), "pay", store=store, run_id="r", control_poll_s=0.05
+        agent or approval_agent(), "pay", store=store, run_id="r", control_poll_s=0.05
     ) as handle:
         await wait_for(handle, RunState.AWAITING_APPROVAL)
         yield handle
@@ -361,6 +362,15 @@ async def charge(amount: int, api_key: str) -> str:
     return f"charged {amount}"
 
 
+def charging_agent() -> treadle.Agent:
+    """One `charge` call with a secret ``api_key``, waiting for approval, then an answer."""
+    return treadle.Agent(
+        model=ScriptedModel(turns=[call("charge", amount=5, api_key="sk-live-123"), say("ok")]),
+        executor=treadle.Toolbox([charge]),
+        parser=treadle.NativeToolCallParser(),
+    )
+
+
 async def test_an_unknown_late_outcome_is_highlighted_and_marked():
     store = MemoryStore()
     agent = treadle.Agent(
@@ -384,20 +394,13 @@ async def test_an_unknown_late_outcome_is_highlighted_and_marked():
 
 async def test_secret_arguments_stay_out_of_the_page_and_its_stream():
     store = MemoryStore()
-    agent = treadle.Agent(
-        model=ScriptedModel(turns=[call("charge", amount=5, api_key="sk-live-123"), say("ok")]),
-        executor=treadle.Toolbox([charge]),
-        parser=treadle.NativeToolCallParser(),
-    )
-    async with open_run(agent, "pay", store=store, run_id="r", control_poll_s=0.05) as handle:
-        await wait_for(handle, RunState.AWAITING_APPROVAL)
-        async with client(store) as http:
-            waiting = (await http.get("/runs/r")).text
-            assert "&#34;amount&#34;: 5" in waiting and "[redacted]" in waiting
-            handle.approve()
-            await handle.wait()
-            page = (await http.get("/runs/r")).text
-            stream = (await http.get("/runs/r/events")).text
+    async with awaiting_approval(store, charging_agent()) as handle, client(store) as http:
+        waiting = (await http.get("/runs/r")).text
+        assert "&#34;amount&#34;: 5" in waiting and "[redacted]" in waiting
+        handle.approve()
+        await handle.wait()
+        page = (await http.get("/runs/r")).text
+        stream = (await http.get("/runs/r/events")).text
     assert "sk-live-123" not in waiting + page + stream
     assert "[redacted]" in page
 
@@ -406,13 +409,7 @@ async def test_an_edit_made_in_the_approval_box_keeps_the_secret_it_shows_redact
     """The box shows ``"api_key": "[redacted]"``; changing the amount there must not run the
     call with that text as the key (it did: the placeholder replaced the secret)."""
     store = MemoryStore()
-    agent = treadle.Agent(
-        model=ScriptedModel(turns=[call("charge", amount=5, api_key="sk-live-123"), say("ok")]),
-        executor=treadle.Toolbox([charge]),
-        parser=treadle.NativeToolCallParser(),
-    )
-    async with open_run(agent, "pay", store=store, run_id="r", control_poll_s=0.05) as handle:
-        await wait_for(handle, RunState.AWAITING_APPROVAL)
+    async with awaiting_approval(store, charging_agent()) as handle:
         async with client(store) as http:
             page = (await http.get("/runs/r")).text
             box = page[page.index('<textarea name="arguments"') :]
