@@ -1099,3 +1099,29 @@ def test_a_lost_lease_says_why_without_contradicting_itself(current, said):
     # took the run over".
     message = str(LeaseLost("r", generation=1, current=current))
     assert said in message and message.startswith("run 'r': this driver's lease (generation 1)")
+
+
+class _ReleaseFails(MemoryStore):
+    """A store whose lease releases fail (a row kept locked past the store's wait)."""
+
+    releases: list[str] = []
+
+    async def release_lease(self, lease, **more):  # type: ignore[no-untyped-def]
+        self.releases.append(lease.run_id)
+        raise treadle.StoreError("another transaction kept a lock this needs")
+
+
+async def test_a_release_that_failed_is_not_tried_again_on_the_way_out(monkeypatch, caplog):
+    """Both the drive and the fleet's cleanup released the lease of a failed run: under a
+    row lock each waited out the store's lock wait, and the failure was logged twice."""
+    from treadle.supervisors._leasing import LeaseHold
+
+    monkeypatch.setattr(_ReleaseFails, "releases", [])
+    store = _ReleaseFails()
+    hold = LeaseHold(run_id="r", owner="w", ttl_s=60, store=store)
+    await hold.acquire()
+    await hold.release_quietly()
+    await hold.release_quietly()  # on the way out again: nothing left to release
+    assert store.releases == ["r"]
+    assert caplog.text.count("the lease was not released") == 1
+    assert hold.lease is None

@@ -107,12 +107,14 @@ class LeaseHold:
         """`release`, shielded and bounded, on a path that already carries an error.
 
         A failure is logged and not raised over the error on its way out: the lease then
-        expires after its TTL, and the next driver takes the run over.
+        expires after its TTL, and the next driver takes the run over. The hold lets go of
+        it then, so a later call on the way out does not try (and wait) again.
         """
         with trio.move_on_after(RELEASE_GRACE_S, shield=True):
             try:
                 await self.release(control_seen=control_seen)
             except Exception as exc:  # see the docstring: the first error propagates
+                self.lease = None
                 _LOG.warning(
                     "run %r: the lease was not released (%s); it expires", self.run_id, exc
                 )
