@@ -242,7 +242,7 @@ class _Console:
         Else as Starlette answers it, the reason as plain text.
         """
         assert isinstance(exc, HTTPException)
-        if "application/json" in request.headers.get("accept", ""):
+        if _wants_json(request):
             body = {"ok": False, "message": exc.detail}
             return JSONResponse(body, status_code=exc.status_code, headers=exc.headers)
         return PlainTextResponse(exc.detail, status_code=exc.status_code, headers=exc.headers)
@@ -581,7 +581,7 @@ class _Console:
         """
         if status is None:
             status = 200 if ok else 409
-        if "application/json" in request.headers.get("accept", ""):
+        if _wants_json(request):
             return JSONResponse({"ok": ok, "message": message}, status_code=status)
         return self._page("said.html", status=status, run_id=run_id, message=message, ok=ok)
 
@@ -633,3 +633,8 @@ def _origin_of(url: str) -> str | None:
 async def _unreadable(message: str) -> AsyncIterator[ServerSentEvent]:
     """The one event of a run stream that stops because the log cannot be read."""
     yield ServerSentEvent(data=json.dumps({"message": message}), event="unreadable")
+
+
+def _wants_json(request: Request) -> bool:
+    """Whether the caller asks for JSON (``Accept: application/json``: the page's script)."""
+    return "application/json" in request.headers.get("accept", "")

@@ -740,7 +740,7 @@ def _row_unless_kept_locked(
     try:
         row = _locked_row(dialect, conn, run_id, _LEASE_COLUMNS, create=False)
     except Exception as exc:
-        if getattr(exc, "sqlstate", None) != "55P03":  # lock_not_available
+        if not lock_timeout(exc):
             raise
         conn.execute("ROLLBACK TO SAVEPOINT renew_row")
         return _KEPT_LOCKED
@@ -782,6 +782,11 @@ def again_on_deadlock(transaction: Callable[[], _T]) -> _T:
 def deadlock(exc: BaseException) -> bool:
     """Whether the server ended the transaction to break a deadlock (SQLSTATE 40P01)."""
     return getattr(exc, "sqlstate", None) == "40P01"
+
+
+def lock_timeout(exc: BaseException) -> bool:
+    """Whether a statement gave up waiting for a lock (``lock_timeout``, SQLSTATE 55P03)."""
+    return getattr(exc, "sqlstate", None) == "55P03"
 
 
 DEADLOCK_RETRIES: Final = 5
@@ -1242,6 +1247,12 @@ class SqlStore(EngineStore):
         nothing. A barrier cancelled while awaiting its commit stays queued and WILL commit.
     """
 
+    def __init__(self, dialect: SqlDialect, engine: CommitEngine, pool: ConnectionPool) -> None:
+        """Private: use `treadle.open_sqlite_store` or `treadle.open_postgres_store`."""
+        self._dialect = dialect
+        self._engine = engine
+        self._pool = pool
+
     def same_database(self, other: object) -> bool:
         """Whether ``other`` is a store object on the same tables as this one.
 
@@ -1252,12 +1263,6 @@ class SqlStore(EngineStore):
         return other is self or (
             isinstance(other, SqlStore) and other._dialect.identity == self._dialect.identity
         )
-
-    def __init__(self, dialect: SqlDialect, engine: CommitEngine, pool: ConnectionPool) -> None:
-        """Private: use `treadle.open_sqlite_store` or `treadle.open_postgres_store`."""
-        self._dialect = dialect
-        self._engine = engine
-        self._pool = pool
 
     @property
     def description(self) -> str:

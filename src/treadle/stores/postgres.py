@@ -134,7 +134,7 @@ _LOCK_ROWS: Final = (
 """Locks the batch's ``runs`` rows in run id order, in the transaction of `_COMMIT`.
 
 A batch first takes them with `_LOCK_FREE_ROWS`, which passes over rows another transaction
-holds; only the runs of those rows then wait, each alone and at most `COMMIT_LOCK_WAIT_MS`.
+holds; only the runs of those rows then wait, together and at most `COMMIT_LOCK_WAIT_MS`.
 
 The lease renewal locks them in that order too: two transactions that take the same row locks
 in one order cannot deadlock. The order is code point order (Python's ``sorted``), the "C"
@@ -149,7 +149,7 @@ _LOCK_FREE_ROWS: Final = _LOCK_ROWS + " SKIP LOCKED"
 CALL_LOCK_WAIT_MS: Final = 5_000
 """How long (milliseconds) a statement of the store's calls waits for a lock another
 transaction holds (a row kept locked, a table locked by a migration): reads, leases, claims,
-control appends and submits, not the committer's commits. It then fails with `StoreError`
+control appends and submits, not the committer's commits. It then fails with `StoreBusy`
 saying so, rather than hang: a worker's lease release, its claims and its drain, and
 ``treadle cancel`` or ``approve``, wait that long at most (docs/fleet.md, "What each crash
 does")."""
@@ -157,8 +157,9 @@ does")."""
 COMMIT_LOCK_WAIT_MS: Final = 2_000
 """How long (milliseconds) a run's write waits for its ``runs`` row when another transaction
 holds it (an operator's open transaction, a stuck client): then the write fails with
-`StoreError` and the run is interrupted, to be resumed (docs/fleet.md, "What each crash
-does"). The other runs of the batch do not wait for it: they commit first."""
+`StoreBusy` and the run is interrupted, to be resumed (docs/fleet.md, "What each crash
+does"). The other runs of the batch do not wait for it: they commit first, and the runs of
+all held rows wait together, once a batch."""
 
 
 def _psycopg() -> Any:
@@ -259,7 +260,7 @@ def _translate(description: str, exc: BaseException, what: str) -> TreadleError 
     if isinstance(exc, psycopg.errors.DataCorrupted | psycopg.errors.IndexCorrupted):
         return LogCorrupted(f"the database is damaged: {message}", where=description, offset=0)
     errors = psycopg.errors
-    if _lock_timeout(exc):
+    if _sql.lock_timeout(exc):
         return StoreBusy(
             f"{what} {description}: another transaction kept a lock this needs for more than "
             f"{CALL_LOCK_WAIT_MS / 1000:g} s ({message}); try again once it has let go"
@@ -274,11 +275,6 @@ def _translate(description: str, exc: BaseException, what: str) -> TreadleError 
     ):
         return StoreRefused(f"{what} {description}: {message}")
     return StoreError(f"{what} {description}: {message}")
-
-
-def _lock_timeout(exc: BaseException) -> bool:
-    """Whether a statement gave up waiting for a lock (``lock_timeout``, SQLSTATE 55P03)."""
-    return getattr(exc, "sqlstate", None) == "55P03"
 
 
 def _lost_connection(exc: BaseException) -> bool:
@@ -438,7 +434,7 @@ class PostgresBackend(_sql.SqlBackend):
         except Exception as exc:
             if self._lost(exc):
                 return self._reconcile(held, exc)
-            if not _lock_timeout(exc):
+            if not _sql.lock_timeout(exc):
                 return self._each(held, exc)
         still: list[_sql.RunBatch] = []
         try:
@@ -461,7 +457,7 @@ class PostgresBackend(_sql.SqlBackend):
                 self._reconnect(exc)
                 if self._committed([group]):
                     return {group.run_id}
-            if _lock_timeout(exc):
+            if _sql.lock_timeout(exc):
                 self._locked(group, exc)
                 return set()
             self._fail([group], exc)

@@ -92,7 +92,7 @@ async def cancel_awaited_children(store: RunStore, awaited: ChildrenAwaited) -> 
     """
     for child in awaited.children:
         try:
-            if not await _finished(store, child):
+            if not await run_finished(store, child):
                 await cancel_child(store, child, awaited.run_id)
         except StoreError as exc:
             _LOG.warning(
@@ -144,7 +144,11 @@ async def _started_by(store: RunStore, run_id: str, intent_id: str) -> bool:
     return log.started.parent_intent_id == intent_id
 
 
-async def _finished(store: RunStore, run_id: str) -> bool:
+async def run_finished(store: RunStore, run_id: str) -> bool:
+    """Whether ``run_id`` has its run-finished record (its index row says so, when it has one).
+
+    ``False`` for a run the store does not hold. Raises `StoreError` when it cannot be read.
+    """
     if isinstance(store, RunIndex):
         summary = await store.read_summary(run_id)
         return summary is not None and summary.liveness is Liveness.FINISHED

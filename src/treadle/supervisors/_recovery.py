@@ -20,9 +20,10 @@ from treadle._clock import Clock
 from treadle._exceptions import RunLeased, StoreError, UsageError
 from treadle._trio_only import require_trio
 from treadle.agent import Agent
-from treadle.ports import EventSink, RunIndex, RunStore
+from treadle.ports import EventSink, RunStore
+from treadle.supervisors._child_links import run_finished
 from treadle.supervisors._run import run
-from treadle.types import Liveness, RunResult, RunStarted
+from treadle.types import RunResult, RunStarted
 
 AgentFor = Callable[[RunStarted], Agent]
 """Chooses the agent definition for a run from its stored run-started record."""
@@ -115,7 +116,7 @@ async def _resume(
     if started is None:
         raise StoreError(f"run {run_id!r}: its log does not start with run-started")
     parent = started.parent_run_id
-    if parent is not None and not await _finished(store, parent):
+    if parent is not None and not await run_finished(store, parent):
         return None  # the parent's resume re-attaches to it, with the child's own agent
     definition = agent if isinstance(agent, Agent) else agent(started)
     if not isinstance(definition, Agent):
@@ -128,11 +129,3 @@ async def _resume(
         clock=clock,
         rng=random.Random(seed) if seed is not None else None,
     )
-
-
-async def _finished(store: RunStore, run_id: str) -> bool:
-    if isinstance(store, RunIndex):
-        summary = await store.read_summary(run_id)
-        if summary is not None:
-            return summary.liveness is Liveness.FINISHED
-    return (await store.read_log(run_id)).finished is not None
