@@ -457,6 +457,7 @@ run_summaries = _build(
     awaiting_until=st.none() | timestamps,
     error=st.none() | texts,
     where=st.none() | texts,
+    records=st.none() | counts,
 )
 submissions = _build(
     t.Submission,

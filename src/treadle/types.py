@@ -1359,6 +1359,10 @@ class RunSummary:
         awaiting_until: approval deadline while it waits on a human (ISO-8601), else ``None``.
         error: why the run cannot be read (a damaged or too-new log), else ``None``.
         where: the file or table holding it, for error reports.
+        records: the records its log holds (the last seq), when the index knows that without
+            reading the log; else ``None`` (a JSONL file whose last 64 KiB hold no whole
+            line, an unreadable run). A reader polling a run reads its log again only when
+            this moves (docs/ui.md, "A run's page").
     """
 
     run_id: str
@@ -1378,6 +1382,7 @@ class RunSummary:
     awaiting_until: str | None = None
     error: str | None = None
     where: str | None = None
+    records: int | None = None
 
     @property
     def heartbeat_age_s(self) -> float | None:

@@ -9,7 +9,8 @@ from pathlib import Path
 import attrs
 import pytest
 
-from treadle.ports import RunStore
+from treadle import Agent, NativeToolCallParser, Toolbox, open_jsonl_store, run, tool
+from treadle.ports import RunIndex, RunStore
 from treadle.stores import JsonlStore, MemoryStore, SqliteStore
 from treadle.stores.postgres import PostgresStore
 from treadle.testing.contracts import (
@@ -19,6 +20,7 @@ from treadle.testing.contracts import (
     StoreOpener,
     check_run_store,
 )
+from treadle.testing.scripted import ScriptedModel, call, say
 from treadle.types import ActionResult, Record, RunLog, StepRecord, StoreOp
 
 
@@ -155,3 +157,45 @@ async def test_forgetful_persistent_store_fails_the_reopen_check() -> None:
     check = next(c for c in RUN_STORE_CHECKS if c.name == "durable_after_reopen")
     with pytest.raises(StoreContractError, match="durable_after_reopen"):
         await check(_memory())  # a fresh memory store per opening loses everything
+
+
+# ---------------------------------------------------------------- the index's record count
+
+
+def _echo_agent(text_size: int = 10, answer: str = "done") -> Agent:
+    @tool
+    async def echo(text: str) -> str:
+        """Say it back."""
+        return text
+
+    return Agent(
+        model=ScriptedModel(turns=[call("echo", text="x" * text_size), say(answer)]),
+        executor=Toolbox([echo]),
+        parser=NativeToolCallParser(),
+    )
+
+
+async def test_a_summary_counts_the_records_of_the_log(harness: Harness) -> None:
+    """`RunSummary.records` is what a poller compares to skip reading an unmoved log."""
+    async with harness.open_store() as store:
+        assert isinstance(store, RunIndex)
+        await run(_echo_agent(), "go", store=store, run_id="counted")
+        log = await store.read_log("counted")
+        summary = await store.read_summary("counted")
+        listed = {s.run_id: s for s in await store.list_summaries()}
+    assert summary is not None and len(log.records) > 4
+    assert summary.records == listed["counted"].records == len(log.records)
+
+
+async def test_a_jsonl_summary_whose_tail_holds_no_whole_line_does_not_guess(
+    tmp_path: Path,
+) -> None:
+    """The last 64 KiB of the file are inside one record: the count is unknown, not 0."""
+    async with open_jsonl_store(tmp_path / "runs") as store:
+        await run(_echo_agent(text_size=0), "go", store=store, run_id="small")
+        await run(_echo_agent(answer="y" * 200_000), "go", store=store, run_id="big")
+        small = await store.read_summary("small")
+        big = await store.read_summary("big")
+        small_log = await store.read_log("small")
+    assert small is not None and small.records == len(small_log.records)
+    assert big is not None and big.records is None and big.state is not None

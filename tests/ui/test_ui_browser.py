@@ -102,6 +102,15 @@ def present(css):
     return ec.presence_of_element_located((By.CSS_SELECTOR, css))
 
 
+def shows(css, text):
+    """The element holds ``text``; an element the live list replaced meanwhile is looked up
+    again (Selenium's condition treats a stale element as not yet showing it)."""
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support import expected_conditions as ec
+
+    return ec.text_to_be_present_in_element((By.CSS_SELECTOR, css), text)
+
+
 def find(browser, css):
     from selenium.webdriver.common.by import By
 
@@ -143,15 +152,14 @@ def test_markup_in_an_observation_stays_text(browser, console):
 def test_a_live_run_streams_in_and_approving_it_from_the_page_resumes_it(browser, console):
     tmp, db, url = console
     browser.get(url)
-    wait(browser, present('#rows tr[data-run="markup"]'))
-    assert "succeeded" in find(browser, '#rows tr[data-run="markup"]').text
+    assert wait(browser, shows('#rows tr[data-run="markup"]', "succeeded"))
     browser.execute_script("window.notReloaded = true")
     driver, gate, marker = start_driver(tmp, db, "live")
     try:
         # the list shows the new run without a reload
         wait(browser, present('#rows tr[data-run="live"]'))
         assert browser.execute_script("return window.notReloaded === true")
-        find(browser, '#rows tr[data-run="live"] a').click()
+        wait(browser, lambda b: clicked(b, '#rows tr[data-run="live"] a'))
         wait(browser, present("#step-1 .call"))  # step 1 waits on the gate: its call runs
         assert "wait_gate" in find(browser, "#step-1").text
         browser.execute_script("window.notReloaded = true")

@@ -666,26 +666,41 @@ class _DamagedAfter(MemoryStore):
         super().__init__()
         self.reads: int | None = None  # counted (and failed) only while a page streams
         self.fail_from = fail_from
+        self.read_twice = trio.Event()
 
     async def read_log(self, run_id):
         if run_id == "r" and self.reads is not None:
             self.reads += 1
+            if self.reads >= 2:
+                self.read_twice.set()
             if self.reads >= self.fail_from:
                 raise StoreError("run 'r': a record fails its checksum")
         return await super().read_log(run_id)
 
 
 async def _streamed_while_failing(store: _DamagedAfter) -> list[dict]:
-    """The events of run ``r``'s stream while ``store`` fails its reads from some read on."""
+    """The events of run ``r``'s stream while ``store`` fails its reads from some read on.
+
+    The run waits on its approval until the stream read its log twice (the check that it
+    exists, the first records); then it is cancelled, and the stream reads the log again
+    because it moved."""
     async with awaiting_approval(store) as handle:
         store.reads = 0
-        async with client(store, poll_s=0.01) as http:
-            stream = await http.get("/runs/r/events")
+        streams: list[httpx.Response] = []
+        async with client(store, poll_s=0.01) as http, trio.open_nursery() as nursery:
+
+            async def stream() -> None:
+                streams.append(await http.get("/runs/r/events"))
+                store.read_twice.set()  # or it ended at its first read
+
+            nursery.start_soon(stream)
+            with trio.fail_after(30):
+                await store.read_twice.wait()
+            handle.cancel("done")
         store.reads = None
-        handle.cancel("done")
         await handle.wait()
-    assert stream.status_code == 200
-    return sse(stream.text)
+    assert streams[0].status_code == 200
+    return sse(streams[0].text)
 
 
 async def test_a_log_damaged_while_it_streams_ends_the_stream_with_the_error():
@@ -744,6 +759,8 @@ class _GoneAfter(_DamagedAfter):
     async def read_log(self, run_id):
         if run_id == "r" and self.reads is not None:
             self.reads += 1
+            if self.reads >= 2:
+                self.read_twice.set()
             if self.reads >= self.fail_from:
                 return RunLog(run_id="r", records=())
         return await MemoryStore.read_log(self, run_id)
@@ -758,15 +775,48 @@ async def test_a_run_gone_while_it_streams_ends_the_stream_with_the_reason():
 
 
 class _CountedReads(MemoryStore):
-    """Counts the reads of each run's log."""
+    """Counts the reads of each run's log, and of its summary."""
 
     def __init__(self) -> None:
         super().__init__()
         self.reads: dict[str, int] = {}
+        self.summaries = 0
+        self.polled = trio.Event()
 
     async def read_log(self, run_id):
         self.reads[run_id] = self.reads.get(run_id, 0) + 1
         return await super().read_log(run_id)
+
+    async def read_summary(self, run_id):
+        self.summaries += 1
+        if self.summaries >= 50:
+            self.polled.set()
+        return await super().read_summary(run_id)
+
+
+async def test_a_stream_reads_the_log_again_only_when_its_run_moved():
+    """Each poll of a run's stream read the whole log: ten pages open on an idle run of
+    20,000 records kept two cores busy. A run that does not move costs a summary read."""
+    store = _CountedReads()
+    async with awaiting_approval(store) as handle:
+        store.reads.clear()
+        streams: list[httpx.Response] = []
+        async with client(store, poll_s=0.001) as http, trio.open_nursery() as nursery:
+
+            async def stream() -> None:
+                streams.append(await http.get("/runs/r/events"))
+
+            nursery.start_soon(stream)
+            with trio.fail_after(30):
+                await store.polled.wait()  # fifty polls of the idle run
+            idle_reads = store.reads["r"]
+            handle.approve("t1")  # it moves, and streams on to its end
+        await handle.wait()
+    assert idle_reads == 2  # the check that it exists, and the first poll
+    events = sse(streams[0].text)
+    assert events[-1]["event"] == "finished"
+    count = len((await store.read_log("r")).records)
+    assert [int(e["id"]) for e in events if e["event"] == "record"] == list(range(1, count + 1))
 
 
 async def test_the_runs_list_reads_a_log_again_only_when_its_run_moved():

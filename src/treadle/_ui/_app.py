@@ -417,6 +417,10 @@ class _Console:
         A ``finished`` event closes the stream once the run-finished record was sent; an
         ``unreadable`` event (``{"message": ...}``) closes it when the log cannot be read
         any more, or the run is gone (the page says why instead of reconnecting).
+
+        Each poll reads the run's summary; the log is read again only when the summary's
+        record count moved since the last read (or the index does not know it), so a run
+        that does not move costs one index read per poll, however long its log.
         """
         self._check_read(request)
         run_id = _run_id(request)
@@ -428,8 +432,12 @@ class _Console:
 
         async def events() -> AsyncIterator[ServerSentEvent]:
             nonlocal next_seq
+            count: int | None = None  # the records of the last read
             while True:
                 try:
+                    if count is not None and await self._records(run_id) == count:
+                        await trio.sleep(self.settings.poll_s)
+                        continue
                     log, summary = await self._read(run_id)
                 except (StoreError, HTTPException) as exc:  # damaged or gone: say so, stop
                     message = exc.detail if isinstance(exc, HTTPException) else str(exc)
@@ -474,6 +482,12 @@ class _Console:
                 data["charts"] = self.env.get_template("_charts.html").render(**context)
             events.append(ServerSentEvent(data=json.dumps(data), id=str(seq), event="record"))
         return events
+
+    async def _records(self, run_id: str) -> int | None:
+        """The records the index says run ``run_id`` holds, ``None`` when it does not say."""
+        assert isinstance(self.store, RunIndex)
+        summary = await self.store.read_summary(run_id)
+        return None if summary is None or summary.error is not None else summary.records
 
     async def _read(self, run_id: str) -> tuple[RunLog, RunSummary | None]:
         log = await self.store.read_log(run_id)

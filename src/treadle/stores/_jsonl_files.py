@@ -523,6 +523,8 @@ class Probe:
         created_ns: from the header (the file's modification time when unreadable).
         first: the run-started record, when the first record frame is intact.
         tail: the records of the intact frames in the file's last 64 KiB, in order.
+        records: the seq of the last record, or ``None`` when the last 64 KiB hold no
+            whole record line (one huge record).
         error: why the file cannot be read, or ``None``.
     """
 
@@ -531,6 +533,7 @@ class Probe:
     created_ns: int
     first: Record | None = None
     tail: tuple[Record, ...] = ()
+    records: int | None = None
     error: TreadleError | None = None
 
 
@@ -584,12 +587,14 @@ def _probe(path: str, name: str, head: bytes, tail: bytes, tail_at: int) -> Prob
         return None  # no record line reached the file (a torn first record was never written)
     first_found = _checked(path, complete[1], len(complete[0]) + 1)
     first_records, _ = _read_records(path, run_id, first_found, 1, version)
+    records, next_seq = _tail_records(path, tail, tail_at, run_id, version)
     return Probe(
         name=name,
         run_id=run_id,
         created_ns=created_ns,
         first=first_records[0],
-        tail=tuple(_tail_records(path, tail, tail_at, run_id, version)),
+        tail=tuple(records),
+        records=None if next_seq is None else next_seq - 1,
     )
 
 
@@ -600,13 +605,16 @@ def _checked(path: str, line: bytes, offset: int) -> tuple[int, bytes, int]:
         raise LogCorrupted(f"a line is damaged: {exc}", where=path, offset=offset) from exc
 
 
-def _tail_records(path: str, tail: bytes, tail_at: int, run_id: str, version: int) -> list[Record]:
-    """The records of the record frames in ``tail`` (the file's bytes from ``tail_at`` on).
+def _tail_records(
+    path: str, tail: bytes, tail_at: int, run_id: str, version: int
+) -> tuple[list[Record], int | None]:
+    """The records of the record frames in ``tail``, and the seq after the last of them.
 
-    The first line is skipped when ``tail`` starts inside it. The rest is judged as the full
-    read judges it (`treadle.stores._lines.scan_lines`): a torn tail (an unterminated last
-    line, or NUL bytes to the end) is left out, as the full read leaves it out, and any other
-    line must be an intact frame whose seq follows the frame before it.
+    ``tail`` is the file's bytes from ``tail_at`` on; the seq is ``None`` when it holds no
+    record frame. The first line is skipped when ``tail`` starts inside it. The rest is
+    judged as the full read judges it (`treadle.stores._lines.scan_lines`): a torn tail (an
+    unterminated last line, or NUL bytes to the end) is left out, as the full read leaves it
+    out, and any other line must be an intact frame whose seq follows the frame before it.
 
     Raises:
         LogCorrupted: a complete line in ``tail`` is damaged (an empty line or NUL bytes a
@@ -632,7 +640,7 @@ def _tail_records(path: str, tail: bytes, tail_at: int, run_id: str, version: in
                 raise LogCorrupted(f"a line is damaged: {exc}", where=path, offset=offset) from exc
         records.extend(found)
         expected = seq + len(found)
-    return records
+    return records, expected
 
 
 def list_run_files(directory: str) -> list[str]:

@@ -518,7 +518,7 @@ def _check_ids(dialect: SqlDialect, run_ids: tuple[Any, ...]) -> tuple[Any, ...]
 _SUMMARY_COLUMNS: Final = (
     "run_id, state, agent, agent_version, started_at, steps, stop_reason, awaiting_until, "
     "lease_owner, lease_generation, lease_expires, lease_heartbeat, submitted_at, claims, "
-    "takeovers, quarantined"
+    "takeovers, quarantined, next_seq"
 )
 
 
@@ -591,6 +591,7 @@ def _summary(where: str, row: Sequence[Any], now: float, lease: Lease | None) ->
         claims,
         takeovers,
         quarantined,
+        next_seq,
     ) = row
     run_state = None if state is None else RunState(state)
     return RunSummary(
@@ -609,6 +610,7 @@ def _summary(where: str, row: Sequence[Any], now: float, lease: Lease | None) ->
         takeovers=int(takeovers or 0),
         quarantined=_queue.still_quarantined(run_state, quarantined),
         awaiting_until=None if until is None else _iso(until),
+        records=int(next_seq) - 1,
     )
 
 

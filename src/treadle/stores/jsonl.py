@@ -424,6 +424,7 @@ class JsonlStore(EngineStore):
             started_at=getattr(started, "ts", None),
             awaiting_until=(delta.awaiting_until or None) if delta is not None else None,
             where=path,
+            records=probe.records,
         )
 
     def _check_run_id(self, path: str, run_id: str, found: RunFile) -> None:

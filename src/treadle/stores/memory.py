@@ -249,6 +249,7 @@ class MemoryStore(AppendStore):
             takeovers=row.takeovers,
             quarantined=_queue.still_quarantined(row.state, row.quarantined),
             awaiting_until=row.awaiting_until,
+            records=len(self._logs.get(run_id, ())),
         )
 
     # ------------------------------------------------------------------ the queue
