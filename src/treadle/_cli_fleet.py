@@ -43,6 +43,7 @@ from treadle.supervisors import (
     CLAIM_POLL_S,
     DRAIN_S,
     MAX_TAKEOVERS,
+    FleetStatistics,
     open_fleet,
     wait_result,
 )
@@ -226,11 +227,7 @@ def worker_command(
                     sys.stdout.flush()  # a supervisor waits for this line
                     await _until_stopped(signals, early, drain_s)
                 stats = fleet.statistics()
-        click.echo(
-            f"worker stopped: {counted(stats.finished, 'run')} finished here, "
-            f"{counted(stats.left, 'drive')} ended with the run unfinished (parked, drained, "
-            "taken over or failed: each run goes on from its log), leases released"
-        )
+        click.echo(stopped_line(stats))
 
     try:
         if exporter is not None:  # bound before the worker claims anything
@@ -239,6 +236,21 @@ def worker_command(
     finally:
         if exporter is not None:
             exporter.close()
+
+
+def stopped_line(stats: FleetStatistics) -> str:
+    """The worker's last line: what it finished, left, and whether it released every lease."""
+    leases = "leases released"
+    if stats.unreleased:
+        leases = (
+            f"{counted(stats.unreleased, 'lease')} not released (each expires after its TTL, "
+            "and the run is then taken over)"
+        )
+    return (
+        f"worker stopped: {counted(stats.finished, 'run')} finished here, "
+        f"{counted(stats.left, 'drive')} ended with the run unfinished (parked, drained, "
+        f"taken over or failed: each run goes on from its log), {leases}"
+    )
 
 
 def _prometheus() -> PrometheusOutput:

@@ -18,6 +18,7 @@ import trio
 import trio.testing
 
 import treadle
+from treadle._cli_fleet import stopped_line
 from treadle._exceptions import UsageError
 from treadle.agent import Agent
 from treadle.approvals import decide, request_cancel
@@ -380,6 +381,37 @@ async def test_a_run_finished_before_the_drain_cut_its_release_counts_as_finishe
     assert (await store.read_log("r")).finished is not None
     stats = worker.statistics()
     assert (stats.finished, stats.left) == (1, 0)
+    assert stats.unreleased == 1  # its lease was never released: it expires
+    assert "1 lease not released" in stopped_line(stats)
+
+
+class _ReleaseRefused(MemoryStore):
+    """Every lease release fails (another transaction keeps the row locked)."""
+
+    async def release_lease(self, lease, **more):  # type: ignore[no-untyped-def]
+        raise treadle.StoreError("the row stayed locked by another transaction")
+
+
+async def test_the_worker_counts_the_leases_it_did_not_release(autojump_clock):
+    """The worker's last line said "leases released" when a release had failed and the
+    lease was left to expire (the run then waits a TTL, and its next claim is a takeover)."""
+    world = World()
+    store = _ReleaseRefused(clock=store_now)
+    with trio.fail_after(600):
+        agents = {"calc": lambda: world.agent([say("done")])}
+        async with fleet(store, agents) as worker:
+            await worker.submit("calc", "work", run_id="r")
+            await worker.result("r")
+            await until(lambda: _stats_drove(worker, 1))
+    stats = worker.statistics()
+    assert (stats.finished, stats.unreleased) == (1, 1)
+    assert "1 lease not released (each expires" in stopped_line(stats)
+    assert "leases released" not in stopped_line(stats)
+
+
+async def _stats_drove(worker, count: int) -> bool:
+    await trio.lowlevel.checkpoint()
+    return worker.statistics().finished == count
 
 
 @pytest.mark.parametrize("kind", ["memory", "sqlite"])
@@ -403,6 +435,7 @@ async def test_drain_at_the_end_of_the_block_leaves_runs_resumable(kind, tmp_pat
             assert trio.current_time() - leaving < 15
         stats = first.statistics()
         assert stats.running == 0 and stats.left == 3 and stats.finished == 0
+        assert stats.unreleased == 0 and stopped_line(stats).endswith("leases released")
         assert sorted(world.effects) == sorted(f"{r}/s1/a1" for r in ids)
         assert all(not i.endswith("/s2/a1") for i in world.started)
         for run_id in ids:

@@ -90,6 +90,9 @@ class FleetStatistics:
             error; the run stays resumable).
         waiting: runs it drives that wait on a child run queued in the fleet, their slots
             freed (docs/child-runs.md, "In a fleet").
+        unreleased: drives that ended with the run's lease not released (the release failed
+            or was cut at the drain's deadline, or the run failed and its lease is left to
+            expire): each such run is free again after the lease TTL, as a takeover.
     """
 
     running: int
@@ -98,6 +101,7 @@ class FleetStatistics:
     finished: int
     left: int
     waiting: int = 0
+    unreleased: int = 0
 
 
 @attrs.define(eq=False)
@@ -134,6 +138,7 @@ class Fleet:
     _takeovers: int = 0
     _finished: int = 0
     _left: int = 0
+    _unreleased: int = 0
 
     def statistics(self) -> FleetStatistics:
         """Counters since the worker opened."""
@@ -144,6 +149,7 @@ class Fleet:
             finished=self._finished,
             left=self._left,
             waiting=len(self._waiting),
+            unreleased=self._unreleased,
         )
 
     async def submit(self, agent: str, input: RunInput, *, run_id: str | None = None) -> str:
@@ -335,6 +341,8 @@ class Fleet:
                 self._finished += 1
             else:
                 self._left += 1
+            if hold.unreleased:
+                self._unreleased += 1
             self._handles.pop(run_id, None)
             self._driving.discard(run_id)
             self._waiting.pop(run_id, None)

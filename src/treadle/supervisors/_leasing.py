@@ -55,6 +55,8 @@ class LeaseHold:
         expire_on_failure: after the run's own error, leave the lease to expire instead of
             releasing it (a fleet's hold: the next claim is then a takeover, with its backoff
             and quarantine; docs/fleet.md, "Poison runs").
+        expiring: the hold let go of a lease it did not release (the release failed, or
+            the run failed under ``expire_on_failure``): it expires after its TTL.
     """
 
     run_id: str
@@ -64,6 +66,7 @@ class LeaseHold:
     lease: Lease | None = None
     lost: LeaseLost | None = None
     expire_on_failure: bool = False
+    expiring: bool = False
     _scope: trio.CancelScope | None = None
 
     @property
@@ -103,6 +106,11 @@ class LeaseHold:
             await self.store.release_lease(lease, control_seen=control_seen)
         self.lease = None
 
+    @property
+    def unreleased(self) -> bool:
+        """The lease was this driver's and is neither released nor lost: it expires."""
+        return self.expiring or (self.lease is not None and self.lost is None)
+
     async def release_quietly(self, *, control_seen: int = 0) -> None:
         """`release`, shielded and bounded, on a path that already carries an error.
 
@@ -115,6 +123,7 @@ class LeaseHold:
                 await self.release(control_seen=control_seen)
             except Exception as exc:  # see the docstring: the first error propagates
                 self.lease = None
+                self.expiring = True
                 _LOG.warning(
                     "run %r: the lease was not released (%s); it expires", self.run_id, exc
                 )
@@ -133,6 +142,7 @@ class LeaseHold:
             await self.release_quietly()
             return
         if self.lease is not None and self.lost is None:
+            self.expiring = True
             _LOG.info(
                 "run %r: its lease is left to expire; it is retried as a takeover", self.run_id
             )
