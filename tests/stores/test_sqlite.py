@@ -1269,6 +1269,28 @@ async def test_a_database_removed_or_replaced_while_open_stops_the_writer(
         await store.aclose()  # both failures were reported
 
 
+async def test_reads_of_a_removed_database_fail_and_never_make_an_empty_one(
+    tmp_path: Path,
+) -> None:
+    """A console serving a store whose file was deleted answered from new, empty databases
+    its reads had made at the store's path (and their errors said "no such table")."""
+    path = tmp_path / "s.db"
+    store = await SqliteStore.open(path)
+    try:
+        run = Steps(store, "r")
+        await run.start()
+        for name in (path, f"{path}-wal", f"{path}-shm"):
+            os.unlink(name)
+        await store.list_summaries()  # a kept connection still reads the removed file
+        dialect = sqlite_module.SqliteDialect(str(path), time.time)
+        with pytest.raises(sqlite3.OperationalError, match="unable to open database file"):
+            dialect.connect()  # what a read opens when it needs one more connection
+        assert not path.exists()
+    finally:
+        with pytest.raises(StoreError, match="failed after returning"):  # r's last write
+            await store.aclose()
+
+
 async def test_the_files_are_checked_at_most_every_interval(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

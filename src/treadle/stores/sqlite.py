@@ -140,6 +140,7 @@ class SqliteDialect:
         self.path = path
         self.description = f"SQLite store {path}"
         self.identity: tuple[str, ...] = ("sqlite", os.path.realpath(path))
+        self._existing = Path(os.path.abspath(path)).as_uri() + "?mode=rw"
         self._clock = clock
         # The store object's control writes (leases, control streams, claims) take turns here
         # instead of all waiting in SQLite's busy handler at once, which is not fair: under load
@@ -147,8 +148,13 @@ class SqliteDialect:
         self._writing = threading.Lock()
 
     def connect(self) -> sqlite3.Connection:
-        """A connection for reads and control operations (autocommit, busy timeout)."""
-        return _connect(self.path)
+        """A connection for reads and control operations (autocommit, busy timeout).
+
+        It opens the file that exists and never makes one: a store file deleted while the
+        store is open fails the call ("unable to open database file") instead of leaving an
+        empty database where the store was.
+        """
+        return _connect(self._existing, uri=True)
 
     def sql(self, text: str) -> str:
         """SQLite takes ``?`` placeholders as they are."""
@@ -227,9 +233,14 @@ a few B-trees; the other megabyte was resident memory of every store object and 
 throughput in paired runs of 100 concurrent runs (docs/performance.md, "Memory")."""
 
 
-def _connect(path: str) -> sqlite3.Connection:
+def _connect(path: str, *, uri: bool = False) -> sqlite3.Connection:
+    """A connection to ``path``, a file path (or a ``file:`` URI with ``uri``)."""
     conn = sqlite3.connect(
-        path, isolation_level=None, check_same_thread=False, cached_statements=STATEMENT_CACHE
+        path,
+        isolation_level=None,
+        check_same_thread=False,
+        cached_statements=STATEMENT_CACHE,
+        uri=uri,
     )
     conn.execute(f"PRAGMA busy_timeout = {BUSY_TIMEOUT_MS}")
     return conn
