@@ -108,6 +108,7 @@ context_useds = _build(
     truncated=counts,
     forced=st.booleans(),
     unfit=st.booleans(),
+    summary_run_id=st.none() | ids,
 )
 model_requests = _build(
     t.ModelRequest,

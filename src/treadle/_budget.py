@@ -87,11 +87,21 @@ class Group:
 
 @attrs.frozen(kw_only=True)
 class Summary:
-    """A durable summary of steps 1 to ``through`` (the text of a compaction's reply)."""
+    """A durable summary of steps 1 to ``through`` (the text of a compaction's reply).
+
+    Attributes:
+        intent_id: the intent of the model call that wrote it.
+        through: the last step it covers; up to 0 for a part of the history inherited from
+            a thread's earlier runs (`inherited_groups`).
+        text: the summary.
+        run_id: the earlier run of the thread whose log holds it, when it was carried over
+            from there (docs/context.md, "Threads"); ``None``: this run's own.
+    """
 
     intent_id: str
     through: int
     text: str
+    run_id: str | None = None
 
 
 @attrs.frozen(kw_only=True)
@@ -175,10 +185,11 @@ def with_markers(group: Group, meter: Meter) -> tuple[Group, int]:
 def summary_message(summary: Summary) -> Message:
     """The message a summary enters the request as (after the run input)."""
     covers = _covers(summary.through)
+    written = "in this run" if summary.run_id is None else "by an earlier run of this thread"
     return Message(
         role="user",
         content=(
-            f"[Summary of {covers}, written earlier in this run; what follows it is "
+            f"[Summary of {covers}, written earlier {written}; what follows it is "
             f"verbatim]\n{summary.text}"
         ),
     )

@@ -307,6 +307,10 @@ class ContextUsed:
             for its context length.
         unfit: what cannot be cut (the instructions, the input, the summariser's prompt)
             alone exceeds the budget: the request was sent over it.
+        summary_run_id: the earlier run of the thread whose log holds that summary, when
+            it was carried over from there (docs/context.md, "Threads"); its
+            ``summary_through`` then counts the inherited history (up to 0). ``None``:
+            this run's own summary, or none.
     """
 
     window: int
@@ -322,6 +326,7 @@ class ContextUsed:
     truncated: int = 0
     forced: bool = False
     unfit: bool = False
+    summary_run_id: str | None = None
 
 
 @attrs.frozen(kw_only=True)

@@ -421,3 +421,33 @@ async def test_a_threads_inherited_history_is_compacted_like_the_runs_own_steps(
     assert texts[-1] == "count on"
     assert texts[-2] == "done at n=20"
     assert check_tool_replies([first_request]) == []
+
+
+async def test_a_thread_starts_from_the_summary_its_earlier_run_wrote():
+    """Each run of a thread summarised the whole inherited history again, in chunks, from
+    its first turn: one new message of a 54-run thread took 29 summary calls, and the thread
+    then failed every message on max_model_attempts. A run that needs the inherited history
+    compacted starts from the newest summary of the thread's earlier runs."""
+    model = WindowedModel(window=WINDOW, goal=0)
+    store = MemoryStore()
+    agent = windowed_agent(model, window=WINDOW)
+    per_run: list[int] = []
+    carried_from: list[set[str | None]] = []
+    for number in range(1, 13):
+        model.goal = 3 * number  # each message of the thread counts three steps further
+        before = model.summaries
+        thread = {"thread_id": "chat"} if number > 1 else {"run_id": "chat"}
+        result = await run(agent, "count on", store=store, **thread)
+        assert result.final_answer == f"done at n={3 * number}", result
+        log = await store.read_log(result.run_id)
+        assert check_invariants(log) == []
+        per_run.append(model.summaries - before)
+        carried_from.append({r.context.summary_run_id for r in _results(log) if r.context})
+    assert model.refused == 0
+    # once the thread outgrew the window (run 6), each later run summarised what was new
+    # (its own three steps), not all of it again: 2 each, where it was 5, 7, 9, ... 15
+    assert per_run[:5] == [0] * 5 and per_run[5] > 0, per_run
+    assert max(per_run[6:]) <= 2, per_run
+    # each of them started from the summary the run before it wrote (run 6 is "chat.6")
+    for number in range(7, 13):
+        assert f"chat.{number - 1}" in carried_from[number - 1], carried_from

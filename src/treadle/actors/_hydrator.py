@@ -56,6 +56,7 @@ from treadle.types import (
     JSONValue,
     Message,
     ModelRequest,
+    ModelResult,
     OutputFormat,
     RunLog,
     RunStarted,
@@ -116,6 +117,9 @@ class ContextHydrator:
     """The history's steps, one group each, for fitting it to the context window; kept only
     when there is a window (a run's memory, docs/performance.md, "Memory")."""
     _head: tuple[Message, ...] = ()
+    _carried: Summary | None = None
+    """The summary an earlier run of the thread left, mapped onto the inherited history
+    (docs/context.md, "Threads"); used until the run writes one of its own."""
     _meter: Meter = attrs.Factory(Meter)
     _last: tuple[tuple[Message, ...], int] | None = None
     _last_tokens: int | None = None
@@ -180,18 +184,20 @@ class ContextHydrator:
                 f"run {started.run_id!r} continues run {started.continues!r}, but its "
                 "hydrator was given no store to read that history from"
             )
-        inherited = await recorded_history(
+        inherited, carried = await inherited_context(
             self.store,
             started.continues,
             before_step=started.fork_step,
             synthetic=self.synthetic,
             successor=started.run_id,
+            summaries=self.context_window is not None,
         )
         at = 1 if self.system_prompt is not None else 0
         self._history = (*self._history[:at], *inherited, *self._history[at:])
         # the budget compacts it like the run's own steps (docs/context.md, "What stays")
         if self.context_window is not None:
             self._groups[0:0] = inherited_groups(inherited)
+            self._carried = carried
 
     def build(self, new_steps: Sequence[StepRecord]) -> ModelRequest:
         """Add ``new_steps`` to the history and return the next request (no window)."""
@@ -213,17 +219,31 @@ class ContextHydrator:
         if message.calibration is not None:
             self._meter.calibrate(*message.calibration)
         fixed = int(estimate_tools(self.tools) * self._meter.factor + 0.999)
+        summary = message.summary
         fitted = plan(
             head=head,
             groups=self._groups,
-            summary=message.summary,
+            summary=summary,
             budget=budget,
             fixed_tokens=fixed,
             meter=self._meter,
             force=message.force,
         )
+        if isinstance(fitted, Compact) and summary is None and self._carried is not None:
+            # The thread's history does not fit whole: it starts from the summary an
+            # earlier run wrote instead of summarising that history all over again.
+            summary = self._carried
+            fitted = plan(
+                head=head,
+                groups=self._groups,
+                summary=summary,
+                budget=budget,
+                fixed_tokens=fixed,
+                meter=self._meter,
+                force=message.force,
+            )
         if isinstance(fitted, Compact):
-            return self._compaction(head, message.summary, fitted, budget, message.force)
+            return self._compaction(head, summary, fitted, budget, message.force)
         return self._fitted(fitted, message, budget)
 
     def _lower_ceiling(self, message: Hydrate) -> None:
@@ -287,6 +307,7 @@ class ContextHydrator:
             verbatim_from=fitted.verbatim_from,
             summary_intent_id=summary.intent_id if summary is not None else None,
             summary_through=summary.through if summary is not None else None,
+            summary_run_id=summary.run_id if summary is not None else None,
             marked=fitted.marked,
             marked_from=fitted.marked_from,
             marked_to=fitted.marked_to,
@@ -337,6 +358,7 @@ class ContextHydrator:
             verbatim_from=chosen[0].step,
             summary_intent_id=previous.intent_id if previous is not None else None,
             summary_through=previous.through if previous is not None else None,
+            summary_run_id=previous.run_id if previous is not None else None,
             forced=forced,
             unfit=tokens + cap > budget,
         )
@@ -469,6 +491,33 @@ async def recorded_history(
             not finished, a fork's run has fewer steps than the fork needs, or the chain
             runs in a circle.
     """
+    history, _ = await inherited_context(
+        store, run_id, before_step=before_step, synthetic=synthetic, successor=successor
+    )
+    return history
+
+
+async def inherited_context(
+    store: RunStore,
+    run_id: str,
+    *,
+    before_step: int | None = None,
+    synthetic: SyntheticObservations = _SYNTHETIC,
+    successor: str | None = None,
+    summaries: bool = False,
+) -> tuple[list[Message], Summary | None]:
+    """`recorded_history`, and with ``summaries`` the latest summary the chain wrote.
+
+    The summary is the newest one a run of the chain wrote of what it held (the newest run
+    that wrote one; for a fork's run, one covering only steps before the fork), mapped onto
+    the returned history as `inherited_groups` numbers it: its ``through`` is the last group
+    it covers (up to 0) and its ``run_id`` the run that wrote it (docs/context.md,
+    "Threads"). ``None`` without ``summaries``, when no run of the chain wrote one, or
+    when what it covers does not end where a group of the history does.
+
+    Raises:
+        UsageError, StoreError: as `recorded_history`.
+    """
     chain: list[tuple[RunLog, int | None]] = []
     seen: set[str] = set()
     current: str | None = run_id
@@ -483,14 +532,67 @@ async def recorded_history(
         assert started is not None  # _read_link refused it otherwise
         successor, current, upto = current, started.continues, started.fork_step
     history: list[Message] = []
+    carried: tuple[Summary, int] | None = None  # the newest summary, and the messages it covers
     for log, upto in reversed(chain):
         assert log.started is not None
+        inherited = len(history)
         history.extend(answer_every_call(log.started.input, synthetic))
+        ends: dict[int, int] = {}
         for step in log.steps:
             if upto is not None and step.step >= upto:
                 break
             history.extend(answer_every_call(step_messages(step), synthetic))
-    return history
+            ends[step.step] = len(history)
+        own = _latest_summary(log, upto) if summaries else None
+        if own is not None:
+            if own.through > 0:
+                covered = ends.get(own.through)
+            else:
+                covered = _group_end(history[:inherited], own.through)
+            if covered is not None:
+                carried = (own, covered)
+    return history, _mapped(history, carried)
+
+
+def _latest_summary(log: RunLog, before_step: int | None) -> Summary | None:
+    """The newest summary ``log`` holds, of steps before ``before_step`` when given."""
+    found: Summary | None = None
+    for record in log.records:
+        if not isinstance(record, ModelResult) or record.reply is None:
+            continue
+        through = record.summary_through
+        if through is not None and (before_step is None or through < before_step):
+            found = Summary(
+                intent_id=record.intent_id,
+                through=through,
+                text=record.reply.text or "",
+                run_id=log.run_id,
+            )
+    return found
+
+
+def _group_end(messages: Sequence[Message], through: int) -> int | None:
+    """How many of ``messages`` the inherited groups up to ``through`` (<= 0) hold."""
+    groups = inherited_groups(messages)
+    last = len(groups) - 1 + through
+    if last < 0:
+        return None
+    return sum(len(group.messages) for group in groups[: last + 1])
+
+
+def _mapped(history: Sequence[Message], carried: tuple[Summary, int] | None) -> Summary | None:
+    """The carried summary with ``through`` the group of ``history`` its coverage ends with."""
+    if carried is None:
+        return None
+    summary, covered = carried
+    held = 0
+    for group in inherited_groups(history):
+        held += len(group.messages)
+        if held == covered:
+            return attrs.evolve(summary, through=group.step)
+        if held > covered:
+            return None
+    return None
 
 
 async def _read_link(

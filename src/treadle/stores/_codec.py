@@ -385,6 +385,7 @@ WIRE: Final[dict[type[Any], tuple[str, ...]]] = {
         "truncated",
         "forced",
         "unfit",
+        "summary_run_id",
     ),
     Usage: (
         "input_tokens",

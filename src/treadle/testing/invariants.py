@@ -461,7 +461,8 @@ def check_context(log: RunLog) -> list[str]:
       prompt);
     * a summary is computed once: no two summaries of a run cover the same steps, and each
       covers more than the one before;
-    * a request names only a summary the log holds, durable before it.
+    * a request names only a summary the log holds, durable before it (or one an earlier
+      run of the thread wrote: ``summary_run_id``, not checked from this log).
     """
     problems: list[str] = []
     summaries: dict[str, int] = {}
@@ -487,6 +488,8 @@ def check_context(log: RunLog) -> list[str]:
                 f"{context.estimated_input_tokens} tokens, over its budget of {context.budget}"
             )
         wanted = context.summary_intent_id
+        if context.summary_run_id is not None:
+            continue  # carried over from an earlier run of the thread: in that run's log
         if wanted is not None and summaries.get(wanted) != context.summary_through:
             problems.append(
                 f"{log.run_id}: request {record.intent_id} names summary {wanted} of steps "
