@@ -393,6 +393,32 @@ async def test_the_child_draws_from_the_parents_time_budget(autojump_clock):
     assert child_log.finished.totals.active_s <= 5
 
 
+async def test_a_child_waiting_on_a_human_is_cancelled_when_the_parents_time_ends(tmp_path):
+    """A child waiting for an approval spends no active time, so its own time budget (the
+    parent's share) never ran out: the parent's time budget cut the call without a grace
+    period, and the child was left waiting, its drive abandoned in the tool host (where it
+    failed on the store closed under it)."""
+    refunds: list[int] = []
+
+    @tool(requires_approval=True)
+    async def refund(invoice: int) -> str:
+        """Refund an invoice."""
+        refunds.append(invoice)
+        return "refunded"
+
+    child = attrs.evolve(
+        child_agent(turns=[call("refund", call_id="r1", invoice=9), say("ok")]),
+        executor=Toolbox([refund]),
+    )
+    async with open_store_at(tmp_path / "runs.db") as store:
+        parent = parent_agent(store, child, budgets=Budgets(time_budget_s=1))
+        result = await run(parent, "go", store=store, run_id="p")
+        child_log = await store.read_log(child_run_id("p/s1/a1"))
+    assert result.stop_reason is StopReason.TIME_BUDGET
+    assert child_log.finished is not None, type(child_log.records[-1]).__name__
+    assert child_log.finished.state is RunState.CANCELLED and refunds == []
+
+
 def crash_points() -> list[tuple[int, str]]:
     return [(n, when) for n in range(1, 40) for when in ("before", "after")]
 

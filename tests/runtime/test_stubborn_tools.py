@@ -18,6 +18,7 @@ import threading
 from pathlib import Path
 
 import attrs
+import outcome
 import pytest
 import trio
 import trio.testing
@@ -25,7 +26,7 @@ from process_tools import double, fail, slow_write, spawn_and_wait, stale_write,
 from runtime_fakes import LedgerTools, SimpleParser
 
 import treadle
-from treadle._exceptions import UsageError
+from treadle._exceptions import UsageError, raised
 from treadle._toolhost import host_statistics
 from treadle.actors import CANCEL_GRACE_S
 from treadle.agent import Agent
@@ -368,6 +369,35 @@ def test_a_hosted_call_cancelled_out_of_its_own_nursery_ends_with_no_result():
         return call.result()
 
     assert trio.run(main) is None
+
+
+def test_a_hosted_call_failing_as_it_is_cancelled_does_not_end_the_trio_run():
+    """A call whose nursery raised an error beside the cancellation (a child run's event
+    forwarding failing on a store closed under it) escaped the host's system task: the
+    trio run ended with TrioInternalError after the run that made the call had finished."""
+    from treadle._toolhost import current_host
+
+    async def fails_when_cancelled() -> None:
+        try:
+            await trio.sleep_forever()
+        except trio.Cancelled:
+            raise treadle.StoreError("the store is closed") from None
+
+    async def call_body() -> None:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(fails_when_cancelled)
+            await trio.sleep_forever()
+
+    async def main() -> object:
+        call = current_host().start(call_body, description="forwarding")
+        await trio.testing.wait_all_tasks_blocked()
+        call.abandon()
+        await call.wait()
+        return call.result()
+
+    found = trio.run(main)
+    assert isinstance(found, outcome.Error)
+    assert raised(found.error, treadle.StoreError) is not None
 
 
 async def test_a_process_tool_is_killed_at_the_time_budget(markers):

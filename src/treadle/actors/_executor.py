@@ -379,9 +379,13 @@ class ToolExecutor:
                     await call.wait()
         except trio.Cancelled:
             # Cancelled: the call gets its grace period. Cut by the time budget: none (the
-            # active time is spent); either way the run does not wait longer than that.
+            # active time is spent), except a child run's, whose child records its cancel
+            # in that time (docs/child-runs.md, "Cancellation"): a child waiting on a human
+            # spends no active time of its own, and would otherwise be left driven by
+            # nobody's run. Either way the run does not wait longer than that.
             call.cancel()
-            grace = self.cancel_grace_s if step.cancel_called else 0.0
+            child_run = limit == math.inf
+            grace = self.cancel_grace_s if step.cancel_called or child_run else 0.0
             with trio.CancelScope(shield=True), trio.move_on_after(grace):
                 await call.wait()
             self._settle(call, done, action)
