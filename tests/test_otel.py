@@ -138,3 +138,31 @@ async def test_unknown_usage_is_not_exported_as_zero_and_rejections_are_errors(a
         "treadle.approval_requested",
         "treadle.approval_decided",
     ]
+
+
+async def test_a_sink_of_a_resumed_run_names_the_model_it_was_given(autojump_clock):
+    """A resumed run never sends its run-started record again: its chat spans were named
+    "chat" with an empty gen_ai.request.model."""
+    store = MemoryStore()
+    agent = treadle.Agent(
+        model=ScriptedModel(
+            turns=[reply(ToolCall(id="w1", name="wire", arguments={"amount": 5})), reply(text="ok")]
+        ),
+        executor=treadle.Toolbox([add, wire]),
+        parser=treadle.NativeToolCallParser(),
+        model_name="small-model",
+    )
+    with pytest.raises(KeyError):  # an error in the block leaves the run unfinished
+        async with open_run(agent, "x", store=store, run_id="r") as first:
+            await first.wait_state(RunState.AWAITING_APPROVAL)
+            raise KeyError("the process stops here")
+    exporter, tracer = exporter_and_tracer()
+    sink = OpenTelemetrySink(tracer=tracer, model="small-model")
+    async with open_run(agent, "x", store=store, run_id="r", sinks=[sink]) as again:
+        await again.wait_state(RunState.AWAITING_APPROVAL)
+        again.approve()
+        result = await again.wait()
+    assert result.state is RunState.SUCCEEDED
+    chats = [s for s in exporter.get_finished_spans() if s.name.startswith("chat")]
+    assert [s.name for s in chats] == ["chat small-model"]
+    assert chats[0].attributes["gen_ai.request.model"] == "small-model"

@@ -79,14 +79,23 @@ class OpenTelemetrySink:
         tracer: where spans go; default ``opentelemetry.trace.get_tracer("treadle")``.
         agent_name: the ``gen_ai.agent.name`` of the run span.
         provider: the ``gen_ai.provider.name`` of model spans (e.g. ``openai``), when known.
+        model: the ``gen_ai.request.model`` of model spans until the run-started record
+            names the agent's model. A resumed run sends its sinks only the records it
+            writes, never its run-started record: give ``model`` to a sink of a run that may
+            be resumed, or its model spans name no model (docs/events.md, "OpenTelemetry").
     """
 
     tracer: Tracer | None = None
     agent_name: str = "treadle"
     provider: str | None = None
+    model: str = ""
     _run: Span | None = None
     _run_id: str = ""
-    _model: str = ""
+    _model: str = attrs.field(default="", init=False)
+
+    def __attrs_post_init__(self) -> None:
+        self._model = self.model
+
     _steps: dict[int, Span] = attrs.Factory(dict)
     _calls: dict[str, Span] = attrs.Factory(dict)
 
@@ -98,7 +107,7 @@ class OpenTelemetrySink:
     def record(self, run_id: str, record: Record) -> None:
         """Apply one log record (synchronous; `send` calls it)."""
         if isinstance(record, RunStarted):
-            self._model = str(record.snapshot.get("model") or "")
+            self._model = str(record.snapshot.get("model") or "") or self.model
             self._start_run(run_id, record.ts)
         elif isinstance(record, ModelIntent):
             self._start_model(run_id, record)
