@@ -87,6 +87,20 @@ def raised(exc: BaseException, kind: type[E]) -> E | None:
     return None
 
 
+def only_cancelled(exc: BaseException) -> bool:
+    """Whether ``exc`` is trio's cancellation alone: a `trio.Cancelled`, or a group of them.
+
+    A group holding another error beside a cancellation (a task failing as it was
+    cancelled) is that error's: raised on, the cancel scope takes the cancellations and the
+    error goes on up.
+    """
+    import trio  # here: importing treadle does not import trio
+
+    if isinstance(exc, BaseExceptionGroup):
+        return all(only_cancelled(inner) for inner in exc.exceptions)
+    return isinstance(exc, trio.Cancelled)
+
+
 class ChildRunInterrupted(TreadleError):
     """Raised by a child-run tool when its child stopped without finishing (docs/child-runs.md).
 

@@ -29,6 +29,8 @@ import attrs
 import outcome
 import trio
 
+from treadle._exceptions import only_cancelled
+
 T = TypeVar("T")
 
 LOG = logging.getLogger("treadle.tools")
@@ -143,7 +145,7 @@ class HostedCall(Generic[T]):
                 try:
                     self._result = outcome.Value(await fn())
                 except BaseException as exc:
-                    if _only_cancelled(exc):
+                    if only_cancelled(exc):
                         # The call's own scope takes it (cancelled: no result), also from
                         # a nursery of the call's, or it is the host's end.
                         raise
@@ -180,18 +182,6 @@ class HostedCall(Generic[T]):
                 self._on_late(text)
             except Exception:  # a diagnostic must never fail the host
                 LOG.exception("reporting a late tool return failed")
-
-
-def _only_cancelled(exc: BaseException) -> bool:
-    """Whether ``exc`` is trio's cancellation alone: a `trio.Cancelled`, or a group of them.
-
-    A group that holds another error beside it (a task of the call's nursery failing as it
-    was cancelled) is the call's error: raised on, the cancel scope would take the
-    cancellations and the error would end the host's system task (`TrioInternalError`).
-    """
-    if isinstance(exc, BaseExceptionGroup):
-        return all(_only_cancelled(inner) for inner in exc.exceptions)
-    return isinstance(exc, trio.Cancelled)
 
 
 _Queued: TypeAlias = tuple[HostedCall[Any], Callable[[], Awaitable[Any]]]

@@ -13,7 +13,7 @@ from collections.abc import Awaitable, Callable, Iterable, Iterator, Sequence
 import attrs
 import trio
 
-from treadle._exceptions import StoreError, UsageError
+from treadle._exceptions import StoreError, UsageError, only_cancelled
 from treadle.actors._mailbox import MailboxReceiver, MailboxSender
 from treadle.actors._messages import (
     Append,
@@ -185,7 +185,11 @@ class SinkFeed:
                     await self.reflected(event)
                 try:
                     await sink.send(event)
-                except Exception as exc:  # a sink's failure never stops the run; it is counted
+                except BaseException as exc:  # a sink's failure never stops the run: counted
+                    # Not trio's cancellation of this task, nor Ctrl-C or an exit; anything
+                    # else is (a bridged asyncio exporter's CancelledError included).
+                    if only_cancelled(exc) or isinstance(exc, KeyboardInterrupt | SystemExit):
+                        raise
                     self.sink_failures += 1
                     self._warn_once(
                         index,
