@@ -349,3 +349,50 @@ async def test_a_new_run_over_a_damaged_chain_is_refused_before_it_is_written() 
     logs["t"] = root
     result = await treadle.run(agent(model, tools), "bye?", store=memory, thread_id="t")
     assert (result.run_id, result.final_answer) == ("t.3", "bye")
+
+
+async def test_a_cut_steps_history_says_what_its_finished_calls_returned() -> None:
+    """A thread continuing a run cancelled during a parallel batch told the model that a
+    call which had returned (its result, 200, in the log) had an unknown outcome, and to
+    check its effect before trying again."""
+    from treadle.testing.scripted import calls
+    from treadle.tools import Toolbox, tool
+    from treadle.types import ToolCall
+
+    @tool
+    async def slow(x: int) -> int:
+        """Returns after a long while."""
+        await trio.sleep(60)
+        return x
+
+    returned = trio.Event()
+
+    @tool
+    async def quick(x: int) -> int:
+        """Returns at once."""
+        returned.set()
+        return x * 100
+
+    def make(turns: list) -> Agent:
+        return Agent(
+            model=ScriptedModel(turns=turns),
+            executor=Toolbox([slow, quick]),
+            parser=treadle.NativeToolCallParser(),
+        )
+
+    store = MemoryStore()
+    batch = calls(
+        ToolCall(id="a", name="slow", arguments={"x": 1}),
+        ToolCall(id="b", name="quick", arguments={"x": 2}),
+    )
+    async with treadle.open_run(make([batch, say("never")]), "go", store=store, run_id="t") as h:
+        with trio.fail_after(30):
+            await returned.wait()
+        h.cancel("enough")
+    history = {m.tool_call_id: m.content for m in await treadle.history(store, "t")}
+    assert history["b"] == "200"  # it returned before the cut
+    assert "unknown" in (history["a"] or "")  # cut while it ran
+    second = make([say("x"), say("carry on")])
+    await treadle.run(second, "and now?", store=store, thread_id="t")
+    sent = {m.tool_call_id: m.content for m in second.model.requests[-1].messages}
+    assert sent["b"] == "200" and "unknown" in (sent["a"] or "")

@@ -539,6 +539,7 @@ class RunCoordinator:
                     self._late_step = StepRecord(
                         ts="",
                         action_result_ids=tuple(r.intent_id for r in outcome.results),
+                        observations=self._late_observations(parsed, outcome.results),
                         **fields,
                     )
                 return outcome.stop
@@ -837,6 +838,24 @@ class RunCoordinator:
         for record in outcome.written:
             self.view.apply(record)
         return outcome
+
+    def _late_observations(
+        self, parsed: ParsedReply, results: tuple[ActionResult, ...]
+    ) -> tuple[str, ...]:
+        """What a cut step's history shows for each tool call of its reply.
+
+        Its late result's observation when it has one (what the tool returned in its grace
+        period, or why it never ran), else the synthetic ``unknown`` text (docs/events.md,
+        "Cancellation"). Never applied to the run (it ends whatever they say); a thread's
+        next run, or a fork, sees them. Empty for a text reply treated as an action (no call
+        ids).
+        """
+        calls = parsed.history_message.tool_calls
+        said = {r.call_id: r.outcome.observation for r in results if r.call_id is not None}
+        unknown = self.synthetic.unknown
+        return tuple(
+            said[c.id] if c.id in said else unknown.format(tool=c.name, detail="") for c in calls
+        )
 
     def _unanswered(self, intents: list[ActionIntent]) -> tuple[ActionResult, ...]:
         """UNKNOWN late results for the intents of an executor that never answered."""
