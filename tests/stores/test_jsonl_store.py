@@ -477,6 +477,27 @@ async def test_a_tail_of_nul_bytes_is_a_torn_tail(tmp_path: Path) -> None:
         assert store.torn_tails() == ()
 
 
+@pytest.mark.parametrize("newline", [b"*", b"\x0b", b" ", b"*junk"])
+async def test_a_whole_last_line_whose_newline_is_damaged_is_damage(
+    tmp_path: Path, newline: bytes
+) -> None:
+    """Its frame intact and its newline changed, the last line was taken for a torn tail
+    and cut: an acknowledged action intent was lost and a resume ran its call again."""
+    path, run = await write_run(tmp_path / "runs", steps=1)
+    original = path.read_bytes()
+    start, _ = lines_of(original)[-1]
+    path.write_bytes(original[:-1] + newline)
+    async with open_jsonl_store(tmp_path / "runs") as store:
+        with pytest.raises(LogCorrupted, match="where its newline belongs") as info:
+            await store.read_log("r")
+        assert info.value.offset == start and store.torn_tails() == ()
+    zeroed = original[:-1] + b"\0" * 3  # zeros where it was: a power cut, a torn tail
+    path.write_bytes(zeroed)
+    async with open_jsonl_store(tmp_path / "runs") as store:
+        assert (await store.read_log("r")).records == tuple(run.written[:-2])
+        assert len(store.torn_tails()) == 1
+
+
 async def test_damaged_complete_last_line_is_damage_not_a_torn_tail(tmp_path: Path) -> None:
     path, run = await write_run(tmp_path / "source", steps=1)
     original = path.read_bytes()
@@ -1050,7 +1071,9 @@ async def test_a_lease_held_by_another_process_drops_when_it_dies(tmp_path: Path
         await process.stdout.aclose()
 
 
-async def test_a_torn_tail_of_a_run_held_here_is_cut_not_reported(tmp_path: Path) -> None:
+async def test_a_torn_tail_of_a_run_held_here_is_cut_and_reported_at_the_cut(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     path, run = await write_run(tmp_path / "runs", steps=1)
     original = path.read_bytes()
     start, _ = lines_of(original)[-1]
@@ -1073,6 +1096,8 @@ async def test_a_torn_tail_of_a_run_held_here_is_cut_not_reported(tmp_path: Path
         assert (await a.read_log("r")).records == tuple(run.written)
         assert a.statistics().counters["tails_cut"] == 1
         assert "tails_cut" not in b.statistics().counters  # b never wrote
+    # the holder's cut is reported where its read was not (docs/crash-safety.md)
+    assert f"cut a torn tail of 10 bytes at offset {start}" in caplog.text
 
 
 # --------------------------------------------------------------------------- listing and control

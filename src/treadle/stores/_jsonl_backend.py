@@ -19,6 +19,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import json
+import logging
 import os
 import sys
 import time
@@ -54,6 +55,9 @@ CLOSED_ENDS_KEEP: Final = 4 * MAX_OPEN_FILES
 """Ends of closed files of runs still going, kept so that reopening one reads nothing; beyond
 it the oldest is dropped (a reopen then reads the file's head again). A process that leaves
 many runs unfinished (parked, interrupted, handed to another process) keeps no more."""
+
+_LOG = logging.getLogger("treadle.stores.jsonl")
+"""The JSONL store's logger (`treadle.stores.jsonl`): torn tails cut before an append."""
 
 
 FILE_CHECK_INTERVAL_S: Final = 0.05
@@ -441,6 +445,16 @@ class JsonlBackend:
             raise ConflictError(first.run_id, expected=_next_seq(seq, line), got=first.seq)
         self._ops.truncate(file.fd, start)  # a torn tail (or a crashed first write's header)
         self._ops.sync(file.fd)
+        torn = scanned.torn
+        if torn is not None:  # reported here: a read by the lease holder does not report it
+            _LOG.warning(
+                "%s: cut a torn tail of %d bytes at offset %d (%s): a write that was never "
+                "acknowledged",
+                file.path,
+                torn.length,
+                torn.offset,
+                torn.reason,
+            )
 
     def _open(self, path: str, first: Write) -> _File:
         head = first.head if isinstance(first.head, FileHead) else None

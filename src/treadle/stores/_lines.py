@@ -119,6 +119,7 @@ def scan_lines(
             return _done(items, offsets, base + pos, _torn(data, pos, base, "a tail of NUL bytes"))
         newline = data.find(b"\n", pos)
         if newline < 0:
+            _refuse_whole_frame(data[pos:], where=where, offset=base + pos)
             return _done(items, offsets, base + pos, _torn(data, pos, base, "no trailing newline"))
         try:
             item = check(data[pos:newline], base + pos)
@@ -135,6 +136,43 @@ def scan_lines(
         offsets.append(base + pos)
         pos = newline + 1
     return _done(items, offsets, base + pos, None)
+
+
+def _refuse_whole_frame(segment: bytes, *, where: str, offset: int) -> None:
+    """Refuse an unterminated last segment that holds a whole frame and then other bytes.
+
+    A lost write leaves a prefix of what was appended (a frame and its newline), or zeros
+    where the data did not reach the disk, so such a segment (other bytes than NUL after the
+    frame) is no torn tail: its newline was damaged, and the frame may be an acknowledged
+    intent (cutting it would run that call again). The frame is found by its checksum,
+    computed once along the segment (a brace at a time).
+
+    Raises:
+        LogCorrupted: the segment starts with a whole frame that other bytes follow.
+    """
+    match = _PREFIX.match(segment)
+    if match is None:
+        return
+    start, stop = match.span(2)
+    wanted = int(match[2], 16)
+    crc = zlib.crc32(_ZEROS, zlib.crc32(segment[:start]))
+    at = stop
+    while True:
+        brace = segment.find(b"}", at)
+        if brace < 0 or brace + 1 >= len(segment):
+            return  # no whole frame before the end: what a lost write leaves
+        crc = zlib.crc32(segment[at : brace + 1], crc)
+        at = brace + 1
+        if crc == wanted:
+            if not segment[at:].strip(b"\0"):
+                return  # zeros where the newline was: a power cut's lost write
+            raise LogCorrupted(
+                f"the last line is whole and intact but {len(segment) - at} other bytes "
+                "stand where its newline belongs; a torn write never looks like this "
+                "(`treadle repair` removes it knowingly)",
+                where=where,
+                offset=offset,
+            )
 
 
 def _nul_tail(data: bytes) -> int:
