@@ -358,7 +358,10 @@ class LeaseError(TreadleError):
 
 
 def _instant(epoch_s: float) -> str:
-    return dt.datetime.fromtimestamp(epoch_s, dt.UTC).isoformat(timespec="seconds")
+    try:
+        return dt.datetime.fromtimestamp(epoch_s, dt.UTC).isoformat(timespec="seconds")
+    except (OverflowError, OSError, ValueError, TypeError):  # a damaged expiry: say it as is
+        return f"at {epoch_s!r} (not a time this machine can show)"
 
 
 class RunLeased(LeaseError):

@@ -1230,6 +1230,39 @@ async def test_records_the_run_row_counts_must_all_be_there(tmp_path: Path) -> N
         assert info.value.offset == 5
 
 
+@pytest.mark.parametrize("value", ["'x'", "0", "2.5"])
+async def test_a_damaged_next_seq_is_log_corrupted_not_a_python_error(
+    tmp_path: Path, value: str
+) -> None:
+    """A damaged page left NULL in a run's next_seq: reading or resuming the run raised
+    TypeError from int() (a traceback from `treadle show`), and a write checked it raw."""
+    path = tmp_path / "s.db"
+    async with open_sqlite_store(path) as store:
+        run = Steps(store, "r")
+        await run.start()
+        await store.list_runs()
+        with contextlib.closing(sqlite3.connect(path, isolation_level=None)) as conn:
+            conn.execute(f"UPDATE runs SET next_seq = {value} WHERE run_id = 'r'")
+        with pytest.raises(LogCorrupted, match="its index row is damaged"):
+            await store.read_log("r")
+        with pytest.raises(LogCorrupted, match="its index row is damaged"):
+            await run.next()  # the writer's check of the row
+
+
+async def test_a_lease_expiry_no_clock_can_show_still_names_the_holder(tmp_path: Path) -> None:
+    path = tmp_path / "s.db"
+    async with open_sqlite_store(path) as store:
+        await Steps(store, "r").start()
+        await store.list_runs()
+        with contextlib.closing(sqlite3.connect(path, isolation_level=None)) as conn:
+            conn.execute(
+                "UPDATE runs SET lease_owner = 'other', lease_generation = 9, "
+                "lease_expires = 1e300 WHERE run_id = 'r'"
+            )
+        with pytest.raises(RunLeased, match=r"driven by other .*not a time this machine"):
+            await store.acquire_lease("r", owner="me", ttl_s=15)
+
+
 async def test_newer_schema_version_is_refused_on_read(tmp_path: Path) -> None:
     path = tmp_path / "s.db"
     async with open_sqlite_store(path) as store:

@@ -362,7 +362,7 @@ def group_by_run(batch: Sequence[Write]) -> list[RunBatch]:
 
 
 def refusal(
-    group: RunBatch, stored: tuple[int, int, str] | None, where: str
+    group: RunBatch, stored: tuple[Any, Any, Any] | None, where: str
 ) -> TreadleError | None:
     """Why the row ``(next_seq, lease_generation, lease_owner)`` refuses ``group``, or ``None``.
 
@@ -371,7 +371,11 @@ def refusal(
     run_id = group.run_id
     if stored is None:
         return LeaseLost(run_id, generation=group.generation, current=None)
-    next_seq, generation, owner = stored
+    raw_seq, generation, owner = stored
+    try:
+        next_seq = stored_seq(where, run_id, raw_seq)
+    except LogCorrupted as exc:
+        return exc
     if generation != group.generation or group.generation < 1 or not owner:
         return LeaseLost(run_id, generation=group.generation, current=generation)
     if next_seq < group.start:
@@ -430,11 +434,30 @@ def index_only_params(group: RunBatch) -> tuple[Any, ...]:
 
 
 def load_head(dialect: SqlDialect, conn: Connection, run_id: str) -> RunHead:
-    """The run's next seq as the ``runs`` row holds it (1 for a run without a row)."""
+    """The run's next seq as the ``runs`` row holds it (1 for a run without a row).
+
+    Raises:
+        LogCorrupted: the row's ``next_seq`` is no whole number of at least 1.
+    """
     row = conn.execute(
         dialect.sql("SELECT next_seq FROM runs WHERE run_id = ?"), (run_id,)
     ).fetchone()
-    return RunHead(next_seq=1 if row is None else int(row[0]))
+    return RunHead(next_seq=1 if row is None else stored_seq(dialect.description, run_id, row[0]))
+
+
+def stored_seq(where: str, run_id: str, value: object) -> int:
+    """A ``runs`` row's ``next_seq``, checked (a damaged page can leave NULL or text there).
+
+    Raises:
+        LogCorrupted: ``value`` is no whole number of at least 1.
+    """
+    if isinstance(value, int) and not isinstance(value, bool) and value >= 1:
+        return value
+    raise LogCorrupted(
+        f"run {run_id!r}: its index row is damaged (next_seq is {value!r})",
+        where=where,
+        offset=None,
+    )
 
 
 def read_records(dialect: SqlDialect, conn: Connection, run_id: str) -> tuple[Record, ...]:
@@ -460,7 +483,7 @@ def read_records(dialect: SqlDialect, conn: Connection, run_id: str) -> tuple[Re
     finally:
         conn.execute("COMMIT")
     records = decode_rows(where, run_id, rows)
-    counted = 0 if head is None else int(head[0]) - 1
+    counted = 0 if head is None else stored_seq(where, run_id, head[0]) - 1
     if counted > len(records):
         raise LogCorrupted(
             f"run {run_id!r}: records {len(records) + 1} to {counted} are missing",

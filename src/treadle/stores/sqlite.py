@@ -659,15 +659,19 @@ class SqliteBackend(_sql.SqlBackend):
             )
             raise self._broken
 
-    def _stored(self, run_ids: list[str]) -> dict[str, tuple[int, int, str]]:
-        found: dict[str, tuple[int, int, str]] = {}
+    def _stored(self, run_ids: list[str]) -> dict[str, tuple[Any, Any, Any]]:
+        """Each run's ``(next_seq, lease_generation, lease_owner)`` as stored, unchecked.
+
+        `treadle.stores._sql.refusal` tells a damaged row.
+        """
+        found: dict[str, tuple[Any, Any, Any]] = {}
         for marks, chunk in _sql.in_lists(run_ids):
             rows = self._conn.execute(
                 "SELECT run_id, next_seq, lease_generation, lease_owner FROM runs "
                 f"WHERE run_id IN ({marks})",
                 chunk,
             ).fetchall()
-            found.update((r[0], (int(r[1]), int(r[2]), r[3])) for r in rows)
+            found.update((r[0], (r[1], r[2], r[3])) for r in rows)
         return found
 
     def _insert(self, values: list[Any]) -> None:
