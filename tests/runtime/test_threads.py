@@ -396,3 +396,30 @@ async def test_a_cut_steps_history_says_what_its_finished_calls_returned() -> No
     await treadle.run(second, "and now?", store=store, thread_id="t")
     sent = {m.tool_call_id: m.content for m in second.model.requests[-1].messages}
     assert sent["b"] == "200" and "unknown" in (sent["a"] or "")
+
+
+class _CountedReads(MemoryStore):
+    """Counts the reads of each run's whole log."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.reads: dict[str, int] = {}
+
+    async def read_log(self, run_id: str) -> treadle.RunLog:
+        self.reads[run_id] = self.reads.get(run_id, 0) + 1
+        return await super().read_log(run_id)
+
+
+async def test_continuing_a_thread_reads_each_earlier_log_twice_at_most() -> None:
+    """Finding the thread's latest run read every earlier run's whole log: with the chain's
+    check and the hydrator, three reads of the whole thread for each new message."""
+    store = _CountedReads()
+    model = ScriptedModel(turns=[say(f"answer {n}") for n in range(1, 9)])
+    definition = Agent(model=model, executor=LedgerTools(), parser=SimpleParser())
+    await treadle.run(definition, "first", store=store, run_id="t")
+    for n in range(2, 8):
+        await treadle.run(definition, f"message {n}", store=store, thread_id="t")
+    store.reads.clear()
+    await treadle.run(definition, "the eighth", store=store, thread_id="t")
+    earlier = [f"t.{n}" for n in range(2, 7)]  # neither the first run nor the latest
+    assert all(store.reads.get(run_id) == 2 for run_id in earlier), store.reads

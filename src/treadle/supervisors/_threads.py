@@ -21,7 +21,7 @@ from treadle._ids import check_run_id
 from treadle._text import valid_unicode
 from treadle.actors import recorded_history
 from treadle.agent import RunInput, input_messages
-from treadle.ports import RunStore
+from treadle.ports import RunIndex, RunStore
 from treadle.types import Message, RunLog, RunStarted
 
 
@@ -89,18 +89,17 @@ async def next_in_thread(
             f"run {thread_id!r} is a run of thread {root.started.thread!r}; continue the "
             f"thread with thread_id={root.started.thread!r}"
         )
-    latest_id, latest, n = thread_id, root, 1
-    while True:
-        candidate = thread_run_id(thread_id, n + 1)
-        log = await store.read_log(candidate)
-        if log.started is None:
-            break
-        if log.started.thread != thread_id:
+    n = await _latest_number(store, thread_id)
+    latest_id, latest = thread_id, root
+    if n > 1:
+        latest_id = thread_run_id(thread_id, n)
+        latest = await store.read_log(latest_id)
+        if latest.started is None or latest.started.thread != thread_id:
             raise UsageError(
-                f"run {candidate!r} exists but is not a run of thread {thread_id!r}; "
+                f"run {latest_id!r} exists but is not a run of thread {thread_id!r}; "
                 "the thread cannot go on under that name"
             )
-        latest_id, latest, n = candidate, log, n + 1
+    candidate = thread_run_id(thread_id, n + 1)
     if latest.finished is None:
         started = latest.started
         assert started is not None
@@ -113,6 +112,26 @@ async def next_in_thread(
             f"({_state(latest)}); wait for it or resume it before continuing the thread"
         )
     return candidate, Lineage(continues=latest_id, thread=thread_id)
+
+
+async def _latest_number(store: RunStore, thread_id: str) -> int:
+    """The highest n whose run ``<thread_id>.<n>`` exists (1: only the first run).
+
+    Asked of the run index when the store has one (a row or a file's ends per run), so that
+    continuing a thread reads no earlier run's whole log; of each log otherwise. A run is
+    checked to belong to the thread when it is the latest (`next_in_thread`): every earlier
+    one was the latest when its successor was started.
+    """
+    n = 1
+    while True:
+        candidate = thread_run_id(thread_id, n + 1)
+        if isinstance(store, RunIndex):
+            found = await store.read_summary(candidate) is not None
+        else:
+            found = (await store.read_log(candidate)).started is not None
+        if not found:
+            return n
+        n += 1
 
 
 async def run_in_thread(
