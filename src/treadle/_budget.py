@@ -8,12 +8,14 @@ plan is either a request that fits or the steps that must be summarised first
 from __future__ import annotations
 
 import json
+import math
 import re
 from collections.abc import Callable, Sequence
 from typing import Final
 
 import attrs
 
+from treadle._exceptions import SeamViolation
 from treadle.types import Message, ToolSpec
 
 TokenCounter = Callable[[Sequence[Message]], int]
@@ -147,7 +149,22 @@ class Meter:
             self.factor = min(MAX_CALIBRATION, max(MIN_CALIBRATION, reported / counted))
 
     def raw(self, messages: Sequence[Message]) -> int:
-        return int(self.counter(messages))
+        """The counter's count of ``messages``, tokens.
+
+        Raises:
+            SeamViolation: the counter returned no finite number of at least 0 (a bool, NaN,
+                ``None``, text); the run is interrupted, resumable (docs/context.md,
+                "The budget").
+        """
+        counted = self.counter(messages)
+        if (
+            isinstance(counted, bool)
+            or not isinstance(counted, int | float)
+            or not math.isfinite(counted)
+            or counted < 0
+        ):
+            raise SeamViolation("token counter", counted, "a number of tokens (0 or more)")
+        return int(counted)
 
     def tokens(self, messages: Sequence[Message]) -> int:
         return int(self.raw(messages) * self.factor + 0.999)

@@ -451,3 +451,21 @@ async def test_a_thread_starts_from_the_summary_its_earlier_run_wrote():
     # each of them started from the summary the run before it wrote (run 6 is "chat.6")
     for number in range(7, 13):
         assert f"chat.{number - 1}" in carried_from[number - 1], carried_from
+
+
+@pytest.mark.parametrize("counted", [float("nan"), None, "12", -5, True])
+async def test_a_token_counter_returning_no_count_is_a_seam_violation(counted):
+    """A counter returning NaN interrupted the run with "cannot convert float NaN to
+    integer"; None or text, with another bare Python error."""
+    from treadle._exceptions import RunInterrupted, SeamViolation
+
+    model = WindowedModel(window=WINDOW, goal=3)
+    agent = windowed_agent(model, window=WINDOW, token_counter=lambda messages: counted)
+    store = MemoryStore()
+    with pytest.raises(RunInterrupted) as info:
+        await run(agent, "count", store=store, run_id="r")
+    cause = info.value.__cause__
+    while isinstance(cause, ExceptionGroup):
+        cause = cause.exceptions[0]
+    assert isinstance(cause, SeamViolation) and "token counter returned" in str(cause)
+    assert (await store.read_log("r")).finished is None  # left resumable
