@@ -8,6 +8,7 @@ the server, also across a client process killed with a call in flight.
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import os
 import re
@@ -368,6 +369,43 @@ async def test_a_broken_stdio_transport_is_env_error(tmp_path):
         transport = stdio_client(stdio_server(ledger), errlog=errlog)
         async with errors, open_mcp_tools(transport) as tools:
             _broke(await _broken_in_flight(tools, in_flight, kill))
+
+
+async def _until_in_ledger(ledger: Path, count: int) -> None:
+    """Wait until the server's ledger holds ``count`` calls (the caller bounds the wait)."""
+    while len(_ledger(ledger)) < count:  # noqa: ASYNC110 (polling another process's file)
+        await trio.sleep(0.01)
+
+
+async def test_a_stdio_server_writing_bytes_that_are_no_text_breaks_the_session(tmp_path):
+    """Invalid UTF-8 on the server's stdout killed the SDK's reader: every call waited out its
+    timeout (UNKNOWN) and the block ended with a raw UnicodeDecodeError. It is a broken
+    connection now: the calls in flight end ENV_ERROR at once, so does every later call, and
+    the block ends cleanly (docs/mcp.md, "Results")."""
+    ledger = tmp_path / "ledger"
+    options = {name: McpToolOptions(timeout_s=600) for name in ("hang", "garble", "tag")}
+    outcomes: dict[str, ActionOutcome] = {}
+
+    async def call(tool: str, **arguments: Any) -> None:
+        outcomes[tool] = await tools.execute(_action(tool, f"i-{tool}", **arguments))
+
+    with trio.fail_after(60):  # the calls' own timeouts are ten minutes
+        async with open_mcp_tools(stdio_server(ledger, "--garble"), tools=options) as tools:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(functools.partial(call, "hang", job="j"))
+                await _until_in_ledger(ledger, 1)
+                nursery.start_soon(call, "garble")
+            await call("tag", item="x")
+    assert {tool: outcome.status for tool, outcome in outcomes.items()} == {
+        "hang": ActionStatus.ENV_ERROR,
+        "garble": ActionStatus.ENV_ERROR,
+        "tag": ActionStatus.ENV_ERROR,
+    }
+    assert outcomes["hang"].observation == (
+        "Error: the connection to the MCP server broke during the call of hang (the server "
+        "wrote bytes that are no utf-8 text on its stdout); its outcome is unknown"
+    )
+    assert [e["tool"] for e in _ledger(ledger)] == ["hang", "garble"]  # not the later tag
 
 
 async def test_a_broken_http_transport_is_env_error(tmp_path):

@@ -31,8 +31,9 @@ Outcomes (docs/seams.md, "Action executor"):
   request; the server answering a JSON-RPC "method not found" or "invalid params": NOT_EXECUTED;
 * an ``isError`` result: EXECUTED, observation ``Error: <the result's text>``;
 * any other JSON-RPC error: EXECUTED, observation ``Error: <code>: <message>``;
-* a broken transport (the connection closed, the process died, the HTTP request failed):
-  ENV_ERROR (the run ends);
+* a broken transport (the connection closed, the process died, the HTTP request failed, a
+  stdio server wrote bytes that are no text): ENV_ERROR (the run ends), for every call in
+  flight and every later call of the session;
 * the call ran past its timeout: UNKNOWN (the server was asked to cancel it; whether its
   effect happened is unknown);
 * anything else the SDK raises (a result that is no valid MCP result, say) propagates: the
@@ -55,8 +56,9 @@ import hashlib
 import json
 import math
 import re
-from collections.abc import AsyncIterator, Collection, Iterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Collection, Iterator, Mapping, Sequence
 from contextlib import asynccontextmanager
+from types import TracebackType
 from typing import Any, Final, TypeAlias
 
 import anyio
@@ -67,8 +69,12 @@ import mcp_types
 import trio
 from mcp import Client, MCPError, StdioServerParameters
 from mcp.client import Transport
+from mcp.client._transport import ReadStream, TransportStreams
+from mcp.client.stdio import stdio_client
 from mcp.client.streamable_http import streamable_http_client
 from mcp.server import MCPServer, Server
+from mcp.shared.message import SessionMessage
+from pydantic import ValidationError
 
 from treadle._exceptions import EnvironmentFailure, UsageError, raised
 from treadle.tools import ReconcileHook
@@ -118,6 +124,8 @@ _TRANSPORT_ERRORS: Final = (
 _NOT_RUN: Final = frozenset({mcp_types.METHOD_NOT_FOUND, mcp_types.INVALID_PARAMS})
 _SDK_TIMEOUT_MARGIN_S: Final = 60.0
 """How far past a call's ``timeout_s`` the SDK's own read timeout of that request is set."""
+_UNDECODED: Final = "string_unicode"
+"""pydantic's error type for a JSON text that holds lone surrogates (bytes no decoder took)."""
 
 
 def _policy(value: ReplayPolicy | None) -> ReplayPolicy | None:
@@ -274,10 +282,22 @@ class McpTools:
     """
 
     def __init__(
-        self, client: Client, tools: Sequence[McpTool], *, default_timeout_s: float = 30.0
+        self,
+        client: Client,
+        tools: Sequence[McpTool],
+        *,
+        default_timeout_s: float = 30.0,
+        closed_because: Callable[[], str | None] = lambda: None,
     ) -> None:
+        """The tools of ``client``'s session; built by `open_mcp_tools`.
+
+        ``closed_because`` tells why the session's stream was ended on treadle's side (a
+        stdio server's output that is no text), or ``None``; it names the cause in the
+        outcome of a call the closed session failed.
+        """
         self._client = client
         self._default_timeout_s = default_timeout_s
+        self._closed_because = closed_because
         self._tools = {entry.name: entry for entry in tools}
         self._validators = {
             entry.name: _validator(entry.name, entry.spec.parameters) for entry in tools
@@ -397,8 +417,7 @@ class McpTools:
             detail="cancelled at its timeout while the server ran it",
         )
 
-    @staticmethod
-    def _failed(found: McpTool, exc: Exception) -> ActionOutcome:
+    def _failed(self, found: McpTool, exc: Exception) -> ActionOutcome:
         error = raised(exc, MCPError)
         if error is not None and error.code != mcp_types.CONNECTION_CLOSED:
             text = f"Error: {error.code}: {error.message}"
@@ -408,9 +427,10 @@ class McpTools:
         broken = error if error is not None else _transport_error(exc)
         if broken is None:
             raise exc
+        cause = self._closed_because() if error is not None else None
         detail = (
             f"Error: the connection to the MCP server broke during the call of {found.name} "
-            f"({type(broken).__name__}: {broken}); its outcome is unknown"
+            f"({cause or f'{type(broken).__name__}: {broken}'}); its outcome is unknown"
         )
         return ActionOutcome(status=ActionStatus.ENV_ERROR, observation=detail, detail=detail)
 
@@ -624,6 +644,89 @@ def _target(server: McpServer) -> McpServer:
     return server
 
 
+class _Closure:
+    """Why `_TextLines` ended a session's stream, once it has (``None`` before)."""
+
+    def __init__(self) -> None:
+        self.reason: str | None = None
+
+
+class _TextLines:
+    """A stdio transport's read stream that ends at the first line that is no text.
+
+    `_stdio` has the SDK decode the server's stdout with ``surrogateescape``, so a line with
+    bytes that are no text in the transport's encoding arrives as the parse error of a string
+    holding lone surrogates (pydantic's ``string_unicode``) instead of killing the SDK's
+    reader (whose death would leave every request waiting out its timeout). That line ends the
+    stream as a closed stdout would: the session fails every pending and later request with
+    "connection closed" (docs/mcp.md, "Results").
+    """
+
+    def __init__(
+        self, inner: ReadStream[SessionMessage | Exception], closure: _Closure, encoding: str
+    ) -> None:
+        self._inner = inner
+        self._closure = closure
+        self._encoding = encoding
+
+    async def receive(self) -> SessionMessage | Exception:
+        """The next message or parse error; `anyio.EndOfStream` after a line that is no text."""
+        if self._closure.reason is not None:
+            raise anyio.EndOfStream
+        item = await self._inner.receive()
+        if _undecoded(item):
+            self._closure.reason = (
+                f"the server wrote bytes that are no {self._encoding} text on its stdout"
+            )
+            raise anyio.EndOfStream
+        return item
+
+    async def aclose(self) -> None:
+        await self._inner.aclose()
+
+    def __aiter__(self) -> _TextLines:
+        return self
+
+    async def __anext__(self) -> SessionMessage | Exception:
+        try:
+            return await self.receive()
+        except anyio.EndOfStream:
+            raise StopAsyncIteration from None
+
+    async def __aenter__(self) -> _TextLines:
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc_val: BaseException | None,
+        exc_tb: TracebackType | None,
+    ) -> None:
+        await self.aclose()
+
+
+def _undecoded(item: SessionMessage | Exception) -> bool:
+    """Whether ``item`` is the parse error of a line that held bytes no decoder took."""
+    if not isinstance(item, ValidationError):
+        return False
+    return any(error["type"] == _UNDECODED for error in item.errors())
+
+
+@asynccontextmanager
+async def _stdio(
+    params: StdioServerParameters, closure: _Closure
+) -> AsyncIterator[TransportStreams]:
+    """The SDK's stdio transport, whose read stream ends at a line that is no text.
+
+    ``surrogateescape`` is one of Python's codec error handlers; the SDK hands the
+    parameter's handler to the decoder as is (its type lists only the usual three, hence the
+    copy without validation).
+    """
+    escaping = params.model_copy(update={"encoding_error_handler": "surrogateescape"})
+    async with stdio_client(escaping) as (read, write):
+        yield _TextLines(read, closure, params.encoding), write
+
+
 class _FailedRequestAsError(httpx2.AsyncBaseTransport):
     """An HTTP transport that answers a POST whose connection failed with a JSON-RPC error.
 
@@ -657,14 +760,21 @@ class _FailedRequestAsError(httpx2.AsyncBaseTransport):
 
 
 @asynccontextmanager
-async def _connected(server: McpServer, read_timeout_s: float) -> AsyncIterator[Client]:
-    """An open `mcp.Client` of ``server`` (a URL gets `_FailedRequestAsError` under it).
+async def _connected(
+    server: McpServer, read_timeout_s: float, closure: _Closure
+) -> AsyncIterator[Client]:
+    """An open `mcp.Client` of ``server``.
 
-    ``read_timeout_s`` bounds each request of the session that sets no timeout of its own
-    (the handshake, the tool listing).
+    A URL gets `_FailedRequestAsError` under it; a subprocess that decodes strictly gets
+    `_stdio`, which notes in ``closure`` why it ended the stream. ``read_timeout_s`` bounds
+    each request of the session that sets no timeout of its own (the handshake, the tool
+    listing).
     """
     if not isinstance(server, str):
-        async with Client(server, read_timeout_seconds=read_timeout_s) as client:
+        target = server
+        if isinstance(server, StdioServerParameters) and server.encoding_error_handler == "strict":
+            target = _stdio(server, closure)
+        async with Client(target, read_timeout_seconds=read_timeout_s) as client:
             yield client
         return
     http = httpx2.AsyncClient(
@@ -718,8 +828,9 @@ async def open_mcp_tools(
     _check_timeout(connect_timeout_s, "connect_timeout_s")
     problem: UsageError | None = None
     entered = False
+    closure = _Closure()
     try:
-        async with _connected(target, connect_timeout_s) as client:
+        async with _connected(target, connect_timeout_s, closure) as client:
             try:
                 chosen = _build_tools(
                     await _list_tools(client),
@@ -729,7 +840,12 @@ async def open_mcp_tools(
                     prefix=prefix,
                     default_timeout_s=default_timeout_s,
                 )
-                built = McpTools(client, chosen, default_timeout_s=default_timeout_s)
+                built = McpTools(
+                    client,
+                    chosen,
+                    default_timeout_s=default_timeout_s,
+                    closed_because=lambda: closure.reason,
+                )
             except UsageError as exc:  # raised below, once the session is closed
                 problem = exc
             if problem is None:
@@ -741,6 +857,7 @@ async def open_mcp_tools(
         leaf = _leaf(exc)
         silent = isinstance(leaf, MCPError) and leaf.code == mcp_types.REQUEST_TIMEOUT
         why = f"; it did not answer within {connect_timeout_s:g} s" if silent else ""
+        why = f"; {closure.reason}" if closure.reason is not None else why
         raise EnvironmentFailure(
             f"the MCP session with {_describe(target)} could not be opened: "
             f"{type(leaf).__name__}: {leaf}{why}"
