@@ -430,6 +430,28 @@ async def test_a_broken_http_transport_is_env_error(tmp_path):
     assert "ConnectError" in after.observation
 
 
+async def test_an_http_answer_cut_in_its_body_is_env_error_for_that_call_alone(tmp_path):
+    """The server sends the headers of a JSON answer and dies in its body: the SDK let the
+    read error escape its task group, which ended the whole block (every run sharing the
+    session) with a raw httpx error. It is that call's broken connection now; the session
+    goes on."""
+    ledger = tmp_path / "ledger"
+    with http_server(ledger, raw=True) as (url, _), trio.fail_after(60):
+        async with open_mcp_tools(url) as tools:
+            cut = await tools.execute(_action("cut_body", "i-cut"))
+            reset = await tools.execute(_action("reset_body", "i-reset"))
+            echo = await tools.execute(_action("echo", "i-echo"))
+    for outcome in (cut, reset):
+        assert outcome.status is ActionStatus.ENV_ERROR
+        assert outcome.observation.startswith(
+            "Error: the connection to the MCP server broke during the call of "
+        )
+        assert outcome.observation.endswith("; its outcome is unknown")
+    assert "RemoteProtocolError" in cut.observation
+    assert echo == ActionOutcome(status=ActionStatus.EXECUTED, observation="echo")
+    assert [e["tool"] for e in _ledger(ledger)] == ["cut_body", "reset_body", "echo"]
+
+
 # --------------------------------------------------------------------------- whole runs
 
 

@@ -730,10 +730,13 @@ async def _stdio(
 class _FailedRequestAsError(httpx2.AsyncBaseTransport):
     """An HTTP transport that answers a POST whose connection failed with a JSON-RPC error.
 
-    The SDK lets a connection error before the response headers (a server that died while it
-    held the call) escape its own task group, which would cancel the caller's whole block;
-    answered as "connection closed" (CONNECTION_CLOSED), the call gets its ENV_ERROR and the
-    handshake a plain `mcp.MCPError`. Other methods (the event stream's GET, the session's
+    The SDK lets a connection error escape its own task group, which would cancel the
+    caller's whole block: before the response headers (a server that died while it held the
+    call), and while it reads a JSON body (a server that died in the middle of its answer).
+    So a POST's JSON answer is read whole here, and a failure before or while reading it is
+    answered as "connection closed" (CONNECTION_CLOSED): the call gets its ENV_ERROR and the
+    handshake a plain `mcp.MCPError`. An event stream is left to the SDK, which ends the call
+    itself when the stream breaks; other methods (the event stream's GET, the session's
     DELETE) keep their errors, which the SDK handles itself.
     """
 
@@ -741,22 +744,58 @@ class _FailedRequestAsError(httpx2.AsyncBaseTransport):
         self._inner = inner
 
     async def handle_async_request(self, request: httpx2.Request) -> httpx2.Response:
-        try:
+        if request.method != "POST":
             return await self._inner.handle_async_request(request)
-        except httpx2.TransportError as exc:
-            if request.method != "POST":
-                raise
-            error = {
-                "code": mcp_types.CONNECTION_CLOSED,
-                "message": f"the HTTP request failed: {type(exc).__name__}: {exc}",
-            }
-            body = _compact({"jsonrpc": "2.0", "id": None, "error": error}).encode()
-            return httpx2.Response(
-                503, headers={"content-type": "application/json"}, content=body, request=request
-            )
+        try:
+            response = await self._inner.handle_async_request(request)
+            if not _is_json(response):
+                return response
+            body = await _read_whole(response)
+        except (httpx2.TransportError, httpx2.DecodingError) as exc:
+            return _failed_request(request, f"{type(exc).__name__}: {exc}")
+        return _buffered(response, body, request)
 
     async def aclose(self) -> None:
         await self._inner.aclose()
+
+
+def _is_json(response: httpx2.Response) -> bool:
+    return response.headers.get("content-type", "").lower().startswith("application/json")
+
+
+async def _read_whole(response: httpx2.Response) -> bytes:
+    """The decoded body of ``response``, which is closed after.
+
+    Raises:
+        httpx2.TransportError: the connection failed while the body was read.
+        httpx2.DecodingError: the body is no valid data of its content encoding.
+    """
+    try:
+        return await response.aread()
+    finally:
+        await response.aclose()
+
+
+def _buffered(response: httpx2.Response, body: bytes, request: httpx2.Request) -> httpx2.Response:
+    """``response`` to ``request`` again, with ``body`` (decoded already) as its content."""
+    framing = {"content-encoding", "content-length", "transfer-encoding"}
+    headers = [(k, v) for k, v in response.headers.multi_items() if k.lower() not in framing]
+    return httpx2.Response(
+        response.status_code,
+        headers=headers,
+        content=body,
+        request=request,
+        extensions=response.extensions,
+    )
+
+
+def _failed_request(request: httpx2.Request, why: str) -> httpx2.Response:
+    """A JSON-RPC "connection closed" error as the answer to ``request``, saying ``why``."""
+    error = {"code": mcp_types.CONNECTION_CLOSED, "message": f"the HTTP request failed: {why}"}
+    body = _compact({"jsonrpc": "2.0", "id": None, "error": error}).encode()
+    return httpx2.Response(
+        503, headers={"content-type": "application/json"}, content=body, request=request
+    )
 
 
 @asynccontextmanager
