@@ -452,6 +452,51 @@ async def test_an_http_answer_cut_in_its_body_is_env_error_for_that_call_alone(t
     assert [e["tool"] for e in _ledger(ledger)] == ["cut_body", "reset_body", "echo"]
 
 
+async def test_http_answers_that_are_no_mcp_answers_are_env_error(tmp_path):
+    """An error page, HTML, a 202 or JSON that is no JSON-RPC message answering a call was
+    EXECUTED with a JSON-RPC error the SDK made up ("Error: -32603: Server returned an error
+    response") and the run went on. They are HTTP failures: ENV_ERROR, the outcome unknown
+    (docs/decisions/0103-mcp-http-failures-end-the-run.md). A JSON-RPC error at an HTTP error
+    status is still the server's answer."""
+    ledger = tmp_path / "ledger"
+    broken = [
+        "http_500",
+        "http_502",
+        "json_500",
+        "html",
+        "accepted",
+        "bad_json",
+        "not_jsonrpc",
+        "gone",
+    ]
+    with http_server(ledger, raw=True) as (url, _), trio.fail_after(60):
+        async with open_mcp_tools(url) as tools:
+            outcomes = {
+                name: await tools.execute(_action(name, f"i-{name}"))
+                for name in [*broken, "refused_400", "failed_500", "echo"]
+            }
+    for name in broken:
+        assert outcomes[name].status is ActionStatus.ENV_ERROR, name
+        assert outcomes[name].observation.endswith("; its outcome is unknown"), name
+    assert outcomes["http_502"].observation == (
+        "Error: the connection to the MCP server broke during the call of http_502 (MCPError: "
+        "the HTTP request failed: HTTP 502 Bad Gateway (text/html), no MCP answer); its "
+        "outcome is unknown"
+    )
+    assert "HTTP 202 Accepted (application/json), no answer" in outcomes["accepted"].observation
+    assert "HTTP 200 OK (application/json), no JSON-RPC message" in (
+        outcomes["not_jsonrpc"].observation
+    )
+    assert outcomes["refused_400"].status is ActionStatus.NOT_EXECUTED
+    assert outcomes["failed_500"] == ActionOutcome(
+        status=ActionStatus.EXECUTED,
+        observation="Error: -32603: broke",
+        detail="Error: -32603: broke",
+    )
+    assert outcomes["echo"].observation == "echo"
+    assert [e["tool"] for e in _ledger(ledger)] == [*broken, "refused_400", "failed_500", "echo"]
+
+
 # --------------------------------------------------------------------------- whole runs
 
 

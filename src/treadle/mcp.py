@@ -31,9 +31,10 @@ Outcomes (docs/seams.md, "Action executor"):
   request; the server answering a JSON-RPC "method not found" or "invalid params": NOT_EXECUTED;
 * an ``isError`` result: EXECUTED, observation ``Error: <the result's text>``;
 * any other JSON-RPC error: EXECUTED, observation ``Error: <code>: <message>``;
-* a broken transport (the connection closed, the process died, the HTTP request failed, a
-  stdio server wrote bytes that are no text): ENV_ERROR (the run ends), for every call in
-  flight and every later call of the session;
+* a broken transport (the connection closed, the process died, a stdio server wrote bytes
+  that are no text, the HTTP request failed or got an answer that is no JSON-RPC answer):
+  ENV_ERROR (the run ends); over stdio for every call in flight and every later call of the
+  session;
 * the call ran past its timeout: UNKNOWN (the server was asked to cancel it; whether its
   effect happened is unknown);
 * anything else the SDK raises (a result that is no valid MCP result, say) propagates: the
@@ -728,16 +729,19 @@ async def _stdio(
 
 
 class _FailedRequestAsError(httpx2.AsyncBaseTransport):
-    """An HTTP transport that answers a POST whose connection failed with a JSON-RPC error.
+    """An HTTP transport that answers a failed POST with a JSON-RPC "connection closed" error.
 
-    The SDK lets a connection error escape its own task group, which would cancel the
-    caller's whole block: before the response headers (a server that died while it held the
-    call), and while it reads a JSON body (a server that died in the middle of its answer).
-    So a POST's JSON answer is read whole here, and a failure before or while reading it is
-    answered as "connection closed" (CONNECTION_CLOSED): the call gets its ENV_ERROR and the
-    handshake a plain `mcp.MCPError`. An event stream is left to the SDK, which ends the call
-    itself when the stream breaks; other methods (the event stream's GET, the session's
-    DELETE) keep their errors, which the SDK handles itself.
+    A POST fails when its connection fails (before the response headers: a server that died
+    while it held the call; or while a JSON body is read: one that died in its answer), and
+    when a request gets an HTTP answer that is no JSON-RPC answer (`_no_mcp_answer`). The
+    SDK lets a connection error escape its own task group, which would cancel the caller's
+    whole block, and turns a non-JSON-RPC answer into a JSON-RPC error of its own making that
+    would read as the server's. Answered as "connection closed" (CONNECTION_CLOSED), the call
+    gets its ENV_ERROR and the handshake a plain `mcp.MCPError` (docs/mcp.md, "Results";
+    docs/decisions/0103-mcp-http-failures-end-the-run.md). A POST's JSON answer is read whole
+    here for that; an event stream is left to the SDK, which ends the call itself when the
+    stream breaks. Other methods (the event stream's GET, the session's DELETE) keep their
+    errors, which the SDK handles itself.
     """
 
     def __init__(self, inner: httpx2.AsyncBaseTransport) -> None:
@@ -748,15 +752,60 @@ class _FailedRequestAsError(httpx2.AsyncBaseTransport):
             return await self._inner.handle_async_request(request)
         try:
             response = await self._inner.handle_async_request(request)
-            if not _is_json(response):
-                return response
-            body = await _read_whole(response)
+            body = await _read_whole(response) if _is_json(response) else None
         except (httpx2.TransportError, httpx2.DecodingError) as exc:
             return _failed_request(request, f"{type(exc).__name__}: {exc}")
-        return _buffered(response, body, request)
+        why = _no_mcp_answer(request, response, body)
+        if why is not None:
+            await response.aclose()
+            return _failed_request(request, why)
+        return response if body is None else _buffered(response, body, request)
 
     async def aclose(self) -> None:
         await self._inner.aclose()
+
+
+def _no_mcp_answer(
+    request: httpx2.Request, response: httpx2.Response, body: bytes | None
+) -> str | None:
+    """Why ``response`` is no answer to the JSON-RPC request ``request``, or ``None``.
+
+    An answer is a JSON-RPC message (a JSON-RPC error at a status of 400 or more) or an event
+    stream. A redirect is left to the SDK (which follows it on the same origin); the answer
+    to a notification or a response (202) is no concern here. ``body``: the JSON body read
+    whole, ``None`` for another content type.
+    """
+    status = response.status_code
+    if not _is_request(request) or 300 <= status < 400:
+        return None
+    kind = response.headers.get("content-type", "") or "no content type"
+    what = f"HTTP {status} {response.reason_phrase} ({kind.split(';')[0]})"
+    if status == 202:
+        return f"{what}, no answer to the request"
+    if body is None:
+        streamed = kind.lower().startswith("text/event-stream") and status < 400
+        return None if streamed else f"{what}, no MCP answer"
+    message = _jsonrpc(body)
+    if status >= 400 and not isinstance(message, mcp_types.JSONRPCError):
+        return f"{what}, no JSON-RPC error"
+    return f"{what}, no JSON-RPC message" if message is None else None
+
+
+def _is_request(request: httpx2.Request) -> bool:
+    """Whether ``request`` sends a JSON-RPC request (not a notification or a response)."""
+    try:
+        sent = json.loads(request.content)
+    except (httpx2.RequestNotRead, ValueError):
+        return False
+    return isinstance(sent, dict) and "method" in sent and "id" in sent
+
+
+def _jsonrpc(body: bytes) -> mcp_types.JSONRPCMessage | None:
+    """The JSON-RPC message ``body`` holds, or ``None``."""
+    try:
+        return mcp_types.jsonrpc_message_adapter.validate_json(body, by_name=False)
+    except ValidationError:
+        return None
 
 
 def _is_json(response: httpx2.Response) -> bool:
