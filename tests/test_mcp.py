@@ -284,6 +284,22 @@ def attrs_evolve_replay(action: Action) -> Action:
     return attrs.evolve(action, replay=True)
 
 
+async def test_an_image_whose_media_type_is_no_image_type_is_not_kept(tmp_path):
+    """An image block with no media type (and bytes no sniffing knows) or with ``text/html``
+    became an image of the outcome, and the next model call failed on it ("unknown media
+    type"), on every resume too. It is a line saying what was wrong, as bad base64 is."""
+    server = mcp_server.make_server(str(tmp_path / "ledger"), extra=[mcp_server.ODD_IMAGES])
+    async with open_mcp_tools(server, include=["odd_images"]) as tools:
+        outcome = await tools.execute(_action("odd_images"))
+    (image,) = outcome.images
+    assert image.media_type == "image/png"
+    assert outcome.observation.split("\n") == [
+        "[image: the server sent no media type]",
+        "[image text/html: the server sent a media type that is no image type]",
+        f"[image {image.url} image/png, {len(mcp_server.PNG)} bytes]",
+    ]
+
+
 async def test_calls_over_stdio(tmp_path):
     async with open_mcp_tools(stdio_server(tmp_path / "ledger")) as tools:
         await _calls(tools, tmp_path / "ledger")

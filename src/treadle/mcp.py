@@ -42,8 +42,9 @@ Outcomes (docs/seams.md, "Action executor"):
 * a result: EXECUTED; text blocks, structured content (compact JSON, when no text block
   already holds it), audio, resource links and embedded resources map onto the
   observation; images become the outcome's ``images`` (references the session resolves,
-  `McpTools.image_source`), each also named by a line of the observation (docs/mcp.md,
-  "Results").
+  `McpTools.image_source`), each also named by a line of the observation, and an image whose
+  media type is no ``image/<subtype>`` or whose data is no base64 only a line saying so
+  (docs/mcp.md, "Results").
 
 Every call carries the action's intent id in its ``_meta`` as ``treadle/idempotency-key``, and
 ``treadle/replay: true`` when resume re-sends a ``safe`` call.
@@ -112,6 +113,8 @@ McpServer: TypeAlias = str | StdioServerParameters | Transport | Server[Any] | M
 (`mcp.StdioServerParameters`), an `mcp.client.Transport`, or an in-process server."""
 
 _NAME: Final = re.compile(r"\A[A-Za-z0-9_-]{1,64}\Z")
+_IMAGE_TYPE: Final = re.compile(r"\Aimage/[A-Za-z0-9][A-Za-z0-9!#$&^_.+-]*\Z", re.IGNORECASE)
+"""An image media type (``image/<subtype>``, no parameters): what a model can be sent."""
 _MAX_PAGES: Final = 1000
 _MAX_IMAGES: Final = 256
 _MAX_ERRORS: Final = 5
@@ -464,6 +467,10 @@ class McpTools:
         return f"[resource {resource.uri}: {kind}, {_size(resource.blob)} bytes, not kept]"
 
     def _keep_image(self, block: mcp_types.ImageContent, images: list[ImageRef]) -> str:
+        if not block.mime_type:
+            return "[image: the server sent no media type]"
+        if not _IMAGE_TYPE.match(block.mime_type):
+            return f"[image {block.mime_type}: the server sent a media type that is no image type]"
         try:
             data = base64.b64decode(block.data, validate=True)
         except (binascii.Error, ValueError):
