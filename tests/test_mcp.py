@@ -178,6 +178,18 @@ async def test_a_schema_that_is_no_json_schema_is_a_clear_error(tmp_path):
         assert (await tools.execute(_action("tag", item="y"))).observation == "tagged y"
 
 
+async def test_a_name_listed_twice_is_refused_only_among_the_tools_kept(tmp_path):
+    """A server listing two tools under one name failed every open, ``include=`` or not, and
+    the error did not say which name."""
+    again = mcp_types.Tool(name="tag", description="Another tag.", input_schema={"type": "object"})
+    server = mcp_server.make_server(str(tmp_path / "ledger"), extra=[again])
+    with pytest.raises(UsageError, match="more than one tool under the name 'tag'; leave them"):
+        async with open_mcp_tools(server):
+            pass
+    async with open_mcp_tools(server, include=["lookup", "chart"]) as tools:
+        assert [t.name for t in tools.tools] == ["lookup", "chart"]
+
+
 async def test_a_schema_whose_reference_leads_nowhere_makes_the_call_not_executed(tmp_path):
     # Accepted at open (its shape is valid JSON Schema), it failed the first call's check
     # with a referencing error: the run was interrupted, and the call's outcome read

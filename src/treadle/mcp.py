@@ -58,6 +58,7 @@ import hashlib
 import json
 import math
 import re
+from collections import Counter
 from collections.abc import AsyncIterator, Callable, Collection, Iterator, Mapping, Sequence
 from contextlib import asynccontextmanager
 from types import TracebackType
@@ -626,8 +627,13 @@ def _build_tools(
             "these MCP tool names are not 1-64 characters of A-Z, a-z, 0-9, _ or - "
             f"(with the prefix {prefix!r}): {', '.join(bad)}; leave them out with include="
         )
-    if len(set(names)) != len(names):
-        raise UsageError("the MCP server lists two tools under one name")
+    counted = Counter(entry.name for entry in chosen)
+    twice = [name for name, count in counted.items() if count > 1]
+    if twice:
+        raise UsageError(
+            "the MCP server lists more than one tool under the name "
+            f"{', '.join(repr(n) for n in twice)}; leave them out with include="
+        )
     return [
         _tool(
             entry,
@@ -913,7 +919,8 @@ async def open_mcp_tools(
         UsageError: a URL that is not ``http(s)``, ``include`` that is a string (not a
             collection of names), a ``prefix`` that is no string, ``tools`` or ``include``
             naming a tool the server does not list, a name that is not 1-64 characters of
-            ``[A-Za-z0-9_-]`` with the prefix, a server schema that is no valid JSON
+            ``[A-Za-z0-9_-]`` with the prefix or that the server lists for more than one
+            tool (among those ``include`` keeps), a server schema that is no valid JSON
             schema, a bad timeout, or secret arguments the schema does not have.
         EnvironmentFailure: the server cannot be reached, its command cannot start, or it
             fails the handshake or the tool listing or does not answer them within
