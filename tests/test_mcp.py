@@ -236,16 +236,21 @@ async def test_a_pattern_that_backtracks_for_ever_is_left_to_the_server(tmp_path
 
 async def test_json_rpc_errors_are_refusals_or_failures_by_their_code(tmp_path):
     server = mcp_server.make_server(str(tmp_path / "ledger"), extra=mcp_server.PROTOCOL_ERRORS)
-    async with open_mcp_tools(server, include=["picky", "crash"]) as tools:
+    async with open_mcp_tools(server, include=["picky", "crash", "busy"]) as tools:
         picky = await tools.execute(_action("picky"))
         crash = await tools.execute(_action("crash"))
+        # -32000 is also the SDK's code for a closed connection: a server's own error under
+        # it was taken for a broken transport, ENV_ERROR, and ended the run
+        busy = await tools.execute(_action("busy"))
+    assert busy.status is ActionStatus.EXECUTED
+    assert busy.observation == "Error: -32000: the queue is full, try later"
     assert picky.status is ActionStatus.NOT_EXECUTED
     assert picky.detail == (
         "the server refused the call of picky: Error: -32602: picky wants other arguments"
     )
     assert crash.status is ActionStatus.EXECUTED
     assert crash.observation.startswith("Error: -32603: ")
-    assert [e["tool"] for e in _ledger(tmp_path / "ledger")] == ["picky", "crash"]
+    assert [e["tool"] for e in _ledger(tmp_path / "ledger")] == ["picky", "crash", "busy"]
 
 
 # --------------------------------------------------------------------------- calls and results

@@ -424,7 +424,7 @@ class McpTools:
 
     def _failed(self, found: McpTool, exc: Exception) -> ActionOutcome:
         error = raised(exc, MCPError)
-        if error is not None and error.code != mcp_types.CONNECTION_CLOSED:
+        if error is not None and not _closed(error):
             text = f"Error: {error.code}: {error.message}"
             if error.code in _NOT_RUN:
                 return _not_executed(f"the server refused the call of {found.name}: {text}")
@@ -851,9 +851,25 @@ def _buffered(response: httpx2.Response, body: bytes, request: httpx2.Request) -
     )
 
 
+def _closed(error: MCPError) -> bool:
+    """Whether ``error`` says the session's connection closed, not the server refused.
+
+    Code -32000 is both the SDK's "connection closed" and the first of JSON-RPC's codes for
+    a server's own errors, which many servers use: only the SDK's message (and this module's
+    own, `_failed_request`) makes it a closed connection.
+    """
+    return error.code == mcp_types.CONNECTION_CLOSED and (
+        error.message == _SDK_CLOSED or error.message.startswith(_REQUEST_FAILED)
+    )
+
+
+_SDK_CLOSED: Final = "Connection closed"
+_REQUEST_FAILED: Final = "the HTTP request failed: "
+
+
 def _failed_request(request: httpx2.Request, why: str) -> httpx2.Response:
     """A JSON-RPC "connection closed" error as the answer to ``request``, saying ``why``."""
-    error = {"code": mcp_types.CONNECTION_CLOSED, "message": f"the HTTP request failed: {why}"}
+    error = {"code": mcp_types.CONNECTION_CLOSED, "message": _REQUEST_FAILED + why}
     body = _compact({"jsonrpc": "2.0", "id": None, "error": error}).encode()
     return httpx2.Response(
         503, headers={"content-type": "application/json"}, content=body, request=request
