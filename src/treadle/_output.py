@@ -203,8 +203,10 @@ def resolve(
         UsageError: an unknown mode; ``native`` with a client declaring
             ``native_output = False``; a type that is neither an attrs class nor a mapping,
             a field type that is not JSON-shaped, a schema that is not valid JSON Schema or
-            whose top level is not an object; or a tool of the executor named like the
-            final-answer tool in ``tool`` mode.
+            whose top level is not an object, a ``$ref`` naming nothing inside the schema,
+            references looping without descending into the value; or a tool of the executor
+            named like the final-answer tool in ``tool`` mode (docs/structured-output.md,
+            "Output types").
     """
     if mode not in ("auto", "native", "tool"):
         raise UsageError(f"output_mode must be 'auto', 'native' or 'tool', got {mode!r}")
@@ -313,10 +315,11 @@ def _check_references(schema: dict[str, Any]) -> None:
     `check_schema` passes ``{"$ref": "#/$defs/Missing"}``; validating an answer against it
     then raised inside the run, interrupting it at every resume. A reference is looked up as
     the validator would, from the base URI of the subschema holding it (``$id``); a
-    reference outside the schema (a URL) is refused too: nothing is fetched.
+    reference outside the schema (a URL) is refused too: nothing is fetched. Then the
+    references are followed for a loop (`_check_loops`).
 
     Raises:
-        UsageError: names the reference that does not resolve.
+        UsageError: names the reference that does not resolve, or the loop.
     """
     from referencing import Registry
     from referencing.exceptions import Unresolvable
@@ -339,7 +342,125 @@ def _check_references(schema: dict[str, Any]) -> None:
             walk(resolver.in_subresource(sub), sub)
 
     root = DRAFT202012.create_resource(schema)
-    walk(Registry().resolver_with_root(root), root)
+    resolver = Registry().resolver_with_root(root)
+    walk(resolver, root)
+    _check_loops(schema, resolver)
+
+
+_IN_PLACE: Final = ("allOf", "anyOf", "oneOf", "not", "if", "then", "else", "dependentSchemas")
+"""Keywords whose subschemas apply to the very value their schema applies to (with ``$ref``
+and ``$dynamicRef``); the others (``properties``, ``items`` …) apply to a part of it."""
+
+
+def _check_loops(schema: dict[str, Any], resolver: Any) -> None:
+    """Refuse references that lead back to a schema without descending into the value.
+
+    ``{"$defs": {"a": {"$ref": "#/$defs/b"}, "b": {"$ref": "#/$defs/a"}}}`` passes
+    `check_schema` and resolves, but validating any value against ``a`` applies ``b`` to
+    the same value, then ``a`` again, without end (RecursionError inside the run, at every
+    resume). A recursive schema whose loop passes through ``properties``, ``items`` or
+    another keyword applying to a part of the value is accepted: each turn goes one level
+    deeper into a finite value.
+
+    Raises:
+        UsageError: names the loop, as JSON pointers into the schema.
+    """
+    done: set[int] = set()
+    for node, scope in _subschemas(schema, resolver):
+        loop = _loop_from(node, scope, done)
+        if loop is not None:
+            names = _pointers(schema)
+            shown = " → ".join(names.get(id(part), "?") for part in loop)
+            raise UsageError(
+                f"output_type: the schema's references loop without descending into the "
+                f"value ({shown}): validating an answer would never end; a recursive "
+                "reference must pass through properties, items or another keyword that "
+                "applies to a part of the value"
+            )
+
+
+def _subschemas(schema: dict[str, Any], resolver: Any) -> list[tuple[Any, Any]]:
+    """Every subschema of ``schema`` (``$defs`` included) with the resolver of its scope.
+
+    In document order: a parent before its children.
+    """
+    from referencing.jsonschema import DRAFT202012
+
+    found = []
+    pending = [(DRAFT202012.create_resource(schema), resolver)]
+    while pending:
+        resource, scope = pending.pop()
+        found.append((resource.contents, scope))
+        children = [(sub, scope.in_subresource(sub)) for sub in resource.subresources()]
+        pending.extend(reversed(children))
+    return found
+
+
+def _in_place(node: Any, scope: Any) -> list[tuple[Any, Any]]:
+    """The subschemas (objects, with their scopes) applied to the same value as ``node``."""
+    from referencing.exceptions import Unresolvable
+    from referencing.jsonschema import DRAFT202012
+
+    if not isinstance(node, dict):
+        return []
+    found = []
+    for keyword in ("$ref", "$dynamicRef"):
+        try:
+            target = scope.lookup(node[keyword]) if isinstance(node.get(keyword), str) else None
+        except Unresolvable:  # only where no schema is (`_check_references` saw the others)
+            target = None
+        if target is not None:
+            found.append((target.contents, target.resolver))
+    for keyword in _IN_PLACE:
+        value = node.get(keyword)
+        if keyword == "dependentSchemas" and isinstance(value, dict):
+            children = list(value.values())
+        else:
+            children = value if isinstance(value, list) else [value]
+        found.extend(
+            (child, scope.in_subresource(DRAFT202012.create_resource(child)))
+            for child in children
+            if isinstance(child, dict)
+        )
+    return found
+
+
+def _loop_from(start: Any, scope: Any, done: set[int]) -> list[Any] | None:
+    """A loop of `_in_place` steps reachable from ``start``, or ``None``.
+
+    The loop is its nodes, the first repeated at the end; ``done`` holds the ids of nodes
+    already known to lead to none (and gets those this search finds).
+    """
+    path = [start]
+    branches = [iter(_in_place(start, scope))]
+    while branches:
+        step = next(branches[-1], None)
+        if step is None:
+            done.add(id(path.pop()))
+            branches.pop()
+            continue
+        node, node_scope = step
+        if any(node is seen for seen in path):
+            return [*path[[id(p) for p in path].index(id(node)) :], node]
+        if id(node) not in done:
+            path.append(node)
+            branches.append(iter(_in_place(node, node_scope)))
+    return None
+
+
+def _pointers(schema: Any) -> dict[int, str]:
+    """The JSON pointer (``#/$defs/a``) of every object and array in ``schema``, by id."""
+    names: dict[int, str] = {}
+    pending: list[tuple[Any, str]] = [(schema, "#")]
+    while pending:
+        node, name = pending.pop()
+        names[id(node)] = name
+        items = node.items() if isinstance(node, dict) else enumerate(node)
+        for key, value in items:
+            if isinstance(value, dict | list):
+                escaped = str(key).replace("~", "~0").replace("/", "~1")
+                pending.append((value, f"{name}/{escaped}"))
+    return names
 
 
 def is_strict(schema: Mapping[str, Any]) -> bool:

@@ -339,6 +339,58 @@ def test_unusable_output_types_are_refused_when_the_agent_is_built(output_type, 
         agent([], output_type=output_type, mode=mode, tools=tools)
 
 
+def looping(**defs):
+    return {"type": "object", "$defs": defs, "properties": {"x": {"$ref": "#/$defs/a"}}}
+
+
+@pytest.mark.parametrize(
+    ("schema", "loop"),
+    [
+        (looping(a={"$ref": "#/$defs/b"}, b={"$ref": "#/$defs/a"}), "#/$defs/a → #/$defs/b"),
+        (looping(a={"allOf": [{"$ref": "#/$defs/a"}]}), "#/$defs/a → #/$defs/a/allOf/0"),
+        (
+            looping(a={"anyOf": [{"type": "string"}, {"$ref": "#/$defs/a"}]}),
+            "#/$defs/a → #/$defs/a/anyOf/1",
+        ),
+        ({"type": "object", "$ref": "#"}, "#"),
+    ],
+)
+def test_references_looping_without_descending_into_the_value_are_refused(schema, loop):
+    # Accepted before: every attempt and every resume then died of RecursionError while
+    # validating the answer, as a→b→a applies itself to the same value without end.
+    with pytest.raises(UsageError) as refused:
+        agent([], output_type=schema)
+    start = loop.split()[0]
+    expected = f"references loop without descending into the value ({loop} → {start})"
+    assert expected in str(refused.value)
+
+
+async def test_a_recursive_schema_descending_into_the_value_validates_a_tree():
+    node = {
+        "type": "object",
+        "properties": {
+            "name": {"type": "string"},
+            "children": {"type": "array", "items": {"$ref": "#/$defs/node"}},
+        },
+        "required": ["name"],
+    }
+    schema = {
+        "type": "object",
+        "$defs": {"node": node},
+        "properties": {"tree": {"$ref": "#/$defs/node"}, "same": {"$ref": "#"}},
+    }
+    bad = {"tree": {"name": "a", "children": [{"name": "b", "children": [{"name": 3}]}]}}
+    good = {"tree": {"name": "a", "children": [{"name": "b", "children": [{"name": "c"}]}]}}
+    definition = agent(
+        [call("final_answer", **bad), call("final_answer", **good)], output_type=schema
+    )
+    result, log = await run_log(definition)
+    assert result.output == good
+    assert "3 is not of type 'string' @ $.tree.children[0].children[0].name" in (
+        log.steps[0].feedback or ""
+    )
+
+
 def test_references_inside_the_schema_are_accepted():
     defs = {"Temp": {"type": "number"}}
     nested = {"$id": "https://example.com/n.json", "$defs": {"Z": {"type": "string"}}}
