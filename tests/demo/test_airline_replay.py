@@ -579,6 +579,24 @@ def test_demo_command(tmp_path, monkeypatch, workload):
     assert shown.exit_code == 0 and "cancel_reservation" in shown.output
 
 
+def test_demos_started_in_the_same_second_get_a_store_each(tmp_path, monkeypatch, workload):
+    # The default store was named to the second: a demo started in the same second as
+    # another replayed into its store and reported a run it had not driven.
+    from treadle.demo import _app
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("TREADLE_AIRLINE_DATA", str(workload))
+    monkeypatch.setattr(_app, "_stamp", lambda: "20250101-120000")
+    results = [CliRunner().invoke(cli_main, ["demo"]) for _ in range(2)]
+    names = ["demo-20250101-120000-2.db", "demo-20250101-120000.db"]
+    assert sorted(p.name for p in (tmp_path / ".treadle").glob("*.db")) == names
+    for result, name in zip(results, reversed(names), strict=True):
+        assert result.exit_code == 0, result.output
+        assert "killed with SIGKILL" in result.output
+        assert "crashes 1 · resumes 1" in result.output
+        assert f"--store {Path('.treadle') / name}" in result.output
+
+
 # --------------------------------------------------------------------------- the whole workload
 
 

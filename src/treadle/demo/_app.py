@@ -77,15 +77,32 @@ def _stamp() -> str:
 
 
 def _default_store(kind: str) -> Path:
-    """A new store file under ``./.treadle/`` (a temporary folder when that is read-only)."""
+    """A new, empty store file under ``./.treadle/`` (a temporary folder when that is read-only).
+
+    Named ``<kind>-<UTC time to the second>.db``; when another invocation took that name in
+    the same second, ``<kind>-<time>-2.db``, ``-3`` … The file is created here, exclusively,
+    so that no two invocations share a store (docs/demo.md, "`treadle demo`").
+    """
+    folder, stamp = _store_folder(), _stamp()
+    path, taken = folder / f"{kind}-{stamp}.db", 1
+    while True:
+        try:
+            path.touch(exist_ok=False)  # O_CREAT | O_EXCL: only one invocation gets a name
+        except FileExistsError:
+            taken += 1
+            path = folder / f"{kind}-{stamp}-{taken}.db"
+        else:
+            return path
+
+
+def _store_folder() -> Path:
     try:
         LOCAL_FOLDER.mkdir(exist_ok=True)
-        folder = LOCAL_FOLDER
-        if not os.access(folder, os.W_OK):
-            raise PermissionError(folder)
+        if not os.access(LOCAL_FOLDER, os.W_OK):
+            raise PermissionError(LOCAL_FOLDER)
     except OSError:
-        folder = Path(tempfile.mkdtemp(prefix="treadle-demo-"))
-    return folder / f"{kind}-{_stamp()}.db"
+        return Path(tempfile.mkdtemp(prefix="treadle-demo-"))
+    return LOCAL_FOLDER
 
 
 def _workload(data_dir: str | None, console: Console) -> Path:
