@@ -530,6 +530,72 @@ async def test_the_command_killed_from_outside_is_simply_run_again(
         assert line["observations_matching"] == line["recorded_tool_calls"], line
 
 
+async def interrupted(command: list[str], marker: bytes) -> tuple[int, str]:
+    """Run ``command`` in a session of its own and, once ``marker`` is in its output, send
+    SIGINT to its process group, as Ctrl-C in a terminal does; its exit status and output."""
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    output = b""
+    with trio.fail_after(REPLAY_DEADLINE_S):
+        process = await trio.lowlevel.open_process(
+            command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env,
+            start_new_session=True,
+        )  # fmt: skip
+        try:
+            assert process.stdout is not None
+            async with process.stdout:
+                while marker not in output:
+                    chunk = await process.stdout.receive_some(65536)
+                    assert chunk, output.decode()
+                    output += chunk
+                os.killpg(process.pid, signal.SIGINT)
+                while chunk := await process.stdout.receive_some(65536):
+                    output += chunk
+            return await process.wait(), output.decode()
+        finally:
+            if process.returncode is None:
+                os.killpg(process.pid, signal.SIGKILL)
+
+
+async def test_ctrl_c_stops_the_demo_which_the_same_command_resumes(workload, tmp_path):
+    # Ctrl-C printed a raw exception group ending in KeyboardInterrupt and exited with 1.
+    store = tmp_path / "demo.db"
+    command = [sys.executable, "-m", "treadle.cli", "demo", "--store", str(store),
+               "--data", str(workload)]  # fmt: skip
+    status, output = await interrupted(command, b"driver process")
+    assert status == 130, output
+    assert "Traceback" not in output and "KeyboardInterrupt" not in output
+    again = f"treadle demo --store {store} --data {workload}"
+    assert f"interrupted: airline-30-1 is left unfinished in {store}; " in output
+    assert f"to resume it from its log, run: {again}\n" in output
+    with trio.fail_after(REPLAY_DEADLINE_S):
+        done = await trio.run_process(command, capture_stdout=True, capture_stderr=True)
+    assert "score 1.0   recorded score 1.0" in done.stdout.decode()
+    assert "each applied exactly once: yes" in done.stdout.decode()
+
+
+async def test_ctrl_c_stops_demo_airline_which_running_again_resumes(
+    trajectories, workload, tmp_path
+):
+    subset = subset_file(trajectories, ("30-1", "46-3"), tmp_path / "two.json")
+    store = tmp_path / "runs.db"
+    command = [sys.executable, "-m", "treadle.cli", "demo", "airline", "--trajectories",
+               str(subset), "--data", str(workload), "--store", str(store), "--concurrency",
+               "1", "--json"]  # fmt: skip
+    status, output = await interrupted(command, b"}\n")  # 30-1 is out, 46-3 is under way
+    assert status == 130, output
+    assert "Traceback" not in output and "KeyboardInterrupt" not in output
+    assert f"interrupted: the unfinished runs are left in {store}; run the command again " in output
+    assert f"with --store {store} to resume them" in output
+    with trio.fail_after(REPLAY_DEADLINE_S):
+        done = await trio.run_process(command, capture_stdout=True, capture_stderr=True)
+    lines = [json.loads(line) for line in done.stdout.decode().splitlines()]
+    assert [(d["task_id"], d["trial"]) for d in lines] == [(30, 1), (46, 3)]
+    for line in lines:
+        assert line["error"] is None and line["reward"] == line["recorded_reward"], line
+        assert line["applied_once"] and line["db_matches_recording"], line
+        assert line["observations_matching"] == line["recorded_tool_calls"], line
+
+
 def scripted_customer(recording: Recording) -> bytes:
     """The customer's messages as typed: one line each, newlines continued with a backslash."""
     users = [m["content"] for m in recording.messages if m["role"] == "user"]

@@ -10,6 +10,7 @@ import datetime
 import functools
 import json
 import os
+import shlex
 import sys
 import tempfile
 from collections.abc import Awaitable, Callable, Mapping, Sequence
@@ -60,11 +61,32 @@ LOCAL_FOLDER: Final = Path(".treadle")
 """Where `treadle demo` keeps its stores by default (relative to the working directory)."""
 
 
-def _run(fn: Callable[[], Awaitable[T]]) -> T:
+INTERRUPTED_STATUS: Final = 130
+"""The exit status after Ctrl-C (SIGINT), as the other commands that drive runs give."""
+
+
+def _run(fn: Callable[[], Awaitable[T]], *, interrupted: str) -> T:
+    """Run ``fn`` under trio; errors the user can act on become one line.
+
+    A treadle or workload error becomes a `click.ClickException`. Ctrl-C (SIGINT: a
+    `KeyboardInterrupt`, alone or inside the exception groups of the nurseries it crossed)
+    prints ``interrupted: <interrupted>`` on standard error and exits with status 130.
+    """
     try:
         return trio.run(fn)
     except (TreadleError, AirlineDataNotFound) as exc:
         raise click.ClickException(str(exc)) from exc
+    except (KeyboardInterrupt, BaseExceptionGroup) as exc:
+        if not _is_interrupt(exc):
+            raise
+        click.echo(f"interrupted: {interrupted}", err=True)
+        raise SystemExit(INTERRUPTED_STATUS) from None
+
+
+def _is_interrupt(exc: BaseException) -> bool:
+    if isinstance(exc, BaseExceptionGroup):
+        return exc.subgroup(KeyboardInterrupt) is not None
+    return isinstance(exc, KeyboardInterrupt)
 
 
 def _clip(text: object, limit: int = CLIP) -> str:
@@ -317,12 +339,22 @@ def run_demo(store_path: str | None, data_dir: str | None, key: str | None) -> N
             crash_points={recording_key(recording): crash},
             concurrency=1,
             observer=view,
-        )
+        ),
+        interrupted=f"{run_id_of(recording)} is left unfinished in {store}; to resume it from "
+        f"its log, run: {_demo_command(store, key, data_dir)}",
     )
     db = AirlineDatabase(workspace.conversation_path(run_id_of(recording)))
     _print_demo_summary(console, reports[0], view, store, db)
     if reports[0].error is not None:
         sys.exit(1)
+
+
+def _demo_command(store: Path, key: str | None, data_dir: str | None) -> str:
+    """The command that runs this demo again on ``store`` (and so resumes its run)."""
+    words = ["treadle", "demo", "--store", str(store)]
+    words += ["--recording", key] if key is not None else []
+    words += ["--data", data_dir] if data_dir is not None else []
+    return shlex.join(words)
 
 
 def run_airline(
@@ -359,13 +391,26 @@ def run_airline(
                 seed=seed,
                 concurrency=concurrency,
                 emit=_json_line if as_json else None,
-            )
+            ),
+            interrupted=_airline_interrupted(store_path),
         )
     if not as_json:
         console.print(_report_table(reports))
     console.print(_totals(reports), soft_wrap=True)
     if any(r.error is not None for r in reports):
         sys.exit(1)
+
+
+def _airline_interrupted(store_path: str | None) -> str:
+    if store_path is None:
+        return (
+            "the runs were in a temporary store, now removed; give --store PATH to keep "
+            "interrupted runs and resume them by running the command again"
+        )
+    return (
+        f"the unfinished runs are left in {store_path}; run the command again with --store "
+        f"{shlex.quote(store_path)} to resume them (finished ones are only reported)"
+    )
 
 
 def _json_line(report: ReplayReport) -> None:
@@ -490,7 +535,11 @@ def _live(
         finally:
             await client.aclose()
 
-    report = _run(go)
+    report = _run(
+        go,
+        interrupted=f"the conversation stops here; a run it began is left unfinished in {store} "
+        f"(treadle runs --store {shlex.quote(str(store))} lists it)",
+    )
     if report is None:
         console.print("no message; nothing was run")
         return
