@@ -663,6 +663,45 @@ def test_demos_started_in_the_same_second_get_a_store_each(tmp_path, monkeypatch
         assert f"--store {Path('.treadle') / name}" in result.output
 
 
+def damaged_workload(workload: Path, target: Path, name: str, text: str | None) -> Path:
+    """A workload folder whose ``data/<name>`` is ``text`` (absent for ``None``); the other
+    files are links to the real ones."""
+    (target / "data").mkdir(parents=True)
+    for file in ("trajectories.json", "policy.md", "data/users.json", "data/reservations.json",
+                 "data/flights.json"):  # fmt: skip
+        if file != f"data/{name}":
+            (target / file).symlink_to(workload / file)
+        elif text is not None:
+            (target / file).write_text(text, encoding="utf-8")
+    return target
+
+
+@pytest.mark.parametrize(
+    ("command", "name", "text", "why"),
+    [
+        (["demo"], "flights.json", '{"x": ', "not JSON (Expecting value: line 1 column 7"),
+        (["demo"], "flights.json", "[1, 2, 3]", "expected a JSON object keyed by id, got list"),
+        (["demo"], "reservations.json", '{"ABC": 3}', "expected an object for 'ABC', got int"),
+        (["demo"], "reservations.json", None, "No such file or directory"),
+        (["demo", "airline"], "flights.json", '{"x": ', "not JSON"),
+    ],
+)
+def test_a_damaged_data_file_is_named_in_a_one_line_error(
+    workload, tmp_path, monkeypatch, command, name, text, why
+):
+    # A damaged flights.json gave a JSONDecodeError traceback not naming the file, a
+    # wrong-shaped one a bare TypeError.
+    damaged = damaged_workload(workload, tmp_path / "workload", name, text)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("TREADLE_AIRLINE_DATA", str(damaged))
+    result = CliRunner().invoke(cli_main, command)
+    assert result.exit_code == 1, result.output
+    path = damaged / "data" / name
+    assert f"Error: cannot read the airline data file {path}: {why}" in result.output
+    assert result.output.count("\n") == 1  # one line, no traceback
+    assert not (tmp_path / ".treadle").exists()  # no store was made for nothing
+
+
 # --------------------------------------------------------------------------- the whole workload
 
 

@@ -26,7 +26,13 @@ from rich.table import Table
 
 from treadle._cli_common import counted
 from treadle._exceptions import TreadleError
-from treadle.demo.airline.data import DATA_ENV_VAR, AirlineDataNotFound, Recording
+from treadle.demo.airline.data import (
+    DATA_ENV_VAR,
+    AirlineDataNotFound,
+    AirlineDataUnreadable,
+    Recording,
+    load_data,
+)
 from treadle.demo.airline.db import AirlineDatabase
 from treadle.demo.airline.replay import (
     ChildExit,
@@ -74,7 +80,7 @@ def _run(fn: Callable[[], Awaitable[T]], *, interrupted: str) -> T:
     """
     try:
         return trio.run(fn)
-    except (TreadleError, AirlineDataNotFound) as exc:
+    except (TreadleError, AirlineDataNotFound, AirlineDataUnreadable) as exc:
         raise click.ClickException(str(exc)) from exc
     except (KeyboardInterrupt, BaseExceptionGroup) as exc:
         if not _is_interrupt(exc):
@@ -137,6 +143,14 @@ def _workload(data_dir: str | None, console: Console) -> Path:
             "the airline workload is not on this machine (looked for shared/workloads/airline "
             f"above this folder and in ${DATA_ENV_VAR}) and downloading it failed: {exc}"
         ) from exc
+
+
+def _check_data(data: Path) -> None:
+    """Refuse a workload whose database files cannot be loaded, before a store is made."""
+    try:
+        load_data(data)
+    except AirlineDataUnreadable as exc:
+        raise click.ClickException(str(exc)) from exc
 
 
 def _recordings(path: Path) -> tuple[Recording, ...]:
@@ -305,19 +319,14 @@ def _print_demo_summary(
 # --------------------------------------------------------------------------- commands
 
 
-def run_demo(store_path: str | None, data_dir: str | None, key: str | None) -> None:
-    """``treadle demo``: replay a recorded conversation, SIGKILL it midway, resume it."""
-    console = Console(highlight=False)
-    data = _workload(data_dir, console)
-    trajectories = data / "trajectories.json"
-    recordings = _recordings(trajectories)
+def _demo_recording(recordings: Sequence[Recording], key: str | None) -> Recording:
     try:
-        recording = find_recording(recordings, key) if key else pick_demo_recording(recordings)
+        return find_recording(recordings, key) if key else pick_demo_recording(recordings)
     except LookupError as exc:
         raise click.ClickException(str(exc)) from exc
-    store = Path(store_path) if store_path else _default_store("demo")
-    workspace = Workspace.beside(store)
-    crash = demo_crash_point(recording)
+
+
+def _announce(console: Console, recording: Recording, store: Path) -> None:
     console.print(
         f"[bold]treadle demo[/]: replaying recorded conversation task {recording.task_id}, "
         f"trial {recording.trial} ({recorded_steps(recording)} steps; GPT-4o as an airline "
@@ -328,6 +337,19 @@ def run_demo(store_path: str | None, data_dir: str | None, key: str | None) -> N
         f"[dim]model replies come from a replay server on 127.0.0.1; tools run for real on "
         f"a SQLite airline database; the run is logged in {store}[/]"
     )
+
+
+def run_demo(store_path: str | None, data_dir: str | None, key: str | None) -> None:
+    """``treadle demo``: replay a recorded conversation, SIGKILL it midway, resume it."""
+    console = Console(highlight=False)
+    data = _workload(data_dir, console)
+    trajectories = data / "trajectories.json"
+    recording = _demo_recording(_recordings(trajectories), key)
+    _check_data(data)
+    store = Path(store_path) if store_path else _default_store("demo")
+    workspace = Workspace.beside(store)
+    crash = demo_crash_point(recording)
+    _announce(console, recording, store)
     view = DemoView(console, workspace)
     reports = _run(
         functools.partial(
@@ -376,6 +398,7 @@ def run_airline(
     data = _workload(data_dir, console)
     path = Path(trajectories) if trajectories else data / "trajectories.json"
     recordings = _recordings(path)
+    _check_data(data)
     if live:
         _live(console, data, recordings, store_path, base_url, model, api_key_env, task_id, as_json)
         return

@@ -62,6 +62,21 @@ class AirlineDataNotFound(FileNotFoundError):
         self.searched = tuple(searched)
 
 
+class AirlineDataUnreadable(ValueError):
+    """A database file of the workload cannot be used: unreadable, not JSON, or not shaped.
+
+    The message names the file and why: ``cannot read the airline data file
+    <folder>/data/flights.json: not JSON (Expecting value: line 1 column 7 (char 6))``.
+
+    Attributes:
+        path: the file.
+    """
+
+    def __init__(self, path: Path, why: str) -> None:
+        super().__init__(f"cannot read the airline data file {path}: {why}")
+        self.path = path
+
+
 @attrs.frozen(kw_only=True)
 class AirlineData:
     """The airline database as loaded from its three JSON files.
@@ -194,20 +209,34 @@ def load_data(data_dir: str | os.PathLike[str]) -> AirlineData:
         The users, reservations and flights documents, keyed by id, in file order.
 
     Raises:
-        FileNotFoundError: when a file is missing.
-        json.JSONDecodeError: when a file is not JSON (a ``ValueError``).
-        TypeError: when a file is JSON but not an object.
+        AirlineDataUnreadable: a file is missing or unreadable, is not JSON, or is not a
+            JSON object whose values are objects (the documents keyed by id); the message
+            names the file.
     """
     folder = Path(data_dir) / "data"
-    tables: dict[str, dict[str, JSONValue]] = {}
-    for name in TABLES:
-        value = _read_json(folder / f"{name}.json")
-        if not isinstance(value, dict):
-            raise TypeError(f"{folder / name}.json: expected a JSON object keyed by id")
-        tables[name] = value
+    tables = {name: _read_table(folder / f"{name}.json") for name in TABLES}
     return AirlineData(
         users=tables["users"], reservations=tables["reservations"], flights=tables["flights"]
     )
+
+
+def _read_table(path: Path) -> dict[str, JSONValue]:
+    try:
+        value = _read_json(path)
+    except OSError as exc:
+        raise AirlineDataUnreadable(path, exc.strerror or str(exc)) from exc
+    except ValueError as exc:  # not JSON, or not UTF-8
+        raise AirlineDataUnreadable(path, f"not JSON ({exc})") from exc
+    if not isinstance(value, dict):
+        raise AirlineDataUnreadable(
+            path, f"expected a JSON object keyed by id, got {type(value).__name__}"
+        )
+    for key, document in value.items():
+        if not isinstance(document, dict):
+            raise AirlineDataUnreadable(
+                path, f"expected an object for {key!r}, got {type(document).__name__}"
+            )
+    return value
 
 
 def _task_from_json(raw: Mapping[str, Any]) -> AirlineTask:
