@@ -663,6 +663,24 @@ def test_demos_started_in_the_same_second_get_a_store_each(tmp_path, monkeypatch
         assert f"--store {Path('.treadle') / name}" in result.output
 
 
+def test_the_demo_run_again_on_its_finished_store_reports_the_same_figures(
+    tmp_path, monkeypatch, workload
+):
+    # Run again, the summary mixed the stored figures with what this invocation saw:
+    # "steps 0 · tool calls 10 … customer turns 0" beside "crashes 1 · resumes 1".
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("TREADLE_AIRLINE_DATA", str(workload))
+    first, second = (CliRunner().invoke(cli_main, ["demo", "--store", "s.db"]) for _ in range(2))
+    assert first.exit_code == 0 and second.exit_code == 0, second.output
+    figures = [" ".join(r.output.split(" result ")[-1].split()) for r in (first, second)]
+    assert "steps 16 · tool calls 10 " in figures[0] and "customer turns 6" in figures[0]
+    assert "crashes 1 · resumes 1 · history mismatches 0" in figures[0]
+    assert figures[1] == figures[0]
+    again = " ".join(second.output.split())
+    assert "airline-30-1 had already finished in s.db: nothing was run again" in again
+    assert "driver process" not in again and "already finished" not in first.output
+
+
 def damaged_workload(workload: Path, target: Path, name: str, text: str | None) -> Path:
     """A workload folder whose ``data/<name>`` is ``text`` (absent for ``None``); the other
     files are links to the real ones."""

@@ -26,6 +26,7 @@ from rich.table import Table
 
 from treadle._cli_common import counted
 from treadle._exceptions import TreadleError
+from treadle.demo.airline.agent import RESPOND_TOOL
 from treadle.demo.airline.data import (
     DATA_ENV_VAR,
     AirlineDataNotFound,
@@ -56,6 +57,7 @@ from treadle.demo.airline.replay import (
 from treadle.demo.airline.replay_server import recording_key
 from treadle.demo.airline.tools import WRITE_TOOLS
 from treadle.models.openai import OpenAIChatClient
+from treadle.stores.sqlite import open_sqlite_store
 from treadle.types import ActionIntent, ActionResult, RunLog
 
 T = TypeVar("T")
@@ -172,15 +174,14 @@ class DemoView:
     def __init__(self, console: Console, workspace: Workspace) -> None:
         self.console = console
         self.workspace = workspace
-        self.steps = 0
-        self.tool_calls = 0
-        self.customer_turns = 0
+        self.drivers = 0
         self.crash: CrashPoint | None = None
 
     def child_started(
         self, recording: Recording, pid: int, *, resume: bool, crash: CrashPoint | None
     ) -> None:
         """Announce a driver process."""
+        self.drivers += 1
         self.crash = crash
         if resume:
             self.console.rule(f"driver process {pid}: resumes the run from its log")
@@ -201,7 +202,6 @@ class DemoView:
             "model_call_finished": self._model_finished,
             "action_requested": self._action_requested,
             "action_finished": self._action_finished,
-            "step_completed": self._step_completed,
             "run_finished": self._run_finished,
         }.get(str(kind))
         if handler is not None:
@@ -239,15 +239,10 @@ class DemoView:
 
     def _action_finished(self, label: str, line: Mapping[str, Any]) -> None:
         observation = escape(_clip(line.get("observation") or "", CLIP - 4))
-        if line.get("tool") == "respond":
-            self.customer_turns += 1
+        if line.get("tool") == RESPOND_TOOL:
             self.console.print(f"{label}  [bold blue]customer[/]  {observation}")
             return
-        self.tool_calls += 1
         self.console.print(f"{label}  [dim]  → {observation}[/]")
-
-    def _step_completed(self, label: str, line: Mapping[str, Any]) -> None:
-        self.steps = int(line.get("step") or 0)
 
     def _run_finished(self, label: str, line: Mapping[str, Any]) -> None:
         self.console.print(
@@ -292,16 +287,18 @@ def _open_intents(log: RunLog) -> list[ActionIntent]:
 
 
 def _print_demo_summary(
-    console: Console, report: ReplayReport, view: DemoView, store: Path, db: AirlineDatabase
+    console: Console, report: ReplayReport, log: RunLog, workspace: Workspace, store: Path
 ) -> None:
+    """The run's figures, all from its log, its database and its stored counts."""
     console.rule("result")
     if report.error is not None:
         console.print(f"[bold red]the replay failed: {escape(report.error)}[/]")
-    changes = db.applied_actions()
+    changes = AirlineDatabase(workspace.conversation_path(report.run_id)).applied_actions()
+    turns = sum(1 for r in log.records if isinstance(r, ActionResult) and r.tool == RESPOND_TOOL)
     console.print(
-        f"steps {view.steps} · tool calls {report.tool_calls} "
+        f"steps {len(log.steps)} · tool calls {report.tool_calls} "
         f"({report.observations_matching} outputs identical to the recording) · "
-        f"customer turns {view.customer_turns}"
+        f"customer turns {turns}"
     )
     console.print(
         f"crashes {report.crashes} · resumes {report.resumes} · "
@@ -343,32 +340,42 @@ def run_demo(store_path: str | None, data_dir: str | None, key: str | None) -> N
     """``treadle demo``: replay a recorded conversation, SIGKILL it midway, resume it."""
     console = Console(highlight=False)
     data = _workload(data_dir, console)
-    trajectories = data / "trajectories.json"
-    recording = _demo_recording(_recordings(trajectories), key)
+    recording = _demo_recording(_recordings(data / "trajectories.json"), key)
     _check_data(data)
     store = Path(store_path) if store_path else _default_store("demo")
     workspace = Workspace.beside(store)
-    crash = demo_crash_point(recording)
     _announce(console, recording, store)
     view = DemoView(console, workspace)
-    reports = _run(
-        functools.partial(
-            replay_recordings,
-            [recording],
-            workspace=workspace,
-            trajectories=trajectories.absolute(),
-            data_dir=data,
-            crash_points={recording_key(recording): crash},
-            concurrency=1,
-            observer=view,
-        ),
+    report, log = _run(
+        functools.partial(_replay_demo, recording, workspace, data, view),
         interrupted=f"{run_id_of(recording)} is left unfinished in {store}; to resume it from "
         f"its log, run: {_demo_command(store, key, data_dir)}",
     )
-    db = AirlineDatabase(workspace.conversation_path(run_id_of(recording)))
-    _print_demo_summary(console, reports[0], view, store, db)
-    if reports[0].error is not None:
+    if view.drivers == 0 and log.finished is not None:
+        console.print(
+            f"[cyan]{report.run_id} had already finished in {store}: nothing was run again; "
+            "the figures below are the run's, from its log and its stored counts[/]"
+        )
+    _print_demo_summary(console, report, log, workspace, store)
+    if report.error is not None:
         sys.exit(1)
+
+
+async def _replay_demo(
+    recording: Recording, workspace: Workspace, data: Path, view: DemoView
+) -> tuple[ReplayReport, RunLog]:
+    """Replay ``recording`` with the demo's crash point; its report and its log then."""
+    reports = await replay_recordings(
+        [recording],
+        workspace=workspace,
+        trajectories=(data / "trajectories.json").absolute(),
+        data_dir=data,
+        crash_points={recording_key(recording): demo_crash_point(recording)},
+        concurrency=1,
+        observer=view,
+    )
+    async with open_sqlite_store(workspace.store) as store:
+        return reports[0], await store.read_log(run_id_of(recording))
 
 
 def _demo_command(store: Path, key: str | None, data_dir: str | None) -> str:
