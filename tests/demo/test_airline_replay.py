@@ -531,8 +531,11 @@ async def test_the_command_killed_from_outside_is_simply_run_again(
 
 
 async def interrupted(command: list[str], marker: bytes) -> tuple[int, str]:
-    """Run ``command`` in a session of its own and, once ``marker`` is in its output, send
-    SIGINT to its process group, as Ctrl-C in a terminal does; its exit status and output."""
+    """``command``'s exit status and output when SIGINT reached it once it printed ``marker``.
+
+    It runs in a session of its own, and the signal goes to its process group, as Ctrl-C in
+    a terminal sends it.
+    """
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     output = b""
     with trio.fail_after(REPLAY_DEADLINE_S):
@@ -682,8 +685,10 @@ def test_the_demo_run_again_on_its_finished_store_reports_the_same_figures(
 
 
 def damaged_workload(workload: Path, target: Path, name: str, text: str | None) -> Path:
-    """A workload folder whose ``data/<name>`` is ``text`` (absent for ``None``); the other
-    files are links to the real ones."""
+    """A workload folder whose ``data/<name>`` is ``text`` (absent for ``None``).
+
+    The other files are links to the real ones.
+    """
     (target / "data").mkdir(parents=True)
     for file in ("trajectories.json", "policy.md", "data/users.json", "data/reservations.json",
                  "data/flights.json"):  # fmt: skip
@@ -718,6 +723,45 @@ def test_a_damaged_data_file_is_named_in_a_one_line_error(
     assert f"Error: cannot read the airline data file {path}: {why}" in result.output
     assert result.output.count("\n") == 1  # one line, no traceback
     assert not (tmp_path / ".treadle").exists()  # no store was made for nothing
+
+
+@pytest.mark.parametrize("command", [["demo"], ["demo", "airline"]])
+def test_a_store_that_is_not_a_sqlite_database_is_refused_before_anything_is_made(
+    tmp_path, monkeypatch, workload, command
+):
+    # The store was opened only after the airline databases (3.5 MB) were made beside it.
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("TREADLE_AIRLINE_DATA", str(workload))
+    notes = "these are notes, not a database\n" * 100
+    (tmp_path / "notadb.txt").write_text(notes, encoding="utf-8")
+    result = CliRunner().invoke(cli_main, [*command, "--store", "notadb.txt"])
+    assert result.exit_code == 1, result.output
+    assert "notadb.txt: the database is damaged, or the file is not a SQLite database" in (
+        result.output
+    )
+    assert [p.name for p in tmp_path.iterdir()] == ["notadb.txt"]
+    assert (tmp_path / "notadb.txt").read_text(encoding="utf-8") == notes
+
+
+@pytest.mark.parametrize(
+    ("arguments", "said"),
+    [
+        (["demo", "--recording", ""], "Invalid value for '--recording': '' is not TASK-TRIAL"),
+        (["demo", "--recording", "30"], "Invalid value for '--recording': '30' is not TASK-TRIAL"),
+        (["demo", "--store", ""], "Invalid value for '--store': give a file path"),
+        (["demo", "airline", "--store", ""], "Invalid value for '--store': give a file path"),
+    ],
+)
+def test_an_empty_or_malformed_option_is_a_usage_error(
+    tmp_path, monkeypatch, workload, arguments, said
+):
+    # An empty --recording or --store stood for no option: the default was used silently.
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("TREADLE_AIRLINE_DATA", str(workload))
+    result = CliRunner().invoke(cli_main, arguments)
+    assert result.exit_code == 2, result.output
+    assert said in result.output
+    assert list(tmp_path.iterdir()) == []
 
 
 # --------------------------------------------------------------------------- the whole workload

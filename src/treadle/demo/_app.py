@@ -135,6 +135,21 @@ def _store_folder() -> Path:
     return LOCAL_FOLDER
 
 
+def _check_store(store_path: str | None) -> None:
+    """Refuse a ``--store`` file that is not a SQLite run store, before anything is made.
+
+    The workspace beside it would be made first otherwise. A file that does not exist yet is
+    fine: it becomes the store.
+    """
+    if store_path is not None and Path(store_path).is_file():
+        _run(functools.partial(_open_store, Path(store_path)), interrupted="nothing was run")
+
+
+async def _open_store(path: Path) -> None:
+    async with open_sqlite_store(path):
+        pass
+
+
 def _workload(data_dir: str | None, console: Console) -> Path:
     try:
         return locate_workload(data_dir, notify=lambda text: console.print(f"[dim]{text}[/]"))
@@ -318,7 +333,9 @@ def _print_demo_summary(
 
 def _demo_recording(recordings: Sequence[Recording], key: str | None) -> Recording:
     try:
-        return find_recording(recordings, key) if key else pick_demo_recording(recordings)
+        if key is not None:
+            return find_recording(recordings, key)
+        return pick_demo_recording(recordings)
     except LookupError as exc:
         raise click.ClickException(str(exc)) from exc
 
@@ -342,7 +359,8 @@ def run_demo(store_path: str | None, data_dir: str | None, key: str | None) -> N
     data = _workload(data_dir, console)
     recording = _demo_recording(_recordings(data / "trajectories.json"), key)
     _check_data(data)
-    store = Path(store_path) if store_path else _default_store("demo")
+    _check_store(store_path)
+    store = Path(store_path) if store_path is not None else _default_store("demo")
     workspace = Workspace.beside(store)
     _announce(console, recording, store)
     view = DemoView(console, workspace)
@@ -406,6 +424,7 @@ def run_airline(
     path = Path(trajectories) if trajectories else data / "trajectories.json"
     recordings = _recordings(path)
     _check_data(data)
+    _check_store(store_path)
     if live:
         _live(console, data, recordings, store_path, base_url, model, api_key_env, task_id, as_json)
         return
@@ -529,7 +548,7 @@ def _live(
     if task_id is not None and task_id not in tasks:
         raise click.BadParameter(f"no task {task_id} in the recordings", param_hint="--task-id")
     task = tasks[task_id] if task_id is not None else None
-    store = Path(store_path) if store_path else _default_store("live")
+    store = Path(store_path) if store_path is not None else _default_store("live")
     system = policy_text(data, recordings)
     try:
         client = OpenAIChatClient(base_url=base_url, api_key=api_key)

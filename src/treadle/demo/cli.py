@@ -16,11 +16,26 @@ when one runs (the replay brings httpx, the simulation and the workload code wit
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import click
 
 from treadle.demo._defaults import DEFAULT_CONCURRENCY
+
+
+def _store_path(ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:
+    """Refuse an empty ``--store`` (it stood for no store, and a new one was made)."""
+    if value == "":
+        raise click.BadParameter("give a file path (or leave --store out for a new store)")
+    return value
+
+
+def _recording_key(ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:
+    """Refuse a ``--recording`` that is not ``TASK-TRIAL`` (an empty one stood for the default)."""
+    if value is not None and not re.fullmatch(r"[0-9]+-[0-9]+", value):
+        raise click.BadParameter(f"{value!r} is not TASK-TRIAL, e.g. 30-1")
+    return value
 
 
 @click.group(invoke_without_command=True)
@@ -29,6 +44,7 @@ from treadle.demo._defaults import DEFAULT_CONCURRENCY
     "store_path",
     type=click.Path(dir_okay=False),
     default=None,
+    callback=_store_path,
     help="SQLite store file (default: a new file in ./.treadle/).",
 )
 @click.option(
@@ -42,6 +58,7 @@ from treadle.demo._defaults import DEFAULT_CONCURRENCY
     "--recording",
     "key",
     default=None,
+    callback=_recording_key,
     metavar="TASK-TRIAL",
     help="Recording to replay, e.g. 30-1 (default: 30-1).",
 )
@@ -74,6 +91,7 @@ def demo(ctx: click.Context, store_path: str | None, data_dir: str | None, key: 
     "store_path",
     type=click.Path(dir_okay=False),
     default=None,
+    callback=_store_path,
     help="SQLite store file; running again with it resumes or reports (default: a "
     "temporary store).",
 )
