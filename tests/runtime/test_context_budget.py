@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 
+import attrs
 import pytest
 import trio
 
@@ -469,3 +470,58 @@ async def test_a_token_counter_returning_no_count_is_a_seam_violation(counted):
         cause = cause.exceptions[0]
     assert isinstance(cause, SeamViolation) and "token counter returned" in str(cause)
     assert (await store.read_log("r")).finished is None  # left resumable
+
+
+class _LongSummaries(WindowedModel):
+    """Writes summaries of some 1,000 tokens, as a summariser filling a large cap does."""
+
+    async def complete(self, request, *, on_delta=None, attempt=Attempt.STANDALONE):
+        reply = await super().complete(request, on_delta=on_delta, attempt=attempt)
+        first = request.messages[0] if request.messages else None
+        if first is not None and first.content == DEFAULT_SUMMARY_PROMPT:
+            return attrs.evolve(reply, text=reply.text + " detail" * 700)
+        return reply
+
+
+async def test_a_thread_goes_on_under_a_window_too_small_for_the_summary_it_inherits():
+    """A summary written under a large window was carried into a run whose window had no
+    room for it: every request was over the window, and the thread could not go on."""
+    store = MemoryStore()
+    big = _LongSummaries(window=3 * WINDOW, goal=120)
+    first = await run(
+        windowed_agent(big, window=3 * WINDOW, payload_chars=100), "count", store=store, run_id="t"
+    )
+    assert first.stop_reason is StopReason.FINAL_ANSWER and big.summaries > 0
+    small = WindowedModel(window=WINDOW, goal=123)
+    second = await run(windowed_agent(small, window=WINDOW), "on", store=store, thread_id="t")
+    assert second.stop_reason is StopReason.FINAL_ANSWER, second.error
+    assert small.refused == 0
+    log = await store.read_log(second.run_id)
+    assert check_invariants(log) == []
+    assert all(r.context.summary_run_id is None for r in _results(log) if r.context)
+
+
+async def test_a_fork_starts_from_a_summary_written_before_the_fork_point():
+    """A fork of an unfinished run could start from a summary the run wrote after the fork
+    was made (in the step forked or later): a resumed fork then picked another one."""
+    store = MemoryStore()
+    model = WindowedModel(window=WINDOW, goal=GOAL)
+    await run(windowed_agent(model, window=WINDOW), "count", store=store, run_id="r")
+    written = {r.intent_id: r.step for r in _summaries(await store.read_log("r"))}
+    at = sorted(written.values())[1]  # a step that wrote a summary
+    fork = await run(
+        windowed_agent(WindowedModel(window=WINDOW, goal=GOAL), window=WINDOW),
+        None,
+        store=store,
+        run_id="f",
+        fork_of="r",
+        at_step=at,
+    )
+    assert fork.stop_reason is StopReason.FINAL_ANSWER
+    carried = {
+        r.context.summary_intent_id
+        for r in _results(await store.read_log("f"))
+        if r.context is not None and r.context.summary_run_id == "r"
+    }
+    assert carried, "the fork's history does not fit: it starts from r's summary"
+    assert all(written[intent] < at for intent in carried), (carried, at)

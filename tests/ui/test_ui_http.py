@@ -712,6 +712,23 @@ async def test_a_log_damaged_while_it_streams_ends_the_stream_with_the_error():
     assert all(e["event"] == "record" for e in events[:-1]) and events[:-1]
 
 
+async def test_damage_in_an_idle_runs_log_ends_its_stream_within_the_recheck():
+    """The stream reads only the summary while the run does not move: damage in the middle
+    of an idle run's log went unseen by an open page for as long as the run stayed idle."""
+    store = _DamagedAfter(fail_from=3)
+    async with awaiting_approval(store) as handle:
+        store.reads = 0
+        async with client(store, poll_s=0.01, recheck_s=0.2) as http:
+            with trio.fail_after(30):
+                stream = await http.get("/runs/r/events")  # ends without the run moving
+        store.reads = None
+        handle.cancel("done")
+        await handle.wait()
+    events = sse(stream.text)
+    assert [e["event"] for e in events][-1] == "unreadable"
+    assert "checksum" in json.loads(events[-1]["data"])["message"]
+
+
 async def test_a_reconnect_to_a_damaged_log_gets_the_unreadable_event():
     """The browser reconnects its stream (Last-Event-ID): the first read failed before the
     stream began, and it got the HTML error page, dropped the stream and said nothing."""

@@ -51,6 +51,9 @@ from treadle.types import ApprovalRequested, Liveness, RunLog, RunState, RunSumm
 HERE = Path(__file__).resolve().parent
 
 POLL_S = 0.2
+RECHECK_S = 30.0
+"""Seconds after which a live stream reads a run's whole log again though its record count
+did not move: damage in an idle run's log ends the stream within that time (docs/ui.md)."""
 """Seconds between two reads of the store by a live stream (as ``treadle tail``)."""
 
 CSP = (
@@ -74,6 +77,7 @@ class Settings:
         token_for_reads: reads need the token too (it was given, not generated).
         allowed_hosts: the Host header values served (a rebinding guard); ``("*",)`` for any.
         poll_s: seconds between store reads of a live stream.
+        recheck_s: seconds between whole reads of a log whose record count did not move.
         canceller: who the cancel records name.
     """
 
@@ -81,6 +85,7 @@ class Settings:
     token_for_reads: bool = False
     allowed_hosts: tuple[str, ...] = ("127.0.0.1", "localhost")
     poll_s: float = POLL_S
+    recheck_s: float = RECHECK_S
     canceller: str = "treadle ui"
 
 
@@ -419,8 +424,10 @@ class _Console:
         any more, or the run is gone (the page says why instead of reconnecting).
 
         Each poll reads the run's summary; the log is read again only when the summary's
-        record count moved since the last read (or the index does not know it), so a run
-        that does not move costs one index read per poll, however long its log.
+        record count moved since the last read (or the index does not know it), or
+        ``recheck_s`` after the last whole read (which finds damage in a log that does not
+        move), so a run that does not move costs one index read per poll, however long its
+        log.
         """
         self._check_read(request)
         run_id = _run_id(request)
@@ -432,13 +439,16 @@ class _Console:
 
         async def events() -> AsyncIterator[ServerSentEvent]:
             nonlocal next_seq
-            count: int | None = None  # the records of the last read
+            count: int | None = None  # the records of the last whole read
+            read_at = trio.current_time()
             while True:
                 try:
-                    if count is not None and await self._records(run_id) == count:
+                    fresh = trio.current_time() - read_at < self.settings.recheck_s
+                    if count is not None and fresh and await self._records(run_id) == count:
                         await trio.sleep(self.settings.poll_s)
                         continue
                     log, summary = await self._read(run_id)
+                    read_at = trio.current_time()
                 except (StoreError, HTTPException) as exc:  # damaged or gone: say so, stop
                     message = exc.detail if isinstance(exc, HTTPException) else str(exc)
                     async for said in _unreadable(message):

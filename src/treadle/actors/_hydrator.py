@@ -42,6 +42,7 @@ from treadle._budget import (
     inherited_groups,
     plan,
     summary_cap,
+    summary_message,
     summary_messages,
     transcript,
 )
@@ -229,10 +230,11 @@ class ContextHydrator:
             meter=self._meter,
             force=message.force,
         )
-        if isinstance(fitted, Compact) and summary is None and self._carried is not None:
+        carried = self._carried
+        if isinstance(fitted, Compact) and summary is None and self._fits(carried, budget):
             # The thread's history does not fit whole: it starts from the summary an
             # earlier run wrote instead of summarising that history all over again.
-            summary = self._carried
+            summary = carried
             fitted = plan(
                 head=head,
                 groups=self._groups,
@@ -245,6 +247,16 @@ class ContextHydrator:
         if isinstance(fitted, Compact):
             return self._compaction(head, summary, fitted, budget, message.force)
         return self._fitted(fitted, message, budget)
+
+    def _fits(self, carried: Summary | None, budget: int) -> bool:
+        """Whether ``carried`` fits the room a summary has in ``budget`` (`summary_cap`).
+
+        A summary an earlier run wrote under a larger window may not: this run then
+        summarises the inherited history itself (docs/context.md, "Threads").
+        """
+        if carried is None:
+            return False
+        return self._meter.tokens([summary_message(carried)]) <= summary_cap(budget)
 
     def _lower_ceiling(self, message: Hydrate) -> None:
         """Learn, for the rest of the run, that the provider's real budget is lower.
@@ -555,13 +567,17 @@ async def inherited_context(
 
 
 def _latest_summary(log: RunLog, before_step: int | None) -> Summary | None:
-    """The newest summary ``log`` holds, of steps before ``before_step`` when given."""
+    """The newest summary ``log`` holds, or with ``before_step`` written in a step before it.
+
+    Those the log held when a fork was made: the forked run, still unfinished, may write
+    more later, and a resumed fork must find the same one.
+    """
     found: Summary | None = None
     for record in log.records:
         if not isinstance(record, ModelResult) or record.reply is None:
             continue
         through = record.summary_through
-        if through is not None and (before_step is None or through < before_step):
+        if through is not None and (before_step is None or record.step < before_step):
             found = Summary(
                 intent_id=record.intent_id,
                 through=through,
