@@ -202,11 +202,11 @@ def with_markers(group: Group, meter: Meter) -> tuple[Group, int]:
 def summary_message(summary: Summary) -> Message:
     """The message a summary enters the request as (after the run input)."""
     covers = _covers(summary.through)
-    written = "in this run" if summary.run_id is None else "by an earlier run of this thread"
+    written = "earlier in this run" if summary.run_id is None else "by an earlier run"
     return Message(
         role="user",
         content=(
-            f"[Summary of {covers}, written earlier {written}; what follows it is "
+            f"[Summary of {covers}, written {written}; what follows it is "
             f"verbatim]\n{summary.text}"
         ),
     )
