@@ -206,8 +206,7 @@ def summary_message(summary: Summary) -> Message:
     return Message(
         role="user",
         content=(
-            f"[Summary of {covers}, written {written}; what follows it is "
-            f"verbatim]\n{summary.text}"
+            f"[Summary of {covers}, written {written}; what follows it is verbatim]\n{summary.text}"
         ),
     )
 
