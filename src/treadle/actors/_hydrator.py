@@ -23,6 +23,7 @@ summary back. The hydrator still writes nothing.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping, Sequence
 
 import attrs
@@ -220,30 +221,23 @@ class ContextHydrator:
         if message.calibration is not None:
             self._meter.calibrate(*message.calibration)
         fixed = int(estimate_tools(self.tools) * self._meter.factor + 0.999)
-        summary = message.summary
-        fitted = plan(
+        fit = functools.partial(
+            plan,
             head=head,
             groups=self._groups,
-            summary=summary,
             budget=budget,
             fixed_tokens=fixed,
             meter=self._meter,
             force=message.force,
         )
+        summary = message.summary
+        fitted = fit(summary=summary)
         carried = self._carried
         if isinstance(fitted, Compact) and summary is None and self._fits(carried, budget):
             # The thread's history does not fit whole: it starts from the summary an
             # earlier run wrote instead of summarising that history all over again.
             summary = carried
-            fitted = plan(
-                head=head,
-                groups=self._groups,
-                summary=summary,
-                budget=budget,
-                fixed_tokens=fixed,
-                meter=self._meter,
-                force=message.force,
-            )
+            fitted = fit(summary=summary)
         if isinstance(fitted, Compact):
             return self._compaction(head, summary, fitted, budget, message.force)
         return self._fitted(fitted, message, budget)
