@@ -826,3 +826,43 @@ def test_a_worker_tunes_its_collector_for_many_runs(tmp_path: Path):
     assert code == 0, err
     (result,) = [r for r in read_log(db, run_id).records if isinstance(r, ActionResult)]
     assert result.outcome.observation == "threshold 10000, frozen True"
+
+
+def test_cancel_of_a_jsonl_run_another_process_holds_says_its_lease_goes_with_it(tmp_path: Path):
+    directory = tmp_path / "runs"
+
+    async def orphan():
+        async with open_jsonl_store(directory) as store:
+            with pytest.raises(RuntimeError):
+                async with treadle.open_run(calc_agent(), "2+3?", store=store, run_id="h"):
+                    raise RuntimeError("the driving program failed")
+
+    trio.run(orphan)
+    holder = textwrap.dedent(
+        f"""
+        import sys, trio
+        from treadle.stores.jsonl import open_jsonl_store
+        async def main():
+            async with open_jsonl_store({str(directory)!r}) as store:
+                await store.acquire_lease("h", owner="host-j:77:feed", ttl_s=3600)
+                print("held", flush=True)
+                await trio.to_thread.run_sync(sys.stdin.read)
+        trio.run(main)
+        """
+    )
+    with subprocess.Popen(
+        [sys.executable, "-c", holder], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    ) as process:
+        try:
+            assert process.stdout is not None and process.stdout.readline() == "held\n"
+            cancelled = invoke("cancel", "h", "--store", str(directory))
+        finally:
+            assert process.stdin is not None
+            process.stdin.close()
+            process.wait(timeout=30)
+    assert cancelled.exit_code == 0, cancelled.output
+    output = " ".join(cancelled.output.split())
+    assert "host-j:77:feed drives the run" in output
+    # an OS lock: no TTL to wait when its process is gone
+    assert "If that process is gone, its lease went with it" in output
+    assert "expires" not in output

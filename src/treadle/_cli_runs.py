@@ -137,14 +137,14 @@ async def approve(
     shown = redaction.request(request) if request is not None else None
     shown_decision = redaction.record(decided)
     assert isinstance(shown_decision, ApprovalDecided)
-    return shown_decision, shown, _next_for_decision(await _summary(store, run_id))
+    return shown_decision, shown, _next_for_decision(store, await _summary(store, run_id))
 
 
-def _next_for_decision(summary: RunSummary | None) -> str:
+def _next_for_decision(store: RunStore, summary: RunSummary | None) -> str:
     if summary is not None and summary.liveness is Liveness.DRIVEN and summary.lease:
         return (
             f"{summary.lease.owner} drives the run and applies the decision within about 1 s. "
-            f"If that process is gone, {_expiry(summary.lease)}: the decision waits in the "
+            f"If that process is gone, {_expiry(store, summary.lease)}: the decision waits in the "
             "run's control stream for its next driver (`treadle resume --wait`, or a fleet "
             "worker)"
         )
@@ -197,13 +197,13 @@ async def cancel(store: RunStore, run_id: str, *, reason: str, canceller: str) -
     await request_cancel(store, run_id, reason=reason, canceller=canceller)
     summary = await _summary(store, run_id)
     if summary is not None and summary.liveness is Liveness.DRIVEN and summary.lease:
-        return _held(summary.lease, "drives the run")
+        return _held(store, summary.lease, "drives the run")
     try:
         result = await finish_cancelled(
             store, run_id, owner=lease_owner(), reason=reason, canceller=canceller
         )
     except RunLeased as exc:
-        return _held(exc.holder, "took the run meanwhile")
+        return _held(store, exc.holder, "took the run meanwhile")
     if result.state is not RunState.CANCELLED:  # its driver finished it meanwhile
         raise UsageError(
             f"run {run_id!r} finished {result.state.value} ({result.stop_reason.value}) before "
@@ -212,7 +212,7 @@ async def cancel(store: RunStore, run_id: str, *, reason: str, canceller: str) -
     return f"nobody drove the run: it is finished here, {result.state.value}"
 
 
-def _held(lease: Lease, what: str) -> str:
+def _held(store: RunStore, lease: Lease, what: str) -> str:
     """Who stops a run whose lease is held, and what happens if that process is gone.
 
     The holder may have crashed without releasing the lease: until it expires, nobody else
@@ -220,13 +220,19 @@ def _held(lease: Lease, what: str) -> str:
     """
     return (
         f"{lease.owner} {what} and stops it within about 1 s. If that process is gone, "
-        f"{_expiry(lease)}: the run's next driver applies the cancel, or run this command "
+        f"{_expiry(store, lease)}: the run's next driver applies the cancel, or run this command "
         "again then to finish the run here"
     )
 
 
-def _expiry(lease: Lease) -> str:
-    """When a lease whose holder may be dead runs out, as a clause."""
+def _expiry(store: RunStore, lease: Lease) -> str:
+    """When a lease whose holder may be dead runs out, as a clause.
+
+    A JSONL store's lease is an OS lock: it drops with its holder's process, no TTL to wait
+    (docs/fleet.md, "Leases").
+    """
+    if isinstance(store, JsonlStore):
+        return "its lease went with it"
     left = max(0.0, lease.expires_at - time.time())
     return f"its lease expires in about {left:.0f} s"
 

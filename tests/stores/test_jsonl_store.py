@@ -1018,6 +1018,38 @@ async def test_lines_appended_behind_the_writers_back_are_a_conflict(tmp_path: P
         await Steps(store, "other").start()  # other runs are unaffected
 
 
+@pytest.mark.parametrize("damage", ["deleted", "replaced", "folder deleted"])
+async def test_a_lease_whose_lock_file_is_taken_away_is_lost_at_its_renewal(
+    tmp_path: Path, damage: str
+) -> None:
+    directory = tmp_path / "runs"
+    async with open_jsonl_store(directory) as a, open_jsonl_store(directory) as b:
+        first = Steps(a, "r")
+        await first.start()
+        await first.model()
+        assert (await a.read_log("r")).records == tuple(first.written)  # a read flushes them
+        held = await a.read_lease("r")
+        assert held is not None
+        lock = directory / ".leases" / "r.lock"
+        if damage == "folder deleted":
+            shutil.rmtree(directory / ".leases")
+            (directory / ".leases").mkdir()
+        else:
+            lock.unlink()
+            if damage == "replaced":
+                lock.write_bytes(b"")
+        taken = await b.acquire_lease("r", owner="b", ttl_s=TTL_S)  # nothing locks the new file
+        assert await a.renew_leases([held], ttl_s=TTL_S) == ()  # the holder sees it is gone
+        with pytest.raises(LeaseLost):
+            await first.action()
+        second = Steps(b, "r", seq=first.seq, step=first.step, generation=taken.generation)
+        await second.action()
+        with pytest.raises(RunLeased):  # the new lock file is b's
+            await a.acquire_lease("r", owner=OWNER, ttl_s=TTL_S)
+    async with open_jsonl_store(directory) as store:
+        assert (await store.read_log("r")).records == (*first.written, *second.written)
+
+
 async def test_a_lease_held_by_another_process_drops_when_it_dies(tmp_path: Path) -> None:
     directory = tmp_path / "runs"
     script = (

@@ -34,7 +34,8 @@ long as it drives the run, and its sidecar records owner, generation and heartbe
 lock is the exclusion: it drops the moment the holder's process dies (so a takeover needs no
 TTL to pass), and a paused holder keeps it for as long as the process lives. Writes are
 checked against the lease this store object holds (an ``fcntl`` lock would drop when any
-descriptor of the file closes; ``flock`` does not).
+descriptor of the file closes; ``flock`` does not). A lock file deleted or replaced under its
+holder is found at the holder's next renewal, which gives the lease up (docs/fleet.md, "Leases").
 
 Threads and processes: the store's commit engine appends every run's lines and syncs the
 files of each batch's barriers concurrently; reads run in trio worker threads and never change
@@ -543,12 +544,8 @@ class JsonlStore(EngineStore):
 
     def _lock(self, run_id: str, owner: str, ttl_s: float, now: float) -> tuple[int, Lease, int]:
         lock_path, sidecar = self._lease_paths(run_id)
+        fd = _open_locked(lock_path, run_id, sidecar, now)
         try:
-            fd = os.open(lock_path, os.O_RDWR | os.O_CREAT | getattr(os, "O_CLOEXEC", 0), 0o644)
-        except OSError as exc:
-            raise StoreError(f"cannot open {lock_path}: {exc.strerror or exc}") from exc
-        try:
-            _lock_or_refuse(fd, run_id, sidecar, now)
             current, seen = read_sidecar(sidecar, run_id)
             last = current.generation if current is not None else 0
             if last == 0:  # no lease file, or a damaged one: the log says what was written
@@ -595,15 +592,35 @@ class JsonlStore(EngineStore):
             if held is not None and fresh is not None:
                 held.lease = fresh
                 renewed.append(held)
-        if renewed:
-            await self._in_shared_worker(self._write_sidecars, renewed)
-        else:
+        if not renewed:
             await trio.lowlevel.checkpoint()
-        return tuple(h.lease for h in renewed)
+            return ()
+        gone = await self._in_shared_worker(self._write_sidecars, renewed)
+        for held in gone:  # its lock file was deleted or replaced: another may lock the run
+            self._drop(held)
+        return tuple(h.lease for h in renewed if h not in gone)
 
-    def _write_sidecars(self, helds: list[_Held]) -> None:
+    def _write_sidecars(self, helds: list[_Held]) -> list[_Held]:
+        """Write the renewed sidecars; return the leases whose lock file is no longer theirs."""
+        gone = []
         for held in helds:
-            self._write_sidecar(held, False)
+            if _lock_file_of(held.fd, self._lease_paths(held.lease.run_id)[0]):
+                self._write_sidecar(held, False)
+            else:
+                gone.append(held)
+        return gone
+
+    def _drop(self, held: _Held) -> None:
+        """Give up a lease whose lock file was taken away (its writes are refused from now)."""
+        run_id = held.lease.run_id
+        if self._held.get(run_id) is held:
+            del self._held[run_id]
+            self._engine.forget(run_id)
+        _LOG.warning(
+            "run %r: its lease's lock file was deleted or replaced; the lease is lost", run_id
+        )
+        with contextlib.suppress(OSError):
+            os.close(held.fd)
 
     async def release_lease(self, lease: Lease, *, control_seen: int = 0) -> None:
         """Release the lease if held here: sidecar owner cleared, then the lock dropped."""
@@ -717,6 +734,30 @@ class JsonlStore(EngineStore):
         return heads
 
 
+def _open_locked(lock_path: str, run_id: str, sidecar: str, now: float) -> int:
+    """Open the run's lock file and take its exclusive lock; return the descriptor.
+
+    A lock file deleted or replaced between the open and the lock is opened again.
+
+    Raises:
+        RunLeased: another process (or store object) holds the lock.
+        StoreError: the lock file cannot be opened.
+    """
+    while True:
+        try:
+            fd = os.open(lock_path, os.O_RDWR | os.O_CREAT | getattr(os, "O_CLOEXEC", 0), 0o644)
+        except OSError as exc:
+            raise StoreError(f"cannot open {lock_path}: {exc.strerror or exc}") from exc
+        try:
+            _lock_or_refuse(fd, run_id, sidecar, now)
+            if _lock_file_of(fd, lock_path):
+                return fd
+        except BaseException:
+            os.close(fd)
+            raise
+        os.close(fd)
+
+
 def _lock_or_refuse(fd: int, run_id: str, sidecar: str, now: float) -> None:
     """Take the lock file's exclusive lock, or raise `RunLeased` naming its holder."""
     if not _try_lock(fd, fcntl.LOCK_EX, retries=LOCK_RETRIES):
@@ -744,6 +785,20 @@ def _try_lock(fd: int, kind: int, *, retries: int) -> bool:
             continue
         return True
     return False
+
+
+def _lock_file_of(fd: int, lock_path: str) -> bool:
+    """Whether ``lock_path`` still names the file ``fd`` holds open (same device and inode).
+
+    A lock file deleted or replaced under its holder leaves the holder's ``flock`` on a file
+    nobody else opens: another process would lock a new one and drive the run too.
+    """
+    try:
+        named = os.stat(lock_path)
+    except FileNotFoundError:
+        return False
+    held = os.fstat(fd)
+    return (named.st_dev, named.st_ino) == (held.st_dev, held.st_ino)
 
 
 def _lock_is_free(lock_path: str) -> bool:
