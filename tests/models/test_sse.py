@@ -41,6 +41,17 @@ def test_crlf_split_inside_a_multiline_event_does_not_end_it():
     assert datas(b"data: a\r", b"\ndata: b\r", b"\n\r", b"\n") == ["a\nb"]
 
 
+def test_a_read_holding_only_the_lf_of_a_crlf_pair_ends_the_skip():
+    # CRLF ends the field line, a lone LF the event: the LF read alone, then the blank line
+    assert datas(b"data: a\r", b"\n", b"\ndata: b\r\n\n") == ["a", "b"]
+    assert datas(*[bytes([b]) for b in b"data: a\r\n\ndata: b\r\n\n"]) == ["a", "b"]
+
+
+def test_a_cr_before_a_partial_line_does_not_skip_the_next_reads_lf():
+    # the CR ended "data: a"; the LF after "data: b" is that line's end, not the CR's pair
+    assert datas(b"data: a\rdata: b", b"\n\n") == ["a\nb"]
+
+
 def test_cr_then_cr_across_reads_is_two_line_ends():
     assert datas(b"data: a\r", b"\r") == ["a"]
 
@@ -231,3 +242,25 @@ def test_error_lines_count_toward_the_event_bound_in_bytes():
     with pytest.raises(SSEDecodeError, match="an event longer than 1000 bytes"):
         wide.feed(("data: " + "\u20ac" * 300 + "\n").encode())  # 900 bytes of 3-byte characters
         wide.feed(("data: " + "\u20ac" * 100 + "\n").encode())
+
+
+@given(
+    events=events_strategy,
+    eols=st.lists(st.sampled_from([b"\n", b"\r\n", b"\r"]), min_size=1, max_size=8),
+    cuts=st.lists(st.integers(min_value=0, max_value=10_000), max_size=12),
+)
+def test_mixed_line_endings_split_anywhere_decode_to_the_same_events(events, eols, cuts):
+    # WHATWG lets every line end its own way: a CRLF field line then an LF blank line
+    lines = serialise(events, b"\n").split(b"\n")[:-1]  # no value holds CR or LF
+    ends = iter(eols * (len(lines) + 1))
+    body = b""
+    for line in lines:
+        end = next(ends)
+        if not line and end == b"\n" and body.endswith(b"\r"):
+            end = b"\r\n"  # an LF right after a CR would be its pair, not a line end
+        body += line + end
+    points = sorted({c % (len(body) + 1) for c in cuts})
+    reads = [body[a:b] for a, b in zip([0, *points], [*points, len(body)], strict=True)]
+    decoded, truncated = decode(*reads)
+    assert decoded == expected_events(events)
+    assert truncated is False

@@ -101,11 +101,11 @@ class SSEDecoder:
             SSEDecodeError: a complete line is not valid UTF-8, or a line or an event grew
                 past `max_event_bytes`.
         """
-        if self._skip_lf and chunk[:1] == b"\n":
-            chunk = chunk[1:]
-            self._offset += 1
-        if chunk:
+        if self._skip_lf and chunk:  # the byte after a CR that ended a line: an LF pairs it
             self._skip_lf = False
+            if chunk[:1] == b"\n":
+                chunk = chunk[1:]
+                self._offset += 1
         if self._at_start:
             buffer = self._joined() + chunk
             if len(buffer) < len(_BOM) and _BOM.startswith(buffer):
@@ -159,8 +159,7 @@ class SSEDecoder:
             event = self._line(raw)
             if event is not None:
                 out.append(event)
-        if lines and lines[-1].endswith(b"\r"):
-            self._skip_lf = True
+        self._skip_lf = not rest and buffer.endswith(b"\r")  # an LF next read pairs that CR
         if rest:
             self._keep(rest)
         return out
