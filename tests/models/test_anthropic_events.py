@@ -161,6 +161,21 @@ def test_usage_counts_cache_tokens_as_input_and_keeps_what_later_events_omit():
     assert usage_from({"output_tokens": 3}, Usage()) == Usage(output_tokens=3)
 
 
+@pytest.mark.parametrize("absent", [{}, {"cache_read_input_tokens": None}])
+def test_a_later_input_count_without_the_cache_counts_keeps_them_in_the_prompt(absent):
+    # message_start gave the cache counts; a message_delta repeats input_tokens alone (its
+    # usage fields are nullable running counts): the prompt still holds the cached tokens
+    first = usage_from(
+        {"input_tokens": 10, "cache_read_input_tokens": 5000, "output_tokens": 1}, Usage()
+    )
+    later = usage_from({"input_tokens": 10, "output_tokens": 7, **absent}, first)
+    assert later == Usage(
+        input_tokens=5010, output_tokens=7, total_tokens=5017, cached_input_tokens=5000
+    )
+    fresh = usage_from({"input_tokens": 12, "cache_read_input_tokens": 0}, later)
+    assert (fresh.input_tokens, fresh.cached_input_tokens) == (12, 0)  # a count given counts
+
+
 def test_events_orjson_refuses_still_decode_and_tool_inputs_stay_exact():
     acc = MessageAccumulator()
     acc.add(json.dumps({"type": "message_start", "message": {"id": "m"}}))

@@ -80,13 +80,18 @@ def usage_from(payload: Any, previous: Usage) -> Usage:
 
     ``input_tokens`` becomes the whole prompt: uncached plus cache-write plus cache-read
     tokens (Anthropic reports them apart). Counts absent from ``payload`` keep their previous
-    value; a count never reported stays ``None``.
+    value, in that sum too (a ``message_delta`` may repeat ``input_tokens`` alone); a count
+    never reported stays ``None`` (docs/models.md, "Usage").
     """
     if not isinstance(payload, Mapping):
         return previous
     uncached = usage_count(payload.get("input_tokens"))
     written = usage_count(payload.get("cache_creation_input_tokens"))
+    if written is None:  # a later report leaving a cache count out keeps the earlier one
+        written = previous.cache_creation_input_tokens
     read = usage_count(payload.get("cache_read_input_tokens"))
+    if read is None:
+        read = previous.cached_input_tokens
     input_tokens = previous.input_tokens
     if uncached is not None:
         input_tokens = uncached + (written or 0) + (read or 0)
@@ -99,10 +104,8 @@ def usage_from(payload: Any, previous: Usage) -> Usage:
         input_tokens=input_tokens,
         output_tokens=output_tokens,
         total_tokens=total,
-        cached_input_tokens=read if read is not None else previous.cached_input_tokens,
-        cache_creation_input_tokens=(
-            written if written is not None else previous.cache_creation_input_tokens
-        ),
+        cached_input_tokens=read,
+        cache_creation_input_tokens=written,
     )
 
 
