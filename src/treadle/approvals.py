@@ -19,7 +19,7 @@ from __future__ import annotations
 import enum
 import hashlib
 import json
-from collections.abc import Callable, Collection, Mapping
+from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import Any, TypeAlias
 
 from treadle._clock import Clock, SystemClock
@@ -427,7 +427,9 @@ async def decide(
 
     Raises:
         InvalidRunId: not an allowed run id (docs/concepts.md, "Run ids"); nothing is read.
-        UsageError: the run does not exist, finished, waits on no approval, waits on
+        UsageError: the run does not exist, finished, is being cancelled (a cancel request
+            in its log or control stream, also one written just before this decision: the
+            run ends cancelled without applying it), waits on no approval, waits on
             another call (or on one of another step or arguments than ``step`` and
             ``arguments_digest`` say), already has a decision for that call in its control
             stream (the first one counts), both ``reject`` and ``edit`` were given, the
@@ -460,8 +462,9 @@ async def decide(
             f"run {run_id!r} waits on call {request.call_id!r} of step {request.step} with "
             "other arguments than those shown: look at the call it waits on now, then decide"
         )
-    earlier = [r for r in await read_control(store, run_id) if isinstance(r, ApprovalDecided)]
-    already = next((r for r in earlier if matches(r, request)), None)
+    earlier = await read_control(store, run_id)
+    _refuse_after_cancel(run_id, (*log.records, *earlier), None)
+    already = next((r for r in _decisions(earlier) if matches(r, request)), None)
     if already is not None:
         raise UsageError(
             f"call {request.call_id!r} of run {run_id!r} already has a decision "
@@ -477,8 +480,9 @@ async def decide(
         redaction=Redaction.of_log(log),
     )
     await controls.append_control(decided)
-    written = [r for r in await read_control(store, run_id) if isinstance(r, ApprovalDecided)]
-    first = next((r for r in written if matches(r, request)), decided)
+    written = await read_control(store, run_id)
+    _refuse_after_cancel(run_id, written, decided)
+    first = next((r for r in _decisions(written) if matches(r, request)), decided)
     if first != decided:
         raise UsageError(
             f"call {request.call_id!r} of run {run_id!r}: another decision ({first.decision}) "
@@ -486,6 +490,34 @@ async def decide(
             "so this one, written after it, does not count"
         )
     return decided
+
+
+def _decisions(records: Sequence[object]) -> list[ApprovalDecided]:
+    return [r for r in records if isinstance(r, ApprovalDecided)]
+
+
+def _refuse_after_cancel(
+    run_id: str, records: Sequence[object], decided: ApprovalDecided | None
+) -> None:
+    """Refuse a decision that a cancel request comes before (docs/events.md, "Human approval").
+
+    ``records`` are the run's log and control records in order; ``decided`` is the decision
+    just written among them (``None``: before writing one). A run asked to cancel ends
+    ``cancelled`` without applying a decision written after the request, so its decider is
+    told so rather than that it counts.
+
+    Raises:
+        UsageError: a `CancelRequested` comes before ``decided`` (or, with ``None``, at all).
+    """
+    for record in records:
+        if record == decided:
+            return
+        if isinstance(record, CancelRequested):
+            when = "just before this decision" if decided is not None else "already"
+            raise UsageError(
+                f"run {run_id!r} is being cancelled (a cancel was requested {when}): it ends "
+                "cancelled, and no decision on its call is applied"
+            )
 
 
 async def read_control(

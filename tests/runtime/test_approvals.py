@@ -725,3 +725,38 @@ def test_an_edit_holding_an_integer_too_long_to_read_says_so():
         edited_arguments('{"amount": ' + "9" * 5000 + "}")
     assert "nest" not in str(info.value)
     assert "4300 digits" in str(info.value)
+
+
+class _CancelLandsFirst(MemoryStore):
+    """Appends a cancel request just before the first decision (a console's cancel racing
+    its approve: both checked the run before either wrote)."""
+
+    async def append_control(self, record):
+        if isinstance(record, ApprovalDecided) and not getattr(self, "raced", False):
+            self.raced = True
+            await super().append_control(
+                CancelRequested(run_id=record.run_id, ts=record.ts, canceller="console")
+            )
+        return await super().append_control(record)
+
+
+@pytest.mark.parametrize("race", [False, True])
+async def test_a_decision_after_a_cancel_request_is_refused_not_reported_applied(
+    race, autojump_clock
+):
+    """The run ends cancelled without applying a decision behind a cancel: its decider is
+    told so (the console's approve and cancel sent at once both answered success)."""
+    agent, tools, _ = make([call("add", a=1, b=2, call_id="c1"), say("3")])
+    store = _CancelLandsFirst() if race else MemoryStore()
+    async with open_run(
+        agent, "x", store=store, run_id="r", approval_policy=only_add, control_poll_s=0.5
+    ) as handle:
+        await wait_for_state(handle, RunState.AWAITING_APPROVAL)
+        if not race:
+            await request_cancel(store, "r", reason="stop", canceller="ops")
+        with pytest.raises(UsageError, match="is being cancelled") as refused:
+            await decide(store, "r", call_id="c1")
+        assert ("just before this decision" in str(refused.value)) is race
+        result = await handle.wait()
+    assert result.stop_reason is StopReason.CANCELLED
+    assert tools.executed == []
