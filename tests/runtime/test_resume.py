@@ -7,6 +7,7 @@ import trio
 from runtime_fakes import LedgerTools, SimpleParser
 
 from treadle._exceptions import RunInterrupted, SnapshotMismatch, UsageError
+from treadle._state import seconds_between
 from treadle.agent import Agent
 from treadle.stores.memory import MemoryStore
 from treadle.supervisors import run
@@ -18,6 +19,7 @@ from treadle.types import (
     ActionStatus,
     Limits,
     ModelErrorInfo,
+    ModelIntent,
     ModelResult,
     StepRecord,
     StopReason,
@@ -240,3 +242,40 @@ async def test_a_reconciled_result_is_marked_in_the_log_the_events_and_show(tmp_
         True,
         False,
     ]
+
+
+class _TrioTimeClock:
+    """A wall clock that follows trio's (a mock clock's jumps included)."""
+
+    def now_iso(self):
+        import datetime as dt
+
+        start = dt.datetime(2026, 1, 1, tzinfo=dt.UTC)
+        return (start + dt.timedelta(seconds=trio.current_time())).isoformat()
+
+
+async def test_a_run_resumed_during_a_retry_after_wait_waits_out_what_is_left(autojump_clock):
+    """The server asked for 60 s; the process died 20 s into the wait: the resumed run sends
+    its next attempt 60 s after the refused one, not at once (docs/models.md)."""
+    from treadle.supervisors import open_run
+
+    rate = ModelErrorInfo(kind="rate_limited", retryable=True, retry_after_s=60)
+    store, clock = MemoryStore(), _TrioTimeClock()
+    model = ScriptedModel(turns=[say("hi")], failures={0: [rate]})
+    agent = Agent(model=model, executor=LedgerTools(), parser=SimpleParser())
+    with pytest.raises(RuntimeError):
+        async with open_run(agent, "x", store=store, run_id="r", clock=clock):
+            await trio.sleep(20)
+            raise RuntimeError("the process died")
+    resumed = Agent(
+        model=ScriptedModel(turns=[say("hi")]), executor=LedgerTools(), parser=SimpleParser()
+    )
+    began = trio.current_time()
+    result = await run(resumed, store=store, run_id="r", clock=clock)
+    assert result.final_answer == "hi"
+    log = await store.read_log("r")
+    refused = next(r for r in log.records if isinstance(r, ModelResult) and r.error is not None)
+    retried = [r for r in log.records if isinstance(r, ModelIntent)][-1]
+    assert retried.attempt == 2
+    assert seconds_between(refused.ts, retried.ts) >= 60
+    assert 39 <= trio.current_time() - began < 45  # what was left of the wait, no more

@@ -792,6 +792,7 @@ class RunCoordinator:
                 scope=scope,
                 reply_to=reply_to,
                 summary_through=summary_through,
+                last_failure=pending.failures[-1] if pending.failures else None,
             ),
         )
         for record in outcome.written:

@@ -30,6 +30,7 @@ import trio
 from treadle._clock import Clock
 from treadle._exceptions import ModelCallError, SeamViolation
 from treadle._shapes import reply_problem, usage_problem
+from treadle._state import seconds_between
 from treadle._text import repaired
 from treadle.actors._mailbox import MailboxReceiver
 from treadle.actors._messages import CallModel, ModelOutcome
@@ -138,6 +139,9 @@ class ModelGateway:
         failures = message.step_failures
         run_attempts = message.run_attempts
         tokens = message.tokens
+        waited = await self._wait(message, self._left_of_earlier_wait(message), written)
+        if waited is not None:
+            return waited
         while True:
             stop = self._budget_stop(run_attempts, tokens)
             if stop is not None:
@@ -164,12 +168,38 @@ class ModelGateway:
                 wait = backoff_s(failures, self.limits, self.rng)
             elif self.limits.retry_after_max_s is not None and wait > self.limits.retry_after_max_s:
                 return ModelOutcome(error=result.error, written=tuple(written))
-            if trio.current_time() + wait >= message.scope.deadline:
-                return ModelOutcome(stop=StopReason.TIME_BUDGET, written=tuple(written))
-            with message.scope.open() as scope:
-                await trio.sleep(wait)
-            if scope.cancelled_caught:
-                return ModelOutcome(stop=self._cut_reason(message.scope), written=tuple(written))
+            waited = await self._wait(message, wait, written)
+            if waited is not None:
+                return waited
+
+    async def _wait(
+        self, message: CallModel, wait: float, written: list[Record]
+    ) -> ModelOutcome | None:
+        """Sleep ``wait`` seconds before the next attempt; the outcome if the step ends first."""
+        if wait <= 0:
+            return None
+        if trio.current_time() + wait >= message.scope.deadline:
+            return ModelOutcome(stop=StopReason.TIME_BUDGET, written=tuple(written))
+        with message.scope.open() as scope:
+            await trio.sleep(wait)
+        if scope.cancelled_caught:
+            return ModelOutcome(stop=self._cut_reason(message.scope), written=tuple(written))
+        return None
+
+    def _left_of_earlier_wait(self, message: CallModel) -> float:
+        """Seconds left of the server-directed wait after the step's last failed attempt.
+
+        A run resumed after an attempt answered with ``Retry-After`` waits out what is left of
+        it, counted from the failed attempt's result record on the wall clock (docs/models.md,
+        "Errors and retryability"); 0 without one.
+        """
+        failed = message.last_failure
+        if failed is None or failed.error is None or failed.error.retry_after_s is None:
+            return 0.0
+        wait = failed.error.retry_after_s
+        if self.limits.retry_after_max_s is not None:
+            wait = min(wait, self.limits.retry_after_max_s)
+        return wait - seconds_between(failed.ts, self.clock.now_iso())
 
     def _budget_stop(self, run_attempts: int, tokens: int) -> StopReason | None:
         budgets = self.budgets

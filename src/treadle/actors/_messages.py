@@ -28,6 +28,7 @@ from treadle.types import (
     ModelErrorInfo,
     ModelReply,
     ModelRequest,
+    ModelResult,
     Record,
     StepRecord,
     StopReason,
@@ -90,6 +91,8 @@ class CallModel:
         scope: the step's cancellation and active-time deadline.
         summary_through: set for a compaction: the request asks for a summary of the steps
             up to this one (docs/context.md, "Summaries"); its intent and result say so.
+        last_failure: the step's last failed attempt already in the log (a resumed step),
+            whose server-directed wait the next attempt keeps; ``None`` otherwise.
     """
 
     step: int
@@ -101,6 +104,7 @@ class CallModel:
     scope: StepScope
     reply_to: ReplySlot[ModelOutcome]
     summary_through: int | None = None
+    last_failure: ModelResult | None = None
 
 
 @attrs.frozen(kw_only=True)
