@@ -210,3 +210,12 @@ async def test_cancelling_the_call_closes_the_connection():
             await server.wait_early_disconnect()
         await client.aclose()
     assert server.early_disconnects == 1
+
+
+@pytest.mark.parametrize("status", [301, 307, 308])
+async def test_a_redirect_is_not_followed_and_names_where_it_points(status):
+    where = "https://models.example.com/v1/next"
+    err = await fail(CannedResponse(status=status, headers={"location": where}))
+    assert (err.info.kind, err.info.retryable) == ("invalid_response", False)
+    assert f"HTTP {status}" in err.info.message and where in err.info.message
+    assert "base_url" in err.info.message

@@ -169,6 +169,20 @@ class StreamReader(Generic[A]):
         """Classify a non-2xx response."""
         raise NotImplementedError
 
+    def _redirected(self, response: httpx.Response, acc: A) -> ModelCallError:
+        """A redirect, never followed: the request, with its API key, would go elsewhere.
+
+        docs/models.md, "Errors and retryability": ``invalid_response``, not retryable.
+        """
+        where = response.headers.get("location")
+        to = f" to {where}" if where else ""
+        message = self._redact(
+            f"HTTP {response.status_code}: the endpoint redirects{to}; a model call never "
+            "follows a redirect (its body and API key would go to another address): set "
+            "base_url to the address the model is served at"
+        )
+        return acc.failure("invalid_response", message, retryable=False)
+
     async def _send(self, http_request: httpx.Request, acc: A, deadline: float) -> httpx.Response:
         with trio.move_on_at(deadline):
             try:
@@ -188,6 +202,8 @@ class StreamReader(Generic[A]):
         idle_s: float,
         attempt: Attempt,
     ) -> ModelReply:
+        if 300 <= response.status_code < 400:
+            raise self._redirected(response, acc)
         if not 200 <= response.status_code < 300:
             try:
                 body = await self._read_body(chunks, acc, MAX_ERROR_BODY_BYTES, idle_s)
