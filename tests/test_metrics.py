@@ -310,6 +310,21 @@ def test_the_worker_refuses_a_metrics_port_it_cannot_bind(tmp_path: Path):
     assert f"cannot serve metrics on 127.0.0.1:{port}" in done.stderr
 
 
+@pytest.mark.parametrize("host", ["::1", "[::1]"])
+def test_an_ipv6_metrics_host_is_served_at_a_url_that_opens(host: str):
+    """``--metrics-host ::1`` (or ``[::1]``): the URL said brackets the address, and opens."""
+    from treadle._cli_fleet import _serve_metrics
+    from treadle.sinks.prometheus import PrometheusOutput
+
+    exporter = PrometheusOutput()
+    try:
+        url = _serve_metrics(exporter, 0, host)
+        assert url.startswith("http://[::1]:") and url.endswith("/metrics"), url
+        assert httpx.get(url, timeout=30).status_code == 200
+    finally:
+        exporter.close()
+
+
 # --------------------------------------------------------------------------- OpenTelemetry
 
 

@@ -261,6 +261,24 @@ async def open_store(path: str, *, create: bool = False) -> AsyncIterator[RunSto
         raise click.ClickException(f"no store at {path}")
 
 
+def bare_host(host: str) -> str:
+    """``host`` as a socket binds it: an IPv6 literal without the brackets a URL gives it.
+
+    ``[::1]`` and ``::1`` both give ``::1``; a name or an IPv4 address is returned as is.
+    """
+    return host.strip("[]")
+
+
+def url_host(host: str) -> str:
+    """``host`` as a URL or a ``Host`` header names it: an IPv6 literal in brackets.
+
+    ``::1`` and ``[::1]`` both give ``[::1]`` (RFC 3986, "Host"); a name or an IPv4 address
+    is returned as is.
+    """
+    bare = bare_host(host)
+    return f"[{bare}]" if ":" in bare else bare
+
+
 def redact(store: str) -> str:
     """A store path or DSN as it may be shown: a password in a DSN is replaced by ``***``."""
     return redact_dsn(store)

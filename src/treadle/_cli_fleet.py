@@ -24,6 +24,7 @@ import trio
 
 from treadle._cli_common import (
     agent_block,
+    bare_host,
     counted,
     made_agent,
     open_store,
@@ -31,6 +32,7 @@ from treadle._cli_common import (
     run_async,
     run_id_argument,
     store_option,
+    url_host,
 )
 from treadle._exceptions import TreadleError
 from treadle._text import valid_text
@@ -172,7 +174,7 @@ def _same(agent: Agent) -> Agent:
     "--metrics-host",
     default="127.0.0.1",
     show_default=True,
-    help="The address the metrics endpoint listens on.",
+    help="The address the metrics endpoint listens on (an IPv6 one bare or in brackets).",
 )
 def worker_command(
     store_path: str,
@@ -265,16 +267,20 @@ def _prometheus() -> PrometheusOutput:
 
 
 def _serve_metrics(exporter: PrometheusOutput, port: int | None, host: str) -> str:
-    """Serve ``exporter``; return its URL.
+    """Serve ``exporter`` on ``host`` (an IPv6 address bare or in brackets); return its URL.
+
+    The URL brackets an IPv6 address (``http://[::1]:9464/metrics``), as a browser needs.
 
     Raises:
         click.ClickException: the address cannot be bound.
     """
     try:
-        bound = exporter.serve(port or 0, host)
+        bound = exporter.serve(port or 0, bare_host(host))
     except OSError as exc:
-        raise click.ClickException(f"cannot serve metrics on {host}:{port}: {exc}") from exc
-    return f"http://{host}:{bound}/metrics"
+        raise click.ClickException(
+            f"cannot serve metrics on {url_host(host)}:{port}: {exc}"
+        ) from exc
+    return f"http://{url_host(host)}:{bound}/metrics"
 
 
 async def _until_stopped(signals: AsyncIterator[int], early: list[int], drain_s: float) -> None:

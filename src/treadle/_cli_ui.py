@@ -11,7 +11,7 @@ import secrets
 
 import click
 
-from treadle._cli_common import run_async, store_option
+from treadle._cli_common import bare_host, run_async, store_option, url_host
 from treadle._exceptions import raised
 
 TOKEN_ENV = "TREADLE_UI_TOKEN"
@@ -23,7 +23,7 @@ def is_loopback(host: str) -> bool:
     if host == "localhost":
         return True
     try:
-        return ipaddress.ip_address(host.strip("[]")).is_loopback
+        return ipaddress.ip_address(bare_host(host)).is_loopback
     except ValueError:
         return False
 
@@ -68,9 +68,8 @@ def ui_command(store_path: str, host: str, port: int, token: str | None) -> None
             f"treadle ui needs the ui extra ({exc.name} is missing): "
             "python3 -m pip install 'treadle[ui]'"
         ) from exc
-    bare = host.strip("[]")
-    named = f"[{bare}]" if ":" in bare else bare  # a Host header brackets an IPv6 address
-    hosts = ("127.0.0.1", "localhost", "[::1]", named) if loopback else ("*",)
+    # a Host header brackets an IPv6 address
+    hosts = ("127.0.0.1", "localhost", "[::1]", url_host(host)) if loopback else ("*",)
     settings = Settings(
         token=token or secrets.token_urlsafe(24),
         token_for_reads=token is not None,

@@ -11,7 +11,7 @@ from hypercorn.config import Config
 from hypercorn.trio import serve as hypercorn_serve
 from starlette.applications import Starlette
 
-from treadle._cli_common import open_store
+from treadle._cli_common import bare_host, open_store
 from treadle._ui._app import Settings, create_app
 
 
@@ -67,7 +67,7 @@ def listening_socket(host: str, port: int) -> int:
     Raises:
         OSError: the address cannot be bound (in use, not this machine's).
     """
-    host = host.strip("[]")
+    host = bare_host(host)
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
     try:
