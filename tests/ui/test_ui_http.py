@@ -878,3 +878,24 @@ async def test_an_action_form_holding_a_file_is_refused_unstored():
             assert await read_control(store, "r") == ()  # nothing was written
         handle.cancel("done")
         await handle.wait()
+
+
+@pytest.mark.parametrize("action", ["approve", "cancel"])
+@pytest.mark.parametrize("path", ["/runs/no-such-run", "/runs/a%20b"])
+async def test_an_action_on_a_run_id_naming_no_run_is_a_404(action, path):
+    """Approve and cancel of a run that does not exist (or of an id no run can have) were
+    refused with a 409, as if the run had refused them; the run's page says 404."""
+    store = await finished_store()
+    async with client(store) as http:
+        page = await http.get(path)
+        acted = await http.post(
+            f"{path}/{action}",
+            data={"token": TOKEN, "decision": "approve", "reason": "x"},
+            headers={**SAME, "accept": "application/json"},
+        )
+    assert page.status_code == 404
+    assert acted.status_code == 404, acted.text
+    said = acted.json()
+    assert said["ok"] is False
+    assert "there is no run" in said["message"] or "invalid run id" in said["message"]
+    assert await store.list_runs() == ("markup",)

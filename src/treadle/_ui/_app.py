@@ -41,6 +41,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from treadle._cli_runs import approve, cancel
 from treadle._cli_store import driver_text
 from treadle._exceptions import InvalidRunId, StoreError, TreadleError, UsageError
+from treadle._ids import check_run_id
 from treadle._text import valid_unicode
 from treadle._ui import _view
 from treadle.approvals import edited_arguments, pending_approval
@@ -542,7 +543,7 @@ class _Console:
     async def approve(self, request: Request) -> Response:
         """Approve, reject or edit the call a run waits on (as ``treadle approve``)."""
         form = await self._form(request)
-        run_id = _run_id(request)
+        run_id = await self._existing(request)
         # No default: a form sent without its button (Enter in the message box of a browser
         # that submits anyway, a script) must not approve what its author meant to reject.
         decision = str(form.get("decision", ""))
@@ -580,7 +581,7 @@ class _Console:
     async def cancel(self, request: Request) -> Response:
         """Cancel a run (as ``treadle cancel``)."""
         form = await self._form(request)
-        run_id = _run_id(request)
+        run_id = await self._existing(request)
         reason = str(form.get("reason", ""))
         try:
             outcome = await cancel(
@@ -589,6 +590,22 @@ class _Console:
         except UsageError as exc:
             return self._said(request, run_id, str(exc), ok=False)
         return self._said(request, run_id, f"cancel requested: {outcome}")
+
+    async def _existing(self, request: Request) -> str:
+        """The id of the run an action names, once the store knows that run.
+
+        An action on a run id that names no run is a 404, as its page is, not a refusal
+        (docs/ui.md, "Approving, rejecting, cancelling").
+
+        Raises:
+            InvalidRunId: the path names no possible run (a 404 too).
+            HTTPException: 404, the store has no run of that id.
+        """
+        run_id = check_run_id(_run_id(request))
+        assert isinstance(self.store, RunIndex)
+        if await self.store.read_summary(run_id) is None:
+            raise HTTPException(404, f"there is no run {run_id!r} in this store")
+        return run_id
 
     def _said(
         self,
