@@ -13,16 +13,17 @@ import httpx
 import pytest
 import trio
 from click.testing import CliRunner
-from ui_support import MARKUP, approval_agent, markup_agent
+from ui_support import MARKUP, approval_agent, fetch_page, markup_agent
 
 import treadle
 from treadle._exceptions import StoreError
+from treadle._ui import _view
 from treadle._ui._app import CSP, Settings, create_app
 from treadle.approvals import read_control
 from treadle.cli import main
 from treadle.stores.memory import MemoryStore
 from treadle.supervisors import open_run
-from treadle.testing.scripted import ScriptedModel, call, say
+from treadle.testing.scripted import ScriptedModel, call, calls, say
 from treadle.types import (
     ActionIntent,
     ApprovalDecided,
@@ -31,6 +32,8 @@ from treadle.types import (
     RunLog,
     RunState,
     StopReason,
+    ToolCall,
+    Usage,
 )
 
 TOKEN = "t0ken-for-tests"
@@ -281,7 +284,7 @@ async def test_the_stream_resumes_after_last_event_id_with_no_gap_and_no_duplica
             bad = await http.get("/runs/r/events", headers={"last-event-id": "x"})
             missing = await http.get("/runs/nope/events")
     count = len((await store.read_log("r")).records)
-    events = sse(resumed[0].text)
+    events = [e for e in sse(resumed[0].text) if e["event"] != "token"]
     assert [e["event"] for e in events][-1] == "finished"
     ids = [int(e["id"]) for e in events if e["event"] == "record"]
     assert ids == list(range(seen - 1, count + 1))  # from after the id, to the end, once each
@@ -666,24 +669,26 @@ class _DamagedAfter(MemoryStore):
         super().__init__()
         self.reads: int | None = None  # counted (and failed) only while a page streams
         self.fail_from = fail_from
-        self.read_twice = trio.Event()
+        self.read_once = trio.Event()
 
     async def read_log(self, run_id):
         if run_id == "r" and self.reads is not None:
             self.reads += 1
-            if self.reads >= 2:
-                self.read_twice.set()
             if self.reads >= self.fail_from:
+                self.read_once.set()
                 raise StoreError("run 'r': a record fails its checksum")
+            log = await super().read_log(run_id)
+            self.read_once.set()
+            return log
         return await super().read_log(run_id)
 
 
 async def _streamed_while_failing(store: _DamagedAfter) -> list[dict]:
     """The events of run ``r``'s stream while ``store`` fails its reads from some read on.
 
-    The run waits on its approval until the stream read its log twice (the check that it
-    exists, the first records); then it is cancelled, and the stream reads the log again
-    because it moved."""
+    The run waits on its approval until the stream read its log once (the check that it
+    exists, which brings the first records); then it is cancelled, and the stream reads the
+    log again because it moved."""
     async with awaiting_approval(store) as handle:
         store.reads = 0
         streams: list[httpx.Response] = []
@@ -691,11 +696,10 @@ async def _streamed_while_failing(store: _DamagedAfter) -> list[dict]:
 
             async def stream() -> None:
                 streams.append(await http.get("/runs/r/events"))
-                store.read_twice.set()  # or it ended at its first read
 
             nursery.start_soon(stream)
             with trio.fail_after(30):
-                await store.read_twice.wait()
+                await store.read_once.wait()
             handle.cancel("done")
         store.reads = None
         await handle.wait()
@@ -706,16 +710,17 @@ async def _streamed_while_failing(store: _DamagedAfter) -> list[dict]:
 async def test_a_log_damaged_while_it_streams_ends_the_stream_with_the_error():
     """The stream says why it stops (an ``unreadable`` event), rather than breaking off
     mid-response, which the browser would take for a dropped connection and retry."""
-    events = await _streamed_while_failing(_DamagedAfter(fail_from=3))
+    events = await _streamed_while_failing(_DamagedAfter(fail_from=2))
     assert [e["event"] for e in events][-1] == "unreadable"
     assert "checksum" in json.loads(events[-1]["data"])["message"]
-    assert all(e["event"] == "record" for e in events[:-1]) and events[:-1]
+    assert events[0]["event"] == "token"
+    assert all(e["event"] == "record" for e in events[1:-1]) and events[1:-1]
 
 
 async def test_damage_in_an_idle_runs_log_ends_its_stream_within_the_recheck():
     """The stream reads only the summary while the run does not move: damage in the middle
     of an idle run's log went unseen by an open page for as long as the run stayed idle."""
-    store = _DamagedAfter(fail_from=3)
+    store = _DamagedAfter(fail_from=2)
     async with awaiting_approval(store) as handle:
         store.reads = 0
         async with client(store, poll_s=0.01, recheck_s=0.2) as http:
@@ -776,17 +781,19 @@ class _GoneAfter(_DamagedAfter):
     async def read_log(self, run_id):
         if run_id == "r" and self.reads is not None:
             self.reads += 1
-            if self.reads >= 2:
-                self.read_twice.set()
             if self.reads >= self.fail_from:
+                self.read_once.set()
                 return RunLog(run_id="r", records=())
+            log = await MemoryStore.read_log(self, run_id)
+            self.read_once.set()
+            return log
         return await MemoryStore.read_log(self, run_id)
 
 
 async def test_a_run_gone_while_it_streams_ends_the_stream_with_the_reason():
     """The stream's 404 for a run that no longer exists broke the response mid-stream (an
     ASGI error, the connection cut) instead of ending it with an ``unreadable`` event."""
-    events = await _streamed_while_failing(_GoneAfter(fail_from=3))
+    events = await _streamed_while_failing(_GoneAfter(fail_from=2))
     assert [e["event"] for e in events][-1] == "unreadable"
     assert "there is no run 'r'" in json.loads(events[-1]["data"])["message"]
 
@@ -829,7 +836,7 @@ async def test_a_stream_reads_the_log_again_only_when_its_run_moved():
             idle_reads = store.reads["r"]
             handle.approve("t1")  # it moves, and streams on to its end
         await handle.wait()
-    assert idle_reads == 2  # the check that it exists, and the first poll
+    assert idle_reads == 1  # the check that it exists, which is the stream's first read
     events = sse(streams[0].text)
     assert events[-1]["event"] == "finished"
     count = len((await store.read_log("r")).records)
@@ -899,3 +906,88 @@ async def test_an_action_on_a_run_id_naming_no_run_is_a_404(action, path):
     assert said["ok"] is False
     assert "there is no run" in said["message"] or "invalid run id" in said["message"]
     assert await store.list_runs() == ("markup",)
+
+
+async def test_a_stream_opens_with_the_consoles_token():
+    """A page reconnecting to a restarted console (a new token) with nothing new to read got
+    nothing: its approval form kept the old token and every decision from it was refused.
+    Every stream now opens with the token, which the page puts in its forms."""
+    store = MemoryStore()
+    async with awaiting_approval(store) as handle:
+        seen = len((await store.read_log("r")).records)
+        async with client(store, poll_s=0.01) as http, trio.open_nursery() as nursery:
+            streams: list[httpx.Response] = []
+
+            async def reconnect() -> None:
+                headers = {"last-event-id": str(seen)}
+                streams.append(await http.get("/runs/r/events", headers=headers))
+
+            nursery.start_soon(reconnect)
+            handle.approve("t1")  # the run moves on and finishes: the stream ends
+        await handle.wait()
+    events = sse(streams[0].text)
+    assert events[0]["event"] == "token" and "id" not in events[0], events[:2]
+    assert json.loads(events[0]["data"]) == {"token": TOKEN}
+    records = [int(e["id"]) for e in events if e["event"] == "record"]
+    assert records[0] == seen + 1 and events[-1]["event"] == "finished"
+
+
+async def test_the_charts_of_a_long_run_stay_bounded(monkeypatch):
+    """The charts drew two bars per step and one per call: a run of 5,000 steps had a
+    1.4 MB timing chart of 10,700 bars, rendered and sent again with each new record."""
+    monkeypatch.setattr(_view, "MAX_TOKEN_SLOTS", 4)
+    monkeypatch.setattr(_view, "MAX_WATERFALL_ROWS", 5)
+    used = Usage(input_tokens=10, output_tokens=1)
+    turns = [
+        calls(ToolCall(id=f"f{i}", name="fetch_page", arguments={"url": "u"}), usage=used)
+        for i in range(11)
+    ]
+    agent = treadle.Agent(
+        model=ScriptedModel(turns=[*turns, say("done", usage=used)]),
+        executor=treadle.Toolbox([fetch_page]),
+        parser=treadle.NativeToolCallParser(),
+    )
+    store = MemoryStore()
+    await treadle.run(agent, "read", store=store, run_id="long")
+    async with client(store) as http:
+        page = await http.get("/runs/long")
+    text = html.unescape(page.text)
+    charts = text[text.index('id="charts"') : text.index('id="timeline"')]
+    # 12 steps, 3 to a slot: 4 slots of two bars, each summing its steps
+    assert charts.count('class="bar input"') == 4 and charts.count('class="bar output"') == 4
+    assert "steps 1–3: 30 input tokens" in charts and "steps 10–12: 3 output tokens" in charts
+    assert "(steps 1–12, 3 steps a bar)" in charts
+    # 12 model attempts and 11 tool calls, 5 to a bar (the last holds 3)
+    rows = [charts.count(f'class="bar {kind}"') for kind in ("model", "tool", "mixed")]
+    assert sum(rows) == 5 and rows[2] >= 4, rows
+    assert "(23 calls, 5 a bar)" in charts
+    assert "3 model attempts" in charts and "2 tool calls" in charts
+
+
+@pytest.mark.parametrize("path", ["/runs/markup", "/runs/markup/events?from=1"])
+async def test_a_run_rendering_does_not_hold_up_the_other_requests(monkeypatch, path):
+    """A run's page and stream were rendered on the event loop: the page of a run of
+    25,000 records held every other request of the console up for seconds."""
+    store = await finished_store()
+    rendering, served = threading.Event(), threading.Event()
+    timeline = _view.timeline
+
+    def held_timeline(log, upto=None):
+        rendering.set()
+        assert served.wait(60), "no other request was served while the run rendered"
+        return timeline(log, upto)
+
+    monkeypatch.setattr(_view, "timeline", held_timeline)
+    async with client(store) as http, trio.open_nursery() as nursery:
+        answers: list[httpx.Response] = []
+
+        async def render() -> None:
+            answers.append(await http.get(path))
+
+        nursery.start_soon(render)
+        with trio.fail_after(60):
+            await trio.to_thread.run_sync(rendering.wait)
+        other = await http.get("/static/ui.css")
+        served.set()
+    assert other.status_code == 200
+    assert answers[0].status_code == 200 and "fetch_page" in answers[0].text

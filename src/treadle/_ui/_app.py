@@ -10,11 +10,12 @@ state-changing request needs the console's token and a same-origin request
 
 from __future__ import annotations
 
+import functools
 import hmac
 import json
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 from urllib.parse import quote, unquote
 
 import attrs
@@ -50,12 +51,21 @@ from treadle.redaction import Redaction
 from treadle.types import ApprovalRequested, Liveness, RunLog, RunState, RunSummary
 
 HERE = Path(__file__).resolve().parent
+_T = TypeVar("_T")
 
 POLL_S = 0.2
+"""Seconds between two reads of the store by a live stream (as ``treadle tail``)."""
 RECHECK_S = 30.0
 """Seconds after which a live stream reads a run's whole log again though its record count
 did not move: damage in an idle run's log ends the stream within that time (docs/ui.md)."""
-"""Seconds between two reads of the store by a live stream (as ``treadle tail``)."""
+RENDER_GAP = 4.0
+"""A live stream's rest after a whole read of a run's log and the render of its new records,
+in multiples of the seconds (wall clock) that read and render took: an open page costs a long
+run at most about a fifth of the time of its own updates, however fast the run writes
+(docs/ui.md, "A run's page"; docs/decisions/0104-long-runs-render-off-the-loop.md)."""
+RENDER_THREADS = 2
+"""The renders of run pages and streams that run at once, each in a worker thread: the event
+loop that serves every other request shares the interpreter with at most these."""
 
 CSP = (
     "default-src 'none'; script-src 'self'; style-src 'self'; img-src 'self' data:; "
@@ -237,6 +247,7 @@ class _Console:
         self._tokens: dict[str, tuple[int | None, str | None]] = {}
         # unfinished runs: the same, as of the steps and state their summary showed then
         self._moving: dict[str, tuple[tuple[int, RunState | None], int | None, str | None]] = {}
+        self._renders = trio.CapacityLimiter(RENDER_THREADS)
 
     async def no_such_run(self, request: Request, exc: Exception) -> Response:
         """A path naming no possible run (docs/concepts.md, "Run ids"): a 404 saying why."""
@@ -400,19 +411,37 @@ class _Console:
     # ----------------------------------------------------------------- one run
 
     async def run_page(self, request: Request) -> Response:
-        """One run's timeline, charts and actions; it goes on live over `run_stream`."""
+        """One run's timeline, charts and actions; it goes on live over `run_stream`.
+
+        The page is rendered in a worker thread (`_rendered`): a run of thousands of steps
+        takes seconds to render, and the console serves every other request meanwhile.
+        """
         refused = self._check_read(request)
         if refused is not None:
             return refused
-        run_id = _run_id(request)
-        log, summary = await self._read(run_id)
+        log, summary = await self._read(_run_id(request))
+        return HTMLResponse(await self._rendered(self._run_html, log, summary))
+
+    def _run_html(self, log: RunLog, summary: RunSummary | None) -> str:
+        """The whole page of a run (in a worker thread)."""
+        log, _ = valid_unicode(log)  # what an old log holds, made printable
         blocks = _view.timeline(log)
-        return self._page(
+        return self._html(
             "run.html",
             blocks=blocks,
             last_seq=len(log.records),
             finished=log.finished is not None,
-            **self._panel_context(log, summary, blocks),
+            **self._panel_context(log, summary),
+            **_view.charts(blocks),
+        )
+
+    async def _rendered(self, render: Callable[..., _T], *args: Any) -> _T:
+        """``render(*args)`` in a worker thread, at most `RENDER_THREADS` at once.
+
+        Cancellation: the render runs to its end; the caller is cancelled after it.
+        """
+        return await trio.to_thread.run_sync(
+            functools.partial(render, *args), limiter=self._renders
         )
 
     async def run_stream(self, request: Request) -> Response:
@@ -420,46 +449,60 @@ class _Console:
 
         Each record is one ``record`` event whose id is its seq; a reconnect's
         ``Last-Event-ID`` resumes after that seq (else ``?from=SEQ`` names the first one).
-        A ``finished`` event closes the stream once the run-finished record was sent; an
-        ``unreadable`` event (``{"message": ...}``) closes it when the log cannot be read
-        any more, or the run is gone (the page says why instead of reconnecting).
+        Every stream opens with a ``token`` event (``{"token": ...}``, no id): a page that
+        reconnects to a restarted console (a new token) puts it in its forms, which it can
+        post then (docs/ui.md, "Approving, rejecting, cancelling"). A ``finished`` event
+        closes the stream once the run-finished record was sent; an ``unreadable`` event
+        (``{"message": ...}``) closes it when the log cannot be read any more, or the run is
+        gone (the page says why instead of reconnecting).
 
         Each poll reads the run's summary; the log is read again only when the summary's
         record count moved since the last read (or the index does not know it), or
         ``recheck_s`` after the last whole read (which finds damage in a log that does not
         move), so a run that does not move costs one index read per poll, however long its
-        log.
+        log. After a whole read the stream rests `RENDER_GAP` times what that read and its
+        render took before it polls again; the records written meanwhile come in one batch,
+        each still its own event.
         """
         self._check_read(request)
         run_id = _run_id(request)
         next_seq = _first_seq(request)
+        began = trio.current_time()
         try:
-            await self._read(run_id)  # a run that does not exist is a 404, not a stream
+            # a run that does not exist is a 404, not a stream; the read is the stream's first
+            first: tuple[RunLog, RunSummary | None] | None = await self._read(run_id)
         except StoreError as exc:  # damaged: a reconnect is told why, as the stream would
             return EventSourceResponse(_unreadable(str(exc)), ping=15)
 
         async def events() -> AsyncIterator[ServerSentEvent]:
-            nonlocal next_seq
+            nonlocal next_seq, began, first
+            yield ServerSentEvent(data=json.dumps({"token": self.settings.token}), event="token")
             count: int | None = None  # the records of the last whole read
-            read_at = trio.current_time()
+            read_at = gap = 0.0
             while True:
                 try:
-                    fresh = trio.current_time() - read_at < self.settings.recheck_s
-                    if count is not None and fresh and await self._records(run_id) == count:
-                        await trio.sleep(self.settings.poll_s)
-                        continue
-                    log, summary = await self._read(run_id)
-                    read_at = trio.current_time()
+                    if first is None:
+                        since = trio.current_time() - read_at
+                        if since < self.settings.recheck_s and (
+                            since < gap or await self._records(run_id) == count
+                        ):
+                            await trio.sleep(self.settings.poll_s)
+                            continue
+                        began = trio.current_time()
+                        first = await self._read(run_id)
+                    (log, summary), first = first, None
+                    said = await self._rendered(self._stream_events, log, summary, next_seq)
                 except (StoreError, HTTPException) as exc:  # damaged or gone: say so, stop
                     message = exc.detail if isinstance(exc, HTTPException) else str(exc)
-                    async for said in _unreadable(message):
-                        yield said
+                    async for unreadable in _unreadable(message):
+                        yield unreadable
                     return
+                read_at = trio.current_time()
+                gap = RENDER_GAP * (read_at - began)
                 count = len(log.records)
-                if count >= next_seq:
-                    for event in self._record_events(log, summary, next_seq, count):
-                        yield event
-                    next_seq = count + 1
+                for event in said:
+                    yield event
+                next_seq = max(next_seq, count + 1)
                 if log.finished is not None:
                     yield ServerSentEvent(data="{}", event="finished")
                     return
@@ -467,10 +510,21 @@ class _Console:
 
         return EventSourceResponse(events(), ping=15)
 
+    def _stream_events(
+        self, log: RunLog, summary: RunSummary | None, first: int
+    ) -> list[ServerSentEvent]:
+        """A stream's events of records ``first`` on, for one whole read (in a worker thread)."""
+        log, _ = valid_unicode(log)  # what an old log holds, made printable
+        last = len(log.records)
+        return self._record_events(log, summary, first, last) if last >= first else []
+
     def _record_events(
         self, log: RunLog, summary: RunSummary | None, first: int, last: int
     ) -> list[ServerSentEvent]:
-        """One event per record ``first..last``; a block's HTML rides on its last record."""
+        """One event per record ``first..last``; a block's HTML rides on its last record.
+
+        The last one carries the panel and the charts too.
+        """
         blocks = _view.timeline(log)
         owner = {s: b for b in blocks for s, _ in b.records}
         last_of = {owner[s].id: s for s in range(first, last + 1) if s in owner}
@@ -488,9 +542,8 @@ class _Console:
             if block is not None and last_of.get(block.id) == seq:
                 data["html"] = block_template.render(block=block)
             if seq == last:
-                context = self._panel_context(log, summary, blocks)
-                data["panel"] = self.env.get_template("_panel.html").render(**context)
-                data["charts"] = self.env.get_template("_charts.html").render(**context)
+                data["panel"] = self._html("_panel.html", **self._panel_context(log, summary))
+                data["charts"] = self._html("_charts.html", **_view.charts(blocks))
             events.append(ServerSentEvent(data=json.dumps(data), id=str(seq), event="record"))
         return events
 
@@ -501,17 +554,21 @@ class _Console:
         return None if summary is None or summary.error is not None else summary.records
 
     async def _read(self, run_id: str) -> tuple[RunLog, RunSummary | None]:
+        """Run ``run_id``'s log as stored, and its summary.
+
+        Raises:
+            HTTPException: 404, the store holds no such run.
+            StoreError: the log cannot be read.
+        """
         log = await self.store.read_log(run_id)
         assert isinstance(self.store, RunIndex)
         summary = await self.store.read_summary(run_id)
         if log.started is None and (summary is None or summary.state is not RunState.QUEUED):
             raise HTTPException(404, f"there is no run {run_id!r} in this store")
-        log, _ = valid_unicode(log)  # what an old log holds, made printable
         return log, summary
 
-    def _panel_context(
-        self, log: RunLog, summary: RunSummary | None, blocks: Sequence[_view.Block]
-    ) -> dict[str, Any]:
+    def _panel_context(self, log: RunLog, summary: RunSummary | None) -> dict[str, Any]:
+        """What the panel template shows of a run: its facts and the forms of its actions."""
         pending = pending_approval(log)
         shown: ApprovalRequested | None = None
         if pending is not None:
@@ -532,9 +589,6 @@ class _Console:
             "steps": len(log.steps),
             "tokens": _view.run_tokens(log),
             "pending": shown,
-            "token_bars": _view.token_bars(blocks),
-            "waterfall": _view.waterfall(blocks),
-            "span_s": _view.time_span_s(blocks),
             "token": self.settings.token,
         }
 
@@ -627,9 +681,12 @@ class _Console:
         return self._page("said.html", status=status, run_id=run_id, message=message, ok=ok)
 
     def _page(self, name: str, *, status: int = 200, **context: Any) -> HTMLResponse:
+        return HTMLResponse(self._html(name, **context), status_code=status)
+
+    def _html(self, name: str, **context: Any) -> str:
+        """Template ``name`` rendered (the console's token given unless ``context`` has it)."""
         context.setdefault("token", self.settings.token)
-        html = self.env.get_template(name).render(**context)
-        return HTMLResponse(html, status_code=status)
+        return self.env.get_template(name).render(**context)
 
 
 def _filtered(rows: Sequence[Row], q: str, state: str) -> list[Row]:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import datetime as dt
 import json
 from collections.abc import Iterable, Mapping, Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 import attrs
 
@@ -32,6 +32,8 @@ from treadle.types import (
     RunStarted,
     StepRecord,
 )
+
+_T = TypeVar("_T")
 
 
 @attrs.define
@@ -253,44 +255,85 @@ class Bar:
 CHART_WIDTH = 640
 """Width of the charts in px (the SVG view box; the page scales it)."""
 
+MAX_TOKEN_SLOTS = 160
+"""The most steps the tokens chart draws one by one; beyond, each pair of bars sums
+consecutive steps, so that the chart stays a few hundred bars however long the run
+(docs/ui.md, "A run's page")."""
+
+MAX_WATERFALL_ROWS = 300
+"""The most model attempts and tool calls the timing chart draws one by one; beyond, each
+bar covers consecutive ones (docs/ui.md, "A run's page")."""
+
+
+@attrs.frozen
+class Span:
+    """One model attempt or tool call on the run's time axis.
+
+    Attributes:
+        start: its intent's timestamp, in seconds since the epoch (UTC wall clock).
+        duration: its measured latency or duration in seconds (or up to its result's
+            timestamp; 0 without a result).
+        kind: ``model`` or ``tool``.
+        step: the step it belongs to.
+        label: what hovering its bar says.
+    """
+
+    start: float
+    duration: float
+    kind: str
+    step: int | None
+    label: str
+
+    @property
+    def end(self) -> float:
+        """Seconds since the epoch at which it ended."""
+        return self.start + self.duration
+
 
 def token_bars(blocks: Iterable[Block], *, height: float = 120) -> list[Bar]:
-    """Bars of input and output tokens per step (two bars a step, scaled to ``height``)."""
-    steps = [b for b in blocks if b.kind == "step"]
-    if not steps:
+    """Bars of input and output tokens per step (two bars a slot, scaled to ``height``).
+
+    A slot is one step, or consecutive steps summed when the run has more than
+    `MAX_TOKEN_SLOTS`; each bar's label names its steps.
+    """
+    slots = _chunks([b for b in blocks if b.kind == "step"], MAX_TOKEN_SLOTS)
+    if not slots:
         return []
-    peak = max(max(b.tokens) for b in steps) or 1
-    slot = CHART_WIDTH / len(steps)
-    width = max(1.0, slot / 2 - 2)
+    sums = [(sum(b.tokens[0] for b in s), sum(b.tokens[1] for b in s)) for s in slots]
+    peak = max(max(pair) for pair in sums) or 1
+    slot_px = CHART_WIDTH / len(slots)
+    width = max(1.0, slot_px / 2 - 2)
     bars = []
-    for index, block in enumerate(steps):
-        for offset, (kind, count) in enumerate(zip(("input", "output"), block.tokens, strict=True)):
+    for index, (slot, counts) in enumerate(zip(slots, sums, strict=True)):
+        for offset, (kind, count) in enumerate(zip(("input", "output"), counts, strict=True)):
             h = height * count / peak
             bars.append(
                 Bar(
-                    x=round(index * slot + offset * (width + 1), 2),
+                    x=round(index * slot_px + offset * (width + 1), 2),
                     y=round(height - h, 2),
                     width=round(width, 2),
                     height=round(h, 2),
                     kind=kind,
-                    label=f"step {block.step}: {count} {kind} tokens",
+                    label=f"{_steps_text(slot[0].step, slot[-1].step)}: {count} {kind} tokens",
                 )
             )
     return bars
 
 
-def waterfall(blocks: Iterable[Block], *, row: float = 14) -> list[Bar]:
+def _waterfall(spans: Sequence[Span], *, row: float = 14) -> list[Bar]:
     """One bar per model attempt and tool call, placed on the run's time axis.
 
     A bar starts at its intent's timestamp and lasts its measured latency or duration (or up
     to its result's timestamp); an attempt or call without a result is drawn as a sliver.
-    The axis spans `time_span_s` seconds.
+    Beyond `MAX_WATERFALL_ROWS` of them, a bar covers consecutive ones (in seq order), from
+    the first one's start to the last end among them: kind ``mixed`` when it holds both
+    kinds, its label counting each kind and its seconds. The axis spans from the first
+    start to the last end.
     """
-    spans = _spans(blocks)
     if not spans:
         return []
-    origin = min(s for s, _, _, _ in spans)
-    scale = CHART_WIDTH / max(time_span_s(blocks), 1e-6)
+    origin = min(s.start for s in spans)
+    scale = CHART_WIDTH / max(_span_s(spans), 1e-6)
     return [
         Bar(
             x=round((start - origin) * scale, 2),
@@ -300,21 +343,60 @@ def waterfall(blocks: Iterable[Block], *, row: float = 14) -> list[Bar]:
             kind=kind,
             label=label,
         )
-        for index, (start, duration, kind, label) in enumerate(spans)
+        for index, (start, duration, kind, label) in enumerate(
+            _grouped(group) for group in _chunks(spans, MAX_WATERFALL_ROWS)
+        )
     ]
 
 
-def time_span_s(blocks: Iterable[Block]) -> float:
-    """Seconds from the first model or tool call's start to the last one's end (0 for none)."""
+def charts(blocks: Sequence[Block]) -> dict[str, Any]:
+    """What the charts template shows of a run's ``blocks`` (`token_bars`, `_waterfall`).
+
+    Returns:
+        ``token_bars`` and ``waterfall`` (lists of `Bar`), ``steps_charted`` (the step blocks),
+        ``steps_per_slot``, ``calls`` (model attempts and tool calls), ``calls_per_row``
+        (how many each waterfall bar covers) and ``span_s`` (seconds of the time axis).
+    """
     spans = _spans(blocks)
+    steps = sum(1 for b in blocks if b.kind == "step")
+    return {
+        "token_bars": token_bars(blocks),
+        "steps_charted": steps,
+        "steps_per_slot": _chunk_size(steps, MAX_TOKEN_SLOTS),
+        "waterfall": _waterfall(spans),
+        "calls": len(spans),
+        "calls_per_row": _chunk_size(len(spans), MAX_WATERFALL_ROWS),
+        "span_s": _span_s(spans),
+    }
+
+
+def _grouped(spans: Sequence[Span]) -> tuple[float, float, str, str]:
+    """``(start, seconds, kind, label)`` of one waterfall bar covering ``spans``."""
+    if len(spans) == 1:
+        (span,) = spans
+        return span.start, span.duration, span.kind, span.label
+    start = min(s.start for s in spans)
+    kinds = {s.kind for s in spans}
+    parts = []
+    for kind, name in (("model", "model attempts"), ("tool", "tool calls")):
+        mine = [s for s in spans if s.kind == kind]
+        if mine:
+            parts.append(f"{len(mine)} {name} ({sum(s.duration for s in mine):.3f} s)")
+    steps = _steps_text(spans[0].step, spans[-1].step)
+    kind = kinds.pop() if len(kinds) == 1 else "mixed"
+    return start, max(s.end for s in spans) - start, kind, f"{steps}: {', '.join(parts)}"
+
+
+def _span_s(spans: Sequence[Span]) -> float:
+    """Seconds from the first span's start to the last one's end (0 for none)."""
     if not spans:
         return 0.0
-    return max(s + d for s, d, _, _ in spans) - min(s for s, _, _, _ in spans)
+    return max(s.end for s in spans) - min(s.start for s in spans)
 
 
-def _spans(blocks: Iterable[Block]) -> list[tuple[float, float, str, str]]:
-    """``(start, seconds, kind, label)`` of each model attempt and tool call, in seq order."""
-    spans: list[tuple[float, float, str, str]] = []
+def _spans(blocks: Iterable[Block]) -> list[Span]:
+    """Each model attempt and tool call, in seq order."""
+    spans: list[Span] = []
     for block in blocks:
         for attempt in block.attempts:
             start = _instant(attempt.intent.ts)
@@ -323,7 +405,7 @@ def _spans(blocks: Iterable[Block]) -> list[tuple[float, float, str, str]]:
                 start, result.ts if result else None, result.latency_s if result else None
             )
             label = f"step {block.step} model attempt {attempt.intent.attempt}"
-            spans.append((start, duration, "model", f"{label}: {duration:.3f} s"))
+            spans.append(Span(start, duration, "model", block.step, f"{label}: {duration:.3f} s"))
         for call in block.calls:
             start = _instant(call.intent.ts)
             done = call.result
@@ -331,8 +413,23 @@ def _spans(blocks: Iterable[Block]) -> list[tuple[float, float, str, str]]:
                 start, done.ts if done else None, done.duration_s if done else None
             )
             label = f"step {block.step} {call.intent.tool}: {duration:.3f} s"
-            spans.append((start, duration, "tool", label))
+            spans.append(Span(start, duration, "tool", block.step, label))
     return spans
+
+
+def _chunk_size(count: int, most: int) -> int:
+    """How many consecutive items each of at most ``most`` chunks of ``count`` holds."""
+    return max(1, -(-count // most))
+
+
+def _chunks(items: Sequence[_T], most: int) -> list[Sequence[_T]]:
+    """``items`` cut into at most ``most`` runs of consecutive items, in order."""
+    size = _chunk_size(len(items), most)
+    return [items[i : i + size] for i in range(0, len(items), size)]
+
+
+def _steps_text(first: int | None, last: int | None) -> str:
+    return f"step {first}" if first == last else f"steps {first}–{last}"
 
 
 def _instant(ts: str) -> float:

@@ -64,6 +64,16 @@ function place(data) {
   if (data.charts != null) document.getElementById("charts").innerHTML = data.charts;
 }
 
+// The console's token as each stream brings it when it opens (a restarted console has a new
+// one): every form and the header the script sends carry it, also while one is being edited.
+function useToken(value) {
+  const meta = document.querySelector('meta[name="treadle-token"]');
+  if (meta) meta.content = value;
+  document.querySelectorAll('form[data-action] input[name="token"]').forEach((input) => {
+    input.value = value;
+  });
+}
+
 function runPage() {
   const run = document.getElementById("run");
   bindForms();
@@ -80,6 +90,7 @@ function runPage() {
     run.dataset.lastSeq = String(data.seq);
     place(data);
   });
+  source.addEventListener("token", (event) => useToken(JSON.parse(event.data).token));
   source.addEventListener("unreadable", (event) => {
     source.close();
     live.hidden = true;
