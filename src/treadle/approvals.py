@@ -25,6 +25,7 @@ from typing import Any, TypeAlias
 from treadle._clock import Clock, SystemClock
 from treadle._exceptions import UsageError
 from treadle._ids import check_run_id
+from treadle._state import seconds_between
 from treadle._text import loads_json, repaired, require_text
 from treadle.parsers import MAX_ARGUMENT_DEPTH, NESTED_TOO_DEEP, argument_problem
 from treadle.policies import ExecutorPolicies
@@ -427,7 +428,8 @@ async def decide(
 
     Raises:
         InvalidRunId: not an allowed run id (docs/concepts.md, "Run ids"); nothing is read.
-        UsageError: the run does not exist, finished, is being cancelled (a cancel request
+        UsageError: the run does not exist, finished, waits on a request whose deadline
+            passed (by ``clock``), is being cancelled (a cancel request
             in its log or control stream, also one written just before this decision: the
             run ends cancelled without applying it), waits on no approval, waits on
             another call (or on one of another step or arguments than ``step`` and
@@ -462,6 +464,8 @@ async def decide(
             f"run {run_id!r} waits on call {request.call_id!r} of step {request.step} with "
             "other arguments than those shown: look at the call it waits on now, then decide"
         )
+    clock = clock or SystemClock()
+    _refuse_after_deadline(run_id, request, clock.now_iso())
     earlier = await read_control(store, run_id)
     _refuse_after_cancel(run_id, (*log.records, *earlier), None)
     already = next((r for r in _decisions(earlier) if matches(r, request)), None)
@@ -473,7 +477,7 @@ async def decide(
     decided = decision_for(
         run_id,
         request,
-        clock or SystemClock(),
+        clock,
         reject=reject,
         edit=edit,
         snapshot=current_snapshot(log),
@@ -494,6 +498,22 @@ async def decide(
 
 def _decisions(records: Sequence[object]) -> list[ApprovalDecided]:
     return [r for r in records if isinstance(r, ApprovalDecided)]
+
+
+def _refuse_after_deadline(run_id: str, request: ApprovalRequested, now: str) -> None:
+    """Refuse a decision past the request's deadline: the run never applies one written then.
+
+    docs/events.md, "Human approval": no decision by the deadline, the call expires.
+
+    Raises:
+        UsageError: ``now`` (ISO-8601) is after ``request.deadline_ts``.
+    """
+    if seconds_between(request.deadline_ts, now) > 0:
+        raise UsageError(
+            f"run {run_id!r}: the wait on call {request.call_id!r} ({request.tool}) ended at "
+            f"{request.deadline_ts}; a decision written after it is never applied: the call "
+            "expires when the run is next driven"
+        )
 
 
 def _refuse_after_cancel(

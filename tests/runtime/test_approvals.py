@@ -15,11 +15,13 @@ from treadle.agent import Agent
 from treadle.approvals import (
     arguments_digest,
     decide,
+    decision_for,
     pending_approval,
     request_cancel,
 )
 from treadle.stores.memory import MemoryStore
 from treadle.supervisors import open_run
+from treadle.supervisors import run as treadle_run
 from treadle.testing.scripted import ScriptedModel, call, say
 from treadle.tools import Toolbox, tool
 from treadle.types import (
@@ -709,7 +711,7 @@ async def test_a_decision_written_just_before_the_deadline_counts_for_a_driven_r
         await wait_for_state(handle, RunState.AWAITING_APPROVAL)
         began = trio.current_time()
         await trio.sleep_until(began + 60 - before_s)
-        await decide(store, "r")  # from another process, just in time
+        await decide(store, "r", clock=TrioTimeClock())  # from another process, just in time
         result = await handle.wait()
     assert result.stop_reason is StopReason.FINAL_ANSWER
     assert [a.call_id for a in tools.executed] == ["c1"]
@@ -760,3 +762,46 @@ async def test_a_decision_after_a_cancel_request_is_refused_not_reported_applied
         result = await handle.wait()
     assert result.stop_reason is StopReason.CANCELLED
     assert tools.executed == []
+
+
+@pytest.mark.parametrize("written", ["before the deadline", "after it", "after it, raw"])
+async def test_a_decision_written_after_the_deadline_is_never_applied(written, autojump_clock):
+    """The driver died while its run waited; the resume came after the deadline. A decision
+    written before the deadline still counts; one written after it is refused by `decide`,
+    and, found in the control stream all the same, is not applied: the call expires."""
+    import datetime as dt
+
+    clock = SettableClock()
+    store = MemoryStore()
+    turns = [call("add", a=1, b=2, call_id="c1"), say("ok")]
+    agent, _, _ = make(turns, limits=Limits(approval_timeout_s=600))
+    with trio.CancelScope() as crash:
+        async with open_run(
+            agent, "x", store=store, run_id="r", approval_policy=only_add, clock=clock
+        ) as handle:
+            await wait_for_state(handle, RunState.AWAITING_APPROVAL)
+            crash.cancel()
+    (request,) = [
+        r for r in (await store.read_log("r")).records if isinstance(r, ApprovalRequested)
+    ]
+    clock.now += dt.timedelta(seconds=500 if written == "before the deadline" else 700)
+    if written == "after it":
+        with pytest.raises(UsageError, match="ended at 2026-01-01T00:10:00"):
+            await decide(store, "r", clock=clock)
+    elif written == "after it, raw":  # as a decider that checked no deadline wrote it
+        await store.append_control(decision_for("r", request, clock))
+    else:
+        await decide(store, "r", clock=clock)
+    clock.now = dt.datetime(2026, 1, 1, 0, 12, tzinfo=dt.UTC)  # the resume, past the deadline
+    agent, tools, _ = make(turns, limits=Limits(approval_timeout_s=600))
+    result = await treadle_run(
+        agent, store=store, run_id="r", approval_policy=only_add, clock=clock
+    )
+    assert result.stop_reason is StopReason.FINAL_ANSWER
+    decided = [r for r in (await store.read_log("r")).records if isinstance(r, ApprovalDecided)]
+    if written == "before the deadline":
+        assert [d.decision for d in decided] == ["approve"]
+        assert [a.call_id for a in tools.executed] == ["c1"]
+    else:
+        assert [d.decision for d in decided] == ["expired"]
+        assert tools.executed == []
