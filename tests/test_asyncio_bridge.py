@@ -8,6 +8,8 @@ functions as they are).
 from __future__ import annotations
 
 import asyncio
+from collections.abc import AsyncIterator, Callable
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from pathlib import Path
 
 import pytest
@@ -15,8 +17,9 @@ import trio
 
 import treadle
 from treadle.asyncio import Runs, event_data, open_portal, open_runs, sse_frame
+from treadle.stores.memory import MemoryStore
 from treadle.testing.scripted import ScriptedModel, call, say
-from treadle.types import EventKind, RunState, StopReason
+from treadle.types import ApprovalDecided, CancelRequested, EventKind, RunState, StopReason
 
 
 @treadle.tool(requires_approval=True)
@@ -212,7 +215,7 @@ def test_a_call_that_reaches_a_closing_portal_is_refused_not_an_internal_error()
         try:
             portal = TrioPortal(loop, trio.lowlevel.current_trio_token(), nursery)
             refused: list[bool] = []
-            portal._spawn(trio.sleep_forever, "late", lambda: refused.append(True))
+            portal._spawn(nursery, trio.sleep_forever, "late", lambda: refused.append(True))
         finally:
             loop.close()
         return refused
@@ -424,3 +427,324 @@ def test_events_of_runs_not_driven_here_come_from_the_store(tmp_path: Path):
     stored = run_asyncio(main)
     # from seq 2: the step-started event carries seq 1 (the event before it), so it is not
     assert stored[0] is EventKind.MODEL_CALL_STARTED and stored[-1] is EventKind.RUN_FINISHED
+
+
+def say_agent() -> treadle.Agent:
+    return treadle.Agent(
+        model=ScriptedModel(turns=[say("hi")]),
+        executor=treadle.Toolbox([]),
+        parser=treadle.NativeToolCallParser(),
+    )
+
+
+class HeldControl(MemoryStore):
+    """Holds the first write of a ``held`` record (to the log or the control stream).
+
+    ``holding`` is set once that write waits; it goes on when ``release`` is set.
+    """
+
+    held: type
+    holding: trio.Event
+    release: trio.Event
+
+    async def _hold(self, record: object) -> None:
+        if isinstance(record, self.held) and not self.holding.is_set():
+            self.holding.set()
+            await self.release.wait()
+
+    async def write_control(self, record, *, seq, generation):
+        await self._hold(record)
+        await super().write_control(record, seq=seq, generation=generation)
+
+    async def append_control(self, record):
+        await self._hold(record)
+        return await super().append_control(record)
+
+
+def held_store(
+    held: type, kept: list[HeldControl]
+) -> Callable[[], AbstractAsyncContextManager[MemoryStore]]:
+    """An opener of a `HeldControl` store (made in the trio thread), kept in ``kept``."""
+
+    @asynccontextmanager
+    async def opened() -> AsyncIterator[MemoryStore]:
+        store = HeldControl()
+        store.held, store.holding, store.release = held, trio.Event(), trio.Event()
+        kept.append(store)
+        try:
+            yield store
+        finally:
+            await store.aclose()
+
+    return opened
+
+
+async def _parked(runs: Runs, run_id: str) -> None:
+    assert await runs._host.handles[run_id].wait_parked()
+
+
+async def _set(event: trio.Event) -> None:
+    event.set()
+
+
+@pytest.mark.parametrize("park_after_s", [None, 0.0])
+def test_a_second_decision_through_the_bridge_is_refused_before_the_first_is_recorded(
+    park_after_s: float | None,
+):
+    """Runs.approve used the run's handle only while it reported a pending approval: once
+    the first decision was handed over, a second one went to treadle.approvals.decide,
+    which cannot see a decision the run has not recorded yet, and was returned as taken
+    while the run applied the first (docs/events.md, "Human approval", 2.)."""
+    kept: list[HeldControl] = []
+
+    async def main():
+        async with open_runs(
+            wire_agent(), store=held_store(ApprovalDecided, kept), park_after_s=park_after_s
+        ) as runs:
+            await runs.start("pay", run_id="w1")
+            await _until(runs, "w1", EventKind.APPROVAL_REQUESTED)
+            if park_after_s is not None:
+                await runs.portal.call(_parked, runs, "w1")
+            first = await runs.approve("w1")
+            (store,) = kept
+            await runs.portal.call(store.holding.wait)  # the first is being recorded
+            with pytest.raises(treadle.UsageError, match=r"handed to it already|not waiting"):
+                await runs.approve("w1", reject="do not pay")
+            await runs.portal.call(_set, store.release)
+            result = await runs.result("w1")
+            events = [e async for e in runs.events("w1")]
+        return first, result, events
+
+    first, result, events = run_asyncio(main)
+    assert first.decision == "approve"
+    assert result.state is RunState.SUCCEEDED and result.final_answer == "paid"
+    decided = [e.record.decision for e in events if e.kind is EventKind.APPROVAL_DECIDED]
+    assert decided == ["approve"]
+
+
+@pytest.mark.parametrize("park_after_s", [None, 0.0])
+def test_an_approve_after_a_cancel_through_the_bridge_is_refused(park_after_s: float | None):
+    """The approve went to treadle.approvals.decide once the handle stopped reporting a
+    pending approval, and was returned as taken; the run ended cancelled without it."""
+    kept: list[HeldControl] = []
+
+    async def main():
+        async with open_runs(
+            wire_agent(), store=held_store(CancelRequested, kept), park_after_s=park_after_s
+        ) as runs:
+            await runs.start("pay", run_id="w1")
+            await _until(runs, "w1", EventKind.APPROVAL_REQUESTED)
+            if park_after_s is not None:
+                await runs.portal.call(_parked, runs, "w1")
+            await runs.cancel("w1", "withdrawn")
+            (store,) = kept
+            await runs.portal.call(store.holding.wait)  # the cancel is being recorded
+            with pytest.raises(treadle.UsageError, match=r"being cancelled|not waiting"):
+                await runs.approve("w1")
+            await runs.portal.call(_set, store.release)
+            result = await runs.result("w1")
+            events = [e async for e in runs.events("w1")]
+        return result, events
+
+    result, events = run_asyncio(main)
+    assert result.state is RunState.CANCELLED
+    assert not [e for e in events if e.kind is EventKind.APPROVAL_DECIDED]
+
+
+def test_a_cancel_of_a_finished_run_is_a_no_op_wherever_it_finished(tmp_path: Path):
+    """A cancel of a run that finished here was a no-op while its handle was still held and
+    a UsageError ("already finished") a moment later, once it was forgotten."""
+    db = tmp_path / "r.db"
+
+    async def finish_one() -> None:
+        async with treadle.open_sqlite_store(db) as store:
+            done = await treadle.run(say_agent(), "hello", store=store, run_id="done")
+            assert done.state is RunState.SUCCEEDED
+
+    trio.run(finish_one)
+
+    async def main():
+        async with open_runs(say_agent(), store=sqlite(db)) as runs:
+            await runs.start("hello", run_id="here")
+            await runs.result("here")
+            await runs.cancel("here", "late")  # its handle held or forgotten: no matter
+            await runs.cancel("done", "late")  # finished before: the same
+            with pytest.raises(treadle.UsageError, match="no run 'nope'"):
+                await runs.cancel("nope", "late")
+            return await runs.result("here"), await runs.result("done")
+
+    here, done = run_asyncio(main)
+    assert here.state is RunState.SUCCEEDED and done.state is RunState.SUCCEEDED
+
+
+def test_leaving_the_block_refuses_new_starts_and_is_not_held_open_by_them(tmp_path: Path):
+    """A client starting runs while the block was left had them started (and waited for)
+    past drain_s, so the exit lasted as long as the client went on, or its start failed
+    with trio's "Nursery is closed to new arrivals"."""
+
+    async def main():
+        block = open_runs(slow_agent(), store=sqlite(tmp_path / "r.db"), drain_s=0)
+        runs = await block.__aenter__()
+        await runs.start("sleep", run_id="first")
+        await _until(runs, "first", EventKind.ACTION_REQUESTED)
+        leaving = asyncio.create_task(block.__aexit__(None, None, None))
+        started = []
+        for n in range(500):  # a client that keeps starting runs until it is refused
+            try:
+                started.append(await runs.start("sleep", run_id=f"late-{n}"))
+            except treadle.UsageError as exc:
+                refusal = str(exc)
+                break
+        else:
+            raise AssertionError(f"{len(started)} runs started while the block was left")
+        await leaving
+        return started, refusal
+
+    started, refusal = run_asyncio(main)
+    assert len(started) < 500
+    assert "is being left" in refusal or "treadle.asyncio" in refusal, refusal
+
+    async def unfinished() -> list[str]:
+        async with treadle.open_sqlite_store(tmp_path / "r.db") as store:
+            return [r for r in started if (await store.read_log(r)).finished is None]
+
+    assert trio.run(unfinished) == started  # drained or cut: resumable, not run on
+
+
+def test_calls_after_the_block_are_refused_and_leave_nothing_waiting(tmp_path: Path):
+    """A call refused by the closed portal left its future in the portal's pending set
+    (one per call, for ever); the portal's end then failed them with nobody waiting
+    ("Future exception was never retrieved")."""
+
+    async def main():
+        async with open_runs(say_agent(), store=sqlite(tmp_path / "r.db")) as runs:
+            await runs.start("hello", run_id="a")
+            await runs.result("a")
+        for n in range(3):
+            with pytest.raises(treadle.UsageError, match="closed"):
+                await runs.start("hello", run_id=f"b{n}")
+        with pytest.raises(treadle.UsageError, match="closed"):
+            async for _ in runs.events("a"):
+                pass
+        return len(runs.portal._pending)
+
+    assert run_asyncio(main) == 0
+
+
+class SlowClose(MemoryStore):
+    """Its `aclose` sets ``closing`` and waits for ``release``."""
+
+    closing: trio.Event
+    release: trio.Event
+
+    async def aclose(self):
+        self.closing.set()
+        await self.release.wait()
+        await super().aclose()
+
+
+def test_calls_made_while_the_store_closes_are_refused_with_usage_error():
+    """Between the runs' nursery closing and the portal closing (the store closing), a
+    start failed with trio's RuntimeError "Nursery is closed to new arrivals", and the
+    other calls went on against the store being closed."""
+    kept: list[SlowClose] = []
+
+    @asynccontextmanager
+    async def opened() -> AsyncIterator[MemoryStore]:
+        store = SlowClose()
+        store.closing, store.release = trio.Event(), trio.Event()
+        kept.append(store)
+        try:
+            yield store
+        finally:
+            await store.aclose()
+
+    async def main():
+        block = open_runs(say_agent(), store=opened, drain_s=0)
+        runs = await block.__aenter__()
+        await runs.start("hello", run_id="a")
+        await runs.result("a")
+        leaving = asyncio.create_task(block.__aexit__(None, None, None))
+        (store,) = kept
+        await runs.portal.call(store.closing.wait)
+        calls = {
+            "start": lambda: runs.start("hello", run_id="b"),
+            "result": lambda: runs.result("a"),
+            "cancel": lambda: runs.cancel("a"),
+            "approve": lambda: runs.approve("a"),
+        }
+        refused = []
+        for name, made in calls.items():
+            with pytest.raises(treadle.UsageError, match="block was left"):
+                await made()
+            refused.append(name)
+        with pytest.raises(treadle.UsageError, match="block was left"):
+            async for _ in runs.events("a"):
+                pass
+        await runs.portal.call(_set, store.release)
+        await leaving
+        return refused, len(runs.portal._pending)
+
+    refused, pending = run_asyncio(main)
+    assert refused == ["start", "result", "cancel", "approve"] and pending == 0
+
+
+class ReadsRefusedAfterClose(MemoryStore):
+    """Refuses reads after `aclose`, as a durable store does; once ``hold_reads`` is set, a
+    read waits for the close first."""
+
+    hold_reads: bool = False
+    closed: trio.Event
+
+    async def read_log(self, run_id):
+        if self.hold_reads:
+            await self.closed.wait()
+        self._check_open()
+        return await super().read_log(run_id)
+
+    async def aclose(self):
+        await super().aclose()
+        self.closed.set()
+
+
+def test_an_event_stream_open_while_the_block_is_left_ends_without_reading_a_closed_store():
+    """The streams ran in the portal's nursery, which outlives the store: a stream whose run
+    stopped as the block was left read the closed store ("the SQLite store ... is closed")."""
+    kept: list[ReadsRefusedAfterClose] = []
+
+    @asynccontextmanager
+    async def opened() -> AsyncIterator[MemoryStore]:
+        store = ReadsRefusedAfterClose()
+        store.closed = trio.Event()
+        kept.append(store)
+        try:
+            yield store
+        finally:
+            await store.aclose()
+
+    async def hold_reads() -> None:
+        await trio.lowlevel.checkpoint()
+        kept[0].hold_reads = True
+
+    async def main():
+        live = asyncio.Event()
+        subscribers = []
+
+        async def follow(run_id: str) -> list[EventKind]:
+            seen = []
+            async for event in runs.events(run_id):
+                seen.append(event.kind)
+                if event.kind is EventKind.ACTION_REQUESTED:
+                    live.set()
+            return seen
+
+        async with open_runs(slow_agent(), store=opened, drain_s=0) as runs:
+            await runs.start("sleep", run_id="s1")
+            await _until(runs, "s1", EventKind.ACTION_REQUESTED)
+            subscribers = [asyncio.create_task(follow("s1")) for _ in range(3)]
+            await live.wait()
+            await runs.portal.call(hold_reads)  # a read from now on comes after the close
+        return await asyncio.gather(*subscribers)
+
+    for seen in run_asyncio(main):
+        assert EventKind.ACTION_REQUESTED in seen and EventKind.RUN_FINISHED not in seen

@@ -33,7 +33,7 @@ from treadle._exceptions import RunLeased, TreadleError, UsageError, raised
 from treadle._ids import check_run_id, new_run_id
 from treadle.actors import check_from_seq, stored_events
 from treadle.agent import Agent, RunInput, check_input
-from treadle.approvals import decide, request_cancel
+from treadle.approvals import check_cancel_text, decide, request_cancel
 from treadle.metrics import MetricsRecorder
 from treadle.ports import EventSink, RunIndex, RunStore
 from treadle.stores import LEASE_TTL_S, record_to_dict
@@ -49,6 +49,11 @@ DRAIN_S: Final = 10.0
 """Seconds `open_runs` gives its runs to reach a safe point when the block ends."""
 
 _LOG = logging.getLogger("treadle.asyncio")
+
+_LEFT = (
+    "the call was cancelled in trio: its treadle.asyncio block was left "
+    '(docs/asyncio.md, "What crosses the threads")'
+)
 
 
 class TrioPortal:
@@ -79,16 +84,21 @@ class TrioPortal:
             raise UsageError("the treadle.asyncio portal's trio thread has stopped") from None
 
     def _spawn(
-        self, fn: Callable[[], Awaitable[None]], name: str, refused: Callable[[], object]
+        self,
+        nursery: trio.Nursery,
+        fn: Callable[[], Awaitable[None]],
+        name: str,
+        refused: Callable[[], object],
     ) -> None:
-        """In the trio thread: start ``fn`` in the portal's nursery, or call ``refused``.
+        """In the trio thread: start ``fn`` in ``nursery``, or call ``refused``.
 
-        The nursery refuses new tasks once it is closing (a call raised `SystemExit`, and the
-        thread is ending before the portal was closed): raised here, in a callback of the
+        A nursery refuses new tasks once it is closing (the portal's when a call raised
+        `SystemExit` and the thread is ending before the portal was closed; the calls
+        nursery of `open_runs` once its store is closing): raised here, in a callback of the
         run, that refusal would end it with `trio.TrioInternalError`.
         """
         try:
-            self._nursery.start_soon(fn, name=name)
+            nursery.start_soon(fn, name=name)
         except RuntimeError:
             refused()
 
@@ -111,9 +121,16 @@ class TrioPortal:
             Cancelling the awaiting asyncio task cancels the call in trio (a trio
             cancellation at its next checkpoint) and does not wait for it to end.
         """
+        return await self._call_in(self._nursery, fn, *args)
+
+    async def _call_in(
+        self, nursery: trio.Nursery, fn: Callable[..., Awaitable[T]], *args: Any
+    ) -> T:
+        """`call`, run as a task of ``nursery`` (the portal's, or one inside it).
+
+        A call its nursery refuses (closing) or cancels fails with `UsageError`.
+        """
         future: asyncio.Future[T] = self._loop.create_future()
-        self._pending.add(future)
-        future.add_done_callback(self._pending.discard)
         scope = trio.CancelScope()
 
         async def task() -> None:
@@ -133,7 +150,11 @@ class TrioPortal:
         # Not repr(fn) as a getattr default (always evaluated): the repr of a bound method of
         # an attrs object holds the whole object, every run a host drives included.
         name = getattr(fn, "__qualname__", None) or type(fn).__qualname__
-        self._soon(self._spawn, task, name, lambda: self._reply(_settle, future, None))
+        self._soon(self._spawn, nursery, task, name, lambda: self._reply(_settle, future, None))
+        # Only a call that crossed waits for the trio thread (`_abandon` fails it if that
+        # ends first); the answer cannot come before this: it comes by the loop.
+        self._pending.add(future)
+        future.add_done_callback(self._pending.discard)
         try:
             return await future
         except asyncio.CancelledError:
@@ -141,7 +162,7 @@ class TrioPortal:
                 self._soon(scope.cancel)
             raise
 
-    async def iterate(
+    def iterate(
         self, fn: Callable[..., AsyncIterator[T]], *args: Any, buffer: int = ITERATE_BUFFER
     ) -> AsyncIterator[T]:
         """Iterate ``fn(*args)`` (a trio async iterator) from asyncio.
@@ -158,8 +179,28 @@ class TrioPortal:
             Leaving the loop early (break, an error, cancellation) cancels the trio
             iterator.
         """
+        return self._iterate_in(self._nursery, fn, *args, buffer=buffer)
+
+    async def _iterate_in(
+        self,
+        nursery: trio.Nursery,
+        fn: Callable[..., AsyncIterator[T]],
+        *args: Any,
+        buffer: int = ITERATE_BUFFER,
+    ) -> AsyncIterator[T]:
+        """`iterate`, the trio iterator run by a task of ``nursery``.
+
+        The iteration ends (after the items sent before) when ``nursery`` cancels that task;
+        it raises `UsageError` when ``nursery`` refuses it (closing).
+        """
         send, receive = trio.open_memory_channel[tuple[Any, BaseException | None]](buffer)
         scope = trio.CancelScope()
+        refused = False
+
+        def refuse() -> None:
+            nonlocal refused
+            refused = True
+            send.close()
 
         async def pump() -> None:
             with scope, send:
@@ -174,11 +215,13 @@ class TrioPortal:
                     if isinstance(exc, KeyboardInterrupt | SystemExit):
                         raise  # it also ends the trio thread, as it ends a trio run
 
-        self._soon(self._spawn, pump, "pump", send.close)
+        self._soon(self._spawn, nursery, pump, "pump", refuse)
         try:
             while True:
                 got = await self.call(_next, receive)
                 if got is None:
+                    if refused:  # seen by this thread once the channel's end crossed
+                        raise UsageError(_LEFT)
                     return
                 item, error = got
                 if error is not None:
@@ -227,9 +270,7 @@ def _settle(future: asyncio.Future[Any], outcome: tuple[Any, BaseException | Non
     if future.done():
         return
     if outcome is None:
-        future.set_exception(
-            UsageError("the call was cancelled in trio: the treadle.asyncio portal closed")
-        )
+        future.set_exception(UsageError(_LEFT))
     elif outcome[1] is not None:
         future.set_exception(outcome[1])
     else:
@@ -317,15 +358,23 @@ StoreOpener = Callable[[], AbstractAsyncContextManager[RunStore]]
 
 @attrs.define(eq=False)
 class _Host:
-    """The trio side of `Runs`: the store, the runs driven here and their nursery."""
+    """The trio side of `Runs`: the store, the runs driven here and their nurseries.
+
+    Both nurseries live inside the store's block: ``nursery`` drives the runs, ``calls``
+    runs every call of `Runs` (event streams included), so that none reads the store after
+    it closed.
+    """
 
     agent: Agent
     store: RunStore
     nursery: trio.Nursery
+    calls: trio.Nursery
     options: Mapping[str, Any]
     handles: dict[str, RunHandle] = attrs.Factory(dict)
     starting: dict[str, trio.Event] = attrs.Factory(dict)
     """Run id -> set once its start here ended (started or failed)."""
+    closing: bool = False
+    """The block is being left: no run is started any more, every run driven is drained."""
 
     async def start(self, input: RunInput | None, run_id: str | None) -> str:
         chosen = check_run_id(run_id) if run_id is not None else new_run_id()
@@ -334,6 +383,11 @@ class _Host:
         # process would share its lease (docs/asyncio.md, "The bridge").
         while (pending := self.starting.get(chosen)) is not None:
             await pending.wait()
+        if self.closing:  # no checkpoint from here to the run's nursery taking the start
+            raise UsageError(
+                f"run {chosen!r} is not started: the treadle.asyncio block is being left "
+                '(docs/asyncio.md, "The bridge")'
+            )
         if chosen in self.handles:
             if input is not None:  # the same run again, not another input under its id
                 await self._check_input(chosen, input)
@@ -371,6 +425,8 @@ class _Host:
                 if handle.state is RunState.INTERRUPTED:  # it could not start (a mismatch)
                     await handle.wait()  # raises its error, to the caller of start
                 self.handles[run_id] = handle
+                if self.closing:  # started while the block is left: drained like the others
+                    handle.drain()
                 task_status.started(run_id)
                 started = True
             await handle.wait()
@@ -429,6 +485,15 @@ class _Host:
         for event in stored_events(log, from_seq, len(log.records)):
             yield event
 
+    def _driven(self, run_id: str) -> RunHandle | None:
+        """The handle of ``run_id`` while this process drives it (parked here included).
+
+        ``None`` for a run not driven here, or one that left (drained, or parked away on
+        child runs): whoever drives it next reads its control stream.
+        """
+        handle = self.handles.get(run_id)
+        return handle if handle is not None and handle.left is None else None
+
     async def approve(
         self,
         run_id: str,
@@ -436,18 +501,38 @@ class _Host:
         reject: str | None,
         edit: Mapping[str, Any] | None,
     ) -> ApprovalDecided:
-        handle = self.handles.get(run_id)
-        if handle is not None and handle.pending_approval is not None:
-            return handle.approve(call_id, reject=reject, edit=edit)
+        """Decide through the handle while the run is driven here, else the control stream.
+
+        Through the handle only: the store cannot see a decision the handle handed over
+        and the run has not recorded yet, so a second decision (or one after a cancel)
+        would be taken there and never applied (docs/events.md, "Human approval").
+        """
+        handle = self._driven(run_id)
+        if handle is not None:
+            decided = handle.approve(call_id, reject=reject, edit=edit)
+            await trio.lowlevel.checkpoint()
+            return decided
         return await decide(self.store, run_id, call_id=call_id, reject=reject, edit=edit)
 
     async def cancel(self, run_id: str, reason: str, canceller: str) -> None:
-        handle = self.handles.get(run_id)
+        """Cancel through the handle while the run is driven here, else the control stream.
+
+        A no-op for a finished run, wherever it finished, as `RunHandle.cancel` (the
+        handle is forgotten soon after its run finished: the store's refusal of a finished
+        run would otherwise depend on that moment).
+        """
+        handle = self._driven(run_id)
         if handle is not None:
             handle.cancel(reason, canceller=canceller)
             await trio.lowlevel.checkpoint()
             return
-        await request_cancel(self.store, run_id, reason=reason, canceller=canceller)
+        check_run_id(run_id)
+        check_cancel_text(reason, canceller)
+        try:
+            await request_cancel(self.store, run_id, reason=reason, canceller=canceller)
+        except UsageError:
+            if (await self.store.read_log(run_id)).finished is None:
+                raise  # no such run (or no control streams)
 
     async def result(self, run_id: str) -> RunResult:
         handle = self.handles.get(run_id)
@@ -455,9 +540,17 @@ class _Host:
             return await handle.wait()
         return await wait_result(self.store, run_id, output_type=self.agent.output_type)
 
-    def drain(self) -> None:
+    def close(self, drain_s: float) -> None:
+        """Start leaving: refuse new runs, drain those driven here, cut them in ``drain_s``.
+
+        A run whose start was under way is drained as it registers. The calls go on until
+        the runs stopped (a wait for a result gets `RunInterrupted`); ``open_runs`` then
+        cancels those left (docs/asyncio.md, "The bridge").
+        """
+        self.closing = True
         for handle in list(self.handles.values()):
             handle.drain()
+        self.nursery.cancel_scope.deadline = trio.current_time() + drain_s
 
 
 @attrs.define(eq=False)
@@ -491,23 +584,26 @@ class Runs:
 
         Raises:
             RunLeased: another live driver holds the run.
-            InvalidRunId, UsageError, SnapshotMismatch, SchemaTooNew: as `treadle.open_run`.
+            UsageError: the block is being left (no run is started then: leaving drains
+                the runs, docs/asyncio.md, "The bridge"), or as `treadle.open_run`.
+            InvalidRunId, SnapshotMismatch, SchemaTooNew: as `treadle.open_run`.
         """
-        return await self.portal.call(self._host.start, input, run_id)
+        return await self._call(self._host.start, input, run_id)
 
     def events(self, run_id: str, *, from_seq: int = 1) -> AsyncIterator[Event]:
         """The run's events from ``from_seq``, as `treadle.RunHandle.events` yields them.
 
         For a run driven here: stored events, then live ones (text deltas included), with
         no gap and no duplicate, ending after ``run_finished`` (or when the run stops being
-        driven here). For any other run of the store: its stored events, then the end.
+        driven here; leaving the block ends every stream by ``drain_s`` at the latest). For
+        any other run of the store: its stored events, then the end.
 
         Raises:
-            UsageError: ``from_seq`` is not a whole number of 1 or more, or the store has no
-                such run.
+            UsageError: ``from_seq`` is not a whole number of 1 or more, the store has no
+                such run, or the block was left before the stream began.
             StoreError: the stored prefix could not be read.
         """
-        return self.portal.iterate(self._host.events, run_id, from_seq)
+        return self.portal._iterate_in(self._host.calls, self._host.events, run_id, from_seq)
 
     async def approve(
         self,
@@ -519,21 +615,28 @@ class Runs:
     ) -> ApprovalDecided:
         """Decide the run's pending approval (docs/events.md, "Human approval").
 
-        A run driven here gets the decision from its handle; any other one through its
-        control stream (`treadle.approvals.decide`).
+        A run driven here (parked here included) gets the decision from its handle, which
+        refuses a second decision and one after a cancel at once; any other run through
+        its control stream (`treadle.approvals.decide`).
 
         Raises:
             UsageError: as `treadle.RunHandle.approve` and `treadle.approvals.decide`.
         """
-        return await self.portal.call(self._host.approve, run_id, call_id, reject, edit)
+        return await self._call(self._host.approve, run_id, call_id, reject, edit)
 
     async def cancel(self, run_id: str, reason: str = "", *, canceller: str = "") -> None:
-        """Cancel the run (docs/events.md, "Cancellation"); a no-op once it finished here.
+        """Cancel the run (docs/events.md, "Cancellation").
+
+        A no-op once the run finished, here or anywhere (as `treadle.RunHandle.cancel`).
+        A run driven here is cancelled through its handle; any other one through its
+        control stream (`treadle.approvals.request_cancel`).
 
         Raises:
-            UsageError: the run is not driven here and does not exist or already finished.
+            InvalidRunId: not an allowed run id.
+            UsageError: the store has no such run (or no control streams), or ``reason`` or
+                ``canceller`` is not a ``str``.
         """
-        await self.portal.call(self._host.cancel, run_id, reason, canceller)
+        await self._call(self._host.cancel, run_id, reason, canceller)
 
     async def result(self, run_id: str) -> RunResult:
         """Wait for the run to finish (driven here or anywhere) and return its result.
@@ -542,7 +645,16 @@ class Runs:
             RunInterrupted: the run stopped unfinished here (it stays resumable).
             UsageError: the store has no such run.
         """
-        return await self.portal.call(self._host.result, run_id)
+        return await self._call(self._host.result, run_id)
+
+    async def _call(self, fn: Callable[..., Awaitable[T]], *args: Any) -> T:
+        """``portal.call`` in the host's calls nursery (docs/asyncio.md, "The bridge").
+
+        Raises:
+            UsageError: the block is being left and the store closes (or closed): the call
+                was refused, or cancelled in trio.
+        """
+        return await self.portal._call_in(self._host.calls, fn, *args)
 
 
 @asynccontextmanager
@@ -602,12 +714,21 @@ async def open_runs(
                 async with store() as opened:
                     if metrics is not None:
                         metrics.watch(opened)
-                    async with trio.open_nursery() as nursery:
-                        host = _Host(agent=agent, store=opened, nursery=nursery, options=options)
-                        task_status.started(host)
-                        await stop.wait()
-                        host.drain()
-                        nursery.cancel_scope.deadline = trio.current_time() + drain_s
+                    async with trio.open_nursery() as calls:
+                        async with trio.open_nursery() as nursery:
+                            host = _Host(
+                                agent=agent,
+                                store=opened,
+                                nursery=nursery,
+                                calls=calls,
+                                options=options,
+                            )
+                            task_status.started(host)
+                            await stop.wait()
+                            host.close(drain_s)
+                        # The runs stopped: the calls left end (a call with UsageError, an
+                        # event stream as when its run stops) before the store closes.
+                        calls.cancel_scope.cancel()
             finally:
                 stopped.set()
 
@@ -621,7 +742,9 @@ async def open_runs(
 
         host = await portal.call(begin)
         try:
-            resumed, refused = await portal.call(host.resume_unfinished) if resume else ((), ())
+            resumed, refused = (
+                await portal._call_in(host.calls, host.resume_unfinished) if resume else ((), ())
+            )
             yield Runs(portal=portal, host=host, resumed=resumed, not_resumed=refused)
         finally:
             await asyncio.shield(portal.call(end))
