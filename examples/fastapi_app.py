@@ -29,11 +29,11 @@ from __future__ import annotations
 
 import os
 from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
+from contextlib import aclosing, asynccontextmanager
 from pathlib import Path
 from typing import Any
 
-from fastapi import FastAPI, Header, HTTPException, Request
+from fastapi import FastAPI, Header, HTTPException, Query, Request
 from fastapi.responses import HTMLResponse, StreamingResponse
 from pydantic import BaseModel
 
@@ -113,18 +113,39 @@ async def start_run(body: NewRun, request: Request) -> dict[str, str]:
     return {"run_id": run_id}
 
 
+def _unknown(exc: treadle.UsageError) -> HTTPException:
+    """400 for a malformed run id, 404 for a run the store does not have."""
+    status = 400 if isinstance(exc, treadle.InvalidRunId) else 404
+    return HTTPException(status_code=status, detail=str(exc))
+
+
+async def _require_run(runs: Runs, run_id: str) -> None:
+    """Answer 404 (or 400) now, before the stream's 200: a run has its seq 1 at once.
+
+    A stream that broke after its 200 would have the browser's ``EventSource`` reconnect
+    forever; an error status makes it stop.
+    """
+    try:
+        async with aclosing(runs.events(run_id)) as events:
+            async for _ in events:
+                return
+    except treadle.UsageError as exc:
+        raise _unknown(exc) from exc
+
+
 @app.get("/runs/{run_id}/events")
 async def run_events(
     run_id: str,
     request: Request,
     last_event_id: str | None = Header(default=None),
-    from_seq: int = 1,
+    from_seq: int = Query(default=1, ge=1),
 ) -> StreamingResponse:
     """The run's events as Server-Sent Events, from ``Last-Event-ID`` + 1 (or ``from_seq``)."""
     if last_event_id is not None:
         if not last_event_id.isdigit():
             raise HTTPException(status_code=400, detail="Last-Event-ID must be a seq")
         from_seq = int(last_event_id) + 1
+    await _require_run(_runs(request), run_id)
     events = _runs(request).events(run_id, from_seq=from_seq)
 
     async def frames() -> AsyncIterator[bytes]:
@@ -158,7 +179,10 @@ async def cancel(run_id: str, request: Request) -> dict[str, str]:
 @app.get("/runs/{run_id}")
 async def result(run_id: str, request: Request) -> dict[str, Any]:
     """Wait for the run's result."""
-    done = await _runs(request).result(run_id)
+    try:
+        done = await _runs(request).result(run_id)
+    except treadle.UsageError as exc:
+        raise _unknown(exc) from exc
     return {"state": done.state.value, "final_answer": done.final_answer}
 
 

@@ -249,3 +249,49 @@ def test_the_example_resumes_after_a_kill_and_the_stream_reconnects_from_its_las
     model_results = [r for r in log.records if isinstance(r, ModelResult)]
     assert [r.abandoned for r in model_results] == [False, True, False]
     assert "".join(deltas_after_restart) == "".join(ANSWER)
+
+
+def test_a_run_the_store_does_not_have_answers_404_not_500_or_a_broken_stream(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+):
+    """``GET /runs/nope`` answered 500 (the UsageError of runs.result unhandled), and
+    ``GET /runs/nope/events`` answered 200 and then broke the stream, which a browser's
+    EventSource reconnects to for ever."""
+    import importlib.util
+
+    from fastapi.testclient import TestClient
+
+    import treadle
+    from treadle.testing.scripted import ScriptedModel, say
+
+    db = tmp_path / "runs.db"
+
+    async def finish_one() -> None:
+        agent = treadle.Agent(
+            model=ScriptedModel(turns=[say("noted")]),
+            executor=treadle.Toolbox([]),
+            parser=treadle.NativeToolCallParser(),
+        )
+        async with open_sqlite_store(str(db)) as store:
+            await treadle.run(agent, "note", store=store, run_id="done")
+
+    trio.run(finish_one)
+    monkeypatch.setenv("TREADLE_EXAMPLE_STORE", str(db))
+    monkeypatch.setenv("TREADLE_EXAMPLE_LEDGER", str(tmp_path / "notes.txt"))
+    monkeypatch.setenv("TREADLE_EXAMPLE_MODEL_URL", "http://127.0.0.1:9/v1")  # never called
+    spec = importlib.util.spec_from_file_location("fastapi_app", EXAMPLES / "fastapi_app.py")
+    assert spec is not None and spec.loader is not None
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+
+    with TestClient(example.app, raise_server_exceptions=False) as client:
+        assert client.get("/runs/nope").status_code == 404
+        missing = client.get("/runs/nope/events")
+        assert missing.status_code == 404 and "no run 'nope'" in missing.json()["detail"]
+        assert client.get("/runs/%20bad/events").status_code == 400  # no run can have it
+        assert client.get("/runs/done/events", params={"from_seq": 0}).status_code == 422
+        stream = client.get("/runs/done/events", params={"from_seq": 2})
+        assert client.get("/runs/done").json()["state"] == "succeeded"
+    assert stream.status_code == 200
+    frames = list(sse(stream))
+    assert frames[0][0] == "2" and frames[-1][1] == "run_finished"
