@@ -5,6 +5,7 @@ Part of `treadle.testing.simulation`, which re-exports the public names (docs/si
 
 from __future__ import annotations
 
+import collections
 import heapq
 import itertools
 import random
@@ -52,7 +53,8 @@ APPROVER_POLL_S = 0.5
 
 
 MAX_RESTARTS = 20
-"""Crashes a simulated run may go through before the simulation gives up on it."""
+"""Incarnations a simulated run may go through before the simulation gives up on it (the
+seed then fails, naming what interrupted the run when it was not an injected fault)."""
 
 
 @attrs.frozen(kw_only=True)
@@ -63,7 +65,9 @@ class SimulationResult:
         seed: the seed.
         ok: no invariant was violated.
         violations: what broke, one sentence each.
-        faults_injected: fault kind -> count.
+        faults_injected: fault kind -> how many fired (a crash whose write was reached, a
+            cancel that reached a run still going ...; docs/simulation.md, "Faults"); the
+            world's faults as the scenario counted them.
         steps: steps over all runs.
         log_digest: sha256 of every run's encoded log, in run order.
         logs: every simulated run's log as the store held it at the end, in run order (not
@@ -172,6 +176,7 @@ async def _simulate(seed: int, plan: FaultPlan, runs: int, scenario: Scenario) -
         if thread is not None:
             _count(counts, "thread")
             world.provider.turn_offset = 1
+    drivers = []
     async with trio.open_nursery() as nursery:
         for index in range(runs):
             driver = _Driver(
@@ -185,10 +190,12 @@ async def _simulate(seed: int, plan: FaultPlan, runs: int, scenario: Scenario) -
                 lease_clock=lease_clock,
                 thread=threads[index],
             )
+            drivers.append(driver)
             nursery.start_soon(driver.drive)
     logs = [await store.read_log(run_id) for run_id in run_ids]
     violations: list[str] = []
     for index, log in enumerate(logs):
+        violations.extend(drivers[index].violations())
         budgets = scenario.agent(worlds[index]).budgets
         violations.extend(check_invariants(log, budgets=budgets))
         violations.extend(scenario.check(log, worlds[index]))
@@ -342,9 +349,16 @@ class _Driver:
     counts: dict[str, int]
     lease_clock: _LeaseClock
     thread: str | None = None
+    interruptions: list[str] = attrs.Factory(list)
+    gave_up: bool = False
 
     async def drive(self) -> None:
-        """Run incarnations until one ends the run (or `MAX_RESTARTS` is reached)."""
+        """Run incarnations until one ends the run (or `MAX_RESTARTS` is reached).
+
+        An incarnation interrupted by something other than an injected fault (a bug in a
+        tool's ``reconcile``, an actor that raised) is noted in `interruptions`; when the
+        driver gives up, `gave_up` is set (see `violations`).
+        """
         if self.thread is not None:
             await _start_thread(self.store, self.scenario, self.world, self.thread)
         clock = FixedStepClock()
@@ -360,8 +374,6 @@ class _Driver:
             cancel_after = (
                 self.rng.uniform(0.0, 2.0) if self.plan.roll(self.rng, "cancel") else None
             )
-            if cancel_after is not None:
-                _count(self.counts, "cancel")
             # Each incarnation is a fresh process: a new agent (actors, tool objects) on the
             # same world (environment and provider).
             agent = _scenario_agent(self.scenario, self.world, faulty)
@@ -377,24 +389,56 @@ class _Driver:
                     actors=self._actors(),
                     thread_id=self.thread,
                 ) as handle:
-                    await _watch(handle, cancel_after, approver)
-            except (RunInterrupted, StoreError, SimulatedCrash, ModelCallError, LeaseError):
-                continue  # the process died: the next incarnation resumes from the log
+                    await _watch(handle, cancel_after, approver, self._on_cancel)
+            except (RunInterrupted, StoreError, SimulatedCrash, ModelCallError, LeaseError) as exc:
+                # the process died: the next incarnation resumes from the log
+                if not self._count_fired(faulty) and not isinstance(exc, SimulatedCrash):
+                    self.interruptions.append(f"{type(exc).__name__}: {exc}")
+                continue
+            self._count_fired(faulty)
             return
+        self.gave_up = True
+
+    def violations(self) -> list[str]:
+        """Why the driver gave up on its run, if it did: the restarts and their causes.
+
+        The causes are the interruptions that were no injected fault, each with how often
+        it happened (an injected crash, store error or takeover is expected, and counted in
+        ``faults_injected`` instead).
+        """
+        if not self.gave_up:
+            return []
+        causes = collections.Counter(self.interruptions)
+        named = "; ".join(f"{cause} (x{n})" for cause, n in causes.most_common())
+        return [
+            f"{self.run_id}: the driver gave up after {MAX_RESTARTS} restarts; "
+            + (
+                f"what interrupted its runs, not an injected fault: {named}"
+                if named
+                else "every incarnation was stopped by an injected fault"
+            )
+        ]
+
+    def _on_cancel(self) -> None:
+        _count(self.counts, "cancel")
+
+    def _count_fired(self, faulty: Any) -> bool:
+        """Count the fault ``faulty`` injected, if it fired; whether it did."""
+        kind = _fired(faulty)
+        if kind is not None:
+            _count(self.counts, kind)
+        return kind is not None
 
     def _faulty_store(self) -> Any:
         if self.plan.roll(self.rng, "crash"):
-            _count(self.counts, "crash")
             crash_at = self.rng.randrange(1, 40)
             after = self.rng.random() < 0.5
             return CrashingStore(
                 inner=self.store, crash_at=crash_at, when="after" if after else "before"
             )
         if self.plan.roll(self.rng, "store_error"):
-            _count(self.counts, "store_error")
             return FailingStore(inner=self.store, fail_at=self.rng.randrange(1, 40))
         if self.plan.roll(self.rng, "takeover"):
-            _count(self.counts, "takeover")
             at = self.rng.randrange(2, 40)
             return _TakenOver(inner=self.store, at=at, clock=self.lease_clock)
         return self.store
@@ -427,15 +471,41 @@ class _Driver:
         )
 
 
-async def _watch(handle: RunHandle, cancel_after: float | None, approver: _Approver) -> None:
-    """Wait for the run while the human decides and the cancel fault fires."""
+def _fired(faulty: Any) -> str | None:
+    """The fault kind an incarnation's store injected, if its fault point was reached.
+
+    A crash or store error planned for a write the incarnation never made, or a takeover
+    at such a write, was not injected (docs/simulation.md, "Faults").
+    """
+    if isinstance(faulty, CrashingStore):
+        return "crash" if faulty.crashed else None
+    if isinstance(faulty, FailingStore):
+        return "store_error" if faulty.failed_runs else None
+    if isinstance(faulty, _TakenOver):
+        return "takeover" if faulty.writes >= faulty.at else None
+    return None
+
+
+async def _watch(
+    handle: RunHandle,
+    cancel_after: float | None,
+    approver: _Approver,
+    on_cancel: Callable[[], None] | None = None,
+) -> None:
+    """Wait for the run while the human decides and the cancel fault fires.
+
+    ``on_cancel`` is called when the cancel reaches a run still going (not one that ended
+    before ``cancel_after`` seconds).
+    """
     try:
         async with trio.open_nursery() as nursery:
             nursery.start_soon(approver.serve, handle)
             if cancel_after is not None:
-                with trio.move_on_after(cancel_after):
+                with trio.move_on_after(cancel_after) as waited:
                     await handle.wait()
                 handle.cancel("simulated cancel")
+                if waited.cancelled_caught and on_cancel is not None:
+                    on_cancel()
             await handle.wait()
             nursery.cancel_scope.cancel()
     except BaseExceptionGroup as group:

@@ -1,0 +1,75 @@
+"""What a simulation reports: why a run never finished, and the faults that really fired."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import attrs
+
+from treadle import Agent, Toolbox
+from treadle.testing import _sim_run
+from treadle.testing.faults import CrashingStore
+from treadle.testing.simulation import MAX_RESTARTS, FaultPlan, LedgerScenario, simulate
+from treadle.types import Action, ActionOutcome
+
+
+async def _broken_reconcile(action: Action) -> ActionOutcome | None:
+    raise RuntimeError("ledger lookup has a bug")
+
+
+@attrs.frozen(kw_only=True)
+class _BrokenReconcile(LedgerScenario):
+    """The ledger scenario whose deposits' reconcile hook always raises (a bug)."""
+
+    def agent(self, world: Any) -> Agent:
+        agent = super().agent(world)
+        tools = [
+            attrs.evolve(t, reconcile=_broken_reconcile) if t.name == "deposit" else t
+            for t in agent.executor._tools.values()
+        ]
+        return attrs.evolve(agent, executor=Toolbox(tools, default_timeout_s=5.0))
+
+
+def test_a_run_that_keeps_being_interrupted_by_a_bug_names_it_and_the_restarts():
+    result = simulate(8, plan=FaultPlan.of(["crash"], rate=0.8), scenario=_BrokenReconcile())
+    assert not result.ok
+    gave_up = [v for v in result.violations if "gave up" in v]
+    assert len(gave_up) == 1, result.violations
+    assert f"after {MAX_RESTARTS} restarts" in gave_up[0]
+    assert "RuntimeError: ledger lookup has a bug" in gave_up[0]
+
+
+def test_a_run_that_finishes_reports_no_restarts():
+    result = simulate(1, plan=FaultPlan.of(["crash"], rate=0.5), steps=3)
+    assert result.ok, result.violations
+    assert not [v for v in result.violations if "gave up" in v]
+
+
+def test_only_the_crashes_that_fired_are_counted(monkeypatch):
+    """Crashes planned at a write the incarnation never made are not injected: short runs
+    end before most crash points (steps=2, crash points drawn from writes 1..39)."""
+    made: list[CrashingStore] = []
+
+    @attrs.define(eq=False)
+    class Recorded(CrashingStore):
+        def __attrs_post_init__(self) -> None:
+            made.append(self)
+
+    monkeypatch.setattr(_sim_run, "CrashingStore", Recorded)
+    reported = 0
+    for seed in range(10):
+        result = simulate(seed, plan=FaultPlan.of(["crash"], rate=0.5), steps=2)
+        assert result.ok, result.violations
+        reported += result.faults_injected.get("crash", 0)
+    fired = sum(store.crashed for store in made)
+    assert fired < len(made)  # the test means something: some crash points were never reached
+    assert reported == fired
+
+
+def test_a_cancel_after_the_run_ended_is_not_counted():
+    results = [simulate(seed, plan=FaultPlan.of(["cancel"], rate=1.0), steps=2) for seed in range(8)]
+    cancelled = [
+        r.logs[0].finished is not None and r.logs[0].finished.stop_reason.value == "cancelled"
+        for r in results
+    ]
+    assert [r.faults_injected.get("cancel", 0) for r in results] == [int(c) for c in cancelled]
