@@ -7,6 +7,7 @@ import json
 import os
 from pathlib import Path
 
+import attrs
 import pytest
 import trio
 
@@ -56,6 +57,58 @@ class RaisingParser:
 def test_a_broken_parser_fails_the_contract():
     with pytest.raises(SeamContractError, match="ACTIONS without actions"):
         check_decision_parser(RaisingParser())
+
+
+class _Wrapping:
+    """The native parser, its decision then changed by ``change``."""
+
+    def __init__(self):
+        self.inner = treadle.NativeToolCallParser()
+
+    def parse(self, reply, tools):
+        return self.change(self.inner.parse(reply, tools))
+
+
+class RepeatsCallIds(_Wrapping):
+    """Gives every call the same id: the tool messages can no longer tell them apart."""
+
+    def change(self, parsed):
+        calls = tuple(attrs.evolve(c, id="same") for c in parsed.history_message.tool_calls)
+        actions = tuple(attrs.evolve(a, id="same") for a in parsed.actions)
+        history = attrs.evolve(parsed.history_message, tool_calls=calls)
+        return attrs.evolve(parsed, history_message=history, actions=actions)
+
+
+class DropsCallsFromHistory(_Wrapping):
+    """Runs the native calls but leaves them out of the history message."""
+
+    def change(self, parsed):
+        history = attrs.evolve(parsed.history_message, tool_calls=())
+        return attrs.evolve(parsed, history_message=history)
+
+
+class RunsAHiddenAction(_Wrapping):
+    """Runs one more action than the history message holds."""
+
+    def change(self, parsed):
+        if parsed.kind is not DecisionKind.ACTIONS:
+            return parsed
+        extra = attrs.evolve(parsed.actions[0], id="ghost")
+        return attrs.evolve(parsed, actions=(*parsed.actions, extra))
+
+
+@pytest.mark.parametrize(
+    ("parser", "rule"),
+    [
+        (RepeatsCallIds(), "history call ids repeat"),
+        (DropsCallsFromHistory(), "are not the history message's calls"),
+        (RunsAHiddenAction(), "are not the history message's calls"),
+    ],
+    ids=["repeated-ids", "calls-dropped", "hidden-action"],
+)
+def test_a_parser_whose_actions_are_not_its_history_calls_fails_the_contract(parser, rule):
+    with pytest.raises(SeamContractError, match=rule):
+        check_decision_parser(parser)
 
 
 @treadle.tool

@@ -153,7 +153,9 @@ def check_decision_parser(
     For every reply (default: `adversarial_replies`) the parser must return a `ParsedReply`
     without raising; ``ACTIONS`` carries at least one action with an id and a mapping of
     arguments; ``INVALID`` carries feedback; the history message is an assistant message whose
-    calls all have ids; ``FINAL_ANSWER`` has text; and parsing is pure (the same reply twice
+    calls all have ids, no two the same; the actions of ``ACTIONS`` are the history message's
+    calls (the same ids, in order; a history without calls only for calls written as text,
+    whose action ids must differ); ``FINAL_ANSWER`` has text; and parsing is pure (the same reply twice
     gives equal decisions).
 
     Raises:
@@ -175,10 +177,13 @@ def _check_decision(parsed: ParsedReply, reply: ModelReply) -> None:
     history = parsed.history_message
     _expect(history.role == "assistant", f"history message role is {history.role!r} {where}")
     _expect(all(c.id for c in history.tool_calls), f"a history call has no id {where}")
+    ids = [c.id for c in history.tool_calls]
+    _expect(len(ids) == len(set(ids)), f"history call ids repeat ({ids}) {where}")
     if parsed.kind is DecisionKind.ACTIONS:
         _expect(bool(parsed.actions), f"ACTIONS without actions {where}")
         for action in parsed.actions:
             _expect(isinstance(action.arguments, dict), f"action arguments not a dict {where}")
+        _check_actions_answer_history(parsed, reply, where)
     elif parsed.kind is DecisionKind.INVALID:
         _expect(bool(parsed.feedback), f"INVALID without feedback {where}")
         _expect(not parsed.actions, f"INVALID with actions {where}")
@@ -187,6 +192,25 @@ def _check_decision(parsed: ParsedReply, reply: ModelReply) -> None:
         _expect(not parsed.actions, f"FINAL_ANSWER with actions {where}")
     if reply.finish_reason == "length" and reply.invalid_tool_calls:
         _expect(parsed.kind is not DecisionKind.ACTIONS, f"a truncated call was executed {where}")
+
+
+def _check_actions_answer_history(parsed: ParsedReply, reply: ModelReply, where: str) -> None:
+    """The actions are the history message's calls, so each call is answered by its action.
+
+    Each action's observation answers the history call at its place (docs/seams.md, "Decision
+    parser": every call id kept so each one is answered): the actions' ids are the history
+    calls' ids, in order. A history without calls is allowed only when the reply held no
+    native call (calls written as text are answered by user messages).
+    """
+    actions = [a.id for a in parsed.actions]
+    history = [c.id for c in parsed.history_message.tool_calls]
+    if history or reply.tool_calls or reply.invalid_tool_calls:
+        _expect(
+            actions == history,
+            f"the actions {actions} are not the history message's calls {history} {where}",
+        )
+    else:
+        _expect(len(actions) == len(set(actions)), f"action ids repeat ({actions}) {where}")
 
 
 async def check_action_executor(executor: ActionExecutor, *, sample: Action | None = None) -> None:
