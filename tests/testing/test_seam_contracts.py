@@ -369,14 +369,46 @@ class FinalTimeoutModel:
         raise treadle.ModelCallError(ModelErrorInfo(kind="timeout", retryable=False))
 
 
+class ShieldedModel:
+    """Ignores the deadlines and cancellation (a blocking SDK call in a thread is alike)."""
+
+    async def complete(self, request, *, on_delta=None, attempt=Attempt.STANDALONE):
+        with trio.CancelScope(shield=True):
+            await trio.sleep(30)
+        return say("late")
+
+
+class ShieldedRaisingModel:
+    async def complete(self, request, *, on_delta=None, attempt=Attempt.STANDALONE):
+        with trio.CancelScope(shield=True):
+            await trio.sleep(30)
+        raise RuntimeError("the SDK's own timeout")
+
+
+class RaisingModel:
+    async def complete(self, request, *, on_delta=None, attempt=Attempt.STANDALONE):
+        await trio.sleep(attempt.first_byte_s)
+        raise RuntimeError("socket timed out")
+
+
 @pytest.mark.parametrize(
     ("model", "rule"),
     [
         (SlowModel(), "past the attempt's 0.5 s deadlines"),
         (PromptModel(), "from a server that should stall"),
         (FinalTimeoutModel(), "must raise a retryable timeout"),
+        (ShieldedModel(), "past the attempt's 0.5 s deadlines.*ModelReply"),
+        (ShieldedRaisingModel(), "past the attempt's 0.5 s deadlines.*RuntimeError"),
+        (RaisingModel(), "must raise a retryable timeout.*RuntimeError"),
     ],
-    ids=["ignores-deadlines", "did-not-stall", "not-retryable"],
+    ids=[
+        "ignores-deadlines",
+        "did-not-stall",
+        "not-retryable",
+        "ignores-cancel",
+        "ignores-cancel-then-raises",
+        "raises-another-error",
+    ],
 )
 async def test_a_client_that_breaks_the_deadlines_fails_the_contract(autojump_clock, model, rule):
     with pytest.raises(SeamContractError, match=rule):

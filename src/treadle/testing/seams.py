@@ -419,36 +419,53 @@ async def check_model_client_deadlines(
     deadlines are all ``deadline_s`` seconds; it must end by raising a retryable
     `ModelCallError` of kind ``timeout`` (docs/models.md, "Deadlines inside every attempt").
     A call still running ``grace_s`` seconds after its deadline is cancelled, and the client
-    broke the rule.
+    broke the rule, whatever the call ends with once cancelled (a client that cannot be
+    cancelled, e.g. a blocking SDK call in a worker thread, is waited for until it ends).
 
     Returns:
         The timeout error, for further checks by the caller.
 
     Raises:
         SeamContractError: the call did not end in time, ended with a reply (the server did
-            not stall), or raised anything but a retryable ``timeout``.
+            not stall), or raised anything but a retryable ``timeout`` (any exception).
     """
     _check_takes_attempt(client)
     request = request or ModelRequest(messages=(Message(role="user", content="Say hi."),))
     tight = Attempt(connect_s=deadline_s, first_byte_s=deadline_s, idle_s=deadline_s)
-    with trio.move_on_after(deadline_s + grace_s):
+    ended: ModelReply | Exception | None = None
+    with trio.move_on_after(deadline_s + grace_s) as scope:
         try:
-            reply = await client.complete(request, attempt=tight)
-        except ModelCallError as exc:
-            _check_model_error(exc)
-            _expect(
-                exc.info.kind == "timeout" and exc.info.retryable,
-                f"a passed attempt deadline must raise a retryable timeout, got {exc.info!r}",
-            )
-            return exc
+            ended = await client.complete(request, attempt=tight)
+        except Exception as exc:
+            ended = exc
+    if scope.cancel_called:  # whatever it ended with, it ended only once cancelled (or never)
+        late = f" (then it ended with {_clipped(ended)})" if ended is not None else ""
         raise SeamContractError(
-            f"the call returned {type(reply).__name__} from a server that should stall: "
-            "point the client at one that sends nothing"
+            f"the call ran {grace_s:g} s past the attempt's {deadline_s:g} s deadlines{late}: "
+            "complete must apply attempt.connect_s, first_byte_s and idle_s, and end at once "
+            "when cancelled (a blocking call in a thread, or a shielded one, does not)"
         )
+    if isinstance(ended, ModelCallError):
+        _check_model_error(ended)
+        _expect(
+            ended.info.kind == "timeout" and ended.info.retryable,
+            f"a passed attempt deadline must raise a retryable timeout, got {ended.info!r}",
+        )
+        return ended
+    if isinstance(ended, Exception):
+        raise SeamContractError(
+            f"a passed attempt deadline must raise a retryable timeout (ModelCallError), "
+            f"complete raised {ended!r}"
+        ) from ended
     raise SeamContractError(
-        f"the call ran {grace_s:g} s past the attempt's {deadline_s:g} s deadlines: "
-        "complete must apply attempt.connect_s, first_byte_s and idle_s"
+        f"the call returned {type(ended).__name__} from a server that should stall: "
+        "point the client at one that sends nothing"
     )
+
+
+def _clipped(value: object, limit: int = 120) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 1] + "…"
 
 
 _GENEROUS_S = 120.0
