@@ -2,15 +2,23 @@
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import attrs
+import pytest
 
-from treadle import Agent, Toolbox
+from treadle import Agent, Toolbox, UsageError
 from treadle.testing import _sim_run
 from treadle.testing.faults import CrashingStore
-from treadle.testing.simulation import MAX_RESTARTS, FaultPlan, LedgerScenario, simulate
-from treadle.types import Action, ActionOutcome
+from treadle.testing.simulation import (
+    MAX_RESTARTS,
+    ApprovalPlan,
+    FaultPlan,
+    LedgerScenario,
+    simulate,
+)
+from treadle.types import Action, ActionOutcome, ApprovalRequested
 
 
 async def _broken_reconcile(action: Action) -> ActionOutcome | None:
@@ -73,3 +81,33 @@ def test_a_cancel_after_the_run_ended_is_not_counted():
         for r in results
     ]
     assert [r.faults_injected.get("cancel", 0) for r in results] == [int(c) for c in cancelled]
+
+
+@pytest.mark.parametrize(
+    ("fields", "named"),
+    [
+        ({"delay_s": 1.0, "decision": "rejcet"}, "decision"),
+        ({"delay_s": 1.0, "via": "contrl"}, "via"),
+        ({"delay_s": -5.0}, "delay_s"),
+        ({"delay_s": math.nan}, "delay_s"),
+        ({"delay_s": 1.0, "decision": "edit"}, "edit"),
+        ({"delay_s": 1.0, "decision": "expired"}, "decision"),
+    ],
+)
+def test_an_approval_plan_with_a_wrong_field_is_refused_naming_it(fields, named):
+    with pytest.raises(UsageError, match=f"ApprovalPlan: {named}"):
+        ApprovalPlan(**fields)
+
+
+@attrs.frozen(kw_only=True)
+class _BadEdits(LedgerScenario):
+    """Every withdrawal is edited with arguments its schema refuses."""
+
+    def approval(self, world: Any, request: ApprovalRequested) -> ApprovalPlan | None:
+        return ApprovalPlan(delay_s=1.0, decision="edit", edit={"amount": "a lot"})
+
+
+def test_an_edit_the_run_refuses_is_a_scenario_error_not_a_late_decision():
+    plan = FaultPlan.of(["approval"], rate=1.0)
+    with pytest.raises(UsageError, match="ApprovalPlan edits call .* refuses"):
+        simulate(0, plan=plan, steps=2, scenario=_BadEdits(steps=2))

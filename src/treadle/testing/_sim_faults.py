@@ -5,6 +5,7 @@ Part of `treadle.testing.simulation`, which re-exports the public names (docs/si
 
 from __future__ import annotations
 
+import math
 import random
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any, Generic, TypeVar
@@ -13,6 +14,7 @@ import attrs
 import trio
 import trio.testing
 
+from treadle._exceptions import UsageError
 from treadle.actors import MailboxReceiver, StepScope, open_mailbox
 from treadle.approvals import Decision
 from treadle.stores import LEASE_TTL_S
@@ -137,6 +139,38 @@ class FaultPlan:
         return rate > 0 and rng.random() < rate
 
 
+_PLANNED_DECISIONS = (Decision.APPROVE.value, Decision.REJECT.value, Decision.EDIT.value)
+"""The decisions a simulated human can take (``expired`` is the deadline's, not a human's)."""
+
+_PATHS = ("handle", "control")
+
+
+def _check_delay(plan: ApprovalPlan, field: attrs.Attribute[float], value: float) -> None:
+    number = isinstance(value, int | float) and not isinstance(value, bool)
+    if not (number and math.isfinite(value) and value >= 0):
+        raise UsageError(f"ApprovalPlan: delay_s must be seconds >= 0, not {value!r}")
+
+
+def _check_choice(choices: tuple[str, ...]) -> Callable[[Any, attrs.Attribute[str], str], None]:
+    def check(plan: Any, field: attrs.Attribute[str], value: str) -> None:
+        if value not in choices:
+            raise UsageError(
+                f"ApprovalPlan: {field.name} must be one of {', '.join(choices)}, not {value!r}"
+            )
+
+    return check
+
+
+def _check_plan(plan: ApprovalPlan) -> None:
+    if not isinstance(plan.message, str):
+        raise UsageError(f"ApprovalPlan: message must be text, not {plan.message!r}")
+    if plan.decision == Decision.EDIT.value and not isinstance(plan.edit, Mapping):
+        raise UsageError(
+            f"ApprovalPlan: edit must be the edited arguments (a mapping) for decision edit, "
+            f"not {plan.edit!r}"
+        )
+
+
 @attrs.frozen(kw_only=True)
 class ApprovalPlan:
     """How the simulated human decides one tool call that needs approval.
@@ -151,15 +185,26 @@ class ApprovalPlan:
             for ``handle``, right after writing it for ``control``); the next incarnation
             gets the decision.
         message: the rejection message.
-        edit: the edited arguments.
+        edit: the edited arguments (required for ``edit``); arguments that do not fit the
+            tool's schema make the simulation raise `UsageError` when the human decides.
+
+    Raises:
+        UsageError: when built: ``delay_s`` is not a finite number >= 0, ``decision`` or
+            ``via`` is not one of the values above, ``message`` is not text, or an ``edit``
+            decision has no ``edit`` mapping (the message names the field).
     """
 
-    delay_s: float
-    decision: str = Decision.APPROVE.value
-    via: str = "handle"
+    delay_s: float = attrs.field(validator=_check_delay)
+    decision: str = attrs.field(
+        default=Decision.APPROVE.value, validator=_check_choice(_PLANNED_DECISIONS)
+    )
+    via: str = attrs.field(default="handle", validator=_check_choice(_PATHS))
     restart: bool = False
     message: str = ""
     edit: Mapping[str, Any] | None = None
+
+    def __attrs_post_init__(self) -> None:
+        _check_plan(self)
 
 
 C_contra = TypeVar("C_contra", contravariant=True)

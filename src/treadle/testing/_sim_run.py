@@ -6,10 +6,11 @@ Part of `treadle.testing.simulation`, which re-exports the public names (docs/si
 from __future__ import annotations
 
 import collections
+import contextlib
 import heapq
 import itertools
 import random
-from collections.abc import Callable, Iterable
+from collections.abc import AsyncIterator, Callable, Iterable, Mapping
 from typing import Any
 
 import attrs
@@ -18,7 +19,8 @@ import trio.testing
 
 from treadle._clock import FixedStepClock
 from treadle._exceptions import LeaseError, ModelCallError, RunInterrupted, StoreError, UsageError
-from treadle.approvals import Decision, decide
+from treadle.approvals import Decision, current_snapshot, decide, decision_for
+from treadle.redaction import Redaction
 from treadle.stores.memory import MemoryStore
 from treadle.supervisors import Actors, RunHandle, open_run, thread_run_id
 from treadle.testing._sim_checks import (
@@ -177,7 +179,7 @@ async def _simulate(seed: int, plan: FaultPlan, runs: int, scenario: Scenario) -
             _count(counts, "thread")
             world.provider.turn_offset = 1
     drivers = []
-    async with trio.open_nursery() as nursery:
+    async with _one_error(), trio.open_nursery() as nursery:
         for index in range(runs):
             driver = _Driver(
                 scenario=scenario,
@@ -295,6 +297,8 @@ class _Approver:
         await self._deliberate(handle, request, plan.delay_s)
         reject = plan.message if plan.decision == Decision.REJECT else None
         edit = plan.edit if plan.decision == Decision.EDIT else None
+        if edit is not None:
+            await self._check_edit(request, edit)
         try:
             if plan.via == "control":
                 await decide(
@@ -312,6 +316,32 @@ class _Approver:
         if restart:
             self.restarted.add(request.call_id)
             raise SimulatedCrash("the process died right after the decision was written")
+
+    async def _check_edit(self, request: ApprovalRequested, edit: Mapping[str, Any]) -> None:
+        """Refuse a scenario's edit that no run would take, whenever it comes.
+
+        The run would refuse it too, with the same `UsageError`, which the approver must not
+        mistake for lateness (docs/simulation.md, "Simulating your own agent").
+
+        Raises:
+            UsageError: the edited arguments do not fit the tool's schema (or are no JSON
+                data): the scenario's `ApprovalPlan` is wrong.
+        """
+        log = await self.store.read_log(self.run_id)
+        try:
+            decision_for(
+                self.run_id,
+                request,
+                self.clock,
+                edit=edit,
+                snapshot=current_snapshot(log),
+                redaction=Redaction.of_log(log),
+            )
+        except UsageError as exc:
+            raise UsageError(
+                f"simulate: the scenario's ApprovalPlan edits call {request.call_id!r} of "
+                f"{request.tool} with arguments the run refuses: {exc}"
+            ) from exc
 
     async def _deliberate(
         self, handle: RunHandle, request: ApprovalRequested, delay_s: float
@@ -497,17 +527,23 @@ async def _watch(
     ``on_cancel`` is called when the cancel reaches a run still going (not one that ended
     before ``cancel_after`` seconds).
     """
+    async with _one_error(), trio.open_nursery() as nursery:
+        nursery.start_soon(approver.serve, handle)
+        if cancel_after is not None:
+            with trio.move_on_after(cancel_after) as waited:
+                await handle.wait()
+            handle.cancel("simulated cancel")
+            if waited.cancelled_caught and on_cancel is not None:
+                on_cancel()
+        await handle.wait()
+        nursery.cancel_scope.cancel()
+
+
+@contextlib.asynccontextmanager
+async def _one_error() -> AsyncIterator[None]:
+    """Raise a nursery's only error itself, not in an exception group (a crash, a misuse)."""
     try:
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(approver.serve, handle)
-            if cancel_after is not None:
-                with trio.move_on_after(cancel_after) as waited:
-                    await handle.wait()
-                handle.cancel("simulated cancel")
-                if waited.cancelled_caught and on_cancel is not None:
-                    on_cancel()
-            await handle.wait()
-            nursery.cancel_scope.cancel()
+        yield
     except BaseExceptionGroup as group:
         if len(group.exceptions) == 1:
             raise group.exceptions[0] from None
