@@ -1,8 +1,9 @@
-"""What a simulation reports: why a run never finished, and the faults that really fired."""
+"""What a simulation reports (why a run never finished, the faults that fired) and refuses."""
 
 from __future__ import annotations
 
 import math
+import random
 from typing import Any
 
 import attrs
@@ -111,3 +112,21 @@ def test_an_edit_the_run_refuses_is_a_scenario_error_not_a_late_decision():
     plan = FaultPlan.of(["approval"], rate=1.0)
     with pytest.raises(UsageError, match="ApprovalPlan edits call .* refuses"):
         simulate(0, plan=plan, steps=2, scenario=_BadEdits(steps=2))
+
+
+@pytest.mark.parametrize(
+    ("rates", "rule"),
+    [
+        ({"crsh": 1.0}, "unknown fault kinds: 'crsh'"),
+        ({"crash": 7.0}, "rate must be within 0..1"),
+        ({"crash": "often"}, "rate must be within 0..1"),
+    ],
+)
+def test_a_fault_plan_with_an_unknown_kind_or_a_wrong_rate_is_refused(rates, rule):
+    with pytest.raises(ValueError, match=rule):
+        FaultPlan(rates=rates)
+
+
+def test_rolling_an_unknown_fault_kind_is_refused():
+    with pytest.raises(ValueError, match="unknown fault kinds: 'tool_exeption'"):
+        FaultPlan.default().roll(random.Random(0), "tool_exeption")

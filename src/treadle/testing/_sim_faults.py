@@ -33,15 +33,34 @@ LATENCY_MAX_S = 0.2
 """The longest delay `with_latency` adds to one request in the simulation (virtual seconds)."""
 
 
+def _check_kinds(kinds: Iterable[str]) -> None:
+    unknown = sorted(set(kinds) - set(FAULT_KINDS))
+    if unknown:
+        raise ValueError(f"unknown fault kinds: {', '.join(map(repr, unknown))}")
+
+
+def _check_rates(rates: Mapping[str, float]) -> None:
+    """Refuse unknown kinds and rates outside 0..1 (docs/simulation.md, "Faults")."""
+    _check_kinds(rates)
+    for kind, rate in rates.items():
+        number = isinstance(rate, int | float) and not isinstance(rate, bool)
+        if not (number and 0 <= rate <= 1):
+            raise ValueError(f"rate must be within 0..1, got {rate!r} for {kind}")
+
+
 @attrs.frozen(kw_only=True)
 class FaultPlan:
     """Which faults are on and how often (probability per opportunity, 0..1).
 
     Attributes:
         rates: fault kind -> rate. A kind not present is off.
+
+    Raises:
+        ValueError: when built: a kind not in `FAULT_KINDS` (a misspelt kind would leave
+            its fault off without a word), or a rate that is not a number within 0..1.
     """
 
-    rates: dict[str, float] = attrs.field(factory=dict)
+    rates: dict[str, float] = attrs.field(factory=dict, validator=lambda _, __, v: _check_rates(v))
 
     @classmethod
     def default(cls) -> FaultPlan:
@@ -125,16 +144,15 @@ class FaultPlan:
         Raises:
             ValueError: an unknown kind, or a rate outside 0..1.
         """
-        kinds = tuple(kinds)
-        unknown = sorted(set(kinds) - set(FAULT_KINDS))
-        if unknown:
-            raise ValueError(f"unknown fault kinds: {', '.join(unknown)}")
-        if not 0 <= rate <= 1:
-            raise ValueError(f"rate must be within 0..1, got {rate}")
         return cls(rates=dict.fromkeys(kinds, rate))
 
     def roll(self, rng: random.Random, kind: str) -> bool:
-        """Whether fault ``kind`` happens at this opportunity."""
+        """Whether fault ``kind`` happens at this opportunity.
+
+        Raises:
+            ValueError: ``kind`` is not in `FAULT_KINDS` (it would never happen).
+        """
+        _check_kinds((kind,))
         rate = self.rates.get(kind, 0.0)
         return rate > 0 and rng.random() < rate
 
