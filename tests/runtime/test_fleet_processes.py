@@ -251,3 +251,22 @@ async def test_a_run_is_taken_over_after_sigkill_with_the_next_generation(
     assert first_new >= held.expires_at, "a write of the new driver before the lease expired"
     results = [r for r in log.records if isinstance(r, treadle.types.ActionResult)]
     assert [r.outcome.status for r in results] == [treadle.ActionStatus.UNKNOWN]  # never re-run
+
+
+async def test_chaos_with_a_relative_sqlite_path_gives_the_workers_the_same_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The workers run in the workdir: a relative store path named another file there."""
+    monkeypatch.chdir(tmp_path)
+    report = await run_chaos(
+        "chaos.db",
+        workdir="work",
+        workers=2,
+        runs=4,
+        max_running=4,
+        lease_ttl_s=TTL_S,
+        seed=1,
+        timeout_s=60,
+    )
+    assert report.problems == (), report.problems[:10]
+    assert not (tmp_path / "work" / "chaos.db").exists()

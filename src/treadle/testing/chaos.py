@@ -33,6 +33,7 @@ from typing import Any
 import attrs
 import trio
 
+from treadle.stores import is_dsn
 from treadle.stores.memory import MemoryStore
 from treadle.supervisors import run
 from treadle.testing.crashes import (
@@ -149,7 +150,10 @@ async def run_chaos(
 
     Args:
         store: a SQLite file or a PostgreSQL DSN (a fresh one: it is filled with these runs).
-        workdir: a directory for the ledger and the workers' output (made if missing).
+            A relative path is taken from the current directory, for the workers too (they
+            run in ``workdir``).
+        workdir: a directory for the ledger and the workers' output (made if missing); the
+            workers' current directory.
         workers: worker processes at any time.
         runs: runs submitted.
         max_running: each worker's concurrency.
@@ -164,7 +168,9 @@ async def run_chaos(
     """
     from treadle._cli_common import open_store
 
-    root = Path(workdir)
+    # The workers run in ``workdir``: a relative path would name another file there.
+    store = store if is_dsn(store) else os.path.abspath(store)
+    root = Path(workdir).absolute()
     await trio.Path(root).mkdir(parents=True, exist_ok=True)
     ledger = root / "ledger.jsonl"
     baseline = await _baseline(root)
