@@ -76,7 +76,9 @@ def test_only_the_crashes_that_fired_are_counted(monkeypatch):
 
 
 def test_a_cancel_after_the_run_ended_is_not_counted():
-    results = [simulate(seed, plan=FaultPlan.of(["cancel"], rate=1.0), steps=2) for seed in range(8)]
+    results = [
+        simulate(seed, plan=FaultPlan.of(["cancel"], rate=1.0), steps=2) for seed in range(8)
+    ]
     cancelled = [
         r.logs[0].finished is not None and r.logs[0].finished.stop_reason.value == "cancelled"
         for r in results
@@ -110,7 +112,7 @@ class _BadEdits(LedgerScenario):
 
 def test_an_edit_the_run_refuses_is_a_scenario_error_not_a_late_decision():
     plan = FaultPlan.of(["approval"], rate=1.0)
-    with pytest.raises(UsageError, match="ApprovalPlan edits call .* refuses"):
+    with pytest.raises(UsageError, match=r"ApprovalPlan edits call .* refuses"):
         simulate(0, plan=plan, steps=2, scenario=_BadEdits(steps=2))
 
 

@@ -169,8 +169,8 @@ async def run_chaos(
     from treadle._cli_common import open_store
 
     # The workers run in ``workdir``: a relative path would name another file there.
-    store = store if is_dsn(store) else os.path.abspath(store)
-    root = Path(workdir).absolute()
+    store = store if is_dsn(store) else str(await trio.Path(store).absolute())
+    root = Path(await trio.Path(workdir).absolute())
     await trio.Path(root).mkdir(parents=True, exist_ok=True)
     ledger = root / "ledger.jsonl"
     baseline = await _baseline(root)

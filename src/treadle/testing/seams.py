@@ -155,8 +155,8 @@ def check_decision_parser(
     arguments; ``INVALID`` carries feedback; the history message is an assistant message whose
     calls all have ids, no two the same; the actions of ``ACTIONS`` are the history message's
     calls (the same ids, in order; a history without calls only for calls written as text,
-    whose action ids must differ); ``FINAL_ANSWER`` has text; and parsing is pure (the same reply twice
-    gives equal decisions).
+    whose action ids must differ); ``FINAL_ANSWER`` has text; and parsing is pure (the same
+    reply twice gives equal decisions).
 
     Raises:
         SeamContractError: naming the broken rule and the reply.
