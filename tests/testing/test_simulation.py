@@ -125,7 +125,15 @@ def test_cli_prints_one_line_per_seed_and_a_replay_command_on_failure(monkeypatc
     assert ok.exit_code == 0, ok.output
     lines = [json.loads(line) for line in ok.stdout.splitlines() if line.startswith("{")]
     assert [line["seed"] for line in lines] == [10, 11, 12, 13, 14]
-    assert set(lines[0]) == {"seed", "ok", "violations", "faults_injected", "steps", "log_digest"}
+    assert set(lines[0]) == {
+        "seed",
+        "ok",
+        "violations",
+        "faults_injected",
+        "steps",
+        "log_digest",
+        "skipped",
+    }
 
     def broken_check(log, **options):
         return ["forced violation"]

@@ -132,3 +132,61 @@ def test_a_fault_plan_with_an_unknown_kind_or_a_wrong_rate_is_refused(rates, rul
 def test_rolling_an_unknown_fault_kind_is_refused():
     with pytest.raises(ValueError, match="unknown fault kinds: 'tool_exeption'"):
         FaultPlan.default().roll(random.Random(0), "tool_exeption")
+
+
+@attrs.define(eq=False)
+class _NamedWorld:
+    """A world that holds its scripted provider under another name than ``provider``."""
+
+    inner: Any
+    fresh_model: bool = False
+
+    @property
+    def model(self) -> Any:
+        return self.inner.provider
+
+
+@attrs.frozen(kw_only=True)
+class _ModelWorldScenario:
+    """The ledger scenario on a world naming its model ``model`` (as the tutorial's does)."""
+
+    ledger: LedgerScenario = LedgerScenario(steps=2)
+    fresh_model: bool = False
+
+    def world(self, rng: random.Random, plan: FaultPlan, counts: dict[str, int]) -> Any:
+        return _NamedWorld(inner=self.ledger.world(rng, plan, counts))
+
+    def agent(self, world: Any) -> Agent:
+        agent = self.ledger.agent(world.inner)
+        if self.fresh_model:  # a provider the agent builds afresh: not the world's
+            return attrs.evolve(agent, model=attrs.evolve(world.model, requests=[]))
+        return agent
+
+    def input(self, world: Any) -> str:
+        return self.ledger.input(world.inner)
+
+    def check(self, log: Any, world: Any) -> list[str]:
+        return self.ledger.check(log, world.inner)
+
+    def changed_observation(self, result: Any) -> bool:
+        return self.ledger.changed_observation(result)
+
+
+def test_the_thread_fault_and_the_reply_check_need_no_world_attribute_named_provider():
+    result = simulate(0, plan=FaultPlan(rates={"thread": 1.0}), scenario=_ModelWorldScenario())
+    assert result.ok, result.violations
+    assert result.faults_injected == {"thread": 1}
+    assert result.skipped == ()
+    assert result.logs[0].run_id == "sim-0-0.2"  # the thread's second run
+
+
+def test_a_run_whose_model_the_simulation_cannot_follow_reports_the_skip():
+    scenario = _ModelWorldScenario(fresh_model=True)
+    result = simulate(0, plan=FaultPlan(rates={"thread": 1.0}), scenario=scenario)
+    assert result.ok, result.violations
+    assert "thread" not in result.faults_injected
+    assert len(result.skipped) == 1
+    assert (
+        "not checked for unanswered tool calls and it did not continue a thread"
+        in (result.skipped[0])
+    )

@@ -20,6 +20,7 @@ from treadle.testing.invariants import (
     check_invariants,
     check_tool_replies,
 )
+from treadle.testing.scripted import ScriptedModel
 from treadle.types import (
     ActionIntent,
     ActionResult,
@@ -77,11 +78,13 @@ async def check_child_runs(store: RunStore, parents: Iterable[RunLog]) -> list[s
     return problems
 
 
-async def _inherited(store: MemoryStore, thread: str, run_id: str, world: Any) -> list[str]:
+async def _inherited(
+    store: MemoryStore, thread: str, run_id: str, model: ScriptedModel
+) -> list[str]:
     """Every request of the thread's second run starts with the first run's history."""
     earlier = list(await history(store, thread))
     problems = []
-    for number, request in enumerate(world.provider.requests, start=1):
+    for number, request in enumerate(model.requests, start=1):
         seen = [m for m in request.messages if m.role != "system"][: len(earlier)]
         if seen != earlier:
             problems.append(
@@ -105,16 +108,9 @@ def log_digest(logs: Iterable[RunLog]) -> str:
     return digest.hexdigest()
 
 
-def _unanswered_calls(run_id: str, world: Any) -> list[str]:
-    """`check_tool_replies` on every request the world's model received (``world.provider``).
-
-    A world without a ``provider`` that records ``requests`` (a `ScriptedModel`) is not
-    checked.
-    """
-    requests = getattr(getattr(world, "provider", None), "requests", None)
-    if requests is None:
-        return []
-    return [f"run {run_id!r}: {problem}" for problem in check_tool_replies(requests)]
+def _unanswered_calls(run_id: str, model: ScriptedModel) -> list[str]:
+    """`check_tool_replies` on every request the world's scripted model received."""
+    return [f"run {run_id!r}: {problem}" for problem in check_tool_replies(model.requests)]
 
 
 _STEP_PARTS: tuple[str, ...] = (

@@ -130,9 +130,10 @@ class FaultPlan:
         same agent) is driven to its end without faults; the simulated run is the thread's
         second (``sim-<seed>-<i>.2``), started with ``thread_id`` and resumed by its id
         after every crash. On top of the other checks, every request the model received in
-        it must start with the first run's recorded history (docs/threads.md). Only worlds
-        whose ``provider`` is a `treadle.testing.ScriptedModel` can be continued so (its
-        ``turn_offset`` skips the inherited turn); others run as single runs.
+        it must start with the first run's recorded history (docs/threads.md). Only runs
+        whose agent's model is a `treadle.testing.ScriptedModel` the world holds can be
+        continued so (its ``turn_offset`` skips the inherited turn); others run as single
+        runs, and `SimulationResult.skipped` says so.
         """
         default = cls.default()
         return cls(rates={**default.rates, "thread": 1.0})

@@ -74,6 +74,9 @@ class SimulationResult:
         log_digest: sha256 of every run's encoded log, in run order.
         logs: every simulated run's log as the store held it at the end, in run order (not
             the logs of child runs); not compared by ``==``, which the digest covers.
+        skipped: what was not checked or injected, one sentence per run: the thread fault
+            and the tool-reply check need the agent's model to be a `ScriptedModel` the
+            world holds (docs/simulation.md, "Simulating your own agent").
     """
 
     seed: int
@@ -83,6 +86,7 @@ class SimulationResult:
     steps: int
     log_digest: str
     logs: tuple[RunLog, ...] = attrs.field(default=(), eq=False, repr=False)
+    skipped: tuple[str, ...] = ()
 
     def to_json(self) -> dict[str, Any]:
         """The JSON line `treadle simulate` prints."""
@@ -93,6 +97,7 @@ class SimulationResult:
             "faults_injected": self.faults_injected,
             "steps": self.steps,
             "log_digest": self.log_digest,
+            "skipped": list(self.skipped),
         }
 
 
@@ -165,19 +170,20 @@ async def _simulate(seed: int, plan: FaultPlan, runs: int, scenario: Scenario) -
     store = MemoryStore(clock=lease_clock.now)
     world_seeds = [rng.randrange(2**32) for _ in range(runs)]
     worlds = [scenario.world(random.Random(ws), plan, counts) for ws in world_seeds]
+    models = [_scripted_model(scenario, world) for world in worlds]
     threads = [
-        f"sim-{seed}-{index}" if _threadable(world) and plan.roll(rng, "thread") else None
-        for index, world in enumerate(worlds)
+        f"sim-{seed}-{index}" if model is not None and plan.roll(rng, "thread") else None
+        for index, model in enumerate(models)
     ]
     drive_seeds = [rng.randrange(2**32) for _ in range(runs)]
     run_ids = [
         thread_run_id(thread, 2) if thread else f"sim-{seed}-{index}"
         for index, thread in enumerate(threads)
     ]
-    for thread, world in zip(threads, worlds, strict=True):
-        if thread is not None:
+    for thread, model in zip(threads, models, strict=True):
+        if thread is not None and model is not None:
             _count(counts, "thread")
-            world.provider.turn_offset = 1
+            model.turn_offset = 1
     drivers = []
     async with _one_error(), trio.open_nursery() as nursery:
         for index in range(runs):
@@ -201,13 +207,16 @@ async def _simulate(seed: int, plan: FaultPlan, runs: int, scenario: Scenario) -
         budgets = scenario.agent(worlds[index]).budgets
         violations.extend(check_invariants(log, budgets=budgets))
         violations.extend(scenario.check(log, worlds[index]))
-        violations.extend(_unanswered_calls(run_ids[index], worlds[index]))
+        model = models[index]
+        if model is not None:
+            violations.extend(_unanswered_calls(run_ids[index], model))
         thread = threads[index]
-        if thread is not None:
-            violations.extend(await _inherited(store, thread, run_ids[index], worlds[index]))
+        if thread is not None and model is not None:
+            violations.extend(await _inherited(store, thread, run_ids[index], model))
         twin_world = scenario.world(random.Random(world_seeds[index]), plan, {})
-        if thread is not None:
-            twin_world.provider.turn_offset = 1
+        twin_model = _scripted_model(scenario, twin_world)
+        if thread is not None and twin_model is not None:
+            twin_model.turn_offset = 1
         twin = await _fault_free_twin(scenario, run_ids[index], twin_world, thread)
         violations.extend(_compare_with_twin(log, twin, scenario))
     violations.extend(await check_child_runs(store, logs))
@@ -219,12 +228,33 @@ async def _simulate(seed: int, plan: FaultPlan, runs: int, scenario: Scenario) -
         steps=sum(len(log.steps) for log in logs),
         log_digest=log_digest(logs),
         logs=tuple(logs),
+        skipped=tuple(
+            _skipped(run_id, plan)
+            for run_id, model in zip(run_ids, models, strict=True)
+            if model is None
+        ),
     )
 
 
-def _threadable(world: Any) -> bool:
-    """Whether a simulated run on ``world`` can continue a thread (see `FaultPlan.threads`)."""
-    return isinstance(getattr(world, "provider", None), ScriptedModel)
+def _scripted_model(scenario: Scenario, world: Any) -> ScriptedModel | None:
+    """The world's model provider, when the simulation can follow its requests.
+
+    That is the agent's ``model`` when it is a `ScriptedModel` the world holds: every
+    ``scenario.agent(world)`` gives the same one (docs/simulation.md, "Simulating your own
+    agent"). Its requests are checked for unanswered tool calls, and a run on it can
+    continue a thread (its ``turn_offset`` skips the inherited turn).
+    """
+    first, second = scenario.agent(world).model, scenario.agent(world).model
+    return first if isinstance(first, ScriptedModel) and first is second else None
+
+
+def _skipped(run_id: str, plan: FaultPlan) -> str:
+    """What was not done for a run whose world's model is no shared `ScriptedModel`."""
+    thread = " and it did not continue a thread" if plan.rates.get("thread", 0) > 0 else ""
+    return (
+        f"{run_id}: the agent's model is not one ScriptedModel held by the world, so its "
+        f"requests were not checked for unanswered tool calls{thread}"
+    )
 
 
 THREAD_FIRST_ANSWER = "Noted; ask me again."
