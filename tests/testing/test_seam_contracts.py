@@ -124,6 +124,49 @@ async def test_toolbox_keeps_the_contract():
     await check_action_executor(treadle.Toolbox([lookup]), sample=sample)
 
 
+class _Raising:
+    """Toolbox over ``lookup``, whose ``execute`` or ``reconcile`` raises where told."""
+
+    def __init__(self, where):
+        self.inner = treadle.Toolbox([lookup])
+        self.where = where
+
+    def tool_specs(self):
+        return self.inner.tool_specs()
+
+    def replay_policy(self, tool):
+        return self.inner.replay_policy(tool)
+
+    async def execute(self, action):
+        await trio.lowlevel.checkpoint()
+        if self.where == "unknown" and action.tool != "lookup":
+            raise KeyError(action.tool)
+        if self.where == "tool" and action.arguments == {"q": "x"}:
+            raise ZeroDivisionError("tool bug")
+        return await self.inner.execute(action)
+
+    async def reconcile(self, action):
+        if self.where == "reconcile":
+            raise RuntimeError("reconcile db down")
+        return await self.inner.reconcile(action)
+
+
+@pytest.mark.parametrize(
+    ("where", "rule"),
+    [
+        ("unknown", "execute raised KeyError.* for an unknown tool"),
+        ("tool", "execute raised ZeroDivisionError.* for the sample action"),
+        ("reconcile", "reconcile raised RuntimeError.* for an action never written"),
+    ],
+)
+async def test_an_executor_that_raises_fails_the_contract(where, rule):
+    sample = Action(
+        run_id="r", step=1, intent_id="r/s1/a1", call_id="c", tool="lookup", arguments={"q": "x"}
+    )
+    with pytest.raises(SeamContractError, match=rule):
+        await check_action_executor(_Raising(where), sample=sample)
+
+
 async def test_a_wrapped_toolbox_keeps_its_policies_and_the_contract():
     from treadle.testing import CrashingExecutor
 

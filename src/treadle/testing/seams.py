@@ -219,8 +219,9 @@ async def check_action_executor(executor: ActionExecutor, *, sample: Action | No
     Checks: ``tool_specs`` is a tuple of `ToolSpec` with unique names; an unknown tool is
     NOT_EXECUTED (never raises, never EXECUTED) and its replay policy is ``NEVER``; invalid
     arguments for a declared tool are NOT_EXECUTED; ``sample`` (when given) returns a
-    well-formed outcome; ``reconcile`` of an action never written returns ``None`` or an
-    outcome; and ``execute`` is a checkpoint that lets `trio.Cancelled` through.
+    well-formed outcome; ``execute`` never raises (a tool that raised is EXECUTED with the
+    error text); ``reconcile`` of an action never written returns ``None`` or an outcome,
+    without raising; and ``execute`` is a checkpoint that lets `trio.Cancelled` through.
 
     Then the `treadle.ports.ToolPolicies` methods the executor declares (those
     `treadle.policies.policies_of` finds; an executor without one gets its default and is not
@@ -248,14 +249,14 @@ async def check_action_executor(executor: ActionExecutor, *, sample: Action | No
     _expect(
         executor.replay_policy(unknown.tool) is ReplayPolicy.NEVER, "unknown tool must be NEVER"
     )
-    outcome = await executor.execute(unknown)
+    outcome = await _execute(executor, unknown, "an unknown tool")
     _check_outcome(outcome)
     _expect(outcome.status is ActionStatus.NOT_EXECUTED, "an unknown tool must be NOT_EXECUTED")
     refused = [unknown]
     for spec in specs:
         if spec.parameters.get("required"):
             bad_call = _action(spec.name, {"__unexpected__": object()})
-            bad = await executor.execute(bad_call)
+            bad = await _execute(executor, bad_call, f"invalid arguments for {spec.name}")
             _check_outcome(bad)
             _expect(
                 bad.status is ActionStatus.NOT_EXECUTED,
@@ -264,13 +265,37 @@ async def check_action_executor(executor: ActionExecutor, *, sample: Action | No
             refused.append(bad_call)
     _check_policies(policies, [*names, unknown.tool], refused)
     if sample is not None:
-        _check_outcome(await executor.execute(sample))
-    reconciled = await executor.reconcile(_action(names[0] if names else "x", {}))
+        _check_outcome(await _execute(executor, sample, "the sample action"))
+    never_written = _action(names[0] if names else "x", {})
+    try:
+        reconciled = await executor.reconcile(never_written)
+    except Exception as exc:
+        raise SeamContractError(
+            f"reconcile raised {exc!r} for an action never written: it returns an outcome, "
+            "or None when it cannot tell"
+        ) from exc
     _expect(reconciled is None or isinstance(reconciled, ActionOutcome), "reconcile result type")
     with trio.CancelScope() as scope:
         scope.cancel()
         await executor.execute(sample or unknown)
     _expect(scope.cancelled_caught, "execute must be a checkpoint that lets Cancelled through")
+
+
+async def _execute(executor: ActionExecutor, action: Action, what: str) -> ActionOutcome:
+    """``executor.execute(action)``; an exception from it breaks the contract.
+
+    Raises:
+        SeamContractError: ``execute`` raised (docs/seams.md, "Action executor": a tool that
+            raised is EXECUTED with the error text, an unknown tool or invalid arguments
+            NOT_EXECUTED).
+    """
+    try:
+        return await executor.execute(action)
+    except Exception as exc:
+        raise SeamContractError(
+            f"execute raised {exc!r} for {what}: a tool that raised is EXECUTED with the "
+            "error text, an unknown tool or invalid arguments NOT_EXECUTED"
+        ) from exc
 
 
 def _check_policies(
