@@ -1748,6 +1748,66 @@ async def test_a_finished_run_whose_lease_release_fails_returns_its_result(
     assert "the lease was not released" in caplog.text and "No space left" in caplog.text
 
 
+async def test_a_lease_that_cannot_be_taken_on_a_full_disk_is_a_store_error(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """On a full disk, `treadle.run` (a resume, too) and `treadle repair` raised the raw
+    `OSError` of the lease file's write, and the command line printed its traceback
+    (docs/crash-safety.md, item 7: a store that cannot write stops with `StoreError`)."""
+    import treadle
+    import treadle.stores.jsonl as jsonl_module
+    from treadle.testing.scripted import ScriptedModel, say
+
+    def full(path: str, lease: Lease, control_seen: int, *, durable: bool) -> None:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    agent = treadle.Agent(
+        model=ScriptedModel(turns=[say("done")]),
+        executor=treadle.Toolbox([]),
+        parser=treadle.NativeToolCallParser(),
+    )
+    async with open_jsonl_store(tmp_path / "runs") as store:
+        run = Steps(store, "r")
+        await run.start()
+        await run.next()
+        lease = await store.read_lease("r")
+        assert lease is not None
+        await store.release_lease(lease)
+        before = (await store.read_log("r")).records
+        monkeypatch.setattr(jsonl_module, "write_sidecar", full)
+        with pytest.raises(StoreError, match="No space left") as resumed:
+            await treadle.run(agent, store=store, run_id="r")
+        with pytest.raises(StoreError, match="No space left") as repaired:
+            await store.repair("r", owner="operator")
+        for info in (resumed, repaired):
+            cause = info.value.__cause__
+            assert isinstance(cause, OSError) and cause.errno == errno.ENOSPC
+        assert (await store.read_log("r")).records == before  # nothing written
+        monkeypatch.undo()
+        taken = await store.acquire_lease("r", owner="later", ttl_s=TTL_S)  # the lock let go
+        assert taken.generation == lease.generation + 1
+
+
+async def test_a_repair_that_cannot_keep_what_it_removes_is_a_store_error(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A full disk while a repair saved the removed bytes raised the raw `OSError`; the run
+    file is cut only once they are kept, so it stays as it was."""
+    path, _ = await write_run(tmp_path, steps=1)
+    damaged = path.read_bytes()[:-2] + b"#\n"  # the last line's checksum fails
+    path.write_bytes(damaged)
+
+    def full(name: str, mode: int = 0o777, exist_ok: bool = False) -> None:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    async with open_jsonl_store(tmp_path) as store:
+        monkeypatch.setattr(os, "makedirs", full)
+        with pytest.raises(StoreError, match=r"cannot repair .*No space left") as info:
+            await store.repair("r", owner="operator", force=True)
+        assert isinstance(info.value.__cause__, OSError)
+    assert path.read_bytes() == damaged
+
+
 def test_a_lease_file_that_cannot_be_written_leaves_no_temporary_file(tmp_path, monkeypatch):
     path = tmp_path / "r.lease"
     lease = Lease(run_id="r", owner="o", generation=1, expires_at=9.0, heartbeat_at=1.0)

@@ -923,6 +923,30 @@ def repair_run_file(directory: str, name: str, *, force: bool = False) -> Repair
         if not force:
             _refuse_losing_facts(path, lost)
             _refuse_cutting_after_calls(path, kept.records)
+    try:
+        saved, note = _keep_removed(directory, name, offset, removed, damage)
+        _cut(path, offset)
+    except OSError as exc:  # a full disk, say: the run file is cut only after all is kept
+        raise StoreError(f"cannot repair {path}: {exc.strerror or exc}") from exc
+    return Repair(
+        path=path,
+        offset=offset,
+        removed=len(removed),
+        saved=saved,
+        note=note,
+        reason=str(damage),
+        readable_removed=len(lost),
+    )
+
+
+def _keep_removed(
+    directory: str, name: str, offset: int, removed: bytes, damage: LogCorrupted
+) -> tuple[str, str]:
+    """Save what a repair removes and its note in ``.repairs/``, synced; their paths.
+
+    Raises:
+        OSError: they cannot be written.
+    """
     stamp = time.time_ns()
     repairs = os.path.join(directory, REPAIR_DIR)
     os.makedirs(repairs, exist_ok=True)
@@ -933,7 +957,7 @@ def repair_run_file(directory: str, name: str, *, force: bool = False) -> Repair
         file.flush()
         os.fsync(file.fileno())
     description = {
-        "file": path,
+        "file": os.path.join(directory, name),
         "offset": offset,
         "removed_bytes": len(removed),
         "sha256": hashlib.sha256(removed).hexdigest(),
@@ -945,21 +969,21 @@ def repair_run_file(directory: str, name: str, *, force: bool = False) -> Repair
         file.flush()
         os.fsync(file.fileno())
     sync_dir(repairs)
+    return saved, note
+
+
+def _cut(path: str, offset: int) -> None:
+    """Cut the file at ``path`` to ``offset`` bytes, synced.
+
+    Raises:
+        OSError: it cannot be cut.
+    """
     fd = os.open(path, os.O_RDWR)
     try:
         os.ftruncate(fd, offset)
         os.fsync(fd)
     finally:
         os.close(fd)
-    return Repair(
-        path=path,
-        offset=offset,
-        removed=len(removed),
-        saved=saved,
-        note=note,
-        reason=str(damage),
-        readable_removed=len(lost),
-    )
 
 
 def _readable(path: str, lines: bytes, kept: RunFile) -> list[Record]:

@@ -226,12 +226,16 @@ class JsonlStore(EngineStore):
             The open store; the caller owns it and must `aclose` it.
 
         Raises:
-            StoreError: the directory cannot be created, or the path is not a directory.
+            StoreError: the directory cannot be created, the path is not a directory, or a
+                version-1 directory's control streams cannot be moved.
         """
         text = str(Path(directory))
         token = trio.lowlevel.current_trio_token()
         await trio.to_thread.run_sync(open_directory, text)
-        await trio.to_thread.run_sync(migrate_v1_control, text)
+        try:
+            await trio.to_thread.run_sync(migrate_v1_control, text)
+        except OSError as exc:
+            raise StoreError(f"cannot open JSONL store {text}: {exc.strerror or exc}") from exc
         return cls(text, file_ops or OsFileOps(), token, clock)
 
     @property
@@ -478,7 +482,9 @@ class JsonlStore(EngineStore):
             RunLeased: another driver holds the run's lease.
             RepairRefused: such a cut, ``force`` being false (nothing was changed;
                 docs/crash-safety.md, "Torn tails and damage").
-            StoreError: the file cannot be repaired.
+            StoreError: the file cannot be repaired, or the run's lease cannot be taken (a
+                full disk: the `OSError` is the ``__cause__``; the run file is cut only
+                once what it loses is kept).
         """
         lease = await self.acquire_lease(run_id, owner=owner, ttl_s=_leases.LEASE_TTL_S)
         try:
@@ -524,7 +530,9 @@ class JsonlStore(EngineStore):
         Raises:
             RunLeased: another driver (here or in another process) holds it.
             InvalidRunId: not an allowed run id.
-            StoreError: the lock or sidecar cannot be written.
+            StoreError: the lock file cannot be opened or locked, or the sidecar cannot be
+                written (a full disk: the `OSError` is the ``__cause__``); the lease is not
+                taken.
         """
         if not self.is_hashed_name(run_id):  # a damaged run listed by its file's name
             check_run_id(run_id)
@@ -558,7 +566,7 @@ class JsonlStore(EngineStore):
                 expires_at=now + ttl_s,
                 heartbeat_at=now,
             )
-            write_sidecar(sidecar, lease, seen, durable=True)
+            _sidecar_written(sidecar, lease, seen, durable=True)
         except BaseException:
             os.close(fd)
             raise
@@ -576,10 +584,7 @@ class JsonlStore(EngineStore):
         _, sidecar = self._lease_paths(run_id)
         with self._sidecar_lock:
             if released or self._held.get(run_id) is held:
-                try:
-                    write_sidecar(sidecar, held.lease, held.control_seen, durable=durable)
-                except OSError as exc:  # a full disk, say: the lease's heartbeat is not written
-                    raise StoreError(f"cannot write {sidecar}: {exc.strerror or exc}") from exc
+                _sidecar_written(sidecar, held.lease, held.control_seen, durable=durable)
 
     async def renew_leases(self, leases: Sequence[Lease], *, ttl_s: float) -> tuple[Lease, ...]:
         """Renew the held leases (their heartbeat in the sidecars); a missing one was lost."""
@@ -734,6 +739,19 @@ class JsonlStore(EngineStore):
         return heads
 
 
+def _sidecar_written(path: str, lease: Lease, control_seen: int, *, durable: bool) -> None:
+    """`write_sidecar`, its `OSError` (a full disk, say) made a `StoreError`.
+
+    A store that cannot write stops with `StoreError`, the `OSError` as ``__cause__``
+    (docs/crash-safety.md, "What is guaranteed", item 7): taking a lease, renewing or
+    releasing it alike. Nothing of the write is left behind.
+    """
+    try:
+        write_sidecar(path, lease, control_seen, durable=durable)
+    except OSError as exc:
+        raise StoreError(f"cannot write {path}: {exc.strerror or exc}") from exc
+
+
 def _open_locked(lock_path: str, run_id: str, sidecar: str, now: float) -> int:
     """Open the run's lock file and take its exclusive lock; return the descriptor.
 
@@ -752,6 +770,9 @@ def _open_locked(lock_path: str, run_id: str, sidecar: str, now: float) -> int:
             _lock_or_refuse(fd, run_id, sidecar, now)
             if _lock_file_of(fd, lock_path):
                 return fd
+        except OSError as exc:  # a lock the file system refuses (ENOLCK), say
+            os.close(fd)
+            raise StoreError(f"cannot lock {lock_path}: {exc.strerror or exc}") from exc
         except BaseException:
             os.close(fd)
             raise
