@@ -62,6 +62,7 @@ from treadle.types import (
     ModelIntent,
     ModelResult,
     Record,
+    RunFinished,
     RunStarted,
     RunState,
     StepRecord,
@@ -645,6 +646,65 @@ async def test_a_repair_refuses_to_cut_an_unreadable_line_where_an_intent_would_
         with pytest.raises(RepairRefused, match=r"pay \(call .*\) have no intent before it"):
             await store.repair("r", owner="operator")
         assert (await store.repair("r", owner="operator", force=True)) is not None
+
+
+async def finished_run(directory: Path) -> Path:
+    """A finished run ``r`` (one paid call, then an answer); its file."""
+    import treadle
+
+    async def pay(amount: int) -> str:
+        """Pay."""
+        return "paid"
+
+    async with open_jsonl_store(directory) as store:
+        result = await treadle.run(paying_agent(pay), "pay 5", store=store, run_id="r")
+        assert result.state is RunState.SUCCEEDED
+        return Path(store.run_file("r"))
+
+
+@pytest.mark.parametrize("line", ["run-finished", "action intent"])
+async def test_a_line_written_twice_is_cut_without_force(tmp_path: Path, line: str):
+    # The repair was refused: the copy's records were counted as lost (the run-finished
+    # record "which a resume would reopen", a call "which a resume would run again") though
+    # the kept log holds them.
+    if line == "run-finished":
+        path = await finished_run(tmp_path)
+        lines = path.read_bytes().split(b"\n")
+        lines = [*lines[:-1], lines[-2], b""]  # the last line, again
+    else:
+        path, _ = await write_run(tmp_path, steps=2)
+        lines = path.read_bytes().split(b"\n")  # 4 is the first action intent
+        lines = [*lines[:5], lines[4], b""]  # a crash after it, its line written twice
+    whole = b"\n".join(lines[:-2]) + b"\n"
+    path.write_bytes(b"\n".join(lines))
+    async with open_jsonl_store(tmp_path) as store:
+        repair = await store.repair("r", owner="operator")
+        assert repair is not None and repair.readable_removed == 0
+        assert path.read_bytes() == whole
+        log = await store.read_log("r")
+        assert (log.finished is not None) == (line == "run-finished")
+        assert isinstance(log.records[-1], RunFinished if line == "run-finished" else ActionIntent)
+
+
+async def test_a_repair_refuses_to_cut_a_run_finished_record_behind_a_damaged_frame_key(
+    tmp_path: Path,
+):
+    # One flipped bit made the last line's "gen" key "geo": its records still read, yet the
+    # line was counted as unreadable, and the repair cut the run-finished record without
+    # --force, reopening the finished run.
+    path = await finished_run(tmp_path)
+    data = bytearray(path.read_bytes())
+    last = data.rstrip(b"\n").rfind(b"\n") + 1
+    at = data.index(b'"gen"', last)
+    data[at + 3] ^= 0x01  # "gen" -> "geo"
+    path.write_bytes(bytes(data))
+    async with open_jsonl_store(tmp_path) as store:
+        with pytest.raises(RepairRefused, match="the run-finished record"):
+            await store.repair("r", owner="operator")
+        assert path.read_bytes() == bytes(data)
+        forced = await store.repair("r", owner="operator", force=True)
+        assert forced is not None and forced.readable_removed == 1
+        assert (await store.read_log("r")).finished is None
 
 
 async def test_a_repair_refuses_to_empty_a_file_without_a_treadle_header(tmp_path: Path):

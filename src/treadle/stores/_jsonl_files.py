@@ -886,7 +886,8 @@ def repair_run_file(directory: str, name: str, *, force: bool = False) -> Repair
     The lines after the damaged one are removed too. Unless ``force``, a cut is refused
     (docs/crash-safety.md, "Torn tails and damage") when what it removes, the damaged line
     included, still reads as an action intent or result (a call that may have run, which a
-    resume would run again) or the run-finished record (a resume would reopen the run); when
+    resume would run again) or the run-finished record (a resume would reopen the run), unless
+    the kept part holds an equal record already (a line written twice); when
     the damaged line is unreadable and follows a model reply whose calls have no intent yet
     (it may have held one); and when the first line is no treadle header (the cut would
     empty what may be another program's file).
@@ -919,7 +920,7 @@ def repair_run_file(directory: str, name: str, *, force: bool = False) -> Repair
         lost: list[Record] = []
     else:
         kept = _parsed(path, data[:offset], None)  # the lines before the first damaged one
-        lost = _readable(path, data[offset:], kept)
+        lost = _readable(data[offset:], kept)
         if not force:
             _refuse_losing_facts(path, lost)
             _refuse_cutting_after_calls(path, kept.records)
@@ -986,26 +987,69 @@ def _cut(path: str, offset: int) -> None:
         os.close(fd)
 
 
-def _readable(path: str, lines: bytes, kept: RunFile) -> list[Record]:
-    """The records still readable in ``lines`` (the damaged line and those after it).
+def _readable(lines: bytes, kept: RunFile) -> list[Record]:
+    """The records readable in ``lines`` (from the damaged line on) and not in ``kept``.
 
-    A line flagged as damaged may be intact (a line out of its place) or readable despite a
-    wrong checksum: what it holds counts, as it may be an acknowledged intent. So the
-    checksum is not required here, only records that decode (as the run ``kept``'s header
-    says); anything else is left out.
+    A line flagged as damaged may be intact (a line out of its place, or written twice) or
+    readable despite a wrong checksum or a damaged frame key: what it holds counts, as it
+    may be an acknowledged intent. So neither the checksum nor the frame's other keys are
+    required here, only records that decode (as the run ``kept``'s header says); anything
+    else is left out. A record equal to one the kept part holds (a line written twice) is
+    no fact the cut removes.
     """
     assert kept.run_id is not None
+    held = _by_key(kept.records)
     found: list[Record] = []
     for line in lines.split(b"\n"):
-        try:
-            if kept.version >= COMPACT_FROM:
-                items, _ = _compact_frame(path, line, 0)
-                found.extend(unpack(item, kept.run_id) for item in items)
-            else:
-                found.extend(record_from_dict(r) for r in _content(path, line, 0)["records"])
-        except (LogCorrupted, ValueError, KeyError, TypeError):
-            continue
+        for record in _records_in(line, kept.run_id, kept.version):
+            if record not in held.get(_key(record), ()):
+                found.append(record)
     return found
+
+
+def _records_in(line: bytes, run_id: str, version: int) -> list[Record]:
+    """Every record that decodes in any array of the JSON object ``line`` (in order).
+
+    A frame's records are its one array; the other keys (``seq``, ``crc``, ``gen``) are
+    not needed to read them, so a damaged key leaves them readable.
+    """
+    try:
+        data = json.loads(line.decode("utf-8"))  # reads escaped lone surrogates, too
+    except ValueError:  # UnicodeDecodeError included
+        return []
+    if not isinstance(data, dict):
+        return []
+    found: list[Record] = []
+    for items in (value for value in data.values() if isinstance(value, list)):
+        for item in items:
+            try:
+                found.append(_decoded(item, run_id, version))
+            except (LogCorrupted, ValueError, KeyError, TypeError):
+                continue
+    return found
+
+
+def _decoded(item: Any, run_id: str, version: int) -> Record:
+    """The record ``item`` (a frame's array element, as `json.loads` gave it) holds.
+
+    Raises:
+        ValueError, KeyError, TypeError, LogCorrupted: it holds no record.
+    """
+    if version >= COMPACT_FROM:
+        return unpack(json.dumps(item, ensure_ascii=True, separators=(",", ":")), run_id)
+    return record_from_dict(item)
+
+
+def _key(record: Record) -> tuple[str, object, object]:
+    """What two equal records share, to look one up among many."""
+    return type(record).__name__, getattr(record, "step", None), getattr(record, "intent_id", None)
+
+
+def _by_key(records: Sequence[Record]) -> dict[tuple[str, object, object], list[Record]]:
+    index: dict[tuple[str, object, object], list[Record]] = {}
+    for record in records:
+        index.setdefault(_key(record), []).append(record)
+    return index
 
 
 def _refuse_cutting_after_calls(path: str, kept: tuple[Record, ...]) -> None:
