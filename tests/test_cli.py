@@ -142,6 +142,21 @@ def test_a_damaged_run_listed_by_its_hashed_file_name_can_be_named_by_it(tmp_pat
     assert bytes(data) == path.read_bytes()  # a refused repair changed nothing
 
 
+def test_approve_with_both_reject_and_edit_is_a_usage_error(tmp_path):
+    # It exited 1, as a refused decision does, while --edit with no JSON object and every
+    # other misuse of the options exits 2.
+    db = tmp_path / "runs.db"
+    make_store(db)
+    runner = CliRunner()
+    arguments = ["approve", "cli-run", "--store", str(db)]
+    both = runner.invoke(main, [*arguments, "--edit", "{}", "--reject", "no"])
+    assert both.exit_code == 2 and "--reject or --edit, not both" in both.output, both.output
+    not_json = runner.invoke(main, [*arguments, "--edit", "x"])
+    assert not_json.exit_code == 2, not_json.output
+    finished = runner.invoke(main, [*arguments, "--reject", "no"])  # the run's state refuses
+    assert finished.exit_code == 1 and "already finished" in finished.output, finished.output
+
+
 def test_an_empty_store_option_is_a_usage_error():
     # `--store ''` (or an empty $TREADLE_STORE) ended in a FileNotFoundError traceback.
     refused = CliRunner().invoke(main, ["runs", "--store", ""])

@@ -75,6 +75,8 @@ def approve_command(
     run_id: str, store_path: str, reject: str | None, edit: str | None, call_id: str | None
 ) -> None:
     """Approve (or reject, or edit) the tool call a run waits on."""
+    if reject is not None and edit is not None:  # a usage error, as every other one: status 2
+        raise click.UsageError("give --reject or --edit, not both")
     try:
         arguments = edited_arguments(edit) if edit is not None else None
     except UsageError as exc:
