@@ -358,8 +358,21 @@ def test_resume_all_reports_a_damaged_run_and_resumes_the_others(tmp_path: Path)
     assert "'newer'" in result.stderr and "99" in result.stderr
 
 
-def test_ctrl_c_during_a_resume_says_the_run_is_left_resumable(tmp_path: Path) -> None:
-    # Click printed only "Aborted!".
+@pytest.mark.parametrize(
+    ("which", "agent"),
+    [
+        ("r1", AGENT),
+        ("--all", AGENT),
+        ("r1", "tests.test_cli_resume:agent_beside_a_server"),
+        ("--all", "tests.test_cli_resume:agent_beside_a_server"),
+    ],
+)
+def test_ctrl_c_during_a_resume_says_the_run_is_left_resumable(
+    tmp_path: Path, which: str, agent: str
+) -> None:
+    # Click printed only "Aborted!". Then `resume --all` printed the traceback of an
+    # exception group holding the KeyboardInterrupt and exited 1, as did a resume whose
+    # agent came from a block with a nursery of its own (a model server's).
     import os
     import signal
     import subprocess
@@ -369,10 +382,17 @@ def test_ctrl_c_during_a_resume_says_the_run_is_left_resumable(tmp_path: Path) -
     from treadle.testing.crashes import LATENCY_ENV
 
     path = prepare(tmp_path, "sqlite", {"r1": 9})
-    env = {**os.environ, LEDGER_ENV: str(tmp_path / "ledger.jsonl"), LATENCY_ENV: "30"}
-    command = [sys.executable, "-m", "treadle", "resume", "r1", "--store", str(path)]
+    root = str(Path(__file__).parent.parent)
+    python_path = os.pathsep.join([root, *filter(None, [os.environ.get("PYTHONPATH")])])
+    env = {
+        **os.environ,
+        LEDGER_ENV: str(tmp_path / "ledger.jsonl"),
+        LATENCY_ENV: "30",
+        "PYTHONPATH": python_path,
+    }
+    command = [sys.executable, "-m", "treadle", "resume", which, "--store", str(path)]
     child = subprocess.Popen(
-        [*command, "--agent", AGENT], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE
+        [*command, "--agent", agent], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE
     )
 
     async def driven() -> bool:
@@ -387,7 +407,8 @@ def test_ctrl_c_during_a_resume_says_the_run_is_left_resumable(tmp_path: Path) -
     child.send_signal(signal.SIGINT)
     out, err = child.communicate(timeout=60)
     assert child.returncode == 130, (out, err)
-    assert b"interrupted: r1 is left unfinished and resumable" in err
+    named = b"r1" if which == "r1" else b"what was being resumed"
+    assert b"interrupted: " + named + b" is left unfinished and resumable" in err
     assert b"Traceback" not in err
 
 

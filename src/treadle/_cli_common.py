@@ -18,7 +18,7 @@ import click
 import trio
 from rich.console import Console
 
-from treadle._exceptions import InvalidRunId, TreadleError
+from treadle._exceptions import InvalidRunId, TreadleError, raised
 from treadle._ids import check_run_id
 from treadle.agent import Agent
 from treadle.ports import RunStore
@@ -213,7 +213,9 @@ def run_async(fn: Callable[[], Awaitable[T]]) -> T:
 
     An error that reached here through nurseries (an agent factory's block that runs a
     server, say) arrives wrapped in exception groups of one error each: it is unwrapped
-    first, so that it too prints as one line.
+    first, so that it too prints as one line. Ctrl-C (a `KeyboardInterrupt`, or a
+    `SystemExit`) in such a group leaves it as itself, as it leaves a trio run
+    (docs/crash-safety.md, "What is guaranteed", item 8), for the command to report.
     """
     try:
         return trio.run(fn)
@@ -223,6 +225,9 @@ def run_async(fn: Callable[[], Awaitable[T]]) -> T:
             raise click.ClickException(str(error)) from error
         if isinstance(error, click.ClickException):  # out of the groups a nursery made
             raise error from exc
+        stopping = raised(exc, KeyboardInterrupt) or raised(exc, SystemExit)
+        if stopping is not None:
+            raise stopping from None
         raise
 
 

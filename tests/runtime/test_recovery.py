@@ -144,3 +144,32 @@ async def test_a_cancel_requested_while_no_one_drove_the_run(tmp_path: Path) -> 
     assert sorted(results) == ["r", "s"]
     assert results["r"].state is treadle.RunState.CANCELLED
     assert results["s"].state is treadle.RunState.SUCCEEDED
+
+
+class InterruptingModel:
+    """Raises KeyboardInterrupt where the model is called, as Ctrl-C landing there does."""
+
+    async def complete(
+        self,
+        request: ModelRequest,
+        *,
+        on_delta: object = None,
+        attempt: Attempt = Attempt.STANDALONE,
+    ) -> ModelReply:
+        await trio.lowlevel.checkpoint()
+        raise KeyboardInterrupt
+
+
+async def test_ctrl_c_reaches_the_caller_as_itself_and_the_runs_stay_resumable() -> None:
+    """The interrupt left `resume_unfinished` inside the exception group of the nursery that
+    drove the runs, so an ``except KeyboardInterrupt`` around the call missed it
+    (docs/crash-safety.md, "What is guaranteed", item 8)."""
+    store = treadle.MemoryStore()
+    for run_id in ("a", "b"):
+        await crash(store, run_id, 4)
+    with pytest.raises(KeyboardInterrupt):
+        await treadle.resume_unfinished(make_agent(InterruptingModel()), store=store)
+    for run_id in ("a", "b"):
+        assert (await store.read_log(run_id)).finished is None
+    results = await treadle.resume_unfinished(make_agent(), store=store)
+    assert [r.state for r in results] == [treadle.RunState.SUCCEEDED] * 2

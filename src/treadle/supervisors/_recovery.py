@@ -17,7 +17,7 @@ from collections.abc import Callable, Sequence
 import trio
 
 from treadle._clock import Clock
-from treadle._exceptions import RunLeased, StoreError, UsageError
+from treadle._exceptions import RunLeased, StoreError, UsageError, raised
 from treadle._trio_only import require_trio
 from treadle.agent import Agent
 from treadle.ports import EventSink, RunStore
@@ -65,6 +65,9 @@ async def resume_unfinished(
             results of the runs that finished are in the store.
         UsageError: ``max_concurrent`` is below 1.
         StoreError: the store cannot list its runs.
+        KeyboardInterrupt: Ctrl-C while runs went (or `SystemExit`), as itself, not in an
+            exception group; the runs are left unfinished and resumable
+            (docs/crash-safety.md, "What is guaranteed", item 8).
 
     Cancellation:
         Cancelling the call cancels every run it drives; they stay unfinished and
@@ -93,12 +96,29 @@ async def resume_unfinished(
         if result is not None:
             results[run_id] = result
 
-    async with trio.open_nursery() as nursery:
-        for run_id, seed in zip(run_ids, seeds, strict=True):
-            nursery.start_soon(resume_one, run_id, seed)
+    try:
+        async with trio.open_nursery() as nursery:
+            for run_id, seed in zip(run_ids, seeds, strict=True):
+                nursery.start_soon(resume_one, run_id, seed)
+    except BaseExceptionGroup as group:
+        stopping = _stopping(group)
+        if stopping is None:
+            raise
+        raise stopping from None
     if errors:
         raise ExceptionGroup(f"{len(errors)} of the unfinished runs could not be resumed", errors)
     return [results[run_id] for run_id in run_ids if run_id in results]
+
+
+def _stopping(group: BaseExceptionGroup[BaseException]) -> BaseException | None:
+    """The `KeyboardInterrupt` (else `SystemExit`) in the nursery's ``group``, or ``None``.
+
+    Ctrl-C while runs go reaches the caller as itself, not in the group of the nursery that
+    drove them (docs/crash-safety.md, "What is guaranteed", item 8): the runs' own errors
+    are collected, not raised, so an interrupt leaves beside it only the cancellations it
+    caused.
+    """
+    return raised(group, KeyboardInterrupt) or raised(group, SystemExit)
 
 
 async def _resume(
