@@ -358,6 +358,37 @@ def test_resume_all_reports_a_damaged_run_and_resumes_the_others(tmp_path: Path)
     assert "'newer'" in result.stderr and "99" in result.stderr
 
 
+@pytest.mark.parametrize("as_json", [False, True])
+def test_resume_all_prints_no_result_for_a_run_whose_resume_failed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, as_json: bool
+) -> None:
+    """A full disk at one run's lease file: `resume --all` printed a result for it, "r1:
+    unfinished (None), 0 steps" (a JSON object with --json), then its error."""
+    import errno
+
+    import treadle.stores.jsonl as jsonl_module
+
+    path = prepare(tmp_path, "jsonl", {"r1": 9, "r2": 9})
+    written = jsonl_module.write_sidecar
+
+    def full_for_r1(sidecar: str, *args: Any, **kwargs: Any) -> None:
+        if Path(sidecar).name == "r1.lease":
+            raise OSError(errno.ENOSPC, "No space left on device")
+        written(sidecar, *args, **kwargs)
+
+    monkeypatch.setattr(jsonl_module, "write_sidecar", full_for_r1)
+    runner = CliRunner(env={LEDGER_ENV: str(tmp_path / "ledger.jsonl")})
+    arguments = ["resume", "--all", "--store", str(path), "--agent", AGENT]
+    result = runner.invoke(main, [*arguments, *(["--json"] if as_json else [])])
+    assert result.exit_code == 1, result.output
+    if as_json:
+        (row,) = map(json.loads, result.stdout.splitlines())
+        assert (row["run_id"], row["state"]) == ("r2", "succeeded")
+    else:
+        assert result.stdout.splitlines() == ["r2: succeeded (task_completed), 4 steps"]
+    assert "while resuming run 'r1'" in result.stderr and "No space left" in result.stderr
+
+
 @pytest.mark.parametrize(
     ("which", "agent"),
     [

@@ -492,11 +492,10 @@ async def _resume_all(
             await resume_unfinished(agent, store=store, max_concurrent=max_concurrent)
         except ExceptionGroup as group:
             errors = list(group.exceptions)
-        failed = {getattr(e, "run_id", None) for e in errors}
         logs = []
         for run_id in unfinished:
-            if run_id in failed:
-                continue
+            if any(_failure_of(error, run_id) for error in errors):
+                continue  # reported with its error, not as a result
             try:
                 log = await store.read_log(run_id)
             except TreadleError:  # its resume failed too, and that error is reported
@@ -505,6 +504,16 @@ async def _resume_all(
                 logs.append(log)
     queued = sum(s.liveness is Liveness.QUEUED for s in summaries)
     return logs, errors, queued
+
+
+def _failure_of(error: Exception, run_id: str) -> bool:
+    """Whether ``error`` is what the resume of ``run_id`` failed with.
+
+    `resume_unfinished` notes each error with the run it comes from
+    (docs/crash-safety.md, "Resume"); an error's own ``run_id`` may name another run (a
+    child's) or be missing (a store's error).
+    """
+    return f"while resuming run {run_id!r}" in getattr(error, "__notes__", ())
 
 
 async def _unfinished_log(store: RunStore, run_id: str) -> bool:

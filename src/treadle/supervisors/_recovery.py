@@ -90,7 +90,7 @@ async def resume_unfinished(
             except RunLeased:
                 return  # another driver drives it: not ours to resume, and not a failure
             except Exception as exc:  # collected: one bad run must not stop the others
-                exc.add_note(f"while resuming run {run_id!r}")
+                exc.add_note(f"while resuming run {run_id!r}")  # how `resume --all` tells it
                 errors.append(exc)
                 return
         if result is not None:
