@@ -792,7 +792,7 @@ async def _park_decide_and_finish(store, world):
         await trio.sleep(30)
         assert (await store.read_summary("p")).liveness is Liveness.PARKED
         assert world.effects == ["c/s1/a1"]
-        await decide(store, "p", call_id="p1")
+        await decide(store, "p", call_id="p1", clock=VirtualClock())
         with trio.fail_after(30):
             result = await worker.result("p")
         stats = worker.statistics()
@@ -862,7 +862,7 @@ async def test_a_run_parks_again_at_its_next_approval_and_each_decision_brings_i
             await until(liveness_is(store, "p", Liveness.PARKED))
             await trio.sleep(20)  # nobody claims a parked run without a decision
             assert (await store.read_summary("p")).liveness is Liveness.PARKED
-            decided = await decide(store, "p")
+            decided = await decide(store, "p", clock=VirtualClock())
             assert decided.call_id == call_id
             await until(functools.partial(_effect, world, f"p/s{call_id[1]}/a1"))
         with trio.fail_after(60):
@@ -934,7 +934,7 @@ async def test_postgres_a_fleet_drives_claims_parks_and_resumes(postgres_dsn, po
                 done = await worker.result("c", poll_s=0.1)
                 await until(liveness_is(store, "p", Liveness.PARKED), step_s=0.1)
                 assert (await store.read_lease("p")).owner == ""
-                await decide(store, "p")
+                await decide(store, "p", clock=VirtualClock())
                 paid = await worker.result("p", poll_s=0.1)
                 # result() reads the store; the worker counts the drive when its task ends
                 await until(slot_freed(worker), step_s=0.1)

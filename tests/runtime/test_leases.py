@@ -610,7 +610,7 @@ async def test_drain_while_waiting_on_a_human_stops_at_once(autojump_clock):
     assert tools.executed == []
     assert (await store.read_lease("r")).owner == ""
     assert (await store.read_summary("r")).liveness is Liveness.PARKED
-    await decide(store, "r")
+    await decide(store, "r", clock=VirtualClock())
     result = await treadle.run(agent, store=store, run_id="r", owner="b")
     assert result.stop_reason is StopReason.FINAL_ANSWER
     assert len(tools.executed) == 1
@@ -715,7 +715,7 @@ async def test_a_parked_run_releases_its_lease_and_takes_it_again(
             if via == "handle":
                 handle.approve("c1")
             else:
-                await decide(store, "r", call_id="c1")
+                await decide(store, "r", call_id="c1", clock=VirtualClock())
             with trio.fail_after(5):
                 result = await handle.wait()
         lease = await store.read_lease("r")
@@ -968,7 +968,7 @@ async def test_a_parked_run_nobody_drives_is_finished_cancelled(autojump_clock):
     assert tools.executed == []
     # A decision that arrives now changes nothing: the run is finished.
     with pytest.raises(treadle.UsageError, match="already finished"):
-        await decide(store, "r")
+        await decide(store, "r", clock=VirtualClock())
 
 
 async def test_finish_cancelled_refuses_a_driven_run(autojump_clock):
