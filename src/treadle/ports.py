@@ -9,7 +9,7 @@ users', is held to the contract suites in `treadle.testing`.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import Any, Protocol, runtime_checkable
 
 from treadle.types import (
@@ -410,6 +410,7 @@ class RunQueue(Protocol):
         ttl_s: float,
         max_takeovers: int,
         backoff_s: float,
+        driving: Collection[str] = (),
     ) -> tuple[Claim, ...]:
         """Claim up to ``limit`` runs for ``owner``, taking their leases.
 
@@ -423,6 +424,10 @@ class RunQueue(Protocol):
                 of claimed again.
             backoff_s: base delay before a run whose driver died is claimed again (doubled
                 at each further takeover).
+            driving: the runs the claiming worker drives now: never claimed, even when
+                their leases expired (the worker was paused past the TTL; its next renewal
+                keeps them, or tells it they were taken over). Claiming one would take a
+                worker's own run over from itself: docs/fleet.md, "Claiming".
         """
         ...
 

@@ -600,6 +600,94 @@ async def test_a_run_of_a_worker_that_died_is_taken_over_by_another(autojump_clo
     assert check_invariants(log) == []
 
 
+class PausedClock:
+    """The store's clock of a worker process paused (SIGSTOP) for ``paused_s`` seconds: the
+    store's time ran on while the worker's trio time stood still."""
+
+    def __init__(self) -> None:
+        self.paused_s = 0.0
+
+    def __call__(self) -> float:
+        return store_now() + self.paused_s
+
+
+class ForgetsDriving(InterceptingStore):
+    """A queue that does not honour ``driving``: it hands a worker its own expired runs."""
+
+    async def claim(self, *, driving=(), **kwargs):
+        return await super().claim(**kwargs)
+
+
+LONG_SECOND_STEP = [
+    call("work", seconds=10, call_id="w1"),
+    call("work", seconds=100, call_id="w2"),
+    say("done"),
+]
+
+
+def claimed(worker, count):
+    async def check():
+        await trio.lowlevel.checkpoint()
+        return worker.statistics().claimed >= count
+
+    return check
+
+
+async def test_a_worker_paused_past_its_ttl_goes_on_with_its_runs_without_taking_them_over(
+    autojump_clock,
+):
+    """Woken, a lone worker's claim found its own runs' leases expired and took each over
+    from itself (generation + 1, a takeover counted) while its old drives still ran: one
+    pause cost two takeovers per run, and quarantined runs at ``max_takeovers=2``."""
+    world, paused = World(), PausedClock()
+    store = MemoryStore(clock=paused)
+    agents = {"calc": lambda: world.agent(TWO_STEPS), "quick": lambda: world.agent([say("hi")])}
+    async with fleet(store, agents, lease_ttl_s=3.0, max_takeovers=2) as worker:
+        await worker.submit("calc", "work", run_id="r")
+        await until(lambda: _started(world, "r/s1/a1"))
+        paused.paused_s = 10.0  # its lease expired while it was paused; nobody took it over
+        await worker.submit("quick", "hello", run_id="other")  # claims at once on waking
+        await until(claimed(worker, 2))
+        with trio.fail_after(120):
+            result = await worker.result("r")
+        stats = worker.statistics()
+    assert result.stop_reason is StopReason.FINAL_ANSWER
+    assert (stats.claimed, stats.takeovers, stats.left) == (2, 0, 0)
+    summary = await store.read_summary("r")
+    assert (summary.claims, summary.takeovers, summary.lease.generation) == (1, 0, 1)
+    assert world.started.count("r/s1/a1") == 1 and sorted(world.effects) == ["r/s1/a1", "r/s2/a1"]
+
+
+async def test_a_run_claimed_again_while_its_old_drive_ends_keeps_its_slot(autojump_clock):
+    """The old drive's end removed the new drive's handle and slot (by run id): the worker
+    counted one run fewer than it drove (past ``max_running``), and a drain missed it."""
+    world, paused = World(), PausedClock()
+    inner = MemoryStore(clock=paused)
+    store = ForgetsDriving(inner)
+    agents = {
+        "calc": lambda: world.agent(LONG_SECOND_STEP),
+        "quick": lambda: world.agent([say("hi")]),
+    }
+    async with fleet(store, agents, lease_ttl_s=3.0, drain_s=5) as worker:
+        await worker.submit("calc", "work", run_id="r")
+        await until(lambda: _started(world, "r/s1/a1"))
+        paused.paused_s = 10.0
+        await worker.submit("quick", "hello", run_id="other")
+        await until(claimed(worker, 3))  # "r" a second time (the queue forgot), and "other"
+        await worker.result("other")
+        await until(lambda: _started(world, "r/s2/a1"))  # the new drive goes on
+        await until(lambda: _left(worker, 1))  # the old drive stopped: its lease was lost
+        assert worker.statistics().running == 1  # the new drive of "r" keeps its slot
+        assert "r" in worker._handles  # and its handle: the drain below reaches it
+    assert (await inner.read_summary("r")).lease.generation == 2
+    assert "r/s2/a1" not in world.effects  # the new drive was drained (cut) mid-step
+
+
+async def _left(worker, count: int) -> bool:
+    await trio.lowlevel.checkpoint()
+    return worker.statistics().left >= count
+
+
 async def drivers_die(store, *, max_takeovers: int) -> int:
     """Claim the run again and again, each claimer dying at once; the deaths until none can."""
     deaths = 0

@@ -590,6 +590,66 @@ async def test_a_stale_generation_is_fenced_off_and_stores_nothing(tmp_path: Pat
         assert len((await b.read_log("other")).records) == 6
 
 
+class _HeldBackend(sqlite_module.SqliteBackend):
+    """Holds the committer before the batch of generation 1's write at seq 2 until ``go``."""
+
+    commits_here = False
+    held = threading.Event()
+    go = threading.Event()
+
+    def commit(self, batch: list[_engine.Write]) -> _engine.BatchReport:
+        if any(write.generation == 1 and write.seq == 2 for write in batch):
+            type(self).held.set()
+            type(self).go.wait(30)
+        return super().commit(batch)
+
+
+@pytest.mark.parametrize("early", [False, True], ids=["after", "while-in-flight"])
+async def test_a_write_refused_under_an_older_lease_does_not_refuse_the_new_leases(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, early: bool
+) -> None:
+    """A lease taken in a store object while a write of the run's older lease was in flight
+    there (a fleet worker claiming a run again as its last drive was cut): the older write's
+    refusal (`LeaseLost`, generation 1) was kept for the run and refused every write of the
+    new lease, so the run failed again and was taken over once more. ``early``: the new
+    lease's first write comes while the older write is still in flight; it waits for it."""
+    monkeypatch.setattr(sqlite_module, "SqliteBackend", _HeldBackend)
+    monkeypatch.setattr(_HeldBackend, "held", threading.Event())
+    monkeypatch.setattr(_HeldBackend, "go", threading.Event())
+    clock = Clock()
+    refused: list[TreadleError] = []
+
+    async def old_write(store: SqliteStore) -> None:
+        try:
+            await store.write_intent(intent("r", "old"), seq=2, generation=1)
+        except TreadleError as exc:
+            refused.append(exc)
+
+    async def new_write(store: SqliteStore) -> None:
+        await store.write_intent(intent("r", "new"), seq=2, generation=2)
+
+    async with open_sqlite_store(tmp_path / "s.db", clock=clock) as store:
+        assert await lease(store, "r", owner="a") == 1
+        await store.write_run_started(started("r"), seq=1, generation=1)
+        await store.read_log("r")  # committed, not just queued
+        with trio.fail_after(30):
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(old_write, store)
+                assert await trio.to_thread.run_sync(_HeldBackend.held.wait, 30)
+                clock.now += TTL_S + 1  # a's lease expired with its write in flight
+                assert await lease(store, "r", owner="b") == 2
+                if early:
+                    nursery.start_soon(new_write, store)
+                    await trio.testing.wait_all_tasks_blocked()
+                _HeldBackend.go.set()
+        assert [type(exc) for exc in refused] == [LeaseLost]
+        if not early:
+            await new_write(store)
+        await store.write_intent(intent("r", "next"), seq=3, generation=2)
+        log = await store.read_log("r")
+    assert [r.intent_id for r in log.records[1:]] == ["new", "next"]  # type: ignore[attr-defined]
+
+
 async def test_a_writer_behind_the_stored_seq_conflicts_at_commit(tmp_path: Path) -> None:
     """Two store objects of the same lease holder: the one behind gets `ConflictError`."""
     path = tmp_path / "s.db"

@@ -15,8 +15,9 @@ single ``run_sync_soon``: group commit across every run of the store object
   by the run's next write (or by `CommitEngine.aclose`).
 * **Prefix durability**: a batch holds every run's writes in seq order and the backend makes a
   run's later write durable only with its earlier ones. After any write of a run fails, the
-  engine refuses every later write of that run in this store object, so nothing lands after a
-  hole.
+  engine refuses every later write of that run under the same lease in this store object, so
+  nothing lands after a hole; the first write under a new lease starts afresh from what the
+  store holds.
 * **Reads never change what the engine knows.** Only writes and their commits move a run's
   next seq; a store's reads first wait for the run's queued writes (`CommitEngine.settle`) and
   then read on their own.
@@ -289,9 +290,14 @@ class _Counters:
 
 @attrs.define(eq=False)
 class _RunState:
-    """What the trio side knows of one run: its next seq, last write and first failure."""
+    """What the trio side knows of one run under one lease: next seq, last write, first failure.
+
+    ``generation`` is the lease generation of the writes it was made for: a write of a later
+    generation (a new lease of the run) does not inherit it (`CommitEngine.append`).
+    """
 
     next_seq: int
+    generation: int = 0
     head: object = None
     last: Write | None = None
     error: TreadleError | None = None
@@ -404,13 +410,14 @@ class CommitEngine:
                 first (caught at commit). Nothing of the write is stored.
             LeaseLost: ``generation`` is not the run's current lease generation.
             UsageError: the records cannot be encoded, or belong to another run.
-            StoreError: the batch of this barrier failed, an earlier write of the run failed,
-                or the store is closed.
+            StoreError: the batch of this barrier failed, an earlier write of the run under
+                the same lease generation failed, or the store is closed.
 
         Cancellation:
             Cancelled before it was queued, nothing is written; a barrier cancelled while
             awaiting its batch stays queued and WILL commit (the run's next seq has moved
-            on). Only a barrier (or a write that waits for room) yields to the scheduler.
+            on). Only a barrier (or a write that waits for room, or the first write of a
+            run here or under a new lease, which loads the run) yields to the scheduler.
 
         Protected from Ctrl-C, as trio's channels are: `KeyboardInterrupt` never leaves the
         engine's bookkeeping half done or a waiting task noted that no longer waits.
@@ -422,8 +429,10 @@ class CommitEngine:
             self.check_open()
         payload = self._encode(run_id, seq, generation, records)
         state = self._runs.get(run_id)
+        if state is not None and state.generation < generation:
+            state = await self._new_lease(run_id, generation)
         if state is None:
-            state = await self._load(run_id)
+            state = await self._load(run_id, generation)
             self.check_open()
         if state.error is not None:
             state.reported = True
@@ -515,10 +524,34 @@ class CommitEngine:
                 f"run {run_id!r}: cannot encode {kinds}: {type(exc).__name__}: {exc!s:.500}"
             ) from exc
 
-    async def _load(self, run_id: str) -> _RunState:
+    async def _new_lease(self, run_id: str, generation: int) -> _RunState | None:
+        """Drop what the engine kept of ``run_id`` under leases older than ``generation``.
+
+        A lease taken while a write of the older one was in flight here (a takeover after a
+        pause, a run claimed again as its last drive was cut) left that state in place
+        (`forget` keeps a run with writes in flight). Its next seq and its failure (the
+        older lease's `LeaseLost`, say) are the older lease's: the first write of the new
+        lease waits for those writes to be handed back, then loads the run afresh. Kept,
+        the new lease's writes were refused with the older lease's error.
+
+        Returns:
+            The run's state now: ``None`` (to be loaded), or one made meanwhile for
+            ``generation`` or a later one.
+        """
+        state = self._runs.get(run_id)
+        while state is not None and state.generation < generation:
+            if state.last is not None and not state.last.done:
+                await self.settle(run_id)
+            else:
+                self.forget(run_id)
+            state = self._runs.get(run_id)
+        return state
+
+    async def _load(self, run_id: str, generation: int) -> _RunState:
         head = await trio.to_thread.run_sync(self._backend.load, run_id, limiter=self.workers)
+        made = _RunState(next_seq=head.next_seq, generation=generation, head=head.state)
         # another task may have loaded (and advanced) the run meanwhile: keep that one
-        return self._runs.setdefault(run_id, _RunState(next_seq=head.next_seq, head=head.state))
+        return self._runs.setdefault(run_id, made)
 
     async def settle(self, run_id: str | None = None) -> None:
         """Wait until the writes queued here (of ``run_id``, or of every run) are handed back.
@@ -585,14 +618,14 @@ class CommitEngine:
                 if write.closes:  # the run is finished: keep nothing of it
                     self.forget(write.run_id)
             else:
-                self._poison(write.run_id, write.error)
+                self._poison(write.run_id, write.error, write.generation)
             if write.waiter is not None:
                 reschedule(write.waiter)
                 write.waiter = None
             if write.event is not None:
                 write.event.set()
         for run_id, error in report.lost:
-            self._poison(run_id, error)
+            self._poison(run_id, error, None)
         c = self._counters
         c.pending -= len(batch)
         c.syncs += report.syncs
@@ -608,10 +641,17 @@ class CommitEngine:
             if self.metrics is not None:
                 self.metrics.commit(ok)
 
-    def _poison(self, run_id: str, error: TreadleError) -> None:
+    def _poison(self, run_id: str, error: TreadleError, generation: int | None) -> None:
+        """Refuse the run's later writes with ``error``, a write's failure.
+
+        ``generation`` is the failed write's lease generation (``None``: the run's current
+        lease here). A failure of an older lease's write leaves a newer lease's writes alone.
+        """
         state = self._runs.get(run_id)
         if state is None:
-            state = self._runs[run_id] = _RunState(next_seq=0)
+            state = self._runs[run_id] = _RunState(next_seq=0, generation=generation or 0)
+        if generation is not None and generation < state.generation:
+            return
         if state.error is None:
             state.error = error
 

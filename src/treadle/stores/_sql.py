@@ -33,7 +33,7 @@ import datetime as dt
 import functools
 import threading
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from typing import Any, Final, Protocol, TypeVar
 
 import attrs
@@ -1058,15 +1058,24 @@ def claim(
     ttl_s: float,
     max_takeovers: int,
     backoff_s: float,
+    driving: frozenset[str] = frozenset(),
 ) -> tuple[Claim, ...]:
-    """Claim up to ``limit`` runs in one transaction (`treadle.stores._queue`)."""
+    """Claim up to ``limit`` runs in one transaction (`treadle.stores._queue`).
+
+    The runs in ``driving`` (the claimer drives them) are never claimed: the query asks for
+    as many more candidates, and they are passed over.
+    """
     if limit < 1 or not agents:
         return ()
     claims: list[Claim] = []
     with write_transaction(dialect, conn):
         now = dialect.now(conn)
-        query, params = _candidates(dialect, agents, now, limit)
+        query, params = _candidates(dialect, agents, now, limit + len(driving))
         for row in conn.execute(query, params).fetchall():
+            if len(claims) >= limit:
+                break
+            if row[0] in driving:
+                continue
             made = _claim_row(
                 dialect, conn, row, owner, agents, ttl_s, max_takeovers, backoff_s, now
             )
@@ -1424,6 +1433,7 @@ class SqlStore(EngineStore):
         ttl_s: float,
         max_takeovers: int,
         backoff_s: float,
+        driving: Collection[str] = (),
     ) -> tuple[Claim, ...]:
         """Claim up to ``limit`` runs, taking their leases (`treadle.ports.RunQueue.claim`).
 
@@ -1434,7 +1444,9 @@ class SqlStore(EngineStore):
         """
         _leases.check_ttl(ttl_s)
         self._engine.check_writable()
-        claims = await self._run(claim, owner, dict(agents), limit, ttl_s, max_takeovers, backoff_s)
+        claims = await self._run(
+            claim, owner, dict(agents), limit, ttl_s, max_takeovers, backoff_s, frozenset(driving)
+        )
         for made in claims:
             self._engine.forget(made.lease.run_id)
         return claims

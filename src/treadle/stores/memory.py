@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import datetime as dt
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 
 import attrs
 import trio
@@ -292,6 +292,7 @@ class MemoryStore(AppendStore):
         ttl_s: float,
         max_takeovers: int,
         backoff_s: float,
+        driving: Collection[str] = (),
     ) -> tuple[Claim, ...]:
         """Claim up to ``limit`` claimable runs, oldest first (see `RunQueue.claim`)."""
         await trio.lowlevel.checkpoint()
@@ -301,6 +302,8 @@ class MemoryStore(AppendStore):
         for run_id, row in self._rows.items():
             if len(claims) >= limit:
                 break
+            if run_id in driving:
+                continue
             kind = _queue.claim_kind(self._queue_row(run_id, row), agents, now)
             if kind is None:
                 continue

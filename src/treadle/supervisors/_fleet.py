@@ -127,8 +127,10 @@ class Fleet:
     _nursery: trio.Nursery
     _child_recheck_s: float = 300.0
     _metrics: MetricsRecorder | None = None
+    # Each run's entries belong to the drive that made them (its claim): a drive ending
+    # removes only its own, never those of a later drive of the same run.
     _handles: dict[str, RunHandle] = attrs.Factory(dict)
-    _driving: set[str] = attrs.Factory(set)  # claimed, not yet done (a handle or not yet)
+    _driving: dict[str, Claim] = attrs.Factory(dict)  # claimed, not yet done: run id -> claim
     _waiting: Counter[str] = attrs.Factory(Counter)  # driven, waiting on children: no slot
     _returning: int = 0  # waiting drives whose child ended, about to take a slot again
     _room: trio.lowlevel.ParkingLot = attrs.Factory(trio.lowlevel.ParkingLot)
@@ -204,7 +206,7 @@ class Fleet:
             free = self._max_running - self._busy() - self._returning
             if free > 0:
                 for made in await self._claim(free):
-                    self._driving.add(made.lease.run_id)
+                    self._driving[made.lease.run_id] = made
                     self._nursery.start_soon(
                         self._drive, made, name=f"treadle run {made.lease.run_id}"
                     )
@@ -279,6 +281,7 @@ class Fleet:
                 ttl_s=self._ttl_s,
                 max_takeovers=self._max_takeovers,
                 backoff_s=self._backoff_s,
+                driving=frozenset(self._driving),  # a paused worker's own: docs/fleet.md
             )
         except (StoreStopped, StoreRefused) as exc:  # trying again changes nothing
             _LOG.error("claiming runs failed for good, the worker ends: %s", exc)
@@ -343,13 +346,25 @@ class Fleet:
                 self._left += 1
             if hold.unreleased:
                 self._unreleased += 1
-            self._handles.pop(run_id, None)
-            self._driving.discard(run_id)
-            self._waiting.pop(run_id, None)
+            self._forget_drive(made, handle)
             self._room.unpark_all()
             if self._metrics is not None:
                 self._metrics.running(len(self._driving))
             self._wake.set()
+
+    def _forget_drive(self, made: Claim, handle: RunHandle | None) -> None:
+        """Drop the entries of the drive of ``made`` (its handle, slot and waiting count).
+
+        Only this drive's: a run claimed again while an older drive of it was ending (a
+        queue that does not honour ``driving``) keeps the newer drive's entries, so that a
+        drain still reaches it and its slot still counts.
+        """
+        run_id = made.lease.run_id
+        if handle is not None and self._handles.get(run_id) is handle:
+            del self._handles[run_id]
+        if self._driving.get(run_id) is made:
+            del self._driving[run_id]
+            self._waiting.pop(run_id, None)
 
     @trio.lowlevel.enable_ki_protection  # Ctrl-C reaches the main task: decision 0097
     async def _gauge_store(self, metrics: MetricsRecorder, every_s: float) -> None:

@@ -11,7 +11,7 @@ subclass refuse them too (a crashed process reads nothing).
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from typing import Any
 
 from treadle.ports import ControlStream, LeaseStore, RunIndex, RunQueue, RunStore
@@ -240,6 +240,7 @@ class InterceptingStore:
         ttl_s: float,
         max_takeovers: int,
         backoff_s: float,
+        driving: Collection[str] = (),
     ) -> tuple[Claim, ...]:
         """Forward."""
         return await self._queue().claim(
@@ -249,6 +250,7 @@ class InterceptingStore:
             ttl_s=ttl_s,
             max_takeovers=max_takeovers,
             backoff_s=backoff_s,
+            driving=driving,
         )
 
     async def release_quarantine(self, run_id: str) -> bool:

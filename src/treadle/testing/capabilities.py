@@ -597,6 +597,33 @@ async def _queue_unstarted_takeover(open_store: StoreOpener, clock: ContractCloc
         _expect(taken.lease.generation == claimed.lease.generation + 1, check, f"{taken}")
 
 
+async def _queue_driving(open_store: StoreOpener, clock: ContractClock | None) -> None:
+    check = "queue_driving"
+    assert clock is not None
+    async with open_store() as store:
+        queue = _queue(store, check)
+        run_id, served, claimed = await _submitted_and_claimed(
+            queue, "paused", ttl_s=1.0, max_takeovers=3
+        )
+        await clock.advance(1.5)  # w1 was paused past its TTL, and drives the run still
+        again = await queue.claim(
+            owner="w1",
+            agents=served,
+            limit=1,
+            ttl_s=1.0,
+            max_takeovers=3,
+            backoff_s=0,
+            driving={run_id},
+        )
+        _expect(again == (), check, f"a worker claimed a run it drives: {again}")
+        lease = await _leases(store, check).read_lease(run_id)
+        _expect(lease == claimed.lease, check, f"a claim passing the run over changed {lease}")
+        (taken,) = await queue.claim(
+            owner="w2", agents=served, limit=1, ttl_s=_LONG, max_takeovers=3, backoff_s=0
+        )
+        _expect(taken.lease.run_id == run_id and taken.takeover, check, f"{taken}")
+
+
 async def _queue_parked(open_store: StoreOpener, clock: ContractClock | None) -> None:
     check = "queue_parked"
     assert clock is not None
@@ -645,6 +672,7 @@ QUEUE_CHECKS: Final[tuple[tuple[str, Check, bool], ...]] = (
     ("queue_claims", _queue_claims, False),
     ("queue_takeover", _queue_takeover, True),
     ("queue_unstarted_takeover", _queue_unstarted_takeover, True),
+    ("queue_driving", _queue_driving, True),
     ("queue_parked", _queue_parked, True),
 )
 """The queue contract: ``(name, check, needs a clock)``."""
