@@ -866,3 +866,37 @@ def test_cancel_of_a_jsonl_run_another_process_holds_says_its_lease_goes_with_it
     # an OS lock: no TTL to wait when its process is gone
     assert "If that process is gone, its lease went with it" in output
     assert "expires" not in output
+
+
+def _failing_at_once(*errors: BaseException):
+    """A trio program whose tasks raise ``errors`` together (a nursery groups them)."""
+
+    async def go() -> None:
+        async def fail(error: BaseException) -> None:
+            raise error
+
+        async with trio.open_nursery() as nursery:
+            for error in errors:
+                nursery.start_soon(fail, error)
+
+    return go
+
+
+def test_runs_refused_together_print_one_error_with_their_count():
+    """Two or more runs refused at once (a table dropped under a worker) printed a raw
+    ExceptionGroup traceback of some 110 lines instead of the refusal."""
+    import click
+
+    from treadle._cli_common import run_async
+    from treadle._exceptions import StoreError, StoreRefused
+
+    refused = 'relation "records" does not exist'
+    with pytest.raises(click.ClickException) as alike:
+        run_async(_failing_at_once(*[StoreRefused(refused) for _ in range(4)]))
+    assert alike.value.message == f"{refused} (4 times)"
+    with pytest.raises(click.ClickException) as mixed:
+        run_async(_failing_at_once(StoreRefused("a"), StoreError("b"), StoreRefused("a")))
+    head, *lines = mixed.value.message.splitlines()
+    assert head == "3 errors at once:" and sorted(lines) == ["  a (2 times)", "  b"]
+    with pytest.raises(ExceptionGroup):  # a bug among them keeps its traceback
+        run_async(_failing_at_once(StoreRefused("a"), ZeroDivisionError("bug")))

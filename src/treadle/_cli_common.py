@@ -10,6 +10,7 @@ import json
 import os
 import re
 import sys
+from collections import Counter
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import AbstractAsyncContextManager, AsyncExitStack, asynccontextmanager
 from typing import Any, TypeVar
@@ -216,6 +217,9 @@ def run_async(fn: Callable[[], Awaitable[T]]) -> T:
     first, so that it too prints as one line. Ctrl-C (a `KeyboardInterrupt`, or a
     `SystemExit`) in such a group leaves it as itself, as it leaves a trio run
     (docs/crash-safety.md, "What is guaranteed", item 8), for the command to report.
+    Several treadle errors at once (a worker's runs refused by the database together)
+    print as one error, each distinct message once with its count (`several_errors`).
+    Anything else (a bug) keeps its traceback.
     """
     try:
         return trio.run(fn)
@@ -228,7 +232,36 @@ def run_async(fn: Callable[[], Awaitable[T]]) -> T:
         stopping = raised(exc, KeyboardInterrupt) or raised(exc, SystemExit)
         if stopping is not None:
             raise stopping from None
+        if isinstance(error, BaseExceptionGroup):
+            message = several_errors(error)
+            if message is not None:
+                raise click.ClickException(message) from exc
         raise
+
+
+def several_errors(group: BaseExceptionGroup[BaseException]) -> str | None:
+    """One message for a group of treadle errors, or ``None`` if any other error is in it.
+
+    Each distinct message appears once, in the order first raised, with ``(N times)`` when
+    it was raised more than once: the 4 runs a worker had refused by the database for the
+    same reason print that reason once, not four tracebacks (docs/fleet.md, "What each
+    crash does": ``treadle worker`` prints the refusal and exits 1).
+    """
+    leaves: list[BaseException] = []
+    pending: list[BaseException] = [group]
+    while pending:
+        error = pending.pop(0)
+        if isinstance(error, BaseExceptionGroup):
+            pending[:0] = error.exceptions
+        else:
+            leaves.append(error)
+    if not leaves or not all(isinstance(error, TreadleError) for error in leaves):
+        return None
+    counts = Counter(str(error) for error in leaves)
+    lines = [text if n == 1 else f"{text} ({n} times)" for text, n in counts.items()]
+    if len(lines) == 1:
+        return lines[0]
+    return f"{len(leaves)} errors at once:\n" + "\n".join(f"  {line}" for line in lines)
 
 
 @asynccontextmanager
