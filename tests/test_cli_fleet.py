@@ -900,3 +900,41 @@ def test_runs_refused_together_print_one_error_with_their_count():
     assert head == "3 errors at once:" and sorted(lines) == ["  a (2 times)", "  b"]
     with pytest.raises(ExceptionGroup):  # a bug among them keeps its traceback
         run_async(_failing_at_once(StoreRefused("a"), ZeroDivisionError("bug")))
+
+
+@pytest.mark.parametrize(
+    ("option", "value", "bound"),
+    [
+        ("--timeout", "nan", ">= 0"),
+        ("--timeout", "-1", ">= 0"),
+        ("--poll", "nan", "> 0"),
+        ("--poll", "-1", "> 0"),
+        ("--poll", "0", "> 0"),  # polled in a busy loop
+        ("--poll", "inf", "> 0"),
+    ],
+)
+def test_wait_refuses_a_time_option_out_of_range_as_the_worker_does(
+    tmp_path: Path, option: str, value: str, bound: str
+):
+    """``treadle wait --timeout nan`` (or ``--poll nan``, ``--poll -1``) ended in a trio
+    traceback; ``--poll 0`` read the store in a busy loop."""
+    db = tmp_path / "runs.db"
+    assert (
+        invoke("submit", "--store", str(db), "--agent", "nobody", "x", "--run-id", "r").exit_code
+        == 0
+    )
+    waited = invoke("wait", "r", "--store", str(db), option, value)
+    assert waited.exit_code == 2, waited.output
+    assert f"Invalid value for '{option}': must be a finite number of seconds {bound}" in (
+        waited.output
+    )
+    assert not isinstance(waited.exception, ValueError | TypeError)  # no traceback
+
+
+@pytest.mark.parametrize("option", ["--claim-poll", "--backoff", "--drain"])
+def test_the_workers_time_options_refuse_nan_before_it_starts(tmp_path: Path, option: str):
+    db = tmp_path / "runs.db"
+    started = invoke("worker", "--store", str(db), "--agent", "calc=calc", option, "nan")
+    assert started.exit_code == 2, started.output
+    assert f"Invalid value for '{option}': must be a finite number of seconds" in started.output
+    assert not db.exists()

@@ -26,6 +26,7 @@ from treadle.ports import RunStore
 from treadle.stores import is_dsn, record_to_dict, redact_dsn
 from treadle.stores.jsonl import JsonlStore, open_jsonl_store
 from treadle.stores.sqlite import open_sqlite_store
+from treadle.supervisors._fleet import seconds_out_of_range
 from treadle.types import (
     ActionIntent,
     ActionResult,
@@ -200,6 +201,34 @@ async def agent_block(
             f"warning: --agent {spec}: leaving what {spec}() returned failed: {innermost(exc)}",
             err=True,
         )
+
+
+class Seconds(click.types.FloatParamType):
+    """A command-line duration in seconds: a finite number >= 0 (> 0 with ``above_zero``).
+
+    The rule of the worker's settings (`treadle.supervisors._fleet.seconds_out_of_range`):
+    a NaN, an infinity or a negative number is refused as a usage error (exit 2) before it
+    reaches a sleep or a deadline, where trio raised a traceback (and a zero poll busy-looped).
+    """
+
+    name = "seconds"
+
+    def __init__(self, *, above_zero: bool = False) -> None:
+        self.above_zero = above_zero
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
+        """The number of seconds ``value`` says; fails (exit 2) when out of range."""
+        try:
+            seconds = super().convert(value, param, ctx)
+        except click.BadParameter:
+            self.fail(f"{value!r} is not a number of seconds", param, ctx)
+        why = seconds_out_of_range(seconds, above_zero=self.above_zero)
+        if why is not None:
+            self.fail(why, param, ctx)
+        return seconds
+
+    def __repr__(self) -> str:
+        return "SECONDS"
 
 
 def innermost(error: BaseException) -> BaseException:

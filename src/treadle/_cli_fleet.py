@@ -23,6 +23,7 @@ import click
 import trio
 
 from treadle._cli_common import (
+    Seconds,
     agent_block,
     bare_host,
     counted,
@@ -146,7 +147,13 @@ def _same(agent: Agent) -> Agent:
     type=click.FloatRange(min=0.1, max=3600),
     help="Seconds a lease lasts unless renewed (every third of it).",
 )
-@click.option("--claim-poll", "claim_poll_s", default=CLAIM_POLL_S, show_default=True, type=float)
+@click.option(
+    "--claim-poll",
+    "claim_poll_s",
+    default=CLAIM_POLL_S,
+    show_default=True,
+    type=Seconds(above_zero=True),
+)
 @click.option(
     "--max-takeovers",
     default=MAX_TAKEOVERS,
@@ -154,13 +161,13 @@ def _same(agent: Agent) -> Agent:
     type=click.IntRange(min=1),
     help="Deaths of a run's driver after which the run is quarantined.",
 )
-@click.option("--backoff", "backoff_s", default=BACKOFF_S, show_default=True, type=float)
+@click.option("--backoff", "backoff_s", default=BACKOFF_S, show_default=True, type=Seconds())
 @click.option(
     "--drain",
     "drain_s",
     default=DRAIN_S,
     show_default=True,
-    type=click.FloatRange(min=0),
+    type=Seconds(),
     help="Seconds runs get to reach a safe point after SIGTERM before being cut.",
 )
 @click.option(
@@ -328,11 +335,18 @@ def submit_command(store_path: str, agent_name: str, run_id: str | None, text: s
 @run_id_argument()
 @store_option
 @click.option("--json", "as_json", is_flag=True, help="Print the result as one JSON object.")
-@click.option("--poll", "poll_s", default=CLAIM_POLL_S, show_default=True, type=float)
+@click.option(
+    "--poll",
+    "poll_s",
+    default=CLAIM_POLL_S,
+    show_default=True,
+    type=Seconds(above_zero=True),
+    help="Seconds between two looks at the run.",
+)
 @click.option(
     "--timeout",
     "timeout_s",
-    type=click.FloatRange(min=0),
+    type=Seconds(),
     default=None,
     help="Give up after this many seconds (exit 2); default: wait as long as it takes.",
 )
