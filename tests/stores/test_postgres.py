@@ -225,6 +225,41 @@ async def test_a_raw_at_or_slash_in_a_url_password_is_refused_before_connecting(
         await PostgresStore.open(escaped, schema="public")  # read as meant: a wrong password
 
 
+@pytest.mark.parametrize(
+    ("dsn", "said"),
+    [
+        (
+            "postgresql://treadle@127.0.0.1:54329/db?connect_timout=3",
+            'invalid URI query parameter: "connect_timout"',
+        ),
+        ("postgresql://[::1:54329/db", 'looking for matching "]" in IPv6 host address'),
+        ("postgresql://u:hunter22@[::1:54329/db", '"postgresql://u:***@[::1:54329/db"'),
+        ("postgresql://u%zz:hunter22@h/db", 'invalid percent-encoded token: "u%zz"'),
+    ],
+)
+def test_a_url_unreadable_for_another_reason_than_its_password_says_libpqs_complaint(
+    dsn: str, said: str
+) -> None:
+    """A misspelt query parameter or an unclosed '[' was reported as a password that needs
+    escaping (every URL libpq could not read was)."""
+    from treadle.stores.postgres import _check_readable
+
+    with pytest.raises(treadle.UsageError) as info:
+        _check_readable(dsn)
+    message = str(info.value)
+    assert said in message and "%25" not in message
+    assert "hunter22" not in message
+
+
+@pytest.mark.parametrize("password", ["50%off", "p%zz", "my pass", "100%"])
+def test_a_url_unreadable_for_its_password_says_how_to_write_it(password: str) -> None:
+    from treadle.stores.postgres import _check_readable
+
+    with pytest.raises(treadle.UsageError, match="is written %25, %20, %2F or %40") as info:
+        _check_readable(f"postgresql://u:{password}@h/db")
+    assert password not in str(info.value)
+
+
 def test_a_dsn_is_told_from_a_path_and_its_password_hidden_however_written() -> None:
     from treadle.stores import is_dsn, redact_dsn
 

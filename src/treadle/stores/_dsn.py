@@ -85,6 +85,21 @@ def scrub_password(text: str, store: str) -> str:
     return text
 
 
+def quotes_password(text: str, store: str) -> bool:
+    """Whether ``text``, libpq's complaint about the URL ``store``, quotes its password.
+
+    libpq quotes the token it could not read: a password with a raw ``%`` or space is
+    quoted whole or in part (``invalid percent-encoded token: "p%zz"``). A complaint about
+    another part of the URL (a misspelt query parameter, an unclosed ``[`` of an IPv6 host)
+    quotes something else, or the whole URL.
+    """
+    parts = _url_parts(store)
+    password = parts[2] if parts is not None else None
+    if not password:
+        return False
+    return any(token and token in password for token in re.findall(r'"([^"]*)"', text))
+
+
 def _url_parts(store: str) -> tuple[str, str | None, str | None, str] | None:
     """``(scheme, user, password, the rest)`` of a DSN URL; ``None`` for anything else.
 

@@ -45,7 +45,7 @@ from treadle._exceptions import (
 )
 from treadle._trio_only import require_trio
 from treadle.stores import _sql
-from treadle.stores._dsn import redact_dsn, scrub_password
+from treadle.stores._dsn import quotes_password, redact_dsn, scrub_password
 from treadle.stores._engine import BatchReport, CommitEngine, Write, fail_writes
 
 FIRST_LAYOUT: Final = 2
@@ -671,6 +671,11 @@ def schema_of(dsn: str) -> tuple[str | None, list[str]]:
 def _check_readable(dsn: str) -> None:
     """Refuse a DSN libpq cannot read, without quoting it (the quote is of its password).
 
+    The hint on writing a URL's password is given when the password is the likely cause:
+    libpq's complaint quotes it (a raw ``%`` or space), or it holds a raw ``@`` or ``/``.
+    Otherwise (a misspelt query parameter, an unclosed ``[``, any ``key=value`` error) the
+    message is libpq's own, the password hidden as in every message about the store.
+
     Raises:
         UsageError: ``dsn`` is malformed, or is a URL whose user information holds a raw
             ``@`` or ``/`` (libpq would read a piece of the password as the host).
@@ -679,13 +684,13 @@ def _check_readable(dsn: str) -> None:
     try:
         _psycopg().conninfo.conninfo_to_dict(dsn)
     except _psycopg().ProgrammingError as exc:
-        if not url:  # key=value form: libpq's own words (an unknown keyword, a missing '='),
-            # the password hidden as in every message about the store
-            said = redact_dsn(scrub_password(str(exc).strip().splitlines()[0], dsn))
+        said = str(exc).strip().splitlines()[0]
+        misread = url and quotes_password(said, dsn)
+        if not misread:
+            said = redact_dsn(scrub_password(said.replace(dsn, redact_dsn(dsn)), dsn))
             raise UsageError(
                 f"the PostgreSQL DSN {redact_dsn(dsn)} cannot be read: {said}"
             ) from None
-        misread = True
     else:
         # libpq ends a URL's user information at its first '@' (and its host at the first
         # '/'): a raw '@' or '/' before the last '@' connects elsewhere, and names a piece of
