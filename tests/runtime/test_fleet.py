@@ -195,6 +195,22 @@ async def test_submitting_a_run_again_is_idempotent(autojump_clock):
     assert await store.list_runs() == ("job-1",)
 
 
+async def test_submitting_a_run_id_again_says_whether_its_agent_or_its_input_differs(
+    fleet_store,
+):
+    """The same input under another agent was refused as "with another input"."""
+    hello = (Message(role="user", content="hello"),)
+    await fleet_store.submit("dup", agent="pay", input=hello)
+    with pytest.raises(UsageError) as other_agent:
+        await fleet_store.submit("dup", agent="approve", input=hello)
+    assert str(other_agent.value) == (
+        "run 'dup' was already submitted for agent 'pay', not 'approve'; a run id names one run"
+    )
+    with pytest.raises(UsageError) as other_input:
+        await fleet_store.submit("dup", agent="pay", input=(Message(role="user", content="x"),))
+    assert "for agent 'pay' with another input" in str(other_input.value)
+
+
 async def test_a_run_started_without_the_queue_cannot_be_submitted(autojump_clock):
     world, store = World(), new_store()
     await treadle.run(world.agent(ONE_STEP), "work", store=store, run_id="direct")

@@ -101,7 +101,12 @@ def same_submission(
     """
     if earlier is None:
         raise UsageError(f"run {run_id!r} exists and was not submitted to a queue")
-    if earlier.agent != agent or earlier.input != input:
+    if earlier.agent != agent:
+        raise UsageError(
+            f"run {run_id!r} was already submitted for agent {earlier.agent!r}, not "
+            f"{agent!r}; a run id names one run"
+        )
+    if earlier.input != input:
         raise UsageError(
             f"run {run_id!r} was already submitted for agent {earlier.agent!r} with another "
             "input; a run id names one run"
