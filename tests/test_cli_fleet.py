@@ -938,3 +938,11 @@ def test_the_workers_time_options_refuse_nan_before_it_starts(tmp_path: Path, op
     assert started.exit_code == 2, started.output
     assert f"Invalid value for '{option}': must be a finite number of seconds" in started.output
     assert not db.exists()
+
+
+def test_unquarantine_of_an_unknown_run_says_there_is_no_such_run(tmp_path: Path):
+    db = tmp_path / "runs.db"
+    assert invoke("submit", "--store", str(db), "--agent", "calc", "x").exit_code == 0
+    missing = invoke("unquarantine", "nosuch", "--store", str(db))
+    assert missing.exit_code == 1 and "no run 'nosuch'" in missing.output, missing.output
+    assert "not quarantined" not in missing.output

@@ -426,7 +426,11 @@ def unquarantine_command(run_id: str, store_path: str) -> None:
         async with open_store(store_path) as store:
             if not isinstance(store, RunQueue):
                 raise click.ClickException(f"{redact(store_path)} has no queue")
-            return await store.release_quarantine(run_id)
+            if await store.release_quarantine(run_id):
+                return True
+            if isinstance(store, RunIndex) and await store.read_summary(run_id) is None:
+                raise click.ClickException(f"no run {run_id!r} in {redact(store_path)}")
+            return False
 
     if not run_async(go):
         raise click.ClickException(f"run {run_id} is not quarantined")

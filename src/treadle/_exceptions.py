@@ -419,6 +419,12 @@ def refusal_in(exc: BaseException) -> StoreRefused | None:
     return found if isinstance(found, StoreRefused) else None
 
 
+def lease_lost_in(exc: BaseException) -> LeaseLost | None:
+    """The `LeaseLost` that ``exc`` is or holds (in groups, or as a cause), if any."""
+    found = _held_in(exc, LeaseLost)
+    return found if isinstance(found, LeaseLost) else None
+
+
 def busy_in(exc: BaseException) -> StoreBusy | None:
     """The `StoreBusy` that ``exc`` is or holds (in groups, or as a cause), if any."""
     found = _held_in(exc, StoreBusy)

@@ -699,6 +699,44 @@ async def test_a_run_claimed_again_while_its_old_drive_ends_keeps_its_slot(autoj
     assert "r/s2/a1" not in world.effects  # the new drive was drained (cut) mid-step
 
 
+class RenewalsFail(InterceptingStore):
+    """While ``failing``, the worker's lease renewals fail (the store is out of its reach)."""
+
+    def __init__(self, inner) -> None:
+        super().__init__(inner)
+        self.failing = False
+
+    async def renew_leases(self, leases, *, ttl_s):
+        if self.failing:
+            raise treadle.StoreError("the store is out of reach")
+        return await super().renew_leases(leases, ttl_s=ttl_s)
+
+
+async def test_a_run_cancelled_elsewhere_while_its_worker_was_paused_is_no_unreleased_lease(
+    autojump_clock, caplog
+):
+    """The worker's write found the run finished by `treadle cancel` (its lease taken, then
+    released): the worker counted "1 lease not released (each expires after its TTL ...)"
+    for a lease that was no longer its own, and logged "run 'r': run 'r': ..."."""
+    from treadle.supervisors._finishing import finish_cancelled
+
+    world, paused = World(), PausedClock()
+    inner = MemoryStore(clock=paused)
+    store = RenewalsFail(inner)
+    async with fleet(store, {"calc": lambda: world.agent(TWO_STEPS)}) as worker:
+        await worker.submit("calc", "work", run_id="r")
+        await until(lambda: _started(world, "r/s1/a1"))
+        store.failing, paused.paused_s = True, 10.0  # paused past its TTL, out of reach
+        cancelled = await finish_cancelled(inner, "r", owner="canceller", reason="stop")
+        assert cancelled.state is RunState.CANCELLED
+        await until(lambda: _left(worker, 1))  # its next write: LeaseLost
+        stats = worker.statistics()
+    assert (stats.left, stats.unreleased) == (1, 0)
+    assert "leases released" in stopped_line(stats)
+    said = [r.getMessage() for r in caplog.records if "was lost" in r.getMessage()]
+    assert said and all(text.count("run 'r'") == 1 for text in said), said
+
+
 async def _left(worker, count: int) -> bool:
     await trio.lowlevel.checkpoint()
     return worker.statistics().left >= count

@@ -92,7 +92,8 @@ class FleetStatistics:
             freed (docs/child-runs.md, "In a fleet").
         unreleased: drives that ended with the run's lease not released (the release failed
             or was cut at the drain's deadline, or the run failed and its lease is left to
-            expire): each such run is free again after the lease TTL, as a takeover.
+            expire): each such run is free again after the lease TTL, as a takeover. A
+            lease lost to another driver is not counted (it is not this worker's).
     """
 
     running: int
@@ -384,7 +385,7 @@ class Fleet:
         if handle is not None and handle.left is not None:
             _LOG.info("run %r left %s: it resumes from its log", run_id, handle.left)
         elif isinstance(exc, LeaseError):  # another worker took it over: the operator sees it
-            _LOG.warning("run %r: %s", run_id, exc)
+            _LOG.warning("%s", exc)  # its message names the run
         else:
             _LOG.warning("run %r stopped unfinished: %s", run_id, exc)
 

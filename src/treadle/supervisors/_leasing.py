@@ -23,7 +23,7 @@ from typing import Final
 import attrs
 import trio
 
-from treadle._exceptions import LeaseLost, busy_in, refusal_in
+from treadle._exceptions import LeaseLost, busy_in, lease_lost_in, refusal_in
 from treadle.ports import LeaseStore, RunStore
 from treadle.supervisors._relay import Relay
 from treadle.types import Lease
@@ -136,8 +136,16 @@ class LeaseHold:
         when ``error`` is the database refusing the driver (`StoreRefused`) or another
         transaction keeping a lock past the store's wait (`StoreBusy`), anywhere in it: that
         is not the run's failure, and its next claim must not count as a takeover
-        (docs/fleet.md), so the lease is released.
+        (docs/fleet.md), so the lease is released. Nor when ``error`` says the lease was lost
+        (`LeaseLost`: another driver, or ``treadle cancel``, took the run): it is not this
+        driver's to release or to leave to expire, so it is not counted as `unreleased`.
         """
+        lost = lease_lost_in(error)
+        if lost is not None and lost.run_id == self.run_id:
+            self.lost = self.lost or lost
+            self.lease = None
+            await trio.lowlevel.checkpoint()
+            return
         if not self.expire_on_failure or refusal_in(error) or busy_in(error):
             await self.release_quietly()
             return
