@@ -28,7 +28,7 @@
                                               call fails its drive, which is left resumable
       SeamViolation(TreadleError, TypeError)  a seam returned what its contract excludes (.seam)
       EnvironmentFailure                      raised by a tool: its environment is gone (ENV_ERROR)
-      ToolProcessFailed                       a process tool's child died without a reply
+      StrayCancellation                       a call raised a trio.Cancelled nothing cancelled
       StaleWrite                              raised by a writing tool: its resource changed
                                               since the model read it (NOT_EXECUTED)
       ContractViolation(TreadleError, AssertionError)
@@ -151,11 +151,11 @@ class EnvironmentFailure(TreadleError):
     """
 
 
-class ToolProcessFailed(TreadleError):
-    """The child process of a process tool died without a reply.
+class StrayCancellation(TreadleError):
+    """A call in the tool host raised `trio.Cancelled` though nothing cancelled it.
 
-    The call is EXECUTED with this error as observation (docs/concepts.md, "Tools and
-    cancellation").
+    A cancellation it caught earlier, in a scope it has left, and raised again: that is the
+    call's error (its ``__cause__``), not its cancellation (docs/decisions/0025-tool-host.md).
     """
 
 

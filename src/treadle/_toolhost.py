@@ -29,7 +29,7 @@ import attrs
 import outcome
 import trio
 
-from treadle._exceptions import only_cancelled
+from treadle._exceptions import StrayCancellation, only_cancelled, raised
 
 T = TypeVar("T")
 
@@ -44,14 +44,28 @@ class HostStatistics:
         calls: calls started in the host.
         running: calls that have not ended yet (abandoned ones included).
         abandoned: calls whose run stopped waiting for them before they ended.
-        late_returns: abandoned calls that ended afterwards (their outcome went to
-            diagnostics only).
+        late_returns: abandoned calls, and stray threads, that ended afterwards (their
+            outcome went to diagnostics only).
+        stray_threads: worker threads still running that their call left behind when it
+            gave up on them (a plain ``def`` tool past its timeout): Python cannot stop a
+            thread, so it runs until the function returns, holding its place among the tool
+            threads (`treadle.tools.TOOL_THREADS`) until then.
     """
 
     calls: int = 0
     running: int = 0
     abandoned: int = 0
     late_returns: int = 0
+    stray_threads: int = 0
+
+
+def cancelled_here() -> bool:
+    """Whether the current task is in a cancelled scope (its cancellation is due here).
+
+    A `trio.Cancelled` raised where this is false belongs to no scope around the code that
+    sees it: a cancellation caught earlier, in a scope since left, and raised again.
+    """
+    return trio.current_effective_deadline() == -math.inf
 
 
 class _Done:
@@ -140,15 +154,21 @@ class HostedCall(Generic[T]):
         self._started = trio.current_time()
         for variable, value in self._context.items():  # as if the caller had spawned it
             variable.set(value)
+        _CALL.set(self)
         try:
             with self._scope:
                 try:
                     self._result = outcome.Value(await fn())
                 except BaseException as exc:
-                    if only_cancelled(exc):
+                    if only_cancelled(exc) and cancelled_here():
                         # The call's own scope takes it (cancelled: no result), also from
                         # a nursery of the call's, or it is the host's end.
                         raise
+                    if raised(exc, trio.Cancelled) is not None and not cancelled_here():
+                        # Nothing cancelled the call: a cancellation the call caught earlier
+                        # and raised again. Raised on, it would end the host; returned as
+                        # is, it would pass for the waiting run's own cancellation.
+                        exc = self._stray(exc)
                     # The run waiting on the call raises it (an abandoned call's is reported).
                     # Any other BaseException too (asyncio's CancelledError from a bridged
                     # call, GeneratorExit, a subclass of the caller's): raised in this system
@@ -160,28 +180,84 @@ class HostedCall(Generic[T]):
             if self._abandoned:
                 self._report_late()
 
+    def _stray(self, exc: BaseException) -> StrayCancellation:
+        stray = StrayCancellation(
+            f"{self.description} raised a trio.Cancelled that no cancel scope of its own "
+            "took (one caught earlier and raised again)"
+        )
+        stray.__cause__ = exc
+        return stray
+
     def _report_late(self) -> None:
         self._stats.late_returns += 1
         took = trio.current_time() - self._started
-        found = self._result
-        if isinstance(found, outcome.Value):
-            observation = getattr(found.value, "observation", None)  # an ActionOutcome
-            shown = observation if isinstance(observation, str) else found.value
-            what = f"returned {shown!r:.200}"
-        elif isinstance(found, outcome.Error):
-            what = f"raised {type(found.error).__name__}: {found.error}"
-        else:
-            what = "was cancelled"
-        text = f"{self.description} ended {took:.3f} s after it started, abandoned: it {what}"
-        if found is None:  # it honoured the cancellation, later: nothing it did is lost
-            LOG.debug("%s", text)
-            return
-        LOG.warning("%s (not recorded: the call already has its result)", text)
-        if self._on_late is not None:
-            try:
-                self._on_late(text)
-            except Exception:  # a diagnostic must never fail the host
-                LOG.exception("reporting a late tool return failed")
+        _report_late(self.description, took, self._result, self._on_late)
+
+
+def _report_late(
+    description: str,
+    took: float,
+    found: outcome.Outcome[Any] | None,
+    on_late: Callable[[str], None] | None,
+) -> None:
+    """Report what an abandoned call (or its stray thread) did after ``took`` seconds."""
+    if isinstance(found, outcome.Value):
+        observation = getattr(found.value, "observation", None)  # an ActionOutcome
+        shown = observation if isinstance(observation, str) else found.value
+        what = f"returned {shown!r:.200}"
+    elif isinstance(found, outcome.Error):
+        what = f"raised {type(found.error).__name__}: {found.error}"
+    else:
+        what = "was cancelled"
+    text = f"{description} ended {took:.3f} s after it started, abandoned: it {what}"
+    if found is None:  # it honoured the cancellation, later: nothing it did is lost
+        LOG.debug("%s", text)
+        return
+    LOG.warning("%s (not recorded: the call already has its result)", text)
+    if on_late is not None:
+        try:
+            on_late(text)
+        except Exception:  # a diagnostic must never fail the host
+            LOG.exception("reporting a late tool return failed")
+
+
+class StrayThread:
+    """A worker thread that the current call left running (`leave_thread`).
+
+    Counted in `HostStatistics.stray_threads` until it ends; what it returns then is
+    reported as an abandoned call's late return is (docs/decisions/0025-tool-host.md).
+    """
+
+    def __init__(self, stats: HostStatistics, call: HostedCall[Any] | None, what: str) -> None:
+        self._stats = stats
+        self._token = trio.lowlevel.current_trio_token()
+        self._description = what if call is None else call.description
+        self._on_late = None if call is None else call._on_late
+        self._started = trio.current_time() if call is None else call._started
+        stats.stray_threads += 1
+
+    def ended(self, found: outcome.Outcome[Any]) -> None:
+        """Report the thread's end (from any thread; never blocks)."""
+        try:
+            self._token.run_sync_soon(self._report, found)
+        except trio.RunFinishedError:  # the trio run is over: its host's counters with it
+            LOG.warning("%s ended in its worker thread after its trio run", self._description)
+
+    def _report(self, found: outcome.Outcome[Any]) -> None:
+        self._stats.stray_threads -= 1
+        self._stats.late_returns += 1
+        took = trio.current_time() - self._started
+        _report_late(self._description, took, found, self._on_late)
+
+
+def leave_thread(what: str) -> StrayThread:
+    """Count a worker thread the current call gives up on while it runs (in trio's thread).
+
+    Args:
+        what: names the call in diagnostics when it does not run in the host (its own
+            description is used when it does).
+    """
+    return StrayThread(current_host().stats, _CALL.get(), what)
 
 
 _Queued: TypeAlias = tuple[HostedCall[Any], Callable[[], Awaitable[Any]]]
@@ -243,6 +319,10 @@ def _drain(queued: trio.MemoryReceiveChannel[_Queued]) -> list[_Queued]:
 
 
 _CURRENT: trio.lowlevel.RunVar[ToolHost] = trio.lowlevel.RunVar("treadle_tool_host")
+_CALL: contextvars.ContextVar[HostedCall[Any] | None] = contextvars.ContextVar(
+    "treadle_hosted_call", default=None
+)
+"""The hosted call the current task runs (in the call's own task only)."""
 
 
 def current_host() -> ToolHost:

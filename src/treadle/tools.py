@@ -41,7 +41,13 @@ no coercion, no extra keys) before the tool runs (docs/concepts.md, "Data that s
 * the tool ran past its timeout: EXECUTED, ``Error: the call to X timed out after N s``
   (a process tool's process is killed); a thread tool that is still running is abandoned:
   UNKNOWN, ``Error: the call to X timed out after N s and was abandoned while it still
-  ran; its outcome is unknown``;
+  ran; its outcome is unknown``; a thread tool that got no thread (`TOOL_THREADS`) within
+  its timeout: NOT_EXECUTED;
+* a process tool's process ended without a reply (killed by a signal, the OOM killer):
+  UNKNOWN, ``Error: the call to X failed: its process was killed by signal N before it
+  reported its result; its outcome is unknown. ...``;
+* the tool raised a `trio.Cancelled` that nothing cancelled (caught earlier, raised again):
+  EXECUTED, ``Error: X raised a trio cancellation that was not its call's ...``;
 * the tool returned: EXECUTED; a ``str`` is the observation as is, a `ToolResult` its
   ``text`` with its ``images``, anything else compact JSON (attrs instances, enums and
   datetimes unstructured by cattrs); an `ActionOutcome` is the outcome as is (a child-run
@@ -74,23 +80,23 @@ import signal
 import sys
 import threading
 from collections.abc import Awaitable, Callable, Collection, Mapping, Sequence
-from typing import Any, Final, Literal, TypeAlias, overload
+from typing import Any, Final, Literal, TypeAlias, cast, overload
 
 import attrs
+import outcome
 import trio
 from cattrs.preconf.json import make_converter
 
-from treadle import _toolproc
+from treadle import _toolhost, _toolproc
 from treadle._exceptions import (
     ChildPending,
     ChildRunInterrupted,
     EnvironmentFailure,
-    ToolProcessFailed,
     UsageError,
     raised,
 )
 from treadle._schema import Invalid, ToolSignature, read_signature
-from treadle._toolhost import LOG
+from treadle._toolhost import cancelled_here
 from treadle.revisions import Observed, ResourceTemplate, StaleWrite, check_write, is_revision
 from treadle.types import (
     Action,
@@ -540,17 +546,86 @@ def call_tools_inline() -> None:
     _CALLS_INLINE.set(True)
 
 
-def _in_thread(found: Tool, kwargs: dict[str, Any], abandoned: threading.Event) -> Any:
-    """Run a thread tool; a call that ends after it was abandoned is logged, not returned."""
+TOOL_THREADS: Final = 100
+"""Calls of plain ``def`` tools that run at once in one trio run, each in a worker thread.
+
+They have these places of their own, apart from trio's default thread limiter (which the
+stores use), so hung tools never hold a store up. A call waits for a place within its timeout
+(one that gets none in time never runs: NOT_EXECUTED); a thread abandoned at its timeout keeps
+its place until the function returns (`treadle._toolhost.host_statistics`,
+``stray_threads``; docs/concepts.md, "Tools and cancellation").
+"""
+
+_THREADS: Final = trio.lowlevel.RunVar[trio.CapacityLimiter]("treadle.tools.threads")
+
+
+def _tool_threads() -> trio.CapacityLimiter:
+    """The places of thread tool calls in this trio run (`TOOL_THREADS` of them)."""
     try:
-        return found.fn(**kwargs)
-    finally:
-        if abandoned.is_set():
-            LOG.warning(
-                "an abandoned call of %s ended in its worker thread (not recorded: the call "
-                "already has its result)",
-                found.name,
+        return _THREADS.get()
+    except LookupError:
+        limiter = trio.CapacityLimiter(TOOL_THREADS)
+        _THREADS.set(limiter)
+        return limiter
+
+
+class _ThreadCall:
+    """One call of a plain ``def`` tool, shared by the task that waits and the worker thread.
+
+    It is ``waiting`` for its place among the tool threads, then ``running`` (from when it
+    got one: its thread starts at once), then ``ended``; or given up: ``skipped`` before it
+    got a place (the function never runs), ``left`` while it ran (a stray thread, reported
+    to the tool host when it ends). It is its own thread limiter for trio (trio's
+    ``CapacityLimiter`` protocol), which is how it learns that it got its place.
+    """
+
+    def __init__(self, found: Tool, kwargs: dict[str, Any]) -> None:
+        self._found = found
+        self._kwargs = kwargs
+        self._lock = threading.Lock()
+        self._state = "waiting"
+        self._stray: _toolhost.StrayThread | None = None
+
+    async def acquire_on_behalf_of(self, borrower: object) -> None:
+        """Wait for a place among the tool threads; trio starts the thread right after."""
+        await _tool_threads().acquire_on_behalf_of(borrower)
+        with self._lock:
+            self._state = "running"
+
+    def release_on_behalf_of(self, borrower: object) -> None:
+        """Give the place back (the thread ended)."""
+        _tool_threads().release_on_behalf_of(borrower)
+
+    def run(self) -> Any:
+        """Call the function, in the worker thread."""
+        found = outcome.capture(self._call)
+        with self._lock:
+            was, self._state = self._state, "ended"
+        if was == "left" and self._stray is not None:
+            self._stray.ended(found)
+        return found.unwrap()
+
+    def _call(self) -> Any:
+        result = self._found.fn(**self._kwargs)
+        if inspect.isawaitable(result):
+            if inspect.iscoroutine(result):
+                result.close()  # never awaited: no "never awaited" warning either
+            raise TypeError(
+                f"{self._found.name} is a plain def that returned an awaitable; declare it "
+                "async def to have it awaited"
             )
+        return result
+
+    def give_up(self) -> bool:
+        """Stop waiting for the call (in trio's thread); whether the function ran or runs."""
+        with self._lock:
+            if self._state == "waiting":
+                self._state = "skipped"
+                return False
+            if self._state == "running":
+                self._state = "left"
+                self._stray = _toolhost.leave_thread(f"a call of {self._found.name}")
+            return True
 
 
 async def _in_process(
@@ -575,21 +650,26 @@ async def _in_process(
     )
     paths = [os.getcwd() if entry == "" else entry for entry in sys.path]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(paths)}
-    completed = await trio.run_process(
-        [sys.executable, "-m", _toolproc.__name__],
-        stdin=request,
-        capture_stdout=True,
-        check=False,
-        env=env,
-        deliver_cancel=_kill,
-        start_new_session=True,  # its own process group: `_kill` kills what it started too
-    )
-    if completed.returncode != 0 or not completed.stdout:
-        detail = f"the process of {found.name} exited with status {completed.returncode}"
-        if completed.returncode < 0:
-            detail = f"the process of {found.name} was killed by signal {-completed.returncode}"
-        raise ToolProcessFailed(detail)
-    reply = pickle.loads(completed.stdout)
+    # The child's lifeline: only this process holds the write end (not inherited), so its
+    # end of file tells the child that nobody waits for the call any more.
+    lifeline, held = os.pipe()
+    try:
+        completed = await trio.run_process(
+            [sys.executable, "-m", _toolproc.__name__, str(lifeline)],
+            stdin=request,
+            capture_stdout=True,
+            check=False,
+            env=env,
+            pass_fds=(lifeline,),
+            deliver_cancel=_kill,
+            start_new_session=True,  # its own process group: `_kill` kills what it started too
+        )
+    finally:
+        os.close(lifeline)
+        os.close(held)
+    reply = _reply_in(completed.stdout)
+    if reply is None:
+        return _died(found, completed.returncode)
     if reply[0] == _toolproc.REPLY_OK:
         return Toolbox._returned(found, reply[1], resource)
     if reply[0] == _toolproc.REPLY_STALE:
@@ -601,9 +681,57 @@ async def _in_process(
     return ActionOutcome(status=ActionStatus.EXECUTED, observation=text)
 
 
+def _reply_in(data: bytes) -> tuple[Any, ...] | None:
+    """The reply a process tool's child wrote, or ``None`` when it wrote none (or part of one)."""
+    if not data:
+        return None
+    try:
+        reply = pickle.loads(data)
+    except Exception:  # cut off as it was written: the child died writing it
+        return None
+    return reply if isinstance(reply, tuple) and reply else None
+
+
+def _died(found: Tool, status: int) -> ActionOutcome:
+    """The process of a call ended without a reply (killed by a signal, the OOM killer, an exit).
+
+    What the tool did before is unknown, as for an abandoned call (docs/concepts.md, "Tools and
+    cancellation").
+    """
+    how = f"was killed by signal {-status}" if status < 0 else f"exited with status {status}"
+    detail = f"the process of {found.name} {how} without reporting its result"
+    return ActionOutcome(
+        status=ActionStatus.UNKNOWN,
+        observation=(
+            f"Error: the call to {found.name} failed: its process {how} before it reported "
+            "its result; its outcome is unknown. Check its effect before trying again."
+        ),
+        detail=detail,
+    )
+
+
 _LEAVES_THE_CALL: Final = (trio.Cancelled, KeyboardInterrupt, SystemExit)
 """What a tool raises that is no outcome of its call, also inside exception groups: trio's
 cancellation (its timeout, the run's cancel) and the process's exit."""
+
+
+_STRAY: Final = (
+    "raised a trio cancellation that was not its call's (one it caught earlier and raised "
+    "again); nothing cancelled the call"
+)
+
+
+def _stray_cancellation(exc: BaseException) -> bool:
+    """Whether a tool raised `trio.Cancelled` that no scope around the call took: a tool bug.
+
+    Only a call (or the run) that was cancelled ends with its cancellation; a stale one
+    raised again is the call's error (docs/concepts.md, "Actions and observations").
+    """
+    return (
+        raised(exc, KeyboardInterrupt) is None
+        and raised(exc, SystemExit) is None
+        and not cancelled_here()
+    )
 
 
 async def _kill(process: trio.Process) -> None:
@@ -792,7 +920,8 @@ class Toolbox:
         # then the call ends here at that time, and says what it did (a thread is abandoned).
         timeout = min(self.timeout_s(found.name), run_timeout_s)
         # only a call in a worker thread needs to learn it was abandoned
-        abandoned = threading.Event() if found.isolation == "thread" else None
+        in_thread = _ThreadCall(found, kwargs) if found.isolation == "thread" else None
+        began = True
         with trio.move_on_after(timeout):
             try:
                 if found.isolation != "task" and _CALLS_INLINE.get():
@@ -800,9 +929,11 @@ class Toolbox:
                     result = found.fn(**kwargs)
                     if inspect.isawaitable(result):  # an ``async def`` process tool
                         result = await result
-                elif abandoned is not None:  # isolation "thread"
+                elif in_thread is not None:  # isolation "thread"
                     result = await trio.to_thread.run_sync(
-                        _in_thread, found, kwargs, abandoned, abandon_on_cancel=True
+                        in_thread.run,
+                        abandon_on_cancel=True,
+                        limiter=cast(trio.CapacityLimiter, in_thread),
                     )
                 elif found.isolation == "process":
                     return await _in_process(found, kwargs, resource, seen)
@@ -823,11 +954,27 @@ class Toolbox:
             except BaseException as exc:
                 if not any(raised(exc, kind) for kind in _LEAVES_THE_CALL):
                     return self._failed(exc)  # asyncio's CancelledError, GeneratorExit, ...
+                if _stray_cancellation(exc):
+                    return ActionOutcome(
+                        status=ActionStatus.EXECUTED,
+                        observation=f"Error: {found.name} {_STRAY}",
+                        detail=_error_text(exc),
+                    )
                 # cancelled (or timed out): a thread is left behind
-                if abandoned is not None:
-                    abandoned.set()
+                if in_thread is not None:
+                    began = in_thread.give_up()
                 raise
             return self._returned(found, result, resource)
+        if not began:
+            detail = (
+                f"no thread tool place came free within the timeout: all {TOOL_THREADS} were taken"
+            )
+            return ActionOutcome(
+                status=ActionStatus.NOT_EXECUTED,
+                observation=f"the call to {found.name} did not start within {timeout:g} s: "
+                + detail,
+                detail=detail,
+            )
         if found.isolation == "thread":
             return ActionOutcome(
                 status=ActionStatus.UNKNOWN,

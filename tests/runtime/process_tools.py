@@ -60,3 +60,45 @@ def spawn_and_wait(directory: str) -> str:
     (folder / "started").write_text(str(grandchild.pid))
     grandchild.wait()
     return "waited"
+
+
+@treadle.tool(isolation="process", timeout_s=60)
+def spawn_then_sleep(directory: str) -> str:
+    """Start a grandchild that sleeps, write ``started`` (both pids), then sleep too.
+
+    Either one, still alive after its sleep, writes its own ``done-<pid>`` marker.
+    """
+    import subprocess
+    import sys
+
+    folder = Path(directory)
+    script = (
+        "import os, time, pathlib; time.sleep(60); "
+        f"pathlib.Path({str(folder)!r}, f'done-{{os.getpid()}}').write_text('done')"
+    )
+    grandchild = subprocess.Popen([sys.executable, "-c", script])
+    (folder / "started").write_text(f"{os.getpid()} {grandchild.pid}")
+    time.sleep(60)
+    (folder / f"done-{os.getpid()}").write_text("done")
+    return "slept"
+
+
+@treadle.tool(isolation="process")
+def effect_then_killed(directory: str) -> str:
+    """Write ``done``, then die of SIGKILL (as by the OOM killer) before returning."""
+    import signal
+
+    (Path(directory) / "done").write_text("done")
+    os.kill(os.getpid(), signal.SIGKILL)
+    return "never"
+
+
+@treadle.tool(isolation="process", timeout_s=20)
+def fork_and_return(directory: str) -> str:
+    """Fork a background process that sleeps (its pid in ``background``), and return at once."""
+    pid = os.fork()
+    if pid == 0:
+        time.sleep(60)
+        os._exit(0)
+    (Path(directory) / "background").write_text(str(pid))
+    return "returned"

@@ -14,7 +14,11 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
+import subprocess
+import sys
 import threading
+import time
 from pathlib import Path
 
 import attrs
@@ -22,10 +26,20 @@ import outcome
 import pytest
 import trio
 import trio.testing
-from process_tools import double, fail, slow_write, spawn_and_wait, stale_write, whoami
+from process_tools import (
+    double,
+    effect_then_killed,
+    fail,
+    fork_and_return,
+    slow_write,
+    spawn_and_wait,
+    stale_write,
+    whoami,
+)
 from runtime_fakes import LedgerTools, SimpleParser
 
 import treadle
+import treadle.tools
 from treadle._exceptions import UsageError, raised
 from treadle._toolhost import host_statistics
 from treadle.actors import CANCEL_GRACE_S
@@ -34,7 +48,7 @@ from treadle.approvals import request_cancel
 from treadle.stores.memory import MemoryStore
 from treadle.supervisors import finish_cancelled, open_run
 from treadle.testing.invariants import check_action_results, check_invariants
-from treadle.testing.scripted import ScriptedModel, call, say
+from treadle.testing.scripted import ScriptedModel, call, calls, say
 from treadle.tools import Tool, Toolbox, tool
 from treadle.types import (
     ActionIntent,
@@ -45,6 +59,7 @@ from treadle.types import (
     RunLog,
     RunState,
     StopReason,
+    ToolCall,
 )
 
 REAL_WAIT_S = 20.0
@@ -205,6 +220,65 @@ async def test_a_shielded_cleanup_does_not_hold_treadle_run_and_its_late_return_
     assert check_invariants(log) == []
 
 
+async def test_hung_thread_tools_leave_trio_threads_free_and_are_counted(
+    blocker, autojump_clock, caplog
+):
+    """Forty hung plain-def calls took every place of trio's default thread limiter: later
+    thread tools of other runs never started, opening a SQLite store hung, and
+    `host_statistics` showed nothing running."""
+    hung = attrs.evolve(blocker.tools["sync"], timeout_s=1)
+    many = [ToolCall(id=f"c{i}", name="block", arguments={"note": str(i)}) for i in range(40)]
+    agent = make_agent([calls(*many), say("went on")], [hung])
+    before = host_statistics()
+    store = MemoryStore()
+    await treadle.run(agent, "x", store=store, run_id="a")
+    assert all(
+        r.outcome.status is ActionStatus.UNKNOWN for r in results_of(await store.read_log("a"))
+    )
+    assert host_statistics().stray_threads == before.stray_threads + 40
+    assert trio.to_thread.current_default_thread_limiter().borrowed_tokens == 0
+    assert await trio.to_thread.run_sync(lambda: "a store's thread") == "a store's thread"
+
+    caplog.set_level(logging.WARNING, logger="treadle.tools")
+    blocker.release.set()
+    for _ in range(1000):  # each end is reported from its thread: nothing to wait on here
+        if host_statistics().stray_threads == before.stray_threads:
+            break
+        await trio.sleep(1)
+    assert host_statistics().late_returns == before.late_returns + 40
+    assert sum("returned 'released'" in r.getMessage() for r in caplog.records) == 40
+
+
+async def test_a_thread_tool_that_gets_no_place_in_time_never_runs(
+    blocker, autojump_clock, monkeypatch
+):
+    monkeypatch.setattr(treadle.tools, "TOOL_THREADS", 1)
+    ran: list[str] = []
+
+    @tool(timeout_s=1)
+    def quick(note: str) -> str:
+        """Return at once."""
+        ran.append(note)
+        return "quick"
+
+    hung = attrs.evolve(blocker.tools["sync"], timeout_s=1)
+    agent = make_agent(
+        [call("block", note="x", call_id="c1"), call("quick", note="y", call_id="c2"), say("ok")],
+        [hung, quick],
+    )
+    store = MemoryStore()
+    await treadle.run(agent, "x", store=store, run_id="r")
+    _, waited = results_of(await store.read_log("r"))
+    assert waited.outcome.status is ActionStatus.NOT_EXECUTED
+    assert "no thread tool place came free within the timeout: all 1 were taken" in (
+        waited.outcome.detail or ""
+    )
+    blocker.release.set()
+    await trio.to_thread.run_sync(blocker.finished.wait, REAL_WAIT_S)
+    await trio.sleep(1)
+    assert ran == []  # it was given up before it began: it never starts
+
+
 async def test_finish_cancelled_gives_a_pending_intent_its_unknown_result(blocker, autojump_clock):
     agent = make_agent(
         [call("block", note="x", call_id="c1"), say("never")], [blocker.tools["sync"]]
@@ -309,6 +383,76 @@ async def test_a_process_tools_own_processes_are_killed_with_it(markers):
     await check_killed(markers)  # ``started`` holds the grandchild's pid
 
 
+def test_a_process_tool_dies_with_its_driver_killed_mid_call(markers):
+    """The driver is SIGKILLed while its process tool sleeps: the tool's process and the
+    process it started die too. Before, they ran on (their parent gone, nothing tied them to
+    it) and made their effect after the kill, so a resume that reconciled the call as never
+    done performed a ``never`` action twice."""
+    driver = Path(__file__).with_name("process_tool_driver.py")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    process = subprocess.Popen([sys.executable, str(driver), str(markers)], env=env)
+    try:
+        started = markers / "started"
+        for _ in range(int(REAL_WAIT_S / 0.05)):  # polled: the driver signals nothing else
+            if started.exists() and len(started.read_text().split()) == 2:
+                break
+            assert process.poll() is None, "the driver ended before its tool started"
+            time.sleep(0.05)
+        pids = [int(pid) for pid in started.read_text().split()]
+    finally:
+        process.kill()
+        process.wait()
+    for pid in pids:
+        for _ in range(int(REAL_WAIT_S / 0.05)):
+            if not _alive(pid):
+                break
+            time.sleep(0.05)
+        assert not _alive(pid), f"process {pid} of the call outlived its driver"
+    assert sorted(p.name for p in markers.iterdir()) == ["started"]
+
+
+async def test_a_process_tool_killed_by_a_signal_has_an_unknown_outcome(markers):
+    """Its effect may have happened before the kill: it was EXECUTED with an ordinary error
+    (``ToolProcessFailed``), and the model could retry it."""
+    agent = make_agent(
+        [call("effect_then_killed", directory=str(markers), call_id="c1"), say("ok")],
+        [effect_then_killed],
+    )
+    store = MemoryStore()
+    await treadle.run(agent, "x", store=store, run_id="r")
+    assert (markers / "done").exists()
+    log = await store.read_log("r")
+    (killed,) = results_of(log)
+    assert killed.outcome.status is ActionStatus.UNKNOWN
+    assert killed.outcome.observation == (
+        "Error: the call to effect_then_killed failed: its process was killed by signal 9 "
+        "before it reported its result; its outcome is unknown. Check its effect before "
+        "trying again."
+    )
+    assert check_invariants(log) == []
+
+
+async def test_a_process_tool_leaving_a_background_process_returns_its_result(markers):
+    """The forked process held the reply pipe open: the result never arrived and the call
+    was recorded as timed out."""
+    agent = make_agent(
+        [call("fork_and_return", directory=str(markers), call_id="c1"), say("ok")],
+        [fork_and_return],
+    )
+    store = MemoryStore()
+    try:
+        await treadle.run(agent, "x", store=store, run_id="r")
+    finally:
+        background = markers / "background"
+        if background.exists():
+            os.kill(int(background.read_text()), signal.SIGKILL)
+    (returned,) = results_of(await store.read_log("r"))
+    assert (returned.outcome.status, returned.outcome.observation) == (
+        ActionStatus.EXECUTED,
+        "returned",
+    )
+
+
 def test_a_process_tool_of_the_script_being_run_is_refused_when_declared():
     # The child process is a `__main__` of its own: every call failed with AttributeError.
     def double(n: int) -> int:
@@ -398,6 +542,63 @@ def test_a_hosted_call_failing_as_it_is_cancelled_does_not_end_the_trio_run():
     found = trio.run(main)
     assert isinstance(found, outcome.Error)
     assert raised(found.error, treadle.StoreError) is not None
+
+
+async def raise_a_stale_cancellation() -> str:
+    """Raise a cancellation caught in an inner scope, after that scope ended."""
+    with trio.CancelScope() as inner:
+        inner.cancel()
+        try:
+            await trio.sleep(1)
+        except trio.Cancelled as exc:
+            stale = exc
+    raise stale
+
+
+async def test_a_tool_raising_a_stale_cancellation_fails_its_call_not_the_tool_host(
+    autojump_clock,
+):
+    """The call was recorded "timed out", the host's nursery ended, and every later call in
+    the process never started (recorded unknown at its timeout)."""
+    stray = tool(name="stray")(raise_a_stale_cancellation)
+    agent = make_agent([call("stray", call_id="c1"), say("ok")], [stray])
+    store = MemoryStore()
+    await treadle.run(agent, "x", store=store, run_id="a")
+    (failed,) = results_of(await store.read_log("a"))
+    assert failed.outcome.status is ActionStatus.EXECUTED and not failed.late
+    assert failed.outcome.observation.startswith(
+        "Error: stray raised a trio cancellation that was not its call's"
+    )
+
+    @tool
+    async def fine() -> str:
+        """Answer at once."""
+        return "fine"
+
+    later = make_agent([call("fine", call_id="c1"), say("ok")], [fine])
+    await treadle.run(later, "x", store=store, run_id="b")
+    (answered,) = results_of(await store.read_log("b"))
+    assert answered.outcome.observation == "fine"
+
+
+def test_a_hosted_call_raising_a_stale_cancellation_is_its_error_and_the_host_lives_on():
+    from treadle._toolhost import current_host
+
+    async def six() -> int:
+        return 6
+
+    async def main() -> tuple[object, object]:
+        stray = current_host().start(raise_a_stale_cancellation, description="stray")
+        await stray.wait()
+        after = current_host().start(six, description="after")
+        with trio.fail_after(5):
+            await after.wait()
+        return stray.result(), after.result()
+
+    stray, after = trio.run(main)
+    assert isinstance(stray, outcome.Error) and isinstance(stray.error, treadle.TreadleError)
+    assert "raised a trio.Cancelled that no cancel scope of its own took" in str(stray.error)
+    assert after == outcome.Value(6)
 
 
 async def test_a_process_tool_is_killed_at_the_time_budget(markers):
