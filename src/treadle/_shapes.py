@@ -69,14 +69,15 @@ def reply_problem(reply: object) -> str | None:
     return usage_problem(reply.usage)
 
 
-def outcome_problem(outcome: object) -> str | None:
+def outcome_problem(outcome: object, method: str = "execute") -> str | None:
     """Why ``outcome`` breaks the action executor's contract (docs/seams.md), or ``None``.
 
-    (The contract suite adds that a fresh call is never ``UNKNOWN``: at run time a call
-    abandoned while it still ran is.)
+    ``method`` names what returned it (``execute``, ``reconcile``). (The contract suite adds
+    that a fresh call is never ``UNKNOWN``: at run time a call abandoned while it still ran
+    is.)
     """
     if not isinstance(outcome, ActionOutcome):
-        return f"execute returned {type(outcome).__name__}, not an ActionOutcome"
+        return f"{method} returned {type(outcome).__name__}, not an ActionOutcome"
     if not isinstance(outcome.status, ActionStatus):
         return f"status must be an ActionStatus, not {outcome.status!r}"
     if not isinstance(outcome.observation, str):

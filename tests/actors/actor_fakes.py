@@ -15,6 +15,7 @@ from treadle.actors import (
     Delta,
     MailboxReceiver,
     Subscribe,
+    Warn,
     WriterClient,
     WriterRequest,
     open_mailbox,
@@ -53,6 +54,7 @@ class FakeWriter:
     Attributes:
         appended: every `Append` handed over, with the seq its first record got.
         deltas: every delta offered.
+        warnings: the text of every live warning offered (an abandoned call's late return).
         fail_at: the `Append` (1-based) the writer fails on: it closes that request's reply
             channel unanswered and stops serving, as a writer whose store write failed.
         hold: while set and not yet set, barriers wait for it before being answered.
@@ -60,6 +62,7 @@ class FakeWriter:
 
     appended: list[tuple[int, StoreOp, tuple[Record, ...]]] = attrs.Factory(list)
     deltas: list[Delta] = attrs.Factory(list)
+    warnings: list[str] = attrs.Factory(list)
     fail_at: int | None = None
     hold: trio.Event | None = None
     next_seq: int = 1
@@ -78,6 +81,8 @@ class FakeWriter:
                     self.deltas.append(message)
                 elif isinstance(message, Subscribe):
                     message.reply_to.close()
+                elif isinstance(message, Warn):
+                    self.warnings.append(message.text)
                 elif not await self._append(message):
                     return
 

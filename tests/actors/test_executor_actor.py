@@ -20,6 +20,7 @@ from treadle._clock import FixedStepClock
 from treadle._exceptions import SeamViolation
 from treadle.actors import ActionsOutcome, RunActions, StepScope, ToolExecutor, request
 from treadle.types import (
+    Action,
     ActionIntent,
     ActionOutcome,
     ActionStatus,
@@ -202,11 +203,69 @@ async def test_no_call_runs_when_its_intent_cannot_be_written():
 
 
 async def test_a_reconcile_that_answers_something_else_fails_the_actor():
+    """The error named ``execute`` as what returned the text."""
     tools = RecordingExecutor(reconcile_with="found it")  # type: ignore[arg-type]
     write = ToolCall(id="c1", name="write")
-    with pytest.RaisesGroup(SeamViolation, flatten_subgroups=True):
+    with pytest.RaisesGroup(
+        pytest.RaisesExc(SeamViolation, match="reconcile returned str, not an ActionOutcome"),
+        flatten_subgroups=True,
+    ):
         async with _alone(tools) as (inbox, _):
             await _run(inbox, write, existing=(_intent(1, write),))
+
+
+async def test_a_reconcile_that_cannot_tell_gets_the_synthetic_unknown_text():
+    """Its own text entered history, unlike every other unknown outcome after a resume."""
+    dunno = ActionOutcome(status=ActionStatus.UNKNOWN, observation="dunno")
+    tools = RecordingExecutor(reconcile_with=dunno)
+    write = ToolCall(id="c1", name="write")
+    async with _alone(tools) as (inbox, _):
+        outcome = await _run(inbox, write, existing=(_intent(1, write),))
+    (result,) = outcome.results
+    assert result.outcome.status is ActionStatus.UNKNOWN
+    assert outcome.observations[0] == SYNTHETIC.unknown.format(tool="write", detail="")
+    assert result.outcome.observation_is_synthetic and result.outcome.detail == "dunno"
+
+
+class StubbornReconcile(RecordingExecutor):
+    """A reconcile hook that shields itself until ``release`` is set."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.release = trio.Event()
+        self.ended = False
+
+    async def reconcile(self, action: Action) -> ActionOutcome | None:
+        with trio.CancelScope(shield=True):
+            await self.release.wait()
+        self.ended = True
+        return None
+
+
+@pytest.mark.parametrize("cut", ["timeout", "cancel"])
+async def test_a_reconcile_ignoring_cancellation_cannot_hold_the_step(cut, autojump_clock):
+    """It was awaited in the step itself: a shielded hook held the run past its timeout, the
+    time budget and a cancel."""
+    tools = StubbornReconcile()
+    scope = StepScope()
+    write = ToolCall(id="c1", name="write")
+
+    async def cancel_once_waiting() -> None:
+        await trio.testing.wait_all_tasks_blocked()
+        scope.cancel("user cancel")
+
+    async with trio.open_nursery() as nursery, _alone(tools, tool_timeout_s=3.0) as (inbox, _):
+        if cut == "cancel":
+            nursery.start_soon(cancel_once_waiting)
+        try:
+            with trio.fail_after(60):
+                outcome = await _run(inbox, write, existing=(_intent(1, write),), scope=scope)
+            assert not tools.ended  # the step answered while the hook still runs
+        finally:
+            tools.release.set()
+    (result,) = outcome.results
+    assert result.outcome.status is ActionStatus.UNKNOWN
+    assert outcome.stop is (StopReason.CANCELLED if cut == "cancel" else None)
 
 
 async def test_a_reconciled_call_keeps_what_reconcile_found():

@@ -329,15 +329,7 @@ class ToolExecutor:
             outcomes[index] = (outcome, trio.current_time() - started, reconciled)
 
         if replay and self.executor.replay_policy(action.tool) is not ReplayPolicy.SAFE:
-            found = await self.executor.reconcile(action)
-            problem = None if found is None else outcome_problem(found)
-            if problem is not None:
-                raise SeamViolation(
-                    "action executor's reconcile",
-                    found,
-                    f"a valid ActionOutcome or None ({problem})",
-                )
-            done(found if found is not None else self._unknown(action), found is not None)
+            await self._reconcile(action, step, done)
         else:
             if action.replay is not replay:
                 action = attrs.evolve(action, replay=replay)
@@ -368,28 +360,7 @@ class ToolExecutor:
             description=f"the call {action.intent_id} ({action.tool}) of run {self.run_id!r}",
             on_late=self.writer.warn,
         )
-        limit, own = self._timeout_s(action.tool)
-        try:
-            # An executor that times its calls out itself (`Toolbox`) gets to answer first.
-            with trio.move_on_after(limit + _TIMEOUT_GRACE_S if own else limit):
-                await call.wait()
-            if not call.done:
-                call.cancel()
-                with trio.move_on_after(_TIMEOUT_GRACE_S):
-                    await call.wait()
-        except trio.Cancelled:
-            # Cancelled: the call gets its grace period. Cut by the time budget: none (the
-            # active time is spent), except a child run's, whose child records its cancel
-            # in that time (docs/child-runs.md, "Cancellation"): a child waiting on a human
-            # spends no active time of its own, and would otherwise be left driven by
-            # nobody's run. Either way the run does not wait longer than that.
-            call.cancel()
-            child_run = limit == math.inf
-            grace = self.cancel_grace_s if step.cancel_called or child_run else 0.0
-            with trio.CancelScope(shield=True), trio.move_on_after(grace):
-                await call.wait()
-            self._settle(call, done, action)
-            raise
+        limit = await self._wait(call, action, step, done)
         found = call.result()
         if not call.done:
             call.abandon()
@@ -428,7 +399,87 @@ class ToolExecutor:
             done(outcome)
         return None
 
-    def _settle(self, call: HostedCall[ActionOutcome], done: _Done, action: Action) -> None:
+    async def _reconcile(self, action: Action, step: StepScope, done: _Done) -> None:
+        """Ask the executor what an interrupted call did: in the host, as a call runs.
+
+        The hook is waited for like a call (its timeout, the step's cancel and time budget),
+        so one that ignores cancellation cannot hold the run (docs/concepts.md, "Tools and
+        cancellation"); one abandoned, or that cannot tell, leaves the call UNKNOWN with the
+        definition's synthetic text (docs/concepts.md, "Actions and observations").
+
+        Raises:
+            SeamViolation: the hook returned neither an `ActionOutcome` nor ``None``.
+            Exception: what the hook raised.
+        """
+        host = self.host or current_host()
+        call: HostedCall[ActionOutcome | None] = host.start(
+            functools.partial(self.executor.reconcile, action),
+            description=(
+                f"the reconcile of {action.intent_id} ({action.tool}) of run {self.run_id!r}"
+            ),
+            on_late=self.writer.warn,
+        )
+
+        def take(found: ActionOutcome | None) -> None:
+            problem = None if found is None else outcome_problem(found, "reconcile")
+            if problem is not None:
+                raise SeamViolation(
+                    "action executor's reconcile",
+                    found,
+                    f"a valid ActionOutcome or None ({problem})",
+                )
+            if found is None or found.status is ActionStatus.UNKNOWN:
+                unknown = self._unknown(action)
+                if found is not None:
+                    unknown = attrs.evolve(unknown, detail=found.detail or found.observation)
+                done(unknown)
+            else:
+                done(found, True)
+
+        await self._wait(call, action, step, take)
+        found = call.result()
+        if not call.done:
+            call.abandon()
+        take(None if found is None else found.unwrap())
+
+    async def _wait(
+        self,
+        call: HostedCall[Any],
+        action: Action,
+        step: StepScope,
+        take: Callable[[Any], None],
+    ) -> float:
+        """Wait for a call in the host within ``action``'s timeout and the step's scope.
+
+        Returns the timeout (seconds); the call may still run (past its timeout and its
+        grace). Cut by the step (`trio.Cancelled` raised): ``take`` got what the call returned
+        when it ended within its grace period; else the call was abandoned.
+        """
+        limit, own = self._timeout_s(action.tool)
+        try:
+            # An executor that times its calls out itself (`Toolbox`) gets to answer first.
+            with trio.move_on_after(limit + _TIMEOUT_GRACE_S if own else limit):
+                await call.wait()
+            if not call.done:
+                call.cancel()
+                with trio.move_on_after(_TIMEOUT_GRACE_S):
+                    await call.wait()
+        except trio.Cancelled:
+            # Cancelled: the call gets its grace period. Cut by the time budget: none (the
+            # active time is spent), except a child run's, whose child records its cancel
+            # in that time (docs/child-runs.md, "Cancellation"): a child waiting on a human
+            # spends no active time of its own, and would otherwise be left driven by
+            # nobody's run. Either way the run does not wait longer than that.
+            call.cancel()
+            child_run = limit == math.inf
+            grace = self.cancel_grace_s if step.cancel_called or child_run else 0.0
+            with trio.CancelScope(shield=True), trio.move_on_after(grace):
+                await call.wait()
+            self._settle(call, take, action)
+            raise
+        return limit
+
+    def _settle(self, call: HostedCall[Any], take: Callable[[Any], None], action: Action) -> None:
         """After a cut: keep what the call returned in time; abandon it otherwise."""
         if not call.done:
             call.abandon()
@@ -437,7 +488,7 @@ class ToolExecutor:
         if found is None:
             return  # it ended by honouring the cancellation: outcome unknown
         try:
-            done(found.unwrap())
+            take(found.unwrap())
         except Exception as exc:  # a seam bug surfacing late: the result stays unknown
             self.writer.warn(
                 f"the cut call {action.intent_id} ({action.tool}) raised "
