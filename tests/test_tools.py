@@ -7,7 +7,6 @@ import enum
 import inspect
 import json
 import keyword
-import math
 from collections.abc import Callable
 from typing import Any, Literal
 
@@ -92,6 +91,64 @@ def test_schema_from_signature_and_docstring() -> None:
         "required": ["city"],
         "additionalProperties": False,
     }
+
+
+async def _summary_a(x: int) -> str:
+    """Look up a customer
+    by id.
+    Args:
+        x: the id.
+    Returns:
+        the customer.
+    """
+    return ""
+
+
+async def _summary_b(x: int) -> str:
+    """
+    Args:
+        x: the id.
+    """
+    return ""
+
+
+async def _summary_c(x: int) -> str:
+    """Returns: the record for x."""
+    return ""
+
+
+async def _summary_d(x: int) -> str:
+    """Look up a customer.
+    :param x: the id.
+    """
+    return ""
+
+
+async def _summary_e(x: int) -> str:
+    """Look up.
+    Parameters
+    ----------
+    x : int
+        the id
+    """
+    return ""
+
+
+@pytest.mark.parametrize(
+    ("fn", "description"),
+    [
+        (_summary_a, "Look up a customer by id."),
+        (_summary_b, ""),
+        (_summary_c, ""),
+        (_summary_d, "Look up a customer."),
+        (_summary_e, "Look up."),
+    ],
+)
+def test_a_docstring_section_right_under_the_summary_is_not_described(
+    fn: Callable[..., Any], description: str
+) -> None:
+    """ "Args:" right under the summary (no blank line) landed in the tool's description."""
+    assert tool(fn).description == description
 
 
 def test_schema_of_rich_types_and_context_left_out() -> None:
@@ -496,6 +553,67 @@ async def test_result_that_is_not_json_is_reported() -> None:
     assert outcome.observation.startswith("Error: the result of weird could not be written as JSON")
 
 
+@tool
+async def blob() -> bytes:
+    """Return bytes."""
+    return b"\x00\x01hello"
+
+
+@tool
+async def ratios() -> dict[str, float]:
+    """Return a ratio that is undefined."""
+    return {"ratio": float("nan"), "max": float("inf")}
+
+
+@tool
+def returns_a_coroutine() -> str:
+    """A plain def that returns a coroutine by mistake."""
+    return blob.fn()  # type: ignore[no-any-return]
+
+
+@pytest.mark.parametrize(
+    ("found", "observation"),
+    [
+        (
+            blob,
+            "Error: the result of blob could not be written as JSON: it holds bytes, which "
+            "JSON has no form for (decode it to text, or encode it yourself, e.g. base64)",
+        ),
+        (ratios, '{"ratio":null,"max":null}'),
+        (
+            returns_a_coroutine,
+            "Error: TypeError: returns_a_coroutine is a plain def that returned an awaitable; "
+            "declare it async def to have it awaited",
+        ),
+    ],
+)
+async def test_results_json_has_no_form_for_are_refused_or_written_as_json(
+    found: Tool, observation: str
+) -> None:
+    """Bytes became base85 text, NaN the non-JSON ``NaN`` (now ``null``, as
+    ``JSON.stringify`` writes it), and a coroutine returned by a plain def an error naming
+    an internal function."""
+    outcome = await Toolbox([found]).execute(action(found.name))
+    assert (outcome.status, outcome.observation) == (ActionStatus.EXECUTED, observation)
+
+
+async def test_an_integer_too_large_for_a_float_is_a_precise_validation_error() -> None:
+    """It was "unknown error (int too large to convert to float)"; a union with int takes it."""
+
+    @tool
+    async def scale(x: float, y: float | int = 0) -> str:
+        """Scale."""
+        return f"{y}"
+
+    box = Toolbox([scale])
+    refused = await box.execute(action("scale", {"x": 10**400}))
+    assert refused.detail == (
+        "invalid arguments: expected a number, got an integer too large for one @ $.x"
+    )
+    taken = await box.execute(action("scale", {"x": 1, "y": 10**400}))
+    assert taken.observation == str(10**400)
+
+
 async def test_tool_that_raises_is_executed_with_the_error() -> None:
     outcome = await BOX.execute(action("explode", {"message": "boom"}))
     assert outcome == ActionOutcome(
@@ -575,7 +693,7 @@ async def test_context_is_injected() -> None:
         "resource": None,
         "seen_revision": None,
         "tokens_left": None,
-        "deadline": math.inf,
+        "deadline": None,  # inf: JSON has no form for it
         "forward_event": None,
         "run_cancelled": None,
         "can_park": False,

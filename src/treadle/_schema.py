@@ -12,6 +12,7 @@ import copy
 import enum
 import inspect
 import math
+import re
 import types
 import typing
 from collections.abc import Callable, Mapping
@@ -144,9 +145,13 @@ def _int(value: Any, _: Any) -> int:
 def _float(value: Any, _: Any) -> float:
     if isinstance(value, bool) or not isinstance(value, int | float):
         raise _Mismatch(f"expected a number, got {_kind(value)}")
-    if not math.isfinite(value):
+    try:
+        number = float(value)
+    except OverflowError:  # an int past float's range (about 1.8e308)
+        raise _Mismatch("expected a number, got an integer too large for one") from None
+    if not math.isfinite(number):
         raise _Mismatch("expected a finite number")
-    return float(value)
+    return number
 
 
 def _none(value: Any, _: Any) -> None:
@@ -183,7 +188,7 @@ def _union_hook(type_: Any, converter: cattrs.Converter) -> Callable[[Any, Any],
         for member in members:
             try:
                 return converter.structure(value, member)
-            except (ValueError, TypeError, KeyError, cattrs.BaseValidationError):
+            except (ValueError, TypeError, KeyError, OverflowError, cattrs.BaseValidationError):
                 continue
         raise _Mismatch(f"expected {names}, got {_kind(value)}")
 
@@ -332,10 +337,29 @@ def _check_attrs(type_: type, where: str, seen: frozenset[type]) -> None:
 # --------------------------------------------------------------------------- signature
 
 
+_SECTION: Final = re.compile(
+    r"(?:Args|Arguments|Parameters|Params|Keyword Args|Keyword Arguments|Other Parameters"
+    r"|Returns?|Yields?|Raises|Exceptions?|Attributes|Examples?|Notes?|Warnings?|See Also"
+    r"|Todo|References)\s*:"
+    r"|:[A-Za-z]\w*(?:\s[^:]*)?:"  # a reST field: ``:param x:``, ``:returns:``
+)
+"""A line that opens a docstring section (Google titles, reST fields)."""
+
+
 def summary_of(doc: str | None) -> str:
-    """The first paragraph of a docstring, on one line ("" when there is none)."""
-    text = inspect.cleandoc(doc or "")
-    return " ".join(text.split("\n\n", 1)[0].split())
+    """The docstring's description up to its first blank line or section, on one line.
+
+    A section (``Args:``, ``Returns: ...``, ``:param x:``, a numpy title underlined with
+    dashes) ends it even without a blank line before it; ``""`` when there is none.
+    """
+    lines = inspect.cleandoc(doc or "").splitlines()
+    kept: list[str] = []
+    for index, line in enumerate(lines):
+        underlined = index + 1 < len(lines) and re.fullmatch(r"\s*-{3,}\s*", lines[index + 1])
+        if not line.strip() or _SECTION.match(line.strip()) or underlined:
+            break
+        kept.append(line)
+    return " ".join(" ".join(kept).split())
 
 
 def argument_docs(doc: str | None) -> dict[str, str]:

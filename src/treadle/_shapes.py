@@ -87,12 +87,31 @@ def outcome_problem(outcome: object, method: str = "execute") -> str | None:
     truncated = outcome.observation_truncated_chars
     if isinstance(truncated, bool) or not isinstance(truncated, int) or truncated < 0:
         return f"observation_truncated_chars must be an int >= 0, not {truncated!r}"
-    if not isinstance(outcome.images, tuple) or not all(
-        isinstance(image, ImageRef) for image in outcome.images
-    ):
+    if not isinstance(outcome.images, tuple):
         return "images must be a tuple of ImageRef"
+    for image in outcome.images:
+        problem = image_problem(image)
+        if problem is not None:
+            return problem
     if outcome.usage is not None:
         return usage_problem(outcome.usage)
+    return None
+
+
+def image_problem(image: object) -> str | None:
+    """Why ``image`` is no image reference the log may keep, or ``None``.
+
+    An `ImageRef` whose ``url`` is an ``http(s)`` URL or a ``ref:<name>`` key: never the
+    bytes themselves (a ``data:`` URL), nor a local path (docs/concepts.md, "Data that
+    stays in"; docs/models.md, "Images").
+    """
+    if not isinstance(image, ImageRef):
+        return f"an image must be an ImageRef reference, never bytes; got {image!r:.80}"
+    url = image.url
+    if not isinstance(url, str):
+        return f"an image's url must be text, not {type(url).__name__}"
+    if not url.lower().startswith(("http://", "https://", "ref:")):
+        return f"an image's url must be an http(s) URL or a ref:<name> key, not {url!r:.60}"
     return None
 
 

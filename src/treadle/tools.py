@@ -50,8 +50,8 @@ no coercion, no extra keys) before the tool runs (docs/concepts.md, "Data that s
   EXECUTED, ``Error: X raised a trio cancellation that was not its call's ...``;
 * the tool returned: EXECUTED; a ``str`` is the observation as is, a `ToolResult` its
   ``text`` with its ``images``, anything else compact JSON (attrs instances, enums and
-  datetimes unstructured by cattrs); an `ActionOutcome` is the outcome as is (a child-run
-  tool's, `treadle.agent_tool`);
+  datetimes unstructured by cattrs; NaN and infinities as ``null``; bytes are an error);
+  an `ActionOutcome` is the outcome as is (a child-run tool's, `treadle.agent_tool`);
 * a tool that writes a resource (``writes=``) the run never read, or whose base revision
   argument names a revision the run never read: NOT_EXECUTED, before it runs;
 * the tool raised `treadle.revisions.StaleWrite`: NOT_EXECUTED with ``stale_resource`` set;
@@ -96,6 +96,7 @@ from treadle._exceptions import (
     raised,
 )
 from treadle._schema import Invalid, ToolSignature, read_signature
+from treadle._shapes import image_problem
 from treadle._toolhost import cancelled_here
 from treadle.revisions import Observed, ResourceTemplate, StaleWrite, check_write, is_revision
 from treadle.types import (
@@ -190,10 +191,9 @@ class ToolContext:
 def _image_refs(value: Sequence[ImageRef]) -> tuple[ImageRef, ...]:
     images = tuple(value)
     for image in images:
-        if not isinstance(image, ImageRef):
-            raise UsageError(
-                f"a tool result's images are ImageRef references, never bytes; got {image!r:.80}"
-            )
+        problem = image_problem(image)
+        if problem is not None:
+            raise UsageError(f"ToolResult.images: {problem}")
     return images
 
 
@@ -219,7 +219,9 @@ class ToolResult:
         images: the images, in order (a sequence is stored as a tuple).
 
     Raises:
-        UsageError: an image is not an `treadle.types.ImageRef` (bytes, a path, a str).
+        UsageError: an image is not an `treadle.types.ImageRef` (bytes, a path, a str), or
+            its url is neither an ``http(s)`` URL nor a ``ref:`` key (a ``data:`` URL would
+            put the bytes into the log, a ``file:`` URL a local path).
     """
 
     text: str = ""
@@ -515,19 +517,51 @@ def observation_of(result: Any) -> str:
     """The observation text of a tool's return value.
 
     A ``str`` is returned as is; anything else is unstructured by cattrs (attrs instances,
-    enums, datetimes) and written as compact JSON, non-ASCII kept.
+    enums, datetimes) and written as compact JSON, non-ASCII kept. NaN and the infinities,
+    which JSON has no form for, are written as ``null`` (as JavaScript's ``JSON.stringify``
+    does); bytes are refused (docs/concepts.md, "Actions and observations").
 
     Raises:
-        TypeError, ValueError: the value cannot be written as JSON (a value that holds
-            itself, or nests deeper than Python's recursion limit, is a `ValueError`).
+        TypeError, ValueError: the value cannot be written as JSON (it holds bytes; a value
+            that holds itself, or nests deeper than Python's recursion limit, is a
+            `ValueError`).
     """
     if isinstance(result, str):  # a subclass as a plain str: its own __str__ is not called
         return result if type(result) is str else str.__str__(result)
     try:
         data = _RESULTS.unstructure(result)
-        return json.dumps(data, ensure_ascii=False, separators=(",", ":"))
+        try:
+            return _json(data)
+        except ValueError:  # NaN or an infinity somewhere (the rare case: walked only then)
+            return _json(_finite(data))
     except RecursionError:
         raise ValueError("it holds itself or nests too deeply") from None
+
+
+def _json(data: Any) -> str:
+    return json.dumps(data, ensure_ascii=False, separators=(",", ":"), allow_nan=False)
+
+
+def _finite(data: Any) -> Any:
+    """``data`` (unstructured) with every NaN and infinity replaced by ``None``."""
+    if isinstance(data, float):
+        return data if math.isfinite(data) else None
+    if isinstance(data, Mapping):
+        return {key: _finite(value) for key, value in data.items()}
+    if isinstance(data, list | tuple):
+        return [_finite(value) for value in data]
+    return data
+
+
+def _no_bytes(value: bytes | bytearray | memoryview) -> Any:
+    raise TypeError(
+        f"it holds {type(value).__name__}, which JSON has no form for (decode it to text, or "
+        "encode it yourself, e.g. base64)"
+    )
+
+
+for _binary in (bytes, bytearray, memoryview):
+    _RESULTS.register_unstructure_hook(_binary, _no_bytes)
 
 
 _CALLS_INLINE: Final = trio.lowlevel.RunVar[bool]("treadle.tools.calls_inline", default=False)

@@ -31,7 +31,7 @@ from treadle.models._transport import digest
 from treadle.stores import record_to_json
 from treadle.testing.faults import CrashingStore, SimulatedCrash
 from treadle.testing.loopback import CannedResponse, canned, open_loopback_server
-from treadle.types import ActionResult, RunLog, StepRecord
+from treadle.types import ActionOutcome, ActionResult, ActionStatus, RunLog, StepRecord
 
 PNG = mcp_server.PNG
 PNG_B64 = base64.b64encode(PNG).decode()
@@ -298,6 +298,31 @@ def test_a_tool_result_takes_references_only():
     with pytest.raises(treadle.UsageError, match="never bytes"):
         ToolResult(text="x", images=[PNG])  # type: ignore[list-item]
     assert ToolResult(text="x", images=[REF]).images == (REF,)
+
+
+@pytest.mark.parametrize(
+    ("url", "why"),
+    [
+        ("data:image/png;base64,iVBORw0KGgo=", "http\\(s\\) URL or a ref:<name> key"),
+        ("file:///etc/passwd", "http\\(s\\) URL or a ref:<name> key"),
+        ("/tmp/chart.png", "http\\(s\\) URL or a ref:<name> key"),
+        (b"ref:chart", "url must be text, not bytes"),
+    ],
+)
+def test_a_tool_result_refuses_an_image_whose_url_is_no_reference(url, why):
+    """A ``data:`` URL put the image's bytes into the log, and a local path or bytes passed."""
+    with pytest.raises(treadle.UsageError, match=why):
+        ToolResult(text="x", images=[ImageRef(url=url)])
+    for kept in ("https://example.com/a.png", "HTTP://example.com/a.png", "ref:chart"):
+        assert ToolResult(text="x", images=[ImageRef(url=kept)]).images[0].url == kept
+
+
+def test_an_executor_outcome_with_a_data_url_image_breaks_the_seam():
+    from treadle._shapes import outcome_problem
+
+    inline = ImageRef(url="data:image/png;base64,iVBORw0KGgo=")
+    found = ActionOutcome(status=ActionStatus.EXECUTED, observation="x", images=(inline,))
+    assert "http(s) URL or a ref:<name> key" in (outcome_problem(found) or "")
 
 
 @pytest.mark.parametrize("provider", ["openai", "anthropic"])
