@@ -278,6 +278,36 @@ def test_a_dsn_is_told_from_a_path_and_its_password_hidden_however_written() -> 
         assert redact_dsn(dsn) == shown
 
 
+def test_the_password_of_the_ssl_key_is_hidden_as_the_roles_is() -> None:
+    # `sslpassword` (the passphrase of the client's SSL key) was printed in every store
+    # error message, in a URL's query string and in keywords alike.
+    from treadle.stores import redact_dsn
+    from treadle.stores._dsn import scrub_password
+
+    hidden = {  # DSN: (as shown, the SSL key's password as a driver may quote it)
+        "postgresql://u:hunter22@h/db?sslpassword=keypass9&sslmode=require": (
+            "postgresql://u:***@h/db?sslpassword=***&sslmode=require",
+            "keypass9",
+        ),
+        "postgresql://u@h/db?SSL%70assword=keypass9": (
+            "postgresql://u@h/db?SSL%70assword=***",
+            "keypass9",
+        ),
+        "host=h password=hunter22 sslpassword=keypass9 dbname=d": (
+            "host=h password=*** sslpassword=*** dbname=d",
+            "keypass9",
+        ),
+        "host=h SSLPassword = 'key pass9' dbname=d": (
+            "host=h SSLPassword = *** dbname=d",
+            "key pass9",
+        ),
+    }
+    for dsn, (shown, password) in hidden.items():
+        assert redact_dsn(dsn) == shown
+        said = scrub_password(f"could not decrypt the SSL key with {password}", dsn)
+        assert "pass9" not in said and "hunter22" not in said
+
+
 @pytest.mark.parametrize(
     ("dsn", "said"),
     [

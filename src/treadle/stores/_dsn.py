@@ -1,7 +1,8 @@
-"""Store addresses: telling a PostgreSQL DSN from a path, and hiding its password.
+"""Store addresses: telling a PostgreSQL DSN from a path, and hiding its passwords.
 
 A password never appears in a message, a log line or a command's output (docs/fleet.md,
-"Stores"): every place that shows a store's address shows `redact_dsn` of it.
+"Stores"): every place that shows a store's address shows `redact_dsn` of it. The passwords
+are libpq's `SECRET_KEYWORDS`: the role's, and the one that unlocks the client's SSL key.
 """
 
 from __future__ import annotations
@@ -11,11 +12,14 @@ import urllib.parse
 from typing import Final
 
 _SCHEMES: Final = ("postgresql://", "postgres://")
+SECRET_KEYWORDS: Final = frozenset({"password", "sslpassword"})
+"""libpq keywords (and URL query parameters) whose value is a password, in lower case."""
 _KEYWORD: Final = re.compile(
-    r"(\bpassword\s*=\s*)('(?:[^'\\]|\\.)*'|\S+(?:\s+[^\s=]+(?=\s|$))*)", re.IGNORECASE
+    r"(\b(?:ssl)?password\s*=\s*)('(?:[^'\\]|\\.)*'|\S+(?:\s+[^\s=]+(?=\s|$))*)",
+    re.IGNORECASE,
 )
-"""A ``password=`` keyword and its value: quoted, or up to the next ``key=`` (a password
-written with a raw space, which libpq cannot read, is hidden whole too)."""
+"""A ``password=`` or ``sslpassword=`` keyword and its value: quoted, or up to the next
+``key=`` (a password written with a raw space, which libpq cannot read, is hidden whole too)."""
 _LIBPQ_KEYWORDS: Final = frozenset(
     {
         "host",
@@ -24,6 +28,7 @@ _LIBPQ_KEYWORDS: Final = frozenset(
         "dbname",
         "user",
         "password",
+        "sslpassword",
         "passfile",
         "service",
         "sslmode",
@@ -48,11 +53,12 @@ def is_dsn(store: str) -> bool:
 
 
 def redact_dsn(store: str) -> str:
-    """``store`` with any password replaced by ``***`` (a path comes back unchanged).
+    """``store`` with every password replaced by ``***`` (a path comes back unchanged).
 
     In a URL, the user information runs to the last ``@`` (a password holding a raw ``/``
-    or ``@`` is hidden whole), and a ``password`` query parameter is hidden however its name
-    is percent-encoded.
+    or ``@`` is hidden whole), and a ``password`` or ``sslpassword`` query parameter is
+    hidden however its name is percent-encoded; in ``key=value`` keywords, the values of
+    both keywords are hidden (`SECRET_KEYWORDS`).
     """
     parts = _url_parts(store)
     if parts is None:
@@ -61,25 +67,22 @@ def redact_dsn(store: str) -> str:
     rest = address if user is None else f"{user}{'' if password is None else ':***'}@{address}"
 
     def hide(match: re.Match[str]) -> str:
-        named = urllib.parse.unquote(match.group(2)).strip().lower() == "password"
+        named = _is_secret(match.group(2))
         return f"{match.group(1)}{match.group(2)}=***" if named else match.group(0)
 
     return f"{scheme}://{_QUERY_PASSWORD.sub(hide, rest)}"
 
 
 def scrub_password(text: str, store: str) -> str:
-    """``text`` (a driver's message about ``store``) with each piece of its password hidden.
+    """``text`` (a driver's message about ``store``) with each piece of its passwords hidden.
 
     libpq quotes what it misread of a URL whose password holds a raw ``@`` or ``/`` (as a
     host name, say), or of ``key=value`` keywords whose password holds a raw space (as a
-    keyword): every piece of the password between those characters, 3 characters long or
-    more, is replaced by ``***``.
+    keyword): every piece of each password (`SECRET_KEYWORDS`) between those characters, 3
+    characters long or more, is replaced by ``***``.
     """
-    parts = _url_parts(store)
-    password = parts[2] if parts is not None else None
-    if parts is None and (keyword := _KEYWORD.search(store)) is not None:
-        password = keyword.group(2).strip("'")
-    for piece in sorted(re.split(r"[@/\s]", password or ""), key=len, reverse=True):
+    pieces = [p for password in _passwords(store) for p in re.split(r"[@/\s]", password)]
+    for piece in sorted(pieces, key=len, reverse=True):
         if len(piece) >= 3:
             text = text.replace(piece, "***")
     return text
@@ -98,6 +101,23 @@ def quotes_password(text: str, store: str) -> bool:
     if not password:
         return False
     return any(token and token in password for token in re.findall(r'"([^"]*)"', text))
+
+
+def _passwords(store: str) -> list[str]:
+    """The passwords ``store`` holds: its user information's and every secret keyword's."""
+    parts = _url_parts(store)
+    if parts is None:
+        return [keyword.group(2).strip("'") for keyword in _KEYWORD.finditer(store)]
+    found = [parts[2]] if parts[2] is not None else []
+    for match in _QUERY_PASSWORD.finditer(parts[3]):
+        if _is_secret(match.group(2)):
+            found += (match.group(3), urllib.parse.unquote(match.group(3)))
+    return found
+
+
+def _is_secret(name: str) -> bool:
+    """Whether a URL query parameter's (percent-encoded) name is one of `SECRET_KEYWORDS`."""
+    return urllib.parse.unquote(name).strip().lower() in SECRET_KEYWORDS
 
 
 def _url_parts(store: str) -> tuple[str, str | None, str | None, str] | None:
