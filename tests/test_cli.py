@@ -531,6 +531,22 @@ def test_probe_takes_openai_shaped_messages_and_refuses_a_base_url_that_is_no_ur
     assert done.exit_code == 2 and "must start with http:// or https://" in done.output
 
 
+@pytest.mark.parametrize(
+    ("base_url", "said"),
+    [
+        ("htps://bob:PW-s3cret@127.0.0.1:9/v1?key=K-s3cret", "must start with http://"),
+        ("http://bob:PW-s3cret@[::1:9/v1?key=K-s3cret", "is not a valid URL"),
+    ],
+)
+def test_probe_refuses_a_bad_base_url_without_quoting_its_credentials(base_url, said):
+    # A mistyped base URL was echoed whole, password and ?key= included; one urllib could
+    # not parse ended the command with a ValueError traceback.
+    done = CliRunner().invoke(main, ["probe", "--base-url", base_url, "--model", "m"])
+    assert done.exit_code == 2, done.output
+    assert said in done.output and "bob:***@" in done.output
+    assert "s3cret" not in done.output and "Traceback" not in done.output
+
+
 def test_show_and_tail_never_pass_terminal_controls_through(tmp_path):
     """What a model or tool wrote went to the terminal raw: an escape sequence set the
     window title and colours, a carriage return overwrote the line."""

@@ -8,6 +8,7 @@ and traceback of a failing call, and all log output.
 
 from __future__ import annotations
 
+import base64
 import json
 import logging
 import traceback
@@ -242,3 +243,64 @@ async def test_a_key_cut_short_by_the_message_limit_is_hidden_too(provider, cut,
     text = info.value.info.message
     assert KEY[:3] not in text and text.endswith("***")
     assert "x" * 100 in text  # the rest of the message stays
+
+
+# --------------------------------------------------------------------------- other credentials
+
+SECRET = "cred-SECRET-7d2e9b41c0"
+
+
+def echo_every_header(request) -> CannedResponse:
+    # What some gateways do on a 401: quote the request back, credentials included.
+    sent = "; ".join(f"{name}: {value}" for name, value in request.headers)
+    payload = {"error": {"type": "authentication_error", "message": f"denied: {sent}"}}
+    return CannedResponse(status=401, headers=JSON, chunks=[json.dumps(payload).encode()])
+
+
+def with_userinfo(base_url: str) -> str:
+    return base_url.replace("http://", f"http://gateway-user:{SECRET}@")
+
+
+CREDENTIALS_SENT = {
+    "azure api-key": (OpenAIChatClient, "/v1", {"api-key": SECRET}, None),
+    "gateway bearer": (OpenAIChatClient, "/v1", {"Authorization": f"Bearer {SECRET}"}, None),
+    "google api key": (AnthropicMessagesClient, "", {"x-goog-api-key": SECRET}, None),
+    "openai url password": (OpenAIChatClient, "/v1", None, with_userinfo),
+    "anthropic url password": (AnthropicMessagesClient, "", None, with_userinfo),
+}
+
+
+@pytest.mark.parametrize("case", CREDENTIALS_SENT, ids=list(CREDENTIALS_SENT))
+async def test_a_credential_header_or_url_password_echoed_back_is_hidden(case):
+    # Only the API key was hidden: a credential in extra_headers, or the Basic credentials
+    # httpx makes of a base URL's password, reached the run's records when a 401 quoted them.
+    make, root, headers, rewrite = CREDENTIALS_SENT[case]
+    async with open_loopback_server(echo_every_header) as server:
+        base_url = (rewrite or str)(server.base_url) + root
+        client = make(base_url=base_url, api_key="sk-the-key", extra_headers=headers)
+        with pytest.raises(treadle.ModelCallError) as info:
+            await client.complete(ModelRequest(messages=(Message(role="user", content="x"),)))
+        await client.aclose()
+    sent = "; ".join(f"{name}: {value}" for name, value in server.requests[0].headers)
+    basic = base64.b64encode(f"gateway-user:{SECRET}".encode()).decode()
+    assert SECRET in sent or basic in sent  # the credential really went out
+    message = info.value.info.message
+    assert "denied: " in message and "***" in message
+    assert SECRET not in message and basic not in message and "sk-the-key" not in message
+    assert "content-type: application/json" in message  # the rest of the message stays
+
+
+def test_only_headers_that_carry_credentials_are_hidden():
+    from treadle._credentials import credentials_sent
+
+    headers = {
+        "anthropic-beta": "tools-2024-04-04",
+        "OpenAI-Organization": "org-public",
+        "Ocp-Apim-Subscription-Key": "apim-secret",
+        "Proxy-Authorization": "Basic " + base64.b64encode(b"proxy:pw-proxy").decode(),
+        "x-api-key-version": "2",  # too short to hide on its own
+    }
+    hidden = credentials_sent(None, headers, "https://h/v1?api-version=1&key=q-secret")
+    assert "apim-secret" in hidden and "q-secret" in hidden
+    assert {"proxy:pw-proxy", "pw-proxy"} <= set(hidden)
+    assert "tools-2024-04-04" not in hidden and "org-public" not in hidden and "2" not in hidden

@@ -17,6 +17,8 @@ from typing import Any
 import click
 
 from treadle._cli_common import run_async
+from treadle._credentials import check_base_url
+from treadle._exceptions import UsageError
 from treadle.types import JSONValue, Message, ToolCall, ToolSpec
 
 ROLES = ("system", "user", "assistant", "tool")
@@ -63,10 +65,10 @@ def probe(
     """Make one streaming call and print the assembled reply as JSON."""
     from treadle.models import probe as probe_endpoint
 
-    if not base_url.startswith(("http://", "https://")):
-        raise click.BadParameter(
-            f"must start with http:// or https://, got {base_url!r}", param_hint="--base-url"
-        )
+    try:
+        check_base_url(base_url)
+    except UsageError as exc:
+        raise click.BadParameter(str(exc), param_hint="--base-url") from exc
     api_key = _api_key(api_key_env)
     tools = load_tools(tools_file) if tools_file else ()
     messages = load_messages(messages_file) if messages_file else None

@@ -118,3 +118,41 @@ def test_the_key_is_redacted_also_as_a_repr_writes_it():
     client = OpenAIChatClient(base_url="http://127.0.0.1:9/v1", api_key=key)
     text = f"Illegal header value {('Bearer ' + key).encode()!r}"
     assert "CRET" in text and "CRET" not in client._redact(text)
+
+
+@pytest.mark.parametrize(
+    "name",
+    [
+        "subscription-key",
+        "x-goog-api-key",
+        "X-Goog-Signature",
+        "X-Goog-Credential",
+        "X-Amz-Signature",
+        "X-Amz-Security-Token",
+        "X-Amz-Credential",
+    ],
+)
+def test_the_credentials_of_signed_urls_and_gateways_are_hidden(name):
+    # Azure API Management's subscription key and the signature, credential and session
+    # token of AWS and Google Cloud signed URLs stayed in log lines and error messages.
+    from treadle._credentials import redact_url_secrets
+
+    url = f"https://h/v1?api-version=1&{name}={SECRET}&x=1"
+    assert redact_url_secrets(url) == f"https://h/v1?api-version=1&{name}=***&x=1"
+
+
+@pytest.mark.parametrize("make", [OpenAIChatClient, AnthropicMessagesClient])
+@pytest.mark.parametrize(
+    "base_url",
+    [
+        f"htps://bob:{SECRET}@h/v1?key={SECRET}",  # a mistyped scheme
+        f"bob:{SECRET}@h/v1",  # no scheme at all
+        f"http://bob:{SECRET}@[::1:1/v1?key={SECRET}",  # an IPv6 address never closed
+    ],
+)
+def test_a_base_url_that_is_refused_is_quoted_without_its_credentials(make, base_url):
+    from treadle import UsageError
+
+    with pytest.raises(UsageError, match="base_url") as refused:
+        make(base_url=base_url)
+    assert SECRET not in str(refused.value) and "bob:***@" in str(refused.value)

@@ -22,6 +22,8 @@ from typing import Any, ClassVar, Generic, Protocol, Self, TypeVar
 import httpx
 import trio
 
+from treadle._credentials import redact_url_secrets as redact_url_secrets
+from treadle._credentials import shown_url
 from treadle._exceptions import ModelCallError, UsageError
 from treadle._text import valid_text
 from treadle.models._sse import SSEDecodeError, SSEDecoder, SSEEvent
@@ -86,6 +88,9 @@ class StreamReader(Generic[A]):
     _owns_client: bool
     _url: str
     _api_key: str | None
+    _credentials: tuple[str, ...]
+    """Every credential the client sends (`treadle._credentials.credentials_sent`), longest
+    first."""
     _connect_s: float
     _first_byte_s: float
     _idle_s: float
@@ -144,17 +149,19 @@ class StreamReader(Generic[A]):
         )
 
     def _redact(self, text: str) -> str:
-        """``text`` with the API key and URL credentials replaced by ``***``.
+        """``text`` with every credential the client sends replaced by ``***``.
 
-        Also the key as a ``repr`` writes it (an error quoting a header's bytes escapes them),
-        and the start of the key where a message was cut short inside it (a server's message
-        is kept to 500 characters; docs/models.md, "Credentials").
+        That is each of `_credentials` (the API key, credential headers, the user
+        information of the base URL: `treadle._credentials.credentials_sent`), also as a
+        ``repr`` writes it (an error quoting a header's bytes escapes them), and its start
+        where a message was cut short inside it (a server's message is kept to 500
+        characters); then URL credentials (`treadle._credentials.redact_url_secrets`;
+        docs/models.md, "Credentials").
         """
-        key = self._api_key
-        if key:
-            for form in (key, repr(key)[1:-1], repr(key.encode("utf-8", "replace"))[2:-1]):
+        for secret in self._credentials:
+            for form in (secret, repr(secret)[1:-1], repr(secret.encode("utf-8", "replace"))[2:-1]):
                 text = text.replace(form, "***")
-            text = _without_key_starts(text, key)
+            text = _without_key_starts(text, secret)
         return redact_url_secrets(text)
 
     def _add_body(self, acc: A, body: bytes) -> ModelReply:
@@ -329,35 +336,17 @@ def join_url(base_url: str, path: str) -> str:
     ``join_url("https://host/v1?api-version=2024", "/chat/completions")`` is
     ``https://host/v1/chat/completions?api-version=2024``; a trailing ``/`` of the base path
     is not doubled, and a fragment is dropped (it is never sent).
+
+    Raises:
+        UsageError: ``base_url`` cannot be parsed (an unclosed ``[`` of an IPv6 address); the
+            message quotes it with its credentials hidden.
     """
-    parts = urllib.parse.urlsplit(base_url)
+    try:
+        parts = urllib.parse.urlsplit(base_url)
+    except ValueError as exc:
+        raise UsageError(f"base_url {shown_url(base_url)!r} is not a valid URL: {exc}") from exc
     joined = parts.path.rstrip("/") + "/" + path.lstrip("/")
     return urllib.parse.urlunsplit((parts.scheme, parts.netloc, joined, parts.query, ""))
-
-
-SECRET_QUERY_NAMES: frozenset[str] = frozenset(
-    {
-        "key",
-        "api-key",
-        "api_key",
-        "apikey",
-        "x-api-key",
-        "token",
-        "access_token",
-        "auth",
-        "password",
-        "secret",
-        "sig",
-        "signature",
-        "code",
-    }
-)
-"""Query parameters whose value is a credential (lower case); redacted as ``***``."""
-
-_QUERY_PARAM = re.compile(r"([?&;])([^=&;#\s\"']+)=([^&;#\s\"']*)")
-
-
-_USERINFO = re.compile(r"(\b[a-zA-Z][a-zA-Z0-9+.-]*://)([^/@\s:\"']*):([^/@\s\"']*)@")
 
 
 KEY_START_CHARS = 8
@@ -385,22 +374,6 @@ def _without_key_starts(text: str, key: str) -> str:
         if text.endswith(key[:size]):
             return text[:-size] + "***"
     return text
-
-
-def redact_url_secrets(text: str) -> str:
-    """``text`` with URL credentials replaced by ``***``.
-
-    That is, the password of a URL's user information (``https://user:***@host/``) and the
-    value of every credential query parameter: one whose name, case-insensitively, is in
-    `SECRET_QUERY_NAMES` (``?key=...`` as Google's APIs use, ``api-key=`` as Azure's may,
-    signatures of signed URLs).
-    """
-
-    def hide(match: re.Match[str]) -> str:
-        name = urllib.parse.unquote(match[2]).lower()
-        return f"{match[1]}{match[2]}=***" if name in SECRET_QUERY_NAMES else match[0]
-
-    return _QUERY_PARAM.sub(hide, _USERINFO.sub(r"\1\2:***@", text))
 
 
 def check_api_key(api_key: str | None) -> str | None:

@@ -17,6 +17,7 @@ from typing import Any
 
 import httpx
 
+from treadle._credentials import check_base_url, credentials_sent, redact_url_secrets
 from treadle._exceptions import ModelCallError, UsageError
 from treadle._text import loads_json
 from treadle.models._accumulate import error_fields, parse_retry_after
@@ -27,7 +28,6 @@ from treadle.models._transport import (
     install_log_redaction,
     join_url,
     load_image,
-    redact_url_secrets,
 )
 from treadle.ports import DeltaCallback
 from treadle.types import (
@@ -69,7 +69,10 @@ class AnthropicMessagesClient(StreamReader[MessageAccumulator]):
             (``ping`` events count as traffic).
         image_source: resolves ``ref:`` image references to bytes, sent as base64 sources
             (the run's executor's images are resolved too: docs/models.md, "Images").
-        extra_headers: added to every request (e.g. ``anthropic-beta``).
+        extra_headers: added to every request (e.g. ``anthropic-beta``). The value of each
+            one whose name marks a credential (``x-goog-api-key``, ``Authorization`` ...:
+            `treadle._credentials.CREDENTIAL_HEADER`) never appears in an error or
+            record, as the API key.
         anthropic_version: the ``anthropic-version`` header.
         default_max_tokens: ``max_tokens`` when the request has no output cap and the params
             set none (the API requires one).
@@ -101,8 +104,7 @@ class AnthropicMessagesClient(StreamReader[MessageAccumulator]):
         anthropic_version: str = ANTHROPIC_VERSION,
         default_max_tokens: int = DEFAULT_MAX_TOKENS,
     ) -> None:
-        if not base_url.startswith(("http://", "https://")):
-            raise UsageError(f"base_url must start with http:// or https://, got {base_url!r}")
+        check_base_url(base_url)
         timeouts = (connect_timeout_s, first_byte_timeout_s, idle_timeout_s)
         if not all(t > 0 for t in timeouts):
             raise UsageError(f"timeouts must be positive seconds, got {timeouts}")
@@ -125,6 +127,9 @@ class AnthropicMessagesClient(StreamReader[MessageAccumulator]):
             "anthropic-version": anthropic_version,
             **(extra_headers or {}),
         }
+        self._credentials = credentials_sent(
+            self._api_key, {**self._client.headers, **self._headers}, base_url
+        )
         self._default_max_tokens = default_max_tokens
 
     def __repr__(self) -> str:

@@ -15,6 +15,7 @@ from typing import Any
 
 import httpx
 
+from treadle._credentials import check_base_url, credentials_sent
 from treadle._exceptions import ModelCallError, UsageError
 from treadle._text import loads_json
 from treadle.models._accumulate import (
@@ -63,7 +64,10 @@ class OpenAIChatClient(StreamReader[StreamAccumulator]):
             (comments reset this timer).
         image_source: resolves ``ref:`` image references to bytes, sent as ``data:`` URLs
             (the run's executor's images are resolved too: docs/models.md, "Images").
-        extra_headers: added to every request.
+        extra_headers: added to every request. The value of each one whose name marks a
+            credential (``Authorization``, ``api-key`` ...:
+            `treadle._credentials.CREDENTIAL_HEADER`) never appears in an error or
+            record, as the API key.
         send_reasoning: send an assistant message's reasoning back as ``reasoning_content``
             (DeepSeek thinking mode needs it on tool-call turns; other servers may refuse it).
         max_tokens_field: the body key for the output cap (``max_completion_tokens`` for
@@ -92,8 +96,7 @@ class OpenAIChatClient(StreamReader[StreamAccumulator]):
         max_tokens_field: str = "max_tokens",
         native_output: bool = True,
     ) -> None:
-        if not base_url.startswith(("http://", "https://")):
-            raise UsageError(f"base_url must start with http:// or https://, got {base_url!r}")
+        check_base_url(base_url)
         timeouts = (connect_timeout_s, first_byte_timeout_s, idle_timeout_s)
         if not all(t > 0 for t in timeouts):
             raise UsageError(f"timeouts must be positive seconds, got {timeouts}")
@@ -111,6 +114,9 @@ class OpenAIChatClient(StreamReader[StreamAccumulator]):
             "content-type": "application/json",
             **(extra_headers or {}),
         }
+        self._credentials = credentials_sent(
+            self._api_key, {**self._client.headers, **self._headers}, base_url
+        )
         self._send_reasoning = send_reasoning
         self._max_tokens_field = max_tokens_field
         self.native_output = native_output
