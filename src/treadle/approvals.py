@@ -18,7 +18,9 @@ from __future__ import annotations
 
 import enum
 import hashlib
+import hmac
 import json
+import secrets
 from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import Any, TypeAlias
 
@@ -57,10 +59,11 @@ class Decision(enum.StrEnum):
     """Written by the driving process when the approval deadline passed without a decision."""
 
 
-def arguments_digest(arguments: Mapping[str, JSONValue]) -> str:
+def arguments_digest(arguments: Mapping[str, JSONValue], *, key: bytes | None = None) -> str:
     """The digest an approval is bound to: ``sha256:<hex>`` of the canonical JSON arguments.
 
-    Canonical JSON: keys sorted, no insignificant whitespace, non-ASCII kept as is.
+    Canonical JSON: keys sorted, no insignificant whitespace, non-ASCII kept as is. With a
+    ``key``, ``hmac-sha256:<hex>``: the HMAC-SHA256 of that text under ``key``.
 
     Raises:
         UsageError: the arguments are not JSON data.
@@ -69,7 +72,27 @@ def arguments_digest(arguments: Mapping[str, JSONValue]) -> str:
         text = json.dumps(arguments, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
     except (TypeError, ValueError) as exc:
         raise UsageError(f"tool arguments are not JSON data: {exc}") from exc
+    if key is not None:
+        return "hmac-sha256:" + hmac.new(key, text.encode("utf-8"), hashlib.sha256).hexdigest()
     return "sha256:" + hashlib.sha256(text.encode("utf-8")).hexdigest()
+
+
+def request_digest(tool: str, arguments: Mapping[str, JSONValue], redaction: Redaction) -> str:
+    """The digest a new approval request of a call of ``tool`` is bound to.
+
+    A call without secret arguments: `arguments_digest` of its arguments, which anyone may
+    compute again. A call with some: keyed with 32 random bytes made for this request and
+    kept nowhere, so the digest shown next to ``"[redacted]"`` cannot be tested against
+    guesses of a secret value (a PIN would otherwise fall to a few million hashes). Nothing
+    ever computes a request's digest again: a decision names the digest the request carries
+    (`matches`), so requests written before, with plain digests, still take their decisions
+    (docs/events.md, "Secret arguments").
+
+    Raises:
+        UsageError: the arguments are not JSON data.
+    """
+    key = secrets.token_bytes(32) if redaction.hides(tool, arguments) else None
+    return arguments_digest(arguments, key=key)
 
 
 def edited_arguments(text: str) -> dict[str, JSONValue]:

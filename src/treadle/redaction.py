@@ -2,11 +2,12 @@
 
 A tool marks arguments as secret with ``@tool(secret_arguments=("card_number",))``. Their values
 stay in the run's log exactly as the model sent them, because a resumed run must execute the
-call it decided on, and an approval stays bound to the digest of the real arguments
-(`treadle.approvals.arguments_digest`). Everything that shows a log to someone replaces them
+call it decided on, and an approval stays bound to the digest of the real arguments (a keyed
+one: `treadle.approvals.request_digest`). Everything that shows a log to someone replaces them
 with `REDACTED` (docs/events.md, "Secret arguments"):
 
-* events, for subscribers (`treadle.RunHandle.events`) and sinks alike;
+* events, for subscribers (`treadle.RunHandle.events`) and sinks alike (a run with secrets
+  streams no text deltas: `Redaction.streams`);
 * `treadle.RunHandle.pending_approval`;
 * ``treadle show``, ``treadle tail`` (both with and without ``--json``) and ``treadle approve``.
 
@@ -21,6 +22,7 @@ run-started one and any accepted definition change) and keeps the union.
 from __future__ import annotations
 
 import functools
+import json
 import re
 from collections.abc import Collection, Iterable, Mapping
 from typing import Final
@@ -69,12 +71,18 @@ class Redaction:
     """
 
     secrets: Mapping[str, frozenset[str]] = attrs.field(factory=dict)
+    _names: frozenset[str] = attrs.field(init=False, eq=False, repr=False)
     _pattern: re.Pattern[str] | None = attrs.field(init=False, eq=False, repr=False)
+
+    @_names.default
+    def _every_name(self) -> frozenset[str]:
+        """Every secret name of every tool."""
+        return frozenset().union(*self.secrets.values())
 
     @_pattern.default
     def _text_pattern(self) -> re.Pattern[str] | None:
         """The pattern `text` uses, built once: every secret name of every tool."""
-        names = frozenset().union(*self.secrets.values())
+        names = self._names
         return _value_pattern(tuple(sorted(names, key=len, reverse=True))) if names else None
 
     @classmethod
@@ -119,10 +127,24 @@ class Redaction:
 
         A tool name of ``""`` (a record that does not say) counts every tool's secrets.
         """
-        names = self._names(tool)
+        names = self._names_of(tool)
         if not names or not names.intersection(arguments):
             return arguments
         return {k: REDACTED if k in names else v for k, v in arguments.items()}
+
+    def hides(self, tool: str, arguments: Mapping[str, JSONValue]) -> bool:
+        """Whether a call of ``tool`` with ``arguments`` has a secret argument."""
+        return bool(self._names_of(tool).intersection(arguments))
+
+    def streams(self, channel: str) -> bool:
+        """Whether live deltas of ``channel`` (``text`` or ``reasoning``) may leave the run.
+
+        Text deltas of a run whose tools declare secret arguments do not: a call the model
+        writes into its text carries its secret values before any parser has read them, so
+        no delta can be redacted as it arrives. The model's whole text still comes, redacted,
+        in the model-call-finished event (docs/events.md, "Secret arguments").
+        """
+        return channel != "text" or not self.secrets
 
     def record(self, record: Record) -> Record:
         """``record`` as it may leave the log: secret argument values replaced."""
@@ -141,32 +163,45 @@ class Redaction:
                 record,
                 reply=attrs.evolve(
                     reply,
-                    text=self.text(reply.text),
+                    text=self.text(reply.text, known=self._values_of(reply.tool_calls)),
                     tool_calls=self._calls(reply.tool_calls),
                     invalid_tool_calls=tuple(self._invalid(c) for c in reply.invalid_tool_calls),
                 ),
             )
         if isinstance(record, StepRecord):
             message = record.history_message
+            known = self._values_of(message.tool_calls) if message is not None else ()
             return attrs.evolve(
                 record,
                 history_message=self._message(message) if message is not None else None,
-                model_output_text=self.text(record.model_output_text),
+                model_output_text=self.text(record.model_output_text, known=known),
             )
         return record
 
-    def text(self, text: str | None) -> str | None:
+    def text(self, text: str | None, *, known: Iterable[JSONValue] = ()) -> str | None:
         """``text`` with the values of secret arguments written into it as a call replaced.
 
         A model that writes its calls as text (a JSON object, ``<tool_call>`` markup, a
         ``<parameter=name>`` block) puts the arguments into its visible text, and a parser
-        may run them as a call: there, a value after a secret argument's name as a JSON key
-        (``"card": "..."``, single quotes too) or inside its ``<parameter=card>`` block is
-        replaced. Prose is left as it is (docs/events.md, "Secret arguments").
+        may run them as a call. Two passes (docs/events.md, "Secret arguments"):
+
+        * by key: a value after a secret argument's name as a JSON key (``"card": "..."``,
+          single quotes too; a list or an object whole) or inside its ``<parameter=card>``
+          block becomes ``"[redacted]"``;
+        * by value: every JSON object in the text is decoded (arguments given as a JSON
+          string inside it too), and each value of a secret argument it holds, with the
+          ``known`` values (the reply's own parsed calls'), is replaced wherever it stands,
+          in every form JSON or a ``repr`` may escape it to, so a key the first pass cannot
+          see (a key written with a unicode escape, or escaped inside a JSON string) hides
+          nothing.
+
+        A string value becomes ``[redacted]`` inside its quotes (the JSON stays valid); a
+        number found only by value becomes ``[redacted]`` bare. Other prose is left as it is.
         """
         if not text or self._pattern is None:
             return text
-        return self._pattern.sub(_redact_match, text)
+        values = [*known, *_values_in(text, self._names)]
+        return _without_values(self._pattern.sub(_redact_match, text), values)
 
     def request(self, request: ApprovalRequested) -> ApprovalRequested:
         """An approval request as it may leave the log (its secret arguments replaced)."""
@@ -175,16 +210,28 @@ class Redaction:
         return attrs.evolve(request, arguments=self.arguments(request.tool, request.arguments))
 
     def event(self, event: Event) -> Event:
-        """``event`` with its record redacted (events without a record unchanged)."""
+        """``event`` with its record redacted (events without a record unchanged).
+
+        A text delta of a run with secrets is never made into an event at all (`streams`).
+        """
         if not self.secrets or event.record is None:
             return event
         redacted = self.record(event.record)
         return event if redacted is event.record else attrs.evolve(event, record=redacted)
 
-    def _names(self, tool: str) -> frozenset[str]:
+    def _names_of(self, tool: str) -> frozenset[str]:
         if tool:
             return self.secrets.get(tool, frozenset())
-        return frozenset().union(*self.secrets.values())
+        return self._names
+
+    def _values_of(self, calls: Iterable[ToolCall]) -> list[JSONValue]:
+        """The values of the secret arguments of ``calls``."""
+        return [
+            value
+            for call in calls
+            for name, value in call.arguments.items()
+            if name in self._names_of(call.name)
+        ]
 
     def _calls(self, calls: tuple[ToolCall, ...]) -> tuple[ToolCall, ...]:
         return tuple(attrs.evolve(c, arguments=self.arguments(c.name, c.arguments)) for c in calls)
@@ -199,9 +246,20 @@ class Redaction:
     def _message(self, message: Message) -> Message:
         return attrs.evolve(
             message,
-            content=self.text(message.content),
+            content=self.text(message.content, known=self._values_of(message.tool_calls)),
             tool_calls=self._calls(message.tool_calls),
         )
+
+
+_STRING = r""""(?:[^"\\]|\\.)*"|'(?:[^'\\]|\\.)*'"""
+_FLAT = rf"""(?:{_STRING}|[^\[\]{{}}"'])*"""
+_NESTED = rf"""(?:{_STRING}|\[{_FLAT}\]|\{{{_FLAT}\}}|[^\[\]{{}}"'])*"""
+_COMPOUND = rf"""\[{_NESTED}\]|\{{{_NESTED}\}}"""
+"""A list or an object, with lists and objects nested one level deep in it."""
+MAX_DECODED_DEPTH: Final = 3
+"""How deep `Redaction.text` looks into JSON strings that hold JSON (arguments as a string)."""
+WHOLE_WORD_CHARS: Final = 8
+"""A secret value shorter than this is replaced in text only as a whole word or number."""
 
 
 @functools.cache
@@ -209,7 +267,7 @@ def _value_pattern(names: tuple[str, ...]) -> re.Pattern[str]:
     alternatives = "|".join(re.escape(name) for name in names)
     return re.compile(
         rf"""(?P<key>(?P<q>["'])(?:{alternatives})(?P=q)\s*:\s*)"""
-        r"""(?P<value>"(?:[^"\\]|\\.)*"|'(?:[^'\\]|\\.)*'|[^,}\]\s]+)"""
+        rf"""(?P<value>{_STRING}|{_COMPOUND}|[^,}}\]\s]+)"""
         rf"""|(?P<tag><parameter=(?:{alternatives})>)(?P<inner>.*?)(?P<end></parameter>|\Z)""",
         re.DOTALL,
     )
@@ -219,6 +277,93 @@ def _redact_match(match: re.Match[str]) -> str:
     if match.group("key") is not None:
         return f'{match.group("key")}"{REDACTED}"'
     return f"{match.group('tag')}{REDACTED}{match.group('end')}"
+
+
+def _values_in(text: str, names: frozenset[str]) -> list[JSONValue]:
+    """The values of keys in ``names`` of every JSON object ``text`` holds, at any depth."""
+    found: list[JSONValue] = []
+    decoder = json.JSONDecoder()
+    start = text.find("{")
+    while start >= 0:
+        try:
+            value, end = decoder.raw_decode(text, start)
+        except ValueError:
+            end = start + 1
+        else:
+            _collect(value, names, found, 0)
+        start = text.find("{", end)
+    return found
+
+
+def _collect(value: object, names: frozenset[str], found: list[JSONValue], depth: int) -> None:
+    """Add to ``found`` the values of keys in ``names`` within ``value``.
+
+    A string that holds JSON (arguments sent as a JSON string) is decoded and searched too,
+    `MAX_DECODED_DEPTH` levels deep.
+    """
+    if isinstance(value, dict):
+        for key, item in value.items():
+            if key in names:
+                found.append(item)
+            _collect(item, names, found, depth)
+    elif isinstance(value, list):
+        for item in value:
+            _collect(item, names, found, depth)
+    elif isinstance(value, str) and depth < MAX_DECODED_DEPTH and value.lstrip()[:1] in "{[":
+        try:
+            inner = json.loads(value)
+        except ValueError:
+            return
+        _collect(inner, names, found, depth + 1)
+
+
+def _leaves(value: object) -> Iterable[str | int | float]:
+    """The strings and numbers within ``value`` (booleans and nulls are not secrets)."""
+    if isinstance(value, dict):
+        for item in value.values():
+            yield from _leaves(item)
+    elif isinstance(value, list):
+        for item in value:
+            yield from _leaves(item)
+    elif isinstance(value, str | int | float) and not isinstance(value, bool):
+        yield value
+
+
+def _forms(value: str | int | float) -> set[str]:
+    """How ``value`` may be written in text.
+
+    As is, JSON-escaped (ASCII or not), as a ``repr`` escapes it, and each of those escaped
+    once more (JSON inside a JSON string).
+    """
+    if not isinstance(value, str):
+        return {json.dumps(value)}
+    once = {value, _escaped(value, True), _escaped(value, False), repr(value)[1:-1]}
+    return once | {_escaped(form, ascii) for form in once for ascii in (True, False)}
+
+
+def _escaped(text: str, ascii: bool) -> str:
+    return json.dumps(text, ensure_ascii=ascii)[1:-1]
+
+
+def _without_values(text: str, values: Iterable[JSONValue]) -> str:
+    """``text`` with every form (`_forms`) of every leaf of ``values`` replaced.
+
+    A short form (under `WHOLE_WORD_CHARS` characters) that starts or ends with a letter,
+    digit or ``_`` is replaced only where it is not part of a longer word or number (a PIN
+    ``1234`` leaves ``12345`` alone); a longer one is replaced wherever it stands.
+    """
+    forms = {
+        form: REDACTED
+        for leaf in _leaves(list(values))
+        if leaf != REDACTED and leaf != ""
+        for form in _forms(leaf)
+    }
+    for form in sorted(forms, key=len, reverse=True):
+        short = len(form) < WHOLE_WORD_CHARS
+        head = r"(?<![\w.])" if short and (form[:1].isalnum() or form[:1] == "_") else ""
+        tail = r"(?![\w.])" if short and (form[-1:].isalnum() or form[-1:] == "_") else ""
+        text = re.sub(head + re.escape(form) + tail, REDACTED, text)
+    return text
 
 
 NO_REDACTION: Final = Redaction()

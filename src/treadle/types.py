@@ -1125,8 +1125,9 @@ class ApprovalRequested:
     """A tool call waits for a human decision.
 
     Attributes:
-        arguments_digest: `treadle.approvals.arguments_digest` of the model's arguments; a
-            decision must name it.
+        arguments_digest: `treadle.approvals.arguments_digest` of the model's arguments,
+            keyed with a random key kept nowhere when some are secret
+            (`treadle.approvals.request_digest`); a decision must name it.
         deadline_ts: when the wait ends without a decision (ISO-8601).
         arguments: the arguments the call would run with, as the model sent them; secret
             ones are redacted on every path out of the log (docs/events.md, "Secret

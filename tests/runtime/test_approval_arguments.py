@@ -107,9 +107,11 @@ async def test_events_sinks_and_the_handle_show_arguments_with_secrets_redacted(
                 pending = handle.pending_approval
                 assert pending is not None and pending.tool == "charge"
                 assert pending.arguments == {"amount": 12, "card": REDACTED, "memo": "order A1"}
-                # Still bound to the real arguments: the digest is of what the model sent.
+                # Bound by a keyed digest: the plain digest of the real arguments would let
+                # anyone test guesses of the card against it.
                 digest = arguments_digest({"amount": 12, "card": CARD, "memo": "order A1"})
-                assert pending.arguments_digest == digest
+                assert pending.arguments_digest.startswith("hmac-sha256:")
+                assert pending.arguments_digest != digest
                 assert event.record.arguments == pending.arguments
                 handle.approve("c1")
         result = await handle.wait()
@@ -299,7 +301,12 @@ def test_redaction_of_a_log_is_the_union_of_its_snapshots():
         json.dumps({"name": "charge", "arguments": {"amount": 12, "card": CARD}}),
         '<tool_call>{"name": "charge", "arguments": {"amount": 12, "card": "' + CARD + '"}}'
         "</tool_call>",
+        # the arguments as a JSON string, which parsers decode
+        json.dumps({"name": "charge", "arguments": json.dumps({"amount": 12, "card": CARD})}),
+        # the key written with a JSON escape
+        '{"name": "charge", "arguments": {"amount": 12, "c\\u0061rd": "' + CARD + '"}}',
     ],
+    ids=["json", "markup", "string arguments", "escaped key"],
 )
 async def test_a_call_written_as_text_has_its_secret_redacted_too(text, autojump_clock):
     """A model that writes its call into its text (repaired into a call by the parser) puts
@@ -318,6 +325,7 @@ async def test_a_call_written_as_text_has_its_secret_redacted_too(text, autojump
     assert charged == [{"amount": 12, "card": CARD, "memo": ""}]
     for events in (seen, sink.events):
         assert CARD not in as_text(events)
+        assert CARD not in "".join(e.text or "" for e in events)  # no delta carried it
     log = await store.read_log("r")
     assert CARD in json.dumps([record_to_dict(r) for r in log.records])  # kept in the log
 
@@ -336,3 +344,69 @@ async def test_no_human_is_asked_about_a_call_that_could_not_run(autojump_clock)
     assert not any(isinstance(r, ApprovalRequested) for r in log.records)
     (step,) = [r for r in log.records if isinstance(r, StepRecord)][:1]
     assert "invalid arguments" in step.observations[0]
+
+
+def test_a_secret_written_as_text_is_redacted_in_every_form_and_the_json_stays_valid():
+    # Only a literal "name" key followed by one scalar was matched: arguments given as a JSON
+    # string, a key with a JSON escape, or a list of secrets kept their values (the list was
+    # cut after its first element, leaving broken JSON).
+    redaction = Redaction.of_snapshot({SNAPSHOT_KEY: {"charge": ["card"], "recover": ["codes"]}})
+    texts = [
+        json.dumps({"name": "charge", "arguments": json.dumps({"amount": 12, "card": CARD})}),
+        '{"name": "charge", "arguments": {"amount": 12, "c\\u0061rd": "' + CARD + '"}}',
+        json.dumps({"name": "recover", "arguments": {"user": "bob", "codes": [CARD, OTHER_CARD]}}),
+        json.dumps({"name": "recover", "arguments": {"codes": {"a": [CARD], "b": OTHER_CARD}}}),
+        json.dumps([{"name": "charge", "arguments": json.dumps({"card": int(CARD)})}]),
+    ]
+    for text in texts:
+        shown = redaction.text(text)
+        assert shown is not None and CARD not in shown and OTHER_CARD not in shown, shown
+        assert REDACTED in shown
+        json.loads(shown)  # still JSON
+    assert redaction.text("card 1234 of 12345") == "card 1234 of 12345"  # prose stays
+
+
+async def test_a_run_with_secret_arguments_streams_no_text_deltas(autojump_clock):
+    # A call written into the text went out, secret and all, in the text deltas before any
+    # parser had read it, to subscribers and sinks alike.
+    charged: list[dict[str, object]] = []
+    text = json.dumps({"name": "charge", "arguments": {"amount": 12, "card": CARD}})
+    model = ScriptedModel(turns=[say(text), say("It is done.")], stream_chunk_chars=5)
+    agent = attrs.evolve(make_agent(charged), model=model)
+    store, sink = MemoryStore(), ListSink()
+    seen = []
+    async with open_run(agent, "pay", store=store, run_id="r", sinks=[sink]) as handle:
+        async for event in handle.events():
+            seen.append(event)
+            if isinstance(event.record, ApprovalRequested):
+                handle.approve()
+        await handle.wait()
+    assert charged == [{"amount": 12, "card": CARD, "memo": ""}]
+    for events in (seen, sink.events):
+        assert not [e for e in events if e.kind == "text_delta"]
+        finished = [e.record.reply.text for e in events if isinstance(e.record, ModelResult)]
+        assert finished[-1] == "It is done."  # the text still comes, whole, when it is done
+        assert CARD not in json.dumps(finished)
+
+
+async def test_an_approval_of_a_secret_call_is_bound_to_a_digest_no_guess_can_reproduce(
+    autojump_clock,
+):
+    # The digest shown next to "[redacted]" was the plain sha256 of the arguments: a short
+    # secret (a PIN) was found by hashing every candidate.
+    charged: list[dict[str, object]] = []
+    store = MemoryStore()
+    async with open_run(make_agent(charged), "pay", store=store, run_id="r") as handle:
+        async for event in handle.events():
+            if isinstance(event.record, ApprovalRequested):
+                shown = handle.pending_approval
+                assert shown is not None
+                real = {"amount": 12, "card": CARD, "memo": "order A1"}
+                guesses = [real, dict(shown.arguments or {})]
+                assert shown.arguments_digest not in [arguments_digest(g) for g in guesses]
+                # The decision names the digest that was shown, as the console and
+                # `treadle approve` do, and is applied.
+                await decide(store, "r", call_id="c1", arguments_digest=shown.arguments_digest)
+        result = await handle.wait()
+    assert result.stop_reason is StopReason.FINAL_ANSWER
+    assert charged == [{"amount": 12, "card": CARD, "memo": "order A1"}]

@@ -47,12 +47,13 @@ from treadle.actors._writer import WriterClient
 from treadle.approvals import (
     EXPIRED_DETAIL,
     Decision,
-    arguments_digest,
     expired_decision,
     matches,
+    request_digest,
 )
 from treadle.parsers import refuse_non_finite
 from treadle.ports import DecisionParser
+from treadle.redaction import NO_REDACTION, Redaction
 from treadle.types import (
     SUCCESS_STOP_REASONS,
     ActionIntent,
@@ -159,6 +160,9 @@ class RunCoordinator:
         synthetic: the definition's synthetic observations: a run that ends before it ran
             its resumed step again gives that step's open intents their ``unknown`` results
             (`treadle._state.closing_records`).
+        redaction: the run's secret tool arguments: an approval request of a call that has
+            some is bound to a digest no one can compute back from what is shown
+            (`treadle.approvals.request_digest`).
     """
 
     run_id: str
@@ -179,6 +183,7 @@ class RunCoordinator:
     carried_active_s: float = 0.0
     compaction: bool = False
     synthetic: SyntheticObservations = SyntheticObservations()
+    redaction: Redaction = NO_REDACTION
     on_status: Callable[[RunState, ApprovalRequested | None], None] = _no_status
     state: RunState = RunState.RUNNING
     _step_scope: StepScope | None = None
@@ -641,7 +646,7 @@ class RunCoordinator:
                 step=step,
                 call_id=call.id,
                 tool=call.name,
-                arguments_digest=arguments_digest(call.arguments),
+                arguments_digest=request_digest(call.name, call.arguments, self.redaction),
                 ts=now,
                 deadline_ts=_plus_s(now, self.limits.approval_timeout_s),
                 arguments=dict(call.arguments),

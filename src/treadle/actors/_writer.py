@@ -381,9 +381,13 @@ class EventWriter:
     def _publish_delta(self, message: Delta) -> None:
         """Number ``message`` after the last durable event and fan it out (never blocks).
 
-        Nobody listening (no subscriber, no sink): dropped.
+        Nobody listening (no subscriber, no sink): dropped. So is a text delta of a run whose
+        tools declare secret arguments (`Redaction.streams`; docs/events.md, "Secret
+        arguments").
         """
         if not self._subscribers and not self._feed.active:
+            return
+        if not self.redaction.streams(message.channel):
             return
         self._delta_ordinal += 1
         kind = EventKind.TEXT_DELTA if message.channel == "text" else EventKind.REASONING_DELTA

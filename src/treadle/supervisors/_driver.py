@@ -517,6 +517,7 @@ async def _drive(
             rng=options.rng or _JITTER,
             store=store,
             cancel_grace_s=options.cancel_grace_s,
+            redaction=redaction,
         )
         needs_approval = functools.partial(
             requires_approval, agent.tool_policies, options.approval_policy

@@ -173,6 +173,8 @@ class ActorContext:
         cancel_grace_s: seconds a cancelled tool call gets to finish before the executor
             abandons it (`treadle.actors.CANCEL_GRACE_S`; less in a child run,
             docs/child-runs.md "Cancellation").
+        redaction: the run's secret tool arguments (the union over its snapshots; the
+            coordinator binds an approval of a call with secrets to a keyed digest).
     """
 
     run_id: str
@@ -183,6 +185,7 @@ class ActorContext:
     rng: random.Random
     store: RunStore | None = None
     cancel_grace_s: float = CANCEL_GRACE_S
+    redaction: Redaction = NO_REDACTION
 
 
 def _no_status(state: RunState, awaiting: ApprovalRequested | None) -> None:
@@ -315,6 +318,7 @@ def real_coordinator(context: CoordinatorContext) -> RunCoordinator:
         carried_active_s=context.carried_active_s,
         compaction=agent.context_window is not None,
         synthetic=agent.synthetic,
+        redaction=actor.redaction,
         on_status=context.on_status,
     )
 
