@@ -40,6 +40,7 @@ from treadle.stores._jsonl_files import (
     open_regular,
     read_run_head,
     records_frame,
+    same_file,
 )
 from treadle.stores._jsonl_files import RunHead as FileRunHead
 from treadle.stores._lines import check_frame, scan_lines
@@ -164,12 +165,7 @@ class OsFileOps:
 
     def same_file(self, fd: int, path: str) -> bool:
         """Device and inode of ``path`` (``stat``) and of ``fd`` (``fstat``) compared."""
-        try:
-            named = os.stat(path)
-        except FileNotFoundError:
-            return False
-        held = os.fstat(fd)
-        return (named.st_dev, named.st_ino) == (held.st_dev, held.st_ino)
+        return same_file(fd, path)
 
 
 @attrs.frozen(kw_only=True)

@@ -357,6 +357,19 @@ def file_identity(stat: os.stat_result) -> tuple[int, ...]:
     return (stat.st_dev, stat.st_ino, stat.st_size, stat.st_mtime_ns)
 
 
+def same_file(fd: int, path: str) -> bool:
+    """Whether ``path`` names the file ``fd`` holds open: device and inode compared.
+
+    ``False`` when nothing is at ``path`` (it was deleted, or renamed away).
+    """
+    try:
+        named = os.stat(path)
+    except FileNotFoundError:
+        return False
+    held = os.fstat(fd)
+    return (named.st_dev, named.st_ino) == (held.st_dev, held.st_ino)
+
+
 def open_regular(path: str, flags: int = os.O_RDONLY, mode: int = 0o644) -> int:
     """``os.open`` of a store file that must be a regular file (a run or control file).
 

@@ -87,6 +87,7 @@ from treadle.stores._jsonl_files import (
     read_sidecar,
     repair_run_file,
     run_file_name,
+    same_file,
     scan_control,
     sync_dir,
     write_sidecar,
@@ -609,7 +610,7 @@ class JsonlStore(EngineStore):
         """Write the renewed sidecars; return the leases whose lock file is no longer theirs."""
         gone = []
         for held in helds:
-            if _lock_file_of(held.fd, self._lease_paths(held.lease.run_id)[0]):
+            if same_file(held.fd, self._lease_paths(held.lease.run_id)[0]):
                 self._write_sidecar(held, False)
             else:
                 gone.append(held)
@@ -768,7 +769,7 @@ def _open_locked(lock_path: str, run_id: str, sidecar: str, now: float) -> int:
             raise StoreError(f"cannot open {lock_path}: {exc.strerror or exc}") from exc
         try:
             _lock_or_refuse(fd, run_id, sidecar, now)
-            if _lock_file_of(fd, lock_path):
+            if same_file(fd, lock_path):
                 return fd
         except OSError as exc:  # a lock the file system refuses (ENOLCK), say
             os.close(fd)
@@ -806,20 +807,6 @@ def _try_lock(fd: int, kind: int, *, retries: int) -> bool:
             continue
         return True
     return False
-
-
-def _lock_file_of(fd: int, lock_path: str) -> bool:
-    """Whether ``lock_path`` still names the file ``fd`` holds open (same device and inode).
-
-    A lock file deleted or replaced under its holder leaves the holder's ``flock`` on a file
-    nobody else opens: another process would lock a new one and drive the run too.
-    """
-    try:
-        named = os.stat(lock_path)
-    except FileNotFoundError:
-        return False
-    held = os.fstat(fd)
-    return (named.st_dev, named.st_ino) == (held.st_dev, held.st_ino)
 
 
 def _lock_is_free(lock_path: str) -> bool:
