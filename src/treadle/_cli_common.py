@@ -19,6 +19,7 @@ import click
 import trio
 from rich.console import Console
 
+from treadle._clock import seconds_out_of_range
 from treadle._exceptions import InvalidRunId, TreadleError, raised
 from treadle._ids import check_run_id
 from treadle.agent import Agent
@@ -26,7 +27,6 @@ from treadle.ports import RunStore
 from treadle.stores import is_dsn, record_to_dict, redact_dsn
 from treadle.stores.jsonl import JsonlStore, open_jsonl_store
 from treadle.stores.sqlite import open_sqlite_store
-from treadle.supervisors._fleet import seconds_out_of_range
 from treadle.types import (
     ActionIntent,
     ActionResult,
@@ -206,7 +206,7 @@ async def agent_block(
 class Seconds(click.types.FloatParamType):
     """A command-line duration in seconds: a finite number >= 0 (> 0 with ``above_zero``).
 
-    The rule of the worker's settings (`treadle.supervisors._fleet.seconds_out_of_range`):
+    The rule of the worker's settings (`treadle._clock.seconds_out_of_range`):
     a NaN, an infinity or a negative number is refused as a usage error (exit 2) before it
     reaches a sleep or a deadline, where trio raised a traceback (and a zero poll busy-looped).
     """

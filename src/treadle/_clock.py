@@ -7,6 +7,7 @@ simulation can make a log byte-identical for the same seed.
 from __future__ import annotations
 
 import datetime as dt
+import math
 import time
 from typing import Protocol
 
@@ -67,3 +68,19 @@ class FixedStepClock:
         instant = self.start + dt.timedelta(seconds=self._readings * self.step_s)
         self._readings += 1
         return instant.isoformat()
+
+
+def seconds_out_of_range(value: object, *, above_zero: bool = False) -> str | None:
+    """Why ``value`` is not a duration in seconds, or ``None`` when it is one (or ``None``).
+
+    A duration is a finite number >= 0 (> 0 with ``above_zero``). The worker's settings
+    (`open_fleet`) and the command line's time options (``treadle worker``, ``treadle
+    wait``) share this rule.
+    """
+    if value is None:
+        return None
+    bound = "> 0" if above_zero else ">= 0"
+    why = f"must be a finite number of seconds {bound}, not {value!r}"
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        return why
+    return None if (value > 0 if above_zero else value >= 0) else why

@@ -241,10 +241,13 @@ async def test_hung_thread_tools_leave_trio_threads_free_and_are_counted(
 
     caplog.set_level(logging.WARNING, logger="treadle.tools")
     blocker.release.set()
-    for _ in range(1000):  # each end is reported from its thread: nothing to wait on here
-        if host_statistics().stray_threads == before.stray_threads:
+    for _ in range(6000):  # each end is reported from its thread: nothing to wait on here
+        now = host_statistics()
+        reported = sum("returned 'released'" in r.getMessage() for r in caplog.records)
+        if now.stray_threads == before.stray_threads and reported == 40:
             break
-        await trio.sleep(1)
+        # real time for the threads to end (trio's virtual clock would jump past them)
+        await trio.to_thread.run_sync(time.sleep, 0.02)
     assert host_statistics().late_returns == before.late_returns + 40
     assert sum("returned 'released'" in r.getMessage() for r in caplog.records) == 40
 

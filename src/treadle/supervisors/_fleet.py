@@ -27,7 +27,7 @@ from typing import Any, Final
 import attrs
 import trio
 
-from treadle._clock import Clock, SystemClock
+from treadle._clock import Clock, SystemClock, seconds_out_of_range
 from treadle._exceptions import (
     ChildPending,
     LeaseError,
@@ -591,22 +591,6 @@ def _check_seconds(*, above_zero: bool = False, **seconds: float | None) -> None
         why = seconds_out_of_range(value, above_zero=above_zero)
         if why is not None:
             raise UsageError(f"{name} {why}")
-
-
-def seconds_out_of_range(value: object, *, above_zero: bool = False) -> str | None:
-    """Why ``value`` is not a duration in seconds, or ``None`` when it is one (or ``None``).
-
-    A duration is a finite number >= 0 (> 0 with ``above_zero``). The worker's settings
-    (`open_fleet`) and the command line's time options (``treadle worker``, ``treadle
-    wait``) share this rule.
-    """
-    if value is None:
-        return None
-    bound = "> 0" if above_zero else ">= 0"
-    why = f"must be a finite number of seconds {bound}, not {value!r}"
-    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
-        return why
-    return None if (value > 0 if above_zero else value >= 0) else why
 
 
 def _factory(value: AgentFactory | Agent) -> AgentFactory:
