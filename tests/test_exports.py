@@ -375,6 +375,7 @@ SUPERVISORS = sorted(
         "real_gateway",
         "real_hydrator",
         "real_writer",
+        "resume_failed",
         "resume_unfinished",
         "run",
         "thread_run_id",

@@ -466,7 +466,7 @@ async def _resume_all(
 
     Queued runs (submitted, not started) are counted, not resumed: a worker starts them.
     """
-    from treadle.supervisors import resume_unfinished
+    from treadle.supervisors import resume_failed, resume_unfinished
 
     errors: list[Exception] = []
     async with open_store(store_path) as store, opened_agent(agent_spec) as agent:
@@ -494,7 +494,7 @@ async def _resume_all(
             errors = list(group.exceptions)
         logs = []
         for run_id in unfinished:
-            if any(_failure_of(error, run_id) for error in errors):
+            if any(resume_failed(error, run_id) for error in errors):
                 continue  # reported with its error, not as a result
             try:
                 log = await store.read_log(run_id)
@@ -504,16 +504,6 @@ async def _resume_all(
                 logs.append(log)
     queued = sum(s.liveness is Liveness.QUEUED for s in summaries)
     return logs, errors, queued
-
-
-def _failure_of(error: Exception, run_id: str) -> bool:
-    """Whether ``error`` is what the resume of ``run_id`` failed with.
-
-    `resume_unfinished` notes each error with the run it comes from
-    (docs/crash-safety.md, "Resume"); an error's own ``run_id`` may name another run (a
-    child's) or be missing (a store's error).
-    """
-    return f"while resuming run {run_id!r}" in getattr(error, "__notes__", ())
 
 
 async def _unfinished_log(store: RunStore, run_id: str) -> bool:

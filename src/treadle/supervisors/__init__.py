@@ -8,7 +8,8 @@ Everything public of the supervisors is here; the modules behind it are private.
 * Many runs: `open_fleet` is a worker of a fleet over one store (`Fleet`, `wait_result`).
 * Child runs: `agent_tool` makes a tool whose calls run another agent (`child_run_id`).
 * Threads: `history` of a run, `thread_run_id`, `Lineage`.
-* Recovery and finishing: `resume_unfinished`, `finish_cancelled`.
+* Recovery and finishing: `resume_unfinished` (`resume_failed` tells its errors apart),
+  `finish_cancelled`.
 """
 
 from treadle.supervisors._children import CHILD_CANCEL_GRACE_S as CHILD_CANCEL_GRACE_S
@@ -47,6 +48,7 @@ from treadle.supervisors._fleet import open_fleet as open_fleet
 from treadle.supervisors._fleet import wait_result as wait_result
 from treadle.supervisors._handle import RunHandle as RunHandle
 from treadle.supervisors._leasing import leases_of as leases_of
+from treadle.supervisors._recovery import resume_failed as resume_failed
 from treadle.supervisors._recovery import resume_unfinished as resume_unfinished
 from treadle.supervisors._run import open_run as open_run
 from treadle.supervisors._run import run as run
@@ -93,6 +95,7 @@ __all__ = [
     "real_gateway",
     "real_hydrator",
     "real_writer",
+    "resume_failed",
     "resume_unfinished",
     "run",
     "thread_run_id",

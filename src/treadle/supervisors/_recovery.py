@@ -90,7 +90,7 @@ async def resume_unfinished(
             except RunLeased:
                 return  # another driver drives it: not ours to resume, and not a failure
             except Exception as exc:  # collected: one bad run must not stop the others
-                exc.add_note(f"while resuming run {run_id!r}")  # how `resume --all` tells it
+                exc.add_note(_resume_note(run_id))  # how `resume --all` tells it
                 errors.append(exc)
                 return
         if result is not None:
@@ -149,3 +149,17 @@ async def _resume(
         clock=clock,
         rng=random.Random(seed) if seed is not None else None,
     )
+
+
+def _resume_note(run_id: str) -> str:
+    """The note `resume_unfinished` adds to the error of ``run_id``'s resume."""
+    return f"while resuming run {run_id!r}"
+
+
+def resume_failed(error: BaseException, run_id: str) -> bool:
+    """Whether ``error``, one of `resume_unfinished`'s, is what the resume of ``run_id`` raised.
+
+    Each error carries a note naming its run (docs/crash-safety.md, "Resume"); an error's own
+    ``run_id`` attribute may name another run (a child's) or be missing (a store's error).
+    """
+    return _resume_note(run_id) in getattr(error, "__notes__", ())
