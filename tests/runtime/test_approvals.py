@@ -467,22 +467,30 @@ class SettableClock:
         return self.now.isoformat()
 
 
-async def test_the_deadline_is_durable_across_a_restart(autojump_clock):
-    import datetime as dt
-
-    clock = SettableClock()
+async def left_waiting(turns, clock: SettableClock) -> tuple[MemoryStore, ApprovalRequested]:
+    """A run left waiting on an approval of 600 s: its driving block was cancelled while it
+    waited, so nothing was in flight and the run stays unfinished, as when its process stops.
+    """
     store = MemoryStore()
-    turns = [call("add", a=1, b=2, call_id="c1"), say("ok")]
     agent, _, _ = make(turns, limits=Limits(approval_timeout_s=600))
-    with trio.CancelScope() as crash:
+    with trio.CancelScope() as stopped:
         async with open_run(
             agent, "x", store=store, run_id="r", approval_policy=only_add, clock=clock
         ) as handle:
             await wait_for_state(handle, RunState.AWAITING_APPROVAL)
-            crash.cancel()
+            stopped.cancel()
     (request,) = [
         r for r in (await store.read_log("r")).records if isinstance(r, ApprovalRequested)
     ]
+    return store, request
+
+
+async def test_the_deadline_is_durable_across_a_restart(autojump_clock):
+    import datetime as dt
+
+    clock = SettableClock()
+    turns = [call("add", a=1, b=2, call_id="c1"), say("ok")]
+    store, request = await left_waiting(turns, clock)
     assert request.deadline_ts == "2026-01-01T00:10:00+00:00"
 
     clock.now += dt.timedelta(seconds=400)  # the process was down for 400 s of the 600
@@ -766,24 +774,14 @@ async def test_a_decision_after_a_cancel_request_is_refused_not_reported_applied
 
 @pytest.mark.parametrize("written", ["before the deadline", "after it", "after it, raw"])
 async def test_a_decision_written_after_the_deadline_is_never_applied(written, autojump_clock):
-    """The driver died while its run waited; the resume came after the deadline. A decision
+    """The run's driver stopped while it waited; the resume came after the deadline. A decision
     written before the deadline still counts; one written after it is refused by `decide`,
     and, found in the control stream all the same, is not applied: the call expires."""
     import datetime as dt
 
     clock = SettableClock()
-    store = MemoryStore()
     turns = [call("add", a=1, b=2, call_id="c1"), say("ok")]
-    agent, _, _ = make(turns, limits=Limits(approval_timeout_s=600))
-    with trio.CancelScope() as crash:
-        async with open_run(
-            agent, "x", store=store, run_id="r", approval_policy=only_add, clock=clock
-        ) as handle:
-            await wait_for_state(handle, RunState.AWAITING_APPROVAL)
-            crash.cancel()
-    (request,) = [
-        r for r in (await store.read_log("r")).records if isinstance(r, ApprovalRequested)
-    ]
+    store, request = await left_waiting(turns, clock)
     clock.now += dt.timedelta(seconds=500 if written == "before the deadline" else 700)
     if written == "after it":
         with pytest.raises(UsageError, match="ended at 2026-01-01T00:10:00"):
