@@ -77,21 +77,28 @@ def arguments_digest(arguments: Mapping[str, JSONValue], *, key: bytes | None = 
     return "sha256:" + hashlib.sha256(text.encode("utf-8")).hexdigest()
 
 
-def request_digest(tool: str, arguments: Mapping[str, JSONValue], redaction: Redaction) -> str:
+def request_digest(
+    tool: str,
+    arguments: Mapping[str, JSONValue],
+    redaction: Redaction,
+    keys: Callable[[int], bytes] = secrets.token_bytes,
+) -> str:
     """The digest a new approval request of a call of ``tool`` is bound to.
 
     A call without secret arguments: `arguments_digest` of its arguments, which anyone may
-    compute again. A call with some: keyed with 32 random bytes made for this request and
-    kept nowhere, so the digest shown next to ``"[redacted]"`` cannot be tested against
-    guesses of a secret value (a PIN would otherwise fall to a few million hashes). Nothing
-    ever computes a request's digest again: a decision names the digest the request carries
-    (`matches`), so requests written before, with plain digests, still take their decisions
-    (docs/events.md, "Secret arguments").
+    compute again. A call with some: keyed with 32 bytes drawn from ``keys`` for this request
+    and kept nowhere (the OS's secure source; a seeded run's own random source, so that its
+    log stays the same for a seed: docs/simulation.md), so the digest shown next to
+    ``"[redacted]"`` cannot be tested against guesses of a secret value (a PIN would
+    otherwise fall to a few million hashes). Nothing ever computes a request's digest
+    again: a decision names the digest the request carries (`matches`), so requests written
+    before, with plain digests, still take their decisions (docs/events.md, "Secret
+    arguments").
 
     Raises:
         UsageError: the arguments are not JSON data.
     """
-    key = secrets.token_bytes(32) if redaction.hides(tool, arguments) else None
+    key = keys(32) if redaction.hides(tool, arguments) else None
     return arguments_digest(arguments, key=key)
 
 

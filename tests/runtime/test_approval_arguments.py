@@ -410,3 +410,27 @@ async def test_an_approval_of_a_secret_call_is_bound_to_a_digest_no_guess_can_re
         result = await handle.wait()
     assert result.stop_reason is StopReason.FINAL_ANSWER
     assert charged == [{"amount": 12, "card": CARD, "memo": "order A1"}]
+
+
+async def test_a_seeded_run_binds_its_secret_call_to_the_same_keyed_digest_each_time(
+    autojump_clock,
+):
+    """A run given a random source draws the digest's key from it: its log is the same for
+    a seed (docs/simulation.md), the key still never in it; an unseeded run's differs."""
+    import random
+
+    async def requested(rng):
+        store = MemoryStore()
+        async with open_run(make_agent([]), "pay", store=store, run_id="r", rng=rng) as handle:
+            async for event in handle.events():
+                if isinstance(event.record, ApprovalRequested):
+                    handle.cancel("enough")
+            await handle.wait()
+        (request,) = [
+            r for r in (await store.read_log("r")).records if isinstance(r, ApprovalRequested)
+        ]
+        return request.arguments_digest
+
+    seeded = [await requested(random.Random(7)) for _ in range(2)]
+    assert seeded[0] == seeded[1] and seeded[0].startswith("hmac-sha256:")
+    assert await requested(None) != await requested(None)

@@ -12,6 +12,7 @@ live run agree.
 from __future__ import annotations
 
 import datetime as dt
+import secrets
 from collections.abc import Callable, Mapping
 from typing import Any, TypeVar
 
@@ -163,6 +164,7 @@ class RunCoordinator:
         redaction: the run's secret tool arguments: an approval request of a call that has
             some is bound to a digest no one can compute back from what is shown
             (`treadle.approvals.request_digest`).
+        digest_keys: where the keys of such digests come from (``n`` bytes a call).
     """
 
     run_id: str
@@ -184,6 +186,7 @@ class RunCoordinator:
     compaction: bool = False
     synthetic: SyntheticObservations = SyntheticObservations()
     redaction: Redaction = NO_REDACTION
+    digest_keys: Callable[[int], bytes] = secrets.token_bytes
     on_status: Callable[[RunState, ApprovalRequested | None], None] = _no_status
     state: RunState = RunState.RUNNING
     _step_scope: StepScope | None = None
@@ -646,7 +649,9 @@ class RunCoordinator:
                 step=step,
                 call_id=call.id,
                 tool=call.name,
-                arguments_digest=request_digest(call.name, call.arguments, self.redaction),
+                arguments_digest=request_digest(
+                    call.name, call.arguments, self.redaction, self.digest_keys
+                ),
                 ts=now,
                 deadline_ts=_plus_s(now, self.limits.approval_timeout_s),
                 arguments=dict(call.arguments),

@@ -17,6 +17,7 @@ import contextlib
 import contextvars
 import functools
 import random
+import secrets
 import sys
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from contextlib import asynccontextmanager
@@ -518,6 +519,7 @@ async def _drive(
             store=store,
             cancel_grace_s=options.cancel_grace_s,
             redaction=redaction,
+            digest_keys=options.rng.randbytes if options.rng is not None else secrets.token_bytes,
         )
         needs_approval = functools.partial(
             requires_approval, agent.tool_policies, options.approval_policy

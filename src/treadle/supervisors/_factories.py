@@ -10,6 +10,7 @@ fake is type-checked against what the supervisor and the other actors use.
 from __future__ import annotations
 
 import random
+import secrets
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Protocol, TypeVar
 
@@ -175,6 +176,8 @@ class ActorContext:
             docs/child-runs.md "Cancellation").
         redaction: the run's secret tool arguments (the union over its snapshots; the
             coordinator binds an approval of a call with secrets to a keyed digest).
+        digest_keys: the source of those digests' keys: ``n`` bytes a call; the OS's secure
+            source, or a seeded run's random source (its log the same for a seed).
     """
 
     run_id: str
@@ -186,6 +189,7 @@ class ActorContext:
     store: RunStore | None = None
     cancel_grace_s: float = CANCEL_GRACE_S
     redaction: Redaction = NO_REDACTION
+    digest_keys: Callable[[int], bytes] = secrets.token_bytes
 
 
 def _no_status(state: RunState, awaiting: ApprovalRequested | None) -> None:
@@ -319,6 +323,7 @@ def real_coordinator(context: CoordinatorContext) -> RunCoordinator:
         compaction=agent.context_window is not None,
         synthetic=agent.synthetic,
         redaction=actor.redaction,
+        digest_keys=actor.digest_keys,
         on_status=context.on_status,
     )
 
