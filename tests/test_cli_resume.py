@@ -560,3 +560,83 @@ def test_resume_of_a_queued_run_says_it_is_queued_and_resume_all_counts_them(tmp
     )
     assert every.exit_code == 0, every.output
     assert "is finished or driven (2 runs queued for a worker)" in every.output
+
+
+CARD = "4111111111111111"
+
+
+def approval_agent() -> treadle.Agent:
+    """An agent whose one call needs approval; each charge is a line of ``$LEDGER_ENV``."""
+    import os
+
+    from treadle.testing.scripted import ScriptedModel, call, say
+
+    @treadle.tool(requires_approval=True, secret_arguments=("card",))
+    def charge(amount: int, card: str) -> str:
+        """Charge a card."""
+        with open(os.environ[LEDGER_ENV], "a", encoding="utf-8") as ledger:
+            ledger.write(f"{amount}\n")
+        return "charged"
+
+    model = ScriptedModel(turns=[call("charge", amount=12, card=CARD, call_id="c1"), say("done")])
+    return treadle.Agent(
+        model=model, executor=treadle.Toolbox([charge]), parser=treadle.NativeToolCallParser()
+    )
+
+
+@pytest.mark.parametrize("which", ["r", "--all"])
+@pytest.mark.parametrize("left", ["at its approval wait", "before its first step"])
+def test_a_resume_that_waits_for_an_approval_says_so_and_goes_on_once_approved(
+    tmp_path: Path, which: str, left: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The resume waited in silence: nothing said that the run waits for a decision, nor
+    # how to give one. A run left at its wait has its request in the log already (no event
+    # of the resume announces it); one left before its first step asks while resumed.
+    import os
+    import queue
+    import subprocess
+    import sys
+    import threading
+
+    db = str(tmp_path / "runs.db")
+    monkeypatch.setenv(LEDGER_ENV, str(tmp_path / "charges"))
+
+    async def leave() -> None:
+        async with (
+            treadle.open_sqlite_store(db) as store,
+            treadle.open_run(approval_agent(), "pay", store=store, run_id="r") as handle,
+        ):
+            if left == "at its approval wait":
+                await handle.wait_state(treadle.RunState.AWAITING_APPROVAL)
+            handle.drain()
+
+    trio.run(leave)
+    root = str(Path(__file__).parent.parent)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")])}
+    command = [sys.executable, "-m", "treadle", "resume", which, "--store", db]
+    child = subprocess.Popen(
+        [*command, "--agent", "tests.test_cli_resume:approval_agent"],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    assert child.stderr is not None
+    lines: queue.Queue[str] = queue.Queue()
+    threading.Thread(target=lambda: [lines.put(line) for line in child.stderr], daemon=True).start()
+    try:
+        said = lines.get(timeout=60)  # bounds a hang; the line comes once the run waits
+    except queue.Empty:
+        child.kill()
+        raise AssertionError(f"the resume said nothing: {child.communicate()}") from None
+    assert said.startswith(
+        'r: waiting for approval of charge({"amount": 12, "card": "[redacted]"})'
+    )
+    assert f"treadle approve r --store {db}" in said and CARD not in said
+    assert not (tmp_path / "charges").exists()
+    approved = CliRunner().invoke(main, ["approve", "r", "--store", db])
+    assert approved.exit_code == 0, approved.output
+    out, _ = child.communicate(timeout=60)
+    assert child.returncode == 0, out
+    assert out.strip() == "r: succeeded (final_answer), 2 steps"
+    assert (tmp_path / "charges").read_text() == "12\n"  # charged once, after the approval

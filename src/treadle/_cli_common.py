@@ -496,6 +496,18 @@ def call_text(request: ApprovalRequested) -> str:
     return f"{request.tool}({json.dumps(dict(request.arguments), ensure_ascii=False)})"
 
 
+def approval_hint(request: ApprovalRequested, run_id: str, store_path: str) -> str:
+    """The line telling how to answer ``request`` of ``run_id`` from the command line.
+
+    Pass a redacted request, as for `call_text`.
+    """
+    return (
+        f"waiting for approval of {call_text(request)} (call {request.call_id}) until "
+        f"{request.deadline_ts}: treadle approve {run_id} --store {redact(store_path)} "
+        "[--reject MSG | --edit JSON]"
+    )
+
+
 def counted(count: object, one: str, many: str | None = None) -> str:
     """``"1 step"``, ``"2 steps"``: ``count`` with ``one`` or ``many`` (default ``one + "s"``)."""
     return f"{count} {one if count == 1 else (many or one + 's')}"

@@ -19,6 +19,7 @@ import click
 import trio
 
 from treadle._cli_common import (
+    approval_hint,
     call_text,
     counted,
     describe,
@@ -368,12 +369,8 @@ def _hint_approval(
 ) -> ApprovalRequested | None:
     request = pending_approval(log)
     if request is not None and request != hinted:
-        shown = Redaction.of_log(log).request(request)
-        say(
-            f"      … waiting for approval of {call_text(shown)} (call {request.call_id}) until "
-            f"{request.deadline_ts}: treadle approve {log.run_id} --store {redact(store_path)} "
-            "[--reject MSG | --edit JSON]"
-        )
+        hint = approval_hint(Redaction.of_log(log).request(request), log.run_id, store_path)
+        say(f"      … {hint}")
     return request
 
 

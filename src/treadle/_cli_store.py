@@ -13,6 +13,7 @@ from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from typing import Any
 
+import attrs
 import click
 import trio
 from rich.table import Table
@@ -20,6 +21,7 @@ from rich.text import Text
 
 from treadle._cli_common import (
     agent_block,
+    approval_hint,
     counted,
     describe,
     event_json,
@@ -43,7 +45,16 @@ from treadle.ports import RunIndex, RunQueue, RunStore
 from treadle.redaction import Redaction
 from treadle.stores import is_live
 from treadle.supervisors import leases_of
-from treadle.types import Liveness, RunLog, RunStarted, RunState, RunSummary, Submission
+from treadle.types import (
+    ApprovalRequested,
+    Event,
+    Liveness,
+    RunLog,
+    RunStarted,
+    RunState,
+    RunSummary,
+    Submission,
+)
 
 
 @click.command("runs")
@@ -415,9 +426,16 @@ async def _resume_one(
             return log  # only reported: its agent is not even opened
         if wait:
             await wait_for_leases(store, [run_id])
+        hint_pending(log, store_path)
         async with opened_agent(agent_spec) as agent:
             try:
-                await run(agent, store=store, run_id=run_id, accept_definition_change=accept_change)
+                await run(
+                    agent,
+                    store=store,
+                    run_id=run_id,
+                    accept_definition_change=accept_change,
+                    sinks=[ApprovalHints(store_path)],
+                )
             except RunLeased as exc:
                 if wait:
                     raise
@@ -432,6 +450,35 @@ async def _resume_one(
                 ) from exc
         log = await store.read_log(run_id)
     return log
+
+
+@attrs.frozen
+class ApprovalHints:
+    """An event sink that says on standard error when a resumed run waits for approval.
+
+    The command that resumes the run drives it until the decision arrives (written by
+    ``treadle approve`` from another terminal, or the console); without the line it would wait
+    in silence. Events reach sinks redacted (docs/events.md, "Secret arguments").
+    """
+
+    store_path: str
+
+    async def send(self, event: Event) -> None:
+        """Print the hint for an ``approval_requested`` event; ignore the rest."""
+        if isinstance(event.record, ApprovalRequested):
+            hint = approval_hint(event.record, event.run_id, self.store_path)
+            click.echo(f"{event.run_id}: {hint} (this command drives the run until then)", err=True)
+
+
+def hint_pending(log: RunLog, store_path: str) -> None:
+    """Say on standard error that the run of ``log``, about to be resumed, waits for approval.
+
+    Its request is in the log already, so no event of the resume announces it.
+    """
+    request = pending_approval(log)
+    if request is not None:
+        shown = Redaction.of_log(log).request(request)
+        click.echo(f"{log.run_id}: {approval_hint(shown, log.run_id, store_path)}", err=True)
 
 
 LEASE_POLL_S = 0.25
@@ -488,8 +535,16 @@ async def _resume_all(
             if s.liveness in (Liveness.ORPHANED, Liveness.PARKED)
             or (s.error is not None and await _unfinished_log(store, s.run_id))
         ]
+        for summary in summaries:
+            if summary.run_id in unfinished and summary.awaiting_until is not None:
+                hint_pending(await store.read_log(summary.run_id), store_path)
         try:
-            await resume_unfinished(agent, store=store, max_concurrent=max_concurrent)
+            await resume_unfinished(
+                agent,
+                store=store,
+                max_concurrent=max_concurrent,
+                sinks=[ApprovalHints(store_path)],
+            )
         except ExceptionGroup as group:
             errors = list(group.exceptions)
         logs = []
