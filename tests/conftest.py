@@ -4,15 +4,28 @@ and a store a fleet can run on (SQLite or that server).
 The server comes from ``TREADLE_TEST_POSTGRES`` (a DSN; `.ci/run` starts one on 127.0.0.1 and
 sets it), else from the default local DSN below. Without a server, those tests skip, except
 in CI (``CI`` set), where a missing server fails them loudly.
+
+The suite also sends Ctrl-C (SIGINT) to processes it starts. A suite started with SIGINT
+ignored (a background job of a shell without job control, ``nohup``) would pass that on to
+them, and they would ignore it too; `pytest_configure` gives the suite Python's own handler
+back, so its children start with the default.
 """
 
 from __future__ import annotations
 
 import os
 import secrets
+import signal
 from collections.abc import Iterator
 
 import pytest
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Undo an inherited ``SIG_IGN`` of SIGINT (see the module's docstring)."""
+    if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+
 
 DEFAULT_DSN = "postgresql://treadle:treadle@127.0.0.1:5432/treadle_test"
 
