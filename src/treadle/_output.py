@@ -35,6 +35,7 @@ from treadle._schema import (
     check_type,
     summary_of,
 )
+from treadle.parsers import MAX_ARGUMENT_DEPTH, NESTED_TOO_DEEP, argument_problem
 from treadle.types import DecisionKind, JSONValue, OutputFormat, ParsedReply, ToolSpec
 
 OUTPUT_TOOL: Final = "final_answer"
@@ -115,6 +116,9 @@ class OutputSpec:
             The output as JSON data (for an attrs class: its unstructured instance, with
             defaults filled in), or every error as ``"<problem> @ $.path"``.
         """
+        unstorable = _unstorable(value)
+        if unstorable is not None:
+            return (unstorable,)
         if self.output_type is not None:
             return _validate_class(self.output_type, value)
         return _validate_schema(self.schema, value)
@@ -493,7 +497,7 @@ def _validate_class(cls: type[Any], value: Any) -> JSONValue | tuple[str, ...]:
     try:
         instance = _CONVERTER.structure(dict(value), cls)
     except (cattrs.BaseValidationError, cattrs.ForbiddenExtraKeysError) as exc:
-        return tuple(cattrs.transform_error(exc, format_exception=_format))
+        return tuple(cattrs.transform_error(exc, format_exception=_output_format))
     data: JSONValue = _PLAIN.unstructure(instance)
     # What is stored is read back (`structure_output`) into the instance the run returns:
     # a converter that changes a value again on that read (one that scales it, say) would
@@ -509,6 +513,35 @@ def _validate_class(cls: type[Any], value: Any) -> JSONValue | tuple[str, ...]:
             "applied again; docs/structured-output.md) @ $",
         )
     return data
+
+
+def _unstorable(value: Any) -> str | None:
+    """Why the decoded answer ``value`` would not read back from the log as it is, or ``None``.
+
+    The rule of tool arguments (`treadle.parsers.argument_problem`): a number JSON cannot
+    represent (``1e400`` decodes to infinity, which a record stores as ``null``) or nesting
+    deeper than `treadle.parsers.MAX_ARGUMENT_DEPTH` levels (which the commands that print
+    records as JSON cannot follow).
+    """
+    problem = argument_problem(value)
+    if problem is None:
+        return None
+    if problem == NESTED_TOO_DEEP:
+        return f"objects and arrays nest deeper than {MAX_ARGUMENT_DEPTH} levels @ $"
+    return "a number JSON cannot represent (NaN or infinity, such as 1e400) @ $"
+
+
+def _output_format(exc: BaseException, type_: Any) -> str:
+    """`_format`, plus what a validator of the output class said (cattrs drops it).
+
+    An attrs validator or ``__attrs_post_init__`` refuses a value with a `ValueError` whose
+    message is the only thing telling the model what to fix ("'high_c' must be >= -50").
+    (Tool arguments keep `_format` alone: their messages might repeat a secret argument.)
+    """
+    said = _format(exc, type_)
+    if type(exc) is ValueError and str(exc):
+        return f"{said}: {exc}"
+    return said
 
 
 def _validate_schema(schema: Mapping[str, Any], value: Any) -> JSONValue | tuple[str, ...]:
@@ -539,7 +572,7 @@ def structure_output(cls: type[Any], value: JSONValue, *, run_id: str = "") -> A
     try:
         return _CONVERTER.structure(value, cls)
     except (cattrs.BaseValidationError, cattrs.ForbiddenExtraKeysError) as exc:
-        errors = "; ".join(cattrs.transform_error(exc, format_exception=_format))
+        errors = "; ".join(cattrs.transform_error(exc, format_exception=_output_format))
         run = f" of run {run_id!r}" if run_id else ""
         raise UsageError(
             f"the stored output{run} does not fit {cls.__qualname__}: {errors}"

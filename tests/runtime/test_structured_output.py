@@ -232,6 +232,56 @@ async def test_a_json_schema_violation_lists_the_validators_errors():
     assert "Additional properties are not allowed ('extra' was unexpected) @ $" in feedback
 
 
+@pytest.mark.parametrize(
+    ("answer", "said"),
+    [
+        ('{"x": 1e400}', "a number JSON cannot represent (NaN or infinity, such as 1e400) @ $"),
+        ('{"x":' + '{"x":' * 80 + "1" + "}" * 81, "nest deeper than 64 levels @ $"),
+    ],
+)
+async def test_an_answer_the_log_cannot_keep_as_it_is_is_refused(tmp_path, answer, said):
+    # 1e400 decodes to infinity: the run returned {'x': inf} and stored {'x': null}, which
+    # the schema refuses. An answer nested 400 deep was stored, and `treadle show --json`
+    # died on it with a RecursionError. Both are refused as tool arguments are.
+    definition = agent(
+        [say(answer), say('{"x": 2.5}')], output_type={"type": "object"}, mode="native"
+    )
+    async with treadle.open_sqlite_store(str(tmp_path / "runs.db")) as store:
+        result, log = await run_log(definition, store=store)
+        assert result.output == {"x": 2.5}
+        assert (await wait_result(store, "r")).output == {"x": 2.5}
+    assert log.steps[0].decision is DecisionKind.INVALID and said in (log.steps[0].feedback or "")
+
+
+@attrs.frozen
+class Bounded:
+    """A range, checked by a validator and by ``__attrs_post_init__``."""
+
+    low: int = attrs.field(validator=attrs.validators.ge(-50))
+    high: int
+
+    def __attrs_post_init__(self) -> None:
+        if self.low > self.high:
+            raise ValueError("low must not exceed high")
+
+
+@pytest.mark.parametrize(
+    ("bad", "said"),
+    [
+        ({"low": -100, "high": 1}, "'low' must be >= -50: -100"),
+        ({"low": 5, "high": 1}, "low must not exceed high"),
+    ],
+)
+async def test_what_an_output_class_validator_says_reaches_the_model(bad, said):
+    # The feedback was only "invalid value @ $": the model could not tell what to fix.
+    definition = agent(
+        [call("final_answer", **bad), call("final_answer", low=1, high=5)], output_type=Bounded
+    )
+    result, log = await run_log(definition)
+    assert result.output == Bounded(low=1, high=5)
+    assert f"invalid value: {said} @ $" in (log.steps[0].feedback or "")
+
+
 async def test_invalid_answers_are_bounded_by_the_invalid_decisions_limit():
     definition = agent([say("no")] * 5, mode="native")
     result, log = await run_log(definition)
