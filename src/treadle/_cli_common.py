@@ -410,7 +410,7 @@ def _describe(record: Record) -> tuple[str, str]:
         return "model call started", f"attempt {record.attempt}"
     if isinstance(record, ModelResult):
         if record.summary_through is not None:
-            return "summary written", f"steps 1-{record.summary_through}: " + model_detail(record)
+            return "summary written", f"{_through(record.summary_through)}: " + model_detail(record)
         detail = model_detail(record)
         if record.context is not None:
             detail += " · " + context_detail(record)
@@ -513,6 +513,14 @@ def counted(count: object, one: str, many: str | None = None) -> str:
     return f"{count} {one if count == 1 else (many or one + 's')}"
 
 
+def _through(step: int) -> str:
+    """``steps 1-4``, or ``turns up to -2`` for a thread's inherited turns.
+
+    Those are numbered up to 0 (docs/context.md, "What stays").
+    """
+    return f"steps 1-{step}" if step > 0 else f"turns up to {step}"
+
+
 def context_detail(record: ModelResult) -> str:
     """The context a model call was given, in one line (docs/context.md, "The record")."""
     context = record.context
@@ -523,9 +531,11 @@ def context_detail(record: ModelResult) -> str:
         parts[0] += f" / {record.usage.input_tokens} reported"
     parts[0] += f" of {context.budget} tokens"
     if context.verbatim_from is not None:
-        parts.append(f"steps {context.verbatim_from}- verbatim")
-    if context.summary_intent_id is not None:
-        parts.append(f"summary of 1-{context.summary_through} ({context.summary_intent_id})")
+        first = context.verbatim_from
+        parts.append(f"steps {first}- verbatim" if first > 0 else f"turns {first} on verbatim")
+    if context.summary_intent_id is not None and context.summary_through is not None:
+        through = _through(context.summary_through).removeprefix("steps ")
+        parts.append(f"summary of {through} ({context.summary_intent_id})")
     if context.marked:
         parts.append(
             f"{context.marked} observations of steps {context.marked_from}-{context.marked_to}"

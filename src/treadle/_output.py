@@ -298,13 +298,16 @@ def _checked_schema(schema: Mapping[str, Any]) -> dict[str, Any]:
 
     try:
         plain = json.loads(json.dumps(schema, allow_nan=False))
-    except (TypeError, ValueError) as exc:
-        raise UsageError(f"output_type: the schema is not JSON data: {exc}") from exc
-    try:
         jsonschema.Draft202012Validator.check_schema(plain)
+        _check_references(plain)
+    except RecursionError:  # its answers could not be stored either (MAX_ARGUMENT_DEPTH)
+        raise UsageError("output_type: the schema nests too deeply to be checked") from None
     except jsonschema.SchemaError as exc:
         raise UsageError(f"output_type: not a valid JSON schema: {exc.message}") from exc
-    _check_references(plain)
+    except UsageError:
+        raise
+    except (TypeError, ValueError) as exc:
+        raise UsageError(f"output_type: the schema is not JSON data: {exc}") from exc
     if plain.get("type") != "object":
         raise UsageError(
             'output_type: the schema\'s top level must be {"type": "object", ...} (providers '

@@ -414,6 +414,17 @@ async def test_a_threads_inherited_history_is_compacted_like_the_runs_own_steps(
     # the inherited history is summarised oldest first, as far as needed (steps up to 0)
     assert summaries and summaries[0].summary_through is not None
     assert summaries[0].summary_through <= 0
+    # `treadle show` said "steps 1--4" and "summary of 1--4" for inherited turns up to -4
+    from treadle._cli_common import context_detail, describe
+
+    through = summaries[0].summary_through
+    assert describe(summaries[0])[1].startswith(f"turns up to {through}: ")
+    user = next(r for r in _step_results(log) if r.context and r.context.summary_intent_id)
+    assert user.context is not None and user.context.summary_through is not None
+    assert user.context.summary_through <= 0 and user.context.verbatim_from is not None
+    shown = context_detail(user)
+    assert f"summary of turns up to {user.context.summary_through} (" in shown
+    assert f"turns {user.context.verbatim_from} on verbatim" in shown
     first_request = next(r for r in seen if r.messages[0].content != DEFAULT_SUMMARY_PROMPT)
     texts = [m.content or "" for m in first_request.messages]
     # in history order: the instructions, the summary of the earlier runs' first part, what

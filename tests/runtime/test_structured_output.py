@@ -7,6 +7,7 @@ final step record and in run-finished, and `RunResult.output` is typed where the
 
 from __future__ import annotations
 
+import functools
 import json
 from enum import Enum
 
@@ -379,6 +380,17 @@ async def clashing(text: str) -> str:
             "a reference must point inside it",
         ),
         (str, "tool", (), "attrs class or a JSON schema"),
+        # a RecursionError at Agent(): objects nested 100 deep
+        (
+            functools.reduce(
+                lambda inner, _: {"type": "object", "properties": {"a": inner}},
+                range(100),
+                {"type": "integer"},
+            ),
+            "tool",
+            (),
+            "the schema nests too deeply to be checked",
+        ),
         (Forecast, "sometimes", (), "output_mode must be"),
         (Forecast, "tool", (clashing,), "a tool named 'final_answer'"),
         (attrs.make_class("Bad", {"when": attrs.field(type=set)}), "tool", (), "unsupported"),

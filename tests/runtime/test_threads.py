@@ -123,6 +123,35 @@ async def test_history_of_a_plain_run_is_its_input_and_steps() -> None:
         await treadle.history(store, "nope")
 
 
+async def test_a_thread_after_a_final_answer_tool_call_sees_it_accepted() -> None:
+    # The next run was told the accepted final_answer call's outcome was unknown, "the run
+    # was interrupted while it ran": nothing was interrupted, and the answer went through.
+    import attrs
+
+    @attrs.frozen
+    class Answer:
+        value: int
+
+    store = MemoryStore()
+    first = ScriptedModel(turns=[call("final_answer", value=5, call_id="f1")])
+    typed = Agent(
+        model=first,
+        executor=treadle.Toolbox([]),
+        parser=treadle.NativeToolCallParser(),
+        output_type=Answer,
+    )
+    await treadle.run(typed, "2 + 3?", store=store, run_id="chat")
+    second = ScriptedModel(turns=[call("final_answer", value=15, call_id="f2")], turn_offset=1)
+    result = await treadle.run(
+        attrs.evolve(typed, model=second), "plus 10?", store=store, thread_id="chat"
+    )
+    assert result.output == Answer(value=15)
+    sent = second.requests[0].messages
+    answered = [m for m in sent if m.role == "tool" and m.tool_call_id == "f1"]
+    assert [m.content for m in answered] == ["Accepted: this is the run's final answer."]
+    assert (await treadle.history(store, "chat"))[-1] == answered[0]
+
+
 async def test_a_fork_tries_a_step_again_without_running_the_prefix(
     open_store: StoreMaker,
 ) -> None:

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Mapping, Sequence
+from typing import Final
 
 import attrs
 import trio
@@ -390,7 +391,8 @@ def step_messages(step: StepRecord) -> list[Message]:
     the images the action returned (``observation_images``; docs/models.md, "Images returned
     by tools"). An invalid decision
     answers every call of the sanitised assistant message with the feedback, or else becomes a
-    ``user`` message, so every tool-call id is always answered.
+    ``user`` message, and a final answer given by calling the final-answer tool is answered by
+    `FINAL_ANSWER_ACCEPTED`, so every tool-call id is always answered.
     """
     if step.decision is None or step.history_message is None:
         return []
@@ -426,7 +428,18 @@ def step_messages(step: StepRecord) -> list[Message]:
             )
         else:
             messages.append(Message(role="user", content=feedback))
+    elif step.decision is DecisionKind.FINAL_ANSWER:
+        messages.extend(
+            Message(role="tool", content=FINAL_ANSWER_ACCEPTED, tool_call_id=c.id, name=c.name)
+            for c in calls
+        )
     return messages
+
+
+FINAL_ANSWER_ACCEPTED: Final = "Accepted: this is the run's final answer."
+"""What answers the final-answer tool call of a run's last step in the history a thread's
+next run inherits (docs/structured-output.md, "Native or a final-answer tool"): the call never
+reaches the executor, and without an answer it would read as a call whose outcome is unknown."""
 
 
 def answer_every_call(
