@@ -216,6 +216,10 @@ async def test_cancelling_the_call_closes_the_connection():
 async def test_a_redirect_is_not_followed_and_names_where_it_points(status):
     where = "https://models.example.com/v1/next"
     err = await fail(CannedResponse(status=status, headers={"location": where}))
-    assert (err.info.kind, err.info.retryable) == ("invalid_response", False)
+    assert (err.info.kind, err.info.retryable, err.info.status) == (
+        "invalid_response",
+        False,
+        status,
+    )
     assert f"HTTP {status}" in err.info.message and where in err.info.message
     assert "base_url" in err.info.message

@@ -90,6 +90,19 @@ def error_fields(payload: Any) -> tuple[str, Any, str]:
     return message[:MAX_MESSAGE_CHARS], error.get("code"), kind if isinstance(kind, str) else ""
 
 
+def response_failure(
+    info: ModelErrorInfo, usage: Usage, text: str | None, redact: Callable[[str], str] | None
+) -> ModelCallError:
+    """The error of a response that failed after ``usage`` and ``text`` arrived.
+
+    Its message goes through ``redact`` (the client's credentials hidden; docs/models.md,
+    "Credentials"); the error carries the usage and the partial text.
+    """
+    if redact is not None:
+        info = attrs.evolve(info, message=redact(info.message))
+    return ModelCallError(info, usage=usage, partial_text=text or "")
+
+
 def classify_failure(
     *, status: int | None, code: Any, type_: str, message: str
 ) -> tuple[str, bool]:
@@ -377,12 +390,15 @@ class StreamAccumulator:
             if isinstance(choice, Mapping) and choice.get("index") in (0, None):
                 self._add_choice(choice)
 
-    def failure(self, kind: str, message: str, *, retryable: bool = False) -> ModelCallError:
-        """Build the error for this response, carrying its usage and partial text."""
-        if self.redact is not None:
-            message = self.redact(message)
-        info = ModelErrorInfo(kind=kind, message=message, retryable=retryable)
-        return ModelCallError(info, usage=self.usage, partial_text=self.text or "")
+    def failure(
+        self, kind: str, message: str, *, retryable: bool = False, status: int | None = None
+    ) -> ModelCallError:
+        """Build the error for this response, carrying its usage and partial text.
+
+        ``status`` is the response's HTTP status, when the failure is one of its status.
+        """
+        info = ModelErrorInfo(kind=kind, message=message, retryable=retryable, status=status)
+        return response_failure(info, self.usage, self.text, self.redact)
 
     def reply(self) -> ModelReply:
         """The assembled reply: calls ordered by index, unparseable ones set apart.

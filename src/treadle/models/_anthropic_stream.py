@@ -21,6 +21,7 @@ from treadle.models._accumulate import (
     classify_failure,
     error_fields,
     loads_event,
+    response_failure,
     standard_finish_reason,
     usage_count,
 )
@@ -217,12 +218,15 @@ class MessageAccumulator:
         self.done = True
         return self.reply()
 
-    def failure(self, kind: str, message: str, *, retryable: bool = False) -> ModelCallError:
-        """Build the error for this response, carrying its usage and partial text."""
-        if self.redact is not None:
-            message = self.redact(message)
-        info = ModelErrorInfo(kind=kind, message=message, retryable=retryable)
-        return ModelCallError(info, usage=self.usage, partial_text=self.text or "")
+    def failure(
+        self, kind: str, message: str, *, retryable: bool = False, status: int | None = None
+    ) -> ModelCallError:
+        """Build the error for this response, carrying its usage and partial text.
+
+        ``status`` is the response's HTTP status, when the failure is one of its status.
+        """
+        info = ModelErrorInfo(kind=kind, message=message, retryable=retryable, status=status)
+        return response_failure(info, self.usage, self.text, self.redact)
 
     def reply(self) -> ModelReply:
         """The assembled reply.

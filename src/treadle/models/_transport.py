@@ -61,8 +61,10 @@ class Accumulator(Protocol):
         """Fold one event's data."""
         ...
 
-    def failure(self, kind: str, message: str, *, retryable: bool = False) -> ModelCallError:
-        """A classified error carrying the usage and text seen so far."""
+    def failure(
+        self, kind: str, message: str, *, retryable: bool = False, status: int | None = None
+    ) -> ModelCallError:
+        """A classified error carrying the usage and text seen so far (and ``status``)."""
         ...
 
     def reply(self) -> ModelReply:
@@ -188,7 +190,7 @@ class StreamReader(Generic[A]):
             "follows a redirect (its body and API key would go to another address): set "
             "base_url to the address the model is served at"
         )
-        return acc.failure("invalid_response", message, retryable=False)
+        return acc.failure("invalid_response", message, status=response.status_code)
 
     async def _send(self, http_request: httpx.Request, acc: A, deadline: float) -> httpx.Response:
         with trio.move_on_at(deadline):
