@@ -345,6 +345,7 @@ SUPERVISORS = sorted(
         "DEFAULT_ACTORS",
         "DRAIN_S",
         "MAX_TAKEOVERS",
+        "METRICS_REFRESH_S",
         "PARK_AFTER_S",
         "WRITER_INBOX",
         "ActorContext",

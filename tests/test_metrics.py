@@ -29,13 +29,17 @@ from treadle.stores.sqlite import open_sqlite_store
 from treadle.testing.scripted import ScriptedModel, calls, say
 from treadle.types import (
     ActionResult,
+    Liveness,
     ModelResult,
     RunFinished,
     RunLog,
+    RunStarted,
     RunState,
     StepRecord,
+    StopReason,
     StoreOp,
     ToolCall,
+    Totals,
     Usage,
 )
 
@@ -176,6 +180,8 @@ def test_a_worker_serves_prometheus_metrics_that_match_its_runs_logs(tmp_path: P
         "0.1",
         "--metrics-port",
         "0",
+        "--metrics-refresh",
+        "0.1",
     ]
     proc = subprocess.Popen(
         command,
@@ -509,3 +515,85 @@ async def test_an_output_that_raises_is_logged_and_never_reaches_the_run(tmp_pat
     logged = [r for r in caplog.records if r.name == "treadle.metrics"]
     assert len(logged) == 1  # its first failure, with the traceback
     assert "_Broken" in logged[0].getMessage() and logged[0].exc_info is not None
+
+
+# --------------------------------------------------------------------------- the store gauge
+
+
+@attrs.define
+class _StoreGauge:
+    """A metrics output that keeps the first reading of ``treadle_store_runs``."""
+
+    read: trio.Event = attrs.Factory(trio.Event)
+    runs: dict[str, float] = attrs.Factory(dict)
+
+    def set(self, metric, value: float, labels: tuple[str, ...]) -> None:
+        if metric.prometheus == "treadle_store_runs" and not self.read.is_set():
+            self.runs[labels[0]] = value
+            if len(self.runs) == len(Liveness):  # a reading sets every liveness
+                self.read.set()
+
+    def add(self, metric, value: float, labels: tuple[str, ...]) -> None:
+        pass
+
+    observe = add
+
+
+async def test_the_store_gauge_counts_finished_runs_without_reading_them(fleet_store, monkeypatch):
+    """The gauge's reading costs the store's unfinished runs, not every run it ever held."""
+    from treadle.stores import _sql
+    from treadle.testing.contracts import seed_log
+
+    finished = [f"done-{i}" for i in range(5)]
+    for run_id in finished:
+        started = RunStarted(run_id=run_id, ts="2025-01-01T00:00:00+00:00", input=(), snapshot={})
+        end = RunFinished(
+            run_id=run_id,
+            ts="2025-01-01T00:00:01+00:00",
+            state=RunState.SUCCEEDED,
+            stop_reason=StopReason.FINAL_ANSWER,
+            totals=Totals(),
+        )
+        await seed_log(fleet_store, [started, end])
+    await fleet_store.submit("waiting", agent="nobody-serves-it", input=())
+    judged: list[str] = []
+    summary_of = _sql.summary_of
+
+    def spied(where: str, row, now: float):
+        judged.append(row[0])
+        return summary_of(where, row, now)
+
+    monkeypatch.setattr(_sql, "summary_of", spied)
+    gauge = _StoreGauge()
+    with trio.fail_after(60):
+        async with treadle.open_fleet(
+            fleet_store, {"calc": _agent}, metrics=MetricsRecorder(outputs=(gauge,))
+        ):
+            await gauge.read.wait()
+    assert gauge.runs["finished"] == len(finished)
+    assert gauge.runs["queued"] == 1 and gauge.runs["driven"] == 0
+    assert judged == ["waiting"]  # no finished row was read and judged
+
+
+def test_the_worker_takes_its_store_gauge_interval_in_seconds(tmp_path: Path):
+    refused = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "treadle",
+            "worker",
+            "--store",
+            str(tmp_path / "r.db"),
+            "--agent",
+            "calc=metrics_agents:calc",
+            "--metrics-refresh",
+            "nan",
+        ],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert refused.returncode == 2
+    assert "Invalid value for '--metrics-refresh'" in refused.stderr, refused.stderr

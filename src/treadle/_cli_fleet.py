@@ -46,6 +46,7 @@ from treadle.supervisors import (
     CLAIM_POLL_S,
     DRAIN_S,
     MAX_TAKEOVERS,
+    METRICS_REFRESH_S,
     FleetStatistics,
     open_fleet,
     wait_result,
@@ -183,6 +184,14 @@ def _same(agent: Agent) -> Agent:
     show_default=True,
     help="The address the metrics endpoint listens on (an IPv6 one bare or in brackets).",
 )
+@click.option(
+    "--metrics-refresh",
+    "metrics_refresh_s",
+    default=METRICS_REFRESH_S,
+    show_default=True,
+    type=Seconds(above_zero=True),
+    help="Seconds between two readings of the store's run index for treadle_store_runs.",
+)
 def worker_command(
     store_path: str,
     agent_specs: tuple[str, ...],
@@ -194,6 +203,7 @@ def worker_command(
     drain_s: float,
     metrics_port: int | None,
     metrics_host: str,
+    metrics_refresh_s: float,
 ) -> None:
     """Serve agents from a store's queue until SIGTERM or SIGINT, then drain and exit 0."""
     early: list[int] = []  # a stop asked for before the worker is up: it claims nothing
@@ -227,6 +237,7 @@ def worker_command(
                         backoff_s=backoff_s,
                         drain_s=drain_s,
                         metrics=recorder,
+                        metrics_refresh_s=metrics_refresh_s,
                     ) as fleet,
                 ):
                     served = ", ".join(sorted(agents))

@@ -2,9 +2,10 @@
 
 The run store seam comes with four capability protocols that a store implements when it
 supports them: `LeaseStore` (leases and fencing), `ControlStream` (cancels and decisions from
-other processes), `RunIndex` (listing without reading every log) and `RunQueue` (a fleet's
-queue). Argument and return types live in `treadle.types`. Every implementation, ours and
-users', is held to the contract suites in `treadle.testing`.
+other processes), `RunIndex` (listing without reading every log; with `RunCounts`, counting
+runs by liveness without listing them) and `RunQueue` (a fleet's queue). Argument and return
+types live in `treadle.types`. Every implementation, ours and users', is held to the contract
+suites in `treadle.testing`.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from treadle.types import (
     Event,
     ImageRef,
     Lease,
+    Liveness,
     Message,
     ModelIntent,
     ModelReply,
@@ -363,6 +365,24 @@ class RunIndex(Protocol):
 
     async def read_summary(self, run_id: str) -> RunSummary | None:
         """One run's summary, or ``None`` for a run the store does not know."""
+        ...
+
+
+@runtime_checkable
+class RunCounts(Protocol):
+    """Capability, next to `RunIndex`: count runs by liveness without listing every run.
+
+    What a gauge of the whole store needs (docs/metrics.md, "What is counted"): a store that
+    keeps many finished runs counts them without reading them. A `RunIndex` without it is
+    counted from `RunIndex.list_summaries`.
+    """
+
+    async def count_runs(self) -> Mapping[Liveness, int]:
+        """Liveness -> how many runs `RunIndex.list_summaries` would list with it.
+
+        A liveness no run has may be absent. Judged by the same rule as the summaries
+        (`treadle.types.Liveness`), at one instant of the store's clock.
+        """
         ...
 
 

@@ -33,6 +33,7 @@ import datetime as dt
 import functools
 import threading
 import time
+from collections import Counter
 from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from typing import Any, Final, Protocol, TypeVar
 
@@ -79,6 +80,7 @@ from treadle.types import (
     Claim,
     ControlEntry,
     Lease,
+    Liveness,
     Message,
     Record,
     RunLog,
@@ -558,6 +560,43 @@ def list_summaries(dialect: SqlDialect, conn: Connection) -> tuple[RunSummary, .
         conn.execute("COMMIT")
     _check_ids(dialect, tuple(row[0] for row in rows))
     return tuple(summary_of(dialect.description, row, now) for row in rows)
+
+
+_FINISHED_STATES: Final = ", ".join(f"'{state.value}'" for state in RunState if state.is_terminal)
+"""The terminal states as an SQL list (`RunState.is_terminal`), for `count_runs`."""
+
+
+def count_runs(dialect: SqlDialect, conn: Connection) -> dict[Liveness, int]:
+    """How many runs of `list_summaries` have each liveness, without reading finished rows.
+
+    One snapshot: an aggregate counts the finished runs (their liveness needs nothing but
+    their state), and only the unfinished rows are read, each judged by `summary_of`, as
+    `list_summaries` judges it. A store holding many finished runs thus costs a count, not a
+    decoded row per run (docs/metrics.md, "What is counted").
+
+    Returns:
+        liveness -> runs (a liveness no run has is absent).
+
+    Raises:
+        LogCorrupted: a row of the index has no run id (`_check_ids`).
+    """
+    dialect.begin_read(conn)
+    try:
+        now = dialect.now(conn)
+        (finished,) = conn.execute(
+            f"SELECT COUNT(*) FROM runs WHERE state IN ({_FINISHED_STATES}) AND NOT {_NO_RUN_ID}"
+        ).fetchone()
+        rows = conn.execute(
+            f"SELECT {_SUMMARY_COLUMNS} FROM runs WHERE ((state IS NULL AND next_seq > 1) OR "
+            f"state NOT IN ({_FINISHED_STATES})) OR {_NO_RUN_ID}"
+        ).fetchall()
+    finally:
+        conn.execute("COMMIT")
+    _check_ids(dialect, tuple(row[0] for row in rows))
+    counts = Counter(summary_of(dialect.description, row, now).liveness for row in rows)
+    if finished:
+        counts[Liveness.FINISHED] += int(finished)
+    return dict(counts)
 
 
 def read_summary(dialect: SqlDialect, conn: Connection, run_id: str) -> RunSummary | None:
@@ -1262,10 +1301,10 @@ class SqlStore(EngineStore):
     """A run store on SQL tables; `treadle.SqliteStore` and `treadle.PostgresStore` are it.
 
     It implements the run store seam and every capability (`LeaseStore`, `ControlStream`,
-    `RunIndex`, `RunQueue`). Writes go through the store's commit engine (group commit across
-    runs); reads and control operations run in worker threads on their own connections, so
-    they never wait for the committer and only ever see committed transactions. Use it from
-    the trio run that opened it.
+    `RunIndex` with `RunCounts`, `RunQueue`). Writes go through the store's commit engine
+    (group commit across runs); reads and control operations run in worker threads on their
+    own connections, so they never wait for the committer and only ever see committed
+    transactions. Use it from the trio run that opened it.
 
     Every write raises:
         ConflictError: ``seq`` is not the run's next seq. Nothing of the write is stored.
@@ -1342,6 +1381,19 @@ class SqlStore(EngineStore):
         """Every run (queued ones too) from the index, without reading logs."""
         await self._engine.settle()
         return await self._run(list_summaries)
+
+    async def count_runs(self) -> Mapping[Liveness, int]:
+        """How many runs the index holds by liveness (`treadle.ports.RunCounts`).
+
+        What `list_summaries` would say, counted in SQL for the finished runs: no finished
+        row is read or decoded.
+
+        Raises:
+            LogCorrupted: a row of the index has no run id.
+            StoreError: the database cannot be read, or the store is closed.
+        """
+        await self._engine.settle()
+        return await self._run(count_runs)
 
     async def read_summary(self, run_id: str) -> RunSummary | None:
         """One run's summary from the index, or ``None``."""

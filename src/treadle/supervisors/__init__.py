@@ -41,6 +41,7 @@ from treadle.supervisors._fleet import CHILD_RECHECK_S as CHILD_RECHECK_S
 from treadle.supervisors._fleet import CLAIM_POLL_S as CLAIM_POLL_S
 from treadle.supervisors._fleet import DRAIN_S as DRAIN_S
 from treadle.supervisors._fleet import MAX_TAKEOVERS as MAX_TAKEOVERS
+from treadle.supervisors._fleet import METRICS_REFRESH_S as METRICS_REFRESH_S
 from treadle.supervisors._fleet import AgentFactory as AgentFactory
 from treadle.supervisors._fleet import Fleet as Fleet
 from treadle.supervisors._fleet import FleetStatistics as FleetStatistics
@@ -65,6 +66,7 @@ __all__ = [
     "DEFAULT_ACTORS",
     "DRAIN_S",
     "MAX_TAKEOVERS",
+    "METRICS_REFRESH_S",
     "PARK_AFTER_S",
     "WRITER_INBOX",
     "ActorContext",

@@ -41,7 +41,7 @@ from treadle._text import valid_unicode
 from treadle._trio_only import require_trio
 from treadle.agent import Agent, RunInput, input_messages
 from treadle.metrics import MetricsRecorder
-from treadle.ports import EventSink, RunIndex, RunQueue, RunStore
+from treadle.ports import EventSink, RunCounts, RunIndex, RunQueue, RunStore
 from treadle.stores import LEASE_TTL_S, check_ttl, lease_owner
 from treadle.supervisors._children import parent_of
 from treadle.supervisors._driver import CONTROL_POLL_S, PARK_AFTER_S, DriveOptions, drive_run
@@ -374,11 +374,11 @@ class Fleet:
             return
         while True:
             try:
-                summaries = await self._store.list_summaries()
+                counts = await _count_runs(self._store)
             except Exception as exc:  # a gauge goes stale; the runs are not affected
                 _LOG.warning("reading the run index for metrics failed (%s)", exc)
             else:
-                metrics.store_runs(Counter(summary.liveness for summary in summaries))
+                metrics.store_runs(counts)
             await trio.sleep(every_s)
 
     def _report(self, run_id: str, handle: RunHandle | None, exc: Exception) -> None:
@@ -489,7 +489,8 @@ async def open_fleet(
             runs this worker drives and, every ``metrics_refresh_s`` seconds, the store's
             runs by liveness (docs/metrics.md); ``None`` (the default) counts nothing.
         metrics_refresh_s: seconds between two readings of the run index for the gauges
-            (each lists every run's index row, never a log).
+            (never a log; the SQL stores count finished runs without reading their rows,
+            and read the index rows of unfinished runs).
         child_recheck_s: seconds after which a run parked on child runs is claimable again
             even if no child woke it (`CHILD_RECHECK_S`).
 
@@ -576,6 +577,20 @@ async def open_fleet(
                 fleet.drain()
                 runs.cancel_scope.deadline = trio.current_time() + drain_s
         outer.cancel_scope.cancel()
+
+
+async def _count_runs(index: RunIndex) -> Mapping[Liveness, int]:
+    """How many runs of ``index`` have each liveness (absent: none).
+
+    Counted by the store (`treadle.ports.RunCounts`: the SQL stores count finished runs in
+    SQL, without reading them) where it can; else from every run's summary.
+
+    Raises:
+        StoreError: the index cannot be read.
+    """
+    if isinstance(index, RunCounts):
+        return await index.count_runs()
+    return Counter(summary.liveness for summary in await index.list_summaries())
 
 
 def _check_seconds(*, above_zero: bool = False, **seconds: float | None) -> None:

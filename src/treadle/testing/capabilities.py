@@ -18,6 +18,7 @@ Every check raises `treadle.testing.contracts.StoreContractError` naming itself.
 from __future__ import annotations
 
 import secrets
+from collections import Counter
 from collections.abc import Awaitable, Callable
 from typing import Final, Protocol
 
@@ -25,7 +26,7 @@ import attrs
 import trio
 
 from treadle._exceptions import InvalidRunId, LeaseLost, RunLeased, UsageError
-from treadle.ports import ControlStream, LeaseStore, RunIndex, RunQueue, RunStore
+from treadle.ports import ControlStream, LeaseStore, RunCounts, RunIndex, RunQueue, RunStore
 from treadle.testing.contracts import (
     CHECK_TIMEOUT_S,
     StoreContractError,
@@ -446,8 +447,50 @@ async def _summary_liveness(open_store: StoreOpener, clock: ContractClock | None
         _expect(summary is not None and summary.liveness is Liveness.ORPHANED, check, f"{summary}")
 
 
+async def _seed_every_liveness(store: RunStore, check: str) -> None:
+    """Runs finished, driven, orphaned, parked and (with a queue) queued, in ``store``."""
+    leases = _leases(store, check)
+    finished = _run_id("counted-finished")
+    end = RunFinished(
+        run_id=finished,
+        ts=_TS,
+        state=RunState.FAILED,
+        stop_reason=StopReason.MODEL_ERROR,
+        totals=Totals(),
+    )
+    await seed_log(store, [_started(finished), end])
+    for label in ("counted-driven", "counted-orphaned"):
+        run_id = _run_id(label)
+        lease = await leases.acquire_lease(run_id, owner="driver", ttl_s=_LONG)
+        await store.write_run_started(_started(run_id), seq=1, generation=lease.generation)
+    await leases.release_lease(lease)  # the orphaned run's: its driver left it unfinished
+    parked = _run_id("counted-parked")
+    asked = ApprovalRequested(
+        run_id=parked, step=1, call_id="c", tool="t", arguments_digest="d", ts=_TS, deadline_ts=_TS
+    )
+    await seed_log(store, [_started(parked), asked])
+    if isinstance(store, RunQueue):
+        await store.submit(_run_id("counted-queued"), agent="calc", input=_INPUT)
+
+
+async def _run_counts(open_store: StoreOpener, clock: ContractClock | None) -> None:
+    check = "run_counts"
+    async with open_store() as store:
+        if not isinstance(store, RunCounts):
+            return
+        await _seed_every_liveness(store, check)
+        counted = {k: n for k, n in (await store.count_runs()).items() if n}
+        index = _index(store, check)
+        listed = Counter(summary.liveness for summary in await index.list_summaries())
+        _expect(counted == dict(listed), check, f"counted {counted}, listed {dict(listed)}")
+        seeded = {Liveness.FINISHED, Liveness.DRIVEN, Liveness.ORPHANED, Liveness.PARKED}
+        _expect(seeded <= counted.keys(), check, f"counted {counted}")
+
+
 async def check_run_index(open_store: StoreOpener) -> None:
     """Hold a `RunIndex` to its contract: states and liveness follow the log and the lease.
+
+    A store that also counts runs (`treadle.ports.RunCounts`) counts what its summaries list.
 
     Raises:
         StoreContractError: the first check the store fails, naming it.
@@ -455,6 +498,7 @@ async def check_run_index(open_store: StoreOpener) -> None:
     with trio.fail_after(CHECK_TIMEOUT_S):
         await _summary_states(open_store, None)
         await _summary_liveness(open_store, None)
+        await _run_counts(open_store, None)
 
 
 # --------------------------------------------------------------------------- the queue
