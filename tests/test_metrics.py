@@ -11,9 +11,11 @@ from __future__ import annotations
 
 import os
 import select
+import socket
 import subprocess
 import sys
 import textwrap
+import threading
 from collections import Counter
 from pathlib import Path
 
@@ -286,8 +288,6 @@ def test_a_worker_serves_prometheus_metrics_that_match_its_runs_logs(tmp_path: P
 
 
 def test_the_worker_refuses_a_metrics_port_it_cannot_bind(tmp_path: Path):
-    import socket
-
     (tmp_path / "metrics_agents.py").write_text(AGENTS, encoding="utf-8")
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
@@ -597,3 +597,61 @@ def test_the_worker_takes_its_store_gauge_interval_in_seconds(tmp_path: Path):
     )
     assert refused.returncode == 2
     assert "Invalid value for '--metrics-refresh'" in refused.stderr, refused.stderr
+
+
+# --------------------------------------------------------------------------- the HTTP endpoint
+
+
+def _new_threads(before: set[threading.Thread]) -> list[threading.Thread]:
+    return [thread for thread in threading.enumerate() if thread not in before]
+
+
+def _join(threads: list[threading.Thread]) -> None:
+    for thread in threads:
+        thread.join(timeout=60)  # a bound for a broken server, not a timing assertion
+    assert not [thread for thread in threads if thread.is_alive()]
+
+
+def _silent_connection(port: int) -> socket.socket:
+    silent = socket.create_connection(("127.0.0.1", port))
+    silent.settimeout(60)  # the test's bound, far past the server's idle timeout
+    return silent
+
+
+def test_the_metrics_endpoint_hangs_up_on_a_client_that_sends_nothing():
+    from treadle.sinks.prometheus import PrometheusOutput
+
+    before = set(threading.enumerate())
+    output = PrometheusOutput()
+    port = output.serve(0, idle_timeout_s=0.2)
+    try:
+        silents = [_silent_connection(port) for _ in range(3)]
+        for silent in silents:
+            with silent:
+                assert silent.recv(1) == b""  # the server closed it, unasked
+        answered = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=60)
+        assert answered.status_code == 200 and "treadle_steps_total" in answered.text
+    finally:
+        output.close()
+    _join(_new_threads(before))  # the connections' threads and the server's: none is left
+
+
+def test_the_metrics_endpoint_serves_a_bounded_number_of_connections():
+    from treadle.sinks.prometheus import PrometheusOutput
+
+    before = set(threading.enumerate())
+    output = PrometheusOutput()
+    port = output.serve(0, idle_timeout_s=60, max_connections=2)
+    try:
+        held = [_silent_connection(port) for _ in range(2)]
+        with _silent_connection(port) as third:  # accepted after the two: no slot is free
+            assert third.recv(1) == b""
+        assert len(_new_threads(before)) == 3  # the server's and one per held connection
+        for silent in held:
+            silent.close()
+        _join([t for t in _new_threads(before) if t.name != "treadle metrics"])
+        answered = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=60)
+        assert answered.status_code == 200  # their slots were given back
+    finally:
+        output.close()
+    _join(_new_threads(before))
