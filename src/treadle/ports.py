@@ -473,9 +473,12 @@ class EventSink(Protocol):
     """Seam 5: receives a run's ordered events.
 
     A sink that fails or is slow never interrupts or stalls the loop: the event writer feeds
-    it through a bounded buffer and counts its failures and drops on the run.
+    it through a bounded buffer and counts its failures and drops on the run. One sink object
+    may serve several runs at once (a fleet's sinks): events name their run. When this
+    process stops feeding it a run it did not finish, it gets a last ``run_left`` event for
+    that run (docs/seams.md, "Event sink").
     """
 
     async def send(self, event: Event) -> None:
-        """Receive one event, in seq order."""
+        """Receive one event, in seq order for its run."""
         ...

@@ -1447,7 +1447,9 @@ class EventKind(enum.StrEnum):
 
     Durable kinds mirror log records. ``step_started`` is derived from the log (it precedes
     the first model intent of each step), so it is there after a restart too. Deltas are
-    ephemeral (docs/decisions/0008).
+    ephemeral (docs/decisions/0008). ``run_left`` goes to sinks only, once, when this process
+    stops feeding them a run it did not finish (docs/events.md, "Sinks and subscribers never
+    stall a run").
     """
 
     RUN_STARTED = "run_started"
@@ -1466,6 +1468,7 @@ class EventKind(enum.StrEnum):
     TEXT_DELTA = "text_delta"
     REASONING_DELTA = "reasoning_delta"
     WARNING = "warning"
+    RUN_LEFT = "run_left"
 
 
 @attrs.frozen(kw_only=True)
@@ -1478,9 +1481,10 @@ class Event:
             the record's position in the log. A step-started event or an ephemeral delta
             carries the seq of the durable event it follows and its own ``ordinal``.
         kind: the event kind.
-        record: the log record for durable events; ``None`` for step-started events, deltas
-            and warnings.
-        text: delta or warning text.
+        record: the log record for durable events; ``None`` for step-started events, deltas,
+            warnings and run-left events.
+        text: delta or warning text; for a run-left event, why the drive here stopped
+            (``drained``, ``parked``, ``interrupted``, ``finished_elsewhere``).
         ordinal: 0 for durable events; 1, 2, ... for the events after the same durable seq
             (a step-started event is always 1: it directly follows the previous step's
             record).

@@ -289,3 +289,47 @@ async def test_every_event_a_subscriber_gets_is_already_in_the_database_file(tmp
         log = await store.read_log("r")
     assert len(log.records) > 20
     assert late == []
+
+
+async def test_a_sink_is_told_once_when_the_drive_here_stops_with_the_run_unfinished(
+    autojump_clock,
+):
+    """docs/events.md, "Sinks and subscribers never stall a run": a drive that stopped
+    without a run-finished record (drained here) gave its sinks no sign of it, so a sink
+    keeping something open for the run (a span) kept it open for ever. Now the sinks get one
+    ``run_left`` event after the drive's last one; the drive that finishes the run, none."""
+    entered, gate = trio.Event(), trio.Event()
+
+    @treadle.tool
+    async def hold(x: int) -> int:
+        """Wait for the gate."""
+        entered.set()
+        await gate.wait()
+        return x
+
+    agent_ = treadle.Agent(
+        model=ScriptedModel(
+            turns=[calls(ToolCall(id="c1", name="hold", arguments={"x": 1})), say("done")]
+        ),
+        executor=treadle.Toolbox([hold]),
+        parser=treadle.NativeToolCallParser(),
+    )
+    store, sink = MemoryStore(), KeepingSink()
+    with trio.fail_after(60):
+        async with open_run(agent_, "go", store=store, run_id="r", sinks=[sink]) as handle:
+            await entered.wait()
+            handle.drain()
+            gate.set()
+            with pytest.raises(treadle.RunInterrupted):
+                await handle.wait()
+    drained = len((await store.read_log("r")).records)
+    *events, left = sink.events
+    assert left.kind is EventKind.RUN_LEFT and left.text == "drained" and left.record is None
+    assert (left.run_id, left.seq, left.ordinal) == ("r", drained, 0)
+    assert [e.seq for e in events if e.durable] == list(range(1, drained + 1))
+    sink.events.clear()
+    with trio.fail_after(60):
+        async with open_run(agent_, "go", store=store, run_id="r", sinks=[sink]) as again:
+            await again.wait()
+    assert [e.kind for e in sink.events][-1] is EventKind.RUN_FINISHED
+    assert EventKind.RUN_LEFT not in [e.kind for e in sink.events]

@@ -114,6 +114,10 @@ class SinkFeed:
         on_warning: where warnings go (the current writer's subscribers), or ``None``.
         reflected: awaited before each event goes to a sink: returns once what the run's
             handle reports reflects the event (docs/events.md, "Reading events").
+
+    When it is closed with the run unfinished, each sink gets one last ``run_left`` event
+    after the events in its buffer, so that it can close what it keeps open for the run
+    (docs/events.md, "Sinks and subscribers never stall a run").
     """
 
     sinks: Sequence[EventSink] = ()
@@ -124,31 +128,69 @@ class SinkFeed:
     reflected: Callable[[Event], Awaitable[None]] | None = None
     _inboxes: list[trio.MemorySendChannel[Event]] = attrs.Factory(list)
     _closed: trio.Event = attrs.Factory(trio.Event)
+    _ended: trio.Event = attrs.Factory(trio.Event)
     _warned: set[tuple[int, str]] = attrs.Factory(set)
+    _last: tuple[str, int, int, EventKind] | None = None
+    """Run id, seq, ordinal and kind of the last event offered (no record kept alive)."""
+    _left: Event | None = None
+    """The run-left event each sink gets after its buffer, once closed unfinished."""
 
     @trio.lowlevel.enable_ki_protection  # Ctrl-C reaches the main task: decision 0097
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """Pump events to the sinks until `close`; then give them `SINK_GRACE_S` to drain."""
-        async with trio.open_nursery() as nursery:
-            for index, sink in enumerate(self.sinks):
-                send, recv = trio.open_memory_channel[Event](SINK_BUFFER)
-                self._inboxes.append(send)
-                nursery.start_soon(self._pump, index, sink, recv)
-            task_status.started()
-            try:
-                await self._closed.wait()
-            finally:
-                for channel in self._inboxes:
-                    channel.close()
-                # Sinks get a grace period to drain what they were handed, then are cut off.
-                nursery.cancel_scope.deadline = trio.current_time() + SINK_GRACE_S
+        try:
+            async with trio.open_nursery() as nursery:
+                for index, sink in enumerate(self.sinks):
+                    send, recv = trio.open_memory_channel[Event](SINK_BUFFER)
+                    self._inboxes.append(send)
+                    nursery.start_soon(self._pump, index, sink, recv)
+                task_status.started()
+                try:
+                    await self._closed.wait()
+                finally:
+                    for channel in self._inboxes:
+                        channel.close()
+                    # Sinks get a grace period to drain what they were handed, then are cut off.
+                    nursery.cancel_scope.deadline = trio.current_time() + SINK_GRACE_S
+        finally:
+            self._ended.set()
 
-    def close(self) -> None:
-        """No more events: the sinks drain their buffers (for `SINK_GRACE_S` at most)."""
+    async def aclose(self, *, left: str | None = None) -> None:
+        """`close`, then wait until the sinks are done (`SINK_GRACE_S` at most).
+
+        For a feed whose `run` was started. Cancellation: cancelling the wait leaves the
+        sinks draining in `run`'s task.
+        """
+        self.close(left=left)
+        await self._ended.wait()
+
+    def close(self, *, left: str | None = None) -> None:
+        """No more events: the sinks drain their buffers (for `SINK_GRACE_S` at most).
+
+        Args:
+            left: why the run's drive here stopped, when the run may be unfinished
+                (``drained``, ``parked``, ``interrupted``, ``finished_elsewhere``). Unless
+                the run's ``run_finished`` event was offered, each sink then gets a
+                ``run_left`` event with this text after the events in its buffer: it
+                carries the ``(seq, ordinal)`` of the last event offered, and is never
+                dropped for a full buffer (docs/events.md, "Sinks and subscribers never
+                stall a run"). ``None`` (or no event offered at all): none is sent.
+
+        Closing a closed feed does nothing.
+        """
+        if self._closed.is_set():
+            return
+        if left is not None and self._last is not None:
+            run_id, seq, ordinal, kind = self._last
+            if kind is not EventKind.RUN_FINISHED:
+                self._left = Event(
+                    run_id=run_id, seq=seq, kind=EventKind.RUN_LEFT, text=left, ordinal=ordinal
+                )
         self._closed.set()
 
     def offer(self, event: Event) -> None:
         """Hand ``event`` to every sink's buffer; a full buffer drops it and counts it."""
+        self._last = (event.run_id, event.seq, event.ordinal, event.kind)
         for index, channel in enumerate(self._inboxes):
             try:
                 channel.send_nowait(event)
@@ -183,20 +225,26 @@ class SinkFeed:
             async for event in events:
                 if self.reflected is not None:
                     await self.reflected(event)
-                try:
-                    await sink.send(event)
-                except BaseException as exc:  # a sink's failure never stops the run: counted
-                    # Not trio's cancellation of this task, nor Ctrl-C or an exit; anything
-                    # else is (a bridged asyncio exporter's CancelledError included).
-                    if only_cancelled(exc) or isinstance(exc, KeyboardInterrupt | SystemExit):
-                        raise
-                    self.sink_failures += 1
-                    self._warn_once(
-                        index,
-                        "fail",
-                        f"sink {_name(sink)} failed: {type(exc).__name__}: {exc}; its failures "
-                        "are counted (sink_failures), the run goes on",
-                    )
+                await self._deliver(index, sink, event)
+        if self._left is not None:  # after everything in its buffer, whatever its room
+            await self._deliver(index, sink, self._left)
+
+    async def _deliver(self, index: int, sink: EventSink, event: Event) -> None:
+        """Send ``event`` to ``sink``; what it raises is counted, never raised."""
+        try:
+            await sink.send(event)
+        except BaseException as exc:  # a sink's failure never stops the run: counted
+            # Not trio's cancellation of this task, nor Ctrl-C or an exit; anything
+            # else is (a bridged asyncio exporter's CancelledError included).
+            if only_cancelled(exc) or isinstance(exc, KeyboardInterrupt | SystemExit):
+                raise
+            self.sink_failures += 1
+            self._warn_once(
+                index,
+                "fail",
+                f"sink {_name(sink)} failed: {type(exc).__name__}: {exc}; its failures "
+                "are counted (sink_failures), the run goes on",
+            )
 
 
 @attrs.define(eq=False)

@@ -9,8 +9,10 @@ Spans follow the OpenTelemetry semantic conventions for generative AI (``gen_ai.
 
 Span start and end times are the records' timestamps, so a sink that lags behind the run (it is
 fed through a bounded buffer, docs/concepts.md, "Actors") still draws the run as it happened.
-Approvals and the
-cancel request are span events. Text and reasoning deltas are not exported.
+Approvals and the cancel request are span events. Text and reasoning deltas are not exported.
+A drive that stops with the run unfinished ends its open spans at its ``run_left`` event, with
+``treadle.run.left`` saying why (docs/events.md, "OpenTelemetry"). One sink serves any number
+of runs, concurrent or not.
 
 The sink only needs ``opentelemetry-api``; the application configures the SDK (exporters,
 processors) and may pass its own tracer.
@@ -22,6 +24,7 @@ that records treadle's figures (docs/metrics.md) as OpenTelemetry instruments of
 from __future__ import annotations
 
 import datetime as dt
+import time
 from typing import Any
 
 import attrs
@@ -38,6 +41,7 @@ from treadle.types import (
     ApprovalRequested,
     CancelRequested,
     Event,
+    EventKind,
     ModelIntent,
     ModelResult,
     Record,
@@ -58,15 +62,47 @@ def _ns(ts: str) -> int:
 
 
 @attrs.define(eq=False)
-class OpenTelemetrySink:
-    """A `treadle.ports.EventSink` exporting one run's events as OpenTelemetry spans.
+class _RunSpans:
+    """The open spans of one run's drive, as one `OpenTelemetrySink` keeps them.
 
-    Use one sink object per run (it keeps that run's open spans). Attributes set:
+    Attributes:
+        run: the run's ``invoke_agent`` span.
+        model: the ``gen_ai.request.model`` of its model spans.
+        steps: step number -> the open step span.
+        calls: intent id -> the open model or tool span.
+        last_ns: the latest record timestamp seen (nanoseconds since the epoch).
+    """
+
+    run: Span
+    model: str
+    steps: dict[int, Span] = attrs.Factory(dict)
+    calls: dict[str, Span] = attrs.Factory(dict)
+    last_ns: int = 0
+
+    def cut(self, end_ns: int, attributes: dict[str, str]) -> None:
+        """End every open model, tool and step span at ``end_ns`` (the run span stays)."""
+        for span in (*self.calls.values(), *self.steps.values()):
+            span.set_attributes(attributes)
+            span.end(end_time=end_ns)
+        self.calls.clear()
+        self.steps.clear()
+
+
+@attrs.define(eq=False)
+class OpenTelemetrySink:
+    """A `treadle.ports.EventSink` exporting runs' events as OpenTelemetry spans.
+
+    One sink object serves any number of runs, one after another or at the same time (a
+    fleet gives its sinks to every run it drives): it keeps each run's open spans by run id,
+    and forgets them when the run finishes or its drive here stops unfinished (a
+    ``run_left`` event; docs/events.md, "OpenTelemetry"). Attributes set:
 
     * run: ``gen_ai.operation.name=invoke_agent``, ``gen_ai.agent.name``,
       ``gen_ai.conversation.id`` (the run id), ``treadle.run.state``,
       ``treadle.run.stop_reason``, ``gen_ai.usage.input_tokens`` / ``output_tokens`` (totals,
-      only when reported);
+      only when reported); or, when the drive here stopped unfinished, ``treadle.run.left``
+      (``drained``, ``parked``, ``interrupted``, ``finished_elsewhere``), on the run span and
+      on each step, model and tool span it cut;
     * model call: ``gen_ai.operation.name=chat``, ``gen_ai.provider.name``,
       ``gen_ai.request.model``, ``gen_ai.response.id``, ``gen_ai.response.finish_reasons``,
       ``gen_ai.usage.input_tokens`` / ``output_tokens`` (only when the server reported them),
@@ -77,57 +113,56 @@ class OpenTelemetrySink:
 
     Args:
         tracer: where spans go; default ``opentelemetry.trace.get_tracer("treadle")``.
-        agent_name: the ``gen_ai.agent.name`` of the run span.
+        agent_name: the ``gen_ai.agent.name`` of the run spans.
         provider: the ``gen_ai.provider.name`` of model spans (e.g. ``openai``), when known.
-        model: the ``gen_ai.request.model`` of model spans until the run-started record
-            names the agent's model. A resumed run sends its sinks only the records it
-            writes, never its run-started record: give ``model`` to a sink of a run that may
-            be resumed, or its model spans name no model (docs/events.md, "OpenTelemetry").
+        model: the ``gen_ai.request.model`` of a run's model spans until its run-started
+            record names the agent's model. A resumed run sends its sinks only the records
+            it writes, never its run-started record: give ``model`` to a sink of runs that
+            may be resumed, or their model spans name no model (docs/events.md,
+            "OpenTelemetry").
     """
 
     tracer: Tracer | None = None
     agent_name: str = "treadle"
     provider: str | None = None
     model: str = ""
-    _run: Span | None = None
-    _run_id: str = ""
-    _model: str = attrs.field(default="", init=False)
-
-    def __attrs_post_init__(self) -> None:
-        self._model = self.model
-
-    _steps: dict[int, Span] = attrs.Factory(dict)
-    _calls: dict[str, Span] = attrs.Factory(dict)
+    _runs: dict[str, _RunSpans] = attrs.Factory(dict)
+    """Run id -> the open spans of the run's drive."""
 
     async def send(self, event: Event) -> None:
         """Turn one event into span starts, ends or span events (deltas are ignored)."""
         if event.record is not None:
             self.record(event.run_id, event.record)
+        elif event.kind is EventKind.RUN_LEFT:
+            self.left(event.run_id, event.text or "")
 
     def record(self, run_id: str, record: Record) -> None:
-        """Apply one log record (synchronous; `send` calls it)."""
+        """Apply one log record of run ``run_id`` (synchronous; `send` calls it)."""
         if isinstance(record, RunStarted):
-            self._model = str(record.snapshot.get("model") or "") or self.model
-            self._start_run(run_id, record.ts)
-        elif isinstance(record, ModelIntent):
-            self._start_model(run_id, record)
+            model = str(record.snapshot.get("model") or "") or self.model
+            self._open(run_id, record.ts, model)
+            return
+        spans = self._spans(run_id, record.ts)
+        spans.last_ns = max(spans.last_ns, _ns(record.ts))
+        if isinstance(record, ModelIntent):
+            self._start_model(spans, record)
         elif isinstance(record, ModelResult):
-            self._end_model(record)
+            self._end_model(spans, record)
         elif isinstance(record, ActionIntent):
             self._start_tool(
-                run_id, record.step, record.intent_id, record.tool, record.call_id, record.ts
+                spans, record.step, record.intent_id, record.tool, record.call_id, record.ts
             )
         elif isinstance(record, ActionResult):
-            self._end_tool(run_id, record)
+            self._end_tool(spans, record)
         elif isinstance(record, StepRecord):
-            step = self._steps.pop(record.step, None)
+            step = spans.steps.pop(record.step, None)
             if step is not None:
                 step.set_attribute("treadle.step.decision", str(record.decision or "model_failed"))
                 step.end(end_time=_ns(record.ts))
         elif isinstance(record, ApprovalRequested | ApprovalDecided):
-            self._approval(run_id, record)
+            self._approval(spans, record)
         elif isinstance(record, CancelRequested):
-            self._run_span(run_id, record.ts).add_event(
+            spans.run.add_event(
                 "treadle.cancel_requested",
                 {
                     "treadle.cancel.reason": record.reason,
@@ -138,10 +173,30 @@ class OpenTelemetrySink:
         elif isinstance(record, RunFinished):
             self._end_run(run_id, record)
 
-    def _start_run(self, run_id: str, ts: str) -> Span:
-        tracer = self.tracer or trace.get_tracer(TRACER_NAME)
-        self._run_id = run_id
-        self._run = tracer.start_span(
+    def left(self, run_id: str, why: str) -> None:
+        """End the open spans of run ``run_id``, whose drive here stopped unfinished.
+
+        What a ``run_left`` event says (`send` calls it): each span still open gets
+        ``treadle.run.left`` = ``why`` and ends now, never before the run's last record
+        (no record carries the moment the drive stopped). The run's next drive, here or
+        elsewhere, starts a run span of its own at its first record (docs/events.md,
+        "OpenTelemetry"). Nothing happens for a run with no open span.
+        """
+        spans = self._runs.pop(run_id, None)
+        if spans is None:
+            return
+        end = max(spans.last_ns, time.time_ns())
+        attributes = {"treadle.run.left": why}
+        spans.cut(end, attributes)
+        spans.run.set_attributes(attributes)
+        spans.run.end(end_time=end)
+
+    def _tracer(self) -> Tracer:
+        return self.tracer or trace.get_tracer(TRACER_NAME)
+
+    def _open(self, run_id: str, ts: str, model: str) -> _RunSpans:
+        """Start run ``run_id``'s span at ``ts`` and keep it."""
+        run = self._tracer().start_span(
             f"invoke_agent {self.agent_name}",
             kind=SpanKind.INTERNAL,
             start_time=_ns(ts),
@@ -151,48 +206,49 @@ class OpenTelemetrySink:
                 "gen_ai.conversation.id": run_id,
             },
         )
-        return self._run
+        spans = self._runs[run_id] = _RunSpans(run=run, model=model, last_ns=_ns(ts))
+        return spans
 
-    def _run_span(self, run_id: str, ts: str) -> Span:
-        """The run span; started here when the sink joined a resumed run."""
-        return self._run if self._run is not None else self._start_run(run_id, ts)
+    def _spans(self, run_id: str, ts: str) -> _RunSpans:
+        """The run's open spans, its run span started at ``ts`` if none is open.
 
-    def _step_span(self, run_id: str, step: int, ts: str) -> Span:
-        span = self._steps.get(step)
+        That is a resumed run's first record here: its run-started record is not sent again.
+        """
+        spans = self._runs.get(run_id)
+        return spans if spans is not None else self._open(run_id, ts, self.model)
+
+    def _step_span(self, spans: _RunSpans, step: int, ts: str) -> Span:
+        span = spans.steps.get(step)
         if span is None:
-            parent = trace.set_span_in_context(self._run_span(run_id, ts))
             span = self._tracer().start_span(
                 f"step {step}",
-                context=parent,
+                context=trace.set_span_in_context(spans.run),
                 kind=SpanKind.INTERNAL,
                 start_time=_ns(ts),
                 attributes={"treadle.step": step},
             )
-            self._steps[step] = span
+            spans.steps[step] = span
         return span
 
-    def _tracer(self) -> Tracer:
-        return self.tracer or trace.get_tracer(TRACER_NAME)
-
-    def _start_model(self, run_id: str, record: ModelIntent) -> None:
-        parent = trace.set_span_in_context(self._step_span(run_id, record.step, record.ts))
+    def _start_model(self, spans: _RunSpans, record: ModelIntent) -> None:
+        parent = trace.set_span_in_context(self._step_span(spans, record.step, record.ts))
         attributes: dict[str, Any] = {
             "gen_ai.operation.name": "chat",
-            "gen_ai.request.model": self._model,
+            "gen_ai.request.model": spans.model,
             "treadle.attempt": record.attempt,
         }
         if self.provider:
             attributes["gen_ai.provider.name"] = self.provider
-        self._calls[record.intent_id] = self._tracer().start_span(
-            f"chat {self._model}".strip(),
+        spans.calls[record.intent_id] = self._tracer().start_span(
+            f"chat {spans.model}".strip(),
             context=parent,
             kind=SpanKind.CLIENT,
             start_time=_ns(record.ts),
             attributes=attributes,
         )
 
-    def _end_model(self, record: ModelResult) -> None:
-        span = self._calls.pop(record.intent_id, None)
+    def _end_model(self, spans: _RunSpans, record: ModelResult) -> None:
+        span = spans.calls.pop(record.intent_id, None)
         if span is None:
             return
         usage = record.usage
@@ -215,9 +271,9 @@ class OpenTelemetrySink:
         span.end(end_time=_ns(record.ts))
 
     def _start_tool(
-        self, run_id: str, step: int, intent_id: str, tool: str, call_id: str, ts: str
+        self, spans: _RunSpans, step: int, intent_id: str, tool: str, call_id: str, ts: str
     ) -> Span:
-        parent = trace.set_span_in_context(self._step_span(run_id, step, ts))
+        parent = trace.set_span_in_context(self._step_span(spans, step, ts))
         span = self._tracer().start_span(
             f"execute_tool {tool}",
             context=parent,
@@ -230,16 +286,16 @@ class OpenTelemetrySink:
                 "gen_ai.tool.type": "function",
             },
         )
-        self._calls[intent_id] = span
+        spans.calls[intent_id] = span
         return span
 
-    def _end_tool(self, run_id: str, record: ActionResult) -> None:
-        span = self._calls.pop(record.intent_id, None)
+    def _end_tool(self, spans: _RunSpans, record: ActionResult) -> None:
+        span = spans.calls.pop(record.intent_id, None)
         if span is None:  # never started (rejected by a human): a span of no duration
             span = self._start_tool(
-                run_id, record.step, record.intent_id, record.tool, record.call_id, record.ts
+                spans, record.step, record.intent_id, record.tool, record.call_id, record.ts
             )
-            self._calls.pop(record.intent_id)
+            spans.calls.pop(record.intent_id)
         status = record.outcome.status
         span.set_attribute("treadle.action.status", status.value)
         if record.late:
@@ -249,8 +305,8 @@ class OpenTelemetrySink:
             span.set_status(Status(StatusCode.ERROR, record.outcome.detail or status.value))
         span.end(end_time=_ns(record.ts))
 
-    def _approval(self, run_id: str, record: ApprovalRequested | ApprovalDecided) -> None:
-        span = self._step_span(run_id, record.step, record.ts)
+    def _approval(self, spans: _RunSpans, record: ApprovalRequested | ApprovalDecided) -> None:
+        span = self._step_span(spans, record.step, record.ts)
         if isinstance(record, ApprovalRequested):
             span.add_event(
                 "treadle.approval_requested",
@@ -269,12 +325,10 @@ class OpenTelemetrySink:
         )
 
     def _end_run(self, run_id: str, record: RunFinished) -> None:
+        spans = self._runs.pop(run_id)
         end = _ns(record.ts)
-        for span in (*self._calls.values(), *self._steps.values()):
-            span.end(end_time=end)  # cut by the end of the run
-        self._calls.clear()
-        self._steps.clear()
-        run = self._run_span(run_id, record.ts)
+        spans.cut(end, {})  # cut by the end of the run
+        run = spans.run
         run.set_attribute("treadle.run.state", record.state.value)
         run.set_attribute("treadle.run.stop_reason", record.stop_reason.value)
         totals = record.totals
@@ -286,7 +340,6 @@ class OpenTelemetrySink:
             run.set_attribute("error.type", record.stop_reason.value)
             run.set_status(Status(StatusCode.ERROR, record.error or record.stop_reason.value))
         run.end(end_time=end)
-        self._run = None
 
 
 @attrs.define(eq=False)

@@ -335,19 +335,31 @@ async def _keeping(
     can host the work the runs of its store share (the shared renewal, and the control
     reading while it is parked: `Relay`). One block and one nursery for all three: a parked
     run keeps them while it waits (docs/performance.md, "Memory").
+
+    When the block ends with the run unfinished here, the sinks are told why (a
+    ``run_left`` event: `SinkFeed.close`). On an error (the lease lost, a store or actor
+    failure) they get their grace before the error ends the nursery; cancelled from outside
+    (Ctrl-C, a fleet's drain deadline), they are cut off with it (docs/events.md, "Sinks
+    and subscribers never stall a run").
     """
     async with trio.open_nursery() as nursery:
         stop = _keep(hold, options, nursery)
         feed: SinkFeed | None = None
+        left = "interrupted"  # unless the block ends without an error
         try:
             if sinks:
                 feed = SinkFeed(sinks=sinks, reflected=handle._reflected)
                 await nursery.start(feed.run)
             yield nursery, feed
+            left = handle.left or "finished_elsewhere"  # (none is sent when it finished here)
+        except Exception:
+            if feed is not None:
+                await feed.aclose(left=left)
+            raise
         finally:
             stop()
             if feed is not None:
-                feed.close()
+                feed.close(left=left)
 
 
 async def _take_back(hold: LeaseHold, store: RunStore, run_id: str) -> RunLog | None:
