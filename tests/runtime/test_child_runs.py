@@ -6,11 +6,11 @@ through the five actors of each.
 
 from __future__ import annotations
 
+import functools
 import os
 import signal
 import subprocess
 import sys
-import time
 from contextlib import asynccontextmanager
 from pathlib import Path
 
@@ -21,6 +21,7 @@ import trio
 from treadle import agent_tool, child_run_id
 from treadle._exceptions import ChildRunInterrupted, RunInterrupted, StoreError
 from treadle.agent import Agent
+from treadle.approvals import read_control, request_cancel
 from treadle.parsers import NativeToolCallParser
 from treadle.stores.memory import MemoryStore
 from treadle.stores.sqlite import SqliteStore
@@ -36,6 +37,7 @@ from treadle.types import (
     CancelRequested,
     EventKind,
     Limits,
+    Liveness,
     ModelReply,
     ReplayPolicy,
     RunLog,
@@ -229,6 +231,44 @@ async def test_cancelling_the_parent_cancels_the_child_durably(store):
     assert [c.canceller for c in cancels] == ["p"]
     assert "parent" in cancels[0].reason
     assert isinstance(child_log.records[-2], CancelRequested)
+
+
+async def test_a_parent_resumed_onto_a_waiting_cancel_cancels_the_children_of_its_step(store):
+    """The parent's drive stops while its child blocks in a call (its effect made), a cancel
+    is written to the parent's control stream while nobody drives it, and the parent is
+    resumed: it finished cancelled without running its step again, and left the child
+    unfinished with no cancel, so a later resume of the child made new effects."""
+    reached = trio.Event()
+    effects: list[str] = []
+
+    @tool
+    async def pay(ctx: ToolContext) -> str:
+        """Pay, then wait (forever)."""
+        effects.append(ctx.intent_id)
+        reached.set()
+        await trio.sleep_forever()
+        return "paid"
+
+    child = attrs.evolve(
+        child_agent(turns=[call("pay", call_id="p1"), say("never")]),
+        executor=Toolbox([pay]),
+    )
+    with trio.fail_after(30):
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(
+                functools.partial(run, parent_agent(store, child), "go", store=store, run_id="p")
+            )
+            await reached.wait()
+            nursery.cancel_scope.cancel()  # the drive stops; neither run is cancelled
+        kid = child_run_id("p/s1/a1")
+        assert (await store.read_log(kid)).finished is None
+        await request_cancel(store, "p", reason="stop", canceller="test")
+        result = await run(parent_agent(store, child), store=store, run_id="p")
+    assert result.state is RunState.CANCELLED
+    assert [r.canceller for r in await read_control(store, kid)] == ["p"]
+    child_log = await store.read_log(kid)  # nobody drove it: finished here too
+    assert child_log.finished is not None and child_log.finished.state is RunState.CANCELLED
+    assert effects == [f"{kid}/s1/a1"]
 
 
 async def test_children_with_calls_that_ignore_the_cancel_still_finish_cancelled(store):
@@ -499,6 +539,17 @@ def _killed_while_the_child_runs(db: Path, ledger: Path):  # type: ignore[no-unt
     return driver, env, first.pid
 
 
+async def _orphaned(db: Path, *run_ids: str) -> None:
+    """Wait until the dead driver's leases of ``run_ids`` lapsed (2 s)."""
+    async with open_store_at(db) as store:
+        with trio.fail_after(60):
+            while True:
+                found = [await store.read_summary(r) for r in run_ids]
+                if all(s is not None and s.liveness is Liveness.ORPHANED for s in found):
+                    return
+                await trio.sleep(0.05)
+
+
 def test_a_parent_killed_while_its_child_runs_re_attaches_after_resume(tmp_path):
     """A real crash: SIGKILL the process while the child run blocks in a tool call (its
     effect already recorded), start a new process that resumes the parent: it waits for the
@@ -532,17 +583,13 @@ def test_cancelling_a_parent_killed_while_its_child_runs_cancels_the_child(tmp_p
 
     db, ledger = tmp_path / "runs.db", tmp_path / "ledger"
     driver, env, _ = _killed_while_the_child_runs(db, ledger)
-    # Until the dead driver's leases lapse (2 s), the cancel is only requested; then the
-    # command finishes the run itself.
-    for _ in range(600):
-        said = CliRunner().invoke(main, ["cancel", "p", "--store", str(db)])
-        assert said.exit_code == 0, said.output
-        if "finished here, cancelled" in said.output:
-            break
-        time.sleep(0.05)
-    else:
-        raise AssertionError(f"the parent was never finished: {said.output}")
     kid = child_run_id("p/s1/a1")
+    # Until the dead driver's leases lapse (2 s), the cancel is only requested (and a child
+    # still leased is left its cancel): wait for both, then the command finishes both here.
+    trio.run(_orphaned, db, "p", kid)
+    said = CliRunner().invoke(main, ["cancel", "p", "--store", str(db)])
+    assert said.exit_code == 0, said.output
+    assert "finished here, cancelled" in said.output
     _, [child_log, parent_log] = read_logs(db, kid, "p")
     assert parent_log.finished is not None and parent_log.finished.state is RunState.CANCELLED
     assert child_log.finished is not None and child_log.finished.state is RunState.CANCELLED
@@ -561,20 +608,14 @@ def test_resuming_every_run_leaves_a_child_to_its_parents_resume(tmp_path):
     from child_run_driver import parent
 
     from treadle.supervisors import resume_unfinished
-    from treadle.types import Liveness
 
     db, ledger = tmp_path / "runs.db", tmp_path / "ledger"
     _killed_while_the_child_runs(db, ledger)
     kid = child_run_id("p/s1/a1")
 
     async def resume_all() -> list[str]:
+        await _orphaned(db, "p", kid)
         async with open_store_at(db) as store:
-            with trio.fail_after(60):  # both dead leases lapse (2 s)
-                while True:
-                    found = [await store.read_summary(r) for r in ("p", kid)]
-                    if all(s is not None and s.liveness is Liveness.ORPHANED for s in found):
-                        break
-                    await trio.sleep(0.05)
             results = await resume_unfinished(parent(store, str(ledger), False), store=store)
             return [r.run_id for r in results]
 

@@ -4,8 +4,9 @@
   cancel to the child's control stream: whoever drives the child next finishes it.
 * A child run that finished wakes its parent when the parent is parked on it
   (`treadle.ports.RunQueue.wake`), so that a fleet worker claims the parent at once.
-* A parent that finishes while its log shows its step parked on children cancels each child
-  that has not finished: nobody will read their results.
+* A parent that finishes while its log shows its step parked on children, or before it ran
+  again a step whose child-run calls were cut, cancels each child that has not finished:
+  nobody will read their results (`treadle.supervisors._finishing.close_links`).
 """
 
 from __future__ import annotations
@@ -108,8 +109,9 @@ async def cancel_started_children(
 ) -> list[str]:
     """Cancel the unfinished child runs that the action intents ``intent_ids`` started.
 
-    For a parent finished without the results of those intents while nobody drove it (its
-    process died during the call, `treadle.finish_cancelled`): a child run id is derived from
+    For a parent finished without the results of those intents (its process died during the
+    call, and the parent was finished before that call ran again: by `treadle.finish_cancelled`
+    while nobody drove it, or by its next driver): a child run id is derived from
     its intent (`child_run_id`), so each intent's child, if one was started (its run-started
     names the intent) or queued, gets a cancel in its control stream. An intent of an
     ordinary tool has no such run and is passed over. Returns the child run ids cancelled.

@@ -68,7 +68,6 @@ from treadle.metrics import MetricsRecorder
 from treadle.ports import ControlStream, EventSink, RunStore
 from treadle.redaction import Redaction
 from treadle.stores import check_schema
-from treadle.supervisors._child_links import cancel_awaited_children, wake_parent
 from treadle.supervisors._control import ControlInbox, ControlIndex, control_of, shared_index
 from treadle.supervisors._factories import (
     ActorContext,
@@ -77,6 +76,7 @@ from treadle.supervisors._factories import (
     CoordinatorContext,
     WriterContext,
 )
+from treadle.supervisors._finishing import ChildrenLeft, close_links
 from treadle.supervisors._handle import RunHandle
 from treadle.supervisors._leasing import LeaseHold, LeaseKeeper, shared_keeper
 from treadle.supervisors._parking import Parking
@@ -575,12 +575,10 @@ async def _drive(
             else None
         )
         parked: Parking | _ChildWait | None = None
-        awaited = view.pending.children_awaited  # the step parked on children last time
+        left = ChildrenLeft.of(view.pending)  # the step this drive resumes, if any
         try:
             handle._finished(await coordinator.run(resumed_steps=resumed))
-            await wake_parent(store, started)
-            if awaited is not None:
-                await cancel_awaited_children(store, awaited)
+            await close_links(store, started, left, clock=clock)
         except AwaitingChildren:
             handle._stopped_driving(left="parked")
             parked = _child_wait(control, _unapplied(control_recv))

@@ -9,10 +9,10 @@ written, so that a run whose agent no worker serves never waits in ``cancelling`
   observation of the run's parameter snapshot, and its step record: no intent is left without
   an outcome;
 * the cancel request (from the control stream) and the run-finished record (``cancelled``);
-* then, as a driver would: a child run wakes its parent, and a run parked on child runs
-  cancels each child that has not finished (docs/child-runs.md, "In a fleet"); a run that
-  died during a child run's call cancels that child and, when nobody drives it either,
-  finishes it the same way.
+* then, as a driver would (`close_links`, which a run's driver calls too once the run is
+  finished): a child run wakes its parent, and a run parked on child runs cancels each child
+  that has not finished (docs/child-runs.md, "In a fleet"); a run that died during a child
+  run's call cancels that child and, when nobody drives it either, finishes it the same way.
 
 A queued run (never started) gets a run-started record from its queue entry first.
 """
@@ -21,15 +21,16 @@ from __future__ import annotations
 
 import logging
 
+import attrs
 import cattrs
 
 from treadle._clock import Clock, SystemClock
 from treadle._exceptions import RunLeased, StoreError, UsageError
-from treadle._state import carried_active_s, closing_records, fold
+from treadle._state import PendingStep, carried_active_s, closing_records, fold
 from treadle._text import repaired
 from treadle.approvals import read_control
 from treadle.ports import LeaseStore, RunQueue, RunStore
-from treadle.stores import LEASE_TTL_S, write_records
+from treadle.stores import LEASE_TTL_S, lease_owner, write_records
 from treadle.supervisors._child_links import (
     cancel_awaited_children,
     cancel_started_children,
@@ -37,6 +38,7 @@ from treadle.supervisors._child_links import (
 )
 from treadle.types import (
     CancelRequested,
+    ChildrenAwaited,
     Record,
     RunFinished,
     RunLog,
@@ -92,28 +94,88 @@ async def finish_cancelled(
         assert isinstance(finished, RunFinished)
         started = log.started or records[0]
         assert isinstance(started, RunStarted)
-        await wake_parent(store, started)
-        pending = fold(log.records).pending
-        if pending.children_awaited is not None:
-            await cancel_awaited_children(store, pending.children_awaited)
-        else:
-            intents = [intent.intent_id for intent in pending.action_intents]
-            children = await cancel_started_children(store, run_id, intents)
-            for child in children:  # its driver died with the parent's: finish it here too
-                await _finish_child(store, child, owner, clock)
+        await close_links(store, started, ChildrenLeft.of(fold(log.records).pending), clock=clock)
         return RunResult.from_finished(finished)
     finally:
         await store.release_lease(lease)
 
 
-async def _finish_child(store: RunStore, run_id: str, owner: str, clock: Clock) -> None:
+@attrs.frozen
+class ChildrenLeft:
+    """The child runs a run may leave behind when it finishes.
+
+    Those of the step its log showed in progress before the finish
+    (`treadle._state.PendingStep`).
+
+    Attributes:
+        awaited: the record of that step parking on child runs, or ``None``.
+        intent_ids: that step's action intents without a result, in call order: each may
+            have started a child run (`treadle.child_run_id`).
+    """
+
+    awaited: ChildrenAwaited | None = None
+    intent_ids: tuple[str, ...] = ()
+
+    @classmethod
+    def of(cls, pending: PendingStep) -> ChildrenLeft:
+        """What ``pending`` may leave behind (a copy: the view folds on)."""
+        return cls(
+            awaited=pending.children_awaited,
+            intent_ids=tuple(intent.intent_id for intent in pending.action_intents),
+        )
+
+
+async def close_links(
+    store: RunStore, started: RunStarted, left: ChildrenLeft, *, clock: Clock
+) -> None:
+    """After a run's run-finished is durable: tell its parent, and end the children it left.
+
+    The one place where a finished run reaches its relatives, whoever finished it (its
+    driver, on a fresh drive or a resume, or `finish_cancelled` while nobody drove it):
+
+    * a child run wakes its parent, when the parent is parked on it;
+    * a run whose step was parked on child runs cancels each of them that has not finished
+      (docs/child-runs.md, "In a fleet");
+    * a run that finished before it ran its resumed step again (a cancel found waiting in its
+      control stream, a budget) cancels each unfinished child that the step's open intents
+      started, and finishes it ``cancelled`` when nobody drives it either; a live driver
+      (a fleet worker) applies the cancel itself (docs/child-runs.md, "Cancellation").
+
+    An intent whose child finished (its call was run again and returned) or that started no
+    child is passed over, so this costs a finished drive nothing when its step was not left
+    open. Failures are logged, not raised: the run is finished, and a child's cancel, once
+    in its control stream, is applied by whoever drives it next.
+
+    Args:
+        store: the store of the run and its children.
+        started: the finished run's run-started record.
+        left: what the log showed of the run's step in progress before the finish.
+        clock: wall clock for the records of a child finished here.
+    """
+    await wake_parent(store, started)
+    if left.awaited is not None:
+        await cancel_awaited_children(store, left.awaited)
+        return
+    if not left.intent_ids:
+        return
+    children = await cancel_started_children(store, started.run_id, left.intent_ids)
+    for child in children:  # its driver died with the parent's: finish it here too
+        await _finish_child(store, child, clock)
+
+
+async def _finish_child(store: RunStore, run_id: str, clock: Clock) -> None:
     """Finish a child cancelled above when nobody drives it; a live driver applies the cancel.
+
+    Under a fresh lease owner: the finishing process may drive runs of its own (a fleet
+    worker), and a child one of them is must be left to that drive.
 
     A failure is logged, not raised: the cancel is in the child's control stream, so whoever
     drives it next finishes it ``cancelled``.
     """
+    if not isinstance(store, LeaseStore):
+        return  # no leases to tell who drives it: its cancel stays for its next driver
     try:
-        await finish_cancelled(store, run_id, owner=owner, clock=clock)
+        await finish_cancelled(store, run_id, owner=lease_owner(), clock=clock)
     except RunLeased:
         pass  # driven (a fleet worker holds it, or its old lease has not expired yet)
     except (StoreError, UsageError) as exc:
