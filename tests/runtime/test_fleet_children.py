@@ -26,6 +26,7 @@ from treadle.tools import Toolbox, ToolContext, tool
 from treadle.types import (
     ActionResult,
     CancelRequested,
+    ModelReply,
     ReplayPolicy,
     RunResult,
     RunStarted,
@@ -110,6 +111,67 @@ async def test_one_slot_two_parents_whose_children_are_queued_all_finish(fleet_s
         )
         assert action.outcome.child_run_id == kid
         assert action.outcome.observation == "child done"
+
+
+async def test_a_parent_whose_child_finished_takes_its_slot_back_before_a_new_claim(fleet_store):
+    """One slot: a parent waits on its queued child while another run is queued. When the child
+    finishes, the slot it frees is the parent's: the worker claimed the other run into it
+    before the parent saw its child's end, and the parent waited for that run to finish."""
+    entered, gate = trio.Event(), trio.Event()
+    order: list[str] = []
+
+    @tool
+    async def note(text: str, ctx: ToolContext) -> str:
+        """Write a note.
+
+        Args:
+            text: who writes it.
+            ctx: the call.
+        """
+        if text == "child":
+            entered.set()
+            await gate.wait()
+        order.append(text)
+        return "noted"
+
+    def noting(*turns: ModelReply) -> Agent:
+        return Agent(
+            model=ScriptedModel(turns=list(turns)),
+            executor=Toolbox([note]),
+            parser=NativeToolCallParser(),
+        )
+
+    def parent() -> Agent:
+        # The parent looks at its child's row every 0.5 s: long after the child's drive ended.
+        helper = agent_tool(
+            noting(call("note", text="child"), say("child done")),
+            store=fleet_store,
+            name="helper",
+            description="Ask.",
+            fleet_agent="child",
+            control_poll_s=0.5,
+        )
+        return attrs.evolve(
+            noting(call("helper", task="t"), call("note", text="parent"), say("parent done")),
+            executor=Toolbox([helper, note]),
+        )
+
+    agents = {
+        "parent": parent,
+        "child": lambda: noting(call("note", text="child"), say("child done")),
+        "other": lambda: noting(call("note", text="other"), say("other done")),
+    }
+    with trio.fail_after(60):
+        async with open_fleet(
+            fleet_store, agents, max_running=1, claim_poll_s=0.05, park_after_s=None
+        ) as worker:
+            await worker.submit("parent", "go", run_id="p")
+            await entered.wait()  # the parent waits, its slot freed; the child holds it
+            await worker.submit("other", "go", run_id="o")
+            gate.set()
+            for run_id in ("p", "o"):
+                await worker.result(run_id, poll_s=0.05)
+    assert order == ["child", "parent", "other"]
 
 
 async def test_the_child_is_claimed_by_the_worker_that_serves_it(fleet_store):

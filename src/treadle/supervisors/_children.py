@@ -312,7 +312,7 @@ async def _queued(
                 return None
         await drive.submit(fleet_agent, task, run_id, caps, (ctx.run_id, ctx.intent_id))
         patience_s = math.inf if park_after_s is None else park_after_s
-        async with drive.waiting():
+        async with drive.waiting(run_id):
             found = await drive.result(run_id, poll_s, settings.agent.output_type, patience_s)
             if found is None:
                 raise ChildPending(run_id, drive.recheck_s)

@@ -133,7 +133,9 @@ class Fleet:
     _handles: dict[str, RunHandle] = attrs.Factory(dict)
     _driving: dict[str, Claim] = attrs.Factory(dict)  # claimed, not yet done: run id -> claim
     _waiting: Counter[str] = attrs.Factory(Counter)  # driven, waiting on children: no slot
-    _returning: int = 0  # waiting drives whose child ended, about to take a slot again
+    _awaited: dict[str, str] = attrs.Factory(dict)  # child run id -> the parent waiting here
+    _ended: set[str] = attrs.Factory(set)  # awaited children whose drive here finished them
+    _returning: set[str] = attrs.Factory(set)  # waiting parents due a slot before new claims
     _room: trio.lowlevel.ParkingLot = attrs.Factory(trio.lowlevel.ParkingLot)
     _wake: trio.Event = attrs.Factory(trio.Event)
     _draining: bool = False
@@ -204,7 +206,7 @@ class Fleet:
     @trio.lowlevel.enable_ki_protection  # Ctrl-C reaches the main task: decision 0097
     async def _claim_loop(self) -> None:
         while not self._draining:
-            free = self._max_running - self._busy() - self._returning
+            free = self._max_running - self._busy() - len(self._returning)
             if free > 0:
                 for made in await self._claim(free):
                     self._driving[made.lease.run_id] = made
@@ -222,14 +224,19 @@ class Fleet:
         return len(self._driving) - len(self._waiting)
 
     @asynccontextmanager
-    async def _waiting_on_child(self, run_id: str) -> AsyncIterator[None]:
-        """Free ``run_id``'s slot for the block; then take a slot again, before new claims.
+    async def _waiting_on_child(self, run_id: str, child_id: str) -> AsyncIterator[None]:
+        """Free ``run_id``'s slot while it waits on ``child_id``; then take one before new claims.
 
         A parent that waits on its child holds no slot, so parents can never hold every slot
-        while their children wait (docs/child-runs.md, "In a fleet"). A call that leaves the
-        block parking its run (`ChildPending`) takes no slot again: its drive is ending.
+        while their children wait (docs/child-runs.md, "In a fleet"). Its slot is reserved
+        again (`_returning`) as soon as the last child it waits on ends: at the end of the
+        child's drive, when a drive of this worker finished it (before the claim loop runs,
+        so the slot the child frees is the parent's), else when the call saw it finished. A
+        call that leaves the block parking its run (`ChildPending`) takes no slot again: its
+        drive is ending.
         """
         self._waiting[run_id] += 1  # one count per call waiting (parallel calls of a step)
+        self._awaited[child_id] = run_id
         self._room.unpark_all()
         self._wake.set()  # the claim loop may claim into the freed slot (the child, say)
         parking = False
@@ -239,16 +246,39 @@ class Fleet:
             parking = True
             raise
         finally:
+            self._awaited.pop(child_id, None)
+            self._ended.discard(child_id)
             if self._waiting[run_id] == 1 and not parking:  # the last waiting call: a slot
-                self._returning += 1
+                self._returning.add(run_id)
                 try:
                     while self._busy() >= self._max_running:
                         await self._room.park()
                 finally:
-                    self._returning -= 1
+                    self._returning.discard(run_id)
+            elif parking:
+                self._returning.discard(run_id)
+            else:  # the calls left may all wait on children that ended here
+                self._reserve_if_done(run_id)
             self._waiting[run_id] -= 1
             if self._waiting[run_id] <= 0:
                 del self._waiting[run_id]
+
+    def _child_ended(self, child_id: str) -> None:
+        """A drive here finished ``child_id``: reserve the slot of the parent waiting on it.
+
+        Only when the parent waits on nothing else (docs/child-runs.md, "In a fleet").
+        Called before the freed slot wakes the claim loop, which then leaves the slot to the
+        parent instead of claiming a new run into it.
+        """
+        parent = self._awaited.get(child_id)
+        if parent is not None:
+            self._ended.add(child_id)
+            self._reserve_if_done(parent)
+
+    def _reserve_if_done(self, parent: str) -> None:
+        """Reserve ``parent``'s slot when each child it still waits on was finished here."""
+        if all(child in self._ended for child, p in self._awaited.items() if p == parent):
+            self._returning.add(parent)
 
     def _drive_of(self, run_id: str) -> FleetDrive:
         async def submit(
@@ -268,7 +298,7 @@ class Fleet:
             result=lambda child_id, poll_s, output_type, patience_s: result_within(
                 self._store, child_id, poll_s, output_type, patience_s
             ),
-            waiting=lambda: self._waiting_on_child(run_id),
+            waiting=lambda child_id: self._waiting_on_child(run_id, child_id),
             park_after_s=self._options.park_after_s,
             recheck_s=self._child_recheck_s,
         )
@@ -343,6 +373,7 @@ class Fleet:
             # unless its run-finished record was durable (cut while its lease was released)
             if finished or (handle is not None and handle.result is not None):
                 self._finished += 1
+                self._child_ended(run_id)
             else:
                 self._left += 1
             if hold.unreleased:

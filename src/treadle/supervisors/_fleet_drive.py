@@ -31,8 +31,10 @@ class FleetDrive:
         result: ``await result(run_id, poll_s, output_type, patience_s)`` waits until the
             run finished, whichever worker drives it, and returns its result; ``None`` when
             it did not finish within ``patience_s`` seconds (it looks once at least).
-        waiting: ``async with waiting():`` frees the run's slot for the block's duration and
-            takes one again (before new claims) when it ends.
+        waiting: ``async with waiting(child_id):`` frees the run's slot while it waits on
+            the child run ``child_id`` and takes one again (before new claims) when the
+            block ends; a drive of the same worker that finishes the child reserves that
+            slot at once.
         park_after_s: seconds a call waits on its queued child before it parks its run
             (``None``: it never parks).
         recheck_s: seconds after which a run parked on children is claimable again even
@@ -43,7 +45,7 @@ class FleetDrive:
     store: RunStore
     submit: Callable[[str, str, str, BudgetCaps, tuple[str, str]], Awaitable[object]]
     result: Callable[[str, float, Any, float], Awaitable[RunResult | None]]
-    waiting: Callable[[], AbstractAsyncContextManager[None]]
+    waiting: Callable[[str], AbstractAsyncContextManager[None]]
     park_after_s: float | None = None
     recheck_s: float = 300.0
 
