@@ -271,6 +271,29 @@ async def test_a_parent_resumed_onto_a_waiting_cancel_cancels_the_children_of_it
     assert effects == [f"{kid}/s1/a1"]
 
 
+@pytest.mark.parametrize("finished", [True, False])
+async def test_a_call_refuses_an_unrelated_run_that_has_its_childs_id(store, finished):
+    """A run started on its own under the id a call's child derives (same input): the call
+    took its result (finished) or drove it on (unfinished) as its child's."""
+    kid = child_run_id("p/s1/a1")
+    executed: list[str] = []
+    other = child_agent(executed=executed)
+    if finished:
+        await run(other, "do the thing", store=store, run_id=kid)
+    else:
+        async with open_run(other, "do the thing", store=store, run_id=kid) as handle:
+            handle.drain()  # stops before its first step: unfinished, resumable
+        assert (await store.read_log(kid)).finished is None
+    before = (await store.read_log(kid)).records
+    result = await run(parent_agent(store, child_agent()), "go", store=store, run_id="p")
+    assert result.state is RunState.SUCCEEDED
+    action = next(r for r in (await store.read_log("p")).records if isinstance(r, ActionResult))
+    assert action.outcome.observation.startswith("Error: UsageError: run 'p/s1/a1/child' is ")
+    assert "not the child run of call p/s1/a1 (it names no parent)" in action.outcome.observation
+    assert action.outcome.child_run_id is None
+    assert (await store.read_log(kid)).records == before  # left as it was
+
+
 async def test_children_with_calls_that_ignore_the_cancel_still_finish_cancelled(store):
     # The grandchild's call shields itself from the cancel: each level's calls get half its
     # parent's grace, so each level records its cancel before its parent stops waiting.

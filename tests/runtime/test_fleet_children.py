@@ -13,7 +13,6 @@ import attrs
 import pytest
 import trio
 
-import treadle
 from treadle import agent_tool, child_run_id
 from treadle._exceptions import ChildRunInterrupted, StoreError
 from treadle.agent import Agent
@@ -174,6 +173,30 @@ async def test_a_parent_whose_child_finished_takes_its_slot_back_before_a_new_cl
     assert order == ["child", "parent", "other"]
 
 
+async def test_a_call_refuses_an_unrelated_queued_run_that_has_its_childs_id(fleet_store):
+    """A run submitted on its own, with the child's agent and input, under the id a call's
+    child derives: the idempotent submit took it for the child and the call its result."""
+    executed: list[str] = []
+    kid = child_run_id("p/s1/a1")
+    agents = {
+        "parent": lambda: parent_agent(fleet_store, child_agent(executed)),
+        "child": lambda: child_agent(executed),
+    }
+    with trio.fail_after(60):
+        async with open_fleet(fleet_store, agents, claim_poll_s=0.05) as worker:
+            await worker.submit("child", "do the thing", run_id=kid)
+            await worker.submit("parent", "go", run_id="p")
+            result = await worker.result("p", poll_s=0.05)
+            other = await worker.result(kid, poll_s=0.05)  # driven as the run it is
+    assert result.state is RunState.SUCCEEDED
+    action = next(
+        r for r in (await fleet_store.read_log("p")).records if isinstance(r, ActionResult)
+    )
+    assert "not the child run of call p/s1/a1 (it names no parent)" in action.outcome.observation
+    assert action.outcome.child_run_id is None
+    assert other.final_answer == "child done" and executed == [f"{kid}/s1/a1"]
+
+
 async def test_the_child_is_claimed_by_the_worker_that_serves_it(fleet_store):
     """Worker ``a`` serves only parents, worker ``b`` only children: b drives the child."""
     executed: list[str] = []
@@ -257,10 +280,10 @@ async def test_a_child_started_inline_before_the_parent_came_to_a_fleet_is_re_at
     the child's stored result, and the child's effect is not repeated."""
     executed: list[str] = []
     kid = child_run_id("p/s1/a1")
-    earlier = await treadle.run(
-        child_agent(executed), "do the thing", store=fleet_store, run_id=kid
-    )
-    assert earlier.final_answer == "child done" and len(executed) == 1
+    helper = agent_tool(child_agent(executed), store=fleet_store, name="helper", description="A.")
+    ctx = ToolContext(run_id="p", step=1, intent_id="p/s1/a1", call_id="h1", tool="helper")
+    earlier = await helper.fn(task="do the thing", ctx=ctx)  # outside a fleet: inline
+    assert earlier.observation == "child done" and len(executed) == 1
     agents = {
         "parent": lambda: parent_agent(fleet_store, child_agent(executed)),
         "child": lambda: child_agent(executed),

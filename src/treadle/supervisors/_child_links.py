@@ -17,7 +17,7 @@ from collections.abc import Iterable
 from typing import Final
 
 from treadle._clock import SystemClock
-from treadle._exceptions import StoreError
+from treadle._exceptions import StoreError, UsageError
 from treadle._ids import MAX_RUN_ID_CHARS
 from treadle._text import repaired
 from treadle.ports import ControlStream, RunIndex, RunQueue, RunStore
@@ -39,6 +39,40 @@ def child_run_id(intent_id: str) -> str:
     if len(derived) <= MAX_RUN_ID_CHARS:
         return derived
     return "child-" + hashlib.sha256(derived.encode("utf-8", "surrogatepass")).hexdigest()[:32]
+
+
+def check_child_of(
+    run_id: str, found: tuple[str | None, str | None], call: tuple[str, str]
+) -> None:
+    """Refuse a run found under a child run's derived id that is not that call's child.
+
+    A child-run call re-attaches to the run its derived id names (docs/child-runs.md, "Run
+    ids"); a run that exists under that id but names another parent, or none (started on its
+    own, or submitted to a fleet, under that id), is an unrelated run: its result is not the
+    call's, and driving it on would make its effects in the call's name.
+
+    Args:
+        run_id: the run found.
+        found: ``(parent run id, parent intent id)`` its run-started record or queue entry
+            names (``None`` each when it names none).
+        call: ``(run id, intent id)`` of the calling parent.
+
+    Raises:
+        UsageError: ``found`` is not ``call``.
+    """
+    if found == call:
+        return
+    parent_run, parent_intent = found
+    whose = (
+        f"it was started by call {parent_intent} of run {parent_run}"
+        if parent_intent is not None
+        else "it names no parent"
+    )
+    raise UsageError(
+        f"run {run_id!r} is not the child run of call {call[1]} ({whose}): an unrelated run "
+        "already has the id this call's child run derives from its intent id; it was left as "
+        "it is"
+    )
 
 
 PARENT_STOPPED: Final = "the parent run stopped waiting for it (cancelled, or out of time)"

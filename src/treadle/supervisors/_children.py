@@ -47,9 +47,14 @@ from treadle._exceptions import (
 )
 from treadle.actors import CANCEL_GRACE_S
 from treadle.agent import Agent
-from treadle.ports import EventSink, RunIndex, RunStore
+from treadle.ports import EventSink, RunIndex, RunQueue, RunStore
 from treadle.stores import LEASE_TTL_S, EngineStore, check_ttl, lease_owner
-from treadle.supervisors._child_links import PARENT_STOPPED, cancel_child, child_run_id
+from treadle.supervisors._child_links import (
+    PARENT_STOPPED,
+    cancel_child,
+    check_child_of,
+    child_run_id,
+)
 from treadle.supervisors._driver import (
     CONTROL_POLL_S,
     DriveOptions,
@@ -311,6 +316,7 @@ async def _queued(
             if summary is not None and summary.submitted_at is None:
                 return None
         await drive.submit(fleet_agent, task, run_id, caps, (ctx.run_id, ctx.intent_id))
+        await _check_queued(store, run_id, ctx)
         patience_s = math.inf if park_after_s is None else park_after_s
         async with drive.waiting(run_id):
             found = await drive.result(run_id, poll_s, settings.agent.output_type, patience_s)
@@ -326,6 +332,22 @@ async def _queued(
             with trio.CancelScope(shield=True, deadline=trio.current_time() + CHILD_CANCEL_GRACE_S):
                 await cancel_child(settings.store, run_id, ctx.run_id)
         raise
+
+
+async def _check_queued(store: RunStore, run_id: str, ctx: ToolContext) -> None:
+    """Refuse a queue entry under the child's id that another parent (or nobody) queued.
+
+    Submitting is idempotent for the same agent and input, so an unrelated run submitted
+    under the derived id would otherwise be taken for the child (`check_child_of`).
+
+    Raises:
+        UsageError: the entry names another parent, or none.
+        StoreError: the read failed.
+    """
+    entry = await store.read_submission(run_id) if isinstance(store, RunQueue) else None
+    if entry is not None:
+        found = (entry.parent_run_id, entry.parent_intent_id)
+        check_child_of(run_id, found, (ctx.run_id, ctx.intent_id))
 
 
 def _parent_ended(ctx: ToolContext) -> bool:

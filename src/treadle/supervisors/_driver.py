@@ -68,6 +68,7 @@ from treadle.metrics import MetricsRecorder
 from treadle.ports import ControlStream, EventSink, RunStore
 from treadle.redaction import Redaction
 from treadle.stores import check_schema
+from treadle.supervisors._child_links import check_child_of
 from treadle.supervisors._control import ControlInbox, ControlIndex, control_of, shared_index
 from treadle.supervisors._factories import (
     ActorContext,
@@ -196,13 +197,11 @@ async def drive_run(
     except BaseException:
         await hold.release_quietly()
         raise
-    if log.finished is not None and log.started is not None:
-        try:
-            _check_lineage(log.started, options.lineage)
-            check_input(log.started, input)
-        except UsageError:
-            await hold.release()
-            raise
+    try:
+        _check_started(log, input, options)
+    except UsageError:
+        await hold.release()
+        raise
     handle = RunHandle(run_id=hold.run_id, store=store, clock=options.clock)
     if await _finished_before(log, agent, hold, handle):
         yield handle
@@ -226,6 +225,27 @@ async def drive_run(
         if len(group.exceptions) == 1:
             raise group.exceptions[0] from None
         raise
+
+
+def _check_started(log: RunLog, input: RunInput | None, options: DriveOptions) -> None:
+    """Refuse to drive or report a stored run that is not the one asked for.
+
+    A child run's id names its parent's call: a run under it that names another parent is
+    refused (`check_child_of`), finished or not. A finished run is only reported: its thread
+    and input must be those asked for (an unfinished one's are checked as it resumes).
+
+    Raises:
+        UsageError: it is another run.
+    """
+    started = log.started
+    if started is None:
+        return
+    if options.parent is not None:
+        found = (started.parent_run_id, started.parent_intent_id)
+        check_child_of(log.run_id, found, options.parent)
+    if log.finished is not None:
+        _check_lineage(started, options.lineage)
+        check_input(started, input)
 
 
 async def _finished_before(log: RunLog, agent: Agent, hold: LeaseHold, handle: RunHandle) -> bool:
