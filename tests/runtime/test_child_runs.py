@@ -25,7 +25,7 @@ from treadle.approvals import read_control, request_cancel
 from treadle.parsers import NativeToolCallParser
 from treadle.stores.memory import MemoryStore
 from treadle.stores.sqlite import SqliteStore
-from treadle.supervisors import open_fleet, open_run, run
+from treadle.supervisors import CHILD_CANCEL_GRACE_S, open_fleet, open_run, run
 from treadle.testing.faults import CrashingStore, FailingStore, SimulatedCrash
 from treadle.testing.scripted import ScriptedModel, call, say
 from treadle.tools import Toolbox, ToolContext, tool
@@ -328,6 +328,82 @@ async def test_children_with_calls_that_ignore_the_cancel_still_finish_cancelled
         log = await store.read_log(run_id)
         assert log.finished is not None, run_id
         assert log.finished.state is RunState.CANCELLED, run_id
+
+
+@attrs.define(eq=False)
+class SlowCancels(MemoryStore):
+    """A store whose control-stream appends take longer than a child's cancel window."""
+
+    appended: trio.Event = attrs.Factory(trio.Event)
+
+    async def append_control(self, record):  # type: ignore[no-untyped-def]
+        await trio.sleep(2 * CHILD_CANCEL_GRACE_S)
+        entry = await super().append_control(record)
+        self.appended.set()
+        return entry
+
+
+async def test_a_childs_cancel_is_written_even_when_the_write_outlasts_its_window(
+    autojump_clock,
+):
+    """The durable cancel was appended under the child's window (1.5 s here; 3 ms ten levels
+    down): a write slower than that was cut, and the child was left with no cancel in its
+    control stream, so its next driver ran it on."""
+    store = SlowCancels()
+    started = trio.Event()
+
+    @tool
+    async def wait_forever(ctx: ToolContext) -> str:
+        """Wait (forever)."""
+        started.set()
+        await trio.sleep_forever()
+        return "never"
+
+    child = attrs.evolve(
+        child_agent(turns=[call("wait_forever", call_id="w1"), say("never")]),
+        executor=Toolbox([wait_forever]),
+    )
+    async with open_run(parent_agent(store, child), "go", store=store, run_id="p") as handle:
+        await started.wait()
+        handle.cancel("stop", canceller="test")
+        result = await handle.wait()
+    assert result.state is RunState.CANCELLED
+    kid = child_run_id("p/s1/a1")
+    with trio.fail_after(60):  # the parent's grace ended first: the write goes on, shielded
+        await store.appended.wait()
+    assert [r.canceller for r in await read_control(store, kid)] == ["p"]
+    resumed = await run(child, store=store, run_id=kid)  # its next driver finishes it
+    assert resumed.state is RunState.CANCELLED
+
+
+@attrs.define(eq=False)
+class SlowChildStart(MemoryStore):
+    """A store whose first read of a child's control stream (as its drive starts, after its
+    run-started record) takes longer than the child's cancel window."""
+
+    starting: trio.Event = attrs.Factory(trio.Event)
+
+    async def read_control(self, run_id, *, after=0):  # type: ignore[no-untyped-def]
+        if run_id != "p" and not self.starting.is_set():
+            self.starting.set()
+            await trio.sleep(2 * CHILD_CANCEL_GRACE_S)
+        return await super().read_control(run_id, after=after)
+
+
+async def test_a_child_cut_while_its_drive_starts_still_gets_its_cancel(autojump_clock):
+    """The cancel came before the child's handle existed, and its window ended while its
+    drive started: the drive was cut before the handle could pass the cancel on, and the
+    started child was left with no cancel in its control stream."""
+    store = SlowChildStart()
+    child = child_agent()
+    async with open_run(parent_agent(store, child), "go", store=store, run_id="p") as handle:
+        await store.starting.wait()
+        handle.cancel("stop", canceller="test")
+        result = await handle.wait()
+    assert result.state is RunState.CANCELLED
+    kid = child_run_id("p/s1/a1")
+    assert (await store.read_log(kid)).started is not None
+    assert [r.canceller for r in await read_control(store, kid)] == ["p"]
 
 
 async def test_a_childs_records_are_counted_in_the_parents_metrics(store):

@@ -23,6 +23,7 @@ observation (docs/child-runs.md):
 
 from __future__ import annotations
 
+import logging
 import math
 import random
 import re
@@ -79,6 +80,8 @@ from treadle.types import (
 )
 
 __all__ = ["CHILD_CANCEL_GRACE_S", "agent_tool", "child_run_id"]
+
+_LOG = logging.getLogger("treadle.children")
 
 _WINDOW_SHARE: Final = 0.75
 _GRACE_SHARE: Final = 0.5
@@ -386,6 +389,8 @@ async def _linked(
                         result = await handle.wait()
         finally:
             link.done = True  # the watcher's cancellation from here on is ours, not a cancel
+            if link.cancelled and link.handle is None:  # cut while it started
+                await link.cancel_unattached()
         nursery.cancel_scope.cancel()
     return result
 
@@ -419,8 +424,7 @@ class _Link:
                 if self._ends_child():
                     self.cancelled = True
                     self.shield.deadline = trio.current_time() + self.window_s
-                    with trio.CancelScope(shield=True, deadline=self.shield.deadline):
-                        await self._cancel()
+                    await self._cancel()
                 else:
                     self.shield.cancel()
             raise
@@ -435,11 +439,35 @@ class _Link:
         if self.cancelled:
             await self._cancel()
 
+    async def cancel_unattached(self) -> None:
+        """Append the cancel of a child whose drive was cut while it started.
+
+        The cancel came before the child's handle existed (`attach` passes it on then), and
+        the window ended before it did. A run that was started (it has a log) gets its
+        cancel all the same, so that its next driver finishes it ``cancelled``. Shielded, as
+        in `_cancel`; a failure is logged, not raised (the call is being cancelled already).
+        """
+        with trio.CancelScope(shield=True):
+            try:
+                log = await self.store.read_log(self.run_id)
+                if log.started is not None and log.finished is None:
+                    await cancel_child(self.store, self.run_id, self.canceller)
+            except StoreError as exc:
+                _LOG.warning("could not cancel the child run %r (%s)", self.run_id, exc)
+
     async def _cancel(self) -> None:
+        """Append the child's cancel to its control stream, then cancel its handle.
+
+        The append is shielded with no deadline: the window (``window_s``) bounds how long
+        the child's drive may go on, not the write, which a window shorter than a durable
+        write (many levels down) would cut, leaving the child with no cancel for its next
+        driver (docs/child-runs.md, "Cancellation").
+        """
         handle = self.handle
         if handle is None or handle.result is not None:
             return  # not started yet (`attach` passes it on), or finished already
-        await cancel_child(self.store, self.run_id, self.canceller)  # durable first
+        with trio.CancelScope(shield=True):
+            await cancel_child(self.store, self.run_id, self.canceller)  # durable first
         handle.cancel(PARENT_STOPPED, canceller=self.canceller)
 
 
