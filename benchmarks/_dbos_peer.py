@@ -26,6 +26,8 @@ from dbos import DBOS, DBOSConfig
 from psycopg import conninfo, sql
 from sqlalchemy.engine import URL
 
+from _args import at_least
+
 STATS_FLUSH_S = 1.5
 """Seconds PostgreSQL 15 may take to publish a backend's counters once it is idle (1 s)."""
 
@@ -104,8 +106,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         default=os.environ.get("TREADLE_BENCH_POSTGRES"),
         help="a database of the server (default $TREADLE_BENCH_POSTGRES)",
     )
-    parser.add_argument("--runs", type=int, default=1)
-    parser.add_argument("--steps", type=int, default=200)
+    parser.add_argument("--runs", type=at_least(1), default=1)
+    parser.add_argument("--steps", type=at_least(1), default=200)
     args = parser.parse_args(argv)
     if not args.dsn:
         parser.error("give --dsn or set TREADLE_BENCH_POSTGRES")

@@ -38,6 +38,7 @@ from rich.console import Console
 from rich.table import Table
 
 import treadle
+from _args import at_least, seconds
 from _stores import open_store
 from treadle.ports import DeltaCallback
 from treadle.types import Attempt, EventKind, ModelReply, ModelRequest, ToolCall
@@ -117,13 +118,24 @@ async def measure(
     return latencies
 
 
+def p99(latencies: list[float]) -> float:
+    """The 99th percentile of ``latencies`` (the one latency, when there is one)."""
+    if len(latencies) == 1:
+        return latencies[0]
+    return statistics.quantiles(latencies, n=100)[98]
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     """Run both rows and print the table."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--runs", type=int, default=100, help="concurrent runs")
-    parser.add_argument("--steps", type=int, default=5, help="steps per run")
-    parser.add_argument("--fragments", type=int, default=100, help="fragments per model call")
-    parser.add_argument("--interval", type=float, default=0.01, help="seconds between fragments")
+    parser.add_argument("--runs", type=at_least(1), default=100, help="concurrent runs")
+    parser.add_argument("--steps", type=at_least(1), default=5, help="steps per run")
+    parser.add_argument(
+        "--fragments", type=at_least(1), default=100, help="fragments per model call"
+    )
+    parser.add_argument(
+        "--interval", type=seconds(), default=0.01, help="seconds between fragments"
+    )
     parser.add_argument("--store", choices=("memory", "sqlite"), default="memory")
     args = parser.parse_args(argv)
     table = Table(title=f"event delivery: {args.runs} runs, one slow subscriber, {args.store}")
@@ -133,13 +145,12 @@ def main(argv: Sequence[str] | None = None) -> None:
         latencies = trio.run(
             measure, args.store, args.runs, args.steps, args.fragments, size, args.interval
         )
-        p99 = statistics.quantiles(latencies, n=100)[98]
         table.add_row(
             row,
             str(size),
             f"{len(latencies):,}",
             f"{statistics.median(latencies):.2f}",
-            f"{p99:.2f}",
+            f"{p99(latencies):.2f}",
             f"{max(latencies):.2f}",
         )
     Console().print(table)

@@ -11,8 +11,8 @@ random moment of its renewal cycle, another worker is started at once, and the t
 kill to the first record the new owner writes (seen by polling ``records`` every 10 ms) is
 measured. Its ``records.gen`` must be the old lease generation + 1, and no record of the old
 generation may follow it. --kills kills, each on a fresh database; the median is shown beside
-the target of T + 2 s. Worker options other than --max-running and --lease-ttl are the CLI's
-defaults (claim poll 1 s, backoff 1 s). Run with:
+the target of T + 2 s (--kills 0 leaves the takeover out). Worker options other than
+--max-running and --lease-ttl are the CLI's defaults (claim poll 1 s, backoff 1 s). Run with:
 
     python benchmarks/bench_fleet.py [--dsn DSN] [--runs 200] [--steps 20] [--repeat 3]
                                      [--max-running 16] [--lease-ttl 3] [--kills 5]
@@ -44,6 +44,7 @@ from rich.console import Console
 from rich.table import Table
 
 import treadle
+from _args import at_least, seconds
 from _stores import fresh_database, postgres_dsn
 from _workload import STEPS_ENV, load_note
 from treadle.stores import redact_dsn
@@ -57,6 +58,8 @@ TAKEOVER_RUNS = 3
 LONG_RUN_STEPS = 1_000_000
 EARLY_S = 0.1
 """A takeover this much before the lease's expiry (the server's clock) is a failure."""
+LEASE_TTL_MIN_S, LEASE_TTL_MAX_S = 0.1, 3600.0
+"""The --lease-ttl values ``treadle worker`` takes (seconds)."""
 
 
 class Misbehaved(Exception):
@@ -300,12 +303,21 @@ def _check_takeover(conn: psycopg.Connection, old: dict[str, int], owner: str) -
 def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--dsn", default=None, help="PostgreSQL DSN (or $TREADLE_BENCH_POSTGRES)")
-    parser.add_argument("--runs", type=int, default=200, help="runs submitted per pass")
-    parser.add_argument("--steps", type=int, default=20, help="steps per run")
-    parser.add_argument("--repeat", type=int, default=3, help="rounds (medians are shown)")
-    parser.add_argument("--max-running", type=int, default=16, help="runs per worker at once")
-    parser.add_argument("--lease-ttl", type=float, default=3.0, help="takeover: lease TTL (s)")
-    parser.add_argument("--kills", type=int, default=5, help="takeover: kills measured")
+    parser.add_argument("--runs", type=at_least(1), default=200, help="runs submitted per pass")
+    parser.add_argument("--steps", type=at_least(1), default=20, help="steps per run")
+    parser.add_argument("--repeat", type=at_least(1), default=3, help="rounds (medians are shown)")
+    parser.add_argument(
+        "--max-running", type=at_least(1), default=16, help="runs per worker at once"
+    )
+    parser.add_argument(
+        "--lease-ttl",
+        type=seconds(LEASE_TTL_MIN_S, LEASE_TTL_MAX_S),  # what treadle worker --lease-ttl takes
+        default=3.0,
+        help="takeover: lease TTL (s)",
+    )
+    parser.add_argument(
+        "--kills", type=at_least(0), default=5, help="takeover: kills measured (0: no takeover)"
+    )
     args = parser.parse_args(argv)
     dsn = postgres_dsn(args.dsn)
     console = Console()
@@ -333,7 +345,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         ]
         complaints = _worker_stderr(logs)
     console.print(throughput_table(drained, args))
-    console.print(takeover_table([t for t in takeovers if t is not None], args.lease_ttl))
+    if args.kills:
+        console.print(takeover_table([t for t in takeovers if t is not None], args.lease_ttl))
     console.print(
         f"PostgreSQL: {redact_dsn(dsn)} (a fresh database per pass), server defaults. "
         f"Workers: treadle worker --max-running {args.max_running}, other options default. "

@@ -35,6 +35,7 @@ import trio
 from rich.console import Console
 from rich.table import Table
 
+from _args import at_least
 from treadle._clock import SystemClock
 from treadle.actors import (
     Append,
@@ -259,8 +260,10 @@ async def measure(port: int, calls: int) -> dict[tuple[str, str, str], tuple[flo
 
 def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--tokens", type=int, default=4000, help="tokens (SSE events) per reply")
-    parser.add_argument("--calls", type=int, default=30, help="timed calls per reader")
+    parser.add_argument(
+        "--tokens", type=at_least(1), default=4000, help="tokens (SSE events) per reply"
+    )
+    parser.add_argument("--calls", type=at_least(1), default=30, help="timed calls per reader")
     args = parser.parse_args(argv)
     context = multiprocessing.get_context("spawn")
     parent, child = context.Pipe()

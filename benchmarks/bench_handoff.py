@@ -21,6 +21,7 @@ import trio
 from rich.console import Console
 from rich.table import Table
 
+from _args import at_least
 from _workload import load_note
 from treadle.stores._engine import ONE_SYNC, BatchReport, CommitEngine, RunHead, Write
 from treadle.types import ActionIntent, Record
@@ -81,8 +82,10 @@ async def _checkpoints(count: int) -> tuple[float, float]:
 def main(argv: Sequence[str] | None = None) -> None:
     """Measure and print the table."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--barriers", type=int, default=20_000, help="barriers per measurement")
-    parser.add_argument("--repeat", type=int, default=3, help="measurements of each row")
+    parser.add_argument(
+        "--barriers", type=at_least(1), default=20_000, help="barriers per measurement"
+    )
+    parser.add_argument("--repeat", type=at_least(1), default=3, help="measurements of each row")
     args = parser.parse_args(argv)
     rows: dict[str, list[tuple[float, float]]] = {"committer": [], "trio thread": [], "": []}
     for _ in range(args.repeat):  # interleaved, so a busy moment hits every row alike

@@ -21,6 +21,8 @@ from collections.abc import Sequence
 from rich.console import Console
 from rich.table import Table
 
+from _args import at_least
+
 COMMANDS = {
     "import trio, attrs, cattrs": [sys.executable, "-c", "import trio, attrs, cattrs"],
     "import treadle": [sys.executable, "-c", "import treadle"],
@@ -42,7 +44,7 @@ def timed(command: Sequence[str]) -> float:
 def main(argv: Sequence[str] | None = None) -> None:
     """Measure and print the table."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--repeat", type=int, default=15, help="runs of each command")
+    parser.add_argument("--repeat", type=at_least(1), default=15, help="runs of each command")
     args = parser.parse_args(argv)
     samples: dict[str, list[float]] = {name: [] for name in COMMANDS}
     for _ in range(args.repeat):

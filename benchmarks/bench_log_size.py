@@ -9,11 +9,13 @@ the run files and their lease files), divided by the steps. S=50 and S=1000 by d
 same total of steps for both (so that what a store costs once, its tables and their first
 pages, weighs the same): a log's bytes per step should not grow with its length.
 
-The second table reads the records of one run back and times each encoding of the codec on
-them (`treadle.stores._codec`): the JSON objects every log held before layout 3 / format 3,
-and the compact arrays written since (docs/decisions/0085-compact-log-records.md). Run with:
+The second table reads the records of one run back (the longest, of the first store given)
+and times each encoding of the codec on them (`treadle.stores._codec`): the JSON objects every
+log held before layout 3 / format 3, and the compact arrays written since
+(docs/decisions/0085-compact-log-records.md). Run with:
 
-    python benchmarks/bench_log_size.py [--total 10000] [--lengths 50,1000] [--repeat 5]
+    python benchmarks/bench_log_size.py [--total 10000] [--lengths 50,1000]
+                                        [--stores sqlite,jsonl] [--repeat 5]
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import statistics
 import tempfile
 import time
 from collections.abc import Callable, Sequence
+from contextlib import AbstractAsyncContextManager
 from pathlib import Path
 from typing import Any
 
@@ -32,15 +35,25 @@ from rich.console import Console
 from rich.table import Table
 
 import treadle
+from _args import at_least, listed, one_of
 from _workload import drive, load_note
+from treadle.ports import RunStore
 from treadle.stores import _codec
+
+STORES: dict[str, tuple[Callable[[str], AbstractAsyncContextManager[RunStore]], str]] = {
+    "sqlite": (treadle.open_sqlite_store, "bench.db"),
+    "jsonl": (treadle.open_jsonl_store, "runs"),
+}
+"""Store kind -> its opener and the name of what it writes in the measured folder. The bytes
+measured are the files a closed store left: a PostgreSQL store leaves none (its rows are the
+server's), so it is not a kind here."""
 
 
 async def measure(kind: str, runs: int, steps: int) -> tuple[int, list[Any]]:
     """Drive ``runs`` runs of ``steps`` steps; return the store's bytes and one run's records."""
+    opener, name = STORES[kind]
     with tempfile.TemporaryDirectory() as tmp:
-        where = os.path.join(tmp, "bench.db" if kind == "sqlite" else "runs")
-        opener = treadle.open_sqlite_store if kind == "sqlite" else treadle.open_jsonl_store
+        where = os.path.join(tmp, name)
         async with opener(where) as store:
             await drive(store, runs, steps, "bench-run")
         async with opener(where) as store:
@@ -102,21 +115,30 @@ def codec_rows(records: list[Any], repeat: int) -> list[tuple[str, ...]]:
 
 def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--total", type=int, default=10_000, help="steps per store and length")
-    parser.add_argument("--lengths", default="50,1000", help="steps per run, comma-separated")
-    parser.add_argument("--stores", default="sqlite,jsonl", help="comma-separated store kinds")
-    parser.add_argument("--repeat", type=int, default=5, help="timings per codec figure")
+    parser.add_argument(
+        "--total", type=at_least(1), default=10_000, help="steps per store and length"
+    )
+    parser.add_argument(
+        "--lengths", type=listed(at_least(1)), default="50,1000", help="steps per run, a,b,..."
+    )
+    parser.add_argument(
+        "--stores",
+        type=listed(one_of(*STORES, what="store kind")),
+        default="sqlite,jsonl",
+        help=f"store kinds, a,b,... of {', '.join(STORES)}",
+    )
+    parser.add_argument("--repeat", type=at_least(1), default=5, help="timings per codec figure")
     args = parser.parse_args(argv)
     console = Console(width=120)
     sizes = Table(title="treadle log bytes per step (model call + tool call)")
     for column in ("store", "runs", "steps/run", "store bytes", "bytes/step"):
         sizes.add_column(column, justify="right")
     sample: list[Any] = []
-    for kind in args.stores.split(","):
-        for steps in (int(s) for s in args.lengths.split(",")):
+    for kind in args.stores:
+        for steps in args.lengths:
             runs = max(1, args.total // steps)
             size, records = trio.run(measure, kind, runs, steps)
-            if kind == "sqlite" and len(records) > len(sample):
+            if len(records) > len(sample):  # the longest run of the first store measured
                 sample = records
             total = runs * steps
             sizes.add_row(kind, str(runs), f"{steps:,}", f"{size:,}", f"{size / total:,.0f}")

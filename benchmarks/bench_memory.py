@@ -28,6 +28,7 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
+from _args import at_least
 from _workload import load_note
 
 MB = 1024 * 1024
@@ -76,9 +77,9 @@ def _one(kind: str, runs: int, steps: int) -> dict[str, int]:
 def main(argv: Sequence[str] | None = None) -> None:
     """Measure and print the table."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--runs", type=int, default=100, help="concurrent runs")
-    parser.add_argument("--steps", type=int, default=200, help="steps per run")
-    parser.add_argument("--repeat", type=int, default=3, help="processes per row")
+    parser.add_argument("--runs", type=at_least(1), default=100, help="concurrent runs")
+    parser.add_argument("--steps", type=at_least(1), default=200, help="steps per run")
+    parser.add_argument("--repeat", type=at_least(1), default=3, help="processes per row")
     parser.add_argument("--child", choices=("bare", "sqlite", "jsonl", "memory"))
     args = parser.parse_args(argv)
     if args.child:

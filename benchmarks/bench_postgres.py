@@ -32,6 +32,7 @@ import trio
 from rich.console import Console
 from rich.table import Table
 
+from _args import at_least
 from _stores import DSN_ENV, open_store, postgres_dsn
 from _workload import load_note, timed
 from treadle.stores import redact_dsn
@@ -128,9 +129,9 @@ SYSTEMS = ("treadle PG", "treadle SQLite", "DBOS PG")
 def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--dsn", default=None, help="PostgreSQL DSN (or $TREADLE_BENCH_POSTGRES)")
-    parser.add_argument("--steps", type=int, default=100, help="steps per run at C=--runs")
-    parser.add_argument("--runs", type=int, default=100, help="concurrent runs")
-    parser.add_argument("--repeat", type=int, default=3, help="rounds (medians are shown)")
+    parser.add_argument("--steps", type=at_least(1), default=100, help="steps per run at C=--runs")
+    parser.add_argument("--runs", type=at_least(1), default=100, help="concurrent runs")
+    parser.add_argument("--repeat", type=at_least(1), default=3, help="rounds (medians are shown)")
     parser.add_argument("--dbos-python", default=os.environ.get("TREADLE_BENCH_DBOS_PYTHON"))
     args = parser.parse_args(argv)
     dsn = postgres_dsn(args.dsn)

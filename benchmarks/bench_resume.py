@@ -42,6 +42,7 @@ from rich.console import Console
 from rich.table import Table
 
 import treadle
+from _args import at_least, listed, one_of
 from treadle.ports import DeltaCallback, RunStore
 from treadle.testing._intercept import InterceptingStore
 from treadle.types import Attempt, ModelReply, ModelRequest, Record, StoreOp, ToolCall
@@ -105,16 +106,19 @@ def make_agent(steps: int) -> treadle.Agent:
     )
 
 
+KINDS = ("sqlite", "jsonl")
+"""The store kinds a crashed log is made and resumed on (files in a folder, copied per resume)."""
+
+
 @asynccontextmanager
 async def open_store(kind: str, where: str) -> AsyncIterator[RunStore]:
+    """The store of ``kind`` (one of `KINDS`) whose files are in the folder ``where``."""
     if kind == "sqlite":
         async with treadle.open_sqlite_store(os.path.join(where, "bench.db")) as store:
             yield store
-    elif kind == "jsonl":
+    else:
         async with treadle.open_jsonl_store(os.path.join(where, "runs")) as store:
             yield store
-    else:
-        raise ValueError(f"unknown store kind {kind!r}")
 
 
 # --------------------------------------------------------------------------- the crashed log
@@ -205,14 +209,27 @@ def log_bytes(where: str) -> int:
 
 def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=1000, help="finished steps before the crash")
-    parser.add_argument("--repeat", type=int, default=5, help="resumes per store (median)")
-    parser.add_argument("--stores", default="sqlite,jsonl", help="comma-separated store kinds")
-    parser.add_argument("--profile", default=None, help="profile one more resume on this store")
+    parser.add_argument(
+        "--steps", type=at_least(0), default=1000, help="finished steps before the crash"
+    )
+    parser.add_argument("--repeat", type=at_least(1), default=5, help="resumes per store (median)")
+    parser.add_argument(
+        "--stores",
+        type=listed(one_of(*KINDS, what="store kind")),
+        default=",".join(KINDS),
+        help=f"store kinds, a,b,... of {', '.join(KINDS)}",
+    )
+    parser.add_argument(
+        "--profile",
+        type=one_of(*KINDS, what="store kind"),
+        help="profile one more resume on this store (one of --stores)",
+    )
     parser.add_argument(
         "--child", nargs=3, metavar=("KIND", "DIR", "STEPS"), help=argparse.SUPPRESS
     )
     args = parser.parse_args(argv)
+    if args.profile is not None and args.profile not in args.stores:
+        parser.error(f"--profile {args.profile}: not among --stores {','.join(args.stores)}")
     if args.child:
         kind, where, steps = args.child
         trio.run(child, kind, where, int(steps))
@@ -231,7 +248,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     ):
         table.add_column(column, justify="right")
     with tempfile.TemporaryDirectory() as tmp:
-        for kind in args.stores.split(","):
+        for kind in args.stores:
             crashed = os.path.join(tmp, f"crashed-{kind}")
             os.mkdir(crashed)
             crashed_log(kind, args.steps, crashed)

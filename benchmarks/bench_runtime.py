@@ -22,6 +22,7 @@ from rich.console import Console
 from rich.table import Table
 
 import treadle
+from _args import at_least
 from _workload import timed
 
 
@@ -44,8 +45,8 @@ def _dir_size(path: str) -> int:
 
 def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=200, help="steps per run")
-    parser.add_argument("--runs", type=int, default=100, help="concurrent runs")
+    parser.add_argument("--steps", type=at_least(1), default=200, help="steps per run")
+    parser.add_argument("--runs", type=at_least(1), default=100, help="concurrent runs")
     args = parser.parse_args(argv)
     table = Table(title="treadle runtime: durable steps (model call + tool call)")
     for column in ("store", "runs", "steps/run", "steps/s", "CPU µs/step", "bytes/step*"):

@@ -9,18 +9,24 @@ python benchmarks/bench_simulation.py [--seeds 300]
 from __future__ import annotations
 
 import argparse
+import logging
 import time
+from collections.abc import Sequence
 
 from rich.console import Console
 from rich.table import Table
 
+from _args import at_least
 from treadle.testing.simulation import FaultPlan, simulate
 
 
-def main() -> None:
+def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--seeds", type=int, default=300)
-    args = parser.parse_args()
+    parser.add_argument("--seeds", type=at_least(1), default=300, help="seeds per row")
+    args = parser.parse_args(argv)
+    # A tool call abandoned in the tool host logs its late return; under `tool_stuck` that is
+    # the injected fault itself, as in `treadle simulate`, which quiets it the same way.
+    logging.getLogger("treadle.tools").setLevel(logging.ERROR)
     table = Table(title="treadle simulation throughput (1 run of 10 steps per seed)")
     for column in ("faults", "seeds", "steps", "runs/min", "failing"):
         table.add_column(column, justify="right")

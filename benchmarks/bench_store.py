@@ -15,7 +15,7 @@ import argparse
 import contextlib
 import tempfile
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import AbstractAsyncContextManager
 from pathlib import Path
 
@@ -24,6 +24,7 @@ import trio
 from rich.console import Console
 from rich.table import Table
 
+from _args import at_least
 from treadle.ports import RunStore
 from treadle.stores import MemoryStore, SqliteStore, open_sqlite_store
 from treadle.testing.contracts import lease_generation
@@ -185,7 +186,7 @@ def render(results: list[Result]) -> Table:
     return table
 
 
-async def main(args: argparse.Namespace) -> None:
+async def measure_all(args: argparse.Namespace) -> None:
     results = []
     with tempfile.TemporaryDirectory(prefix="treadle-bench-") as tmp:
         stores = [("memory", open_memory), ("sqlite FULL", sqlite_opener(Path(tmp)))]
@@ -195,9 +196,15 @@ async def main(args: argparse.Namespace) -> None:
     Console(width=150).print(render(results))
 
 
-if __name__ == "__main__":
+def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=3000, help="steps of the single run")
-    parser.add_argument("--runs", type=int, default=100, help="concurrent runs")
-    parser.add_argument("--run-steps", type=int, default=100, help="steps of each of those runs")
-    trio.run(main, parser.parse_args())
+    parser.add_argument("--steps", type=at_least(1), default=3000, help="steps of the single run")
+    parser.add_argument("--runs", type=at_least(1), default=100, help="concurrent runs")
+    parser.add_argument(
+        "--run-steps", type=at_least(1), default=100, help="steps of each of those runs"
+    )
+    trio.run(measure_all, parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    main()

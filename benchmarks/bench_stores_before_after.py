@@ -31,6 +31,8 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
+from _args import at_least
+
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 KINDS = ("sqlite", "jsonl")
@@ -84,9 +86,9 @@ def run_pass(src: Path, kind: str, runs: int, steps: int) -> dict[str, float] | 
 
 def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=100, help="steps per run at C=--runs")
-    parser.add_argument("--runs", type=int, default=100, help="concurrent runs")
-    parser.add_argument("--repeat", type=int, default=3, help="rounds (medians are shown)")
+    parser.add_argument("--steps", type=at_least(1), default=100, help="steps per run at C=--runs")
+    parser.add_argument("--runs", type=at_least(1), default=100, help="concurrent runs")
+    parser.add_argument("--repeat", type=at_least(1), default=3, help="rounds (medians are shown)")
     parser.add_argument("--before", default="82321cc", help="the commit before the rewrite")
     parser.add_argument("--pass", dest="one", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)

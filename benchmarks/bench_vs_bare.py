@@ -30,6 +30,7 @@ from rich.console import Console
 from rich.table import Table
 
 import treadle
+from _args import at_least
 from _workload import Timing, load_note, timed
 
 
@@ -91,9 +92,11 @@ def _median(timings: Sequence[Timing], value: Callable[[Timing], float]) -> floa
 def main(argv: Sequence[str] | None = None) -> None:
     """Measure and print the table."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=200, help="steps per run")
-    parser.add_argument("--runs", type=int, default=100, help="concurrent runs (the C=N rows)")
-    parser.add_argument("--repeat", type=int, default=3, help="measurements of each row")
+    parser.add_argument("--steps", type=at_least(1), default=200, help="steps per run")
+    parser.add_argument(
+        "--runs", type=at_least(1), default=100, help="concurrent runs (the C=N rows)"
+    )
+    parser.add_argument("--repeat", type=at_least(1), default=3, help="measurements of each row")
     args = parser.parse_args(argv)
     kinds = ("bare", "sqlite", "jsonl", "memory")
     table = Table(title="per durable step: treadle beside a bare two-commit loop (medians)")

@@ -29,6 +29,7 @@ from rich.console import Console
 from rich.table import Table
 
 import treadle
+from _args import at_least
 from _stores import open_store
 from treadle.testing.scripted import ScriptedModel, call, say
 
@@ -112,7 +113,7 @@ async def _all_waiting(handles: list[treadle.RunHandle], *, parked: bool) -> Non
 def main(argv: Sequence[str] | None = None) -> None:
     """Measure with and without parking (each pass in a fresh process) and print the table."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--runs", type=int, default=10_000, help="runs waiting at once")
+    parser.add_argument("--runs", type=at_least(1), default=10_000, help="runs waiting at once")
     parser.add_argument("--store", choices=("sqlite", "memory"), default="sqlite")
     parser.add_argument("--pass", dest="one", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
