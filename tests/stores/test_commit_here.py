@@ -194,6 +194,55 @@ async def test_a_bug_in_a_commit_here_fails_the_batch_and_stops_the_engine(
     assert not engine._committer._thread.is_alive()
 
 
+async def test_a_bug_in_the_committers_commit_reaches_every_waiting_write_by_name(
+    store: Any, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A commit in the committer thread that raised anything but a `StoreError` (a psycopg
+    error the backend let out) ended the thread with the raw traceback of an uncaught thread
+    exception, and the writes queued behind its batch failed with "the committer thread
+    stopped", naming nothing."""
+    backend = type(store._engine._backend)
+    entered, go = threading.Event(), threading.Event()
+
+    def commit(this: object, batch: list[_engine.Write]) -> object:
+        entered.set()
+        go.wait(30)
+        raise RuntimeError("a bug in the backend")
+
+    uncaught: list[object] = []
+    monkeypatch.setattr(threading, "excepthook", uncaught.append)
+    monkeypatch.setattr(backend, "commits_here", False)
+    g, g_other = await lease(store, "r"), await lease(store, "other")
+    monkeypatch.setattr(backend, "commit", commit)
+    failures: dict[str, BaseException] = {}
+
+    async def write(run_id: str, generation: int) -> None:
+        try:
+            await store.write_intent(intent(run_id, 1), seq=1, generation=generation)
+        except StoreError as exc:
+            failures[run_id] = exc
+
+    with trio.fail_after(20):
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(write, "r", g)
+            assert await trio.to_thread.run_sync(entered.wait, 20)  # the committer holds r
+            nursery.start_soon(write, "other", g_other)  # queued behind r's batch
+            await trio.testing.wait_all_tasks_blocked()
+            go.set()
+    assert set(failures) == {"r", "other"}
+    for error in failures.values():
+        assert isinstance(error, treadle.StoreStopped)
+        assert "RuntimeError: a bug in the backend" in str(error), error
+        assert isinstance(error.__cause__, RuntimeError)
+    assert uncaught == []  # no thread ended by an exception nobody caught
+    logged = [r for r in caplog.records if r.name == "treadle.stores" and r.exc_info]
+    assert len(logged) == 1 and "a bug in the backend" in logged[0].getMessage()
+    engine = store._engine
+    with trio.fail_after(20), contextlib.suppress(StoreError):
+        await store.aclose()
+    assert not engine._committer._thread.is_alive()
+
+
 async def _stop_the_committer_beside_a_queued_run(store: Any, commits: Commits) -> None:
     """Queue run ``queued``, then make a bug in a commit of run ``r`` stop the committer."""
     await store.submit("queued", agent="a", input=(Message(role="user", content="x"),))

@@ -8,6 +8,8 @@ import re
 import socket
 import threading
 import time
+from collections.abc import Callable
+from typing import Any
 
 import psycopg
 import pytest
@@ -541,39 +543,120 @@ async def test_a_connection_paused_inside_a_transaction_is_ended_by_the_server(
     paused.close()
 
 
+class _Clock:
+    """The committer's clock: its sleeps move it on."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.now = 0.0
+        self.slept: list[float] = []
+        monkeypatch.setattr(postgres.time, "sleep", self.sleep)
+        monkeypatch.setattr(postgres.time, "monotonic", lambda: self.now)
+
+    def sleep(self, seconds: float) -> None:
+        self.slept.append(seconds)
+        self.now += seconds
+
+
+class _Conn:
+    """A connection whose read-back loses it while ``drop`` says so (at the clock's time)."""
+
+    def __init__(self, drop: Callable[[], bool]) -> None:
+        self.drop = drop
+        self.closed = self.broken = False
+
+    def execute(self, sql: str, params: object = None) -> Any:
+        if self.drop():
+            self.broken = True
+            raise psycopg.errors.AdminShutdown("terminating connection")
+        return self
+
+    def fetchall(self) -> list[tuple[str, int, int]]:
+        return [("r", 3, 1)]
+
+    def fetchone(self) -> tuple[int]:
+        return (1,)
+
+    def close(self) -> None:
+        self.closed = True
+
+
+def _read_back_once(connect: Callable[[], Any]) -> set[str]:
+    """`PostgresBackend._read_back` of run ``r``'s write at seq 2 (generation 1)."""
+    committer = postgres.PostgresBackend.__new__(postgres.PostgresBackend)
+    dialect = type("Dialect", (), {"connect": lambda self, application: connect()})()
+    committer._conn, committer._dialect, committer.description = _Conn(bool), dialect, "store"
+    group = type("Group", (), {"run_id": "r", "stop": 3, "generation": 1, "writes": []})()
+    return committer._read_back([group], psycopg.OperationalError("gone"))  # type: ignore[list-item]
+
+
 def test_the_committer_keeps_trying_to_reconnect_through_a_server_restart(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """It gave up after five attempts (about 3 s): its thread ended, and the worker went on
     claiming runs that could never be written (each quarantined in the end)."""
-    now = [0.0]  # the committer's clock: its sleeps move it on
-    slept: list[float] = []
+    clock = _Clock(monkeypatch)
     back_at = [20.0]  # the server is back 20 s after the connection was lost
 
-    def sleep(seconds: float) -> None:
-        slept.append(seconds)
-        now[0] += seconds
+    def connect() -> _Conn:
+        if clock.now < back_at[0]:
+            raise psycopg.OperationalError("connection refused")
+        return _Conn(lambda: False)
 
-    class Dialect:
-        def connect(self, application: str) -> object:
-            if now[0] < back_at[0]:
-                raise psycopg.OperationalError("connection refused")
-            return "a connection"
-
-    class Lost:
-        def close(self) -> None:
-            pass
-
-    monkeypatch.setattr(postgres.time, "sleep", sleep)
-    monkeypatch.setattr(postgres.time, "monotonic", lambda: now[0])
-    committer = type("Committer", (), {})()
-    committer._conn, committer._dialect, committer.description = Lost(), Dialect(), "store"
-    postgres.PostgresBackend._reconnect(committer, OSError("gone"))  # type: ignore[arg-type]
-    assert committer._conn == "a connection" and len(slept) > 5 and max(slept) <= 5.0
-    now[0], back_at[0] = 0.0, float("inf")  # a server that never comes back
+    assert _read_back_once(connect) == {"r"}
+    assert len(clock.slept) > 5 and max(clock.slept) <= 5.0
+    clock.now, back_at[0] = 0.0, float("inf")  # a server that never comes back
     with pytest.raises(treadle.StoreError, match="could not be made again in 60 s"):
-        postgres.PostgresBackend._reconnect(committer, OSError("gone"))  # type: ignore[arg-type]
-    assert 55.0 <= now[0] <= 60.0
+        _read_back_once(connect)
+    assert 55.0 <= clock.now <= 60.0
+
+
+def test_a_read_back_that_loses_its_new_connection_is_tried_again_in_the_same_window(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The committer read back which commits happened on its new connection with no handler:
+    a connection ended again there (a server restarting twice, an administrator ending the
+    committer's connections) killed the committer thread, and every worker exited."""
+    clock = _Clock(monkeypatch)
+    connects: list[float] = []
+
+    def connect() -> _Conn:  # each new connection is ended during its read-back for 10 s
+        connects.append(clock.now)
+        return _Conn(lambda: clock.now < 10.0)
+
+    assert _read_back_once(connect) == {"r"}
+    assert len(connects) > 3 and max(clock.slept) <= 5.0
+    clock.now, connects[:] = 0.0, []
+    with pytest.raises(treadle.StoreError, match="could not be made again in 60 s"):
+        _read_back_once(lambda: _Conn(lambda: True))  # never reads back
+    assert 55.0 <= clock.now <= 60.0
+
+
+class _ReadBackLost(_LostAfterCommit):
+    """The connection drops after the commit, and the first two read-backs lose theirs."""
+
+    read_backs_lost = 2
+
+    def _committed(self, groups):  # type: ignore[no-untyped-def]
+        if type(self).read_backs_lost:
+            type(self).read_backs_lost -= 1
+            self._conn.close()
+            raise psycopg.errors.AdminShutdown("terminating connection due to administrator")
+        return super()._committed(groups)
+
+
+async def test_a_commit_whose_read_back_loses_the_connection_again_lands_once(
+    postgres_dsn: str, postgres_schema: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(postgres, "PostgresBackend", _ReadBackLost)
+    monkeypatch.setattr(_ReadBackLost, "read_backs_lost", 2)
+    async with treadle.open_postgres_store(postgres_dsn, schema=postgres_schema) as store:
+        gen = await lease_generation(store, "r")
+        await store.write_run_started(started("r"), seq=1, generation=gen)
+        await store.write_intent(intent("r", 1), seq=2, generation=gen)  # lost, read back x3
+        await store.write_intent(intent("r", 2), seq=3, generation=gen)  # the committer lives
+        log = await store.read_log("r")
+    assert _ReadBackLost.read_backs_lost == 0
+    assert [type(r).__name__ for r in log.records] == ["RunStarted", "ModelIntent", "ModelIntent"]
 
 
 async def test_the_cli_never_shows_the_password_of_its_store(
@@ -629,9 +712,9 @@ class _OneRunFails(postgres.PostgresBackend):
     statements: list[list[str]] = []
     reconnects = 0
 
-    def _reconnect(self, lost):  # type: ignore[no-untyped-def]
+    def _connect(self):  # type: ignore[no-untyped-def]
         type(self).reconnects += 1
-        super()._reconnect(lost)
+        super()._connect()
 
     def _statement(self, groups, **held):  # type: ignore[no-untyped-def]
         ids = sorted(g.run_id for g in groups)

@@ -23,7 +23,8 @@ single ``run_sync_soon``: group commit across every run of the store object
   then read on their own.
 * **Errors** are never swallowed: a refused write carries its error (`ConflictError`,
   `LeaseLost`, `StoreError`), a failed batch fails every write in it, and a bug in the backend
-  fails the batch and stops the committer, so no waiter is left hanging.
+  fails the batch and stops the committer, so no waiter is left hanging: every write it leaves
+  gets a `StoreStopped` naming the exception, logged once with its traceback.
 
 The backend supplies only what differs between stores: how records are encoded, how a run's
 next seq is loaded, how a batch is committed and what happens at stop.
@@ -958,16 +959,25 @@ class _Committer:
         return not self._thread.is_alive()
 
     def _main(self) -> None:
+        stopped: StoreError | None = None
         try:
-            self._loop()
+            stopped = self._loop()
         finally:  # also after a bug in the loop: no waiter is left hanging
             leftover = self._inbox.close()
             if leftover:
-                _fail(leftover, RuntimeError("the committer thread stopped"))
+                gone = f"the committer thread of the {self._backend.description} has stopped"
+                _fail(leftover, stopped or StoreStopped(gone))
                 self._call_soon(self._deliver, leftover, NOTHING_COMMITTED)
             self._call_soon(self._stopped)
 
-    def _loop(self) -> None:
+    def _loop(self) -> StoreError | None:
+        """Commit batches until the inbox stops; ``None`` then.
+
+        An exception out of a commit fails its batch and stops the thread: the error it
+        returns then (`_stop_error`) is the error of every write still queued, and is logged
+        once. Only an exception that is no `Exception` (``SystemExit``) leaves the thread as
+        it came.
+        """
         stopping = False
         nap_until = None
         while not stopping:
@@ -981,18 +991,22 @@ class _Committer:
                 if stopping:
                     report = _merge(report, self._backend.finish())
             except BaseException as exc:  # fail this batch, then stop the thread
-                _fail(batch, exc)
+                error = _stop_error(self._backend.description, exc)
+                _fail(batch, error)
                 self._call_soon(self._deliver, batch, NOTHING_COMMITTED)
                 if not stopping:
                     self._finish_quietly()
-                if isinstance(exc, StoreError):  # the backend gave up (its database is gone):
-                    # every writer gets the error; one log line, no traceback of a bug
+                if not isinstance(exc, Exception):
+                    raise
+                if isinstance(exc, StoreError):  # the backend gave up (its database is gone)
                     _LOG.error("the committer of the %s stops: %s", self._backend.description, exc)
-                    return
-                raise  # a bug: the thread's traceback is printed
+                else:  # a bug: its traceback, once
+                    _LOG.error("%s", error, exc_info=exc)
+                return error
             if batch or stopping:
                 self._run_sync_soon(batch, report)
             nap_until = _monotonic() + LINGER_S
+        return None
 
     def _run_sync_soon(self, batch: list[Write], report: BatchReport) -> None:
         try:
@@ -1018,6 +1032,23 @@ def _merge(first: BatchReport, second: BatchReport) -> BatchReport:
         lost=first.lost + second.lost,
         counters=MappingProxyType(counters),
     )
+
+
+def _stop_error(description: str, exc: BaseException) -> StoreError:
+    """The error of the writes a committer stopped by ``exc`` leaves uncommitted.
+
+    A `StoreError` (the backend gave up) as it is; anything else as `StoreStopped` naming it,
+    its cause ``exc``.
+    """
+    if isinstance(exc, StoreError):
+        return exc
+    error = StoreStopped(
+        f"the committer of the {description} stopped: a commit failed with "
+        f"{type(exc).__name__}: {exc!s:.500}; no write can be committed until the store is "
+        "opened again"
+    )
+    error.__cause__ = exc
+    return error
 
 
 def _fail(writes: Sequence[Write], exc: BaseException) -> None:

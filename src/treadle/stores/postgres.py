@@ -55,8 +55,9 @@ CONNECT_TIMEOUT_S: Final = 10
 """Seconds a connection attempt may take (psycopg's ``connect_timeout``)."""
 
 RECONNECT_FOR_S: Final = 60.0
-"""Seconds the committer keeps trying to reconnect after losing its connection (0.2 s, 0.4 s
-... apart, at most 5 s): a server restart or a failover takes that long. Its writes wait."""
+"""Seconds the committer keeps trying to reconnect after losing its connection and to read
+back on the new one which commits happened (0.2 s, 0.4 s ... apart, at most 5 s): a server
+restart or a failover takes that long. Its writes wait."""
 
 IDLE_IN_TRANSACTION_S: Final = 30
 """Seconds a connection may sit inside a transaction without a statement before the server
@@ -453,10 +454,10 @@ class PostgresBackend(_sql.SqlBackend):
         try:
             return self._statement([group])
         except Exception as exc:
-            if self._lost(exc):
-                self._reconnect(exc)
-                if self._committed([group]):
-                    return {group.run_id}
+            if self._lost(exc) and self._read_back([group], exc):
+                return {group.run_id}
+            if _failed(group):  # the read-back failed them
+                return set()
             if _sql.lock_timeout(exc):
                 self._locked(group, exc)
                 return set()
@@ -526,39 +527,75 @@ class PostgresBackend(_sql.SqlBackend):
         return _sql.again_on_deadlock(transaction)
 
     def _reconcile(self, groups: list[_sql.RunBatch], lost: Exception) -> set[str]:
-        """After a lost connection: count what committed, retry the rest once."""
-        self._reconnect(lost)
-        committed = self._committed(groups)
-        rest = [g for g in groups if g.run_id not in committed]
+        """After a lost connection: count what committed, retry the rest once, then report.
+
+        The writes of a run whose retry lost the connection again, and did not commit, fail
+        with that error (docs/fleet.md, "What each crash does").
+
+        Raises:
+            StoreError: no new connection could read back what committed within
+                `RECONNECT_FOR_S` (`_read_back`); the committer stops.
+        """
+        committed = self._read_back(groups, lost)
+        rest = [g for g in groups if g.run_id not in committed and not _failed(g)]
         if not rest:
             return committed
         try:
             return committed | self._statement(rest)
         except Exception as exc:
-            if self._lost(exc):
-                self._reconnect(exc)
-                committed |= self._committed(rest)
-                rest = [g for g in rest if g.run_id not in committed]
-            return committed | self._each(rest, exc) if rest else committed
+            if not self._lost(exc):
+                return committed | self._each(rest, exc)
+            committed |= self._read_back(rest, exc)
+            self._fail([g for g in rest if g.run_id not in committed], exc)
+            return committed
 
-    def _reconnect(self, lost: Exception) -> None:
-        with contextlib.suppress(Exception):
-            self._conn.close()
+    def _read_back(self, groups: Sequence[_sql.RunBatch], lost: Exception) -> set[str]:
+        """Connect again after ``lost`` and read back which runs of ``groups`` committed.
+
+        Connecting and reading back share one window of `RECONNECT_FOR_S`: a read-back
+        that loses its new connection too (the server restarting again, connections ended
+        by an administrator) is tried again on another, at the same growing delays as a
+        refused connection (0.2 s, 0.4 s ... at most 5 s; docs/fleet.md, "What each crash
+        does"). A read-back the server refuses for another reason (a privilege revoked, a
+        statement timeout) leaves the outcome unknown: the writes of ``groups`` fail with
+        it, and nothing of them counts as committed.
+
+        Returns:
+            The run ids whose writes of ``groups`` are stored (`_committed`).
+
+        Raises:
+            StoreError: no connection read back within `RECONNECT_FOR_S` (the committer then
+                stops, and every writer gets this error).
+        """
         delay = 0.2
         give_up = time.monotonic() + RECONNECT_FOR_S
         while True:
             try:
-                self._conn = self._dialect.connect("treadle committer")
-            except Exception:
-                if time.monotonic() + delay > give_up:
-                    raise StoreError(
-                        f"{self.description}: the connection was lost while committing and "
-                        f"could not be made again in {RECONNECT_FOR_S:g} s ({lost})"
-                    ) from lost
-                time.sleep(delay)
-                delay = min(delay * 2, 5.0)
+                self._connect()
+            except Exception as exc:  # refused, timed out ...: the server may come back
+                lost = exc
             else:
-                return
+                try:
+                    return self._committed(groups)
+                except Exception as exc:
+                    if not self._lost(exc):
+                        self._fail(groups, exc)
+                        return set()
+                    lost = exc
+            if time.monotonic() + delay > give_up:
+                raise StoreError(
+                    f"{self.description}: the connection was lost while committing and "
+                    f"could not be made again in {RECONNECT_FOR_S:g} s to read back what "
+                    f"was committed ({lost})"
+                ) from lost
+            time.sleep(delay)
+            delay = min(delay * 2, 5.0)
+
+    def _connect(self) -> None:
+        """Replace the committer's connection with a new one; a failure keeps the old, closed."""
+        with contextlib.suppress(Exception):
+            self._conn.close()
+        self._conn = self._dialect.connect("treadle committer")
 
     def _committed(self, groups: Sequence[_sql.RunBatch]) -> set[str]:
         """The runs whose writes of ``groups`` are in the database (read after a reconnect)."""
