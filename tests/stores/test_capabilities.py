@@ -16,6 +16,7 @@ import trio
 
 from treadle.ports import RunStore
 from treadle.stores import JsonlStore, MemoryStore, SqliteStore, open_jsonl_store
+from treadle.stores._sql import run_pooled, write_transaction
 from treadle.stores.postgres import PostgresStore
 from treadle.testing.capabilities import (
     ContractClock,
@@ -27,7 +28,7 @@ from treadle.testing.capabilities import (
     check_run_queue,
 )
 from treadle.testing.contracts import StoreOpener
-from treadle.types import RunStarted
+from treadle.types import Message, RunStarted
 
 
 def _opener(make: Callable[[], object]) -> StoreOpener:
@@ -158,3 +159,51 @@ async def _shared_calls_pass_full_workers(store: Any) -> None:
     assert renewed.generation == lease.generation
     assert heads == {"r": 1} and len(entries) == 1
     assert current is not None and current.expires_at == renewed.expires_at
+
+
+def _insert_damaged_row(dialect: Any, conn: Any, damage: str) -> None:
+    """Insert run ``rogue``, queued for agent ``a``, with its ``damage``d column."""
+    state, submission = ("bogus", b"[]") if damage == "state" else ("queued", b"\x00\xff")
+    with write_transaction(dialect, conn):
+        conn.execute(
+            dialect.sql(
+                "INSERT INTO runs (run_id, state, agent, submission, submitted_at) "
+                "VALUES ('rogue', ?, 'a', ?, 1)"
+            ),
+            (state, submission),
+        )
+
+
+def _quarantine_of(dialect: Any, conn: Any) -> str | None:
+    row = conn.execute(dialect.sql("SELECT quarantined FROM runs WHERE run_id = 'rogue'"))
+    return row.fetchone()[0]  # type: ignore[no-any-return]
+
+
+@pytest.mark.parametrize("damage", ["state", "submission"])
+async def test_a_damaged_queue_row_is_quarantined_and_the_other_runs_are_claimed(
+    fleet_store: Any, damage: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """One run's row holding a state no run has, or a submission that does not decode,
+    failed the transaction of every claim: no worker claimed any run, and the worker logged
+    "claiming runs failed (Expecting value ...)" every interval without naming the run."""
+    store = fleet_store
+    hi = (Message(role="user", content="hi"),)
+    await store.submit("good-1", agent="a", input=hi)
+    await trio.to_thread.run_sync(
+        run_pooled, store._dialect, store._pool, _insert_damaged_row, damage
+    )
+    await store.submit("good-2", agent="a", input=hi)
+
+    async def claim() -> list[str]:
+        claims = await store.claim(
+            owner="w", agents={"a": ("",)}, limit=3, ttl_s=60, max_takeovers=3, backoff_s=0
+        )
+        assert all(c.submission is not None and c.submission.input == hi for c in claims)
+        return sorted(c.lease.run_id for c in claims)
+
+    assert await claim() == ["good-1", "good-2"]
+    assert await claim() == []  # the damaged run is no candidate any more
+    logged = [r.getMessage() for r in caplog.records if "'rogue'" in r.getMessage()]
+    assert len(logged) == 1 and "damaged" in logged[0], logged
+    reason = await trio.to_thread.run_sync(run_pooled, store._dialect, store._pool, _quarantine_of)
+    assert reason is not None and "damaged" in reason and "unquarantine" in reason

@@ -31,6 +31,7 @@ from __future__ import annotations
 import contextlib
 import datetime as dt
 import functools
+import logging
 import threading
 import time
 from collections import Counter
@@ -90,6 +91,8 @@ from treadle.types import (
     StopReason,
     Submission,
 )
+
+_LOG = logging.getLogger("treadle.stores")
 
 LAYOUT_VERSION: Final = 3
 """Version of the table layout, stored in ``meta``; a database of a newer one is refused.
@@ -1160,42 +1163,24 @@ def _claim_row(
     backoff_s: float,
     now: float,
 ) -> Claim | None:
-    (
-        run_id,
-        state,
-        agent,
-        version,
-        l_owner,
-        l_gen,
-        l_exp,
-        l_beat,
-        head,
-        seen,
-        until,
-        not_before,
-        quarantined,
-        takeovers,
-        submission,
-        submitted_at,
-    ) = row
-    lease = _lease_of(run_id, (l_owner, l_gen, l_exp, l_beat))
-    queue_row = _queue.QueueRow(
-        state=RunState(state),
-        agent=agent,
-        agent_version=version,
-        lease=lease,
-        control_head=int(head),
-        control_seen=int(seen),
-        awaiting_until=None if until is None else _iso(until),
-        not_before=float(not_before),
-        quarantined=quarantined,
-        takeovers=int(takeovers),
-    )
+    """Claim the run of ``row`` (of `_QUEUE_COLUMNS`) if the rules say so; ``None`` if not.
+
+    A row that cannot be read (a state no run has, a submission that does not decode, a
+    lease that holds no numbers) is quarantined instead (`_quarantine_damaged`): a damaged
+    run never blocks the other runs (docs/fleet.md, "Poison runs").
+    """
+    run_id = row[0]
+    try:
+        queue_row, queued = _queue_entry(row)
+    except (StoreError, ValueError, TypeError) as exc:
+        _quarantine_damaged(dialect, conn, run_id, exc)
+        return None
+    lease = queue_row.lease
     kind = _queue.claim_kind(queue_row, agents, now)
     if kind is None:
         return None
     takeover = kind == "takeover"
-    count = int(takeovers) + (1 if takeover else 0)
+    count = queue_row.takeovers + (1 if takeover else 0)
     if takeover and count >= max_takeovers:
         conn.execute(
             dialect.sql("UPDATE runs SET quarantined = ?, takeovers = ? WHERE run_id = ?"),
@@ -1219,12 +1204,71 @@ def _claim_row(
             run_id,
         ),
     )
-    queued = None  # a takeover of a run its dead claimer never started carries it too
+    return Claim(lease=fresh, agent=row[2], submission=queued, takeover=takeover)
+
+
+def _queue_entry(row: Sequence[Any]) -> tuple[_queue.QueueRow, Submission | None]:
+    """What a row of `_QUEUE_COLUMNS` says: its queue row, and its submission while queued.
+
+    A run taken over before its dead claimer started it carries its submission too.
+
+    Raises:
+        ValueError: a state no run has, or a submission that does not decode.
+        TypeError: a number column without a number.
+        StoreError: lease columns without numbers (`_lease_of`).
+    """
+    (
+        run_id,
+        state,
+        agent,
+        version,
+        l_owner,
+        l_gen,
+        l_exp,
+        l_beat,
+        head,
+        seen,
+        until,
+        not_before,
+        quarantined,
+        takeovers,
+        submission,
+        submitted_at,
+    ) = row
+    queue_row = _queue.QueueRow(
+        state=RunState(state),
+        agent=agent,
+        agent_version=version,
+        lease=_lease_of(run_id, (l_owner, l_gen, l_exp, l_beat)),
+        control_head=int(head),
+        control_seen=int(seen),
+        awaiting_until=None if until is None else _iso(until),
+        not_before=float(not_before),
+        quarantined=quarantined,
+        takeovers=int(takeovers),
+    )
+    queued = None
     if queue_row.state is RunState.QUEUED and submission is not None:
         queued = decode_submission(
             bytes(submission), run_id=run_id, agent=agent, submitted_at=submitted_at
         )
-    return Claim(lease=fresh, agent=agent, submission=queued, takeover=takeover)
+    return queue_row, queued
+
+
+def _quarantine_damaged(
+    dialect: SqlDialect, conn: Connection, run_id: str, damage: Exception
+) -> None:
+    """Quarantine run ``run_id``, whose row a claim could not read (``damage`` says why).
+
+    Logged once, naming the run: quarantined, the row is no candidate of later claims.
+    `treadle unquarantine` makes it claimable again once the row is repaired.
+    """
+    what = f"its row in the run index is damaged: {damage!s:.300}"
+    _LOG.error("run %r is not claimed and is quarantined: %s", run_id, what)
+    conn.execute(
+        dialect.sql("UPDATE runs SET quarantined = ? WHERE run_id = ?"),
+        (f"{what}; repair it, then `treadle unquarantine RUN_ID` makes it claimable again", run_id),
+    )
 
 
 def read_submission(dialect: SqlDialect, conn: Connection, run_id: str) -> Submission | None:
