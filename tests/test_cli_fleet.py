@@ -36,6 +36,7 @@ from treadle.types import (
     ActionResult,
     ActionStatus,
     ApprovalDecided,
+    CancelRequested,
     Liveness,
     Message,
     RunState,
@@ -491,6 +492,39 @@ def test_cancel_of_a_run_its_driver_finishes_meanwhile_says_nothing_was_cancelle
     assert cancelled.exit_code == 1, cancelled.output
     assert "finished succeeded (final_answer) before the cancel reached it" in cancelled.output
     assert "nothing was cancelled" in cancelled.output
+
+
+def test_cancel_whose_finish_fails_here_says_the_cancel_is_recorded_for_the_next_driver(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+):
+    """Finishing an undriven run here failed (a privilege revoked, a lock held) after the
+    cancel request was stored: the command printed only "Error: cannot write ..." as if
+    nothing had happened, though the run's next driver cancels it."""
+    from treadle import _cli_runs
+
+    db = tmp_path / "runs.db"
+    leave_orphaned(db, "o")
+
+    async def refused(*args, **kwargs):
+        await trio.lowlevel.checkpoint()
+        raise treadle.StoreError("cannot write to the store: permission denied for table records")
+
+    monkeypatch.setattr(_cli_runs, "finish_cancelled", refused)
+    cancelled = invoke("cancel", "o", "--store", str(db), "--reason", "stop")
+    assert cancelled.exit_code == 1, cancelled.output
+    said = " ".join(cancelled.output.split())
+    assert "the cancel of run 'o' is recorded, and the run's next driver applies it" in said
+    assert "finishing the run here failed: cannot write to the store: permission denied" in said
+
+    async def control() -> tuple:
+        async with open_sqlite_store(db) as store:
+            return await store.read_control("o")
+
+    (entry,) = trio.run(control)
+    assert isinstance(entry.record, CancelRequested) and entry.record.reason == "stop"
+    monkeypatch.undo()  # the cause gone: the next cancel finishes it
+    again = invoke("cancel", "o", "--store", str(db))
+    assert again.exit_code == 0 and "finished here, cancelled" in again.output, again.output
 
 
 def test_cancel_of_an_undriven_run_finishes_it_here(tmp_path: Path):

@@ -30,7 +30,7 @@ from treadle._cli_common import (
     run_id_argument,
     store_option,
 )
-from treadle._exceptions import RunLeased, UsageError
+from treadle._exceptions import RunLeased, StoreError, UsageError
 from treadle._text import valid_unicode
 from treadle.actors import durable_event, with_step_started
 from treadle.approvals import decide, edited_arguments, pending_approval, request_cancel
@@ -173,6 +173,9 @@ def cancel_command(run_id: str, store_path: str, reason: str) -> None:
     A run that a live driver holds is cancelled by that driver within about a second. A run
     that nobody drives (crashed, parked, queued, or of an agent no worker serves) is finished
     as cancelled here: this command takes its lease and writes the records a driver would.
+    Exit status 1 when the cancel is refused (no such run, or one already finished), or
+    when it is recorded but finishing the run here failed: the message says why, and the
+    run's next driver applies the cancel.
     """
 
     async def go() -> str:
@@ -195,7 +198,9 @@ async def cancel(store: RunStore, run_id: str, *, reason: str, canceller: str) -
     Raises:
         UsageError: the run does not exist or already finished (also when its driver
             finished it between the request and this command's look at it).
-        StoreError: a write failed.
+        StoreError: the cancel request could not be stored; or it was, and finishing the run
+            here failed (`_not_finished`: the message says the cancel is recorded and the
+            run's next driver applies it, and why finishing failed).
     """
     await request_cancel(store, run_id, reason=reason, canceller=canceller)
     summary = await _summary(store, run_id)
@@ -207,12 +212,27 @@ async def cancel(store: RunStore, run_id: str, *, reason: str, canceller: str) -
         )
     except RunLeased as exc:
         return _held(store, exc.holder, "took the run meanwhile")
+    except StoreError as exc:
+        raise _not_finished(run_id, exc) from exc
     if result.state is not RunState.CANCELLED:  # its driver finished it meanwhile
         raise UsageError(
             f"run {run_id!r} finished {result.state.value} ({result.stop_reason.value}) before "
             "the cancel reached it: nothing was cancelled"
         )
     return f"nobody drove the run: it is finished here, {result.state.value}"
+
+
+def _not_finished(run_id: str, failure: StoreError) -> StoreError:
+    """The error of a cancel stored in the run's control stream that could not finish it here.
+
+    The request is durable: whoever drives the run next applies it (docs/fleet.md,
+    "Cancelling and approving").
+    """
+    return StoreError(
+        f"the cancel of run {run_id!r} is recorded, and the run's next driver applies it (a "
+        "fleet worker serving its agent claims the run, or `treadle resume`); finishing the "
+        f"run here failed: {failure}"
+    )
 
 
 def _held(store: RunStore, lease: Lease, what: str) -> str:
