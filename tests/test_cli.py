@@ -16,6 +16,7 @@ import trio
 from click.testing import CliRunner
 
 import treadle
+from treadle import _cli_store
 from treadle.cli import main
 from treadle.testing.loopback import CannedResponse, canned, open_loopback_server
 from treadle.testing.scripted import ScriptedModel, call, say
@@ -56,6 +57,40 @@ def test_runs_and_show(tmp_path):
     records = runner.invoke(main, ["show", "cli-run", "--store", str(db), "--json"])
     kinds = [json.loads(line)["kind"] for line in records.output.splitlines()]
     assert kinds[0] == "run_started" and kinds[-1] == "run_finished"
+
+
+def test_runs_last_lists_only_the_newest_runs(tmp_path, monkeypatch):
+    # A store of 20,000 runs took 72 s to list (the table is drawn row by row) with no way
+    # to ask for fewer.
+    db = tmp_path / "runs.db"
+
+    async def three() -> None:
+        async with treadle.open_sqlite_store(db) as store:
+            for number in range(3):
+                agent = treadle.Agent(
+                    model=ScriptedModel(turns=[say("3")]),
+                    executor=treadle.Toolbox([add]),
+                    parser=treadle.NativeToolCallParser(),
+                )
+                await treadle.run(agent, "1+2?", store=store, run_id=f"r{number}")
+
+    trio.run(three)
+    runner = CliRunner(env={"COLUMNS": "120"})
+    listed = runner.invoke(main, ["runs", "--store", str(db), "--json", "--last", "2"])
+    assert listed.exit_code == 0, listed.output
+    assert [json.loads(line)["run_id"] for line in listed.output.splitlines()] == ["r1", "r2"]
+    table = runner.invoke(main, ["runs", "--store", str(db), "--last", "1"])
+    assert table.exit_code == 0, table.output
+    assert "r2" in table.output and "r1" not in table.output and "r0" not in table.output
+    refused = runner.invoke(main, ["runs", "--store", str(db), "--last", "0"])
+    assert refused.exit_code == 2 and "--last" in refused.output
+    monkeypatch.setattr(_cli_store, "LONG_TABLE", 2)  # a long table says how to get a short one
+    long = runner.invoke(main, ["runs", "--store", str(db)])
+    assert "3 runs: drawing the table takes a while (--last N" in long.stderr
+    assert (
+        "r0" in long.stdout
+        and "drawing" not in runner.invoke(main, ["runs", "--store", str(db), "--last", "2"]).stderr
+    )
 
 
 def test_the_runs_table_of_finished_runs_fits_80_columns(tmp_path):

@@ -65,17 +65,33 @@ from treadle.types import (
     is_flag=True,
     help="Also show each run's thread and the run it continues or forks (reads every log).",
 )
-def runs(store_path: str, as_json: bool, threads: bool) -> None:
+@click.option(
+    "--last",
+    type=click.IntRange(min=1),
+    default=None,
+    help="Only the N runs that entered the store last (default: every run).",
+)
+def runs(store_path: str, as_json: bool, threads: bool, last: int | None) -> None:
     """List the runs of a store: state, who drives each, steps.
 
-    With --threads, each run's thread and the run it continues (or forks, and at which
-    step) are shown too; they are read from each run's run-started record, so every log is
-    read (docs/threads.md, "On the command line").
+    Runs are listed in the order they entered the store. With --threads, each run's thread
+    and the run it continues (or forks, and at which step) are shown too; they are read
+    from each run's run-started record, so every log is read (docs/threads.md, "On the
+    command line"). A table of many runs is slow to draw (about 3 ms a row): --last N
+    lists the newest, --json draws no table.
 
     A run that cannot be read (a damaged or too-new log) is listed with its error, and the
     exit status is 1.
     """
     summaries = run_async(lambda: read_summaries(store_path))
+    if last is not None:
+        summaries = summaries[-last:]
+    if len(summaries) > LONG_TABLE and not as_json:
+        click.echo(
+            f"{len(summaries):,} runs: drawing the table takes a while (--last N lists the "
+            "newest, --json draws none)",
+            err=True,
+        )
     starts: dict[str, RunStarted] | None = None
     if threads:
         starts = run_async(lambda: read_starts(store_path, summaries))
@@ -94,6 +110,10 @@ def runs(store_path: str, as_json: bool, threads: bool) -> None:
                 f"unreadable run {summary.run_id} ({summary.where}): {summary.error}", err=True
             )
         raise SystemExit(1)
+
+
+LONG_TABLE = 2_000
+"""Runs beyond which `treadle runs` says on standard error that its table is slow to draw."""
 
 
 def runs_table(
