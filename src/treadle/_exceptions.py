@@ -384,7 +384,8 @@ class RunLeased(LeaseError):
 class LeaseLost(LeaseError):
     """A write was refused: the writer's lease generation is no longer the run's current one.
 
-    Another driver took the run over (its lease had expired) or the lease was released. The
+    Another driver took the run over (its lease had expired), or the lease expired before its
+    driver could renew it (its store too busy, its process paused), or it was released. The
     refused write stored nothing, and the driver stops without writing more.
 
     Attributes:
@@ -395,7 +396,11 @@ class LeaseLost(LeaseError):
 
     def __init__(self, run_id: str, *, generation: int, current: int | None) -> None:
         if current == generation:  # the same generation, no longer this driver's to hold
-            why = "it was released (or taken again under this driver's owner id)"
+            why = (
+                f"nobody took the run over (the store holds generation {current}), but the lease "
+                "is no longer this driver's: it expired before this driver could renew it, or it "
+                "was released or given another owner"
+            )
         else:
             now = "no lease" if current is None else f"generation {current}"
             why = f"the store holds {now}; another driver took the run over"

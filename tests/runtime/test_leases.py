@@ -1088,7 +1088,13 @@ async def test_postgres_the_same_store_object_drives_a_run_again_after_a_fenced_
 @pytest.mark.parametrize(
     ("current", "said"),
     [
-        (1, "it was released (or taken again under this driver's owner id)"),
+        # a lease that lapsed while a lock held the driver's renewals was said "released"
+        (
+            1,
+            "nobody took the run over (the store holds generation 1), but the lease is no "
+            "longer this driver's: it expired before this driver could renew it, or it was "
+            "released or given another owner",
+        ),
         (2, "the store holds generation 2; another driver took the run over"),
         (None, "the store holds no lease; another driver took the run over"),
     ],
