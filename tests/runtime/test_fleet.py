@@ -770,6 +770,9 @@ async def test_a_run_that_keeps_killing_its_drivers_is_quarantined_until_release
     summary = await store.read_summary("r")
     assert summary.liveness is Liveness.QUARANTINED, summary
     assert summary.quarantined and "unquarantine" in summary.quarantined
+    # a drive that failed counts too (decision 0015): the reason said only "drivers died"
+    assert "its drives ended unfinished 3 times" in summary.quarantined
+    assert "a driver died, or its drive failed" in summary.quarantined
     assert deaths == 3  # the first claim, then two takeovers; the third death quarantines
     async with fleet(store, {"calc": lambda: world.agent(TWO_STEPS)}, max_takeovers=3) as worker:
         await trio.sleep(30)

@@ -78,11 +78,17 @@ def next_not_before(now: float, takeovers: int, backoff_s: float) -> float:
 
 
 def quarantine_reason(takeovers: int, lease: Lease | None) -> str:
-    """Why a run is quarantined (shown by ``treadle runs``)."""
+    """Why a run is quarantined (shown by ``treadle runs``).
+
+    A takeover counts a driver's death and a failed drive alike (decision 0015): the reason
+    says both, since which one it was is in the worker's log, not in the store.
+    """
     last = f" (last driver {lease.owner})" if lease is not None and lease.owner else ""
     return (
-        f"its drivers died {takeovers} times{last}; `treadle unquarantine RUN_ID` makes it "
-        "claimable again"
+        f"its drives ended unfinished {takeovers} times{last}: a driver died, or its drive "
+        "failed (the worker's log says why: a damaged log, a changed definition, a store "
+        "error; docs/decisions/0015-failed-drives-count-as-deaths.md); `treadle unquarantine "
+        "RUN_ID` makes it claimable again"
     )
 
 
