@@ -287,12 +287,26 @@ class LogCorrupted(StoreError):
 
 
 class SchemaTooNew(StoreError):
-    """A log was written by a newer schema version than this treadle understands."""
+    """A log was written by a newer schema version than this treadle understands.
 
-    def __init__(self, version: int, supported: int) -> None:
-        super().__init__(
-            f"log written with schema version {version}; this treadle reads up to {supported}"
-        )
+    Args:
+        version: the version found.
+        supported: the newest this treadle reads.
+        what: what carries the version, for a store's layout or a file's format (a
+            database, a schema, a run file), said first; ``None`` for a log record's schema.
+    """
+
+    def __init__(self, version: int, supported: int, *, what: str | None = None) -> None:
+        if what is None:
+            said = (
+                f"log written with schema version {version}; this treadle reads up to {supported}"
+            )
+        else:
+            said = (
+                f"{what} is at version {version}, written by a newer treadle; this treadle reads "
+                f"up to version {supported}: upgrade treadle to use it"
+            )
+        super().__init__(said)
         self.version = version
         self.supported = supported
 

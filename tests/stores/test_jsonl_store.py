@@ -855,6 +855,8 @@ async def test_newer_format_version_and_newer_schema_are_refused(tmp_path: Path)
         with pytest.raises(SchemaTooNew) as info:
             await store.read_log("new")
         assert (info.value.version, info.value.supported) == (FORMAT_VERSION + 1, FORMAT_VERSION)
+        assert str(info.value).startswith("the file format of ")
+        assert run_file_name("new") in str(info.value)
         future = attrs.evolve(started("future"), schema_version=SCHEMA_VERSION + 1)
         await store.write_run_started(future, seq=1, generation=await lease(store, "future"))
         with pytest.raises(SchemaTooNew) as info:

@@ -118,8 +118,12 @@ async def test_a_newer_schema_is_refused(postgres_dsn: str, postgres_schema: str
         pass
     with psycopg.connect(postgres_dsn, autocommit=True) as admin:
         admin.execute(f"UPDATE {postgres_schema}.meta SET value = '99' WHERE key = 'layout'")
-    with pytest.raises(treadle.SchemaTooNew):
+    with pytest.raises(treadle.SchemaTooNew) as info:
         await PostgresStore.open(postgres_dsn, schema=postgres_schema)
+    # it said "log written with schema version 99", naming neither the store nor its tables
+    said = str(info.value)
+    assert said.startswith("the table layout of PostgreSQL store ") and postgres_schema in said
+    assert "is at version 99, written by a newer treadle" in said and "upgrade treadle" in said
 
 
 @pytest.mark.parametrize("layout", ["1", "0", "-3"])

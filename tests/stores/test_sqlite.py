@@ -945,8 +945,10 @@ async def test_open_refuses_a_newer_layout(tmp_path: Path) -> None:
         pass
     with sqlite3.connect(path) as conn:
         conn.execute("UPDATE meta SET value = '99' WHERE key = 'layout'")
-    with pytest.raises(SchemaTooNew):
+    with pytest.raises(SchemaTooNew) as info:
         await SqliteStore.open(path)
+    assert f"the table layout of {path}" in str(info.value)
+    assert "is at version 99, written by a newer treadle" in str(info.value)
 
 
 # The step-counting trigger of a layout-3 store written before it became two statements.

@@ -247,7 +247,7 @@ def read_header(where: str, found: tuple[int, bytes, int]) -> tuple[str, int, in
     if not isinstance(version, int) or not isinstance(header.get("run_id"), str):
         raise LogCorrupted("the header lacks version or run_id", where=where, offset=offset)
     if version > FORMAT_VERSION:
-        raise SchemaTooNew(version, FORMAT_VERSION)
+        raise SchemaTooNew(version, FORMAT_VERSION, what=f"the file format of {where}")
     created = header.get("created_ns", 0)
     return header["run_id"], created if isinstance(created, int) else 0, version
 

@@ -324,10 +324,10 @@ def _ensure_schema(dialect: PostgresDialect, conn: Any) -> None:
         with contextlib.suppress(Exception):
             conn.execute("ROLLBACK")
         raise
-    _check_layout(_sql.layout_of(row[0]))
+    _check_layout(_sql.layout_of(row[0]), dialect)
 
 
-def _check_layout(layout: int) -> None:
+def _check_layout(layout: int, dialect: PostgresDialect) -> None:
     """Refuse a layout newer than this treadle's, or one no PostgreSQL store had.
 
     Raises:
@@ -335,7 +335,8 @@ def _check_layout(layout: int) -> None:
         StoreError: a layout below `FIRST_LAYOUT` (its meta table was changed by hand).
     """
     if layout > _sql.LAYOUT_VERSION:
-        raise SchemaTooNew(layout, _sql.LAYOUT_VERSION)
+        where = f"the table layout of {dialect.description}"
+        raise SchemaTooNew(layout, _sql.LAYOUT_VERSION, what=where)
     if layout < FIRST_LAYOUT:
         raise StoreError(
             f"not a readable treadle store: its meta table holds the layout {layout}, which no "
@@ -357,7 +358,7 @@ def _check_schema(dialect: PostgresDialect, conn: Any) -> None:
             "treadle tables (a worker, `treadle submit` or `treadle.open_postgres_store` "
             "creates them)"
         )
-    _check_layout(layout)
+    _check_layout(layout, dialect)
 
 
 def _current_layout(conn: Any) -> int | None:

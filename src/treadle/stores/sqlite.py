@@ -300,7 +300,7 @@ def _ensure_layout(conn: sqlite3.Connection, clock: Callable[[], float], where: 
         _migrate_v2(conn)
         layout = _layout(conn)
     if layout is not None and layout > _sql.LAYOUT_VERSION:
-        raise SchemaTooNew(layout, _sql.LAYOUT_VERSION)
+        raise SchemaTooNew(layout, _sql.LAYOUT_VERSION, what=f"the table layout of {where}")
     _ensure_triggers(conn)
 
 
