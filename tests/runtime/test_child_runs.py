@@ -65,6 +65,22 @@ def use(name: str, call_id: str, **arguments) -> ModelReply:
     return attrs.evolve(call(name, call_id=call_id, **arguments), usage=USAGE)
 
 
+def waiting_child(started: trio.Event):
+    """A child whose one tool call sets ``started`` and then waits until it is cancelled."""
+
+    @tool
+    async def wait_forever(ctx: ToolContext) -> str:
+        """Wait (forever)."""
+        started.set()
+        await trio.sleep_forever()
+        return "never"
+
+    return attrs.evolve(
+        child_agent(turns=[call("wait_forever", call_id="w1"), say("never")]),
+        executor=Toolbox([wait_forever]),
+    )
+
+
 def child_agent(*, gate: trio.Event | None = None, executed: list[str] | None = None, turns=None):
     """The child: one tool call (``note``, recorded in ``executed``), then its answer."""
     done = executed if executed is not None else []
@@ -206,19 +222,7 @@ async def test_the_parents_events_carry_the_childs_live_with_their_own_run_id_an
 
 async def test_cancelling_the_parent_cancels_the_child_durably(store):
     started = trio.Event()
-    never = trio.Event()
-
-    @tool
-    async def wait_forever(ctx: ToolContext) -> str:
-        """Wait (forever)."""
-        started.set()
-        await never.wait()
-        return "never"
-
-    child = attrs.evolve(
-        child_agent(turns=[call("wait_forever", call_id="w1"), say("never")]),
-        executor=Toolbox([wait_forever]),
-    )
+    child = waiting_child(started)
     async with open_run(parent_agent(store, child), "go", store=store, run_id="p") as handle:
         await started.wait()
         handle.cancel("stop", canceller="test")
@@ -351,18 +355,7 @@ async def test_a_childs_cancel_is_written_even_when_the_write_outlasts_its_windo
     control stream, so its next driver ran it on."""
     store = SlowCancels()
     started = trio.Event()
-
-    @tool
-    async def wait_forever(ctx: ToolContext) -> str:
-        """Wait (forever)."""
-        started.set()
-        await trio.sleep_forever()
-        return "never"
-
-    child = attrs.evolve(
-        child_agent(turns=[call("wait_forever", call_id="w1"), say("never")]),
-        executor=Toolbox([wait_forever]),
-    )
+    child = waiting_child(started)
     async with open_run(parent_agent(store, child), "go", store=store, run_id="p") as handle:
         await started.wait()
         handle.cancel("stop", canceller="test")
