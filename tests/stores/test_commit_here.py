@@ -186,8 +186,12 @@ async def test_a_bug_in_a_commit_here_fails_the_batch_and_stops_the_engine(
         await store.write_intent(intent("r", 1), seq=2, generation=g)
     assert isinstance(info.value.__cause__, RuntimeError)
     assert commits.threads() == ["trio"]
-    with pytest.raises(StoreError, match="stopped"):  # nothing more is accepted
+    # nothing more is accepted, and a write that comes after the stop says why it stopped
+    with pytest.raises(treadle.StoreStopped, match="RuntimeError: a bug in the backend") as late:
         await store.write_intent(intent("other", 1), seq=1, generation=g_other)
+    assert isinstance(late.value.__cause__, RuntimeError)
+    with pytest.raises(treadle.StoreStopped, match="a bug in the backend"):
+        store._engine.check_writable()
     engine = store._engine
     with trio.fail_after(20):
         await store.aclose()  # both failures were reported to their writers

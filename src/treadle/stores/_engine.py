@@ -375,10 +375,7 @@ class CommitEngine:
         """
         self.check_open()
         if self._inbox.refusing:  # the committer's last act closes it, whatever stopped it
-            raise StoreStopped(
-                f"the committer thread of the {self._backend.description} has stopped; no "
-                "write can be committed until the store is opened again"
-            )
+            raise self._inbox.gone()
 
     def statistics(self) -> StoreStatistics:
         """Counters since the engine started."""
@@ -493,16 +490,16 @@ class CommitEngine:
         try:
             report = self._committer.commit_here(batch)
         except BaseException as exc:
-            _fail(batch, exc)
-            self._inbox.close()
+            error = _stop_error(self._backend.description, exc)
+            _fail(batch, error)
+            self._inbox.close(error)
             self._inbox.stop()
             report = NOTHING_COMMITTED
         else:
             if report is None and self._inbox.hand_back(batch):
                 return True
             if report is None:  # the committer stopped meanwhile
-                gone = f"the committer thread of the {self._backend.description} has stopped"
-                _fail(batch, StoreStopped(gone))
+                _fail(batch, self._inbox.gone())
                 report = NOTHING_COMMITTED
         self._deliver(batch, report)
         return True
@@ -736,6 +733,7 @@ class _Inbox:
         self._flush = False
         self._stop = False
         self._closed = False
+        self._reason: StoreError | None = None  # why the committer stopped, when it failed
         self._sleep = _AWAKE
         self._committing = False  # the committer took a batch and has not committed it yet
 
@@ -747,7 +745,7 @@ class _Inbox:
         """
         with self._lock:
             if self._closed:
-                raise StoreStopped(f"the committer thread of the {self._description} has stopped")
+                raise self.gone()
             items = self._items
             if not items:
                 self._since = _monotonic()
@@ -824,12 +822,32 @@ class _Inbox:
         """Whether writes are refused (`close` was called: the committer stopped or failed)."""
         return self._closed
 
-    def close(self) -> list[Write]:
-        """Refuse further writes; return those never taken."""
+    def close(self, reason: StoreError | None = None) -> list[Write]:
+        """Refuse further writes; return those never taken.
+
+        Args:
+            reason: why the committer stopped (a commit failed), named by `gone`.
+        """
         with self._lock:
             self._closed = True
+            self._reason = self._reason or reason  # the first stop says why
             leftover, self._items = self._items, []
             return leftover
+
+    def gone(self) -> StoreStopped:
+        """The error of a write that came after the committer stopped.
+
+        It names why the committer stopped when a commit failed (that error is its cause), so
+        a write that comes a moment too late says what the writes before it said.
+        """
+        gone = f"the committer thread of the {self._description} has stopped"
+        reason = self._reason
+        if reason is None:
+            again = "no write can be committed until the store is opened again"
+            return StoreStopped(f"{gone}; {again}")
+        error = StoreStopped(f"{gone}: {reason}")
+        error.__cause__ = reason.__cause__ or reason
+        return error
 
     def take(self, nap_until: float | None) -> tuple[list[Write], bool]:
         """Block until there is a batch; return ``(batch, stopping)``, oldest writes first.
@@ -963,10 +981,9 @@ class _Committer:
         try:
             stopped = self._loop()
         finally:  # also after a bug in the loop: no waiter is left hanging
-            leftover = self._inbox.close()
+            leftover = self._inbox.close(stopped)
             if leftover:
-                gone = f"the committer thread of the {self._backend.description} has stopped"
-                _fail(leftover, stopped or StoreStopped(gone))
+                _fail(leftover, stopped or self._inbox.gone())
                 self._call_soon(self._deliver, leftover, NOTHING_COMMITTED)
             self._call_soon(self._stopped)
 
