@@ -275,6 +275,57 @@ async def test_a_parent_resumed_onto_a_waiting_cancel_cancels_the_children_of_it
     assert effects == [f"{kid}/s1/a1"]
 
 
+async def test_a_child_whose_parent_finished_without_cancelling_it_cancels_itself(
+    store, monkeypatch
+):
+    """The parent's process died after its run-finished was durable and before it cancelled
+    the child it left (injected: its closing step never runs): the child had no cancel, and
+    its next drive ran its step again and finished succeeded, a result nobody reads."""
+    import treadle.supervisors._driver as driver
+
+    reached = trio.Event()
+    effects: list[str] = []
+
+    @tool
+    async def pay(ctx: ToolContext) -> str:
+        """Pay, then wait until the drive stops (the first time)."""
+        effects.append(ctx.intent_id)
+        if len(effects) == 1:
+            reached.set()
+            await trio.sleep_forever()
+        return "paid"
+
+    child = attrs.evolve(
+        child_agent(turns=[call("pay", call_id="p1"), say("done")]),
+        executor=Toolbox([pay]),
+    )
+    kid = child_run_id("p/s1/a1")
+    with trio.fail_after(30):
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(
+                functools.partial(run, parent_agent(store, child), "go", store=store, run_id="p")
+            )
+            await reached.wait()
+            nursery.cancel_scope.cancel()  # the drive stops; neither run is cancelled
+        await request_cancel(store, "p", reason="stop", canceller="test")
+
+        async def died_before_closing(*args: object, **kwargs: object) -> None:
+            pass
+
+        monkeypatch.setattr(driver, "close_links", died_before_closing)
+        result = await run(parent_agent(store, child), store=store, run_id="p")
+        assert result.state is RunState.CANCELLED
+        assert await read_control(store, kid) == ()  # the child got no cancel
+        monkeypatch.undo()
+        again = await run(child, store=store, run_id=kid)
+    assert again.state is RunState.CANCELLED
+    cancels = await read_control(store, kid)
+    assert [(c.canceller, c.reason) for c in cancels] == [
+        ("p", "its parent run finished without its result")
+    ]
+    assert effects == [f"{kid}/s1/a1"]  # its call was not run again
+
+
 @pytest.mark.parametrize("finished", [True, False])
 async def test_a_call_refuses_an_unrelated_run_that_has_its_childs_id(store, finished):
     """A run started on its own under the id a call's child derives (same input): the call

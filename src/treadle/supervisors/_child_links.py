@@ -79,7 +79,13 @@ PARENT_STOPPED: Final = "the parent run stopped waiting for it (cancelled, or ou
 """The reason of the cancel a parent appends to its child's control stream."""
 
 
-async def cancel_child(store: RunStore, run_id: str, canceller: str) -> None:
+PARENT_FINISHED: Final = "its parent run finished without its result"
+"""The reason of the cancel a child run finds it needs when its parent finished first."""
+
+
+async def cancel_child(
+    store: RunStore, run_id: str, canceller: str, *, reason: str = PARENT_STOPPED
+) -> None:
     """Append a cancel to the child's control stream: whoever drives it next finishes it.
 
     Raises:
@@ -91,11 +97,31 @@ async def cancel_child(store: RunStore, run_id: str, canceller: str) -> None:
                 CancelRequested(
                     run_id=run_id,
                     ts=SystemClock().now_iso(),
-                    reason=PARENT_STOPPED,
+                    reason=reason,
                     canceller=canceller,
                 )
             )
         )
+
+
+async def cancel_if_parent_finished(store: RunStore, started: RunStarted) -> None:
+    """Before a child run's drive runs a step: cancel it if its parent has finished.
+
+    A parent that finishes cancels the children it leaves (`cancel_awaited_children`,
+    `cancel_started_children`) after its run-finished is durable; a process that dies
+    between the two leaves a child with no cancel, whose result nobody will read. Its next
+    driver finds the parent finished here and appends the cancel the parent would have
+    (docs/child-runs.md, "Cancellation"), which the drive applies before its first step. A
+    run that names no parent, or a store with no control stream, is left as it is.
+
+    Raises:
+        StoreError: the parent's state could not be read, or the append failed.
+    """
+    parent = started.parent_run_id
+    if parent is None or not isinstance(store, ControlStream):
+        return
+    if await run_finished(store, parent):
+        await cancel_child(store, started.run_id, parent, reason=PARENT_FINISHED)
 
 
 async def wake_parent(store: RunStore, started: RunStarted) -> None:

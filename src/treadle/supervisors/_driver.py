@@ -68,7 +68,7 @@ from treadle.metrics import MetricsRecorder
 from treadle.ports import ControlStream, EventSink, RunStore
 from treadle.redaction import Redaction
 from treadle.stores import check_schema
-from treadle.supervisors._child_links import check_child_of
+from treadle.supervisors._child_links import cancel_if_parent_finished, check_child_of
 from treadle.supervisors._control import ControlInbox, ControlIndex, control_of, shared_index
 from treadle.supervisors._factories import (
     ActorContext,
@@ -586,6 +586,7 @@ async def _drive(
             control_send.send_nowait(Drain())
         control = _control_inbox(store, log.run_id, control_send, options)
         if control is not None:
+            await cancel_if_parent_finished(store, started)  # its parent died finishing
             await control.poll(fresh=True)  # a cancel or decision written while no one drove it
         await nursery.start(coordinator.serve_control, control_recv)
         task_status.started()
