@@ -9,6 +9,7 @@ records agree on every counter. `PendingStep` describes the step in progress at 
 from __future__ import annotations
 
 import datetime as dt
+from collections.abc import Mapping
 
 import attrs
 
@@ -16,6 +17,7 @@ from treadle._budget import Summary
 from treadle.revisions import RevisionTable, fold_revisions
 from treadle.types import (
     ActionIntent,
+    ActionOutcome,
     ActionResult,
     ActionStatus,
     ApprovalDecided,
@@ -243,15 +245,18 @@ def closing_records(
     detail: str,
     *,
     active_s: float = 0.0,
+    ended: Mapping[str, ActionOutcome] | None = None,
 ) -> list[Record]:
     """What leaves no intent of a pending step without an outcome when the run ends there.
 
     For a run that finishes (cancelled, a budget) before it ran the step its log shows in
     progress again (docs/crash-safety.md, "Resume"): the open model intent is recorded as
     abandoned, and every action intent gets its ``unknown`` result (the definition's
-    synthetic text) with the step's record. Empty when the pending step holds no open
-    intent (an action result is only ever written with its step record, so every action
-    intent of the pending step is open).
+    synthetic text) with the step's record; a call parked on a child run that has finished
+    gets the child's outcome instead (``ended``), marked ``late`` as a cut call's kept
+    outcome is, so the child's tokens count in the run's totals (docs/child-runs.md,
+    "Budgets"). Empty when the pending step holds no open intent (an action result is only
+    ever written with its step record, so every action intent of the pending step is open).
 
     Args:
         run_id: the run.
@@ -260,6 +265,8 @@ def closing_records(
         ts: the records' instant (ISO-8601).
         detail: why the outcomes are unknown (diagnostics).
         active_s: the step record's active seconds (`carried_active_s`).
+        ended: outcomes of calls whose child runs have finished, by intent id
+            (`treadle.supervisors._child_links.ended_children`); ``None``: none.
     """
     records: list[Record] = []
     if pending.open_model_intent is not None:
@@ -270,6 +277,7 @@ def closing_records(
         )
     if not pending.action_intents:
         return records
+    ended = ended or {}
     results = [
         ActionResult.unknown(
             intent,
@@ -277,6 +285,17 @@ def closing_records(
             detail=detail,
             ts=ts,
             synthetic=True,
+        )
+        if intent.intent_id not in ended
+        else ActionResult(
+            run_id=run_id,
+            step=intent.step,
+            intent_id=intent.intent_id,
+            call_id=intent.call_id,
+            tool=intent.tool,
+            outcome=ended[intent.intent_id],
+            ts=ts,
+            late=True,
         )
         for intent in pending.action_intents
     ]

@@ -41,6 +41,7 @@ from treadle.types import (
     ModelReply,
     ReplayPolicy,
     RunLog,
+    RunResult,
     RunStarted,
     RunState,
     StopReason,
@@ -235,6 +236,44 @@ async def test_cancelling_the_parent_cancels_the_child_durably(store):
     assert [c.canceller for c in cancels] == ["p"]
     assert "parent" in cancels[0].reason
     assert isinstance(child_log.records[-2], CancelRequested)
+
+
+async def _cut_while_the_child_waits(store, how: str) -> tuple[RunResult, ActionResult]:
+    """Run a parent whose child waits in a call (spending ``USAGE`` first) until the parent
+    is cut: cancelled (``how == "cancel"``) or by its time budget; its result and action's."""
+    started = trio.Event()
+    child = attrs.evolve(
+        waiting_child(started),
+        model=ScriptedModel(turns=[use("wait_forever", "w1"), say("never")]),
+    )
+    budgets = Budgets(time_budget_s=1) if how == "time" else None
+    parent = parent_agent(store, child, budgets=budgets)
+    async with open_run(parent, "go", store=store, run_id="p") as handle:
+        await started.wait()
+        if how == "cancel":
+            handle.cancel("stop", canceller="test")
+        with trio.fail_after(30):
+            result = await handle.wait()
+    log = await store.read_log("p")
+    return result, next(r for r in log.records if isinstance(r, ActionResult))
+
+
+@pytest.mark.parametrize("how", ["cancel", "time"])
+async def test_a_parent_cut_while_its_child_works_counts_the_tokens_the_child_spent(
+    how: str, store
+):
+    # The child finished cancelled within its window, but the parent's call was recorded
+    # `unknown`, its usage lost: the parent's totals left out the child's tokens.
+    result, action = await _cut_while_the_child_waits(store, how)
+    child_log = await store.read_log(child_run_id("p/s1/a1"))
+    assert child_log.finished is not None
+    assert child_log.finished.state is not RunState.SUCCEEDED
+    assert child_log.finished.totals.input_tokens == 10
+    assert action.late and action.outcome.status is ActionStatus.EXECUTED
+    assert action.outcome.child_run_id == child_run_id("p/s1/a1")
+    assert action.outcome.usage == Usage(input_tokens=10, output_tokens=5)
+    assert action.outcome.observation.startswith("Error: the child run p/s1/a1/child ended ")
+    assert (result.totals.input_tokens, result.totals.output_tokens) == (20, 10)
 
 
 async def test_a_parent_resumed_onto_a_waiting_cancel_cancels_the_children_of_its_step(store):

@@ -32,6 +32,7 @@ from treadle.types import (
     RunState,
     StopReason,
     ToolCall,
+    Usage,
 )
 
 
@@ -269,6 +270,52 @@ async def test_cancelling_a_waiting_parent_cancels_its_queued_child_durably(flee
     cancels = [entry.record for entry in await fleet_store.read_control(kid)]
     assert [(c.run_id, c.canceller) for c in cancels] == [(kid, "p")]
     assert executed == []
+
+
+async def test_a_waiting_parent_cancelled_records_how_its_queued_child_ended(fleet_store):
+    """The cancel reaches the child, which finishes cancelled within the call's window: the
+    parent's call records that, with the tokens the child spent (before, it was ``unknown``
+    and the parent's totals left the child's tokens out)."""
+    entered = trio.Event()
+    spent = Usage(input_tokens=30, output_tokens=10)
+
+    @tool(replay=ReplayPolicy.SAFE)
+    async def block(ctx: ToolContext) -> str:
+        """Wait for ever (read-only)."""
+        entered.set()
+        await trio.sleep_forever()
+        return "never"
+
+    def make_child() -> Agent:
+        return attrs.evolve(
+            child_agent([]),
+            model=ScriptedModel(
+                turns=[attrs.evolve(call("block", call_id="b1"), usage=spent), say("never")]
+            ),
+            executor=Toolbox([block]),
+        )
+
+    kid = child_run_id("p/s1/a1")
+    with trio.fail_after(60):
+        async with open_fleet(
+            fleet_store,
+            {"parent": lambda: parent_agent(fleet_store, make_child()), "child": make_child},
+            max_running=1,
+            claim_poll_s=0.05,
+            control_poll_s=0.05,
+        ) as worker:
+            await worker.submit("parent", "go", run_id="p")
+            await entered.wait()
+            await fleet_store.append_control(
+                CancelRequested(run_id="p", ts="2026-12-01T00:00:00Z", reason="stop", canceller="t")
+            )
+            parent = await worker.result("p", poll_s=0.05)
+    assert parent.state is RunState.CANCELLED
+    log = await fleet_store.read_log("p")
+    action = next(r for r in log.records if isinstance(r, ActionResult))
+    assert action.outcome.child_run_id == kid and action.outcome.usage == spent
+    assert action.outcome.observation == f"Error: the child run {kid} ended cancelled (cancelled)"
+    assert (parent.totals.input_tokens, parent.totals.output_tokens) == (30, 10)
 
 
 async def test_a_child_started_inline_before_the_parent_came_to_a_fleet_is_re_attached_inline(

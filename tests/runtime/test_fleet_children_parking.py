@@ -9,10 +9,13 @@ their children. On SQLite and a real PostgreSQL.
 
 from __future__ import annotations
 
+import datetime as dt
+
 import attrs
+import pytest
 import trio
 
-from treadle import agent_tool, child_run_id
+from treadle import agent_tool, child_run_id, finish_cancelled
 from treadle._cli_store import driver_text
 from treadle.agent import Agent
 from treadle.parsers import NativeToolCallParser
@@ -296,6 +299,59 @@ async def test_a_parked_parent_stops_when_its_time_budget_is_spent(fleet_store):
     assert treadle_seconds(awaited.ts, awaited.recheck_ts) <= 1.0 - awaited.active_s + 1e-3
     assert parent.totals.active_s >= 1.0
     assert check_invariants(log) == []
+
+
+USAGE = Usage(input_tokens=30, output_tokens=10)
+
+
+@pytest.mark.parametrize("how", ["time", "cancel"])
+async def test_a_parked_parent_that_ends_after_its_child_counts_the_childs_tokens(
+    fleet_store, how: str
+):
+    """The parent parked; its child finished (nobody served the parent meanwhile); then the
+    parent ended before it ran its step again: its time spent when a worker claimed it, or
+    cancelled while nobody drove it. Its call was recorded ``unknown``, the child's 40 tokens
+    missing from its totals."""
+    parent_usage = Usage(input_tokens=10, output_tokens=5)
+    child = attrs.evolve(
+        child_agent([], trio.Event()),
+        model=ScriptedModel(turns=[say("child done", usage=USAGE)]),
+    )
+    turns = [attrs.evolve(call("helper", call_id="h1", task="t"), usage=parent_usage), say("x")]
+    parent = parent_agent(fleet_store, child, turns=turns, budgets=Budgets(time_budget_s=0.5))
+    kid = child_run_id("p/s1/a1")
+    with trio.fail_after(60):
+        async with fleet(fleet_store, {"parent": lambda: parent}, child_recheck_s=3600) as one:
+            await one.submit("parent", "go", run_id="p")
+            await until(lambda: parked(fleet_store, "p"))
+        async with fleet(fleet_store, {"child": lambda: child}) as two:
+            ended = await two.result(kid, poll_s=0.05)
+        assert ended.state is RunState.SUCCEEDED
+        if how == "cancel":
+            result = await finish_cancelled(fleet_store, "p", owner="test")
+        else:
+            await until(lambda: _time_spent(fleet_store, "p", 0.5))
+            async with fleet(fleet_store, {"parent": lambda: parent}) as three:
+                result = await three.result("p", poll_s=0.05)
+    assert result.stop_reason is (
+        StopReason.CANCELLED if how == "cancel" else StopReason.TIME_BUDGET
+    )
+    log = await fleet_store.read_log("p")
+    assert check_invariants(log) == []
+    action = next(r for r in log.records if isinstance(r, ActionResult))
+    assert action.outcome.status is ActionStatus.EXECUTED and action.late
+    assert (action.outcome.child_run_id, action.outcome.usage) == (kid, USAGE)
+    assert action.outcome.observation == "child done"
+    assert (result.totals.input_tokens, result.totals.output_tokens) == (40, 15)
+
+
+async def _time_spent(store, run_id: str, budget_s: float) -> bool:
+    """Whether the parked run's active time (its time parked included) reached ``budget_s``."""
+    awaited = next(
+        r for r in (await store.read_log(run_id)).records if isinstance(r, ChildrenAwaited)
+    )
+    now = dt.datetime.now(dt.UTC).isoformat()
+    return awaited.active_s + treadle_seconds(awaited.ts, now) >= budget_s
 
 
 async def test_a_queued_child_is_capped_by_what_its_parent_has_left(fleet_store):

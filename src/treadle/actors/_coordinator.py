@@ -58,6 +58,7 @@ from treadle.redaction import NO_REDACTION, Redaction
 from treadle.types import (
     SUCCESS_STOP_REASONS,
     ActionIntent,
+    ActionOutcome,
     ActionResult,
     ActionStatus,
     ApprovalDecided,
@@ -161,6 +162,10 @@ class RunCoordinator:
         synthetic: the definition's synthetic observations: a run that ends before it ran
             its resumed step again gives that step's open intents their ``unknown`` results
             (`treadle._state.closing_records`).
+        ended_children: for a run resumed onto a step parked on child runs, the outcomes of
+            its calls whose children had finished, by intent id: a run that ends before it
+            runs the step again records these instead of ``unknown`` (docs/child-runs.md,
+            "Budgets").
         redaction: the run's secret tool arguments: an approval request of a call that has
             some is bound to a digest no one can compute back from what is shown
             (`treadle.approvals.request_digest`).
@@ -183,6 +188,7 @@ class RunCoordinator:
     park_after_s: float | None = None
     park_at_deadline: bool = False
     carried_active_s: float = 0.0
+    ended_children: Mapping[str, ActionOutcome] = attrs.Factory(dict)
     compaction: bool = False
     synthetic: SyntheticObservations = SyntheticObservations()
     redaction: Redaction = NO_REDACTION
@@ -406,7 +412,10 @@ class RunCoordinator:
             return StopReason.MAX_MODEL_ATTEMPTS
         if budgets.token_budget is not None and view.tokens >= budgets.token_budget:
             return StopReason.TOKEN_BUDGET
-        if budgets.time_budget_s is not None and view.active_s >= budgets.time_budget_s:
+        # A step resumed with its time already spent (parked on child runs while its time
+        # went on) ends the run here, before its calls run again only to be cut at once.
+        spent_s = view.active_s + (self.carried_active_s or self._recorded_s())
+        if budgets.time_budget_s is not None and spent_s >= budgets.time_budget_s:
             return StopReason.TIME_BUDGET
         return None
 
@@ -920,6 +929,7 @@ class RunCoordinator:
             now,
             "the run ended before the interrupted step was run again",
             active_s=carried_active_s(self.view.pending, now),
+            ended=self.ended_children,
         )
         if closing and isinstance(closing[0], ModelResult):
             abandoned = closing.pop(0)

@@ -21,7 +21,18 @@ from treadle._exceptions import StoreError, UsageError
 from treadle._ids import MAX_RUN_ID_CHARS
 from treadle._text import repaired
 from treadle.ports import ControlStream, RunIndex, RunQueue, RunStore
-from treadle.types import CancelRequested, ChildrenAwaited, Liveness, RunStarted
+from treadle.tools import observation_of
+from treadle.types import (
+    ActionOutcome,
+    ActionStatus,
+    CancelRequested,
+    ChildrenAwaited,
+    Liveness,
+    RunResult,
+    RunStarted,
+    RunState,
+    Usage,
+)
 
 _LOG = logging.getLogger("treadle.children")
 
@@ -215,3 +226,55 @@ async def run_finished(store: RunStore, run_id: str) -> bool:
         summary = await store.read_summary(run_id)
         return summary is not None and summary.liveness is Liveness.FINISHED
     return (await store.read_log(run_id)).finished is not None
+
+
+async def ended_children(
+    store: RunStore, awaited: ChildrenAwaited | None
+) -> dict[str, ActionOutcome]:
+    """The outcomes of a parked step's calls whose children have finished, by intent id.
+
+    For a parent that finishes before it runs its parked step again (a cancel, a budget): a
+    call whose child ended is given the child's outcome, its tokens with it, instead of an
+    ``unknown`` one (docs/child-runs.md, "Budgets"). A child still working is left out: the
+    parent cancels it after its own finish, and what it spends is not the parent's.
+
+    Raises:
+        StoreError: a child's log could not be read.
+    """
+    if awaited is None:
+        return {}
+    ended = {}
+    for intent_id, child in zip(awaited.intent_ids, awaited.children, strict=True):
+        finished = (await store.read_log(child)).finished
+        if finished is not None:
+            ended[intent_id] = child_outcome(child, RunResult.from_finished(finished))
+    return ended
+
+
+def child_outcome(run_id: str, result: RunResult) -> ActionOutcome:
+    """The outcome of a child-run call whose child ``run_id`` ended with ``result``.
+
+    Its observation is the child's answer (its structured output as JSON), or an ``Error:``
+    line naming how it ended; its usage is the child's totals, counted in the parent's
+    (docs/child-runs.md, "Budgets").
+    """
+    totals = result.totals
+    usage = None
+    if totals.input_tokens is not None or totals.output_tokens is not None:
+        usage = Usage(input_tokens=totals.input_tokens, output_tokens=totals.output_tokens)
+    if result.state is RunState.SUCCEEDED:
+        if result.output is not None:  # a structured output: as JSON
+            observation = observation_of(result.output)
+        elif result.final_answer is not None:
+            observation = result.final_answer
+        else:
+            observation = f"the child run {run_id} ended: {result.stop_reason.value}"
+    else:
+        error = f": {result.error}" if result.error else ""
+        observation = (
+            f"Error: the child run {run_id} ended {result.state.value} "
+            f"({result.stop_reason.value}){error}"
+        )
+    return ActionOutcome(
+        status=ActionStatus.EXECUTED, observation=observation, child_run_id=run_id, usage=usage
+    )

@@ -54,6 +54,7 @@ from treadle.supervisors._child_links import (
     PARENT_STOPPED,
     cancel_child,
     check_child_of,
+    child_outcome,
     child_run_id,
 )
 from treadle.supervisors._driver import (
@@ -67,16 +68,13 @@ from treadle.supervisors._factories import DEFAULT_ACTORS
 from treadle.supervisors._fleet_drive import FleetDrive, current_drive
 from treadle.supervisors._handle import RunHandle
 from treadle.supervisors._leasing import LeaseHold, leases_of
-from treadle.tools import Tool, ToolContext, observation_of, tool
+from treadle.tools import Tool, ToolContext, tool
 from treadle.types import (
     ActionOutcome,
-    ActionStatus,
     BudgetCaps,
     Event,
     ReplayPolicy,
     RunResult,
-    RunState,
-    Usage,
 )
 
 __all__ = ["CHILD_CANCEL_GRACE_S", "agent_tool", "child_run_id"]
@@ -212,7 +210,7 @@ async def _call(settings: _Settings, task: str, ctx: ToolContext) -> ActionOutco
     ):
         queued = await _queued(settings, settings.fleet_agent, drive, task, ctx)
         if queued is not None:
-            return _outcome(run_id, queued)
+            return child_outcome(run_id, queued)
     budgets = settings.agent.budgets.capped(_caps(ctx, trio.current_time()))
     child = attrs.evolve(settings.agent, budgets=budgets)
     while True:
@@ -233,7 +231,7 @@ async def _call(settings: _Settings, task: str, ctx: ToolContext) -> ActionOutco
             # The driver of an earlier attempt (a parent process that died) still holds the
             # child's lease: wait until it lapses, then take the child over from its log.
             await trio.sleep(max(0.05, leased.holder.expires_at - time.time()))
-    return _outcome(run_id, result)
+    return child_outcome(run_id, result)
 
 
 def _same_database(fleet: RunStore, tool: RunStore) -> bool:
@@ -301,8 +299,9 @@ async def _queued(
     ids. When it has not finished after the worker's ``park_after_s`` and the call may park
     (`treadle.ToolContext.can_park`), the call parks its run instead of waiting on.
 
-    A cancel of the parent run (or its time budget running out) cancels the child durably;
-    a stop of the parent's drive leaves the child to run on, and the resumed parent's replay
+    A cancel of the parent run (or its time budget running out) cancels the child durably,
+    and the child's ending within the cancel's window is the call's result (`_cancelled`); a
+    stop of the parent's drive leaves the child to run on, and the resumed parent's replay
     of the call finds it (docs/child-runs.md, "In a fleet").
 
     Raises:
@@ -331,10 +330,33 @@ async def _queued(
         # stops (resumable), and its resume replays the call, which finds the child.
         raise ChildRunInterrupted(run_id, str(exc)) from exc
     except trio.Cancelled:
-        if _parent_ended(ctx):
-            with trio.CancelScope(shield=True, deadline=trio.current_time() + CHILD_CANCEL_GRACE_S):
-                await cancel_child(settings.store, run_id, ctx.run_id)
-        raise
+        if not _parent_ended(ctx):
+            raise
+        ended = await _cancelled(settings, drive, run_id, ctx.run_id, poll_s)
+        if ended is None:
+            raise
+        return ended  # the call's cancel became the child's, which ended in time
+
+
+async def _cancelled(
+    settings: _Settings, drive: FleetDrive, run_id: str, canceller: str, poll_s: float
+) -> RunResult | None:
+    """Cancel a queued child durably and wait for its ending, within the cancel's window.
+
+    Whichever worker drives the child applies the cancel; the child's result, when it ended
+    within `CHILD_CANCEL_GRACE_S`, is the cut call's, so that its tokens count in the
+    parent's (docs/child-runs.md, "Budgets"). ``None`` when it did not end in time, or the
+    store failed (logged): the call's outcome is then unknown.
+    """
+    window = trio.current_time() + CHILD_CANCEL_GRACE_S
+    with trio.CancelScope(shield=True, deadline=window):
+        try:
+            await cancel_child(settings.store, run_id, canceller)
+            left = window - trio.current_time()
+            return await drive.result(run_id, poll_s, settings.agent.output_type, left)
+        except (StoreError, UsageError) as exc:
+            _LOG.warning("could not read how the cancelled child run %r ended (%s)", run_id, exc)
+    return None
 
 
 async def _check_queued(store: RunStore, run_id: str, ctx: ToolContext) -> None:
@@ -368,6 +390,18 @@ async def _linked(
     link: _Link,
     ctx: ToolContext,
 ) -> RunResult:
+    """Drive the child under the call's `_Link`; return its result.
+
+    A cancel of the parent run (or its time budget running out) becomes the child's cancel
+    (`_Link.watch`); the child's ending within the window is then the call's result, even
+    though the call is cancelled, so the parent records what the child did and spent
+    (docs/child-runs.md, "Budgets" and "Cancellation").
+
+    Raises:
+        trio.Cancelled: the call's cancellation, when the child did not end within the
+            window, or when the parent's drive stopped without the run being cancelled.
+    """
+    result: RunResult | None = None
     async with trio.open_nursery() as nursery:
         nursery.start_soon(link.watch)
         # Shielded: a cancel of this call reaches the child as a cancel (`_Link.watch`), not
@@ -392,6 +426,9 @@ async def _linked(
             if link.cancelled and link.handle is None:  # cut while it started
                 await link.cancel_unattached()
         nursery.cancel_scope.cancel()
+    if result is None:  # the window ended before the child did: the call's cancel goes on
+        await trio.lowlevel.checkpoint()
+        raise ChildRunInterrupted(link.run_id, "its drive was cut before it ended")
     return result
 
 
@@ -414,20 +451,22 @@ class _Link:
         """Sleep until the call is cancelled (or the child ended); then stop the child.
 
         A cancel of the parent run, or its time budget running out, cancels the child
-        durably. The parent's drive stopping here (a drain, a lost lease) only cuts the
-        child's drive: both stay resumable, and the parent's resume re-attaches.
+        durably, and the call's cancellation is taken as handed on: the call waits (up to
+        ``window_s``) for the child's ending, which is its result (`_linked`). The parent's
+        drive stopping here (a drain, a lost lease) only cuts the child's drive: both stay
+        resumable, and the parent's resume re-attaches.
         """
         try:
             await trio.sleep_forever()
         except trio.Cancelled:
-            if not self.done:
-                if self._ends_child():
-                    self.cancelled = True
-                    self.shield.deadline = trio.current_time() + self.window_s
-                    await self._cancel()
-                else:
-                    self.shield.cancel()
-            raise
+            if self.done:
+                raise
+            if not self._ends_child():
+                self.shield.cancel()
+                raise
+            self.cancelled = True
+            self.shield.deadline = trio.current_time() + self.window_s
+            await self._cancel()
 
     def _ends_child(self) -> bool:
         """Whether the parent run itself was cancelled or ran out of time (not just its drive)."""
@@ -476,26 +515,3 @@ async def _forward(handle: RunHandle, forward: Callable[[Event], None]) -> None:
     """Hand each of the child's events to the parent's live subscribers."""
     async for event in handle.events():
         forward(event)
-
-
-def _outcome(run_id: str, result: RunResult) -> ActionOutcome:
-    totals = result.totals
-    usage = None
-    if totals.input_tokens is not None or totals.output_tokens is not None:
-        usage = Usage(input_tokens=totals.input_tokens, output_tokens=totals.output_tokens)
-    if result.state is RunState.SUCCEEDED:
-        if result.output is not None:  # a structured output: as JSON
-            observation = observation_of(result.output)
-        elif result.final_answer is not None:
-            observation = result.final_answer
-        else:
-            observation = f"the child run {run_id} ended: {result.stop_reason.value}"
-    else:
-        error = f": {result.error}" if result.error else ""
-        observation = (
-            f"Error: the child run {run_id} ended {result.state.value} "
-            f"({result.stop_reason.value}){error}"
-        )
-    return ActionOutcome(
-        status=ActionStatus.EXECUTED, observation=observation, child_run_id=run_id, usage=usage
-    )

@@ -68,7 +68,11 @@ from treadle.metrics import MetricsRecorder
 from treadle.ports import ControlStream, EventSink, RunStore
 from treadle.redaction import Redaction
 from treadle.stores import check_schema
-from treadle.supervisors._child_links import cancel_if_parent_finished, check_child_of
+from treadle.supervisors._child_links import (
+    cancel_if_parent_finished,
+    check_child_of,
+    ended_children,
+)
 from treadle.supervisors._control import ControlInbox, ControlIndex, control_of, shared_index
 from treadle.supervisors._factories import (
     ActorContext,
@@ -83,6 +87,7 @@ from treadle.supervisors._leasing import LeaseHold, LeaseKeeper, shared_keeper
 from treadle.supervisors._parking import Parking
 from treadle.supervisors._threads import Lineage
 from treadle.types import (
+    ActionOutcome,
     ApprovalRequested,
     BudgetCaps,
     CancelRequested,
@@ -565,6 +570,7 @@ async def _drive(
             park_after_s=options.park_after_s,
             park_at_deadline=control_of(store) is not None,
             carried_active_s=parking.active_s if parking is not None else 0.0,
+            ended_children=await ended_children(store, view.pending.children_awaited),
             on_status=handle._report,
         )
         # Requests reach the coordinator as messages; those of before it runs (a cancel
@@ -879,6 +885,7 @@ async def _start_actors(
     park_after_s: float | None,
     park_at_deadline: bool,
     carried_active_s: float,
+    ended_children: Mapping[str, ActionOutcome],
     on_status: Callable[[RunState, ApprovalRequested | None], None],
 ) -> CoordinatorActor:
     """Build the hydrator, gateway and executor, start them, and build the coordinator."""
@@ -903,6 +910,7 @@ async def _start_actors(
             park_after_s=park_after_s,
             park_at_deadline=park_at_deadline,
             carried_active_s=carried_active_s,
+            ended_children=ended_children,
             on_status=on_status,
         )
     )

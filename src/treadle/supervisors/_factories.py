@@ -43,6 +43,7 @@ from treadle.metrics import MetricsRecorder
 from treadle.ports import EventSink, RunStore
 from treadle.redaction import NO_REDACTION, Redaction
 from treadle.types import (
+    ActionOutcome,
     ApprovalRequested,
     RunResult,
     RunStarted,
@@ -212,6 +213,8 @@ class CoordinatorContext:
         park_at_deadline: park at an approval deadline instead of expiring the call at once
             (`treadle.actors.RunCoordinator`; set when the run has a control stream).
         carried_active_s: active seconds of a step interrupted by parking, to carry on.
+        ended_children: for a run resumed onto a step parked on child runs, the outcomes
+            of its calls whose children had finished, by intent id (`RunCoordinator`).
         on_status: ``on_status(state, awaiting)``: where the coordinator reports each change
             of the run state and of the approval request it waits on (the run's handle).
     """
@@ -225,6 +228,7 @@ class CoordinatorContext:
     park_after_s: float | None = None
     park_at_deadline: bool = False
     carried_active_s: float = 0.0
+    ended_children: Mapping[str, ActionOutcome] = attrs.Factory(dict)
     on_status: Callable[[RunState, ApprovalRequested | None], None] = _no_status
 
 
@@ -320,6 +324,7 @@ def real_coordinator(context: CoordinatorContext) -> RunCoordinator:
         park_after_s=context.park_after_s,
         park_at_deadline=context.park_at_deadline,
         carried_active_s=context.carried_active_s,
+        ended_children=context.ended_children,
         compaction=agent.context_window is not None,
         synthetic=agent.synthetic,
         redaction=actor.redaction,

@@ -34,6 +34,7 @@ from treadle.stores import LEASE_TTL_S, lease_owner, write_records
 from treadle.supervisors._child_links import (
     cancel_awaited_children,
     cancel_started_children,
+    ended_children,
     wake_parent,
 )
 from treadle.types import (
@@ -197,6 +198,7 @@ async def _closing_records(
         now,
         "the run was cancelled while nobody drove it",
         active_s=carried_active_s(view.pending, now),
+        ended=await ended_children(store, view.pending.children_awaited),
     )
     for record in closing:
         view.apply(record)
