@@ -173,6 +173,7 @@ action_outcomes = _build(
     child_run_id=st.none() | ids,
     usage=st.none() | usages,
     images=_tuples(image_refs, 2),
+    unknown_usage_attempts=counts,
 )
 actions = _build(
     t.Action,

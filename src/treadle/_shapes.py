@@ -93,6 +93,9 @@ def outcome_problem(outcome: object, method: str = "execute") -> str | None:
         problem = image_problem(image)
         if problem is not None:
             return problem
+    unknown = outcome.unknown_usage_attempts
+    if isinstance(unknown, bool) or not isinstance(unknown, int) or unknown < 0:
+        return f"unknown_usage_attempts must be an int >= 0, not {unknown!r}"
     if outcome.usage is not None:
         return usage_problem(outcome.usage)
     return None

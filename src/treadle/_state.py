@@ -152,6 +152,7 @@ class RunView:
                 fold_revisions(self.revisions, outcome.revisions)
             if outcome.usage is not None:  # a child run's tokens count in this run's budget
                 self.count_usage(outcome.usage)
+            self.unknown_usage_attempts += outcome.unknown_usage_attempts
         elif isinstance(record, StepRecord):
             self._apply_step(record)
         elif isinstance(record, CancelRequested):

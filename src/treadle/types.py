@@ -532,6 +532,10 @@ class ActionOutcome:
         usage: model tokens the call spent on the run's behalf (a child run's totals);
             counted in the run's token budget. ``None`` (and left out of the log) for
             calls that report none.
+        unknown_usage_attempts: model attempts made on the run's behalf whose usage was not
+            reported (a child run's `Totals.unknown_usage_attempts`): added to the run's own,
+            so that unknown usage stays unknown, never a 0 (docs/child-runs.md, "Budgets").
+            0 (and left out of the log) for calls that made none.
         images: images the call returned, in order, sent to the model with the observation
             (docs/models.md, "Images returned by tools"); references only, never bytes.
             Only an EXECUTED outcome's images enter history. Empty (and left out of the
@@ -549,6 +553,7 @@ class ActionOutcome:
     child_run_id: str | None = None
     usage: Usage | None = None
     images: tuple[ImageRef, ...] = ()
+    unknown_usage_attempts: int = 0
 
 
 @attrs.frozen(kw_only=True)
@@ -1050,7 +1055,8 @@ class Totals:
         model_attempts: every attempt (abandoned and failed included).
         input_tokens / output_tokens: sums of reported usage; ``None`` when no attempt
             reported it.
-        unknown_usage_attempts: attempts whose usage was not reported.
+        unknown_usage_attempts: attempts whose usage was not reported (a child run's
+            included, docs/child-runs.md "Budgets").
         active_s: active seconds (excluding approval waits).
     """
 

@@ -27,6 +27,7 @@ from treadle.stores.memory import MemoryStore
 from treadle.stores.sqlite import SqliteStore
 from treadle.supervisors import CHILD_CANCEL_GRACE_S, open_fleet, open_run, run
 from treadle.testing.faults import CrashingStore, FailingStore, SimulatedCrash
+from treadle.testing.invariants import check_invariants
 from treadle.testing.scripted import ScriptedModel, call, say
 from treadle.tools import Toolbox, ToolContext, tool
 from treadle.types import (
@@ -184,6 +185,22 @@ async def store(request, tmp_path):
         yield opened
     finally:
         await opened.aclose()
+
+
+async def test_a_childs_unknown_usage_stays_unknown_in_its_parent(store):
+    # The child's two model attempts reported no usage: the parent's action result said
+    # nothing of them, and its totals claimed every token known (0 unknown attempts).
+    unreported = child_agent(turns=[call("note", call_id="n1", text="hi"), say("answer")])
+    result = await run(parent_agent(store, unreported), "go", store=store, run_id="p")
+    child_log = await store.read_log(child_run_id("p/s1/a1"))
+    assert child_log.finished is not None
+    assert child_log.finished.totals.unknown_usage_attempts == 2
+    totals = result.totals
+    assert (totals.input_tokens, totals.output_tokens, totals.unknown_usage_attempts) == (20, 10, 2)
+    log = await store.read_log("p")
+    action = next(r for r in log.records if isinstance(r, ActionResult))
+    assert (action.outcome.usage, action.outcome.unknown_usage_attempts) == (None, 2)
+    assert check_invariants(log) == []
 
 
 async def test_the_parents_events_carry_the_childs_live_with_their_own_run_id_and_seq(store):

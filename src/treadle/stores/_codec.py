@@ -420,6 +420,7 @@ WIRE: Final[dict[type[Any], tuple[str, ...]]] = {
         "child_run_id",
         "usage",
         "images",
+        "unknown_usage_attempts",
     ),
     Totals: (
         "steps",

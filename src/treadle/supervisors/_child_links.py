@@ -255,8 +255,9 @@ def child_outcome(run_id: str, result: RunResult) -> ActionOutcome:
     """The outcome of a child-run call whose child ``run_id`` ended with ``result``.
 
     Its observation is the child's answer (its structured output as JSON), or an ``Error:``
-    line naming how it ended; its usage is the child's totals, counted in the parent's
-    (docs/child-runs.md, "Budgets").
+    line naming how it ended; its usage is the child's totals (its known token counts, and
+    its attempts whose usage was not reported), counted in the parent's (docs/child-runs.md,
+    "Budgets").
     """
     totals = result.totals
     usage = None
@@ -276,5 +277,9 @@ def child_outcome(run_id: str, result: RunResult) -> ActionOutcome:
             f"({result.stop_reason.value}){error}"
         )
     return ActionOutcome(
-        status=ActionStatus.EXECUTED, observation=observation, child_run_id=run_id, usage=usage
+        status=ActionStatus.EXECUTED,
+        observation=observation,
+        child_run_id=run_id,
+        usage=usage,
+        unknown_usage_attempts=totals.unknown_usage_attempts,
     )

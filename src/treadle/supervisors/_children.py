@@ -146,7 +146,8 @@ def agent_tool(
     did not succeed gives an ``Error:`` line naming its run id, state and stop reason. Its
     outcome names the child
     (``ActionOutcome.child_run_id``) and carries the child's tokens (``usage``), which count
-    in the parent's token budget. See docs/child-runs.md.
+    in the parent's token budget, and its attempts of unknown usage
+    (``unknown_usage_attempts``), added to the parent's. See docs/child-runs.md.
 
     Args:
         agent: the child's agent definition; its budgets are cut to what the parent has left.

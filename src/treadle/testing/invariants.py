@@ -181,7 +181,8 @@ def _totals_match(run_id: str, records: Sequence[Any], finished: RunFinished) ->
     expected = (
         _sum_known(u.input_tokens for u in spent),
         _sum_known(u.output_tokens for u in spent),
-        sum(1 for r in results if _unknown(r.usage)),
+        sum(1 for r in results if _unknown(r.usage))
+        + sum(r.outcome.unknown_usage_attempts for r in records if isinstance(r, ActionResult)),
         sum(1 for r in records if isinstance(r, ModelIntent)),
         sum(1 for r in records if isinstance(r, StepRecord)),
     )
