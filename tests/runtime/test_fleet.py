@@ -51,6 +51,8 @@ def _virtual_time(request):
     """The test's virtual clock, for `store_now` (the PostgreSQL tests run in real time)."""
     if "autojump_clock" in request.fixturenames:
         _TRIO_CLOCK[:] = [request.getfixturevalue("autojump_clock")]
+    else:  # never an earlier test's clock: `store_now` fails at once without one
+        _TRIO_CLOCK.clear()
 
 
 def store_now() -> float:
@@ -263,7 +265,9 @@ async def test_a_fleet_needs_a_store_with_a_queue_and_an_agent(tmp_path: Path, a
         ("max_takeovers", 0),
     ],
 )
-async def test_a_fleet_refuses_a_setting_out_of_range_before_it_claims(setting, value):
+async def test_a_fleet_refuses_a_setting_out_of_range_before_it_claims(
+    setting, value, autojump_clock
+):
     # Before, a NaN backoff was taken and every claim failed in the store, forever; a
     # negative claim poll failed the worker's claim loop after it had started.
     world, store = World(), new_store()
@@ -1079,7 +1083,7 @@ async def test_postgres_a_fleet_drives_claims_parks_and_resumes(postgres_dsn, po
                 done = await worker.result("c", poll_s=0.1)
                 await until(liveness_is(store, "p", Liveness.PARKED), step_s=0.1)
                 assert (await store.read_lease("p")).owner == ""
-                await decide(store, "p", clock=VirtualClock())
+                await decide(store, "p")  # real time, as the store's clock
                 paid = await worker.result("p", poll_s=0.1)
                 # result() reads the store; the worker counts the drive when its task ends
                 await until(slot_freed(worker), step_s=0.1)

@@ -67,6 +67,8 @@ def _virtual_time(request):
     """The test's virtual clock, for `store_now` (the PostgreSQL tests run in real time)."""
     if "autojump_clock" in request.fixturenames:
         _TRIO_CLOCK[:] = [request.getfixturevalue("autojump_clock")]
+    else:  # never an earlier test's clock: `store_now` fails at once without one
+        _TRIO_CLOCK.clear()
 
 
 def store_now() -> float:
