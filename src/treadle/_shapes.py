@@ -1,10 +1,10 @@
 """What a seam's answer must look like, checked where it enters a run.
 
-A model client's `ModelReply` and usage reports and an action executor's `ActionOutcome` are
-checked by the actors that receive them (a breach is a `treadle.SeamViolation`: the run is
-interrupted and left resumable) and by the contract suites in `treadle.testing.seams`, with the
-same rules (docs/seams.md). Each function returns why the value breaks its contract, or
-``None``.
+A model client's `ModelReply`, usage reports and `ModelCallError` usage and an action executor's
+`ActionOutcome` are checked by the actors that receive them (a breach is a
+`treadle.SeamViolation`: the run is interrupted and left resumable) and by the contract suites
+in `treadle.testing.seams`, with the same rules (docs/seams.md). Each function returns why the
+value breaks its contract, or ``None``.
 
 What the checks catch would otherwise surface later and elsewhere: a negative token count that
 unbinds the token budget, a string ``task_completed`` that ends a run as succeeded, arguments

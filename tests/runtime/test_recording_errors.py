@@ -16,6 +16,7 @@ from treadle.types import (
     ActionOutcome,
     ActionStatus,
     DecisionKind,
+    ModelErrorInfo,
     ModelReply,
     ModelResult,
     ParsedReply,
@@ -95,6 +96,17 @@ class ReplyModel:
         return self.reply
 
 
+class FailingModel:
+    """A model client whose every attempt fails with a retryable error carrying ``usage``."""
+
+    def __init__(self, usage: Any) -> None:
+        self.usage = usage
+
+    async def complete(self, request: Any, *, on_delta: Any = None, attempt: Any = None) -> Any:
+        info = ModelErrorInfo(kind="server_error", message="boom", retryable=True)
+        raise treadle.ModelCallError(info, usage=self.usage)
+
+
 class OutcomeExecutor(NoneExecutor):
     """An executor whose ``execute`` returns ``outcome``."""
 
@@ -131,6 +143,10 @@ TURNS = [call("add", a=1, b=2, call_id="c1"), say("3")]
         ("model client", {"model": ReplyModel(_reply(), report=Usage(output_tokens=-5))}),
         ("model client", {"model": ReplyModel(_reply(), report="lots")}),
         ("model client", {"model": ReplyModel(_reply(text=42))}),
+        # The usage a failed attempt carries is held to the same rule as a reply's.
+        ("model client", {"model": FailingModel(Usage(input_tokens=2.5))}),  # type: ignore[arg-type]
+        ("model client", {"model": FailingModel(Usage(input_tokens="lots"))}),  # type: ignore[arg-type]
+        ("model client", {"model": FailingModel(Usage(input_tokens=-1000))}),
         (
             "model client",
             {
@@ -169,6 +185,9 @@ async def test_a_seam_returning_what_its_contract_excludes_interrupts_the_run(se
     assert f"the {seam} returned" in str(info.value)
     log = await store.read_log("r")
     assert log.finished is None  # never a made-up stop reason: the log is left resumable
+    assert not [r for r in log.records if isinstance(r, ModelResult) and r.error]
+    for record in log.records:  # what was written, a durable store can encode and read back
+        assert decode(record_to_json(record)) == record
     # Fixed (a parser is part of the definition: its change is accepted), the run resumes.
     fixed = agent(ScriptedModel(turns=TURNS))
     result = await treadle.run(fixed, store=store, run_id="r", accept_definition_change=True)

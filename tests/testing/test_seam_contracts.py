@@ -517,3 +517,30 @@ class LyingModel:
 async def test_a_broken_model_client_fails_the_contract():
     with pytest.raises(SeamContractError, match="add up"):
         await check_model_client(LyingModel())
+
+
+class BadErrorUsageModel:
+    """Fails its attempt with an error whose usage is no count of tokens."""
+
+    def __init__(self, usage):
+        self.usage = usage
+
+    async def complete(self, request, *, on_delta=None, attempt=Attempt.STANDALONE):
+        await trio.lowlevel.checkpoint()
+        info = ModelErrorInfo(kind="server_error", retryable=True)
+        raise treadle.ModelCallError(info, usage=self.usage)
+
+
+@pytest.mark.parametrize(
+    "usage",
+    [Usage(input_tokens=2.5), Usage(input_tokens="lots"), Usage(output_tokens=-1000)],
+    ids=["float", "text", "negative"],
+)
+async def test_a_client_whose_error_carries_a_broken_usage_fails_the_contract(usage):
+    with pytest.raises(SeamContractError, match=r"usage\.\w+ must be None or a count of tokens"):
+        await check_model_client(BadErrorUsageModel(usage))
+
+
+async def test_a_client_whose_error_carries_a_valid_usage_keeps_the_contract():
+    with pytest.raises(treadle.ModelCallError):  # the first call failed, its error checked
+        await check_model_client(BadErrorUsageModel(Usage(input_tokens=7)))

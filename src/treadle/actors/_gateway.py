@@ -284,7 +284,9 @@ class ModelGateway:
         try:
             reply_ = await client.complete(request, on_delta=on_delta, attempt=attempt)
         except ModelCallError as exc:
-            return meter.error if meter.cut and meter.error is not None else exc
+            if meter.cut and meter.error is not None:
+                return meter.error
+            return _checked_error(exc)
         problem = reply_problem(reply_)
         if problem is not None:
             # A bug in the client, not a result of the call: nothing is recorded for the
@@ -325,6 +327,23 @@ class ModelGateway:
         written.append(result)
         await self.writer.write(StoreOp.MODEL_RESULT, result)
         return result
+
+
+def _checked_error(error: ModelCallError) -> ModelCallError:
+    """``error`` when the usage it carries keeps the model client's contract.
+
+    Each count is ``None`` or an int >= 0, as in a reply (docs/seams.md, "Model client").
+
+    Raises:
+        SeamViolation: a count of another type or below 0 (which would make the log
+            undecodable or unbind the token budget); nothing is recorded for the attempt and
+            the run is interrupted (its intent is abandoned on resume).
+    """
+    problem = usage_problem(error.usage)
+    if problem is not None:
+        expected = f"a ModelCallError with a valid usage ({problem})"
+        raise SeamViolation("model client", error.usage, expected) from error
+    return error
 
 
 def _tokens(usage: Usage) -> int:

@@ -377,10 +377,10 @@ async def check_model_client(
     Checks, on the first call (made with an `Attempt` that records every usage report):
     ``complete`` takes the keyword-only ``attempt`` argument, with a default (a call outside a
     run passes none); the call returns a `ModelReply` (or raises `ModelCallError` with a
-    classified kind and a `Usage`); usage counts are ints or ``None`` (never a made-up value
-    of another type); every tool call has a non-empty id and a dict of arguments; the
-    streamed text fragments, when any were delivered, add up to the reply's text; every
-    usage report is a `Usage`.
+    classified kind and a `Usage`); usage counts, the reply's, each report's and a raised
+    error's, are ints >= 0 or ``None`` (never a made-up value of another type); every tool call
+    has a non-empty id and a dict of arguments; the streamed text fragments, when any were
+    delivered, add up to the reply's text; every usage report is a `Usage`.
 
     When the client reported usage, a second call's `Attempt` raises `ModelCallError` (kind
     ``token_budget``) from the first report, as the model gateway's does when the run's token
@@ -522,7 +522,8 @@ def _check_takes_attempt(client: ModelClient) -> None:
 
 def _check_model_error(exc: ModelCallError) -> None:
     _expect(bool(exc.info.kind), "a model error must carry a kind")
-    _expect(isinstance(exc.usage, Usage), "a model error must carry usage (maybe unknown)")
+    problem = usage_problem(exc.usage)  # a Usage (maybe all unknown) of valid counts
+    _expect(problem is None, f"a model error's {problem}")
 
 
 async def _check_usage_report_ends_the_attempt(client: ModelClient, request: ModelRequest) -> None:
