@@ -323,6 +323,7 @@ ACTORS = sorted(
         "backoff_s",
         "check_from_seq",
         "durable_event",
+        "ends_the_call",
         "open_mailbox",
         "recorded_history",
         "reply",

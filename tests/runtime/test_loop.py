@@ -5,7 +5,7 @@ import trio
 from runtime_fakes import LedgerTools, SimpleParser
 
 from treadle._cli_common import describe
-from treadle._exceptions import ModelCallError, UsageError
+from treadle._exceptions import ModelCallError, RunInterrupted, UsageError
 from treadle.agent import Agent
 from treadle.stores.memory import MemoryStore
 from treadle.supervisors import open_run, run
@@ -123,6 +123,32 @@ async def test_model_error_for_good():
     result = await run(agent, "x", store=MemoryStore())
     assert result.stop_reason is StopReason.MODEL_ERROR
     assert result.error == "context_length_exceeded"
+    assert result.totals.model_attempts == 1
+
+
+async def test_a_wait_longer_than_the_cap_ends_the_call_live_and_on_resume(autojump_clock):
+    """A server-directed wait longer than `Limits.retry_after_max_s` ends the call at once
+    (decision 0102). A crash after that attempt's result was durable and before its step
+    record made the resumed run retry it (a new paid call) and succeed."""
+    from treadle.testing.faults import CrashingStore, SimulatedCrash
+
+    quota = ModelErrorInfo(kind="rate_limited", retryable=True, retry_after_s=50.0)
+    limits = Limits(retry_after_max_s=5.0)
+    live, _, _ = make_agent([say("hi")], failures={0: [quota]}, limits=limits)
+    result = await run(live, "x", store=MemoryStore())
+    assert result.stop_reason is StopReason.MODEL_ERROR and result.totals.model_attempts == 1
+
+    store = MemoryStore()
+    crashed, _, _ = make_agent([say("hi")], failures={0: [quota]}, limits=limits)
+    # Writes: run started, model intent, model result; die once the result is stored.
+    with pytest.raises((SimulatedCrash, RunInterrupted)):
+        await run(
+            crashed, "x", store=CrashingStore(inner=store, crash_at=3, when="after"), run_id="r"
+        )
+    resumed, _, model = make_agent([say("hi")], limits=limits)
+    result = await run(resumed, store=store, run_id="r")
+    assert result.stop_reason is StopReason.MODEL_ERROR and result.error == "rate_limited"
+    assert model.requests == []  # the recorded failure is reused, never retried
     assert result.totals.model_attempts == 1
 
 

@@ -15,7 +15,9 @@ private. Each actor is a trio task serving one inbox (a mailbox, `open_mailbox`)
 A request that wants an answer carries a `ReplySlot` (`request` sends and waits, `reply`
 answers). The step's cancellation and active-time deadline is a `StepScope`, the one object
 the actors of a step share. `Parked`, `AwaitingChildren` and `Drained` are the coordinator's
-signals that the run stops being driven here (caught by the run supervisor).
+signals that the run stops being driven here (caught by the run supervisor). `backoff_s` and
+`ends_the_call` are the retry rule of model attempts, shared by the gateway and the
+coordinator's resume.
 """
 
 from treadle._state import seconds_between as seconds_between
@@ -28,7 +30,6 @@ from treadle.actors._executor import ToolExecutor as ToolExecutor
 from treadle.actors._gateway import DELTA_FLUSH_CHARS as DELTA_FLUSH_CHARS
 from treadle.actors._gateway import DELTA_FLUSH_S as DELTA_FLUSH_S
 from treadle.actors._gateway import ModelGateway as ModelGateway
-from treadle.actors._gateway import backoff_s as backoff_s
 from treadle.actors._hydrator import ContextHydrator as ContextHydrator
 from treadle.actors._hydrator import recorded_history as recorded_history
 from treadle.actors._hydrator import step_messages as step_messages
@@ -53,6 +54,8 @@ from treadle.actors._messages import Subscribe as Subscribe
 from treadle.actors._messages import Subscription as Subscription
 from treadle.actors._messages import Warn as Warn
 from treadle.actors._messages import WriterRequest as WriterRequest
+from treadle.actors._retries import backoff_s as backoff_s
+from treadle.actors._retries import ends_the_call as ends_the_call
 from treadle.actors._rpc import CANCEL_GRACE_S as CANCEL_GRACE_S
 from treadle.actors._rpc import ReplySlot as ReplySlot
 from treadle.actors._rpc import StepScope as StepScope
@@ -112,6 +115,7 @@ __all__ = [
     "backoff_s",
     "check_from_seq",
     "durable_event",
+    "ends_the_call",
     "open_mailbox",
     "recorded_history",
     "reply",

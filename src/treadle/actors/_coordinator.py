@@ -43,6 +43,7 @@ from treadle.actors._messages import (
     Offer,
     RunActions,
 )
+from treadle.actors._retries import ends_the_call
 from treadle.actors._rpc import CANCEL_GRACE_S, ReplySlot, StepScope, request
 from treadle.actors._writer import WriterClient
 from treadle.approvals import (
@@ -490,8 +491,9 @@ class RunCoordinator:
         """The step's last model attempt, when it failed for good before its step record.
 
         A crash between a final model error and the step record leaves exactly that in the
-        log; resuming reuses the recorded result (docs/crash-safety.md, "Resume") instead of a new
-        attempt. A cut
+        log; resuming reuses the recorded result (docs/crash-safety.md, "Resume") instead of a
+        new attempt. Whether the error is final is `ends_the_call`'s answer, the gateway's rule
+        live (a wait the server asked for longer than ``retry_after_max_s`` included). A cut
         (cancel, time or token budget) or an abandoned attempt is not a failure for good.
         """
         if pending.open_model_intent is not None or not pending.failures:
@@ -501,7 +503,7 @@ class RunCoordinator:
         error = pending.failures[-1].error
         if error is None or error.kind in _CUT_KINDS:
             return None
-        if error.retryable and len(pending.failures) <= self.limits.max_model_retries:
+        if not ends_the_call(error, len(pending.failures), self.limits):
             return None
         return error
 

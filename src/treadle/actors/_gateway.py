@@ -34,6 +34,7 @@ from treadle._state import seconds_between
 from treadle._text import repaired
 from treadle.actors._mailbox import MailboxReceiver
 from treadle.actors._messages import CallModel, ModelOutcome
+from treadle.actors._retries import backoff_s, ends_the_call
 from treadle.actors._rpc import StepScope, reply
 from treadle.actors._writer import WriterClient
 from treadle.parsers import strict_arguments
@@ -58,19 +59,6 @@ DELTA_FLUSH_CHARS = 1024
 """Coalesced deltas are flushed at about 1 KiB ..."""
 DELTA_FLUSH_S = 0.03
 """... or after 30 ms (trio clock), whichever comes first."""
-
-
-def backoff_s(retry: int, limits: Limits, rng: random.Random) -> float:
-    """Seconds to wait before retry number ``retry`` (1-based).
-
-    Exponential from ``limits.retry_initial_s``, capped at ``limits.retry_max_s``, with
-    "equal jitter" (half fixed, half uniform random).
-
-    The random source is injected so simulations are reproducible (docs/simulation.md,
-    "Determinism"); see docs/decisions/0003-own-backoff.md.
-    """
-    ceiling = min(limits.retry_max_s, limits.retry_initial_s * 2.0 ** (retry - 1))
-    return ceiling / 2 + rng.uniform(0, ceiling / 2)
 
 
 @attrs.define(eq=False)
@@ -161,13 +149,11 @@ class ModelGateway:
                 )
             assert result.error is not None
             failures += 1
-            if not result.error.retryable or failures > self.limits.max_model_retries:
+            if ends_the_call(result.error, failures, self.limits):
                 return ModelOutcome(error=result.error, written=tuple(written))
             wait = result.error.retry_after_s
             if wait is None:
                 wait = backoff_s(failures, self.limits, self.rng)
-            elif self.limits.retry_after_max_s is not None and wait > self.limits.retry_after_max_s:
-                return ModelOutcome(error=result.error, written=tuple(written))
             waited = await self._wait(message, wait, written)
             if waited is not None:
                 return waited
