@@ -227,6 +227,11 @@ async def test_a_refusal_through_a_run_is_recorded_and_shown(tmp_path):
         ({"retry-after": "3"}, json.dumps({"error": {"details": [
             {"@type": "type.googleapis.com/google.rpc.RetryInfo", "retryDelay": "37s"}]}}).encode(),
          3.0),
+        # a wait that overflows to infinity is unreadable, in the body as in a header
+        ({}, json.dumps({"error": {"details": [
+            {"@type": "type.googleapis.com/google.rpc.RetryInfo", "retryDelay": "9" * 400 + "s"}]}}
+        ).encode(), None),
+        ({"retry-after": "1e400"}, b"{}", None),
     ],
 )  # fmt: skip
 async def test_rate_limit_waits_are_honoured(headers, body, wait):

@@ -205,7 +205,11 @@ _DELAY = re.compile(r"\A\s*(\d+(?:\.\d+)?)s\s*\Z")
 
 
 def retry_delay_in(body: Any) -> float | None:
-    """The wait a Google-style error body asks for (``RetryInfo.retryDelay``), in seconds."""
+    """The wait a Google-style error body asks for (``RetryInfo.retryDelay``), in seconds.
+
+    ``None`` when absent or unreadable; a delay too large for a float (it overflows to
+    infinity) is unreadable, as it is in a header.
+    """
     if isinstance(body, list) and body:
         body = body[0]
     error = body.get("error") if isinstance(body, Mapping) else None
@@ -221,7 +225,7 @@ def retry_delay_in(body: Any) -> float | None:
         ):
             found = _DELAY.match(delay)
             if found is not None:
-                return float(found.group(1))
+                return _number(found.group(1))
     return None
 
 
