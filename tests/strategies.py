@@ -331,6 +331,7 @@ totals = _build(
     output_tokens=maybe_counts,
     unknown_usage_attempts=counts,
     active_s=seconds,
+    other_tokens=maybe_counts,
 )
 run_finisheds = _build(
     t.RunFinished,

@@ -565,6 +565,8 @@ def model_detail(record: ModelResult) -> str:
         ]
         cached = f" ({', '.join(cache)})" if cache else ""
         tokens = f" [{usage.input_tokens} in{cached} / {usage.output_tokens} out tokens]"
+    elif usage.total_tokens is not None:  # a server that reports only a total
+        tokens = f" [{usage.total_tokens} tokens in total]"
     if record.abandoned:
         return "abandoned (outcome unknown after a crash)"
     if record.error is not None:

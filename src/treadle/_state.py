@@ -82,6 +82,7 @@ class RunView:
         steps: completed steps.
         model_attempts: every model attempt (abandoned and failed included).
         input_tokens / output_tokens: sums of reported usage (``None`` until one is reported).
+        other_tokens: tokens reported in totals beyond their parts (`treadle.types.Totals`).
         unknown_usage_attempts: attempts that reported no usage.
         active_s: active seconds of the completed steps.
         consecutive_invalid: invalid decisions in a row at the end of the log.
@@ -104,6 +105,7 @@ class RunView:
     model_attempts: int = 0
     input_tokens: int | None = None
     output_tokens: int | None = None
+    other_tokens: int | None = None
     unknown_usage_attempts: int = 0
     active_s: float = 0.0
     consecutive_invalid: int = 0
@@ -117,8 +119,11 @@ class RunView:
 
     @property
     def tokens(self) -> int:
-        """Reported input + output tokens so far (unknown usage is not counted as anything)."""
-        return (self.input_tokens or 0) + (self.output_tokens or 0)
+        """Tokens the token budget counts so far: each attempt's `Usage.known_total`.
+
+        Unknown usage is not counted as anything (docs/concepts.md, "Budgets").
+        """
+        return (self.input_tokens or 0) + (self.output_tokens or 0) + (self.other_tokens or 0)
 
     def observed_revisions(self) -> dict[str, tuple[int, ...]]:
         """A copy of `revisions`, for the executor to check the next step's writes against."""
@@ -133,6 +138,7 @@ class RunView:
             output_tokens=self.output_tokens,
             unknown_usage_attempts=self.unknown_usage_attempts,
             active_s=round(self.active_s + extra_active_s, 6),
+            other_tokens=self.other_tokens,
         )
 
     def apply(self, record: Record) -> None:
@@ -167,14 +173,22 @@ class RunView:
             self.finished = record
 
     def count_usage(self, usage: Usage) -> None:
-        """Add one attempt's reported usage; unknown counts stay unknown."""
-        if usage.input_tokens is None and usage.output_tokens is None:
+        """Add one attempt's reported usage; unknown counts stay unknown.
+
+        Of a total larger than its input and output tokens (or reported alone), the rest
+        is added to ``other_tokens``, so that `tokens` is the sum of `Usage.known_total`.
+        """
+        counted = usage.known_total
+        if counted is None:
             self.unknown_usage_attempts += 1
             return
         if usage.input_tokens is not None:
             self.input_tokens = (self.input_tokens or 0) + usage.input_tokens
         if usage.output_tokens is not None:
             self.output_tokens = (self.output_tokens or 0) + usage.output_tokens
+        other = counted - (usage.input_tokens or 0) - (usage.output_tokens or 0)
+        if other > 0:
+            self.other_tokens = (self.other_tokens or 0) + other
 
     def _apply_model_result(self, record: ModelResult) -> None:
         pending = self.pending

@@ -358,9 +358,18 @@ class Usage:
 
     @property
     def known_total(self) -> int | None:
-        """Input plus output tokens, or the reported total, or ``None`` when unknown."""
-        if self.input_tokens is not None and self.output_tokens is not None:
-            return self.input_tokens + self.output_tokens
+        """The tokens this usage accounts for, as the token budget counts them.
+
+        ``input_tokens + output_tokens`` as far as they are reported, or ``total_tokens`` when
+        that is larger: all of a total a server reports alone, and what a total counts beyond
+        its parts; ``None`` when none of the three is reported (docs/concepts.md, "Budgets";
+        docs/decisions/0105-reported-totals-count.md).
+        """
+        parts = None
+        if self.input_tokens is not None or self.output_tokens is not None:
+            parts = (self.input_tokens or 0) + (self.output_tokens or 0)
+        if self.total_tokens is None or (parts is not None and parts >= self.total_tokens):
+            return parts
         return self.total_tokens
 
 
@@ -622,7 +631,8 @@ class Budgets:
         max_model_attempts: every HTTP attempt, retries and abandoned attempts included.
         token_budget: ``input_tokens + output_tokens`` as reported (cached input tokens are
             part of ``input_tokens`` and count in full; reasoning tokens are part of
-            ``output_tokens``); unknown usage never counts as 0.
+            ``output_tokens``), or the reported ``total_tokens`` of an attempt when larger
+            (`Usage.known_total`); unknown usage never counts as 0.
         time_budget_s: active seconds (running time, excluding waits for human approval).
     """
 
@@ -1055,9 +1065,13 @@ class Totals:
         model_attempts: every attempt (abandoned and failed included).
         input_tokens / output_tokens: sums of reported usage; ``None`` when no attempt
             reported it.
-        unknown_usage_attempts: attempts whose usage was not reported (a child run's
-            included, docs/child-runs.md "Budgets").
+        unknown_usage_attempts: attempts that reported no count of tokens (neither input,
+            output nor a total; a child run's included, docs/child-runs.md "Budgets").
         active_s: active seconds (excluding approval waits).
+        other_tokens: tokens reported in totals beyond their input and output tokens (all of
+            a total a server reports without its parts, `Usage.known_total`); ``None`` when
+            no attempt reported such a total. The token budget counts
+            ``input_tokens + output_tokens + other_tokens``.
     """
 
     steps: int = 0
@@ -1066,6 +1080,7 @@ class Totals:
     output_tokens: int | None = None
     unknown_usage_attempts: int = 0
     active_s: float = 0.0
+    other_tokens: int | None = None
 
 
 @attrs.frozen(kw_only=True)

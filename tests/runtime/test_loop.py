@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import attrs
 import pytest
 import trio
 from runtime_fakes import LedgerTools, SimpleParser
@@ -173,6 +174,47 @@ async def test_token_budget():
     result = await run(agent, "x", store=MemoryStore())
     assert result.stop_reason is StopReason.TOKEN_BUDGET
     assert result.totals.input_tokens == 120
+
+
+async def test_a_total_reported_without_its_parts_counts_against_the_token_budget():
+    """A server that reports only ``total_tokens`` never met the token budget, and its
+    attempts were counted as unknown usage."""
+    reply = attrs.evolve(call("add", a=1, b=1), usage=Usage(total_tokens=500))
+    agent, _, _ = make_agent([reply] * 3, budgets=Budgets(token_budget=100))
+    store = MemoryStore()
+    result = await run(agent, "x", store=store, run_id="r")
+    assert result.stop_reason is StopReason.TOKEN_BUDGET
+    assert result.totals.model_attempts == 1
+    assert (result.totals.input_tokens, result.totals.output_tokens) == (None, None)
+    assert result.totals.other_tokens == 500 and result.totals.unknown_usage_attempts == 0
+    assert check_invariants(await store.read_log("r")) == []
+
+
+async def test_a_total_reported_while_streaming_cuts_the_attempt_at_the_token_budget():
+    class TotalsOnly:
+        async def complete(self, request, *, on_delta=None, attempt=Attempt.STANDALONE):
+            attempt.report_usage(Usage(total_tokens=500))
+            return say("too late")
+
+    agent = Agent(
+        model=TotalsOnly(),
+        executor=LedgerTools(),
+        parser=SimpleParser(),
+        budgets=Budgets(token_budget=100),
+    )
+    result = await run(agent, "x", store=MemoryStore())
+    assert result.stop_reason is StopReason.TOKEN_BUDGET and result.final_answer is None
+    assert result.totals.other_tokens == 500
+
+
+def test_the_budget_counts_input_and_output_or_a_larger_total():
+    assert Usage().known_total is None
+    assert Usage(input_tokens=7).known_total == 7  # a failure after the prompt was counted
+    assert Usage(input_tokens=7, output_tokens=3, total_tokens=10).known_total == 10
+    assert Usage(total_tokens=500).known_total == 500
+    # A total that counts more than its parts (tokens the parts leave out) counts in full.
+    assert Usage(input_tokens=7, output_tokens=3, total_tokens=14).known_total == 14
+    assert Usage(input_tokens=7, output_tokens=3, total_tokens=4).known_total == 10
 
 
 async def test_unknown_usage_never_counted_as_zero():

@@ -448,14 +448,13 @@ def _duration(start: float, end_ts: str | None, measured: float | None) -> float
 
 
 def run_tokens(log: RunLog) -> int | None:
-    """Reported input plus output tokens of every attempt of ``log``; ``None`` when none says."""
-    counts = [
-        (r.usage.input_tokens or 0) + (r.usage.output_tokens or 0)
-        for r in log.records
-        if isinstance(r, ModelResult)
-        and (r.usage.input_tokens is not None or r.usage.output_tokens is not None)
-    ]
-    return sum(counts) if counts else None
+    """Reported tokens of every attempt of ``log``; ``None`` when none says.
+
+    Counted as the token budget counts them (`treadle.types.Usage.known_total`).
+    """
+    counts = [r.usage.known_total for r in log.records if isinstance(r, ModelResult)]
+    known = [c for c in counts if c is not None]
+    return sum(known) if known else None
 
 
 def run_thread(log: RunLog) -> str | None:

@@ -333,7 +333,8 @@ def _checked_error(error: ModelCallError) -> ModelCallError:
 
 
 def _tokens(usage: Usage) -> int:
-    return (usage.input_tokens or 0) + (usage.output_tokens or 0)
+    """The tokens ``usage`` counts against the token budget (`Usage.known_total`; 0 unknown)."""
+    return usage.known_total or 0
 
 
 def _known(usage: Usage) -> bool:
@@ -353,8 +354,8 @@ class _Meter:
     """Observes the usage one attempt reports and cuts it when it crosses ``limit`` tokens.
 
     Attributes:
-        limit: input + output tokens the attempt may use (the run's remaining token budget);
-            ``None`` for no limit.
+        limit: tokens the attempt may use as the token budget counts them (the run's
+            remaining token budget, `treadle.types.Usage.known_total`); ``None`` for no limit.
         last: the latest usage the server reported in this attempt.
         cut: the attempt was ended because its reported usage crossed ``limit``.
         error: the error raised to end it.

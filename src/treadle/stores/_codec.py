@@ -429,6 +429,7 @@ WIRE: Final[dict[type[Any], tuple[str, ...]]] = {
         "output_tokens",
         "unknown_usage_attempts",
         "active_s",
+        "other_tokens",
     ),
     # records (the run id is the row's or the file's)
     RunStarted: (

@@ -16,6 +16,8 @@ import logging
 from collections.abc import Iterable
 from typing import Final
 
+import attrs
+
 from treadle._clock import SystemClock
 from treadle._exceptions import StoreError, UsageError
 from treadle._ids import MAX_RUN_ID_CHARS
@@ -263,6 +265,9 @@ def child_outcome(run_id: str, result: RunResult) -> ActionOutcome:
     usage = None
     if totals.input_tokens is not None or totals.output_tokens is not None:
         usage = Usage(input_tokens=totals.input_tokens, output_tokens=totals.output_tokens)
+    if totals.other_tokens is not None:  # a total beyond the parts: counted in full
+        parts = (totals.input_tokens or 0) + (totals.output_tokens or 0)
+        usage = attrs.evolve(usage or Usage(), total_tokens=parts + totals.other_tokens)
     if result.state is RunState.SUCCEEDED:
         if result.output is not None:  # a structured output: as JSON
             observation = observation_of(result.output)

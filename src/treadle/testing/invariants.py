@@ -154,11 +154,17 @@ def check_tool_replies(requests: Iterable[ModelRequest]) -> list[str]:
 
 
 def _tokens(usage: Usage) -> int:
-    return (usage.input_tokens or 0) + (usage.output_tokens or 0)
+    return usage.known_total or 0
 
 
 def _unknown(usage: Usage) -> bool:
-    return usage.input_tokens is None and usage.output_tokens is None
+    return usage.known_total is None
+
+
+def _other(usage: Usage) -> int | None:
+    """What a reported total holds beyond the usage's input and output tokens."""
+    other = _tokens(usage) - (usage.input_tokens or 0) - (usage.output_tokens or 0)
+    return other if other > 0 else None
 
 
 def _sum_known(values: Iterable[int | None]) -> int | None:
@@ -181,6 +187,7 @@ def _totals_match(run_id: str, records: Sequence[Any], finished: RunFinished) ->
     expected = (
         _sum_known(u.input_tokens for u in spent),
         _sum_known(u.output_tokens for u in spent),
+        _sum_known(_other(u) for u in spent),
         sum(1 for r in results if _unknown(r.usage))
         + sum(r.outcome.unknown_usage_attempts for r in records if isinstance(r, ActionResult)),
         sum(1 for r in records if isinstance(r, ModelIntent)),
@@ -190,14 +197,15 @@ def _totals_match(run_id: str, records: Sequence[Any], finished: RunFinished) ->
     reported = (
         totals.input_tokens,
         totals.output_tokens,
+        totals.other_tokens,
         totals.unknown_usage_attempts,
         totals.model_attempts,
         totals.steps,
     )
     if reported != expected:
         return [
-            f"{run_id}: run-finished totals (input, output, unknown-usage attempts, attempts, "
-            f"steps) {reported} differ from the log's {expected}"
+            f"{run_id}: run-finished totals (input, output, other, unknown-usage attempts, "
+            f"attempts, steps) {reported} differ from the log's {expected}"
         ]
     return []
 
@@ -211,10 +219,11 @@ def check_budgets(
 
     - steps: no more step records than ``max_steps``;
     - model attempts: no attempt started once ``max_model_attempts`` were made;
-    - tokens (input + output as reported): no model attempt started, and no action started,
-      once the reported usage reached the budget (an action may follow a reply that brought
-      usage exactly to the budget, never one that went past it). Attempts that reported no
-      usage are unknown, not 0: they add nothing here and are counted apart in the totals;
+    - tokens (input + output as reported, or a larger reported total: `Usage.known_total`):
+      no model attempt started, and no action started, once the reported usage reached the
+      budget (an action may follow a reply that brought usage exactly to the budget, never
+      one that went past it). Attempts that reported no usage are unknown, not 0: they add
+      nothing here and are counted apart in the totals;
     - active time: no step started once the steps before it had used the budget, and the
       run's total active time (the step records' plus a step cut at the deadline) is within
       ``time_slack_s`` of the budget.
