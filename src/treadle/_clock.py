@@ -13,6 +13,8 @@ from typing import Protocol
 
 import attrs
 
+from treadle._exceptions import UsageError
+
 
 class Clock(Protocol):
     """A source of UTC wall-clock instants for records."""
@@ -84,3 +86,19 @@ def seconds_out_of_range(value: object, *, above_zero: bool = False) -> str | No
     if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
         return why
     return None if (value > 0 if above_zero else value >= 0) else why
+
+
+def check_seconds(*, above_zero: bool = False, **seconds: float | None) -> None:
+    """Refuse a duration setting that is not a finite number >= 0 (> 0 with ``above_zero``).
+
+    ``None`` passes (the settings that take it mean "never"). A NaN or an infinity would
+    reach a sleep or a timestamp and fail there, long after the run or worker started; a
+    poll interval of 0 or less would poll without pause. `seconds_out_of_range`'s rule.
+
+    Raises:
+        UsageError: names the first setting out of range, with its value.
+    """
+    for name, value in seconds.items():
+        why = seconds_out_of_range(value, above_zero=above_zero)
+        if why is not None:
+            raise UsageError(f"{name} {why}")

@@ -348,6 +348,28 @@ def test_a_budget_or_limit_of_the_wrong_kind_is_refused_when_made(make, named):
         make()
 
 
+@pytest.mark.parametrize(
+    ("setting", "value"),
+    [
+        ("control_poll_s", float("nan")),
+        ("control_poll_s", 0),
+        ("control_poll_s", -1.0),
+        ("control_poll_s", float("inf")),
+        ("park_after_s", float("nan")),
+        ("park_after_s", -1.0),
+    ],
+)
+async def test_open_run_refuses_a_poll_or_park_interval_out_of_range(setting, value):
+    """A NaN control poll failed later with trio's own ValueError and left a broken run in
+    the store; 0 or less read the control stream without pause."""
+    agent, _, _ = make_agent([say("hi")])
+    store = MemoryStore()
+    with pytest.raises(UsageError, match=rf"^{setting} must be a finite number of seconds"):
+        async with open_run(agent, "x", store=store, run_id="r", **{setting: value}):
+            pass
+    assert (await store.read_log("r")).records == ()  # nothing was written
+
+
 def test_zero_and_unlimited_budgets_are_allowed():
     assert Budgets(max_steps=0, token_budget=0, time_budget_s=0).max_steps == 0
     assert Budgets(max_steps=None, max_model_attempts=None).max_steps is None

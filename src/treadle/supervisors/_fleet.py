@@ -27,7 +27,7 @@ from typing import Any, Final
 import attrs
 import trio
 
-from treadle._clock import Clock, SystemClock, seconds_out_of_range
+from treadle._clock import Clock, SystemClock, check_seconds
 from treadle._exceptions import (
     ChildPending,
     LeaseError,
@@ -552,8 +552,8 @@ async def open_fleet(
             f"max_running and max_takeovers must be at least 1, not {max_running} and "
             f"{max_takeovers}"
         )
-    _check_seconds(drain_s=drain_s, backoff_s=backoff_s, park_after_s=park_after_s)
-    _check_seconds(
+    check_seconds(drain_s=drain_s, backoff_s=backoff_s, park_after_s=park_after_s)
+    check_seconds(
         above_zero=True,
         metrics_refresh_s=metrics_refresh_s,
         child_recheck_s=child_recheck_s,
@@ -622,21 +622,6 @@ async def _count_runs(index: RunIndex) -> Mapping[Liveness, int]:
     if isinstance(index, RunCounts):
         return await index.count_runs()
     return Counter(summary.liveness for summary in await index.list_summaries())
-
-
-def _check_seconds(*, above_zero: bool = False, **seconds: float | None) -> None:
-    """Refuse a duration that is not a finite number >= 0 (> 0 with ``above_zero``).
-
-    ``None`` passes (the settings that take it mean "never"). A NaN or an infinity would
-    reach a sleep or a timestamp and fail there, long after the worker started.
-
-    Raises:
-        UsageError: names the first setting out of range, with its value.
-    """
-    for name, value in seconds.items():
-        why = seconds_out_of_range(value, above_zero=above_zero)
-        if why is not None:
-            raise UsageError(f"{name} {why}")
 
 
 def _factory(value: AgentFactory | Agent) -> AgentFactory:

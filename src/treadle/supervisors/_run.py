@@ -21,7 +21,7 @@ from types import TracebackType
 
 import trio
 
-from treadle._clock import Clock, SystemClock
+from treadle._clock import Clock, SystemClock, check_seconds
 from treadle._exceptions import UsageError
 from treadle._ids import check_run_id, new_run_id
 from treadle._trio_only import require_trio
@@ -32,7 +32,7 @@ from treadle.agent import Agent, RunInput
 from treadle.approvals import ApprovalPolicy
 from treadle.metrics import MetricsRecorder
 from treadle.ports import EventSink, RunStore
-from treadle.stores import LEASE_TTL_S, lease_owner
+from treadle.stores import LEASE_TTL_S, check_ttl, lease_owner
 from treadle.supervisors._driver import (
     CONTROL_POLL_S,
     PARK_AFTER_S,
@@ -97,9 +97,9 @@ def open_run(
         rng: random source for retry jitter (default: one unseeded source the runs share).
         approval_policy: ``policy(tool, arguments) -> bool``: calls it selects wait for a
             human decision, as do tools declared with ``requires_approval=True``.
-        control_poll_s: seconds between reads of the run's control stream (cancel and
-            approval decisions from other processes, see `treadle.approvals`); ``None``
-            reads it only once, when the run starts.
+        control_poll_s: seconds (a finite number > 0) between reads of the run's control
+            stream (cancel and approval decisions from other processes, see
+            `treadle.approvals`); ``None`` reads it only once, when the run starts.
         actors: the factories of the run's five actors (default: the real ones); replace
             one to swap that actor alone (see `Actors`).
         park_after_s: seconds a run waits for an approval decision with its actors running;
@@ -133,10 +133,12 @@ def open_run(
             expiry); nothing was read or written.
         InvalidRunId: ``run_id`` is not an allowed run id.
         UsageError: no input for a new run, or an input that differs from the stored one;
-            a thread that does not exist or whose latest run is not finished (started with
-            another input), a fork of a missing run or at a step it does not have, both
-            ``thread_id`` and ``fork_of``, or a ``run_id`` that exists with another lineage
-            (docs/threads.md, "When a thread cannot go on"). Nothing is written then.
+            a ``control_poll_s`` or ``lease_ttl_s`` that is not a finite number > 0, a
+            ``park_after_s`` that is not one >= 0; a thread that does not exist or whose
+            latest run is not finished (started with another input), a fork of a missing run
+            or at a step it does not have, both ``thread_id`` and ``fork_of``, or a
+            ``run_id`` that exists with another lineage (docs/threads.md, "When a thread
+            cannot go on"). Nothing is written then.
         SnapshotMismatch: resuming with a definition whose snapshot differs (names the keys).
         SchemaTooNew: the log was written by a newer treadle.
     """
@@ -237,6 +239,9 @@ async def _prepared(
     stopped: `run` waits (it has nothing else to do meanwhile), so the run takes no task of
     its own besides its actors' (docs/performance.md, "Memory").
     """
+    check_seconds(park_after_s=park_after_s)
+    check_seconds(above_zero=True, control_poll_s=control_poll_s)
+    check_ttl(lease_ttl_s)
     lineage: Lineage | None = None
     if thread_id is not None or fork_of is not None:
         run_id, lineage = await _lineage(store, input, run_id, thread_id, fork_of, at_step)
