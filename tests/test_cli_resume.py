@@ -358,6 +358,27 @@ def test_resume_all_reports_a_damaged_run_and_resumes_the_others(tmp_path: Path)
     assert "'newer'" in result.stderr and "99" in result.stderr
 
 
+def test_a_run_whose_lease_file_cannot_be_read_blocks_no_other_run(tmp_path: Path) -> None:
+    """One run's lease file made a directory: `treadle runs` and `resume --all` ended with only
+    "cannot read .../bad.lease: not a regular file" and exit 1, the other run not resumed."""
+    path = prepare(tmp_path, "jsonl", {"good": 9, "bad": 9})
+    sidecar = path / ".leases" / "bad.lease"
+    sidecar.unlink(missing_ok=True)
+    sidecar.mkdir()
+    runner = CliRunner(env={LEDGER_ENV: str(tmp_path / "ledger.jsonl")})
+    listing = runner.invoke(main, ["runs", "--store", str(path), "--json"])
+    assert listing.exit_code == 1  # one run cannot be read: said by the exit status
+    rows = {row["run_id"]: row for row in map(json.loads, listing.stdout.splitlines())}
+    assert set(rows) == {"good", "bad"}  # none hidden
+    assert rows["good"]["error"] is None and rows["good"]["liveness"] == "orphaned"
+    assert "bad.lease" in rows["bad"]["error"] and "not a regular file" in rows["bad"]["error"]
+    assert rows["bad"]["state"] == "running"  # its log still says where it stands
+    result = runner.invoke(main, ["resume", "--all", "--store", str(path), "--agent", AGENT])
+    assert result.exit_code == 1
+    assert "good: succeeded (task_completed), 4 steps" in result.stdout
+    assert "'bad'" in result.stderr and "bad.lease" in result.stderr
+
+
 @pytest.mark.parametrize("as_json", [False, True])
 def test_resume_all_prints_no_result_for_a_run_whose_resume_failed(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, as_json: bool

@@ -399,8 +399,23 @@ class JsonlStore(EngineStore):
         return [self._summary(probe, now) for probe in probes]
 
     def _summary(self, probe: Probe, now: float) -> RunSummary:
-        lease = self._lease_now(probe.run_id, now)
+        """One run's summary from its probe and lease file, read in a worker thread.
+
+        A lease file that cannot be read (a directory in its place, no permission) makes the
+        summary an error naming it, the log's state kept, and never fails the listing: a
+        damaged run never blocks the others (docs/crash-safety.md, "Torn tails and damage").
+        """
         path = os.path.join(self._directory, probe.name)
+        try:
+            lease = self._lease_now(probe.run_id, now)
+        except StoreError as exc:
+            summary = self._summary_of_log(probe, path, None, now)
+            return attrs.evolve(summary, error=summary.error or str(exc))  # the log's first
+        return self._summary_of_log(probe, path, lease, now)
+
+    def _summary_of_log(
+        self, probe: Probe, path: str, lease: Lease | None, now: float
+    ) -> RunSummary:
         if probe.error is not None:
             return RunSummary(
                 run_id=probe.run_id,
