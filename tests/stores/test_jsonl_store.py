@@ -1912,6 +1912,35 @@ async def test_a_lost_lease_file_never_starts_the_generations_over(tmp_path: Pat
     assert list(generations) == sorted(generations) and generations[-1] == 3
 
 
+async def test_a_control_folder_that_cannot_be_read_for_a_moment_is_a_store_error(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The control folder made unreadable for 2 s ended a driven run with the raw
+    PermissionError of its look at the control files, taken for a bug in the run's actors
+    (a reading failing with StoreError is logged and made again)."""
+    directory = tmp_path / "runs"
+    refused = str(directory / ".control")
+    unreadable = [False]
+    stat = os.stat
+
+    def refusing_stat(name: Any, *args: Any, **kwargs: Any) -> os.stat_result:
+        if unreadable[0] and str(name).startswith(refused):
+            raise PermissionError(errno.EACCES, "Permission denied", str(name))
+        return stat(name, *args, **kwargs)
+
+    async with open_jsonl_store(directory) as store:
+        run = Steps(store, "r")
+        await run.start()
+        await store.append_control(cancel("r"))
+        monkeypatch.setattr(os, "stat", refusing_stat)
+        unreadable[0] = True
+        with pytest.raises(StoreError, match="Permission denied") as info:
+            await store.control_heads(["r"])
+        assert isinstance(info.value.__cause__, PermissionError)
+        unreadable[0] = False
+        assert await store.control_heads(["r"]) == {"r": 1}  # read again once it can be
+
+
 async def test_a_run_file_removed_while_the_store_holds_it_fails_the_next_barrier(
     tmp_path: Path, monkeypatch
 ):

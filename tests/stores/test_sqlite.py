@@ -1334,6 +1334,42 @@ async def test_newer_schema_version_is_refused_on_read(tmp_path: Path) -> None:
             await store.read_log("r")
 
 
+async def test_a_folder_unreadable_for_a_moment_fails_a_batch_and_the_store_goes_on(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The store's folder made unreadable for 2 s stopped the committer with the raw
+    PermissionError of its look at the files: every run stopped, and a worker exited 1."""
+    monkeypatch.setattr(sqlite_module, "FILE_CHECK_INTERVAL_S", 0.0)  # check before every commit
+    path = tmp_path / "s.db"
+    unreadable = [False]
+    stat = os.stat
+
+    def refusing_stat(name: Any, *args: Any, **kwargs: Any) -> os.stat_result:
+        if unreadable[0] and str(name).startswith(str(path)):
+            raise PermissionError(13, "Permission denied", str(name))
+        return stat(name, *args, **kwargs)
+
+    async with open_sqlite_store(path) as store:
+        run = Steps(store, "r")
+        await run.start()
+        monkeypatch.setattr(os, "stat", refusing_stat)
+        unreadable[0] = True
+        with pytest.raises(StoreError, match="Permission denied") as info:
+            await run.next()
+        assert isinstance(info.value.__cause__, PermissionError)
+        unreadable[0] = False
+        held = await store.read_lease("r")
+        assert held is not None
+        await store.release_lease(held)
+        again = Steps(store, "r", generation=await lease(store, "r", owner="next"))
+        await again.start()  # the next drive (the failed batch held the run-started record)
+        await again.next()
+        other = Steps(store, "other")
+        await other.start()
+        await other.next()
+        assert len((await store.read_log("r")).records) == again.seq - 1
+
+
 @pytest.mark.parametrize("how", ["removed", "replaced", "wal-removed"])
 async def test_a_database_removed_or_replaced_while_open_stops_the_writer(
     tmp_path: Path, how: str, monkeypatch: pytest.MonkeyPatch

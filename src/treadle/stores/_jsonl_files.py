@@ -41,6 +41,7 @@ from treadle._exceptions import (
 from treadle._state import fold
 from treadle.stores._codec import check_schema, pack, record_from_dict, record_to_json, unpack
 from treadle.stores._lines import FrameError, TornSpan, check_frame, frame, scan_lines
+from treadle.stores._paths import stat_or_none
 from treadle.types import (
     ActionIntent,
     ActionResult,
@@ -361,10 +362,12 @@ def same_file(fd: int, path: str) -> bool:
     """Whether ``path`` names the file ``fd`` holds open: device and inode compared.
 
     ``False`` when nothing is at ``path`` (it was deleted, or renamed away).
+
+    Raises:
+        StoreError: ``path`` cannot be looked at (its folder made unreadable, say).
     """
-    try:
-        named = os.stat(path)
-    except FileNotFoundError:
+    named = stat_or_none(path)
+    if named is None:
         return False
     held = os.fstat(fd)
     return (named.st_dev, named.st_ino) == (held.st_dev, held.st_ino)

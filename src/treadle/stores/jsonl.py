@@ -93,6 +93,7 @@ from treadle.stores._jsonl_files import (
     write_sidecar,
 )
 from treadle.stores._ops import EngineStore
+from treadle.stores._paths import stat_or_none
 from treadle.types import (
     ApprovalDecided,
     CancelRequested,
@@ -734,16 +735,19 @@ class JsonlStore(EngineStore):
         return entries[after:]
 
     async def control_heads(self, run_ids: Sequence[str]) -> Mapping[str, int]:
-        """The last control position of each run that has entries (files re-read on change)."""
+        """The last control position of each run that has entries (files re-read on change).
+
+        Raises:
+            StoreError: a control file or its folder cannot be read (its permissions, say).
+        """
         return await self._in_shared_worker(self._control_heads, tuple(run_ids))
 
     def _control_heads(self, run_ids: tuple[str, ...]) -> dict[str, int]:
         heads = {}
         for run_id in run_ids:
             path = self._control_path(run_id)
-            try:
-                info = os.stat(path)
-            except FileNotFoundError:
+            info = stat_or_none(path)
+            if info is None:
                 continue
             key = (info.st_size, info.st_mtime_ns)
             cached = self._heads.get(run_id)
@@ -825,11 +829,17 @@ def _try_lock(fd: int, kind: int, *, retries: int) -> bool:
 
 
 def _lock_is_free(lock_path: str) -> bool:
-    """Whether nobody holds the lock file's exclusive lock (a shared one for an instant)."""
+    """Whether nobody holds the lock file's exclusive lock (a shared one for an instant).
+
+    Raises:
+        StoreError: the lock file is there but cannot be opened.
+    """
     try:
         fd = os.open(lock_path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
     except FileNotFoundError:
         return True
+    except OSError as exc:
+        raise StoreError(f"cannot open {lock_path}: {exc.strerror or exc}") from exc
     try:
         if _try_lock(fd, fcntl.LOCK_SH, retries=1):
             fcntl.flock(fd, fcntl.LOCK_UN)

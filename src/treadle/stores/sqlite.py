@@ -57,6 +57,7 @@ from treadle.stores._engine import (
     fail_writes,
 )
 from treadle.stores._index import IndexDelta, index_delta
+from treadle.stores._paths import stat_or_none
 from treadle.types import ApprovalDecided, CancelRequested, Record
 
 _FENCED: Final = "treadle: the row of the run refuses this record"
@@ -471,11 +472,13 @@ def _delta_changes_index(delta: IndexDelta) -> bool:
 
 
 def _file_id(path: str) -> tuple[int, int] | None:
-    try:
-        info = os.stat(path)
-    except FileNotFoundError:
-        return None
-    return (info.st_dev, info.st_ino)
+    """The file's device and inode, or ``None`` when nothing is at ``path``.
+
+    Raises:
+        StoreError: ``path`` cannot be looked at (its folder made unreadable, say).
+    """
+    info = stat_or_none(path)
+    return None if info is None else (info.st_dev, info.st_ino)
 
 
 class _Busy(Exception):
@@ -645,12 +648,17 @@ class SqliteBackend(_sql.SqlBackend):
 
         Checked before a transaction, unless the last check is less than
         `FILE_CHECK_INTERVAL_S` old.
+
+        Raises:
+            StoreError: the files were removed or replaced (for good: every later batch is
+                refused), or they cannot be looked at now (their folder made unreadable, say:
+                this batch fails, the next one checks again).
         """
         checked = _monotonic()
         if checked - self._files_checked < FILE_CHECK_INTERVAL_S:
             return
+        now = (_file_id(self._path), _file_id(self._path + "-wal"))  # StoreError: not checked
         self._files_checked = checked
-        now = (_file_id(self._path), _file_id(self._path + "-wal"))
         if now != self._files:
             self._broken = StoreError(
                 f"{self.description}: the database file or its WAL was removed or replaced "
@@ -743,6 +751,8 @@ def _open_writer(
         raise StoreError(f"cannot open SQLite store {path}: {exc}") from exc
     try:
         _configure_writer(conn, pragmas, clock, path)
+        conn.execute("SELECT 1 FROM meta").fetchone()  # the WAL exists from here on
+        return conn, (_file_id(path), _file_id(path + "-wal"))
     except (sqlite3.Error, UnicodeDecodeError) as exc:
         conn.close()
         error = _translate(path, exc, "cannot open")
@@ -751,8 +761,6 @@ def _open_writer(
     except BaseException:
         conn.close()
         raise
-    conn.execute("SELECT 1 FROM meta").fetchone()  # the WAL exists from here on
-    return conn, (_file_id(path), _file_id(path + "-wal"))
 
 
 def _check_pragmas(pragmas: Mapping[str, int | str]) -> None:
