@@ -233,6 +233,49 @@ def test_show_unknown_run_and_missing_store_are_clear_errors(tmp_path):
     assert unknown.exit_code != 0 and "no run 'other'" in unknown.output
 
 
+@pytest.mark.parametrize("kind", ["jsonl", "sqlite"])
+def test_a_store_folder_that_cannot_be_searched_is_a_clear_error(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, kind: str
+) -> None:
+    """A store folder made mode 000: every command ended in the traceback of a PermissionError
+    (Python 3.11's Path.is_dir raises it), and open_sqlite_store raised it raw."""
+    import os
+
+    folder = tmp_path / "locked"
+    folder.mkdir()
+    store = folder / "s.db" if kind == "sqlite" else folder
+    if kind == "sqlite":
+        make_store(store)
+    else:
+
+        async def go() -> None:
+            async with treadle.open_jsonl_store(store):
+                pass
+
+        trio.run(go)
+    stat = os.stat
+
+    def unsearchable(name, *args, **kwargs):  # the folder's entries cannot be looked at
+        if str(name).startswith(f"{folder}{os.sep}"):
+            raise PermissionError(13, "Permission denied", str(name))
+        return stat(name, *args, **kwargs)
+
+    monkeypatch.setattr(os, "stat", unsearchable)
+    for command in (["runs"], ["show", "cli-run"], ["cancel", "cli-run"]):
+        result = CliRunner().invoke(main, [*command, "--store", str(store)])
+        assert result.exit_code == 1 and "Permission denied" in result.output, command
+        assert isinstance(result.exception, SystemExit), command  # said, not a traceback
+
+    async def open_it() -> None:
+        opener = treadle.open_sqlite_store if kind == "sqlite" else treadle.open_jsonl_store
+        async with opener(store):
+            pass
+
+    with pytest.raises(treadle.StoreError, match="Permission denied") as info:
+        trio.run(open_it)
+    assert isinstance(info.value.__cause__, PermissionError)
+
+
 async def test_probe_prints_the_assembled_reply_with_decision(tmp_path):
     body = (CASES / "08-parallel-toolcalls-interleaved.sse").read_bytes()
     tools = tmp_path / "tools.json"

@@ -41,7 +41,7 @@ from treadle._exceptions import (
 from treadle._state import fold
 from treadle.stores._codec import check_schema, pack, record_from_dict, record_to_json, unpack
 from treadle.stores._lines import FrameError, TornSpan, check_frame, frame, scan_lines
-from treadle.stores._paths import stat_or_none
+from treadle.stores._paths import is_directory, stat_or_none
 from treadle.types import (
     ActionIntent,
     ActionResult,
@@ -817,11 +817,14 @@ def holds_a_store(directory: str) -> bool:
     by an older treadle is known by a run file whose first line is a treadle header. A
     command that only reads uses this to refuse any other folder instead of creating those
     sub-directories in it and listing its own files as damaged runs.
+
+    Raises:
+        StoreError: the folder cannot be looked at (its permissions, say).
     """
     path = Path(directory)
-    if not path.is_dir():
+    if not is_directory(path):
         return False
-    if (path / LEASE_DIR).is_dir() or (path / CONTROL_DIR).is_dir():
+    if is_directory(path / LEASE_DIR) or is_directory(path / CONTROL_DIR):
         return True
     for name in list_run_files(directory)[:8]:
         try:

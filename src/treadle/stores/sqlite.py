@@ -57,7 +57,7 @@ from treadle.stores._engine import (
     fail_writes,
 )
 from treadle.stores._index import IndexDelta, index_delta
-from treadle.stores._paths import stat_or_none
+from treadle.stores._paths import is_directory, stat_or_none
 from treadle.types import ApprovalDecided, CancelRequested, Record
 
 _FENCED: Final = "treadle: the row of the run refuses this record"
@@ -727,18 +727,20 @@ def _check_path(path: str) -> None:
     """Refuse a store path SQLite would refuse with only "unable to open database file".
 
     Raises:
-        StoreError: ``path`` is a directory, or its folder is missing or not a directory.
+        StoreError: ``path`` is a directory, or its folder is missing, not a directory, or
+            cannot be looked at (its permissions: the `OSError` is the ``__cause__``).
     """
     parent = Path(path).parent
-    if Path(path).is_dir():
+    if is_directory(path):
         raise StoreError(
             f"cannot open SQLite store {path}: it is a directory; give the path of a file in"
             f" it, such as {Path(path) / 'runs.db'}"
         )
-    if not parent.exists():
+    if is_directory(parent):
+        return
+    if not parent.exists():  # looked at already: nothing there, or a file on the way
         raise StoreError(f"cannot open SQLite store {path}: the folder {parent} does not exist")
-    if not parent.is_dir():
-        raise StoreError(f"cannot open SQLite store {path}: {parent} is not a directory")
+    raise StoreError(f"cannot open SQLite store {path}: {parent} is not a directory")
 
 
 def _open_writer(
