@@ -1334,6 +1334,33 @@ async def test_newer_schema_version_is_refused_on_read(tmp_path: Path) -> None:
             await store.read_log("r")
 
 
+async def test_a_new_store_on_a_full_disk_says_the_disk_is_full(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Laying out a new store on a nearly full disk failed with "cannot rollback - no
+    transaction is active": SQLite had rolled back already, and the ROLLBACK made after
+    its "database or disk is full" hid it."""
+
+    class FullAtCommit(sqlite3.Connection):
+        def execute(self, sql: str, *args: Any) -> sqlite3.Cursor:
+            if sql == "COMMIT":  # SQLite rolls back on its own when the disk is full
+                super().execute("ROLLBACK")
+                raise sqlite3.OperationalError("database or disk is full")
+            return super().execute(sql, *args)
+
+    def connect(path: str, *, uri: bool = False) -> sqlite3.Connection:
+        return sqlite3.connect(
+            path, isolation_level=None, check_same_thread=False, uri=uri, factory=FullAtCommit
+        )
+
+    monkeypatch.setattr(sqlite_module, "_connect", connect)
+    with pytest.raises(StoreError, match="database or disk is full") as info:
+        async with open_sqlite_store(tmp_path / "s.db"):
+            pass
+    assert "no transaction" not in str(info.value)
+    assert isinstance(info.value.__cause__, sqlite3.OperationalError)
+
+
 async def test_a_folder_unreadable_for_a_moment_fails_a_batch_and_the_store_goes_on(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

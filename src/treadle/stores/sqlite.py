@@ -267,6 +267,18 @@ def _layout(conn: sqlite3.Connection) -> int | None:
     return _sql.layout_of(row[0])
 
 
+def _roll_back(conn: sqlite3.Connection) -> None:
+    """Roll back the open transaction after a failure; the caller re-raises that failure.
+
+    SQLite has often rolled back already (a full disk, an I/O error): a ROLLBACK then would
+    fail with "cannot rollback - no transaction is active" and hide the real error, so none
+    is made. A ROLLBACK that fails on its own is dropped for the same reason.
+    """
+    if conn.in_transaction:
+        with contextlib.suppress(sqlite3.Error):
+            conn.execute("ROLLBACK")
+
+
 def _create(conn: sqlite3.Connection, clock: Callable[[], float]) -> None:
     """Lay out a new store, then checkpoint so the creation marker is in the main file."""
     conn.execute("BEGIN IMMEDIATE")
@@ -284,7 +296,7 @@ def _create(conn: sqlite3.Connection, clock: Callable[[], float]) -> None:
             )
         conn.execute("COMMIT")
     except BaseException:
-        conn.execute("ROLLBACK")
+        _roll_back(conn)
         raise
     conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
 
@@ -318,7 +330,7 @@ def _ensure_triggers(conn: sqlite3.Connection) -> None:
             conn.execute(statement)
         conn.execute("COMMIT")
     except BaseException:
-        conn.execute("ROLLBACK")
+        _roll_back(conn)
         raise
 
 
@@ -352,7 +364,7 @@ def _migrate_v1(conn: sqlite3.Connection, where: str) -> None:
         )
         conn.execute("COMMIT")
     except BaseException:
-        conn.execute("ROLLBACK")
+        _roll_back(conn)
         raise
     conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
 
@@ -375,7 +387,7 @@ def _migrate_v2(conn: sqlite3.Connection) -> None:
         conn.execute("UPDATE meta SET value = '3' WHERE key = 'layout'")
         conn.execute("COMMIT")
     except BaseException:
-        conn.execute("ROLLBACK")
+        _roll_back(conn)
         raise
 
 
@@ -578,10 +590,10 @@ class SqliteBackend(_sql.SqlBackend):
                 groups = _sql.group_by_run(batch)
                 committed = self._all_at_once(groups) if groups else False
             except sqlite3.IntegrityError:
-                self._rollback()
+                _roll_back(self._conn)
                 committed = self._run_by_run(_sql.group_by_run(batch))
         except (sqlite3.Error, StoreError) as exc:
-            self._rollback()
+            _roll_back(self._conn)
             if self._give_up_when_busy and _is_busy(exc):
                 raise _Busy from exc
             error = (
@@ -691,11 +703,6 @@ class SqliteBackend(_sql.SqlBackend):
         for start in range(0, len(values), step):
             chunk = values[start : start + step]
             self._cursor.execute(_insert_sql(len(chunk) // _sql.ROW_WIDTH), chunk)
-
-    def _rollback(self) -> None:
-        with contextlib.suppress(sqlite3.Error):
-            if self._conn.in_transaction:
-                self._conn.execute("ROLLBACK")
 
     def finish(self) -> BatchReport:
         """Close the writer connection."""
