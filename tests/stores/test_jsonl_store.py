@@ -1080,6 +1080,26 @@ async def test_lines_appended_behind_the_writers_back_are_a_conflict(tmp_path: P
         await Steps(store, "other").start()  # other runs are unaffected
 
 
+async def test_a_line_written_twice_behind_the_writers_back_is_damage(tmp_path: Path) -> None:
+    """The run's last line copied once more at its end while the run was driven: the next
+    write failed with "write with seq 4, but the next seq is 4", a conflict that contradicts
+    itself, where a read says the line is damaged."""
+    async with open_jsonl_store(tmp_path / "runs") as store:
+        run = Steps(store, "r")
+        await run.start()
+        await run.model()
+        await store.read_log("r")  # the model result is written, not just queued
+        path = trio.Path(store.run_file("r"))
+        data = await path.read_bytes()
+        last = data[data.rindex(b"\n", 0, len(data) - 1) + 1 :]
+        await path.write_bytes(data + last)
+        with pytest.raises(LogCorrupted, match=r"frame seq 3, expected 4") as info:
+            await run.action()
+        assert info.value.offset == len(data)
+        with pytest.raises(LogCorrupted, match=r"frame seq 3, expected 4"):  # as a read says
+            await store.read_log("r")
+
+
 @pytest.mark.parametrize("damage", ["deleted", "replaced", "folder deleted"])
 async def test_a_lease_whose_lock_file_is_taken_away_is_lost_at_its_renewal(
     tmp_path: Path, damage: str

@@ -421,8 +421,10 @@ class JsonlBackend:
         """Bytes beyond the file's known end: cut a torn tail, refuse anything else.
 
         Raises:
-            ConflictError: another writer appended whole lines.
-            LogCorrupted: a damaged line, or the file shrank below what it held.
+            ConflictError: another writer appended whole lines, the first at ``first.seq``
+                (the seq the file's end awaits) and each after it at the next.
+            LogCorrupted: a damaged line, a line at another seq (a line written twice, an
+                old one copied back), or the file shrank below what it held.
         """
         start = file.end
         if size < start:
@@ -437,8 +439,8 @@ class JsonlBackend:
         if start == 0 and frames and frames[0][0] == 0:
             del frames[0]  # the header of a first write that crashed is no write
         if frames:
-            seq, line, _ = frames[-1]
-            raise ConflictError(first.run_id, expected=_next_seq(seq, line), got=first.seq)
+            expected = _check_appended(frames, first.seq, file.path)
+            raise ConflictError(first.run_id, expected=expected, got=first.seq)
         self._ops.truncate(file.fd, start)  # a torn tail (or a crashed first write's header)
         self._ops.sync(file.fd)
         torn = scanned.torn
@@ -591,6 +593,22 @@ def _file_head(found: FileRunHead) -> FileHead:
     return FileHead(
         exists=found.exists, end=found.end, header=found.run_id is not None, version=found.version
     )
+
+
+def _check_appended(frames: list[tuple[int, bytes, int]], seq: int, path: str) -> int:
+    """The seq after whole lines found past a file's end, which should have been ``seq``.
+
+    Another writer's lines go on from there; a line at any other seq is damage, named as a
+    read names it (docs/crash-safety.md, "What the JSONL store detects").
+
+    Raises:
+        LogCorrupted: a line's seq is not the one its place awaits.
+    """
+    for found, line, offset in frames:  # (seq, line, byte offset), in file order
+        if found != seq:
+            raise LogCorrupted(f"frame seq {found}, expected {seq}", where=path, offset=offset)
+        seq = _next_seq(found, line)
+    return seq
 
 
 def _next_seq(seq: int, line: bytes) -> int:
