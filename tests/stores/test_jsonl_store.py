@@ -1890,6 +1890,40 @@ async def test_a_repair_that_cannot_keep_what_it_removes_is_a_store_error(
     assert path.read_bytes() == damaged
 
 
+@pytest.mark.parametrize("failure", ["read-only", "cut fails"])
+async def test_a_repair_that_cannot_cut_leaves_no_note_of_a_cut(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, failure: str
+) -> None:
+    """`treadle repair` of a read-only run file failed ("Permission denied", the file as it
+    was) and left in .repairs/ the removed bytes and a note describing a cut never made."""
+    path, _ = await write_run(tmp_path, steps=1)
+    damaged = path.read_bytes()[:-2] + b"#\n"  # the last line's checksum fails
+    path.write_bytes(damaged)
+    opened, truncated = os.open, os.ftruncate
+
+    def read_only(name: Any, flags: int, *args: Any, **kwargs: Any) -> int:
+        if str(name) == str(path) and flags & os.O_RDWR:
+            raise PermissionError(errno.EACCES, "Permission denied", str(name))
+        return opened(name, flags, *args, **kwargs)
+
+    def failing(fd: int, length: int) -> None:
+        raise OSError(errno.EIO, "Input/output error")
+
+    async with open_jsonl_store(tmp_path) as store:
+        if failure == "read-only":
+            monkeypatch.setattr(os, "open", read_only)
+        else:
+            monkeypatch.setattr(os, "ftruncate", failing)
+        with pytest.raises(StoreError, match=r"cannot repair ") as info:
+            await store.repair("r", owner="operator", force=True)
+        assert isinstance(info.value.__cause__, OSError)
+        monkeypatch.setattr(os, "open", opened)
+        monkeypatch.setattr(os, "ftruncate", truncated)
+    assert path.read_bytes() == damaged
+    repairs = tmp_path / ".repairs"
+    assert not repairs.exists() or list(repairs.iterdir()) == []
+
+
 def test_a_lease_file_that_cannot_be_written_leaves_no_temporary_file(tmp_path, monkeypatch):
     path = tmp_path / "r.lease"
     lease = Lease(run_id="r", owner="o", generation=1, expires_at=9.0, heartbeat_at=1.0)

@@ -944,8 +944,7 @@ def repair_run_file(directory: str, name: str, *, force: bool = False) -> Repair
             _refuse_losing_facts(path, lost)
             _refuse_cutting_after_calls(path, kept.records)
     try:
-        saved, note = _keep_removed(directory, name, offset, removed, damage)
-        _cut(path, offset)
+        saved, note = _cut_keeping(directory, name, offset, removed, damage)
     except OSError as exc:  # a full disk, say: the run file is cut only after all is kept
         raise StoreError(f"cannot repair {path}: {exc.strerror or exc}") from exc
     return Repair(
@@ -992,18 +991,31 @@ def _keep_removed(
     return saved, note
 
 
-def _cut(path: str, offset: int) -> None:
-    """Cut the file at ``path`` to ``offset`` bytes, synced.
+def _cut_keeping(
+    directory: str, name: str, offset: int, removed: bytes, damage: LogCorrupted
+) -> tuple[str, str]:
+    """Cut the run file to ``offset`` bytes, synced, once what it loses is kept; their paths.
+
+    The file is opened for writing first, so that one that cannot be written (read-only, say)
+    is refused before anything is kept; a cut that fails after all leaves no note of it.
 
     Raises:
-        OSError: it cannot be cut.
+        OSError: the file cannot be cut, or what it loses cannot be kept; nothing changed.
     """
-    fd = os.open(path, os.O_RDWR)
+    fd = os.open(os.path.join(directory, name), os.O_RDWR)
     try:
-        os.ftruncate(fd, offset)
-        os.fsync(fd)
+        saved, note = _keep_removed(directory, name, offset, removed, damage)
+        try:
+            os.ftruncate(fd, offset)
+            os.fsync(fd)
+        except OSError:
+            for kept in (saved, note):  # they describe a cut never made
+                with contextlib.suppress(OSError):
+                    os.unlink(kept)
+            raise
     finally:
         os.close(fd)
+    return saved, note
 
 
 def _readable(lines: bytes, kept: RunFile) -> list[Record]:
