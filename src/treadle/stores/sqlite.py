@@ -15,7 +15,9 @@ CRC-32, each run's row counts its records, and the creation marker is checkpoint
 main file when the store is made, so a store is never again taken for a new one. The committer
 checks before each transaction that the database file and its WAL are still the files it
 opened: one removed or replaced while the store is open stops every writer with `StoreError`
-instead of acknowledging writes into a file nobody will read.
+instead of acknowledging writes into a file nobody will read. A WAL deleted before its
+checkpoint, or damaged (SQLite drops every frame from the first whose checksum fails), loses
+its transactions without an error: the log reads consistently shorter.
 """
 
 from __future__ import annotations
