@@ -361,6 +361,16 @@ def matches(decided: ApprovalDecided, request: ApprovalRequested) -> bool:
     )
 
 
+def written_late(decided: ApprovalDecided, request: ApprovalRequested) -> bool:
+    """Whether ``decided`` was written after ``request``'s deadline (by its own timestamp).
+
+    Such a human decision never counts: the call expires (docs/events.md, "Human approval").
+    Whoever reads a decision checks this, the driven run, the parked one and one resumed
+    past the deadline alike, and `decide` checks it before writing one.
+    """
+    return seconds_between(request.deadline_ts, decided.ts) > 0
+
+
 def _controls(store: RunStore) -> ControlStream:
     if not isinstance(store, ControlStream):
         raise UsageError(
@@ -459,7 +469,8 @@ async def decide(
     Raises:
         InvalidRunId: not an allowed run id (docs/concepts.md, "Run ids"); nothing is read.
         UsageError: the run does not exist, finished, waits on a request whose deadline
-            passed (by ``clock``), is being cancelled (a cancel request
+            passed (the decision's timestamp, by ``clock``, is after it; nothing is written
+            then), is being cancelled (a cancel request
             in its log or control stream, also one written just before this decision: the
             run ends cancelled without applying it), waits on no approval, waits on
             another call (or on one of another step or arguments than ``step`` and
@@ -494,8 +505,6 @@ async def decide(
             f"run {run_id!r} waits on call {request.call_id!r} of step {request.step} with "
             "other arguments than those shown: look at the call it waits on now, then decide"
         )
-    clock = clock or SystemClock()
-    _refuse_after_deadline(run_id, request, clock.now_iso())
     earlier = await read_control(store, run_id)
     _refuse_after_cancel(run_id, (*log.records, *earlier), None)
     already = next((r for r in _decisions(earlier) if matches(r, request)), None)
@@ -507,12 +516,13 @@ async def decide(
     decided = decision_for(
         run_id,
         request,
-        clock,
+        clock or SystemClock(),
         reject=reject,
         edit=edit,
         snapshot=current_snapshot(log),
         redaction=Redaction.of_log(log),
     )
+    _refuse_after_deadline(run_id, request, decided)
     await controls.append_control(decided)
     written = await read_control(store, run_id)
     _refuse_after_cancel(run_id, written, decided)
@@ -530,15 +540,19 @@ def _decisions(records: Sequence[object]) -> list[ApprovalDecided]:
     return [r for r in records if isinstance(r, ApprovalDecided)]
 
 
-def _refuse_after_deadline(run_id: str, request: ApprovalRequested, now: str) -> None:
-    """Refuse a decision past the request's deadline: the run never applies one written then.
+def _refuse_after_deadline(
+    run_id: str, request: ApprovalRequested, decided: ApprovalDecided
+) -> None:
+    """Refuse a decision stamped past the request's deadline: the run never applies it.
 
-    docs/events.md, "Human approval": no decision by the deadline, the call expires.
+    The decision's own timestamp is what the run checks (`written_late`), so it is what is
+    checked here, after it was stamped and before it is written (docs/events.md, "Human
+    approval": one written after the deadline never counts).
 
     Raises:
-        UsageError: ``now`` (ISO-8601) is after ``request.deadline_ts``.
+        UsageError: ``decided.ts`` is after ``request.deadline_ts``.
     """
-    if seconds_between(request.deadline_ts, now) > 0:
+    if written_late(decided, request):
         raise UsageError(
             f"run {run_id!r}: the wait on call {request.call_id!r} ({request.tool}) ended at "
             f"{request.deadline_ts}; a decision written after it is never applied: the call "

@@ -3,6 +3,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import json
+from typing import Any
 
 import attrs
 import pytest
@@ -467,11 +468,11 @@ class SettableClock:
         return self.now.isoformat()
 
 
-async def left_waiting(turns, clock: SettableClock) -> tuple[MemoryStore, ApprovalRequested]:
+async def left_waiting(turns, clock: SettableClock, store=None) -> tuple[Any, ApprovalRequested]:
     """A run left waiting on an approval of 600 s: its driving block was cancelled while it
     waited, so nothing was in flight and the run stays unfinished, as when its process stops.
     """
-    store = MemoryStore()
+    store = MemoryStore() if store is None else store
     agent, _, _ = make(turns, limits=Limits(approval_timeout_s=600))
     with trio.CancelScope() as stopped:
         async with open_run(
@@ -803,3 +804,86 @@ async def test_a_decision_written_after_the_deadline_is_never_applied(written, a
     else:
         assert [d.decision for d in decided] == ["expired"]
         assert tools.executed == []
+
+
+async def _decide_told(store, run_id, **kwargs) -> str:
+    """What `decide` told its caller: ``"counts"``, or the refusal's message."""
+    try:
+        await decide(store, run_id, **kwargs)
+    except UsageError as exc:
+        return str(exc)
+    return "counts"
+
+
+class _OffsetClock:
+    """`TrioTimeClock` moved by ``offset_s``."""
+
+    def __init__(self, offset_s):
+        self.offset_s = offset_s
+
+    def now_iso(self):
+        import datetime as dt
+
+        start = dt.datetime(2026, 1, 1, tzinfo=dt.UTC)
+        return (start + dt.timedelta(seconds=trio.current_time() + self.offset_s)).isoformat()
+
+
+async def test_a_parked_run_never_applies_a_decision_stamped_after_its_deadline(autojump_clock):
+    """Read by the parked run before its deadline, a decision whose own timestamp is after it
+    (a decider's clock ahead, a write that checked no deadline) does not count: the call
+    expires, as it does for a driven run."""
+    store = MemoryStore()
+    agent, tools, _ = make(
+        [call("add", a=1, b=2, call_id="c1"), say("3")], limits=Limits(approval_timeout_s=60)
+    )
+    async with open_run(
+        agent,
+        "x",
+        store=store,
+        run_id="r",
+        approval_policy=only_add,
+        park_after_s=1.0,
+        clock=TrioTimeClock(),
+    ) as handle:
+        await wait_for_state(handle, RunState.AWAITING_APPROVAL)
+        request = handle.pending_approval
+        await trio.sleep(30)  # parked
+        await store.append_control(decision_for("r", request, _OffsetClock(30.001)))
+        await handle.wait()
+    decided = [r for r in (await store.read_log("r")).records if isinstance(r, ApprovalDecided)]
+    assert [d.decision for d in decided] == ["expired"]
+    assert tools.executed == []
+
+
+class _TickingClock(SettableClock):
+    """A wall clock that moves 2 ms at every reading (a loaded machine between two reads)."""
+
+    def now_iso(self):
+        import datetime as dt
+
+        self.now += dt.timedelta(milliseconds=2)
+        return super().now_iso()
+
+
+async def test_decide_never_reports_a_decision_stamped_after_the_deadline(autojump_clock):
+    """`decide` checks the deadline against the timestamp its record carries, which the run
+    checks: it was checked against an earlier reading of the clock, and a decision stamped
+    after the deadline was written, reported as counting, and never applied."""
+    import datetime as dt
+
+    clock = SettableClock()
+    turns = [call("add", a=1, b=2, call_id="c1"), say("ok")]
+    store, _ = await left_waiting(turns, clock)
+    ticking = _TickingClock()
+    ticking.now += dt.timedelta(seconds=600, milliseconds=-3)  # the first reading: 1 ms before
+    told = await _decide_told(store, "r", clock=ticking)
+    clock.now += dt.timedelta(seconds=700)
+    agent, tools, _ = make(turns, limits=Limits(approval_timeout_s=600))
+    await treadle_run(agent, store=store, run_id="r", approval_policy=only_add, clock=clock)
+    decided = [r for r in (await store.read_log("r")).records if isinstance(r, ApprovalDecided)]
+    if told == "counts":
+        assert [d.decision for d in decided] == ["approve"]
+        assert [a.call_id for a in tools.executed] == ["c1"]
+    else:
+        assert "ended at" in told
+        assert [d.decision for d in decided] == ["expired"]

@@ -52,6 +52,7 @@ from treadle.approvals import (
     expired_decision,
     matches,
     request_digest,
+    written_late,
 )
 from treadle.parsers import refuse_non_finite
 from treadle.ports import DecisionParser
@@ -738,7 +739,8 @@ class RunCoordinator:
 
     def _matching_exists(self, request: ApprovalRequested) -> bool:
         return any(
-            matches(decided, request) and not _late(decided, request) for decided in self._offered
+            matches(decided, request) and not written_late(decided, request)
+            for decided in self._offered
         )
 
     def _matching(self, request: ApprovalRequested) -> ApprovalDecided | None:
@@ -746,7 +748,7 @@ class RunCoordinator:
         # run for days, and a decision may be written for a step the run has left).
         offered = self._offered = [d for d in self._offered if d.step >= request.step]
         for decided in offered:
-            if matches(decided, request) and not _late(decided, request):
+            if matches(decided, request) and not written_late(decided, request):
                 offered.remove(decided)
                 return decided
         return None
@@ -988,15 +990,6 @@ class RunCoordinator:
         self._set_state(state)
         output_type = self.output.output_type if self.output is not None else None
         return RunResult.from_finished(record, output_type=output_type)
-
-
-def _late(decided: ApprovalDecided, request: ApprovalRequested) -> bool:
-    """Whether ``decided`` was written after ``request``'s deadline (its own timestamp).
-
-    Such a decision is never applied: the call expires (docs/events.md, "Human approval").
-    A drive resumed after the deadline finds it in the control stream beside the request.
-    """
-    return seconds_between(request.deadline_ts, decided.ts) > 0
 
 
 def _plus_s(instant: str, seconds: float) -> str:

@@ -17,7 +17,7 @@ import trio
 
 from treadle._clock import Clock
 from treadle.actors import Cancel, Control, Offer
-from treadle.approvals import Decision, expired_decision, matches
+from treadle.approvals import Decision, expired_decision, matches, written_late
 from treadle.types import ApprovalDecided, ApprovalRequested, RunState
 
 _HUMAN_DECISIONS = (Decision.APPROVE, Decision.REJECT, Decision.EDIT)
@@ -91,12 +91,15 @@ class Parking:
     def offer(self, decided: ApprovalDecided, *, here: bool = False) -> None:
         """Take a decision; one matching no request (or not approve, reject, edit) is ignored.
 
+        So is one stamped after the request's deadline (`treadle.approvals.written_late`):
+        it never counts, however early it was read (docs/events.md, "Human approval").
+
         ``here``: handed over through this process's handle (it is made durable in the
         control stream before the run is driven again), not read from the stream.
         """
         if self.decision is not None or decided.decision not in _HUMAN_DECISIONS:
             return  # "expired" is only ever decided by the run itself
-        if matches(decided, self.request):
+        if matches(decided, self.request) and not written_late(decided, self.request):
             self.decision = attrs.evolve(decided, run_id=self.request.run_id)
             self.decided_here = here
             self._wake.set()
