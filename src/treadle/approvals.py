@@ -11,7 +11,10 @@ Another process (``treadle approve``, ``treadle cancel``) never appends to a run
 the holder of the run's lease writes it (docs/fleet.md, "Leases"). It appends to the run's
 **control stream** instead (`treadle.ports.ControlStream`), which the driving process polls and
 copies into the run's log, in order (docs/decisions/0007-external-control.md). `request_cancel`
-and `decide` are those writes.
+and `decide` are those writes. At an approval's deadline the driver writes the call's expiry
+there too (`append_expiry`): the stream's order decides whether a human's decision or the
+expiry counts (`first_counting`;
+docs/decisions/0106-the-control-stream-orders-decisions-and-expiry.md).
 """
 
 from __future__ import annotations
@@ -366,9 +369,74 @@ def written_late(decided: ApprovalDecided, request: ApprovalRequested) -> bool:
 
     Such a human decision never counts: the call expires (docs/events.md, "Human approval").
     Whoever reads a decision checks this, the driven run, the parked one and one resumed
-    past the deadline alike, and `decide` checks it before writing one.
+    past the deadline alike (`counts`), and `decide` checks it before writing one.
     """
     return seconds_between(request.deadline_ts, decided.ts) > 0
+
+
+def counts(decided: ApprovalDecided, request: ApprovalRequested) -> bool:
+    """Whether the run applies ``decided`` to ``request`` when nothing counting comes before it.
+
+    It answers exactly that request (`matches`), and it is either the request's expiry
+    (which the driver writes to the control stream at the deadline) or an approve, reject or
+    edit written by the deadline (`written_late`). Of the decisions that count, the first in
+    the run's control stream is the one applied (docs/events.md, "Human approval";
+    docs/decisions/0106-the-control-stream-orders-decisions-and-expiry.md).
+    """
+    if not matches(decided, request) or decided.decision not in DECISIONS:
+        return False
+    return decided.decision == Decision.EXPIRED or not written_late(decided, request)
+
+
+DECISIONS: frozenset[str] = frozenset(d.value for d in Decision)
+"""The decisions a run applies (`Decision`); a record with any other is never applied."""
+
+
+def first_counting(records: Sequence[object], request: ApprovalRequested) -> ApprovalDecided | None:
+    """The decision of ``records`` (a control stream, in order) that ``request`` takes, if any.
+
+    The first one that `counts`: the control stream's order decides between a human's
+    decision and the expiry, and between two deciders.
+    """
+    return next((r for r in _decisions(records) if counts(r, request)), None)
+
+
+async def append_expiry(
+    controls: ControlStream, request: ApprovalRequested, clock: Clock
+) -> ApprovalDecided:
+    """Write the expiry of ``request`` to its run's control stream (the driver, at the deadline).
+
+    The run then applies the first decision of the stream that `counts` (`first_counting`):
+    a human's decision written before this entry still does, one written after it does not,
+    and its decider is told so (`decide`). The driver appends it before it reads the stream
+    for the last time and before it records any decision in the log, so a run resumed after
+    a crash in between finds it too (docs/events.md, "Human approval").
+
+    Returns:
+        The expiry as appended.
+
+    Raises:
+        StoreError: the write failed.
+    """
+    expiry = expired_decision(request, clock)
+    await controls.append_control(expiry)
+    return expiry
+
+
+async def expire_overdue(controls: ControlStream, log: RunLog, clock: Clock) -> None:
+    """Write the expiry of the request ``log`` waits on to the control stream, if it is overdue.
+
+    Called by a drive that begins (a resume, a claim in a fleet) before it reads the control
+    stream: a request whose deadline passed (by ``clock``) is expired through the stream, as
+    at the deadline (`append_expiry`), so that no decision written after that reading is
+    told it counts.
+
+    Raises:
+        StoreError: the write failed.
+    """
+    request = pending_approval(log)
+    if request is not None and seconds_between(request.deadline_ts, clock.now_iso()) >= 0:
+        await append_expiry(controls, request, clock)
 
 
 def _controls(store: RunStore) -> ControlStream:
@@ -470,17 +538,19 @@ async def decide(
         InvalidRunId: not an allowed run id (docs/concepts.md, "Run ids"); nothing is read.
         UsageError: the run does not exist, finished, waits on a request whose deadline
             passed (the decision's timestamp, by ``clock``, is after it; nothing is written
-            then), is being cancelled (a cancel request
-            in its log or control stream, also one written just before this decision: the
-            run ends cancelled without applying it), waits on no approval, waits on
-            another call (or on one of another step or arguments than ``step`` and
-            ``arguments_digest`` say), already has a decision for that call in its control
-            stream (the first one counts), both ``reject`` and ``edit`` were given, the
-            edit does not fit the tool's argument schema in the run's parameter snapshot
-            (nothing is written then), or the store has no control streams. Also when two deciders
-            raced: both wrote, and this decision, written after the other one, does not
-            count (the message names the one that does; the record stays in the
-            append-only stream, where the run's driver passes over it).
+            then), is being cancelled (a cancel request in its log or control stream, also
+            one written just before this decision: the run ends cancelled without applying
+            it), waits on no approval, waits on another call (or on one of another step or
+            arguments than ``step`` and ``arguments_digest`` say), already has a decision
+            for that call in its control stream (the first one counts) or the call's expiry
+            there, both ``reject`` and ``edit`` were given, the edit does not fit the tool's
+            argument schema in the run's parameter snapshot (nothing is written then), or
+            the store has no control streams. Also when this decision, once written, comes
+            after another one in the control stream: a second decider's that raced it (the
+            message names the one that counts), or the expiry the run's driver wrote at the
+            deadline (the call expired; the message says so). Either way the decision does
+            not count; its record stays in the append-only stream, where the run's driver
+            passes over it (docs/events.md, "Human approval").
         StoreError: the write failed.
     """
     check_run_id(run_id)
@@ -507,8 +577,9 @@ async def decide(
         )
     earlier = await read_control(store, run_id)
     _refuse_after_cancel(run_id, (*log.records, *earlier), None)
-    already = next((r for r in _decisions(earlier) if matches(r, request)), None)
+    already = first_counting(earlier, request)
     if already is not None:
+        _refuse_after_expiry(run_id, request, already)
         raise UsageError(
             f"call {request.call_id!r} of run {run_id!r} already has a decision "
             f"({already.decision}) waiting to be applied; the first decision counts"
@@ -526,8 +597,9 @@ async def decide(
     await controls.append_control(decided)
     written = await read_control(store, run_id)
     _refuse_after_cancel(run_id, written, decided)
-    first = next((r for r in _decisions(written) if matches(r, request)), decided)
+    first = first_counting(written, request) or decided
     if first != decided:
+        _refuse_after_expiry(run_id, request, first)
         raise UsageError(
             f"call {request.call_id!r} of run {run_id!r}: another decision ({first.decision}) "
             f"was written just before this one ({decided.decision}); the first decision counts, "
@@ -557,6 +629,24 @@ def _refuse_after_deadline(
             f"run {run_id!r}: the wait on call {request.call_id!r} ({request.tool}) ended at "
             f"{request.deadline_ts}; a decision written after it is never applied: the call "
             "expires when the run is next driven"
+        )
+
+
+def _refuse_after_expiry(run_id: str, request: ApprovalRequested, first: ApprovalDecided) -> None:
+    """Refuse a decision that the request's expiry comes before in the control stream.
+
+    ``first`` is the stream's first decision that counts (`first_counting`). When it is the
+    expiry the driver wrote at the deadline, the call expired: a decision after it does not
+    count, however early its timestamp (docs/events.md, "Human approval").
+
+    Raises:
+        UsageError: ``first`` is the request's expiry.
+    """
+    if first.decision == Decision.EXPIRED:
+        raise UsageError(
+            f"run {run_id!r}: the wait on call {request.call_id!r} ({request.tool}) expired at "
+            f"its deadline {request.deadline_ts}: the run expired the call before this "
+            "decision reached it, so the decision does not count"
         )
 
 

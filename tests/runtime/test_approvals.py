@@ -133,9 +133,10 @@ async def test_a_decision_for_another_call_is_refused(autojump_clock):
             ts="2026-01-01T00:00:00+00:00",
         )
         await store.append_control(forged)
-        # Nor is one whose decision is not approve, reject or edit.
+        # Nor is one whose decision is none the run knows (approve, reject, edit, and the
+        # expiry its driver writes there at the deadline).
         unknown = attrs.evolve(
-            forged, arguments_digest=request.arguments_digest, decision="expired"
+            forged, arguments_digest=request.arguments_digest, decision="postpone"
         )
         await store.append_control(unknown)
         await trio.sleep(5)
@@ -887,3 +888,147 @@ async def test_decide_never_reports_a_decision_stamped_after_the_deadline(autoju
     else:
         assert "ended at" in told
         assert [d.decision for d in decided] == ["expired"]
+
+
+class _HeldUntilTheDeadlineReading(MemoryStore):
+    """A busy store: a human's decision written just before the deadline is committed only
+    after the driver's reading of the control stream at (or past) the deadline.
+
+    ``reading_from``: the trio time from which a reading of the stream lets it through.
+    """
+
+    reading_from = float("inf")
+
+    def __init__(self):
+        super().__init__()
+        self.read_then = trio.Event()
+
+    async def read_control(self, run_id, *, after=0):
+        entries = await super().read_control(run_id, after=after)
+        if trio.current_time() >= self.reading_from:
+            self.read_then.set()
+        return entries
+
+    async def append_control(self, record):
+        if isinstance(record, ApprovalDecided) and record.decision != "expired":
+            await self.read_then.wait()
+        return await super().append_control(record)
+
+
+def _agreed(told: str, decided: list[ApprovalDecided], executed: list) -> None:
+    """The decider was told what the run did: success when its approval ran the call, a
+    refusal saying the call expired when the run expired it."""
+    if told == "counts":
+        assert [d.decision for d in decided] == ["approve"]
+        assert len(executed) == 1
+    else:
+        assert "expired at its deadline" in told
+        assert [d.decision for d in decided] == ["expired"]
+        assert executed == []
+
+
+@pytest.mark.parametrize("park_after_s", [None, 1.0])
+async def test_a_decision_committed_after_the_deadline_reading_is_refused_as_expired(
+    park_after_s, autojump_clock
+):
+    """Stamped 50 ms before the deadline, committed after the driver's last reading: the
+    expiry the driver wrote to the control stream before that reading comes first, so the
+    call expires and the decider is told so (it was told the payment was approved)."""
+    store = _HeldUntilTheDeadlineReading()
+    agent, tools, _ = make(
+        [call("add", a=1, b=2, call_id="c1"), say("3")], limits=Limits(approval_timeout_s=60)
+    )
+    async with open_run(
+        agent,
+        "x",
+        store=store,
+        run_id="r",
+        approval_policy=only_add,
+        park_after_s=park_after_s,
+        clock=TrioTimeClock(),
+    ) as handle:
+        await wait_for_state(handle, RunState.AWAITING_APPROVAL)
+        store.reading_from = trio.current_time() + 60
+        await trio.sleep_until(store.reading_from - 0.05)
+        told = await _decide_told(store, "r", clock=TrioTimeClock())
+        await handle.wait()
+    decided = [r for r in (await store.read_log("r")).records if isinstance(r, ApprovalDecided)]
+    _agreed(told, decided, tools.executed)
+    assert told != "counts"  # the expiry was written before the reading that let it through
+
+
+async def test_a_decision_committed_after_a_resume_past_the_deadline_read_the_stream(
+    autojump_clock,
+):
+    """A run claimed past its deadline (a fleet's worker, a restarted process) reads the
+    control stream as its drive begins. A decision stamped before the deadline but
+    committed after that reading is told the call expired, as the run expires it."""
+    import datetime as dt
+
+    clock = SettableClock()
+    turns = [call("add", a=1, b=2, call_id="c1"), say("ok")]
+    store, _ = await left_waiting(turns, clock, _HeldUntilTheDeadlineReading())
+    early = SettableClock()
+    early.now += dt.timedelta(seconds=599)  # a second before the deadline
+    clock.now += dt.timedelta(seconds=700)  # the resume, past it
+    agent, tools, _ = make(turns, limits=Limits(approval_timeout_s=600))
+    told = ""
+
+    async def decider() -> None:
+        nonlocal told
+        told = await _decide_told(store, "r", clock=early)
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(decider)
+        await trio.testing.wait_all_tasks_blocked()  # its append waits for the run's reading
+        store.reading_from = trio.current_time()
+        await treadle_run(agent, store=store, run_id="r", approval_policy=only_add, clock=clock)
+    decided = [r for r in (await store.read_log("r")).records if isinstance(r, ApprovalDecided)]
+    _agreed(told, decided, tools.executed)
+    assert told != "counts"
+
+
+@contextlib.asynccontextmanager
+async def _store_of(kind, tmp_path):
+    if kind == "memory":
+        yield MemoryStore()
+    elif kind == "sqlite":
+        from treadle.stores.sqlite import open_sqlite_store
+
+        async with open_sqlite_store(tmp_path / "runs.db") as store:
+            yield store
+    else:
+        from treadle.stores.jsonl import open_jsonl_store
+
+        async with open_jsonl_store(tmp_path / "runs") as store:
+            yield store
+
+
+@pytest.mark.parametrize("kind", ["memory", "sqlite", "jsonl"])
+async def test_an_expiry_in_the_control_stream_is_applied_on_resume(kind, tmp_path):
+    """The driver wrote the expiry to the control stream and died before its log said so; a
+    decision stamped before the deadline came after it. The resumed run expires the call
+    (the stream's first decision), and `decide` refuses to add another."""
+    import datetime as dt
+
+    from treadle.approvals import expired_decision
+
+    clock = SettableClock()
+    turns = [call("add", a=1, b=2, call_id="c1"), say("ok")]
+    async with _store_of(kind, tmp_path) as store:
+        store, request = await left_waiting(turns, clock, store)
+        early = SettableClock()
+        early.now += dt.timedelta(seconds=599)
+        clock.now += dt.timedelta(seconds=600)
+        await store.append_control(expired_decision(request, clock))
+        await store.append_control(decision_for("r", request, early))  # raced, came second
+        with pytest.raises(UsageError, match="expired at its deadline"):
+            await decide(store, "r", clock=early)
+        agent, tools, _ = make(turns, limits=Limits(approval_timeout_s=600))
+        result = await treadle_run(
+            agent, store=store, run_id="r", approval_policy=only_add, clock=clock
+        )
+        log = await store.read_log("r")
+    assert result.stop_reason is StopReason.FINAL_ANSWER
+    assert [d.decision for d in log.records if isinstance(d, ApprovalDecided)] == ["expired"]
+    assert tools.executed == []

@@ -11,6 +11,7 @@ live run agree.
 
 from __future__ import annotations
 
+import contextlib
 import datetime as dt
 import secrets
 from collections.abc import Callable, Mapping
@@ -47,12 +48,12 @@ from treadle.actors._retries import ends_the_call
 from treadle.actors._rpc import CANCEL_GRACE_S, ReplySlot, StepScope, request
 from treadle.actors._writer import WriterClient
 from treadle.approvals import (
+    DECISIONS,
     EXPIRED_DETAIL,
     Decision,
+    counts,
     expired_decision,
-    matches,
     request_digest,
-    written_late,
 )
 from treadle.parsers import refuse_non_finite
 from treadle.ports import DecisionParser
@@ -153,11 +154,14 @@ class RunCoordinator:
             of the approval request the run waits on (the run's handle owns what it
             reports, docs/events.md "Reading events").
         state: the run state now.
-        park_at_deadline: when the deadline passes while it waits with no decision, raise
-            `Parked` instead of expiring the call, so that the supervisor reads the control
-            stream once more (a decision written just before the deadline counts) and hands
-            the decision, or ``expired``, to the resumed run (docs/events.md, "Human
-            approval"). A wait that begins past the deadline expires at once.
+        park_at_deadline: the run's store has control streams: when the deadline passes
+            while it waits with no decision (or a wait begins past it with none offered),
+            raise `Parked` instead of expiring the call itself, so that the supervisor
+            writes the expiry to the control stream, reads the stream once more and hands
+            the first decision there that counts (a human's written before the expiry, or
+            the expiry) to the resumed run (docs/events.md, "Human approval"). A drive that
+            begins past the deadline wrote the expiry before its first reading, so its
+            wait finds it offered.
         compaction: the agent declares a context window: a step whose attempt the provider
             refused for its context length compacts once and retries (docs/context.md,
             "Context-length errors").
@@ -230,8 +234,13 @@ class RunCoordinator:
 
         Each is applied at once, also while a step is in flight (`apply`).
         """
-        task_status.started()
         with inbox:
+            # what was sent before it runs (the control stream's backlog) is applied before
+            # its first step: a wait that begins past its deadline finds the expiry offered
+            with contextlib.suppress(trio.WouldBlock, trio.EndOfChannel):
+                while True:
+                    self.apply(inbox.receive_nowait())
+            task_status.started()
             while True:
                 with trio.CancelScope(deadline=self._give_up_at) as self._give_up:
                     try:
@@ -298,9 +307,11 @@ class RunCoordinator:
 
         * `Cancel`: the step in flight is cancelled at once (docs/concepts.md, "Stop
           reasons", rule A); a no-op once the run is finishing or finished.
-        * `Offer`: an approval decision; one that matches no request of this run (another
-          step, call or arguments), or whose decision is not approve, reject or edit, is
-          never applied; one for a step the run has left is not kept.
+        * `Offer`: an approval decision (approve, reject, edit, or the expiry the driver
+          wrote to the control stream); the first one that counts for the request the run
+          waits on is applied (`treadle.approvals.counts`): one that matches no request
+          of this run (another step, call or arguments), of no known kind, or a human's
+          stamped after the deadline never is; one for a step the run has left is not kept.
         * `Drain`: stop at the next safe point (before the next step, or at once while
           waiting on a human): `run` raises `Drained` (or `Parked`) and the log is left to
           resume from.
@@ -338,8 +349,8 @@ class RunCoordinator:
         self.on_status(state, self._awaiting)
 
     def _on_offer(self, decided: ApprovalDecided) -> None:
-        if decided.decision not in (Decision.APPROVE, Decision.REJECT, Decision.EDIT):
-            return  # "expired" is only ever written by the run itself
+        if decided.decision not in DECISIONS:
+            return  # an unknown decision is never applied
         if decided.step < self.view.pending.step:
             return  # for a step already done: it can never match, so it is not kept
         self._offered.append(repaired(attrs.evolve(decided, run_id=self.run_id)))
@@ -713,11 +724,11 @@ class RunCoordinator:
                             raise Parked(request, deadline, active)
             if found is None and self._cancel is None:
                 found = self._matching(request)  # a decision that came with the drain
-            at_deadline = self.park_at_deadline and remaining > 0
-            if found is None and self._cancel is None and (self._draining or at_deadline):
-                # Drained; or at the deadline, parked so that the control stream is read once
-                # more (a decision written just before the deadline counts) before expiring.
-                # A drive that began past the deadline read the stream as it began: it expires.
+            if found is None and self._cancel is None and (self._draining or self.park_at_deadline):
+                # Drained; or at the deadline, parked so that the expiry is written to the
+                # control stream and the stream read once more: the first decision there counts
+                # (docs/events.md, "Human approval"). A drive that began past the deadline wrote
+                # the expiry before its first reading, so it found it (or a decision before it).
                 active = round(began - self._step_started - self._waited_s, 6)
                 raise Parked(request, deadline, active)
         finally:
@@ -738,17 +749,14 @@ class RunCoordinator:
             self.on_status(self.state, request)
 
     def _matching_exists(self, request: ApprovalRequested) -> bool:
-        return any(
-            matches(decided, request) and not written_late(decided, request)
-            for decided in self._offered
-        )
+        return any(counts(decided, request) for decided in self._offered)
 
     def _matching(self, request: ApprovalRequested) -> ApprovalDecided | None:
         # Offers for earlier steps can never match again: let them go (a service keeps a
         # run for days, and a decision may be written for a step the run has left).
         offered = self._offered = [d for d in self._offered if d.step >= request.step]
-        for decided in offered:
-            if matches(decided, request) and not written_late(decided, request):
+        for decided in offered:  # in the order they arrived: the control stream's
+            if counts(decided, request):
                 offered.remove(decided)
                 return decided
         return None

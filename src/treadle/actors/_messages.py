@@ -279,8 +279,11 @@ class Cancel:
 class Offer:
     """An approval decision for the run (from its handle or its control stream).
 
-    One that matches no request of the run, or whose decision is not approve, reject or
-    edit, is never applied (docs/events.md, "Human approval").
+    Approve, reject or edit, or the expiry the run's driver wrote to the control stream at
+    the deadline: of those for the request the run waits on, the first that counts
+    (`treadle.approvals.counts`) is applied; one that matches no request of the run, of no
+    known kind, or a human's stamped after the deadline, never is (docs/events.md, "Human
+    approval").
 
     Attributes:
         decided: the decision.

@@ -63,7 +63,12 @@ from treadle.agent import (
     snapshot_diff,
     tool_names,
 )
-from treadle.approvals import ApprovalPolicy, requires_approval
+from treadle.approvals import (
+    ApprovalPolicy,
+    append_expiry,
+    expire_overdue,
+    requires_approval,
+)
 from treadle.metrics import MetricsRecorder
 from treadle.ports import ControlStream, EventSink, RunStore
 from treadle.redaction import Redaction
@@ -466,6 +471,8 @@ async def _wait_parked(
 ) -> None:
     """Wait, with the actors stopped, for what ends the parking (reading the control stream).
 
+    At the deadline the expiry is written to the control stream before its last reading, so
+    the stream's order says whether a decision written about then counts (`Parking.wait`).
     ``nursery`` can host the store's shared control reading meanwhile (`ControlIndex`).
     """
     controls = control_of(store)
@@ -476,9 +483,14 @@ async def _wait_parked(
     control = ControlInbox(
         store=controls, run_id=run_id, target=parking.apply, index=index, seen=parking.control_seen
     )
+
+    async def expire() -> None:
+        await append_expiry(controls, parking.request, parking.clock)
+        await control.poll(fresh=True)
+
     await parking.wait(
         control.poll,
-        functools.partial(control.poll, fresh=True),
+        expire,
         options.control_poll_s,
         grown=functools.partial(index.wait_grown, control, nursery) if index is not None else None,
     )
@@ -593,6 +605,8 @@ async def _drive(
         control = _control_inbox(store, log.run_id, control_send, options)
         if control is not None:
             await cancel_if_parent_finished(store, started)  # its parent died finishing
+            if parking is None:  # a request overdue now expires through the stream, first
+                await expire_overdue(control.store, log, clock)
             await control.poll(fresh=True)  # a cancel or decision written while no one drove it
         await nursery.start(coordinator.serve_control, control_recv)
         task_status.started()

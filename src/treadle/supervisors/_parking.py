@@ -17,10 +17,8 @@ import trio
 
 from treadle._clock import Clock
 from treadle.actors import Cancel, Control, Offer
-from treadle.approvals import Decision, expired_decision, matches, written_late
+from treadle.approvals import counts, expired_decision
 from treadle.types import ApprovalDecided, ApprovalRequested, RunState
-
-_HUMAN_DECISIONS = (Decision.APPROVE, Decision.REJECT, Decision.EDIT)
 
 
 @attrs.define(eq=False)
@@ -89,17 +87,17 @@ class Parking:
             self.offer(message.decided, here=message.here)
 
     def offer(self, decided: ApprovalDecided, *, here: bool = False) -> None:
-        """Take a decision; one matching no request (or not approve, reject, edit) is ignored.
+        """Take the first decision that counts for the request (`treadle.approvals.counts`).
 
-        So is one stamped after the request's deadline (`treadle.approvals.written_late`):
-        it never counts, however early it was read (docs/events.md, "Human approval").
+        Decisions read from the control stream come in its order, so the first one that
+        counts is the stream's: a human's approve, reject or edit stamped by the deadline, or
+        the expiry the driver wrote there at the deadline. One that matches another request,
+        or a human's stamped after the deadline, is ignored (docs/events.md, "Human approval").
 
         ``here``: handed over through this process's handle (it is made durable in the
         control stream before the run is driven again), not read from the stream.
         """
-        if self.decision is not None or decided.decision not in _HUMAN_DECISIONS:
-            return  # "expired" is only ever decided by the run itself
-        if matches(decided, self.request) and not written_late(decided, self.request):
+        if self.decision is None and counts(decided, self.request):
             self.decision = attrs.evolve(decided, run_id=self.request.run_id)
             self.decided_here = here
             self._wake.set()
@@ -107,15 +105,22 @@ class Parking:
     async def wait(
         self,
         poll: Callable[[], Awaitable[None]],
-        last_poll: Callable[[], Awaitable[None]],
+        expire: Callable[[], Awaitable[None]],
         poll_s: float | None,
         grown: Callable[[trio.Event], Awaitable[None]] | None = None,
     ) -> None:
-        """Wait for a decision or a cancel; at the deadline, decide ``expired``.
+        """Wait for a decision or a cancel; at the deadline, expire the call.
+
+        At the deadline ``expire`` writes the expiry to the control stream and reads the
+        stream once more: the first decision there that counts is taken (`offer`), a human's
+        written before the expiry or the expiry itself. Without a control stream (``expire``
+        reads nothing) the call expires here.
 
         Args:
             poll: reads the control log once (decisions and cancels of other processes).
-            last_poll: reads it once more at the deadline, trusting no shared listing.
+            expire: at the deadline, writes the expiry to the control stream
+                (`treadle.approvals.append_expiry`), then reads the stream once more,
+                trusting no shared listing.
             poll_s: seconds between two polls; ``None`` never polls.
             grown: ``await grown(wake)`` returns once ``wake`` is set, which the store's
                 shared reading of control heads does when the run's stream grew beyond what
@@ -138,7 +143,7 @@ class Parking:
                     await poll()
         if self._draining:
             return
-        if self.decision is None and self.cancel_request is None and poll_s is not None:
-            await last_poll()  # a decision written just before the deadline still counts
         if self.decision is None and self.cancel_request is None:
+            await expire()  # a decision written before the expiry in the stream still counts
+        if self.decision is None and self.cancel_request is None:  # no control stream
             self.decision = expired_decision(self.request, self.clock)
