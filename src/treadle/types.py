@@ -1387,9 +1387,8 @@ class RunSummary:
         error: why the run cannot be read (a damaged or too-new log), else ``None``.
         where: the file or table holding it, for error reports.
         records: the records its log holds (the last seq), when the index knows that without
-            reading the log; else ``None`` (a JSONL file whose last 64 KiB hold no whole
-            line, an unreadable run). A reader polling a run reads its log again only when
-            this moves (docs/ui.md, "A run's page").
+            reading the log; else ``None`` (an unreadable run). A reader polling a run reads
+            its log again only when this moves (docs/ui.md, "A run's page").
     """
 
     run_id: str

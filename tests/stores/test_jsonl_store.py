@@ -1242,6 +1242,38 @@ async def test_a_damaged_run_is_listed_and_summarised_with_its_error(tmp_path: P
         assert (await store.read_log("good")).records
 
 
+@pytest.mark.parametrize("size", [70_000, 300_000])
+async def test_a_last_line_over_64_kib_is_read_for_the_listing(tmp_path: Path, size: int) -> None:
+    """Listing read only a file's last 64 KiB: when no whole line fitted there, a finished
+    run was listed as running (orphaned: `treadle wait` never returned) and every run with
+    steps 0."""
+    import treadle
+    from treadle.testing.scripted import ScriptedModel, say
+
+    directory = tmp_path / "runs"
+    async with open_jsonl_store(directory) as store:
+        run = Steps(store, "steps", body="o" * size)
+        await run.start()
+        for _ in range(2):
+            await run.next()
+        agent = treadle.Agent(
+            model=ScriptedModel(turns=[say("x" * size)]),
+            executor=treadle.Toolbox([]),
+            parser=treadle.NativeToolCallParser(),
+        )
+        result = await treadle.run(agent, "go", store=store, run_id="big")
+        assert result.state is RunState.SUCCEEDED
+        finished = len((await store.read_log("big")).records)
+        summaries = {s.run_id: s for s in await store.list_summaries()}
+        running, done = summaries["steps"], summaries["big"]
+        assert (running.state, running.steps, running.records) == (RunState.RUNNING, 2, run.seq - 1)
+        assert (done.state, done.liveness, done.steps) == (RunState.SUCCEEDED, Liveness.FINISHED, 1)
+        assert done.records == finished
+        alone = await store.read_summary("big")
+        assert alone is not None
+        assert alone == attrs.evolve(done, observed_at=alone.observed_at)
+
+
 @pytest.mark.parametrize("put", ["directory", "fifo", "symlink loop"])
 async def test_a_run_file_that_is_not_a_regular_file_is_listed_as_unreadable(
     tmp_path: Path, put: str

@@ -538,9 +538,10 @@ class Probe:
         run_id: from the header, or from the file name when the header cannot be read.
         created_ns: from the header (the file's modification time when unreadable).
         first: the run-started record, when the first record frame is intact.
-        tail: the records of the intact frames in the file's last 64 KiB, in order.
-        records: the seq of the last record, or ``None`` when the last 64 KiB hold no
-            whole record line (one huge record).
+        tail: the records of the intact frames in the file's end that was read (its last
+            64 KiB, widened until it holds a whole record line), in order.
+        records: the seq of the last record, or ``None`` when no record line was intact
+            (the file shrank while it was read).
         error: why the file cannot be read, or ``None``.
     """
 
@@ -556,27 +557,44 @@ class Probe:
 def probe_run_file(path: str) -> Probe | None:
     """The header, first record and last records of a run file (``None``: no record yet).
 
-    Reads the first lines and the last 64 KiB only. A damaged file is reported in
-    ``error`` (reading its log raises the same), never left out.
+    Reads the first lines and the file's end only: its last 64 KiB, doubled until they hold
+    a whole record line (a record of any size, up to the whole file), so the last record is
+    always found and a finished run is never taken for a running one. A damaged file is
+    reported in ``error`` (reading its log raises the same), never left out.
     """
     name = os.path.basename(path)
     try:
         with open(open_regular(path), "rb") as file:
-            head = _first_lines(file, 2)
-            size = os.fstat(file.fileno()).st_size
-            tail_at = max(0, size - _CHUNK)
-            file.seek(tail_at)
-            tail = file.read()
-            mtime = os.fstat(file.fileno()).st_mtime_ns
+            return _probe_file(path, name, file)
     except FileNotFoundError:
         return None
     except OSError as exc:
         error = StoreError(f"cannot read {path}: {exc.strerror or exc}")
         return Probe(name=name, run_id=id_from_name(name), created_ns=0, error=error)
-    try:
-        return _probe(path, name, head, tail, tail_at)
-    except TreadleError as exc:
-        return Probe(name=name, run_id=id_from_name(name), created_ns=mtime, error=exc)
+
+
+def _probe_file(path: str, name: str, file: Any) -> Probe | None:
+    """`probe_run_file` of an open file: reads its end, widening it while no record line fits.
+
+    Raises:
+        OSError: the file cannot be read.
+    """
+    head = _first_lines(file, 2)
+    status = os.fstat(file.fileno())
+    window = _CHUNK
+    while True:
+        tail_at = max(0, status.st_size - window)
+        file.seek(tail_at)
+        tail = file.read()
+        try:
+            probe = _probe(path, name, head, tail, tail_at)
+        except TreadleError as exc:
+            return Probe(
+                name=name, run_id=id_from_name(name), created_ns=status.st_mtime_ns, error=exc
+            )
+        if probe is None or probe.records is not None or not tail_at:
+            return probe
+        window *= 2
 
 
 def _first_lines(file: Any, count: int) -> bytes:

@@ -364,7 +364,8 @@ class JsonlStore(EngineStore):
     async def list_summaries(self) -> tuple[RunSummary, ...]:
         """Every run with a record, with state and liveness from its file's ends and lease.
 
-        Reads each file's header, first record and last 64 KiB, never whole logs.
+        Reads each file's header, first record and end (its last 64 KiB, or as much as its
+        last record line takes), never whole logs.
         """
         probes = await self._probes()
         return tuple(await self._in_worker(self._summaries, probes))
