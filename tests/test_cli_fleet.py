@@ -676,7 +676,7 @@ def test_tail_without_follow_says_nobody_drives_an_orphaned_run(tmp_path: Path):
     leave_parked(parked, "p")
     tailed = invoke("tail", "p", "--store", str(parked), "--no-follow")
     assert tailed.exit_code == 0, tailed.output
-    assert "nobody drives run p: it is parked on an approval" in tailed.output
+    assert "nobody drives run p: it is parked (waits for a decision): a decision" in tailed.output
 
 
 def test_tail_of_a_queued_run_says_it_is_queued(tmp_path: Path):

@@ -30,6 +30,7 @@ from treadle._cli_common import (
     run_id_argument,
     store_option,
 )
+from treadle._cli_store import parked_on
 from treadle._exceptions import RunLeased, StoreError, UsageError
 from treadle._text import valid_unicode
 from treadle.actors import durable_event, with_step_started
@@ -368,12 +369,12 @@ def _say_liveness(
     """Say once (and again when it changes) that nobody drives the run, and why."""
     if summary is None or summary.liveness is said:
         return said
+    waits, wakes = parked_on(summary)
     words = {
         Liveness.QUEUED: "it is queued: a worker serving its agent starts it",
         Liveness.ORPHANED: "it is orphaned: its driver died or stopped; `treadle resume` or "
         "a fleet worker takes it over",
-        Liveness.PARKED: "it is parked on an approval: a decision (treadle approve) or its "
-        "deadline makes a driver take it again",
+        Liveness.PARKED: f"it is parked ({waits}): {wakes}",
         Liveness.QUARANTINED: f"it is quarantined ({summary.quarantined})",
     }
     text = words.get(summary.liveness)

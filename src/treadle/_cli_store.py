@@ -179,15 +179,31 @@ def driver_text(summary: RunSummary) -> str:
         return f"nobody: quarantined ({summary.quarantined})"
     words = {
         Liveness.QUEUED: "nobody: queued",
-        Liveness.PARKED: "nobody: parked (waits for a decision)",
+        Liveness.PARKED: f"nobody: parked ({parked_on(summary)[0]})",
         Liveness.ORPHANED: "nobody: orphaned",
     }
     text = words.get(summary.liveness, "nobody")
-    if summary.liveness is Liveness.PARKED and summary.state is RunState.AWAITING_CHILD:
-        text = "nobody: parked (waits on child runs)"
     if summary.liveness is Liveness.ORPHANED and lease is not None and lease.owner:
         text += f" (lease of {lease.owner} expired)"
     return text
+
+
+def parked_on(summary: RunSummary) -> tuple[str, str]:
+    """What a parked run waits on, and what makes a driver take it again, in words.
+
+    A run parked on child runs (state ``awaiting_child``) is taken again when one of its
+    children finishes, its control stream grows or its recheck instant passes; one parked on
+    an approval when it is decided or its deadline passes (docs/fleet.md, "Claiming").
+    """
+    if summary.state is RunState.AWAITING_CHILD:
+        return (
+            "waits on child runs",
+            "a child's end, a cancel or its recheck instant makes a driver take it again",
+        )
+    return (
+        "waits for a decision",
+        "a decision (treadle approve) or its deadline makes a driver take it again",
+    )
 
 
 def summary_json(summary: RunSummary) -> dict[str, Any]:

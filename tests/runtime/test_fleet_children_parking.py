@@ -16,6 +16,7 @@ import pytest
 import trio
 
 from treadle import agent_tool, child_run_id, finish_cancelled
+from treadle._cli_runs import tail
 from treadle._cli_store import driver_text
 from treadle.agent import Agent
 from treadle.parsers import NativeToolCallParser
@@ -127,6 +128,12 @@ async def test_a_waiting_parent_parks_and_its_childs_end_wakes_it(fleet_store):
             lease = summary.lease
             assert lease is not None and lease.owner == ""  # released, not expired
             assert driver_text(summary) == "nobody: parked (waits on child runs)"
+            said: list[str] = []  # `treadle tail` said it was parked on an approval
+            await tail(fleet_store, "p", 1, lambda seq, record: None, follow=False, say=said.append)
+            assert said == [
+                "      … nobody drives run p: it is parked (waits on child runs): a child's end, "
+                "a cancel or its recheck instant makes a driver take it again"
+            ]
             await until(lambda: _driven(fleet_store, kid))  # the child took the one slot
             assert worker.statistics().waiting == 0  # no drive of the parent is left waiting
             gate.set()
