@@ -4,8 +4,8 @@ treadle runs in a trio thread behind the bridge `treadle.asyncio.open_runs`; Fas
 uvicorn's asyncio loop) starts runs, streams their events over Server-Sent Events, approves
 and cancels. Kill the server mid-run and start it again: the run resumes from its log (the
 model call in flight is made afresh, no tool call runs twice), and the page's
-``EventSource`` reconnects with ``Last-Event-ID``, the last durable seq it saw, and carries
-on from the next one: no gap, no duplicate.
+``EventSource`` reconnects with ``Last-Event-ID``, the id of the last event it saw (a seq, or
+``seq.ordinal`` for a step-started event), and carries on after it: no gap, no duplicate.
 
 Run it against any OpenAI-compatible server::
 
@@ -38,7 +38,7 @@ from fastapi.responses import HTMLResponse, StreamingResponse
 from pydantic import BaseModel
 
 import treadle
-from treadle.asyncio import Runs, open_runs, sse_frame
+from treadle.asyncio import Runs, open_runs, resume_after, sse_frame
 
 LEDGER = Path(os.environ.get("TREADLE_EXAMPLE_LEDGER", "notes.txt"))
 
@@ -140,13 +140,18 @@ async def run_events(
     last_event_id: str | None = Header(default=None),
     from_seq: int = Query(default=1, ge=1),
 ) -> StreamingResponse:
-    """The run's events as Server-Sent Events, from ``Last-Event-ID`` + 1 (or ``from_seq``)."""
+    """The run's events as Server-Sent Events, after ``Last-Event-ID`` (or from ``from_seq``)."""
+    after = None
     if last_event_id is not None:
-        if not last_event_id.isdigit():
-            raise HTTPException(status_code=400, detail="Last-Event-ID must be a seq")
-        from_seq = int(last_event_id) + 1
+        try:
+            after = resume_after(last_event_id)
+        except treadle.UsageError as exc:
+            raise HTTPException(status_code=400, detail=str(exc)) from None
     await _require_run(_runs(request), run_id)
-    events = _runs(request).events(run_id, from_seq=from_seq)
+    if after is None:
+        events = _runs(request).events(run_id, from_seq=from_seq)
+    else:
+        events = _runs(request).events(run_id, after=after)
 
     async def frames() -> AsyncIterator[bytes]:
         yield b"retry: 500\n\n"  # the browser reconnects after half a second
@@ -197,7 +202,7 @@ document.getElementById("f").onsubmit = async (e) => {
   const r = await fetch("/runs", {method: "POST", headers: {"content-type": "application/json"},
     body: JSON.stringify({text: document.getElementById("t").value})});
   const {run_id} = await r.json();
-  // EventSource reconnects by itself, sending Last-Event-ID: the last durable seq it saw
+  // EventSource reconnects by itself, sending Last-Event-ID: the id of the last event it saw
   const source = new EventSource(`/runs/${encodeURIComponent(run_id)}/events`);
   source.addEventListener("text_delta", (m) => { out.textContent += JSON.parse(m.data).text; });
   source.addEventListener("model_call_started", () => { out.textContent += "\\n"; });

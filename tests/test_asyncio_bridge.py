@@ -12,11 +12,12 @@ from collections.abc import AsyncIterator, Callable
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from pathlib import Path
 
+import attrs
 import pytest
 import trio
 
 import treadle
-from treadle.asyncio import Runs, event_data, open_portal, open_runs, sse_frame
+from treadle.asyncio import Runs, event_data, open_portal, open_runs, resume_after, sse_frame
 from treadle.stores.memory import MemoryStore
 from treadle.testing.scripted import ScriptedModel, call, say
 from treadle.types import ApprovalDecided, CancelRequested, EventKind, RunState, StopReason
@@ -307,9 +308,10 @@ def test_runs_start_stream_approve_and_finish_from_asyncio(tmp_path: Path):
             decided = await runs.approve(run_id)
             result = await runs.result(run_id)
             events = [e async for e in runs.events(run_id)]
-        return before, decided, result, events
+            resumed = [e async for e in runs.events(run_id, after=(1, 0))]
+        return before, decided, result, events, resumed
 
-    before, decided, result, events = run_asyncio(main)
+    before, decided, result, events, resumed = run_asyncio(main)
     assert before[-1].record.tool == "wire" and decided.decision == "approve"
     assert result.state is RunState.SUCCEEDED and result.final_answer == "paid"
     durable = [e.seq for e in events if e.record is not None]
@@ -317,8 +319,19 @@ def test_runs_start_stream_approve_and_finish_from_asyncio(tmp_path: Path):
     frame = sse_frame(events[-1]).decode()
     assert frame.startswith(f"id: {events[-1].seq}\nevent: run_finished\ndata: {{")
     assert event_data(events[-1])["state"] == "succeeded"
+    # A step-started event has the seq of the durable event before it: its id names its
+    # ordinal too, so a browser that reconnects after either of them misses neither.
     step_started = next(e for e in events if e.kind is EventKind.STEP_STARTED)
-    assert not sse_frame(step_started).startswith(b"id:")
+    frame = sse_frame(step_started).decode()
+    assert frame.startswith(f"id: {step_started.seq}.1\nevent: step_started\n")
+    assert resume_after(f"{step_started.seq}.1") == (step_started.seq, 1)
+    assert resume_after(str(events[-1].seq)) == (events[-1].seq, 0)
+    for bad in ("", "-1", "1.", "x", "1.2.3", " 1"):
+        with pytest.raises(treadle.UsageError):
+            resume_after(bad)
+    delta = attrs.evolve(step_started, kind=EventKind.TEXT_DELTA, text="x", ordinal=2)
+    assert not sse_frame(delta).startswith(b"id:")
+    assert resumed == events[1:] and resumed[0] == step_started  # after run_started (1, 0)
 
 
 def test_two_starts_of_one_run_at_once_make_one_driver(tmp_path: Path):

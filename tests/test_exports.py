@@ -328,6 +328,7 @@ ACTORS = sorted(
         "recorded_history",
         "reply",
         "request",
+        "resume_from",
         "seconds_between",
         "step_messages",
         "stored_events",

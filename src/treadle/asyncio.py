@@ -21,6 +21,7 @@ import contextlib
 import json
 import logging
 import math
+import re
 import threading
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
@@ -31,14 +32,14 @@ import trio
 
 from treadle._exceptions import RunLeased, TreadleError, UsageError, raised
 from treadle._ids import check_run_id, new_run_id
-from treadle.actors import check_from_seq, stored_events
+from treadle.actors import resume_from, stored_events
 from treadle.agent import Agent, RunInput, check_input
 from treadle.approvals import check_cancel_text, decide, request_cancel
 from treadle.metrics import MetricsRecorder
 from treadle.ports import EventSink, RunIndex, RunStore
 from treadle.stores import LEASE_TTL_S, record_to_dict
 from treadle.supervisors import PARK_AFTER_S, RunHandle, open_run, wait_result
-from treadle.types import ApprovalDecided, Event, Liveness, RunResult, RunState
+from treadle.types import ApprovalDecided, Event, EventKind, Liveness, RunResult, RunState
 
 T = TypeVar("T")
 
@@ -471,19 +472,22 @@ class _Host:
                 found.append(run_id)
         return found
 
-    async def events(self, run_id: str, from_seq: int) -> AsyncIterator[Event]:
-        check_from_seq(from_seq)
+    async def events(
+        self, run_id: str, from_seq: int, after: tuple[int, int] | None
+    ) -> AsyncIterator[Event]:
+        first, last = resume_from(from_seq, after)
         handle = self.handles.get(run_id)
         if handle is not None:
-            async with _closing(handle.events(from_seq=from_seq)) as events:
+            async with _closing(handle.events(from_seq=from_seq, after=after)) as events:
                 async for event in events:
                     yield event
             return
         log = await self.store.read_log(run_id)
         if not log.records:
             raise UsageError(f"there is no run {run_id!r} in this store")
-        for event in stored_events(log, from_seq, len(log.records)):
-            yield event
+        for event in stored_events(log, first, len(log.records)):
+            if (event.seq, event.ordinal) > last:
+                yield event
 
     def _driven(self, run_id: str) -> RunHandle | None:
         """The handle of ``run_id`` while this process drives it (parked here included).
@@ -590,20 +594,26 @@ class Runs:
         """
         return await self._call(self._host.start, input, run_id)
 
-    def events(self, run_id: str, *, from_seq: int = 1) -> AsyncIterator[Event]:
-        """The run's events from ``from_seq``, as `treadle.RunHandle.events` yields them.
+    def events(
+        self, run_id: str, *, from_seq: int = 1, after: tuple[int, int] | None = None
+    ) -> AsyncIterator[Event]:
+        """The run's events from ``from_seq`` or after ``after``, as `RunHandle.events` does.
 
+        ``after`` is the ``(seq, ordinal)`` of the last event a reader saw (docs/events.md,
+        "Reading events"; `resume_after` reads it from a ``Last-Event-ID``).
         For a run driven here: stored events, then live ones (text deltas included), with
         no gap and no duplicate, ending after ``run_finished`` (or when the run stops being
         driven here; leaving the block ends every stream by ``drain_s`` at the latest). For
         any other run of the store: its stored events, then the end.
 
         Raises:
-            UsageError: ``from_seq`` is not a whole number of 1 or more, the store has no
-                such run, or the block was left before the stream began.
+            UsageError: ``from_seq`` is not a whole number of 1 or more, ``after`` is not a
+                ``(seq, ordinal)`` of whole numbers of 0 or more (or comes with a
+                ``from_seq``), the store has no such run, or the block was left before the
+                stream began.
             StoreError: the stored prefix could not be read.
         """
-        return self.portal._iterate_in(self._host.calls, self._host.events, run_id, from_seq)
+        return self.portal._iterate_in(self._host.calls, self._host.events, run_id, from_seq, after)
 
     async def approve(
         self,
@@ -772,15 +782,40 @@ def event_data(event: Event) -> dict[str, Any]:
 def sse_frame(event: Event) -> bytes:
     """One Server-Sent Events frame of ``event`` (docs/asyncio.md, "Streaming to a browser").
 
-    ``event:`` is the event kind and ``data:`` its `event_data` as one line of JSON. Only a
-    durable event carries ``id: <seq>``: a browser's ``EventSource`` then reconnects with
-    ``Last-Event-ID`` set to the last durable seq it saw, and the stream resumes at seq + 1
-    (deltas and step-started events, which share the seq of the event before them, carry
-    no id and leave the last id as it was).
+    ``event:`` is the event kind and ``data:`` its `event_data` as one line of JSON. A
+    durable event carries ``id: <seq>``, a step-started event ``id: <seq>.<ordinal>`` (it
+    has the seq of the durable event before it): a browser's ``EventSource`` reconnects
+    with ``Last-Event-ID`` set to the last of them it saw, and `resume_after` turns that
+    into the ``after`` of `Runs.events`. Deltas and warnings (live only) carry no id and
+    leave the last id as it was.
     """
     body = json.dumps(event_data(event), ensure_ascii=False, separators=(",", ":"))
-    head = f"id: {event.seq}\n" if event.record is not None else ""
+    if event.record is not None:
+        head = f"id: {event.seq}\n"
+    elif event.kind is EventKind.STEP_STARTED:
+        head = f"id: {event.seq}.{event.ordinal}\n"
+    else:
+        head = ""
     return f"{head}event: {event.kind.value}\ndata: {body}\n\n".encode()
+
+
+_EVENT_ID: Final = re.compile(r"(\d+)(?:\.(\d+))?")
+
+
+def resume_after(last_event_id: str) -> tuple[int, int]:
+    """The ``(seq, ordinal)`` an `sse_frame` id names: ``"6"`` is (6, 0), ``"6.1"`` is (6, 1).
+
+    Pass it as ``after`` to `Runs.events` to resume a stream after the last event a
+    browser saw (its ``Last-Event-ID``; docs/asyncio.md, "Streaming to a browser").
+
+    Raises:
+        UsageError: ``last_event_id`` is no such id.
+    """
+    found = _EVENT_ID.fullmatch(last_event_id)
+    if found is None:
+        raise UsageError(f"an event id is <seq> or <seq>.<ordinal>, not {last_event_id!r}")
+    seq, ordinal = found.groups()
+    return int(seq), int(ordinal or 0)
 
 
 __all__ = [
@@ -791,5 +826,6 @@ __all__ = [
     "event_data",
     "open_portal",
     "open_runs",
+    "resume_after",
     "sse_frame",
 ]

@@ -4,6 +4,7 @@ import pytest
 import trio
 from runtime_fakes import LedgerTools, SimpleParser
 
+from treadle._exceptions import UsageError
 from treadle.agent import Agent
 from treadle.stores.memory import MemoryStore
 from treadle.supervisors import open_run
@@ -162,3 +163,36 @@ async def test_a_delta_is_flushed_within_30_ms_when_the_stream_pauses(autojump_c
     assert [text for text, _ in received] == ["Hello", "!"]
     assert received[0][1] < 0.05  # not held until the stream resumed 5 s later
     assert received[1][1] >= 5.0
+
+
+async def collect_after(handle, after, into):
+    """The events (no deltas) ``handle.events(after=after)`` yields, to the run's end."""
+    events = handle.events(after=after)
+    into[after] = [e async for e in events if e.kind is not EventKind.TEXT_DELTA]
+
+
+async def test_a_reader_resuming_after_any_event_gets_the_rest_once(autojump_clock):
+    """A reader that saw a step_completed and resumed from its seq + 1 (the documented
+    cursor) never got the next step's step_started event: it has the seq of the
+    step_completed. Resuming ``after`` the (seq, ordinal) of any event it saw gives every
+    event after it, step-started ones included, once: live and read back."""
+    store = MemoryStore()
+    seen: list = []
+    resumed: dict = {}
+    async with (
+        open_run(make(), "x", store=store, run_id="r") as handle,
+        trio.open_nursery() as nursery,
+    ):
+        async for event in handle.events():
+            if event.kind is not EventKind.TEXT_DELTA:
+                seen.append(event)
+                nursery.start_soon(collect_after, handle, (event.seq, event.ordinal), resumed)
+    async with open_run(make(), store=store, run_id="r") as finished:
+        whole = [e async for e in finished.events()]
+        assert seen == whole
+        for i, event in enumerate(whole):
+            assert resumed[event.seq, event.ordinal] == whole[i + 1 :]
+            await collect_after(finished, (event.seq, event.ordinal), resumed)
+            assert resumed[event.seq, event.ordinal] == whole[i + 1 :]
+        with pytest.raises(UsageError):
+            await anext(aiter(finished.events(from_seq=3, after=(2, 0))))

@@ -69,6 +69,7 @@ from treadle.actors._writer import WriterClient as WriterClient
 from treadle.actors._writer import WriterStatistics as WriterStatistics
 from treadle.actors._writer import check_from_seq as check_from_seq
 from treadle.actors._writer import durable_event as durable_event
+from treadle.actors._writer import resume_from as resume_from
 from treadle.actors._writer import stored_events as stored_events
 from treadle.actors._writer import with_step_started as with_step_started
 
@@ -120,6 +121,7 @@ __all__ = [
     "recorded_history",
     "reply",
     "request",
+    "resume_from",
     "seconds_between",
     "step_messages",
     "stored_events",

@@ -530,6 +530,34 @@ def check_from_seq(from_seq: object) -> None:
         raise UsageError(f"events are numbered from 1; from_seq={from_seq} was asked")
 
 
+def resume_from(from_seq: int, after: tuple[int, int] | None) -> tuple[int, tuple[int, int]]:
+    """The first seq to read and the ``(seq, ordinal)`` every yielded event must follow.
+
+    ``after`` is the ``(seq, ordinal)`` of the last event a reader saw (docs/events.md,
+    "Reading events"): the events after it are read from its seq on, so the step-started
+    event that shares the seq of the durable event before it comes after that event
+    (docs/decisions/0107-resume-after-seq-and-ordinal.md). Without it, the events from
+    ``from_seq`` on: every one with a seq of ``from_seq`` or more.
+
+    Raises:
+        UsageError: ``from_seq`` is no seq (`check_from_seq`); ``after`` is not two whole
+            numbers of 0 or more, or comes with a ``from_seq`` other than 1.
+    """
+    check_from_seq(from_seq)
+    if after is None:
+        return from_seq, (from_seq - 1, 0)
+    if not (
+        isinstance(after, tuple)
+        and len(after) == 2
+        and all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in after)
+    ):
+        raise UsageError(f"after must be a (seq, ordinal) of whole numbers >= 0, not {after!r}")
+    if from_seq != 1:
+        raise UsageError("give from_seq or after, not both")
+    seq, ordinal = after
+    return max(seq, 1), (seq, ordinal)
+
+
 def stored_events(log: RunLog, from_seq: int, to_seq: int) -> list[Event]:
     """The durable events of ``log`` with seqs ``from_seq`` to ``to_seq`` (both included).
 

@@ -26,7 +26,7 @@ from treadle.actors import (
     Offer,
     WriterClient,
     WriterStatistics,
-    check_from_seq,
+    resume_from,
     stored_events,
     with_step_started,
 )
@@ -368,11 +368,16 @@ class RunHandle:
             )
         return self._result
 
-    async def events(self, *, from_seq: int = 1) -> AsyncIterator[Event]:
-        """Yield the run's events from ``from_seq``.
+    async def events(
+        self, *, from_seq: int = 1, after: tuple[int, int] | None = None
+    ) -> AsyncIterator[Event]:
+        """Yield the run's events from ``from_seq``, or those after ``after``.
 
         Stored events come first, then live ones, with no gap and no duplicate where they
-        meet (docs/concepts.md, "Actors").
+        meet (docs/concepts.md, "Actors"). A reader that reconnects gives ``after``, the
+        ``(seq, ordinal)`` of the last event it saw: a step-started event, which has the
+        seq of the durable event before it, then comes after that event (docs/events.md,
+        "Reading events").
 
         Durable events come with their seq; ephemeral deltas carry the seq of the durable
         event they follow and an ordinal. While a tool call of the run drives a child run
@@ -384,14 +389,14 @@ class RunHandle:
         deltas are then missing).
 
         Raises:
-            UsageError: ``from_seq`` is not a whole number of 1 or more.
+            UsageError: ``from_seq`` is not a whole number of 1 or more, ``after`` is not
+                a ``(seq, ordinal)`` of whole numbers of 0 or more, or both are given.
             StoreError: the stored prefix could not be read completely.
         """
-        check_from_seq(from_seq)
         # The (seq, ordinal) of the last event yielded: a reconnect reads from its seq again
         # and skips what was yielded, so a derived step-started event (which shares the seq
         # of the durable event before it) is not lost at the seam.
-        last: tuple[int, int] = (from_seq - 1, 0)
+        from_seq, last = resume_from(from_seq, after)
         while True:
             changed = self._changed
             client = self._writer_client
