@@ -72,3 +72,15 @@ def test_cited_doc_sections_exist():
             if (ROOT / page).exists() and section.lower() not in _headings(ROOT / page):
                 wrong.append(f'{source.relative_to(ROOT)}: {page} has no section "{section}"')
     assert wrong == []
+
+
+def test_the_events_page_lists_every_event_kind():
+    """docs/events.md's table of event types left out ``definition_accepted``: every
+    `EventKind` has a row there, and every row is a kind."""
+    from treadle.types import EventKind
+
+    text = (DOCS / "events.md").read_text(encoding="utf-8")
+    section = text.split("## Event types", 1)[1].split("\n## ", 1)[0]
+    rows = set(re.findall(r"^\| `(\w+)`(?: / `(\w+)`)? \|", section, re.MULTILINE))
+    documented = {kind for row in rows for kind in row if kind}
+    assert documented == {kind.value for kind in EventKind}
