@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import pytest
 import trio
+import trio.testing
 from actor_fakes import TS, started
 
 from treadle._exceptions import LeaseLost, StoreError
@@ -242,3 +243,34 @@ async def test_subscribers_that_left_do_not_pile_up_while_the_run_is_quiet():
             (seq, EventKind.MODEL_CALL_STARTED),
         ]
         client.inbox.close()
+
+
+async def test_a_sink_that_keeps_up_takes_a_burst_of_deltas_in_one_pass():
+    """A no-op sink was reported as fallen behind and lost most deltas of a fast stream: its
+    task took one event per scheduler pass while the writer handed it hundreds per pass.
+    Here 6 bursts of 100 deltas, one pass apart (trio may run the writer twice before the
+    sink's task: two bursts fit its 256-event buffer)."""
+    from treadle.actors import SinkFeed
+    from treadle.types import Event
+
+    got: list[int] = []
+
+    class Noop:
+        async def send(self, event: Event) -> None:
+            got.append(event.ordinal)
+
+    feed = SinkFeed(sinks=[Noop()])
+    async with trio.open_nursery() as nursery:
+        await nursery.start(feed.run)
+        await trio.testing.wait_all_tasks_blocked()  # the sink's task waits for events
+        ordinal = 0
+        for _ in range(6):
+            for _ in range(100):
+                ordinal += 1
+                feed.offer(
+                    Event(run_id="r", seq=2, kind=EventKind.TEXT_DELTA, text="x", ordinal=ordinal)
+                )
+            await trio.lowlevel.checkpoint()  # one scheduler pass
+        await feed.aclose()
+    assert feed.sink_drops == 0
+    assert got == list(range(1, 601))
