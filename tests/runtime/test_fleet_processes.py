@@ -50,6 +50,9 @@ async def slow(label: str, ctx: treadle.ToolContext) -> str:
     with MARKS.open("a") as out:
         out.write(f"start {ctx.intent_id} {os.getpid()}\\n")
     await trio.sleep(float(os.environ.get("SLOW_S", "3")))
+    gate = os.environ.get("GATE")  # a file the test makes when the call may end
+    while gate is not None and not Path(gate).exists():
+        await trio.sleep(0.05)
     with MARKS.open("a") as out:
         out.write(f"done {ctx.intent_id} {os.getpid()}\\n")
     return f"did {label}"
@@ -178,7 +181,8 @@ async def test_four_workers_killed_at_random_lose_nothing_and_repeat_nothing(
 
 @pytest.mark.parametrize("store_spec", KINDS, indirect=True)
 async def test_a_paused_driver_is_fenced_after_a_takeover(store_spec: str, tmp_path: Path) -> None:
-    first = _driver(tmp_path, store_spec, "fenced", SLOW_S="2")
+    gate = tmp_path / "gate"  # the first driver's call ends only after the takeover
+    first = _driver(tmp_path, store_spec, "fenced", SLOW_S="0", GATE=str(gate))
     try:
         await _wait_for_mark(tmp_path, "start")
         before = await _lease(store_spec, "fenced")
@@ -187,6 +191,7 @@ async def test_a_paused_driver_is_fenced_after_a_takeover(store_spec: str, tmp_p
         second = _driver(tmp_path, store_spec, "fenced", SLOW_S="0")
         code, out, err = _finish(second)
         assert (code, out.strip()) == (0, "finished succeeded"), err
+        gate.touch()
         first.send_signal(signal.SIGCONT)
         code, out, err = _finish(first)
     finally:
@@ -208,11 +213,13 @@ async def test_a_paused_driver_is_fenced_after_a_takeover(store_spec: str, tmp_p
 async def test_a_second_process_on_a_driven_run_gets_a_clear_error(
     store_spec: str, tmp_path: Path
 ) -> None:
-    first = _driver(tmp_path, store_spec, "shared", SLOW_S="2")
+    gate = tmp_path / "gate"  # the first driver's call ends only once the second has tried
+    first = _driver(tmp_path, store_spec, "shared", SLOW_S="0", GATE=str(gate))
     try:
         await _wait_for_mark(tmp_path, "start")
         second = _driver(tmp_path, store_spec, "shared", SLOW_S="0")
         code, out, err = _finish(second)
+        gate.touch()
         assert code == 3 and out.startswith("error: RunLeased:"), (out, err)
         assert "is driven by" in out and "expires" in out and "Traceback" not in err
         code, out, err = _finish(first)

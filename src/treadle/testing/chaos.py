@@ -3,12 +3,14 @@
 `run_chaos` submits the crash scenario's run (`treadle.testing.crashes`) many times to a store
 with a queue (SQLite or PostgreSQL), starts ``workers`` processes of ``treadle worker``
 serving it, and, until every run has finished, SIGKILLs a random worker every few seconds
-(seeded) and starts a new one in its place. Then it checks every run as the real-crash tests
-do (`treadle.testing.crashes.check_recovered_run`): each reached a terminal state with the
-uninterrupted run's trajectory where no outcome became unknown, its log keeps every invariant
-of `treadle.testing.invariants`, no ``never``-policy action ran twice and nothing ran before
-its intent was durable (the tools keep their own ledger, outside the store), and each log's
-records carry non-decreasing lease generations: no write of an older driver after a takeover.
+(seeded; only once the store holds more records than at the last kill, so the runs progress
+however slowly the workers start) and starts a new one in its place. Then it checks every
+run as the real-crash tests do (`treadle.testing.crashes.check_recovered_run`): each reached a
+terminal state with the uninterrupted run's trajectory where no outcome became unknown, its log
+keeps every invariant of `treadle.testing.invariants`, no ``never``-policy action ran twice and
+nothing ran before its intent was durable (the tools keep their own ledger, outside the store),
+and each log's records carry non-decreasing lease generations: no write of an older driver
+after a takeover.
 
 The test suite runs it small; ``python -m treadle.testing.chaos --store DSN --runs 200`` runs
 the full size (and prints the figures)::
@@ -158,7 +160,8 @@ async def run_chaos(
         runs: runs submitted.
         max_running: each worker's concurrency.
         lease_ttl_s: the workers' lease TTL.
-        kill_every_s: ``(low, high)``: seconds between two kills, drawn uniformly (seeded).
+        kill_every_s: ``(low, high)``: seconds between two kills, drawn uniformly (seeded); a
+            kill waits, too, until a record was written since the last one.
         latency_s: seconds each model call of the scenario takes.
         seed: the kills' random seed.
         timeout_s: give up (and report it) after this long.
@@ -194,12 +197,16 @@ async def run_chaos(
             pool.start()
         try:
             with trio.move_on_after(timeout_s) as scope:
-                while not await _all_finished(opened, ids):
+                done, killed_at = await _progress(opened, ids)
+                while not done:
                     await trio.sleep(rng.uniform(*kill_every_s))
-                    if await _all_finished(opened, ids):
-                        break
-                    pool.kill_one(rng)
-                    kills += 1
+                    done, written = await _progress(opened, ids)
+                    # Kill only once something was written since the last kill: on a loaded
+                    # machine, workers killed faster than they start would never finish.
+                    if not done and written > killed_at:
+                        pool.kill_one(rng)
+                        kills += 1
+                        killed_at = written
             if scope.cancelled_caught:
                 problems.append(f"not every run finished within {timeout_s:g} s")
         finally:
@@ -233,10 +240,12 @@ def _worker_command(store: str, max_running: int, lease_ttl_s: float) -> list[st
     ]  # fmt: skip
 
 
-async def _all_finished(store: Any, ids: Sequence[str]) -> bool:
+async def _progress(store: Any, ids: Sequence[str]) -> tuple[bool, int]:
+    """``(whether every run of ids finished, records the store holds in all)``."""
     summaries: tuple[RunSummary, ...] = await store.list_summaries()
     done = {s.run_id for s in summaries if s.state is not None and s.state.is_terminal}
-    return all(run_id in done for run_id in ids)
+    written = sum(s.records or 0 for s in summaries)
+    return all(run_id in done for run_id in ids), written
 
 
 async def _check_run(
