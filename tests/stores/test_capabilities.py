@@ -27,8 +27,8 @@ from treadle.testing.capabilities import (
     check_run_index,
     check_run_queue,
 )
-from treadle.testing.contracts import StoreOpener
-from treadle.types import Message, RunStarted
+from treadle.testing.contracts import StoreContractError, StoreOpener
+from treadle.types import Message, Record, RunStarted, StoreOp
 
 
 def _opener(make: Callable[[], object]) -> StoreOpener:
@@ -207,3 +207,42 @@ async def test_a_damaged_queue_row_is_quarantined_and_the_other_runs_are_claimed
     assert len(logged) == 1 and "damaged" in logged[0], logged
     reason = await trio.to_thread.run_sync(run_pooled, store._dialect, store._pool, _quarantine_of)
     assert reason is not None and "damaged" in reason and "unquarantine" in reason
+
+
+class _FencesOnlySomeWrites(MemoryStore):
+    """A store that fences every write but one kind, whose writer's generation it ignores."""
+
+    unfenced: StoreOp = StoreOp.MODEL_RESULT
+
+    async def _append(
+        self,
+        run_id: str,
+        seq: int,
+        records: tuple[Record, ...],
+        *,
+        op: StoreOp,
+        generation: int,
+    ) -> None:
+        lease = await self.read_lease(run_id)
+        if op is self.unfenced and lease is not None:
+            generation = lease.generation
+        await super()._append(run_id, seq, records, op=op, generation=generation)
+
+
+@pytest.mark.parametrize("unfenced", list(StoreOp), ids=lambda op: op.value)
+async def test_the_lease_contract_refuses_a_store_that_fences_only_some_writes(
+    unfenced: StoreOp,
+) -> None:
+    # A store that checked the writer's generation on write_intent alone passed, and a stale
+    # writer's model result and run-finished landed after a takeover (docs/seams.md, "Run
+    # store": every write of a stale generation raises LeaseLost and changes nothing).
+    clock = FakeClock()
+    store = _FencesOnlySomeWrites(clock=clock.now)
+    store.unfenced = unfenced
+
+    @contextlib.asynccontextmanager
+    async def same() -> AsyncIterator[RunStore]:
+        yield store
+
+    with pytest.raises(StoreContractError, match="lease_fencing"):
+        await check_lease_store(same, clock=clock)

@@ -31,6 +31,7 @@ from treadle.testing.contracts import (
     CHECK_TIMEOUT_S,
     StoreContractError,
     StoreOpener,
+    every_write,
     seed_log,
 )
 from treadle.types import (
@@ -47,6 +48,7 @@ from treadle.types import (
     RunState,
     StepRecord,
     StopReason,
+    StoreOp,
     Totals,
 )
 
@@ -189,6 +191,45 @@ async def _lease_other_owner_refused(open_store: StoreOpener, clock: ContractClo
         _expect("a" in str(error), check, "the message does not name the holder")
 
 
+async def _refused(write: Awaitable[None], check: str, what: str) -> bool:
+    """Whether ``write`` raised `LeaseLost` (``False``: it returned).
+
+    Raises:
+        StoreContractError: it raised anything else.
+    """
+    try:
+        return await _raises(LeaseLost, write) is not None
+    except Exception as exc:  # any other failure breaks the contract
+        raise StoreContractError(
+            f"[{check}] {what} raised {type(exc).__name__}: {exc}, not LeaseLost"
+        ) from exc
+
+
+async def _every_write_refused(
+    store: RunStore, run_id: str, *, generation: int, check: str, why: str
+) -> None:
+    """Each of the six writes with ``generation`` is refused with `LeaseLost`, the log unchanged.
+
+    docs/seams.md, "Run store": a write whose generation is not the current one raises
+    `LeaseLost` and changes nothing. A write that is no barrier may return before the store
+    checked it; its refusal then surfaces from the writer's next write, a barrier here.
+
+    Raises:
+        StoreContractError: a write was accepted, failed otherwise, or changed the log.
+    """
+    before = (await store.read_log(run_id)).records
+    seq = len(before) + 1
+    for name, write in every_write(store, run_id, seq=seq, generation=generation):
+        what = f"{name} {why}"
+        refused = await _refused(write(), check, what)
+        if not refused and not StoreOp(name.removeprefix("write_")).barrier:
+            then = dict(every_write(store, run_id, seq=seq + 1, generation=generation))
+            refused = await _refused(then["write_intent"](), check, f"the intent after {what}")
+        _expect(refused, check, f"{what} was accepted")
+        after = (await store.read_log(run_id)).records
+        _expect(after == before, check, f"{what} changed the log")
+
+
 async def _lease_fencing(open_store: StoreOpener, clock: ContractClock | None) -> None:
     check = "lease_fencing"
     async with open_store() as store:
@@ -220,16 +261,18 @@ async def _lease_fencing(open_store: StoreOpener, clock: ContractClock | None) -
         _expect(len(log.records) == 1, check, "a refused write is in the log")
         bystander = await store.read_log(other)
         _expect(len(bystander.records) == 1, check, "another run's write failed beside a stale one")
+        await _every_write_refused(
+            store, run_id, generation=old.generation, check=check, why="of the old generation"
+        )
 
 
 async def _lease_required(open_store: StoreOpener, clock: ContractClock | None) -> None:
     check = "lease_required"
     async with open_store() as store:
         run_id = _run_id("unleased")
-        intent = ModelIntent(run_id=run_id, step=1, intent_id="m", attempt=1, ts=_TS)
-        error = await _raises(LeaseLost, store.write_intent(intent, seq=1, generation=1))
-        _expect(error is not None, check, "a write of a run without a lease was accepted")
-        _expect((await store.read_log(run_id)).records == (), check, "the refused write landed")
+        await _every_write_refused(
+            store, run_id, generation=1, check=check, why="of a run without a lease"
+        )
 
 
 async def _lease_lost_renewal(open_store: StoreOpener, clock: ContractClock | None) -> None:
@@ -260,11 +303,13 @@ async def _lease_expiry(open_store: StoreOpener, clock: ContractClock | None) ->
         _expect(taken.generation == first.generation + 1, check, f"takeover gave {taken}")
         renewed = await leases.renew_leases([first], ttl_s=_LONG)
         _expect(renewed == (), check, "the expired holder renewed after a takeover")
-        intent = ModelIntent(run_id=run_id, step=1, intent_id="m", attempt=1, ts=_TS)
-        error = await _raises(
-            LeaseLost, store.write_intent(intent, seq=1, generation=first.generation)
+        await _every_write_refused(
+            store,
+            run_id,
+            generation=first.generation,
+            check=check,
+            why="of the expired holder after the takeover",
         )
-        _expect(error is not None, check, "the expired holder wrote after the takeover")
 
 
 LEASE_CHECKS: Final[tuple[tuple[str, Check, bool], ...]] = (

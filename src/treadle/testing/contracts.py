@@ -70,6 +70,7 @@ __all__ = [
     "StoreContractError",
     "StoreOpener",
     "check_run_store",
+    "every_write",
     "lease_generation",
     "seed_log",
 ]
@@ -397,7 +398,7 @@ async def _conflict_on_wrong_seq(open_store: StoreOpener) -> None:
         await w.started()
         await w.model_call(1)
         for bad in (w.seq + 1, w.seq - 1, 1):
-            for name, attempt in _wrong_writes(w, bad):
+            for name, attempt in every_write(w.store, w.run_id, seq=bad, generation=w.gen):
                 await _expect_conflict(store, w, name, attempt, bad)
         await w.step(1)  # the right seq still works after every refusal
         await w.finished()
@@ -419,8 +420,19 @@ async def _conflict_on_new_run(store: RunStore) -> None:
     _expect(run_id not in await store.list_runs(), check, "a refused first write lists the run")
 
 
-def _wrong_writes(w: _Writer, seq: int) -> list[tuple[str, Callable[[], Awaitable[None]]]]:
-    run_id, store, gen = w.run_id, w.store, w.gen
+Attempt = Callable[[], Awaitable[None]]
+
+
+def every_write(
+    store: RunStore, run_id: str, *, seq: int, generation: int
+) -> list[tuple[str, Attempt]]:
+    """One attempt at each of the six writes of docs/seams.md, "Run store", named.
+
+    Each writes record(s) of ``run_id`` at ``seq`` with ``generation``; the contract checks
+    call them with a wrong seq or a stale generation, which the store must refuse.
+    """
+    at: dict[str, int] = {"seq": seq, "generation": generation}
+    started = RunStarted(run_id=run_id, ts=_TS, input=(), snapshot={})
     intent = ModelIntent(run_id=run_id, step=1, intent_id="x", attempt=2, ts=_TS)
     result = ModelResult(run_id=run_id, step=1, intent_id="x", ts=_TS)
     step = StepRecord(run_id=run_id, step=1, ts=_TS, model_intent_id=None, decision=None)
@@ -430,20 +442,12 @@ def _wrong_writes(w: _Writer, seq: int) -> list[tuple[str, Callable[[], Awaitabl
         )
     )
     return [
-        ("write_intent", lambda: store.write_intent(intent, seq=seq, generation=gen)),
-        ("write_model_result", lambda: store.write_model_result(result, seq=seq, generation=gen)),
-        (
-            "write_step",
-            lambda: store.write_step([action, action], step, seq=seq, generation=gen),
-        ),
-        (
-            "write_control",
-            lambda: store.write_control(_approval_requested(run_id), seq=seq, generation=gen),
-        ),
-        (
-            "write_run_finished",
-            lambda: store.write_run_finished(_finished(run_id), seq=seq, generation=gen),
-        ),
+        ("write_run_started", lambda: store.write_run_started(started, **at)),
+        ("write_intent", lambda: store.write_intent(intent, **at)),
+        ("write_model_result", lambda: store.write_model_result(result, **at)),
+        ("write_step", lambda: store.write_step([action, action], step, **at)),
+        ("write_control", lambda: store.write_control(_approval_requested(run_id), **at)),
+        ("write_run_finished", lambda: store.write_run_finished(_finished(run_id), **at)),
     ]
 
 
@@ -589,7 +593,8 @@ async def _durable_after_reopen(open_store: StoreOpener) -> None:
         w.store = store
         w.gen = -1  # a new store object: take the lease again (a JSONL lock died with the old)
         await w.lease()
-        await _expect_conflict(store, w, "write_intent after reopen", _wrong_writes(w, 2)[0][1], 2)
+        attempt = dict(every_write(store, w.run_id, seq=2, generation=w.gen))["write_intent"]
+        await _expect_conflict(store, w, "write_intent after reopen", attempt, 2)
         await w.action_intent(2, 0)  # the next seq continues where the log ends
         await w.finished()
     async with open_store() as store:
