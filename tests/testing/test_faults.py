@@ -2,13 +2,22 @@
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import AsyncIterator
+
 import pytest
+from tests.fixtures.log_only_store import LogOnlyStore
 
 import treadle
+from treadle import NativeToolCallParser, RunState
 from treadle.approvals import requires_approval
 from treadle.policies import policies_of
-from treadle.testing.faults import CrashingExecutor
+from treadle.ports import ControlStream, LeaseStore, RunCounts, RunIndex, RunQueue, RunStore
+from treadle.stores import MemoryStore
+from treadle.testing import InterceptingStore, check_crash_recovery, say
+from treadle.testing.faults import CrashingExecutor, CrashingStore, FailingStore
 from treadle.testing.scripted import ScriptedModel
+from treadle.types import Record
 
 
 @treadle.tool(requires_approval=True, secret_arguments=["api_key"], timeout_s=7)
@@ -60,3 +69,57 @@ def test_a_crashing_executor_has_only_the_policies_its_inner_executor_has():
     assert policies_of(wrapped).declared == frozenset()  # every default
     with pytest.raises(AttributeError, match="no attribute 'anything'"):
         wrapped.anything  # noqa: B018
+
+
+# ---------------------------------------------------------------- store wrappers
+
+
+def _wrappers(inner: RunStore) -> list[RunStore]:
+    return [
+        InterceptingStore(inner),
+        CrashingStore(inner=inner, crash_at=10**9),
+        FailingStore(inner=inner, fail_at=10**9),
+    ]
+
+
+CAPABILITIES = [LeaseStore, ControlStream, RunIndex, RunCounts, RunQueue]
+
+
+@pytest.mark.parametrize("inner", [LogOnlyStore, MemoryStore], ids=lambda c: c.__name__)
+def test_a_store_wrapper_has_exactly_the_capabilities_of_its_inner_store(inner) -> None:
+    # A wrapper had every capability: one around a store without leases made its run take a
+    # lease and fail "TypeError: ... is no LeaseStore"; one around SQLite did not count runs.
+    store = inner()
+    for wrapper in _wrappers(store):
+        has = [isinstance(wrapper, capability) for capability in CAPABILITIES]
+        assert has == [isinstance(store, capability) for capability in CAPABILITIES]
+        assert type(wrapper).__name__ in {"InterceptingStore", "CrashingStore", "FailingStore"}
+
+
+async def test_a_run_on_a_wrapped_store_without_leases_takes_no_lease() -> None:
+    store = LogOnlyStore()
+    model = ScriptedModel(turns=[say("hi")])
+    for n, wrapper in enumerate(_wrappers(store)):
+        result = await treadle.run(
+            treadle.Agent(model=model, executor=treadle.Toolbox([]), parser=NativeToolCallParser()),
+            "go",
+            store=wrapper,
+            run_id=f"wrapped-{n}",
+        )
+        assert result.state is RunState.SUCCEEDED
+        assert (await store.read_log(f"wrapped-{n}")).finished is not None
+
+
+async def test_crash_recovery_holds_a_store_without_leases(tmp_path) -> None:
+    logs: dict[str, list[Record]] = {}
+
+    @contextlib.asynccontextmanager
+    async def open_store() -> AsyncIterator[RunStore]:
+        store = LogOnlyStore(logs)
+        try:
+            yield store
+        finally:
+            await store.aclose()
+
+    report = await check_crash_recovery(open_store, workdir=tmp_path)
+    assert report.crashes > 0

@@ -4,17 +4,20 @@ It forwards everything, and lets a subclass act around each of the six log write
 before or after it, fail it, kill the process, record it).
 
 `CrashingStore`, `FailingStore` (`treadle.testing.faults`) and `KillingStore`
-(`treadle.testing.crashdriver`) are it. The capabilities (leases, control streams, run index,
-queue) are forwarded when the inner store has them; `InterceptingStore.check_other` lets a
-subclass refuse them too (a crashed process reads nothing).
+(`treadle.testing.crashdriver`) are it. A wrapper has exactly the capabilities (leases,
+control streams, run index, run counts, queue; docs/seams.md, "Run store") of its inner store:
+its class is made per set of capabilities, so that ``isinstance(wrapper, LeaseStore)`` is what
+it is for the inner store, and the runtime uses what the inner store has. A wrapper around a
+store without leases takes no lease, as the store alone would. `InterceptingStore.check_other`
+lets a subclass refuse the forwarded operations too (a crashed process reads nothing).
 """
 
 from __future__ import annotations
 
 from collections.abc import Collection, Mapping, Sequence
-from typing import Any
+from typing import Any, Final, Self
 
-from treadle.ports import ControlStream, LeaseStore, RunIndex, RunQueue, RunStore
+from treadle.ports import ControlStream, LeaseStore, RunCounts, RunIndex, RunQueue, RunStore
 from treadle.types import (
     ActionIntent,
     ActionResult,
@@ -25,6 +28,7 @@ from treadle.types import (
     ControlEntry,
     ControlRecord,
     Lease,
+    Liveness,
     Message,
     ModelIntent,
     ModelResult,
@@ -39,12 +43,29 @@ from treadle.types import (
 )
 
 
-class InterceptingStore:
+class _Wrapper:
+    """What the forwarding of a capability needs: the inner store and the refusal hook."""
+
+    inner: RunStore
+
+    def check_other(self) -> None:
+        """Called before every other operation (reads, leases, control): may raise."""
+
+
+class InterceptingStore(_Wrapper):
     """Forwards to ``inner``; `before_write` and `after_write` run around each log write.
+
+    The object made is of a subclass of the class called that adds the forwarding of each
+    capability ``inner`` has, and of no other (see the module docstring).
 
     Args:
         inner: the store that keeps what is written (it belongs to the caller).
     """
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> Self:
+        """Make the object of ``cls`` extended with the capabilities of ``inner``."""
+        inner = kwargs["inner"] if "inner" in kwargs else args[0]
+        return object.__new__(_with_capabilities_of(cls, inner))
 
     def __init__(self, inner: RunStore) -> None:
         self.inner = inner
@@ -57,9 +78,6 @@ class InterceptingStore:
 
     def after_write(self, act: bool, op: StoreOp, records: tuple[Record, ...], seq: int) -> None:
         """Called once ``inner`` accepted the write (with what `before_write` returned)."""
-
-    def check_other(self) -> None:
-        """Called before every other operation (reads, leases, control): may raise."""
 
     # ------------------------------------------------------------------ the six writes
 
@@ -154,31 +172,18 @@ class InterceptingStore:
     async def aclose(self) -> None:
         """Nothing to release: the inner store belongs to the caller."""
 
-    def _refuse(self, kind: str) -> TypeError:
-        return TypeError(f"{type(self.inner).__name__} is no {kind}")
+
+# ---------------------------------------------------------------------- the capabilities
+
+
+class _ForwardsLeases(_Wrapper):
+    """Forwards `LeaseStore` to the inner store."""
+
+    __slots__ = ()
 
     def _leases(self) -> LeaseStore:
         self.check_other()
-        if not isinstance(self.inner, LeaseStore):
-            raise self._refuse("LeaseStore")
-        return self.inner
-
-    def _controls(self) -> ControlStream:
-        self.check_other()
-        if not isinstance(self.inner, ControlStream):
-            raise self._refuse("ControlStream")
-        return self.inner
-
-    def _index(self) -> RunIndex:
-        self.check_other()
-        if not isinstance(self.inner, RunIndex):
-            raise self._refuse("RunIndex")
-        return self.inner
-
-    def _queue(self) -> RunQueue:
-        self.check_other()
-        if not isinstance(self.inner, RunQueue):
-            raise self._refuse("RunQueue")
+        assert isinstance(self.inner, LeaseStore)
         return self.inner
 
     async def acquire_lease(self, run_id: str, *, owner: str, ttl_s: float) -> Lease:
@@ -197,6 +202,17 @@ class InterceptingStore:
         """Forward."""
         return await self._leases().read_lease(run_id)
 
+
+class _ForwardsControls(_Wrapper):
+    """Forwards `ControlStream` to the inner store."""
+
+    __slots__ = ()
+
+    def _controls(self) -> ControlStream:
+        self.check_other()
+        assert isinstance(self.inner, ControlStream)
+        return self.inner
+
     async def append_control(self, record: CancelRequested | ApprovalDecided) -> ControlEntry:
         """Forward."""
         return await self._controls().append_control(record)
@@ -209,6 +225,17 @@ class InterceptingStore:
         """Forward."""
         return await self._controls().control_heads(run_ids)
 
+
+class _ForwardsIndex(_Wrapper):
+    """Forwards `RunIndex` to the inner store."""
+
+    __slots__ = ()
+
+    def _index(self) -> RunIndex:
+        self.check_other()
+        assert isinstance(self.inner, RunIndex)
+        return self.inner
+
     async def list_summaries(self) -> tuple[RunSummary, ...]:
         """Forward."""
         return await self._index().list_summaries()
@@ -216,6 +243,29 @@ class InterceptingStore:
     async def read_summary(self, run_id: str) -> RunSummary | None:
         """Forward."""
         return await self._index().read_summary(run_id)
+
+
+class _ForwardsCounts(_Wrapper):
+    """Forwards `RunCounts` to the inner store."""
+
+    __slots__ = ()
+
+    async def count_runs(self) -> Mapping[Liveness, int]:
+        """Forward."""
+        self.check_other()
+        assert isinstance(self.inner, RunCounts)
+        return await self.inner.count_runs()
+
+
+class _ForwardsQueue(_Wrapper):
+    """Forwards `RunQueue` to the inner store."""
+
+    __slots__ = ()
+
+    def _queue(self) -> RunQueue:
+        self.check_other()
+        assert isinstance(self.inner, RunQueue)
+        return self.inner
 
     async def submit(
         self,
@@ -264,3 +314,34 @@ class InterceptingStore:
     async def read_submission(self, run_id: str) -> Submission | None:
         """Forward."""
         return await self._queue().read_submission(run_id)
+
+
+_CAPABILITIES: Final[tuple[tuple[type, type[_Wrapper]], ...]] = (
+    (LeaseStore, _ForwardsLeases),
+    (ControlStream, _ForwardsControls),
+    (RunIndex, _ForwardsIndex),
+    (RunCounts, _ForwardsCounts),
+    (RunQueue, _ForwardsQueue),
+)
+"""Each capability protocol of `treadle.ports` and the mixin that forwards it."""
+
+_MADE: dict[tuple[type, tuple[type[_Wrapper], ...]], type] = {}
+
+
+def _with_capabilities_of(cls: type, inner: object) -> type:
+    """``cls`` extended with the forwarding of each capability ``inner`` has (made once).
+
+    The class keeps the name of ``cls``, so that messages naming the wrapper read as before.
+    """
+    mixins = tuple(mixin for protocol, mixin in _CAPABILITIES if isinstance(inner, protocol))
+    if not mixins:
+        return cls
+    made = _MADE.get((cls, mixins))
+    if made is None:
+        namespace = {
+            "__slots__": (),
+            "__module__": cls.__module__,
+            "__qualname__": cls.__qualname__,
+        }
+        made = _MADE[(cls, mixins)] = type(cls.__name__, (cls, *mixins), namespace)
+    return made

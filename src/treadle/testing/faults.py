@@ -116,16 +116,17 @@ class CrashingStore(InterceptingStore):
             raise SimulatedCrash("the process is dead")
 
     async def release_lease(self, lease: Lease, *, control_seen: int = 0) -> None:
-        """Forward; once dead, let the lease lapse (as its TTL would), then raise.
+        """Forward, dead or alive (a store without leases has this method but is no LeaseStore).
 
         A process that died holds no lease for long: here it lapses at once (as after its
         TTL), so that the next incarnation takes the run over without waiting.
+
+        Raises:
+            TypeError: the inner store keeps no leases.
         """
-        if self.crashed:
-            if isinstance(self.inner, LeaseStore):
-                await self.inner.release_lease(lease, control_seen=control_seen)
-            return
-        await super().release_lease(lease, control_seen=control_seen)
+        if not isinstance(self.inner, LeaseStore):
+            raise TypeError(f"{type(self.inner).__name__} is no LeaseStore")
+        await self.inner.release_lease(lease, control_seen=control_seen)
 
 
 @attrs.define(eq=False)
