@@ -15,8 +15,8 @@ from typing import Any
 
 import attrs
 
-from treadle._exceptions import UsageError
-from treadle.types import ImageSource
+from treadle._exceptions import SeamViolation, UsageError
+from treadle.types import ImageSource, ReplayPolicy
 
 POLICY_METHODS: tuple[str, ...] = (
     "requires_approval",
@@ -27,6 +27,26 @@ POLICY_METHODS: tuple[str, ...] = (
     "image_source",
 )
 """The names of the optional `treadle.ports.ToolPolicies` methods, in their documented order."""
+
+
+def replay_policy_of(executor: Any, tool: str) -> ReplayPolicy:
+    """What ``executor.replay_policy(tool)`` answers, as a `ReplayPolicy`.
+
+    The member itself or its value (``"safe"``, ``"never"``) are taken, as they are by the
+    contract check (`treadle.testing.seams.check_action_executor`); the run's actors ask
+    through here, never compare the answer themselves (docs/seams.md, "Action executor").
+
+    Raises:
+        SeamViolation: the answer is neither a `ReplayPolicy` nor the value of one (the run is
+            interrupted, its log left resumable).
+    """
+    answer = executor.replay_policy(tool)
+    try:
+        return ReplayPolicy(answer)
+    except ValueError:
+        raise SeamViolation(
+            f"action executor's replay_policy({tool!r})", answer, "ReplayPolicy.SAFE or NEVER"
+        ) from None
 
 
 def _never(tool: str) -> bool:

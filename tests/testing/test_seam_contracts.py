@@ -12,7 +12,9 @@ import pytest
 import trio
 
 import treadle
+from treadle import SeamViolation
 from treadle.policies import POLICY_METHODS, policies_of
+from treadle.testing.faults import CrashingExecutor, CrashingStore
 from treadle.testing.loopback import CannedResponse, canned, open_loopback_server
 from treadle.testing.scripted import ScriptedModel, call, say
 from treadle.testing.seams import (
@@ -24,6 +26,8 @@ from treadle.testing.seams import (
 )
 from treadle.types import (
     Action,
+    ActionResult,
+    ActionStatus,
     Attempt,
     DecisionKind,
     Message,
@@ -130,15 +134,24 @@ class _Raising:
     def __init__(self, where):
         self.inner = treadle.Toolbox([lookup])
         self.where = where
+        self.executed = set()
 
     def tool_specs(self):
         return self.inner.tool_specs()
 
     def replay_policy(self, tool):
+        if self.where == "policy" and tool == "lookup":
+            return "sometimes"
         return self.inner.replay_policy(tool)
 
     async def execute(self, action):
-        await trio.lowlevel.checkpoint()
+        try:
+            await trio.lowlevel.checkpoint()
+        except trio.Cancelled:
+            if self.where == "cancelled":
+                raise RuntimeError("connection torn down") from None
+            raise
+        self.executed.add(action.intent_id)
         if self.where == "unknown" and action.tool != "lookup":
             raise KeyError(action.tool)
         if self.where == "tool" and action.arguments == {"q": "x"}:
@@ -148,6 +161,8 @@ class _Raising:
     async def reconcile(self, action):
         if self.where == "reconcile":
             raise RuntimeError("reconcile db down")
+        if self.where == "reconcile_written" and action.intent_id in self.executed:
+            raise KeyError(action.intent_id)
         return await self.inner.reconcile(action)
 
 
@@ -157,6 +172,11 @@ class _Raising:
         ("unknown", "execute raised KeyError.* for an unknown tool"),
         ("tool", "execute raised ZeroDivisionError.* for the sample action"),
         ("reconcile", "reconcile raised RuntimeError.* for an action never written"),
+        # The check never asked reconcile about an action it had run, nor the replay policy
+        # of a declared tool, and a cancelled execute's RuntimeError escaped it.
+        ("reconcile_written", "reconcile raised KeyError.* for an action written and run"),
+        ("policy", "replay_policy\\('lookup'\\).*'sometimes'"),
+        ("cancelled", "a cancelled execute raised RuntimeError"),
     ],
 )
 async def test_an_executor_that_raises_fails_the_contract(where, rule):
@@ -165,6 +185,50 @@ async def test_an_executor_that_raises_fails_the_contract(where, rule):
     )
     with pytest.raises(SeamContractError, match=rule):
         await check_action_executor(_Raising(where), sample=sample)
+
+
+class SafeByValue(_Raising):
+    """``replay_policy`` answers the value ``"safe"`` for ``lookup``, not the member."""
+
+    def __init__(self):
+        super().__init__(where=None)
+
+    def replay_policy(self, tool):
+        return "safe" if tool == "lookup" else treadle.ReplayPolicy.NEVER
+
+
+async def test_a_replay_policy_given_by_its_value_is_kept_by_the_check_and_the_run():
+    # "safe" passed the check (it equals ReplayPolicy.SAFE) but resume compared with `is`
+    # and recorded the call unknown instead of running it again.
+    await check_action_executor(SafeByValue())
+    store = treadle.MemoryStore()
+    crashing = CrashingStore(inner=store, crash_at=10**9)
+
+    def agent(executor):
+        model = ScriptedModel(turns=[call("lookup", q="x"), say("done")])
+        return treadle.Agent(model=model, executor=executor, parser=treadle.NativeToolCallParser())
+
+    dying = CrashingExecutor(inner=SafeByValue(), crash_at=1, when="before", store=crashing)
+    with pytest.raises(BaseException):  # noqa: B017 - the process "dies" before the tool ran
+        await treadle.run(agent(dying), "go", store=crashing, run_id="r")
+    await treadle.run(agent(SafeByValue()), "go", store=store, run_id="r")
+    log = await store.read_log("r")
+    (result,) = [r for r in log.records if isinstance(r, ActionResult)]
+    assert result.outcome.status is ActionStatus.EXECUTED
+    assert result.outcome.observation == "found x"
+
+
+async def test_a_replay_policy_that_is_no_policy_interrupts_the_run():
+    class Sometimes(SafeByValue):
+        def replay_policy(self, tool):
+            return "sometimes"
+
+    model = ScriptedModel(turns=[call("lookup", q="x"), say("done")])
+    agent = treadle.Agent(model=model, executor=Sometimes(), parser=treadle.NativeToolCallParser())
+    with pytest.raises(treadle.RunInterrupted) as caught:
+        await treadle.run(agent, "go", store=treadle.MemoryStore(), run_id="r")
+    assert isinstance(caught.value.__cause__, SeamViolation)
+    assert "'sometimes'" in str(caught.value.__cause__)
 
 
 async def test_a_wrapped_toolbox_keeps_its_policies_and_the_contract():

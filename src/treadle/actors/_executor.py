@@ -36,7 +36,7 @@ from treadle.actors._mailbox import MailboxReceiver
 from treadle.actors._messages import ActionsOutcome, AwaitedChild, RunActions
 from treadle.actors._rpc import CANCEL_GRACE_S, StepScope, reply
 from treadle.actors._writer import WriterClient
-from treadle.policies import ExecutorPolicies, policies_of
+from treadle.policies import ExecutorPolicies, policies_of, replay_policy_of
 from treadle.ports import ActionExecutor
 from treadle.types import (
     Action,
@@ -102,7 +102,7 @@ class ToolExecutor:
         cancelled = _cancel_called(message.scope)
         running = [call for call in message.calls if call.id not in message.rejected]
         can_park = all(
-            self.executor.replay_policy(call.name) is ReplayPolicy.SAFE for call in running
+            replay_policy_of(self.executor, call.name) is ReplayPolicy.SAFE for call in running
         )
         tokens_left = message.tokens_left
         if tokens_left is not None and len(running) > 1:  # calls at once share what is left
@@ -189,7 +189,7 @@ class ToolExecutor:
         """Whether resume resolved the call by reconciling (not running) it."""
         return (
             action.intent_id in existing
-            and self.executor.replay_policy(action.tool) is not ReplayPolicy.SAFE
+            and replay_policy_of(self.executor, action.tool) is not ReplayPolicy.SAFE
         )
 
     def _cut(
@@ -328,7 +328,7 @@ class ToolExecutor:
         def done(outcome: ActionOutcome, reconciled: bool = False) -> None:
             outcomes[index] = (outcome, trio.current_time() - started, reconciled)
 
-        if replay and self.executor.replay_policy(action.tool) is not ReplayPolicy.SAFE:
+        if replay and replay_policy_of(self.executor, action.tool) is not ReplayPolicy.SAFE:
             await self._reconcile(action, step, done)
         else:
             if action.replay is not replay:

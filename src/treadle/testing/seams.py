@@ -16,7 +16,7 @@ import trio
 
 from treadle._exceptions import ContractViolation, ModelCallError, UsageError
 from treadle._shapes import outcome_problem, reply_problem, usage_problem
-from treadle.policies import ExecutorPolicies, policies_of
+from treadle.policies import ExecutorPolicies, policies_of, replay_policy_of
 from treadle.ports import ActionExecutor, DecisionParser, ModelClient
 from treadle.types import (
     Action,
@@ -216,12 +216,15 @@ def _check_actions_answer_history(parsed: ParsedReply, reply: ModelReply, where:
 async def check_action_executor(executor: ActionExecutor, *, sample: Action | None = None) -> None:
     """Hold ``executor`` to the action executor contract (docs/seams.md, "Action executor").
 
-    Checks: ``tool_specs`` is a tuple of `ToolSpec` with unique names; an unknown tool is
-    NOT_EXECUTED (never raises, never EXECUTED) and its replay policy is ``NEVER``; invalid
-    arguments for a declared tool are NOT_EXECUTED; ``sample`` (when given) returns a
-    well-formed outcome; ``execute`` never raises (a tool that raised is EXECUTED with the
-    error text); ``reconcile`` of an action never written returns ``None`` or an outcome,
-    without raising; and ``execute`` is a checkpoint that lets `trio.Cancelled` through.
+    Checks: ``tool_specs`` is a tuple of `ToolSpec` with unique names; ``replay_policy`` of
+    each tool is a `ReplayPolicy` or its value, as the runtime reads it
+    (`treadle.policies.replay_policy_of`); an unknown tool is NOT_EXECUTED (never raises,
+    never EXECUTED) and its replay policy is ``NEVER``; invalid arguments for a declared tool
+    are NOT_EXECUTED; ``sample`` (when given) returns a well-formed outcome; ``execute``
+    never raises (a tool that raised is EXECUTED with the error text); ``reconcile`` of an
+    action never written and of each action the check ran returns ``None`` or an outcome,
+    without raising; and ``execute`` is a checkpoint that lets `trio.Cancelled` through
+    (and raises nothing else when cancelled).
 
     Then the `treadle.ports.ToolPolicies` methods the executor declares (those
     `treadle.policies.policies_of` finds; an executor without one gets its default and is not
@@ -246,8 +249,10 @@ async def check_action_executor(executor: ActionExecutor, *, sample: Action | No
     names = [s.name for s in specs]
     _expect(len(names) == len(set(names)), "tool names must be unique")
     unknown = _action("__no_such_tool__", {})
+    for name in names:
+        _replay_policy(executor, name)
     _expect(
-        executor.replay_policy(unknown.tool) is ReplayPolicy.NEVER, "unknown tool must be NEVER"
+        _replay_policy(executor, unknown.tool) is ReplayPolicy.NEVER, "unknown tool must be NEVER"
     )
     outcome = await _execute(executor, unknown, "an unknown tool")
     _check_outcome(outcome)
@@ -255,7 +260,7 @@ async def check_action_executor(executor: ActionExecutor, *, sample: Action | No
     refused = [unknown]
     for spec in specs:
         if spec.parameters.get("required"):
-            bad_call = _action(spec.name, {"__unexpected__": object()})
+            bad_call = _action(spec.name, {"__unexpected__": object()}, number=len(refused) + 1)
             bad = await _execute(executor, bad_call, f"invalid arguments for {spec.name}")
             _check_outcome(bad)
             _expect(
@@ -264,20 +269,63 @@ async def check_action_executor(executor: ActionExecutor, *, sample: Action | No
             )
             refused.append(bad_call)
     _check_policies(policies, [*names, unknown.tool], refused)
+    written = list(refused)
     if sample is not None:
         _check_outcome(await _execute(executor, sample, "the sample action"))
-    never_written = _action(names[0] if names else "x", {})
+        written.append(sample)
+    never_written = _action(names[0] if names else "x", {}, step=2)
+    await _reconcile(executor, never_written, "an action never written")
+    for action in written:
+        await _reconcile(executor, action, f"an action written and run ({action.tool})")
+    await _lets_cancelled_through(executor, sample or unknown)
+
+
+def _replay_policy(executor: ActionExecutor, tool: str) -> ReplayPolicy:
+    """``executor``'s replay policy for ``tool``, as the runtime reads it.
+
+    Raises:
+        SeamContractError: the answer is no `ReplayPolicy` (nor its value), or it raised.
+    """
     try:
-        reconciled = await executor.reconcile(never_written)
+        return replay_policy_of(executor, tool)
+    except Exception as exc:
+        raise SeamContractError(f"replay_policy({tool!r}): {exc}") from exc
+
+
+async def _reconcile(executor: ActionExecutor, action: Action, what: str) -> None:
+    """``executor.reconcile(action)`` answers an outcome or ``None`` without raising.
+
+    Raises:
+        SeamContractError: it raised or answered something else (docs/seams.md, "Action
+            executor": ``None`` when it cannot tell).
+    """
+    try:
+        reconciled = await executor.reconcile(action)
     except Exception as exc:
         raise SeamContractError(
-            f"reconcile raised {exc!r} for an action never written: it returns an outcome, "
+            f"reconcile raised {exc!r} for {what}: it returns an outcome, "
             "or None when it cannot tell"
         ) from exc
-    _expect(reconciled is None or isinstance(reconciled, ActionOutcome), "reconcile result type")
+    _expect(
+        reconciled is None or isinstance(reconciled, ActionOutcome),
+        f"reconcile must return an ActionOutcome or None for {what}, got {reconciled!r}",
+    )
+
+
+async def _lets_cancelled_through(executor: ActionExecutor, action: Action) -> None:
+    """A cancelled ``execute`` raises `trio.Cancelled`, nothing else.
+
+    Raises:
+        SeamContractError: it returned or raised another exception.
+    """
     with trio.CancelScope() as scope:
         scope.cancel()
-        await executor.execute(sample or unknown)
+        try:
+            await executor.execute(action)
+        except Exception as exc:
+            raise SeamContractError(
+                f"a cancelled execute raised {exc!r}: it must let trio.Cancelled through"
+            ) from exc
     _expect(scope.cancelled_caught, "execute must be a checkpoint that lets Cancelled through")
 
 
@@ -349,12 +397,13 @@ def _check_policies(
             )
 
 
-def _action(tool: str, arguments: dict[str, object]) -> Action:
+def _action(tool: str, arguments: dict[str, object], *, step: int = 1, number: int = 1) -> Action:
+    """An action of the check's run, call ``number`` of ``step`` (its own intent id)."""
     return Action(
         run_id="contract",
-        step=1,
-        intent_id="contract/s1/a1",
-        call_id="c1",
+        step=step,
+        intent_id=f"contract/s{step}/a{number}",
+        call_id=f"c{step}.{number}",
         tool=tool,
         arguments=arguments,
     )
