@@ -5,9 +5,11 @@ from __future__ import annotations
 import contextlib
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from pathlib import Path
+from typing import Any
 
 import attrs
 import pytest
+import trio
 
 from treadle import Agent, NativeToolCallParser, Toolbox, open_jsonl_store, run, tool
 from treadle.ports import RunIndex, RunStore
@@ -134,9 +136,46 @@ class _ListsNewestFirst(MemoryStore):
         return tuple(reversed(await super().list_runs()))
 
 
+@attrs.define(eq=False)
+class _StepInTwoWrites(MemoryStore):
+    """Appends a step's action results, lets others run, then its step record (not atomic)."""
+
+    async def write_step(
+        self,
+        action_results: Sequence[ActionResult] | None,
+        step: StepRecord,
+        *,
+        seq: int,
+        generation: int,
+    ) -> None:
+        results = tuple(action_results or ())
+        if results:
+            await self._append(step.run_id, seq, results, op=StoreOp.STEP, generation=generation)
+            await trio.lowlevel.checkpoint()
+        await self._append(
+            step.run_id, seq + len(results), (step,), op=StoreOp.STEP, generation=generation
+        )
+
+
+@attrs.define(eq=False)
+class _WritesWhenCancelled(MemoryStore):
+    """Stores the write, then notices that its scope was cancelled."""
+
+    async def _append(
+        self, run_id: str, seq: int, records: tuple[Record, ...], **options: Any
+    ) -> None:
+        with trio.CancelScope(shield=True):
+            await super()._append(run_id, seq, records, **options)
+        await trio.lowlevel.checkpoint()
+
+
 @pytest.mark.parametrize(
     ("broken", "check_name", "error"),
     [
+        # A read beside the writer saw action results without their step record, and a write
+        # called in a cancelled scope was stored: both passed (docs/seams.md, "Run store").
+        (_StepInTwoWrites, "reads_beside_a_writer_change_nothing", StoreContractError),
+        (_WritesWhenCancelled, "cancelled_write_writes_nothing", StoreContractError),
         (_NoSeqCheck, "conflict_on_wrong_seq", StoreContractError),
         (_DropsStepResults, "step_write_with_several_results", StoreContractError),
         (_RaisesOnMissingRun, "missing_run_reads_empty", KeyError),

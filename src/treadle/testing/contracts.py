@@ -2,9 +2,11 @@
 
 `check_run_store` holds a `treadle.ports.RunStore` to docs/seams.md, "Run store": an empty log for
 a missing
-run, writes read back equal and in order, the atomic step write, `ConflictError` on a wrong
-seq with the log unchanged, first-write order of `list_runs`, many concurrent runs, refusal
-after close and, for persistent stores, everything acknowledged surviving a reopen.
+run, writes read back equal and in order, the atomic step write (a read beside the writer
+never sees action results without their step record), `ConflictError` on a wrong seq with the
+log unchanged, first-write order of `list_runs`, many concurrent runs, nothing written by a
+write called in a cancelled scope, refusal after close and, for persistent stores, everything
+acknowledged surviving a reopen.
 
 Use it from a test of your own store::
 
@@ -560,12 +562,35 @@ async def _reads_beside_a_writer_change_nothing(open_store: StoreOpener) -> None
         _expect(bool(seen), check, "the readers never ran")
         await _expect_log(check, store, w.run_id, w.written)
         final = tuple(w.written)
-        for records in seen:  # every read saw a prefix of what was written
+        for records in seen:  # every read saw a prefix of what was written, whole writes only
             _expect(
                 records == final[: len(records)],
                 check,
                 f"a read beside the writer saw {len(records)} records that are not a prefix",
             )
+            _expect(
+                not records or not isinstance(records[-1], ActionResult),
+                check,
+                f"a read beside the writer saw {len(records)} records ending in an action "
+                "result without its step record: write_step is not atomic",
+            )
+
+
+async def _cancelled_write_writes_nothing(open_store: StoreOpener) -> None:
+    check = "cancelled_write_writes_nothing"
+    async with open_store() as store:
+        w = _Writer(store, _new_run_id("cancelled"))
+        await w.started()
+        writes = every_write(store, w.run_id, seq=w.seq, generation=await w.lease())
+        for name, write in writes:
+            with trio.CancelScope() as scope:
+                scope.cancel()
+                await write()
+            _expect(scope.cancelled_caught, check, f"{name} in a cancelled scope returned")
+            await _expect_log(check, store, w.run_id, w.written)
+        await w.step(1)  # the run goes on at the seq it had
+        await w.finished()
+        await _expect_log(check, store, w.run_id, w.written)
 
 
 async def _closed_store_refuses_writes(open_store: StoreOpener) -> None:
@@ -644,8 +669,13 @@ RUN_STORE_CHECKS: Final[tuple[StoreCheck, ...]] = (
     ),
     StoreCheck(
         name="reads_beside_a_writer_change_nothing",
-        doc="reading a run (and listing runs) while it is written never disturbs the writer",
+        doc="reads (and listings) beside a writer never disturb it and see whole writes only",
         fn=_reads_beside_a_writer_change_nothing,
+    ),
+    StoreCheck(
+        name="cancelled_write_writes_nothing",
+        doc="each write called in a cancelled scope raises trio.Cancelled and writes nothing",
+        fn=_cancelled_write_writes_nothing,
     ),
     StoreCheck(
         name="closed_store_refuses_writes",
