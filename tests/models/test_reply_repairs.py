@@ -479,7 +479,7 @@ async def test_shared_ids_stay_unique_and_equal_across_a_resume(tmp_path):
         OpenAIChatClient(base_url=server.base_url) as client,
     ):
         async with treadle.open_sqlite_store(db) as store:
-            crashing = CrashAfterModelReply(inner=store, crash_at=0, when="after")
+            crashing = CrashAfterModelReply(inner=store, crash_at=1, when="after")  # its own rule
             with pytest.raises((treadle.RunInterrupted, SimulatedCrash)), trio.fail_after(20):
                 await treadle.run(agent_for(client), "hi", store=crashing, run_id="r")
         assert CALLS == []  # died before any action

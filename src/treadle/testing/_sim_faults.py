@@ -34,18 +34,30 @@ LATENCY_MAX_S = 0.2
 
 
 def _check_kinds(kinds: Iterable[str]) -> None:
+    """Refuse a kind not in `FAULT_KINDS`.
+
+    Raises:
+        UsageError: (a `ValueError`) naming the unknown kinds.
+    """
     unknown = sorted(set(kinds) - set(FAULT_KINDS))
     if unknown:
-        raise ValueError(f"unknown fault kinds: {', '.join(map(repr, unknown))}")
+        raise UsageError(f"unknown fault kinds: {', '.join(map(repr, unknown))}")
 
 
 def _check_rates(rates: Mapping[str, float]) -> None:
-    """Refuse unknown kinds and rates outside 0..1 (docs/simulation.md, "Faults")."""
+    """Refuse unknown kinds and rates outside 0..1 (docs/simulation.md, "Faults").
+
+    Raises:
+        UsageError: (a `ValueError`) ``rates`` is no mapping, holds an unknown kind or a
+            rate that is not a number within 0..1.
+    """
+    if not isinstance(rates, Mapping):
+        raise UsageError(f"FaultPlan: rates must map fault kinds to rates, not {rates!r}")
     _check_kinds(rates)
     for kind, rate in rates.items():
         number = isinstance(rate, int | float) and not isinstance(rate, bool)
         if not (number and 0 <= rate <= 1):
-            raise ValueError(f"rate must be within 0..1, got {rate!r} for {kind}")
+            raise UsageError(f"rate must be within 0..1, got {rate!r} for {kind}")
 
 
 @attrs.frozen(kw_only=True)
@@ -56,8 +68,9 @@ class FaultPlan:
         rates: fault kind -> rate. A kind not present is off.
 
     Raises:
-        ValueError: when built: a kind not in `FAULT_KINDS` (a misspelt kind would leave
-            its fault off without a word), or a rate that is not a number within 0..1.
+        UsageError: (a `ValueError`) when built: a kind not in `FAULT_KINDS` (a misspelt kind
+            would leave its fault off without a word), or a rate that is not a number within
+            0..1.
     """
 
     rates: dict[str, float] = attrs.field(factory=dict, validator=lambda _, __, v: _check_rates(v))
@@ -143,15 +156,22 @@ class FaultPlan:
         """A plan with ``kinds`` switched on at ``rate``.
 
         Raises:
-            ValueError: an unknown kind, or a rate outside 0..1.
+            UsageError: (a `ValueError`) an unknown kind, ``kinds`` a string (one kind is
+                ``["crash"]``), or a rate outside 0..1.
         """
+        if isinstance(kinds, str):  # its letters are no kinds
+            raise UsageError(
+                f"FaultPlan.of: kinds must be a collection of fault kinds, not the string "
+                f"{kinds!r} (write [{kinds!r}])"
+            )
         return cls(rates=dict.fromkeys(kinds, rate))
 
     def roll(self, rng: random.Random, kind: str) -> bool:
         """Whether fault ``kind`` happens at this opportunity.
 
         Raises:
-            ValueError: ``kind`` is not in `FAULT_KINDS` (it would never happen).
+            UsageError: (a `ValueError`) ``kind`` is not in `FAULT_KINDS` (it would never
+                happen).
         """
         _check_kinds((kind,))
         rate = self.rates.get(kind, 0.0)

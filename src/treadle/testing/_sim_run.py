@@ -122,13 +122,17 @@ def simulate(
         The result, with ``ok`` false and violations listed when an invariant broke.
 
     Raises:
-        UsageError: ``seed`` is not an int (a seed must reproduce the simulation), or
-            ``runs`` or ``steps`` is not a whole number of 1 or more.
+        UsageError: ``seed`` is not an int (a seed must reproduce the simulation), ``runs``
+            or ``steps`` is not a whole number of 1 or more, or ``plan`` is no `FaultPlan`.
     """
     for name, value, least in (("seed", seed, None), ("runs", runs, 1), ("steps", steps, 1)):
         if not isinstance(value, int) or isinstance(value, bool) or (least and value < least):
             wanted = "an int" if least is None else f"a whole number of {least} or more"
             raise UsageError(f"simulate: {name} must be {wanted}, not {value!r}")
+    if plan is not None and not isinstance(plan, FaultPlan):
+        raise UsageError(
+            f"simulate: plan must be a FaultPlan (e.g. FaultPlan.of(['crash'])), not {plan!r}"
+        )
     plan = plan if plan is not None else FaultPlan.default()
     scenario = scenario if scenario is not None else LedgerScenario(steps=steps)
     trio._core._run._r.seed(seed)  # trio's own scheduling randomness, seeded too
@@ -614,7 +618,16 @@ def run_seeds(
     scenario: Scenario | None = None,
     on_result: Callable[[SimulationResult], None] | None = None,
 ) -> list[SimulationResult]:
-    """Simulate every seed in turn (see `simulate`); ``on_result`` sees each as it ends."""
+    """Simulate every seed in turn (see `simulate`); ``on_result`` sees each as it ends.
+
+    Raises:
+        UsageError: ``seeds`` is a single seed, not an iterable of them (``range(5)`` for
+            five), or an argument `simulate` refuses.
+    """
+    if not isinstance(seeds, Iterable) or isinstance(seeds, str | bytes):
+        raise UsageError(
+            f"run_seeds: seeds must be an iterable of ints (e.g. range(5)), not {seeds!r}"
+        )
     results = []
     for seed in seeds:
         result = simulate(seed, plan=plan, runs=runs, steps=steps, scenario=scenario)

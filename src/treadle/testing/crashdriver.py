@@ -38,6 +38,7 @@ from treadle.stores.sqlite import SqliteStore
 from treadle.supervisors import run
 from treadle.testing._intercept import InterceptingStore
 from treadle.testing.crashes import RUN_INPUT, make_agent
+from treadle.testing.faults import check_ordinal, check_when
 from treadle.types import Record, RunResult, StoreOp
 
 StoreKind = Literal["sqlite", "jsonl"]
@@ -113,11 +114,15 @@ class KillingStore(InterceptingStore):
         when: ``before`` the write reaches the store, or ``after`` the store accepted it (for a
             barrier, once it is durable; for the other writes, once queued).
         note: a file to write a `KillNote` to (synced) just before dying.
+
+    Raises:
+        UsageError: when made, the operation to hit is not a whole number from 1, or
+            ``when`` is neither ``before`` nor ``after``.
     """
 
     inner: RunStore
-    kill_at: int | None = None
-    when: Literal["before", "after"] = "after"
+    kill_at: int | None = attrs.field(default=None, validator=check_ordinal)
+    when: Literal["before", "after"] = attrs.field(default="after", validator=check_when)
     note: str | None = None
     writes: int = 0
 

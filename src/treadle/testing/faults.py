@@ -23,7 +23,7 @@ from typing import Any, Literal, NoReturn
 
 import attrs
 
-from treadle._exceptions import StoreError
+from treadle._exceptions import StoreError, UsageError
 from treadle.policies import POLICY_METHODS
 from treadle.ports import ActionExecutor, LeaseStore, RunStore
 from treadle.stores.jsonl import FileOps, OsFileOps
@@ -67,6 +67,35 @@ FAULT_KINDS = (
 """Every fault kind a `FaultPlan` can switch on."""
 
 
+def check_when(wrapper: object, field: attrs.Attribute[Any], value: object) -> None:
+    """An attrs validator: a fault's side is ``"before"`` or ``"after"``.
+
+    Raises:
+        UsageError: anything else (a misspelt side acted as ``after``).
+    """
+    if value not in ("before", "after"):
+        raise UsageError(
+            f"{type(wrapper).__name__}: {field.name} must be 'before' or 'after', not {value!r}"
+        )
+
+
+def check_ordinal(wrapper: object, field: attrs.Attribute[Any], value: object) -> None:
+    """An attrs validator: which operation a fault hits, a whole number from 1.
+
+    ``None`` passes where it is the field's default (never).
+
+    Raises:
+        UsageError: 0, a negative number or no int (0 never came: the fault never happened).
+    """
+    if value is None and field.default is None:
+        return
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise UsageError(
+            f"{type(wrapper).__name__}: {field.name} must be a whole number of 1 or more "
+            f"(operations are counted from 1), not {value!r}"
+        )
+
+
 @attrs.define(eq=False)
 class CrashingStore(InterceptingStore):
     """A `treadle.ports.RunStore` that dies at write number ``crash_at`` (1-based).
@@ -81,11 +110,15 @@ class CrashingStore(InterceptingStore):
         crashed: whether the crash happened. From then on every operation (reads, leases and
             control streams included) raises `SimulatedCrash`, except the release of the dying
             run's lease: that lease lapses, as its TTL would make it.
+
+    Raises:
+        UsageError: when made, the operation to hit is not a whole number from 1, or
+            ``when`` is neither ``before`` nor ``after``.
     """
 
     inner: RunStore
-    crash_at: int
-    when: Literal["before", "after"] = "before"
+    crash_at: int = attrs.field(validator=check_ordinal)
+    when: Literal["before", "after"] = attrs.field(default="before", validator=check_when)
     writes: int = 0
     crashed: bool = False
 
@@ -144,11 +177,15 @@ class CrashingExecutor:
     Attributes:
         calls: `execute` calls seen so far.
         crashed: whether the crash happened.
+
+    Raises:
+        UsageError: when made, the operation to hit is not a whole number from 1, or
+            ``when`` is neither ``before`` nor ``after``.
     """
 
     inner: ActionExecutor
-    crash_at: int
-    when: Literal["before", "after"] = "after"
+    crash_at: int = attrs.field(validator=check_ordinal)
+    when: Literal["before", "after"] = attrs.field(default="after", validator=check_when)
     store: CrashingStore | None = None
     calls: int = 0
     crashed: bool = False
@@ -227,12 +264,16 @@ class FailingStore(InterceptingStore):
     Attributes:
         writes: write operations seen so far.
         failed_runs: runs whose write failed.
+
+    Raises:
+        UsageError: when made, the operation to hit is not a whole number from 1, or
+            ``when`` is neither ``before`` nor ``after``.
     """
 
     inner: RunStore
-    fail_at: int
+    fail_at: int = attrs.field(validator=check_ordinal)
     error: Exception = attrs.Factory(_default_failure)
-    when: Literal["before", "after"] = "before"
+    when: Literal["before", "after"] = attrs.field(default="before", validator=check_when)
     writes: int = 0
     failed_runs: set[str] = attrs.Factory(set)
 

@@ -14,7 +14,7 @@ from typing import Any
 import attrs
 import trio
 
-from treadle._exceptions import ModelCallError
+from treadle._exceptions import ModelCallError, UsageError
 from treadle.ports import DeltaCallback
 from treadle.types import Attempt, ModelErrorInfo, ModelReply, ModelRequest, ToolCall, Usage
 
@@ -48,6 +48,49 @@ def calls(*tool_calls: ToolCall, text: str | None = None, usage: Usage | None = 
     )
 
 
+def _check_turns(model: object, field: attrs.Attribute[Any], turns: object) -> None:
+    """Refuse a script that is no sequence of `ModelReply` (a lone reply, text).
+
+    Raises:
+        UsageError: naming the argument and, for a wrong turn, its index.
+    """
+    if isinstance(turns, ModelReply | str | bytes) or not isinstance(turns, Sequence):
+        raise UsageError(
+            f"ScriptedModel: turns must be a sequence of ModelReply (e.g. [say('hi')]), "
+            f"not {turns!r:.100}"
+        )
+    for index, turn in enumerate(turns):
+        if not isinstance(turn, ModelReply):
+            raise UsageError(
+                f"ScriptedModel: turns[{index}] must be a ModelReply (made by say, call or "
+                f"calls), not {turn!r:.100}"
+            )
+
+
+def _check_failures(model: object, field: attrs.Attribute[Any], failures: object) -> None:
+    """Refuse failures not keyed by turn index (an int) or not lists of `ModelErrorInfo`.
+
+    Raises:
+        UsageError: naming the argument and the wrong key.
+    """
+    if not isinstance(failures, Mapping):
+        raise UsageError(
+            f"ScriptedModel: failures must map turn indexes to errors, not {failures!r}"
+        )
+    for turn, errors in failures.items():
+        if not isinstance(turn, int) or isinstance(turn, bool):
+            raise UsageError(
+                f"ScriptedModel: failures are keyed by turn index (an int), not {turn!r}"
+            )
+        if isinstance(errors, ModelErrorInfo) or not all(
+            isinstance(error, ModelErrorInfo) for error in errors
+        ):
+            raise UsageError(
+                f"ScriptedModel: failures[{turn}] must be a sequence of ModelErrorInfo, "
+                f"not {errors!r:.100}"
+            )
+
+
 @attrs.define(eq=False)
 class ScriptedModel:
     """A `treadle.ports.ModelClient` that plays a script.
@@ -71,10 +114,16 @@ class ScriptedModel:
 
     Attributes:
         requests: every request received, in order.
+
+    Raises:
+        UsageError: when made, ``turns`` is no sequence of `ModelReply` (a lone reply or
+            text), or ``failures`` is not keyed by turn index or holds no `ModelErrorInfo`.
     """
 
-    turns: Sequence[ModelReply]
-    failures: Mapping[int, Sequence[ModelErrorInfo]] = attrs.Factory(dict)
+    turns: Sequence[ModelReply] = attrs.field(validator=_check_turns)
+    failures: Mapping[int, Sequence[ModelErrorInfo]] = attrs.field(
+        factory=dict, validator=_check_failures
+    )
     latency_s: float = 0.0
     stream_chunk_chars: int = 0
     turn_offset: int = 0
