@@ -358,8 +358,9 @@ async def test_scripted_model_keeps_the_contract(reply, reports):
     model = ScriptedModel(turns=[reply], stream_chunk_chars=2, reports_usage=reports)
     got = await check_model_client(model)
     assert got == reply
-    # a second call (a report that raises) is made only of a client that reported usage
-    assert len(model.requests) == (2 if reports and reply.usage == USED else 1)
+    # a second call (a report that raises) is made only of a client that reported usage;
+    # the last is made in a cancelled scope
+    assert len(model.requests) == (2 if reports and reply.usage == USED else 1) + 1
 
 
 @pytest.mark.parametrize(
@@ -498,6 +499,15 @@ class RaisingModel:
         raise RuntimeError("socket timed out")
 
 
+class TimesOutShielded:
+    """Keeps its deadlines, but shields the call: a cancel ends it only at its deadline."""
+
+    async def complete(self, request, *, on_delta=None, attempt=Attempt.STANDALONE):
+        with trio.CancelScope(shield=True):
+            await trio.sleep(attempt.first_byte_s)  # the server sent nothing
+            raise treadle.ModelCallError(ModelErrorInfo(kind="timeout", retryable=True))
+
+
 @pytest.mark.parametrize(
     ("model", "rule"),
     [
@@ -507,6 +517,7 @@ class RaisingModel:
         (ShieldedModel(), "past the attempt's 0.5 s deadlines.*ModelReply"),
         (ShieldedRaisingModel(), "past the attempt's 0.5 s deadlines.*RuntimeError"),
         (RaisingModel(), "must raise a retryable timeout.*RuntimeError"),
+        (TimesOutShielded(), "a call cancelled 0.5 s in ended with ModelCallError"),
     ],
     ids=[
         "ignores-deadlines",
@@ -515,11 +526,29 @@ class RaisingModel:
         "ignores-cancel",
         "ignores-cancel-then-raises",
         "raises-another-error",
+        "times-out-but-ignores-cancel",
     ],
 )
 async def test_a_client_that_breaks_the_deadlines_fails_the_contract(autojump_clock, model, rule):
     with pytest.raises(SeamContractError, match=rule):
         await check_model_client_deadlines(model)
+
+
+class AnswersShielded:
+    """Answers, but shields its call from cancellation."""
+
+    async def complete(self, request, *, on_delta=None, attempt=Attempt.STANDALONE):
+        with trio.CancelScope(shield=True):
+            await trio.sleep(0.1)
+        return say("hi")
+
+
+class RaisesRaw:
+    """Lets a connection error out as it is, not as a ModelCallError."""
+
+    async def complete(self, request, *, on_delta=None, attempt=Attempt.STANDALONE):
+        await trio.lowlevel.checkpoint()
+        raise ConnectionResetError("peer reset")
 
 
 class NoAttemptModel:
@@ -563,8 +592,18 @@ class RelabellingModel:
         (RequiredAttemptModel(), "attempt needs a default"),
         (SwallowingModel(), "went on after attempt.report_usage raised"),
         (RelabellingModel(), "replaced the error report_usage raised"),
+        # A shielded call and a raw exception passed, or escaped the check unreported.
+        (AnswersShielded(), "a call cancelled 0 s in ended with ModelReply"),
+        (RaisesRaw(), "complete raised ConnectionResetError.*ModelCallError"),
     ],
-    ids=["no-attempt", "attempt-required", "swallows-the-cut", "relabels-the-cut"],
+    ids=[
+        "no-attempt",
+        "attempt-required",
+        "swallows-the-cut",
+        "relabels-the-cut",
+        "ignores-cancel",
+        "raises-a-raw-error",
+    ],
 )
 async def test_a_client_that_ignores_its_attempt_fails_the_contract(model, rule):
     with pytest.raises(SeamContractError, match=rule):

@@ -435,7 +435,9 @@ async def check_model_client(
     ``token_budget``) from the first report, as the model gateway's does when the run's token
     budget is crossed: the call must end by raising that very error (docs/models.md,
     "Budgets during a call"). A client that reports no usage is not asked this (the gateway
-    then checks the reply's usage when the call ends). The attempt's deadlines are held by
+    then checks the reply's usage when the call ends). Last, a call made in a cancelled
+    scope must raise `trio.Cancelled`; and a failed call that raises anything but
+    `ModelCallError` breaks the contract. The attempt's deadlines are held by
     `check_model_client_deadlines`, against a server that stalls.
 
     Returns:
@@ -466,6 +468,11 @@ async def check_model_client(
     except ModelCallError as exc:
         _check_model_error(exc)
         raise
+    except Exception as exc:
+        raise SeamContractError(
+            f"complete raised {exc!r}: a failed call raises ModelCallError with a classified "
+            'kind (docs/seams.md, "Model client")'
+        ) from exc
     problem = reply_problem(reply)
     _expect(problem is None, problem or "")
     if fragments:
@@ -474,7 +481,40 @@ async def check_model_client(
     _expect(not reported, f"attempt.report_usage: {reported[0] if reported else ''}")
     if reports:
         await _check_usage_report_ends_the_attempt(client, request)
+    await _check_cancel_ends_the_call(client, request, recording, after_s=0)
     return reply
+
+
+async def _check_cancel_ends_the_call(
+    client: ModelClient, request: ModelRequest, attempt: Attempt, *, after_s: float
+) -> None:
+    """A call cancelled ``after_s`` seconds in ends by raising `trio.Cancelled`.
+
+    ``after_s`` 0 cancels it before it starts (no request need reach the server). A call
+    that cannot be cancelled is waited for until it ends (by its attempt's deadlines).
+
+    Raises:
+        SeamContractError: the call ended otherwise: with a reply, or an exception of its
+            own (docs/seams.md, "Model client": a cancel ends the call at once).
+    """
+    ended: ModelReply | Exception | None = None
+    with trio.move_on_after(after_s) as cancel:
+        try:
+            ended = await client.complete(request, attempt=attempt)
+        except Exception as exc:
+            ended = exc
+    if cancel.cancelled_caught:
+        return
+    if not cancel.cancel_called:
+        raise SeamContractError(
+            f"the call ended with {_clipped(ended)} before the cancel {after_s:g} s in: "
+            "point the client at a server that stalls"
+        )
+    raise SeamContractError(
+        f"a call cancelled {after_s:g} s in ended with {_clipped(ended)}, not trio.Cancelled: "
+        "complete must end at once when cancelled (a shielded call, or a blocking one in a "
+        "thread, does not)"
+    )
 
 
 async def check_model_client_deadlines(
@@ -495,6 +535,9 @@ async def check_model_client_deadlines(
     A call still running ``grace_s`` seconds after its deadline is cancelled, and the client
     broke the rule, whatever the call ends with once cancelled (a client that cannot be
     cancelled, e.g. a blocking SDK call in a worker thread, is waited for until it ends).
+    Then a second call, with deadlines of ``grace_s``, is cancelled ``deadline_s`` seconds in:
+    it must end by raising `trio.Cancelled` (a call shielded from cancellation ends only at
+    its own deadline).
 
     Returns:
         The timeout error, for further checks by the caller.
@@ -525,6 +568,8 @@ async def check_model_client_deadlines(
             ended.info.kind == "timeout" and ended.info.retryable,
             f"a passed attempt deadline must raise a retryable timeout, got {ended.info!r}",
         )
+        patient = Attempt(connect_s=grace_s, first_byte_s=grace_s, idle_s=grace_s)
+        await _check_cancel_ends_the_call(client, request, patient, after_s=deadline_s)
         return ended
     if isinstance(ended, Exception):
         raise SeamContractError(
