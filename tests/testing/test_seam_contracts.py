@@ -101,14 +101,61 @@ class RunsAHiddenAction(_Wrapping):
         return attrs.evolve(parsed, actions=(*parsed.actions, extra))
 
 
+class KeepsTheFirstCall(_Wrapping):
+    """Of a parallel batch, keeps only the first call (in history and actions)."""
+
+    def change(self, parsed):
+        if parsed.kind is not DecisionKind.ACTIONS:
+            return parsed
+        history = attrs.evolve(
+            parsed.history_message, tool_calls=parsed.history_message.tool_calls[:1]
+        )
+        return attrs.evolve(parsed, history_message=history, actions=parsed.actions[:1])
+
+
+class RenamesCalls(_Wrapping):
+    """Gives the calls ids of its own, in history and actions alike."""
+
+    def change(self, parsed):
+        calls = tuple(
+            attrs.evolve(c, id=f"mine{n}") for n, c in enumerate(parsed.history_message.tool_calls)
+        )
+        actions = tuple(attrs.evolve(a, id=f"mine{n}") for n, a in enumerate(parsed.actions))
+        history = attrs.evolve(parsed.history_message, tool_calls=calls)
+        return attrs.evolve(parsed, history_message=history, actions=actions)
+
+
+class AnswersInsteadOfCalling(_Wrapping):
+    """Turns a reply with calls into an empty final answer."""
+
+    def change(self, parsed):
+        if parsed.kind is not DecisionKind.ACTIONS:
+            return parsed
+        history = attrs.evolve(parsed.history_message, tool_calls=())
+        return attrs.evolve(
+            parsed, kind=DecisionKind.FINAL_ANSWER, actions=(), text="", history_message=history
+        )
+
+
 @pytest.mark.parametrize(
     ("parser", "rule"),
     [
-        (RepeatsCallIds(), "history call ids repeat"),
-        (DropsCallsFromHistory(), "are not the history message's calls"),
+        (RepeatsCallIds(), "history call ids repeat|every call id must be kept"),
+        (DropsCallsFromHistory(), "not in the history message|are not the history message's"),
         (RunsAHiddenAction(), "are not the history message's calls"),
+        # These three passed: the check never compared the history with the reply's calls.
+        (KeepsTheFirstCall(), "are not in the history message.*every call id must be kept"),
+        (RenamesCalls(), "are not in the history message.*every call id must be kept"),
+        (AnswersInsteadOfCalling(), "are not in the history message.*every call id must be kept"),
     ],
-    ids=["repeated-ids", "calls-dropped", "hidden-action"],
+    ids=[
+        "repeated-ids",
+        "calls-dropped",
+        "hidden-action",
+        "all-but-the-first-dropped",
+        "renamed",
+        "calls-turned-into-an-answer",
+    ],
 )
 def test_a_parser_whose_actions_are_not_its_history_calls_fails_the_contract(parser, rule):
     with pytest.raises(SeamContractError, match=rule):

@@ -153,7 +153,9 @@ def check_decision_parser(
     For every reply (default: `adversarial_replies`) the parser must return a `ParsedReply`
     without raising; ``ACTIONS`` carries at least one action with an id and a mapping of
     arguments; ``INVALID`` carries feedback; the history message is an assistant message whose
-    calls all have ids, no two the same; the actions of ``ACTIONS`` are the history message's
+    calls all have ids, no two the same, and hold every call of the reply that has an id of
+    its own under that id (none dropped, renamed or turned into an answer); the actions of
+    ``ACTIONS`` are the history message's
     calls (the same ids, in order; a history without calls only for calls written as text,
     whose action ids must differ); ``FINAL_ANSWER`` has text; and parsing is pure (the same
     reply twice gives equal decisions).
@@ -179,6 +181,7 @@ def _check_decision(parsed: ParsedReply, reply: ModelReply) -> None:
     _expect(all(c.id for c in history.tool_calls), f"a history call has no id {where}")
     ids = [c.id for c in history.tool_calls]
     _expect(len(ids) == len(set(ids)), f"history call ids repeat ({ids}) {where}")
+    _check_call_ids_kept(reply, ids, where)
     if parsed.kind is DecisionKind.ACTIONS:
         _expect(bool(parsed.actions), f"ACTIONS without actions {where}")
         for action in parsed.actions:
@@ -192,6 +195,23 @@ def _check_decision(parsed: ParsedReply, reply: ModelReply) -> None:
         _expect(not parsed.actions, f"FINAL_ANSWER with actions {where}")
     if reply.finish_reason == "length" and reply.invalid_tool_calls:
         _expect(parsed.kind is not DecisionKind.ACTIONS, f"a truncated call was executed {where}")
+
+
+def _check_call_ids_kept(reply: ModelReply, history: Sequence[str], where: str) -> None:
+    """Every call of the reply with an id of its own is in the history message under that id.
+
+    docs/seams.md, "Decision parser": every call id is kept, so each one is answered. A call
+    without an id, or whose id another call of the reply shares, may be given a new one; no
+    call with its own id may be dropped, renamed, or turned into an answer.
+    """
+    ids = [c.id for c in reply.tool_calls] + [c.id for c in reply.invalid_tool_calls]
+    own = [i for i in ids if i and ids.count(i) == 1]
+    lost = [i for i in own if i not in history]
+    _expect(
+        not lost,
+        f"the reply's calls {lost} are not in the history message (its calls: "
+        f"{list(history)}): every call id must be kept {where}",
+    )
 
 
 def _check_actions_answer_history(parsed: ParsedReply, reply: ModelReply, where: str) -> None:
