@@ -9,7 +9,15 @@ import pytest
 
 from treadle.testing import _sim_checks, _sim_ledger, _sim_run, invariants, simulation
 from treadle.testing.simulation import FAULT_KINDS, FaultPlan, Ledger, check_invariants, simulate
-from treadle.types import ActionResult, Budgets, ReplayPolicy, RunFinished, StepRecord, Usage
+from treadle.types import (
+    ActionIntent,
+    ActionResult,
+    Budgets,
+    ReplayPolicy,
+    RunFinished,
+    StepRecord,
+    Usage,
+)
 
 
 def test_five_hundred_seeds_with_every_fault_kind_are_green():
@@ -104,6 +112,57 @@ async def test_check_invariants_accepts_a_clean_log_and_flags_each_corruption():
 
     ledger.effects["x"] = 2
     assert any("applied twice" in p for p in check_invariants(log, ledger=ledger))
+
+
+def _corrupt(records, how):
+    """``records`` with one corruption ``how`` planted at the first step with an action."""
+    at = next(i for i, r in enumerate(records) if isinstance(r, ActionResult))
+    intent_at = next(i for i, r in enumerate(records) if isinstance(r, ActionIntent))
+    step_at = next(i for i, r in enumerate(records) if i > at and isinstance(r, StepRecord))
+    result, step = records[at], records[step_at]
+    changed = list(records)
+    if how == "result-before-another-step":
+        later = next(r for r in records[step_at + 1 :] if isinstance(r, StepRecord))
+        changed[step_at] = later
+    elif how == "intent-twice":
+        changed.insert(intent_at + 1, records[intent_at])
+    elif how in ("call_id", "tool", "step"):
+        value = result.step + 1 if how == "step" else "other"
+        changed[at] = attrs.evolve(result, **{how: value})
+    elif how == "second-run-started":
+        changed.insert(1, records[0])
+    elif how == "another-run":
+        changed[at] = attrs.evolve(result, run_id="another-run")
+    elif how == "observations":
+        changed[step_at] = attrs.evolve(step, observations=("made up",) * len(step.observations))
+    elif how == "result-ids":
+        changed[step_at] = attrs.evolve(step, action_result_ids=("nope",))
+    elif how == "model-intent":
+        changed[step_at] = attrs.evolve(step, model_intent_id="ghost")
+    return tuple(changed)
+
+
+@pytest.mark.parametrize(
+    ("how", "rule"),
+    [
+        # Each of these corruptions passed check_invariants.
+        ("result-before-another-step", "without step record"),
+        ("intent-twice", "was written twice"),
+        ("call_id", "is of call, tool and step"),
+        ("tool", "is of call, tool and step"),
+        ("step", "is of call, tool and step"),
+        ("second-run-started", "is a second run-started"),
+        ("another-run", "is of run 'another-run'"),
+        ("observations", "observations do not show the results"),
+        ("result-ids", "lists action results \\['nope'\\]"),
+        ("model-intent", "acted on model call ghost"),
+    ],
+)
+async def test_check_invariants_flags_a_record_out_of_place(how, rule):
+    log, _ = await _log_of_clean_run()
+    corrupted = attrs.evolve(log, records=_corrupt(log.records, how))
+    problems = check_invariants(corrupted)
+    assert any(re.search(rule, p) for p in problems), problems
 
 
 def test_fault_plan_refuses_unknown_kinds_and_bad_rates():

@@ -74,6 +74,7 @@ def check_invariants(
     records = log.records
     if not records or not isinstance(records[0], RunStarted):
         return [f"{log.run_id}: the log does not start with run-started"]
+    problems.extend(check_records(log))
     problems.extend(_results_have_intents(log.run_id, records))
     problems.extend(_no_attempt_after_final_error(log.run_id, records))
     problems.extend(_steps_contiguous(log.run_id, records))
@@ -397,6 +398,101 @@ def _intent_after_decision(
     return []
 
 
+def check_records(log: RunLog) -> list[str]:
+    """Every record is where the write protocol puts it (docs/crash-safety.md).
+
+    - every record is of this run, and only the first is a run-started;
+    - no intent id is written twice (an intent is written once; resume re-uses it);
+    - an action result is of its intent's call: the same call id, tool and step;
+    - a step record lists the action results of its write, in order, names a model intent
+      of the log, and each result's observation is in what the step's history shows.
+
+    Returns:
+        One sentence per violation.
+    """
+    run_id = log.run_id
+    problems = [
+        f"{run_id}: record {seq} ({type(record).__name__}) is of run {record.run_id!r}"
+        for seq, record in enumerate(log.records, start=1)
+        if record.run_id != run_id
+    ]
+    problems.extend(
+        f"{run_id}: record {seq} is a second run-started"
+        for seq, record in enumerate(log.records, start=1)
+        if seq > 1 and isinstance(record, RunStarted)
+    )
+    problems.extend(_intents_once_and_answered_in_kind(run_id, log.records))
+    problems.extend(_steps_hold_their_results(run_id, log.records))
+    return problems
+
+
+def _intents_once_and_answered_in_kind(run_id: str, records: Sequence[Any]) -> list[str]:
+    problems: list[str] = []
+    intents: dict[str, ModelIntent | ActionIntent] = {}
+    for record in records:
+        if isinstance(record, ModelIntent | ActionIntent):
+            if record.intent_id in intents:
+                problems.append(f"{run_id}: intent {record.intent_id} was written twice")
+            intents[record.intent_id] = record
+        elif isinstance(record, ActionResult):
+            intent = intents.get(record.intent_id)
+            if not isinstance(intent, ActionIntent):
+                continue  # no intent: `_results_have_intents` says so (or a refused call)
+            mine = (intent.call_id, intent.tool, intent.step)
+            theirs = (record.call_id, record.tool, record.step)
+            if mine != theirs:
+                problems.append(
+                    f"{run_id}: action result {record.intent_id} is of call, tool and step "
+                    f"{theirs}, its intent of {mine}"
+                )
+    return problems
+
+
+def _steps_hold_their_results(run_id: str, records: Sequence[Any]) -> list[str]:
+    problems: list[str] = []
+    model_intents: set[str] = set()
+    written: list[ActionResult] = []  # the action results of the step write under way
+    for record in records:
+        if isinstance(record, ModelIntent):
+            model_intents.add(record.intent_id)
+        elif isinstance(record, ActionResult):
+            written.append(record)
+            continue
+        elif isinstance(record, StepRecord):
+            problems.extend(_step_problems(run_id, record, written, model_intents))
+        written = []
+    return problems
+
+
+def _step_problems(
+    run_id: str, step: StepRecord, results: Sequence[ActionResult], model_intents: set[str]
+) -> list[str]:
+    problems: list[str] = []
+    ids = tuple(r.intent_id for r in results)
+    if tuple(step.action_result_ids) != ids:
+        problems.append(
+            f"{run_id}: step {step.step} lists action results {list(step.action_result_ids)}, "
+            f"its write holds {list(ids)}"
+        )
+    if step.model_intent_id is not None and step.model_intent_id not in model_intents:
+        problems.append(
+            f"{run_id}: step {step.step} acted on model call {step.model_intent_id}, which has "
+            "no intent before it"
+        )
+    if step.observations:
+        shown = [r.intent_id for r in results if not _observed(r, step.observations)]
+        if shown:
+            problems.append(
+                f"{run_id}: step {step.step}'s observations do not show the results {shown}"
+            )
+    return problems
+
+
+def _observed(result: ActionResult, observations: Sequence[str]) -> bool:
+    """Whether the result's observation is in one the step showed (its template around it)."""
+    return any(result.outcome.observation in shown for shown in observations)
+
+
 def _results_have_intents(run_id: str, records: Sequence[Any]) -> list[str]:
     problems: list[str] = []
     model_intents: set[str] = set()
@@ -418,7 +514,10 @@ def _results_have_intents(run_id: str, records: Sequence[Any]) -> list[str]:
             ):
                 problems.append(f"{run_id}: action result {record.intent_id} has no intent")
             following = records[index + 1] if index + 1 < len(records) else None
-            if not isinstance(following, ActionResult | StepRecord):
+            if (
+                not isinstance(following, ActionResult | StepRecord)
+                or following.step != record.step
+            ):
                 problems.append(f"{run_id}: action result {record.intent_id} without step record")
     return problems
 
