@@ -23,7 +23,7 @@ from treadle.testing.contracts import (
     check_run_store,
 )
 from treadle.testing.scripted import ScriptedModel, call, say
-from treadle.types import ActionResult, Record, RunLog, StepRecord, StoreOp
+from treadle.types import ActionResult, Liveness, Record, RunLog, RunState, StepRecord, StoreOp
 
 
 @attrs.frozen
@@ -226,15 +226,19 @@ async def test_a_summary_counts_the_records_of_the_log(harness: Harness) -> None
     assert summary.records == listed["counted"].records == len(log.records)
 
 
-async def test_a_jsonl_summary_whose_tail_holds_no_whole_line_does_not_guess(
+async def test_a_jsonl_summary_whose_last_line_outgrows_the_tail_reads_all_of_it(
     tmp_path: Path,
 ) -> None:
-    """The last 64 KiB of the file are inside one record: the count is unknown, not 0."""
+    """The last 64 KiB of the file are inside one record: the summary reads back as far as
+    that record's line begins, and counts the records (it once said unknown, and the state
+    of a finished run read as running)."""
     async with open_jsonl_store(tmp_path / "runs") as store:
         await run(_echo_agent(text_size=0), "go", store=store, run_id="small")
         await run(_echo_agent(answer="y" * 200_000), "go", store=store, run_id="big")
         small = await store.read_summary("small")
         big = await store.read_summary("big")
         small_log = await store.read_log("small")
+        big_log = await store.read_log("big")
     assert small is not None and small.records == len(small_log.records)
-    assert big is not None and big.records is None and big.state is not None
+    assert big is not None and big.records == len(big_log.records)
+    assert big.state is RunState.SUCCEEDED and big.liveness is Liveness.FINISHED
