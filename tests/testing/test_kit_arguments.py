@@ -24,6 +24,11 @@ MISUSES: list[tuple[str, Callable[[], object], str]] = [
     ("plan as a string", lambda: simulate(0, plan="crash"), r"plan must be a FaultPlan"),  # type: ignore[arg-type]
     ("one seed for seeds", lambda: run_seeds(5), r"seeds must be an iterable"),  # type: ignore[arg-type]
     (
+        "no scenario",
+        lambda: simulate(0, scenario=object()),  # type: ignore[arg-type]
+        r"scenario must be a Scenario .* has no method world, agent, input, check",
+    ),
+    (
         "misspelt crash side",
         lambda: CrashingStore(inner=MemoryStore(), crash_at=1, when="befor"),  # type: ignore[arg-type]
         r"when must be 'before' or 'after', not 'befor'",

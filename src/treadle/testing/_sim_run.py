@@ -101,6 +101,10 @@ class SimulationResult:
         }
 
 
+_SCENARIO_METHODS = ("world", "agent", "input", "check")
+"""What `simulate` calls on a scenario (`treadle.testing.Scenario`)."""
+
+
 def simulate(
     seed: int,
     *,
@@ -123,7 +127,8 @@ def simulate(
 
     Raises:
         UsageError: ``seed`` is not an int (a seed must reproduce the simulation), ``runs``
-            or ``steps`` is not a whole number of 1 or more, or ``plan`` is no `FaultPlan`.
+            or ``steps`` is not a whole number of 1 or more, ``plan`` is no `FaultPlan`, or
+            ``scenario`` lacks a method of `Scenario`.
     """
     for name, value, least in (("seed", seed, None), ("runs", runs, 1), ("steps", steps, 1)):
         if not isinstance(value, int) or isinstance(value, bool) or (least and value < least):
@@ -135,6 +140,12 @@ def simulate(
         )
     plan = plan if plan is not None else FaultPlan.default()
     scenario = scenario if scenario is not None else LedgerScenario(steps=steps)
+    lacking = [m for m in _SCENARIO_METHODS if not callable(getattr(scenario, m, None))]
+    if lacking:
+        raise UsageError(
+            "simulate: scenario must be a Scenario (docs/simulation.md, 'Simulating your own "
+            f"agent'): {scenario!r} has no method {', '.join(lacking)}"
+        )
     trio._core._run._r.seed(seed)  # trio's own scheduling randomness, seeded too
     clock = trio.testing.MockClock(autojump_threshold=0)
     return trio.run(_simulate, seed, plan, runs, scenario, clock=clock)
