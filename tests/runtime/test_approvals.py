@@ -506,7 +506,7 @@ async def test_the_deadline_is_durable_across_a_restart(autojump_clock):
     assert 199 <= waited <= 201  # only what was left of the stored deadline
     assert result.stop_reason is StopReason.FINAL_ANSWER
     assert tools.executed == []
-    decided = [r for r in (await store.read_log("r")).records if isinstance(r, ApprovalDecided)]
+    decided = await _logged_decisions(store)
     assert [d.decision for d in decided] == ["expired"]
 
 
@@ -695,6 +695,31 @@ async def test_a_second_decision_or_one_behind_a_cancel_is_refused(autojump_cloc
     assert tools.executed == []
 
 
+async def _logged_decisions(store) -> list[ApprovalDecided]:
+    """The approval decisions run ``r``'s log holds, in order."""
+    return [r for r in (await store.read_log("r")).records if isinstance(r, ApprovalDecided)]
+
+
+@contextlib.asynccontextmanager
+async def _waiting_on_add(store, *, park_after_s):
+    """Run ``r`` on ``store``, waiting on the approval of its one ``add`` call: a 60 s
+    deadline on a wall clock that follows trio's. Yields ``(handle, tools)``."""
+    agent, tools, _ = make(
+        [call("add", a=1, b=2, call_id="c1"), say("3")], limits=Limits(approval_timeout_s=60)
+    )
+    async with open_run(
+        agent,
+        "x",
+        store=store,
+        run_id="r",
+        approval_policy=only_add,
+        park_after_s=park_after_s,
+        clock=TrioTimeClock(),
+    ) as handle:
+        await wait_for_state(handle, RunState.AWAITING_APPROVAL)
+        yield handle, tools
+
+
 @pytest.mark.parametrize("before_s", [0.001, 0.1, 0.45])
 async def test_a_decision_written_just_before_the_deadline_counts_for_a_driven_run(
     before_s, autojump_clock
@@ -706,26 +731,14 @@ async def test_a_decision_written_just_before_the_deadline_counts_for_a_driven_r
     clock, real time passing while the loaded machine wrote the request moved the deadline
     before the test's last millisecond)."""
     store = MemoryStore()
-    agent, tools, _ = make(
-        [call("add", a=1, b=2, call_id="c1"), say("3")], limits=Limits(approval_timeout_s=60)
-    )
-    async with open_run(
-        agent,
-        "x",
-        store=store,
-        run_id="r",
-        approval_policy=only_add,
-        park_after_s=None,
-        clock=TrioTimeClock(),
-    ) as handle:
-        await wait_for_state(handle, RunState.AWAITING_APPROVAL)
+    async with _waiting_on_add(store, park_after_s=None) as (handle, tools):
         began = trio.current_time()
         await trio.sleep_until(began + 60 - before_s)
         await decide(store, "r", clock=TrioTimeClock())  # from another process, just in time
         result = await handle.wait()
     assert result.stop_reason is StopReason.FINAL_ANSWER
     assert [a.call_id for a in tools.executed] == ["c1"]
-    decided = [r for r in (await store.read_log("r")).records if isinstance(r, ApprovalDecided)]
+    decided = await _logged_decisions(store)
     assert [d.decision for d in decided] == ["approve"]
 
 
@@ -798,7 +811,7 @@ async def test_a_decision_written_after_the_deadline_is_never_applied(written, a
         agent, store=store, run_id="r", approval_policy=only_add, clock=clock
     )
     assert result.stop_reason is StopReason.FINAL_ANSWER
-    decided = [r for r in (await store.read_log("r")).records if isinstance(r, ApprovalDecided)]
+    decided = await _logged_decisions(store)
     if written == "before the deadline":
         assert [d.decision for d in decided] == ["approve"]
         assert [a.call_id for a in tools.executed] == ["c1"]
@@ -834,24 +847,12 @@ async def test_a_parked_run_never_applies_a_decision_stamped_after_its_deadline(
     (a decider's clock ahead, a write that checked no deadline) does not count: the call
     expires, as it does for a driven run."""
     store = MemoryStore()
-    agent, tools, _ = make(
-        [call("add", a=1, b=2, call_id="c1"), say("3")], limits=Limits(approval_timeout_s=60)
-    )
-    async with open_run(
-        agent,
-        "x",
-        store=store,
-        run_id="r",
-        approval_policy=only_add,
-        park_after_s=1.0,
-        clock=TrioTimeClock(),
-    ) as handle:
-        await wait_for_state(handle, RunState.AWAITING_APPROVAL)
+    async with _waiting_on_add(store, park_after_s=1.0) as (handle, tools):
         request = handle.pending_approval
         await trio.sleep(30)  # parked
         await store.append_control(decision_for("r", request, _OffsetClock(30.001)))
         await handle.wait()
-    decided = [r for r in (await store.read_log("r")).records if isinstance(r, ApprovalDecided)]
+    decided = await _logged_decisions(store)
     assert [d.decision for d in decided] == ["expired"]
     assert tools.executed == []
 
@@ -881,7 +882,7 @@ async def test_decide_never_reports_a_decision_stamped_after_the_deadline(autoju
     clock.now += dt.timedelta(seconds=700)
     agent, tools, _ = make(turns, limits=Limits(approval_timeout_s=600))
     await treadle_run(agent, store=store, run_id="r", approval_policy=only_add, clock=clock)
-    decided = [r for r in (await store.read_log("r")).records if isinstance(r, ApprovalDecided)]
+    decided = await _logged_decisions(store)
     if told == "counts":
         assert [d.decision for d in decided] == ["approve"]
         assert [a.call_id for a in tools.executed] == ["c1"]
@@ -935,24 +936,12 @@ async def test_a_decision_committed_after_the_deadline_reading_is_refused_as_exp
     expiry the driver wrote to the control stream before that reading comes first, so the
     call expires and the decider is told so (it was told the payment was approved)."""
     store = _HeldUntilTheDeadlineReading()
-    agent, tools, _ = make(
-        [call("add", a=1, b=2, call_id="c1"), say("3")], limits=Limits(approval_timeout_s=60)
-    )
-    async with open_run(
-        agent,
-        "x",
-        store=store,
-        run_id="r",
-        approval_policy=only_add,
-        park_after_s=park_after_s,
-        clock=TrioTimeClock(),
-    ) as handle:
-        await wait_for_state(handle, RunState.AWAITING_APPROVAL)
+    async with _waiting_on_add(store, park_after_s=park_after_s) as (handle, tools):
         store.reading_from = trio.current_time() + 60
         await trio.sleep_until(store.reading_from - 0.05)
         told = await _decide_told(store, "r", clock=TrioTimeClock())
         await handle.wait()
-    decided = [r for r in (await store.read_log("r")).records if isinstance(r, ApprovalDecided)]
+    decided = await _logged_decisions(store)
     _agreed(told, decided, tools.executed)
     assert told != "counts"  # the expiry was written before the reading that let it through
 
@@ -983,7 +972,7 @@ async def test_a_decision_committed_after_a_resume_past_the_deadline_read_the_st
         await trio.testing.wait_all_tasks_blocked()  # its append waits for the run's reading
         store.reading_from = trio.current_time()
         await treadle_run(agent, store=store, run_id="r", approval_policy=only_add, clock=clock)
-    decided = [r for r in (await store.read_log("r")).records if isinstance(r, ApprovalDecided)]
+    decided = await _logged_decisions(store)
     _agreed(told, decided, tools.executed)
     assert told != "counts"
 
