@@ -227,6 +227,27 @@ async def test_the_child_is_claimed_by_the_worker_that_serves_it(fleet_store):
     assert summary.lease.owner in ("", "b")  # released by b when it finished
 
 
+@contextlib.asynccontextmanager
+async def _one_slot_fleet(fleet_store, make_child):
+    """A fleet of one slot serving the parent (whose tool queues ``make_child()``'s runs)
+    and the child, polling every 50 ms."""
+    async with open_fleet(
+        fleet_store,
+        {"parent": lambda: parent_agent(fleet_store, make_child()), "child": make_child},
+        max_running=1,
+        claim_poll_s=0.05,
+        control_poll_s=0.05,
+    ) as worker:
+        yield worker
+
+
+async def _cancel_parent(fleet_store) -> None:
+    """Append a cancel of run ``p`` to its control stream, as `treadle cancel` does."""
+    await fleet_store.append_control(
+        CancelRequested(run_id="p", ts="2026-12-01T00:00:00Z", reason="stop", canceller="t")
+    )
+
+
 async def test_cancelling_a_waiting_parent_cancels_its_queued_child_durably(fleet_store):
     """The parent waits (slot freed) on a child blocked in its tool; a cancel of the parent
     reaches the child through its control stream, whoever drives it: both end cancelled."""
@@ -250,19 +271,11 @@ async def test_cancelling_a_waiting_parent_cancels_its_queued_child_durably(flee
 
     kid = child_run_id("p/s1/a1")
     with trio.fail_after(60):
-        async with open_fleet(
-            fleet_store,
-            {"parent": lambda: parent_agent(fleet_store, make_child()), "child": make_child},
-            max_running=1,
-            claim_poll_s=0.05,
-            control_poll_s=0.05,
-        ) as worker:
+        async with _one_slot_fleet(fleet_store, make_child) as worker:
             await worker.submit("parent", "go", run_id="p")
             await entered.wait()
             assert worker.statistics().waiting == 1
-            await fleet_store.append_control(
-                CancelRequested(run_id="p", ts="2026-12-01T00:00:00Z", reason="stop", canceller="t")
-            )
+            await _cancel_parent(fleet_store)
             parent = await worker.result("p", poll_s=0.05)
             child = await worker.result(kid, poll_s=0.05)
     assert parent.state is RunState.CANCELLED and parent.stop_reason is StopReason.CANCELLED
@@ -297,18 +310,10 @@ async def test_a_waiting_parent_cancelled_records_how_its_queued_child_ended(fle
 
     kid = child_run_id("p/s1/a1")
     with trio.fail_after(60):
-        async with open_fleet(
-            fleet_store,
-            {"parent": lambda: parent_agent(fleet_store, make_child()), "child": make_child},
-            max_running=1,
-            claim_poll_s=0.05,
-            control_poll_s=0.05,
-        ) as worker:
+        async with _one_slot_fleet(fleet_store, make_child) as worker:
             await worker.submit("parent", "go", run_id="p")
             await entered.wait()
-            await fleet_store.append_control(
-                CancelRequested(run_id="p", ts="2026-12-01T00:00:00Z", reason="stop", canceller="t")
-            )
+            await _cancel_parent(fleet_store)
             parent = await worker.result("p", poll_s=0.05)
     assert parent.state is RunState.CANCELLED
     log = await fleet_store.read_log("p")
