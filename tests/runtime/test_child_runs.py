@@ -83,6 +83,36 @@ def waiting_child(started: trio.Event):
     )
 
 
+def paying_child(reached: trio.Event, effects: list[str]) -> Agent:
+    """A child whose ``pay`` call records its intent id in ``effects`` (its effect); the
+    first call then sets ``reached`` and waits until cancelled, a later one returns."""
+
+    @tool
+    async def pay(ctx: ToolContext) -> str:
+        """Pay, then wait until the drive stops (the first time)."""
+        effects.append(ctx.intent_id)
+        if len(effects) == 1:
+            reached.set()
+            await trio.sleep_forever()
+        return "paid"
+
+    return attrs.evolve(
+        child_agent(turns=[call("pay", call_id="p1"), say("done")]),
+        executor=Toolbox([pay]),
+    )
+
+
+async def _stop_the_parent_while_its_child_pays(store, child: Agent, reached: trio.Event) -> None:
+    """Drive parent ``p`` until its child's call paid, then stop the drive (neither run is
+    cancelled: both are left unfinished)."""
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(
+            functools.partial(run, parent_agent(store, child), "go", store=store, run_id="p")
+        )
+        await reached.wait()
+        nursery.cancel_scope.cancel()
+
+
 def child_agent(*, gate: trio.Event | None = None, executed: list[str] | None = None, turns=None):
     """The child: one tool call (``note``, recorded in ``executed``), then its answer."""
     done = executed if executed is not None else []
@@ -300,26 +330,9 @@ async def test_a_parent_resumed_onto_a_waiting_cancel_cancels_the_children_of_it
     unfinished with no cancel, so a later resume of the child made new effects."""
     reached = trio.Event()
     effects: list[str] = []
-
-    @tool
-    async def pay(ctx: ToolContext) -> str:
-        """Pay, then wait (forever)."""
-        effects.append(ctx.intent_id)
-        reached.set()
-        await trio.sleep_forever()
-        return "paid"
-
-    child = attrs.evolve(
-        child_agent(turns=[call("pay", call_id="p1"), say("never")]),
-        executor=Toolbox([pay]),
-    )
+    child = paying_child(reached, effects)
     with trio.fail_after(30):
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(
-                functools.partial(run, parent_agent(store, child), "go", store=store, run_id="p")
-            )
-            await reached.wait()
-            nursery.cancel_scope.cancel()  # the drive stops; neither run is cancelled
+        await _stop_the_parent_while_its_child_pays(store, child, reached)
         kid = child_run_id("p/s1/a1")
         assert (await store.read_log(kid)).finished is None
         await request_cancel(store, "p", reason="stop", canceller="test")
@@ -341,28 +354,10 @@ async def test_a_child_whose_parent_finished_without_cancelling_it_cancels_itsel
 
     reached = trio.Event()
     effects: list[str] = []
-
-    @tool
-    async def pay(ctx: ToolContext) -> str:
-        """Pay, then wait until the drive stops (the first time)."""
-        effects.append(ctx.intent_id)
-        if len(effects) == 1:
-            reached.set()
-            await trio.sleep_forever()
-        return "paid"
-
-    child = attrs.evolve(
-        child_agent(turns=[call("pay", call_id="p1"), say("done")]),
-        executor=Toolbox([pay]),
-    )
+    child = paying_child(reached, effects)
     kid = child_run_id("p/s1/a1")
     with trio.fail_after(30):
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(
-                functools.partial(run, parent_agent(store, child), "go", store=store, run_id="p")
-            )
-            await reached.wait()
-            nursery.cancel_scope.cancel()  # the drive stops; neither run is cancelled
+        await _stop_the_parent_while_its_child_pays(store, child, reached)
         await request_cancel(store, "p", reason="stop", canceller="test")
 
         async def died_before_closing(*args: object, **kwargs: object) -> None:
