@@ -425,12 +425,13 @@ class RunCoordinator:
             return StopReason.MAX_MODEL_ATTEMPTS
         if budgets.token_budget is not None and view.tokens >= budgets.token_budget:
             return StopReason.TOKEN_BUDGET
+        if budgets.time_budget_s is None:
+            return None
         # A step resumed with its time already spent (parked on child runs while its time
         # went on) ends the run here, before its calls run again only to be cut at once.
+        # (Read only under a time budget: `_recorded_s` reads the clock.)
         spent_s = view.active_s + (self.carried_active_s or self._recorded_s())
-        if budgets.time_budget_s is not None and spent_s >= budgets.time_budget_s:
-            return StopReason.TIME_BUDGET
-        return None
+        return StopReason.TIME_BUDGET if spent_s >= budgets.time_budget_s else None
 
     async def _step(self) -> StopReason | None:
         """Run one step; return a stop reason when the step itself was cut off."""
