@@ -20,12 +20,11 @@ import trio
 from rich.console import Console
 
 from treadle._clock import seconds_out_of_range
-from treadle._exceptions import InvalidRunId, TreadleError, raised
+from treadle._exceptions import InvalidRunId, StoreError, TreadleError, raised
 from treadle._ids import check_run_id
 from treadle.agent import Agent
 from treadle.ports import RunStore
 from treadle.stores import is_dsn, record_to_dict, redact_dsn
-from treadle.stores._paths import is_directory
 from treadle.stores.jsonl import JsonlStore, open_jsonl_store
 from treadle.stores.sqlite import open_sqlite_store
 from treadle.types import (
@@ -331,12 +330,16 @@ async def open_store(path: str, *, create: bool = False) -> AsyncIterator[RunSto
 
 
 async def _is_folder(path: str) -> bool:
-    """Whether ``path`` is a folder (`treadle.stores._paths.is_directory`, off the loop).
+    """Whether ``path`` is a folder: `trio.Path.is_dir`, its `OSError` a `StoreError`.
 
     Raises:
-        StoreError: ``path`` cannot be looked at (a folder on the way cannot be searched).
+        StoreError: ``path`` cannot be looked at (Python 3.11's ``is_dir`` raises the
+            `PermissionError` of a folder on the way that cannot be searched).
     """
-    return await trio.to_thread.run_sync(is_directory, path)
+    try:
+        return await trio.Path(path).is_dir()
+    except OSError as exc:
+        raise StoreError(f"cannot open the store at {path}: {exc.strerror or exc}") from exc
 
 
 def bare_host(host: str) -> str:
