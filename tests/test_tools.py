@@ -856,3 +856,32 @@ def test_the_tool_policies_protocol_names_every_optional_executor_method():
     assert asked_by_name == []  # nothing looks an executor's methods up by name any more
     assert isinstance(Toolbox([]), ToolPolicies)
     assert policies_of(Toolbox([])).declared == declared
+
+
+def _tool_made_per_run(default: object) -> Tool:
+    """A tool defined inside a function, as a toolbox built per run makes one."""
+
+    @tool(name="pick")
+    def pick(count: int | bool = default) -> str:  # type: ignore[assignment]
+        """Pick.
+
+        Args:
+            count: how many.
+        """
+        return str(count)
+
+    return pick
+
+
+def test_a_tool_made_again_per_run_shares_its_argument_model_but_never_another_default() -> None:
+    first, again = _tool_made_per_run(3), _tool_made_per_run(3)
+    assert again.signature.model is first.signature.model  # built once, not per run
+    assert again.signature.schema == first.signature.schema
+    assert again.signature.schema is not first.signature.schema  # each tool owns its schema
+    # equal under ``==`` and ``hash`` (True == 1, 0.0 == -0.0), different in the schema
+    assert _tool_made_per_run(1).signature.schema["properties"]["count"]["default"] == 1
+    flag = _tool_made_per_run(True).signature.schema["properties"]["count"]["default"]
+    assert flag is True
+    assert _tool_made_per_run(1).signature.model is not _tool_made_per_run(True).signature.model
+    filled = _tool_made_per_run(True).signature.validate({})
+    assert filled == {"count": True} and filled["count"] is True

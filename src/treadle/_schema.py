@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import enum
+import functools
 import inspect
 import math
 import re
@@ -506,10 +507,57 @@ def read_signature(fn: Callable[..., Any], *, tool_name: str, context_type: type
 def _signature(
     tool_name: str, parameters: tuple[Parameter, ...], context: str | None, summary: str
 ) -> ToolSignature:
+    schema, model = _schema_and_model(tool_name, parameters)
     return ToolSignature(
         parameters=parameters,
         context_parameter=context,
         summary=summary,
-        schema=build_schema(tool_name, parameters),
-        model=build_model(tool_name, parameters),
+        schema=copy.deepcopy(schema),
+        model=model,
     )
+
+
+@attrs.frozen
+class _Arguments:
+    """A tool's name and arguments as a cache key: equal when they give the same schema.
+
+    A default is compared by its type and ``repr`` too (``True == 1`` and ``0.0 == -0.0``,
+    yet their schemas' defaults differ).
+    """
+
+    tool_name: str
+    parameters: tuple[Parameter, ...] = attrs.field(eq=False)
+    key: tuple[tuple[Any, ...], ...]
+
+    @classmethod
+    def of(cls, tool_name: str, parameters: tuple[Parameter, ...]) -> _Arguments:
+        key = tuple(
+            (p.name, p.annotation, type(p.default), repr(p.default), p.description)
+            for p in parameters
+        )
+        return cls(tool_name, parameters, key)
+
+
+def _schema_and_model(
+    tool_name: str, parameters: tuple[Parameter, ...]
+) -> tuple[dict[str, Any], type[Any]]:
+    """The arguments' schema and model class, built once per distinct signature.
+
+    Building them makes a class (attrs compiles its methods, msgspec defines a struct): a
+    tool defined in a function called per run (a closure over the run's state) would pay that
+    at every call. A signature whose annotations cannot be hashed is built every time.
+    """
+    arguments = _Arguments.of(tool_name, parameters)
+    try:
+        hash(arguments)
+    except TypeError:
+        return _build(arguments)
+    return _cached_build(arguments)
+
+
+def _build(arguments: _Arguments) -> tuple[dict[str, Any], type[Any]]:
+    name, parameters = arguments.tool_name, arguments.parameters
+    return build_schema(name, parameters), build_model(name, parameters)
+
+
+_cached_build: Final = functools.lru_cache(maxsize=512)(_build)
