@@ -347,6 +347,7 @@ _SECTION: Final = re.compile(
 """A line that opens a docstring section (Google titles, reST fields)."""
 
 
+@functools.lru_cache(maxsize=512)  # a tool defined again per run has the same docstring
 def summary_of(doc: str | None) -> str:
     """The docstring's description up to its first blank line or section, on one line.
 
@@ -365,14 +366,19 @@ def summary_of(doc: str | None) -> str:
 
 def argument_docs(doc: str | None) -> dict[str, str]:
     """Argument name -> description from the docstring's Google ``Args:`` section."""
+    return dict(_argument_docs(doc))
+
+
+@functools.lru_cache(maxsize=512)  # a tool defined again per run has the same docstring
+def _argument_docs(doc: str | None) -> tuple[tuple[str, str], ...]:
     import docstring_parser  # here: loaded when the first tool is declared, not on import
 
     parsed = docstring_parser.parse(doc or "", style=docstring_parser.DocstringStyle.GOOGLE)
-    return {
-        p.arg_name: " ".join((p.description or "").split())
+    return tuple(
+        (p.arg_name, " ".join((p.description or "").split()))
         for p in parsed.params
         if p.args and p.args[0] in ("param", "arg", "argument", "parameter")
-    }
+    )
 
 
 def _class_name(tool_name: str) -> str:
