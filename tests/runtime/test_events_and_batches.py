@@ -333,3 +333,39 @@ async def test_a_sink_is_told_once_when_the_drive_here_stops_with_the_run_unfini
             await again.wait()
     assert [e.kind for e in sink.events][-1] is EventKind.RUN_FINISHED
     assert EventKind.RUN_LEFT not in [e.kind for e in sink.events]
+
+
+class BurstyModel:
+    """Streams its reply as a network would: bursts of 100 pieces of 100 characters, one
+    scheduler pass apart (the writer joins pieces into deltas of up to 1 KiB)."""
+
+    def __init__(self, bursts: int) -> None:
+        self.text = "".join(f"{i:>99}\n" for i in range(100 * bursts))
+        self.inner = ScriptedModel(turns=[say(self.text)])
+
+    async def complete(self, request, *, on_delta=None, attempt=None):
+        for start in range(0, len(self.text), 100 * 100):
+            for offset in range(start, start + 100 * 100, 100):
+                on_delta("text", self.text[offset : offset + 100])
+            await trio.lowlevel.checkpoint()
+        return await self.inner.complete(request)
+
+
+async def test_a_subscriber_that_keeps_up_takes_a_burst_of_deltas_in_one_pass():
+    """A reader of `RunHandle.events` doing nothing else was cut off for falling behind a
+    fast stream and lost deltas: it took one event per scheduler pass while the writer handed
+    it a hundred per pass."""
+    model = BurstyModel(bursts=100)  # 1 MB
+    seen = []
+    async with open_run(
+        treadle.Agent(model=model, executor=LedgerTools(), parser=SimpleParser()),
+        "x",
+        store=MemoryStore(),
+        run_id="r",
+    ) as handle:
+        async for event in handle.events():
+            if event.kind is EventKind.TEXT_DELTA:
+                seen.append(event.text)
+        stats = handle.statistics()
+    assert stats.subscriber_drops == 0
+    assert "".join(seen) == model.text

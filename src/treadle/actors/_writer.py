@@ -13,6 +13,7 @@ from collections.abc import Awaitable, Callable, Iterable, Iterator, Sequence
 import attrs
 import trio
 
+from treadle._bursts import and_buffered
 from treadle._exceptions import StoreError, UsageError, only_cancelled
 from treadle.actors._mailbox import MailboxReceiver, MailboxSender
 from treadle.actors._messages import (
@@ -223,7 +224,7 @@ class SinkFeed:
     ) -> None:
         async with events:
             async for first in events:
-                for event in _and_buffered(first, events):
+                for event in and_buffered(first, events):
                     if self.reflected is not None:
                         await self.reflected(event)
                     await self._deliver(index, sink, event)
@@ -505,21 +506,6 @@ class EventWriter:
             except trio.BrokenResourceError:
                 self._subscribers.remove(send)
                 send.close()
-
-
-def _and_buffered(first: Event, events: trio.MemoryReceiveChannel[Event]) -> Iterator[Event]:
-    """``first``, then what ``events`` holds already, without a scheduler pass for each.
-
-    The writer hands a sink's buffer a burst of deltas in one pass (a fast stream); taken one
-    per pass, a sink that keeps up would still see its buffer overflow. The burst is bounded
-    by the buffer (`SINK_BUFFER`).
-    """
-    yield first
-    while True:
-        try:
-            yield events.receive_nowait()
-        except (trio.WouldBlock, trio.EndOfChannel):
-            return
 
 
 def _listened(channel: trio.MemorySendChannel[Event]) -> bool:

@@ -16,6 +16,7 @@ from typing import Any
 import attrs
 import trio
 
+from treadle._bursts import and_buffered
 from treadle._clock import Clock, SystemClock
 from treadle._exceptions import RunInterrupted, UsageError
 from treadle.actors import (
@@ -423,13 +424,14 @@ class RunHandle:
                     if (event.seq, event.ordinal) > last:
                         last = (event.seq, event.ordinal)
                         yield event
-                async for event in live:
-                    if event.run_id != self.run_id:  # a child run's, live: its own cursor
-                        yield event
-                    elif event.seq >= from_seq:
-                        last = max(last, (event.seq, event.ordinal))
-                        await self._reflected(event)
-                        yield event
+                async for first in live:
+                    for event in and_buffered(first, live):
+                        if event.run_id != self.run_id:  # a child run's, live: own cursor
+                            yield event
+                        elif event.seq >= from_seq:
+                            last = max(last, (event.seq, event.ordinal))
+                            await self._reflected(event)
+                            yield event
 
     async def _reflected(self, event: Event) -> None:
         """Wait until what the handle reports reflects ``event`` (docs/events.md, "Reading events").
