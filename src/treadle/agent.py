@@ -96,8 +96,11 @@ class Agent:
     Raises:
         UsageError: a part of the wrong kind (a seam without its methods, budgets or limits
             that are not `Budgets` or `Limits`, params that are not JSON data, a text field
-            that is not a ``str``), or an ``output_type`` or ``output_mode`` that cannot be
-            used (see docs/structured-output.md, "Output types").
+            that is not a ``str``), params the model client refuses (its optional
+            ``check_params``: a param that would replace a key the client sets itself, such
+            as ``stream``; docs/models.md, "What goes on the wire"), or an ``output_type`` or
+            ``output_mode`` that cannot be used (see docs/structured-output.md, "Output
+            types").
     """
 
     model: ModelClient
@@ -135,6 +138,8 @@ class Agent:
 
     def __attrs_post_init__(self) -> None:
         _check_takes_attempt("model", self.model)
+        native = self._output is not None and self._output.mode == "native"
+        _check_params(self.model, self.params, output=native)
         if self.summariser is not None:
             _check_takes_attempt("summariser", self.summariser)
         for name, least in (("max_output_tokens", 1), ("context_window", 1), ("context_margin", 0)):
@@ -315,6 +320,28 @@ def _secret_arguments(
     if "secret_arguments" not in policies.declared:
         return {}
     return secrets_of_tools((spec.name, policies.secret_arguments(spec.name)) for spec in specs)
+
+
+def _check_params(client: object, params: Mapping[str, JSONValue], *, output: bool) -> None:
+    """Ask the model client whether it takes ``params``, when the agent is built.
+
+    A client that sets some request keys itself says so with an optional
+    ``check_params(params, *, output)`` method, the rule it applies to every request (as
+    `treadle.OpenAIChatClient` and `treadle.AnthropicMessagesClient` do). Asked only at the
+    first model call, such params left a run started and orphaned, with an attempt recorded
+    at every resume though nothing was sent (docs/models.md, "What goes on the wire").
+
+    Args:
+        client: the agent's model client.
+        params: the agent's params (already checked to be JSON data).
+        output: the agent's output is asked for natively (every request has an ``output``).
+
+    Raises:
+        UsageError: whatever the client's ``check_params`` raises for these params.
+    """
+    check = getattr(client, "check_params", None)
+    if callable(check):
+        check(params, output=output)
 
 
 def _check_takes_attempt(role: str, client: object) -> None:

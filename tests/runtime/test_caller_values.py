@@ -131,6 +131,40 @@ async def test_an_agent_part_of_the_wrong_kind_is_refused_when_it_is_built(chang
     assert (await treadle.run(_agent(), "go", store=treadle.MemoryStore())).final_answer == "ok"
 
 
+_CLIENTS = {
+    "openai": lambda: treadle.OpenAIChatClient(base_url="http://127.0.0.1:9/v1"),
+    "anthropic": lambda: treadle.AnthropicMessagesClient(base_url="http://127.0.0.1:9"),
+}
+
+
+@pytest.mark.parametrize(
+    ("client", "changed", "key"),
+    [
+        ("openai", {"params": {"stream": False}}, "stream"),
+        ("openai", {"params": {"stream_options": {}, "temperature": 0}}, "stream_options"),
+        ("openai", {"params": {"model": "other"}}, "model"),
+        (
+            "openai",
+            {"params": {"response_format": {"type": "text"}}, "output_type": {"type": "object"}},
+            "response_format",
+        ),
+        ("anthropic", {"params": {"system": "be nice"}}, "system"),
+        ("anthropic", {"params": {"tools": []}}, "tools"),
+    ],
+)
+async def test_params_the_model_client_sets_itself_are_refused_when_the_agent_is_built(
+    client: str, changed: dict[str, object], key: str
+):
+    """`Agent(params={"stream": False})` was built; each run of it wrote run-started and a model
+    call intent, then raised at the first attempt: the run stayed orphaned, and every resume
+    added an attempt recorded as abandoned after a crash, though nothing was sent."""
+    async with _CLIENTS[client]() as model:
+        with pytest.raises(treadle.UsageError, match=f"request params may not set .*'{key}'"):
+            _agent(model=model, **changed)
+        allowed = {"temperature": 0.2, "response_format": {"type": "text"}}
+        assert _agent(model=model, params=allowed).params == allowed  # no output type: allowed
+
+
 def test_a_tool_argument_named_self_is_refused_with_a_clear_error():
     """It raised a SyntaxError from the generated arguments record."""
 

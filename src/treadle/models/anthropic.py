@@ -34,6 +34,7 @@ from treadle.types import (
     Attempt,
     ImageRef,
     ImageSource,
+    JSONValue,
     Message,
     ModelErrorInfo,
     ModelReply,
@@ -135,6 +136,26 @@ class AnthropicMessagesClient(StreamReader[MessageAccumulator]):
     def __repr__(self) -> str:
         return f"AnthropicMessagesClient(url={redact_url_secrets(self._url)!r})"
 
+    def check_params(self, params: Mapping[str, JSONValue], *, output: bool = False) -> None:
+        """Refuse params that would replace a key this client sets itself.
+
+        `request_body` applies it to every request, and a `treadle.Agent` asks it when the
+        agent is built, so such params fail before a run is written (docs/models.md, "What
+        goes on the wire").
+
+        Args:
+            params: the request's params, in the provider's own form.
+            output: the request asks for a native structured output; this client has none,
+                so it changes nothing here (`request_body` refuses such a request).
+
+        Raises:
+            UsageError: a param would replace ``model``, ``messages``, ``system``, ``tools``
+                or ``stream``; names them.
+        """
+        reserved = _RESERVED_PARAMS.intersection(params)
+        if reserved:
+            raise UsageError(f"request params may not set {sorted(reserved)}")
+
     def request_body(
         self, request: ModelRequest, *, run_images: ImageSource | None = None
     ) -> dict[str, Any]:
@@ -161,9 +182,7 @@ class AnthropicMessagesClient(StreamReader[MessageAccumulator]):
                 request asks for a native structured ``output`` (this client has none: the
                 agent's output type is asked for with a final-answer tool).
         """
-        reserved = _RESERVED_PARAMS.intersection(request.params)
-        if reserved:
-            raise UsageError(f"request params may not set {sorted(reserved)}")
+        self.check_params(request.params)
         if request.output is not None:
             raise UsageError(
                 "the Anthropic client has no native structured output: use output_mode='tool'"

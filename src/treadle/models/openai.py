@@ -36,6 +36,7 @@ from treadle.types import (
     Attempt,
     ImageRef,
     ImageSource,
+    JSONValue,
     Message,
     ModelErrorInfo,
     ModelReply,
@@ -121,6 +122,27 @@ class OpenAIChatClient(StreamReader[StreamAccumulator]):
         self._max_tokens_field = max_tokens_field
         self.native_output = native_output
 
+    def check_params(self, params: Mapping[str, JSONValue], *, output: bool = False) -> None:
+        """Refuse params that would replace a key this client sets itself.
+
+        `request_body` applies it to every request, and a `treadle.Agent` asks it when the
+        agent is built, so such params fail before a run is written (docs/models.md, "What
+        goes on the wire").
+
+        Args:
+            params: the request's params, in the provider's own form.
+            output: the request asks for a native structured output (``response_format``).
+
+        Raises:
+            UsageError: a param would replace ``model``, ``messages``, ``tools``, ``stream``,
+                ``stream_options`` or (with ``output``) ``response_format``; names them.
+        """
+        reserved = set(_RESERVED_PARAMS.intersection(params))
+        if output and "response_format" in params:
+            reserved.add("response_format")
+        if reserved:
+            raise UsageError(f"request params may not set {sorted(reserved)}")
+
     def request_body(
         self, request: ModelRequest, *, run_images: ImageSource | None = None
     ) -> dict[str, Any]:
@@ -165,11 +187,7 @@ class OpenAIChatClient(StreamReader[StreamAccumulator]):
             if request.output.description:
                 schema["description"] = request.output.description
             body["response_format"] = {"type": "json_schema", "json_schema": schema}
-        reserved = set(_RESERVED_PARAMS.intersection(request.params))
-        if request.output is not None and "response_format" in request.params:
-            reserved.add("response_format")
-        if reserved:
-            raise UsageError(f"request params may not set {sorted(reserved)}")
+        self.check_params(request.params, output=request.output is not None)
         for key, value in request.params.items():
             if request.max_output_tokens is None or key not in _CAP_KEYS:
                 body[key] = value
