@@ -334,6 +334,19 @@ def test_runs_start_stream_approve_and_finish_from_asyncio(tmp_path: Path):
     assert resumed == events[1:] and resumed[0] == step_started  # after run_started (1, 0)
 
 
+@pytest.mark.parametrize(
+    "bad",
+    ["1" * 5000, "7." + "1" * 5000, "1" * 20, "\u0663", "\u0663.\u0661"],
+    ids=["5000-digits", "5000-digit-ordinal", "20-digits", "arabic-indic", "arabic-indic-ordinal"],
+)
+def test_resume_after_refuses_an_id_of_too_many_or_non_ascii_digits(bad: str):
+    """A 5000-digit ``Last-Event-ID`` raised int()'s ValueError (the FastAPI example answered
+    500), and ``\\d`` read Arabic-Indic digits as a seq: both are a UsageError (a 400)."""
+    with pytest.raises(treadle.UsageError, match=r"an event id is <seq> or <seq>\.<ordinal>"):
+        resume_after(bad)
+    assert resume_after("9" * 19 + "." + "9" * 19) == (10**19 - 1, 10**19 - 1)
+
+
 def test_two_starts_of_one_run_at_once_make_one_driver(tmp_path: Path):
     # A client retrying `POST /runs` with the same id, under a fixed owner: both starts
     # passed the check for runs driven here before either had registered, the lease let the

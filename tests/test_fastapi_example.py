@@ -294,6 +294,8 @@ def test_a_run_the_store_does_not_have_answers_404_not_500_or_a_broken_stream(
         assert missing.status_code == 404 and "no run 'nope'" in missing.json()["detail"]
         assert client.get("/runs/%20bad/events").status_code == 400  # no run can have it
         assert client.get("/runs/done/events", params={"from_seq": 0}).status_code == 422
+        huge = {"last-event-id": "1" * 5000}  # int() cannot read it: it answered 500
+        assert client.get("/runs/done/events", headers=huge).status_code == 400
         stream = client.get("/runs/done/events", params={"from_seq": 2})
         assert client.get("/runs/done").json()["state"] == "succeeded"
     assert stream.status_code == 200

@@ -799,21 +799,27 @@ def sse_frame(event: Event) -> bytes:
     return f"{head}event: {event.kind.value}\ndata: {body}\n\n".encode()
 
 
-_EVENT_ID: Final = re.compile(r"(\d+)(?:\.(\d+))?")
+_MAX_DIGITS: Final = 19
+"""The most digits of a seq or an ordinal in an event id (a 64-bit count has 19)."""
+
+_EVENT_ID: Final = re.compile(rf"([0-9]{{1,{_MAX_DIGITS}}})(?:\.([0-9]{{1,{_MAX_DIGITS}}}))?")
 
 
 def resume_after(last_event_id: str) -> tuple[int, int]:
     """The ``(seq, ordinal)`` an `sse_frame` id names: ``"6"`` is (6, 0), ``"6.1"`` is (6, 1).
 
     Pass it as ``after`` to `Runs.events` to resume a stream after the last event a
-    browser saw (its ``Last-Event-ID``; docs/asyncio.md, "Streaming to a browser").
+    browser saw (its ``Last-Event-ID``; docs/asyncio.md, "Streaming to a browser"). The
+    run console reads its streams' ``Last-Event-ID`` with it too (docs/ui.md).
 
     Raises:
-        UsageError: ``last_event_id`` is no such id.
+        UsageError: ``last_event_id`` is no such id: anything but ASCII digits, one optional
+            ``.`` and more digits, or a part of more than 19 digits (more than a 64-bit seq
+            has).
     """
     found = _EVENT_ID.fullmatch(last_event_id)
     if found is None:
-        raise UsageError(f"an event id is <seq> or <seq>.<ordinal>, not {last_event_id!r}")
+        raise UsageError(f"an event id is <seq> or <seq>.<ordinal>, not {last_event_id!r:.60}")
     seq, ordinal = found.groups()
     return int(seq), int(ordinal or 0)
 

@@ -589,9 +589,12 @@ async def test_a_rejection_from_the_form_reaches_the_model_and_the_call_never_ru
     assert outcome.status.value == "not_executed" and "not this month" in outcome.observation
 
 
-@pytest.mark.parametrize("last", ["-3", "-1"])
-async def test_a_negative_last_event_id_is_refused_not_read_from_the_end(last):
-    """A bogus reconnect id sends no record twice or out of order: it is a 400."""
+@pytest.mark.parametrize(
+    "last", ["-3", "-1", "+3", "1_0", "1" * 5000], ids=["-3", "-1", "+3", "1_0", "5000-digits"]
+)
+async def test_a_last_event_id_that_is_no_seq_is_refused_not_read_from_the_end(last):
+    """A bogus reconnect id sends no record twice or out of order: it is a 400. The console
+    reads the id as `treadle.asyncio.resume_after` does (``1_0`` was read as seq 10)."""
     store = await finished_store()
     async with client(store) as http:
         bogus = await http.get("/runs/markup/events", headers={"last-event-id": last})

@@ -46,6 +46,7 @@ from treadle._ids import check_run_id
 from treadle._text import valid_unicode
 from treadle._ui import _view
 from treadle.approvals import edited_arguments, pending_approval
+from treadle.asyncio import resume_after
 from treadle.ports import RunIndex, RunStore
 from treadle.redaction import Redaction
 from treadle.types import ApprovalRequested, Liveness, RunLog, RunState, RunSummary
@@ -702,23 +703,21 @@ def _filtered(rows: Sequence[Row], q: str, state: str) -> list[Row]:
 def _first_seq(request: Request) -> int:
     """The first seq a stream sends: after ``Last-Event-ID``, else ``?from=`` (default 1).
 
-    Seqs count from 1 (docs/events.md, "Numbering"), so a ``Last-Event-ID`` below 0 names no
-    record a stream sent: it is refused (a 400), never read as a position from the log's end.
+    ``Last-Event-ID`` is read as every event id is (`treadle.asyncio.resume_after`: ASCII
+    digits, at most 19). Seqs count from 1 (docs/events.md, "Numbering"), so one below 0
+    names no record a stream sent: it is refused (a 400), never read as a position from the
+    log's end; so is one ``int`` cannot read (5000 digits) or of other digits (``٣``).
     """
     last = request.headers.get("last-event-id")
     refused = HTTPException(
         400, "Last-Event-ID and ?from= take a seq (an integer, Last-Event-ID 0 or more)"
     )
     try:
-        seen = int(last) if last else None
+        seen = resume_after(last)[0] if last else None
         first = max(1, int(request.query_params.get("from", "1")))
-    except ValueError:
+    except (UsageError, ValueError):
         raise refused from None
-    if seen is None:
-        return first
-    if seen < 0:
-        raise refused
-    return seen + 1
+    return first if seen is None else seen + 1
 
 
 def _origin_of(url: str) -> str | None:
