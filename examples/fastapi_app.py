@@ -103,6 +103,11 @@ class Decision(BaseModel):
     reject: str | None = None
 
 
+# Run ids may hold ``/`` (``user-42/conv-7``: docs/concepts.md, "Run ids"). A browser sends it
+# as ``%2F``, which the router sees decoded, so each route takes the id as a path; the routes
+# with a suffix come before ``GET /runs/{run_id}``, which would take ``.../events`` too.
+
+
 @app.post("/runs")
 async def start_run(body: NewRun, request: Request) -> dict[str, str]:
     """Start a run; its events are at ``/runs/{run_id}/events``."""
@@ -133,7 +138,7 @@ async def _require_run(runs: Runs, run_id: str) -> None:
         raise _unknown(exc) from exc
 
 
-@app.get("/runs/{run_id}/events")
+@app.get("/runs/{run_id:path}/events")
 async def run_events(
     run_id: str,
     request: Request,
@@ -161,7 +166,7 @@ async def run_events(
     return StreamingResponse(frames(), media_type="text/event-stream")
 
 
-@app.post("/runs/{run_id}/approve")
+@app.post("/runs/{run_id:path}/approve")
 async def approve(run_id: str, body: Decision, request: Request) -> dict[str, Any]:
     """Approve (or reject) the tool call the run waits on."""
     try:
@@ -171,7 +176,7 @@ async def approve(run_id: str, body: Decision, request: Request) -> dict[str, An
     return {"decision": decided.decision, "call_id": decided.call_id}
 
 
-@app.post("/runs/{run_id}/cancel")
+@app.post("/runs/{run_id:path}/cancel")
 async def cancel(run_id: str, request: Request) -> dict[str, str]:
     """Cancel the run."""
     try:
@@ -181,7 +186,7 @@ async def cancel(run_id: str, request: Request) -> dict[str, str]:
     return {"run_id": run_id}
 
 
-@app.get("/runs/{run_id}")
+@app.get("/runs/{run_id:path}")  # after the routes above: ``/runs/a/b/events`` is a stream
 async def result(run_id: str, request: Request) -> dict[str, Any]:
     """Wait for the run's result."""
     try:

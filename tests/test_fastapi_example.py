@@ -255,31 +255,27 @@ def test_the_example_resumes_after_a_kill_and_the_stream_reconnects_from_its_las
     assert "".join(deltas_after_restart) == "".join(ANSWER)
 
 
-def test_a_run_the_store_does_not_have_answers_404_not_500_or_a_broken_stream(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-):
-    """``GET /runs/nope`` answered 500 (the UsageError of runs.result unhandled), and
-    ``GET /runs/nope/events`` answered 200 and then broke the stream, which a browser's
-    EventSource reconnects to for ever."""
+def load_example(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, *finished: str):
+    """examples/fastapi_app.py as a module, over a store holding runs ``finished`` (each
+    answered ``noted``); its model is never called."""
     import importlib.util
-
-    from fastapi.testclient import TestClient
 
     import treadle
     from treadle.testing.scripted import ScriptedModel, say
 
     db = tmp_path / "runs.db"
 
-    async def finish_one() -> None:
-        agent = treadle.Agent(
-            model=ScriptedModel(turns=[say("noted")]),
-            executor=treadle.Toolbox([]),
-            parser=treadle.NativeToolCallParser(),
-        )
+    async def finish() -> None:
         async with open_sqlite_store(str(db)) as store:
-            await treadle.run(agent, "note", store=store, run_id="done")
+            for run_id in finished:
+                agent = treadle.Agent(
+                    model=ScriptedModel(turns=[say("noted")]),
+                    executor=treadle.Toolbox([]),
+                    parser=treadle.NativeToolCallParser(),
+                )
+                await treadle.run(agent, "note", store=store, run_id=run_id)
 
-    trio.run(finish_one)
+    trio.run(finish)
     monkeypatch.setenv("TREADLE_EXAMPLE_STORE", str(db))
     monkeypatch.setenv("TREADLE_EXAMPLE_LEDGER", str(tmp_path / "notes.txt"))
     monkeypatch.setenv("TREADLE_EXAMPLE_MODEL_URL", "http://127.0.0.1:9/v1")  # never called
@@ -287,7 +283,18 @@ def test_a_run_the_store_does_not_have_answers_404_not_500_or_a_broken_stream(
     assert spec is not None and spec.loader is not None
     example = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(example)
+    return example
 
+
+def test_a_run_the_store_does_not_have_answers_404_not_500_or_a_broken_stream(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+):
+    """``GET /runs/nope`` answered 500 (the UsageError of runs.result unhandled), and
+    ``GET /runs/nope/events`` answered 200 and then broke the stream, which a browser's
+    EventSource reconnects to for ever."""
+    from fastapi.testclient import TestClient
+
+    example = load_example(tmp_path, monkeypatch, "done")
     with TestClient(example.app, raise_server_exceptions=False) as client:
         assert client.get("/runs/nope").status_code == 404
         missing = client.get("/runs/nope/events")
@@ -301,3 +308,29 @@ def test_a_run_the_store_does_not_have_answers_404_not_500_or_a_broken_stream(
     assert stream.status_code == 200
     frames = list(sse(stream))
     assert frames[0][0] == "2" and frames[-1][1] == "run_finished"
+
+
+def test_a_run_whose_id_holds_a_slash_has_its_events_result_and_cancel(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+):
+    """Run ids may hold ``/`` (docs/concepts.md, "Run ids"); the page asks for
+    ``/runs/user-42%2Fconv-7/events``, which the router sees decoded: every per-run URL of
+    such a run answered 404."""
+    from fastapi.testclient import TestClient
+
+    example = load_example(tmp_path, monkeypatch, "user-42/conv-7", "user-42")
+    with TestClient(example.app, raise_server_exceptions=False) as client:
+        stream = client.get("/runs/user-42%2Fconv-7/events")
+        done = client.get("/runs/user-42%2Fconv-7")
+        cancel = client.post("/runs/user-42%2Fconv-7/cancel")
+        approve = client.post("/runs/user-42%2Fconv-7/approve", json={})
+        other = client.get("/runs/user-42")
+        missing = client.get("/runs/user-42%2Fnope/events")
+    assert stream.status_code == 200
+    frames = list(sse(stream))
+    assert frames[0][:2] == ("1", "run_started") and frames[-1][1] == "run_finished"
+    assert done.json() == {"state": "succeeded", "final_answer": "noted"}
+    assert cancel.status_code == 200 and cancel.json() == {"run_id": "user-42/conv-7"}
+    assert approve.status_code == 409 and "user-42/conv-7" in approve.json()["detail"]
+    assert other.json()["state"] == "succeeded"
+    assert missing.status_code == 404 and "user-42/nope" in missing.json()["detail"]
