@@ -84,3 +84,19 @@ def test_the_events_page_lists_every_event_kind():
     rows = set(re.findall(r"^\| `(\w+)`(?: / `(\w+)`)? \|", section, re.MULTILINE))
     documented = {kind for row in rows for kind in row if kind}
     assert documented == {kind.value for kind in EventKind}
+
+
+def test_the_seams_page_lists_every_operation_of_each_store_capability():
+    """docs/seams.md's capability table left ``wake`` out of ``RunQueue``: a store built from
+    it was no RunQueue. Each row names exactly the methods of its Protocol in
+    `treadle.ports`."""
+    from treadle import ports
+
+    text = (DOCS / "seams.md").read_text(encoding="utf-8")
+    section = text.split("| capability | operations | contract |", 1)[1].split("\n\n", 1)[0]
+    rows = re.findall(r"^\| `(\w+)` \| ([^|]+) \|", section, re.MULTILINE)
+    assert {name for name, _ in rows} == {"LeaseStore", "ControlStream", "RunIndex", "RunQueue"}
+    for name, operations in rows:
+        protocol = getattr(ports, name)
+        methods = {m for m, value in vars(protocol).items() if callable(value) and m[0] != "_"}
+        assert set(re.findall(r"`(\w+)", operations)) == methods, name
