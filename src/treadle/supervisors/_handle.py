@@ -375,7 +375,7 @@ class RunHandle:
         """Yield the run's events from ``from_seq``, or those after ``after``.
 
         Stored events come first, then live ones, with no gap and no duplicate where they
-        meet (docs/concepts.md, "Actors"). A reader that reconnects gives ``after``, the
+        meet (docs/concepts.md, "Events"). A reader that reconnects gives ``after``, the
         ``(seq, ordinal)`` of the last event it saw: a step-started event, which has the
         seq of the durable event before it, then comes after that event (docs/events.md,
         "Reading events").
