@@ -246,3 +246,24 @@ async def test_the_lease_contract_refuses_a_store_that_fences_only_some_writes(
 
     with pytest.raises(StoreContractError, match="lease_fencing"):
         await check_lease_store(same, clock=clock)
+
+
+class _NeverWakes(MemoryStore):
+    """Its wake changes nothing: a parent parked on its child runs waits for its recheck."""
+
+    async def wake(self, run_id: str) -> bool:
+        return True
+
+
+async def test_the_queue_contract_refuses_a_store_whose_wake_changes_nothing() -> None:
+    # The contract never called wake: a queue built without it (or with one that changes
+    # nothing) passed, and a fleet's parent run parked on its children until its recheck.
+    clock = FakeClock()
+    store = _NeverWakes(clock=clock.now)
+
+    @contextlib.asynccontextmanager
+    async def same() -> AsyncIterator[RunStore]:
+        yield store
+
+    with pytest.raises(StoreContractError, match="queue_woken"):
+        await check_run_queue(same, clock=clock)

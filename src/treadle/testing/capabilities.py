@@ -38,6 +38,7 @@ from treadle.types import (
     ApprovalDecided,
     ApprovalRequested,
     CancelRequested,
+    ChildrenAwaited,
     Claim,
     Liveness,
     Message,
@@ -756,6 +757,44 @@ async def _queue_parked(open_store: StoreOpener, clock: ContractClock | None) ->
         _expect(not woken.takeover and woken.lease.generation == gen + 1, check, f"{woken}")
 
 
+async def _queue_woken(open_store: StoreOpener, clock: ContractClock | None) -> None:
+    """A run parked on child runs is claimed only once `wake` (or its recheck) says so."""
+    check = "queue_woken"
+    async with open_store() as store:
+        queue, leases = _queue(store, check), _leases(store, check)
+        run_id, served, claimed = await _submitted_and_claimed(
+            queue, "woken", ttl_s=_LONG, max_takeovers=3
+        )
+        agent = next(iter(served))
+        gen = claimed.lease.generation
+        await store.write_run_started(
+            _started(run_id, agent=agent, version="v1"), seq=1, generation=gen
+        )
+        _expect(not await queue.wake(run_id), check, "wake changed a running run")
+        awaited = ChildrenAwaited(
+            run_id=run_id,
+            step=1,
+            ts=_TS,
+            intent_ids=("i",),
+            children=(f"{run_id}/child",),
+            active_s=0.0,
+            recheck_ts="2999-01-01T00:00:00+00:00",
+        )
+        await store.write_control(awaited, seq=2, generation=gen)
+        await leases.release_lease(claimed.lease, control_seen=0)
+        waiting = await queue.claim(
+            owner="w2", agents=served, limit=1, ttl_s=_LONG, max_takeovers=3, backoff_s=0
+        )
+        _expect(waiting == (), check, "a run parked on child runs was claimed before its wake")
+        _expect(
+            await queue.wake(run_id), check, "wake said a run parked on child runs waits on none"
+        )
+        (woken,) = await queue.claim(
+            owner="w2", agents=served, limit=1, ttl_s=_LONG, max_takeovers=3, backoff_s=0
+        )
+        _expect(not woken.takeover and woken.lease.generation == gen + 1, check, f"{woken}")
+
+
 QUEUE_CHECKS: Final[tuple[tuple[str, Check, bool], ...]] = (
     ("queue_submit", _queue_submit, False),
     ("queue_claims", _queue_claims, False),
@@ -763,6 +802,7 @@ QUEUE_CHECKS: Final[tuple[tuple[str, Check, bool], ...]] = (
     ("queue_unstarted_takeover", _queue_unstarted_takeover, True),
     ("queue_driving", _queue_driving, True),
     ("queue_parked", _queue_parked, True),
+    ("queue_woken", _queue_woken, False),
 )
 """The queue contract: ``(name, check, needs a clock)``."""
 
