@@ -21,10 +21,12 @@ from treadle.actors import (
     WriterRequest,
     open_mailbox,
 )
+from treadle.metrics import MetricsRecorder
 from treadle.ports import LeaseStore, RunStore
 from treadle.stores.memory import MemoryStore
+from treadle.stores.sqlite import open_sqlite_store
 from treadle.testing import FailingStore
-from treadle.types import EventKind, ModelIntent, Record, StoreOp
+from treadle.types import EventKind, ModelIntent, ModelReply, ModelResult, Record, StoreOp
 
 
 def _intent(step: int, attempt: int = 1) -> ModelIntent:
@@ -274,3 +276,97 @@ async def test_a_sink_that_keeps_up_takes_a_burst_of_deltas_in_one_pass():
         await feed.aclose()
     assert feed.sink_drops == 0
     assert got == list(range(1, 601))
+
+
+# ------------------------------------------------------------- metrics count what is stored
+
+
+class _Counts:
+    """A metrics output that keeps each counter's total by metric name."""
+
+    def __init__(self) -> None:
+        self.added: dict[str, float] = {}
+
+    def add(self, metric, value: float, labels: tuple[str, ...]) -> None:
+        self.added[metric.prometheus] = self.added.get(metric.prometheus, 0) + value
+
+    def set(self, metric, value: float, labels: tuple[str, ...]) -> None:
+        pass
+
+    observe = set
+
+
+async def _fenced_writer(
+    nursery: trio.Nursery, store: RunStore, counts: _Counts
+) -> tuple[WriterClient, EventWriter]:
+    """A writer whose run ``r`` was started, then taken over by another driver."""
+    assert isinstance(store, LeaseStore)
+    lease = await store.acquire_lease("r", owner="paused", ttl_s=3600.0)
+    writer = EventWriter(
+        run_id="r",
+        store=store,
+        next_seq=1,
+        generation=lease.generation,
+        metrics=MetricsRecorder(outputs=(counts,)),
+    )
+    send, recv = open_mailbox[WriterRequest](64)
+    await nursery.start(writer.run, recv)
+    client = WriterClient(inbox=send)
+    await client.write(StoreOp.RUN_STARTED, started())
+    await client.barrier(StoreOp.INTENT, _intent(1))
+    await store.release_lease(lease)  # the paused driver's lease went to another one
+    thief = await store.acquire_lease("r", owner="another", ttl_s=3600.0)
+    assert thief.generation > lease.generation
+    return client, writer
+
+
+def _result() -> ModelResult:
+    return ModelResult(run_id="r", step=1, intent_id="r/s1/m1", ts=TS, reply=ModelReply(text="hi"))
+
+
+async def test_a_fenced_write_queued_without_a_barrier_is_not_counted(tmp_path):
+    """A worker woken from a pause past its lease's TTL counted the model results and steps
+    it queued (non-barrier writes return once queued) that fencing then kept out of the
+    store. A record is now counted once the store holds it: with the run's next barrier."""
+    counts = _Counts()
+    async with open_sqlite_store(tmp_path / "runs.db") as store:
+        with pytest.RaisesGroup(LeaseLost, flatten_subgroups=True):
+            async with trio.open_nursery() as nursery:
+                client, _ = await _fenced_writer(nursery, store, counts)
+                await client.write(StoreOp.MODEL_RESULT, _result())  # queued: it returns
+                await client.barrier(StoreOp.INTENT, _intent(2))  # fenced, with the result
+        assert len((await store.read_log("r")).records) == 2
+    assert counts.added == {"treadle_runs_started": 1}
+
+
+async def test_a_fenced_write_left_at_the_end_of_a_drive_is_neither_counted_nor_shown(
+    tmp_path,
+):
+    """A drive ending with a non-barrier write in flight shows it once it is read back; one
+    that fencing kept out of the store is not in the log: no event, no count."""
+    counts = _Counts()
+    async with open_sqlite_store(tmp_path / "runs.db") as store:
+        async with trio.open_nursery() as nursery:
+            client, writer = await _fenced_writer(nursery, store, counts)
+            subscription = await client.subscribe()
+            await client.write(StoreOp.MODEL_RESULT, _result())  # queued, then fenced
+            client.inbox.close()  # the drive ends (drained between steps, say)
+            assert [e.kind async for e in subscription.events] == []
+        assert writer.statistics().last_seq == 2
+        assert len((await store.read_log("r")).records) == 2
+    assert counts.added == {"treadle_runs_started": 1}
+
+
+async def test_a_write_stored_without_a_barrier_is_counted_at_the_end_of_the_drive(tmp_path):
+    counts = _Counts()
+    async with open_sqlite_store(tmp_path / "runs.db") as store:
+        async with trio.open_nursery() as nursery:
+            client, writer = await _start(nursery, store)
+            writer.metrics = MetricsRecorder(outputs=(counts,))
+            await client.write(StoreOp.RUN_STARTED, started())
+            await client.barrier(StoreOp.INTENT, _intent(1))
+            await client.write(StoreOp.MODEL_RESULT, _result())
+            assert counts.added == {"treadle_runs_started": 1}  # not yet durable
+            client.inbox.close()
+        assert writer.statistics().last_seq == 3
+    assert counts.added == {"treadle_runs_started": 1, "treadle_model_attempts": 1}

@@ -264,8 +264,8 @@ class EventWriter:
         feed: the run's `SinkFeed`, run by the run supervisor so it outlives this writer.
         redaction: the secret tool arguments, redacted in every event it hands out (the
             records it writes keep them; docs/events.md, "Secret arguments").
-        metrics: counts every record the writer appended (docs/metrics.md); ``None``
-            counts nothing.
+        metrics: counts every record the writer appended, once the store holds it
+            (docs/metrics.md, "What is counted"); ``None`` counts nothing.
         tools: the names of the run's tools, for the metrics' ``tool`` label (a call to
             another name counts as `treadle.metrics.UNKNOWN_TOOL`; ``None``: as named).
     """
@@ -366,8 +366,6 @@ class EventWriter:
             records = tuple(self._stamped(r) for r in records)
         await _STORE_OPS[message.op](self.store, records, seq, self.generation)
         self.next_seq = seq + len(records)
-        if self.metrics is not None:
-            self.metrics.records(records, self.tools)
         held = self._held
         held.extend((seq + offset, record) for offset, record in enumerate(records))
         if message.op.barrier:  # durable, and every write before it (docs/seams.md)
@@ -381,27 +379,35 @@ class EventWriter:
                     pass
 
     async def _show_held(self) -> None:
-        """At the end of the drive: hand out the events still held, once they are durable.
+        """At the end of the drive: hand out the events still held that the store holds.
 
         A run that stops without a barrier after its last records (drained between steps,
         parked) would otherwise never show them: the next driver starts after them, and the
         run's sinks would keep a gap. Reading the log waits until the store committed every
         write it acknowledged (docs/seams.md, "Run store"); it happens only when events wait.
+        A held write that failed meanwhile (fenced after a takeover, refused, its batch
+        failed) is not in the log read, or another driver's records are at its seqs: it and
+        the records after it are neither shown nor counted (`stored_prefix`).
         """
         if self._held:
-            await self.store.read_log(self.run_id)
-            self._show(self._held)
+            log = await self.store.read_log(self.run_id)
+            self._show(stored_prefix(self._held, log))
             self._held.clear()
 
     def _show(self, durable: list[tuple[int, Record]]) -> None:
-        """Hand out the events of ``durable`` records, in order, and keep them in the tail.
+        """Count ``durable`` records, hand out their events in order and keep them in the tail.
 
         An event is handed out only once its record is durable (docs/events.md,
         "Numbering"): a record written without a barrier waits for the run's next barrier,
-        so a crash can never take back an event a subscriber or a sink was given. Events are
-        built only for someone listening: the tail keeps the records, and a subscriber
-        joining later gets their events then (the same events either way).
+        so a crash can never take back an event a subscriber or a sink was given. The
+        metrics count a record at the same moment, so they count only what the store holds
+        (docs/metrics.md, "What is counted"): a write queued and then fenced or failed is
+        never counted. Events are built only for someone listening: the tail keeps the
+        records, and a subscriber joining later gets their events then (the same events
+        either way).
         """
+        if self.metrics is not None and durable:
+            self.metrics.records((record for _, record in durable), self.tools)
         tail = self._tail
         listening = bool(self._subscribers) or self._feed.active
         if durable:
@@ -506,6 +512,20 @@ class EventWriter:
             except trio.BrokenResourceError:
                 self._subscribers.remove(send)
                 send.close()
+
+
+def stored_prefix(held: list[tuple[int, Record]], log: RunLog) -> list[tuple[int, Record]]:
+    """The records of ``held`` (``(seq, record)`` in seq order) that ``log`` holds, from the first.
+
+    A run's writes become durable in seq order (prefix durability, docs/design.md), so once one of
+    them is missing from ``log``, or another record is at its seq (a driver that took the run
+    over wrote there), neither it nor any record after it was stored by this writer.
+    """
+    records = log.records
+    for index, (seq, record) in enumerate(held):
+        if seq > len(records) or records[seq - 1] != record:
+            return held[:index]
+    return held
 
 
 def _listened(channel: trio.MemorySendChannel[Event]) -> bool:
