@@ -89,6 +89,24 @@ AGENTS_MODULE = textwrap.dedent(
         )
 
 
+    @treadle.tool(timeout_s=600)
+    async def gate(path: str) -> str:
+        """Say it started (a file PATH.started), then wait until a file PATH exists."""
+        await trio.Path(path + ".started").touch()
+        while not await trio.Path(path).exists():
+            await trio.sleep(0.05)
+        return "through"
+
+
+    def gated() -> treadle.Agent:
+        return treadle.Agent(
+            model=ScriptedModel(turns=[call("gate", path="gate"), say("through")]),
+            executor=treadle.Toolbox([gate]),
+            parser=treadle.NativeToolCallParser(),
+            version="v1",
+        )
+
+
     def sleeper() -> treadle.Agent:
         return treadle.Agent(
             model=ScriptedModel(turns=[call("slow", seconds=300), say("woke up")]),
@@ -186,14 +204,16 @@ async def _parked(store, run_id: str) -> bool:
 
 
 @contextmanager
-def worker(tmp_path: Path, db: Path, *agents: str) -> Iterator[tuple[subprocess.Popen, str]]:
+def worker(
+    tmp_path: Path, db: Path | str, *agents: str, options: tuple[str, ...] = ()
+) -> Iterator[tuple[subprocess.Popen, str]]:
     """``treadle worker`` serving ``agents`` (NAME=FACTORY of the agents module); yields the
-    process and the owner id it announced."""
+    process and the owner id it announced. ``options`` replace the defaults they name."""
     (tmp_path / "fleet_agents.py").write_text(AGENTS_MODULE, encoding="utf-8")
     command = [sys.executable, "-m", "treadle", "worker", "--store", str(db)]
     for spec in agents:
         command += ["--agent", f"{spec.split('=')[0]}=fleet_agents:{spec.split('=')[1]}"]
-    command += ["--claim-poll", "0.1", "--lease-ttl", "3", "--drain", "1"]
+    command += ["--claim-poll", "0.1", "--lease-ttl", "3", "--drain", "1", *options]
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     proc = subprocess.Popen(
         command,
@@ -286,6 +306,46 @@ def test_a_drained_worker_counts_the_runs_it_left_to_resume(tmp_path: Path):
     code, out, err, _ = drain_a_worker_mid_run(tmp_path, db)
     assert code == 0, err
     assert "0 runs finished here, 1 drive ended with the run unfinished" in out
+
+
+def test_a_drained_worker_whose_last_write_failed_behind_a_locked_row_says_so_and_stops(
+    tmp_path: Path, postgres_database: str
+):
+    """SIGTERM while another transaction kept the runs' rows locked: the drained run's step
+    write failed (the row stayed locked past the commit's wait) after the drive had stopped
+    waiting for it, and closing the store raised that failure. It escaped the worker before
+    its stopped line: no line, the error alone. The line is now printed, ending with the
+    failure, and the worker exits 1."""
+    import psycopg
+
+    options = ("--lease-ttl", "15", "--drain", "60")
+    with worker(tmp_path, postgres_database, "gated=gated", options=options) as (proc, _):
+        submitted = invoke(
+            "submit", "--store", postgres_database, "--agent", "gated", "--run-id", "g", "go"
+        )
+        assert submitted.exit_code == 0, submitted.output
+        with _deadline(60) as expired:  # its action intent is durable: the tool runs
+            while not (tmp_path / "gate.started").exists():
+                expired()
+        with psycopg.connect(postgres_database) as other:
+            other.execute("SELECT 1 FROM runs FOR UPDATE")  # held until the worker is gone
+            proc.send_signal(signal.SIGTERM)
+            (tmp_path / "gate").touch()  # the step ends: the drain stops the run after it
+            out, err = proc.communicate(timeout=120)
+            other.rollback()
+    assert proc.returncode == 1, out + err
+    (line,) = [x for x in out.splitlines() if x.startswith("worker stopped: ")]
+    assert "0 runs finished here, 1 drive ended with the run unfinished" in line
+    assert "then closing the store failed" in line and "writes of runs ['g'] failed" in line
+    assert "stayed locked by another transaction" in line  # the cause
+    assert "Error:" not in err  # said once, in the line
+
+    async def log_of_g() -> treadle.types.RunLog:
+        async with treadle.open_postgres_store(postgres_database) as store:
+            return await store.read_log("g")
+
+    log = trio.run(log_of_g)
+    assert isinstance(log.records[-1], ActionIntent)  # nothing of the failed write is stored
 
 
 @contextmanager

@@ -2,7 +2,8 @@
 
 ``worker`` serves named agents from a store with a queue (SQLite on one machine, PostgreSQL on
 many) until SIGTERM or SIGINT, then drains: it stops claiming, stops its runs at a safe point,
-releases their leases and exits 0. ``submit`` queues a run and prints its id; ``wait`` waits
+releases their leases and exits 0 (1 when closing the store then fails: its stopped line says
+why). ``submit`` queues a run and prints its id; ``wait`` waits
 for a run's result whichever worker drives it; ``unquarantine`` makes a quarantined run
 claimable again.
 """
@@ -35,7 +36,7 @@ from treadle._cli_common import (
     store_option,
     url_host,
 )
-from treadle._exceptions import TreadleError
+from treadle._exceptions import StoreError, TreadleError
 from treadle._text import valid_text
 from treadle.agent import Agent
 from treadle.metrics import MetricsRecorder
@@ -205,7 +206,12 @@ def worker_command(
     metrics_host: str,
     metrics_refresh_s: float,
 ) -> None:
-    """Serve agents from a store's queue until SIGTERM or SIGINT, then drain and exit 0."""
+    """Serve agents from a store's queue until SIGTERM or SIGINT, then drain and exit 0.
+
+    Exit 1 when closing the store failed after the drain (writes of runs whose drives had
+    stopped waiting for them failed, or its committer did not stop in time): the stopped
+    line says so (docs/fleet.md, "Shutting a worker down").
+    """
     early: list[int] = []  # a stop asked for before the worker is up: it claims nothing
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, lambda number, frame: early.append(number))
@@ -215,61 +221,89 @@ def worker_command(
     recorder = MetricsRecorder(outputs=(exporter,)) if exporter is not None else None
     endpoint: str | None = None
 
-    async def go() -> None:
+    async def serve(store: RunStore) -> FleetStatistics:
+        """Serve until SIGTERM or SIGINT, then drain; the worker's statistics once drained."""
+        if not isinstance(store, RunQueue):
+            raise click.ClickException(
+                f"{redact(store_path)} has no queue (use SQLite or PostgreSQL)"
+            )
+        with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+            async with (
+                _served(agents) as served_agents,
+                open_fleet(
+                    store,
+                    served_agents,
+                    max_running=max_running,
+                    lease_ttl_s=lease_ttl_s,
+                    claim_poll_s=claim_poll_s,
+                    max_takeovers=max_takeovers,
+                    backoff_s=backoff_s,
+                    drain_s=drain_s,
+                    metrics=recorder,
+                    metrics_refresh_s=metrics_refresh_s,
+                ) as fleet,
+            ):
+                served = ", ".join(sorted(agents))
+                click.echo(f"worker {fleet.owner} serves {served} from {redact(store_path)}")
+                if endpoint is not None:
+                    click.echo(f"metrics at {endpoint}")
+                sys.stdout.flush()  # a supervisor waits for this line
+                await _until_stopped(signals, early, drain_s)
+            return fleet.statistics()
+
+    async def go() -> StoreError | None:
+        """Serve, drain, close the store; print the stopped line. The close's error, if any."""
         if early:
             click.echo("stopped before it started: nothing claimed")
-            return
-        async with open_store(store_path, create=True) as store:
-            if not isinstance(store, RunQueue):
-                raise click.ClickException(
-                    f"{redact(store_path)} has no queue (use SQLite or PostgreSQL)"
-                )
-            with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
-                async with (
-                    _served(agents) as served_agents,
-                    open_fleet(
-                        store,
-                        served_agents,
-                        max_running=max_running,
-                        lease_ttl_s=lease_ttl_s,
-                        claim_poll_s=claim_poll_s,
-                        max_takeovers=max_takeovers,
-                        backoff_s=backoff_s,
-                        drain_s=drain_s,
-                        metrics=recorder,
-                        metrics_refresh_s=metrics_refresh_s,
-                    ) as fleet,
-                ):
-                    served = ", ".join(sorted(agents))
-                    click.echo(f"worker {fleet.owner} serves {served} from {redact(store_path)}")
-                    if endpoint is not None:
-                        click.echo(f"metrics at {endpoint}")
-                    sys.stdout.flush()  # a supervisor waits for this line
-                    await _until_stopped(signals, early, drain_s)
-                stats = fleet.statistics()
+            return None
+        stats: FleetStatistics | None = None
+        try:
+            async with open_store(store_path, create=True) as store:
+                stats = await serve(store)
+        except StoreError as exc:
+            if stats is None:  # the worker did not drain: an error like any other
+                raise
+            click.echo(stopped_line(stats, closing=exc))  # the drained worker's store closing
+            return exc
+        assert stats is not None  # `serve` returned
         click.echo(stopped_line(stats))
+        return None
 
     try:
         if exporter is not None:  # bound before the worker claims anything
             endpoint = _serve_metrics(exporter, metrics_port, metrics_host)
-        run_async(go)
+        closing = run_async(go)
     finally:
         if exporter is not None:
             exporter.close()
+    if closing is not None:  # said in the stopped line: docs/fleet.md, "Shutting a worker down"
+        sys.exit(1)
 
 
-def stopped_line(stats: FleetStatistics) -> str:
-    """The worker's last line: what it finished, left, and whether it released every lease."""
+def stopped_line(stats: FleetStatistics, closing: StoreError | None = None) -> str:
+    """The worker's last line: what it finished, left, and whether it released every lease.
+
+    ``closing``: the error closing the store raised once the worker drained (writes of runs
+    whose drives had stopped waiting for them failed, or the committer did not stop in
+    time); the line ends with it and its cause (docs/fleet.md, "Shutting a worker down").
+    """
     leases = "leases released"
     if stats.unreleased:
         leases = (
             f"{counted(stats.unreleased, 'lease')} not released (each expires after its TTL, "
             "and the run is then taken over)"
         )
-    return (
+    line = (
         f"worker stopped: {counted(stats.finished, 'run')} finished here, "
         f"{counted(stats.left, 'drive')} ended with the run unfinished (parked, drained, "
         f"taken over or failed: each run goes on from its log), {leases}"
+    )
+    if closing is None:
+        return line
+    cause = f" ({closing.__cause__})" if closing.__cause__ is not None else ""
+    return (
+        f"{line}; then closing the store failed: {closing}{cause}: each run concerned goes "
+        "on from what its log holds"
     )
 
 
