@@ -290,8 +290,8 @@ def stopped_line(stats: FleetStatistics, closing: StoreError | None = None) -> s
     leases = "leases released"
     if stats.unreleased:
         leases = (
-            f"{counted(stats.unreleased, 'lease')} not released (each expires after its TTL, "
-            "and the run is then taken over)"
+            f"{counted(stats.unreleased, 'lease')} not released (each expires after its TTL; "
+            "an unfinished run left so is then taken over, unless it is quarantined)"
         )
     line = (
         f"worker stopped: {counted(stats.finished, 'run')} finished here, "

@@ -429,6 +429,57 @@ async def test_the_worker_counts_the_leases_it_did_not_release(autojump_clock):
     assert "leases released" not in stopped_line(stats)
 
 
+def _failing_after(world: World, calls: int, *, then_works: bool) -> object:
+    """An agent factory whose calls after the first ``calls`` raise (all of them, or only the
+    next one when ``then_works``): each such drive fails, its lease left to expire."""
+    made = [0]
+
+    def factory() -> Agent:
+        made[0] += 1
+        if made[0] > calls and (not then_works or made[0] == calls + 1):
+            raise RuntimeError("the agent cannot be built")
+        return world.agent([say("done")])
+
+    return factory
+
+
+async def test_a_lease_this_worker_took_again_and_released_is_not_counted_unreleased(
+    autojump_clock,
+):
+    """The run's first drive failed (its lease left to expire); the same worker claimed it
+    again and finished it. Its last line still said "1 lease not released (each expires after
+    its TTL, and the run is then taken over)" about that finished run."""
+    world, store = World(), new_store()
+    agents = {"calc": _failing_after(world, 1, then_works=True)}  # 1: open_fleet's look
+    async with fleet(store, agents) as worker:
+        await worker.submit("calc", "work", run_id="r")
+        with trio.fail_after(600):
+            result = await worker.result("r")
+        await until(lambda: _stats_drove(worker, 1))
+    assert result.stop_reason is StopReason.FINAL_ANSWER
+    stats = worker.statistics()
+    assert (stats.left, stats.takeovers, stats.unreleased) == (1, 1, 0)
+    assert stopped_line(stats).endswith("leases released")
+
+
+async def test_a_run_failed_until_quarantined_counts_one_lease_and_is_not_said_taken_over(
+    autojump_clock,
+):
+    """Each failed drive of the same run counted a lease (3 for one run), and the line said
+    each run would be taken over: a quarantined run is claimed by nobody."""
+    world, store = World(), new_store()
+    agents = {"calc": _failing_after(world, 1, then_works=False)}
+    async with fleet(store, agents, max_takeovers=3) as worker:
+        await worker.submit("calc", "work", run_id="r")
+        await until(liveness_is(store, "r", Liveness.QUARANTINED))
+        stats = worker.statistics()
+    assert stats.left == stats.claimed == 3  # the first claim, then two takeovers
+    assert stats.unreleased == 1
+    line = stopped_line(stats)
+    assert "1 lease not released (each expires after its TTL; an unfinished run" in line
+    assert "unless it is quarantined" in line
+
+
 async def _stats_drove(worker, count: int) -> bool:
     await trio.lowlevel.checkpoint()
     return worker.statistics().finished == count

@@ -90,10 +90,13 @@ class FleetStatistics:
             error; the run stays resumable).
         waiting: runs it drives that wait on a child run queued in the fleet, their slots
             freed (docs/child-runs.md, "In a fleet").
-        unreleased: drives that ended with the run's lease not released (the release failed
-            or was cut at the drain's deadline, or the run failed and its lease is left to
-            expire): each such run is free again after the lease TTL, as a takeover. A
-            lease lost to another driver is not counted (it is not this worker's).
+        unreleased: leases this worker let go of without releasing them and still left so
+            (the release failed or was cut at the drain's deadline, or the run failed and
+            its lease is left to expire), one per run: each expires after the lease TTL, and
+            an unfinished run is then claimed as a takeover, unless it is quarantined. A
+            later drive of the run by this worker takes it off (that drive's end counts it
+            again only if it too lets go unreleased), and a lease lost to another driver is
+            not counted (it is not this worker's). docs/fleet.md, "Shutting a worker down".
     """
 
     running: int
@@ -143,7 +146,7 @@ class Fleet:
     _takeovers: int = 0
     _finished: int = 0
     _left: int = 0
-    _unreleased: int = 0
+    _unreleased: set[str] = attrs.Factory(set)  # runs whose lease was let go unreleased
 
     def statistics(self) -> FleetStatistics:
         """Counters since the worker opened."""
@@ -154,7 +157,7 @@ class Fleet:
             finished=self._finished,
             left=self._left,
             waiting=len(self._waiting),
-            unreleased=self._unreleased,
+            unreleased=len(self._unreleased),
         )
 
     async def submit(self, agent: str, input: RunInput, *, run_id: str | None = None) -> str:
@@ -347,6 +350,7 @@ class Fleet:
         )
         handle: RunHandle | None = None
         finished = False
+        self._unreleased.discard(run_id)  # this drive holds the run's lease again
         current_drive.set(self._drive_of(run_id))  # this task's context: the run's tools see it
         try:
             agent = self._agents[made.agent]()
@@ -377,7 +381,9 @@ class Fleet:
             else:
                 self._left += 1
             if hold.unreleased:
-                self._unreleased += 1
+                self._unreleased.add(run_id)
+            else:  # released, or lost: no lease of this worker's is left behind
+                self._unreleased.discard(run_id)
             self._forget_drive(made, handle)
             self._room.unpark_all()
             if self._metrics is not None:
