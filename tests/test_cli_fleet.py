@@ -747,6 +747,59 @@ def test_tail_of_a_queued_run_says_it_is_queued(tmp_path: Path):
     assert "nobody drives run q: it is queued" in tailed.output
 
 
+def quarantine_unstarted(db: Path, run_id: str) -> None:
+    """Submit ``run_id`` and let its drivers die before it starts until it is quarantined."""
+
+    async def go():
+        now = [1e9]
+        store = await SqliteStore.open(db, clock=lambda: now[0])
+        try:
+            await store.submit(run_id, agent="calc", input=(Message(role="user", content="x"),))
+            for n in range(5):
+                await store.claim(
+                    owner=f"dead-{n}",
+                    agents={"calc": ("v1",)},
+                    limit=1,
+                    ttl_s=3,
+                    max_takeovers=1,
+                    backoff_s=0,
+                )
+                now[0] += 10
+            summary = await store.read_summary(run_id)
+            assert summary.liveness is Liveness.QUARANTINED and summary.started_at is None
+        finally:
+            await store.aclose()
+
+    trio.run(go)
+
+
+def test_show_tail_wait_and_resume_of_a_quarantined_unstarted_run_say_it_is_quarantined(
+    tmp_path: Path,
+):
+    """`show` said "run r is queued (agent calc): a worker serving it starts it" (exit 0) of a
+    run no worker takes until it is released, while `runs` said quarantined. show, tail,
+    wait and resume now share one wording for a run in the queue."""
+    db = tmp_path / "runs.db"
+    quarantine_unstarted(db, "r")
+    said = "run r is quarantined: no worker takes it until `treadle unquarantine r` ("
+    shown = invoke("show", "r", "--store", str(db))
+    assert shown.exit_code == 0, shown.output
+    assert said in shown.output and "it has no records yet" in shown.output
+    assert "queued" not in shown.output and "starts it" not in shown.output
+    as_json = invoke("show", "r", "--store", str(db), "--json")
+    assert as_json.exit_code == 0 and as_json.stdout == ""
+    assert said in as_json.stderr
+    tailed = invoke("tail", "r", "--store", str(db), "--no-follow")
+    assert tailed.exit_code == 0, tailed.output
+    assert "nobody drives run r: it is quarantined: no worker takes it until" in tailed.output
+    waited = invoke("wait", "r", "--store", str(db), "--timeout", "0.3", "--poll", "0.05")
+    assert waited.exit_code == 2, waited.output
+    assert said in waited.stderr
+    resumed = invoke("resume", "r", "--store", str(db), "--agent", "test_cli_fleet:calc_agent")
+    assert resumed.exit_code == 1
+    assert "run 'r' has no records to resume: it is quarantined: no worker" in resumed.output
+
+
 # --------------------------------------------------------------------------- unquarantine
 
 

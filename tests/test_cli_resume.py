@@ -575,7 +575,7 @@ def test_resume_of_a_queued_run_says_it_is_queued_and_resume_all_counts_them(tmp
         main, ["resume", "q1", "--store", str(path), "--agent", "test_cli_resume:other_agent"]
     )
     assert one.exit_code == 1
-    assert "run 'q1' is queued for agent 'nobody', not started" in one.output
+    assert "run 'q1' has no records to resume: it is queued (agent nobody): a worker" in one.output
     every = runner.invoke(
         main, ["resume", "--all", "--store", str(path), "--agent", "test_cli_resume:other_agent"]
     )

@@ -23,7 +23,7 @@ from treadle._clock import seconds_out_of_range
 from treadle._exceptions import InvalidRunId, StoreError, TreadleError, raised
 from treadle._ids import check_run_id
 from treadle.agent import Agent
-from treadle.ports import RunStore
+from treadle.ports import RunIndex, RunStore
 from treadle.stores import is_dsn, record_to_dict, redact_dsn
 from treadle.stores.jsonl import JsonlStore, open_jsonl_store
 from treadle.stores.sqlite import open_sqlite_store
@@ -36,11 +36,14 @@ from treadle.types import (
     ChildrenAwaited,
     DefinitionAccepted,
     Event,
+    Liveness,
     ModelIntent,
     ModelResult,
     Record,
     RunFinished,
     RunStarted,
+    RunState,
+    RunSummary,
     StepRecord,
 )
 
@@ -54,6 +57,38 @@ out of the process list)."""
 PIPED_WIDTH = 200
 """Columns of a table printed to a pipe or file when ``$COLUMNS`` does not say (rich's
 default there is 80, which cut the runs table's last columns short)."""
+
+
+def in_queue(summary: RunSummary) -> str | None:
+    """What a run the queue holds is waiting for, to follow "run RUN is"; else ``None``.
+
+    ``quarantined: no worker takes it until `treadle unquarantine RUN` (REASON)`` for a
+    quarantined run (docs/fleet.md, "Poison runs"), started or not; ``queued (agent NAME): a
+    worker serving it starts it`` for a run submitted and not started. The one wording of
+    `treadle show`, `tail`, `wait` and `resume` for such runs, so that none of them says a
+    quarantined run will be started.
+    """
+    if summary.liveness is Liveness.QUARANTINED:
+        return (
+            f"quarantined: no worker takes it until `treadle unquarantine {summary.run_id}` "
+            f"({summary.quarantined})"
+        )
+    if summary.state is RunState.QUEUED:
+        agent = f" (agent {summary.agent})" if summary.agent else ""
+        return f"queued{agent}: a worker serving it starts it"
+    return None
+
+
+async def not_started(store: RunStore, run_id: str) -> str | None:
+    """`in_queue` of a run without records, read from the store's run index; else ``None``.
+
+    ``None``: the store has no such run (nor a run index).
+
+    Raises:
+        StoreError: the run index cannot be read.
+    """
+    summary = await store.read_summary(run_id) if isinstance(store, RunIndex) else None
+    return in_queue(summary) if summary is not None else None
 
 
 def table_console(*, stderr: bool = False) -> Console:

@@ -28,6 +28,7 @@ from treadle._cli_common import (
     agent_block,
     bare_host,
     counted,
+    in_queue,
     made_agent,
     open_store,
     redact,
@@ -446,11 +447,7 @@ async def _wait(
         summary = await store.read_summary(run_id) if isinstance(store, RunIndex) else None
         if not said and summary is not None and summary.liveness is Liveness.QUARANTINED:
             said = True
-            click.echo(
-                f"run {run_id} is quarantined: no worker takes it until "
-                f"`treadle unquarantine {run_id}`; waiting on",
-                err=True,
-            )
+            click.echo(f"run {run_id} is {in_queue(summary)}; waiting on", err=True)
         with trio.move_on_at(min(deadline, trio.current_time() + QUARANTINE_LOOK_S)):
             return await wait_result(store, run_id, poll_s=poll_s)
         if trio.current_time() >= deadline:

@@ -24,6 +24,7 @@ from treadle._cli_common import (
     counted,
     describe,
     event_json,
+    in_queue,
     open_store,
     redact,
     run_async,
@@ -370,12 +371,13 @@ def _say_liveness(
     if summary is None or summary.liveness is said:
         return said
     waits, wakes = parked_on(summary)
+    queue = f"it is {in_queue(summary)}"
     words = {
-        Liveness.QUEUED: "it is queued: a worker serving its agent starts it",
+        Liveness.QUEUED: queue,
         Liveness.ORPHANED: "it is orphaned: its driver died or stopped; `treadle resume` or "
         "a fleet worker takes it over",
         Liveness.PARKED: f"it is parked ({waits}): {wakes}",
-        Liveness.QUARANTINED: f"it is quarantined ({summary.quarantined})",
+        Liveness.QUARANTINED: queue,
     }
     text = words.get(summary.liveness)
     if text is not None:

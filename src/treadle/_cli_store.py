@@ -28,6 +28,7 @@ from treadle._cli_common import (
     import_spec,
     lineage_text,
     made_agent,
+    not_started,
     open_store,
     printable,
     redact,
@@ -41,7 +42,7 @@ from treadle._text import valid_unicode
 from treadle.actors import stored_events
 from treadle.agent import Agent
 from treadle.approvals import pending_approval
-from treadle.ports import RunIndex, RunQueue, RunStore
+from treadle.ports import RunIndex, RunStore
 from treadle.redaction import Redaction
 from treadle.stores import is_live
 from treadle.supervisors import leases_of
@@ -53,7 +54,6 @@ from treadle.types import (
     RunStarted,
     RunState,
     RunSummary,
-    Submission,
 )
 
 
@@ -273,19 +273,16 @@ async def read_starts(store_path: str, summaries: Sequence[RunSummary]) -> dict[
 def show(run_id: str, store_path: str, as_json: bool) -> None:
     """Show a run's trajectory as a table (or its events as JSON lines)."""
 
-    async def read() -> tuple[RunLog, Submission | None]:
+    async def read() -> tuple[RunLog, str | None]:
         async with open_store(store_path) as store:
             log = await store.read_log(run_id)
-            queued = None
-            if not log.records and isinstance(store, RunQueue):
-                queued = await store.read_submission(run_id)
-            return log, queued
+            waiting = await not_started(store, run_id) if not log.records else None
+            return log, waiting
 
-    log, queued = run_async(read)
-    if queued is not None:  # submitted, no record written yet: no event to print
+    log, waiting = run_async(read)
+    if waiting is not None:  # in the queue, no record written yet: no event to print
         click.echo(
-            f"run {run_id} is queued (agent {queued.agent}): a worker serving it starts it; "
-            "it has no records yet",
+            f"run {run_id} is {waiting}; it has no records yet",
             err=as_json,  # --json: stdout holds events only
         )
         return
@@ -451,11 +448,10 @@ async def _resume_one(
     async with open_store(store_path) as store:
         log = await store.read_log(run_id)
         if not log.records:
-            queued = await store.read_submission(run_id) if isinstance(store, RunQueue) else None
-            if queued is not None:
+            waiting = await not_started(store, run_id)
+            if waiting is not None:
                 raise click.ClickException(
-                    f"run {run_id!r} is queued for agent {queued.agent!r}, not started: a "
-                    "worker serving that agent starts it (treadle worker)"
+                    f"run {run_id!r} has no records to resume: it is {waiting} (treadle worker)"
                 )
             raise click.ClickException(f"no run {run_id!r} in {redact(store_path)}")
         if log.finished is not None:
