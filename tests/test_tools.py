@@ -885,3 +885,35 @@ def test_a_tool_made_again_per_run_shares_its_argument_model_but_never_another_d
     assert _tool_made_per_run(1).signature.model is not _tool_made_per_run(True).signature.model
     filled = _tool_made_per_run(True).signature.validate({})
     assert filled == {"count": True} and filled["count"] is True
+
+
+def test_tools_defined_again_never_share_a_default_object_or_a_union_order() -> None:
+    """A tool defined per run got the first definition's default (a list mutated by one run
+    reached the next; an attrs default equal in ``repr`` but not in value) or its union order
+    (``int | float == float | int``, yet the schema and the values given follow the order)."""
+
+    @attrs.frozen
+    class Opts:
+        depth: int = attrs.field(default=0, repr=False)
+
+    def defined(default: object, annotation: object) -> Tool:
+        def note(text: str, tags=default, x=1) -> str:  # type: ignore[no-untyped-def]
+            return text
+
+        kind = list[str] if isinstance(default, list) else type(default)
+        note.__annotations__ = {"text": str, "tags": kind, "x": annotation, "return": str}
+        return tool(note)
+
+    first, second = defined([], int | float), defined([], int | float)
+    tags = first.signature.validate({"text": "a"})["tags"]
+    assert tags is not second.signature.validate({"text": "a"})["tags"]
+    shallow, deep = defined(Opts(depth=1), int), defined(Opts(depth=5), int)
+    assert deep.signature.schema["properties"]["tags"]["default"] == {"depth": 5}
+    assert deep.signature.validate({"text": "a"})["tags"].depth == 5
+    assert shallow.signature.validate({"text": "a"})["tags"].depth == 1
+    swapped = defined([], float | int)
+    assert [t["type"] for t in swapped.signature.schema["properties"]["x"]["anyOf"]] == [
+        "number",
+        "integer",
+    ]
+    assert type(swapped.signature.validate({"text": "a", "x": 1.0})["x"]) is float

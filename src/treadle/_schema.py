@@ -523,12 +523,17 @@ def _signature(
     )
 
 
+_PLAIN_DEFAULTS: Final = (type(None), bool, int, float, str)
+"""Defaults a signature is cached with: values whose type and ``repr`` say all of them."""
+
+
 @attrs.frozen
 class _Arguments:
-    """A tool's name and arguments as a cache key: equal when they give the same schema.
+    """A tool's name and arguments as a cache key: equal only when schema and model agree.
 
-    A default is compared by its type and ``repr`` too (``True == 1`` and ``0.0 == -0.0``,
-    yet their schemas' defaults differ).
+    An annotation is compared by its ``repr`` too (``int | float == float | int``, yet the
+    schema and the structuring follow the order), a default by its exact type and ``repr``
+    (``True == 1`` and ``0.0 == -0.0``, yet the schemas' defaults differ).
     """
 
     tool_name: str
@@ -536,12 +541,15 @@ class _Arguments:
     key: tuple[tuple[Any, ...], ...]
 
     @classmethod
-    def of(cls, tool_name: str, parameters: tuple[Parameter, ...]) -> _Arguments:
-        key = tuple(
-            (p.name, p.annotation, type(p.default), repr(p.default), p.description)
-            for p in parameters
-        )
-        return cls(tool_name, parameters, key)
+    def of(cls, tool_name: str, parameters: tuple[Parameter, ...]) -> _Arguments | None:
+        """The key, or ``None`` when a default is no plain value (a list, an attrs instance)."""
+        key = []
+        for p in parameters:
+            if not (p.required or type(p.default) in _PLAIN_DEFAULTS):
+                return None  # its repr may hide what differs, and the model holds the object
+            default = (type(p.default), repr(p.default))
+            key.append((p.name, p.annotation, repr(p.annotation), *default, p.description))
+        return cls(tool_name, parameters, tuple(key))
 
 
 def _schema_and_model(
@@ -551,19 +559,25 @@ def _schema_and_model(
 
     Building them makes a class (attrs compiles its methods, msgspec defines a struct): a
     tool defined in a function called per run (a closure over the run's state) would pay that
-    at every call. A signature whose annotations cannot be hashed is built every time.
+    at every call. A signature with a default that is no plain value (`_PLAIN_DEFAULTS`), or
+    whose annotations cannot be hashed, is built every time: each definition keeps its own.
     """
     arguments = _Arguments.of(tool_name, parameters)
+    if arguments is None:
+        return _build(tool_name, parameters)
     try:
         hash(arguments)
     except TypeError:
-        return _build(arguments)
+        return _build(tool_name, parameters)
     return _cached_build(arguments)
 
 
-def _build(arguments: _Arguments) -> tuple[dict[str, Any], type[Any]]:
-    name, parameters = arguments.tool_name, arguments.parameters
-    return build_schema(name, parameters), build_model(name, parameters)
+def _build(tool_name: str, parameters: tuple[Parameter, ...]) -> tuple[dict[str, Any], type[Any]]:
+    return build_schema(tool_name, parameters), build_model(tool_name, parameters)
 
 
-_cached_build: Final = functools.lru_cache(maxsize=512)(_build)
+def _build_for(arguments: _Arguments) -> tuple[dict[str, Any], type[Any]]:
+    return _build(arguments.tool_name, arguments.parameters)
+
+
+_cached_build: Final = functools.lru_cache(maxsize=512)(_build_for)
