@@ -251,6 +251,21 @@ async def test_a_fleet_needs_a_store_with_a_queue_and_an_agent(tmp_path: Path, a
             pytest.fail("a fleet opened without slots")
 
 
+async def test_an_agent_factory_failing_when_the_worker_starts_gives_a_usage_error():
+    # It escaped open_fleet as the factory's own exception: `treadle worker` printed a raw
+    # traceback for a factory whose second call failed (its first is checked by the CLI).
+    def broken() -> Agent:
+        raise RuntimeError("no model key")
+
+    with pytest.raises(UsageError, match="agent 'calc': its factory raised RuntimeError") as got:
+        async with open_fleet(new_store(), {"calc": broken}):
+            pytest.fail("a fleet opened with a factory that cannot make its agent")
+    assert isinstance(got.value.__cause__, RuntimeError)
+    with pytest.raises(UsageError, match="gave str, not an Agent"):
+        async with open_fleet(new_store(), {"calc": lambda: "agent"}):
+            pytest.fail("a fleet opened with a factory that makes no agent")
+
+
 @pytest.mark.parametrize(
     ("setting", "value"),
     [

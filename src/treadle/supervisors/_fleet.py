@@ -535,8 +535,9 @@ async def open_fleet(
         The worker (`Fleet`): submit runs, wait for results, read its statistics.
 
     Raises:
-        UsageError: the store has no queue or leases, ``agents`` is empty, or an argument is
-            out of range.
+        UsageError: the store has no queue or leases, ``agents`` is empty, an argument is
+            out of range, or an agent's factory raised or gave no `treadle.Agent` when called
+            for the agent's version (the error it raised is the cause).
         StoreStopped: the store's committer stopped (its database stayed out of reach): the
             worker claims nothing more and the block ends, its runs cancelled and left to
             other workers (docs/fleet.md, "What each crash does"). Raised out of the block
@@ -568,7 +569,7 @@ async def open_fleet(
     )
     check_ttl(lease_ttl_s)
     factories = {name: _factory(value) for name, value in agents.items()}
-    versions = {name: (factory().version_label,) for name, factory in factories.items()}
+    versions = {name: (_made(name, factory).version_label,) for name, factory in factories.items()}
     leases = leases_of(store)
     assert leases is not None
     keeper = LeaseKeeper(store=leases, ttl_s=lease_ttl_s)
@@ -628,6 +629,21 @@ async def _count_runs(index: RunIndex) -> Mapping[Liveness, int]:
     if isinstance(index, RunCounts):
         return await index.count_runs()
     return Counter(summary.liveness for summary in await index.list_summaries())
+
+
+def _made(name: str, factory: AgentFactory) -> Agent:
+    """The agent ``factory`` makes, called when the worker starts (for its version).
+
+    Raises:
+        UsageError: the factory raised (the cause), or made no `treadle.Agent`.
+    """
+    try:
+        agent = factory()
+    except Exception as exc:
+        raise UsageError(f"agent {name!r}: its factory raised {type(exc).__name__}: {exc}") from exc
+    if not isinstance(agent, Agent):
+        raise UsageError(f"agent {name!r}: its factory gave {type(agent).__name__}, not an Agent")
+    return agent
 
 
 def _factory(value: AgentFactory | Agent) -> AgentFactory:
