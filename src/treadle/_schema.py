@@ -16,8 +16,8 @@ import math
 import re
 import types
 import typing
-from collections.abc import Callable, Mapping
-from typing import Annotated, Any, Final, Literal, Union
+from collections.abc import Callable, Iterator, Mapping
+from typing import TYPE_CHECKING, Annotated, Any, Final, Literal, Union
 
 import attrs
 import cattrs
@@ -26,6 +26,9 @@ from cattrs.gen import make_dict_structure_fn
 from cattrs.v import format_exception
 
 from treadle._exceptions import UsageError
+
+if TYPE_CHECKING:
+    import jsonschema
 
 SUPPORTED_TYPES: Final = (
     "str, int, float, bool, None, X | None, unions of these, list[X], dict[str, X], "
@@ -436,6 +439,54 @@ def build_schema(tool_name: str, parameters: tuple[Parameter, ...]) -> dict[str,
     if defs:
         top["$defs"] = defs
     return top
+
+
+def argument_validator(schema: Mapping[str, Any]) -> jsonschema.protocols.Validator:
+    """A validator of a tool's arguments against its JSON ``schema``: the one check of both.
+
+    Used where arguments are checked against a schema that is data (an MCP server's input
+    schema before a call, docs/mcp.md; an approval's edited arguments, docs/events.md, "Human
+    approval"), so that both read a schema alike:
+
+    * of the draft its ``$schema`` names (draft-04, -06, -07, 2019-09 or 2020-12), 2020-12
+      when it names none: a draft-07 tuple ``items`` or a draft-04 boolean
+      ``exclusiveMinimum`` mean what their draft says;
+    * every keyword but those that match regular expressions (``pattern``,
+      ``patternProperties``, and ``additionalProperties`` next to ``patternProperties``),
+      which are left to the tool: a pattern that backtracks catastrophically (``^(a+)+$``)
+      takes exponential time in Python's `re`, which holds the interpreter throughout and so
+      would freeze every run of the process (docs/mcp.md);
+    * ``format`` is an annotation only, as JSON Schema's default has it.
+
+    Raises:
+        jsonschema.SchemaError: ``schema`` is no valid schema of its draft.
+    """
+    import jsonschema  # loaded on first use, as the schemas that need it
+
+    cls = jsonschema.validators.validator_for(schema)
+    cls.check_schema(dict(schema))
+    additional = cls.VALIDATORS.get("additionalProperties")
+
+    def additional_properties(
+        validator: Any, value: Any, instance: Any, schema: Any
+    ) -> Iterator[jsonschema.ValidationError]:
+        if additional is None or "patternProperties" in schema:
+            return iter(())
+        return iter(additional(validator, value, instance, schema))
+
+    without_patterns = {
+        "pattern": _no_check,
+        "patternProperties": _no_check,
+        "additionalProperties": additional_properties,
+    }
+    extended: type[jsonschema.protocols.Validator] = jsonschema.validators.extend(  # type: ignore[no-untyped-call]
+        cls, without_patterns
+    )
+    return extended(dict(schema))
+
+
+def _no_check(*_: object) -> Iterator[Any]:
+    return iter(())
 
 
 def _check_kind(param: inspect.Parameter, where: str) -> None:

@@ -30,6 +30,7 @@ from typing import Any, TypeAlias
 from treadle._clock import Clock, SystemClock
 from treadle._exceptions import UsageError
 from treadle._ids import check_run_id
+from treadle._schema import argument_validator
 from treadle._state import seconds_between
 from treadle._text import loads_json, repaired, require_text
 from treadle.parsers import MAX_ARGUMENT_DEPTH, NESTED_TOO_DEEP, argument_problem
@@ -135,14 +136,17 @@ def check_edit(
     """Refuse edited arguments that are not strict JSON data or do not fit ``schema``.
 
     An edit replaces the model's whole argument object (docs/events.md, "Human approval"), so
-    it is checked as a whole against the tool's argument schema (JSON Schema 2020-12, as the
-    run's parameter snapshot holds it; `tool_schema`). ``schema=None`` checks only that it is
+    it is checked as a whole against the tool's argument schema, as the run's parameter
+    snapshot holds it (`tool_schema`), by the check a call's arguments get before an MCP
+    server is asked (`treadle._schema.argument_validator`: the draft its ``$schema`` names,
+    2020-12 when none; ``pattern`` left to the tool). ``schema=None`` checks only that it is
     JSON. The message about an argument named in ``secrets`` never repeats its value.
 
     Raises:
         UsageError: they are not strict JSON data (NaN, infinity, non-string keys), they
             nest deeper than a model's arguments may (`treadle.parsers.MAX_ARGUMENT_DEPTH`),
-            or they do not fit ``schema``; the message lists each error with its path.
+            or they do not fit ``schema`` (the message lists each error with its path), or
+            ``schema`` itself cannot be checked (no valid schema, a reference to nowhere).
     """
     if argument_problem(edit) == NESTED_TOO_DEEP:
         raise UsageError(
@@ -154,10 +158,7 @@ def check_edit(
         raise UsageError(f"edited arguments are not JSON data: {exc}") from exc
     if schema is None:
         return
-    import jsonschema  # loaded on first use: a run that is never edited never needs it
-
-    validator = jsonschema.Draft202012Validator(schema)
-    errors = sorted(validator.iter_errors(edit), key=lambda e: list(map(str, e.absolute_path)))
+    errors = _schema_errors(edit, tool, schema)
     if errors:
         listed = "; ".join(
             f"{'/'.join(map(str, e.absolute_path)) or '(arguments)'}: {_complaint(e, secrets)}"
@@ -167,6 +168,24 @@ def check_edit(
         raise UsageError(
             f"edited arguments do not fit the schema of {tool or 'the tool'}: {listed}{more}"
         )
+
+
+def _schema_errors(
+    edit: Mapping[str, JSONValue], tool: str, schema: Mapping[str, JSONValue]
+) -> list[Any]:
+    """The schema's errors about ``edit`` (`jsonschema.ValidationError`), by path.
+
+    Raises:
+        UsageError: ``schema`` cannot be checked (no valid schema, a reference to nowhere).
+    """
+    try:
+        validator = argument_validator(schema)
+        errors = list(validator.iter_errors(edit))
+    except Exception as exc:  # the schema itself is broken (jsonschema's and referencing's)
+        raise UsageError(
+            f"the schema of {tool or 'the tool'} cannot be checked: {type(exc).__name__}: {exc}"
+        ) from exc
+    return sorted(errors, key=lambda e: list(map(str, e.absolute_path)))
 
 
 def _complaint(error: Any, secrets: Collection[str]) -> str:

@@ -59,7 +59,7 @@ import json
 import math
 import re
 from collections import Counter
-from collections.abc import AsyncIterator, Callable, Collection, Iterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Collection, Mapping, Sequence
 from contextlib import asynccontextmanager
 from types import TracebackType
 from typing import Any, Final, TypeAlias
@@ -80,6 +80,7 @@ from mcp.shared.message import SessionMessage
 from pydantic import ValidationError
 
 from treadle._exceptions import EnvironmentFailure, UsageError, raised
+from treadle._schema import argument_validator
 from treadle.tools import ReconcileHook
 from treadle.types import (
     Action,
@@ -241,41 +242,18 @@ def _compact(value: Any) -> str:
 def _validator(name: str, schema: Mapping[str, Any]) -> jsonschema.protocols.Validator:
     """A validator of the server's input schema for ``name``; a broken schema is a clear error.
 
-    It checks every keyword but those that match the server's regular expressions
-    (``pattern``, ``patternProperties``, and ``additionalProperties`` next to
-    ``patternProperties``), which it leaves to the server: a pattern that backtracks
-    catastrophically (``^(a+)+$``) takes exponential time in Python's `re`, which holds the
-    interpreter throughout and so would freeze every run of the process (docs/mcp.md).
+    The check is `treadle._schema.argument_validator`'s: the draft the schema's ``$schema``
+    names, regular expressions left to the server.
+
+    Raises:
+        UsageError: the schema is no valid JSON schema.
     """
-    cls = jsonschema.validators.validator_for(schema)
     try:
-        cls.check_schema(dict(schema))
+        return argument_validator(schema)
     except jsonschema.SchemaError as exc:
         raise UsageError(
             f"MCP tool {name!r}: the server's input schema is no valid JSON schema: {exc.message}"
         ) from exc
-    additional = cls.VALIDATORS.get("additionalProperties")
-
-    def additional_properties(
-        validator: Any, value: Any, instance: Any, schema: Any
-    ) -> Iterator[jsonschema.ValidationError]:
-        if additional is None or "patternProperties" in schema:
-            return iter(())
-        return iter(additional(validator, value, instance, schema))
-
-    without_patterns = {
-        "pattern": _no_check,
-        "patternProperties": _no_check,
-        "additionalProperties": additional_properties,
-    }
-    extended: type[jsonschema.protocols.Validator] = jsonschema.validators.extend(  # type: ignore[no-untyped-call]
-        cls, without_patterns
-    )
-    return extended(dict(schema))
-
-
-def _no_check(*_: object) -> Iterator[jsonschema.ValidationError]:
-    return iter(())
 
 
 class McpTools:

@@ -752,6 +752,67 @@ def test_an_edit_holding_an_integer_too_long_to_read_says_so():
     assert "4300 digits" in str(info.value)
 
 
+DRAFT_07_TUPLE = {
+    "$schema": "http://json-schema.org/draft-07/schema#",
+    "type": "object",
+    "properties": {"x": {"type": "array", "items": [{"type": "string"}, {"type": "integer"}]}},
+}
+DRAFT_04_EXCLUSIVE = {
+    "$schema": "http://json-schema.org/draft-04/schema#",
+    "type": "object",
+    "properties": {"x": {"type": "integer", "minimum": 0, "exclusiveMinimum": True}},
+}
+
+
+def test_an_edit_is_checked_by_the_draft_its_schema_names():
+    """A tool's schema (an MCP server's) was read as 2020-12 whatever its ``$schema``: a
+    draft-07 tuple ``items`` raised AttributeError out of ``approve(edit=...)``, and a draft-04
+    boolean ``exclusiveMinimum`` refused a fitting edit."""
+    from treadle.approvals import check_edit
+
+    check_edit({"x": ["b", 2]}, "tuple7", DRAFT_07_TUPLE)
+    with pytest.raises(UsageError, match=r"x/1: 'two' is not of type 'integer'"):
+        check_edit({"x": ["b", "two"]}, "tuple7", DRAFT_07_TUPLE)
+    check_edit({"x": 1}, "excl4", DRAFT_04_EXCLUSIVE)
+    with pytest.raises(UsageError, match="x: 0 is less than or equal to the minimum of 0"):
+        check_edit({"x": 0}, "excl4", DRAFT_04_EXCLUSIVE)
+
+
+def test_an_edit_leaves_patterns_to_the_tool_as_an_mcp_call_does(monkeypatch):
+    """``^(a+)+$`` against a's and a "!" takes exponential time in Python's re, which holds
+    the interpreter: ``approve(edit=...)`` froze the process (docs/mcp.md). Every other keyword
+    is still checked."""
+    import re
+
+    from treadle.approvals import check_edit
+
+    schema = {
+        "type": "object",
+        "properties": {"a": {"type": "string", "pattern": "^(a+)+$"}, "n": {"type": "integer"}},
+        "patternProperties": {"^(x+)+$": {"type": "integer"}},
+        "additionalProperties": False,
+    }
+
+    def search(pattern: str, *_: object, **__: object) -> None:
+        raise AssertionError(f"the pattern {pattern!r} was matched")  # (instead of hanging)
+
+    with monkeypatch.context() as patched:
+        patched.setattr(re, "search", search)
+        check_edit({"a": "a" * 40 + "!", "x" * 40 + "!": 1}, "evil", schema)
+    with pytest.raises(UsageError, match="n: 'one' is not of type 'integer'"):
+        check_edit({"n": "one"}, "evil", schema)
+
+
+def test_an_edit_against_a_schema_that_cannot_be_checked_is_refused():
+    from treadle.approvals import check_edit
+
+    nowhere = {"type": "object", "properties": {"a": {"$ref": "#/definitions/nope"}}}
+    with pytest.raises(UsageError, match="the schema of nowhere cannot be checked"):
+        check_edit({"a": 1}, "nowhere", nowhere)
+    with pytest.raises(UsageError, match="the schema of bad cannot be checked"):
+        check_edit({"a": 1}, "bad", {"type": "no such type"})
+
+
 class _CancelLandsFirst(MemoryStore):
     """Appends a cancel request just before the first decision (a console's cancel racing
     its approve: both checked the run before either wrote)."""
