@@ -530,6 +530,56 @@ async def test_http_answers_that_are_no_mcp_answers_are_env_error(tmp_path):
     assert [e["tool"] for e in _ledger(ledger)] == [*broken, "refused_400", "failed_500", "echo"]
 
 
+# The SDK stops reading an event stream once it has the answer, leaving its reader (async
+# generators of httpx2's) to the garbage collector, which trio warns about.
+@pytest.mark.filterwarnings("ignore:Async generator:ResourceWarning")
+async def test_an_event_stream_that_ends_without_the_answer_is_env_error(tmp_path):
+    """An event stream cut before its answer (a proxy's timeout, a dying server), one with no
+    event, or an event over the 1 MiB limit: the SDK ends the call with a JSON-RPC error of
+    its own making (-32000 "SSE stream ended without a response", "SSE stream failed: ..."),
+    which read as the server's, EXECUTED; the run went on and the model's retry repeated a
+    ``never`` call. The server never sent them: ENV_ERROR. An answer the server did send on
+    a stream, a -32000 error too, is still its answer."""
+    ledger = tmp_path / "ledger"
+    broken = ["sse_cut", "sse_cut_resumable", "sse_empty", "sse_huge", "sse_garbled"]
+    with http_server(ledger, raw=True) as (url, _), trio.fail_after(60):
+        async with open_mcp_tools(url) as tools:
+            outcomes = {
+                name: await tools.execute(_action(name, f"i-{name}"))
+                for name in [*broken, "sse_busy", "sse_echo", "echo"]
+            }
+    for name in broken:
+        assert outcomes[name].status is ActionStatus.ENV_ERROR, name
+        assert outcomes[name].observation.startswith(
+            f"Error: the connection to the MCP server broke during the call of {name} "
+            "(MCPError: the HTTP request failed: "
+        ), name
+        assert outcomes[name].observation.endswith("; its outcome is unknown"), name
+    assert "1048576 byte limit" in outcomes["sse_huge"].observation
+    assert "reconnection attempts were exhausted" in outcomes["sse_cut_resumable"].observation
+    assert outcomes["sse_busy"] == ActionOutcome(
+        status=ActionStatus.EXECUTED,
+        observation="Error: -32000: the queue is full",
+        detail="Error: -32000: the queue is full",
+    )
+    assert outcomes["sse_echo"] == ActionOutcome(
+        status=ActionStatus.EXECUTED, observation="sse_echo"
+    )
+    assert outcomes["echo"].observation == "echo"  # each HTTP request is its own
+    assert [e["tool"] for e in _ledger(ledger)] == [*broken, "sse_busy", "sse_echo", "echo"]
+
+
+async def test_a_server_error_saying_the_http_request_failed_is_the_servers(tmp_path):
+    """Treadle's own "the HTTP request failed: ..." was told from a server's error by its
+    words: a server's -32000 error saying so was taken for a broken connection."""
+    said = mcp_types.Tool(name="said", input_schema={"type": "object"})
+    server = mcp_server.make_server(str(tmp_path / "ledger"), extra=[said])
+    async with open_mcp_tools(server, include=["said"]) as tools:
+        outcome = await tools.execute(_action("said"))
+    assert outcome.status is ActionStatus.EXECUTED
+    assert outcome.observation == "Error: -32000: the HTTP request failed: upstream"
+
+
 # --------------------------------------------------------------------------- whole runs
 
 

@@ -32,9 +32,10 @@ Outcomes (docs/seams.md, "Action executor"):
 * an ``isError`` result: EXECUTED, observation ``Error: <the result's text>``;
 * any other JSON-RPC error: EXECUTED, observation ``Error: <code>: <message>``;
 * a broken transport (the connection closed, the process died, a stdio server wrote bytes
-  that are no text, the HTTP request failed or got an answer that is no JSON-RPC answer):
-  ENV_ERROR (the run ends); over stdio for every call in flight and every later call of the
-  session;
+  that are no text, the HTTP request failed or got an answer that is no JSON-RPC answer, or
+  its event stream ended without the answer: any error the server never sent,
+  `treadle._mcp_http`): ENV_ERROR (the run ends); over stdio for every call in flight and
+  every later call of the session;
 * the call ran past its timeout: UNKNOWN (the server was asked to cancel it; whether its
   effect happened is unknown);
 * anything else the SDK raises (a result that is no valid MCP result, say) propagates: the
@@ -74,12 +75,12 @@ from mcp import Client, MCPError, StdioServerParameters
 from mcp.client import Transport
 from mcp.client._transport import ReadStream, TransportStreams
 from mcp.client.stdio import stdio_client
-from mcp.client.streamable_http import streamable_http_client
 from mcp.server import MCPServer, Server
 from mcp.shared.message import SessionMessage
 from pydantic import ValidationError
 
 from treadle._exceptions import EnvironmentFailure, UsageError, raised
+from treadle._mcp_http import no_server_answer, open_http
 from treadle._schema import argument_validator
 from treadle.tools import ReconcileHook
 from treadle.types import (
@@ -719,139 +720,20 @@ async def _stdio(
         yield _TextLines(read, closure, params.encoding), write
 
 
-class _FailedRequestAsError(httpx2.AsyncBaseTransport):
-    """An HTTP transport that answers a failed POST with a JSON-RPC "connection closed" error.
-
-    A POST fails when its connection fails (before the response headers: a server that died
-    while it held the call; or while a JSON body is read: one that died in its answer), and
-    when a request gets an HTTP answer that is no JSON-RPC answer (`_no_mcp_answer`). The
-    SDK lets a connection error escape its own task group, which would cancel the caller's
-    whole block, and turns a non-JSON-RPC answer into a JSON-RPC error of its own making that
-    would read as the server's. Answered as "connection closed" (CONNECTION_CLOSED), the call
-    gets its ENV_ERROR and the handshake a plain `mcp.MCPError` (docs/mcp.md, "Results";
-    docs/decisions/0103-mcp-http-failures-end-the-run.md). A POST's JSON answer is read whole
-    here for that; an event stream is left to the SDK, which ends the call itself when the
-    stream breaks. Other methods (the event stream's GET, the session's DELETE) keep their
-    errors, which the SDK handles itself.
-    """
-
-    def __init__(self, inner: httpx2.AsyncBaseTransport) -> None:
-        self._inner = inner
-
-    async def handle_async_request(self, request: httpx2.Request) -> httpx2.Response:
-        if request.method != "POST":
-            return await self._inner.handle_async_request(request)
-        try:
-            response = await self._inner.handle_async_request(request)
-            body = await _read_whole(response) if _is_json(response) else None
-        except (httpx2.TransportError, httpx2.DecodingError) as exc:
-            return _failed_request(request, f"{type(exc).__name__}: {exc}")
-        why = _no_mcp_answer(request, response, body)
-        if why is not None:
-            await response.aclose()
-            return _failed_request(request, why)
-        return response if body is None else _buffered(response, body, request)
-
-    async def aclose(self) -> None:
-        await self._inner.aclose()
-
-
-def _no_mcp_answer(
-    request: httpx2.Request, response: httpx2.Response, body: bytes | None
-) -> str | None:
-    """Why ``response`` is no answer to the JSON-RPC request ``request``, or ``None``.
-
-    An answer is a JSON-RPC message (a JSON-RPC error at a status of 400 or more) or an event
-    stream. A redirect is left to the SDK (which follows it on the same origin); the answer
-    to a notification or a response (202) is no concern here. ``body``: the JSON body read
-    whole, ``None`` for another content type.
-    """
-    status = response.status_code
-    if not _is_request(request) or 300 <= status < 400:
-        return None
-    kind = response.headers.get("content-type", "") or "no content type"
-    what = f"HTTP {status} {response.reason_phrase} ({kind.split(';')[0]})"
-    if status == 202:
-        return f"{what}, no answer to the request"
-    if body is None:
-        streamed = kind.lower().startswith("text/event-stream") and status < 400
-        return None if streamed else f"{what}, no MCP answer"
-    message = _jsonrpc(body)
-    if status >= 400 and not isinstance(message, mcp_types.JSONRPCError):
-        return f"{what}, no JSON-RPC error"
-    return f"{what}, no JSON-RPC message" if message is None else None
-
-
-def _is_request(request: httpx2.Request) -> bool:
-    """Whether ``request`` sends a JSON-RPC request (not a notification or a response)."""
-    try:
-        sent = json.loads(request.content)
-    except (httpx2.RequestNotRead, ValueError):
-        return False
-    return isinstance(sent, dict) and "method" in sent and "id" in sent
-
-
-def _jsonrpc(body: bytes) -> mcp_types.JSONRPCMessage | None:
-    """The JSON-RPC message ``body`` holds, or ``None``."""
-    try:
-        return mcp_types.jsonrpc_message_adapter.validate_json(body, by_name=False)
-    except ValidationError:
-        return None
-
-
-def _is_json(response: httpx2.Response) -> bool:
-    return response.headers.get("content-type", "").lower().startswith("application/json")
-
-
-async def _read_whole(response: httpx2.Response) -> bytes:
-    """The decoded body of ``response``, which is closed after.
-
-    Raises:
-        httpx2.TransportError: the connection failed while the body was read.
-        httpx2.DecodingError: the body is no valid data of its content encoding.
-    """
-    try:
-        return await response.aread()
-    finally:
-        await response.aclose()
-
-
-def _buffered(response: httpx2.Response, body: bytes, request: httpx2.Request) -> httpx2.Response:
-    """``response`` to ``request`` again, with ``body`` (decoded already) as its content."""
-    framing = {"content-encoding", "content-length", "transfer-encoding"}
-    headers = [(k, v) for k, v in response.headers.multi_items() if k.lower() not in framing]
-    return httpx2.Response(
-        response.status_code,
-        headers=headers,
-        content=body,
-        request=request,
-        extensions=response.extensions,
-    )
-
-
 def _closed(error: MCPError) -> bool:
     """Whether ``error`` says the session's connection closed, not the server refused.
 
     Code -32000 is both the SDK's "connection closed" and the first of JSON-RPC's codes for
-    a server's own errors, which many servers use: only the SDK's message (and this module's
-    own, `_failed_request`) makes it a closed connection.
+    a server's own errors, which many servers use: only the SDK's message makes it a closed
+    connection, or that the server never sent it over HTTP (`no_server_answer`: an error the
+    SDK or treadle made up for a request that got no answer).
     """
-    return error.code == mcp_types.CONNECTION_CLOSED and (
-        error.message == _SDK_CLOSED or error.message.startswith(_REQUEST_FAILED)
-    )
+    if no_server_answer(error):
+        return True
+    return error.code == mcp_types.CONNECTION_CLOSED and error.message == _SDK_CLOSED
 
 
 _SDK_CLOSED: Final = "Connection closed"
-_REQUEST_FAILED: Final = "the HTTP request failed: "
-
-
-def _failed_request(request: httpx2.Request, why: str) -> httpx2.Response:
-    """A JSON-RPC "connection closed" error as the answer to ``request``, saying ``why``."""
-    error = {"code": mcp_types.CONNECTION_CLOSED, "message": _REQUEST_FAILED + why}
-    body = _compact({"jsonrpc": "2.0", "id": None, "error": error}).encode()
-    return httpx2.Response(
-        503, headers={"content-type": "application/json"}, content=body, request=request
-    )
 
 
 @asynccontextmanager
@@ -860,24 +742,17 @@ async def _connected(
 ) -> AsyncIterator[Client]:
     """An open `mcp.Client` of ``server``.
 
-    A URL gets `_FailedRequestAsError` under it; a subprocess that decodes strictly gets
-    `_stdio`, which notes in ``closure`` why it ended the stream. ``read_timeout_s`` bounds
-    each request of the session that sets no timeout of its own (the handshake, the tool
-    listing).
+    A URL gets the SDK's streamable HTTP transport with treadle's checks (`open_http`); a
+    subprocess that decodes strictly gets `_stdio`, which notes in ``closure`` why it ended
+    the stream. ``read_timeout_s`` bounds each request of the session that sets no timeout of
+    its own (the handshake, the tool listing).
     """
-    if not isinstance(server, str):
-        target = server
-        if isinstance(server, StdioServerParameters) and server.encoding_error_handler == "strict":
-            target = _stdio(server, closure)
-        async with Client(target, read_timeout_seconds=read_timeout_s) as client:
-            yield client
-        return
-    http = httpx2.AsyncClient(
-        timeout=httpx2.Timeout(30.0, read=300.0),  # the SDK's defaults
-        transport=_FailedRequestAsError(httpx2.AsyncHTTPTransport()),
-    )
-    transport = streamable_http_client(server, http_client=http)
-    async with http, Client(transport, read_timeout_seconds=read_timeout_s) as client:
+    target: Any = server
+    if isinstance(server, str):
+        target = open_http(server)
+    elif isinstance(server, StdioServerParameters) and server.encoding_error_handler == "strict":
+        target = _stdio(server, closure)
+    async with Client(target, read_timeout_seconds=read_timeout_s) as client:
         yield client
 
 

@@ -1,0 +1,381 @@
+"""The streamable HTTP transport under `treadle.mcp`'s sessions (private; extra ``treadle[mcp]``).
+
+It is the SDK's (`mcp.client.streamable_http.streamable_http_client`) with two checks of
+treadle's, so that only an answer the server sent reads as the server's answer (docs/mcp.md,
+"Results"; docs/decisions/0103-mcp-http-failures-end-the-run.md):
+
+* under it, `_CheckedTransport` answers a request whose HTTP request fails, or that gets an HTTP
+  answer that is no MCP answer, with a JSON-RPC error, and notes in `_Answers` the id of every
+  answer the server sends (a JSON body, an event of an event stream) before the SDK reads it;
+* over it, `_ServerErrorsOnly` marks every JSON-RPC error the session is handed for a request
+  whose answer the server never sent (`NoServerAnswer`): the SDK makes such errors up under the
+  request's id when an event stream ends or breaks before the answer, an event is over the size
+  limit, a reconnection fails, or a redirect is not followed, and `_CheckedTransport` makes one
+  up for the failures above. `no_server_answer` tells them apart, by what was on the wire, not
+  by their words.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from types import TracebackType
+from typing import Any, Final
+
+import anyio
+import attrs
+import httpx2
+import mcp_types
+from mcp import MCPError
+from mcp.client._transport import ReadStream, TransportStreams
+from mcp.client.streamable_http import streamable_http_client
+from mcp.shared.message import SessionMessage
+from pydantic import ValidationError
+
+MAX_EVENT_BYTES: Final = 1024 * 1024
+"""The most bytes one event of an event stream may hold (the SDK's default limit): a bigger one
+breaks the stream there, and the call it answers gets no answer (docs/mcp.md, "Results")."""
+_REQUEST_FAILED: Final = "the HTTP request failed: "
+_FRAMING: Final = frozenset({"content-encoding", "content-length", "transfer-encoding"})
+
+
+@attrs.frozen
+class NoServerAnswer:
+    """The ``data`` of a JSON-RPC error the server never sent, as `_ServerErrorsOnly` marks it.
+
+    Attributes:
+        code: the code of the error as it was made up (by the SDK or `_CheckedTransport`).
+        message: its message.
+    """
+
+    code: int
+    message: str
+
+
+def no_server_answer(error: MCPError) -> bool:
+    """Whether ``error`` ended a request whose answer the server never sent over HTTP."""
+    return isinstance(error.data, NoServerAnswer)
+
+
+class _Answers:
+    """The ids of the requests the server answered whose answer the session has not read yet.
+
+    Noted by `_CheckedTransport` as an answer arrives, taken by `_ServerErrorsOnly` as the
+    session reads it (the SDK reads each answer after it was noted).
+    """
+
+    def __init__(self) -> None:
+        self._ids: Counter[mcp_types.RequestId] = Counter()
+
+    def note(self, request_id: mcp_types.RequestId | None) -> None:
+        """Note an answer to ``request_id`` (one without an id answers no request)."""
+        if request_id is not None:
+            self._ids[request_id] += 1
+
+    def take(self, request_id: mcp_types.RequestId | None) -> bool:
+        """Whether the server answered ``request_id`` (each answer is taken once)."""
+        if request_id is None or not self._ids[request_id]:  # (a Counter's lookup adds no key)
+            return False
+        self._ids[request_id] -= 1
+        if not self._ids[request_id]:
+            del self._ids[request_id]
+        return True
+
+
+@asynccontextmanager
+async def open_http(url: str) -> AsyncIterator[TransportStreams]:
+    """The SDK's streamable HTTP transport to ``url``, with treadle's checks.
+
+    `_CheckedTransport` is under it and `_ServerErrorsOnly` over its read stream; the HTTP
+    client is closed on leaving.
+    The SDK's own limit of an event's size is lifted: `_CheckedTransport` reads every event
+    stream first, at most `MAX_EVENT_BYTES` an event.
+    """
+    answers = _Answers()
+    http = httpx2.AsyncClient(
+        timeout=httpx2.Timeout(30.0, read=300.0),  # the SDK's defaults
+        transport=_CheckedTransport(httpx2.AsyncHTTPTransport(), answers),
+    )
+    async with (
+        http,
+        streamable_http_client(url, http_client=http, max_sse_event_size=None) as (read, write),
+    ):
+        yield _ServerErrorsOnly(read, answers), write
+
+
+class _CheckedTransport(httpx2.AsyncBaseTransport):
+    """An HTTP transport that answers a failed request with a JSON-RPC error and notes answers.
+
+    A POST of a request fails when its connection fails (before the response headers: a
+    server that died while it held the call; or while a JSON body is read: one that died in
+    its answer), and when it gets an HTTP answer that is no JSON-RPC answer (`_no_mcp_answer`).
+    The SDK lets a connection error escape its own task group, which would cancel the caller's
+    whole block, and turns a non-JSON-RPC answer into a JSON-RPC error of its own making: here
+    the request gets a JSON-RPC error saying what failed, which no answer of the server's
+    noted, so `_ServerErrorsOnly` marks it (the call's ENV_ERROR; docs/mcp.md, "Results";
+    docs/decisions/0103-mcp-http-failures-end-the-run.md). A POST's JSON answer is read whole
+    here for that. An event stream (a POST's or a GET's) is read here event by event
+    (`_NotedEvents`). Other requests (the session's DELETE) keep their errors, which the SDK
+    handles itself.
+    """
+
+    def __init__(self, inner: httpx2.AsyncBaseTransport, answers: _Answers) -> None:
+        self._inner = inner
+        self._answers = answers
+
+    async def handle_async_request(self, request: httpx2.Request) -> httpx2.Response:
+        if request.method == "POST":
+            return await self._post(request)
+        return self._noted(await self._inner.handle_async_request(request), request, None)
+
+    async def _post(self, request: httpx2.Request) -> httpx2.Response:
+        request_id = _request_id(request)
+        try:
+            response = await self._inner.handle_async_request(request)
+            body = await _read_whole(response) if _is_json(response) else None
+        except (httpx2.TransportError, httpx2.DecodingError) as exc:
+            return _failed_request(request, f"{type(exc).__name__}: {exc}")
+        message = None if body is None else _jsonrpc(body)
+        if request_id is not None:
+            why = _no_mcp_answer(response, body is not None, message)
+            if why is not None:
+                await response.aclose()
+                return _failed_request(request, why)
+        if body is None:
+            return self._noted(response, request, request_id)
+        if request_id is not None and isinstance(
+            message, mcp_types.JSONRPCResponse | mcp_types.JSONRPCError
+        ):
+            # the SDK gives an error at an HTTP error status the request's id
+            self._answers.note(request_id if response.status_code >= 400 else message.id)
+        return _buffered(response, body, request)
+
+    def _noted(
+        self,
+        response: httpx2.Response,
+        request: httpx2.Request,
+        request_id: mcp_types.RequestId | None,
+    ) -> httpx2.Response:
+        """``response``, whose events, if it is an event stream, are noted as they are read."""
+        kind = response.headers.get("content-type", "").partition(";")[0].strip().lower()
+        if kind != "text/event-stream" or response.status_code >= 300:
+            return response
+        response.request = request
+        headers = [
+            (k, v)
+            for k, v in response.headers.multi_items()
+            if k.lower() not in _FRAMING and k.lower() != "content-type"
+        ]
+        headers.append(("content-type", "text/event-stream; charset=utf-8"))
+        return httpx2.Response(
+            response.status_code,
+            headers=headers,
+            stream=_NotedEvents(response, self._answers, request_id),
+            request=request,
+            extensions=response.extensions,
+        )
+
+    async def aclose(self) -> None:
+        await self._inner.aclose()
+
+
+class _NotedEvents(httpx2.AsyncByteStream):
+    """An event stream's body, passed on one event at a time once the answer in it is noted.
+
+    The events are read here (httpx2's `EventSource`, at most `MAX_EVENT_BYTES` each) and
+    passed on each once it is whole, written anew as UTF-8 text: the SDK reads exactly the
+    events read here, and each only after its answer was noted in `_Answers` (under
+    ``request_id``, the id the SDK gives an answer on a POST's stream; on a GET's, the
+    answer's own). An error of the stream (the connection broke, an event over the limit)
+    reaches the SDK as it is, which then ends the request with an error of its own making.
+    """
+
+    def __init__(
+        self,
+        response: httpx2.Response,
+        answers: _Answers,
+        request_id: mcp_types.RequestId | None,
+    ) -> None:
+        self._response = response
+        self._answers = answers
+        self._request_id = request_id
+        self._events = httpx2.EventSource(response, max_event_size=MAX_EVENT_BYTES).__aiter__()
+
+    def __aiter__(self) -> _NotedEvents:
+        return self
+
+    async def __anext__(self) -> bytes:
+        event = await self._events.__anext__()
+        self._note(event)
+        return _encoded(event)
+
+    def _note(self, event: httpx2.ServerSentEvent) -> None:
+        """Note the answer ``event`` holds, read as the SDK reads it."""
+        if event.event != "message" or not event.data:
+            return
+        message = _jsonrpc(event.data.encode())
+        if isinstance(message, mcp_types.JSONRPCResponse | mcp_types.JSONRPCError):
+            self._answers.note(self._request_id if self._request_id is not None else message.id)
+
+    async def aclose(self) -> None:
+        try:
+            await self._events.aclose()  # type: ignore[attr-defined]  # an async generator
+        finally:
+            await self._response.aclose()
+
+
+def _encoded(event: httpx2.ServerSentEvent) -> bytes:
+    """``event`` as the text of one event (that an SSE parser reads back as ``event``)."""
+    lines = [f"event: {event.event}", f"id: {event.id}"]
+    if event.retry is not None:
+        lines.append(f"retry: {event.retry}")
+    if event.data:
+        lines.extend(f"data: {line}" for line in event.data.split("\n"))
+    return ("\n".join(lines) + "\n\n").encode()
+
+
+class _ServerErrorsOnly:
+    """The session's read stream, on which a JSON-RPC error the server never sent is marked.
+
+    An error for a request whose answer `_Answers` has not noted (the SDK's or
+    `_CheckedTransport`'s) reaches the session as a "connection closed" error
+    (``CONNECTION_CLOSED``) saying "the HTTP request failed: " and what it said, with a
+    `NoServerAnswer` as its data (`no_server_answer`). Everything else passes as it is.
+    """
+
+    def __init__(self, inner: ReadStream[SessionMessage | Exception], answers: _Answers) -> None:
+        self._inner = inner
+        self._answers = answers
+
+    @property
+    def last_context(self) -> Any:
+        """The context of the last message's sender, or ``None`` (the SDK runs requests in it)."""
+        return getattr(self._inner, "last_context", None)
+
+    async def receive(self) -> SessionMessage | Exception:
+        item = await self._inner.receive()
+        if not isinstance(item, SessionMessage):
+            return item
+        message = item.message
+        if not isinstance(message, mcp_types.JSONRPCResponse | mcp_types.JSONRPCError):
+            return item
+        if self._answers.take(message.id) or isinstance(message, mcp_types.JSONRPCResponse):
+            return item
+        return SessionMessage(message=_unanswered(message), metadata=item.metadata)
+
+    async def aclose(self) -> None:
+        await self._inner.aclose()
+
+    def __aiter__(self) -> _ServerErrorsOnly:
+        return self
+
+    async def __anext__(self) -> SessionMessage | Exception:
+        try:
+            return await self.receive()
+        except anyio.EndOfStream:
+            raise StopAsyncIteration from None
+
+    async def __aenter__(self) -> _ServerErrorsOnly:
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc_val: BaseException | None,
+        exc_tb: TracebackType | None,
+    ) -> None:
+        await self.aclose()
+
+
+def _unanswered(message: mcp_types.JSONRPCError) -> mcp_types.JSONRPCError:
+    made_up = message.error
+    error = mcp_types.ErrorData(
+        code=mcp_types.CONNECTION_CLOSED,
+        message=_REQUEST_FAILED + made_up.message,
+        data=NoServerAnswer(code=made_up.code, message=made_up.message),
+    )
+    return mcp_types.JSONRPCError(jsonrpc="2.0", id=message.id, error=error)
+
+
+def _no_mcp_answer(
+    response: httpx2.Response, json_body: bool, message: mcp_types.JSONRPCMessage | None
+) -> str | None:
+    """Why ``response`` is no answer to a JSON-RPC request, or ``None``.
+
+    An answer is a JSON-RPC message (a JSON-RPC error at a status of 400 or more) or an event
+    stream. A redirect is left to the SDK (which follows it on the same origin).
+    ``json_body``: the body is JSON, read whole; ``message``: the JSON-RPC message it holds.
+    """
+    status = response.status_code
+    if 300 <= status < 400:
+        return None
+    kind = response.headers.get("content-type", "") or "no content type"
+    what = f"HTTP {status} {response.reason_phrase} ({kind.split(';')[0]})"
+    if status == 202:
+        return f"{what}, no answer to the request"
+    if not json_body:
+        streamed = kind.lower().startswith("text/event-stream") and status < 400
+        return None if streamed else f"{what}, no MCP answer"
+    if status >= 400 and not isinstance(message, mcp_types.JSONRPCError):
+        return f"{what}, no JSON-RPC error"
+    return f"{what}, no JSON-RPC message" if message is None else None
+
+
+def _request_id(request: httpx2.Request) -> mcp_types.RequestId | None:
+    """The id of the JSON-RPC request ``request`` sends; ``None`` for any other message."""
+    try:
+        sent = json.loads(request.content)
+    except (httpx2.RequestNotRead, ValueError):
+        return None
+    if not isinstance(sent, dict) or "method" not in sent:
+        return None
+    found = sent.get("id")
+    return found if isinstance(found, int | str) and not isinstance(found, bool) else None
+
+
+def _jsonrpc(body: bytes) -> mcp_types.JSONRPCMessage | None:
+    """The JSON-RPC message ``body`` holds, or ``None``."""
+    try:
+        return mcp_types.jsonrpc_message_adapter.validate_json(body, by_name=False)
+    except ValidationError:
+        return None
+
+
+def _is_json(response: httpx2.Response) -> bool:
+    return response.headers.get("content-type", "").lower().startswith("application/json")
+
+
+async def _read_whole(response: httpx2.Response) -> bytes:
+    """The decoded body of ``response``, which is closed after.
+
+    Raises:
+        httpx2.TransportError: the connection failed while the body was read.
+        httpx2.DecodingError: the body is no valid data of its content encoding.
+    """
+    try:
+        return await response.aread()
+    finally:
+        await response.aclose()
+
+
+def _buffered(response: httpx2.Response, body: bytes, request: httpx2.Request) -> httpx2.Response:
+    """``response`` to ``request`` again, with ``body`` (decoded already) as its content."""
+    headers = [(k, v) for k, v in response.headers.multi_items() if k.lower() not in _FRAMING]
+    return httpx2.Response(
+        response.status_code,
+        headers=headers,
+        content=body,
+        request=request,
+        extensions=response.extensions,
+    )
+
+
+def _failed_request(request: httpx2.Request, why: str) -> httpx2.Response:
+    """A JSON-RPC error as the answer to ``request``, saying ``why`` (which no server sent)."""
+    error = {"code": mcp_types.CONNECTION_CLOSED, "message": why}
+    body = json.dumps({"jsonrpc": "2.0", "id": None, "error": error}).encode()
+    return httpx2.Response(
+        503, headers={"content-type": "application/json"}, content=body, request=request
+    )
