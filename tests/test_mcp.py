@@ -569,6 +569,31 @@ async def test_an_event_stream_that_ends_without_the_answer_is_env_error(tmp_pat
     assert [e["tool"] for e in _ledger(ledger)] == [*broken, "sse_busy", "sse_echo", "echo"]
 
 
+async def test_a_redirect_answering_a_call_is_env_error_and_the_call_is_sent_once(tmp_path):
+    """A 307 to the same URL made the SDK send the same ``never`` call 21 times (a loop to its
+    redirect limit), then EXECUTED with its own -32600; one to another origin was EXECUTED
+    with that -32600 too, and one without a Location with "Unexpected content type"."""
+    ledger = tmp_path / "ledger"
+    names = ["redirect_loop", "redirect_other", "redirect_noloc"]
+    with http_server(ledger, raw=True) as (url, _), trio.fail_after(60):
+        async with open_mcp_tools(url) as tools:
+            outcomes = {name: await tools.execute(_action(name, f"i-{name}")) for name in names}
+    port = url.split(":")[2].split("/")[0]
+    where = {
+        "redirect_loop": f"a redirect to http://127.0.0.1:{port}/mcp",
+        "redirect_other": f"a redirect to http://localhost:{port}/other",
+        "redirect_noloc": "a redirect without a Location",
+    }
+    for name in names:
+        assert outcomes[name].status is ActionStatus.ENV_ERROR, name
+        assert (
+            "(MCPError: the HTTP request failed: HTTP 307 Temporary Redirect (text/plain), "
+            f"{where[name]}, not followed (a call is sent once))"
+        ) in outcomes[name].observation, name
+    assert "s3cret" not in outcomes["redirect_other"].observation
+    assert [e["tool"] for e in _ledger(ledger)] == names  # each call reached the server once
+
+
 async def test_a_server_error_saying_the_http_request_failed_is_the_servers(tmp_path):
     """Treadle's own "the HTTP request failed: ..." was told from a server's error by its
     words: a server's -32000 error saying so was taken for a broken connection."""

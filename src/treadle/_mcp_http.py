@@ -134,6 +134,7 @@ class _CheckedTransport(httpx2.AsyncBaseTransport):
         request_id = _request_id(request)
         try:
             response = await self._inner.handle_async_request(request)
+            response.request = request
             body = await _read_whole(response) if _is_json(response) else None
         except (httpx2.TransportError, httpx2.DecodingError) as exc:
             return _failed_request(request, f"{type(exc).__name__}: {exc}")
@@ -305,14 +306,15 @@ def _no_mcp_answer(
     """Why ``response`` is no answer to a JSON-RPC request, or ``None``.
 
     An answer is a JSON-RPC message (a JSON-RPC error at a status of 400 or more) or an event
-    stream. A redirect is left to the SDK (which follows it on the same origin).
+    stream. A redirect is none: following it would send the request again (the SDK follows
+    one on the same origin, a loop up to 20 times), and a call reaches the server at most once.
     ``json_body``: the body is JSON, read whole; ``message``: the JSON-RPC message it holds.
     """
     status = response.status_code
-    if 300 <= status < 400:
-        return None
     kind = response.headers.get("content-type", "") or "no content type"
     what = f"HTTP {status} {response.reason_phrase} ({kind.split(';')[0]})"
+    if 300 <= status < 400:
+        return f"{what}, {_redirect(response)}, not followed (a call is sent once)"
     if status == 202:
         return f"{what}, no answer to the request"
     if not json_body:
@@ -321,6 +323,22 @@ def _no_mcp_answer(
     if status >= 400 and not isinstance(message, mcp_types.JSONRPCError):
         return f"{what}, no JSON-RPC error"
     return f"{what}, no JSON-RPC message" if message is None else None
+
+
+def _redirect(response: httpx2.Response) -> str:
+    """Where ``response`` redirects to, as "a redirect to <URL>".
+
+    The URL is shown without userinfo, query or fragment: they can hold secrets.
+    """
+    location = response.headers.get("location")
+    if not location:
+        return "a redirect without a Location"
+    try:
+        url = response.request.url.join(location)
+        shown = url.copy_with(userinfo=b"", query=None, fragment=None)
+    except httpx2.InvalidURL:
+        return "a redirect to an invalid Location"
+    return f"a redirect to {shown}"
 
 
 def _request_id(request: httpx2.Request) -> mcp_types.RequestId | None:
