@@ -594,6 +594,19 @@ async def test_a_redirect_answering_a_call_is_env_error_and_the_call_is_sent_onc
     assert [e["tool"] for e in _ledger(ledger)] == names  # each call reached the server once
 
 
+async def test_leaving_the_block_does_not_wait_for_a_server_that_never_answers_its_close(
+    tmp_path,
+):
+    """The session's closing DELETE waited for the HTTP client's read timeout: a server that
+    never answered it held the block's end for 300 s. It waits 5 s now (CLOSE_TIMEOUT_S)."""
+    ledger = tmp_path / "ledger"
+    with http_server(ledger, "--hang-delete", raw=True) as (url, _), trio.fail_after(60):
+        async with open_mcp_tools(url) as tools:
+            echo = await tools.execute(_action("echo"))
+    assert echo.observation == "echo"
+    assert _ledger(ledger) == [{"tool": "echo", "key": "i-1"}, {"method": "DELETE"}]
+
+
 async def test_a_server_error_saying_the_http_request_failed_is_the_servers(tmp_path):
     """Treadle's own "the HTTP request failed: ..." was told from a server's error by its
     words: a server's -32000 error saying so was taken for a broken connection."""

@@ -12,7 +12,8 @@ treadle's, so that only an answer the server sent reads as the server's answer (
   request's id when an event stream ends or breaks before the answer, an event is over the size
   limit, a reconnection fails, or a redirect is not followed, and `_CheckedTransport` makes one
   up for the failures above. `no_server_answer` tells them apart, by what was on the wire, not
-  by their words.
+  by their words;
+* the session's closing DELETE waits at most `CLOSE_TIMEOUT_S` for its answer.
 """
 
 from __future__ import annotations
@@ -37,6 +38,10 @@ from pydantic import ValidationError
 MAX_EVENT_BYTES: Final = 1024 * 1024
 """The most bytes one event of an event stream may hold (the SDK's default limit): a bigger one
 breaks the stream there, and the call it answers gets no answer (docs/mcp.md, "Results")."""
+CLOSE_TIMEOUT_S: Final = 5.0
+"""Seconds the server may take to answer the session's closing DELETE (its whole answer):
+leaving an `open_mcp_tools` block waits no longer for a server that does not answer it
+(docs/mcp.md, "The session")."""
 _REQUEST_FAILED: Final = "the HTTP request failed: "
 _FRAMING: Final = frozenset({"content-encoding", "content-length", "transfer-encoding"})
 
@@ -117,8 +122,8 @@ class _CheckedTransport(httpx2.AsyncBaseTransport):
     noted, so `_ServerErrorsOnly` marks it (the call's ENV_ERROR; docs/mcp.md, "Results";
     docs/decisions/0103-mcp-http-failures-end-the-run.md). A POST's JSON answer is read whole
     here for that. An event stream (a POST's or a GET's) is read here event by event
-    (`_NotedEvents`). Other requests (the session's DELETE) keep their errors, which the SDK
-    handles itself.
+    (`_NotedEvents`). Other requests keep their errors, which the SDK handles itself; the
+    session's closing DELETE is bounded (`CLOSE_TIMEOUT_S`).
     """
 
     def __init__(self, inner: httpx2.AsyncBaseTransport, answers: _Answers) -> None:
@@ -128,7 +133,27 @@ class _CheckedTransport(httpx2.AsyncBaseTransport):
     async def handle_async_request(self, request: httpx2.Request) -> httpx2.Response:
         if request.method == "POST":
             return await self._post(request)
+        if request.method == "DELETE":
+            return await self._closing(request)
         return self._noted(await self._inner.handle_async_request(request), request, None)
+
+    async def _closing(self, request: httpx2.Request) -> httpx2.Response:
+        """The answer to the session's closing DELETE, read whole within `CLOSE_TIMEOUT_S`.
+
+        The SDK sends it as the session ends and waits for it unbounded but by the client's
+        read timeout (300 s: an event stream may be quiet that long).
+
+        Raises:
+            httpx2.TimeoutException: no whole answer came in time (the SDK logs it).
+            httpx2.TransportError: the request failed.
+        """
+        with anyio.move_on_after(CLOSE_TIMEOUT_S):
+            response = await self._inner.handle_async_request(request)
+            return _buffered(response, await _read_whole(response), request)
+        raise httpx2.ReadTimeout(
+            f"the server did not answer the session's closing DELETE within {CLOSE_TIMEOUT_S:g} s",
+            request=request,
+        )
 
     async def _post(self, request: httpx2.Request) -> httpx2.Response:
         request_id = _request_id(request)

@@ -770,8 +770,9 @@ async def open_mcp_tools(
     """Connect to an MCP server, list its tools, and yield them as an action executor.
 
     The block owns the session (docs/mcp.md, "The session"): run the agent inside it. On
-    leaving it the session closes (a stdio server's process is stopped); a call still
-    running in the tool host then fails, and its end is a diagnostic only.
+    leaving it the session closes (a stdio server's process is stopped; an HTTP server gets
+    a DELETE, whose answer is waited for at most 5 s); a call still running in the tool host
+    then fails, and its end is a diagnostic only.
 
     Args:
         server: what to connect to (`McpServer`).
