@@ -35,8 +35,21 @@ from treadle._schema import (
     check_type,
     summary_of,
 )
-from treadle.parsers import MAX_ARGUMENT_DEPTH, NESTED_TOO_DEEP, argument_problem
-from treadle.types import DecisionKind, JSONValue, OutputFormat, ParsedReply, ToolSpec
+from treadle.parsers import (
+    MAX_ARGUMENT_DEPTH,
+    NESTED_TOO_DEEP,
+    _read_from_text,
+    _text_answer,
+    argument_problem,
+)
+from treadle.types import (
+    DecisionKind,
+    JSONValue,
+    ModelReply,
+    OutputFormat,
+    ParsedReply,
+    ToolSpec,
+)
 
 OUTPUT_TOOL: Final = "final_answer"
 """The name of the final-answer tool declared in ``tool`` mode."""
@@ -123,9 +136,17 @@ class OutputSpec:
             return _validate_class(self.output_type, value)
         return _validate_schema(self.schema, value)
 
-    def decide(self, parsed: ParsedReply) -> tuple[ParsedReply, JSONValue]:
-        """The run's decision for a parser's decision, and the output (``None`` without one).
+    def decide(self, parsed: ParsedReply, reply: ModelReply) -> tuple[ParsedReply, JSONValue]:
+        """The run's decision on ``reply`` and its output (``None`` without one).
 
+        ``parsed`` is the parser's decision on ``reply``.
+
+        * a call the parser made out of a text reply (`treadle.parsers.NativeToolCallParser`
+          rules 4 and 5: a call written in the content, the text-reply tool) when the text is
+          the answer: in ``native`` mode always (it is checked as a final answer), in
+          ``tool`` mode when it is one JSON object fitting the output (a final answer). A
+          structured answer ``{"name": ..., "arguments": ...}`` is never run as a call
+          (docs/structured-output.md, "Native or a final-answer tool").
         * ``tool`` mode, a call of the final-answer tool: alone and fitting, a final answer
           with its arguments as output; alone and not fitting, or with other calls, an
           invalid decision (no call of the reply runs).
@@ -134,6 +155,10 @@ class OutputSpec:
           decision whose feedback lists the errors. A refusal is left as it is.
         * other decisions are returned unchanged.
         """
+        if _read_from_text(parsed):
+            answered = self._answer(_text_answer(reply))
+            if self.mode == "native" or answered[0].kind is DecisionKind.FINAL_ANSWER:
+                return answered
         if parsed.kind is DecisionKind.ACTIONS and self.mode == "tool":
             answers = [call for call in parsed.actions if call.name == self.name]
             if not answers:
@@ -148,6 +173,10 @@ class OutputSpec:
             return self._checked(parsed, answers[0].arguments)
         if parsed.kind is not DecisionKind.FINAL_ANSWER or parsed.reason == "refusal":
             return parsed, None
+        return self._answer(parsed)
+
+    def _answer(self, parsed: ParsedReply) -> tuple[ParsedReply, JSONValue]:
+        """The decision on the final answer ``parsed``: its text, one JSON object, checked."""
         text = (parsed.text or "").strip()
         inner = strip_code_fence(text)
         found = json_values(text if inner is None else inner.strip())
@@ -191,7 +220,12 @@ class OutputSpec:
 
 
 def resolve(
-    output_type: Any, mode: str, *, native_client: bool | None, tool_names: frozenset[str]
+    output_type: Any,
+    mode: str,
+    *,
+    native_client: bool | None,
+    tool_names: frozenset[str],
+    text_reply_tool: str | None = None,
 ) -> OutputSpec:
     """Resolve an agent's ``output_type`` and ``output_mode``.
 
@@ -202,15 +236,17 @@ def resolve(
         native_client: the model client's ``native_output`` (``None`` when it declares
             none).
         tool_names: the executor's tool names.
+        text_reply_tool: the parser's ``text_reply_tool`` (``None`` when it has none).
 
     Raises:
         UsageError: an unknown mode; ``native`` with a client declaring
-            ``native_output = False``; a type that is neither an attrs class nor a mapping,
-            a field type that is not JSON-shaped, a schema that is not valid JSON Schema or
-            whose top level is not an object, a ``$ref`` naming nothing inside the schema,
-            references looping without descending into the value; or a tool of the executor
-            named like the final-answer tool in ``tool`` mode (docs/structured-output.md,
-            "Output types").
+            ``native_output = False``, or (resolved) with a parser whose text replies call a
+            tool (docs/decisions/0108-no-text-reply-tool-with-native-output.md); a type that
+            is neither an attrs class nor a mapping, a field type that is not JSON-shaped, a
+            schema that is not valid JSON Schema or whose top level is not an object, a
+            ``$ref`` naming nothing inside the schema, references looping without descending
+            into the value; or a tool of the executor named like the final-answer tool in
+            ``tool`` mode (docs/structured-output.md, "Output types").
     """
     if mode not in ("auto", "native", "tool"):
         raise UsageError(f"output_mode must be 'auto', 'native' or 'tool', got {mode!r}")
@@ -232,6 +268,13 @@ def resolve(
     else:
         raise UsageError(
             f"output_type must be an attrs class or a JSON schema (a mapping), got {output_type!r}"
+        )
+    if resolved == "native" and text_reply_tool is not None:
+        raise UsageError(
+            f"native output takes the text of a reply as the final answer, and this parser "
+            f"makes every text reply a call of {text_reply_tool!r} (text_reply_tool): no "
+            "answer could ever be given. Use output_mode='tool' (the answer is then a call of "
+            f"{OUTPUT_TOOL!r}), or a parser without text_reply_tool"
         )
     if resolved == "tool":
         if OUTPUT_TOOL in tool_names:

@@ -227,6 +227,7 @@ class Agent:
             self.output_mode,
             native_client=None if native is None else bool(native),
             tool_names=frozenset(spec.name for spec in self.executor.tool_specs()),
+            text_reply_tool=getattr(self.parser, "text_reply_tool", None),
         )
 
     @property

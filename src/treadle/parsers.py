@@ -156,6 +156,26 @@ def _empty_reply(reply: ModelReply, names: frozenset[str]) -> ParsedReply:
     )
 
 
+def _text_answer(reply: ModelReply) -> ParsedReply:
+    """The decision taking the reply's visible text as the final answer (rule 5 of the parsers)."""
+    text = _visible(reply.text)
+    return ParsedReply(
+        kind=DecisionKind.FINAL_ANSWER, text=text, history_message=_history(reply, text)
+    )
+
+
+def _read_from_text(parsed: ParsedReply) -> bool:
+    """Whether `NativeToolCallParser` made ``parsed``'s call out of a text reply.
+
+    That is a call written as JSON in the content (repair `TOOL_CALL_FROM_CONTENT`, also when
+    `refuse_non_finite` refused it since), or the text-reply tool's call (its empty call id).
+    The text may be a structured answer instead (docs/structured-output.md, "Native or a
+    final-answer tool"); calls `JsonToolCallParser` reads are not guesses: that is how its
+    model calls.
+    """
+    return TOOL_CALL_FROM_CONTENT in parsed.repairs or any(call.id == "" for call in parsed.actions)
+
+
 def _refused(reply: ModelReply) -> bool:
     """A refusal without any tool call (a call beside a refusal is parsed as a call)."""
     return (
@@ -408,6 +428,11 @@ class NativeToolCallParser:
     6. nothing (no calls, empty or whitespace text) -> INVALID ``empty_reply`` (``truncated``
        when the output limit ended the reply).
 
+    Under an agent's output type the run coordinator takes the text of rules 4 and 5 as the
+    final answer when it is one (docs/structured-output.md, "Native or a final-answer
+    tool"): the text of a native-output reply always, a JSON object fitting the output in
+    tool mode.
+
     Args:
         text_reply_tool: the tool a text reply calls (e.g. "respond to the customer");
             ``None`` (the default) makes a text reply the final answer.
@@ -415,6 +440,15 @@ class NativeToolCallParser:
 
     def __init__(self, *, text_reply_tool: str | None = None) -> None:
         self._text_reply_tool = text_reply_tool
+
+    @property
+    def text_reply_tool(self) -> str | None:
+        """The tool a text reply calls, or ``None`` (a text reply is the final answer).
+
+        An agent with native structured output refuses a parser with one: the reply's text
+        is the answer there (docs/structured-output.md, "Native or a final-answer tool").
+        """
+        return self._text_reply_tool
 
     def parse(self, reply: ModelReply, tools: Sequence[ToolSpec]) -> ParsedReply:
         """Decide what ``reply`` asks for; pure, and never raises.
@@ -464,9 +498,7 @@ class NativeToolCallParser:
         if text is None:
             return _empty_reply(reply, names)
         if self._text_reply_tool is None:
-            return ParsedReply(
-                kind=DecisionKind.FINAL_ANSWER, text=text, history_message=_history(reply, text)
-            )
+            return _text_answer(reply)
         action = ToolCall(id="", name=self._text_reply_tool, arguments={"content": text})
         return ParsedReply(
             kind=DecisionKind.ACTIONS,
@@ -578,9 +610,7 @@ class JsonToolCallParser:
         spans = [(span, _textcalls.calls_in(span, names)) for span in _textcalls.candidates(text)]
         used = [(span, found) for span, found in spans if found.is_calls]
         if not used:
-            return ParsedReply(
-                kind=DecisionKind.FINAL_ANSWER, text=text, history_message=_history(reply, text)
-            )
+            return _text_answer(reply)
         errors = [error for _, found in used for error in found.errors]
         repairs = _dedup([repair for _, found in used for repair in found.repairs])
         if errors:

@@ -177,6 +177,68 @@ async def test_the_json_tool_call_parser_reads_a_final_answer_written_as_text():
     assert result.output == TYPED
 
 
+PROPOSAL = {
+    "type": "object",
+    "description": "The tool call you propose for a human to review.",
+    "properties": {"name": {"type": "string"}, "arguments": {"type": "object"}},
+    "required": ["name", "arguments"],
+    "additionalProperties": False,
+}
+
+
+@pytest.mark.parametrize("mode", ["native", "tool"])
+async def test_an_answer_shaped_like_a_tool_call_is_the_answer_and_runs_nothing(mode):
+    # A text answer {"name": <a declared tool>, "arguments": {...}} was read as a tool call
+    # written in the content: lookup ran (twice) and the run ended max_steps without output.
+    answer = {"name": "lookup", "arguments": {"city": "Paris"}}
+    definition = agent(
+        [say(json.dumps(answer))] * 2,
+        output_type=PROPOSAL,
+        mode=mode,
+        budgets=treadle.Budgets(max_steps=2),
+    )
+    result, log = await run_log(definition)
+    assert result.stop_reason is StopReason.FINAL_ANSWER and result.output == answer
+    assert [s.decision for s in log.steps] == [DecisionKind.FINAL_ANSWER]
+    assert log.steps[0].repairs == ()
+    assert not [r for r in log.records if type(r).__name__ == "ActionIntent"]
+
+
+async def test_a_tool_call_written_in_the_content_that_is_no_answer():
+    # Tool mode: a call in the content that does not fit the output is still the call.
+    in_content = say(json.dumps({"name": "lookup", "arguments": {"city": "Paris"}}))
+    result, log = await run_log(agent([in_content, call("final_answer", **GOOD)]))
+    assert result.output == TYPED
+    assert log.steps[0].decision is DecisionKind.ACTIONS
+    assert log.steps[0].repairs == ("tool_call_from_content",)
+    # Native mode: the text is the answer, so it is checked as one and fed back.
+    native = agent([in_content, say(json.dumps(GOOD))], mode="native")
+    result, log = await run_log(native)
+    assert result.output == TYPED
+    assert log.steps[0].decision is DecisionKind.INVALID
+    assert "does not fit the output schema" in (log.steps[0].feedback or "")
+    assert not [r for r in log.records if type(r).__name__ == "ActionIntent"]
+
+
+@treadle.tool(replay=treadle.ReplayPolicy.SAFE)
+async def respond(content: str) -> str:
+    """Say something to the user."""
+    return "the user read it"
+
+
+async def test_a_text_reply_tool_takes_text_but_not_the_answer():
+    # With a text-reply tool, a text reply is a message; one that is the answer (tool mode:
+    # a JSON object fitting the output) was a message too, and the run never ended.
+    parser = treadle.NativeToolCallParser(text_reply_tool="respond")
+    turns = [say("Let me check."), say(json.dumps(GOOD))]
+    result, log = await run_log(agent(turns, parser=parser, tools=(respond,)))
+    assert result.stop_reason is StopReason.FINAL_ANSWER and result.output == TYPED
+    assert [s.decision for s in log.steps] == [DecisionKind.ACTIONS, DecisionKind.FINAL_ANSWER]
+    # Native mode: every text reply would be a message, and no answer could ever be given.
+    with pytest.raises(UsageError, match="text_reply_tool"):
+        agent([], parser=parser, mode="native", tools=(respond,))
+
+
 # --------------------------------------------------------------------------- invalid output
 
 

@@ -497,7 +497,7 @@ class RunCoordinator:
         parsed = refuse_non_finite(parsed)  # whichever parser: arguments are strict JSON
         output: JSONValue = None
         if self.output is not None:  # the final answer must fit the output type
-            parsed, output = self.output.decide(parsed)
+            parsed, output = self.output.decide(parsed, reply)
         return await self._act(step, intent_id, parsed, scope, started, output)
 
     def _failed_for_good(self, pending: PendingStep) -> ModelErrorInfo | None:
