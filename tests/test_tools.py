@@ -309,6 +309,16 @@ async def _bad_attrs(value: _BadField) -> str:
     return ""
 
 
+@attrs.define
+class _Computed:
+    total: int
+    doubled: int = attrs.field(init=False, default=0)
+
+
+async def _computed_field(value: _Computed) -> str:  # its schema asked for doubled
+    return ""
+
+
 class _FloatEnum(enum.Enum):
     A = 1.5
 
@@ -337,6 +347,7 @@ async def _float_enum(value: _FloatEnum) -> str:
         (_forward, "cannot resolve the type annotations"),
         (_bad_attrs, "field 'when'"),
         (_float_enum, "enum values must be str or int"),
+        (_computed_field, "field 'doubled' of _Computed is init=False"),
     ],
 )
 def test_bad_declarations_raise_usage_error(fn: Callable[..., Any], message: str) -> None:

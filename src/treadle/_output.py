@@ -294,7 +294,15 @@ def resolve(
 
 
 def _class_schema(cls: type[Any]) -> tuple[dict[str, Any], str]:
-    """The JSON schema of an attrs class (as tool arguments get theirs), and its summary."""
+    """The JSON schema of an attrs class (as tool arguments get theirs), and its summary.
+
+    A field with ``init=False`` is computed by the class, so it is not asked of the model
+    (docs/structured-output.md, "Output types").
+
+    Raises:
+        UsageError: a field type that is not JSON-shaped, or an ``init=False`` field with
+            no default in a class without ``__attrs_post_init__`` (nothing would set it).
+    """
     where = f"output_type {cls.__qualname__}"
     try:
         hints = typing.get_type_hints(cls, include_extras=True)
@@ -303,6 +311,9 @@ def _class_schema(cls: type[Any]) -> tuple[dict[str, Any], str]:
     docs = _attribute_docs(cls.__doc__)
     parameters = []
     for field in attrs.fields(cls):
+        if not field.init:
+            _check_computed(cls, field, where)
+            continue
         annotation = hints.get(field.name, field.type)
         check_type(annotation, f"{where}, field {field.name!r}")
         default: Any = inspect.Parameter.empty
@@ -322,6 +333,21 @@ def _class_schema(cls: type[Any]) -> tuple[dict[str, Any], str]:
         )
     schema = build_schema(_NAME.sub("_", cls.__name__), tuple(parameters))
     return schema, summary_of(cls.__doc__)
+
+
+def _check_computed(cls: type[Any], field: Any, where: str) -> None:
+    """Refuse an ``init=False`` field of ``cls`` that nothing sets.
+
+    With no default and no ``__attrs_post_init__`` (or ``__attrs_pre_init__``), an
+    instance made from an answer has no value for it: `treadle.RunResult.output` would
+    hold attrs' ``NOTHING`` there.
+    """
+    hooks = ("__attrs_post_init__", "__attrs_pre_init__")
+    if field.default is attrs.NOTHING and not any(hasattr(cls, hook) for hook in hooks):
+        raise UsageError(
+            f"{where}, field {field.name!r} is init=False with no default, and the class has "
+            "no __attrs_post_init__ to compute it: give it a default, or compute it there"
+        )
 
 
 def _attribute_docs(doc: str | None) -> dict[str, str]:

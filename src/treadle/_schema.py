@@ -287,7 +287,9 @@ def check_type(type_: Any, where: str, seen: frozenset[type] = frozenset()) -> N
     """Refuse an annotation that is not JSON-shaped.
 
     Raises:
-        UsageError: ``type_`` (or a part of it) is not one of `SUPPORTED_TYPES`.
+        UsageError: ``type_`` (or a part of it) is not one of `SUPPORTED_TYPES`, or is an
+            attrs class with an ``init=False`` field (its generated schema would ask for the
+            field, and validation refuse it).
     """
     origin, args = typing.get_origin(type_), typing.get_args(type_)
     if origin is Annotated:
@@ -333,6 +335,12 @@ def _check_attrs(type_: type, where: str, seen: frozenset[type]) -> None:
     except (NameError, TypeError) as exc:
         raise UsageError(f"{where}: cannot resolve the field types of {type_!r}: {exc}") from exc
     for field in attrs.fields(type_):
+        if not field.init:  # its schema would ask for it, and validation refuse it
+            raise UsageError(
+                f"{where}: field {field.name!r} of {type_.__qualname__} is init=False: every "
+                "field of a nested class is asked of the model; make it a property, or pass "
+                "it to __init__"
+            )
         check_type(
             hints.get(field.name, field.type), f"{where}, field {field.name!r}", seen | {type_}
         )

@@ -239,6 +239,44 @@ async def test_a_text_reply_tool_takes_text_but_not_the_answer():
         agent([], parser=parser, mode="native", tools=(respond,))
 
 
+@attrs.define
+class Doubled:
+    """A total and its double, computed."""
+
+    total: int
+    doubled: int = attrs.field(init=False)
+
+    def __attrs_post_init__(self) -> None:
+        self.doubled = self.total * 2
+
+
+async def test_a_field_the_class_computes_is_not_asked_of_the_model():
+    # The schema listed doubled as required (strict: true) while validation refused it as
+    # an extra field: a strict server could never give an answer that fits.
+    definition = agent([call("final_answer", total=2)], output_type=Doubled)
+    schema = definition.snapshot()["output"]["schema"]
+    assert schema["properties"] == {"total": {"type": "integer"}}
+    assert schema["required"] == ["total"] and definition.snapshot()["output"]["strict"]
+    result, log = await run_log(definition)
+    assert result.output == Doubled(total=2) and result.output.doubled == 4
+    assert log.steps[-1].output == {"total": 2}
+
+
+def test_a_computed_field_nothing_sets_is_refused():
+    # The answer was stored, and RunResult.output held attrs' NOTHING in its place.
+    unset = attrs.make_class(
+        "Unset", {"total": attrs.field(type=int), "note": attrs.field(init=False, type=str)}
+    )
+    with pytest.raises(UsageError, match="'note' is init=False with no default"):
+        agent([], output_type=unset)
+    inner = attrs.make_class(
+        "Inner", {"a": attrs.field(type=int), "b": attrs.field(init=False, default=0, type=int)}
+    )
+    outer = attrs.make_class("Outer", {"inner": attrs.field(type=inner)})
+    with pytest.raises(UsageError, match="'b' of Inner is init=False"):
+        agent([], output_type=outer)
+
+
 # --------------------------------------------------------------------------- invalid output
 
 
