@@ -392,10 +392,11 @@ def _check_references(schema: dict[str, Any]) -> None:
     then raised inside the run, interrupting it at every resume. A reference is looked up as
     the validator would, from the base URI of the subschema holding it (``$id``); a
     reference outside the schema (a URL) is refused too: nothing is fetched. Then the
-    references are followed for a loop (`_check_loops`).
+    references are followed for a loop (`_check_loops`) and for chains too long to validate
+    (`_check_depth`).
 
     Raises:
-        UsageError: names the reference that does not resolve, or the loop.
+        UsageError: names the reference that does not resolve, the loop, or the chain.
     """
     from referencing import Registry
     from referencing.exceptions import Unresolvable
@@ -421,6 +422,7 @@ def _check_references(schema: dict[str, Any]) -> None:
     resolver = Registry().resolver_with_root(root)
     walk(resolver, root)
     _check_loops(schema, resolver)
+    _check_depth(schema, resolver)
 
 
 _IN_PLACE: Final = ("allOf", "anyOf", "oneOf", "not", "if", "then", "else", "dependentSchemas")
@@ -453,6 +455,151 @@ def _check_loops(schema: dict[str, Any], resolver: Any) -> None:
                 "reference must pass through properties, items or another keyword that "
                 "applies to a part of the value"
             )
+
+
+_Edges: TypeAlias = dict[int, tuple[Any, list[int], list[int]]]
+"""Schemas by id: each schema, its `_in_place` children's ids, its `_descending` ones'."""
+
+_MAX_APPLIED: Final = 250
+"""The most schemas validating an answer may apply one within another. jsonschema takes two
+or three Python frames for each (``not``: three), so this keeps it well inside the default
+recursion limit of 1000 whatever called it."""
+
+_DESCENDING: Final = (
+    "properties",
+    "patternProperties",
+    "additionalProperties",
+    "items",
+    "prefixItems",
+    "contains",
+    "propertyNames",
+    "unevaluatedItems",
+    "unevaluatedProperties",
+)
+"""Keywords whose subschemas apply to a part of the value (one level deeper)."""
+
+
+def _check_depth(schema: dict[str, Any], resolver: Any) -> None:
+    """Refuse a schema whose validation of some answer would exhaust Python's stack.
+
+    Validating applies schemas one within another: along `_in_place` steps to the same
+    value, and along `_DESCENDING` keywords one level into it. ``{"$ref": "#/$defs/d0"}``
+    with ``d0`` → ``d1`` → … → ``d600`` passes `_check_loops` (no loop), but every answer
+    raised RecursionError inside the run, at every resume. Counted here: the most schemas
+    applied one within another for any answer `OutputSpec.validate` lets through (nested at
+    most `treadle.parsers.MAX_ARGUMENT_DEPTH` levels); more than `_MAX_APPLIED` is refused.
+    Runs after `_check_loops`: the `_in_place` steps form no loop.
+
+    Raises:
+        UsageError: names the longest chain of references applied to one value, and the
+            count.
+    """
+    edges = _application_edges(schema, resolver)
+    applied, alone = _applied(edges)
+    if applied[id(schema)] <= _MAX_APPLIED:
+        return
+    chain = _longest_chain(edges, alone)
+    names = _pointers(schema)
+    first, last = names.get(id(chain[0]), "?"), names.get(id(chain[-1]), "?")
+    shown = f"{first} → … → {last}" if len(chain) > 2 else " → ".join((first, last))
+    raise UsageError(
+        f"output_type: validating an answer could apply {applied[id(schema)]} schemas one "
+        f"within another (at most {_MAX_APPLIED}: the validator would run out of stack); the "
+        f"longest chain of references applied to one value is {shown} ({len(chain)} "
+        f"schemas), and an answer may nest {MAX_ARGUMENT_DEPTH} levels deep"
+    )
+
+
+def _application_edges(schema: dict[str, Any], resolver: Any) -> _Edges:
+    """Every schema validating an answer can reach from ``schema``.
+
+    By id: the schema, the ids of those applied to the same value (`_in_place`), and the
+    ids of those applied to a part of it (`_descending`).
+    """
+    edges: _Edges = {}
+    pending = [(schema, resolver)]
+    while pending:
+        node, scope = pending.pop()
+        if id(node) in edges:
+            continue
+        in_place, descending = _in_place(node, scope), _descending(node, scope)
+        edges[id(node)] = (node, [id(c) for c, _ in in_place], [id(c) for c, _ in descending])
+        pending.extend(in_place)
+        pending.extend(descending)
+    return edges
+
+
+def _applied(edges: _Edges) -> tuple[dict[int, int], dict[int, int]]:
+    """The most schemas applied one within another from each schema of ``edges``, by id.
+
+    Returns:
+        For a value at level 1 (the answer itself: it may hold containers down to level
+        `treadle.parsers.MAX_ARGUMENT_DEPTH`, and scalars one level below), and for a
+        scalar (along `_in_place` steps alone).
+    """
+    order = _children_first(edges)
+    below: dict[int, int] = {}
+    alone: dict[int, int] = {}
+    for level in range(MAX_ARGUMENT_DEPTH + 1, 0, -1):
+        here: dict[int, int] = {}
+        for key in order:  # children first: their counts at this level are known
+            in_place, descending = edges[key][1:]
+            deepest = max((here[child] for child in in_place), default=0)
+            if level <= MAX_ARGUMENT_DEPTH:
+                deepest = max([deepest, *(below[child] for child in descending)])
+            here[key] = deepest + 1
+        alone = alone or here
+        below = here
+    return below, alone
+
+
+def _children_first(edges: _Edges) -> list[int]:
+    """The ids of ``edges`` ordered so that each comes after its `_in_place` children."""
+    order: list[int] = []
+    placed: set[int] = set()
+    for start in edges:
+        stack = [(start, iter(edges[start][1]))]
+        while stack:
+            key, children = stack[-1]
+            child = next(children, None)
+            if child is None:
+                stack.pop()
+                if key not in placed:
+                    placed.add(key)
+                    order.append(key)
+            elif child not in placed:
+                stack.append((child, iter(edges[child][1])))
+    return order
+
+
+def _longest_chain(edges: _Edges, alone: dict[int, int]) -> list[Any]:
+    """The longest chain of `_in_place` steps, as its schemas (``alone``: each one's length)."""
+    key = max(alone, key=lambda k: alone[k])
+    chain = [edges[key][0]]
+    while edges[key][1]:
+        key = max(edges[key][1], key=lambda k: alone[k])
+        chain.append(edges[key][0])
+    return chain
+
+
+def _descending(node: Any, scope: Any) -> list[tuple[Any, Any]]:
+    """The subschemas (objects, with their scopes) applied to a part of ``node``'s value."""
+    from referencing.jsonschema import DRAFT202012
+
+    if not isinstance(node, dict):
+        return []
+    children: list[Any] = []
+    for keyword in _DESCENDING:
+        value = node.get(keyword)
+        if keyword in ("properties", "patternProperties") and isinstance(value, dict):
+            children.extend(value.values())
+        else:
+            children.extend(value if isinstance(value, list) else [value])
+    return [
+        (child, scope.in_subresource(DRAFT202012.create_resource(child)))
+        for child in children
+        if isinstance(child, dict)
+    ]
 
 
 def _subschemas(schema: dict[str, Any], resolver: Any) -> list[tuple[Any, Any]]:

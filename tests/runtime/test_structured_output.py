@@ -527,6 +527,41 @@ def test_references_looping_without_descending_into_the_value_are_refused(schema
     assert expected in str(refused.value)
 
 
+def chained(length, tail):
+    """A schema applying ``length`` references in a row to the answer, then ``tail``."""
+    defs = {f"d{i}": {"$ref": f"#/$defs/d{i + 1}"} for i in range(length)}
+    defs[f"d{length}"] = tail
+    return {"type": "object", "$ref": "#/$defs/d0", "$defs": defs}
+
+
+TREE = {
+    "type": "object",
+    "properties": {"x": {"type": "integer"}, "kids": {"type": "array", "items": {"$ref": "#"}}},
+}
+
+
+async def test_references_chained_too_deep_for_the_validator_are_refused():
+    # A chain of 600 references (no loop) was accepted, then every answer raised
+    # RecursionError inside the run: it was interrupted, and again at every resume.
+    with pytest.raises(UsageError) as refused:
+        agent([], output_type=chained(600, {"type": "object"}))
+    said = str(refused.value)
+    assert "could apply 602 schemas one within another (at most 250" in said
+    assert "is # → … → #/$defs/d600 (602 schemas)" in said
+    # A chain short enough alone, applied again at each level of an answer nested as deep
+    # as an answer may be, would exhaust the stack as surely.
+    tree = {**TREE, "properties": {**TREE["properties"], "kids": {"items": {"$ref": "#/$defs/d0"}}}}
+    with pytest.raises(UsageError, match="could apply 263 schemas"):
+        agent([], output_type=chained(5, tree))
+    # Within the bound, the deepest answer the log can keep is checked.
+    deepest: dict = {"x": 1, "kids": []}
+    for _ in range(31):  # an object and an array a level: 64 levels
+        deepest = {"x": 1, "kids": [deepest]}
+    definition = agent([call("final_answer", **deepest)], output_type=chained(4, tree))
+    result, _ = await run_log(definition)
+    assert result.output == deepest
+
+
 async def test_a_recursive_schema_descending_into_the_value_validates_a_tree():
     node = {
         "type": "object",
