@@ -691,23 +691,45 @@ def is_strict(schema: Mapping[str, Any]) -> bool:
 
     That is the subset OpenAI's ``strict: true`` accepts; a schema outside it is sent with
     ``strict: false`` (the provider then follows it as best it can, and treadle validates
-    the output either way).
+    the output either way). Every subschema is looked at (as the validator finds them: a
+    property named ``properties`` is a property), and each one that admits objects must
+    close them (`_admits_open_objects`).
     """
+    from referencing.jsonschema import DRAFT202012
 
-    def walk(node: Any) -> bool:
-        if isinstance(node, list):
-            return all(walk(item) for item in node)
-        if not isinstance(node, Mapping):
-            return True
-        if "properties" in node or node.get("type") == "object":
-            properties = node.get("properties", {})
-            if node.get("additionalProperties") is not False:
-                return False
-            if set(node.get("required", ())) != set(properties):
-                return False
-        return all(walk(value) for key, value in node.items() if key != "enum" and key != "const")
+    pending = [DRAFT202012.create_resource(dict(schema))]
+    while pending:
+        resource = pending.pop()
+        if _admits_open_objects(resource.contents):
+            return False
+        pending.extend(resource.subresources())
+    return True
 
-    return walk(schema)
+
+_CONSTRAINING: Final = ("$ref", "$dynamicRef", "anyOf", "oneOf", "allOf", "enum", "const")
+"""Keywords that, in a schema without ``type``, say what it admits (their own subschemas
+are looked at in turn)."""
+
+
+def _admits_open_objects(node: Any) -> bool:
+    """Whether the schema ``node`` admits an object that is open or has optional properties.
+
+    A schema admits objects when its ``type`` is ``"object"`` or a list holding it, or when
+    it has no ``type`` and none of `_CONSTRAINING` (``{}`` takes any value). Closed means
+    ``additionalProperties: false`` and no ``patternProperties``.
+    """
+    if not isinstance(node, Mapping):
+        return False  # a boolean schema
+    kinds = node.get("type")
+    if kinds is None:
+        objects = not any(keyword in node for keyword in _CONSTRAINING)
+    else:
+        objects = kinds == "object" or (isinstance(kinds, list) and "object" in kinds)
+    if not objects:
+        return False
+    properties = node.get("properties", {})
+    closed = node.get("additionalProperties") is False and not node.get("patternProperties")
+    return not closed or set(node.get("required", ())) != set(properties)
 
 
 def _validate_class(cls: type[Any], value: Any) -> JSONValue | tuple[str, ...]:

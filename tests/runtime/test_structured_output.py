@@ -432,6 +432,44 @@ def test_the_snapshot_has_an_output_key_only_with_an_output_type():
     assert with_output.version_label != plain.version_label
 
 
+def closed(**properties):
+    return {
+        "type": "object",
+        "properties": properties,
+        "required": list(properties),
+        "additionalProperties": False,
+    }
+
+
+@pytest.mark.parametrize(
+    ("schema", "strict"),
+    [
+        (closed(city={"type": "string"}), True),
+        # open objects behind a list of types, or a schema that takes anything
+        (closed(meta={"type": ["object", "null"]}), False),
+        (closed(meta={}), False),
+        (closed(meta={"description": "anything"}), False),
+        (closed(meta={**closed(a={"type": "integer"}), "type": ["object", "null"]}), True),
+        # a property named like a keyword is a property, not a schema's keyword
+        (closed(properties={"type": "string"}), True),
+        (closed(required={"type": "string"}, items={"type": "integer"}), True),
+        (closed(tags={"type": "array", "items": {"type": "object"}}), False),
+        (
+            closed(x={"anyOf": [{"$ref": "#/$defs/A"}, {"type": "null"}]})
+            | {"$defs": {"A": closed(a={"type": "integer"})}},
+            True,
+        ),
+        (closed(x={"$ref": "#/$defs/A"}) | {"$defs": {"A": {"type": "object"}}}, False),
+        (closed(x={"enum": [{"any": "object"}]}), True),
+        (closed() | {"patternProperties": {"^x": {"type": "integer"}}}, False),
+    ],
+)
+def test_strict_is_true_exactly_when_every_object_is_closed_and_fully_required(schema, strict):
+    # {"type": ["object", "null"]} and {} were sent strict (objects found by type ==
+    # "object" alone); a property named "properties" was walked as if it were a schema.
+    assert agent([], output_type=schema, mode="native").output.strict is strict
+
+
 def test_auto_mode_follows_the_clients_native_output():
     openai = treadle.OpenAIChatClient(base_url="http://127.0.0.1:1/v1")
     anthropic = treadle.AnthropicMessagesClient(api_key="k")
