@@ -383,6 +383,51 @@ async def test_what_an_output_class_validator_says_reaches_the_model(bad, said):
     assert f"invalid value: {said} @ $" in (log.steps[0].feedback or "")
 
 
+@attrs.frozen
+class Graded:
+    """A grade, a code, and a lookup done when made."""
+
+    grade: str = attrs.field(validator=attrs.validators.in_(["A", "B"]))
+    code: str = attrs.field(validator=attrs.validators.matches_re(r"[A-Z]{3}"))
+    points: list[Bounded] = attrs.Factory(list)
+
+    def __attrs_post_init__(self) -> None:
+        {"A": 1, "B": 2}[self.grade + "-" + self.code[:0]]  # raises KeyError("A-")
+
+
+@pytest.mark.parametrize(
+    ("bad", "said"),
+    [
+        (
+            {"grade": "Z", "code": "ABC"},
+            "invalid value: 'grade' must be in ['A', 'B'] (got 'Z') @ $.grade",
+        ),
+        (
+            {"grade": "A", "code": "abc"},
+            "invalid value: 'code' must match regex '[A-Z]{3}' ('abc' doesn't) @ $.code",
+        ),
+        ({"grade": "A", "code": "ABC"}, "invalid value: KeyError: A- @ $"),
+        (
+            {"grade": "A", "code": "ABC", "points": [{"low": 1, "high": 2}, {"low": 3, "high": 2}]},
+            "invalid value: low must not exceed high @ $.points[1]",
+        ),
+    ],
+)
+async def test_attrs_validators_say_what_is_wrong_and_where(bad, said):
+    # An in_ or matches_re validator reached the model as the repr of its arguments
+    # ("(\"'grade' must be in ...\", Attribute(name='grade', ...), ...) @ $"), and a KeyError
+    # raised by __attrs_post_init__ read "required field missing @ $".
+    definition = agent(
+        [call("final_answer", **bad)],
+        output_type=Graded,
+        limits=treadle.Limits(invalid_decisions=1),
+    )
+    _, log = await run_log(definition)
+    feedback = log.steps[0].feedback or ""
+    assert said in feedback
+    assert "Attribute(" not in feedback and "required field missing" not in feedback
+
+
 async def test_invalid_answers_are_bounded_by_the_invalid_decisions_limit():
     definition = agent([say("no")] * 5, mode="native")
     result, log = await run_log(definition)
