@@ -37,6 +37,9 @@ from treadle.types import (
     Usage,
 )
 
+CONTEXT_LENGTH = "context_length_exceeded"
+"""The error kind of an attempt the provider refused for its context length."""
+
 
 @attrs.define(eq=False)
 class PendingStep:
@@ -46,7 +49,10 @@ class PendingStep:
         step: its index.
         attempts: model attempts already made in this step (failed or abandoned included).
         open_model_intent: a model intent whose result was never stored (outcome unknown).
-        failures: failed attempts of this step, in order (for retry counting).
+        failures: failed attempts of this step, in order (abandoned ones included).
+        refusals: the failed attempts of this step (its own call's or a summary's) that
+            the provider refused for their context length (docs/context.md,
+            "Context-length errors"), in order.
         reply: the stored successful reply, if the model call finished.
         reply_intent_id: the intent id of that reply.
         action_intents: action intents already written for the reply, in call order.
@@ -62,6 +68,7 @@ class PendingStep:
     attempts: int = 0
     open_model_intent: ModelIntent | None = None
     failures: list[ModelResult] = attrs.Factory(list)
+    refusals: list[ModelResult] = attrs.Factory(list)
     reply: ModelReply | None = None
     reply_intent_id: str | None = None
     action_intents: list[ActionIntent] = attrs.Factory(list)
@@ -69,6 +76,13 @@ class PendingStep:
     approval_requests: dict[str, ApprovalRequested] = attrs.Factory(dict)
     recorded_s: float = 0.0
     children_awaited: ChildrenAwaited | None = None
+
+    def add_failure(self, record: ModelResult, *, summary: bool) -> None:
+        """Fold a failed or abandoned attempt, of a summary's call when ``summary``."""
+        self.failures.append(record)
+        error = record.error
+        if error is not None and error.kind == CONTEXT_LENGTH:
+            self.refusals.append(record)
 
 
 @attrs.define(eq=False)
@@ -193,8 +207,10 @@ class RunView:
     def _apply_model_result(self, record: ModelResult) -> None:
         pending = self.pending
         summary = record.summary_through is not None
-        if pending.open_model_intent and pending.open_model_intent.intent_id == record.intent_id:
+        opened = pending.open_model_intent
+        if opened is not None and opened.intent_id == record.intent_id:
             pending.open_model_intent = None
+            summary = summary or opened.compaction  # an abandoned summary says so only there
         self.count_usage(record.usage)
         pending.recorded_s += record.latency_s or 0.0
         # Calibrated from the step's own requests: a summariser's request (a few long
@@ -211,7 +227,7 @@ class RunView:
             pending.reply = record.reply
             pending.reply_intent_id = record.intent_id
         else:
-            pending.failures.append(record)
+            pending.add_failure(record, summary=summary)
 
     def _apply_step(self, record: StepRecord) -> None:
         self.steps = record.step

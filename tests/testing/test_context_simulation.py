@@ -56,3 +56,15 @@ def test_the_compaction_plan_is_deterministic():
     first = simulate(3, plan=FaultPlan.compaction(), scenario=ContextScenario())
     again = simulate(3, plan=FaultPlan.compaction(), scenario=ContextScenario())
     assert first.log_digest == again.log_digest
+
+
+def test_a_crash_in_the_compaction_after_a_refusal_resumes_into_that_compaction():
+    # Seeds where a real window (900) below the declared one gets a step refused for its
+    # length, and a crash (or an abandoned summary attempt) falls inside the forced
+    # compaction: the resumed step compacts again and finishes, as it does without the crash
+    # (docs/context.md, "Context-length errors").
+    for seed in (19, 54):
+        result = simulate(
+            seed, plan=FaultPlan.compaction(), scenario=ContextScenario(goal=30, window=900)
+        )
+        assert result.ok, f"seed {seed}: {result.violations}"

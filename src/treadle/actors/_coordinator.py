@@ -469,8 +469,10 @@ class RunCoordinator:
             if failed is not None:  # resume: reuse the recorded failure, never re-run it
                 outcome = ModelOutcome(error=failed)
             else:
-                outcome = await self._call_model(step, scope, force=self._compact_retry(pending))
-                if outcome.stop is None and outcome.reply is None and self._compact_retry(pending):
+                forced = self._compact_retry(pending)
+                outcome = await self._call_model(step, scope, force=forced)
+                refused = outcome.stop is None and outcome.reply is None and not forced
+                if refused and self._compact_retry(pending):  # the first refusal, just now
                     outcome = await self._call_model(step, scope, force=True)
             if outcome.stop is not None:
                 return outcome.stop
@@ -506,33 +508,33 @@ class RunCoordinator:
         A crash between a final model error and the step record leaves exactly that in the
         log; resuming reuses the recorded result (docs/crash-safety.md, "Resume") instead of a
         new attempt. Whether the error is final is `ends_the_call`'s answer, the gateway's rule
-        live (a wait the server asked for longer than ``retry_after_max_s`` included). A cut
-        (cancel, time or token budget) or an abandoned attempt is not a failure for good.
+        live (a wait the server asked for longer than ``retry_after_max_s``
+        included). A cut (cancel, time or token budget), an abandoned attempt, or the step's
+        first refusal for length with compaction on (`_compact_retry`) is not a failure for
+        good.
         """
         if pending.open_model_intent is not None or not pending.failures:
             return None
-        if self._compact_retry(pending):
-            return None
-        error = pending.failures[-1].error
+        last = pending.failures[-1]
+        error = last.error
         if error is None or error.kind in _CUT_KINDS:
             return None
+        if pending.refusals and pending.refusals[-1] is last:
+            return None if self._compact_retry(pending) else error
         if not ends_the_call(error, len(pending.failures), self.limits):
             return None
         return error
 
     def _compact_retry(self, pending: PendingStep) -> bool:
-        """Whether to compact once and retry the step (docs/context.md, "Context-length errors").
+        """Whether the step compacts and retries (docs/context.md, "Context-length errors").
 
-        True when the agent compacts and the step's last attempt is the first the provider
-        refused for its context length.
+        True when the agent compacts and the provider has refused a request of this step (its
+        own or a summary's) for its context length exactly once, whatever failed after that
+        refusal (an attempt of the forced compaction's summaries, abandoned by a crash or
+        retried): live and on resume, the step's next call is built by that compaction, with
+        ``force``.
         """
-        if not self.compaction or not pending.failures:
-            return False
-        last = pending.failures[-1].error
-        if last is None or last.kind != CONTEXT_LENGTH:
-            return False
-        refused = [f for f in pending.failures if f.error and f.error.kind == CONTEXT_LENGTH]
-        return len(refused) == 1
+        return self.compaction and len(pending.refusals) == 1
 
     async def _act(
         self,
@@ -782,8 +784,8 @@ class RunCoordinator:
         return await self._gateway_call(step, scope, answer)
 
     async def _hydrate(self, force: bool) -> ModelRequest | Compaction:
-        failures = self.view.pending.failures
-        last = failures[-1] if force and failures else None
+        refusals = self.view.pending.refusals
+        last = refusals[-1] if force and refusals else None
         refused = last.context if last is not None else None
         stated = window_from_error(last.error.message) if last and last.error else None
         answer: ModelRequest | Compaction = await self._ask(
@@ -1005,9 +1007,6 @@ def _plus_s(instant: str, seconds: float) -> str:
     """The ISO-8601 instant ``seconds`` after ``instant``."""
     return (dt.datetime.fromisoformat(instant) + dt.timedelta(seconds=seconds)).isoformat()
 
-
-CONTEXT_LENGTH = "context_length_exceeded"
-"""The error kind of an attempt the provider refused for its context length."""
 
 _CUT_KINDS = frozenset(
     {StopReason.CANCELLED.value, StopReason.TIME_BUDGET.value, StopReason.TOKEN_BUDGET.value}
