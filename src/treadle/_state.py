@@ -53,6 +53,11 @@ class PendingStep:
         refusals: the failed attempts of this step (its own call's or a summary's) that
             the provider refused for their context length (docs/context.md,
             "Context-length errors"), in order.
+        call_failures: failed attempts of the model call at the log's tail (retry counting,
+            `failures_of`).
+        call_summary: whether that call is a summary's (``True``) or the step's own
+            (``False``); ``None`` when no call is in progress (none failed yet, or the last
+            one ended with a summary or a refusal for length).
         reply: the stored successful reply, if the model call finished.
         reply_intent_id: the intent id of that reply.
         action_intents: action intents already written for the reply, in call order.
@@ -69,6 +74,8 @@ class PendingStep:
     open_model_intent: ModelIntent | None = None
     failures: list[ModelResult] = attrs.Factory(list)
     refusals: list[ModelResult] = attrs.Factory(list)
+    call_failures: int = 0
+    call_summary: bool | None = None
     reply: ModelReply | None = None
     reply_intent_id: str | None = None
     action_intents: list[ActionIntent] = attrs.Factory(list)
@@ -77,12 +84,27 @@ class PendingStep:
     recorded_s: float = 0.0
     children_awaited: ChildrenAwaited | None = None
 
+    def failures_of(self, *, summary: bool) -> int:
+        """Failed attempts already made of the next model call of this kind, 0 or more.
+
+        A model call is one summary (each a call of its own, docs/context.md, "Summaries")
+        or the step's own call; its retries (`treadle.types.Limits.max_model_retries`) count
+        only its own failed attempts. A summary written ends its call, and so does a refusal
+        for length: the step's call after the compaction is a new one. A resumed step counts
+        the same from the log as the live step did.
+        """
+        return self.call_failures if self.call_summary is summary else 0
+
     def add_failure(self, record: ModelResult, *, summary: bool) -> None:
         """Fold a failed or abandoned attempt, of a summary's call when ``summary``."""
         self.failures.append(record)
+        if self.call_summary is not summary:
+            self.call_summary, self.call_failures = summary, 0
+        self.call_failures += 1
         error = record.error
         if error is not None and error.kind == CONTEXT_LENGTH:
             self.refusals.append(record)
+            self.call_summary, self.call_failures = None, 0
 
 
 @attrs.define(eq=False)
@@ -223,6 +245,7 @@ class RunView:
                 through=record.summary_through,
                 text=record.reply.text or "",
             )
+            pending.call_summary, pending.call_failures = None, 0
         elif record.reply is not None:
             pending.reply = record.reply
             pending.reply_intent_id = record.intent_id

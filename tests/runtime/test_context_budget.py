@@ -13,7 +13,7 @@ import attrs
 import pytest
 import trio
 
-from treadle import MemoryStore, UsageError, run
+from treadle import MemoryStore, ModelCallError, UsageError, run
 from treadle._budget import DEFAULT_SUMMARY_PROMPT, estimate_tools
 from treadle.stores import record_to_json
 from treadle.stores.sqlite import open_sqlite_store
@@ -21,12 +21,14 @@ from treadle.testing.invariants import check_context, check_invariants, check_to
 from treadle.testing.windowed import WindowedModel, provider_tokens, windowed_agent
 from treadle.types import (
     Attempt,
+    ModelErrorInfo,
     ModelIntent,
     ModelRequest,
     ModelResult,
     RunLog,
     StepRecord,
     StopReason,
+    Usage,
 )
 
 WINDOW = 1200
@@ -536,3 +538,36 @@ async def test_a_fork_starts_from_a_summary_written_before_the_fork_point():
     }
     assert carried, "the fork's history does not fit: it starts from r's summary"
     assert all(written[intent] < at for intent in carried), (carried, at)
+
+
+@attrs.define(eq=False)
+class _FailsEachCallOnce:
+    """A summariser whose every call fails once (503, retryable) and succeeds on its retry."""
+
+    inner: WindowedModel
+    calls: int = 0
+
+    async def complete(self, request, *, on_delta=None, attempt=Attempt.STANDALONE):
+        self.calls += 1
+        if self.calls % 2 == 1:
+            info = ModelErrorInfo(kind="server_error", retryable=True, status=503)
+            raise ModelCallError(info, usage=Usage())
+        return await self.inner.complete(request, on_delta=on_delta, attempt=attempt)
+
+
+async def test_each_summary_of_a_forced_compaction_has_its_own_retries():
+    # Limits.max_model_retries counts the retries of one model call: a forced compaction's
+    # summaries are each a call, so one failure each does not add up to end the step.
+    provider = WindowedModel(window=900, goal=GOAL)
+    agent = windowed_agent(provider, window=1200, summariser=_FailsEachCallOnce(provider))
+    agent = attrs.evolve(agent, limits=attrs.evolve(agent.limits, max_model_retries=1))
+    store = MemoryStore()
+    result = await run(agent, "count", store=store, run_id="r")
+    log = await store.read_log("r")
+    assert result.stop_reason is StopReason.FINAL_ANSWER, result.error
+    summaries = [r for r in _results(log) if r.summary_through is not None]
+    failed = [r for r in summaries if r.error is not None]
+    assert failed and all(r.error.kind == "server_error" for r in failed)
+    forced_steps = {r.step for r in _results(log) if r.context and r.context.forced}
+    assert any(sum(r.step == s for r in failed) > 1 for s in forced_steps)
+    assert check_invariants(log) == []

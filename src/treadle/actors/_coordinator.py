@@ -507,8 +507,9 @@ class RunCoordinator:
 
         A crash between a final model error and the step record leaves exactly that in the
         log; resuming reuses the recorded result (docs/crash-safety.md, "Resume") instead of a
-        new attempt. Whether the error is final is `ends_the_call`'s answer, the gateway's rule
-        live (a wait the server asked for longer than ``retry_after_max_s``
+        new attempt. Whether the error is final is `ends_the_call`'s answer for the call it
+        ended (a summary's or the step's own, counted by `PendingStep.failures_of`), the
+        gateway's rule live (a wait the server asked for longer than ``retry_after_max_s``
         included). A cut (cancel, time or token budget), an abandoned attempt, or the step's
         first refusal for length with compaction on (`_compact_retry`) is not a failure for
         good.
@@ -521,7 +522,8 @@ class RunCoordinator:
             return None
         if pending.refusals and pending.refusals[-1] is last:
             return None if self._compact_retry(pending) else error
-        if not ends_the_call(error, len(pending.failures), self.limits):
+        summary = pending.call_summary is True
+        if not ends_the_call(error, pending.failures_of(summary=summary), self.limits):
             return None
         return error
 
@@ -823,7 +825,7 @@ class RunCoordinator:
                 request=model_request,
                 run_attempts=self.view.model_attempts,
                 step_attempts=pending.attempts,
-                step_failures=len(pending.failures),
+                step_failures=pending.failures_of(summary=summary_through is not None),
                 tokens=self.view.tokens,
                 scope=scope,
                 reply_to=reply_to,

@@ -86,7 +86,8 @@ class CallModel:
         request: the model request.
         run_attempts: model attempts the run has made so far (budget accounting).
         step_attempts: attempts already made in this step (resume), so ids stay unique.
-        step_failures: failed attempts already made in this step (retry accounting).
+        step_failures: failed attempts already made of this call, a summary's or the step's
+            own (retry accounting, `treadle._state.PendingStep.failures_of`).
         tokens: reported tokens used by the run so far.
         scope: the step's cancellation and active-time deadline.
         summary_through: set for a compaction: the request asks for a summary of the steps

@@ -1,6 +1,6 @@
 """When a failed model attempt is tried again, and after how long.
 
-Pure functions of the attempt's recorded error, the step's failure count and the agent's
+Pure functions of the attempt's recorded error, its call's failure count and the agent's
 `treadle.types.Limits` (docs/models.md, "Errors and retryability"): the model gateway decides
 with them live, the run coordinator on resume, so a step the log shows ended by a final error
 ends the same after a crash (docs/crash-safety.md, "Resume").
@@ -29,11 +29,12 @@ def backoff_s(retry: int, limits: Limits, rng: random.Random) -> float:
 def ends_the_call(error: ModelErrorInfo, failures: int, limits: Limits) -> bool:
     """Whether a failed attempt's ``error`` ends its model call instead of being retried.
 
-    It does when the error is not retryable, when ``failures`` (the step's failed attempts,
-    this one included) exceed ``limits.max_model_retries``, or when the server asked for a
-    wait (``retry_after_s``, seconds) longer than ``limits.retry_after_max_s`` (decision
-    0102). A wait that outlasts the run's time budget is not decided here: it stops the run
-    with ``time_budget`` when it would be slept.
+    It does when the error is not retryable, when ``failures`` (the failed attempts of this
+    one model call, a summary's or the step's own, this one included) exceed
+    ``limits.max_model_retries``, or when the server asked for a wait (``retry_after_s``,
+    seconds) longer than ``limits.retry_after_max_s`` (decision 0102). A wait that outlasts
+    the run's time budget is not decided here: it stops the run with ``time_budget`` when it
+    would be slept.
     """
     if not error.retryable or failures > limits.max_model_retries:
         return True
