@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import datetime as dt
 from collections.abc import Mapping
+from typing import TypeGuard
 
 import attrs
 
@@ -39,6 +40,9 @@ from treadle.types import (
 
 CONTEXT_LENGTH = "context_length_exceeded"
 """The error kind of an attempt the provider refused for its context length."""
+
+EMPTY_SUMMARY = "empty_summary"
+"""The error kind of a summariser's reply without text (docs/context.md, "Summaries")."""
 
 
 @attrs.define(eq=False)
@@ -239,14 +243,14 @@ class RunView:
         # texts) counts differently from a history of many short messages.
         if record.context is not None and record.usage.input_tokens and not summary:
             self.calibration = (record.context.counted_tokens, record.usage.input_tokens)
-        if record.summary_through is not None and record.reply is not None:
+        if record.summary_through is not None and holds_summary(record.reply):
             self.summary = Summary(
                 intent_id=record.intent_id,
                 through=record.summary_through,
                 text=record.reply.text or "",
             )
             pending.call_summary, pending.call_failures = None, 0
-        elif record.reply is not None:
+        elif record.reply is not None and not summary:
             pending.reply = record.reply
             pending.reply_intent_id = record.intent_id
         else:
@@ -261,6 +265,15 @@ class RunView:
         elif record.decision is not None:
             self.consecutive_invalid = 0
         self.pending = PendingStep(step=record.step + 1)
+
+
+def holds_summary(reply: ModelReply | None) -> TypeGuard[ModelReply]:
+    """Whether a summariser's ``reply`` holds a summary: text that is not blank.
+
+    One without (docs/context.md, "Summaries") is a failed attempt (``empty_summary``,
+    `treadle.actors._gateway`), also when an older log recorded it as a reply.
+    """
+    return reply is not None and reply.text is not None and bool(reply.text.strip())
 
 
 def fold(records: tuple[Record, ...]) -> RunView:

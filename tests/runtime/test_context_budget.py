@@ -23,11 +23,13 @@ from treadle.types import (
     Attempt,
     ModelErrorInfo,
     ModelIntent,
+    ModelReply,
     ModelRequest,
     ModelResult,
     RunLog,
     StepRecord,
     StopReason,
+    ToolCall,
     Usage,
 )
 
@@ -570,4 +572,49 @@ async def test_each_summary_of_a_forced_compaction_has_its_own_retries():
     assert failed and all(r.error.kind == "server_error" for r in failed)
     forced_steps = {r.step for r in _results(log) if r.context and r.context.forced}
     assert any(sum(r.step == s for r in failed) > 1 for s in forced_steps)
+    assert check_invariants(log) == []
+
+
+@attrs.define(eq=False)
+class _AnswersNothingFirst:
+    """A summariser whose every call first answers without text (``reply``), then really."""
+
+    inner: WindowedModel
+    reply: ModelReply
+    calls: int = 0
+
+    async def complete(self, request, *, on_delta=None, attempt=Attempt.STANDALONE):
+        self.calls += 1
+        if self.calls % 2 == 1:
+            return self.reply
+        return await self.inner.complete(request, on_delta=on_delta, attempt=attempt)
+
+
+@pytest.mark.parametrize(
+    "empty",
+    [
+        ModelReply(text="", usage=Usage(input_tokens=50, output_tokens=1)),
+        ModelReply(text=None, tool_calls=(ToolCall(id="c1", name="fetch", arguments={}),)),
+    ],
+    ids=["empty text", "tool calls only"],
+)
+async def test_a_summariser_reply_without_text_is_a_failed_attempt(empty):
+    # The summary is the reply's text (docs/context.md, "Summaries"): a reply without any
+    # never replaces the steps it was to cover; it is retried like a failed attempt.
+    model = WindowedModel(window=WINDOW, goal=GOAL)
+    summariser = _AnswersNothingFirst(WindowedModel(window=WINDOW, goal=GOAL), empty)
+    store = MemoryStore()
+    result = await run(
+        windowed_agent(model, window=WINDOW, summariser=summariser),
+        "count",
+        store=store,
+        run_id="e",
+    )
+    log = await store.read_log("e")
+    assert result.stop_reason is StopReason.FINAL_ANSWER, result.error
+    summaries = [r for r in _results(log) if r.summary_through is not None]
+    failed = [r for r in summaries if r.reply is None]
+    assert failed and all(r.error and r.error.kind == "empty_summary" for r in failed)
+    written = [r for r in summaries if r.reply is not None]
+    assert written and all((r.reply.text or "").strip() for r in written)
     assert check_invariants(log) == []

@@ -30,7 +30,7 @@ import trio
 from treadle._clock import Clock
 from treadle._exceptions import ModelCallError, SeamViolation
 from treadle._shapes import reply_problem, usage_problem
-from treadle._state import seconds_between
+from treadle._state import EMPTY_SUMMARY, holds_summary, seconds_between
 from treadle._text import repaired
 from treadle.actors._mailbox import MailboxReceiver
 from treadle.actors._messages import CallModel, ModelOutcome
@@ -238,6 +238,8 @@ class ModelGateway:
                 usage=meter.last,
             )
         self._coalescer.flush()
+        if intent.compaction and isinstance(outcome, ModelReply):
+            outcome = _checked_summary(outcome)
         if outcome is None:
             if written and written[-1] is intent:
                 info = ModelErrorInfo(kind=self._cut_reason(message.scope).value)
@@ -313,6 +315,23 @@ class ModelGateway:
         written.append(result)
         await self.writer.write(StoreOp.MODEL_RESULT, result)
         return result
+
+
+def _checked_summary(reply_: ModelReply) -> ModelReply | ModelCallError:
+    """A summariser's reply, or the failed attempt it is when it holds no summary.
+
+    The summary is the reply's text (docs/context.md, "Summaries"): a reply without any
+    (empty, blank, or tool calls only) is a retryable ``empty_summary`` error that keeps the
+    reply's usage, retried like any failed attempt, never an empty summary in place of the
+    steps it was to cover.
+    """
+    if holds_summary(reply_):
+        return reply_
+    what = f"{len(reply_.tool_calls)} tool calls" if reply_.tool_calls else "no text"
+    info = ModelErrorInfo(
+        kind=EMPTY_SUMMARY, message=f"the summariser's reply has {what}", retryable=True
+    )
+    return ModelCallError(info, usage=reply_.usage)
 
 
 def _checked_error(error: ModelCallError) -> ModelCallError:
