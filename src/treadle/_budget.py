@@ -400,9 +400,7 @@ def _truncated(
     room = budget - fixed_tokens - meter.tokens(head)
     summary_msgs: list[Message] = []
     if summary is not None:
-        cap = summary_cap(max(room, 0))
-        text = fit_text(summary.text, _chars(cap, meter), "[summary cut to fit]")
-        summary_msgs = [summary_message(attrs.evolve(summary, text=text))]
+        summary_msgs = [summary_message(cut_summary(summary, summary_cap(max(room, 0)), meter))]
     room -= meter.tokens(summary_msgs)
     messages = [m for g in groups for m in g.messages]
     truncated = 0
@@ -437,6 +435,18 @@ def _truncated(
         truncated=truncated,
         unfit=tokens > budget,
     )
+
+
+def cut_summary(summary: Summary, tokens: int, meter: Meter) -> Summary:
+    """``summary`` with its text cut to the characters ``meter`` puts at ``tokens``.
+
+    A summary longer than the room a summary has (`summary_cap`; a summariser may ignore
+    its output cap) is cut like an observation (`fit_text`), with the marker "[summary cut
+    to fit]", in the step's request and in the summariser's next request alike
+    (docs/context.md, "Limits"). The log keeps it whole.
+    """
+    text = fit_text(summary.text, _chars(tokens, meter), "[summary cut to fit]")
+    return summary if text == summary.text else attrs.evolve(summary, text=text)
 
 
 def _chars(tokens: int, meter: Meter) -> int:

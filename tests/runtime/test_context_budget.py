@@ -618,3 +618,34 @@ async def test_a_summariser_reply_without_text_is_a_failed_attempt(empty):
     written = [r for r in summaries if r.reply is not None]
     assert written and all((r.reply.text or "").strip() for r in written)
     assert check_invariants(log) == []
+
+
+@attrs.define(eq=False)
+class _OverlongOnce:
+    """A summariser that ignores its output cap once: its first summary is ~1,500 tokens."""
+
+    inner: WindowedModel
+    calls: int = 0
+
+    async def complete(self, request, *, on_delta=None, attempt=Attempt.STANDALONE):
+        self.calls += 1
+        reply = await self.inner.complete(request, on_delta=on_delta, attempt=attempt)
+        if self.calls == 1:
+            reply = attrs.evolve(reply, text=(reply.text or "") + " detail." * 750)
+        return reply
+
+
+async def test_an_overlong_summary_is_cut_in_the_next_summariser_request():
+    # The summariser's own request must fit the window (docs/context.md, "Limits"): an
+    # earlier summary longer than its cap is cut there as in the step's request.
+    summariser = WindowedModel(window=WINDOW, goal=GOAL)
+    model = WindowedModel(window=WINDOW, goal=GOAL)
+    store = MemoryStore()
+    agent = windowed_agent(model, window=WINDOW, summariser=_OverlongOnce(summariser))
+    result = await run(agent, "count", store=store, run_id="o")
+    log = await store.read_log("o")
+    assert result.stop_reason is StopReason.FINAL_ANSWER, result.error
+    summaries = [r for r in _results(log) if r.summary_through is not None]
+    assert len(summaries) >= 2 and len(summaries[0].reply.text) > 5000
+    assert not any(r.context.unfit for r in summaries)
+    assert all(size + agent.max_output_tokens <= WINDOW for size in summariser.sizes)

@@ -39,6 +39,7 @@ from treadle._budget import (
     Meter,
     Summary,
     TokenCounter,
+    cut_summary,
     estimate_messages,
     estimate_tools,
     inherited_groups,
@@ -336,7 +337,8 @@ class ContextHydrator:
         cap = summary_cap(budget)
         framing = [Message(role="system", content=self.summary_prompt), *head]
         prompt_room = budget - cap - self._meter.tokens(framing) - MESSAGE_ROOM
-        if previous is not None:
+        if previous is not None:  # one that ignored its output cap is cut to it
+            previous = cut_summary(previous, cap, self._meter)
             prompt_room -= self._meter.tokens([Message(role="user", content=previous.text)])
         # Steps enter the summariser's request as text: whole steps, oldest first, while
         # their text fits (only a single step too large for it alone is cut).
