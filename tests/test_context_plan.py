@@ -60,7 +60,58 @@ def test_fit_text_keeps_json_arrays_valid(items, room):
     if out != text:
         head = out[: -len(MARK) - 1]
         kept = json.loads(head)
-        assert kept == items[: len(kept)]  # whole leading elements, none cut inside
+        assert _is_head(kept, items)
+        if len(kept) > 1 or kept == items[:1]:
+            assert kept == items[: len(kept)]  # whole leading elements, none cut inside
+
+
+def _is_head(cut, whole) -> bool:
+    """``cut`` is ``whole``'s head: its leading elements whole, the last one a head too."""
+    if isinstance(whole, str):
+        return isinstance(cut, str) and whole.startswith(cut)
+    if isinstance(whole, list | dict):
+        if type(cut) is not type(whole) or len(cut) > len(whole):
+            return False
+        pairs = (
+            list(zip(cut, whole, strict=False))
+            if isinstance(whole, list)
+            else [(cut[k], whole[k]) for k in cut]
+        )
+        if isinstance(whole, dict) and list(cut) != list(whole)[: len(cut)]:
+            return False
+        return all(c == w for c, w in pairs[:-1]) and (not pairs or _is_head(*pairs[-1]))
+    return cut == whole
+
+
+_JSON = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.text(max_size=60),
+    lambda inner: (
+        st.lists(inner, max_size=6) | st.dictionaries(st.text(max_size=6), inner, max_size=6)
+    ),
+    max_leaves=40,
+)
+
+
+@given(
+    value=st.lists(_JSON, min_size=1) | st.dictionaries(st.text(max_size=6), _JSON, min_size=1),
+    room=st.integers(min_value=10, max_value=300),
+)
+def test_fit_text_keeps_the_head_of_a_json_value_valid(value, room):
+    text = json.dumps(value, ensure_ascii=False)
+    out = fit_text(text, room, MARK)
+    assert len(out) <= room
+    if out != text and len(out) > len(MARK):
+        assert _is_head(json.loads(out[: -len(MARK) - 1]), value)
+
+
+def test_a_json_value_whose_first_element_does_not_fit_keeps_its_head():
+    # `{"rows": [2000 rows], "total": 2000}` over the limit was recorded as `{}` and
+    # `["a" * 30000, "tail"]` as `[]`: the model saw nothing of either.
+    rows = {"rows": [{"id": i, "name": "n" * 30} for i in range(2000)], "total": 2000}
+    kept = json.loads(fit_text(json.dumps(rows), 5000, MARK)[: -len(MARK) - 1])
+    assert kept["rows"] == rows["rows"][: len(kept["rows"])] and len(kept["rows"]) > 80
+    text = json.loads(fit_text(json.dumps(["a" * 30000, "tail"]), 200, MARK)[: -len(MARK) - 1])
+    assert text == ["a" * len(text[0])] and len(text[0]) > 100
 
 
 def test_fit_text_keeps_json_objects_valid():

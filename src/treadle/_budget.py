@@ -11,7 +11,7 @@ import json
 import math
 import re
 from collections.abc import Callable, Sequence
-from typing import Final
+from typing import Any, Final
 
 import attrs
 
@@ -500,7 +500,7 @@ _DECODER: Final = json.JSONDecoder()
 
 
 def _json_prefix(text: str, room: int) -> str | None:
-    """A valid JSON text of whole leading elements of ``text`` within ``room`` chars."""
+    """A valid JSON text of the head of ``text`` within ``room`` chars (`_cut_value`)."""
     stripped = text.strip()
     if not stripped or stripped[0] not in "[{":
         return None
@@ -511,31 +511,79 @@ def _json_prefix(text: str, room: int) -> str | None:
         rest = stripped[end:].strip()
         if rest and not (rest.startswith("[") and rest.endswith("]") and "\n" not in rest):
             return None  # more than a marker after it: the text is not one JSON value
-        if isinstance(value, list):
-            parts = [json.dumps(item, ensure_ascii=False) for item in value]
-            return "[" + ", ".join(_leading(parts, room - 2)) + "]"
-        if isinstance(value, dict):
-            parts = [
-                f"{json.dumps(key, ensure_ascii=False)}: {json.dumps(item, ensure_ascii=False)}"
-                for key, item in value.items()
-            ]
-            return "{" + ", ".join(_leading(parts, room - 2)) + "}"
+        if isinstance(value, list | dict):
+            return _cut_value(value, room) or ("[]" if isinstance(value, list) else "{}")
     except (ValueError, RecursionError):  # not JSON, or too deep to follow: cut as text
         return None
     return None
 
 
-def _leading(parts: Sequence[str], room: int) -> list[str]:
-    """The leading ``parts`` whose join with ``", "`` fits ``room`` characters."""
+def _dumped(value: Any) -> str:
+    return json.dumps(value, ensure_ascii=False)
+
+
+def _cut_value(value: Any, room: int) -> str | None:
+    """The JSON text of the head of ``value`` within ``room`` chars; ``None`` if none fits.
+
+    An array or object keeps its whole leading elements; when not even its first element
+    fits whole, it keeps the head of that one (an array, object or string cut the same way,
+    within the room left), so a large first element does not leave an empty ``[]`` or ``{}``.
+    Every value shown but the last one's innermost head is whole. A number, boolean or null
+    fits whole or not at all.
+    """
+    whole = _dumped(value)
+    if len(whole) <= room:
+        return whole
+    if isinstance(value, str):
+        return _cut_string(value, room)
+    if isinstance(value, list):
+        items = [(_dumped(item), item, "") for item in value]
+    elif isinstance(value, dict):
+        items = [(f"{_dumped(k)}: {_dumped(v)}", v, f"{_dumped(k)}: ") for k, v in value.items()]
+    else:
+        return None
+    if room < 2:
+        return None
+    opening, closing = ("[", "]") if isinstance(value, list) else ("{", "}")
+    return opening + ", ".join(_leading(items, room - 2)) + closing
+
+
+def _leading(items: Sequence[tuple[str, Any, str]], room: int) -> list[str]:
+    """The leading parts whose join with ``", "`` fits ``room`` chars, or the first one's head.
+
+    ``items``: ``(the part's JSON text, its value, what precedes the value in the part)``.
+    """
     kept: list[str] = []
     used = 0
-    for part in parts:
-        extra = len(part) + (2 if kept else 0)
-        if used + extra > room:
-            break
-        kept.append(part)
-        used += extra
+    for part, value, label in items:
+        gap = 2 if kept else 0
+        if used + gap + len(part) <= room:
+            kept.append(part)
+            used += gap + len(part)
+            continue
+        head = None if kept else _cut_value(value, room - len(label))
+        if head is not None:
+            kept.append(label + head)
+        break
     return kept
+
+
+def _cut_string(value: str, room: int) -> str | None:
+    """The JSON string of the longest head of ``value`` within ``room`` chars.
+
+    Escapes count; a surrogate pair is never split; ``None`` if not even ``""`` fits.
+    """
+    low, high = 0, min(len(value), room)
+    while low < high:  # the longest head whose JSON text fits
+        middle = (low + high + 1) // 2
+        if len(_dumped(value[:middle])) <= room:
+            low = middle
+        else:
+            high = middle - 1
+    if low and "\ud800" <= value[low - 1] <= "\udbff":
+        low -= 1
+    head = _dumped(value[:low])
+    return head if len(head) <= room else None
 
 
 DEFAULT_SUMMARY_PROMPT: Final = """\
