@@ -23,7 +23,7 @@ from collections import Counter
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from types import TracebackType
-from typing import Any, Final
+from typing import Any, Final, Self
 
 import anyio
 import attrs
@@ -262,7 +262,46 @@ def _encoded(event: httpx2.ServerSentEvent) -> bytes:
     return ("\n".join(lines) + "\n\n").encode()
 
 
-class _ServerErrorsOnly:
+class ReadStreamFilter:
+    """A session's read stream seen through a filter (the SDK's ``ReadStream`` protocol).
+
+    A subclass gives `receive`; closing, iterating and the ``async with`` block act on the
+    stream it wraps.
+    """
+
+    def __init__(self, inner: ReadStream[SessionMessage | Exception]) -> None:
+        self._inner = inner
+
+    async def receive(self) -> SessionMessage | Exception:
+        """The next message or parse error, or `anyio.EndOfStream`."""
+        return await self._inner.receive()
+
+    async def aclose(self) -> None:
+        """Close the wrapped stream."""
+        await self._inner.aclose()
+
+    def __aiter__(self) -> Self:
+        return self
+
+    async def __anext__(self) -> SessionMessage | Exception:
+        try:
+            return await self.receive()
+        except anyio.EndOfStream:
+            raise StopAsyncIteration from None
+
+    async def __aenter__(self) -> Self:
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc_val: BaseException | None,
+        exc_tb: TracebackType | None,
+    ) -> None:
+        await self.aclose()
+
+
+class _ServerErrorsOnly(ReadStreamFilter):
     """The session's read stream, on which a JSON-RPC error the server never sent is marked.
 
     An error for a request whose answer `_Answers` has not noted (the SDK's or
@@ -272,7 +311,7 @@ class _ServerErrorsOnly:
     """
 
     def __init__(self, inner: ReadStream[SessionMessage | Exception], answers: _Answers) -> None:
-        self._inner = inner
+        super().__init__(inner)
         self._answers = answers
 
     @property
@@ -290,29 +329,6 @@ class _ServerErrorsOnly:
         if self._answers.take(message.id) or isinstance(message, mcp_types.JSONRPCResponse):
             return item
         return SessionMessage(message=_unanswered(message), metadata=item.metadata)
-
-    async def aclose(self) -> None:
-        await self._inner.aclose()
-
-    def __aiter__(self) -> _ServerErrorsOnly:
-        return self
-
-    async def __anext__(self) -> SessionMessage | Exception:
-        try:
-            return await self.receive()
-        except anyio.EndOfStream:
-            raise StopAsyncIteration from None
-
-    async def __aenter__(self) -> _ServerErrorsOnly:
-        return self
-
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc_val: BaseException | None,
-        exc_tb: TracebackType | None,
-    ) -> None:
-        await self.aclose()
 
 
 def _unanswered(message: mcp_types.JSONRPCError) -> mcp_types.JSONRPCError:

@@ -62,7 +62,6 @@ import re
 from collections import Counter
 from collections.abc import AsyncIterator, Callable, Collection, Mapping, Sequence
 from contextlib import asynccontextmanager
-from types import TracebackType
 from typing import Any, Final, TypeAlias
 
 import anyio
@@ -80,7 +79,7 @@ from mcp.shared.message import SessionMessage
 from pydantic import ValidationError
 
 from treadle._exceptions import EnvironmentFailure, UsageError, raised
-from treadle._mcp_http import no_server_answer, open_http
+from treadle._mcp_http import ReadStreamFilter, no_server_answer, open_http
 from treadle._schema import argument_validator
 from treadle.tools import ReconcileHook
 from treadle.types import (
@@ -644,7 +643,7 @@ class _Closure:
         self.reason: str | None = None
 
 
-class _TextLines:
+class _TextLines(ReadStreamFilter):
     """A stdio transport's read stream that ends at the first line that is no text.
 
     `_stdio` has the SDK decode the server's stdout with ``surrogateescape``, so a line with
@@ -658,7 +657,7 @@ class _TextLines:
     def __init__(
         self, inner: ReadStream[SessionMessage | Exception], closure: _Closure, encoding: str
     ) -> None:
-        self._inner = inner
+        super().__init__(inner)
         self._closure = closure
         self._encoding = encoding
 
@@ -673,29 +672,6 @@ class _TextLines:
             )
             raise anyio.EndOfStream
         return item
-
-    async def aclose(self) -> None:
-        await self._inner.aclose()
-
-    def __aiter__(self) -> _TextLines:
-        return self
-
-    async def __anext__(self) -> SessionMessage | Exception:
-        try:
-            return await self.receive()
-        except anyio.EndOfStream:
-            raise StopAsyncIteration from None
-
-    async def __aenter__(self) -> _TextLines:
-        return self
-
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc_val: BaseException | None,
-        exc_tb: TracebackType | None,
-    ) -> None:
-        await self.aclose()
 
 
 def _undecoded(item: SessionMessage | Exception) -> bool:
