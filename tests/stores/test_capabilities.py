@@ -252,7 +252,7 @@ class _NeverWakes(MemoryStore):
     """Its wake changes nothing: a parent parked on its child runs waits for its recheck."""
 
     async def wake(self, run_id: str) -> bool:
-        return True
+        return False
 
 
 async def test_the_queue_contract_refuses_a_store_whose_wake_changes_nothing() -> None:

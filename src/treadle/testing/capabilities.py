@@ -40,6 +40,7 @@ from treadle.types import (
     CancelRequested,
     ChildrenAwaited,
     Claim,
+    ControlRecord,
     Liveness,
     Message,
     ModelIntent,
@@ -718,81 +719,85 @@ async def _queue_parked(open_store: StoreOpener, clock: ContractClock | None) ->
     check = "queue_parked"
     assert clock is not None
     async with open_store() as store:
-        queue, controls, leases = (
-            _queue(store, check),
-            _controls(store, check),
-            _leases(store, check),
-        )
-        run_id, served, claimed = await _submitted_and_claimed(
-            queue, "parked", ttl_s=_LONG, max_takeovers=3
-        )
-        agent = next(iter(served))
-        gen = claimed.lease.generation
-        await store.write_run_started(
-            _started(run_id, agent=agent, version="v1"), seq=1, generation=gen
-        )
-        far = "2999-01-01T00:00:00+00:00"
-        request = ApprovalRequested(
-            run_id=run_id,
-            step=1,
-            call_id="c",
-            tool="t",
-            arguments_digest="d",
-            ts=_TS,
-            deadline_ts=far,
-        )
-        await store.write_control(request, seq=2, generation=gen)
-        await leases.release_lease(claimed.lease, control_seen=0)
-        waiting = await queue.claim(
-            owner="w2", agents=served, limit=1, ttl_s=_LONG, max_takeovers=3, backoff_s=0
-        )
-        _expect(waiting == (), check, "a parked run without news was claimed")
+
+        def request(run_id: str) -> ApprovalRequested:
+            return ApprovalRequested(
+                run_id=run_id,
+                step=1,
+                call_id="c",
+                tool="t",
+                arguments_digest="d",
+                ts=_TS,
+                deadline_ts=_FAR,
+            )
+
+        queue, served, run_id, gen = await _parked_run(store, check, request)
         decided = ApprovalDecided(
             run_id=run_id, step=1, call_id="c", arguments_digest="d", decision="approve", ts=_TS
         )
-        await controls.append_control(decided)
-        (woken,) = await queue.claim(
-            owner="w2", agents=served, limit=1, ttl_s=_LONG, max_takeovers=3, backoff_s=0
-        )
-        _expect(not woken.takeover and woken.lease.generation == gen + 1, check, f"{woken}")
+        await _controls(store, check).append_control(decided)
+        await _claimed_again(queue, served, gen, check)
 
 
 async def _queue_woken(open_store: StoreOpener, clock: ContractClock | None) -> None:
     """A run parked on child runs is claimed only once `wake` (or its recheck) says so."""
     check = "queue_woken"
     async with open_store() as store:
-        queue, leases = _queue(store, check), _leases(store, check)
-        run_id, served, claimed = await _submitted_and_claimed(
-            queue, "woken", ttl_s=_LONG, max_takeovers=3
-        )
-        agent = next(iter(served))
-        gen = claimed.lease.generation
-        await store.write_run_started(
-            _started(run_id, agent=agent, version="v1"), seq=1, generation=gen
-        )
-        _expect(not await queue.wake(run_id), check, "wake changed a running run")
-        awaited = ChildrenAwaited(
-            run_id=run_id,
-            step=1,
-            ts=_TS,
-            intent_ids=("i",),
-            children=(f"{run_id}/child",),
-            active_s=0.0,
-            recheck_ts="2999-01-01T00:00:00+00:00",
-        )
-        await store.write_control(awaited, seq=2, generation=gen)
-        await leases.release_lease(claimed.lease, control_seen=0)
-        waiting = await queue.claim(
-            owner="w2", agents=served, limit=1, ttl_s=_LONG, max_takeovers=3, backoff_s=0
-        )
-        _expect(waiting == (), check, "a run parked on child runs was claimed before its wake")
+
+        def awaited(run_id: str) -> ChildrenAwaited:
+            return ChildrenAwaited(
+                run_id=run_id,
+                step=1,
+                ts=_TS,
+                intent_ids=("i",),
+                children=(f"{run_id}/child",),
+                active_s=0.0,
+                recheck_ts=_FAR,
+            )
+
+        queue, served, run_id, gen = await _parked_run(store, check, awaited)
         _expect(
             await queue.wake(run_id), check, "wake said a run parked on child runs waits on none"
         )
-        (woken,) = await queue.claim(
-            owner="w2", agents=served, limit=1, ttl_s=_LONG, max_takeovers=3, backoff_s=0
-        )
-        _expect(not woken.takeover and woken.lease.generation == gen + 1, check, f"{woken}")
+        await _claimed_again(queue, served, gen, check)
+
+
+_FAR: Final = "2999-01-01T00:00:00+00:00"
+
+
+async def _parked_run(
+    store: RunStore, check: str, parking: Callable[[str], ControlRecord]
+) -> tuple[RunQueue, dict[str, tuple[str, ...]], str, int]:
+    """A run claimed, started and parked by ``parking(run_id)``, its lease released.
+
+    No claim takes it yet. Returns ``(queue, agents served, run id, its generation)``.
+    """
+    queue, leases = _queue(store, check), _leases(store, check)
+    run_id, served, claimed = await _submitted_and_claimed(
+        queue, check, ttl_s=_LONG, max_takeovers=3
+    )
+    gen = claimed.lease.generation
+    await store.write_run_started(
+        _started(run_id, agent=next(iter(served)), version="v1"), seq=1, generation=gen
+    )
+    _expect(not await queue.wake(run_id), check, "wake changed a running run")
+    await store.write_control(parking(run_id), seq=2, generation=gen)
+    await leases.release_lease(claimed.lease, control_seen=0)
+    waiting = await queue.claim(
+        owner="w2", agents=served, limit=1, ttl_s=_LONG, max_takeovers=3, backoff_s=0
+    )
+    _expect(waiting == (), check, "a parked run without news was claimed")
+    return queue, served, run_id, gen
+
+
+async def _claimed_again(
+    queue: RunQueue, served: dict[str, tuple[str, ...]], gen: int, check: str
+) -> None:
+    """The parked run is claimed again, by its next generation, and not as a takeover."""
+    (woken,) = await queue.claim(
+        owner="w2", agents=served, limit=1, ttl_s=_LONG, max_takeovers=3, backoff_s=0
+    )
+    _expect(not woken.takeover and woken.lease.generation == gen + 1, check, f"{woken}")
 
 
 QUEUE_CHECKS: Final[tuple[tuple[str, Check, bool], ...]] = (
