@@ -38,6 +38,7 @@ from treadle._schema import (
 from treadle.parsers import (
     MAX_ARGUMENT_DEPTH,
     NESTED_TOO_DEEP,
+    TOOL_CALL_FROM_CONTENT,
     _read_from_text,
     _text_answer,
     argument_problem,
@@ -144,9 +145,11 @@ class OutputSpec:
         * a call the parser made out of a text reply (`treadle.parsers.NativeToolCallParser`
           rules 4 and 5: a call written in the content, the text-reply tool) when the text is
           the answer: in ``native`` mode always (it is checked as a final answer), in
-          ``tool`` mode when it is one JSON object fitting the output (a final answer). A
-          structured answer ``{"name": ..., "arguments": ...}`` is never run as a call
-          (docs/structured-output.md, "Native or a final-answer tool").
+          ``tool`` mode when it is one JSON object fitting the output (a final answer) and,
+          for a call written in the content, the output refuses some object
+          (`_tells_answers`). A structured answer ``{"name": ..., "arguments": ...}`` of an
+          output that requires those keys is never run as a call (docs/structured-output.md,
+          "Native or a final-answer tool").
         * ``tool`` mode, a call of the final-answer tool: alone and fitting, a final answer
           with its arguments as output; alone and not fitting, or with other calls, an
           invalid decision (no call of the reply runs).
@@ -157,7 +160,9 @@ class OutputSpec:
         """
         if _read_from_text(parsed):
             answered = self._answer(_text_answer(reply))
-            if self.mode == "native" or answered[0].kind is DecisionKind.FINAL_ANSWER:
+            if self.mode == "native" or (
+                answered[0].kind is DecisionKind.FINAL_ANSWER and self._tells_answers(parsed)
+            ):
                 return answered
         if parsed.kind is DecisionKind.ACTIONS and self.mode == "tool":
             answers = [call for call in parsed.actions if call.name == self.name]
@@ -174,6 +179,17 @@ class OutputSpec:
         if parsed.kind is not DecisionKind.FINAL_ANSWER or parsed.reason == "refusal":
             return parsed, None
         return self._answer(parsed)
+
+    def _tells_answers(self, parsed: ParsedReply) -> bool:
+        """Whether a fitting text ``parsed`` read as a call is an answer (``tool`` mode).
+
+        The text-reply tool's call is; a call written in the content is only when the output
+        refuses some object (``{}`` does not fit): a schema any object fits (no required
+        property) says nothing of which texts are answers, and the call stands.
+        """
+        if TOOL_CALL_FROM_CONTENT not in parsed.repairs:
+            return True
+        return isinstance(self.validate({}), tuple)
 
     def _answer(self, parsed: ParsedReply) -> tuple[ParsedReply, JSONValue]:
         """The decision on the final answer ``parsed``: its text, one JSON object, checked."""

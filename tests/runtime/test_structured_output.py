@@ -220,6 +220,24 @@ async def test_a_tool_call_written_in_the_content_that_is_no_answer():
     assert not [r for r in log.records if type(r).__name__ == "ActionIntent"]
 
 
+async def test_a_call_written_in_the_content_runs_when_the_output_takes_any_object():
+    # Tool mode, an output with no required property: {"name": "lookup", "arguments": ...}
+    # fitted it, so the call was taken as the final answer and lookup never ran.
+    loose = {
+        "type": "object",
+        "properties": {"answer": {"type": "string"}, "sources": {"type": "array"}},
+    }
+    in_content = say(json.dumps({"name": "lookup", "arguments": {"city": "Paris"}}))
+    answer = {"answer": "mild", "sources": ["lookup"]}
+    result, log = await run_log(
+        agent([in_content, call("final_answer", **answer)], output_type=loose)
+    )
+    assert result.output == answer
+    assert log.steps[0].decision is DecisionKind.ACTIONS
+    assert log.steps[0].repairs == ("tool_call_from_content",)
+    assert [r for r in log.records if type(r).__name__ == "ActionIntent"]
+
+
 @treadle.tool(replay=treadle.ReplayPolicy.SAFE)
 async def respond(content: str) -> str:
     """Say something to the user."""
