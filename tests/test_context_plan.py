@@ -285,3 +285,26 @@ def test_the_stated_window_is_read_from_both_providers_messages():
     assert window_from_error(error_fields(ANTHROPIC_BODY)[0]) == 200000
     assert window_from_error("HTTP 400: maximum context length is 131,072 tokens") == 131072
     assert window_from_error("HTTP 400: bad request") is None
+
+
+def test_cutting_a_deeply_nested_json_value_reads_about_the_room_not_its_size(monkeypatch):
+    # A 1 MB string nested 200 arrays deep was written out again at each level (size times
+    # depth: seconds of a blocked event loop for one observation).
+    from treadle import _budget
+
+    written = []
+    dumped = _budget._dumped
+
+    def counting(value):
+        text = dumped(value)
+        written.append(len(text))
+        return text
+
+    monkeypatch.setattr(_budget, "_dumped", counting)
+    value = "x" * 1_000_000
+    for _ in range(200):
+        value = [value]
+    out = fit_text(json.dumps(value), 4000, MARK)
+    kept = json.loads(out[: -len(MARK) - 1])
+    assert _is_head(kept, value)
+    assert sum(written) < 200 * 4000  # far from 200 levels x 1 MB

@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import math
 import re
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any, Final
 
 import attrs
@@ -529,37 +529,75 @@ def _cut_value(value: Any, room: int) -> str | None:
     fits whole, it keeps the head of that one (an array, object or string cut the same way,
     within the room left), so a large first element does not leave an empty ``[]`` or ``{}``.
     Every value shown but the last one's innermost head is whole. A number, boolean or null
-    fits whole or not at all.
+    fits whole or not at all. Each level reads about ``room`` characters of its value
+    (`_fitting`), never the whole of a large one.
     """
-    whole = _dumped(value)
-    if len(whole) <= room:
+    whole = _fitting(value, room)
+    if whole is not None:
         return whole
     if isinstance(value, str):
         return _cut_string(value, room)
+    if not isinstance(value, list | dict) or room < 2:
+        return None
+    opening, closing = _brackets(value)
+    return opening + ", ".join(_leading(_elements(value), room - 2)) + closing
+
+
+def _fitting(value: Any, room: int) -> str | None:
+    """``value``'s JSON text when it fits ``room`` chars, else ``None``.
+
+    It stops as soon as the text outgrows the room: a large value costs about ``room``
+    characters of work, not its size.
+    """
+    if isinstance(value, str):
+        if len(value) + 2 > room:
+            return None
+    elif isinstance(value, list | dict):
+        return _fitting_elements(value, room)
+    text = _dumped(value)
+    return text if len(text) <= room else None
+
+
+def _elements(value: list[Any] | dict[str, Any]) -> Iterator[tuple[Any, str]]:
+    """``(element, what precedes it in the JSON text)``: an object's ``"key": ``."""
     if isinstance(value, list):
-        items = [(_dumped(item), item, "") for item in value]
-    elif isinstance(value, dict):
-        items = [(f"{_dumped(k)}: {_dumped(v)}", v, f"{_dumped(k)}: ") for k, v in value.items()]
-    else:
+        return ((item, "") for item in value)
+    return ((item, f"{_dumped(key)}: ") for key, item in value.items())
+
+
+def _brackets(value: list[Any] | dict[str, Any]) -> tuple[str, str]:
+    return ("[", "]") if isinstance(value, list) else ("{", "}")
+
+
+def _fitting_elements(value: list[Any] | dict[str, Any], room: int) -> str | None:
+    if room < 2:  # not even the brackets
         return None
-    if room < 2:
-        return None
-    opening, closing = ("[", "]") if isinstance(value, list) else ("{", "}")
-    return opening + ", ".join(_leading(items, room - 2)) + closing
+    parts: list[str] = []
+    used = 2
+    for item, label in _elements(value):
+        gap = 2 if parts else 0
+        part = _fitting(item, room - used - gap - len(label))
+        if part is None:
+            return None
+        parts.append(label + part)
+        used += gap + len(label) + len(part)
+    opening, closing = _brackets(value)
+    return opening + ", ".join(parts) + closing
 
 
-def _leading(items: Sequence[tuple[str, Any, str]], room: int) -> list[str]:
-    """The leading parts whose join with ``", "`` fits ``room`` chars, or the first one's head.
+def _leading(items: Iterable[tuple[Any, str]], room: int) -> list[str]:
+    """The leading elements whose join with ``", "`` fits ``room`` chars, or the first's head.
 
-    ``items``: ``(the part's JSON text, its value, what precedes the value in the part)``.
+    ``items``: ``(the element's value, what precedes it in the text: an object's key)``.
     """
     kept: list[str] = []
     used = 0
-    for part, value, label in items:
+    for value, label in items:
         gap = 2 if kept else 0
-        if used + gap + len(part) <= room:
-            kept.append(part)
-            used += gap + len(part)
+        part = _fitting(value, room - used - gap - len(label))
+        if part is not None:
+            kept.append(label + part)
+            used += gap + len(label) + len(part)
             continue
         head = None if kept else _cut_value(value, room - len(label))
         if head is not None:
