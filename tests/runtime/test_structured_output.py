@@ -647,20 +647,54 @@ async def test_references_chained_too_deep_for_the_validator_are_refused():
     with pytest.raises(UsageError) as refused:
         agent([], output_type=chained(600, {"type": "object"}))
     said = str(refused.value)
-    assert "could apply 602 schemas one within another (at most 250" in said
+    assert "could apply 602 schemas one within another (at most 300" in said
     assert "is # → … → #/$defs/d600 (602 schemas)" in said
     # A chain short enough alone, applied again at each level of an answer nested as deep
     # as an answer may be, would exhaust the stack as surely.
     tree = {**TREE, "properties": {**TREE["properties"], "kids": {"items": {"$ref": "#/$defs/d0"}}}}
-    with pytest.raises(UsageError, match="could apply 263 schemas"):
-        agent([], output_type=chained(5, tree))
-    # Within the bound, the deepest answer the log can keep is checked.
+    with pytest.raises(UsageError, match="could apply 329 schemas"):
+        agent([], output_type=chained(7, tree))
+    # Within the bound (296 schemas), the deepest answer the log can keep is checked.
     deepest: dict = {"x": 1, "kids": []}
     for _ in range(31):  # an object and an array a level: 64 levels
         deepest = {"x": 1, "kids": [deepest]}
-    definition = agent([call("final_answer", **deepest)], output_type=chained(4, tree))
+    definition = agent([call("final_answer", **deepest)], output_type=chained(6, tree))
     result, _ = await run_log(definition)
     assert result.output == deepest
+
+
+JSON_VALUE = {
+    "$defs": {
+        "v": {
+            "anyOf": [
+                {"type": "string"},
+                {"type": "number"},
+                {"type": "boolean"},
+                {"type": "null"},
+                {"$ref": "#/$defs/obj"},
+                {"$ref": "#/$defs/arr"},
+            ]
+        },
+        "obj": {"type": "object", "additionalProperties": {"$ref": "#/$defs/v"}},
+        "arr": {"type": "array", "items": {"$ref": "#/$defs/v"}},
+    },
+    "type": "object",
+    "properties": {"value": {"$ref": "#/$defs/v"}},
+    "required": ["value"],
+}
+
+
+@pytest.mark.parametrize("container", ["array", "object"])
+async def test_the_usual_recursive_json_value_schema_is_accepted_and_checks_the_deepest_answer(
+    container,
+):
+    # It was refused when the agent was built ("could apply 257 schemas ... at most 250"),
+    # yet an answer nested as deep as the log keeps validates well inside the stack.
+    value: object = 1
+    for _ in range(63):  # with the top-level object: 64 levels
+        value = [value] if container == "array" else {"k": value}
+    result, _ = await run_log(agent([call("final_answer", value=value)], output_type=JSON_VALUE))
+    assert result.output == {"value": value}
 
 
 async def test_a_recursive_schema_descending_into_the_value_validates_a_tree():
