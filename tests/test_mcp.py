@@ -459,8 +459,14 @@ async def test_a_broken_http_transport_is_env_error(tmp_path):
         async with open_mcp_tools(url) as tools:
             _broke(await _broken_in_flight(tools, in_flight, kill))
             after = await tools.execute(_action("tag", "i-tag", item="x"))  # nobody listens now
+    # no connection could be made: the call never left, which its detail says (it read as a
+    # call whose outcome is unknown)
     assert after.status is ActionStatus.ENV_ERROR
-    assert "ConnectError" in after.observation
+    assert after.observation.startswith(
+        "Error: the call of tag was never sent: no connection to the MCP server could be had "
+        "(MCPError: the HTTP request failed: ConnectError: "
+    )
+    assert after.observation.endswith("; it did not run")
 
 
 async def test_an_http_answer_cut_in_its_body_is_env_error_for_that_call_alone(tmp_path):

@@ -12,7 +12,7 @@ treadle's, so that only an answer the server sent reads as the server's answer (
   request's id when an event stream ends or breaks before the answer, an event is over the size
   limit, a reconnection fails, or a redirect is not followed, and `_CheckedTransport` makes one
   up for the failures above. `no_server_answer` tells them apart, by what was on the wire, not
-  by their words;
+  by their words; `never_sent` tells those of a request that never left (no connection);
 * the session's closing DELETE waits at most `CLOSE_TIMEOUT_S` for its answer.
 """
 
@@ -44,6 +44,8 @@ leaving an `open_mcp_tools` block waits no longer for a server that does not ans
 (docs/mcp.md, "The session")."""
 _REQUEST_FAILED: Final = "the HTTP request failed: "
 _FRAMING: Final = frozenset({"content-encoding", "content-length", "transfer-encoding"})
+_UNSENT: Final = (httpx2.ConnectError, httpx2.ConnectTimeout, httpx2.PoolTimeout)
+"""The failures of a request that never left the client: no connection was had for it."""
 
 
 @attrs.frozen
@@ -57,11 +59,19 @@ class NoServerAnswer:
 
     code: int
     message: str
+    sent: bool = True
+    """Whether the request left the client (``False``: it provably never reached the server:
+    no connection to the server could be made, or none was free in time)."""
 
 
 def no_server_answer(error: MCPError) -> bool:
     """Whether ``error`` ended a request whose answer the server never sent over HTTP."""
     return isinstance(error.data, NoServerAnswer)
+
+
+def never_sent(error: MCPError) -> bool:
+    """Whether ``error`` ended a request that never left the client (no connection was had)."""
+    return isinstance(error.data, NoServerAnswer) and not error.data.sent
 
 
 class _Answers:
@@ -73,6 +83,7 @@ class _Answers:
 
     def __init__(self) -> None:
         self._ids: Counter[mcp_types.RequestId] = Counter()
+        self._unsent: set[mcp_types.RequestId] = set()
 
     def note(self, request_id: mcp_types.RequestId | None) -> None:
         """Note an answer to ``request_id`` (one without an id answers no request)."""
@@ -88,6 +99,18 @@ class _Answers:
             del self._ids[request_id]
         return True
 
+    def note_unsent(self, request_id: mcp_types.RequestId | None) -> None:
+        """Note that the request ``request_id`` never left the client."""
+        if request_id is not None:
+            self._unsent.add(request_id)
+
+    def take_unsent(self, request_id: mcp_types.RequestId | None) -> bool:
+        """Whether the request ``request_id`` never left the client (taken once)."""
+        if request_id not in self._unsent:
+            return False
+        self._unsent.discard(request_id)
+        return True
+
 
 @asynccontextmanager
 async def open_http(url: str) -> AsyncIterator[TransportStreams]:
@@ -99,9 +122,12 @@ async def open_http(url: str) -> AsyncIterator[TransportStreams]:
     stream first, at most `MAX_EVENT_BYTES` an event.
     """
     answers = _Answers()
+    # no bound on the connections: each call in flight holds one (HTTP/1.1), and a call that
+    # waited for a free one would fail unsent (docs/mcp.md, "Results")
+    limits = httpx2.Limits(max_connections=None, max_keepalive_connections=20)
     http = httpx2.AsyncClient(
         timeout=httpx2.Timeout(30.0, read=300.0),  # the SDK's defaults
-        transport=_CheckedTransport(httpx2.AsyncHTTPTransport(), answers),
+        transport=_CheckedTransport(httpx2.AsyncHTTPTransport(limits=limits), answers),
     )
     async with (
         http,
@@ -161,6 +187,9 @@ class _CheckedTransport(httpx2.AsyncBaseTransport):
             response = await self._inner.handle_async_request(request)
             response.request = request
             body = await _read_whole(response) if _is_json(response) else None
+        except _UNSENT as exc:  # no connection: the request never left
+            self._answers.note_unsent(request_id)
+            return _failed_request(request, f"{type(exc).__name__}: {exc}")
         except (httpx2.TransportError, httpx2.DecodingError) as exc:
             return _failed_request(request, f"{type(exc).__name__}: {exc}")
         message = None if body is None else _jsonrpc(body)
@@ -328,15 +357,16 @@ class _ServerErrorsOnly(ReadStreamFilter):
             return item
         if self._answers.take(message.id) or isinstance(message, mcp_types.JSONRPCResponse):
             return item
-        return SessionMessage(message=_unanswered(message), metadata=item.metadata)
+        sent = not self._answers.take_unsent(message.id)
+        return SessionMessage(message=_unanswered(message, sent), metadata=item.metadata)
 
 
-def _unanswered(message: mcp_types.JSONRPCError) -> mcp_types.JSONRPCError:
+def _unanswered(message: mcp_types.JSONRPCError, sent: bool) -> mcp_types.JSONRPCError:
     made_up = message.error
     error = mcp_types.ErrorData(
         code=mcp_types.CONNECTION_CLOSED,
         message=_REQUEST_FAILED + made_up.message,
-        data=NoServerAnswer(code=made_up.code, message=made_up.message),
+        data=NoServerAnswer(code=made_up.code, message=made_up.message, sent=sent),
     )
     return mcp_types.JSONRPCError(jsonrpc="2.0", id=message.id, error=error)
 

@@ -35,7 +35,8 @@ Outcomes (docs/seams.md, "Action executor"):
   that are no text, the HTTP request failed or got an answer that is no JSON-RPC answer, or
   its event stream ended without the answer: any error the server never sent,
   `treadle._mcp_http`): ENV_ERROR (the run ends); over stdio for every call in flight and
-  every later call of the session;
+  every later call of the session; over HTTP, a call for which no connection could be had
+  says that it was never sent;
 * the call ran past its timeout: UNKNOWN (the server was asked to cancel it; whether its
   effect happened is unknown);
 * anything else the SDK raises (a result that is no valid MCP result, say) propagates: the
@@ -79,7 +80,7 @@ from mcp.shared.message import SessionMessage
 from pydantic import ValidationError
 
 from treadle._exceptions import EnvironmentFailure, UsageError, raised
-from treadle._mcp_http import ReadStreamFilter, no_server_answer, open_http
+from treadle._mcp_http import ReadStreamFilter, never_sent, no_server_answer, open_http
 from treadle._schema import argument_validator
 from treadle.tools import ReconcileHook
 from treadle.types import (
@@ -411,9 +412,13 @@ class McpTools:
         if broken is None:
             raise exc
         cause = self._closed_because() if error is not None else None
+        what = cause or f"{type(broken).__name__}: {broken}"
         detail = (
-            f"Error: the connection to the MCP server broke during the call of {found.name} "
-            f"({cause or f'{type(broken).__name__}: {broken}'}); its outcome is unknown"
+            f"Error: the call of {found.name} was never sent: no connection to the MCP server "
+            f"could be had ({what}); it did not run"
+            if error is not None and never_sent(error)
+            else f"Error: the connection to the MCP server broke during the call of {found.name} "
+            f"({what}); its outcome is unknown"
         )
         return ActionOutcome(status=ActionStatus.ENV_ERROR, observation=detail, detail=detail)
 
