@@ -19,6 +19,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import httpx2
 import mcp_types
 import pytest
 import trio
@@ -611,6 +612,30 @@ async def test_leaving_the_block_does_not_wait_for_a_server_that_never_answers_i
             echo = await tools.execute(_action("echo"))
     assert echo.observation == "echo"
     assert _ledger(ledger) == [{"tool": "echo", "key": "i-1"}, {"method": "DELETE"}]
+
+
+async def test_a_tool_calls_answer_has_no_read_timeout_of_the_http_client():
+    """A call that ran longer than the HTTP client's read timeout (300 s) on a server that
+    answers in a JSON body (no byte before its end) was ENV_ERROR (ReadTimeout) though its
+    ``timeout_s`` was longer: the call's own timeout bounds it; other requests keep the read
+    timeout."""
+    from treadle._mcp_http import _Answers, _CheckedTransport
+
+    timeouts: dict[str, Any] = {}
+
+    def answer(request: Any) -> Any:
+        sent = json.loads(request.content)
+        timeouts[sent["method"]] = request.extensions["timeout"]["read"]
+        body = {"jsonrpc": "2.0", "id": sent["id"], "result": {}}
+        return httpx2.Response(200, json=body)
+
+    checked = _CheckedTransport(httpx2.MockTransport(answer), _Answers())
+    timeout = httpx2.Timeout(30.0, read=300.0)
+    async with httpx2.AsyncClient(timeout=timeout, transport=checked) as http:
+        for rid, method in enumerate(["tools/call", "tools/list"]):
+            message = {"jsonrpc": "2.0", "id": rid, "method": method, "params": {}}
+            await http.post("http://127.0.0.1:1/mcp", json=message)
+    assert timeouts == {"tools/call": None, "tools/list": 300.0}
 
 
 async def test_a_server_error_saying_the_http_request_failed_is_the_servers(tmp_path):

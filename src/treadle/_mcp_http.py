@@ -126,7 +126,8 @@ async def open_http(url: str) -> AsyncIterator[TransportStreams]:
     # waited for a free one would fail unsent (docs/mcp.md, "Results")
     limits = httpx2.Limits(max_connections=None, max_keepalive_connections=20)
     http = httpx2.AsyncClient(
-        timeout=httpx2.Timeout(30.0, read=300.0),  # the SDK's defaults
+        # the SDK's defaults; a tool call's answer has no read timeout (`_unbounded_read`)
+        timeout=httpx2.Timeout(30.0, read=300.0),
         transport=_CheckedTransport(httpx2.AsyncHTTPTransport(limits=limits), answers),
     )
     async with (
@@ -183,6 +184,8 @@ class _CheckedTransport(httpx2.AsyncBaseTransport):
 
     async def _post(self, request: httpx2.Request) -> httpx2.Response:
         request_id = _request_id(request)
+        if _request_method(request) == "tools/call":
+            _unbounded_read(request)
         try:
             response = await self._inner.handle_async_request(request)
             response.request = request
@@ -414,14 +417,38 @@ def _redirect(response: httpx2.Response) -> str:
 
 def _request_id(request: httpx2.Request) -> mcp_types.RequestId | None:
     """The id of the JSON-RPC request ``request`` sends; ``None`` for any other message."""
+    sent = _sent(request)
+    if sent is None or "method" not in sent:
+        return None
+    found = sent.get("id")
+    return found if isinstance(found, int | str) and not isinstance(found, bool) else None
+
+
+def _request_method(request: httpx2.Request) -> str | None:
+    """The method of the JSON-RPC message ``request`` sends, or ``None``."""
+    sent = _sent(request)
+    method = None if sent is None else sent.get("method")
+    return method if isinstance(method, str) else None
+
+
+def _sent(request: httpx2.Request) -> dict[str, Any] | None:
+    """The JSON object ``request`` sends, or ``None``."""
     try:
         sent = json.loads(request.content)
     except (httpx2.RequestNotRead, ValueError):
         return None
-    if not isinstance(sent, dict) or "method" not in sent:
-        return None
-    found = sent.get("id")
-    return found if isinstance(found, int | str) and not isinstance(found, bool) else None
+    return sent if isinstance(sent, dict) else None
+
+
+def _unbounded_read(request: httpx2.Request) -> None:
+    """Lift the HTTP client's read timeout from ``request``, a tool call.
+
+    The call's own ``timeout_s`` bounds it (docs/mcp.md, "Results"): a tool may run longer
+    than the client's read timeout without a byte sent, as a JSON answer comes only at its end.
+    """
+    timeout = dict(request.extensions.get("timeout", {}))
+    timeout["read"] = None
+    request.extensions["timeout"] = timeout
 
 
 def _jsonrpc(body: bytes) -> mcp_types.JSONRPCMessage | None:
