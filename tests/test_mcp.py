@@ -513,7 +513,7 @@ async def test_http_answers_that_are_no_mcp_answers_are_env_error(tmp_path):
         async with open_mcp_tools(url) as tools:
             outcomes = {
                 name: await tools.execute(_action(name, f"i-{name}"))
-                for name in [*broken, "refused_400", "failed_500", "echo"]
+                for name in [*broken, "refused_400", "failed_500", "closed_500", "echo"]
             }
     for name in broken:
         assert outcomes[name].status is ActionStatus.ENV_ERROR, name
@@ -533,8 +533,21 @@ async def test_http_answers_that_are_no_mcp_answers_are_env_error(tmp_path):
         observation="Error: -32603: broke",
         detail="Error: -32603: broke",
     )
+    # the server sent it: its answer, though its words are those of the SDK's own error for a
+    # closed connection (it read as one, ENV_ERROR)
+    assert outcomes["closed_500"] == ActionOutcome(
+        status=ActionStatus.EXECUTED,
+        observation="Error: -32000: Connection closed",
+        detail="Error: -32000: Connection closed",
+    )
     assert outcomes["echo"].observation == "echo"
-    assert [e["tool"] for e in _ledger(ledger)] == [*broken, "refused_400", "failed_500", "echo"]
+    assert [e["tool"] for e in _ledger(ledger)] == [
+        *broken,
+        "refused_400",
+        "failed_500",
+        "closed_500",
+        "echo",
+    ]
 
 
 # The SDK stops reading an event stream once it has the answer, leaving its reader (async

@@ -272,16 +272,19 @@ class McpTools:
         *,
         default_timeout_s: float = 30.0,
         closed_because: Callable[[], str | None] = lambda: None,
+        wire_checked: bool = False,
     ) -> None:
         """The tools of ``client``'s session; built by `open_mcp_tools`.
 
         ``closed_because`` tells why the session's stream was ended on treadle's side (a
         stdio server's output that is no text), or ``None``; it names the cause in the
-        outcome of a call the closed session failed.
+        outcome of a call the closed session failed. ``wire_checked``: the session is over
+        `open_http`, which marks every error the server never sent (`no_server_answer`).
         """
         self._client = client
         self._default_timeout_s = default_timeout_s
         self._closed_because = closed_because
+        self._wire_checked = wire_checked
         self._tools = {entry.name: entry for entry in tools}
         self._validators = {
             entry.name: _validator(entry.name, entry.spec.parameters) for entry in tools
@@ -403,7 +406,7 @@ class McpTools:
 
     def _failed(self, found: McpTool, exc: Exception) -> ActionOutcome:
         error = raised(exc, MCPError)
-        if error is not None and not _closed(error):
+        if error is not None and not _closed(error, self._wire_checked):
             text = f"Error: {error.code}: {error.message}"
             if error.code in _NOT_RUN:
                 return _not_executed(f"the server refused the call of {found.name}: {text}")
@@ -701,16 +704,20 @@ async def _stdio(
         yield _TextLines(read, closure, params.encoding), write
 
 
-def _closed(error: MCPError) -> bool:
+def _closed(error: MCPError, wire_checked: bool) -> bool:
     """Whether ``error`` says the session's connection closed, not the server refused.
 
     Code -32000 is both the SDK's "connection closed" and the first of JSON-RPC's codes for
-    a server's own errors, which many servers use: only the SDK's message makes it a closed
-    connection, or that the server never sent it over HTTP (`no_server_answer`: an error the
-    SDK or treadle made up for a request that got no answer).
+    a server's own errors, which many servers use. Over HTTP (``wire_checked``) only the wire
+    decides: the server never sent it (`no_server_answer`: an error the SDK or treadle made
+    up for a request that got no answer), whatever its words
+    (docs/decisions/0103-mcp-http-failures-end-the-run.md, point 4). Otherwise only the
+    SDK's message makes it a closed connection.
     """
     if no_server_answer(error):
         return True
+    if wire_checked:
+        return False
     return error.code == mcp_types.CONNECTION_CLOSED and error.message == _SDK_CLOSED
 
 
@@ -798,6 +805,7 @@ async def open_mcp_tools(
                     chosen,
                     default_timeout_s=default_timeout_s,
                     closed_because=lambda: closure.reason,
+                    wire_checked=isinstance(target, str),
                 )
             except UsageError as exc:  # raised below, once the session is closed
                 problem = exc
