@@ -566,7 +566,7 @@ async def test_an_event_stream_that_ends_without_the_answer_is_env_error(tmp_pat
         async with open_mcp_tools(url) as tools:
             outcomes = {
                 name: await tools.execute(_action(name, f"i-{name}"))
-                for name in [*broken, "sse_busy", "sse_echo", "echo"]
+                for name in [*broken, "sse_busy", "sse_resumed_error", "sse_echo", "echo"]
             }
     for name in broken:
         assert outcomes[name].status is ActionStatus.ENV_ERROR, name
@@ -582,11 +582,24 @@ async def test_an_event_stream_that_ends_without_the_answer_is_env_error(tmp_pat
         observation="Error: -32000: the queue is full",
         detail="Error: -32000: the queue is full",
     )
+    # the server's error on the resumed stream, its id "4" for the request 4: the server's
+    # answer (it was noted under "4", looked for under 4, and read as made up: ENV_ERROR)
+    assert outcomes["sse_resumed_error"] == ActionOutcome(
+        status=ActionStatus.EXECUTED,
+        observation="Error: -32001: the server's own error, resumed",
+        detail="Error: -32001: the server's own error, resumed",
+    )
     assert outcomes["sse_echo"] == ActionOutcome(
         status=ActionStatus.EXECUTED, observation="sse_echo"
     )
     assert outcomes["echo"].observation == "echo"  # each HTTP request is its own
-    assert [e["tool"] for e in _ledger(ledger)] == [*broken, "sse_busy", "sse_echo", "echo"]
+    assert [e["tool"] for e in _ledger(ledger)] == [
+        *broken,
+        "sse_busy",
+        "sse_resumed_error",
+        "sse_echo",
+        "echo",
+    ]
 
 
 async def test_a_redirect_answering_a_call_is_env_error_and_the_call_is_sent_once(tmp_path):

@@ -32,6 +32,7 @@ import mcp_types
 from mcp import MCPError
 from mcp.client._transport import ReadStream, TransportStreams
 from mcp.client.streamable_http import streamable_http_client
+from mcp.shared.dispatcher import coerce_request_id
 from mcp.shared.message import SessionMessage
 from pydantic import ValidationError
 
@@ -77,6 +78,10 @@ def never_sent(error: MCPError) -> bool:
 class _Answers:
     """The ids of the requests the server answered whose answer the session has not read yet.
 
+    Ids are kept as the SDK matches them (`coerce_request_id`: "4" is 4): it hands the session
+    an answer on a resumed stream under the id of the request it resumed, whatever the id
+    the server wrote.
+
     Noted by `_CheckedTransport` as an answer arrives, taken by `_ServerErrorsOnly` as the
     session reads it (the SDK reads each answer after it was noted).
     """
@@ -88,27 +93,31 @@ class _Answers:
     def note(self, request_id: mcp_types.RequestId | None) -> None:
         """Note an answer to ``request_id`` (one without an id answers no request)."""
         if request_id is not None:
-            self._ids[request_id] += 1
+            self._ids[coerce_request_id(request_id)] += 1
 
     def take(self, request_id: mcp_types.RequestId | None) -> bool:
         """Whether the server answered ``request_id`` (each answer is taken once)."""
-        if request_id is None or not self._ids[request_id]:  # (a Counter's lookup adds no key)
+        if request_id is None:
             return False
-        self._ids[request_id] -= 1
-        if not self._ids[request_id]:
-            del self._ids[request_id]
+        key = coerce_request_id(request_id)
+        if not self._ids[key]:  # (a Counter's lookup adds no key)
+            return False
+        self._ids[key] -= 1
+        if not self._ids[key]:
+            del self._ids[key]
         return True
 
     def note_unsent(self, request_id: mcp_types.RequestId | None) -> None:
         """Note that the request ``request_id`` never left the client."""
         if request_id is not None:
-            self._unsent.add(request_id)
+            self._unsent.add(coerce_request_id(request_id))
 
     def take_unsent(self, request_id: mcp_types.RequestId | None) -> bool:
         """Whether the request ``request_id`` never left the client (taken once)."""
-        if request_id not in self._unsent:
+        key = None if request_id is None else coerce_request_id(request_id)
+        if key not in self._unsent:
             return False
-        self._unsent.discard(request_id)
+        self._unsent.discard(key)
         return True
 
 
