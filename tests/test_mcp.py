@@ -640,6 +640,19 @@ async def test_leaving_the_block_does_not_wait_for_a_server_that_never_answers_i
     assert _ledger(ledger) == [{"tool": "echo", "key": "i-1"}, {"method": "DELETE"}]
 
 
+async def test_leaving_the_block_bounds_the_whole_close_through_its_redirects(tmp_path):
+    """A server answering the closing DELETE after 1 s with a redirect to the same URL held
+    the block's end 21 s: the SDK follows the loop to its limit (20 redirects), 5 s allowed
+    for each DELETE. The 5 s bound the whole close now."""
+    ledger = tmp_path / "ledger"
+    with http_server(ledger, "--redirect-delete", raw=True) as (url, _), trio.fail_after(60):
+        async with open_mcp_tools(url) as tools:
+            echo = await tools.execute(_action("echo"))
+    assert echo.observation == "echo"
+    deletes = [e for e in _ledger(ledger) if e.get("method") == "DELETE"]
+    assert 1 <= len(deletes) <= 10  # about 5 (1 s each in 5 s); 21 without the bound
+
+
 async def test_a_tool_calls_answer_has_no_read_timeout_of_the_http_client():
     """A call that ran longer than the HTTP client's read timeout (300 s) on a server that
     answers in a JSON body (no byte before its end) was ENV_ERROR (ReadTimeout) though its

@@ -13,7 +13,8 @@ treadle's, so that only an answer the server sent reads as the server's answer (
   limit, a reconnection fails, or a redirect is not followed, and `_CheckedTransport` makes one
   up for the failures above. `no_server_answer` tells them apart, by what was on the wire, not
   by their words; `never_sent` tells those of a request that never left (no connection);
-* the session's closing DELETE waits at most `CLOSE_TIMEOUT_S` for its answer.
+* the session's closing DELETE waits at most `CLOSE_TIMEOUT_S` for its answer (redirects
+  followed included).
 """
 
 from __future__ import annotations
@@ -40,7 +41,8 @@ MAX_EVENT_BYTES: Final = 1024 * 1024
 """The most bytes one event of an event stream may hold (the SDK's default limit): a bigger one
 breaks the stream there, and the call it answers gets no answer (docs/mcp.md, "Results")."""
 CLOSE_TIMEOUT_S: Final = 5.0
-"""Seconds the server may take to answer the session's closing DELETE (its whole answer):
+"""Seconds the server may take to answer the session's closing DELETE (its whole answer, and
+those of the redirects it answers with):
 leaving an `open_mcp_tools` block waits no longer for a server that does not answer it
 (docs/mcp.md, "The session")."""
 _REQUEST_FAILED: Final = "the HTTP request failed: "
@@ -165,6 +167,7 @@ class _CheckedTransport(httpx2.AsyncBaseTransport):
     def __init__(self, inner: httpx2.AsyncBaseTransport, answers: _Answers) -> None:
         self._inner = inner
         self._answers = answers
+        self._close_deadline: float | None = None  # of the closing DELETE and its redirects
 
     async def handle_async_request(self, request: httpx2.Request) -> httpx2.Response:
         if request.method == "POST":
@@ -174,16 +177,20 @@ class _CheckedTransport(httpx2.AsyncBaseTransport):
         return self._noted(await self._inner.handle_async_request(request), request, None)
 
     async def _closing(self, request: httpx2.Request) -> httpx2.Response:
-        """The answer to the session's closing DELETE, read whole within `CLOSE_TIMEOUT_S`.
+        """The answer to the session's closing DELETE, read whole within the close's bound.
 
-        The SDK sends it as the session ends and waits for it unbounded but by the client's
-        read timeout (300 s: an event stream may be quiet that long).
+        The bound is `CLOSE_TIMEOUT_S` from the first DELETE. The SDK sends it as the
+        session ends and waits for it unbounded but by the client's read timeout (300 s: an
+        event stream may be quiet that long), and follows its redirects on the same origin
+        (20 of them, each a DELETE here): the bound is the whole close's.
 
         Raises:
             httpx2.TimeoutException: no whole answer came in time (the SDK logs it).
             httpx2.TransportError: the request failed.
         """
-        with anyio.move_on_after(CLOSE_TIMEOUT_S):
+        if self._close_deadline is None:
+            self._close_deadline = anyio.current_time() + CLOSE_TIMEOUT_S
+        with anyio.CancelScope(deadline=self._close_deadline):
             response = await self._inner.handle_async_request(request)
             return _buffered(response, await _read_whole(response), request)
         raise httpx2.ReadTimeout(
