@@ -431,15 +431,7 @@ async def _summary_states(open_store: StoreOpener, clock: ContractClock | None) 
         index = _index(store, check)
         run_id = _run_id("index")
         _expect(await index.read_summary(run_id) is None, check, "an unknown run has a summary")
-        request = ApprovalRequested(
-            run_id=run_id,
-            step=1,
-            call_id="c",
-            tool="t",
-            arguments_digest="d",
-            ts=_TS,
-            deadline_ts=_TS,
-        )
+        request = _approval_asked(run_id, deadline_ts=_TS)
         decided = ApprovalDecided(
             run_id=run_id, step=1, call_id="c", arguments_digest="d", decision="approve", ts=_TS
         )
@@ -719,19 +711,9 @@ async def _queue_parked(open_store: StoreOpener, clock: ContractClock | None) ->
     check = "queue_parked"
     assert clock is not None
     async with open_store() as store:
-
-        def request(run_id: str) -> ApprovalRequested:
-            return ApprovalRequested(
-                run_id=run_id,
-                step=1,
-                call_id="c",
-                tool="t",
-                arguments_digest="d",
-                ts=_TS,
-                deadline_ts=_FAR,
-            )
-
-        queue, served, run_id, gen = await _parked_run(store, check, request)
+        queue, served, run_id, gen = await _parked_run(
+            store, check, lambda run_id: _approval_asked(run_id, deadline_ts=_FAR)
+        )
         decided = ApprovalDecided(
             run_id=run_id, step=1, call_id="c", arguments_digest="d", decision="approve", ts=_TS
         )
@@ -763,6 +745,19 @@ async def _queue_woken(open_store: StoreOpener, clock: ContractClock | None) -> 
 
 
 _FAR: Final = "2999-01-01T00:00:00+00:00"
+
+
+def _approval_asked(run_id: str, *, deadline_ts: str) -> ApprovalRequested:
+    """The approval request of call ``c`` (tool ``t``, digest ``d``) at step 1."""
+    return ApprovalRequested(
+        run_id=run_id,
+        step=1,
+        call_id="c",
+        tool="t",
+        arguments_digest="d",
+        ts=_TS,
+        deadline_ts=deadline_ts,
+    )
 
 
 async def _parked_run(
