@@ -416,7 +416,9 @@ class ModelErrorInfo:
         kind: ``rate_limited``, ``server_error``, ``upstream_error``, ``context_length_exceeded``,
             ``auth``, ``bad_request``, ``not_found``, ``incomplete_stream``, ``timeout``,
             ``connection`` or ``invalid_response`` (from clients); ``cancelled``,
-            ``time_budget`` or ``token_budget`` (the gateway cut the attempt).
+            ``time_budget`` or ``token_budget`` (the gateway cut the attempt);
+            ``empty_summary`` (a summariser's reply without text, docs/context.md,
+            "Summaries").
         message: provider's message, with any credential removed.
         retryable: whether the same request may be sent again.
         retry_after_s: server-directed wait in seconds (Retry-After), ``None`` when not given.
