@@ -572,17 +572,11 @@ def _brackets(value: list[Any] | dict[str, Any]) -> tuple[str, str]:
 def _fitting_elements(value: list[Any] | dict[str, Any], room: int) -> str | None:
     if room < 2:  # not even the brackets
         return None
-    parts: list[str] = []
-    used = 2
-    for item, label in _elements(value):
-        gap = 2 if parts else 0
-        part = _fitting(item, room - used - gap - len(label))
-        if part is None:
-            return None
-        parts.append(label + part)
-        used += gap + len(label) + len(part)
+    kept, left = _whole_leading(_elements(value), room - 2)
+    if left is not None:
+        return None
     opening, closing = _brackets(value)
-    return opening + ", ".join(parts) + closing
+    return opening + ", ".join(kept) + closing
 
 
 def _leading(items: Iterable[tuple[Any, str]], room: int) -> list[str]:
@@ -590,20 +584,34 @@ def _leading(items: Iterable[tuple[Any, str]], room: int) -> list[str]:
 
     ``items``: ``(the element's value, what precedes it in the text: an object's key)``.
     """
+    kept, left = _whole_leading(items, room)
+    if left is not None and not kept:
+        value, label = left
+        head = _cut_value(value, room - len(label))
+        if head is not None:
+            kept.append(label + head)
+    return kept
+
+
+def _whole_leading(
+    items: Iterable[tuple[Any, str]], room: int
+) -> tuple[list[str], tuple[Any, str] | None]:
+    """The leading ``items`` that fit ``room`` chars whole, and the first that does not.
+
+    Returns:
+        The texts kept (their join with ``", "`` fits), and the first item left out
+        (``None`` when every item fits).
+    """
     kept: list[str] = []
     used = 0
     for value, label in items:
         gap = 2 if kept else 0
         part = _fitting(value, room - used - gap - len(label))
-        if part is not None:
-            kept.append(label + part)
-            used += gap + len(label) + len(part)
-            continue
-        head = None if kept else _cut_value(value, room - len(label))
-        if head is not None:
-            kept.append(label + head)
-        break
-    return kept
+        if part is None:
+            return kept, (value, label)
+        kept.append(label + part)
+        used += gap + len(label) + len(part)
+    return kept, None
 
 
 def _cut_string(value: str, room: int) -> str | None:
