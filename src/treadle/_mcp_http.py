@@ -58,13 +58,13 @@ class NoServerAnswer:
     Attributes:
         code: the code of the error as it was made up (by the SDK or `_CheckedTransport`).
         message: its message.
+        sent: whether the request left the client (``False``: it provably never reached the
+            server: no connection to the server could be made, or none was free in time).
     """
 
     code: int
     message: str
     sent: bool = True
-    """Whether the request left the client (``False``: it provably never reached the server:
-    no connection to the server could be made, or none was free in time)."""
 
 
 def no_server_answer(error: MCPError) -> bool:
