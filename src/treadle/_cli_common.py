@@ -20,8 +20,9 @@ import trio
 from rich.console import Console
 
 from treadle._clock import seconds_out_of_range
-from treadle._exceptions import InvalidRunId, StoreError, TreadleError, raised
+from treadle._exceptions import InvalidRunId, TreadleError, raised
 from treadle._ids import check_run_id
+from treadle._paths import is_directory
 from treadle.agent import Agent
 from treadle.ports import RunIndex, RunStore
 from treadle.stores import is_dsn, record_to_dict, redact_dsn
@@ -347,7 +348,7 @@ async def open_store(path: str, *, create: bool = False) -> AsyncIterator[RunSto
 
         async with open_postgres_store(path, create=create) as postgres:
             yield postgres
-    elif await _is_folder(path):
+    elif await trio.to_thread.run_sync(is_directory, path):
         if not create and not await trio.to_thread.run_sync(JsonlStore.is_store, path):
             raise click.ClickException(
                 f"no store at {path}: the folder holds no JSONL store (a JSONL store's folder "
@@ -362,19 +363,6 @@ async def open_store(path: str, *, create: bool = False) -> AsyncIterator[RunSto
             yield sqlite
     else:
         raise click.ClickException(f"no store at {path}")
-
-
-async def _is_folder(path: str) -> bool:
-    """Whether ``path`` is a folder: `trio.Path.is_dir`, its `OSError` a `StoreError`.
-
-    Raises:
-        StoreError: ``path`` cannot be looked at (Python 3.11's ``is_dir`` raises the
-            `PermissionError` of a folder on the way that cannot be searched).
-    """
-    try:
-        return await trio.Path(path).is_dir()
-    except OSError as exc:
-        raise StoreError(f"cannot open the store at {path}: {exc.strerror or exc}") from exc
 
 
 def bare_host(host: str) -> str:

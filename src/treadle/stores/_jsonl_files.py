@@ -38,10 +38,10 @@ from treadle._exceptions import (
     StoreError,
     TreadleError,
 )
+from treadle._paths import is_directory, stat_or_none
 from treadle._state import fold
 from treadle.stores._codec import check_schema, pack, record_from_dict, record_to_json, unpack
 from treadle.stores._lines import FrameError, TornSpan, check_frame, frame, scan_lines
-from treadle.stores._paths import is_directory, stat_or_none
 from treadle.types import (
     ActionIntent,
     ActionResult,

@@ -63,6 +63,7 @@ import trio
 
 from treadle._exceptions import LogCorrupted, RunLeased, StoreError, TreadleError, UsageError
 from treadle._ids import check_run_id
+from treadle._paths import stat_or_none
 from treadle._trio_only import require_trio
 from treadle.stores import _leases
 from treadle.stores._engine import CommitEngine, StoreStatistics
@@ -93,7 +94,6 @@ from treadle.stores._jsonl_files import (
     write_sidecar,
 )
 from treadle.stores._ops import EngineStore
-from treadle.stores._paths import stat_or_none
 from treadle.types import (
     ApprovalDecided,
     CancelRequested,

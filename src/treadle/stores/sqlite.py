@@ -46,6 +46,7 @@ from treadle._exceptions import (
     TreadleError,
     UsageError,
 )
+from treadle._paths import is_directory, stat_or_none
 from treadle._trio_only import require_trio
 from treadle.stores import _sql
 from treadle.stores._codec import KIND_OF, STEP_KINDS, decode, encode_bytes, record_crc
@@ -59,7 +60,6 @@ from treadle.stores._engine import (
     fail_writes,
 )
 from treadle.stores._index import IndexDelta, index_delta
-from treadle.stores._paths import is_directory, stat_or_none
 from treadle.types import ApprovalDecided, CancelRequested, Record
 
 _FENCED: Final = "treadle: the row of the run refuses this record"
