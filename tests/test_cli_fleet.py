@@ -235,8 +235,8 @@ def worker(
             proc.wait(timeout=30)
 
 
-def stop(proc: subprocess.Popen) -> tuple[int, str, str]:
-    proc.send_signal(signal.SIGTERM)
+def stop(proc: subprocess.Popen, signum: int = signal.SIGTERM) -> tuple[int, str, str]:
+    proc.send_signal(signum)
     out, err = proc.communicate(timeout=60)
     return proc.returncode, out, err
 
@@ -276,8 +276,10 @@ def test_a_worker_drives_submitted_runs_and_exits_0_on_sigterm(tmp_path: Path):
     assert check_invariants(read_log(db, run_id)) == []
 
 
-def drain_a_worker_mid_run(tmp_path: Path, db: Path) -> tuple[int, str, str, str]:
-    """A worker drives a run with a long tool call; SIGTERM; the drain cuts it."""
+def drain_a_worker_mid_run(
+    tmp_path: Path, db: Path, signum: int = signal.SIGTERM
+) -> tuple[int, str, str, str]:
+    """A worker drives a run with a long tool call; ``signum``; the drain cuts it."""
     with worker(tmp_path, db, "slow=sleeper") as (proc, owner):
         submitted = invoke("submit", "--store", str(db), "--agent", "slow", "--run-id", "s", "go")
         assert submitted.exit_code == 0, submitted.output
@@ -285,7 +287,7 @@ def drain_a_worker_mid_run(tmp_path: Path, db: Path) -> tuple[int, str, str, str
             while rows(db)["s"]["liveness"] != "driven":
                 expired()
         assert rows(db)["s"]["driver"] == owner
-        code, out, err = stop(proc)
+        code, out, err = stop(proc, signum)
     return code, out, err, owner
 
 
@@ -299,6 +301,16 @@ def test_sigterm_drains_a_worker_and_leaves_its_runs_to_others(tmp_path: Path):
     assert row["driver"] is None and row["takeovers"] == 0
     log = read_log(db, "s")
     assert log.finished is None and isinstance(log.records[-1], ActionIntent)
+
+
+def test_sighup_of_a_closed_terminal_drains_a_worker_as_sigterm_does(tmp_path: Path):
+    db = tmp_path / "runs.db"
+    code, out, err, _ = drain_a_worker_mid_run(tmp_path, db, signal.SIGHUP)
+    assert code == 0, err
+    assert "SIGHUP: draining" in out and "leases released" in out
+    row = rows(db)["s"]
+    assert row["state"] == "running" and row["liveness"] == "orphaned"
+    assert row["driver"] is None
 
 
 def test_a_drained_worker_counts_the_runs_it_left_to_resume(tmp_path: Path):

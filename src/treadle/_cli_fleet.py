@@ -1,11 +1,10 @@
 """``treadle worker``, ``submit``, ``wait`` and ``unquarantine``: running a fleet (docs/fleet.md).
 
 ``worker`` serves named agents from a store with a queue (SQLite on one machine, PostgreSQL on
-many) until SIGTERM or SIGINT, then drains: it stops claiming, stops its runs at a safe point,
-releases their leases and exits 0 (1 when closing the store then fails: its stopped line says
-why). ``submit`` queues a run and prints its id; ``wait`` waits
-for a run's result whichever worker drives it; ``unquarantine`` makes a quarantined run
-claimable again.
+many) until SIGTERM, SIGINT or SIGHUP, then drains: it stops claiming, stops its runs at a safe
+point, releases their leases and exits 0 (1 when closing the store then fails: its stopped line
+says why). ``submit`` queues a run and prints its id; ``wait`` waits for a run's result
+whichever worker drives it; ``unquarantine`` makes a quarantined run claimable again.
 """
 
 from __future__ import annotations
@@ -18,7 +17,7 @@ import signal
 import sys
 from collections.abc import AsyncIterator, Callable, Mapping
 from contextlib import AbstractAsyncContextManager, AsyncExitStack, asynccontextmanager
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Final
 
 import click
 import trio
@@ -60,6 +59,11 @@ if TYPE_CHECKING:
 
 
 GC_YOUNG_THRESHOLD = 10_000
+
+# The signals that drain a worker (docs/fleet.md, "Shutting a worker down"): SIGHUP too, the
+# signal of a closed terminal or a dropped ssh session, which would otherwise kill the worker
+# without a drain (a worker has no configuration to reload).
+_STOP_SIGNALS: Final = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 """Allocations between two collections of the youngest generation in a worker process
 (Python's default is 700): see `tune_collector`."""
 
@@ -207,14 +211,14 @@ def worker_command(
     metrics_host: str,
     metrics_refresh_s: float,
 ) -> None:
-    """Serve agents from a store's queue until SIGTERM or SIGINT, then drain and exit 0.
+    """Serve agents from a store's queue until SIGTERM, SIGINT or SIGHUP, then drain and exit 0.
 
     Exit 1 when closing the store failed after the drain (writes of runs whose drives had
     stopped waiting for them failed, or its committer did not stop in time): the stopped
     line says so (docs/fleet.md, "Shutting a worker down").
     """
     early: list[int] = []  # a stop asked for before the worker is up: it claims nothing
-    for signum in (signal.SIGTERM, signal.SIGINT):
+    for signum in _STOP_SIGNALS:
         signal.signal(signum, lambda number, frame: early.append(number))
     agents = dict(_agent_factory(spec) for spec in agent_specs)
     tune_collector()
@@ -223,12 +227,12 @@ def worker_command(
     endpoint: str | None = None
 
     async def serve(store: RunStore) -> FleetStatistics:
-        """Serve until SIGTERM or SIGINT, then drain; the worker's statistics once drained."""
+        """Serve until a stop signal, then drain; the worker's statistics once drained."""
         if not isinstance(store, RunQueue):
             raise click.ClickException(
                 f"{redact(store_path)} has no queue (use SQLite or PostgreSQL)"
             )
-        with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+        with trio.open_signal_receiver(*_STOP_SIGNALS) as signals:
             async with (
                 _served(agents) as served_agents,
                 open_fleet(
@@ -337,7 +341,7 @@ def _serve_metrics(exporter: PrometheusOutput, port: int | None, host: str) -> s
 
 
 async def _until_stopped(signals: AsyncIterator[int], early: list[int], drain_s: float) -> None:
-    """Wait for SIGTERM or SIGINT (or take one that came while the worker was starting)."""
+    """Wait for a stop signal (or take one that came while the worker was starting)."""
     number = early[0] if early else None
     if number is None:
         async for signum in signals:

@@ -115,7 +115,7 @@ COMMANDS: Final = {
     "worker": Entry(
         "treadle._cli_fleet",
         "worker_command",
-        "Serve agents from a store's queue until SIGTERM or SIGINT, then drain and exit 0.",
+        "Serve agents from a store's queue until SIGTERM, SIGINT or SIGHUP, then drain and exit 0.",
     ),
 }
 """Every ``treadle`` command: name -> where it lives and its help line."""
