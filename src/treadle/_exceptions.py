@@ -87,6 +87,18 @@ def raised(exc: BaseException, kind: type[E]) -> E | None:
     return None
 
 
+def message_of(exc: BaseException) -> str:
+    """``str(exc)``; when its ``__str__`` raises, a note saying the message could not be read.
+
+    For an exception from code treadle does not own (a tool, a sink): reporting it must not
+    raise in turn (docs/seams.md, "Event sink").
+    """
+    try:
+        return str(exc)
+    except Exception as broken:
+        return f"(its message could not be read: {type(broken).__name__})"
+
+
 def only_cancelled(exc: BaseException) -> bool:
     """Whether ``exc`` is trio's cancellation alone: a `trio.Cancelled`, or a group of them.
 

@@ -93,6 +93,7 @@ from treadle._exceptions import (
     ChildRunInterrupted,
     EnvironmentFailure,
     UsageError,
+    message_of,
     raised,
 )
 from treadle._schema import Invalid, ToolSignature, read_signature
@@ -506,10 +507,7 @@ def _not_executed(detail: str) -> ActionOutcome:
 
 
 def _error_text(exc: BaseException) -> str:
-    try:
-        message = str(exc)
-    except Exception as broken:  # its __str__ raised: the call still failed with it
-        message = f"(its message could not be read: {type(broken).__name__})"
+    message = message_of(exc)  # its __str__ may raise: the call still failed with it
     return f"Error: {type(exc).__name__}: {message}" if message else f"Error: {type(exc).__name__}"
 
 

@@ -85,6 +85,36 @@ async def test_a_sink_raising_a_base_exception_is_a_counted_failure():
     assert stats.sink_failures > 0 and good.events  # counted; the other sink fed on
 
 
+class Unprintable(Exception):
+    def __str__(self):
+        raise RuntimeError("no text for this one")
+
+
+class UnprintableSink:
+    async def send(self, event):
+        raise Unprintable()
+
+
+async def test_a_sink_raising_an_exception_that_cannot_be_printed_is_a_counted_failure():
+    """Its warning formatted the exception's text inside the handler: the ``__str__`` that
+    raised there interrupted the run (docs/seams.md, "Event sink": never)."""
+    good = ListSink()
+    turns = [calls(ToolCall(id="c1", name="add", arguments={"a": 1, "b": 1})), say("done")]
+    store = MemoryStore()
+    async with open_run(
+        agent(turns), "x", store=store, run_id="r", sinks=[UnprintableSink(), good]
+    ) as handle:
+        events = [e async for e in handle.events()]
+        result = await handle.wait()
+        stats = handle.statistics()
+    assert result.stop_reason is treadle.StopReason.FINAL_ANSWER
+    assert stats.sink_failures > 0 and good.events
+    (warning,) = [e.text for e in events if e.kind is EventKind.WARNING]
+    assert warning.startswith(
+        "sink UnprintableSink failed: Unprintable: (its message could not be read: RuntimeError)"
+    )
+
+
 async def test_parallel_batch_is_one_step_with_results_in_call_order():
     batch = calls(
         ToolCall(id="a", name="add", arguments={"a": 1, "b": 1}),

@@ -14,7 +14,7 @@ import attrs
 import trio
 
 from treadle._bursts import and_buffered
-from treadle._exceptions import StoreError, UsageError, only_cancelled
+from treadle._exceptions import StoreError, UsageError, message_of, only_cancelled
 from treadle.actors._mailbox import MailboxReceiver, MailboxSender
 from treadle.actors._messages import (
     Append,
@@ -244,7 +244,7 @@ class SinkFeed:
             self._warn_once(
                 index,
                 "fail",
-                f"sink {_name(sink)} failed: {type(exc).__name__}: {exc}; its failures "
+                f"sink {_name(sink)} failed: {type(exc).__name__}: {message_of(exc)}; its failures "
                 "are counted (sink_failures), the run goes on",
             )
 
