@@ -910,3 +910,92 @@ async def test_a_server_that_never_answers_the_handshake_is_an_environment_failu
     with pytest.raises(UsageError, match="connect_timeout_s must be a positive number"):
         async with open_mcp_tools(silent, connect_timeout_s=0):
             pass
+
+
+# --------------------------------------------------------------------------- secret arguments
+
+CARD = "4111222233334444"
+_ONE_OF_SCHEMA = {
+    "type": "object",
+    "properties": {
+        "card": {"type": "string", "maxLength": 16},
+        "token": {"type": "string"},
+        "cents": {"type": "integer"},
+    },
+    "required": ["cents"],
+    "additionalProperties": False,
+    "oneOf": [{"required": ["card"]}, {"required": ["token"]}],
+}
+
+
+def _pay_server() -> Any:
+    """An in-process server with one tool, ``pay``, whose schema is `_ONE_OF_SCHEMA`."""
+    from mcp.server import Server
+
+    async def list_tools(ctx: Any, params: Any) -> mcp_types.ListToolsResult:
+        tool = mcp_types.Tool(name="pay", description="Pay.", inputSchema=_ONE_OF_SCHEMA)
+        return mcp_types.ListToolsResult(tools=[tool])
+
+    async def call_tool(ctx: Any, params: Any) -> mcp_types.CallToolResult:
+        return mcp_types.CallToolResult(content=[mcp_types.TextContent(type="text", text="paid")])
+
+    return Server("bank", on_list_tools=list_tools, on_call_tool=call_tool)
+
+
+def _pay_agent(tools: McpTools, **arguments: Any) -> Any:
+    from treadle import Agent, NativeToolCallParser
+    from treadle.testing.scripted import ScriptedModel, call, say
+
+    turns = [call("pay", call_id="c1", **arguments), say("done")]
+    return Agent(model=ScriptedModel(turns=turns), executor=tools, parser=NativeToolCallParser())
+
+
+async def test_a_call_refused_by_the_schema_check_never_quotes_its_secret_value():
+    """The check's text quoted the value (``card: '4111…9' is too long``) into the observation,
+    and so into events, sinks, ``treadle show --json`` and the OpenTelemetry span status."""
+    from treadle.stores._codec import record_to_dict
+
+    long_card = CARD + "9"  # one character more than maxLength
+    options = {"pay": McpToolOptions(secret_arguments=("card",))}
+    seen: list[Any] = []
+
+    class Sink:
+        async def send(self, event: Any) -> None:
+            seen.append(event)
+
+    store = MemoryStore()
+    async with open_mcp_tools(_pay_server(), tools=options) as tools:
+        agent = _pay_agent(tools, card=long_card, cents=5)
+        await run(agent, "pay", store=store, run_id="r", sinks=[Sink()])
+    log = await store.read_log("r")
+    (result,) = [r for r in log.records if isinstance(r, ActionResult)]
+    assert result.outcome.status is ActionStatus.NOT_EXECUTED
+    assert result.outcome.detail == "invalid arguments: card: '[redacted]' is too long"
+    assert long_card not in result.outcome.observation
+    shown = json.dumps([record_to_dict(e.record) for e in seen if e.record is not None])
+    assert long_card not in shown and "is too long" in shown
+
+
+async def test_a_refused_edit_never_quotes_a_secret_in_an_error_about_the_whole_object():
+    """An edit made from the shown arguments gets the model's card back (``kept_secrets``);
+    the schema's ``oneOf`` error quoted the whole object, real card and all."""
+    from tests.fixtures.approval_waits import wait_for_state
+
+    from treadle.redaction import REDACTED
+    from treadle.supervisors import open_run
+    from treadle.types import RunState
+
+    options = {"pay": McpToolOptions(secret_arguments=("card",), requires_approval=True)}
+    store = MemoryStore()
+    async with (
+        open_mcp_tools(_pay_server(), tools=options) as tools,
+        open_run(_pay_agent(tools, card=CARD, cents=5), "pay", store=store, run_id="r") as handle,
+    ):
+        await wait_for_state(handle, RunState.AWAITING_APPROVAL)
+        pending = handle.pending_approval
+        assert pending is not None and pending.arguments == {"card": REDACTED, "cents": 5}
+        with pytest.raises(UsageError, match="is valid under each of") as caught:
+            handle.approve(edit={**pending.arguments, "token": "tok_abc"})
+        assert CARD not in str(caught.value)
+        assert "{'card': '[redacted]', 'cents': 5, 'token': 'tok_abc'}" in str(caught.value)
+        handle.cancel("done")

@@ -36,7 +36,7 @@ from treadle._text import loads_json, repaired, require_text
 from treadle.parsers import MAX_ARGUMENT_DEPTH, NESTED_TOO_DEEP, argument_problem
 from treadle.policies import ExecutorPolicies
 from treadle.ports import ControlStream, RunQueue, RunStore
-from treadle.redaction import REDACTED, Redaction
+from treadle.redaction import REDACTED, Redaction, without_secret_values
 from treadle.types import (
     ActionIntent,
     ApprovalDecided,
@@ -140,7 +140,8 @@ def check_edit(
     snapshot holds it (`tool_schema`), by the check a call's arguments get before an MCP
     server is asked (`treadle._schema.argument_validator`: the draft its ``$schema`` names,
     2020-12 when none; ``pattern`` left to the tool). ``schema=None`` checks only that it is
-    JSON. The message about an argument named in ``secrets`` never repeats its value.
+    JSON. The message never repeats the value of an argument named in ``secrets``, not even
+    in an error about the whole object (docs/events.md, "Secret arguments").
 
     Raises:
         UsageError: they are not strict JSON data (NaN, infinity, non-string keys), they
@@ -161,7 +162,8 @@ def check_edit(
     errors = _schema_errors(edit, tool, schema)
     if errors:
         listed = "; ".join(
-            f"{'/'.join(map(str, e.absolute_path)) or '(arguments)'}: {_complaint(e, secrets)}"
+            f"{'/'.join(map(str, e.absolute_path)) or '(arguments)'}: "
+            f"{_complaint(e, edit, secrets)}"
             for e in errors[:5]
         )
         more = f" (and {len(errors) - 5} more)" if len(errors) > 5 else ""
@@ -188,12 +190,18 @@ def _schema_errors(
     return sorted(errors, key=lambda e: list(map(str, e.absolute_path)))
 
 
-def _complaint(error: Any, secrets: Collection[str]) -> str:
-    """The schema's complaint, without the value when it is that of a secret argument."""
+def _complaint(error: Any, edit: Mapping[str, JSONValue], secrets: Collection[str]) -> str:
+    """The schema's complaint, without the value of any secret argument of ``edit``.
+
+    About a secret argument, the complaint names the rule only. Any other may quote an
+    instance that holds one (an error about the whole object, of ``oneOf`` or
+    ``maxProperties``, quotes all of it): its secret values are replaced
+    (`treadle.redaction.without_secret_values`).
+    """
     path = list(error.absolute_path)
     if path and path[0] in secrets:
         return f"the value does not fit ({error.validator}: {json.dumps(error.validator_value)})"
-    return str(error.message)
+    return without_secret_values(str(error.message), edit, secrets)
 
 
 def kept_secrets(

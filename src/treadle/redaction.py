@@ -11,6 +11,11 @@ with `REDACTED` (docs/events.md, "Secret arguments"):
 * `treadle.RunHandle.pending_approval`;
 * ``treadle show``, ``treadle tail`` (both with and without ``--json``) and ``treadle approve``.
 
+Free text on those paths (the model's text, a model error's message, the final answer, a failed
+run's error) goes through `Redaction.text`. Text that treadle writes itself about a call (why it
+was not executed, why an approval's edit was refused) never holds a secret value to begin with:
+its writers pass it through `without_secret_values`, the same by-value replacement.
+
 What is secret is read from the run's parameter snapshot (key ``secret_arguments``, written
 only when some tool has secrets), so a process that has only the store (the command line) redacts
 the same values as the driving process. `Redaction.of_log` takes every snapshot of a log (the
@@ -38,15 +43,17 @@ from treadle.types import (
     InvalidToolCall,
     JSONValue,
     Message,
+    ModelErrorInfo,
     ModelResult,
     Record,
+    RunFinished,
     RunLog,
     RunStarted,
     StepRecord,
     ToolCall,
 )
 
-__all__ = ["REDACTED", "SNAPSHOT_KEY", "Redaction", "secrets_of_tools"]
+__all__ = ["REDACTED", "SNAPSHOT_KEY", "Redaction", "secrets_of_tools", "without_secret_values"]
 
 REDACTED: Final = "[redacted]"
 """What a secret argument's value is replaced with on the way out of the log."""
@@ -62,15 +69,42 @@ def secrets_of_tools(
     return {tool: sorted(names) for tool, names in secret_arguments if names}
 
 
+def without_secret_values(
+    text: str, arguments: Mapping[str, JSONValue], secrets: Collection[str]
+) -> str:
+    """``text`` with the values ``arguments`` gives the names in ``secrets`` replaced.
+
+    For text written about one call whose arguments are at hand: why it was not executed
+    (an argument check quoting what it got), why an edit of it was refused. Each string or
+    number within each secret value becomes `REDACTED` wherever it stands, in each form JSON
+    or a ``repr`` writes it (as `Redaction.text` replaces values; one shorter than
+    `WHOLE_WORD_CHARS` only as a whole word or number), so a message that quotes the whole
+    argument object hides it too (docs/events.md, "Secret arguments").
+    """
+    values = [value for name, value in arguments.items() if name in secrets]
+    return _without_values(text, values) if values else text
+
+
+def _tool_names(specs: JSONValue) -> Iterable[str]:
+    """The names of the tool specs of a snapshot's ``tools`` list."""
+    for spec in specs if isinstance(specs, list) else ():
+        if isinstance(spec, Mapping) and isinstance(spec.get("name"), str):
+            yield str(spec["name"])
+
+
 @attrs.frozen
 class Redaction:
     """Which arguments of which tools are secret, and the redacting of records and events.
 
     Attributes:
         secrets: tool name -> the names of its secret arguments.
+        tools: the names of the tools the run's definitions declare. A call of any other
+            tool (a name the model got wrong: ``Charge``, ``functions.charge``) is redacted
+            by every secret name of every tool.
     """
 
     secrets: Mapping[str, frozenset[str]] = attrs.field(factory=dict)
+    tools: frozenset[str] = frozenset()
     _names: frozenset[str] = attrs.field(init=False, eq=False, repr=False)
     _pattern: re.Pattern[str] | None = attrs.field(init=False, eq=False, repr=False)
 
@@ -87,16 +121,18 @@ class Redaction:
 
     @classmethod
     def of_snapshot(cls, snapshot: Mapping[str, JSONValue]) -> Redaction:
-        """The redaction a parameter snapshot declares (none when it has no secrets key)."""
+        """The redaction a parameter snapshot declares, and the tools it declares (key ``tools``).
+
+        Nothing is secret when it has no secrets key.
+        """
         declared = snapshot.get(SNAPSHOT_KEY)
-        if not isinstance(declared, Mapping):
-            return NO_REDACTION
         secrets = {
             tool: frozenset(str(name) for name in names)
-            for tool, names in declared.items()
+            for tool, names in (declared.items() if isinstance(declared, Mapping) else ())
             if isinstance(names, list) and names
         }
-        return cls(secrets) if secrets else NO_REDACTION
+        tools = frozenset(_tool_names(snapshot.get("tools")))
+        return cls(secrets, tools) if secrets or tools else NO_REDACTION
 
     @classmethod
     def of_log(cls, log: RunLog) -> Redaction:
@@ -109,13 +145,15 @@ class Redaction:
 
     def __or__(self, other: Redaction) -> Redaction:
         """Both redactions at once: an argument secret in either is secret."""
-        if not other.secrets:
+        if other.tools <= self.tools and not other.secrets:
             return self
-        if not self.secrets:
+        if self.tools <= other.tools and not self.secrets:
             return other
-        tools = set(self.secrets) | set(other.secrets)
+        none: frozenset[str] = frozenset()
+        secret = set(self.secrets) | set(other.secrets)
         return Redaction(
-            {t: self.secrets.get(t, frozenset()) | other.secrets.get(t, frozenset()) for t in tools}
+            {t: self.secrets.get(t, none) | other.secrets.get(t, none) for t in secret},
+            self.tools | other.tools,
         )
 
     def __bool__(self) -> bool:
@@ -125,7 +163,8 @@ class Redaction:
     def arguments(self, tool: str, arguments: Mapping[str, JSONValue]) -> Mapping[str, JSONValue]:
         """``arguments`` of a call of ``tool`` with the secret values replaced.
 
-        A tool name of ``""`` (a record that does not say) counts every tool's secrets.
+        A tool name of ``""`` (a record that does not say), or one of no declared tool
+        (`tools`), counts every tool's secrets.
         """
         names = self._names_of(tool)
         if not names or not names.intersection(arguments):
@@ -157,16 +196,14 @@ class Redaction:
         if isinstance(record, ApprovalDecided) and record.edited_arguments is not None:
             edited = self.arguments(record.tool, record.edited_arguments)
             return attrs.evolve(record, edited_arguments=edited)
-        if isinstance(record, ModelResult) and record.reply is not None:
-            reply = record.reply
+        if isinstance(record, ModelResult):
+            return self._model_result(record)
+        if isinstance(record, RunFinished):
             return attrs.evolve(
                 record,
-                reply=attrs.evolve(
-                    reply,
-                    text=self.text(reply.text, known=self._values_of(reply.tool_calls)),
-                    tool_calls=self._calls(reply.tool_calls),
-                    invalid_tool_calls=tuple(self._invalid(c) for c in reply.invalid_tool_calls),
-                ),
+                final_answer=self.text(record.final_answer),
+                error=self.text(record.error),
+                model_error=self._model_error(record.model_error),
             )
         if isinstance(record, StepRecord):
             message = record.history_message
@@ -220,9 +257,28 @@ class Redaction:
         return event if redacted is event.record else attrs.evolve(event, record=redacted)
 
     def _names_of(self, tool: str) -> frozenset[str]:
-        if tool:
-            return self.secrets.get(tool, frozenset())
-        return self._names
+        """The secret names of ``tool``'s calls: every tool's for ``""`` or an undeclared tool."""
+        if tool in self.secrets:
+            return self.secrets[tool]
+        return frozenset() if tool in self.tools else self._names
+
+    def _model_result(self, record: ModelResult) -> ModelResult:
+        """The reply's text and calls redacted, and the error's message (it may quote them)."""
+        reply = record.reply
+        if reply is not None:
+            reply = attrs.evolve(
+                reply,
+                text=self.text(reply.text, known=self._values_of(reply.tool_calls)),
+                tool_calls=self._calls(reply.tool_calls),
+                invalid_tool_calls=tuple(self._invalid(c) for c in reply.invalid_tool_calls),
+            )
+        return attrs.evolve(record, reply=reply, error=self._model_error(record.error))
+
+    def _model_error(self, error: ModelErrorInfo | None) -> ModelErrorInfo | None:
+        """``error`` with its message redacted as text (a server may quote the arguments)."""
+        if error is None or not error.message:
+            return error
+        return attrs.evolve(error, message=self.text(error.message) or "")
 
     def _values_of(self, calls: Iterable[ToolCall]) -> list[JSONValue]:
         """The values of the secret arguments of ``calls``."""
@@ -238,8 +294,8 @@ class Redaction:
 
     def _invalid(self, call: InvalidToolCall) -> InvalidToolCall:
         # Text that did not parse cannot be redacted value by value: all of it goes, for a
-        # tool with secrets or a call without a name.
-        if not call.name or call.name in self.secrets:
+        # tool with secrets, a call without a name or one of an undeclared tool.
+        if self._names_of(call.name or ""):
             return attrs.evolve(call, raw_arguments=REDACTED)
         return call
 

@@ -9,6 +9,7 @@ before anything is written.
 from __future__ import annotations
 
 import json
+from typing import Literal
 
 import attrs
 import pytest
@@ -26,15 +27,19 @@ from treadle.stores._codec import record_to_dict
 from treadle.stores.memory import MemoryStore
 from treadle.stores.sqlite import open_sqlite_store
 from treadle.supervisors import open_run, run
-from treadle.testing.scripted import ScriptedModel, call, say
+from treadle.testing.scripted import ScriptedModel, call, calls, say
 from treadle.tools import Toolbox, tool
 from treadle.types import (
     ActionIntent,
+    ActionResult,
     ApprovalRequested,
+    ModelErrorInfo,
     ModelResult,
+    RunFinished,
     RunState,
     StepRecord,
     StopReason,
+    ToolCall,
 )
 
 CARD = "4111111111111111"
@@ -434,3 +439,85 @@ async def test_a_seeded_run_binds_its_secret_call_to_the_same_keyed_digest_each_
     seeded = [await requested(random.Random(7)) for _ in range(2)]
     assert seeded[0] == seeded[1] and seeded[0].startswith("hmac-sha256:")
     assert await requested(None) != await requested(None)
+
+
+async def test_an_argument_check_never_quotes_a_secret_value(autojump_clock):
+    """A wrong ``Literal`` value was quoted (``got '31415926'``) in the not-executed observation,
+    and so in events, sinks and ``treadle show --json``."""
+    pin = "31415926"
+
+    @tool(secret_arguments=("pin",))
+    async def unlock(door: str, pin: Literal["1234", "9876"]) -> str:
+        """Unlock a door with one of the issued PINs."""
+        return "unlocked"
+
+    agent = Agent(
+        model=ScriptedModel(turns=[call("unlock", door="front", pin=pin), say("done")]),
+        executor=Toolbox([unlock]),
+        parser=NativeToolCallParser(),
+    )
+    store, sink = MemoryStore(), ListSink()
+    await run(agent, "open up", store=store, run_id="r", sinks=[sink])
+    log = await store.read_log("r")
+    (result,) = [r for r in log.records if isinstance(r, ActionResult)]
+    assert result.outcome.detail == (
+        f"invalid arguments: expected one of '1234', '9876', got '{REDACTED}' @ $.pin"
+    )
+    assert pin not in result.outcome.observation  # what the model reads next, too
+    steps = [r for r in log.records if isinstance(r, StepRecord)]
+    assert pin not in json.dumps([s.observations for s in steps])
+    assert pin not in as_text(sink.events)
+
+
+async def test_a_call_of_a_misnamed_tool_has_every_secret_name_redacted(autojump_clock):
+    """``Charge`` or ``functions.charge`` named no tool with secrets: the card was shown in
+    clear, though the model meant ``charge``."""
+    charged: list[dict[str, object]] = []
+    agent = make_agent(charged)
+    misnamed = [
+        calls(ToolCall(id=f"c{i}", name=name, arguments={"amount": 12, "card": CARD}))
+        for i, name in enumerate(("Charge", "functions.charge"))
+    ]
+    agent = attrs.evolve(agent, model=ScriptedModel(turns=[*misnamed, say("done")]))
+    store, sink = MemoryStore(), ListSink()
+    result = await run(agent, "pay", store=store, run_id="r", sinks=[sink])
+    assert result.stop_reason is StopReason.FINAL_ANSWER and charged == []
+    text = as_text(sink.events)
+    assert CARD not in text and text.count(REDACTED) >= 4  # reply and intent of each call
+    redaction = Redaction.of_snapshot(agent.snapshot())
+    # a declared tool without secrets still shows its arguments, whatever their names
+    assert redaction.arguments("lookup", {"card": "A1"}) == {"card": "A1"}
+
+
+_QUOTED = json.dumps({"amount": 12, "card": CARD})
+
+
+@pytest.mark.parametrize(
+    "model",
+    [
+        ScriptedModel(
+            turns=[say("unused")],
+            failures={
+                0: [
+                    ModelErrorInfo(
+                        kind="bad_request", message=f"Invalid arguments: {_QUOTED}", status=400
+                    )
+                ]
+            },
+        ),
+        ScriptedModel(turns=[say('I would run {"name": "charge", "arguments": ' + _QUOTED + "}")]),
+    ],
+    ids=["model error", "final answer"],
+)
+async def test_a_model_error_and_a_final_answer_are_redacted_as_the_reply_text_is(
+    model, autojump_clock
+):
+    """A server's error quoting the arguments it was sent, and a final answer that holds a
+    call, kept the card in ``model_call_finished`` and ``run_finished``."""
+    store, sink = MemoryStore(), ListSink()
+    agent = attrs.evolve(make_agent([]), model=model)
+    result = await run(agent, "pay", store=store, run_id="r", sinks=[sink])
+    assert result.stop_reason in (StopReason.MODEL_ERROR, StopReason.FINAL_ANSWER)
+    (finished,) = [e.record for e in sink.events if isinstance(e.record, RunFinished)]
+    assert CARD not in as_text(sink.events)
+    assert REDACTED in json.dumps(record_to_dict(finished))

@@ -38,6 +38,7 @@ from treadle.actors._rpc import CANCEL_GRACE_S, StepScope, reply
 from treadle.actors._writer import WriterClient
 from treadle.policies import ExecutorPolicies, policies_of, replay_policy_of
 from treadle.ports import ActionExecutor
+from treadle.redaction import without_secret_values
 from treadle.types import (
     Action,
     ActionIntent,
@@ -512,7 +513,13 @@ class ToolExecutor:
         return limit, False
 
     def _finish(self, action: Action, outcome: ActionOutcome) -> tuple[ActionOutcome, str]:
-        """Apply synthetic observations, truncation and the template."""
+        """Apply synthetic observations, truncation and the template.
+
+        The detail of a call that did not run (or failed its environment) is the executor's
+        own text about the call, an argument check's quoting what it got: the values of the
+        tool's secret arguments are replaced in it (`treadle.redaction.without_secret_values`;
+        docs/events.md, "Secret arguments").
+        """
         if outcome.status in (ActionStatus.NOT_EXECUTED, ActionStatus.ENV_ERROR):
             template = (
                 self.synthetic.not_executed
@@ -521,7 +528,11 @@ class ToolExecutor:
             )
             if outcome.status is ActionStatus.NOT_EXECUTED and outcome.stale_resource:
                 template = self.synthetic.stale
-            detail = outcome.detail or outcome.observation
+            detail = without_secret_values(
+                outcome.detail or outcome.observation,
+                action.arguments,
+                self.policies.secret_arguments(action.tool),
+            )
             text = template.format(
                 tool=action.tool, detail=detail, resource=outcome.stale_resource or ""
             )
