@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import sqlite3
 from pathlib import Path
 
 import trio
@@ -76,3 +77,32 @@ def test_show_says_what_a_run_continues(tmp_path: Path) -> None:
     first = json.loads(events.output.splitlines()[0])
     assert first["kind"] == "run_started"
     assert (first["thread"], first["continues"]) == ("t", "t")
+
+
+def test_runs_threads_lists_a_damaged_run_with_its_error_among_the_others(tmp_path: Path) -> None:
+    """docs/crash-safety.md, "Torn tails and damage": a damaged run never blocks the others."""
+    db = tmp_path / "runs.db"
+    make_thread(db)
+    con = sqlite3.connect(db)  # flip a bit of t's third record: its checksum fails
+    (body,) = con.execute("SELECT body FROM records WHERE run_id = 't' AND seq = 3").fetchone()
+    damaged = bytearray(body)
+    damaged[5] ^= 1
+    con.execute("UPDATE records SET body = ? WHERE run_id = 't' AND seq = 3", (bytes(damaged),))
+    con.commit()
+    con.close()
+    runner = CliRunner()
+    listed = runner.invoke(main, ["runs", "--store", str(db), "--json", "--threads"])
+    assert listed.exit_code == 1
+    rows = {row["run_id"]: row for row in map(json.loads, listed.stdout.splitlines())}
+    assert list(rows) == ["t", "t.2", "f"]
+    assert rows["t"]["state"] is None and "record 3 fails its checksum" in rows["t"]["error"]
+    assert (rows["t.2"]["state"], rows["t.2"]["continues"], rows["t.2"]["error"]) == (
+        "succeeded",
+        "t",
+        None,
+    )
+    assert (rows["f"]["continues"], rows["f"]["fork_step"]) == ("t", 2)
+    assert "unreadable run t (SQLite store" in listed.stderr
+    table = runner.invoke(main, ["runs", "--store", str(db), "--threads"], env={"COLUMNS": "250"})
+    assert table.exit_code == 1
+    assert "unreadable" in table.stdout and "fork of t at step 2" in table.stdout

@@ -37,7 +37,13 @@ from treadle._cli_common import (
     store_option,
     table_console,
 )
-from treadle._exceptions import RunLeased, SnapshotMismatch, TreadleError
+from treadle._exceptions import (
+    LogCorrupted,
+    RunLeased,
+    SnapshotMismatch,
+    StoreError,
+    TreadleError,
+)
 from treadle._text import valid_unicode
 from treadle.actors import stored_events
 from treadle.agent import Agent
@@ -94,7 +100,7 @@ def runs(store_path: str, as_json: bool, threads: bool, last: int | None) -> Non
         )
     starts: dict[str, RunStarted] | None = None
     if threads:
-        starts = run_async(lambda: read_starts(store_path, summaries))
+        summaries, starts = run_async(lambda: read_starts(store_path, summaries))
     if as_json:
         for summary in summaries:
             row = summary_json(summary)
@@ -248,17 +254,43 @@ def lineage_json(started: RunStarted | None) -> dict[str, Any]:
     }
 
 
-async def read_starts(store_path: str, summaries: Sequence[RunSummary]) -> dict[str, RunStarted]:
-    """The run-started record of each readable listed run (read from its log)."""
+async def read_starts(
+    store_path: str, summaries: Sequence[RunSummary]
+) -> tuple[tuple[RunSummary, ...], dict[str, RunStarted]]:
+    """The run-started record of each readable listed run (read from its log).
+
+    A run whose log turns out not to be readable (damage the run index does not show, such
+    as a record failing its checksum) is marked unreadable in the summaries returned, as a
+    store's own listing marks one (`unreadable`): it is listed with its error, and never
+    hides the other runs (docs/crash-safety.md, "Torn tails and damage").
+
+    Returns:
+        The summaries (in the same order), and run id -> run-started record.
+    """
+    listed: list[RunSummary] = []
     starts: dict[str, RunStarted] = {}
     async with open_store(store_path) as store:
         for summary in summaries:
-            if summary.error is not None or summary.started_at is None:
-                continue
-            started = (await store.read_log(summary.run_id)).started
-            if started is not None:
-                starts[summary.run_id] = started
-    return starts
+            if summary.error is None and summary.started_at is not None:
+                try:
+                    started = (await store.read_log(summary.run_id)).started
+                except StoreError as exc:
+                    summary = unreadable(summary, exc)
+                else:
+                    if started is not None:
+                        starts[summary.run_id] = started
+            listed.append(summary)
+    return tuple(listed), starts
+
+
+def unreadable(summary: RunSummary, exc: StoreError) -> RunSummary:
+    """``summary`` of a run whose log could not be read, as a store lists such a run.
+
+    Its state is unknown (``None``, shown as ``unreadable``), ``error`` says why, and
+    ``where`` names the file or table (`treadle.types.RunSummary`).
+    """
+    where = exc.where if isinstance(exc, LogCorrupted) else summary.where
+    return attrs.evolve(summary, state=None, error=str(exc), where=where)
 
 
 @click.command("show")

@@ -445,19 +445,34 @@ def input_messages(value: RunInput) -> tuple[Message, ...]:
     return messages
 
 
-def check_input(started: RunStarted, input: RunInput | None) -> None:
+def check_input(started: RunStarted, input: RunInput | None, *, thread: str | None = None) -> None:
     """Refuse ``input`` when it is not the input the run was started with.
 
     A run id names one run: the same call again resumes it, or returns its result when it
     finished (docs/concepts.md, "Run ids"); another input under the same id is a mistake.
+    For a caller continuing thread ``thread``, the run is the one the thread named next, and
+    another input means another caller continued the thread first with its own message
+    (docs/threads.md, "When a thread cannot go on"): the message says the thread moved on,
+    and that calling again continues it after that run.
+
+    Args:
+        started: the stored run-started record.
+        input: the input the caller gave.
+        thread: the thread the caller continues, when the run was named as its next run.
 
     Raises:
         UsageError: the input differs (``None`` means "whatever it was", and passes).
     """
     from treadle._text import valid_unicode  # (it imports the record types this module does)
 
-    if input is not None and valid_unicode(input_messages(input))[0] != started.input:
+    if input is None or valid_unicode(input_messages(input))[0] == started.input:
+        return
+    if thread is not None:
         raise UsageError(
-            f"run {started.run_id!r}: the input differs from the stored input (a run id names "
-            "one run; give a new run id to start another)"
+            f"thread {thread!r} moved on: its run {started.run_id!r} was started by another "
+            "caller with another message; call again to continue the thread after it"
         )
+    raise UsageError(
+        f"run {started.run_id!r}: the input differs from the stored input (a run id names "
+        "one run; give a new run id to start another)"
+    )

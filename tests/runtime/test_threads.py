@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import contextlib
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 
 import pytest
@@ -17,9 +17,10 @@ from treadle.ports import RunStore
 from treadle.stores.jsonl import JsonlStore
 from treadle.stores.memory import MemoryStore
 from treadle.stores.sqlite import SqliteStore
+from treadle.testing import InterceptingStore
 from treadle.testing.faults import CrashingStore, SimulatedCrash
 from treadle.testing.scripted import ScriptedModel, call, say
-from treadle.types import Message, ModelIntent, RunStarted, RunState, StopReason
+from treadle.types import Lease, Message, ModelIntent, RunStarted, RunState, StopReason
 
 # One script for the whole conversation: ScriptedModel answers turn i (i assistant messages in
 # the request), so a thread's second run sees its turns only if it holds the first run's history.
@@ -452,3 +453,91 @@ async def test_continuing_a_thread_reads_each_earlier_log_twice_at_most() -> Non
     await treadle.run(definition, "the eighth", store=store, thread_id="t")
     earlier = [f"t.{n}" for n in range(2, 7)]  # neither the first run nor the latest
     assert all(store.reads.get(run_id) == 2 for run_id in earlier), store.reads
+
+
+FORK_TURNS = [TURNS[0], call("add", a=3, b=4, call_id="c2"), say("7")]
+"""A model trying step 2 of a run of `TURNS` again: it calls add(3, 4), then answers."""
+
+
+async def test_a_fork_named_by_its_run_id_is_retried_by_the_same_call() -> None:
+    """docs/threads.md, "Crashes and resume": the same fork call again resumes the fork only
+    when it named its run (decision 0109); without run_id each call is a new fork."""
+    memory = MemoryStore()
+    tools = LedgerTools()
+    await treadle.run(agent(ScriptedModel(turns=TURNS), tools), "add", store=memory, run_id="r")
+    model = ScriptedModel(turns=FORK_TURNS)
+
+    async def fork(store: RunStore, run_id: str | None) -> treadle.RunResult:
+        return await treadle.run(
+            agent(model, tools), "now 3 and 4", store=store, run_id=run_id, fork_of="r", at_step=2
+        )
+
+    # the fork dies after its action ran, before its result is written (its 5th write):
+    # run-started, model intent, model result, action intent, then the lost action result
+    with pytest.raises((RunInterrupted, SimulatedCrash)):
+        await fork(CrashingStore(inner=memory, crash_at=5, when="before"), "r-try")
+    assert [a.arguments for a in tools.executed] == [{"a": 1, "b": 2}, {"a": 3, "b": 4}]
+    again = await fork(memory, "r-try")
+    assert (again.run_id, again.state) == ("r-try", RunState.SUCCEEDED)
+    assert len(tools.executed) == 2  # the add of the crashed drive was not run again
+    assert sorted(await memory.list_runs()) == ["r", "r-try"]
+    # without run_id, the same call is a new fork each time: two calls, two forks
+    first, second = await fork(memory, None), await fork(memory, None)
+    assert first.run_id != second.run_id
+    assert len(await memory.list_runs()) == 4
+
+
+async def test_a_fork_of_a_run_without_steps_says_it_has_none() -> None:
+    memory = MemoryStore()
+    model, tools = ScriptedModel(turns=TURNS), LedgerTools()
+    with pytest.raises((RunInterrupted, SimulatedCrash)):  # dies with its run-started only
+        await treadle.run(
+            agent(model, tools),
+            "add",
+            store=CrashingStore(inner=memory, crash_at=2, when="before"),
+            run_id="z",
+        )
+    for at_step in (0, 1):
+        with pytest.raises(UsageError) as refused:
+            await treadle.run(agent(model, tools), store=memory, fork_of="z", at_step=at_step)
+        assert str(refused.value) == (
+            f"cannot fork run 'z' at step {at_step}: it has no completed step yet"
+        )
+    assert await memory.list_runs() == ("z",)
+
+
+class _RaceLost(InterceptingStore):
+    """Before this caller takes the lease of ``run_id``, another caller drives ``other``."""
+
+    def __init__(self, inner: RunStore, run_id: str, other: Callable[[], Awaitable[object]]):
+        super().__init__(inner)
+        self.run_id, self.other = run_id, other
+
+    async def acquire_lease(self, run_id: str, *, owner: str, ttl_s: float) -> Lease:
+        if run_id == self.run_id:
+            await self.other()
+        assert isinstance(self.inner, treadle.ports.LeaseStore)
+        return await self.inner.acquire_lease(run_id, owner=owner, ttl_s=ttl_s)
+
+
+async def test_a_caller_losing_a_thread_race_is_told_the_thread_moved_on() -> None:
+    """Both callers name run t.2; the other one starts it first, with its own message."""
+    memory = MemoryStore()
+    model, tools = ScriptedModel(turns=TURNS), LedgerTools()
+    await treadle.run(agent(model, tools), "add", store=memory, run_id="t")
+
+    async def winner() -> None:
+        await treadle.run(agent(model, tools), "now 3 and 4", store=memory, thread_id="t")
+
+    racing = _RaceLost(memory, "t.2", winner)
+    with pytest.raises(UsageError) as lost:
+        await treadle.run(agent(model, tools), "something else", store=racing, thread_id="t")
+    assert str(lost.value) == (
+        "thread 't' moved on: its run 't.2' was started by another caller with another "
+        "message; call again to continue the thread after it"
+    )
+    # as it says: the same call again continues the thread after t.2
+    later = await treadle.run(agent(model, tools), "something else", store=memory, thread_id="t")
+    assert later.run_id == "t.3"
+    started = (await memory.read_log("t.3")).started
+    assert (started.continues, [m.content for m in started.input]) == ("t.2", ["something else"])

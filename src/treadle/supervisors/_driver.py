@@ -254,8 +254,7 @@ def _check_started(log: RunLog, input: RunInput | None, options: DriveOptions) -
         found = (started.parent_run_id, started.parent_intent_id)
         check_child_of(log.run_id, found, options.parent)
     if log.finished is not None:
-        _check_lineage(started, options.lineage)
-        check_input(started, input)
+        _check_same_run(started, input, options.lineage)
 
 
 async def _finished_before(log: RunLog, agent: Agent, hold: LeaseHold, handle: RunHandle) -> bool:
@@ -802,10 +801,23 @@ def _prepare(
         return started, RunView(), (), None
     started = log.started
     check_schema(started)
-    _check_lineage(started, options.lineage)
-    check_input(started, input)
+    _check_same_run(started, input, options.lineage)
     accepted = _accepted_change(agent, log, started, clock, options, owner)
     return started, fold(log.records), log.steps, accepted
+
+
+def _check_same_run(started: RunStarted, input: RunInput | None, lineage: Lineage | None) -> None:
+    """Refuse a stored run that is not the one asked for: its lineage, then its input.
+
+    A caller continuing a thread (``lineage.thread``) named the thread's next run itself;
+    another input there means another caller continued the thread first, and the message
+    says so (`check_input`).
+
+    Raises:
+        UsageError: the lineage or the input differs.
+    """
+    _check_lineage(started, lineage)
+    check_input(started, input, thread=lineage.thread if lineage is not None else None)
 
 
 def _check_lineage(started: RunStarted, lineage: Lineage | None) -> None:

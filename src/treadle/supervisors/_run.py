@@ -91,7 +91,10 @@ def open_run(
         agent: the agent definition.
         input: the run input (text or messages); required for a new run.
         store: the run store.
-        run_id: the run's id (docs/concepts.md, "Run ids"); a fresh random one when omitted.
+        run_id: the run's id (docs/concepts.md, "Run ids"); when omitted, a thread's run is
+            named by its thread, any other run (a fork included) gets a fresh random one, so
+            the same call again starts another run: a call that must be safe to retry after a
+            crash names its run.
         sinks: event sinks fed through bounded buffers.
         clock: wall clock for record timestamps (default: the system clock).
         rng: random source for retry jitter (default: one unseeded source the runs share).
@@ -126,13 +129,18 @@ def open_run(
         fork_of: fork this run: the new run starts from its history before step
             ``at_step`` and tries that step again (docs/threads.md, "Forks"); nothing
             before it is executed again. ``input``, when given, is added after that history.
+            Without ``run_id`` each call is a new fork; with it, the same call again resumes
+            that fork or returns its result (a fork that must survive a crash names its run,
+            docs/decisions/0109-a-fork-is-retried-by-its-run-id.md).
         at_step: the step of ``fork_of`` to try again (1 to its step count).
 
     Raises:
         RunLeased: another live driver holds the run's lease (the error names it and the
             expiry); nothing was read or written.
         InvalidRunId: ``run_id`` is not an allowed run id.
-        UsageError: no input for a new run, or an input that differs from the stored one;
+        UsageError: no input for a new run, or an input that differs from the stored one
+            (for a thread's next run, another caller started it first with its message: the
+            message says the thread moved on, and the same call again continues after it);
             a ``control_poll_s`` or ``lease_ttl_s`` that is not a finite number > 0, a
             ``park_after_s`` that is not one >= 0; a thread that does not exist or whose
             latest run is not finished (started with another input), a fork of a missing run
@@ -273,7 +281,11 @@ async def _lineage(
     fork_of: str | None,
     at_step: int | None,
 ) -> tuple[str, Lineage]:
-    """The run id and lineage of a run continuing ``thread_id`` or forking ``fork_of``."""
+    """The run id and lineage of a run continuing ``thread_id`` or forking ``fork_of``.
+
+    A thread names its run (`next_in_thread`); a fork is named by ``run_id``, or by a fresh
+    random id: a new fork at each call (docs/threads.md, "Forks").
+    """
     if thread_id is not None and fork_of is not None:
         raise UsageError("give thread_id (continue a thread) or fork_of (fork a run), not both")
     if thread_id is not None:

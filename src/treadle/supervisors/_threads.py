@@ -163,7 +163,8 @@ async def fork_lineage(store: RunStore, fork_of: str, at_step: int | None) -> Li
 
     Raises:
         UsageError: no ``at_step``; the run does not exist; ``at_step`` is not one of its
-            steps (1 to its step count).
+            steps (1 to its step count; a run with no step record yet has none, and the
+            message says so).
         StoreError: its log cannot be read.
     """
     check_run_id(fork_of)
@@ -174,9 +175,8 @@ async def fork_lineage(store: RunStore, fork_of: str, at_step: int | None) -> Li
         raise UsageError(f"cannot fork run {fork_of!r}: no such run in the store")
     steps = len(log.steps)
     if isinstance(at_step, bool) or not isinstance(at_step, int) or not 1 <= at_step <= steps:
-        raise UsageError(
-            f"cannot fork run {fork_of!r} at step {at_step!r}: it has steps 1 to {steps}"
-        )
+        has = f"steps 1 to {steps}" if steps else "no completed step yet"
+        raise UsageError(f"cannot fork run {fork_of!r} at step {at_step!r}: it has {has}")
     return Lineage(continues=fork_of, fork_step=at_step)
 
 
