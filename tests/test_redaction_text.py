@@ -1,0 +1,229 @@
+"""A call the model writes as text has its secret values redacted in every form the parsers read.
+
+docs/events.md, "Secret arguments": the text is read as it is written and as the parsers
+decode its strings (JSON's and Python's escapes, JSON inside a JSON string); the value after a
+secret argument's key, and every secret value wherever it stands, is replaced. The work is in
+proportion to the text's length: a long reply full of braces (LaTeX, code) held the trio loop
+for seconds, and every run in the process with it.
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+
+import pytest
+
+from treadle.agent import Agent
+from treadle.parsers import JsonToolCallParser
+from treadle.redaction import REDACTED, SNAPSHOT_KEY, Redaction
+from treadle.stores._codec import record_to_dict
+from treadle.stores.memory import MemoryStore
+from treadle.supervisors import open_run
+from treadle.testing.scripted import ScriptedModel, say
+from treadle.tools import Toolbox, tool
+from treadle.types import ModelReply, ToolSpec
+
+CARD = "4111222233334444"
+MIDDLE = "22223333"
+"""Digits of `CARD` that no redacted text may hold, however the rest is escaped."""
+KEY = "card\\u005fnumber"
+"""``card_number`` written with a JSON escape."""
+
+REDACTION = Redaction.of_snapshot({SNAPSHOT_KEY: {"charge": ["card_number"]}})
+TOOLS = [
+    ToolSpec(
+        name="charge",
+        parameters={
+            "type": "object",
+            "properties": {"amount": {"type": "integer"}, "card_number": {"type": "string"}},
+        },
+    )
+]
+
+TEMPLATES = {
+    "JSON, escaped key, a digit escaped": (
+        '<tool_call>{"name": "charge", "arguments": {"amount": 5, "@KEY@": "411122223333444\\u0034"}}'
+        "</tool_call>"
+    ),
+    "JSON, escaped key, slashes escaped": (
+        '<tool_call>{"name": "charge", "arguments": {"amount": 5, '
+        '"@KEY@": "4111\\/2222\\/3333\\/4444"}}</tool_call>'
+    ),
+    "JSON string arguments, a digit escaped": (
+        '<tool_call>{"name": "charge", "arguments": "{\\"amount\\": 5, '
+        '\\"card_number\\": \\"411122223333444\\\\u0034\\"}"}</tool_call>'
+    ),
+    "JSON string arguments, an upper-case escape": (
+        '<tool_call>{"name": "charge", "arguments": "{\\"card_number\\": '
+        '\\"4111-2222-3333-caf\\\\u00E9\\"}"}</tool_call>'
+    ),
+    "Python, key with a \\x escape": (
+        "<tool_call>{'name': 'charge', 'arguments': {'amount': 5, 'card\\x5fnumber': '@CARD@'}}"
+        "</tool_call>"
+    ),
+    "Python, triple-quoted value": (
+        "<tool_call>{'name': 'charge', 'arguments': {'amount': 5, 'card_number': '''@CARD@'''}}"
+        "</tool_call>"
+    ),
+    "Python, comment after the colon": (
+        "<tool_call>{'name': 'charge', 'arguments': {'amount': 5, 'card_number': # the card\n"
+        " '@CARD@'}}</tool_call>"
+    ),
+    "Python, comment before the colon": (
+        "<tool_call>{'name': 'charge', 'arguments': {'amount': 5, 'card_number' # the card\n"
+        " : '@CARD@'}}</tool_call>"
+    ),
+    "Python, parenthesised value": (
+        "<tool_call>{'name': 'charge', 'arguments': {'amount': 5, 'card_number': ( '@CARD@' )}}"
+        "</tool_call>"
+    ),
+    "Python, octal and named escapes, a line continuation": (
+        "<tool_call>{'name': 'charge', 'arguments': {'amount': 5, "
+        "'card\\N{LOW LINE}number': '41112222\\\n333344\\064\\N{DIGIT FOUR}'}}</tool_call>"
+    ),
+    "Mistral markup": '[TOOL_CALLS]charge[ARGS]{"amount": 5, "@KEY@": "\\u0034@TAIL@"}',
+    "Llama function block": (
+        '<function=charge>{"amount": 5, "@KEY@": "411122223333444\\u0034"}</function>'
+    ),
+    "a number in exponent form": (
+        '<tool_call>{"name": "charge", "arguments": {"amount": 5, "@KEY@": 4.111222233334444e15}}'
+        "</tool_call>"
+    ),
+    "the value again in the prose, escaped": (
+        '<tool_call>{"name": "charge", "arguments": {"amount": 5, '
+        '"card_number": "4111/2222/3333/4444"}}</tool_call> I used 4111\\/2222\\/3333\\/4444.'
+    ),
+}
+FORMS = {
+    name: template.replace("@KEY@", KEY).replace("@CARD@", CARD).replace("@TAIL@", CARD[1:])
+    for name, template in TEMPLATES.items()
+}
+
+
+def parsed_arguments(text: str) -> list[dict[str, object]]:
+    parsed = JsonToolCallParser().parse(ModelReply(text=text), TOOLS)
+    return [dict(action.arguments) for action in parsed.actions]
+
+
+@pytest.mark.parametrize("text", list(FORMS.values()), ids=list(FORMS))
+def test_a_secret_in_any_form_the_parsers_read_is_redacted(text):
+    # The value was replaced only in the spellings json.dumps and repr produce, after a key
+    # written plainly: one escaped digit, an upper-case escape, a Python literal's own
+    # syntax (a \x escape, triple quotes, a comment, parentheses) kept it readable.
+    (arguments,) = parsed_arguments(text)
+    assert MIDDLE in str(arguments["card_number"]).replace("-", "").replace("/", "")
+    shown = REDACTION.text(text)
+    assert shown is not None and MIDDLE not in shown and "2222-3333" not in shown, shown
+    assert "2222\\/3333" not in shown and "2222/3333" not in shown, shown
+    assert parsed_arguments(shown) == [{**arguments, "card_number": REDACTED}]
+
+
+def test_a_value_elsewhere_in_a_string_is_redacted_and_prose_stays():
+    call = '{"name": "charge", "arguments": {"card_number": "' + CARD + '"}}'
+    said = ' {"note": "the card \\u0034111222233334444 is charged", "n": 12345}'
+    shown = REDACTION.text(call + said)
+    assert shown is not None and MIDDLE not in shown
+    assert json.loads(shown[len(call.replace(CARD, REDACTED)) :]) == {
+        "note": f"the card {REDACTED} is charged",
+        "n": 12345,
+    }
+    assert REDACTION.text("card 1234 of 12345, 'card_number' alone") == (
+        "card 1234 of 12345, 'card_number' alone"
+    )
+
+
+def decoder_work(monkeypatch) -> list[int]:
+    """The lengths of the texts handed to the JSON decoder and to `ast.literal_eval`."""
+    handed: list[int] = []
+    raw_decode = json.JSONDecoder.raw_decode
+    literal_eval = ast.literal_eval
+
+    def counted_raw_decode(self, text, idx=0):
+        handed.append(len(text))
+        return raw_decode(self, text, idx)
+
+    def counted_literal_eval(text):
+        handed.append(len(text))
+        return literal_eval(text)
+
+    monkeypatch.setattr(json.JSONDecoder, "raw_decode", counted_raw_decode)
+    monkeypatch.setattr(ast, "literal_eval", counted_literal_eval)
+    return handed
+
+
+def long_reply(pieces: int) -> str:
+    """LaTeX with a brace every few characters, calls written into it, and a cut-off call."""
+    call = json.dumps({"name": "charge", "arguments": json.dumps({"card_number": [CARD, 5]})})
+    piece = "\\frac{a_{N}}{b^{N}} + "
+    text = "".join(
+        piece.replace("N", str(i)) + (call if i % 500 == 0 else "") for i in range(pieces)
+    )
+    return text + '{"card_number": {"card_number": [' * (pieces // 10)
+
+
+@pytest.mark.parametrize("pieces", [2000, 8000])
+def test_redacting_a_long_reply_hands_its_decoders_work_in_proportion_to_its_length(
+    pieces, monkeypatch
+):
+    # Every "{" was decoded as JSON from where it stood, and each failure counted the lines
+    # of the whole text before it: 22 s for a 221 KB reply, with the trio loop held.
+    handed = decoder_work(monkeypatch)
+    text = long_reply(pieces)
+    shown = REDACTION.text(text)
+    assert shown is not None and MIDDLE not in shown
+    assert sum(handed) <= 8 * len(text), (sum(handed), len(text))
+
+
+def test_a_reply_text_redacted_for_several_records_is_read_once(monkeypatch):
+    # The model result, the step's history message and its output text hold the same text:
+    # it was read three times.
+    text = json.dumps({"name": "charge", "arguments": {"card_number": [CARD], "amount": 5}})
+    handed = decoder_work(monkeypatch)
+    first = REDACTION.text(text)
+    read = len(handed)
+    assert read and first is not None and CARD not in first
+    assert REDACTION.text(text, known=["a known value"]) == first
+    assert REDACTION.text(text) == first and len(handed) == read
+
+
+@tool(secret_arguments=("card_number",))
+async def charge(amount: int, card_number: str) -> str:
+    """Charge a card."""
+    return f"charged {amount}"
+
+
+class ListSink:
+    def __init__(self) -> None:
+        self.events: list[object] = []
+
+    async def send(self, event: object) -> None:
+        self.events.append(event)
+
+
+@pytest.mark.parametrize(
+    "form",
+    [
+        "JSON string arguments, a digit escaped",
+        "Python, triple-quoted value",
+        "Python, parenthesised value",
+    ],
+)
+async def test_events_of_a_run_hold_no_secret_the_model_wrote_in_any_form(form, autojump_clock):
+    agent = Agent(
+        model=ScriptedModel(turns=[say(FORMS[form]), say("ok")]),
+        executor=Toolbox([charge]),
+        parser=JsonToolCallParser(),
+        system_prompt="sys",
+    )
+    store, sink = MemoryStore(), ListSink()
+    seen = []
+    async with open_run(agent, "pay", store=store, run_id="r", sinks=[sink]) as handle:
+        async for event in handle.events():
+            seen.append(event)
+        await handle.wait()
+    log = await store.read_log("r")
+    assert MIDDLE in json.dumps([record_to_dict(r) for r in log.records])  # kept in the log
+    for events in (seen, sink.events):
+        shown = json.dumps([record_to_dict(e.record) for e in events if e.record is not None])
+        assert "charged 5" in shown and MIDDLE not in shown
