@@ -83,10 +83,12 @@ def without_secret_values(
     number within each secret value becomes `REDACTED` wherever it stands, in each form JSON
     or a ``repr`` writes it (as `Redaction.text` replaces values; one shorter than
     `WHOLE_WORD_CHARS` only as a whole word or number), so a message that quotes the whole
-    argument object hides it too (docs/events.md, "Secret arguments").
+    argument object hides it too (docs/events.md, "Secret arguments"). The text is read as
+    `Redaction.text` reads it (`_readings`), so an escaped spelling of a value is found too.
     """
     values = [value for name, value in arguments.items() if name in secrets]
-    return _without_values(text, values) if values else text
+    spans = _value_spans(_readings(text), _forms_of(values)) if values and text else []
+    return _replaced(text, spans) if spans else text
 
 
 def _tool_names(specs: JSONValue) -> Iterable[str]:
