@@ -233,8 +233,8 @@ class Redaction:
         Python dict, a ``<parameter=name>`` block) puts the arguments into its visible text,
         and a parser may run them as a call. The text is read as it is written and as the
         parsers decode its strings (`readings_of`: every JSON or Python string escape read, up
-        to 3 times, for JSON inside a JSON string); in every reading (docs/events.md, "Secret
-        arguments"):
+        to 3 times, for JSON inside a JSON string); in every reading
+        (docs/events.md, "Secret arguments"):
 
         * by key: the value after a secret argument's name as a key (any quotes, a comment
           before or after the colon; a string, a number, a list, an object or a parenthesised
