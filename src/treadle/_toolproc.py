@@ -8,15 +8,19 @@ function's module and qualified name (it is imported in the child, so it must be
 and the validated arguments. ``LIFELINE`` is the read end of a pipe whose write end only the
 parent holds, for as long as it waits for the call: its end of file means the parent is gone.
 
-The process started is the call's **keeper**, the leader of the call's process group. It forks
-a **worker** that runs the function (an ``async def`` one under its own `trio.run`) and writes
-one pickled reply to what was the keeper's stdout; the function's own prints go to stderr. The
+The process started is the call's **keeper**, the leader of the call's session. It forks a
+**worker** that loads the function, writes `BEGAN` to what was the keeper's stdout, runs the
+function (an ``async def`` one under its own `trio.run`) and writes one framed, pickled reply
+there (`frame`); the function's own prints go to stderr. A worker that cannot load the function
+(its module does not import, the request does not unpickle) replies `REPLY_NOT_STARTED` without
+writing `BEGAN`: the parent tells a call that never began from one that did by that mark. The
 keeper runs no code of the tool: it waits for the worker and exits as the worker did (the same
 signal, or the same status), and when the lifeline breaks first (the parent was killed, even
-with SIGKILL) it kills the whole group, itself, the worker and every process the tool started
-in it, so nothing of the call runs on after the parent died (docs/crash-safety.md). The parent
-kills the same group (SIGKILL) when the call is cancelled or times out. On Linux the worker also
-dies with its keeper (``PR_SET_PDEATHSIG``).
+with SIGKILL) it kills every process of the session (`kill_session`), itself last: the worker
+and every process the tool started, whatever process group it moved to, so nothing of the call
+runs on after the parent died (docs/crash-safety.md). The parent kills the same session
+(SIGKILL) when the call is cancelled or times out. On Linux the worker also dies with its keeper
+(``PR_SET_PDEATHSIG``).
 
 Processes the tool starts do not hold the reply pipe (it is closed in forked children and not
 inherited across ``exec``), so a background process left running does not keep the reply from
@@ -31,18 +35,106 @@ import inspect
 import os
 import pickle
 import signal
+import struct
 import sys
 import threading
+import time
 import traceback
-from typing import Any, NoReturn
+from collections.abc import Callable, Iterator
+from typing import Any, Final, NoReturn
 
 REPLY_OK = "ok"
+"""The function returned: ``(REPLY_OK, value)``."""
 REPLY_ERROR = "error"
+"""The function raised: ``(REPLY_ERROR, text, failure)``, ``text`` as an observation
+(``Error: Kind: message``), ``failure`` whether it raised `treadle.EnvironmentFailure`."""
 REPLY_STALE = "stale"
 """The function raised `treadle.revisions.StaleWrite`: ``(REPLY_STALE, current, message)``."""
+REPLY_NOT_STARTED = "not_started"
+"""The function could not be loaded, so it never began: ``(REPLY_NOT_STARTED, what)``, ``what``
+as ``Kind: message``."""
+
+BEGAN: Final = b"B"
+"""Written by the worker right before the function begins, ahead of its reply."""
+
+_LENGTH: Final = struct.Struct(">Q")
+"""A reply's frame: its length in bytes, ahead of it."""
 
 _PR_SET_PDEATHSIG = 1
 """``prctl`` option (Linux): the signal this process gets when its parent thread ends."""
+
+_PROC: Final = "/proc"
+
+_ENDING: Final = threading.Lock()
+"""Held by the keeper's watch while it kills the session: the keeper does not exit meanwhile
+(its worker, killed first, would otherwise end it before the rest of the session is killed)."""
+
+
+def frame(data: bytes) -> bytes:
+    """``data`` with its length ahead of it: its reader tells a whole reply from a cut one."""
+    return _LENGTH.pack(len(data)) + data
+
+
+def unframe(data: bytes) -> bytes | None:
+    """The reply that `frame` put in ``data``, or ``None`` when it is cut off or absent."""
+    if len(data) < _LENGTH.size:
+        return None
+    (length,) = _LENGTH.unpack_from(data)
+    body = data[_LENGTH.size :]
+    return body if len(body) == length else None
+
+
+def kill_session(session: int) -> None:
+    """SIGKILL every process of the session ``session`` except the calling one.
+
+    On Linux they are found by their session id (``/proc/<pid>/stat``), whatever process group
+    they moved to. Each is stopped (SIGSTOP) first, and looked for again until a look finds
+    none not yet stopped (one may have forked meanwhile); only then are they killed, so none
+    can react to another's death (a shell running its next command when the one before it
+    was killed). Elsewhere the process group of the session's leader is killed: a process
+    that moved to a group of its own is missed there, and the caller dies too when it is in
+    that group. A process that left the session (``setsid``) is its own (docs/concepts.md,
+    "Tools and cancellation").
+    """
+    if not sys.platform.startswith("linux") or not os.path.isdir(_PROC):
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(session, signal.SIGKILL)
+        return
+    me = os.getpid()
+    stopped: set[tuple[int, bytes]] = set()
+    while True:
+        found = {member for member in _members(session) if member[0] != me} - stopped
+        if not found:
+            break
+        _signal_all(found, signal.SIGSTOP)
+        stopped |= found
+    _signal_all(stopped, signal.SIGKILL)
+
+
+def _signal_all(processes: set[tuple[int, bytes]], number: int) -> None:
+    """Send signal ``number`` to each of ``processes`` (``(pid, start time)``) still there."""
+    for pid, _ in processes:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.kill(pid, number)
+
+
+def _members(session: int) -> Iterator[tuple[int, bytes]]:
+    """The processes of ``session`` (Linux): ``(pid, start time)``.
+
+    The start time (clock ticks after boot) tells a reused pid from the process seen before.
+    """
+    for name in os.listdir(_PROC):
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"{_PROC}/{name}/stat", "rb") as stat:
+                line = stat.read()
+        except OSError:  # it ended meanwhile
+            continue
+        # after the name in parentheses: field 3 of proc(5) (the state) onwards
+        fields = line.rsplit(b")", 1)[-1].split()
+        if len(fields) > 19 and int(fields[3]) == session:  # field 6: the session
+            yield int(name), fields[19]  # field 22: the start time
 
 
 def resolve(module: str, qualname: str) -> Any:
@@ -60,39 +152,73 @@ def resolve(module: str, qualname: str) -> Any:
     return found
 
 
-def _call(request: dict[str, Any]) -> Any:
-    fn = resolve(request["module"], request["qualname"])
-    kwargs = request["kwargs"]
-    if inspect.iscoroutinefunction(fn):
-        import functools
+def _call(fn: Any, kwargs: dict[str, Any]) -> Any:
+    if not inspect.iscoroutinefunction(fn):
+        return fn(**kwargs)
+    import trio
 
-        import trio
+    async def in_trio() -> Any:
+        return await fn(**_on_trio_clock(kwargs))
 
-        return trio.run(functools.partial(fn, **kwargs))
-    return fn(**kwargs)
+    return trio.run(in_trio)
 
 
-def _reply_of(request: bytes) -> bytes:
+def _on_trio_clock(kwargs: dict[str, Any]) -> dict[str, Any]:
+    """``kwargs`` with a `treadle.ToolContext`'s deadline on this trio run's clock.
+
+    The parent sent it as a `time.monotonic` time, the clock the processes of a machine share.
+    """
+    import attrs
+    import trio
+
+    from treadle.tools import ToolContext
+
+    def moved(value: Any) -> Any:
+        if not isinstance(value, ToolContext):
+            return value
+        left = value.deadline - time.monotonic()
+        return attrs.evolve(value, deadline=trio.current_time() + left)
+
+    return {key: moved(value) for key, value in kwargs.items()}
+
+
+def _reply_of(request: bytes, begin: Callable[[], object]) -> bytes:
+    """Load the function, ``begin()``, call it: its pickled reply (one of the ``REPLY_`` kinds)."""
+    from treadle.tools import _described
+
     try:
-        value = _call(pickle.loads(request))
+        call = pickle.loads(request)
+        fn = resolve(call["module"], call["qualname"])
+    except Exception as exc:  # it never began
+        return pickle.dumps((REPLY_NOT_STARTED, _described(exc)))
+    begin()
+    try:
+        value = _call(fn, call["kwargs"])
     except Exception as exc:
-        from treadle._exceptions import EnvironmentFailure, raised
-        from treadle.revisions import StaleWrite
-
-        stale = raised(exc, StaleWrite)
-        if stale is not None:
-            return pickle.dumps((REPLY_STALE, stale.current, stale.message))
-        failure = raised(exc, EnvironmentFailure) is not None
-        return pickle.dumps((REPLY_ERROR, type(exc).__name__, str(exc), failure))
+        return pickle.dumps(_error_reply(exc))
     try:
         return pickle.dumps((REPLY_OK, value))
     except Exception as exc:
-        text = f"the result could not be sent back from the tool's process: {exc}"
-        return pickle.dumps((REPLY_ERROR, type(exc).__name__, text, False))
+        described = _described(exc)
+        text = f"Error: the result could not be sent back from the tool's process: {described}"
+        return pickle.dumps((REPLY_ERROR, text, False))
+
+
+def _error_reply(exc: Exception) -> tuple[Any, ...]:
+    """The reply of a function that raised ``exc``: its text as a thread tool's would be."""
+    from treadle._exceptions import EnvironmentFailure, raised
+    from treadle.revisions import StaleWrite
+    from treadle.tools import _error_text
+
+    stale = raised(exc, StaleWrite)
+    if stale is not None:
+        return (REPLY_STALE, stale.current, stale.message)
+    failure = raised(exc, EnvironmentFailure)
+    return (REPLY_ERROR, _error_text(exc if failure is None else failure), failure is not None)
 
 
 def main() -> None:
-    """Keep the call: fork its worker, and kill the call's process group if the parent dies.
+    """Keep the call: fork its worker, and kill the call's session if the parent dies.
 
     ``sys.argv[1]`` is the lifeline's file descriptor; stdin holds the request; the reply goes
     to the original stdout, written by the worker.
@@ -111,7 +237,8 @@ def main() -> None:
     os.close(reply_fd)
     threading.Thread(target=_watch, args=(lifeline,), daemon=True).start()
     _, status = os.waitpid(worker, 0)
-    _exit_as(status)
+    with _ENDING:
+        _exit_as(status)
 
 
 def _work(keeper: int, request: bytes, reply_fd: int) -> None:
@@ -123,9 +250,9 @@ def _work(keeper: int, request: bytes, reply_fd: int) -> None:
             os.close(reply_fd)
 
     os.register_at_fork(after_in_child=close_reply)
-    data = _reply_of(request)
+    data = _reply_of(request, lambda: os.write(reply_fd, BEGAN))
     with os.fdopen(reply_fd, "wb") as out:
-        out.write(data)
+        out.write(frame(data))
 
 
 def _die_with(keeper: int) -> None:
@@ -137,20 +264,25 @@ def _die_with(keeper: int) -> None:
 
         libc = ctypes.CDLL(None, use_errno=True)
         libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-    except (OSError, AttributeError):  # no prctl: the keeper's group kill covers it
+    except (OSError, AttributeError):  # no prctl: the keeper's session kill covers it
         return
     if os.getppid() != keeper:  # the keeper ended before the signal was armed
         os._exit(1)
 
 
 def _watch(lifeline: int) -> None:
-    """Wait for the lifeline's end of file (the parent is gone), then kill the call's group."""
+    """Wait for the lifeline's end of file (the parent is gone), then kill the call's session.
+
+    The keeper is killed last, after every other process of the session.
+    """
     try:
         while os.read(lifeline, 4096):
             pass
     except OSError:
         traceback.print_exc()
-    os.killpg(os.getpgrp(), signal.SIGKILL)
+    _ENDING.acquire()  # released by no one: this process ends here
+    kill_session(os.getsid(0))
+    os.kill(os.getpid(), signal.SIGKILL)
 
 
 def _exit_as(status: int) -> NoReturn:

@@ -42,10 +42,15 @@ no coercion, no extra keys) before the tool runs (docs/concepts.md, "Data that s
   (a process tool's process is killed); a thread tool that is still running is abandoned:
   UNKNOWN, ``Error: the call to X timed out after N s and was abandoned while it still
   ran; its outcome is unknown``; a thread tool that got no thread (`TOOL_THREADS`) within
-  its timeout: NOT_EXECUTED;
+  its timeout, or a process tool whose process was killed before its function began (the
+  timeout counts the process's start-up): NOT_EXECUTED;
 * a process tool's process ended without a reply (killed by a signal, the OOM killer):
   UNKNOWN, ``Error: the call to X failed: its process was killed by signal N before it
-  reported its result; its outcome is unknown. ...``;
+  reported its result; its outcome is unknown. ...``; NOT_EXECUTED when it ended before
+  the function began, or could not load it (its module does not import in the child);
+* a process tool's result cannot be read back from its process (it pickles there and fails
+  to unpickle here): EXECUTED, ``Error: the result of X could not be read back from its
+  process: ...``;
 * the tool raised a `trio.Cancelled` that nothing cancelled (caught earlier, raised again):
   EXECUTED, ``Error: X raised a trio cancellation that was not its call's ...``;
 * the tool returned: EXECUTED; a ``str`` is the observation as is, a `ToolResult` its
@@ -77,8 +82,10 @@ import os
 import pickle
 import re
 import signal
+import subprocess
 import sys
 import threading
+import time
 from collections.abc import Awaitable, Callable, Collection, Mapping, Sequence
 from typing import Any, Final, Literal, TypeAlias, cast, overload
 
@@ -162,7 +169,9 @@ class ToolContext:
             before this step, divided evenly among the step's calls that run (``None``: no
             token budget); a child run draws from it (docs/child-runs.md, "Budgets").
         deadline: the trio time (`trio.current_time`) at which the run's time budget ends
-            (``inf``: no time budget).
+            (``inf``: no time budget). A process tool gets it on its own process's clock: an
+            ``async def`` one on its trio run's, a plain ``def`` one (no trio clock runs there)
+            as a `time.monotonic` time (docs/concepts.md, "Tools and cancellation").
         forward_event: hands another run's event (a child run's) to this run's live
             subscribers, never to its log (docs/child-runs.md, "Events"); ``None`` when
             the call was not made by a driven run.
@@ -298,21 +307,38 @@ def _check_options(
     if isolation not in (None, "process"):
         raise UsageError(f"tool {name!r}: isolation must be None or 'process', got {isolation!r}")
     if isolation == "process":
-        qualname = getattr(fn, "__qualname__", "")
-        module = getattr(fn, "__module__", None)
-        # `__main__` is the script being run: the child process is a `__main__` of its own.
-        if not qualname or "<" in qualname or module is None or module == "__main__":
-            raise UsageError(
-                f"tool {name!r}: a process tool must be a function defined at the top level "
-                "of an importable module, not in the script being run (it is imported again "
-                "in the child process)"
-            )
+        _check_importable(fn, name)
     if timeout_s is not None and not (math.isfinite(timeout_s) and timeout_s > 0):
         raise UsageError(f"tool {name!r}: timeout_s must be a positive number of seconds")
     if reconcile is not None and not _is_async(reconcile):
         raise UsageError(f"tool {name!r}: reconcile must be an 'async def' function")
     if not isinstance(replay, ReplayPolicy):
         raise UsageError(f"tool {name!r}: replay must be a ReplayPolicy, got {replay!r}")
+
+
+def _check_importable(fn: Callable[..., Any], name: str) -> None:
+    """A process tool's function is found again in its child by module and qualified name.
+
+    Raises:
+        UsageError: it is not: a lambda, a closure, a function of the script being run (the
+            child is a ``__main__`` of its own), or a method bound to an instance (the child
+            would find the plain function, without the instance); docs/concepts.md, "Tools
+            and cancellation".
+    """
+    qualname = getattr(fn, "__qualname__", "")
+    module = getattr(fn, "__module__", None)
+    if not qualname or "<" in qualname or module is None or module == "__main__":
+        raise UsageError(
+            f"tool {name!r}: a process tool must be a function defined at the top level "
+            "of an importable module, not in the script being run (it is imported again "
+            "in the child process)"
+        )
+    if inspect.ismethod(fn) and not inspect.isclass(fn.__self__):
+        raise UsageError(
+            f"tool {name!r}: a process tool cannot be a method bound to an instance (the "
+            "child process imports the function again and has no instance to bind it to); "
+            "declare a top-level function that calls the method"
+        )
 
 
 def _is_async(fn: Any) -> bool:
@@ -453,8 +479,9 @@ def tool(
             approval and the command line (docs/events.md, "Secret arguments").
         isolation: ``"process"`` runs each call in a child process that is killed
             (SIGKILL) when the call is cancelled or times out; the function must be defined
-            at the top level of an importable module, and its arguments and return value
-            must pickle. ``None`` (the default): a task or a thread, as above. See
+            at the top level of an importable module (a plain function or a classmethod,
+            not a method bound to an instance), and its arguments and return value must
+            pickle. ``None`` (the default): a task or a thread, as above. See
             docs/concepts.md, "Tools and cancellation".
         reads: the key template of the resource a call reads, over its arguments
             (``"reservation:{reservation_id}"``); the tool returns
@@ -475,10 +502,10 @@ def tool(
             ``*args``/``**kwargs``/positional-only, or has an unsupported type; the name is
             not a valid tool name; an option is out of range; ``secret_arguments``
             names an argument the tool does not have; a process tool is not defined at the
-            top level of a module; a ``reads``/``writes`` template is malformed or uses an
-            argument that is unknown or secret; ``base_revision`` does not name an ``int``
-            argument of a writing tool; or a writing tool has neither a `ToolContext`
-            parameter nor ``base_revision``.
+            top level of a module, or is a method bound to an instance; a
+            ``reads``/``writes`` template is malformed or uses an argument that is unknown or
+            secret; ``base_revision`` does not name an ``int`` argument of a writing tool; or
+            a writing tool has neither a `ToolContext` parameter nor ``base_revision``.
     """
     options = {
         "name": name,
@@ -507,8 +534,14 @@ def _not_executed(detail: str) -> ActionOutcome:
 
 
 def _error_text(exc: BaseException) -> str:
+    """A call's error as its observation: ``Error: Kind: message`` (``Error: Kind`` without one)."""
+    return f"Error: {_described(exc)}"
+
+
+def _described(exc: BaseException) -> str:
+    """``Kind: message``, or ``Kind`` when the message is empty; also when its ``__str__`` fails."""
     message = message_of(exc)  # its __str__ may raise: the call still failed with it
-    return f"Error: {type(exc).__name__}: {message}" if message else f"Error: {type(exc).__name__}"
+    return f"{type(exc).__name__}: {message}" if message else type(exc).__name__
 
 
 def observation_of(result: Any) -> str:
@@ -660,68 +693,147 @@ class _ThreadCall:
             return True
 
 
-async def _in_process(
-    found: Tool, kwargs: dict[str, Any], resource: str | None, seen: int | None
-) -> ActionOutcome:
-    """Run a process tool in a child process; killed at once when the call is cancelled.
+_READ_AFTER_KILL_S: Final = 1.0
+"""Seconds a killed process call's output is still read for, to learn whether its function
+began (the output ends as soon as the kill lands); output not ended by then counts as begun."""
 
-    A `StaleWrite` raised in the child is a stale write here too (``resource`` and ``seen``:
-    the call's resource key and the revision the model saw).
+
+class _ProcessCall:
+    """One call of a process tool: its child process, and what the child wrote back.
+
+    The child writes `_toolproc.BEGAN` when the function begins, then its framed reply
+    (`_toolproc.frame`). The output is read as it comes, so that a call killed at its timeout
+    tells whether its function began (docs/concepts.md, "Tools and cancellation").
     """
-    fn = found.fn
-    # The context's callables live in this process (the run's writer and step): the child
-    # process gets the context without them.
-    sent = {
-        key: attrs.evolve(value, forward_event=None, run_cancelled=None)
-        if isinstance(value, ToolContext)
-        else value
-        for key, value in kwargs.items()
-    }
-    request = pickle.dumps(
-        {"module": fn.__module__, "qualname": fn.__qualname__, "kwargs": sent},
-    )
-    paths = [os.getcwd() if entry == "" else entry for entry in sys.path]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(paths)}
-    # The child's lifeline: only this process holds the write end (not inherited), so its
-    # end of file tells the child that nobody waits for the call any more.
-    lifeline, held = os.pipe()
-    try:
-        completed = await trio.run_process(
+
+    def __init__(
+        self, found: Tool, kwargs: dict[str, Any], resource: str | None, seen: int | None
+    ) -> None:
+        self._found = found
+        self._kwargs = kwargs
+        self._resource = resource  # the call's resource key
+        self._seen = seen  # the revision of it the model saw
+        self._output = bytearray()
+        self._ended = False  # the output was read to its end: no process can write any more
+
+    @property
+    def began(self) -> bool:
+        """Whether the function began.
+
+        True when its process said so, or when nobody can tell (its output did not end).
+        """
+        return not self._ended or self._output.startswith(_toolproc.BEGAN)
+
+    async def run(self) -> ActionOutcome:
+        """Run the call in a child process; killed at once when the call is cancelled.
+
+        A `StaleWrite` raised in the child is a stale write here too.
+        """
+        lifeline, held = os.pipe()
+        stdout: trio.abc.ReceiveStream | None = None
+        try:
+            async with trio.open_nursery() as nursery:
+                process: trio.Process = await nursery.start(self._process, lifeline)
+                stdout = process.stdout
+                assert stdout is not None
+                await self._read(stdout)
+        except BaseException:
+            if stdout is not None:  # the kill has landed: what did the child write before?
+                with trio.CancelScope(shield=True), trio.move_on_after(_READ_AFTER_KILL_S):
+                    await self._read(stdout)
+            raise
+        finally:
+            os.close(lifeline)
+            os.close(held)
+            if stdout is not None:
+                with trio.CancelScope(shield=True):
+                    await stdout.aclose()
+        assert process.returncode is not None
+        return self._outcome(process.returncode)
+
+    async def _process(self, lifeline: int, *, task_status: trio.TaskStatus[trio.Process]) -> None:
+        paths = [os.getcwd() if entry == "" else entry for entry in sys.path]
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(paths)}
+        # The child's lifeline: only this process holds the write end (not inherited), so its
+        # end of file tells the child that nobody waits for the call any more.
+        await trio.run_process(
             [sys.executable, "-m", _toolproc.__name__, str(lifeline)],
-            stdin=request,
-            capture_stdout=True,
+            stdin=self._request(),
+            stdout=subprocess.PIPE,
             check=False,
             env=env,
             pass_fds=(lifeline,),
             deliver_cancel=_kill,
-            start_new_session=True,  # its own process group: `_kill` kills what it started too
+            start_new_session=True,  # its own session: `_kill` kills what it started too
+            task_status=task_status,
         )
-    finally:
-        os.close(lifeline)
-        os.close(held)
-    reply = _reply_in(completed.stdout)
-    if reply is None:
-        return _died(found, completed.returncode)
-    if reply[0] == _toolproc.REPLY_OK:
-        return Toolbox._returned(found, reply[1], resource)
-    if reply[0] == _toolproc.REPLY_STALE:
-        return _stale(found, resource, seen, StaleWrite(current=reply[1], message=reply[2]))
-    _, kind, message, failure = reply
-    text = f"Error: {kind}: {message}" if message else f"Error: {kind}"
-    if failure:
-        return ActionOutcome(status=ActionStatus.ENV_ERROR, observation=text, detail=text)
-    return ActionOutcome(status=ActionStatus.EXECUTED, observation=text)
+
+    def _request(self) -> bytes:
+        fn = self._found.fn
+        sent = {key: _for_the_child(value) for key, value in self._kwargs.items()}
+        return pickle.dumps({"module": fn.__module__, "qualname": fn.__qualname__, "kwargs": sent})
+
+    async def _read(self, stdout: trio.abc.ReceiveStream) -> None:
+        async for chunk in stdout:
+            self._output += chunk
+        self._ended = True
+
+    def _outcome(self, status: int) -> ActionOutcome:
+        """The call's outcome from its output, read to its end.
+
+        ``status`` is trio's `trio.Process.returncode` (negative: killed by that signal).
+        """
+        output = bytes(self._output)
+        began = output.startswith(_toolproc.BEGAN)
+        data = _toolproc.unframe(output[len(_toolproc.BEGAN) :] if began else output)
+        if data is None:  # no reply, or a cut one
+            return _died(self._found, status) if began else _ended_first(self._found, status)
+        try:
+            reply = pickle.loads(data)
+        except Exception as exc:  # a whole reply that cannot be read here
+            text = (
+                f"Error: the result of {self._found.name} could not be read back from its "
+                f"process: {_described(exc)}"
+            )
+            return ActionOutcome(status=ActionStatus.EXECUTED, observation=text)
+        return self._replied(reply)
+
+    def _replied(self, reply: tuple[Any, ...]) -> ActionOutcome:
+        found = self._found
+        if reply[0] == _toolproc.REPLY_OK:
+            return Toolbox._returned(found, reply[1], self._resource)
+        if reply[0] == _toolproc.REPLY_STALE:
+            stale = StaleWrite(current=reply[1], message=reply[2])
+            return _stale(found, self._resource, self._seen, stale)
+        if reply[0] == _toolproc.REPLY_NOT_STARTED:
+            return _not_executed(
+                f"the call to {found.name} did not start: its process could not load the "
+                f"tool: {reply[1]}"
+            )
+        _, text, failure = reply
+        if failure:
+            return ActionOutcome(status=ActionStatus.ENV_ERROR, observation=text, detail=text)
+        return ActionOutcome(status=ActionStatus.EXECUTED, observation=text)
 
 
-def _reply_in(data: bytes) -> tuple[Any, ...] | None:
-    """The reply a process tool's child wrote, or ``None`` when it wrote none (or part of one)."""
-    if not data:
-        return None
-    try:
-        reply = pickle.loads(data)
-    except Exception:  # cut off as it was written: the child died writing it
-        return None
-    return reply if isinstance(reply, tuple) and reply else None
+def _for_the_child(value: Any) -> Any:
+    """An argument as the child process gets it.
+
+    A `ToolContext` goes without the callables that live in this process (the run's writer
+    and step), and with its deadline on `time.monotonic`, the clock the processes of a
+    machine share: the child moves it to its own trio clock.
+    """
+    if not isinstance(value, ToolContext):
+        return value
+    left = value.deadline - trio.current_time()
+    return attrs.evolve(
+        value, forward_event=None, run_cancelled=None, deadline=time.monotonic() + left
+    )
+
+
+def _how(status: int) -> str:
+    """How a process ended: ``status`` as trio's `trio.Process.returncode`."""
+    return f"was killed by signal {-status}" if status < 0 else f"exited with status {status}"
 
 
 def _died(found: Tool, status: int) -> ActionOutcome:
@@ -730,7 +842,7 @@ def _died(found: Tool, status: int) -> ActionOutcome:
     What the tool did before is unknown, as for an abandoned call (docs/concepts.md, "Tools and
     cancellation").
     """
-    how = f"was killed by signal {-status}" if status < 0 else f"exited with status {status}"
+    how = _how(status)
     detail = f"the process of {found.name} {how} without reporting its result"
     return ActionOutcome(
         status=ActionStatus.UNKNOWN,
@@ -738,6 +850,27 @@ def _died(found: Tool, status: int) -> ActionOutcome:
             f"Error: the call to {found.name} failed: its process {how} before it reported "
             "its result; its outcome is unknown. Check its effect before trying again."
         ),
+        detail=detail,
+    )
+
+
+def _ended_first(found: Tool, status: int) -> ActionOutcome:
+    """The process of a call ended before the tool's function began: the call never started."""
+    return _not_executed(
+        f"the call to {found.name} did not start: its process {_how(status)} before the "
+        "tool's function began"
+    )
+
+
+def _not_started_within(found: Tool, timeout: float) -> ActionOutcome:
+    """The call timed out before the tool's function began (``timeout`` in seconds)."""
+    if found.isolation == "process":
+        detail = "its process was killed while it started, before the tool's function began"
+    else:
+        detail = f"no thread tool place came free within the timeout: all {TOOL_THREADS} were taken"
+    return ActionOutcome(
+        status=ActionStatus.NOT_EXECUTED,
+        observation=f"the call to {found.name} did not start within {timeout:g} s: {detail}",
         detail=detail,
     )
 
@@ -767,15 +900,16 @@ def _stray_cancellation(exc: BaseException) -> bool:
 
 
 async def _kill(process: trio.Process) -> None:
-    """Cancel a process tool's call: SIGKILL to its process group, no grace.
+    """Cancel a process tool's call: SIGKILL to every process of its session, no grace.
 
-    The group is the tool's process and every process it started (they stay in its group
-    unless they leave it themselves), so nothing of the call runs on after the kill.
+    The session is the tool's process and every process it started, whatever process group
+    they moved to (coreutils ``timeout``, a job-control shell), unless they left the session
+    themselves (``setsid``): nothing of the call runs on after the kill (docs/concepts.md,
+    "Tools and cancellation"). The kill is done before this yields: trio stops waiting for
+    it as soon as the call's own process has ended.
     """
-    try:
-        os.killpg(process.pid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):  # the group is gone: the process alone
-        process.send_signal(signal.SIGKILL)
+    _toolproc.kill_session(process.pid)  # the session's id: its leader's pid
+    process.send_signal(signal.SIGKILL)  # the call's own process in any case
     await trio.lowlevel.checkpoint()
 
 
@@ -953,6 +1087,10 @@ class Toolbox:
         timeout = min(self.timeout_s(found.name), run_timeout_s)
         # only a call in a worker thread needs to learn it was abandoned
         in_thread = _ThreadCall(found, kwargs) if found.isolation == "thread" else None
+        # a process call is killed: was it before its function began?
+        in_process = (
+            _ProcessCall(found, kwargs, resource, seen) if found.isolation == "process" else None
+        )
         began = True
         with trio.move_on_after(timeout):
             try:
@@ -967,8 +1105,8 @@ class Toolbox:
                         abandon_on_cancel=True,
                         limiter=cast(trio.CapacityLimiter, in_thread),
                     )
-                elif found.isolation == "process":
-                    return await _in_process(found, kwargs, resource, seen)
+                elif in_process is not None:  # isolation "process"
+                    return await in_process.run()
                 else:
                     result = await found.fn(**kwargs)
             except (ChildRunInterrupted, ChildPending):
@@ -995,18 +1133,12 @@ class Toolbox:
                 # cancelled (or timed out): a thread is left behind
                 if in_thread is not None:
                     began = in_thread.give_up()
+                if in_process is not None:
+                    began = in_process.began
                 raise
             return self._returned(found, result, resource)
         if not began:
-            detail = (
-                f"no thread tool place came free within the timeout: all {TOOL_THREADS} were taken"
-            )
-            return ActionOutcome(
-                status=ActionStatus.NOT_EXECUTED,
-                observation=f"the call to {found.name} did not start within {timeout:g} s: "
-                + detail,
-                detail=detail,
-            )
+            return _not_started_within(found, timeout)
         if found.isolation == "thread":
             return ActionOutcome(
                 status=ActionStatus.UNKNOWN,

@@ -102,3 +102,87 @@ def fork_and_return(directory: str) -> str:
         os._exit(0)
     (Path(directory) / "background").write_text(str(pid))
     return "returned"
+
+
+@treadle.tool(isolation="process", timeout_s=60)
+def spawn_in_own_group(directory: str) -> str:
+    """Start a command in a process group of its own (as coreutils ``timeout`` does) and wait.
+
+    The command starts a sleeper and writes ``started`` (its pid and the sleeper's); when the
+    sleeper ends, the command writes ``done``: killed after its sleeper, it would still write it.
+    """
+    import subprocess
+    import sys
+
+    script = (
+        "import os, pathlib, subprocess, sys\n"
+        "sleeper = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'])\n"
+        f"folder = pathlib.Path({directory!r})\n"
+        "(folder / 'started.part').write_text(f'{os.getpid()} {sleeper.pid}')\n"
+        "(folder / 'started.part').rename(folder / 'started')\n"
+        "sleeper.wait()\n"
+        "(folder / 'done').write_text('done')\n"
+    )
+    subprocess.run([sys.executable, "-c", script], process_group=0, check=False)
+    return "waited"
+
+
+@treadle.tool(isolation="process")
+async def deadline_left_async(ctx: treadle.ToolContext) -> float:
+    """Seconds left before the run's time budget ends, on this process's trio clock."""
+    import trio
+
+    return ctx.deadline - trio.current_time()
+
+
+@treadle.tool(isolation="process")
+def deadline_left(ctx: treadle.ToolContext) -> float:
+    """Seconds left before the run's time budget ends, on `time.monotonic`."""
+    return ctx.deadline - time.monotonic()
+
+
+class Scaler:
+    """Methods to declare as process tools."""
+
+    def __init__(self, factor: int) -> None:
+        self.factor = factor
+
+    def scale(self, n: int) -> int:
+        """``n`` times the factor."""
+        return n * self.factor
+
+    @classmethod
+    def offset(cls, n: int) -> int:
+        """``n`` plus 100."""
+        return n + 100
+
+
+scaler = Scaler(7)
+
+
+class Unprintable(Exception):
+    """An error whose message cannot be read."""
+
+    def __str__(self) -> str:
+        raise RuntimeError("no message")
+
+
+@treadle.tool(isolation="process")
+def fail_unprintably(directory: str) -> str:
+    """Write ``done``, then raise an error whose ``__str__`` fails."""
+    (Path(directory) / "done").write_text("done")
+    raise Unprintable()
+
+
+class TwoPart(Exception):
+    """Pickles (as its message) but cannot be unpickled: it is re-created with one argument."""
+
+    def __init__(self, first: int, second: int) -> None:
+        super().__init__(f"{first}-{second}")
+
+
+@treadle.tool(isolation="process")
+def return_unreadable(directory: str) -> str:
+    """Write ``done``, then return a value that cannot be unpickled."""
+    (Path(directory) / "done").write_text("done")
+    return TwoPart(1, 2)  # type: ignore[return-value]

@@ -12,6 +12,7 @@ wall clock; the trio clock is virtual except where a child process is involved.
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 import os
 import signal
@@ -26,13 +27,21 @@ import outcome
 import pytest
 import trio
 import trio.testing
+from held_process_tool import held
 from process_tools import (
+    Scaler,
+    deadline_left,
+    deadline_left_async,
     double,
     effect_then_killed,
     fail,
+    fail_unprintably,
     fork_and_return,
+    return_unreadable,
+    scaler,
     slow_write,
     spawn_and_wait,
+    spawn_in_own_group,
     stale_write,
     whoami,
 )
@@ -51,6 +60,7 @@ from treadle.testing.invariants import check_action_results, check_invariants
 from treadle.testing.scripted import ScriptedModel, call, calls, say
 from treadle.tools import Tool, Toolbox, tool
 from treadle.types import (
+    Action,
     ActionIntent,
     ActionResult,
     ActionStatus,
@@ -386,14 +396,44 @@ async def test_a_process_tools_own_processes_are_killed_with_it(markers):
     await check_killed(markers)  # ``started`` holds the grandchild's pid
 
 
-def test_a_process_tool_dies_with_its_driver_killed_mid_call(markers):
+async def test_a_process_tools_processes_in_a_group_of_their_own_are_killed_with_it(markers):
+    """A command the tool started in a process group of its own (coreutils ``timeout``,
+    ``Popen(process_group=0)``) stays in the call's session and dies with the call, and so
+    does its own child, none of them seeing another die. Before, only the call's process
+    group was killed: the command ran on and made its effect after the call had ended."""
+    action = Action(
+        run_id="r",
+        step=1,
+        intent_id="r/s1/a1",
+        call_id="c",
+        tool="spawn_in_own_group",
+        arguments={"directory": str(markers)},
+    )
+    started = markers / "started"
+    with trio.fail_after(REAL_WAIT_S):
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(Toolbox([spawn_in_own_group]).execute, action)
+            while not started.exists():  # noqa: ASYNC110 (the tool signals nothing else)
+                await trio.sleep(0.05)
+            nursery.cancel_scope.cancel()
+    for pid in [int(pid) for pid in started.read_text().split()]:
+        for _ in range(int(REAL_WAIT_S / 0.05)):
+            if not _alive(pid):
+                break
+            await trio.sleep(0.05)
+        assert not _alive(pid), f"process {pid} of the call outlived its kill"
+    assert sorted(p.name for p in markers.iterdir()) == ["started"]
+
+
+@pytest.mark.parametrize("name", ["spawn_then_sleep", "spawn_in_own_group"])
+def test_a_process_tool_dies_with_its_driver_killed_mid_call(markers, name):
     """The driver is SIGKILLed while its process tool sleeps: the tool's process and the
-    process it started die too. Before, they ran on (their parent gone, nothing tied them to
-    it) and made their effect after the kill, so a resume that reconciled the call as never
-    done performed a ``never`` action twice."""
+    processes it started die too, also those in a process group of their own. Before, they
+    ran on (their parent gone, nothing tied them to it) and made their effect after the kill,
+    so a resume that reconciled the call as never done performed a ``never`` action twice."""
     driver = Path(__file__).with_name("process_tool_driver.py")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
-    process = subprocess.Popen([sys.executable, str(driver), str(markers)], env=env)
+    process = subprocess.Popen([sys.executable, str(driver), str(markers), name], env=env)
     try:
         started = markers / "started"
         for _ in range(int(REAL_WAIT_S / 0.05)):  # polled: the driver signals nothing else
@@ -466,6 +506,116 @@ def test_a_process_tool_of_the_script_being_run_is_refused_when_declared():
     double.__qualname__ = "double"
     with pytest.raises(UsageError, match="not in the script being run"):
         treadle.tool(isolation="process")(double)
+
+
+def test_a_method_bound_to_an_instance_is_refused_as_a_process_tool():
+    """The child finds ``Scaler.scale`` without the instance: every call failed with a
+    missing ``self``. A classmethod is found bound to its class, and is fine."""
+    with pytest.raises(UsageError, match="bound to an instance"):
+        treadle.tool(isolation="process")(scaler.scale)
+    assert treadle.tool(isolation="process")(Scaler.offset).isolation == "process"
+
+
+async def test_a_process_tools_deadline_is_on_its_own_processs_clock():
+    """A trio clock is per trio run: the run's deadline, read on the child's clock, was off
+    by tens of thousands of seconds."""
+    agent = make_agent(
+        [
+            calls(
+                ToolCall(id="c1", name="deadline_left_async", arguments={}),
+                ToolCall(id="c2", name="deadline_left", arguments={}),
+            ),
+            say("ok"),
+        ],
+        [deadline_left_async, deadline_left],
+        budgets=Budgets(time_budget_s=60),
+    )
+    store = MemoryStore()
+    await treadle.run(agent, "x", store=store, run_id="r")
+    for result in results_of(await store.read_log("r")):
+        assert result.outcome.status is ActionStatus.EXECUTED
+        assert 0 < float(result.outcome.observation) <= 60
+
+
+async def test_a_process_tool_whose_module_the_child_cannot_import_never_started(tmp_path):
+    """Loaded here from a file off ``sys.path``, the tool's module does not import in the
+    child: the function never ran. It was EXECUTED with a ModuleNotFoundError."""
+    source = tmp_path / "only_here_tools.py"
+    source.write_text(
+        "import treadle\n\n\n"
+        "@treadle.tool(isolation='process')\n"
+        "def only_here(n: int) -> int:\n"
+        '    """n."""\n'
+        "    return n\n"
+    )
+    spec = importlib.util.spec_from_file_location("only_here_tools", source)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    action = Action(
+        run_id="r", step=1, intent_id="r/s1/a1", call_id="c", tool="only_here", arguments={"n": 1}
+    )
+    outcome = await Toolbox([module.only_here]).execute(action)
+    assert outcome.status is ActionStatus.NOT_EXECUTED
+    assert outcome.detail == (
+        "the call to only_here did not start: its process could not load the tool: "
+        "ModuleNotFoundError: No module named 'only_here_tools'"
+    )
+
+
+async def test_a_process_call_killed_before_its_function_began_never_started(tmp_path, monkeypatch):
+    """The child cannot load the tool before the timeout (its module waits for a file that
+    never comes), so the timeout kills it before the function began. It was recorded as
+    EXECUTED, timed out, as though the function had run."""
+    monkeypatch.setenv("TREADLE_TEST_HOLD_IMPORT", str(tmp_path / "never"))
+    action = Action(
+        run_id="r", step=1, intent_id="r/s1/a1", call_id="c", tool="held", arguments={"n": 1}
+    )
+    with trio.fail_after(REAL_WAIT_S):
+        outcome = await Toolbox([held]).execute(action)
+    assert outcome.status is ActionStatus.NOT_EXECUTED
+    assert outcome.observation == (
+        "the call to held did not start within 2 s: its process was killed while it started, "
+        "before the tool's function began"
+    )
+
+
+async def test_a_process_tools_error_whose_message_cannot_be_read_is_its_error(markers):
+    """As a thread tool's is. The child crashed writing its reply, and the call was UNKNOWN."""
+    action = Action(
+        run_id="r",
+        step=1,
+        intent_id="r/s1/a1",
+        call_id="c",
+        tool="fail_unprintably",
+        arguments={"directory": str(markers)},
+    )
+    outcome = await Toolbox([fail_unprintably]).execute(action)
+    assert (markers / "done").exists()
+    assert (outcome.status, outcome.observation) == (
+        ActionStatus.EXECUTED,
+        "Error: Unprintable: (its message could not be read: RuntimeError)",
+    )
+
+
+async def test_a_process_tools_result_that_cannot_be_read_back_is_its_error(markers):
+    """The whole reply arrived but does not unpickle here: the call ran to its end. It was
+    taken for a reply cut off by the process's death, UNKNOWN."""
+    action = Action(
+        run_id="r",
+        step=1,
+        intent_id="r/s1/a1",
+        call_id="c",
+        tool="return_unreadable",
+        arguments={"directory": str(markers)},
+    )
+    outcome = await Toolbox([return_unreadable]).execute(action)
+    assert (markers / "done").exists()
+    assert outcome.status is ActionStatus.EXECUTED
+    assert outcome.observation == (
+        "Error: the result of return_unreadable could not be read back from its process: "
+        "TypeError: TwoPart.__init__() missing 1 required positional argument: 'second'"
+    )
 
 
 @tool(name="nested")
