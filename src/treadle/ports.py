@@ -458,8 +458,10 @@ class RunQueue(Protocol):
     async def wake(self, run_id: str) -> bool:
         """Make a run parked on child runs claimable now (state ``awaiting_child``).
 
-        Called once one of its children finished (docs/child-runs.md, "In a fleet").
-        ``False`` (nothing changed) when the run is in any other state.
+        Called once one of its children finished (docs/child-runs.md, "In a fleet"), and
+        by the run's own driver once its park is durable, when a child finished before it.
+        ``False`` (nothing changed) when the run is in any other state (a parent still
+        driven is woken by that look, docs/child-runs.md, "Parking while the child works").
         """
         ...
 

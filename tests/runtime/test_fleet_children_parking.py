@@ -241,6 +241,89 @@ async def test_a_lost_wake_up_is_made_up_at_the_recheck_instant(fleet_store, mon
     assert treadle_seconds(awaited.ts, finished.ts) >= 1.0
 
 
+async def test_a_child_that_ends_before_its_parents_park_is_durable_wakes_it(
+    fleet_store, monkeypatch
+):
+    """The call gave up waiting (its last look found the child working), then the child
+    finished and its wake-up found the parent still driven (its step not parked yet), then
+    the park became durable: the parent slept until its recheck instant (an hour here). Its
+    driver now looks at the children once the park is durable and wakes it itself."""
+    from treadle.supervisors import _fleet
+
+    woken: list[tuple[str, bool]] = []
+    child_woke = trio.Event()
+    wake = type(fleet_store).wake
+
+    async def recorded(self, run_id: str) -> bool:
+        changed = await wake(self, run_id)
+        woken.append((run_id, changed))
+        child_woke.set()
+        return changed
+
+    monkeypatch.setattr(type(fleet_store), "wake", recorded)
+    executed: list[str] = []
+    gate = trio.Event()
+    kid = child_run_id("p/s1/a1")
+    result_within = _fleet.result_within
+
+    async def child_ends_after_the_last_look(store, run_id, *args):
+        found = await result_within(store, run_id, *args)
+        if found is None and run_id == kid and not gate.is_set():
+            gate.set()  # the child finishes now, between the call's last look and the park
+            await child_woke.wait()
+        return found
+
+    monkeypatch.setattr(_fleet, "result_within", child_ends_after_the_last_look)
+    agents = {
+        "parent": lambda: parent_agent(fleet_store, child_agent(executed, gate)),
+        "child": lambda: child_agent(executed, gate),
+    }
+    with trio.fail_after(30):
+        async with fleet(fleet_store, agents, child_recheck_s=3600) as worker:
+            await worker.submit("parent", "go", run_id="p")
+            result = await worker.result("p", poll_s=0.05)
+    assert result.final_answer == "parent done"
+    assert woken == [("p", False), ("p", True)]  # the child's found it driven; its own woke it
+    log = await fleet_store.read_log("p")
+    awaited = next(r for r in log.records if isinstance(r, ChildrenAwaited))
+    ended = (await fleet_store.read_log(kid)).finished
+    assert ended is not None and treadle_seconds(ended.ts, awaited.ts) >= 0
+    assert executed == [f"{kid}/s1/a1"]
+    assert check_invariants(log) == []
+
+
+async def test_a_wake_up_the_store_fails_is_tried_again(fleet_store, monkeypatch):
+    """The child's wake-up of its parked parent failed once (a lost connection): it was
+    logged, and the parent slept until its recheck instant (an hour here)."""
+    from treadle._exceptions import StoreError
+
+    tries: list[str] = []
+    wake = type(fleet_store).wake
+
+    async def lost_once(self, run_id: str) -> bool:
+        tries.append(run_id)
+        if len(tries) == 1:
+            raise StoreError("the connection to the database was lost")
+        return await wake(self, run_id)
+
+    monkeypatch.setattr(type(fleet_store), "wake", lost_once)
+    executed: list[str] = []
+    gate = trio.Event()
+    agents = {
+        "parent": lambda: parent_agent(fleet_store, child_agent(executed, gate)),
+        "child": lambda: child_agent(executed, gate),
+    }
+    with trio.fail_after(30):
+        async with fleet(fleet_store, agents, child_recheck_s=3600) as worker:
+            await worker.submit("parent", "go", run_id="p")
+            await until(lambda: parked(fleet_store, "p"))
+            gate.set()
+            result = await worker.result("p", poll_s=0.05)
+    assert result.final_answer == "parent done"
+    assert tries[:2] == ["p", "p"]  # failed, then tried again
+    assert executed == [f"{child_run_id('p/s1/a1')}/s1/a1"]
+
+
 def treadle_seconds(start: str, end: str) -> float:
     from treadle.actors import seconds_between
 

@@ -3,7 +3,9 @@
 * A parent that stops waiting on a child (it was cancelled, or ran out of time) appends a
   cancel to the child's control stream: whoever drives the child next finishes it.
 * A child run that finished wakes its parent when the parent is parked on it
-  (`treadle.ports.RunQueue.wake`), so that a fleet worker claims the parent at once.
+  (`treadle.ports.RunQueue.wake`), so that a fleet worker claims the parent at once; a parent
+  whose park became durable after a child's end (that wake-up found it still driven) wakes
+  itself (`wake_if_children_ended`).
 * A parent that finishes while its log shows its step parked on children, or before it ran
   again a step whose child-run calls were cut, cancels each child that has not finished:
   nobody will read their results (`treadle.supervisors._finishing.close_links`).
@@ -13,10 +15,11 @@ from __future__ import annotations
 
 import hashlib
 import logging
-from collections.abc import Iterable
+from collections.abc import Awaitable, Callable, Iterable
 from typing import Final
 
 import attrs
+import trio
 
 from treadle._clock import SystemClock
 from treadle._exceptions import StoreError, UsageError
@@ -137,25 +140,74 @@ async def cancel_if_parent_finished(store: RunStore, started: RunStarted) -> Non
         await cancel_child(store, started.run_id, parent, reason=PARENT_FINISHED)
 
 
+WAKE_ATTEMPTS: Final = 3
+"""How many times in all a wake-up the store failed (a lost connection) is tried."""
+
+WAKE_RETRY_S: Final = 0.5
+"""Seconds before a failed wake-up is tried again, doubled at each further try (the store's
+connection pool replaces a broken connection meanwhile)."""
+
+
 async def wake_parent(store: RunStore, started: RunStarted) -> None:
     """After a child run's run-finished is durable: make its parent claimable, if parked on it.
 
-    A failure is logged, not raised: the child is finished, and its parent is claimable
-    anyway at its recheck instant (`treadle.types.ChildrenAwaited.recheck_ts`).
+    A parent still driven is left as it is: its driver looks at its children once its park is
+    durable (`wake_if_children_ended`). A store failure is tried again (`WAKE_ATTEMPTS`); the
+    last one is logged, not raised: the child is finished, and its parent is claimable anyway
+    at its recheck instant (`treadle.types.ChildrenAwaited.recheck_ts`).
     """
     parent = started.parent_run_id
     if parent is None or not isinstance(store, RunQueue):
         return
-    try:
-        await store.wake(parent)
-    except StoreError as exc:
-        _LOG.warning(
-            "child run %r finished but could not wake its parent %r (%s); the parent is "
-            "claimable at its recheck instant",
-            started.run_id,
-            parent,
-            exc,
-        )
+    queue = store
+    await _waking(
+        lambda: queue.wake(parent),
+        f"child run {started.run_id!r} finished but could not wake its parent {parent!r}",
+    )
+
+
+async def wake_if_children_ended(store: RunStore, awaited: ChildrenAwaited) -> None:
+    """After the park ``awaited`` is durable: wake its run now if one of its children finished.
+
+    A child that finished while the parent's step still ran (its call had given up waiting,
+    the step's other calls had not ended) woke a run that was not parked yet, which changed
+    nothing. Its end is durable before its wake-up, and this look comes after the park is
+    durable, so each child's end is seen by one of the two: by the child's wake-up, which
+    then finds the run parked, or by this look (docs/child-runs.md, "Parking while the child
+    works"). Store failures are handled as in `wake_parent`.
+    """
+    if not isinstance(store, RunQueue):
+        return
+    queue = store
+
+    async def look() -> None:
+        for child in awaited.children:
+            if await run_finished(store, child):
+                await queue.wake(awaited.run_id)
+                return
+
+    await _waking(
+        look,
+        f"run {awaited.run_id!r} parked on child runs but could not look whether one finished",
+    )
+
+
+async def _waking(wake: Callable[[], Awaitable[object]], failed: str) -> None:
+    """``await wake()``; a `StoreError` tries it again, `WAKE_ATTEMPTS` times in all.
+
+    The last failure is logged with ``failed`` (what could not be done), not raised: the
+    parked run is claimable at its recheck instant anyway.
+    """
+    for attempt in range(1, WAKE_ATTEMPTS + 1):
+        try:
+            await wake()
+        except StoreError as exc:
+            if attempt == WAKE_ATTEMPTS:
+                _LOG.warning("%s (%s); it is claimable at its recheck instant", failed, exc)
+                return
+        else:
+            return
+        await trio.sleep(WAKE_RETRY_S * 2 ** (attempt - 1))
 
 
 async def cancel_awaited_children(store: RunStore, awaited: ChildrenAwaited) -> None:

@@ -77,6 +77,7 @@ from treadle.supervisors._child_links import (
     cancel_if_parent_finished,
     check_child_of,
     ended_children,
+    wake_if_children_ended,
 )
 from treadle.supervisors._control import ControlInbox, ControlIndex, control_of, shared_index
 from treadle.supervisors._factories import (
@@ -96,6 +97,7 @@ from treadle.types import (
     ApprovalRequested,
     BudgetCaps,
     CancelRequested,
+    ChildrenAwaited,
     DefinitionAccepted,
     RunLog,
     RunResult,
@@ -314,6 +316,7 @@ async def _supervise(
                     return
                 if isinstance(stretch, _ChildWait):  # claimable when a child wakes it
                     await hold.release(control_seen=stretch.control_seen)
+                    await wake_if_children_ended(store, stretch.awaited)  # ended before the park
                     return
                 parking = stretch
                 task_status = trio.TASK_STATUS_IGNORED  # reported when first driven
@@ -504,10 +507,12 @@ class _ChildWait:
     """The drive ended with the run parked on child runs (`AwaitingChildren`).
 
     Attributes:
+        awaited: the durable record of the park.
         control_seen: the control-stream position handled: a later entry (a cancel) makes
             the run claimable.
     """
 
+    awaited: ChildrenAwaited
     control_seen: int
 
 
@@ -619,9 +624,9 @@ async def _drive(
         try:
             handle._finished(await coordinator.run(resumed_steps=resumed))
             await close_links(store, started, left, clock=clock)
-        except AwaitingChildren:
+        except AwaitingChildren as signal:
             handle._stopped_driving(left="parked")
-            parked = _child_wait(control, _unapplied(control_recv))
+            parked = _child_wait(signal.record, control, _unapplied(control_recv))
         except Drained:
             handle._stopped_driving(left="drained")
             parked = None
@@ -667,15 +672,17 @@ def _parking(
     return parking
 
 
-def _child_wait(control: ControlInbox | None, unapplied: list[Control]) -> _ChildWait:
-    """The wait of a run parked on child runs, given what its coordinator missed.
+def _child_wait(
+    awaited: ChildrenAwaited, control: ControlInbox | None, unapplied: list[Control]
+) -> _ChildWait:
+    """The wait of a run parked on ``awaited``, given what its coordinator missed.
 
     A cancel its coordinator missed leaves the run claimable at once (nothing of the control
     stream counts as handled): the next drive reads the stream from its start and applies it.
     """
     if control is None or any(isinstance(m, Cancel) for m in unapplied):
-        return _ChildWait(0)
-    return _ChildWait(control.seen)
+        return _ChildWait(awaited, 0)
+    return _ChildWait(awaited, control.seen)
 
 
 async def _open_log(
