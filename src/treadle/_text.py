@@ -196,6 +196,22 @@ def loads_json(data: str | bytes) -> Any:
         raise ValueError("the JSON nests too deeply to be decoded") from None
 
 
+COUNT_DIGITS: Final = 19
+"""The most digits of a count read from outside text (a 64-bit count has 19)."""
+
+_COUNT: Final = re.compile(rf"[0-9]{{1,{COUNT_DIGITS}}}")
+
+
+def read_count(text: str) -> int | None:
+    """``text`` read as a count from outside (an event id's seq, the step a form names).
+
+    Only 1 to `COUNT_DIGITS` ASCII digits are one: no sign, space, ``_`` or other digits
+    (``int`` reads ``" 3"``, ``"1_0"`` and ``"\u0663"``, and takes seconds over, or refuses,
+    thousands of digits). ``None`` for anything else.
+    """
+    return int(text) if _COUNT.fullmatch(text) else None
+
+
 def require_text(what: str, value: object, *, optional: bool = False) -> None:
     """Refuse ``value`` unless it is a ``str`` (or ``None`` when ``optional``).
 

@@ -21,7 +21,6 @@ import contextlib
 import json
 import logging
 import math
-import re
 import threading
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
@@ -32,6 +31,7 @@ import trio
 
 from treadle._exceptions import RunLeased, TreadleError, UsageError, raised
 from treadle._ids import check_run_id, new_run_id
+from treadle._text import read_count
 from treadle.actors import resume_from, stored_events
 from treadle.agent import Agent, RunInput, check_input
 from treadle.approvals import check_cancel_text, decide, request_cancel
@@ -799,12 +799,6 @@ def sse_frame(event: Event) -> bytes:
     return f"{head}event: {event.kind.value}\ndata: {body}\n\n".encode()
 
 
-_MAX_DIGITS: Final = 19
-"""The most digits of a seq or an ordinal in an event id (a 64-bit count has 19)."""
-
-_EVENT_ID: Final = re.compile(rf"([0-9]{{1,{_MAX_DIGITS}}})(?:\.([0-9]{{1,{_MAX_DIGITS}}}))?")
-
-
 def resume_after(last_event_id: str) -> tuple[int, int]:
     """The ``(seq, ordinal)`` an `sse_frame` id names: ``"6"`` is (6, 0), ``"6.1"`` is (6, 1).
 
@@ -817,11 +811,11 @@ def resume_after(last_event_id: str) -> tuple[int, int]:
             ``.`` and more digits, or a part of more than 19 digits (more than a 64-bit seq
             has).
     """
-    found = _EVENT_ID.fullmatch(last_event_id)
-    if found is None:
+    seq_text, dot, ordinal_text = last_event_id.partition(".")
+    seq, ordinal = read_count(seq_text), read_count(ordinal_text) if dot else 0
+    if seq is None or ordinal is None:
         raise UsageError(f"an event id is <seq> or <seq>.<ordinal>, not {last_event_id!r:.60}")
-    seq, ordinal = found.groups()
-    return int(seq), int(ordinal or 0)
+    return seq, ordinal
 
 
 __all__ = [

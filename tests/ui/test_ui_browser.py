@@ -252,3 +252,86 @@ def test_a_run_named_rows_opens_as_a_run(browser, console):
     observation = wait(browser, present("#step-1 pre.observation"))
     assert observation.text == MARKUP
     assert "run finished" in find(browser, "#timeline").text
+
+
+def approval_for(call_id):
+    """The panel's approval form names call ``call_id`` (a replaced form is looked up again)."""
+    from selenium.common.exceptions import StaleElementReferenceException
+
+    def shown(browser) -> bool:
+        try:
+            fields = browser.find_elements("css selector", "#approval input[name=call_id]")
+            return bool(fields) and fields[0].get_attribute("value") == call_id
+        except StaleElementReferenceException:
+            return False
+
+    return shown
+
+
+def test_the_panel_follows_each_decision_made_from_it(browser, console):
+    """The panel was not replaced while anything in it had the focus, and a clicked button
+    keeps it: after the first of two approvals the page kept the form for ``t1`` while the run
+    waited on ``t2``, and once the run finished it still showed it waiting."""
+    tmp, db, url = console
+    driver, gate, marker = start_driver(tmp, db, "twice", approvals=2)
+    gate.touch()  # no wait: step 2 asks its approval at once
+    try:
+        browser.get(url)
+        wait(browser, lambda b: clicked(b, '#rows tr[data-run="twice"] a'))
+        wait(browser, approval_for("t1"))
+        find(browser, "#approve-button").click()
+        wait(browser, approval_for("t2"))  # the run waits on its second call now
+        assert find(browser, "#run-state").text == "awaiting_approval"
+        find(browser, "#approve-button").click()
+        wait(browser, shows("#run-state", "succeeded"))
+        assert browser.find_elements("css selector", "#approval, #cancel") == []
+        assert finish(driver) == "succeeded"
+    finally:
+        driver.kill()
+        driver.wait(timeout=HANG_S)
+    assert marker.read_text() == "5\n6\n"
+
+
+def test_the_panel_waits_while_the_operator_types_in_it_and_follows_after(browser, console):
+    """An update that came while a field of the panel had the focus was dropped, not kept:
+    the panel stayed as it was until the page was loaded again."""
+    tmp, db, url = console
+    driver, gate, _ = start_driver(tmp, db, "typing")
+    try:
+        browser.get(url)
+        wait(browser, lambda b: clicked(b, '#rows tr[data-run="typing"] a'))
+        wait(browser, present("#step-1 .call"))  # waits on the gate
+        find(browser, "#cancel input[name=reason]").send_keys("half typed")
+        gate.touch()  # step 2 asks an approval: the update comes while the operator types
+        wait(browser, shows("#step-2 .approval-record", "approval requested"))
+        # the panel arrives with that record; held, it wipes nothing the operator typed
+        assert find(browser, "#cancel input[name=reason]").get_attribute("value") == "half typed"
+        assert browser.find_elements("css selector", "#approval") == []
+        find(browser, "h1").click()  # the focus leaves the panel: the held update shows
+        wait(browser, approval_for("t1"))
+        find(browser, "#approve-button").click()
+        wait(browser, shows("#run-state", "succeeded"))
+        assert finish(driver) == "succeeded"
+    finally:
+        driver.kill()
+        driver.wait(timeout=HANG_S)
+
+
+def test_a_queued_run_cancelled_from_its_page_shows_cancelled(browser, console):
+    """Cancelling a queued run finished it at once, but its page kept saying ``queued``."""
+    from click.testing import CliRunner
+
+    from treadle.cli import main
+
+    _, db, url = console
+    queued = CliRunner().invoke(
+        main, ["submit", "--store", str(db), "--agent", "nobody", "--run-id", "queued", "hi"]
+    )
+    assert queued.exit_code == 0, queued.output
+    browser.get(f"{url}/runs/queued")
+    wait(browser, shows("#run-state", "queued"))
+    find(browser, "#cancel input[name=reason]").send_keys("not needed")
+    find(browser, "#cancel-button").click()
+    wait(browser, shows("#run-state", "cancelled"))
+    assert "cancel requested" in find(browser, "#notice").text
+    assert browser.find_elements("css selector", "#cancel") == []

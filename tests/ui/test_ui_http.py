@@ -28,6 +28,7 @@ from treadle.types import (
     ActionIntent,
     ApprovalDecided,
     CancelRequested,
+    Liveness,
     ModelResult,
     RunLog,
     RunState,
@@ -994,3 +995,99 @@ async def test_a_run_rendering_does_not_hold_up_the_other_requests(monkeypatch, 
         served.set()
     assert other.status_code == 200
     assert answers[0].status_code == 200 and "fetch_page" in answers[0].text
+
+
+@pytest.mark.parametrize(
+    "step",
+    [
+        pytest.param("1" * 5000, id="5000-digits"),
+        pytest.param("1" * 20, id="20-digits"),
+        pytest.param("\u0663", id="arabic-indic-3"),
+        "+3",
+        " 3",
+        "3.0",
+        "1_0",
+    ],
+)
+async def test_a_form_step_that_is_no_step_number_is_refused(step):
+    """A step of more than 4,300 digits was a raw 500 (``int`` refuses it), and one of other
+    digits (``٣``) read as its number. A step is 1 to 19 digits 0-9, as an event id's seq."""
+    store = MemoryStore()
+    async with awaiting_approval(store) as handle:
+        async with client(store) as http:
+            headers = {**SAME, "accept": "application/json"}
+            form = {"token": TOKEN, "decision": "approve", "call_id": "t1"}
+            refused = await http.post(
+                "/runs/r/approve", data={**form, "step": step}, headers=headers
+            )
+            assert refused.status_code == 409, refused.text
+            assert refused.json() == {
+                "ok": False,
+                "message": "the form's step is no step number (1 to 19 digits 0-9); reload the page",
+            }
+            assert await read_control(store, "r") == ()  # nothing was written
+            pending = handle.pending_approval
+            assert pending is not None
+            shown = {**form, "step": str(pending.step)}
+            approved = await http.post("/runs/r/approve", data=shown, headers=headers)
+            assert approved.status_code == 200, approved.text
+        await handle.wait()
+
+
+async def test_the_state_menu_offers_every_state_whatever_runs_there_are():
+    """The menu listed only the states some run had: ``?state=cancelled`` on a store with no
+    cancelled run showed a menu set to "every state", and the live list then showed every run.
+    """
+    async with client(await finished_store()) as http:
+        page = (await http.get("/", params={"state": "cancelled"})).text
+        odd = (await http.get("/", params={"state": "nosuch"})).text
+    menu = page[page.index('<select name="state"') : page.index("</select>")]
+    offered = [part.split('"', 1)[0] for part in menu.split('<option value="')[1:]]
+    every = {s.value for s in RunState} | {v.value for v in Liveness} | {"unreadable"}
+    assert offered[0] == "" and sorted(offered[1:]) == sorted(every)  # each once
+    assert '<option value="cancelled" selected>' in menu
+    assert 'data-run="' not in page  # no run is cancelled
+    assert '<option value="nosuch" selected>' in odd and 'data-run="' not in odd
+
+
+async def test_the_token_link_redirects_within_the_site_and_the_cookie_follows_tls():
+    """Behind the documented TLS proxy, ``?token=`` answered with an absolute ``http://``
+    Location (the browser left ``https://``) and a cookie without Secure."""
+    store = await finished_store()
+    proxied = {"host": "console.example"}
+    async with client(store, token_for_reads=True, allowed_hosts=("*",)) as http:
+        plain = await http.get("/runs/markup", params={"token": TOKEN, "q": "a b"}, headers=proxied)
+        tls = await http.get(
+            "/", params={"token": TOKEN}, headers={**proxied, "x-forwarded-proto": "https"}
+        )
+        slashed = await http.get("/runs/team%2Fa", params={"token": TOKEN}, headers=proxied)
+    assert plain.status_code == 303 and plain.headers["location"] == "/runs/markup?q=a+b"
+    assert "secure" not in plain.headers["set-cookie"].lower()
+    assert tls.status_code == 303 and tls.headers["location"] == "/"
+    assert "; secure" in tls.headers["set-cookie"].lower()
+    assert slashed.headers["location"] == "/runs/team%2Fa"
+
+
+async def test_two_consoles_on_one_host_keep_a_cookie_each():
+    """Browsers keep cookies per host, not per port: two consoles with tokens on one host
+    each set ``treadle_token``, and entering one logged the browser out of the other."""
+    store = await finished_store()
+    apps = {
+        port: httpx.ASGITransport(
+            app=create_app(store, Settings(token=token, token_for_reads=True))
+        )
+        for port, token in ((8765, "token-a"), (8766, "token-b"))
+    }
+
+    class ByPort(httpx.AsyncBaseTransport):
+        async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+            return await apps[request.url.port or 80].handle_async_request(request)
+
+    # one cookie jar, as a browser's: a cookie set by one port is sent to the other too
+    async with httpx.AsyncClient(transport=ByPort()) as browser:
+        a, b = "http://127.0.0.1:8765", "http://127.0.0.1:8766"
+        assert (await browser.get(f"{a}/", params={"token": "token-a"})).status_code == 303
+        assert (await browser.get(f"{b}/", params={"token": "token-b"})).status_code == 303
+        assert (await browser.get(f"{a}/")).status_code == 200
+        assert (await browser.get(f"{b}/")).status_code == 200
+    assert len(browser.cookies) == 2

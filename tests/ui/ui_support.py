@@ -62,6 +62,7 @@ from treadle.supervisors import open_run
 from treadle.testing.scripted import ScriptedModel, call, say
 
 db, run_id, gate, marker = sys.argv[1], sys.argv[2], Path(sys.argv[3]), Path(sys.argv[4])
+approvals = int(sys.argv[5])
 
 
 @treadle.tool
@@ -83,8 +84,9 @@ async def transfer(amount: int) -> str:
 async def main():
     agent = treadle.Agent(
         model=ScriptedModel(
-            turns=[call("wait_gate", call_id="g1"), call("transfer", amount=5, call_id="t1"),
-                   say("paid")]
+            turns=[call("wait_gate", call_id="g1")]
+            + [call("transfer", amount=4 + n, call_id=f"t{n}") for n in range(1, approvals + 1)]
+            + [say("paid")]
         ),
         executor=treadle.Toolbox([wait_gate, transfer]),
         parser=treadle.NativeToolCallParser(),
@@ -97,16 +99,22 @@ async def main():
 
 trio.run(main)
 """
-"""A process driving one run: step 1 waits on a gate file, step 2 needs an approval."""
+"""A process driving one run: step 1 waits on a gate file, each next step needs an approval
+(of ``transfer``, amount 5 as call ``t1``, then 6 as ``t2``, ...)."""
 
 
-def start_driver(tmp: Path, db: Path, run_id: str) -> tuple[subprocess.Popen[str], Path, Path]:
-    """Start a driver process for ``run_id``; returns it, its gate file and its marker file."""
+def start_driver(
+    tmp: Path, db: Path, run_id: str, *, approvals: int = 1
+) -> tuple[subprocess.Popen[str], Path, Path]:
+    """Start a driver process for ``run_id`` asking ``approvals`` approvals after its gate.
+
+    Returns the process, its gate file and its marker file (each transfer run adds a line).
+    """
     script = tmp / "driver.py"
     script.write_text(DRIVER)
     gate, marker = tmp / f"{run_id}.gate", tmp / f"{run_id}.executed"
     process = subprocess.Popen(
-        [sys.executable, str(script), str(db), run_id, str(gate), str(marker)],
+        [sys.executable, str(script), str(db), run_id, str(gate), str(marker), str(approvals)],
         stdout=subprocess.PIPE,
         text=True,
         env=env(),

@@ -11,12 +11,13 @@ state-changing request needs the console's token and a same-origin request
 from __future__ import annotations
 
 import functools
+import hashlib
 import hmac
 import json
 from collections.abc import AsyncIterator, Callable, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
-from urllib.parse import quote, unquote
+from urllib.parse import quote, unquote, urlencode
 
 import attrs
 import jinja2
@@ -43,7 +44,7 @@ from treadle._cli_runs import approve, cancel
 from treadle._cli_store import driver_text
 from treadle._exceptions import InvalidRunId, StoreError, TreadleError, UsageError
 from treadle._ids import check_run_id
-from treadle._text import valid_unicode
+from treadle._text import read_count, valid_unicode
 from treadle._ui import _view
 from treadle.approvals import edited_arguments, pending_approval
 from treadle.asyncio import resume_after
@@ -76,6 +77,7 @@ CSP = (
 
 TOKEN_HEADER = "x-treadle-token"
 TOKEN_COOKIE = "treadle_token"
+"""The start of the name of the cookie that keeps a console's token (`Settings.cookie`)."""
 MAX_FORM_FIELDS = 16
 """The most fields an action's form may hold (the approval form has six)."""
 
@@ -99,6 +101,17 @@ class Settings:
     poll_s: float = POLL_S
     recheck_s: float = RECHECK_S
     canceller: str = "treadle ui"
+
+    @property
+    def cookie(self) -> str:
+        """The name of the cookie that keeps the token.
+
+        `TOKEN_COOKIE`, ``_`` and the first 16 hex digits of the token's SHA-256. A browser
+        keeps one cookie per host and name, whatever the port: consoles on one host with one
+        name would each overwrite the other's token (docs/ui.md, "Safety").
+        """
+        digest = hashlib.sha256(self.token.encode("utf-8", "surrogatepass")).hexdigest()
+        return f"{TOKEN_COOKIE}_{digest[:16]}"
 
 
 @attrs.frozen
@@ -277,17 +290,15 @@ class _Console:
     def _check_read(self, request: Request) -> Response | None:
         """Refuse a read without the token when the token guards reads.
 
-        ``?token=`` sets the token cookie and redirects to the same page without it.
+        ``?token=`` sets the token cookie and redirects to the same page without it
+        (`_entered`).
         """
         if not self.settings.token_for_reads:
             return None
         given = request.query_params.get("token")
         if given is not None and self._good(given):
-            target = request.url.remove_query_params("token")
-            response = RedirectResponse(str(target), status_code=303)
-            response.set_cookie(TOKEN_COOKIE, given, httponly=True, samesite="strict", path="/")
-            return response
-        presented = request.cookies.get(TOKEN_COOKIE) or request.headers.get(TOKEN_HEADER)
+            return _entered(request, self.settings.cookie, given)
+        presented = request.cookies.get(self.settings.cookie) or request.headers.get(TOKEN_HEADER)
         if presented is None or not self._good(presented):
             raise HTTPException(401, "this console needs its token: open it as /?token=TOKEN")
         return None
@@ -345,14 +356,13 @@ class _Console:
         rows = await self._rows()
         q, state = request.query_params.get("q", ""), request.query_params.get("state", "")
         shown = _filtered(rows, q, state)
-        states = sorted({r.state for r in rows} | {r.summary.liveness.value for r in rows})
         return self._page(
             "runs.html",
             rows=shown,
             total=len(rows),
             q=q,
             state=state,
-            states=states,
+            states=_state_choices(state),
             threads=any(r.thread for r in rows),
         )
 
@@ -605,7 +615,10 @@ class _Console:
         call_id = str(form.get("call_id") or "") or None
         # The request the page showed: a model may ask again under the same call id
         shown_step = str(form.get("step") or "")
-        step = int(shown_step) if shown_step.isdecimal() else None
+        step = read_count(shown_step) if shown_step else None
+        if shown_step and step is None:
+            said = "the form's step is no step number (1 to 19 digits 0-9); reload the page"
+            return self._said(request, run_id, said, ok=False)
         digest = str(form.get("digest") or "") or None
         reject = edit = None
         if decision == "reject":
@@ -690,6 +703,23 @@ class _Console:
         return self.env.get_template(name).render(**context)
 
 
+STATES: tuple[str, ...] = tuple(
+    dict.fromkeys([*(s.value for s in RunState), *(v.value for v in Liveness), "unreadable"])
+)
+"""What the runs list's state menu offers, in this order: every run state, every liveness
+(``queued`` is both), and ``unreadable`` (a run whose log the index cannot read)."""
+
+
+def _state_choices(chosen: str) -> tuple[str, ...]:
+    """The state menu's choices: `STATES`, whatever runs the store holds now.
+
+    A ``?state=`` naming none of them is one more choice (it matches no run), so the menu
+    shows what the URL asked for and the list, live or not, filters by it (docs/ui.md,
+    "The runs list").
+    """
+    return STATES if not chosen or chosen in STATES else (*STATES, chosen)
+
+
 def _filtered(rows: Sequence[Row], q: str, state: str) -> list[Row]:
     words = q.lower().split()
     return [
@@ -718,6 +748,25 @@ def _first_seq(request: Request) -> int:
     except (UsageError, ValueError):
         raise refused from None
     return first if seen is None else seen + 1
+
+
+def _entered(request: Request, cookie: str, token: str) -> Response:
+    """The answer to a page opened with the right ``?token=``: a 303 to that page without it.
+
+    It sets cookie ``cookie`` to ``token`` (HttpOnly, SameSite=Strict). The redirect's
+    Location is relative (the path and the rest of the query), so a browser that reached the
+    console through a TLS proxy stays on its ``https://`` address. The cookie is Secure when
+    the request came over HTTPS: to the console itself, or to a proxy that says so in
+    ``X-Forwarded-Proto`` (docs/ui.md, "Safety"). That header is taken from anyone: it can
+    only keep the cookie off plain HTTP, never widen where it goes.
+    """
+    query = urlencode([(k, v) for k, v in request.query_params.multi_items() if k != "token"])
+    path = "/" + request.url.path.lstrip("/")  # never "//host": a Location on another site
+    response = RedirectResponse(f"{path}?{query}" if query else path, status_code=303)
+    forwarded = request.headers.get("x-forwarded-proto", "").partition(",")[0].strip()
+    secure = request.url.scheme == "https" or forwarded.lower() == "https"
+    response.set_cookie(cookie, token, httponly=True, samesite="strict", path="/", secure=secure)
+    return response
 
 
 def _origin_of(url: str) -> str | None:

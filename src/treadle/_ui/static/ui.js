@@ -56,12 +56,51 @@ function place(data) {
       timeline.appendChild(fresh);
     }
   }
-  if (data.panel != null) {
-    const panel = document.getElementById("panel");
-    const editing = panel.contains(document.activeElement);
-    if (!editing) { panel.innerHTML = data.panel; bindForms(); }
-  }
+  if (data.panel != null) showPanel(data.panel, false);
   if (data.charts != null) document.getElementById("charts").innerHTML = data.charts;
+}
+
+// The panel as the run's latest record shows it, held back while the operator types in one
+// of the panel's fields (placing it would wipe what they typed). It is placed once the focus
+// leaves the panel, once a decision or cancel sent from the panel was answered, when the run
+// finishes, or with the next update that finds nobody typing: no update is dropped.
+let heldPanel = null;
+
+function typingIn(panel) {
+  const field = document.activeElement;
+  if (!field || !panel.contains(field)) return false;
+  if (field.tagName === "TEXTAREA" || field.tagName === "SELECT") return true;
+  return field.tagName === "INPUT" && !["button", "submit", "reset", "hidden"].includes(field.type);
+}
+
+function showPanel(html, always) {
+  const panel = document.getElementById("panel");
+  if (!always && typingIn(panel)) { heldPanel = html; return; }
+  heldPanel = null;
+  panel.innerHTML = html;
+  bindForms();
+}
+
+function showHeldPanel() {
+  if (heldPanel != null) showPanel(heldPanel, true);
+}
+
+function holdPanelWhileTyping() {
+  const panel = document.getElementById("panel");
+  // Once the focus moved: a field or button of the panel keeps the update held (a click on a
+  // button sends its form, whose answer places it); anywhere else places it. A pointer pressed
+  // in the panel defers that to its release, so the click it makes lands on the button it
+  // pressed (some browsers focus no button on a click). A window that lost the focus keeps its
+  // focused field, so switching windows wipes nothing.
+  let pressed = false;
+  const settle = () => setTimeout(() => {
+    if (!pressed && !panel.contains(document.activeElement)) showHeldPanel();
+  }, 0);
+  const released = () => { if (pressed) { pressed = false; settle(); } };
+  panel.addEventListener("pointerdown", () => { pressed = true; });
+  document.addEventListener("pointerup", released);
+  document.addEventListener("pointercancel", released);
+  panel.addEventListener("focusout", settle);
 }
 
 // The console's token as each stream brings it when it opens (a restarted console has a new
@@ -78,6 +117,7 @@ function runPage() {
   const run = document.getElementById("run");
   bindForms();
   if (run.dataset.finished === "true") return;
+  holdPanelWhileTyping();
   const last = Number(run.dataset.lastSeq);
   const url = "/runs/" + encodeURIComponent(run.dataset.run) + "/events?from=" + (last + 1);
   const source = new EventSource(url);
@@ -103,6 +143,7 @@ function runPage() {
     source.close();
     live.hidden = true;
     run.dataset.finished = "true";
+    showHeldPanel(); // the final panel: no form is left to type in
   });
 }
 
@@ -126,6 +167,7 @@ function bindForms() {
       notice.hidden = false;
       notice.textContent = said.message;
       notice.className = "notice " + (said.ok ? "ok" : "refused");
+      showHeldPanel(); // what was sent is done with: the run's latest panel replaces its form
     });
   });
 }
