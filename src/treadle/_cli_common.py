@@ -24,6 +24,7 @@ from treadle._exceptions import InvalidRunId, TreadleError, raised
 from treadle._ids import check_run_id
 from treadle._paths import is_directory
 from treadle.agent import Agent
+from treadle.approvals import read_control
 from treadle.ports import RunIndex, RunStore
 from treadle.stores import is_dsn, record_to_dict, redact_dsn
 from treadle.stores.jsonl import JsonlStore, open_jsonl_store
@@ -60,14 +61,15 @@ PIPED_WIDTH = 200
 default there is 80, which cut the runs table's last columns short)."""
 
 
-def in_queue(summary: RunSummary) -> str | None:
+def in_queue(summary: RunSummary, *, cancelled: bool = False) -> str | None:
     """What a run the queue holds is waiting for, to follow "run RUN is"; else ``None``.
 
     ``quarantined: no worker takes it until `treadle unquarantine RUN` (REASON)`` for a
     quarantined run (docs/fleet.md, "Poison runs"), started or not; ``queued (agent NAME): a
-    worker serving it starts it`` for a run submitted and not started. The one wording of
-    `treadle show`, `tail`, `wait` and `resume` for such runs, so that none of them says a
-    quarantined run will be started.
+    worker serving it starts it`` for a run submitted and not started, or, when ``cancelled``
+    (a cancel waits in its control stream), that such a worker finishes it cancelled without
+    starting it. The one wording of `treadle show`, `tail`, `wait` and `resume` for such
+    runs, so that none of them says a quarantined run will be started.
     """
     if summary.liveness is Liveness.QUARANTINED:
         return (
@@ -76,6 +78,11 @@ def in_queue(summary: RunSummary) -> str | None:
         )
     if summary.state is RunState.QUEUED:
         agent = f" (agent {summary.agent})" if summary.agent else ""
+        if cancelled:
+            return (
+                f"queued{agent} with a cancel waiting: a worker serving it finishes it "
+                f"cancelled without starting it (`treadle cancel {summary.run_id}` does now)"
+            )
         return f"queued{agent}: a worker serving it starts it"
     return None
 
@@ -89,7 +96,10 @@ async def not_started(store: RunStore, run_id: str) -> str | None:
         StoreError: the run index cannot be read.
     """
     summary = await store.read_summary(run_id) if isinstance(store, RunIndex) else None
-    return in_queue(summary) if summary is not None else None
+    if summary is None:
+        return None
+    control = await read_control(store, run_id) if summary.state is RunState.QUEUED else ()
+    return in_queue(summary, cancelled=any(isinstance(r, CancelRequested) for r in control))
 
 
 def table_console(*, stderr: bool = False) -> Console:

@@ -319,8 +319,8 @@ def closing_records(
     For a run that finishes (cancelled, a budget) before it ran the step its log shows in
     progress again (docs/crash-safety.md, "Resume"): the open model intent is recorded as
     abandoned, and every action intent gets its ``unknown`` result (the definition's
-    synthetic text) with the step's record; a call parked on a child run that has finished
-    gets the child's outcome instead (``ended``), marked ``late`` as a cut call's kept
+    synthetic text) with the step's record; a call whose child run has finished (parked on
+    it or not) gets the child's outcome instead (``ended``), marked ``late`` as a cut call's kept
     outcome is, so the child's tokens count in the run's totals (docs/child-runs.md,
     "Budgets"). Empty when the pending step holds no open intent (an action result is only
     ever written with its step record, so every action intent of the pending step is open).

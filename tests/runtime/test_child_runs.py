@@ -18,7 +18,7 @@ import attrs
 import pytest
 import trio
 
-from treadle import agent_tool, child_run_id
+from treadle import agent_tool, child_run_id, finish_cancelled
 from treadle._exceptions import ChildRunInterrupted, RunInterrupted, StoreError
 from treadle.agent import Agent
 from treadle.approvals import read_control, request_cancel
@@ -342,6 +342,60 @@ async def test_a_parent_resumed_onto_a_waiting_cancel_cancels_the_children_of_it
     child_log = await store.read_log(kid)  # nobody drove it: finished here too
     assert child_log.finished is not None and child_log.finished.state is RunState.CANCELLED
     assert effects == [f"{kid}/s1/a1"]
+
+
+@pytest.mark.parametrize("finisher", ["canceller", "resume"])
+async def test_an_inline_child_whose_dead_drivers_lease_outlives_the_parents_is_finished(
+    store, finisher: str
+):
+    """The child's lease, of a driver that died with the parent's, had not lapsed when the
+    parent was finished (cancelled while nobody drove it, or by its resume): the child got
+    its cancel but was left unfinished for good, as no fleet worker takes a child driven
+    inline over. Now it is finished ``cancelled`` once that lease lapses unrenewed."""
+    reached = trio.Event()
+    effects: list[str] = []
+    child = paying_child(reached, effects)
+    kid = child_run_id("p/s1/a1")
+    with trio.fail_after(30):
+        await _stop_the_parent_while_its_child_pays(store, child, reached)
+        dead = await store.acquire_lease(kid, owner="dead-driver", ttl_s=1.0)
+        await request_cancel(store, "p", reason="stop", canceller="test")
+        if finisher == "canceller":
+            result = await finish_cancelled(store, "p", owner="canceller")
+        else:
+            result = await run(parent_agent(store, child), store=store, run_id="p")
+    assert result.state is RunState.CANCELLED
+    child_log = await store.read_log(kid)
+    assert child_log.finished is not None and child_log.finished.state is RunState.CANCELLED
+    assert [r.canceller for r in await read_control(store, kid)] == ["p"]
+    assert (await store.read_lease(kid)).generation == dead.generation + 1  # after it lapsed
+    assert effects == [f"{kid}/s1/a1"]
+
+
+async def test_an_inline_child_whose_lease_is_renewed_is_left_to_its_driver(store):
+    """A lease renewed while the parent's finisher waits for it to lapse has a live driver:
+    the finisher leaves the child its cancel and stops waiting, rather than waiting on."""
+    reached = trio.Event()
+    child = paying_child(reached, [])
+    kid = child_run_id("p/s1/a1")
+    with trio.fail_after(30):
+        await _stop_the_parent_while_its_child_pays(store, child, reached)
+        live = await store.acquire_lease(kid, owner="live-driver", ttl_s=1.0)
+        async with trio.open_nursery() as nursery:
+
+            async def heartbeat() -> None:
+                while True:
+                    await trio.sleep(0.1)
+                    await store.renew_leases([live], ttl_s=1.0)
+
+            nursery.start_soon(heartbeat)
+            result = await finish_cancelled(store, "p", owner="canceller")
+            nursery.cancel_scope.cancel()
+    assert result.state is RunState.CANCELLED
+    assert (await store.read_log(kid)).finished is None  # its driver applies the cancel
+    assert [r.canceller for r in await read_control(store, kid)] == ["p"]
+    held = await store.read_lease(kid)
+    assert (held.owner, held.generation) == ("live-driver", live.generation)
 
 
 async def test_a_child_whose_parent_finished_without_cancelling_it_cancels_itself(

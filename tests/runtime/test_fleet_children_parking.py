@@ -16,6 +16,7 @@ import pytest
 import trio
 
 from treadle import agent_tool, child_run_id, finish_cancelled
+from treadle._cli_common import not_started
 from treadle._cli_runs import tail
 from treadle._cli_store import driver_text
 from treadle.agent import Agent
@@ -32,6 +33,7 @@ from treadle.types import (
     CancelRequested,
     ChildrenAwaited,
     Liveness,
+    Message,
     ReplayPolicy,
     RunStarted,
     RunState,
@@ -433,6 +435,145 @@ async def test_a_parked_parent_that_ends_after_its_child_counts_the_childs_token
     assert (action.outcome.child_run_id, action.outcome.usage) == (kid, USAGE)
     assert action.outcome.observation == "child done"
     assert (result.totals.input_tokens, result.totals.output_tokens) == (40, 15)
+
+
+def _sibling_children(gates: dict[str, trio.Event]) -> Agent:
+    """A child whose ``note`` call waits for the gate of its parent's call, then answers."""
+
+    @tool(replay=ReplayPolicy.SAFE)
+    async def note(text: str, ctx: ToolContext) -> str:
+        """Note (waits for its parent call's gate).
+
+        Args:
+            text: the note.
+            ctx: the call.
+        """
+        await gates[ctx.run_id.removesuffix("/child")].wait()
+        return f"noted {text}"
+
+    return Agent(
+        model=ScriptedModel(
+            turns=[
+                attrs.evolve(call("note", call_id="n1", text="hi"), usage=USAGE),
+                say("child done", usage=USAGE),
+            ]
+        ),
+        executor=Toolbox([note]),
+        parser=NativeToolCallParser(),
+    )
+
+
+async def _parked_on_only(store, run_id: str, child: str) -> bool:
+    """Whether ``run_id`` is parked and its latest park names ``child`` alone."""
+    log = await store.read_log(run_id)
+    awaited = [r for r in log.records if isinstance(r, ChildrenAwaited)]
+    return bool(awaited) and awaited[-1].children == (child,) and await parked(store, run_id)
+
+
+@pytest.mark.parametrize("how", ["time", "cancel"])
+async def test_a_parked_parent_that_ends_counts_the_children_that_finished_before_it_parked(
+    fleet_store, how: str
+):
+    """Two child calls in one step: the second's child finished, the first's works on; the
+    step parks on the first alone (it keeps no result of the second), and the parent ends
+    before it runs the step again. The second call was recorded ``unknown`` with no usage
+    (the park did not name it), its child's tokens missing from the parent's totals."""
+    gates = {"p/s1/a1": trio.Event(), "p/s1/a2": trio.Event()}
+    gates["p/s1/a2"].set()
+    both = attrs.evolve(
+        calls(
+            ToolCall(id="h1", name="helper", arguments={"task": "one"}),
+            ToolCall(id="h2", name="helper", arguments={"task": "two"}),
+        ),
+        usage=Usage(input_tokens=10, output_tokens=5),
+    )
+    budgets = Budgets(time_budget_s=3.0) if how == "time" else Budgets()
+    agents = {
+        "parent": lambda: parent_agent(
+            fleet_store, _sibling_children(gates), turns=[both, say("x")], budgets=budgets
+        ),
+        "child": lambda: _sibling_children(gates),
+    }
+    working, done = (child_run_id(f"p/s1/a{n}") for n in (1, 2))
+    with trio.fail_after(60):
+        async with fleet(fleet_store, agents, max_running=2, child_recheck_s=3600) as worker:
+            await worker.submit("parent", "go", run_id="p")
+            await until(lambda: _parked_on_only(fleet_store, "p", working))
+            if how == "cancel":  # while nobody drives it, as `treadle cancel` does
+                result = await finish_cancelled(fleet_store, "p", owner="test")
+            else:  # claimed at its recheck instant, its time spent
+                result = await worker.result("p", poll_s=0.05)
+            ended = await worker.result(working, poll_s=0.05)
+    assert result.stop_reason is (
+        StopReason.CANCELLED if how == "cancel" else StopReason.TIME_BUDGET
+    )
+    log = await fleet_store.read_log("p")
+    assert check_invariants(log) == []
+    first, second = (r for r in log.records if isinstance(r, ActionResult))
+    if how == "cancel":  # the child still working was cancelled after the parent's finish
+        assert ended.state is RunState.CANCELLED
+        assert first.outcome.status is ActionStatus.UNKNOWN and first.outcome.usage is None
+    else:  # its time, capped by the parent's, ran out with the parent's: either ends first
+        assert ended.stop_reason in (StopReason.CANCELLED, StopReason.TIME_BUDGET)
+        assert first.outcome.child_run_id in (None, working)
+    assert second.outcome.status is ActionStatus.EXECUTED and second.late
+    assert (second.outcome.child_run_id, second.outcome.observation) == (done, "child done")
+    assert second.outcome.usage == Usage(input_tokens=60, output_tokens=20)
+    kept = first.outcome.usage or Usage(input_tokens=0, output_tokens=0)
+    assert (result.totals.input_tokens, result.totals.output_tokens) == (
+        70 + (kept.input_tokens or 0),
+        25 + (kept.output_tokens or 0),
+    )
+
+
+async def test_queued_children_of_a_cancelled_parked_parent_are_finished_cancelled(
+    fleet_store,
+):
+    """Nobody serves the children: they stay queued while the parent parks on them. The
+    parent is cancelled while nobody drives it: each child got a cancel in its control stream
+    and stayed ``queued`` for good, `treadle show` saying a worker would start it."""
+    gates = {"p/s1/a1": trio.Event(), "p/s1/a2": trio.Event()}
+    both = calls(
+        ToolCall(id="h1", name="helper", arguments={"task": "one"}),
+        ToolCall(id="h2", name="helper", arguments={"task": "two"}),
+    )
+    agents = {
+        "parent": lambda: parent_agent(
+            fleet_store, _sibling_children(gates), turns=[both, say("x")]
+        ),
+    }
+    kids = [child_run_id(f"p/s1/a{n}") for n in (1, 2)]
+    with trio.fail_after(60):
+        async with fleet(fleet_store, agents, child_recheck_s=3600) as worker:
+            await worker.submit("parent", "go", run_id="p")
+            await until(lambda: parked(fleet_store, "p"))
+            result = await finish_cancelled(fleet_store, "p", owner="test")
+    assert result.state is RunState.CANCELLED
+    for n, kid in enumerate(kids, start=1):
+        log = await fleet_store.read_log(kid)
+        assert log.finished is not None and log.finished.state is RunState.CANCELLED
+        assert log.started is not None
+        assert (log.started.parent_run_id, log.started.parent_intent_id) == ("p", f"p/s1/a{n}")
+        assert [r.canceller for r in log.records if isinstance(r, CancelRequested)] == ["p"]
+        assert (await fleet_store.read_summary(kid)).liveness is Liveness.FINISHED
+
+
+async def test_show_says_a_queued_run_with_a_cancel_waiting_is_finished_not_started(
+    fleet_store,
+):
+    """`treadle show` of a queued run whose control stream holds a cancel said that a worker
+    serving it starts it."""
+    await fleet_store.submit("r", agent="child", input=(Message(role="user", content="go"),))
+    assert await not_started(fleet_store, "r") == (
+        "queued (agent child): a worker serving it starts it"
+    )
+    await fleet_store.append_control(
+        CancelRequested(run_id="r", ts="2026-12-01T00:00:00+00:00", reason="enough")
+    )
+    assert await not_started(fleet_store, "r") == (
+        "queued (agent child) with a cancel waiting: a worker serving it finishes it "
+        "cancelled without starting it (`treadle cancel r` does now)"
+    )
 
 
 async def _time_spent(store, run_id: str, budget_s: float) -> bool:

@@ -168,9 +168,10 @@ class RunCoordinator:
         synthetic: the definition's synthetic observations: a run that ends before it ran
             its resumed step again gives that step's open intents their ``unknown`` results
             (`treadle._state.closing_records`).
-        ended_children: for a run resumed onto a step parked on child runs, the outcomes of
-            its calls whose children had finished, by intent id: a run that ends before it
-            runs the step again records these instead of ``unknown`` (docs/child-runs.md,
+        ended_children: for a run resumed onto a step with open calls, the outcomes of
+            those whose child runs had finished (each looked up by its derived child run
+            id, whether the step parked on it or not), by intent id: a run that ends before
+            it runs the step again records these instead of ``unknown`` (docs/child-runs.md,
             "Budgets").
         redaction: the run's secret tool arguments: an approval request of a call that has
             some is bound to a digest no one can compute back from what is shown

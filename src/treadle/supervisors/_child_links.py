@@ -6,9 +6,10 @@
   (`treadle.ports.RunQueue.wake`), so that a fleet worker claims the parent at once; a parent
   whose park became durable after a child's end (that wake-up found it still driven) wakes
   itself (`wake_if_children_ended`).
-* A parent that finishes while its log shows its step parked on children, or before it ran
-  again a step whose child-run calls were cut, cancels each child that has not finished:
-  nobody will read their results (`treadle.supervisors._finishing.close_links`).
+* A parent that finishes before it ran again a step its log shows open (parked on children,
+  or whose child-run calls were cut) records the outcome of each of those calls whose child
+  has finished (`ended_children`) and cancels each child that has not: nobody will read
+  their results (`treadle.supervisors._finishing.close_links`).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import trio
 from treadle._clock import SystemClock
 from treadle._exceptions import StoreError, UsageError
 from treadle._ids import MAX_RUN_ID_CHARS
+from treadle._state import PendingStep
 from treadle._text import repaired
 from treadle.ports import ControlStream, RunIndex, RunQueue, RunStore
 from treadle.tools import observation_of
@@ -36,6 +38,7 @@ from treadle.types import (
     RunResult,
     RunStarted,
     RunState,
+    Submission,
     Usage,
 )
 
@@ -123,12 +126,12 @@ async def cancel_child(
 async def cancel_if_parent_finished(store: RunStore, started: RunStarted) -> None:
     """Before a child run's drive runs a step: cancel it if its parent has finished.
 
-    A parent that finishes cancels the children it leaves (`cancel_awaited_children`,
-    `cancel_started_children`) after its run-finished is durable; a process that dies
-    between the two leaves a child with no cancel, whose result nobody will read. Its next
-    driver finds the parent finished here and appends the cancel the parent would have
-    (docs/child-runs.md, "Cancellation"), which the drive applies before its first step. A
-    run that names no parent, or a store with no control stream, is left as it is.
+    A parent that finishes cancels the children it leaves (`cancel_started_children`) after
+    its run-finished is durable; a process that dies between the two leaves a child with no
+    cancel, whose result nobody will read. Its next driver finds the parent finished here and
+    appends the cancel the parent would have (docs/child-runs.md, "Cancellation"), which the
+    drive applies before its first step. A run that names no parent, or a store with no
+    control stream, is left as it is.
 
     Raises:
         StoreError: the parent's state could not be read, or the append failed.
@@ -210,44 +213,28 @@ async def _waking(wake: Callable[[], Awaitable[object]], failed: str) -> None:
         await trio.sleep(WAKE_RETRY_S * 2 ** (attempt - 1))
 
 
-async def cancel_awaited_children(store: RunStore, awaited: ChildrenAwaited) -> None:
-    """Cancel each child of ``awaited`` that has not finished (its parent finished without it).
-
-    A failure is logged, not raised: the parent is finished, and each child still ends
-    within the budgets its parent's remainder capped (docs/child-runs.md, "Budgets").
-    """
-    for child in awaited.children:
-        try:
-            if not await run_finished(store, child):
-                await cancel_child(store, child, awaited.run_id)
-        except StoreError as exc:
-            _LOG.warning(
-                "run %r finished but could not cancel its child run %r (%s)",
-                awaited.run_id,
-                child,
-                exc,
-            )
-
-
 async def cancel_started_children(
     store: RunStore, parent: str, intent_ids: Iterable[str]
 ) -> list[str]:
     """Cancel the unfinished child runs that the action intents ``intent_ids`` started.
 
-    For a parent finished without the results of those intents (its process died during the
-    call, and the parent was finished before that call ran again: by `treadle.finish_cancelled`
-    while nobody drove it, or by its next driver): a child run id is derived from
-    its intent (`child_run_id`), so each intent's child, if one was started (its run-started
-    names the intent) or queued, gets a cancel in its control stream. An intent of an
-    ordinary tool has no such run and is passed over. Returns the child run ids cancelled.
+    For a parent finished without the results of those intents: its step parked on their
+    children, or its process died during the calls, and the parent was finished before it ran
+    them again (by `treadle.finish_cancelled` while nobody drove it, or by its next driver). A
+    child run id is derived from its intent (`child_run_id`), so each intent's child, if one
+    was started (its run-started names the intent) or queued (its queue entry does), gets a
+    cancel in its control stream. An intent of an ordinary tool has no such run, and one whose
+    child finished has nothing to cancel: both are passed over. Returns the child run ids
+    cancelled.
 
-    A failure is logged, not raised, as in `cancel_awaited_children`.
+    A failure is logged, not raised: the parent is finished, and each child still ends
+    within the budgets its parent's remainder capped (docs/child-runs.md, "Budgets").
     """
     cancelled = []
     for intent_id in intent_ids:
         child = child_run_id(intent_id)
         try:
-            if await _started_by(store, child, intent_id):
+            if await _started_by(store, child, (parent, intent_id)):
                 await cancel_child(store, child, parent)
                 cancelled.append(child)
         except StoreError as exc:
@@ -257,8 +244,8 @@ async def cancel_started_children(
     return cancelled
 
 
-async def _started_by(store: RunStore, run_id: str, intent_id: str) -> bool:
-    """Whether ``run_id`` is an unfinished child run of the intent ``intent_id``."""
+async def _started_by(store: RunStore, run_id: str, call: tuple[str, str]) -> bool:
+    """Whether ``run_id`` is an unfinished child run of ``call`` (parent run, intent ids)."""
     if isinstance(store, RunIndex):
         summary = await store.read_summary(run_id)
         if summary is None or summary.liveness is Liveness.FINISHED:
@@ -267,8 +254,22 @@ async def _started_by(store: RunStore, run_id: str, intent_id: str) -> bool:
     if log.finished is not None:
         return False
     if log.started is None:  # queued by a fleet worker, not yet claimed
-        return isinstance(store, RunQueue) and await store.read_submission(run_id) is not None
-    return log.started.parent_intent_id == intent_id
+        entry = await queue_entry(store, run_id)
+        return entry is not None and (entry.parent_run_id, entry.parent_intent_id) == call
+    return (log.started.parent_run_id, log.started.parent_intent_id) == call
+
+
+async def queue_entry(store: RunStore, run_id: str) -> Submission | None:
+    """The queue entry of ``run_id``, or ``None``: never queued (a child driven inline).
+
+    A queued run (a child with the tool's ``fleet_agent``) is claimed, or taken over once its
+    driver's lease lapses, by any fleet worker serving its agent; a run never queued only by
+    whoever drives it on (docs/child-runs.md, "In a fleet").
+
+    Raises:
+        StoreError: the queue could not be read.
+    """
+    return await store.read_submission(run_id) if isinstance(store, RunQueue) else None
 
 
 async def run_finished(store: RunStore, run_id: str) -> bool:
@@ -282,27 +283,54 @@ async def run_finished(store: RunStore, run_id: str) -> bool:
     return (await store.read_log(run_id)).finished is not None
 
 
-async def ended_children(
-    store: RunStore, awaited: ChildrenAwaited | None
-) -> dict[str, ActionOutcome]:
-    """The outcomes of a parked step's calls whose children have finished, by intent id.
+async def ended_children(store: RunStore, pending: PendingStep) -> dict[str, ActionOutcome]:
+    """The outcomes of a pending step's open calls whose child runs have finished, by intent id.
 
-    For a parent that finishes before it runs its parked step again (a cancel, a budget): a
+    For a parent that finishes before it runs its resumed step again (a cancel, a budget): a
     call whose child ended is given the child's outcome, its tokens with it, instead of an
-    ``unknown`` one (docs/child-runs.md, "Budgets"). A child still working is left out: the
-    parent cancels it after its own finish, and what it spends is not the parent's.
+    ``unknown`` one (docs/child-runs.md, "Budgets"). Every open action intent of the step is
+    looked up by the child run id it derives (`child_run_id`), not only the calls the step
+    parked on (`treadle.types.ChildrenAwaited`): a step that parks keeps no result of its
+    calls that had returned by then (their children finished), and its resume would find them
+    by that id too. An intent of an ordinary tool has no such run; a run under the derived id
+    that is not the call's child (`check_child_of`) is not taken for it. A child still
+    working is left out: the parent cancels it after its own finish, and what it spends is
+    not the parent's.
+
+    One look at each open intent's child (its index row first, when the store keeps one):
+    the driver resuming a run and `treadle.finish_cancelled` share it.
+
+    Args:
+        store: the store of the run and its children.
+        pending: the step the run's log shows in progress (`treadle._state.RunView.pending`).
 
     Raises:
-        StoreError: a child's log could not be read.
+        StoreError: a child's log or index row could not be read.
     """
-    if awaited is None:
-        return {}
     ended = {}
-    for intent_id, child in zip(awaited.intent_ids, awaited.children, strict=True):
-        finished = (await store.read_log(child)).finished
-        if finished is not None:
-            ended[intent_id] = child_outcome(child, RunResult.from_finished(finished))
+    for intent in pending.action_intents:
+        child = child_run_id(intent.intent_id)
+        result = await _child_result(store, child, (intent.run_id, intent.intent_id))
+        if result is not None:
+            ended[intent.intent_id] = child_outcome(child, result)
     return ended
+
+
+async def _child_result(store: RunStore, run_id: str, call: tuple[str, str]) -> RunResult | None:
+    """The result of ``run_id`` when it is the finished child run of ``call``, else ``None``.
+
+    ``call`` is ``(parent run id, parent intent id)``.
+    """
+    if isinstance(store, RunIndex):
+        summary = await store.read_summary(run_id)
+        if summary is None or summary.liveness is not Liveness.FINISHED:
+            return None
+    log = await store.read_log(run_id)
+    if log.finished is None or log.started is None:
+        return None
+    if (log.started.parent_run_id, log.started.parent_intent_id) != call:
+        return None
+    return RunResult.from_finished(log.finished)
 
 
 def child_outcome(run_id: str, result: RunResult) -> ActionOutcome:

@@ -586,7 +586,7 @@ async def _drive(
             park_after_s=options.park_after_s,
             park_at_deadline=control_of(store) is not None,
             carried_active_s=parking.active_s if parking is not None else 0.0,
-            ended_children=await ended_children(store, view.pending.children_awaited),
+            ended_children=await ended_children(store, view.pending),
             on_status=handle._report,
         )
         # Requests reach the coordinator as messages; those of before it runs (a cancel

@@ -213,8 +213,8 @@ class CoordinatorContext:
         park_at_deadline: park at an approval deadline instead of expiring the call at once
             (`treadle.actors.RunCoordinator`; set when the run has a control stream).
         carried_active_s: active seconds of a step interrupted by parking, to carry on.
-        ended_children: for a run resumed onto a step parked on child runs, the outcomes
-            of its calls whose children had finished, by intent id (`RunCoordinator`).
+        ended_children: for a run resumed onto a step with open calls, the outcomes of
+            those whose child runs had finished, by intent id (`RunCoordinator`).
         on_status: ``on_status(state, awaiting)``: where the coordinator reports each change
             of the run state and of the approval request it waits on (the run's handle).
     """

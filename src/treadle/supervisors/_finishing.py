@@ -10,9 +10,12 @@ written, so that a run whose agent no worker serves never waits in ``cancelling`
   an outcome;
 * the cancel request (from the control stream) and the run-finished record (``cancelled``);
 * then, as a driver would (`close_links`, which a run's driver calls too once the run is
-  finished): a child run wakes its parent, and a run parked on child runs cancels each child
-  that has not finished (docs/child-runs.md, "In a fleet"); a run that died during a child
-  run's call cancels that child and, when nobody drives it either, finishes it the same way.
+  finished): a child run wakes its parent, and a run parked on child runs, or that died
+  during a child run's call, cancels each child that has not finished and, when nobody
+  drives it either, finishes it the same way (docs/child-runs.md, "Cancellation").
+
+A call whose child run has finished gets the child's outcome and tokens rather than
+``unknown`` (`ended_children`; docs/child-runs.md, "Budgets").
 
 A queued run (never started) gets a run-started record from its queue entry first.
 """
@@ -20,9 +23,11 @@ A queued run (never started) gets a run-started record from its queue entry firs
 from __future__ import annotations
 
 import logging
+from typing import Final
 
 import attrs
 import cattrs
+import trio
 
 from treadle._clock import Clock, SystemClock
 from treadle._exceptions import RunLeased, StoreError, UsageError
@@ -32,14 +37,14 @@ from treadle.approvals import read_control
 from treadle.ports import LeaseStore, RunQueue, RunStore
 from treadle.stores import LEASE_TTL_S, lease_owner, write_records
 from treadle.supervisors._child_links import (
-    cancel_awaited_children,
     cancel_started_children,
     ended_children,
+    queue_entry,
     wake_parent,
 )
 from treadle.types import (
     CancelRequested,
-    ChildrenAwaited,
+    Lease,
     Record,
     RunFinished,
     RunLog,
@@ -106,24 +111,19 @@ class ChildrenLeft:
     """The child runs a run may leave behind when it finishes.
 
     Those of the step its log showed in progress before the finish
-    (`treadle._state.PendingStep`).
+    (`treadle._state.PendingStep`): parked on child runs, or cut by a crash.
 
     Attributes:
-        awaited: the record of that step parking on child runs, or ``None``.
         intent_ids: that step's action intents without a result, in call order: each may
             have started a child run (`treadle.child_run_id`).
     """
 
-    awaited: ChildrenAwaited | None = None
     intent_ids: tuple[str, ...] = ()
 
     @classmethod
     def of(cls, pending: PendingStep) -> ChildrenLeft:
         """What ``pending`` may leave behind (a copy: the view folds on)."""
-        return cls(
-            awaited=pending.children_awaited,
-            intent_ids=tuple(intent.intent_id for intent in pending.action_intents),
-        )
+        return cls(intent_ids=tuple(intent.intent_id for intent in pending.action_intents))
 
 
 async def close_links(
@@ -135,17 +135,20 @@ async def close_links(
     driver, on a fresh drive or a resume, or `finish_cancelled` while nobody drove it):
 
     * a child run wakes its parent, when the parent is parked on it;
-    * a run whose step was parked on child runs cancels each of them that has not finished
-      (docs/child-runs.md, "In a fleet");
-    * a run that finished before it ran its resumed step again (a cancel found waiting in its
-      control stream, a budget) cancels each unfinished child that the step's open intents
-      started, and finishes it ``cancelled`` when nobody drives it either; a live driver
-      (a fleet worker) applies the cancel itself (docs/child-runs.md, "Cancellation").
+    * a run that finished before it ran its resumed step again (its step parked on child
+      runs, or cut by a crash; a cancel found waiting in its control stream, a budget)
+      cancels each unfinished child that the step's open intents started or queued, and
+      finishes it ``cancelled`` when nobody drives it either (`_finish_child`); a live
+      driver (a fleet worker) applies the cancel itself (docs/child-runs.md,
+      "Cancellation").
 
     An intent whose child finished (its call was run again and returned) or that started no
     child is passed over, so this costs a finished drive nothing when its step was not left
     open. Failures are logged, not raised: the run is finished, and a child's cancel, once
     in its control stream, is applied by whoever drives it next.
+
+    Cancellation: a checkpoint; it may wait up to a dead driver's lease TTL for each child
+    driven inline (`_finish_child`).
 
     Args:
         store: the store of the run and its children.
@@ -154,13 +157,10 @@ async def close_links(
         clock: wall clock for the records of a child finished here.
     """
     await wake_parent(store, started)
-    if left.awaited is not None:
-        await cancel_awaited_children(store, left.awaited)
-        return
     if not left.intent_ids:
         return
     children = await cancel_started_children(store, started.run_id, left.intent_ids)
-    for child in children:  # its driver died with the parent's: finish it here too
+    for child in children:  # nobody may drive it, or its driver died with the parent's
         await _finish_child(store, child, clock)
 
 
@@ -168,7 +168,15 @@ async def _finish_child(store: RunStore, run_id: str, clock: Clock) -> None:
     """Finish a child cancelled above when nobody drives it; a live driver applies the cancel.
 
     Under a fresh lease owner: the finishing process may drive runs of its own (a fleet
-    worker), and a child one of them is must be left to that drive.
+    worker), and a child one of them is must be left to that drive. A child whose lease is
+    held is driven, or its driver died and the lease has not lapsed yet:
+
+    * a queued child (a fleet's, `queue_entry`) is left to its driver, or to the fleet worker
+      that takes it over once the lease lapses, and claims it with the cancel waiting;
+    * a child driven inline has nobody to take it over: it is waited for, for as long as the
+      lease it was found under could still run (its TTL), and finished here once that lapsed
+      unrenewed (docs/child-runs.md, "Cancellation"). A lease renewed or taken over
+      meanwhile has a live driver, which applies the cancel.
 
     A failure is logged, not raised: the cancel is in the child's control stream, so whoever
     drives it next finishes it ``cancelled``.
@@ -176,11 +184,52 @@ async def _finish_child(store: RunStore, run_id: str, clock: Clock) -> None:
     if not isinstance(store, LeaseStore):
         return  # no leases to tell who drives it: its cancel stays for its next driver
     try:
-        await finish_cancelled(store, run_id, owner=lease_owner(), clock=clock)
-    except RunLeased:
-        pass  # driven (a fleet worker holds it, or its old lease has not expired yet)
+        await _finish_unless_driven(store, run_id, clock)
     except (StoreError, UsageError) as exc:
         _LOG.warning("could not finish the cancelled child run %r (%s)", run_id, exc)
+
+
+async def _finish_unless_driven(store: RunStore, run_id: str, clock: Clock) -> None:
+    """`finish_cancelled` on ``run_id``, once the lease found on it lapses (see `_finish_child`).
+
+    Raises:
+        StoreError: the store failed.
+        UsageError: the run does not exist.
+    """
+    found = await _finish_or_holder(store, run_id, clock)
+    if found is None or await queue_entry(store, run_id) is not None:
+        return  # finished; or a fleet worker drives it, or takes it over once the lease lapses
+    deadline = trio.current_time() + _ttl_s(found) + _LAPSE_LOOK_S
+    while trio.current_time() < deadline:
+        await trio.sleep(_LAPSE_LOOK_S)
+        holder = await _finish_or_holder(store, run_id, clock)
+        if holder != found:
+            return  # finished here; or renewed or taken over: a live driver holds it
+
+
+async def _finish_or_holder(store: RunStore, run_id: str, clock: Clock) -> Lease | None:
+    """Finish ``run_id`` cancelled: ``None`` once done, else the lease another owner holds.
+
+    ``None`` also when the run had finished meanwhile (`finish_cancelled` returns its result).
+
+    Raises:
+        StoreError: the store failed.
+        UsageError: the run does not exist.
+    """
+    try:
+        await finish_cancelled(store, run_id, owner=lease_owner(), clock=clock)
+    except RunLeased as exc:
+        return exc.holder
+    return None
+
+
+_LAPSE_LOOK_S: Final = 0.25
+"""Seconds between looks at the lease of an inline child whose parent finished, until it lapses."""
+
+
+def _ttl_s(lease: Lease) -> float:
+    """The lease's duration in seconds, as its holder last took it (store clock differences)."""
+    return max(0.0, lease.expires_at - lease.heartbeat_at)
 
 
 async def _closing_records(
@@ -198,7 +247,7 @@ async def _closing_records(
         now,
         "the run was cancelled while nobody drove it",
         active_s=carried_active_s(view.pending, now),
-        ended=await ended_children(store, view.pending.children_awaited),
+        ended=await ended_children(store, view.pending),
     )
     for record in closing:
         view.apply(record)
@@ -238,6 +287,9 @@ async def _started_from_queue(store: RunStore, run_id: str, clock: Clock) -> Run
         input=submission.input,
         snapshot={},
         agent=submission.agent,
+        parent_run_id=submission.parent_run_id,
+        parent_intent_id=submission.parent_intent_id,
+        caps=submission.caps,
     )
 
 
