@@ -233,7 +233,9 @@ async def test_a_lost_wake_up_is_made_up_at_the_recheck_instant(fleet_store, mon
             await worker.submit("parent", "go", run_id="p")
             result = await worker.result("p", poll_s=0.05)
     assert result.final_answer == "parent done"
-    assert woken == ["p"]
+    # the child's wake-up, and the parent's own look when the child ended before its park
+    # was durable (`wake_if_children_ended`): each was lost
+    assert woken and set(woken) == {"p"} and len(woken) <= 2
     awaited = next(
         r for r in (await fleet_store.read_log("p")).records if isinstance(r, ChildrenAwaited)
     )
