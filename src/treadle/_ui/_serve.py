@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import functools
+import os
 import signal
 import socket
+import sys
 from collections.abc import Callable
+from typing import NoReturn
 
 import trio
 from hypercorn.config import Config
@@ -13,6 +17,15 @@ from starlette.applications import Starlette
 
 from treadle._cli_common import bare_host, open_store
 from treadle._ui._app import Settings, create_app
+
+STOP_GRACE_S = 1.0
+"""Seconds a stopping console gives its connections (Hypercorn's ``graceful_timeout``): live
+streams end, and answers still being sent after it are cancelled (docs/ui.md, "Starting it")."""
+HARD_STOP_S = 3.0
+"""Seconds after SIGINT or SIGTERM after which the console exits though its serving has not
+ended: Hypercorn shields each write to a socket from cancellation and waits for it as long as
+the client does not read, so one client that stopped reading would hold the console forever
+(docs/ui.md, "Starting it")."""
 
 
 async def serve(
@@ -27,6 +40,12 @@ async def serve(
 
     ``said`` is called once with the URL served (the bound port, for ``port`` 0).
 
+    On the first signal the console stops taking connections and gives the open ones
+    `STOP_GRACE_S`, then returns. A second signal, or `HARD_STOP_S` after the first without
+    the serving ending (a client that does not read its answer holds a write), ends the
+    process at once with status 128 plus the signal's number, the store left as a crash
+    leaves it (docs/ui.md, "Starting it").
+
     Raises:
         click.ClickException: nothing exists at ``store_path``.
         UsageError: the store keeps no run index.
@@ -35,28 +54,39 @@ async def serve(
     config = Config()
     config.bind = [f"fd://{listening_socket(host, port)}"]
     config.accesslog = None
-    config.graceful_timeout = 1.0
+    config.graceful_timeout = STOP_GRACE_S
     async with open_store(store_path) as store:
         app = create_app(store, settings)
         await _serve_app(app, config, said)
 
 
 async def _serve_app(app: Starlette, config: Config, said: Callable[[str], None]) -> None:
+    stop = trio.Event()
     async with trio.open_nursery() as nursery:
-        stop = trio.Event()
-        nursery.start_soon(_stop_on_signal, stop)
-        binds = await nursery.start(
-            lambda task_status: hypercorn_serve(
-                app,  # type: ignore[arg-type]
-                config,
-                shutdown_trigger=stop.wait,
-                task_status=task_status,
-            )
-        )
+        nursery.start_soon(_stop_on_signals, stop)
+        serving = functools.partial(_serve_until, app, config, stop, nursery.cancel_scope)
+        binds = await nursery.start(serving)
         said(binds[0])
-        await stop.wait()
-        # hypercorn returns once its connections are closed (live streams within
-        # graceful_timeout); the signal task has returned by then.
+
+
+async def _serve_until(
+    app: Starlette,
+    config: Config,
+    stop: trio.Event,
+    served: trio.CancelScope,
+    task_status: trio.TaskStatus[list[str]],
+) -> None:
+    """Serve ``app`` until ``stop`` is set and Hypercorn has closed its connections.
+
+    Then ``served`` is cancelled: the signal task waits no more for a second signal.
+    """
+    await hypercorn_serve(
+        app,  # type: ignore[arg-type]
+        config,
+        shutdown_trigger=stop.wait,
+        task_status=task_status,
+    )
+    served.cancel()
 
 
 def listening_socket(host: str, port: int) -> int:
@@ -79,8 +109,32 @@ def listening_socket(host: str, port: int) -> int:
     return sock.detach()
 
 
-async def _stop_on_signal(stop: trio.Event) -> None:
+async def _stop_on_signals(stop: trio.Event) -> None:
+    """Set ``stop`` on the first SIGINT or SIGTERM; exit at once on a second one.
+
+    Cancelled when the serving ends (`_serve_until`); while it has not ended
+    `HARD_STOP_S` after the first signal, the process exits then.
+    """
     with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
-        async for _ in signals:
-            stop.set()
-            return
+        first = await anext(signals)
+        stop.set()
+        with trio.move_on_after(HARD_STOP_S):
+            await anext(signals)
+        _exit_now(first)
+
+
+def _exit_now(signum: int) -> NoReturn:
+    """End the process now, with status 128 plus ``signum``, saying why on standard error.
+
+    Nothing is unwound: a task Hypercorn shields in a write to a client that does not read
+    cannot be; the store is left as a crash leaves it (docs/crash-safety.md, "What is
+    guaranteed").
+    """
+    name = signal.Signals(signum).name
+    print(
+        f"treadle ui: stopped on {name} without waiting for its open connections to close",
+        file=sys.stderr,
+    )
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(128 + signum)
