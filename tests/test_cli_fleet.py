@@ -550,20 +550,70 @@ def test_cancel_of_a_run_its_driver_finishes_meanwhile_says_nothing_was_cancelle
     db = tmp_path / "runs.db"
     leave_orphaned(db, "o")
 
-    async def finished_by_its_driver(*args, **kwargs) -> RunResult:
+    async def finished_by_its_driver(*args, **kwargs) -> tuple[RunResult, bool]:
         await trio.lowlevel.checkpoint()
-        return RunResult(
+        result = RunResult(
             run_id="o",
             state=RunState.SUCCEEDED,
             stop_reason=StopReason.FINAL_ANSWER,
             totals=Totals(),
         )
+        return result, False
 
-    monkeypatch.setattr(_cli_runs, "finish_cancelled", finished_by_its_driver)
+    monkeypatch.setattr(_cli_runs, "finish_cancelled_here", finished_by_its_driver)
     cancelled = invoke("cancel", "o", "--store", str(db))
     assert cancelled.exit_code == 1, cancelled.output
     assert "finished succeeded (final_answer) before the cancel reached it" in cancelled.output
     assert "nothing was cancelled" in cancelled.output
+
+
+async def test_a_cancel_its_live_driver_applies_first_is_not_said_to_be_finished_here():
+    """The run's driver picked the cancel up and finished the run before the command looked
+    at the run (a loaded machine): the command (and the console) said "nobody drove the run:
+    it is finished here, cancelled"."""
+    from treadle._cli_runs import cancel
+    from treadle.stores.memory import MemoryStore
+
+    called, released = trio.Event(), trio.Event()
+
+    class LookingLate(MemoryStore):
+        """A store whose look at a run's summary comes after its driver let the run go."""
+
+        async def read_summary(self, run_id: str):
+            if called.is_set():
+                await released.wait()
+            return await super().read_summary(run_id)
+
+    @treadle.tool
+    async def wait_long() -> str:
+        """Waits until the run is cancelled."""
+        called.set()
+        await trio.sleep_forever()
+        return "never"
+
+    agent = treadle.Agent(
+        model=ScriptedModel(turns=[call("wait_long"), say("done")]),
+        executor=treadle.Toolbox([wait_long]),
+        parser=treadle.NativeToolCallParser(),
+    )
+    store = LookingLate()
+    said: list[str] = []
+
+    async def cancelling() -> None:
+        said.append(await cancel(store, "r", reason="stop", canceller="ops"))
+
+    with trio.fail_after(60):
+        async with trio.open_nursery() as nursery:
+            async with treadle.open_run(
+                agent, "x", store=store, run_id="r", control_poll_s=0.05
+            ) as handle:
+                await called.wait()
+                nursery.start_soon(cancelling)
+                result = await handle.wait()
+            released.set()  # the driver finished the run and released its lease
+    assert result.state is RunState.CANCELLED
+    assert "finished here" not in said[0], said
+    assert "its driver" in said[0] and "cancelled" in said[0], said
 
 
 def test_cancel_whose_finish_fails_here_says_the_cancel_is_recorded_for_the_next_driver(
@@ -581,7 +631,7 @@ def test_cancel_whose_finish_fails_here_says_the_cancel_is_recorded_for_the_next
         await trio.lowlevel.checkpoint()
         raise treadle.StoreError("cannot write to the store: permission denied for table records")
 
-    monkeypatch.setattr(_cli_runs, "finish_cancelled", refused)
+    monkeypatch.setattr(_cli_runs, "finish_cancelled_here", refused)
     cancelled = invoke("cancel", "o", "--store", str(db), "--reason", "stop")
     assert cancelled.exit_code == 1, cancelled.output
     said = " ".join(cancelled.output.split())

@@ -368,6 +368,7 @@ SUPERVISORS = sorted(
         "agent_tool",
         "child_run_id",
         "finish_cancelled",
+        "finish_cancelled_here",
         "history",
         "leases_of",
         "open_fleet",

@@ -40,7 +40,7 @@ from treadle.ports import RunIndex, RunStore
 from treadle.redaction import Redaction
 from treadle.stores import lease_owner
 from treadle.stores.jsonl import JsonlStore, Repair
-from treadle.supervisors import finish_cancelled
+from treadle.supervisors import finish_cancelled_here
 from treadle.types import (
     ApprovalDecided,
     ApprovalRequested,
@@ -195,7 +195,8 @@ async def cancel(store: RunStore, run_id: str, *, reason: str, canceller: str) -
     finished as cancelled here (docs/decisions/0007-external-control.md).
 
     Returns:
-        One sentence saying who stops the run, or that it was finished here.
+        One sentence saying who stops the run, that it was finished here, or that its
+        driver finished it cancelled meanwhile (`finish_cancelled_here` tells).
 
     Raises:
         UsageError: the run does not exist or already finished (also when its driver
@@ -209,19 +210,23 @@ async def cancel(store: RunStore, run_id: str, *, reason: str, canceller: str) -
     if summary is not None and summary.liveness is Liveness.DRIVEN and summary.lease:
         return _held(store, summary.lease, "drives the run")
     try:
-        result = await finish_cancelled(
+        result, here = await finish_cancelled_here(
             store, run_id, owner=lease_owner(), reason=reason, canceller=canceller
         )
     except RunLeased as exc:
         return _held(store, exc.holder, "took the run meanwhile")
     except StoreError as exc:
         raise _not_finished(run_id, exc) from exc
+    if here:
+        return f"nobody drove the run: it is finished here, {result.state.value}"
     if result.state is not RunState.CANCELLED:  # its driver finished it meanwhile
         raise UsageError(
             f"run {run_id!r} finished {result.state.value} ({result.stop_reason.value}) before "
             "the cancel reached it: nothing was cancelled"
         )
-    return f"nobody drove the run: it is finished here, {result.state.value}"
+    # its driver applied the cancel (or another canceller finished the run) before this
+    # process took the run's lease
+    return "its driver (or another cancel) finished it meanwhile, cancelled; not here"
 
 
 def _not_finished(run_id: str, failure: StoreError) -> StoreError:

@@ -9,7 +9,7 @@ Everything public of the supervisors is here; the modules behind it are private.
 * Child runs: `agent_tool` makes a tool whose calls run another agent (`child_run_id`).
 * Threads: `history` of a run, `thread_run_id`, `Lineage`.
 * Recovery and finishing: `resume_unfinished` (`resume_failed` tells its errors apart),
-  `finish_cancelled`.
+  `finish_cancelled` (`finish_cancelled_here` tells whether it finished the run).
 """
 
 from treadle.supervisors._children import CHILD_CANCEL_GRACE_S as CHILD_CANCEL_GRACE_S
@@ -36,6 +36,7 @@ from treadle.supervisors._factories import real_gateway as real_gateway
 from treadle.supervisors._factories import real_hydrator as real_hydrator
 from treadle.supervisors._factories import real_writer as real_writer
 from treadle.supervisors._finishing import finish_cancelled as finish_cancelled
+from treadle.supervisors._finishing import finish_cancelled_here as finish_cancelled_here
 from treadle.supervisors._fleet import BACKOFF_S as BACKOFF_S
 from treadle.supervisors._fleet import CHILD_RECHECK_S as CHILD_RECHECK_S
 from treadle.supervisors._fleet import CLAIM_POLL_S as CLAIM_POLL_S
@@ -87,6 +88,7 @@ __all__ = [
     "agent_tool",
     "child_run_id",
     "finish_cancelled",
+    "finish_cancelled_here",
     "history",
     "leases_of",
     "open_fleet",

@@ -70,6 +70,8 @@ async def finish_cancelled(
 ) -> RunResult:
     """Take the lease of a run nobody drives and finish it as cancelled.
 
+    As `finish_cancelled_here`, without telling whether this call finished the run.
+
     Args:
         store: the run's store (with leases).
         run_id: the run.
@@ -86,6 +88,45 @@ async def finish_cancelled(
         UsageError: the run does not exist.
         StoreError: the store failed.
     """
+    result, _ = await finish_cancelled_here(
+        store, run_id, owner=owner, reason=reason, canceller=canceller, clock=clock
+    )
+    return result
+
+
+async def finish_cancelled_here(
+    store: RunStore,
+    run_id: str,
+    *,
+    owner: str,
+    reason: str = "",
+    canceller: str = "",
+    clock: Clock | None = None,
+) -> tuple[RunResult, bool]:
+    """Take the lease of a run nobody drives and finish it as cancelled, unless it finished.
+
+    Under the lease, the run's log tells whether it had finished: then nothing is written,
+    and whoever finished it (its driver, which may have applied this very cancel, or another
+    canceller) did so before this call took the lease (docs/fleet.md, "Cancelling and
+    approving").
+
+    Args:
+        store: the run's store (with leases).
+        run_id: the run.
+        owner: the canceller's lease owner id.
+        reason: the cancel reason, when the control stream holds no request.
+        canceller: who cancels, likewise.
+        clock: wall clock for record timestamps.
+
+    Returns:
+        The run's result, and whether this call finished it (``False``: the run had
+        finished before, and the result is its stored one).
+
+    Raises:
+        RunLeased: a live driver holds the run (it picks the cancel up itself).
+        UsageError: the run does not exist.
+        StoreError: the store failed.
+    """
     if not isinstance(store, LeaseStore):
         raise TypeError(f"{type(store).__name__} keeps no leases")
     clock = clock or SystemClock()
@@ -93,7 +134,7 @@ async def finish_cancelled(
     try:
         log = await store.read_log(run_id)
         if log.finished is not None:
-            return RunResult.from_finished(log.finished)
+            return RunResult.from_finished(log.finished), False
         records = await _closing_records(store, log, reason, canceller, clock)
         await write_records(store, records, seq=len(log.records) + 1, generation=lease.generation)
         finished = records[-1]
@@ -101,7 +142,7 @@ async def finish_cancelled(
         started = log.started or records[0]
         assert isinstance(started, RunStarted)
         await close_links(store, started, ChildrenLeft.of(fold(log.records).pending), clock=clock)
-        return RunResult.from_finished(finished)
+        return RunResult.from_finished(finished), True
     finally:
         await store.release_lease(lease)
 
