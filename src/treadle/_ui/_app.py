@@ -60,6 +60,8 @@ POLL_S = 0.2
 RECHECK_S = 30.0
 """Seconds after which a live stream reads a run's whole log again though its record count
 did not move: damage in an idle run's log ends the stream within that time (docs/ui.md)."""
+ROWS_POLL_S = 0.5
+"""The least seconds between two reads of the runs list by a ``/rows`` stream."""
 RENDER_GAP = 4.0
 """A live stream's rest after a whole read of a run's log and the render of its new records,
 in multiples of the seconds (wall clock) that read and render took: an open page costs a long
@@ -127,6 +129,18 @@ class Row:
     def state(self) -> str:
         """The run's state, or ``unreadable``."""
         return self.summary.state.value if self.summary.state else "unreadable"
+
+    @property
+    def shown(self) -> tuple[object, ...]:
+        """What the list's table (``_rows.html``) shows of the run, to tell a change.
+
+        Not the summary's ``observed_at``, which moves with every read.
+        """
+        s = self.summary
+        return (
+            *(s.run_id, self.state, s.liveness, self.driver, s.agent, self.thread),
+            *(s.steps, self.tokens, s.started_at, s.stop_reason, s.error),
+        )
 
     @property
     def search_text(self) -> str:
@@ -262,6 +276,9 @@ class _Console:
         # unfinished runs: the same, as of the steps and state their summary showed then
         self._moving: dict[str, tuple[tuple[int, RunState | None], int | None, str | None]] = {}
         self._renders = trio.CapacityLimiter(RENDER_THREADS)
+        # the runs list's last read by a /rows stream, with when it began (trio clock)
+        self._listed: tuple[float, list[Row]] | None = None
+        self._listing = trio.Lock()
 
     async def no_such_run(self, request: Request, exc: Exception) -> Response:
         """A path naming no possible run (docs/concepts.md, "Run ids"): a 404 saying why."""
@@ -367,23 +384,46 @@ class _Console:
         )
 
     async def runs_stream(self, request: Request) -> Response:
-        """Server-sent ``rows`` events: the list's table body, each time it changes."""
+        """Server-sent ``rows`` events: the list's table body, each time it changes.
+
+        Each poll compares the rows the stream shows (their summaries, drivers, tokens and
+        threads) with those it sent last; only a table that changed is rendered again, in a
+        worker thread (`_rendered`), and sent: a list of thousands of runs that do not move
+        costs a comparison per poll, not a render and a send. Every open list shares the
+        poll's read of the list (`_polled_rows`; docs/ui.md, "The runs list").
+        """
         self._check_read(request)
         q, state = request.query_params.get("q", ""), request.query_params.get("state", "")
 
         async def events() -> AsyncIterator[ServerSentEvent]:
-            last = None
+            last: tuple[list[tuple[object, ...]], bool] | None = None
             while True:
-                rows = await self._rows()
-                html = self.env.get_template("_rows.html").render(
-                    rows=_filtered(rows, q, state), threads=any(r.thread for r in rows)
-                )
-                if html != last:
-                    last = html
+                rows = await self._polled_rows()
+                listed, threads = _filtered(rows, q, state), any(r.thread for r in rows)
+                shown = ([row.shown for row in listed], threads)
+                if shown != last:
+                    last = shown
+                    html = await self._rendered(self._rows_html, listed, threads)
                     yield ServerSentEvent(data=html, event="rows")
-                await trio.sleep(max(self.settings.poll_s, 0.5))
+                await trio.sleep(max(self.settings.poll_s, ROWS_POLL_S))
 
         return EventSourceResponse(events(), ping=15)
+
+    async def _polled_rows(self) -> list[Row]:
+        """The list's rows for a ``/rows`` stream: every open list shares one read a poll.
+
+        A read begun less than `ROWS_POLL_S` ago is reused; a stream that asks while one is
+        under way waits for it.
+        """
+        async with self._listing:
+            now = trio.current_time()
+            if self._listed is None or now - self._listed[0] >= ROWS_POLL_S:
+                self._listed = (now, await self._rows())
+            return self._listed[1]
+
+    def _rows_html(self, rows: list[Row], threads: bool) -> str:
+        """The list's table body of ``rows`` (in a worker thread)."""
+        return self.env.get_template("_rows.html").render(rows=rows, threads=threads)
 
     async def _rows(self) -> list[Row]:
         """The list's rows, with each run's tokens and thread read from its log.
