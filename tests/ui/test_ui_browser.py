@@ -128,6 +128,18 @@ def clicked(browser, css) -> bool:
     return True
 
 
+def typed(browser, css, text) -> bool:
+    """Type ``text`` into the field, if it is there: a panel update may replace it between
+    find and typing (once the field has the focus, updates wait for the operator)."""
+    from selenium.common.exceptions import NoSuchElementException, StaleElementReferenceException
+
+    try:
+        find(browser, css).send_keys(text)
+    except (NoSuchElementException, StaleElementReferenceException):
+        return False
+    return True
+
+
 def finish(process) -> str:
     """The last line a driver process printed (its run's state) once it exited."""
     out = process.stdout.read()
@@ -198,8 +210,8 @@ def test_cancel_from_the_page_stops_a_live_run(browser, console):
         browser.get(url)
         wait(browser, present('#rows tr[data-run="stop-me"] a')).click()
         wait(browser, present("#step-1 .call"))  # waits on a gate nobody opens
-        find(browser, "#cancel input[name=reason]").send_keys("not needed")
-        find(browser, "#cancel-button").click()
+        wait(browser, lambda b: typed(b, "#cancel input[name=reason]", "not needed"))
+        wait(browser, lambda b: clicked(b, "#cancel-button"))
         wait(browser, present("#timeline .block.finish.state-cancelled"))
         assert "not needed" in find(browser, "#timeline .block.cancel").text
         assert "cancel requested" in find(browser, "#notice").text
@@ -224,8 +236,8 @@ def test_cancel_without_javascript_posts_the_plain_form(browser, console):
                 b.get(f"{url}/runs/no-script") or b.find_elements("css selector", "#step-1 .call")
             ),
         )
-        find(browser, "#cancel input[name=reason]").send_keys("posted plainly")
-        find(browser, "#cancel-button").click()
+        wait(browser, lambda b: typed(b, "#cancel input[name=reason]", "posted plainly"))
+        wait(browser, lambda b: clicked(b, "#cancel-button"))
         wait(browser, lambda b: "/cancel" in b.current_url)  # the console's answer page
         text = find(browser, "body").text
         assert "refused" not in text, text
@@ -279,10 +291,10 @@ def test_the_panel_follows_each_decision_made_from_it(browser, console):
         browser.get(url)
         wait(browser, lambda b: clicked(b, '#rows tr[data-run="twice"] a'))
         wait(browser, approval_for("t1"))
-        find(browser, "#approve-button").click()
+        wait(browser, lambda b: clicked(b, "#approve-button"))
         wait(browser, approval_for("t2"))  # the run waits on its second call now
         assert find(browser, "#run-state").text == "awaiting_approval"
-        find(browser, "#approve-button").click()
+        wait(browser, lambda b: clicked(b, "#approve-button"))
         wait(browser, shows("#run-state", "succeeded"))
         assert browser.find_elements("css selector", "#approval, #cancel") == []
         assert finish(driver) == "succeeded"
@@ -301,7 +313,7 @@ def test_the_panel_waits_while_the_operator_types_in_it_and_follows_after(browse
         browser.get(url)
         wait(browser, lambda b: clicked(b, '#rows tr[data-run="typing"] a'))
         wait(browser, present("#step-1 .call"))  # waits on the gate
-        find(browser, "#cancel input[name=reason]").send_keys("half typed")
+        wait(browser, lambda b: typed(b, "#cancel input[name=reason]", "half typed"))
         gate.touch()  # step 2 asks an approval: the update comes while the operator types
         wait(browser, shows("#step-2 .approval-record", "approval requested"))
         # the panel arrives with that record; held, it wipes nothing the operator typed
@@ -309,7 +321,7 @@ def test_the_panel_waits_while_the_operator_types_in_it_and_follows_after(browse
         assert browser.find_elements("css selector", "#approval") == []
         find(browser, "h1").click()  # the focus leaves the panel: the held update shows
         wait(browser, approval_for("t1"))
-        find(browser, "#approve-button").click()
+        wait(browser, lambda b: clicked(b, "#approve-button"))
         wait(browser, shows("#run-state", "succeeded"))
         assert finish(driver) == "succeeded"
     finally:
@@ -330,8 +342,8 @@ def test_a_queued_run_cancelled_from_its_page_shows_cancelled(browser, console):
     assert queued.exit_code == 0, queued.output
     browser.get(f"{url}/runs/queued")
     wait(browser, shows("#run-state", "queued"))
-    find(browser, "#cancel input[name=reason]").send_keys("not needed")
-    find(browser, "#cancel-button").click()
+    wait(browser, lambda b: typed(b, "#cancel input[name=reason]", "not needed"))
+    wait(browser, lambda b: clicked(b, "#cancel-button"))
     wait(browser, shows("#run-state", "cancelled"))
     assert "cancel requested" in find(browser, "#notice").text
     assert browser.find_elements("css selector", "#cancel") == []
