@@ -606,6 +606,17 @@ async def test_a_last_event_id_that_is_no_seq_is_refused_not_read_from_the_end(l
     assert ids == list(range(1, len((await store.read_log("markup")).records) + 1))
 
 
+@pytest.mark.parametrize("wanted", ["\u0663", "1" * 5000, "+3", "1_0", " 3"])
+async def test_a_from_that_is_no_seq_is_refused(wanted):
+    """``?from=`` was read with ``int``: ``٣`` streamed from seq 3, 5,000 digits took the
+    parse's limit. It is read as a Last-Event-ID is (a ``-`` before it: from the first)."""
+    store = await finished_store()
+    async with client(store) as http:
+        bogus = await http.get("/runs/markup/events", params={"from": wanted})
+    assert bogus.status_code == 400 and "seq" in bogus.text
+    assert "event: record" not in bogus.text
+
+
 async def test_a_run_id_with_a_slash_has_its_page_stream_and_actions():
     """Run ids may hold ``/`` (docs/concepts.md, "Run ids"): the console's paths name them
     with ``%2F``, so ``team/a/events`` is a run's page and never the stream of ``team/a``."""

@@ -777,6 +777,8 @@ def _first_seq(request: Request) -> int:
     digits, at most 19). Seqs count from 1 (docs/events.md, "Numbering"), so one below 0
     names no record a stream sent: it is refused (a 400), never read as a position from the
     log's end; so is one ``int`` cannot read (5000 digits) or of other digits (``٣``).
+    ``?from=`` is read so too (`treadle._text.read_count`), a ``-`` before it allowed: a
+    ``from`` below 1 streams from the first record.
     """
     last = request.headers.get("last-event-id")
     refused = HTTPException(
@@ -784,10 +786,13 @@ def _first_seq(request: Request) -> int:
     )
     try:
         seen = resume_after(last)[0] if last else None
-        first = max(1, int(request.query_params.get("from", "1")))
-    except (UsageError, ValueError):
+    except UsageError:
         raise refused from None
-    return first if seen is None else seen + 1
+    wanted = request.query_params.get("from", "1")
+    first = read_count(wanted.removeprefix("-"))  # below 1: from the first record
+    if first is None:
+        raise refused
+    return (1 if wanted.startswith("-") else max(1, first)) if seen is None else seen + 1
 
 
 def _entered(request: Request, cookie: str, token: str) -> Response:
