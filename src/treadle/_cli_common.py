@@ -23,6 +23,7 @@ from treadle._clock import seconds_out_of_range
 from treadle._exceptions import InvalidRunId, TreadleError, raised
 from treadle._ids import check_run_id
 from treadle._paths import is_directory
+from treadle._terminal import escaped_for_output, mark
 from treadle.agent import Agent
 from treadle.approvals import read_control
 from treadle.ports import RunIndex, RunStore
@@ -399,11 +400,14 @@ def redact(store: str) -> str:
 
 
 def clip(text: str | None, limit: int = 100) -> str:
-    """``text`` on one line, cut to ``limit`` characters with an ellipsis."""
+    """``text`` on one line, cut to ``limit`` characters with an ellipsis (`mark`)."""
     if not text:
         return ""
     text = text.replace("\n", " ")
-    return text if len(text) <= limit else text[: limit - 1] + "…"
+    if len(text) <= limit:
+        return text
+    ellipsis = mark("…")
+    return text[: limit - len(ellipsis)] + ellipsis
 
 
 def lineage_text(started: RunStarted) -> str:
@@ -428,8 +432,10 @@ def printable(text: str) -> str:
     What a model or a tool wrote reaches ``show`` and ``tail``: an escape sequence in it
     would set the terminal's title or colours, a carriage return overwrite a line, a
     bidirectional control reorder what follows. Each is shown as ``\xNN`` (``\uNNNN``).
+    A character the output's encoding lacks (a Chinese one on a Latin-1 terminal) is
+    escaped too, as ``\uNNNN`` (`treadle._terminal.escaped_for_output`).
     """
-    return _UNPRINTABLE.sub(_escaped, text)
+    return escaped_for_output(_UNPRINTABLE.sub(_escaped, text))
 
 
 def _escaped(match: re.Match[str]) -> str:
@@ -449,8 +455,8 @@ def _describe(record: Record) -> tuple[str, str]:
         origin = lineage_text(record)
         if record.parent_run_id is not None:  # a child run: its parent's call first
             parent = f"child of {record.parent_run_id} (call {record.parent_intent_id})"
-            origin = f"{parent} · {origin}" if origin else parent
-        return "run started", clip(f"{origin} · {first}" if origin else first)
+            origin = f"{parent} {mark('·')} {origin}" if origin else parent
+        return "run started", clip(f"{origin} {mark('·')} {first}" if origin else first)
     if isinstance(record, ModelIntent):
         if record.compaction:
             return "summary call started", f"attempt {record.attempt}"
@@ -460,7 +466,7 @@ def _describe(record: Record) -> tuple[str, str]:
             return "summary written", f"{_through(record.summary_through)}: " + model_detail(record)
         detail = model_detail(record)
         if record.context is not None:
-            detail += " · " + context_detail(record)
+            detail += f" {mark('·')} " + context_detail(record)
         return "model call finished", detail
     if isinstance(record, ActionIntent):
         args = json.dumps(dict(record.arguments), ensure_ascii=False)
@@ -482,10 +488,11 @@ def _describe(record: Record) -> tuple[str, str]:
     if isinstance(record, StepRecord):
         decision = record.decision.value if record.decision else "model failed"
         if record.repairs:
-            decision += " · repaired: " + ", ".join(record.repairs)
-        decision += " · task completed" if record.task_completed else ""
+            decision += f" {mark('·')} repaired: " + ", ".join(record.repairs)
+        decision += f" {mark('·')} task completed" if record.task_completed else ""
         if record.output is not None:
-            return "step completed", clip(f"{decision} · output {json.dumps(record.output)}")
+            output = json.dumps(record.output)
+            return "step completed", clip(f"{decision} {mark('·')} output {output}")
         return "step completed", decision
     if isinstance(record, ApprovalRequested):
         return (
@@ -536,10 +543,10 @@ def call_text(request: ApprovalRequested) -> str:
 
     Pass a redacted request (`treadle.redaction.Redaction.request`): this prints what it is
     given. A request from a log written before requests carried their arguments shows
-    ``tool(…)``.
+    ``tool(…)`` (`mark`).
     """
     if request.arguments is None:
-        return f"{request.tool}(…)"
+        return f"{request.tool}({mark('…')})"
     return f"{request.tool}({json.dumps(dict(request.arguments), ensure_ascii=False)})"
 
 
@@ -623,7 +630,8 @@ def model_detail(record: ModelResult) -> str:
     if reply is not None and reply.refusal:
         text = f"{text} refused: {reply.refusal}".strip()
     calls = ", ".join(c.name for c in reply.tool_calls) if reply else ""
-    return clip(f"{text} {'→ ' + calls if calls else ''}".strip()) + tokens
+    called = f"{mark('→')} {calls}" if calls else ""
+    return clip(f"{text} {called}".strip()) + tokens
 
 
 def event_json(event: Event) -> dict[str, Any]:

@@ -37,6 +37,7 @@ from treadle._cli_common import (
     url_host,
 )
 from treadle._exceptions import StoreError, TreadleError
+from treadle._terminal import on_interrupt
 from treadle._text import valid_text
 from treadle.agent import Agent
 from treadle.metrics import MetricsRecorder
@@ -413,7 +414,8 @@ def wait_command(
         async with open_store(store_path) as store:
             return await _wait(store, run_id, poll_s, timeout_s)
 
-    result = run_async(go)
+    with on_interrupt(f"stopped waiting for run {run_id}, which is left as it was"):
+        result = run_async(go)
     if result is None:
         click.echo(f"run {run_id} has not finished after {timeout_s:g} s", err=True)
         sys.exit(2)

@@ -33,6 +33,7 @@ from treadle._cli_common import (
 )
 from treadle._cli_store import parked_on
 from treadle._exceptions import RunLeased, StoreError, UsageError
+from treadle._terminal import mark, on_interrupt
 from treadle._text import valid_unicode
 from treadle.actors import durable_event, with_step_started
 from treadle.approvals import decide, edited_arguments, pending_approval, request_cancel
@@ -321,10 +322,8 @@ def tail_command(run_id: str, store_path: str, from_seq: int, as_json: bool, fol
                 say=functools.partial(click.echo, err=as_json),
             )
 
-    try:
+    with on_interrupt(f"stopped following run {run_id}, which is left as it was"):
         run_async(go)
-    except KeyboardInterrupt:  # pragma: no cover - interactive
-        pass
 
 
 async def tail(
@@ -386,9 +385,9 @@ def _say_liveness(
     }
     text = words.get(summary.liveness)
     if text is not None:
-        say(f"      … nobody drives run {summary.run_id}: {text}")
+        say(f"      {mark('…')} nobody drives run {summary.run_id}: {text}")
     elif said is not None and summary.liveness is Liveness.DRIVEN and summary.lease:
-        say(f"      … {summary.lease.owner} drives run {summary.run_id} now")
+        say(f"      {mark('…')} {summary.lease.owner} drives run {summary.run_id} now")
     return summary.liveness
 
 
@@ -398,7 +397,7 @@ def _hint_approval(
     request = pending_approval(log)
     if request is not None and request != hinted:
         hint = approval_hint(Redaction.of_log(log).request(request), log.run_id, store_path)
-        say(f"      … {hint}")
+        say(f"      {mark('…')} {hint}")
     return request
 
 

@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+import attrs
 import click
 from rich.table import Table
 
 from treadle._cli_common import import_spec, innermost, table_console
+from treadle._terminal import on_interrupt
 from treadle._text import valid_unicode
 from treadle.testing.faults import FAULT_KINDS
 
@@ -96,33 +100,74 @@ def simulate_command(
             "--steps sets the built-in scenario's length; a scenario from --agent sets its own",
             param_hint="--steps",
         )
-    failing: list[SimulationResult] = []
-    total_steps = 0
-    for seed in range(first, first + seeds):
-        try:
-            result = simulate(seed, plan=plan, runs=runs_per_seed, steps=steps, scenario=scenario)
-        except Exception as exc:
-            if scenario is None:
-                raise  # the built-in scenario failing is a bug of treadle's: its traceback
-            raise click.ClickException(
-                f"seed {seed}: the scenario from --agent {agent} failed: {innermost(exc)!r} "
-                "(its world, agent, input or check raised; the seeds before it passed)"
-            ) from exc
-        total_steps += result.steps
-        if as_json:
-            click.echo(json.dumps(result.to_json()))
-        if not result.ok:
-            failing.append(result)
-    _summary(seeds, total_steps, failing)
-    if failing:
-        alone = seeds == 1
-        if alone and not as_json:
-            _show_logs(failing[0])
-        replay = _replay_command(
-            failing[0].seed, faults, rate, runs_per_seed, steps, agent, as_json=as_json
-        )
-        click.echo(_next_step(failing[0], replay, alone=alone, as_json=as_json), err=True)
+    replay = functools.partial(
+        _replay_command, faults=faults, rate=rate, runs=runs_per_seed, steps=steps, agent=agent
+    )
+    done = _Simulated()
+    with on_interrupt(lambda: _interrupted(done, first, seeds, replay, as_json=as_json)):
+        for seed in range(first, first + seeds):
+            try:
+                result = simulate(
+                    seed, plan=plan, runs=runs_per_seed, steps=steps, scenario=scenario
+                )
+            except Exception as exc:
+                if scenario is None:
+                    raise  # the built-in scenario failing is a bug of treadle's: its traceback
+                raise click.ClickException(
+                    f"seed {seed}: the scenario from --agent {agent} failed: {innermost(exc)!r} "
+                    "(its world, agent, input or check raised; the seeds before it passed)"
+                ) from exc
+            done.add(result)
+            if as_json:
+                click.echo(json.dumps(result.to_json()))
+    _report(done, replay, alone=seeds == 1, as_json=as_json)
+    if done.failing:
         raise SystemExit(1)
+
+
+@attrs.define
+class _Simulated:
+    """The seeds simulated so far: how many, their steps, the failing ones (in seed order)."""
+
+    seeds: int = 0
+    steps: int = 0
+    failing: list[SimulationResult] = attrs.Factory(list)
+
+    def add(self, result: SimulationResult) -> None:
+        """Count one seed's result."""
+        self.seeds += 1
+        self.steps += result.steps
+        if not result.ok:
+            self.failing.append(result)
+
+
+def _report(done: _Simulated, replay: Callable[..., str], *, alone: bool, as_json: bool) -> None:
+    """The summary table, then what to do about the first failing seed (stderr)."""
+    _summary(done.seeds, done.steps, done.failing)
+    if not done.failing:
+        return
+    failed = done.failing[0]
+    if alone and not as_json:
+        _show_logs(failed)
+    command = replay(failed.seed, as_json=as_json)
+    click.echo(_next_step(failed, command, alone=alone, as_json=as_json), err=True)
+
+
+def _interrupted(
+    done: _Simulated, first: int, seeds: int, replay: Callable[..., str], *, as_json: bool
+) -> str:
+    """Report the seeds simulated before Ctrl-C, as a whole command does; what was left.
+
+    The seed under way when it came is not counted (its result was not known).
+    """
+    _report(done, replay, alone=False, as_json=as_json)
+    if not done.seeds:
+        return f"no seed was simulated (of {seeds} from {first})"
+    last = first + done.seeds - 1
+    return (
+        f"seeds {first} to {last} simulated, {done.seeds} of {seeds}; to go on from the next: "
+        f"--from {last + 1} --seeds {seeds - done.seeds}"
+    )
 
 
 STEPS_DEFAULT = 10
@@ -210,12 +255,12 @@ def _show_logs(failed: SimulationResult) -> None:
 
 def _replay_command(
     seed: int,
+    *,
     faults: str,
     rate: float | None,
     runs: int,
     steps: int,
     agent: str | None,
-    *,
     as_json: bool,
 ) -> str:
     """The command that simulates ``seed`` alone with everything else as given."""

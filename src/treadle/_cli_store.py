@@ -44,6 +44,7 @@ from treadle._exceptions import (
     StoreError,
     TreadleError,
 )
+from treadle._terminal import on_interrupt
 from treadle._text import valid_unicode
 from treadle.actors import stored_events
 from treadle.agent import Agent
@@ -407,10 +408,14 @@ def resume(
     """
     if (run_id is None) == (not resume_all):
         raise click.UsageError("give a RUN_ID or --all (not both)")
-    import_spec(agent_spec, param_hint="--agent")  # a wrong name is refused before anything
-    if resume_all and accept_change:
-        raise click.UsageError("--accept-changed-definition takes one RUN_ID, not --all")
-    try:
+    which = run_id if run_id is not None else "what was being resumed"
+    with on_interrupt(
+        f"{which} is left unfinished and resumable; nothing it finished is repeated when it "
+        "is resumed again"
+    ):
+        import_spec(agent_spec, param_hint="--agent")  # a wrong name is refused before anything
+        if resume_all and accept_change:
+            raise click.UsageError("--accept-changed-definition takes one RUN_ID, not --all")
         queued = 0
         if resume_all:
             logs, errors, queued = run_async(
@@ -422,14 +427,6 @@ def resume(
                 run_async(lambda: _resume_one(store_path, agent_spec, run_id, wait, accept_change))
             ]
             errors = []
-    except KeyboardInterrupt:
-        which = run_id if run_id is not None else "what was being resumed"
-        click.echo(
-            f"interrupted: {which} is left unfinished and resumable; nothing it finished is "
-            "repeated when it is resumed again",
-            err=True,
-        )
-        raise SystemExit(130) from None
     for log in logs:
         ended = _ending(log)
         if as_json:

@@ -17,6 +17,10 @@ The group loads a command's module only when that command runs (docs/design.md, 
 ``treadle --help`` lists the commands from `COMMANDS` and imports none of them, so it does not
 load the stores, the runtime or the model clients. `tests/test_cli.py` checks that each entry's
 help line is the command's own.
+
+Around every command the group applies `treadle._terminal`: characters standard output or
+error cannot encode are escaped instead of ending the command in a traceback, and Ctrl-C
+prints one line and exits with status 130.
 """
 
 from __future__ import annotations
@@ -28,6 +32,8 @@ from typing import Final
 
 import attrs
 import click
+
+from treadle._terminal import escape_unencodable_text, on_interrupt
 
 
 @attrs.frozen
@@ -142,6 +148,17 @@ class _Commands(click.Group):
         command = getattr(importlib.import_module(entry.module), entry.attribute)
         assert isinstance(command, click.Command)
         return command
+
+    def invoke(self, ctx: click.Context) -> object:
+        """Run the command, its output encodable and Ctrl-C exiting 130 (`treadle._terminal`).
+
+        A command that knows what an interruption leaves says it with its own
+        `treadle._terminal.on_interrupt`; any other prints ``interrupted``, wherever it
+        came (loading the command's module included).
+        """
+        escape_unencodable_text()
+        with on_interrupt():
+            return super().invoke(ctx)
 
     def format_commands(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
         """The "Commands" section of ``--help``, from `COMMANDS` (no command is imported)."""

@@ -26,6 +26,7 @@ from rich.table import Table
 
 from treadle._cli_common import counted
 from treadle._exceptions import TreadleError
+from treadle._terminal import mark, on_interrupt
 from treadle.demo.airline.agent import RESPOND_TOOL
 from treadle.demo.airline.data import (
     DATA_ENV_VAR,
@@ -69,37 +70,27 @@ LOCAL_FOLDER: Final = Path(".treadle")
 """Where `treadle demo` keeps its stores by default (relative to the working directory)."""
 
 
-INTERRUPTED_STATUS: Final = 130
-"""The exit status after Ctrl-C (SIGINT), as the other commands that drive runs give."""
-
-
 def _run(fn: Callable[[], Awaitable[T]], *, interrupted: str) -> T:
     """Run ``fn`` under trio; errors the user can act on become one line.
 
     A treadle or workload error becomes a `click.ClickException`. Ctrl-C (SIGINT: a
     `KeyboardInterrupt`, alone or inside the exception groups of the nurseries it crossed)
-    prints ``interrupted: <interrupted>`` on standard error and exits with status 130.
+    prints ``interrupted: <interrupted>`` on standard error and exits with status 130
+    (`treadle._terminal.on_interrupt`, as every command).
     """
-    try:
-        return trio.run(fn)
-    except (TreadleError, AirlineDataNotFound, AirlineDataUnreadable) as exc:
-        raise click.ClickException(str(exc)) from exc
-    except (KeyboardInterrupt, BaseExceptionGroup) as exc:
-        if not _is_interrupt(exc):
-            raise
-        click.echo(f"interrupted: {interrupted}", err=True)
-        raise SystemExit(INTERRUPTED_STATUS) from None
-
-
-def _is_interrupt(exc: BaseException) -> bool:
-    if isinstance(exc, BaseExceptionGroup):
-        return exc.subgroup(KeyboardInterrupt) is not None
-    return isinstance(exc, KeyboardInterrupt)
+    with on_interrupt(interrupted):
+        try:
+            return trio.run(fn)
+        except (TreadleError, AirlineDataNotFound, AirlineDataUnreadable) as exc:
+            raise click.ClickException(str(exc)) from exc
 
 
 def _clip(text: object, limit: int = CLIP) -> str:
     flat = " ".join(str(text).split())
-    return flat if len(flat) <= limit else flat[: limit - 1] + "…"
+    if len(flat) <= limit:
+        return flat
+    ellipsis = mark("…")
+    return flat[: limit - len(ellipsis)] + ellipsis
 
 
 def _stamp() -> str:
@@ -257,7 +248,7 @@ class DemoView:
         if line.get("tool") == RESPOND_TOOL:
             self.console.print(f"{label}  [bold blue]customer[/]  {observation}")
             return
-        self.console.print(f"{label}  [dim]  → {observation}[/]")
+        self.console.print(f"{label}  [dim]  {mark('→')} {observation}[/]")
 
     def _run_finished(self, label: str, line: Mapping[str, Any]) -> None:
         self.console.print(
@@ -270,7 +261,7 @@ class DemoView:
         if not exit.killed:
             return
         self.console.print(
-            f"[bold red]✗ driver process {exit.pid} was killed with SIGKILL (kill -9)[/]"
+            f"[bold red]{mark('✗')} driver process {exit.pid} was killed with SIGKILL (kill -9)[/]"
         )
         self.console.print(
             f"  the log holds {len(log.records)} durable records, {len(log.steps)} steps "
@@ -310,13 +301,14 @@ def _print_demo_summary(
         console.print(f"[bold red]the replay failed: {escape(report.error)}[/]")
     changes = AirlineDatabase(workspace.conversation_path(report.run_id)).applied_actions()
     turns = sum(1 for r in log.records if isinstance(r, ActionResult) and r.tool == RESPOND_TOOL)
+    dot = mark("·")
     console.print(
-        f"steps {len(log.steps)} · tool calls {report.tool_calls} "
-        f"({report.observations_matching} outputs identical to the recording) · "
+        f"steps {len(log.steps)} {dot} tool calls {report.tool_calls} "
+        f"({report.observations_matching} outputs identical to the recording) {dot} "
         f"customer turns {turns}"
     )
     console.print(
-        f"crashes {report.crashes} · resumes {report.resumes} · "
+        f"crashes {report.crashes} {dot} resumes {report.resumes} {dot} "
         f"history mismatches {report.history_mismatches}"
     )
     once = "yes" if report.applied_once and report.db_matches_recording else "NO"
@@ -594,7 +586,7 @@ def _live(
         return
     if as_json:
         click.echo(json.dumps(report.to_json(), ensure_ascii=False))
-    reward = "" if report.reward is None else f" · score {report.reward:.1f}"
+    reward = "" if report.reward is None else f" {mark('·')} score {report.reward:.1f}"
     console.print(
         f"run {report.run_id}: {report.state} ({report.stop_reason}), "
         f"{counted(report.steps, 'step')}, {counted(report.tool_calls, 'tool call')}{reward}"
