@@ -1,5 +1,5 @@
 """What every ``treadle`` command does about its terminal (`treadle._terminal`): output on a
-terminal whose encoding is not Unicode, and Ctrl-C."""
+terminal whose encoding is not Unicode, Ctrl-C, and a runs table narrower than its cells."""
 
 from __future__ import annotations
 
@@ -212,3 +212,41 @@ def test_sigint_stops_tail_following_a_queued_run(tmp_path: Path) -> None:
             child.kill()
     assert child.returncode == 130, (out, err)
     assert err == b"interrupted: stopped following run q, which is left as it was\n"
+
+
+# -- the runs table on a narrow terminal ------------------------------------------------------
+
+
+@pytest.mark.parametrize("width", [20, 40, 60, 80, 100, 160])
+def test_the_runs_table_never_cuts_run_ids_states_or_start_times(
+    tmp_path: Path, width: int
+) -> None:
+    # rich shrank the no-wrap columns anyway: at 40 columns "cli-run" showed as "cli", the
+    # start times as "2026-" and the states not at all.
+    db = tmp_path / "runs.db"
+    make_store(db, ("cli-run", "a-much-longer-run-identifier-01"))
+    runner = CliRunner(env={"COLUMNS": str(width)})
+    submitted = runner.invoke(
+        main, ["submit", "--store", str(db), "--agent", "calc", "--run-id", "q", "hi"]
+    )
+    assert submitted.exit_code == 0, submitted.output
+    listed = runner.invoke(main, ["runs", "--store", str(db), "--json"])
+    rows = [json.loads(line) for line in listed.output.splitlines()]
+    table = runner.invoke(main, ["runs", "--store", str(db)])
+    assert table.exit_code == 0, table.output
+    lines = table.stdout.splitlines()
+    for row in rows:
+        (line,) = [line for line in lines if line.startswith(f"│ {row['run_id']} ")]
+        assert f"│ {row['state']} " in line, table.stdout
+        if row["started"] is not None:
+            assert f"│ {row['started'][:19].replace('T', ' ')} │" in line, table.stdout
+    header = next(line for line in lines if line.startswith("┃"))
+    shown = [name.strip() for name in header.strip("┃").split("┃")]
+    hidden = [c for c in ("agent", "stop reason", "steps", "driven by") if c not in shown]
+    if hidden:
+        caption = " ".join(" ".join(lines).split())
+        assert f"not shown in {width} columns: {', '.join(hidden)}" in caption, table.stdout
+    else:
+        assert "not shown" not in table.stdout
+    if width >= 80:  # the run ids, states and start times fit: so does the table
+        assert max(len(line) for line in lines) <= width, table.stdout

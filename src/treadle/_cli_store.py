@@ -16,6 +16,7 @@ from typing import Any
 import attrs
 import click
 import trio
+from rich.cells import cell_len
 from rich.table import Table
 from rich.text import Text
 
@@ -109,7 +110,9 @@ def runs(store_path: str, as_json: bool, threads: bool, last: int | None) -> Non
                 row.update(lineage_json(starts.get(summary.run_id)))
             click.echo(json.dumps(row, ensure_ascii=False))
     else:
-        table_console().print(runs_table(store_path, summaries, starts))
+        console = table_console()
+        table = runs_table(store_path, summaries, starts, width=console.width)
+        console.print(table, crop=False)  # a table wider than the terminal wraps, uncut
     bad = [s for s in summaries if s.error is not None]
     if bad:
         for summary in bad:
@@ -127,36 +130,97 @@ def runs_table(
     store_path: str,
     summaries: Sequence[RunSummary],
     starts: dict[str, RunStarted] | None = None,
+    *,
+    width: int | None = None,
 ) -> Table:
     """The runs of a store as a table; run ids, states and start times are never cut.
 
     ``driven by`` and ``agent`` are left out when no run has one (finished runs have no
     driver, and only runs a fleet serves name their agent), so a table of finished runs fits
-    80 columns. With ``starts`` (run id -> run-started record), a ``from`` column says which
-    thread a run continues or which run and step it forks.
+    80 columns.
+
+    Args:
+        store_path: the store, named in the title (a DSN's password hidden).
+        summaries: the runs, one row each, in this order.
+        starts: run id -> run-started record; given, a ``from`` column says which thread a
+            run continues or which run and step it forks.
+        width: the columns the table should fit in (the console's), or ``None`` for as many
+            as it takes. Columns that do not fit are left out, the least needed first
+            (`_DROPPED_FIRST`), and the caption names them. A table of the run ids, states
+            and start times alone wider than ``width`` is made as wide as they need: print
+            it with ``crop=False``, and the terminal wraps its lines where rich would cut
+            those cells.
     """
-    rows = [_row(summary, starts) for summary in summaries]
+    rows = [_printable(_row(summary, starts)) for summary in summaries]
     columns = [
         column
         for column in _RUN_COLUMNS
         if (column != "from" or starts is not None)
         and (column not in _OPTIONAL_COLUMNS or any(row[column] for row in rows))
     ]
+    needs = {column: _least_width(column, rows) for column in columns}
+    left_out = _left_out(needs, width)
+    kept = [column for column in columns if column not in left_out]
     table = Table(title=f"runs in {redact(store_path)}")
-    for column in columns:
+    if left_out:
+        table.caption = (
+            f"not shown in {width} columns: {', '.join(left_out)} (--json lists every field)"
+        )
+    least = _table_width([needs[column] for column in kept])
+    if width is not None and least > width:
+        table.width = least  # wider than asked: rich cuts no whole column to fit
+    for column in kept:
         if column in _WHOLE_COLUMNS:  # short words, never cut: the others wrap instead
-            longest = max((len(row[column]) for row in rows), default=len(column))
-            table.add_column(column, no_wrap=True, min_width=max(longest, len(column)))
+            table.add_column(column, no_wrap=True, min_width=needs[column])
         else:
             table.add_column(column, overflow="fold")
     for row in rows:  # Text: a "[...]" in a cell is no markup
-        table.add_row(*(Text(row[column]) for column in columns))
+        table.add_row(*(Text(row[column]) for column in kept))
     return table
 
 
 _RUN_COLUMNS = ("run", "state", "driven by", "agent", "steps", "stop reason", "started", "from")
 _OPTIONAL_COLUMNS = frozenset({"driven by", "agent"})
 _WHOLE_COLUMNS = frozenset({"run", "state", "steps", "stop reason", "started"})
+_DROPPED_FIRST = ("from", "agent", "stop reason", "steps", "driven by")
+"""The columns `runs_table` leaves out when the table does not fit, in that order; a column
+that fits beside those kept is kept (run ids, states and start times always are)."""
+
+FOLDED_MIN = 10
+"""Characters a folded column of `runs_table` (``driven by``, ``agent``, ``from``) keeps at
+least (fewer when its longest cell is shorter): narrower, it would show a few letters a line."""
+
+
+def _least_width(column: str, rows: Sequence[dict[str, str]]) -> int:
+    """The characters ``column`` needs: its longest cell whole, or `FOLDED_MIN` folded."""
+    longest = max((cell_len(row[column]) for row in rows), default=0)
+    longest = max(longest, cell_len(column))
+    return longest if column in _WHOLE_COLUMNS else min(longest, FOLDED_MIN)
+
+
+def _table_width(columns: Sequence[int]) -> int:
+    """The width of a table of columns this wide: one space each side, a border between."""
+    return sum(columns) + 2 * len(columns) + len(columns) + 1
+
+
+def _left_out(needs: dict[str, int], width: int | None) -> list[str]:
+    """The columns to leave out for the others to fit ``width``, in `_DROPPED_FIRST` order.
+
+    Run ids, states and start times are kept whatever their width; then each other column,
+    the most needed first, if it fits beside those kept so far.
+    """
+    if width is None or _table_width(list(needs.values())) <= width:
+        return []
+    kept = {name: need for name, need in needs.items() if name not in _DROPPED_FIRST}
+    for column in reversed(_DROPPED_FIRST):
+        if column in needs and _table_width([*kept.values(), needs[column]]) <= width:
+            kept[column] = needs[column]
+    return [column for column in _DROPPED_FIRST if column in needs and column not in kept]
+
+
+def _printable(row: dict[str, str]) -> dict[str, str]:
+    """``row`` with each cell `printable` (an agent name or an error is the store's text)."""
+    return {column: printable(text) for column, text in row.items()}
 
 
 def _row(summary: RunSummary, starts: dict[str, RunStarted] | None) -> dict[str, str]:
