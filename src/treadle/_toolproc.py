@@ -2,18 +2,21 @@
 
 See docs/concepts.md, "Tools and cancellation".
 
-The parent starts ``python -m treadle._toolproc LIFELINE`` in a session of its own, with its
-``sys.path`` as ``PYTHONPATH``, and writes one pickled request to its stdin: the tool
+The parent starts ``python -m treadle._toolproc LIFELINE REPLIES`` in a session of its own,
+with its ``sys.path`` as ``PYTHONPATH``, and writes one pickled request to its stdin: the tool
 function's module and qualified name (it is imported in the child, so it must be importable)
 and the validated arguments. ``LIFELINE`` is the read end of a pipe whose write end only the
 parent holds, for as long as it waits for the call: its end of file means the parent is gone.
+``REPLIES`` is the write end of the call's **reply pipe**, whose read end only the parent holds.
 
 The process started is the call's **keeper**, the leader of the call's session. It forks a
-**worker** that loads the function, writes `BEGAN` to what was the keeper's stdout, runs the
-function (an ``async def`` one under its own `trio.run`) and writes one framed, pickled reply
-there (`frame`); the function's own prints go to stderr. A worker that cannot load the function
-(its module does not import, the request does not unpickle) replies `REPLY_NOT_STARTED` without
-writing `BEGAN`: the parent tells a call that never began from one that did by that mark. The
+**worker** that loads the function, writes `BEGAN` to the reply pipe, runs the function (an
+``async def`` one under its own `trio.run`) and writes one framed, pickled reply there
+(`frame`). Nothing else writes to the reply pipe: the interpreter's start-up (a
+``sitecustomize`` that prints) prints to the stdout the child inherited, and the function's own
+prints go to stderr. A worker that cannot load the function (its module does not import, the
+request does not unpickle) replies `REPLY_NOT_STARTED` without writing `BEGAN`: the parent
+tells a call that never began from one that did by that mark. The
 keeper runs no code of the tool: it waits for the worker and exits as the worker did (the same
 signal, or the same status), and when the lifeline breaks first (the parent was killed, even
 with SIGKILL) it kills every process of the session (`kill_session`), itself last: the worker
@@ -84,31 +87,52 @@ def unframe(data: bytes) -> bytes | None:
     return body if len(body) == length else None
 
 
+_LOOKS: Final = 10
+"""How many times `kill_session` looks for the session's processes at most."""
+
+
 def kill_session(session: int) -> None:
     """SIGKILL every process of the session ``session`` except the calling one.
 
     On Linux they are found by their session id (``/proc/<pid>/stat``), whatever process group
     they moved to. Each is stopped (SIGSTOP) first, and looked for again until a look finds
-    none not yet stopped (one may have forked meanwhile); only then are they killed, so none
-    can react to another's death (a shell running its next command when the one before it
-    was killed). Elsewhere the process group of the session's leader is killed: a process
-    that moved to a group of its own is missed there, and the caller dies too when it is in
-    that group. A process that left the session (``setsid``) is its own (docs/concepts.md,
-    "Tools and cancellation").
+    none not yet stopped (one may have forked meanwhile), at most `_LOOKS` times; only then
+    are they killed, so none can react to another's death (a shell running its next command
+    when the one before it was killed). A caller outside the session first stops the process
+    group of the session's leader at once, a fork in progress included (``killpg``), and
+    kills it last: a fork chain there is stopped by the first look. A stopped process cannot
+    fork, so only a process outside that group that forks faster than the looks find it
+    (a fork chain that moved to a group of its own) can escape the kill. Elsewhere the process
+    group of the session's leader is killed: a process that moved to a group of its own is
+    missed there, and the caller dies too when it is in that group. A process that left the
+    session (``setsid``) is its own (docs/concepts.md, "Tools and cancellation").
+
+    It blocks for as long as its looks take (a scan of ``/proc`` each): call it off a trio
+    loop.
     """
     if not sys.platform.startswith("linux") or not os.path.isdir(_PROC):
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(session, signal.SIGKILL)
+        _signal_group(session, signal.SIGKILL)
         return
+    outside = os.getsid(0) != session
+    if outside:
+        _signal_group(session, signal.SIGSTOP)
     me = os.getpid()
     stopped: set[tuple[int, bytes]] = set()
-    while True:
+    for _ in range(_LOOKS):
         found = {member for member in _members(session) if member[0] != me} - stopped
         if not found:
             break
         _signal_all(found, signal.SIGSTOP)
         stopped |= found
     _signal_all(stopped, signal.SIGKILL)
+    if outside:
+        _signal_group(session, signal.SIGKILL)
+
+
+def _signal_group(group: int, number: int) -> None:
+    """Send signal ``number`` to the process group ``group``, if it is still there."""
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(group, number)
 
 
 def _signal_all(processes: set[tuple[int, bytes]], number: int) -> None:
@@ -220,12 +244,13 @@ def _error_reply(exc: Exception) -> tuple[Any, ...]:
 def main() -> None:
     """Keep the call: fork its worker, and kill the call's session if the parent dies.
 
-    ``sys.argv[1]`` is the lifeline's file descriptor; stdin holds the request; the reply goes
-    to the original stdout, written by the worker.
+    ``sys.argv[1]`` is the lifeline's file descriptor, ``sys.argv[2]`` the reply pipe's; stdin
+    holds the request; the reply is written to the reply pipe by the worker.
     """
     lifeline = int(sys.argv[1])
-    reply_fd = os.dup(1)  # not inherited across exec
-    os.dup2(2, 1)  # the function's prints must not mix with the reply
+    reply_fd = int(sys.argv[2])
+    os.set_inheritable(reply_fd, False)  # not inherited across exec
+    os.dup2(2, 1)  # the function's prints go to stderr
     sys.stdout = sys.stderr
     request = sys.stdin.buffer.read()
     keeper = os.getpid()

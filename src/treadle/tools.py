@@ -82,7 +82,6 @@ import os
 import pickle
 import re
 import signal
-import subprocess
 import sys
 import threading
 import time
@@ -702,7 +701,9 @@ class _ProcessCall:
     """One call of a process tool: its child process, and what the child wrote back.
 
     The child writes `_toolproc.BEGAN` when the function begins, then its framed reply
-    (`_toolproc.frame`). The output is read as it comes, so that a call killed at its timeout
+    (`_toolproc.frame`), to a reply pipe of the call's own that nothing else writes to: what
+    the child's interpreter prints while it starts (a ``sitecustomize`` that prints) goes to the
+    stdout it inherited. The reply is read as it comes, so that a call killed at its timeout
     tells whether its function began (docs/concepts.md, "Tools and cancellation").
     """
 
@@ -720,9 +721,15 @@ class _ProcessCall:
     def began(self) -> bool:
         """Whether the function began.
 
-        True when its process said so, or when nobody can tell (its output did not end).
+        False only when its process said it did not: its output ended, empty or holding a
+        whole reply without `_toolproc.BEGAN` (the function could not be loaded). Whenever
+        nobody can tell (the output did not end, or it is not what the child writes), True:
+        the call counts as begun (docs/concepts.md, "Tools and cancellation").
         """
-        return not self._ended or self._output.startswith(_toolproc.BEGAN)
+        output = bytes(self._output)
+        if not self._ended or output.startswith(_toolproc.BEGAN):
+            return True
+        return output != b"" and _toolproc.unframe(output) is None
 
     async def run(self) -> ActionOutcome:
         """Run the call in a child process; killed at once when the call is cancelled.
@@ -730,39 +737,43 @@ class _ProcessCall:
         A `StaleWrite` raised in the child is a stale write here too.
         """
         lifeline, held = os.pipe()
-        stdout: trio.abc.ReceiveStream | None = None
+        replies, reply_end = os.pipe()
+        reply = trio.lowlevel.FdStream(replies)  # closes ``replies``
+        started = False
         try:
             async with trio.open_nursery() as nursery:
-                process: trio.Process = await nursery.start(self._process, lifeline)
-                stdout = process.stdout
-                assert stdout is not None
-                await self._read(stdout)
+                process: trio.Process = await nursery.start(self._process, lifeline, reply_end)
+                os.close(reply_end)  # the child holds the only write end: its end ends the reply
+                started = True
+                await self._read(reply)
         except BaseException:
-            if stdout is not None:  # the kill has landed: what did the child write before?
+            if started:  # the kill has landed: what did the child write before?
                 with trio.CancelScope(shield=True), trio.move_on_after(_READ_AFTER_KILL_S):
-                    await self._read(stdout)
+                    await self._read(reply)
             raise
         finally:
             os.close(lifeline)
             os.close(held)
-            if stdout is not None:
-                with trio.CancelScope(shield=True):
-                    await stdout.aclose()
+            if not started:
+                os.close(reply_end)
+            with trio.CancelScope(shield=True):
+                await reply.aclose()
         assert process.returncode is not None
         return self._outcome(process.returncode)
 
-    async def _process(self, lifeline: int, *, task_status: trio.TaskStatus[trio.Process]) -> None:
+    async def _process(
+        self, lifeline: int, reply_end: int, *, task_status: trio.TaskStatus[trio.Process]
+    ) -> None:
         paths = [os.getcwd() if entry == "" else entry for entry in sys.path]
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(paths)}
         # The child's lifeline: only this process holds the write end (not inherited), so its
         # end of file tells the child that nobody waits for the call any more.
         await trio.run_process(
-            [sys.executable, "-m", _toolproc.__name__, str(lifeline)],
+            [sys.executable, "-m", _toolproc.__name__, str(lifeline), str(reply_end)],
             stdin=self._request(),
-            stdout=subprocess.PIPE,
             check=False,
             env=env,
-            pass_fds=(lifeline,),
+            pass_fds=(lifeline, reply_end),
             deliver_cancel=_kill,
             start_new_session=True,  # its own session: `_kill` kills what it started too
             task_status=task_status,
@@ -773,8 +784,8 @@ class _ProcessCall:
         sent = {key: _for_the_child(value) for key, value in self._kwargs.items()}
         return pickle.dumps({"module": fn.__module__, "qualname": fn.__qualname__, "kwargs": sent})
 
-    async def _read(self, stdout: trio.abc.ReceiveStream) -> None:
-        async for chunk in stdout:
+    async def _read(self, reply: trio.abc.ReceiveStream) -> None:
+        async for chunk in reply:
             self._output += chunk
         self._ended = True
 
@@ -784,8 +795,11 @@ class _ProcessCall:
         ``status`` is trio's `trio.Process.returncode` (negative: killed by that signal).
         """
         output = bytes(self._output)
-        began = output.startswith(_toolproc.BEGAN)
-        data = _toolproc.unframe(output[len(_toolproc.BEGAN) :] if began else output)
+        began = self.began
+        if output.startswith(_toolproc.BEGAN):
+            data = _toolproc.unframe(output[len(_toolproc.BEGAN) :])
+        else:  # a reply of a function never loaded, or nothing anyone can read
+            data = None if began else _toolproc.unframe(output)
         if data is None:  # no reply, or a cut one
             return _died(self._found, status) if began else _ended_first(self._found, status)
         try:
@@ -905,12 +919,12 @@ async def _kill(process: trio.Process) -> None:
     The session is the tool's process and every process it started, whatever process group
     they moved to (coreutils ``timeout``, a job-control shell), unless they left the session
     themselves (``setsid``): nothing of the call runs on after the kill (docs/concepts.md,
-    "Tools and cancellation"). The kill is done before this yields: trio stops waiting for
-    it as soon as the call's own process has ended.
+    "Tools and cancellation"). The processes are looked for in ``/proc`` in a worker thread,
+    a bounded number of times (`_toolproc.kill_session`), so the trio loop and every other
+    run on it go on meanwhile; the call waits for the kill to be done.
     """
-    _toolproc.kill_session(process.pid)  # the session's id: its leader's pid
+    await trio.to_thread.run_sync(_toolproc.kill_session, process.pid)  # its leader's pid
     process.send_signal(signal.SIGKILL)  # the call's own process in any case
-    await trio.lowlevel.checkpoint()
 
 
 def _resource_key(found: Tool, kwargs: Mapping[str, Any]) -> str | None:

@@ -186,3 +186,23 @@ def return_unreadable(directory: str) -> str:
     """Write ``done``, then return a value that cannot be unpickled."""
     (Path(directory) / "done").write_text("done")
     return TwoPart(1, 2)  # type: ignore[return-value]
+
+
+@treadle.tool(isolation="process", timeout_s=60)
+def fork_chain(directory: str) -> str:
+    """Write ``started`` (the call's session id), then start a fork chain and wait.
+
+    Each process of the chain forks the next and exits at once, so the chain has a new pid
+    all the time; its last one, alive after its sleep, writes ``done``.
+    """
+    folder = Path(directory)
+    if os.fork():
+        (folder / "started").write_text(str(os.getsid(0)))
+        time.sleep(60)
+        return "waited"
+    for _ in range(1_000_000):
+        if os.fork():
+            os._exit(0)
+    time.sleep(60)
+    (folder / "done").write_text("done")
+    os._exit(0)

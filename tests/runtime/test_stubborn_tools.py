@@ -12,6 +12,7 @@ wall clock; the trio clock is virtual except where a child process is involved.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import logging
 import os
@@ -37,6 +38,7 @@ from process_tools import (
     fail,
     fail_unprintably,
     fork_and_return,
+    fork_chain,
     return_unreadable,
     scaler,
     slow_write,
@@ -49,6 +51,7 @@ from runtime_fakes import LedgerTools, SimpleParser
 
 import treadle
 import treadle.tools
+from treadle import _toolproc
 from treadle._exceptions import UsageError, raised
 from treadle._toolhost import host_statistics
 from treadle.actors import CANCEL_GRACE_S
@@ -578,6 +581,106 @@ async def test_a_process_call_killed_before_its_function_began_never_started(tmp
         "the call to held did not start within 2 s: its process was killed while it started, "
         "before the tool's function began"
     )
+
+
+async def test_a_process_tool_whose_interpreter_prints_as_it_starts_returns_its_result(
+    tmp_path, monkeypatch, capfd
+):
+    """A ``sitecustomize`` on the child's path prints while its interpreter starts. The print
+    went ahead of the began mark on the channel the reply came back on: a call that ran to
+    its end was recorded NOT_EXECUTED, as though its function never began, and a retry would
+    have run it twice."""
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text("print('site customized')\n")
+    monkeypatch.syspath_prepend(str(site))  # the child's PYTHONPATH is this process's path
+    action = Action(
+        run_id="r", step=1, intent_id="r/s1/a1", call_id="c", tool="double", arguments={"n": 21}
+    )
+    with trio.fail_after(REAL_WAIT_S):
+        outcome = await Toolbox([double]).execute(action)
+    assert (outcome.status, outcome.observation) == (ActionStatus.EXECUTED, "42")
+    assert "site customized" in capfd.readouterr().out  # it did print, as it starts
+
+
+async def _cancel_once_started(tool: Tool, folder: Path) -> None:
+    """Call ``tool`` with ``directory=folder`` and cancel the call once it wrote ``started``."""
+    action = Action(
+        run_id="r",
+        step=1,
+        intent_id="r/s1/a1",
+        call_id="c",
+        tool=tool.name,
+        arguments={"directory": str(folder)},
+    )
+    with trio.fail_after(REAL_WAIT_S):
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(Toolbox([tool]).execute, action)
+            while not (folder / "started").exists():  # noqa: ASYNC110 (it signals nothing else)
+                await trio.sleep(0.05)
+            nursery.cancel_scope.cancel()
+
+
+async def test_a_process_tools_fork_chain_is_killed_with_it(markers):
+    """Each process of the chain forks the next and exits: the kill looked for the session's
+    processes again for as long as each look found a new one, on the trio loop, for seconds;
+    the process group of the session's leader is now stopped at once."""
+    await _cancel_once_started(fork_chain, markers)
+    session = int((markers / "started").read_text())
+    try:
+        for _ in range(int(REAL_WAIT_S / 0.05)):  # polled: nothing signals a reaped process
+            if not list(_toolproc._members(session)):
+                break
+            await trio.sleep(0.05)
+        assert list(_toolproc._members(session)) == []
+    finally:  # a chain that escaped the kill stays in the group of the session's leader
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(session, signal.SIGKILL)
+    assert sorted(p.name for p in markers.iterdir()) == ["started"]
+
+
+async def test_the_trio_loop_goes_on_while_a_process_tool_is_killed(markers, monkeypatch):
+    """The kill looked for the session's processes in ``/proc`` on the trio loop: every run of
+    the process stood still meanwhile (lease renewals included), for seconds with a process
+    that forks fast. Here the kill waits for a trio task to run before it goes on."""
+    in_kill = threading.Event()
+    loop_ran = threading.Event()
+    saw_the_loop: list[bool] = []
+    kill_session = _toolproc.kill_session
+
+    def waiting_kill(session: int) -> None:
+        in_kill.set()
+        saw_the_loop.append(loop_ran.wait(REAL_WAIT_S))
+        kill_session(session)
+
+    async def run_on_the_loop() -> None:
+        await trio.to_thread.run_sync(in_kill.wait, REAL_WAIT_S)
+        loop_ran.set()
+
+    monkeypatch.setattr(_toolproc, "kill_session", waiting_kill)
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(run_on_the_loop)
+        await _cancel_once_started(spawn_and_wait, markers)
+    assert saw_the_loop == [True]
+    await check_killed(markers)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="looks in /proc (Linux)")
+def test_a_kill_looks_for_the_sessions_processes_a_bounded_number_of_times(monkeypatch):
+    """Each look finds a process not seen before (a fork chain outrunning the looks): the
+    kill looked again for as long as that went on, here 1000 times."""
+    looks = 0
+
+    def members(session: int) -> list[tuple[int, bytes]]:
+        nonlocal looks
+        looks += 1
+        # above any pid Linux hands out (at most 2**22): no process gets these signals
+        return [(2**23 + looks, b"0")] if looks < 1000 else []
+
+    monkeypatch.setattr(_toolproc, "_members", members)
+    _toolproc.kill_session(2**23)
+    assert looks < 1000
+    assert looks == _toolproc._LOOKS
 
 
 async def test_a_process_tools_error_whose_message_cannot_be_read_is_its_error(markers):
