@@ -13,16 +13,19 @@ import ast
 import json
 
 import pytest
+from hypothesis import example, given
+from hypothesis import strategies as st
 
+from treadle._secret_text import value_spans
 from treadle.agent import Agent
-from treadle.parsers import JsonToolCallParser
-from treadle.redaction import REDACTED, SNAPSHOT_KEY, Redaction
+from treadle.parsers import JsonToolCallParser, NativeToolCallParser
+from treadle.redaction import REDACTED, SNAPSHOT_KEY, Redaction, without_secret_values
 from treadle.stores._codec import record_to_dict
 from treadle.stores.memory import MemoryStore
 from treadle.supervisors import open_run
-from treadle.testing.scripted import ScriptedModel, say
+from treadle.testing.scripted import ScriptedModel, calls, say
 from treadle.tools import Toolbox, tool
-from treadle.types import ModelReply, ToolSpec
+from treadle.types import ModelReply, RunState, ToolCall, ToolSpec
 
 CARD = "4111222233334444"
 MIDDLE = "22223333"
@@ -227,3 +230,136 @@ async def test_events_of_a_run_hold_no_secret_the_model_wrote_in_any_form(form, 
     for events in (seen, sink.events):
         shown = json.dumps([record_to_dict(e.record) for e in events if e.record is not None])
         assert "charged 5" in shown and MIDDLE not in shown
+
+
+HUGE_HEX = "{'card_number': [0x" + "f" * 4000 + "]}"
+"""A Python literal whose number has more digits than Python writes in decimal."""
+NAMELESS = "a path: \\\\N{\\ud800} ok"
+"""``\\N{`` and a JSON escape that reads as a lone surrogate: no character's name."""
+TOKENS = [
+    "\\",
+    "\\\\",
+    "\\u",
+    "\\ud800",
+    "\\udc00",
+    "\\U0001f600",
+    "\\x5f",
+    "\\N{",
+    "\\N{DIGIT FOUR}",
+    "\\0",
+    "\\\n",
+    "0x",
+    "f" * 50,
+    "9" * 50,
+    "{",
+    "}",
+    "[",
+    "]",
+    "(",
+    ")",
+    '"',
+    "'",
+    "'''",
+    ":",
+    ",",
+    "#",
+    "\n",
+    ".",
+    "e5",
+    '"card_number"',
+    "'card_number'",
+    '"card\\u005fnumber"',
+    "<parameter=card_number>",
+    "</parameter>",
+    CARD,
+]
+
+
+@given(
+    pieces=st.lists(st.sampled_from(TOKENS) | st.text(max_size=4), max_size=40),
+    known=st.lists(st.integers() | st.text(max_size=8), max_size=3),
+)
+@example(pieces=[HUGE_HEX], known=[])
+@example(pieces=[NAMELESS], known=[])
+@example(pieces=["the card"], known=[[16**4000, CARD]])
+def test_redacting_any_text_returns_a_text(pieces, known):
+    # A reply's text is the model's to write: a \\N{} escape of a lone surrogate and a Python
+    # literal's hex number with 4800 digits raised, crashing the run's writer and `treadle show`.
+    text = "".join(pieces)
+    shown = REDACTION.text(text, known=[*known, CARD])
+    assert isinstance(shown, str) and CARD not in shown
+    shown = without_secret_values(text, {"card_number": [*known, CARD]}, {"card_number"})
+    assert isinstance(shown, str) and CARD not in shown
+
+
+def test_what_no_decoder_reads_is_left_as_written_and_the_value_after_its_key_goes():
+    assert REDACTION.text(HUGE_HEX) == "{'card_number': '[redacted]'}"
+    assert REDACTION.text(NAMELESS) == NAMELESS
+    deep: object = CARD
+    for _ in range(5000):
+        deep = [deep]
+    assert REDACTION.text(f"the card {CARD}", known=[deep]) == f"the card {REDACTED}"
+
+
+async def test_a_reply_no_decoder_reads_lets_its_run_go_on(autojump_clock):
+    # The writer crashed on the reply's text: the run was interrupted, and its call, intended
+    # but not finished, was unknown on resume.
+    card = ToolCall(id="c1", name="charge", arguments={"amount": 5, "card_number": CARD})
+    agent = Agent(
+        model=ScriptedModel(turns=[calls(card, text=f"Charging ({NAMELESS})."), say("ok")]),
+        executor=Toolbox([charge]),
+        parser=NativeToolCallParser(),
+        system_prompt="sys",
+    )
+    store, sink = MemoryStore(), ListSink()
+    async with open_run(agent, "pay", store=store, run_id="r", sinks=[sink]) as handle:
+        result = await handle.wait()
+    assert result.state is RunState.SUCCEEDED
+    shown = json.dumps([record_to_dict(e.record) for e in sink.events if e.record is not None])
+    assert "charged 5" in shown and CARD not in shown
+
+
+class ScannedText(str):
+    """A text that counts the characters `str.find` passes over in it."""
+
+    scanned = 0
+
+    def find(self, sub, start=0, end=None):  # type: ignore[override]
+        found = super().find(sub, start)
+        ScannedText.scanned += (len(self) if found < 0 else found + len(sub)) - start
+        return found
+
+
+def values_nested_in_one_another(size: int) -> tuple[str, list[str]]:
+    """Secret keys whose values are runs of one letter of growing length, and the values."""
+    parts: list[str] = []
+    values: list[str] = []
+    while sum(map(len, parts)) < size:
+        values.append("a" * (8 + len(values)))
+        parts.append(f'"card_number": "{values[-1]}",')
+    return "{" + "".join(parts) + "}", values
+
+
+@pytest.mark.parametrize("size", [10_000, 40_000])
+def test_values_found_in_one_another_take_work_in_proportion_to_the_text(size):
+    # Every value was found at every place inside every longer one, and each of the text's
+    # distinct values looked for through the whole text: 33 s for 40 KB, with the loop held.
+    text, values = values_nested_in_one_another(size)
+    ScannedText.scanned = 0
+    spans = value_spans([(ScannedText(text), ())], values)
+    assert ScannedText.scanned <= 64 * len(text), (ScannedText.scanned, len(text))
+    assert len(spans) <= len(text) // 4, (len(spans), len(text))
+    assert "aaaaaaaa" not in REDACTION.text(text, known=values[-1:])
+
+
+@pytest.mark.parametrize("shown", ["PIN 7391.", "PIN 7391. Done", "(7391.)", "7391.\n"])
+def test_a_short_secret_before_a_full_stop_is_redacted(shown):
+    # "." counted as part of a number whatever followed it: "PIN 7391." was shown.
+    expected = shown.replace("7391", REDACTED)
+    assert REDACTION.text(shown, known=["7391"]) == expected
+    assert without_secret_values(shown, {"pin": "7391"}, {"pin"}) == expected
+
+
+def test_a_short_secret_within_a_longer_number_is_left():
+    for number in ("3.7391", "7391.5", "17391", "7391_2", "x7391"):
+        assert REDACTION.text(f"PIN {number}.", known=["7391"]) == f"PIN {number}."

@@ -5,13 +5,15 @@ The text pass of `treadle.redaction.Redaction.text` and `treadle.redaction.witho
 its strings (`readings_of`), the values after a secret argument's key are found in every reading
 (`found_in`), the places of given values too (`value_spans`), and each place is traced back to
 the text as written and replaced there (`replaced`). The work is linear in the text's length for
-a given set of secret values.
+a given set of secret values, and at most `MAX_SEARCHED_VALUES` values are looked for. No text
+makes any of it raise: a reply's text is the model's to write.
 """
 
 from __future__ import annotations
 
 import bisect
 import functools
+import heapq
 import json
 import re
 import sys
@@ -30,6 +32,8 @@ MAX_DECODED_DEPTH: Final = 3
 """How many times `Redaction.text` reads the escapes of its text (JSON inside a JSON string)."""
 WHOLE_WORD_CHARS: Final = 8
 """A secret value shorter than this is replaced in text only as a whole word or number."""
+MAX_SEARCHED_VALUES: Final = 64
+"""How many distinct secret values `value_spans` looks for in one text, the first ones given."""
 
 Span = tuple[int, int, str]
 """``(start, end, replacement)``: ``text[start:end]`` is to read ``replacement``."""
@@ -270,7 +274,7 @@ def _escaped(match: re.Match[str]) -> str | None:
     if kind == "name":
         try:
             return unicodedata.lookup(written)
-        except KeyError:
+        except (KeyError, ValueError):  # no such name; a name with a lone surrogate in it
             return None
     code = int(written, 8 if kind == "octal" else 16)
     return chr(code) if code <= sys.maxunicode else None
@@ -419,21 +423,36 @@ def _decoded(written: str) -> list[object]:
 
 
 def _leaves(value: object) -> Iterator[str | int | float]:
-    """The strings and numbers within ``value`` (booleans and nulls are not secrets)."""
-    if isinstance(value, dict):
-        for item in value.values():
-            yield from _leaves(item)
-    elif isinstance(value, list):
-        for item in value:
-            yield from _leaves(item)
-    elif isinstance(value, str | int | float) and not isinstance(value, bool):
-        yield value
+    """The strings and numbers within ``value``, in order (booleans and nulls are not secrets).
+
+    The walk is iterative: a value nested as deep as a decoder allows is walked too.
+    """
+    stack = [value]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, dict):
+            stack.extend(reversed(item.values()))
+        elif isinstance(item, list):
+            stack.extend(reversed(item))
+        elif isinstance(item, str | int | float) and not isinstance(item, bool):
+            yield item
 
 
 def forms_of(values: Iterable[object]) -> Iterator[str]:
-    """The strings and numbers within ``values`` as text: a number as JSON writes it."""
+    """The strings and numbers within ``values`` as text: a number as JSON writes it.
+
+    An integer too long for Python to write in decimal (over 4300 digits: only a Python
+    literal such as ``0xfff...`` reads as one) has no such form and is left out; after a
+    key, its place is replaced all the same.
+    """
     for leaf in _leaves(list(values)):
-        yield leaf if isinstance(leaf, str) else json.dumps(leaf)
+        if isinstance(leaf, str):
+            yield leaf
+            continue
+        try:
+            yield json.dumps(leaf)
+        except ValueError:  # int.__str__'s digit limit (sys.get_int_max_str_digits)
+            continue
 
 
 def value_spans(readings: Readings, forms: Iterable[str]) -> list[Span]:
@@ -441,37 +460,124 @@ def value_spans(readings: Readings, forms: Iterable[str]) -> list[Span]:
 
     A short form (under `WHOLE_WORD_CHARS` characters) that starts or ends with a letter,
     digit or ``_`` counts only where it is not part of a longer word or number (a PIN
-    ``1234`` leaves ``12345`` alone); a longer one counts wherever it stands. Each form is
-    looked for once in each reading: the work is the text's length times the number of
-    distinct forms.
+    ``1234`` leaves ``12345`` and ``3.1234`` alone, not ``PIN 1234.``); a longer one counts
+    wherever it stands. The first `MAX_SEARCHED_VALUES` distinct forms are looked for, each
+    once in each reading, longest first, and a place wholly inside one found before is not
+    kept (`_places`): the work is the text's length times the number of forms looked for,
+    whatever values the text holds (docs/events.md, "Secret arguments").
     """
-    distinct = {form for form in forms if form and form != REDACTED}
+    searched = sorted(_searched(forms), key=len, reverse=True)
     return [
-        (*_written(chain, start, start + len(form)), REDACTED)
-        for form in distinct
+        (*_written(chain, start, end), REDACTED)
         for reading, chain in readings
-        for start in _places(reading, form)
+        for start, end in _places(reading, searched)
     ]
 
 
-def _places(text: str, form: str) -> Iterator[int]:
-    """Where ``form`` stands in ``text`` (`value_spans`), overlapping places too."""
-    short = len(form) < WHOLE_WORD_CHARS
-    head = short and (form[0].isalnum() or form[0] == "_")
-    tail = short and (form[-1].isalnum() or form[-1] == "_")
+def _searched(forms: Iterable[str]) -> list[str]:
+    """The distinct ``forms`` `value_spans` looks for: the first `MAX_SEARCHED_VALUES`."""
+    distinct: dict[str, None] = {}
+    for form in forms:
+        if form and form != REDACTED:
+            distinct[form] = None
+            if len(distinct) == MAX_SEARCHED_VALUES:
+                break
+    return list(distinct)
+
+
+def _places(text: str, forms: list[str]) -> list[tuple[int, int]]:
+    """Where ``forms`` (longest first) stand in ``text``: ``(start, end)`` each.
+
+    The places of one form do not overlap, and one wholly inside the places found before
+    (a longer form's) is skipped: the search goes on from where it could leave them. So a
+    text of secret values nested in one another (``aaaaaaaa``, ``aaaaaaaaa`` ...) gives
+    a place per value, not one per value and place of another.
+    """
+    found = _Found()
+    for form in forms:
+        found.add(list(_places_of(text, form, found)))
+    return found.places
+
+
+def _places_of(text: str, form: str, found: _Found) -> Iterator[tuple[int, int]]:
+    """Where ``form`` stands in ``text`` outside what is already ``found`` (`_places`).
+
+    A long form is found by `str.find`; a short one by a pattern that says which neighbours
+    it may not have (`_whole_word`), so that a place it may not take costs no Python step.
+    """
+    size = len(form)
+    if size < WHOLE_WORD_CHARS:
+        for match in _whole_word(form).finditer(text):
+            if found.holding(match.start(), match.end()) is None:
+                yield match.span()
+        return
     start = text.find(form)
     while start >= 0:
-        end = start + len(form)
-        if not (head and start and _wordy(text[start - 1])) and not (
-            tail and end < len(text) and _wordy(text[end])
-        ):
-            yield start
-        start = text.find(form, start + 1)
+        holding = found.holding(start, start + size)
+        if holding is None:
+            yield start, start + size
+            start = text.find(form, start + size)
+        else:
+            start = text.find(form, holding - size + 1)
+
+
+class _Found:
+    """The places found in one text so far, those that overlap or touch merged, in order."""
+
+    def __init__(self) -> None:
+        self.starts: list[int] = []
+        self.ends: list[int] = []
+
+    @property
+    def places(self) -> list[tuple[int, int]]:
+        """The merged places: ``(start, end)`` each, in order."""
+        return list(zip(self.starts, self.ends, strict=True))
+
+    def holding(self, start: int, end: int) -> int | None:
+        """The end of the found place that holds ``[start, end)`` whole; ``None`` if none."""
+        index = bisect.bisect_right(self.starts, start) - 1
+        return self.ends[index] if index >= 0 and end <= self.ends[index] else None
+
+    def add(self, places: list[tuple[int, int]]) -> None:
+        """Add ``places`` (in order, not overlapping one another)."""
+        if not places:
+            return
+        merged: list[tuple[int, int]] = []
+        for start, end in heapq.merge(self.places, places):
+            if merged and start <= merged[-1][1]:
+                merged[-1] = (merged[-1][0], max(merged[-1][1], end))
+            else:
+                merged.append((start, end))
+        self.starts = [start for start, _ in merged]
+        self.ends = [end for _, end in merged]
+
+
+def _whole_word(form: str) -> re.Pattern[str]:
+    r"""``form`` where it is not part of a longer word or number.
+
+    Before it, when it starts with a letter, digit or ``_``, may not stand another (``\w``),
+    nor, when it starts with a digit, a digit and ``.`` (``3.1234``); after it, likewise, no
+    ``\w`` and, when it ends with a digit, no ``.`` and a digit (``1234.5``). A ``.`` with
+    no digit beyond it ends a sentence, not a number. The assertions follow the literal, so
+    the search runs on the literal's prefix.
+    """
+    written = re.escape(form)
+    head, tail = form[0], form[-1]
+    checks = []
+    if _wordy(head):
+        checks.append(rf"(?<!\w{written})")
+        if head.isdecimal():
+            checks.append(rf"(?<!\d\.{written})")
+    if _wordy(tail):
+        checks.append(r"(?!\w)")
+        if tail.isdecimal():
+            checks.append(r"(?!\.\d)")
+    return re.compile(written + "".join(checks))
 
 
 def _wordy(char: str) -> bool:
-    """Whether ``char`` continues a word or a number (a letter, a digit, ``_`` or ``.``)."""
-    return char.isalnum() or char in "_."
+    r"""Whether ``char`` is part of a word or a number: a letter, a digit or ``_`` (``\w``)."""
+    return char.isalnum() or char == "_"
 
 
 def replaced(text: str, spans: Iterable[Span]) -> str:

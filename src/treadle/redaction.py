@@ -239,21 +239,23 @@ class Redaction:
         * by key: the value after a secret argument's name as a key (any quotes, a comment
           before or after the colon; a string, a number, a list, an object or a parenthesised
           value whole) or inside its ``<parameter=name>`` block is replaced;
-        * by value: each string and number those values hold, with the ``known`` values (the
-          reply's own parsed calls'), is replaced wherever it stands.
+        * by value: each string and number the ``known`` values (the reply's own parsed
+          calls') hold, and then those the values after keys hold, is replaced wherever it
+          stands; the first 64 distinct ones (`treadle._secret_text.MAX_SEARCHED_VALUES`).
 
         A string becomes ``[redacted]`` inside its quotes and any other value after a key
         ``"[redacted]"`` (its quotes written as its key's), so the JSON stays valid; a value
         found only by value becomes ``[redacted]`` bare. Other prose is left as it is.
 
-        The work is linear in the text's length for a given set of secret values: no decoder
-        is handed more than a value after a key. The text's reading is kept for the next
-        call: the same reply text comes again in the step's history.
+        The work is linear in the text's length, whatever values the text holds: no decoder
+        is handed more than a value after a key, and at most 64 values are looked for. No
+        text makes it raise. The text's reading is kept for the next call: the same reply
+        text comes again in the step's history.
         """
         if not text or self._pattern is None:
             return text
         found = self._read(text, self._pattern)
-        spans = [*found.spans, *value_spans(found.readings, [*found.forms, *forms_of(known)])]
+        spans = [*found.spans, *value_spans(found.readings, [*forms_of(known), *found.forms])]
         return replaced(text, spans) if spans else text
 
     def _read(self, text: str, keys: re.Pattern[str]) -> Found:
