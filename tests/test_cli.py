@@ -128,6 +128,24 @@ def test_reading_commands_refuse_a_folder_or_file_that_holds_no_store(tmp_path):
     assert empty.stat().st_size == 0
 
 
+@pytest.mark.parametrize("command", [["runs"], ["show", "r1"], ["cancel", "r1"], ["repair", "r1"]])
+def test_reading_commands_leave_a_sqlite_database_without_tables_as_it_was(
+    tmp_path: Path, command: list[str]
+):
+    # `treadle runs --store other.db` laid treadle's tables out in a SQLite database of
+    # another program that held none yet, and exited 0 with an empty table.
+    path = tmp_path / "other.db"
+    conn = sqlite3.connect(path)
+    conn.execute("PRAGMA user_version = 7")
+    conn.close()
+    before = path.read_bytes()
+    refused = CliRunner().invoke(main, [*command, "--store", str(path)])
+    assert refused.exit_code == 1, refused.output
+    assert f"no store at {path}: the SQLite database holds no treadle tables" in refused.output
+    assert path.read_bytes() == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["other.db"]
+
+
 def answered_once(opener, run_id: str) -> None:
     """Run ``run_id`` to its answer, one model call, in the store ``opener()`` opens."""
 

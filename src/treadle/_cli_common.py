@@ -347,12 +347,15 @@ async def open_store(path: str, *, create: bool = False) -> AsyncIterator[RunSto
     Args:
         path: the DSN or path.
         create: make a store when nothing exists at ``path`` (``treadle worker`` and
-            ``treadle submit`` may start a store, a PostgreSQL one's tables included; the
-            reading commands never do).
+            ``treadle submit`` may start a store, a PostgreSQL one's or a SQLite one's
+            tables included; the reading commands never do, and change nothing at a
+            ``path`` that holds no store: docs/fleet.md, "Stores").
 
     Raises:
-        click.ClickException: nothing exists at ``path`` (and ``create`` is false).
-        StoreError: ``path`` cannot be looked at (a folder without permission).
+        click.ClickException: nothing exists at ``path``, or a folder there holds no JSONL
+            store (and ``create`` is false).
+        StoreError: ``path`` cannot be looked at (a folder without permission); a file or
+            a database there holds no treadle tables (and ``create`` is false).
     """
     if is_dsn(path):
         from treadle.stores.postgres import open_postgres_store
@@ -368,9 +371,7 @@ async def open_store(path: str, *, create: bool = False) -> AsyncIterator[RunSto
         async with open_jsonl_store(path) as jsonl:
             yield jsonl
     elif create or await trio.Path(path).is_file():
-        if not create and (await trio.Path(path).stat()).st_size == 0:
-            raise click.ClickException(f"no store at {path}: the file is empty")
-        async with open_sqlite_store(path) as sqlite:
+        async with open_sqlite_store(path, create=create) as sqlite:
             yield sqlite
     else:
         raise click.ClickException(f"no store at {path}")

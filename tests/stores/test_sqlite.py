@@ -912,6 +912,29 @@ async def test_open_leaves_another_programs_database_as_it_was(tmp_path: Path) -
     assert sorted(os.listdir(tmp_path)) == ["other.db"]
 
 
+async def test_open_without_create_leaves_a_database_without_tables_as_it_was(
+    tmp_path: Path,
+) -> None:
+    # `treadle runs` (create=False) laid treadle's tables out in another program's database
+    # that held no tables yet, and switched it to WAL mode.
+    path = tmp_path / "other.db"
+    conn = sqlite3.connect(path)
+    conn.execute("PRAGMA user_version = 7")
+    conn.close()
+    before = path.read_bytes()
+    with pytest.raises(StoreError, match="the SQLite database holds no treadle tables"):
+        await SqliteStore.open(path, create=False)
+    assert path.read_bytes() == before
+    assert sorted(os.listdir(tmp_path)) == ["other.db"]
+    with pytest.raises(StoreError, match=r"no store at .*missing\.db: no such file"):
+        await SqliteStore.open(tmp_path / "missing.db", create=False)
+    assert sorted(os.listdir(tmp_path)) == ["other.db"]
+    async with open_sqlite_store(path) as store:  # created by default
+        assert await store.list_runs() == ()
+    async with open_sqlite_store(path, create=False):  # a store now: opened
+        pass
+
+
 @contextlib.contextmanager
 def read_only(directory: Path) -> Iterator[None]:
     """Make ``directory`` unwritable: mode 0o500, or the immutable flag for root."""

@@ -454,11 +454,14 @@ def _configure_writer(
     pragmas: Mapping[str, int | str],
     clock: Callable[[], float],
     where: str,
+    create: bool,
 ) -> None:
     try:  # before anything is changed: another program's database is left as it is
-        _layout(conn)
+        layout = _layout(conn)
     except StoreError as exc:
         raise StoreError(f"{where}: {exc}") from None
+    if layout is None and not create:
+        raise _no_store(where)
     mode = conn.execute("PRAGMA journal_mode = WAL").fetchone()[0]
     if str(mode).lower() != "wal":
         raise StoreError(f"SQLite refused WAL mode (journal_mode is {mode!r})")
@@ -752,16 +755,36 @@ def _check_path(path: str) -> None:
     raise StoreError(f"cannot open SQLite store {path}: {parent} is not a directory")
 
 
+def _no_store(path: str) -> StoreError:
+    """The refusal of a file without treadle's tables when the store may not be created.
+
+    An empty file (0 bytes) or a SQLite database holding no tables, opened with
+    ``create=False`` (the reading commands; docs/fleet.md, "Stores"), is left as it is.
+
+    Raises:
+        StoreError: the file cannot be looked at any more (see `stat_or_none`).
+    """
+    found = stat_or_none(path)
+    empty = found is not None and found.st_size == 0
+    why = "the file is empty" if empty else "the SQLite database holds no treadle tables"
+    return StoreError(
+        f"no store at {path}: {why} (a worker, `treadle submit` or `treadle.open_sqlite_store` "
+        "creates them)"
+    )
+
+
 def _open_writer(
-    path: str, pragmas: Mapping[str, int | str], clock: Callable[[], float]
+    path: str, pragmas: Mapping[str, int | str], clock: Callable[[], float], create: bool
 ) -> tuple[sqlite3.Connection, _FileIds]:
     _check_path(path)
+    if not create and stat_or_none(path) is None:  # connecting would make the file
+        raise StoreError(f"no store at {path}: no such file")
     try:
         conn = _connect(path)
     except sqlite3.Error as exc:
         raise StoreError(f"cannot open SQLite store {path}: {exc}") from exc
     try:
-        _configure_writer(conn, pragmas, clock, path)
+        _configure_writer(conn, pragmas, clock, path, create)
         conn.execute("SELECT 1 FROM meta").fetchone()  # the WAL exists from here on
         return conn, (_file_id(path), _file_id(path + "-wal"))
     except (sqlite3.Error, UnicodeDecodeError) as exc:
@@ -806,6 +829,7 @@ class SqliteStore(_sql.SqlStore):
         *,
         pragmas: Mapping[str, int | str] | None = None,
         clock: Callable[[], float] = time.time,
+        create: bool = True,
     ) -> SqliteStore:
         """Open (creating if needed, migrating an older layout) the store at ``path``.
 
@@ -815,13 +839,18 @@ class SqliteStore(_sql.SqlStore):
                 `WRITER_PRAGMAS`; ``journal_mode`` and ``synchronous`` are fixed (WAL, FULL).
             clock: the store clock for lease expiry and the queue (epoch seconds); tests
                 inject one, every process of a deployment uses the machine's wall clock.
+            create: create the file and its tables when missing; ``False`` refuses a missing
+                file, an empty one and a SQLite database without treadle's tables instead,
+                changing nothing in it (reading commands must not leave tables in a database
+                they were pointed at by mistake; docs/fleet.md, "Stores").
 
         Returns:
             The open store; the caller owns it and must `aclose` it.
 
         Raises:
             StoreError: the file cannot be opened or created (missing or read-only
-                directory), or is not a treadle store.
+                directory), or is not a treadle store; with ``create=False``, the file is
+                missing or holds no treadle tables.
             LogCorrupted: the file is damaged.
             SchemaTooNew: the file was laid out by a newer treadle.
             UsageError: an invalid or forbidden PRAGMA.
@@ -830,7 +859,7 @@ class SqliteStore(_sql.SqlStore):
         extra = dict(pragmas or {})
         _check_pragmas(extra)
         token = trio.lowlevel.current_trio_token()
-        conn, files = await trio.to_thread.run_sync(_open_writer, text, extra, clock)
+        conn, files = await trio.to_thread.run_sync(_open_writer, text, extra, clock, create)
         dialect = SqliteDialect(text, clock)
         pool = _sql.ConnectionPool(dialect.connect)
         engine = CommitEngine(SqliteBackend(dialect, conn, pool, files), token)
@@ -848,6 +877,7 @@ async def open_sqlite_store(
     *,
     pragmas: Mapping[str, int | str] | None = None,
     clock: Callable[[], float] = time.time,
+    create: bool = True,
 ) -> AsyncIterator[SqliteStore]:
     """Open a `SqliteStore` for the duration of an ``async with`` block, then `aclose` it.
 
@@ -855,6 +885,7 @@ async def open_sqlite_store(
         path: the database file (see `SqliteStore.open`).
         pragmas: extra PRAGMAs for the writer connection.
         clock: the store clock (see `SqliteStore.open`).
+        create: create the file and its tables when missing (see `SqliteStore.open`).
 
     Yields:
         The open store.
@@ -863,7 +894,7 @@ async def open_sqlite_store(
         StoreError: as `SqliteStore.open` and `SqliteStore.aclose`.
     """
     require_trio("treadle.open_sqlite_store")
-    store = await SqliteStore.open(path, pragmas=pragmas, clock=clock)
+    store = await SqliteStore.open(path, pragmas=pragmas, clock=clock, create=create)
     try:
         yield store
     finally:
