@@ -941,6 +941,19 @@ def test_unquarantine_makes_a_quarantined_run_claimable_again(tmp_path: Path):
 # --------------------------------------------------------------------------- worker arguments
 
 
+def test_submit_refuses_a_folder_and_leaves_it_as_it_was(tmp_path: Path):
+    # `treadle submit --store DIR` said "has no queue" after making DIR a JSONL store
+    # (.control/ and .leases/ in it), which the reading commands then listed as one.
+    folder = tmp_path / "plain"
+    folder.mkdir()
+    (folder / "notes.txt").write_text("notes\n", encoding="utf-8")
+    refused = invoke("submit", "--store", str(folder), "--agent", "calc", "hi")
+    assert refused.exit_code == 1 and "has no queue (use SQLite or PostgreSQL)" in refused.output
+    assert [p.name for p in folder.iterdir()] == ["notes.txt"]
+    listed = invoke("runs", "--store", str(folder))
+    assert listed.exit_code == 1 and "holds no JSONL store" in listed.output
+
+
 def test_worker_refuses_a_store_without_a_queue_and_a_bad_agent_spec(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ):
@@ -950,6 +963,7 @@ def test_worker_refuses_a_store_without_a_queue_and_a_bad_agent_spec(
     directory.mkdir()
     no_queue = invoke("worker", "--store", str(directory), "--agent", "calc=fleet_agents:calc")
     assert no_queue.exit_code != 0 and "has no queue" in no_queue.output
+    assert list(directory.iterdir()) == []  # not made a JSONL store before the refusal
     for spec, message in [
         ("calc", "NAME=MODULE:FACTORY"),
         ("calc=fleet_agents:nothing_here", "cannot load"),

@@ -26,7 +26,7 @@ from treadle._paths import is_directory
 from treadle._terminal import escaped_for_output, mark
 from treadle.agent import Agent
 from treadle.approvals import read_control
-from treadle.ports import RunIndex, RunStore
+from treadle.ports import RunIndex, RunQueue, RunStore
 from treadle.stores import is_dsn, record_to_dict, redact_dsn
 from treadle.stores.jsonl import JsonlStore, open_jsonl_store
 from treadle.stores.sqlite import open_sqlite_store
@@ -375,6 +375,31 @@ async def open_store(path: str, *, create: bool = False) -> AsyncIterator[RunSto
             yield sqlite
     else:
         raise click.ClickException(f"no store at {path}")
+
+
+@asynccontextmanager
+async def open_queue(path: str) -> AsyncIterator[RunStore]:
+    """The store with a queue at ``path`` for ``treadle submit`` and ``treadle worker``.
+
+    A SQLite or PostgreSQL store, made when nothing is there yet (`open_store` with
+    ``create``). The kind is decided from ``path`` before anything is made: a folder (a JSONL
+    store's, which has no queue, or any other) is refused as it is, never made a JSONL store
+    first (docs/fleet.md, "Stores"). The store yielded is a `treadle.ports.RunQueue`.
+
+    Raises:
+        click.ClickException: ``path`` is a folder, or the store there has no queue.
+        StoreError: as `open_store`.
+    """
+    if not is_dsn(path) and await trio.to_thread.run_sync(is_directory, path):
+        raise click.ClickException(_no_queue(path))
+    async with open_store(path, create=True) as store:
+        if not isinstance(store, RunQueue):
+            raise click.ClickException(_no_queue(path))
+        yield store
+
+
+def _no_queue(path: str) -> str:
+    return f"{redact(path)} has no queue (use SQLite or PostgreSQL)"
 
 
 def bare_host(host: str) -> str:

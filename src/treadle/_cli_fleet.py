@@ -29,6 +29,7 @@ from treadle._cli_common import (
     counted,
     in_queue,
     made_agent,
+    open_queue,
     open_store,
     redact,
     run_async,
@@ -229,10 +230,6 @@ def worker_command(
 
     async def serve(store: RunStore) -> FleetStatistics:
         """Serve until a stop signal, then drain; the worker's statistics once drained."""
-        if not isinstance(store, RunQueue):
-            raise click.ClickException(
-                f"{redact(store_path)} has no queue (use SQLite or PostgreSQL)"
-            )
         with trio.open_signal_receiver(*_STOP_SIGNALS) as signals:
             async with (
                 _served(agents) as served_agents,
@@ -264,7 +261,7 @@ def worker_command(
             return None
         stats: FleetStatistics | None = None
         try:
-            async with open_store(store_path, create=True) as store:
+            async with open_queue(store_path) as store:
                 stats = await serve(store)
         except StoreError as exc:
             if stats is None:  # the worker did not drain: an error like any other
@@ -367,11 +364,8 @@ def submit_command(store_path: str, agent_name: str, run_id: str | None, text: s
         raise click.BadParameter(str(exc), param_hint="--run-id") from exc
 
     async def go() -> None:
-        async with open_store(store_path, create=True) as store:
-            if not isinstance(store, RunQueue):
-                raise click.ClickException(
-                    f"{redact(store_path)} has no queue (use SQLite or PostgreSQL)"
-                )
+        async with open_queue(store_path) as store:
+            assert isinstance(store, RunQueue)  # open_queue refuses a store without one
             await store.submit(
                 chosen,
                 agent=agent_name,
