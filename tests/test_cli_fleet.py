@@ -954,6 +954,24 @@ def test_submit_refuses_a_folder_and_leaves_it_as_it_was(tmp_path: Path):
     assert listed.exit_code == 1 and "holds no JSONL store" in listed.output
 
 
+def test_submit_and_worker_refuse_an_agent_name_no_worker_can_serve(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+):
+    # `treadle submit --agent ''` (or 'a=b') exited 0 and queued a run that no worker's
+    # `--agent NAME=MODULE:FACTORY` can name, so `treadle wait` on it never returned.
+    (tmp_path / "fleet_agents.py").write_text(AGENTS_MODULE, encoding="utf-8")
+    monkeypatch.chdir(tmp_path)
+    store = str(tmp_path / "q.db")
+    for name, message in [("", "the agent name is empty"), ("a=b", "holds '='")]:
+        refused = invoke("submit", "--store", store, "--agent", name, "--run-id", "r1", "x")
+        assert refused.exit_code == 2 and message in refused.output, (name, refused.output)
+    worker = invoke("worker", "--store", store, "--agent", "=fleet_agents:calc")
+    assert worker.exit_code == 2 and "the agent name is empty" in worker.output, worker.output
+    assert not (tmp_path / "q.db").exists()  # refused before any store was made
+    served = invoke("submit", "--store", store, "--agent", "calc", "--run-id", "r1", "x")
+    assert served.exit_code == 0 and served.output.strip() == "r1", served.output
+
+
 def test_worker_refuses_a_store_without_a_queue_and_a_bad_agent_spec(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ):

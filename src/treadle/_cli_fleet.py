@@ -91,6 +91,29 @@ AgentSource = Callable[[], Agent] | AbstractAsyncContextManager[Agent]
 """What ``--agent`` names: a factory called per run, or a block entered once (`_served`)."""
 
 
+def _unservable(name: str) -> str | None:
+    """Why no worker can serve the agent name ``name``; ``None`` when one can.
+
+    A worker's ``--agent NAME=MODULE:FACTORY`` ends NAME at its first ``=``: an empty name
+    and a name holding ``=`` cannot be written there. The one rule of `treadle worker`'s
+    specs and `treadle submit --agent` (docs/fleet.md, "The queue"), so that no run is
+    queued for an agent nobody can serve.
+    """
+    if not name:
+        return "the agent name is empty"
+    if "=" in name:
+        return f"the agent name {name!r} holds '=' (a worker's --agent NAME ends at the first '=')"
+    return None
+
+
+def _checked_agent_name(ctx: click.Context, param: click.Parameter, value: str) -> str:
+    """``submit --agent NAME``, refused (exit 2) when no worker could serve it (`_unservable`)."""
+    why = _unservable(value)
+    if why is not None:
+        raise click.BadParameter(why, ctx=ctx, param=param)
+    return value
+
+
 def _agent_factory(spec: str) -> tuple[str, AgentSource]:
     """``NAME=MODULE:FACTORY`` as ``(name, factory or block)`` (see `made_agent`).
 
@@ -102,8 +125,13 @@ def _agent_factory(spec: str) -> tuple[str, AgentSource]:
         click.BadParameter: the spec is malformed, or as `made_agent`.
     """
     name, sep, target = spec.partition("=")
-    if not sep or not name or not target:
+    if not sep or not target:
         raise click.BadParameter(f"{spec!r} is not NAME=MODULE:FACTORY", param_hint="--agent")
+    why = _unservable(name)
+    if why is not None:
+        raise click.BadParameter(
+            f"{spec!r} is not NAME=MODULE:FACTORY: {why}", param_hint="--agent"
+        )
     factory, made = made_agent(target)
     if not isinstance(made, Agent):
         return name, agent_block(target, made)
@@ -351,7 +379,13 @@ async def _until_stopped(signals: AsyncIterator[int], early: list[int], drain_s:
 
 @click.command("submit")
 @store_option
-@click.option("--agent", "agent_name", required=True, help="The agent name a worker serves.")
+@click.option(
+    "--agent",
+    "agent_name",
+    required=True,
+    callback=_checked_agent_name,
+    help="The agent name a worker serves (its --agent NAME=...): not empty, no '='.",
+)
 @click.option("--run-id", default=None, help="The run's id (default: a fresh one).")
 @click.argument("text")
 def submit_command(store_path: str, agent_name: str, run_id: str | None, text: str) -> None:
