@@ -743,6 +743,25 @@ def test_a_store_that_is_not_a_sqlite_database_is_refused_before_anything_is_mad
     assert (tmp_path / "notadb.txt").read_text(encoding="utf-8") == notes
 
 
+@pytest.mark.parametrize("command", [["demo"], ["demo", "airline"]])
+def test_a_store_where_nothing_can_be_made_is_refused_in_one_line(
+    tmp_path, monkeypatch, workload, command
+):
+    # `--store /proc/x.db` (or a read-only mount) ended in the raw OSError's traceback of
+    # making the folder of airline databases beside the store.
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("TREADLE_AIRLINE_DATA", str(workload))
+    (tmp_path / "afile").write_text("a file, not a folder\n", encoding="utf-8")
+    result = CliRunner().invoke(cli_main, [*command, "--store", "afile/x.db"])
+    assert result.exit_code == 1, result.output
+    root = tmp_path / "afile" / "x.db.airline"
+    assert result.output == (
+        f"Error: cannot make {root}, the folder of the airline databases beside the store "
+        f"{tmp_path / 'afile' / 'x.db'}: Not a directory\n"
+    )
+    assert [p.name for p in tmp_path.iterdir()] == ["afile"]
+
+
 @pytest.mark.parametrize(
     ("arguments", "said"),
     [

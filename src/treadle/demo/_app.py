@@ -6,6 +6,7 @@ command runs, so that the rest of the CLI starts without them.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import functools
 import json
@@ -13,7 +14,7 @@ import os
 import shlex
 import sys
 import tempfile
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Final, TypeVar
 
@@ -78,11 +79,22 @@ def _run(fn: Callable[[], Awaitable[T]], *, interrupted: str) -> T:
     prints ``interrupted: <interrupted>`` on standard error and exits with status 130
     (`treadle._terminal.on_interrupt`, as every command).
     """
-    with on_interrupt(interrupted):
-        try:
-            return trio.run(fn)
-        except (TreadleError, AirlineDataNotFound, AirlineDataUnreadable) as exc:
-            raise click.ClickException(str(exc)) from exc
+    with on_interrupt(interrupted), _said_in_one_line():
+        return trio.run(fn)
+
+
+@contextlib.contextmanager
+def _said_in_one_line() -> Iterator[None]:
+    """A treadle or workload error raised inside becomes a `click.ClickException` (exit 1).
+
+    Such errors are the user's to act on (a ``--store`` where nothing can be made, a
+    workload that cannot be read): docs/demo.md, "`treadle demo`" promises them as one line,
+    never a traceback.
+    """
+    try:
+        yield
+    except (TreadleError, AirlineDataNotFound, AirlineDataUnreadable) as exc:
+        raise click.ClickException(str(exc)) from exc
 
 
 def _clip(text: object, limit: int = CLIP) -> str:
@@ -353,7 +365,8 @@ def run_demo(store_path: str | None, data_dir: str | None, key: str | None) -> N
     _check_data(data)
     _check_store(store_path)
     store = Path(store_path) if store_path is not None else _default_store("demo")
-    workspace = Workspace.beside(store)
+    with _said_in_one_line():
+        workspace = Workspace.beside(store)
     _announce(console, recording, store)
     view = DemoView(console, workspace)
     report, log = _run(
@@ -420,7 +433,7 @@ def run_airline(
     if live:
         _live(console, data, recordings, store_path, base_url, model, api_key_env, task_id, as_json)
         return
-    with open_workspace(store_path) as workspace:
+    with _said_in_one_line(), open_workspace(store_path) as workspace:
         reports = _run(
             functools.partial(
                 replay_recordings,

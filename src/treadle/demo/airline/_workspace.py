@@ -15,6 +15,7 @@ from typing import Any
 
 import attrs
 
+from treadle._exceptions import StoreError
 from treadle.demo.airline.data import (
     load_data,
 )
@@ -53,10 +54,21 @@ class Workspace:
 
     @classmethod
     def beside(cls, store: str | os.PathLike[str]) -> Workspace:
-        """The workspace of a store file: ``<store>.airline/`` next to it (created)."""
+        """The workspace of a store file: ``<store>.airline/`` next to it (created).
+
+        Raises:
+            StoreError: the folder cannot be made there (its parent missing or not a folder,
+                a read-only file system, no permission); the `OSError` is its ``__cause__``.
+        """
         path = Path(store).absolute()
         root = path.with_name(path.name + ".airline")
-        root.mkdir(parents=True, exist_ok=True)
+        try:
+            root.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise StoreError(
+                f"cannot make {root}, the folder of the airline databases beside the store "
+                f"{path}: {exc.strerror or exc}"
+            ) from exc
         return cls(store=path, root=root)
 
     def fresh_database(self, data_dir: Path) -> AirlineDatabase:
