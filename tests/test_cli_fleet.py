@@ -501,6 +501,22 @@ def test_runs_names_a_run_damaged_in_the_middle_of_its_log(tmp_path: Path):
     check_damaged_run_listed(directory, bad_file)
 
 
+def test_runs_names_a_run_whose_file_is_a_symbolic_link_to_nothing(tmp_path: Path):
+    # The run vanished from `treadle runs` (exit 0), read as a missing file.
+    directory = tmp_path / "runs"
+    bad_file = damage_a_jsonl_run(directory, line=1)
+    bad_file.unlink()
+    bad_file.symlink_to(tmp_path / "moved" / bad_file.name)
+    listed = invoke("runs", "--store", str(directory), env={"COLUMNS": "400"})
+    assert listed.exit_code == 1, listed.output
+    assert "good-1" in listed.stdout and "good-2" in listed.stdout
+    assert f"unreadable run bad ({bad_file}): cannot read {bad_file}: it is a symbolic link" in (
+        listed.stderr
+    )
+    shown = invoke("show", "bad", "--store", str(directory))
+    assert shown.exit_code == 1 and "which does not exist" in shown.output
+
+
 def test_repair_cuts_a_damaged_log_and_runs_reads_clean_again(tmp_path: Path):
     directory = tmp_path / "runs"
     bad_file = damage_a_jsonl_run(directory, line=5)

@@ -1274,12 +1274,14 @@ async def test_a_last_line_over_64_kib_is_read_for_the_listing(tmp_path: Path, s
         assert alone == attrs.evolve(done, observed_at=alone.observed_at)
 
 
-@pytest.mark.parametrize("put", ["directory", "fifo", "symlink loop"])
+@pytest.mark.parametrize("put", ["directory", "fifo", "symlink loop", "dangling symlink"])
 async def test_a_run_file_that_is_not_a_regular_file_is_listed_as_unreadable(
     tmp_path: Path, put: str
 ) -> None:
     """A directory or a FIFO in a run file's place was left out of the listing (and reading the
-    FIFO hung); a symbolic link to itself made the whole store unreadable (a raw OSError)."""
+    FIFO hung); a symbolic link to itself made the whole store unreadable (a raw OSError); a
+    symbolic link to nothing was read as a missing file, so the run vanished from the listing
+    (`treadle runs` exited 0) and `read_log` said there was no such run."""
     directory = tmp_path / "runs"
     await write_run(directory, run_id="good", steps=1)
     odd = directory / "odd.jsonl"
@@ -1287,8 +1289,10 @@ async def test_a_run_file_that_is_not_a_regular_file_is_listed_as_unreadable(
         odd.mkdir()
     elif put == "fifo":
         os.mkfifo(odd)
-    else:
+    elif put == "symlink loop":
         odd.symlink_to(odd)
+    else:
+        odd.symlink_to(tmp_path / "nowhere" / "odd.jsonl")
     async with open_jsonl_store(directory, clock=lambda: 2e9) as store:
         assert sorted(await store.list_runs()) == ["good", "odd"]
         summaries = {s.run_id: s for s in await store.list_summaries()}

@@ -399,19 +399,40 @@ def open_regular(path: str, flags: int = os.O_RDONLY, mode: int = 0o644) -> int:
 def _read_identified(path: str) -> tuple[bytes | None, tuple[int, ...] | None]:
     """A file's bytes and its identity while they were read (``None``: it changed meanwhile).
 
+    ``(None, None)`` when nothing is at ``path``.
+
     Raises:
-        StoreError: it cannot be read.
+        StoreError: it cannot be read (a symbolic link to nothing included).
     """
     try:
         with open(open_regular(path), "rb") as file:
             before = file_identity(os.fstat(file.fileno()))
             data = file.read()
             after = file_identity(os.fstat(file.fileno()))
-    except FileNotFoundError:
-        return None, None
+    except FileNotFoundError as exc:
+        dangling = _dangling_link(path)
+        if dangling is None:
+            return None, None
+        raise dangling from exc
     except OSError as exc:
         raise StoreError(f"cannot read {path}: {exc.strerror or exc}") from exc
     return data, before if before == after and after[2] == len(data) else None
+
+
+def _dangling_link(path: str) -> StoreError | None:
+    """The error of a symbolic link at ``path`` to nothing; ``None`` when no link is there.
+
+    Opening such a link fails as a missing file does, but the run file is listed: read as
+    missing, the run vanished from `treadle runs` without a word, where a link loop is
+    listed as unreadable (docs/crash-safety.md, "What the JSONL store detects").
+    """
+    try:
+        target = os.readlink(path)
+    except OSError:  # nothing there (removed meanwhile), or no link: missing as it was
+        return None
+    return StoreError(
+        f"cannot read {path}: it is a symbolic link to {target}, which does not exist"
+    )
 
 
 def read_run_file(path: str) -> RunFile:
@@ -567,10 +588,12 @@ def probe_run_file(path: str) -> Probe | None:
         with open(open_regular(path), "rb") as file:
             return _probe_file(path, name, file)
     except FileNotFoundError:
-        return None
+        error = _dangling_link(path)
+        if error is None:
+            return None
     except OSError as exc:
         error = StoreError(f"cannot read {path}: {exc.strerror or exc}")
-        return Probe(name=name, run_id=id_from_name(name), created_ns=0, error=error)
+    return Probe(name=name, run_id=id_from_name(name), created_ns=0, error=error)
 
 
 def _probe_file(path: str, name: str, file: Any) -> Probe | None:
