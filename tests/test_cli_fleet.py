@@ -970,6 +970,20 @@ def test_submit_refuses_a_folder_and_leaves_it_as_it_was(tmp_path: Path):
     assert listed.exit_code == 1 and "holds no JSONL store" in listed.output
 
 
+def test_worker_refuses_a_nan_lease_ttl_before_a_store_is_made(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+):
+    # A NaN passed `--lease-ttl`'s range; the worker refused it only after making the store.
+    (tmp_path / "fleet_agents.py").write_text(AGENTS_MODULE, encoding="utf-8")
+    monkeypatch.chdir(tmp_path)
+    store = str(tmp_path / "q.db")
+    out = invoke(
+        "worker", "--store", store, "--agent", "calc=fleet_agents:calc", "--lease-ttl", "nan"
+    )
+    assert out.exit_code == 2 and "Invalid value for '--lease-ttl': 'nan'" in out.output
+    assert not (tmp_path / "q.db").exists()
+
+
 def test_submit_and_worker_refuse_an_agent_name_no_worker_can_serve(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ):

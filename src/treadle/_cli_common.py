@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import importlib
 import json
+import math
 import os
 import re
 import sys
@@ -276,6 +277,23 @@ class Seconds(click.types.FloatParamType):
 
     def __repr__(self) -> str:
         return "SECONDS"
+
+
+class FiniteRange(click.FloatRange):
+    """A command-line number within bounds (`click.FloatRange`), a NaN refused (exit 2).
+
+    A NaN compares false with both bounds, so `click.FloatRange` lets it through, to be
+    refused later under another option's name (``simulate --rate nan`` was blamed on
+    ``--faults``) or after a store was made (``worker --lease-ttl nan``). Refused here as
+    `Seconds` refuses it.
+    """
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
+        """The number ``value`` says; fails (exit 2) when it is a NaN or out of range."""
+        number = super().convert(value, param, ctx)
+        if math.isnan(number):
+            self.fail(f"{value!r} is not a number (a NaN is refused)", param, ctx)
+        return number
 
 
 def innermost(error: BaseException) -> BaseException:

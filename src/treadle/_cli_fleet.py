@@ -23,6 +23,7 @@ import click
 import trio
 
 from treadle._cli_common import (
+    FiniteRange,
     Seconds,
     agent_block,
     bare_host,
@@ -181,7 +182,7 @@ def _same(agent: Agent) -> Agent:
     "lease_ttl_s",
     default=LEASE_TTL_S,
     show_default=True,
-    type=click.FloatRange(min=0.1, max=3600),
+    type=FiniteRange(min=0.1, max=3600),
     help="Seconds a lease lasts unless renewed (every third of it).",
 )
 @click.option(

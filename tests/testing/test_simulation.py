@@ -528,6 +528,24 @@ def test_simulate_refuses_an_agent_factory_and_steps_with_a_scenario():
     assert "KeyError('check broke')" in broken.output
 
 
+def test_simulate_refuses_a_nan_rate_and_too_many_runs_per_seed_at_their_options():
+    # `--rate nan` passed the option's range and was reported as an invalid `--faults`;
+    # `--runs-per-seed 100000000000` printed nothing while its memory grew without bound.
+    from click.testing import CliRunner
+
+    from treadle.cli import main
+
+    runner = CliRunner()
+    for faults in ("all", "crash"):
+        nan = runner.invoke(main, ["simulate", "--seeds", "1", "--faults", faults, "--rate", "nan"])
+        assert nan.exit_code == 2, nan.output
+        assert "Invalid value for '--rate': 'nan' is not a number" in nan.output
+        assert "--faults" not in nan.output
+    many = runner.invoke(main, ["simulate", "--seeds", "1", "--runs-per-seed", "100000000000"])
+    assert many.exit_code == 2, many.output
+    assert "Invalid value for '--runs-per-seed'" in many.output and "1<=x<=1000" in many.output
+
+
 def test_a_scenario_swaps_actors_for_every_incarnation_and_the_twin():
     import attrs
 
