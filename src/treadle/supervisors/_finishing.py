@@ -70,23 +70,11 @@ async def finish_cancelled(
 ) -> RunResult:
     """Take the lease of a run nobody drives and finish it as cancelled.
 
-    As `finish_cancelled_here`, without telling whether this call finished the run.
-
-    Args:
-        store: the run's store (with leases).
-        run_id: the run.
-        owner: the canceller's lease owner id.
-        reason: the cancel reason, when the control stream holds no request.
-        canceller: who cancels, likewise.
-        clock: wall clock for record timestamps.
+    As `finish_cancelled_here` (its arguments, and what it raises), without telling whether
+    this call finished the run.
 
     Returns:
         The run's result (its stored one, if it finished meanwhile).
-
-    Raises:
-        RunLeased: a live driver holds the run (it picks the cancel up itself).
-        UsageError: the run does not exist.
-        StoreError: the store failed.
     """
     result, _ = await finish_cancelled_here(
         store, run_id, owner=owner, reason=reason, canceller=canceller, clock=clock
