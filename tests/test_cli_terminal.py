@@ -97,6 +97,27 @@ def test_a_process_with_a_latin1_stdout_prints_show_and_runs(tmp_path: Path) -> 
         assert b"cli-run" in done.stdout and b"Traceback" not in done.stderr
 
 
+@pytest.mark.parametrize("json_flag", [[], ["--json"]], ids=["table", "json"])
+def test_an_ascii_stdout_gets_escapes_from_every_path(tmp_path: Path, json_flag: list[str]) -> None:
+    """click takes an ASCII stream for a misconfigured locale and writes UTF-8 past it; the
+    escapes reach its lines too (``--json`` goes through ``click.echo``, the table through rich)."""
+    db = tmp_path / "runs.db"
+    make_store(db)
+    env = {**os.environ, "PYTHONIOENCODING": "ascii", "PYTHONPATH": SRC, "COLUMNS": "200"}
+    done = subprocess.run(
+        [sys.executable, "-m", "treadle", "show", "cli-run", "--store", str(db), *json_flag],
+        env=env,
+        capture_output=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr.decode("ascii", "backslashreplace")
+    assert done.stdout.isascii(), done.stdout[:200]
+    assert b"\\u7b54" in done.stdout
+    if json_flag:
+        answers = [json.loads(line).get("final_answer") for line in done.stdout.splitlines()]
+        assert ANSWER in answers
+
+
 # -- Ctrl-C -----------------------------------------------------------------------------------
 
 

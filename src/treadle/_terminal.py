@@ -64,6 +64,29 @@ def _escape_errors(error: UnicodeError) -> tuple[str, int]:
 
 codecs.register_error(ESCAPE, _escape_errors)
 
+PLAIN_ASCII: Final = "treadle_ascii"
+"""ASCII under a name of treadle's own: click takes a stream whose codec is named ``ascii``
+for a misconfigured locale and writes UTF-8 past it, which would bypass `ESCAPE`."""
+
+
+def _find_plain_ascii(name: str) -> codecs.CodecInfo | None:
+    """The codec search function answering `PLAIN_ASCII`: ASCII's codec under that name."""
+    if name != PLAIN_ASCII:
+        return None
+    ascii_codec = codecs.lookup("ascii")
+    return codecs.CodecInfo(
+        ascii_codec.encode,
+        ascii_codec.decode,
+        streamreader=ascii_codec.streamreader,
+        streamwriter=ascii_codec.streamwriter,
+        incrementalencoder=ascii_codec.incrementalencoder,
+        incrementaldecoder=ascii_codec.incrementaldecoder,
+        name=PLAIN_ASCII,
+    )
+
+
+codecs.register(_find_plain_ascii)
+
 
 def _streams() -> tuple[TextIO, ...]:
     """Standard output and error as they are now (a test runner swaps them)."""
@@ -88,11 +111,15 @@ def escape_unencodable_text() -> None:
 
     Only a stream whose encoding is not a Unicode one is changed (a UTF-8 stream keeps its
     handler: ``surrogateescape`` under the C locale), and only a `io.TextIOWrapper`, which
-    can be reconfigured.
+    can be reconfigured. An ASCII stream's codec is renamed `PLAIN_ASCII`, so that
+    ``click.echo`` writes through it as through any other.
     """
     for stream in _streams():
         if isinstance(stream, io.TextIOWrapper) and not _encodes_everything(stream):
-            stream.reconfigure(errors=ESCAPE)
+            if _encoding(stream) == "ascii":
+                stream.reconfigure(encoding=PLAIN_ASCII, errors=ESCAPE)
+            else:
+                stream.reconfigure(errors=ESCAPE)
 
 
 def mark(symbol: str) -> str:
