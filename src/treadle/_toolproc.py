@@ -16,18 +16,27 @@ The process started is the call's **keeper**, the leader of the call's session. 
 ``sitecustomize`` that prints) prints to the stdout the child inherited, and the function's own
 prints go to stderr. A worker that cannot load the function (its module does not import, the
 request does not unpickle) replies `REPLY_NOT_STARTED` without writing `BEGAN`: the parent
-tells a call that never began from one that did by that mark. The
-keeper runs no code of the tool: it waits for the worker and exits as the worker did (the same
-signal, or the same status), and when the lifeline breaks first (the parent was killed, even
-with SIGKILL) it kills every process of the session (`kill_session`), itself last: the worker
-and every process the tool started, whatever process group it moved to, so nothing of the call
-runs on after the parent died (docs/crash-safety.md). The parent kills the same session
-(SIGKILL) when the call is cancelled or times out. On Linux the worker also dies with its keeper
-(``PR_SET_PDEATHSIG``).
+tells a call that never began from one that did by that mark. The worker ends as soon as its
+reply is written (``os._exit``): threads the tool left running, its `atexit` handlers and
+multiprocessing's wait for its children do not run there and cannot delay the call's end. It
+writes to the reply pipe only while that descriptor is still the pipe: a tool that closed
+descriptors it does not own (``os.closerange(3, ...)``) and opened a file that got the same
+number does not get the reply written into that file; its call has no reply, as a process
+that died. The keeper runs no code of the tool: it waits for the worker and exits as the
+worker did (the same signal, or the same status), and when the lifeline breaks first (the
+parent was killed, even with SIGKILL) it kills every process of the session (`kill_session`),
+itself last: the worker and every process the tool started, whatever process group it moved
+to, so nothing of the call runs on after the parent died (docs/crash-safety.md). The parent
+kills the same session (SIGKILL) when the call is cancelled or times out. On Linux the worker
+also dies with its keeper (``PR_SET_PDEATHSIG``).
 
 Processes the tool starts do not hold the reply pipe (it is closed in forked children and not
 inherited across ``exec``), so a background process left running does not keep the reply from
-arriving.
+arriving; the parent stops reading once the reply is whole, in case one holds it anyway (a
+child forked by C code, which Python's at-fork hooks do not see).
+
+A driver started with its standard streams closed gives the child none either: the keeper
+opens ``/dev/null`` in their place before anything of the call prints.
 """
 
 from __future__ import annotations
@@ -76,6 +85,17 @@ _ENDING: Final = threading.Lock()
 def frame(data: bytes) -> bytes:
     """``data`` with its length ahead of it: its reader tells a whole reply from a cut one."""
     return _LENGTH.pack(len(data)) + data
+
+
+def frame_size(data: bytes | bytearray, start: int = 0) -> int | None:
+    """The size in bytes of the frame at ``data[start:]``, its length included.
+
+    ``None`` until that length is there: a reader knows when the reply is whole.
+    """
+    if len(data) - start < _LENGTH.size:
+        return None
+    (length,) = _LENGTH.unpack_from(data, start)
+    return int(_LENGTH.size + length)
 
 
 def unframe(data: bytes) -> bytes | None:
@@ -207,7 +227,12 @@ def _on_trio_clock(kwargs: dict[str, Any]) -> dict[str, Any]:
 
 
 def _reply_of(request: bytes, begin: Callable[[], object]) -> bytes:
-    """Load the function, ``begin()``, call it: its pickled reply (one of the ``REPLY_`` kinds)."""
+    """Load the function, ``begin()``, call it: its pickled reply (one of the ``REPLY_`` kinds).
+
+    What the function raises is its error, a `BaseException` (``GeneratorExit``, asyncio's
+    ``CancelledError``) as well, as in a thread tool (docs/concepts.md, "Actions and
+    observations"); `KeyboardInterrupt` and `SystemExit` end the process instead.
+    """
     from treadle.tools import _described
 
     try:
@@ -218,17 +243,28 @@ def _reply_of(request: bytes, begin: Callable[[], object]) -> bytes:
     begin()
     try:
         value = _call(fn, call["kwargs"])
-    except Exception as exc:
+    except BaseException as exc:
+        if _ends_the_process(exc):
+            raise
         return pickle.dumps(_error_reply(exc))
     try:
         return pickle.dumps((REPLY_OK, value))
-    except Exception as exc:
+    except BaseException as exc:
+        if _ends_the_process(exc):
+            raise
         described = _described(exc)
         text = f"Error: the result could not be sent back from the tool's process: {described}"
         return pickle.dumps((REPLY_ERROR, text, False))
 
 
-def _error_reply(exc: Exception) -> tuple[Any, ...]:
+def _ends_the_process(exc: BaseException) -> bool:
+    """Whether ``exc`` (also inside exception groups) is an exit: no outcome of the call."""
+    from treadle._exceptions import raised
+
+    return raised(exc, KeyboardInterrupt) is not None or raised(exc, SystemExit) is not None
+
+
+def _error_reply(exc: BaseException) -> tuple[Any, ...]:
     """The reply of a function that raised ``exc``: its text as a thread tool's would be."""
     from treadle._exceptions import EnvironmentFailure, raised
     from treadle.revisions import StaleWrite
@@ -250,6 +286,7 @@ def main() -> None:
     lifeline = int(sys.argv[1])
     reply_fd = int(sys.argv[2])
     os.set_inheritable(reply_fd, False)  # not inherited across exec
+    _open_standard_streams()
     os.dup2(2, 1)  # the function's prints go to stderr
     sys.stdout = sys.stderr
     request = sys.stdin.buffer.read()
@@ -258,7 +295,6 @@ def main() -> None:
     if worker == 0:
         os.close(lifeline)
         _work(keeper, request, reply_fd)
-        return
     os.close(reply_fd)
     threading.Thread(target=_watch, args=(lifeline,), daemon=True).start()
     _, status = os.waitpid(worker, 0)
@@ -266,18 +302,77 @@ def main() -> None:
         _exit_as(status)
 
 
-def _work(keeper: int, request: bytes, reply_fd: int) -> None:
-    """The worker: run the call and write its reply; it ends as a Python process does."""
-    _die_with(keeper)
+def _open_standard_streams() -> None:
+    """Open ``/dev/null`` as stdin, stdout or stderr where the process has none.
 
-    def close_reply() -> None:  # in a process the tool forks: it must not hold the reply
+    A driver started with them closed gives the child none; the keeper then gives stderr to
+    the function as its stdout.
+    """
+    for fd in (0, 1, 2):
+        if _identity(fd) is not None:
+            continue
+        null = os.open(os.devnull, os.O_RDWR)
+        if null != fd:  # the lowest free number: ``fd`` unless a lower one is free too
+            os.dup2(null, fd)
+            os.close(null)
+
+
+def _identity(fd: int) -> tuple[int, int] | None:
+    """``(device, inode)`` of what ``fd`` is open on; ``None`` when it is not open."""
+    try:
+        found = os.fstat(fd)
+    except OSError:
+        return None
+    return found.st_dev, found.st_ino
+
+
+class _ReplyPipe:
+    """The worker's end of the reply pipe, used only while ``fd`` is still that pipe.
+
+    The tool may close descriptors it does not own and open files that get the same number:
+    those are left alone (nothing written to them, nor closed in a forked child).
+    """
+
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+        self._identity = _identity(fd)
+
+    def _ours(self) -> bool:
+        return self._identity is not None and _identity(self.fd) == self._identity
+
+    def write(self, data: bytes) -> None:
+        """Write all of ``data``, if ``fd`` is still the pipe (a reader gone: nothing)."""
+        if not self._ours():
+            return
+        view = memoryview(data)
         with contextlib.suppress(OSError):
-            os.close(reply_fd)
+            while view:
+                view = view[os.write(self.fd, view) :]
 
-    os.register_at_fork(after_in_child=close_reply)
-    data = _reply_of(request, lambda: os.write(reply_fd, BEGAN))
-    with os.fdopen(reply_fd, "wb") as out:
-        out.write(frame(data))
+    def close(self) -> None:
+        """Close ``fd``, if it is still the pipe."""
+        if self._ours():
+            with contextlib.suppress(OSError):
+                os.close(self.fd)
+
+
+def _work(keeper: int, request: bytes, reply_fd: int) -> NoReturn:
+    """The worker: run the call, write its reply, and end at once (``os._exit``).
+
+    Nothing of an interpreter's exit runs after the reply (joining non-daemon threads, `atexit`
+    handlers, multiprocessing's wait for its children): the call ends when its function does.
+    """
+    _die_with(keeper)
+    pipe = _ReplyPipe(reply_fd)
+    # in a process the tool forks: it must not hold the reply
+    os.register_at_fork(after_in_child=pipe.close)
+    data = _reply_of(request, lambda: pipe.write(BEGAN))
+    for stream in (sys.stdout, sys.stderr):  # the function's prints, ahead of its end
+        with contextlib.suppress(Exception):
+            if stream is not None:
+                stream.flush()
+    pipe.write(frame(data))
+    os._exit(0)
 
 
 def _die_with(keeper: int) -> None:

@@ -320,12 +320,12 @@ def _check_importable(fn: Callable[..., Any], name: str) -> None:
 
     Raises:
         UsageError: it is not: a lambda, a closure, a function of the script being run (the
-            child is a ``__main__`` of its own), or a method bound to an instance (the child
-            would find the plain function, without the instance); docs/concepts.md, "Tools
-            and cancellation".
+            child is a ``__main__`` of its own), a method bound to an instance (the child
+            would find the plain function, without the instance), or a method bound to a
+            class that does not have it under its name; docs/concepts.md, "Tools and
+            cancellation".
     """
-    qualname = getattr(fn, "__qualname__", "")
-    module = getattr(fn, "__module__", None)
+    module, qualname = _name_in_child(fn)
     if not qualname or "<" in qualname or module is None or module == "__main__":
         raise UsageError(
             f"tool {name!r}: a process tool must be a function defined at the top level "
@@ -338,6 +338,23 @@ def _check_importable(fn: Callable[..., Any], name: str) -> None:
             "child process imports the function again and has no instance to bind it to); "
             "declare a top-level function that calls the method"
         )
+    if inspect.ismethod(fn) and getattr(fn.__self__, fn.__name__, None) != fn:
+        raise UsageError(
+            f"tool {name!r}: {fn.__name__!r} cannot be found on {qualname.rpartition('.')[0]}, "
+            "the class it is bound to (the child process finds it there by name)"
+        )
+
+
+def _name_in_child(fn: Callable[..., Any]) -> tuple[str | None, str]:
+    """The module and qualified name a process tool's function is found by in its child.
+
+    A method bound to a class (a classmethod) is named through that class, not the one that
+    defines it: reached through a subclass, it runs bound to the subclass there too.
+    """
+    if inspect.ismethod(fn) and inspect.isclass(fn.__self__):
+        owner = fn.__self__
+        return getattr(owner, "__module__", None), f"{owner.__qualname__}.{fn.__name__}"
+    return getattr(fn, "__module__", None), getattr(fn, "__qualname__", "")
 
 
 def _is_async(fn: Any) -> bool:
@@ -715,7 +732,8 @@ class _ProcessCall:
         self._resource = resource  # the call's resource key
         self._seen = seen  # the revision of it the model saw
         self._output = bytearray()
-        self._ended = False  # the output was read to its end: no process can write any more
+        # the output was read to its end, or to the end of a whole reply: no more is read
+        self._ended = False
 
     @property
     def began(self) -> bool:
@@ -731,10 +749,23 @@ class _ProcessCall:
             return True
         return output != b"" and _toolproc.unframe(output) is None
 
+    @property
+    def replied(self) -> bool:
+        """Whether a whole reply was read.
+
+        The call's outcome is then that reply, whatever became of the process after it
+        (docs/concepts.md, "Tools and cancellation").
+        """
+        output = self._output
+        start = len(_toolproc.BEGAN) if output.startswith(_toolproc.BEGAN) else 0
+        size = _toolproc.frame_size(output, start)
+        return size is not None and len(output) >= start + size
+
     async def run(self) -> ActionOutcome:
         """Run the call in a child process; killed at once when the call is cancelled.
 
-        A `StaleWrite` raised in the child is a stale write here too.
+        A `StaleWrite` raised in the child is a stale write here too. The output is read up to
+        the end of a whole reply, then the call waits for its process to end.
         """
         lifeline, held = os.pipe()
         replies, reply_end = os.pipe()
@@ -780,31 +811,51 @@ class _ProcessCall:
         )
 
     def _request(self) -> bytes:
-        fn = self._found.fn
+        module, qualname = _name_in_child(self._found.fn)
         sent = {key: _for_the_child(value) for key, value in self._kwargs.items()}
-        return pickle.dumps({"module": fn.__module__, "qualname": fn.__qualname__, "kwargs": sent})
+        return pickle.dumps({"module": module, "qualname": qualname, "kwargs": sent})
 
     async def _read(self, reply: trio.abc.ReceiveStream) -> None:
-        async for chunk in reply:
+        """Read the output to its end, or to the end of a whole reply.
+
+        A process that holds the reply pipe (one forked by C code) cannot hold the reply back.
+        """
+        while not self.replied:
+            chunk = await reply.receive_some()
+            if not chunk:
+                break
             self._output += chunk
         self._ended = True
 
     def _outcome(self, status: int) -> ActionOutcome:
-        """The call's outcome from its output, read to its end.
+        """The call's outcome from its output, read to its end (or its reply's).
 
         ``status`` is trio's `trio.Process.returncode` (negative: killed by that signal).
         """
+        answer = self.answer()
+        if answer is not None:
+            return answer
+        return _died(self._found, status) if self.began else _ended_first(self._found, status)
+
+    def answer(self) -> ActionOutcome | None:
+        """The outcome of the child's whole reply; ``None`` when none was read.
+
+        A whole reply that cannot be unpickled here is the call's error, whatever unpickling
+        raised (a ``__reduce__`` that calls `sys.exit` included); docs/concepts.md, "Tools and
+        cancellation".
+        """
         output = bytes(self._output)
-        began = self.began
         if output.startswith(_toolproc.BEGAN):
             data = _toolproc.unframe(output[len(_toolproc.BEGAN) :])
         else:  # a reply of a function never loaded, or nothing anyone can read
-            data = None if began else _toolproc.unframe(output)
+            data = _toolproc.unframe(output)
         if data is None:  # no reply, or a cut one
-            return _died(self._found, status) if began else _ended_first(self._found, status)
+            return None
         try:
-            reply = pickle.loads(data)
-        except Exception as exc:  # a whole reply that cannot be read here
+            reply = _unpickle(data)
+        except BaseException as exc:  # a whole reply that cannot be read here
+            if isinstance(exc, trio.Cancelled):  # not the data's: unpickling never checkpoints
+                raise
             text = (
                 f"Error: the result of {self._found.name} could not be read back from its "
                 f"process: {_described(exc)}"
@@ -828,6 +879,16 @@ class _ProcessCall:
         if failure:
             return ActionOutcome(status=ActionStatus.ENV_ERROR, observation=text, detail=text)
         return ActionOutcome(status=ActionStatus.EXECUTED, observation=text)
+
+
+@trio.lowlevel.enable_ki_protection
+def _unpickle(data: bytes) -> Any:
+    """``pickle.loads(data)``, with Ctrl-C held off by trio meanwhile.
+
+    A `KeyboardInterrupt` raised here is then the data's own (its ``__reduce__``), not the
+    user's.
+    """
+    return pickle.loads(data)
 
 
 def _for_the_child(value: Any) -> Any:
@@ -1151,6 +1212,9 @@ class Toolbox:
                     began = in_process.began
                 raise
             return self._returned(found, result, resource)
+        answer = None if in_process is None else in_process.answer()
+        if answer is not None:  # a whole reply came, but its process did not end in time
+            return answer
         if not began:
             return _not_started_within(found, timeout)
         if found.isolation == "thread":

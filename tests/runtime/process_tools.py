@@ -206,3 +206,143 @@ def fork_chain(directory: str) -> str:
     time.sleep(60)
     (folder / "done").write_text("done")
     os._exit(0)
+
+
+def _keep_running(directory: str) -> None:
+    """Wait a minute, or until ``<directory>/release`` exists (a test's cleanup writes it)."""
+    release = Path(directory) / "release"
+    for _ in range(1200):
+        if release.exists():
+            return
+        time.sleep(0.05)
+
+
+@treadle.tool(isolation="process", timeout_s=20)
+def leave_a_thread(directory: str) -> str:
+    """Start a non-daemon thread that keeps running, and return at once."""
+    import threading
+
+    threading.Thread(target=_keep_running, args=(directory,)).start()
+    return "returned"
+
+
+@treadle.tool(isolation="process", timeout_s=20)
+def leave_a_multiprocessing_child(directory: str) -> str:
+    """Start a `multiprocessing.Process` (fork) that keeps running (its pid in ``background``),
+    and return at once: multiprocessing joins it when the interpreter exits."""
+    import multiprocessing
+
+    child = multiprocessing.get_context("fork").Process(target=_keep_running, args=(directory,))
+    child.start()
+    (Path(directory) / "background").write_text(str(child.pid))
+    return "returned"
+
+
+@treadle.tool(isolation="process", timeout_s=20)
+def leave_a_slow_exit_handler(directory: str) -> str:
+    """Register an `atexit` handler that keeps running, and return at once."""
+    import atexit
+
+    atexit.register(_keep_running, directory)
+    return "returned"
+
+
+@treadle.tool(isolation="process", timeout_s=20)
+def fork_without_hooks(directory: str) -> str:
+    """Fork with libc's ``fork`` (Python's at-fork hooks do not run, so the child keeps the
+    reply pipe); the child leaves the session and keeps running (its pid in ``background``)."""
+    import ctypes
+
+    pid = ctypes.CDLL(None).fork()
+    if pid == 0:
+        os.setsid()
+        _keep_running(directory)
+        os._exit(0)
+    (Path(directory) / "background").write_text(str(pid))
+    return "returned"
+
+
+@treadle.tool(isolation="process", timeout_s=3)
+def stop_the_keeper() -> str:
+    """Stop (SIGSTOP) the process that waits for this one, and return."""
+    import signal
+
+    os.kill(os.getppid(), signal.SIGSTOP)
+    return "returned"
+
+
+class Teller:
+    """A classmethod tool that reads its class's ``bank``."""
+
+    bank = "base bank"
+
+    @classmethod
+    def pay(cls, amount: int) -> str:
+        """Pay ``amount`` through the class's bank."""
+        return f"paid {amount} via {cls.bank}"
+
+
+class SandboxTeller(Teller):
+    """`Teller` with a bank of its own."""
+
+    bank = "sandbox bank"
+
+
+class Uncaught(BaseException):
+    """A `BaseException` that is neither `KeyboardInterrupt` nor `SystemExit`."""
+
+
+@treadle.tool(isolation="process")
+def raise_base(kind: str) -> str:
+    """Raise a `BaseException` of ``kind`` that `except Exception` does not catch."""
+    import asyncio
+
+    if kind == "custom":
+        raise Uncaught("custom")
+    if kind == "generator_exit":
+        raise GeneratorExit("generator exit")
+    raise asyncio.CancelledError("asyncio cancel")
+
+
+@treadle.tool(isolation="process")
+def close_then_log(directory: str) -> str:
+    """Close every file descriptor from 3 up, then open log files and keep them open.
+
+    It opens as many as it takes for one to get the number the reply pipe had (the child's
+    second argument), and writes their count to ``count``.
+    """
+    import sys
+
+    os.closerange(3, 4096)
+    global LOGS
+    LOGS = []
+    while not LOGS or LOGS[-1].fileno() < int(sys.argv[2]):
+        LOGS.append(open(Path(directory) / f"log{len(LOGS)}.txt", "ab", buffering=0))  # noqa: SIM115
+    (Path(directory) / "count").write_text(str(len(LOGS)))
+    return "logged"
+
+
+class ExitsWhenRead:
+    """Unpickles by calling ``sys.exit(7)``."""
+
+    def __reduce__(self) -> tuple[object, tuple[int]]:
+        import sys
+
+        return (sys.exit, (7,))
+
+
+class RaisesWhenRead:
+    """Unpickles by raising `Uncaught`."""
+
+    def __reduce__(self) -> tuple[object, tuple[str]]:
+        return (_raise_uncaught, ("read",))
+
+
+def _raise_uncaught(message: str) -> None:
+    raise Uncaught(message)
+
+
+@treadle.tool(isolation="process")
+def return_exiting(kind: str) -> str:
+    """Return a value whose unpickling raises `SystemExit` (``exit``) or `Uncaught`."""
+    return ExitsWhenRead() if kind == "exit" else RaisesWhenRead()  # type: ignore[return-value]
