@@ -661,3 +661,32 @@ def test_a_resume_that_waits_for_an_approval_says_so_and_goes_on_once_approved(
     assert child.returncode == 0, out
     assert out.strip() == "r: succeeded (final_answer), 2 steps"
     assert (tmp_path / "charges").read_text() == "12\n"  # charged once, after the approval
+
+
+@pytest.mark.parametrize("which", ["r", "--all"])
+def test_a_resume_of_a_run_approved_while_nobody_drove_it_does_not_ask_for_approval(
+    tmp_path: Path, which: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The decision waits in the control stream (`treadle approve` with no driver); the
+    # resume applies it without waiting, yet it said "waiting for approval of charge(...)
+    # ... treadle approve r ...", read from the log alone.
+    db = str(tmp_path / "runs.db")
+    monkeypatch.setenv(LEDGER_ENV, str(tmp_path / "charges"))
+
+    async def leave() -> None:
+        async with (
+            treadle.open_sqlite_store(db) as store,
+            treadle.open_run(approval_agent(), "pay", store=store, run_id="r") as handle,
+        ):
+            await handle.wait_state(treadle.RunState.AWAITING_APPROVAL)
+            handle.drain()
+
+    trio.run(leave)
+    approved = CliRunner().invoke(main, ["approve", "r", "--store", db])
+    assert approved.exit_code == 0, approved.output
+    agent = "tests.test_cli_resume:approval_agent"
+    resumed = CliRunner().invoke(main, ["resume", which, "--store", db, "--agent", agent])
+    assert resumed.exit_code == 0, resumed.output
+    assert "waiting for approval" not in resumed.stderr
+    assert resumed.stdout.strip() == "r: succeeded (final_answer), 2 steps"
+    assert (tmp_path / "charges").read_text() == "12\n"

@@ -49,7 +49,7 @@ from treadle._terminal import on_interrupt
 from treadle._text import valid_unicode
 from treadle.actors import stored_events
 from treadle.agent import Agent
-from treadle.approvals import pending_approval
+from treadle.approvals import pending_approval, undecided_approval
 from treadle.ports import RunIndex, RunStore
 from treadle.redaction import Redaction
 from treadle.stores import is_live
@@ -551,7 +551,7 @@ async def _resume_one(
             return log  # only reported: its agent is not even opened
         if wait:
             await wait_for_leases(store, [run_id])
-        hint_pending(log, store_path)
+        await hint_pending(store, log, store_path)
         async with opened_agent(agent_spec) as agent:
             try:
                 await run(
@@ -595,12 +595,17 @@ class ApprovalHints:
             click.echo(f"{event.run_id}: {hint} (this command drives the run until then)", err=True)
 
 
-def hint_pending(log: RunLog, store_path: str) -> None:
+async def hint_pending(store: RunStore, log: RunLog, store_path: str) -> None:
     """Say on standard error that the run of ``log``, about to be resumed, waits for approval.
 
-    Its request is in the log already, so no event of the resume announces it.
+    Its request is in the log already, so no event of the resume announces it. Nothing is
+    said when the run's control stream holds its decision already (`undecided_approval`):
+    the resume applies it without waiting.
+
+    Raises:
+        StoreError: the control stream cannot be read.
     """
-    request = pending_approval(log)
+    request = await undecided_approval(store, log)
     if request is not None:
         shown = Redaction.of_log(log).request(request)
         click.echo(f"{log.run_id}: {approval_hint(shown, log.run_id, store_path)}", err=True)
@@ -662,7 +667,7 @@ async def _resume_all(
         ]
         for summary in summaries:
             if summary.run_id in unfinished and summary.awaiting_until is not None:
-                hint_pending(await store.read_log(summary.run_id), store_path)
+                await hint_pending(store, await store.read_log(summary.run_id), store_path)
         try:
             await resume_unfinished(
                 agent,

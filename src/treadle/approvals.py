@@ -375,6 +375,23 @@ def pending_approval(log: RunLog) -> ApprovalRequested | None:
     return pending
 
 
+async def undecided_approval(store: RunStore, log: RunLog) -> ApprovalRequested | None:
+    """The approval request the run of ``log`` waits on with no decision yet, or ``None``.
+
+    `pending_approval`, unless the run's control stream already holds a decision the run
+    will apply to it (`first_counting`: one written by ``treadle approve`` or the console
+    while no driver ran, which the next drive takes up without waiting).
+
+    Raises:
+        StoreError: the control stream cannot be read.
+    """
+    request = pending_approval(log)
+    if request is None:
+        return None
+    decided = first_counting(await read_control(store, log.run_id), request)
+    return request if decided is None else None
+
+
 def _answers(record: object, request: ApprovalRequested) -> bool:
     """Whether ``record`` ends the wait on ``request`` (a decision, an intent, a step)."""
     if isinstance(record, ApprovalDecided | ActionIntent):
