@@ -24,10 +24,13 @@ from typing import Any, ClassVar, Final, NoReturn, TypeAlias
 
 import attrs
 
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 """Version of the persisted log record schema. A log written by a newer version is refused.
 
-2: run-started records the agent's name and version (docs/fleet.md)."""
+2: run-started records the agent's name and version (docs/fleet.md).
+3: run totals count ``other_tokens`` and an action outcome its ``unknown_usage_attempts``
+(a child run's), which a version-2 reader's decoder refuses. Raised with the stores'
+versions whenever the records' wire shape changes (docs/crash-safety.md, "Versions")."""
 
 JSONValue: TypeAlias = Any
 """A value made only of dict, list, str, int, float, bool and None."""
@@ -1205,7 +1208,8 @@ class ApprovalDecided:
         message: a rejection's message (shown to the model).
         edited_arguments: an edit's arguments: they replace the model's whole argument
             object (docs/events.md, "Human approval").
-        tool: the tool of the call (``""`` in logs written before decisions carried it).
+        tool: the tool of the call (``""`` in logs written before decisions carried it, and
+            in JSONL files begun in format 1 or 2: docs/crash-safety.md, "Versions").
         surrogates_replaced: surrogate code points replaced (a lone one by U+FFFD) in
             the message and the edited arguments, so the log holds valid Unicode only
             (docs/crash-safety.md, "Text that is not Unicode").

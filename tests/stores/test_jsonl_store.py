@@ -329,8 +329,8 @@ async def test_file_layout_and_frame_format(tmp_path: Path) -> None:
     assert lines[0]["seq"] == 0
     header = lines[0]["header"]
     assert header.pop("created_ns") > 0
-    assert header == {"format": "treadle.jsonl", "version": 3, "run_id": "Run/1"}
-    assert FORMAT_VERSION == 3
+    assert header == {"format": "treadle.jsonl", "version": 4, "run_id": "Run/1"}
+    assert FORMAT_VERSION == 4
     assert "gen" not in lines[0]
     assert [line["seq"] for line in lines[1:]] == [1, 2, 3, 4, 5]
     assert [line["gen"] for line in lines[1:]] == [run.generation] * 5 == [1] * 5

@@ -3,8 +3,9 @@
 The fixtures in tests/fixtures/old_logs were written by treadle with SQLite layout 2 and JSONL
 format 2, whose records are JSON objects naming their run and kind (make_logs.py there says
 how). docs/decisions/0085-compact-log-records.md: opening such a store writes no record; a
-layout-2 database is marked layout 3 (so that an older treadle refuses it); a version-2 JSONL
-file keeps its format, appends included.
+layout-2 database is marked with today's layout (so that an older treadle refuses it); a
+version-2 JSONL file keeps its format, appends included, written as a version-2 treadle
+reads it (docs/crash-safety.md, "Versions").
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import sqlite3
 from pathlib import Path
 from typing import Any
 
+import attrs
 import pytest
 import trio
 from tests.fixtures.old_logs.agent import RUN_IDS, agent
@@ -30,11 +32,12 @@ from treadle.stores._codec import (
     record_to_dict,
     unpack,
 )
-from treadle.stores._jsonl_files import FORMAT_VERSION, read_run_file
+from treadle.stores._jsonl_files import FORMAT_VERSION, read_run_file, records_frame
 from treadle.testing.invariants import check_invariants
 from treadle.types import (
     ActionResult,
     ActionStatus,
+    ApprovalDecided,
     RunFinished,
     RunState,
     StepRecord,
@@ -92,7 +95,7 @@ def test_the_fixtures_are_of_the_old_formats() -> None:
         assert found.version == 2 and found.records == expected("jsonl", run_id)
 
 
-async def test_an_old_sqlite_store_is_read_as_written_and_marked_layout_3(
+async def test_an_old_sqlite_store_is_read_as_written_and_marked_with_todays_layout(
     old_sqlite: Path,
 ) -> None:
     before = rows(old_sqlite)
@@ -104,7 +107,7 @@ async def test_an_old_sqlite_store_is_read_as_written_and_marked_layout_3(
         assert summaries["old-cancelled"].state is RunState.CANCELLED
         assert summaries["old-open"].steps == 1
     assert rows(old_sqlite) == before  # not one row rewritten
-    assert layout(old_sqlite) == str(_sql.LAYOUT_VERSION) == "3"
+    assert layout(old_sqlite) == str(_sql.LAYOUT_VERSION) == "4"
     async with open_sqlite_store(old_sqlite) as store:  # a second open changes nothing more
         assert (await store.read_log("old-done")).records == expected("sqlite", "old-done")
     assert rows(old_sqlite) == before
@@ -167,5 +170,38 @@ async def test_an_old_jsonl_store_is_read_and_appended_in_its_own_format(
         item for line in lines[1:] for item in line["records"]
     ]
     fresh = read_run_file(str(old_jsonl / "new.jsonl"))
-    assert fresh.version == FORMAT_VERSION == 3
+    assert fresh.version == FORMAT_VERSION == 4
     assert isinstance(fresh.records[-1], RunFinished)
+
+
+def decision(run_id: str) -> ApprovalDecided:
+    return ApprovalDecided(
+        run_id=run_id,
+        step=2,
+        call_id="c1",
+        arguments_digest="d",
+        decision="approve",
+        ts="2026-12-01T10:00:00+00:00",
+        tool="add",
+    )
+
+
+async def test_a_decision_in_an_old_jsonl_store_is_written_as_its_treadle_reads_it(
+    old_jsonl: Path,
+) -> None:
+    """A version-2 treadle refuses an object with a field it does not know: a decision's
+    tool, which it never wrote, made the run file and the control stream of a run approved
+    by a newer treadle read as damage to it, though the file still said version 2."""
+    async with open_jsonl_store(old_jsonl) as store:
+        await store.append_control(decision("old-open"))
+        (entry,) = await store.read_control("old-open")
+    (line,) = (old_jsonl / ".control" / "old-open.jsonl").read_bytes().splitlines()
+    assert json.loads(line)["control"] == {
+        k: v for k, v in record_to_dict(decision("old-open")).items() if k != "tool"
+    }
+    assert entry.record == attrs.evolve(decision("old-open"), tool="")
+    for version in (1, 2):  # the records of a run file of that format
+        line = records_frame(5, [decision("r")], generation=1, run_id="r", version=version)
+        assert "tool" not in json.loads(line)["records"][0]
+    compact = json.loads(records_frame(5, [decision("r")], generation=1, run_id="r"))
+    assert unpack(json.dumps(compact["records"][0]), "r") == decision("r")  # kept from 3 on

@@ -16,7 +16,7 @@ import pytest
 import trio
 
 import treadle
-from treadle.stores import postgres
+from treadle.stores import _sql, postgres
 from treadle.stores._codec import KIND_OF, encode_bytes, record_crc
 from treadle.stores.postgres import PostgresStore
 from treadle.testing.contracts import lease_generation
@@ -141,16 +141,21 @@ async def test_a_layout_no_postgresql_store_had_is_refused(
         await PostgresStore.open(postgres_dsn, schema=postgres_schema)
 
 
-async def test_a_layout_2_schema_is_marked_3_and_its_rows_read_as_written(
-    postgres_dsn: str, postgres_schema: str
+@pytest.mark.parametrize("old_layout", ["2", "3"])
+async def test_an_older_layout_schema_is_marked_4_and_its_rows_read_as_written(
+    postgres_dsn: str, postgres_schema: str, old_layout: str
 ) -> None:
     """Rows written before the compact encoding (JSON objects) are read as they are; new rows
-    of the same run are compact; the mark makes an older treadle refuse the schema."""
+    of the same run are compact; the mark makes an older treadle refuse the schema
+    (docs/crash-safety.md, "Versions": a layout-3 treadle met rows of record schema 3 it
+    could not decode and called them damaged)."""
     async with treadle.open_postgres_store(postgres_dsn, schema=postgres_schema):
         pass
     old = [started("old"), intent("old", 1)]
     with psycopg.connect(postgres_dsn, autocommit=True) as admin:
-        admin.execute(f"UPDATE {postgres_schema}.meta SET value = '2' WHERE key = 'layout'")
+        admin.execute(
+            f"UPDATE {postgres_schema}.meta SET value = %s WHERE key = 'layout'", (old_layout,)
+        )
         admin.execute(
             f"INSERT INTO {postgres_schema}.runs(run_id, next_seq, state) "
             "VALUES ('old', 3, 'running')"
@@ -174,7 +179,7 @@ async def test_a_layout_2_schema_is_marked_3_and_its_rows_read_as_written(
         kinds = admin.execute(
             f"SELECT kind, body FROM {postgres_schema}.records WHERE run_id = 'old' ORDER BY seq"
         ).fetchall()
-    assert layout == ("3",)
+    assert layout == (str(_sql.LAYOUT_VERSION),) == ("4",)
     assert [k for k, _ in kinds] == ["run_started", "model_intent", "mi"]
     assert bytes(kinds[-1][1]).startswith(b'["mi",1,2,')
 
@@ -342,8 +347,6 @@ async def test_lease_writes_do_not_wait_for_their_wal_flush(
     acquisition, the log's group commits and control appends keep the server's setting (on):
     a driver outlives a server crash, so an acquisition lost with it could hand out its
     generation twice."""
-    from treadle.stores import _sql
-
     seen: list[str] = []
     real = _sql.write_transaction.__enter__
 

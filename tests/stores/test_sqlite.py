@@ -165,7 +165,7 @@ async def test_wal_mode_and_full_synchronous(tmp_path: Path) -> None:
         try:
             assert probe.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
             layout = probe.execute("SELECT value FROM meta WHERE key = 'layout'").fetchone()[0]
-            assert int(layout) == _sql.LAYOUT_VERSION == 3
+            assert int(layout) == _sql.LAYOUT_VERSION == 4
         finally:
             probe.close()
 
@@ -836,7 +836,8 @@ async def test_a_layout_1_store_is_migrated_on_open(tmp_path: Path) -> None:
             ModelResult(run_id="r", step=1, intent_id="m", ts=TS), seq=3, generation=g
         )
     with contextlib.closing(sqlite3.connect(path)) as conn:
-        assert conn.execute("SELECT value FROM meta WHERE key = 'layout'").fetchone() == ("3",)
+        layout = conn.execute("SELECT value FROM meta WHERE key = 'layout'").fetchone()
+        assert layout == (str(_sql.LAYOUT_VERSION),)
         tables = {r[0] for r in conn.execute("SELECT name FROM sqlite_master WHERE type='table'")}
         assert tables == {"meta", "runs", "records", "control"}
         gens = [
@@ -974,6 +975,29 @@ async def test_open_refuses_a_newer_layout(tmp_path: Path) -> None:
     assert "is at version 99, written by a newer treadle" in str(info.value)
 
 
+async def test_a_layout_3_store_is_marked_4_when_opened_and_read_as_written(
+    tmp_path: Path,
+) -> None:
+    """A layout-3 treadle refuses rows of record schema 3 only as damage (LogCorrupted), so
+    opening its store marks it 4, which it refuses as SchemaTooNew (docs/crash-safety.md,
+    "Versions"); no row is rewritten."""
+    path = tmp_path / "s.db"
+    async with open_sqlite_store(path) as store:
+        run = Steps(store, "r")
+        await run.start()
+        await run.next()
+        written = (await store.read_log("r")).records
+    with contextlib.closing(sqlite3.connect(path, isolation_level=None)) as conn:
+        conn.execute("UPDATE meta SET value = '3' WHERE key = 'layout'")
+        rows = conn.execute("SELECT * FROM records ORDER BY run_id, seq").fetchall()
+    async with open_sqlite_store(path) as store:
+        assert (await store.read_log("r")).records == written
+    with contextlib.closing(sqlite3.connect(path)) as conn:
+        layout = conn.execute("SELECT value FROM meta WHERE key = 'layout'").fetchone()
+        assert conn.execute("SELECT * FROM records ORDER BY run_id, seq").fetchall() == rows
+    assert layout == (str(_sql.LAYOUT_VERSION),) == ("4",)
+
+
 # The step-counting trigger of a layout-3 store written before it became two statements.
 _EARLIER_ADVANCE = (
     "CREATE TRIGGER records_advance AFTER INSERT ON records BEGIN UPDATE runs SET next_seq = "
@@ -1002,7 +1026,8 @@ async def test_an_earlier_trigger_of_the_same_layout_is_replaced_on_open(tmp_pat
             "SELECT sql FROM sqlite_master WHERE type = 'trigger' AND name = 'records_advance'"
         ).fetchone()
         assert sql == sqlite_module._ADVANCE
-        assert conn.execute("SELECT value FROM meta WHERE key = 'layout'").fetchone() == ("3",)
+        layout = conn.execute("SELECT value FROM meta WHERE key = 'layout'").fetchone()
+        assert layout == (str(_sql.LAYOUT_VERSION),)
         row = conn.execute("SELECT next_seq, state, steps FROM runs WHERE run_id = 'r'").fetchone()
         assert row == (12, "running", 2)
 

@@ -56,14 +56,17 @@ from treadle.types import (
 FORMAT: Final = "treadle.jsonl"
 """The ``format`` of a run file's header."""
 
-FORMAT_VERSION: Final = 3
+FORMAT_VERSION: Final = 4
 """The frame format version written in every new header; a newer file is refused.
 
 2: record frames carry the writer's lease generation (``gen``); control streams and leases
 live in ``.control/`` and ``.leases/`` (version 1 kept a control log as a pseudo-run).
 3: record frames hold their records in the compact encoding (``["mi",1,1,...]``,
 docs/decisions/0085-compact-log-records.md). A file keeps the encoding its header names: one
-begun in version 2 (or 1) is read, and appended to, in the JSON-object encoding."""
+begun in version 2 (or 1) is read, and appended to, in the JSON-object encoding.
+4: records may hold the fields of record schema 3 (`treadle.types.SCHEMA_VERSION`), which a
+version-3 reader cannot decode; the encoding is version 3's. Raised whenever the records' wire
+shape changes (docs/crash-safety.md, "Versions")."""
 
 COMPACT_FROM: Final = 3
 """The first format version whose record frames are compact-encoded."""
@@ -163,13 +166,34 @@ def records_frame(
     for record in records:
         if record.run_id != run_id:
             raise ValueError(f"a record of run {record.run_id!r} in the file of run {run_id!r}")
-    text = "[" + ",".join(record_to_json(r) for r in records) + "]"
+    text = "[" + ",".join(record_to_json(written_in(r, version)) for r in records) + "]"
     return frame(seq, "records", text, generation=generation)
 
 
-def control_frame(position: int, record: CancelRequested | ApprovalDecided) -> bytes:
-    """The line of one control-stream entry (newline included)."""
-    return frame(position, "control", record_to_json(record))
+def control_frame(
+    position: int, record: CancelRequested | ApprovalDecided, *, version: int = FORMAT_VERSION
+) -> bytes:
+    """The line of one control-stream entry (newline included).
+
+    ``version`` is the format of the run's file: the entry is written as that format's
+    treadle reads it (`written_in`).
+    """
+    return frame(position, "control", record_to_json(written_in(record, version)))
+
+
+def written_in(record: Record, version: int) -> Record:
+    """``record`` as a file of format ``version`` (and its control stream) holds it.
+
+    A file begun before format 3 holds JSON objects, and the treadle that began it refuses
+    an object with a field it does not know. A decision's ``tool``, which no treadle of
+    those formats wrote, is left out there: the decision answers its request by step, call
+    id and digest, and one read back without a tool has its edited arguments redacted by
+    every tool's secrets (`treadle.redaction.Redaction.arguments`). Other fields are written
+    as they are (docs/crash-safety.md, "Versions").
+    """
+    if version < COMPACT_FROM and isinstance(record, ApprovalDecided) and record.tool:
+        return attrs.evolve(record, tool="")
+    return record
 
 
 # --------------------------------------------------------------------------- reading run files
@@ -342,6 +366,20 @@ def _read_compact(where: str, run_id: str, line: bytes, offset: int) -> tuple[li
         check_schema(record)
         records.append(record)
     return records, generation
+
+
+def header_version(path: str) -> int:
+    """The format version a run file's header names (blocking; reads its first line only).
+
+    `FORMAT_VERSION` when the file has no intact header (none written yet: its first write
+    gives it this one) or cannot be read; what is wrong with it is reported by its reads.
+    """
+    try:
+        with open(open_regular(path), "rb") as file:  # a FIFO never blocks
+            first = file.readline(_CHUNK).rstrip(b"\n")
+        return read_header(path, _checked(path, first, 0))[2]
+    except (OSError, TreadleError):
+        return FORMAT_VERSION
 
 
 def read_bytes(path: str) -> bytes | None:

@@ -94,13 +94,17 @@ from treadle.types import (
 
 _LOG = logging.getLogger("treadle.stores")
 
-LAYOUT_VERSION: Final = 3
+LAYOUT_VERSION: Final = 4
 """Version of the table layout, stored in ``meta``; a database of a newer one is refused.
 
 3: record rows are written in the compact encoding (docs/decisions/0085-compact-log-records.md);
 rows written before keep theirs and are read as they are. A layout-2 database is marked 3 when
 a newer treadle opens it (nothing else changes), so an older treadle refuses it instead of
-reading rows it cannot decode."""
+reading rows it cannot decode.
+4: the same tables; rows may hold the fields of record schema 3 (`treadle.types.SCHEMA_VERSION`),
+which a layout-3 treadle cannot decode. A layout-3 database is marked 4 when a newer treadle opens
+it, nothing else changes. Raised whenever the records' wire shape changes (docs/crash-safety.md,
+"Versions")."""
 
 
 def layout_of(value: object) -> int:

@@ -77,6 +77,7 @@ from treadle.stores._jsonl_files import (
     Repair,
     RunFile,
     control_frame,
+    header_version,
     holds_a_store,
     list_run_files,
     migrate_v1_control,
@@ -691,6 +692,9 @@ class JsonlStore(EngineStore):
     async def append_control(self, record: CancelRequested | ApprovalDecided) -> ControlEntry:
         """Append to the run's control stream (under the file's ``flock``); synced on return.
 
+        The entry is written as the treadle of the run file's format reads it (a decision's
+        tool is left out for a file of format 1 or 2: docs/crash-safety.md, "Versions").
+
         Raises:
             UsageError: the store holds no such run.
             InvalidRunId: not an allowed run id.
@@ -717,7 +721,8 @@ class JsonlStore(EngineStore):
             entries, good = scan_control(os.pread(fd, size, 0), path, run_id)
             if size != good:
                 os.ftruncate(fd, good)  # a torn entry of an appender that died
-            line = control_frame(len(entries) + 1, record)
+            version = header_version(self.run_file(run_id))
+            line = control_frame(len(entries) + 1, record, version=version)
             os.write(fd, line)
             os.fsync(fd)
             if created:

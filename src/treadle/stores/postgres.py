@@ -289,7 +289,7 @@ def _lost_connection(exc: BaseException) -> bool:
 
 
 def _ensure_schema(dialect: PostgresDialect, conn: Any) -> None:
-    """Create the tables once (under an advisory lock), mark layout 2 as 3; refuse a newer one.
+    """Create the tables once (under an advisory lock), mark layouts 2 and 3 as 4, refuse newer.
 
     A schema already at this layout is only read: creating what exists would still take
     locks on its tables (``CREATE INDEX IF NOT EXISTS`` waits for writers to finish, and
@@ -314,10 +314,15 @@ def _ensure_schema(dialect: PostgresDialect, conn: Any) -> None:
             "ON CONFLICT (key) DO NOTHING",
             (str(_sql.LAYOUT_VERSION), repr(time.time())),
         )
-        # Layout 2 to 3 changes no table: new rows are compact-encoded, old ones are read as
-        # they are; the mark makes an older treadle refuse the schema instead of meeting rows
-        # it cannot decode (docs/decisions/0085-compact-log-records.md).
-        conn.execute("UPDATE meta SET value = %s WHERE key = 'layout' AND value = '2'", ("3",))
+        # Layouts 2 and 3 to 4 change no table: new rows are compact-encoded (layout 3) and
+        # may hold fields of record schema 3 (layout 4), old ones are read as they are; the
+        # mark makes an older treadle refuse the schema (SchemaTooNew) instead of meeting rows
+        # it cannot decode (docs/decisions/0085-compact-log-records.md; docs/crash-safety.md,
+        # "Versions").
+        conn.execute(
+            "UPDATE meta SET value = %s WHERE key = 'layout' AND value IN ('2', '3')",
+            (str(_sql.LAYOUT_VERSION),),
+        )
         row = conn.execute("SELECT value FROM meta WHERE key = 'layout'").fetchone()
         conn.execute("COMMIT")
     except BaseException:

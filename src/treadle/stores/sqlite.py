@@ -314,6 +314,9 @@ def _ensure_layout(conn: sqlite3.Connection, clock: Callable[[], float], where: 
     if layout == 2:
         _migrate_v2(conn)
         layout = _layout(conn)
+    if layout == 3:
+        _migrate_v3(conn)
+        layout = _layout(conn)
     if layout is not None and layout > _sql.LAYOUT_VERSION:
         raise SchemaTooNew(layout, _sql.LAYOUT_VERSION, what=f"the table layout of {where}")
     _ensure_triggers(conn)
@@ -387,6 +390,24 @@ def _migrate_v2(conn: sqlite3.Connection) -> None:
         conn.execute("DROP TRIGGER IF EXISTS records_advance")
         conn.execute(_ADVANCE)
         conn.execute("UPDATE meta SET value = '3' WHERE key = 'layout'")
+        conn.execute("COMMIT")
+    except BaseException:
+        _roll_back(conn)
+        raise
+
+
+def _migrate_v3(conn: sqlite3.Connection) -> None:
+    """Layout 3 to 4: the layout is marked 4, and nothing else changes.
+
+    Rows written from now on may hold fields a layout-3 treadle cannot decode (record schema
+    3, `treadle.types.SCHEMA_VERSION`); the mark makes it refuse the database (`SchemaTooNew`)
+    instead of calling those rows damaged (docs/crash-safety.md, "Versions"). One
+    transaction; no row is rewritten.
+    """
+    conn.execute("BEGIN IMMEDIATE")
+    try:
+        if _layout(conn) == 3:
+            conn.execute("UPDATE meta SET value = '4' WHERE key = 'layout'")
         conn.execute("COMMIT")
     except BaseException:
         _roll_back(conn)
