@@ -10,7 +10,9 @@ for seconds, and every run in the process with it.
 from __future__ import annotations
 
 import ast
+import itertools
 import json
+from collections.abc import Iterator
 
 import pytest
 from hypothesis import example, given
@@ -363,3 +365,127 @@ def test_a_short_secret_before_a_full_stop_is_redacted(shown):
 def test_a_short_secret_within_a_longer_number_is_left():
     for number in ("3.7391", "7391.5", "17391", "7391_2", "x7391"):
         assert REDACTION.text(f"PIN {number}.", known=["7391"]) == f"PIN {number}."
+
+
+SECRETS = Redaction.of_snapshot({SNAPSHOT_KEY: {"charge": ["card_number", "pin"]}})
+PROSE_AFTER = " After that I will email the report to bob as asked."
+
+
+@pytest.mark.parametrize("quoted_times", [0, 1, 2])
+@pytest.mark.parametrize(
+    "secret",
+    ["C:\\keys\\", "ends-with-a-backslash\\\\", {"password": "C:\\keys\\", "otp": "12345678"}],
+    ids=["a backslash at the end", "two backslashes at the end", "an object holding one"],
+)
+def test_a_secret_ending_in_a_backslash_is_replaced_up_to_its_own_end(secret, quoted_times):
+    # A reading that decodes the JSON's own escapes read "\\" before the closing quote as an
+    # escaped quote: the value ran on to the next quote, or to the text's end for an object,
+    # and `{"card_number": "[redacted]"amount": 5}` was shown, the prose after it gone.
+    call = {"name": "charge", "arguments": {"card_number": secret, "amount": 5, "to": "bob"}}
+    written = json.dumps(call)
+    for _ in range(quoted_times):
+        written = json.dumps(written)
+    shown = SECRETS.text("Paying now. " + written + PROSE_AFTER)
+    assert shown is not None and shown.startswith("Paying now. ") and shown.endswith(PROSE_AFTER)
+    read = json.loads(shown[len("Paying now. ") : -len(PROSE_AFTER)])
+    for _ in range(quoted_times):
+        read = json.loads(read)
+    assert read == {
+        "name": "charge",
+        "arguments": {"card_number": REDACTED, "amount": 5, "to": "bob"},
+    }
+
+
+PLAIN_CHARS = st.sampled_from(list("aZé \"'\\/\n\t\u2028\U0001f600{}[]:,#\x00\x7f.-euxN<>="))
+"""Characters of what is not secret: JSON's and Python's syntax and escapes, no digit."""
+PLAIN_TEXT = st.lists(PLAIN_CHARS, max_size=8).map("".join)
+SECRET_KEY = st.sampled_from(["card_number", "pin"])
+SECRET_LEAF = PLAIN_TEXT.map("S3CR3T".__add__) | st.integers(10**9, 10**17)
+"""A secret string or number: nothing else in the text holds it (`told_apart`)."""
+SECRET_VALUE = st.recursive(
+    SECRET_LEAF,
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(PLAIN_TEXT, inner, max_size=3),
+    max_leaves=4,
+)
+PLAIN_VALUE = st.recursive(
+    PLAIN_TEXT | st.integers(-999, 999) | st.booleans() | st.none(),
+    lambda inner: (
+        st.lists(inner, max_size=3)
+        | st.builds(
+            lambda plain, secret: {**plain, **secret},
+            st.dictionaries(PLAIN_TEXT, inner, max_size=3),
+            st.dictionaries(SECRET_KEY, SECRET_VALUE, max_size=1),
+        )
+    ),
+    max_leaves=6,
+)
+"""A value that is no secret, though it may hold secret arguments (an object nested)."""
+
+
+def told_apart(value: object, marks: Iterator[str]) -> object:
+    """``value`` with a mark of its own after the ``S3CR3T`` of each secret string in it.
+
+    No secret string is then the start of another: a value is replaced wherever it stands,
+    and one that starts as another and goes on as its closing quote does (``S3CR3T\\`` and
+    ``\\"S3CR3T\\"``, in JSON in a JSON string) is replaced across that quote too.
+    """
+    if isinstance(value, dict):
+        return {key: told_apart(item, marks) for key, item in value.items()}
+    if isinstance(value, list):
+        return [told_apart(item, marks) for item in value]
+    if isinstance(value, str) and value.startswith("S3CR3T"):
+        return f"S3CR3T{next(marks)}{value.removeprefix('S3CR3T')}"
+    return value
+
+
+def without_secrets(value: object) -> object:
+    """``value`` with every secret argument's value, at any depth, read as `REDACTED`."""
+    if isinstance(value, dict):
+        return {
+            key: REDACTED if key in ("card_number", "pin") else without_secrets(item)
+            for key, item in value.items()
+        }
+    if isinstance(value, list):
+        return [without_secrets(item) for item in value]
+    return value
+
+
+@given(
+    plain=st.dictionaries(PLAIN_TEXT, PLAIN_VALUE, max_size=4),
+    secrets=st.dictionaries(SECRET_KEY, SECRET_VALUE, min_size=1),
+    ascii_only=st.booleans(),
+    quoted_times=st.integers(0, 2),
+    prose=st.tuples(PLAIN_TEXT, PLAIN_TEXT),
+)
+@example(
+    plain={"to": "bob"},
+    secrets={"card_number": "S3CR3T C:\\keys\\"},
+    ascii_only=True,
+    quoted_times=0,
+    prose=("Paying now.", "Then I tell bob."),
+)
+@example(
+    plain={"to": "bob"},
+    secrets={"pin": {"password": "S3CR3T C:\\keys\\", "otp": 12345678901}},
+    ascii_only=True,
+    quoted_times=1,
+    prose=("Paying now.", "Then I tell bob."),
+)
+def test_redacted_json_still_parses_and_only_secret_values_change(
+    plain, secrets, ascii_only, quoted_times, prose
+):
+    # docs/events.md, "Secret arguments": values are replaced so that the JSON stays valid,
+    # and other prose is left as it is.
+    marks = (chr(code) for code in itertools.count(0x4E00))
+    call = {"name": "charge", "arguments": told_apart({**plain, **secrets}, marks)}
+    written = json.dumps(call, ensure_ascii=ascii_only)
+    for _ in range(quoted_times):
+        written = json.dumps(written, ensure_ascii=ascii_only)
+    before, after = prose[0] + " ", " " + prose[1]
+    shown = SECRETS.text(before + written + after)
+    assert shown is not None and shown.startswith(before) and shown.endswith(after), shown
+    read = json.loads(shown[len(before) : len(shown) - len(after)])
+    for _ in range(quoted_times):
+        read = json.loads(read)
+    assert read == without_secrets(call)
+    assert "S3CR3T" not in shown

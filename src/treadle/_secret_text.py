@@ -3,10 +3,11 @@
 The text pass of `treadle.redaction.Redaction.text` and `treadle.redaction.without_secret_values`
 (docs/events.md, "Secret arguments"): a text is read as it is written and as the parsers decode
 its strings (`readings_of`), the values after a secret argument's key are found in every reading
-(`found_in`), the places of given values too (`value_spans`), and each place is traced back to
-the text as written and replaced there (`replaced`). The work is linear in the text's length for
-a given set of secret values, and at most `MAX_SEARCHED_VALUES` values are looked for. No text
-makes any of it raise: a reply's text is the model's to write.
+(`found_in`), each read in the reading it was written in (`_where_value_written`), the
+places of given values too (`value_spans`), and each place is traced back to the text as
+written and replaced there (`replaced`). The work is linear in the text's length for a given
+set of secret values, and at most `MAX_SEARCHED_VALUES` values are looked for. No text makes
+any of it raise: a reply's text is the model's to write.
 """
 
 from __future__ import annotations
@@ -103,6 +104,20 @@ class _Reading:
         """Where ``text[start:end]`` (not empty) stood in the text read: ``(start, end)``."""
         return self._origin(start, after=False), self._origin(end - 1, after=True)
 
+    def origin(self, pos: int) -> int:
+        """Where the character at ``pos`` (at the text's end: that end) began in the text read."""
+        return self._origin(pos, after=False)
+
+    def source(self, pos: int) -> int | None:
+        """Where the character at ``pos`` stood in the text read; ``None`` if an escape wrote it.
+
+        ``pos`` may be the text's end: the text read's end.
+        """
+        escape = bisect.bisect_right(self.at, pos) - 1
+        if escape >= 0 and pos < self.at[escape] + self.sizes[escape]:
+            return None
+        return self.origin(pos)
+
     def _origin(self, pos: int, *, after: bool) -> int:
         """Where the character at ``pos`` began (or, ``after``, ended) in the text read."""
         escape = bisect.bisect_right(self.at, pos) - 1
@@ -194,13 +209,15 @@ def found_in(text: str, keys: re.Pattern[str]) -> Found:
 
     A string's body is to read ``[redacted]``; any other value (a number, a list or an object
     whole) ``"[redacted]"``, its quotes written as its key's are, so that JSON, and JSON
-    inside a JSON string, stays valid.
+    inside a JSON string, stays valid. Each value is read in the reading it was written in
+    (`_where_value_written`), once however many readings hold its key.
     """
     readings = readings_of(text)
     spans: list[Span] = []
     forms: list[str] = []
-    for reading, chain in readings:
-        for key, value in _values_after_keys(reading, keys):
+    read: dict[tuple[int, int], _Value | None] = {}
+    for depth, (_, chain) in enumerate(readings):
+        for key, value, written in _values_after_keys(readings, depth, keys, read):
             forms.extend(value.forms)
             if value.end == value.start:
                 continue
@@ -208,7 +225,7 @@ def found_in(text: str, keys: re.Pattern[str]) -> Found:
             if not value.quoted:
                 start, end = _written(chain, key.start(), key.start() + len(key.group("quote")))
                 replacement = f"{text[start:end]}{REDACTED}{text[start:end]}"
-            spans.append((*_written(chain, value.start, value.end), replacement))
+            spans.append((*_written(written, value.start, value.end), replacement))
     return Found(readings=readings, spans=tuple(spans), forms=tuple(forms))
 
 
@@ -287,28 +304,101 @@ def _written(chain: tuple[_Reading, ...], start: int, end: int) -> tuple[int, in
     return start, end
 
 
-def _values_after_keys(text: str, keys: re.Pattern[str]) -> Iterator[tuple[re.Match[str], _Value]]:
-    """Each secret argument's key in ``text`` and the value after it, in order.
+def _written_at(chain: tuple[_Reading, ...], pos: int) -> int:
+    """Where the character at ``pos`` of the last reading of ``chain`` began in the text.
 
-    White space and Python comments may stand before and after the colon. A key inside the
-    value of an earlier one is not read again: each character is looked at a bounded number
-    of times.
+    ``pos`` may be the reading's end: the text's end.
     """
+    for reading in reversed(chain):
+        pos = reading.origin(pos)
+    return pos
+
+
+def _where_written(chain: tuple[_Reading, ...], pos: int, lowest: int = 0) -> tuple[int, int]:
+    r"""The reading the character at ``pos`` of ``chain``'s last reading was written in.
+
+    A character an escape reads as was written in the reading the escape was read into (the
+    quotes of JSON inside a JSON string, ``\"``, in reading 1); any other in the text itself,
+    reading 0. Not before reading ``lowest``: there, the character's position.
+
+    Returns:
+        ``(its index in readings_of, the character's position there)``.
+    """
+    depth = len(chain)
+    while depth > lowest:
+        source = chain[depth - 1].source(pos)
+        if source is None:
+            break
+        depth, pos = depth - 1, source
+    return depth, pos
+
+
+def _values_after_keys(
+    readings: Readings,
+    depth: int,
+    keys: re.Pattern[str],
+    read: dict[tuple[int, int], _Value | None],
+) -> Iterator[tuple[re.Match[str], _Value, tuple[_Reading, ...]]]:
+    """Each secret argument's key in reading ``depth`` and the value after it, in order.
+
+    With the value, the chain of the reading it was read in (`_where_value_written`: its
+    offsets are that reading's). A value ``read`` already (by that reading's index and its
+    place there), after a key of an earlier reading, is not read nor given again; each value
+    read is added. White space and Python comments may stand before and after the colon. A
+    key inside the value of an earlier one (in the text's offsets) is not read again: each
+    character is looked at a bounded number of times.
+    """
+    text, chain = readings[depth]
     gaps = _Gaps(text)
     covered = 0
     for key in keys.finditer(text):
-        if key.start() < covered:
+        if _written_at(chain, key.start()) < covered:
             continue
         if key.group("quote") is None:
-            value: _Value | None = _parameter_at(text, key.end())
+            where = depth, key.end()
         else:
             colon = gaps.end(key.end())
             if not text.startswith(":", colon):
                 continue
-            value = _value_at(text, gaps.end(colon + 1))
+            where = _where_value_written(readings, depth, key.start(), gaps.end(colon + 1))
+        fresh = where not in read
+        if fresh:
+            read[where] = _value_of(readings, where, parameter=key.group("quote") is None)
+        value, written = read[where], readings[where[0]][1]
         if value is not None:
-            covered = value.end
-            yield key, value
+            covered = _written_at(written, value.end)
+            if fresh:
+                yield key, value, written
+
+
+def _where_value_written(readings: Readings, depth: int, key: int, start: int) -> tuple[int, int]:
+    r"""Where the value at ``start`` of reading ``depth`` was written: ``(reading, place)``.
+
+    A string is read where its opening quote was written (`_where_written`), any other value
+    where its key's quote (at ``key``) was, or its own first character if that is later. A
+    later reading decodes the escapes of the value's own layer too: ``"C:\\keys\\", "a"``
+    reads ``"C:\keys\", "a"`` there, and the string would run on to the next quote, an
+    object holding it to the text's end.
+
+    Returns:
+        The index of that reading in ``readings`` and the place the value starts there (its
+        opening quote, for a string).
+    """
+    text, chain = readings[depth]
+    quote = _OPENING_QUOTE.match(text, start)
+    if quote is not None:
+        return _where_written(chain, quote.start(1))
+    return _where_written(chain, start, lowest=_where_written(chain, key)[0])
+
+
+def _value_of(readings: Readings, where: tuple[int, int], *, parameter: bool) -> _Value | None:
+    """The value at ``where``, ``(reading, place)``; ``None`` if none.
+
+    A value after a key (`_value_at`), or the text of a parameter block whose tag ends there
+    (`_parameter_at`).
+    """
+    text = readings[where[0]][0]
+    return _parameter_at(text, where[1]) if parameter else _value_at(text, where[1])
 
 
 class _Gaps:

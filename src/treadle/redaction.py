@@ -238,7 +238,10 @@ class Redaction:
 
         * by key: the value after a secret argument's name as a key (any quotes, a comment
           before or after the colon; a string, a number, a list, an object or a parenthesised
-          value whole) or inside its ``<parameter=name>`` block is replaced;
+          value whole) or inside its ``<parameter=name>`` block is replaced; the value is read
+          in the reading it was written in (a string where its opening quote was, any other
+          value where its key's quote was), so a string ending in a backslash ends at its own
+          closing quote in every reading;
         * by value: each string and number the ``known`` values (the reply's own parsed
           calls') hold, and then those the values after keys hold, is replaced wherever it
           stands; the first 64 distinct ones (`treadle._secret_text.MAX_SEARCHED_VALUES`).
