@@ -4,7 +4,9 @@
   written to it;
 * a log whose parameter snapshot differs from the agent is refused naming the keys;
 * a store that fails a write (a full disk) stops the run with that error, and a reopened
-  store still holds every acknowledged barrier; the run then resumes to the end.
+  store still holds every acknowledged barrier; the run then resumes to the end;
+* a store write that raises something else (an ``OSError``) is the cause of the run's
+  `RunInterrupted`, never the closed inbox the other actors then hit.
 """
 
 from __future__ import annotations
@@ -17,11 +19,13 @@ from typing import Literal
 
 import attrs
 import pytest
+import trio
 
 import treadle
 from treadle.ports import RunStore
 from treadle.stores.jsonl import open_jsonl_store
 from treadle.supervisors import run
+from treadle.supervisors._driver import _interrupted
 from treadle.testing import InterceptingStore, seed_log
 from treadle.testing.crashes import (
     RUN_INPUT,
@@ -179,3 +183,45 @@ async def test_a_full_disk_under_the_jsonl_store(fraction: float, tmp_path: Path
         await run(make_agent(ledger), RUN_INPUT, store=store, run_id="r")
         log = await store.read_log("r")
     assert check_recovered_run(log, read_ledger(ledger, run_id="r"), expected) == []
+
+
+# --------------------------------------------------------------------------- the cause
+
+
+ROUNDS = 4  # the other actors' follow-on errors come first in some schedules, not all
+
+
+async def test_an_error_a_store_write_raises_is_the_cause_of_the_interrupted_run(
+    tmp_path: Path,
+) -> None:
+    """Writes without a barrier (model results, step records) included, in any schedule."""
+    ledger = tmp_path / "ledger.jsonl"
+    for attempt in range(ROUNDS):
+        for fail_at in range(1, WRITES + 1):
+            burning = OSError(errno.EIO, f"disk on fire at write {fail_at}")
+            store = FailingStore(inner=treadle.MemoryStore(), fail_at=fail_at, error=burning)
+            run_id = f"r{attempt}-{fail_at}"
+            with pytest.raises(treadle.RunInterrupted) as info:
+                await run(make_agent(ledger), RUN_INPUT, store=store, run_id=run_id)
+            assert info.value.__cause__ is burning, (fail_at, info.value)
+            assert "OSError: [Errno 5] disk on fire" in str(info.value)
+
+
+@pytest.mark.parametrize(
+    "follow_on",
+    [
+        trio.BrokenResourceError("the mailbox's receiver is gone"),
+        trio.EndOfChannel(),
+        trio.ClosedResourceError("the mailbox was closed for sending"),
+    ],
+)
+def test_a_closed_channel_error_is_the_cause_only_when_nothing_else_failed(
+    follow_on: Exception,
+) -> None:
+    burning = OSError(errno.EIO, "disk on fire")
+    group = BaseExceptionGroup("actors", [follow_on, ExceptionGroup("writer", [burning])])
+    assert _interrupted("r", group).__cause__ is burning
+    full = treadle.StoreError("no space left on device")
+    assert _interrupted("r", BaseExceptionGroup("actors", [follow_on, full])) is full
+    alone = _interrupted("r", BaseExceptionGroup("actors", [follow_on, trio.Cancelled._create()]))
+    assert alone.__cause__ is follow_on

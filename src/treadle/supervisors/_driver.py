@@ -750,15 +750,41 @@ def task_status_started_safely(task_status: trio.TaskStatus[None]) -> None:
 
 
 def _interrupted(run_id: str, error: BaseException) -> BaseException:
-    real = [e for e in _leaves(error) if isinstance(e, Exception)]
-    # A failed store write ends the event writer, and the other actors then fail on its
-    # closed inbox: the store's error is the cause, whichever leaf came first.
-    first = next((e for e in real if isinstance(e, StoreError | UsageError | LeaseError)), real[0])
-    if isinstance(first, StoreError | UsageError | LeaseError):
-        return first
-    interrupted = RunInterrupted(run_id, f"{type(first).__name__}: {first}")
-    interrupted.__cause__ = first
+    """The error a run's handle reports for the actor failure ``error``.
+
+    A `StoreError`, `UsageError` or `LeaseError` is reported as it is; any other cause is
+    wrapped in a `RunInterrupted` naming it, with it as ``__cause__``.
+    """
+    cause = _cause(error)
+    if isinstance(cause, StoreError | UsageError | LeaseError):
+        return cause
+    interrupted = RunInterrupted(run_id, f"{type(cause).__name__}: {cause}")
+    interrupted.__cause__ = cause
     return interrupted
+
+
+_FOLLOW_ON: Final = (trio.BrokenResourceError, trio.EndOfChannel, trio.ClosedResourceError)
+"""What an actor raises when another one went away: its inbox or reply slot closed."""
+
+
+def _cause(error: BaseException) -> Exception:
+    """The leaf of ``error`` that stopped the run, whichever leaf came first.
+
+    A failed store write ends the event writer, and the other actors then fail on its
+    closed inbox or reply slot (`_FOLLOW_ON`): the store's error is the cause. So a
+    `StoreError`, `UsageError` or `LeaseError` comes first, then any other error, and a
+    closed-channel error only when there is nothing else (docs/design.md, "The stop rules").
+    ``error`` has at least one `Exception` leaf.
+    """
+    real = [e for e in _leaves(error) if isinstance(e, Exception)]
+    return min(real, key=_cause_rank)  # the first of the lowest rank
+
+
+def _cause_rank(leaf: Exception) -> int:
+    """0 for the store's or lease's errors, 2 for a follow-on channel error, 1 otherwise."""
+    if isinstance(leaf, StoreError | UsageError | LeaseError):
+        return 0
+    return 2 if isinstance(leaf, _FOLLOW_ON) else 1
 
 
 def _leaves(error: BaseException) -> list[BaseException]:
