@@ -4,8 +4,14 @@ from __future__ import annotations
 
 import itertools
 
+import treadle
+from treadle.stores.memory import MemoryStore
 from treadle.supervisors import _children as children
+from treadle.supervisors import child_run_id
+from treadle.testing import ScriptedModel, call, say, seed_log
+from treadle.testing._sim_checks import _compare_with_twin
 from treadle.testing.simulation import FaultPlan, simulate
+from treadle.types import ActionIntent, ActionResult, CancelRequested, RunLog
 
 PLAN = FaultPlan(rates={**FaultPlan.default().rates, "child_run": 0.5})
 
@@ -67,3 +73,47 @@ def test_a_seeds_child_runs_are_written_the_same_byte_for_byte():
     first, second = every_log(0), every_log(0)
     assert any("child" in run_id for run_id in first)
     assert first == second
+
+
+class _ReconcileOnly:
+    """A scenario's own rule, as docs/simulation.md gives it: its reconcile hooks only."""
+
+    def changed_observation(self, result: ActionResult) -> bool:
+        return result.reconciled
+
+
+async def _checked_by_a_child(store: MemoryStore, run_id: str) -> RunLog:
+    """A parent run whose one call hands a check to a child run, then answers."""
+    child = treadle.Agent(
+        model=ScriptedModel(turns=[say("ann looks fine")]),
+        executor=treadle.Toolbox([]),
+        parser=treadle.NativeToolCallParser(),
+    )
+    check = treadle.agent_tool(child, store=store, name="fraud_check", description="Check.")
+    parent = treadle.Agent(
+        model=ScriptedModel(turns=[call("fraud_check", task="Is ann ok?"), say("done")]),
+        executor=treadle.Toolbox([check]),
+        parser=treadle.NativeToolCallParser(),
+    )
+    await treadle.run(parent, "Check ann.", store=store, run_id=run_id)
+    return await store.read_log(run_id)
+
+
+async def test_a_child_run_the_faults_ended_is_no_difference_from_the_fault_free_twin() -> None:
+    """A parent that died after its child's cancel was appended, before its own was durable,
+    resumes uncancelled and the model is told the child ended cancelled (docs/child-runs.md,
+    "Cancellation"). That is the faults' doing, for a scenario whose `changed_observation`
+    counts only its reconcile hooks too."""
+    twin_store = MemoryStore()
+    twin = await _checked_by_a_child(twin_store, "p")
+    (intent,) = [r for r in twin.records if isinstance(r, ActionIntent)]
+    child_id = child_run_id(intent.intent_id)
+    store = MemoryStore()  # what the incarnation that died left: the call's intent, the
+    # child started, the child's cancel appended, the parent's own cancel not yet durable
+    await seed_log(store, twin.records[: twin.records.index(intent) + 1])
+    await seed_log(store, (await twin_store.read_log(child_id)).records[:1])
+    await store.append_control(CancelRequested(run_id=child_id, ts="2026-01-01T00:00:00Z"))
+    log = await _checked_by_a_child(store, "p")
+    (result,) = [r for r in log.records if isinstance(r, ActionResult)]
+    assert result.outcome.observation.startswith(f"Error: the child run {child_id} ended")
+    assert _compare_with_twin(log, twin, _ReconcileOnly()) == []

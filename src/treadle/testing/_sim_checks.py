@@ -181,17 +181,16 @@ where a run stopped on one of them, only the steps both runs took are compared."
 def _compare_with_twin(log: RunLog, twin: RunLog, scenario: Scenario) -> list[str]:
     """Where the faults did not change what the model saw, the trajectory is the twin's.
 
-    An action whose outcome was reconciled or recorded as unknown after a crash changes
-    what the model saw from its step on, and a cancel ends the run early: the comparison
-    covers the steps before either. A run (or twin) that stopped on a budget the faults
-    consume is compared on the steps both took.
+    An action whose outcome the faults changed (`_changed_by_faults`) changes what the
+    model saw from its step on, and a cancel ends the run early: the comparison covers the
+    steps before either. A run (or twin) that stopped on a budget the faults consume is
+    compared on the steps both took.
     """
     changed_at = min(
         (
             r.step
             for r in log.records
-            if isinstance(r, ActionResult)
-            and (r.outcome.status is ActionStatus.UNKNOWN or scenario.changed_observation(r))
+            if isinstance(r, ActionResult) and _changed_by_faults(r, scenario)
         ),
         default=None,
     )
@@ -205,3 +204,24 @@ def _compare_with_twin(log: RunLog, twin: RunLog, scenario: Scenario) -> list[st
         if ours[index] != theirs[index]:
             return [_step_difference(log.run_id, index + 1, ours[index], theirs[index])]
     return []
+
+
+def _changed_by_faults(result: ActionResult, scenario: Scenario) -> bool:
+    """Whether the faults may have changed what ``result`` told the model.
+
+    - an outcome recorded as unknown after a crash;
+    - a child-run call whose child ended without succeeding (``Error: the child run <id>
+      ended …``) under a parent that went on: the faults cut it, e.g. a child cancelled by
+      an incarnation that died before its own cancel was durable (docs/child-runs.md,
+      "Cancellation"); every scenario's child runs are counted here, not by the scenario;
+    - an outcome the scenario's ``reconcile`` hooks established after a crash
+      (`Scenario.changed_observation`).
+    """
+    outcome = result.outcome
+    if outcome.status is ActionStatus.UNKNOWN:
+        return True
+    if outcome.child_run_id is not None and outcome.observation.startswith(
+        f"Error: the child run {outcome.child_run_id} ended "
+    ):
+        return True
+    return scenario.changed_observation(result)

@@ -361,17 +361,12 @@ class LedgerScenario:
         return problems + check_ledger_approvals(log, world.ledger, approval_tools={"withdraw"})
 
     def changed_observation(self, result: ActionResult) -> bool:
-        """Whether a crash changed what ``result`` told the model.
+        """Whether ``result`` was established by ``reconcile`` after a crash.
 
-        The reconcile text marks an outcome established after a crash. A child run that
-        did not succeed under a parent that went on was cut by the faults (e.g. cancelled by
-        an incarnation that died before its own cancel was durable; docs/child-runs.md,
-        "Cancellation").
+        The reconcile text marks it (child runs the faults cut are counted by the
+        simulation itself: docs/simulation.md, "Simulating your own agent").
         """
-        outcome = result.outcome
-        if outcome.child_run_id is not None:
-            return outcome.observation.startswith(f"Error: the child run {outcome.child_run_id}")
-        return outcome.observation == RECONCILED
+        return result.outcome.observation == RECONCILED
 
 
 def check_ledger_approvals(

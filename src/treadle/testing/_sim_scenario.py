@@ -54,7 +54,9 @@ class Scenario(Protocol):
     def changed_observation(self, result: ActionResult) -> bool:
         """Whether ``result`` was established by ``reconcile`` after a crash.
 
-        The model then saw something its fault-free twin did not.
+        The model then saw something its fault-free twin did not. Outcomes recorded as
+        unknown and child-run calls whose child ended without succeeding are counted by the
+        simulation itself (docs/simulation.md, "Simulating your own agent").
         """
         ...
 
