@@ -17,6 +17,7 @@ from treadle import (
     NativeToolCallParser,
     RunInterrupted,
     Toolbox,
+    UsageError,
     tool,
 )
 from treadle.actors import ActionsOutcome, RunActions
@@ -326,6 +327,13 @@ def test_with_latency_refuses_bad_rates():
     built = with_latency(real_hydrator, seed=1, rate=0.0)
     assert callable(built)
     assert DelayedActor.__name__ == "DelayedActor"
+
+
+@pytest.mark.parametrize("max_s", [float("nan"), float("inf"), -1.0])
+def test_with_latency_refuses_a_longest_delay_that_is_no_finite_duration(max_s: float) -> None:
+    """Refused at the call, not by the run that draws a delay from it later."""
+    with pytest.raises(UsageError, match=r"max_s must be a finite number of seconds"):
+        with_latency(real_gateway, seed=1, rate=1.0, max_s=max_s)
 
 
 class CountingWriter:

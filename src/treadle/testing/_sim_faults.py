@@ -325,14 +325,20 @@ def with_latency(
         factory: the actor factory to wrap (e.g. `treadle.supervisors.real_gateway`).
         seed: seeds the delays.
         rate: the probability (0..1) that a request is delayed.
-        max_s: the longest delay, seconds.
+        max_s: the longest delay, seconds (finite, at least 0).
         on_delay: called with each delay drawn.
 
     Raises:
-        ValueError: ``rate`` outside 0..1 or a negative ``max_s``.
+        UsageError: (a `ValueError`) ``rate`` outside 0..1, or a ``max_s`` that is negative
+            or not finite (NaN, infinity), refused here rather than by the run that draws a
+            delay from it (docs/simulation.md, "Swapping actors").
     """
-    if not 0 <= rate <= 1 or max_s < 0:
-        raise ValueError(f"rate must be within 0..1 and max_s >= 0, got {rate}, {max_s}")
+    if not 0 <= rate <= 1:
+        raise UsageError(f"with_latency: rate must be within 0..1, not {rate!r}")
+    if not (math.isfinite(max_s) and max_s >= 0):
+        raise UsageError(
+            f"with_latency: max_s must be a finite number of seconds >= 0, not {max_s!r}"
+        )
 
     def build(context: C) -> DelayedActor[Q]:
         return DelayedActor(
