@@ -96,11 +96,13 @@ class ScriptedModel:
     """A `treadle.ports.ModelClient` that plays a script.
 
     Args:
-        turns: the reply for each assistant turn, in order; turn *i* answers a request whose
-            history holds *i* assistant messages.
-        failures: per turn index, errors to raise on the first attempts of that turn (one
-            consumed per attempt), e.g. ``{0: [ModelErrorInfo(kind="rate_limited", ...)]}``;
-            kind `STALLED` hangs the attempt instead.
+        turns: the reply for each assistant turn, in order; ``turns[i]`` answers a request
+            whose history holds *i* assistant messages. Messages and call ids number the
+            turns from 1: ``turns[0]`` is turn 1, its calls ``call_1_1``, ``call_1_2`` ...
+        failures: per turn index (from 0, as in ``turns``), errors to raise on the first
+            attempts of that turn (one consumed per attempt), e.g.
+            ``{0: [ModelErrorInfo(kind="rate_limited", ...)]}`` for turn 1; kind `STALLED`
+            hangs the attempt instead.
         latency_s: trio-clock seconds each call takes (virtual under ``autojump_clock``).
         stream_chunk_chars: when > 0, the reply text is streamed to ``on_delta`` in pieces of
             this many characters.
@@ -146,8 +148,9 @@ class ScriptedModel:
         and a `STALLED` failure ends only at the gateway's attempt total or a cancel.
 
         Raises:
-            ModelCallError: a scripted failure, ``invalid_response`` when the script ran out,
-                or the error ``attempt.report_usage`` raised (e.g. ``token_budget``).
+            ModelCallError: a scripted failure, ``invalid_response`` when the script ran out
+                (``script has no turn 3 (it has 2 turns, numbered from 1)``), or the error
+                ``attempt.report_usage`` raised (e.g. ``token_budget``).
         """
         self.requests.append(request)
         if self.latency_s > 0:
@@ -164,7 +167,7 @@ class ScriptedModel:
             raise ModelCallError(scripted[failed])
         if not 0 <= turn < len(self.turns):
             raise ModelCallError(
-                ModelErrorInfo(kind="invalid_response", message=f"script has no turn {turn}")
+                ModelErrorInfo(kind="invalid_response", message=self._ran_out(turn))
             )
         reply = _named(self.turns[turn], turn)
         if on_delta is not None and reply.text and self.stream_chunk_chars > 0:
@@ -174,6 +177,16 @@ class ScriptedModel:
         if self.reports_usage and reply.usage != _UNKNOWN_USAGE:
             attempt.report_usage(reply.usage)
         return reply
+
+    def _ran_out(self, turn: int) -> str:
+        """The message for a request at ``turn`` (an index from 0) the script has no reply for.
+
+        Turns are numbered from 1 in it, as in the names of scripted calls
+        (``call_<turn>_<index>``).
+        """
+        count = len(self.turns)
+        turns = "1 turn" if count == 1 else f"{count} turns"
+        return f"script has no turn {turn + 1} (it has {turns}, numbered from 1)"
 
 
 _UNKNOWN_USAGE = Usage()
