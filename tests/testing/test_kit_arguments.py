@@ -2,7 +2,8 @@
 
 A string given for the fault kinds was read letter by letter, a misspelt crash side acted as
 ``after``, ``crash_at=0`` never crashed, a lone reply or text given as a script interrupted
-the run with a TypeError, and failures keyed by a string were ignored.
+the run with a TypeError, and failures keyed by a string were ignored. A simulation started
+inside a trio run failed with trio's own error.
 """
 
 from __future__ import annotations
@@ -82,3 +83,14 @@ def test_the_kits_take_their_documented_arguments() -> None:
     KillingStore(MemoryStore())  # kill_at None: never
     ScriptedModel(turns=(say("a"), say("b")), failures={1: (_RATE_LIMITED,)})
     assert run_seeds([]) == []
+
+
+@pytest.mark.parametrize(
+    "start", [lambda: simulate(0), lambda: run_seeds([0])], ids=["simulate", "run_seeds"]
+)
+async def test_a_simulation_started_inside_a_trio_run_says_to_call_it_from_plain_code(
+    start: Callable[[], object],
+) -> None:
+    """Not trio's own "Attempted to call run() from inside a run()"."""
+    with pytest.raises(UsageError, match=r"called inside a trio run .* no async form.* plain"):
+        start()

@@ -20,6 +20,14 @@
   (`treadle.testing.simulation`, docs/simulation.md); `with_latency` wraps any actor factory of
   `treadle.Actors` so its requests arrive after seeded delays on the virtual clock.
 * `treadle.testing.postgres.fresh_database`: a throwaway PostgreSQL database for one test.
+
+On pytest-trio's ``autojump_clock`` the virtual clock jumps whenever every task waits, also
+while a worker thread, a child process or a socket works: a durable store's writes then spend
+virtual time (a time budget or deadline runs out early), and a plain ``def`` or process tool
+times out while it still runs. Give such tests a `treadle.MemoryStore`, and call
+`treadle.tools.call_tools_inline` first in a test whose agent has ``def`` or process tools
+(docs/simulation.md, "Your own tests on a virtual clock"). `simulate` and `run_seeds` are
+trio runs of their own: call them from a plain (not ``async``) test function.
 """
 
 from __future__ import annotations

@@ -127,9 +127,11 @@ def simulate(
 
     Raises:
         UsageError: ``seed`` is not an int (a seed must reproduce the simulation), ``runs``
-            or ``steps`` is not a whole number of 1 or more, ``plan`` is no `FaultPlan`, or
-            ``scenario`` lacks a method of `Scenario`.
+            or ``steps`` is not a whole number of 1 or more, ``plan`` is no `FaultPlan`,
+            ``scenario`` lacks a method of `Scenario`, or it is called inside a trio run (an
+            ``async`` test): it is its own trio run, and has no ``async`` form.
     """
+    _refuse_inside_trio("simulate")
     for name, value, least in (("seed", seed, None), ("runs", runs, 1), ("steps", steps, 1)):
         if not isinstance(value, int) or isinstance(value, bool) or (least and value < least):
             wanted = "an int" if least is None else f"a whole number of {least} or more"
@@ -149,6 +151,24 @@ def simulate(
     trio._core._run._r.seed(seed)  # trio's own scheduling randomness, seeded too
     clock = trio.testing.MockClock(autojump_threshold=0)
     return trio.run(_simulate, seed, plan, runs, scenario, clock=clock)
+
+
+def _refuse_inside_trio(name: str) -> None:
+    """Refuse a call from inside a trio run, before it starts a trio run of its own.
+
+    Raises:
+        UsageError: there is a trio run in this thread (docs/simulation.md, "Simulating your
+            own agent").
+    """
+    try:
+        trio.lowlevel.current_task()
+    except RuntimeError:
+        return
+    raise UsageError(
+        f"{name} was called inside a trio run (an async function or test): each seed is a "
+        "trio run of its own on a virtual clock, and there is no async form; call it from "
+        "plain code or a plain (not async) test function"
+    )
 
 
 class _RegistrationOrderDeadlines(trio._core._run.Deadlines):
@@ -633,8 +653,9 @@ def run_seeds(
 
     Raises:
         UsageError: ``seeds`` is a single seed, not an iterable of them (``range(5)`` for
-            five), or an argument `simulate` refuses.
+            five), an argument `simulate` refuses, or it is called inside a trio run.
     """
+    _refuse_inside_trio("run_seeds")
     if not isinstance(seeds, Iterable) or isinstance(seeds, str | bytes):
         raise UsageError(
             f"run_seeds: seeds must be an iterable of ints (e.g. range(5)), not {seeds!r}"
