@@ -459,12 +459,52 @@ def test_the_checker_finds_a_runtime_that_ignores_the_token_budget(monkeypatch):
     assert any("token budget" in v for r in failures for v in r.violations)
 
 
-@pytest.mark.parametrize("seed", [1912, 3202, 4355, 4791, 5091])
-def test_regression_a_model_call_that_failed_for_good_is_not_rerun_on_resume(seed):
+@attrs.define(eq=False)
+class _RefusedWorld:
+    model: object
+
+
+@attrs.frozen
+class _RefusedOnce:
+    """The model's call fails for good (context length), as would every attempt after it."""
+
+    def world(self, rng, plan, counts):
+        from treadle.testing import ScriptedModel, say
+        from treadle.types import ModelErrorInfo
+
+        refused = ModelErrorInfo(kind="context_length_exceeded", status=400)
+        failures = {0: [refused] * 5}  # a provider's refusal for length is persistent
+        return _RefusedWorld(model=ScriptedModel(turns=[say("never")], failures=failures))
+
+    def agent(self, world):
+        import treadle
+
+        return treadle.Agent(
+            model=world.model,
+            executor=treadle.Toolbox([]),
+            parser=treadle.NativeToolCallParser(),
+        )
+
+    def input(self, world):
+        return "Summarise everything."
+
+    def check(self, log, world):
+        return []
+
+    def changed_observation(self, result):
+        return False
+
+
+CRASHES = FaultPlan.of(["crash"], rate=0.5)
+REFUSED_SEEDS = range(30)  # crashes at each write of the short run, before and after
+
+
+def test_regression_a_model_call_that_failed_for_good_is_not_rerun_on_resume():
     """Found by the simulation: a crash between a final model error and its step record
     made resume try the model again instead of reusing the recorded failure."""
-    result = simulate(seed)
-    assert result.ok, result.violations
+    for seed in REFUSED_SEEDS:
+        result = simulate(seed, plan=CRASHES, scenario=_RefusedOnce())
+        assert result.ok, (seed, result.violations)
 
 
 def test_the_checker_flags_a_reattempt_after_a_final_model_error(monkeypatch):
@@ -472,12 +512,8 @@ def test_the_checker_flags_a_reattempt_after_a_final_model_error(monkeypatch):
 
     # Put the bug back: the coordinator forgets the recorded failure on resume.
     monkeypatch.setattr(RunCoordinator, "_failed_for_good", lambda self, pending: None)
-    # Seed 3202 of this plan (the default one before `tool_stuck`, `bad_text` and `child_run`
-    # existed) crashes right after a final model error: a rare world, so the plan is pinned.
-    rates = FaultPlan.default().rates
-    old = ("tool_stuck", "bad_text", "child_run")
-    plan = FaultPlan(rates={k: v for k, v in rates.items() if k not in old})
-    violations = simulate(3202, plan=plan).violations
+    found = [simulate(seed, plan=CRASHES, scenario=_RefusedOnce()) for seed in REFUSED_SEEDS]
+    violations = [v for result in found for v in result.violations]
     assert violations and all("failed for good" in v for v in violations)
 
 

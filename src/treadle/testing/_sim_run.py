@@ -23,6 +23,7 @@ from treadle.approvals import Decision, current_snapshot, decide, decision_for
 from treadle.redaction import Redaction
 from treadle.stores.memory import MemoryStore
 from treadle.supervisors import Actors, RunHandle, open_run, thread_run_id
+from treadle.testing._intercept import InterceptingStore
 from treadle.testing._sim_checks import (
     _compare_with_twin,
     _inherited,
@@ -47,7 +48,9 @@ from treadle.testing.scripted import ScriptedModel, say
 from treadle.tools import call_tools_inline
 from treadle.types import (
     ApprovalRequested,
+    Record,
     RunLog,
+    StoreOp,
 )
 
 APPROVER_POLL_S = 0.5
@@ -219,6 +222,12 @@ async def _simulate(seed: int, plan: FaultPlan, runs: int, scenario: Scenario) -
         if thread is not None and model is not None:
             _count(counts, "thread")
             model.turn_offset = 1
+    # The twins first: how many writes each run takes without faults sets where its
+    # crashes, store errors and takeovers may land (`_Driver._write_number`).
+    twins = [
+        await _fault_free_twin(scenario, plan, world_seeds[index], run_ids[index], threads[index])
+        for index in range(runs)
+    ]
     drivers = []
     async with _one_error(), trio.open_nursery() as nursery:
         for index in range(runs):
@@ -232,6 +241,7 @@ async def _simulate(seed: int, plan: FaultPlan, runs: int, scenario: Scenario) -
                 counts=counts,
                 lease_clock=lease_clock,
                 thread=threads[index],
+                expected_writes=twins[index].writes,
             )
             drivers.append(driver)
             nursery.start_soon(driver.drive)
@@ -248,12 +258,7 @@ async def _simulate(seed: int, plan: FaultPlan, runs: int, scenario: Scenario) -
         thread = threads[index]
         if thread is not None and model is not None:
             violations.extend(await _inherited(store, thread, run_ids[index], model))
-        twin_world = scenario.world(random.Random(world_seeds[index]), plan, {})
-        twin_model = _scripted_model(scenario, twin_world)
-        if thread is not None and twin_model is not None:
-            twin_model.turn_offset = 1
-        twin = await _fault_free_twin(scenario, run_ids[index], twin_world, thread)
-        violations.extend(_compare_with_twin(log, twin, scenario))
+        violations.extend(_compare_with_twin(log, twins[index].log, scenario))
     violations.extend(await check_child_runs(store, logs))
     return SimulationResult(
         seed=seed,
@@ -433,7 +438,11 @@ class _Approver:
 
 @attrs.define(eq=False)
 class _Driver:
-    """Drives one run through crashes (each one a "process restart") until it finishes."""
+    """Drives one run through crashes (each one a "process restart") until it finishes.
+
+    ``expected_writes`` is the number of store writes the run's fault-free twin made (its
+    child runs' included): the writes a crash, store error or takeover is drawn from.
+    """
 
     scenario: Scenario
     run_id: str
@@ -444,6 +453,7 @@ class _Driver:
     counts: dict[str, int]
     lease_clock: _LeaseClock
     thread: str | None = None
+    expected_writes: int = 1
     interruptions: list[str] = attrs.Factory(list)
     gave_up: bool = False
 
@@ -526,17 +536,27 @@ class _Driver:
 
     def _faulty_store(self) -> Any:
         if self.plan.roll(self.rng, "crash"):
-            crash_at = self.rng.randrange(1, 40)
+            crash_at = self._write_number()
             after = self.rng.random() < 0.5
             return CrashingStore(
                 inner=self.store, crash_at=crash_at, when="after" if after else "before"
             )
         if self.plan.roll(self.rng, "store_error"):
-            return FailingStore(inner=self.store, fail_at=self.rng.randrange(1, 40))
+            return FailingStore(inner=self.store, fail_at=self._write_number())
         if self.plan.roll(self.rng, "takeover"):
-            at = self.rng.randrange(2, 40)
+            at = self._write_number(least=2)
             return _TakenOver(inner=self.store, at=at, clock=self.lease_clock)
         return self.store
+
+    def _write_number(self, least: int = 1) -> int:
+        """The write of an incarnation a fault hits (counted from 1, its child runs' included).
+
+        Drawn uniformly from ``least`` to the writes of the whole fault-free run
+        (`expected_writes`), so faults land anywhere in a run of any length (docs/simulation.md,
+        "Faults"). An incarnation that resumed has fewer writes left: a write drawn beyond its
+        last is never reached, and the run goes on unfaulted.
+        """
+        return self.rng.randrange(least, max(self.expected_writes, least) + 1)
 
     def _actors(self) -> Actors:
         """The scenario's actors; the gateway and executor behind seeded latency when on."""
@@ -615,15 +635,42 @@ async def _one_error() -> AsyncIterator[None]:
         raise
 
 
+@attrs.frozen
+class _Twin:
+    """A run's fault-free twin: its log, and the store writes it made (its children's too)."""
+
+    log: RunLog
+    writes: int
+
+
+class _CountingStore(InterceptingStore):
+    """Forwards to ``inner``, counting the log writes (`writes`)."""
+
+    writes: int = 0
+
+    async def before_write(self, op: StoreOp, records: tuple[Record, ...], seq: int) -> bool:
+        """Count the write."""
+        self.writes += 1
+        return False
+
+
 async def _fault_free_twin(
-    scenario: Scenario, run_id: str, world: Any, thread: str | None = None
-) -> RunLog:
-    """The same world (model and tool faults, approvals included), without crashes or cancels."""
-    store = MemoryStore()
+    scenario: Scenario, plan: FaultPlan, world_seed: int, run_id: str, thread: str | None
+) -> _Twin:
+    """The same world (model and tool faults, approvals included), without crashes or cancels.
+
+    The world is built anew from ``world_seed``, as the simulated run's was.
+    """
+    world = scenario.world(random.Random(world_seed), plan, {})
+    model = _scripted_model(scenario, world)
+    if thread is not None and model is not None:
+        model.turn_offset = 1
+    bare = MemoryStore()
     if thread is not None:
-        await _start_thread(store, scenario, world, thread)
+        await _start_thread(bare, scenario, world, thread)
+    store = _CountingStore(bare)
     approver = _Approver(
-        scenario=scenario, world=world, run_id=run_id, store=store, may_restart=False
+        scenario=scenario, world=world, run_id=run_id, store=bare, may_restart=False
     )
     async with open_run(
         _scenario_agent(scenario, world, store),
@@ -637,7 +684,7 @@ async def _fault_free_twin(
         thread_id=thread,
     ) as handle:
         await _watch(handle, None, approver)
-    return await store.read_log(run_id)
+    return _Twin(log=await bare.read_log(run_id), writes=store.writes)
 
 
 def run_seeds(
