@@ -15,7 +15,7 @@ import trio
 from actor_fakes import TS, started
 
 from treadle._exceptions import StoreError
-from treadle.actors import Compaction, ContextHydrator, Hydrate, request
+from treadle.actors import Compaction, ContextHydrator, Hydrate, read_chain, request
 from treadle.agent import Agent
 from treadle.parsers import NativeToolCallParser
 from treadle.stores.memory import MemoryStore
@@ -161,6 +161,40 @@ async def test_a_run_continuing_another_starts_from_its_recorded_history(autojum
         ("assistant", "noted"),
         ("user", "what was it?"),
     ]
+
+
+async def test_a_hydrator_given_its_chain_reads_no_log_and_another_chain_is_not_taken(
+    autojump_clock,
+):
+    """The chain the check before the run's start read is the hydrator's history: it reads
+    no log for it (it has no store here). A chain of another run is not taken: the history
+    is read from the store (here: none, so the hydrator refuses, naming the missing store)."""
+    store = MemoryStore()
+    earlier = Agent(
+        model=ScriptedModel(turns=[say("noted")]),
+        executor=Toolbox([]),
+        parser=NativeToolCallParser(),
+        model_name="m",
+    )
+    await run(earlier, "remember 42", store=store, run_id="t")
+    chain = await read_chain(store, "t", successor="t.2")
+    continuing = started("t.2", text="what was it?", thread="t", continues="t")
+    hydrator = _hydrator(continuing, chain=chain)
+    async with _alone(hydrator) as inbox:
+        answer = await _ask(inbox)
+    assert isinstance(answer, ModelRequest) and hydrator.chain is None  # taken once
+    assert [(m.role, m.content) for m in answer.messages] == [
+        ("system", "be brief"),
+        ("user", "remember 42"),
+        ("assistant", "noted"),
+        ("user", "what was it?"),
+    ]
+    other = started("u.2", thread="u", continues="u")
+    with pytest.raises(StoreError, match="no store"):
+        await _hydrator(other, chain=chain).inherit()
+    forked = await read_chain(store, "t", before_step=1, successor="g")
+    with pytest.raises(StoreError, match="no store"):  # the same run, another step
+        await _hydrator(started("g", continues="t", fork_step=2), chain=forked).inherit()
 
 
 async def test_a_predecessor_that_cannot_be_read_stops_the_hydrator_before_it_serves():

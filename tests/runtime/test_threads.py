@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import math
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 
@@ -429,30 +430,65 @@ async def test_a_cut_steps_history_says_what_its_finished_calls_returned() -> No
 
 
 class _CountedReads(MemoryStore):
-    """Counts the reads of each run's whole log."""
+    """Counts the reads of each run's whole log, and the lookups in the run index."""
 
     def __init__(self) -> None:
         super().__init__()
         self.reads: dict[str, int] = {}
+        self.lookups = 0
 
     async def read_log(self, run_id: str) -> treadle.RunLog:
         self.reads[run_id] = self.reads.get(run_id, 0) + 1
         return await super().read_log(run_id)
 
+    async def read_summary(self, run_id: str) -> treadle.RunSummary | None:
+        self.lookups += 1
+        return await super().read_summary(run_id)
 
-async def test_continuing_a_thread_reads_each_earlier_log_twice_at_most() -> None:
-    """Finding the thread's latest run read every earlier run's whole log: with the chain's
-    check and the hydrator, three reads of the whole thread for each new message."""
+    def forget(self) -> None:
+        self.reads.clear()
+        self.lookups = 0
+
+
+async def test_continuing_a_thread_reads_each_earlier_log_once() -> None:
+    """Each new message of a thread read every earlier run's log twice (to check the chain,
+    then in the hydrator) and looked every earlier run up in the run index: every message
+    cost more than the one before. The check's reading now goes to the hydrator, and the
+    latest run is found in about 2 log2(n) lookups (docs/threads.md, "How history is
+    inherited"); a fork of the thread reads its chain once too."""
     store = _CountedReads()
-    model = ScriptedModel(turns=[say(f"answer {n}") for n in range(1, 9)])
+    runs = 40
+    model = ScriptedModel(turns=[say(f"answer {n}") for n in range(1, runs + 2)])
     definition = Agent(model=model, executor=LedgerTools(), parser=SimpleParser())
     await treadle.run(definition, "first", store=store, run_id="t")
-    for n in range(2, 8):
+    for n in range(2, runs + 1):
         await treadle.run(definition, f"message {n}", store=store, thread_id="t")
-    store.reads.clear()
-    await treadle.run(definition, "the eighth", store=store, thread_id="t")
-    earlier = [f"t.{n}" for n in range(2, 7)]  # neither the first run nor the latest
-    assert all(store.reads.get(run_id) == 2 for run_id in earlier), store.reads
+    earlier = ["t", *(f"t.{n}" for n in range(2, runs + 1))]
+    store.forget()
+    result = await treadle.run(definition, "one more", store=store, thread_id="t")
+    assert result.run_id == f"t.{runs + 1}"
+    assert {run_id: store.reads.get(run_id) for run_id in earlier} == dict.fromkeys(earlier, 1)
+    assert 0 < store.lookups <= 2 * math.ceil(math.log2(runs)) + 2
+    sent = [m.content for m in model.requests[-1].messages if m.role == "user"]
+    assert sent == ["first", *(f"message {n}" for n in range(2, runs + 1)), "one more"]
+    store.forget()
+    fork = await treadle.run(definition, store=store, run_id="f", fork_of=f"t.{runs}", at_step=1)
+    assert fork.final_answer == f"answer {runs}"
+    assert {run_id: store.reads.get(run_id) for run_id in earlier} == dict.fromkeys(earlier, 1)
+
+
+async def test_a_thread_run_after_a_gap_in_its_names_is_refused() -> None:
+    """The latest run is found without asking about every earlier one: a run named like a
+    later run of the thread but not of it still stops the thread, as a run named like its
+    next run does."""
+    store = MemoryStore()
+    model, tools = ScriptedModel(turns=[say("a"), say("b"), say("c")]), LedgerTools()
+    await treadle.run(agent(model, tools), "one", store=store, run_id="t")
+    await treadle.run(agent(model, tools), "two", store=store, thread_id="t")
+    await treadle.run(agent(model, tools), "plain", store=store, run_id="t.3")
+    with pytest.raises(UsageError, match=r"run 't\.3' exists but is not a run of thread 't'"):
+        await treadle.run(agent(model, tools), "three", store=store, thread_id="t")
+    assert sorted(await store.list_runs()) == ["t", "t.2", "t.3"]
 
 
 FORK_TURNS = [TURNS[0], call("add", a=3, b=4, call_id="c2"), say("7")]

@@ -17,7 +17,9 @@ answers). The step's cancellation and active-time deadline is a `StepScope`, the
 the actors of a step share. `Parked`, `AwaitingChildren` and `Drained` are the coordinator's
 signals that the run stops being driven here (caught by the run supervisor). `backoff_s` and
 `ends_the_call` are the retry rule of model attempts, shared by the gateway and the
-coordinator's resume.
+coordinator's resume. `read_chain` reads the history a run inherits from the runs it
+continues (a `Chain`, each log once), the reading the hydrator and the check before a thread's
+new run share; `recorded_history` turns one into messages (docs/threads.md).
 """
 
 from treadle._state import seconds_between as seconds_between
@@ -30,9 +32,12 @@ from treadle.actors._executor import ToolExecutor as ToolExecutor
 from treadle.actors._gateway import DELTA_FLUSH_CHARS as DELTA_FLUSH_CHARS
 from treadle.actors._gateway import DELTA_FLUSH_S as DELTA_FLUSH_S
 from treadle.actors._gateway import ModelGateway as ModelGateway
+from treadle.actors._history import Chain as Chain
+from treadle.actors._history import InheritedRun as InheritedRun
+from treadle.actors._history import read_chain as read_chain
+from treadle.actors._history import recorded_history as recorded_history
+from treadle.actors._history import step_messages as step_messages
 from treadle.actors._hydrator import ContextHydrator as ContextHydrator
-from treadle.actors._hydrator import recorded_history as recorded_history
-from treadle.actors._hydrator import step_messages as step_messages
 from treadle.actors._mailbox import MailboxReceiver as MailboxReceiver
 from treadle.actors._mailbox import MailboxSender as MailboxSender
 from treadle.actors._mailbox import open_mailbox as open_mailbox
@@ -86,6 +91,7 @@ __all__ = [
     "AwaitingChildren",
     "CallModel",
     "Cancel",
+    "Chain",
     "Compaction",
     "ContextHydrator",
     "Control",
@@ -95,6 +101,7 @@ __all__ = [
     "EventWriter",
     "Forward",
     "Hydrate",
+    "InheritedRun",
     "MailboxReceiver",
     "MailboxSender",
     "ModelGateway",
@@ -118,6 +125,7 @@ __all__ = [
     "durable_event",
     "ends_the_call",
     "open_mailbox",
+    "read_chain",
     "recorded_history",
     "reply",
     "request",

@@ -12,8 +12,9 @@ synthetic ``unknown`` observation (docs/crash-safety.md, "Resume").
 
 A run that continues a thread or forks a run (its run-started record names the run it
 ``continues``) starts from that run's recorded history: the hydrator reads it from the store
-when it starts (`recorded_history`, the one place a predecessor's history is loaded), and it
-is then simply part of the history it holds (docs/threads.md, "How history is inherited").
+when it starts (`read_chain`, the one place a predecessor's history is loaded), or takes the
+chain the check before the run's start read (a new run's first drive), and it is then simply
+part of the history it holds (docs/threads.md, "How history is inherited").
 
 With a context window, every request is fitted into it (docs/context.md, "What stays"): when
 older steps must go, the hydrator answers with a `Compaction` (a summariser request) instead
@@ -25,7 +26,6 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Mapping, Sequence
-from typing import Final
 
 import attrs
 import trio
@@ -49,28 +49,29 @@ from treadle._budget import (
     summary_messages,
     transcript,
 )
-from treadle._exceptions import StoreError, UsageError
+from treadle._exceptions import StoreError
+from treadle.actors._history import (
+    Chain,
+    answer_every_call,
+    inherited_context,
+    read_chain,
+    step_messages,
+)
 from treadle.actors._mailbox import MailboxReceiver
 from treadle.actors._messages import Compaction, Hydrate
 from treadle.actors._rpc import reply
 from treadle.ports import RunStore
 from treadle.types import (
     ContextUsed,
-    DecisionKind,
     JSONValue,
     Message,
     ModelRequest,
-    ModelResult,
     OutputFormat,
-    RunLog,
     RunStarted,
     StepRecord,
     SyntheticObservations,
-    ToolCall,
     ToolSpec,
 )
-
-_SYNTHETIC = SyntheticObservations()
 
 
 @attrs.define(eq=False)
@@ -97,7 +98,10 @@ class ContextHydrator:
         summary_model: the model name of summariser requests; ``None`` for ``model``.
         store: the run's store, read (never written) for the history of the run
             ``started.continues`` names; ``None`` for a hydrator that reads no store, which
-            refuses such a run.
+            refuses such a run unless given its ``chain``.
+        chain: that history as read already (`read_chain`: the check before a new thread
+            run or fork started read it), used once instead of reading the store again
+            when it is the chain ``started`` continues; ``None``: read it from ``store``.
     """
 
     started: RunStarted
@@ -114,6 +118,7 @@ class ContextHydrator:
     summary_prompt: str = DEFAULT_SUMMARY_PROMPT
     summary_model: str | None = None
     store: RunStore | None = None
+    chain: Chain | None = None
     _history: tuple[Message, ...] = ()
     """The history so far; a tuple, so that a request without a window carries it as it is
     instead of a copy (one array of it a run, not two: docs/performance.md, "Memory")."""
@@ -172,7 +177,9 @@ class ContextHydrator:
         """Put the recorded history of the run ``started.continues`` names before the input.
 
         It goes after the system prompt and before the run's own input, as messages of the
-        history like any other. A run that continues nothing inherits nothing.
+        history like any other. A run that continues nothing inherits nothing. The history
+        comes from ``chain`` when it is this run's (it is then dropped: a later start reads
+        the store), else from the store: each log of the chain read once.
 
         Raises:
             StoreError: that history cannot be read (a missing or damaged log, a thread's
@@ -181,20 +188,13 @@ class ContextHydrator:
                 go on").
         """
         started = self.started
+        chain, self.chain = self.chain, None
         if started.continues is None:
             return
-        if self.store is None:
-            raise StoreError(
-                f"run {started.run_id!r} continues run {started.continues!r}, but its "
-                "hydrator was given no store to read that history from"
-            )
-        inherited, carried = await inherited_context(
-            self.store,
-            started.continues,
-            before_step=started.fork_step,
-            synthetic=self.synthetic,
-            successor=started.run_id,
-            summaries=self.context_window is not None,
+        if chain is None or not chain.inherited_by(started):
+            chain = await self._read_chain(started)
+        inherited, carried = inherited_context(
+            chain, synthetic=self.synthetic, summaries=self.context_window is not None
         )
         at = 1 if self.system_prompt is not None else 0
         self._history = (*self._history[:at], *inherited, *self._history[at:])
@@ -202,6 +202,25 @@ class ContextHydrator:
         if self.context_window is not None:
             self._groups[0:0] = inherited_groups(inherited)
             self._carried = carried
+
+    async def _read_chain(self, started: RunStarted) -> Chain:
+        """The chain ``started`` continues, read from the store (`read_chain`).
+
+        Raises:
+            StoreError: as `read_chain`, or this hydrator has no store.
+        """
+        assert started.continues is not None
+        if self.store is None:
+            raise StoreError(
+                f"run {started.run_id!r} continues run {started.continues!r}, but its "
+                "hydrator was given no store to read that history from"
+            )
+        return await read_chain(
+            self.store,
+            started.continues,
+            before_step=started.fork_step,
+            successor=started.run_id,
+        )
 
     def build(self, new_steps: Sequence[StepRecord]) -> ModelRequest:
         """Add ``new_steps`` to the history and return the next request (no window)."""
@@ -383,260 +402,3 @@ class ContextHydrator:
 
 MESSAGE_ROOM = 64
 """Tokens reserved for the summariser request's framing (headings, the prompt's overhead)."""
-
-
-def step_messages(step: StepRecord) -> list[Message]:
-    """The history messages one step contributes, as stored in its step record.
-
-    An action answering a native tool call becomes a ``tool`` message; an action without a
-    call id (a text reply treated as an action) becomes a ``user`` message. Either carries
-    the images the action returned (``observation_images``; docs/models.md, "Images returned
-    by tools"). An invalid decision
-    answers every call of the sanitised assistant message with the feedback, or else becomes a
-    ``user`` message, and a final answer given by calling the final-answer tool is answered by
-    `FINAL_ANSWER_ACCEPTED`, so every tool-call id is always answered.
-    """
-    if step.decision is None or step.history_message is None:
-        return []
-    calls = step.history_message.tool_calls
-    # An assistant turn with neither text nor calls is refused by providers: leave it out
-    # and let the feedback speak for it.
-    empty = not step.history_message.content and not calls
-    messages = [] if empty else [step.history_message]
-    if step.decision is DecisionKind.ACTIONS:
-        images = step.observation_images or ((),) * len(step.observations)
-        if calls:
-            for call, observation, shown in zip(calls, step.observations, images, strict=False):
-                messages.append(
-                    Message(
-                        role="tool",
-                        content=observation,
-                        images=shown,
-                        tool_call_id=call.id,
-                        name=call.name,
-                    )
-                )
-        else:
-            messages.extend(
-                Message(role="user", content=o, images=shown)
-                for o, shown in zip(step.observations, images, strict=False)
-            )
-    elif step.decision is DecisionKind.INVALID:
-        feedback = step.feedback or ""
-        if calls:
-            messages.extend(
-                Message(role="tool", content=feedback, tool_call_id=c.id, name=c.name)
-                for c in calls
-            )
-        else:
-            messages.append(Message(role="user", content=feedback))
-    elif step.decision is DecisionKind.FINAL_ANSWER:
-        messages.extend(
-            Message(role="tool", content=FINAL_ANSWER_ACCEPTED, tool_call_id=c.id, name=c.name)
-            for c in calls
-        )
-    return messages
-
-
-FINAL_ANSWER_ACCEPTED: Final = "Accepted: this is the run's final answer."
-"""What answers the final-answer tool call of a run's last step in the history a thread's
-next run inherits (docs/structured-output.md, "Native or a final-answer tool"): the call never
-reaches the executor, and without an answer it would read as a call whose outcome is unknown."""
-
-
-def answer_every_call(
-    messages: Sequence[Message], synthetic: SyntheticObservations
-) -> list[Message]:
-    """``messages`` with every tool call of an assistant message answered by a tool message.
-
-    A call that no ``tool`` message answers before the next message of another role (or the
-    end) gets one there, whose text is ``synthetic.unknown`` for its tool: the history never
-    claims an outcome the log does not hold. ``messages`` that answer every call are returned
-    unchanged (as a new list).
-    """
-    out: list[Message] = []
-    waiting: list[ToolCall] = []
-    answered: set[str] = set()
-
-    def close() -> None:
-        for call in waiting:
-            if call.id not in answered:
-                text = synthetic.unknown.format(tool=call.name, detail="")
-                out.append(Message(role="tool", content=text, tool_call_id=call.id, name=call.name))
-        waiting.clear()
-        answered.clear()
-
-    for message in messages:
-        if message.role == "tool" and message.tool_call_id is not None:
-            answered.add(message.tool_call_id)
-            out.append(message)
-            continue
-        close()
-        out.append(message)
-        if message.role == "assistant":
-            waiting.extend(message.tool_calls)
-    close()
-    return out
-
-
-async def recorded_history(
-    store: RunStore,
-    run_id: str,
-    *,
-    before_step: int | None = None,
-    synthetic: SyntheticObservations = _SYNTHETIC,
-    successor: str | None = None,
-) -> list[Message]:
-    """The history run ``run_id`` holds, read from its log and those of the runs it continues.
-
-    The one place a run's history is loaded from a store (docs/threads.md, "How history is
-    inherited"): for each run of the chain, oldest first, what it inherited, its input, then
-    what each step record says entered history (`step_messages`), every tool call answered
-    (`answer_every_call`). Nothing is recomputed. The system prompt is not part of it (it
-    belongs to the agent definition).
-
-    Args:
-        store: the store holding the runs.
-        run_id: the run.
-        before_step: keep only the steps before this one (a fork's prefix); ``None``: all.
-        synthetic: the texts answering a call the log gives no observation for.
-        successor: the run that continues ``run_id``, named in errors; ``None`` when the
-            history is asked for by itself.
-
-    Returns:
-        The messages, oldest first (``role`` user, assistant or tool).
-
-    Raises:
-        UsageError: ``successor`` is ``None`` and ``run_id`` does not exist.
-        StoreError: a run of the chain is missing or unreadable, a thread's predecessor is
-            not finished, a fork's run has fewer steps than the fork needs, or the chain
-            runs in a circle.
-    """
-    history, _ = await inherited_context(
-        store, run_id, before_step=before_step, synthetic=synthetic, successor=successor
-    )
-    return history
-
-
-async def inherited_context(
-    store: RunStore,
-    run_id: str,
-    *,
-    before_step: int | None = None,
-    synthetic: SyntheticObservations = _SYNTHETIC,
-    successor: str | None = None,
-    summaries: bool = False,
-) -> tuple[list[Message], Summary | None]:
-    """`recorded_history`, and with ``summaries`` the latest summary the chain wrote.
-
-    The summary is the newest one a run of the chain wrote of what it held (the newest run
-    that wrote one; for a fork's run, one covering only steps before the fork), mapped onto
-    the returned history as `inherited_groups` numbers it: its ``through`` is the last group
-    it covers (up to 0) and its ``run_id`` the run that wrote it (docs/context.md,
-    "Threads"). ``None`` without ``summaries``, when no run of the chain wrote one, or
-    when what it covers does not end where a group of the history does.
-
-    Raises:
-        UsageError, StoreError: as `recorded_history`.
-    """
-    chain: list[tuple[RunLog, int | None]] = []
-    seen: set[str] = set()
-    current: str | None = run_id
-    upto = before_step
-    while current is not None:
-        if current in seen:
-            raise StoreError(f"run {run_id!r}: its history continues itself ({current!r})")
-        seen.add(current)
-        log = await _read_link(store, current, upto, successor)
-        chain.append((log, upto))
-        started = log.started
-        assert started is not None  # _read_link refused it otherwise
-        successor, current, upto = current, started.continues, started.fork_step
-    history: list[Message] = []
-    carried: tuple[Summary, int] | None = None  # the newest summary, and the messages it covers
-    for log, upto in reversed(chain):
-        assert log.started is not None
-        inherited = len(history)
-        history.extend(answer_every_call(log.started.input, synthetic))
-        ends: dict[int, int] = {}
-        for step in log.steps:
-            if upto is not None and step.step >= upto:
-                break
-            history.extend(answer_every_call(step_messages(step), synthetic))
-            ends[step.step] = len(history)
-        own = _latest_summary(log, upto) if summaries else None
-        if own is not None:
-            if own.through > 0:
-                covered = ends.get(own.through)
-            else:
-                covered = _group_end(history[:inherited], own.through)
-            if covered is not None:
-                carried = (own, covered)
-    return history, _mapped(history, carried)
-
-
-def _latest_summary(log: RunLog, before_step: int | None) -> Summary | None:
-    """The newest summary ``log`` holds, or with ``before_step`` written in a step before it.
-
-    Those the log held when a fork was made: the forked run, still unfinished, may write
-    more later, and a resumed fork must find the same one.
-    """
-    found: Summary | None = None
-    for record in log.records:
-        if not isinstance(record, ModelResult) or record.reply is None:
-            continue
-        through = record.summary_through
-        if through is not None and (before_step is None or record.step < before_step):
-            found = Summary(
-                intent_id=record.intent_id,
-                through=through,
-                text=record.reply.text or "",
-                run_id=log.run_id,
-            )
-    return found
-
-
-def _group_end(messages: Sequence[Message], through: int) -> int | None:
-    """How many of ``messages`` the inherited groups up to ``through`` (<= 0) hold."""
-    groups = inherited_groups(messages)
-    last = len(groups) - 1 + through
-    if last < 0:
-        return None
-    return sum(len(group.messages) for group in groups[: last + 1])
-
-
-def _mapped(history: Sequence[Message], carried: tuple[Summary, int] | None) -> Summary | None:
-    """The carried summary with ``through`` the group of ``history`` its coverage ends with."""
-    if carried is None:
-        return None
-    summary, covered = carried
-    held = 0
-    for group in inherited_groups(history):
-        held += len(group.messages)
-        if held == covered:
-            return attrs.evolve(summary, through=group.step)
-        if held > covered:
-            return None
-    return None
-
-
-async def _read_link(
-    store: RunStore, run_id: str, before_step: int | None, successor: str | None
-) -> RunLog:
-    """The log of ``run_id``, checked to hold what its ``successor`` takes from it."""
-    whose = f"run {successor!r} continues run {run_id!r}" if successor else f"run {run_id!r}"
-    try:
-        log = await store.read_log(run_id)
-    except StoreError as exc:
-        raise StoreError(f"{whose}, whose log cannot be read: {exc}") from exc
-    if log.started is None:
-        if successor is None:
-            raise UsageError(f"no run {run_id!r} in the store")
-        raise StoreError(f"{whose}, whose log is missing (nothing was written)")
-    if successor is None:
-        return log
-    if before_step is None and log.finished is None:
-        raise StoreError(f"{whose}, which is not finished")
-    if before_step is not None and len(log.steps) < before_step - 1:
-        raise StoreError(f"{whose} from step {before_step}, but it holds {len(log.steps)} steps")
-    return log

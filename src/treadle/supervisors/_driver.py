@@ -42,6 +42,7 @@ from treadle.actors import (
     AwaitingChildren,
     CallModel,
     Cancel,
+    Chain,
     Control,
     Drain,
     Drained,
@@ -189,12 +190,18 @@ async def drive_run(
     sinks: Sequence[EventSink],
     options: DriveOptions,
     wait: bool = False,
+    chain: Chain | None = None,
 ) -> AsyncIterator[RunHandle]:
     """`open_run` on a `LeaseHold` (a fleet passes the lease its claim took).
 
     With ``wait``, the run is driven in the calling task, and the block is entered once it
     stopped being driven (finished, failed, or parked and left), instead of the run being
     driven in a task of its own while the block runs.
+
+    ``chain`` is the history the run inherits as the caller read it already (the check
+    before a new thread run or fork starts, `treadle.actors.read_chain`): its first drive
+    here hands it to the hydrator instead of reading those logs again; ``None``, or any
+    later drive (after a park), reads them.
 
     Raises:
         RunLeased: the lease cannot be taken (it is taken unless ``hold`` holds it already).
@@ -221,15 +228,17 @@ async def drive_run(
     # This frame lasts as long as the run, parked or not: it keeps no reference to the log
     # (a parked run keeps no records in memory; `_supervise` reads the log again to resume).
     if wait:
-        supervising = _supervise(agent, input, log, store, sinks, options, handle, hold)
-        del log
+        supervising = _supervise(agent, input, log, chain, store, sinks, options, handle, hold)
+        del log, chain
         await supervising
         yield handle
         return
     try:
         async with trio.open_nursery() as nursery:
-            await nursery.start(_supervise, agent, input, log, store, sinks, options, handle, hold)
-            del log
+            await nursery.start(
+                _supervise, agent, input, log, chain, store, sinks, options, handle, hold
+            )
+            del log, chain
             yield handle
     except BaseExceptionGroup as group:
         # The run's own errors are on the handle; what reaches here came from the caller's
@@ -278,6 +287,7 @@ async def _supervise(
     agent: Agent,
     input: RunInput | None,
     log: RunLog,
+    chain: Chain | None,
     store: RunStore,
     sinks: Sequence[EventSink],
     options: DriveOptions,
@@ -286,7 +296,10 @@ async def _supervise(
     *,
     task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
 ) -> None:
-    """Drive the run while holding its lease; while parked, wait with the lease released."""
+    """Drive the run while holding its lease; while parked, wait with the lease released.
+
+    ``chain`` (the inherited history read already, or ``None``) serves the first drive only.
+    """
     run_id = log.run_id
     first: RunLog | None = log
     del log  # a parked run keeps no records in memory
@@ -302,6 +315,7 @@ async def _supervise(
                         agent,
                         input,
                         current,
+                        chain,
                         store,
                         feed,
                         options,
@@ -311,6 +325,7 @@ async def _supervise(
                         task_status,
                     )
                 del current
+                chain = None  # a parked run keeps no records: a later drive reads the chain again
                 if stretch is None:  # finished: a failed release is logged, the lease expires
                     await hold.release_quietly()
                     return
@@ -520,6 +535,7 @@ async def _drive(
     agent: Agent,
     input: RunInput | None,
     log: RunLog,
+    chain: Chain | None,
     store: RunStore,
     feed: SinkFeed | None,
     options: DriveOptions,
@@ -529,6 +545,8 @@ async def _drive(
     task_status: trio.TaskStatus[None],
 ) -> Parking | _ChildWait | None:
     """One stretch of driving: start the actors on ``log``, run until finished or parked.
+
+    ``chain`` goes to the hydrator (`ActorContext.chain`).
 
     Returns:
         The parking state when the coordinator parked the run on an approval, a
@@ -570,6 +588,7 @@ async def _drive(
             clock=clock,
             rng=options.rng or _JITTER,
             store=store,
+            chain=chain,
             cancel_grace_s=options.cancel_grace_s,
             redaction=redaction,
             digest_keys=options.rng.randbytes if options.rng is not None else secrets.token_bytes,

@@ -23,6 +23,7 @@ from treadle._state import RunView
 from treadle.actors import (
     CANCEL_GRACE_S,
     CallModel,
+    Chain,
     ContextHydrator,
     Control,
     EventWriter,
@@ -172,6 +173,10 @@ class ActorContext:
         rng: the run's random source (retry jitter).
         store: the run's store, for reading (never writing): the hydrator reads the history
             of the run ``started.continues`` names from it (docs/threads.md).
+        chain: that history as the check before the run's start read it
+            (`treadle.actors.read_chain`), for its hydrator to take instead of reading it
+            again: set for the first drive of a new thread run or fork in the call that
+            started it; ``None`` otherwise (the hydrator reads it from ``store``).
         cancel_grace_s: seconds a cancelled tool call gets to finish before the executor
             abandons it (`treadle.actors.CANCEL_GRACE_S`; less in a child run,
             docs/child-runs.md "Cancellation").
@@ -188,6 +193,7 @@ class ActorContext:
     clock: Clock
     rng: random.Random
     store: RunStore | None = None
+    chain: Chain | None = None
     cancel_grace_s: float = CANCEL_GRACE_S
     redaction: Redaction = NO_REDACTION
     digest_keys: Callable[[int], bytes] = secrets.token_bytes
@@ -265,6 +271,7 @@ def real_hydrator(context: ActorContext) -> ContextHydrator:
         summary_prompt=agent.summary_prompt or DEFAULT_SUMMARY_PROMPT,
         summary_model=agent.summary_model,
         store=context.store,
+        chain=context.chain,
     )
 
 

@@ -25,9 +25,7 @@ from treadle._clock import Clock, SystemClock, check_seconds
 from treadle._exceptions import UsageError
 from treadle._ids import check_run_id, new_run_id
 from treadle._trio_only import require_trio
-from treadle.actors import (
-    recorded_history,
-)
+from treadle.actors import Chain, read_chain
 from treadle.agent import Agent, RunInput
 from treadle.approvals import ApprovalPolicy
 from treadle.metrics import MetricsRecorder
@@ -47,6 +45,7 @@ from treadle.supervisors._handle import RunHandle
 from treadle.supervisors._leasing import LeaseHold, leases_of
 from treadle.supervisors._threads import Lineage, fork_lineage, next_in_thread, run_in_thread
 from treadle.types import (
+    RunLog,
     RunResult,
 )
 
@@ -251,8 +250,9 @@ async def _prepared(
     check_seconds(above_zero=True, control_poll_s=control_poll_s)
     check_ttl(lease_ttl_s)
     lineage: Lineage | None = None
+    chain: Chain | None = None
     if thread_id is not None or fork_of is not None:
-        run_id, lineage = await _lineage(store, input, run_id, thread_id, fork_of, at_step)
+        run_id, lineage, chain = await _lineage(store, input, run_id, thread_id, fork_of, at_step)
     elif at_step is not None:
         raise UsageError("at_step is the step of the run named by fork_of, which is missing")
     run_id = check_run_id(run_id) if run_id is not None else new_run_id()
@@ -270,7 +270,9 @@ async def _prepared(
         metrics=metrics,
         lineage=lineage,
     )
-    return drive_run(agent, input, store=store, hold=hold, sinks=sinks, options=options, wait=wait)
+    return drive_run(
+        agent, input, store=store, hold=hold, sinks=sinks, options=options, wait=wait, chain=chain
+    )
 
 
 async def _lineage(
@@ -280,11 +282,15 @@ async def _lineage(
     thread_id: str | None,
     fork_of: str | None,
     at_step: int | None,
-) -> tuple[str, Lineage]:
+) -> tuple[str, Lineage, Chain | None]:
     """The run id and lineage of a run continuing ``thread_id`` or forking ``fork_of``.
 
     A thread names its run (`next_in_thread`); a fork is named by ``run_id``, or by a fresh
     random id: a new fork at each call (docs/threads.md, "Forks").
+
+    Returns:
+        The run id, its lineage, and for a new run the chain it inherits, read and checked
+        (`_check_chain`; its hydrator takes it); ``None`` for a run that exists.
     """
     if thread_id is not None and fork_of is not None:
         raise UsageError("give thread_id (continue a thread) or fork_of (fork a run), not both")
@@ -294,23 +300,23 @@ async def _lineage(
         if run_id is not None:
             known = await run_in_thread(store, thread_id, check_run_id(run_id), input)
             if known is not None:  # a retry naming its run: resume it or return its result
-                return run_id, known
-        next_id, lineage = await next_in_thread(store, thread_id, input)
+                return run_id, known, None
+        next_id, lineage, read = await next_in_thread(store, thread_id, input)
         if run_id is not None and run_id != next_id:
             raise UsageError(
                 f"thread {thread_id!r} goes on as run {next_id!r}, not {run_id!r} (a thread "
                 'names its runs, docs/threads.md, "Threads")'
             )
-        await _check_chain(store, next_id, lineage)
-        return next_id, lineage
+        return next_id, lineage, await _check_chain(store, next_id, lineage, read)
     assert fork_of is not None
-    lineage = await fork_lineage(store, fork_of, at_step)
+    lineage, forked = await fork_lineage(store, fork_of, at_step)
     fork_id = check_run_id(run_id) if run_id is not None else new_run_id()
-    await _check_chain(store, fork_id, lineage)
-    return fork_id, lineage
+    return fork_id, lineage, await _check_chain(store, fork_id, lineage, (forked,))
 
 
-async def _check_chain(store: RunStore, run_id: str, lineage: Lineage) -> None:
+async def _check_chain(
+    store: RunStore, run_id: str, lineage: Lineage, read: tuple[RunLog, ...]
+) -> Chain | None:
     """Refuse to start ``run_id`` when the history it would inherit cannot be read.
 
     Only for a run that does not exist yet: its run-started must not be written over a
@@ -318,13 +324,26 @@ async def _check_chain(store: RunStore, run_id: str, lineage: Lineage) -> None:
     cannot go on"; docs/decisions/0080-check-the-chain-before-a-new-run.md). A run that
     exists reads its chain when its hydrator starts, as every resume does.
 
+    Args:
+        store: the store.
+        run_id: the run to start.
+        lineage: what it continues.
+        read: logs read already (finding ``lineage``), not read again (`read_chain`).
+
+    Returns:
+        The chain read (each of its logs once), for the new run's hydrator; ``None`` when
+        ``run_id`` exists.
+
     Raises:
-        StoreError: as `treadle.actors.recorded_history` (nothing is written).
+        StoreError: as `treadle.actors.read_chain` (nothing is written).
     """
-    if (await store.read_log(run_id)).started is not None:
-        return
-    await recorded_history(
-        store, lineage.continues, before_step=lineage.fork_step, successor=run_id
+    log = next((log for log in read if log.run_id == run_id), None)
+    if log is None:
+        log = await store.read_log(run_id)
+    if log.started is not None:
+        return None
+    return await read_chain(
+        store, lineage.continues, before_step=lineage.fork_step, successor=run_id, read=read
     )
 
 

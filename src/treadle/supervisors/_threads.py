@@ -64,12 +64,18 @@ def thread_run_id(thread_id: str, n: int) -> str:
 
 async def next_in_thread(
     store: RunStore, thread_id: str, input: RunInput | None
-) -> tuple[str, Lineage]:
+) -> tuple[str, Lineage, tuple[RunLog, ...]]:
     """The run a call continuing thread ``thread_id`` with ``input`` drives, and its lineage.
 
     That is the thread's next run, continuing its latest run (which must be finished). When the
     latest run is unfinished and was started with this same input, it is that run: the call
     resumes it (a retry after a crash starts nothing twice).
+
+    Returns:
+        The run's id, its lineage, and the logs read to find them (the thread's first run
+        and its latest), for the check of the chain to take instead of reading them again.
+        Besides those two logs, finding the latest run asks about a few run ids only
+        (`_latest_number`).
 
     Raises:
         UsageError: no input; the thread does not exist; ``thread_id`` names a run of
@@ -100,38 +106,54 @@ async def next_in_thread(
                 "the thread cannot go on under that name"
             )
     candidate = thread_run_id(thread_id, n + 1)
+    read = (root,) if n == 1 else (root, latest)
     if latest.finished is None:
         started = latest.started
         assert started is not None
         if n > 1 and valid_unicode(input_messages(input))[0] == started.input:
             lineage = Lineage.of(started)
             assert lineage is not None
-            return latest_id, lineage
+            return latest_id, lineage, read
         raise UsageError(
             f"thread {thread_id!r}: its latest run {latest_id!r} is not finished "
             f"({_state(latest)}); wait for it or resume it before continuing the thread"
         )
-    return candidate, Lineage(continues=latest_id, thread=thread_id)
+    return candidate, Lineage(continues=latest_id, thread=thread_id), read
 
 
 async def _latest_number(store: RunStore, thread_id: str) -> int:
     """The highest n whose run ``<thread_id>.<n>`` exists (1: only the first run).
 
-    Asked of the run index when the store has one (a row or a file's ends per run), so that
-    continuing a thread reads no earlier run's whole log; of each log otherwise. A run is
-    checked to belong to the thread when it is the latest (`next_in_thread`): every earlier
-    one was the latest when its successor was started.
+    A thread's runs are numbered without a gap (each is started as the one after the latest),
+    so run n exists exactly when n is at most the latest. The number is found by doubling a
+    stride while runs exist, then halving the range between the last run found and the
+    first one missing: about ``2 * log2(n)`` lookups (`_exists`), not ``n``
+    (docs/decisions/0111-a-new-run-reads-its-chain-once.md); the run after the one returned
+    was looked up and is missing. A run is checked to belong to the thread when it is the
+    latest (`next_in_thread`).
     """
-    n = 1
-    while True:
-        candidate = thread_run_id(thread_id, n + 1)
-        if isinstance(store, RunIndex):
-            found = await store.read_summary(candidate) is not None
+    found, stride = 1, 1
+    while await _exists(store, thread_run_id(thread_id, found + stride)):
+        found, stride = found + stride, stride * 2
+    missing = found + stride
+    while missing - found > 1:
+        middle = (found + missing) // 2
+        if await _exists(store, thread_run_id(thread_id, middle)):
+            found = middle
         else:
-            found = (await store.read_log(candidate)).started is not None
-        if not found:
-            return n
-        n += 1
+            missing = middle
+    return found
+
+
+async def _exists(store: RunStore, run_id: str) -> bool:
+    """Whether the store holds run ``run_id``.
+
+    Asked of the run index when the store has one (a row or a file's ends per run), so that
+    no run's whole log is read; of its log otherwise.
+    """
+    if isinstance(store, RunIndex):
+        return await store.read_summary(run_id) is not None
+    return (await store.read_log(run_id)).started is not None
 
 
 async def run_in_thread(
@@ -158,8 +180,14 @@ async def run_in_thread(
     return Lineage.of(log.started)
 
 
-async def fork_lineage(store: RunStore, fork_of: str, at_step: int | None) -> Lineage:
+async def fork_lineage(
+    store: RunStore, fork_of: str, at_step: int | None
+) -> tuple[Lineage, RunLog]:
     """The lineage of a fork of run ``fork_of`` at step ``at_step``, checked against its log.
+
+    Returns:
+        The lineage and the log of ``fork_of`` (for the check of the chain to take instead
+        of reading it again).
 
     Raises:
         UsageError: no ``at_step``; the run does not exist; ``at_step`` is not one of its
@@ -177,7 +205,7 @@ async def fork_lineage(store: RunStore, fork_of: str, at_step: int | None) -> Li
     if isinstance(at_step, bool) or not isinstance(at_step, int) or not 1 <= at_step <= steps:
         has = f"steps 1 to {steps}" if steps else "no completed step yet"
         raise UsageError(f"cannot fork run {fork_of!r} at step {at_step!r}: it has {has}")
-    return Lineage(continues=fork_of, fork_step=at_step)
+    return Lineage(continues=fork_of, fork_step=at_step), log
 
 
 def _state(log: RunLog) -> str:
