@@ -14,7 +14,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -1130,6 +1130,132 @@ async def test_a_lease_whose_lock_file_is_taken_away_is_lost_at_its_renewal(
             await a.acquire_lease("r", owner=OWNER, ttl_s=TTL_S)
     async with open_jsonl_store(directory) as store:
         assert (await store.read_log("r")).records == (*first.written, *second.written)
+
+
+@contextlib.contextmanager
+def renewals_held_up(
+    monkeypatch: pytest.MonkeyPatch,
+) -> Iterator[tuple[threading.Event, threading.Event]]:
+    """Renewals stop in their worker thread before their sidecar writes until ``go`` is set.
+
+    Yields ``(entered, go)``: ``entered`` is set once a renewal's worker thread stopped.
+    """
+    entered, go = threading.Event(), threading.Event()
+    original = JsonlStore._write_sidecars
+
+    def held_up(self: JsonlStore, helds: Any) -> Any:
+        entered.set()
+        go.wait()
+        return original(self, helds)
+
+    monkeypatch.setattr(JsonlStore, "_write_sidecars", held_up)
+    try:
+        yield entered, go
+    finally:
+        go.set()  # never leave a worker thread waiting
+
+
+async def renewed_while(
+    store: JsonlStore,
+    leases: list[Lease],
+    entered: threading.Event,
+    go: threading.Event,
+    meanwhile: Callable[[], Awaitable[None]],
+) -> tuple[Lease, ...]:
+    """``store.renew_leases(leases)``, ``meanwhile()`` run while its worker thread waits."""
+    renewed: list[tuple[Lease, ...]] = []
+
+    async def renew() -> None:
+        renewed.append(await store.renew_leases(leases, ttl_s=TTL_S))
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(renew)
+        assert await trio.to_thread.run_sync(entered.wait, 60)  # a guard against a hang
+        try:
+            await meanwhile()
+        finally:
+            go.set()
+    (result,) = renewed
+    return result
+
+
+async def test_a_renewal_racing_a_release_leaves_the_next_runs_lock_alone(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # the released lease's descriptor number is the next run's lock file's by the time the
+    # renewal's worker thread looks: that must not read as a replaced lock file, and the
+    # next run's lock must stay held
+    directory = tmp_path / "runs"
+    async with open_jsonl_store(directory) as store, open_jsonl_store(directory) as other:
+        a = await store.acquire_lease("a", owner=OWNER, ttl_s=TTL_S)
+        released_fd = store._held["a"].fd
+        taken: list[Lease] = []
+
+        async def release_a_take_b() -> None:
+            await store.release_lease(a)
+            taken.append(await store.acquire_lease("b", owner=OWNER, ttl_s=TTL_S))
+            assert store._held["b"].fd == released_fd  # the number is b's now
+
+        with renewals_held_up(monkeypatch) as (entered, go):
+            await renewed_while(store, [a], entered, go, release_a_take_b)
+        (b,) = taken
+        with pytest.raises(RunLeased):  # b's lock is held still: nobody else may drive b
+            await other.acquire_lease("b", owner="other", ttl_s=TTL_S)
+        (again,) = await store.renew_leases([b], ttl_s=TTL_S)
+        assert (again.run_id, again.generation) == ("b", b.generation)
+        await store.release_lease(b)  # its descriptor is closed once, by its release
+        await other.acquire_lease("b", owner="other", ttl_s=TTL_S)
+
+
+async def test_a_renewal_racing_a_release_renews_the_other_leases(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    now = [T0]
+    directory = tmp_path / "runs"
+    async with open_jsonl_store(directory, clock=lambda: now[0]) as store:
+        a = await store.acquire_lease("a", owner=OWNER, ttl_s=TTL_S)
+        b = await store.acquire_lease("b", owner=OWNER, ttl_s=TTL_S)
+        now[0] = T0 + 1
+
+        async def release_a() -> None:
+            await store.release_lease(a)
+
+        with renewals_held_up(monkeypatch) as (entered, go):
+            renewed = await renewed_while(store, [a, b], entered, go, release_a)
+        assert [lease.run_id for lease in renewed] == ["a", "b"]
+        assert renewed[1] == attrs.evolve(b, heartbeat_at=T0 + 1, expires_at=T0 + 1 + TTL_S)
+    async with open_jsonl_store(directory, clock=lambda: T0 + 2) as store:
+        assert await store.read_lease("b") == attrs.evolve(renewed[1], expires_at=T0 + 2)
+        released = await store.read_lease("a")
+        assert released is not None and released.owner == ""
+
+
+async def test_a_lease_whose_sidecar_cannot_be_renewed_keeps_the_others_renewed(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    now = [T0]
+    directory = tmp_path / "runs"
+    async with open_jsonl_store(directory, clock=lambda: now[0]) as store:
+        a = await store.acquire_lease("a", owner=OWNER, ttl_s=TTL_S)
+        b = await store.acquire_lease("b", owner=OWNER, ttl_s=TTL_S)
+        sidecar = directory / ".leases" / "a.lease"
+        sidecar.unlink()
+        sidecar.mkdir()  # a's sidecar cannot be replaced
+        now[0] = T0 + 1
+        renewed = await store.renew_leases([a, b], ttl_s=TTL_S)
+        fresh = {"heartbeat_at": T0 + 1, "expires_at": T0 + 1 + TTL_S}
+        # a is kept (its lock is held, its renewal tried again); b is renewed
+        assert renewed == (attrs.evolve(a, **fresh), attrs.evolve(b, **fresh))
+        assert "lease renewal of 1 run(s) failed (run 'a': cannot write" in caplog.text
+        sidecar.rmdir()
+        now[0] = T0 + 2
+        assert await store.renew_leases(renewed, ttl_s=TTL_S) == (
+            attrs.evolve(a, heartbeat_at=T0 + 2, expires_at=T0 + 2 + TTL_S),
+            attrs.evolve(b, heartbeat_at=T0 + 2, expires_at=T0 + 2 + TTL_S),
+        )
+        with pytest.raises(RunLeased):
+            async with open_jsonl_store(directory) as other:
+                await other.acquire_lease("a", owner="other", ttl_s=TTL_S)
 
 
 async def test_a_lease_held_by_another_process_drops_when_it_dies(tmp_path: Path) -> None:

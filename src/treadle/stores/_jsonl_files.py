@@ -396,6 +396,10 @@ def file_identity(stat: os.stat_result) -> tuple[int, ...]:
     return (stat.st_dev, stat.st_ino, stat.st_size, stat.st_mtime_ns)
 
 
+FileId = tuple[int, int]
+"""A file's identity: ``(st_dev, st_ino)``; unique among the files that exist or are open."""
+
+
 def same_file(fd: int, path: str) -> bool:
     """Whether ``path`` names the file ``fd`` holds open: device and inode compared.
 
@@ -404,11 +408,27 @@ def same_file(fd: int, path: str) -> bool:
     Raises:
         StoreError: ``path`` cannot be looked at (its folder made unreadable, say).
     """
+    return names_file(path, file_id(fd))
+
+
+def file_id(fd: int) -> FileId:
+    """The identity of the file ``fd`` holds open (``fd`` must be open: its owner's call)."""
+    info = os.fstat(fd)
+    return info.st_dev, info.st_ino
+
+
+def names_file(path: str, file: FileId) -> bool:
+    """Whether ``path`` names the file of identity ``file`` (taken with `file_id`).
+
+    Needs no descriptor, so a thread that does not own one can ask it; the answer holds
+    while a descriptor of ``file`` stays open (an inode is not reused before). ``False``
+    when nothing is at ``path``.
+
+    Raises:
+        StoreError: ``path`` cannot be looked at (its folder made unreadable, say).
+    """
     named = stat_or_none(path)
-    if named is None:
-        return False
-    held = os.fstat(fd)
-    return (named.st_dev, named.st_ino) == (held.st_dev, held.st_ino)
+    return named is not None and (named.st_dev, named.st_ino) == file
 
 
 def open_regular(path: str, flags: int = os.O_RDONLY, mode: int = 0o644) -> int:

@@ -73,14 +73,17 @@ from treadle.stores._jsonl_files import (
     CONTROL_DIR,
     HASHED_NAME,
     LEASE_DIR,
+    FileId,
     Probe,
     Repair,
     RunFile,
     control_frame,
+    file_id,
     header_version,
     holds_a_store,
     list_run_files,
     migrate_v1_control,
+    names_file,
     open_directory,
     open_regular,
     probe_run_file,
@@ -151,9 +154,18 @@ class TornTail:
 
 @attrs.define(eq=False)
 class _Held:
-    """A lease this store object holds: the lock file's descriptor and the lease."""
+    """A lease this store object holds: the lock file's descriptor and the lease.
+
+    ``fd`` (holding the ``flock``) belongs to the entry while it is in the store's held
+    leases: whoever takes it out (`JsonlStore.release_lease`, a lost lease's
+    `JsonlStore._drop`, `JsonlStore.aclose`), in the trio thread, closes it, once. No worker
+    thread uses it, since its number is another file's once closed: a renewal checks the
+    lock file by ``lock_id``, the identity it had when the lock was taken (docs/fleet.md,
+    "Leases": exclusion never depends on timing).
+    """
 
     fd: int
+    lock_id: FileId
     lease: Lease
     control_seen: int
 
@@ -564,12 +576,17 @@ class JsonlStore(EngineStore):
             held.lease = renewed
             await self._in_worker(self._write_sidecar, held, False)
             return renewed
-        fd, lease, seen = await self._in_worker(self._lock, run_id, owner, ttl_s, now)
-        self._held[run_id] = _Held(fd=fd, lease=lease, control_seen=seen)
+        held = await self._in_worker(self._lock, run_id, owner, ttl_s, now)
+        self._held[run_id] = held
         self._engine.forget(run_id)
-        return lease
+        return held.lease
 
-    def _lock(self, run_id: str, owner: str, ttl_s: float, now: float) -> tuple[int, Lease, int]:
+    def _lock(self, run_id: str, owner: str, ttl_s: float, now: float) -> _Held:
+        """Take the run's lock file's ``flock`` and write the next generation's sidecar.
+
+        Raises:
+            RunLeased, StoreError: as `acquire_lease` (the lock file is closed again).
+        """
         lock_path, sidecar = self._lease_paths(run_id)
         fd = _open_locked(lock_path, run_id, sidecar, now)
         try:
@@ -586,10 +603,10 @@ class JsonlStore(EngineStore):
                 heartbeat_at=now,
             )
             _sidecar_written(sidecar, lease, seen, durable=True)
+            return _Held(fd=fd, lock_id=file_id(fd), lease=lease, control_seen=seen)
         except BaseException:
             os.close(fd)
             raise
-        return fd, lease, seen
 
     def _write_sidecar(self, held: _Held, durable: bool, *, released: bool = False) -> None:
         """Write ``held``'s sidecar (in a worker thread), one write at a time.
@@ -606,7 +623,14 @@ class JsonlStore(EngineStore):
                 _sidecar_written(sidecar, held.lease, held.control_seen, durable=durable)
 
     async def renew_leases(self, leases: Sequence[Lease], *, ttl_s: float) -> tuple[Lease, ...]:
-        """Renew the held leases (their heartbeat in the sidecars); a missing one was lost."""
+        """Renew the held leases (their heartbeat in the sidecars); a missing one was lost.
+
+        A lease whose lock file was deleted or replaced is lost (docs/fleet.md, "Leases").
+        A lease whose sidecar cannot be written, or whose lock file cannot be looked at, is
+        logged and kept, its lock still held, and tried again at the next renewal; the
+        others are renewed all the same. Leases released here while the renewal runs are
+        left alone: their lock files' descriptors are closed by their release only.
+        """
         _leases.check_ttl(ttl_s)
         now = self._clock()
         renewed = []
@@ -619,27 +643,44 @@ class JsonlStore(EngineStore):
         if not renewed:
             await trio.lowlevel.checkpoint()
             return ()
-        gone = await self._in_shared_worker(self._write_sidecars, renewed)
+        gone, failed = await self._in_shared_worker(self._write_sidecars, renewed)
         for held in gone:  # its lock file was deleted or replaced: another may lock the run
             self._drop(held)
+        if failed:
+            _renewals_failed(failed)
         return tuple(h.lease for h in renewed if h not in gone)
 
-    def _write_sidecars(self, helds: list[_Held]) -> list[_Held]:
-        """Write the renewed sidecars; return the leases whose lock file is no longer theirs."""
-        gone = []
+    def _write_sidecars(
+        self, helds: list[_Held]
+    ) -> tuple[list[_Held], list[tuple[_Held, StoreError]]]:
+        """Write the renewed sidecars (in a worker thread; no lock file descriptor is used).
+
+        Returns:
+            The leases whose lock file is no longer theirs, and the leases whose renewal
+            failed with the error (the sidecar not written; the lock file not looked at).
+        """
+        gone, failed = [], []
         for held in helds:
-            if same_file(held.fd, self._lease_paths(held.lease.run_id)[0]):
-                self._write_sidecar(held, False)
-            else:
-                gone.append(held)
-        return gone
+            try:
+                if names_file(self._lease_paths(held.lease.run_id)[0], held.lock_id):
+                    self._write_sidecar(held, False)
+                else:
+                    gone.append(held)
+            except StoreError as exc:
+                failed.append((held, exc))
+        return gone, failed
 
     def _drop(self, held: _Held) -> None:
-        """Give up a lease whose lock file was taken away (its writes are refused from now)."""
+        """Give up a lease whose lock file was taken away (its writes are refused from now).
+
+        A lease released meanwhile is left alone: its release closed its descriptor, whose
+        number may be another lock file's by now.
+        """
         run_id = held.lease.run_id
-        if self._held.get(run_id) is held:
-            del self._held[run_id]
-            self._engine.forget(run_id)
+        if self._held.get(run_id) is not held:
+            return
+        del self._held[run_id]
+        self._engine.forget(run_id)
         _LOG.warning(
             "run %r: its lease's lock file was deleted or replaced; the lease is lost", run_id
         )
@@ -653,6 +694,8 @@ class JsonlStore(EngineStore):
             await trio.lowlevel.checkpoint()
             return
         await self._engine.settle(lease.run_id)
+        if self._held.get(lease.run_id) is not held:  # lost meanwhile, or the store closed
+            return
         held.lease = attrs.evolve(held.lease, owner="")
         held.control_seen = max(held.control_seen, control_seen)
         del self._held[lease.run_id]
@@ -763,6 +806,18 @@ class JsonlStore(EngineStore):
             if cached[1]:
                 heads[run_id] = cached[1]
         return heads
+
+
+def _renewals_failed(failed: Sequence[tuple[_Held, StoreError]]) -> None:
+    """Log the leases a renewal could not renew; they are kept, and tried again next time."""
+    held, exc = failed[0]
+    _LOG.warning(
+        "lease renewal of %d run(s) failed (run %r: %s); their locks are still held, and "
+        "the renewal is tried again",
+        len(failed),
+        held.lease.run_id,
+        exc,
+    )
 
 
 def _sidecar_written(path: str, lease: Lease, control_seen: int, *, durable: bool) -> None:
