@@ -93,6 +93,33 @@ def test_runs_last_lists_only_the_newest_runs(tmp_path, monkeypatch):
     )
 
 
+def test_runs_last_reads_only_the_newest_runs_of_a_jsonl_store(tmp_path, monkeypatch):
+    # `treadle runs --last 20` probed every run file of a JSONL store (head and tail read and
+    # decoded) before keeping the last 20: 30 s for 10,000 runs.
+    from treadle.stores import jsonl
+
+    directory = tmp_path / "runs"
+
+    async def four() -> None:
+        async with treadle.open_jsonl_store(directory) as store:
+            for number in range(4):
+                agent = treadle.Agent(
+                    model=ScriptedModel(turns=[say("3")]),
+                    executor=treadle.Toolbox([add]),
+                    parser=treadle.NativeToolCallParser(),
+                )
+                await treadle.run(agent, "1+2?", store=store, run_id=f"r{number}")
+
+    trio.run(four)
+    probed = []
+    probe = jsonl.probe_run_file
+    monkeypatch.setattr(jsonl, "probe_run_file", lambda path: probed.append(path) or probe(path))
+    listed = CliRunner().invoke(main, ["runs", "--store", str(directory), "--json", "--last", "2"])
+    assert listed.exit_code == 0, listed.output
+    assert [json.loads(line)["run_id"] for line in listed.output.splitlines()] == ["r2", "r3"]
+    assert sorted(Path(path).name for path in probed) == ["r2.jsonl", "r3.jsonl"]
+
+
 def test_the_runs_table_of_finished_runs_fits_80_columns(tmp_path):
     # Finished runs have no driver, and a run not served by a fleet names no agent: the two
     # empty columns made the start time wrap onto a second line at 80 columns.

@@ -91,9 +91,7 @@ def runs(store_path: str, as_json: bool, threads: bool, last: int | None) -> Non
     A run that cannot be read (a damaged or too-new log) is listed with its error, and the
     exit status is 1.
     """
-    summaries = run_async(lambda: read_summaries(store_path))
-    if last is not None:
-        summaries = summaries[-last:]
+    summaries = run_async(lambda: read_summaries(store_path, last=last))
     if len(summaries) > LONG_TABLE and not as_json:
         click.echo(
             f"{len(summaries):,} runs: drawing the table takes a while (--last N lists the "
@@ -715,13 +713,17 @@ def _ending(log: RunLog) -> dict[str, Any]:
     }
 
 
-async def read_summaries(store_path: str) -> tuple[RunSummary, ...]:
-    """Every run of the store at ``store_path`` with its state and liveness."""
+async def read_summaries(store_path: str, *, last: int | None = None) -> tuple[RunSummary, ...]:
+    """Every run of the store at ``store_path`` with its state and liveness.
+
+    ``last``: only the runs that entered the store last, the others not read
+    (`treadle.ports.RunIndex.list_summaries`).
+    """
     async with open_store(store_path) as store:
-        return await _summaries_of(store)
+        return await _summaries_of(store, last=last)
 
 
-async def _summaries_of(store: RunStore) -> tuple[RunSummary, ...]:
+async def _summaries_of(store: RunStore, *, last: int | None = None) -> tuple[RunSummary, ...]:
     if isinstance(store, RunIndex):
-        return await store.list_summaries()
+        return await store.list_summaries(last=last)
     raise click.ClickException(f"{type(store).__name__} keeps no run index")

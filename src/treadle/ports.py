@@ -355,11 +355,18 @@ class ControlStream(Protocol):
 class RunIndex(Protocol):
     """Capability: list runs with their state and liveness without reading every log."""
 
-    async def list_summaries(self) -> tuple[RunSummary, ...]:
+    async def list_summaries(self, *, last: int | None = None) -> tuple[RunSummary, ...]:
         """Every run of the store (queued ones included), in the order they entered it.
 
         A run whose log cannot be read is listed with ``error`` and ``where`` set; it never
         hides the others, nor is it left out.
+
+        Args:
+            last: only the ``last`` runs that entered the store last (the end of the whole
+                listing), found without summarising the others; ``None``: every run.
+
+        Raises:
+            UsageError: ``last`` is below 1.
         """
         ...
 

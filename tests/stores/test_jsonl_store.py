@@ -35,7 +35,7 @@ from treadle._exceptions import (
     UsageError,
 )
 from treadle.ports import RunStore
-from treadle.stores import StoreStatistics, _engine, _jsonl_backend
+from treadle.stores import StoreStatistics, _engine, _jsonl_backend, jsonl
 from treadle.stores._jsonl_files import (
     FORMAT_VERSION,
     header_frame,
@@ -1427,6 +1427,45 @@ async def test_a_run_file_that_is_not_a_regular_file_is_listed_as_unreadable(
         with trio.fail_after(10), pytest.raises(StoreError, match=f"cannot read {odd}"):
             await store.read_log("odd")
         assert (await store.read_log("good")).records
+
+
+def counted_probes(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """The names of the run files the JSONL store probes from now on, in order."""
+    probed: list[str] = []
+    probe = jsonl.probe_run_file
+
+    def counted(path: str) -> Any:
+        probed.append(os.path.basename(path))
+        return probe(path)
+
+    monkeypatch.setattr(jsonl, "probe_run_file", counted)
+    return probed
+
+
+async def test_the_last_runs_are_listed_without_probing_the_others(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``treadle runs --last 20`` probed every run file (its head and tail read and decoded)
+    before choosing the last 20: 30 s for 10,000 runs."""
+    directory = tmp_path / "runs"
+    for number in range(5):
+        await write_run(directory, run_id=f"r{number}", steps=1)
+    bad, _ = await write_run(directory, run_id="bad", steps=1)
+    with bad.open("ab") as file:
+        file.write(b"not a frame\n")  # damaged after its header: it keeps its place
+    empty = directory / "empty.jsonl"  # the newest file, without a record: not a run
+    empty.write_bytes(header_frame("empty", created_ns=time.time_ns() + 10**12))
+    async with open_jsonl_store(directory, clock=lambda: 2e9) as store:
+        every = await store.list_summaries()
+        assert [s.run_id for s in every] == ["r0", "r1", "r2", "r3", "r4", "bad"]
+        probed = counted_probes(monkeypatch)
+        assert await store.list_summaries(last=2) == every[-2:]
+        assert sorted(probed) == ["bad.jsonl", "empty.jsonl", "r4.jsonl"]
+        probed.clear()
+        assert await store.list_summaries(last=10) == every
+        assert len(probed) == 7
+        with pytest.raises(UsageError, match="last must be at least 1"):
+            await store.list_summaries(last=0)
 
 
 async def test_a_damaged_run_with_a_hashed_file_name_reads_as_damaged(tmp_path: Path) -> None:

@@ -13,6 +13,7 @@ from typing import Any
 
 import attrs
 
+from treadle._exceptions import UsageError
 from treadle.types import (
     ApprovalDecided,
     ApprovalRequested,
@@ -146,3 +147,13 @@ def fold_delta(deltas: Sequence[IndexDelta]) -> IndexDelta:
 
 
 _FIELDS = tuple(field.name for field in attrs.fields(IndexDelta))
+
+
+def check_last(last: int | None) -> None:
+    """Check the ``last`` of `treadle.ports.RunIndex.list_summaries`: ``None`` or at least 1.
+
+    Raises:
+        UsageError: ``last`` is below 1.
+    """
+    if last is not None and last < 1:
+        raise UsageError(f"last must be at least 1 (or None for every run), not {last}")

@@ -72,7 +72,7 @@ from treadle.stores._engine import (
     Write,
     fail_writes,
 )
-from treadle.stores._index import IndexDelta, fold_delta
+from treadle.stores._index import IndexDelta, check_last, fold_delta
 from treadle.stores._ops import EngineStore
 from treadle.types import (
     ApprovalDecided,
@@ -554,17 +554,25 @@ _SUMMARY_COLUMNS: Final = (
 )
 
 
-def list_summaries(dialect: SqlDialect, conn: Connection) -> tuple[RunSummary, ...]:
-    """Every run with a state (started or queued), in the order they entered the store."""
+def list_summaries(
+    dialect: SqlDialect, conn: Connection, last: int | None = None
+) -> tuple[RunSummary, ...]:
+    """Every run with a state (started or queued), in the order they entered the store.
+
+    ``last``: only the last ``last`` of them, the others not read (``None``: every run).
+    """
+    order = "ORDER BY ord" if last is None else f"ORDER BY ord DESC LIMIT {int(last)}"
     dialect.begin_read(conn)
     try:
         now = dialect.now(conn)
         rows = conn.execute(
             f"SELECT {_SUMMARY_COLUMNS} FROM runs WHERE state IS NOT NULL OR next_seq > 1 "
-            f"OR {_NO_RUN_ID} ORDER BY ord"
+            f"OR {_NO_RUN_ID} {order}"
         ).fetchall()
     finally:
         conn.execute("COMMIT")
+    if last is not None:
+        rows.reverse()
     _check_ids(dialect, tuple(row[0] for row in rows))
     return tuple(summary_of(dialect.description, row, now) for row in rows)
 
@@ -1425,10 +1433,14 @@ class SqlStore(EngineStore):
         await self._engine.settle()
         return await self._run(list_run_ids)
 
-    async def list_summaries(self) -> tuple[RunSummary, ...]:
-        """Every run (queued ones too) from the index, without reading logs."""
+    async def list_summaries(self, *, last: int | None = None) -> tuple[RunSummary, ...]:
+        """Every run (queued ones too) from the index, without reading logs.
+
+        ``last``: only the last ``last`` of them (`treadle.ports.RunIndex.list_summaries`).
+        """
+        check_last(last)
         await self._engine.settle()
-        return await self._run(list_summaries)
+        return await self._run(list_summaries, last)
 
     async def count_runs(self) -> Mapping[Liveness, int]:
         """How many runs the index holds by liveness (`treadle.ports.RunCounts`).

@@ -67,7 +67,7 @@ from treadle._paths import stat_or_none
 from treadle._trio_only import require_trio
 from treadle.stores import _leases
 from treadle.stores._engine import CommitEngine, StoreStatistics
-from treadle.stores._index import index_delta
+from treadle.stores._index import check_last, index_delta
 from treadle.stores._jsonl_backend import FileOps, JsonlBackend, OsFileOps
 from treadle.stores._jsonl_files import (
     CONTROL_DIR,
@@ -78,6 +78,7 @@ from treadle.stores._jsonl_files import (
     Repair,
     RunFile,
     control_frame,
+    entered_ns,
     file_id,
     header_version,
     holds_a_store,
@@ -374,13 +375,20 @@ class JsonlStore(EngineStore):
         probes = await self._probes()
         return tuple(p.run_id for p in probes)
 
-    async def list_summaries(self) -> tuple[RunSummary, ...]:
+    async def list_summaries(self, *, last: int | None = None) -> tuple[RunSummary, ...]:
         """Every run with a record, with state and liveness from its file's ends and lease.
 
         Reads each file's header, first record and end (its last 64 KiB, or as much as its
-        last record line takes), never whole logs.
+        last record line takes), never whole logs. With ``last``, only the last ``last``
+        runs (`treadle.ports.RunIndex.list_summaries`): every file's first line is read to
+        order them, and only the newest files are probed so.
+
+        Raises:
+            UsageError: ``last`` is below 1.
+            StoreError: the directory cannot be read, or the store is closed.
         """
-        probes = await self._probes()
+        check_last(last)
+        probes = await self._probes(last)
         return tuple(await self._in_worker(self._summaries, probes))
 
     async def read_summary(self, run_id: str) -> RunSummary | None:
@@ -392,14 +400,20 @@ class JsonlStore(EngineStore):
         (summary,) = await self._in_worker(self._summaries, [probe])
         return summary
 
-    async def _probes(self) -> list[Probe]:
+    async def _probes(self, last: int | None = None) -> list[Probe]:
+        """The probes of the runs with a record, in the order they entered the store.
+
+        ``last``: of the last ``last`` of them only (``None``: of every run).
+        """
         self._engine.check_open()
         await self._engine.settle()
+        probing = self._probe_all if last is None else functools.partial(self._probe_last, last)
         try:
-            probes = await self._in_worker(self._probe_all)
+            probes = await self._in_worker(probing)
         except OSError as exc:
             raise StoreError(f"cannot list {self._directory}: {exc.strerror or exc}") from exc
-        return sorted(probes, key=lambda p: (p.created_ns, p.run_id))
+        ordered = sorted(probes, key=lambda p: (p.created_ns, p.run_id))
+        return ordered if last is None else ordered[-last:]
 
     def _probe_all(self) -> list[Probe]:
         found = []
@@ -407,6 +421,26 @@ class JsonlStore(EngineStore):
             probe = probe_run_file(os.path.join(self._directory, name))
             if probe is not None:
                 found.append(probe)
+        return found
+
+    def _probe_last(self, last: int) -> list[Probe]:
+        """Probes enough for the last ``last`` runs: the files probed newest first.
+
+        Files are ordered by `entered_ns` (their first line), which is what their probes'
+        ``created_ns`` say; probing stops once ``last`` runs with a record were found and
+        the next file entered before them (a file without a record is not a run).
+        """
+        paths = [os.path.join(self._directory, name) for name in list_run_files(self._directory)]
+        newest_first = sorted(((entered_ns(path), path) for path in paths), reverse=True)
+        found: list[Probe] = []
+        found_ns: list[int] = []
+        for ns, path in newest_first:
+            if len(found) >= last and ns < found_ns[last - 1]:
+                break
+            probe = probe_run_file(path)
+            if probe is not None:
+                found.append(probe)
+                found_ns.append(ns)
         return found
 
     def _summaries(self, probes: Sequence[Probe]) -> list[RunSummary]:

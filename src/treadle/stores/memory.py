@@ -21,7 +21,7 @@ import trio
 from treadle._exceptions import ConflictError, StoreError, UsageError
 from treadle._ids import check_run_id
 from treadle.stores import _leases, _queue
-from treadle.stores._index import IndexDelta, index_delta
+from treadle.stores._index import IndexDelta, check_last, index_delta
 from treadle.stores._ops import AppendStore
 from treadle.types import (
     ApprovalDecided,
@@ -212,15 +212,21 @@ class MemoryStore(AppendStore):
 
     # ------------------------------------------------------------------ run index
 
-    async def list_summaries(self) -> tuple[RunSummary, ...]:
-        """Every run, queued ones included, in the order they entered the store."""
+    async def list_summaries(self, *, last: int | None = None) -> tuple[RunSummary, ...]:
+        """Every run, queued ones included, in the order they entered the store.
+
+        ``last``: only the last ``last`` of them (`treadle.ports.RunIndex.list_summaries`).
+        """
+        check_last(last)
         await trio.lowlevel.checkpoint()
         now = self.clock()
-        return tuple(
-            self._summary(run_id, row, now)
+        listed = [
+            run_id
             for run_id, row in self._rows.items()
             if row.state is not None or self._logs.get(run_id)
-        )
+        ]
+        chosen = listed if last is None else listed[-last:]
+        return tuple(self._summary(run_id, self._rows[run_id], now) for run_id in chosen)
 
     async def read_summary(self, run_id: str) -> RunSummary | None:
         """One run's summary, or ``None``."""

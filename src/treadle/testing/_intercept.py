@@ -236,9 +236,9 @@ class _ForwardsIndex(_Wrapper):
         assert isinstance(self.inner, RunIndex)
         return self.inner
 
-    async def list_summaries(self) -> tuple[RunSummary, ...]:
+    async def list_summaries(self, *, last: int | None = None) -> tuple[RunSummary, ...]:
         """Forward."""
-        return await self._index().list_summaries()
+        return await self._index().list_summaries(last=last)
 
     async def read_summary(self, run_id: str) -> RunSummary | None:
         """Forward."""

@@ -468,6 +468,8 @@ async def _summary_states(open_store: StoreOpener, clock: ContractClock | None) 
         _expect((summary.agent, summary.agent_version) == ("a", "v1"), check, "agent not indexed")
         listed = [s.run_id for s in await index.list_summaries()]
         _expect(listed.count(run_id) == 1, check, "list_summaries does not list the run once")
+        newest = [s.run_id for s in await index.list_summaries(last=1)]
+        _expect(newest == listed[-1:], check, f"list_summaries(last=1) lists {newest}")
 
 
 async def _summary_liveness(open_store: StoreOpener, clock: ContractClock | None) -> None:
