@@ -38,6 +38,9 @@ class NothingBackend:
     def encode(self, run_id: str, seq: int, generation: int, records: tuple[Record, ...]) -> None:
         return None
 
+    def size(self, payload: object) -> int:
+        return 0
+
     def admit(self, run_id: str, generation: int) -> None:
         return None
 

@@ -25,8 +25,10 @@ from treadle.stores import _engine, _jsonl_backend, postgres
 from treadle.stores import sqlite as sqlite_module
 from treadle.testing.scripted import ScriptedModel, say
 from treadle.types import (
+    ActionIntent,
     Message,
     ModelIntent,
+    ModelReply,
     ModelResult,
     RunFinished,
     RunStarted,
@@ -116,6 +118,51 @@ async def test_an_idle_engine_commits_a_barrier_and_what_lingers_in_the_trio_thr
     stats = store.statistics()
     assert (stats.commits, stats.writes_committed, stats.pending) == (1, 2, 0)
     assert (await store.read_log("r")).records == (started("r"), intent("r", 1))
+
+
+def big_result(run_id: str, step: int, chars: int) -> ModelResult:
+    return ModelResult(
+        run_id=run_id, step=step, intent_id=f"m{step}", ts=TS, reply=ModelReply(text="x" * chars)
+    )
+
+
+def big_action(run_id: str, step: int, chars: int) -> ActionIntent:
+    return ActionIntent(
+        run_id=run_id,
+        step=step,
+        intent_id=f"a{step}",
+        call_id=f"c{step}",
+        tool="t",
+        arguments={"x": "x" * chars},
+        ts=TS,
+    )
+
+
+async def test_a_barrier_whose_batch_carries_many_bytes_goes_to_the_committer(
+    store: Any, commits: Commits
+) -> None:
+    """A tool's 50 MB result, lingering in the step write, was committed on the trio thread
+    by the next barrier: the run loop stood still for two seconds. A batch of more than
+    `COMMIT_HERE_MAX_BYTES` now goes to the committer, whether a lingering write or the
+    barrier itself carries the bytes; the next small barrier commits here again."""
+    limit = _engine.COMMIT_HERE_MAX_BYTES
+    g = await lease(store, "r")
+    wrote: list[object] = [started("r"), intent("r", 1), big_result("r", 1, limit // 2)]
+    wrote += [intent("r", 2), big_result("r", 2, limit), intent("r", 3), intent("r", 4)]
+    wrote += [big_action("r", 5, limit)]
+    await store.write_run_started(wrote[0], seq=1, generation=g)
+    await store.write_intent(wrote[1], seq=2, generation=g)  # here
+    await store.write_model_result(wrote[2], seq=3, generation=g)  # lingers, under the bound
+    await store.write_intent(wrote[3], seq=4, generation=g)  # here, with it
+    await store.write_model_result(wrote[4], seq=5, generation=g)  # lingers, over the bound
+    await store.write_intent(wrote[5], seq=6, generation=g)  # the committer, with it
+    await store.write_intent(wrote[6], seq=7, generation=g)  # small again: here
+    await store.write_intent(wrote[7], seq=8, generation=g)  # a large barrier: the committer
+    assert commits.threads() == ["trio", "trio", "committer", "trio", "committer"]
+    assert [n for _, n in commits.batches] == [2, 2, 2, 1, 1]
+    assert (await store.read_log("r")).records == tuple(wrote)
+    stats = store.statistics()
+    assert (stats.commits, stats.writes_committed, stats.pending) == (5, 8, 0)
 
 
 async def test_a_runnable_task_sends_the_barrier_to_the_committer(

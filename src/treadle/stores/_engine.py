@@ -7,9 +7,10 @@ single ``run_sync_soon``: group commit across every run of the store object
 (docs/crash-safety.md, "The stores").
 
 * **A barrier met by an idle engine commits on the trio thread** (`CommitEngine.append`): when
-  the committer waits, no other task is runnable and the last commit was quick, the barrier
-  and everything queued before it commit right there, without waking the committer or the
-  run loop's wake-up socket (docs/decisions/0093-commit-here-when-idle.md).
+  the committer waits, no other task is runnable, the last commit was quick and the batch
+  carries at most `COMMIT_HERE_MAX_BYTES`, the barrier and everything queued before it commit
+  right there, without waking the committer or the run loop's wake-up socket
+  (docs/decisions/0093-commit-here-when-idle.md).
 * **Barriers** wait for their batch. The other writes return once queued; they linger for up
   to `LINGER_S` so that they ride with the next barrier, and a failure of their batch is raised
   by the run's next write (or by `CommitEngine.aclose`).
@@ -99,6 +100,13 @@ COMMIT_HERE_MAX_S: Final = 0.002
 """Seconds the last commit may have taken for a barrier to commit on the trio thread: it
 blocks the run loop for as long (docs/decisions/0093-commit-here-when-idle.md)."""
 
+COMMIT_HERE_MAX_BYTES: Final = 128 * 1024
+"""Encoded bytes (`Backend.size`) a batch may carry for a barrier to commit it on the trio
+thread. A commit's time grows with what it writes (SQLite on a RAM disk: about 0.3 ms for
+64 KiB, 1 ms for 128 KiB, 2 ms for 256 KiB, 2 s for 100 MB); a larger batch goes to the
+committer, so that one large tool result never holds the run loop for longer than a sync
+(docs/decisions/0093-commit-here-when-idle.md)."""
+
 CLOSE_GRACE_S: Final = 30.0
 """Seconds `CommitEngine.aclose` waits (shielded) for the committer to flush and stop."""
 
@@ -119,6 +127,7 @@ class Write:
         closes: the write holds the run's run-finished record.
         delta: what the write changes in the run's index row, or ``None``.
         head: `Backend.load`'s state, carried by the first write of a run in this engine.
+        size: the bytes of ``payload`` (`Backend.size`).
         error: set by the backend when the write was refused or its batch failed.
         done: the batch holding the write has been handed back.
         waiter: the task of a barrier (or of a write waiting for room) awaiting the batch;
@@ -135,6 +144,7 @@ class Write:
     closes: bool
     delta: IndexDelta | None
     head: object = None
+    size: int = 0
     error: TreadleError | None = None
     done: bool = False
     waiter: trio.lowlevel.Task | None = None
@@ -211,6 +221,15 @@ class Backend(Protocol):
         Raises:
             Exception: the records cannot be encoded; the engine raises `UsageError` and
                 nothing is queued.
+        """
+        ...
+
+    def size(self, payload: object) -> int:
+        """The bytes of ``payload``, a write `encode` made (in the trio thread); pure.
+
+        What its commit writes, near enough (the records' encoded bodies, say): the engine
+        commits a batch in the trio thread only while its writes' sizes add up to at most
+        `COMMIT_HERE_MAX_BYTES`.
         """
         ...
 
@@ -440,6 +459,7 @@ class CommitEngine:
         self._backend.admit(run_id, generation)
         delta = index_delta(records)
         write = Write(run_id, seq, generation, records, payload, barrier, closes, delta, state.head)
+        write.size = self._backend.size(payload)
         counters = self._counters
         wait = barrier or counters.pending >= MAX_PENDING_WRITES
         if not (barrier and self._commit_here(write)):
@@ -470,11 +490,13 @@ class CommitEngine:
 
         Only when the backend may commit here, the last commit took at most
         `COMMIT_HERE_MAX_S`, no other task is runnable (nothing ready to run waits for the
-        run loop that the commit blocks) and the committer is not committing. ``False``:
-        nothing was done, queue ``write`` for the committer. ``True``: ``write`` is done
-        (committed, or failed with its batch), or the backend would have waited (another
-        process's lock) and the batch is queued for the committer, at the head of the queue.
-        A bug in the backend fails the batch and stops the engine, as in the committer.
+        run loop that the commit blocks), the committer is not committing and the batch
+        carries at most `COMMIT_HERE_MAX_BYTES` (docs/decisions/0093-commit-here-when-idle.md,
+        "Decision"). ``False``: nothing was done, queue ``write`` for the committer.
+        ``True``: ``write`` is done (committed, or failed with its batch), or the batch is
+        queued for the committer, at the head of the queue: it was too large, or the backend
+        would have waited (another process's lock). A bug in the backend fails the batch and
+        stops the engine, as in the committer.
         """
         if (
             not self._backend.commits_here
@@ -487,6 +509,8 @@ class CommitEngine:
         if batch is None:
             return False
         batch.append(write)
+        if sum(w.size for w in batch) > COMMIT_HERE_MAX_BYTES:
+            return self._hand_back(batch)
         try:
             report = self._committer.commit_here(batch)
         except BaseException as exc:
@@ -496,12 +520,20 @@ class CommitEngine:
             self._inbox.stop()
             report = NOTHING_COMMITTED
         else:
-            if report is None and self._inbox.hand_back(batch):
-                return True
-            if report is None:  # the committer stopped meanwhile
-                _fail(batch, self._inbox.gone())
-                report = NOTHING_COMMITTED
+            if report is None:
+                return self._hand_back(batch)
         self._deliver(batch, report)
+        return True
+
+    def _hand_back(self, batch: list[Write]) -> bool:
+        """Have the committer commit ``batch``, claimed and not committed here; ``True``.
+
+        It goes to the head of the queue; should the committer have stopped meanwhile, its
+        writes fail with the error of a write that came after the stop.
+        """
+        if not self._inbox.hand_back(batch):
+            _fail(batch, self._inbox.gone())
+            self._deliver(batch, NOTHING_COMMITTED)
         return True
 
     def _encode(

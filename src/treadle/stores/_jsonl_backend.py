@@ -253,6 +253,11 @@ class JsonlBackend:
         """
         return records_frame(seq, records, generation=generation, run_id=run_id)
 
+    def size(self, payload: object) -> int:
+        """The bytes of the frame line."""
+        line: bytes = payload  # type: ignore[assignment]
+        return len(line)
+
     def admit(self, run_id: str, generation: int) -> None:
         """Refuse a write whose generation is not the lease this store object holds.
 

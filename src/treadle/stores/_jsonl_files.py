@@ -161,8 +161,13 @@ def records_frame(
         TypeError, ValueError: a record cannot be written as JSON, or is of another run.
     """
     if version >= COMPACT_FROM:
-        payload = b"[" + b",".join([pack(r, run_id) for r in records]) + b"]"
-        return frame(seq, "records", payload, generation=generation)
+        parts = [b"["]
+        for index, record in enumerate(records):
+            if index:
+                parts.append(b",")
+            parts.append(pack(record, run_id))
+        parts.append(b"]")
+        return frame(seq, "records", parts, generation=generation)  # one copy of each record
     for record in records:
         if record.run_id != run_id:
             raise ValueError(f"a record of run {record.run_id!r} in the file of run {run_id!r}")

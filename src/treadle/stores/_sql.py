@@ -222,6 +222,9 @@ def encode_rows(
 ROW_WIDTH: Final = 6
 """Values per record row in `encode_values`' flat tuple (the columns of `Row`)."""
 
+_BODY: Final = 4
+"""Where a row's body is among its `ROW_WIDTH` values."""
+
 
 def encode_values(
     run_id: str, seq: int, generation: int, records: tuple[Record, ...]
@@ -1341,6 +1344,11 @@ class SqlBackend:
     def encode(self, run_id: str, seq: int, generation: int, records: tuple[Record, ...]) -> object:
         """The write's record rows, flat (`encode_values`)."""
         return encode_values(run_id, seq, generation, records)
+
+    def size(self, payload: object) -> int:
+        """The bytes of the rows' bodies (`encode_values`' flat values)."""
+        values: tuple[Any, ...] = payload  # type: ignore[assignment]
+        return sum(len(body) for body in values[_BODY::ROW_WIDTH])
 
     def admit(self, run_id: str, generation: int) -> None:
         """Nothing to check before the transaction: fencing happens inside it."""
