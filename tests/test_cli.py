@@ -14,6 +14,8 @@ import click
 import pytest
 import trio
 from click.testing import CliRunner
+from rich.console import Console
+from rich.table import Table
 
 import treadle
 from treadle import _cli_store
@@ -57,6 +59,73 @@ def test_runs_and_show(tmp_path):
     records = runner.invoke(main, ["show", "cli-run", "--store", str(db), "--json"])
     kinds = [json.loads(line)["kind"] for line in records.output.splitlines()]
     assert kinds[0] == "run_started" and kinds[-1] == "run_finished"
+
+
+def shown_seqs(output: str) -> list[int]:
+    """The seq of each table row ``treadle show`` printed, in order."""
+    cells = [line.strip("│ ").split(" ", 1)[0] for line in output.splitlines()]
+    return [int(cell) for cell in cells if cell.isdigit()]
+
+
+def test_show_prints_a_long_run_as_tables_of_bounded_rows(tmp_path, monkeypatch):
+    """``treadle show`` of a 10,000-step run rendered one table of 50,000 rows: 270 MB, and
+    nothing printed for minutes. Now each table holds at most `SHOW_TABLE_ROWS` records and
+    is printed as soon as it is rendered; a shorter run prints one table, as before."""
+    db = tmp_path / "runs.db"
+    make_store(db)
+    printed: list[int] = []
+
+    class Counting(Console):
+        def print(self, *objects, **kwargs):
+            printed.extend(o.row_count for o in objects if isinstance(o, Table))
+            super().print(*objects, **kwargs)
+
+    monkeypatch.setattr(_cli_store, "table_console", lambda: Counting(width=100))
+    whole = CliRunner().invoke(main, ["show", "cli-run", "--store", str(db)])
+    assert whole.exit_code == 0, whole.output
+    count = len(shown_seqs(whole.output))
+    assert printed == [count] and whole.output.count("┃ seq") == 1
+    assert shown_seqs(whole.output) == list(range(1, count + 1))
+    printed.clear()
+    monkeypatch.setattr(_cli_store, "SHOW_TABLE_ROWS", 4, raising=False)
+    parts = CliRunner().invoke(main, ["show", "cli-run", "--store", str(db)])
+    assert parts.exit_code == 0, parts.output
+    assert printed == [4] * (count // 4) + ([count % 4] if count % 4 else [])
+    assert shown_seqs(parts.output) == list(range(1, count + 1))
+    assert parts.output.count("run cli-run") == 1  # the first table's title only
+
+
+def test_show_last_and_from_print_part_of_a_run(tmp_path):
+    db = tmp_path / "runs.db"
+    make_store(db)
+    runner = CliRunner()
+
+    async def read_log():
+        async with treadle.open_sqlite_store(db) as store:
+            return await store.read_log("cli-run")
+
+    log = trio.run(read_log)
+    count = len(log.records)
+    last = runner.invoke(main, ["show", "cli-run", "--store", str(db), "--last", "3"])
+    assert last.exit_code == 0, last.output
+    assert shown_seqs(last.output) == [count - 2, count - 1, count]
+    assert f"run cli-run (records {count - 2}-{count} of {count})" in last.output
+    assert "run finished" in last.output and "run started" not in last.output
+    tail = runner.invoke(main, ["show", "cli-run", "--store", str(db), "--from", "5", "--json"])
+    assert tail.exit_code == 0, tail.output
+    from treadle.actors import stored_events
+
+    expected = [(e.seq, e.kind.value) for e in stored_events(log, 5, count)]
+    rows = [json.loads(line) for line in tail.output.splitlines()]
+    assert [(r["seq"], r["kind"]) for r in rows] == expected and rows[0]["seq"] == 5
+    everything = runner.invoke(main, ["show", "cli-run", "--store", str(db), "--last", "999"])
+    assert shown_seqs(everything.output) == list(range(1, count + 1))
+    past = runner.invoke(main, ["show", "cli-run", "--store", str(db), "--from", str(count + 1)])
+    assert past.exit_code == 1 and f"has {count} records: none from seq {count + 1}" in past.output
+    both = runner.invoke(
+        main, ["show", "cli-run", "--store", str(db), "--from", "2", "--last", "1"]
+    )
+    assert both.exit_code == 2 and "--last and --from" in both.output
 
 
 def test_runs_last_lists_only_the_newest_runs(tmp_path, monkeypatch):

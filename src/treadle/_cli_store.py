@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Iterator, Sequence
 from contextlib import asynccontextmanager
-from typing import Any
+from typing import Any, Final
 
 import attrs
 import click
@@ -356,6 +356,13 @@ def unreadable(summary: RunSummary, exc: StoreError) -> RunSummary:
     return attrs.evolve(summary, state=None, error=str(exc), where=where)
 
 
+SHOW_TABLE_ROWS: Final = 1_000
+"""Records per table `treadle show` prints. A longer log is printed as one table of that many
+records after another, each as soon as it is rendered: rich measures and renders a table
+whole, so one table of a 10,000-step run (50,000 records) held some 270 MB and printed
+nothing for minutes. Rendering costs about 1 ms of CPU per record either way."""
+
+
 @click.command("show")
 @run_id_argument()
 @store_option
@@ -365,8 +372,27 @@ def unreadable(summary: RunSummary, exc: StoreError) -> RunSummary:
     is_flag=True,
     help="Print every event as JSON, one a line (the event kinds of the Python API).",
 )
-def show(run_id: str, store_path: str, as_json: bool) -> None:
-    """Show a run's trajectory as a table (or its events as JSON lines)."""
+@click.option(
+    "--from",
+    "from_seq",
+    default=1,
+    show_default=True,
+    type=click.IntRange(min=1),
+    help="The first seq to show (as tail's --from).",
+)
+@click.option(
+    "--last",
+    type=click.IntRange(min=1),
+    help="Show only the run's last N records (not with --from).",
+)
+def show(run_id: str, store_path: str, as_json: bool, from_seq: int, last: int | None) -> None:
+    """Show a run's trajectory as a table (or its events as JSON lines).
+
+    A table takes about 1 ms a record to print (a 2,000-step run has some 10,000): use --last
+    or --from to see part of a long run.
+    """
+    if last is not None and from_seq != 1:
+        raise click.UsageError("--last and --from each pick the first record: give one")
 
     async def read() -> tuple[RunLog, str | None]:
         async with open_store(store_path) as store:
@@ -383,14 +409,20 @@ def show(run_id: str, store_path: str, as_json: bool) -> None:
         return
     if not log.records:
         raise click.ClickException(f"no run {run_id!r} in {redact(store_path)}")
+    count = len(log.records)
+    first = max(1, count - last + 1) if last is not None else from_seq
+    if first > count:
+        raise click.ClickException(f"run {run_id} has {count} records: none from seq {first}")
     # A log written before text entering it was made valid Unicode may hold lone surrogates,
     # which no terminal encoding prints (docs/crash-safety.md, "Text that is not Unicode").
     log, _ = valid_unicode(log)
     if as_json:
-        for event in stored_events(log, 1, len(log.records)):
+        for event in stored_events(log, first, count):
             click.echo(json.dumps(event_json(event), ensure_ascii=False))
         return
-    table_console().print(trajectory_table(log))
+    console = table_console()
+    for table in trajectory_tables(log, first):
+        console.print(table)
     started = log.started
     if started is not None and started.continues is not None:
         click.echo(
@@ -400,24 +432,59 @@ def show(run_id: str, store_path: str, as_json: bool) -> None:
 
 
 def trajectory_table(log: RunLog) -> Table:
-    """A run's log as a readable table: one row per record, in seq order.
+    """A run's whole log as one readable table: one row per record, in seq order.
 
+    Secret tool arguments are redacted (docs/events.md, "Secret arguments"). A long log
+    renders slowly as one table: `trajectory_tables` prints it in parts.
+    """
+    table = _trajectory_head(log, _trajectory_title(log, 1))
+    _add_records(table, log, Redaction.of_log(log), range(1, len(log.records) + 1))
+    return table
+
+
+def trajectory_tables(log: RunLog, first: int = 1) -> Iterator[Table]:
+    """Records ``first`` (a seq) to the end of ``log`` as readable tables, in seq order.
+
+    Each table holds up to `SHOW_TABLE_ROWS` records, one row each, under the same columns;
+    only the first has a title (the run, and which records when they are not all of them).
+    A log of at most `SHOW_TABLE_ROWS` records from seq 1 is `trajectory_table`'s one table.
     Secret tool arguments are redacted (docs/events.md, "Secret arguments").
     """
     redaction = Redaction.of_log(log)
-    origin = lineage_text(log.started) if log.started is not None else ""
-    title = f"run {log.run_id}" + (f" ({printable(origin)})" if origin else "")
+    end = len(log.records) + 1
+    for start in range(first, end, SHOW_TABLE_ROWS):
+        title = _trajectory_title(log, first) if start == first else None
+        table = _trajectory_head(log, title)
+        _add_records(table, log, redaction, range(start, min(end, start + SHOW_TABLE_ROWS)))
+        yield table
+
+
+def _trajectory_title(log: RunLog, first: int) -> str:
+    """``run ID``, with the run's lineage and, from a seq past 1, the records shown."""
+    notes = [lineage_text(log.started)] if log.started is not None else []
+    notes = [printable(note) for note in notes if note]
+    if first > 1:
+        notes.append(f"records {first}-{len(log.records)} of {len(log.records)}")
+    return f"run {log.run_id}" + (f" ({'; '.join(notes)})" if notes else "")
+
+
+def _trajectory_head(log: RunLog, title: str | None) -> Table:
     table = Table(title=title, show_lines=False)
     table.add_column("seq", justify="right")
     table.add_column("step", justify="right")
     table.add_column("record")
     table.add_column("detail", overflow="fold")
-    for seq, record in enumerate(log.records, start=1):
+    return table
+
+
+def _add_records(table: Table, log: RunLog, redaction: Redaction, seqs: range) -> None:
+    """One row per record of ``log`` at ``seqs``: seq, step, what it is, its detail."""
+    for seq in seqs:
+        record = log.records[seq - 1]
         step = getattr(record, "step", None)
         shown = redaction.record(record)
         cells = (str(seq), "" if step is None else str(step), *describe(shown))
         table.add_row(*map(Text, cells))  # what a tool or model wrote is never markup
-    return table
 
 
 @click.command("resume")
