@@ -313,6 +313,7 @@ def closing_records(
     *,
     active_s: float = 0.0,
     ended: Mapping[str, ActionOutcome] | None = None,
+    history: Message | None = None,
 ) -> list[Record]:
     """What leaves no intent of a pending step without an outcome when the run ends there.
 
@@ -334,6 +335,10 @@ def closing_records(
         active_s: the step record's active seconds (`carried_active_s`).
         ended: outcomes of calls whose child runs have finished, by intent id
             (`treadle.supervisors._child_links.ended_children`); ``None``: none.
+        history: the step's assistant message as the agent's decision parser gives it for
+            the reply (the calls, with the ids its action intents were written under:
+            docs/seams.md, "Decision parser"); ``None`` (a run finished without its agent
+            definition): the reply's text and native calls as the model sent them.
     """
     records: list[Record] = []
     if pending.open_model_intent is not None:
@@ -375,7 +380,8 @@ def closing_records(
             ts=ts,
             model_intent_id=pending.reply_intent_id,
             decision=DecisionKind.ACTIONS,
-            history_message=Message(
+            history_message=history
+            or Message(
                 role="assistant",
                 content=reply.text if reply else None,
                 tool_calls=reply.tool_calls if reply else (),

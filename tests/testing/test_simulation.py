@@ -139,7 +139,38 @@ def _corrupt(records, how):
         changed[step_at] = attrs.evolve(step, action_result_ids=("nope",))
     elif how == "model-intent":
         changed[step_at] = attrs.evolve(step, model_intent_id="ghost")
+    elif how == "call-run-twice":
+        return _call_run_twice(records, intent_at, at, step_at)
+    elif how == "call-never-asked-for":
+        intent = records[intent_at]
+        changed[intent_at] = attrs.evolve(intent, call_id="ghost", tool="refund")
+        changed[at] = attrs.evolve(result, call_id="ghost", tool="refund")
+    elif how == "other-arguments":
+        intent = records[intent_at]
+        changed[intent_at] = attrs.evolve(intent, arguments={"amount": 10**9})
+    elif how == "intent-before-reply":
+        changed[intent_at - 1], changed[intent_at] = records[intent_at], records[intent_at - 1]
     return tuple(changed)
+
+
+def _call_run_twice(records, intent_at, at, step_at):
+    """The first action's call run a second time, under a second intent, in its step."""
+    intent, result, step = records[intent_at], records[at], records[step_at]
+    again = attrs.evolve(intent, intent_id=f"{intent.intent_id}-again")
+    result_again = attrs.evolve(result, intent_id=again.intent_id)
+    step_again = attrs.evolve(
+        step,
+        action_result_ids=(*step.action_result_ids, again.intent_id),
+        observations=(*step.observations, result.outcome.observation),
+    )
+    return (
+        *records[: intent_at + 1],
+        again,
+        *records[intent_at + 1 : step_at],
+        result_again,
+        step_again,
+        *records[step_at + 1 :],
+    )
 
 
 @pytest.mark.parametrize(
@@ -156,6 +187,11 @@ def _corrupt(records, how):
         ("observations", "observations do not show the results"),
         ("result-ids", "lists action results \\['nope'\\]"),
         ("model-intent", "acted on model call ghost"),
+        # These passed too: nothing tied a step's actions to the reply that asked for them.
+        ("call-run-twice", "has a second action intent .* \\(a call run twice\\)"),
+        ("call-never-asked-for", "runs call 'ghost' \\(refund\\), which the reply of step"),
+        ("other-arguments", "with \\{'amount': 1000000000\\}, but call"),
+        ("intent-before-reply", "were written before the reply of .* that asked for them"),
     ],
 )
 async def test_check_invariants_flags_a_record_out_of_place(how, rule):

@@ -73,6 +73,7 @@ from treadle.types import (
     ImageRef,
     JSONValue,
     Limits,
+    Message,
     ModelErrorInfo,
     ModelRequest,
     ModelResult,
@@ -948,6 +949,7 @@ class RunCoordinator:
             "the run ended before the interrupted step was run again",
             active_s=carried_active_s(self.view.pending, now),
             ended=self.ended_children,
+            history=self._pending_history(),
         )
         if closing and isinstance(closing[0], ModelResult):
             abandoned = closing.pop(0)
@@ -957,6 +959,18 @@ class RunCoordinator:
             await self.writer.write(StoreOp.STEP, *closing)
             for record in closing:
                 self.view.apply(record)
+
+    def _pending_history(self) -> Message | None:
+        """The pending step's assistant message as the parser gives it; ``None``: no reply.
+
+        The parser is pure, so this is the message the step's action intents were written
+        from (docs/seams.md, "Decision parser"): the calls under the ids the intents carry,
+        repaired calls included, never the reply's raw calls.
+        """
+        reply = self.view.pending.reply
+        if reply is None:
+            return None
+        return refuse_non_finite(self.parser.parse(reply, self.tools)).history_message
 
     def _elapsed(self, started: float) -> float:
         """Active seconds since ``started`` (approval waits of the step excluded)."""

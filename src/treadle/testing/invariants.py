@@ -19,6 +19,7 @@ from treadle.types import (
     ApprovalRequested,
     Budgets,
     ChildrenAwaited,
+    DecisionKind,
     ModelIntent,
     ModelRequest,
     ModelResult,
@@ -405,7 +406,8 @@ def check_records(log: RunLog) -> list[str]:
     - no intent id is written twice (an intent is written once; resume re-uses it);
     - an action result is of its intent's call: the same call id, tool and step;
     - a step record lists the action results of its write, in order, names a model intent
-      of the log, and each result's observation is in what the step's history shows.
+      of the log, and each result's observation is in what the step's history shows;
+    - a step's actions are what its model reply asked for (`check_actions_asked_for`).
 
     Returns:
         One sentence per violation.
@@ -423,6 +425,115 @@ def check_records(log: RunLog) -> list[str]:
     )
     problems.extend(_intents_once_and_answered_in_kind(run_id, log.records))
     problems.extend(_steps_hold_their_results(run_id, log.records))
+    problems.extend(check_actions_asked_for(log))
+    return problems
+
+
+def check_actions_asked_for(log: RunLog) -> list[str]:
+    """Every action intent is of a call its step's model reply asked for, and runs it once.
+
+    The step record names the model call whose reply the step acted on and keeps the
+    assistant message as it entered history; the actions of the step are that message's
+    calls, the same ids (docs/seams.md, "Decision parser"). So, for each step record:
+
+    - its action intents come after the model result they act on, and only a reply decided
+      as actions has any;
+    - no call id has two action intents (a resumed call re-uses its intent);
+    - when the history message holds calls (native tool calls), each intent is of one of
+      them: its call id, its tool, and its arguments, or the edited ones when a human edited
+      the call (`check_approvals` checks those). A history message without calls is for
+      calls written as text: their ids are the parser's, nothing in the log to compare.
+
+    A step without a step record (a log that ends in it) is not checked.
+
+    Returns:
+        One sentence per violation.
+    """
+    problems: list[str] = []
+    replied: dict[str, int] = {}  # model intent id -> index of its result with a reply
+    intents: dict[int, list[tuple[int, ActionIntent]]] = {}  # step -> (index, intent)
+    edited: set[tuple[int, str]] = set()  # (step, call id) of calls a human edited
+    for index, record in enumerate(log.records):
+        if isinstance(record, ModelResult) and record.reply is not None:
+            replied.setdefault(record.intent_id, index)
+        elif isinstance(record, ActionIntent):
+            intents.setdefault(record.step, []).append((index, record))
+        elif isinstance(record, ApprovalDecided) and record.decision == Decision.EDIT:
+            edited.add((record.step, record.call_id))
+        elif isinstance(record, StepRecord):
+            mine = intents.pop(record.step, [])
+            if mine:
+                reply_at = replied.get(record.model_intent_id or "")
+                problems.extend(_intents_follow_their_reply(log.run_id, record, mine, reply_at))
+                ran = [intent for _, intent in mine]
+                problems.extend(_no_call_run_twice(log.run_id, record.step, ran))
+                problems.extend(_intents_are_its_calls(log.run_id, record, ran, edited))
+    return problems
+
+
+def _intents_follow_their_reply(
+    run_id: str, step: StepRecord, intents: Sequence[tuple[int, ActionIntent]], reply_at: int | None
+) -> list[str]:
+    """The step's intents (with their places in the log) follow the reply the step acted on."""
+    ids = [intent.intent_id for _, intent in intents]
+    if step.decision is not DecisionKind.ACTIONS:
+        decided = step.decision.value if step.decision is not None else "no decision"
+        return [f"{run_id}: step {step.step} ran actions {ids}, but its reply was {decided}"]
+    if reply_at is None:
+        return [
+            f"{run_id}: step {step.step} ran actions {ids}, but its model call "
+            f"{step.model_intent_id} has no reply in the log"
+        ]
+    early = [intent.intent_id for at, intent in intents if at < reply_at]
+    if early:
+        return [
+            f"{run_id}: actions {early} of step {step.step} were written before the reply of "
+            f"{step.model_intent_id} that asked for them"
+        ]
+    return []
+
+
+def _no_call_run_twice(run_id: str, step: int, intents: Sequence[ActionIntent]) -> list[str]:
+    """No call id of the step has a second action intent (a resumed call re-uses its intent)."""
+    problems: list[str] = []
+    seen: set[str] = set()
+    for intent in intents:
+        if intent.call_id in seen:
+            problems.append(
+                f"{run_id}: call {intent.call_id!r} of step {step} has a second action intent "
+                f"{intent.intent_id} (a call run twice)"
+            )
+        seen.add(intent.call_id)
+    return problems
+
+
+def _intents_are_its_calls(
+    run_id: str, step: StepRecord, intents: Sequence[ActionIntent], edited: set[tuple[int, str]]
+) -> list[str]:
+    """Each intent is of a call of the step's history message, when that holds calls."""
+    message = step.history_message
+    calls = {call.id: call for call in message.tool_calls} if message is not None else {}
+    if not calls:
+        return []  # calls written as text: their ids are the parser's
+    problems: list[str] = []
+    for intent in intents:
+        call = calls.get(intent.call_id)
+        if call is None:
+            problems.append(
+                f"{run_id}: action {intent.intent_id} runs call {intent.call_id!r} "
+                f"({intent.tool}), which the reply of step {step.step} does not hold"
+            )
+        elif call.name != intent.tool:
+            problems.append(
+                f"{run_id}: action {intent.intent_id} runs {intent.tool}, but call "
+                f"{intent.call_id!r} of step {step.step} asked for {call.name}"
+            )
+        elif (step.step, call.id) not in edited and dict(call.arguments) != dict(intent.arguments):
+            problems.append(
+                f"{run_id}: action {intent.intent_id} runs {intent.tool} with "
+                f"{dict(intent.arguments)}, but call {intent.call_id!r} of step {step.step} "
+                f"asked for {dict(call.arguments)}"
+            )
     return problems
 
 
