@@ -137,6 +137,39 @@ class AnswersInsteadOfCalling(_Wrapping):
         )
 
 
+class CallsAnotherTool(_Wrapping):
+    """Keeps every call id, but aims each call at ``refund`` (in history and actions alike)."""
+
+    def change(self, parsed):
+        calls = tuple(attrs.evolve(c, name="refund") for c in parsed.history_message.tool_calls)
+        actions = tuple(attrs.evolve(a, name="refund") for a in parsed.actions)
+        history = attrs.evolve(parsed.history_message, tool_calls=calls)
+        return attrs.evolve(parsed, history_message=history, actions=actions)
+
+
+class ReplacesArguments(_Wrapping):
+    """Keeps every call id and tool, but replaces the arguments (in history and actions)."""
+
+    def change(self, parsed):
+        if parsed.kind is not DecisionKind.ACTIONS:
+            return parsed
+        mine = {"q": "something else"}
+        calls = tuple(attrs.evolve(c, arguments=mine) for c in parsed.history_message.tool_calls)
+        actions = tuple(attrs.evolve(a, arguments=mine) for a in parsed.actions)
+        history = attrs.evolve(parsed.history_message, tool_calls=calls)
+        return attrs.evolve(parsed, history_message=history, actions=actions)
+
+
+class RunsOtherArguments(_Wrapping):
+    """Shows the reply's calls in history, but runs them with other arguments."""
+
+    def change(self, parsed):
+        if parsed.kind is not DecisionKind.ACTIONS:
+            return parsed
+        actions = tuple(attrs.evolve(a, arguments={"q": "other"}) for a in parsed.actions)
+        return attrs.evolve(parsed, actions=actions)
+
+
 @pytest.mark.parametrize(
     ("parser", "rule"),
     [
@@ -147,6 +180,10 @@ class AnswersInsteadOfCalling(_Wrapping):
         (KeepsTheFirstCall(), "are not in the history message.*every call id must be kept"),
         (RenamesCalls(), "are not in the history message.*every call id must be kept"),
         (AnswersInsteadOfCalling(), "are not in the history message.*every call id must be kept"),
+        # These three passed: only the ids were compared, not what the calls call.
+        (CallsAnotherTool(), "call another tool in the history"),
+        (ReplacesArguments(), "have other arguments in the history message"),
+        (RunsOtherArguments(), "call another tool or other arguments than the history"),
     ],
     ids=[
         "repeated-ids",
@@ -155,6 +192,9 @@ class AnswersInsteadOfCalling(_Wrapping):
         "all-but-the-first-dropped",
         "renamed",
         "calls-turned-into-an-answer",
+        "another-tool",
+        "other-arguments",
+        "actions-with-other-arguments",
     ],
 )
 def test_a_parser_whose_actions_are_not_its_history_calls_fails_the_contract(parser, rule):

@@ -154,11 +154,12 @@ def check_decision_parser(
     without raising; ``ACTIONS`` carries at least one action with an id and a mapping of
     arguments; ``INVALID`` carries feedback; the history message is an assistant message whose
     calls all have ids, no two the same, and hold every call of the reply that has an id of
-    its own under that id (none dropped, renamed or turned into an answer); the actions of
-    ``ACTIONS`` are the history message's
-    calls (the same ids, in order; a history without calls only for calls written as text,
-    whose action ids must differ); ``FINAL_ANSWER`` has text; and parsing is pure (the same
-    reply twice gives equal decisions).
+    its own under that id and with its tool (none dropped, renamed, turned into an answer or
+    aimed at another tool), a complete call with its arguments too (an ``INVALID`` decision
+    may keep them as ``{}``); the actions of ``ACTIONS`` are the history message's calls (the
+    same ids, tools and arguments, in order; a history without calls only for calls written
+    as text, whose action ids must differ); ``FINAL_ANSWER`` has text; and parsing is pure
+    (the same reply twice gives equal decisions).
 
     Raises:
         SeamContractError: naming the broken rule and the reply.
@@ -181,7 +182,7 @@ def _check_decision(parsed: ParsedReply, reply: ModelReply) -> None:
     _expect(all(c.id for c in history.tool_calls), f"a history call has no id {where}")
     ids = [c.id for c in history.tool_calls]
     _expect(len(ids) == len(set(ids)), f"history call ids repeat ({ids}) {where}")
-    _check_call_ids_kept(reply, ids, where)
+    _check_calls_kept(reply, parsed, where)
     if parsed.kind is DecisionKind.ACTIONS:
         _expect(bool(parsed.actions), f"ACTIONS without actions {where}")
         for action in parsed.actions:
@@ -197,20 +198,52 @@ def _check_decision(parsed: ParsedReply, reply: ModelReply) -> None:
         _expect(parsed.kind is not DecisionKind.ACTIONS, f"a truncated call was executed {where}")
 
 
-def _check_call_ids_kept(reply: ModelReply, history: Sequence[str], where: str) -> None:
-    """Every call of the reply with an id of its own is in the history message under that id.
+def _check_calls_kept(reply: ModelReply, parsed: ParsedReply, where: str) -> None:
+    """Every call of the reply with an id of its own is in the history message, as it was.
 
     docs/seams.md, "Decision parser": every call id is kept, so each one is answered. A call
     without an id, or whose id another call of the reply shares, may be given a new one; no
-    call with its own id may be dropped, renamed, or turned into an answer.
+    call with its own id may be dropped, renamed, turned into an answer, or made to call
+    another tool. A complete call (`ModelReply.tool_calls`) keeps its arguments too, except
+    that an invalid decision may keep them as ``{}`` (a call whose arguments cannot be used);
+    the arguments of an invalid call are the parser's repair of its raw text.
     """
-    ids = [c.id for c in reply.tool_calls] + [c.id for c in reply.invalid_tool_calls]
-    own = [i for i in ids if i and ids.count(i) == 1]
-    lost = [i for i in own if i not in history]
+    history = {c.id: c for c in parsed.history_message.tool_calls}
+    calls = [(c.id, c.name) for c in reply.tool_calls] + [
+        (c.id, c.name) for c in reply.invalid_tool_calls
+    ]
+    ids = [call_id for call_id, _ in calls]
+    own = [(i, name) for i, name in calls if i and ids.count(i) == 1]
+    lost = [i for i, _ in own if i not in history]
     _expect(
         not lost,
         f"the reply's calls {lost} are not in the history message (its calls: "
         f"{list(history)}): every call id must be kept {where}",
+    )
+    renamed = [i for i, name in own if history[i].name != name]
+    _expect(not renamed, f"the reply's calls {renamed} call another tool in the history {where}")
+    _check_arguments_kept(reply, parsed, {i for i, _ in own}, where)
+
+
+def _check_arguments_kept(
+    reply: ModelReply, parsed: ParsedReply, own: set[str], where: str
+) -> None:
+    """A complete call with an id of its own (``own``) keeps its arguments in the history.
+
+    An invalid decision may keep them as ``{}``: the call is answered by the feedback.
+    """
+    history = {c.id: c for c in parsed.history_message.tool_calls}
+    emptied = parsed.kind is DecisionKind.INVALID
+    changed = [
+        call.id
+        for call in reply.tool_calls
+        if call.id in own
+        and history[call.id].arguments != call.arguments
+        and not (emptied and not history[call.id].arguments)
+    ]
+    _expect(
+        not changed,
+        f"the reply's calls {changed} have other arguments in the history message {where}",
     )
 
 
@@ -228,6 +261,16 @@ def _check_actions_answer_history(parsed: ParsedReply, reply: ModelReply, where:
         _expect(
             actions == history,
             f"the actions {actions} are not the history message's calls {history} {where}",
+        )
+        other = [
+            a.id
+            for a, c in zip(parsed.actions, parsed.history_message.tool_calls, strict=True)
+            if (a.name, a.arguments) != (c.name, c.arguments)
+        ]
+        _expect(
+            not other,
+            f"the actions {other} call another tool or other arguments than the history "
+            f"message's calls of their ids {where}",
         )
     else:
         _expect(len(actions) == len(set(actions)), f"action ids repeat ({actions}) {where}")
