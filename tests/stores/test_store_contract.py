@@ -23,7 +23,16 @@ from treadle.testing.contracts import (
     check_run_store,
 )
 from treadle.testing.scripted import ScriptedModel, call, say
-from treadle.types import ActionResult, Liveness, Record, RunLog, RunState, StepRecord, StoreOp
+from treadle.types import (
+    ActionResult,
+    ActionStatus,
+    Liveness,
+    Record,
+    RunLog,
+    RunState,
+    StepRecord,
+    StoreOp,
+)
 
 
 @attrs.frozen
@@ -137,6 +146,37 @@ class _ListsNewestFirst(MemoryStore):
 
 
 @attrs.define(eq=False)
+class _ListsSorted(MemoryStore):
+    """Lists its runs by run id, not in the order of their first write."""
+
+    async def list_runs(self) -> tuple[str, ...]:
+        return tuple(sorted(await super().list_runs()))
+
+
+@attrs.define(eq=False)
+class _StoresEveryOutcomeExecuted(MemoryStore):
+    """Writes every action result as executed and not reconciled (a lossy encoding)."""
+
+    async def write_step(
+        self,
+        action_results: Sequence[ActionResult] | None,
+        step: StepRecord,
+        *,
+        seq: int,
+        generation: int,
+    ) -> None:
+        flattened = [
+            attrs.evolve(
+                r,
+                outcome=attrs.evolve(r.outcome, status=ActionStatus.EXECUTED),
+                reconciled=False,
+            )
+            for r in action_results or ()
+        ]
+        await super().write_step(flattened, step, seq=seq, generation=generation)
+
+
+@attrs.define(eq=False)
 class _StepInTwoWrites(MemoryStore):
     """Appends a step's action results, lets others run, then its step record (not atomic)."""
 
@@ -180,6 +220,10 @@ class _WritesWhenCancelled(MemoryStore):
         (_DropsStepResults, "step_write_with_several_results", StoreContractError),
         (_RaisesOnMissingRun, "missing_run_reads_empty", KeyError),
         (_ListsNewestFirst, "list_runs_in_first_write_order", StoreContractError),
+        # These two passed: the run ids sorted in first-write order, and no outcome but an
+        # executed one was ever written.
+        (_ListsSorted, "list_runs_in_first_write_order", StoreContractError),
+        (_StoresEveryOutcomeExecuted, "record_contents_survive", StoreContractError),
     ],
 )
 async def test_suite_catches_a_broken_store(

@@ -500,13 +500,54 @@ async def _record_contents_survive(open_store: StoreOpener) -> None:
         ):
             await store.write_model_result(record, seq=w.seq, generation=await w.lease())
             w.written.append(record)
+        await _every_outcome(w)
         await _expect_log(check, store, w.run_id, w.written)
+
+
+async def _every_outcome(w: _Writer) -> None:
+    """Write one step whose action results hold every `ActionStatus`, each flag set once.
+
+    A store that writes the status or a flag of an outcome it thinks rare (``unknown``,
+    ``reconciled``, ``late``) as something else turns a refused or unknown call into an
+    executed one: docs/crash-safety.md, "What is guaranteed" (one result per intent, of
+    what really happened).
+    """
+    statuses = tuple(ActionStatus)
+    intents = [await w.action_intent(2, n) for n in range(len(statuses))]
+    results = [
+        attrs.evolve(
+            _result_of(intent),
+            outcome=ActionOutcome(
+                status=status,
+                observation=f"{status.value} {intent.call_id}",
+                observation_is_synthetic=status is not ActionStatus.EXECUTED,
+                detail=None if status is ActionStatus.EXECUTED else f"why {status.value}",
+            ),
+            duration_s=None if status is ActionStatus.UNKNOWN else 0.5,
+            late=status is ActionStatus.UNKNOWN,
+            reconciled=status is ActionStatus.NOT_EXECUTED,
+        )
+        for status, intent in zip(statuses, intents, strict=True)
+    ]
+    record = StepRecord(
+        run_id=w.run_id,
+        step=2,
+        ts=_TS,
+        model_intent_id=None,
+        decision=DecisionKind.ACTIONS,
+        observations=tuple(r.outcome.observation for r in results),
+        action_result_ids=tuple(r.intent_id for r in results),
+        env_error=True,
+    )
+    await w.store.write_step(results, record, seq=w.seq, generation=await w.lease())
+    w.written.extend((*results, record))
 
 
 async def _list_runs_in_first_write_order(open_store: StoreOpener) -> None:
     check = "list_runs_in_first_write_order"
     async with open_store() as store:
-        writers = [_Writer(store, _new_run_id(f"list{n}")) for n in range(3)]
+        # first written b, c, a: neither sorted nor reverse sorted (docs/seams.md, "Run store")
+        writers = [_Writer(store, _new_run_id(f"list-{name}")) for name in "bca"]
         for w in writers:
             await w.started()
         for w in reversed(writers):
@@ -654,7 +695,10 @@ RUN_STORE_CHECKS: Final[tuple[StoreCheck, ...]] = (
     ),
     StoreCheck(
         name="record_contents_survive",
-        doc="unicode, NUL, large text, nested JSON, None fields and errors read back equal",
+        doc=(
+            "unicode, NUL, large text, nested JSON, None fields, errors and outcomes of every "
+            "status read back equal"
+        ),
         fn=_record_contents_survive,
     ),
     StoreCheck(
