@@ -473,7 +473,9 @@ class Attempt:
             `Usage`, in tokens) each time the server reports usage, running or final, before
             it goes on reading; it may raise `treadle.ModelCallError` (kind
             ``token_budget``) to end the attempt, which the client lets propagate unchanged
-            after closing the response (docs/models.md, "Budgets during a call").
+            after closing the response (docs/models.md, "Budgets during a call"). The reply
+            it returns then holds the last usage reported: the run records the reply's
+            (docs/models.md, "Usage").
         image_source: the run's own source of ``ref:`` images (its executor's
             ``image_source``, `treadle.ports.ToolPolicies`), asked after the client's own
             source when that has none or raises `LookupError`; ``None`` when the run has none

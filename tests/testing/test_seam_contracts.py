@@ -672,6 +672,15 @@ class RelabellingModel:
         return say("hi", usage=USED)
 
 
+class DropsReportedUsage:
+    """Reports the server's usage while it streams, then answers with usage unknown."""
+
+    async def complete(self, request, *, on_delta=None, attempt=Attempt.STANDALONE):
+        await trio.lowlevel.checkpoint()
+        attempt.report_usage(USED)
+        return say("hi")
+
+
 @pytest.mark.parametrize(
     ("model", "rule"),
     [
@@ -682,6 +691,8 @@ class RelabellingModel:
         # A shielded call and a raw exception passed, or escaped the check unreported.
         (AnswersShielded(), "a call cancelled 0 s in ended with ModelReply"),
         (RaisesRaw(), "complete raised ConnectionResetError.*ModelCallError"),
+        # Passed: the run records the reply's usage, so the reported tokens were lost.
+        (DropsReportedUsage(), "the reply's usage .* is not the last usage reported"),
     ],
     ids=[
         "no-attempt",
@@ -690,6 +701,7 @@ class RelabellingModel:
         "relabels-the-cut",
         "ignores-cancel",
         "raises-a-raw-error",
+        "drops-reported-usage",
     ],
 )
 async def test_a_client_that_ignores_its_attempt_fails_the_contract(model, rule):

@@ -492,7 +492,9 @@ async def check_model_client(
     classified kind and a `Usage`); usage counts, the reply's, each report's and a raised
     error's, are ints >= 0 or ``None`` (never a made-up value of another type); every tool call
     has a non-empty id and a dict of arguments; the streamed text fragments, when any were
-    delivered, add up to the reply's text; every usage report is a `Usage`.
+    delivered, add up to the reply's text; every usage report is a `Usage`, and the reply's
+    usage is the last one reported (the run records the reply's usage, docs/models.md,
+    "Usage").
 
     When the client reported usage, a second call's `Attempt` raises `ModelCallError` (kind
     ``token_budget``) from the first report, as the model gateway's does when the run's token
@@ -543,6 +545,12 @@ async def check_model_client(
     reported = [problem for problem in map(usage_problem, reports) if problem is not None]
     _expect(not reported, f"attempt.report_usage: {reported[0] if reported else ''}")
     if reports:
+        _expect(
+            reply.usage == reports[-1],
+            f"the reply's usage {reply.usage} is not the last usage reported, {reports[-1]}: "
+            "the run records the reply's, so the tokens reported would be lost "
+            '(docs/models.md, "Usage")',
+        )
         await _check_usage_report_ends_the_attempt(client, request)
     await _check_cancel_ends_the_call(client, request, recording, after_s=0)
     return reply
