@@ -59,7 +59,9 @@ never caught or subclassed here.
 
 from __future__ import annotations
 
+import contextlib
 import datetime as dt
+from collections.abc import AsyncIterator
 from typing import TypeVar
 
 from treadle.types import Lease, ModelErrorInfo, Usage
@@ -111,6 +113,23 @@ def only_cancelled(exc: BaseException) -> bool:
     if isinstance(exc, BaseExceptionGroup):
         return all(only_cancelled(inner) for inner in exc.exceptions)
     return isinstance(exc, trio.Cancelled)
+
+
+@contextlib.asynccontextmanager
+async def one_error() -> AsyncIterator[None]:
+    """Raise the only error of an exception group itself, as it was raised.
+
+    Entered around ``trio.open_nursery()`` by a context manager that yields inside its
+    nursery: an exception of the caller's block (an assertion, a misuse) or of a task of the
+    nursery comes out as raised, not inside the group trio's nurseries raise; several errors
+    stay a group.
+    """
+    try:
+        yield
+    except BaseExceptionGroup as group:
+        if len(group.exceptions) == 1:
+            raise group.exceptions[0] from None
+        raise
 
 
 class ChildRunInterrupted(TreadleError):

@@ -94,3 +94,11 @@ async def test_exactly_one_handler_is_required():
     with pytest.raises(ValueError, match="exactly one"):
         async with open_loopback_server():
             pass
+
+
+async def test_an_error_of_the_block_comes_out_as_raised():
+    """It came out inside the exception group of the server's nursery: a test's failed
+    assertion in the block could not be caught as itself (``pytest.raises`` missed it)."""
+    with pytest.raises(AssertionError, match="the block's own"):
+        async with open_loopback_server(canned(CannedResponse(chunks=[b"x"]))):
+            raise AssertionError("the block's own")

@@ -34,6 +34,7 @@ from treadle._exceptions import (
     SnapshotMismatch,
     StoreError,
     UsageError,
+    one_error,
 )
 from treadle._state import RunView, fold
 from treadle._text import repaired
@@ -233,19 +234,14 @@ async def drive_run(
         await supervising
         yield handle
         return
-    try:
-        async with trio.open_nursery() as nursery:
-            await nursery.start(
-                _supervise, agent, input, log, chain, store, sinks, options, handle, hold
-            )
-            del log, chain
-            yield handle
-    except BaseExceptionGroup as group:
-        # The run's own errors are on the handle; what reaches here came from the caller's
-        # block. Hand a single error back unwrapped, as the caller raised it.
-        if len(group.exceptions) == 1:
-            raise group.exceptions[0] from None
-        raise
+    # The run's own errors are on the handle; what reaches here came from the caller's
+    # block. A single error goes back unwrapped, as the caller raised it.
+    async with one_error(), trio.open_nursery() as nursery:
+        await nursery.start(
+            _supervise, agent, input, log, chain, store, sinks, options, handle, hold
+        )
+        del log, chain
+        yield handle
 
 
 def _check_started(log: RunLog, input: RunInput | None, options: DriveOptions) -> None:

@@ -6,11 +6,10 @@ Part of `treadle.testing.simulation`, which re-exports the public names (docs/si
 from __future__ import annotations
 
 import collections
-import contextlib
 import heapq
 import itertools
 import random
-from collections.abc import AsyncIterator, Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import attrs
@@ -18,7 +17,14 @@ import trio
 import trio.testing
 
 from treadle._clock import FixedStepClock
-from treadle._exceptions import LeaseError, ModelCallError, RunInterrupted, StoreError, UsageError
+from treadle._exceptions import (
+    LeaseError,
+    ModelCallError,
+    RunInterrupted,
+    StoreError,
+    UsageError,
+    one_error,
+)
 from treadle.approvals import Decision, current_snapshot, decide, decision_for
 from treadle.redaction import Redaction
 from treadle.stores.memory import MemoryStore
@@ -229,7 +235,7 @@ async def _simulate(seed: int, plan: FaultPlan, runs: int, scenario: Scenario) -
         for index in range(runs)
     ]
     drivers = []
-    async with _one_error(), trio.open_nursery() as nursery:
+    async with one_error(), trio.open_nursery() as nursery:
         for index in range(runs):
             driver = _Driver(
                 scenario=scenario,
@@ -612,7 +618,7 @@ async def _watch(
     ``on_cancel`` is called when the cancel reaches a run still going (not one that ended
     before ``cancel_after`` seconds).
     """
-    async with _one_error(), trio.open_nursery() as nursery:
+    async with one_error(), trio.open_nursery() as nursery:
         nursery.start_soon(approver.serve, handle)
         if cancel_after is not None:
             with trio.move_on_after(cancel_after) as waited:
@@ -622,17 +628,6 @@ async def _watch(
                 on_cancel()
         await handle.wait()
         nursery.cancel_scope.cancel()
-
-
-@contextlib.asynccontextmanager
-async def _one_error() -> AsyncIterator[None]:
-    """Raise a nursery's only error itself, not in an exception group (a crash, a misuse)."""
-    try:
-        yield
-    except BaseExceptionGroup as group:
-        if len(group.exceptions) == 1:
-            raise group.exceptions[0] from None
-        raise
 
 
 @attrs.frozen

@@ -27,7 +27,7 @@ import attrs
 import h11
 import trio
 
-from treadle._exceptions import TreadleError
+from treadle._exceptions import TreadleError, one_error
 
 MAX_REQUEST_BYTES = 8 * 1024 * 1024
 
@@ -222,6 +222,9 @@ async def open_loopback_server(
 ) -> AsyncIterator[LoopbackServer]:
     """Serve HTTP/1.1 on 127.0.0.1 (a free port) for the duration of the block.
 
+    An exception the block raises comes out as it was raised, not inside the exception
+    group of the server's nursery.
+
     Args:
         handler: returns the canned response for each request.
         stream_handler: alternatively, writes each response itself; exactly one of the two.
@@ -241,7 +244,7 @@ async def open_loopback_server(
     respond = stream_handler if stream_handler is not None else _canned_writer(handler)
     listeners = await trio.open_tcp_listeners(0, host="127.0.0.1")
     server = LoopbackServer(port=listeners[0].socket.getsockname()[1])
-    async with trio.open_nursery() as nursery:
+    async with one_error(), trio.open_nursery() as nursery:
         serve = _connection_handler(server, respond)
         await nursery.start(trio.serve_listeners, serve, listeners)
         try:
