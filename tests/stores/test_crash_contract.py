@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 
@@ -12,7 +13,11 @@ from treadle.ports import RunStore
 from treadle.stores import MemoryStore, SqliteStore
 from treadle.stores.jsonl import JsonlStore
 from treadle.testing.contracts import StoreOpener
-from treadle.testing.crashes import CrashContractError, check_crash_recovery
+from treadle.testing.crashes import (
+    CrashContractError,
+    check_crash_recovery,
+    check_thread_crash_recovery,
+)
 from treadle.types import ActionResult, Record, StepRecord
 
 
@@ -88,3 +93,16 @@ async def test_a_store_that_forgets_everything_fails(tmp_path: Path) -> None:
 
     with pytest.raises(CrashContractError):
         await check_crash_recovery(opener(fresh), workdir=tmp_path)
+
+
+async def test_a_passing_check_logs_its_abandoned_calls_at_debug(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A call a simulated crash abandoned ends later in the process (a real crash kills it):
+    each such call of a passing check printed a warning on standard error."""
+    caplog.set_level(logging.DEBUG, logger="treadle.tools")
+    await check_crash_recovery(memory(), workdir=tmp_path)
+    await check_thread_crash_recovery(memory(), workdir=tmp_path)
+    tools = [r for r in caplog.records if r.name == "treadle.tools"]
+    assert any("abandoned" in r.getMessage() for r in tools)  # the calls did end late
+    assert [r.getMessage() for r in tools if r.levelno >= logging.WARNING] == []
