@@ -131,6 +131,17 @@ store_option = click.option(
 """The ``--store PATH|DSN`` option every command that reads runs takes."""
 
 
+from_seq_option = click.option(
+    "--from",
+    "from_seq",
+    default=1,
+    show_default=True,
+    type=click.IntRange(min=1),
+    help="The first seq to print (a record's seq, as tail and show number them).",
+)
+"""The ``--from SEQ`` option of the commands that print a run's records (``tail``, ``show``)."""
+
+
 def _checked_run_id(ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:
     """A run id as docs/concepts.md, "Run ids" allows it, refused before the store is opened.
 

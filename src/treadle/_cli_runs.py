@@ -24,6 +24,7 @@ from treadle._cli_common import (
     counted,
     describe,
     event_json,
+    from_seq_option,
     in_queue,
     open_store,
     redact,
@@ -275,14 +276,7 @@ async def _summary(store: RunStore, run_id: str) -> RunSummary | None:
 @click.command("tail")
 @run_id_argument()
 @store_option
-@click.option(
-    "--from",
-    "from_seq",
-    default=1,
-    show_default=True,
-    type=click.IntRange(min=1),
-    help="The first seq to print.",
-)
+@from_seq_option
 @click.option(
     "--json",
     "as_json",

@@ -26,6 +26,7 @@ from treadle._cli_common import (
     counted,
     describe,
     event_json,
+    from_seq_option,
     import_spec,
     lineage_text,
     made_agent,
@@ -372,14 +373,7 @@ nothing for minutes. Rendering costs about 1 ms of CPU per record either way."""
     is_flag=True,
     help="Print every event as JSON, one a line (the event kinds of the Python API).",
 )
-@click.option(
-    "--from",
-    "from_seq",
-    default=1,
-    show_default=True,
-    type=click.IntRange(min=1),
-    help="The first seq to show (as tail's --from).",
-)
+@from_seq_option
 @click.option(
     "--last",
     type=click.IntRange(min=1),
