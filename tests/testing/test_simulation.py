@@ -600,7 +600,7 @@ def test_simulate_refuses_an_agent_factory_and_steps_with_a_scenario():
     assert "KeyError('check broke')" in broken.output
 
 
-def test_simulate_refuses_a_nan_rate_and_too_many_runs_per_seed_at_their_options():
+def test_simulate_refuses_a_nan_rate_too_many_runs_per_seed_and_steps_at_their_options():
     # `--rate nan` passed the option's range and was reported as an invalid `--faults`;
     # `--runs-per-seed 100000000000` printed nothing while its memory grew without bound.
     from click.testing import CliRunner
@@ -616,6 +616,10 @@ def test_simulate_refuses_a_nan_rate_and_too_many_runs_per_seed_at_their_options
     many = runner.invoke(main, ["simulate", "--seeds", "1", "--runs-per-seed", "100000000000"])
     assert many.exit_code == 2, many.output
     assert "Invalid value for '--runs-per-seed'" in many.output and "1<=x<=1000" in many.output
+    # `--steps 10000000` wrote a script of ten million turns before the run started.
+    long = runner.invoke(main, ["simulate", "--seeds", "1", "--steps", "10000000"])
+    assert long.exit_code == 2, long.output
+    assert "Invalid value for '--steps'" in long.output and "1<=x<=10000" in long.output
 
 
 def test_a_scenario_swaps_actors_for_every_incarnation_and_the_twin():
