@@ -380,11 +380,22 @@ def header_version(path: str) -> int:
     gives it this one) or cannot be read; what is wrong with it is reported by its reads.
     """
     try:
-        with open(open_regular(path), "rb") as file:  # a FIFO never blocks
-            first = file.readline(_CHUNK).rstrip(b"\n")
-        return read_header(path, _checked(path, first, 0))[2]
+        head, _ = _first_line(path)
+        return read_header(path, _checked(path, head.rstrip(b"\n"), 0))[2]
     except (OSError, TreadleError):
         return FORMAT_VERSION
+
+
+def _first_line(path: str) -> tuple[bytes, int]:
+    """A run file's first line (at most `_CHUNK` bytes) and its modification time (ns).
+
+    Blocking; a FIFO in the store's folder never blocks it (`open_regular`).
+
+    Raises:
+        OSError: the file cannot be opened or read.
+    """
+    with open(open_regular(path), "rb") as file:
+        return file.readline(_CHUNK), os.fstat(file.fileno()).st_mtime_ns
 
 
 def read_bytes(path: str) -> bytes | None:
@@ -696,11 +707,11 @@ def entered_ns(path: str) -> int:
     enough to order a store's every file before probing a few (``treadle runs --last``).
     """
     try:
-        with open(open_regular(path), "rb") as file:
-            created = _header_created_ns(path, os.path.basename(path), file.readline())
-            return os.fstat(file.fileno()).st_mtime_ns if created is None else created
+        head, modified_ns = _first_line(path)
     except OSError:
         return 0
+    created = _header_created_ns(path, os.path.basename(path), head)
+    return modified_ns if created is None else created
 
 
 def _header_created_ns(path: str, name: str, head: bytes) -> int | None:
