@@ -21,7 +21,7 @@ import trio
 from rich.console import Console
 
 from treadle._clock import seconds_out_of_range
-from treadle._exceptions import InvalidRunId, TreadleError, raised
+from treadle._exceptions import InvalidRunId, TreadleError, innermost, raised
 from treadle._ids import check_run_id
 from treadle._paths import is_directory
 from treadle._terminal import escaped_for_output, mark
@@ -305,13 +305,6 @@ class FiniteRange(click.FloatRange):
         if math.isnan(number):
             self.fail(f"{value!r} is not a number (a NaN is refused)", param, ctx)
         return number
-
-
-def innermost(error: BaseException) -> BaseException:
-    """``error``, or the one error inside nested exception groups of one error each."""
-    while isinstance(error, BaseExceptionGroup) and len(error.exceptions) == 1:
-        error = error.exceptions[0]
-    return error
 
 
 def run_async(fn: Callable[[], Awaitable[T]]) -> T:

@@ -12,7 +12,8 @@ import attrs
 import click
 from rich.table import Table
 
-from treadle._cli_common import FiniteRange, import_spec, innermost, table_console
+from treadle._cli_common import FiniteRange, import_spec, table_console
+from treadle._exceptions import innermost
 from treadle._terminal import on_interrupt
 from treadle._text import valid_unicode
 from treadle.testing.faults import FAULT_KINDS

@@ -89,6 +89,13 @@ def raised(exc: BaseException, kind: type[E]) -> E | None:
     return None
 
 
+def innermost(error: BaseException) -> BaseException:
+    """``error``, or the one error inside nested exception groups of one error each."""
+    while isinstance(error, BaseExceptionGroup) and len(error.exceptions) == 1:
+        error = error.exceptions[0]
+    return error
+
+
 def message_of(exc: BaseException) -> str:
     """``str(exc)``; when its ``__str__`` raises, a note saying the message could not be read.
 

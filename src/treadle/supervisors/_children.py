@@ -44,6 +44,7 @@ from treadle._exceptions import (
     SnapshotMismatch,
     StoreError,
     UsageError,
+    innermost,
     raised,
 )
 from treadle.actors import CANCEL_GRACE_S
@@ -221,7 +222,7 @@ async def _call(settings: _Settings, task: str, ctx: ToolContext) -> ActionOutco
         except Exception as exc:
             leased = raised(exc, RunLeased)
             if leased is None:
-                error = _unwrapped(exc)
+                error = innermost(exc)
                 if isinstance(error, RunInterrupted | StoreError | LeaseError | SnapshotMismatch):
                     # The child is resumable and the call's outcome unknown: the parent's
                     # drive stops too, and its resume replays the call, which re-attaches.
@@ -242,13 +243,6 @@ def _same_database(fleet: RunStore, tool: RunStore) -> bool:
     opens it), so it opens its own on the same file or DSN: that one queues children too.
     """
     return fleet is tool or (isinstance(fleet, EngineStore) and fleet.same_database(tool))
-
-
-def _unwrapped(exc: Exception) -> Exception:
-    """The lone error inside (nested) one-error groups, so the model reads what failed."""
-    while isinstance(exc, ExceptionGroup) and len(exc.exceptions) == 1:
-        exc = exc.exceptions[0]
-    return exc
 
 
 async def _attached(
