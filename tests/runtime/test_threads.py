@@ -12,7 +12,7 @@ import trio
 from runtime_fakes import LedgerTools, SimpleParser
 
 import treadle
-from treadle._exceptions import RunInterrupted, StoreError, UsageError
+from treadle._exceptions import InvalidRunId, RunInterrupted, StoreError, UsageError
 from treadle.agent import Agent
 from treadle.ports import RunStore
 from treadle.stores.jsonl import JsonlStore
@@ -577,3 +577,22 @@ async def test_a_caller_losing_a_thread_race_is_told_the_thread_moved_on() -> No
     assert later.run_id == "t.3"
     started = (await memory.read_log("t.3")).started
     assert (started.continues, [m.content for m in started.input]) == ("t.2", ["something else"])
+
+
+async def test_a_thread_with_a_long_id_goes_on_to_the_last_valid_run_id() -> None:
+    """Finding the latest run asked about ids beyond the thread's end, and an id too long to be
+    a run id stopped the thread while its next run's id was still valid: a thread with a
+    198-character id stopped at its 9th message. Such an id names no run; the thread goes on
+    up to ``.9`` and its 10th message is refused because ``.10`` is too long, writing nothing
+    (docs/decisions/0055-thread-ids.md, "Consequences")."""
+    store = MemoryStore()
+    thread = "t" * 198
+    model = ScriptedModel(turns=[say(f"answer {n}") for n in range(1, 12)])
+    definition = Agent(model=model, executor=LedgerTools(), parser=SimpleParser())
+    await treadle.run(definition, "first", store=store, run_id=thread)
+    for n in range(2, 10):
+        result = await treadle.run(definition, f"message {n}", store=store, thread_id=thread)
+        assert result.run_id == f"{thread}.{n}"
+    with pytest.raises(InvalidRunId, match="longer than 200 characters"):
+        await treadle.run(definition, "message 10", store=store, thread_id=thread)
+    assert len(await store.list_runs()) == 9

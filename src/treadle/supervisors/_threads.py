@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import attrs
 
-from treadle._exceptions import UsageError
+from treadle._exceptions import InvalidRunId, UsageError
 from treadle._ids import check_run_id
 from treadle._text import valid_unicode
 from treadle.actors import recorded_history
@@ -82,6 +82,8 @@ async def next_in_thread(
             another thread (the message names that thread); a run named like the thread's
             next run belongs to no thread or another one; the latest run is not finished
             and was started with another message (the message names it and its state).
+        InvalidRunId: the thread's next run's id would be longer than a run id may be
+            (docs/decisions/0055-thread-ids.md, "Consequences").
         StoreError: a run of the thread cannot be read.
     """
     check_run_id(thread_id)
@@ -133,24 +135,31 @@ async def _latest_number(store: RunStore, thread_id: str) -> int:
     latest (`next_in_thread`).
     """
     found, stride = 1, 1
-    while await _exists(store, thread_run_id(thread_id, found + stride)):
+    while await _exists(store, thread_id, found + stride):
         found, stride = found + stride, stride * 2
     missing = found + stride
     while missing - found > 1:
         middle = (found + missing) // 2
-        if await _exists(store, thread_run_id(thread_id, middle)):
+        if await _exists(store, thread_id, middle):
             found = middle
         else:
             missing = middle
     return found
 
 
-async def _exists(store: RunStore, run_id: str) -> bool:
-    """Whether the store holds run ``run_id``.
+async def _exists(store: RunStore, thread_id: str, n: int) -> bool:
+    """Whether the store holds run ``<thread_id>.<n>``.
 
-    Asked of the run index when the store has one (a row or a file's ends per run), so that
-    no run's whole log is read; of its log otherwise.
+    A number whose id would not be a valid run id (longer than the limit) names no run: the
+    lookup may ask beyond the thread's end, and only the thread's next run must have a valid
+    id (docs/decisions/0055-thread-ids.md, "Consequences"). Asked of the run index when the
+    store has one (a row or a file's ends per run), so that no run's whole log is read; of
+    its log otherwise.
     """
+    try:
+        run_id = thread_run_id(thread_id, n)
+    except InvalidRunId:
+        return False
     if isinstance(store, RunIndex):
         return await store.read_summary(run_id) is not None
     return (await store.read_log(run_id)).started is not None
