@@ -328,6 +328,7 @@ ACTORS = sorted(
         "ends_the_call",
         "open_mailbox",
         "read_chain",
+        "read_continued",
         "recorded_history",
         "reply",
         "request",

@@ -12,7 +12,13 @@ import trio
 from runtime_fakes import LedgerTools, SimpleParser
 
 import treadle
-from treadle._exceptions import InvalidRunId, RunInterrupted, StoreError, UsageError
+from treadle._exceptions import (
+    InvalidRunId,
+    LogCorrupted,
+    RunInterrupted,
+    StoreError,
+    UsageError,
+)
 from treadle.agent import Agent
 from treadle.ports import RunStore
 from treadle.stores.jsonl import JsonlStore
@@ -596,3 +602,47 @@ async def test_a_thread_with_a_long_id_goes_on_to_the_last_valid_run_id() -> Non
     with pytest.raises(InvalidRunId, match="longer than 200 characters"):
         await treadle.run(definition, "message 10", store=store, thread_id=thread)
     assert len(await store.list_runs()) == 9
+
+
+class _DamagedLogs(MemoryStore):
+    """A memory store whose logs of the runs in ``damaged`` cannot be decoded."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.damaged: set[str] = set()
+
+    async def read_log(self, run_id: str) -> treadle.RunLog:
+        if run_id in self.damaged:
+            raise LogCorrupted("record 2 fails its checksum", where=f"memory {run_id}", offset=2)
+        return await super().read_log(run_id)
+
+
+@pytest.mark.parametrize(
+    ("damaged", "whose"),
+    [
+        ("t", r"run 't\.2' continues run 't'"),  # the thread's first run
+        ("t.3", r"run 't\.4' continues run 't\.3'"),  # its latest
+        ("t.2", r"run 't\.3' continues run 't\.2'"),  # one in between
+    ],
+)
+async def test_a_damaged_run_of_a_thread_is_named_with_the_run_continuing_it(
+    damaged: str, whose: str
+) -> None:
+    """The thread's first and latest runs were read apart from the chain's reading: their
+    damage came out as a bare LogCorrupted, without the run that continues them. Every run a
+    new thread run or fork inherits from is read one way (docs/threads.md, "When a thread
+    cannot go on"), and nothing is written."""
+    store = _DamagedLogs()
+    model = ScriptedModel(turns=[say(f"answer {n}") for n in range(1, 6)])
+    definition = Agent(model=model, executor=LedgerTools(), parser=SimpleParser())
+    await treadle.run(definition, "first", store=store, run_id="t")
+    for n in (2, 3):
+        await treadle.run(definition, f"message {n}", store=store, thread_id="t")
+    store.damaged.add(damaged)
+    why = f"{whose}, whose log cannot be read: memory {damaged}: record 2 fails its checksum"
+    with pytest.raises(StoreError, match=why) as raised:
+        await treadle.run(definition, "message 4", store=store, thread_id="t")
+    assert isinstance(raised.value.__cause__, LogCorrupted)
+    with pytest.raises(StoreError, match=rf"run 'f' continues run '{damaged}', whose log"):
+        await treadle.run(definition, store=store, run_id="f", fork_of=damaged, at_step=1)
+    assert sorted(await store.list_runs()) == ["t", "t.2", "t.3"]

@@ -19,7 +19,8 @@ signals that the run stops being driven here (caught by the run supervisor). `ba
 `ends_the_call` are the retry rule of model attempts, shared by the gateway and the
 coordinator's resume. `read_chain` reads the history a run inherits from the runs it
 continues (a `Chain`, each log once), the reading the hydrator and the check before a thread's
-new run share; `recorded_history` turns one into messages (docs/threads.md).
+new run share (`read_continued` reads one of those logs, for a run that continues it);
+`recorded_history` turns one into messages (docs/threads.md).
 """
 
 from treadle._state import seconds_between as seconds_between
@@ -35,6 +36,7 @@ from treadle.actors._gateway import ModelGateway as ModelGateway
 from treadle.actors._history import Chain as Chain
 from treadle.actors._history import InheritedRun as InheritedRun
 from treadle.actors._history import read_chain as read_chain
+from treadle.actors._history import read_continued as read_continued
 from treadle.actors._history import recorded_history as recorded_history
 from treadle.actors._history import step_messages as step_messages
 from treadle.actors._hydrator import ContextHydrator as ContextHydrator
@@ -126,6 +128,7 @@ __all__ = [
     "ends_the_call",
     "open_mailbox",
     "read_chain",
+    "read_continued",
     "recorded_history",
     "reply",
     "request",

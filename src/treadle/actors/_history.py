@@ -365,13 +365,8 @@ async def _read_link(
     read: RunLog | None,
 ) -> RunLog:
     """The log of ``run_id`` (``read``, or read now), checked to hold what ``successor`` takes."""
-    whose = f"run {successor!r} continues run {run_id!r}" if successor else f"run {run_id!r}"
-    log = read
-    if log is None:
-        try:
-            log = await store.read_log(run_id)
-        except StoreError as exc:
-            raise StoreError(f"{whose}, whose log cannot be read: {exc}") from exc
+    whose = _whose(run_id, successor)
+    log = read if read is not None else await read_continued(store, run_id, successor)
     if log.started is None:
         if successor is None:
             raise UsageError(f"no run {run_id!r} in the store")
@@ -383,3 +378,34 @@ async def _read_link(
     if before_step is not None and len(log.steps) < before_step - 1:
         raise StoreError(f"{whose} from step {before_step}, but it holds {len(log.steps)} steps")
     return log
+
+
+async def read_continued(store: RunStore, run_id: str, successor: str | None) -> RunLog:
+    """The log of run ``run_id``, read for run ``successor``, which continues it or would.
+
+    The one way a log a run inherits from is read: by the chain's reading (`read_chain`),
+    and when the run a new thread run or fork continues is looked for. A log that cannot be
+    read is refused naming both runs (docs/threads.md, "When a thread cannot go on").
+
+    Args:
+        store: the store holding the run.
+        run_id: the run read.
+        successor: the run continuing it, named in the error; ``None``: none (the history
+            is asked for by itself).
+
+    Returns:
+        The log, as `RunStore.read_log` gives it (no run-started record for a missing run).
+
+    Raises:
+        StoreError: the log cannot be read: ``run S continues run R, whose log cannot be
+            read: <why>``, chained from the store's error.
+    """
+    try:
+        return await store.read_log(run_id)
+    except StoreError as exc:
+        raise StoreError(f"{_whose(run_id, successor)}, whose log cannot be read: {exc}") from exc
+
+
+def _whose(run_id: str, successor: str | None) -> str:
+    """``run S continues run R``, or ``run R`` without a successor."""
+    return f"run {successor!r} continues run {run_id!r}" if successor else f"run {run_id!r}"

@@ -309,8 +309,8 @@ async def _lineage(
             )
         return next_id, lineage, await _check_chain(store, next_id, lineage, read)
     assert fork_of is not None
-    lineage, forked = await fork_lineage(store, fork_of, at_step)
     fork_id = check_run_id(run_id) if run_id is not None else new_run_id()
+    lineage, forked = await fork_lineage(store, fork_of, at_step, fork_id)
     return fork_id, lineage, await _check_chain(store, fork_id, lineage, (forked,))
 
 

@@ -19,7 +19,7 @@ import attrs
 from treadle._exceptions import InvalidRunId, UsageError
 from treadle._ids import check_run_id
 from treadle._text import valid_unicode
-from treadle.actors import recorded_history
+from treadle.actors import read_continued, recorded_history
 from treadle.agent import RunInput, input_messages
 from treadle.ports import RunIndex, RunStore
 from treadle.types import Message, RunLog, RunStarted
@@ -84,12 +84,13 @@ async def next_in_thread(
             and was started with another message (the message names it and its state).
         InvalidRunId: the thread's next run's id would be longer than a run id may be
             (docs/decisions/0055-thread-ids.md, "Consequences").
-        StoreError: a run of the thread cannot be read.
+        StoreError: a run of the thread cannot be read (the message names the run that
+            continues it, or would: docs/threads.md, "When a thread cannot go on").
     """
     check_run_id(thread_id)
     if input is None:
         raise UsageError(f"continuing thread {thread_id!r} needs an input (the new message)")
-    root = await store.read_log(thread_id)
+    root = await read_continued(store, thread_id, f"{thread_id}.2")
     if root.started is None:
         raise UsageError(f"thread {thread_id!r} does not exist: no run {thread_id!r} in the store")
     if root.started.thread is not None:
@@ -101,7 +102,7 @@ async def next_in_thread(
     latest_id, latest = thread_id, root
     if n > 1:
         latest_id = thread_run_id(thread_id, n)
-        latest = await store.read_log(latest_id)
+        latest = await read_continued(store, latest_id, f"{thread_id}.{n + 1}")
         if latest.started is None or latest.started.thread != thread_id:
             raise UsageError(
                 f"run {latest_id!r} exists but is not a run of thread {thread_id!r}; "
@@ -190,9 +191,12 @@ async def run_in_thread(
 
 
 async def fork_lineage(
-    store: RunStore, fork_of: str, at_step: int | None
+    store: RunStore, fork_of: str, at_step: int | None, fork_id: str
 ) -> tuple[Lineage, RunLog]:
-    """The lineage of a fork of run ``fork_of`` at step ``at_step``, checked against its log.
+    """The lineage of fork ``fork_id`` of run ``fork_of`` at step ``at_step``, checked.
+
+    Checked against the log of ``fork_of``, read as the log a run inherits from is
+    (`treadle.actors.read_continued`).
 
     Returns:
         The lineage and the log of ``fork_of`` (for the check of the chain to take instead
@@ -202,12 +206,13 @@ async def fork_lineage(
         UsageError: no ``at_step``; the run does not exist; ``at_step`` is not one of its
             steps (1 to its step count; a run with no step record yet has none, and the
             message says so).
-        StoreError: its log cannot be read.
+        StoreError: its log cannot be read (the message names the fork as the run that
+            continues it: docs/threads.md, "When a thread cannot go on").
     """
     check_run_id(fork_of)
     if at_step is None:
         raise UsageError(f"a fork of run {fork_of!r} needs at_step (the step to try again)")
-    log = await store.read_log(fork_of)
+    log = await read_continued(store, fork_of, fork_id)
     if log.started is None:
         raise UsageError(f"cannot fork run {fork_of!r}: no such run in the store")
     steps = len(log.steps)
