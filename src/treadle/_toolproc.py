@@ -17,8 +17,10 @@ The process started is the call's **keeper**, the leader of the call's session. 
 prints go to stderr. A worker that cannot load the function (its module does not import, the
 request does not unpickle) replies `REPLY_NOT_STARTED` without writing `BEGAN`: the parent
 tells a call that never began from one that did by that mark. The worker ends as soon as its
-reply is written (``os._exit``): threads the tool left running, its `atexit` handlers and
-multiprocessing's wait for its children do not run there and cannot delay the call's end. It
+reply is written (``os._exit``), or as soon as the function exits instead (``sys.exit``,
+`KeyboardInterrupt`: no reply, the call's outcome is unknown): threads the tool left running,
+its `atexit` handlers and multiprocessing's wait for its children do not run there and cannot
+delay the call's end. It
 writes to the reply pipe only while that descriptor is still the pipe: a tool that closed
 descriptors it does not own (``os.closerange(3, ...)``) and opened a file that got the same
 number does not get the reply written into that file; its call has no reply, as a process
@@ -231,7 +233,11 @@ def _reply_of(request: bytes, begin: Callable[[], object]) -> bytes:
 
     What the function raises is its error, a `BaseException` (``GeneratorExit``, asyncio's
     ``CancelledError``) as well, as in a thread tool (docs/concepts.md, "Actions and
-    observations"); `KeyboardInterrupt` and `SystemExit` end the process instead.
+    observations").
+
+    Raises:
+        KeyboardInterrupt, SystemExit: the function raised it (``sys.exit``), also inside an
+            exception group: no reply, the worker ends (`_work`).
     """
     from treadle.tools import _described
 
@@ -361,18 +367,56 @@ def _work(keeper: int, request: bytes, reply_fd: int) -> NoReturn:
 
     Nothing of an interpreter's exit runs after the reply (joining non-daemon threads, `atexit`
     handlers, multiprocessing's wait for its children): the call ends when its function does.
+    A function that exits instead (``sys.exit``, `KeyboardInterrupt`) ends the worker the same
+    way, without a reply, with the status the interpreter would have exited with
+    (`_exit_status`): the call's outcome is unknown (docs/concepts.md, "Tools and
+    cancellation").
     """
     _die_with(keeper)
     pipe = _ReplyPipe(reply_fd)
     # in a process the tool forks: it must not hold the reply
     os.register_at_fork(after_in_child=pipe.close)
-    data = _reply_of(request, lambda: pipe.write(BEGAN))
-    for stream in (sys.stdout, sys.stderr):  # the function's prints, ahead of its end
+    try:
+        data = _reply_of(request, lambda: pipe.write(BEGAN))
+    except BaseException as exc:  # an exit of the function's, or a reply that cannot be made
+        status = _exit_status(exc)
+        _flush_prints()
+        os._exit(status)
+    _flush_prints()
+    pipe.write(frame(data))
+    os._exit(0)
+
+
+def _flush_prints() -> None:
+    """Write out what the function printed, ahead of the worker's end."""
+    for stream in (sys.stdout, sys.stderr):
         with contextlib.suppress(Exception):
             if stream is not None:
                 stream.flush()
-    pipe.write(frame(data))
-    os._exit(0)
+
+
+def _exit_status(exc: BaseException) -> int:
+    """The status an interpreter ends with when ``exc`` escapes (0 to 255), having said why.
+
+    `SystemExit` (also inside an exception group): its code (``None``: 0; a code that is not
+    a number is printed to stderr, and gives 1). `KeyboardInterrupt`: 130 (128 + SIGINT, as a
+    shell shows a process that SIGINT ended). Anything else: 1. Their traceback goes to
+    stderr, as the interpreter prints it.
+    """
+    from treadle._exceptions import raised
+
+    ending = raised(exc, SystemExit)
+    if ending is None:
+        with contextlib.suppress(Exception):
+            traceback.print_exception(exc)
+        return 128 + signal.SIGINT if raised(exc, KeyboardInterrupt) is not None else 1
+    if ending.code is None:
+        return 0
+    if isinstance(ending.code, int):
+        return ending.code & 0xFF
+    with contextlib.suppress(Exception):
+        print(ending.code, file=sys.stderr)
+    return 1
 
 
 def _die_with(keeper: int) -> None:

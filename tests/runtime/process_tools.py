@@ -248,6 +248,22 @@ def leave_a_slow_exit_handler(directory: str) -> str:
 
 
 @treadle.tool(isolation="process", timeout_s=20)
+def exit_leaving_a_thread(directory: str, how: str) -> str:
+    """Start a non-daemon thread that keeps running and register an `atexit` handler that
+    writes ``<directory>/atexit``, then exit: ``sys.exit(3)`` (``how`` "exit") or
+    `KeyboardInterrupt` ("interrupt")."""
+    import atexit
+    import sys
+    import threading
+
+    threading.Thread(target=_keep_running, args=(directory,)).start()
+    atexit.register((Path(directory) / "atexit").write_text, "ran")
+    if how == "exit":
+        sys.exit(3)
+    raise KeyboardInterrupt
+
+
+@treadle.tool(isolation="process", timeout_s=20)
 def fork_without_hooks(directory: str) -> str:
     """Fork with libc's ``fork`` (Python's at-fork hooks do not run, so the child keeps the
     reply pipe); the child leaves the session and keeps running (its pid in ``background``)."""

@@ -19,6 +19,7 @@ from process_tools import (
     SandboxTeller,
     Teller,
     close_then_log,
+    exit_leaving_a_thread,
     fork_without_hooks,
     leave_a_multiprocessing_child,
     leave_a_slow_exit_handler,
@@ -66,6 +67,24 @@ async def test_a_process_tool_that_returned_gives_its_result_whatever_it_left_ru
             with contextlib.suppress(ProcessLookupError):
                 os.kill(int(background.read_text()), signal.SIGKILL)
     assert (outcome.status, outcome.observation) == (ActionStatus.EXECUTED, "returned")
+
+
+@pytest.mark.parametrize(("how", "status"), [("exit", 3), ("interrupt", 130)])
+async def test_a_process_tool_that_exits_is_unknown_without_waiting_for_its_threads(
+    tmp_path, how, status
+):
+    """The function called ``sys.exit`` (or raised `KeyboardInterrupt`) with a non-daemon
+    thread running: its process went through an interpreter's exit, which waited for the
+    thread and ran the `atexit` handlers, so the call waited for its whole timeout and was
+    recorded as executed and timed out. It is unknown, as docs/concepts.md says ("Tools and
+    cancellation"), and ends with its function."""
+    try:
+        outcome = await execute(exit_leaving_a_thread, directory=str(tmp_path), how=how)
+    finally:
+        (tmp_path / "release").write_text("")  # the thread, if still running, ends
+    assert outcome.status is ActionStatus.UNKNOWN
+    assert f"its process exited with status {status} before it reported" in outcome.observation
+    assert not (tmp_path / "atexit").exists()
 
 
 async def test_a_process_tools_reply_read_whole_is_its_outcome_at_its_timeout():
