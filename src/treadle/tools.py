@@ -357,6 +357,27 @@ def _name_in_child(fn: Callable[..., Any]) -> tuple[str | None, str]:
     return getattr(fn, "__module__", None), getattr(fn, "__qualname__", "")
 
 
+def _import_root(module: str | None) -> str | None:
+    """The directory (absolute) of this process's search path that module ``module`` came from.
+
+    Its file's directory, one level up per dot in its name (and one more for a package's
+    ``__init__``). ``None`` for a module not imported, or without a file (built in, a
+    namespace package).
+    """
+    found = sys.modules.get(module) if module else None
+    spec = getattr(found, "__spec__", None)
+    origin = getattr(spec, "origin", None)
+    if module is None or spec is None or not isinstance(origin, str):
+        return None
+    if not os.path.isabs(origin):
+        return None
+    directory = os.path.dirname(origin)
+    levels = module.count(".") + (spec.submodule_search_locations is not None)
+    for _ in range(levels):
+        directory = os.path.dirname(directory)
+    return directory
+
+
 def _is_async(fn: Any) -> bool:
     """True for an ``async def`` function (a `functools.partial` of one included)."""
     return inspect.iscoroutinefunction(fn)
@@ -795,8 +816,7 @@ class _ProcessCall:
     async def _process(
         self, lifeline: int, reply_end: int, *, task_status: trio.TaskStatus[trio.Process]
     ) -> None:
-        paths = [os.getcwd() if entry == "" else entry for entry in sys.path]
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join(paths)}
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(self._search_path())}
         # The child's lifeline: only this process holds the write end (not inherited), so its
         # end of file tells the child that nobody waits for the call any more.
         await trio.run_process(
@@ -809,6 +829,20 @@ class _ProcessCall:
             start_new_session=True,  # its own session: `_kill` kills what it started too
             task_status=task_status,
         )
+
+    def _search_path(self) -> list[str]:
+        """The child's module search path: this process's, and where the tool's module is.
+
+        ``""`` (the current directory, for ``python -c`` or a REPL) is the current directory
+        now. The module's own entry (`_import_root`) comes first when it is not among them: a
+        module imported through ``""`` or a relative entry before the process changed its
+        current directory is found where it was (docs/concepts.md, "Tools and cancellation").
+        """
+        paths = [os.getcwd() if entry == "" else entry for entry in sys.path]
+        root = _import_root(_name_in_child(self._found.fn)[0])
+        if root is not None and root not in {os.path.abspath(path) for path in paths}:
+            paths.insert(0, root)
+        return paths
 
     def _request(self) -> bytes:
         module, qualname = _name_in_child(self._found.fn)

@@ -7,6 +7,7 @@ when it is read, a driver without standard streams.
 from __future__ import annotations
 
 import contextlib
+import importlib
 import os
 import signal
 import subprocess
@@ -170,3 +171,34 @@ def test_a_process_tool_runs_in_a_driver_without_standard_streams(tmp_path):
         timeout=REAL_WAIT_S,
     )
     assert result.read_text() == "executed 42"
+
+
+TOOL_IN_THE_CWD = """
+import treadle
+
+
+@treadle.tool(isolation="process")
+def where_from() -> str:
+    \"\"\"Say that the child found this module.\"\"\"
+    return "found"
+"""
+
+
+async def test_a_process_tool_imported_from_the_current_directory_runs_after_a_chdir(
+    tmp_path, monkeypatch
+):
+    """The tool's module was imported through ``""`` in ``sys.path`` (the current directory,
+    as with ``python -c`` or a REPL), then the driver changed directory: the child searched
+    the new current directory, and every call was NOT_EXECUTED ("No module named ...")."""
+    home, elsewhere = tmp_path / "home", tmp_path / "elsewhere"
+    home.mkdir()
+    elsewhere.mkdir()
+    (home / "tools_in_the_cwd.py").write_text(TOOL_IN_THE_CWD)
+    monkeypatch.chdir(home)
+    monkeypatch.setattr(sys, "path", ["", *sys.path])
+    monkeypatch.delitem(sys.modules, "tools_in_the_cwd", raising=False)  # removed afterwards
+    importlib.invalidate_caches()
+    module = importlib.import_module("tools_in_the_cwd")
+    monkeypatch.chdir(elsewhere)
+    outcome = await execute(module.where_from)
+    assert (outcome.status, outcome.observation) == (ActionStatus.EXECUTED, "found")
