@@ -75,7 +75,7 @@ async def next_in_thread(
         The run's id, its lineage, and the logs read to find them (the thread's first run
         and its latest), for the check of the chain to take instead of reading them again.
         Besides those two logs, finding the latest run asks about a few run ids only
-        (`_latest_number`).
+        (`_latest_number`), and looks past a gap in the thread's numbers.
 
     Raises:
         UsageError: no input; the thread does not exist; ``thread_id`` names a run of
@@ -125,17 +125,35 @@ async def next_in_thread(
 
 
 async def _latest_number(store: RunStore, thread_id: str) -> int:
-    """The highest n whose run ``<thread_id>.<n>`` exists (1: only the first run).
+    """The highest n whose run ``<thread_id>.<n>`` exists, as far as a few lookups tell.
 
     A thread's runs are numbered without a gap (each is started as the one after the latest),
     so run n exists exactly when n is at most the latest. The number is found by doubling a
     stride while runs exist, then halving the range between the last run found and the
-    first one missing: about ``2 * log2(n)`` lookups (`_exists`), not ``n``
-    (docs/decisions/0111-a-new-run-reads-its-chain-once.md); the run after the one returned
-    was looked up and is missing. A run is checked to belong to the thread when it is the
-    latest (`next_in_thread`).
+    first one missing (`_end_from`), then looking past that end for a gap (`_run_past`):
+    about ``3 * log2(n)`` lookups (`_exists`), not ``n``
+    (docs/decisions/0112-a-thread-looks-past-a-gap.md). A run found past a gap is taken as
+    the latest and the search goes on from it: the chain check then refuses the missing run
+    (docs/threads.md, "When a thread cannot go on"), rather than the thread going on under
+    its id and rewriting the history of every later run. A run is checked to belong to the
+    thread when it is the latest (`next_in_thread`).
     """
-    found, stride = 1, 1
+    found = 1
+    while True:
+        found = await _end_from(store, thread_id, found)
+        past = await _run_past(store, thread_id, found)
+        if past is None:
+            return found
+        found = past
+
+
+async def _end_from(store: RunStore, thread_id: str, start: int) -> int:
+    """From run ``start`` (it exists, or is the first run): an n whose run n+1 is missing.
+
+    Doubling a stride while runs exist, then halving the range between the last run found
+    and the first one missing: about ``2 * log2(n)`` lookups.
+    """
+    found, stride = start, 1
     while await _exists(store, thread_id, found + stride):
         found, stride = found + stride, stride * 2
     missing = found + stride
@@ -146,6 +164,23 @@ async def _latest_number(store: RunStore, thread_id: str) -> int:
         else:
             missing = middle
     return found
+
+
+async def _run_past(store: RunStore, thread_id: str, end: int) -> int | None:
+    """A run numbered past ``end + 1`` (which is missing), or ``None`` when none is found.
+
+    Looks at ``end + 1 + 2**j`` for ``2**j`` up to ``end``: ``end + 2``, ``end + 3``,
+    ``end + 5``, ... (about ``log2(end)`` lookups). A gap of g runs after run ``end`` is
+    found when its length rounded up to a power of two, P, is at most ``end`` and run
+    ``end + 1 + P`` exists (the thread went on for at least P runs after the gap): a gap of
+    one run always is, when a run follows it (docs/decisions/0112-a-thread-looks-past-a-gap.md).
+    """
+    step = 1
+    while step <= end:
+        if await _exists(store, thread_id, end + 1 + step):
+            return end + 1 + step
+        step *= 2
+    return None
 
 
 async def _exists(store: RunStore, thread_id: str, n: int) -> bool:
