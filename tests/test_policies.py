@@ -110,3 +110,42 @@ async def test_a_client_taking_keyword_options_gets_the_attempt_through_them():
     assert result.final_answer == "hi"
     [attempt] = client.attempts
     assert isinstance(attempt, Attempt) and attempt is not Attempt.STANDALONE
+
+
+class OneSecretAsStr(Bare):
+    """Answers one secret name as a bare str, not a collection of names."""
+
+    def secret_arguments(self, tool):
+        return "card_number"
+
+
+@pytest.mark.parametrize("answer", ["card_number", b"card_number", 7, ["card_number", 1]])
+def test_a_secret_arguments_answer_that_is_no_collection_of_names_is_refused(answer):
+    executor = Bare()
+    executor.secret_arguments = lambda tool: answer  # type: ignore[attr-defined]
+    policies = policies_of(executor)
+    with pytest.raises(treadle.SeamViolation, match="secret_arguments\\('charge'\\) returned"):
+        policies.secret_arguments("charge")
+
+
+async def test_a_run_refuses_secret_names_given_as_a_bare_str_and_never_splits_them():
+    @treadle.tool
+    async def charge(card_number: str) -> str:
+        """Charge a card."""
+        return "charged"
+
+    class Executor(OneSecretAsStr):
+        def tool_specs(self):
+            return treadle.Toolbox([charge]).tool_specs()
+
+    store = treadle.MemoryStore()
+    agent = treadle.Agent(
+        model=ScriptedModel(turns=[say("unused")]),
+        executor=Executor(),
+        parser=treadle.NativeToolCallParser(),
+    )
+    with pytest.raises(treadle.RunInterrupted) as caught:
+        await treadle.run(agent, "go", store=store, run_id="secret-str")
+    assert isinstance(caught.value.__cause__, treadle.SeamViolation)
+    assert "returned 'card_number'" in str(caught.value.__cause__)
+    assert (await store.read_log("secret-str")).records == ()  # nothing written with 'c', 'a'...

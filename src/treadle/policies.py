@@ -81,7 +81,9 @@ class ExecutorPolicies:
         requires_approval: ``(tool) -> bool``, whether every call of ``tool`` waits for a
             human (default: never; docs/events.md, "Human approval").
         secret_arguments: ``(tool) -> frozenset[str]``, the argument names of ``tool``
-            redacted out of the log (default: none; docs/events.md, "Secret arguments").
+            redacted out of the log (default: none; docs/events.md, "Secret arguments");
+            an answer that is no collection of ``str`` (a bare ``str`` among them) raises
+            `SeamViolation`.
         invalid_arguments: ``(tool, arguments) -> str | None``, why a call cannot run,
             before any human is asked about it (default: ``None``, every call can run).
         timeout_s: ``(tool) -> float | None``, seconds one call of ``tool`` may run when
@@ -140,9 +142,34 @@ def policies_of(executor: object) -> ExecutorPolicies:
 
 
 def _frozen_names(ask: Callable[[str], Any]) -> Callable[[str], frozenset[str]]:
-    """``ask``, its answer made a frozenset (an executor may answer with any iterable)."""
+    """``ask``, its answer made a frozenset (an executor may answer with any iterable).
+
+    The answer is a collection of argument names (docs/seams.md, "Action executor"): a
+    ``str`` is one name, not a collection, and is never split into its characters.
+
+    Raises (from the returned function):
+        SeamViolation: the answer is a ``str`` or ``bytes``, not iterable, or holds
+            something other than ``str``.
+    """
 
     def secret_arguments(tool: str) -> frozenset[str]:
-        return frozenset(ask(tool))
+        answer = ask(tool)
+        names = None if isinstance(answer, str | bytes | bytearray) else _names_in(answer)
+        if names is None:
+            raise SeamViolation(
+                f"action executor's secret_arguments({tool!r})",
+                answer,
+                "a collection of argument names (str), e.g. a tuple",
+            )
+        return names
 
     return secret_arguments
+
+
+def _names_in(answer: object) -> frozenset[str] | None:
+    """The str items of the iterable ``answer``; ``None`` when it is none or holds others."""
+    try:
+        names = frozenset(answer)  # type: ignore[call-overload]
+    except TypeError:
+        return None
+    return names if all(isinstance(name, str) for name in names) else None

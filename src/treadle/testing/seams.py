@@ -14,7 +14,7 @@ from collections.abc import Sequence
 
 import trio
 
-from treadle._exceptions import ContractViolation, ModelCallError, UsageError
+from treadle._exceptions import ContractViolation, ModelCallError, SeamViolation, UsageError
 from treadle._shapes import outcome_problem, reply_problem, usage_problem
 from treadle.policies import ExecutorPolicies, policies_of, replay_policy_of
 from treadle.ports import ActionExecutor, DecisionParser, ModelClient
@@ -419,11 +419,13 @@ def _check_policies(
             answer: object = policies.requires_approval(tool)
             _expect(isinstance(answer, bool), f"requires_approval({tool!r}) must be a bool")
         if "secret_arguments" in declared:
-            names = policies.secret_arguments(tool)
-            _expect(
-                all(isinstance(name, str) for name in names),
-                f"secret_arguments({tool!r}) must be argument names (str)",
-            )
+            try:  # as the runtime reads it (`treadle.policies.policies_of`)
+                policies.secret_arguments(tool)
+            except SeamViolation as exc:
+                raise SeamContractError(
+                    f"secret_arguments({tool!r}) returned {exc.returned}: it must be a "
+                    "collection of argument names (str), e.g. a tuple, never a bare str"
+                ) from exc
         if "timeout_s" in declared:
             seconds = policies.timeout_s(tool)
             number = isinstance(seconds, int | float) and not isinstance(seconds, bool)
