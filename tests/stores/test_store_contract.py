@@ -11,7 +11,15 @@ import attrs
 import pytest
 import trio
 
-from treadle import Agent, NativeToolCallParser, Toolbox, open_jsonl_store, run, tool
+from treadle import (
+    Agent,
+    ConflictError,
+    NativeToolCallParser,
+    Toolbox,
+    open_jsonl_store,
+    run,
+    tool,
+)
 from treadle.ports import RunIndex, RunStore
 from treadle.stores import JsonlStore, MemoryStore, SqliteStore
 from treadle.stores.postgres import PostgresStore
@@ -140,6 +148,31 @@ class _RaisesOnMissingRun(MemoryStore):
 
 
 @attrs.define(eq=False)
+class _SeqCountsWrites(MemoryStore):
+    """Takes a write's seq as the number of writes before it, not of records."""
+
+    _writes: dict[str, int] = attrs.Factory(dict)
+
+    async def _append(
+        self, run_id: str, seq: int, records: tuple[Record, ...], **options: Any
+    ) -> None:
+        written = self._writes.get(run_id, 0)
+        if seq != written + 1:
+            raise ConflictError(run_id, expected=written + 1, got=seq)
+        self._writes[run_id] = written + 1
+        await super()._append(run_id, len(self._logs.get(run_id, ())) + 1, records, **options)
+
+
+@attrs.define(eq=False)
+class _ReadsItsOwnList(MemoryStore):
+    """Hands out its own list of the run's records, which its later writes change."""
+
+    async def read_log(self, run_id: str) -> RunLog:
+        await trio.lowlevel.checkpoint()
+        return RunLog(run_id=run_id, records=self._logs.get(run_id, []))  # type: ignore[arg-type]
+
+
+@attrs.define(eq=False)
 class _ListsNewestFirst(MemoryStore):
     async def list_runs(self) -> tuple[str, ...]:
         return tuple(reversed(await super().list_runs()))
@@ -210,7 +243,7 @@ class _WritesWhenCancelled(MemoryStore):
 
 
 @pytest.mark.parametrize(
-    ("broken", "check_name", "error"),
+    ("broken", "check_name", "cause"),
     [
         # A read beside the writer saw action results without their step record, and a write
         # called in a cancelled scope was stored: both passed (docs/seams.md, "Run store").
@@ -218,22 +251,38 @@ class _WritesWhenCancelled(MemoryStore):
         (_WritesWhenCancelled, "cancelled_write_writes_nothing", StoreContractError),
         (_NoSeqCheck, "conflict_on_wrong_seq", StoreContractError),
         (_DropsStepResults, "step_write_with_several_results", StoreContractError),
+        # The store's own KeyError escaped, not an error naming the check.
         (_RaisesOnMissingRun, "missing_run_reads_empty", KeyError),
+        (_SeqCountsWrites, "writes_read_back_in_order", ConflictError),
         (_ListsNewestFirst, "list_runs_in_first_write_order", StoreContractError),
         # These two passed: the run ids sorted in first-write order, and no outcome but an
         # executed one was ever written.
         (_ListsSorted, "list_runs_in_first_write_order", StoreContractError),
         (_StoresEveryOutcomeExecuted, "record_contents_survive", StoreContractError),
+        # Told as "a missing run read back 0 records": its records were a list.
+        (_ReadsItsOwnList, "missing_run_reads_empty", StoreContractError),
     ],
 )
 async def test_suite_catches_a_broken_store(
-    broken: type[MemoryStore], check_name: str, error: type[Exception]
+    broken: type[MemoryStore], check_name: str, cause: type[Exception]
 ) -> None:
+    """Each broken store fails with `StoreContractError` naming the check it broke.
+
+    ``cause``: what the store raised itself (the error's ``__cause__``), or
+    `StoreContractError` when the check found the breach.
+    """
     check = next(c for c in RUN_STORE_CHECKS if c.name == check_name)
-    with pytest.raises(error):
+    with pytest.raises(StoreContractError, match=rf"^\[{check_name}\] ") as caught:
         await check(_memory(broken))
-    with pytest.raises(error):
+    if cause is not StoreContractError:
+        assert isinstance(caught.value.__cause__, cause)
+    with pytest.raises(StoreContractError, match=r"^\[[a-z_]+\] "):  # the first it breaks
         await check_run_store(_memory(broken), persistent=False)
+
+
+async def test_a_read_log_with_records_in_a_list_is_told_so() -> None:
+    with pytest.raises(StoreContractError, match="returned its records as a list, not a tuple"):
+        await check_run_store(_memory(_ReadsItsOwnList), persistent=False)
 
 
 async def test_forgetful_persistent_store_fails_the_reopen_check() -> None:

@@ -35,7 +35,7 @@ from typing import Any, Final
 import attrs
 import trio
 
-from treadle._exceptions import ConflictError, ContractViolation, StoreError
+from treadle._exceptions import ConflictError, ContractViolation, StoreError, innermost
 from treadle.ports import LeaseStore, RunStore
 from treadle.stores import write_records
 from treadle.types import (
@@ -114,11 +114,23 @@ class StoreCheck:
         """Run the check within `CHECK_TIMEOUT_S`.
 
         Raises:
-            StoreContractError: the store broke the contract.
+            StoreContractError: the store broke the contract, or raised an error where the
+                contract allows none (that error as ``__cause__``).
             trio.TooSlowError: the check hung.
         """
-        with trio.fail_after(CHECK_TIMEOUT_S):
-            await self.fn(open_store)
+        try:
+            with trio.fail_after(CHECK_TIMEOUT_S):
+                await self.fn(open_store)
+        except (StoreContractError, trio.TooSlowError):
+            raise
+        except Exception as exc:
+            error = innermost(exc)
+            if isinstance(error, StoreContractError):
+                raise error from None
+            raise StoreContractError(
+                f"[{self.name}] the store raised {error!r} where the contract allows no error "
+                f"({self.doc})"
+            ) from error
 
 
 def _expect(condition: bool, check: str, message: str) -> None:
@@ -288,10 +300,27 @@ def _result_of(intent: ActionIntent) -> ActionResult:
     )
 
 
-async def _expect_log(check: str, store: RunStore, run_id: str, records: Sequence[Record]) -> None:
+async def _read_log(check: str, store: RunStore, run_id: str) -> RunLog:
+    """``store.read_log(run_id)``, a `RunLog` of that run whose records are a tuple.
+
+    Raises:
+        StoreContractError: naming ``check``, when the answer is no such log (records in a
+            list would be the store's own, changed by its later writes).
+    """
     log = await store.read_log(run_id)
     _expect(isinstance(log, RunLog), check, f"read_log returned {type(log).__name__}")
     _expect(log.run_id == run_id, check, f"read_log({run_id!r}) is for run {log.run_id!r}")
+    _expect(
+        isinstance(log.records, tuple),
+        check,
+        f"read_log({run_id!r}) returned its records as a {type(log.records).__name__}, not a "
+        "tuple: RunLog.records is an immutable copy of the log",
+    )
+    return log
+
+
+async def _expect_log(check: str, store: RunStore, run_id: str, records: Sequence[Record]) -> None:
+    log = await _read_log(check, store, run_id)
     if log.records == tuple(records):
         return
     kinds = [type(r).__name__ for r in log.records]
@@ -311,7 +340,7 @@ async def _missing_run_reads_empty(open_store: StoreOpener) -> None:
     check = "missing_run_reads_empty"
     run_id = _new_run_id("missing")
     async with open_store() as store:
-        log = await store.read_log(run_id)
+        log = await _read_log(check, store, run_id)
         _expect(log.records == (), check, f"a missing run read back {len(log.records)} records")
         _expect(log.started is None and log.finished is None, check, "started/finished set")
         _expect(log.run_id == run_id, check, "the empty log names another run")
@@ -334,7 +363,7 @@ async def _writes_read_back_in_order(open_store: StoreOpener) -> None:
         for write in steps:
             await write()
             await _expect_log(check, store, w.run_id, w.written)
-        log = await store.read_log(w.run_id)
+        log = await _read_log(check, store, w.run_id)
         _expect(log.started == w.written[0], check, "RunLog.started is not the first record")
         _expect(log.finished == w.written[-1], check, "RunLog.finished is not the last record")
 
@@ -369,7 +398,7 @@ async def _step_write_without_action(open_store: StoreOpener) -> None:
         w = _Writer(store, _new_run_id("noaction"))
         await w.started()
         record = await w.step(1, actions=0)
-        log = await store.read_log(w.run_id)
+        log = await _read_log(check, store, w.run_id)
         _expect(len(log.records) == len(w.written), check, "write_step(None, ...) wrote extras")
         _expect(log.records[-1] == record, check, "the step record is not last")
         await w.finished()
@@ -382,7 +411,7 @@ async def _step_write_with_several_results(open_store: StoreOpener) -> None:
         w = _Writer(store, _new_run_id("actions"))
         await w.started()
         step = await w.step(1, actions=3)
-        log = await store.read_log(w.run_id)
+        log = await _read_log(check, store, w.run_id)
         tail = log.records[-4:]
         kinds = [type(r).__name__ for r in tail]
         _expect(kinds == ["ActionResult"] * 3 + ["StepRecord"], check, f"step write: {kinds}")
@@ -418,7 +447,9 @@ async def _conflict_on_new_run(store: RunStore) -> None:
         _expect(exc.expected == 1 and exc.got == 2, check, f"bad expected/got: {exc}")
     else:
         _expect(False, check, "seq 2 as the first write of a run was accepted")
-    _expect((await store.read_log(run_id)).records == (), check, "a refused write is visible")
+    _expect(
+        (await _read_log(check, store, run_id)).records == (), check, "a refused write is visible"
+    )
     _expect(run_id not in await store.list_runs(), check, "a refused first write lists the run")
 
 
@@ -588,7 +619,7 @@ async def _reads_beside_a_writer_change_nothing(open_store: StoreOpener) -> None
 
         async def read_all_the_time() -> None:
             while not done.is_set():
-                seen.append((await store.read_log(w.run_id)).records)
+                seen.append((await _read_log(check, store, w.run_id)).records)
                 await store.list_runs()
                 await trio.lowlevel.checkpoint()
 
@@ -745,7 +776,10 @@ async def check_run_store(open_store: StoreOpener, *, persistent: bool) -> None:
             the checks marked ``persistent_only``.
 
     Raises:
-        StoreContractError: the first check the store fails, naming it.
+        StoreContractError: the first check the store fails, naming it; when the store
+            raised an error the contract allows none of there (a ``KeyError`` for a missing
+            run, a ``ConflictError`` for a write with the right seq), that error is its
+            ``__cause__``.
         trio.TooSlowError: a check hung for `CHECK_TIMEOUT_S`.
     """
     for check in RUN_STORE_CHECKS:
