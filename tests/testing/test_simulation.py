@@ -12,7 +12,10 @@ from treadle.testing.simulation import FAULT_KINDS, FaultPlan, Ledger, check_inv
 from treadle.types import (
     ActionIntent,
     ActionResult,
+    ApprovalDecided,
     Budgets,
+    DecisionKind,
+    ModelResult,
     ReplayPolicy,
     RunFinished,
     StepRecord,
@@ -150,7 +153,35 @@ def _corrupt(records, how):
         changed[intent_at] = attrs.evolve(intent, arguments={"amount": 10**9})
     elif how == "intent-before-reply":
         changed[intent_at - 1], changed[intent_at] = records[intent_at], records[intent_at - 1]
+    elif how == "call-never-run":
+        changed[step_at] = attrs.evolve(step, action_result_ids=(), observations=())
+        del changed[at]
+        del changed[intent_at]
+    elif how == "model-result-step":
+        model_at = next(i for i, r in enumerate(records) if isinstance(r, ModelResult))
+        changed[model_at] = attrs.evolve(records[model_at], step=records[model_at].step + 1)
+    elif how == "later-step-first":  # step 2's model call before step 1's step record
+        moved = changed.pop(step_at)
+        changed.insert(step_at + 2, moved)
+    elif how == "step-after-answer":
+        return _step_after_the_answer(records)
     return tuple(changed)
+
+
+def _step_after_the_answer(records):
+    """A model call and a step more after the step that gave the final answer."""
+    *written, finished = records
+    step = written[-1]
+    assert isinstance(step, StepRecord) and step.decision is DecisionKind.FINAL_ANSWER
+    intent, result = written[-3], written[-2]
+    again = f"{intent.intent_id}-again"
+    return (
+        *written,
+        attrs.evolve(intent, intent_id=again, step=step.step + 1),
+        attrs.evolve(result, intent_id=again, step=step.step + 1),
+        attrs.evolve(step, step=step.step + 1, model_intent_id=again),
+        finished,
+    )
 
 
 def _call_run_twice(records, intent_at, at, step_at):
@@ -192,6 +223,11 @@ def _call_run_twice(records, intent_at, at, step_at):
         ("call-never-asked-for", "runs call 'ghost' \\(refund\\), which the reply of step"),
         ("other-arguments", "with \\{'amount': 1000000000\\}, but call"),
         ("intent-before-reply", "were written before the reply of .* that asked for them"),
+        # And these: a call never run, a step's records out of place, a step after the answer.
+        ("call-never-run", "reply asked for calls \\['c0'\\], but got no action"),
+        ("model-result-step", "model result r/s1/m1 is of step 2, its intent of step 1"),
+        ("later-step-first", "is of step 2, written before the record of step 1"),
+        ("step-after-answer", "follows step 5, whose decision was the final answer"),
     ],
 )
 async def test_check_invariants_flags_a_record_out_of_place(how, rule):
@@ -199,6 +235,36 @@ async def test_check_invariants_flags_a_record_out_of_place(how, rule):
     corrupted = attrs.evolve(log, records=_corrupt(log.records, how))
     problems = check_invariants(corrupted)
     assert any(re.search(rule, p) for p in problems), problems
+
+
+async def test_check_invariants_flags_a_call_decided_twice():
+    import treadle
+    from treadle.testing.scripted import ScriptedModel, call, say
+
+    @treadle.tool(requires_approval=True)
+    async def pay(amount: int) -> str:
+        """Pay."""
+        return f"paid {amount}"
+
+    store = treadle.MemoryStore()
+    agent = treadle.Agent(
+        model=ScriptedModel(turns=[call("pay", amount=10), say("done")]),
+        executor=treadle.Toolbox([pay]),
+        parser=treadle.NativeToolCallParser(),
+    )
+    async with treadle.open_run(agent, "pay", store=store, run_id="twice") as handle:
+        async for event in handle.events():
+            if event.kind == "approval_requested":
+                handle.approve()
+    log = await store.read_log("twice")
+    assert check_invariants(log) == []
+    records = list(log.records)
+    at = next(i for i, r in enumerate(records) if isinstance(r, ApprovalDecided))
+    second = attrs.evolve(records[at], decision="reject", message="no")
+    problems = check_invariants(
+        attrs.evolve(log, records=(*records[: at + 1], second, *records[at + 1 :]))
+    )
+    assert any("was decided twice (approve, then reject)" in p for p in problems), problems
 
 
 def test_fault_plan_refuses_unknown_kinds_and_bad_rates():

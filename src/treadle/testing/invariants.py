@@ -79,6 +79,8 @@ def check_invariants(
     problems.extend(_results_have_intents(log.run_id, records))
     problems.extend(_no_attempt_after_final_error(log.run_id, records))
     problems.extend(_steps_contiguous(log.run_id, records))
+    problems.extend(_steps_in_order(log.run_id, records))
+    problems.extend(_nothing_after_the_answer(log.run_id, records))
     problems.extend(check_approvals(log))
     problems.extend(check_action_results(log))
     problems.extend(check_child_waits(log))
@@ -346,6 +348,8 @@ def check_approvals(log: RunLog) -> list[str]:
 
     - a call that waited for approval has its decision recorded before its action intent,
       and only an approve or edit decision lets it start;
+    - a call has at most one decision: the first counts, a second is refused and never
+      recorded (docs/events.md, "Human approval");
     - no action of a rejected (or expired) call ran: no intent, and a NOT_EXECUTED result;
     - an edited call ran with the edited arguments.
 
@@ -360,7 +364,14 @@ def check_approvals(log: RunLog) -> list[str]:
         if isinstance(record, ApprovalRequested):
             requested.add((record.step, record.call_id))
         elif isinstance(record, ApprovalDecided):
-            decided.setdefault((record.step, record.call_id), record)
+            key = (record.step, record.call_id)
+            if key in decided:
+                problems.append(
+                    f"{run_id}: call {record.call_id} of step {record.step} was decided twice "
+                    f"({decided[key].decision}, then {record.decision}): the first decision "
+                    "counts and a second is refused, never recorded"
+                )
+            decided.setdefault(key, record)
         elif isinstance(record, ActionIntent):
             key = (record.step, record.call_id)
             problems.extend(
@@ -407,7 +418,9 @@ def check_records(log: RunLog) -> list[str]:
     - an action result is of its intent's call: the same call id, tool and step;
     - a step record lists the action results of its write, in order, names a model intent
       of the log, and each result's observation is in what the step's history shows;
-    - a step's actions are what its model reply asked for (`check_actions_asked_for`).
+    - a step's actions are what its model reply asked for (`check_actions_asked_for`), and
+      each call its reply asked for got an action (`check_calls_answered`);
+    - a model result is of its intent's step.
 
     Returns:
         One sentence per violation.
@@ -426,6 +439,7 @@ def check_records(log: RunLog) -> list[str]:
     problems.extend(_intents_once_and_answered_in_kind(run_id, log.records))
     problems.extend(_steps_hold_their_results(run_id, log.records))
     problems.extend(check_actions_asked_for(log))
+    problems.extend(check_calls_answered(log))
     return problems
 
 
@@ -469,6 +483,63 @@ def check_actions_asked_for(log: RunLog) -> list[str]:
                 problems.extend(_no_call_run_twice(log.run_id, record.step, ran))
                 problems.extend(_intents_are_its_calls(log.run_id, record, ran, edited))
     return problems
+
+
+def check_calls_answered(log: RunLog) -> list[str]:
+    """Each native call a step's history message holds got an action in the step.
+
+    The calls of the assistant message that entered history are answered by their actions'
+    observations (docs/seams.md, "Decision parser": every call id kept so each one is
+    answered; no call turned into an answer). So a step record whose history message holds
+    calls lists, among its action results, one for each of them (an intent and its result,
+    or the not-executed result of a call a human refused), except:
+
+    - a step not decided as actions: an invalid decision's feedback answers its calls;
+    - a step the run stopped in (a cancel, the time budget, a crash, a budget ending the run
+      before its actions): its write holds a late or unknown result, or no model call
+      follows it. Its calls without a result were never started.
+
+    Returns:
+        One sentence per step with calls that got no action.
+    """
+    results: dict[str, ActionResult] = {}
+    last_call = max(
+        (i for i, r in enumerate(log.records) if isinstance(r, ModelIntent)), default=-1
+    )
+    problems: list[str] = []
+    for index, record in enumerate(log.records):
+        if isinstance(record, ActionResult):
+            results[record.intent_id] = record
+        elif isinstance(record, StepRecord):
+            mine = [results[i] for i in record.action_result_ids if i in results]
+            stopped = index > last_call or any(_cut(result) for result in mine)
+            problems.extend(_unanswered(log.run_id, record, mine, stopped))
+    return problems
+
+
+def _cut(result: ActionResult) -> bool:
+    """A result of a call the run stopped waiting for, or could not tell the outcome of."""
+    return result.late or result.outcome.status is ActionStatus.UNKNOWN
+
+
+def _unanswered(
+    run_id: str,
+    step: StepRecord,
+    results: Sequence[ActionResult],
+    stopped: bool,
+) -> list[str]:
+    """The sentence for ``step``'s history calls that no result of its write answers."""
+    message = step.history_message
+    if message is None or step.decision is not DecisionKind.ACTIONS:
+        return []
+    answered = {result.call_id for result in results}
+    missing = [] if stopped else [c.id for c in message.tool_calls if c.id not in answered]
+    if not missing:
+        return []
+    return [
+        f"{run_id}: step {step.step}'s reply asked for calls {missing}, but got no action (no "
+        "intent and no result in the step)"
+    ]
 
 
 def _intents_follow_their_reply(
@@ -545,6 +616,13 @@ def _intents_once_and_answered_in_kind(run_id: str, records: Sequence[Any]) -> l
             if record.intent_id in intents:
                 problems.append(f"{run_id}: intent {record.intent_id} was written twice")
             intents[record.intent_id] = record
+        elif isinstance(record, ModelResult):
+            model = intents.get(record.intent_id)
+            if isinstance(model, ModelIntent) and model.step != record.step:
+                problems.append(
+                    f"{run_id}: model result {record.intent_id} is of step {record.step}, its "
+                    f"intent of step {model.step}"
+                )
         elif isinstance(record, ActionResult):
             intent = intents.get(record.intent_id)
             if not isinstance(intent, ActionIntent):
@@ -716,6 +794,59 @@ def check_context(log: RunLog) -> list[str]:
                 f"1-{context.summary_through}, which the log does not hold before it"
             )
     return problems
+
+
+_OF_A_STEP = (
+    ModelIntent,
+    ModelResult,
+    ActionIntent,
+    ActionResult,
+    ApprovalRequested,
+    ApprovalDecided,
+    ChildrenAwaited,
+)
+"""Records written while their step is under way, before its step record."""
+
+
+def _steps_in_order(run_id: str, records: Sequence[Any]) -> list[str]:
+    """A step's records come after the record of the step before it and before its own.
+
+    Steps run one at a time (docs/crash-safety.md, "The write protocol"): nothing of step
+    ``n + 1`` is written before step ``n``'s record, and no model call or action of a step
+    follows that step's record.
+    """
+    problems: list[str] = []
+    done = 0  # the number of the last step record so far
+    for seq, record in enumerate(records, start=1):
+        if isinstance(record, StepRecord):
+            done = max(done, record.step)
+        elif isinstance(record, _OF_A_STEP) and not done < record.step <= done + 1:
+            kind = type(record).__name__
+            problems.append(
+                f"{run_id}: record {seq} ({kind}) is of step {record.step}, written after the "
+                f"record of step {done}"
+                if record.step <= done
+                else f"{run_id}: record {seq} ({kind}) is of step {record.step}, written "
+                f"before the record of step {record.step - 1}"
+            )
+    return problems
+
+
+def _nothing_after_the_answer(run_id: str, records: Sequence[Any]) -> list[str]:
+    """A step decided as the final answer is the run's last: no model call or step follows.
+
+    The run ends with that answer (docs/concepts.md, "Stop reasons").
+    """
+    answered: int | None = None
+    for seq, record in enumerate(records, start=1):
+        if answered is not None and isinstance(record, (*_OF_A_STEP, StepRecord)):
+            return [
+                f"{run_id}: record {seq} ({type(record).__name__}) follows step {answered}, "
+                "whose decision was the final answer"
+            ]
+        if isinstance(record, StepRecord) and record.decision is DecisionKind.FINAL_ANSWER:
+            answered = record.step
+    return []
 
 
 def _steps_contiguous(run_id: str, records: Sequence[Any]) -> list[str]:
