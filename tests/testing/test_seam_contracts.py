@@ -15,8 +15,9 @@ import treadle
 from treadle import SeamViolation
 from treadle.policies import POLICY_METHODS, policies_of
 from treadle.testing.faults import CrashingExecutor, CrashingStore
+from treadle.testing.invariants import check_invariants
 from treadle.testing.loopback import CannedResponse, canned, open_loopback_server
-from treadle.testing.scripted import ScriptedModel, call, say
+from treadle.testing.scripted import ScriptedModel, call, calls, say
 from treadle.testing.seams import (
     SeamContractError,
     check_action_executor,
@@ -34,6 +35,7 @@ from treadle.types import (
     ModelErrorInfo,
     ModelReply,
     ParsedReply,
+    ToolCall,
     Usage,
 )
 
@@ -137,6 +139,17 @@ class AnswersInsteadOfCalling(_Wrapping):
         )
 
 
+class AnswersKeepingTheCalls(_Wrapping):
+    """Takes the text of a reply with text and calls as the answer; history keeps the calls."""
+
+    def change(self, parsed):
+        if parsed.kind is not DecisionKind.ACTIONS or not parsed.history_message.content:
+            return parsed
+        return attrs.evolve(
+            parsed, kind=DecisionKind.FINAL_ANSWER, actions=(), text=parsed.history_message.content
+        )
+
+
 class CallsAnotherTool(_Wrapping):
     """Keeps every call id, but aims each call at ``refund`` (in history and actions alike)."""
 
@@ -180,6 +193,8 @@ class RunsOtherArguments(_Wrapping):
         (KeepsTheFirstCall(), "are not in the history message.*every call id must be kept"),
         (RenamesCalls(), "are not in the history message.*every call id must be kept"),
         (AnswersInsteadOfCalling(), "are not in the history message.*every call id must be kept"),
+        # This one passed: the calls were kept in history, but never run nor answered.
+        (AnswersKeepingTheCalls(), "FINAL_ANSWER whose history message holds the calls"),
         # These three passed: only the ids were compared, not what the calls call.
         (CallsAnotherTool(), "call another tool in the history"),
         (ReplacesArguments(), "have other arguments in the history message"),
@@ -192,6 +207,7 @@ class RunsOtherArguments(_Wrapping):
         "all-but-the-first-dropped",
         "renamed",
         "calls-turned-into-an-answer",
+        "calls-kept-in-an-answer",
         "another-tool",
         "other-arguments",
         "actions-with-other-arguments",
@@ -206,6 +222,24 @@ def test_a_parser_whose_actions_are_not_its_history_calls_fails_the_contract(par
 async def lookup(q: str) -> str:
     """Look something up."""
     return f"found {q}"
+
+
+async def test_a_run_whose_calls_were_turned_into_the_answer_fails_the_invariants():
+    store = treadle.MemoryStore()
+    agent = treadle.Agent(
+        model=ScriptedModel(
+            turns=[calls(ToolCall(id="c1", name="lookup", arguments={"q": "x"}), text="Looking.")]
+        ),
+        executor=treadle.Toolbox([lookup]),
+        parser=AnswersKeepingTheCalls(),
+    )
+    result = await treadle.run(agent, "go", store=store, run_id="answered")
+    assert result.final_answer == "Looking."  # the call never ran
+    problems = check_invariants(await store.read_log("answered"))
+    assert any(
+        "asked for calls ['c1'], but the step was decided as the final answer" in p
+        for p in problems
+    ), problems
 
 
 async def test_toolbox_keeps_the_contract():

@@ -494,14 +494,20 @@ def check_calls_answered(log: RunLog) -> list[str]:
     calls lists, among its action results, one for each of them (an intent and its result,
     or the not-executed result of a call a human refused), except:
 
-    - a step not decided as actions: an invalid decision's feedback answers its calls;
+    - an invalid decision, whose feedback answers its calls;
+    - the final answer of an agent with an output type, given by a call of its output tool
+      (docs/structured-output.md, "Native or a final-answer tool"), which never runs;
     - a step the run stopped in (a cancel, the time budget, a crash, a budget ending the run
       before its actions): its write holds a late or unknown result, or no model call
       follows it. Its calls without a result were never started.
 
+    A step decided as the final answer holds no other call: a call turned into an answer
+    never runs, and nothing answers it.
+
     Returns:
         One sentence per step with calls that got no action.
     """
+    output_tool = _output_tool(log)
     results: dict[str, ActionResult] = {}
     last_call = max(
         (i for i, r in enumerate(log.records) if isinstance(r, ModelIntent)), default=-1
@@ -513,8 +519,16 @@ def check_calls_answered(log: RunLog) -> list[str]:
         elif isinstance(record, StepRecord):
             mine = [results[i] for i in record.action_result_ids if i in results]
             stopped = index > last_call or any(_cut(result) for result in mine)
-            problems.extend(_unanswered(log.run_id, record, mine, stopped))
+            problems.extend(_unanswered(log.run_id, record, mine, stopped, output_tool))
     return problems
+
+
+def _output_tool(log: RunLog) -> str | None:
+    """The name of the run's final-answer tool (its snapshot's ``output``), if it has one."""
+    first = log.records[0] if log.records else None
+    output = first.snapshot.get("output") if isinstance(first, RunStarted) else None
+    name = output.get("name") if isinstance(output, dict) else None
+    return name if isinstance(name, str) else None
 
 
 def _cut(result: ActionResult) -> bool:
@@ -527,19 +541,22 @@ def _unanswered(
     step: StepRecord,
     results: Sequence[ActionResult],
     stopped: bool,
+    output_tool: str | None,
 ) -> list[str]:
     """The sentence for ``step``'s history calls that no result of its write answers."""
     message = step.history_message
-    if message is None or step.decision is not DecisionKind.ACTIONS:
+    if message is None or step.decision in (None, DecisionKind.INVALID):
         return []
-    answered = {result.call_id for result in results}
-    missing = [] if stopped else [c.id for c in message.tool_calls if c.id not in answered]
+    if step.decision is DecisionKind.FINAL_ANSWER:
+        missing = [c.id for c in message.tool_calls if step.output is None or c.name != output_tool]
+        what = "but the step was decided as the final answer: the calls were turned into it"
+    else:
+        answered = {result.call_id for result in results}
+        missing = [] if stopped else [c.id for c in message.tool_calls if c.id not in answered]
+        what = "but got no action (no intent and no result in the step)"
     if not missing:
         return []
-    return [
-        f"{run_id}: step {step.step}'s reply asked for calls {missing}, but got no action (no "
-        "intent and no result in the step)"
-    ]
+    return [f"{run_id}: step {step.step}'s reply asked for calls {missing}, {what}"]
 
 
 def _intents_follow_their_reply(

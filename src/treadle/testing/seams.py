@@ -158,7 +158,8 @@ def check_decision_parser(
     aimed at another tool), a complete call with its arguments too (an ``INVALID`` decision
     may keep them as ``{}``); the actions of ``ACTIONS`` are the history message's calls (the
     same ids, tools and arguments, in order; a history without calls only for calls written
-    as text, whose action ids must differ); ``FINAL_ANSWER`` has text; and parsing is pure
+    as text, whose action ids must differ); ``FINAL_ANSWER`` has text and no call in its
+    history message (a call it kept would never run nor be answered); and parsing is pure
     (the same reply twice gives equal decisions).
 
     Raises:
@@ -194,8 +195,24 @@ def _check_decision(parsed: ParsedReply, reply: ModelReply) -> None:
     else:
         _expect(parsed.text is not None, f"FINAL_ANSWER without text {where}")
         _expect(not parsed.actions, f"FINAL_ANSWER with actions {where}")
+        _check_no_call_answered_for(parsed, where)
     if reply.finish_reason == "length" and reply.invalid_tool_calls:
         _expect(parsed.kind is not DecisionKind.ACTIONS, f"a truncated call was executed {where}")
+
+
+def _check_no_call_answered_for(parsed: ParsedReply, where: str) -> None:
+    """A final answer's history message holds no call: no call is turned into an answer.
+
+    docs/seams.md, "Decision parser": every call id is kept so each one is answered, by its
+    action's observation (``ACTIONS``) or by the feedback (``INVALID``); a final answer
+    answers none, so a call it kept would never run nor be answered.
+    """
+    kept = [call.id for call in parsed.history_message.tool_calls]
+    _expect(
+        not kept,
+        f"FINAL_ANSWER whose history message holds the calls {kept}: the calls are turned "
+        f"into an answer, never run nor answered (decide ACTIONS, or INVALID) {where}",
+    )
 
 
 def _check_calls_kept(reply: ModelReply, parsed: ParsedReply, where: str) -> None:
