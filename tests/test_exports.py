@@ -154,6 +154,7 @@ SIMULATION = sorted(
         "RECONCILED",
         "THREAD_FIRST_ANSWER",
         "TIME_SLACK_S",
+        "VIRTUAL_TIME_SLACK_S",
         "ActorScenario",
         "ApprovalPlan",
         "ApprovingScenario",

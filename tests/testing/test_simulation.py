@@ -465,6 +465,22 @@ async def _usage_log():
     return log
 
 
+async def test_a_real_clocks_few_milliseconds_past_the_time_budget_are_no_overshoot():
+    """A run stopped on ``time_budget`` by a real clock ends a few ms past it (1.0012 s to
+    1.0049 s of a 1 s budget were seen): not an overshoot, except on the virtual clock."""
+    log = await _usage_log()
+    finished = log.records[-1]
+    budget = Budgets(time_budget_s=finished.totals.active_s)
+    late = attrs.evolve(finished.totals, active_s=finished.totals.active_s + 0.005)
+    real = _replace(log, len(log.records) - 1, attrs.evolve(finished, totals=late))
+    assert check_invariants(real, budgets=budget) == []
+    virtual = check_invariants(real, budgets=budget, time_slack_s=simulation.VIRTUAL_TIME_SLACK_S)
+    assert any("overshoot the time budget" in p for p in virtual), virtual
+    waited = attrs.evolve(finished.totals, active_s=finished.totals.active_s + 2.0)  # a grace
+    overshot = _replace(log, len(log.records) - 1, attrs.evolve(finished, totals=waited))
+    assert any("overshoot the time budget" in p for p in check_invariants(overshot, budgets=budget))
+
+
 async def test_check_budgets_flags_overshooting_logs(autojump_clock):
     from treadle.types import ModelIntent, ModelResult, Totals
 

@@ -47,9 +47,7 @@ from treadle.testing._sim_faults import (
 from treadle.testing._sim_ledger import CONTROL_POLL_S, LedgerScenario
 from treadle.testing._sim_scenario import Scenario, _scenario_actors, _scenario_agent
 from treadle.testing.faults import CrashingStore, FailingStore, SimulatedCrash
-from treadle.testing.invariants import (
-    check_invariants,
-)
+from treadle.testing.invariants import VIRTUAL_TIME_SLACK_S, check_invariants
 from treadle.testing.scripted import ScriptedModel, say
 from treadle.tools import call_tools_inline
 from treadle.types import (
@@ -256,7 +254,7 @@ async def _simulate(seed: int, plan: FaultPlan, runs: int, scenario: Scenario) -
     for index, log in enumerate(logs):
         violations.extend(drivers[index].violations())
         budgets = scenario.agent(worlds[index]).budgets
-        violations.extend(check_invariants(log, budgets=budgets))
+        violations.extend(check_invariants(log, budgets=budgets, time_slack_s=VIRTUAL_TIME_SLACK_S))
         violations.extend(scenario.check(log, worlds[index]))
         model = models[index]
         if model is not None:

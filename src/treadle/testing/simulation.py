@@ -47,6 +47,7 @@ from treadle.testing._sim_scenario import Scenario as Scenario
 from treadle.testing._sim_scenario import StoreScenario as StoreScenario
 from treadle.testing.faults import FAULT_KINDS as FAULT_KINDS
 from treadle.testing.invariants import TIME_SLACK_S as TIME_SLACK_S
+from treadle.testing.invariants import VIRTUAL_TIME_SLACK_S as VIRTUAL_TIME_SLACK_S
 from treadle.testing.invariants import EffectLedger as EffectLedger
 from treadle.testing.invariants import check_approvals as check_approvals
 from treadle.testing.invariants import check_budgets as check_budgets
@@ -64,6 +65,7 @@ __all__ = [
     "RECONCILED",
     "THREAD_FIRST_ANSWER",
     "TIME_SLACK_S",
+    "VIRTUAL_TIME_SLACK_S",
     "ActorScenario",
     "ApprovalPlan",
     "ApprovingScenario",
