@@ -255,6 +255,24 @@ async def test_tool_use_with_streamed_input_json():
     assert (reply.usage.input_tokens, reply.usage.output_tokens) == (472, 89)
 
 
+async def test_an_empty_text_block_beside_a_tool_use_is_no_text():
+    """A text block that stays empty is ``None``, never "" standing for nothing
+    (docs/seams.md, "Model client")."""
+    chunks = [
+        message_start(),
+        block_start(0, {"type": "text", "text": ""}),
+        block_stop(0),
+        block_start(1, {"type": "tool_use", "id": "toolu_a", "name": "now", "input": {}}),
+        json_delta(1, ""),
+        block_stop(1),
+        message_delta("tool_use"),
+        MESSAGE_STOP,
+    ]
+    reply, _ = await call(CannedResponse(headers=SSE, chunks=chunks))
+    assert reply.text is None
+    assert [c.id for c in reply.tool_calls] == ["toolu_a"]
+
+
 async def test_tool_use_without_arguments_and_parallel_calls():
     chunks = [
         message_start(),

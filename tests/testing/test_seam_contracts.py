@@ -128,14 +128,18 @@ class RenamesCalls(_Wrapping):
 
 
 class AnswersInsteadOfCalling(_Wrapping):
-    """Turns a reply with calls into an empty final answer."""
+    """Turns a reply with calls into a final answer, dropping the calls."""
 
     def change(self, parsed):
         if parsed.kind is not DecisionKind.ACTIONS:
             return parsed
         history = attrs.evolve(parsed.history_message, tool_calls=())
         return attrs.evolve(
-            parsed, kind=DecisionKind.FINAL_ANSWER, actions=(), text="", history_message=history
+            parsed,
+            kind=DecisionKind.FINAL_ANSWER,
+            actions=(),
+            text="Done.",
+            history_message=history,
         )
 
 
@@ -148,6 +152,15 @@ class AnswersKeepingTheCalls(_Wrapping):
         return attrs.evolve(
             parsed, kind=DecisionKind.FINAL_ANSWER, actions=(), text=parsed.history_message.content
         )
+
+
+class AnswersWithNothing(_Wrapping):
+    """Gives every final answer the text "" (an empty reply is an invalid decision)."""
+
+    def change(self, parsed):
+        if parsed.kind is not DecisionKind.FINAL_ANSWER:
+            return parsed
+        return attrs.evolve(parsed, text="")
 
 
 class CallsAnotherTool(_Wrapping):
@@ -216,6 +229,11 @@ class RunsOtherArguments(_Wrapping):
 def test_a_parser_whose_actions_are_not_its_history_calls_fails_the_contract(parser, rule):
     with pytest.raises(SeamContractError, match=rule):
         check_decision_parser(parser)
+
+
+def test_a_parser_whose_final_answer_is_empty_text_fails_the_contract():
+    with pytest.raises(SeamContractError, match="FINAL_ANSWER without text \\(''\\)"):
+        check_decision_parser(AnswersWithNothing())
 
 
 @treadle.tool
@@ -752,6 +770,19 @@ class LyingModel:
         if on_delta:
             on_delta("text", "abc")
         return ModelReply(text="xyz")
+
+
+class EmptyTextBesideCalls:
+    """Answers a tool-only turn with text "" instead of None."""
+
+    async def complete(self, request, *, on_delta=None, attempt=Attempt.STANDALONE):
+        await trio.lowlevel.checkpoint()
+        return ModelReply(text="", tool_calls=(ToolCall(id="c1", name="lookup", arguments={}),))
+
+
+async def test_a_client_whose_text_is_empty_for_nothing_fails_the_contract():
+    with pytest.raises(SeamContractError, match=r'reply\.text is "": a reply without visible'):
+        await check_model_client(EmptyTextBesideCalls())
 
 
 async def test_a_broken_model_client_fails_the_contract():

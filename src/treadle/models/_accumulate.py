@@ -350,8 +350,13 @@ class StreamAccumulator:
 
     @property
     def text(self) -> str | None:
-        """Visible text so far; ``None`` when the server sent no content at all."""
-        return None if self._text is None else "".join(self._text)
+        """Visible text so far; ``None`` when the server sent none (no content, or only ``""``).
+
+        A tool-only turn's text is ``None``, never ``""`` standing for nothing
+        (docs/seams.md, "Model client"), whether the server left ``content`` out, sent
+        ``null``, or sent ``""`` (as many do in the first delta).
+        """
+        return "".join(self._text) if self._text else None
 
     def add(self, data: str, *, event: str = "message") -> None:
         """Fold one SSE event's ``data``.

@@ -160,9 +160,12 @@ class MessageAccumulator:
 
     @property
     def text(self) -> str | None:
-        """Visible text so far; ``None`` when the reply has no text block."""
+        """Visible text so far; ``None`` when the reply has none (no text block, or empty ones).
+
+        Never ``""`` standing for nothing (docs/seams.md, "Model client").
+        """
         parts = [p for b in self._ordered() if b.type == "text" for p in b.parts]
-        return "".join(parts) if any(b.type == "text" for b in self._blocks.values()) else None
+        return "".join(parts) or None
 
     def add(self, data: str, *, event: str = "message") -> None:
         """Fold one SSE event.

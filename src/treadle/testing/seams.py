@@ -158,7 +158,8 @@ def check_decision_parser(
     aimed at another tool), a complete call with its arguments too (an ``INVALID`` decision
     may keep them as ``{}``); the actions of ``ACTIONS`` are the history message's calls (the
     same ids, tools and arguments, in order; a history without calls only for calls written
-    as text, whose action ids must differ); ``FINAL_ANSWER`` has text and no call in its
+    as text, whose action ids must differ); ``FINAL_ANSWER`` has text (not ``None`` nor
+    ``""``: an empty reply is ``INVALID``, as the built-in parsers decide it) and no call in its
     history message (a call it kept would never run nor be answered); and parsing is pure
     (the same reply twice gives equal decisions).
 
@@ -193,7 +194,7 @@ def _check_decision(parsed: ParsedReply, reply: ModelReply) -> None:
         _expect(bool(parsed.feedback), f"INVALID without feedback {where}")
         _expect(not parsed.actions, f"INVALID with actions {where}")
     else:
-        _expect(parsed.text is not None, f"FINAL_ANSWER without text {where}")
+        _expect(bool(parsed.text), f"FINAL_ANSWER without text ({parsed.text!r}) {where}")
         _expect(not parsed.actions, f"FINAL_ANSWER with actions {where}")
         _check_no_call_answered_for(parsed, where)
     if reply.finish_reason == "length" and reply.invalid_tool_calls:
@@ -509,7 +510,8 @@ async def check_model_client(
     ``complete`` takes the keyword-only ``attempt`` argument, with a default (a call outside a
     run passes none); the call returns a `ModelReply` (or raises `ModelCallError` with a
     classified kind and a `Usage`); usage counts, the reply's, each report's and a raised
-    error's, are ints >= 0 or ``None`` (never a made-up value of another type); every tool call
+    error's, are ints >= 0 or ``None`` (never a made-up value of another type); the text is
+    ``None`` when there is none (never ``""``); every tool call
     has a non-empty id and a dict of arguments; the streamed text fragments, when any were
     delivered, add up to the reply's text; every usage report is a `Usage`, and the reply's
     usage is the last one reported (the run records the reply's usage, docs/models.md,
@@ -559,6 +561,11 @@ async def check_model_client(
         ) from exc
     problem = reply_problem(reply)
     _expect(problem is None, problem or "")
+    _expect(
+        reply.text != "",
+        'reply.text is "": a reply without visible text (a tool-only turn) has text None, '
+        'never "" standing for nothing (docs/seams.md, "Model client")',
+    )
     if fragments:
         _expect("".join(fragments) == (reply.text or ""), "text deltas must add up to the text")
     reported = [problem for problem in map(usage_problem, reports) if problem is not None]
