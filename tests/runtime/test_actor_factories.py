@@ -324,6 +324,9 @@ async def test_latency_waits_inside_the_step_scope_so_the_time_budget_still_hold
 def test_with_latency_refuses_bad_rates():
     with pytest.raises(ValueError, match="rate"):
         with_latency(real_gateway, seed=1, rate=1.5)
+    for rate in (True, False, "0.5", float("nan")):  # True was taken as a rate of 1
+        with pytest.raises(UsageError, match=f"rate must be a number within 0..1, not {rate!r}"):
+            with_latency(real_gateway, seed=1, rate=rate)  # type: ignore[arg-type]
     built = with_latency(real_hydrator, seed=1, rate=0.0)
     assert callable(built)
     assert DelayedActor.__name__ == "DelayedActor"

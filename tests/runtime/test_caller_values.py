@@ -220,10 +220,12 @@ async def test_a_tool_whose_exception_or_text_cannot_be_printed_is_still_execute
 @pytest.mark.parametrize(
     ("arguments", "said"),
     [
-        ({"seed": None}, "seed must be an int, not None"),
-        ({"seed": "1"}, "seed must be an int"),
-        ({"seed": 1.5}, "seed must be an int"),
-        ({"seed": True}, "seed must be an int"),
+        ({"seed": None}, "seed must be a whole number of 0 or more, not None"),
+        ({"seed": "1"}, "seed must be a whole number of 0 or more"),
+        ({"seed": 1.5}, "seed must be a whole number of 0 or more"),
+        ({"seed": True}, "seed must be a whole number of 0 or more"),
+        # It ran, while `treadle simulate --from -1` is refused.
+        ({"seed": -1}, "seed must be a whole number of 0 or more, not -1"),
         ({"seed": 1, "runs": 0}, "runs must be a whole number of 1 or more"),
         ({"seed": 1, "steps": -1}, "steps must be a whole number of 1 or more"),
     ],

@@ -329,12 +329,14 @@ def with_latency(
         on_delay: called with each delay drawn.
 
     Raises:
-        UsageError: (a `ValueError`) ``rate`` outside 0..1, or a ``max_s`` that is negative
+        UsageError: (a `ValueError`) ``rate`` no number within 0..1 (a bool included), or a
+            ``max_s`` that is negative
             or not finite (NaN, infinity), refused here rather than by the run that draws a
             delay from it (docs/simulation.md, "Swapping actors").
     """
-    if not 0 <= rate <= 1:
-        raise UsageError(f"with_latency: rate must be within 0..1, not {rate!r}")
+    number = isinstance(rate, int | float) and not isinstance(rate, bool)
+    if not (number and 0 <= rate <= 1):  # a bool is no probability, though True == 1
+        raise UsageError(f"with_latency: rate must be a number within 0..1, not {rate!r}")
     if not (math.isfinite(max_s) and max_s >= 0):
         raise UsageError(
             f"with_latency: max_s must be a finite number of seconds >= 0, not {max_s!r}"

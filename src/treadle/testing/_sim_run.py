@@ -133,16 +133,18 @@ def simulate(
         The result, with ``ok`` false and violations listed when an invariant broke.
 
     Raises:
-        UsageError: ``seed`` is not an int (a seed must reproduce the simulation), ``runs``
-            or ``steps`` is not a whole number of 1 or more, ``plan`` is no `FaultPlan`,
+        UsageError: ``seed`` is not a whole number of 0 or more (a seed must reproduce the
+            simulation; ``treadle simulate --from`` takes the same), ``runs`` or ``steps`` is
+            not a whole number of 1 or more, ``plan`` is no `FaultPlan`,
             ``scenario`` lacks a method of `Scenario`, or it is called inside a trio run (an
             ``async`` test): it is its own trio run, and has no ``async`` form.
     """
     _refuse_inside_trio("simulate")
-    for name, value, least in (("seed", seed, None), ("runs", runs, 1), ("steps", steps, 1)):
-        if not isinstance(value, int) or isinstance(value, bool) or (least and value < least):
-            wanted = "an int" if least is None else f"a whole number of {least} or more"
-            raise UsageError(f"simulate: {name} must be {wanted}, not {value!r}")
+    for name, value, least in (("seed", seed, 0), ("runs", runs, 1), ("steps", steps, 1)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < least:
+            raise UsageError(
+                f"simulate: {name} must be a whole number of {least} or more, not {value!r}"
+            )
     if plan is not None and not isinstance(plan, FaultPlan):
         raise UsageError(
             f"simulate: plan must be a FaultPlan (e.g. FaultPlan.of(['crash'])), not {plan!r}"
