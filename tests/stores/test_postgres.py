@@ -184,6 +184,72 @@ async def test_an_older_layout_schema_is_marked_4_and_its_rows_read_as_written(
     assert bytes(kinds[-1][1]).startswith(b'["mi",1,2,')
 
 
+async def _at_layout(dsn: str, schema: str, layout: str) -> None:
+    """A store in ``schema`` whose meta table says ``layout``, as an older treadle left it."""
+    async with treadle.open_postgres_store(dsn, schema=schema):
+        pass
+    with psycopg.connect(dsn, autocommit=True) as admin:
+        admin.execute(f"UPDATE {schema}.meta SET value = %s WHERE key = 'layout'", (layout,))
+
+
+def _layout_of(dsn: str, schema: str) -> str:
+    with psycopg.connect(dsn, autocommit=True) as admin:
+        row = admin.execute(f"SELECT value FROM {schema}.meta WHERE key = 'layout'").fetchone()
+    assert row is not None
+    return str(row[0])
+
+
+@pytest.mark.parametrize("old_layout", ["2", "3"])
+async def test_an_older_layout_schema_is_marked_4_by_an_open_that_creates_nothing(
+    postgres_dsn: str, postgres_schema: str, old_layout: str
+) -> None:
+    """Every command of the command line opens with ``create=False``: `treadle approve` and
+    `treadle resume` wrote rows of record schema 3 into a layout-3 schema left at 3, and a
+    layout-3 treadle then read the run as damaged ("record 17 (rf) does not decode") instead
+    of refusing the schema as too new (docs/crash-safety.md, "Versions")."""
+    await _at_layout(postgres_dsn, postgres_schema, old_layout)
+    async with treadle.open_postgres_store(postgres_dsn, schema=postgres_schema, create=False):
+        assert _layout_of(postgres_dsn, postgres_schema) == str(_sql.LAYOUT_VERSION) == "4"
+
+
+async def test_treadles_opening_an_older_layout_schema_at_once_all_open_it_marked(
+    postgres_dsn: str, postgres_schema: str
+) -> None:
+    await _at_layout(postgres_dsn, postgres_schema, "3")
+    opened: list[int] = []
+
+    async def open_one() -> None:
+        async with treadle.open_postgres_store(
+            postgres_dsn, schema=postgres_schema, create=False
+        ) as store:
+            assert await store.list_runs() == ()
+            opened.append(1)
+
+    with trio.fail_after(60):
+        async with trio.open_nursery() as nursery:
+            for _ in range(6):
+                nursery.start_soon(open_one)
+    assert len(opened) == 6
+    assert _layout_of(postgres_dsn, postgres_schema) == "4"
+
+
+async def test_an_older_layout_schema_that_cannot_be_marked_is_not_opened(
+    postgres_dsn: str, postgres_schema: str
+) -> None:
+    """A read-only session (a role without the privilege, a standby) cannot mark the schema:
+    opening it would let this treadle's rows into a schema an older treadle still reads."""
+    await _at_layout(postgres_dsn, postgres_schema, "3")
+    read_only = psycopg.conninfo.make_conninfo(
+        postgres_dsn, options="-c default_transaction_read_only=on"
+    )
+    with pytest.raises(treadle.StoreRefused) as info:
+        await PostgresStore.open(read_only, schema=postgres_schema, create=False)
+    said = str(info.value)
+    assert "its tables are of the layout 3, which this treadle marks 4" in said
+    assert "read-only transaction" in said and "treadle:treadle@" not in said
+    assert _layout_of(postgres_dsn, postgres_schema) == "3"
+
+
 @pytest.mark.parametrize("failure", ["wrong password", "nothing listens"])
 async def test_the_password_is_never_shown(postgres_dsn: str, failure: str) -> None:
     """The server refuses the password (it must ask for one: `.ci/run` uses scram-sha-256 on

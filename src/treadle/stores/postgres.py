@@ -29,7 +29,7 @@ import contextlib
 import functools
 import re
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Iterator, Sequence
 from typing import Any, Final
 
 import trio
@@ -257,7 +257,7 @@ def _translate(description: str, exc: BaseException, what: str) -> TreadleError 
     psycopg = _psycopg()
     if not isinstance(exc, psycopg.Error):
         return None
-    message = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    message = _first_line(exc)
     if isinstance(exc, psycopg.errors.DataCorrupted | psycopg.errors.IndexCorrupted):
         return LogCorrupted(f"the database is damaged: {message}", where=description, offset=0)
     errors = psycopg.errors
@@ -288,19 +288,49 @@ def _lost_connection(exc: BaseException) -> bool:
 # --------------------------------------------------------------------------- the schema
 
 
-def _ensure_schema(dialect: PostgresDialect, conn: Any) -> None:
-    """Create the tables once (under an advisory lock), mark layouts 2 and 3 as 4, refuse newer.
+def _ensure_schema(dialect: PostgresDialect, conn: Any, *, create: bool) -> None:
+    """Create the tables when missing (``create``), mark layouts 2 and 3 as 4, refuse newer.
 
-    A schema already at this layout is only read: creating what exists would still take
-    locks on its tables (``CREATE INDEX IF NOT EXISTS`` waits for writers to finish, and
-    every commit then waits behind it).
+    Every open marks an older layout, a reading command's (``create=False``) too, as SQLite's
+    does: rows this treadle writes may hold fields of record schema 3, and the mark makes an
+    older treadle refuse the schema (`SchemaTooNew`) instead of reading them as damage
+    (docs/crash-safety.md, "Versions"). A schema already at this layout is only read:
+    creating what exists would still take locks on its tables (``CREATE INDEX IF NOT EXISTS``
+    waits for writers to finish, and every commit then waits behind it).
+
+    Raises:
+        StoreError: no store in the schema and ``create`` is false, or a layout no PostgreSQL
+            store had.
+        StoreRefused: an older layout that this role (or a read-only server) may not mark.
+        SchemaTooNew: the schema was laid out by a newer treadle.
+    """
+    layout = _current_layout(conn)
+    if layout is None:
+        if not create:
+            raise _no_store(dialect)
+        layout = _create_tables(dialect, conn)
+    elif layout != _sql.LAYOUT_VERSION:
+        _check_layout(layout, dialect)
+        layout = _mark_layout(dialect, conn, layout)
+    _check_layout(layout, dialect)
+
+
+def _no_store(dialect: PostgresDialect) -> StoreError:
+    return StoreError(
+        f"no treadle store in {dialect.description}: schema {dialect.schema!r} has no "
+        "treadle tables (a worker, `treadle submit` or `treadle.open_postgres_store` "
+        "creates them)"
+    )
+
+
+def _create_tables(dialect: PostgresDialect, conn: Any) -> int:
+    """Create the schema and its tables (once, under an advisory lock); the layout after.
+
+    Another treadle may create them at the same time: the lock orders the two, and one of an
+    older layout is marked as `_mark_layout` does.
     """
     psycopg = _psycopg()
-    if _current_layout(conn) == _sql.LAYOUT_VERSION:
-        return
-    conn.execute("BEGIN")
-    try:
-        conn.execute(f"SET LOCAL lock_timeout = '{DDL_LOCK_TIMEOUT}'")
+    with _schema_transaction(conn):
         conn.execute("SELECT pg_advisory_xact_lock(hashtext(%s))", (f"treadle:{dialect.schema}",))
         conn.execute(
             psycopg.sql.SQL("CREATE SCHEMA IF NOT EXISTS {}").format(
@@ -314,22 +344,65 @@ def _ensure_schema(dialect: PostgresDialect, conn: Any) -> None:
             "ON CONFLICT (key) DO NOTHING",
             (str(_sql.LAYOUT_VERSION), repr(time.time())),
         )
-        # Layouts 2 and 3 to 4 change no table: new rows are compact-encoded (layout 3) and
-        # may hold fields of record schema 3 (layout 4), old ones are read as they are; the
-        # mark makes an older treadle refuse the schema (SchemaTooNew) instead of meeting rows
-        # it cannot decode (docs/decisions/0085-compact-log-records.md; docs/crash-safety.md,
-        # "Versions").
-        conn.execute(
-            "UPDATE meta SET value = %s WHERE key = 'layout' AND value IN ('2', '3')",
-            (str(_sql.LAYOUT_VERSION),),
-        )
-        row = conn.execute("SELECT value FROM meta WHERE key = 'layout'").fetchone()
+        return _marked_layout(conn)
+
+
+def _mark_layout(dialect: PostgresDialect, conn: Any, layout: int) -> int:
+    """Mark a schema of ``layout`` 2 or 3 as this treadle's layout; the layout after.
+
+    Safe when several treadles open the schema at once: the second ``UPDATE`` waits for the
+    first one's row lock, then finds the layout changed and changes nothing.
+
+    Raises:
+        StoreRefused: the role may not update the ``meta`` table, or the server is read-only:
+            the schema is left unmarked and the store is not opened, since this treadle's rows
+            in an unmarked schema would read as damage to an older treadle; a role that may
+            update ``meta`` opens it once, and after that any role may.
+    """
+    errors = _psycopg().errors
+    try:
+        with _schema_transaction(conn):
+            return _marked_layout(conn)
+    except (errors.InsufficientPrivilege, errors.ReadOnlySqlTransaction) as exc:
+        raise StoreRefused(
+            f"cannot open {dialect.description}: its tables are of the layout "
+            f"{layout}, which this treadle marks {_sql.LAYOUT_VERSION} before "
+            f"writing to them, and the server refused the mark ({_first_line(exc)}); open it "
+            "once with a role that may update its meta table"
+        ) from None
+
+
+def _marked_layout(conn: Any) -> int:
+    """Mark layouts 2 and 3 as 4 (inside the caller's transaction); the layout after.
+
+    Layouts 2 and 3 to 4 change no table: new rows are compact-encoded (layout 3) and may hold
+    fields of record schema 3 (layout 4), old ones are read as they are
+    (docs/decisions/0085-compact-log-records.md; docs/crash-safety.md, "Versions").
+    """
+    conn.execute(
+        "UPDATE meta SET value = %s WHERE key = 'layout' AND value IN ('2', '3')",
+        (str(_sql.LAYOUT_VERSION),),
+    )
+    row = conn.execute("SELECT value FROM meta WHERE key = 'layout'").fetchone()
+    return _sql.layout_of(row[0])
+
+
+@contextlib.contextmanager
+def _schema_transaction(conn: Any) -> Iterator[None]:
+    """A transaction that waits at most `DDL_LOCK_TIMEOUT` for a lock; rolled back on error."""
+    conn.execute("BEGIN")
+    try:
+        conn.execute(f"SET LOCAL lock_timeout = '{DDL_LOCK_TIMEOUT}'")
+        yield
         conn.execute("COMMIT")
     except BaseException:
         with contextlib.suppress(Exception):
             conn.execute("ROLLBACK")
         raise
-    _check_layout(_sql.layout_of(row[0]), dialect)
+
+
+def _first_line(exc: BaseException) -> str:
+    return str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
 
 
 def _check_layout(layout: int, dialect: PostgresDialect) -> None:
@@ -347,23 +420,6 @@ def _check_layout(layout: int, dialect: PostgresDialect) -> None:
             f"not a readable treadle store: its meta table holds the layout {layout}, which no "
             f"PostgreSQL store had (the first was {FIRST_LAYOUT}); the table was changed by hand"
         )
-
-
-def _check_schema(dialect: PostgresDialect, conn: Any) -> None:
-    """Refuse a schema that holds no treadle store, or one laid out by a newer treadle.
-
-    Raises:
-        StoreError: no ``meta`` table (or no layout in it) in the schema.
-        SchemaTooNew: the schema was laid out by a newer treadle.
-    """
-    layout = _current_layout(conn)
-    if layout is None:
-        raise StoreError(
-            f"no treadle store in {dialect.description}: schema {dialect.schema!r} has no "
-            "treadle tables (a worker, `treadle submit` or `treadle.open_postgres_store` "
-            "creates them)"
-        )
-    _check_layout(layout, dialect)
 
 
 def _current_layout(conn: Any) -> int | None:
@@ -766,10 +822,7 @@ def _open(dsn: str, schema: str, create: bool) -> tuple[PostgresDialect, Any]:
             raise
         raise StoreError(scrub_password(str(error), dsn)) from None
     try:
-        if create:
-            _ensure_schema(dialect, conn)
-        else:
-            _check_schema(dialect, conn)
+        _ensure_schema(dialect, conn, create=create)
     except BaseException as exc:
         with contextlib.suppress(Exception):
             conn.close()
@@ -807,7 +860,9 @@ class PostgresStore(_sql.SqlStore):
                 ``public``.
             create: create the schema and its tables when missing; ``False`` refuses a schema
                 without them instead (reading commands must not leave tables in a database
-                they were pointed at by mistake).
+                they were pointed at by mistake). A schema of an older layout (2 or 3) is
+                marked with this treadle's whatever ``create`` says (docs/crash-safety.md,
+                "Versions").
 
         Returns:
             The open store; the caller owns it and must `aclose` it.
@@ -815,6 +870,8 @@ class PostgresStore(_sql.SqlStore):
         Raises:
             StoreError: the server cannot be reached or refuses the connection (the message
                 never holds the password); with ``create=False``, the schema holds no store.
+            StoreRefused: the schema is of an older layout and the server refused to mark it
+                (the role may not update its ``meta`` table, or the server is read-only).
             SchemaTooNew: the schema was laid out by a newer treadle.
             UsageError: an invalid schema name, or psycopg is not installed.
         """
