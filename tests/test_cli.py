@@ -151,6 +151,10 @@ def test_runs_last_lists_only_the_newest_runs(tmp_path, monkeypatch):
     table = runner.invoke(main, ["runs", "--store", str(db), "--last", "1"])
     assert table.exit_code == 0, table.output
     assert "r2" in table.output and "r1" not in table.output and "r0" not in table.output
+    # beyond any SQL integer: SQLite refused it ("datatype mismatch") as if the store were broken
+    every = runner.invoke(main, ["runs", "--store", str(db), "--json", "--last", str(2**64)])
+    assert every.exit_code == 0, every.output
+    assert [json.loads(line)["run_id"] for line in every.output.splitlines()] == ["r0", "r1", "r2"]
     refused = runner.invoke(main, ["runs", "--store", str(db), "--last", "0"])
     assert refused.exit_code == 2 and "--last" in refused.output
     monkeypatch.setattr(_cli_store, "LONG_TABLE", 2)  # a long table says how to get a short one

@@ -363,7 +363,8 @@ class RunIndex(Protocol):
 
         Args:
             last: only the ``last`` runs that entered the store last (the end of the whole
-                listing), found without summarising the others; ``None``: every run.
+                listing), found without summarising the others; ``None``, or any number at or
+                above the number of runs (``2**64`` too): every run.
 
         Raises:
             UsageError: ``last`` is below 1.

@@ -9,7 +9,7 @@ from the write's records alone. Most writes change nothing but the next seq.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, Final
 
 import attrs
 
@@ -149,11 +149,26 @@ def fold_delta(deltas: Sequence[IndexDelta]) -> IndexDelta:
 _FIELDS = tuple(field.name for field in attrs.fields(IndexDelta))
 
 
-def check_last(last: int | None) -> None:
-    """Check the ``last`` of `treadle.ports.RunIndex.list_summaries`: ``None`` or at least 1.
+MAX_LAST: Final = 2**63 - 1
+"""The largest ``last`` a store lists with: the largest SQL integer, more runs than any store
+holds; a larger one lists every run as this one does."""
+
+
+def checked_last(last: int | None) -> int | None:
+    """The ``last`` of `treadle.ports.RunIndex.list_summaries` to list with, at most `MAX_LAST`.
+
+    Any ``last`` at or above the number of runs lists every run; one beyond the range of an
+    SQL integer was sent to the database as it was, and SQLite and PostgreSQL refused it as if
+    the store were broken.
+
+    Returns:
+        ``None`` for ``None`` (every run), else ``min(last, MAX_LAST)``.
 
     Raises:
         UsageError: ``last`` is below 1.
     """
-    if last is not None and last < 1:
+    if last is None:
+        return None
+    if last < 1:
         raise UsageError(f"last must be at least 1 (or None for every run), not {last}")
+    return min(last, MAX_LAST)

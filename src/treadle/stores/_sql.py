@@ -72,7 +72,7 @@ from treadle.stores._engine import (
     Write,
     fail_writes,
 )
-from treadle.stores._index import IndexDelta, check_last, fold_delta
+from treadle.stores._index import IndexDelta, checked_last, fold_delta
 from treadle.stores._ops import EngineStore
 from treadle.types import (
     ApprovalDecided,
@@ -1446,7 +1446,7 @@ class SqlStore(EngineStore):
 
         ``last``: only the last ``last`` of them (`treadle.ports.RunIndex.list_summaries`).
         """
-        check_last(last)
+        last = checked_last(last)
         await self._engine.settle()
         return await self._run(list_summaries, last)
 

@@ -67,7 +67,7 @@ from treadle._paths import stat_or_none
 from treadle._trio_only import require_trio
 from treadle.stores import _leases
 from treadle.stores._engine import CommitEngine, StoreStatistics
-from treadle.stores._index import check_last, index_delta
+from treadle.stores._index import checked_last, index_delta
 from treadle.stores._jsonl_backend import FileOps, JsonlBackend, OsFileOps
 from treadle.stores._jsonl_files import (
     CONTROL_DIR,
@@ -387,7 +387,7 @@ class JsonlStore(EngineStore):
             UsageError: ``last`` is below 1.
             StoreError: the directory cannot be read, or the store is closed.
         """
-        check_last(last)
+        last = checked_last(last)
         probes = await self._probes(last)
         return tuple(await self._in_worker(self._summaries, probes))
 

@@ -21,7 +21,7 @@ import trio
 from treadle._exceptions import ConflictError, StoreError, UsageError
 from treadle._ids import check_run_id
 from treadle.stores import _leases, _queue
-from treadle.stores._index import IndexDelta, check_last, index_delta
+from treadle.stores._index import IndexDelta, checked_last, index_delta
 from treadle.stores._ops import AppendStore
 from treadle.types import (
     ApprovalDecided,
@@ -217,7 +217,7 @@ class MemoryStore(AppendStore):
 
         ``last``: only the last ``last`` of them (`treadle.ports.RunIndex.list_summaries`).
         """
-        check_last(last)
+        last = checked_last(last)
         await trio.lowlevel.checkpoint()
         now = self.clock()
         listed = [

@@ -25,7 +25,7 @@ from typing import Final, Protocol
 import attrs
 import trio
 
-from treadle._exceptions import InvalidRunId, LeaseLost, RunLeased, UsageError
+from treadle._exceptions import InvalidRunId, LeaseLost, RunLeased, TreadleError, UsageError
 from treadle.ports import ControlStream, LeaseStore, RunCounts, RunIndex, RunQueue, RunStore
 from treadle.testing.contracts import (
     CHECK_TIMEOUT_S,
@@ -470,6 +470,11 @@ async def _summary_states(open_store: StoreOpener, clock: ContractClock | None) 
         _expect(listed.count(run_id) == 1, check, "list_summaries does not list the run once")
         newest = [s.run_id for s in await index.list_summaries(last=1)]
         _expect(newest == listed[-1:], check, f"list_summaries(last=1) lists {newest}")
+        try:  # beyond any SQL integer: every run, as any last at or above their number
+            every = [s.run_id for s in await index.list_summaries(last=2**64)]
+        except TreadleError as exc:
+            every = [f"{type(exc).__name__}: {exc}"]
+        _expect(every == listed, check, f"list_summaries(last=2**64) lists {every}")
 
 
 async def _summary_liveness(open_store: StoreOpener, clock: ContractClock | None) -> None:
