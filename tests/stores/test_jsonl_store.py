@@ -864,6 +864,27 @@ async def test_newer_format_version_and_newer_schema_are_refused(tmp_path: Path)
         assert info.value.version == SCHEMA_VERSION + 1
 
 
+async def test_a_control_entry_for_a_run_file_of_a_newer_format_is_refused(
+    tmp_path: Path,
+) -> None:
+    """The store wrote a format-4 control entry for a format-5 run file (its header's version
+    was read as the current one), which the newer treadle would then read as this one wrote it
+    (docs/crash-safety.md, "Versions")."""
+    directory = tmp_path / "runs"
+    header = {"format": "treadle.jsonl", "version": FORMAT_VERSION + 1, "run_id": "new"}
+    newer = frame(0, "header", json.dumps(header)) + records_frame(
+        1, [started("new")], generation=1, run_id="new"
+    )
+    async with open_jsonl_store(directory) as store:
+        await trio.Path(directory / run_file_name("new")).write_bytes(newer)
+        before = sorted(path.relative_to(directory) for path in directory.rglob("*"))
+        with pytest.raises(SchemaTooNew) as info:
+            await store.append_control(cancel("new"))
+        assert (info.value.version, info.value.supported) == (FORMAT_VERSION + 1, FORMAT_VERSION)
+        assert await store.read_control("new") == ()
+    assert sorted(path.relative_to(directory) for path in directory.rglob("*")) == before
+
+
 def v2_file(run_id: str, records: list[Record], generation: int = 1) -> bytes:
     """A run file as format version 2 wrote it: records as JSON objects naming their run."""
     header = {"format": "treadle.jsonl", "version": 2, "run_id": run_id, "created_ns": 1}

@@ -378,10 +378,16 @@ def header_version(path: str) -> int:
 
     `FORMAT_VERSION` when the file has no intact header (none written yet: its first write
     gives it this one) or cannot be read; what is wrong with it is reported by its reads.
+
+    Raises:
+        SchemaTooNew: the header names a format newer than `FORMAT_VERSION`: nothing of this
+            treadle's may be written for the file (docs/crash-safety.md, "Versions").
     """
     try:
         head, _ = _first_line(path)
         return read_header(path, _checked(path, head.rstrip(b"\n"), 0))[2]
+    except SchemaTooNew:
+        raise
     except (OSError, TreadleError):
         return FORMAT_VERSION
 

@@ -775,6 +775,7 @@ class JsonlStore(EngineStore):
         Raises:
             UsageError: the store holds no such run.
             InvalidRunId: not an allowed run id.
+            SchemaTooNew: the run file is of a newer format; nothing is written.
             StoreError: the append or its sync failed.
         """
         run_id = check_run_id(record.run_id)
@@ -786,6 +787,7 @@ class JsonlStore(EngineStore):
         run_id = record.run_id
         if not os.path.exists(self.run_file(run_id)):
             raise UsageError(f"there is no run {run_id!r} in {self._directory}")
+        version = header_version(self.run_file(run_id))  # a newer format: nothing written
         path = self._control_path(run_id)
         created = not os.path.exists(path)
         try:
@@ -798,7 +800,6 @@ class JsonlStore(EngineStore):
             entries, good = scan_control(os.pread(fd, size, 0), path, run_id)
             if size != good:
                 os.ftruncate(fd, good)  # a torn entry of an appender that died
-            version = header_version(self.run_file(run_id))
             line = control_frame(len(entries) + 1, record, version=version)
             os.write(fd, line)
             os.fsync(fd)
