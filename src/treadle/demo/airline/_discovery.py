@@ -19,8 +19,8 @@ from treadle.demo.airline.data import (
     _recording_from_json,
     download_data,
     find_data_dir,
+    recording_key,
 )
-from treadle.demo.airline.replay_server import recording_key
 from treadle.demo.airline.scoring import (
     recorded_tool_calls,
 )

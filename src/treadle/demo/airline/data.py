@@ -382,3 +382,8 @@ def download_data(
     for local, text in texts.items():
         _write_atomically(folder / local, text)
     return folder
+
+
+def recording_key(recording: Recording) -> str:
+    """The key routing requests to a recording: ``<task_id>-<trial>``."""
+    return f"{recording.task_id}-{recording.trial}"

@@ -35,6 +35,7 @@ from typing import Any, Final, TypeVar
 import trio
 
 from treadle._exceptions import TreadleError
+from treadle.demo.airline._discovery import find_recording, load_trajectories, run_id_of
 from treadle.demo.airline.agent import (
     AirlineExecutor,
     RecordedCustomer,
@@ -45,7 +46,6 @@ from treadle.demo.airline.agent import (
 )
 from treadle.demo.airline.data import AirlineDataNotFound, Recording, find_data_dir
 from treadle.demo.airline.db import AirlineDatabase
-from treadle.demo.airline.replay import find_recording, load_trajectories, run_id_of
 from treadle.models.openai import OpenAIChatClient
 from treadle.ports import RunStore
 from treadle.stores.sqlite import open_sqlite_store

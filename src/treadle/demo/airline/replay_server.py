@@ -28,6 +28,7 @@ from typing import Any, Final
 import attrs
 
 from treadle.demo.airline.data import Recording
+from treadle.demo.airline.data import recording_key as recording_key
 from treadle.testing.loopback import (
     LoopbackServer,
     RecordedRequest,
@@ -43,11 +44,6 @@ MAX_DIFFERENCES: Final = 5
 
 _CLIP: Final = 80
 _TOKEN: Final = re.compile(r"\s*\S+|\s+")
-
-
-def recording_key(recording: Recording) -> str:
-    """The key routing requests to a recording: ``<task_id>-<trial>``."""
-    return f"{recording.task_id}-{recording.trial}"
 
 
 @attrs.frozen(kw_only=True)
