@@ -755,13 +755,16 @@ def test_an_event_stream_open_while_the_block_is_left_ends_without_reading_a_clo
     async def main():
         live = asyncio.Event()
         subscribers = []
+        following: list[str] = []
 
         async def follow(run_id: str) -> list[EventKind]:
             seen = []
             async for event in runs.events(run_id):
                 seen.append(event.kind)
                 if event.kind is EventKind.ACTION_REQUESTED:
-                    live.set()
+                    following.append(run_id)
+                    if len(following) == len(subscribers):  # every stream is open
+                        live.set()
             return seen
 
         async with open_runs(slow_agent(), store=opened, drain_s=0) as runs:

@@ -58,7 +58,10 @@ def test_show_and_tail_print_on_a_latin1_terminal(tmp_path: Path, command: str) 
     # run of ASCII text only.
     db = tmp_path / "runs.db"
     make_store(db)
-    done = CliRunner(charset="latin-1").invoke(main, [command, "cli-run", "--store", str(db)])
+    wide = {"COLUMNS": "160"}  # the answer on one line of the table, whatever the terminal
+    done = CliRunner(charset="latin-1", env=wide).invoke(
+        main, [command, "cli-run", "--store", str(db)]
+    )
     assert done.exit_code == 0, done.output
     assert done.exception is None, done.exception
     assert "-> add" in done.output  # treadle's marks in ASCII

@@ -36,13 +36,15 @@ def intent(run_id: str, n: int) -> ModelIntent:
 
 
 async def test_a_dropped_committer_connection_is_made_again_and_the_write_lands(
-    postgres_dsn: str, postgres_schema: str
+    postgres_database: str,
 ) -> None:
-    async with treadle.open_postgres_store(postgres_dsn, schema=postgres_schema) as store:
+    # A database of its own: the committers terminated are this store's only, not those of
+    # tests running beside it on the same server.
+    async with treadle.open_postgres_store(postgres_database) as store:
         gen = await lease_generation(store, "r")
         await store.write_run_started(started("r"), seq=1, generation=gen)
         await store.write_intent(intent("r", 1), seq=2, generation=gen)
-        with psycopg.connect(postgres_dsn, autocommit=True) as admin:
+        with psycopg.connect(postgres_database, autocommit=True) as admin:
             killed = admin.execute(
                 "SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
                 "WHERE application_name = 'treadle committer' AND datname = current_database() "
