@@ -460,14 +460,16 @@ def _locked(dsn: str, schema: str, run_id: str) -> bool:
         return False
 
 
-async def _waiting_for_a_lock(dsn: str, application: str) -> None:
+async def _waiting_for_a_lock(dsn: str, application: str, holder: int) -> None:
+    """Until a session named ``application`` waits for a lock the backend ``holder`` holds
+    (not a lock of a test running beside this one on the same server)."""
     with trio.fail_after(30):
         while True:
             with psycopg.connect(dsn, autocommit=True) as admin:
                 waiting = admin.execute(
                     "SELECT 1 FROM pg_stat_activity WHERE application_name = %s "
-                    "AND wait_event_type = 'Lock'",
-                    (application,),
+                    "AND %s = ANY(pg_blocking_pids(pid))",
+                    (application, holder),
                 ).fetchall()
             if waiting:
                 return
@@ -524,7 +526,8 @@ async def test_a_commit_and_a_renewal_lock_their_runs_rows_in_run_id_order(
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(run_job)
                 try:
-                    await _waiting_for_a_lock(postgres_dsn, application)  # for 'b'
+                    holder = other.info.backend_pid
+                    await _waiting_for_a_lock(postgres_dsn, application, holder)  # for 'b'
                     held = [_locked(postgres_dsn, postgres_schema, r) for r in "ac"]
                     durable = _records(postgres_dsn, postgres_schema)
                 finally:

@@ -45,8 +45,8 @@ from treadle.supervisors import run
 from treadle.testing._intercept import InterceptingStore
 from treadle.testing.contracts import StoreOpener
 from treadle.testing.faults import CrashingExecutor, CrashingStore, SimulatedCrash
-from treadle.testing.scripted import ScriptedModel, call, calls, say
 from treadle.testing.invariants import check_invariants
+from treadle.testing.scripted import ScriptedModel, call, calls, say
 from treadle.tools import Toolbox, ToolContext, tool
 from treadle.types import (
     Action,
