@@ -678,7 +678,7 @@ async def test_a_second_decision_or_one_behind_a_cancel_is_refused(autojump_cloc
     ) as handle:
         await wait_for_state(handle, RunState.AWAITING_APPROVAL)
         handle.approve()
-        with pytest.raises(UsageError, match="handed to it already"):
+        with pytest.raises(UsageError, match="not waiting for an approval"):
             handle.approve(reject="no, after all")  # in the same turn, before it is applied
         assert (await handle.wait()).stop_reason is StopReason.FINAL_ANSWER
     assert [a.call_id for a in tools.executed] == ["c1"]
@@ -693,6 +693,45 @@ async def test_a_second_decision_or_one_behind_a_cancel_is_refused(autojump_cloc
             handle.approve()
         assert (await handle.wait()).stop_reason is StopReason.CANCELLED
     assert tools.executed == []
+
+
+@pytest.mark.parametrize("park_after_s", [None, 5.0, 0.0])
+async def test_once_approve_returns_the_handle_waits_for_the_next_request(
+    park_after_s, autojump_clock
+):
+    """A loop of wait_state and approve decides each request once, parked or driven.
+
+    A driven run's handle went on reporting the request it had just handed a decision for
+    (``awaiting_approval``, the same ``pending_approval``) until the coordinator took it in,
+    so the loop's next wait returned at once and its approve was refused.
+    """
+    turns = [call("add", a=1, b=2, call_id="c1"), call("add", a=3, b=4, call_id="c2"), say("ok")]
+    agent, tools, _ = make(turns)
+    decided = []
+    async with open_run(
+        agent,
+        "x",
+        store=MemoryStore(),
+        run_id="r",
+        approval_policy=only_add,
+        park_after_s=park_after_s,
+    ) as handle:
+        with trio.fail_after(60):
+            while (
+                await handle.wait_state(
+                    RunState.AWAITING_APPROVAL, RunState.SUCCEEDED, RunState.FAILED
+                )
+                is RunState.AWAITING_APPROVAL
+            ):
+                if park_after_s == 0.0:
+                    assert await handle.wait_parked()
+                decided.append(handle.approve().call_id)
+                assert handle.pending_approval is None
+                assert handle.state is RunState.RUNNING
+            result = await handle.wait()
+    assert result.stop_reason is StopReason.FINAL_ANSWER
+    assert decided == ["c1", "c2"]
+    assert [a.call_id for a in tools.executed] == ["c1", "c2"]
 
 
 async def _logged_decisions(store) -> list[ApprovalDecided]:

@@ -85,8 +85,12 @@ class RunHandle:
         if self._error is not None:
             return RunState.INTERRUPTED
         if self._parking is not None:
-            return self._parking.state
-        return self._status if self._status is not None else RunState.QUEUED
+            state = self._parking.state
+        else:
+            state = self._status if self._status is not None else RunState.QUEUED
+        if state is RunState.AWAITING_APPROVAL and self._awaited() is None:
+            return RunState.RUNNING  # decided here; the run has not taken it in yet
+        return state
 
     @property
     def result(self) -> RunResult | None:
@@ -110,7 +114,8 @@ class RunHandle:
     def pending_approval(self) -> ApprovalRequested | None:
         """The approval request the run waits on now (state ``awaiting_approval``), or ``None``.
 
-        Its ``arguments`` are those the call would run with, secret ones redacted
+        ``None`` as soon as a decision on it was handed over (`approve` returned), before the
+        run recorded it. Its ``arguments`` are those the call would run with, secret ones redacted
         (docs/events.md, "Secret arguments").
         """
         request = self._awaited()
@@ -201,6 +206,9 @@ class RunHandle:
         """Decide the pending approval: approve, reject with a message, or edit the arguments.
 
         The decision is recorded (a barrier) before the action's intent; the run continues.
+        Once this returns, the handle no longer reports the request: `pending_approval` is
+        ``None`` and `state` is ``running`` (unless cancelled), whether the run was parked or
+        driven, so a loop of `wait_state` and `approve` waits for the next request.
 
         Args:
             call_id: the call meant; refused when it is not the pending one (``None``: the
@@ -225,9 +233,9 @@ class RunHandle:
             )
         if self._parking is None and self._control is None:
             raise UsageError(f"run {self.run_id!r} is not being driven here")
+        if self._cancel_sent and self._parking is None:
+            raise UsageError(f"run {self.run_id!r} is being cancelled")
         request = self._awaited()
-        if self._parking is None:
-            self._check_first_decision(request)
         decided = decision_for(
             self.run_id,
             request,
@@ -242,22 +250,9 @@ class RunHandle:
             self._parking.offer(decided, here=True)
         else:
             self._send(Offer(decided=decided, here=True))
-            self._offered_for = request
+        self._offered_for = request
+        self._transition()
         return decided
-
-    def _check_first_decision(self, request: ApprovalRequested | None) -> None:
-        """Refuse a decision behind a cancel, or a second one on the same request.
-
-        The run applies the first message it gets and ignores the others; the caller of a
-        later one is told here (as a parked run's state refuses them).
-        """
-        if self._cancel_sent:
-            raise UsageError(f"run {self.run_id!r} is being cancelled")
-        if request is not None and request == self._offered_for:
-            raise UsageError(
-                f"run {self.run_id!r}: a decision on call {request.call_id!r} was handed "
-                "to it already"
-            )
 
     def drain(self) -> None:
         """Stop driving the run at its next safe point and let go of its lease.
@@ -280,10 +275,18 @@ class RunHandle:
                 self._control.send_nowait(message)
 
     def _awaited(self) -> ApprovalRequested | None:
+        """The request still open here: not decided, cancelled, nor decided through `approve`.
+
+        The run applies the first message it gets and ignores the others, so a request a
+        decision was handed over for is no longer reported (nor decided again), parked or
+        driven, before the run's next report.
+        """
         if self._parking is not None:
             parking = self._parking
-            return None if parking.decision or parking.cancel_request else parking.request
-        return self._awaiting
+            request = None if parking.decision or parking.cancel_request else parking.request
+        else:
+            request = self._awaiting
+        return None if request is None or request == self._offered_for else request
 
     # ------------------------------------------------------------------ told by the driver
     # The run's driver (`treadle.supervisors._driver`) moves the handle through its states
