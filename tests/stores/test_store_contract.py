@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import contextlib
+import queue
+import threading
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -16,6 +19,7 @@ from treadle import (
     ConflictError,
     NativeToolCallParser,
     Toolbox,
+    UsageError,
     open_jsonl_store,
     run,
     tool,
@@ -29,6 +33,7 @@ from treadle.testing.contracts import (
     StoreContractError,
     StoreOpener,
     check_run_store,
+    lease_generation,
 )
 from treadle.testing.scripted import ScriptedModel, call, say
 from treadle.types import (
@@ -37,6 +42,7 @@ from treadle.types import (
     Liveness,
     Record,
     RunLog,
+    RunStarted,
     RunState,
     StepRecord,
     StoreOp,
@@ -335,3 +341,71 @@ async def test_a_jsonl_summary_whose_last_line_outgrows_the_tail_reads_all_of_it
     assert small is not None and small.records == len(small_log.records)
     assert big is not None and big.records == len(big_log.records)
     assert big.state is RunState.SUCCEEDED and big.liveness is Liveness.FINISHED
+
+
+# ---------------------------------------------------------------- one trio run per store
+
+
+async def _use_from_here(store: RunStore, run_id: str) -> None:
+    """Read, write (a barrier) and read back ``run_id`` in ``store``."""
+    await store.read_log(run_id)
+    record = RunStarted(run_id=run_id, ts="2026-01-01T00:00:00+00:00", input=(), snapshot={})
+    await store.write_run_started(record, seq=1, generation=await lease_generation(store, run_id))
+    assert (await store.read_log(run_id)).records == (record,)
+
+
+@pytest.mark.parametrize("kind", ["sqlite", "jsonl", "postgres"])
+def test_a_durable_store_refuses_a_trio_run_other_than_its_own(
+    kind: str, tmp_path: Path, request: pytest.FixtureRequest
+) -> None:
+    """A store belongs to the trio run that opened it (docs/asyncio.md).
+
+    Used from another one (here while the opener's runs in another thread), a barrier
+    waited for ever (its batch is handed back to the opener's run only) and the opener's
+    run could die with TrioInternalError; reads went through. Now every call is refused
+    with `UsageError` at once, and the opener's run goes on using and closing it.
+    """
+    harness = _harness(kind, tmp_path, request)
+    opened: queue.Queue[RunStore] = queue.Queue()
+    done = threading.Event()
+
+    async def opener() -> None:
+        async with harness.open_store() as store:
+            opened.put(store)
+            await trio.to_thread.run_sync(done.wait)
+            await _use_from_here(store, "mine")
+
+    async def other(store: RunStore) -> list[str]:
+        refused = []
+        with trio.fail_after(30):
+            for name, call_it in [
+                ("read_log", lambda: store.read_log("theirs")),
+                ("write", lambda: _use_from_here(store, "theirs")),
+                ("list_runs", store.list_runs),
+                ("read_lease", lambda: store.read_lease("theirs")),
+                ("aclose", store.aclose),
+            ]:
+                with pytest.raises(UsageError, match="belongs to the trio run that opened it"):
+                    await call_it()
+                refused.append(name)
+        return refused
+
+    with ThreadPoolExecutor(1) as pool:
+        first = pool.submit(trio.run, opener)
+        try:
+            refused = trio.run(other, opened.get(timeout=30))
+        finally:
+            done.set()
+        first.result(timeout=60)
+    assert refused == ["read_log", "write", "list_runs", "read_lease", "aclose"]
+
+
+def test_the_memory_store_serves_any_trio_run() -> None:
+    """The memory store keeps no trio objects: opened in one trio run, used in the next."""
+    store = trio.run(_memory_store)
+    trio.run(_use_from_here, store, "r")
+    trio.run(_use_from_here, store, "s")
+
+
+async def _memory_store() -> MemoryStore:
+    return MemoryStore()

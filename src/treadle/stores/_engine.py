@@ -53,6 +53,7 @@ from treadle._exceptions import (
     TreadleError,
     UsageError,
 )
+from treadle._trio_only import require_trio
 from treadle.stores._index import IndexDelta, index_delta
 from treadle.types import Record
 
@@ -353,7 +354,10 @@ class CommitEngine:
         metrics: where each committed batch's size and each barrier's wait are reported
             (docs/metrics.md); ``None`` reports nothing.
 
-    The engine belongs to one trio run. Every method must be called from it.
+    The engine belongs to one trio run, the one ``token`` names (the one that opened the
+    store). Every method must be called from it: `append`, `settle`, `in_thread` and
+    `aclose` refuse a call from another one (`check_trio_run`), whose tasks its committer
+    can never wake (docs/asyncio.md, "Calling treadle from asyncio").
     """
 
     def __init__(self, backend: Backend, token: trio.lowlevel.TrioToken) -> None:
@@ -361,6 +365,7 @@ class CommitEngine:
         self.workers = trio.CapacityLimiter(MAX_WORKERS - SHARED_WORKERS)
         self.shared = trio.CapacityLimiter(SHARED_WORKERS)
         self._backend = backend
+        self._token = token
         self._runs: dict[str, _RunState] = {}
         self._last: Write | None = None
         self._closed = False
@@ -374,6 +379,43 @@ class CommitEngine:
     def closed(self) -> bool:
         """Whether `aclose` was called."""
         return self._closed
+
+    def check_trio_run(self) -> None:
+        """Raise `UsageError` unless called from the trio run the store belongs to.
+
+        A batch is handed back to that run only (its token's ``run_sync_soon``): a write
+        awaited from another trio run would wait for ever, and one in flight while that run
+        is alive would wake a task it does not know (docs/asyncio.md, "Calling treadle from
+        asyncio"). One comparison of trio tokens, on every write.
+
+        Raises:
+            UsageError: called from another trio run, or outside trio (asyncio, say).
+        """
+        try:
+            token = trio.lowlevel.current_trio_token()
+        except RuntimeError:
+            require_trio(f"the {self._backend.description}")
+            raise
+        if token is not self._token:
+            raise UsageError(
+                f"the {self._backend.description} belongs to the trio run that opened it, and "
+                "it was used from another trio run: open the store in the trio run that uses "
+                "it (async with treadle.open_sqlite_store(...), say; docs/asyncio.md)"
+            )
+
+    async def in_thread(self, fn: Callable[..., _R], *args: object, shared: bool = False) -> _R:
+        """``fn(*args)`` in one of the store object's worker threads (`workers`, or `shared`).
+
+        ``shared``: a call of the work the store's runs share (a lease renewal, a control
+        reading), in threads of its own (`SHARED_WORKERS`), not behind the runs' reads
+        (docs/decisions/0096-lease-and-control-calls-apart.md).
+
+        Raises:
+            UsageError: called from another trio run than the store's (`check_trio_run`).
+        """
+        self.check_trio_run()
+        limiter = self.shared if shared else self.workers
+        return await trio.to_thread.run_sync(fn, *args, limiter=limiter)
 
     def check_open(self) -> None:
         """Raise `StoreError` once the engine is closed."""
@@ -426,7 +468,8 @@ class CommitEngine:
             ConflictError: ``seq`` is not the run's next seq here, or another writer stored it
                 first (caught at commit). Nothing of the write is stored.
             LeaseLost: ``generation`` is not the run's current lease generation.
-            UsageError: the records cannot be encoded, or belong to another run.
+            UsageError: the records cannot be encoded, or belong to another run; or the
+                call comes from another trio run than the store's (`check_trio_run`).
             StoreError: the batch of this barrier failed, an earlier write of the run under
                 the same lease generation failed, or the store is closed.
 
@@ -439,6 +482,7 @@ class CommitEngine:
         Protected from Ctrl-C, as trio's channels are: `KeyboardInterrupt` never leaves the
         engine's bookkeeping half done or a waiting task noted that no longer waits.
         """
+        self.check_trio_run()
         # Cancelled: nothing is queued. No turn of the scheduler otherwise: a barrier yields
         # where it waits for its batch, a non-barrier write returns at once.
         await trio.lowlevel.checkpoint_if_cancelled()
@@ -588,7 +632,12 @@ class CommitEngine:
 
         A read made after this sees every write this store object acknowledged. It does not
         raise a failed write's error: the run's next write does.
+
+        Raises:
+            UsageError: called from another trio run than the store's (`check_trio_run`).
+            StoreError: the store is closed.
         """
+        self.check_trio_run()
         self.check_open()
         if run_id is None:
             last = self._last
@@ -693,10 +742,13 @@ class CommitEngine:
                 reported it (the first such error is the ``__cause__``), or the committer did
                 not stop within `CLOSE_GRACE_S`. A write refused because the run's lease was
                 taken over is not such a failure (its driver learns of it from the lease).
+            UsageError: called from another trio run than the store's (`check_trio_run`),
+                which could not learn that the committer stopped; nothing is done.
 
         Cancellation:
             The flush is shielded (bounded by `CLOSE_GRACE_S` wall-clock seconds).
         """
+        self.check_trio_run()
         if not self._closed:
             self._closed = True
             self._inbox.stop()

@@ -1368,7 +1368,8 @@ class SqlStore(EngineStore):
     `RunIndex` with `RunCounts`, `RunQueue`). Writes go through the store's commit engine
     (group commit across runs); reads and control operations run in worker threads on their
     own connections, so they never wait for the committer and only ever see committed
-    transactions. Use it from the trio run that opened it.
+    transactions. Use it from the trio run that opened it: every call from another one
+    raises `UsageError` (docs/asyncio.md, "Calling treadle from asyncio").
 
     Every write raises:
         ConflictError: ``seq`` is not the run's next seq. Nothing of the write is stored.
@@ -1591,7 +1592,10 @@ class SqlStore(EngineStore):
         Raises:
             StoreError: a write failed after it returned and no later call of that run
                 reported it, or the committer did not stop in time.
+            UsageError: called from another trio run than the one that opened the store
+                (docs/asyncio.md, "Calling treadle from asyncio"); nothing is closed.
         """
+        self._engine.check_trio_run()
         try:
             await self._engine.aclose()
         finally:
@@ -1604,9 +1608,8 @@ class SqlStore(EngineStore):
         reading), in threads of its own (`SHARED_WORKERS`), not behind the runs' reads.
         """
         self._engine.check_open()
-        return await trio.to_thread.run_sync(
-            functools.partial(run_pooled, self._dialect, self._pool, fn, *args),
-            limiter=self._engine.shared if shared else self._engine.workers,
+        return await self._engine.in_thread(
+            run_pooled, self._dialect, self._pool, fn, *args, shared=shared
         )
 
 

@@ -177,8 +177,9 @@ class JsonlStore(EngineStore):
     It implements the run store seam and the capabilities `LeaseStore`, `ControlStream` and
     `RunIndex` (no fleet queue: use SQLite or PostgreSQL for a fleet). Open it with
     `JsonlStore.open` or `open_jsonl_store`, inside a trio run; the store belongs to that trio
-    run. Any number of runs may share one store object: their writes are appended and synced
-    together by its commit engine (group commit).
+    run, and every call from another one raises `UsageError` (docs/asyncio.md, "Calling
+    treadle from asyncio"). Any number of runs may share one store object: their writes are
+    appended and synced together by its commit engine (group commit).
 
     Barriers return once their line and every earlier line of the run are synced. The other
     writes return once queued; if their append later fails, the error is raised by the next
@@ -306,7 +307,7 @@ class JsonlStore(EngineStore):
         At most `treadle.stores._engine.MAX_WORKERS` less `SHARED_WORKERS` at once, as the
         SQL stores' (docs/performance.md, "Memory").
         """
-        return await trio.to_thread.run_sync(fn, *args, limiter=self._engine.workers)
+        return await self._engine.in_thread(fn, *args)
 
     async def _in_shared_worker(self, fn: Callable[..., _T], *args: Any) -> _T:
         """``fn(*args)`` in the thread kept for the work a store's runs share.
@@ -314,7 +315,7 @@ class JsonlStore(EngineStore):
         Lease renewals, lease and control readings: never behind the runs' reads
         (docs/decisions/0096-lease-and-control-calls-apart.md).
         """
-        return await trio.to_thread.run_sync(fn, *args, limiter=self._engine.shared)
+        return await self._engine.in_thread(fn, *args, shared=True)
 
     # ------------------------------------------------------------------ the run store seam
 
@@ -569,7 +570,10 @@ class JsonlStore(EngineStore):
         Raises:
             StoreError: a write failed after it returned and no later call of that run
                 reported it, or the committer did not stop in time.
+            UsageError: called from another trio run than the one that opened the store
+                (docs/asyncio.md, "Calling treadle from asyncio"); nothing is closed.
         """
+        self._engine.check_trio_run()
         try:
             await self._engine.aclose()
         finally:
