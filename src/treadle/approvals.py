@@ -144,11 +144,18 @@ def check_edit(
     in an error about the whole object (docs/events.md, "Secret arguments").
 
     Raises:
-        UsageError: they are not strict JSON data (NaN, infinity, non-string keys), they
-            nest deeper than a model's arguments may (`treadle.parsers.MAX_ARGUMENT_DEPTH`),
-            or they do not fit ``schema`` (the message lists each error with its path), or
-            ``schema`` itself cannot be checked (no valid schema, a reference to nowhere).
+        UsageError: they are not an object (a tool's arguments are one: a list, a string or
+            a number is refused first, before any check or message looks inside), they are
+            not strict JSON data (NaN, infinity, non-string keys), they nest deeper than a
+            model's arguments may (`treadle.parsers.MAX_ARGUMENT_DEPTH`), or they do not fit
+            ``schema`` (the message lists each error with its path), or ``schema`` itself
+            cannot be checked (no valid schema, a reference to nowhere).
     """
+    if not isinstance(edit, Mapping):
+        raise UsageError(
+            "edited arguments must be a JSON object of the tool's arguments by name, not "
+            f"{type(edit).__name__}"
+        )
     if argument_problem(edit) == NESTED_TOO_DEEP:
         raise UsageError(
             f"edited arguments nest objects and arrays deeper than {MAX_ARGUMENT_DEPTH} levels"
@@ -284,7 +291,7 @@ def decision_for(
     Raises:
         UsageError: no request is pending, ``call_id`` names another call, ``call_id`` or
             ``reject`` is not a ``str``, both ``reject`` and ``edit`` were given, or the
-            edited arguments are not JSON data or do not fit the tool's schema.
+            edited arguments are not a JSON object or do not fit the tool's schema.
     """
     require_text("call_id", call_id, optional=True)
     require_text("a rejection's message (reject)", reject, optional=True)

@@ -781,6 +781,34 @@ async def test_a_decision_written_just_before_the_deadline_counts_for_a_driven_r
     assert [d.decision for d in decided] == ["approve"]
 
 
+NOT_OBJECTS = [[1], "a=10", 5, ("a", 10)]
+
+
+@pytest.mark.parametrize("park_after_s", [None, 0.0])
+async def test_an_edit_that_is_not_an_object_is_refused(park_after_s, autojump_clock):
+    """An edit that is JSON but no object raised AttributeError (``'list' object has no
+    attribute 'items'``) from the schema's complaint, through the handle (parked or driven)
+    and `decide`. It is refused with UsageError, and the request stays pending."""
+    agent, tools, _ = make([call("add", a=1, b=2, call_id="c1"), say("ok")])
+    store = MemoryStore()
+    async with open_run(
+        agent, "x", store=store, run_id="r", approval_policy=only_add, park_after_s=park_after_s
+    ) as handle:
+        await wait_for_state(handle, RunState.AWAITING_APPROVAL)
+        await wait_for_durable_request(handle)
+        if park_after_s is not None:
+            assert await handle.wait_parked()
+        for edit in NOT_OBJECTS:
+            with pytest.raises(UsageError, match="must be a JSON object"):
+                handle.approve(edit=edit)
+            with pytest.raises(UsageError, match="must be a JSON object"):
+                await decide(store, "r", edit=edit)
+        assert handle.pending_approval.call_id == "c1"
+        handle.approve(edit={"a": 10, "b": 20})
+        await handle.wait()
+    assert [a.arguments for a in tools.executed] == [{"a": 10, "b": 20}]
+
+
 def test_an_edit_holding_an_integer_too_long_to_read_says_so():
     """It was reported as nesting too deeply."""
     from treadle.approvals import edited_arguments

@@ -223,8 +223,8 @@ class RunHandle:
 
         Raises:
             UsageError: the run is not waiting for an approval, waits on another call, both
-                ``reject`` and ``edit`` were given, or the edit is not JSON data or does not
-                fit the tool's schema (nothing is handed over then).
+                ``reject`` and ``edit`` were given, or the edit is not a JSON object or does
+                not fit the tool's schema (nothing is handed over then).
         """
         if self._result is not None:
             raise UsageError(
