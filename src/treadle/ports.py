@@ -253,7 +253,12 @@ class RunStore(Protocol):
         ...
 
     async def read_log(self, run_id: str) -> RunLog:
-        """Read the run's whole log; a run that does not exist reads as an empty log."""
+        """Read the run's whole log; a run that does not exist reads as an empty log.
+
+        Raises:
+            InvalidRunId: ``run_id`` is not a run id (docs/concepts.md, "Run ids"); nothing
+                is read.
+        """
         ...
 
     async def list_runs(self) -> tuple[str, ...]:

@@ -301,6 +301,19 @@ class JsonlStore(EngineStore):
         """
         return holds_a_store(os.fspath(directory))
 
+    def _check_named(self, run_id: str) -> None:
+        """Refuse what names no run here: not a run id, nor a hashed file name.
+
+        A run whose file header cannot be read is listed by its file's name (``~<sha256>``,
+        `is_hashed_name`), so that reading it (or taking its lease to repair it) reports
+        the damage.
+
+        Raises:
+            InvalidRunId: neither (docs/concepts.md, "Run ids").
+        """
+        if not self.is_hashed_name(run_id):
+            check_run_id(run_id)
+
     async def _in_worker(self, fn: Callable[..., _T], *args: Any) -> _T:
         """``fn(*args)`` in one of the store object's worker threads for the runs' own calls.
 
@@ -333,7 +346,10 @@ class JsonlStore(EngineStore):
                 missing or a record does not decode (``offset``: the byte offset of the line).
             SchemaTooNew: the file or its run-started record is from a newer version.
             StoreError: the file cannot be read, or the store is closed.
+            InvalidRunId: not an allowed run id (nor a hashed file name `list_runs` gave);
+                nothing is read.
         """
+        self._check_named(run_id)
         await self._engine.settle(run_id)
         path = self.run_file(run_id)
         found = await self._in_worker(read_run_file, path)
@@ -603,8 +619,7 @@ class JsonlStore(EngineStore):
                 written (a full disk: the `OSError` is the ``__cause__``); the lease is not
                 taken.
         """
-        if not self.is_hashed_name(run_id):  # a damaged run listed by its file's name
-            check_run_id(run_id)
+        self._check_named(run_id)
         _leases.check_ttl(ttl_s)
         self._engine.check_open()
         now = self._clock()

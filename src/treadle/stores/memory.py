@@ -94,7 +94,13 @@ class MemoryStore(AppendStore):
     # ------------------------------------------------------------------ the run store seam
 
     async def read_log(self, run_id: str) -> RunLog:
-        """Return the run's log; an empty log for a run that does not exist."""
+        """Return the run's log; an empty log for a run that does not exist.
+
+        Raises:
+            InvalidRunId: not an allowed run id (docs/concepts.md, "Run ids"); nothing is
+                read, as in the durable stores.
+        """
+        check_run_id(run_id)
         await trio.lowlevel.checkpoint()
         return RunLog(run_id=run_id, records=tuple(self._logs.get(run_id, ())))
 

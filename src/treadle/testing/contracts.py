@@ -1,8 +1,8 @@
 """Contract suites that any implementation of a treadle seam must pass.
 
 `check_run_store` holds a `treadle.ports.RunStore` to docs/seams.md, "Run store": an empty log for
-a missing
-run, writes read back equal and in order, the atomic step write (a read beside the writer
+a missing run, `InvalidRunId` for a string that is not a run id, writes read back equal and in
+order, the atomic step write (a read beside the writer
 never sees action results without their step record), `ConflictError` on a wrong seq with the
 log unchanged, first-write order of `list_runs`, many concurrent runs, nothing written by a
 write called in a cancelled scope, refusal after close and, for persistent stores, everything
@@ -35,7 +35,13 @@ from typing import Any, Final
 import attrs
 import trio
 
-from treadle._exceptions import ConflictError, ContractViolation, StoreError, innermost
+from treadle._exceptions import (
+    ConflictError,
+    ContractViolation,
+    InvalidRunId,
+    StoreError,
+    innermost,
+)
 from treadle.ports import LeaseStore, RunStore
 from treadle.stores import write_records
 from treadle.types import (
@@ -345,6 +351,22 @@ async def _missing_run_reads_empty(open_store: StoreOpener) -> None:
         _expect(log.started is None and log.finished is None, check, "started/finished set")
         _expect(log.run_id == run_id, check, "the empty log names another run")
         _expect(run_id not in await store.list_runs(), check, "list_runs shows a missing run")
+
+
+NOT_RUN_IDS: Final = ("", "bad id!", "../x", "#control", "r\x00", "é", "a" * 201)
+"""Strings that are not run ids (docs/concepts.md, "Run ids"): empty, a space, a path, a
+character outside the allowed set, a NUL, non-ASCII, one character too long."""
+
+
+async def _malformed_run_id_refused(open_store: StoreOpener) -> None:
+    check = "malformed_run_id_refused"
+    async with open_store() as store:
+        for run_id in NOT_RUN_IDS:
+            try:
+                log = await store.read_log(run_id)
+            except InvalidRunId:
+                continue
+            _expect(False, check, f"read_log({run_id!r}) returned {len(log.records)} records")
 
 
 async def _writes_read_back_in_order(open_store: StoreOpener) -> None:
@@ -703,6 +725,11 @@ RUN_STORE_CHECKS: Final[tuple[StoreCheck, ...]] = (
         name="missing_run_reads_empty",
         doc="a run never written reads as an empty log, not an error, and is not listed",
         fn=_missing_run_reads_empty,
+    ),
+    StoreCheck(
+        name="malformed_run_id_refused",
+        doc="read_log of a string that is not a run id raises InvalidRunId, as writes do",
+        fn=_malformed_run_id_refused,
     ),
     StoreCheck(
         name="writes_read_back_in_order",
