@@ -370,3 +370,22 @@ async def test_a_write_stored_without_a_barrier_is_counted_at_the_end_of_the_dri
             client.inbox.close()
         assert writer.statistics().last_seq == 3
     assert counts.added == {"treadle_runs_started": 1, "treadle_model_attempts": 1}
+
+
+async def test_a_subscriber_that_stops_reading_on_purpose_is_not_counted_as_cut_off():
+    """A reader that left `handle.events()` after two events was counted as a subscriber
+    cut off for falling behind (``subscriber_drops``, printed by `treadle show`); with three
+    such readers the count was 2, the last one being dropped silently when a later one
+    joined. A reader that left is now dropped without being counted, however it is found."""
+    async with trio.open_nursery() as nursery:
+        client, writer = await _start(nursery, MemoryStore())
+        await client.barrier(StoreOp.RUN_STARTED, started())
+        for _ in range(3):
+            leaving = await client.subscribe()
+            await client.barrier(StoreOp.INTENT, _intent(1))
+            await leaving.events.receive()
+            await leaving.events.aclose()
+        await client.barrier(StoreOp.INTENT, _intent(2))  # finds the last one gone
+        assert writer._subscribers == []
+        assert writer.statistics().subscriber_drops == 0
+        client.inbox.close()

@@ -462,13 +462,23 @@ class EventWriter:
         self._feed.offer(event)
 
     def _to_subscribers(self, event: Event) -> None:
+        """Hand ``event`` to every live subscriber (never blocks).
+
+        One whose buffer is full fell behind: it is cut off and counted
+        (``subscriber_drops``). One that closed its end left on purpose (a reader that
+        stopped iterating, a closed browser tab): it is dropped without being counted, as
+        `_subscribe` drops it (docs/events.md, "Sinks and subscribers never stall a run").
+        """
         for channel in self._subscribers[:]:
             try:
                 channel.send_nowait(event)
-            except (trio.WouldBlock, trio.BrokenResourceError):
+            except trio.WouldBlock:
                 self._subscribers.remove(channel)
                 channel.close()
                 self._feed.subscriber_drops += 1
+            except trio.BrokenResourceError:  # its reader left: not cut off, not counted
+                self._subscribers.remove(channel)
+                channel.close()
 
     def _warn(self, text: str) -> None:
         """Tell the live subscribers that a sink is in trouble (never the sinks).
