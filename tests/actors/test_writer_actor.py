@@ -26,7 +26,18 @@ from treadle.ports import LeaseStore, RunStore
 from treadle.stores.memory import MemoryStore
 from treadle.stores.sqlite import open_sqlite_store
 from treadle.testing import FailingStore
-from treadle.types import EventKind, ModelIntent, ModelReply, ModelResult, Record, StoreOp
+from treadle.types import (
+    EventKind,
+    ModelIntent,
+    ModelReply,
+    ModelResult,
+    Record,
+    RunFinished,
+    RunState,
+    StopReason,
+    StoreOp,
+    Totals,
+)
 
 
 def _intent(step: int, attempt: int = 1) -> ModelIntent:
@@ -389,3 +400,56 @@ async def test_a_subscriber_that_stops_reading_on_purpose_is_not_counted_as_cut_
         assert writer._subscribers == []
         assert writer.statistics().subscriber_drops == 0
         client.inbox.close()
+
+
+async def test_the_records_a_drive_cut_from_outside_stored_are_counted():
+    """A drive cut by a cancel scope from outside (``move_on_after`` around `treadle.run`)
+    between two barriers never counted the model results and steps it had stored: they were
+    counted with the next barrier or at the drive's end, and a cut drive reached neither.
+    Its end now reads them back (shielded) and counts what the store holds."""
+    counts = _Counts()
+    store = MemoryStore()
+    with trio.CancelScope() as drive:
+        async with trio.open_nursery() as nursery:
+            client, writer = await _start(nursery, store)
+            writer.metrics = MetricsRecorder(outputs=(counts,))
+            await client.write(StoreOp.RUN_STARTED, started())
+            await client.barrier(StoreOp.INTENT, _intent(1))
+            await client.barrier(StoreOp.INTENT, _intent(1))  # everything before it is taken
+            await client.write(StoreOp.MODEL_RESULT, _result())
+            await trio.testing.wait_all_tasks_blocked()  # the writer stored it
+            drive.cancel()
+    assert len((await store.read_log("r")).records) == 4
+    assert counts.added == {"treadle_runs_started": 1, "treadle_model_attempts": 1}
+
+
+class _BatchNeverHandedBack(MemoryStore):
+    """A store whose run-finished write is stored, and its batch then never handed back."""
+
+    async def write_run_finished(self, record: RunFinished, *, seq: int, generation: int) -> None:
+        await super().write_run_finished(record, seq=seq, generation=generation)
+        await trio.sleep_forever()
+
+
+async def test_a_barrier_cut_while_it_waits_for_its_batch_is_counted_once_stored():
+    # A barrier cut while it waits for its batch stays queued and commits all the same
+    # (docs/seams.md, "Run store"): the end of the drive finds it in the log and counts it.
+    counts = _Counts()
+    store = _BatchNeverHandedBack()
+    finished = RunFinished(
+        run_id="r",
+        ts=TS,
+        state=RunState.SUCCEEDED,
+        stop_reason=StopReason.FINAL_ANSWER,
+        totals=Totals(),
+    )
+    with trio.CancelScope() as drive:
+        async with trio.open_nursery() as nursery:
+            client, writer = await _start(nursery, store)
+            writer.metrics = MetricsRecorder(outputs=(counts,))
+            await client.write(StoreOp.RUN_STARTED, started())
+            await client.send_barrier(StoreOp.RUN_FINISHED, finished)
+            await trio.testing.wait_all_tasks_blocked()  # stored, waiting for its batch
+            drive.cancel()
+    assert len((await store.read_log("r")).records) == 2
+    assert counts.added == {"treadle_runs_started": 1, "treadle_runs_finished": 1}

@@ -8,6 +8,7 @@ run: its events are dropped and counted (docs/seams.md, "Event sink"; docs/conce
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Awaitable, Callable, Iterable, Iterator, Sequence
 
 import attrs
@@ -50,6 +51,8 @@ from treadle.types import (
     StoreOp,
 )
 
+_LOG = logging.getLogger("treadle.metrics")
+
 EVENT_KIND: dict[type[object], EventKind] = {
     RunStarted: EventKind.RUN_STARTED,
     ModelIntent: EventKind.MODEL_CALL_STARTED,
@@ -75,6 +78,11 @@ SINK_BUFFER = 256
 
 SINK_GRACE_S = 2.0
 """Seconds sinks may take to drain their buffers after the run ended before being cancelled."""
+
+END_READ_GRACE_S = 2.0
+"""Seconds a drive cut from outside, or failed, may wait (shielded) at its end to read back
+the records it wrote without a barrier, so that the ones the store holds are counted
+(docs/metrics.md, "What is counted"); a read that takes longer leaves them uncounted."""
 
 TAIL_KEEP = 16
 """Recent records kept in memory so a subscriber can join without a store read (16 to 32 are
@@ -339,6 +347,7 @@ class EventWriter:
                     finally:
                         _refuse_pending(inbox)
             finally:
+                await self._show_held_quietly()
                 feed.on_warning = None
                 for channel in self._subscribers:
                     channel.close()
@@ -364,10 +373,12 @@ class EventWriter:
         records = message.records
         if message.op is StoreOp.RUN_FINISHED:  # the delivery counters are the writer's
             records = tuple(self._stamped(r) for r in records)
+        held = self._held
+        # Held before the store is asked: a barrier cut while it waits for its batch still
+        # commits, and the end of the drive then counts it (`_show_held_quietly`).
+        held.extend((seq + offset, record) for offset, record in enumerate(records))
         await _STORE_OPS[message.op](self.store, records, seq, self.generation)
         self.next_seq = seq + len(records)
-        held = self._held
-        held.extend((seq + offset, record) for offset, record in enumerate(records))
         if message.op.barrier:  # durable, and every write before it (docs/seams.md)
             self._show(held)
             held.clear()
@@ -393,6 +404,31 @@ class EventWriter:
             log = await self.store.read_log(self.run_id)
             self._show(stored_prefix(self._held, log))
             self._held.clear()
+
+    async def _show_held_quietly(self) -> None:
+        """At the end of a drive cut from outside or failed: `_show_held`, shielded and bounded.
+
+        A drive cut between two barriers (``move_on_after`` around `treadle.run`, a fleet's
+        drain deadline) held records the store holds, or will once their batch commits (a
+        barrier cut while it waited for its batch commits all the same): without this read
+        they were never counted (docs/metrics.md, "What is counted"). It waits at most
+        `END_READ_GRACE_S`; a read that fails or takes longer leaves them uncounted and is
+        only logged, never raised over the drive's own cancellation or error. A drive that
+        ended by itself has shown its held records already: nothing is read then.
+        """
+        if not self._held:
+            return
+        with trio.move_on_after(END_READ_GRACE_S, shield=True):
+            try:
+                await self._show_held()
+            except Exception as exc:  # the drive's own error or cancellation goes on
+                _LOG.info(
+                    "run %r: the records written at the end of the drive could not be read "
+                    "back (%s); they are not counted",
+                    self.run_id,
+                    message_of(exc),
+                )
+        self._held.clear()
 
     def _show(self, durable: list[tuple[int, Record]]) -> None:
         """Count ``durable`` records, hand out their events in order and keep them in the tail.
