@@ -289,6 +289,35 @@ async def test_a_sink_that_keeps_up_takes_a_burst_of_deltas_in_one_pass():
     assert got == list(range(1, 601))
 
 
+async def test_a_sink_whose_sends_shield_themselves_gets_nothing_more_after_the_grace(
+    autojump_clock,
+):
+    """A sink whose every send waited 1 s in a shielded scope was fed every buffered event
+    after the 2 s grace (a run ended some 23 s after it finished): its task took the events
+    its buffer held without a checkpoint between them. Now the grace cuts it at its next
+    delivery: it holds the end for the send in flight only."""
+    from treadle.actors import SinkFeed
+    from treadle.types import Event
+
+    got: list[int] = []
+
+    class Shielded:
+        async def send(self, event: Event) -> None:
+            with trio.CancelScope(shield=True):
+                await trio.sleep(0.75)  # the grace (2 s) ends in the third send
+            got.append(event.ordinal)
+
+    feed = SinkFeed(sinks=[Shielded()])
+    async with trio.open_nursery() as nursery:
+        await nursery.start(feed.run)
+        for ordinal in range(1, 11):
+            feed.offer(
+                Event(run_id="r", seq=2, kind=EventKind.TEXT_DELTA, text="x", ordinal=ordinal)
+            )
+        await feed.aclose()
+    assert got == [1, 2, 3]
+
+
 # ------------------------------------------------------------- metrics count what is stored
 
 

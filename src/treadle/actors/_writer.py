@@ -233,6 +233,10 @@ class SinkFeed:
         async with events:
             async for first in events:
                 for event in and_buffered(first, events):
+                    # Past the grace, nothing more goes out, even to a sink whose sends
+                    # shield themselves (docs/events.md, "Sinks and subscribers never stall
+                    # a run"): taking a burst yields nowhere, so look for the cut here.
+                    await trio.lowlevel.checkpoint_if_cancelled()
                     if self.reflected is not None:
                         await self.reflected(event)
                     await self._deliver(index, sink, event)
