@@ -4,6 +4,7 @@ import functools
 
 import pytest
 import trio
+import trio.testing
 
 pytest.importorskip("opentelemetry.sdk")
 
@@ -372,4 +373,27 @@ async def test_a_drive_that_lost_its_lease_ends_its_spans(autojump_clock):
     (tool,) = traced.named("execute_tool")
     assert run.attributes["treadle.run.left"] == tool.attributes["treadle.run.left"]
     assert run.attributes["treadle.run.left"] == "interrupted"
+    assert {traced.root(s) for s in traced.finished()} == {run}
+
+
+async def test_a_drive_cut_from_outside_ends_its_spans(autojump_clock):
+    """A drive cut by a cancellation from outside (a cancel scope around open_run, an error in
+    its block) cut its sinks off without a run_left event: the sink kept the run's open spans
+    for good, and the run span was never ended nor exported. The sink is now told it was cut
+    off, and ends them with ``treadle.run.left`` = ``cut_off``."""
+    traced = Traced()
+    sink = OpenTelemetrySink(tracer=traced.tracer, model="small-model")
+    agent, entered, _ = gated_agent()
+    with trio.fail_after(60):
+        with trio.CancelScope() as cut:
+            async with open_run(agent, "x", store=MemoryStore(), run_id="r", sinks=[sink]):
+                await entered.wait()
+                await trio.testing.wait_all_tasks_blocked()  # the sink took what it was given
+                cut.cancel()
+    assert traced.never_ended() == []
+    (run,) = traced.named("invoke_agent")
+    (tool,) = traced.named("execute_tool")
+    assert run.attributes["treadle.run.left"] == tool.attributes["treadle.run.left"] == "cut_off"
+    assert run.status.status_code is StatusCode.UNSET
+    assert "treadle.run.state" not in run.attributes
     assert {traced.root(s) for s in traced.finished()} == {run}

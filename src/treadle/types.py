@@ -1512,7 +1512,8 @@ class Event:
         record: the log record for durable events; ``None`` for step-started events, deltas,
             warnings and run-left events.
         text: delta or warning text; for a run-left event, why the drive here stopped
-            (``drained``, ``parked``, ``interrupted``, ``finished_elsewhere``).
+            (``drained``, ``parked``, ``interrupted``, ``finished_elsewhere``), or
+            ``cut_off`` for a sink cut off before the end of its buffer.
         ordinal: 0 for durable events; 1, 2, ... for the events after the same durable seq
             (a step-started event is always 1: it directly follows the previous step's
             record).

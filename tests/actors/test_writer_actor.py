@@ -305,7 +305,8 @@ async def test_a_sink_whose_sends_shield_themselves_gets_nothing_more_after_the_
         async def send(self, event: Event) -> None:
             with trio.CancelScope(shield=True):
                 await trio.sleep(0.75)  # the grace (2 s) ends in the third send
-            got.append(event.ordinal)
+            if event.kind is EventKind.TEXT_DELTA:  # (then it is told it was cut off)
+                got.append(event.ordinal)
 
     feed = SinkFeed(sinks=[Shielded()])
     async with trio.open_nursery() as nursery:
@@ -316,6 +317,43 @@ async def test_a_sink_whose_sends_shield_themselves_gets_nothing_more_after_the_
             )
         await feed.aclose()
     assert got == [1, 2, 3]
+
+
+async def test_a_sink_cut_off_with_its_drive_is_told_so_at_once():
+    """A drive cancelled from outside cut its sinks off without a word: a sink that keeps
+    spans open for a run (the OpenTelemetry sink) kept them for good. It now gets a run-left
+    event reading ``cut_off`` at once, after the event it was handed last, with the
+    ``(seq, ordinal)`` of the last event offered; the rest of its buffer is not delivered."""
+    from treadle.actors import SinkFeed
+    from treadle.types import Event
+
+    got: list[Event] = []
+    taken = trio.Event()
+
+    class Stuck:
+        async def send(self, event: Event) -> None:
+            got.append(event)
+            if event.kind is EventKind.TEXT_DELTA:
+                taken.set()
+                await trio.sleep_forever()  # a slow exporter: cancellable
+
+    feed = SinkFeed(sinks=[Stuck()])
+    with trio.fail_after(10):
+        with trio.CancelScope() as drive:
+            async with trio.open_nursery() as nursery:
+                await nursery.start(feed.run)
+                for ordinal in range(1, 6):
+                    feed.offer(
+                        Event(
+                            run_id="r", seq=2, kind=EventKind.TEXT_DELTA, text="x", ordinal=ordinal
+                        )
+                    )
+                await taken.wait()
+                drive.cancel()
+    assert [(e.kind, e.seq, e.ordinal, e.text) for e in got] == [
+        (EventKind.TEXT_DELTA, 2, 1, "x"),
+        (EventKind.RUN_LEFT, 2, 5, "cut_off"),
+    ]
 
 
 # ------------------------------------------------------------- metrics count what is stored

@@ -79,6 +79,13 @@ SINK_BUFFER = 256
 SINK_GRACE_S = 2.0
 """Seconds sinks may take to drain their buffers after the run ended before being cancelled."""
 
+SINK_CUT_GRACE_S = 1.0
+"""Seconds a sink cut off before the end of its buffer may take (shielded) to receive its
+``cut_off`` run-left event: a drive cancelled from outside waits that long at most for it."""
+
+CUT_OFF = "cut_off"
+"""The text of the run-left event of a sink cut off before the end of its buffer."""
+
 END_READ_GRACE_S = 2.0
 """Seconds a drive cut from outside, or failed, may wait (shielded) at its end to read back
 the records it wrote without a barrier, so that the ones the store holds are counted
@@ -126,7 +133,10 @@ class SinkFeed:
 
     When it is closed with the run unfinished, each sink gets one last ``run_left`` event
     after the events in its buffer, so that it can close what it keeps open for the run
-    (docs/events.md, "Sinks and subscribers never stall a run").
+    (docs/events.md, "Sinks and subscribers never stall a run"). A sink cut off before the
+    end of its buffer without having received the run's ``run_finished`` (the drive
+    cancelled from outside, or its `SINK_GRACE_S` over) gets a ``run_left`` event reading
+    ``cut_off`` at once instead, the rest of its buffer undelivered (`SINK_CUT_GRACE_S`).
     """
 
     sinks: Sequence[EventSink] = ()
@@ -230,18 +240,43 @@ class SinkFeed:
     async def _pump(
         self, index: int, sink: EventSink, events: trio.MemoryReceiveChannel[Event]
     ) -> None:
+        last: EventKind | None = None  # the kind of the last event handed to the sink
+        through = False
         async with events:
-            async for first in events:
-                for event in and_buffered(first, events):
-                    # Past the grace, nothing more goes out, even to a sink whose sends
-                    # shield themselves (docs/events.md, "Sinks and subscribers never stall
-                    # a run"): taking a burst yields nowhere, so look for the cut here.
-                    await trio.lowlevel.checkpoint_if_cancelled()
-                    if self.reflected is not None:
-                        await self.reflected(event)
-                    await self._deliver(index, sink, event)
+            try:
+                async for first in events:
+                    for event in and_buffered(first, events):
+                        # Past the grace, nothing more goes out, even to a sink whose sends
+                        # shield themselves (docs/events.md, "Sinks and subscribers never
+                        # stall a run"): taking a burst yields nowhere, so look for it here.
+                        await trio.lowlevel.checkpoint_if_cancelled()
+                        if self.reflected is not None:
+                            await self.reflected(event)
+                        last = event.kind
+                        await self._deliver(index, sink, event)
+                through = True
+            finally:
+                if not through and last is not EventKind.RUN_FINISHED:
+                    await self._cut_off(index, sink)
         if self._left is not None:  # after everything in its buffer, whatever its room
             await self._deliver(index, sink, self._left)
+
+    async def _cut_off(self, index: int, sink: EventSink) -> None:
+        """Tell ``sink``, cut off before the end of its buffer, that the drive left it.
+
+        A ``run_left`` event reading `CUT_OFF`, with the ``(seq, ordinal)`` of the last event
+        offered (so the sink can tell what it missed), delivered shielded for
+        `SINK_CUT_GRACE_S` at most: a sink that keeps spans or files open for the run closes
+        them, whether the drive was cancelled from outside or the sink's grace ran out
+        (docs/events.md, "Sinks and subscribers never stall a run"). Nothing when no event
+        was offered.
+        """
+        if self._last is None:
+            return
+        run_id, seq, ordinal, _ = self._last
+        left = Event(run_id=run_id, seq=seq, kind=EventKind.RUN_LEFT, text=CUT_OFF, ordinal=ordinal)
+        with trio.move_on_after(SINK_CUT_GRACE_S, shield=True):
+            await self._deliver(index, sink, left)
 
     async def _deliver(self, index: int, sink: EventSink, event: Event) -> None:
         """Send ``event`` to ``sink``; what it raises is counted, never raised."""

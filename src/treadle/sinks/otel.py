@@ -95,13 +95,16 @@ class OpenTelemetrySink:
     One sink object serves any number of runs, one after another or at the same time (a
     fleet gives its sinks to every run it drives): it keeps each run's open spans by run id,
     and forgets them when the run finishes or its drive here stops unfinished (a
-    ``run_left`` event; docs/events.md, "OpenTelemetry"). Attributes set:
+    ``run_left`` event, which every drive that stops without the sink getting its
+    ``run_finished`` sends, one cancelled from outside included; docs/events.md,
+    "OpenTelemetry"). Attributes set:
 
     * run: ``gen_ai.operation.name=invoke_agent``, ``gen_ai.agent.name``,
       ``gen_ai.conversation.id`` (the run id), ``treadle.run.state``,
       ``treadle.run.stop_reason``, ``gen_ai.usage.input_tokens`` / ``output_tokens`` (totals,
       only when reported); or, when the drive here stopped unfinished, ``treadle.run.left``
-      (``drained``, ``parked``, ``interrupted``, ``finished_elsewhere``), on the run span and
+      (``drained``, ``parked``, ``interrupted``, ``finished_elsewhere``, ``cut_off``: the
+      drive was cancelled from outside, or this sink's grace ran out), on the run span and
       on each step, model and tool span it cut;
     * model call: ``gen_ai.operation.name=chat``, ``gen_ai.provider.name``,
       ``gen_ai.request.model``, ``gen_ai.response.id``, ``gen_ai.response.finish_reasons``,

@@ -382,8 +382,9 @@ async def _keeping(
     When the block ends with the run unfinished here, the sinks are told why (a
     ``run_left`` event: `SinkFeed.close`). On an error (the lease lost, a store or actor
     failure) they get their grace before the error ends the nursery; cancelled from outside
-    (Ctrl-C, a fleet's drain deadline), they are cut off with it (docs/events.md, "Sinks
-    and subscribers never stall a run").
+    (Ctrl-C, a fleet's drain deadline), they are cut off with it and told so at once, by a
+    ``cut_off`` run-left event (`SinkFeed`; docs/events.md, "Sinks and subscribers never
+    stall a run").
     """
     async with trio.open_nursery() as nursery:
         stop = _keep(hold, options, nursery)
