@@ -54,7 +54,7 @@ import sys
 import threading
 import time
 import traceback
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any, Final, NoReturn
 
 REPLY_OK = "ok"
@@ -119,8 +119,10 @@ def kill_session(session: int) -> None:
     On Linux they are found by their session id (``/proc/<pid>/stat``), whatever process group
     they moved to. Each is stopped (SIGSTOP) first, and looked for again until a look finds
     none not yet stopped (one may have forked meanwhile), at most `_LOOKS` times; only then
-    are they killed, so none can react to another's death (a shell running its next command
-    when the one before it was killed). A caller outside the session first stops the process
+    are they killed, children before their parents (`_children_first`), so none can react to
+    another's death (a shell running its next command when the one before it was killed; a
+    process continued by the kernel because its parent's death orphaned its stopped process
+    group). A caller outside the session first stops the process
     group of the session's leader at once, a fork in progress included (``killpg``), and
     kills it last: a fork chain there is stopped by the first look. A stopped process cannot
     fork, so only a process outside that group that forks faster than the looks find it
@@ -140,13 +142,16 @@ def kill_session(session: int) -> None:
         _signal_group(session, signal.SIGSTOP)
     me = os.getpid()
     stopped: set[tuple[int, bytes]] = set()
+    parents: dict[int, int] = {}
     for _ in range(_LOOKS):
-        found = {member for member in _members(session) if member[0] != me} - stopped
+        seen = {member: parent for member, parent in _members(session) if member[0] != me}
+        parents.update((pid, parent) for (pid, _), parent in seen.items())
+        found = seen.keys() - stopped
         if not found:
             break
         _signal_all(found, signal.SIGSTOP)
         stopped |= found
-    _signal_all(stopped, signal.SIGKILL)
+    _signal_all(_children_first(stopped, parents), signal.SIGKILL)
     if outside:
         _signal_group(session, signal.SIGKILL)
 
@@ -157,15 +162,36 @@ def _signal_group(group: int, number: int) -> None:
         os.killpg(group, number)
 
 
-def _signal_all(processes: set[tuple[int, bytes]], number: int) -> None:
-    """Send signal ``number`` to each of ``processes`` (``(pid, start time)``) still there."""
+def _children_first(
+    processes: Iterable[tuple[int, bytes]], parents: Mapping[int, int]
+) -> list[tuple[int, bytes]]:
+    """``processes`` (``(pid, start time)``) ordered so that each comes after its descendants.
+
+    ``parents`` maps a pid to its parent's. Killed in this order, a process dies only once
+    every process below it has a SIGKILL pending: a parent's death that orphans a stopped
+    process group makes the kernel continue that group (SIGHUP, then SIGCONT), and one of
+    its processes ignoring SIGHUP (a program started under ``nohup``) would run on until its
+    own SIGKILL came, free to act on the deaths it sees.
+    """
+
+    def depth(pid: int) -> int:
+        count = 0
+        while (pid := parents.get(pid, 0)) in parents and count < len(parents):
+            count += 1
+        return count
+
+    return sorted(processes, key=lambda member: depth(member[0]), reverse=True)
+
+
+def _signal_all(processes: Iterable[tuple[int, bytes]], number: int) -> None:
+    """Send signal ``number`` to each of ``processes`` (``(pid, start time)``), in order."""
     for pid, _ in processes:
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.kill(pid, number)
 
 
-def _members(session: int) -> Iterator[tuple[int, bytes]]:
-    """The processes of ``session`` (Linux): ``(pid, start time)``.
+def _members(session: int) -> Iterator[tuple[tuple[int, bytes], int]]:
+    """The processes of ``session`` (Linux): ``((pid, start time), parent's pid)``.
 
     The start time (clock ticks after boot) tells a reused pid from the process seen before.
     """
@@ -180,7 +206,7 @@ def _members(session: int) -> Iterator[tuple[int, bytes]]:
         # after the name in parentheses: field 3 of proc(5) (the state) onwards
         fields = line.rsplit(b")", 1)[-1].split()
         if len(fields) > 19 and int(fields[3]) == session:  # field 6: the session
-            yield int(name), fields[19]  # field 22: the start time
+            yield (int(name), fields[19]), int(fields[1])  # fields 22 and 4 (the parent)
 
 
 def resolve(module: str, qualname: str) -> Any:

@@ -676,16 +676,39 @@ def test_a_kill_looks_for_the_sessions_processes_a_bounded_number_of_times(monke
     kill looked again for as long as that went on, here 1000 times."""
     looks = 0
 
-    def members(session: int) -> list[tuple[int, bytes]]:
+    def members(session: int) -> list[tuple[tuple[int, bytes], int]]:
         nonlocal looks
         looks += 1
         # above any pid Linux hands out (at most 2**22): no process gets these signals
-        return [(2**23 + looks, b"0")] if looks < 1000 else []
+        return [((2**23 + looks, b"0"), 1)] if looks < 1000 else []
 
     monkeypatch.setattr(_toolproc, "_members", members)
     _toolproc.kill_session(2**23)
     assert looks < 1000
     assert looks == _toolproc._LOOKS
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="looks in /proc (Linux)")
+def test_a_kill_kills_children_before_their_parents(monkeypatch):
+    """A parent killed first orphans its child's stopped process group, and the kernel then
+    continues that group (SIGHUP, then SIGCONT): a command ignoring SIGHUP (a program started
+    under ``nohup``) ran on between its parent's death and its own, and acted on a death it
+    saw (it wrote its result once its sleeper was killed, after the call had ended)."""
+    base = 2**23  # above any pid Linux hands out (at most 2**22): no process gets a signal
+    chain = [base + n for n in (5, 2, 7, 1, 8, 3, 6, 4)]  # each the parent of the next
+    parent_of = dict(zip(chain[1:], chain[:-1], strict=True)) | {chain[0]: 1}
+    monkeypatch.setattr(
+        _toolproc, "_members", lambda session: [((pid, b"0"), parent_of[pid]) for pid in chain]
+    )
+    killed: list[int] = []
+
+    def record(pid: int, number: int) -> None:
+        if number == signal.SIGKILL:
+            killed.append(pid)
+
+    monkeypatch.setattr(os, "kill", record)
+    _toolproc.kill_session(base)
+    assert killed == chain[::-1]
 
 
 async def test_a_process_tools_error_whose_message_cannot_be_read_is_its_error(markers):
