@@ -74,15 +74,23 @@ class _Wrapping:
     def parse(self, reply, tools):
         return self.change(self.inner.parse(reply, tools))
 
+    @staticmethod
+    def each_call(parsed, change):
+        """``parsed`` with ``change(n)`` (field -> value) made to its n-th call, in history
+        and actions alike."""
+        calls = tuple(
+            attrs.evolve(c, **change(n)) for n, c in enumerate(parsed.history_message.tool_calls)
+        )
+        actions = tuple(attrs.evolve(a, **change(n)) for n, a in enumerate(parsed.actions))
+        history = attrs.evolve(parsed.history_message, tool_calls=calls)
+        return attrs.evolve(parsed, history_message=history, actions=actions)
+
 
 class RepeatsCallIds(_Wrapping):
     """Gives every call the same id: the tool messages can no longer tell them apart."""
 
     def change(self, parsed):
-        calls = tuple(attrs.evolve(c, id="same") for c in parsed.history_message.tool_calls)
-        actions = tuple(attrs.evolve(a, id="same") for a in parsed.actions)
-        history = attrs.evolve(parsed.history_message, tool_calls=calls)
-        return attrs.evolve(parsed, history_message=history, actions=actions)
+        return self.each_call(parsed, lambda n: {"id": "same"})
 
 
 class DropsCallsFromHistory(_Wrapping):
@@ -119,12 +127,7 @@ class RenamesCalls(_Wrapping):
     """Gives the calls ids of its own, in history and actions alike."""
 
     def change(self, parsed):
-        calls = tuple(
-            attrs.evolve(c, id=f"mine{n}") for n, c in enumerate(parsed.history_message.tool_calls)
-        )
-        actions = tuple(attrs.evolve(a, id=f"mine{n}") for n, a in enumerate(parsed.actions))
-        history = attrs.evolve(parsed.history_message, tool_calls=calls)
-        return attrs.evolve(parsed, history_message=history, actions=actions)
+        return self.each_call(parsed, lambda n: {"id": f"mine{n}"})
 
 
 class AnswersInsteadOfCalling(_Wrapping):
@@ -167,10 +170,7 @@ class CallsAnotherTool(_Wrapping):
     """Keeps every call id, but aims each call at ``refund`` (in history and actions alike)."""
 
     def change(self, parsed):
-        calls = tuple(attrs.evolve(c, name="refund") for c in parsed.history_message.tool_calls)
-        actions = tuple(attrs.evolve(a, name="refund") for a in parsed.actions)
-        history = attrs.evolve(parsed.history_message, tool_calls=calls)
-        return attrs.evolve(parsed, history_message=history, actions=actions)
+        return self.each_call(parsed, lambda n: {"name": "refund"})
 
 
 class ReplacesArguments(_Wrapping):
@@ -179,11 +179,7 @@ class ReplacesArguments(_Wrapping):
     def change(self, parsed):
         if parsed.kind is not DecisionKind.ACTIONS:
             return parsed
-        mine = {"q": "something else"}
-        calls = tuple(attrs.evolve(c, arguments=mine) for c in parsed.history_message.tool_calls)
-        actions = tuple(attrs.evolve(a, arguments=mine) for a in parsed.actions)
-        history = attrs.evolve(parsed.history_message, tool_calls=calls)
-        return attrs.evolve(parsed, history_message=history, actions=actions)
+        return self.each_call(parsed, lambda n: {"arguments": {"q": "something else"}})
 
 
 class RunsOtherArguments(_Wrapping):
