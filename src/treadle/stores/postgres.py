@@ -783,7 +783,7 @@ def _check_readable(dsn: str) -> None:
     try:
         _psycopg().conninfo.conninfo_to_dict(dsn)
     except _psycopg().ProgrammingError as exc:
-        said = str(exc).strip().splitlines()[0]
+        said = _first_line(exc)
         misread = url and quotes_password(said, dsn)
         if not misread:
             said = redact_dsn(scrub_password(said.replace(dsn, redact_dsn(dsn)), dsn))
