@@ -492,47 +492,51 @@ async def test_a_commit_and_a_renewal_lock_their_runs_rows_in_run_id_order(
         leases = {r: await store.acquire_lease(r, owner="o", ttl_s=600) for r in "abc"}
         for run_id, lease in leases.items():
             await store.write_run_started(started(run_id), seq=1, generation=lease.generation)
+        # run-started is not a barrier: under load it could still be in flight when the row
+        # of 'b' is locked below, and its own commit then waited for that lock and failed
+        await store._engine.settle()
         dialect, pool = store._dialect, store._pool
         application = f"test {what}"
-        conn = dialect.connect(application)
-        if what == "commit":
-            backend = postgres.PostgresBackend(dialect, conn, pool)
-            writes = [
-                Write(
-                    run_id=r,
-                    seq=2,
-                    generation=leases[r].generation,
-                    records=(intent(r, 1),),
-                    payload=_sql.encode_values(r, 2, leases[r].generation, (intent(r, 1),)),
-                    barrier=True,
-                    closes=False,
-                    delta=None,
-                )
-                for r in "cba"  # the batch's order
-            ]
-            job = functools.partial(backend.commit, writes)
-        else:  # through the store (its pooled connections are named "treadle")
-            application = "treadle"
-            ordered = [leases[r] for r in "cba"]
-            renew = functools.partial(store.renew_leases, ordered, ttl_s=600)
-            job = functools.partial(trio.from_thread.run, renew)
-        with psycopg.connect(postgres_dsn, options=f"-c search_path={postgres_schema}") as other:
-            other.execute("SELECT 1 FROM runs WHERE run_id = 'b' FOR UPDATE")
-            done: dict[str, object] = {}
+        with dialect.connect(application) as conn:  # closed however the test ends
+            if what == "commit":
+                backend = postgres.PostgresBackend(dialect, conn, pool)
+                writes = [
+                    Write(
+                        run_id=r,
+                        seq=2,
+                        generation=leases[r].generation,
+                        records=(intent(r, 1),),
+                        payload=_sql.encode_values(r, 2, leases[r].generation, (intent(r, 1),)),
+                        barrier=True,
+                        closes=False,
+                        delta=None,
+                    )
+                    for r in "cba"  # the batch's order
+                ]
+                job = functools.partial(backend.commit, writes)
+            else:  # through the store (its pooled connections are named "treadle")
+                application = "treadle"
+                ordered = [leases[r] for r in "cba"]
+                renew = functools.partial(store.renew_leases, ordered, ttl_s=600)
+                job = functools.partial(trio.from_thread.run, renew)
+            with psycopg.connect(
+                postgres_dsn, options=f"-c search_path={postgres_schema}"
+            ) as other:
+                other.execute("SELECT 1 FROM runs WHERE run_id = 'b' FOR UPDATE")
+                done: dict[str, object] = {}
 
-            async def run_job() -> None:
-                done["out"] = await trio.to_thread.run_sync(job)
+                async def run_job() -> None:
+                    done["out"] = await trio.to_thread.run_sync(job)
 
-            async with trio.open_nursery() as nursery:
-                nursery.start_soon(run_job)
-                try:
-                    holder = other.info.backend_pid
-                    await _waiting_for_a_lock(postgres_dsn, application, holder)  # for 'b'
-                    held = [_locked(postgres_dsn, postgres_schema, r) for r in "ac"]
-                    durable = _records(postgres_dsn, postgres_schema)
-                finally:
-                    other.rollback()  # 'b' is free: the job goes on and ends
-        conn.close()
+                async with trio.open_nursery() as nursery:
+                    nursery.start_soon(run_job)
+                    try:
+                        holder = other.info.backend_pid
+                        await _waiting_for_a_lock(postgres_dsn, application, holder)  # for 'b'
+                        held = [_locked(postgres_dsn, postgres_schema, r) for r in "ac"]
+                        durable = _records(postgres_dsn, postgres_schema)
+                    finally:
+                        other.rollback()  # 'b' is free: the job goes on and ends
         if what == "commit":
             assert held == [False, False]  # 'a' and 'c' committed, not waiting for 'b'
             assert (durable["a"], durable["c"]) == (2, 2)  # started, and the intent of the batch
