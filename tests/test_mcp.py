@@ -27,6 +27,7 @@ from mcp import StdioServerParameters
 from mcp.client.stdio import stdio_client
 from tests.fixtures import mcp_server
 from tests.fixtures.mcp_driver import ROOT, drive, http_server, make_agent, stdio_server
+from tests.fixtures.schema_host import schema_host
 
 from treadle import (
     ActionStatus,
@@ -204,6 +205,78 @@ async def test_a_schema_whose_reference_leads_nowhere_makes_the_call_not_execute
         outcome = await tools.execute(_action("nowhere", a=1))
     assert outcome.status is ActionStatus.NOT_EXECUTED
     assert "input schema of 'nowhere' cannot be checked" in (outcome.detail or outcome.observation)
+
+
+async def test_a_schema_reference_outside_it_is_never_fetched(tmp_path):
+    # jsonschema's default registry fetched a $ref URL with urllib on the trio thread at
+    # every check: the process froze (for ever on a host that never answers) and any server
+    # could make the client request an internal address. Now such a reference resolves to
+    # nothing, as a missing #/$defs/... does, without any I/O.
+    with schema_host() as (url, asked):
+        remote = mcp_types.Tool(
+            name="remote", input_schema={"type": "object", "properties": {"x": {"$ref": url}}}
+        )
+        relative = mcp_types.Tool(  # a name relative to a remote $id
+            name="relative",
+            input_schema={
+                "$id": url,
+                "type": "object",
+                "properties": {"x": {"$ref": "other.json"}},
+            },
+        )
+        server = mcp_server.make_server(str(tmp_path / "ledger"), extra=[remote, relative])
+        async with open_mcp_tools(server, include=["remote", "relative"]) as tools:
+            by_url = await tools.execute(_action("remote", x="hello"))
+            by_name = await tools.execute(_action("relative", x="hello"))
+            left_out = await tools.execute(_action("remote"))  # the $ref is x's alone
+    assert asked == []
+    assert by_url.status is by_name.status is ActionStatus.NOT_EXECUTED
+    assert by_url.detail == (
+        f"the server's input schema of 'remote' cannot be checked: Unresolvable: {url}"
+    )
+    assert "of 'relative' cannot be checked: Unresolvable: other.json" in (by_name.detail or "")
+    assert left_out.status is ActionStatus.EXECUTED
+    assert [e["tool"] for e in _ledger(tmp_path / "ledger")] == ["remote"]
+
+
+async def test_a_pattern_python_cannot_compile_is_left_to_the_server(tmp_path):
+    # JSON Schema's patterns are ECMA-262 ones. The schema check compiled them with Python's
+    # re (the meta-schema's "regex" format), refused these valid ones, and so failed the
+    # open: none of the server's tools could be used.
+    react = mcp_types.Tool(
+        name="react",
+        input_schema={
+            "type": "object",
+            "properties": {
+                "emoji": {"type": "string", "pattern": r"^(\p{Extended_Pictographic})+$"}
+            },
+            "required": ["emoji"],
+        },
+    )
+    release = mcp_types.Tool(
+        name="release",
+        input_schema={
+            "$schema": "http://json-schema.org/draft-07/schema#",
+            "type": "object",
+            "properties": {"tag": {"type": "string", "pattern": r"^v(?<major>\d+)$"}},
+            "patternProperties": {r"^(?<note>n)\d$": {"type": "string"}},
+        },
+    )
+    server = mcp_server.make_server(str(tmp_path / "ledger"), extra=[react, release])
+    async with open_mcp_tools(server, include=["react", "release", "tag"]) as tools:
+        assert tools.invalid_arguments("react", {"emoji": "x"}) is None  # the server's to say
+        assert tools.invalid_arguments("release", {"tag": "v1", "n1": "a"}) is None
+        assert "tag: 1 is not of type 'string'" in (
+            tools.invalid_arguments("release", {"tag": 1}) or ""
+        )
+        assert (await tools.execute(_action("tag", item="y"))).observation == "tagged y"
+    not_text = mcp_types.Tool(
+        name="not_text", input_schema={"type": "object", "properties": {"a": {"pattern": 5}}}
+    )  # a pattern must still be a string
+    server = mcp_server.make_server(str(tmp_path / "ledger"), extra=[not_text])
+    with pytest.raises(UsageError, match="'not_text': the server's input schema is no valid"):
+        async with open_mcp_tools(server):
+            pass
 
 
 async def test_a_pattern_that_backtracks_for_ever_is_left_to_the_server(tmp_path, monkeypatch):

@@ -33,6 +33,7 @@ from treadle._schema import (
     _kind,
     build_schema,
     check_type,
+    local_validator,
     summary_of,
 )
 from treadle.parsers import (
@@ -860,7 +861,7 @@ def _output_format(exc: BaseException, type_: Any) -> str:
 def _validate_schema(schema: Mapping[str, Any], value: Any) -> JSONValue | tuple[str, ...]:
     import jsonschema
 
-    validator = jsonschema.Draft202012Validator(schema)
+    validator = local_validator(jsonschema.Draft202012Validator, schema)
     errors = sorted(validator.iter_errors(value), key=lambda e: [str(p) for p in e.absolute_path])
     if errors:
         return tuple(f"{error.message} @ {_path(error.absolute_path)}" for error in errors)

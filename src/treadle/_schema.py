@@ -463,8 +463,10 @@ def argument_validator(schema: Mapping[str, Any]) -> jsonschema.protocols.Valida
       ``patternProperties``, and ``additionalProperties`` next to ``patternProperties``),
       which are left to the tool: a pattern that backtracks catastrophically (``^(a+)+$``)
       takes exponential time in Python's `re`, which holds the interpreter throughout and so
-      would freeze every run of the process (docs/mcp.md);
-    * ``format`` is an annotation only, as JSON Schema's default has it.
+      would freeze every run of the process (docs/mcp.md); nor is a pattern's own syntax
+      checked (`_check_schema`);
+    * ``format`` is an annotation only, as JSON Schema's default has it;
+    * references resolve inside the schema alone (`local_validator`): nothing is fetched.
 
     Raises:
         jsonschema.SchemaError: ``schema`` is no valid schema of its draft.
@@ -472,7 +474,7 @@ def argument_validator(schema: Mapping[str, Any]) -> jsonschema.protocols.Valida
     import jsonschema  # loaded on first use, as the schemas that need it
 
     cls = jsonschema.validators.validator_for(schema)
-    cls.check_schema(dict(schema))
+    _check_schema(cls, schema)
     additional = cls.VALIDATORS.get("additionalProperties")
 
     def additional_properties(
@@ -490,7 +492,51 @@ def argument_validator(schema: Mapping[str, Any]) -> jsonschema.protocols.Valida
     extended: type[jsonschema.protocols.Validator] = jsonschema.validators.extend(  # type: ignore[no-untyped-call]
         cls, without_patterns
     )
-    return extended(dict(schema))
+    return local_validator(extended, schema)
+
+
+def _check_schema(cls: type[jsonschema.protocols.Validator], schema: Mapping[str, Any]) -> None:
+    """Check ``schema`` against the meta-schema of ``cls``'s draft, but for its patterns.
+
+    The meta-schema asks that ``pattern`` and the names of ``patternProperties`` be of the
+    ``regex`` format, which jsonschema checks by compiling them with Python's `re`. JSON
+    Schema's patterns are ECMA-262 ones, which `re` does not read in full (named groups
+    ``(?<major>...)``, Unicode property escapes such as ``Extended_Pictographic``'s): a
+    valid schema was refused, and every tool of its MCP server with it. Patterns are left
+    to the tool, their syntax too (docs/mcp.md); every other format the draft checks still
+    is, and every other keyword.
+
+    Raises:
+        jsonschema.SchemaError: ``schema`` is no valid schema of its draft.
+    """
+    import jsonschema
+
+    formats = jsonschema.validators.validator_for(cls.META_SCHEMA, default=cls).FORMAT_CHECKER
+    without_regex = jsonschema.FormatChecker(formats=())
+    without_regex.checkers = {
+        name: check for name, check in formats.checkers.items() if name != "regex"
+    }
+    cls.check_schema(dict(schema), format_checker=without_regex)  # type: ignore[call-arg]
+
+
+def local_validator(
+    cls: type[jsonschema.protocols.Validator], schema: Mapping[str, Any]
+) -> jsonschema.protocols.Validator:
+    """A ``cls`` validating against ``schema`` whose references never leave it.
+
+    Every validator of a schema that is data (an MCP server's, an output schema) is built
+    here. A ``$ref`` (``$dynamicRef``, ``$recursiveRef``) resolves inside ``schema`` or to a
+    draft's meta-schema (jsonschema holds those); a reference to anything else (a URL, or a
+    name relative to a remote ``$id``) is unresolvable, and validating through it raises
+    `referencing.exceptions.Unresolvable` without any I/O. jsonschema's default registry
+    fetches such a URL with `urllib` on the calling thread and no timeout: that froze every
+    run of the process, for ever on a host that never answers, and let whoever wrote the
+    schema make this process request any address (docs/mcp.md). A registry that retrieves
+    nothing is jsonschema's way to refuse that.
+    """
+    from referencing import Registry
+
+    return cls(dict(schema), registry=Registry())
 
 
 def _no_check(*_: object) -> Iterator[Any]:

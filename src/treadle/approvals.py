@@ -139,9 +139,10 @@ def check_edit(
     it is checked as a whole against the tool's argument schema, as the run's parameter
     snapshot holds it (`tool_schema`), by the check a call's arguments get before an MCP
     server is asked (`treadle._schema.argument_validator`: the draft its ``$schema`` names,
-    2020-12 when none; ``pattern`` left to the tool). ``schema=None`` checks only that it is
-    JSON. The message never repeats the value of an argument named in ``secrets``, not even
-    in an error about the whole object (docs/events.md, "Secret arguments").
+    2020-12 when none; ``pattern`` left to the tool; references resolved inside the schema
+    alone, nothing fetched). ``schema=None`` checks only that it is JSON. The message never
+    repeats the value of an argument named in ``secrets``, not even in an error about the
+    whole object (docs/events.md, "Secret arguments").
 
     Raises:
         UsageError: they are not an object (a tool's arguments are one: a list, a string or
@@ -149,7 +150,7 @@ def check_edit(
             not strict JSON data (NaN, infinity, non-string keys), they nest deeper than a
             model's arguments may (`treadle.parsers.MAX_ARGUMENT_DEPTH`), or they do not fit
             ``schema`` (the message lists each error with its path), or ``schema`` itself
-            cannot be checked (no valid schema, a reference to nowhere).
+            cannot be checked (no valid schema, a reference to nowhere or outside it).
     """
     if not isinstance(edit, Mapping):
         raise UsageError(

@@ -244,7 +244,8 @@ def _validator(name: str, schema: Mapping[str, Any]) -> jsonschema.protocols.Val
     """A validator of the server's input schema for ``name``; a broken schema is a clear error.
 
     The check is `treadle._schema.argument_validator`'s: the draft the schema's ``$schema``
-    names, regular expressions left to the server.
+    names, regular expressions left to the server (their syntax too), references resolved
+    inside the schema alone: nothing is fetched (docs/mcp.md).
 
     Raises:
         UsageError: the schema is no valid JSON schema.

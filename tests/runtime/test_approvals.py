@@ -10,6 +10,7 @@ import pytest
 import trio
 from runtime_fakes import LedgerTools, SimpleParser
 from tests.fixtures.approval_waits import wait_for_durable_request, wait_for_state
+from tests.fixtures.schema_host import schema_host
 
 from treadle._exceptions import UsageError
 from treadle.agent import Agent
@@ -878,6 +879,32 @@ def test_an_edit_against_a_schema_that_cannot_be_checked_is_refused():
         check_edit({"a": 1}, "nowhere", nowhere)
     with pytest.raises(UsageError, match="the schema of bad cannot be checked"):
         check_edit({"a": 1}, "bad", {"type": "no such type"})
+
+
+def test_an_edit_is_checked_without_fetching_what_the_schema_refers_to():
+    # The check fetched a $ref URL (an internal address the schema's author chose) with
+    # urllib, blocking the caller; it now resolves references inside the schema alone.
+    from treadle.approvals import check_edit
+
+    with schema_host() as (url, asked):
+        remote = {"type": "object", "properties": {"a": {"$ref": url}}}
+        with pytest.raises(UsageError, match=f"the schema of remote cannot be checked: .*{url}"):
+            check_edit({"a": "b"}, "remote", remote)
+    assert asked == []
+
+
+def test_an_edit_against_a_pattern_python_cannot_compile_is_checked():
+    # An ECMA-262 pattern Python's re cannot compile made the schema "invalid": every edit
+    # was refused. Patterns are left to the tool, their syntax too.
+    from treadle.approvals import check_edit
+
+    schema = {
+        "type": "object",
+        "properties": {"tag": {"type": "string", "pattern": r"^v(?<major>\d+)$"}},
+    }
+    check_edit({"tag": "anything"}, "release", schema)
+    with pytest.raises(UsageError, match="tag: 1 is not of type 'string'"):
+        check_edit({"tag": 1}, "release", schema)
 
 
 class _CancelLandsFirst(MemoryStore):
