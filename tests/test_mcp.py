@@ -7,9 +7,11 @@ the server, also across a client process killed with a call in flight.
 
 from __future__ import annotations
 
+import base64
 import contextlib
 import functools
 import json
+import math
 import os
 import re
 import signal
@@ -166,6 +168,21 @@ async def test_a_server_that_cannot_be_reached_is_an_environment_failure(tmp_pat
     with pytest.raises(EnvironmentFailure, match="could not be opened: FileNotFoundError"):
         async with open_mcp_tools(missing):
             pass
+
+
+async def test_an_environment_failure_never_shows_the_urls_credentials():
+    """The message quoted the server's URL as given, its userinfo and query (a password, an
+    API key) included. It shows the URL as a redirect's Location is shown: without them."""
+    with socket.socket() as sock:  # a port nobody listens on
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    url = f"http://alice:TOPSECRET1@127.0.0.1:{port}/mcp?api_key=TOPSECRET2#TOPSECRET3"
+    with pytest.raises(EnvironmentFailure) as failed:
+        async with open_mcp_tools(url):
+            pass
+    message = str(failed.value)
+    assert message.startswith(f"the MCP session with http://127.0.0.1:{port}/mcp could not")
+    assert "TOPSECRET" not in message
 
 
 async def test_a_schema_that_is_no_json_schema_is_a_clear_error(tmp_path):
@@ -389,6 +406,58 @@ async def test_an_image_whose_media_type_is_no_image_type_is_not_kept(tmp_path):
         "[image text/html: the server sent a media type that is no image type]",
         f"[image {image.url} image/png, {len(mcp_server.PNG)} bytes]",
     ]
+
+
+def _screens_server() -> Any:
+    """An in-process server whose tool ``shot`` returns the image numbered by its ``i``."""
+    from mcp.server import Server
+
+    async def list_tools(ctx: Any, params: Any) -> mcp_types.ListToolsResult:
+        schema = {"type": "object", "properties": {"i": {"type": "integer"}}, "required": ["i"]}
+        tool = mcp_types.Tool(name="shot", description="Screenshot.", inputSchema=schema)
+        return mcp_types.ListToolsResult(tools=[tool])
+
+    async def call_tool(ctx: Any, params: Any) -> mcp_types.CallToolResult:
+        data = base64.b64encode(_screen(params.arguments["i"])).decode()
+        image = mcp_types.ImageContent(type="image", data=data, mimeType="image/png")
+        return mcp_types.CallToolResult(content=[image])
+
+    return Server("browser", on_list_tools=list_tools, on_call_tool=call_tool)
+
+
+def _screen(i: int) -> bytes:
+    return mcp_server.PNG + i.to_bytes(4, "big")
+
+
+async def _shot(tools: McpTools, run_id: str, i: int) -> ImageRef:
+    action = Action(
+        run_id=run_id, step=1, intent_id=f"{run_id}/{i}", call_id="c", tool="shot",
+        arguments={"i": i},
+    )  # fmt: skip
+    (image,) = (await tools.execute(action)).images
+    return image
+
+
+async def test_runs_sharing_a_session_never_evict_each_others_images():
+    """The session kept its last 256 images, whichever run's: a run that got 256 images
+    evicted the one of another run sharing the session, whose next model call failed
+    ("could not be loaded: KeyError"), on every resume too. Each run keeps its own last 256."""
+    async with open_mcp_tools(_screens_server()) as tools:
+        first = await _shot(tools, "a", 0)
+        shared = await _shot(tools, "a", 1)
+        assert await _shot(tools, "b", 1) == shared  # one image, kept by both runs
+        others = [await _shot(tools, "b", i) for i in range(2, 258)]  # b's last 256
+        assert tools.image_source(first) == _screen(0)
+        assert tools.image_source(shared) == _screen(1)  # a keeps it still
+        assert [tools.image_source(image) for image in others] == [
+            _screen(i) for i in range(2, 258)
+        ]
+        # a run's own images evict its oldest: a's 257th evicts its first
+        for i in range(1000, 1255):
+            await _shot(tools, "a", i)
+        with pytest.raises(KeyError):
+            tools.image_source(first)
+        assert tools.image_source(shared) == _screen(1)
 
 
 async def test_calls_over_stdio(tmp_path):
@@ -621,6 +690,26 @@ async def test_http_answers_that_are_no_mcp_answers_are_env_error(tmp_path):
         "closed_500",
         "echo",
     ]
+
+
+async def test_a_json_body_holding_a_notification_or_request_is_env_error(tmp_path):
+    """A 200 JSON body holding a JSON-RPC notification or request instead of the answer was
+    taken for an answer to come: the call waited out its whole timeout and was UNKNOWN. It
+    answers nothing: an HTTP failure, ENV_ERROR, as a 202 with nothing is."""
+    ledger = tmp_path / "ledger"
+    names = ["notification_body", "request_body"]
+    with http_server(ledger, raw=True) as (url, _), trio.fail_after(60):
+        async with open_mcp_tools(url, default_timeout_s=20) as tools:
+            outcomes = {name: await tools.execute(_action(name, f"i-{name}")) for name in names}
+            echo = await tools.execute(_action("echo", "i-echo"))
+    for name, kind in zip(names, ["notification", "request"], strict=True):
+        assert outcomes[name].status is ActionStatus.ENV_ERROR, name
+        assert (
+            f"(MCPError: the HTTP request failed: HTTP 200 OK (application/json), a JSON-RPC "
+            f"{kind}, no answer to the request); its outcome is unknown"
+        ) in outcomes[name].observation, name
+    assert echo.observation == "echo"  # the session goes on
+    assert [e["tool"] for e in _ledger(ledger)] == [*names, "echo"]
 
 
 # The SDK stops reading an event stream once it has the answer, leaving its reader (async
@@ -983,6 +1072,28 @@ async def test_a_server_that_never_answers_the_handshake_is_an_environment_failu
     with pytest.raises(UsageError, match="connect_timeout_s must be a positive number"):
         async with open_mcp_tools(silent, connect_timeout_s=0):
             pass
+
+
+@contextlib.asynccontextmanager
+async def _silent_transport() -> Any:
+    """A transport to a server that reads every message and never writes one."""
+    import anyio
+
+    to_client, from_server = anyio.create_memory_object_stream[Any](0)
+    to_server, from_client = anyio.create_memory_object_stream[Any](math.inf)
+    async with to_client, from_server, to_server, from_client:
+        yield from_server, to_server
+
+
+async def test_the_handshake_is_bounded_by_connect_timeout_s(autojump_clock):
+    """A server that never answered took 10 s more than ``connect_timeout_s`` to fail: the
+    SDK first probes with ``server/discover``, which it waits 10 s for by itself, then sends
+    ``initialize``. The whole handshake has ``connect_timeout_s`` now (trio's clock here)."""
+    start = trio.current_time()
+    with pytest.raises(EnvironmentFailure, match=r"could not be opened.*did not answer within 2 s"):
+        async with open_mcp_tools(_silent_transport(), connect_timeout_s=2):
+            pass
+    assert trio.current_time() - start == pytest.approx(2.0)
 
 
 # --------------------------------------------------------------------------- secret arguments

@@ -395,9 +395,11 @@ def _no_mcp_answer(
 ) -> str | None:
     """Why ``response`` is no answer to a JSON-RPC request, or ``None``.
 
-    An answer is a JSON-RPC message (a JSON-RPC error at a status of 400 or more) or an event
-    stream. A redirect is none: following it would send the request again (the SDK follows
-    one on the same origin, a loop up to 20 times), and a call reaches the server at most once.
+    An answer is a JSON-RPC answer (a result or an error; an error at a status of 400 or more)
+    or an event stream: a JSON body holding a notification or a request answers nothing (the
+    SDK would wait for the answer until the call's timeout; docs/mcp.md, "Results"). A redirect
+    is none: following it would send the request again (the SDK follows one on the same
+    origin, a loop up to 20 times), and a call reaches the server at most once.
     ``json_body``: the body is JSON, read whole; ``message``: the JSON-RPC message it holds.
     """
     status = response.status_code
@@ -412,23 +414,41 @@ def _no_mcp_answer(
         return None if streamed else f"{what}, no MCP answer"
     if status >= 400 and not isinstance(message, mcp_types.JSONRPCError):
         return f"{what}, no JSON-RPC error"
-    return f"{what}, no JSON-RPC message" if message is None else None
+    if message is None:
+        return f"{what}, no JSON-RPC message"
+    if not isinstance(message, mcp_types.JSONRPCResponse | mcp_types.JSONRPCError):
+        return f"{what}, a JSON-RPC {_kind(message)}, no answer to the request"
+    return None
+
+
+def _kind(message: mcp_types.JSONRPCMessage) -> str:
+    """``"request"`` or ``"notification"``: what a JSON-RPC message that is no answer is."""
+    return "request" if isinstance(message, mcp_types.JSONRPCRequest) else "notification"
 
 
 def _redirect(response: httpx2.Response) -> str:
-    """Where ``response`` redirects to, as "a redirect to <URL>".
-
-    The URL is shown without userinfo, query or fragment: they can hold secrets.
-    """
+    """Where ``response`` redirects to, as "a redirect to <URL>" (`shown_url`)."""
     location = response.headers.get("location")
     if not location:
         return "a redirect without a Location"
     try:
         url = response.request.url.join(location)
-        shown = url.copy_with(userinfo=b"", query=None, fragment=None)
     except httpx2.InvalidURL:
         return "a redirect to an invalid Location"
-    return f"a redirect to {shown}"
+    return f"a redirect to {shown_url(url)}"
+
+
+def shown_url(url: str | httpx2.URL) -> str:
+    """``url`` as errors show it: without userinfo, query or fragment, which can hold secrets.
+
+    Returns:
+        The URL's scheme, host, port and path; ``"an invalid URL"`` when it cannot be parsed.
+    """
+    try:
+        parsed = httpx2.URL(url)
+        return str(parsed.copy_with(userinfo=b"", query=None, fragment=None))
+    except httpx2.InvalidURL:
+        return "an invalid URL"
 
 
 def _request_id(request: httpx2.Request) -> mcp_types.RequestId | None:

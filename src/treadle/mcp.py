@@ -80,7 +80,13 @@ from mcp.shared.message import SessionMessage
 from pydantic import ValidationError
 
 from treadle._exceptions import EnvironmentFailure, UsageError, raised
-from treadle._mcp_http import ReadStreamFilter, never_sent, no_server_answer, open_http
+from treadle._mcp_http import (
+    ReadStreamFilter,
+    never_sent,
+    no_server_answer,
+    open_http,
+    shown_url,
+)
 from treadle._schema import argument_validator
 from treadle.tools import ReconcileHook
 from treadle.types import (
@@ -120,6 +126,7 @@ _IMAGE_TYPE: Final = re.compile(r"\Aimage/[A-Za-z0-9][A-Za-z0-9!#$&^_.+-]*\Z", r
 """An image media type (``image/<subtype>``, no parameters): what a model can be sent."""
 _MAX_PAGES: Final = 1000
 _MAX_IMAGES: Final = 256
+"""How many images of its tool results the session keeps for each run (docs/mcp.md, "Results")."""
 _MAX_ERRORS: Final = 5
 _TRANSPORT_ERRORS: Final = (
     OSError,
@@ -290,7 +297,7 @@ class McpTools:
         self._validators = {
             entry.name: _validator(entry.name, entry.spec.parameters) for entry in tools
         }
-        self._images: dict[str, bytes] = {}
+        self._images = _RunImages()
 
     @property
     def tools(self) -> tuple[McpTool, ...]:
@@ -348,14 +355,14 @@ class McpTools:
 
         A run whose executor holds this session asks it by itself (nothing to wire:
         `treadle.ports.ToolPolicies`; docs/mcp.md, "Results"). The session keeps the last 256
-        images in memory; the log holds only their reference, so a run resumed in another
-        session cannot send an earlier session's images (docs/models.md, "Images returned by
-        tools").
+        images of each run's calls in memory, until the block ends (`_RunImages`); the log
+        holds only their reference, so a run resumed in another session cannot send an
+        earlier session's images (docs/models.md, "Images returned by tools").
 
         Raises:
             KeyError: the reference is not one of those images.
         """
-        return self._images[image.url]
+        return self._images.get(image.url)
 
     async def execute(self, action: Action) -> ActionOutcome:
         """Check ``action``'s arguments against the server's schema, call the tool, report.
@@ -394,7 +401,7 @@ class McpTools:
                 )
             except Exception as exc:
                 return self._failed(found, exc)
-            return self._observed(result)
+            return self._observed(result, action.run_id)
         return ActionOutcome(
             status=ActionStatus.UNKNOWN,
             observation=(
@@ -426,9 +433,10 @@ class McpTools:
         )
         return ActionOutcome(status=ActionStatus.ENV_ERROR, observation=detail, detail=detail)
 
-    def _observed(self, result: mcp_types.CallToolResult) -> ActionOutcome:
+    def _observed(self, result: mcp_types.CallToolResult, run_id: str) -> ActionOutcome:
+        """The outcome of ``result``; its images are kept for the run ``run_id``."""
         images: list[ImageRef] = []
-        parts = [self._block_text(block, images) for block in result.content]
+        parts = [self._block_text(block, images, run_id) for block in result.content]
         structured = result.structured_content
         if structured is not None and not any(
             _holds(block, structured) for block in result.content
@@ -439,11 +447,13 @@ class McpTools:
             text = f"Error: {text}" if text else "Error: the tool reported an error, no text"
         return ActionOutcome(status=ActionStatus.EXECUTED, observation=text, images=tuple(images))
 
-    def _block_text(self, block: mcp_types.ContentBlock, images: list[ImageRef]) -> str:
+    def _block_text(
+        self, block: mcp_types.ContentBlock, images: list[ImageRef], run_id: str
+    ) -> str:
         if isinstance(block, mcp_types.TextContent):
             return block.text
         if isinstance(block, mcp_types.ImageContent):
-            return self._keep_image(block, images)
+            return self._keep_image(block, images, run_id)
         if isinstance(block, mcp_types.AudioContent):
             return f"[audio {block.mime_type}, {_size(block.data)} bytes, not kept]"
         if isinstance(block, mcp_types.ResourceLink):
@@ -454,7 +464,13 @@ class McpTools:
         kind = resource.mime_type or "unknown type"
         return f"[resource {resource.uri}: {kind}, {_size(resource.blob)} bytes, not kept]"
 
-    def _keep_image(self, block: mcp_types.ImageContent, images: list[ImageRef]) -> str:
+    def _keep_image(
+        self, block: mcp_types.ImageContent, images: list[ImageRef], run_id: str
+    ) -> str:
+        """The observation's line of an image block.
+
+        A valid image joins ``images``, and the session keeps its bytes for the run ``run_id``.
+        """
         if not block.mime_type:
             return "[image: the server sent no media type]"
         if not _IMAGE_TYPE.match(block.mime_type):
@@ -467,10 +483,7 @@ class McpTools:
         ref = ImageRef(
             url=f"ref:mcp-{digest}", digest=f"sha256:{digest}", media_type=block.mime_type
         )
-        self._images.pop(ref.url, None)
-        self._images[ref.url] = data
-        while len(self._images) > _MAX_IMAGES:
-            del self._images[next(iter(self._images))]
+        self._images.keep(run_id, ref.url, data)
         images.append(ref)
         return f"[image {ref.url} {block.mime_type}, {len(data)} bytes]"
 
@@ -492,6 +505,51 @@ class McpTools:
         with trio.move_on_after(found.timeout_s):
             return await found.reconcile(action)
         return None
+
+
+class _RunImages:
+    """The bytes of the images a session's tool results returned, kept per run.
+
+    Each run keeps the last `_MAX_IMAGES` images of its own calls: another run's calls,
+    however many, never evict them, so runs sharing the session do not break each other's
+    next model calls (docs/mcp.md, "Results"). An image is kept once, by its reference (which
+    names its digest), for as long as a run keeps it. Nothing tells the session that a run
+    ended: a run's images are held until the session ends.
+    """
+
+    def __init__(self) -> None:
+        self._bytes: dict[str, bytes] = {}
+        self._holders: Counter[str] = Counter()
+        self._runs: dict[str, dict[str, None]] = {}  # a run's references, oldest first
+
+    def keep(self, run_id: str, url: str, data: bytes) -> None:
+        """Keep ``data`` under ``url`` as the run ``run_id``'s newest image."""
+        kept = self._runs.setdefault(run_id, {})
+        if url in kept:
+            del kept[url]  # it moves to the newest place
+        else:
+            self._bytes[url] = data
+            self._holders[url] += 1
+        kept[url] = None
+        while len(kept) > _MAX_IMAGES:
+            oldest = next(iter(kept))
+            del kept[oldest]
+            self._release(oldest)
+
+    def get(self, url: str) -> bytes:
+        """The bytes kept under ``url``.
+
+        Raises:
+            KeyError: no run keeps an image under ``url``.
+        """
+        return self._bytes[url]
+
+    def _release(self, url: str) -> None:
+        """One run kept ``url`` no more; its bytes go when none does."""
+        self._holders[url] -= 1
+        if not self._holders[url]:
+            del self._holders[url]
+            del self._bytes[url]
 
 
 def _transport_error(exc: BaseException) -> BaseException | None:
@@ -727,22 +785,31 @@ _SDK_CLOSED: Final = "Connection closed"
 
 @asynccontextmanager
 async def _connected(
-    server: McpServer, read_timeout_s: float, closure: _Closure
+    server: McpServer, connect_timeout_s: float, closure: _Closure
 ) -> AsyncIterator[Client]:
-    """An open `mcp.Client` of ``server``.
+    """An open `mcp.Client` of ``server``, its handshake done within ``connect_timeout_s``.
 
     A URL gets the SDK's streamable HTTP transport with treadle's checks (`open_http`); a
     subprocess that decodes strictly gets `_stdio`, which notes in ``closure`` why it ended
-    the stream. ``read_timeout_s`` bounds each request of the session that sets no timeout of
-    its own (the handshake, the tool listing).
+    the stream. The handshake, whatever requests the SDK makes of it (a ``server/discover``
+    probe with a wait of its own, then ``initialize``), has ``connect_timeout_s`` seconds in
+    all (docs/mcp.md, "The session"); ``connect_timeout_s`` also bounds each later request of
+    the session that sets no timeout of its own (the tool listing).
+
+    Raises:
+        trio.TooSlowError: the handshake did not end within ``connect_timeout_s``.
     """
     target: Any = server
     if isinstance(server, str):
         target = open_http(server)
     elif isinstance(server, StdioServerParameters) and server.encoding_error_handler == "strict":
         target = _stdio(server, closure)
-    async with Client(target, read_timeout_seconds=read_timeout_s) as client:
-        yield client
+    with trio.CancelScope(deadline=trio.current_time() + connect_timeout_s) as handshake:
+        async with Client(target, read_timeout_seconds=connect_timeout_s) as client:
+            handshake.deadline = math.inf
+            yield client
+    if handshake.cancelled_caught:
+        raise trio.TooSlowError("the handshake did not end in time")
 
 
 @asynccontextmanager
@@ -771,8 +838,8 @@ async def open_mcp_tools(
         include: the server's tool names to offer (default: all of them).
         prefix: put before every name the model sees (e.g. ``"github_"``).
         default_timeout_s: seconds one call may run when its options set none.
-        connect_timeout_s: seconds the server may take to answer each request of the
-            handshake and the tool listing (a server that never answers fails then).
+        connect_timeout_s: seconds the server may take for the handshake, and to answer
+            each request of the tool listing (a server that never answers fails then).
 
     Raises:
         UsageError: a URL that is not ``http(s)``, ``include`` that is a string (not a
@@ -817,7 +884,9 @@ async def open_mcp_tools(
         if entered:
             raise  # the block's own error, or the session's while the block ran
         leaf = _leaf(exc)
-        silent = isinstance(leaf, MCPError) and leaf.code == mcp_types.REQUEST_TIMEOUT
+        silent = isinstance(leaf, trio.TooSlowError) or (
+            isinstance(leaf, MCPError) and leaf.code == mcp_types.REQUEST_TIMEOUT
+        )
         why = f"; it did not answer within {connect_timeout_s:g} s" if silent else ""
         why = f"; {closure.reason}" if closure.reason is not None else why
         raise EnvironmentFailure(
@@ -836,8 +905,9 @@ def _leaf(exc: BaseException) -> BaseException:
 
 
 def _describe(server: McpServer) -> str:
+    """``server`` as errors name it: a URL without what can hold secrets (`shown_url`)."""
     if isinstance(server, str):
-        return server
+        return shown_url(server)
     if isinstance(server, StdioServerParameters):
         return f"the command {server.command!r}"
     return repr(server)
