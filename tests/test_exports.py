@@ -337,6 +337,7 @@ ACTORS = sorted(
         "seconds_between",
         "step_messages",
         "stored_events",
+        "take_offer",
         "with_step_started",
     ]
 )

@@ -1176,3 +1176,76 @@ async def test_an_expiry_in_the_control_stream_is_applied_on_resume(kind, tmp_pa
     assert result.stop_reason is StopReason.FINAL_ANSWER
     assert [d.decision for d in log.records if isinstance(d, ApprovalDecided)] == ["expired"]
     assert tools.executed == []
+
+
+@pytest.mark.parametrize("parked", [False, True], ids=["driven", "parked"])
+async def test_a_cancel_stored_before_a_handle_decision_is_taken_wins(parked, autojump_clock):
+    """`request_cancel` returned (the cancel durable), then `handle.approve()`: the run reads
+    its control stream before it takes the handle's decision, so the cancel wins, parked or
+    driven: the decision is never recorded, the call never runs, the run ends cancelled."""
+    agent, tools, _ = make([call("add", a=1, b=2, call_id="c1"), say("3")])
+    store = MemoryStore()
+    async with open_run(
+        agent,
+        "x",
+        store=store,
+        run_id="r",
+        approval_policy=only_add,
+        control_poll_s=0.5,
+        park_after_s=5.0 if parked else None,
+    ) as handle:
+        await wait_for_state(handle, RunState.AWAITING_APPROVAL)
+        if parked:
+            with trio.fail_after(60):
+                assert await handle.wait_parked()
+        await request_cancel(store, "r", reason="stop", canceller="ops")
+        handle.approve()
+        with trio.fail_after(60):
+            result = await handle.wait()
+    assert (result.state, result.stop_reason) == (RunState.CANCELLED, StopReason.CANCELLED)
+    assert tools.executed == []
+    log = await store.read_log("r")
+    assert not any(isinstance(r, ApprovalDecided | ActionIntent) for r in log.records)
+    (cancel,) = [r for r in log.records if isinstance(r, CancelRequested)]
+    assert (cancel.reason, cancel.canceller) == ("stop", "ops")
+
+
+@pytest.mark.parametrize("parked", [False, True], ids=["driven", "parked"])
+async def test_a_cancel_stored_after_a_handle_decision_was_taken_does_not_undo_it(
+    parked, autojump_clock
+):
+    """The decision is on record before the cancel is written: the call ran, the decision
+    stays in the log, and the cancel ends the run at its next step (the model's reply takes
+    a while, so the next reading of the control stream comes first)."""
+    tools = LedgerTools()
+    model = ScriptedModel(turns=[call("add", a=1, b=2, call_id="c1"), say("3")], latency_s=2.0)
+    agent = Agent(model=model, executor=tools, parser=SimpleParser())
+    store = MemoryStore()
+    async with open_run(
+        agent,
+        "x",
+        store=store,
+        run_id="r",
+        approval_policy=only_add,
+        control_poll_s=0.5,
+        park_after_s=5.0 if parked else None,
+    ) as handle:
+        await wait_for_state(handle, RunState.AWAITING_APPROVAL)
+        if parked:
+            with trio.fail_after(60):
+                assert await handle.wait_parked()
+        handle.approve()
+        with trio.fail_after(60):
+            async with contextlib.aclosing(handle.events()) as events:
+                async for event in events:
+                    if event.kind.value == "action_finished":
+                        break
+        await request_cancel(store, "r", reason="late", canceller="ops")
+        with trio.fail_after(60):
+            result = await handle.wait()
+    assert result.state is RunState.CANCELLED
+    assert len(tools.executed) == 1
+    log = await store.read_log("r")
+    kinds = [type(r).__name__ for r in log.records if not isinstance(r, ApprovalRequested)]
+    decided = kinds.index("ApprovalDecided")
+    assert decided < kinds.index("ActionResult") < kinds.index("CancelRequested")

@@ -61,6 +61,7 @@ from treadle.actors._messages import Subscribe as Subscribe
 from treadle.actors._messages import Subscription as Subscription
 from treadle.actors._messages import Warn as Warn
 from treadle.actors._messages import WriterRequest as WriterRequest
+from treadle.actors._messages import take_offer as take_offer
 from treadle.actors._retries import backoff_s as backoff_s
 from treadle.actors._retries import ends_the_call as ends_the_call
 from treadle.actors._rpc import CANCEL_GRACE_S as CANCEL_GRACE_S
@@ -136,5 +137,6 @@ __all__ = [
     "seconds_between",
     "step_messages",
     "stored_events",
+    "take_offer",
     "with_step_started",
 ]

@@ -14,7 +14,7 @@ from __future__ import annotations
 import contextlib
 import datetime as dt
 import secrets
-from collections.abc import Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any, TypeVar
 
 import attrs
@@ -43,6 +43,7 @@ from treadle.actors._messages import (
     ModelOutcome,
     Offer,
     RunActions,
+    take_offer,
 )
 from treadle.actors._retries import ends_the_call
 from treadle.actors._rpc import CANCEL_GRACE_S, ReplySlot, StepScope, request
@@ -178,6 +179,10 @@ class RunCoordinator:
             some is bound to a digest no one can compute back from what is shown
             (`treadle.approvals.request_digest`).
         digest_keys: where the keys of such digests come from (``n`` bytes a call).
+        read_control: reads the run's control stream once, now: the entries not handed over
+            yet, as `Control` messages in order (``None``: the store has no control
+            streams). A decision handed over by the run's handle is taken only after this
+            reading, so a cancel written there before it wins (`take_offer`).
     """
 
     run_id: str
@@ -202,6 +207,7 @@ class RunCoordinator:
     redaction: Redaction = NO_REDACTION
     digest_keys: Callable[[int], bytes] = secrets.token_bytes
     on_status: Callable[[RunState, ApprovalRequested | None], None] = _no_status
+    read_control: Callable[[], Awaitable[Sequence[Control]]] | None = None
     state: RunState = RunState.RUNNING
     _step_scope: StepScope | None = None
     _cancel: tuple[str, str] | None = None
@@ -212,7 +218,7 @@ class RunCoordinator:
     _give_up_at: float = float("inf")
     _approval_wait: trio.CancelScope | None = None
     _awaiting: ApprovalRequested | None = None
-    _offered: list[ApprovalDecided] = attrs.Factory(list)
+    _offered: list[Offer] = attrs.Factory(list)
     _offer_arrived: trio.Event = attrs.Factory(trio.Event)
     _waited_s: float = 0.0
     _step_started: float = 0.0
@@ -321,7 +327,7 @@ class RunCoordinator:
         if isinstance(message, Cancel):
             self._on_cancel(message.reason, message.canceller)
         elif isinstance(message, Offer):
-            self._on_offer(message.decided)
+            self._on_offer(message)
         else:
             self._on_drain()
 
@@ -350,12 +356,14 @@ class RunCoordinator:
         self.state = state
         self.on_status(state, self._awaiting)
 
-    def _on_offer(self, decided: ApprovalDecided) -> None:
+    def _on_offer(self, offer: Offer) -> None:
+        decided = offer.decided
         if decided.decision not in DECISIONS:
             return  # an unknown decision is never applied
         if decided.step < self.view.pending.step:
             return  # for a step already done: it can never match, so it is not kept
-        self._offered.append(repaired(attrs.evolve(decided, run_id=self.run_id)))
+        decided = repaired(attrs.evolve(decided, run_id=self.run_id))
+        self._offered.append(attrs.evolve(offer, decided=decided))
         self._offer_arrived.set()
 
     @trio.lowlevel.enable_ki_protection  # Ctrl-C reaches the main task: decision 0097
@@ -705,9 +713,13 @@ class RunCoordinator:
         return found
 
     async def _await_decision(self, request: ApprovalRequested) -> ApprovalDecided | None:
-        """Wait (not active time) until the deadline for a decision matching ``request``."""
+        """Wait (not active time) until the deadline for a decision matching ``request``.
+
+        The decision found is taken by `take_offer`: ``None`` when a cancel comes first.
+        """
         remaining = seconds_between(self.clock.now_iso(), request.deadline_ts)
         began = trio.current_time()
+        offer: Offer | None = None
         found: ApprovalDecided | None = None
         self._awaiting_state(request)
         try:
@@ -720,7 +732,7 @@ class RunCoordinator:
                 if self.park_after_s is not None:
                     park_at = min(deadline, began + self.park_after_s)
                 with trio.move_on_at(deadline):
-                    while (found := self._matching(request)) is None:
+                    while (offer := self._matching(request)) is None:
                         self._offer_arrived = trio.Event()
                         with trio.move_on_at(park_at):
                             await self._offer_arrived.wait()
@@ -729,8 +741,11 @@ class RunCoordinator:
                                 continue
                             active = round(began - self._step_started - self._waited_s, 6)
                             raise Parked(request, deadline, active)
-            if found is None and self._cancel is None:
-                found = self._matching(request)  # a decision that came with the drain
+            self._approval_wait = None
+            if offer is None and self._cancel is None:
+                offer = self._matching(request)  # a decision that came with the drain
+            if offer is not None:  # a cancel known by now (read first for the handle's) wins
+                found = await take_offer(offer, self.read_control, self.apply, self._cancelled)
             if found is None and self._cancel is None and (self._draining or self.park_at_deadline):
                 # Drained; or at the deadline, parked so that the expiry is written to the
                 # control stream and the stream read once more: the first decision there counts
@@ -755,17 +770,20 @@ class RunCoordinator:
         else:
             self.on_status(self.state, request)
 
-    def _matching_exists(self, request: ApprovalRequested) -> bool:
-        return any(counts(decided, request) for decided in self._offered)
+    def _cancelled(self) -> bool:
+        return self._cancel is not None
 
-    def _matching(self, request: ApprovalRequested) -> ApprovalDecided | None:
+    def _matching_exists(self, request: ApprovalRequested) -> bool:
+        return any(counts(offer.decided, request) for offer in self._offered)
+
+    def _matching(self, request: ApprovalRequested) -> Offer | None:
         # Offers for earlier steps can never match again: let them go (a service keeps a
         # run for days, and a decision may be written for a step the run has left).
-        offered = self._offered = [d for d in self._offered if d.step >= request.step]
-        for decided in offered:  # in the order they arrived: the control stream's
-            if counts(decided, request):
-                offered.remove(decided)
-                return decided
+        offered = self._offered = [o for o in self._offered if o.decided.step >= request.step]
+        for offer in offered:  # in the order they arrived: the control stream's
+            if counts(offer.decided, request):
+                offered.remove(offer)
+                return offer
         return None
 
     async def _call_model(

@@ -13,7 +13,7 @@ Actor modules import their messages from here, never from each other.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 
 import attrs
 import trio
@@ -289,7 +289,8 @@ class Offer:
     Attributes:
         decided: the decision.
         here: handed over through this process's handle, so not durable yet (``False``: read
-            from the run's control stream).
+            from the run's control stream); the run reads its control stream once before it
+            takes such a decision (`take_offer`).
     """
 
     decided: ApprovalDecided
@@ -303,3 +304,36 @@ class Drain:
 
 Control = Cancel | Offer | Drain
 """What the run coordinator's inbox carries."""
+
+
+async def take_offer(
+    offer: Offer,
+    read_control: Callable[[], Awaitable[Sequence[Control]]] | None,
+    apply: Callable[[Control], None],
+    cancelled: Callable[[], bool],
+) -> ApprovalDecided | None:
+    """The decision of ``offer`` as the run takes it; ``None`` when a cancel comes first.
+
+    The one rule for a driven run (`treadle.actors.RunCoordinator`) and a parked one
+    (`treadle.supervisors`): a cancel the run knows of when it takes a decision wins, and the
+    decision is not applied (docs/events.md, "Human approval"). A decision handed over by the
+    run's handle (``offer.here``) is in no control stream, so the stream is read once first
+    and what it holds is applied: a cancel written there before that reading (by
+    `treadle.approvals.request_cancel`, ``treadle cancel``) is then known, and wins. A cancel
+    written after the reading does not undo the decision: it cancels the run from there on.
+
+    Args:
+        offer: the first decision that counts for the request the run waits on.
+        read_control: reads the run's control stream once, now: its entries not handed over
+            yet, in order (``None``: the store has no control streams).
+        apply: applies one control message to the run (`RunCoordinator.apply`,
+            ``Parking.apply``).
+        cancelled: whether the run knows of a cancel now.
+
+    Raises:
+        StoreError: the reading of the control stream failed (nothing was taken).
+    """
+    if offer.here and read_control is not None and not cancelled():
+        for message in await read_control():
+            apply(message)
+    return None if cancelled() else offer.decided

@@ -277,6 +277,18 @@ class ControlInbox:
             return
         self.hand_over(await self.read())
 
+    async def read_new(self) -> list[Control]:
+        """Read the stream itself once: the entries not handed over yet, as messages, in order.
+
+        They count as handed over from now on: the caller applies them. Used before a run
+        takes a decision handed over by its handle (`treadle.actors.take_offer`), so that a
+        cancel written before it wins (docs/events.md, "Human approval").
+
+        Raises:
+            StoreError: the store cannot be read.
+        """
+        return self._unseen(await self.read())
+
     async def read(self) -> tuple[ControlEntry, ...]:
         """The entries after the last one handed over.
 
@@ -287,10 +299,23 @@ class ControlInbox:
 
     def hand_over(self, entries: Iterable[ControlEntry]) -> None:
         """Give ``entries`` (read after `seen`) to the target, in order."""
+        for message in self._unseen(entries):
+            self.target(message)
+
+    def _unseen(self, entries: Iterable[ControlEntry]) -> list[Control]:
+        """The messages of ``entries`` not handed over yet; `seen` moves past them.
+
+        Two readings may overlap (the shared one, and one before a decision is taken): an
+        entry the other handed over meanwhile is not handed over twice.
+        """
+        messages: list[Control] = []
         for entry in entries:
+            if entry.position <= self.seen:
+                continue
             record = entry.record
             if isinstance(record, CancelRequested):
-                self.target(Cancel(reason=record.reason, canceller=record.canceller))
+                messages.append(Cancel(reason=record.reason, canceller=record.canceller))
             else:
-                self.target(Offer(decided=record))
-            self.seen = max(self.seen, entry.position)
+                messages.append(Offer(decided=record))
+            self.seen = entry.position
+        return messages

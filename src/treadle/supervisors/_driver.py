@@ -507,6 +507,7 @@ async def _wait_parked(
         expire,
         options.control_poll_s,
         grown=functools.partial(index.wait_grown, control, nursery) if index is not None else None,
+        read_control=control.read_new,
     )
 
 
@@ -593,6 +594,11 @@ async def _drive(
         needs_approval = functools.partial(
             requires_approval, agent.tool_policies, options.approval_policy
         )
+        # Requests reach the coordinator as messages; those of before it runs (a cancel
+        # handed to the parked run, a drain, the control stream's backlog) are applied
+        # before its first step.
+        control_send, control_recv = open_mailbox[Control](CONTROL_INBOX)
+        control = _control_inbox(store, log.run_id, control_send, options)
         coordinator = await _start_actors(
             nursery,
             actors,
@@ -604,11 +610,8 @@ async def _drive(
             carried_active_s=parking.active_s if parking is not None else 0.0,
             ended_children=await ended_children(store, view.pending),
             on_status=handle._report,
+            read_control=control.read_new if control is not None else None,
         )
-        # Requests reach the coordinator as messages; those of before it runs (a cancel
-        # handed to the parked run, a drain, the control stream's backlog) are applied
-        # before its first step.
-        control_send, control_recv = open_mailbox[Control](CONTROL_INBOX)
         if parking is not None:
             await _hand_over(parking, view, client)
             if parking.cancel_request is not None:
@@ -622,7 +625,6 @@ async def _drive(
         )
         if handle._draining_requested:
             control_send.send_nowait(Drain())
-        control = _control_inbox(store, log.run_id, control_send, options)
         if control is not None:
             await cancel_if_parent_finished(store, started)  # its parent died finishing
             if parking is None:  # a request overdue now expires through the stream, first
@@ -962,6 +964,7 @@ async def _start_actors(
     carried_active_s: float,
     ended_children: Mapping[str, ActionOutcome],
     on_status: Callable[[RunState, ApprovalRequested | None], None],
+    read_control: Callable[[], Awaitable[Sequence[Control]]] | None,
 ) -> CoordinatorActor:
     """Build the hydrator, gateway and executor, start them, and build the coordinator."""
     # 1: every request waits for its reply anyway; the coordinator has one step in flight.
@@ -987,5 +990,6 @@ async def _start_actors(
             carried_active_s=carried_active_s,
             ended_children=ended_children,
             on_status=on_status,
+            read_control=read_control,
         )
     )

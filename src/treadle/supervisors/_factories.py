@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import random
 import secrets
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any, Protocol, TypeVar
 
 import attrs
@@ -223,6 +223,9 @@ class CoordinatorContext:
             those whose child runs had finished, by intent id (`RunCoordinator`).
         on_status: ``on_status(state, awaiting)``: where the coordinator reports each change
             of the run state and of the approval request it waits on (the run's handle).
+        read_control: reads the run's control stream once, now, before the coordinator takes
+            a decision handed over by the run's handle (``None``: the store has no control
+            streams; `RunCoordinator`).
     """
 
     actor: ActorContext
@@ -236,6 +239,7 @@ class CoordinatorContext:
     carried_active_s: float = 0.0
     ended_children: Mapping[str, ActionOutcome] = attrs.Factory(dict)
     on_status: Callable[[RunState, ApprovalRequested | None], None] = _no_status
+    read_control: Callable[[], Awaitable[Sequence[Control]]] | None = None
 
 
 def real_writer(context: WriterContext) -> EventWriter:
@@ -337,6 +341,7 @@ def real_coordinator(context: CoordinatorContext) -> RunCoordinator:
         redaction=actor.redaction,
         digest_keys=actor.digest_keys,
         on_status=context.on_status,
+        read_control=context.read_control,
     )
 
 

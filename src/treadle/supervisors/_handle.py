@@ -210,6 +210,13 @@ class RunHandle:
         ``None`` and `state` is ``running`` (unless cancelled), whether the run was parked or
         driven, so a loop of `wait_state` and `approve` waits for the next request.
 
+        A cancel the run knows of when it takes the decision wins: the decision is never
+        recorded, the call never runs, and the run ends ``cancelled`` (`wait` says so). Before
+        taking it, parked or driven, the run reads its control stream once, so a cancel
+        written there before (`treadle.approvals.request_cancel`, ``treadle cancel``) wins
+        even though this call, which does not read the store, already returned
+        (docs/events.md, "Human approval").
+
         Args:
             call_id: the call meant; refused when it is not the pending one (``None``: the
                 pending call, whichever it is).
@@ -222,7 +229,8 @@ class RunHandle:
             The decision handed to the run.
 
         Raises:
-            UsageError: the run is not waiting for an approval, waits on another call, both
+            UsageError: the run is not waiting for an approval, is being cancelled (by this
+                handle, or as the handle reports, ``cancelling``), waits on another call, both
                 ``reject`` and ``edit`` were given, or the edit is not a JSON object or does
                 not fit the tool's schema (nothing is handed over then).
         """
@@ -233,7 +241,7 @@ class RunHandle:
             )
         if self._parking is None and self._control is None:
             raise UsageError(f"run {self.run_id!r} is not being driven here")
-        if self._cancel_sent and self._parking is None:
+        if (self._cancel_sent and self._parking is None) or self.state is RunState.CANCELLING:
             raise UsageError(f"run {self.run_id!r} is being cancelled")
         request = self._awaited()
         decided = decision_for(

@@ -10,13 +10,13 @@ approval request is already durable, so nothing is lost whether the process stay
 from __future__ import annotations
 
 import math
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 
 import attrs
 import trio
 
 from treadle._clock import Clock
-from treadle.actors import Cancel, Control, Offer
+from treadle.actors import Cancel, Control, Offer, take_offer
 from treadle.approvals import counts, expired_decision
 from treadle.types import ApprovalDecided, ApprovalRequested, RunState
 
@@ -32,7 +32,8 @@ class Parking:
         clock: wall clock for the decision's timestamp.
         control_seen: the control-stream position handled before parking.
         decision: the decision handed over (by the handle, the control stream or the
-            deadline).
+            deadline); once `wait` returned, the one the run takes (``None`` when a cancel
+            came first: `treadle.actors.take_offer`).
         decided_here: the decision came from the handle (it is not durable yet).
         cancel_request: ``(reason, canceller)`` once the run was cancelled while parked.
         cancelled_here: the cancel came through this process's handle (not yet durable).
@@ -108,13 +109,18 @@ class Parking:
         expire: Callable[[], Awaitable[None]],
         poll_s: float | None,
         grown: Callable[[trio.Event], Awaitable[None]] | None = None,
+        read_control: Callable[[], Awaitable[Sequence[Control]]] | None = None,
     ) -> None:
         """Wait for a decision or a cancel; at the deadline, expire the call.
 
         At the deadline ``expire`` writes the expiry to the control stream and reads the
         stream once more: the first decision there that counts is taken (`offer`), a human's
         written before the expiry or the expiry itself. Without a control stream (``expire``
-        reads nothing) the call expires here.
+        reads nothing) the call expires here. The decision is then taken as a driven run
+        takes it (`treadle.actors.take_offer`): a cancel known by then wins, and one handed
+        over by the handle is taken only after one more reading of the stream
+        (``read_control``), so a cancel written there before it wins too; `decision` is
+        ``None`` then.
 
         Args:
             poll: reads the control log once (decisions and cancels of other processes).
@@ -126,6 +132,8 @@ class Parking:
                 shared reading of control heads does when the run's stream grew beyond what
                 was handed over (`ControlIndex.wait_grown`); then the run reads its control
                 stream only when woken, not every ``poll_s``.
+            read_control: reads the control stream itself once, now: the entries not
+                handed over yet, as messages (``None``: no control stream).
 
         Raises:
             StoreError: a reading of the control stream (or of the shared heads) failed.
@@ -147,3 +155,9 @@ class Parking:
             await expire()  # a decision written before the expiry in the stream still counts
         if self.decision is None and self.cancel_request is None:  # no control stream
             self.decision = expired_decision(self.request, self.clock)
+        if self.decision is not None:
+            offer = Offer(decided=self.decision, here=self.decided_here)
+            self.decision = await take_offer(offer, read_control, self.apply, self._cancelled)
+
+    def _cancelled(self) -> bool:
+        return self.cancel_request is not None
