@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import datetime
 import re
 import subprocess
 import sys
@@ -460,6 +461,178 @@ async def test_check_approvals_flags_each_broken_rule(autojump_clock):
     )
 
 
+def _approval_damaged(log, how):
+    """``log`` (a call approved by a human) with its approval records damaged ``how``."""
+    from treadle.types import ApprovalRequested
+
+    records = list(log.records)
+    asked = next(i for i, r in enumerate(records) if isinstance(r, ApprovalRequested))
+    decided = next(i for i, r in enumerate(records) if isinstance(r, ApprovalDecided))
+    request, decision = records[asked], records[decided]
+    if how == "request-dropped":
+        del records[asked]
+    elif how == "decision-first":
+        records[asked], records[decided] = decision, request
+    elif how == "other-digest":
+        records[decided] = attrs.evolve(decision, arguments_digest="sha256:" + "0" * 64)
+    elif how == "after-deadline":
+        late = datetime.datetime.fromisoformat(request.deadline_ts) + datetime.timedelta(seconds=1)
+        records[decided] = attrs.evolve(decision, ts=late.isoformat())
+    elif how == "call-not-asked-for":
+        records[asked] = attrs.evolve(request, call_id="ghost")
+        records[decided] = attrs.evolve(decision, call_id="ghost")
+    return attrs.evolve(log, records=tuple(records))
+
+
+@pytest.mark.parametrize(
+    ("how", "rule"),
+    [
+        # Each of these passed check_invariants: a decision was taken at its word.
+        ("request-dropped", "decision \\(approve\\) on call p1 of step 1 answers no approval"),
+        ("decision-first", "answers no approval request written before it"),
+        ("other-digest", "is bound to arguments sha256:0+, the request to sha256:"),
+        ("after-deadline", "after the request's deadline .*: it never counts"),
+        ("call-not-asked-for", "requested for call 'ghost' \\(pay\\), which the reply of step 1"),
+    ],
+)
+async def test_check_invariants_flags_a_decision_the_run_could_not_have_applied(
+    how, rule, autojump_clock
+):
+    approved = await _approval_log()
+    assert check_invariants(approved) == []
+    problems = check_invariants(_approval_damaged(approved, how))
+    assert any(re.search(rule, p) for p in problems), problems
+
+
+def _finish_damaged(log, how):
+    """``log`` (a clean run ended with a final answer) with its end damaged ``how``."""
+    from treadle.types import RunState, StopReason
+
+    *records, finished = log.records
+    step_at = max(i for i, r in enumerate(records) if isinstance(r, StepRecord))
+    if how == "succeeded-max-steps":
+        finished = attrs.evolve(finished, stop_reason=StopReason.MAX_STEPS)
+    elif how == "failed-final-answer":
+        finished = attrs.evolve(finished, state=RunState.FAILED)
+    elif how == "other-answer":
+        finished = attrs.evolve(finished, final_answer="something else")
+    elif how == "last-step-invalid":
+        records[step_at] = attrs.evolve(records[step_at], decision=DecisionKind.INVALID)
+    elif how == "more-active-time":
+        finished = attrs.evolve(finished, totals=attrs.evolve(finished.totals, active_s=999.0))
+    elif how == "less-active-time":
+        records[step_at] = attrs.evolve(records[step_at], active_s=records[step_at].active_s + 5)
+    elif how == "output-without-answer":
+        finished = attrs.evolve(
+            finished,
+            state=RunState.FAILED,
+            stop_reason=StopReason.MAX_STEPS,
+            final_answer=None,
+            output={"city": "Paris"},
+        )
+    return attrs.evolve(log, records=(*records, finished))
+
+
+@pytest.mark.parametrize(
+    ("how", "rule"),
+    [
+        # Each of these passed check_invariants: the run-finished record was taken at its word.
+        (
+            "succeeded-max-steps",
+            "finished succeeded with stop reason max_steps, which ends a run failed",
+        ),
+        (
+            "failed-final-answer",
+            "finished failed with stop reason final_answer, which ends a run succ",
+        ),
+        ("other-answer", "final answer 'something else' is not the text of step 5"),
+        ("last-step-invalid", "finished final_answer, but its last step is step 5 \\(invalid\\)"),
+        ("more-active-time", "active time 999.000000 s is not its step records'"),
+        ("less-active-time", "active time .* s is less than its step records'"),
+        ("output-without-answer", "finished max_steps with an output; only a run ended final_answ"),
+    ],
+)
+async def test_check_invariants_flags_a_run_finished_record_the_log_contradicts(how, rule):
+    log, _ = await _log_of_clean_run()
+    assert check_invariants(log) == []
+    problems = check_invariants(_finish_damaged(log, how))
+    assert any(re.search(rule, p) for p in problems), problems
+
+
+async def _cancelled_log():
+    """A run cancelled while its one tool call sleeps: the call's late result, then the cancel."""
+    import trio
+
+    from treadle import Agent, MemoryStore, NativeToolCallParser, Toolbox, tool
+    from treadle.supervisors import open_run
+    from treadle.testing import ScriptedModel, call, say
+
+    @tool
+    async def slow() -> str:
+        """Sleep."""
+        await trio.sleep(60)
+        return "slept"
+
+    agent = Agent(
+        model=ScriptedModel(turns=[call("slow"), say("never")]),
+        executor=Toolbox([slow]),
+        parser=NativeToolCallParser(),
+    )
+    store = MemoryStore()
+    with trio.fail_after(30):
+        async with open_run(agent, "go", store=store, run_id="c") as handle:
+            async for event in handle.events():
+                if event.kind == "action_requested":
+                    handle.cancel("stop")
+    return await store.read_log("c")
+
+
+async def test_check_invariants_flags_a_cancel_out_of_place(autojump_clock):
+    from treadle.types import CancelRequested, RunState, StopReason
+
+    log = await _cancelled_log()
+    assert log.finished is not None and log.finished.state is RunState.CANCELLED
+    assert check_invariants(log) == []
+    *records, finished = log.records
+    at = next(i for i, r in enumerate(records) if isinstance(r, CancelRequested))
+    cancel = records.pop(at)
+
+    dropped = attrs.evolve(log, records=(*records, finished))
+    assert any(
+        "finished cancelled without a cancel in its log" in p for p in check_invariants(dropped)
+    )
+    first = attrs.evolve(log, records=(records[0], cancel, *records[1:], finished))
+    assert any(
+        re.search("record 3 \\(ModelIntent\\) follows the cancel \\(record 2\\)", p)
+        for p in check_invariants(first)
+    )
+    succeeded = attrs.evolve(
+        finished, state=RunState.SUCCEEDED, stop_reason=StopReason.TASK_COMPLETED
+    )
+    ignored = attrs.evolve(log, records=(*records, cancel, succeeded))
+    assert any(
+        "holds a cancel (record 7), but the run finished succeeded" in p
+        for p in check_invariants(ignored)
+    )
+
+
+async def test_a_cancel_after_the_final_answer_ends_the_run_cancelled_and_is_no_violation():
+    """Rule A comes before rule D: a cancel taken in after the answering step's record, before
+    the run-finished, ends the run cancelled (docs/concepts.md, "Stop reasons")."""
+    from treadle.types import CancelRequested, RunState, StopReason
+
+    log, _ = await _log_of_clean_run()
+    *records, finished = log.records
+    cancel = CancelRequested(run_id=log.run_id, ts=finished.ts, reason="too late")
+    cancelled = attrs.evolve(
+        finished,
+        state=RunState.CANCELLED,
+        stop_reason=StopReason.CANCELLED,
+        final_answer=None,
+    )
+    assert check_invariants(attrs.evolve(log, records=(*records, cancel, cancelled))) == []
+
+
 async def _usage_log():
     log, _ = await _log_of_clean_run()
     return log
@@ -468,8 +641,15 @@ async def _usage_log():
 async def test_a_real_clocks_few_milliseconds_past_the_time_budget_are_no_overshoot():
     """A run stopped on ``time_budget`` by a real clock ends a few ms past it (1.0012 s to
     1.0049 s of a 1 s budget were seen): not an overshoot, except on the virtual clock."""
+    from treadle.types import RunState, StopReason
+
     log = await _usage_log()
-    finished = log.records[-1]
+    finished = attrs.evolve(  # cut in its last step: that step's time has no step record
+        log.records[-1],
+        state=RunState.FAILED,
+        stop_reason=StopReason.TIME_BUDGET,
+        final_answer=None,
+    )
     budget = Budgets(time_budget_s=finished.totals.active_s)
     late = attrs.evolve(finished.totals, active_s=finished.totals.active_s + 0.005)
     real = _replace(log, len(log.records) - 1, attrs.evolve(finished, totals=late))

@@ -10,7 +10,9 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, Protocol
 
 from treadle._text import holds_surrogates
-from treadle.approvals import Decision
+from treadle.approvals import DECISIONS, Decision, counts
+from treadle.testing._run_end import check_cancel as check_cancel
+from treadle.testing._run_end import check_run_finished as check_run_finished
 from treadle.types import (
     ActionIntent,
     ActionResult,
@@ -95,6 +97,8 @@ def check_invariants(
     problems.extend(_steps_in_order(log.run_id, records))
     problems.extend(_nothing_after_the_answer(log.run_id, records))
     problems.extend(check_approvals(log))
+    problems.extend(check_cancel(log))
+    problems.extend(check_run_finished(log))
     problems.extend(check_action_results(log))
     problems.extend(check_child_waits(log))
     problems.extend(check_valid_text(log))
@@ -364,20 +368,33 @@ def check_approvals(log: RunLog) -> list[str]:
     - a call has at most one decision: the first counts, a second is refused and never
       recorded (docs/events.md, "Human approval");
     - no action of a rejected (or expired) call ran: no intent, and a NOT_EXECUTED result;
-    - an edited call ran with the edited arguments.
+    - an edited call ran with the edited arguments;
+    - a recorded decision answers the request written before it, and is one the run applies
+      (`treadle.approvals.counts`): for the same step, call and arguments digest, and, but an
+      expiry, not written after the request's deadline (docs/events.md, "Human approval": a
+      decision bound to other arguments is never applied, one written after the deadline
+      never counts);
+    - a request is for a call of its step's reply, with its tool, when the step record's
+      history message holds calls (`check_actions_asked_for` says why only then).
 
     Returns:
         One sentence per violation.
     """
     run_id = log.run_id
     problems: list[str] = []
-    requested: set[tuple[int, str]] = set()
+    requested: dict[tuple[int, str], ApprovalRequested] = {}
+    asked: dict[int, list[ApprovalRequested]] = {}  # step -> its requests
     decided: dict[tuple[int, str], ApprovalDecided] = {}
     for record in log.records:
         if isinstance(record, ApprovalRequested):
-            requested.add((record.step, record.call_id))
+            requested.setdefault((record.step, record.call_id), record)
+            asked.setdefault(record.step, []).append(record)
+        elif isinstance(record, StepRecord):
+            mine = asked.pop(record.step, [])
+            problems.extend(_requests_are_its_calls(run_id, record, mine))
         elif isinstance(record, ApprovalDecided):
             key = (record.step, record.call_id)
+            problems.extend(_decision_counts(run_id, record, requested.get(key)))
             if key in decided:
                 problems.append(
                     f"{run_id}: call {record.call_id} of step {record.step} was decided twice "
@@ -398,6 +415,49 @@ def check_approvals(log: RunLog) -> list[str]:
                     f"{record.outcome.status.value}"
                 )
     return problems
+
+
+def _decision_counts(
+    run_id: str, decided: ApprovalDecided, request: ApprovalRequested | None
+) -> list[str]:
+    """Why the run could not have applied ``decided`` to ``request`` (empty: it could)."""
+    which = f"the decision ({decided.decision}) on call {decided.call_id} of step {decided.step}"
+    if request is None:
+        return [f"{run_id}: {which} answers no approval request written before it"]
+    if counts(decided, request):
+        return []
+    if decided.arguments_digest != request.arguments_digest:
+        why = (
+            f"is bound to arguments {decided.arguments_digest}, the request to "
+            f"{request.arguments_digest}: it is never applied"
+        )
+    elif decided.decision not in DECISIONS:
+        why = "is no decision a run applies"
+    else:
+        why = (
+            f"was written at {decided.ts}, after the request's deadline {request.deadline_ts}: "
+            "it never counts"
+        )
+    return [f"{run_id}: {which} {why}"]
+
+
+def _requests_are_its_calls(
+    run_id: str, step: StepRecord, requests: Sequence[ApprovalRequested]
+) -> list[str]:
+    """Each approval request of ``step`` is of a call its history message holds, if any."""
+    message = step.history_message
+    calls = {call.id: call.name for call in message.tool_calls} if message is not None else {}
+    if not calls:
+        return []  # calls written as text: their ids are the parser's
+    return [
+        f"{run_id}: an approval was requested for call {request.call_id!r} ({request.tool}), "
+        f"which the reply of step {step.step} does not hold"
+        if request.call_id not in calls
+        else f"{run_id}: an approval was requested for {request.tool}, but call "
+        f"{request.call_id!r} of step {step.step} asked for {calls[request.call_id]}"
+        for request in requests
+        if calls.get(request.call_id) != request.tool
+    ]
 
 
 def _refused(decision: ApprovalDecided | None) -> bool:
