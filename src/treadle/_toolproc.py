@@ -54,8 +54,8 @@ import sys
 import threading
 import time
 import traceback
-from collections.abc import Callable, Iterable, Iterator, Mapping
-from typing import Any, Final, NoReturn
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any, Final, NamedTuple, NoReturn
 
 REPLY_OK = "ok"
 """The function returned: ``(REPLY_OK, value)``."""
@@ -113,23 +113,47 @@ _LOOKS: Final = 10
 """How many times `kill_session` looks for the session's processes at most."""
 
 
+class _Member(NamedTuple):
+    """A process of a session, as ``/proc/<pid>/stat`` shows it (Linux)."""
+
+    pid: int
+    start: bytes
+    """Its start time (clock ticks after boot): tells a reused pid from the process seen before."""
+    parent: int
+    """Its parent's pid."""
+    group: int
+    """Its process group's id."""
+
+
 def kill_session(session: int) -> None:
     """SIGKILL every process of the session ``session`` except the calling one.
 
     On Linux they are found by their session id (``/proc/<pid>/stat``), whatever process group
     they moved to. Each is stopped (SIGSTOP) first, and looked for again until a look finds
-    none not yet stopped (one may have forked meanwhile), at most `_LOOKS` times; only then
-    are they killed, children before their parents (`_children_first`), so none can react to
-    another's death (a shell running its next command when the one before it was killed; a
-    process continued by the kernel because its parent's death orphaned its stopped process
-    group). A caller outside the session first stops the process
-    group of the session's leader at once, a fork in progress included (``killpg``), and
-    kills it last: a fork chain there is stopped by the first look. A stopped process cannot
-    fork, so only a process outside that group that forks faster than the looks find it
-    (a fork chain that moved to a group of its own) can escape the kill. Elsewhere the process
-    group of the session's leader is killed: a process that moved to a group of its own is
-    missed there, and the caller dies too when it is in that group. A process that left the
-    session (``setsid``) is its own (docs/concepts.md, "Tools and cancellation").
+    none not yet stopped (one may have forked meanwhile), at most `_LOOKS` times (`_stop_all`);
+    only then are they killed, so that none can react to another's death (a shell running its
+    next command). Each process group the last look saw is killed whole (``killpg``: the
+    kernel gives every process of the group its SIGKILL at once, those the looks missed too),
+    each before any group holding a parent of one of its processes (`_groups_first`). A death
+    orphans a stopped process group, and the kernel continues it (SIGHUP, then SIGCONT), only
+    when the group is the dying process's own or holds one of its children: both have their
+    SIGKILL by then, so no process of the session runs again, one ignoring SIGHUP (a program
+    started under ``nohup``) included. The processes of a group not killed whole are killed
+    one by one afterwards, children before their parents (`_children_first`): those of the
+    caller's own group when it is inside the session (it is spared), and all of them where
+    groups hold each other's parents (a process moved into a group above its own), which no
+    order of the groups fits. A group's id is given to no other process while the group has
+    one, and a stopped process leaves its group only by dying: the ids the look saw are the
+    groups' when they are killed, unless something else killed a whole group meanwhile.
+
+    A caller outside the session first stops the process group of the session's leader at
+    once, a fork in progress included (``killpg``), and kills it last: a fork chain there is
+    stopped by the first look. A stopped process cannot fork, so only a process outside that
+    group that forks faster than the looks find it (a fork chain that moved to a group of
+    its own) can escape the kill. Elsewhere the process group of the session's leader is
+    killed: a process that moved to a group of its own is missed there, and the caller dies
+    too when it is in that group. A process that left the session (``setsid``) is its own
+    (docs/concepts.md, "Tools and cancellation").
 
     It blocks for as long as its looks take (a scan of ``/proc`` each): call it off a trio
     loop.
@@ -140,20 +164,32 @@ def kill_session(session: int) -> None:
     outside = os.getsid(0) != session
     if outside:
         _signal_group(session, signal.SIGSTOP)
+    found = _stop_all(session)
+    groups = _groups_first(found, None if outside else os.getpgrp())
+    for group in groups:
+        _signal_group(group, signal.SIGKILL)
+    rest = [member for member in found if member.group not in groups]
+    _signal_all(_children_first(rest), signal.SIGKILL)
+    if outside:
+        _signal_group(session, signal.SIGKILL)
+
+
+def _stop_all(session: int) -> list[_Member]:
+    """Stop (SIGSTOP) every process of ``session`` but the calling one; what the last look saw.
+
+    It looks again until a look finds none not yet stopped, at most `_LOOKS` times.
+    """
     me = os.getpid()
     stopped: set[tuple[int, bytes]] = set()
-    parents: dict[int, int] = {}
+    latest: list[_Member] = []
     for _ in range(_LOOKS):
-        seen = {member: parent for member, parent in _members(session) if member[0] != me}
-        parents.update((pid, parent) for (pid, _), parent in seen.items())
-        found = seen.keys() - stopped
+        latest = [member for member in _members(session) if member.pid != me]
+        found = [member for member in latest if (member.pid, member.start) not in stopped]
         if not found:
             break
         _signal_all(found, signal.SIGSTOP)
-        stopped |= found
-    _signal_all(_children_first(stopped, parents), signal.SIGKILL)
-    if outside:
-        _signal_group(session, signal.SIGKILL)
+        stopped.update((member.pid, member.start) for member in found)
+    return latest
 
 
 def _signal_group(group: int, number: int) -> None:
@@ -162,17 +198,49 @@ def _signal_group(group: int, number: int) -> None:
         os.killpg(group, number)
 
 
-def _children_first(
-    processes: Iterable[tuple[int, bytes]], parents: Mapping[int, int]
-) -> list[tuple[int, bytes]]:
-    """``processes`` (``(pid, start time)``) ordered so that each comes after its descendants.
+def _groups_first(members: Iterable[_Member], spared: int | None) -> list[int]:
+    """The process groups of ``members``, each before any holding a parent of one of its own.
 
-    ``parents`` maps a pid to its parent's. Killed in this order, a process dies only once
-    every process below it has a SIGKILL pending: a parent's death that orphans a stopped
-    process group makes the kernel continue that group (SIGHUP, then SIGCONT), and one of
-    its processes ignoring SIGHUP (a program started under ``nohup``) would run on until its
-    own SIGKILL came, free to act on the deaths it sees.
+    Killed whole in this order, a group dies only once every group below it has its SIGKILL:
+    the kernel continues a stopped group that a death orphans (SIGHUP, then SIGCONT) only
+    when the dying process is in that group or is a parent of one of its processes.
+    ``spared`` (the caller's own group, or ``None``) is left out, and must come last: its
+    processes are killed after every group (`kill_session`).
+
+    Returns:
+        Group ids, in the order to kill them; ``[]`` when no order exists (groups holding
+        each other's parents, or ``spared`` holding a process whose parent is in another
+        group): the processes are then killed one by one.
     """
+    found = list(members)
+    group_of = {member.pid: member.group for member in found}
+    below: dict[int, set[int]] = {member.group: set() for member in found}
+    for member in found:
+        above = group_of.get(member.parent, member.group)
+        if above != member.group:
+            below[above].add(member.group)
+    if spared in below:
+        below[spared] |= below.keys() - {spared}
+    order: list[int] = []
+    while below:
+        ready = sorted(group for group, first in below.items() if not first & below.keys())
+        if not ready:
+            return []
+        order += ready
+        for group in ready:
+            del below[group]
+    return [group for group in order if group != spared]
+
+
+def _children_first(members: Iterable[_Member]) -> list[_Member]:
+    """``members`` ordered so that each comes after its descendants among them.
+
+    Killed in this order, a process dies only once every process below it has a SIGKILL
+    pending, so none of those is continued by its death: the order for the processes not
+    killed with their whole group (`kill_session`).
+    """
+    found = list(members)
+    parents = {member.pid: member.parent for member in found}
 
     def depth(pid: int) -> int:
         count = 0
@@ -180,21 +248,18 @@ def _children_first(
             count += 1
         return count
 
-    return sorted(processes, key=lambda member: depth(member[0]), reverse=True)
+    return sorted(found, key=lambda member: depth(member.pid), reverse=True)
 
 
-def _signal_all(processes: Iterable[tuple[int, bytes]], number: int) -> None:
-    """Send signal ``number`` to each of ``processes`` (``(pid, start time)``), in order."""
-    for pid, _ in processes:
+def _signal_all(members: Iterable[_Member], number: int) -> None:
+    """Send signal ``number`` to each of ``members``, in order."""
+    for member in members:
         with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.kill(pid, number)
+            os.kill(member.pid, number)
 
 
-def _members(session: int) -> Iterator[tuple[tuple[int, bytes], int]]:
-    """The processes of ``session`` (Linux): ``((pid, start time), parent's pid)``.
-
-    The start time (clock ticks after boot) tells a reused pid from the process seen before.
-    """
+def _members(session: int) -> Iterator[_Member]:
+    """The processes of ``session`` (Linux)."""
     for name in os.listdir(_PROC):
         if not name.isdigit():
             continue
@@ -206,7 +271,8 @@ def _members(session: int) -> Iterator[tuple[tuple[int, bytes], int]]:
         # after the name in parentheses: field 3 of proc(5) (the state) onwards
         fields = line.rsplit(b")", 1)[-1].split()
         if len(fields) > 19 and int(fields[3]) == session:  # field 6: the session
-            yield (int(name), fields[19]), int(fields[1])  # fields 22 and 4 (the parent)
+            # fields 22 (the start time), 4 (the parent) and 5 (the group)
+            yield _Member(int(name), fields[19], int(fields[1]), int(fields[2]))
 
 
 def resolve(module: str, qualname: str) -> Any:

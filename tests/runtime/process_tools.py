@@ -208,6 +208,52 @@ def fork_chain(directory: str) -> str:
     os._exit(0)
 
 
+@treadle.tool(isolation="process", timeout_s=60)
+def link_of_a_group(directory: str) -> str:
+    """Start a process group whose only link to the call is its leader, then wait.
+
+    The leader, a child of the worker, makes a process group of its own, and in it starts a
+    watcher through a process that exits at once, so the watcher's parent is outside the
+    session. The watcher ignores SIGHUP (as under ``nohup``) and writes ``started`` (its pid
+    and the leader's); once the leader has died, it writes ``acted``.
+    """
+    if os.fork() != 0:  # the worker
+        time.sleep(60)
+        return "waited"
+    os.setpgid(0, 0)
+    leader = os.getpid()
+    between = os.fork()
+    if between == 0:
+        if os.fork() == 0:
+            _watch_for_death(Path(directory), leader)
+        os._exit(0)
+    os.waitpid(between, 0)
+    time.sleep(60)
+    os._exit(0)
+
+
+def _watch_for_death(folder: Path, leader: int) -> None:
+    """Ignore SIGHUP, write ``started``, and write ``acted`` once ``leader`` has died."""
+    import signal
+
+    signal.signal(signal.SIGHUP, signal.SIG_IGN)
+    (folder / "started.part").write_text(f"{os.getpid()} {leader}")
+    (folder / "started.part").rename(folder / "started")
+    while running(leader):
+        time.sleep(0.001)
+    (folder / "acted").write_text("acted")
+    os._exit(0)
+
+
+def running(pid: int) -> bool:
+    """Whether ``pid`` is there and not a zombie (Linux: its state in ``/proc``)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as stat:
+            return stat.read().rsplit(b")", 1)[-1].split()[0] != b"Z"
+    except OSError:
+        return False
+
+
 def _keep_running(directory: str) -> None:
     """Wait a minute, or until ``<directory>/release`` exists (a test's cleanup writes it)."""
     release = Path(directory) / "release"

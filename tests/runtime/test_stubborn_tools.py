@@ -21,6 +21,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import attrs
@@ -39,7 +40,9 @@ from process_tools import (
     fail_unprintably,
     fork_and_return,
     fork_chain,
+    link_of_a_group,
     return_unreadable,
+    running,
     scaler,
     slow_write,
     spawn_and_wait,
@@ -676,11 +679,12 @@ def test_a_kill_looks_for_the_sessions_processes_a_bounded_number_of_times(monke
     kill looked again for as long as that went on, here 1000 times."""
     looks = 0
 
-    def members(session: int) -> list[tuple[tuple[int, bytes], int]]:
+    def members(session: int) -> list[_toolproc._Member]:
         nonlocal looks
         looks += 1
         # above any pid Linux hands out (at most 2**22): no process gets these signals
-        return [((2**23 + looks, b"0"), 1)] if looks < 1000 else []
+        pid = 2**23 + looks
+        return [_toolproc._Member(pid, b"0", 1, pid)] if looks < 1000 else []
 
     monkeypatch.setattr(_toolproc, "_members", members)
     _toolproc.kill_session(2**23)
@@ -688,27 +692,136 @@ def test_a_kill_looks_for_the_sessions_processes_a_bounded_number_of_times(monke
     assert looks == _toolproc._LOOKS
 
 
+FAKE = 2**23
+"""Above any pid Linux hands out (at most 2**22): no process gets the signals of a faked kill."""
+
+
+def fake_session(monkeypatch, members: list[tuple[int, int, int]]) -> list[tuple[str, int]]:
+    """Have `_toolproc.kill_session` find ``members`` (pid, parent, group), and record its
+    SIGKILLs, in order: ``("group", id)`` sent with ``killpg``, ``("process", pid)``."""
+    found = [_toolproc._Member(pid, b"0", parent, group) for pid, parent, group in members]
+    monkeypatch.setattr(_toolproc, "_members", lambda session: found)
+    sent: list[tuple[str, int]] = []
+
+    def recorder(kind: str) -> Callable[[int, int], None]:
+        def record(target: int, number: int) -> None:
+            if number == signal.SIGKILL:
+                sent.append((kind, target))
+
+        return record
+
+    monkeypatch.setattr(os, "kill", recorder("process"))
+    monkeypatch.setattr(os, "killpg", recorder("group"))
+    return sent
+
+
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="looks in /proc (Linux)")
-def test_a_kill_kills_children_before_their_parents(monkeypatch):
-    """A parent killed first orphans its child's stopped process group, and the kernel then
-    continues that group (SIGHUP, then SIGCONT): a command ignoring SIGHUP (a program started
-    under ``nohup``) ran on between its parent's death and its own, and acted on a death it
-    saw (it wrote its result once its sleeper was killed, after the call had ended)."""
-    base = 2**23  # above any pid Linux hands out (at most 2**22): no process gets a signal
-    chain = [base + n for n in (5, 2, 7, 1, 8, 3, 6, 4)]  # each the parent of the next
-    parent_of = dict(zip(chain[1:], chain[:-1], strict=True)) | {chain[0]: 1}
-    monkeypatch.setattr(
-        _toolproc, "_members", lambda session: [((pid, b"0"), parent_of[pid]) for pid in chain]
+def test_a_kill_kills_each_group_whole_before_the_groups_of_its_parents(monkeypatch):
+    """The session's leader (group L) starts a worker; the worker, a process leading group G
+    and one in group J; the leader of G, one in group H; G also holds a process whose parent
+    is outside the session (a ``nohup`` command started through a process that exited).
+    Killed one by one, children first, G's leader, the only link of G to the session, died
+    before that process and orphaned G: the kernel continued it (SIGHUP, SIGCONT), and it ran
+    on until its own SIGKILL. Each group is now killed whole, below its parents'."""
+    leader, worker, g, h, j, outsider = (FAKE + n for n in range(6))
+    sent = fake_session(
+        monkeypatch,
+        [
+            (leader, 1, leader),
+            (worker, leader, leader),
+            (g, worker, g),
+            (outsider, 1, g),
+            (h, g, h),
+            (j, worker, j),
+        ],
     )
-    killed: list[int] = []
+    _toolproc.kill_session(leader)
+    # the last: the session leader's group, killed again once all is done
+    assert sent == [("group", group) for group in (h, j, g, leader, leader)]
 
-    def record(pid: int, number: int) -> None:
-        if number == signal.SIGKILL:
-            killed.append(pid)
 
-    monkeypatch.setattr(os, "kill", record)
-    _toolproc.kill_session(base)
-    assert killed == chain[::-1]
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="looks in /proc (Linux)")
+def test_a_kill_from_inside_the_session_kills_its_own_group_last_children_first(monkeypatch):
+    """The call's keeper kills its session when its driver dies: it spares its own group
+    (itself in it), and kills the group's other processes one by one after every other
+    group, children before their parents: a parent killed first orphans its child's stopped
+    process group, and the kernel continues it."""
+    chain = [FAKE + n for n in (5, 2, 7, 1, 8, 3, 6, 4)]  # each the parent of the next
+    parent_of = dict(zip(chain[1:], chain[:-1], strict=True)) | {chain[0]: 1}
+    own = [(pid, parent_of[pid], chain[0]) for pid in chain]
+    below = FAKE + 9  # a group of its own, started by the chain's middle
+    sent = fake_session(monkeypatch, [*own, (below, chain[4], below)])
+    monkeypatch.setattr(os, "getsid", lambda pid: chain[0])
+    monkeypatch.setattr(os, "getpgrp", lambda: chain[0])
+    monkeypatch.setattr(os, "getpid", lambda: chain[0])
+    _toolproc.kill_session(chain[0])
+    assert sent == [("group", below), *(("process", pid) for pid in chain[:0:-1])]
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="looks in /proc (Linux)")
+def test_a_kill_of_groups_holding_each_others_parents_kills_processes_children_first(
+    monkeypatch,
+):
+    """Group A holds the parent of a process of group B, which holds the parent of a
+    process moved into A: no order of the groups kills each below its parents' groups."""
+    a, b, moved = FAKE + 1, FAKE + 2, FAKE + 3
+    sent = fake_session(monkeypatch, [(a, 1, a), (b, a, b), (moved, b, a)])
+    _toolproc.kill_session(FAKE)
+    assert sent == [("process", moved), ("process", b), ("process", a), ("group", FAKE)]
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="looks in /proc (Linux)")
+async def test_a_process_group_orphaned_by_the_kill_does_not_run_again(markers, monkeypatch):
+    """A group's leader was its only link to the call (its watcher's parent is outside the
+    session): the leader, killed before the watcher, orphaned the stopped group, the kernel
+    continued it (SIGHUP, then SIGCONT), and the watcher, ignoring SIGHUP, ran on until its
+    own SIGKILL came, saw the leader dead and acted. Here the kill waits, once it has killed
+    the leader, until the watcher has acted or died: the watcher dies with its leader."""
+    started = markers / "started"
+    killed_the_leader = threading.Event()
+
+    def settled(watcher: int) -> None:
+        for _ in range(int(REAL_WAIT_S / 0.01)):  # polled: nothing signals either
+            if (markers / "acted").exists() or not running(watcher):
+                return
+            time.sleep(0.01)
+
+    def waiting(send: Callable[[int, int], None]) -> Callable[[int, int], None]:
+        def sent(target: int, number: int) -> None:
+            send(target, number)
+            if number != signal.SIGKILL or not started.exists():
+                return
+            watcher, leader = (int(pid) for pid in started.read_text().split())
+            if target == leader:  # the leader as a process, or its group
+                killed_the_leader.set()
+                settled(watcher)
+
+        return sent
+
+    monkeypatch.setattr(os, "kill", waiting(os.kill))
+    monkeypatch.setattr(os, "killpg", waiting(os.killpg))
+    action = Action(
+        run_id="r",
+        step=1,
+        intent_id="r/s1/a1",
+        call_id="c",
+        tool="link_of_a_group",
+        arguments={"directory": str(markers)},
+    )
+    with trio.fail_after(REAL_WAIT_S):
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(Toolbox([link_of_a_group]).execute, action)
+            while not started.exists():  # noqa: ASYNC110 (the tool signals nothing else)
+                await trio.sleep(0.05)
+            nursery.cancel_scope.cancel()
+    assert killed_the_leader.is_set()
+    watcher = int(started.read_text().split()[0])
+    for _ in range(int(REAL_WAIT_S / 0.05)):  # polled: nothing signals its end (init reaps it)
+        if not running(watcher):
+            break
+        await trio.sleep(0.05)
+    assert not running(watcher)
+    assert sorted(p.name for p in markers.iterdir()) == ["started"]
 
 
 async def test_a_process_tools_error_whose_message_cannot_be_read_is_its_error(markers):
