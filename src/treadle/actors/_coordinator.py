@@ -428,12 +428,15 @@ class RunCoordinator:
         budgets, view = self.budgets, self.view
         if budgets.max_steps is not None and view.steps >= budgets.max_steps:
             return StopReason.MAX_STEPS
-        if (
-            budgets.max_model_attempts is not None
-            and view.model_attempts >= budgets.max_model_attempts
-        ):
+        # A model call the log shows ended (`_call_ended`) already counts in both: it was
+        # made within them, and its reply or failure is acted on when its usage reached the
+        # token budget exactly, not when it crossed it (docs/models.md, "Budgets during a
+        # call"). Resumed, the same: its step is finished, and the next one stops.
+        settled = 1 if self._call_ended(view.pending) else 0
+        attempts = budgets.max_model_attempts
+        if attempts is not None and view.model_attempts >= attempts + settled:
             return StopReason.MAX_MODEL_ATTEMPTS
-        if budgets.token_budget is not None and view.tokens >= budgets.token_budget:
+        if budgets.token_budget is not None and view.tokens >= budgets.token_budget + settled:
             return StopReason.TOKEN_BUDGET
         if budgets.time_budget_s is None:
             return None
@@ -511,6 +514,14 @@ class RunCoordinator:
         if self.output is not None:  # the final answer must fit the output type
             parsed, output = self.output.decide(parsed, reply)
         return await self._act(step, intent_id, parsed, scope, started, output)
+
+    def _call_ended(self, pending: PendingStep) -> bool:
+        """Whether the log holds how the pending step's model call ended.
+
+        Its reply, or its failure for good (`_failed_for_good`): a resumed run acts on it
+        as the live run did (docs/crash-safety.md, "Resume"), never calling the model again.
+        """
+        return pending.reply is not None or self._failed_for_good(pending) is not None
 
     def _failed_for_good(self, pending: PendingStep) -> ModelErrorInfo | None:
         """The step's last model attempt, when it failed for good before its step record.
