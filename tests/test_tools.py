@@ -327,6 +327,23 @@ async def _float_enum(value: _FloatEnum) -> str:
     return ""
 
 
+class _MixedEnum(enum.Enum):
+    RED = "red"
+    ONE = 1
+
+
+async def _mixed_enum(value: _MixedEnum) -> str:  # refused by msgspec, naming no argument
+    return ""
+
+
+class _EmptyEnum(enum.Enum):
+    pass
+
+
+async def _empty_enum(value: _EmptyEnum) -> str:
+    return ""
+
+
 @pytest.mark.parametrize(
     ("fn", "message"),
     [
@@ -353,6 +370,27 @@ async def _float_enum(value: _FloatEnum) -> str:
 def test_bad_declarations_raise_usage_error(fn: Callable[..., Any], message: str) -> None:
     with pytest.raises(UsageError, match=message.replace("*", r"\*").replace("[", r"\[")):
         tool(fn)
+
+
+@pytest.mark.parametrize(
+    ("fn", "message"),
+    [
+        (
+            _mixed_enum,
+            "argument 'value': unsupported type <enum '_MixedEnum'> (enum values must be all "
+            "str or all int, not both: 'red', 1)",
+        ),
+        (_empty_enum, "(an enum needs at least one member)"),
+    ],
+)
+def test_an_enum_the_schema_cannot_list_is_refused_naming_the_argument(
+    fn: Callable[..., Any], message: str
+) -> None:
+    # A mixed enum was refused by the schema generator, naming the tool and no argument.
+    with pytest.raises(UsageError) as refused:
+        tool(fn)
+    assert message in str(refused.value)
+    assert "argument 'value'" in str(refused.value)
 
 
 @pytest.mark.parametrize(

@@ -403,21 +403,23 @@ def _checked_schema(schema: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def _check_references(schema: dict[str, Any]) -> None:
-    """Refuse a schema with a ``$ref`` (or ``$dynamicRef``) that names nothing inside it.
+    """Refuse a schema with a ``$ref`` (or ``$dynamicRef``) that names no schema inside it.
 
-    `check_schema` passes ``{"$ref": "#/$defs/Missing"}``; validating an answer against it
-    then raised inside the run, interrupting it at every resume. A reference is looked up as
-    the validator would, from the base URI of the subschema holding it (``$id``); a
-    reference outside the schema (a URL) is refused too: nothing is fetched. Then the
-    references are followed for a loop (`_check_loops`) and for chains too long to validate
-    (`_check_depth`).
+    `check_schema` passes ``{"$ref": "#/$defs/Missing"}``, and ``{"$ref": "#/required"}``
+    (a list); validating an answer against either then raised inside the run, interrupting
+    it at every resume. A reference is looked up as the validator would, from the base URI
+    of the subschema holding it (``$id``); a reference outside the schema (a URL) is refused
+    too: nothing is fetched. Then the references are followed for a loop (`_check_loops`)
+    and for chains too long to validate (`_check_depth`).
 
     Raises:
-        UsageError: names the reference that does not resolve, the loop, or the chain.
+        UsageError: names the reference that does not resolve or points at no schema (a
+            list, a number, a string, null: `_check_target`), the loop, or the chain.
     """
     from referencing import Registry
-    from referencing.exceptions import Unresolvable
     from referencing.jsonschema import DRAFT202012
+
+    checked: set[int] = set()
 
     def walk(resolver: Any, resource: Any) -> None:
         contents = resource.contents
@@ -425,13 +427,7 @@ def _check_references(schema: dict[str, Any]) -> None:
             for keyword in ("$ref", "$dynamicRef"):
                 reference = contents.get(keyword)
                 if isinstance(reference, str):
-                    try:
-                        resolver.lookup(reference)
-                    except Unresolvable as exc:
-                        raise UsageError(
-                            f"output_type: {keyword} {reference!r} names nothing in the "
-                            f"schema ({exc}); a reference must point inside it"
-                        ) from None
+                    _check_target(keyword, reference, resolver, checked)
         for sub in resource.subresources():
             walk(resolver.in_subresource(sub), sub)
 
@@ -440,6 +436,46 @@ def _check_references(schema: dict[str, Any]) -> None:
     walk(resolver, root)
     _check_loops(schema, resolver)
     _check_depth(schema, resolver)
+
+
+def _check_target(keyword: str, reference: str, resolver: Any, checked: set[int]) -> None:
+    """Refuse a reference that resolves to nothing, or to a value that is no valid schema.
+
+    A schema is an object or ``true``/``false`` (JSON Schema 2020-12, "Schema documents");
+    a reference resolved by pointer into something else (``#/required``, ``#/type``, a
+    ``maximum``, an object inside an ``enum``) is no schema the validator can apply
+    (docs/structured-output.md, "Output types"). Each target is checked once: ``checked``
+    holds the ids of those seen.
+
+    Raises:
+        UsageError: names the keyword, the reference and what it names.
+    """
+    import jsonschema
+    from referencing.exceptions import Unresolvable
+
+    try:
+        target = resolver.lookup(reference).contents
+    except Unresolvable as exc:
+        raise UsageError(
+            f"output_type: {keyword} {reference!r} names nothing in the schema ({exc}); a "
+            "reference must point inside it"
+        ) from None
+    if id(target) in checked:
+        return
+    checked.add(id(target))
+    problem = None if isinstance(target, dict | bool) else "which is no schema"
+    if isinstance(target, dict):
+        try:
+            jsonschema.Draft202012Validator.check_schema(target)
+        except jsonschema.SchemaError as exc:
+            problem = f"which is no valid schema ({exc.message})"
+    if problem is not None:
+        shown = json.dumps(target)
+        shown = shown if len(shown) <= 60 else shown[:57] + "..."
+        raise UsageError(
+            f"output_type: {keyword} {reference!r} names {shown}, {problem}; a reference "
+            "must point at a schema (an object, true or false)"
+        )
 
 
 _IN_PLACE: Final = ("allOf", "anyOf", "oneOf", "not", "if", "then", "else", "dependentSchemas")

@@ -32,7 +32,8 @@ if TYPE_CHECKING:
 
 SUPPORTED_TYPES: Final = (
     "str, int, float, bool, None, X | None, unions of these, list[X], dict[str, X], "
-    "Literal[...], an Enum, or an attrs class whose fields use these types"
+    "Literal[...], an Enum of str or of int values, or an attrs class whose fields use "
+    "these types"
 )
 _SCALARS: Final = (str, int, float, bool, type(None))
 
@@ -322,9 +323,22 @@ def _check_literal(type_: Any, where: str) -> None:
 
 
 def _check_enum(type_: type[enum.Enum], where: str) -> None:
-    for member in type_:
-        if isinstance(member.value, bool) or not isinstance(member.value, str | int):
-            raise _unsupported(type_, where, " (enum values must be str or int)")
+    """Refuse an enum whose values the schema cannot list: none, or not all str or all int.
+
+    The schema's ``enum`` keeps one JSON type (docs/structured-output.md, "Output types");
+    an enum mixing strings and integers was refused later by the schema generator, in a
+    message naming the class as a tool and no field.
+    """
+    values = [member.value for member in type_]
+    if any(isinstance(v, bool) or not isinstance(v, str | int) for v in values):
+        raise _unsupported(type_, where, " (enum values must be str or int)")
+    if not values:
+        raise _unsupported(type_, where, " (an enum needs at least one member)")
+    if len({type(v) is str for v in values}) > 1:
+        shown = ", ".join(repr(v) for v in values)
+        raise _unsupported(
+            type_, where, f" (enum values must be all str or all int, not both: {shown})"
+        )
 
 
 def _check_attrs(type_: type, where: str, seen: frozenset[type]) -> None:

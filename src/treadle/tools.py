@@ -27,9 +27,9 @@ a plain ``def`` tool runs in a worker thread the run abandons; a process tool is
 The JSON schema of the arguments is generated from the signature (msgspec) and the
 description from the docstring's first paragraph; argument descriptions come from its
 Google ``Args:`` section. Supported argument types: str, int, float, bool, None, unions of
-them, ``list[X]``, ``dict[str, X]``, ``Literal``, enums and attrs classes; an argument with a
-default is optional. A parameter annotated `ToolContext` receives the run, step and
-idempotency key of the call and is not shown to the model.
+them, ``list[X]``, ``dict[str, X]``, ``Literal``, enums (their values all str or all int) and
+attrs classes; an argument with a default is optional. A parameter annotated `ToolContext`
+receives the run, step and idempotency key of the call and is not shown to the model.
 
 `Toolbox` implements `treadle.ports.ActionExecutor`. Arguments are validated (strictly:
 no coercion, no extra keys) before the tool runs (docs/concepts.md, "Data that stays in"). Outcomes

@@ -557,6 +557,9 @@ def test_auto_mode_follows_the_clients_native_output():
         )
 
 
+MIXED = Enum("MIXED", {"RED": "red", "ONE": 1})
+
+
 @treadle.tool(name="final_answer")
 async def clashing(text: str) -> str:
     """A tool named like the final-answer tool."""
@@ -595,11 +598,57 @@ async def clashing(text: str) -> str:
         (Forecast, "sometimes", (), "output_mode must be"),
         (Forecast, "tool", (clashing,), "a tool named 'final_answer'"),
         (attrs.make_class("Bad", {"when": attrs.field(type=set)}), "tool", (), "unsupported"),
+        (  # was "tool 'Mixed': cannot describe the arguments", naming no field
+            attrs.make_class("Mixed", {"c": attrs.field(type=MIXED)}),
+            "tool",
+            (),
+            r"output_type Mixed, field 'c': unsupported type <enum 'MIXED'> \(enum values must "
+            r"be all str or all int, not both: 'red', 1\)",
+        ),
     ],
 )
 def test_unusable_output_types_are_refused_when_the_agent_is_built(output_type, mode, tools, said):
     with pytest.raises(UsageError, match=said):
         agent([], output_type=output_type, mode=mode, tools=tools)
+
+
+@pytest.mark.parametrize(
+    ("schema", "said"),
+    [
+        (
+            {"type": "object", "required": ["a"], "properties": {"a": {"$ref": "#/required"}}},
+            """$ref '#/required' names ["a"], which is no schema""",
+        ),
+        (
+            {
+                "type": "object",
+                "properties": {"n": {"maximum": 5}, "a": {"$ref": "#/properties/n/maximum"}},
+            },
+            "$ref '#/properties/n/maximum' names 5, which is no schema",
+        ),
+        (
+            {"type": "object", "properties": {"a": {"$dynamicRef": "#/type"}}},
+            """$dynamicRef '#/type' names "object", which is no schema""",
+        ),
+        (  # an object, but in no schema's place: check_schema never looked at it
+            {
+                "type": "object",
+                "properties": {
+                    "e": {"enum": [{"type": 5}]},
+                    "a": {"$ref": "#/properties/e/enum/0"},
+                },
+            },
+            """names {"type": 5}, which is no valid schema (5 is not valid""",
+        ),
+    ],
+)
+def test_references_to_what_is_no_schema_are_refused(schema, said):
+    # Accepted before: validating any answer then raised AttributeError or TypeError inside
+    # jsonschema, interrupting the run at every attempt and every resume.
+    with pytest.raises(UsageError) as refused:
+        agent([], output_type=schema)
+    assert said in str(refused.value)
+    assert "a reference must point at a schema" in str(refused.value)
 
 
 def looping(**defs):
