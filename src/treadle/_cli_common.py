@@ -24,6 +24,7 @@ from treadle._clock import seconds_out_of_range
 from treadle._exceptions import InvalidRunId, TreadleError, innermost, raised
 from treadle._ids import check_run_id
 from treadle._paths import is_directory
+from treadle._state import holds_summary
 from treadle._terminal import escaped_for_output, mark
 from treadle.agent import Agent
 from treadle.approvals import read_control
@@ -511,11 +512,8 @@ def _describe(record: Record) -> tuple[str, str]:
         return "model call started", f"attempt {record.attempt}"
     if isinstance(record, ModelResult):
         if record.summary_through is not None:
-            return "summary written", f"{_through(record.summary_through)}: " + model_detail(record)
-        detail = model_detail(record)
-        if record.context is not None:
-            detail += f" {mark('·')} " + context_detail(record)
-        return "model call finished", detail
+            return _summary_result(record, record.summary_through)
+        return "model call finished", _with_context(record, model_detail(record))
     if isinstance(record, ActionIntent):
         args = json.dumps(dict(record.arguments), ensure_ascii=False)
         return "action requested", clip(f"{record.tool}({args})")
@@ -613,6 +611,29 @@ def approval_hint(request: ApprovalRequested, run_id: str, store_path: str) -> s
 def counted(count: object, one: str, many: str | None = None) -> str:
     """``"1 step"``, ``"2 steps"``: ``count`` with ``one`` or ``many`` (default ``one + "s"``)."""
     return f"{count} {one if count == 1 else (many or one + 's')}"
+
+
+def _summary_result(record: ModelResult, through: int) -> tuple[str, str]:
+    """A summary call's result: ``summary written``, or ``summary failed`` with its error.
+
+    Only a reply holding text is a summary (docs/context.md, "Summaries"): a failed attempt
+    (an error, a budget's cut, or a reply with no text) is not; the row says which, with the
+    context of the summariser's request as other model rows show theirs (an ``unfit`` one
+    included).
+    """
+    detail = model_detail(record)
+    if holds_summary(record.reply):
+        return "summary written", _with_context(record, f"{_through(through)}: {detail}")
+    if record.error is None:  # an older log's reply without a summary in it
+        detail = f"no summary text {detail}".strip()
+    return "summary failed", _with_context(record, f"{_through(through)}: {detail}")
+
+
+def _with_context(record: ModelResult, detail: str) -> str:
+    """``detail``, then the context the call was given when the record holds one."""
+    if record.context is None:
+        return detail
+    return f"{detail} {mark('·')} {context_detail(record)}"
 
 
 def _through(step: int) -> str:

@@ -21,6 +21,7 @@ from treadle.testing.invariants import check_context, check_invariants, check_to
 from treadle.testing.windowed import WindowedModel, provider_tokens, windowed_agent
 from treadle.types import (
     Attempt,
+    ContextUsed,
     ModelErrorInfo,
     ModelIntent,
     ModelReply,
@@ -437,6 +438,45 @@ async def test_a_threads_inherited_history_is_compacted_like_the_runs_own_steps(
     assert texts[-1] == "count on"
     assert texts[-2] == "done at n=20"
     assert check_tool_replies([first_request]) == []
+
+
+@pytest.mark.parametrize(
+    ("error", "reply", "said"),
+    [
+        (ModelErrorInfo(kind="time_budget"), None, "steps 1-4: error time_budget"),
+        (
+            ModelErrorInfo(kind="context_length_exceeded", message="too long"),
+            None,
+            "steps 1-4: error context_length_exceeded too long",
+        ),
+        (None, ModelReply(text="  "), "steps 1-4: no summary text"),  # an older log's
+    ],
+)
+def test_show_says_a_summary_attempt_failed_and_what_it_was_given(error, reply, said):
+    # Every summary call's result was shown as "summary written", an error included.
+    from treadle._cli_common import describe
+
+    unfit = ContextUsed(window=1000, budget=900, estimated_input_tokens=1200, unfit=True)
+    record = ModelResult(
+        run_id="r",
+        step=21,
+        intent_id="r/s21/m1",
+        ts="2026-12-01T00:00:00+00:00",
+        error=error,
+        reply=reply,
+        context=unfit,
+        summary_through=4,
+    )
+    what, detail = describe(record)
+    assert what == "summary failed"
+    assert detail.startswith(said)
+    assert detail.endswith("over budget: what cannot be cut does not fit")
+    written = attrs.evolve(record, error=None, reply=ModelReply(text="Facts: n=4."))
+    assert describe(written) == (
+        "summary written",
+        "steps 1-4: Facts: n=4. · context 1200 est of 900 tokens, over budget: what cannot be "
+        "cut does not fit",
+    )
 
 
 async def test_a_thread_starts_from_the_summary_its_earlier_run_wrote():
