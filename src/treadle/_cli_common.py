@@ -50,6 +50,7 @@ from treadle.types import (
     RunState,
     RunSummary,
     StepRecord,
+    StopReason,
 )
 
 T = TypeVar("T")
@@ -579,6 +580,9 @@ def _describe(record: Record) -> tuple[str, str]:
         status = f" HTTP {failure.status}" if failure.status is not None else ""
         ending += clip(f": {failure.kind}{status} {failure.message}".rstrip())
     shown = [ending, counted(record.totals.steps, "step"), *undelivered]
+    unknown = record.totals.unknown_usage_attempts
+    if unknown and record.stop_reason is StopReason.TOKEN_BUDGET:  # docs/decisions/0114
+        shown.insert(1, counted(unknown, "model attempt") + " reported no usage")
     if record.output is not None:
         shown.append("output " + json.dumps(record.output, ensure_ascii=False))
     return "run finished", ", ".join(shown)

@@ -124,6 +124,8 @@ class RunView:
         input_tokens / output_tokens: sums of reported usage (``None`` until one is reported).
         other_tokens: tokens reported in totals beyond their parts (`treadle.types.Totals`).
         unknown_usage_attempts: attempts that reported no usage.
+        unmetered_replies: replies (a step's or a summary's) whose usage reported no count of
+            tokens: under a token budget, the first one ends the run (docs/decisions/0114).
         active_s: active seconds of the completed steps.
         consecutive_invalid: invalid decisions in a row at the end of the log.
         last_step: the last step record, if any.
@@ -147,6 +149,7 @@ class RunView:
     output_tokens: int | None = None
     other_tokens: int | None = None
     unknown_usage_attempts: int = 0
+    unmetered_replies: int = 0
     active_s: float = 0.0
     consecutive_invalid: int = 0
     last_step: StepRecord | None = None
@@ -238,6 +241,8 @@ class RunView:
             pending.open_model_intent = None
             summary = summary or opened.compaction  # an abandoned summary says so only there
         self.count_usage(record.usage)
+        if record.reply is not None and record.usage.known_total is None:
+            self.unmetered_replies += 1
         pending.recorded_s += record.latency_s or 0.0
         # Calibrated from the step's own requests: a summariser's request (a few long
         # texts) counts differently from a history of many short messages.

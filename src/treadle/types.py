@@ -639,7 +639,9 @@ class Budgets:
         token_budget: ``input_tokens + output_tokens`` as reported (cached input tokens are
             part of ``input_tokens`` and count in full; reasoning tokens are part of
             ``output_tokens``), or the reported ``total_tokens`` of an attempt when larger
-            (`Usage.known_total`); unknown usage never counts as 0.
+            (`Usage.known_total`); unknown usage never counts as 0: a reply whose usage is
+            unknown ends the run with ``token_budget``, not acted on
+            (docs/decisions/0114-a-token-budget-ends-at-a-reply-of-unknown-usage.md).
         time_budget_s: active seconds (running time, excluding waits for human approval).
     """
 

@@ -220,7 +220,9 @@ def _images(image: ImageRef) -> bytes:
 
 
 async def test_every_attempt_gets_its_own_record_of_the_limits_budget_and_images(autojump_clock):
-    spy = AttemptSpy(ScriptedModel(turns=[say("ok")], failures={0: [RATE_LIMITED]}))
+    # a reply of unknown usage would end the call under the token budget (decision 0114)
+    ok = attrs.evolve(say("ok"), usage=Usage(input_tokens=10, output_tokens=2))
+    spy = AttemptSpy(ScriptedModel(turns=[ok], failures={0: [RATE_LIMITED]}))
     options = {"model_connect_s": 3.0, "model_first_byte_s": 4.0, "model_idle_s": 5.0}
     budgets = Budgets(token_budget=100)
     async with _alone(spy, budgets=budgets, image_source=_images, **options) as (inbox, _):

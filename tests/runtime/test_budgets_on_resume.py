@@ -100,6 +100,35 @@ async def test_a_crash_at_every_write_resumes_to_the_uninterrupted_end(case):
             assert compare_trajectories(log, baseline) == [], point
 
 
+async def test_a_reply_reporting_no_usage_is_not_acted_on_after_a_crash_either():
+    # Under a token budget, a reply of unknown usage ends the run (docs/decisions/0114); a
+    # crash right after it was stored must not let the resumed run act on it.
+    def agent() -> treadle.Agent:
+        return treadle.Agent(
+            model=ScriptedModel(turns=[call("add", a=1, b=2), say("3")]),
+            executor=treadle.Toolbox([add]),
+            parser=treadle.NativeToolCallParser(),
+            budgets=Budgets(token_budget=1000),
+        )
+
+    counting = CrashingStore(inner=treadle.MemoryStore(), crash_at=10**9)
+    live = await treadle.run(agent(), "go", store=counting, run_id="r")
+    assert live.stop_reason is StopReason.TOKEN_BUDGET
+    for at in range(1, counting.writes + 1):
+        for when in ("before", "after"):
+            point = f"crash {when} write {at}"
+            store = treadle.MemoryStore()
+            dying = CrashingStore(inner=store, crash_at=at, when=when)
+            with pytest.raises((treadle.RunInterrupted, SimulatedCrash)):
+                await treadle.run(agent(), "go", store=dying, run_id="r")
+            with trio.fail_after(30):
+                resumed = await treadle.run(agent(), "go", store=store, run_id="r")
+            log = await store.read_log("r")
+            assert resumed.stop_reason is StopReason.TOKEN_BUDGET, point
+            assert not [r for r in log.records if isinstance(r, ActionResult)], point
+            assert check_invariants(log, budgets=Budgets(token_budget=1000)) == [], point
+
+
 def _abandoned(log: RunLog) -> bool:
     return any(isinstance(r, ModelResult) and r.abandoned for r in log.records)
 

@@ -224,6 +224,30 @@ async def test_unknown_usage_never_counted_as_zero():
     assert result.totals.unknown_usage_attempts == 1
 
 
+async def test_a_reply_reporting_no_usage_ends_a_token_budgeted_run():
+    """With ``token_budget=1`` and a client that reports no usage, nine steps ran to a final
+    answer: the budget bound nothing and nothing said so (docs/decisions/0114)."""
+    refused = ModelErrorInfo(kind="rate_limited", retryable=True, retry_after_s=0)
+    turns = [call("add", a=1, b=1), say("2")]
+    agent, tools, _ = make_agent(turns, failures={0: [refused]}, budgets=Budgets(token_budget=1000))
+    store = MemoryStore()
+    result = await run(agent, "x", store=store, run_id="r")
+    log = await store.read_log("r")
+    # the failed attempt of unknown usage was retried; the reply of unknown usage ended it
+    assert (result.state, result.stop_reason) == (RunState.FAILED, StopReason.TOKEN_BUDGET)
+    assert result.totals.model_attempts == 2 and result.totals.unknown_usage_attempts == 2
+    assert tools.executed == [] and result.totals.steps == 0  # the reply was not acted on
+    assert check_invariants(log, budgets=Budgets(token_budget=1000)) == []
+    assert describe(log.finished) == (
+        "run finished",
+        "failed (token_budget), 2 model attempts reported no usage, 0 steps",
+    )
+    # without a token budget, unknown usage is only reported
+    agent, tools, _ = make_agent(turns)
+    result = await run(agent, "x", store=MemoryStore())
+    assert result.stop_reason is StopReason.FINAL_ANSWER and len(tools.executed) == 1
+
+
 async def test_time_budget_cancels_tool_in_flight(autojump_clock):
     agent, _, _ = make_agent([call("sleep", s=100), say("late")], budgets=Budgets(time_budget_s=5))
     store = MemoryStore()

@@ -436,7 +436,9 @@ class RunCoordinator:
         attempts = budgets.max_model_attempts
         if attempts is not None and view.model_attempts >= attempts + settled:
             return StopReason.MAX_MODEL_ATTEMPTS
-        if budgets.token_budget is not None and view.tokens >= budgets.token_budget + settled:
+        if budgets.token_budget is not None and (
+            view.tokens >= budgets.token_budget + settled or view.unmetered_replies
+        ):  # a reply of unknown usage is not acted on: docs/decisions/0114
             return StopReason.TOKEN_BUDGET
         if budgets.time_budget_s is None:
             return None

@@ -15,8 +15,9 @@ is cancelled or its active time runs out. Each attempt observes the usage the se
 while it streams (`treadle.types.Attempt.report_usage`): once the reported usage crosses the run's
 remaining token budget the stream is cut there; a server that reports usage only at the end
 is checked when the call ends. Either way the run ends with ``token_budget`` and the reply is
-not acted on. Every attempt's result records the usage the server reported, failed,
-cancelled and cut attempts included.
+not acted on; so does a reply that reports no usage at all under a token budget (its spending
+cannot be checked, docs/decisions/0114). Every attempt's result records the usage the server
+reported, failed, cancelled and cut attempts included.
 """
 
 from __future__ import annotations
@@ -141,7 +142,7 @@ class ModelGateway:
             if result is None:  # cancelled or cut by the time budget
                 return ModelOutcome(stop=self._cut_reason(message.scope), written=tuple(written))
             tokens += _tokens(result.usage)
-            if meter.cut or (meter.limit is not None and _tokens(result.usage) > meter.limit):
+            if meter.cut or _over(meter.limit, result):
                 return ModelOutcome(stop=StopReason.TOKEN_BUDGET, written=tuple(written))
             if result.reply is not None:
                 return ModelOutcome(
@@ -354,6 +355,21 @@ def _checked_error(error: ModelCallError) -> ModelCallError:
 def _tokens(usage: Usage) -> int:
     """The tokens ``usage`` counts against the token budget (`Usage.known_total`; 0 unknown)."""
     return usage.known_total or 0
+
+
+def _over(limit: int | None, result: ModelResult) -> bool:
+    """Whether the attempt's result ends the run on its token budget (``limit`` tokens left).
+
+    Its usage crossed the budget; or it is a reply whose usage reports no count of tokens:
+    what it spent cannot be checked, so it is not acted on (docs/decisions/0114). A failed
+    attempt of unknown usage counts as unknown and does not end the run.
+    """
+    if limit is None:
+        return False
+    counted = result.usage.known_total
+    if counted is None:
+        return result.reply is not None
+    return counted > limit
 
 
 def _known(usage: Usage) -> bool:

@@ -244,7 +244,8 @@ def check_budgets(
       no model attempt started, and no action started, once the reported usage reached the
       budget (an action may follow a reply that brought usage exactly to the budget, never
       one that went past it). Attempts that reported no usage are unknown, not 0: they add
-      nothing here and are counted apart in the totals;
+      nothing here and are counted apart in the totals; but under a token budget no model
+      attempt and no action starts after a reply that reported none (docs/decisions/0114);
     - active time: no step started once the steps before it had used the budget, and the
       run's total active time (the step records' plus a step cut at the deadline) is within
       ``time_slack_s`` of the budget.
@@ -260,6 +261,7 @@ def check_budgets(
         )
     attempts = 0
     tokens = 0
+    unmetered: str | None = None  # the first reply of unknown usage
     active = 0.0
     step_began: set[int] = set()
     for record in log.records:
@@ -273,6 +275,11 @@ def check_budgets(
                     f"{run_id}: model attempt {record.intent_id} began with {tokens} tokens "
                     f"reported, at or past the token budget of {budgets.token_budget}"
                 )
+            if budgets.token_budget is not None and unmetered is not None:
+                problems.append(
+                    f"{run_id}: model attempt {record.intent_id} began after the reply "
+                    f"{unmetered} reported no usage, under a token budget"
+                )
             if record.step not in step_began:
                 step_began.add(record.step)
                 if budgets.time_budget_s is not None and active >= budgets.time_budget_s:
@@ -283,6 +290,8 @@ def check_budgets(
             attempts += 1
         elif isinstance(record, ModelResult):
             tokens += _tokens(record.usage)
+            if unmetered is None and record.reply is not None and record.usage.known_total is None:
+                unmetered = record.intent_id
         elif isinstance(record, ActionResult) and record.outcome.usage is not None:
             tokens += _tokens(record.outcome.usage)  # a child run's (docs/child-runs.md)
         elif isinstance(record, ActionIntent):
@@ -290,6 +299,11 @@ def check_budgets(
                 problems.append(
                     f"{run_id}: action {record.intent_id} began with {tokens} tokens reported, "
                     f"past the token budget of {budgets.token_budget}"
+                )
+            if budgets.token_budget is not None and unmetered is not None:
+                problems.append(
+                    f"{run_id}: action {record.intent_id} began after the reply {unmetered} "
+                    "reported no usage, under a token budget"
                 )
         elif isinstance(record, StepRecord):
             active += record.active_s
