@@ -11,11 +11,43 @@ import secrets
 
 import click
 
-from treadle._cli_common import bare_host, run_async, store_option, url_host
-from treadle._exceptions import raised
+from treadle._cli_common import bare_host, printable, run_async, store_option, url_host
+from treadle._exceptions import UsageError, raised
 
 TOKEN_ENV = "TREADLE_UI_TOKEN"
 """The environment variable ``--token`` is read from when not given."""
+TOKEN_CHARACTERS = frozenset(map(chr, range(0x21, 0x7F)))
+"""What a console's token may hold: printable ASCII other than space (``!`` to ``~``)."""
+
+
+def check_token(token: str) -> str:
+    """``token``, once it is a token the console can carry in a header and a cookie.
+
+    A request header and a cookie hold ASCII (a server reads their bytes as Latin-1, a
+    browser sends a header's ``€`` as UTF-8) and lose spaces at their ends, so a token of
+    other characters could never be presented (docs/ui.md, "Starting it").
+
+    Raises:
+        UsageError: ``token`` is empty or holds a character outside `TOKEN_CHARACTERS`.
+    """
+    odd = sorted({c for c in token if c not in TOKEN_CHARACTERS})
+    if not token or odd:
+        found = ", ".join(f"'{printable(c)}'" for c in odd)
+        raise UsageError(
+            "a console's token is one or more printable ASCII characters other than space "
+            "(! to ~)" + (f"; it holds {found}" if found else "")
+        )
+    return token
+
+
+def _token_option(ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:
+    """``--token`` checked (`check_token`) before anything starts."""
+    if value is None:
+        return None
+    try:
+        return check_token(value)
+    except UsageError as exc:
+        raise click.BadParameter(str(exc), ctx=ctx, param=param) from None
 
 
 def is_loopback(host: str) -> bool:
@@ -43,7 +75,11 @@ def is_loopback(host: str) -> bool:
     default=None,
     envvar=TOKEN_ENV,
     show_envvar=True,
-    help="A secret the console asks for (needed to bind an address other than loopback).",
+    callback=_token_option,
+    help=(
+        "A secret the console asks for (needed to bind an address other than loopback): "
+        "printable ASCII characters other than space."
+    ),
 )
 def ui_command(store_path: str, host: str, port: int, token: str | None) -> None:
     """Serve a run console for a store in the browser: runs, timelines, approvals, cancel.

@@ -16,7 +16,7 @@ from click.testing import CliRunner
 from ui_support import MARKUP, approval_agent, fetch_page, markup_agent
 
 import treadle
-from treadle._exceptions import StoreError
+from treadle._exceptions import StoreError, UsageError
 from treadle._ui import _view
 from treadle._ui._app import CSP, Settings, create_app
 from treadle.approvals import read_control
@@ -1161,3 +1161,26 @@ async def test_the_runs_list_stream_renders_and_sends_its_table_only_when_it_cha
         assert len(sent) == 2 and len(renders) == 2, (len(sent), renders)
         assert 'data-run="b"' in sent[1].data
         nursery.cancel_scope.cancel()
+
+
+def test_a_token_no_header_or_cookie_can_carry_is_refused_at_start():
+    """``--token €uro-secret`` started a console whose ``?token=`` link was a bare 500 (the
+    cookie could not be encoded) and whose header, sent as UTF-8, never matched: unusable."""
+    for token in ("€uro-secret", "two words", "tab\there", ""):
+        refused = CliRunner().invoke(main, ["ui", "--store", "x.db", "--token", token])
+        assert refused.exit_code == 2, (token, refused.output)
+        assert "printable ASCII characters other than space" in refused.output
+        with pytest.raises(UsageError, match="printable ASCII"):
+            Settings(token=token)
+    assert "'€'" in CliRunner().invoke(main, ["ui", "--token", "€uro"]).output
+
+
+async def test_a_token_of_every_allowed_character_opens_the_console():
+    token = "".join(map(chr, range(0x21, 0x7F)))  # quotes, ; and \ too: the cookie quotes them
+    store = await finished_store()
+    app = create_app(store, Settings(token=token, token_for_reads=True))
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url=BASE) as http:
+        assert (await http.get("/", params={"token": token})).status_code == 303
+        assert (await http.get("/")).status_code == 200  # with the cookie it set
+        http.cookies.clear()
+        assert (await http.get("/", headers={"x-treadle-token": token})).status_code == 200

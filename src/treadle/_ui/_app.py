@@ -42,6 +42,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from treadle._cli_runs import approve, cancel
 from treadle._cli_store import driver_text
+from treadle._cli_ui import check_token
 from treadle._exceptions import InvalidRunId, StoreError, TreadleError, UsageError
 from treadle._ids import check_run_id
 from treadle._text import read_count, valid_unicode
@@ -89,15 +90,19 @@ class Settings:
     """How the console was started.
 
     Attributes:
-        token: the secret every state-changing request must carry.
+        token: the secret every state-changing request must carry: printable ASCII other
+            than space (`treadle._cli_ui.check_token`; a header and a cookie carry no other).
         token_for_reads: reads need the token too (it was given, not generated).
         allowed_hosts: the Host header values served (a rebinding guard); ``("*",)`` for any.
         poll_s: seconds between store reads of a live stream.
         recheck_s: seconds between whole reads of a log whose record count did not move.
         canceller: who the cancel records name.
+
+    Raises:
+        UsageError: ``token`` holds other characters, or none.
     """
 
-    token: str
+    token: str = attrs.field(validator=lambda _, __, token: check_token(token))
     token_for_reads: bool = False
     allowed_hosts: tuple[str, ...] = ("127.0.0.1", "localhost")
     poll_s: float = POLL_S
