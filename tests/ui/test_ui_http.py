@@ -1184,3 +1184,24 @@ async def test_a_token_of_every_allowed_character_opens_the_console():
         assert (await http.get("/")).status_code == 200  # with the cookie it set
         http.cookies.clear()
         assert (await http.get("/", headers={"x-treadle-token": token})).status_code == 200
+
+
+async def test_the_runs_list_page_renders_in_a_worker_thread(monkeypatch):
+    """The first load of ``/`` rendered its table on the event loop: with 3,000 runs every
+    other request of the console (a static file, an approval) waited over a second."""
+    store = await finished_store()
+    app = create_app(store, Settings(token=TOKEN))
+    (page,) = [r.endpoint for r in app.routes if getattr(r, "path", "") == "/"]
+    env = page.__self__.env
+    rendered_in = []
+    get_template = env.get_template
+
+    def noted(name, *args, **kwargs):
+        rendered_in.extend([threading.current_thread()] if name == "runs.html" else [])
+        return get_template(name, *args, **kwargs)
+
+    monkeypatch.setattr(env, "get_template", noted)
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url=BASE) as http:
+        page = await http.get("/")
+    assert page.status_code == 200 and 'data-run="markup"' in page.text
+    assert len(rendered_in) == 1 and rendered_in[0] is not threading.main_thread()

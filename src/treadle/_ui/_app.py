@@ -371,22 +371,28 @@ class _Console:
     # ----------------------------------------------------------------- runs list
 
     async def runs_page(self, request: Request) -> Response:
-        """The runs list (``?q=`` searches, ``?state=`` filters by state or liveness)."""
+        """The runs list (``?q=`` searches, ``?state=`` filters by state or liveness).
+
+        The page is rendered in a worker thread (`_rendered`), as a run's page is: the table
+        of thousands of runs takes a second to render, and the console serves every other
+        request meanwhile (docs/ui.md, "The runs list").
+        """
         refused = self._check_read(request)
         if refused is not None:
             return refused
         rows = await self._rows()
         q, state = request.query_params.get("q", ""), request.query_params.get("state", "")
-        shown = _filtered(rows, q, state)
-        return self._page(
+        render = functools.partial(
+            self._html,
             "runs.html",
-            rows=shown,
+            rows=_filtered(rows, q, state),
             total=len(rows),
             q=q,
             state=state,
             states=_state_choices(state),
             threads=any(r.thread for r in rows),
         )
+        return HTMLResponse(await self._rendered(render))
 
     async def runs_stream(self, request: Request) -> Response:
         """Server-sent ``rows`` events: the list's table body, each time it changes.
