@@ -178,14 +178,15 @@ def leave_orphaned(db: Path, run_id: str) -> None:
     trio.run(go)
 
 
-def leave_parked(db: Path, run_id: str) -> None:
-    """Start a run that waits on an approval and is parked; its process then goes away."""
+def leave_parked(db: Path, run_id: str, agent: treadle.Agent | None = None) -> None:
+    """Start a run of ``agent`` (`wire_agent`) that waits on an approval and is parked; its
+    process then goes away."""
 
     async def go():
         async with open_sqlite_store(db) as store:
             with trio.CancelScope() as gone:
                 async with treadle.open_run(
-                    wire_agent(), "pay", store=store, run_id=run_id, park_after_s=0.1
+                    agent or wire_agent(), "pay", store=store, run_id=run_id, park_after_s=0.1
                 ):
                     with trio.fail_after(30):  # parked once the lease release is durable
                         while not await _parked(store, run_id):  # noqa: ASYNC110 (the store)
@@ -825,8 +826,9 @@ def test_tail_of_a_queued_run_says_it_is_queued(tmp_path: Path):
     assert "nobody drives run q: it is queued" in tailed.output
 
 
-def quarantine_unstarted(db: Path, run_id: str) -> None:
-    """Submit ``run_id`` and let its drivers die before it starts until it is quarantined."""
+def quarantine_unstarted(db: Path, run_id: str, owner: str = "dead") -> None:
+    """Submit ``run_id`` and let its drivers (``owner-N``) die before it starts until it is
+    quarantined."""
 
     async def go():
         now = [1e9]
@@ -835,7 +837,7 @@ def quarantine_unstarted(db: Path, run_id: str) -> None:
             await store.submit(run_id, agent="calc", input=(Message(role="user", content="x"),))
             for n in range(5):
                 await store.claim(
-                    owner=f"dead-{n}",
+                    owner=f"{owner}-{n}",
                     agents={"calc": ("v1",)},
                     limit=1,
                     ttl_s=3,
@@ -1217,3 +1219,61 @@ def test_unquarantine_of_an_unknown_run_says_there_is_no_such_run(tmp_path: Path
     missing = invoke("unquarantine", "nosuch", "--store", str(db))
     assert missing.exit_code == 1 and "no run 'nosuch'" in missing.output, missing.output
     assert "not quarantined" not in missing.output
+
+
+# --------------------------------------------------------------------------- terminal controls
+
+HOSTILE = "ag\x1b]0;PWNED\x07\x1b[2J\x1b[31mRED\u202eevil\x85\x9b2J"
+"""Stored text holding an escape sequence, a bidi override and C1 controls."""
+
+
+def raw_controls(output: str) -> list[str]:
+    """The terminal controls ``output`` holds raw: C0 (but newline), DEL, C1, bidi controls."""
+    bidi = "\u061c\u200e\u200f\u202a\u202b\u202c\u202d\u202e\u2066\u2067\u2068\u2069"
+    return [c for c in output if (ord(c) < 32 and c != "\n") or 0x7F <= ord(c) < 0xA0 or c in bidi]
+
+
+def test_commands_print_a_queued_or_quarantined_runs_stored_text_as_escapes(tmp_path: Path):
+    """A queued run's agent name (its only rule: no "=") and a quarantine's reason (naming the
+    last driver) reached the terminal raw from show, tail, wait and resume: the escape
+    sequence set the window's title and cleared the screen."""
+    db = tmp_path / "runs.db"
+    submitted = invoke("submit", "--store", str(db), "--agent", HOSTILE, "--run-id", "q", "x")
+    assert submitted.exit_code == 0, submitted.output
+    quarantine_unstarted(db, "z", owner=HOSTILE)
+    for run_id in ("q", "z"):
+        said = [
+            invoke("show", run_id, "--store", str(db)),
+            invoke("show", run_id, "--store", str(db), "--json"),
+            invoke("tail", run_id, "--store", str(db), "--no-follow"),
+            invoke("wait", run_id, "--store", str(db), "--timeout", "0.3", "--poll", "0.05"),
+            invoke("resume", run_id, "--store", str(db), "--agent", "test_cli_fleet:calc_agent"),
+        ]
+        for n, done in enumerate(said):
+            # shown (wait speaks of a quarantined run only)...
+            assert "PWNED" in done.output or (run_id, n) == ("q", 3), (run_id, done.output)
+            assert raw_controls(done.output) == [], (run_id, done.output)  # ...as escapes
+        assert "\\x1b]0;PWNED\\x07" in said[0].output
+
+
+@treadle.tool(requires_approval=True)
+async def note(text: str) -> str:
+    """Write a note."""
+    return text
+
+
+def test_approve_echoes_the_call_and_its_edit_as_escapes(tmp_path: Path):
+    """`treadle approve` echoed the request's arguments and the edit through JSON, which
+    leaves a bidi override and C1 controls (U+0085, U+009B) raw."""
+    db = tmp_path / "runs.db"
+    agent = treadle.Agent(
+        model=ScriptedModel(turns=[call("note", text=HOSTILE, call_id="n1"), say("noted")]),
+        executor=treadle.Toolbox([note]),
+        parser=treadle.NativeToolCallParser(),
+    )
+    leave_parked(db, "p", agent)
+    edit = json.dumps({"text": f"edited {HOSTILE}"})
+    approved = invoke("approve", "p", "--store", str(db), "--edit", edit)
+    assert approved.exit_code == 0, approved.output
+    assert "edited ag" in approved.output and "note(" in approved.output
+    assert raw_controls(approved.output) == [], approved.output

@@ -25,7 +25,7 @@ from treadle._exceptions import InvalidRunId, TreadleError, innermost, raised
 from treadle._ids import check_run_id
 from treadle._paths import is_directory
 from treadle._state import holds_summary
-from treadle._terminal import escaped_for_output, mark
+from treadle._terminal import escape, escaped_for_output, mark
 from treadle.agent import Agent
 from treadle.approvals import read_control
 from treadle.ports import RunIndex, RunQueue, RunStore
@@ -73,15 +73,16 @@ def in_queue(summary: RunSummary, *, cancelled: bool = False) -> str | None:
     worker serving it starts it`` for a run submitted and not started, or, when ``cancelled``
     (a cancel waits in its control stream), that such a worker finishes it cancelled without
     starting it. The one wording of `treadle show`, `tail`, `wait` and `resume` for such
-    runs, so that none of them says a quarantined run will be started.
+    runs, so that none of them says a quarantined run will be started. What the store
+    holds (the agent's name, the reason) is `printable`.
     """
     if summary.liveness is Liveness.QUARANTINED:
         return (
             f"quarantined: no worker takes it until `treadle unquarantine {summary.run_id}` "
-            f"({summary.quarantined})"
+            f"({printable(summary.quarantined or '')})"
         )
     if summary.state is RunState.QUEUED:
-        agent = f" (agent {summary.agent})" if summary.agent else ""
+        agent = f" (agent {printable(summary.agent)})" if summary.agent else ""
         if cancelled:
             return (
                 f"queued{agent} with a cancel waiting: a worker serving it finishes it "
@@ -488,6 +489,17 @@ def printable(text: str) -> str:
     return escaped_for_output(_UNPRINTABLE.sub(_escaped, text))
 
 
+def printable_json(value: object) -> str:
+    r"""``value`` as JSON text safe to print on a terminal, decoding to the same value.
+
+    `json.dumps` escapes C0 controls but leaves DEL, the C1 controls (U+009B starts an escape
+    sequence on some terminals) and the bidirectional controls raw; each is written here as
+    a JSON escape (``\u202e``), as a character the output's encoding lacks is
+    (`treadle._terminal.escape`).
+    """
+    return _UNPRINTABLE.sub(lambda match: escape(match[0]), json.dumps(value, ensure_ascii=False))
+
+
 def _escaped(match: re.Match[str]) -> str:
     code = ord(match[0])
     return f"\\x{code:02x}" if code < 0x100 else f"\\u{code:04x}"
@@ -593,19 +605,19 @@ def call_text(request: ApprovalRequested) -> str:
 
     Pass a redacted request (`treadle.redaction.Redaction.request`): this prints what it is
     given. A request from a log written before requests carried their arguments shows
-    ``tool(…)`` (`mark`).
+    ``tool(…)`` (`mark`). The text is `printable`, its arguments `printable_json`.
     """
     if request.arguments is None:
-        return f"{request.tool}({mark('…')})"
-    return f"{request.tool}({json.dumps(dict(request.arguments), ensure_ascii=False)})"
+        return printable(f"{request.tool}({mark('…')})")
+    return printable(f"{request.tool}({printable_json(dict(request.arguments))})")
 
 
 def approval_hint(request: ApprovalRequested, run_id: str, store_path: str) -> str:
     """The line telling how to answer ``request`` of ``run_id`` from the command line.
 
-    Pass a redacted request, as for `call_text`.
+    Pass a redacted request, as for `call_text`. The line is `printable`.
     """
-    return (
+    return printable(
         f"waiting for approval of {call_text(request)} (call {request.call_id}) until "
         f"{request.deadline_ts}: treadle approve {run_id} --store {redact(store_path)} "
         "[--reject MSG | --edit JSON]"

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import functools
 import gc
-import json
 import math
 import signal
 import sys
@@ -32,6 +31,8 @@ from treadle._cli_common import (
     made_agent,
     open_queue,
     open_store,
+    printable,
+    printable_json,
     redact,
     run_async,
     run_id_argument,
@@ -450,7 +451,7 @@ def wait_command(
         sys.exit(2)
     if as_json:
         click.echo(
-            json.dumps(
+            printable_json(
                 {
                     "run_id": result.run_id,
                     "state": result.state.value,
@@ -459,14 +460,13 @@ def wait_command(
                     "output": result.output,
                     "error": result.error,
                     "steps": result.totals.steps,
-                },
-                ensure_ascii=False,
+                }
             )
         )
     else:
-        answer = f": {result.final_answer}" if result.final_answer else ""
+        answer = f": {printable(result.final_answer)}" if result.final_answer else ""
         if result.output is not None:
-            answer = ": " + json.dumps(result.output, ensure_ascii=False)
+            answer = ": " + printable_json(result.output)
         click.echo(f"{result.run_id}: {result.state.value} ({result.stop_reason.value}){answer}")
     if result.state is not RunState.SUCCEEDED:
         sys.exit(1)

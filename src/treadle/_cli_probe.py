@@ -16,7 +16,7 @@ from typing import Any
 
 import click
 
-from treadle._cli_common import run_async
+from treadle._cli_common import printable_json, run_async
 from treadle._credentials import check_base_url
 from treadle._exceptions import UsageError
 from treadle.types import JSONValue, Message, ToolCall, ToolSpec
@@ -85,7 +85,7 @@ def probe(
         )
 
     report = run_async(go)
-    click.echo(json.dumps(report, ensure_ascii=False))
+    click.echo(printable_json(report))
     if report["error"] is not None:
         raise SystemExit(1)
 

@@ -11,7 +11,6 @@ drives it. ``repair`` cuts a damaged JSONL log knowingly.
 from __future__ import annotations
 
 import functools
-import json
 import time
 from collections.abc import Callable, Mapping
 
@@ -27,6 +26,8 @@ from treadle._cli_common import (
     from_seq_option,
     in_queue,
     open_store,
+    printable,
+    printable_json,
     redact,
     run_async,
     run_id_argument,
@@ -95,11 +96,11 @@ def approve_command(
     call = f"call {decided.call_id}"
     if request is not None:
         call = f"{call_text(request)} ({call})"
-    click.echo(f"{decided.decision}: {call} of step {decided.step} of run {run_id}")
+    click.echo(printable(f"{decided.decision}: {call} of step {decided.step} of run {run_id}"))
     if decided.edited_arguments is not None:
         click.echo(
             "  runs with "
-            + json.dumps(dict(decided.edited_arguments), ensure_ascii=False)
+            + printable_json(dict(decided.edited_arguments))
             + " instead (an edit replaces the whole argument object)"
         )
     click.echo(next_text)
@@ -297,7 +298,7 @@ def tail_command(run_id: str, store_path: str, from_seq: int, as_json: bool, fol
         if as_json:
             for event in with_step_started([durable_event(run_id, seq, record)]):
                 if event.seq >= from_seq:
-                    click.echo(json.dumps(event_json(event), ensure_ascii=False))
+                    click.echo(printable_json(event_json(event)))
             return
         if isinstance(record, ModelIntent) and record.attempt == 1:
             click.echo(f"{'':>5}  {record.step:>4}  step started")

@@ -7,7 +7,6 @@ docs/events.md); ``resume`` drives unfinished runs of a store to their end with 
 
 from __future__ import annotations
 
-import json
 import time
 from collections.abc import AsyncIterator, Iterator, Sequence
 from contextlib import asynccontextmanager
@@ -33,6 +32,7 @@ from treadle._cli_common import (
     not_started,
     open_store,
     printable,
+    printable_json,
     redact,
     run_async,
     run_id_argument,
@@ -107,7 +107,7 @@ def runs(store_path: str, as_json: bool, threads: bool, last: int | None) -> Non
             row = summary_json(summary)
             if starts is not None:
                 row.update(lineage_json(starts.get(summary.run_id)))
-            click.echo(json.dumps(row, ensure_ascii=False))
+            click.echo(printable_json(row))
     else:
         console = table_console()
         table = runs_table(store_path, summaries, starts, width=console.width)
@@ -412,7 +412,7 @@ def show(run_id: str, store_path: str, as_json: bool, from_seq: int, last: int |
     log, _ = valid_unicode(log)
     if as_json:
         for event in stored_events(log, first, count):
-            click.echo(json.dumps(event_json(event), ensure_ascii=False))
+            click.echo(printable_json(event_json(event)))
         return
     console = table_console()
     for table in trajectory_tables(log, first):
@@ -553,7 +553,7 @@ def resume(
     for log in logs:
         ended = _ending(log)
         if as_json:
-            click.echo(json.dumps(ended, ensure_ascii=False))
+            click.echo(printable_json(ended))
         else:
             click.echo(
                 f"{log.run_id}: {ended['state']} ({ended['stop_reason']}), "
@@ -714,7 +714,8 @@ async def _resume_all(
         for summary in summaries:
             if summary.liveness is Liveness.DRIVEN:
                 click.echo(
-                    f"{summary.run_id}: left to its driver, {driver_text(summary)}", err=True
+                    printable(f"{summary.run_id}: left to its driver, {driver_text(summary)}"),
+                    err=True,
                 )
         # What resume_unfinished takes up: every run its log says is unfinished, a run whose
         # index row is damaged (its summary an error) included, unless another driver holds it.
