@@ -34,11 +34,21 @@ from treadle._cli_common import (
     store_option,
 )
 from treadle._cli_store import parked_on
+from treadle._clock import SystemClock
 from treadle._exceptions import RunLeased, StoreError, UsageError
 from treadle._terminal import mark, on_interrupt
 from treadle._text import valid_unicode
 from treadle.actors import durable_event, with_step_started
-from treadle.approvals import decide, edited_arguments, pending_approval, request_cancel
+from treadle.approvals import (
+    current_snapshot,
+    decide,
+    decision_for,
+    edited_arguments,
+    first_counting,
+    pending_approval,
+    read_control,
+    request_cancel,
+)
 from treadle.ports import RunIndex, RunStore
 from treadle.redaction import Redaction
 from treadle.stores import lease_owner
@@ -47,6 +57,7 @@ from treadle.supervisors import finish_cancelled_here
 from treadle.types import (
     ApprovalDecided,
     ApprovalRequested,
+    CancelRequested,
     JSONValue,
     Lease,
     Liveness,
@@ -122,33 +133,125 @@ async def approve(
     every check, of ``step`` and ``arguments_digest`` too: the request the decider saw);
     what is returned is redacted (docs/events.md, "Secret arguments").
 
+    A decision `decide` refuses because the control stream holds the same one already, which
+    counts (a double submit; `SAME_DECISION`), is answered as that one: the decider's intent
+    stands (docs/events.md, "Human approval").
+
     Returns:
-        The decision as written, the request it answers (``None`` when it cannot be read),
-        and one sentence saying who applies the decision and when.
+        The decision as written (or the same one that counts), the request it answers
+        (``None`` when it cannot be read), and one sentence saying who applies the decision
+        and when.
 
     Raises:
-        UsageError: `treadle.approvals.decide` refused the decision (nothing is written).
+        UsageError: `treadle.approvals.decide` refused the decision (nothing is written),
+            unless the same decision counts already.
         StoreError: the write failed.
     """
     log = await store.read_log(run_id)
     request = pending_approval(log)
-    decided = await decide(
-        store,
-        run_id,
-        call_id=call_id,
-        reject=reject,
-        edit=edit,
-        step=step,
-        arguments_digest=arguments_digest,
-    )
+    try:
+        decided = await decide(
+            store,
+            run_id,
+            call_id=call_id,
+            reject=reject,
+            edit=edit,
+            step=step,
+            arguments_digest=arguments_digest,
+        )
+    except UsageError:
+        # sent twice (a double click, a command run again): the same decision counts already
+        meant = _meant(log, call_id, step, arguments_digest) or request
+        same = await _same_decision(store, log, meant, reject=reject, edit=edit)
+        if same is None:
+            raise
+        decided, request, said = same, meant, SAME_DECISION
+    else:
+        said = _next_for_decision(store, await _summary(store, run_id))
     redaction = Redaction.of_log(log)  # an edit's secrets are not echoed either
     shown = redaction.request(request) if request is not None else None
     shown_decision = redaction.record(decided)
     assert isinstance(shown_decision, ApprovalDecided)
-    return shown_decision, shown, _next_for_decision(store, await _summary(store, run_id))
+    return shown_decision, shown, said
+
+
+SAME_DECISION = (
+    "the same decision was written just before this one (it was sent twice): that one counts, "
+    "and this one adds nothing"
+)
+"""What `approve` says of a decision its run's control stream holds already, the same."""
+
+
+def _meant(
+    log: RunLog, call_id: str | None, step: int | None, arguments_digest: str | None
+) -> ApprovalRequested | None:
+    """The last request of ``log`` with the call id, step and digest given.
+
+    ``None`` when none of them is given, or no request has them.
+    """
+    if call_id is None and step is None and arguments_digest is None:
+        return None
+    wanted = {"call_id": call_id, "step": step, "arguments_digest": arguments_digest}
+    return next(
+        (
+            record
+            for record in reversed(log.records)
+            if isinstance(record, ApprovalRequested)
+            and all(value in (None, getattr(record, name)) for name, value in wanted.items())
+        ),
+        None,
+    )
+
+
+async def _same_decision(
+    store: RunStore,
+    log: RunLog,
+    request: ApprovalRequested | None,
+    *,
+    reject: str | None,
+    edit: Mapping[str, JSONValue] | None,
+) -> ApprovalDecided | None:
+    """The decision that counts for ``request``, when it is the one asked for now.
+
+    The same decision, message and edited arguments (`decision_for`, secrets kept as it
+    keeps them); ``None`` otherwise, when no decision counts yet, or when the run is being
+    cancelled (the cancel may come first: `decide` said why it refused).
+
+    Raises:
+        StoreError: the control stream cannot be read.
+    """
+    if request is None:
+        return None
+    control = await read_control(store, log.run_id)
+    if any(isinstance(record, CancelRequested) for record in (*log.records, *control)):
+        return None
+    first = first_counting(control, request)
+    try:
+        asked = decision_for(
+            log.run_id,
+            request,
+            SystemClock(),
+            reject=reject,
+            edit=edit,
+            snapshot=current_snapshot(log),
+            redaction=Redaction.of_log(log),
+        )
+    except UsageError:
+        return None
+    same = first is not None and (first.decision, first.message, first.edited_arguments) == (
+        asked.decision,
+        asked.message,
+        asked.edited_arguments,
+    )
+    return first if same else None
 
 
 def _next_for_decision(store: RunStore, summary: RunSummary | None) -> str:
+    if summary is not None and summary.lease and summary.lease.owner in _FINISHING:
+        return (
+            "a cancel sent from this process is finishing the run as cancelled now: the "
+            "decision is not applied"
+        )
     if summary is not None and summary.liveness is Liveness.DRIVEN and summary.lease:
         return (
             f"{summary.lease.owner} drives the run and applies the decision within about 1 s. "
@@ -212,14 +315,18 @@ async def cancel(store: RunStore, run_id: str, *, reason: str, canceller: str) -
     summary = await _summary(store, run_id)
     if summary is not None and summary.liveness is Liveness.DRIVEN and summary.lease:
         return _held(store, summary.lease, "drives the run")
+    owner = lease_owner()
+    _FINISHING.add(owner)
     try:
         result, here = await finish_cancelled_here(
-            store, run_id, owner=lease_owner(), reason=reason, canceller=canceller
+            store, run_id, owner=owner, reason=reason, canceller=canceller
         )
     except RunLeased as exc:
         return _held(store, exc.holder, "took the run meanwhile")
     except StoreError as exc:
         raise _not_finished(run_id, exc) from exc
+    finally:
+        _FINISHING.discard(owner)
     if here:
         return f"nobody drove the run: it is finished here, {result.state.value}"
     if result.state is not RunState.CANCELLED:  # its driver finished it meanwhile
@@ -245,12 +352,20 @@ def _not_finished(run_id: str, failure: StoreError) -> StoreError:
     )
 
 
+_FINISHING: set[str] = set()
+"""The lease owners of this process's cancels finishing a run now (`cancel`): a lease held
+for a moment by another request of this process (the console's) is no driver to name."""
+
+
 def _held(store: RunStore, lease: Lease, what: str) -> str:
     """Who stops a run whose lease is held, and what happens if that process is gone.
 
     The holder may have crashed without releasing the lease: until it expires, nobody else
-    may write the run, so the cancel waits in the control stream for the next driver.
+    may write the run, so the cancel waits in the control stream for the next driver. A
+    lease this process's own `cancel` holds to finish the run is said as such.
     """
+    if lease.owner in _FINISHING:
+        return "another cancel sent from this process is finishing the run as cancelled now"
     return (
         f"{lease.owner} {what} and stops it within about 1 s. If that process is gone, "
         f"{_expiry(store, lease)}: the run's next driver applies the cancel, or run this command "

@@ -347,3 +347,31 @@ def test_a_queued_run_cancelled_from_its_page_shows_cancelled(browser, console):
     wait(browser, shows("#run-state", "cancelled"))
     assert "cancel requested" in find(browser, "#notice").text
     assert browser.find_elements("css selector", "#cancel") == []
+
+
+def test_a_double_click_sends_a_decision_once_and_says_it_was_applied(browser, console):
+    """Two clicks on approve sent two requests: the call was approved, yet the page's notice
+    ended red, the second answer refusing an "already" decided call. A form is not sent
+    again while its request is under way."""
+    tmp, db, url = console
+    driver, gate, marker = start_driver(tmp, db, "double")
+    gate.touch()
+    try:
+        browser.get(url)
+        wait(browser, lambda b: clicked(b, '#rows tr[data-run="double"] a'))
+        wait(browser, approval_for("t1"))
+        browser.execute_script(
+            "window.posts = 0; const sent = window.fetch;"
+            "window.fetch = (...args) => { window.posts += 1; return sent(...args); };"
+        )
+        browser.execute_script(
+            "const b = document.getElementById('approve-button'); b.click(); b.click();"
+        )
+        wait(browser, shows("#notice", "approve"))
+        assert browser.execute_script("return window.posts") == 1
+        assert "ok" in find(browser, "#notice").get_attribute("class").split()
+        assert finish(driver) == "succeeded"
+    finally:
+        driver.kill()
+        driver.wait(timeout=HANG_S)
+    assert marker.read_text() == "5\n"

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import html
 import json
+import os
 import subprocess
 import sys
 import threading
@@ -1205,3 +1206,81 @@ async def test_the_runs_list_page_renders_in_a_worker_thread(monkeypatch):
         page = await http.get("/")
     assert page.status_code == 200 and 'data-run="markup"' in page.text
     assert len(rendered_in) == 1 and rendered_in[0] is not threading.main_thread()
+
+
+async def test_a_decision_sent_twice_is_answered_as_applied_both_times():
+    """A double click on approve: the call was approved, but the second answer said the call
+    "already has a decision (approve) ... the first decision counts" (or that it was
+    "written just before this one ... does not count"), a refusal of the operator's own
+    click."""
+    store = MemoryStore()
+    async with awaiting_approval(store) as handle:
+        async with client(store) as http:
+            page = (await http.get("/runs/r")).text
+            form = {
+                name: html.unescape(page.split(f'name="{name}" value="')[1].split('"')[0])
+                for name in ("call_id", "step", "digest")
+            }
+            headers = {**SAME, "accept": "application/json"}
+            data = {**form, "token": TOKEN, "decision": "approve"}
+            first = await http.post("/runs/r/approve", data=data, headers=headers)
+            second = await http.post("/runs/r/approve", data=data, headers=headers)
+            rejected = await http.post(
+                "/runs/r/approve", data={**data, "decision": "reject"}, headers=headers
+            )
+        result = await handle.wait()
+    assert first.status_code == 200 and first.json()["ok"] is True, first.text
+    assert second.status_code == 200 and second.json()["ok"] is True, second.text
+    assert "the same decision was written just before this one" in second.json()["message"]
+    assert rejected.status_code == 409  # another decision than the one that counts
+    assert result.state is RunState.SUCCEEDED
+
+
+class _HeldFinish(MemoryStore):
+    """Holds the first cancel that takes a run's lease to finish it, until `let_go` is set."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.holding = False
+        self.held, self.let_go = trio.Event(), trio.Event()
+
+    async def acquire_lease(self, run_id, *, owner, ttl_s):
+        lease = await super().acquire_lease(run_id, owner=owner, ttl_s=ttl_s)
+        if self.holding and not self.held.is_set():
+            self.held.set()
+            await self.let_go.wait()
+        return lease
+
+
+async def test_concurrent_cancels_never_name_the_consoles_own_lease_as_a_driver():
+    """Cancels sent at once to a parked run: the first took the run's lease to finish it, and
+    the others answered that ``host:<the console's pid>:...`` "drives the run and stops it
+    within about 1 s", a process that drives nothing."""
+    store = _HeldFinish()
+    with trio.CancelScope() as gone:
+        async with open_run(approval_agent(), "pay", store=store, run_id="r", park_after_s=0.1):
+            with trio.fail_after(60):
+                while (await store.read_summary("r")).liveness is not Liveness.PARKED:  # noqa: ASYNC110
+                    await trio.sleep(0.02)
+            gone.cancel()
+    store.holding = True
+    answers = []
+    async with client(store) as http:
+
+        async def cancel(reason: str) -> None:
+            headers = {**SAME, "accept": "application/json"}
+            data = {"token": TOKEN, "reason": reason}
+            answers.append(await http.post("/runs/r/cancel", data=data, headers=headers))
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(cancel, "first")
+            with trio.fail_after(60):
+                await store.held.wait()  # the first one holds the lease, finishing the run
+            await cancel("second")
+            store.let_go.set()
+    second, first = answers
+    assert first.json()["ok"] is True and "finished here, cancelled" in first.json()["message"]
+    said = second.json()["message"]
+    assert "another cancel sent from this process is finishing the run" in said, said
+    assert f":{os.getpid()}:" not in said and "drives the run" not in said
+    assert (await store.read_log("r")).finished.state is RunState.CANCELLED

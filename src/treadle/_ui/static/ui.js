@@ -147,29 +147,45 @@ function runPage() {
   });
 }
 
+// A form is sent once at a time: a second submit (a double click) while its request is under
+// way is dropped, so the answer the page shows is that of the one request sent.
 function bindForms() {
   document.querySelectorAll("form[data-action]").forEach((form) => {
     if (form.dataset.bound) return;
     form.dataset.bound = "1";
     form.addEventListener("submit", async (event) => {
       event.preventDefault();
-      const body = new FormData(form);
-      if (event.submitter && event.submitter.name) body.set(event.submitter.name, event.submitter.value);
-      const notice = document.getElementById("notice");
-      const response = await fetch(form.action, {
-        method: "POST",
-        body: body,
-        headers: { "Accept": "application/json", "X-Treadle-Token": token() },
-        credentials: "same-origin",
-      });
-      let said;
-      try { said = await response.json(); } catch (e) { said = { ok: false, message: response.statusText }; }
-      notice.hidden = false;
-      notice.textContent = said.message;
-      notice.className = "notice " + (said.ok ? "ok" : "refused");
+      if (form.dataset.sending) return;
+      form.dataset.sending = "1";
+      try {
+        await send(form, event.submitter);
+      } finally {
+        delete form.dataset.sending;
+      }
       showHeldPanel(); // what was sent is done with: the run's latest panel replaces its form
     });
   });
+}
+
+async function send(form, submitter) {
+  const body = new FormData(form);
+  if (submitter && submitter.name) body.set(submitter.name, submitter.value);
+  const notice = document.getElementById("notice");
+  let said;
+  try {
+    const response = await fetch(form.action, {
+      method: "POST",
+      body: body,
+      headers: { "Accept": "application/json", "X-Treadle-Token": token() },
+      credentials: "same-origin",
+    });
+    try { said = await response.json(); } catch (e) { said = { ok: false, message: response.statusText }; }
+  } catch (e) {
+    said = { ok: false, message: "the console did not answer: " + e.message };
+  }
+  notice.hidden = false;
+  notice.textContent = said.message;
+  notice.className = "notice " + (said.ok ? "ok" : "refused");
 }
 
 document.addEventListener("DOMContentLoaded", () => {
