@@ -375,3 +375,47 @@ def test_a_double_click_sends_a_decision_once_and_says_it_was_applied(browser, c
         driver.kill()
         driver.wait(timeout=HANG_S)
     assert marker.read_text() == "5\n"
+
+
+def test_the_panel_says_the_run_is_orphaned_once_its_drivers_lease_lapses(browser, console):
+    """A driver killed with SIGKILL writes nothing more: the page kept saying the run was
+    driven by the dead process, its heartbeat's age frozen, while ``treadle runs`` said
+    orphaned. The panel follows the lease without a new record."""
+    tmp, db, url = console
+    driver, _, _ = start_driver(tmp, db, "dies")  # waits on its gate: never opened
+    try:
+        browser.get(url)
+        wait(browser, lambda b: clicked(b, '#rows tr[data-run="dies"] a'))
+        wait(browser, present("#step-1 .call"))  # waits on the gate
+        wait(browser, shows("#run-driver", "gen. 1"))
+    finally:
+        driver.kill()
+        driver.wait(timeout=HANG_S)
+        driver.stdout.close()
+    wait(browser, shows("#run-driver", "nobody: orphaned"))  # once the lease's TTL passed
+    assert find(browser, "#run-state").text == "running"
+
+
+def test_the_runs_list_says_why_it_waits_while_the_store_cannot_be_read(browser, tmp_path):
+    """The list's stream broke with a traceback when the store failed its read (here a JSONL
+    store's folder gone for a while), and the page said nothing; now it shows why and takes
+    the notice away once the store reads again."""
+    store = tmp_path / "runs"
+
+    async def first_run():
+        async with treadle.open_jsonl_store(store) as opened:
+            await treadle.run(markup_agent(), "read the page", store=opened, run_id="one")
+
+    trio.run(first_run)
+    process, url = start_console(store)
+    try:
+        browser.get(url)
+        wait(browser, present('#rows tr[data-run="one"]'))
+        store.rename(tmp_path / "away")
+        wait(browser, shows("#notice", "cannot list"))
+        (tmp_path / "away").rename(store)
+        wait(browser, lambda b: not find(b, "#notice").is_displayed())
+        assert find(browser, "#live").get_attribute("class") == "live on"
+        assert browser.find_elements("css selector", '#rows tr[data-run="one"]')
+    finally:
+        stop(process)

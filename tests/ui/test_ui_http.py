@@ -10,14 +10,16 @@ import subprocess
 import sys
 import threading
 
+import attrs
 import httpx
 import pytest
 import trio
 from click.testing import CliRunner
+from sse_starlette import ServerSentEvent
 from ui_support import MARKUP, approval_agent, fetch_page, markup_agent
 
 import treadle
-from treadle._exceptions import StoreError, UsageError
+from treadle._exceptions import LogCorrupted, StoreError, UsageError
 from treadle._ui import _view
 from treadle._ui._app import CSP, Settings, create_app
 from treadle.approvals import read_control
@@ -692,7 +694,7 @@ class _DamagedAfter(MemoryStore):
             self.reads += 1
             if self.reads >= self.fail_from:
                 self.read_once.set()
-                raise StoreError("run 'r': a record fails its checksum")
+                raise LogCorrupted("run 'r': a record fails its checksum", where="r", offset=3)
             log = await super().read_log(run_id)
             self.read_once.set()
             return log
@@ -1284,3 +1286,267 @@ async def test_concurrent_cancels_never_name_the_consoles_own_lease_as_a_driver(
     assert "another cancel sent from this process is finishing the run" in said, said
     assert f":{os.getpid()}:" not in said and "drives the run" not in said
     assert (await store.read_log("r")).finished.state is RunState.CANCELLED
+
+
+DROPPED = "terminating connection due to administrator command"
+"""What PostgreSQL says to a client whose connection an administrator ended."""
+
+
+class _DroppedFor(MemoryStore):
+    """A store whose reads of run ``r`` (its log and its summary) fail as over a dropped
+    database connection, ``failures`` times once `drop` is called, then work again."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.failures = 0
+        self.read_once = trio.Event()  # run r's log was read
+        self.passed = trio.Event()  # the failures are used up
+
+    def drop(self, failures: int) -> None:
+        self.failures = failures
+
+    def _fail(self, run_id: str) -> None:
+        if run_id == "r" and self.failures:
+            self.failures -= 1
+            if not self.failures:
+                self.passed.set()
+            raise StoreError(f"cannot read or update PostgreSQL store: {DROPPED}")
+
+    async def read_log(self, run_id):
+        self._fail(run_id)
+        log = await super().read_log(run_id)
+        if run_id == "r":
+            self.read_once.set()
+        return log
+
+    async def read_summary(self, run_id):
+        self._fail(run_id)
+        return await super().read_summary(run_id)
+
+
+@pytest.mark.parametrize("opened", ["before", "after"])
+async def test_a_read_that_fails_for_a_passing_reason_is_retried_and_the_stream_goes_on(opened):
+    """One dropped PostgreSQL connection ended every open run page for good: the stream sent
+    ``unreadable`` for it as for a damaged log, and the page stopped while the run went on
+    (and a page opened meanwhile got nothing but that event). A failure that may pass is told
+    in ``retrying`` events, and the stream reads again and goes on to the run's end."""
+    store = _DroppedFor()
+    async with awaiting_approval(store) as handle:
+        streams: list[httpx.Response] = []
+        async with client(store, poll_s=0.01) as http, trio.open_nursery() as nursery:
+
+            async def stream() -> None:
+                streams.append(await http.get("/runs/r/events"))
+
+            if opened == "before":  # the read that finds the run fails, then the stream's two
+                store.drop(3)
+            else:
+                store.read_once = trio.Event()
+            nursery.start_soon(stream)
+            with trio.fail_after(30):
+                await store.read_once.wait()  # the stream read the log
+                if opened == "after":
+                    store.drop(2)
+                await store.passed.wait()
+            handle.approve("t1")  # the run moves on and finishes: the stream ends
+        await handle.wait()
+    events = sse(streams[0].text)
+    kinds = [e["event"] for e in events]
+    assert "unreadable" not in kinds and kinds[-1] == "finished", kinds
+    retrying = [json.loads(e["data"]) for e in events if e["event"] == "retrying"]
+    assert len(retrying) == 2 and all(DROPPED in said["message"] for said in retrying)
+    assert [said["retry_s"] for said in retrying] == [0.5, 1.0]  # it waits longer each time
+    assert kinds.index("recovered") == kinds.index("retrying") + 2
+    count = len((await store.read_log("r")).records)
+    assert [int(e["id"]) for e in events if e["event"] == "record"] == list(range(1, count + 1))
+
+
+class _Orphaned(MemoryStore):
+    """A store whose summary of run ``r`` says its driver died (its lease expired) once
+    `orphan` is called, though no record was written; `polled` waits for summary reads."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lapsed: object = None  # the lease as it was when the driver died
+        self.summaries = 0
+        self._read = trio.Event()
+
+    def orphan(self, lease) -> None:
+        self.lapsed = lease
+
+    async def read_summary(self, run_id):
+        summary = await super().read_summary(run_id)
+        self.summaries += 1
+        self._read.set()
+        self._read = trio.Event()
+        if self.lapsed is None or summary is None:
+            return summary
+        return attrs.evolve(summary, liveness=Liveness.ORPHANED, lease=self.lapsed)
+
+    async def polled(self, count: int) -> None:
+        with trio.fail_after(60):
+            while self.summaries < count:
+                await self._read.wait()
+
+
+async def test_the_panel_follows_the_runs_driver_without_a_new_record():
+    """A run's page kept saying the run was driven by a process that had died (its age
+    frozen) while ``treadle runs`` said orphaned: the panel came only with new records, and a
+    lease that lapses writes none. It comes once when the summary shows the change, and is not
+    sent again while nothing it shows changes."""
+    store = _Orphaned()
+    async with awaiting_approval(store) as handle:
+        summary = await store.read_summary("r")
+        assert summary is not None and summary.liveness is Liveness.DRIVEN
+        streams: list[httpx.Response] = []
+        async with client(store, poll_s=0.001) as http, trio.open_nursery() as nursery:
+
+            async def stream() -> None:
+                streams.append(await http.get("/runs/r/events"))
+
+            nursery.start_soon(stream)
+            # the stream sent the records and polls: the driver dies with no record written
+            await store.polled(store.summaries + 3)
+            store.orphan(summary.lease)
+            await store.polled(store.summaries + 50)  # fifty polls of the orphaned run
+            store.lapsed = None
+            handle.approve("t1")  # the run goes on to its end: the stream ends
+        await handle.wait()
+    events = sse(streams[0].text)
+    panels = [e for e in events if e["event"] == "panel"]
+    assert len(panels) == 1, [e["event"] for e in events]
+    assert "id" not in panels[0]  # no seq: a reconnect resumes after the last record
+    shown = json.loads(panels[0]["data"])["panel"]
+    assert "nobody: orphaned" in shown and "expired" in shown
+    kinds = [e["event"] for e in events]
+    first_after = next(e for e in events[kinds.index("panel") :] if e["event"] == "record")
+    assert int(first_after["id"]) > 1 and kinds[-1] == "finished"
+
+
+class _ListFails(MemoryStore):
+    """A store whose runs list fails with ``error`` ``failures`` times once `fail` is called."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.error: StoreError | None = None
+        self.failures = 0
+
+    def fail(self, error: StoreError, failures: int) -> None:
+        self.error, self.failures = error, failures
+
+    async def list_summaries(self, *args, **kwargs):
+        if self.error is not None and self.failures:
+            self.failures -= 1
+            raise self.error
+        return await super().list_summaries(*args, **kwargs)
+
+
+async def _rows_events(store: MemoryStore, until: str) -> list[ServerSentEvent]:
+    """The events of the runs list's stream over ``store``, up to the first ``until`` event
+    (taken from the app's response, which a test client would read to its end)."""
+    from starlette.requests import Request
+
+    app = create_app(store, Settings(token=TOKEN, poll_s=0.0))
+    (stream,) = [r.endpoint for r in app.routes if getattr(r, "path", "") == "/rows"]
+    scope = {"type": "http", "method": "GET", "path": "/rows", "query_string": b"", "headers": []}
+    response = await stream(Request(scope))
+    sent: list[ServerSentEvent] = []
+    with trio.fail_after(60):
+        async with contextlib.aclosing(response.body_iterator) as events:
+            async for event in events:
+                sent.append(event)
+                if event.event == until:
+                    break
+    return sent
+
+
+async def test_the_runs_lists_stream_says_a_failed_read_and_goes_on():
+    """A store that failed the list's read (a dropped PostgreSQL connection, a JSONL folder
+    gone for a moment) broke the list's stream with three chained tracebacks on the console's
+    standard error, and the page said nothing; the browser reconnected into the next one."""
+    store = _ListFails()
+    await treadle.run(markup_agent(), "read", store=store, run_id="a")
+    store.fail(StoreError(f"cannot list the store: {DROPPED}"), 2)
+    sent = await _rows_events(store, until="recovered")
+    assert [e.event for e in sent] == ["retrying", "retrying", "recovered"]
+    said = [json.loads(str(e.data)) for e in sent[:2]]
+    assert all(DROPPED in s["message"] for s in said)
+    assert [s["retry_s"] for s in said] == [0.5, 1.0]  # it waits longer each time
+
+
+async def test_the_runs_lists_stream_ends_with_the_reason_when_the_store_is_damaged():
+    """Damage is no passing failure: the stream says why in ``unreadable`` and ends (the page
+    shows it and stops reconnecting)."""
+    store = _ListFails()
+    await treadle.run(markup_agent(), "read", store=store, run_id="a")
+    store.fail(LogCorrupted("the database is damaged", where="runs.db", offset=None), 1)
+    sent = await _rows_events(store, until="never")  # it ends by itself
+    assert [e.event for e in sent] == ["unreadable"]
+    assert "the database is damaged" in json.loads(str(sent[0].data))["message"]
+
+
+async def test_a_run_stream_outlasts_postgresql_dropping_the_consoles_connections(
+    postgres_database,
+):
+    """The repro of the dropped connection over a real server: an administrator ends every
+    connection of the console's store (``pg_terminate_backend``, as a failover does) while a
+    page streams a run; the stream says so, reads again on a new connection and goes on."""
+    import psycopg
+
+    from treadle.stores.postgres import open_postgres_store
+    from treadle.testing.contracts import seed_log
+    from treadle.types import Message, ModelIntent, RunFinished, RunStarted, Totals
+
+    ts = "2026-01-01T00:00:00+00:00"
+    begun = RunStarted(run_id="r", ts=ts, input=(Message(role="user", content="hi"),), snapshot={})
+    asked = ModelIntent(run_id="r", step=1, intent_id="r/m1", attempt=1, ts=ts)
+    ended = RunFinished(
+        run_id="r",
+        ts=ts,
+        state=RunState.CANCELLED,
+        stop_reason=StopReason.CANCELLED,
+        totals=Totals(),
+    )
+    async with open_postgres_store(postgres_database) as store:
+        await seed_log(store, [begun, asked])
+        polls = 0
+        polled = trio.Event()
+        read_summary = store.read_summary
+
+        async def counted(run_id):
+            nonlocal polls, polled
+            summary = await read_summary(run_id)
+            polls += 1
+            polled.set()
+            polled = trio.Event()
+            return summary
+
+        async def polls_past(count: int) -> None:
+            with trio.fail_after(60):
+                while polls < count:
+                    await polled.wait()
+
+        store.read_summary = counted  # type: ignore[method-assign]
+        streams: list[httpx.Response] = []
+        async with client(store, poll_s=0.01) as http, trio.open_nursery() as nursery:
+
+            async def stream() -> None:
+                streams.append(await http.get("/runs/r/events"))
+
+            nursery.start_soon(stream)
+            await polls_past(3)  # the stream sent the records and polls the run
+            with psycopg.connect(postgres_database, autocommit=True) as admin:
+                ended_ = admin.execute(
+                    "SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
+                    "WHERE datname = current_database() AND pid <> pg_backend_pid()"
+                ).fetchall()
+            assert ended_
+            await polls_past(polls + 3)  # read on a new connection, three times
+            await seed_log(store, [ended])  # the stream ends with the run
+    events = sse(streams[0].text)
+    kinds = [e["event"] for e in events]
+    assert "unreadable" not in kinds and kinds[-1] == "finished", events
+    retrying = [json.loads(e["data"])["message"] for e in events if e["event"] == "retrying"]
+    assert retrying and all("terminating connection" in said for said in retrying), retrying
+    assert kinds.index("recovered") > kinds.index("retrying")
+    assert [int(e["id"]) for e in events if e["event"] == "record"] == [1, 2, 3]

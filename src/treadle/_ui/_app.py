@@ -14,7 +14,8 @@ import functools
 import hashlib
 import hmac
 import json
-from collections.abc import AsyncIterator, Callable, Sequence
+import math
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 from urllib.parse import quote, unquote, urlencode
@@ -43,7 +44,16 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from treadle._cli_runs import approve, cancel
 from treadle._cli_store import driver_text
 from treadle._cli_ui import check_token
-from treadle._exceptions import InvalidRunId, StoreError, TreadleError, UsageError
+from treadle._exceptions import (
+    InvalidRunId,
+    LogCorrupted,
+    SchemaTooNew,
+    StoreError,
+    StoreRefused,
+    StoreStopped,
+    TreadleError,
+    UsageError,
+)
 from treadle._ids import check_run_id
 from treadle._text import read_count, valid_unicode
 from treadle._ui import _view
@@ -68,6 +78,12 @@ RENDER_GAP = 4.0
 in multiples of the seconds (wall clock) that read and render took: an open page costs a long
 run at most about a fifth of the time of its own updates, however fast the run writes
 (docs/ui.md, "A run's page"; docs/decisions/0104-long-runs-render-off-the-loop.md)."""
+RETRY_S = 0.5
+"""Seconds a live stream waits before it reads the store again after a read that failed for
+a passing reason (a dropped connection); the wait doubles with each failure in a row, up to
+`RETRY_MAX_S` (docs/ui.md, "When the store fails a read")."""
+RETRY_MAX_S = 10.0
+"""The longest wait of a live stream between two reads that fail for a passing reason."""
 RENDER_THREADS = 2
 """The renders of run pages and streams that run at once, each in a worker thread: the event
 loop that serves every other request shares the interpreter with at most these."""
@@ -96,6 +112,8 @@ class Settings:
         allowed_hosts: the Host header values served (a rebinding guard); ``("*",)`` for any.
         poll_s: seconds between store reads of a live stream.
         recheck_s: seconds between whole reads of a log whose record count did not move.
+        retry_s: seconds a live stream waits after a store read failed for a passing reason,
+            doubled with each failure in a row up to `RETRY_MAX_S`.
         canceller: who the cancel records name.
 
     Raises:
@@ -107,6 +125,7 @@ class Settings:
     allowed_hosts: tuple[str, ...] = ("127.0.0.1", "localhost")
     poll_s: float = POLL_S
     recheck_s: float = RECHECK_S
+    retry_s: float = RETRY_S
     canceller: str = "treadle ui"
 
     @property
@@ -152,6 +171,46 @@ class Row:
         """What the search box matches, lower-cased."""
         parts = (self.summary.run_id, self.summary.agent, self.thread, self.driver, self.state)
         return " ".join(p for p in parts if p).lower()
+
+
+@attrs.frozen
+class _Look:
+    """What one look of a live stream at the store found: its events, then a rest or the end.
+
+    Attributes:
+        events: the events to send, in order.
+        rest_s: seconds (trio clock) before the stream looks again.
+        done: the stream ends after ``events``.
+    """
+
+    events: list[ServerSentEvent]
+    rest_s: float = 0.0
+    done: bool = False
+
+
+@attrs.define
+class _Follow:
+    """What a run's stream knows of its run between two looks (`_Console._look`).
+
+    Attributes:
+        run_id: the run.
+        next_seq: the first seq not sent yet.
+        read: a whole read not turned into events yet (the one that found the run), with
+            when it began (trio clock); else ``None``.
+        log: the last whole read's log (the panel is rendered from it again when only the
+            run's summary changed), ``None`` before the first.
+        panel: what the panel last sent showed of the run's summary (`_panel_facts`).
+        read_at: when the last whole read and its render ended (trio clock).
+        gap: seconds to rest after ``read_at`` before the next look (`RENDER_GAP`).
+    """
+
+    run_id: str
+    next_seq: int
+    read: tuple[float, tuple[RunLog, RunSummary | None]] | None = None
+    log: RunLog | None = None
+    panel: object = None
+    read_at: float = -math.inf
+    gap: float = 0.0
 
 
 class _SecurityHeaders:
@@ -401,24 +460,26 @@ class _Console:
         threads) with those it sent last; only a table that changed is rendered again, in a
         worker thread (`_rendered`), and sent: a list of thousands of runs that do not move
         costs a comparison per poll, not a render and a send. Every open list shares the
-        poll's read of the list (`_polled_rows`; docs/ui.md, "The runs list").
+        poll's read of the list (`_polled_rows`; docs/ui.md, "The runs list"). A read the
+        store fails is told and tried again as in every live stream (`_live`).
         """
         self._check_read(request)
         q, state = request.query_params.get("q", ""), request.query_params.get("state", "")
+        last: tuple[list[tuple[object, ...]], bool] | None = None
 
-        async def events() -> AsyncIterator[ServerSentEvent]:
-            last: tuple[list[tuple[object, ...]], bool] | None = None
-            while True:
-                rows = await self._polled_rows()
-                listed, threads = _filtered(rows, q, state), any(r.thread for r in rows)
-                shown = ([row.shown for row in listed], threads)
-                if shown != last:
-                    last = shown
-                    html = await self._rendered(self._rows_html, listed, threads)
-                    yield ServerSentEvent(data=html, event="rows")
-                await trio.sleep(max(self.settings.poll_s, ROWS_POLL_S))
+        async def look() -> _Look:
+            nonlocal last
+            rows = await self._polled_rows()
+            listed, threads = _filtered(rows, q, state), any(r.thread for r in rows)
+            shown = ([row.shown for row in listed], threads)
+            events = []
+            if shown != last:
+                last = shown
+                html = await self._rendered(self._rows_html, listed, threads)
+                events.append(ServerSentEvent(data=html, event="rows"))
+            return _Look(events, rest_s=max(self.settings.poll_s, ROWS_POLL_S))
 
-        return EventSourceResponse(events(), ping=15)
+        return EventSourceResponse(_live(look, self.settings.retry_s), ping=15)
 
     async def _polled_rows(self) -> list[Row]:
         """The list's rows for a ``/rows`` stream: every open list shares one read a poll.
@@ -516,61 +577,94 @@ class _Console:
         post then (docs/ui.md, "Approving, rejecting, cancelling"). A ``finished`` event
         closes the stream once the run-finished record was sent; an ``unreadable`` event
         (``{"message": ...}``) closes it when the log cannot be read any more, or the run is
-        gone (the page says why instead of reconnecting).
+        gone (the page says why instead of reconnecting). A read that fails for a passing
+        reason is told in a ``retrying`` event and tried again (`_live`).
 
         Each poll reads the run's summary; the log is read again only when the summary's
         record count moved since the last read (or the index does not know it), or
         ``recheck_s`` after the last whole read (which finds damage in a log that does not
         move), so a run that does not move costs one index read per poll, however long its
-        log. After a whole read the stream rests `RENDER_GAP` times what that read and its
-        render took before it polls again; the records written meanwhile come in one batch,
-        each still its own event.
+        log. A summary that shows the run's state or lease changed without a new record (a
+        driver died, another took over) sends a ``panel`` event (``{"panel": HTML}``, no id).
+        After a whole read the stream rests `RENDER_GAP` times what that read and its render
+        took before it polls again; the records written meanwhile come in one batch, each
+        still its own event.
         """
         self._check_read(request)
-        run_id = _run_id(request)
-        next_seq = _first_seq(request)
+        follow = _Follow(run_id=_run_id(request), next_seq=_first_seq(request))
         began = trio.current_time()
         try:
             # a run that does not exist is a 404, not a stream; the read is the stream's first
-            first: tuple[RunLog, RunSummary | None] | None = await self._read(run_id)
-        except StoreError as exc:  # damaged: a reconnect is told why, as the stream would
-            return EventSourceResponse(_unreadable(str(exc)), ping=15)
+            follow.read = (began, await self._read(follow.run_id))
+        except StoreError as exc:
+            if _for_good(exc):  # damaged: a reconnect is told why, as the stream would
+                return EventSourceResponse(_unreadable(str(exc)), ping=15)
+            # a passing failure: the stream reads again, and says why it waits meanwhile
 
         async def events() -> AsyncIterator[ServerSentEvent]:
-            nonlocal next_seq, began, first
             yield ServerSentEvent(data=json.dumps({"token": self.settings.token}), event="token")
-            count: int | None = None  # the records of the last whole read
-            read_at = gap = 0.0
-            while True:
-                try:
-                    if first is None:
-                        since = trio.current_time() - read_at
-                        if since < self.settings.recheck_s and (
-                            since < gap or await self._records(run_id) == count
-                        ):
-                            await trio.sleep(self.settings.poll_s)
-                            continue
-                        began = trio.current_time()
-                        first = await self._read(run_id)
-                    (log, summary), first = first, None
-                    said = await self._rendered(self._stream_events, log, summary, next_seq)
-                except (StoreError, HTTPException) as exc:  # damaged or gone: say so, stop
-                    message = exc.detail if isinstance(exc, HTTPException) else str(exc)
-                    async for unreadable in _unreadable(message):
-                        yield unreadable
-                    return
-                read_at = trio.current_time()
-                gap = RENDER_GAP * (read_at - began)
-                count = len(log.records)
-                for event in said:
-                    yield event
-                next_seq = max(next_seq, count + 1)
-                if log.finished is not None:
-                    yield ServerSentEvent(data="{}", event="finished")
-                    return
-                await trio.sleep(self.settings.poll_s)
+            async for event in _live(lambda: self._look(follow), self.settings.retry_s):
+                yield event
 
         return EventSourceResponse(events(), ping=15)
+
+    async def _look(self, follow: _Follow) -> _Look:
+        """One look of a run's stream: the records new since the last, or the panel's change.
+
+        A whole read of the log when the run's summary says its record count moved, when
+        ``recheck_s`` passed since the last whole read, or when the summary does not know the
+        count; none before the `RENDER_GAP` rest after the last whole read ends. When only the
+        summary moved (a lease renewed, taken over or expired: docs/fleet.md, "Liveness"),
+        the panel alone is sent again, rendered from the last whole read (`_panel_events`).
+
+        Raises:
+            StoreError: a read failed.
+            HTTPException: 404, the run is gone.
+        """
+        resting = _Look([], rest_s=self.settings.poll_s)
+        if follow.read is None:
+            since = trio.current_time() - follow.read_at
+            if since < follow.gap:
+                return resting
+            if since < self.settings.recheck_s and follow.log is not None:
+                assert isinstance(self.store, RunIndex)
+                summary = await self.store.read_summary(follow.run_id)
+                if _records(summary) == len(follow.log.records):
+                    return attrs.evolve(resting, events=await self._panel_events(follow, summary))
+            began = trio.current_time()
+            follow.read = (began, await self._read(follow.run_id))
+        (began, (log, summary)), follow.read = follow.read, None
+        said = await self._rendered(self._stream_events, log, summary, follow.next_seq)
+        follow.read_at = trio.current_time()
+        follow.gap = RENDER_GAP * (follow.read_at - began)
+        follow.log = log
+        if said:  # the panel rides on the last record
+            follow.panel = _panel_facts(summary)
+        else:
+            said = await self._panel_events(follow, summary)
+        follow.next_seq = max(follow.next_seq, len(log.records) + 1)
+        if log.finished is not None:
+            return _Look([*said, ServerSentEvent(data="{}", event="finished")], done=True)
+        return attrs.evolve(resting, events=said)
+
+    async def _panel_events(
+        self, follow: _Follow, summary: RunSummary | None
+    ) -> list[ServerSentEvent]:
+        """A ``panel`` event when what the panel shows of ``summary`` changed, else none.
+
+        The panel is rendered (in a worker thread) from the last whole read of the log.
+        """
+        facts = _panel_facts(summary)
+        if follow.log is None or facts == follow.panel:
+            return []
+        follow.panel = facts
+        html = await self._rendered(self._panel_html, follow.log, summary)
+        return [ServerSentEvent(data=json.dumps({"panel": html}), event="panel")]
+
+    def _panel_html(self, log: RunLog, summary: RunSummary | None) -> str:
+        """The panel of a run (in a worker thread)."""
+        log, _ = valid_unicode(log)  # what an old log holds, made printable
+        return self._html("_panel.html", **self._panel_context(log, summary))
 
     def _stream_events(
         self, log: RunLog, summary: RunSummary | None, first: int
@@ -608,12 +702,6 @@ class _Console:
                 data["charts"] = self._html("_charts.html", **_view.charts(blocks))
             events.append(ServerSentEvent(data=json.dumps(data), id=str(seq), event="record"))
         return events
-
-    async def _records(self, run_id: str) -> int | None:
-        """The records the index says run ``run_id`` holds, ``None`` when it does not say."""
-        assert isinstance(self.store, RunIndex)
-        summary = await self.store.read_summary(run_id)
-        return None if summary is None or summary.error is not None else summary.records
 
     async def _read(self, run_id: str) -> tuple[RunLog, RunSummary | None]:
         """Run ``run_id``'s log as stored, and its summary.
@@ -832,9 +920,83 @@ def _origin_of(url: str) -> str | None:
     return f"{scheme}://{rest.split('/', 1)[0]}"
 
 
+async def _live(
+    look: Callable[[], Awaitable[_Look]], retry_s: float
+) -> AsyncIterator[ServerSentEvent]:
+    """The events of a live stream: ``look`` again and again, until a look says it is done.
+
+    The one way both streams meet a failed read (docs/ui.md, "When the store fails a read"):
+    a read that fails for good (`_for_good`), or a run that is gone (a 404), ends the stream
+    with an ``unreadable`` event (``{"message": ...}``), which the page shows instead of
+    reconnecting. Any other `StoreError` (a dropped database connection, a file that cannot
+    be opened for now) sends a ``retrying`` event (``{"message": ..., "retry_s": ...}``) and
+    the stream looks again after ``retry_s`` seconds, doubled with each failure in a row up
+    to `RETRY_MAX_S`; the first look that succeeds after failures sends a ``recovered``
+    event (``{}``) before what it found.
+
+    Cancellation: a checkpoint at each rest; cancelled, the stream just ends.
+    """
+    wait: float | None = None  # the rest after the last failure of a run of them
+    while True:
+        try:
+            looked = await look()
+        except HTTPException as exc:
+            yield _unreadable_event(exc.detail)
+            return
+        except StoreError as exc:
+            if _for_good(exc):
+                yield _unreadable_event(str(exc))
+                return
+            wait = retry_s if wait is None else min(2 * wait, RETRY_MAX_S)
+            said = {"message": f"{exc}; trying again in {wait:g} s", "retry_s": wait}
+            yield ServerSentEvent(data=json.dumps(said), event="retrying")
+            await trio.sleep(wait)
+            continue
+        if wait is not None:
+            wait = None
+            yield ServerSentEvent(data="{}", event="recovered")
+        for event in looked.events:
+            yield event
+        if looked.done:
+            return
+        await trio.sleep(looked.rest_s)
+
+
+def _for_good(exc: StoreError) -> bool:
+    """Whether a failed read would fail again however often it is tried.
+
+    A damaged log or database (`LogCorrupted`), one written by a newer treadle
+    (`SchemaTooNew`), a store the database refuses (`StoreRefused`) or that stopped
+    (`StoreStopped`): trying again changes nothing (as a fleet worker judges its claims,
+    docs/fleet.md, "What each crash does"). Any other failure may pass.
+    """
+    return isinstance(exc, LogCorrupted | SchemaTooNew | StoreRefused | StoreStopped)
+
+
+def _records(summary: RunSummary | None) -> int | None:
+    """The records the index says a run holds, ``None`` when it does not say."""
+    return None if summary is None or summary.error is not None else summary.records
+
+
+def _panel_facts(summary: RunSummary | None) -> object:
+    """What the panel shows of a run's summary: its state and who drives it (`driver_text`).
+
+    The lease whole, so a renewal (which resets the age the panel shows), a takeover and an
+    expiry each count as a change; not ``observed_at``, which moves with every read.
+    """
+    if summary is None:
+        return None
+    return (summary.state, summary.liveness, summary.lease, summary.quarantined, summary.error)
+
+
 async def _unreadable(message: str) -> AsyncIterator[ServerSentEvent]:
     """The one event of a run stream that stops because the log cannot be read."""
-    yield ServerSentEvent(data=json.dumps({"message": message}), event="unreadable")
+    yield _unreadable_event(message)
+
+
+def _unreadable_event(message: str) -> ServerSentEvent:
+    """The event that ends a live stream whose store read failed for good."""
+    return ServerSentEvent(data=json.dumps({"message": message}), event="unreadable")
 
 
 def _wants_json(request: Request) -> bool:

@@ -25,6 +25,33 @@ function filterRows() {
   if (count) count.textContent = shown + " of " + rows.length + " runs";
 }
 
+// What a live stream says of the store's reads (the same on both pages): "retrying" shows
+// why the page is not updated for now and keeps the stream open, "recovered" takes that
+// notice away, "unreadable" shows why it stopped for good and closes the stream.
+function followStore(source, live) {
+  const notice = document.getElementById("notice");
+  source.addEventListener("retrying", (event) => {
+    live.classList.remove("on");
+    notice.hidden = false;
+    notice.textContent = JSON.parse(event.data).message;
+    notice.className = "notice refused";
+    notice.dataset.store = "retrying";
+  });
+  source.addEventListener("recovered", () => {
+    live.classList.add("on");
+    if (notice.dataset.store === "retrying") notice.hidden = true; // not an action's answer
+    delete notice.dataset.store;
+  });
+  source.addEventListener("unreadable", (event) => {
+    source.close();
+    live.hidden = true;
+    notice.hidden = false;
+    notice.textContent = JSON.parse(event.data).message;
+    notice.className = "notice refused";
+    delete notice.dataset.store;
+  });
+}
+
 function runsPage() {
   const q = document.getElementById("q");
   const state = document.getElementById("state");
@@ -38,6 +65,7 @@ function runsPage() {
     document.getElementById("rows").innerHTML = event.data;
     filterRows();
   });
+  followStore(source, live);
   filterRows();
 }
 
@@ -131,14 +159,9 @@ function runPage() {
     place(data);
   });
   source.addEventListener("token", (event) => useToken(JSON.parse(event.data).token));
-  source.addEventListener("unreadable", (event) => {
-    source.close();
-    live.hidden = true;
-    const notice = document.getElementById("notice");
-    notice.hidden = false;
-    notice.textContent = JSON.parse(event.data).message;
-    notice.className = "notice refused";
-  });
+  // the run's state or driver changed without a new record (a lease renewed, lost, taken over)
+  source.addEventListener("panel", (event) => showPanel(JSON.parse(event.data).panel, false));
+  followStore(source, live);
   source.addEventListener("finished", () => {
     source.close();
     live.hidden = true;
@@ -186,6 +209,7 @@ async function send(form, submitter) {
   notice.hidden = false;
   notice.textContent = said.message;
   notice.className = "notice " + (said.ok ? "ok" : "refused");
+  delete notice.dataset.store; // an action's answer: a "recovered" keeps it
 }
 
 document.addEventListener("DOMContentLoaded", () => {
