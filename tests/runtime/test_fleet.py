@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import datetime as dt
 import functools
+import itertools
 import math
 from pathlib import Path
 
@@ -376,6 +377,79 @@ async def test_runs_started_under_one_version_are_left_to_workers_serving_it(aut
             result = await again.result("r")
     assert result.stop_reason is StopReason.FINAL_ANSWER
     assert world.effects.count("r/s1/a1") == 1 and world.effects.count("r/s2/a1") == 1
+
+
+def drifting(world: World, turns, *, version: str | None) -> object:
+    """A factory whose definition changes on every call (a time in its system prompt)."""
+    calls = itertools.count()
+
+    def make() -> Agent:
+        return attrs.evolve(world.agent(turns, version=version), system_prompt=f"{next(calls)}")
+
+    return make
+
+
+def refused_definition(run_id: str) -> pytest.RaisesGroup:
+    """The worker's end on a definition its factory built for ``run_id``'s drive."""
+    return pytest.RaisesGroup(
+        pytest.RaisesExc(
+            UsageError, match=rf"its factory built, for run '{run_id}', .* differs in system_prompt"
+        ),
+        flatten_subgroups=True,
+        allow_unwrapped=True,
+    )
+
+
+@pytest.mark.parametrize("version", [None, "v1"])
+async def test_a_worker_starts_no_run_with_a_definition_other_than_the_one_it_serves(
+    version, autojump_clock
+):
+    # Before, the worker started the run with whatever its factory built on that call, under
+    # a version it did not serve: once parked or orphaned, no worker claimed it ever again
+    # (or, with one version named, its resumes failed until it was quarantined), silently.
+    world, store = World(), new_store()
+    await store.submit("r", agent="calc", input=(Message(role="user", content="work"),))
+    with trio.fail_after(60), refused_definition("r"):
+        async with fleet(store, {"calc": drifting(world, ONE_STEP, version=version)}):
+            await trio.sleep_forever()
+    summary = await store.read_summary("r")
+    assert summary.liveness is Liveness.QUEUED and summary.takeovers == 0
+    assert summary.quarantined is None and summary.lease.owner == ""
+    assert (await store.read_log("r")).records == () and world.started == []
+    async with fleet(store, {"calc": lambda: world.agent(ONE_STEP, version=None)}) as worker:
+        with trio.fail_after(60):
+            result = await worker.result("r")
+        assert worker.statistics().takeovers == 0
+    assert result.final_answer == "done" and world.effects == ["r/s1/a1"]
+
+
+async def test_a_parked_run_is_left_parked_when_its_workers_factory_changed_definition(
+    autojump_clock,
+):
+    # "Today is {date}" in a prompt, past midnight: the worker claimed the decided run it
+    # had parked, resumed it with the new definition and failed it until it was quarantined.
+    world, store = World(), new_store()
+    prompt = ["before midnight"]
+
+    def make() -> Agent:
+        return attrs.evolve(world.agent(WIRE, version=None), system_prompt=prompt[0])
+
+    with trio.fail_after(120), refused_definition("p"):
+        async with fleet(store, {"pay": make}, park_after_s=5) as worker:
+            await worker.submit("pay", "pay", run_id="p")
+            await until(liveness_is(store, "p", Liveness.PARKED))
+            prompt[0] = "after midnight"
+            await decide(store, "p", call_id="p1", clock=VirtualClock())
+            await trio.sleep_forever()
+    summary = await store.read_summary("p")
+    assert summary.liveness is Liveness.PARKED and summary.state is RunState.AWAITING_APPROVAL
+    assert summary.takeovers == 0 and summary.quarantined is None
+    prompt[0] = "before midnight"  # a worker serving the run's definition finishes it
+    async with fleet(store, {"pay": make}) as worker:
+        with trio.fail_after(60):
+            result = await worker.result("p")
+        assert worker.statistics().takeovers == 0
+    assert result.final_answer == "paid" and world.effects == ["p/s1/a1"]
 
 
 async def _started(world: World, intent_id: str) -> bool:

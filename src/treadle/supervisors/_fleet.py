@@ -39,7 +39,7 @@ from treadle._exceptions import (
 from treadle._ids import check_run_id, new_run_id
 from treadle._text import valid_unicode
 from treadle._trio_only import require_trio
-from treadle.agent import Agent, RunInput, input_messages
+from treadle.agent import Agent, RunInput, input_messages, snapshot_diff
 from treadle.metrics import MetricsRecorder
 from treadle.ports import EventSink, RunCounts, RunIndex, RunQueue, RunStore
 from treadle.stores import LEASE_TTL_S, check_ttl, lease_owner
@@ -52,7 +52,10 @@ from treadle.supervisors._leasing import LeaseHold, LeaseKeeper, leases_of
 from treadle.types import BudgetCaps, Claim, Liveness, RunResult
 
 AgentFactory = Callable[[], Agent]
-"""Builds the agent definition a worker serves under a name (called once per drive)."""
+"""Builds the agent definition a worker serves under a name (called once per drive).
+
+It must build the same definition (the same parameter snapshot) on every call: a worker
+refuses to drive a run with a definition other than the one it serves (`open_fleet`)."""
 
 CLAIM_POLL_S: Final = 1.0
 """Seconds between two claim attempts of an idle worker (a local submit or a freed slot
@@ -120,6 +123,7 @@ class Fleet:
     _store: RunStore
     _queue: RunQueue
     _agents: Mapping[str, AgentFactory]
+    _served: Mapping[str, Agent]  # agent name -> the definition built when the worker started
     _versions: Mapping[str, tuple[str, ...]]
     _options: DriveOptions
     _sinks: Sequence[EventSink]
@@ -353,7 +357,7 @@ class Fleet:
         self._unreleased.discard(run_id)  # this drive holds the run's lease again
         current_drive.set(self._drive_of(run_id))  # this task's context: the run's tools see it
         try:
-            agent = self._agents[made.agent]()
+            agent = self._agent_for(made)
             run_input = made.submission.input if made.submission is not None else None
             async with drive_run(
                 agent, run_input, store=self._store, hold=hold, sinks=self._sinks, options=options
@@ -363,6 +367,10 @@ class Fleet:
                     handle.drain()
             await handle.wait()
             finished = True
+        except _UnservedDefinition as exc:  # the worker's fault, not the run's: decision 0115
+            _LOG.error("%s", exc)
+            await hold.release_quietly()
+            raise
         except Exception as exc:  # the run's own error: it is left resumable, others go on
             self._report(run_id, handle, exc)
             if handle is not None and handle.left is not None:
@@ -389,6 +397,25 @@ class Fleet:
             if self._metrics is not None:
                 self._metrics.running(len(self._driving))
             self._wake.set()
+
+    def _agent_for(self, made: Claim) -> Agent:
+        """The definition to drive ``made``'s run with: its factory's, the one this worker serves.
+
+        The factory is called for each drive; what it builds must be the definition it
+        built when the worker started, whose version is the one the worker claims runs of
+        (docs/fleet.md, "Deploys"; docs/decisions/0115-a-worker-drives-only-the-definition-
+        it-serves.md).
+
+        Raises:
+            _UnservedDefinition: the factory built another definition (a `UsageError`).
+            Exception: whatever the factory raised (a failed drive, counted as a death).
+        """
+        agent = self._agents[made.agent]()
+        served = self._served[made.agent]
+        changed = snapshot_diff(served.snapshot(), agent.snapshot())
+        if changed or agent.version_label != served.version_label:
+            raise _UnservedDefinition(made, served, agent, changed)
+        return agent
 
     def _forget_drive(self, made: Claim, handle: RunHandle | None) -> None:
         """Drop the entries of the drive of ``made`` (its handle, slot and waiting count).
@@ -505,7 +532,11 @@ async def open_fleet(
             on one machine, `treadle.open_postgres_store` for many machines).
         agents: agent name -> a factory of the `treadle.Agent` served under it (or the agent
             itself). Each agent's `treadle.Agent.version_label` is the version served: runs
-            started under another version are left to workers that serve it.
+            started under another version are left to workers that serve it. A factory is
+            called once when the worker starts and once per drive, and must build the same
+            definition (parameter snapshot) each time: a drive whose factory built another
+            is refused, its run left as it was and its lease released, and the worker ends
+            (``UsageError``; docs/fleet.md, "Deploys").
         max_running: runs driven at the same time.
         lease_ttl_s: lease duration (seconds); renewed every third of it. A worker that dies
             loses its runs to the others this long after its last renewal.
@@ -537,7 +568,9 @@ async def open_fleet(
     Raises:
         UsageError: the store has no queue or leases, ``agents`` is empty, an argument is
             out of range, or an agent's factory raised or gave no `treadle.Agent` when called
-            for the agent's version (the error it raised is the cause).
+            for the agent's version (the error it raised is the cause), or built for a run's
+            drive a definition other than the one it built when the worker started (the
+            run is released untouched; raised out of the block as `StoreRefused` is).
         StoreStopped: the store's committer stopped (its database stayed out of reach): the
             worker claims nothing more and the block ends, its runs cancelled and left to
             other workers (docs/fleet.md, "What each crash does"). Raised out of the block
@@ -569,7 +602,8 @@ async def open_fleet(
     )
     check_ttl(lease_ttl_s)
     factories = {name: _factory(value) for name, value in agents.items()}
-    versions = {name: (_made(name, factory).version_label,) for name, factory in factories.items()}
+    served = {name: _made(name, factory) for name, factory in factories.items()}
+    versions = {name: (agent.version_label,) for name, agent in served.items()}
     leases = leases_of(store)
     assert leases is not None
     keeper = LeaseKeeper(store=leases, ttl_s=lease_ttl_s)
@@ -594,6 +628,7 @@ async def open_fleet(
                 store=store,
                 queue=store,
                 agents=factories,
+                served=served,
                 versions=versions,
                 options=options,
                 sinks=sinks,
@@ -644,6 +679,30 @@ def _made(name: str, factory: AgentFactory) -> Agent:
     if not isinstance(agent, Agent):
         raise UsageError(f"agent {name!r}: its factory gave {type(agent).__name__}, not an Agent")
     return agent
+
+
+class _UnservedDefinition(UsageError):
+    """A factory built, for a run's drive, a definition other than the one its worker serves.
+
+    The worker ends on it (`open_fleet` raises it): its factory builds another definition
+    on each call (a date or a time in the system prompt, a prompt file read again), so the
+    versions it claims runs of do not say what it would drive them with
+    (docs/decisions/0115-a-worker-drives-only-the-definition-it-serves.md).
+    """
+
+    def __init__(self, made: Claim, served: Agent, built: Agent, changed: Sequence[str]) -> None:
+        differs = f"differs in {', '.join(changed)}" if changed else "differs"
+        if built.version_label == served.version_label:
+            what = f"a definition of version {served.version_label!r} that {differs}"
+        else:
+            what = f"version {built.version_label!r}, a definition that {differs}"
+        super().__init__(
+            f"agent {made.agent!r}: its factory built, for run {made.lease.run_id!r}, {what} "
+            f"from the one it built when the worker started (version "
+            f"{served.version_label!r}, the one this worker serves). A fleet agent's factory "
+            'must build the same definition on every call (docs/fleet.md, "Deploys"): the run '
+            "is left as it was, its lease released, and the worker ends"
+        )
 
 
 def _factory(value: AgentFactory | Agent) -> AgentFactory:
