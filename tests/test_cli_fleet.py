@@ -1024,6 +1024,29 @@ def test_worker_refuses_a_store_without_a_queue_and_a_bad_agent_spec(
     assert not (tmp_path / "runs.db").exists()  # refused before any store was made
 
 
+def test_worker_refuses_an_agent_name_given_twice(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    # `--agent calc=A --agent calc=B` was taken, and the worker served B alone under the
+    # name, silently: runs meant for A were driven by B.
+    (tmp_path / "fleet_agents.py").write_text(AGENTS_MODULE, encoding="utf-8")
+    monkeypatch.chdir(tmp_path)
+    directory = tmp_path / "runs"  # no queue: before, the worker failed on it, not on the names
+    directory.mkdir()
+    twice = invoke(
+        "worker",
+        "--store",
+        str(directory),
+        "--agent",
+        "calc=fleet_agents:calc",
+        "--agent",
+        "probe=fleet_agents:gc_probe",
+        "--agent",
+        "calc=fleet_agents:gc_probe",
+    )
+    assert twice.exit_code == 2, twice.output
+    assert "the agent name 'calc' is given twice" in twice.output, twice.output
+    assert list(directory.iterdir()) == []
+
+
 ENTERED: list[str] = []
 
 

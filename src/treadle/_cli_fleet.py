@@ -147,6 +147,27 @@ def _agent_factory(spec: str) -> tuple[str, AgentSource]:
     return name, each
 
 
+def _agent_sources(specs: tuple[str, ...]) -> dict[str, AgentSource]:
+    """The worker's ``--agent NAME=MODULE:FACTORY`` specs, by name (see `_agent_factory`).
+
+    Raises:
+        click.BadParameter: a spec is malformed (as `_agent_factory`), or a NAME is given
+            twice: a worker serves one definition under a name, and which of two it should
+            serve is not the worker's to guess (before, the last one won, silently).
+    """
+    sources: dict[str, AgentSource] = {}
+    for spec in specs:
+        name = spec.partition("=")[0]  # as `_agent_factory` reads it, before FACTORY is loaded
+        if name in sources:
+            raise click.BadParameter(
+                f"{spec!r}: the agent name {name!r} is given twice; a worker serves one "
+                "agent under each NAME",
+                param_hint="--agent",
+            )
+        sources[name] = _agent_factory(spec)[1]
+    return sources
+
+
 @asynccontextmanager
 async def _served(
     agents: Mapping[str, AgentSource],
@@ -252,7 +273,7 @@ def worker_command(
     early: list[int] = []  # a stop asked for before the worker is up: it claims nothing
     for signum in _STOP_SIGNALS:
         signal.signal(signum, lambda number, frame: early.append(number))
-    agents = dict(_agent_factory(spec) for spec in agent_specs)
+    agents = _agent_sources(agent_specs)
     tune_collector()
     exporter = _prometheus() if metrics_port is not None else None
     recorder = MetricsRecorder(outputs=(exporter,)) if exporter is not None else None
