@@ -56,6 +56,67 @@ async def test_a_dropped_committer_connection_is_made_again_and_the_write_lands(
     assert [type(r).__name__ for r in log.records] == ["RunStarted", "ModelIntent", "ModelIntent"]
 
 
+def end_pooled_sessions(dsn: str) -> int:
+    """End the store's pooled sessions as a server restart does; how many there were.
+
+    Returns once the server has ended them (their backends gone from ``pg_stat_activity``).
+    Only this test's database: never the sessions of tests running beside it.
+    """
+    with psycopg.connect(dsn, autocommit=True) as admin:
+        ended = admin.execute(
+            "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE application_name = "
+            "'treadle' AND datname = current_database() AND pid <> pg_backend_pid()"
+        ).fetchall()
+        left = 1
+        while left:  # each ends within moments of its signal
+            (left,) = admin.execute(
+                "SELECT count(*) FROM pg_stat_activity WHERE application_name = 'treadle' "
+                "AND datname = current_database() AND pid <> pg_backend_pid()"
+            ).fetchone()
+    return len(ended)
+
+
+async def test_a_read_whose_pooled_connection_was_lost_is_made_again_on_a_new_one(
+    postgres_database: str,
+) -> None:
+    # After the server ended the store's sessions (its restart, pg_terminate_backend), the
+    # first read on each dead pooled connection failed ("terminating connection due to
+    # administrator command"): a fleet counted the run's failed drive as its driver's death.
+    async with treadle.open_postgres_store(postgres_database) as store:
+        gen = await lease_generation(store, "r")
+        await store.write_run_started(started("r"), seq=1, generation=gen)
+        assert len((await store.read_log("r")).records) == 1  # committed: a run to cancel
+        await store.append_control(CancelRequested(run_id="r", ts=TS, reason="stop"))
+        await store.submit("q", agent="calc", input=(Message(role="user", content="hi"),))
+        reads: list[tuple[str, Callable[[], Any]]] = [
+            ("read_log", lambda: store.read_log("r")),
+            ("read_summary", lambda: store.read_summary("r")),
+            ("read_control", lambda: store.read_control("r")),
+            ("read_lease", lambda: store.read_lease("r")),
+            ("read_submission", lambda: store.read_submission("q")),
+            ("list_summaries", store.list_summaries),
+            ("count_runs", store.count_runs),
+            ("control_heads", lambda: store.control_heads(["r"])),
+            ("read_generations", lambda: store.read_generations("r")),
+            ("list_runs", store.list_runs),
+        ]
+        for name, read in reads:
+            assert end_pooled_sessions(postgres_database) >= 1, name  # the last read's
+            assert await read(), name
+        # The log load of a run's first write after its lease was taken is a read too.
+        gen = await lease_generation(store, "s")
+        assert end_pooled_sessions(postgres_database) >= 1
+        await store.write_run_started(started("s"), seq=1, generation=gen)
+        assert len((await store.read_log("s")).records) == 1
+        # A write is never run again (its outcome may be unknown): it fails, as before; the
+        # pool's other idle connections went with the lost one, so the next call succeeds.
+        assert end_pooled_sessions(postgres_database) >= 1
+        with pytest.raises(treadle.StoreError, match="terminating connection"):
+            await store.append_control(CancelRequested(run_id="r", ts=TS, reason="again"))
+        await store.append_control(CancelRequested(run_id="r", ts=TS, reason="again"))
+        assert [entry.position for entry in await store.read_control("r")] == [1, 2]
+
+
 class _LostAfterCommit(postgres.PostgresBackend):
     """The connection drops right after the server committed: the outcome looks unknown."""
 

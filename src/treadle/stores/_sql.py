@@ -202,6 +202,14 @@ class SqlDialect(Protocol):
         """The treadle error for a driver error (``None``: not a driver error)."""
         ...
 
+    def lost(self, exc: BaseException, conn: Connection) -> bool:
+        """Whether ``exc`` cost ``conn`` its connection, not a statement's own error.
+
+        Lost: the server ended the session, or the network dropped it. Not lost: a
+        statement timeout, a lock wait given up, a deadlock's victim.
+        """
+        ...
+
 
 # --------------------------------------------------------------------------- encoding rows
 
@@ -951,6 +959,10 @@ class ConnectionPool:
                 return self._idle.pop()
         return self._connect()
 
+    def take_new(self) -> Connection:
+        """A new connection, never an idle one (blocking: call it in a worker thread)."""
+        return self._connect()
+
     def give(self, conn: Connection, *, broken: bool = False) -> None:
         """Hand ``conn`` back; a broken one, or one beyond ``keep``, is closed."""
         with self._lock:
@@ -959,6 +971,19 @@ class ConnectionPool:
                 return
         with contextlib.suppress(Exception):
             conn.close()
+
+    def lose(self, conn: Connection) -> None:
+        """Close ``conn``, whose connection was lost, and every idle connection with it.
+
+        What ends one session of a server (its restart, a failover, an administrator ending
+        the store's sessions) has most likely ended the idle ones opened to it too: the calls
+        that follow open new connections instead of each failing once on a dead one.
+        """
+        with self._lock:
+            idle, self._idle = self._idle, []
+        for each in (conn, *idle):
+            with contextlib.suppress(Exception):
+                each.close()
 
     def close(self) -> None:
         """Close every idle connection; later ones handed back are closed."""
@@ -1354,8 +1379,8 @@ class SqlBackend:
         """Nothing to check before the transaction: fencing happens inside it."""
 
     def load(self, run_id: str) -> RunHead:
-        """The run's next seq from its ``runs`` row."""
-        return run_pooled(self._dialect, self._pool, load_head, run_id)
+        """The run's next seq from its ``runs`` row (a read: `read_pooled`)."""
+        return read_pooled(self._dialect, self._pool, load_head, run_id)
 
 
 # --------------------------------------------------------------------------- the store
@@ -1426,7 +1451,7 @@ class SqlStore(EngineStore):
         """
         check_run_id(run_id)
         await self._engine.settle(run_id)
-        records = await self._run(read_records, run_id)
+        records = await self._read(read_records, run_id)
         return RunLog(run_id=run_id, records=records)
 
     async def read_generations(self, run_id: str) -> tuple[int, ...]:
@@ -1435,12 +1460,12 @@ class SqlStore(EngineStore):
         Records written before this layout (migrated) have generation 0.
         """
         await self._engine.settle(run_id)
-        return await self._run(read_generations, run_id)
+        return await self._read(read_generations, run_id)
 
     async def list_runs(self) -> tuple[str, ...]:
         """Every run id with at least one committed record, in the order they entered."""
         await self._engine.settle()
-        return await self._run(list_run_ids)
+        return await self._read(list_run_ids)
 
     async def list_summaries(self, *, last: int | None = None) -> tuple[RunSummary, ...]:
         """Every run (queued ones too) from the index, without reading logs.
@@ -1449,7 +1474,7 @@ class SqlStore(EngineStore):
         """
         last = checked_last(last)
         await self._engine.settle()
-        return await self._run(list_summaries, last)
+        return await self._read(list_summaries, last)
 
     async def count_runs(self) -> Mapping[Liveness, int]:
         """How many runs the index holds by liveness (`treadle.ports.RunCounts`).
@@ -1462,12 +1487,12 @@ class SqlStore(EngineStore):
             StoreError: the database cannot be read, or the store is closed.
         """
         await self._engine.settle()
-        return await self._run(count_runs)
+        return await self._read(count_runs)
 
     async def read_summary(self, run_id: str) -> RunSummary | None:
         """One run's summary from the index, or ``None``."""
         await self._engine.settle(run_id)
-        return await self._run(read_summary, run_id)
+        return await self._read(read_summary, run_id)
 
     async def acquire_lease(self, run_id: str, *, owner: str, ttl_s: float) -> Lease:
         """Take (or renew, for its holder) the lease on ``run_id`` (`treadle.ports.LeaseStore`).
@@ -1499,7 +1524,7 @@ class SqlStore(EngineStore):
 
     async def read_lease(self, run_id: str) -> Lease | None:
         """The run's lease as stored, or ``None``."""
-        return await self._run(read_lease, run_id, shared=True)
+        return await self._read(read_lease, run_id, shared=True)
 
     async def append_control(self, record: CancelRequested | ApprovalDecided) -> ControlEntry:
         """Append to the run's control stream; durable on return (`treadle.ports.ControlStream`).
@@ -1514,14 +1539,14 @@ class SqlStore(EngineStore):
 
     async def read_control(self, run_id: str, *, after: int = 0) -> tuple[ControlEntry, ...]:
         """The run's control entries after position ``after``."""
-        return await self._run(read_control, run_id, after, shared=True)
+        return await self._read(read_control, run_id, after, shared=True)
 
     async def control_heads(self, run_ids: Sequence[str]) -> Mapping[str, int]:
         """The last control position of each run that has entries."""
         if not run_ids:
             await trio.lowlevel.checkpoint()
             return {}
-        return await self._run(control_heads, tuple(run_ids), shared=True)
+        return await self._read(control_heads, tuple(run_ids), shared=True)
 
     async def submit(
         self,
@@ -1582,7 +1607,7 @@ class SqlStore(EngineStore):
 
     async def read_submission(self, run_id: str) -> Submission | None:
         """The run's queue entry, or ``None``."""
-        return await self._run(read_submission, run_id)
+        return await self._read(read_submission, run_id)
 
     async def aclose(self) -> None:
         """Commit everything queued, stop the committer and close every connection.
@@ -1612,18 +1637,73 @@ class SqlStore(EngineStore):
             run_pooled, self._dialect, self._pool, fn, *args, shared=shared
         )
 
+    async def _read(self, fn: Callable[..., _T], *args: Any, shared: bool = False) -> _T:
+        """`_run` for a read (``fn`` changes nothing), run once more if its connection was lost.
+
+        The second try is on a new connection (`read_pooled`).
+        """
+        self._engine.check_open()
+        return await self._engine.in_thread(
+            read_pooled, self._dialect, self._pool, fn, *args, shared=shared
+        )
+
 
 def run_pooled(dialect: SqlDialect, pool: ConnectionPool, fn: Callable[..., _T], *args: Any) -> _T:
     """``fn(dialect, conn, *args)`` on a pooled connection, driver errors translated.
+
+    Run once: ``fn`` may write, and a write whose connection was lost has an unknown outcome
+    (it may have committed), so it is never run again here (`read_pooled` runs a read again).
+    A lost connection closes the pool's idle ones too (`ConnectionPool.lose`).
 
     Raises:
         TreadleError: what ``fn`` raised, or the driver error as `StoreError` (or
             `LogCorrupted` for a damaged database) with the driver's as ``__cause__``.
     """
+    return _pooled(dialect, pool, fn, args, again=False)
+
+
+def read_pooled(dialect: SqlDialect, pool: ConnectionPool, fn: Callable[..., _T], *args: Any) -> _T:
+    """`run_pooled` for a read (``fn`` changes nothing): once more if its connection was lost.
+
+    A pooled connection the server ended while it was idle (a restart, a failover,
+    ``pg_terminate_backend``) fails the first statement sent on it. When ``fn`` fails
+    because its connection was lost (`SqlDialect.lost`), not for an error of its own
+    statement, it is run once more on a new connection: running a read again does nothing
+    twice (docs/fleet.md, "What each crash does"). The pool's idle connections are closed
+    with the lost one (`ConnectionPool.lose`).
+
+    Raises:
+        TreadleError: as `run_pooled`; the second try's error when it failed too.
+    """
+    return _pooled(dialect, pool, fn, args, again=True)
+
+
+def _pooled(
+    dialect: SqlDialect,
+    pool: ConnectionPool,
+    fn: Callable[..., _T],
+    args: tuple[Any, ...],
+    *,
+    again: bool,
+) -> _T:
+    """`run_pooled` (``again=False``) or `read_pooled` (``again=True``)."""
     conn = None
     broken = False
     try:
         conn = pool.take()
+        try:
+            return fn(dialect, conn, *args)
+        except Exception as exc:
+            if not dialect.lost(exc, conn):
+                raise
+            pool.lose(conn)
+            conn = None
+            if not again:
+                raise
+            _LOG.info(
+                "%s: a pooled connection was lost (%s); reading again", dialect.description, exc
+            )
+        conn = pool.take_new()
         return fn(dialect, conn, *args)
     except TreadleError:
         raise

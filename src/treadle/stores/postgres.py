@@ -252,6 +252,10 @@ class PostgresDialect:
         """Psycopg errors as `StoreError` (`LogCorrupted` for data corruption)."""
         return _translate(self.description, exc, what)
 
+    def lost(self, exc: BaseException, conn: Any) -> bool:
+        """Whether ``exc`` cost ``conn`` its connection (`_connection_lost`)."""
+        return _connection_lost(exc, conn)
+
 
 def _translate(description: str, exc: BaseException, what: str) -> TreadleError | None:
     psycopg = _psycopg()
@@ -278,11 +282,18 @@ def _translate(description: str, exc: BaseException, what: str) -> TreadleError 
     return StoreError(f"{what} {description}: {message}")
 
 
-def _lost_connection(exc: BaseException) -> bool:
+def _connection_lost(exc: BaseException, conn: Any) -> bool:
+    """Whether ``exc`` cost ``conn`` its connection (`treadle.stores._sql.SqlDialect.lost`).
+
+    Lost: the server ended the session (its restart, ``pg_terminate_backend``) or the
+    network dropped it. A statement the server ended (a statement timeout, a deadlock's
+    victim) is an `OperationalError` too, but leaves the connection as it was.
+    """
     psycopg = _psycopg()
-    if _sql.deadlock(exc):  # an OperationalError too, but the connection is fine
+    if _sql.deadlock(exc):
         return False
-    return isinstance(exc, psycopg.OperationalError | psycopg.InterfaceError)
+    lost = isinstance(exc, psycopg.OperationalError | psycopg.InterfaceError)
+    return lost and bool(conn.closed or conn.broken)
 
 
 # --------------------------------------------------------------------------- the schema
@@ -542,8 +553,7 @@ class PostgresBackend(_sql.SqlBackend):
         A statement the server ended (a statement timeout) is an `OperationalError` too, but
         leaves the connection as it was: no reconnect, and no wait for one.
         """
-        conn = self._conn
-        return _lost_connection(exc) and bool(conn.closed or conn.broken)
+        return _connection_lost(exc, self._conn)
 
     def _fail(self, groups: Sequence[_sql.RunBatch], exc: Exception) -> None:
         """Fail every write of ``groups`` with the `StoreError` for ``exc`` (or raise it)."""

@@ -198,6 +198,10 @@ class SqliteDialect:
         """A damaged database is `LogCorrupted`; other SQLite errors are `StoreError`."""
         return _translate(self.path, exc, what)
 
+    def lost(self, exc: BaseException, conn: Any) -> bool:
+        """Never: a SQLite connection is a file opened in this process, no server's session."""
+        return False
+
 
 def _translate(path: str, exc: BaseException, what: str) -> TreadleError | None:
     if isinstance(exc, UnicodeDecodeError):  # a TEXT value of the file is not UTF-8
