@@ -648,6 +648,37 @@ async def test_a_damaged_run_of_a_thread_is_named_with_the_run_continuing_it(
     assert sorted(await store.list_runs()) == ["t", "t.2", "t.3"]
 
 
+async def test_the_history_of_a_damaged_run_names_it_in_a_whole_sentence() -> None:
+    """Asked for by itself, a run whose own log cannot be read was named in half a sentence
+    ("run 't.2', whose log cannot be read: ...")."""
+    store = _DamagedLogs()
+    model = ScriptedModel(turns=[say("answer 1"), say("answer 2")])
+    definition = Agent(model=model, executor=LedgerTools(), parser=SimpleParser())
+    await treadle.run(definition, "first", store=store, run_id="t")
+    await treadle.run(definition, "second", store=store, thread_id="t")
+    store.damaged.add("t.2")
+    with pytest.raises(StoreError, match=r"^the log of run 't\.2' cannot be read: memory t\.2"):
+        await treadle.history(store, "t.2")
+
+
+async def test_a_thread_whose_first_run_is_missing_says_so_and_writes_nothing() -> None:
+    """A thread whose first run's log was removed was called a thread that "does not exist",
+    though its later runs are stored; its history's error said "nothing was written", which
+    no reading writes. Both name the run that continues the missing one."""
+    store = _MissingRuns()
+    model = ScriptedModel(turns=[say(f"answer {n}") for n in range(1, 4)])
+    definition = Agent(model=model, executor=LedgerTools(), parser=SimpleParser())
+    await treadle.run(definition, "first", store=store, run_id="t")
+    await treadle.run(definition, "second", store=store, thread_id="t")
+    store.missing.add("t")
+    why = r"^run 't\.2' continues run 't', whose log is missing$"
+    with pytest.raises(StoreError, match=why):
+        await treadle.run(definition, "third", store=store, thread_id="t")
+    with pytest.raises(StoreError, match=why):
+        await treadle.history(store, "t.2")
+    assert (await store.read_log("t.3")).records == ()
+
+
 class _MissingRuns(MemoryStore):
     """A memory store in which the runs in ``missing`` are gone (their logs and index rows)."""
 

@@ -370,7 +370,7 @@ async def _read_link(
     if log.started is None:
         if successor is None:
             raise UsageError(f"no run {run_id!r} in the store")
-        raise StoreError(f"{whose}, whose log is missing (nothing was written)")
+        raise StoreError(f"{whose}, whose log is missing")
     if successor is None:
         return log
     if before_step is None and log.finished is None:
@@ -398,11 +398,14 @@ async def read_continued(store: RunStore, run_id: str, successor: str | None) ->
 
     Raises:
         StoreError: the log cannot be read: ``run S continues run R, whose log cannot be
-            read: <why>``, chained from the store's error.
+            read: <why>`` (``the log of run R cannot be read: <why>`` without a successor),
+            chained from the store's error.
     """
     try:
         return await store.read_log(run_id)
     except StoreError as exc:
+        if successor is None:
+            raise StoreError(f"the log of run {run_id!r} cannot be read: {exc}") from exc
         raise StoreError(f"{_whose(run_id, successor)}, whose log cannot be read: {exc}") from exc
 
 

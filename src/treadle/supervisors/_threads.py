@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import attrs
 
-from treadle._exceptions import InvalidRunId, UsageError
+from treadle._exceptions import InvalidRunId, StoreError, UsageError
 from treadle._ids import check_run_id
 from treadle._text import valid_unicode
 from treadle.actors import read_continued, recorded_history
@@ -84,14 +84,16 @@ async def next_in_thread(
             and was started with another message (the message names it and its state).
         InvalidRunId: the thread's next run's id would be longer than a run id may be
             (docs/decisions/0055-thread-ids.md, "Consequences").
-        StoreError: a run of the thread cannot be read (the message names the run that
-            continues it, or would: docs/threads.md, "When a thread cannot go on").
+        StoreError: a run of the thread cannot be read or is missing, its first run
+            included (the message names the run that continues it, or would:
+            docs/threads.md, "When a thread cannot go on").
     """
     check_run_id(thread_id)
     if input is None:
         raise UsageError(f"continuing thread {thread_id!r} needs an input (the new message)")
     root = await read_continued(store, thread_id, f"{thread_id}.2")
     if root.started is None:
+        await _check_no_second_run(store, thread_id)
         raise UsageError(f"thread {thread_id!r} does not exist: no run {thread_id!r} in the store")
     if root.started.thread is not None:
         raise UsageError(
@@ -122,6 +124,25 @@ async def next_in_thread(
             f"({_state(latest)}); wait for it or resume it before continuing the thread"
         )
     return candidate, Lineage(continues=latest_id, thread=thread_id), read
+
+
+async def _check_no_second_run(store: RunStore, thread_id: str) -> None:
+    """Refuse a thread whose first run is missing but whose second run is stored.
+
+    Its first run's log was removed: the thread exists, and cannot go on (docs/threads.md,
+    "When a thread cannot go on"), where "does not exist" would send its user looking for a
+    typo.
+
+    Raises:
+        StoreError: ``run 'T.2' continues run 'T', whose log is missing``.
+    """
+    try:
+        second = thread_run_id(thread_id, 2)
+    except InvalidRunId:  # a thread id this long has no second run
+        return
+    log = await store.read_log(second)
+    if log.started is not None and log.started.continues == thread_id:
+        raise StoreError(f"run {second!r} continues run {thread_id!r}, whose log is missing")
 
 
 async def _latest_number(store: RunStore, thread_id: str) -> int:
