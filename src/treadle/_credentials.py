@@ -19,22 +19,47 @@ from treadle._exceptions import UsageError
 
 
 def check_base_url(base_url: str) -> str:
-    """``base_url`` as given, refused unless it is an http(s) URL.
+    """``base_url`` as given, refused unless it is an http(s) URL a request can go to.
 
     Raises:
-        UsageError: it does not start with ``http://`` or ``https://``, or it cannot be
-            parsed (an unclosed ``[`` of an IPv6 address). The message quotes the URL with
-            its credentials hidden (`redact_url_secrets`; docs/models.md, "Credentials").
+        UsageError: it does not start with ``http://`` or ``https://``; it cannot be parsed
+            (an unclosed ``[`` of an IPv6 address, a port that is no number or out of range);
+            it holds whitespace or a control character where no request can carry one (a
+            control character anywhere, whitespace in the host); or it has no host. The
+            message quotes the URL with its credentials hidden (`redact_url_secrets`;
+            docs/models.md, "Credentials", "Connections and headers").
     """
     if not base_url.startswith(("http://", "https://")):
         raise UsageError(
             f"base_url must start with http:// or https://, got {shown_url(base_url)!r}"
         )
     try:
-        urllib.parse.urlsplit(base_url)
+        _check_url_parts(base_url)
     except ValueError as exc:
-        raise UsageError(f"base_url {shown_url(base_url)!r} is not a valid URL: {exc}") from exc
+        reason = _without(str(exc), _url_credentials(base_url))
+        raise UsageError(f"base_url {shown_url(base_url)!r} is not a valid URL: {reason}") from exc
     return base_url
+
+
+def _check_url_parts(url: str) -> None:
+    """Raise `ValueError` saying what of ``url`` no HTTP request can go to."""
+    if any(ord(ch) < 32 or ord(ch) == 127 for ch in url):
+        raise ValueError("it holds a control character (a line break?)")
+    parts = urllib.parse.urlsplit(url)
+    parts.port  # noqa: B018 (raises ValueError for a port that is no number or out of range)
+    host = parts.hostname or ""
+    if not host:
+        raise ValueError("it names no host")
+    if any(ch.isspace() for ch in host):
+        raise ValueError("its host holds whitespace")
+
+
+def _without(text: str, secrets: set[str]) -> str:
+    """``text`` with each of ``secrets`` (longest first) replaced by ``***``."""
+    for secret in sorted(secrets, key=len, reverse=True):
+        if secret:
+            text = text.replace(secret, "***")
+    return text
 
 
 def shown_url(url: str) -> str:

@@ -16,7 +16,7 @@ import json
 import logging
 import re
 import urllib.parse
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from typing import Any, ClassVar, Generic, Protocol, Self, TypeVar
 
 import httpx
@@ -108,19 +108,15 @@ class StreamReader(Generic[A]):
 
         Raises:
             UsageError: ``body`` cannot be encoded as JSON.
-            treadle.ModelCallError: the attempt failed (classified by ``acc`` and the hooks).
+            treadle.ModelCallError: the attempt failed (classified by ``acc`` and the hooks);
+                a request that cannot be built or sent as HTTP is a ``bad_request``, not
+                retryable (`_build`).
 
         Cancellation:
             A checkpoint. Cancelling closes the response and its connection.
         """
         connect_s, first_byte_s, idle_s = self._deadlines(attempt)
-        http_request = self._client.build_request(
-            "POST",
-            self._url,
-            content=encode_body(body),
-            headers=headers,
-            timeout=httpx.Timeout(connect_s, read=None, write=None),
-        )
+        http_request = self._build(encode_body(body), headers, connect_s, acc)
         deadline = trio.current_time() + first_byte_s
         response = await self._send(http_request, acc, deadline)
         chunks = response.aiter_bytes()
@@ -128,6 +124,31 @@ class StreamReader(Generic[A]):
             return await self._read_response(response, chunks, acc, deadline, idle_s, attempt)
         finally:
             await dispose(response, chunks)
+
+    def _build(
+        self, content: bytes, headers: dict[str, str], connect_s: float, acc: A
+    ) -> httpx.Request:
+        """The HTTP request of one attempt, its connect timeout ``connect_s`` seconds.
+
+        Raises:
+            treadle.ModelCallError: ``bad_request``, not retryable: the URL or a header cannot
+                be put into an HTTP request (the constructors refuse such values; this keeps
+                one that got past them from interrupting the run).
+        """
+        try:
+            return self._client.build_request(
+                "POST",
+                self._url,
+                content=content,
+                headers=headers,
+                timeout=httpx.Timeout(connect_s, read=None, write=None),
+            )
+        except (httpx.InvalidURL, ValueError, TypeError) as exc:
+            raise acc.failure("bad_request", self._unsendable(exc)) from exc
+
+    def _unsendable(self, exc: Exception) -> str:
+        """The message of a request that cannot be built or sent, credentials hidden."""
+        return self._redact(f"the request cannot be sent as HTTP: {exc!r}")
 
     async def aclose(self) -> None:
         """Close the HTTP client if this object created it (a given client stays open)."""
@@ -198,6 +219,10 @@ class StreamReader(Generic[A]):
                 return await self._client.send(http_request, stream=True)
             except httpx.TimeoutException as exc:
                 raise acc.failure("timeout", f"connect: {exc!r}", retryable=True) from exc
+            except (httpx.LocalProtocolError, httpx.UnsupportedProtocol) as exc:
+                # The request itself breaks HTTP (a header value h11 refuses): sending it
+                # again cannot succeed (docs/models.md, "Errors and retryability").
+                raise acc.failure("bad_request", self._unsendable(exc)) from exc
             except httpx.HTTPError as exc:
                 raise acc.failure("connection", repr(exc), retryable=True) from exc
         raise acc.failure("timeout", "no response headers in time", retryable=True)
@@ -379,21 +404,58 @@ def _without_key_starts(text: str, key: str) -> str:
 
 
 def check_api_key(api_key: str | None) -> str | None:
-    """``api_key`` as given, refused when it holds whitespace or a control character.
+    """``api_key`` as given, refused unless an HTTP header can carry it as it is.
 
     A key read from a file with its line break would be sent in a header no server
-    accepts, and the error quoting that header would carry the key.
+    accepts, and the error quoting that header would carry the key; a key with a character
+    outside ASCII cannot be put into a header at all (docs/models.md, "Connections and
+    headers").
 
     Raises:
-        UsageError: the key holds a space, a line break or another control character
-            (strip it: ``open(path).read().strip()``).
+        UsageError: the key is empty (``None`` sends no key), or it holds a space, a line
+            break or another control character, or a character outside printable ASCII
+            (strip it: ``open(path).read().strip()``). The message does not quote the key.
     """
-    if api_key is not None and any(ch.isspace() or ord(ch) < 32 for ch in api_key):
+    if api_key == "":
+        raise UsageError("the API key is empty: give api_key=None to send no key")
+    if api_key is not None and not _TOKEN_VALUE.fullmatch(api_key):
         raise UsageError(
             "the API key holds whitespace or a control character (a line break read from a "
-            "file?): strip it"
+            "file?) or a character outside ASCII, which an HTTP header cannot carry: strip it"
         )
     return api_key
+
+
+_HEADER_NAME = re.compile(r"[-!#$%&'*+.^_`|~0-9A-Za-z]+")
+"""A header name: an RFC 9110 token (section 5.1)."""
+_HEADER_VALUE = re.compile(r"(?:[\x21-\x7e]+(?:[ \t]+[\x21-\x7e]+)*)?")
+"""A header value a request can carry: printable ASCII, spaces and tabs only between visible
+characters (RFC 9110, section 5.5; httpx encodes a value as ASCII, h11 refuses the rest)."""
+_TOKEN_VALUE = re.compile(r"[\x21-\x7e]+")
+"""An API key: visible ASCII characters, no space."""
+
+
+def check_headers(headers: Mapping[str, str]) -> dict[str, str]:
+    """``headers`` as a dict, refused unless every one can go into an HTTP request.
+
+    Checked when a client is made, so a header that no request could carry fails there
+    rather than on every attempt of a run (docs/models.md, "Connections and headers").
+
+    Raises:
+        UsageError: a name is not an HTTP token, or a value holds a line break or another
+            control character, a character outside ASCII, or whitespace at either end. The
+            message names the header, never its value (it may be a credential).
+    """
+    for name, value in headers.items():
+        if not isinstance(name, str) or not _HEADER_NAME.fullmatch(name):
+            raise UsageError(f"the header name {name!r} is not an HTTP header name (a token)")
+        if not isinstance(value, str) or not _HEADER_VALUE.fullmatch(value):
+            raise UsageError(
+                f"the value of header {name!r} is not one an HTTP header can carry: only "
+                "printable ASCII, without a line break, a control character or whitespace at "
+                "either end"
+            )
+    return dict(headers)
 
 
 class _RedactUrlSecrets(logging.Filter):

@@ -25,6 +25,7 @@ from treadle.models._anthropic_stream import MessageAccumulator, classify_anthro
 from treadle.models._transport import (
     StreamReader,
     check_api_key,
+    check_headers,
     install_log_redaction,
     join_url,
     load_image,
@@ -84,9 +85,11 @@ class AnthropicMessagesClient(StreamReader[MessageAccumulator]):
             (docs/structured-output.md).
 
     Raises:
-        UsageError: ``base_url`` is not an http(s) URL, a timeout is not positive,
-            ``default_max_tokens`` is not positive, or the API key holds whitespace or a
-            control character (a line break read from a file).
+        UsageError: ``base_url`` is not an http(s) URL a request can go to, a timeout is not
+            positive, ``default_max_tokens`` is not positive, the API key is empty or holds
+            whitespace, a control character or a character outside ASCII (a line break read
+            from a file), or an extra header or ``anthropic_version`` is not one an HTTP
+            request can carry (docs/models.md, "Connections and headers").
     """
 
     native_output = False
@@ -116,18 +119,20 @@ class AnthropicMessagesClient(StreamReader[MessageAccumulator]):
         self._api_key = check_api_key(
             api_key if api_key is not None else os.environ.get(API_KEY_ENV) or None
         )
-        self._owns_client = http_client is None
-        self._client = http_client if http_client is not None else httpx.AsyncClient()
         self._connect_s = connect_timeout_s
         self._first_byte_s = first_byte_timeout_s
         self._idle_s = idle_timeout_s
         self._image_source = image_source
-        self._headers = {
-            "accept": "text/event-stream",
-            "content-type": "application/json",
-            "anthropic-version": anthropic_version,
-            **(extra_headers or {}),
-        }
+        self._headers = check_headers(
+            {
+                "accept": "text/event-stream",
+                "content-type": "application/json",
+                "anthropic-version": anthropic_version,
+                **(extra_headers or {}),
+            }
+        )
+        self._owns_client = http_client is None
+        self._client = http_client if http_client is not None else httpx.AsyncClient()
         self._credentials = credentials_sent(
             self._api_key, {**self._client.headers, **self._headers}, base_url
         )

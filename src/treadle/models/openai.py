@@ -27,6 +27,7 @@ from treadle.models._accumulate import (
 from treadle.models._transport import (
     StreamReader,
     check_api_key,
+    check_headers,
     install_log_redaction,
     join_url,
     load_image,
@@ -78,8 +79,10 @@ class OpenAIChatClient(StreamReader[StreamAccumulator]):
             makes such agents use the final-answer tool instead (docs/structured-output.md).
 
     Raises:
-        UsageError: ``base_url`` is not an http(s) URL, a timeout is not positive, or
-            ``api_key`` holds whitespace or a control character (a line break read from a file).
+        UsageError: ``base_url`` is not an http(s) URL a request can go to, a timeout is not
+            positive, ``api_key`` is empty or holds whitespace, a control character or a
+            character outside ASCII (a line break read from a file), or an extra header is
+            not one an HTTP request can carry (docs/models.md, "Connections and headers").
     """
 
     def __init__(
@@ -104,17 +107,19 @@ class OpenAIChatClient(StreamReader[StreamAccumulator]):
         self._url = join_url(base_url, "/chat/completions")
         install_log_redaction()
         self._api_key = check_api_key(api_key)
-        self._owns_client = http_client is None
-        self._client = http_client if http_client is not None else httpx.AsyncClient()
         self._connect_s = connect_timeout_s
         self._first_byte_s = first_byte_timeout_s
         self._idle_s = idle_timeout_s
         self._image_source = image_source
-        self._headers = {
-            "accept": "text/event-stream",
-            "content-type": "application/json",
-            **(extra_headers or {}),
-        }
+        self._headers = check_headers(
+            {
+                "accept": "text/event-stream",
+                "content-type": "application/json",
+                **(extra_headers or {}),
+            }
+        )
+        self._owns_client = http_client is None
+        self._client = http_client if http_client is not None else httpx.AsyncClient()
         self._credentials = credentials_sent(
             self._api_key, {**self._client.headers, **self._headers}, base_url
         )
