@@ -1,12 +1,14 @@
-"""Requests no HTTP message can carry.
+"""Requests no HTTP message can carry, and the connection pool.
 
 A key or header that no request can carry is refused when the client is made; one that got
 past that fails its attempt as a ``bad_request`` that is not retried, never as an interrupt
-or a retried ``connection`` error.
+or a retried ``connection`` error. A client may serve more than 100 concurrent calls.
 """
 
 from __future__ import annotations
 
+import attrs
+import httpx
 import pytest
 import trio
 
@@ -17,6 +19,8 @@ from treadle.models import AnthropicMessagesClient, OpenAIChatClient
 from treadle.stores.memory import MemoryStore
 from treadle.testing.loopback import (
     CannedResponse,
+    RecordedRequest,
+    ResponseWriter,
     canned,
     open_loopback_server,
 )
@@ -152,3 +156,74 @@ async def test_a_run_whose_request_cannot_be_sent_fails_once_and_is_not_interrup
     attempts = [r for r in (await store.read_log("r")).records if isinstance(r, ModelResult)]
     assert len(attempts) == 1
     assert server.requests == []
+
+
+# --------------------------------------------------------------------------- the connection pool
+
+
+CONCURRENT_CALLS = 110
+
+
+async def test_one_client_serves_more_than_a_hundred_concurrent_calls():
+    # httpx's default pool of 100 connections made the 101st call wait, then fail as a
+    # retryable "connect" timeout (PoolTimeout) though no connection was attempted. The
+    # server holds every response until all the calls have arrived.
+    arrived = failed = 0
+    settled = trio.Event()  # every call arrived at the server or failed
+
+    def count(*, arrival: int = 0, failure: int = 0) -> None:
+        nonlocal arrived, failed
+        arrived, failed = arrived + arrival, failed + failure
+        if arrived + failed == CONCURRENT_CALLS:
+            settled.set()
+
+    async def hold_until_settled(request: RecordedRequest, writer: ResponseWriter) -> None:
+        count(arrival=1)
+        await writer.start(200, {"content-type": "text/event-stream"})
+        await settled.wait()
+        await writer.write(OPENAI_DONE)
+        await writer.end()
+
+    outcomes: list[str] = []
+
+    async def call(client: OpenAIChatClient) -> None:
+        try:
+            outcomes.append((await client.complete(REQUEST)).text or "")
+        except ModelCallError as exc:
+            outcomes.append(f"{exc.info.kind}: {exc.info.message}")
+            count(failure=1)
+
+    async with open_loopback_server(stream_handler=hold_until_settled) as server:
+        client = OpenAIChatClient(base_url=server.base_url, connect_timeout_s=2)
+        with trio.fail_after(30):
+            async with client, trio.open_nursery() as nursery:
+                for _ in range(CONCURRENT_CALLS):
+                    nursery.start_soon(call, client)
+    assert outcomes == ["ok"] * CONCURRENT_CALLS
+
+
+async def test_a_given_clients_pool_limit_is_kept_and_waiting_for_it_is_no_connect_timeout():
+    # A given client keeps its own limits: the second call waits for the one connection.
+    # That wait counted as the connect timeout (a retryable "connect: PoolTimeout") though
+    # no connection was attempted; it now counts in the first-byte deadline.
+    connect_s = 0.2
+    reply = attrs.evolve(OPENAI_REPLY, delay_s=connect_s * 5)
+    limits = httpx.Limits(max_connections=1)
+    replies: list[str | None] = []
+    async with (
+        open_loopback_server(canned(reply)) as server,
+        httpx.AsyncClient(limits=limits) as given,
+    ):
+        client = OpenAIChatClient(
+            base_url=server.base_url, http_client=given, connect_timeout_s=connect_s
+        )
+
+        async def call() -> None:
+            replies.append((await client.complete(REQUEST)).text)
+
+        with trio.fail_after(30):
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(call)
+                nursery.start_soon(call)
+    assert replies == ["ok", "ok"]
+    assert len(server.requests) == 2

@@ -130,6 +130,10 @@ class StreamReader(Generic[A]):
     ) -> httpx.Request:
         """The HTTP request of one attempt, its connect timeout ``connect_s`` seconds.
 
+        Only the connect timeout is httpx's: the wait for a connection of the client's pool
+        counts in the first-byte deadline instead, and reads are bounded by the trio scopes
+        (docs/models.md, "Deadlines inside every attempt").
+
         Raises:
             treadle.ModelCallError: ``bad_request``, not retryable: the URL or a header cannot
                 be put into an HTTP request (the constructors refuse such values; this keeps
@@ -141,7 +145,7 @@ class StreamReader(Generic[A]):
                 self._url,
                 content=content,
                 headers=headers,
-                timeout=httpx.Timeout(connect_s, read=None, write=None),
+                timeout=httpx.Timeout(connect_s, read=None, write=None, pool=None),
             )
         except (httpx.InvalidURL, ValueError, TypeError) as exc:
             raise acc.failure("bad_request", self._unsendable(exc)) from exc
@@ -456,6 +460,18 @@ def check_headers(headers: Mapping[str, str]) -> dict[str, str]:
                 "either end"
             )
     return dict(headers)
+
+
+def own_http_client() -> httpx.AsyncClient:
+    """The HTTP client a model client makes when none is given (it closes it in ``aclose``).
+
+    Without httpx's default limit of 100 connections: a client may be shared by any number
+    of concurrent runs, and the 101st call would otherwise wait for a connection and fail
+    (docs/models.md, "Connections and headers"). Up to 20 idle connections are kept alive,
+    as httpx's default keeps them.
+    """
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=20)
+    return httpx.AsyncClient(limits=limits)
 
 
 class _RedactUrlSecrets(logging.Filter):

@@ -29,6 +29,7 @@ from treadle.models._transport import (
     install_log_redaction,
     join_url,
     load_image,
+    own_http_client,
 )
 from treadle.ports import DeltaCallback
 from treadle.types import (
@@ -63,10 +64,12 @@ class AnthropicMessagesClient(StreamReader[MessageAccumulator]):
             appended).
         api_key: sent as ``x-api-key``; when ``None``, read from ``ANTHROPIC_API_KEY`` (and
             no key is sent when that is unset). It never appears in an error or record.
-        http_client: a client to use; the caller keeps ownership and closes it. When ``None``,
-            one is created here and closed by `aclose`.
+        http_client: a client to use, its connection limits kept; the caller keeps ownership
+            and closes it. When ``None``, one without a connection limit is created here and
+            closed by `aclose` (docs/models.md, "Connections and headers").
         connect_timeout_s: seconds to open the TCP/TLS connection.
-        first_byte_timeout_s: seconds from sending the request to the first event.
+        first_byte_timeout_s: seconds from the start of the attempt (a wait for a pooled
+            connection included) to the first event.
         idle_timeout_s: seconds of silence allowed between reads after the first event
             (``ping`` events count as traffic).
         image_source: resolves ``ref:`` image references to bytes, sent as base64 sources
@@ -132,7 +135,7 @@ class AnthropicMessagesClient(StreamReader[MessageAccumulator]):
             }
         )
         self._owns_client = http_client is None
-        self._client = http_client if http_client is not None else httpx.AsyncClient()
+        self._client = http_client if http_client is not None else own_http_client()
         self._credentials = credentials_sent(
             self._api_key, {**self._client.headers, **self._headers}, base_url
         )
