@@ -1,8 +1,9 @@
-"""Requests no HTTP message can carry, and the connection pool.
+"""Requests no HTTP message can carry, user information beside a key, and the connection pool.
 
 A key or header that no request can carry is refused when the client is made; one that got
 past that fails its attempt as a ``bad_request`` that is not retried, never as an interrupt
-or a retried ``connection`` error. A client may serve more than 100 concurrent calls.
+or a retried ``connection`` error. User information in the base URL would replace the
+``Authorization`` header. A client may serve more than 100 concurrent calls.
 """
 
 from __future__ import annotations
@@ -34,6 +35,21 @@ OPENAI_DONE = (
     b"data: [DONE]\n\n"
 )
 OPENAI_REPLY = CannedResponse(headers={"content-type": "text/event-stream"}, chunks=[OPENAI_DONE])
+ANTHROPIC_REPLY = CannedResponse(
+    headers={"content-type": "text/event-stream"},
+    chunks=[
+        b'event: message_start\ndata: {"type":"message_start","message":{"id":"m","usage":'
+        b'{"input_tokens":1,"output_tokens":1}}}\n\n'
+        b'event: content_block_start\ndata: {"type":"content_block_start","index":0,'
+        b'"content_block":{"type":"text","text":""}}\n\n'
+        b'event: content_block_delta\ndata: {"type":"content_block_delta","index":0,'
+        b'"delta":{"type":"text_delta","text":"ok"}}\n\n'
+        b'event: content_block_stop\ndata: {"type":"content_block_stop","index":0}\n\n'
+        b'event: message_delta\ndata: {"type":"message_delta","delta":{"stop_reason":"end_turn"},'
+        b'"usage":{"output_tokens":1}}\n\n'
+        b'event: message_stop\ndata: {"type":"message_stop"}\n\n'
+    ],
+)
 CLIENTS = [OpenAIChatClient, AnthropicMessagesClient]
 
 
@@ -156,6 +172,47 @@ async def test_a_run_whose_request_cannot_be_sent_fails_once_and_is_not_interrup
     attempts = [r for r in (await store.read_log("r")).records if isinstance(r, ModelResult)]
     assert len(attempts) == 1
     assert server.requests == []
+
+
+# --------------------------------------------------------------------------- user information
+
+
+@pytest.mark.parametrize(
+    ("make", "kwargs"),
+    [
+        (OpenAIChatClient, {"api_key": "sk-THE-API-KEY"}),
+        (OpenAIChatClient, {"extra_headers": {"Authorization": "Bearer gw-token-1"}}),
+        (AnthropicMessagesClient, {"extra_headers": {"authorization": "Bearer gw-token-1"}}),
+    ],
+    ids=["openai key", "openai header", "anthropic header"],
+)
+@pytest.mark.parametrize("userinfo", [f"alice:{SECRET}@", "alice@"])
+def test_user_information_beside_an_authorization_header_is_refused(make, kwargs, userinfo):
+    # httpx sent the URL's user:password as "Authorization: Basic", in place of the
+    # key's "Bearer": the key was silently never sent.
+    with pytest.raises(UsageError, match="user information") as refused:
+        make(base_url=f"http://{userinfo}127.0.0.1:9/v1", **kwargs)
+    assert SECRET not in str(refused.value)
+    assert "sk-THE-API-KEY" not in str(refused.value)
+
+
+async def test_user_information_beside_a_given_clients_authorization_is_refused():
+    async with httpx.AsyncClient(headers={"Authorization": "Bearer gw-token-1"}) as given:
+        with pytest.raises(UsageError, match="user information"):
+            OpenAIChatClient(base_url=f"http://alice:{SECRET}@127.0.0.1:9/v1", http_client=given)
+
+
+async def test_anthropic_sends_its_key_beside_the_user_information():
+    # x-api-key is no Authorization header: httpx's Basic auth does not replace it.
+    async with open_loopback_server(canned(ANTHROPIC_REPLY)) as server:
+        base_url = server.base_url.replace("http://", f"http://alice:{SECRET}@")
+        async with AnthropicMessagesClient(base_url=base_url, api_key="sk-ant-key") as client:
+            with trio.fail_after(10):
+                reply = await client.complete(REQUEST)
+    assert reply.text == "ok"
+    sent = server.requests[0]
+    assert sent.header("x-api-key") == "sk-ant-key"
+    assert (sent.header("authorization") or "").startswith("Basic ")
 
 
 # --------------------------------------------------------------------------- the connection pool

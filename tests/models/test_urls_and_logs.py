@@ -90,7 +90,7 @@ async def test_no_log_line_holds_the_password_of_the_base_urls_user_information(
     caplog.set_level(logging.DEBUG)
     async with open_loopback_server(canned(OPENAI_REPLY)) as server:
         userinfo = server.base_url.replace("http://", f"http://proxyuser:{SECRET}@")
-        client = OpenAIChatClient(base_url=f"{userinfo}/v1", api_key="sk-header-key")
+        client = OpenAIChatClient(base_url=f"{userinfo}/v1")
         try:
             with trio.fail_after(10):
                 await client.complete(REQUEST)

@@ -462,6 +462,33 @@ def check_headers(headers: Mapping[str, str]) -> dict[str, str]:
     return dict(headers)
 
 
+def check_userinfo(base_url: str, headers: Mapping[str, str]) -> None:
+    """Refuse user information in ``base_url`` beside an ``Authorization`` header.
+
+    httpx sends a URL's ``user:password@`` as ``Authorization: Basic``, in place of the
+    ``Authorization`` header the request had (an OpenAI ``api_key``'s ``Bearer``, or one of
+    ``headers``), so that key would silently not be sent (docs/models.md, "What goes on the
+    wire").
+
+    Args:
+        base_url: the client's base URL (already checked by
+            `treadle._credentials.check_base_url`).
+        headers: every header the client sends, names in any case.
+
+    Raises:
+        UsageError: both are given. The message quotes neither the password nor the key.
+    """
+    parts = urllib.parse.urlsplit(base_url)
+    if not (parts.username or parts.password):
+        return
+    if any(name.lower() == "authorization" for name in headers):
+        raise UsageError(
+            "base_url holds user information (user:password@), which is sent as an "
+            "Authorization: Basic header in place of the request's own Authorization header "
+            "(the API key's, or one of extra_headers or the http_client's): give only one"
+        )
+
+
 def own_http_client() -> httpx.AsyncClient:
     """The HTTP client a model client makes when none is given (it closes it in ``aclose``).
 

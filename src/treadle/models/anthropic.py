@@ -26,6 +26,7 @@ from treadle.models._transport import (
     StreamReader,
     check_api_key,
     check_headers,
+    check_userinfo,
     install_log_redaction,
     join_url,
     load_image,
@@ -91,8 +92,10 @@ class AnthropicMessagesClient(StreamReader[MessageAccumulator]):
         UsageError: ``base_url`` is not an http(s) URL a request can go to, a timeout is not
             positive, ``default_max_tokens`` is not positive, the API key is empty or holds
             whitespace, a control character or a character outside ASCII (a line break read
-            from a file), or an extra header or ``anthropic_version`` is not one an HTTP
-            request can carry (docs/models.md, "Connections and headers").
+            from a file), an extra header or ``anthropic_version`` is not one an HTTP request
+            can carry, or ``base_url`` holds user information beside an ``Authorization``
+            header (of ``extra_headers`` or ``http_client``), which it would replace
+            (docs/models.md, "Connections and headers", "What goes on the wire").
     """
 
     native_output = False
@@ -134,6 +137,8 @@ class AnthropicMessagesClient(StreamReader[MessageAccumulator]):
                 **(extra_headers or {}),
             }
         )
+        given_headers = http_client.headers if http_client is not None else {}
+        check_userinfo(base_url, {**given_headers, **self._auth_headers()})
         self._owns_client = http_client is None
         self._client = http_client if http_client is not None else own_http_client()
         self._credentials = credentials_sent(
