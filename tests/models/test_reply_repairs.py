@@ -521,3 +521,31 @@ async def test_a_negative_tool_call_index_is_never_the_legacy_calls():
         assert_actions(
             parsed, [("get_weather", {"city": "Oslo"}), ("get_weather", {"city": "Rome"})]
         )
+
+
+async def test_whole_calls_without_index_or_id_in_one_delta_stay_apart():
+    # Some servers send every call whole in one delta's list, without index and id: each entry
+    # is a call of its own (they were merged into one call named "get_weatherlist_airports"
+    # with two argument objects). A later delta's fragment without index or id still
+    # continues the last call.
+    oslo = {"type": "function", "function": {"name": "get_weather", "arguments": '{"city": '}}
+    airports = {"type": "function", "function": {"name": "list_airports", "arguments": "{}"}}
+    rome = {
+        "type": "function",
+        "function": {"name": "get_weather", "arguments": '{"city": "Rome"}'},
+    }
+    chunks = sse(
+        chunk({"role": "assistant", "tool_calls": [rome, airports, oslo]}),
+        chunk({"tool_calls": [{"function": {"arguments": '"Oslo"}'}}]}),
+        chunk(finish="tool_calls"),
+    )
+    parsed = await through_openai(chunks)
+    assert_actions(
+        parsed,
+        [
+            ("get_weather", {"city": "Rome"}),
+            ("list_airports", {}),
+            ("get_weather", {"city": "Oslo"}),
+        ],
+    )
+    assert len({a.id for a in parsed.actions}) == 3

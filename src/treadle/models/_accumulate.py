@@ -322,11 +322,14 @@ class StreamAccumulator:
     """Folds the data payloads of one streamed response into a reply.
 
     Tool-call fragments are routed by ``index``; at one index, a fragment whose non-empty id
-    differs from the id held there starts a new call. A name is set when empty, an identical
-    repeat is ignored, anything else is appended. Empty ids and names never overwrite. Every
-    arguments fragment is appended, the first one included. The legacy ``function_call``
-    delta is one call without an id (one is synthesised), and ``finish_reason:
-    "function_call"`` is reported as ``tool_calls``.
+    differs from the id held there starts a new call. A fragment without a (non-negative)
+    index goes to the call holding its id; without an id either, it continues the last call
+    when it is the first entry of its delta's list, and starts a new call when it follows
+    another entry of that list (each entry of one list is a call of its own). A name is set
+    when empty, an identical repeat is ignored, anything else is appended. Empty ids and
+    names never overwrite. Every arguments fragment is appended, the first one included. The
+    legacy ``function_call`` delta is one call without an id (one is synthesised), and
+    ``finish_reason: "function_call"`` is reported as ``tool_calls``.
 
     Attributes:
         on_delta: receives ``("text" | "reasoning", fragment)`` as fragments arrive.
@@ -516,9 +519,9 @@ class StreamAccumulator:
         refusal = delta.get("refusal")
         if isinstance(refusal, str):  # kept apart from the text, as the official SDK keeps it
             self._refusal = self._append(self._refusal, refusal, "text")
-        for fragment in delta.get("tool_calls") or ():
-            if isinstance(fragment, Mapping):
-                self._add_call_fragment(fragment)
+        fragments = [f for f in delta.get("tool_calls") or () if isinstance(f, Mapping)]
+        for position, fragment in enumerate(fragments):
+            self._add_call_fragment(fragment, first_in_delta=position == 0)
         legacy = delta.get("function_call")
         if isinstance(legacy, Mapping):
             # The legacy single-call form: one call, no id, no index.
@@ -532,7 +535,14 @@ class StreamAccumulator:
                 self.on_delta(channel, fragment)
         return parts
 
-    def _add_call_fragment(self, fragment: Mapping[str, Any], *, legacy: bool = False) -> None:
+    def _add_call_fragment(
+        self, fragment: Mapping[str, Any], *, legacy: bool = False, first_in_delta: bool = True
+    ) -> None:
+        """Fold one entry of a delta's ``tool_calls`` list (or the legacy ``function_call``).
+
+        ``first_in_delta``: the entry is the first of its delta's list; only such an entry
+        without index and id may continue the last call (`_index_without_index`).
+        """
         function = fragment.get("function")
         function = function if isinstance(function, Mapping) else {}
         call_id = _str(fragment.get("id"))
@@ -540,13 +550,15 @@ class StreamAccumulator:
         if arguments is not None and not isinstance(arguments, str):
             arguments = json.dumps(arguments)
         index = _LEGACY_INDEX if legacy else fragment.get("index")
-        buf = self._buffer_for(index, call_id, legacy=legacy)
+        buf = self._buffer_for(index, call_id, legacy=legacy, continues=first_in_delta)
         buf.merge(call_id, _str(function.get("name")), arguments or "")
 
-    def _buffer_for(self, index: Any, call_id: str, *, legacy: bool = False) -> _CallBuffer:
+    def _buffer_for(
+        self, index: Any, call_id: str, *, legacy: bool = False, continues: bool = True
+    ) -> _CallBuffer:
         # a server's index is >= 0 (a negative one is read as none: the legacy call's is -1)
         if not legacy and (not isinstance(index, int) or isinstance(index, bool) or index < 0):
-            index = self._index_without_index(call_id)
+            index = self._index_without_index(call_id, continues=continues)
         held = self._by_index.get(index)
         if held is None or (call_id and held.id and call_id != held.id):
             held = _CallBuffer(index=index)
@@ -554,14 +566,21 @@ class StreamAccumulator:
             self._by_index[index] = held
         return held
 
-    def _index_without_index(self, call_id: str) -> int:
+    def _index_without_index(self, call_id: str, *, continues: bool) -> int:
+        """The index of a fragment that has none: its id's call, else a new or the last call.
+
+        A fragment with an id no call holds starts a new call. One without an id continues
+        the last call (its later fragments, as some servers send them), unless it does not
+        come first in its delta's list (``continues`` false): the entries of one list are
+        separate calls, each at its place (docs/models.md, "Repairs": no call is dropped).
+        """
         calls = [buf for buf in self._calls if buf.index != _LEGACY_INDEX]
         for buf in calls:
             if call_id and buf.id == call_id:
                 return buf.index
         if not calls:
             return 0
-        if call_id:
+        if call_id or not continues:
             return max(buf.index for buf in calls) + 1
         return calls[-1].index
 
