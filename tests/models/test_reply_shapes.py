@@ -117,6 +117,19 @@ async def test_a_stream_under_another_content_type_is_read_as_a_stream(content_t
     assert (reply.text, reply.finish_reason) == ("Hello", "stop")
 
 
+async def test_a_newline_delimited_stream_cut_inside_a_line_is_incomplete_and_retryable():
+    # The body breaks off inside its last line: as for a cut event stream, the attempt is a
+    # retryable incomplete_stream, not a non-retryable invalid_response for the cut JSON.
+    first, second = (json.dumps(chunk({"content": c})).encode() for c in ("Hel", "lo"))
+    body = first + b"\n" + second[:25]
+    failed = await complete(
+        CannedResponse(headers={"content-type": "application/x-ndjson"}, chunks=[body])
+    )
+    assert isinstance(failed, ModelCallError), failed
+    assert (failed.info.kind, failed.info.retryable) == ("incomplete_stream", True)
+    assert failed.partial_text == "Hel"
+
+
 async def test_a_body_that_is_neither_json_nor_a_stream_is_an_invalid_response():
     failed = await complete(CannedResponse(headers={"content-type": "text/html"}, chunks=[b"<h1>"]))
     assert isinstance(failed, ModelCallError) and failed.info.kind == "invalid_response"

@@ -26,6 +26,7 @@ from treadle._credentials import redact_url_secrets as redact_url_secrets
 from treadle._credentials import shown_url
 from treadle._exceptions import ModelCallError, UsageError
 from treadle._text import valid_text
+from treadle.models._accumulate import loads_event
 from treadle.models._sse import SSEDecodeError, SSEDecoder, SSEEvent
 from treadle.types import Attempt, ImageRef, ImageSource, ModelReply, Usage
 
@@ -652,7 +653,14 @@ async def _chained(first: list[bytes], rest: AsyncIterator[bytes]) -> AsyncItera
 
 
 async def as_sse(chunks: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
-    """Newline-delimited JSON as server-sent events: each non-empty line one ``data`` event."""
+    """Newline-delimited JSON as server-sent events: each non-empty line one ``data`` event.
+
+    A last line the body ends without a newline is an event when it is whole JSON; otherwise
+    the body broke off inside it, and it is passed on as an event never ended (a ``data``
+    field without the empty line that dispatches it), which the SSE decoder discards and
+    reports at the end, as for a cut event stream: a retryable ``incomplete_stream``
+    (docs/models.md, "Errors and retryability"), not an ``invalid_response``.
+    """
     pending = b""
     async for chunk in chunks:
         pending += chunk
@@ -660,8 +668,20 @@ async def as_sse(chunks: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
         out = b"".join(b"data: " + line.strip() + b"\n\n" for line in lines if line.strip())
         if out:
             yield out
-    if pending.strip():
-        yield b"data: " + pending.strip() + b"\n\n"
+    last = pending.strip()
+    if last:
+        yield b"data: " + last + (b"\n\n" if _whole_line(last) else b"\n")
+
+
+def _whole_line(line: bytes) -> bool:
+    """Whether an NDJSON line that no newline ended is whole: JSON, or the ``[DONE]`` marker."""
+    if line == b"[DONE]":
+        return True
+    try:
+        loads_event(line.decode("utf-8", "replace"))
+    except ValueError:
+        return False
+    return True
 
 
 def decode_chunk(decoder: SSEDecoder, chunk: bytes, acc: Accumulator) -> list[SSEEvent]:
