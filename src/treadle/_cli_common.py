@@ -42,7 +42,9 @@ from treadle.types import (
     DefinitionAccepted,
     Event,
     Liveness,
+    ModelErrorInfo,
     ModelIntent,
+    ModelReply,
     ModelResult,
     Record,
     RunFinished,
@@ -589,8 +591,7 @@ def _describe(record: Record) -> tuple[str, str]:
     ending = f"{record.state.value} ({record.stop_reason.value})"
     failure = record.model_error
     if failure is not None:
-        status = f" HTTP {failure.status}" if failure.status is not None else ""
-        ending += clip(f": {failure.kind}{status} {failure.message}".rstrip())
+        ending += clip(f": {failure.kind} {_with_status(failure)}".rstrip())
     shown = [ending, counted(record.totals.steps, "step"), *undelivered]
     unknown = record.totals.unknown_usage_attempts
     if unknown and record.stop_reason is StopReason.TOKEN_BUDGET:  # docs/decisions/0114
@@ -598,6 +599,20 @@ def _describe(record: Record) -> tuple[str, str]:
     if record.output is not None:
         shown.append("output " + json.dumps(record.output, ensure_ascii=False))
     return "run finished", ", ".join(shown)
+
+
+def _with_status(failure: ModelErrorInfo) -> str:
+    """A model failure's message with its HTTP status: ``HTTP 500: boom``, said once.
+
+    The clients' messages for a status start with it already (``HTTP 500: ...``); a
+    message that does not gets it in front.
+    """
+    if failure.status is None:
+        return failure.message
+    status = f"HTTP {failure.status}"
+    if failure.message == status or failure.message.startswith(status + ":"):
+        return failure.message
+    return f"{status} {failure.message}".rstrip()
 
 
 def call_text(request: ApprovalRequested) -> str:
@@ -690,7 +705,12 @@ def context_detail(record: ModelResult) -> str:
 
 
 def model_detail(record: ModelResult) -> str:
-    """A model-call result in one line: text, called tools, usage, or the error."""
+    """A model-call result in one line: text, refusal, tools, finish reason, usage, or error.
+
+    The finish reason is shown when it is not the ordinary ``stop`` or ``tool_calls``, with
+    the server's own value: ``finish content_filter (refusal)`` (docs/models.md, "Replies,
+    finish reasons, reasoning").
+    """
     usage = record.usage
     tokens = ""
     if usage.input_tokens is not None or usage.output_tokens is not None:
@@ -716,7 +736,23 @@ def model_detail(record: ModelResult) -> str:
         text = f"{text} refused: {reply.refusal}".strip()
     calls = ", ".join(c.name for c in reply.tool_calls) if reply else ""
     called = f"{mark('→')} {calls}" if calls else ""
-    return clip(f"{text} {called}".strip()) + tokens
+    shown = f"{text} {called}".strip()
+    finish = _unusual_finish(reply)
+    if finish:
+        shown = f"{shown} {mark('·')} {finish}" if shown else finish
+    return clip(shown) + tokens
+
+
+def _unusual_finish(reply: ModelReply | None) -> str:
+    """``finish length (max_tokens)``: a reply's unusual finish reason, or ``""``.
+
+    ``""`` for ``stop``, ``tool_calls`` and none; the server's own value is in parentheses
+    when it differs from the standard one.
+    """
+    if reply is None or reply.finish_reason in (None, "stop", "tool_calls"):
+        return ""
+    own = f" ({reply.provider_finish_reason})" if reply.provider_finish_reason else ""
+    return f"finish {reply.finish_reason}{own}"
 
 
 def event_json(event: Event) -> dict[str, Any]:

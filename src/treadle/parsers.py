@@ -85,7 +85,8 @@ INVALID_MARKUP: Final = "invalid_tool_call_markup"
 EMPTY_REPLY: Final = "empty_reply"
 """Invalid-decision reason: neither visible text nor a tool call."""
 REFUSAL: Final = "refusal"
-"""Final-answer reason: the model refused (``ModelReply.refusal``), as the provider said."""
+"""Final-answer reason: the model refused (``ModelReply.refusal``), or the provider stopped
+its reply (finish reason ``content_filter``: Anthropic ``refusal``, ``SAFETY`` ...)."""
 TRUNCATED: Final = "truncated"
 """Invalid-decision reason: the output token limit cut a call (or the whole reply) short."""
 NON_FINITE_NUMBER: Final = "non_finite_number"
@@ -177,9 +178,13 @@ def _read_from_text(parsed: ParsedReply) -> bool:
 
 
 def _refused(reply: ModelReply) -> bool:
-    """A refusal without any tool call (a call beside a refusal is parsed as a call)."""
+    """A refusal without any tool call (a call beside a refusal is parsed as a call).
+
+    A refusal is a refusal text, or a reply the provider stopped: finish reason
+    ``content_filter`` (docs/models.md, "Replies, finish reasons, reasoning").
+    """
     return (
-        _visible(reply.refusal) is not None
+        (_visible(reply.refusal) is not None or reply.finish_reason == "content_filter")
         and not reply.tool_calls
         and not reply.invalid_tool_calls
     )
@@ -188,10 +193,18 @@ def _refused(reply: ModelReply) -> bool:
 def _refusal(reply: ModelReply) -> ParsedReply:
     """The decision on a refusal: the final answer, marked ``reason="refusal"``.
 
-    The answer is the visible text when there is any, else the refusal's text; history keeps
-    it as the assistant's content, so the model sees what it said.
+    The answer is the visible text when there is any, else the refusal's text. Of a reply
+    the provider stopped (``content_filter``), the text is what came before the stop, no
+    answer: the answer is then the refusal's text, or else a note naming the provider's
+    finish reason. History keeps the answer as the assistant's content, so the model sees
+    what it said, and never the text the provider stopped.
     """
-    text = _visible(reply.text) or reply.refusal
+    text: str | None
+    if reply.finish_reason == "content_filter":
+        reason = reply.provider_finish_reason or reply.finish_reason
+        text = _visible(reply.refusal) or f"No answer: the provider stopped the reply ({reason})."
+    else:
+        text = _visible(reply.text) or reply.refusal
     return ParsedReply(
         kind=DecisionKind.FINAL_ANSWER,
         text=text,
@@ -423,8 +436,9 @@ class NativeToolCallParser:
        whose ``name`` is a declared tool and whose ``arguments`` (or ``parameters``) is an
        object -> ACTIONS with one call, repair ``tool_call_from_content``;
     5. text -> FINAL_ANSWER, or, with ``text_reply_tool``, an action calling that tool with
-       ``{"content": text}`` and call id ``""``; a refusal (``ModelReply.refusal``, no call)
-       -> FINAL_ANSWER with reason ``refusal``;
+       ``{"content": text}`` and call id ``""``; a refusal (``ModelReply.refusal``, or a
+       reply the provider stopped with ``content_filter``; no call) -> FINAL_ANSWER with
+       reason ``refusal``, checked first;
     6. nothing (no calls, empty or whitespace text) -> INVALID ``empty_reply`` (``truncated``
        when the output limit ended the reply).
 
@@ -579,7 +593,8 @@ class JsonToolCallParser:
     ``arguments``) -> INVALID with the parse error; other text -> FINAL_ANSWER (an answer
     may be JSON data); empty text -> INVALID ``empty_reply``. The history message is the
     reply's text as written, without native tool calls. A reply that has native tool calls
-    after all is parsed as `NativeToolCallParser` would.
+    after all, or is a refusal (a refusal text, or finish reason ``content_filter``), is
+    parsed as `NativeToolCallParser` would.
     """
 
     def __init__(self) -> None:

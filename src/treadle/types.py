@@ -392,8 +392,10 @@ class ModelReply:
             reasoning"), ``None`` when the server sent none.
         usage: as reported; all ``None`` when the server did not say.
         response_id: the provider's response id, when given.
-        refusal: the model's refusal text (OpenAI ``delta.refusal``), kept apart from the
-            visible text as the official SDK keeps it; ``None`` when it did not refuse.
+        refusal: the model's refusal text (OpenAI ``delta.refusal``, the ``explanation`` of
+            Anthropic's ``stop_details``), kept apart from the visible text as the official
+            SDK keeps it; ``None`` when none came (a reply the provider stopped,
+            ``content_filter``, is a refusal without one too).
         provider_finish_reason: the server's own finish reason when it is not the standard
             value ``finish_reason`` holds (``end_turn``, ``MAX_TOKENS``, ``eos`` ...); ``None``
             when the server sent a standard one.

@@ -13,7 +13,7 @@ import json
 
 import pytest
 import trio
-from test_anthropic_events import MESSAGE_STOP, event, message_start
+from test_anthropic_events import MESSAGE_STOP, block_start, event, message_delta, message_start
 from test_anthropic_events import SSE as ANTHROPIC_SSE
 
 from treadle._exceptions import ModelCallError
@@ -23,7 +23,7 @@ from treadle.parsers import REFUSAL, JsonToolCallParser, NativeToolCallParser
 from treadle.supervisors import run
 from treadle.testing.loopback import CannedResponse, canned, open_loopback_server
 from treadle.tools import Toolbox, tool
-from treadle.types import DecisionKind, Message, ModelRequest, StopReason
+from treadle.types import DecisionKind, Limits, Message, ModelRequest, StopReason
 
 SSE = {"content-type": "text/event-stream"}
 REQUEST = ModelRequest(messages=(Message(role="user", content="hi"),), model="m")
@@ -220,6 +220,123 @@ async def test_a_refusal_through_a_run_is_recorded_and_shown(tmp_path):
         lambda: CliRunner().invoke(main, ["show", "r", "--store", db], env={"COLUMNS": "200"})
     )
     assert "refused: I can't help with that." in shown.output
+
+
+def anthropic_refusal(text: str | None = None, explanation: str | None = None) -> list[bytes]:
+    """A message Anthropic's classifiers stopped: ``stop_reason: "refusal"``, after ``text``."""
+    body = [message_start()]
+    if text is not None:
+        body.append(block_start(0, {"type": "text", "text": text}))
+    if explanation is None:
+        body.append(message_delta("refusal", output_tokens=5))
+    else:
+        details = {"type": "refusal", "category": "cyber", "explanation": explanation}
+        stop = {"stop_reason": "refusal", "stop_sequence": None, "stop_details": details}
+        body.append(event({"type": "message_delta", "delta": stop, "usage": {"output_tokens": 5}}))
+    return [*body, MESSAGE_STOP]
+
+
+STOPPED = [
+    (CannedResponse(headers=ANTHROPIC_SSE, chunks=anthropic_refusal()), "refusal"),
+    (CannedResponse(headers=ANTHROPIC_SSE, chunks=anthropic_refusal("Sure, step one is")), "refusal"),
+    (CannedResponse(headers=SSE, chunks=[data(chunk({"content": ""}), chunk({}, "content_filter"),
+                                              "[DONE]")]), "content_filter"),
+    (CannedResponse(headers=SSE, chunks=[data(chunk({"content": "Here is how to"}),
+                                              chunk({}, "content_filter"), "[DONE]")]),
+     "content_filter"),
+    (CannedResponse(headers=SSE, chunks=[data(chunk({"content": "Das ist"}, "SAFETY"), "[DONE]")]),
+     "SAFETY"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("response", "said"), STOPPED)
+async def test_a_reply_the_provider_stopped_is_a_refusal_not_an_answer_or_an_empty_reply(
+    response, said
+):
+    # Anthropic's stop_reason "refusal" and a content_filter finish: the text before the stop
+    # is no answer, and an empty one is no empty reply to ask again for (and pay again).
+    client_type = OpenAIChatClient if response.headers is SSE else AnthropicMessagesClient
+    reply = await complete(response, client_type)
+    assert reply.finish_reason == "content_filter"
+    for parser in (NativeToolCallParser(), JsonToolCallParser()):
+        parsed = parser.parse(reply, ())
+        assert (parsed.kind, parsed.reason) == (DecisionKind.FINAL_ANSWER, REFUSAL)
+        assert parsed.text == f"No answer: the provider stopped the reply ({said})."
+        assert parsed.history_message.content == parsed.text
+
+
+async def test_an_anthropic_refusal_explanation_is_the_refusal():
+    explanation = "This request was declined because it could enable cyber harm."
+    response = CannedResponse(
+        headers=ANTHROPIC_SSE, chunks=anthropic_refusal("Hello..", explanation=explanation)
+    )
+    reply = await complete(response, AnthropicMessagesClient)
+    assert (reply.text, reply.refusal) == ("Hello..", explanation)
+    assert (reply.finish_reason, reply.provider_finish_reason) == ("content_filter", "refusal")
+    parsed = NativeToolCallParser().parse(reply, ())
+    assert (parsed.kind, parsed.reason, parsed.text) == (
+        DecisionKind.FINAL_ANSWER,
+        REFUSAL,
+        explanation,
+    )
+
+
+async def test_an_anthropic_refusal_through_a_run_is_one_call_and_shown(tmp_path):
+    from click.testing import CliRunner
+
+    from treadle.cli import main
+    from treadle.stores.sqlite import open_sqlite_store
+
+    db = str(tmp_path / "runs.db")
+    refused = CannedResponse(headers=ANTHROPIC_SSE, chunks=anthropic_refusal("Sure, step one is"))
+    async with (
+        open_loopback_server(canned(refused)) as server,
+        AnthropicMessagesClient(base_url=server.base_url, api_key="sk-test") as model,
+    ):
+        agent = Agent(model=model, executor=Toolbox([]), parser=NativeToolCallParser())
+        async with open_sqlite_store(db) as store:
+            with trio.fail_after(20):
+                result = await run(agent, "do something bad", store=store, run_id="r")
+    assert len(server.requests) == 1  # not asked for again as an empty reply
+    assert result.stop_reason is StopReason.FINAL_ANSWER
+    assert result.final_answer == "No answer: the provider stopped the reply (refusal)."
+    shown = await trio.to_thread.run_sync(
+        lambda: CliRunner().invoke(main, ["show", "r", "--store", db], env={"COLUMNS": "200"})
+    )
+    assert "Sure, step one is · finish content_filter (refusal) [25 in / 5 out tokens]" in (
+        shown.output
+    )
+
+
+async def test_a_failed_model_call_shows_its_http_status_once(tmp_path):
+    from click.testing import CliRunner
+
+    from treadle.cli import main
+    from treadle.stores.sqlite import open_sqlite_store
+
+    db = str(tmp_path / "runs.db")
+    boom = json.dumps({"error": {"message": "boom"}}).encode()
+    failing = CannedResponse(
+        status=500, headers={"content-type": "application/json"}, chunks=[boom]
+    )
+    async with (
+        open_loopback_server(canned(failing)) as server,
+        OpenAIChatClient(base_url=server.base_url + "/v1") as model,
+    ):
+        agent = Agent(
+            model=model,
+            executor=Toolbox([]),
+            parser=NativeToolCallParser(),
+            limits=Limits(max_model_retries=0),
+        )
+        async with open_sqlite_store(db) as store:
+            with trio.fail_after(20):
+                result = await run(agent, "hi", store=store, run_id="r")
+    assert result.stop_reason is StopReason.MODEL_ERROR
+    shown = await trio.to_thread.run_sync(
+        lambda: CliRunner().invoke(main, ["show", "r", "--store", db], env={"COLUMNS": "200"})
+    )
+    assert "failed (model_error): server_error HTTP 500: boom, 1 step" in shown.output
 
 
 # --------------------------------------------------------------------------- waits

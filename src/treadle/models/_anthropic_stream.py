@@ -146,6 +146,8 @@ class MessageAccumulator:
         done: true once ``message_stop`` was seen; later events are ignored.
         events: events seen (``ping`` included).
         stop_reason: Anthropic's ``stop_reason``, once ``message_delta`` gave it.
+        refusal: the ``explanation`` of a ``stop_details`` of type ``refusal`` (given beside
+            ``stop_reason: "refusal"``), the reply's refusal text; ``None`` when none came.
         usage: the usage reported so far; replaced (never mutated) on every report.
     """
 
@@ -155,6 +157,7 @@ class MessageAccumulator:
     events: int = 0
     message_id: str | None = None
     stop_reason: str | None = None
+    refusal: str | None = None
     usage: Usage = Usage()
     _blocks: dict[int, _Block] = attrs.Factory(dict)
 
@@ -217,7 +220,8 @@ class MessageAccumulator:
                 self._block_start({"index": index, "content_block": block})
                 if block.get("type") == "tool_use":  # a whole input, as one fragment
                     self._blocks[index].parts.append(json.dumps(block.get("input")))
-        self._message_delta({"delta": {"stop_reason": payload.get("stop_reason")}})
+        stop = {key: payload.get(key) for key in ("stop_reason", "stop_details")}
+        self._message_delta({"delta": stop})
         self.done = True
         return self.reply()
 
@@ -233,6 +237,10 @@ class MessageAccumulator:
 
     def reply(self) -> ModelReply:
         """The assembled reply.
+
+        ``stop_reason: "refusal"`` is finish reason ``content_filter``, which the parsers
+        decide as a refusal, with the ``stop_details`` explanation as ``refusal`` when one
+        came (docs/models.md, "Replies, finish reasons, reasoning").
 
         A ``tool_use`` block whose input is not a JSON object goes to ``invalid_tool_calls``
         with its raw text: reason ``truncated`` when the reply was cut by ``max_tokens``, else
@@ -287,6 +295,7 @@ class MessageAccumulator:
             finish_reason=finish,
             usage=self.usage,
             response_id=self.message_id,
+            refusal=self.refusal,
             provider_finish_reason=(
                 self.stop_reason
                 if self.stop_reason is not None and self.stop_reason != finish
@@ -352,6 +361,10 @@ class MessageAccumulator:
         delta = payload.get("delta")
         if isinstance(delta, Mapping) and isinstance(delta.get("stop_reason"), str):
             self.stop_reason = delta["stop_reason"]
+        details = delta.get("stop_details") if isinstance(delta, Mapping) else None
+        if isinstance(details, Mapping) and details.get("type") == "refusal":
+            explanation = details.get("explanation")
+            self.refusal = explanation if isinstance(explanation, str) and explanation else None
         if payload.get("usage") is not None:
             self.usage = usage_from(payload["usage"], self.usage)
 
