@@ -84,6 +84,19 @@ class RunState(enum.StrEnum):
         return self in (RunState.SUCCEEDED, RunState.FAILED, RunState.CANCELLED)
 
 
+def final_state(reason: StopReason) -> RunState:
+    """The state a run ends in for ``reason`` (docs/concepts.md, "Stop reasons").
+
+    `succeeded` for `SUCCESS_STOP_REASONS`, `cancelled` for `cancelled`, `failed` for every
+    other.
+    """
+    if reason in SUCCESS_STOP_REASONS:
+        return RunState.SUCCEEDED
+    if reason is StopReason.CANCELLED:
+        return RunState.CANCELLED
+    return RunState.FAILED
+
+
 class ActionStatus(enum.StrEnum):
     """What happened to an action (docs/seams.md, "Action executor").
 

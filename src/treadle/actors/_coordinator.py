@@ -60,7 +60,6 @@ from treadle.parsers import refuse_non_finite
 from treadle.ports import DecisionParser
 from treadle.redaction import NO_REDACTION, Redaction
 from treadle.types import (
-    SUCCESS_STOP_REASONS,
     ActionIntent,
     ActionOutcome,
     ActionResult,
@@ -88,6 +87,7 @@ from treadle.types import (
     SyntheticObservations,
     ToolCall,
     ToolSpec,
+    final_state,
 )
 
 
@@ -1032,7 +1032,7 @@ class RunCoordinator:
             )
             await self.writer.barrier(StoreOp.CONTROL, cancel)
             self.view.apply(cancel)
-        state = _final_state(reason)
+        state = final_state(reason)
         record = RunFinished(
             run_id=self.run_id,
             ts=self.clock.now_iso(),
@@ -1060,14 +1060,6 @@ _CUT_KINDS = frozenset(
     {StopReason.CANCELLED.value, StopReason.TIME_BUDGET.value, StopReason.TOKEN_BUDGET.value}
 )
 """Error kinds of attempts cut by the run itself, not failed by the provider."""
-
-
-def _final_state(reason: StopReason) -> RunState:
-    if reason in SUCCESS_STOP_REASONS:
-        return RunState.SUCCEEDED
-    if reason is StopReason.CANCELLED:
-        return RunState.CANCELLED
-    return RunState.FAILED
 
 
 Q = TypeVar("Q")

@@ -11,16 +11,15 @@ import math
 from collections.abc import Sequence
 
 from treadle.types import (
-    SUCCESS_STOP_REASONS,
     CancelRequested,
     DecisionKind,
     DefinitionAccepted,
     Record,
     RunFinished,
     RunLog,
-    RunState,
     StepRecord,
     StopReason,
+    final_state,
 )
 
 ACTIVE_S_TOLERANCE = 1e-6
@@ -75,17 +74,8 @@ def check_run_finished(log: RunLog) -> list[str]:
     return problems
 
 
-def _state_of(reason: StopReason) -> RunState:
-    """The final state of a stop reason (docs/concepts.md, "Stop reasons")."""
-    if reason in SUCCESS_STOP_REASONS:
-        return RunState.SUCCEEDED
-    if reason is StopReason.CANCELLED:
-        return RunState.CANCELLED
-    return RunState.FAILED
-
-
 def _state_of_its_reason(run_id: str, finished: RunFinished) -> list[str]:
-    expected = _state_of(finished.stop_reason)
+    expected = final_state(finished.stop_reason)
     if finished.state is expected:
         return []
     return [
