@@ -1490,7 +1490,8 @@ async def test_a_run_stream_outlasts_postgresql_dropping_the_consoles_connection
 ):
     """The repro of the dropped connection over a real server: an administrator ends every
     connection of the console's store (``pg_terminate_backend``, as a failover does) while a
-    page streams a run; the stream says so, reads again on a new connection and goes on."""
+    page streams a run; the stream goes on to the run's end on new connections, nothing
+    missed, nothing sent twice."""
     import psycopg
 
     from treadle.stores.postgres import open_postgres_store
@@ -1546,7 +1547,10 @@ async def test_a_run_stream_outlasts_postgresql_dropping_the_consoles_connection
     events = sse(streams[0].text)
     kinds = [e["event"] for e in events]
     assert "unreadable" not in kinds and kinds[-1] == "finished", events
+    # The store reads again on a new connection itself (docs/fleet.md, "What each crash
+    # does"); a read that failed all the same is said and tried again by the stream.
     retrying = [json.loads(e["data"])["message"] for e in events if e["event"] == "retrying"]
-    assert retrying and all("terminating connection" in said for said in retrying), retrying
-    assert kinds.index("recovered") > kinds.index("retrying")
+    assert all("terminating connection" in said for said in retrying), retrying
+    if retrying:
+        assert kinds.index("recovered") > kinds.index("retrying")
     assert [int(e["id"]) for e in events if e["event"] == "record"] == [1, 2, 3]
