@@ -10,6 +10,9 @@ not been made. A reply that crossed the token budget is acted on neither live no
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Literal
+
 import attrs
 import pytest
 import trio
@@ -77,27 +80,18 @@ async def test_a_crash_at_every_write_resumes_to_the_uninterrupted_end(case):
     live = await treadle.run(_agent(budgets, failures), "go", store=counting, run_id="r")
     assert live.stop_reason is expected
     baseline = await counting.inner.read_log("r")
-    for at in range(1, counting.writes + 1):
-        for when in ("before", "after"):
-            point = f"{case}: crash {when} write {at}"
-            store = treadle.MemoryStore()
-            dying = CrashingStore(inner=store, crash_at=at, when=when)
-            with pytest.raises((treadle.RunInterrupted, SimulatedCrash)):
-                await treadle.run(_agent(budgets, failures), "go", store=dying, run_id="r")
-            with trio.fail_after(30):
-                resumed = await treadle.run(
-                    _agent(budgets, failures), "go", store=store, run_id="r"
-                )
-            log = await store.read_log("r")
-            assert check_invariants(log) == [], point
-            if _abandoned(log) and live.totals.model_attempts == budgets.max_model_attempts:
-                # the live run used every attempt allowed, and the one whose outcome the
-                # crash lost counts too (docs/concepts.md, "Budgets")
-                assert resumed.stop_reason is StopReason.MAX_MODEL_ATTEMPTS, point
-                continue
-            assert resumed.stop_reason is expected, point
-            assert resumed.final_answer == live.final_answer, point
-            assert compare_trajectories(log, baseline) == [], point
+    for at, when in _crash_points(counting.writes):
+        point = f"{case}: crash {when} write {at}"
+        resumed, log = await _crashed_and_resumed(lambda: _agent(budgets, failures), at, when)
+        assert check_invariants(log) == [], point
+        if _abandoned(log) and live.totals.model_attempts == budgets.max_model_attempts:
+            # the live run used every attempt allowed, and the one whose outcome the
+            # crash lost counts too (docs/concepts.md, "Budgets")
+            assert resumed.stop_reason is StopReason.MAX_MODEL_ATTEMPTS, point
+            continue
+        assert resumed.stop_reason is expected, point
+        assert resumed.final_answer == live.final_answer, point
+        assert compare_trajectories(log, baseline) == [], point
 
 
 async def test_a_reply_reporting_no_usage_is_not_acted_on_after_a_crash_either():
@@ -114,19 +108,32 @@ async def test_a_reply_reporting_no_usage_is_not_acted_on_after_a_crash_either()
     counting = CrashingStore(inner=treadle.MemoryStore(), crash_at=10**9)
     live = await treadle.run(agent(), "go", store=counting, run_id="r")
     assert live.stop_reason is StopReason.TOKEN_BUDGET
-    for at in range(1, counting.writes + 1):
-        for when in ("before", "after"):
-            point = f"crash {when} write {at}"
-            store = treadle.MemoryStore()
-            dying = CrashingStore(inner=store, crash_at=at, when=when)
-            with pytest.raises((treadle.RunInterrupted, SimulatedCrash)):
-                await treadle.run(agent(), "go", store=dying, run_id="r")
-            with trio.fail_after(30):
-                resumed = await treadle.run(agent(), "go", store=store, run_id="r")
-            log = await store.read_log("r")
-            assert resumed.stop_reason is StopReason.TOKEN_BUDGET, point
-            assert not [r for r in log.records if isinstance(r, ActionResult)], point
-            assert check_invariants(log, budgets=Budgets(token_budget=1000)) == [], point
+    for at, when in _crash_points(counting.writes):
+        point = f"crash {when} write {at}"
+        resumed, log = await _crashed_and_resumed(agent, at, when)
+        assert resumed.stop_reason is StopReason.TOKEN_BUDGET, point
+        assert not [r for r in log.records if isinstance(r, ActionResult)], point
+        assert check_invariants(log, budgets=Budgets(token_budget=1000)) == [], point
+
+
+def _crash_points(writes: int) -> list[tuple[int, Literal["before", "after"]]]:
+    """Every store write of a run of ``writes`` writes, crashed before and after it."""
+    whens: tuple[Literal["before", "after"], ...] = ("before", "after")
+    return [(at, when) for at in range(1, writes + 1) for when in whens]
+
+
+async def _crashed_and_resumed(
+    agent: Callable[[], treadle.Agent], at: int, when: Literal["before", "after"]
+) -> tuple[treadle.RunResult, RunLog]:
+    """Run ``agent()`` until it crashes at write ``at`` (``when``), then resume it in a new
+    drive on the same memory store: what the resumed drive returns, and the log."""
+    store = treadle.MemoryStore()
+    dying = CrashingStore(inner=store, crash_at=at, when=when)
+    with pytest.raises((treadle.RunInterrupted, SimulatedCrash)):
+        await treadle.run(agent(), "go", store=dying, run_id="r")
+    with trio.fail_after(30):
+        resumed = await treadle.run(agent(), "go", store=store, run_id="r")
+    return resumed, await store.read_log("r")
 
 
 def _abandoned(log: RunLog) -> bool:
