@@ -3,6 +3,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import json
+from collections.abc import AsyncIterator
 from typing import Any
 
 import attrs
@@ -22,7 +23,7 @@ from treadle.approvals import (
     request_cancel,
 )
 from treadle.stores.memory import MemoryStore
-from treadle.supervisors import open_run
+from treadle.supervisors import RunHandle, open_run
 from treadle.supervisors import run as treadle_run
 from treadle.testing.scripted import ScriptedModel, call, say
 from treadle.tools import Toolbox, tool
@@ -1178,13 +1179,12 @@ async def test_an_expiry_in_the_control_stream_is_applied_on_resume(kind, tmp_pa
     assert tools.executed == []
 
 
-@pytest.mark.parametrize("parked", [False, True], ids=["driven", "parked"])
-async def test_a_cancel_stored_before_a_handle_decision_is_taken_wins(parked, autojump_clock):
-    """`request_cancel` returned (the cancel durable), then `handle.approve()`: the run reads
-    its control stream before it takes the handle's decision, so the cancel wins, parked or
-    driven: the decision is never recorded, the call never runs, the run ends cancelled."""
-    agent, tools, _ = make([call("add", a=1, b=2, call_id="c1"), say("3")])
-    store = MemoryStore()
+@contextlib.asynccontextmanager
+async def _waiting_on_add(
+    agent: Agent, store: MemoryStore, *, parked: bool
+) -> AsyncIterator[RunHandle]:
+    """Run ``r`` of ``agent`` on ``store``, handed over once it waits for approval of
+    ``add`` (parked first when ``parked``; control read every 0.5 s)."""
     async with open_run(
         agent,
         "x",
@@ -1198,6 +1198,17 @@ async def test_a_cancel_stored_before_a_handle_decision_is_taken_wins(parked, au
         if parked:
             with trio.fail_after(60):
                 assert await handle.wait_parked()
+        yield handle
+
+
+@pytest.mark.parametrize("parked", [False, True], ids=["driven", "parked"])
+async def test_a_cancel_stored_before_a_handle_decision_is_taken_wins(parked, autojump_clock):
+    """`request_cancel` returned (the cancel durable), then `handle.approve()`: the run reads
+    its control stream before it takes the handle's decision, so the cancel wins, parked or
+    driven: the decision is never recorded, the call never runs, the run ends cancelled."""
+    agent, tools, _ = make([call("add", a=1, b=2, call_id="c1"), say("3")])
+    store = MemoryStore()
+    async with _waiting_on_add(agent, store, parked=parked) as handle:
         await request_cancel(store, "r", reason="stop", canceller="ops")
         handle.approve()
         with trio.fail_after(60):
@@ -1221,19 +1232,7 @@ async def test_a_cancel_stored_after_a_handle_decision_was_taken_does_not_undo_i
     model = ScriptedModel(turns=[call("add", a=1, b=2, call_id="c1"), say("3")], latency_s=2.0)
     agent = Agent(model=model, executor=tools, parser=SimpleParser())
     store = MemoryStore()
-    async with open_run(
-        agent,
-        "x",
-        store=store,
-        run_id="r",
-        approval_policy=only_add,
-        control_poll_s=0.5,
-        park_after_s=5.0 if parked else None,
-    ) as handle:
-        await wait_for_state(handle, RunState.AWAITING_APPROVAL)
-        if parked:
-            with trio.fail_after(60):
-                assert await handle.wait_parked()
+    async with _waiting_on_add(agent, store, parked=parked) as handle:
         handle.approve()
         with trio.fail_after(60):
             async with contextlib.aclosing(handle.events()) as events:
