@@ -12,6 +12,7 @@ import attrs
 import httpx
 import pytest
 import trio
+from tests.fixtures.canned_replies import ANTHROPIC_REPLY, OPENAI_DONE, OPENAI_REPLY
 
 import treadle
 from treadle import UsageError
@@ -19,7 +20,6 @@ from treadle._exceptions import ModelCallError
 from treadle.models import AnthropicMessagesClient, OpenAIChatClient
 from treadle.stores.memory import MemoryStore
 from treadle.testing.loopback import (
-    CannedResponse,
     RecordedRequest,
     ResponseWriter,
     canned,
@@ -29,27 +29,6 @@ from treadle.types import Budgets, Message, ModelRequest, ModelResult, StopReaso
 
 SECRET = "pw-SECRET-12345"
 REQUEST = ModelRequest(messages=(Message(role="user", content="hi"),), model="m")
-OPENAI_DONE = (
-    b'data: {"id":"c","choices":[{"index":0,"delta":{"content":"ok"}}]}\n\n'
-    b'data: {"id":"c","choices":[{"index":0,"delta":{},"finish_reason":"stop"}]}\n\n'
-    b"data: [DONE]\n\n"
-)
-OPENAI_REPLY = CannedResponse(headers={"content-type": "text/event-stream"}, chunks=[OPENAI_DONE])
-ANTHROPIC_REPLY = CannedResponse(
-    headers={"content-type": "text/event-stream"},
-    chunks=[
-        b'event: message_start\ndata: {"type":"message_start","message":{"id":"m","usage":'
-        b'{"input_tokens":1,"output_tokens":1}}}\n\n'
-        b'event: content_block_start\ndata: {"type":"content_block_start","index":0,'
-        b'"content_block":{"type":"text","text":""}}\n\n'
-        b'event: content_block_delta\ndata: {"type":"content_block_delta","index":0,'
-        b'"delta":{"type":"text_delta","text":"ok"}}\n\n'
-        b'event: content_block_stop\ndata: {"type":"content_block_stop","index":0}\n\n'
-        b'event: message_delta\ndata: {"type":"message_delta","delta":{"stop_reason":"end_turn"},'
-        b'"usage":{"output_tokens":1}}\n\n'
-        b'event: message_stop\ndata: {"type":"message_stop"}\n\n'
-    ],
-)
 CLIENTS = [OpenAIChatClient, AnthropicMessagesClient]
 
 

@@ -2,47 +2,18 @@
 
 from __future__ import annotations
 
-import json
 import logging
 
 import pytest
 import trio
+from tests.fixtures.canned_replies import ANTHROPIC_REPLY, OPENAI_REPLY
 
 from treadle.models import AnthropicMessagesClient, OpenAIChatClient
-from treadle.testing.loopback import CannedResponse, canned, open_loopback_server
+from treadle.testing.loopback import canned, open_loopback_server
 from treadle.types import Message, ModelRequest
 
 SECRET = "AIzaSyQUERYSECRET123"
-SSE = {"content-type": "text/event-stream"}
 REQUEST = ModelRequest(messages=(Message(role="user", content="hi"),), model="m")
-
-OPENAI_REPLY = CannedResponse(
-    headers=SSE,
-    chunks=[
-        b"data: "
-        + json.dumps({"id": "c", "choices": [{"index": 0, "delta": {"content": "ok"}}]}).encode()
-        + b"\n\ndata: "
-        + json.dumps(
-            {"id": "c", "choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}]}
-        ).encode()
-        + b"\n\ndata: [DONE]\n\n"
-    ],
-)
-ANTHROPIC_REPLY = CannedResponse(
-    headers=SSE,
-    chunks=[
-        b'event: message_start\ndata: {"type":"message_start","message":{"id":"m","usage":'
-        b'{"input_tokens":1,"output_tokens":1}}}\n\n'
-        b'event: content_block_start\ndata: {"type":"content_block_start","index":0,'
-        b'"content_block":{"type":"text","text":""}}\n\n'
-        b'event: content_block_delta\ndata: {"type":"content_block_delta","index":0,'
-        b'"delta":{"type":"text_delta","text":"ok"}}\n\n'
-        b'event: content_block_stop\ndata: {"type":"content_block_stop","index":0}\n\n'
-        b'event: message_delta\ndata: {"type":"message_delta","delta":{"stop_reason":"end_turn"},'
-        b'"usage":{"output_tokens":1}}\n\n'
-        b'event: message_stop\ndata: {"type":"message_stop"}\n\n'
-    ],
-)
 
 
 @pytest.mark.parametrize(
