@@ -23,6 +23,7 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import attrs
 import outcome
@@ -85,6 +86,13 @@ REAL_WAIT_S = 20.0
 def make_agent(turns, tools: list[Tool], **kwargs) -> Agent:
     model = ScriptedModel(turns=turns)
     return Agent(model=model, executor=Toolbox(tools), parser=SimpleParser(), **kwargs)
+
+
+def _action(tool: str, arguments: dict[str, Any]) -> Action:
+    """The one call of step 1 of run ``r`` (call id ``c``): ``tool`` with ``arguments``."""
+    return Action(
+        run_id="r", step=1, intent_id="r/s1/a1", call_id="c", tool=tool, arguments=arguments
+    )
 
 
 def results_of(log: RunLog) -> list[ActionResult]:
@@ -412,14 +420,7 @@ async def test_a_process_tools_processes_in_a_group_of_their_own_are_killed_with
     ``Popen(process_group=0)``) stays in the call's session and dies with the call, and so
     does its own child, none of them seeing another die. Before, only the call's process
     group was killed: the command ran on and made its effect after the call had ended."""
-    action = Action(
-        run_id="r",
-        step=1,
-        intent_id="r/s1/a1",
-        call_id="c",
-        tool="spawn_in_own_group",
-        arguments={"directory": str(markers)},
-    )
+    action = _action("spawn_in_own_group", {"directory": str(markers)})
     started = markers / "started"
     with trio.fail_after(REAL_WAIT_S):
         async with trio.open_nursery() as nursery:
@@ -563,9 +564,7 @@ async def test_a_process_tool_whose_module_the_child_cannot_import_never_started
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    action = Action(
-        run_id="r", step=1, intent_id="r/s1/a1", call_id="c", tool="only_here", arguments={"n": 1}
-    )
+    action = _action("only_here", {"n": 1})
     outcome = await Toolbox([module.only_here]).execute(action)
     assert outcome.status is ActionStatus.NOT_EXECUTED
     assert outcome.detail == (
@@ -579,9 +578,7 @@ async def test_a_process_call_killed_before_its_function_began_never_started(tmp
     never comes), so the timeout kills it before the function began. It was recorded as
     EXECUTED, timed out, as though the function had run."""
     monkeypatch.setenv("TREADLE_TEST_HOLD_IMPORT", str(tmp_path / "never"))
-    action = Action(
-        run_id="r", step=1, intent_id="r/s1/a1", call_id="c", tool="held", arguments={"n": 1}
-    )
+    action = _action("held", {"n": 1})
     with trio.fail_after(REAL_WAIT_S):
         outcome = await Toolbox([held]).execute(action)
     assert outcome.status is ActionStatus.NOT_EXECUTED
@@ -602,9 +599,7 @@ async def test_a_process_tool_whose_interpreter_prints_as_it_starts_returns_its_
     site.mkdir()
     (site / "sitecustomize.py").write_text("print('site customized')\n")
     monkeypatch.syspath_prepend(str(site))  # the child's PYTHONPATH is this process's path
-    action = Action(
-        run_id="r", step=1, intent_id="r/s1/a1", call_id="c", tool="double", arguments={"n": 21}
-    )
+    action = _action("double", {"n": 21})
     with trio.fail_after(REAL_WAIT_S):
         outcome = await Toolbox([double]).execute(action)
     assert (outcome.status, outcome.observation) == (ActionStatus.EXECUTED, "42")
@@ -613,14 +608,7 @@ async def test_a_process_tool_whose_interpreter_prints_as_it_starts_returns_its_
 
 async def _cancel_once_started(tool: Tool, folder: Path) -> None:
     """Call ``tool`` with ``directory=folder`` and cancel the call once it wrote ``started``."""
-    action = Action(
-        run_id="r",
-        step=1,
-        intent_id="r/s1/a1",
-        call_id="c",
-        tool=tool.name,
-        arguments={"directory": str(folder)},
-    )
+    action = _action(tool.name, {"directory": str(folder)})
     with trio.fail_after(REAL_WAIT_S):
         async with trio.open_nursery() as nursery:
             nursery.start_soon(Toolbox([tool]).execute, action)
@@ -800,14 +788,7 @@ async def test_a_process_group_orphaned_by_the_kill_does_not_run_again(markers, 
 
     monkeypatch.setattr(os, "kill", waiting(os.kill))
     monkeypatch.setattr(os, "killpg", waiting(os.killpg))
-    action = Action(
-        run_id="r",
-        step=1,
-        intent_id="r/s1/a1",
-        call_id="c",
-        tool="link_of_a_group",
-        arguments={"directory": str(markers)},
-    )
+    action = _action("link_of_a_group", {"directory": str(markers)})
     with trio.fail_after(REAL_WAIT_S):
         async with trio.open_nursery() as nursery:
             nursery.start_soon(Toolbox([link_of_a_group]).execute, action)
@@ -826,14 +807,7 @@ async def test_a_process_group_orphaned_by_the_kill_does_not_run_again(markers, 
 
 async def test_a_process_tools_error_whose_message_cannot_be_read_is_its_error(markers):
     """As a thread tool's is. The child crashed writing its reply, and the call was UNKNOWN."""
-    action = Action(
-        run_id="r",
-        step=1,
-        intent_id="r/s1/a1",
-        call_id="c",
-        tool="fail_unprintably",
-        arguments={"directory": str(markers)},
-    )
+    action = _action("fail_unprintably", {"directory": str(markers)})
     outcome = await Toolbox([fail_unprintably]).execute(action)
     assert (markers / "done").exists()
     assert (outcome.status, outcome.observation) == (
@@ -845,14 +819,7 @@ async def test_a_process_tools_error_whose_message_cannot_be_read_is_its_error(m
 async def test_a_process_tools_result_that_cannot_be_read_back_is_its_error(markers):
     """The whole reply arrived but does not unpickle here: the call ran to its end. It was
     taken for a reply cut off by the process's death, UNKNOWN."""
-    action = Action(
-        run_id="r",
-        step=1,
-        intent_id="r/s1/a1",
-        call_id="c",
-        tool="return_unreadable",
-        arguments={"directory": str(markers)},
-    )
+    action = _action("return_unreadable", {"directory": str(markers)})
     outcome = await Toolbox([return_unreadable]).execute(action)
     assert (markers / "done").exists()
     assert outcome.status is ActionStatus.EXECUTED
