@@ -527,7 +527,7 @@ def _describe(record: Record) -> tuple[str, str]:
         return "model call started", f"attempt {record.attempt}"
     if isinstance(record, ModelResult):
         if record.summary_through is not None:
-            return _summary_result(record, record.summary_through)
+            return _summary_result(record)
         return "model call finished", _with_context(record, model_detail(record))
     if isinstance(record, ActionIntent):
         args = json.dumps(dict(record.arguments), ensure_ascii=False)
@@ -644,7 +644,7 @@ def counted(count: object, one: str, many: str | None = None) -> str:
     return f"{count} {one if count == 1 else (many or one + 's')}"
 
 
-def _summary_result(record: ModelResult, through: int) -> tuple[str, str]:
+def _summary_result(record: ModelResult) -> tuple[str, str]:
     """A summary call's result: ``summary written``, or ``summary failed`` with its error.
 
     Only a reply holding text is a summary (docs/context.md, "Summaries"): a failed attempt
@@ -652,12 +652,13 @@ def _summary_result(record: ModelResult, through: int) -> tuple[str, str]:
     context of the summariser's request as other model rows show theirs (an ``unfit`` one
     included).
     """
-    detail = model_detail(record)
+    assert record.summary_through is not None  # a summary call's result
+    covered, detail = _through(record.summary_through), model_detail(record)
     if holds_summary(record.reply):
-        return "summary written", _with_context(record, f"{_through(through)}: {detail}")
+        return "summary written", _with_context(record, f"{covered}: {detail}")
     if record.error is None:  # an older log's reply without a summary in it
         detail = f"no summary text {detail}".strip()
-    return "summary failed", _with_context(record, f"{_through(through)}: {detail}")
+    return "summary failed", _with_context(record, f"{covered}: {detail}")
 
 
 def _with_context(record: ModelResult, detail: str) -> str:
@@ -729,7 +730,7 @@ def model_detail(record: ModelResult) -> str:
     if record.abandoned:
         return "abandoned (outcome unknown after a crash)"
     if record.error is not None:
-        return clip(f"error {record.error.kind} {record.error.message}".strip()) + tokens
+        return clip(f"error {record.error.kind} {_with_status(record.error)}".strip()) + tokens
     reply = record.reply
     text = (reply.text or "") if reply else ""
     if reply is not None and reply.refusal:
