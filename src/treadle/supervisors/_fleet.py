@@ -49,7 +49,7 @@ from treadle.supervisors._factories import DEFAULT_ACTORS, Actors
 from treadle.supervisors._fleet_drive import FleetDrive, current_drive
 from treadle.supervisors._handle import RunHandle
 from treadle.supervisors._leasing import LeaseHold, LeaseKeeper, leases_of
-from treadle.types import BudgetCaps, Claim, Liveness, RunResult
+from treadle.types import BudgetCaps, Claim, JSONValue, Liveness, RunResult
 
 AgentFactory = Callable[[], Agent]
 """Builds the agent definition a worker serves under a name (called once per drive).
@@ -123,7 +123,7 @@ class Fleet:
     _store: RunStore
     _queue: RunQueue
     _agents: Mapping[str, AgentFactory]
-    _served: Mapping[str, Agent]  # agent name -> the definition built when the worker started
+    _served: Mapping[str, _Served]  # agent name -> the definition built when the worker started
     _versions: Mapping[str, tuple[str, ...]]
     _options: DriveOptions
     _sinks: Sequence[EventSink]
@@ -412,9 +412,10 @@ class Fleet:
         """
         agent = self._agents[made.agent]()
         served = self._served[made.agent]
-        changed = snapshot_diff(served.snapshot(), agent.snapshot())
-        if changed or agent.version_label != served.version_label:
-            raise _UnservedDefinition(made, served, agent, changed)
+        changed = snapshot_diff(served.snapshot, agent.snapshot())
+        # a version label is the version, or the snapshot's hash: these two cover it
+        if changed or agent.version != served.agent.version:
+            raise _UnservedDefinition(made, served.agent, agent, changed)
         return agent
 
     def _forget_drive(self, made: Claim, handle: RunHandle | None) -> None:
@@ -602,8 +603,8 @@ async def open_fleet(
     )
     check_ttl(lease_ttl_s)
     factories = {name: _factory(value) for name, value in agents.items()}
-    served = {name: _made(name, factory) for name, factory in factories.items()}
-    versions = {name: (agent.version_label,) for name, agent in served.items()}
+    served = {name: _Served.of(_made(name, factory)) for name, factory in factories.items()}
+    versions = {name: (each.agent.version_label,) for name, each in served.items()}
     leases = leases_of(store)
     assert leases is not None
     keeper = LeaseKeeper(store=leases, ttl_s=lease_ttl_s)
@@ -679,6 +680,22 @@ def _made(name: str, factory: AgentFactory) -> Agent:
     if not isinstance(agent, Agent):
         raise UsageError(f"agent {name!r}: its factory gave {type(agent).__name__}, not an Agent")
     return agent
+
+
+@attrs.frozen
+class _Served:
+    """The definition a worker serves under a name, with its snapshot.
+
+    The snapshot is made once, when the worker starts; `Fleet._agent_for` compares each
+    drive's definition with it.
+    """
+
+    agent: Agent
+    snapshot: Mapping[str, JSONValue]
+
+    @classmethod
+    def of(cls, agent: Agent) -> _Served:
+        return cls(agent=agent, snapshot=agent.snapshot())
 
 
 class _UnservedDefinition(UsageError):

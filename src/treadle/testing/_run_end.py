@@ -65,7 +65,7 @@ def check_run_finished(log: RunLog) -> list[str]:
     records = log.records
     if finished is None or not records or records[-1] is not finished:
         return []
-    steps = [r for r in records if isinstance(r, StepRecord)]
+    steps = log.steps
     last = steps[-1] if steps else None
     problems = _state_of_its_reason(log.run_id, finished)
     problems.extend(_reason_holds_of_last_step(log.run_id, finished, last))
