@@ -241,7 +241,7 @@ class RunView:
             pending.open_model_intent = None
             summary = summary or opened.compaction  # an abandoned summary says so only there
         self.count_usage(record.usage)
-        if record.reply is not None and record.usage.known_total is None:
+        if record.unmetered:
             self.unmetered_replies += 1
         pending.recorded_s += record.latency_s or 0.0
         # Calibrated from the step's own requests: a summariser's request (a few long

@@ -943,6 +943,16 @@ class ModelResult:
     context: ContextUsed | None = None
     summary_through: int | None = None
 
+    @property
+    def unmetered(self) -> bool:
+        """Whether this is a reply whose usage reports no count of tokens.
+
+        Under a token budget the run ends at such a reply, not acting on it
+        (docs/decisions/0114-a-token-budget-ends-at-a-reply-of-unknown-usage.md). A failed
+        attempt is never unmetered: its usage is only unknown.
+        """
+        return self.reply is not None and self.usage.known_total is None
+
 
 @attrs.frozen(kw_only=True)
 class ActionIntent:

@@ -367,9 +367,7 @@ def _over(limit: int | None, result: ModelResult) -> bool:
     if limit is None:
         return False
     counted = result.usage.known_total
-    if counted is None:
-        return result.reply is not None
-    return counted > limit
+    return result.unmetered or (counted is not None and counted > limit)
 
 
 def _known(usage: Usage) -> bool:

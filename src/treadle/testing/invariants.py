@@ -290,7 +290,7 @@ def check_budgets(
             attempts += 1
         elif isinstance(record, ModelResult):
             tokens += _tokens(record.usage)
-            if unmetered is None and record.reply is not None and record.usage.known_total is None:
+            if unmetered is None and record.unmetered:
                 unmetered = record.intent_id
         elif isinstance(record, ActionResult) and record.outcome.usage is not None:
             tokens += _tokens(record.outcome.usage)  # a child run's (docs/child-runs.md)
