@@ -1180,11 +1180,12 @@ async def test_an_expiry_in_the_control_stream_is_applied_on_resume(kind, tmp_pa
 
 
 @contextlib.asynccontextmanager
-async def _waiting_on_add(
+async def _handed_over_on_add(
     agent: Agent, store: MemoryStore, *, parked: bool
 ) -> AsyncIterator[RunHandle]:
     """Run ``r`` of ``agent`` on ``store``, handed over once it waits for approval of
-    ``add`` (parked first when ``parked``; control read every 0.5 s)."""
+    ``add`` (parked first when ``parked``; control read every 0.5 s). `_waiting_on_add`
+    is its sibling for runs of its own agent on a wall clock that follows trio's."""
     async with open_run(
         agent,
         "x",
@@ -1208,7 +1209,7 @@ async def test_a_cancel_stored_before_a_handle_decision_is_taken_wins(parked, au
     driven: the decision is never recorded, the call never runs, the run ends cancelled."""
     agent, tools, _ = make([call("add", a=1, b=2, call_id="c1"), say("3")])
     store = MemoryStore()
-    async with _waiting_on_add(agent, store, parked=parked) as handle:
+    async with _handed_over_on_add(agent, store, parked=parked) as handle:
         await request_cancel(store, "r", reason="stop", canceller="ops")
         handle.approve()
         with trio.fail_after(60):
@@ -1232,7 +1233,7 @@ async def test_a_cancel_stored_after_a_handle_decision_was_taken_does_not_undo_i
     model = ScriptedModel(turns=[call("add", a=1, b=2, call_id="c1"), say("3")], latency_s=2.0)
     agent = Agent(model=model, executor=tools, parser=SimpleParser())
     store = MemoryStore()
-    async with _waiting_on_add(agent, store, parked=parked) as handle:
+    async with _handed_over_on_add(agent, store, parked=parked) as handle:
         handle.approve()
         with trio.fail_after(60):
             async with contextlib.aclosing(handle.events()) as events:
