@@ -22,8 +22,8 @@ from typing import Any, ClassVar, Generic, Protocol, Self, TypeVar
 import httpx
 import trio
 
+from treadle._credentials import check_base_url, credentials_sent, shown_url
 from treadle._credentials import redact_url_secrets as redact_url_secrets
-from treadle._credentials import shown_url
 from treadle._exceptions import ModelCallError, UsageError
 from treadle._text import valid_text
 from treadle.models._accumulate import loads_event
@@ -97,6 +97,56 @@ class StreamReader(Generic[A]):
     _connect_s: float
     _first_byte_s: float
     _idle_s: float
+    _image_source: ImageSource | None
+    _headers: dict[str, str]
+
+    def _open(
+        self,
+        *,
+        url: tuple[str, str],
+        api_key: str | None,
+        http_client: httpx.AsyncClient | None,
+        timeouts_s: tuple[float, float, float],
+        image_source: ImageSource | None,
+        headers: Mapping[str, str],
+    ) -> None:
+        """Check and keep what a client's constructor was given, in the one way both have.
+
+        Args:
+            url: ``(base_url, path)``; requests go to their join (`join_url`).
+            api_key: the key `_auth_headers` sends, checked (`check_api_key`).
+            http_client: the caller's client, kept open by `aclose`; ``None`` makes one
+                (`own_http_client`) that `aclose` closes.
+            timeouts_s: ``(connect, first byte, idle)`` seconds.
+            image_source: resolves ``ref:`` images.
+            headers: every request's headers, the caller's extra ones last (`check_headers`).
+
+        Raises:
+            UsageError: the base URL, a timeout, the key or a header is refused, or the base
+                URL's user information would replace an ``Authorization`` header (docs/models.md,
+                "Connections and headers").
+        """
+        base_url, path = url
+        check_base_url(base_url)
+        if not all(t > 0 for t in timeouts_s):
+            raise UsageError(f"timeouts must be positive seconds, got {timeouts_s}")
+        self._url = join_url(base_url, path)
+        install_log_redaction()
+        self._api_key = check_api_key(api_key)
+        self._connect_s, self._first_byte_s, self._idle_s = timeouts_s
+        self._image_source = image_source
+        self._headers = check_headers(headers)
+        given_headers = http_client.headers if http_client is not None else {}
+        check_userinfo(base_url, {**given_headers, **self._auth_headers()})
+        self._owns_client = http_client is None
+        self._client = http_client if http_client is not None else own_http_client()
+        self._credentials = credentials_sent(
+            self._api_key, {**self._client.headers, **self._headers}, base_url
+        )
+
+    def _auth_headers(self) -> dict[str, str]:
+        """`_headers` with the API key in the provider's header, when there is a key."""
+        raise NotImplementedError
 
     async def _attempt(
         self, body: dict[str, Any], headers: dict[str, str], acc: A, attempt: Attempt

@@ -17,20 +17,14 @@ from typing import Any
 
 import httpx
 
-from treadle._credentials import check_base_url, credentials_sent, redact_url_secrets
+from treadle._credentials import redact_url_secrets
 from treadle._exceptions import ModelCallError, UsageError
 from treadle._text import loads_json
 from treadle.models._accumulate import error_fields, parse_retry_after
 from treadle.models._anthropic_stream import MessageAccumulator, classify_anthropic
 from treadle.models._transport import (
     StreamReader,
-    check_api_key,
-    check_headers,
-    check_userinfo,
-    install_log_redaction,
-    join_url,
     load_image,
-    own_http_client,
 )
 from treadle.ports import DeltaCallback
 from treadle.types import (
@@ -114,35 +108,20 @@ class AnthropicMessagesClient(StreamReader[MessageAccumulator]):
         anthropic_version: str = ANTHROPIC_VERSION,
         default_max_tokens: int = DEFAULT_MAX_TOKENS,
     ) -> None:
-        check_base_url(base_url)
-        timeouts = (connect_timeout_s, first_byte_timeout_s, idle_timeout_s)
-        if not all(t > 0 for t in timeouts):
-            raise UsageError(f"timeouts must be positive seconds, got {timeouts}")
         if default_max_tokens <= 0:
             raise UsageError(f"default_max_tokens must be positive, got {default_max_tokens}")
-        self._url = join_url(base_url, "/v1/messages")
-        install_log_redaction()
-        self._api_key = check_api_key(
-            api_key if api_key is not None else os.environ.get(API_KEY_ENV) or None
-        )
-        self._connect_s = connect_timeout_s
-        self._first_byte_s = first_byte_timeout_s
-        self._idle_s = idle_timeout_s
-        self._image_source = image_source
-        self._headers = check_headers(
-            {
+        self._open(
+            url=(base_url, "/v1/messages"),
+            api_key=api_key if api_key is not None else os.environ.get(API_KEY_ENV) or None,
+            http_client=http_client,
+            timeouts_s=(connect_timeout_s, first_byte_timeout_s, idle_timeout_s),
+            image_source=image_source,
+            headers={
                 "accept": "text/event-stream",
                 "content-type": "application/json",
                 "anthropic-version": anthropic_version,
                 **(extra_headers or {}),
-            }
-        )
-        given_headers = http_client.headers if http_client is not None else {}
-        check_userinfo(base_url, {**given_headers, **self._auth_headers()})
-        self._owns_client = http_client is None
-        self._client = http_client if http_client is not None else own_http_client()
-        self._credentials = credentials_sent(
-            self._api_key, {**self._client.headers, **self._headers}, base_url
+            },
         )
         self._default_max_tokens = default_max_tokens
 

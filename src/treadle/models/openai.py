@@ -15,7 +15,6 @@ from typing import Any
 
 import httpx
 
-from treadle._credentials import check_base_url, credentials_sent
 from treadle._exceptions import ModelCallError, UsageError
 from treadle._text import loads_json
 from treadle.models._accumulate import (
@@ -26,13 +25,7 @@ from treadle.models._accumulate import (
 )
 from treadle.models._transport import (
     StreamReader,
-    check_api_key,
-    check_headers,
-    check_userinfo,
-    install_log_redaction,
-    join_url,
     load_image,
-    own_http_client,
 )
 from treadle.ports import DeltaCallback
 from treadle.types import (
@@ -107,30 +100,17 @@ class OpenAIChatClient(StreamReader[StreamAccumulator]):
         max_tokens_field: str = "max_tokens",
         native_output: bool = True,
     ) -> None:
-        check_base_url(base_url)
-        timeouts = (connect_timeout_s, first_byte_timeout_s, idle_timeout_s)
-        if not all(t > 0 for t in timeouts):
-            raise UsageError(f"timeouts must be positive seconds, got {timeouts}")
-        self._url = join_url(base_url, "/chat/completions")
-        install_log_redaction()
-        self._api_key = check_api_key(api_key)
-        self._connect_s = connect_timeout_s
-        self._first_byte_s = first_byte_timeout_s
-        self._idle_s = idle_timeout_s
-        self._image_source = image_source
-        self._headers = check_headers(
-            {
+        self._open(
+            url=(base_url, "/chat/completions"),
+            api_key=api_key,
+            http_client=http_client,
+            timeouts_s=(connect_timeout_s, first_byte_timeout_s, idle_timeout_s),
+            image_source=image_source,
+            headers={
                 "accept": "text/event-stream",
                 "content-type": "application/json",
                 **(extra_headers or {}),
-            }
-        )
-        given_headers = http_client.headers if http_client is not None else {}
-        check_userinfo(base_url, {**given_headers, **self._auth_headers()})
-        self._owns_client = http_client is None
-        self._client = http_client if http_client is not None else own_http_client()
-        self._credentials = credentials_sent(
-            self._api_key, {**self._client.headers, **self._headers}, base_url
+            },
         )
         self._send_reasoning = send_reasoning
         self._max_tokens_field = max_tokens_field
