@@ -34,19 +34,15 @@ from treadle._cli_common import (
     store_option,
 )
 from treadle._cli_store import parked_on
-from treadle._clock import SystemClock
 from treadle._exceptions import RunLeased, StoreError, UsageError
 from treadle._terminal import mark, on_interrupt
 from treadle._text import valid_unicode
 from treadle.actors import durable_event, with_step_started
 from treadle.approvals import (
-    current_snapshot,
+    AlreadyDecided,
     decide,
-    decision_for,
     edited_arguments,
-    first_counting,
     pending_approval,
-    read_control,
     request_cancel,
 )
 from treadle.ports import RunIndex, RunStore
@@ -57,7 +53,6 @@ from treadle.supervisors import finish_cancelled_here
 from treadle.types import (
     ApprovalDecided,
     ApprovalRequested,
-    CancelRequested,
     JSONValue,
     Lease,
     Liveness,
@@ -134,8 +129,8 @@ async def approve(
     what is returned is redacted (docs/events.md, "Secret arguments").
 
     A decision `decide` refuses because the control stream holds the same one already, which
-    counts (a double submit; `SAME_DECISION`), is answered as that one: the decider's intent
-    stands (docs/events.md, "Human approval").
+    counts (`treadle.approvals.AlreadyDecided`, a double submit; `SAME_DECISION`), is answered
+    as that one: the decider's intent stands (docs/events.md, "Human approval").
 
     Returns:
         The decision as written (or the same one that counts), the request it answers
@@ -159,13 +154,11 @@ async def approve(
             step=step,
             arguments_digest=arguments_digest,
         )
-    except UsageError:
-        # sent twice (a double click, a command run again): the same decision counts already
-        meant = _meant(log, call_id, step, arguments_digest) or request
-        same = await _same_decision(store, log, meant, reject=reject, edit=edit)
-        if same is None:
+    except AlreadyDecided as exc:
+        if not exc.same:
             raise
-        decided, request, said = same, meant, SAME_DECISION
+        # sent twice (a double click, a command run again): the same decision counts already
+        decided, request, said = exc.counting, exc.request, SAME_DECISION
     else:
         said = _next_for_decision(store, await _summary(store, run_id))
     redaction = Redaction.of_log(log)  # an edit's secrets are not echoed either
@@ -180,70 +173,6 @@ SAME_DECISION = (
     "and this one adds nothing"
 )
 """What `approve` says of a decision its run's control stream holds already, the same."""
-
-
-def _meant(
-    log: RunLog, call_id: str | None, step: int | None, arguments_digest: str | None
-) -> ApprovalRequested | None:
-    """The last request of ``log`` with the call id, step and digest given.
-
-    ``None`` when none of them is given, or no request has them.
-    """
-    if call_id is None and step is None and arguments_digest is None:
-        return None
-    wanted = {"call_id": call_id, "step": step, "arguments_digest": arguments_digest}
-    return next(
-        (
-            record
-            for record in reversed(log.records)
-            if isinstance(record, ApprovalRequested)
-            and all(value in (None, getattr(record, name)) for name, value in wanted.items())
-        ),
-        None,
-    )
-
-
-async def _same_decision(
-    store: RunStore,
-    log: RunLog,
-    request: ApprovalRequested | None,
-    *,
-    reject: str | None,
-    edit: Mapping[str, JSONValue] | None,
-) -> ApprovalDecided | None:
-    """The decision that counts for ``request``, when it is the one asked for now.
-
-    The same decision, message and edited arguments (`decision_for`, secrets kept as it
-    keeps them); ``None`` otherwise, when no decision counts yet, or when the run is being
-    cancelled (the cancel may come first: `decide` said why it refused).
-
-    Raises:
-        StoreError: the control stream cannot be read.
-    """
-    if request is None:
-        return None
-    control = await read_control(store, log.run_id)
-    if any(isinstance(record, CancelRequested) for record in (*log.records, *control)):
-        return None
-    first = first_counting(control, request)
-    try:
-        asked = decision_for(
-            log.run_id,
-            request,
-            SystemClock(),
-            reject=reject,
-            edit=edit,
-            snapshot=current_snapshot(log),
-            redaction=Redaction.of_log(log),
-        )
-    except UsageError:
-        return None
-    same = first is not None and (first.decision, first.message, first.edited_arguments) == (
-        asked.decision,
-        asked.message,
-        asked.edited_arguments,
-    )
-    return first if same else None
 
 
 def _next_for_decision(store: RunStore, summary: RunSummary | None) -> str:

@@ -8,6 +8,8 @@
         InvalidRunId                          a run id outside the allowed form (.run_id)
         RepairRefused                         a log repair would cut a call that may have run
                                               or the run's end (.where); nothing was changed
+        AlreadyDecided                        the approval a decision was meant for has one
+                                              that counts (.request, .counting, .same)
       StoreError                              persistence failed; the run's state is unknown
         ConflictError                         a write's seq is not the next one (two writers)
         LogCorrupted                          a log cannot be read back (.offset)
@@ -47,7 +49,8 @@
 Defined next to what raises them: `SeamContractError`, `StoreContractError` and `CrashContractError`
 in their contract suites, `SSEDecodeError` in `treadle.models` (module `_sse`), `FrameError` in the
 JSONL store's framing (`treadle.stores._lines`, caught there), `ClientGone` in
-`treadle.testing.loopback`, `StaleWrite` in `treadle.revisions`; the rest here. Not errors, and so
+`treadle.testing.loopback`, `StaleWrite` in `treadle.revisions`, `AlreadyDecided` in
+`treadle.approvals`; the rest here. Not errors, and so
 outside the tree: the coordinator's control-flow signals `Parked`, `AwaitingChildren` and `Drained`
 (a run stops being driven here, caught by the run supervisor), a child-run tool's `ChildPending`
 (its call parks instead of answering, caught by the tool executor), and the test kit's

@@ -555,6 +555,28 @@ async def request_cancel(
     return record
 
 
+class AlreadyDecided(UsageError):
+    """The call a decision was meant for has a decision that counts already; this one was not.
+
+    Raised by `decide` (docs/events.md, "Human approval": the first decision counts). The
+    decision refused is not written, or, when it lost a race, written and passed over.
+
+    Attributes:
+        request: the request the decision was meant for.
+        counting: the decision that counts for it (first in the run's control stream).
+        same: ``counting`` is the decision refused here, the same decision, message and
+            edited arguments: a decision sent twice, whose intent stands.
+    """
+
+    def __init__(
+        self, message: str, *, request: ApprovalRequested, counting: ApprovalDecided, same: bool
+    ) -> None:
+        super().__init__(message)
+        self.request = request
+        self.counting = counting
+        self.same = same
+
+
 async def decide(
     store: RunStore,
     run_id: str,
@@ -603,6 +625,11 @@ async def decide(
             deadline (the call expired; the message says so). Either way the decision does
             not count; its record stays in the append-only stream, where the run's driver
             passes over it (docs/events.md, "Human approval").
+        AlreadyDecided: (a `UsageError`) refused because the call meant (by ``call_id``,
+            ``step`` and ``arguments_digest``, or the one the run waits on) has a decision
+            that counts already: one waiting to be applied, one that raced this one, or one
+            the run applied before it moved on or finished. It says which, and whether it is
+            this decision again (a decision sent twice).
         StoreError: the write failed.
     """
     check_run_id(run_id)
@@ -612,8 +639,67 @@ async def decide(
     log = await store.read_log(run_id)
     if log.started is None and await _queued(store, run_id):
         raise UsageError(f"run {run_id!r} is queued, not started: nothing waits for a decision")
+
+    def asked(request: ApprovalRequested) -> ApprovalDecided:
+        return decision_for(
+            run_id,
+            request,
+            clock or SystemClock(),
+            reject=reject,
+            edit=edit,
+            snapshot=current_snapshot(log),
+            redaction=Redaction.of_log(log),
+        )
+
+    try:
+        request = _waited_on(log, call_id, step, arguments_digest)
+    except UsageError as refused:
+        meant = _meant(log, call_id, step, arguments_digest)
+        await _refuse_if_decided(store, log, meant, refused, asked)
+        raise
+    earlier = await read_control(store, run_id)
+    _refuse_after_cancel(run_id, (*log.records, *earlier), None)
+    already = first_counting(earlier, request)
+    if already is not None:
+        _refuse_after_expiry(run_id, request, already)
+        raise AlreadyDecided(
+            f"call {request.call_id!r} of run {run_id!r} already has a decision "
+            f"({already.decision}) waiting to be applied; the first decision counts",
+            request=request,
+            counting=already,
+            same=_asked_again(already, lambda: asked(request)),
+        )
+    decided = asked(request)
+    _refuse_after_deadline(run_id, request, decided)
+    await controls.append_control(decided)
+    written = await read_control(store, run_id)
+    _refuse_after_cancel(run_id, written, decided)
+    first = first_counting(written, request) or decided
+    if first != decided:
+        _refuse_after_expiry(run_id, request, first)
+        raise AlreadyDecided(
+            f"call {request.call_id!r} of run {run_id!r}: another decision ({first.decision}) "
+            f"was written just before this one ({decided.decision}); the first decision counts, "
+            "so this one, written after it, does not count",
+            request=request,
+            counting=first,
+            same=_asked_again(first, lambda: decided),
+        )
+    return decided
+
+
+def _waited_on(
+    log: RunLog, call_id: str | None, step: int | None, arguments_digest: str | None
+) -> ApprovalRequested:
+    """The request ``log``'s run waits on, when it is the one the decider meant.
+
+    Raises:
+        UsageError: the run does not exist or finished, waits on no approval, or on another
+            call than ``call_id`` (or step or arguments than ``step`` and ``arguments_digest``).
+    """
     _require_unfinished(log)
     request = pending_approval(log)
+    run_id = log.run_id
     if request is None:
         raise UsageError(f"run {run_id!r} is not waiting for an approval")
     if call_id is not None and call_id != request.call_id:
@@ -627,37 +713,75 @@ async def decide(
             f"run {run_id!r} waits on call {request.call_id!r} of step {request.step} with "
             "other arguments than those shown: look at the call it waits on now, then decide"
         )
-    earlier = await read_control(store, run_id)
-    _refuse_after_cancel(run_id, (*log.records, *earlier), None)
-    already = first_counting(earlier, request)
-    if already is not None:
-        _refuse_after_expiry(run_id, request, already)
-        raise UsageError(
-            f"call {request.call_id!r} of run {run_id!r} already has a decision "
-            f"({already.decision}) waiting to be applied; the first decision counts"
-        )
-    decided = decision_for(
-        run_id,
-        request,
-        clock or SystemClock(),
-        reject=reject,
-        edit=edit,
-        snapshot=current_snapshot(log),
-        redaction=Redaction.of_log(log),
+    return request
+
+
+def _meant(
+    log: RunLog, call_id: str | None, step: int | None, arguments_digest: str | None
+) -> ApprovalRequested | None:
+    """The last request of ``log`` with the call id, step and digest given.
+
+    ``None`` when none of them is given, or no request has them.
+    """
+    if call_id is None and step is None and arguments_digest is None:
+        return None
+    wanted = {"call_id": call_id, "step": step, "arguments_digest": arguments_digest}
+    return next(
+        (
+            record
+            for record in reversed(log.records)
+            if isinstance(record, ApprovalRequested)
+            and all(value in (None, getattr(record, name)) for name, value in wanted.items())
+        ),
+        None,
     )
-    _refuse_after_deadline(run_id, request, decided)
-    await controls.append_control(decided)
-    written = await read_control(store, run_id)
-    _refuse_after_cancel(run_id, written, decided)
-    first = first_counting(written, request) or decided
-    if first != decided:
-        _refuse_after_expiry(run_id, request, first)
-        raise UsageError(
-            f"call {request.call_id!r} of run {run_id!r}: another decision ({first.decision}) "
-            f"was written just before this one ({decided.decision}); the first decision counts, "
-            "so this one, written after it, does not count"
-        )
-    return decided
+
+
+async def _refuse_if_decided(
+    store: RunStore,
+    log: RunLog,
+    meant: ApprovalRequested | None,
+    refused: UsageError,
+    asked: Callable[[ApprovalRequested], ApprovalDecided],
+) -> None:
+    """Say so when the request a refused decision was meant for was decided already.
+
+    A decision sent again after the first was applied (the run moved on, or finished) is
+    refused for that (``refused``); when the control stream holds a decision that counts for
+    ``meant``, the refusal names it (`AlreadyDecided`), and whether it is this one. Not when
+    the run is being cancelled: no decision of its is applied.
+
+    Raises:
+        AlreadyDecided: ``meant`` has a decision that counts.
+        StoreError: the control stream cannot be read.
+    """
+    if meant is None:
+        return
+    control = await read_control(store, log.run_id)
+    if any(isinstance(record, CancelRequested) for record in (*log.records, *control)):
+        return
+    counting = first_counting(control, meant)
+    if counting is not None:
+        raise AlreadyDecided(
+            f"{refused}; its call {meant.call_id!r} has a decision ({counting.decision}), and "
+            "the first decision counts",
+            request=meant,
+            counting=counting,
+            same=_asked_again(counting, lambda: asked(meant)),
+        ) from refused
+
+
+def _asked_again(counting: ApprovalDecided, asked: Callable[[], ApprovalDecided]) -> bool:
+    """Whether ``asked()`` is ``counting`` again: the same decision, message and arguments.
+
+    ``False`` when ``asked()`` raises `UsageError` (an edit that does not fit).
+    """
+    try:
+        wanted = asked()
+    except UsageError:
+        return False
+    fields = ("decision", "message", "edited_arguments")
+    return all(getattr(counting, name) == getattr(wanted, name) for name in fields)
 
 
 def _decisions(records: Sequence[object]) -> list[ApprovalDecided]:

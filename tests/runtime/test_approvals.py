@@ -16,6 +16,7 @@ from tests.fixtures.schema_host import schema_host
 from treadle._exceptions import UsageError
 from treadle.agent import Agent
 from treadle.approvals import (
+    AlreadyDecided,
     arguments_digest,
     decide,
     decision_for,
@@ -634,6 +635,46 @@ async def test_two_deciders_at_once_the_one_that_does_not_count_is_told(autojump
     assert "does not count" in str(refused) and f"({first})" in str(refused)
     ran = [a.arguments for a in tools.executed]
     assert ran == ([{"a": 1, "b": 2}] if first == "approve" else [])  # the first one counted
+
+
+async def test_a_decision_sent_again_is_refused_naming_the_one_that_counts(autojump_clock):
+    """`AlreadyDecided` says which decision counts and whether the refused one is it again.
+
+    While the first waits to be applied, and once the run applied it and finished (sent again
+    with the call id, step and digest the decider was shown), a decision is refused; the same
+    one is marked ``same`` (a double submit), another one is not.
+    """
+    agent, tools, _ = make([call("add", a=1, b=2, call_id="c1"), say("ok")])
+    store = MemoryStore()
+    refused: list[AlreadyDecided] = []
+    async with open_run(agent, "x", store=store, run_id="r", approval_policy=only_add) as handle:
+        await wait_for_state(handle, RunState.AWAITING_APPROVAL)
+        request = handle.pending_approval
+        shown = {
+            "call_id": "c1",
+            "step": request.step,
+            "arguments_digest": request.arguments_digest,
+        }
+        first = await decide(store, "r", **shown)
+        for decision in ({}, {"reject": "no"}):
+            with pytest.raises(AlreadyDecided) as waiting:
+                await decide(store, "r", **shown, **decision)
+            refused.append(waiting.value)
+        await handle.wait()
+    for decision in ({}, {"reject": "no"}):
+        with pytest.raises(AlreadyDecided, match="already finished") as applied:
+            await decide(store, "r", **shown, **decision)
+        refused.append(applied.value)
+    assert [(r.counting, r.request, r.same) for r in refused] == [
+        (first, request, True),
+        (first, request, False),
+        (first, request, True),
+        (first, request, False),
+    ]
+    assert [a.arguments for a in tools.executed] == [{"a": 1, "b": 2}]
+    with pytest.raises(UsageError, match="already finished") as unnamed:
+        await decide(store, "r")  # no call named: nothing to say it was decided
+    assert not isinstance(unnamed.value, AlreadyDecided)
 
 
 @pytest.mark.parametrize("offset", [-0.001, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.001])
