@@ -1413,12 +1413,15 @@ async def test_the_panel_follows_the_runs_driver_without_a_new_record():
             handle.approve("t1")  # the run goes on to its end: the stream ends
         await handle.wait()
     events = sse(streams[0].text)
-    panels = [e for e in events if e["event"] == "panel"]
-    assert len(panels) == 1, [e["event"] for e in events]
-    assert "id" not in panels[0]  # no seq: a reconnect resumes after the last record
-    shown = json.loads(panels[0]["data"])["panel"]
-    assert "nobody: orphaned" in shown and "expired" in shown
     kinds = [e["event"] for e in events]
+    panels = [json.loads(e["data"])["panel"] for e in events if e["event"] == "panel"]
+    # once the test stops faking the driver's death, its lease shows again: that may send a
+    # panel of its own before the approval's records come
+    orphaned = [shown for shown in panels if "nobody: orphaned" in shown]
+    assert len(orphaned) == 1 and panels[0] == orphaned[0], kinds  # once in fifty polls
+    assert "expired" in orphaned[0]
+    assert all("id" not in e for e in events if e["event"] == "panel")  # a reconnect resumes
+    # after the last record
     first_after = next(e for e in events[kinds.index("panel") :] if e["event"] == "record")
     assert int(first_after["id"]) > 1 and kinds[-1] == "finished"
 
