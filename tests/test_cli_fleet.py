@@ -633,6 +633,38 @@ async def test_a_cancel_its_live_driver_applies_first_is_not_said_to_be_finished
     assert "its driver" in said[0] and "cancelled" in said[0], said
 
 
+def test_a_lease_held_to_finish_a_cancel_is_named_as_such_not_as_a_driver(tmp_path: Path):
+    """Another process's cancel held an undriven run's lease to finish it: a second
+    ``treadle cancel`` said that process "drives the run and stops it within about 1 s", and
+    ``treadle runs`` and the console named it as the run's driver; a cancel owns no run to
+    drive."""
+    from treadle.stores import lease_owner
+
+    db = tmp_path / "runs.db"
+    leave_orphaned(db, "o")
+    finishing = lease_owner(cancelling=True)
+
+    async def hold() -> None:
+        async with open_sqlite_store(db) as store:
+            await store.acquire_lease("o", owner=finishing, ttl_s=60.0)
+
+    trio.run(hold)
+    cancelled = invoke("cancel", "o", "--store", str(db), "--reason", "again")
+    assert cancelled.exit_code == 0, cancelled.output
+    assert f"another cancel ({finishing}) is finishing the run as cancelled now" in (
+        cancelled.output
+    )
+    assert "stops it within" not in cancelled.output
+    from treadle._cli_store import driver_text  # the "driven by" of `treadle runs`, the console
+
+    async def summary():
+        async with open_sqlite_store(db) as store:
+            return await store.read_summary("o")
+
+    said = driver_text(trio.run(summary))
+    assert said.startswith(f"{finishing} (finishing it as cancelled, gen. 2"), said
+
+
 def test_cancel_whose_finish_fails_here_says_the_cancel_is_recorded_for_the_next_driver(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ):

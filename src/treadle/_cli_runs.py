@@ -47,7 +47,7 @@ from treadle.approvals import (
 )
 from treadle.ports import RunIndex, RunStore
 from treadle.redaction import Redaction
-from treadle.stores import lease_owner
+from treadle.stores import finishes_cancel, lease_owner
 from treadle.stores.jsonl import JsonlStore, Repair
 from treadle.supervisors import finish_cancelled_here
 from treadle.types import (
@@ -176,9 +176,9 @@ SAME_DECISION = (
 
 
 def _next_for_decision(store: RunStore, summary: RunSummary | None) -> str:
-    if summary is not None and summary.lease and summary.lease.owner in _FINISHING:
+    if summary is not None and summary.lease and finishes_cancel(summary.lease.owner):
         return (
-            "a cancel sent from this process is finishing the run as cancelled now: the "
+            f"a cancel ({summary.lease.owner}) is finishing the run as cancelled now: the "
             "decision is not applied"
         )
     if summary is not None and summary.liveness is Liveness.DRIVEN and summary.lease:
@@ -244,18 +244,14 @@ async def cancel(store: RunStore, run_id: str, *, reason: str, canceller: str) -
     summary = await _summary(store, run_id)
     if summary is not None and summary.liveness is Liveness.DRIVEN and summary.lease:
         return _held(store, summary.lease, "drives the run")
-    owner = lease_owner()
-    _FINISHING.add(owner)
     try:
         result, here = await finish_cancelled_here(
-            store, run_id, owner=owner, reason=reason, canceller=canceller
+            store, run_id, owner=lease_owner(cancelling=True), reason=reason, canceller=canceller
         )
     except RunLeased as exc:
         return _held(store, exc.holder, "took the run meanwhile")
     except StoreError as exc:
         raise _not_finished(run_id, exc) from exc
-    finally:
-        _FINISHING.discard(owner)
     if here:
         return f"nobody drove the run: it is finished here, {result.state.value}"
     if result.state is not RunState.CANCELLED:  # its driver finished it meanwhile
@@ -281,20 +277,16 @@ def _not_finished(run_id: str, failure: StoreError) -> StoreError:
     )
 
 
-_FINISHING: set[str] = set()
-"""The lease owners of this process's cancels finishing a run now (`cancel`): a lease held
-for a moment by another request of this process (the console's) is no driver to name."""
-
-
 def _held(store: RunStore, lease: Lease, what: str) -> str:
     """Who stops a run whose lease is held, and what happens if that process is gone.
 
     The holder may have crashed without releasing the lease: until it expires, nobody else
     may write the run, so the cancel waits in the control stream for the next driver. A
-    lease this process's own `cancel` holds to finish the run is said as such.
+    lease held to finish the run as cancelled (`treadle.stores.finishes_cancel`: another
+    `cancel`, of this process or another) is said as such: it names no driver.
     """
-    if lease.owner in _FINISHING:
-        return "another cancel sent from this process is finishing the run as cancelled now"
+    if finishes_cancel(lease.owner):
+        return f"another cancel ({lease.owner}) is finishing the run as cancelled now"
     return (
         f"{lease.owner} {what} and stops it within about 1 s. If that process is gone, "
         f"{_expiry(store, lease)}: the run's next driver applies the cancel, or run this command "

@@ -53,7 +53,7 @@ from treadle.agent import Agent
 from treadle.approvals import pending_approval, undecided_approval
 from treadle.ports import RunIndex, RunStore
 from treadle.redaction import Redaction
-from treadle.stores import is_live
+from treadle.stores import finishes_cancel, is_live
 from treadle.supervisors import leases_of
 from treadle.types import (
     ApprovalRequested,
@@ -242,7 +242,8 @@ def driver_text(summary: RunSummary) -> str:
     lease = summary.lease
     if summary.liveness is Liveness.DRIVEN and lease is not None:
         age = summary.heartbeat_age_s or 0.0
-        return f"{lease.owner} (gen. {lease.generation}, renewed {age:.1f} s ago)"
+        doing = "finishing it as cancelled, " if finishes_cancel(lease.owner) else ""
+        return f"{lease.owner} ({doing}gen. {lease.generation}, renewed {age:.1f} s ago)"
     if summary.liveness is Liveness.FINISHED or summary.error is not None:
         return ""  # an unreadable run is no orphan to resume: its error says why
     if summary.liveness is Liveness.QUARANTINED:

@@ -1283,8 +1283,9 @@ async def test_concurrent_cancels_never_name_the_consoles_own_lease_as_a_driver(
     second, first = answers
     assert first.json()["ok"] is True and "finished here, cancelled" in first.json()["message"]
     said = second.json()["message"]
-    assert "another cancel sent from this process is finishing the run" in said, said
-    assert f":{os.getpid()}:" not in said and "drives the run" not in said
+    assert "is finishing the run as cancelled now" in said and "another cancel (" in said, said
+    assert f":{os.getpid()}:cancel-" in said  # named as a cancel, not as a driver
+    assert "drives the run" not in said and "stops it within" not in said
     assert (await store.read_log("r")).finished.state is RunState.CANCELLED
 
 

@@ -21,9 +21,23 @@ LEASE_TTL_S: Final = 15.0
 """Default lease duration (seconds); a driver renews every third of it."""
 
 
-def lease_owner() -> str:
-    """A fresh owner id for a driver: ``host:pid:random`` (8 hex digits)."""
-    return f"{socket.gethostname()}:{os.getpid()}:{secrets.token_hex(4)}"
+def lease_owner(*, cancelling: bool = False) -> str:
+    """A fresh owner id: ``host:pid:random`` (8 hex digits) for a driver.
+
+    With ``cancelling``, ``host:pid:cancel-random``: the owner of a process that takes a run's
+    lease only to finish it as cancelled (`treadle cancel`, the console, `finish_cancelled`),
+    which `finishes_cancel` tells from a driver (docs/fleet.md, "Leases").
+    """
+    mark = _CANCEL_MARK if cancelling else ""
+    return f"{socket.gethostname()}:{os.getpid()}:{mark}{secrets.token_hex(4)}"
+
+
+def finishes_cancel(owner: str) -> bool:
+    """Whether ``owner`` is a lease owner made to finish a run as cancelled (`lease_owner`)."""
+    return owner.rpartition(":")[2].startswith(_CANCEL_MARK)
+
+
+_CANCEL_MARK: Final = "cancel-"
 
 
 def check_ttl(ttl_s: float) -> None:

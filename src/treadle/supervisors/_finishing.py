@@ -246,7 +246,7 @@ async def _finish_or_holder(store: RunStore, run_id: str, clock: Clock) -> Lease
         UsageError: the run does not exist.
     """
     try:
-        await finish_cancelled(store, run_id, owner=lease_owner(), clock=clock)
+        await finish_cancelled(store, run_id, owner=lease_owner(cancelling=True), clock=clock)
     except RunLeased as exc:
         return exc.holder
     return None
