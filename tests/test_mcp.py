@@ -1183,3 +1183,22 @@ async def test_a_refused_edit_never_quotes_a_secret_in_an_error_about_the_whole_
         assert CARD not in str(caught.value)
         assert "{'card': '[redacted]', 'cents': 5, 'token': 'tok_abc'}" in str(caught.value)
         handle.cancel("done")
+
+
+@pytest.mark.parametrize(
+    "server",
+    [
+        "ftp://bob:hunter2@host/mcp?token=s3cr3t-t0ken",
+        "bob:hunter2@host/mcp",
+        "http:/bob:hunter2@host/mcp",
+    ],
+)
+async def test_a_server_string_refused_for_its_scheme_shows_no_credential(server):
+    """A server string that is no http(s) URL was quoted whole in the refusal: its password
+    and query token went to the error, and so to logs and tracebacks."""
+    with pytest.raises(UsageError, match="must start with http:// or https://") as refused:
+        async with open_mcp_tools(server):
+            pass
+    said = str(refused.value)
+    assert "hunter2" not in said and "s3cr3t" not in said, said
+    assert "host/mcp" in said, said  # what it was is still recognisable

@@ -691,9 +691,21 @@ def _build_tools(
     ]
 
 
+def _shown_refused(server: str) -> str:
+    """A server string that is no http(s) URL, as an error quotes it: no credential shown.
+
+    Its query and fragment go (`shown_url`), and all before its last ``@`` (user
+    information, however the scheme was mistyped: ``http:/bob:pw@host``).
+    """
+    shown = shown_url(server)
+    return f"***@{shown.rpartition('@')[2]}" if "@" in shown else shown
+
+
 def _target(server: McpServer) -> McpServer:
     if isinstance(server, str) and not server.startswith(("http://", "https://")):
-        raise UsageError(f"an MCP server URL must start with http:// or https://, got {server!r}")
+        raise UsageError(
+            f"an MCP server URL must start with http:// or https://, got {_shown_refused(server)!r}"
+        )
     known = isinstance(server, str | StdioServerParameters | Server | MCPServer)
     if not known and not hasattr(server, "__aenter__"):  # a Transport is an async context
         raise UsageError(
