@@ -161,7 +161,7 @@ async def run_events(
     async def frames() -> AsyncIterator[bytes]:
         yield b"retry: 500\n\n"  # the browser reconnects after half a second
         async for event in events:
-            yield sse_frame(event)
+            yield sse_frame(event, run_id=run_id)  # ids of this run's events only
 
     return StreamingResponse(frames(), media_type="text/event-stream")
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator, Callable
-from contextlib import AbstractAsyncContextManager, asynccontextmanager
+from contextlib import AbstractAsyncContextManager, aclosing, asynccontextmanager
 from pathlib import Path
 
 import attrs
@@ -316,13 +316,13 @@ def test_runs_start_stream_approve_and_finish_from_asyncio(tmp_path: Path):
     assert result.state is RunState.SUCCEEDED and result.final_answer == "paid"
     durable = [e.seq for e in events if e.record is not None]
     assert durable == list(range(1, len(durable) + 1)) and events[-1].kind is EventKind.RUN_FINISHED
-    frame = sse_frame(events[-1]).decode()
+    frame = sse_frame(events[-1], run_id="w1").decode()
     assert frame.startswith(f"id: {events[-1].seq}\nevent: run_finished\ndata: {{")
     assert event_data(events[-1])["state"] == "succeeded"
     # A step-started event has the seq of the durable event before it: its id names its
     # ordinal too, so a browser that reconnects after either of them misses neither.
     step_started = next(e for e in events if e.kind is EventKind.STEP_STARTED)
-    frame = sse_frame(step_started).decode()
+    frame = sse_frame(step_started, run_id="w1").decode()
     assert frame.startswith(f"id: {step_started.seq}.1\nevent: step_started\n")
     assert resume_after(f"{step_started.seq}.1") == (step_started.seq, 1)
     assert resume_after(str(events[-1].seq)) == (events[-1].seq, 0)
@@ -330,7 +330,7 @@ def test_runs_start_stream_approve_and_finish_from_asyncio(tmp_path: Path):
         with pytest.raises(treadle.UsageError):
             resume_after(bad)
     delta = attrs.evolve(step_started, kind=EventKind.TEXT_DELTA, text="x", ordinal=2)
-    assert not sse_frame(delta).startswith(b"id:")
+    assert not sse_frame(delta, run_id="w1").startswith(b"id:")
     assert resumed == events[1:] and resumed[0] == step_started  # after run_started (1, 0)
 
 
@@ -345,6 +345,98 @@ def test_resume_after_refuses_an_id_of_too_many_or_non_ascii_digits(bad: str):
     with pytest.raises(treadle.UsageError, match=r"an event id is <seq> or <seq>\.<ordinal>"):
         resume_after(bad)
     assert resume_after("9" * 19 + "." + "9" * 19) == (10**19 - 1, 10**19 - 1)
+
+
+@treadle.tool
+async def look_up(city: str) -> str:
+    """The weather in a city."""
+    return f"sunny in {city}"
+
+
+def planner_agent(store: MemoryStore) -> treadle.Agent:
+    """A planner that asks a child run for the weather, after a payment waiting for approval.
+
+    The approval lets a stream be live before the child starts; the child looks the weather
+    up three times, then the planner looks it up once more and answers.
+    """
+    researcher = treadle.Agent(
+        model=ScriptedModel(
+            turns=[*(call("look_up", city=c) for c in ("Oslo", "Bergen", "Rome")), say("sunny")]
+        ),
+        executor=treadle.Toolbox([look_up]),
+        parser=treadle.NativeToolCallParser(),
+    )
+    ask = treadle.agent_tool(researcher, store=store, name="research", description="Ask.")
+    return treadle.Agent(
+        model=ScriptedModel(
+            turns=[
+                call("wire", amount=5, call_id="p1"),
+                call("research", task="weather?"),
+                call("look_up", city="Paris"),
+                say("Pack sunglasses."),
+            ]
+        ),
+        executor=treadle.Toolbox([wire, ask, look_up]),
+        parser=treadle.NativeToolCallParser(),
+    )
+
+
+def _frame_id(frame: bytes) -> str | None:
+    """The ``id:`` of an SSE frame, or ``None`` when it has none."""
+    ids = [line[4:] for line in frame.decode().split("\n") if line.startswith("id: ")]
+    return ids[0] if ids else None
+
+
+def test_a_child_runs_events_carry_no_sse_id_so_a_reconnect_resumes_the_parent_where_it_was():
+    """A reconnect after a child run's events resumes the parent after its own last event.
+
+    The child's events of a parent's stream had ``id: <child seq>``: a browser whose stream
+    broke after the child's seq 3 sent ``Last-Event-ID: 3`` and the parent resumed after its
+    own seq 3 (events sent twice), or, after a child seq past the parent's, skipped the
+    parent's events up to it.
+    """
+    store = MemoryStore()
+
+    @asynccontextmanager
+    async def opened() -> AsyncIterator[MemoryStore]:
+        yield store
+
+    async def main():
+        async with open_runs(planner_agent(store), store=opened, park_after_s=None) as runs:
+            run_id = await runs.start("Plan", run_id="trip")
+            first: list[tuple[treadle.Event, str | None]] = []
+            last_id = None
+            child_durable = 0
+            async with aclosing(runs.events(run_id)) as events:
+                async for event in events:  # the browser's first connection
+                    event_id = _frame_id(sse_frame(event, run_id=run_id))
+                    last_id = last_id if event_id is None else event_id
+                    first.append((event, event_id))
+                    if event.kind is EventKind.APPROVAL_REQUESTED:
+                        await runs.approve(run_id)  # the child then runs while it listens
+                    child_durable += event.run_id != run_id and event.durable
+                    if child_durable == 3:
+                        break  # the connection breaks after the child's seq 3
+            assert last_id is not None
+            again = [e async for e in runs.events(run_id, after=resume_after(last_id))]
+            assert (await runs.result(run_id)).final_answer == "Pack sunglasses."
+            stored = [e async for e in runs.events(run_id)]
+        return first, again, stored
+
+    first, again, stored = run_asyncio(main)
+    child = [(e, i) for e, i in first if e.run_id != "trip"]
+    assert [e.seq for e, _ in child if e.durable] == [1, 2, 3]
+    assert all(i is None for _, i in child)  # the browser's cursor stays the parent's
+
+    def kept(e: treadle.Event) -> bool:  # the parent's events a reconnect must not lose
+        return e.run_id == "trip" and (e.durable or e.kind is EventKind.STEP_STARTED)
+
+    marked = [(e.seq, e.ordinal) for e, i in first if e.run_id == "trip" and i is not None]
+    assert marked == [(e.seq, e.ordinal) for e, _ in first if kept(e)]
+    assert all(kept(e) for e in stored)
+    # every parent event across both connections, once, in order
+    seen = [e for e, _ in first] + again
+    assert [(e.seq, e.ordinal) for e in seen if kept(e)] == [(e.seq, e.ordinal) for e in stored]
 
 
 def test_two_starts_of_one_run_at_once_make_one_driver(tmp_path: Path):

@@ -779,24 +779,37 @@ def event_data(event: Event) -> dict[str, Any]:
     return data
 
 
-def sse_frame(event: Event) -> bytes:
-    """One Server-Sent Events frame of ``event`` (docs/asyncio.md, "Streaming to a browser").
+def sse_frame(event: Event, *, run_id: str) -> bytes:
+    """One Server-Sent Events frame of ``event``, in the stream of run ``run_id``.
 
-    ``event:`` is the event kind and ``data:`` its `event_data` as one line of JSON. A
-    durable event carries ``id: <seq>``, a step-started event ``id: <seq>.<ordinal>`` (it
-    has the seq of the durable event before it): a browser's ``EventSource`` reconnects
-    with ``Last-Event-ID`` set to the last of them it saw, and `resume_after` turns that
-    into the ``after`` of `Runs.events`. Deltas and warnings (live only) carry no id and
-    leave the last id as it was.
+    ``event:`` is the event kind and ``data:`` its `event_data` as one line of JSON. An
+    event of ``run_id`` that is durable carries ``id: <seq>``, a step-started one
+    ``id: <seq>.<ordinal>`` (it has the seq of the durable event before it): a browser's
+    ``EventSource`` reconnects with ``Last-Event-ID`` set to the last of them it saw, and
+    `resume_after` turns that into the ``after`` of `Runs.events` for ``run_id``. Deltas
+    and warnings (live only) carry no id and leave the last id as it was; so do the events
+    of another run the stream carries (a child run's, live, numbered in the child's log:
+    docs/child-runs.md, "Events"), whose seq would move the browser's cursor in
+    ``run_id``'s log (docs/asyncio.md, "Streaming to a browser").
+
+    Args:
+        event: the event to frame.
+        run_id: the run whose events the stream serves (the ``run_id`` given to
+            `Runs.events`).
     """
     body = json.dumps(event_data(event), ensure_ascii=False, separators=(",", ":"))
+    return f"{_sse_id(event, run_id)}event: {event.kind.value}\ndata: {body}\n\n".encode()
+
+
+def _sse_id(event: Event, run_id: str) -> str:
+    """The ``id:`` line of `sse_frame` (with its newline), or ``""`` for an event without one."""
+    if event.run_id != run_id:
+        return ""
     if event.record is not None:
-        head = f"id: {event.seq}\n"
-    elif event.kind is EventKind.STEP_STARTED:
-        head = f"id: {event.seq}.{event.ordinal}\n"
-    else:
-        head = ""
-    return f"{head}event: {event.kind.value}\ndata: {body}\n\n".encode()
+        return f"id: {event.seq}\n"
+    if event.kind is EventKind.STEP_STARTED:
+        return f"id: {event.seq}.{event.ordinal}\n"
+    return ""
 
 
 def resume_after(last_event_id: str) -> tuple[int, int]:
