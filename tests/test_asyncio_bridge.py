@@ -537,6 +537,8 @@ def test_events_of_runs_not_driven_here_come_from_the_store(tmp_path: Path):
             stored = [e.kind async for e in runs.events("done", from_seq=2)]
             with pytest.raises(treadle.UsageError, match="must be a whole number"):
                 [e async for e in runs.events("done", from_seq=2.5)]  # type: ignore[arg-type]
+            with pytest.raises(treadle.UsageError, match="give from_seq or after, not both"):
+                [e async for e in runs.events("done", from_seq=1, after=(1, 0))]
             with pytest.raises(treadle.UsageError, match="no run 'nope'"):
                 async for _ in runs.events("nope"):
                     pass

@@ -473,7 +473,7 @@ class _Host:
         return found
 
     async def events(
-        self, run_id: str, from_seq: int, after: tuple[int, int] | None
+        self, run_id: str, from_seq: int | None, after: tuple[int, int] | None
     ) -> AsyncIterator[Event]:
         first, last = resume_from(from_seq, after)
         handle = self.handles.get(run_id)
@@ -595,22 +595,23 @@ class Runs:
         return await self._call(self._host.start, input, run_id)
 
     def events(
-        self, run_id: str, *, from_seq: int = 1, after: tuple[int, int] | None = None
+        self, run_id: str, *, from_seq: int | None = None, after: tuple[int, int] | None = None
     ) -> AsyncIterator[Event]:
         """The run's events from ``from_seq`` or after ``after``, as `RunHandle.events` does.
 
-        ``after`` is the ``(seq, ordinal)`` of the last event a reader saw (docs/events.md,
-        "Reading events"; `resume_after` reads it from a ``Last-Event-ID``).
-        For a run driven here: stored events, then live ones (text deltas included), with
-        no gap and no duplicate, ending after ``run_finished`` (or when the run stops being
-        driven here; leaving the block ends every stream by ``drain_s`` at the latest). For
-        any other run of the store: its stored events, then the end.
+        Given neither, from seq 1. ``after`` is the ``(seq, ordinal)`` of the last event a
+        reader saw (docs/events.md, "Reading events"; `resume_after` reads it from a
+        ``Last-Event-ID``). For a run driven here: stored events, then live ones (text
+        deltas included), with no gap and no duplicate, ending after ``run_finished`` (or
+        when the run stops being driven here; leaving the block ends every stream by
+        ``drain_s`` at the latest). For any other run of the store: its stored events, then
+        the end.
 
         Raises:
             UsageError: ``from_seq`` is not a whole number of 1 or more, ``after`` is not a
                 ``(seq, ordinal)`` of whole numbers of 0 or more (or comes with a
-                ``from_seq``), the store has no such run, or the block was left before the
-                stream began.
+                ``from_seq``, ``1`` too), the store has no such run, or the block was left
+                before the stream began.
             StoreError: the stored prefix could not be read.
         """
         return self.portal._iterate_in(self._host.calls, self._host.events, run_id, from_seq, after)

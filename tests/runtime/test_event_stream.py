@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+from contextlib import aclosing
+
 import pytest
 import trio
 from runtime_fakes import LedgerTools, SimpleParser
@@ -196,3 +198,24 @@ async def test_a_reader_resuming_after_any_event_gets_the_rest_once(autojump_clo
             assert resumed[event.seq, event.ordinal] == whole[i + 1 :]
         with pytest.raises(UsageError):
             await anext(aiter(finished.events(from_seq=3, after=(2, 0))))
+
+
+@pytest.mark.parametrize("from_seq", [1, 2])
+async def test_from_seq_with_after_is_refused_even_when_it_is_1(from_seq, autojump_clock):
+    """``from_seq`` and ``after`` are not given together (docs/events.md, "Reading events").
+
+    ``from_seq=1`` with ``after`` was taken for ``after`` alone (1 was the default, so it
+    could not be told from no ``from_seq``): ``after`` was honoured, ``from_seq`` ignored.
+    """
+    store = MemoryStore()
+    await run_to_end(make(), "x", store=store, run_id="r")
+    async with open_run(make(), store=store, run_id="r") as finished:
+        whole = [e async for e in finished.events()]
+        assert whole == [e async for e in finished.events(from_seq=1)]
+        assert [e async for e in finished.events(after=(3, 0))] == [
+            e for e in whole if (e.seq, e.ordinal) > (3, 0)
+        ]
+        both = finished.events(from_seq=from_seq, after=(3, 0))
+        with pytest.raises(UsageError, match="give from_seq or after, not both"):
+            async with aclosing(both):
+                await anext(both)

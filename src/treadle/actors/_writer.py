@@ -637,29 +637,31 @@ def check_from_seq(from_seq: object) -> None:
         raise UsageError(f"events are numbered from 1; from_seq={from_seq} was asked")
 
 
-def resume_from(from_seq: int, after: tuple[int, int] | None) -> tuple[int, tuple[int, int]]:
+def resume_from(from_seq: int | None, after: tuple[int, int] | None) -> tuple[int, tuple[int, int]]:
     """The first seq to read and the ``(seq, ordinal)`` every yielded event must follow.
 
     ``after`` is the ``(seq, ordinal)`` of the last event a reader saw (docs/events.md,
     "Reading events"): the events after it are read from its seq on, so the step-started
     event that shares the seq of the durable event before it comes after that event
     (docs/decisions/0107-resume-after-seq-and-ordinal.md). Without it, the events from
-    ``from_seq`` on: every one with a seq of ``from_seq`` or more.
+    ``from_seq`` on: every one with a seq of ``from_seq`` or more (``None``: from 1).
 
     Raises:
         UsageError: ``from_seq`` is no seq (`check_from_seq`); ``after`` is not two whole
-            numbers of 0 or more, or comes with a ``from_seq`` other than 1.
+            numbers of 0 or more; both are given (``from_seq=1`` too).
     """
-    check_from_seq(from_seq)
+    if from_seq is not None:
+        check_from_seq(from_seq)
     if after is None:
-        return from_seq, (from_seq - 1, 0)
+        first = 1 if from_seq is None else from_seq
+        return first, (first - 1, 0)
     if not (
         isinstance(after, tuple)
         and len(after) == 2
         and all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in after)
     ):
         raise UsageError(f"after must be a (seq, ordinal) of whole numbers >= 0, not {after!r}")
-    if from_seq != 1:
+    if from_seq is not None:
         raise UsageError("give from_seq or after, not both")
     seq, ordinal = after
     return max(seq, 1), (seq, ordinal)

@@ -381,9 +381,9 @@ class RunHandle:
         return self._result
 
     async def events(
-        self, *, from_seq: int = 1, after: tuple[int, int] | None = None
+        self, *, from_seq: int | None = None, after: tuple[int, int] | None = None
     ) -> AsyncIterator[Event]:
-        """Yield the run's events from ``from_seq``, or those after ``after``.
+        """Yield the run's events from ``from_seq`` (default 1), or those after ``after``.
 
         Stored events come first, then live ones, with no gap and no duplicate where they
         meet (docs/concepts.md, "Events"). A reader that reconnects gives ``after``, the
@@ -402,7 +402,8 @@ class RunHandle:
 
         Raises:
             UsageError: ``from_seq`` is not a whole number of 1 or more, ``after`` is not
-                a ``(seq, ordinal)`` of whole numbers of 0 or more, or both are given.
+                a ``(seq, ordinal)`` of whole numbers of 0 or more, or both are given
+                (``from_seq=1`` too).
             StoreError: the stored prefix could not be read completely.
         """
         # The (seq, ordinal) of the last event yielded: a reconnect reads from its seq again
