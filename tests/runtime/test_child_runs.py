@@ -19,7 +19,7 @@ import pytest
 import trio
 
 from treadle import agent_tool, child_run_id, finish_cancelled
-from treadle._exceptions import ChildRunInterrupted, RunInterrupted, StoreError
+from treadle._exceptions import ChildRunInterrupted, RunInterrupted, StoreError, UsageError
 from treadle.agent import Agent
 from treadle.approvals import read_control, request_cancel
 from treadle.parsers import NativeToolCallParser
@@ -1046,3 +1046,19 @@ async def test_a_child_with_an_output_type_answers_with_its_output_as_json():
     log = await store.read_log("p")
     action = next(r for r in log.records if isinstance(r, ActionResult))
     assert action.outcome.observation == '{"city":"Oslo","high_c":21}'
+
+
+@pytest.mark.parametrize("poll_s", [-1.0, 0.0, float("nan"), float("inf"), True])
+def test_an_agent_tool_with_a_control_poll_out_of_range_is_refused_when_made(poll_s):
+    """``agent_tool(control_poll_s=...)`` took any value: a negative one ended the parent's
+    call with a raw ``ValueError`` while its queued child ran on unwatched, 0 polled the store
+    without pause, NaN interrupted the parent at every resume."""
+    child = Agent(
+        model=ScriptedModel(turns=[say("done")]),
+        executor=Toolbox([]),
+        parser=NativeToolCallParser(),
+    )
+    with pytest.raises(UsageError, match="control_poll_s must be a finite number of seconds"):
+        agent_tool(
+            child, store=MemoryStore(), name="ask", description="Asks.", control_poll_s=poll_s
+        )

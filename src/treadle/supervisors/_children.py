@@ -34,7 +34,7 @@ from typing import Final
 import attrs
 import trio
 
-from treadle._clock import SystemClock
+from treadle._clock import SystemClock, check_seconds
 from treadle._exceptions import (
     ChildPending,
     ChildRunInterrupted,
@@ -173,11 +173,13 @@ def agent_tool(
 
     Raises:
         UsageError: ``name`` is not a valid tool name, ``description`` is empty, or
-            ``lease_ttl_s`` is out of range.
+            ``lease_ttl_s`` or ``control_poll_s`` is out of range (``control_poll_s`` is a
+            finite number of seconds above 0, or ``None``, as `treadle.run` takes it).
     """
     if not description.strip():
         raise UsageError(f"agent tool {name!r}: the description cannot be empty")
     check_ttl(lease_ttl_s)
+    check_seconds(above_zero=True, control_poll_s=control_poll_s)
     settings = _Settings(
         agent=agent,
         store=store,
