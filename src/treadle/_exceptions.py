@@ -12,7 +12,7 @@
                                               that counts (.request, .counting, .same)
       StoreError                              persistence failed; the run's state is unknown
         ConflictError                         a write's seq is not the next one (two writers)
-        LogCorrupted                          a log cannot be read back (.offset)
+        LogCorrupted                          a log cannot be read back (.offset, .unit)
         SchemaTooNew                          a log written by a newer treadle (.version)
         StoreStopped                          the store commits nothing more (its committer
                                               stopped): open it again
@@ -65,7 +65,7 @@ from __future__ import annotations
 import contextlib
 import datetime as dt
 from collections.abc import AsyncIterator
-from typing import TypeVar
+from typing import Literal, TypeVar
 
 from treadle.types import Lease, ModelErrorInfo, Usage
 
@@ -314,17 +314,32 @@ class RepairRefused(UsageError):
 class LogCorrupted(StoreError):
     """A stored log cannot be decoded.
 
+    The message ends in where the damage is, in the unit ``offset`` counts: "(at offset
+    374)" for a file's byte offset, "(at seq 11)" for a record of a table, "(at position 2)"
+    for an entry of a table's control stream.
+
     Attributes:
         where: the file or table holding the log.
-        offset: byte offset (files) or seq (tables) of the first bad record; ``None`` when
-            the damage is the database's own (SQLite found its file malformed), not a record's.
+        offset: byte offset (files) or seq (tables) of the first bad record, or the position
+            of a control entry (tables); ``None`` when the damage is the database's own
+            (SQLite found its file malformed), not a record's.
+        unit: what ``offset`` counts: ``"offset"`` (bytes of a file), ``"seq"`` or
+            ``"position"``.
     """
 
-    def __init__(self, message: str, *, where: str, offset: int | None) -> None:
-        at = "" if offset is None else f" (at offset {offset})"
+    def __init__(
+        self,
+        message: str,
+        *,
+        where: str,
+        offset: int | None,
+        unit: Literal["offset", "seq", "position"] = "offset",
+    ) -> None:
+        at = "" if offset is None else f" (at {unit} {offset})"
         super().__init__(f"{where}: {message}{at}")
         self.where = where
         self.offset = offset
+        self.unit = unit
 
 
 class SchemaTooNew(StoreError):

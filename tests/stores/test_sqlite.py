@@ -773,7 +773,7 @@ async def test_control_streams_are_per_run_and_never_listed(tmp_path: Path) -> N
             "UPDATE control SET body = CAST(? AS BLOB) WHERE pos = 2", [record_to_json(cancel("r"))]
         )
     async with open_sqlite_store(path) as store:
-        with pytest.raises(LogCorrupted) as info:
+        with pytest.raises(LogCorrupted, match=r"\(at position 2\)$") as info:
             await store.read_control("r")
         assert info.value.offset == 2
 
@@ -1293,6 +1293,8 @@ async def test_corrupt_log_names_the_seq(
             await store.read_log("r")
         assert info.value.offset == offset
         assert info.value.where == store.description == f"SQLite store {path}"
+        # a seq, said as one: "offset" is a file's byte offset (the JSONL store's)
+        assert info.value.unit == "seq" and str(info.value).endswith(f"(at seq {offset})")
 
 
 @pytest.mark.parametrize(
@@ -1318,7 +1320,9 @@ async def test_a_changed_row_fails_its_checksum(tmp_path: Path, damage: str) -> 
             ).fetchone()
             cursor = conn.execute(f"{damage} WHERE run_id = 'r' AND seq = ?", (changed,))
             assert cursor.rowcount == 1
-        with pytest.raises(LogCorrupted, match="fails its checksum") as info:
+        with pytest.raises(
+            LogCorrupted, match=r"record 2 fails its checksum \(at seq 2\)$"
+        ) as info:
             await store.read_log("r")
         assert info.value.offset == changed == 2
         with pytest.raises(LogCorrupted):  # another store object sees the same damage
@@ -1335,7 +1339,7 @@ async def test_records_the_run_row_counts_must_all_be_there(tmp_path: Path) -> N
         await store.list_runs()
         with contextlib.closing(sqlite3.connect(path, isolation_level=None)) as conn:
             conn.execute("DELETE FROM records WHERE run_id = 'r' AND seq >= 5")
-        with pytest.raises(LogCorrupted, match="records 5 to 6 are missing") as info:
+        with pytest.raises(LogCorrupted, match=r"records 5 to 6 are missing \(at seq 5\)$") as info:
             await store.read_log("r")
         assert info.value.offset == 5
 

@@ -275,7 +275,7 @@ def decode_rows(where: str, run_id: str, rows: Sequence[Sequence[Any]]) -> tuple
     the schema version of a run-started record.
 
     Raises:
-        LogCorrupted: a row is damaged or missing (``offset`` is its seq).
+        LogCorrupted: a row is damaged or missing (``offset`` is its seq, ``unit`` "seq").
         SchemaTooNew: the run was started by a newer schema version.
     """
     crc_of = row_crc(run_id)
@@ -287,15 +287,22 @@ def decode_rows(where: str, run_id: str, rows: Sequence[Sequence[Any]]) -> tuple
                     f"run {run_id!r}: record {expected} holds no bytes",
                     where=where,
                     offset=expected,
+                    unit="seq",
                 )
             body = bytes(body)  # a memoryview from PostgreSQL
         if seq != expected:
             raise LogCorrupted(
-                f"run {run_id!r}: record seq {expected} is missing", where=where, offset=expected
+                f"run {run_id!r}: record seq {expected} is missing",
+                where=where,
+                offset=expected,
+                unit="seq",
             )
         if crc_of(seq, gen, kind, body) != crc:
             raise LogCorrupted(
-                f"run {run_id!r}: record {seq} fails its checksum", where=where, offset=seq
+                f"run {run_id!r}: record {seq} fails its checksum",
+                where=where,
+                offset=seq,
+                unit="seq",
             )
         try:
             record = stored_decoder(kind)(body, run_id)
@@ -304,6 +311,7 @@ def decode_rows(where: str, run_id: str, rows: Sequence[Sequence[Any]]) -> tuple
                 f"run {run_id!r}: record {seq} ({kind}) does not decode: {exc}",
                 where=where,
                 offset=seq,
+                unit="seq",
             ) from exc
         if type(record) is RunStarted:
             check_schema(record)
@@ -509,6 +517,7 @@ def read_records(dialect: SqlDialect, conn: Connection, run_id: str) -> tuple[Re
             f"run {run_id!r}: records {len(records) + 1} to {counted} are missing",
             where=where,
             offset=len(records) + 1,
+            unit="seq",
         )
     return records
 
@@ -1038,6 +1047,7 @@ def read_control(
                 f"run {run_id!r}: control entry {expected} is damaged or missing",
                 where=dialect.description,
                 offset=expected,
+                unit="position",
             )
         try:
             record = decode(body)
@@ -1046,12 +1056,14 @@ def read_control(
                 f"run {run_id!r}: undecodable control entry {pos}: {exc}",
                 where=dialect.description,
                 offset=pos,
+                unit="position",
             ) from exc
         if not isinstance(record, CancelRequested | ApprovalDecided):
             raise LogCorrupted(
                 f"run {run_id!r}: control entry {pos} is a {kind}",
                 where=dialect.description,
                 offset=pos,
+                unit="position",
             )
         entries.append(ControlEntry(run_id=run_id, position=pos, record=record))
     return tuple(entries)

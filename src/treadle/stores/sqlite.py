@@ -462,6 +462,7 @@ def _decode_v1(where: str, run_id: str, seq: int, body: str) -> Record:
             f"migrated: {exc}",
             where=where,
             offset=seq,
+            unit="seq",
         ) from exc
 
 
