@@ -680,18 +680,29 @@ def probe_run_file(path: str) -> Probe | None:
 def _probe_file(path: str, name: str, file: Any) -> Probe | None:
     """`probe_run_file` of an open file: reads its end, widening it while no record line fits.
 
+    The first lines are read and checked once, however often the end is widened: a first
+    record line of any size (it holds the run's input) is the one line in the window of a
+    run of one record line.
+
     Raises:
         OSError: the file cannot be read.
     """
     head = _first_lines(file, 2)
     status = os.fstat(file.fileno())
+    opening: _Opening | None = None
     window = _CHUNK
     while True:
         tail_at = max(0, status.st_size - window)
         file.seek(tail_at)
         tail = file.read()
         try:
-            probe = _probe(path, name, head, tail, tail_at)
+            if opening is None:
+                # NUL bytes are a lost write only when they run to the file's end
+                # (`scan_lines`); a file that ends with a newline has none.
+                opening = _opening(path, name, head, lost=not tail.endswith(b"\n"))
+                if opening is None:
+                    return None
+            records, next_seq = _tail_records(path, tail, tail_at, opening.run_id, opening.version)
         except TreadleError as exc:
             created = _header_created_ns(path, name, head)
             return Probe(
@@ -700,8 +711,15 @@ def _probe_file(path: str, name: str, file: Any) -> Probe | None:
                 created_ns=status.st_mtime_ns if created is None else created,
                 error=exc,
             )
-        if probe is None or probe.records is not None or not tail_at:
-            return probe
+        if next_seq is not None or not tail_at:
+            return Probe(
+                name=name,
+                run_id=opening.run_id,
+                created_ns=opening.created_ns,
+                first=opening.first,
+                tail=tuple(records),
+                records=None if next_seq is None else next_seq - 1,
+            )
         window *= 2
 
 
@@ -736,20 +754,52 @@ def _header_created_ns(path: str, name: str, head: bytes) -> int | None:
 
 
 def _first_lines(file: Any, count: int) -> bytes:
-    data = b""
-    while data.count(b"\n") < count:
+    """The file's next bytes, read `_CHUNK` at a time, until they hold ``count`` newlines.
+
+    All its bytes when it holds fewer. Each chunk's newlines are counted once, so a first
+    record line of n bytes (it holds the run's input, of any size) costs O(n) to read, as
+    in a full read of the log: counting them in all the bytes read so far, at each chunk,
+    cost O(n²).
+    """
+    chunks: list[bytes] = []
+    found = 0
+    while found < count:
         chunk = file.read(_CHUNK)
         if not chunk:
             break
-        data += chunk
-    return data
+        chunks.append(chunk)
+        found += chunk.count(b"\n")
+    return b"".join(chunks)
 
 
-def _probe(path: str, name: str, head: bytes, tail: bytes, tail_at: int) -> Probe | None:
+@attrs.frozen(kw_only=True)
+class _Opening:
+    """What a run file's first two lines say.
+
+    Attributes:
+        run_id: the header's run id (the file's name names it).
+        created_ns: the header's creation time, ns since the epoch.
+        version: the header's format version.
+        first: the first record of the first record line, the run-started record.
+    """
+
+    run_id: str
+    created_ns: int
+    version: int
+    first: Record
+
+
+def _opening(path: str, name: str, head: bytes, *, lost: bool) -> _Opening | None:
+    """What the first two lines in ``head`` say (``None``: no record line reached the file).
+
+    ``lost``: the file does not end with a newline, so a line of NUL bytes may be a torn
+    tail (a first write that crashed) rather than damage.
+
+    Raises:
+        LogCorrupted: a line is damaged, or the header names another run.
+        SchemaTooNew: the file or its run-started record is of a newer version.
+    """
     complete = head.split(b"\n")[:-1]  # the lines that end with a newline
-    # NUL bytes are a lost write only when they run to the file's end (`scan_lines`); a
-    # file that ends with a newline has none, and such a line is a damaged one.
-    lost = not tail.endswith(b"\n")
     if not complete or (lost and not complete[0].strip(b"\0")):
         return None  # no header line reached the file: a first write that crashed
     run_id, created_ns, version = read_header(path, _checked(path, complete[0], 0))
@@ -759,15 +809,7 @@ def _probe(path: str, name: str, head: bytes, tail: bytes, tail_at: int) -> Prob
         return None  # no record line reached the file (a torn first record was never written)
     first_found = _checked(path, complete[1], len(complete[0]) + 1)
     first_records, _ = _read_records(path, run_id, first_found, 1, version)
-    records, next_seq = _tail_records(path, tail, tail_at, run_id, version)
-    return Probe(
-        name=name,
-        run_id=run_id,
-        created_ns=created_ns,
-        first=first_records[0],
-        tail=tuple(records),
-        records=None if next_seq is None else next_seq - 1,
-    )
+    return _Opening(run_id=run_id, created_ns=created_ns, version=version, first=first_records[0])
 
 
 def _checked(path: str, line: bytes, offset: int) -> tuple[int, bytes, int]:
