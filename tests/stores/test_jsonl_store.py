@@ -1464,6 +1464,45 @@ async def test_listing_a_run_with_a_large_input_is_linear_in_its_first_line(tmp_
     assert searched <= 10 * size
 
 
+@pytest.mark.parametrize("at", ["inside a line", "at a line's start"])
+async def test_a_last_64_kib_starting_at_a_seq_key_inside_a_line_is_no_damage(
+    tmp_path: Path, at: str
+) -> None:
+    """Listing took a file's last 64 KiB that began with ``{"seq":`` for the start of a line,
+    which a tool argument named ``seq`` (values are written as plain JSON) begins too: a
+    healthy run was listed as damaged, "not a frame ... (at offset 374)", and `treadle runs`
+    exited 1, while reading its whole log found nothing wrong."""
+
+    async def write(directory: Path, pad: int) -> tuple[bytes, int]:
+        """The run file, and the offset of its last line's ``{"seq":1``."""
+        async with open_jsonl_store(directory) as store:
+            g = await lease(store, "r")
+            await store.write_run_started(started("r"), seq=1, generation=g)
+            intent = ActionIntent(
+                run_id="r",
+                step=1,
+                intent_id="a1",
+                call_id="c",
+                tool="note",
+                arguments={"seq": 1, "text": "x" * pad},
+                ts=TS,
+            )
+            await store.write_intent(intent, seq=2, generation=g)
+            data = await trio.Path(store.run_file("r")).read_bytes()
+        line = data.rindex(b"\n", 0, -1) + 1
+        return data, line if at == "at a line's start" else data.index(b'{"seq":1,', line)
+
+    window = 64 * 1024  # what listing reads of a file's end (docs/crash-safety.md)
+    data, key = await write(tmp_path / "first", 0)
+    # the text comes after the key: the key stays where it is, the file grows by the text
+    data, again = await write(tmp_path / "runs", window - (len(data) - key))
+    assert again == key == len(data) - window and data[key : key + 7] == b'{"seq":'
+    async with open_jsonl_store(tmp_path / "runs") as store:
+        (summary,) = await store.list_summaries()
+        assert (summary.error, summary.records, summary.state) == (None, 2, RunState.RUNNING)
+        assert len((await store.read_log("r")).records) == 2
+
+
 @pytest.mark.parametrize("put", ["directory", "fifo", "symlink loop", "dangling symlink"])
 async def test_a_run_file_that_is_not_a_regular_file_is_listed_as_unreadable(
     tmp_path: Path, put: str

@@ -659,10 +659,11 @@ class Probe:
 def probe_run_file(path: str) -> Probe | None:
     """The header, first record and last records of a run file (``None``: no record yet).
 
-    Reads the first lines and the file's end only: its last 64 KiB, doubled until they hold
-    a whole record line (a record of any size, up to the whole file), so the last record is
-    always found and a finished run is never taken for a running one. A damaged file is
-    reported in ``error`` (reading its log raises the same), never left out.
+    Reads the first lines and the file's end only: its last 64 KiB (and the byte before
+    them, which says whether they start a line), doubled until they hold a whole record
+    line (a record of any size, up to the whole file), so the last record is always found
+    and a finished run is never taken for a running one. A damaged file is reported in
+    ``error`` (reading its log raises the same), never left out.
     """
     name = os.path.basename(path)
     try:
@@ -692,7 +693,8 @@ def _probe_file(path: str, name: str, file: Any) -> Probe | None:
     opening: _Opening | None = None
     window = _CHUNK
     while True:
-        tail_at = max(0, status.st_size - window)
+        # with the byte before the window: a newline there says the window starts a line
+        tail_at = max(0, status.st_size - window - 1)
         file.seek(tail_at)
         tail = file.read()
         try:
@@ -825,10 +827,13 @@ def _tail_records(
     """The records of the record frames in ``tail``, and the seq after the last of them.
 
     ``tail`` is the file's bytes from ``tail_at`` on; the seq is ``None`` when it holds no
-    record frame. The first line is skipped when ``tail`` starts inside it. The rest is
-    judged as the full read judges it (`treadle.stores._lines.scan_lines`): a torn tail (an
-    unterminated last line, or NUL bytes to the end) is left out, as the full read leaves it
-    out, and any other line must be an intact frame whose seq follows the frame before it.
+    record frame. Unless ``tail`` starts the file, its bytes up to its first newline are
+    skipped: they may be the end of a line, whatever they look like (a ``{"seq":`` there may
+    be a value's, which are plain JSON), so a line is kept when ``tail`` starts with the
+    newline before it. The rest is judged as the full read judges it
+    (`treadle.stores._lines.scan_lines`): a torn tail (an unterminated last line, or NUL
+    bytes to the end) is left out, as the full read leaves it out, and any other line must
+    be an intact frame whose seq follows the frame before it.
 
     Raises:
         LogCorrupted: a complete line in ``tail`` is damaged (an empty line or NUL bytes a
@@ -836,7 +841,7 @@ def _tail_records(
             moved); ``offset``: where it starts.
     """
     records: list[Record] = []
-    start = 0 if tail_at == 0 or tail.startswith(b'{"seq":') else tail.find(b"\n") + 1
+    start = 0 if tail_at == 0 else tail.find(b"\n") + 1
     scanned = scan_lines(tail[start:], check_frame, where=path, base=tail_at + start)
     expected: int | None = None
     for seq, line, offset in scanned.items:
