@@ -501,6 +501,31 @@ def test_a_run_index_row_without_a_run_id_is_damage_not_an_empty_store(tmp_path:
         assert "the run index is damaged: a row has no run id" in result.output, command
 
 
+def test_a_run_id_changed_in_the_run_index_fails_the_listing_and_resume_all(
+    tmp_path: Path,
+) -> None:
+    """One changed byte made the SQLite index row of the unfinished run 'run-1' read
+    'run-k': `treadle runs` listed 'run-k', which `treadle show` said does not exist, and
+    exited 0; `resume --all` failed on 'run-k' and never named or resumed 'run-1'. Both now
+    fail, naming the damage, and resume nothing."""
+    path = prepare(tmp_path, "sqlite", {"run-1": 9})
+    (before,) = read_logs(tmp_path, "sqlite", ["run-1"])
+    with contextlib.closing(sqlite3.connect(path)) as conn:
+        conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+        (root,) = conn.execute("SELECT rootpage FROM sqlite_master WHERE name = 'runs'").fetchone()
+        (size,) = conn.execute("PRAGMA page_size").fetchone()
+    data = bytearray(path.read_bytes())
+    at = data.index(b"run-1", (root - 1) * size, root * size)  # the row, as a damaged page
+    data[at + 4] = ord("k")
+    path.write_bytes(data)
+    runner = CliRunner(env={LEDGER_ENV: str(tmp_path / "ledger.jsonl")})
+    for command in (["runs"], ["resume", "--all", "--agent", AGENT]):
+        result = runner.invoke(main, [*command, "--store", str(path)])
+        assert result.exit_code == 1, (command, result.output)
+        assert "the run index is damaged: its row 1 reads run id 'run-k'" in result.output
+    assert read_logs(tmp_path, "sqlite", ["run-1"]) == [before]  # nothing resumed
+
+
 def test_a_schema_text_that_is_not_utf8_is_a_damaged_database_not_a_traceback(
     tmp_path: Path,
 ) -> None:

@@ -43,6 +43,7 @@ from treadle.types import (
     CancelRequested,
     DecisionKind,
     Liveness,
+    Message,
     ModelIntent,
     ModelResult,
     Record,
@@ -1361,6 +1362,64 @@ async def test_a_damaged_next_seq_is_log_corrupted_not_a_python_error(
             await store.read_log("r")
         with pytest.raises(LogCorrupted, match="its index row is damaged"):
             await run.next()  # the writer's check of the row
+
+
+def change_in_page(path: Path, name: str, old: bytes, new: bytes) -> None:
+    """Change ``old`` to ``new`` (as long) in the page of table or index ``name``, as a damaged
+    page reads: no SQL, no constraint or index kept in step.
+
+    ``path`` is a closed database whose WAL is checkpointed first; ``name`` must fit one page,
+    holding ``old`` once.
+    """
+    with contextlib.closing(sqlite3.connect(path, isolation_level=None)) as conn:
+        conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+        (root,) = conn.execute(
+            "SELECT rootpage FROM sqlite_master WHERE name = ?", (name,)
+        ).fetchone()
+        (size,) = conn.execute("PRAGMA page_size").fetchone()
+    data = bytearray(path.read_bytes())
+    page = data[(root - 1) * size : root * size]
+    assert page.count(old) == 1 and len(new) == len(old)
+    at = (root - 1) * size + page.index(old)
+    data[at : at + len(old)] = new
+    path.write_bytes(data)
+
+
+@pytest.mark.parametrize(
+    ("name", "old", "new"),
+    [
+        ("runs", b"run-a1", b"run-a7"),  # a run id no run has
+        ("runs", b"run-a1", b"run-b2"),  # another run's
+        ("runs", b"run-q3", b"run-q9"),  # a queued run's: no log to hold it
+        ("sqlite_autoindex_runs_1", b"run-a1", b"run-a0"),  # the index's copy
+    ],
+    ids=["row", "row-as-another-run", "queued-row", "index"],
+)
+async def test_a_changed_byte_in_a_run_id_of_the_index_fails_every_listing(
+    tmp_path: Path, name: str, old: bytes, new: bytes
+) -> None:
+    """One changed byte in a run id of the runs table (a damaged page) went unnoticed: the
+    listing showed a run that does not exist (`treadle show` found no such run) in place of
+    an unfinished one, which `treadle resume --all` never resumed, and exited 0."""
+    path = tmp_path / "s.db"
+    async with open_sqlite_store(path) as store:
+        for run_id in ("run-a1", "run-b2"):
+            run = Steps(store, run_id)
+            await run.start()
+            await run.next()
+        await store.submit("run-q3", agent="a", input=(Message(role="user", content="hi"),))
+        assert len(await store.list_summaries()) == 3
+    change_in_page(path, name, old, new)
+    with contextlib.closing(sqlite3.connect(path)) as conn:
+        assert conn.execute("PRAGMA integrity_check").fetchall() != [("ok",)]
+    damaged = "the run index is damaged: its row [123] reads run id 'run-"
+    async with open_sqlite_store(path) as store:
+        listings: list[Callable[[], Awaitable[object]]] = [store.list_summaries, store.count_runs]
+        if name != "runs" or old != b"run-q3":  # a queued run has no records to list
+            listings.append(store.list_runs)
+        for listing in listings:
+            with pytest.raises(LogCorrupted, match=damaged):
+                await listing()
 
 
 async def test_a_lease_expiry_no_clock_can_show_still_names_the_holder(tmp_path: Path) -> None:

@@ -534,37 +534,62 @@ def list_run_ids(dialect: SqlDialect, conn: Connection) -> tuple[str, ...]:
     """Runs with at least one record, in the order they entered the store.
 
     Raises:
-        LogCorrupted: a row of the index has no run id (`_check_ids`).
+        LogCorrupted: a row of the index has no run id, or one that the index of run ids
+            does not give it (`checked_rows`).
     """
     rows = conn.execute(
-        f"SELECT run_id FROM runs WHERE next_seq > 1 OR {_NO_RUN_ID} ORDER BY ord"
+        f"SELECT {_ROW_CHECK}, run_id FROM runs WHERE next_seq > 1 OR {_NO_RUN_ID} ORDER BY ord"
     ).fetchall()
-    return _check_ids(dialect, tuple(r[0] for r in rows))
+    return tuple(run_id for (run_id,) in checked_rows(dialect, rows))
 
 
 _NO_RUN_ID: Final = "COALESCE(run_id, '') = ''"
 """A row without a run id. Not ``run_id IS NULL``: SQLite reads that as false for a NOT NULL
 column without looking, and a damaged row is just what breaks the constraint."""
 
+_ROW_CHECK: Final = "ord, (SELECT i.ord FROM runs AS i WHERE i.run_id = runs.run_id) AS indexed_ord"
+"""The two columns a listing reads before the others, for `checked_rows`: the row's ``ord``,
+and the ``ord`` the UNIQUE index of run ids gives the row's run id (``NULL``: it holds no
+such run id).
 
-def _check_ids(dialect: SqlDialect, run_ids: tuple[Any, ...]) -> tuple[Any, ...]:
-    """``run_ids``, unless the index holds a row without one.
+A listing scans the rows; a run's lookups (`treadle show`, a resume, a lease) go through the
+index. A changed byte in a row's run id (a damaged page) makes the two disagree: the row
+reads a run id that the index gives no row, or gives another row, and its own run is left
+out of the listing. Rows carry no checksum: the index is their second copy of the run id,
+one probe of it per row (docs/decisions/0121-index-rows-are-checked-against-the-index.md).
+"""
 
-    Such a row (the column is NOT NULL) is a damaged file, read back as garbage: its run would
-    drop out of every listing, and `treadle resume --all` would skip it, although its log is
-    there.
+
+def checked_rows(dialect: SqlDialect, rows: Sequence[Sequence[Any]]) -> list[Sequence[Any]]:
+    """``rows`` (each `_ROW_CHECK`'s two columns, run_id, the others) without the first two.
+
+    A row without a run id (the column is NOT NULL) is a damaged file, read back as garbage:
+    its run would drop out of every listing, and `treadle resume --all` would skip it,
+    although its log is there. So would a row whose run id the index does not give it, which
+    lists a run that does not exist in its place (`treadle show` finds no such run).
 
     Raises:
-        LogCorrupted: a run id is ``None``.
+        LogCorrupted: a row has no run id (``None`` or empty), or one that the index of run
+            ids does not give that row.
     """
-    if None in run_ids or "" in run_ids:
-        raise LogCorrupted(
-            "the run index is damaged: a row has no run id, so a run may be missing from the "
-            "listing (check the database, e.g. PRAGMA integrity_check for SQLite)",
-            where=dialect.description,
-            offset=None,
-        )
-    return run_ids
+    for at, indexed, run_id, *_ in rows:
+        if run_id is None or run_id == "":
+            raise LogCorrupted(
+                "the run index is damaged: a row has no run id, so a run may be missing from "
+                "the listing (check the database, e.g. PRAGMA integrity_check for SQLite)",
+                where=dialect.description,
+                offset=None,
+            )
+        if indexed != at:
+            raise LogCorrupted(
+                f"the run index is damaged: its row {at} reads run id {run_id!r}, which the "
+                "index of run ids does not give that row, so the listing would show a run "
+                "that does not exist in place of another (check the database, e.g. PRAGMA "
+                "integrity_check for SQLite)",
+                where=dialect.description,
+                offset=None,
+            )
+    return [row[2:] for row in rows]
 
 
 _SUMMARY_COLUMNS: Final = (
@@ -580,21 +605,24 @@ def list_summaries(
     """Every run with a state (started or queued), in the order they entered the store.
 
     ``last``: only the last ``last`` of them, the others not read (``None``: every run).
+
+    Raises:
+        LogCorrupted: a row read has no run id, or one that the index of run ids does not
+            give it (`checked_rows`).
     """
     order = "ORDER BY ord" if last is None else f"ORDER BY ord DESC LIMIT {int(last)}"
     dialect.begin_read(conn)
     try:
         now = dialect.now(conn)
         rows = conn.execute(
-            f"SELECT {_SUMMARY_COLUMNS} FROM runs WHERE state IS NOT NULL OR next_seq > 1 "
-            f"OR {_NO_RUN_ID} {order}"
+            f"SELECT {_ROW_CHECK}, {_SUMMARY_COLUMNS} FROM runs WHERE state IS NOT NULL "
+            f"OR next_seq > 1 OR {_NO_RUN_ID} {order}"
         ).fetchall()
     finally:
         conn.execute("COMMIT")
     if last is not None:
         rows.reverse()
-    _check_ids(dialect, tuple(row[0] for row in rows))
-    return tuple(summary_of(dialect.description, row, now) for row in rows)
+    return tuple(summary_of(dialect.description, row, now) for row in checked_rows(dialect, rows))
 
 
 _FINISHED_STATES: Final = ", ".join(f"'{state.value}'" for state in RunState if state.is_terminal)
@@ -613,7 +641,8 @@ def count_runs(dialect: SqlDialect, conn: Connection) -> dict[Liveness, int]:
         liveness -> runs (a liveness no run has is absent).
 
     Raises:
-        LogCorrupted: a row of the index has no run id (`_check_ids`).
+        LogCorrupted: an unfinished run's row of the index has no run id, or one that the
+            index of run ids does not give it (`checked_rows`).
     """
     dialect.begin_read(conn)
     try:
@@ -622,13 +651,13 @@ def count_runs(dialect: SqlDialect, conn: Connection) -> dict[Liveness, int]:
             f"SELECT COUNT(*) FROM runs WHERE state IN ({_FINISHED_STATES}) AND NOT {_NO_RUN_ID}"
         ).fetchone()
         rows = conn.execute(
-            f"SELECT {_SUMMARY_COLUMNS} FROM runs WHERE ((state IS NULL AND next_seq > 1) OR "
-            f"state NOT IN ({_FINISHED_STATES})) OR {_NO_RUN_ID}"
+            f"SELECT {_ROW_CHECK}, {_SUMMARY_COLUMNS} FROM runs WHERE ((state IS NULL AND "
+            f"next_seq > 1) OR state NOT IN ({_FINISHED_STATES})) OR {_NO_RUN_ID}"
         ).fetchall()
     finally:
         conn.execute("COMMIT")
-    _check_ids(dialect, tuple(row[0] for row in rows))
-    counts = Counter(summary_of(dialect.description, row, now).liveness for row in rows)
+    unfinished = checked_rows(dialect, rows)
+    counts = Counter(summary_of(dialect.description, row, now).liveness for row in unfinished)
     if finished:
         counts[Liveness.FINISHED] += int(finished)
     return dict(counts)
@@ -1495,7 +1524,8 @@ class SqlStore(EngineStore):
         row is read or decoded.
 
         Raises:
-            LogCorrupted: a row of the index has no run id.
+            LogCorrupted: an unfinished run's row of the index has no run id, or one that
+                the index of run ids does not give it.
             StoreError: the database cannot be read, or the store is closed.
         """
         await self._engine.settle()
