@@ -720,6 +720,32 @@ async def test_a_repair_refuses_to_empty_a_file_without_a_treadle_header(tmp_pat
         assert foreign.read_text() == '{"kind": "payment", "amount_cents": 12500}\n'
 
 
+@pytest.mark.parametrize("damage", ["checksum", "unreadable"])
+async def test_a_refused_repair_of_a_damaged_header_names_the_calls_its_lines_show(
+    tmp_path: Path, damage: str
+):
+    # One byte changed in a run's header line: the refusal said only that the file might be
+    # another program's, never that its intact lines showed calls that ran; the forced cut
+    # then emptied the log, and the run id driven again ran those calls a second time.
+    path, run = await write_run(tmp_path, steps=2)
+    lines = path.read_bytes().split(b"\n")
+    lines[0] = _crc_changed(lines[0]) if damage == "checksum" else _unreadable(lines[0])
+    path.write_bytes(b"\n".join(lines))
+    before = path.read_bytes()
+    async with open_jsonl_store(tmp_path) as store:
+        with pytest.raises(RepairRefused) as info:
+            await store.repair("r", owner="operator")
+        message = str(info.value)
+        assert "no treadle header" in message
+        assert f"removing {len(run.written)} readable record(s)" in message
+        assert "2 action call(s)" in message and "t (intent a1), t (intent a2)" in message
+        assert "Check those calls' effects first" in message
+        assert path.read_bytes() == before
+        forced = await store.repair("r", owner="operator", force=True)
+        assert forced is not None and (forced.offset, forced.removed) == (0, len(before))
+        assert forced.readable_removed == len(run.written)
+
+
 async def test_a_copy_of_a_run_file_is_listed_as_what_it_is(tmp_path: Path):
     # A run file copied under another name was listed as the run again, a second identical
     # row, while reading it by that name said the header names another run.

@@ -1112,7 +1112,8 @@ def repair_run_file(directory: str, name: str, *, force: bool = False) -> Repair
     the kept part holds an equal record already (a line written twice); when
     the damaged line is unreadable and follows a model reply whose calls have no intent yet
     (it may have held one); and when the first line is no treadle header (the cut would
-    empty what may be another program's file).
+    empty what may be another program's file; the refusal names the calls its lines still
+    show, as above).
 
     Returns:
         What was removed, or ``None`` when the file reads without damage.
@@ -1132,14 +1133,9 @@ def repair_run_file(directory: str, name: str, *, force: bool = False) -> Repair
     offset = min(damage.offset or 0, len(data))
     removed = data[offset:]
     if offset == 0:
+        lost = _readable_without_header(name, data)
         if not force:
-            raise RepairRefused(
-                where=path,
-                message=f"{path}: its first line is no treadle header ({damage}), so it may not "
-                "be a treadle run log at all; the cut would empty it. Nothing was changed. Cut "
-                "anyway with force (treadle repair --force)",
-            )
-        lost: list[Record] = []
+            _refuse_emptying(path, damage, lost)
     else:
         kept = _parsed(path, data[:offset], None)  # the lines before the first damaged one
         lost = _readable(data[offset:], kept)
@@ -1241,11 +1237,36 @@ def _readable(lines: bytes, kept: RunFile) -> list[Record]:
     return found
 
 
-def _records_in(line: bytes, run_id: str, version: int) -> list[Record]:
+def _readable_without_header(name: str, data: bytes) -> list[Record]:
+    """The records readable in ``data``, the bytes of run file ``name`` without an intact header.
+
+    Such a file may be another program's, or a run log whose first line alone is damaged:
+    what its lines hold counts as `_readable` counts it, each record decoded as its encoding
+    shows (`_decoded`), under the run id the damaged header still names (when its JSON reads)
+    or else the one the file name stands for (`id_from_name`).
+    """
+    first = data.split(b"\n", 1)[0]
+    run_id = _run_id_in_header(first) or id_from_name(name)
+    return [record for line in data.split(b"\n") for record in _records_in(line, run_id, None)]
+
+
+def _run_id_in_header(line: bytes) -> str | None:
+    """The run id a header line names, its checksum left unchecked (``None``: it names none)."""
+    try:
+        data = json.loads(line.decode("utf-8"))
+    except ValueError:  # UnicodeDecodeError included
+        return None
+    header = data.get("header") if isinstance(data, dict) else None
+    run_id = header.get("run_id") if isinstance(header, dict) else None
+    return run_id if isinstance(run_id, str) and run_id else None
+
+
+def _records_in(line: bytes, run_id: str, version: int | None) -> list[Record]:
     """Every record that decodes in any array of the JSON object ``line`` (in order).
 
     A frame's records are its one array; the other keys (``seq``, ``crc``, ``gen``) are
-    not needed to read them, so a damaged key leaves them readable.
+    not needed to read them, so a damaged key leaves them readable. ``version`` is the
+    file's format (``None``: unknown, each record decoded as its shape shows).
     """
     try:
         data = json.loads(line.decode("utf-8"))  # reads escaped lone surrogates, too
@@ -1263,13 +1284,16 @@ def _records_in(line: bytes, run_id: str, version: int) -> list[Record]:
     return found
 
 
-def _decoded(item: Any, run_id: str, version: int) -> Record:
+def _decoded(item: Any, run_id: str, version: int | None) -> Record:
     """The record ``item`` (a frame's array element, as `json.loads` gave it) holds.
+
+    ``version`` is the file's format; ``None`` (a file without an intact header) reads an
+    array as the compact encoding and an object as the JSON-object one.
 
     Raises:
         ValueError, KeyError, TypeError, LogCorrupted: it holds no record.
     """
-    if version >= COMPACT_FROM:
+    if isinstance(item, list) if version is None else version >= COMPACT_FROM:
         return unpack(json.dumps(item, ensure_ascii=True, separators=(",", ":")), run_id)
     return record_from_dict(item)
 
@@ -1315,10 +1339,41 @@ def _refuse_losing_facts(path: str, lost: Sequence[Record]) -> None:
     An action intent or an action result (the call ran) in the cut would make a resume run
     the call again; a run-finished record, reopen the run.
     """
-    calls = {r.intent_id: r for r in lost if isinstance(r, ActionIntent | ActionResult)}
-    finished = any(isinstance(r, RunFinished) for r in lost)
-    if not calls and not finished:
+    facts = _facts(lost)
+    if not facts:
         return
+    raise RepairRefused(
+        where=path,
+        message=f"{path}: the cut would remove {len(lost)} readable record(s) from the damaged "
+        f"line on, among them {facts}. {_check_first(lost)} anyway with force (treadle repair "
+        "--force)",
+    )
+
+
+def _refuse_emptying(path: str, damage: LogCorrupted, lost: Sequence[Record]) -> None:
+    """Raise `RepairRefused` for a cut that would empty a file without an intact header.
+
+    It may be another program's file; when its lines read as a run's records, the refusal
+    names them as `_refuse_losing_facts` does (the calls a resume would run again).
+    """
+    removing = f", removing {len(lost)} readable record(s)" if lost else ""
+    facts = _facts(lost)
+    among = f", among them {facts}" if facts else ""
+    raise RepairRefused(
+        where=path,
+        message=f"{path}: its first line is no treadle header ({damage}), so it may not be a "
+        f"treadle run log at all; the cut would empty it{removing}{among}. Nothing was changed. "
+        f"{_check_first(lost)} anyway with force (treadle repair --force)",
+    )
+
+
+def _facts(lost: Sequence[Record]) -> str:
+    """What in ``lost`` a cut must not remove unknowingly, in words (``""``: nothing).
+
+    The action calls that may have run (their intents or results, five named), and the
+    run-finished record.
+    """
+    calls = {r.intent_id: r for r in lost if isinstance(r, ActionIntent | ActionResult)}
     what = []
     if calls:
         named = ", ".join(f"{c.tool} (intent {c.intent_id})" for c in list(calls.values())[:5])
@@ -1327,12 +1382,13 @@ def _refuse_losing_facts(path: str, lost: Sequence[Record]) -> None:
             f"{len(calls)} action call(s) that may have run, which a resume would run "
             f"again: {named}{more}"
         )
-    if finished:
+    if any(isinstance(r, RunFinished) for r in lost):
         what.append("the run-finished record, which a resume would reopen")
-    check = "Check those calls' effects first, then cut" if calls else "Cut"
-    raise RepairRefused(
-        where=path,
-        message=f"{path}: the cut would remove {len(lost)} readable record(s) from the damaged "
-        f"line on, among them {' and '.join(what)}. {check} anyway with force (treadle repair "
-        "--force)",
-    )
+    return " and ".join(what)
+
+
+def _check_first(lost: Sequence[Record]) -> str:
+    """How a refusal's advice starts: check the calls' effects first, when ``lost`` has some."""
+    if any(isinstance(r, ActionIntent | ActionResult) for r in lost):
+        return "Check those calls' effects first, then cut"
+    return "Cut"
