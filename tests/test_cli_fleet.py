@@ -525,7 +525,7 @@ def test_repair_cuts_a_damaged_log_and_runs_reads_clean_again(tmp_path: Path):
     assert damaged.exit_code != 0 and "damaged" in damaged.output
     healthy = invoke("repair", "good-1", "--store", str(directory))
     assert healthy.exit_code == 0, healthy.output
-    assert "reads without damage; nothing removed" in healthy.output
+    assert "read without damage; nothing removed" in healthy.output
     before = bad_file.read_bytes()
     refused = invoke("repair", "bad", "--store", str(directory))
     assert refused.exit_code == 1 and "Traceback" not in refused.output
@@ -551,6 +551,35 @@ def test_repair_cuts_a_damaged_log_and_runs_reads_clean_again(tmp_path: Path):
     leave_orphaned(db, "o")
     refused = invoke("repair", "o", "--store", str(db))
     assert refused.exit_code != 0 and "JSONL" in refused.output
+
+
+def test_repair_cuts_a_damaged_control_stream_and_runs_reads_clean_again(tmp_path: Path):
+    # The damage said "`treadle repair` removes it knowingly", yet repair looked at the log
+    # only ("its log reads without damage; nothing removed"), and `treadle runs` exited 0.
+    directory = tmp_path / "runs"
+
+    async def go() -> Path:
+        async with open_jsonl_store(directory) as store:
+            await treadle.run(calc_agent(), "2+3?", store=store, run_id="r")
+            await store.append_control(
+                CancelRequested(run_id="r", ts="2025-01-01T00:00:00+00:00", reason="late")
+            )
+            return directory / ".control" / Path(store.run_file("r")).name
+
+    control = trio.run(go)
+    kept = control.read_bytes()
+    control.write_bytes(kept + b"x\n")
+    listed = invoke("runs", "--store", str(directory), "--json")
+    assert listed.exit_code == 1, listed.output
+    (row,) = map(json.loads, listed.stdout.splitlines())
+    assert row["state"] == "succeeded" and str(control) in row["error"]
+    repaired = invoke("repair", "r", "--store", str(directory))
+    assert repaired.exit_code == 0, repaired.output
+    assert f"removed 2 bytes from offset {len(kept)} of {control}" in repaired.output
+    assert control.read_bytes() == kept
+    assert rows(directory)["r"]["error"] is None
+    again = invoke("repair", "r", "--store", str(directory))
+    assert "read without damage; nothing removed" in again.output
 
 
 # --------------------------------------------------------------------------- cancel, approve, tail

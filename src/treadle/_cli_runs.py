@@ -446,7 +446,8 @@ def format_event(seq: int, record: Record) -> str:
     "--force",
     is_flag=True,
     help="Cut even when what it removes shows a call that may have run (a resume would run "
-    "it again), holds the run's end (a resume would reopen it), or the file has no header.",
+    "it again), holds the run's end (a resume would reopen it), or the file has no header; "
+    "or, in the run's control stream, a cancel or decision that still reads.",
 )
 def repair_command(run_id: str, store_path: str, force: bool) -> None:
     """Cut a damaged JSONL run log at its first damaged line, keeping what it removes.
@@ -454,28 +455,41 @@ def repair_command(run_id: str, store_path: str, force: bool) -> None:
     Run it knowingly: the damaged line and every line after it are removed from the log
     (saved, with a note of offset, length and SHA-256, in the store's .repairs/ directory).
     A cut that would remove a call that may have run, or the run's end, is refused
-    without --force: check those calls' effects first. A torn tail left by a crash needs no
-    repair; the store cuts it by itself.
+    without --force: check those calls' effects first. The run's control stream (its
+    cancels and approval decisions) is cut the same way, after the log; a cut that would
+    remove a cancel or decision that still reads is refused without --force. A torn tail
+    left by a crash needs no repair; the store cuts it by itself.
     """
 
-    async def go() -> Repair | None:
+    async def go() -> None:
         async with open_store(store_path) as store:
             if not isinstance(store, JsonlStore):
                 raise click.ClickException("repair applies to JSONL stores")
             if await store.read_summary(run_id) is None:  # its one file, not every run's
                 raise click.ClickException(f"no run {run_id!r} in {redact(store_path)}")
-            return await store.repair(run_id, owner=lease_owner(), force=force)
+            log = await store.repair(run_id, owner=lease_owner(), force=force)
+            if log is not None:  # said before the stream's repair, which may be refused
+                click.echo(_cut_said(run_id, log, "readable record"))
+            control = await store.repair_control(run_id, owner=lease_owner(), force=force)
+            if control is not None:
+                click.echo(
+                    _cut_said(run_id, control, "readable control entry", "readable control entries")
+                )
+            if log is None and control is None:
+                click.echo(
+                    f"run {run_id}: its log and its control stream read without damage; "
+                    "nothing removed"
+                )
 
-    done = run_async(go)
-    if done is None:
-        click.echo(f"run {run_id}: its log reads without damage; nothing removed")
-        return
+    run_async(go)
+
+
+def _cut_said(run_id: str, done: Repair, one: str, many: str | None = None) -> str:
+    """The line that tells what a repair removed (``one``, ``many``: its readable items)."""
     intact = (
-        f", {counted(done.readable_removed, 'readable record')} among them"
-        if done.readable_removed
-        else ""
+        f", {counted(done.readable_removed, one, many)} among them" if done.readable_removed else ""
     )
-    click.echo(
+    return (
         f"run {run_id}: removed {done.removed} bytes{intact} from offset {done.offset} of "
         f"{done.path} ({done.reason}); kept in {done.saved}, note {done.note}"
     )

@@ -1644,6 +1644,84 @@ async def test_control_streams_are_per_run_and_never_listed(tmp_path: Path) -> N
         assert await store.read_control("r", after=2) == (three,)
 
 
+async def control_stream_damaged(directory: Path) -> tuple[Path, int]:
+    """Run ``r`` unfinished with one cancel in its control stream, then a damaged line.
+
+    Returns the stream's file and the damaged line's offset.
+    """
+    async with open_jsonl_store(directory) as store:
+        run = Steps(store, "r")
+        await run.start()
+        await run.next()
+        await store.append_control(cancel("r"))
+    control = directory / ".control" / "r.jsonl"
+    offset = control.stat().st_size
+    with control.open("ab") as file:
+        file.write(b"x\n")  # a whole line, newline ended: no torn write
+    return control, offset
+
+
+async def test_a_damaged_control_stream_is_listed_and_repaired(tmp_path: Path) -> None:
+    # A damaged line in a run's control stream stopped every drive of the run, and its
+    # message sent the operator to `treadle repair`, which looked at the run's log only:
+    # "nothing removed", the run stuck for good, and `treadle runs` listed it as healthy.
+    directory = tmp_path / "runs"
+    control, offset = await control_stream_damaged(directory)
+    async with open_jsonl_store(directory) as store:
+        with pytest.raises(LogCorrupted, match=r"treadle repair") as info:
+            await store.read_control("r")
+        assert (info.value.where, info.value.offset) == (str(control), offset)
+        (summary,) = await store.list_summaries()
+        assert summary.state is RunState.RUNNING  # the log's state, kept
+        assert summary.error is not None and str(control) in summary.error
+        assert await store.repair("r", owner="operator") is None  # the log reads
+        repair = await store.repair_control("r", owner="operator")
+        assert repair is not None
+        assert (repair.path, repair.offset, repair.removed) == (str(control), offset, 2)
+        assert repair.readable_removed == 0
+        assert Path(repair.saved).parent == directory / ".repairs" / ".control"
+        assert await trio.Path(repair.saved).read_bytes() == b"x\n"
+        note = json.loads(await trio.Path(repair.note).read_text())
+        assert (note["file"], note["offset"], note["removed_bytes"]) == (str(control), offset, 2)
+        assert [e.record for e in await store.read_control("r")] == [cancel("r")]
+        (summary,) = await store.list_summaries()
+        assert summary.error is None
+        assert await store.repair_control("r", owner="operator") is None
+        assert (await store.append_control(cancel("r", reason="again"))).position == 2
+
+
+async def test_a_control_stream_repair_refuses_to_cut_entries_that_still_read(
+    tmp_path: Path,
+) -> None:
+    # Entries after the damaged line are removed with it: a cancel cut so would never stop
+    # the run, so the cut waits for --force, naming it.
+    directory = tmp_path / "runs"
+    control, offset = await control_stream_damaged(directory)
+    later = CancelRequested(run_id="r", ts=TS, reason="stop paying", canceller="ops")
+    with control.open("ab") as file:
+        file.write(frame(3, "control", json.dumps(cancel_json(later))))
+        file.write(frame(4, "control", json.dumps(cancel_json(cancel("r")))))  # a copy
+    before = control.read_bytes()
+    async with open_jsonl_store(directory) as store:
+        with pytest.raises(RepairRefused) as info:
+            await store.repair_control("r", owner="operator")
+        message = str(info.value)
+        assert "1 readable control entry" in message and "--force" in message
+        assert "a cancel (reason 'stop paying', by ops)" in message
+        assert control.read_bytes() == before
+        assert not (directory / ".repairs").exists()
+        forced = await store.repair_control("r", owner="operator", force=True)
+        assert forced is not None and forced.offset == offset and forced.readable_removed == 1
+        assert control.read_bytes() == before[:offset]
+
+
+def cancel_json(record: CancelRequested) -> dict[str, Any]:
+    """A cancel as a control frame holds it (a JSON object naming its kind)."""
+    from treadle.stores._codec import record_to_json
+
+    return json.loads(record_to_json(record))  # type: ignore[no-any-return]
+
+
 async def test_open_refuses_a_file_and_a_missing_parent(tmp_path: Path) -> None:
     (tmp_path / "file").write_text("x")
     with pytest.raises(StoreError, match="not a directory"):

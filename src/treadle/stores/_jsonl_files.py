@@ -1086,7 +1086,7 @@ class Repair:
         note: the JSON note written beside it.
         reason: the damage found.
         readable_removed: records the cut removed that could still be read (the damaged
-            line's own included, when it decodes).
+            line's own included, when it decodes); of a control stream, its entries.
     """
 
     path: str
@@ -1157,19 +1157,126 @@ def repair_run_file(directory: str, name: str, *, force: bool = False) -> Repair
     )
 
 
+def repair_control_file(
+    directory: str, name: str, run_id: str, *, force: bool = False
+) -> Repair | None:
+    """Cut run ``run_id``'s control stream at its first damaged line, keeping what is removed.
+
+    Blocking. ``.control/<name>`` is cut as `repair_run_file` cuts a run file, what it loses
+    kept in ``.repairs/.control/``. The caller holds the run's lease and the stream's
+    ``flock`` (no entry is appended meanwhile).
+
+    The lines after the damaged one are removed too. Unless ``force``, a cut is refused when
+    what it removes, the damaged line included, still reads as a cancel or a decision of the
+    run that the kept entries do not hold: the run's next driver would never see it
+    (docs/crash-safety.md, "Torn tails and damage").
+
+    Returns:
+        What was removed, or ``None`` when the stream reads without damage (or is missing).
+
+    Raises:
+        RepairRefused: such a cut, ``force`` being false; nothing was changed.
+        StoreError: the stream cannot be read or written.
+    """
+    relative = os.path.join(CONTROL_DIR, name)
+    path = os.path.join(directory, relative)
+    data = read_bytes(path) or b""
+    try:
+        scan_control(data, path, run_id)
+    except LogCorrupted as exc:
+        damage = exc
+    else:
+        return None
+    offset = min(damage.offset or 0, len(data))
+    kept, _ = scan_control(data[:offset], path, run_id)  # the lines before the damaged one
+    lost = _entries_readable(data[offset:], run_id, kept)
+    if lost and not force:
+        _refuse_losing_entries(path, lost)
+    try:
+        saved, note = _cut_keeping(directory, relative, offset, data[offset:], damage)
+    except OSError as exc:  # a full disk, say: the stream is cut only after all is kept
+        raise StoreError(f"cannot repair {path}: {exc.strerror or exc}") from exc
+    return Repair(
+        path=path,
+        offset=offset,
+        removed=len(data) - offset,
+        saved=saved,
+        note=note,
+        reason=str(damage),
+        readable_removed=len(lost),
+    )
+
+
+def _entries_readable(
+    lines: bytes, run_id: str, kept: Sequence[ControlEntry]
+) -> list[CancelRequested | ApprovalDecided]:
+    """The cancels and decisions of run ``run_id`` readable in ``lines``, not in ``kept``.
+
+    As `_readable` reads a run file's lines: a damaged line may still hold its entry, read
+    whatever its frame's other keys hold; an entry equal to a kept one (a line written
+    twice) is no instruction the cut removes.
+    """
+    held = [entry.record for entry in kept]
+    found: list[CancelRequested | ApprovalDecided] = []
+    for line in lines.split(b"\n"):
+        try:
+            data = json.loads(line.decode("utf-8"))
+        except ValueError:  # UnicodeDecodeError included
+            continue
+        values = data.values() if isinstance(data, dict) else ()
+        for item in (value for value in values if isinstance(value, dict)):
+            try:
+                record = record_from_dict(item)
+            except Exception:  # not an entry: nothing the cut removes can be named
+                continue
+            if (
+                isinstance(record, CancelRequested | ApprovalDecided)
+                and record.run_id == run_id
+                and record not in held
+            ):
+                found.append(record)
+    return found
+
+
+def _refuse_losing_entries(path: str, lost: Sequence[CancelRequested | ApprovalDecided]) -> None:
+    """Raise `RepairRefused` naming the control entries (``lost``, not empty) a cut removes."""
+    named = ", ".join(_entry_named(record) for record in lost[:5])
+    more = f" and {len(lost) - 5} more" if len(lost) > 5 else ""
+    raise RepairRefused(
+        where=path,
+        message=f"{path}: the cut would remove {len(lost)} readable control entr"
+        f"{'y' if len(lost) == 1 else 'ies'} from the damaged line on, which the run's next "
+        f"driver would never see: {named}{more}. Nothing was changed. Cut anyway with force "
+        "(treadle repair --force), then write again those that still stand (treadle cancel, "
+        "treadle approve)",
+    )
+
+
+def _entry_named(record: CancelRequested | ApprovalDecided) -> str:
+    """A control entry in a few words: a cancel's reason and canceller, a decision's call."""
+    if isinstance(record, CancelRequested):
+        return f"a cancel (reason {record.reason!r}, by {record.canceller or 'no one named'})"
+    call = f"{record.tool or 'a call'} (call {record.call_id}, step {record.step})"
+    return f"a decision ({record.decision}) on {call}"
+
+
 def _keep_removed(
     directory: str, name: str, offset: int, removed: bytes, damage: LogCorrupted
 ) -> tuple[str, str]:
     """Save what a repair removes and its note in ``.repairs/``, synced; their paths.
+
+    ``name`` is the repaired file's path in the store's folder: a run file's name, or
+    ``.control/<name>`` for a control stream, kept in ``.repairs/.control/``.
 
     Raises:
         OSError: they cannot be written.
     """
     stamp = time.time_ns()
     repairs = os.path.join(directory, REPAIR_DIR)
-    os.makedirs(repairs, exist_ok=True)
     saved = os.path.join(repairs, f"{name}.{stamp}.removed")
     note = os.path.join(repairs, f"{name}.{stamp}.json")
+    folder = os.path.dirname(saved)
+    os.makedirs(folder, exist_ok=True)
     with open(saved, "wb") as file:
         file.write(removed)
         file.flush()
@@ -1186,17 +1293,20 @@ def _keep_removed(
         json.dump(description, file, indent=2)
         file.flush()
         os.fsync(file.fileno())
-    sync_dir(repairs)
+    sync_dir(folder)
+    if folder != repairs:
+        sync_dir(repairs)
     return saved, note
 
 
 def _cut_keeping(
     directory: str, name: str, offset: int, removed: bytes, damage: LogCorrupted
 ) -> tuple[str, str]:
-    """Cut the run file to ``offset`` bytes, synced, once what it loses is kept; their paths.
+    """Cut file ``name`` to ``offset`` bytes, synced, once what it loses is kept; their paths.
 
-    The file is opened for writing first, so that one that cannot be written (read-only, say)
-    is refused before anything is kept; a cut that fails after all leaves no note of it.
+    ``name``: as `_keep_removed` takes it. The file is opened for writing first, so that one
+    that cannot be written (read-only, say) is refused before anything is kept; a cut that
+    fails after all leaves no note of it.
 
     Raises:
         OSError: the file cannot be cut, or what it loses cannot be kept; nothing changed.

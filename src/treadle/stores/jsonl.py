@@ -91,6 +91,7 @@ from treadle.stores._jsonl_files import (
     read_control_file,
     read_run_file,
     read_sidecar,
+    repair_control_file,
     repair_run_file,
     run_file_name,
     same_file,
@@ -467,9 +468,10 @@ class JsonlStore(EngineStore):
     def _summary(self, probe: Probe, now: float) -> RunSummary:
         """One run's summary from its probe and lease file, read in a worker thread.
 
-        A lease file that cannot be read (a directory in its place, no permission) makes the
-        summary an error naming it, the log's state kept, and never fails the listing: a
-        damaged run never blocks the others (docs/crash-safety.md, "Torn tails and damage").
+        A lease file that cannot be read (a directory in its place, no permission), or a
+        control stream that cannot (`_control_damage`), makes the summary an error naming it,
+        the log's state kept, and never fails the listing: a damaged run never blocks the
+        others (docs/crash-safety.md, "Torn tails and damage").
         """
         path = os.path.join(self._directory, probe.name)
         try:
@@ -477,7 +479,26 @@ class JsonlStore(EngineStore):
         except StoreError as exc:
             summary = self._summary_of_log(probe, path, None, now)
             return attrs.evolve(summary, error=summary.error or str(exc))  # the log's first
-        return self._summary_of_log(probe, path, lease, now)
+        summary = self._summary_of_log(probe, path, lease, now)
+        if summary.error is not None:
+            return summary
+        return attrs.evolve(summary, error=self._control_damage(probe.run_id))
+
+    def _control_damage(self, run_id: str) -> str | None:
+        """Why the run's control stream cannot be read; ``None``: it can, or there is none.
+
+        Every drive of the run reads the stream first, so a damaged one stops the run as a
+        damaged log does. Read in a worker thread; an unchanged stream is not read again
+        (`_control_heads`). A hashed file name has no stream it can check: its entries
+        name the run by its id.
+        """
+        if self.is_hashed_name(run_id):
+            return None
+        try:
+            self._control_heads((run_id,))
+        except StoreError as exc:
+            return str(exc)
+        return None
 
     def _summary_of_log(
         self, probe: Probe, path: str, lease: Lease | None, now: float
@@ -548,7 +569,7 @@ class JsonlStore(EngineStore):
         Run it knowingly (``treadle repair``): records after the damage are removed too. The
         removed bytes and a note (offset, length, SHA-256, the damage) are kept in
         ``.repairs/``. The store takes the run's lease for the repair (nobody may write it
-        meanwhile) and releases it after.
+        meanwhile) and releases it after. The run's control stream is `repair_control`'s.
 
         Args:
             run_id: the run.
@@ -577,6 +598,64 @@ class JsonlStore(EngineStore):
             )
         finally:
             await self.release_lease(lease)
+
+    async def repair_control(
+        self, run_id: str, *, owner: str, force: bool = False
+    ) -> Repair | None:
+        """Cut the run's control stream at its first damaged line, keeping what is removed.
+
+        Run it knowingly (``treadle repair`` runs it after `repair`): the entries after the
+        damage are removed too; a cancel or decision cut so is never applied. What is removed
+        and a note are kept in ``.repairs/.control/``. The store takes the run's lease for
+        the repair, and the stream's lock (no entry is appended meanwhile).
+
+        Args:
+            run_id: the run.
+            owner: the lease owner id of the repair.
+            force: cut even what a repair refuses to cut: a cancel or decision that still
+                reads (write again those that still stand after the cut).
+
+        Returns:
+            What was removed, or ``None`` when the stream reads without damage, the run has
+            none, or ``run_id`` is a hashed file name (`is_hashed_name`: its stream's
+            entries cannot be told to be its run's).
+
+        Raises:
+            RunLeased: another driver holds the run's lease.
+            RepairRefused: such a cut, ``force`` being false (nothing was changed;
+                docs/crash-safety.md, "Torn tails and damage").
+            StoreError: the stream cannot be repaired, or the run's lease cannot be taken.
+            InvalidRunId: not an allowed run id, nor a hashed file name.
+        """
+        if self.is_hashed_name(run_id):
+            await trio.lowlevel.checkpoint()
+            return None
+        lease = await self.acquire_lease(run_id, owner=owner, ttl_s=_leases.LEASE_TTL_S)
+        try:
+            return await self._in_worker(self._repair_control, run_id, force)
+        finally:
+            await self.release_lease(lease)
+
+    def _repair_control(self, run_id: str, force: bool) -> Repair | None:
+        """`repair_control_file` of the run's stream under its ``flock`` (a worker thread).
+
+        Raises:
+            RepairRefused, StoreError: as `repair_control_file`.
+        """
+        path = self._control_path(run_id)
+        try:
+            fd = open_regular(path, os.O_RDWR)
+        except FileNotFoundError:
+            return None
+        except OSError as exc:
+            raise StoreError(f"cannot repair {path}: {exc.strerror or exc}") from exc
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)  # no entry is appended while it is cut
+            return repair_control_file(self._directory, run_file_name(run_id), run_id, force=force)
+        except OSError as exc:  # a lock the file system refuses (ENOLCK), say
+            raise StoreError(f"cannot repair {path}: {exc.strerror or exc}") from exc
+        finally:
+            os.close(fd)
 
     async def aclose(self) -> None:
         """Write and sync everything queued, stop the committer, drop the held leases' locks.
