@@ -582,6 +582,36 @@ def test_repair_cuts_a_damaged_control_stream_and_runs_reads_clean_again(tmp_pat
     assert "read without damage; nothing removed" in again.output
 
 
+def test_repair_takes_a_damaged_version_1_control_log_by_the_name_runs_lists(tmp_path: Path):
+    # One damaged control pseudo-run of a version-1 store made every command fail, and
+    # `treadle repair 'old#control'` was refused: "'#' is not allowed".
+    from treadle.stores._codec import record_to_json
+    from treadle.stores._lines import frame
+
+    directory = tmp_path / "runs"
+
+    async def go() -> None:
+        async with open_jsonl_store(directory) as store:
+            await treadle.run(calc_agent(), "2+3?", store=store, run_id="r")
+
+    trio.run(go)
+    header = {"format": "treadle.jsonl", "version": 1, "run_id": "old#control", "created_ns": 1}
+    stop = CancelRequested(run_id="old#control", ts="2025-01-01T00:00:00+00:00", reason="x")
+    entry = bytearray(frame(1, "records", f"[{record_to_json(stop)}]"))
+    entry[-3] = ord("#")  # its records' closing bracket: no longer JSON
+    pseudo = directory / "old%23control.jsonl"
+    pseudo.write_bytes(frame(0, "header", json.dumps(header)) + bytes(entry))
+    listed = invoke("runs", "--store", str(directory), "--json")
+    assert listed.exit_code == 1, listed.output
+    found = {r["run_id"]: r for r in map(json.loads, listed.stdout.splitlines())}
+    assert found["r"]["error"] is None and str(pseudo) in found["old#control"]["error"]
+    assert invoke("show", "r", "--store", str(directory)).exit_code == 0
+    repaired = invoke("repair", "old#control", "--store", str(directory))
+    assert repaired.exit_code == 0, repaired.output
+    assert f"removed {len(entry)} bytes" in repaired.output and not pseudo.exists()
+    assert sorted(rows(directory)) == ["r"]
+
+
 # --------------------------------------------------------------------------- cancel, approve, tail
 
 

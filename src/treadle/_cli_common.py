@@ -163,9 +163,26 @@ def _checked_run_id(ctx: click.Context, param: click.Parameter, value: str | Non
         raise click.BadParameter(str(exc), ctx=ctx, param=param) from exc
 
 
-def run_id_argument(*, required: bool = True) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
-    """The ``RUN_ID`` argument of the commands about one run, checked as a run id."""
-    return click.argument("run_id", required=required, callback=_checked_run_id)
+def _repairable_run_id(ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:
+    """`_checked_run_id`, or the name of a version-1 control pseudo-run (``<run_id>#control``).
+
+    ``treadle runs`` lists a damaged one under that name, which ``treadle repair`` takes
+    (`treadle.stores.jsonl.JsonlStore.is_v1_control_name`).
+    """
+    if value is not None and JsonlStore.is_v1_control_name(value):
+        return value
+    return _checked_run_id(ctx, param, value)
+
+
+def run_id_argument(
+    *, required: bool = True, repairable: bool = False
+) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """The ``RUN_ID`` argument of the commands about one run, checked as a run id.
+
+    ``repairable``: a version-1 control pseudo-run's name passes too (``treadle repair``).
+    """
+    callback = _repairable_run_id if repairable else _checked_run_id
+    return click.argument("run_id", required=required, callback=callback)
 
 
 def import_spec(spec: str, *, param_hint: str) -> Any:

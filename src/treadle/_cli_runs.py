@@ -440,7 +440,7 @@ def format_event(seq: int, record: Record) -> str:
 
 
 @click.command("repair")
-@run_id_argument()
+@run_id_argument(repairable=True)
 @store_option
 @click.option(
     "--force",
@@ -457,8 +457,10 @@ def repair_command(run_id: str, store_path: str, force: bool) -> None:
     A cut that would remove a call that may have run, or the run's end, is refused
     without --force: check those calls' effects first. The run's control stream (its
     cancels and approval decisions) is cut the same way, after the log; a cut that would
-    remove a cancel or decision that still reads is refused without --force. A torn tail
-    left by a crash needs no repair; the store cuts it by itself.
+    remove a cancel or decision that still reads is refused without --force. A control log
+    of a version-1 store that could not be moved (listed as RUN_ID#control) is repaired by
+    that name, then moved. A torn tail left by a crash needs no repair; the store cuts it by
+    itself.
     """
 
     async def go() -> None:

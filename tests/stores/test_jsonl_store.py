@@ -960,6 +960,88 @@ async def test_a_version_1_directory_is_read_and_its_control_logs_moved(tmp_path
         assert len(await store.read_control("r")) == 2
 
 
+def version_1_store(directory: Path) -> list[CancelRequested]:
+    """A version-1 store: run ``r``, and its control pseudo-run holding two cancels."""
+    directory.mkdir()
+    (directory / "r.jsonl").write_bytes(v1_file("r", [started("r")]))
+    pseudo = [cancel("r#control"), cancel("r#control", reason="again")]
+    (directory / "r%23control.jsonl").write_bytes(v1_file("r#control", list(pseudo)))
+    return [cancel("r"), cancel("r", reason="again")]
+
+
+async def test_a_damaged_version_1_control_log_blocks_no_other_run(tmp_path: Path) -> None:
+    # The store's opening moved every pseudo-run and let the damage of one escape: every
+    # command failed, on healthy runs and new ones too, and `treadle repair` could neither
+    # open the store nor name the file (its name is no run id).
+    directory = tmp_path / "runs"
+    moved = version_1_store(directory)
+    pseudo = directory / "r%23control.jsonl"
+    lines = pseudo.read_bytes().split(b"\n")
+    pseudo.write_bytes(b"\n".join([*lines[:2], _crc_changed(lines[2]), *lines[3:]]))
+    before = pseudo.read_bytes()
+    async with open_jsonl_store(directory) as store:
+        assert pseudo.read_bytes() == before  # left where it is, not moved
+        assert (await store.read_log("r")).records == (started("r"),)
+        g = await lease(store, "n")
+        await store.write_run_started(started("n"), seq=1, generation=g)
+        summaries = {s.run_id: s for s in await store.list_summaries()}
+        assert sorted(summaries) == ["n", "r", "r#control"]
+        assert summaries["r"].error is None and summaries["n"].error is None
+        assert summaries["r#control"].error is not None
+        assert str(pseudo) in summaries["r#control"].error
+        assert JsonlStore.is_v1_control_name("r#control")
+        with pytest.raises(RepairRefused, match=r"a cancel \(reason 'again'"):
+            await store.repair("r#control", owner="operator")
+        assert pseudo.read_bytes() == before
+        repair = await store.repair("r#control", owner="operator", force=True)
+        assert repair is not None and repair.offset == len(lines[0]) + len(lines[1]) + 2
+        assert not pseudo.exists()
+        assert [e.record for e in await store.read_control("r")] == moved[:1]
+        assert sorted(await store.list_runs()) == ["n", "r"]
+
+
+async def test_a_version_1_control_log_is_moved_once_though_its_move_stopped_half_way(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The move appended the entries to the run's control stream, then removed the
+    # pseudo-run: a crash between the two appended them all again at the next opening.
+    from treadle.stores import _jsonl_files
+
+    directory = tmp_path / "runs"
+    moved = version_1_store(directory)
+    unlink = os.unlink
+
+    def crash_before_removing(path: Any, *args: Any, **kwargs: Any) -> None:
+        if str(path).endswith("%23control.jsonl"):
+            raise OSError(errno.EIO, "the process died here", str(path))
+        unlink(path, *args, **kwargs)
+
+    monkeypatch.setattr(_jsonl_files.os, "unlink", crash_before_removing)
+    with pytest.raises(StoreError, match="the process died here"):
+        await JsonlStore.open(directory)
+    monkeypatch.undo()
+    assert (directory / "r%23control.jsonl").exists()
+    async with open_jsonl_store(directory) as store:
+        assert [e.record for e in await store.read_control("r")] == moved
+        assert not (directory / "r%23control.jsonl").exists()
+
+
+async def test_a_version_1_control_log_waits_for_its_runs_damaged_stream(tmp_path: Path):
+    # Its run's control stream could not be read: the move's error stopped the opening.
+    directory = tmp_path / "runs"
+    moved = version_1_store(directory)
+    (directory / ".control").mkdir()
+    (directory / ".control" / "r.jsonl").write_bytes(b"x\n")
+    async with open_jsonl_store(directory) as store:
+        assert (directory / "r%23control.jsonl").exists()
+        summary = await store.read_summary("r")
+        assert summary is not None and summary.error is not None
+        assert await store.repair_control("r", owner="operator") is not None
+    async with open_jsonl_store(directory) as store:  # the next opening moves it
+        assert [e.record for e in await store.read_control("r")] == moved
+        assert not (directory / "r%23control.jsonl").exists()
+
+
 # --------------------------------------------------------------------------- run ids
 
 

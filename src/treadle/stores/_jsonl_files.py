@@ -22,6 +22,7 @@ import json
 import os
 import re
 import stat as stat_module
+import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -52,6 +53,9 @@ from treadle.types import (
     Record,
     RunFinished,
 )
+
+if sys.platform != "win32":
+    import fcntl
 
 FORMAT: Final = "treadle.jsonl"
 """The ``format`` of a run file's header."""
@@ -1040,38 +1044,112 @@ def holds_a_store(directory: str) -> bool:
     return False
 
 
+def v1_control_run(name: str | None) -> str | None:
+    """The run whose version-1 control pseudo-run ``name`` (``<run_id>#control``) names.
+
+    ``None`` when ``name`` is no such name. The run id is not checked: no run id has a ``#``
+    (docs/concepts.md, "Run ids"), so only a version-1 treadle wrote such a name.
+    """
+    if name is None or not name.endswith(_V1_CONTROL_SUFFIX):
+        return None
+    return name[: -len(_V1_CONTROL_SUFFIX)]
+
+
 def migrate_v1_control(directory: str) -> int:
     """Turn version-1 control pseudo-runs (``<run_id>#control``) into control streams.
 
-    Each pseudo-run's cancel and decision records are appended, in order, to the control
-    stream of its run, then the pseudo-run file is removed. Returns how many were moved.
+    Each is moved by `move_v1_control`; one that cannot be (damaged) stays where it is and
+    never stops the others, nor the store's opening. Returns how many were moved.
+
+    Raises:
+        OSError: a control stream cannot be written, or a moved pseudo-run removed.
     """
     moved = 0
     for name in list_run_files(directory):
-        if not name.endswith("%23control.jsonl"):
-            continue
-        path = os.path.join(directory, name)
-        if not os.path.isfile(path):  # not a run file at all: listed as unreadable, not moved
-            continue
-        found = read_run_file(path)
-        if found.run_id is None or not found.run_id.endswith(_V1_CONTROL_SUFFIX):
-            continue
-        run_id = found.run_id[: -len(_V1_CONTROL_SUFFIX)]
-        target = os.path.join(directory, CONTROL_DIR, run_file_name(run_id))
-        existing = len(read_control_file(target, run_id))
-        lines = b""
-        controls = [r for r in found.records if isinstance(r, CancelRequested | ApprovalDecided)]
-        for position, record in enumerate(controls, start=existing + 1):
-            lines += control_frame(position, attrs.evolve(record, run_id=run_id))
-        with open(target, "ab") as file:
-            file.write(lines)
-            file.flush()
-            os.fsync(file.fileno())
-        os.unlink(path)
-        sync_dir(os.path.join(directory, CONTROL_DIR))
-        sync_dir(directory)
-        moved += 1
+        if name.endswith("%23control.jsonl") and move_v1_control(directory, name):
+            moved += 1
     return moved
+
+
+def move_v1_control(directory: str, name: str) -> bool:
+    """Move the version-1 control pseudo-run in file ``name`` into its run's control stream.
+
+    Blocking. Its cancel and decision records are appended, in order, to the control stream of
+    its run, under the stream's ``flock`` (as `treadle.stores.jsonl.JsonlStore.append_control`
+    appends), then the pseudo-run file is removed. A move cut short between the two (a crash)
+    left the stream ending with those very entries: they are not appended again.
+
+    A pseudo-run that cannot be read (damaged, or of a newer format), or whose run's control
+    stream cannot (damaged), stays where it is, and a damaged run blocks no other
+    (docs/crash-safety.md, "Torn tails and damage"): listing shows it as an unreadable run
+    under its name, ``<run_id>#control``, which `treadle repair` takes
+    (docs/decisions/0122-a-control-stream-is-repaired-with-its-run.md); the run's stream,
+    once repaired, takes the entries at the next move.
+
+    Returns:
+        Whether it was moved.
+
+    Raises:
+        OSError: the control stream cannot be written, or the pseudo-run removed.
+    """
+    path = os.path.join(directory, name)
+    if not os.path.isfile(path):  # not a run file at all: listed as unreadable, not moved
+        return False
+    try:
+        found = read_run_file(path)
+    except TreadleError:  # listed as an unreadable run, repaired by its name
+        return False
+    run_id = v1_control_run(found.run_id)
+    if run_id is None:
+        return False
+    controls = [
+        attrs.evolve(r, run_id=run_id)
+        for r in found.records
+        if isinstance(r, CancelRequested | ApprovalDecided)
+    ]
+    target = os.path.join(directory, CONTROL_DIR, run_file_name(run_id))
+    if not _appended_once(target, run_id, controls):
+        return False
+    with contextlib.suppress(FileNotFoundError):  # another process moved it meanwhile
+        os.unlink(path)
+    sync_dir(os.path.join(directory, CONTROL_DIR))
+    sync_dir(directory)
+    return True
+
+
+def _appended_once(
+    path: str, run_id: str, controls: Sequence[CancelRequested | ApprovalDecided]
+) -> bool:
+    """Append ``controls`` to control stream ``path`` of ``run_id``, unless it ends with them.
+
+    Under the stream's ``flock``; a torn entry of an appender that died is cut first. Returns
+    ``False`` (nothing written) when the stream is damaged.
+
+    Raises:
+        OSError: the stream cannot be written.
+    """
+    fd = open_regular(path, os.O_RDWR | os.O_APPEND | os.O_CREAT)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        size = os.fstat(fd).st_size
+        try:
+            entries, good = scan_control(os.pread(fd, size, 0), path, run_id)
+        except TreadleError:  # its run's error (listing shows it) until repaired
+            return False
+        if [entry.record for entry in entries[len(entries) - len(controls) :]] == controls:
+            return True  # a move that stopped before removing the pseudo-run wrote them
+        if size != good:
+            os.ftruncate(fd, good)
+        lines = b"".join(
+            control_frame(position, record)
+            for position, record in enumerate(controls, start=len(entries) + 1)
+        )
+        if os.write(fd, lines) != len(lines):
+            raise OSError(errno.ENOSPC, "the control entries were written in part", path)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    return True
 
 
 @attrs.frozen(kw_only=True)
@@ -1113,7 +1191,8 @@ def repair_run_file(directory: str, name: str, *, force: bool = False) -> Repair
     the damaged line is unreadable and follows a model reply whose calls have no intent yet
     (it may have held one); and when the first line is no treadle header (the cut would
     empty what may be another program's file; the refusal names the calls its lines still
-    show, as above).
+    show, as above). A version-1 control pseudo-run (``<run_id>#control``) holds a control
+    stream's entries: its cut is refused as `repair_control_file` refuses one.
 
     Returns:
         What was removed, or ``None`` when the file reads without damage.
@@ -1140,8 +1219,7 @@ def repair_run_file(directory: str, name: str, *, force: bool = False) -> Repair
         kept = _parsed(path, data[:offset], None)  # the lines before the first damaged one
         lost = _readable(data[offset:], kept)
         if not force:
-            _refuse_losing_facts(path, lost)
-            _refuse_cutting_after_calls(path, kept.records)
+            _refuse_cut(path, kept, lost)
     try:
         saved, note = _cut_keeping(directory, name, offset, removed, damage)
     except OSError as exc:  # a full disk, say: the run file is cut only after all is kept
@@ -1155,6 +1233,21 @@ def repair_run_file(directory: str, name: str, *, force: bool = False) -> Repair
         reason=str(damage),
         readable_removed=len(lost),
     )
+
+
+def _refuse_cut(path: str, kept: RunFile, lost: Sequence[Record]) -> None:
+    """Raise `RepairRefused` for a cut that keeps ``kept`` and loses the records ``lost``.
+
+    A run log's cut loses no call that may have run, nor the run's end (`_refuse_losing_facts`,
+    `_refuse_cutting_after_calls`); a version-1 control pseudo-run's, no cancel or decision
+    (`_refuse_losing_entries`).
+    """
+    if v1_control_run(kept.run_id) is not None:
+        controls = [r for r in lost if isinstance(r, CancelRequested | ApprovalDecided)]
+        _refuse_losing_entries(path, controls)
+        return
+    _refuse_losing_facts(path, lost)
+    _refuse_cutting_after_calls(path, kept.records)
 
 
 def repair_control_file(
@@ -1190,7 +1283,7 @@ def repair_control_file(
     offset = min(damage.offset or 0, len(data))
     kept, _ = scan_control(data[:offset], path, run_id)  # the lines before the damaged one
     lost = _entries_readable(data[offset:], run_id, kept)
-    if lost and not force:
+    if not force:
         _refuse_losing_entries(path, lost)
     try:
         saved, note = _cut_keeping(directory, relative, offset, data[offset:], damage)
@@ -1239,7 +1332,9 @@ def _entries_readable(
 
 
 def _refuse_losing_entries(path: str, lost: Sequence[CancelRequested | ApprovalDecided]) -> None:
-    """Raise `RepairRefused` naming the control entries (``lost``, not empty) a cut removes."""
+    """Raise `RepairRefused` naming the control entries ``lost`` a cut removes, if any."""
+    if not lost:
+        return
     named = ", ".join(_entry_named(record) for record in lost[:5])
     more = f" and {len(lost) - 5} more" if len(lost) > 5 else ""
     raise RepairRefused(

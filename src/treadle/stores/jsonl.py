@@ -61,7 +61,14 @@ from typing import Any, Final, TypeVar
 import attrs
 import trio
 
-from treadle._exceptions import LogCorrupted, RunLeased, StoreError, TreadleError, UsageError
+from treadle._exceptions import (
+    InvalidRunId,
+    LogCorrupted,
+    RunLeased,
+    StoreError,
+    TreadleError,
+    UsageError,
+)
 from treadle._ids import check_run_id
 from treadle._paths import stat_or_none
 from treadle._trio_only import require_trio
@@ -84,6 +91,7 @@ from treadle.stores._jsonl_files import (
     holds_a_store,
     list_run_files,
     migrate_v1_control,
+    move_v1_control,
     names_file,
     open_directory,
     open_regular,
@@ -97,6 +105,7 @@ from treadle.stores._jsonl_files import (
     same_file,
     scan_control,
     sync_dir,
+    v1_control_run,
     write_sidecar,
 )
 from treadle.stores._ops import EngineStore
@@ -232,7 +241,8 @@ class JsonlStore(EngineStore):
         """Open (creating if needed) the store in ``directory`` and start its committer.
 
         A version-1 directory is brought forward: its control pseudo-runs
-        (``<run_id>#control``) become control streams.
+        (``<run_id>#control``) become control streams. One that is damaged stays where it is,
+        listed as an unreadable run under that name, which `repair` takes; the store opens.
 
         Args:
             directory: the store directory; created when missing (its parent must exist).
@@ -301,6 +311,22 @@ class JsonlStore(EngineStore):
         first, so as to leave any other folder as it is.
         """
         return holds_a_store(os.fspath(directory))
+
+    @staticmethod
+    def is_v1_control_name(name: str) -> bool:
+        """Whether ``name`` is a version-1 control pseudo-run's, ``<run_id>#control``.
+
+        The store lists such a file that it could not move into its run's control stream
+        (a damaged one) under that name; `repair` takes it, under the run's lease.
+        """
+        run_id = v1_control_run(name)
+        if run_id is None:
+            return False
+        try:
+            check_run_id(run_id)
+        except InvalidRunId:
+            return False
+        return True
 
     def _check_named(self, run_id: str) -> None:
         """Refuse what names no run here: not a run id, nor a hashed file name.
@@ -571,12 +597,17 @@ class JsonlStore(EngineStore):
         ``.repairs/``. The store takes the run's lease for the repair (nobody may write it
         meanwhile) and releases it after. The run's control stream is `repair_control`'s.
 
+        A version-1 control pseudo-run left where it was (`is_v1_control_name`: a damaged
+        one) is repaired by its name, under its run's lease, as a control stream is
+        (`repair_control`), then moved into its run's control stream.
+
         Args:
-            run_id: the run.
+            run_id: the run (or a version-1 control pseudo-run's name).
             owner: the lease owner id of the repair.
             force: cut even what a repair refuses to cut: a call that may have
                 run (a resume would run it again), the run-finished record (a resume would
-                reopen the run), or a file without a treadle header.
+                reopen the run), or a file without a treadle header; of a control
+                pseudo-run, a cancel or decision that still reads.
 
         Returns:
             What was removed, or ``None`` when the file reads without damage.
@@ -589,15 +620,31 @@ class JsonlStore(EngineStore):
                 full disk: the `OSError` is the ``__cause__``; the run file is cut only
                 once what it loses is kept).
         """
-        lease = await self.acquire_lease(run_id, owner=owner, ttl_s=_leases.LEASE_TTL_S)
+        pseudo = self.is_v1_control_name(run_id)
+        run = v1_control_run(run_id) if pseudo else None
+        lease = await self.acquire_lease(run or run_id, owner=owner, ttl_s=_leases.LEASE_TTL_S)
         try:
-            return await self._in_worker(
+            repaired = await self._in_worker(
                 functools.partial(repair_run_file, force=force),
                 self._directory,
                 run_file_name(run_id),
             )
+            if pseudo:
+                await self._in_worker(self._move_v1_control, run_id)
+            return repaired
         finally:
             await self.release_lease(lease)
+
+    def _move_v1_control(self, name: str) -> None:
+        """`move_v1_control` of the pseudo-run ``name`` (a worker thread).
+
+        Raises:
+            StoreError: its run's control stream cannot be written.
+        """
+        try:
+            move_v1_control(self._directory, run_file_name(name))
+        except OSError as exc:
+            raise StoreError(f"cannot move {name!r}: {exc.strerror or exc}") from exc
 
     async def repair_control(
         self, run_id: str, *, owner: str, force: bool = False
@@ -618,7 +665,8 @@ class JsonlStore(EngineStore):
         Returns:
             What was removed, or ``None`` when the stream reads without damage, the run has
             none, or ``run_id`` is a hashed file name (`is_hashed_name`: its stream's
-            entries cannot be told to be its run's).
+            entries cannot be told to be its run's) or a version-1 control pseudo-run's
+            (`is_v1_control_name`: a stream itself, which `repair` cuts).
 
         Raises:
             RunLeased: another driver holds the run's lease.
@@ -627,7 +675,7 @@ class JsonlStore(EngineStore):
             StoreError: the stream cannot be repaired, or the run's lease cannot be taken.
             InvalidRunId: not an allowed run id, nor a hashed file name.
         """
-        if self.is_hashed_name(run_id):
+        if self.is_hashed_name(run_id) or self.is_v1_control_name(run_id):
             await trio.lowlevel.checkpoint()
             return None
         lease = await self.acquire_lease(run_id, owner=owner, ttl_s=_leases.LEASE_TTL_S)
