@@ -1164,3 +1164,12 @@ async def test_a_run_whose_write_gave_up_on_a_locked_row_is_released_not_taken_o
         summary = await store.read_summary("r")
     assert result.final_answer == "done"
     assert summary is not None and summary.takeovers == 0 and summary.claims == 2
+
+
+def test_a_damaged_database_is_named_without_an_offset_it_does_not_have():
+    """PostgreSQL reporting its own data or an index damaged was said "(at offset 0)", as if
+    the first byte of some file were the damage; no record's place is known."""
+    for damage in (psycopg.errors.DataCorrupted, psycopg.errors.IndexCorrupted):
+        said = postgres._translate("postgresql://u:***@h/db", damage("invalid page"), "read")
+        assert isinstance(said, treadle.LogCorrupted) and said.offset is None
+        assert str(said) == "postgresql://u:***@h/db: the database is damaged: invalid page"

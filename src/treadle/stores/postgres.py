@@ -263,7 +263,7 @@ def _translate(description: str, exc: BaseException, what: str) -> TreadleError 
         return None
     message = _first_line(exc)
     if isinstance(exc, psycopg.errors.DataCorrupted | psycopg.errors.IndexCorrupted):
-        return LogCorrupted(f"the database is damaged: {message}", where=description, offset=0)
+        return LogCorrupted(f"the database is damaged: {message}", where=description, offset=None)
     errors = psycopg.errors
     if _sql.lock_timeout(exc):
         return StoreBusy(
