@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import importlib
+import inspect
 import re
 import subprocess
 import sys
 from pathlib import Path
+
+import attrs
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = ROOT / "docs"
@@ -100,3 +104,36 @@ def test_the_seams_page_lists_every_operation_of_each_store_capability():
         protocol = getattr(ports, name)
         methods = {m for m, value in vars(protocol).items() if callable(value) and m[0] != "_"}
         assert set(re.findall(r"`(\w+)", operations)) == methods, name
+
+
+def _documented_names(doc: str) -> list[str]:
+    """The names an ``Args:`` or ``Attributes:`` section of a docstring lists, in order."""
+    names = []
+    for section in re.finditer(r"^(?:Args|Attributes):\n((?:(?:    .*)?\n?)*)", doc, re.MULTILINE):
+        names += re.findall(r"^    (\w+)(?: \([^)]*\))?:", section.group(1), re.MULTILINE)
+    return names
+
+
+def test_every_attribute_the_api_reference_documents_exists():
+    """`ModelResult`'s docstring listed ``history_text`` and ``visible_chars``, which it never
+    had. Each name an ``Args:`` or ``Attributes:`` section of an attrs class in a module the
+    API reference renders lists is a field (or its argument) or an attribute of the class."""
+    modules = {
+        name
+        for page in (DOCS / "api").glob("*.md")
+        for name in re.findall(r"^::: ([\w.]+)", page.read_text(encoding="utf-8"), re.MULTILINE)
+    }
+    classes = {
+        value
+        for module in map(importlib.import_module, sorted(modules))
+        for name, value in vars(module).items()
+        if not name.startswith("_") and inspect.isclass(value) and attrs.has(value)
+    }
+    assert len(classes) > 50  # the records of treadle.types among them
+    wrong = []
+    for cls in classes:
+        known = {name for f in attrs.fields(cls) for name in (f.name, f.alias)}
+        for name in _documented_names(inspect.getdoc(cls) or ""):
+            if name not in known and not hasattr(cls, name):
+                wrong.append(f"{cls.__module__}.{cls.__qualname__}.{name}")
+    assert sorted(wrong) == []

@@ -912,14 +912,15 @@ class ModelIntent:
 class ModelResult:
     """The result of one model call attempt (no barrier).
 
+    What of the reply entered the history is on the step's record
+    (`StepRecord.history_message`, `StepRecord.model_output_text`), not here.
+
     Attributes:
         intent_id: the `ModelIntent` this answers.
         reply: the assembled reply; ``None`` when the attempt failed or was abandoned.
         error: the classified failure; ``None`` on success.
         abandoned: true when written on resume for an intent without result.
         latency_s: wall seconds from request to last byte; ``None`` when not measured.
-        history_text: the model output text that entered history (visible text).
-        visible_chars: full length in characters of the visible output.
         usage: as reported for this attempt, including failed attempts.
         surrogates_replaced: surrogate code points replaced (a lone one by U+FFFD) in
             the reply or error the model client returned, so the log holds valid Unicode only
