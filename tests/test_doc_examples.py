@@ -103,6 +103,10 @@ else:
 # What some blocks must print, by page and by a line the block contains.
 EXPECTED_OUTPUT = {
     ("README.md", "trio.run(main)"): ["succeeded final_answer 2 + 3 = 5", "run_finished"],
+    # every run takes its steps to the payment and the answer: the faults are injected into them
+    ("tutorial.md", "python3 simulate_payments.py"): [
+        "100 seeds, 246 faults injected, failing seeds: []"
+    ],
 }
 
 
@@ -304,7 +308,8 @@ def run_page(page: Path, workdir: Path, bin_dir: Path) -> dict[int, str]:
 def test_page_examples(page, tmp_path):
     workdir = tmp_path / "work"
     workdir.mkdir()
-    outputs = run_page(page, workdir, _tools_dir(tmp_path))
+    bin_dir = _tools_dir(tmp_path)
+    outputs = run_page(page, workdir, bin_dir)
     for (name, line_in_block), expected in EXPECTED_OUTPUT.items():
         if page.name != name:
             continue
@@ -313,6 +318,7 @@ def test_page_examples(page, tmp_path):
             assert text in outputs[line], (text, outputs[line])
     if page.name == "tutorial.md":
         check_tutorial_world(workdir)
+        check_tutorial_simulation_catches_a_second_payment(workdir, _env(bin_dir))
 
 
 def check_tutorial_world(workdir: Path) -> None:
@@ -320,6 +326,48 @@ def check_tutorial_world(workdir: Path) -> None:
     entries = [json.loads(line) for line in (workdir / "ledger.jsonl").read_text().splitlines()]
     moved = [(e["kind"], e["invoice"]) for e in entries]
     assert moved == [("payment", 17), ("refund", 18), ("refund", 19)]
+
+
+def check_tutorial_simulation_catches_a_second_payment(workdir: Path, env: dict[str, str]) -> None:
+    """The tutorial's simulation finds the bug its section 7 says it finds.
+
+    With ``pay_invoice`` declared ``replay=SAFE`` instead of its reconcile hook, 6 of the 100
+    seeds fail, seed 46 with ``sim-46-0: paid 2 times`` (docs/tutorial.md, "7. Simulation
+    under seeded faults"). A simulation whose runs never reach the payment passes every seed.
+    """
+    buggy = workdir / "safe_payment"
+    buggy.mkdir()
+    for block in blocks_of(ROOT / "docs" / "tutorial.md"):
+        if block.marker == "file" and block.arg is not None:
+            (buggy / block.arg).write_text(block.code, encoding="utf-8")
+    source = (buggy / "bookkeeping.py").read_text(encoding="utf-8")
+    declared = "@treadle.tool(reconcile=moved)  # replay policy"
+    assert source.count(declared) == 1, "pay_invoice's declaration moved: update this check"
+    safe = source.replace(declared, "@treadle.tool(replay=treadle.ReplayPolicy.SAFE)  #")
+    (buggy / "bookkeeping.py").write_text(safe, encoding="utf-8")
+    seeds = subprocess.run(
+        [sys.executable, "simulate_payments.py"],
+        cwd=buggy,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT_S,
+    )
+    failing = re.search(r"failing seeds: \[([\d, ]*)\]", seeds.stdout)
+    assert failing is not None, (seeds.stdout, seeds.stderr)
+    numbers = [int(n) for n in failing.group(1).split(",") if n.strip()]
+    assert len(numbers) == 6 and 46 in numbers, seeds.stdout
+    simulate = ["simulate", "--agent", "simulate_payments:scenario", "--from", "46", "--seeds", "1"]
+    one = subprocess.run(
+        [sys.executable, "-m", "treadle", *simulate],
+        cwd=buggy,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT_S,
+    )
+    assert one.returncode == 1, (one.returncode, one.stderr)
+    assert "seed 46 failed: sim-46-0: paid 2 times" in one.stdout + one.stderr
 
 
 def test_every_block_has_a_handling():

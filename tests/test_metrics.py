@@ -72,7 +72,8 @@ AGENTS = textwrap.dedent(
                   usage=Usage(input_tokens=11, output_tokens=4)),
             calls(ToolCall(id="c2", name="nope", arguments={}),
                   usage=Usage(input_tokens=20, output_tokens=2, reasoning_tokens=1)),
-            calls(ToolCall(id="c3", name="fail", arguments={"why": "no"})),
+            calls(ToolCall(id="c3", name="fail", arguments={"why": "no"}),
+                  usage=Usage()),  # reports no usage: counts nothing
             say("5", usage=Usage(input_tokens=30, output_tokens=1)),
         ]
         return treadle.Agent(

@@ -99,7 +99,9 @@ async def test_a_reply_reporting_no_usage_is_not_acted_on_after_a_crash_either()
     # crash right after it was stored must not let the resumed run act on it.
     def agent() -> treadle.Agent:
         return treadle.Agent(
-            model=ScriptedModel(turns=[call("add", a=1, b=2), say("3")]),
+            model=ScriptedModel(
+                turns=[attrs.evolve(call("add", a=1, b=2), usage=Usage()), say("3", usage=Usage())]
+            ),
             executor=treadle.Toolbox([add]),
             parser=treadle.NativeToolCallParser(),
             budgets=Budgets(token_budget=1000),

@@ -220,7 +220,12 @@ async def store(request, tmp_path):
 async def test_a_childs_unknown_usage_stays_unknown_in_its_parent(store):
     # The child's two model attempts reported no usage: the parent's action result said
     # nothing of them, and its totals claimed every token known (0 unknown attempts).
-    unreported = child_agent(turns=[call("note", call_id="n1", text="hi"), say("answer")])
+    unreported = child_agent(
+        turns=[
+            attrs.evolve(call("note", call_id="n1", text="hi"), usage=Usage()),
+            say("answer", usage=Usage()),
+        ]
+    )
     result = await run(parent_agent(store, unreported), "go", store=store, run_id="p")
     child_log = await store.read_log(child_run_id("p/s1/a1"))
     assert child_log.finished is not None

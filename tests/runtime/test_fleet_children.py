@@ -320,7 +320,8 @@ async def test_a_waiting_parent_cancelled_records_how_its_queued_child_ended(fle
     action = next(r for r in log.records if isinstance(r, ActionResult))
     assert action.outcome.child_run_id == kid and action.outcome.usage == spent
     assert action.outcome.observation == f"Error: the child run {kid} ended cancelled (cancelled)"
-    assert (parent.totals.input_tokens, parent.totals.output_tokens) == (30, 10)
+    # the child's 30 + 10 and the parent's one reply, scripted at 10 + 5
+    assert (parent.totals.input_tokens, parent.totals.output_tokens) == (40, 15)
 
 
 async def test_a_child_started_inline_before_the_parent_came_to_a_fleet_is_re_attached_inline(

@@ -218,7 +218,7 @@ def test_the_budget_counts_input_and_output_or_a_larger_total():
 
 
 async def test_unknown_usage_never_counted_as_zero():
-    agent, _, _ = make_agent([say("hi")])
+    agent, _, _ = make_agent([say("hi", usage=Usage())])
     result = await run(agent, "x", store=MemoryStore())
     assert result.totals.input_tokens is None
     assert result.totals.unknown_usage_attempts == 1
@@ -228,7 +228,7 @@ async def test_a_reply_reporting_no_usage_ends_a_token_budgeted_run():
     """With ``token_budget=1`` and a client that reports no usage, nine steps ran to a final
     answer: the budget bound nothing and nothing said so (docs/decisions/0114)."""
     refused = ModelErrorInfo(kind="rate_limited", retryable=True, retry_after_s=0)
-    turns = [call("add", a=1, b=1), say("2")]
+    turns = [attrs.evolve(call("add", a=1, b=1), usage=Usage()), say("2", usage=Usage())]
     agent, tools, _ = make_agent(turns, failures={0: [refused]}, budgets=Budgets(token_budget=1000))
     store = MemoryStore()
     result = await run(agent, "x", store=store, run_id="r")

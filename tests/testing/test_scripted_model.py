@@ -1,10 +1,14 @@
-"""`ScriptedModel` numbers its turns from 1 in every message, as it names its calls."""
+"""`ScriptedModel` numbers its turns from 1 in every message, as it names its calls.
+
+Its replies report a known usage unless scripted otherwise, so a token budget counts them.
+"""
 
 from __future__ import annotations
 
 import treadle
-from treadle.testing import ScriptedModel, call
-from treadle.types import StopReason
+from treadle.testing import ScriptedModel, call, calls, say
+from treadle.testing.scripted import SCRIPTED_USAGE
+from treadle.types import Budgets, RunState, StopReason, ToolCall, Usage
 
 
 @treadle.tool
@@ -28,3 +32,41 @@ async def test_a_script_that_ran_out_names_the_turn_as_its_call_ids_do() -> None
     assert result.stop_reason is StopReason.MODEL_ERROR
     assert result.model_error is not None
     assert result.model_error.message == "script has no turn 2 (it has 1 turn, numbered from 1)"
+
+
+async def test_a_script_runs_to_its_end_under_a_token_budget() -> None:
+    """Scripted replies reported no usage, so a token budget ended the run at the first one.
+
+    Each reply of `say`, `call` and `calls` now reports 10 input and 5 output tokens; the run
+    of three replies spends 45 of its 1,000 tokens and ends with its final answer.
+    """
+    assert (SCRIPTED_USAGE.input_tokens, SCRIPTED_USAGE.output_tokens) == (10, 5)
+    assert SCRIPTED_USAGE.known_total == 15
+    pings = [ToolCall(id=f"b{index}", name="ping", arguments={}) for index in (1, 2)]
+    twice = calls(*pings)
+    model = ScriptedModel(turns=[call("ping"), twice, say("pong twice")])
+    agent = treadle.Agent(
+        model=model,
+        executor=treadle.Toolbox([ping]),
+        parser=treadle.NativeToolCallParser(),
+        budgets=Budgets(token_budget=1000),
+    )
+    result = await treadle.run(agent, "ping", store=treadle.MemoryStore(), run_id="r")
+    assert (result.state, result.stop_reason) == (RunState.SUCCEEDED, StopReason.FINAL_ANSWER)
+    assert result.final_answer == "pong twice" and result.totals.steps == 3
+    assert (result.totals.input_tokens, result.totals.output_tokens) == (30, 15)
+    assert result.totals.unknown_usage_attempts == 0
+
+
+async def test_a_reply_scripted_with_unknown_usage_still_ends_a_token_budgeted_run() -> None:
+    """``usage=Usage()`` scripts a reply whose usage was never reported (decision 0114)."""
+    model = ScriptedModel(turns=[say("pong", usage=Usage())])
+    agent = treadle.Agent(
+        model=model,
+        executor=treadle.Toolbox([ping]),
+        parser=treadle.NativeToolCallParser(),
+        budgets=Budgets(token_budget=1000),
+    )
+    result = await treadle.run(agent, "ping", store=treadle.MemoryStore(), run_id="r")
+    assert (result.state, result.stop_reason) == (RunState.FAILED, StopReason.TOKEN_BUDGET)
+    assert result.final_answer is None and result.totals.unknown_usage_attempts == 1

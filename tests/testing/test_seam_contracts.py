@@ -490,16 +490,19 @@ USED = Usage(input_tokens=12, output_tokens=3)
         (call("lookup", q="x", call_id="c1"), True),
         (say("hello", usage=USED), True),
         (say("hello", usage=USED), False),
+        (say("hello", usage=Usage()), True),
     ],
-    ids=["text", "tool-call", "reported-usage", "unreported-usage"],
+    ids=["text", "tool-call", "reported-usage", "unreported-usage", "unknown-usage"],
 )
 async def test_scripted_model_keeps_the_contract(reply, reports):
     model = ScriptedModel(turns=[reply], stream_chunk_chars=2, reports_usage=reports)
     got = await check_model_client(model)
     assert got == reply
-    # a second call (a report that raises) is made only of a client that reported usage;
-    # the last is made in a cancelled scope
-    assert len(model.requests) == (2 if reports and reply.usage == USED else 1) + 1
+    # a second call (a report that raises) is made only of a client that reported usage
+    # (scripted replies report SCRIPTED_USAGE unless given another); the last is made in a
+    # cancelled scope
+    reported = reports and reply.usage.known_total is not None
+    assert len(model.requests) == (2 if reported else 1) + 1
 
 
 @pytest.mark.parametrize(

@@ -95,7 +95,7 @@ async def test_the_runs_list_shows_each_run_and_filters_them():
         assert 'data-run="markup"' in page.text and 'data-run="other"' in page.text
         row = page.text[page.text.index('data-run="markup"') :]
         row = row[: row.index("</tr>")]
-        assert "succeeded" in row and ">47<" in row  # tokens: 40 in + 7 out
+        assert "succeeded" in row and ">62<" in row  # tokens: 10 + 5 (scripted), then 40 + 7
         assert "final_answer" in row
         searched = await http.get("/", params={"q": "oth"})
         assert 'data-run="other"' in searched.text and 'data-run="markup"' not in searched.text

@@ -4,6 +4,10 @@
 assistant turns already in its history), so a request repeated after a crash gets the same
 reply, exactly like a replayed recording. Failures can be scripted per turn and are consumed
 one per attempt.
+
+Every reply `say`, `call` and `calls` make reports `SCRIPTED_USAGE` (10 input and 5 output
+tokens) unless it is given its own ``usage``; ``usage=Usage()`` scripts a reply whose usage
+was never reported (docs/simulation.md, "Scripted replies").
 """
 
 from __future__ import annotations
@@ -26,26 +30,56 @@ STALLED = "stalled"
 gateway's attempt deadline (or a cancel) must end it."""
 
 
+SCRIPTED_USAGE = Usage(input_tokens=10, output_tokens=5)
+"""The usage a scripted reply reports unless given its own: 10 input and 5 output tokens.
+
+So each reply counts 15 tokens against a token budget (`Usage.known_total`), and an agent
+with a token budget runs on a script as it runs on a provider that reports usage
+(docs/simulation.md, "Scripted replies").
+"""
+
+
 def say(text: str, *, usage: Usage | None = None) -> ModelReply:
-    """A reply with visible text only (a final answer for most parsers)."""
-    return ModelReply(text=text, finish_reason="stop", usage=usage or Usage())
+    """A reply with visible text only (a final answer for most parsers).
+
+    Args:
+        text: the visible text.
+        usage: what the reply reports; `SCRIPTED_USAGE` when not given, ``Usage()`` for a
+            reply whose usage was never reported (under a token budget it ends the run,
+            docs/decisions/0114-a-token-budget-ends-at-a-reply-of-unknown-usage.md).
+    """
+    return ModelReply(text=text, finish_reason="stop", usage=_or_scripted(usage))
 
 
 def call(name: str, /, *, call_id: str | None = None, **arguments: Any) -> ModelReply:
-    """A reply with one native tool call ``name(**arguments)``.
+    """A reply with one native tool call ``name(**arguments)``, reporting `SCRIPTED_USAGE`.
 
     Without ``call_id`` the `ScriptedModel` playing it names the call by its place in the
     script, ``call_<turn>_<index>`` (both from 1), so the id is the same in every run of the
     script, every resume and every simulated twin, whatever else the process scripted.
+    Another usage is given with ``attrs.evolve(call(...), usage=...)`` (every keyword is an
+    argument of the call), or with `calls`.
     """
     return calls(ToolCall(id=call_id or UNNAMED, name=name, arguments=arguments))
 
 
 def calls(*tool_calls: ToolCall, text: str | None = None, usage: Usage | None = None) -> ModelReply:
-    """A reply with several native tool calls (a parallel batch)."""
+    """A reply with several native tool calls (a parallel batch).
+
+    Args:
+        tool_calls: the calls, in the order the provider gave them.
+        text: visible text sent with them, if any.
+        usage: what the reply reports; `SCRIPTED_USAGE` when not given, ``Usage()`` for a
+            reply whose usage was never reported.
+    """
     return ModelReply(
-        text=text, tool_calls=tool_calls, finish_reason="tool_calls", usage=usage or Usage()
+        text=text, tool_calls=tool_calls, finish_reason="tool_calls", usage=_or_scripted(usage)
     )
+
+
+def _or_scripted(usage: Usage | None) -> Usage:
+    """``usage``, or `SCRIPTED_USAGE` when it is ``None`` (``Usage()`` stays unknown)."""
+    return SCRIPTED_USAGE if usage is None else usage
 
 
 def _check_turns(model: object, field: attrs.Attribute[Any], turns: object) -> None:
@@ -99,6 +133,8 @@ class ScriptedModel:
         turns: the reply for each assistant turn, in order; ``turns[i]`` answers a request
             whose history holds *i* assistant messages. Messages and call ids number the
             turns from 1: ``turns[0]`` is turn 1, its calls ``call_1_1``, ``call_1_2`` ...
+            Each reply reports its own ``usage`` (`SCRIPTED_USAGE` for those `say`, `call`
+            and `calls` make unless told otherwise).
         failures: per turn index (from 0, as in ``turns``), errors to raise on the first
             attempts of that turn (one consumed per attempt), e.g.
             ``{0: [ModelErrorInfo(kind="rate_limited", ...)]}`` for turn 1; kind `STALLED`
