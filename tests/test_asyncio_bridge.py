@@ -8,6 +8,7 @@ functions as they are).
 from __future__ import annotations
 
 import asyncio
+import json
 from collections.abc import AsyncIterator, Callable
 from contextlib import AbstractAsyncContextManager, aclosing, asynccontextmanager
 from pathlib import Path
@@ -345,6 +346,50 @@ def test_resume_after_refuses_an_id_of_too_many_or_non_ascii_digits(bad: str):
     with pytest.raises(treadle.UsageError, match=r"an event id is <seq> or <seq>\.<ordinal>"):
         resume_after(bad)
     assert resume_after("9" * 19 + "." + "9" * 19) == (10**19 - 1, 10**19 - 1)
+
+
+def test_text_no_utf8_encoder_takes_is_framed_with_u_fffd_not_an_encode_error(tmp_path: Path):
+    """A server's escaped lone surrogate reaches the live deltas as it came (a pair split
+    across two chunks gives two deltas of one half each), and a log written before text
+    entering it was repaired may hold one: `sse_frame` raised UnicodeEncodeError on them,
+    breaking the stream after its 200. They are framed with U+FFFD, as ``treadle tail``
+    prints them."""
+    agent = treadle.Agent(
+        model=ScriptedModel(
+            turns=[call("wire", amount=5, call_id="p1"), say("smile \ud800 ok")],
+            stream_chunk_chars=1,
+        ),
+        executor=treadle.Toolbox([wire]),
+        parser=treadle.NativeToolCallParser(),
+    )
+
+    async def main():
+        async with open_runs(agent, store=sqlite(tmp_path / "r.db")) as runs:
+            await runs.start("pay", run_id="u1")
+            events = await _until(runs, "u1", EventKind.APPROVAL_REQUESTED)
+            await runs.approve("u1")  # the answer streams to a subscriber live since before
+            async with aclosing(runs.events("u1", after=(events[-1].seq, 0))) as more:
+                events += [event async for event in more]
+        return events
+
+    events = run_asyncio(main)
+    deltas = [e for e in events if e.kind is EventKind.TEXT_DELTA]
+    assert "".join(e.text for e in deltas) == "smile \ud800 ok"  # live, as the server sent it
+    half = attrs.evolve(deltas[-1], text="\ude00 ok")  # the second half of a split pair
+    older = treadle.Event(
+        run_id="u1",
+        seq=9,
+        kind=EventKind.CANCEL_REQUESTED,
+        record=CancelRequested(run_id="u1", ts="2026-01-01T00:00:00+00:00", reason="a\ud800b"),
+    )
+    data = [
+        json.loads(sse_frame(event, run_id="u1").decode("utf-8").split("\ndata: ", 1)[1])
+        for event in [*events, half, older]
+    ]
+    assert "".join(d["text"] for d in data[:-2] if d["kind"] == "text_delta") == "smile \ufffd ok"
+    assert data[-3]["kind"] == "run_finished" and data[-3]["final_answer"] == "smile \ufffd ok"
+    assert data[-2]["text"] == "\ufffd ok" and data[-1]["reason"] == "a\ufffdb"
+    assert event_data(older)["reason"] == "a\ufffdb"
 
 
 @treadle.tool

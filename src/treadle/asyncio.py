@@ -31,7 +31,7 @@ import trio
 
 from treadle._exceptions import RunLeased, TreadleError, UsageError, raised
 from treadle._ids import check_run_id, new_run_id
-from treadle._text import read_count
+from treadle._text import read_count, valid_unicode
 from treadle.actors import resume_from, stored_events
 from treadle.agent import Agent, RunInput, check_input
 from treadle.approvals import check_cancel_text, decide, request_cancel
@@ -766,7 +766,10 @@ def event_data(event: Event) -> dict[str, Any]:
 
     A durable event has its record's fields after ``seq`` and ``kind`` (the event kinds of
     docs/events.md, "Event types"); a delta has ``ordinal`` and ``text``; a step-started
-    event ``step`` and ``ordinal``.
+    event ``step`` and ``ordinal``. Its text is valid Unicode, which UTF-8 encodes: a lone
+    surrogate is U+FFFD, as ``treadle tail`` prints it (a delta's half of a surrogate pair
+    that the server split across two chunks, a record of a log written before text entering
+    it was repaired: docs/crash-safety.md, "Text that is not Unicode").
     """
     data: dict[str, Any] = {"seq": event.seq, "kind": event.kind.value}
     if event.record is not None:
@@ -777,21 +780,22 @@ def event_data(event: Event) -> dict[str, Any]:
         data.update(ordinal=event.ordinal, text=event.text)
     else:
         data.update(step=event.step, ordinal=event.ordinal)
+    data, _ = valid_unicode(data)
     return data
 
 
 def sse_frame(event: Event, *, run_id: str) -> bytes:
     """One Server-Sent Events frame of ``event``, in the stream of run ``run_id``.
 
-    ``event:`` is the event kind and ``data:`` its `event_data` as one line of JSON. An
-    event of ``run_id`` that is durable carries ``id: <seq>``, a step-started one
-    ``id: <seq>.<ordinal>`` (it has the seq of the durable event before it): a browser's
-    ``EventSource`` reconnects with ``Last-Event-ID`` set to the last of them it saw, and
-    `resume_after` turns that into the ``after`` of `Runs.events` for ``run_id``. Deltas
-    and warnings (live only) carry no id and leave the last id as it was; so do the events
-    of another run the stream carries (a child run's, live, numbered in the child's log:
-    docs/child-runs.md, "Events"), whose seq would move the browser's cursor in
-    ``run_id``'s log (docs/asyncio.md, "Streaming to a browser").
+    ``event:`` is the event kind and ``data:`` its `event_data` as one line of JSON (valid
+    UTF-8: a lone surrogate is U+FFFD). An event of ``run_id`` that is durable carries
+    ``id: <seq>``, a step-started one ``id: <seq>.<ordinal>`` (it has the seq of the durable
+    event before it): a browser's ``EventSource`` reconnects with ``Last-Event-ID`` set to
+    the last of them it saw, and `resume_after` turns that into the ``after`` of
+    `Runs.events` for ``run_id``. Deltas and warnings (live only) carry no id and leave the
+    last id as it was; so do the events of another run the stream carries (a child run's,
+    live, numbered in the child's log: docs/child-runs.md, "Events"), whose seq would move
+    the browser's cursor in ``run_id``'s log (docs/asyncio.md, "Streaming to a browser").
 
     Args:
         event: the event to frame.
