@@ -110,9 +110,15 @@ class Decision(BaseModel):
 
 @app.post("/runs")
 async def start_run(body: NewRun, request: Request) -> dict[str, str]:
-    """Start a run; its events are at ``/runs/{run_id}/events``."""
+    """Start a run; its events are at ``/runs/{run_id}/events``.
+
+    409 for a run id another instance drives (a client retrying a request it sent there),
+    400 for a request no run can take.
+    """
     try:
         run_id = await _runs(request).start(body.text, run_id=body.run_id)
+    except treadle.RunLeased as exc:
+        raise HTTPException(status_code=409, detail=str(exc)) from exc
     except treadle.UsageError as exc:
         raise HTTPException(status_code=400, detail=str(exc)) from exc
     return {"run_id": run_id}
@@ -188,9 +194,14 @@ async def cancel(run_id: str, request: Request) -> dict[str, str]:
 
 @app.get("/runs/{run_id:path}")  # after the routes above: ``/runs/a/b/events`` is a stream
 async def result(run_id: str, request: Request) -> dict[str, Any]:
-    """Wait for the run's result."""
+    """Wait for the run's result.
+
+    503 when its drive here stopped unfinished (it resumes from its log: ask again later).
+    """
     try:
         done = await _runs(request).result(run_id)
+    except treadle.RunInterrupted as exc:
+        raise HTTPException(status_code=503, detail=str(exc)) from exc
     except treadle.UsageError as exc:
         raise _unknown(exc) from exc
     return {"state": done.state.value, "final_answer": done.final_answer}

@@ -19,13 +19,14 @@ import subprocess
 import sys
 import threading
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import aclosing, contextmanager
 from pathlib import Path
 
 import httpx
 import pytest
 import trio
 
+import treadle
 from treadle.asyncio import resume_after
 from treadle.stores.sqlite import open_sqlite_store
 from treadle.testing.loopback import (
@@ -34,6 +35,7 @@ from treadle.testing.loopback import (
     ResponseWriter,
     open_loopback_server,
 )
+from treadle.testing.scripted import ScriptedModel, call, say
 from treadle.types import ModelResult
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
@@ -334,3 +336,75 @@ def test_a_run_whose_id_holds_a_slash_has_its_events_result_and_cancel(
     assert approve.status_code == 409 and "user-42/conv-7" in approve.json()["detail"]
     assert other.json()["state"] == "succeeded"
     assert missing.status_code == 404 and "user-42/nope" in missing.json()["detail"]
+
+
+@contextmanager
+def driven_elsewhere(db: Path, run_id: str) -> Iterator[None]:
+    """Run ``run_id`` in a trio thread as another instance of the application would (owner
+    ``instance-2``): it waits for an approval, holding the run's lease, until the block ends."""
+
+    @treadle.tool(requires_approval=True)
+    async def pay(amount: int) -> str:
+        """Pay."""
+        return "paid"
+
+    agent = treadle.Agent(
+        model=ScriptedModel(turns=[call("pay", amount=5), say("paid")]),
+        executor=treadle.Toolbox([pay]),
+        parser=treadle.NativeToolCallParser(),
+    )
+    holding, leave = threading.Event(), threading.Event()
+
+    async def hold() -> None:
+        async with (
+            open_sqlite_store(str(db)) as store,
+            treadle.open_run(
+                agent, "pay", store=store, run_id=run_id, owner="instance-2", park_after_s=None
+            ) as handle,
+        ):
+            async with aclosing(handle.events()) as events:
+                async for event in events:
+                    if event.kind is treadle.EventKind.APPROVAL_REQUESTED:
+                        break
+            holding.set()
+            await trio.to_thread.run_sync(leave.wait)
+            handle.drain()  # unfinished, its lease let go
+
+    thread = threading.Thread(target=trio.run, args=(hold,), daemon=True)
+    thread.start()
+    try:
+        assert holding.wait(60), "the other instance never drove the run"
+        yield
+    finally:
+        leave.set()
+        thread.join(60)
+
+
+class InterruptedRuns:
+    """A stand-in for the application's `Runs` whose result wait ends as one does when the
+    run's drive here stops unfinished (it was drained, or an actor failed)."""
+
+    async def result(self, run_id: str) -> object:
+        raise treadle.RunInterrupted(run_id, "this process stopped driving it (drained)")
+
+
+def test_a_run_driven_elsewhere_answers_409_and_one_interrupted_here_503_not_500(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+):
+    """``POST /runs`` retrying a run id another instance drives answered 500 (``RunLeased``
+    is no UsageError), and so did ``GET /runs/{id}`` for a run whose drive here stopped
+    unfinished (``RunInterrupted``): both are documented answers of `Runs`."""
+    from fastapi.testclient import TestClient
+
+    example = load_example(tmp_path, monkeypatch)
+    with (
+        driven_elsewhere(tmp_path / "runs.db", "busy"),
+        TestClient(example.app, raise_server_exceptions=False) as client,
+    ):
+        leased = client.post("/runs", json={"text": "pay", "run_id": "busy"})
+        runs, example.app.state.runs = example.app.state.runs, InterruptedRuns()
+        interrupted = client.get("/runs/b1")
+        example.app.state.runs = runs
+    assert leased.status_code == 409 and "driven by instance-2" in leased.json()["detail"]
+    assert interrupted.status_code == 503
+    assert "stopped driving it (drained)" in interrupted.json()["detail"]
