@@ -6,6 +6,9 @@ and cancels. Kill the server mid-run and start it again: the run resumes from it
 model call in flight is made afresh, no tool call runs twice), and the page's
 ``EventSource`` reconnects with ``Last-Event-ID``, the id of the last event it saw (a seq, or
 ``seq.ordinal`` for a step-started event), and carries on after it: no gap, no duplicate.
+Stop it (SIGTERM, Ctrl-C) and its event streams end at once, so that it exits without waiting
+for the runs to finish: they are drained (docs/asyncio.md, "The bridge") and resume in the
+next server.
 
 Run it against any OpenAI-compatible server::
 
@@ -27,11 +30,15 @@ then open http://127.0.0.1:8080/. Settings (environment variables):
 
 from __future__ import annotations
 
+import asyncio
 import os
-from collections.abc import AsyncIterator
-from contextlib import aclosing, asynccontextmanager
+import signal
+import threading
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from contextlib import aclosing, asynccontextmanager, contextmanager
 from pathlib import Path
-from typing import Any
+from types import FrameType
+from typing import Any, TypeVar
 
 from fastapi import FastAPI, Header, HTTPException, Query, Request
 from fastapi.responses import HTMLResponse, StreamingResponse
@@ -39,6 +46,8 @@ from pydantic import BaseModel
 
 import treadle
 from treadle.asyncio import Runs, open_runs, resume_after, sse_frame
+
+T = TypeVar("T")
 
 LEDGER = Path(os.environ.get("TREADLE_EXAMPLE_LEDGER", "notes.txt"))
 
@@ -69,17 +78,90 @@ def make_agent() -> treadle.Agent:
     )
 
 
+class Stopping(Exception):
+    """The server was told to stop before the awaited call answered."""
+
+
+@contextmanager
+def set_when_told_to_stop(stopping: asyncio.Event) -> Iterator[None]:
+    """Set ``stopping`` on SIGTERM or SIGINT, then handle the signal as the server does.
+
+    uvicorn leaves the lifespan (and so `open_runs`, which ends the event streams) only once
+    every connection has closed, and the event stream of an unfinished run never closes by
+    itself: a run waiting on a human would hold the stop until its approval deadline. The
+    requests that wait on a run end on ``stopping`` instead (docs/asyncio.md, "A FastAPI
+    application that survives a restart"). The server's own handlers, installed before the
+    lifespan starts, are called after and put back on exit. A signal without a Python
+    handler is left as it is; off the main thread (a test client's) no signal handler can be
+    installed, and nothing is.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    loop = asyncio.get_running_loop()
+    servers: dict[int, Callable[[int, FrameType | None], Any]] = {}
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        handler = signal.getsignal(sig)
+        if callable(handler):
+            servers[sig] = handler
+
+    def handle(sig: int, frame: FrameType | None) -> None:
+        loop.call_soon_threadsafe(stopping.set)
+        servers[sig](sig, frame)
+
+    for sig in servers:
+        signal.signal(sig, handle)
+    try:
+        yield
+    finally:
+        for sig, handler in servers.items():
+            signal.signal(sig, handler)
+
+
+async def unless_stopping(stopping: asyncio.Event, awaitable: Awaitable[T]) -> T:
+    """What ``awaitable`` returns, unless ``stopping`` is set first.
+
+    Raises:
+        Stopping: ``stopping`` was set first: ``awaitable`` was cancelled and has ended (a
+            call of `Runs` is cancelled in treadle's trio thread too).
+    """
+    task = asyncio.ensure_future(awaitable)
+    stop = asyncio.ensure_future(stopping.wait())
+    try:
+        await asyncio.wait((task, stop), return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        stop.cancel()
+        if not task.done():
+            task.cancel()
+            await asyncio.wait((task,))
+    if task.cancelled():
+        raise Stopping
+    return task.result()
+
+
+async def until_stopping(stopping: asyncio.Event, items: AsyncIterator[T]) -> AsyncIterator[T]:
+    """The items of ``items`` until they end or ``stopping`` is set (the caller closes it)."""
+    while not stopping.is_set():
+        try:
+            item = await unless_stopping(stopping, anext(items))
+        except (StopAsyncIteration, Stopping):
+            return
+        yield item
+
+
 @asynccontextmanager
 async def lifespan(app: FastAPI) -> AsyncIterator[None]:
     """Start treadle's trio thread (resuming unfinished runs) for the server's lifetime."""
     store = os.environ.get("TREADLE_EXAMPLE_STORE", "runs.db")
-    async with open_runs(
-        make_agent(),
-        store=lambda: treadle.open_sqlite_store(store),
-        owner=os.environ.get("TREADLE_EXAMPLE_OWNER", "fastapi-example"),
-    ) as runs:
-        app.state.runs = runs
-        yield
+    app.state.stopping = stopping = asyncio.Event()
+    with set_when_told_to_stop(stopping):
+        async with open_runs(
+            make_agent(),
+            store=lambda: treadle.open_sqlite_store(store),
+            owner=os.environ.get("TREADLE_EXAMPLE_OWNER", "fastapi-example"),
+        ) as runs:
+            app.state.runs = runs
+            yield
 
 
 app = FastAPI(lifespan=lifespan)
@@ -88,6 +170,11 @@ app = FastAPI(lifespan=lifespan)
 def _runs(request: Request) -> Runs:
     runs: Runs = request.app.state.runs
     return runs
+
+
+def _stopping(request: Request) -> asyncio.Event:
+    stopping: asyncio.Event = request.app.state.stopping
+    return stopping
 
 
 class NewRun(BaseModel):
@@ -166,8 +253,11 @@ async def run_events(
 
     async def frames() -> AsyncIterator[bytes]:
         yield b"retry: 500\n\n"  # the browser reconnects after half a second
-        async for event in events:
-            yield sse_frame(event, run_id=run_id)  # ids of this run's events only
+        # The stream ends when the server is told to stop; the browser reconnects with
+        # Last-Event-ID, to the server that takes over.
+        async with aclosing(events):
+            async for event in until_stopping(_stopping(request), events):
+                yield sse_frame(event, run_id=run_id)  # ids of this run's events only
 
     return StreamingResponse(frames(), media_type="text/event-stream")
 
@@ -196,10 +286,13 @@ async def cancel(run_id: str, request: Request) -> dict[str, str]:
 async def result(run_id: str, request: Request) -> dict[str, Any]:
     """Wait for the run's result.
 
-    503 when its drive here stopped unfinished (it resumes from its log: ask again later).
+    503 when its drive here stopped unfinished (it resumes from its log: ask again later),
+    or when the server is told to stop first.
     """
     try:
-        done = await _runs(request).result(run_id)
+        done = await unless_stopping(_stopping(request), _runs(request).result(run_id))
+    except Stopping:
+        raise HTTPException(status_code=503, detail="the server is stopping") from None
     except treadle.RunInterrupted as exc:
         raise HTTPException(status_code=503, detail=str(exc)) from exc
     except treadle.UsageError as exc:

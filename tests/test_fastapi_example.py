@@ -408,3 +408,85 @@ def test_a_run_driven_elsewhere_answers_409_and_one_interrupted_here_503_not_500
     assert leased.status_code == 409 and "driven by instance-2" in leased.json()["detail"]
     assert interrupted.status_code == 503
     assert "stopped driving it (drained)" in interrupted.json()["detail"]
+
+
+class HeldAnswerServer(ModelServer):
+    """A loopback model server in a thread whose answer streams ``ANSWER[0]`` once
+    ``gates[0]`` is set (the test's event stream is live), and the rest of ``ANSWER`` once
+    ``gates[1]`` is."""
+
+    async def _respond(self, request: RecordedRequest, writer: ResponseWriter) -> None:
+        self.requests.append(request)
+        await writer.start(200, {"content-type": "text/event-stream"})
+        assert await trio.to_thread.run_sync(self.gates[0].wait, 60), "never subscribed"
+        await writer.write(_chunk({"role": "assistant", "content": ANSWER[0]}))
+        assert await trio.to_thread.run_sync(self.gates[1].wait, 60), "never released"
+        for word in ANSWER[1:]:
+            await writer.write(_chunk({"content": word}))
+        await writer.write(_chunk({}, "stop"))
+        await writer.write(b"data: [DONE]\n\n")
+        await writer.end()
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+def test_a_stop_signal_ends_the_open_event_streams_and_the_server_exits_by_itself(
+    tmp_path: Path, sig: signal.Signals
+):
+    """uvicorn leaves the lifespan (where `open_runs` ends the event streams) only once every
+    connection has closed, and the stream of an unfinished run never closed: SIGTERM or
+    Ctrl-C waited for the run to finish, for a run waiting on a human until its approval
+    deadline. The stream ends when the server is told to stop, and the server exits."""
+    port = _free_port()
+    url = f"http://127.0.0.1:{port}"
+    kinds: list[str] = []
+    model = HeldAnswerServer()
+    with model as model_url:
+        env = {
+            **os.environ,
+            "TREADLE_EXAMPLE_STORE": str(tmp_path / "runs.db"),
+            "TREADLE_EXAMPLE_MODEL_URL": model_url,
+            "TREADLE_EXAMPLE_LEDGER": str(tmp_path / "notes.txt"),
+            "TREADLE_EXAMPLE_OWNER": "example-test",
+        }
+        try:
+            with app_server(port, env) as (server, said):
+                started = httpx.post(f"{url}/runs", json={"text": "hello", "run_id": "r1"})
+                assert started.status_code == 200, started.text
+                with httpx.stream("GET", f"{url}/runs/r1/events", timeout=60) as response:
+                    for _, kind, _ in sse(response):
+                        kinds.append(kind)
+                        model.gates[0].set()  # the stream is live
+                        if kind == "text_delta":  # the answer streams, then holds
+                            server.send_signal(sig)
+                # the stream ended (it had not: the read timed out, and the server went on)
+                model.gates[1].set()  # the model call the drain waits for ends
+                code = server.wait(60)
+                assert any("Application shutdown complete" in line for line in said), said
+        finally:
+            for gate in model.gates:
+                gate.set()
+    assert kinds.count("text_delta") == 1 and "run_finished" not in kinds
+    # uvicorn shuts down, then raises the signal again: SIGTERM ends the process by its
+    # default action, SIGINT raises KeyboardInterrupt, which uvicorn's command exits 0 on
+    assert code in (0, -sig), said
+
+
+def test_once_the_server_is_told_to_stop_a_wait_for_a_result_answers_503(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+):
+    """A ``GET /runs/{id}`` waiting for an unfinished run held the server's stop as an event
+    stream did; once the server is told to stop (the event a SIGTERM or SIGINT sets), the
+    wait answers 503 and the stream of the same run ends."""
+    from fastapi.testclient import TestClient
+
+    example = load_example(tmp_path, monkeypatch)
+    with (
+        driven_elsewhere(tmp_path / "runs.db", "busy"),
+        TestClient(example.app, raise_server_exceptions=False) as client,
+    ):
+        assert client.portal is not None
+        client.portal.call(example.app.state.stopping.set)
+        waited = client.get("/runs/busy")
+        stream = client.get("/runs/busy/events")
+    assert waited.status_code == 503 and waited.json() == {"detail": "the server is stopping"}
+    assert stream.status_code == 200 and stream.text == "retry: 500\n\n"
