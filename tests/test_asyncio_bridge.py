@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import AbstractAsyncContextManager, aclosing, asynccontextmanager
 from pathlib import Path
 
@@ -528,6 +528,56 @@ def test_a_cancel_from_asyncio_ends_the_run_cancelled(tmp_path: Path):
 
     result = run_asyncio(main)
     assert result.state is RunState.CANCELLED and result.stop_reason is StopReason.CANCELLED
+
+
+def _in_another_loop(make: Callable[[], Awaitable[object]]) -> BaseException | None:
+    """Await ``make()`` in a fresh ``asyncio.run`` of the calling thread; what it raised."""
+
+    async def attempt() -> BaseException | None:
+        try:
+            await make()
+        except BaseException as exc:
+            return exc
+        return None
+
+    return asyncio.run(attempt())
+
+
+def test_calls_awaited_in_another_event_loop_are_refused_before_they_act(tmp_path: Path):
+    """Awaited in a second thread's own loop, a call crossed to trio and acted (the run was
+    started, the approval applied and the tool ran) before its await failed with asyncio's
+    "got Future attached to a different loop"."""
+
+    async def main():
+        async with open_runs(wire_agent(), store=sqlite(tmp_path / "r.db")) as runs:
+            refused = {
+                "start": await asyncio.to_thread(
+                    _in_another_loop, lambda: runs.start("pay", run_id="w1")
+                )
+            }
+            with pytest.raises(treadle.UsageError, match="no run 'w1'"):  # never started
+                async for _ in runs.events("w1"):
+                    pass
+            await runs.start("pay", run_id="w1")
+            await _until(runs, "w1", EventKind.APPROVAL_REQUESTED)
+            elsewhere = {
+                "approve": lambda: runs.approve("w1"),
+                "cancel": lambda: runs.cancel("w1", "from elsewhere"),
+                "result": lambda: runs.result("w1"),
+                "events": lambda: anext(aiter(runs.events("w1"))),
+                "portal": lambda: runs.portal.call(trio.lowlevel.checkpoint),
+            }
+            for name, made in elsewhere.items():
+                refused[name] = await asyncio.to_thread(_in_another_loop, made)
+            decided = await runs.approve("w1")  # the run still waits for its decision
+            return refused, decided, await runs.result("w1"), len(runs.portal._pending)
+
+    refused, decided, result, pending = run_asyncio(main)
+    for name, error in refused.items():
+        assert isinstance(error, treadle.UsageError), (name, error)
+        assert "asyncio loop that opened" in str(error) and "nothing was done" in str(error)
+    assert decided.decision == "approve" and pending == 0
+    assert result.state is RunState.SUCCEEDED and result.final_answer == "paid"  # not cancelled
 
 
 def test_unfinished_runs_resume_when_the_bridge_opens_again(tmp_path: Path):

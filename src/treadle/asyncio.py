@@ -60,7 +60,8 @@ _LEFT = (
 class TrioPortal:
     """A trio run in its own thread, reached from one asyncio event loop; made by `open_portal`.
 
-    Every method is called from the asyncio loop's thread.
+    Every method is awaited in the asyncio loop that opened it; awaited in another one it
+    raises `UsageError` before anything crosses to trio.
     """
 
     def __init__(
@@ -75,6 +76,30 @@ class TrioPortal:
         self._closing = trio.Event()
         self._closed = False
         self._pending: set[asyncio.Future[Any]] = set()
+
+    def _check_loop(self) -> None:
+        """Refuse a call awaited outside the asyncio loop that opened the portal.
+
+        A future of that loop cannot be awaited in another one: the call would have
+        crossed to trio, and acted, before the await failed (docs/asyncio.md, "What crosses
+        the threads").
+
+        Raises:
+            UsageError: the caller runs in another event loop (a second thread's
+                ``asyncio.run``, say), or in none.
+        """
+        try:
+            running: asyncio.AbstractEventLoop | None = asyncio.get_running_loop()
+        except RuntimeError:
+            running = None
+        if running is not self._loop:
+            raise UsageError(
+                "a treadle.asyncio call is awaited in the asyncio loop that opened its block, "
+                f"and this one was awaited {'in another loop' if running else 'outside it'}: "
+                "from another thread, hand it to that loop "
+                "(asyncio.run_coroutine_threadsafe(runs.start(...), loop)); nothing was done "
+                '(docs/asyncio.md, "What crosses the threads")'
+            )
 
     def _soon(self, fn: Callable[..., object], *args: object) -> None:
         if self._closed:
@@ -116,7 +141,8 @@ class TrioPortal:
                 `SystemExit` also ends the portal's trio thread (as it ends a trio run);
                 any other exception ends only the call.
             UsageError: the portal is closed, or closed while the call ran (the call was
-                cancelled in trio).
+                cancelled in trio); or the call is awaited in another event loop than the
+                one that opened the portal (nothing crossed to trio).
 
         Cancellation:
             Cancelling the awaiting asyncio task cancels the call in trio (a trio
@@ -129,8 +155,10 @@ class TrioPortal:
     ) -> T:
         """`call`, run as a task of ``nursery`` (the portal's, or one inside it).
 
-        A call its nursery refuses (closing) or cancels fails with `UsageError`.
+        A call its nursery refuses (closing) or cancels fails with `UsageError`, as does
+        one awaited in another event loop (`_check_loop`, before anything crosses).
         """
+        self._check_loop()
         future: asyncio.Future[T] = self._loop.create_future()
         scope = trio.CancelScope()
 
@@ -174,7 +202,8 @@ class TrioPortal:
             BaseException: whatever the trio iterator raised, after the items before it,
                 unchanged; as in `call`, only a `KeyboardInterrupt` or `SystemExit` also ends
                 the portal's trio thread.
-            UsageError: the portal is closed.
+            UsageError: the portal is closed, or the iteration runs in another event loop
+                than the one that opened the portal (nothing crossed to trio).
 
         Resource handling:
             Leaving the loop early (break, an error, cancellation) cancels the trio
@@ -192,8 +221,10 @@ class TrioPortal:
         """`iterate`, the trio iterator run by a task of ``nursery``.
 
         The iteration ends (after the items sent before) when ``nursery`` cancels that task;
-        it raises `UsageError` when ``nursery`` refuses it (closing).
+        it raises `UsageError` when ``nursery`` refuses it (closing), or at once when it is
+        iterated in another event loop (`_check_loop`).
         """
+        self._check_loop()
         send, receive = trio.open_memory_channel[tuple[Any, BaseException | None]](buffer)
         scope = trio.CancelScope()
         refused = False
@@ -562,7 +593,9 @@ class Runs:
     """The asyncio face of runs driven in a trio thread; made by `open_runs`.
 
     Every method is a coroutine of the asyncio loop that opened it; each call crosses to
-    trio and back (docs/asyncio.md, "The bridge").
+    trio and back (docs/asyncio.md, "The bridge"). Awaited in another event loop (a second
+    thread's ``asyncio.run``), a method raises `UsageError` before anything crosses: no run
+    is started, approved or cancelled.
 
     Attributes:
         portal: the portal the runs live behind (for calls of your own into trio).
@@ -610,8 +643,9 @@ class Runs:
         Raises:
             UsageError: ``from_seq`` is not a whole number of 1 or more, ``after`` is not a
                 ``(seq, ordinal)`` of whole numbers of 0 or more (or comes with a
-                ``from_seq``, ``1`` too), the store has no such run, or the block was left
-                before the stream began.
+                ``from_seq``, ``1`` too), the store has no such run, the block was left
+                before the stream began, or the stream is iterated in another event loop
+                than the one that opened the block.
             StoreError: the stored prefix could not be read.
         """
         return self.portal._iterate_in(self._host.calls, self._host.events, run_id, from_seq, after)
@@ -663,7 +697,8 @@ class Runs:
 
         Raises:
             UsageError: the block is being left and the store closes (or closed): the call
-                was refused, or cancelled in trio.
+                was refused, or cancelled in trio; or the call is awaited in another event
+                loop than the one that opened the block (refused before it crossed).
         """
         return await self.portal._call_in(self._host.calls, fn, *args)
 
