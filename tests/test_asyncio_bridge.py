@@ -175,6 +175,52 @@ def test_an_iterator_raising_a_base_exception_ends_only_its_iteration():
     assert run_asyncio(main) == [1]
 
 
+async def _raise_a_stray_cancellation() -> None:
+    """Raise a `trio.Cancelled` caught in a cancel scope since left: nothing cancels the caller."""
+    with trio.CancelScope() as scope:
+        scope.cancel()
+        try:
+            await trio.lowlevel.checkpoint()
+        except trio.Cancelled as exc:
+            caught = exc
+    raise caught
+
+
+def test_a_stray_trio_cancellation_reaches_its_caller_and_ends_only_its_call(tmp_path: Path):
+    """Any trio.Cancelled a called function raised went into the portal's nursery: the runs
+    of the block were cut without a drain, and that call and every later one failed with
+    "its treadle.asyncio block was left" while the block was open."""
+
+    async def grouped() -> None:
+        try:
+            await _raise_a_stray_cancellation()
+        except trio.Cancelled as stray:
+            raise BaseExceptionGroup("both", [ValueError("real"), stray]) from None
+
+    async def stray_items() -> AsyncIterator[int]:
+        yield 1
+        await _raise_a_stray_cancellation()
+
+    async def main():
+        async with open_runs(wire_agent(), store=sqlite(tmp_path / "r.db")) as runs:
+            await runs.start("pay", run_id="w1")
+            await _until(runs, "w1", EventKind.APPROVAL_REQUESTED)
+            with pytest.raises(trio.Cancelled):
+                await runs.portal.call(_raise_a_stray_cancellation)
+            with pytest.raises(BaseExceptionGroup) as group:
+                await runs.portal.call(grouped)
+            items = []
+            with pytest.raises(trio.Cancelled):
+                async for item in runs.portal.iterate(stray_items):
+                    items.append(item)
+            await runs.approve("w1")  # the run was not cut: it still waits here
+            return group.value, items, await runs.result("w1")
+
+    group, items, result = run_asyncio(main)
+    assert group.subgroup(ValueError) is not None and items == [1]
+    assert result.state is RunState.SUCCEEDED and result.final_answer == "paid"
+
+
 class _Loud:
     """A callable whose repr is what a host's bound method's repr was: costly, here counted."""
 

@@ -29,9 +29,10 @@ from typing import Any, Final, TypeVar
 import attrs
 import trio
 
-from treadle._exceptions import RunLeased, TreadleError, UsageError, raised
+from treadle._exceptions import RunLeased, TreadleError, UsageError, only_cancelled
 from treadle._ids import check_run_id, new_run_id
 from treadle._text import read_count, valid_unicode
+from treadle._toolhost import cancelled_here
 from treadle.actors import resume_from, stored_events
 from treadle.agent import Agent, RunInput, check_input
 from treadle.approvals import check_cancel_text, decide, request_cancel
@@ -137,9 +138,10 @@ class TrioPortal:
         """Run ``await fn(*args)`` in the trio thread and return (or raise) what it did.
 
         Raises:
-            BaseException: whatever ``fn`` raised, unchanged. A `KeyboardInterrupt` or
-                `SystemExit` also ends the portal's trio thread (as it ends a trio run);
-                any other exception ends only the call.
+            BaseException: whatever ``fn`` raised, unchanged, a `trio.Cancelled` that no
+                cancel scope around the call cancelled included (one caught earlier and
+                raised again). A `KeyboardInterrupt` or `SystemExit` also ends the portal's
+                trio thread (as it ends a trio run); any other exception ends only the call.
             UsageError: the portal is closed, or closed while the call ran (the call was
                 cancelled in trio); or the call is awaited in another event loop than the
                 one that opened the portal (nothing crossed to trio).
@@ -168,9 +170,12 @@ class TrioPortal:
                 with scope:
                     outcome = (await fn(*args), None)
             except BaseException as exc:
-                if raised(exc, trio.Cancelled) is not None:
+                if only_cancelled(exc) and cancelled_here():
                     raise  # the portal closes (also out of fn's nursery): the caller is told so
-                outcome = (None, exc)  # the caller's, whatever it is (a library's own kind)
+                # The caller's, whatever it is: a library's own kind, or a trio.Cancelled
+                # that nothing around the call cancelled (one caught earlier and raised
+                # again), which raised on would end every call and run of the portal.
+                outcome = (None, exc)
                 if isinstance(exc, KeyboardInterrupt | SystemExit):
                     raise  # it also ends the trio thread, as it ends a trio run
             finally:
@@ -200,8 +205,8 @@ class TrioPortal:
 
         Raises:
             BaseException: whatever the trio iterator raised, after the items before it,
-                unchanged; as in `call`, only a `KeyboardInterrupt` or `SystemExit` also ends
-                the portal's trio thread.
+                unchanged (a stray `trio.Cancelled` included, as in `call`); as in `call`,
+                only a `KeyboardInterrupt` or `SystemExit` also ends the portal's trio thread.
             UsageError: the portal is closed, or the iteration runs in another event loop
                 than the one that opened the portal (nothing crossed to trio).
 
@@ -241,9 +246,12 @@ class TrioPortal:
                         async for item in items:
                             await send.send((item, None))
                 except BaseException as exc:
-                    if raised(exc, trio.Cancelled) is not None:
+                    if only_cancelled(exc) and cancelled_here():
                         raise  # the consumer left, or the portal closes
-                    await send.send((None, exc))  # the consumer's, whatever it is, as in `call`
+                    # The consumer's, whatever it is, as in `call`; the send itself raises
+                    # the cancellation of an iteration cancelled meanwhile (the consumer
+                    # left, or the portal closes).
+                    await send.send((None, exc))
                     if isinstance(exc, KeyboardInterrupt | SystemExit):
                         raise  # it also ends the trio thread, as it ends a trio run
 
