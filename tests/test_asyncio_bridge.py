@@ -892,6 +892,67 @@ def test_calls_after_the_block_are_refused_and_leave_nothing_waiting(tmp_path: P
     assert run_asyncio(main) == 0
 
 
+@treadle.tool
+async def leave_process(code: int) -> str:
+    """End the process."""
+    await trio.lowlevel.checkpoint()
+    raise SystemExit(code)
+
+
+def test_calls_while_a_runs_exit_stops_the_trio_thread_are_refused_with_usage_error(
+    tmp_path: Path,
+):
+    """A tool's SystemExit (or KeyboardInterrupt) stops the trio thread. A start made while
+    the runs' nursery wound down was taken into it and reported started (its run cut at
+    once), or, once that nursery had closed, failed with trio's raw "Nursery is closed to
+    new arrivals"; a call cut then was told that its block was left, which it was not."""
+    release = trio.Event()
+    outcomes: dict[str, BaseException] = {}
+
+    async def main():
+        loop = asyncio.get_running_loop()
+        cut = asyncio.Event()
+
+        async def hold_the_runs_nursery(*, task_status: trio.TaskStatus[None]) -> None:
+            task_status.started()
+            try:
+                await trio.sleep_forever()
+            finally:  # cancelled as the runs' nursery ends: it waits here until released
+                loop.call_soon_threadsafe(cut.set)
+                with trio.CancelScope(shield=True):
+                    await release.wait()
+
+        agent = treadle.Agent(
+            model=ScriptedModel(turns=[call("leave_process", code=3), say("left")]),
+            executor=treadle.Toolbox([leave_process]),
+            parser=treadle.NativeToolCallParser(),
+        )
+        async with open_runs(agent, store=sqlite(tmp_path / "r.db"), drain_s=0) as runs:
+            host = runs._host
+            await runs.portal.call(host.nursery.start, hold_the_runs_nursery)
+            waiting = asyncio.create_task(runs.portal._call_in(host.calls, trio.sleep_forever))
+            await runs.start("leave", run_id="x")  # its tool raises SystemExit
+            await cut.wait()
+            try:
+                await runs.start("again", run_id="r2")
+            except BaseException as exc:
+                outcomes["start"] = exc
+            await runs.portal.call(_set, release)
+            try:
+                await waiting
+            except BaseException as exc:
+                outcomes["waiting call"] = exc
+
+    with pytest.raises(SystemExit) as ended:
+        run_asyncio(main)
+    assert ended.value.code == 3
+    assert set(outcomes) == {"start", "waiting call"}
+    for name, error in outcomes.items():
+        assert isinstance(error, treadle.UsageError), (name, error)
+        assert "trio thread is stopped by an exception" in str(error), (name, error)
+        assert "block was left" not in str(error), (name, error)
+
+
 class SlowClose(MemoryStore):
     """Its `aclose` sets ``closing`` and waits for ``release``."""
 

@@ -57,6 +57,13 @@ _LEFT = (
     '(docs/asyncio.md, "What crosses the threads")'
 )
 
+_STOPS = (
+    "the treadle.asyncio trio thread is stopped by an exception raised in it (a "
+    "KeyboardInterrupt or SystemExit, as a trio run is; leaving the block raises it) "
+    '(docs/asyncio.md, "What crosses the threads")'
+)
+"""Why a call is refused or cut while its block is open: the trio thread ends."""
+
 
 class TrioPortal:
     """A trio run in its own thread, reached from one asyncio event loop; made by `open_portal`.
@@ -76,6 +83,9 @@ class TrioPortal:
         self._nursery = nursery
         self._closing = trio.Event()
         self._closed = False
+        # Set in the asyncio thread before the request that leaves the block crosses. A call
+        # refused or cut in trio while it is unset was cut because the trio thread stops.
+        self._leaving = False
         self._pending: set[asyncio.Future[Any]] = set()
 
     def _check_loop(self) -> None:
@@ -103,12 +113,20 @@ class TrioPortal:
             )
 
     def _soon(self, fn: Callable[..., object], *args: object) -> None:
-        if self._closed:
+        """In the asyncio thread: have the trio thread call ``fn(*args)`` soon.
+
+        Raises:
+            UsageError: the block was left (the portal is closed), or the trio thread ended
+                on an exception of its own.
+        """
+        if self._closed and self._leaving:
             raise UsageError("the treadle.asyncio portal is closed (docs/asyncio.md)")
+        if self._closed:  # the trio thread ended by itself (`_abandon`)
+            raise UsageError(f"the call is refused: {_STOPS}")
         try:
             self._token.run_sync_soon(fn, *args)
         except trio.RunFinishedError:
-            raise UsageError("the treadle.asyncio portal's trio thread has stopped") from None
+            raise UsageError(f"the call is refused: {_STOPS}") from None
 
     def _spawn(
         self,
@@ -128,6 +146,10 @@ class TrioPortal:
             nursery.start_soon(fn, name=name)
         except RuntimeError:
             refused()
+
+    def _ended(self) -> str:
+        """Why a call was refused or cut in trio (or left waiting as the thread ended)."""
+        return _LEFT if self._leaving else f"the call was cancelled in trio: {_STOPS}"
 
     def _reply(self, fn: Callable[..., object], *args: object) -> None:
         """In the trio thread: run ``fn(*args)`` in the asyncio loop (if it still runs)."""
@@ -179,12 +201,18 @@ class TrioPortal:
                 if isinstance(exc, KeyboardInterrupt | SystemExit):
                     raise  # it also ends the trio thread, as it ends a trio run
             finally:
-                self._reply(_settle, future, outcome)
+                self._reply(_settle, future, outcome, self._ended())
 
         # Not repr(fn) as a getattr default (always evaluated): the repr of a bound method of
         # an attrs object holds the whole object, every run a host drives included.
         name = getattr(fn, "__qualname__", None) or type(fn).__qualname__
-        self._soon(self._spawn, nursery, task, name, lambda: self._reply(_settle, future, None))
+        self._soon(
+            self._spawn,
+            nursery,
+            task,
+            name,
+            lambda: self._reply(_settle, future, None, self._ended()),
+        )
         # Only a call that crossed waits for the trio thread (`_abandon` fails it if that
         # ends first); the answer cannot come before this: it comes by the loop.
         self._pending.add(future)
@@ -232,11 +260,11 @@ class TrioPortal:
         self._check_loop()
         send, receive = trio.open_memory_channel[tuple[Any, BaseException | None]](buffer)
         scope = trio.CancelScope()
-        refused = False
+        refused: str | None = None
 
         def refuse() -> None:
             nonlocal refused
-            refused = True
+            refused = self._ended()
             send.close()
 
         async def pump() -> None:
@@ -260,8 +288,8 @@ class TrioPortal:
             while True:
                 got = await self.call(_next, receive)
                 if got is None:
-                    if refused:  # seen by this thread once the channel's end crossed
-                        raise UsageError(_LEFT)
+                    if refused is not None:  # seen by this thread once the channel's end crossed
+                        raise UsageError(refused)
                     return
                 item, error = got
                 if error is not None:
@@ -276,9 +304,10 @@ class TrioPortal:
         """In the asyncio loop, once the trio thread ended: fail the calls still waiting."""
         self._closed = True
         for future in list(self._pending):
-            _settle(future, None)
+            _settle(future, None, self._ended())
 
     def _close(self) -> None:
+        self._leaving = True
         if not self._closed:
             with contextlib.suppress(UsageError):  # the thread stopped: nothing to close
                 self._soon(self._closing.set)
@@ -305,12 +334,18 @@ async def _next(
         return None
 
 
-def _settle(future: asyncio.Future[Any], outcome: tuple[Any, BaseException | None] | None) -> None:
-    """In the asyncio loop: hand ``outcome`` to ``future`` unless its waiter gave up."""
+def _settle(
+    future: asyncio.Future[Any], outcome: tuple[Any, BaseException | None] | None, ended: str
+) -> None:
+    """In the asyncio loop: hand ``outcome`` to ``future`` unless its waiter gave up.
+
+    ``None`` (the call was refused or cut in trio) fails it with `UsageError` saying
+    ``ended``, why (`TrioPortal._ended`).
+    """
     if future.done():
         return
     if outcome is None:
-        future.set_exception(UsageError(_LEFT))
+        future.set_exception(UsageError(ended))
     elif outcome[1] is not None:
         future.set_exception(outcome[1])
     else:
@@ -423,11 +458,9 @@ class _Host:
         # process would share its lease (docs/asyncio.md, "The bridge").
         while (pending := self.starting.get(chosen)) is not None:
             await pending.wait()
-        if self.closing:  # no checkpoint from here to the run's nursery taking the start
-            raise UsageError(
-                f"run {chosen!r} is not started: the treadle.asyncio block is being left "
-                '(docs/asyncio.md, "The bridge")'
-            )
+        # Cancelled (the calls end: the trio thread stops), the call ends as cancelled.
+        await trio.lowlevel.checkpoint_if_cancelled()
+        self._check_taking(chosen)  # no checkpoint from here to the run's nursery taking it
         if chosen in self.handles:
             if input is not None:  # the same run again, not another input under its id
                 await self._check_input(chosen, input)
@@ -439,6 +472,24 @@ class _Host:
             del self.starting[chosen]
             ended.set()
         return started
+
+    def _check_taking(self, run_id: str) -> None:
+        """Refuse to start ``run_id`` once the runs' nursery takes no more runs.
+
+        It takes none once the block is being left, nor once a run ended it with an
+        exception of its own (a tool's `KeyboardInterrupt` or `SystemExit`, which stop the
+        trio thread: docs/asyncio.md, "What crosses the threads").
+
+        Raises:
+            UsageError: either.
+        """
+        if self.closing:
+            raise UsageError(
+                f"run {run_id!r} is not started: the treadle.asyncio block is being left "
+                '(docs/asyncio.md, "The bridge")'
+            )
+        if self.nursery.cancel_scope.cancel_called:
+            raise UsageError(f"run {run_id!r} is not started: {_STOPS}")
 
     async def _check_input(self, run_id: str, input: RunInput) -> None:
         """Refuse ``input`` when the run driven here was started on another one.
@@ -630,7 +681,9 @@ class Runs:
         Raises:
             RunLeased: another live driver holds the run.
             UsageError: the block is being left (no run is started then: leaving drains
-                the runs, docs/asyncio.md, "The bridge"), or as `treadle.open_run`.
+                the runs, docs/asyncio.md, "The bridge"), the trio thread is stopped by an
+                exception raised in it (a run's `KeyboardInterrupt` or `SystemExit`), or as
+                `treadle.open_run`.
             InvalidRunId, SnapshotMismatch, SchemaTooNew: as `treadle.open_run`.
         """
         return await self._call(self._host.start, input, run_id)
@@ -801,6 +854,7 @@ async def open_runs(
             )
             yield Runs(portal=portal, host=host, resumed=resumed, not_resumed=refused)
         finally:
+            portal._leaving = True
             await asyncio.shield(portal.call(end))
 
 
