@@ -18,6 +18,7 @@ import pytest
 import trio
 
 import treadle
+import treadle.approvals
 from treadle.asyncio import Runs, event_data, open_portal, open_runs, resume_after, sse_frame
 from treadle.stores.memory import MemoryStore
 from treadle.testing.scripted import ScriptedModel, call, say
@@ -75,6 +76,9 @@ def run_asyncio(main):
         lambda tmp: treadle.open_fleet(treadle.MemoryStore(), {"a": wire_agent}),
         lambda tmp: treadle.wait_result(treadle.MemoryStore(), "r"),
         lambda tmp: treadle.resume_unfinished(wire_agent(), store=treadle.MemoryStore()),
+        # They failed with asyncio's "Task got bad yield: ... CancelShieldedCheckpoint".
+        lambda tmp: treadle.approvals.decide(treadle.MemoryStore(), "r"),
+        lambda tmp: treadle.approvals.request_cancel(treadle.MemoryStore(), "r", reason="x"),
     ],
 )
 def test_the_trio_api_called_from_asyncio_names_the_bridge(entry, tmp_path: Path):

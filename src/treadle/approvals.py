@@ -33,6 +33,7 @@ from treadle._ids import check_run_id
 from treadle._schema import argument_validator
 from treadle._state import seconds_between
 from treadle._text import loads_json, repaired, require_text
+from treadle._trio_only import require_trio
 from treadle.parsers import MAX_ARGUMENT_DEPTH, NESTED_TOO_DEEP, argument_problem
 from treadle.policies import ExecutorPolicies
 from treadle.ports import ControlStream, RunQueue, RunStore
@@ -534,9 +535,11 @@ async def request_cancel(
         InvalidRunId: not an allowed run id (docs/concepts.md, "Run ids"); nothing is read.
         UsageError: the run does not exist or already finished (terminal states never
             change), ``reason`` or ``canceller`` is not a ``str``, or the store has no
-            control streams.
+            control streams; or it was called from asyncio, not trio (nothing is read:
+            docs/asyncio.md, "Calling treadle from asyncio").
         StoreError: the write failed.
     """
+    require_trio("treadle.approvals.request_cancel")
     check_run_id(run_id)
     check_cancel_text(reason, canceller)
     controls = _controls(store)
@@ -618,13 +621,14 @@ async def decide(
             arguments than ``step`` and ``arguments_digest`` say), already has a decision
             for that call in its control stream (the first one counts) or the call's expiry
             there, both ``reject`` and ``edit`` were given, the edit does not fit the tool's
-            argument schema in the run's parameter snapshot (nothing is written then), or
-            the store has no control streams. Also when this decision, once written, comes
-            after another one in the control stream: a second decider's that raced it (the
-            message names the one that counts), or the expiry the run's driver wrote at the
-            deadline (the call expired; the message says so). Either way the decision does
-            not count; its record stays in the append-only stream, where the run's driver
-            passes over it (docs/events.md, "Human approval").
+            argument schema in the run's parameter snapshot (nothing is written then), the
+            store has no control streams, or it was called from asyncio, not trio (nothing
+            is read: docs/asyncio.md, "Calling treadle from asyncio"). Also when this
+            decision, once written, comes after another one in the control stream: a second
+            decider's that raced it (the message names the one that counts), or the expiry
+            the run's driver wrote at the deadline (the call expired; the message says so).
+            Either way the decision does not count; its record stays in the append-only
+            stream, where the run's driver passes over it (docs/events.md, "Human approval").
         AlreadyDecided: (a `UsageError`) refused because the call meant (by ``call_id``,
             ``step`` and ``arguments_digest``, or the one the run waits on) has a decision
             that counts already: one waiting to be applied, one that raced this one, or one
@@ -632,6 +636,7 @@ async def decide(
             this decision again (a decision sent twice).
         StoreError: the write failed.
     """
+    require_trio("treadle.approvals.decide")
     check_run_id(run_id)
     if reject is not None and edit is not None:
         raise UsageError("a decision either rejects or edits the arguments, not both")
