@@ -38,3 +38,15 @@ def _library() -> str:
         return sniffio.current_async_library()
     except Exception:  # sniffio cannot tell: no async library it knows runs this call
         return "outside any trio task"
+
+
+def in_run_of(token: trio.lowlevel.TrioToken) -> bool:
+    """Whether the caller runs in the trio run ``token`` belongs to (in that run's thread).
+
+    ``False`` in a thread of no trio run (a plain thread, an asyncio loop's) and in another
+    trio run's thread: neither may touch that run's trio objects (events, channels).
+    """
+    try:
+        return trio.lowlevel.current_trio_token() is token
+    except RuntimeError:
+        return False

@@ -21,6 +21,7 @@ from treadle.types import (
     ActionResult,
     ActionStatus,
     CancelRequested,
+    EventKind,
     ModelIntent,
     RunFinished,
     RunState,
@@ -134,6 +135,64 @@ async def test_a_finished_run_refuses_a_cancel(autojump_clock):
         await request_cancel(store, "nope")
     log = await store.read_log("r")
     assert not any(isinstance(r, CancelRequested) for r in log.records)
+
+
+async def test_a_handle_asked_from_another_thread_refuses_and_names_the_way_to_ask():
+    """From a plain thread (a sync web framework's, say), handle.cancel() failed with trio's
+    "must be called from async context" and the run went on as if nothing was asked."""
+    tools = LedgerTools()
+    agent = Agent(
+        model=ScriptedModel(turns=[call("sleep", s=3600, call_id="c1"), say("done")]),
+        executor=tools,
+        parser=SimpleParser(),
+    )
+
+    def ask_from_a_plain_thread(handle) -> dict[str, BaseException | None]:
+        asked = {
+            "cancel": lambda: handle.cancel("from a thread"),
+            "approve": handle.approve,
+            "drain": handle.drain,
+        }
+        errors: dict[str, BaseException | None] = {}
+        for name, ask in asked.items():
+            try:
+                ask()
+                errors[name] = None
+            except BaseException as exc:
+                errors[name] = exc
+        return errors
+
+    def cancel_from_another_trio_run(handle) -> BaseException | None:
+        async def ask() -> None:
+            handle.cancel("from another trio run")
+
+        try:
+            trio.run(ask)
+        except BaseException as exc:
+            return exc
+        return None
+
+    async with open_run(agent, "x", store=MemoryStore(), run_id="r") as handle:
+        async with contextlib.aclosing(handle.events()) as events:
+            async for event in events:
+                if event.kind is EventKind.ACTION_REQUESTED:
+                    break
+        errors = await trio.to_thread.run_sync(ask_from_a_plain_thread, handle)
+        errors["cancel in another trio run"] = await trio.to_thread.run_sync(
+            cancel_from_another_trio_run, handle
+        )
+        for name, error in errors.items():
+            assert isinstance(error, UsageError), (name, error)
+            assert "came from another thread" in str(error), (name, error)
+            method = name.split()[0]
+            assert f"trio.from_thread.run_sync(handle.{method}" in str(error), (name, error)
+        assert handle.state is RunState.RUNNING  # nothing was handed over
+        token = trio.lowlevel.current_trio_token()
+        await trio.to_thread.run_sync(
+            lambda: trio.from_thread.run_sync(handle.cancel, "handed over", trio_token=token)
+        )
+        result = await handle.wait()
+    assert result.state is RunState.CANCELLED
 
 
 class CarefulTools:

@@ -19,6 +19,7 @@ import trio
 from treadle._bursts import and_buffered
 from treadle._clock import Clock, SystemClock
 from treadle._exceptions import RunInterrupted, UsageError
+from treadle._trio_only import in_run_of
 from treadle.actors import (
     Cancel,
     Control,
@@ -74,6 +75,8 @@ class RunHandle:
     _left: str | None = None
     _snapshot: Mapping[str, JSONValue] | None = None
     _redaction: Redaction = NO_REDACTION
+    _token: trio.lowlevel.TrioToken = attrs.field(factory=trio.lowlevel.current_trio_token)
+    """The trio run the handle was made in, whose thread alone may ask it anything."""
 
     # ------------------------------------------------------------------ what it reports
 
@@ -178,8 +181,10 @@ class RunHandle:
                 driving the run unfinished (drained, or parked away on child runs; `left`
                 says which): nothing here could apply the cancel. Cancel it through the
                 store instead (`treadle.approvals.request_cancel`,
-                ``treadle cancel``), which whoever drives it next applies.
+                ``treadle cancel``), which whoever drives it next applies. Also when called
+                from another thread than the trio run's (`_require_its_thread`).
         """
+        self._require_its_thread("cancel")
         check_cancel_text(reason, canceller)
         if self._parking is not None:
             self._parking.cancel(reason, canceller, here=True)
@@ -232,8 +237,10 @@ class RunHandle:
             UsageError: the run is not waiting for an approval, is being cancelled (by this
                 handle, or as the handle reports, ``cancelling``), waits on another call, both
                 ``reject`` and ``edit`` were given, or the edit is not a JSON object or does
-                not fit the tool's schema (nothing is handed over then).
+                not fit the tool's schema (nothing is handed over then); or it was called
+                from another thread than the trio run's (`_require_its_thread`).
         """
+        self._require_its_thread("approve")
         if self._result is not None:
             raise UsageError(
                 f"run {self.run_id!r} finished {self._result.state.value}: nothing waits for a "
@@ -269,12 +276,38 @@ class RunHandle:
         human), stays unfinished and resumable, and its lease is released so that another
         driver takes it over from its log (docs/fleet.md, "Shutting a worker down").
         `wait` then raises `RunInterrupted`; `left` says why.
+
+        Raises:
+            UsageError: called from another thread than the trio run's
+                (`_require_its_thread`).
         """
+        self._require_its_thread("drain")
         self._draining = True
         if self._parking is not None:
             self._parking.drain()
         else:
             self._send(Drain())
+
+    def _require_its_thread(self, method: str) -> None:
+        """Refuse a request made outside the trio run the handle was made in.
+
+        The request reaches the run through that run's trio objects (its channels and
+        events), which no other thread may touch (docs/events.md, "Cancellation"): another
+        thread hands the call to the run (``trio.from_thread.run_sync``), another process
+        goes through the store.
+
+        Raises:
+            UsageError: called from a thread of no trio run (a plain thread, an asyncio
+                loop's) or from another trio run's thread.
+        """
+        if not in_run_of(self._token):
+            raise UsageError(
+                f"handle.{method}() of run {self.run_id!r} is called in the trio run that "
+                "drives it, and this call came from another thread: hand it to that run "
+                f"(trio.from_thread.run_sync(handle.{method}, ..., trio_token=...)), or "
+                "cancel or decide through the store (treadle.approvals.request_cancel or "
+                'decide, `treadle cancel`, `treadle approve`; docs/events.md, "Cancellation")'
+            )
 
     def _send(self, message: Control) -> None:
         """Hand ``message`` to the coordinator driving the run here (none: nothing to do)."""
