@@ -568,6 +568,22 @@ def test_a_start_with_another_input_under_a_run_id_driven_here_is_refused(tmp_pa
     assert result.state is RunState.SUCCEEDED and result.final_answer == "paid"
 
 
+def test_a_start_with_neither_input_nor_run_id_names_no_run_id_of_its_own(tmp_path: Path):
+    """It was refused for a run id made up inside the start: "run 'run-039426ec27a1b7d0' does
+    not exist; a new run needs an input", an id the caller never gave nor could know."""
+
+    async def main():
+        async with open_runs(wire_agent(), store=sqlite(tmp_path / "r.db")) as runs:
+            with pytest.raises(treadle.UsageError) as refused:
+                await runs.start()
+            with pytest.raises(treadle.UsageError, match="'ghost' does not exist"):
+                await runs.start(run_id="ghost")  # an id given: that one is named
+            return str(refused.value)
+
+    message = run_asyncio(main)
+    assert "a new run needs an input" in message and "run-" not in message, message
+
+
 def test_a_cancel_from_asyncio_ends_the_run_cancelled(tmp_path: Path):
     async def main():
         async with open_runs(slow_agent(), store=sqlite(tmp_path / "r.db")) as runs:

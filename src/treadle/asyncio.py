@@ -452,6 +452,18 @@ class _Host:
     """The block is being left: no run is started any more, every run driven is drained."""
 
     async def start(self, input: RunInput | None, run_id: str | None) -> str:
+        """Start (or resume) a run driven here: `Runs.start`.
+
+        Raises:
+            UsageError: neither ``input`` nor ``run_id`` was given (before an id is made
+                up: a new run needs an input, only an existing one resumes without), and as
+                `Runs.start`.
+        """
+        if input is None and run_id is None:
+            raise UsageError(
+                "a new run needs an input: start(input), or start(run_id=...) to resume an "
+                'unfinished run (docs/asyncio.md, "The bridge")'
+            )
         chosen = check_run_id(run_id) if run_id is not None else new_run_id()
         # A second start of a run being started here waits for the first, then finds it
         # driven (or starts it itself if the first failed): two drivers of one run in one
@@ -680,10 +692,10 @@ class Runs:
 
         Raises:
             RunLeased: another live driver holds the run.
-            UsageError: the block is being left (no run is started then: leaving drains
-                the runs, docs/asyncio.md, "The bridge"), the trio thread is stopped by an
-                exception raised in it (a run's `KeyboardInterrupt` or `SystemExit`), or as
-                `treadle.open_run`.
+            UsageError: neither ``input`` nor ``run_id`` was given; the block is being left
+                (no run is started then: leaving drains the runs, docs/asyncio.md, "The
+                bridge"); the trio thread is stopped by an exception raised in it (a run's
+                `KeyboardInterrupt` or `SystemExit`); or as `treadle.open_run`.
             InvalidRunId, SnapshotMismatch, SchemaTooNew: as `treadle.open_run`.
         """
         return await self._call(self._host.start, input, run_id)
