@@ -455,6 +455,46 @@ def test_wait_on_an_unknown_run_is_a_clear_error(tmp_path: Path):
     assert waited.exit_code != 0 and "no run 'unknown'" in waited.output
 
 
+def test_wait_with_a_timeout_of_0_answers_a_finished_run_and_an_unknown_one(tmp_path: Path):
+    """The deadline cut the first look at the run short: ``--timeout 0`` said of a run that
+    had finished "has not finished after 0 s" (exit 2), and of an unknown run the same
+    instead of that there is no such run."""
+    db = tmp_path / "runs.db"
+
+    async def finish() -> None:
+        async with open_sqlite_store(db) as store:
+            await treadle.run(calc_agent(), "2+3?", store=store, run_id="done")
+
+    trio.run(finish)
+    waited = invoke("wait", "done", "--store", str(db), "--timeout", "0")
+    assert waited.exit_code == 0, waited.output
+    assert waited.stdout == "done: succeeded (final_answer): 2 + 3 = 5\n"
+    unknown = invoke("wait", "nope", "--store", str(db), "--timeout", "0")
+    assert unknown.exit_code == 1, unknown.output
+    assert "no run 'nope'" in unknown.output and "has not finished" not in unknown.output
+
+
+async def test_wait_answers_a_finished_run_whose_read_outlasts_the_timeout(autojump_clock):
+    """A store read longer than ``--timeout`` (a PostgreSQL round trip against 0.01 s) was
+    cancelled by the deadline, so a finished run was said not to have finished."""
+    from treadle._cli_fleet import _wait
+    from treadle.stores.memory import MemoryStore
+
+    class SlowToRead(MemoryStore):
+        """A store each of whose summary reads takes 10 s."""
+
+        async def read_summary(self, run_id: str):
+            await trio.sleep(10)
+            return await super().read_summary(run_id)
+
+    store = SlowToRead()
+    await treadle.run(calc_agent(), "2+3?", store=store, run_id="done")
+    result = await _wait(store, "done", poll_s=1.0, timeout_s=1.0)
+    assert result is not None and result.state is RunState.SUCCEEDED
+    with pytest.raises(treadle.UsageError, match="no run 'nope'"):
+        await _wait(store, "nope", poll_s=1.0, timeout_s=1.0)
+
+
 def damage_a_jsonl_run(directory: Path, line: int) -> Path:
     """Three finished runs; one byte in the middle of line ``line`` of run ``bad`` changed."""
 

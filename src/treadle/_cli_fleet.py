@@ -39,7 +39,7 @@ from treadle._cli_common import (
     store_option,
     url_host,
 )
-from treadle._exceptions import StoreError, TreadleError
+from treadle._exceptions import StoreError, TreadleError, UsageError
 from treadle._terminal import on_interrupt
 from treadle._text import valid_text
 from treadle.agent import Agent
@@ -54,7 +54,6 @@ from treadle.supervisors import (
     METRICS_REFRESH_S,
     FleetStatistics,
     open_fleet,
-    wait_result,
 )
 from treadle.types import Liveness, Message, RunResult, RunState
 
@@ -450,15 +449,17 @@ def submit_command(store_path: str, agent_name: str, run_id: str | None, text: s
     "timeout_s",
     type=Seconds(),
     default=None,
-    help="Give up after this many seconds (exit 2); default: wait as long as it takes.",
+    help="Give up after this many seconds (exit 2), having looked once at least (0: look once);"
+    " default: wait as long as it takes.",
 )
 def wait_command(
     run_id: str, store_path: str, as_json: bool, poll_s: float, timeout_s: float | None
 ) -> None:
     """Wait until a run finished (whoever drives it); exit 0 when it succeeded, else 1.
 
-    Exit 2 when --timeout passed first. A run that is quarantined (no worker takes it
-    until treadle unquarantine) is said so on stderr, once, and waited for on.
+    Exit 2 when --timeout passed first (it looks once at least: 0 looks once). A run
+    that is quarantined (no worker takes it until treadle unquarantine) is said so on
+    stderr, once, and waited for on.
     """
 
     async def go() -> RunResult | None:
@@ -496,22 +497,46 @@ def wait_command(
 async def _wait(
     store: RunStore, run_id: str, poll_s: float, timeout_s: float | None
 ) -> RunResult | None:
-    """The run's result, or ``None`` after ``timeout_s``; says once that it is quarantined."""
+    """The run's result, or ``None`` once ``timeout_s`` seconds passed; it looks once at least.
+
+    Each look reads the run's summary, and its log only once the run finished, every
+    ``poll_s`` seconds; a quarantined run is said so on stderr, once. The deadline is checked
+    between looks, never during one, so ``--timeout 0`` answers a finished run with its result
+    and an unknown run with its error however long a read of the store takes
+    (docs/fleet.md, "Poison runs").
+
+    Raises:
+        UsageError: the store knows no such run.
+    """
     deadline = trio.current_time() + (math.inf if timeout_s is None else timeout_s)
     said = False
     while True:
         summary = await store.read_summary(run_id) if isinstance(store, RunIndex) else None
-        if not said and summary is not None and summary.liveness is Liveness.QUARANTINED:
+        if summary is None or summary.liveness is Liveness.FINISHED:
+            found = await _finished_result(store, run_id)
+            if found is not None:
+                return found
+        elif not said and summary.liveness is Liveness.QUARANTINED:
             said = True
             click.echo(f"run {run_id} is {in_queue(summary)}; waiting on", err=True)
-        with trio.move_on_at(min(deadline, trio.current_time() + QUARANTINE_LOOK_S)):
-            return await wait_result(store, run_id, poll_s=poll_s)
-        if trio.current_time() >= deadline:
+        left = deadline - trio.current_time()
+        if left <= 0:
             return None
+        await trio.sleep(min(poll_s, left))
 
 
-QUARANTINE_LOOK_S = 5.0
-"""Seconds between two looks of ``treadle wait`` at whether its run is quarantined."""
+async def _finished_result(store: RunStore, run_id: str) -> RunResult | None:
+    """The result of ``run_id`` read from its log; ``None`` while it has not finished.
+
+    Raises:
+        UsageError: the run has no records and no summary: the store knows no such run.
+    """
+    log = await store.read_log(run_id)
+    if log.finished is not None:
+        return RunResult.from_finished(log.finished)
+    if not log.records:
+        raise UsageError(f"there is no run {run_id!r} in this store")
+    return None
 
 
 @click.command("unquarantine")
