@@ -917,6 +917,27 @@ def test_approve_of_an_undriven_run_says_the_decision_waits(tmp_path: Path):
     assert check_invariants(log) == []
 
 
+def test_the_approval_hint_is_a_command_to_copy_when_the_store_path_has_spaces(tmp_path: Path):
+    """The command `tail` (and `resume`) print to decide an approval held the store path
+    unquoted: a path with a space became three words when the command was copied."""
+    import shlex
+
+    from treadle._cli_runs import _hint_approval
+
+    db = tmp_path / "my runs" / "q q.db"
+    db.parent.mkdir()
+    leave_parked(db, "p")
+    said: list[str] = []
+    _hint_approval(read_log(db, "p"), None, str(db), said.append)
+    (hint,) = said
+    command = hint[hint.index("treadle approve") : hint.index(" [--reject")]
+    words = shlex.split(command)
+    assert words == ["treadle", "approve", "p", "--store", str(db)]
+    approved = invoke(*words[1:])
+    assert approved.exit_code == 0, approved.output
+    assert 'approve: wire({"amount": 5}) (call p1) of step 1 of run p' in approved.output
+
+
 def test_approve_of_a_run_another_driver_holds_names_it(tmp_path: Path):
     db = tmp_path / "runs.db"
     leave_parked(db, "p")

@@ -10,6 +10,7 @@ import json
 import math
 import os
 import re
+import shlex
 import sys
 from collections import Counter
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -647,12 +648,14 @@ def call_text(request: ApprovalRequested) -> str:
 def approval_hint(request: ApprovalRequested, run_id: str, store_path: str) -> str:
     """The line telling how to answer ``request`` of ``run_id`` from the command line.
 
-    Pass a redacted request, as for `call_text`. The line is `printable`.
+    Pass a redacted request, as for `call_text`. The line is `printable`; its command is
+    quoted for a POSIX shell (`shlex.join`), so a store path holding a space stays one word
+    when the command is copied (docs/events.md, "Reading events").
     """
+    command = shlex.join(["treadle", "approve", run_id, "--store", redact(store_path)])
     return printable(
         f"waiting for approval of {call_text(request)} (call {request.call_id}) until "
-        f"{request.deadline_ts}: treadle approve {run_id} --store {redact(store_path)} "
-        "[--reject MSG | --edit JSON]"
+        f"{request.deadline_ts}: {command} [--reject MSG | --edit JSON]"
     )
 
 

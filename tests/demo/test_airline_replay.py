@@ -630,6 +630,34 @@ async def test_live_mode_with_a_scripted_customer(recordings, workload, tmp_path
     assert "agent>" in done.stderr.decode()  # the conversation was shown
 
 
+async def test_live_modes_closing_command_is_quoted_for_the_shell(recordings, workload, tmp_path):
+    """Live mode ended with `treadle show RUN --store PATH`, the path unquoted."""
+    import shlex
+
+    recording = find_recording(recordings, "30-1")
+    store = tmp_path / "my runs" / "live 1.db"
+    store.parent.mkdir()
+    with trio.fail_after(REPLAY_DEADLINE_S):
+        async with open_replay_server([recording]) as server:
+            command = [sys.executable, "-m", "treadle.cli", "demo", "airline", "--live",
+                       "--data", str(workload), "--base-url", server.base_url("30-1"),
+                       "--model", "gpt-4o", "--task-id", str(recording.task_id),
+                       "--store", str(store)]  # fmt: skip
+            done = await trio.run_process(
+                command,
+                stdin=scripted_customer(recording),
+                capture_stdout=True,
+                capture_stderr=True,
+                check=False,
+            )
+    assert done.returncode == 0, done.stderr.decode()
+    (line,) = [x for x in done.stdout.decode().splitlines() if "look at the log:" in x]
+    words = shlex.split(line.split("look at the log:", 1)[1])
+    assert words[:2] == ["treadle", "show"] and words[3:] == ["--store", str(store)]
+    shown = await trio.to_thread.run_sync(lambda: CliRunner().invoke(cli_main, words[1:]))
+    assert shown.exit_code == 0 and "run finished" in shown.output
+
+
 def test_demo_command(tmp_path, monkeypatch, workload):
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("TREADLE_AIRLINE_DATA", str(workload))
@@ -645,6 +673,22 @@ def test_demo_command(tmp_path, monkeypatch, workload):
     assert len(stores) == 1
     assert f"treadle show airline-30-1 --store {Path('.treadle') / stores[0].name}" in out
     shown = CliRunner().invoke(cli_main, ["show", "airline-30-1", "--store", str(stores[0])])
+    assert shown.exit_code == 0 and "cancel_reservation" in shown.output
+
+
+def test_the_demos_closing_command_is_quoted_for_the_shell(tmp_path, workload):
+    """The command the demo ends with held the store path unquoted: copied, a path with a
+    space ran `treadle show` with extra arguments."""
+    import shlex
+
+    store = tmp_path / "my runs" / "demo 1.db"
+    store.parent.mkdir()
+    result = CliRunner().invoke(cli_main, ["demo", "--store", str(store), "--data", str(workload)])
+    assert result.exit_code == 0, result.output
+    (line,) = [x for x in result.output.splitlines() if "treadle show" in x]
+    words = shlex.split(line)
+    assert words == ["treadle", "show", "airline-30-1", "--store", str(store)]
+    shown = CliRunner().invoke(cli_main, words[1:])
     assert shown.exit_code == 0 and "cancel_reservation" in shown.output
 
 

@@ -329,7 +329,7 @@ def _print_demo_summary(
         f"[bold]score {report.reward:.1f}[/]   recorded score {report.recorded_reward:.1f}"
     )
     console.print("look at the log:")
-    console.print(f"  treadle show {report.run_id} --store {store}", soft_wrap=True)
+    console.print(f"  {_show_command(report.run_id, store)}", soft_wrap=True)
 
 
 # --------------------------------------------------------------------------- commands
@@ -407,6 +407,15 @@ def _demo_command(store: Path, key: str | None, data_dir: str | None) -> str:
     words += ["--recording", key] if key is not None else []
     words += ["--data", data_dir] if data_dir is not None else []
     return shlex.join(words)
+
+
+def _show_command(run_id: str, store: Path | str) -> str:
+    """The command that shows the log of ``run_id`` in ``store``, quoted for a POSIX shell.
+
+    docs/demo.md, "`treadle demo`": the demo ends with it, for the reader to copy; a store
+    path holding a space or a quote stays one word.
+    """
+    return shlex.join(["treadle", "show", run_id, "--store", str(store)])
 
 
 def run_airline(
@@ -604,6 +613,4 @@ def _live(
         f"run {report.run_id}: {report.state} ({report.stop_reason}), "
         f"{counted(report.steps, 'step')}, {counted(report.tool_calls, 'tool call')}{reward}"
     )
-    console.print(
-        f"look at the log:  treadle show {report.run_id} --store {report.store}", soft_wrap=True
-    )
+    console.print(f"look at the log:  {_show_command(report.run_id, report.store)}", soft_wrap=True)
