@@ -208,6 +208,17 @@ def test_the_runs_table_of_finished_runs_fits_80_columns(tmp_path):
     assert re.search(r"│ \d{4}-\d\d-\d\d \d\d:\d\d:\d\d │$", row), table.output
 
 
+def test_the_runs_tables_title_names_a_store_path_holding_brackets_as_it_is(tmp_path):
+    # The title was read as rich markup: `runs in logs[red]/runs[bold].db` was shown as
+    # `runs in logs/runs.db`, naming a store that is not the one listed.
+    db = tmp_path / "logs[red]" / "runs[bold].db"
+    db.parent.mkdir()
+    make_store(db)
+    table = CliRunner().invoke(main, ["runs", "--store", str(db)])
+    assert table.exit_code == 0, table.output
+    assert f"runsin{db}" in "".join(table.output.split())  # however the title wraps
+
+
 def test_reading_commands_refuse_a_folder_or_file_that_holds_no_store(tmp_path):
     # `treadle runs --store .` in a project folder made .control/ and .leases/ in it and
     # listed the project's own .jsonl files as damaged runs, which `treadle repair` would

@@ -16,6 +16,7 @@ import attrs
 import click
 import trio
 from rich.cells import cell_len
+from rich.markup import escape
 from rich.table import Table
 from rich.text import Text
 
@@ -160,7 +161,7 @@ def runs_table(
     needs = {column: _least_width(column, rows) for column in columns}
     left_out = _left_out(needs, width)
     kept = [column for column in columns if column not in left_out]
-    table = Table(title=f"runs in {redact(store_path)}")
+    table = Table(title=escape(f"runs in {redact(store_path)}"))  # a path is no markup
     if left_out:
         table.caption = (
             f"not shown in {width} columns: {', '.join(left_out)} (--json lists every field)"

@@ -153,9 +153,14 @@ async def _open_store(path: Path) -> None:
         pass
 
 
+def _dim(console: Console, text: str) -> None:
+    """Print ``text`` dimmed, as it is: a path in it holding ``[red]`` is no markup."""
+    console.print(f"[dim]{escape(text)}[/]")
+
+
 def _workload(data_dir: str | None, console: Console) -> Path:
     try:
-        return locate_workload(data_dir, notify=lambda text: console.print(f"[dim]{text}[/]"))
+        return locate_workload(data_dir, notify=lambda text: _dim(console, text))
     except AirlineDataNotFound as exc:
         raise click.ClickException(str(exc)) from exc
     except httpx.HTTPError as exc:
@@ -329,7 +334,7 @@ def _print_demo_summary(
         f"[bold]score {report.reward:.1f}[/]   recorded score {report.recorded_reward:.1f}"
     )
     console.print("look at the log:")
-    console.print(f"  {_show_command(report.run_id, store)}", soft_wrap=True)
+    console.print(f"  {escape(_show_command(report.run_id, store))}", soft_wrap=True)
 
 
 # --------------------------------------------------------------------------- commands
@@ -353,7 +358,7 @@ def _announce(console: Console, recording: Recording, store: Path) -> None:
     console.print(f"[dim]the customer's brief: {escape(_clip(recording.task.instruction, 300))}[/]")
     console.print(
         f"[dim]model replies come from a replay server on 127.0.0.1; tools run for real on "
-        f"a SQLite airline database; the run is logged in {store}[/]"
+        f"a SQLite airline database; the run is logged in {escape(str(store))}[/]"
     )
 
 
@@ -376,8 +381,8 @@ def run_demo(store_path: str | None, data_dir: str | None, key: str | None) -> N
     )
     if view.drivers == 0 and log.finished is not None:
         console.print(
-            f"[cyan]{report.run_id} had already finished in {store}: nothing was run again; "
-            "the figures below are the run's, from its log and its stored counts[/]"
+            f"[cyan]{report.run_id} had already finished in {escape(str(store))}: nothing was "
+            "run again; the figures below are the run's, from its log and its stored counts[/]"
         )
     _print_demo_summary(console, report, log, workspace, store)
     if report.error is not None:
@@ -613,4 +618,6 @@ def _live(
         f"run {report.run_id}: {report.state} ({report.stop_reason}), "
         f"{counted(report.steps, 'step')}, {counted(report.tool_calls, 'tool call')}{reward}"
     )
-    console.print(f"look at the log:  {_show_command(report.run_id, report.store)}", soft_wrap=True)
+    console.print(
+        f"look at the log:  {escape(_show_command(report.run_id, report.store))}", soft_wrap=True
+    )
