@@ -375,6 +375,9 @@ async def test_a_raw_at_or_slash_in_a_url_password_is_refused_before_connecting(
         ("postgresql://[::1:54329/db", 'looking for matching "]" in IPv6 host address'),
         ("postgresql://u:hunter22@[::1:54329/db", '"postgresql://u:***@[::1:54329/db"'),
         ("postgresql://u%zz:hunter22@h/db", 'invalid percent-encoded token: "u%zz"'),
+        # the user and the database share the password's text: libpq's quote of the URL
+        # was scrubbed after its redaction, "***ql://***:***@[::1:54329/***_prod"
+        ("postgresql://postgres:postgres@[::1:54329/postgres_prod", '"postgresql://postgres:***@['),
     ],
 )
 def test_a_url_unreadable_for_another_reason_than_its_password_says_libpqs_complaint(
@@ -389,6 +392,31 @@ def test_a_url_unreadable_for_another_reason_than_its_password_says_libpqs_compl
     message = str(info.value)
     assert said in message and "%25" not in message
     assert "hunter22" not in message
+
+
+@pytest.mark.parametrize(
+    "dsn",
+    [
+        "postgresql://postgres:postgres@127.0.0.1:{port}/postgres_prod",
+        "host=127.0.0.1 port={port} user=postgres password=postgres dbname=postgres_prod",
+    ],
+)
+async def test_a_refused_connection_names_a_user_and_database_that_share_the_password(
+    dsn: str,
+) -> None:
+    """The pieces of the password were hidden across the whole message, the store's own
+    redacted description included: ``cannot connect to PostgreSQL store
+    ***ql://***:***@127.0.0.1:1/***_prod`` named no user, database or even scheme."""
+    from treadle.stores import redact_dsn
+
+    with socket.socket() as closed:
+        closed.bind(("127.0.0.1", 0))  # bound, never listening: a connection is refused
+        dsn = dsn.format(port=closed.getsockname()[1])
+        with pytest.raises(treadle.StoreError) as info:
+            await PostgresStore.open(dsn, schema="public")
+    said = str(info.value)
+    assert f"cannot connect to PostgreSQL store {redact_dsn(dsn)} (schema public): " in said
+    assert ":postgres@" not in said and "password=postgres" not in said
 
 
 @pytest.mark.parametrize("password", ["50%off", "p%zz", "my pass", "100%"])

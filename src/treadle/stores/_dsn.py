@@ -79,13 +79,19 @@ def scrub_password(text: str, store: str) -> str:
     libpq quotes what it misread of a URL whose password holds a raw ``@`` or ``/`` (as a
     host name, say), or of ``key=value`` keywords whose password holds a raw space (as a
     keyword): every piece of each password (`SECRET_KEYWORDS`) between those characters, 3
-    characters long or more, is replaced by ``***``.
+    characters long or more, is replaced by ``***``. Where ``text`` quotes ``store`` whole,
+    it shows `redact_dsn` of it instead, unscrubbed: a user, host or database name that
+    shares a piece with the password (``postgres:postgres``) stays readable there, as every
+    message shows it (docs/fleet.md, "Stores").
     """
     pieces = [p for password in _passwords(store) for p in re.split(r"[@/\s]", password)]
-    for piece in sorted(pieces, key=len, reverse=True):
-        if len(piece) >= 3:
-            text = text.replace(piece, "***")
-    return text
+    hidden = sorted((piece for piece in pieces if len(piece) >= 3), key=len, reverse=True)
+    scrubbed = []
+    for part in text.split(store):
+        for piece in hidden:
+            part = part.replace(piece, "***")
+        scrubbed.append(part)
+    return redact_dsn(store).join(scrubbed)
 
 
 def quotes_password(text: str, store: str) -> bool:

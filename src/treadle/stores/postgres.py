@@ -257,11 +257,22 @@ class PostgresDialect:
         return _connection_lost(exc, conn)
 
 
-def _translate(description: str, exc: BaseException, what: str) -> TreadleError | None:
+def _translate(
+    description: str, exc: BaseException, what: str, *, dsn: str | None = None
+) -> TreadleError | None:
+    """``exc`` as the treadle error saying ``what`` failed on the store ``description``.
+
+    ``None`` when ``exc`` is no psycopg error. With ``dsn`` (a failed connection to it),
+    what libpq's message quotes of its passwords is hidden (`scrub_password`); the store's
+    description, which shows the DSN redacted already, is left whole, so the message names
+    the user, host and database it tried (docs/fleet.md, "Stores").
+    """
     psycopg = _psycopg()
     if not isinstance(exc, psycopg.Error):
         return None
     message = _first_line(exc)
+    if dsn is not None:
+        message = scrub_password(message, dsn)
     if isinstance(exc, psycopg.errors.DataCorrupted | psycopg.errors.IndexCorrupted):
         return LogCorrupted(f"the database is damaged: {message}", where=description, offset=None)
     errors = psycopg.errors
@@ -796,7 +807,7 @@ def _check_readable(dsn: str) -> None:
         said = _first_line(exc)
         misread = url and quotes_password(said, dsn)
         if not misread:
-            said = redact_dsn(scrub_password(said.replace(dsn, redact_dsn(dsn)), dsn))
+            said = redact_dsn(scrub_password(said, dsn))
             raise UsageError(
                 f"the PostgreSQL DSN {redact_dsn(dsn)} cannot be read: {said}"
             ) from None
@@ -827,10 +838,10 @@ def _open(dsn: str, schema: str, create: bool) -> tuple[PostgresDialect, Any]:
     try:
         conn = dialect.connect("treadle committer")
     except Exception as exc:
-        error = _translate(dialect.description, exc, "cannot connect to")
+        error = _translate(dialect.description, exc, "cannot connect to", dsn=dsn)
         if error is None:
             raise
-        raise StoreError(scrub_password(str(error), dsn)) from None
+        raise StoreError(str(error)) from None
     try:
         _ensure_schema(dialect, conn, create=create)
     except BaseException as exc:
