@@ -605,6 +605,27 @@ def test_tail_marks_where_each_step_starts(tmp_path):
     assert all("model call" in lines[i + 1] for i in starts)
 
 
+def test_tail_from_past_the_end_of_a_finished_run_says_so_as_show_does(tmp_path):
+    # `tail --from N` past a finished run's last record printed nothing and exited 0, while
+    # `show --from N` (which docs/events.md says takes the same --from) said why, exit 1.
+    db = tmp_path / "runs.db"
+    make_store(db)
+
+    async def records() -> int:
+        async with treadle.open_sqlite_store(db) as store:
+            return len((await store.read_log("cli-run")).records)
+
+    count = trio.run(records)
+    for follow in ("--follow", "--no-follow"):
+        past = CliRunner().invoke(
+            main, ["tail", "cli-run", "--store", str(db), "--from", str(count + 1), follow]
+        )
+        assert past.exit_code == 1, past.output
+        assert f"run cli-run has {count} records: none from seq {count + 1}" in past.output
+    last = CliRunner().invoke(main, ["tail", "cli-run", "--store", str(db), "--from", str(count)])
+    assert last.exit_code == 0 and "run finished" in last.output, last.output
+
+
 def test_show_and_tail_json_speak_the_event_vocabulary(tmp_path):
     """Issue 13 item 4: ``tail --json`` printed record kinds (``model_intent``, ``step``) and no
     ``step_started``; the Python API and docs/events.md use event kinds. Both commands now

@@ -375,7 +375,9 @@ async def tail(
     whenever nobody drives the run, why.
 
     Raises:
-        UsageError: the run does not exist.
+        UsageError: the run does not exist, or it finished before ``from_seq``: no record
+            from there on will ever come (``treadle show --from`` says the same,
+            docs/events.md, "Reading events").
     """
     from treadle._exceptions import UsageError
 
@@ -387,6 +389,10 @@ async def tail(
         summary = await _summary(store, run_id)
         if log.started is None and (summary is None or summary.state is not RunState.QUEUED):
             raise UsageError(f"there is no run {run_id!r} in this store")
+        if log.finished is not None and from_seq > len(log.records):
+            raise UsageError(
+                f"run {run_id} has {len(log.records)} records: none from seq {from_seq}"
+            )
         redaction = Redaction.of_log(log)
         for seq in range(next_seq, len(log.records) + 1):
             show(seq, redaction.record(log.records[seq - 1]))
