@@ -87,23 +87,26 @@ def request_digest(
     arguments: Mapping[str, JSONValue],
     redaction: Redaction,
     keys: Callable[[int], bytes] = secrets.token_bytes,
+    *,
+    step: int | None = None,
 ) -> str:
-    """The digest a new approval request of a call of ``tool`` is bound to.
+    """The digest a new approval request of a call of ``tool`` in ``step`` is bound to.
 
-    A call without secret arguments: `arguments_digest` of its arguments, which anyone may
-    compute again. A call with some: keyed with 32 bytes drawn from ``keys`` for this request
-    and kept nowhere (the OS's secure source; a seeded run's own random source, so that its
-    log stays the same for a seed: docs/simulation.md), so the digest shown next to
-    ``"[redacted]"`` cannot be tested against guesses of a secret value (a PIN would
-    otherwise fall to a few million hashes). Nothing ever computes a request's digest
-    again: a decision names the digest the request carries (`matches`), so requests written
-    before, with plain digests, still take their decisions (docs/events.md, "Secret
+    A call shown as it is: `arguments_digest` of its arguments, which anyone may compute
+    again. A call shown with something hidden (a secret argument, or a secret value of its
+    step's reply in another argument: `Redaction.hides`): keyed with 32 bytes drawn from
+    ``keys`` for this request and kept nowhere (the OS's secure source; a seeded run's own
+    random source, so that its log stays the same for a seed: docs/simulation.md), so the
+    digest shown next to ``"[redacted]"`` cannot be tested against guesses of a secret value
+    (a PIN would otherwise fall to a few million hashes). Nothing ever computes a request's
+    digest again: a decision names the digest the request carries (`matches`), so requests
+    written before, with plain digests, still take their decisions (docs/events.md, "Secret
     arguments").
 
     Raises:
         UsageError: the arguments are not JSON data.
     """
-    key = keys(32) if redaction.hides(tool, arguments) else None
+    key = keys(32) if redaction.hides(tool, arguments, step=step) else None
     return arguments_digest(arguments, key=key)
 
 

@@ -33,13 +33,16 @@ from treadle.types import (
     ActionIntent,
     ActionResult,
     ApprovalRequested,
+    InvalidToolCall,
     ModelErrorInfo,
+    ModelReply,
     ModelResult,
     RunFinished,
     RunState,
     StepRecord,
     StopReason,
     ToolCall,
+    Usage,
 )
 
 CARD = "4111111111111111"
@@ -521,3 +524,243 @@ async def test_a_model_error_and_a_final_answer_are_redacted_as_the_reply_text_i
     (finished,) = [e.record for e in sink.events if isinstance(e.record, RunFinished)]
     assert CARD not in as_text(sink.events)
     assert REDACTED in json.dumps(record_to_dict(finished))
+
+
+def noting_agent(
+    reply: ModelReply, charged: list[str], noted: list[str], *, ask_first: bool = False
+) -> Agent:
+    """``charge`` (its card secret) and ``note`` (no secret; put to a human with
+    ``ask_first``), the model sending ``reply`` and then answering."""
+
+    @tool(secret_arguments=("card",))
+    async def charge(amount: int, card: str) -> str:
+        """Charge a card."""
+        charged.append(card)
+        return f"charged {amount}"
+
+    @tool(requires_approval=ask_first)
+    async def note(text: str) -> str:
+        """Write a note for the customer's file."""
+        noted.append(text)
+        return "noted"
+
+    return Agent(
+        model=ScriptedModel(turns=[reply, say("done")]),
+        executor=Toolbox([charge, note]),
+        parser=NativeToolCallParser(),
+    )
+
+
+CHARGED_AND_NOTED = calls(
+    ToolCall(id="c1", name="charge", arguments={"amount": 12, "card": CARD}),
+    ToolCall(id="c2", name="note", arguments={"text": f"charged card {CARD}"}),
+)
+
+
+async def test_a_secret_value_in_another_call_of_the_reply_is_redacted_on_every_path_out(
+    autojump_clock,
+):
+    """The card, secret as ``charge``'s argument, stood in clear in the ``note`` call of the
+    same reply: in the reply, the note's intent, its approval request and the step's
+    history, live and read back, and the request was bound to a plain digest."""
+    charged: list[str] = []
+    noted: list[str] = []
+    agent = noting_agent(CHARGED_AND_NOTED, charged, noted, ask_first=True)
+    store, sink = MemoryStore(), ListSink()
+    seen = []
+    async with open_run(agent, "pay", store=store, run_id="r", sinks=[sink]) as handle:
+        async for event in handle.events():
+            seen.append(event)
+            if isinstance(event.record, ApprovalRequested):
+                pending = handle.pending_approval
+                assert pending is not None and pending.tool == "note"
+                assert pending.arguments == {"text": f"charged card {REDACTED}"}
+                assert event.record.arguments == pending.arguments
+                guesses = [{"text": f"charged card {CARD}"}, pending.arguments]
+                assert pending.arguments_digest.startswith("hmac-sha256:")
+                assert pending.arguments_digest not in [arguments_digest(g) for g in guesses]
+                handle.approve("c2")
+        result = await handle.wait()
+        late = [e async for e in handle.events(from_seq=1)]  # read back from the store
+    assert result.stop_reason is StopReason.FINAL_ANSWER
+    assert charged == [CARD] and noted == [f"charged card {CARD}"]  # run as the model said
+    for events in (seen, sink.events, late):
+        text = as_text(events)
+        assert CARD not in text
+        assert text.count(f"charged card {REDACTED}") >= 4  # reply, request, intent, history
+    log = await store.read_log("r")
+    (intent,) = [r for r in log.records if isinstance(r, ActionIntent) and r.tool == "note"]
+    assert intent.arguments == {"text": f"charged card {CARD}"}  # the log keeps it
+
+
+def ran_on_sqlite(db: str, agent: Agent) -> list[object]:
+    """Run ``r`` of ``agent`` to its end in ``db``; the events a sink got."""
+    sink = ListSink()
+
+    async def whole_run() -> None:
+        async with open_sqlite_store(db) as store:
+            await run(agent, "pay", store=store, run_id="r", sinks=[sink])
+
+    trio.run(whole_run)
+    return sink.events
+
+
+def printed(db: str) -> dict[str, str]:
+    """What ``treadle show`` and ``treadle tail``, with and without ``--json``, print of ``r``."""
+    runner = CliRunner()
+    commands = {
+        "show": ["show", "r", "--store", db],
+        "show --json": ["show", "r", "--store", db, "--json"],
+        "tail": ["tail", "r", "--store", db, "--no-follow"],
+        "tail --json": ["tail", "r", "--store", db, "--no-follow", "--json"],
+    }
+    outputs = {}
+    for name, arguments in commands.items():
+        done = runner.invoke(main, arguments, env={"COLUMNS": "400"})
+        assert done.exit_code == 0, (name, done.output)
+        outputs[name] = done.output
+    return outputs
+
+
+def _reply(*tool_calls: ToolCall, invalid: tuple[InvalidToolCall, ...] = ()) -> ModelReply:
+    return ModelReply(
+        tool_calls=tool_calls, invalid_tool_calls=invalid, finish_reason="tool_calls", usage=Usage()
+    )
+
+
+@pytest.mark.parametrize(
+    "reply",
+    [
+        CHARGED_AND_NOTED,
+        _reply(
+            ToolCall(id="c1", name="charge", arguments={"arguments": {"amount": 12, "card": CARD}})
+        ),
+        _reply(
+            ToolCall(id="c1", name="charge", arguments={"amount": 12, "card": CARD, "pan": CARD})
+        ),
+        _reply(ToolCall(id="c1", name="note", arguments={"text": json.dumps({"card": CARD})})),
+        _reply(
+            ToolCall(id="c1", name="charge", arguments={"amount": 12, "card": CARD}),
+            invalid=(
+                InvalidToolCall(
+                    id="c2", name="note", raw_arguments='{"text": "card ' + CARD, reason="truncated"
+                ),
+            ),
+        ),
+    ],
+    ids=["another call", "wrapped one level down", "another key", "a call in a string", "invalid"],
+)
+def test_a_secret_value_anywhere_in_a_reply_is_redacted_in_events_and_on_the_command_line(
+    reply, tmp_path
+):
+    """Only the value under the secret's own top-level key was redacted: the same card in
+    another call, another key, one level down, a string or another tool's invalid call was
+    shown by events, sinks, ``treadle show`` and ``treadle tail``."""
+    db = str(tmp_path / "runs.db")
+    charged: list[str] = []
+    events = ran_on_sqlite(db, noting_agent(reply, charged, []))
+    assert CARD not in as_text(events) and REDACTED in as_text(events)
+    outputs = printed(db)
+    for name, output in outputs.items():
+        assert CARD not in output, name
+    assert REDACTED in outputs["show --json"] and REDACTED in outputs["tail --json"]
+
+    async def kept() -> str:
+        async with open_sqlite_store(db) as store:
+            return json.dumps([record_to_dict(r) for r in (await store.read_log("r")).records])
+
+    assert CARD in trio.run(kept)  # the log keeps what the model sent
+
+
+def test_a_run_waiting_on_a_call_that_holds_another_calls_secret_resumes_with_the_real_value(
+    tmp_path,
+):
+    """The command line shows the waiting note without the card, and the run resumed in
+    another drive still writes the note the model wrote."""
+    db = str(tmp_path / "runs.db")
+    noted: list[str] = []
+
+    def agent() -> Agent:
+        return noting_agent(CHARGED_AND_NOTED, [], noted, ask_first=True)
+
+    async def until_the_approval_wait() -> None:
+        async with (
+            open_sqlite_store(db) as store,
+            open_run(agent(), "pay", store=store, run_id="r") as handle,
+        ):
+            await wait_for_state(handle, RunState.AWAITING_APPROVAL)
+            handle.drain()
+
+    trio.run(until_the_approval_wait)
+    for name, output in printed(db).items():
+        assert CARD not in output and f"charged card {REDACTED}" in output, name
+    approved = CliRunner().invoke(main, ["approve", "r", "--store", db])
+    assert approved.exit_code == 0, approved.output
+    assert "note(" in approved.output and CARD not in approved.output
+
+    async def resume() -> None:
+        async with (
+            open_sqlite_store(db) as store,
+            open_run(agent(), store=store, run_id="r") as handle,
+        ):
+            await handle.wait()
+
+    trio.run(resume)
+    assert noted == [f"charged card {CARD}"]
+    assert all(CARD not in output for output in printed(db).values())
+
+
+async def test_an_argument_check_of_another_call_never_quotes_the_secret(autojump_clock):
+    """A wrong ``Literal`` value of a call without secrets was quoted in its not-executed
+    observation although it was another call's secret value."""
+
+    @tool(secret_arguments=("pin",))
+    async def unlock(door: str, pin: str) -> str:
+        """Unlock a door."""
+        return "unlocked"
+
+    @tool
+    async def pick(door: Literal["front", "back"]) -> str:
+        """Pick a door."""
+        return "picked"
+
+    pin = "31415926"
+    agent = Agent(
+        model=ScriptedModel(
+            turns=[
+                calls(
+                    ToolCall(id="c1", name="unlock", arguments={"door": "front", "pin": pin}),
+                    ToolCall(id="c2", name="pick", arguments={"door": pin}),
+                ),
+                say("done"),
+            ]
+        ),
+        executor=Toolbox([unlock, pick]),
+        parser=NativeToolCallParser(),
+    )
+    store, sink = MemoryStore(), ListSink()
+    await run(agent, "open up", store=store, run_id="r", sinks=[sink])
+    log = await store.read_log("r")
+    results = {r.tool: r for r in log.records if isinstance(r, ActionResult)}
+    assert results["pick"].outcome.detail == (
+        f"invalid arguments: expected one of 'front', 'back', got '{REDACTED}' @ $.door"
+    )
+    assert pin not in results["pick"].outcome.observation  # what the model reads next, too
+    assert pin not in as_text(sink.events)
+
+
+def test_arguments_hide_a_secret_under_its_name_at_any_depth_and_its_value_anywhere():
+    redaction = Redaction.of_snapshot(
+        {SNAPSHOT_KEY: {"unlock": ["pin"]}, "tools": [{"name": "unlock"}, {"name": "log"}]}
+    )
+    wrapped = {"calls": [{"door": "front", "pin": 73911}], "said": "pin 73911, front", "n": 73911}
+    assert redaction.arguments("unlock", wrapped) == {
+        "calls": [{"door": "front", "pin": REDACTED}],
+        "said": f"pin {REDACTED}, front",
+        "n": REDACTED,
+    }
+    assert redaction.hides("unlock", wrapped)
+    plain = {"door": "front", "n": 173911}
+    assert redaction.arguments("log", plain, known=[73911]) is plain  # nothing hidden: as is
+    assert not redaction.hides("log", plain)
+    assert redaction.arguments("log", {"n": 73911}, known=[73911]) == {"n": REDACTED}

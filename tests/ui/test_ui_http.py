@@ -16,6 +16,7 @@ import pytest
 import trio
 from click.testing import CliRunner
 from sse_starlette import ServerSentEvent
+from tests.fixtures.approval_waits import wait_for_state
 from ui_support import MARKUP, approval_agent, fetch_page, markup_agent
 
 import treadle
@@ -410,6 +411,40 @@ async def test_secret_arguments_stay_out_of_the_page_and_its_stream():
         stream = (await http.get("/runs/r/events")).text
     assert "sk-live-123" not in waiting + page + stream
     assert "[redacted]" in page
+
+
+@treadle.tool(requires_approval=True)
+async def file_note(text: str) -> str:
+    """Write a note for the customer's file."""
+    return "noted"
+
+
+async def test_a_secret_value_in_another_call_stays_out_of_the_page_and_its_stream():
+    """The key, secret as ``charge``'s argument, was shown in clear in the note the same
+    reply wrote, and in the approval box of that note."""
+    store = MemoryStore()
+    reply = calls(
+        ToolCall(id="c1", name="charge", arguments={"amount": 5, "api_key": "sk-live-123"}),
+        ToolCall(id="c2", name="file_note", arguments={"text": "paid with sk-live-123"}),
+    )
+    agent = treadle.Agent(
+        model=ScriptedModel(turns=[reply, say("ok")]),
+        executor=treadle.Toolbox([charge, file_note]),
+        parser=treadle.NativeToolCallParser(),
+    )
+    async with awaiting_approval(store, agent) as handle, client(store) as http:
+        handle.approve("c1")
+        await wait_for_state(handle, RunState.AWAITING_APPROVAL)  # the note's, durable
+        assert handle.pending_approval is not None
+        assert handle.pending_approval.arguments == {"text": "paid with [redacted]"}
+        waiting = (await http.get("/runs/r")).text
+        assert "paid with [redacted]" in html.unescape(waiting)
+        handle.approve("c2")
+        await handle.wait()
+        page = (await http.get("/runs/r")).text
+        stream = (await http.get("/runs/r/events")).text
+    assert "sk-live-123" not in waiting + page + stream
+    assert "paid with [redacted]" in html.unescape(page)
 
 
 async def test_an_edit_made_in_the_approval_box_keeps_the_secret_it_shows_redacted():

@@ -175,8 +175,11 @@ class RunCoordinator:
             id, whether the step parked on it or not), by intent id: a run that ends before
             it runs the step again records these instead of ``unknown`` (docs/child-runs.md,
             "Budgets").
-        redaction: the run's secret tool arguments: an approval request of a call that has
-            some is bound to a digest no one can compute back from what is shown
+        redaction: the run's secret tool arguments, shared with the writer and the handle:
+            it learns each reply before the step acts on it (`Redaction.learn`), so the
+            step's intents and requests hide the reply's secret values wherever they stand,
+            and an approval request of a call shown with something hidden is bound to a
+            digest no one can compute back from what is shown
             (`treadle.approvals.request_digest`).
         digest_keys: where the keys of such digests come from (``n`` bytes a call).
         read_control: reads the run's control stream once, now: the entries not handed over
@@ -701,7 +704,7 @@ class RunCoordinator:
                 call_id=call.id,
                 tool=call.name,
                 arguments_digest=request_digest(
-                    call.name, call.arguments, self.redaction, self.digest_keys
+                    call.name, call.arguments, self.redaction, self.digest_keys, step=step
                 ),
                 ts=now,
                 deadline_ts=_plus_s(now, self.limits.approval_timeout_s),
@@ -867,6 +870,9 @@ class RunCoordinator:
             ),
         )
         for record in outcome.written:
+            # Before the step acts on the reply: its intents and approval requests, and the
+            # handle's pending approval, hide the reply's secret values wherever they stand.
+            self.redaction.learn(record)
             self.view.apply(record)
         return outcome
 

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any, Protocol
 
 import attrs
@@ -38,13 +38,14 @@ from treadle.actors._rpc import CANCEL_GRACE_S, StepScope, reply
 from treadle.actors._writer import WriterClient
 from treadle.policies import ExecutorPolicies, policies_of, replay_policy_of
 from treadle.ports import ActionExecutor
-from treadle.redaction import without_secret_values
+from treadle.redaction import secret_values, without_secret_values
 from treadle.types import (
     Action,
     ActionIntent,
     ActionOutcome,
     ActionResult,
     ActionStatus,
+    JSONValue,
     Limits,
     Record,
     ReplayPolicy,
@@ -161,20 +162,20 @@ class ToolExecutor:
                         )
         if message.scope.cancel_called:
             stop = StopReason.CANCELLED
-            return self._cut(stop, actions, existing, written, outcomes, began)
+            return self._cut(stop, actions, existing, written, outcomes, began, message.calls)
         if awaiting and not cut.cancelled_caught and len(outcomes) + len(awaiting) == len(actions):
             parked = tuple(awaiting[i] for i in sorted(awaiting))
             return ActionsOutcome(written=tuple(written), awaiting=parked)
         if cut.cancelled_caught or len(outcomes) < len(actions):
             stop = StopReason.TIME_BUDGET
-            return self._cut(stop, actions, existing, written, outcomes, began)
+            return self._cut(stop, actions, existing, written, outcomes, began, message.calls)
         results: list[ActionResult] = []
         observations: list[str] = []
         for index, action in enumerate(actions):
             outcome, duration, reconciled = outcomes[index]
             rejected = action.call_id in message.rejected and action.intent_id not in existing
             result, observation = self._result(
-                action, outcome, duration, rejected=rejected, reconciled=reconciled
+                action, outcome, duration, message.calls, rejected=rejected, reconciled=reconciled
             )
             if outcome.status is ActionStatus.UNKNOWN and not self._resolved_on_resume(
                 action, existing
@@ -193,6 +194,15 @@ class ToolExecutor:
             and replay_policy_of(self.executor, action.tool) is not ReplayPolicy.SAFE
         )
 
+    def _secret_values(self, calls: Iterable[ToolCall]) -> tuple[JSONValue, ...]:
+        """The values of the secret arguments of ``calls`` (one step's), at any depth.
+
+        Hidden in the executor's own text about each call of the step, not only about the
+        call that holds them (`_finish`).
+        """
+        secret = self.policies.secret_arguments
+        return tuple(v for call in calls for v in secret_values(call.arguments, secret(call.name)))
+
     def _cut(
         self,
         stop: StopReason,
@@ -201,6 +211,7 @@ class ToolExecutor:
         written: list[Record],
         outcomes: dict[int, tuple[ActionOutcome, float, bool]],
         began: set[int],
+        step_calls: tuple[ToolCall, ...],
     ) -> ActionsOutcome:
         """The step was cut (cancelled, or by the time budget): each intent gets a late result.
 
@@ -228,7 +239,7 @@ class ToolExecutor:
                     ActionOutcome(status=ActionStatus.NOT_EXECUTED, observation=detail),
                     0.0,
                 )
-            result, _ = self._result(action, outcome, duration, reconciled=reconciled)
+            result, _ = self._result(action, outcome, duration, step_calls, reconciled=reconciled)
             results.append(attrs.evolve(result, late=True))
         return ActionsOutcome(results=tuple(results), stop=stop, written=tuple(written))
 
@@ -237,6 +248,7 @@ class ToolExecutor:
         action: Action,
         outcome: ActionOutcome,
         duration: float,
+        step_calls: tuple[ToolCall, ...],
         *,
         rejected: bool = False,
         reconciled: bool = False,
@@ -246,7 +258,7 @@ class ToolExecutor:
         if rejected:  # already the synthetic text of a rejection
             observation = outcome.observation
         else:
-            outcome, observation = self._finish(action, outcome)
+            outcome, observation = self._finish(action, outcome, step_calls)
         result = ActionResult(
             run_id=self.run_id,
             step=action.step,
@@ -512,13 +524,16 @@ class ToolExecutor:
             return min(limit, float(found)), True
         return limit, False
 
-    def _finish(self, action: Action, outcome: ActionOutcome) -> tuple[ActionOutcome, str]:
+    def _finish(
+        self, action: Action, outcome: ActionOutcome, step_calls: tuple[ToolCall, ...]
+    ) -> tuple[ActionOutcome, str]:
         """Apply synthetic observations, truncation and the template.
 
         The detail of a call that did not run (or failed its environment) is the executor's
         own text about the call, an argument check's quoting what it got: the values of the
-        tool's secret arguments are replaced in it (`treadle.redaction.without_secret_values`;
-        docs/events.md, "Secret arguments").
+        tool's secret arguments are replaced in it, and those of the other calls of the step,
+        ``step_calls`` (`treadle.redaction.without_secret_values`; docs/events.md, "Secret
+        arguments").
         """
         if outcome.status in (ActionStatus.NOT_EXECUTED, ActionStatus.ENV_ERROR):
             template = (
@@ -532,6 +547,7 @@ class ToolExecutor:
                 outcome.detail or outcome.observation,
                 action.arguments,
                 self.policies.secret_arguments(action.tool),
+                known=self._secret_values(step_calls),
             )
             text = template.format(
                 tool=action.tool, detail=detail, resource=outcome.stale_resource or ""

@@ -181,7 +181,8 @@ class ActorContext:
             abandons it (`treadle.actors.CANCEL_GRACE_S`; less in a child run,
             docs/child-runs.md "Cancellation").
         redaction: the run's secret tool arguments (the union over its snapshots; the
-            coordinator binds an approval of a call with secrets to a keyed digest).
+            coordinator binds an approval of a call shown with something hidden to a keyed
+            digest, and has it learn each reply: `treadle.redaction.Redaction.learn`).
         digest_keys: the source of those digests' keys: ``n`` bytes a call; the OS's secure
             source, or a seeded run's random source (its log the same for a seed).
     """
