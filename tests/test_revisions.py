@@ -5,6 +5,7 @@ docs/concepts.md, "Stale writes"; the whole-run behaviour is in tests/runtime/te
 
 from __future__ import annotations
 
+import decimal
 import enum
 import json
 from typing import Any
@@ -278,3 +279,23 @@ def test_a_key_keeps_the_values_of_its_fields_apart() -> None:
         "reservation:{id}", tool="t", option="reads", arguments=("id",), secret=()
     )
     assert one.key({"id": "R1/2"}) == "reservation:R1/2"  # one field: nothing to keep apart
+
+
+def test_a_key_keeps_values_of_different_types_apart() -> None:
+    # None and "null", 7 and "7", true and "true" gave one key: a write of a resource the run
+    # never read ran with the other one's revision.
+    from treadle.revisions import ResourceTemplate
+
+    template = ResourceTemplate.parse(
+        "acct:{id}", tool="t", option="writes", arguments=("id",), secret=()
+    )
+    values = [None, "null", 7, "7", 7.0, "7.0", True, "true", False, "false", [7], "[7]"]
+    values += ["", '""', '"7"', " 7", "1e3", 1e3, "NaN", {"a": 1}, '{"a": 1}', Cabin.BUSINESS]
+    keys = [template.key({"id": value}) for value in values]
+    assert len(set(keys)) == len(keys), keys
+    assert template.key({"id": None}) == "acct:null" and template.key({"id": 7}) == "acct:7"
+    assert template.key({"id": "7"}) == 'acct:"7"' and template.key({"id": "null"}) == 'acct:"null"'
+    assert template.key({"id": 'say "hi"'}) == "acct:say %22hi%22"
+    assert template.key({"id": "R1"}) == "acct:R1"  # a string no other type reads as: as it is
+    assert template.key({"id": Cabin.BUSINESS}) == template.key({"id": "business"})
+    assert template.key({"id": decimal.Decimal("7")}) == "acct:7"  # a number, as 7 is

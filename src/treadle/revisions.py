@@ -16,7 +16,9 @@ Revisions are integers; 0 is a revision like any other.
 
 from __future__ import annotations
 
+import decimal
 import enum
+import json
 import string
 from collections.abc import Collection, Mapping
 from typing import Any, Final, Generic, TypeVar
@@ -82,17 +84,18 @@ class ResourceTemplate:
     """A resource key template over a tool's arguments, e.g. ``reservation:{reservation_id}``.
 
     Attributes:
-        text: the template; each ``{name}`` is replaced by the argument's value.
+        text: the template; each ``{name}`` is replaced by the argument's value
+            (`key`).
         fields: the argument names it uses, in order.
-        escaped: characters percent-encoded in a value (``%`` and those of the text between
-            two fields), so that two calls share a key only when their values are the same:
-            under ``file:{owner}/{path}``, owner ``a/b`` and path ``c`` give ``file:a%2Fb/c``,
-            never the key of owner ``a`` and path ``b/c``.
+        escaped: characters percent-encoded in a value (``%``, ``"`` and those of the text
+            between two fields), so that two calls share a key only when their values are the
+            same: under ``file:{owner}/{path}``, owner ``a/b`` and path ``c`` give
+            ``file:a%2Fb/c``, never the key of owner ``a`` and path ``b/c``.
     """
 
     text: str
     fields: tuple[str, ...]
-    escaped: frozenset[str] = frozenset("%")
+    escaped: frozenset[str] = frozenset('%"')
 
     @classmethod
     def parse(
@@ -118,7 +121,7 @@ class ResourceTemplate:
         except ValueError as exc:
             raise UsageError(f"tool {tool!r}: {option}={text!r} is malformed: {exc}") from exc
         fields: list[str] = []
-        escaped = {"%"}
+        escaped = {"%", '"'}
         for literal, name, spec, conversion in parts:
             if fields:  # text between two fields separates their values: kept out of them
                 escaped.update(literal)
@@ -140,13 +143,20 @@ class ResourceTemplate:
         return cls(text=text, fields=tuple(fields), escaped=frozenset(escaped))
 
     def key(self, arguments: Mapping[str, Any]) -> str:
-        """The resource key of a call, from its validated arguments (values as ``str``).
+        """The resource key of a call, from its validated arguments.
 
-        A value's characters in `escaped` are percent-encoded (their UTF-8 bytes).
+        Each value is written as `_written` writes it, its characters in `escaped`
+        percent-encoded (their UTF-8 bytes); a string that would read as a value of another
+        type is in double quotes (``acct:"7"``, not the key of the number ``7``), so values of
+        different JSON types never share a key (docs/concepts.md, "Stale writes").
         """
-        return self.text.format_map(
-            {name: self._escape(_text(arguments[name])) for name in self.fields}
-        )
+        return self.text.format_map({name: self._value(arguments[name]) for name in self.fields})
+
+    def _value(self, value: Any) -> str:
+        """One value as it stands in a key (`key`)."""
+        text, quoted = _written(value)
+        escaped = self._escape(text)
+        return f'"{escaped}"' if quoted else escaped
 
     def _escape(self, value: str) -> str:
         if not any(ch in self.escaped for ch in value):
@@ -159,15 +169,46 @@ class ResourceTemplate:
         )
 
 
-def _text(value: Any) -> str:
-    """An argument's value as it appears in a key (enums by value, ``None`` as ``null``)."""
-    if value is None:
-        return "null"
-    if isinstance(value, bool):
-        return "true" if value else "false"
+def _written(value: Any) -> tuple[str, bool]:
+    """An argument's value as text for a key, and whether it is a string to be quoted.
+
+    ``None`` is ``null``, a boolean ``true`` or ``false``, a number (a ``Decimal`` too) its
+    digits (``str``), a list or a dict its JSON text, an enum member its value written so. A
+    string, and a value of any other type (a date, a UUID: a string in the call) as ``str``
+    writes it, is written as it is, unless a number or JSON would read it
+    (`_reads_as_another_type`): then it is to be quoted. So the text of a value that is no
+    string never reads the same as a string.
+    """
     if isinstance(value, enum.Enum):
-        return str(value.value)
-    return str(value)
+        return _written(value.value)
+    if value is None:
+        return "null", False
+    if isinstance(value, bool):
+        return ("true" if value else "false"), False
+    if isinstance(value, int | float | decimal.Decimal):
+        return str(value), False
+    if isinstance(value, list | tuple | dict):
+        return json.dumps(value, ensure_ascii=False, default=str), False
+    text = str(value)
+    return text, _reads_as_another_type(text)
+
+
+def _reads_as_another_type(text: str) -> bool:
+    """Whether ``text``, unquoted, reads as a number (``float``) or as JSON (``null``, ``[1]``).
+
+    Every value that is no string is written as such a text (`_written`).
+    """
+    try:
+        float(text)
+    except ValueError:
+        pass
+    else:
+        return True
+    try:
+        json.loads(text)
+    except (ValueError, RecursionError):  # not JSON; nested past what the decoder follows
+        return False
+    return True
 
 
 def is_revision(value: object) -> bool:

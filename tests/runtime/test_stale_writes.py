@@ -300,3 +300,45 @@ async def test_late_and_refused_results_do_not_count_as_observed() -> None:
     assert view.revisions == {}
     view.apply(result(ActionStatus.EXECUTED))
     assert view.revisions == {KEY: (3,)}
+
+
+@pytest.mark.parametrize(
+    ("read", "written"),
+    [(None, "null"), (7, "7"), (True, "true"), ("null", None), ("7", 7), (1.5, "1.5")],
+)
+async def test_a_write_of_a_value_of_another_type_than_the_one_read_is_not_executed(
+    read: object, written: object
+) -> None:
+    """Account ``None`` and account ``"null"`` (``7`` and ``"7"``) had one key: a write of an
+    account the model never read ran, handed the other account's revision."""
+    accounts: dict[object, int] = {read: 0, written: 0}
+    wrote: list[object] = []
+
+    @treadle.tool(reads="acct:{acct_id}")
+    async def get_acct(acct_id: str | int | float | bool | None) -> treadle.Observed[str]:
+        """Read an account."""
+        return treadle.Observed(f"account {acct_id!r}", revision=accounts[acct_id])
+
+    @treadle.tool(writes="acct:{acct_id}")
+    async def set_acct(
+        acct_id: str | int | float | bool | None, context: treadle.ToolContext
+    ) -> str:
+        """Overwrite an account."""
+        wrote.append(acct_id)
+        return "written"
+
+    turns = [call("get_acct", acct_id=read), call("set_acct", acct_id=written), say("done")]
+    store = MemoryStore()
+    ran = treadle.Agent(
+        model=ScriptedModel(turns=turns),
+        executor=treadle.Toolbox([get_acct, set_acct]),
+        parser=treadle.NativeToolCallParser(),
+    )
+    result = await treadle.run(ran, "go", store=store)
+    log = await store.read_log(result.run_id)
+    read_result, write_result = results(log)
+    assert wrote == []  # the tool never ran
+    assert write_result.outcome.status is ActionStatus.NOT_EXECUTED
+    (read_key,) = read_result.outcome.revisions
+    assert f"{read_key} was not read" not in (write_result.outcome.detail or "")
+    assert "was not read in this run" in (write_result.outcome.detail or "")
