@@ -13,6 +13,7 @@ from treadle._budget import (
     Group,
     Meter,
     Summary,
+    cut_summary,
     fit_text,
     plan,
     summary_messages,
@@ -221,6 +222,45 @@ def test_a_newest_step_too_large_is_truncated_not_dropped():
     assert tool.role == "tool" and tool.content.startswith("n=1 ")  # the fact at its head stays
     assert "call fetch again" in tool.content
     assert fitted.tokens <= 500
+
+
+def _one_token_a_char(messages) -> int:
+    """A tokenizer's count of dense text (CJK, compact JSON): a token a character, 4 a message."""
+    return sum(len(m.content or "") + 4 for m in messages)
+
+
+def test_truncation_fits_the_budget_by_the_counter_in_use():
+    # With a counter that puts a character in a token, the newest step was cut to the
+    # characters the default estimate (3 a token) gives its room, 3 times too many; the
+    # request was left at about 3,000 of 1,072 tokens and marked `unfit`.
+    rows = json.dumps(
+        [{"id": i, "name": "日本語のテキスト"} for i in range(500)], ensure_ascii=False
+    )
+    call = ToolCall(id="c1", name="fetch", arguments={})
+    group = Group(
+        step=1,
+        messages=(
+            Message(role="assistant", tool_calls=(call,)),
+            Message(role="tool", content=rows, tool_call_id="c1", name="fetch"),
+        ),
+    )
+    meter = Meter(counter=_one_token_a_char)
+    fitted = plan(head=HEAD, groups=[group], summary=None, budget=1072, fixed_tokens=0, meter=meter)
+    assert isinstance(fitted, Fitted)
+    assert fitted.tokens <= 1072 and not fitted.unfit
+    assert fitted.truncated == 1
+    assert _one_token_a_char(fitted.messages) > 1000  # cut to the room, not far below it
+    body = (fitted.messages[-1].content or "").rpartition("\n")[0]
+    assert _is_head(json.loads(body), json.loads(rows))
+
+
+def test_an_overlong_summary_is_cut_to_its_room_by_the_counter_in_use():
+    summary = Summary(intent_id="r/s9/m1", through=8, text="Facts: 事実. " * 2000)
+    meter = Meter(counter=_one_token_a_char)
+    cut = cut_summary(summary, 500, meter)
+    assert cut.text.endswith("[summary cut to fit]")
+    assert 450 < meter.tokens([Message(role="user", content=cut.text)]) <= 500
+    assert summary.text.startswith(cut.text[: -len("[summary cut to fit]") - 1])
 
 
 def test_calibration_scales_the_count():

@@ -408,13 +408,10 @@ def _truncated(
         index = _largest_observation(messages)
         if index is None:
             break
-        message = messages[index]
-        over = meter.tokens(messages) - room
-        keep = max(0, meter.tokens([message]) - over - MESSAGE_OVERHEAD)
-        text = fit_text(message.content or "", _chars(keep, meter), _cut_marker(message))
-        if text == message.content:
+        cut = _cut_to_fit(messages, index, room, meter)
+        if cut.content == messages[index].content:
             break
-        messages[index] = attrs.evolve(message, content=text)
+        messages[index] = cut
         truncated += 1
     regrouped: list[Group] = []
     at = 0
@@ -437,21 +434,57 @@ def _truncated(
     )
 
 
+def _cut_to_fit(messages: Sequence[Message], index: int, room: int, meter: Meter) -> Message:
+    """``messages[index]`` cut to the longest head with which ``messages`` fit ``room`` tokens.
+
+    The cut is `fit_text`'s, with the re-fetch hint as its marker, and each one tried is
+    measured with ``meter``: the counter in use, calibrated, whatever characters it puts in
+    a token (docs/context.md, "Truncation"). When not even an empty observation lets
+    ``messages`` fit, the observation is cut to nothing, and the next largest is cut next.
+    """
+    message = messages[index]
+    before, after = messages[:index], messages[index + 1 :]
+
+    def fits(text: str) -> bool:
+        return meter.tokens([*before, attrs.evolve(message, content=text), *after]) <= room
+
+    text = _longest_cut(message.content or "", _cut_marker(message), fits)
+    return attrs.evolve(message, content=text)
+
+
 def cut_summary(summary: Summary, tokens: int, meter: Meter) -> Summary:
-    """``summary`` with its text cut to the characters ``meter`` puts at ``tokens``.
+    """``summary`` with its text cut so that ``meter`` puts it, as a message, at ``tokens``.
 
     A summary longer than the room a summary has (`summary_cap`; a summariser may ignore
     its output cap) is cut like an observation (`fit_text`), with the marker "[summary cut
     to fit]", in the step's request and in the summariser's next request alike
     (docs/context.md, "Limits"). The log keeps it whole.
     """
-    text = fit_text(summary.text, _chars(tokens, meter), "[summary cut to fit]")
+
+    def fits(text: str) -> bool:
+        return meter.tokens([Message(role="user", content=text)]) <= tokens
+
+    text = _longest_cut(summary.text, "[summary cut to fit]", fits)
     return summary if text == summary.text else attrs.evolve(summary, text=text)
 
 
-def _chars(tokens: int, meter: Meter) -> int:
-    """Characters that the default estimate puts at ``tokens`` (calibration applied)."""
-    return max(0, int(tokens / max(meter.factor, MIN_CALIBRATION) * CHARS_PER_TOKEN))
+def _longest_cut(text: str, mark: str, fits: Callable[[str], bool]) -> str:
+    """``text`` itself when it ``fits``, else its longest cut that does; ``""`` when none does.
+
+    A cut is `fit_text`'s with ``mark``. The search is a binary one over the cut's length in
+    characters, so ``fits`` (a count by the counter in use) is asked about 1 + log2(len(text))
+    cuts: no fixed ratio of characters to tokens is assumed.
+    """
+    if fits(text):
+        return text
+    low, high = 0, len(text) - 1
+    while low < high:  # the longest cut that fits, or 0 characters
+        middle = (low + high + 1) // 2
+        if fits(fit_text(text, middle, mark)):
+            low = middle
+        else:
+            high = middle - 1
+    return fit_text(text, low, mark)
 
 
 def _largest_observation(messages: Sequence[Message]) -> int | None:
@@ -674,6 +707,12 @@ def transcript(groups: Sequence[Group]) -> str:
     return "\n\n".join(blocks)
 
 
+STEPS_CUT_MARK: Final = "[later steps left out of this summary]"
+"""The marker after the steps' text of a summariser request that had to be cut."""
+MIN_STEPS_CHARS: Final = 256
+"""Characters of the steps' text a summariser request keeps however little room it has."""
+
+
 def summary_messages(
     *,
     prompt: str,
@@ -686,10 +725,71 @@ def summary_messages(
 
     The steps' text is cut to ``max_chars`` (never inside a character or a JSON value).
     """
+    steps = fit_text(transcript(groups), max_chars, STEPS_CUT_MARK)
+    return _summary_request(prompt, head, previous, steps)
+
+
+def summary_request(
+    *,
+    prompt: str,
+    head: Sequence[Message],
+    previous: Summary | None,
+    groups: Sequence[Group],
+    tokens: int,
+    meter: Meter,
+) -> tuple[tuple[Message, ...], int]:
+    """The summariser's request for the oldest of ``groups`` that fit, and how many it covers.
+
+    It holds whole steps, oldest first, as many as let ``meter`` (the counter in use,
+    calibrated) put the whole request at ``tokens`` or fewer, and at least the oldest: one
+    too large alone has its text cut to fit, to no fewer than `MIN_STEPS_CHARS` characters
+    (docs/context.md, "Summaries"). Each count is of a request as it would be sent, so no
+    fixed ratio of characters to tokens is assumed.
+
+    Returns:
+        ``(messages, count)``: the request's messages and the number of leading ``groups``
+        they cover (1 or more; ``groups`` is not empty).
+    """
+
+    def fits(steps: str) -> bool:
+        return meter.tokens(_summary_request(prompt, head, previous, steps)) <= tokens
+
+    count = _most_that_fit(len(groups), lambda n: fits(transcript(groups[:n])))
+    steps = transcript(groups[:count])
+    if count == 1 and not fits(steps):
+        steps = _longest_cut(steps, STEPS_CUT_MARK, fits)
+        if len(steps) < MIN_STEPS_CHARS:  # the floor, however little room there is
+            steps = fit_text(transcript(groups[:1]), MIN_STEPS_CHARS, STEPS_CUT_MARK)
+    return _summary_request(prompt, head, previous, steps), count
+
+
+def _most_that_fit(total: int, fits: Callable[[int], bool]) -> int:
+    """The largest ``n`` of 1 to ``total`` that ``fits``; 1 when none does.
+
+    ``fits`` is called about 2 x log2(n) times (doubling, then halving), so a long history
+    costs counts of about the size that fits, not of the whole.
+    """
+    low, step = 1, 1
+    while low < total and fits(min(low + step, total)):
+        low = min(low + step, total)
+        step *= 2
+    high = min(low + step, total) - 1 if low < total else low  # low + step does not fit
+    while low < high:
+        middle = (low + high + 1) // 2
+        if fits(middle):
+            low = middle
+        else:
+            high = middle - 1
+    return low
+
+
+def _summary_request(
+    prompt: str, head: Sequence[Message], previous: Summary | None, steps: str
+) -> tuple[Message, ...]:
+    """The summariser's messages around ``steps``, the steps' text as it is sent."""
     goal = "\n".join(m.content or "" for m in head if m.role != "system")
     earlier = previous.text if previous is not None else "(none)"
     covered = _covers(previous.through if previous is not None else None)
-    steps = fit_text(transcript(groups), max_chars, "[later steps left out of this summary]")
     text = (
         f"# The run's input\n{goal}\n\n# Earlier summary (of {covered})\n{earlier}\n\n"
         f"# Steps to summarise\n{steps}"

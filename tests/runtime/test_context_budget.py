@@ -12,6 +12,7 @@ import json
 import attrs
 import pytest
 import trio
+from tests.fixtures.dense_provider import DenseProvider, dense_tokens
 
 from treadle import MemoryStore, ModelCallError, UsageError, run
 from treadle._budget import DEFAULT_SUMMARY_PROMPT, estimate_tools
@@ -689,3 +690,43 @@ async def test_an_overlong_summary_is_cut_in_the_next_summariser_request():
     assert len(summaries) >= 2 and len(summaries[0].reply.text) > 5000
     assert not any(r.context.unfit for r in summaries)
     assert all(size + agent.max_output_tokens <= WINDOW for size in summariser.sizes)
+
+
+async def test_a_newest_step_is_cut_to_fit_by_the_token_counter_in_use():
+    # A counter that puts a character in a token (the provider's count too): the newest
+    # observation was cut to the characters the default estimate gives its room (3 a
+    # token), the request went out 3 times over the budget marked `unfit`, was refused, and
+    # the forced compaction built the same request: the run failed.
+    provider = DenseProvider(window=4000, goal=3)
+    agent = windowed_agent(provider, window=4000, payload_chars=12_000, token_counter=dense_tokens)
+    store = MemoryStore()
+    result = await run(agent, "count", store=store, run_id="dense")
+    log = await store.read_log("dense")
+    assert result.stop_reason is StopReason.FINAL_ANSWER, result.error
+    assert result.final_answer == "done at n=3"
+    assert all(size + 64 <= 4000 for size in provider.sizes)
+    contexts = [r.context for r in _results(log) if r.context is not None]
+    assert any(c.truncated for c in contexts)
+    assert not any(c.unfit or c.forced for c in contexts)
+    assert check_invariants(log) == []
+
+
+async def test_a_summariser_request_fits_by_the_token_counter_in_use():
+    # The steps a summariser request holds were chosen, and a step too large cut, by the
+    # characters the default estimate gives the room: with a counter that puts a character
+    # in a token, a thread's long inherited history made a summariser request 3 times too
+    # large, refused twice, and the run failed.
+    store = MemoryStore()
+    first = WindowedModel(window=10**6, goal=20)
+    await run(windowed_agent(first, window=None), "count", store=store, run_id="chat")
+    provider = DenseProvider(window=4000, goal=24)
+    agent = windowed_agent(provider, window=4000, token_counter=dense_tokens)
+    second = await run(agent, "count on", store=store, thread_id="chat")
+    log = await store.read_log(second.run_id)
+    assert second.stop_reason is StopReason.FINAL_ANSWER, second.error
+    assert second.final_answer == "done at n=24"
+    assert provider.summaries >= 1
+    assert all(size + 64 <= 4000 for size in provider.sizes)
+    summaries = [r for r in _results(log) if r.summary_through is not None]
+    assert summaries and not any(r.context.unfit or r.error for r in summaries)
+    assert check_invariants(log) == []

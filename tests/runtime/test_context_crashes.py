@@ -9,17 +9,27 @@ intent was durable but not its result is abandoned and asked for once more (docs
 
 from __future__ import annotations
 
+import attrs
 import pytest
 import trio
+from tests.fixtures.dense_provider import DenseProvider, dense_tokens
 
-from treadle import MemoryStore, RunInterrupted, run
+from treadle import MemoryStore, RunInterrupted, Toolbox, run, tool
 from treadle.ports import RunStore
 from treadle.stores.sqlite import open_sqlite_store
 from treadle.testing import CrashingStore, SimulatedCrash
 from treadle.testing.crashes import compare_trajectories
 from treadle.testing.invariants import check_invariants
 from treadle.testing.windowed import WindowedModel, windowed_agent
-from treadle.types import ActionResult, ModelIntent, ModelResult, RunLog, StopReason
+from treadle.types import (
+    ActionResult,
+    ContextUsed,
+    ModelIntent,
+    ModelResult,
+    ReplayPolicy,
+    RunLog,
+    StopReason,
+)
 
 WINDOW = 800
 GOAL = 16
@@ -187,6 +197,79 @@ async def test_a_summary_survives_a_crash_on_postgres(postgres_dsn, postgres_sch
     from treadle.stores.postgres import open_postgres_store
 
     await _summary_crash_on(lambda: open_postgres_store(postgres_dsn, schema=postgres_schema))
+
+
+DENSE_WINDOW = 4000
+DENSE_GOAL = 4
+
+
+@tool(name="fetch", replay=ReplayPolicy.SAFE)
+async def _fetch_again(n: int) -> str:
+    """Fetch record ``n`` (read-only: a call a crash left without an outcome runs again).
+
+    Args:
+        n: the record number.
+    """
+    return f"n={n} " + "data " * 2400
+
+
+def _dense_agent(provider: DenseProvider):
+    """An agent whose newest observation (12,000 characters) is cut to fit at every step."""
+    agent = windowed_agent(provider, window=DENSE_WINDOW, token_counter=dense_tokens)
+    return attrs.evolve(agent, executor=Toolbox([_fetch_again]))
+
+
+def _plans(log: RunLog) -> list[tuple[int, int | None, ContextUsed]]:
+    """What each answered model call was given: its step, what it summarised, its context.
+
+    The estimate is left out (a resumed run has no reported prefix to start its first one
+    from), and so is the summary's intent id (a summary asked again has a new one).
+    """
+    return [
+        (
+            r.step,
+            r.summary_through,
+            attrs.evolve(r.context, estimated_input_tokens=0, summary_intent_id=None),
+        )
+        for r in log.records
+        if isinstance(r, ModelResult) and r.reply is not None and r.context is not None
+    ]
+
+
+async def test_a_crash_at_every_write_plans_cuts_by_the_counter_as_the_uninterrupted_run():
+    # Truncation and the summariser's request measure their cuts with the token counter in
+    # use: a resumed run must cut and summarise exactly as the uninterrupted one did.
+    counting = CrashingStore(inner=MemoryStore(), crash_at=10**9)
+    await run(
+        _dense_agent(DenseProvider(window=DENSE_WINDOW, goal=DENSE_GOAL)),
+        "count",
+        store=counting,
+        run_id="dense",
+    )
+    baseline = await counting.inner.read_log("dense")
+    planned = _plans(baseline)
+    assert any(context.truncated for _, _, context in planned)
+    assert _summaries(baseline)
+    for at in range(1, counting.writes + 1):
+        for when in ("before", "after"):
+            point = f"crash {when} write {at}"
+            store = MemoryStore()
+            dying = CrashingStore(inner=store, crash_at=at, when=when)
+            with pytest.raises((RunInterrupted, SimulatedCrash)):
+                crashed = DenseProvider(window=DENSE_WINDOW, goal=DENSE_GOAL)
+                await run(_dense_agent(crashed), "count", store=dying, run_id="dense", owner=OWNER)
+            survived = await store.read_log("dense")
+            resumed = DenseProvider(window=DENSE_WINDOW, goal=DENSE_GOAL)
+            result = await run(
+                _dense_agent(resumed), "count", store=store, run_id="dense", owner=OWNER
+            )
+            log = await store.read_log("dense")
+            assert result.stop_reason is StopReason.FINAL_ANSWER, (point, result.error)
+            assert compare_trajectories(log, baseline) == [], point
+            assert check_invariants(log) == [], point
+            assert _plans(log) == planned, point
+            new = len(_summaries(log)) - len(_summaries(survived))
+            assert resumed.summaries == new, point
 
 
 _KILLED_AFTER_SUMMARY = """

@@ -31,7 +31,6 @@ import attrs
 import trio
 
 from treadle._budget import (
-    CHARS_PER_TOKEN,
     DEFAULT_SUMMARY_PROMPT,
     Compact,
     Fitted,
@@ -46,8 +45,7 @@ from treadle._budget import (
     plan,
     summary_cap,
     summary_message,
-    summary_messages,
-    transcript,
+    summary_request,
 )
 from treadle._exceptions import StoreError
 from treadle.actors._history import (
@@ -352,31 +350,23 @@ class ContextHydrator:
         budget: int,
         forced: bool,
     ) -> Compaction:
-        """The summariser request for the oldest steps of ``compact`` that fit the window."""
+        """The summariser request for the oldest steps of ``compact`` that fit the window.
+
+        The request, its output cap and `MESSAGE_ROOM` fit ``budget`` as the counter in use
+        counts them (`summary_request`); only a single step too large alone is cut.
+        """
         cap = summary_cap(budget)
-        framing = [Message(role="system", content=self.summary_prompt), *head]
-        prompt_room = budget - cap - self._meter.tokens(framing) - MESSAGE_ROOM
         if previous is not None:  # one that ignored its output cap is cut to it
             previous = cut_summary(previous, cap, self._meter)
-            prompt_room -= self._meter.tokens([Message(role="user", content=previous.text)])
-        # Steps enter the summariser's request as text: whole steps, oldest first, while
-        # their text fits (only a single step too large for it alone is cut).
-        max_chars = max(256, int(prompt_room * CHARS_PER_TOKEN / max(self._meter.factor, 0.25)))
-        chosen: list[Group] = []
-        used = 0
-        for group in compact.groups:
-            size = len(transcript([group])) + 2
-            if chosen and used + size > max_chars:
-                break
-            chosen.append(group)
-            used += size
-        messages = summary_messages(
+        messages, count = summary_request(
             prompt=self.summary_prompt,
             head=head,
             previous=previous,
-            groups=chosen,
-            max_chars=max_chars,
+            groups=compact.groups,
+            tokens=budget - cap - MESSAGE_ROOM,
+            meter=self._meter,
         )
+        chosen = compact.groups[:count]
         tokens = self._meter.tokens(messages)
         context = ContextUsed(
             window=self.context_window or 0,
@@ -401,4 +391,6 @@ class ContextHydrator:
 
 
 MESSAGE_ROOM = 64
-"""Tokens reserved for the summariser request's framing (headings, the prompt's overhead)."""
+"""Tokens a summariser request leaves free besides its output cap: it is a few long texts,
+which the calibrated counter estimates less closely than a step's (docs/context.md, "Counting
+tokens")."""
