@@ -16,6 +16,7 @@ from treadle._budget import (
     cut_summary,
     fit_text,
     plan,
+    summary_cap,
     summary_messages,
 )
 from treadle.types import Message, ToolCall
@@ -196,6 +197,41 @@ def test_with_the_summary_the_request_fits_in_order():
     calls = [c.id for m in fitted.messages for c in m.tool_calls]
     answers = [m.tool_call_id for m in fitted.messages if m.role == "tool"]
     assert calls == answers
+
+
+def test_an_overlong_summary_is_measured_as_it_is_sent():
+    # The fit check measured a summary longer than its room whole, though the request sends
+    # it cut to the room: it never fit, so every old observation became a marker (and every
+    # step with more steps than fit beside it planned a new summary).
+    groups = [_group(s, 300) for s in range(1, 6)]
+    summary = Summary(intent_id="r/s4/m1", through=2, text="Facts: n=2 (step 2). " * 800)
+    fitted = plan(
+        head=HEAD, groups=groups, summary=summary, budget=1072, fixed_tokens=0, meter=Meter()
+    )
+    assert isinstance(fitted, Fitted)
+    assert fitted.tokens <= 1072 and fitted.verbatim_from == 3 and fitted.marked == 0
+    assert (fitted.messages[2].content or "").endswith("[summary cut to fit]")
+
+
+def test_a_summary_as_long_as_its_room_leaves_the_next_step_room():
+    # A compaction kept every step that fitted beside a summary as long as its room: one that
+    # long left no room, and the next step planned a summary again (one a step).
+    meter = Meter()
+    groups = [_group(s, 600) for s in range(1, 41)]
+    first = plan(head=HEAD, groups=groups, summary=None, budget=1072, fixed_tokens=0, meter=meter)
+    assert isinstance(first, Compact)
+    text = fit_text("Facts: n=1 (step 1). " * 400, 10_000, "[end]")
+    long = cut_summary(
+        Summary(intent_id="r/s41/m1", through=first.through, text=text), summary_cap(1072), meter
+    )
+    after = plan(head=HEAD, groups=groups, summary=long, budget=1072, fixed_tokens=0, meter=meter)
+    assert isinstance(after, Fitted)
+    following = [*groups, _group(41, 600)]
+    again = plan(
+        head=HEAD, groups=following, summary=long, budget=1072, fixed_tokens=0, meter=meter
+    )
+    assert isinstance(again, Fitted), again  # no new summary at the next step
+    assert again.tokens <= 1072
 
 
 def test_forced_compaction_keeps_only_the_newest_step():

@@ -32,6 +32,10 @@ SUMMARY_SHARE: Final = 4
 """A summary may take at most 1/SUMMARY_SHARE of the budget (and at most `SUMMARY_MAX`)."""
 SUMMARY_MAX: Final = 2048
 """Tokens a summary may take at most."""
+HEADROOM_SHARE: Final = 8
+"""A compaction keeps 1/HEADROOM_SHARE of the budget free besides the summary's room, so that
+a summary as long as its room leaves the next steps room to grow
+(docs/decisions/0126-a-compaction-leaves-room-for-the-next-steps.md)."""
 MIN_CALIBRATION, MAX_CALIBRATION = 0.25, 8.0
 """Bounds on the factor reported usage applies to the counter (a wild report is clamped)."""
 
@@ -243,7 +247,9 @@ def plan(
         head: the fixed instructions and the run input (always sent).
         groups: every step's messages, oldest first; steps up to 0 hold the history
             inherited from a thread's earlier runs (`inherited_groups`), compacted like any.
-        summary: the latest durable summary, or ``None``.
+        summary: the latest durable summary, or ``None``; one longer than the room a
+            summary has (`summary_cap`) is cut to it (`cut_summary`) before anything is
+            measured, as it is sent (docs/context.md, "Limits").
         budget: input tokens the request may use.
         fixed_tokens: tokens outside the messages (the declared tools).
         meter: the calibrated counter.
@@ -256,6 +262,8 @@ def plan(
     """
     after = summary.through if summary is not None else None
     live = [g for g in groups if after is None or g.step > after]
+    if summary is not None:  # measured as it is sent: cut to its room when longer
+        summary = cut_summary(summary, summary_cap(budget), meter)
     summary_msgs = [summary_message(summary)] if summary is not None else []
     base = fixed_tokens + meter.tokens(head)
     whole = [m for g in live for m in g.messages]
@@ -266,8 +274,9 @@ def plan(
     marked_groups, marked, steps, total = _marked(live, meter, base, summary_msgs, budget, force)
     if not force and total <= budget:
         return _fitted(head, summary_msgs, marked_groups, summary, total, marked, steps)
-    # Then the summary: keep the newest steps verbatim, summarise the ones before them.
-    room = budget - base - summary_cap(budget)
+    # Then the summary: keep the newest steps verbatim, summarise the ones before them, and
+    # leave room for the steps that follow, which a summary as long as its room takes none of.
+    room = budget - base - summary_cap(budget) - budget // HEADROOM_SHARE
     keep = _newest_that_fit(marked_groups, room, meter, at_most=1 if force else None)
     # The summariser reads the steps as they were, not their markers: it keeps the facts.
     older = live[: len(live) - keep]

@@ -730,3 +730,41 @@ async def test_a_summariser_request_fits_by_the_token_counter_in_use():
     summaries = [r for r in _results(log) if r.summary_through is not None]
     assert summaries and not any(r.context.unfit or r.error for r in summaries)
     assert check_invariants(log) == []
+
+
+@attrs.define(eq=False)
+class _SummariesOfItsCap:
+    """A summariser whose every summary is ``share`` times as long as its output cap allows.
+
+    Summaries are text of some 4 characters a token (the provider's count), cited facts
+    first; 1.0 fills the cap, more ignores it.
+    """
+
+    inner: WindowedModel
+    share: float
+
+    async def complete(self, request, *, on_delta=None, attempt=Attempt.STANDALONE):
+        reply = await self.inner.complete(request, on_delta=on_delta, attempt=attempt)
+        chars = int((request.max_output_tokens or 0) * 4 * self.share)
+        text = reply.text or ""
+        return attrs.evolve(reply, text=(text + " detail" * chars)[:chars])
+
+
+@pytest.mark.parametrize("share", [1.0, 3.0], ids=["fills its cap", "ignores its cap"])
+async def test_a_summary_as_long_as_its_room_is_not_written_again_at_every_step(share):
+    # A compaction kept every step that fitted beside a summary as long as its room, and the
+    # budget measured an overlong one whole: the next step never fitted, and every step from
+    # the first compaction on wrote a summary (one model call more a step).
+    model = WindowedModel(window=4000, goal=110)
+    summariser = _SummariesOfItsCap(WindowedModel(window=4000, goal=110), share)
+    agent = windowed_agent(model, window=4000, payload_chars=2000, summariser=summariser)
+    store = MemoryStore()
+    result = await run(agent, "count", store=store, run_id="long")
+    log = await store.read_log("long")
+    assert result.stop_reason is StopReason.FINAL_ANSWER, result.error
+    steps = sorted({r.step for r in _summaries(log)})
+    assert len(steps) >= 5
+    from_first = result.totals.steps - steps[0] + 1
+    assert len(steps) * 2 <= from_first, steps  # at most every other step, not every one
+    assert all(len(r.reply.text or "") >= 3000 for r in _summaries(log))
+    assert check_invariants(log) == []

@@ -9,12 +9,14 @@ intent was durable but not its result is abandoned and asked for once more (docs
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import attrs
 import pytest
 import trio
 from tests.fixtures.dense_provider import DenseProvider, dense_tokens
 
-from treadle import MemoryStore, RunInterrupted, Toolbox, run, tool
+from treadle import Agent, MemoryStore, RunInterrupted, Toolbox, run, tool
 from treadle.ports import RunStore
 from treadle.stores.sqlite import open_sqlite_store
 from treadle.testing import CrashingStore, SimulatedCrash
@@ -23,6 +25,7 @@ from treadle.testing.invariants import check_invariants
 from treadle.testing.windowed import WindowedModel, windowed_agent
 from treadle.types import (
     ActionResult,
+    Attempt,
     ContextUsed,
     ModelIntent,
     ModelResult,
@@ -203,20 +206,46 @@ DENSE_WINDOW = 4000
 DENSE_GOAL = 4
 
 
-@tool(name="fetch", replay=ReplayPolicy.SAFE)
-async def _fetch_again(n: int) -> str:
-    """Fetch record ``n`` (read-only: a call a crash left without an outcome runs again).
+def _replayed_fetch(payload_chars: int) -> Toolbox:
+    """``fetch(n)`` as the windowed agent's, read-only: a crash never leaves it unknown."""
 
-    Args:
-        n: the record number.
-    """
-    return f"n={n} " + "data " * 2400
+    @tool(replay=ReplayPolicy.SAFE)
+    async def fetch(n: int) -> str:
+        """Fetch record ``n`` (a call a crash left without an outcome runs again).
+
+        Args:
+            n: the record number.
+        """
+        return f"n={n} " + "data " * (payload_chars // 5)
+
+    return Toolbox([fetch])
 
 
-def _dense_agent(provider: DenseProvider):
+def _dense_agent() -> tuple[Agent, DenseProvider]:
     """An agent whose newest observation (12,000 characters) is cut to fit at every step."""
+    provider = DenseProvider(window=DENSE_WINDOW, goal=DENSE_GOAL)
     agent = windowed_agent(provider, window=DENSE_WINDOW, token_counter=dense_tokens)
-    return attrs.evolve(agent, executor=Toolbox([_fetch_again]))
+    return attrs.evolve(agent, executor=_replayed_fetch(12_000)), provider
+
+
+@attrs.define(eq=False)
+class _Overlong:
+    """A summariser that ignores its output cap: each summary has some 4,000 tokens more."""
+
+    inner: WindowedModel
+
+    async def complete(self, request, *, on_delta=None, attempt=Attempt.STANDALONE):
+        reply = await self.inner.complete(request, on_delta=on_delta, attempt=attempt)
+        return attrs.evolve(reply, text=(reply.text or "") + " detail" * 2300)
+
+
+def _overlong_agent() -> tuple[Agent, WindowedModel]:
+    """An agent whose summaries are longer than their room, cut to it in every request."""
+    summariser = WindowedModel(window=WINDOW, goal=GOAL)
+    agent = windowed_agent(
+        WindowedModel(window=WINDOW, goal=GOAL), window=WINDOW, summariser=_Overlong(summariser)
+    )
+    return attrs.evolve(agent, executor=_replayed_fetch(400)), summariser
 
 
 def _plans(log: RunLog) -> list[tuple[int, int | None, ContextUsed]]:
@@ -236,19 +265,22 @@ def _plans(log: RunLog) -> list[tuple[int, int | None, ContextUsed]]:
     ]
 
 
-async def test_a_crash_at_every_write_plans_cuts_by_the_counter_as_the_uninterrupted_run():
-    # Truncation and the summariser's request measure their cuts with the token counter in
-    # use: a resumed run must cut and summarise exactly as the uninterrupted one did.
+async def _plans_after_a_crash_at_every_write(
+    make: Callable[[], tuple[Agent, DenseProvider | WindowedModel]],
+) -> list[tuple[int, int | None, ContextUsed]]:
+    """Crash before and after each write of ``make``'s run, resume it, compare the plans.
+
+    ``make`` returns a new agent and the model that answers its summaries (its ``summaries``
+    counts them). Each resumed run must finish as the uninterrupted one did, give every
+    model call the same plan, and ask only for the summaries its log did not hold.
+
+    Returns:
+        The uninterrupted run's plans (`_plans`).
+    """
     counting = CrashingStore(inner=MemoryStore(), crash_at=10**9)
-    await run(
-        _dense_agent(DenseProvider(window=DENSE_WINDOW, goal=DENSE_GOAL)),
-        "count",
-        store=counting,
-        run_id="dense",
-    )
-    baseline = await counting.inner.read_log("dense")
+    await run(make()[0], "count", store=counting, run_id="planned")
+    baseline = await counting.inner.read_log("planned")
     planned = _plans(baseline)
-    assert any(context.truncated for _, _, context in planned)
     assert _summaries(baseline)
     for at in range(1, counting.writes + 1):
         for when in ("before", "after"):
@@ -256,20 +288,33 @@ async def test_a_crash_at_every_write_plans_cuts_by_the_counter_as_the_uninterru
             store = MemoryStore()
             dying = CrashingStore(inner=store, crash_at=at, when=when)
             with pytest.raises((RunInterrupted, SimulatedCrash)):
-                crashed = DenseProvider(window=DENSE_WINDOW, goal=DENSE_GOAL)
-                await run(_dense_agent(crashed), "count", store=dying, run_id="dense", owner=OWNER)
-            survived = await store.read_log("dense")
-            resumed = DenseProvider(window=DENSE_WINDOW, goal=DENSE_GOAL)
-            result = await run(
-                _dense_agent(resumed), "count", store=store, run_id="dense", owner=OWNER
-            )
-            log = await store.read_log("dense")
+                await run(make()[0], "count", store=dying, run_id="planned", owner=OWNER)
+            survived = await store.read_log("planned")
+            agent, summariser = make()
+            result = await run(agent, "count", store=store, run_id="planned", owner=OWNER)
+            log = await store.read_log("planned")
             assert result.stop_reason is StopReason.FINAL_ANSWER, (point, result.error)
             assert compare_trajectories(log, baseline) == [], point
             assert check_invariants(log) == [], point
             assert _plans(log) == planned, point
             new = len(_summaries(log)) - len(_summaries(survived))
-            assert resumed.summaries == new, point
+            assert summariser.summaries == new, point
+    return planned
+
+
+async def test_a_crash_at_every_write_plans_cuts_by_the_counter_as_the_uninterrupted_run():
+    # Truncation and the summariser's request measure their cuts with the token counter in
+    # use: a resumed run must cut and summarise exactly as the uninterrupted one did.
+    planned = await _plans_after_a_crash_at_every_write(_dense_agent)
+    assert any(context.truncated for _, _, context in planned)
+
+
+async def test_a_crash_at_every_write_plans_overlong_summaries_as_the_uninterrupted_run():
+    # An overlong summary is measured cut to its room, and a compaction leaves room for the
+    # next steps: a resumed run must plan both exactly as the uninterrupted one did.
+    planned = await _plans_after_a_crash_at_every_write(_overlong_agent)
+    assert len([t for _, t, _ in planned if t is not None]) >= 2  # several summaries ...
+    assert any(t is None and c.summary_through for _, t, c in planned)  # ... sent cut in steps
 
 
 _KILLED_AFTER_SUMMARY = """
