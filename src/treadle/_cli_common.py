@@ -696,6 +696,22 @@ def _through(step: int) -> str:
     return f"steps 1-{step}" if step > 0 else f"turns up to {step}"
 
 
+def _marked_range(first: int | None, last: int | None) -> str:
+    """Where markers replaced observations: `` of steps 8-20``, or `` of turns -12 to -1``.
+
+    A thread's inherited turns are numbered up to 0 (docs/context.md, "What stays"); a range
+    from them into the run's own steps reads `` of turns -12 to 0 and steps 1-3``. ``""`` when
+    the record holds no range.
+    """
+    if first is None or last is None:
+        return ""
+    if first > 0:
+        return f" of steps {first}-{last}"
+    if last <= 0:
+        return f" of turns {first} to {last}"
+    return f" of turns {first} to 0 and steps 1-{last}"
+
+
 def context_detail(record: ModelResult) -> str:
     """The context a model call was given, in one line (docs/context.md, "The record")."""
     context = record.context
@@ -712,10 +728,8 @@ def context_detail(record: ModelResult) -> str:
         through = _through(context.summary_through).removeprefix("steps ")
         parts.append(f"summary of {through} ({context.summary_intent_id})")
     if context.marked:
-        parts.append(
-            f"{context.marked} observations of steps {context.marked_from}-{context.marked_to}"
-            " elided"
-        )
+        marked = _marked_range(context.marked_from, context.marked_to)
+        parts.append(f"{context.marked} observations{marked} elided")
     if context.truncated:
         parts.append(f"{context.truncated} cut to fit")
     if context.forced:

@@ -480,6 +480,40 @@ def test_show_says_a_summary_attempt_failed_and_what_it_was_given(error, reply, 
     )
 
 
+@pytest.mark.parametrize(
+    ("first", "last", "said"),
+    [
+        (8, 20, "13 observations of steps 8-20 elided"),
+        (-12, -1, "13 observations of turns -12 to -1 elided"),
+        (-12, 3, "13 observations of turns -12 to 0 and steps 1-3 elided"),
+    ],
+    ids=["steps", "inherited turns", "turns and steps"],
+)
+def test_show_names_the_turns_whose_observations_were_elided(first, last, said):
+    # A thread's inherited turns were shown as "observations of steps -12--1": steps, and a
+    # range of negative numbers joined by a dash.
+    from treadle._cli_common import context_detail
+
+    context = ContextUsed(
+        window=1200,
+        budget=1072,
+        estimated_input_tokens=1030,
+        verbatim_from=first,
+        marked=13,
+        marked_from=first,
+        marked_to=last,
+    )
+    record = ModelResult(
+        run_id="t.2",
+        step=1,
+        intent_id="t.2/s1/m2",
+        ts="2026-12-01T00:00:00+00:00",
+        reply=ModelReply(text="ok"),
+        context=context,
+    )
+    assert context_detail(record).endswith(f", {said}")
+
+
 async def test_a_thread_starts_from_the_summary_its_earlier_run_wrote():
     """Each run of a thread summarised the whole inherited history again, in chunks, from
     its first turn: one new message of a 54-run thread took 29 summary calls, and the thread
