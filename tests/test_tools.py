@@ -151,6 +151,44 @@ def test_a_docstring_section_right_under_the_summary_is_not_described(
     assert tool(fn).description == description
 
 
+async def _notice_warning(path: str) -> str:
+    """Warning: irreversible. Deletes the file at path.
+
+    Args:
+        path: the file to delete.
+    """
+    return ""
+
+
+async def _notice_note(city: str) -> str:
+    """Note: this calls a paid API.
+    Gets the weather forecast for a city.
+    """
+    return ""
+
+
+async def _notice_later(city: str) -> str:
+    """Gets the weather forecast for a city.
+    Note: this calls a paid API.
+    """
+    return ""
+
+
+@pytest.mark.parametrize(
+    ("fn", "description"),
+    [
+        (_notice_warning, "Warning: irreversible. Deletes the file at path."),
+        (_notice_note, "Note: this calls a paid API. Gets the weather forecast for a city."),
+        (_notice_later, "Gets the weather forecast for a city."),
+    ],
+)
+def test_a_notice_on_the_docstrings_first_line_is_described(
+    fn: Callable[..., Any], description: str
+) -> None:
+    """A first line "Warning: ..." or "Note: ..." was taken as a section: no description."""
+    assert tool(fn).description == description
+
+
 def test_schema_of_rich_types_and_context_left_out() -> None:
     @tool(name="plan", description="Plan a route.")
     async def plan_route(

@@ -371,22 +371,37 @@ _SECTION: Final = re.compile(
 )
 """A line that opens a docstring section (Google titles, reST fields)."""
 
+_NOTICE: Final = re.compile(r"(?:Examples?|Notes?|Warnings?|See Also|Todo|References)\s*:\s*\S")
+"""A notice title with text after it on its line: prose when it is the docstring's first line."""
+
 
 @functools.lru_cache(maxsize=512)  # a tool defined again per run has the same docstring
 def summary_of(doc: str | None) -> str:
     """The docstring's description up to its first blank line or section, on one line.
 
     A section (``Args:``, ``Returns: ...``, ``:param x:``, a numpy title underlined with
-    dashes) ends it even without a blank line before it; ``""`` when there is none.
+    dashes) ends it even without a blank line before it; ``""`` when there is none. The
+    docstring's first line is the description's start, not a section, when it is a notice
+    with its text on the same line (``Warning: irreversible. Deletes the file.``, ``Note:``,
+    ``Example:``, `_NOTICE`): what it says is for the model to read.
     """
     lines = inspect.cleandoc(doc or "").splitlines()
     kept: list[str] = []
     for index, line in enumerate(lines):
-        underlined = index + 1 < len(lines) and re.fullmatch(r"\s*-{3,}\s*", lines[index + 1])
-        if not line.strip() or _SECTION.match(line.strip()) or underlined:
+        if not line.strip() or _opens_section(lines, index):
             break
         kept.append(line)
     return " ".join(" ".join(kept).split())
+
+
+def _opens_section(lines: list[str], index: int) -> bool:
+    """True when ``lines[index]`` (of a cleaned docstring) opens a section (`summary_of`)."""
+    if index + 1 < len(lines) and re.fullmatch(r"\s*-{3,}\s*", lines[index + 1]):
+        return True  # a numpy title, underlined with dashes
+    line = lines[index].strip()
+    if index == 0 and _NOTICE.match(line):
+        return False
+    return _SECTION.match(line) is not None
 
 
 def argument_docs(doc: str | None) -> dict[str, str]:

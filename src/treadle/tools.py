@@ -502,7 +502,9 @@ def tool(
         fn: the function (when used bare): ``async def`` runs as a trio task; a plain
             ``def`` runs in a worker thread that the run abandons when it stops waiting.
         name: the name the model sees; defaults to the function's name.
-        description: shown to the model; defaults to the docstring's first paragraph.
+        description: shown to the model; defaults to the docstring's first paragraph, up
+            to its first section (``Args:``, ``Returns:``); a first line that is a notice
+            with its text (``Warning: irreversible. ...``) is part of it.
         replay: ``SAFE`` for read-only or idempotent tools, re-executed on resume under the
             same intent id; ``NEVER`` (the default) records an unknown outcome instead,
             unless ``reconcile`` can tell what happened.
