@@ -431,6 +431,36 @@ def test_an_enum_the_schema_cannot_list_is_refused_naming_the_argument(
     assert "argument 'value'" in str(refused.value)
 
 
+@attrs.frozen
+class _Bounded:
+    limit: float = float("inf")
+
+
+@pytest.mark.parametrize(
+    ("annotation", "default", "said"),
+    [
+        (float, float("inf"), "argument 'x': the default inf has no JSON form"),
+        (float, float("nan"), "argument 'x': the default nan has no JSON form"),
+        (float | None, -float("inf"), "argument 'x': the default -inf has no JSON form"),
+        (list[float], [1.0, float("nan")], "the default [1.0, nan], which holds nan, has no"),
+        (dict[str, float], {"a": float("inf")}, "the default {'a': inf}, which holds inf,"),
+        (_Bounded, _Bounded(limit=1.0), "argument 'x', field 'limit': the default inf has no"),
+    ],
+)
+def test_a_default_with_no_json_form_is_refused_naming_the_argument(
+    annotation: Any, default: Any, said: str
+) -> None:
+    # It was accepted: the schema sent to the model held inf (the request could not be
+    # encoded) and the stored snapshot null, so no interrupted run of the tool resumed.
+    async def scaled(x: Any = default) -> str:
+        return str(x)
+
+    scaled.__annotations__["x"] = annotation
+    with pytest.raises(UsageError) as refused:
+        tool(scaled)
+    assert said in str(refused.value)
+
+
 @pytest.mark.parametrize(
     "options",
     [

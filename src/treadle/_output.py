@@ -32,6 +32,7 @@ from treadle._schema import (
     _format,
     _kind,
     build_schema,
+    check_default,
     check_type,
     local_validator,
     summary_of,
@@ -317,8 +318,9 @@ def _class_schema(cls: type[Any]) -> tuple[dict[str, Any], str]:
     (docs/structured-output.md, "Output types").
 
     Raises:
-        UsageError: a field type that is not JSON-shaped, or an ``init=False`` field with
-            no default in a class without ``__attrs_post_init__`` (nothing would set it).
+        UsageError: a field type that is not JSON-shaped, a default that holds NaN or an
+            infinity (`treadle._schema.check_default`), or an ``init=False`` field with no
+            default in a class without ``__attrs_post_init__`` (nothing would set it).
     """
     where = f"output_type {cls.__qualname__}"
     try:
@@ -340,6 +342,8 @@ def _class_schema(cls: type[Any]) -> tuple[dict[str, Any], str]:
             default = field.default.factory()
         elif field.default is not attrs.NOTHING:
             default = field.default
+        if default is not inspect.Parameter.empty:
+            check_default(default, f"{where}, field {field.name!r}")
         parameters.append(
             Parameter(
                 name=field.name,

@@ -290,7 +290,8 @@ def check_type(type_: Any, where: str, seen: frozenset[type] = frozenset()) -> N
     Raises:
         UsageError: ``type_`` (or a part of it) is not one of `SUPPORTED_TYPES`, or is an
             attrs class with an ``init=False`` field (its generated schema would ask for the
-            field, and validation refuse it).
+            field, and validation refuse it) or a field whose default holds NaN or an
+            infinity (`check_default`).
     """
     origin, args = typing.get_origin(type_), typing.get_args(type_)
     if origin is Annotated:
@@ -358,6 +359,40 @@ def _check_attrs(type_: type, where: str, seen: frozenset[type]) -> None:
         check_type(
             hints.get(field.name, field.type), f"{where}, field {field.name!r}", seen | {type_}
         )
+        if field.default is not attrs.NOTHING and not isinstance(field.default, attrs.Factory):  # type: ignore[arg-type]
+            check_default(field.default, f"{where}, field {field.name!r}")
+
+
+def check_default(value: Any, where: str) -> None:
+    """Refuse a default that holds NaN or an infinity, which JSON has no form for.
+
+    A default is shown to the model in the schema and stored in the run's parameter
+    snapshot, both JSON (docs/models.md, "Tool arguments"): written there, NaN and the
+    infinities read back as ``null``, so the schema could not be sent and a resumed run's
+    definition never matched its snapshot. Floats are looked for in the value and in the
+    lists, tuples, sets, mappings and attrs instances it holds.
+
+    Raises:
+        UsageError: naming ``where`` and the number.
+    """
+    pending, seen = [value], set()
+    while pending:
+        item = pending.pop()
+        if isinstance(item, float) and not math.isfinite(item):
+            shown = repr(item) if item is value else f"{value!r:.80}, which holds {item!r},"
+            raise UsageError(
+                f"{where}: the default {shown} has no JSON form (NaN and the infinities have "
+                "none); give a finite number, or None with a type that allows it"
+            )
+        if id(item) in seen:
+            continue
+        seen.add(id(item))
+        if isinstance(item, Mapping):
+            pending.extend(item.values())
+        elif isinstance(item, list | tuple | set | frozenset):
+            pending.extend(item)
+        elif attrs.has(type(item)):
+            pending.extend(getattr(item, f.name, None) for f in attrs.fields(type(item)))
 
 
 # --------------------------------------------------------------------------- signature
@@ -612,8 +647,10 @@ def read_signature(fn: Callable[..., Any], *, tool_name: str, context_type: type
 
     Raises:
         UsageError: an argument has no annotation or an unsupported type, is ``*args``,
-            ``**kwargs`` or positional-only; there are two context parameters; or the
-            docstring documents an argument the function does not have.
+            ``**kwargs`` or positional-only; a default (an argument's, or a field's of an
+            attrs class it takes) holds NaN or an infinity (`check_default`); there are two
+            context parameters; or the docstring documents an argument the function does
+            not have.
     """
     where = f"tool {tool_name!r}"
     hints = _resolve_hints(fn, where)
@@ -630,6 +667,8 @@ def read_signature(fn: Callable[..., Any], *, tool_name: str, context_type: type
             context = param.name
             continue
         check_type(hints[param.name], f"{where}: argument {param.name!r}")
+        if param.default is not inspect.Parameter.empty:
+            check_default(param.default, f"{where}: argument {param.name!r}")
         parameters.append(
             Parameter(
                 name=param.name,

@@ -538,7 +538,8 @@ def tool(
 
     Raises:
         UsageError: the function is not callable; an argument lacks an annotation, is
-            ``*args``/``**kwargs``/positional-only, or has an unsupported type; the name is
+            ``*args``/``**kwargs``/positional-only, or has an unsupported type; a default
+            holds NaN or an infinity (docs/models.md, "Tool arguments"); the name is
             not a valid tool name; an option is out of range; ``secret_arguments``
             names an argument the tool does not have; a process tool is not defined at the
             top level of a module, or is a method bound to an instance; a

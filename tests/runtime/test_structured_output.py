@@ -598,6 +598,12 @@ async def clashing(text: str) -> str:
         (Forecast, "sometimes", (), "output_mode must be"),
         (Forecast, "tool", (clashing,), "a tool named 'final_answer'"),
         (attrs.make_class("Bad", {"when": attrs.field(type=set)}), "tool", (), "unsupported"),
+        (  # its schema held inf, which no request and no snapshot can carry
+            attrs.make_class("Capped", {"cap": attrs.field(type=float, default=float("nan"))}),
+            "tool",
+            (),
+            "output_type Capped, field 'cap': the default nan has no JSON form",
+        ),
         (  # was "tool 'Mixed': cannot describe the arguments", naming no field
             attrs.make_class("Mixed", {"c": attrs.field(type=MIXED)}),
             "tool",
