@@ -17,10 +17,12 @@ import trio.testing
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import treadle
 from treadle._exceptions import TreadleError, UsageError
 from treadle.ports import ActionExecutor
+from treadle.testing.scripted import ScriptedModel, call, say
 from treadle.tools import EnvironmentFailure, Tool, Toolbox, ToolContext, tool
-from treadle.types import Action, ActionOutcome, ActionStatus, ReplayPolicy
+from treadle.types import Action, ActionOutcome, ActionResult, ActionStatus, ReplayPolicy
 
 
 class Color(enum.Enum):
@@ -633,6 +635,91 @@ async def test_nested_and_union_validation() -> None:
     )
     good = await BOX.execute(action("echo", {"value": [1, 2]}))
     assert good.observation == "[1,2]"
+
+
+def _positive(_: Any, __: Any, value: int) -> None:
+    if value <= 0:
+        raise ValueError("must be positive")
+
+
+@attrs.define
+class _Order:
+    sku: str = attrs.field(validator=attrs.validators.in_(["A1", "B2"]))
+    quantity: int = attrs.field(validator=attrs.validators.gt(0))
+    boxes: int = attrs.field(default=1, validator=_positive)
+
+
+@tool
+async def place(order: _Order, gift: _Order | None = None) -> str:
+    """Place an order."""
+    return "placed"
+
+
+@pytest.mark.parametrize(
+    ("arguments", "said"),
+    [
+        (
+            {"order": {"sku": "A1", "quantity": 0}},
+            "invalid value: 'quantity' must be > 0: 0 @ $.order",
+        ),
+        (
+            {"order": {"sku": "Z9", "quantity": 1}},
+            "invalid value: 'sku' must be in ['A1', 'B2'] (got 'Z9') @ $.order.sku",
+        ),
+        (
+            {"order": {"sku": "A1", "quantity": 1, "boxes": 0}},
+            "invalid value: must be positive @ $.order",
+        ),
+        (  # was "expected an object or null, got object"
+            {"order": {"sku": "A1", "quantity": 1}, "gift": {"sku": "B2", "quantity": -1}},
+            "invalid value: 'quantity' must be > 0: -1 @ $.gift",
+        ),
+        (
+            {"order": {"sku": "A1", "quantity": 1}, "gift": {"sku": "B2", "quantity": "2"}},
+            "expected an integer, got string @ $.gift.quantity",
+        ),
+        (
+            {"order": {"sku": "A1", "quantity": 1}, "gift": 3},
+            "expected an object or null, got integer @ $.gift",
+        ),
+    ],
+)
+async def test_a_validators_refusal_says_why(arguments: dict[str, Any], said: str) -> None:
+    # An attrs validator's refusal read "invalid value @ $.order": no field and no reason.
+    box = Toolbox([place])
+    assert box.invalid_arguments("place", arguments) == f"invalid arguments: {said}"
+    outcome = await box.execute(action("place", arguments))
+    assert outcome.status is ActionStatus.NOT_EXECUTED
+    assert outcome.detail == f"invalid arguments: {said}"
+
+
+@attrs.define
+class _Card:
+    number: str = attrs.field(validator=attrs.validators.matches_re(r"[0-9]{16}"))
+
+
+@tool(secret_arguments=("card",))
+async def pay(card: _Card) -> str:
+    """Pay by card."""
+    return "paid"
+
+
+async def test_a_validators_refusal_of_a_secret_argument_never_quotes_its_value() -> None:
+    # The refusal's text quotes the value; it leaves the executor redacted, as any detail.
+    card = "4111-2222-3333-4444"
+    model = ScriptedModel(turns=[call("pay", card={"number": card}), say("done")])
+    agent = treadle.Agent(
+        model=model, executor=Toolbox([pay]), parser=treadle.NativeToolCallParser()
+    )
+    store = treadle.MemoryStore()
+    await treadle.run(agent, "pay", store=store, run_id="r")
+    (result,) = [r for r in (await store.read_log("r")).records if isinstance(r, ActionResult)]
+    assert result.outcome.status is ActionStatus.NOT_EXECUTED
+    assert result.outcome.detail == (
+        "invalid arguments: invalid value: 'number' must match regex '[0-9]{16}' "
+        "('[redacted]' doesn't) @ $.card.number"
+    )
+    assert card not in result.outcome.observation
 
 
 async def test_integral_float_is_an_integer() -> None:

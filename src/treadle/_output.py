@@ -29,13 +29,13 @@ from treadle._repair import json_values, strip_code_fence
 from treadle._schema import (
     _CONVERTER,
     Parameter,
-    _format,
     _kind,
     build_schema,
     check_default,
     check_type,
     local_validator,
     summary_of,
+    validation_errors,
 )
 from treadle.parsers import (
     MAX_ARGUMENT_DEPTH,
@@ -797,7 +797,7 @@ def _validate_class(cls: type[Any], value: Any) -> JSONValue | tuple[str, ...]:
     try:
         instance = _CONVERTER.structure(dict(value), cls)
     except (cattrs.BaseValidationError, cattrs.ForbiddenExtraKeysError) as exc:
-        return tuple(_output_errors(exc))
+        return tuple(validation_errors(exc))
     data: JSONValue = _PLAIN.unstructure(instance)
     # What is stored is read back (`structure_output`) into the instance the run returns:
     # a converter that changes a value again on that read (one that scales it, say) would
@@ -831,73 +831,6 @@ def _unstorable(value: Any) -> str | None:
     return "a number JSON cannot represent (NaN or infinity, such as 1e400) @ $"
 
 
-def _output_errors(exc: BaseException, path: str = "$") -> list[str]:
-    """Every error of an answer the output class refused, as ``"<problem> @ $.path"``.
-
-    As `cattrs.transform_error` with `_output_format` gives them, except what the class
-    raised when made from the answer (an attrs validator, ``__attrs_post_init__``; cattrs
-    reports it at the class): that is `_raised_by_class`.
-    """
-    found: list[tuple[Exception, str, Any]]
-    if isinstance(exc, cattrs.IterableValidationError):
-        items, without = exc.group_exceptions()
-        found = [(sub, f"{path}[{note.index!r}]", note.type) for sub, note in items]
-    elif isinstance(exc, cattrs.ClassValidationError):
-        fields, without = exc.group_exceptions()
-        found = [(sub, f"{path}.{note.name}", note.type) for sub, note in fields]
-    else:
-        return [f"{_output_format(exc, None)} @ {path}"]
-    errors: list[str] = []
-    for sub, where, type_ in found:
-        if isinstance(sub, cattrs.BaseValidationError):
-            errors.extend(_output_errors(sub, where))
-        else:
-            errors.append(f"{_output_format(sub, type_)} @ {where}")
-    for sub in without:
-        made = isinstance(exc, cattrs.ClassValidationError)
-        if made and not isinstance(sub, cattrs.ForbiddenExtraKeysError):
-            errors.append(_raised_by_class(sub, path))
-        else:
-            errors.append(f"{_output_format(sub, None)} @ {path}")
-    return errors
-
-
-def _raised_by_class(exc: BaseException, path: str) -> str:
-    """What an output class raised when made from an answer, at ``path`` (the class's).
-
-    Its message, at the field an attrs validator names (``in_``, ``matches_re`` and
-    ``instance_of`` raise with the field as second argument: ``$.grade``); an exception
-    other than `ValueError` (a `KeyError` from ``__attrs_post_init__``) is named, never read
-    as a missing field.
-    """
-    if len(exc.args) > 1 and isinstance(exc.args[1], attrs.Attribute):
-        path = f"{path}.{exc.args[1].name}"
-    said = _message(exc)
-    if type(exc) is not ValueError:
-        said = f"{type(exc).__name__}: {said}" if said else type(exc).__name__
-    return f"invalid value: {said} @ {path}" if said else f"invalid value @ {path}"
-
-
-def _message(exc: BaseException) -> str:
-    """``exc``'s message: its first argument when that is text (attrs validators add more)."""
-    if exc.args and isinstance(exc.args[0], str):
-        return exc.args[0]
-    return str(exc)
-
-
-def _output_format(exc: BaseException, type_: Any) -> str:
-    """`_format`, plus what a validator of the output class said (cattrs drops it).
-
-    A converter of a field refuses a value with a `ValueError` whose message is the only
-    thing telling the model what to fix. (Tool arguments keep `_format` alone: their
-    messages might repeat a secret argument.)
-    """
-    said = _format(exc, type_)
-    if type(exc) is ValueError and _message(exc):
-        return f"{said}: {_message(exc)}"
-    return said
-
-
 def _validate_schema(schema: Mapping[str, Any], value: Any) -> JSONValue | tuple[str, ...]:
     import jsonschema
 
@@ -926,7 +859,7 @@ def structure_output(cls: type[Any], value: JSONValue, *, run_id: str = "") -> A
     try:
         return _CONVERTER.structure(value, cls)
     except (cattrs.BaseValidationError, cattrs.ForbiddenExtraKeysError) as exc:
-        errors = "; ".join(_output_errors(exc))
+        errors = "; ".join(validation_errors(exc))
         run = f" of run {run_id!r}" if run_id else ""
         raise UsageError(
             f"the stored output{run} does not fit {cls.__qualname__}: {errors}"

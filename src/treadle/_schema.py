@@ -25,7 +25,7 @@ from cattrs import cols
 from cattrs.gen import make_dict_structure_fn
 from cattrs.v import format_exception
 
-from treadle._exceptions import UsageError
+from treadle._exceptions import UsageError, message_of
 
 if TYPE_CHECKING:
     import jsonschema
@@ -100,7 +100,7 @@ class ToolSignature:
         try:
             instance = _CONVERTER.structure(dict(arguments), self.model)
         except (cattrs.BaseValidationError, cattrs.ForbiddenExtraKeysError) as exc:
-            return Invalid(errors=tuple(cattrs.transform_error(exc, format_exception=_format)))
+            return Invalid(errors=tuple(validation_errors(exc)))
         return {p.name: getattr(instance, p.name) for p in self.parameters}
 
 
@@ -123,8 +123,75 @@ def _kind(value: Any) -> str:
     return "object" if isinstance(value, Mapping) else type(value).__name__
 
 
+def validation_errors(exc: BaseException, path: str = "$") -> list[str]:
+    """Every error of a value the strict converter refused, as ``"<problem> @ $.path"``.
+
+    Tool arguments and output types are read alike (docs/structured-output.md, "Validation
+    and feedback"). As `cattrs.transform_error` with `_format` gives them, except what an
+    attrs class raised when made from the value (a validator, ``__attrs_post_init__``),
+    which cattrs reports at the class as ``invalid value`` alone: that is
+    `_raised_by_class`, which says what it said.
+    """
+    found: list[tuple[Exception, str, Any]]
+    if isinstance(exc, cattrs.IterableValidationError):
+        items, without = exc.group_exceptions()
+        found = [(sub, f"{path}[{note.index!r}]", note.type) for sub, note in items]
+    elif isinstance(exc, cattrs.ClassValidationError):
+        fields, without = exc.group_exceptions()
+        found = [(sub, f"{path}.{note.name}", note.type) for sub, note in fields]
+    else:
+        return [f"{_format(exc, None)} @ {path}"]
+    errors: list[str] = []
+    for sub, where, type_ in found:
+        if isinstance(sub, cattrs.BaseValidationError):
+            errors.extend(validation_errors(sub, where))
+        else:
+            errors.append(f"{_format(sub, type_)} @ {where}")
+    for sub in without:
+        made = isinstance(exc, cattrs.ClassValidationError)
+        if made and not isinstance(sub, cattrs.ForbiddenExtraKeysError):
+            errors.append(_raised_by_class(sub, path))
+        else:
+            errors.append(f"{_format(sub, None)} @ {path}")
+    return errors
+
+
+def _raised_by_class(exc: BaseException, path: str) -> str:
+    """What an attrs class raised when made from a value, at ``path`` (the class's).
+
+    Its message, at the field an attrs validator names (``in_``, ``matches_re`` and
+    ``instance_of`` raise with the field as second argument: ``$.grade``; ``gt`` and the
+    like name it in the message only); an exception other than `ValueError` (a `KeyError`
+    from ``__attrs_post_init__``) is named, never read as a missing field.
+    """
+    if len(exc.args) > 1 and isinstance(exc.args[1], attrs.Attribute):
+        path = f"{path}.{exc.args[1].name}"
+    said = _message(exc)
+    if type(exc) is not ValueError:
+        said = f"{type(exc).__name__}: {said}" if said else type(exc).__name__
+    return f"invalid value: {said} @ {path}" if said else f"invalid value @ {path}"
+
+
+def _message(exc: BaseException) -> str:
+    """``exc``'s message: its first argument when that is text (attrs validators add more)."""
+    if exc.args and isinstance(exc.args[0], str):
+        return exc.args[0]
+    return message_of(exc)
+
+
 def _format(exc: BaseException, type_: Any) -> str:
-    return str(exc) if isinstance(exc, _Mismatch) else format_exception(exc, type_)
+    """One refused value's problem, as the model reads it (before ``" @ $.path"``).
+
+    A type mismatch is said in JSON words (`_Mismatch`); a `ValueError` a field's converter
+    raised keeps its message after cattrs' ``invalid value``, the only thing telling the
+    model what to fix; anything else is cattrs' text.
+    """
+    if isinstance(exc, _Mismatch):
+        return str(exc)
+    said = format_exception(exc, type_)
+    if type(exc) is ValueError and _message(exc):
+        return f"{said}: {_message(exc)}"
+    return said
 
 
 def _str(value: Any, _: Any) -> str:
@@ -185,16 +252,38 @@ def _guarded(kind: type, expected: str, inner: Callable[[Any, Any], Any]) -> Cal
     return structure
 
 
+_STRUCTURE_ERRORS: Final = (
+    ValueError,
+    TypeError,
+    KeyError,
+    OverflowError,
+    cattrs.BaseValidationError,
+)
+"""What structuring a value as one member of a union raises when the member refuses it."""
+
+
 def _union_hook(type_: Any, converter: cattrs.Converter) -> Callable[[Any, Any], Any]:
+    """Structure a union member by member; the first that takes the value wins.
+
+    When none takes it and exactly one refused it for what it holds rather than for its
+    kind (an object for ``Order | None`` whose field a validator refused), that member's
+    error is raised, so the model reads where and why (``... @ $.order.quantity``);
+    otherwise the value's kind fits no member, and the error names the kinds that would.
+    """
     members = typing.get_args(type_)
     names = " or ".join(dict.fromkeys(_json_name(m) for m in members))
 
     def structure(value: Any, _: Any) -> Any:
+        refused: list[BaseException] = []
         for member in members:
             try:
                 return converter.structure(value, member)
-            except (ValueError, TypeError, KeyError, OverflowError, cattrs.BaseValidationError):
+            except _Mismatch:
                 continue
+            except _STRUCTURE_ERRORS as exc:
+                refused.append(exc)
+        if len(refused) == 1:
+            raise refused[0]
         raise _Mismatch(f"expected {names}, got {_kind(value)}")
 
     return structure
