@@ -461,6 +461,32 @@ def test_json_broken_call_feedback_has_the_parse_error() -> None:
     assert "Expecting ',' delimiter" in (parsed.feedback or "")
 
 
+@pytest.mark.parametrize(
+    "text",
+    [
+        '{"name": "read_file", "arguments": {"path": "a"}}\nI will wait for the result.',
+        'Let me read.\n{"name": "read_file", "arguments": {"path": "a"}}\nThen I answer.',
+        '[{"name": "read_file", "arguments": {"path": "a"}}] and that is all',
+    ],
+)
+def test_json_call_followed_by_prose_is_said_to_be(text: str) -> None:
+    # The feedback read "it is not valid JSON (Expecting value: line 2 column 1 (char 47))"
+    # of a call whose JSON was valid: the text after it was the problem.
+    parsed = text_json(ModelReply(text=text, finish_reason="stop"))
+    assert parsed.kind is DecisionKind.INVALID
+    assert parsed.reason == "unparseable"
+    feedback = parsed.feedback or ""
+    assert "its JSON is followed by text that is not JSON" in feedback
+    assert "Expecting value" not in feedback
+
+
+def test_json_broken_second_call_keeps_the_parse_error() -> None:
+    text = '{"name": "read_file", "arguments": {}}\n{"name": "read_file", "arguments": {x}}'
+    parsed = text_json(ModelReply(text=text))
+    assert parsed.kind is DecisionKind.INVALID
+    assert "it is not valid JSON (Expecting property name" in (parsed.feedback or "")
+
+
 def test_json_call_cut_by_the_output_limit_is_truncated() -> None:
     text = '```json\n{"name": "read_file", "arguments": {"path": "a'
     parsed = text_json(ModelReply(text=text, finish_reason="length"))

@@ -68,10 +68,13 @@ class JsonValues:
         values: every complete value, in order (may be non-empty when ``error`` is set).
         error: the parse error of the first value that failed, ``None`` when the whole text
             was values and whitespace.
+        failed_at: with ``error``, the offset in the text where that value starts (after
+            the complete ones and the white space after them); else ``None``.
     """
 
     values: tuple[Any, ...] = ()
     error: str | None = None
+    failed_at: int | None = None
 
 
 @attrs.frozen(kw_only=True)
@@ -121,13 +124,14 @@ def json_values(text: str) -> JsonValues:
         try:
             value, pos = _DECODER.raw_decode(text, pos)
         except ValueError as exc:
-            return JsonValues(values=tuple(values), error=str(exc))
+            return JsonValues(values=tuple(values), error=str(exc), failed_at=pos)
         except RecursionError:
-            return JsonValues(values=tuple(values), error="the JSON is nested too deeply")
+            error = "the JSON is nested too deeply"
+            return JsonValues(values=tuple(values), error=error, failed_at=pos)
         values.append(value)
         pos = _JSON_WS.match(text, pos).end()  # type: ignore[union-attr]
     if not values:
-        return JsonValues(error="no JSON value found")
+        return JsonValues(error="no JSON value found", failed_at=pos)
     return JsonValues(values=tuple(values))
 
 

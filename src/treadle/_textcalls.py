@@ -152,6 +152,21 @@ def _flatten(values: Sequence[Any]) -> list[Any]:
     return items
 
 
+def _unreadable(body: str, names: frozenset[str], error: str | None) -> str:
+    """Why call-like ``body`` could not be read: text after its calls, or its JSON error.
+
+    Complete calls followed by text that opens no JSON object or list (a closing remark)
+    are said to be so: the decoder's error at that text ("Expecting value: line 2 column
+    1") told the model of a mistake in JSON it had written right.
+    """
+    found = _repair.json_values(body)
+    rest = body[found.failed_at :] if found.failed_at is not None else ""
+    read = [call_of(item, names, strict=False) for item in _flatten(found.values)]
+    if rest[:1] not in ("", "{", "[") and any(isinstance(item, FoundCall) for item in read):
+        return "its JSON is followed by text that is not JSON"
+    return f"it is not valid JSON ({error})"
+
+
 def calls_in(span: Span, names: frozenset[str]) -> SpanCalls:
     """Read the tool calls of one span.
 
@@ -162,7 +177,7 @@ def calls_in(span: Span, names: frozenset[str]) -> SpanCalls:
     values, repairs, error = _decode(span.body)
     if values is None:
         if looks_like_call(span.body, names):
-            return SpanCalls(errors=(f"it is not valid JSON ({error})",), is_calls=True)
+            return SpanCalls(errors=(_unreadable(span.body, names, error),), is_calls=True)
         return SpanCalls()
     read = [call_of(item, names, strict=False) for item in _flatten(values)]
     if all(item is None for item in read):

@@ -590,7 +590,9 @@ class JsonToolCallParser:
     Decisions: calls -> ACTIONS (visible text around them goes to ``ParsedReply.text``;
     unknown tool names included, the executor reports them); JSON that clearly tries to be a
     call but cannot be read (bad JSON mentioning a declared tool, a non-object
-    ``arguments``) -> INVALID with the parse error; other text -> FINAL_ANSWER (an answer
+    ``arguments``) -> INVALID with the parse error, or, for a bare call followed by text
+    (a closing remark after it, outside any fence), with feedback saying so; other text ->
+    FINAL_ANSWER (an answer
     may be JSON data); empty text -> INVALID ``empty_reply``. The history message is the
     reply's text as written, without native tool calls. A reply that has native tool calls
     after all, or is a refusal (a refusal text, or finish reason ``content_filter``), is
