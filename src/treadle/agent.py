@@ -11,7 +11,7 @@ import hashlib
 import inspect
 import json
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, Final
 
 import attrs
 import cattrs
@@ -98,9 +98,10 @@ class Agent:
             that are not `Budgets` or `Limits`, params that are not JSON data, a text field
             that is not a ``str``), params the model client refuses (its optional
             ``check_params``: a param that would replace a key the client sets itself, such
-            as ``stream``; docs/models.md, "What goes on the wire"), or an ``output_type`` or
+            as ``stream``; docs/models.md, "What goes on the wire"), an ``output_type`` or
             ``output_mode`` that cannot be used (see docs/structured-output.md, "Output
-            types").
+            types"), or a parser's ``text_reply_tool`` whose call the executor refuses
+            (`_check_text_reply_tool`).
     """
 
     model: ModelClient
@@ -138,6 +139,7 @@ class Agent:
 
     def __attrs_post_init__(self) -> None:
         _check_takes_attempt("model", self.model)
+        _check_text_reply_tool(self.parser, self._policies)
         native = self._output is not None and self._output.mode == "native"
         _check_params(self.model, self.params, output=native)
         if self.summariser is not None:
@@ -321,6 +323,38 @@ def _secret_arguments(
     if "secret_arguments" not in policies.declared:
         return {}
     return secrets_of_tools((spec.name, policies.secret_arguments(spec.name)) for spec in specs)
+
+
+_TEXT_REPLY_PROBE: Final = "Hello."
+"""The text of the call the executor is asked about for a parser's text-reply tool."""
+
+
+def _check_text_reply_tool(parser: object, policies: ExecutorPolicies) -> None:
+    """Refuse a parser's ``text_reply_tool`` that the executor would refuse every call of.
+
+    Such a parser makes every text reply a call of that tool with ``{"content": <text>}``
+    (docs/decisions/0006-text-reply-as-action.md). The executor's ``invalid_arguments`` is
+    asked about such a call, of the text `_TEXT_REPLY_PROBE` (`treadle.Toolbox` answers:
+    an unknown tool, arguments its signature refuses); an executor without one is not
+    asked, and a tool the model is not offered may be the text-reply tool
+    (docs/decisions/0125-a-text-reply-tool-is-checked-when-the-agent-is-built.md). Left
+    unchecked, every answer of the model was NOT_EXECUTED and the run spent its steps.
+
+    Raises:
+        UsageError: naming the tool and the executor's reason.
+    """
+    name = getattr(parser, "text_reply_tool", None)
+    if name is None:
+        return
+    problem = policies.invalid_arguments(name, {"content": _TEXT_REPLY_PROBE})
+    if problem is None:
+        return
+    raise UsageError(
+        f"the parser makes every text reply a call of {name!r} with "
+        f'{{"content": <the text>}} (text_reply_tool), and the executor refuses such a call: '
+        f"{problem}. Give the executor a tool {name!r} whose one required argument is the "
+        "str content, or name such a tool in text_reply_tool"
+    )
 
 
 def _check_params(client: object, params: Mapping[str, JSONValue], *, output: bool) -> None:

@@ -449,7 +449,10 @@ class NativeToolCallParser:
 
     Args:
         text_reply_tool: the tool a text reply calls (e.g. "respond to the customer");
-            ``None`` (the default) makes a text reply the final answer.
+            ``None`` (the default) makes a text reply the final answer. An `treadle.Agent`
+            refuses one whose call its executor refuses, an unknown tool or one that takes
+            no ``content``
+            (docs/decisions/0125-a-text-reply-tool-is-checked-when-the-agent-is-built.md).
     """
 
     def __init__(self, *, text_reply_tool: str | None = None) -> None:

@@ -14,7 +14,7 @@ import pytest
 import treadle
 import treadle.approvals
 from treadle.testing.scripted import ScriptedModel, call, say
-from treadle.types import CancelRequested
+from treadle.types import ActionResult, CancelRequested
 
 
 @treadle.tool(requires_approval=True)
@@ -163,6 +163,63 @@ async def test_params_the_model_client_sets_itself_are_refused_when_the_agent_is
             _agent(model=model, **changed)
         allowed = {"temperature": 0.2, "response_format": {"type": "text"}}
         assert _agent(model=model, params=allowed).params == allowed  # no output type: allowed
+
+
+@treadle.tool
+async def message_customer(message: str) -> str:
+    """Send a message to the customer."""
+    return "read"
+
+
+@treadle.tool
+async def answer_customer(content: str) -> str:
+    """Answer the customer."""
+    return "read"
+
+
+class _HiddenReplies:
+    """An executor that runs text replies as "respond" without offering it to the model."""
+
+    def tool_specs(self) -> tuple[treadle.ToolSpec, ...]:
+        return ()
+
+    async def execute(self, action: object) -> treadle.ActionOutcome:
+        return treadle.ActionOutcome(status=treadle.ActionStatus.EXECUTED, observation="read")
+
+
+@pytest.mark.parametrize(
+    ("name", "said"),
+    [
+        ("reply", "unknown tool 'reply'"),
+        ("message_customer", "required field missing @ $.message; extra fields found (content)"),
+    ],
+)
+async def test_a_text_reply_tool_the_executor_refuses_is_refused_when_the_agent_is_built(
+    name: str, said: str
+):
+    """Such an agent was built; every answer of the model was then a call that was not
+    executed, and each run ended failed with max_steps."""
+    parser = treadle.NativeToolCallParser(text_reply_tool=name)
+    with pytest.raises(treadle.UsageError) as refused:
+        _agent(executor=treadle.Toolbox([message_customer]), parser=parser)
+    assert f"every text reply a call of {name!r}" in str(refused.value)
+    assert said in str(refused.value)
+    answering = treadle.NativeToolCallParser(text_reply_tool="answer_customer")
+    built = _agent(
+        model=ScriptedModel(turns=[say("Hello!")]),
+        executor=treadle.Toolbox([message_customer, answer_customer]),
+        parser=answering,
+        budgets=treadle.Budgets(max_steps=1),
+    )
+    store = treadle.MemoryStore()
+    await treadle.run(built, "hi", store=store, run_id="r")
+    results = [r for r in (await store.read_log("r")).records if isinstance(r, ActionResult)]
+    assert [(r.tool, r.outcome.status) for r in results] == [
+        ("answer_customer", treadle.ActionStatus.EXECUTED)
+    ]
+    # A tool the model is not offered, of an executor that declares no argument check.
+    hidden = treadle.NativeToolCallParser(text_reply_tool="respond")
+    assert _agent(executor=_HiddenReplies(), parser=hidden).parser is hidden
 
 
 def test_a_tool_argument_named_self_is_refused_with_a_clear_error():
