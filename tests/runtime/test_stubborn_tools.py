@@ -192,6 +192,30 @@ async def test_cancel_during_a_blocked_call_ends_the_run_within_the_grace_period
     assert check_invariants(log) == []
 
 
+@pytest.mark.parametrize("kind", ["sync", "async"])
+async def test_a_cancel_during_a_blocked_call_does_not_carry_the_run_past_its_time_budget(
+    kind, blocker, autojump_clock
+):
+    # The cancel comes 1 s before the budget runs out: its 2 s grace ends at the budget.
+    agent = make_agent(
+        [call("block", note="x", call_id="c1"), say("never")],
+        [blocker.tools[kind]],
+        budgets=Budgets(time_budget_s=3),
+    )
+    store = MemoryStore()
+    async with open_run(agent, "x", store=store, run_id="r") as handle:
+        await trio.sleep(2)
+        handle.cancel("stop")
+        result = await handle.wait()
+    assert not blocker.finished.is_set()
+    assert result.state is RunState.CANCELLED
+    assert result.totals.active_s <= 3.0 + 0.01  # virtual seconds
+    log = await store.read_log("r")
+    (cut,) = results_of(log)
+    assert cut.late and cut.outcome.status is ActionStatus.UNKNOWN
+    assert check_invariants(log, budgets=agent.budgets) == []
+
+
 async def test_a_shielded_cleanup_does_not_hold_treadle_run_and_its_late_return_is_no_record(
     autojump_clock, caplog
 ):

@@ -478,19 +478,30 @@ class ToolExecutor:
                 with trio.move_on_after(_TIMEOUT_GRACE_S):
                     await call.wait()
         except trio.Cancelled:
-            # Cancelled: the call gets its grace period. Cut by the time budget: none (the
-            # active time is spent), except a child run's, whose child records its cancel
-            # in that time (docs/child-runs.md, "Cancellation"): a child waiting on a human
-            # spends no active time of its own, and would otherwise be left driven by
-            # nobody's run. Either way the run does not wait longer than that.
             call.cancel()
-            child_run = limit == math.inf
-            grace = self.cancel_grace_s if step.cancel_called or child_run else 0.0
-            with trio.CancelScope(shield=True), trio.move_on_after(grace):
+            with trio.CancelScope(shield=True, deadline=self._grace_ends(step, limit)):
                 await call.wait()
             self._settle(call, take, action)
             raise
         return limit
+
+    def _grace_ends(self, step: StepScope, limit: float) -> float:
+        """When a call cut by ``step`` stops being waited for (trio clock, seconds).
+
+        Cancelled, the call gets its grace period (``cancel_grace_s``), which ends at the
+        step's deadline (the time budget) all the same: the active time is spent, and the
+        run ends on time. Cut by the time budget: no grace. A child run's call (``limit``
+        ``inf``) has the cancel's grace either way, for its child to record its cancel
+        (docs/child-runs.md, "Cancellation"): a child waiting on a human spends no active
+        time of its own, and would otherwise be left driven by nobody's run. See
+        docs/concepts.md, "Tools and cancellation".
+        """
+        now = trio.current_time()
+        if limit == math.inf:
+            return now + self.cancel_grace_s
+        if not step.cancel_called:
+            return now
+        return min(now + self.cancel_grace_s, step.deadline)
 
     def _settle(self, call: HostedCall[Any], take: Callable[[Any], None], action: Action) -> None:
         """After a cut: keep what the call returned in time; abandon it otherwise."""
