@@ -190,3 +190,37 @@ def test_a_run_whose_model_the_simulation_cannot_follow_reports_the_skip():
         "not checked for unanswered tool calls and it did not continue a thread"
         in (result.skipped[0])
     )
+
+
+def _notes_answering_at_once() -> Any:
+    """The docs' notes scenario with a provider that answers in no virtual time."""
+    from examples.simulate_notes_agent import NotesScenario
+
+    @attrs.frozen
+    class AtOnce(NotesScenario):
+        def world(self, rng: random.Random, plan: FaultPlan, counts: dict[str, int]) -> Any:
+            world = super().world(rng, plan, counts)
+            world.provider.latency_s = 0.0
+            return world
+
+    return AtOnce()
+
+
+@pytest.mark.parametrize(
+    "scenario",
+    [_notes_answering_at_once(), LedgerScenario(steps=4)],
+    ids=["no-virtual-time", "ledger"],
+)
+def test_a_cancel_fault_at_rate_1_reaches_runs_at_any_of_their_steps(scenario):
+    """The cancel lands after a seeded write of the run (not within its first virtual
+    seconds): a run that spends no virtual time is cancelled too, in late steps as well as
+    early ones. One landing after the step that answered finds the run ending uncancelled."""
+    plan = FaultPlan.of(["cancel"], rate=1.0)
+    results = [simulate(seed, plan=plan, scenario=scenario) for seed in range(10)]
+    assert [r.violations for r in results] == [()] * 10
+    cancelled = [r for r in results if r.logs[0].finished.stop_reason.value == "cancelled"]
+    assert len(cancelled) >= 8
+    assert [r.faults_injected.get("cancel", 0) for r in results] == [
+        int(r in cancelled) for r in results
+    ]
+    assert len({len(r.logs[0].steps) for r in cancelled}) >= 3  # cut at different steps

@@ -210,6 +210,8 @@ def _changed_by_faults(result: ActionResult, scenario: Scenario) -> bool:
     """Whether the faults may have changed what ``result`` told the model.
 
     - an outcome recorded as unknown after a crash;
+    - a result recorded late: the run cut its call (a cancel, possibly before the call
+      started), and the result is what the cut left, not the call's own outcome;
     - a child-run call whose child ended without succeeding (``Error: the child run <id>
       ended …``) under a parent that went on: the faults cut it, e.g. a child cancelled by
       an incarnation that died before its own cancel was durable (docs/child-runs.md,
@@ -218,7 +220,7 @@ def _changed_by_faults(result: ActionResult, scenario: Scenario) -> bool:
       (`Scenario.changed_observation`).
     """
     outcome = result.outcome
-    if outcome.status is ActionStatus.UNKNOWN:
+    if outcome.status is ActionStatus.UNKNOWN or result.late:
         return True
     if outcome.child_run_id is not None and outcome.observation.startswith(
         f"Error: the child run {outcome.child_run_id} ended "

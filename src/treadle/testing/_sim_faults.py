@@ -17,6 +17,7 @@ import trio.testing
 from treadle._exceptions import UsageError
 from treadle.actors import MailboxReceiver, StepScope, open_mailbox
 from treadle.approvals import Decision
+from treadle.ports import RunStore
 from treadle.stores import LEASE_TTL_S
 from treadle.stores.memory import MemoryStore
 from treadle.supervisors import InboxActor
@@ -26,6 +27,7 @@ from treadle.testing.scripted import STALLED
 from treadle.types import (
     ModelErrorInfo,
     Record,
+    RunFinished,
     StoreOp,
 )
 
@@ -399,3 +401,40 @@ class _TakenOver(InterceptingStore):
             thief = await self.inner.acquire_lease(run_id, owner="another-driver", ttl_s=1.0)
             await self.inner.release_lease(thief)
         return False
+
+
+@attrs.define(eq=False)
+class _CancelAt(InterceptingStore):
+    """Cancels the run right after write ``at`` of the incarnation reached the store.
+
+    Writes are counted from 1, those of the run's child runs included (they share the
+    store), as for a crash (docs/simulation.md, "Faults"). ``cancel`` (set by `arm` once the
+    run's handle exists) is called then, in the task that wrote, before the run goes on;
+    when the write came before `arm`, `arm` calls it. The write that finishes ``run_id``
+    (its `RunFinished`) calls nothing: the run has ended.
+    """
+
+    inner: RunStore
+    run_id: str
+    at: int
+    writes: int = 0
+    due: bool = False
+    cancel: Callable[[], None] | None = None
+
+    def arm(self, cancel: Callable[[], None]) -> None:
+        """Call ``cancel`` at the write (now, if it was made already)."""
+        self.cancel = cancel
+        self._fire()
+
+    def after_write(self, act: bool, op: StoreOp, records: tuple[Record, ...], seq: int) -> None:
+        self.writes += 1
+        if self.writes == self.at:
+            self.due = not any(
+                isinstance(r, RunFinished) and r.run_id == self.run_id for r in records
+            )
+            self._fire()
+
+    def _fire(self) -> None:
+        if self.due and self.cancel is not None:
+            self.due = False
+            self.cancel()

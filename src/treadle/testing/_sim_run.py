@@ -40,6 +40,7 @@ from treadle.testing._sim_checks import (
 from treadle.testing._sim_faults import (
     ApprovalPlan,
     FaultPlan,
+    _CancelAt,
     _LeaseClock,
     _TakenOver,
     with_latency,
@@ -54,6 +55,7 @@ from treadle.types import (
     ApprovalRequested,
     Record,
     RunLog,
+    RunState,
     StoreOp,
 )
 
@@ -75,7 +77,7 @@ class SimulationResult:
         ok: no invariant was violated.
         violations: what broke, one sentence each.
         faults_injected: fault kind -> how many fired (a crash whose write was reached, a
-            cancel that reached a run still going ...; docs/simulation.md, "Faults"); the
+            cancel the run took in ...; docs/simulation.md, "Faults"); the
             world's faults as the scenario counted them.
         steps: steps over all runs.
         log_digest: sha256 of every run's encoded log, in run order.
@@ -482,17 +484,16 @@ class _Driver:
         )
         for _attempt in range(MAX_RESTARTS):
             faulty = self._faulty_store()
-            cancel_after = (
-                self.rng.uniform(0.0, 2.0) if self.plan.roll(self.rng, "cancel") else None
-            )
+            cancel = self._cancelling(faulty)
+            store = faulty if cancel is None else cancel
             # Each incarnation is a fresh process: a new agent (actors, tool objects) on the
             # same world (environment and provider).
-            agent = _scenario_agent(self.scenario, self.world, faulty)
+            agent = _scenario_agent(self.scenario, self.world, store)
             try:
                 async with open_run(
                     agent,
                     self.scenario.input(self.world),
-                    store=faulty,
+                    store=store,
                     run_id=self.run_id,
                     clock=clock,
                     rng=random.Random(self.rng.randrange(2**32)),
@@ -500,7 +501,7 @@ class _Driver:
                     actors=self._actors(),
                     thread_id=self.thread,
                 ) as handle:
-                    await _watch(handle, cancel_after, approver, self._on_cancel)
+                    await _watch(handle, cancel, approver, self._on_cancel)
             except (RunInterrupted, StoreError, SimulatedCrash, ModelCallError, LeaseError) as exc:
                 # the process died: the next incarnation resumes from the log
                 if not self._count_fired(faulty) and not isinstance(exc, SimulatedCrash):
@@ -553,6 +554,19 @@ class _Driver:
             at = self._write_number(least=2)
             return _TakenOver(inner=self.store, at=at, clock=self.lease_clock)
         return self.store
+
+    def _cancelling(self, faulty: Any) -> _CancelAt | None:
+        """``faulty`` cancelling the run after one of its writes, when the cancel fault rolls.
+
+        The write is drawn uniformly from the writes of the whole fault-free run, as a
+        crash's (`_write_number`), but its last, the run's finish: a cancel lands between
+        steps, in a model call or a tool call, late in a long run as often as early, whatever
+        virtual time the run spends (docs/simulation.md, "Faults").
+        """
+        if not self.plan.roll(self.rng, "cancel"):
+            return None
+        before_last = self.rng.randrange(1, max(self.expected_writes - 1, 1) + 1)
+        return _CancelAt(inner=faulty, run_id=self.run_id, at=before_last)
 
     def _write_number(self, least: int = 1) -> int:
         """The write of an incarnation a fault hits (counted from 1, its child runs' included).
@@ -609,25 +623,37 @@ def _fired(faulty: Any) -> str | None:
 
 async def _watch(
     handle: RunHandle,
-    cancel_after: float | None,
+    cancel: _CancelAt | None,
     approver: _Approver,
     on_cancel: Callable[[], None] | None = None,
 ) -> None:
     """Wait for the run while the human decides and the cancel fault fires.
 
-    ``on_cancel`` is called when the cancel reaches a run still going (not one that ended
-    before ``cancel_after`` seconds).
+    The run is cancelled right after ``cancel``'s write reached the store. ``on_cancel`` is
+    called when the run took the cancel in: it ended cancelled, or this incarnation ended
+    unfinished after the cancel (a crash, a store error). A cancel that came after the run
+    ended, or while it finished otherwise (after the step that answered, which ends it at
+    once), is not counted.
     """
-    async with one_error(), trio.open_nursery() as nursery:
-        nursery.start_soon(approver.serve, handle)
-        if cancel_after is not None:
-            with trio.move_on_after(cancel_after) as waited:
-                await handle.wait()
+    sent = False
+
+    def cancel_run() -> None:
+        nonlocal sent
+        if handle.result is None:
             handle.cancel("simulated cancel")
-            if waited.cancelled_caught and on_cancel is not None:
-                on_cancel()
-        await handle.wait()
-        nursery.cancel_scope.cancel()
+            sent = True
+
+    try:
+        async with one_error(), trio.open_nursery() as nursery:
+            nursery.start_soon(approver.serve, handle)
+            if cancel is not None:
+                cancel.arm(cancel_run)
+            await handle.wait()
+            nursery.cancel_scope.cancel()
+    finally:
+        ended = handle.result
+        if sent and on_cancel is not None and (ended is None or ended.state is RunState.CANCELLED):
+            on_cancel()
 
 
 @attrs.frozen
