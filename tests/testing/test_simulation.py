@@ -20,6 +20,7 @@ from treadle.types import (
     ReplayPolicy,
     RunFinished,
     StepRecord,
+    ToolCall,
     Usage,
 )
 
@@ -166,6 +167,39 @@ def _corrupt(records, how):
         changed.insert(step_at + 2, moved)
     elif how == "step-after-answer":
         return _step_after_the_answer(records)
+    elif how in ("ran-what-the-reply-did-not-ask", "answer-to-a-call", "reply-of-step-1"):
+        return _step_unlike_its_reply(records, how, intent_at, step_at)
+    return tuple(changed)
+
+
+def _step_unlike_its_reply(records, how, intent_at, step_at):
+    """A step that is not of the model reply it names, though consistent in itself.
+
+    ``ran-what-the-reply-did-not-ask``: the first step's action and history message run its
+    call with other arguments than the reply's; ``answer-to-a-call``: the last step, a
+    final answer, acted on a reply that made a call (and had no text); ``reply-of-step-1``:
+    step 2's record names step 1's model call.
+    """
+    changed = list(records)
+    step = records[step_at]
+    if how == "ran-what-the-reply-did-not-ask":
+        intent = records[intent_at]
+        other = {**intent.arguments, "amount": 10**9}
+        (kept,) = step.history_message.tool_calls
+        history = attrs.evolve(
+            step.history_message, tool_calls=(attrs.evolve(kept, arguments=other),)
+        )
+        changed[intent_at] = attrs.evolve(intent, arguments=other)
+        changed[step_at] = attrs.evolve(step, history_message=history)
+    elif how == "answer-to-a-call":
+        model_at = max(i for i, r in enumerate(records) if isinstance(r, ModelResult))
+        result = records[model_at]
+        asked = ToolCall(id="late", name=records[intent_at].tool, arguments={})
+        reply = attrs.evolve(result.reply, text=None, tool_calls=(asked,))
+        changed[model_at] = attrs.evolve(result, reply=reply)
+    else:
+        second = next(i for i, r in enumerate(records) if isinstance(r, StepRecord) and r.step == 2)
+        changed[second] = attrs.evolve(records[second], model_intent_id=step.model_intent_id)
     return tuple(changed)
 
 
@@ -229,6 +263,18 @@ def _call_run_twice(records, intent_at, at, step_at):
         ("model-result-step", "model result r/s1/m1 is of step 2, its intent of step 1"),
         ("later-step-first", "is of step 2, written before the record of step 1"),
         ("step-after-answer", "follows step 5, whose decision was the final answer"),
+        # And these: a step at odds with the model reply it names.
+        (
+            "ran-what-the-reply-did-not-ask",
+            "the reply of r/s1/m1 that step 1 acted on made call 'c0' with .*, its history "
+            "message holds .*'amount': 1000000000",
+        ),
+        (
+            "answer-to-a-call",
+            "the reply of r/s5/m1 that step 5 acted on made calls \\['late'\\], which its "
+            "history message \\(final_answer\\) does not hold",
+        ),
+        ("reply-of-step-1", "step 2 acted on model call r/s1/m1, which is of step 1"),
     ],
 )
 async def test_check_invariants_flags_a_record_out_of_place(how, rule):

@@ -23,6 +23,7 @@ from treadle.types import (
     ChildrenAwaited,
     DecisionKind,
     ModelIntent,
+    ModelReply,
     ModelRequest,
     ModelResult,
     RunFinished,
@@ -545,6 +546,20 @@ def check_actions_asked_for(log: RunLog) -> list[str]:
       the call (`check_approvals` checks those). A history message without calls is for
       calls written as text: their ids are the parser's, nothing in the log to compare.
 
+    And each step record is of the reply it names (`_history_keeps_the_reply`):
+
+    - the model call it names is of its own step;
+    - its history message keeps every native call of that reply with an id of its own (one
+      no other call of the reply shares), under that id and with its tool, and a complete
+      call with its arguments (an invalid decision may keep them as ``{}``): the decision
+      parser contract (docs/seams.md, "Decision parser"), which every parser is held to, so
+      a step that runs calls the model did not make, or answers a reply that made calls, is
+      found. Repairs change only calls the reply could not assemble, and calls a parser
+      reads from text are not in the reply's calls: neither is compared. A human's edit
+      changes the action's arguments, not the history's. The text of a final answer is
+      the parser's reading of the reply, and is not compared
+      (docs/decisions/0118-a-step-is-checked-against-its-reply-by-the-parser-contract.md).
+
     A step without a step record (a log that ends in it) is not checked.
 
     Returns:
@@ -552,16 +567,26 @@ def check_actions_asked_for(log: RunLog) -> list[str]:
     """
     problems: list[str] = []
     replied: dict[str, int] = {}  # model intent id -> index of its result with a reply
+    replies: dict[str, ModelReply] = {}  # model intent id -> its (first) reply
+    asked_in: dict[str, int] = {}  # model intent id -> its step
     intents: dict[int, list[tuple[int, ActionIntent]]] = {}  # step -> (index, intent)
     edited: set[tuple[int, str]] = set()  # (step, call id) of calls a human edited
     for index, record in enumerate(log.records):
-        if isinstance(record, ModelResult) and record.reply is not None:
+        if isinstance(record, ModelIntent):
+            asked_in.setdefault(record.intent_id, record.step)
+        elif isinstance(record, ModelResult) and record.reply is not None:
             replied.setdefault(record.intent_id, index)
+            replies.setdefault(record.intent_id, record.reply)
         elif isinstance(record, ActionIntent):
             intents.setdefault(record.step, []).append((index, record))
         elif isinstance(record, ApprovalDecided) and record.decision == Decision.EDIT:
             edited.add((record.step, record.call_id))
         elif isinstance(record, StepRecord):
+            named = record.model_intent_id or ""
+            elsewhere = _acts_on_its_own_call(log.run_id, record, asked_in.get(named))
+            problems.extend(elsewhere)
+            if named in replies and not elsewhere:
+                problems.extend(_history_keeps_the_reply(log.run_id, record, replies[named]))
             mine = intents.pop(record.step, [])
             if mine:
                 reply_at = replied.get(record.model_intent_id or "")
@@ -666,6 +691,60 @@ def _intents_follow_their_reply(
             f"{step.model_intent_id} that asked for them"
         ]
     return []
+
+
+def _acts_on_its_own_call(run_id: str, step: StepRecord, asked_in: int | None) -> list[str]:
+    """The model call ``step`` names (asked in step ``asked_in``) is one of its own step.
+
+    ``asked_in`` is ``None`` when the log holds no intent of that call (`check_records`
+    says so) or the step names none.
+    """
+    if asked_in is None or asked_in == step.step:
+        return []
+    return [
+        f"{run_id}: step {step.step} acted on model call {step.model_intent_id}, which is of "
+        f"step {asked_in}"
+    ]
+
+
+def _history_keeps_the_reply(run_id: str, step: StepRecord, reply: ModelReply) -> list[str]:
+    """Each native call of ``reply`` with an id of its own is in the step's history message.
+
+    Under that id and with its tool; a complete call (`ModelReply.tool_calls`) with its
+    arguments too, but that an invalid decision may keep them as ``{}`` (docs/seams.md,
+    "Decision parser"). A step without a decision (its model call failed) is not checked.
+    """
+    message = step.history_message
+    if step.decision is None or message is None:
+        return []
+    history = {call.id: call for call in message.tool_calls}
+    made = [(c.id, c.name) for c in reply.tool_calls]
+    made += [(c.id, c.name) for c in reply.invalid_tool_calls]
+    ids = [call_id for call_id, _ in made]
+    own = {call_id: name for call_id, name in made if call_id and ids.count(call_id) == 1}
+    which = f"the reply of {step.model_intent_id} that step {step.step} acted on"
+    lost = [call_id for call_id in own if call_id not in history]
+    if lost:
+        return [
+            f"{run_id}: {which} made calls {lost}, which its history message "
+            f"({step.decision.value}) does not hold"
+        ]
+    problems = [
+        f"{run_id}: {which} made call {call_id!r} to {name}, its history message holds a "
+        f"call to {history[call_id].name}"
+        for call_id, name in own.items()
+        if history[call_id].name != name
+    ]
+    emptied = step.decision is DecisionKind.INVALID
+    problems.extend(
+        f"{run_id}: {which} made call {call.id!r} with {dict(call.arguments)}, its history "
+        f"message holds {dict(history[call.id].arguments)}"
+        for call in reply.tool_calls
+        if call.id in own
+        and dict(history[call.id].arguments) != dict(call.arguments)
+        and not (emptied and not history[call.id].arguments)
+    )
+    return problems
 
 
 def _no_call_run_twice(run_id: str, step: int, intents: Sequence[ActionIntent]) -> list[str]:
