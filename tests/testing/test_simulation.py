@@ -8,6 +8,7 @@ import sys
 import attrs
 import pytest
 
+from treadle.approvals import arguments_digest
 from treadle.testing import _sim_checks, _sim_ledger, _sim_run, invariants, simulation
 from treadle.testing.simulation import FAULT_KINDS, FaultPlan, Ledger, check_invariants, simulate
 from treadle.types import (
@@ -527,6 +528,10 @@ def _approval_damaged(log, how):
     elif how == "call-not-asked-for":
         records[asked] = attrs.evolve(request, call_id="ghost")
         records[decided] = attrs.evolve(decision, call_id="ghost")
+    elif how == "approved-other-arguments":  # the human saw and approved amount 1; 5 ran
+        other = arguments_digest({"amount": 1})
+        records[asked] = attrs.evolve(request, arguments={"amount": 1}, arguments_digest=other)
+        records[decided] = attrs.evolve(decision, arguments_digest=other)
     return attrs.evolve(log, records=tuple(records))
 
 
@@ -539,6 +544,13 @@ def _approval_damaged(log, how):
         ("other-digest", "is bound to arguments sha256:0+, the request to sha256:"),
         ("after-deadline", "after the request's deadline .*: it never counts"),
         ("call-not-asked-for", "requested for call 'ghost' \\(pay\\), which the reply of step 1"),
+        # And these: an approval bound to other arguments than the call that ran.
+        ("approved-other-arguments", "ran with \\{'amount': 5\\}, not the arguments approved"),
+        (
+            "approved-other-arguments",
+            "request for call 'p1' of step 1 is bound to arguments sha256:.*, not to the "
+            "call's \\{'amount': 5\\}",
+        ),
     ],
 )
 async def test_check_invariants_flags_a_decision_the_run_could_not_have_applied(

@@ -10,7 +10,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, Protocol
 
 from treadle._text import holds_surrogates
-from treadle.approvals import DECISIONS, Decision, counts
+from treadle.approvals import DECISIONS, Decision, arguments_digest, counts
 from treadle.testing._run_end import check_cancel as check_cancel
 from treadle.testing._run_end import check_run_finished as check_run_finished
 from treadle.types import (
@@ -22,6 +22,7 @@ from treadle.types import (
     Budgets,
     ChildrenAwaited,
     DecisionKind,
+    JSONValue,
     ModelIntent,
     ModelReply,
     ModelRequest,
@@ -383,14 +384,21 @@ def check_approvals(log: RunLog) -> list[str]:
     - a call has at most one decision: the first counts, a second is refused and never
       recorded (docs/events.md, "Human approval");
     - no action of a rejected (or expired) call ran: no intent, and a NOT_EXECUTED result;
-    - an edited call ran with the edited arguments;
+    - an edited call ran with the edited arguments, an approved one with the arguments its
+      approval is bound to (docs/events.md, "Human approval": ``approve`` runs the call as
+      the model wrote it);
     - a recorded decision answers the request written before it, and is one the run applies
       (`treadle.approvals.counts`): for the same step, call and arguments digest, and, but an
       expiry, not written after the request's deadline (docs/events.md, "Human approval": a
       decision bound to other arguments is never applied, one written after the deadline
       never counts);
-    - a request is for a call of its step's reply, with its tool, when the step record's
-      history message holds calls (`check_actions_asked_for` says why only then).
+    - a request is for a call of its step's reply, with its tool and bound to its arguments,
+      when the step record's history message holds calls (`check_actions_asked_for` says
+      why only then).
+
+    A digest is compared with arguments only when it is a plain one (``sha256:``): the keyed
+    digest of a call with secret arguments is made under a key kept nowhere
+    (`treadle.approvals.request_digest`), and nothing can compute it again.
 
     Returns:
         One sentence per violation.
@@ -461,18 +469,39 @@ def _requests_are_its_calls(
 ) -> list[str]:
     """Each approval request of ``step`` is of a call its history message holds, if any."""
     message = step.history_message
-    calls = {call.id: call.name for call in message.tool_calls} if message is not None else {}
+    calls = {call.id: call for call in message.tool_calls} if message is not None else {}
     if not calls:
         return []  # calls written as text: their ids are the parser's
-    return [
-        f"{run_id}: an approval was requested for call {request.call_id!r} ({request.tool}), "
-        f"which the reply of step {step.step} does not hold"
-        if request.call_id not in calls
-        else f"{run_id}: an approval was requested for {request.tool}, but call "
-        f"{request.call_id!r} of step {step.step} asked for {calls[request.call_id]}"
-        for request in requests
-        if calls.get(request.call_id) != request.tool
-    ]
+    problems: list[str] = []
+    for request in requests:
+        call = calls.get(request.call_id)
+        if call is None:
+            problems.append(
+                f"{run_id}: an approval was requested for call {request.call_id!r} "
+                f"({request.tool}), which the reply of step {step.step} does not hold"
+            )
+        elif call.name != request.tool:
+            problems.append(
+                f"{run_id}: an approval was requested for {request.tool}, but call "
+                f"{request.call_id!r} of step {step.step} asked for {call.name}"
+            )
+        elif _bound_elsewhere(request.arguments_digest, call.arguments):
+            problems.append(
+                f"{run_id}: the approval request for call {request.call_id!r} of step "
+                f"{step.step} is bound to arguments {request.arguments_digest}, not to the "
+                f"call's {dict(call.arguments)}"
+            )
+    return problems
+
+
+def _bound_elsewhere(digest: str, arguments: Mapping[str, JSONValue]) -> bool:
+    """Whether ``digest`` is the plain digest of other arguments than ``arguments``.
+
+    A plain digest is `treadle.approvals.arguments_digest`'s ``sha256:<hex>``; a keyed one
+    (``hmac-sha256:``, of a call with secret arguments) cannot be computed again, and is
+    never found bound elsewhere.
+    """
+    return digest.startswith("sha256:") and arguments_digest(arguments) != digest
 
 
 def _refused(decision: ApprovalDecided | None) -> bool:
@@ -494,6 +523,13 @@ def _intent_after_decision(
         return [
             f"{run_id}: action {intent.intent_id} ran with {dict(intent.arguments)}, "
             f"not the edited arguments {dict(decision.edited_arguments or {})}"
+        ]
+    if decision.decision == Decision.APPROVE and _bound_elsewhere(
+        decision.arguments_digest, intent.arguments
+    ):
+        return [
+            f"{run_id}: action {intent.intent_id} ran with {dict(intent.arguments)}, not the "
+            f"arguments approved ({decision.arguments_digest})"
         ]
     return []
 
