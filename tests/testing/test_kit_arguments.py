@@ -22,6 +22,12 @@ _RATE_LIMITED = ModelErrorInfo(kind="rate_limited", message="slow down")
 
 MISUSES: list[tuple[str, Callable[[], object], str]] = [
     ("kinds as a string", lambda: FaultPlan.of("crash"), r"not the string 'crash'"),
+    (
+        "rates by kind",
+        lambda: FaultPlan.of({"crash": 0.9, "cancel": 0.5}),
+        r"FaultPlan.of: kinds must be a collection of fault kinds, not the mapping .*'crash': "
+        r"0.9.* \(rates by kind are FaultPlan\(rates=\{'crash': 0.9, 'cancel': 0.5\}\)\)",
+    ),
     ("plan as a string", lambda: simulate(0, plan="crash"), r"plan must be a FaultPlan"),  # type: ignore[arg-type]
     ("one seed for seeds", lambda: run_seeds(5), r"seeds must be an iterable"),  # type: ignore[arg-type]
     (

@@ -159,12 +159,19 @@ class FaultPlan:
 
         Raises:
             UsageError: (a `ValueError`) an unknown kind, ``kinds`` a string (one kind is
-                ``["crash"]``), or a rate outside 0..1.
+                ``["crash"]``) or a mapping (its rates would be dropped for ``rate``: a
+                rate per kind is ``FaultPlan(rates={kind: rate})``), or a rate outside 0..1.
         """
         if isinstance(kinds, str):  # its letters are no kinds
             raise UsageError(
                 f"FaultPlan.of: kinds must be a collection of fault kinds, not the string "
                 f"{kinds!r} (write [{kinds!r}])"
+            )
+        if isinstance(kinds, Mapping):  # its values would be dropped for ``rate``
+            raise UsageError(
+                f"FaultPlan.of: kinds must be a collection of fault kinds, not the mapping "
+                f"{dict(kinds)!r}, whose rates it would drop (rates by kind are "
+                f"FaultPlan(rates={dict(kinds)!r}))"
             )
         return cls(rates=dict.fromkeys(kinds, rate))
 
