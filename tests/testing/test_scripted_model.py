@@ -70,3 +70,19 @@ async def test_a_reply_scripted_with_unknown_usage_still_ends_a_token_budgeted_r
     result = await treadle.run(agent, "ping", store=treadle.MemoryStore(), run_id="r")
     assert (result.state, result.stop_reason) == (RunState.FAILED, StopReason.TOKEN_BUDGET)
     assert result.final_answer is None and result.totals.unknown_usage_attempts == 1
+
+
+async def test_a_turn_offset_past_the_history_says_so_not_a_negative_turn() -> None:
+    """A fresh run (no assistant message) of a script skipping 3 inherited ones."""
+    model = ScriptedModel(turns=[call("ping")], turn_offset=3)
+    agent = treadle.Agent(
+        model=model, executor=treadle.Toolbox([ping]), parser=treadle.NativeToolCallParser()
+    )
+    result = await treadle.run(agent, "ping", store=treadle.MemoryStore(), run_id="r")
+    assert result.stop_reason is StopReason.MODEL_ERROR
+    assert result.model_error is not None
+    assert result.model_error.message == (
+        "the request's history holds 0 assistant messages, fewer than the turn_offset of 3 "
+        "the script skips (the assistant messages of the runs a thread continues): it is of "
+        "no turn of the script"
+    )

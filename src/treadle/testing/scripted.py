@@ -185,7 +185,8 @@ class ScriptedModel:
 
         Raises:
             ModelCallError: a scripted failure, ``invalid_response`` when the script ran out
-                (``script has no turn 3 (it has 2 turns, numbered from 1)``), or the error
+                (``script has no turn 3 (it has 2 turns, numbered from 1)``) or the request
+                holds fewer assistant messages than ``turn_offset``, or the error
                 ``attempt.report_usage`` raised (e.g. ``token_budget``).
         """
         self.requests.append(request)
@@ -193,7 +194,8 @@ class ScriptedModel:
             await trio.sleep(self.latency_s)
         else:
             await trio.lowlevel.checkpoint()
-        turn = sum(1 for m in request.messages if m.role == "assistant") - self.turn_offset
+        assistants = sum(1 for m in request.messages if m.role == "assistant")
+        turn = assistants - self.turn_offset
         scripted = self.failures.get(turn, ())
         failed = self._failed.get(turn, 0)
         if failed < len(scripted):
@@ -201,7 +203,11 @@ class ScriptedModel:
             if scripted[failed].kind == STALLED:
                 await trio.sleep_forever()  # a stream that never sends another byte
             raise ModelCallError(scripted[failed])
-        if not 0 <= turn < len(self.turns):
+        if turn < 0:
+            raise ModelCallError(
+                ModelErrorInfo(kind="invalid_response", message=self._before_offset(assistants))
+            )
+        if turn >= len(self.turns):
             raise ModelCallError(
                 ModelErrorInfo(kind="invalid_response", message=self._ran_out(turn))
             )
@@ -213,6 +219,19 @@ class ScriptedModel:
         if self.reports_usage and reply.usage != _UNKNOWN_USAGE:
             attempt.report_usage(reply.usage)
         return reply
+
+    def _before_offset(self, assistants: int) -> str:
+        """The message for a request whose history holds fewer assistant messages than skipped.
+
+        ``turn_offset`` counts the assistant messages a run inherited (docs/threads.md); a
+        request holding ``assistants`` of them, fewer, is of no turn of the script.
+        """
+        held = "1 assistant message" if assistants == 1 else f"{assistants} assistant messages"
+        return (
+            f"the request's history holds {held}, fewer than the turn_offset of "
+            f"{self.turn_offset} the script skips (the assistant messages of the runs a "
+            "thread continues): it is of no turn of the script"
+        )
 
     def _ran_out(self, turn: int) -> str:
         """The message for a request at ``turn`` (an index from 0) the script has no reply for.
