@@ -673,7 +673,7 @@ def _summary_result(record: ModelResult) -> tuple[str, str]:
     included).
     """
     assert record.summary_through is not None  # a summary call's result
-    covered, detail = _through(record.summary_through), model_detail(record)
+    covered, detail = covered_turns(record.summary_through), model_detail(record)
     if holds_summary(record.reply):
         return "summary written", _with_context(record, f"{covered}: {detail}")
     if record.error is None:  # an older log's reply without a summary in it
@@ -688,7 +688,7 @@ def _with_context(record: ModelResult, detail: str) -> str:
     return f"{detail} {mark('·')} {context_detail(record)}"
 
 
-def _through(step: int) -> str:
+def covered_turns(step: int) -> str:
     """``steps 1-4``, or ``turns up to -2`` for a thread's inherited turns.
 
     Those are numbered up to 0 (docs/context.md, "What stays").
@@ -696,7 +696,7 @@ def _through(step: int) -> str:
     return f"steps 1-{step}" if step > 0 else f"turns up to {step}"
 
 
-def _marked_range(first: int | None, last: int | None) -> str:
+def marked_range(first: int | None, last: int | None) -> str:
     """Where markers replaced observations: `` of steps 8-20``, or `` of turns -12 to -1``.
 
     A thread's inherited turns are numbered up to 0 (docs/context.md, "What stays"); a range
@@ -712,6 +712,14 @@ def _marked_range(first: int | None, last: int | None) -> str:
     return f" of turns {first} to 0 and steps 1-{last}"
 
 
+def verbatim_text(first: int) -> str:
+    """Where a request's verbatim history starts: ``steps 8- verbatim``, ``turns -3 on verbatim``.
+
+    A thread's inherited turns are numbered up to 0 (docs/context.md, "What stays").
+    """
+    return f"steps {first}- verbatim" if first > 0 else f"turns {first} on verbatim"
+
+
 def context_detail(record: ModelResult) -> str:
     """The context a model call was given, in one line (docs/context.md, "The record")."""
     context = record.context
@@ -722,13 +730,12 @@ def context_detail(record: ModelResult) -> str:
         parts[0] += f" / {record.usage.input_tokens} reported"
     parts[0] += f" of {context.budget} tokens"
     if context.verbatim_from is not None:
-        first = context.verbatim_from
-        parts.append(f"steps {first}- verbatim" if first > 0 else f"turns {first} on verbatim")
+        parts.append(verbatim_text(context.verbatim_from))
     if context.summary_intent_id is not None and context.summary_through is not None:
-        through = _through(context.summary_through).removeprefix("steps ")
+        through = covered_turns(context.summary_through).removeprefix("steps ")
         parts.append(f"summary of {through} ({context.summary_intent_id})")
     if context.marked:
-        marked = _marked_range(context.marked_from, context.marked_to)
+        marked = marked_range(context.marked_from, context.marked_to)
         parts.append(f"{context.marked} observations{marked} elided")
     if context.truncated:
         parts.append(f"{context.truncated} cut to fit")

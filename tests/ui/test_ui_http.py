@@ -528,12 +528,12 @@ async def test_a_run_page_shows_summaries_and_the_context_each_request_was_given
     async with client(store) as http:
         page = (await http.get("/runs/long")).text
     assert page.count('<span class="mark summary">summary</span>') == len(summaries)
-    assert f"(steps through {summaries[0].summary_through})" in page
+    assert f"(steps 1-{summaries[0].summary_through})" in page
     assert "earlier steps summarized" in page
     assert page.count('class="context dim"') == sum(
         1 for r in log.records if isinstance(r, ModelResult) and r.context is not None
     )
-    assert f"summary of steps through {summaries[-1].summary_through}" in page
+    assert f"summary of steps 1-{summaries[-1].summary_through} (" in page
 
 
 async def test_a_parent_and_its_child_run_link_each_other():
@@ -1593,3 +1593,37 @@ async def test_a_run_stream_outlasts_postgresql_dropping_the_consoles_connection
     if retrying:
         assert kinds.index("recovered") > kinds.index("retrying")
     assert [int(e["id"]) for e in events if e["event"] == "record"] == [1, 2, 3]
+
+
+async def test_the_context_of_a_thread_run_names_inherited_turns_as_turns():
+    """A model call's context row said "steps -12+ verbatim", "summary of steps through -13"
+    and "old observations replaced by markers (steps -12--1)" for a thread's inherited turns,
+    which are numbered up to 0; it says them as `treadle show` does."""
+    from treadle.stores import write_records
+    from treadle.types import ContextUsed, ModelResult
+
+    ran = await finished_store()
+    records = list((await ran.read_log("markup")).records)
+    first = next(i for i, r in enumerate(records) if isinstance(r, ModelResult))
+    context = ContextUsed(
+        window=1200,
+        budget=1072,
+        estimated_input_tokens=1030,
+        verbatim_from=-12,
+        summary_intent_id="chat/s3/m9",
+        summary_through=-13,
+        marked=13,
+        marked_from=-12,
+        marked_to=-1,
+    )
+    records[first] = attrs.evolve(records[first], context=context)
+    store = MemoryStore()
+    lease = await store.acquire_lease("markup", owner="writer", ttl_s=60.0)
+    await write_records(store, records, seq=1, generation=lease.generation)
+    await store.release_lease(lease)
+    async with client(store) as http:
+        page = (await http.get("/runs/markup")).text
+    (row,) = [line for line in page.splitlines() if 'class="context dim"' in line]
+    assert "turns -12 on verbatim" in row and "summary of turns up to -13" in row, row
+    assert "13 old observations of turns -12 to -1 replaced by markers" in row, row
+    assert "steps -" not in row, row

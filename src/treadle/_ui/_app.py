@@ -41,6 +41,7 @@ from starlette.routing import Mount, Route
 from starlette.staticfiles import StaticFiles
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from treadle._cli_common import covered_turns, marked_range, verbatim_text
 from treadle._cli_runs import approve, cancel
 from treadle._cli_store import driver_text
 from treadle._cli_ui import check_token
@@ -289,6 +290,10 @@ def templates() -> jinja2.Environment:
     env.globals["json_text"] = _view.json_text
     env.globals["CHART_WIDTH"] = _view.CHART_WIDTH
     env.filters["run_path"] = run_path
+    # what the context of a model call covers, in `treadle show`'s words
+    env.globals["covered_turns"] = covered_turns
+    env.globals["marked_range"] = marked_range
+    env.globals["verbatim_text"] = verbatim_text
     return env
 
 
