@@ -425,6 +425,7 @@ STORES = sorted(
         "check_ttl",
         "is_dsn",
         "is_live",
+        "driver_owner",
         "finishes_cancel",
         "lease_owner",
         "open_jsonl_store",

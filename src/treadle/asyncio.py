@@ -800,7 +800,8 @@ async def open_runs(
         owner: the lease owner id (default ``host:pid:random``). An application restarted
             under the owner id of its dead predecessor resumes its runs at once instead of
             waiting for their leases to expire: use a fixed one only for a single instance
-            (docs/fleet.md, "Leases").
+            (docs/fleet.md, "Leases"). One of a cancel's form is refused
+            (`treadle.stores.driver_owner`).
         lease_ttl_s: the lease duration in seconds.
         park_after_s: as `treadle.open_run`.
         sinks: event sinks of every run.

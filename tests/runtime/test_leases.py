@@ -1133,3 +1133,32 @@ async def test_a_release_that_failed_is_not_tried_again_on_the_way_out(monkeypat
     assert store.releases == ["r"]
     assert caplog.text.count("the lease was not released") == 1
     assert hold.lease is None
+
+
+def test_only_a_cancels_owner_form_is_taken_for_a_cancel():
+    """`finishes_cancel` matched any owner whose last part started with ``cancel-``."""
+    from treadle.stores import finishes_cancel, lease_owner
+
+    assert finishes_cancel(lease_owner(cancelling=True))
+    assert not finishes_cancel(lease_owner())
+    assert finishes_cancel("host:12:cancel-0123abcd")
+    for driver in ("cancel-x", "host:12:cancel-batch", "ops:cancel-0123abcde", "cancel-0123ABCD"):
+        assert not finishes_cancel(driver), driver
+
+
+async def test_a_driver_owner_of_a_cancels_form_is_refused_where_it_is_given():
+    """A driver given ``owner="...:cancel-0123abcd"`` was said by ``treadle runs``, ``approve``
+    and the console to be a cancel finishing the run ("the decision is not applied"), though
+    it drove the run and applied the decision."""
+    owner = "ops:1:cancel-0123abcd"
+    agent, _ = make([say("done")])
+    store = MemoryStore()
+    with pytest.raises(treadle.UsageError, match="form of a cancel's lease owner"):
+        async with open_run(agent, "x", store=store, run_id="r", owner=owner):
+            pass
+    with pytest.raises(treadle.UsageError, match="form of a cancel's lease owner"):
+        treadle.agent_tool(agent, store=store, name="ask", description="Asks.", owner=owner)
+    with pytest.raises(treadle.UsageError, match="form of a cancel's lease owner"):
+        async with treadle.open_fleet(store, {"a": agent}, owner=owner):
+            pass
+    assert (await store.read_log("r")).records == ()  # nothing was written

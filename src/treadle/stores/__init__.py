@@ -17,7 +17,8 @@ Shared by every store and by the supervisors and tools above them:
   carry it), `record_to_json` (that form as one line of compact JSON), `check_schema` (refuse a
   run written by a newer schema), `write_records` (write records through a store's typed
   operations, as a driver would);
-* leases: `LEASE_TTL_S`, `check_ttl`, `is_live`, `lease_owner`, `finishes_cancel`
+* leases: `LEASE_TTL_S`, `check_ttl`, `is_live`, `lease_owner`, `finishes_cancel`,
+  `driver_owner`
   (docs/fleet.md, "Leases");
 * store names: `is_dsn` (a PostgreSQL DSN rather than a path), `redact_dsn` (its password
   hidden).
@@ -33,6 +34,7 @@ from treadle.stores._dsn import redact_dsn as redact_dsn
 from treadle.stores._engine import StoreStatistics as StoreStatistics
 from treadle.stores._leases import LEASE_TTL_S as LEASE_TTL_S
 from treadle.stores._leases import check_ttl as check_ttl
+from treadle.stores._leases import driver_owner as driver_owner
 from treadle.stores._leases import finishes_cancel as finishes_cancel
 from treadle.stores._leases import is_live as is_live
 from treadle.stores._leases import lease_owner as lease_owner
@@ -55,6 +57,7 @@ __all__ = [
     "TornTail",
     "check_schema",
     "check_ttl",
+    "driver_owner",
     "finishes_cancel",
     "is_dsn",
     "is_live",

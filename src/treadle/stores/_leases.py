@@ -10,6 +10,7 @@ same rules in their statements; the memory and JSONL stores call these functions
 from __future__ import annotations
 
 import os
+import re
 import secrets
 import socket
 from typing import Final
@@ -33,11 +34,37 @@ def lease_owner(*, cancelling: bool = False) -> str:
 
 
 def finishes_cancel(owner: str) -> bool:
-    """Whether ``owner`` is a lease owner made to finish a run as cancelled (`lease_owner`)."""
-    return owner.rpartition(":")[2].startswith(_CANCEL_MARK)
+    """Whether ``owner`` is a lease owner made to finish a run as cancelled (`lease_owner`).
+
+    That is, it ends in ``:cancel-`` and 8 hex digits; `driver_owner` refuses such an owner
+    to a driver.
+    """
+    return _CANCEL_OWNER.search(owner) is not None
+
+
+def driver_owner(owner: str | None) -> str:
+    """The lease owner id of a driver: ``owner``, or a fresh one (`lease_owner`) when not given.
+
+    Raises:
+        UsageError: ``owner`` is not a string, or has the form of a cancel's
+            (`finishes_cancel`): every command and the console would say its holder is a
+            cancel finishing the run, not a driver that applies decisions (docs/fleet.md,
+            "Leases").
+    """
+    if owner is None or owner == "":
+        return lease_owner()
+    if not isinstance(owner, str):
+        raise UsageError(f"owner must be a string, got {owner!r}")
+    if finishes_cancel(owner):
+        raise UsageError(
+            f"owner {owner!r} has the form of a cancel's lease owner (ending ':cancel-' and 8 "
+            "hex digits), which names no driver: choose another"
+        )
+    return owner
 
 
 _CANCEL_MARK: Final = "cancel-"
+_CANCEL_OWNER: Final = re.compile(r"(?:^|:)cancel-[0-9a-f]{8}\Z")
 
 
 def check_ttl(ttl_s: float) -> None:

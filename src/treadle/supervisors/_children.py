@@ -50,7 +50,7 @@ from treadle._exceptions import (
 from treadle.actors import CANCEL_GRACE_S
 from treadle.agent import Agent
 from treadle.ports import EventSink, RunIndex, RunQueue, RunStore
-from treadle.stores import LEASE_TTL_S, EngineStore, check_ttl, lease_owner
+from treadle.stores import LEASE_TTL_S, EngineStore, check_ttl, driver_owner
 from treadle.supervisors._child_links import (
     PARENT_STOPPED,
     cancel_child,
@@ -158,7 +158,8 @@ def agent_tool(
         sinks: event sinks of the child runs.
         lease_ttl_s: the child runs' lease TTL (seconds). A parent resumed in a new process
             waits until the lease of the child's dead driver expires, then re-attaches.
-        owner: the lease owner id for the child runs (default: a fresh one per call).
+        owner: the lease owner id for the child runs (default: a fresh one per call; one of
+            a cancel's form is refused: `treadle.stores.driver_owner`).
         control_poll_s: seconds between reads of a child's control stream (and, for a
             child queued in a fleet, between looks at whether it finished).
         fleet_agent: the agent name under which fleet workers serve ``agent``. When the
@@ -180,6 +181,7 @@ def agent_tool(
         raise UsageError(f"agent tool {name!r}: the description cannot be empty")
     check_ttl(lease_ttl_s)
     check_seconds(above_zero=True, control_poll_s=control_poll_s)
+    driver_owner(owner)  # refused now, not at the first call
     settings = _Settings(
         agent=agent,
         store=store,
@@ -253,7 +255,7 @@ async def _attached(
     """Drive (or re-attach to) the child; a cancel of this call cancels it durably."""
     hold = LeaseHold(
         run_id=run_id,
-        owner=settings.owner or lease_owner(),
+        owner=driver_owner(settings.owner),
         ttl_s=settings.lease_ttl_s,
         store=leases_of(settings.store),
     )

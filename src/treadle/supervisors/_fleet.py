@@ -42,7 +42,7 @@ from treadle._trio_only import require_trio
 from treadle.agent import Agent, RunInput, input_messages, snapshot_diff
 from treadle.metrics import MetricsRecorder
 from treadle.ports import EventSink, RunCounts, RunIndex, RunQueue, RunStore
-from treadle.stores import LEASE_TTL_S, check_ttl, lease_owner
+from treadle.stores import LEASE_TTL_S, check_ttl, driver_owner
 from treadle.supervisors._children import parent_of
 from treadle.supervisors._driver import CONTROL_POLL_S, PARK_AFTER_S, DriveOptions, drive_run
 from treadle.supervisors._factories import DEFAULT_ACTORS, Actors
@@ -545,7 +545,8 @@ async def open_fleet(
         max_takeovers: drivers' deaths after which a run is quarantined.
         backoff_s: base delay before a run whose driver died is claimed again.
         drain_s: seconds the drain at the end of the block waits for safe points.
-        owner: the worker's owner id (default ``host:pid:random``).
+        owner: the worker's owner id (default ``host:pid:random``; one of a cancel's form is
+            refused: `treadle.stores.driver_owner`).
         sinks: event sinks given to every run driven here.
         clock: wall clock for record timestamps.
         control_poll_s: seconds between reads of driven runs' control streams.
@@ -602,6 +603,7 @@ async def open_fleet(
         control_poll_s=control_poll_s,
     )
     check_ttl(lease_ttl_s)
+    owner = driver_owner(owner)
     factories = {name: _factory(value) for name, value in agents.items()}
     served = {name: _Served.of(_made(name, factory)) for name, factory in factories.items()}
     versions = {name: (each.agent.version_label,) for name, each in served.items()}
@@ -625,7 +627,7 @@ async def open_fleet(
         await outer.start(keeper.run)
         async with trio.open_nursery() as runs:
             fleet = Fleet(
-                owner=owner or lease_owner(),
+                owner=owner,
                 store=store,
                 queue=store,
                 agents=factories,

@@ -30,7 +30,7 @@ from treadle.agent import Agent, RunInput
 from treadle.approvals import ApprovalPolicy
 from treadle.metrics import MetricsRecorder
 from treadle.ports import EventSink, RunStore
-from treadle.stores import LEASE_TTL_S, check_ttl, lease_owner
+from treadle.stores import LEASE_TTL_S, check_ttl, driver_owner
 from treadle.supervisors._driver import (
     CONTROL_POLL_S,
     PARK_AFTER_S,
@@ -110,7 +110,8 @@ def open_run(
             its log (docs/decisions/0010). ``None`` never parks.
         lease_ttl_s: the lease duration in seconds (default 15).
         owner: the lease owner id (default: a fresh ``host:pid:random``). A process restarted
-            under the owner id of one that died continues its leases at once.
+            under the owner id of one that died continues its leases at once. One of a
+            cancel's form is refused (`treadle.stores.driver_owner`).
         accept_definition_change: resume even though the agent definition's snapshot
             differs from the run's: the difference is written to the log first (a
             `treadle.types.DefinitionAccepted` record, docs/fleet.md "Deploys"); without it,
@@ -257,7 +258,7 @@ async def _prepared(
         raise UsageError("at_step is the step of the run named by fork_of, which is missing")
     run_id = check_run_id(run_id) if run_id is not None else new_run_id()
     hold = LeaseHold(
-        run_id=run_id, owner=owner or lease_owner(), ttl_s=lease_ttl_s, store=leases_of(store)
+        run_id=run_id, owner=driver_owner(owner), ttl_s=lease_ttl_s, store=leases_of(store)
     )
     options = DriveOptions(
         clock=clock or SystemClock(),
