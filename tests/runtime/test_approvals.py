@@ -677,6 +677,28 @@ async def test_a_decision_sent_again_is_refused_naming_the_one_that_counts(autoj
     assert not isinstance(unnamed.value, AlreadyDecided)
 
 
+async def test_a_decision_sent_after_a_handles_is_refused_naming_the_handles(autojump_clock):
+    """A handle's decision is written to the run's log only, never to its control stream:
+    a decision naming the call sent after it was applied was refused with a plain
+    `UsageError` ("already finished"), not `AlreadyDecided`, so ``treadle approve --call``
+    sent again exited 1 where a decision sent twice exits 0."""
+    agent, tools, _ = make([call("add", a=1, b=2, call_id="c1"), say("ok")])
+    store = MemoryStore()
+    async with open_run(agent, "x", store=store, run_id="r", approval_policy=only_add) as handle:
+        await wait_for_state(handle, RunState.AWAITING_APPROVAL)
+        request = handle.pending_approval
+        handle.approve("c1")
+        await handle.wait()
+    (applied,) = [r for r in (await store.read_log("r")).records if isinstance(r, ApprovalDecided)]
+    refused = []
+    for decision in ({}, {"reject": "no"}):
+        with pytest.raises(AlreadyDecided, match="already finished") as again:
+            await decide(store, "r", call_id="c1", **decision)
+        refused.append((again.value.counting, again.value.request, again.value.same))
+    assert refused == [(applied, request, True), (applied, request, False)]
+    assert [a.arguments for a in tools.executed] == [{"a": 1, "b": 2}]
+
+
 @pytest.mark.parametrize("offset", [-0.001, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.001])
 @pytest.mark.parametrize("via", ["handle", "store"])
 async def test_a_decision_sent_as_the_run_parks_is_kept(offset, via, autojump_clock):
