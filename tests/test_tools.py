@@ -900,6 +900,7 @@ async def test_context_is_injected() -> None:
         "deadline": None,  # inf: JSON has no form for it
         "forward_event": None,
         "run_cancelled": None,
+        "report_active_s": None,
         "can_park": False,
     }
 

@@ -177,6 +177,13 @@ class ToolContext:
         run_cancelled: ``run_cancelled()`` tells whether the run itself was cancelled (a
             cancel request), as opposed to its drive stopping in this process (a drain, a
             lost lease), which leaves the run resumable; ``None`` when nobody can tell.
+        report_active_s: ``report_active_s(seconds)`` reports active seconds the call spent
+            on the run's behalf as another log records them (a child run's
+            `treadle.types.Totals.active_s`, time a process that died may have spent
+            included): the step then counts at least its model attempts' time plus the most
+            any of its calls reported (docs/child-runs.md, "Budgets"). Raises `UsageError`
+            for seconds that are not a finite number of 0 or more. ``None`` when the call
+            was not made by a driven run.
         can_park: the call may park its run instead of answering, by raising
             `treadle._exceptions.ChildPending` (every call of the step is ``safe`` to
             replay; docs/child-runs.md, "In a fleet").
@@ -194,6 +201,9 @@ class ToolContext:
     deadline: float = math.inf
     forward_event: Callable[[Event], None] | None = attrs.field(default=None, eq=False, repr=False)
     run_cancelled: Callable[[], bool] | None = attrs.field(default=None, eq=False, repr=False)
+    report_active_s: Callable[[float], None] | None = attrs.field(
+        default=None, eq=False, repr=False
+    )
     can_park: bool = False
 
 
@@ -939,7 +949,11 @@ def _for_the_child(value: Any) -> Any:
         return value
     left = value.deadline - trio.current_time()
     return attrs.evolve(
-        value, forward_event=None, run_cancelled=None, deadline=time.monotonic() + left
+        value,
+        forward_event=None,
+        run_cancelled=None,
+        report_active_s=None,
+        deadline=time.monotonic() + left,
     )
 
 
@@ -1182,6 +1196,7 @@ class Toolbox:
                 deadline=action.deadline,
                 forward_event=action.forward,
                 run_cancelled=action.cancelled,
+                report_active_s=action.report_active_s,
                 can_park=action.can_park,
             )
         return await self._run(found, kwargs, resource, seen, action.timeout_s)

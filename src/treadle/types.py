@@ -615,6 +615,11 @@ class Action:
         cancelled: ``cancelled()`` tells whether the run itself was cancelled (a cancel
             request), as opposed to its drive stopping in this process (a drain, a lost
             lease), which leaves it resumable; ``None`` when nobody can tell.
+        report_active_s: ``report_active_s(seconds)`` reports active seconds the call spent
+            on the run's behalf as another log records them (a child run's
+            `Totals.active_s`), which may include time a process that died spent on it: the
+            step counts at least its model attempts' time plus the most any of its calls
+            reported (docs/child-runs.md, "Budgets"); ``None`` when nobody counts them.
         can_park: the call may park its run instead of answering (every call of the step
             is ``safe`` to replay, so none of their outcomes is lost when the step is run
             again): a child-run tool in a fleet does (docs/child-runs.md, "In a fleet").
@@ -637,6 +642,9 @@ class Action:
     deadline: float = float("inf")
     forward: Callable[[Event], None] | None = attrs.field(default=None, eq=False, repr=False)
     cancelled: Callable[[], bool] | None = attrs.field(default=None, eq=False, repr=False)
+    report_active_s: Callable[[float], None] | None = attrs.field(
+        default=None, eq=False, repr=False
+    )
     can_park: bool = False
     timeout_s: float = float("inf")
 

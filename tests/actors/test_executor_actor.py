@@ -17,7 +17,7 @@ import trio.testing
 from actor_fakes import TS, FakeWriter, RecordingExecutor, start_fake_writer
 
 from treadle._clock import FixedStepClock
-from treadle._exceptions import SeamViolation
+from treadle._exceptions import SeamViolation, UsageError
 from treadle.actors import ActionsOutcome, RunActions, StepScope, ToolExecutor, request
 from treadle.types import (
     Action,
@@ -114,6 +114,46 @@ async def test_each_intent_is_durable_before_its_call_and_results_come_in_call_o
     assert [r.outcome.observation for r in outcome.results] == ["3", "7"]
     assert outcome.observations == ("[add] 3", "[add] 7")  # through the template
     assert outcome.stop is None and len(tools.calls) == 2
+
+
+class ReportingExecutor(RecordingExecutor):
+    """An action executor whose ``add`` reports active seconds spent elsewhere.
+
+    It reports ``a`` seconds (as a child run's would be), then a negative number, which is
+    refused; ``refused`` keeps what each refusal said.
+    """
+
+    refused: list[str]
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.refused = []
+
+    async def execute(self, action: Action) -> ActionOutcome:
+        """Report, then add."""
+        if action.tool == "add" and action.report_active_s is not None:
+            action.report_active_s(float(action.arguments["a"]))
+            try:
+                action.report_active_s(-1.0)
+            except UsageError as exc:
+                self.refused.append(str(exc))
+        return await super().execute(action)
+
+
+async def test_the_step_is_handed_the_most_active_time_its_calls_reported():
+    """The coordinator is handed the most active seconds the step's calls reported.
+
+    Calls that run at once report the active seconds another log records (a child run's);
+    a report that is no duration is refused in the call that makes it.
+    """
+    tools = ReportingExecutor()
+    async with _alone(tools) as (inbox, _):
+        outcome = await _run(inbox, _add("c1", 2, 0), _add("c2", 7, 0), _add("c3", 5, 0))
+        alone = await _run(inbox, ToolCall(id="c4", name="write", arguments={}))
+    assert outcome.reported_active_s == 7.0
+    assert alone.reported_active_s == 0.0  # a call that reports nothing
+    assert len(tools.refused) == 3
+    assert all("finite number of seconds >= 0, not -1.0" in text for text in tools.refused)
 
 
 async def test_a_rejected_call_gets_no_intent_and_never_runs():

@@ -26,6 +26,7 @@ from treadle.parsers import NativeToolCallParser
 from treadle.stores.memory import MemoryStore
 from treadle.stores.sqlite import SqliteStore
 from treadle.supervisors import CHILD_CANCEL_GRACE_S, open_fleet, open_run, run
+from treadle.testing import InterceptingStore
 from treadle.testing.faults import CrashingStore, FailingStore, SimulatedCrash
 from treadle.testing.invariants import check_invariants
 from treadle.testing.scripted import ScriptedModel, call, say
@@ -45,6 +46,7 @@ from treadle.types import (
     RunResult,
     RunStarted,
     RunState,
+    StepRecord,
     StopReason,
     Usage,
 )
@@ -684,6 +686,79 @@ async def test_the_child_draws_from_the_parents_time_budget(autojump_clock):
     # Its time budget was what the parent had left: it stopped at the parent's deadline.
     assert child_log.finished is not None and child_log.finished.state is not RunState.SUCCEEDED
     assert child_log.finished.totals.active_s <= 5
+
+
+class StepWrites(InterceptingStore):
+    """Forwards to ``inner``, numbering its writes.
+
+    ``step_writes`` maps ``(run id, step)`` to the write (1-based, over all runs) that holds
+    that step's record.
+    """
+
+    writes: int = 0
+
+    def __init__(self, inner: MemoryStore) -> None:
+        super().__init__(inner)
+        self.step_writes: dict[tuple[str, int], int] = {}
+
+    async def before_write(self, op, records, seq) -> bool:
+        self.writes += 1
+        for record in records:
+            if isinstance(record, StepRecord):
+                self.step_writes[(record.run_id, record.step)] = self.writes
+        return False
+
+
+def _two_slow_children(store, budget_s: float) -> Agent:
+    """A parent whose two steps each hand a child a call that works 60 s (active time)."""
+
+    @tool
+    async def slow(ctx: ToolContext) -> str:
+        """Work for a minute."""
+        await trio.sleep(60)
+        return "worked"
+
+    child = attrs.evolve(
+        child_agent(turns=[call("slow", call_id="s1"), say("slow answer")]),
+        executor=Toolbox([slow], default_timeout_s=120),
+        limits=Limits(tool_timeout_s=120),
+    )
+    turns = [
+        use("helper", "h1", task="first"),
+        use("helper", "h2", task="second"),
+        say("the parent's answer", usage=USAGE),
+    ]
+    return parent_agent(
+        store, child, budgets=Budgets(time_budget_s=budget_s), turns=turns, owner=OWNER
+    )
+
+
+async def test_a_parent_resumed_onto_its_finished_child_counts_the_childs_time(autojump_clock):
+    """A resumed step counts the active time its finished child's log records.
+
+    A parent that died after its child finished, before its own step was durable,
+    re-attached to the finished child at once, and its resumed step counted none of the
+    child's 60 active seconds (it counted the child's tokens): the second step's child was
+    then given the whole budget and answered, where the uninterrupted run's was cut by it.
+    """
+    counted = StepWrites(MemoryStore())
+    live = await run(_two_slow_children(counted, 100), "go", store=counted, run_id="p", owner=OWNER)
+    assert live.stop_reason is StopReason.TIME_BUDGET
+    twin = await counted.inner.read_log("p")
+    assert "ended failed (time_budget)" in twin.steps[1].observations[0]
+    inner = MemoryStore()
+    crashing = CrashingStore(inner, crash_at=counted.step_writes[("p", 1)], when="before")
+    with pytest.raises((RunInterrupted, StoreError, SimulatedCrash)):
+        await run(_two_slow_children(crashing, 100), "go", store=crashing, run_id="p", owner=OWNER)
+    assert crashing.crashed
+    assert (await inner.read_log(child_run_id("p/s1/a1"))).finished is not None
+    assert not (await inner.read_log("p")).steps  # the child finished, the parent's step not
+    resumed = await run(_two_slow_children(inner, 100), "go", store=inner, run_id="p", owner=OWNER)
+    log = await inner.read_log("p")
+    assert log.steps[0].active_s >= 60
+    assert [s.observations for s in log.steps] == [s.observations for s in twin.steps]
+    assert resumed.stop_reason is StopReason.TIME_BUDGET
+    assert resumed.totals.active_s <= 100 + 1
 
 
 async def test_a_child_waiting_on_a_human_is_cancelled_when_the_parents_time_ends(tmp_path):

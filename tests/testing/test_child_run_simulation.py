@@ -27,6 +27,19 @@ def test_sixty_seeds_with_child_runs_under_every_fault_kind_are_green():
     assert seen["crash"] >= 20 and seen["cancel"] >= 1 and seen["takeover"] >= 1
 
 
+def test_a_crash_during_a_child_run_call_leaves_the_parent_no_more_time():
+    """Seed 126 of child runs and crashes ends its second child as its fault-free twin does.
+
+    The parent died during its first call, after the child had finished; resumed, the call
+    answered at once and the step counted none of the child's time, so the second call's
+    child got that much more time and answered, where the twin's ran out of it
+    (docs/child-runs.md, "Budgets").
+    """
+    result = simulate(126, plan=FaultPlan.of(["child_run", "crash"], rate=0.5))
+    assert result.ok, result.violations
+    assert result.faults_injected["crash"] >= 1 and result.faults_injected["child_run"] >= 2
+
+
 def test_the_checker_finds_a_runtime_that_starts_a_second_child_on_resume(monkeypatch):
     """Break the rule on purpose: a child run id not derived from the intent (fresh per call),
     so a resumed parent starts another child. The simulation must say so."""

@@ -586,6 +586,7 @@ class RunCoordinator:
             "repairs": tuple(parsed.repairs),
         }
         results: tuple[ActionResult, ...] | None = None
+        reported_s = 0.0
         if parsed.kind is DecisionKind.ACTIONS:
             approved = await self._approvals(step, parsed.actions)
             if approved is None:
@@ -606,6 +607,7 @@ class RunCoordinator:
                     )
                 return outcome.stop
             results = outcome.results
+            reported_s = outcome.reported_active_s
             fields.update(
                 observations=outcome.observations,
                 observation_images=_observation_images(results),
@@ -620,9 +622,26 @@ class RunCoordinator:
             self._final_answer = parsed.text
             self._answer_output = output
         # one record, built once its fields are known (a step record is wide)
-        record = StepRecord(ts=self.clock.now_iso(), active_s=self._elapsed(started), **fields)
+        active_s = self._step_active_s(started, reported_s)
+        record = StepRecord(ts=self.clock.now_iso(), active_s=active_s, **fields)
         await self._write_step(record, results)
         return None
+
+    def _step_active_s(self, started: float, reported_s: float) -> float:
+        """The finished step's active seconds, the time its calls reported counted.
+
+        The seconds since ``started``, and at least its model attempts' recorded time plus
+        ``reported_s``: the most active seconds a call of the step reported spending on the
+        run's behalf as another log records them (a child run's). A step resumed after its
+        process died during the call counts from ``started`` only what its model attempts
+        took, and the call answers at once from a finished child: the child's time, which
+        its log keeps, is counted all the same, as its tokens are (docs/child-runs.md,
+        "Budgets"). A live step has taken at least that long already.
+        """
+        elapsed = self._elapsed(started)
+        if not reported_s:
+            return elapsed
+        return max(elapsed, round(self.view.pending.recorded_s + reported_s, 6))
 
     async def _park_on_children(self, step: int, outcome: ActionsOutcome, started: float) -> None:
         """Record that the step's calls wait on child runs (a barrier), then park.

@@ -27,8 +27,8 @@ import attrs
 import trio
 
 from treadle._budget import fit_text
-from treadle._clock import Clock
-from treadle._exceptions import ChildPending, SeamViolation
+from treadle._clock import Clock, seconds_out_of_range
+from treadle._exceptions import ChildPending, SeamViolation, UsageError
 from treadle._shapes import outcome_problem
 from treadle._text import valid_unicode
 from treadle._toolhost import HostedCall, ToolHost, current_host
@@ -62,6 +62,32 @@ executor abandons it (an executor that times its own calls out answers within th
 
 class _Done(Protocol):
     def __call__(self, outcome: ActionOutcome, reconciled: bool = ...) -> None: ...
+
+
+_NOT_SECONDS = "must be a finite number of seconds >= 0, not None"
+
+
+@attrs.define(eq=False)
+class _ReportedTime:
+    """Active seconds the calls of one step reported spending on the run's behalf.
+
+    As another log records them (a child run's `treadle.types.Totals.active_s`); the most
+    any call reported is kept, the step's calls running at once (docs/child-runs.md,
+    "Budgets").
+    """
+
+    seconds: float = 0.0
+
+    def report(self, seconds: float) -> None:
+        """Keep ``seconds`` when more than reported so far.
+
+        Raises:
+            UsageError: ``seconds`` is not a finite number of 0 or more.
+        """
+        why = seconds_out_of_range(seconds) if seconds is not None else _NOT_SECONDS
+        if why is not None:
+            raise UsageError(f"report_active_s: {why}")
+        self.seconds = max(self.seconds, seconds)
 
 
 @attrs.define(eq=False)
@@ -109,6 +135,7 @@ class ToolExecutor:
         tokens_left = message.tokens_left
         if tokens_left is not None and len(running) > 1:  # calls at once share what is left
             tokens_left //= len(running)
+        reported = _ReportedTime()
         actions = [
             self._action(
                 message.step,
@@ -119,6 +146,7 @@ class ToolExecutor:
                 deadline=message.scope.deadline,
                 forward=self.writer.forward,
                 cancelled=cancelled,
+                report_active_s=reported.report,
                 can_park=can_park,
             )
             for i, call in enumerate(message.calls)
@@ -184,7 +212,10 @@ class ToolExecutor:
             observations.append(observation)
             results.append(result)
         return ActionsOutcome(
-            results=tuple(results), observations=tuple(observations), written=tuple(written)
+            results=tuple(results),
+            observations=tuple(observations),
+            written=tuple(written),
+            reported_active_s=reported.seconds,
         )
 
     def _resolved_on_resume(self, action: Action, existing: Mapping[str, ActionIntent]) -> bool:

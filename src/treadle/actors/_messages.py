@@ -187,6 +187,9 @@ class ActionsOutcome:
             every other call ended and all of them may run again on resume (their
             results are dropped: the step runs its calls again, docs/child-runs.md, "In a
             fleet").
+        reported_active_s: the most active seconds a call of the step reported spending on
+            the run's behalf as another log records them (`treadle.types.Action`
+            ``report_active_s``: a child run's); 0.0 when none did.
     """
 
     results: tuple[ActionResult, ...] = ()
@@ -194,6 +197,7 @@ class ActionsOutcome:
     stop: StopReason | None = None
     written: tuple[Record, ...] = ()
     awaiting: tuple[AwaitedChild, ...] = ()
+    reported_active_s: float = 0.0
 
 
 @attrs.frozen(kw_only=True)

@@ -216,7 +216,7 @@ async def _call(settings: _Settings, task: str, ctx: ToolContext) -> ActionOutco
     ):
         queued = await _queued(settings, settings.fleet_agent, drive, task, ctx)
         if queued is not None:
-            return child_outcome(run_id, queued)
+            return _answer(run_id, queued, ctx)
     budgets = settings.agent.budgets.capped(_caps(ctx, trio.current_time()))
     child = attrs.evolve(settings.agent, budgets=budgets)
     while True:
@@ -237,6 +237,18 @@ async def _call(settings: _Settings, task: str, ctx: ToolContext) -> ActionOutco
             # The driver of an earlier attempt (a parent process that died) still holds the
             # child's lease: wait until it lapses, then take the child over from its log.
             await trio.sleep(max(0.05, leased.holder.expires_at - time.time()))
+    return _answer(run_id, result, ctx)
+
+
+def _answer(run_id: str, result: RunResult, ctx: ToolContext) -> ActionOutcome:
+    """The call's outcome, the child's active seconds reported to the parent's step.
+
+    The child's log records them whoever drove it: a parent resumed after its process died
+    during the call (a finished child answers at once) still counts the child's time, as it
+    counts its tokens (docs/child-runs.md, "Budgets").
+    """
+    if ctx.report_active_s is not None:
+        ctx.report_active_s(result.totals.active_s)
     return child_outcome(run_id, result)
 
 
