@@ -11,6 +11,7 @@ import argparse
 import ast
 import importlib
 import importlib.util
+import json
 import logging
 import os
 import subprocess
@@ -150,8 +151,29 @@ def _command(name: str, monkeypatch: pytest.MonkeyPatch) -> ModuleType:
     return importlib.import_module(name)
 
 
+def _every_options() -> dict[str, tuple[set[str], set[str]]]:
+    """`_options` of every benchmark, parsed in a fresh interpreter.
+
+    CPython 3.11's ``ast.parse`` can fail with "AST constructor recursion depth mismatch" in
+    a process whose earlier tests left its recursion bookkeeping off (seen on a test worker
+    after thousands of tests); a new process parses the sources as they are.
+    """
+    code = (
+        "import json\n"
+        "from tests.test_benchmarks import BENCHMARKS, _options\n"
+        "found = {p.stem: _options(p) for p in sorted(BENCHMARKS.glob('*.py'))}\n"
+        "print(json.dumps({k: [sorted(c), sorted(u)] for k, (c, u) in found.items()}))\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr
+    parsed = json.loads(done.stdout)
+    return {name: (set(checked), set(typed)) for name, (checked, typed) in parsed.items()}
+
+
 def test_every_numeric_option_of_a_benchmark_is_checked() -> None:
-    options = {p.stem: _options(p) for p in sorted(BENCHMARKS.glob("*.py"))}
+    options = _every_options()
     assert {name: typed for name, (_, typed) in options.items() if typed} == {}
     checked = {name: found for name, (found, _) in options.items() if found}
     assert checked.pop("_dbos_peer") == {"--runs", "--steps"}
