@@ -556,7 +556,7 @@ def value_spans(readings: Readings, forms: Iterable[str]) -> list[Span]:
     kept (`_places`): the work is the text's length times the number of forms looked for,
     whatever values the text holds (docs/events.md, "Secret arguments").
     """
-    searched = sorted(_searched(forms), key=len, reverse=True)
+    searched = sorted(distinct_forms(forms), key=len, reverse=True)
     return [
         (*_written(chain, start, end), REDACTED)
         for reading, chain in readings
@@ -564,7 +564,7 @@ def value_spans(readings: Readings, forms: Iterable[str]) -> list[Span]:
     ]
 
 
-def _searched(forms: Iterable[str]) -> list[str]:
+def distinct_forms(forms: Iterable[str]) -> list[str]:
     """The distinct ``forms`` `value_spans` looks for: the first `MAX_SEARCHED_VALUES`."""
     distinct: dict[str, None] = {}
     for form in forms:

@@ -38,9 +38,9 @@ from typing import Final
 import attrs
 
 from treadle._secret_text import (
-    MAX_SEARCHED_VALUES,
     REDACTED,
     Found,
+    distinct_forms,
     forms_of,
     found_in,
     key_pattern,
@@ -364,7 +364,7 @@ class Redaction:
         """
         if not text or self._pattern is None:
             return text
-        return _hidden(text, self._read(text, self._pattern), _searched(forms_of(known)))
+        return _hidden(text, self._read(text, self._pattern), distinct_forms(forms_of(known)))
 
     def _read(self, text: str, keys: re.Pattern[str]) -> Found:
         """`found_in` ``text``, kept for the next call with the same text.
@@ -489,7 +489,7 @@ class Redaction:
         The values looked for are the call's own secret values, then ``known``: the first
         `MAX_SEARCHED_VALUES` distinct ones.
         """
-        forms = _searched([*call.forms, *known])
+        forms = distinct_forms([*call.forms, *known])
 
         def leaf(value: JSONValue) -> JSONValue:
             if isinstance(value, str):
@@ -519,7 +519,7 @@ class Redaction:
         if self._names_of(call.name or ""):
             return attrs.evolve(call, raw_arguments=REDACTED)
         raw = call.raw_arguments
-        hidden = _hidden(raw, self._found(raw), _searched(known)) if raw else raw
+        hidden = _hidden(raw, self._found(raw), distinct_forms(known)) if raw else raw
         return call if hidden == raw else attrs.evolve(call, raw_arguments=hidden)
 
 
@@ -545,17 +545,6 @@ def _number(value: JSONValue, forms: list[str]) -> JSONValue:
     except ValueError:  # int.__str__'s digit limit
         return value
     return REDACTED if value_spans(readings_of(written), forms) else value
-
-
-def _searched(forms: Iterable[str]) -> list[str]:
-    """The first `MAX_SEARCHED_VALUES` distinct ``forms``: all a text is searched for."""
-    distinct: dict[str, None] = {}
-    for form in forms:
-        if form and form != REDACTED:
-            distinct[form] = None
-            if len(distinct) == MAX_SEARCHED_VALUES:
-                break
-    return list(distinct)
 
 
 @attrs.frozen
