@@ -32,6 +32,7 @@ from treadle.types import (
     RunStarted,
     StepRecord,
     StopReason,
+    ToolCall,
     Usage,
 )
 
@@ -468,8 +469,7 @@ def _requests_are_its_calls(
     run_id: str, step: StepRecord, requests: Sequence[ApprovalRequested]
 ) -> list[str]:
     """Each approval request of ``step`` is of a call its history message holds, if any."""
-    message = step.history_message
-    calls = {call.id: call for call in message.tool_calls} if message is not None else {}
+    calls = _native_calls(step)
     if not calls:
         return []  # calls written as text: their ids are the parser's
     problems: list[str] = []
@@ -801,8 +801,7 @@ def _intents_are_its_calls(
     run_id: str, step: StepRecord, intents: Sequence[ActionIntent], edited: set[tuple[int, str]]
 ) -> list[str]:
     """Each intent is of a call of the step's history message, when that holds calls."""
-    message = step.history_message
-    calls = {call.id: call for call in message.tool_calls} if message is not None else {}
+    calls = _native_calls(step)
     if not calls:
         return []  # calls written as text: their ids are the parser's
     problems: list[str] = []
@@ -1073,3 +1072,9 @@ def _steps_contiguous(run_id: str, records: Sequence[Any]) -> list[str]:
     if numbers != list(range(1, len(numbers) + 1)):
         return [f"{run_id}: step records are not contiguous: {numbers}"]
     return []
+
+
+def _native_calls(step: StepRecord) -> dict[str, ToolCall]:
+    """The calls of ``step``'s history message, by id (none without a message)."""
+    message = step.history_message
+    return {call.id: call for call in message.tool_calls} if message is not None else {}
