@@ -24,7 +24,7 @@ import re
 import stat as stat_module
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, Final
 from urllib.parse import unquote
@@ -1203,14 +1203,10 @@ def repair_run_file(directory: str, name: str, *, force: bool = False) -> Repair
     """
     path = os.path.join(directory, name)
     data = read_bytes(path) or b""
-    try:
-        _parsed(path, data, None)
-    except LogCorrupted as exc:
-        damage = exc
-    else:
+    damage = _first_damage(lambda: _parsed(path, data, None))
+    if damage is None:
         return None
     offset = min(damage.offset or 0, len(data))
-    removed = data[offset:]
     if offset == 0:
         lost = _readable_without_header(name, data)
         if not force:
@@ -1220,14 +1216,38 @@ def repair_run_file(directory: str, name: str, *, force: bool = False) -> Repair
         lost = _readable(data[offset:], kept)
         if not force:
             _refuse_cut(path, kept, lost)
+    return _cut(directory, name, data, damage, lost)
+
+
+def _first_damage(scan: Callable[[], object]) -> LogCorrupted | None:
+    """What ``scan`` (a whole read of a file's bytes) found damaged, ``None`` when nothing."""
     try:
-        saved, note = _cut_keeping(directory, name, offset, removed, damage)
-    except OSError as exc:  # a full disk, say: the run file is cut only after all is kept
+        scan()
+    except LogCorrupted as exc:
+        return exc
+    return None
+
+
+def _cut(
+    directory: str, relative: str, data: bytes, damage: LogCorrupted, lost: Sequence[object]
+) -> Repair:
+    """Cut the file ``relative`` (of ``directory``, holding ``data``) where ``damage`` is.
+
+    What the cut removes is kept first (`_cut_keeping`); ``lost`` is what of it still read.
+
+    Raises:
+        StoreError: the removed part cannot be kept (a full disk), or the file not cut.
+    """
+    path = os.path.join(directory, relative)
+    offset = min(damage.offset or 0, len(data))
+    try:
+        saved, note = _cut_keeping(directory, relative, offset, data[offset:], damage)
+    except OSError as exc:  # a full disk, say: the file is cut only after all is kept
         raise StoreError(f"cannot repair {path}: {exc.strerror or exc}") from exc
     return Repair(
         path=path,
         offset=offset,
-        removed=len(removed),
+        removed=len(data) - offset,
         saved=saved,
         note=note,
         reason=str(damage),
@@ -1274,30 +1294,15 @@ def repair_control_file(
     relative = os.path.join(CONTROL_DIR, name)
     path = os.path.join(directory, relative)
     data = read_bytes(path) or b""
-    try:
-        scan_control(data, path, run_id)
-    except LogCorrupted as exc:
-        damage = exc
-    else:
+    damage = _first_damage(lambda: scan_control(data, path, run_id))
+    if damage is None:
         return None
     offset = min(damage.offset or 0, len(data))
     kept, _ = scan_control(data[:offset], path, run_id)  # the lines before the damaged one
     lost = _entries_readable(data[offset:], run_id, kept)
     if not force:
         _refuse_losing_entries(path, lost)
-    try:
-        saved, note = _cut_keeping(directory, relative, offset, data[offset:], damage)
-    except OSError as exc:  # a full disk, say: the stream is cut only after all is kept
-        raise StoreError(f"cannot repair {path}: {exc.strerror or exc}") from exc
-    return Repair(
-        path=path,
-        offset=offset,
-        removed=len(data) - offset,
-        saved=saved,
-        note=note,
-        reason=str(damage),
-        readable_removed=len(lost),
-    )
+    return _cut(directory, relative, data, damage, lost)
 
 
 def _entries_readable(
