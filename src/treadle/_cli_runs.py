@@ -465,7 +465,8 @@ def repair_command(run_id: str, store_path: str, force: bool) -> None:
     cancels and approval decisions) is cut the same way, after the log; a cut that would
     remove a cancel or decision that still reads is refused without --force. A control log
     of a version-1 store that could not be moved (listed as RUN_ID#control) is repaired by
-    that name, then moved. A torn tail left by a crash needs no repair; the store cuts it by
+    that name, then moved; one that waits for its run's damaged control stream is moved by
+    the run's repair. A torn tail left by a crash needs no repair; the store cuts it by
     itself.
     """
 

@@ -1042,6 +1042,47 @@ async def test_a_version_1_control_log_waits_for_its_runs_damaged_stream(tmp_pat
         assert not (directory / "r%23control.jsonl").exists()
 
 
+async def test_a_readable_version_1_control_log_left_for_its_runs_stream_is_no_run(
+    tmp_path: Path,
+) -> None:
+    # It read, so listing summarised it as a run (cancelling, orphaned, no error), a resume
+    # of every run drove it and failed on its name, and its repair by that name said
+    # "nothing removed" and left it; only a repair of the run and another opening moved it.
+    import treadle
+
+    def pay(amount: int) -> int:
+        return amount
+
+    directory = tmp_path / "runs"
+    moved = version_1_store(directory)
+    pseudo = directory / "r%23control.jsonl"
+    stream = directory / ".control" / "r.jsonl"
+    stream.parent.mkdir()
+    stream.write_bytes(b"x\n")
+    async with open_jsonl_store(directory) as store:
+        summaries = {s.run_id: s for s in await store.list_summaries()}
+        left = summaries["r#control"]
+        assert left.state is None and left.error is not None
+        assert str(stream) in left.error and "`treadle repair r`" in left.error
+        assert await store.list_runs() == ("r", "r#control")
+        with pytest.raises(StoreError, match="waits for run 'r'") as read:
+            await store.read_log("r#control")
+        assert str(stream) in str(read.value)
+        with pytest.raises(ExceptionGroup) as resumed:
+            await treadle.resume_unfinished(paying_agent(pay), store=store)
+        errors = {e.__notes__[0]: e for e in resumed.value.exceptions}
+        assert isinstance(errors["while resuming run 'r#control'"], StoreError)
+        assert "is not allowed" not in str(errors["while resuming run 'r#control'"])
+        with pytest.raises(StoreError, match="`treadle repair r`"):
+            await store.repair("r#control", owner="operator")
+        assert pseudo.exists()
+        assert await store.repair_control("r", owner="operator") is not None
+        assert not pseudo.exists()  # the run's repair moved it
+        assert [e.record for e in await store.read_control("r")] == moved
+        assert await store.list_runs() == ("r",)
+        assert (await store.read_summary("r")) is not None
+
+
 # --------------------------------------------------------------------------- run ids
 
 

@@ -1055,6 +1055,11 @@ def v1_control_run(name: str | None) -> str | None:
     return name[: -len(_V1_CONTROL_SUFFIX)]
 
 
+def v1_control_name(run_id: str) -> str:
+    """The name of run ``run_id``'s version-1 control pseudo-run: ``<run_id>#control``."""
+    return f"{run_id}{_V1_CONTROL_SUFFIX}"
+
+
 def migrate_v1_control(directory: str) -> int:
     """Turn version-1 control pseudo-runs (``<run_id>#control``) into control streams.
 
@@ -1084,7 +1089,7 @@ def move_v1_control(directory: str, name: str) -> bool:
     (docs/crash-safety.md, "Torn tails and damage"): listing shows it as an unreadable run
     under its name, ``<run_id>#control``, which `treadle repair` takes
     (docs/decisions/0122-a-control-stream-is-repaired-with-its-run.md); the run's stream,
-    once repaired, takes the entries at the next move.
+    once repaired, takes the entries at the next move (the run's repair makes it).
 
     Returns:
         Whether it was moved.

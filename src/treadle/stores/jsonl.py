@@ -105,6 +105,7 @@ from treadle.stores._jsonl_files import (
     same_file,
     scan_control,
     sync_dir,
+    v1_control_name,
     v1_control_run,
     write_sidecar,
 )
@@ -372,10 +373,14 @@ class JsonlStore(EngineStore):
             LogCorrupted: a line is damaged (a complete last line included), a seq is
                 missing or a record does not decode (``offset``: the byte offset of the line).
             SchemaTooNew: the file or its run-started record is from a newer version.
-            StoreError: the file cannot be read, or the store is closed.
-            InvalidRunId: not an allowed run id (nor a hashed file name `list_runs` gave);
-                nothing is read.
+            StoreError: the file cannot be read, or the store is closed; or ``run_id`` names
+                a version-1 control pseudo-run `list_runs` gave (`is_v1_control_name`) that
+                reads, and waits for its run (`_unmoved`).
+            InvalidRunId: not an allowed run id (nor a hashed file name or a version-1
+                control pseudo-run's name `list_runs` gave); nothing is read.
         """
+        if self.is_v1_control_name(run_id):
+            await self._in_worker(self._refuse_unmoved, run_id)
         self._check_named(run_id)
         await self._engine.settle(run_id)
         path = self.run_file(run_id)
@@ -411,7 +416,8 @@ class JsonlStore(EngineStore):
         """Every run with at least one written record, in the order the runs were created.
 
         A run whose file is damaged is listed too (by the id its file name encodes), so
-        that reading it reports the damage; it never hides the others.
+        that reading it reports the damage; it never hides the others. So is a version-1
+        control pseudo-run left where it was (`is_v1_control_name`): reading it says why.
 
         Raises:
             StoreError: the directory cannot be read, or the store is closed.
@@ -497,8 +503,12 @@ class JsonlStore(EngineStore):
         A lease file that cannot be read (a directory in its place, no permission), or a
         control stream that cannot (`_control_damage`), makes the summary an error naming it,
         the log's state kept, and never fails the listing: a damaged run never blocks the
-        others (docs/crash-safety.md, "Torn tails and damage").
+        others (docs/crash-safety.md, "Torn tails and damage"). A version-1 control
+        pseudo-run that reads, left where it was, is no run: its summary is the error
+        `_unmoved` gives, with no state.
         """
+        if probe.error is None and self.is_v1_control_name(probe.run_id):
+            probe = attrs.evolve(probe, error=self._unmoved(probe.run_id))
         path = os.path.join(self._directory, probe.name)
         try:
             lease = self._lease_now(probe.run_id, now)
@@ -525,6 +535,41 @@ class JsonlStore(EngineStore):
         except StoreError as exc:
             return str(exc)
         return None
+
+    def _unmoved(self, name: str) -> StoreError:
+        """Why the readable version-1 control pseudo-run ``name`` is still here (a worker thread).
+
+        Opening the store moves it into its run's control stream unless that stream cannot be
+        read (`move_v1_control`); `repair_control` of the run moves it once the stream reads
+        (docs/crash-safety.md, "Versions"). The error names the file, and the stream's damage.
+        """
+        run = v1_control_run(name)
+        assert run is not None, name  # `is_v1_control_name` said so
+        path = self.run_file(name)
+        damage = self._control_damage(run)
+        if damage is None:
+            return StoreError(
+                f"{path}: a format-1 control pseudo-run that waits for run {run!r}: "
+                f"`treadle repair {run}` or the store's next opening moves it into the "
+                "run's control stream"
+            )
+        return StoreError(
+            f"{path}: a format-1 control pseudo-run that waits for run {run!r}, whose control "
+            f"stream cannot be read ({damage}): `treadle repair {run}` repairs that stream "
+            "and moves it there"
+        )
+
+    def _refuse_unmoved(self, name: str) -> None:
+        """Raise why the version-1 control pseudo-run ``name`` is still here (a worker thread).
+
+        Nothing is raised when there is no such file (it was moved): the name is no run's.
+
+        Raises:
+            LogCorrupted, SchemaTooNew: its file is damaged, or of a newer format.
+            StoreError: it reads (`_unmoved`), or cannot be read.
+        """
+        if read_run_file(self.run_file(name)).exists:
+            raise self._unmoved(name)
 
     def _summary_of_log(
         self, probe: Probe, path: str, lease: Lease | None, now: float
@@ -599,7 +644,9 @@ class JsonlStore(EngineStore):
 
         A version-1 control pseudo-run left where it was (`is_v1_control_name`: a damaged
         one) is repaired by its name, under its run's lease, as a control stream is
-        (`repair_control`), then moved into its run's control stream.
+        (`repair_control`), then moved into its run's control stream. While that stream
+        cannot be read, the repair is refused and nothing is changed: `repair_control` of the
+        run cuts the stream, then moves the pseudo-run.
 
         Args:
             run_id: the run (or a version-1 control pseudo-run's name).
@@ -618,12 +665,15 @@ class JsonlStore(EngineStore):
                 docs/crash-safety.md, "Torn tails and damage").
             StoreError: the file cannot be repaired, or the run's lease cannot be taken (a
                 full disk: the `OSError` is the ``__cause__``; the run file is cut only
-                once what it loses is kept).
+                once what it loses is kept); of a version-1 control pseudo-run, its run's
+                control stream cannot be read (nothing was changed).
         """
         pseudo = self.is_v1_control_name(run_id)
         run = v1_control_run(run_id) if pseudo else None
         lease = await self.acquire_lease(run or run_id, owner=owner, ttl_s=_leases.LEASE_TTL_S)
         try:
+            if run is not None:
+                await self._in_worker(self._refuse_unmovable, run_id, run)
             repaired = await self._in_worker(
                 functools.partial(repair_run_file, force=force),
                 self._directory,
@@ -635,8 +685,23 @@ class JsonlStore(EngineStore):
         finally:
             await self.release_lease(lease)
 
+    def _refuse_unmovable(self, name: str, run: str) -> None:
+        """Refuse to repair the pseudo-run ``name`` while run ``run``'s stream is damaged.
+
+        A worker thread. The pseudo-run could not be moved after its cut: it would stay where
+        it is, and the repair would not say why.
+
+        Raises:
+            StoreError: the stream cannot be read; the error names its damage (`_unmoved`).
+        """
+        if self._control_damage(run) is not None:
+            raise self._unmoved(name)
+
     def _move_v1_control(self, name: str) -> None:
         """`move_v1_control` of the pseudo-run ``name`` (a worker thread).
+
+        Nothing is moved when there is no such file, or it cannot be read (it stays where
+        it is, and listing says why).
 
         Raises:
             StoreError: its run's control stream cannot be written.
@@ -654,7 +719,9 @@ class JsonlStore(EngineStore):
         Run it knowingly (``treadle repair`` runs it after `repair`): the entries after the
         damage are removed too; a cancel or decision cut so is never applied. What is removed
         and a note are kept in ``.repairs/.control/``. The store takes the run's lease for
-        the repair, and the stream's lock (no entry is appended meanwhile).
+        the repair, and the stream's lock (no entry is appended meanwhile). A version-1
+        control pseudo-run of the run that waited for the stream (`is_v1_control_name`) is
+        moved into it after, as opening the store moves one.
 
         Args:
             run_id: the run.
@@ -680,7 +747,9 @@ class JsonlStore(EngineStore):
             return None
         lease = await self.acquire_lease(run_id, owner=owner, ttl_s=_leases.LEASE_TTL_S)
         try:
-            return await self._in_worker(self._repair_control, run_id, force)
+            repaired = await self._in_worker(self._repair_control, run_id, force)
+            await self._in_worker(self._move_v1_control, v1_control_name(run_id))
+            return repaired
         finally:
             await self.release_lease(lease)
 
