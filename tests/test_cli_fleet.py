@@ -938,6 +938,33 @@ def test_the_approval_hint_is_a_command_to_copy_when_the_store_path_has_spaces(t
     assert 'approve: wire({"amount": 5}) (call p1) of step 1 of run p' in approved.output
 
 
+def words_a_shell_reads(command: str) -> list[str]:
+    """The words bash makes of ``command`` (a line copied from the terminal)."""
+    done = subprocess.run(
+        ["bash", "-c", f"printf '%s\\0' {command}"], capture_output=True, check=True
+    )
+    return [os.fsdecode(word) for word in done.stdout.split(b"\0")[:-1]]
+
+
+def test_the_approval_hint_names_a_store_path_holding_control_characters(tmp_path: Path):
+    """The hint's command was quoted, then made printable as a whole: a tab in the store path
+    became the four characters ``\\x09`` inside the quotes, naming another path."""
+    from treadle._cli_runs import _hint_approval
+
+    db = tmp_path / "tab\there \x1b[31m\u202e.db"
+    leave_parked(db, "p")
+    said: list[str] = []
+    _hint_approval(read_log(db, "p"), None, str(db), said.append)
+    (hint,) = said
+    assert "\t" not in hint and "\x1b" not in hint and "\u202e" not in hint
+    command = hint[hint.index("treadle approve") : hint.index(" [--reject")]
+    words = words_a_shell_reads(command)
+    assert words == ["treadle", "approve", "p", "--store", str(db)]
+    approved = invoke(*words[1:])
+    assert approved.exit_code == 0, approved.output
+    assert 'approve: wire({"amount": 5}) (call p1) of step 1 of run p' in approved.output
+
+
 def test_approve_of_a_run_another_driver_holds_names_it(tmp_path: Path):
     db = tmp_path / "runs.db"
     leave_parked(db, "p")

@@ -13,7 +13,7 @@ import re
 import shlex
 import sys
 from collections import Counter
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import AbstractAsyncContextManager, AsyncExitStack, asynccontextmanager
 from typing import Any, TypeVar
 
@@ -525,6 +525,40 @@ def _escaped(match: re.Match[str]) -> str:
     return f"\\x{code:02x}" if code < 0x100 else f"\\u{code:04x}"
 
 
+def shell_command(words: Sequence[str]) -> str:
+    r"""``words`` as one printable command line for a POSIX shell, to be copied and run.
+
+    Each word is quoted as `shlex.join` quotes it (``'my runs.db'``), unless it holds a
+    character `printable` would escape (a control character, one the output's encoding
+    lacks, a lone surrogate standing for an undecodable byte of a file name): such a word is
+    written in dollar-single-quotes (POSIX.1-2024; bash, zsh, ksh), each of those characters as
+    the three-digit octal escapes of its bytes in the file system's encoding (``$'tab\011x'``),
+    so that the copied command names the same file (docs/events.md, "Reading events").
+    """
+    return " ".join(map(_shell_word, words))
+
+
+def _shell_word(word: str) -> str:
+    """One word of `shell_command`: `shlex.quote`'s, or dollar-single-quoted."""
+    if all(map(_prints_as_is, word)):
+        return shlex.quote(word)
+    return "$'" + "".join(map(_dollar_quoted, word)) + "'"
+
+
+def _prints_as_is(char: str) -> bool:
+    """Whether `printable` leaves ``char`` as it is, and it stands for a character of its own."""
+    return not "\ud800" <= char <= "\udfff" and printable(char) == char
+
+
+def _dollar_quoted(char: str) -> str:
+    r"""``char`` inside ``$'...'``: as is, backslash-escaped (``\\``, ``\'``), or in octal."""
+    if char in "\\'":
+        return "\\" + char
+    if _prints_as_is(char):
+        return char
+    return "".join(f"\\{byte:03o}" for byte in os.fsencode(char))
+
+
 def describe(record: Record) -> tuple[str, str]:
     """What a record is and its detail, for tables and ``tail`` lines (printable text)."""
     what, detail = _describe(record)
@@ -648,15 +682,16 @@ def call_text(request: ApprovalRequested) -> str:
 def approval_hint(request: ApprovalRequested, run_id: str, store_path: str) -> str:
     """The line telling how to answer ``request`` of ``run_id`` from the command line.
 
-    Pass a redacted request, as for `call_text`. The line is `printable`; its command is
-    quoted for a POSIX shell (`shlex.join`), so a store path holding a space stays one word
-    when the command is copied (docs/events.md, "Reading events").
+    Pass a redacted request, as for `call_text`. The line is printable; its command is
+    `shell_command`'s, so a store path holding a space, or a control character, stays the
+    one word naming that path when the command is copied (docs/events.md, "Reading events").
     """
-    command = shlex.join(["treadle", "approve", run_id, "--store", redact(store_path)])
-    return printable(
+    command = shell_command(["treadle", "approve", run_id, "--store", redact(store_path)])
+    waiting = printable(
         f"waiting for approval of {call_text(request)} (call {request.call_id}) until "
-        f"{request.deadline_ts}: {command} [--reject MSG | --edit JSON]"
+        f"{request.deadline_ts}"
     )
+    return f"{waiting}: {command} [--reject MSG | --edit JSON]"
 
 
 def counted(count: object, one: str, many: str | None = None) -> str:

@@ -695,6 +695,32 @@ def test_the_demos_closing_command_is_quoted_for_the_shell(tmp_path, workload):
     assert shown.exit_code == 0 and "cancel_reservation" in shown.output
 
 
+def words_bash_reads(command: str) -> list[str]:
+    """The words bash makes of ``command`` (a line copied from the terminal)."""
+    done = subprocess.run(
+        ["bash", "-c", f"printf '%s\\0' {command}"], capture_output=True, check=True
+    )
+    return [os.fsdecode(word) for word in done.stdout.split(b"\0")[:-1]]
+
+
+def test_the_demos_closing_command_names_a_store_path_holding_control_characters(
+    tmp_path, workload
+):
+    """The closing command was quoted for the shell and printed as it was: a tab in the store
+    path came out raw (a terminal copies it as spaces), an escape sequence in it reached the
+    terminal."""
+    store = tmp_path / "tab\there \x1b[31m" / "demo.db"
+    store.parent.mkdir()
+    result = CliRunner().invoke(cli_main, ["demo", "--store", str(store), "--data", str(workload)])
+    assert result.exit_code == 0, result.output
+    (line,) = [x for x in result.output.splitlines() if "treadle show" in x]
+    assert line.isprintable()
+    words = words_bash_reads(line.strip())
+    assert words == ["treadle", "show", "airline-30-1", "--store", str(store)]
+    shown = CliRunner().invoke(cli_main, words[1:])
+    assert shown.exit_code == 0 and "cancel_reservation" in shown.output
+
+
 def test_demos_started_in_the_same_second_get_a_store_each(tmp_path, monkeypatch, workload):
     # The default store was named to the second: a demo started in the same second as
     # another replayed into its store and reported a run it had not driven.

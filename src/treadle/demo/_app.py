@@ -11,7 +11,6 @@ import datetime
 import functools
 import json
 import os
-import shlex
 import sys
 import tempfile
 from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
@@ -25,7 +24,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from treadle._cli_common import counted
+from treadle._cli_common import counted, shell_command
 from treadle._exceptions import TreadleError
 from treadle._terminal import mark, on_interrupt
 from treadle.demo.airline.agent import RESPOND_TOOL
@@ -411,16 +410,17 @@ def _demo_command(store: Path, key: str | None, data_dir: str | None) -> str:
     words = ["treadle", "demo", "--store", str(store)]
     words += ["--recording", key] if key is not None else []
     words += ["--data", data_dir] if data_dir is not None else []
-    return shlex.join(words)
+    return shell_command(words)
 
 
 def _show_command(run_id: str, store: Path | str) -> str:
     """The command that shows the log of ``run_id`` in ``store``, quoted for a POSIX shell.
 
     docs/demo.md, "`treadle demo`": the demo ends with it, for the reader to copy; a store
-    path holding a space or a quote stays one word.
+    path holding a space, a quote or a control character stays the one word naming it
+    (`treadle._cli_common.shell_command`).
     """
-    return shlex.join(["treadle", "show", run_id, "--store", str(store)])
+    return shell_command(["treadle", "show", run_id, "--store", str(store)])
 
 
 def run_airline(
@@ -477,7 +477,7 @@ def _airline_interrupted(store_path: str | None) -> str:
         )
     return (
         f"the unfinished runs are left in {store_path}; run the command again with --store "
-        f"{shlex.quote(store_path)} to resume them (finished ones are only reported)"
+        f"{shell_command([store_path])} to resume them (finished ones are only reported)"
     )
 
 
@@ -606,7 +606,7 @@ def _live(
     report = _run(
         go,
         interrupted=f"the conversation stops here; a run it began is left unfinished in {store} "
-        f"(treadle runs --store {shlex.quote(str(store))} lists it)",
+        f"(treadle runs --store {shell_command([str(store)])} lists it)",
     )
     if report is None:
         console.print("no message; nothing was run")
