@@ -471,6 +471,17 @@ async def test_calls_over_streamable_http(tmp_path):
             await _calls(tools, tmp_path / "ledger")
 
 
+async def test_a_url_whose_scheme_is_in_capitals_is_an_http_url(tmp_path):
+    """A URL's scheme is case-insensitive, but ``HTTP://...`` was refused, and the refusal
+    quoted it lower-cased ("must start with http:// or https://, got 'http://...'")."""
+    with http_server(tmp_path / "ledger") as (url, _):
+        scheme, rest = url.split("://", 1)
+        async with open_mcp_tools(f"{scheme.upper()}://{rest}") as tools:
+            outcome = await tools.execute(_action("tag", item="x"))
+    assert outcome.observation == "tagged x"
+    assert [e["tool"] for e in _ledger(tmp_path / "ledger")] == ["tag"]
+
+
 async def test_a_call_past_the_runs_shorter_timeout_is_unknown_too(tmp_path):
     """With the tool's timeout (30 s) longer than the run's `Limits.tool_timeout_s`, the run cut
     the call at its own limit and recorded it EXECUTED ("timed out"), though the server may

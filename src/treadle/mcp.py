@@ -702,7 +702,16 @@ def _shown_refused(server: str) -> str:
 
 
 def _target(server: McpServer) -> McpServer:
-    if isinstance(server, str) and not server.startswith(("http://", "https://")):
+    """``server``, checked to be one `McpServer` names.
+
+    A string must be an http(s) URL, its scheme in any case (``HTTPS://`` too: a URL's
+    scheme is case-insensitive; docs/mcp.md, "MCP tools").
+
+    Raises:
+        UsageError: a string that is no http(s) URL (quoted without its credentials,
+            `_shown_refused`), or an object that is none of the kinds `McpServer` names.
+    """
+    if isinstance(server, str) and not server.lower().startswith(("http://", "https://")):
         raise UsageError(
             f"an MCP server URL must start with http:// or https://, got {_shown_refused(server)!r}"
         )
