@@ -856,6 +856,28 @@ def test_an_empty_or_malformed_option_is_a_usage_error(
     assert list(tmp_path.iterdir()) == []
 
 
+@pytest.mark.parametrize(
+    ("before", "said"),
+    [
+        (["--store", "kept.db"], "--store before 'airline' is an option of `treadle demo` itself"),
+        (["--data", "workload"], "--data before 'airline' is an option of `treadle demo` itself"),
+        (["--recording", "30-1"], "`treadle demo airline` replays every recording of its"),
+    ],
+)
+def test_the_demos_options_before_airline_are_a_usage_error(
+    trajectories, workload, tmp_path, monkeypatch, before, said
+):
+    # `treadle demo --store kept.db airline` exited 0: the group's --store was dropped, the
+    # runs went to a temporary store that was then removed, and kept.db was never made.
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("TREADLE_AIRLINE_DATA", str(workload))
+    one = subset_file(trajectories, ("18-0",), tmp_path / "one.json")
+    result = CliRunner().invoke(cli_main, ["demo", *before, "airline", "--trajectories", str(one)])
+    assert result.exit_code == 2, result.output
+    assert said in result.output
+    assert [p.name for p in tmp_path.iterdir()] == ["one.json"]
+
+
 # --------------------------------------------------------------------------- the whole workload
 
 

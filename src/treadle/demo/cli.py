@@ -38,6 +38,34 @@ def _recording_key(ctx: click.Context, param: click.Parameter, value: str | None
     return value
 
 
+def _refuse_demo_options(
+    ctx: click.Context, *, store_path: str | None, data_dir: str | None, key: str | None
+) -> None:
+    """Refuse an option of ``treadle demo`` given before one of its subcommands.
+
+    The subcommand never sees the demo's options: a ``--store`` given there was dropped, and
+    the runs went to a temporary store that was then removed (docs/demo.md, "`treadle demo
+    airline`").
+
+    Raises:
+        click.UsageError: such an option was given (exit status 2), before anything is made.
+    """
+    command = f"treadle demo {ctx.invoked_subcommand}"
+    if store_path is not None or data_dir is not None:
+        name = "--store" if store_path is not None else "--data"
+        raise click.UsageError(
+            f"{name} before {ctx.invoked_subcommand!r} is an option of `treadle demo` itself, "
+            f"which `{command}` would ignore; give it after {ctx.invoked_subcommand!r}",
+            ctx,
+        )
+    if key is not None:
+        raise click.UsageError(
+            f"--recording is an option of `treadle demo` itself; `{command}` replays every "
+            "recording of its --trajectories file",
+            ctx,
+        )
+
+
 @click.group(invoke_without_command=True)
 @click.option(
     "--store",
@@ -66,6 +94,7 @@ def _recording_key(ctx: click.Context, param: click.Parameter, value: str | None
 def demo(ctx: click.Context, store_path: str | None, data_dir: str | None, key: str | None) -> None:
     """Replay a recorded airline conversation, kill it with SIGKILL midway, resume it."""
     if ctx.invoked_subcommand is not None:
+        _refuse_demo_options(ctx, store_path=store_path, data_dir=data_dir, key=key)
         return
     from treadle.demo import _app
 
