@@ -54,6 +54,7 @@ from treadle.demo.airline.replay_server import (
 from treadle.demo.airline.scoring import recorded_tool_calls
 from treadle.demo.airline.tools import WRITE_TOOLS
 from treadle.models.openai import OpenAIChatClient
+from treadle.stores.sqlite import open_sqlite_store
 from treadle.types import (
     Action,
     ActionIntent,
@@ -462,6 +463,66 @@ async def test_a_kill_around_a_database_change_applies_it_exactly_once(
     db = AirlineDatabase(workspace.conversation_path(report.run_id))
     applied = [row[0] for row in db.applied_actions()]
     assert applied.count(intent.intent_id) == 1  # reconciled or performed on resume, once
+
+
+async def killed_driver(
+    recording: Recording, workspace: Workspace, trajectories: Path, workload: Path, *crash: str
+) -> int:
+    """Drive ``recording``'s run in ``workspace`` with one driver process; its exit status.
+
+    ``crash`` is its crash option (``--crash-after-writes N`` …); the airline databases are
+    made as a replay makes them.
+    """
+    run_id = f"airline-{recording.task_id}-{recording.trial}"
+    fresh_db = workspace.fresh_database(workload)
+    db = workspace.conversation(run_id, fresh_db)
+    key = f"{recording.task_id}-{recording.trial}"
+    with trio.fail_after(REPLAY_DEADLINE_S):
+        async with open_replay_server([recording]) as server:
+            command = [sys.executable, "-m", "treadle.demo.airline.driver", "--recording-key",
+                       key, "--store", str(workspace.store), "--db", str(db.path),
+                       "--base-url", server.base_url(key), "--trajectories", str(trajectories),
+                       *crash]  # fmt: skip
+            done = await trio.run_process(command, check=False, capture_stderr=True)
+    return done.returncode
+
+
+async def test_a_driver_resuming_a_begun_run_never_dies_at_its_crash_point(
+    recordings, trajectories, workload, tmp_path
+):
+    # A crash point counts a run's writes from its start, but a driver resuming a begun run
+    # counted its own writes from where it resumed: it died elsewhere than asked, or never.
+    recording = find_recording(recordings, "30-1")
+    workspace = Workspace.beside(tmp_path / "runs.db")
+    crash = ("--crash-after-writes", "6")
+    status = await killed_driver(recording, workspace, trajectories, workload, *crash)
+    assert status == -signal.SIGKILL
+    status = await killed_driver(recording, workspace, trajectories, workload, *crash)
+    assert status == 0  # resumed to the end: no kill at its own 6th write
+    async with open_sqlite_store(workspace.store) as store:
+        log = await store.read_log("airline-30-1")
+    assert log.finished is not None
+
+
+def test_the_demo_resuming_a_begun_run_promises_no_kill(
+    recordings, trajectories, workload, tmp_path, monkeypatch
+):
+    # Run again after Ctrl-C, the demo said "this process will kill itself with SIGKILL
+    # right before store write 49" for a driver resuming the run, which then never died
+    # (or died after its own 49th write, past the first cancellation).
+    recording = find_recording(recordings, "30-1")
+    workspace = Workspace.beside(tmp_path / "demo.db")
+    crash = ("--crash-after-writes", "6")
+    status = trio.run(killed_driver, recording, workspace, trajectories, workload, *crash)
+    assert status == -signal.SIGKILL
+    monkeypatch.chdir(tmp_path)
+    result = CliRunner().invoke(cli_main, ["demo", "--store", "demo.db", "--data", str(workload)])
+    assert result.exit_code == 0, result.output
+    out = " ".join(result.output.split())
+    assert "resumes the run from its log" in out and "will kill itself" not in out
+    assert "crashes 0 · resumes 1 · history mismatches 0" in out
+    assert "each applied exactly once: yes" in out
+    assert "score 1.0 recorded score 1.0" in out
 
 
 def subset_file(trajectories: Path, keys: tuple[str, ...], target: Path) -> Path:

@@ -202,17 +202,13 @@ class DemoView:
     def child_started(
         self, recording: Recording, pid: int, *, resume: bool, crash: CrashPoint | None
     ) -> None:
-        """Announce a driver process."""
+        """Announce a driver process (its crash point once it says it begins the run)."""
         self.drivers += 1
         self.crash = crash
         if resume:
             self.console.rule(f"driver process {pid}: resumes the run from its log")
         else:
             self.console.rule(f"driver process {pid}: runs {run_id_of(recording)}")
-        if crash is not None:
-            self.console.print(
-                f"[yellow]this process will kill itself with SIGKILL {crash.describe()}[/]"
-            )
 
     def event(self, recording: Recording, line: Mapping[str, Any]) -> None:
         """Show one run event."""
@@ -230,6 +226,15 @@ class DemoView:
             handler(label, line)
 
     def _driver(self, label: str, line: Mapping[str, Any]) -> None:
+        """What the driver read under the run's lock: an empty log arms its crash point.
+
+        A driver resuming a begun run never dies at its crash point
+        (`treadle.demo.airline.driver`), so the kill is announced only for one that begins it.
+        """
+        if line.get("stored_records") == 0 and self.crash is not None:
+            self.console.print(
+                f"[yellow]this process will kill itself with SIGKILL {self.crash.describe()}[/]"
+            )
         if line.get("stored_records"):
             self.console.print(
                 f"[cyan]read the log: {line['stored_records']} records, "

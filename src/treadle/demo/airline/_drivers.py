@@ -217,7 +217,9 @@ class _Replayer:
         run_id = run_id_of(recording)
         db = await trio.to_thread.run_sync(self.workspace.conversation, run_id, self.fresh)
         counts = self.workspace.counts(run_id)
-        crash = self.crash_points.get(recording_key(recording)) if counts.crashes == 0 else None
+        # A crash point counts a run's writes from its start: only a driver beginning the
+        # run can die at it (the driver checks again under the run's lock).
+        crash = None if log.records else self.crash_points.get(recording_key(recording))
         for started in range(MAX_CHILDREN):
             resume = started > 0 or bool(log.records)
             if resume:

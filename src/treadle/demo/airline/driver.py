@@ -12,12 +12,15 @@ expire.
 
 Crashes are real: with ``--crash-after-writes N`` the process sends itself SIGKILL right after
 the store acknowledged its N-th write; with ``--crash-before-write N`` right before it hands
-over its N-th write. ``--die-with-parent`` makes it SIGKILL itself when its standard input
-reaches end of file (the parent holds the other end of that pipe, so the child never outlives
-it). ``--events`` prints one JSON object per durable run event on standard output.
+over its N-th write. A crash point counts the writes of a run from its start, so it is armed
+only in the process that begins the run: a driver that finds the run's log not empty (begun by
+a process that died or was stopped) resumes it without crashing. ``--die-with-parent`` makes
+it SIGKILL itself when its standard input reaches end of file (the parent holds the other end
+of that pipe, so the child never outlives it). ``--events`` prints one JSON object per durable
+run event on standard output.
 
 Exit codes: 0 run finished; 1 the run could not be driven (error on standard error); 2 bad
-arguments; killed by SIGKILL when a crash was asked for.
+arguments; killed by SIGKILL when a crash was asked for (and armed).
 """
 
 from __future__ import annotations
@@ -192,7 +195,16 @@ async def _die_with_parent() -> None:
     _kill_self()
 
 
-def _store_wrapper(store: RunStore, args: argparse.Namespace) -> RunStore:
+def _store_wrapper(store: RunStore, args: argparse.Namespace, log: RunLog) -> RunStore:
+    """The store this process writes through: killing it at the crash point, if it has one.
+
+    The crash point is armed only when ``log`` (the run's, read under the run's lock) is
+    empty: it counts writes from the run's start, and a process resuming a begun run
+    counts from where it resumes, so it would die elsewhere than asked or never (see the
+    module docstring).
+    """
+    if log.records:
+        return store
     if args.crash_after_writes is not None:
         return KillingStore(store, kill_at=args.crash_after_writes, when="after")
     if args.crash_before_write is not None:
@@ -223,7 +235,7 @@ async def drive(args: argparse.Namespace, recording: Recording) -> RunResult:
             client = OpenAIChatClient(base_url=args.base_url)
             agent = airline_agent(model=client, executor=executor, system=system_prompt(recording))
             try:
-                result = await _run(agent, recording, _store_wrapper(sqlite, args), log, args)
+                result = await _run(agent, recording, _store_wrapper(sqlite, args, log), log, args)
             finally:
                 await client.aclose()
         nursery.cancel_scope.cancel(reason="the run finished")
