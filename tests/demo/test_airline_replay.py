@@ -896,6 +896,53 @@ def test_a_store_where_nothing_can_be_made_is_refused_in_one_line(
     assert [p.name for p in tmp_path.iterdir()] == ["afile"]
 
 
+FILE_SIZE_LIMIT = 300_000
+"""Bytes a file may grow to in `test_a_write_failing_beside_the_store_is_said_in_one_line`:
+less than an airline database, more than a new run store."""
+
+
+def file_size_limited() -> None:
+    """In a child process: writes past `FILE_SIZE_LIMIT` fail (``EFBIG``), as on a full disk."""
+    import resource
+
+    resource.setrlimit(resource.RLIMIT_FSIZE, (FILE_SIZE_LIMIT, FILE_SIZE_LIMIT))
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+
+
+@pytest.mark.parametrize(
+    ("command", "made", "fresh_first"),
+    [
+        (["demo"], "fresh.sqlite3", False),
+        (["demo"], "conversations/airline-30-1.sqlite3", True),
+        (["demo", "airline", "--json"], "conversations/airline-30-1.sqlite3", True),
+    ],
+)
+def test_a_write_failing_beside_the_store_is_said_in_one_line(
+    trajectories, workload, tmp_path, command, made, fresh_first
+):
+    # A full disk while the airline databases were made ended in sqlite3's
+    # "database or disk is full" traceback, inside exception groups for a conversation's.
+    store = tmp_path / "s.db"
+    workspace = Workspace.beside(store)
+    if fresh_first:
+        workspace.fresh_database(workload)
+    one = subset_file(trajectories, ("30-1",), tmp_path / "one.json")
+    subset = ["--trajectories", str(one)] if "airline" in command else []
+    done = subprocess.run(
+        [sys.executable, "-m", "treadle.cli", *command, *subset, "--store", str(store),
+         "--data", str(workload)],
+        capture_output=True, text=True, preexec_fn=file_size_limited, check=False,
+    )  # fmt: skip
+    assert done.returncode == 1, done.stderr
+    assert "Traceback" not in done.stderr
+    [said] = done.stderr.splitlines()
+    path = workspace.root / made
+    assert said.startswith(f"Error: cannot write {path}, the airline database "), said
+    assert f"beside the store {store}: " in said
+    assert not path.exists()
+    assert [p.name for p in path.parent.iterdir() if p.name.startswith(".")] == []  # no partial
+
+
 @pytest.mark.parametrize(
     ("arguments", "said"),
     [

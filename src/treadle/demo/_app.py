@@ -82,18 +82,37 @@ def _run(fn: Callable[[], Awaitable[T]], *, interrupted: str) -> T:
         return trio.run(fn)
 
 
+ACTIONABLE: Final = (TreadleError, AirlineDataNotFound, AirlineDataUnreadable)
+"""Errors the user can act on, said in one line (`_said_in_one_line`)."""
+
+
 @contextlib.contextmanager
 def _said_in_one_line() -> Iterator[None]:
     """A treadle or workload error raised inside becomes a `click.ClickException` (exit 1).
 
     Such errors are the user's to act on (a ``--store`` where nothing can be made, a
-    workload that cannot be read): docs/demo.md, "`treadle demo`" promises them as one line,
-    never a traceback.
+    workload that cannot be read, a full disk): docs/demo.md, "`treadle demo`" promises them
+    as one line, never a traceback. Raised in concurrent tasks, they come inside the
+    exception groups of the nurseries they crossed: a group holding only such errors is said
+    as its first one; any other group passes as it is (Ctrl-C among them, for
+    `treadle._terminal.on_interrupt`).
     """
     try:
         yield
-    except (TreadleError, AirlineDataNotFound, AirlineDataUnreadable) as exc:
+    except ACTIONABLE as exc:
         raise click.ClickException(str(exc)) from exc
+    except BaseExceptionGroup as group:
+        actionable, rest = group.split(ACTIONABLE)
+        if actionable is None or rest is not None:
+            raise
+        raise click.ClickException(str(_first_leaf(actionable))) from group
+
+
+def _first_leaf(error: BaseException) -> BaseException:
+    """The first exception of ``error`` that is not a group (``error`` itself if none)."""
+    while isinstance(error, BaseExceptionGroup):
+        error = error.exceptions[0]
+    return error
 
 
 def _clip(text: object, limit: int = CLIP) -> str:
