@@ -818,6 +818,40 @@ def test_the_demo_run_again_on_its_finished_store_reports_the_same_figures(
     assert "driver process" not in again and "already finished" not in first.output
 
 
+def test_a_failed_replays_figures_are_the_runs_so_far(tmp_path, monkeypatch, workload):
+    # A run whose drivers could not finish it was reported with made-up figures: "tool
+    # calls 0" beside the log's 12 steps, and "each applied exactly once: NO" for a change
+    # the database and the log both held once.
+    from treadle.demo import _app
+    from treadle.demo.airline import _drivers
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("TREADLE_AIRLINE_DATA", str(workload))
+    monkeypatch.setattr(_drivers, "MAX_CHILDREN", 1)  # no driver resumes the killed one
+    # After step 13's model intent, a barrier: step 12, with the cancellation's result, is
+    # durable.
+    point = CrashPoint(write=4 * 12 + 2, when="after")
+    monkeypatch.setattr(_app, "demo_crash_point", lambda recording: point)
+    result = CliRunner().invoke(cli_main, ["demo", "--store", "s.db"])
+    assert result.exit_code == 1, result.output
+    log = trio.run(read_demo_log, tmp_path / "s.db")
+    calls = [r for r in log.records if isinstance(r, ActionResult) and r.tool != RESPOND_TOOL]
+    turns = sum(1 for r in log.records if isinstance(r, ActionResult) and r.tool == RESPOND_TOOL)
+    assert log.finished is None and len(log.steps) == 12 and len(calls) > 0
+    out = " ".join(result.output.split(" result ")[-1].split())
+    assert "the replay failed: the run was not finished after 1 driver processes" in out
+    assert f"steps 12 · tool calls {len(calls)} ({len(calls)} outputs identical" in out
+    assert f"customer turns {turns}" in out
+    assert "crashes 1 · resumes 0 · history mismatches 0" in out
+    assert "database changes 1, each applied exactly once: yes" in out
+
+
+async def read_demo_log(store: Path) -> RunLog:
+    """The log of the demo's run (``airline-30-1``) in ``store``."""
+    async with open_sqlite_store(store) as opened:
+        return await opened.read_log("airline-30-1")
+
+
 def damaged_workload(workload: Path, target: Path, name: str, text: str | None) -> Path:
     """A workload folder whose ``data/<name>`` is ``text`` (absent for ``None``).
 

@@ -335,7 +335,12 @@ def _open_intents(log: RunLog) -> list[ActionIntent]:
 def _print_demo_summary(
     console: Console, report: ReplayReport, log: RunLog, workspace: Workspace, store: Path
 ) -> None:
-    """The run's figures, all from its log, its database and its stored counts."""
+    """The run's figures, all from its log, its database and its stored counts.
+
+    Each change is applied exactly once when `ReplayReport.applied_once` holds and, for a
+    finished run, its database is the recorded calls' result; an unfinished run's database
+    (a failed replay) is not, whatever it holds, so only its logged changes are compared.
+    """
     console.rule("result")
     if report.error is not None:
         console.print(f"[bold red]the replay failed: {escape(report.error)}[/]")
@@ -351,7 +356,8 @@ def _print_demo_summary(
         f"crashes {report.crashes} {dot} resumes {report.resumes} {dot} "
         f"history mismatches {report.history_mismatches}"
     )
-    once = "yes" if report.applied_once and report.db_matches_recording else "NO"
+    whole = report.db_matches_recording or log.finished is None
+    once = "yes" if report.applied_once and whole else "NO"
     console.print(f"database changes {len(changes)}, each applied exactly once: {once}")
     console.print(
         f"[bold]score {report.reward:.1f}[/]   recorded score {report.recorded_reward:.1f}"

@@ -181,14 +181,21 @@ class _Replayer:
     task_hashes: dict[int, str] = attrs.Factory(dict)
 
     async def replay(self, recording: Recording) -> ReplayReport:
+        """The recording's report; its run is driven to its end first when unfinished.
+
+        The report is built from the run's log and database as stored once its drivers
+        ended, whether they finished the run or not: a run that could not be driven to its
+        end has its figures so far and ``error`` saying why (docs/demo.md, "The JSON
+        fields").
+        """
         run_id = run_id_of(recording)
         log = await self.store.read_log(run_id)
+        error = None
         if log.finished is None:
             error = await self._drive(recording, log)
-            if error is not None:
-                return failed_report(recording, self.workspace.counts(run_id), error)
             log = await self.store.read_log(run_id)
-        return await trio.to_thread.run_sync(self._report, recording, log)
+        report = await trio.to_thread.run_sync(self._report, recording, log)
+        return report if error is None else attrs.evolve(report, error=error)
 
     def _expected(self, recording: Recording) -> _Expected:
         expected = expected_for(

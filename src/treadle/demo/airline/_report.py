@@ -61,7 +61,9 @@ class ReplayReport:
             and every logged change is in the database once.
         db_matches_recording: the final database equals a fresh one to which the recorded
             tool calls were applied directly.
-        error: why the run could not be replayed; ``None`` when it was.
+        error: why the run could not be replayed; ``None`` when it was. The other figures
+            are then the run's as far as it got (its log, database and counts as stored):
+            its score is 0.0 and its database is not the recorded calls' result.
     """
 
     task_id: int
@@ -151,7 +153,11 @@ def build_report(
     mismatches: int,
     expected: _Expected,
 ) -> ReplayReport:
-    """Score a finished replay and compare it with the recording (reads both databases)."""
+    """Score a replay and compare it with the recording (reads both databases).
+
+    An unfinished run (``log.finished`` is ``None``) is scored 0.0; its other figures are
+    what its log and database hold so far.
+    """
     finished = log.finished
     tool_results = [
         r for r in log.records if isinstance(r, ActionResult) and r.tool != RESPOND_TOOL
@@ -197,7 +203,7 @@ def build_report(
 
 
 def failed_report(recording: Recording, counts: RunCounts, error: str) -> ReplayReport:
-    """The report of a recording whose run could not be driven to its end."""
+    """The report of a recording whose conversation database is missing: nothing to read."""
     return ReplayReport(
         task_id=recording.task_id,
         trial=recording.trial,
