@@ -691,6 +691,33 @@ async def test_live_mode_with_a_scripted_customer(recordings, workload, tmp_path
     assert "agent>" in done.stderr.decode()  # the conversation was shown
 
 
+@pytest.mark.parametrize(
+    ("base_url", "status", "said"),
+    [
+        ("notaurl", 2, "Invalid value for --base-url: base_url must start with http://"),
+        (None, 0, "no message; nothing was run"),
+    ],
+)
+async def test_live_mode_makes_nothing_before_the_first_message(
+    recordings, workload, tmp_path, base_url, status, said
+):
+    # A refused --base-url (exit 2) left an empty .treadle/live-<time>.db behind; input
+    # ending before a message left that and 3.5 MB of airline databases, each time.
+    recording = find_recording(recordings, "30-1")
+    with trio.fail_after(REPLAY_DEADLINE_S):
+        async with open_replay_server([recording]) as server:
+            command = [sys.executable, "-m", "treadle.cli", "demo", "airline", "--live",
+                       "--data", str(workload), "--base-url", base_url or server.base_url("30-1"),
+                       "--model", "gpt-4o"]  # fmt: skip
+            done = await trio.run_process(
+                command, stdin=b"", capture_stdout=True, capture_stderr=True, check=False,
+                cwd=tmp_path,
+            )  # fmt: skip
+    assert done.returncode == status, done.stderr.decode()
+    assert said in (done.stdout + done.stderr).decode()
+    assert list(tmp_path.iterdir()) == []
+
+
 async def test_live_modes_closing_command_is_quoted_for_the_shell(recordings, workload, tmp_path):
     """Live mode ended with `treadle show RUN --store PATH`, the path unquoted."""
     import shlex

@@ -70,13 +70,14 @@ LOCAL_FOLDER: Final = Path(".treadle")
 """Where `treadle demo` keeps its stores by default (relative to the working directory)."""
 
 
-def _run(fn: Callable[[], Awaitable[T]], *, interrupted: str) -> T:
+def _run(fn: Callable[[], Awaitable[T]], *, interrupted: str | Callable[[], str]) -> T:
     """Run ``fn`` under trio; errors the user can act on become one line.
 
     A treadle or workload error becomes a `click.ClickException`. Ctrl-C (SIGINT: a
     `KeyboardInterrupt`, alone or inside the exception groups of the nurseries it crossed)
     prints ``interrupted: <interrupted>`` on standard error and exits with status 130
-    (`treadle._terminal.on_interrupt`, as every command).
+    (`treadle._terminal.on_interrupt`, as every command); a function is called then, to say
+    what the interruption left.
     """
     with on_interrupt(interrupted), _said_in_one_line():
         return trio.run(fn)
@@ -575,6 +576,39 @@ def _stdin_reader(console: Console) -> Callable[[], Awaitable[str | None]]:
     return read_line
 
 
+class _LiveStore:
+    """The store of a live conversation, made once its first message came.
+
+    Nothing is made before (docs/demo.md, "Live mode"): not for a refused option, not when
+    input ends before a message.
+
+    Attributes:
+        path: the store file; ``None`` until it is made.
+    """
+
+    def __init__(self, store_path: str | None) -> None:
+        self._given = store_path
+        self.path: Path | None = None
+
+    def workspace(self) -> Workspace:
+        """Make the store's workspace: ``--store``, else a new file in ``./.treadle/``.
+
+        Raises:
+            StoreError: the folder beside the store cannot be made.
+        """
+        self.path = Path(self._given) if self._given is not None else _default_store("live")
+        return Workspace.beside(self.path)
+
+    def interrupted(self) -> str:
+        """What Ctrl-C leaves: nothing before the first message, else the unfinished run."""
+        if self.path is None:
+            return "the conversation stops here; nothing was run"
+        return (
+            f"the conversation stops here; a run it began is left unfinished in {self.path} "
+            f"(treadle runs --store {shell_command([str(self.path)])} lists it)"
+        )
+
+
 def _live(
     console: Console,
     data: Path,
@@ -597,12 +631,12 @@ def _live(
     if task_id is not None and task_id not in tasks:
         raise click.BadParameter(f"no task {task_id} in the recordings", param_hint="--task-id")
     task = tasks[task_id] if task_id is not None else None
-    store = Path(store_path) if store_path is not None else _default_store("live")
     system = policy_text(data, recordings)
     try:
         client = OpenAIChatClient(base_url=base_url, api_key=api_key)
     except TreadleError as exc:
         raise click.BadParameter(str(exc), param_hint="--base-url") from exc
+    store = _LiveStore(store_path)
     console.print(f"[bold]live airline agent[/] ({escape(model)} at {escape(base_url)})")
     if task is not None:
         console.print(f"[dim]you play the customer: {escape(task.instruction)}[/]")
@@ -622,7 +656,7 @@ def _live(
             return await run_live(
                 client=client,
                 model=model,
-                workspace=Workspace.beside(store),
+                workspace=store.workspace,
                 data_dir=data,
                 system=system,
                 read_line=_stdin_reader(console),
@@ -633,11 +667,7 @@ def _live(
         finally:
             await client.aclose()
 
-    report = _run(
-        go,
-        interrupted=f"the conversation stops here; a run it began is left unfinished in {store} "
-        f"(treadle runs --store {shell_command([str(store)])} lists it)",
-    )
+    report = _run(go, interrupted=store.interrupted)
     if report is None:
         console.print("no message; nothing was run")
         return

@@ -102,7 +102,7 @@ async def run_live(
     *,
     client: ModelClient,
     model: str,
-    workspace: Workspace,
+    workspace: Callable[[], Workspace],
     data_dir: Path,
     system: str,
     read_line: ReadLine,
@@ -114,12 +114,14 @@ async def run_live(
 
     The agent definition is the replay's (`airline_agent`), over a fresh copy of the airline
     database, on the workspace's SQLite store. The person's first message is the run input;
-    each reply of the agent is shown and the person's next line is its observation.
+    each reply of the agent is shown and the person's next line is its observation. Nothing
+    is made before that first message (docs/demo.md, "Live mode").
 
     Args:
         client: the model client (e.g. `treadle.OpenAIChatClient` on the live endpoint).
         model: the model name sent with every request.
-        workspace: where the store and the conversation's database go.
+        workspace: makes the workspace (the store and, beside it, the conversation's
+            database); called once the first message came, never when input ends before.
         data_dir: the workload folder (its ``data/*.json`` build the database).
         system: the system prompt (the airline policy, see `policy_text`).
         read_line: reads one line typed by the person; ``None`` at end of input.
@@ -134,13 +136,14 @@ async def run_live(
         treadle.RunInterrupted: the run could not continue (it stays resumable).
         treadle.StoreError: the store failed.
     """
-    fresh = await trio.to_thread.run_sync(workspace.fresh_database, data_dir)
-    run_id = live_run_id(task_id)
     customer = TerminalCustomer(read_line, lambda text: show("agent", text))
     first = await customer.first_message()
     if first is None:
         return None
-    db = await trio.to_thread.run_sync(workspace.conversation, run_id, fresh)
+    run_id = live_run_id(task_id)
+    made = workspace()
+    fresh = await trio.to_thread.run_sync(made.fresh_database, data_dir)
+    db = await trio.to_thread.run_sync(made.conversation, run_id, fresh)
 
     def observe(action: Action, outcome: ActionOutcome) -> None:
         if action.tool != RESPOND_TOOL:
@@ -149,7 +152,7 @@ async def run_live(
 
     executor = AirlineExecutor(db, customer, observer=observe)
     agent = airline_agent(model=client, executor=executor, system=system, model_name=model)
-    async with open_sqlite_store(workspace.store) as store:
+    async with open_sqlite_store(made.store) as store:
         result = await run(agent, first, store=store, run_id=run_id)
         log = await store.read_log(run_id)
     reward = None
@@ -164,7 +167,7 @@ async def run_live(
     )
     return LiveReport(
         run_id=run_id,
-        store=str(workspace.store),
+        store=str(made.store),
         state=result.state.value,
         stop_reason=result.stop_reason.value,
         steps=result.totals.steps,
