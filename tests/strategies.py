@@ -189,6 +189,7 @@ actions = _build(
     deadline=seconds | st.just(float("inf")),
     forward=st.none() | st.just(lambda event: None),
     cancelled=st.none() | st.just(lambda: False),
+    report_active_s=st.none() | st.just(lambda seconds: None),
     can_park=st.booleans(),
     timeout_s=seconds | st.just(float("inf")),
 )
