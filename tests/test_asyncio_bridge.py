@@ -1093,3 +1093,34 @@ def test_an_event_stream_open_while_the_block_is_left_ends_without_reading_a_clo
 
     for seen in run_asyncio(main):
         assert EventKind.ACTION_REQUESTED in seen and EventKind.RUN_FINISHED not in seen
+
+
+class _BrokenModel(ScriptedModel):
+    """A model client that fails as no model call may (a bug): its run is interrupted."""
+
+    async def complete(self, *args, **kwargs):
+        raise RuntimeError("the client broke")
+
+
+def test_a_result_asked_after_the_run_stopped_unfinished_here_raises_its_interruption(
+    tmp_path: Path,
+):
+    """Once a run's drive here had stopped unfinished, its handle was forgotten and
+    ``runs.result`` waited for another driver to finish the run, forever (a result asked
+    before the drive stopped raised `RunInterrupted`)."""
+    agent = treadle.Agent(
+        model=_BrokenModel(turns=[say("never")]),
+        executor=treadle.Toolbox([wire]),
+        parser=treadle.NativeToolCallParser(),
+    )
+
+    async def main():
+        async with open_runs(agent, store=sqlite(tmp_path / "r.db")) as runs:
+            await runs.start("pay", run_id="b1")
+            with pytest.raises(treadle.RunInterrupted, match="the client broke"):
+                await runs.result("b1")  # while driven, or once stopped: either way
+            for _ in range(3):  # asked again once the drive surely stopped
+                with pytest.raises(treadle.RunInterrupted, match="the client broke"):
+                    await runs.result("b1")
+
+    run_asyncio(main)

@@ -446,6 +446,9 @@ class _Host:
     calls: trio.Nursery
     options: Mapping[str, Any]
     handles: dict[str, RunHandle] = attrs.Factory(dict)
+    stopped: dict[str, RunHandle] = attrs.Factory(dict)
+    """Run id -> the handle of its drive here that stopped unfinished (an actor failed), until
+    it is started here again: `result` raises its error rather than wait for another driver."""
     starting: dict[str, trio.Event] = attrs.Factory(dict)
     """Run id -> set once its start here ended (started or failed)."""
     closing: bool = False
@@ -528,6 +531,7 @@ class _Host:
                 if handle.state is RunState.INTERRUPTED:  # it could not start (a mismatch)
                     await handle.wait()  # raises its error, to the caller of start
                 self.handles[run_id] = handle
+                self.stopped.pop(run_id, None)
                 if self.closing:  # started while the block is left: drained like the others
                     handle.drain()
                 task_status.started(run_id)
@@ -541,6 +545,7 @@ class _Host:
                 _LOG.info("run %r left %s: it resumes from its log", run_id, handle.left)
             else:
                 _LOG.warning("run %r stopped unfinished: %s", run_id, exc)
+                self.stopped[run_id] = handle
         finally:
             if handle is not None and self.handles.get(run_id) is handle:
                 del self.handles[run_id]
@@ -641,9 +646,18 @@ class _Host:
                 raise  # no such run (or no control streams)
 
     async def result(self, run_id: str) -> RunResult:
+        """`Runs.result`: the handle's while driven here, else the store's once it finished.
+
+        A run whose drive here stopped unfinished raises that drive's error (`stopped`),
+        unless its log finished since (another process resumed it), however late the call
+        comes: it waited for a driver that may never come.
+        """
         handle = self.handles.get(run_id)
         if handle is not None:
             return await handle.wait()
+        stopped = self.stopped.get(run_id)
+        if stopped is not None and (await self.store.read_log(run_id)).finished is None:
+            return await stopped.wait()  # raises its RunInterrupted
         return await wait_result(self.store, run_id, output_type=self.agent.output_type)
 
     def close(self, drain_s: float) -> None:
