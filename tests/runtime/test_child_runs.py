@@ -586,8 +586,8 @@ async def test_a_childs_records_are_counted_in_the_parents_metrics(store):
     assert calls == {("helper", "executed"): 1, ("note", "executed"): 1}
 
 
-async def test_a_child_run_call_is_bounded_by_the_budgets_not_the_tool_timeout(autojump_clock):
-    store = MemoryStore()  # the trio clock jumps: no store thread may wait on it
+def _slow_child() -> Agent:
+    """A child agent whose one call works 60 s (active time) before it answers."""
 
     @tool
     async def slow(ctx: ToolContext) -> str:
@@ -595,11 +595,17 @@ async def test_a_child_run_call_is_bounded_by_the_budgets_not_the_tool_timeout(a
         await trio.sleep(60)
         return "worked"
 
-    child = attrs.evolve(
+    return attrs.evolve(
         child_agent(turns=[call("slow", call_id="s1"), say("slow answer")]),
         executor=Toolbox([slow], default_timeout_s=120),
         limits=Limits(tool_timeout_s=120),
     )
+
+
+async def test_a_child_run_call_is_bounded_by_the_budgets_not_the_tool_timeout(autojump_clock):
+    store = MemoryStore()  # the trio clock jumps: no store thread may wait on it
+
+    child = _slow_child()
     parent = parent_agent(store, child, limits=Limits(tool_timeout_s=1))
     result = await run(parent, "go", store=store, run_id="p")
     assert result.state is RunState.SUCCEEDED
@@ -666,17 +672,7 @@ async def test_calls_running_at_once_share_what_the_token_budget_has_left():
 async def test_the_child_draws_from_the_parents_time_budget(autojump_clock):
     store = MemoryStore()  # the trio clock jumps: no store thread may wait on it
 
-    @tool
-    async def slow(ctx: ToolContext) -> str:
-        """Work for a minute."""
-        await trio.sleep(60)
-        return "worked"
-
-    child = attrs.evolve(
-        child_agent(turns=[call("slow", call_id="s1"), say("slow answer")]),
-        executor=Toolbox([slow], default_timeout_s=120),
-        limits=Limits(tool_timeout_s=120),
-    )
+    child = _slow_child()
     parent = parent_agent(store, child, budgets=Budgets(time_budget_s=5))
     began = trio.current_time()
     result = await run(parent, "go", store=store, run_id="p")
@@ -712,17 +708,7 @@ class StepWrites(InterceptingStore):
 def _two_slow_children(store, budget_s: float) -> Agent:
     """A parent whose two steps each hand a child a call that works 60 s (active time)."""
 
-    @tool
-    async def slow(ctx: ToolContext) -> str:
-        """Work for a minute."""
-        await trio.sleep(60)
-        return "worked"
-
-    child = attrs.evolve(
-        child_agent(turns=[call("slow", call_id="s1"), say("slow answer")]),
-        executor=Toolbox([slow], default_timeout_s=120),
-        limits=Limits(tool_timeout_s=120),
-    )
+    child = _slow_child()
     turns = [
         use("helper", "h1", task="first"),
         use("helper", "h2", task="second"),
