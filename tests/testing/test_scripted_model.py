@@ -5,10 +5,12 @@ Its replies report a known usage unless scripted otherwise, so a token budget co
 
 from __future__ import annotations
 
+from typing import Any
+
 import treadle
 from treadle.testing import ScriptedModel, call, calls, say
 from treadle.testing.scripted import SCRIPTED_USAGE
-from treadle.types import Budgets, RunState, StopReason, ToolCall, Usage
+from treadle.types import Budgets, RunResult, RunState, StopReason, ToolCall, Usage
 
 
 @treadle.tool
@@ -45,13 +47,7 @@ async def test_a_script_runs_to_its_end_under_a_token_budget() -> None:
     pings = [ToolCall(id=f"b{index}", name="ping", arguments={}) for index in (1, 2)]
     twice = calls(*pings)
     model = ScriptedModel(turns=[call("ping"), twice, say("pong twice")])
-    agent = treadle.Agent(
-        model=model,
-        executor=treadle.Toolbox([ping]),
-        parser=treadle.NativeToolCallParser(),
-        budgets=Budgets(token_budget=1000),
-    )
-    result = await treadle.run(agent, "ping", store=treadle.MemoryStore(), run_id="r")
+    result = await _ping_run(model, budgets=Budgets(token_budget=1000))
     assert (result.state, result.stop_reason) == (RunState.SUCCEEDED, StopReason.FINAL_ANSWER)
     assert result.final_answer == "pong twice" and result.totals.steps == 3
     assert (result.totals.input_tokens, result.totals.output_tokens) == (30, 15)
@@ -61,24 +57,14 @@ async def test_a_script_runs_to_its_end_under_a_token_budget() -> None:
 async def test_a_reply_scripted_with_unknown_usage_still_ends_a_token_budgeted_run() -> None:
     """``usage=Usage()`` scripts a reply whose usage was never reported (decision 0114)."""
     model = ScriptedModel(turns=[say("pong", usage=Usage())])
-    agent = treadle.Agent(
-        model=model,
-        executor=treadle.Toolbox([ping]),
-        parser=treadle.NativeToolCallParser(),
-        budgets=Budgets(token_budget=1000),
-    )
-    result = await treadle.run(agent, "ping", store=treadle.MemoryStore(), run_id="r")
+    result = await _ping_run(model, budgets=Budgets(token_budget=1000))
     assert (result.state, result.stop_reason) == (RunState.FAILED, StopReason.TOKEN_BUDGET)
     assert result.final_answer is None and result.totals.unknown_usage_attempts == 1
 
 
 async def test_a_turn_offset_past_the_history_says_so_not_a_negative_turn() -> None:
     """A fresh run (no assistant message) of a script skipping 3 inherited ones."""
-    model = ScriptedModel(turns=[call("ping")], turn_offset=3)
-    agent = treadle.Agent(
-        model=model, executor=treadle.Toolbox([ping]), parser=treadle.NativeToolCallParser()
-    )
-    result = await treadle.run(agent, "ping", store=treadle.MemoryStore(), run_id="r")
+    result = await _ping_run(ScriptedModel(turns=[call("ping")], turn_offset=3))
     assert result.stop_reason is StopReason.MODEL_ERROR
     assert result.model_error is not None
     assert result.model_error.message == (
@@ -86,3 +72,14 @@ async def test_a_turn_offset_past_the_history_says_so_not_a_negative_turn() -> N
         "the script skips (the assistant messages of the runs a thread continues): it is of "
         "no turn of the script"
     )
+
+
+async def _ping_run(model: ScriptedModel, **agent_options: Any) -> RunResult:
+    """Run ``model`` on ``ping`` alone in a memory store: the run's result."""
+    agent = treadle.Agent(
+        model=model,
+        executor=treadle.Toolbox([ping]),
+        parser=treadle.NativeToolCallParser(),
+        **agent_options,
+    )
+    return await treadle.run(agent, "ping", store=treadle.MemoryStore(), run_id="r")
