@@ -64,7 +64,7 @@ def driver_owner(owner: str | None) -> str:
 
 
 _CANCEL_MARK: Final = "cancel-"
-_CANCEL_OWNER: Final = re.compile(r"(?:^|:)cancel-[0-9a-f]{8}\Z")
+_CANCEL_OWNER: Final = re.compile(rf"(?:^|:){_CANCEL_MARK}[0-9a-f]{{8}}\Z")
 
 
 def check_ttl(ttl_s: float) -> None:
