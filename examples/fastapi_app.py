@@ -313,9 +313,11 @@ document.getElementById("f").onsubmit = async (e) => {
   const {run_id} = await r.json();
   // EventSource reconnects by itself, sending Last-Event-ID: the id of the last event it saw
   const source = new EventSource(`/runs/${encodeURIComponent(run_id)}/events`);
-  source.addEventListener("text_delta", (m) => { out.textContent += JSON.parse(m.data).text; });
-  source.addEventListener("model_call_started", () => { out.textContent += "\\n"; });
-  source.addEventListener("run_finished", () => source.close());
+  // a child run's events come too, named by their run id: this page shows the run's own
+  const own = (m) => { const d = JSON.parse(m.data); return d.run_id === run_id ? d : null; };
+  source.addEventListener("text_delta", (m) => { out.textContent += own(m)?.text ?? ""; });
+  source.addEventListener("model_call_started", (m) => { if (own(m)) out.textContent += "\\n"; });
+  source.addEventListener("run_finished", (m) => { if (own(m)) source.close(); });
 };
 </script>
 """

@@ -522,6 +522,11 @@ def test_a_child_runs_events_carry_no_sse_id_so_a_reconnect_resumes_the_parent_w
     child = [(e, i) for e, i in first if e.run_id != "trip"]
     assert [e.seq for e, _ in child if e.durable] == [1, 2, 3]
     assert all(i is None for _, i in child)  # the browser's cursor stays the parent's
+    # and the page tells the child's events from the parent's by their data's run id, a
+    # step-started event's too (it had none: the child's looked like the parent's)
+    data = [json.loads(sse_frame(e, run_id="trip").split(b"\ndata: ", 1)[1]) for e, _ in first]
+    assert [d["run_id"] for d in data] == [e.run_id for e, _ in first]
+    assert any(e.kind is EventKind.STEP_STARTED for e, _ in child)
 
     def kept(e: treadle.Event) -> bool:  # the parent's events a reconnect must not lose
         return e.run_id == "trip" and (e.durable or e.kind is EventKind.STEP_STARTED)

@@ -648,6 +648,7 @@ def test_show_and_tail_json_speak_the_event_vocabulary(tmp_path):
         assert out.exit_code == 0, out.output
         rows = [json.loads(line) for line in out.output.splitlines()]
         assert [(r["seq"], r["kind"]) for r in rows] == expected, command
+        assert {r["run_id"] for r in rows} == {"cli-run"}  # step-started events' too
         kinds = {r["kind"] for r in rows}
         assert not kinds & {"model_intent", "model_result", "step", "action_intent"}
         assert kinds <= {k.value for k in treadle.EventKind}

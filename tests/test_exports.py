@@ -426,6 +426,7 @@ STORES = sorted(
         "is_dsn",
         "is_live",
         "driver_owner",
+        "event_to_dict",
         "finishes_cancel",
         "lease_owner",
         "open_jsonl_store",

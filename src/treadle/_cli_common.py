@@ -30,7 +30,7 @@ from treadle._terminal import escape, escaped_for_output, mark
 from treadle.agent import Agent
 from treadle.approvals import read_control
 from treadle.ports import RunIndex, RunQueue, RunStore
-from treadle.stores import is_dsn, record_to_dict, redact_dsn
+from treadle.stores import is_dsn, redact_dsn
 from treadle.stores.jsonl import JsonlStore, open_jsonl_store
 from treadle.stores.sqlite import open_sqlite_store
 from treadle.types import (
@@ -41,7 +41,6 @@ from treadle.types import (
     CancelRequested,
     ChildrenAwaited,
     DefinitionAccepted,
-    Event,
     Liveness,
     ModelErrorInfo,
     ModelIntent,
@@ -830,20 +829,3 @@ def _unusual_finish(reply: ModelReply | None) -> str:
         return ""
     own = f" ({reply.provider_finish_reason})" if reply.provider_finish_reason else ""
     return f"finish {reply.finish_reason}{own}"
-
-
-def event_json(event: Event) -> dict[str, Any]:
-    """One event as ``treadle show --json`` and ``treadle tail --json`` print it.
-
-    ``{"seq", "kind"}`` with the event kind of docs/events.md ("Event types", the names the
-    Python API uses), then the record's fields; a step-started event has ``step`` and its
-    ``ordinal`` (1) instead.
-    """
-    data: dict[str, Any] = {"seq": event.seq, "kind": event.kind.value}
-    if event.record is None:
-        data.update(step=event.step, ordinal=event.ordinal)
-        return data
-    fields = record_to_dict(event.record)
-    del fields["kind"]  # the record's tag in the log format; the event kind names it here
-    data.update(fields)
-    return data

@@ -22,7 +22,6 @@ from treadle._cli_common import (
     call_text,
     counted,
     describe,
-    event_json,
     from_seq_option,
     in_queue,
     open_store,
@@ -47,7 +46,7 @@ from treadle.approvals import (
 )
 from treadle.ports import RunIndex, RunStore
 from treadle.redaction import Redaction
-from treadle.stores import finishes_cancel, lease_owner
+from treadle.stores import event_to_dict, finishes_cancel, lease_owner
 from treadle.stores.jsonl import JsonlStore, Repair
 from treadle.supervisors import finish_cancelled_here
 from treadle.types import (
@@ -334,7 +333,7 @@ def tail_command(run_id: str, store_path: str, from_seq: int, as_json: bool, fol
         if as_json:
             for event in with_step_started([durable_event(run_id, seq, record)]):
                 if event.seq >= from_seq:
-                    click.echo(printable_json(event_json(event)))
+                    click.echo(printable_json(event_to_dict(event)))
             return
         if isinstance(record, ModelIntent) and record.attempt == 1:
             click.echo(f"{'':>5}  {record.step:>4}  step started")

@@ -25,7 +25,6 @@ from treadle._cli_common import (
     approval_hint,
     counted,
     describe,
-    event_json,
     from_seq_option,
     import_spec,
     lineage_text,
@@ -54,7 +53,7 @@ from treadle.agent import Agent
 from treadle.approvals import pending_approval, undecided_approval
 from treadle.ports import RunIndex, RunStore
 from treadle.redaction import Redaction
-from treadle.stores import finishes_cancel, is_live
+from treadle.stores import event_to_dict, finishes_cancel, is_live
 from treadle.supervisors import leases_of
 from treadle.types import (
     ApprovalRequested,
@@ -414,7 +413,7 @@ def show(run_id: str, store_path: str, as_json: bool, from_seq: int, last: int |
     log, _ = valid_unicode(log)
     if as_json:
         for event in stored_events(log, first, count):
-            click.echo(printable_json(event_json(event)))
+            click.echo(printable_json(event_to_dict(event)))
         return
     console = table_console()
     for table in trajectory_tables(log, first):

@@ -38,7 +38,7 @@ from treadle.agent import Agent, RunInput, check_input
 from treadle.approvals import check_cancel_text, decide, request_cancel
 from treadle.metrics import MetricsRecorder
 from treadle.ports import EventSink, RunIndex, RunStore
-from treadle.stores import LEASE_TTL_S, record_to_dict
+from treadle.stores import LEASE_TTL_S, event_to_dict
 from treadle.supervisors import PARK_AFTER_S, RunHandle, open_run, wait_result
 from treadle.types import ApprovalDecided, Event, EventKind, Liveness, RunResult, RunState
 
@@ -886,25 +886,18 @@ async def open_runs(
 
 
 def event_data(event: Event) -> dict[str, Any]:
-    """One event as JSON data: ``{"seq", "kind", ...}``, as ``treadle tail --json`` prints it.
+    """One event as JSON data, ``{"seq", "kind", "run_id", ...}``: as ``treadle tail --json``.
 
-    A durable event has its record's fields after ``seq`` and ``kind`` (the event kinds of
-    docs/events.md, "Event types"); a delta has ``ordinal`` and ``text``; a step-started
-    event ``step`` and ``ordinal``. Its text is valid Unicode, which UTF-8 encodes: a lone
-    surrogate is U+FFFD, as ``treadle tail`` prints it (a delta's half of a surrogate pair
-    that the server split across two chunks, a record of a log written before text entering
-    it was repaired: docs/crash-safety.md, "Text that is not Unicode").
+    A durable event has its record's fields after ``seq``, ``kind`` and ``run_id`` (the event
+    kinds of docs/events.md, "Event types"); a delta or a warning has ``ordinal`` and
+    ``text``; a step-started event ``step`` and ``ordinal`` (`treadle.stores.event_to_dict`).
+    Every event names its run: a child run's events, which a parent's stream carries live,
+    have the child's run id (docs/child-runs.md, "Events"). Its text is valid Unicode, which
+    UTF-8 encodes: a lone surrogate is U+FFFD, as ``treadle tail`` prints it (a delta's half
+    of a surrogate pair that the server split across two chunks, a record of a log written
+    before text entering it was repaired: docs/crash-safety.md, "Text that is not Unicode").
     """
-    data: dict[str, Any] = {"seq": event.seq, "kind": event.kind.value}
-    if event.record is not None:
-        fields = record_to_dict(event.record)
-        del fields["kind"]  # the record's tag in the log format; the event kind names it here
-        data.update(fields)
-    elif event.text is not None:
-        data.update(ordinal=event.ordinal, text=event.text)
-    else:
-        data.update(step=event.step, ordinal=event.ordinal)
-    data, _ = valid_unicode(data)
+    data, _ = valid_unicode(event_to_dict(event))
     return data
 
 

@@ -14,7 +14,8 @@ reporting); their counters are a `StoreStatistics`, and `EngineStore` is their c
 Shared by every store and by the supervisors and tools above them:
 
 * records: `record_to_dict` (the named JSON form of a log record, as events and `treadle show`
-  carry it), `record_to_json` (that form as one line of compact JSON), `check_schema` (refuse a
+  carry it), `event_to_dict` (an event's JSON form: its run id, kind and record),
+  `record_to_json` (a record's form as one line of compact JSON), `check_schema` (refuse a
   run written by a newer schema), `write_records` (write records through a store's typed
   operations, as a driver would);
 * leases: `LEASE_TTL_S`, `check_ttl`, `is_live`, `lease_owner`, `finishes_cancel`,
@@ -27,6 +28,7 @@ Shared by every store and by the supervisors and tools above them:
 from __future__ import annotations
 
 from treadle.stores._codec import check_schema as check_schema
+from treadle.stores._codec import event_to_dict as event_to_dict
 from treadle.stores._codec import record_to_dict as record_to_dict
 from treadle.stores._codec import record_to_json as record_to_json
 from treadle.stores._dsn import is_dsn as is_dsn
@@ -58,6 +60,7 @@ __all__ = [
     "check_schema",
     "check_ttl",
     "driver_owner",
+    "event_to_dict",
     "finishes_cancel",
     "is_dsn",
     "is_live",

@@ -54,6 +54,7 @@ from treadle.types import (
     ChildrenAwaited,
     ContextUsed,
     DefinitionAccepted,
+    Event,
     ImageRef,
     InvalidToolCall,
     Message,
@@ -142,6 +143,28 @@ def record_to_dict(record: Record) -> dict[str, Any]:
     """
     data: dict[str, Any] = _converter().unstructure(record)
     data["kind"] = KIND_OF[type(record)]
+    return data
+
+
+def event_to_dict(event: Event) -> dict[str, Any]:
+    """One event as JSON data: ``{"seq", "kind", "run_id", ...}``.
+
+    The shape ``treadle tail --json``, ``treadle show --json`` and `treadle.asyncio.event_data`
+    give (docs/events.md, "Reading events"): the event kind (docs/events.md, "Event types")
+    and the run the event belongs to, then a durable event's record fields, a delta's or a
+    warning's ``ordinal`` and ``text``, or a step-started event's ``step`` and ``ordinal``.
+    Every event names its run, so a stream that carries a child run's events beside its
+    parent's (docs/child-runs.md, "Events") tells them apart.
+    """
+    data: dict[str, Any] = {"seq": event.seq, "kind": event.kind.value, "run_id": event.run_id}
+    if event.record is not None:
+        fields = record_to_dict(event.record)
+        del fields["kind"]  # the record's tag in the log format; the event kind names it here
+        data.update(fields)
+    elif event.text is not None:
+        data.update(ordinal=event.ordinal, text=event.text)
+    else:
+        data.update(step=event.step, ordinal=event.ordinal)
     return data
 
 
