@@ -13,6 +13,7 @@ import threading
 import time
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -20,6 +21,7 @@ import trio
 
 import treadle
 from treadle._exceptions import StoreError
+from treadle.metrics import BARRIER_LATENCY, MetricsRecorder
 from treadle.ports import RunStore
 from treadle.stores import _engine, _jsonl_backend, postgres
 from treadle.stores import sqlite as sqlite_module
@@ -163,6 +165,52 @@ async def test_a_barrier_whose_batch_carries_many_bytes_goes_to_the_committer(
     assert (await store.read_log("r")).records == tuple(wrote)
     stats = store.statistics()
     assert (stats.commits, stats.writes_committed, stats.pending) == (5, 8, 0)
+
+
+class Waits:
+    """A metrics output that keeps each barrier latency observed, in seconds."""
+
+    def __init__(self) -> None:
+        self.seconds: list[float] = []
+
+    def observe(self, metric: object, value: float, labels: tuple[str, ...]) -> None:
+        if metric is BARRIER_LATENCY:
+            self.seconds.append(value)
+
+    def add(self, metric: object, value: float, labels: tuple[str, ...]) -> None:
+        pass
+
+    set = add
+
+
+async def test_a_barrier_committed_here_counts_its_commit_in_its_latency(
+    store: Any, commits: Commits, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A barrier committed in the trio thread started its clock only once the commit was
+    done: an idle store's barrier latency came out near zero, however long its syncs took.
+    On a clock that moves one second per commit, each barrier now waits one second, on
+    either path."""
+    clock = SimpleNamespace(now=0.0)
+    monkeypatch.setattr(_engine, "time", SimpleNamespace(perf_counter=lambda: clock.now))
+    backend = type(store._engine._backend)
+    counted = backend.commit
+
+    def one_second(this: object, batch: list[_engine.Write]) -> object:
+        clock.now += 1.0
+        return counted(this, batch)
+
+    monkeypatch.setattr(backend, "commit", one_second)
+    waits = Waits()
+    assert MetricsRecorder(outputs=(waits,)).watch(store)
+    g = await lease(store, "r")
+    await store.write_run_started(started("r"), seq=1, generation=g)  # lingers: no wait
+    await store.write_intent(intent("r", 1), seq=2, generation=g)  # here
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(trio.lowlevel.checkpoint)  # runnable: the committer commits it
+        await store.write_intent(intent("r", 2), seq=3, generation=g)
+    await store.write_intent(intent("r", 3), seq=4, generation=g)  # here
+    assert commits.threads() == ["trio", "committer", "trio"]
+    assert waits.seconds == [1.0, 1.0, 1.0]
 
 
 async def test_a_runnable_task_sends_the_barrier_to_the_committer(

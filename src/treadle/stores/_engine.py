@@ -464,6 +464,10 @@ class CommitEngine:
     ) -> None:
         """Queue one write; for a barrier, wait until it (and all before it) is durable.
 
+        A barrier's wait is reported to `metrics` in seconds, from just before it is
+        committed in this thread or queued until its batch is handed back, so a commit
+        here counts in it (docs/metrics.md, "What is counted").
+
         Raises:
             ConflictError: ``seq`` is not the run's next seq here, or another writer stored it
                 first (caught at commit). Nothing of the write is stored.
@@ -506,6 +510,8 @@ class CommitEngine:
         write.size = self._backend.size(payload)
         counters = self._counters
         wait = barrier or counters.pending >= MAX_PENDING_WRITES
+        metrics = self.metrics if barrier else None
+        queued = time.perf_counter() if metrics is not None else 0.0  # a commit here included
         if not (barrier and self._commit_here(write)):
             self._inbox.put(write, flush=wait)  # StoreError if the committer is gone
         state.head = None
@@ -514,15 +520,13 @@ class CommitEngine:
         counters.pending += 1
         if not wait:
             return
-        metrics = self.metrics
-        queued = time.perf_counter() if metrics is not None else 0.0
         if write.done:  # committed here: durable, so a cancellation now does not undo it
             await trio.lowlevel.cancel_shielded_checkpoint()
         else:
             # The batch is handed back by `_deliver`, in this thread, never before this yields.
             write.waiter = trio.lowlevel.current_task()
             await trio.lowlevel.wait_task_rescheduled(write.abort_wait)
-        if metrics is not None and barrier:
+        if metrics is not None:
             metrics.barrier(time.perf_counter() - queued)
         if write.error is not None:
             state.reported = True
