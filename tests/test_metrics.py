@@ -28,7 +28,7 @@ from prometheus_client.parser import text_string_to_metric_families
 import treadle
 from treadle.metrics import UNKNOWN_TOOL, MetricsRecorder
 from treadle.stores.sqlite import open_sqlite_store
-from treadle.testing.scripted import ScriptedModel, calls, say
+from treadle.testing.scripted import ScriptedModel, call, calls, say
 from treadle.types import (
     ActionResult,
     Liveness,
@@ -516,6 +516,84 @@ async def test_an_output_that_raises_is_logged_and_never_reaches_the_run(tmp_pat
     logged = [r for r in caplog.records if r.name == "treadle.metrics"]
     assert len(logged) == 1  # its first failure, with the traceback
     assert "_Broken" in logged[0].getMessage() and logged[0].exc_info is not None
+
+
+# --------------------------------------------------------------------------- the worker gauges
+
+
+@attrs.define
+class _Slots:
+    """A metrics output that keeps, after each worker gauge set, the slots taken then.
+
+    Slots taken: runs driven less those waiting on a child run (docs/metrics.md, "A
+    dashboard").
+    """
+
+    gauges: dict[str, float] = attrs.Factory(dict)
+    peaks: Counter[str] = attrs.Factory(Counter)
+    taken: list[float] = attrs.Factory(list)
+
+    def set(self, metric, value: float, labels: tuple[str, ...]) -> None:
+        if metric.prometheus.startswith("treadle_worker_"):
+            self.gauges[metric.prometheus] = value
+            self.peaks[metric.prometheus] = max(self.peaks[metric.prometheus], int(value))
+            driven = self.gauges.get("treadle_worker_running_runs", 0)
+            self.taken.append(driven - self.gauges.get("treadle_worker_waiting_runs", 0))
+
+    def add(self, metric, value: float, labels: tuple[str, ...]) -> None:
+        pass
+
+    observe = add
+
+
+def _researcher() -> treadle.Agent:
+    return treadle.Agent(
+        model=ScriptedModel(turns=[say("Oslo is sunny.")]),
+        executor=treadle.Toolbox([]),
+        parser=treadle.NativeToolCallParser(),
+    )
+
+
+def _planner(store) -> treadle.Agent:
+    research = treadle.agent_tool(
+        _researcher(),
+        store=store,
+        name="research",
+        description="Ask the research agent.",
+        fleet_agent="researcher",
+        control_poll_s=0.05,
+    )
+    return treadle.Agent(
+        model=ScriptedModel(turns=[call("research", task="Weather in Oslo?"), say("Sunglasses.")]),
+        executor=treadle.Toolbox([research]),
+        parser=treadle.NativeToolCallParser(),
+    )
+
+
+async def test_parents_waiting_on_queued_children_are_told_from_the_slots_taken(fleet_store):
+    """A parent waiting on its queued child frees its slot, yet counted in the running gauge
+    like any drive: with one slot the gauge read 3 and the dashboard's free slots -2. The
+    waiting gauge now says how many of the driven runs wait, whenever that changes, and
+    running less waiting never exceeds ``max_running``."""
+    slots = _Slots()
+    agents = {"planner": lambda: _planner(fleet_store), "researcher": _researcher}
+    with trio.fail_after(60):
+        async with treadle.open_fleet(
+            fleet_store,
+            agents,
+            max_running=1,
+            claim_poll_s=0.05,
+            metrics=MetricsRecorder(outputs=(slots,)),
+        ) as fleet:
+            for run_id in ("trip-1", "trip-2"):
+                await fleet.submit("planner", "Plan a trip to Oslo", run_id=run_id)
+            for run_id in ("trip-1", "trip-2"):
+                assert (await fleet.result(run_id, poll_s=0.05)).final_answer == "Sunglasses."
+    assert fleet.statistics().claimed == 4  # both planners and both children
+    assert slots.peaks["treadle_worker_running_runs"] >= 2  # a planner waited beside a child
+    assert min(slots.taken) >= 0 and max(slots.taken) <= 1, slots.taken
+    assert slots.peaks["treadle_worker_waiting_runs"] >= 1
+    assert set(slots.gauges.values()) == {0}  # all done
 
 
 # --------------------------------------------------------------------------- the store gauge

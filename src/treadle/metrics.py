@@ -127,7 +127,14 @@ RUNNING: Final = Metric(
     prometheus="treadle_worker_running_runs",
     otel="treadle.worker.running_runs",
     kind=MetricKind.GAUGE,
-    help="Runs this worker drives now (claimed and not yet done).",
+    help="Runs this worker drives now (claimed and not yet done), those waiting on a child too.",
+    unit="{run}",
+)
+WAITING: Final = Metric(
+    prometheus="treadle_worker_waiting_runs",
+    otel="treadle.worker.waiting_runs",
+    kind=MetricKind.GAUGE,
+    help="Runs this worker drives that wait on a child run queued in the fleet, slots freed.",
     unit="{run}",
 )
 STORE_RUNS: Final = Metric(
@@ -163,6 +170,7 @@ METRICS: Final = (
     TOKENS,
     TOOL_CALLS,
     RUNNING,
+    WAITING,
     STORE_RUNS,
     COMMIT_BATCH,
     BARRIER_LATENCY,
@@ -285,9 +293,15 @@ class MetricsRecorder:
         """A barrier write waited ``seconds`` (monotonic clock) for its batch to be durable."""
         self._observe(BARRIER_LATENCY, seconds, ())
 
-    def running(self, runs: int) -> None:
-        """The worker drives ``runs`` runs now."""
+    def running(self, runs: int, waiting: int = 0) -> None:
+        """The worker drives ``runs`` runs now, ``waiting`` of them waiting on a child run.
+
+        A run waiting on a child run queued in the fleet holds no slot: the slots taken are
+        ``runs - waiting``, at most the worker's ``max_running`` (docs/metrics.md, "A
+        dashboard"; docs/child-runs.md, "In a fleet").
+        """
         self._update("set", RUNNING, runs, ())
+        self._update("set", WAITING, waiting, ())
 
     def store_runs(self, counts: Mapping[Liveness, int]) -> None:
         """The store's run index holds ``counts`` runs of each liveness (absent ones: 0)."""
@@ -335,6 +349,7 @@ __all__ = [
     "TOKENS",
     "TOOL_CALLS",
     "UNKNOWN_TOOL",
+    "WAITING",
     "Metric",
     "MetricKind",
     "MetricsOutput",

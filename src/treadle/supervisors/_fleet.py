@@ -220,8 +220,7 @@ class Fleet:
                     self._nursery.start_soon(
                         self._drive, made, name=f"treadle run {made.lease.run_id}"
                     )
-            if self._metrics is not None:
-                self._metrics.running(len(self._driving))
+            self._gauge_running()
             self._wake = trio.Event()
             with trio.move_on_after(self._poll_s):
                 await self._wake.wait()
@@ -229,6 +228,16 @@ class Fleet:
     def _busy(self) -> int:
         """Slots taken: runs driven here, less those waiting on a child."""
         return len(self._driving) - len(self._waiting)
+
+    def _gauge_running(self) -> None:
+        """Report the runs driven here, and how many of them wait on a child, to the metrics.
+
+        Called when a claim, the end of a drive or a wait on a child changes either count, so
+        the slots taken (the first less the second) never read above ``max_running``
+        (docs/metrics.md, "A dashboard").
+        """
+        if self._metrics is not None:
+            self._metrics.running(len(self._driving), len(self._waiting))
 
     @asynccontextmanager
     async def _waiting_on_child(self, run_id: str, child_id: str) -> AsyncIterator[None]:
@@ -244,6 +253,7 @@ class Fleet:
         """
         self._waiting[run_id] += 1  # one count per call waiting (parallel calls of a step)
         self._awaited[child_id] = run_id
+        self._gauge_running()
         self._room.unpark_all()
         self._wake.set()  # the claim loop may claim into the freed slot (the child, say)
         parking = False
@@ -269,6 +279,7 @@ class Fleet:
             self._waiting[run_id] -= 1
             if self._waiting[run_id] <= 0:
                 del self._waiting[run_id]
+                self._gauge_running()
 
     def _child_ended(self, child_id: str) -> None:
         """A drive here finished ``child_id``: reserve the slot of the parent waiting on it.
@@ -394,8 +405,7 @@ class Fleet:
                 self._unreleased.discard(run_id)
             self._forget_drive(made, handle)
             self._room.unpark_all()
-            if self._metrics is not None:
-                self._metrics.running(len(self._driving))
+            self._gauge_running()
             self._wake.set()
 
     def _agent_for(self, made: Claim) -> Agent:
