@@ -397,3 +397,35 @@ async def test_a_drive_cut_from_outside_ends_its_spans(autojump_clock):
     assert run.status.status_code is StatusCode.UNSET
     assert "treadle.run.state" not in run.attributes
     assert {traced.root(s) for s in traced.finished()} == {run}
+
+
+async def test_a_sink_that_fell_behind_still_ends_the_run_span(autojump_clock):
+    """A sink whose first send was slow (an exporter's first connection) dropped the run's
+    last events from its full buffer, run_finished among them, and got no run_left (the run
+    finished): its run span was never ended nor exported, and the sink kept the run's spans
+    for good. It now gets the run's end after its buffer, and ends every span it opened."""
+    traced = Traced()
+    gate = trio.Event()
+
+    class SlowFirst(OpenTelemetrySink):
+        async def send(self, event):
+            await gate.wait()
+            await super().send(event)
+
+    sink = SlowFirst(tracer=traced.tracer, agent_name="calc")
+    turns = [call("add", a=1, b=i, call_id=f"c{i}") for i in range(150)] + [say("ok")]
+    agent = treadle.Agent(
+        model=ScriptedModel(turns=turns),
+        executor=treadle.Toolbox([add]),
+        parser=treadle.NativeToolCallParser(),
+        budgets=treadle.Budgets(max_steps=200, max_model_attempts=200),
+    )
+    with trio.fail_after(60):
+        async with open_run(agent, "x", store=MemoryStore(), run_id="r", sinks=[sink]) as handle:
+            assert (await handle.wait()).state is RunState.SUCCEEDED
+            assert handle.statistics().sink_drops > 0  # its buffer overflowed
+            gate.set()  # it keeps up from now on, well within the grace
+    assert traced.never_ended() == []
+    (run,) = traced.named("invoke_agent")
+    assert run.attributes["treadle.run.state"] == "succeeded"
+    assert {traced.root(s) for s in traced.finished()} == {run}

@@ -356,6 +356,40 @@ async def test_a_sink_cut_off_with_its_drive_is_told_so_at_once():
     ]
 
 
+async def test_a_sink_whose_full_buffer_dropped_the_runs_end_gets_it_after_its_buffer():
+    """A sink that fell behind lost the run's ``run_finished`` with the rest of the events its
+    full buffer dropped, and, the run being finished, got no ``run_left`` either: what it
+    kept open for the run (the OpenTelemetry sink's spans) stayed open for good. The run's
+    end is now kept aside and handed to it after its buffer, and not counted as dropped."""
+    from treadle.actors import SINK_BUFFER, SinkFeed
+    from treadle.types import Event
+
+    got: list[Event] = []
+    gate = trio.Event()
+
+    class Late:
+        async def send(self, event: Event) -> None:
+            await gate.wait()  # an exporter's first connection, say
+            got.append(event)
+
+    feed = SinkFeed(sinks=[Late()])
+    async with trio.open_nursery() as nursery:
+        await nursery.start(feed.run)
+        offered = SINK_BUFFER + 10  # one in the sink's hands, 256 buffered, 9 dropped
+        for ordinal in range(1, offered + 1):
+            feed.offer(
+                Event(run_id="r", seq=2, kind=EventKind.TEXT_DELTA, text="x", ordinal=ordinal)
+            )
+            if ordinal == 1:
+                await trio.testing.wait_all_tasks_blocked()  # the sink took the first
+        feed.offer(Event(run_id="r", seq=3, kind=EventKind.RUN_FINISHED))
+        gate.set()
+        await feed.aclose(left="drained")  # finished: no run-left event follows
+    assert feed.sink_drops == offered - 1 - SINK_BUFFER
+    assert [e.ordinal for e in got[:-1]] == list(range(1, SINK_BUFFER + 2))
+    assert (got[-1].kind, got[-1].seq) == (EventKind.RUN_FINISHED, 3)
+
+
 # ------------------------------------------------------------- metrics count what is stored
 
 

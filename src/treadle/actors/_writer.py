@@ -133,7 +133,9 @@ class SinkFeed:
 
     When it is closed with the run unfinished, each sink gets one last ``run_left`` event
     after the events in its buffer, so that it can close what it keeps open for the run
-    (docs/events.md, "Sinks and subscribers never stall a run"). A sink cut off before the
+    (docs/events.md, "Sinks and subscribers never stall a run"). The run's ``run_finished``
+    event is not dropped for a full buffer either: a sink whose buffer is full when it is
+    offered gets it after the events in its buffer. A sink cut off before the
     end of its buffer without having received the run's ``run_finished`` (the drive
     cancelled from outside, or its `SINK_GRACE_S` over) gets a ``run_left`` event reading
     ``cut_off`` at once instead, the rest of its buffer undelivered (`SINK_CUT_GRACE_S`).
@@ -153,6 +155,9 @@ class SinkFeed:
     """Run id, seq, ordinal and kind of the last event offered (no record kept alive)."""
     _left: Event | None = None
     """The run-left event each sink gets after its buffer, once closed unfinished."""
+    _finishes: dict[int, Event] = attrs.Factory(dict)
+    """The run-finished event, by the index of each sink whose buffer was full when it was
+    offered: that sink gets it after its buffer."""
 
     @trio.lowlevel.enable_ki_protection  # Ctrl-C reaches the main task: decision 0097
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
@@ -208,12 +213,21 @@ class SinkFeed:
         self._closed.set()
 
     def offer(self, event: Event) -> None:
-        """Hand ``event`` to every sink's buffer; a full buffer drops it and counts it."""
+        """Hand ``event`` to every sink's buffer; a full buffer drops it and counts it.
+
+        But for the run's ``run_finished`` event: a full buffer keeps it aside, and the sink
+        gets it after the events in its buffer (so a sink that fell behind still closes what
+        it keeps open for the run: docs/events.md, "Sinks and subscribers never stall a
+        run").
+        """
         self._last = (event.run_id, event.seq, event.ordinal, event.kind)
         for index, channel in enumerate(self._inboxes):
             try:
                 channel.send_nowait(event)
             except trio.WouldBlock:
+                if event.kind is EventKind.RUN_FINISHED:
+                    self._finishes[index] = event
+                    continue
                 self.sink_drops += 1
                 self._warn_once(
                     index,
@@ -246,20 +260,31 @@ class SinkFeed:
             try:
                 async for first in events:
                     for event in and_buffered(first, events):
-                        # Past the grace, nothing more goes out, even to a sink whose sends
-                        # shield themselves (docs/events.md, "Sinks and subscribers never
-                        # stall a run"): taking a burst yields nowhere, so look for it here.
-                        await trio.lowlevel.checkpoint_if_cancelled()
-                        if self.reflected is not None:
-                            await self.reflected(event)
+                        await self._ready(event)
                         last = event.kind
                         await self._deliver(index, sink, event)
+                finish = self._finishes.pop(index, None)  # kept aside by a full buffer
+                if finish is not None:
+                    await self._ready(finish)
+                    last = finish.kind
+                    await self._deliver(index, sink, finish)
                 through = True
             finally:
                 if not through and last is not EventKind.RUN_FINISHED:
                     await self._cut_off(index, sink)
         if self._left is not None:  # after everything in its buffer, whatever its room
             await self._deliver(index, sink, self._left)
+
+    async def _ready(self, event: Event) -> None:
+        """Return once ``event`` may go to a sink: the grace not over, the handle reflecting it.
+
+        Past the grace, nothing more goes out, even to a sink whose sends shield themselves
+        (docs/events.md, "Sinks and subscribers never stall a run"): taking a burst from a
+        buffer yields nowhere, so this looks for the cancellation (`trio.Cancelled`).
+        """
+        await trio.lowlevel.checkpoint_if_cancelled()
+        if self.reflected is not None:
+            await self.reflected(event)
 
     async def _cut_off(self, index: int, sink: EventSink) -> None:
         """Tell ``sink``, cut off before the end of its buffer, that the drive left it.
