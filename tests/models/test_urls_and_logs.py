@@ -1,15 +1,17 @@
-"""The request URL keeps base_url's query string; no query credential reaches a log line."""
+"""The request URL keeps base_url's query string; no credential reaches a log or another host."""
 
 from __future__ import annotations
 
 import logging
 
+import httpx
 import pytest
 import trio
 from tests.fixtures.canned_replies import ANTHROPIC_REPLY, OPENAI_REPLY
 
+from treadle import ModelCallError
 from treadle.models import AnthropicMessagesClient, OpenAIChatClient
-from treadle.testing.loopback import canned, open_loopback_server
+from treadle.testing.loopback import CannedResponse, canned, open_loopback_server
 from treadle.types import Message, ModelRequest
 
 SECRET = "AIzaSyQUERYSECRET123"
@@ -127,3 +129,36 @@ def test_a_base_url_that_is_refused_is_quoted_without_its_credentials(make, base
     with pytest.raises(UsageError, match="base_url") as refused:
         make(base_url=base_url)
     assert SECRET not in str(refused.value) and "bob:***@" in str(refused.value)
+
+
+@pytest.mark.parametrize(
+    ("make", "root", "reply"),
+    [
+        (OpenAIChatClient, "/v1", OPENAI_REPLY),
+        (AnthropicMessagesClient, "", ANTHROPIC_REPLY),
+    ],
+    ids=["openai", "anthropic"],
+)
+async def test_a_given_http_client_that_follows_redirects_sends_nothing_to_the_other_host(
+    make, root, reply
+):
+    # The caller's client followed a 307 to another origin, and httpx drops only
+    # Authorization on the way: the x-api-key, an extra_headers key and the body went there.
+    async with (
+        open_loopback_server(canned(reply)) as elsewhere,
+        open_loopback_server(
+            canned(CannedResponse(status=307, headers={"location": elsewhere.base_url}))
+        ) as origin,
+        httpx.AsyncClient(follow_redirects=True) as http,
+    ):
+        client = make(
+            base_url=origin.base_url + root,
+            api_key="sk-header-key",
+            extra_headers={"api-key": SECRET},
+            http_client=http,
+        )
+        with trio.fail_after(10), pytest.raises(ModelCallError) as refused:
+            await client.complete(REQUEST)
+    assert (refused.value.info.kind, refused.value.info.status) == ("invalid_response", 307)
+    assert len(origin.requests) == 1
+    assert elsewhere.requests == []

@@ -269,9 +269,22 @@ class StreamReader(Generic[A]):
         return acc.failure("invalid_response", message, status=response.status_code)
 
     async def _send(self, http_request: httpx.Request, acc: A, deadline: float) -> httpx.Response:
+        """The response head of ``http_request``, its body still to be read.
+
+        A redirect is never followed, whatever the client's ``follow_redirects`` says: the
+        request's body and credentials would go to another address (a given ``http_client``
+        that follows redirects drops only ``Authorization`` on the way, not ``x-api-key`` or
+        an ``extra_headers`` key); `_read_response` refuses the 3xx (docs/models.md,
+        "Connections and headers").
+
+        Raises:
+            treadle.ModelCallError: ``timeout`` (retryable) when no head came by ``deadline``
+                (trio's clock) or the connect timed out; ``bad_request`` (not retryable) when
+                the request breaks HTTP; ``connection`` (retryable) on another transport error.
+        """
         with trio.move_on_at(deadline):
             try:
-                return await self._client.send(http_request, stream=True)
+                return await self._client.send(http_request, stream=True, follow_redirects=False)
             except httpx.TimeoutException as exc:
                 raise acc.failure("timeout", f"connect: {exc!r}", retryable=True) from exc
             except (httpx.LocalProtocolError, httpx.UnsupportedProtocol) as exc:
