@@ -147,6 +147,40 @@ async def test_the_attempt_budget_stops_the_call_before_any_attempt(autojump_clo
     assert model.requests == [] and fake.appended == []
 
 
+@pytest.mark.parametrize(
+    "error",
+    [RATE_LIMITED, attrs.evolve(RATE_LIMITED, retry_after_s=None)],
+    ids=["retry-after", "backoff"],
+)
+async def test_no_retry_wait_is_slept_once_the_attempt_budget_is_spent(autojump_clock, error):
+    # The call slept the server's wait (or the backoff) and only then found that no attempt
+    # was left: the run stalled for nothing, the wait counted as active time.
+    model = ScriptedModel(turns=[say("never")], failures={0: [error]})
+    async with _alone(model, budgets=Budgets(max_model_attempts=2)) as (inbox, _):
+        before = trio.current_time()
+        outcome = await _call(inbox, run_attempts=1)
+        waited = trio.current_time() - before
+    assert outcome.stop is StopReason.MAX_MODEL_ATTEMPTS and len(model.requests) == 1
+    assert waited == 0
+
+
+async def test_a_resumed_step_with_no_attempt_left_skips_the_rest_of_its_wait(autojump_clock):
+    model = ScriptedModel(turns=[say("never")])
+    refused = ModelResult(
+        run_id="r",
+        step=1,
+        intent_id="r/s1/m1",
+        ts=FixedStepClock().now_iso(),
+        error=attrs.evolve(RATE_LIMITED, retry_after_s=60.0),
+    )
+    async with _alone(model, budgets=Budgets(max_model_attempts=1)) as (inbox, fake):
+        before = trio.current_time()
+        outcome = await _call(inbox, run_attempts=1, step_attempts=1, last_failure=refused)  # type: ignore[arg-type]
+        waited = trio.current_time() - before
+    assert outcome.stop is StopReason.MAX_MODEL_ATTEMPTS and waited == 0
+    assert model.requests == [] and fake.appended == []
+
+
 async def test_cancelling_the_step_cuts_the_stream_and_records_the_cut_attempt(autojump_clock):
     model = ScriptedModel(turns=[say("never")], failures={0: [ModelErrorInfo(kind=STALLED)]})
     scope = StepScope()

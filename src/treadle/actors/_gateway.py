@@ -3,8 +3,9 @@
 Every HTTP attempt gets its own durable intent (a barrier written before the request leaves)
 and its own result record, failed attempts included (docs/crash-safety.md, "The write protocol";
 docs/concepts.md, "Budgets"). Retries wait with exponential backoff and jitter, or exactly the
-server's Retry-After; a wait that would outlast the active-time budget, or a server-directed
-wait longer than `Limits.retry_after_max_s`, is not slept.
+server's Retry-After; a wait that would outlast the active-time budget, a server-directed
+wait longer than `Limits.retry_after_max_s`, or a wait after which the attempt or token budget
+allows no attempt, is not slept.
 
 Each attempt runs under the agent's `Limits`: the connect, first-byte and stream-idle deadlines
 are handed to the client in the attempt's `treadle.types.Attempt` (it applies the tighter of
@@ -122,19 +123,26 @@ class ModelGateway:
         self._coalescer.offer(channel, text)
 
     async def call(self, message: CallModel) -> ModelOutcome:
-        """Make attempts until one succeeds, the error is final, or a budget ends the call."""
+        """Make attempts until one succeeds, the error is final, or a budget ends the call.
+
+        The attempt and token budgets are checked before each wait for a retry (a resumed
+        step's rest of a server-directed wait included), so a wait no attempt may follow is
+        never slept: the call ends at once with that budget (docs/models.md, "Budgets during
+        a call").
+        """
         written: list[Record] = []
         attempt = message.step_attempts
         failures = message.step_failures
         run_attempts = message.run_attempts
         tokens = message.tokens
-        waited = await self._wait(message, self._left_of_earlier_wait(message), written)
-        if waited is not None:
-            return waited
+        wait = self._left_of_earlier_wait(message)
         while True:
             stop = self._budget_stop(run_attempts, tokens)
             if stop is not None:
                 return ModelOutcome(stop=stop, written=tuple(written))
+            waited = await self._wait(message, wait, written)
+            if waited is not None:
+                return waited
             attempt += 1
             run_attempts += 1
             meter = _Meter(limit=self._remaining_tokens(tokens))
@@ -152,12 +160,8 @@ class ModelGateway:
             failures += 1
             if ends_the_call(result.error, failures, self.limits):
                 return ModelOutcome(error=result.error, written=tuple(written))
-            wait = result.error.retry_after_s
-            if wait is None:
-                wait = backoff_s(failures, self.limits, self.rng)
-            waited = await self._wait(message, wait, written)
-            if waited is not None:
-                return waited
+            asked = result.error.retry_after_s
+            wait = asked if asked is not None else backoff_s(failures, self.limits, self.rng)
 
     async def _wait(
         self, message: CallModel, wait: float, written: list[Record]
