@@ -187,6 +187,19 @@ async def test_idle_deadline_after_the_first_event():
     assert "idle" in err.info.message
 
 
+async def test_pings_before_the_message_start_do_not_stop_the_first_byte_deadline():
+    # A ping counted as the first event: a server sending nothing but pings moved the
+    # attempt to the idle deadline, which each ping renews, and only the attempt total ended it.
+    chunks = [*[PING] * 40, *text_reply("a")]  # one every 0.05 s: 2 s of pings in all
+    err = await fail(
+        CannedResponse(headers=SSE, chunks=chunks, pause_s=0.05),
+        first_byte_timeout_s=0.5,
+        idle_timeout_s=5,
+    )
+    assert (err.info.kind, err.info.retryable) == ("timeout", True)
+    assert err.info.message == "no first event in time"
+
+
 async def test_pings_keep_a_slow_stream_alive():
     pings = [PING] * 10  # one every 0.05 s: 0.5 s in all, idle limit 0.3 s
     chunks = [*text_reply("a")[:4], *pings, *text_reply("a")[4:]]

@@ -144,7 +144,7 @@ class MessageAccumulator:
         on_delta: receives ``("text" | "reasoning", fragment)`` as fragments arrive.
         redact: applied to every error message built here (removes credentials).
         done: true once ``message_stop`` was seen; later events are ignored.
-        events: events seen (``ping`` included).
+        events: events of the reply seen (a ``ping`` keep-alive is none).
         stop_reason: Anthropic's ``stop_reason``, once ``message_delta`` gave it.
         refusal: the ``explanation`` of a ``stop_details`` of type ``refusal`` (given beside
             ``stop_reason: "refusal"``), the reply's refusal text; ``None`` when none came.
@@ -177,13 +177,16 @@ class MessageAccumulator:
             data: the event's data, a JSON object.
             event: the SSE event name; the object's own ``type`` wins when present.
 
+        A ``ping`` is a keep-alive, not an event of the reply: it is not counted in
+        ``events``, so a stream of nothing but pings stays under the first-byte deadline
+        (docs/models.md, "Deadlines inside every attempt").
+
         Raises:
             treadle.ModelCallError: ``invalid_response`` for data that is not a JSON object or
                 a delta for a block never started; the classified kind of an ``error`` event.
         """
         if self.done:
             return
-        self.events += 1
         try:
             payload = loads_event(data)
         except ValueError as exc:
@@ -193,7 +196,11 @@ class MessageAccumulator:
         if not isinstance(payload, Mapping):
             raise self.failure("invalid_response", "data event is not a JSON object")
         kind = payload.get("type")
-        handler = _HANDLERS.get(kind if isinstance(kind, str) else event)
+        name = kind if isinstance(kind, str) else event
+        if name == KEEP_ALIVE:
+            return
+        self.events += 1
+        handler = _HANDLERS.get(name)
         if handler is not None:
             handler(self, payload)
 
@@ -387,8 +394,11 @@ class MessageAccumulator:
 
 
 def _ignore(acc: MessageAccumulator, payload: Mapping[str, Any]) -> None:
-    """``ping`` and ``content_block_stop`` change nothing in the reply."""
+    """``content_block_stop`` changes nothing in the reply."""
 
+
+KEEP_ALIVE: Final = "ping"
+"""The event type a server sends to keep an idle stream open; it is no part of the reply."""
 
 _HANDLERS: dict[str, Callable[[MessageAccumulator, Mapping[str, Any]], None]] = {
     "message_start": MessageAccumulator._message_start,
@@ -397,7 +407,6 @@ _HANDLERS: dict[str, Callable[[MessageAccumulator, Mapping[str, Any]], None]] = 
     "content_block_stop": _ignore,
     "message_delta": MessageAccumulator._message_delta,
     "message_stop": MessageAccumulator._message_stop,
-    "ping": _ignore,
     "error": MessageAccumulator._error,
 }
 """Event type → handler; unknown event types are ignored (Anthropic may add new ones)."""

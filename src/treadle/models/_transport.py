@@ -50,7 +50,11 @@ class Accumulator(Protocol):
 
     @property
     def events(self) -> int:
-        """Events seen so far."""
+        """Events of the reply seen so far; the first one ends the first-byte deadline.
+
+        A keep-alive (an SSE comment, an Anthropic ``ping``) is not counted (docs/models.md,
+        "Deadlines inside every attempt").
+        """
         ...
 
     @property

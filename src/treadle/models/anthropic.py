@@ -64,7 +64,7 @@ class AnthropicMessagesClient(StreamReader[MessageAccumulator]):
             closed by `aclose` (docs/models.md, "Connections and headers").
         connect_timeout_s: seconds to open the TCP/TLS connection.
         first_byte_timeout_s: seconds from the start of the attempt (a wait for a pooled
-            connection included) to the first event.
+            connection included) to the first event (a ``ping`` keep-alive is none).
         idle_timeout_s: seconds of silence allowed between reads after the first event
             (``ping`` events count as traffic).
         image_source: resolves ``ref:`` image references to bytes, sent as base64 sources
