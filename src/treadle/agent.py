@@ -98,10 +98,11 @@ class Agent:
             that are not `Budgets` or `Limits`, params that are not JSON data, a text field
             that is not a ``str``), params the model client refuses (its optional
             ``check_params``: a param that would replace a key the client sets itself, such
-            as ``stream``; docs/models.md, "What goes on the wire"), an ``output_type`` or
-            ``output_mode`` that cannot be used (see docs/structured-output.md, "Output
-            types"), or a parser's ``text_reply_tool`` whose call the executor refuses
-            (`_check_text_reply_tool`).
+            as ``stream``, or one the client cannot send, such as an Anthropic ``max_tokens``
+            that is no positive integer; docs/models.md, "What goes on the wire", "Output
+            cap"), an ``output_type`` or ``output_mode`` that cannot be used (see
+            docs/structured-output.md, "Output types"), or a parser's ``text_reply_tool``
+            whose call the executor refuses (`_check_text_reply_tool`).
     """
 
     model: ModelClient

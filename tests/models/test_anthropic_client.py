@@ -23,6 +23,7 @@ from test_anthropic_events import (
     tool_reply,
 )
 
+import treadle
 from treadle._exceptions import ModelCallError, UsageError
 from treadle.models import AnthropicMessagesClient
 from treadle.ports import ModelClient
@@ -114,6 +115,21 @@ def test_max_tokens_always_sent_from_the_definition_and_never_raised_by_params()
     assert body_of(uncapped)["max_tokens"] == 500
     assert body_of(ModelRequest(messages=()))["max_tokens"] == 4096
     assert body_of(ModelRequest(messages=()), default_max_tokens=64)["max_tokens"] == 64
+
+
+@pytest.mark.parametrize("value", [100.0, "100", 0, -5, True, None])
+def test_a_max_tokens_param_that_is_not_a_positive_integer_is_refused_not_replaced(value):
+    # It was replaced by default_max_tokens without a word: 100.0 asked for 4,096 tokens.
+    refused = "the max_tokens param must be a positive integer"
+    with pytest.raises(UsageError, match=refused):
+        body_of(ModelRequest(messages=(), params={"max_tokens": value}))
+    with pytest.raises(UsageError, match=refused):
+        treadle.Agent(
+            model=AnthropicMessagesClient(base_url="http://127.0.0.1:9"),
+            executor=treadle.Toolbox([]),
+            parser=treadle.NativeToolCallParser(),
+            params={"max_tokens": value},
+        )
 
 
 def test_thinking_budget_and_sampling_params_pass_in_anthropic_form():

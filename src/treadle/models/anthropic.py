@@ -142,11 +142,14 @@ class AnthropicMessagesClient(StreamReader[MessageAccumulator]):
 
         Raises:
             UsageError: a param would replace ``model``, ``messages``, ``system``, ``tools``
-                or ``stream``; names them.
+                or ``stream``; names them. Or a ``max_tokens`` param is not a positive
+                integer (`_check_max_tokens`).
         """
         reserved = _RESERVED_PARAMS.intersection(params)
         if reserved:
             raise UsageError(f"request params may not set {sorted(reserved)}")
+        if "max_tokens" in params:
+            _check_max_tokens(params["max_tokens"])
 
     def request_body(
         self, request: ModelRequest, *, run_images: ImageSource | None = None
@@ -169,7 +172,8 @@ class AnthropicMessagesClient(StreamReader[MessageAccumulator]):
 
         Raises:
             UsageError: a param would replace ``model``, ``messages``, ``system``, ``tools`` or
-                ``stream``; an image is on a system or assistant message or cannot be
+                ``stream``, or a ``max_tokens`` param is not a positive integer
+                (`check_params`); an image is on a system or assistant message or cannot be
                 resolved (`treadle.models.ImageSource`); the
                 request asks for a native structured ``output`` (this client has none: the
                 agent's output type is asked for with a final-answer tool).
@@ -274,12 +278,15 @@ class AnthropicMessagesClient(StreamReader[MessageAccumulator]):
     # ------------------------------------------------------------------ request building
 
     def _max_tokens(self, request: ModelRequest) -> int:
+        """The ``max_tokens`` sent: the request's cap, else its param, else the default.
+
+        `check_params` has refused a ``max_tokens`` param that is not a positive integer, so
+        a param given is always the one sent (docs/models.md, "Output cap").
+        """
         if request.max_output_tokens is not None:
             return request.max_output_tokens
         param = request.params.get("max_tokens")
-        if isinstance(param, int) and not isinstance(param, bool) and param > 0:
-            return param
-        return self._default_max_tokens
+        return param if isinstance(param, int) else self._default_max_tokens
 
     def _turns(
         self, messages: tuple[Message, ...], images: ImageSource | None
@@ -350,6 +357,21 @@ class AnthropicMessagesClient(StreamReader[MessageAccumulator]):
             "type": "image",
             "source": {"type": "base64", "media_type": media_type, "data": encoded},
         }
+
+
+def _check_max_tokens(value: JSONValue) -> None:
+    """Refuse a ``max_tokens`` param that is not a positive integer.
+
+    The Messages API requires an integer number of tokens. Sending ``default_max_tokens`` in
+    place of such a value would raise the output allowed without a word (``100.0`` or
+    ``"100"`` would ask for 4,096 tokens) (docs/models.md, "Output cap"; docs/decisions/0133).
+
+    Raises:
+        UsageError: ``value`` is not an ``int`` (a ``bool``, a float such as ``100.0``, a
+            string or ``None`` included) or is below 1; the message quotes it.
+    """
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise UsageError(f"the max_tokens param must be a positive integer, got {value!r}")
 
 
 def _tool(spec: ToolSpec) -> dict[str, Any]:
