@@ -549,3 +549,21 @@ async def test_whole_calls_without_index_or_id_in_one_delta_stay_apart():
         ],
     )
     assert len({a.id for a in parsed.actions}) == 3
+
+
+async def test_whole_calls_sharing_an_id_without_index_in_one_delta_stay_apart():
+    # Two calls sent whole in one delta's list, without index and with the same id: each
+    # entry is a call of its own, the second given an id of its own (they were merged into
+    # one invalid call named "get_weatherlist_airports" with two argument objects).
+    rome = {"id": "call_1", "type": "function"}
+    rome["function"] = {"name": "get_weather", "arguments": '{"city": "Rome"}'}
+    airports = {"id": "call_1", "type": "function"}
+    airports["function"] = {"name": "list_airports", "arguments": "{}"}
+    chunks = sse(
+        chunk({"role": "assistant", "tool_calls": [rome, airports]}),
+        chunk(finish="tool_calls"),
+    )
+    parsed = await through_openai(chunks)
+    assert_actions(parsed, [("get_weather", {"city": "Rome"}), ("list_airports", {})])
+    assert parsed.actions[0].id == "call_1" != parsed.actions[1].id
+    assert "synthesised_call_id" in parsed.repairs

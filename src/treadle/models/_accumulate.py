@@ -13,7 +13,7 @@ import hashlib
 import json
 import math
 import re
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from typing import Any, Final
 
 import attrs
@@ -325,7 +325,8 @@ class StreamAccumulator:
     differs from the id held there starts a new call. A fragment without a (non-negative)
     index goes to the call holding its id; without an id either, it continues the last call
     when it is the first entry of its delta's list, and starts a new call when it follows
-    another entry of that list (each entry of one list is a call of its own). A name is set
+    another entry of that list. Each entry of one list is a call of its own: none goes to a
+    call an earlier entry of its list went to, also when they share an id. A name is set
     when empty, an identical repeat is ignored, anything else is appended. Empty ids and
     names never overwrite. Every arguments fragment is appended, the first one included. The
     legacy ``function_call`` delta is one call without an id (one is synthesised), and
@@ -519,9 +520,10 @@ class StreamAccumulator:
         refusal = delta.get("refusal")
         if isinstance(refusal, str):  # kept apart from the text, as the official SDK keeps it
             self._refusal = self._append(self._refusal, refusal, "text")
-        fragments = [f for f in delta.get("tool_calls") or () if isinstance(f, Mapping)]
-        for position, fragment in enumerate(fragments):
-            self._add_call_fragment(fragment, first_in_delta=position == 0)
+        taken: set[int] = set()  # the calls that earlier entries of this list went to
+        for fragment in delta.get("tool_calls") or ():
+            if isinstance(fragment, Mapping):
+                taken.add(self._add_call_fragment(fragment, taken=taken))
         legacy = delta.get("function_call")
         if isinstance(legacy, Mapping):
             # The legacy single-call form: one call, no id, no index.
@@ -536,12 +538,19 @@ class StreamAccumulator:
         return parts
 
     def _add_call_fragment(
-        self, fragment: Mapping[str, Any], *, legacy: bool = False, first_in_delta: bool = True
-    ) -> None:
+        self,
+        fragment: Mapping[str, Any],
+        *,
+        legacy: bool = False,
+        taken: Collection[int] = frozenset(),
+    ) -> int:
         """Fold one entry of a delta's ``tool_calls`` list (or the legacy ``function_call``).
 
-        ``first_in_delta``: the entry is the first of its delta's list; only such an entry
-        without index and id may continue the last call (`_index_without_index`).
+        ``taken``: the indexes of the calls that earlier entries of the same list went to; an
+        entry without index goes to none of them (`_index_without_index`).
+
+        Returns:
+            The index of the call the entry went to.
         """
         function = fragment.get("function")
         function = function if isinstance(function, Mapping) else {}
@@ -550,15 +559,21 @@ class StreamAccumulator:
         if arguments is not None and not isinstance(arguments, str):
             arguments = json.dumps(arguments)
         index = _LEGACY_INDEX if legacy else fragment.get("index")
-        buf = self._buffer_for(index, call_id, legacy=legacy, continues=first_in_delta)
+        buf = self._buffer_for(index, call_id, legacy=legacy, taken=taken)
         buf.merge(call_id, _str(function.get("name")), arguments or "")
+        return buf.index
 
     def _buffer_for(
-        self, index: Any, call_id: str, *, legacy: bool = False, continues: bool = True
+        self,
+        index: Any,
+        call_id: str,
+        *,
+        legacy: bool = False,
+        taken: Collection[int] = frozenset(),
     ) -> _CallBuffer:
         # a server's index is >= 0 (a negative one is read as none: the legacy call's is -1)
         if not legacy and (not isinstance(index, int) or isinstance(index, bool) or index < 0):
-            index = self._index_without_index(call_id, continues=continues)
+            index = self._index_without_index(call_id, taken=taken)
         held = self._by_index.get(index)
         if held is None or (call_id and held.id and call_id != held.id):
             held = _CallBuffer(index=index)
@@ -566,21 +581,24 @@ class StreamAccumulator:
             self._by_index[index] = held
         return held
 
-    def _index_without_index(self, call_id: str, *, continues: bool) -> int:
+    def _index_without_index(self, call_id: str, *, taken: Collection[int]) -> int:
         """The index of a fragment that has none: its id's call, else a new or the last call.
 
-        A fragment with an id no call holds starts a new call. One without an id continues
-        the last call (its later fragments, as some servers send them), unless it does not
-        come first in its delta's list (``continues`` false): the entries of one list are
-        separate calls, each at its place (docs/models.md, "Repairs": no call is dropped).
+        The entries of one delta's list are separate calls, each at its place, also when
+        they share an id (docs/models.md, "Repairs": no call is dropped, none merged into
+        another), so a fragment never goes to a call in ``taken`` (the calls earlier entries
+        of its list went to). A fragment with an id goes to the first other call holding that
+        id (its later fragments), and starts a new call when none does. One without an id
+        continues the last call (its later fragments, as some servers send them) when it
+        comes first in its list (``taken`` empty), and starts a new call otherwise.
         """
         calls = [buf for buf in self._calls if buf.index != _LEGACY_INDEX]
         for buf in calls:
-            if call_id and buf.id == call_id:
+            if call_id and buf.id == call_id and buf.index not in taken:
                 return buf.index
         if not calls:
             return 0
-        if call_id or not continues:
+        if call_id or taken:
             return max(buf.index for buf in calls) + 1
         return calls[-1].index
 
