@@ -117,6 +117,20 @@ async def test_a_stream_under_another_content_type_is_read_as_a_stream(content_t
     assert (reply.text, reply.finish_reason) == ("Hello", "stop")
 
 
+@pytest.mark.parametrize("content_type", ["application/json", "text/plain", ""])
+@pytest.mark.parametrize("blank", [b"\n", b"\r\n", b"\xef\xbb\xbf\n\n"])
+async def test_a_stream_under_another_content_type_read_after_a_blank_line_is_a_stream(
+    content_type, blank
+):
+    # A keep-alive blank line that arrives in a read of its own (a chunk of its own here)
+    # before the first event: the body was judged by that line alone and refused (or read as
+    # JSON), while the same bytes in one read were a stream.
+    headers = {"content-type": content_type} if content_type else {}
+    reply = await complete(CannedResponse(headers=headers, chunks=[blank, HELLO]))
+    assert not isinstance(reply, ModelCallError), reply
+    assert (reply.text, reply.finish_reason) == ("Hello", "stop")
+
+
 async def test_a_newline_delimited_stream_cut_inside_a_line_is_incomplete_and_retryable():
     # The body breaks off inside its last line: as for a cut event stream, the attempt is a
     # retryable incomplete_stream, not a non-retryable invalid_response for the cut JSON.

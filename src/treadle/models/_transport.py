@@ -341,10 +341,16 @@ class StreamReader(Generic[A]):
     async def _peek(
         self, chunks: AsyncIterator[bytes], acc: A, deadline: float
     ) -> tuple[bytes, AsyncIterator[bytes]]:
-        """The body's first bytes (up to a line, or `PEEK_BYTES`), and the whole body again."""
+        """The body's first bytes, and the whole body again.
+
+        The first bytes run to the end of the first line that is not blank (`_line_ended`),
+        or are at least `PEEK_BYTES`, or are the whole body: what `SSE_START` and the JSON
+        check look at is then the same however the server's writes were split into reads
+        (a keep-alive blank line read on its own says nothing of what follows it).
+        """
         seen: list[bytes] = []
         size = 0
-        while size < PEEK_BYTES and not any(b"\n" in part for part in seen):
+        while size < PEEK_BYTES and not _line_ended(b"".join(seen)):
             chunk = await self._next_chunk(chunks, acc, deadline, 0.0)
             if chunk is None:
                 break
@@ -708,8 +714,19 @@ PEEK_BYTES = 256
 """Bytes of a body with an unexpected content type looked at to tell what it holds."""
 NDJSON_TYPES = ("ndjson", "jsonl", "json-seq", "jsonlines")
 """Content-type labels of newline-delimited JSON: one chunk object a line."""
+_BOM = b"\xef\xbb\xbf"
+"""The UTF-8 byte order mark a body may start with."""
 SSE_START = re.compile(rb"\A(?:\xef\xbb\xbf)?\s*(?::|(?:data|event|id|retry|error)\s*:)")
 """How a body of server-sent events starts (a comment, or one of the fields)."""
+
+
+def _line_ended(head: bytes) -> bool:
+    """Whether ``head`` holds a whole line that is not blank, after a byte order mark.
+
+    A line ends at a CR or an LF, as in an event stream.
+    """
+    rest = head.removeprefix(_BOM).lstrip()
+    return b"\n" in rest or b"\r" in rest
 
 
 async def _chained(first: list[bytes], rest: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
