@@ -108,6 +108,10 @@ HELLO = data(chunk({"content": "Hel"}), chunk({"content": "lo"}, "stop"), "[DONE
             ),
         ),
         ("application/jsonl", json.dumps(chunk({"content": "Hello"}, "stop")).encode()),
+        # events under a newline-delimited JSON label are still events (each data line was
+        # read as a line of JSON and refused)
+        ("application/x-ndjson", HELLO),
+        ("application/jsonl; charset=utf-8", b": keep-alive\n\n" + HELLO),
     ],
 )
 async def test_a_stream_under_another_content_type_is_read_as_a_stream(content_type, body):

@@ -319,14 +319,14 @@ class StreamReader(Generic[A]):
         content_type = response.headers.get("content-type", "").lower()
         if "event-stream" in content_type:
             return await self._read_stream(chunks, acc, deadline, idle_s, attempt)
-        # The request asked for a stream, so a body that is one, whatever its label, is read
-        # as one, as the official SDKs read it
+        # The request asked for a stream, so a body that is one, whatever its label (a
+        # newline-delimited JSON one included), is read as one, as the official SDKs read it
         # (docs/models.md, "Replies, finish reasons, reasoning").
         head, chunks = await self._peek(chunks, acc, deadline)
-        if any(label in content_type for label in NDJSON_TYPES):
-            return await self._read_stream(as_sse(chunks), acc, deadline, idle_s, attempt)
         if SSE_START.match(head):
             return await self._read_stream(chunks, acc, deadline, idle_s, attempt)
+        if any(label in content_type for label in NDJSON_TYPES):
+            return await self._read_stream(as_sse(chunks), acc, deadline, idle_s, attempt)
         if "json" in content_type or head.lstrip().startswith(b"{"):
             body = await self._read_body(chunks, acc, MAX_JSON_BODY_BYTES, idle_s)
             reply = self._add_body(acc, body)
