@@ -18,10 +18,19 @@ from test_anthropic_events import SSE as ANTHROPIC_SSE
 
 from treadle._exceptions import ModelCallError
 from treadle.agent import Agent
-from treadle.models import AnthropicMessagesClient, OpenAIChatClient
+from treadle.models import AnthropicMessagesClient, OpenAIChatClient, SSEDecodeError
+from treadle.models._sse import MAX_EVENT_BYTES
+from treadle.models._transport import as_sse
 from treadle.parsers import REFUSAL, JsonToolCallParser, NativeToolCallParser
 from treadle.supervisors import run
-from treadle.testing.loopback import CannedResponse, canned, open_loopback_server
+from treadle.testing.loopback import (
+    CannedResponse,
+    ClientGone,
+    RecordedRequest,
+    ResponseWriter,
+    canned,
+    open_loopback_server,
+)
 from treadle.tools import Toolbox, tool
 from treadle.types import DecisionKind, Limits, Message, ModelRequest, StopReason
 
@@ -146,6 +155,65 @@ async def test_a_newline_delimited_stream_cut_inside_a_line_is_incomplete_and_re
     assert isinstance(failed, ModelCallError), failed
     assert (failed.info.kind, failed.info.retryable) == ("incomplete_stream", True)
     assert failed.partial_text == "Hel"
+
+
+MIB = 1024 * 1024
+ENDLESS_LINE_MIB = 32
+"""How many MiB of one line the endless-line server sends at most (twice the bound)."""
+
+
+async def test_a_newline_delimited_line_that_never_ends_is_refused_past_the_bound():
+    # A line of newline-delimited JSON that never ended was kept whole (copied again on
+    # every read) and only measured when the body ended: a server that kept sending it
+    # filled the memory until the first-byte deadline, a retryable timeout. It is refused,
+    # not retryable, as soon as it passes the bound of an event stream's line.
+    written: list[int] = []
+
+    async def endless_line(request: RecordedRequest, writer: ResponseWriter) -> None:
+        await writer.start(200, {"content-type": "application/x-ndjson"})
+        await writer.write(json.dumps(chunk({"content": "Hel"})).encode() + b"\n")
+        try:
+            await writer.write(b'{"id": "c", "choices": [{"index": 0, "delta": {"content": "')
+            for _ in range(ENDLESS_LINE_MIB):
+                await writer.write(b"a" * MIB)
+                written.append(MIB)
+        except ClientGone:
+            return
+        await writer.end()
+
+    async with (
+        open_loopback_server(stream_handler=endless_line) as server,
+        OpenAIChatClient(base_url=server.base_url, api_key="sk-test") as client,
+    ):
+        with pytest.raises(ModelCallError) as failed, trio.fail_after(60):
+            await client.complete(REQUEST)
+    info = failed.value.info
+    assert (info.kind, info.retryable) == ("invalid_response", False), info
+    assert f"a line longer than {MAX_EVENT_BYTES} bytes" in info.message
+    assert failed.value.partial_text == "Hel"
+    assert server.early_disconnects == 1  # refused while the line was still coming
+    assert len(written) < ENDLESS_LINE_MIB
+
+
+async def test_newline_delimited_json_reads_a_line_no_further_than_the_bound():
+    # Counted in reads: the reading stops at the first one that takes the line past the
+    # bound, and what was read of it is not kept beyond it.
+    reads: list[int] = []
+
+    start = b'{"b": "'
+
+    async def pieces():
+        yield b'{"a": 1}\n' + start
+        for _ in range(2 * MAX_EVENT_BYTES // MIB):
+            reads.append(MIB)
+            yield b"b" * MIB
+
+    events = as_sse(pieces())
+    assert await anext(events) == b'data: {"a": 1}\n\n'
+    with pytest.raises(SSEDecodeError, match=f"a line longer than {MAX_EVENT_BYTES} bytes") as err:
+        await anext(events)
+    assert len(reads) == (MAX_EVENT_BYTES - len(start)) // MIB + 1  # the read past the bound
+    assert err.value.offset == len(b'{"a": 1}\n')
 
 
 async def test_a_body_that_is_neither_json_nor_a_stream_is_an_invalid_response():

@@ -27,7 +27,7 @@ from treadle._credentials import redact_url_secrets as redact_url_secrets
 from treadle._exceptions import ModelCallError, UsageError
 from treadle._text import valid_text
 from treadle.models._accumulate import loads_event
-from treadle.models._sse import SSEDecodeError, SSEDecoder, SSEEvent
+from treadle.models._sse import MAX_EVENT_BYTES, SSEDecodeError, SSEDecoder, SSEEvent
 from treadle.types import Attempt, ImageRef, ImageSource, ModelReply, Usage
 
 CLOSE_GRACE_S = 1.0
@@ -326,7 +326,7 @@ class StreamReader(Generic[A]):
         if SSE_START.match(head):
             return await self._read_stream(chunks, acc, deadline, idle_s, attempt)
         if any(label in content_type for label in NDJSON_TYPES):
-            return await self._read_stream(as_sse(chunks), acc, deadline, idle_s, attempt)
+            return await self._read_lines(chunks, acc, deadline, idle_s, attempt)
         if "json" in content_type or head.lstrip().startswith(b"{"):
             body = await self._read_body(chunks, acc, MAX_JSON_BODY_BYTES, idle_s)
             reply = self._add_body(acc, body)
@@ -337,6 +337,26 @@ class StreamReader(Generic[A]):
             f"unexpected content-type {content_type!r}: the body is neither a JSON object nor "
             "server-sent events",
         )
+
+    async def _read_lines(
+        self,
+        chunks: AsyncIterator[bytes],
+        acc: A,
+        deadline: float,
+        idle_s: float,
+        attempt: Attempt,
+    ) -> ModelReply:
+        """Read newline-delimited JSON as the stream of its lines' events (`as_sse`).
+
+        Raises:
+            treadle.ModelCallError: as `_read_stream`; ``invalid_response``, not retryable,
+                when a line grows past `MAX_EVENT_BYTES` before it ends (docs/models.md,
+                "Replies, finish reasons, reasoning").
+        """
+        try:
+            return await self._read_stream(as_sse(chunks), acc, deadline, idle_s, attempt)
+        except SSEDecodeError as exc:
+            raise acc.failure("invalid_response", str(exc)) from exc
 
     async def _peek(
         self, chunks: AsyncIterator[bytes], acc: A, deadline: float
@@ -744,15 +764,33 @@ async def as_sse(chunks: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
     field without the empty line that dispatches it), which the SSE decoder discards and
     reports at the end, as for a cut event stream: a retryable ``incomplete_stream``
     (docs/models.md, "Errors and retryability"), not an ``invalid_response``.
+
+    A line is kept as the pieces it was read in, each byte joined once when it ends.
+
+    Raises:
+        SSEDecodeError: the line not ended yet grew past `MAX_EVENT_BYTES`, the bound of an
+            event stream's line, as soon as it did: a server that never ends a line cannot
+            fill the memory (docs/models.md, "Replies, finish reasons, reasoning"). Its
+            ``offset`` is where that line starts in the body.
     """
-    pending = b""
+    line: list[bytes] = []  # the pieces of the line not ended yet, as read
+    size = start = 0  # that line's length, and where it starts in the body
     async for chunk in chunks:
-        pending += chunk
-        *lines, pending = pending.split(b"\n")
-        out = b"".join(b"data: " + line.strip() + b"\n\n" for line in lines if line.strip())
-        if out:
-            yield out
-    last = pending.strip()
+        *ended, rest = chunk.split(b"\n")
+        if ended:
+            start += size + len(chunk) - len(rest)
+            ended[0] = b"".join((*line, ended[0]))
+            line, size = [], 0
+            out = b"".join(b"data: " + one.strip() + b"\n\n" for one in ended if one.strip())
+            if out:
+                yield out
+        if rest:
+            line.append(rest)
+            size += len(rest)
+            if size > MAX_EVENT_BYTES:
+                message = f"a line longer than {MAX_EVENT_BYTES} bytes, not ended"
+                raise SSEDecodeError(message, offset=start)
+    last = b"".join(line).strip()
     if last:
         yield b"data: " + last + (b"\n\n" if _whole_line(last) else b"\n")
 
