@@ -20,7 +20,7 @@ from treadle._exceptions import ModelCallError
 from treadle.agent import Agent
 from treadle.models import AnthropicMessagesClient, OpenAIChatClient, SSEDecodeError
 from treadle.models._sse import MAX_EVENT_BYTES
-from treadle.models._transport import as_sse
+from treadle.models._transport import MAX_JSON_BODY_BYTES, as_sse
 from treadle.parsers import REFUSAL, JsonToolCallParser, NativeToolCallParser
 from treadle.supervisors import run
 from treadle.testing.loopback import (
@@ -214,6 +214,18 @@ async def test_newline_delimited_json_reads_a_line_no_further_than_the_bound():
         await anext(events)
     assert len(reads) == (MAX_EVENT_BYTES - len(start)) // MIB + 1  # the read past the bound
     assert err.value.offset == len(b'{"a": 1}\n')
+
+
+@pytest.mark.parametrize("client_type", [OpenAIChatClient, AnthropicMessagesClient])
+async def test_a_json_body_past_the_bound_is_refused_as_too_long_not_as_bad_json(client_type):
+    # The body was cut at the bound and parsed: "body is not JSON: Unterminated string".
+    content = "a" * (MAX_JSON_BODY_BYTES + MIB)
+    body = json.dumps({"choices": [{"index": 0, "message": {"content": content}}]}).encode()
+    response = CannedResponse(headers={"content-type": "application/json"}, chunks=[body])
+    failed = await complete(response, client_type)
+    assert isinstance(failed, ModelCallError), failed
+    assert (failed.info.kind, failed.info.retryable) == ("invalid_response", False)
+    assert failed.info.message.startswith(f"a JSON body longer than {MAX_JSON_BODY_BYTES} bytes")
 
 
 async def test_a_body_that_is_neither_json_nor_a_stream_is_an_invalid_response():

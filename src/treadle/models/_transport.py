@@ -10,13 +10,14 @@ from the `treadle.types.Attempt` the model gateway passes to ``complete``.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import hashlib
 import json
 import logging
 import re
 import urllib.parse
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncGenerator, AsyncIterator, Mapping
 from typing import Any, ClassVar, Generic, Protocol, Self, TypeVar
 
 import httpx
@@ -36,7 +37,10 @@ DRAIN_S = 0.25
 """Seconds to wait for the end of the body after the stream's last event (keeps the
 connection reusable; a server that holds the body open past this loses the connection)."""
 MAX_ERROR_BODY_BYTES = 64 * 1024
-MAX_JSON_BODY_BYTES = 16 * 1024 * 1024
+"""Bytes of an error response's body read to classify it (the rest is not read)."""
+MAX_JSON_BODY_BYTES = MAX_EVENT_BYTES
+"""The longest non-streamed JSON body, in bytes: the bound of a stream's line or event
+(docs/models.md, "Replies, finish reasons, reasoning")."""
 _MAGIC = ((b"\x89PNG", "image/png"), (b"\xff\xd8\xff", "image/jpeg"), (b"GIF8", "image/gif"))
 
 
@@ -328,7 +332,7 @@ class StreamReader(Generic[A]):
         if any(label in content_type for label in NDJSON_TYPES):
             return await self._read_lines(chunks, acc, deadline, idle_s, attempt)
         if "json" in content_type or head.lstrip().startswith(b"{"):
-            body = await self._read_body(chunks, acc, MAX_JSON_BODY_BYTES, idle_s)
+            body = await self._read_json_body(chunks, acc, idle_s)
             reply = self._add_body(acc, body)
             attempt.report_usage(reply.usage)
             return reply
@@ -354,7 +358,8 @@ class StreamReader(Generic[A]):
                 "Replies, finish reasons, reasoning").
         """
         try:
-            return await self._read_stream(as_sse(chunks), acc, deadline, idle_s, attempt)
+            async with contextlib.aclosing(as_sse(chunks)) as events:
+                return await self._read_stream(events, acc, deadline, idle_s, attempt)
         except SSEDecodeError as exc:
             raise acc.failure("invalid_response", str(exc)) from exc
 
@@ -376,7 +381,7 @@ class StreamReader(Generic[A]):
                 break
             seen.append(chunk)
             size += len(chunk)
-        return b"".join(seen), _chained(seen, chunks)
+        return b"".join(seen), _Replayed(seen, chunks)
 
     async def _read_stream(
         self,
@@ -441,9 +446,32 @@ class StreamReader(Generic[A]):
                 raise acc.failure("incomplete_stream", message, retryable=True) from exc
         raise acc.failure("timeout", f"no {what} in time", retryable=True)
 
+    async def _read_json_body(self, chunks: AsyncIterator[bytes], acc: A, idle_s: float) -> bytes:
+        """A non-streamed JSON body, whole; the reading stops once the body is past the bound.
+
+        Raises:
+            treadle.ModelCallError: ``invalid_response``, not retryable, when the body is
+                longer than `MAX_JSON_BODY_BYTES` (docs/models.md, "Replies, finish reasons,
+                reasoning"); as `_read_body` when reading it fails.
+        """
+        body = await self._read_body(chunks, acc, MAX_JSON_BODY_BYTES + 1, idle_s)
+        if len(body) > MAX_JSON_BODY_BYTES:
+            raise acc.failure(
+                "invalid_response",
+                f"a JSON body longer than {MAX_JSON_BODY_BYTES} bytes, the bound of a reply",
+            )
+        return body
+
     async def _read_body(
         self, chunks: AsyncIterator[bytes], acc: A, limit: int, idle_s: float
     ) -> bytes:
+        """The body's first ``limit`` bytes (all of it when shorter); the rest is not read.
+
+        Raises:
+            treadle.ModelCallError: ``timeout`` (retryable) when no read comes within
+                ``idle_s`` seconds, ``incomplete_stream`` (retryable) when the body breaks
+                off (`_next_chunk`).
+        """
         parts: list[bytes] = []
         size = 0
         while size <= limit:
@@ -749,14 +777,27 @@ def _line_ended(head: bytes) -> bool:
     return b"\n" in rest or b"\r" in rest
 
 
-async def _chained(first: list[bytes], rest: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
-    for chunk in first:
-        yield chunk
-    async for chunk in rest:
-        yield chunk
+class _Replayed:
+    """A body's reads again: those already taken (``first``), then the rest of ``rest``.
+
+    An iterator object rather than an async generator, so one that a failed attempt leaves
+    unfinished holds no suspended frame for the garbage collector to finalize.
+    """
+
+    def __init__(self, first: list[bytes], rest: AsyncIterator[bytes]) -> None:
+        self._first = collections.deque(first)
+        self._rest = rest
+
+    def __aiter__(self) -> Self:
+        return self
+
+    async def __anext__(self) -> bytes:
+        if self._first:
+            return self._first.popleft()
+        return await anext(self._rest)
 
 
-async def as_sse(chunks: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
+async def as_sse(chunks: AsyncIterator[bytes]) -> AsyncGenerator[bytes, None]:
     """Newline-delimited JSON as server-sent events: each non-empty line one ``data`` event.
 
     A last line the body ends without a newline is an event when it is whole JSON; otherwise
