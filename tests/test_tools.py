@@ -801,6 +801,48 @@ async def test_results_json_has_no_form_for_are_refused_or_written_as_json(
     assert (outcome.status, outcome.observation) == (ActionStatus.EXECUTED, observation)
 
 
+@pytest.mark.parametrize(
+    ("key", "kind"),
+    [((0, 0), "tuple"), (frozenset({1}), "frozenset"), (Point(x=1), "Point"), (object(), "object")],
+    ids=["tuple", "frozenset", "attrs", "object"],
+)
+async def test_a_result_key_json_cannot_write_is_named_in_the_observation(
+    key: object, kind: str
+) -> None:
+    """A tuple key was unstructured to a list, and building the dict failed with "unhashable
+    type: 'list'", a type the result does not hold: the observation names the key's own."""
+
+    @tool
+    async def grid() -> dict[object, str]:
+        """Cells by coordinate."""
+        return {"origin": "here", key: "start"}
+
+    outcome = await Toolbox([grid]).execute(action("grid"))
+    assert (outcome.status, outcome.observation) == (
+        ActionStatus.EXECUTED,
+        f"Error: the result of grid could not be written as JSON: it has a key of type {kind}, "
+        "and a JSON object's keys are str, int, float, bool or None",
+    )
+
+
+async def test_keys_json_writes_as_text_stay_keys() -> None:
+    """Enum, date and number keys are unstructured like values and written as text."""
+
+    @tool
+    async def keyed() -> dict[object, int]:
+        """Keys of several kinds."""
+        return {Color.BLUE: 1, datetime.date(2024, 5, 1): 2, 3: 3, 1.5: 4, None: 5}
+
+    outcome = await Toolbox([keyed]).execute(action("keyed"))
+    assert json.loads(outcome.observation) == {
+        Color.BLUE.value: 1,
+        "2024-05-01": 2,
+        "3": 3,
+        "1.5": 4,
+        "null": 5,
+    }
+
+
 async def test_an_integer_too_large_for_a_float_is_a_precise_validation_error() -> None:
     """It was "unknown error (int too large to convert to float)"; a union with int takes it."""
 

@@ -600,11 +600,13 @@ def observation_of(result: Any) -> str:
     A ``str`` is returned as is; anything else is unstructured by cattrs (attrs instances,
     enums, datetimes) and written as compact JSON, non-ASCII kept. NaN and the infinities,
     which JSON has no form for, are written as ``null`` (as JavaScript's ``JSON.stringify``
-    does); bytes are refused (docs/concepts.md, "Actions and observations").
+    does); bytes are refused, and so is a mapping key that JSON cannot write as text (a
+    tuple, say; docs/concepts.md, "Actions and observations").
 
     Raises:
-        TypeError, ValueError: the value cannot be written as JSON (it holds bytes; a value
-            that holds itself, or nests deeper than Python's recursion limit, is a
+        TypeError, ValueError: the value cannot be written as JSON (it holds bytes, or a
+            key of another type than str, int, float, bool or None once unstructured; a
+            value that holds itself, or nests deeper than Python's recursion limit, is a
             `ValueError`).
     """
     if isinstance(result, str):  # a subclass as a plain str: its own __str__ is not called
@@ -641,8 +643,37 @@ def _no_bytes(value: bytes | bytearray | memoryview) -> Any:
     )
 
 
+_KEYS: Final = (str, int, float, bool, type(None))
+"""The types a JSON object's key may be unstructured to (`json.dumps` writes them as text)."""
+
+
+def _is_mapping(cls: Any) -> bool:
+    """Whether ``cls`` is a mapping class (a dict, a `Counter`, any `Mapping`)."""
+    return isinstance(cls, type) and issubclass(cls, Mapping)
+
+
+def _json_object(value: Mapping[Any, Any]) -> dict[Any, Any]:
+    """A mapping unstructured for `json.dumps`: its keys and values unstructured by cattrs.
+
+    Raises:
+        TypeError: a key is unstructured to none of `_KEYS` (a tuple, a frozenset, an attrs
+            instance, an object cattrs leaves as it is); the message names the key's type.
+    """
+    data: dict[Any, Any] = {}
+    for key, item in value.items():
+        name = key if type(key) is str else _RESULTS.unstructure(key)
+        if not isinstance(name, _KEYS):
+            raise TypeError(
+                f"it has a key of type {type(key).__name__}, and a JSON object's keys are "
+                "str, int, float, bool or None"
+            )
+        data[name] = _RESULTS.unstructure(item)
+    return data
+
+
 for _binary in (bytes, bytearray, memoryview):
     _RESULTS.register_unstructure_hook(_binary, _no_bytes)
+_RESULTS.register_unstructure_hook_func(_is_mapping, _json_object)
 
 
 _CALLS_INLINE: Final = trio.lowlevel.RunVar[bool]("treadle.tools.calls_inline", default=False)
