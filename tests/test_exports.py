@@ -39,6 +39,7 @@ TREADLE = sorted(
         "Agent",
         "AnthropicMessagesClient",
         "Budgets",
+        "ChildRunInterrupted",
         "Clock",
         "CombinedTools",
         "combine_tools",
@@ -99,6 +100,7 @@ TESTING = sorted(
         "with_latency",
         "CannedResponse",
         "ContractViolation",
+        "CrashContractError",
         "CrashingExecutor",
         "CrashingStore",
         "FailingFileOps",
@@ -107,6 +109,7 @@ TESTING = sorted(
         "ScriptedModel",
         "SeamContractError",
         "SimulatedCrash",
+        "StoreContractError",
         "call",
         "calls",
         "canned",
@@ -359,6 +362,8 @@ SUPERVISORS = sorted(
         "ActorContext",
         "Actors",
         "AgentFactory",
+        "ChildPending",
+        "ChildRunInterrupted",
         "CoordinatorActor",
         "CoordinatorContext",
         "ExecutorActor",
@@ -602,3 +607,82 @@ def test_every_error_is_in_the_one_exception_tree():
     assert outside == sorted(NOT_ERRORS)
     drawn = tree.__doc__ or ""
     assert [name for name in sorted(found) if name not in drawn] == []
+
+
+def _public_surface() -> dict[str, dict[str, object]]:
+    """Each public module (no ``_`` part in its name) and its public names: its ``__all__``,
+    or, without one, what it defines under a name without a leading ``_``."""
+    import importlib
+    import pkgutil
+
+    surface: dict[str, dict[str, object]] = {}
+    for info in pkgutil.walk_packages(treadle.__path__, "treadle."):
+        if info.name == "treadle.__main__" or any(p.startswith("_") for p in info.name.split(".")):
+            continue
+        module = importlib.import_module(info.name)
+        names = getattr(module, "__all__", None) or [
+            name
+            for name, value in vars(module).items()
+            if not name.startswith("_") and getattr(value, "__module__", None) == module.__name__
+        ]
+        surface[info.name] = {name: getattr(module, name) for name in names}
+    surface["treadle"] = {name: getattr(treadle, name) for name in treadle.__all__}
+    return surface
+
+
+def _public_docstrings(surface: dict[str, dict[str, object]]) -> list[str]:
+    """The docstrings ``help()`` and the API reference show: of each public module, of each
+    public class and function, and of a public class's own public methods and properties."""
+    import inspect
+    import sys
+
+    texts = [sys.modules[name].__doc__ or "" for name in surface]
+    for names in surface.values():
+        for value in names.values():
+            if not (inspect.isclass(value) or inspect.isroutine(value)):
+                continue  # a constant's __doc__ is its type's
+            texts.append(value.__doc__ or "")
+            if inspect.isclass(value):
+                texts.extend(
+                    getattr(member, "__doc__", None) or ""
+                    for name, member in vars(value).items()
+                    if not name.startswith("_")
+                    and (inspect.isroutine(member) or isinstance(member, property))
+                )
+    return texts
+
+
+def test_every_exception_the_docs_or_a_public_docstring_name_is_exported():
+    """``ChildRunInterrupted`` (docs/child-runs.md) and ``CrashContractError`` (the docstring
+    of ``check_crash_recovery``) were named as raised, yet no public module exported them:
+    telling them apart took a private import. Every exception treadle defines that README.md,
+    docs/ or a public docstring names is a public name of some public module."""
+    import re
+    from pathlib import Path
+
+    surface = _public_surface()
+    defined = {
+        value.__name__: value
+        for module in list(sys.modules.values())
+        if module is not None and module.__name__.startswith("treadle.")
+        for value in vars(module).values()
+        if isinstance(value, type)
+        and issubclass(value, BaseException)
+        and value.__module__ == module.__name__
+        and not value.__name__.startswith("_")
+    }
+    assert {"ChildRunInterrupted", "ChildPending", "CrashContractError", "FrameError"} <= set(
+        defined
+    )
+    root = Path(__file__).resolve().parents[1]
+    pages = [root / "README.md", *sorted((root / "docs").rglob("*.md"))]
+    texts = [page.read_text(encoding="utf-8") for page in pages] + _public_docstrings(surface)
+    named = {word for text in texts for word in re.findall(r"\b[A-Z]\w*", text)} & set(defined)
+    exported = {
+        name
+        for names in surface.values()
+        for name, value in names.items()
+        if value is defined.get(name)
+    }
+    assert {"ChildRunInterrupted", "RunInterrupted", "StoreContractError"} <= named
+    assert sorted(named - exported) == []

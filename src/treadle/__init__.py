@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from treadle._exceptions import ChildRunInterrupted as ChildRunInterrupted
 from treadle._exceptions import ConflictError as ConflictError
 from treadle._exceptions import InvalidRunId as InvalidRunId
 from treadle._exceptions import LeaseError as LeaseError
@@ -161,6 +162,7 @@ __all__ = [
     "Agent",
     "AnthropicMessagesClient",
     "Budgets",
+    "ChildRunInterrupted",
     "Clock",
     "CombinedTools",
     "ConflictError",

@@ -60,9 +60,9 @@ no coercion, no extra keys) before the tool runs (docs/concepts.md, "Data that s
 * a tool that writes a resource (``writes=``) the run never read, or whose base revision
   argument names a revision the run never read: NOT_EXECUTED, before it runs;
 * the tool raised `treadle.revisions.StaleWrite`: NOT_EXECUTED with ``stale_resource`` set;
-* the tool raised `ChildRunInterrupted` (a child-run tool whose child stopped unfinished): no
-  outcome; it propagates and fails the run's drive, which is left resumable
-  (docs/child-runs.md, "Run ids"); likewise `treadle._exceptions.ChildPending` (a child-run
+* the tool raised `treadle.ChildRunInterrupted` (a child-run tool whose child stopped
+  unfinished): no outcome; it propagates and fails the run's drive, which is left resumable
+  (docs/child-runs.md, "Run ids"); likewise `treadle.supervisors.ChildPending` (a child-run
   tool whose call parks its run while its queued child works, docs/child-runs.md, "In a
   fleet"), which the tool executor takes as "no outcome yet".
 

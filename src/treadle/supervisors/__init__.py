@@ -6,12 +6,16 @@ Everything public of the supervisors is here; the modules behind it are private.
   `RunHandle`; its five actors are built by the factories of an `Actors` record (the real
   ones by default, `real_writer` ... `real_coordinator`), each filling a role `Protocol`.
 * Many runs: `open_fleet` is a worker of a fleet over one store (`Fleet`, `wait_result`).
-* Child runs: `agent_tool` makes a tool whose calls run another agent (`child_run_id`).
+* Child runs: `agent_tool` makes a tool whose calls run another agent (`child_run_id`); a
+  call whose child stopped unfinished raises `ChildRunInterrupted`, and one that parks its run
+  while its queued child works raises the signal `ChildPending` (docs/child-runs.md).
 * Threads: `history` of a run, `thread_run_id`, `Lineage`.
 * Recovery and finishing: `resume_unfinished` (`resume_failed` tells its errors apart),
   `finish_cancelled` (`finish_cancelled_here` tells whether it finished the run).
 """
 
+from treadle._exceptions import ChildPending as ChildPending
+from treadle._exceptions import ChildRunInterrupted as ChildRunInterrupted
 from treadle.supervisors._children import CHILD_CANCEL_GRACE_S as CHILD_CANCEL_GRACE_S
 from treadle.supervisors._children import agent_tool as agent_tool
 from treadle.supervisors._children import child_run_id as child_run_id
@@ -73,6 +77,8 @@ __all__ = [
     "ActorContext",
     "Actors",
     "AgentFactory",
+    "ChildPending",
+    "ChildRunInterrupted",
     "CoordinatorActor",
     "CoordinatorContext",
     "ExecutorActor",

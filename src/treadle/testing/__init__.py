@@ -9,11 +9,12 @@
 * `check_crash_recovery`: crash a scripted run at every write and in every action, reopen the
   store, resume, and check what survived (`treadle.testing.crashes`);
   `check_thread_crash_recovery` does the same to a run that continues a thread
-  (docs/threads.md, "Crashes and resume").
+  (docs/threads.md, "Crashes and resume"). A failed check raises `CrashContractError`.
 * `seed_log`: write a run's log into any store as a driver would (fixtures for tests).
 * `check_run_store` (store contract), `check_decision_parser`, `check_action_executor`,
   `check_model_client`, `check_model_client_deadlines`: the seam contracts, reusable for your
-  own implementations.
+  own implementations; a broken one raises `StoreContractError` or `SeamContractError`.
+  Every failed check of the kit is a `ContractViolation` (an `AssertionError` too).
 * `open_loopback_server`, `CannedResponse`, `canned`: a real HTTP server on 127.0.0.1 for
   testing model clients without mocking the transport.
 * `simulate`, `FaultPlan`, `with_latency`: deterministic simulation under a seeded fault plan
@@ -48,8 +49,10 @@ from treadle.testing.scripted import calls as calls
 from treadle.testing.scripted import say as say
 
 if TYPE_CHECKING:  # loaded on first use: the simulation and the contracts bring trio.testing
+    from treadle.testing.contracts import StoreContractError as StoreContractError
     from treadle.testing.contracts import check_run_store as check_run_store
     from treadle.testing.contracts import seed_log as seed_log
+    from treadle.testing.crashes import CrashContractError as CrashContractError
     from treadle.testing.crashes import check_crash_recovery as check_crash_recovery
     from treadle.testing.crashes import (
         check_thread_crash_recovery as check_thread_crash_recovery,
@@ -71,8 +74,10 @@ if TYPE_CHECKING:  # loaded on first use: the simulation and the contracts bring
 __getattr__ = lazy_names(
     __name__,
     {
+        "StoreContractError": "treadle.testing.contracts",
         "check_run_store": "treadle.testing.contracts",
         "seed_log": "treadle.testing.contracts",
+        "CrashContractError": "treadle.testing.crashes",
         "check_crash_recovery": "treadle.testing.crashes",
         "check_thread_crash_recovery": "treadle.testing.crashes",
         "CannedResponse": "treadle.testing.loopback",
@@ -92,6 +97,7 @@ __getattr__ = lazy_names(
 __all__ = [
     "CannedResponse",
     "ContractViolation",
+    "CrashContractError",
     "CrashingExecutor",
     "CrashingStore",
     "FailingFileOps",
@@ -101,6 +107,7 @@ __all__ = [
     "ScriptedModel",
     "SeamContractError",
     "SimulatedCrash",
+    "StoreContractError",
     "call",
     "calls",
     "canned",
