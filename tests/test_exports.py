@@ -686,3 +686,34 @@ def test_every_exception_the_docs_or_a_public_docstring_name_is_exported():
     }
     assert {"ChildRunInterrupted", "RunInterrupted", "StoreContractError"} <= named
     assert sorted(named - exported) == []
+
+
+def test_no_public_constructor_takes_private_state():
+    """``ScriptedModel(failed={0: 99})`` was accepted (and marked turn 0's scripted failures
+    spent), ``MemoryStore(_logs=...)`` too: internal state in the signature ``help()`` shows,
+    which no docstring names. A private field of a public attrs class is ``init=False``, or a
+    required argument the function that builds the class passes (`open_run`, `open_fleet`)."""
+    import inspect
+
+    import attrs
+
+    from treadle.testing import ScriptedModel, say
+
+    preset = []
+    for module, names in _public_surface().items():
+        if module.startswith("treadle.demo"):
+            continue  # the demo's own classes are no part of the library's surface
+        for value in names.values():
+            if inspect.isclass(value) and attrs.has(value):
+                preset += [
+                    f"{value.__qualname__}.{field.name}"
+                    for field in attrs.fields(value)
+                    if field.name.startswith("_")
+                    and field.init
+                    and field.default is not attrs.NOTHING
+                ]
+    assert sorted(set(preset)) == []
+    assert list(inspect.signature(treadle.MemoryStore).parameters) == ["clock"]
+    assert "failed" not in inspect.signature(ScriptedModel).parameters
+    with pytest.raises(TypeError, match="failed"):
+        ScriptedModel(turns=[say("x")], failed={0: 99})  # type: ignore[call-arg]

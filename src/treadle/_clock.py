@@ -31,8 +31,8 @@ _DAY_NS = 86_400_000_000_000
 class SystemClock:
     """The real UTC wall clock."""
 
-    _day: int = -1
-    _prefix: str = ""
+    _day: int = attrs.field(init=False, default=-1)
+    _prefix: str = attrs.field(init=False, default="")
 
     def now_iso(self) -> str:
         """The current UTC instant, ISO-8601, to the microsecond (``...T12:00:00.000000+00:00``).
@@ -63,7 +63,7 @@ class FixedStepClock:
 
     start: dt.datetime = dt.datetime(2026, 1, 1, tzinfo=dt.UTC)
     step_s: float = 0.001
-    _readings: int = 0
+    _readings: int = attrs.field(init=False, default=0)
 
     def now_iso(self) -> str:
         """The next instant, ISO-8601."""

@@ -55,7 +55,9 @@ def open_store(request: pytest.FixtureRequest, tmp_path: Path) -> StoreMaker:
 
         @contextlib.asynccontextmanager
         async def memory() -> AsyncIterator[RunStore]:
-            yield MemoryStore(_logs=logs)
+            store = MemoryStore()
+            store._logs = logs  # reopened: the logs outlive the store object, as a file does
+            yield store
 
         return memory
     if kind == "sqlite":
@@ -269,8 +271,8 @@ async def test_a_thread_run_driven_elsewhere_is_not_driven_twice(tmp_path: Path)
 
 
 async def test_a_missing_or_damaged_predecessor_stops_the_resume_and_loses_nothing() -> None:
-    logs: dict = {}
-    memory = MemoryStore(_logs=logs)
+    memory = MemoryStore()
+    logs = memory._logs
     model, tools = ScriptedModel(turns=TURNS), LedgerTools()
     await treadle.run(agent(model, tools), "add", store=memory, run_id="t")
     with pytest.raises((RunInterrupted, SimulatedCrash)):
@@ -370,8 +372,8 @@ async def test_a_new_run_over_a_damaged_chain_is_refused_before_it_is_written() 
     """The thread's latest run is finished, but an earlier run's log is damaged: continuing
     the thread or forking its latest run is refused and writes nothing (no run left
     unfinished, the thread not blocked for another message); once the log is back, it goes on."""
-    logs: dict = {}
-    memory = MemoryStore(_logs=logs)
+    memory = MemoryStore()
+    logs = memory._logs
     model, tools = ScriptedModel(turns=TURNS), LedgerTools()
     await treadle.run(agent(model, tools), "add", store=memory, run_id="t")
     await treadle.run(agent(model, tools), "now 3 and 4", store=memory, thread_id="t")

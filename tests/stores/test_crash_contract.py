@@ -41,7 +41,9 @@ def memory(damage: Callable[[list[Record]], None] | None = None) -> StoreOpener:
         if damage is not None:
             for log in logs.values():
                 damage(log)
-        return MemoryStore(_logs=logs)
+        store = MemoryStore()
+        store._logs = logs  # reopened: the logs outlive the store object, as a file does
+        return store
 
     return opener(make)
 

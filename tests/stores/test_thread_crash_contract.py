@@ -32,7 +32,9 @@ def memory() -> StoreOpener:
     logs: dict[str, list[Record]] = {}
 
     async def make() -> RunStore:
-        return MemoryStore(_logs=logs)
+        store = MemoryStore()
+        store._logs = logs  # reopened: the logs outlive the store object, as a file does
+        return store
 
     return opener(make)
 

@@ -212,27 +212,29 @@ class RunCoordinator:
     on_status: Callable[[RunState, ApprovalRequested | None], None] = _no_status
     read_control: Callable[[], Awaitable[Sequence[Control]]] | None = None
     state: RunState = RunState.RUNNING
-    _step_scope: StepScope | None = None
-    _cancel: tuple[str, str] | None = None
-    _finishing: bool = False
-    _reply_wait: trio.CancelScope | None = None
-    _asked: ReplySlot[Any] | None = None  # the reply the hydrator or gateway owes; None: given up
-    _give_up: trio.CancelScope | None = None  # serve_control's wait, ended to give up on it
-    _give_up_at: float = float("inf")
-    _approval_wait: trio.CancelScope | None = None
-    _awaiting: ApprovalRequested | None = None
-    _offered: list[Offer] = attrs.Factory(list)
-    _offer_arrived: trio.Event = attrs.Factory(trio.Event)
-    _waited_s: float = 0.0
-    _step_started: float = 0.0
-    _late: tuple[ActionResult, ...] = ()
-    _late_step: StepRecord | None = None
-    _unsent_steps: list[StepRecord] = attrs.Factory(list)
-    _final_answer: str | None = None
-    _answer_output: JSONValue = None
-    _error: str | None = None
-    _model_error: ModelErrorInfo | None = None
-    _draining: bool = False
+    _step_scope: StepScope | None = attrs.field(init=False, default=None)
+    _cancel: tuple[str, str] | None = attrs.field(init=False, default=None)
+    _finishing: bool = attrs.field(init=False, default=False)
+    _reply_wait: trio.CancelScope | None = attrs.field(init=False, default=None)
+    # the reply the hydrator or gateway owes; None: given up
+    _asked: ReplySlot[Any] | None = attrs.field(init=False, default=None)
+    # serve_control's wait, ended to give up on it
+    _give_up: trio.CancelScope | None = attrs.field(init=False, default=None)
+    _give_up_at: float = attrs.field(init=False, default=float("inf"))
+    _approval_wait: trio.CancelScope | None = attrs.field(init=False, default=None)
+    _awaiting: ApprovalRequested | None = attrs.field(init=False, default=None)
+    _offered: list[Offer] = attrs.field(init=False, factory=list)
+    _offer_arrived: trio.Event = attrs.field(init=False, factory=trio.Event)
+    _waited_s: float = attrs.field(init=False, default=0.0)
+    _step_started: float = attrs.field(init=False, default=0.0)
+    _late: tuple[ActionResult, ...] = attrs.field(init=False, default=())
+    _late_step: StepRecord | None = attrs.field(init=False, default=None)
+    _unsent_steps: list[StepRecord] = attrs.field(init=False, factory=list)
+    _final_answer: str | None = attrs.field(init=False, default=None)
+    _answer_output: JSONValue = attrs.field(init=False, default=None)
+    _error: str | None = attrs.field(init=False, default=None)
+    _model_error: ModelErrorInfo | None = attrs.field(init=False, default=None)
+    _draining: bool = attrs.field(init=False, default=False)
 
     @trio.lowlevel.enable_ki_protection  # Ctrl-C reaches the main task: decision 0097
     async def serve_control(

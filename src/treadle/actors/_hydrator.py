@@ -117,20 +117,20 @@ class ContextHydrator:
     summary_model: str | None = None
     store: RunStore | None = None
     chain: Chain | None = None
-    _history: tuple[Message, ...] = ()
+    _history: tuple[Message, ...] = attrs.field(init=False, default=())
     """The history so far; a tuple, so that a request without a window carries it as it is
     instead of a copy (one array of it a run, not two: docs/performance.md, "Memory")."""
-    _groups: list[Group] = attrs.Factory(list)
+    _groups: list[Group] = attrs.field(init=False, factory=list)
     """The history's steps, one group each, for fitting it to the context window; kept only
     when there is a window (a run's memory, docs/performance.md, "Memory")."""
-    _head: tuple[Message, ...] = ()
-    _carried: Summary | None = None
+    _head: tuple[Message, ...] = attrs.field(init=False, default=())
+    _carried: Summary | None = attrs.field(init=False, default=None)
     """The summary an earlier run of the thread left, mapped onto the inherited history
     (docs/context.md, "Threads"); used until the run writes one of its own."""
-    _meter: Meter = attrs.Factory(Meter)
-    _last: tuple[tuple[Message, ...], int] | None = None
-    _last_tokens: int | None = None
-    _ceiling: int | None = None
+    _meter: Meter = attrs.field(init=False, factory=Meter)
+    _last: tuple[tuple[Message, ...], int] | None = attrs.field(init=False, default=None)
+    _last_tokens: int | None = attrs.field(init=False, default=None)
+    _ceiling: int | None = attrs.field(init=False, default=None)
 
     def __attrs_post_init__(self) -> None:
         system = (

@@ -147,13 +147,13 @@ class SinkFeed:
     subscriber_drops: int = 0
     on_warning: Callable[[str], None] | None = None
     reflected: Callable[[Event], Awaitable[None]] | None = None
-    _inboxes: list[trio.MemorySendChannel[Event]] = attrs.Factory(list)
-    _closed: trio.Event = attrs.Factory(trio.Event)
-    _ended: trio.Event = attrs.Factory(trio.Event)
-    _warned: set[tuple[int, str]] = attrs.Factory(set)
-    _last: tuple[str, int, int, EventKind] | None = None
+    _inboxes: list[trio.MemorySendChannel[Event]] = attrs.field(init=False, factory=list)
+    _closed: trio.Event = attrs.field(init=False, factory=trio.Event)
+    _ended: trio.Event = attrs.field(init=False, factory=trio.Event)
+    _warned: set[tuple[int, str]] = attrs.field(init=False, factory=set)
+    _last: tuple[str, int, int, EventKind] | None = attrs.field(init=False, default=None)
     """Run id, seq, ordinal and kind of the last event offered (no record kept alive)."""
-    _left: Event | None = None
+    _left: Event | None = attrs.field(init=False, default=None)
     """The run-left event each sink gets after its buffer, once closed unfinished."""
     _finishes: dict[int, Event] = attrs.Factory(dict)
     """The run-finished event, by the index of each sink whose buffer was full when it was
@@ -351,15 +351,15 @@ class EventWriter:
     redaction: Redaction = NO_REDACTION
     metrics: MetricsRecorder | None = None
     tools: frozenset[str] | None = None
-    _subscribers: list[trio.MemorySendChannel[Event]] = attrs.Factory(list)
-    _tail: list[tuple[int, Record]] = attrs.Factory(list)
+    _subscribers: list[trio.MemorySendChannel[Event]] = attrs.field(init=False, factory=list)
+    _tail: list[tuple[int, Record]] = attrs.field(init=False, factory=list)
     """Recent durable records with their seqs; a subscriber's tail is made of them."""
-    _held: list[tuple[int, Record]] = attrs.Factory(list)
+    _held: list[tuple[int, Record]] = attrs.field(init=False, factory=list)
     """Records written without a barrier, not yet known durable: their events wait."""
-    _shown: int = 0
+    _shown: int = attrs.field(init=False, default=0)
     """The seq of the last record whose event was handed out (every one before it too)."""
-    _delta_ordinal: int = 0
-    _own_feed: bool = False
+    _delta_ordinal: int = attrs.field(init=False, default=0)
+    _own_feed: bool = attrs.field(init=False, default=False)
 
     def __attrs_post_init__(self) -> None:
         self._shown = self.next_seq - 1  # a resumed run's log is durable

@@ -74,19 +74,19 @@ class SSEDecoder:
     comments: int = 0
     events: int = 0
     max_event_bytes: int = MAX_EVENT_BYTES
-    _pieces: list[bytes] = attrs.Factory(list)
+    _pieces: list[bytes] = attrs.field(init=False, factory=list)
     """The start of a line not ended yet, as read (joined once, when the line ends)."""
-    _line_bytes: int = 0
-    _data_bytes: int = 0
-    _offset: int = 0
-    _skip_lf: bool = False
-    _at_start: bool = True
-    _data: list[str] = attrs.Factory(list)
-    _errors: list[str] = attrs.Factory(list)
-    _event: str = ""
-    _last_id: str | None = None
-    _retry_ms: int | None = None
-    _pending_fields: bool = False
+    _line_bytes: int = attrs.field(init=False, default=0)
+    _data_bytes: int = attrs.field(init=False, default=0)
+    _offset: int = attrs.field(init=False, default=0)
+    _skip_lf: bool = attrs.field(init=False, default=False)
+    _at_start: bool = attrs.field(init=False, default=True)
+    _data: list[str] = attrs.field(init=False, factory=list)
+    _errors: list[str] = attrs.field(init=False, factory=list)
+    _event: str = attrs.field(init=False, default="")
+    _last_id: str | None = attrs.field(init=False, default=None)
+    _retry_ms: int | None = attrs.field(init=False, default=None)
+    _pending_fields: bool = attrs.field(init=False, default=False)
 
     def feed(self, chunk: bytes) -> list[SSEEvent]:
         """Decode one read of the body.

@@ -129,7 +129,7 @@ class OpenTelemetrySink:
     agent_name: str = "treadle"
     provider: str | None = None
     model: str = ""
-    _runs: dict[str, _RunSpans] = attrs.Factory(dict)
+    _runs: dict[str, _RunSpans] = attrs.field(init=False, factory=dict)
     """Run id -> the open spans of the run's drive."""
 
     async def send(self, event: Event) -> None:
@@ -360,9 +360,10 @@ class OpenTelemetryMetrics:
     """
 
     meter: Meter | None = None
-    _counters: dict[str, Counter] = attrs.Factory(dict)
-    _gauges: dict[str, Any] = attrs.Factory(dict)  # the API's synchronous gauge type is private
-    _histograms: dict[str, Histogram] = attrs.Factory(dict)
+    _counters: dict[str, Counter] = attrs.field(init=False, factory=dict)
+    # the API's synchronous gauge type is private
+    _gauges: dict[str, Any] = attrs.field(init=False, factory=dict)
+    _histograms: dict[str, Histogram] = attrs.field(init=False, factory=dict)
 
     def __attrs_post_init__(self) -> None:
         meter = self.meter or metrics.get_meter(TRACER_NAME)

@@ -126,9 +126,11 @@ class PrometheusOutput:
     """
 
     registry: CollectorRegistry = attrs.Factory(CollectorRegistry)
-    _instruments: dict[str, _Instrument] = attrs.Factory(dict)
-    _children: dict[tuple[str, tuple[str, ...]], _Instrument] = attrs.Factory(dict)
-    _server: _Server | None = None
+    _instruments: dict[str, _Instrument] = attrs.field(init=False, factory=dict)
+    _children: dict[tuple[str, tuple[str, ...]], _Instrument] = attrs.field(
+        init=False, factory=dict
+    )
+    _server: _Server | None = attrs.field(init=False, default=None)
 
     def __attrs_post_init__(self) -> None:
         for metric in METRICS:

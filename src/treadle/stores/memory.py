@@ -86,10 +86,10 @@ class MemoryStore(AppendStore):
     """
 
     clock: Callable[[], float] = time.time
-    _logs: dict[str, list[Record]] = attrs.field(factory=dict, alias="_logs")
-    _rows: dict[str, _Row] = attrs.field(factory=dict, alias="_rows")
-    _control: dict[str, list[ControlEntry]] = attrs.field(factory=dict, alias="_control")
-    _closed: bool = attrs.field(default=False, alias="_closed")
+    _logs: dict[str, list[Record]] = attrs.field(init=False, factory=dict)
+    _rows: dict[str, _Row] = attrs.field(init=False, factory=dict)
+    _control: dict[str, list[ControlEntry]] = attrs.field(init=False, factory=dict)
+    _closed: bool = attrs.field(init=False, default=False)
 
     # ------------------------------------------------------------------ the run store seam
 

@@ -133,24 +133,30 @@ class Fleet:
     _max_takeovers: int
     _backoff_s: float
     _nursery: trio.Nursery
-    _child_recheck_s: float = 300.0
-    _metrics: MetricsRecorder | None = None
+    _child_recheck_s: float
+    _metrics: MetricsRecorder | None
     # Each run's entries belong to the drive that made them (its claim): a drive ending
     # removes only its own, never those of a later drive of the same run.
-    _handles: dict[str, RunHandle] = attrs.Factory(dict)
-    _driving: dict[str, Claim] = attrs.Factory(dict)  # claimed, not yet done: run id -> claim
-    _waiting: Counter[str] = attrs.Factory(Counter)  # driven, waiting on children: no slot
-    _awaited: dict[str, str] = attrs.Factory(dict)  # child run id -> the parent waiting here
-    _ended: set[str] = attrs.Factory(set)  # awaited children whose drive here finished them
-    _returning: set[str] = attrs.Factory(set)  # waiting parents due a slot before new claims
-    _room: trio.lowlevel.ParkingLot = attrs.Factory(trio.lowlevel.ParkingLot)
-    _wake: trio.Event = attrs.Factory(trio.Event)
-    _draining: bool = False
-    _claimed: int = 0
-    _takeovers: int = 0
-    _finished: int = 0
-    _left: int = 0
-    _unreleased: set[str] = attrs.Factory(set)  # runs whose lease was let go unreleased
+    _handles: dict[str, RunHandle] = attrs.field(init=False, factory=dict)
+    # claimed, not yet done: run id -> claim
+    _driving: dict[str, Claim] = attrs.field(init=False, factory=dict)
+    # driven, waiting on children: no slot
+    _waiting: Counter[str] = attrs.field(init=False, factory=Counter)
+    # child run id -> the parent waiting here
+    _awaited: dict[str, str] = attrs.field(init=False, factory=dict)
+    # awaited children whose drive here finished them
+    _ended: set[str] = attrs.field(init=False, factory=set)
+    # waiting parents due a slot before new claims
+    _returning: set[str] = attrs.field(init=False, factory=set)
+    _room: trio.lowlevel.ParkingLot = attrs.field(init=False, factory=trio.lowlevel.ParkingLot)
+    _wake: trio.Event = attrs.field(init=False, factory=trio.Event)
+    _draining: bool = attrs.field(init=False, default=False)
+    _claimed: int = attrs.field(init=False, default=0)
+    _takeovers: int = attrs.field(init=False, default=0)
+    _finished: int = attrs.field(init=False, default=0)
+    _left: int = attrs.field(init=False, default=0)
+    # runs whose lease was let go unreleased
+    _unreleased: set[str] = attrs.field(init=False, factory=set)
 
     def statistics(self) -> FleetStatistics:
         """Counters since the worker opened."""

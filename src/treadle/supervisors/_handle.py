@@ -17,7 +17,7 @@ import attrs
 import trio
 
 from treadle._bursts import and_buffered
-from treadle._clock import Clock, SystemClock
+from treadle._clock import Clock
 from treadle._exceptions import RunInterrupted, UsageError
 from treadle._trio_only import in_run_of
 from treadle.actors import (
@@ -58,24 +58,26 @@ class RunHandle:
 
     run_id: str
     _store: RunStore
-    _clock: Clock = attrs.field(factory=SystemClock)
-    _control: MailboxSender[Control] | None = None
-    _status: RunState | None = None
-    _awaiting: ApprovalRequested | None = None
-    _offered_for: ApprovalRequested | None = None
-    _cancel_sent: bool = False
-    _writer: WriterActor | None = None
-    _writer_client: WriterClient | None = None
-    _parking: Parking | None = None
-    _result: RunResult | None = None
-    _error: BaseException | None = None
-    _done: trio.Event = attrs.Factory(trio.Event)
-    _changed: trio.Event = attrs.Factory(trio.Event)
-    _draining: bool = False
-    _left: str | None = None
-    _snapshot: Mapping[str, JSONValue] | None = None
-    _redaction: Redaction = NO_REDACTION
-    _token: trio.lowlevel.TrioToken = attrs.field(factory=trio.lowlevel.current_trio_token)
+    _clock: Clock
+    _control: MailboxSender[Control] | None = attrs.field(init=False, default=None)
+    _status: RunState | None = attrs.field(init=False, default=None)
+    _awaiting: ApprovalRequested | None = attrs.field(init=False, default=None)
+    _offered_for: ApprovalRequested | None = attrs.field(init=False, default=None)
+    _cancel_sent: bool = attrs.field(init=False, default=False)
+    _writer: WriterActor | None = attrs.field(init=False, default=None)
+    _writer_client: WriterClient | None = attrs.field(init=False, default=None)
+    _parking: Parking | None = attrs.field(init=False, default=None)
+    _result: RunResult | None = attrs.field(init=False, default=None)
+    _error: BaseException | None = attrs.field(init=False, default=None)
+    _done: trio.Event = attrs.field(init=False, factory=trio.Event)
+    _changed: trio.Event = attrs.field(init=False, factory=trio.Event)
+    _draining: bool = attrs.field(init=False, default=False)
+    _left: str | None = attrs.field(init=False, default=None)
+    _snapshot: Mapping[str, JSONValue] | None = attrs.field(init=False, default=None)
+    _redaction: Redaction = attrs.field(init=False, default=NO_REDACTION)
+    _token: trio.lowlevel.TrioToken = attrs.field(
+        init=False, factory=trio.lowlevel.current_trio_token
+    )
     """The trio run the handle was made in, whose thread alone may ask it anything."""
 
     # ------------------------------------------------------------------ what it reports

@@ -200,7 +200,7 @@ class LoopbackServer:
     requests: list[RecordedRequest] = attrs.Factory(list)
     early_disconnects: int = 0
     errors: list[Exception] = attrs.Factory(list)
-    _disconnected: trio.Event = attrs.Factory(trio.Event)
+    _disconnected: trio.Event = attrs.field(init=False, factory=trio.Event)
 
     @property
     def base_url(self) -> str:

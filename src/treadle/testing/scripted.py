@@ -167,7 +167,7 @@ class ScriptedModel:
     turn_offset: int = 0
     reports_usage: bool = True
     requests: list[ModelRequest] = attrs.Factory(list)
-    _failed: dict[int, int] = attrs.Factory(dict)
+    _failed: dict[int, int] = attrs.field(init=False, factory=dict)
 
     async def complete(
         self,

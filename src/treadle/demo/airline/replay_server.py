@@ -311,9 +311,9 @@ class ReplayServer:
     mismatches: list[HistoryMismatch] = attrs.Factory(list)
     served: dict[str, int] = attrs.Factory(dict)
     refused: dict[str, int] = attrs.Factory(dict)
-    _replays: dict[str, _Replay] = attrs.Factory(dict)
+    _replays: dict[str, _Replay] = attrs.field(init=False, factory=dict)
     _on_mismatch: MismatchCallback | None = None
-    _loopback: LoopbackServer | None = None
+    _loopback: LoopbackServer | None = attrs.field(init=False, default=None)
 
     def add(self, recording: Recording) -> str:
         """Serve ``recording`` too (it may be added while the server runs); return its key."""
