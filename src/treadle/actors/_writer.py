@@ -155,7 +155,7 @@ class SinkFeed:
     """Run id, seq, ordinal and kind of the last event offered (no record kept alive)."""
     _left: Event | None = attrs.field(init=False, default=None)
     """The run-left event each sink gets after its buffer, once closed unfinished."""
-    _finishes: dict[int, Event] = attrs.Factory(dict)
+    _finishes: dict[int, Event] = attrs.field(init=False, factory=dict)
     """The run-finished event, by the index of each sink whose buffer was full when it was
     offered: that sink gets it after its buffer."""
 
