@@ -928,7 +928,7 @@ async def test_completion_tool_signals_only_when_it_returns() -> None:
 
 
 async def test_context_is_injected() -> None:
-    outcome = await BOX.execute(action("who"), replay=True)
+    outcome = await BOX.execute(action("who", generation=4), replay=True)
     assert json.loads(outcome.observation) == {
         "run_id": "run-1",
         "step": 3,
@@ -944,6 +944,7 @@ async def test_context_is_injected() -> None:
         "run_cancelled": None,
         "report_active_s": None,
         "can_park": False,
+        "generation": 4,  # the call's fencing token: docs/crash-safety.md, "A paused driver"
     }
 
 

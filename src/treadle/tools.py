@@ -138,7 +138,10 @@ cancellation"."""
 
 ReconcileHook: TypeAlias = Callable[[Action], Awaitable[ActionOutcome | None]]
 """``async (action) -> outcome | None``: on resume, tell what an interrupted call did (looked
-up by ``action.intent_id``), or ``None`` when that cannot be established."""
+up by ``action.intent_id``), or ``None`` when that cannot be established. A driver paused past
+its lease may still make the call afterwards: fence the system first with
+``action.generation`` before answering that the call did not run (docs/crash-safety.md, "A
+paused driver")."""
 
 _NAME: Final = re.compile(r"\A[A-Za-z0-9_-]{1,64}\Z")
 _RESULTS: Final = make_converter()
@@ -187,6 +190,13 @@ class ToolContext:
         can_park: the call may park its run instead of answering, by raising
             `treadle._exceptions.ChildPending` (every call of the step is ``safe`` to
             replay; docs/child-runs.md, "In a fleet").
+        generation: the fencing generation of the run's lease under which this call runs:
+            the one its action intent was written under (a ``safe`` call run again on
+            resume: the resuming drive's, which is newer). A driver paused past its lease
+            may still make its call after another driver took the run over; hand this to
+            the system the tool acts on as a fencing token, which refuses a token older
+            than one it has seen, so that such a stale call is refused there. 0 when the
+            run has no lease (docs/crash-safety.md, "A paused driver").
     """
 
     run_id: str
@@ -205,6 +215,7 @@ class ToolContext:
         default=None, eq=False, repr=False
     )
     can_park: bool = False
+    generation: int = 0
 
 
 def _image_refs(value: Sequence[ImageRef]) -> tuple[ImageRef, ...]:
@@ -521,7 +532,8 @@ def tool(
         completes_task: a call that returns normally ends the run as ``task_completed``.
         timeout_s: seconds one call may run; ``None`` uses the toolbox default (10 s).
         reconcile: ``async (action) -> ActionOutcome | None``, called on resume for a call
-            whose outcome was never stored.
+            whose outcome was never stored; ``action.generation`` is the resuming drive's
+            fencing generation (docs/crash-safety.md, "A paused driver").
         requires_approval: a human must approve each call before it runs.
         secret_arguments: names of arguments that are secret: their values stay in the log
             (a resume needs them) and are redacted in events, sinks, the handle's pending
@@ -1229,6 +1241,7 @@ class Toolbox:
                 run_cancelled=action.cancelled,
                 report_active_s=action.report_active_s,
                 can_park=action.can_park,
+                generation=action.generation,
             )
         return await self._run(found, kwargs, resource, seen, action.timeout_s)
 

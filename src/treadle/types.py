@@ -628,6 +628,14 @@ class Action:
             executor that times its calls out itself, as `treadle.Toolbox` does, ends the
             call by then, so that it reports the timeout before the run stops waiting
             (docs/concepts.md, "Tools and cancellation").
+        generation: the fencing generation of the run's lease held by the drive that makes
+            this call (or reconciles it): the generation its action intent was written
+            under; for a ``safe`` call run again on resume, or a ``reconcile`` of a call an
+            earlier driver made, the resuming drive's, newer than that of any driver that
+            may still be making the call. 0 when the run has no lease (a store without
+            leases). A tool hands it to the system it acts on as a fencing token, which
+            refuses a token older than one it has seen (docs/crash-safety.md, "A paused
+            driver").
     """
 
     run_id: str
@@ -647,6 +655,7 @@ class Action:
     )
     can_park: bool = False
     timeout_s: float = float("inf")
+    generation: int = 0
 
 
 # --------------------------------------------------------------------------- definition data

@@ -13,8 +13,8 @@ import datetime as dt
 import functools
 import sqlite3
 import unittest.mock
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager, contextmanager
+from collections.abc import AsyncIterator, Callable
+from contextlib import AbstractAsyncContextManager, asynccontextmanager, contextmanager
 from pathlib import Path
 
 import attrs
@@ -36,7 +36,9 @@ from treadle.testing import CrashingExecutor, CrashingStore, InterceptingStore, 
 from treadle.testing.invariants import check_approvals, check_invariants
 from treadle.testing.scripted import ScriptedModel, call, calls, say
 from treadle.types import (
+    Action,
     ActionIntent,
+    ActionOutcome,
     ActionResult,
     ActionStatus,
     ApprovalDecided,
@@ -505,6 +507,123 @@ async def test_treadle_run_raises_lease_lost(autojump_clock):
             jump[0] = 100.0
             await store.acquire_lease("r", owner="b", ttl_s=3600)
     assert len(raised) == 1 and raised[0].generation == 1
+
+
+class StaleToken(Exception):
+    """What `FencedPayments` raises for a request whose fencing token is older than one it saw."""
+
+
+@attrs.define(eq=False)
+class FencedPayments:
+    """A payment system that takes a fencing token with each request (the classic pattern).
+
+    It keeps the newest token it has seen for each run and refuses a request carrying an older
+    one, recording what it charged and what it refused.
+    """
+
+    newest: dict[str, int] = attrs.Factory(dict)
+    charged: list[tuple[str, int]] = attrs.Factory(list)
+    refused: list[tuple[str, int]] = attrs.Factory(list)
+
+    def fence(self, run_id: str, token: int) -> None:
+        """From now on, refuse the run's requests carrying a token older than ``token``."""
+        self.newest[run_id] = max(self.newest.get(run_id, 0), token)
+
+    def charge(self, run_id: str, key: str, token: int) -> None:
+        """Charge once under ``key``; raises `StaleToken` for a token older than the newest."""
+        if token < self.newest.get(run_id, 0):
+            self.refused.append((key, token))
+            raise StaleToken(f"token {token} is older than {self.newest[run_id]}")
+        self.fence(run_id, token)
+        self.charged.append((key, token))
+
+
+@attrs.define(eq=False)
+class FencedPay:
+    """A ``never`` tool ``pay`` on `FencedPayments`, held in flight until ``release`` is set.
+
+    Its reconcile hook fences the payment system with the resuming drive's generation before
+    it looks for the charge: from then on, a call of an older driver is refused there.
+    """
+
+    payments: FencedPayments = attrs.Factory(FencedPayments)
+    started: trio.Event = attrs.Factory(trio.Event)
+    release: trio.Event = attrs.Factory(trio.Event)
+    called_with: list[int] = attrs.Factory(list)
+    reconciled_with: list[int] = attrs.Factory(list)
+
+    async def reconcile(self, action: Action) -> ActionOutcome:
+        self.payments.fence(action.run_id, action.generation)
+        self.reconciled_with.append(action.generation)
+        if any(key == action.intent_id for key, _ in self.payments.charged):
+            return ActionOutcome(status=ActionStatus.EXECUTED, observation="charged")
+        return ActionOutcome(
+            status=ActionStatus.NOT_EXECUTED, observation="not charged", detail="no charge"
+        )
+
+    def agent(self) -> Agent:
+        @treadle.tool(reconcile=self.reconcile, timeout_s=600)
+        async def pay(amount: int, ctx: treadle.ToolContext) -> str:
+            """Charge an amount."""
+            self.started.set()
+            self.called_with.append(ctx.generation)
+            await self.release.wait()  # the driver is paused: it knows nothing of a takeover
+            self.payments.charge(ctx.run_id, ctx.intent_id, ctx.generation)
+            return "charged"
+
+        agent, _ = make(
+            [call("pay", amount=5, call_id="c1"), say("done")], tools=treadle.Toolbox([pay])
+        )
+        return agent
+
+
+async def a_paused_call_after_a_takeover(
+    raw: RunStore, other: Callable[[], AbstractAsyncContextManager[RunStore]], pay: FencedPay
+) -> treadle.types.RunLog:
+    """Driver ``a`` starts ``pay`` and stops renewing; ``b`` takes the run over and finishes it
+    (reconciling the call); then ``a``'s call goes on. The log ``b`` left."""
+    agent = pay.agent()
+    store = FrozenRenewals(raw)
+    async with open_run(agent, "x", store=store, run_id="r", owner="a", lease_ttl_s=1) as handle:
+        await pay.started.wait()
+        store.frozen = True  # paused: its renewals reach no store
+        async with other() as second:  # another process
+            while True:  # until the lease lapsed by the store's clock
+                try:
+                    await second.acquire_lease("r", owner="b", ttl_s=600)
+                    break
+                except RunLeased:
+                    await trio.sleep(0.1)
+            result = await treadle.run(agent, store=second, run_id="r", owner="b")
+            log = await second.read_log("r")
+        assert result.stop_reason is StopReason.FINAL_ANSWER
+        pay.release.set()  # ``a`` wakes, its call goes on after the run finished elsewhere
+        with pytest.raises(LeaseLost):
+            await handle.wait()
+    return log
+
+
+def check_the_stale_call_was_refused(log: treadle.types.RunLog, pay: FencedPay) -> None:
+    """``a``'s call carried generation 1, ``b``'s reconcile fenced with 2: it was refused."""
+    assert pay.called_with == [1] and pay.reconciled_with == [2]
+    assert pay.payments.refused == [("r/s1/a1", 1)] and pay.payments.charged == []
+    (result,) = [r for r in log.records if isinstance(r, ActionResult)]
+    assert result.outcome.status is ActionStatus.NOT_EXECUTED and result.reconciled
+    assert check_invariants(log) == []
+
+
+async def test_a_paused_drivers_call_carries_its_generation_and_is_refused_after_a_takeover(
+    tmp_path, autojump_clock
+):
+    """A driver paused with a ``never`` call in flight may make it after another driver
+    reconciled it as not executed; the call's fencing generation lets the system refuse it."""
+    pay = FencedPay()
+    with trio.fail_after(600):
+        async with opened_store("sqlite", tmp_path) as raw:
+            log = await a_paused_call_after_a_takeover(
+                raw, functools.partial(another_process, "sqlite", tmp_path, raw), pay
+            )
+    check_the_stale_call_was_refused(log, pay)
 
 
 # --------------------------------------------------------------------------- release
@@ -1085,6 +1204,24 @@ async def test_postgres_the_same_store_object_drives_a_run_again_after_a_fenced_
                     await handle.wait()
             result = await treadle.run(agent, store=raw, run_id="r", owner="b")
     assert result.stop_reason is StopReason.FINAL_ANSWER
+
+
+async def test_postgres_a_paused_drivers_call_is_refused_by_its_fencing_generation(
+    postgres_dsn, postgres_schema
+):
+    from treadle.stores.postgres import open_postgres_store
+
+    pay = FencedPay()
+    with trio.fail_after(120):
+        async with open_postgres_store(postgres_dsn, schema=postgres_schema) as raw:
+            log = await a_paused_call_after_a_takeover(
+                raw,
+                functools.partial(open_postgres_store, postgres_dsn, schema=postgres_schema),
+                pay,
+            )
+    check_the_stale_call_was_refused(log, pay)
+    gens = postgres_generations(postgres_dsn, postgres_schema, "r")
+    assert gens[-1] == 2
 
 
 @pytest.mark.parametrize(

@@ -95,6 +95,9 @@ class ToolExecutor:
     """The tool executor actor of one run.
 
     Args:
+        generation: the run's lease generation under this drive (0 without a lease): each
+            action carries it (`treadle.types.Action.generation`), for a tool to hand on as
+            a fencing token (docs/crash-safety.md, "A paused driver").
         policies: what ``executor`` declares about its tools (`treadle.Agent.tool_policies`);
             looked up from ``executor`` when not given.
     """
@@ -108,6 +111,7 @@ class ToolExecutor:
     observation_template: str = "{observation}"
     host: ToolHost | None = None
     cancel_grace_s: float = CANCEL_GRACE_S
+    generation: int = 0
     policies: ExecutorPolicies = attrs.field(
         default=attrs.Factory(lambda self: policies_of(self.executor), takes_self=True)
     )
@@ -337,6 +341,7 @@ class ToolExecutor:
             arguments=call.arguments,
             revisions=revisions,
             timeout_s=self._timeout_s(call.name)[0],
+            generation=self.generation,
             **more,
         )
 

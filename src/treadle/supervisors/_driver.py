@@ -590,6 +590,7 @@ async def _drive(
             cancel_grace_s=options.cancel_grace_s,
             redaction=redaction,
             digest_keys=options.rng.randbytes if options.rng is not None else secrets.token_bytes,
+            generation=hold.generation,
         )
         needs_approval = functools.partial(
             requires_approval, agent.tool_policies, options.approval_policy

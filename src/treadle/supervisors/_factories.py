@@ -185,6 +185,8 @@ class ActorContext:
             digest, and has it learn each reply: `treadle.redaction.Redaction.learn`).
         digest_keys: the source of those digests' keys: ``n`` bytes a call; the OS's secure
             source, or a seeded run's random source (its log the same for a seed).
+        generation: the run's lease generation under this drive (0 without a lease), which
+            the executor hands each call as its fencing token (`treadle.ToolContext.generation`).
     """
 
     run_id: str
@@ -198,6 +200,7 @@ class ActorContext:
     cancel_grace_s: float = CANCEL_GRACE_S
     redaction: Redaction = NO_REDACTION
     digest_keys: Callable[[int], bytes] = secrets.token_bytes
+    generation: int = 0
 
 
 def _no_status(state: RunState, awaiting: ApprovalRequested | None) -> None:
@@ -313,6 +316,7 @@ def real_executor(context: ActorContext) -> ToolExecutor:
         synthetic=agent.synthetic,
         observation_template=agent.observation_template,
         cancel_grace_s=context.cancel_grace_s,
+        generation=context.generation,
     )
 
 
