@@ -314,6 +314,60 @@ def test_sighup_of_a_closed_terminal_drains_a_worker_as_sigterm_does(tmp_path: P
     assert row["driver"] is None
 
 
+HELD_AT_THE_WORKERS_MODULE = textwrap.dedent(
+    """
+    import runpy
+    import sys
+
+    class HoldAtTheWorkersModule:
+        \"\"\"Holds the import of the worker's module until a line comes on standard input.\"\"\"
+
+        def find_spec(self, name, path=None, target=None):
+            if name == "treadle._cli_fleet":
+                sys.meta_path.remove(self)
+                print("loading", flush=True)
+                sys.stdin.readline()
+            return None
+
+    sys.meta_path.insert(0, HoldAtTheWorkersModule())
+    sys.argv[0] = "treadle"
+    runpy.run_module("treadle", run_name="__main__", alter_sys=True)  # python -m treadle
+    """
+)
+"""``python -m treadle ARGS`` held where the group imports ``treadle._cli_fleet``."""
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT, signal.SIGHUP])
+def test_a_stop_signal_while_the_worker_loads_its_module_stops_it_before_it_claims(
+    tmp_path: Path, signum: int
+):
+    """The signal comes while the process imports the worker's module (the stores, trio, the
+    database drivers: most of a start-up); before, SIGTERM and SIGHUP killed it and SIGINT
+    ended it with status 130."""
+    (tmp_path / "fleet_agents.py").write_text(AGENTS_MODULE, encoding="utf-8")
+    db = tmp_path / "runs.db"
+    command = [sys.executable, "-c", HELD_AT_THE_WORKERS_MODULE, "worker", "--store", str(db)]
+    proc = subprocess.Popen(
+        [*command, "--agent", "calc=fleet_agents:calc"],
+        cwd=tmp_path,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert proc.stdout.readline() == "loading\n", proc.stderr.read()
+        proc.send_signal(signum)
+        out, err = proc.communicate("go on\n", timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=30)
+    assert proc.returncode == 0, err
+    assert out == "stopped before it started: nothing claimed\n"
+    assert not db.exists()  # it did not even open its store
+
+
 def test_a_drained_worker_counts_the_runs_it_left_to_resume(tmp_path: Path):
     db = tmp_path / "runs.db"
     code, out, err, _ = drain_a_worker_mid_run(tmp_path, db)

@@ -16,7 +16,7 @@ import signal
 import sys
 from collections.abc import AsyncIterator, Callable, Mapping
 from contextlib import AbstractAsyncContextManager, AsyncExitStack, asynccontextmanager
-from typing import TYPE_CHECKING, Final
+from typing import TYPE_CHECKING
 
 import click
 import trio
@@ -40,6 +40,7 @@ from treadle._cli_common import (
     url_host,
 )
 from treadle._exceptions import StoreError, TreadleError, UsageError
+from treadle._stop_signals import STOP_SIGNALS, hold_stop_signals
 from treadle._terminal import on_interrupt
 from treadle._text import valid_text
 from treadle.agent import Agent
@@ -62,11 +63,6 @@ if TYPE_CHECKING:
 
 
 GC_YOUNG_THRESHOLD = 10_000
-
-# The signals that drain a worker (docs/fleet.md, "Shutting a worker down"): SIGHUP too, the
-# signal of a closed terminal or a dropped ssh session, which would otherwise kill the worker
-# without a drain (a worker has no configuration to reload).
-_STOP_SIGNALS: Final = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 """Allocations between two collections of the youngest generation in a worker process
 (Python's default is 700): see `tune_collector`."""
 
@@ -269,9 +265,9 @@ def worker_command(
     stopped waiting for them failed, or its committer did not stop in time): the stopped
     line says so (docs/fleet.md, "Shutting a worker down").
     """
-    early: list[int] = []  # a stop asked for before the worker is up: it claims nothing
-    for signum in _STOP_SIGNALS:
-        signal.signal(signum, lambda number, frame: early.append(number))
+    # a stop asked for before the worker is up (while this module loaded too, when the group
+    # held the signals: `treadle.cli`): it claims nothing
+    early = hold_stop_signals()
     agents = _agent_sources(agent_specs)
     tune_collector()
     exporter = _prometheus() if metrics_port is not None else None
@@ -280,7 +276,7 @@ def worker_command(
 
     async def serve(store: RunStore) -> FleetStatistics:
         """Serve until a stop signal, then drain; the worker's statistics once drained."""
-        with trio.open_signal_receiver(*_STOP_SIGNALS) as signals:
+        with trio.open_signal_receiver(*STOP_SIGNALS) as signals:
             async with (
                 _served(agents) as served_agents,
                 open_fleet(

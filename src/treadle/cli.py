@@ -20,7 +20,9 @@ help line is the command's own.
 
 Around every command the group applies `treadle._terminal`: characters standard output or
 error cannot encode are escaped instead of ending the command in a traceback, and Ctrl-C
-prints one line and exits with status 130.
+prints one line and exits with status 130. For ``treadle worker`` it first holds the stop
+signals (`treadle._stop_signals`), before it loads the command's module, so that one that
+arrives while the worker is starting stops it cleanly (docs/fleet.md, "Shutting a worker down").
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from typing import Final
 import attrs
 import click
 
+from treadle._stop_signals import hold_stop_signals
 from treadle._terminal import escape_unencodable_text, on_interrupt
 
 
@@ -44,11 +47,14 @@ class Entry:
         module: the module defining the command.
         attribute: the `click.Command` in it.
         help: its short help (the first sentence of its docstring).
+        holds_stop_signals: the command takes SIGTERM, SIGINT and SIGHUP from before its
+            module loads (`treadle._stop_signals.hold_stop_signals`): ``treadle worker``.
     """
 
     module: str
     attribute: str
     help: str
+    holds_stop_signals: bool = False
 
 
 COMMANDS: Final = {
@@ -122,6 +128,7 @@ COMMANDS: Final = {
         "treadle._cli_fleet",
         "worker_command",
         "Serve agents from a store's queue until SIGTERM, SIGINT or SIGHUP, then drain and exit 0.",
+        holds_stop_signals=True,
     ),
 }
 """Every ``treadle`` command: name -> where it lives and its help line."""
@@ -141,10 +148,16 @@ class _Commands(click.Group):
         return sorted(name for name, entry in COMMANDS.items() if _installed(entry))
 
     def get_command(self, ctx: click.Context, cmd_name: str) -> click.Command | None:
-        """The command ``cmd_name``, its module imported now; ``None`` for an unknown one."""
+        """The command ``cmd_name``, its module imported now; ``None`` for an unknown one.
+
+        A command that holds its stop signals has them held before its module loads
+        (docs/fleet.md, "Shutting a worker down").
+        """
         entry = COMMANDS.get(cmd_name)
         if entry is None or not _installed(entry):
             return None
+        if entry.holds_stop_signals:
+            hold_stop_signals()
         command = getattr(importlib.import_module(entry.module), entry.attribute)
         assert isinstance(command, click.Command)
         return command
