@@ -192,6 +192,7 @@ actions = _build(
     report_active_s=st.none() | st.just(lambda seconds: None),
     can_park=st.booleans(),
     timeout_s=seconds | st.just(float("inf")),
+    generation=counts,
 )
 attempts = _build(
     t.Attempt,
