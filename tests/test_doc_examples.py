@@ -60,10 +60,15 @@ async def get_weather(city: str) -> str:
     return "sunny"
 
 class _Payments:  # a payment provider's client
+    fences: dict[str, int] = {}
+
+    async def fence(self, run_id: str, token: int) -> None:
+        self.fences[run_id] = max(token, self.fences.get(run_id, 0))
+
     async def lookup(self, idempotency_key: str) -> str | None:
         return None
 
-    async def charge(self, amount: int, idempotency_key: str) -> str:
+    async def charge(self, amount: int, idempotency_key: str, fencing_token: int = 0) -> str:
         return "charged"
 
 payments = _Payments()
