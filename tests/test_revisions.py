@@ -142,6 +142,7 @@ async def no_context(reservation_id: str) -> str:
         (ok, {"writes": "r:{reservation_id:>4}"}, "a field is a bare argument name"),
         (ok, {"writes": "r:{reservation_id"}, "is malformed"),
         (ok, {"writes": ""}, "non-empty key template"),
+        (ok, {"reads": "r:{reservation_id}{seat}"}, "have no text between them"),
         (ok, {"writes": "r:{seat}", "secret_arguments": ("seat",)}, "secret argument 'seat'"),
         (ok, {"base_revision": "seat"}, "base_revision needs writes="),
         (named, {"writes": "r:{reservation_id}", "base_revision": "revision"}, "an int argument"),
@@ -279,6 +280,25 @@ def test_a_key_keeps_the_values_of_its_fields_apart() -> None:
         "reservation:{id}", tool="t", option="reads", arguments=("id",), secret=()
     )
     assert one.key({"id": "R1/2"}) == "reservation:R1/2"  # one field: nothing to keep apart
+
+
+def test_a_template_whose_fields_touch_is_refused() -> None:
+    # Under doc:{a}{b}, a = "a", b = "bc" (read) and a = "ab", b = "c" (written) both gave the
+    # key doc:abc, and 1, 23 and 12, 3 both doc:123: a write of a document the model never
+    # read ran with the other one's revision.
+    from treadle.revisions import ResourceTemplate
+
+    def parse(text: str) -> ResourceTemplate:
+        return ResourceTemplate.parse(
+            text, tool="t", option="reads", arguments=("a", "b"), secret=()
+        )
+
+    for text in ("doc:{a}{b}", "{a}{b}:doc", "doc:{a}{a}"):
+        with pytest.raises(UsageError, match="have no text between them"):
+            parse(text)
+    literal = parse("doc:{a}{{{b}")  # an escaped brace is text between them
+    assert literal.key({"a": "a{", "b": "c"}) == "doc:a%7B{c"
+    assert parse("doc:{a}-{b}").key({"a": "a", "b": "bc"}) == "doc:a-bc"
 
 
 def test_a_key_keeps_values_of_different_types_apart() -> None:

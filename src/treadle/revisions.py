@@ -86,7 +86,8 @@ class ResourceTemplate:
     Attributes:
         text: the template; each ``{name}`` is replaced by the argument's value
             (`key`).
-        fields: the argument names it uses, in order.
+        fields: the argument names it uses, in order; two of them always have text between
+            them (`parse` refuses ``{a}{b}``).
         escaped: characters percent-encoded in a value (``%``, ``"`` and those of the text
             between two fields), so that two calls share a key only when their values are the
             same: under ``file:{owner}/{path}``, owner ``a/b`` and path ``c`` give
@@ -111,8 +112,10 @@ class ResourceTemplate:
 
         Raises:
             UsageError: not a string, malformed, a field with a format spec, conversion,
-                index or attribute, a field that names no argument, or one that names a
-                secret argument (the key is logged in the clear).
+                index or attribute, a field that names no argument, one that names a
+                secret argument (the key is logged in the clear), or two fields with no
+                text between them (``{a}{b}``: nothing would keep their values apart,
+                docs/concepts.md, "Stale writes").
         """
         if not isinstance(text, str) or not text:
             raise UsageError(f"tool {tool!r}: {option} must be a non-empty key template")
@@ -122,9 +125,11 @@ class ResourceTemplate:
             raise UsageError(f"tool {tool!r}: {option}={text!r} is malformed: {exc}") from exc
         fields: list[str] = []
         escaped = {"%", '"'}
+        between = ""  # the literal text since the last field
         for literal, name, spec, conversion in parts:
             if fields:  # text between two fields separates their values: kept out of them
                 escaped.update(literal)
+            between += literal
             if name is None:
                 continue
             if spec or conversion or not name.isidentifier():
@@ -139,6 +144,13 @@ class ResourceTemplate:
                     f"tool {tool!r}: {option}={text!r} uses the secret argument {name!r}; "
                     "resource keys are logged in the clear"
                 )
+            if fields and not between:
+                raise UsageError(
+                    f"tool {tool!r}: {option}={text!r}: fields {{{fields[-1]}}} and "
+                    f"{{{name}}} have no text between them, so different values would share "
+                    f"a key; separate them, as in {{{fields[-1]}}}:{{{name}}}"
+                )
+            between = ""
             fields.append(name)
         return cls(text=text, fields=tuple(fields), escaped=frozenset(escaped))
 
