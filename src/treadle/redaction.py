@@ -9,6 +9,7 @@ with `REDACTED` (docs/events.md, "Secret arguments"):
 * events, for subscribers (`treadle.RunHandle.events`) and sinks alike (a run with secrets
   streams no text deltas: `Redaction.streams`);
 * `treadle.RunHandle.pending_approval`;
+* `treadle.history` (every run of the chain, each by its own snapshots);
 * ``treadle show``, ``treadle tail`` (both with and without ``--json``) and ``treadle approve``.
 
 Free text on those paths (the model's text, a model error's message, the final answer, a failed

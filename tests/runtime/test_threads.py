@@ -21,6 +21,7 @@ from treadle._exceptions import (
 )
 from treadle.agent import Agent
 from treadle.ports import RunStore
+from treadle.redaction import REDACTED
 from treadle.stores.jsonl import JsonlStore
 from treadle.stores.memory import MemoryStore
 from treadle.stores.sqlite import SqliteStore
@@ -131,6 +132,35 @@ async def test_history_of_a_plain_run_is_its_input_and_steps() -> None:
     assert ended[-1] == Message(role="assistant", content="1 + 2 = 3")
     with pytest.raises(UsageError, match="no run 'nope'"):
         await treadle.history(store, "nope")
+
+
+@treadle.tool(secret_arguments=("card_number",))
+async def charge(amount_cents: int, card_number: str) -> str:
+    """Charge a card."""
+    return f"charged {amount_cents} cents"
+
+
+async def test_history_redacts_secret_arguments_of_every_run_of_the_chain() -> None:
+    # treadle.history returned the card number in the clear, for the run itself and for the
+    # thread's next run and the fork that inherit it, while treadle show redacted it.
+    store = MemoryStore()
+    turns = [call("charge", amount_cents=500, card_number="4111111111111111"), say("paid")]
+    model = ScriptedModel(turns=[*turns, say("bye")])
+    paying = Agent(
+        model=model, executor=treadle.Toolbox([charge]), parser=treadle.NativeToolCallParser()
+    )
+    await treadle.run(paying, "pay 5", store=store, run_id="p")
+    await treadle.run(paying, "thanks", store=store, thread_id="p")
+    await treadle.run(paying, store=store, run_id="pf", fork_of="p", at_step=2)
+    for run_id in ("p", "p.2", "pf"):
+        (paid,) = [m for m in await treadle.history(store, run_id) if m.tool_calls]
+        assert paid.tool_calls[0].arguments == {
+            "amount_cents": 500,
+            "card_number": REDACTED,
+        }, run_id
+    # the model's own history is the log's: it is sent the call as it made it
+    sent = [m for m in model.requests[-1].messages if m.tool_calls]
+    assert sent[0].tool_calls[0].arguments["card_number"] == "4111111111111111"
 
 
 async def test_a_thread_after_a_final_answer_tool_call_sees_it_accepted() -> None:

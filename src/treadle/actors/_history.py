@@ -19,6 +19,7 @@ import attrs
 from treadle._budget import Summary, inherited_groups
 from treadle._exceptions import StoreError, UsageError
 from treadle.ports import RunStore
+from treadle.redaction import Redaction
 from treadle.types import (
     DecisionKind,
     Message,
@@ -147,12 +148,19 @@ class InheritedRun:
     summary: Summary | None
 
     @classmethod
-    def of(cls, log: RunLog, before_step: int | None) -> InheritedRun:
-        """What ``log`` gives its successor (only steps before ``before_step``, if given)."""
+    def of(cls, log: RunLog, before_step: int | None, *, redact: bool = False) -> InheritedRun:
+        """What ``log`` gives its successor (only steps before ``before_step``, if given).
+
+        With ``redact``, the step records as they may leave the log: the values of secret
+        arguments read ``[redacted]``, as the run's own snapshots declare them
+        (`treadle.redaction.Redaction.of_log`; docs/events.md, "Secret arguments").
+        """
         assert log.started is not None
         steps = log.steps
         if before_step is not None:
             steps = tuple(step for step in steps if step.step < before_step)
+        if redact:
+            steps = _redacted(steps, Redaction.of_log(log))
         return cls(
             run_id=log.run_id,
             input=log.started.input,
@@ -195,6 +203,7 @@ async def read_chain(
     before_step: int | None = None,
     successor: str | None = None,
     read: Sequence[RunLog] = _NONE_READ,
+    redact: bool = False,
 ) -> Chain:
     """Read run ``run_id``'s log and those of the runs it continues, each once.
 
@@ -211,6 +220,9 @@ async def read_chain(
             history is asked for by itself (``run_id`` may then be unfinished).
         read: logs the caller read already (finding the run it continues), taken instead
             of reading them again; checked as the others are.
+        redact: give each run's steps as they may leave the log, secret argument values
+            redacted by that run's own snapshots (`InheritedRun.of`): for a reader outside
+            the run (`treadle.history`); a run's hydrator takes them as logged.
 
     Returns:
         The chain; cost: one `RunStore.read_log` per run of it not in ``read``.
@@ -231,7 +243,7 @@ async def read_chain(
             raise StoreError(f"run {run_id!r}: its history continues itself ({current!r})")
         seen.add(current)
         log = await _read_link(store, current, upto, successor, known.get(current))
-        runs.append(InheritedRun.of(log, upto))
+        runs.append(InheritedRun.of(log, upto, redact=redact))
         started = log.started
         assert started is not None  # _read_link refused it otherwise
         successor, current, upto = current, started.continues, started.fork_step
@@ -246,6 +258,7 @@ async def recorded_history(
     before_step: int | None = None,
     synthetic: SyntheticObservations = _SYNTHETIC,
     successor: str | None = None,
+    redact: bool = False,
 ) -> list[Message]:
     """The history run ``run_id`` holds, read from its log and those of the runs it continues.
 
@@ -261,6 +274,7 @@ async def recorded_history(
         synthetic: the texts answering a call the log gives no observation for.
         successor: the run that continues ``run_id``, named in errors; ``None`` when the
             history is asked for by itself.
+        redact: the values of secret arguments read ``[redacted]`` (`read_chain`).
 
     Returns:
         The messages, oldest first (``role`` user, assistant or tool).
@@ -268,7 +282,9 @@ async def recorded_history(
     Raises:
         UsageError, StoreError: as `read_chain`.
     """
-    chain = await read_chain(store, run_id, before_step=before_step, successor=successor)
+    chain = await read_chain(
+        store, run_id, before_step=before_step, successor=successor, redact=redact
+    )
     history, _ = inherited_context(chain, synthetic=synthetic)
     return history
 
@@ -310,6 +326,18 @@ def inherited_context(
             if covered is not None:
                 carried = (own, covered)
     return history, _mapped(history, carried)
+
+
+def _redacted(steps: tuple[StepRecord, ...], redaction: Redaction) -> tuple[StepRecord, ...]:
+    """``steps`` as `Redaction.record` shows them (the same tuple when nothing is secret)."""
+    if not redaction:
+        return steps
+    shown: list[StepRecord] = []
+    for step in steps:
+        record = redaction.record(step)
+        assert isinstance(record, StepRecord)  # a step record is shown as one
+        shown.append(record)
+    return tuple(shown)
 
 
 def _latest_summary(log: RunLog, before_step: int | None) -> Summary | None:

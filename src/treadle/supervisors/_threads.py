@@ -289,7 +289,9 @@ async def history(store: RunStore, run_id: str) -> tuple[Message, ...]:
     a fork's prefix), its input, then what each step record says entered history: the
     assistant message, a ``tool`` message per observation (a ``user`` message for a text
     reply treated as an action), an invalid decision's feedback. Every tool call is answered.
-    The agent's system prompt is not included (docs/threads.md, "History").
+    The agent's system prompt is not included (docs/threads.md, "History"). The values of
+    secret arguments read ``[redacted]``, as each run's own snapshots declare them: this is
+    a path out of the log (docs/events.md, "Secret arguments").
 
     Args:
         store: the store holding the run (and the runs it continues).
@@ -303,4 +305,4 @@ async def history(store: RunStore, run_id: str) -> tuple[Message, ...]:
         UsageError: there is no run ``run_id``.
         StoreError: a log of the chain is missing or unreadable.
     """
-    return tuple(await recorded_history(store, check_run_id(run_id)))
+    return tuple(await recorded_history(store, check_run_id(run_id), redact=True))
