@@ -561,6 +561,28 @@ async def test_a_fork_named_by_its_run_id_is_retried_by_the_same_call() -> None:
     assert len(await memory.list_runs()) == 4
 
 
+async def test_a_finished_named_fork_is_retried_without_the_run_it_forks() -> None:
+    """docs/threads.md, "Forks": the same call again returns a finished fork's result, as a
+    thread's named retry does. It read the forked run first, and once that log was gone it
+    said "cannot fork run 'r': no such run in the store"."""
+    logs: dict = {}
+    memory = MemoryStore(_logs=logs)
+    model, tools = ScriptedModel(turns=FORK_TURNS), LedgerTools()
+    await treadle.run(agent(ScriptedModel(turns=TURNS), tools), "add", store=memory, run_id="r")
+    fork = await treadle.run(agent(model, tools), store=memory, run_id="f", fork_of="r", at_step=2)
+    calls, forked = len(model.requests), logs.pop("r")
+    again = await treadle.run(agent(model, tools), store=memory, run_id="f", fork_of="r", at_step=2)
+    assert again == fork and len(model.requests) == calls
+    with pytest.raises(
+        UsageError, match="'f' exists as fork of r at step 2, not as the fork of r at step 1"
+    ):
+        await treadle.run(agent(model, tools), store=memory, run_id="f", fork_of="r", at_step=1)
+    with pytest.raises(UsageError, match="cannot fork run 'r': no such run"):  # a new fork
+        await treadle.run(agent(model, tools), store=memory, run_id="g", fork_of="r", at_step=2)
+    logs["r"] = forked
+    assert sorted(await memory.list_runs()) == ["f", "r"]
+
+
 async def test_a_fork_of_a_run_without_steps_says_it_has_none() -> None:
     memory = MemoryStore()
     model, tools = ScriptedModel(turns=TURNS), LedgerTools()

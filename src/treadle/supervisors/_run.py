@@ -43,7 +43,13 @@ from treadle.supervisors._factories import (
 )
 from treadle.supervisors._handle import RunHandle
 from treadle.supervisors._leasing import LeaseHold, leases_of
-from treadle.supervisors._threads import Lineage, fork_lineage, next_in_thread, run_in_thread
+from treadle.supervisors._threads import (
+    Lineage,
+    fork_lineage,
+    known_fork,
+    next_in_thread,
+    run_in_thread,
+)
 from treadle.types import (
     RunLog,
     RunResult,
@@ -287,7 +293,10 @@ async def _lineage(
     """The run id and lineage of a run continuing ``thread_id`` or forking ``fork_of``.
 
     A thread names its run (`next_in_thread`); a fork is named by ``run_id``, or by a fresh
-    random id: a new fork at each call (docs/threads.md, "Forks").
+    random id: a new fork at each call (docs/threads.md, "Forks"). A run ``run_id`` names
+    that exists is checked to be the one asked for and taken as it is, before anything of
+    the run it continues is read (`run_in_thread`, `known_fork`): a retry of a finished run
+    returns its result even when that history is gone.
 
     Returns:
         The run id, its lineage, and for a new run the chain it inherits, read and checked
@@ -310,7 +319,11 @@ async def _lineage(
             )
         return next_id, lineage, await _check_chain(store, next_id, lineage, read)
     assert fork_of is not None
-    fork_id = check_run_id(run_id) if run_id is not None else new_run_id()
+    if run_id is not None:
+        known = await known_fork(store, fork_of, at_step, check_run_id(run_id))
+        if known is not None:  # a retry naming its run: resume it or return its result
+            return run_id, known, None
+    fork_id = run_id if run_id is not None else new_run_id()
     lineage, forked = await fork_lineage(store, fork_of, at_step, fork_id)
     return fork_id, lineage, await _check_chain(store, fork_id, lineage, (forked,))
 

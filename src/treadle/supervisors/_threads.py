@@ -246,6 +246,45 @@ async def run_in_thread(
     return Lineage.of(log.started)
 
 
+async def known_fork(
+    store: RunStore, fork_of: str, at_step: int | None, run_id: str
+) -> Lineage | None:
+    """The lineage of run ``run_id`` when it exists as the fork of ``fork_of`` at ``at_step``.
+
+    ``None`` when there is no such run yet. Only the fork's own log is read: a fork that
+    exists is resumed, or its result returned, whatever became of the run it forks (its
+    resume reads that history as every resume does; docs/threads.md, "Forks").
+
+    Raises:
+        UsageError: no ``at_step``; ``run_id`` exists as another run (a plain run, a
+            thread's run, a fork of another run or step).
+    """
+    _check_fork_call(fork_of, at_step)
+    log = await store.read_log(run_id)
+    if log.started is None:
+        return None
+    asked = Lineage(continues=fork_of, fork_step=at_step)
+    stored = Lineage.of(log.started)
+    if stored != asked:
+        raise UsageError(
+            f"run {run_id!r} exists as {stored.describe() if stored else 'a run of its own'}, "
+            f"not as the {asked.describe()} asked for; a run id names one run"
+        )
+    return stored
+
+
+def _check_fork_call(fork_of: str, at_step: int | None) -> None:
+    """Refuse a fork call without a valid ``fork_of`` or without ``at_step``.
+
+    Raises:
+        InvalidRunId: ``fork_of`` is not a run id.
+        UsageError: ``at_step`` is ``None``.
+    """
+    check_run_id(fork_of)
+    if at_step is None:
+        raise UsageError(f"a fork of run {fork_of!r} needs at_step (the step to try again)")
+
+
 async def fork_lineage(
     store: RunStore, fork_of: str, at_step: int | None, fork_id: str
 ) -> tuple[Lineage, RunLog]:
@@ -265,9 +304,7 @@ async def fork_lineage(
         StoreError: its log cannot be read (the message names the fork as the run that
             continues it: docs/threads.md, "When a thread cannot go on").
     """
-    check_run_id(fork_of)
-    if at_step is None:
-        raise UsageError(f"a fork of run {fork_of!r} needs at_step (the step to try again)")
+    _check_fork_call(fork_of, at_step)
     log = await read_continued(store, fork_of, fork_id)
     if log.started is None:
         raise UsageError(f"cannot fork run {fork_of!r}: no such run in the store")
