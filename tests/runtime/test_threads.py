@@ -369,7 +369,6 @@ async def test_a_fork_naming_a_finished_run_of_another_lineage_is_refused() -> N
     for fork_of, run_id, said in (
         ("a", "b", "'b' exists as a run of its own, not as the fork of a at step 1"),
         ("b", "f", "'f' exists as fork of a at step 1, not as the fork of b at step 1"),
-        ("a", "a", "'a' exists as a run of its own, not as the fork of a at step 1"),
     ):
         with pytest.raises(UsageError, match=said):
             await treadle.run(
@@ -377,6 +376,24 @@ async def test_a_fork_naming_a_finished_run_of_another_lineage_is_refused() -> N
             )
     again = await treadle.run(agent(model, tools), store=store, fork_of="a", at_step=1, run_id="f")
     assert again == fork and len(model.requests) == calls  # the same fork: its result
+
+
+async def test_a_fork_named_as_the_run_it_forks_is_told_so() -> None:
+    # It was refused as a run "another caller started", whoever had started it, and so was
+    # one named so whose forked run was missing.
+    store = MemoryStore()
+    model, tools = ScriptedModel(turns=TURNS), LedgerTools()
+    await treadle.run(agent(model, tools), "add", store=store, run_id="a")
+    for fork_of in ("a", "gone"):
+        with pytest.raises(UsageError) as refused:
+            await treadle.run(
+                agent(model, tools), store=store, fork_of=fork_of, at_step=1, run_id=fork_of
+            )
+        assert str(refused.value) == (
+            f"run_id {fork_of!r} names the run to fork; a fork is a new run: give it an id "
+            "of its own, or none for a fresh one"
+        )
+    assert sorted(await store.list_runs()) == ["a"]
 
 
 async def test_recovery_resumes_a_crashed_thread_run_with_its_history(tmp_path: Path) -> None:

@@ -875,7 +875,10 @@ def _check_same_run(started: RunStarted, input: RunInput | None, lineage: Lineag
 def _check_lineage(started: RunStarted, lineage: Lineage | None) -> None:
     """Refuse a stored run that is not the fork or thread run a caller asked for.
 
-    Finished or not: a finished run of another lineage is not the result of this fork.
+    Finished or not: a finished run of another lineage is not the result of this fork. The
+    caller checked the run's id before (`treadle.supervisors._run`: a run it names that exists
+    with another lineage is refused there), so a run found here was started since, by another
+    caller, and the message says so.
 
     Raises:
         UsageError: ``lineage`` is given and the stored run has another one (or none).

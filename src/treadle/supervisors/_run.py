@@ -150,9 +150,9 @@ def open_run(
             a ``control_poll_s`` or ``lease_ttl_s`` that is not a finite number > 0, a
             ``park_after_s`` that is not one >= 0; a thread that does not exist or whose
             latest run is not finished (started with another input), a fork of a missing run
-            or at a step it does not have, both ``thread_id`` and ``fork_of``, or a
-            ``run_id`` that exists with another lineage (docs/threads.md, "When a thread
-            cannot go on"). Nothing is written then.
+            or at a step it does not have, a fork whose ``run_id`` is ``fork_of``, both
+            ``thread_id`` and ``fork_of``, or a ``run_id`` that exists with another lineage
+            (docs/threads.md, "When a thread cannot go on"). Nothing is written then.
         SnapshotMismatch: resuming with a definition whose snapshot differs (names the keys).
         SchemaTooNew: the log was written by a newer treadle.
     """

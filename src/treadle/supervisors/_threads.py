@@ -256,10 +256,16 @@ async def known_fork(
     resume reads that history as every resume does; docs/threads.md, "Forks").
 
     Raises:
-        UsageError: no ``at_step``; ``run_id`` exists as another run (a plain run, a
-            thread's run, a fork of another run or step).
+        UsageError: no ``at_step``; ``run_id`` is ``fork_of`` itself (a fork is a new run);
+            ``run_id`` exists as another run (a plain run, a thread's run, a fork of another
+            run or step).
     """
     _check_fork_call(fork_of, at_step)
+    if run_id == fork_of:
+        raise UsageError(
+            f"run_id {run_id!r} names the run to fork; a fork is a new run: give it an id "
+            "of its own, or none for a fresh one"
+        )
     log = await store.read_log(run_id)
     if log.started is None:
         return None
