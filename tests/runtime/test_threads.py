@@ -535,15 +535,16 @@ async def test_continuing_a_thread_reads_each_earlier_log_once() -> None:
 async def test_a_thread_run_after_a_gap_in_its_names_is_refused() -> None:
     """The latest run is found without asking about every earlier one: a run named like a
     later run of the thread but not of it still stops the thread, as a run named like its
-    next run does."""
+    next run does. (A new run cannot take such a name while run t exists: this one took it
+    before t was started.)"""
     store = MemoryStore()
     model, tools = ScriptedModel(turns=[say("a"), say("b"), say("c")]), LedgerTools()
+    await treadle.run(agent(model, tools), "plain", store=store, run_id="t.4")
     await treadle.run(agent(model, tools), "one", store=store, run_id="t")
     await treadle.run(agent(model, tools), "two", store=store, thread_id="t")
-    await treadle.run(agent(model, tools), "plain", store=store, run_id="t.3")
-    with pytest.raises(UsageError, match=r"run 't\.3' exists but is not a run of thread 't'"):
+    with pytest.raises(UsageError, match=r"run 't\.4' exists but is not a run of thread 't'"):
         await treadle.run(agent(model, tools), "three", store=store, thread_id="t")
-    assert sorted(await store.list_runs()) == ["t", "t.2", "t.3"]
+    assert sorted(await store.list_runs()) == ["t", "t.2", "t.4"]
 
 
 FORK_TURNS = [TURNS[0], call("add", a=3, b=4, call_id="c2"), say("7")]
@@ -598,6 +599,31 @@ async def test_a_finished_named_fork_is_retried_without_the_run_it_forks() -> No
         await treadle.run(agent(model, tools), store=memory, run_id="g", fork_of="r", at_step=2)
     logs["r"] = forked
     assert sorted(await memory.list_runs()) == ["f", "r"]
+
+
+async def test_a_new_run_cannot_take_the_name_of_a_threads_run() -> None:
+    # A fork (or a plain run) named r.2 was accepted, and thread r could then never go on:
+    # "run 'r.2' exists but is not a run of thread 'r'".
+    store = MemoryStore()
+    model, tools = ScriptedModel(turns=[say("a"), say("b"), say("c")]), LedgerTools()
+    await treadle.run(agent(model, tools), "hi", store=store, run_id="r")
+    taken = "is the name of run {} of thread 'r'"
+    with pytest.raises(UsageError, match=taken.format(2)):
+        await treadle.run(agent(model, tools), store=store, run_id="r.2", fork_of="r", at_step=1)
+    with pytest.raises(UsageError, match=taken.format(17)):
+        await treadle.run(agent(model, tools), "x", store=store, run_id="r.17")
+    assert sorted(await store.list_runs()) == ["r"]
+    second = await treadle.run(agent(model, tools), "next", store=store, thread_id="r")
+    assert second.run_id == "r.2"
+    again = await treadle.run(agent(model, tools), store=store, run_id="r.2")  # resumed by id
+    assert again == second
+    # names of no thread's run: a run of a thread starts none, nor does a number below 2 or
+    # one with a leading zero, nor a run that does not exist
+    for run_id in ("r.2.2", "r.1", "r.02", "s.2"):
+        await treadle.run(agent(model, tools), "x", store=store, run_id=run_id)
+    await treadle.run(agent(model, tools), store=store, run_id="r.2.3", fork_of="r.2", at_step=1)
+    third = await treadle.run(agent(model, tools), "more", store=store, thread_id="r")
+    assert third.run_id == "r.3"
 
 
 async def test_a_fork_of_a_run_without_steps_says_it_has_none() -> None:

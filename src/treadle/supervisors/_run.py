@@ -45,10 +45,12 @@ from treadle.supervisors._handle import RunHandle
 from treadle.supervisors._leasing import LeaseHold, leases_of
 from treadle.supervisors._threads import (
     Lineage,
+    check_thread_name_free,
     fork_lineage,
     known_fork,
     next_in_thread,
     run_in_thread,
+    thread_named,
 )
 from treadle.types import (
     RunLog,
@@ -151,8 +153,9 @@ def open_run(
             ``park_after_s`` that is not one >= 0; a thread that does not exist or whose
             latest run is not finished (started with another input), a fork of a missing run
             or at a step it does not have, a fork whose ``run_id`` is ``fork_of``, both
-            ``thread_id`` and ``fork_of``, or a ``run_id`` that exists with another lineage
-            (docs/threads.md, "When a thread cannot go on"). Nothing is written then.
+            ``thread_id`` and ``fork_of``, a ``run_id`` that exists with another lineage, or
+            a new fork or run named as a run of an existing thread (``T.n``: docs/threads.md,
+            "Threads"; "When a thread cannot go on"). Nothing is written then.
         SnapshotMismatch: resuming with a definition whose snapshot differs (names the keys).
         SchemaTooNew: the log was written by a newer treadle.
     """
@@ -262,6 +265,8 @@ async def _prepared(
         run_id, lineage, chain = await _lineage(store, input, run_id, thread_id, fork_of, at_step)
     elif at_step is not None:
         raise UsageError("at_step is the step of the run named by fork_of, which is missing")
+    elif run_id is not None:
+        await _check_plain_name(store, check_run_id(run_id))
     run_id = check_run_id(run_id) if run_id is not None else new_run_id()
     hold = LeaseHold(
         run_id=run_id, owner=driver_owner(owner), ttl_s=lease_ttl_s, store=leases_of(store)
@@ -325,7 +330,24 @@ async def _lineage(
             return run_id, known, None
     fork_id = run_id if run_id is not None else new_run_id()
     lineage, forked = await fork_lineage(store, fork_of, at_step, fork_id)
+    if run_id is not None:  # a new fork (`known_fork` found none) named by its caller
+        await check_thread_name_free(store, fork_id, read=(forked,))
     return fork_id, lineage, await _check_chain(store, fork_id, lineage, (forked,))
+
+
+async def _check_plain_name(store: RunStore, run_id: str) -> None:
+    """Refuse a new run of no lineage named as a thread's run (`check_thread_name_free`).
+
+    A run of that name that exists is resumed (or its result returned) as before. Reads
+    nothing for an id of another form (`thread_named`).
+
+    Raises:
+        UsageError: as `check_thread_name_free`.
+    """
+    if thread_named(run_id) is None:
+        return
+    if (await store.read_log(run_id)).started is None:
+        await check_thread_name_free(store, run_id)
 
 
 async def _check_chain(

@@ -62,6 +62,55 @@ def thread_run_id(thread_id: str, n: int) -> str:
     return thread_id if n == 1 else check_run_id(f"{thread_id}.{n}")
 
 
+def thread_named(run_id: str) -> tuple[str, int] | None:
+    """The thread and number ``run_id`` names a run of (``T`` and n for ``T.n``, n >= 2).
+
+    ``None`` for an id of no such form: without a dot, or whose last part after one is not
+    a number from 2 written as `thread_run_id` writes it (no sign, no leading zero).
+    """
+    thread_id, dot, number = run_id.rpartition(".")
+    if not dot or not thread_id or not (number.isascii() and number.isdigit()):
+        return None
+    if number.startswith("0") or int(number) < 2:
+        return None
+    return thread_id, int(number)
+
+
+async def check_thread_name_free(
+    store: RunStore, run_id: str, read: tuple[RunLog, ...] = ()
+) -> None:
+    """Refuse to start a run of no thread under the name of a thread's run.
+
+    ``run_id`` must not exist yet. A run named ``T.n`` (n >= 2, `thread_named`) while run
+    ``T`` exists as a run that can start a thread (it continues no thread) would stop that
+    thread for good when it reaches n: `next_in_thread` refuses a run of that name that is
+    not the thread's (docs/threads.md, "Threads";
+    docs/decisions/0141-a-thread-runs-name-is-the-threads.md). Any other id reads nothing.
+
+    Args:
+        store: the store.
+        run_id: the new run's id.
+        read: logs read already, taken instead of reading ``T`` again.
+
+    Raises:
+        UsageError: ``run_id`` is the name of a run of thread ``T`` (the message names it).
+    """
+    named = thread_named(run_id)
+    if named is None:
+        return
+    thread_id, n = named
+    root = next((log for log in read if log.run_id == thread_id), None)
+    if root is None:
+        root = await store.read_log(thread_id)
+    if root.started is None or root.started.thread is not None:
+        return
+    raise UsageError(
+        f"run id {run_id!r} is the name of run {n} of thread {thread_id!r} (a thread names "
+        'its runs, docs/threads.md, "Threads"), and taking it would stop that thread: give '
+        "this run another id"
+    )
+
+
 async def next_in_thread(
     store: RunStore, thread_id: str, input: RunInput | None
 ) -> tuple[str, Lineage, tuple[RunLog, ...]]:
