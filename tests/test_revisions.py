@@ -76,7 +76,8 @@ async def test_a_writing_tool_is_not_run_without_a_read() -> None:
     outcome = await Toolbox([book]).execute(action("book", {"flight:other": (4,)}, **FLIGHT))
     assert outcome.status is ActionStatus.NOT_EXECUTED
     assert outcome.detail == (
-        f"{FLIGHT_KEY} was not read in this run; read it first, then change it from what you read"
+        f"{FLIGHT_KEY} was not read in this run (a read from before it, earlier in the "
+        "conversation, does not count); read it now, then change it from what you read"
     )
 
 

@@ -241,6 +241,11 @@ def fold_revisions(table: RevisionTable, revisions: Mapping[str, int]) -> None:
 def check_write(key: str, observed: Mapping[str, tuple[int, ...]], base: int | None) -> int | str:
     """The revision the model saw of ``key``, or why the write is refused.
 
+    Only the run's own reads count, not those of the history it continues (a thread's
+    earlier runs, a fork's prefix): the refusal says so, since the model may see such a read
+    in its history (docs/concepts.md, "Stale writes";
+    docs/decisions/0140-a-run-writes-from-its-own-reads.md).
+
     Args:
         key: the resource key of the write.
         observed: the run's observed revisions before the step (`RevisionTable`).
@@ -253,7 +258,10 @@ def check_write(key: str, observed: Mapping[str, tuple[int, ...]], base: int | N
     """
     seen = observed.get(key, ())
     if not seen:
-        return f"{key} was not read in this run; read it first, then change it from what you read"
+        return (
+            f"{key} was not read in this run (a read from before it, earlier in the "
+            "conversation, does not count); read it now, then change it from what you read"
+        )
     if base is None:
         return seen[-1]
     if base not in seen:

@@ -151,8 +151,33 @@ async def test_a_write_the_run_never_read_for_is_not_executed() -> None:
     assert move.outcome.status is ActionStatus.NOT_EXECUTED
     assert observations(log) == [
         "Error: the call to change_seat was not executed: reservation:R1 was not read in "
-        "this run; read it first, then change it from what you read"
+        "this run (a read from before it, earlier in the conversation, does not count); read "
+        "it now, then change it from what you read"
     ]
+
+
+async def test_a_run_that_continues_another_writes_from_its_own_reads_only() -> None:
+    # A thread's next run and a fork hold the read of the run before them in their history.
+    # It does not count for their writes (decision 0140), and the refusal says so: it said
+    # the resource "was not read", with the read in the model's history.
+    desk, store = Desk(), MemoryStore()
+    talk = [READ, say("seat 12A"), MOVE, READ, MOVE, say("moved")]
+    await treadle.run(agent(desk, talk), "show R1", store=store, run_id="t")
+    await treadle.run(agent(desk, talk), "move me to 3C", store=store, thread_id="t")
+    retry = [READ, MOVE, READ, MOVE, say("moved")]  # tries step 2 of t again: the write
+    await treadle.run(agent(desk, retry), store=store, run_id="f", fork_of="t", at_step=2)
+    for run_id, revision in (("t.2", 0), ("f", 1)):
+        log = await store.read_log(run_id)
+        refused, read, moved = results(log)
+        assert read.outcome.revisions == {KEY: revision}
+        assert observations(log)[0] == (
+            "Error: the call to change_seat was not executed: reservation:R1 was not read in "
+            "this run (a read from before it, earlier in the conversation, does not count); "
+            "read it now, then change it from what you read"
+        ), run_id
+        assert refused.outcome.status is ActionStatus.NOT_EXECUTED
+        assert moved.outcome.status is ActionStatus.EXECUTED
+    assert desk.writes == [("3C", 0), ("3C", 1)]  # each from its own run's read
 
 
 async def test_a_read_in_the_same_batch_does_not_count_for_the_write() -> None:
