@@ -175,10 +175,16 @@ class Meter:
 
 
 def marker(step: int, message: Message, tokens: int) -> str:
-    """The re-fetch marker that replaces a large old observation (docs/context.md)."""
+    """The re-fetch marker that replaces a large old observation (docs/context.md).
+
+    An observation of the run's own step is named by the step (``at step 7``); one of the
+    history the run continues (``step`` up to 0: a thread's earlier runs, or the steps of a
+    forked run before the fork, whose numbers are another run's) as ``in the history this
+    run continues``.
+    """
     tool = message.name or "a tool"
     call = f" (call {message.tool_call_id})" if message.tool_call_id else ""
-    where = f"at step {step}" if step > 0 else "in an earlier run of the thread"
+    where = f"at step {step}" if step > 0 else "in the history this run continues"
     return (
         f"[elided: the result of {tool}{call} {where}, about {tokens} tokens, left "
         "out to fit the context window; call the tool again if it is needed]"
@@ -188,7 +194,8 @@ def marker(step: int, message: Message, tokens: int) -> str:
 def with_markers(group: Group, meter: Meter) -> tuple[Group, int]:
     """``group`` with each large tool result replaced by a marker, and how many were.
 
-    Steps up to 0 are the history inherited from a thread's earlier runs (docs/threads.md).
+    Steps up to 0 are the history inherited from the runs before it: a thread's earlier runs,
+    a forked run's steps before the fork (docs/threads.md).
     """
     out: list[Message] = []
     count = 0
@@ -222,8 +229,8 @@ def _covers(through: int | None) -> str:
     if through > 0:
         return f"steps 1-{through}"
     if through == 0:
-        return "the thread's earlier runs"
-    return "the first part of the thread's earlier runs"
+        return "the history this run continues"
+    return "the first part of the history this run continues"
 
 
 def summary_cap(budget: int) -> int:
@@ -698,7 +705,7 @@ def transcript(groups: Sequence[Group]) -> str:
     """The steps as plain text for the summariser, one block per step."""
     blocks: list[str] = []
     for group in groups:
-        title = f"Step {group.step}" if group.step > 0 else "From the thread's earlier runs"
+        title = f"Step {group.step}" if group.step > 0 else "From the history this run continues"
         lines = [f"## {title}"]
         for message in group.messages:
             if message.role == "assistant":

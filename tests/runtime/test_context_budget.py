@@ -435,7 +435,7 @@ async def test_a_threads_inherited_history_is_compacted_like_the_runs_own_steps(
     texts = [m.content or "" for m in first_request.messages]
     # in history order: the instructions, the summary of the earlier runs' first part, what
     # is left of them (their newest turn verbatim), then this run's input
-    assert texts[1].startswith("[Summary of the first part of the thread's earlier runs")
+    assert texts[1].startswith("[Summary of the first part of the history this run continues")
     assert texts[-1] == "count on"
     assert texts[-2] == "done at n=20"
     assert check_tool_replies([first_request]) == []
@@ -589,6 +589,29 @@ async def test_a_thread_goes_on_under_a_window_too_small_for_the_summary_it_inhe
     log = await store.read_log(second.run_id)
     assert check_invariants(log) == []
     assert all(r.context.summary_run_id is None for r in _results(log) if r.context)
+
+
+async def test_a_forks_markers_of_the_forked_runs_steps_name_no_thread():
+    """A fork's markers of the steps it inherits said "in an earlier run of the thread": a
+    fork belongs to no thread, and those steps are the forked run's."""
+    store = MemoryStore()
+    await run(
+        windowed_agent(WindowedModel(window=1400, goal=12), window=1400),
+        "count to 12",
+        store=store,
+        run_id="r",
+    )
+    fork_model = WindowedModel(window=1400, goal=12)
+    await run(
+        windowed_agent(fork_model, window=1400), store=store, run_id="f", fork_of="r", at_step=10
+    )
+    sent = fork_model.requests[0].messages
+    markers = [m.content or "" for m in sent if (m.content or "").startswith("[elided:")]
+    assert markers, "the fork's first request marks the forked run's oldest results"
+    for marker in markers:
+        assert " in the history this run continues, about " in marker, marker
+        assert "thread" not in marker
+    assert all("thread" not in (m.content or "") for r in fork_model.requests for m in r.messages)
 
 
 async def test_a_fork_starts_from_a_summary_written_before_the_fork_point():
