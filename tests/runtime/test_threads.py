@@ -583,8 +583,8 @@ async def test_a_finished_named_fork_is_retried_without_the_run_it_forks() -> No
     """docs/threads.md, "Forks": the same call again returns a finished fork's result, as a
     thread's named retry does. It read the forked run first, and once that log was gone it
     said "cannot fork run 'r': no such run in the store"."""
-    logs: dict = {}
-    memory = MemoryStore(_logs=logs)
+    memory = MemoryStore()
+    logs = memory._logs
     model, tools = ScriptedModel(turns=FORK_TURNS), LedgerTools()
     await treadle.run(agent(ScriptedModel(turns=TURNS), tools), "add", store=memory, run_id="r")
     fork = await treadle.run(agent(model, tools), store=memory, run_id="f", fork_of="r", at_step=2)
