@@ -899,6 +899,54 @@ async def test_default_timeout_applies(autojump_clock: trio.testing.MockClock) -
     assert outcome.observation == "Error: the call to hang timed out after 3 s"
 
 
+def _failing_as_cancelled(timeout_s: float, closing: list[str]) -> Tool:
+    """A tool waiting in a nursery whose other task's cleanup raises when it is cancelled."""
+
+    @tool(name="cleanup", timeout_s=timeout_s)
+    async def cleanup() -> str:
+        """Fetch pages concurrently."""
+
+        async def worker() -> None:
+            try:
+                await trio.sleep_forever()
+            finally:
+                closing.append("closing")
+                raise ValueError("connection pool closed")
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(worker)
+            await trio.sleep_forever()
+        return "never"
+
+    return cleanup
+
+
+async def test_an_error_raised_beside_the_timeouts_cancellation_is_the_calls_error(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """The nursery's group held the cancellation and the error: execute raised the error."""
+    closing: list[str] = []
+    outcome = await Toolbox([_failing_as_cancelled(2, closing)]).execute(action("cleanup"))
+    assert closing == ["closing"]
+    assert outcome == ActionOutcome(
+        status=ActionStatus.EXECUTED,
+        observation=(
+            "Error: the call to cleanup timed out after 2 s, and raised ValueError: connection "
+            "pool closed as it was cancelled"
+        ),
+    )
+
+
+async def test_an_error_raised_beside_an_outer_cancellation_leaves_the_cancellation_alone(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    closing: list[str] = []
+    with trio.move_on_after(1) as scope:
+        await Toolbox([_failing_as_cancelled(60, closing)]).execute(action("cleanup"))
+        pytest.fail("execute returned after being cancelled")
+    assert closing == ["closing"] and scope.cancelled_caught
+
+
 async def test_outer_cancellation_propagates(autojump_clock: trio.testing.MockClock) -> None:
     with trio.move_on_after(0.1) as scope:
         await BOX.execute(action("slow"))

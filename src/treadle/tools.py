@@ -39,7 +39,9 @@ no coercion, no extra keys) before the tool runs (docs/concepts.md, "Data that s
 * the tool raised: EXECUTED, observation ``Error: <ExceptionType>: <message>``;
 * the tool raised `EnvironmentFailure`: ENV_ERROR (the run ends);
 * the tool ran past its timeout: EXECUTED, ``Error: the call to X timed out after N s``
-  (a process tool's process is killed); a thread tool that is still running is abandoned:
+  (a process tool's process is killed), followed by ``, and raised <ExceptionType>: <message>
+  as it was cancelled`` when a task of its own nursery raised beside the cancellation; a
+  thread tool that is still running is abandoned:
   UNKNOWN, ``Error: the call to X timed out after N s and was abandoned while it still
   ran; its outcome is unknown``; a thread tool that got no thread (`TOOL_THREADS`) within
   its timeout, or a process tool whose process was killed before its function began (the
@@ -99,6 +101,7 @@ from treadle._exceptions import (
     ChildRunInterrupted,
     EnvironmentFailure,
     UsageError,
+    innermost,
     message_of,
     raised,
 )
@@ -1055,6 +1058,25 @@ _STRAY: Final = (
 )
 
 
+def _beside_cancellation(exc: BaseException) -> tuple[BaseException, BaseException | None]:
+    """``exc`` split into the call's trio cancellation and what its tasks raised beside it.
+
+    A tool's own nursery ends a cancelled call with a group holding both (a child task whose
+    cleanup fails as it is cancelled): the cancellation is the scope's that cancelled the
+    call, the rest is the call's error (docs/concepts.md, "Actions and observations").
+    Returns ``(exc, None)`` when there is nothing beside a cancellation, or when the group
+    holds a `KeyboardInterrupt` or `SystemExit` (they leave the call whole).
+    """
+    if not isinstance(exc, BaseExceptionGroup) or any(
+        raised(exc, kind) for kind in (KeyboardInterrupt, SystemExit)
+    ):
+        return exc, None
+    cancelled, rest = exc.split(trio.Cancelled)
+    if cancelled is None or rest is None:
+        return exc, None
+    return cancelled, rest
+
+
 def _stray_cancellation(exc: BaseException) -> bool:
     """Whether a tool raised `trio.Cancelled` that no scope around the call took: a tool bug.
 
@@ -1206,7 +1228,8 @@ class Toolbox:
         Cancellation:
             Called in a cancelled scope, the tool never starts (`trio.Cancelled`); otherwise
             it yields to the scheduler where the tool does (a no-op tool not at all).
-            `trio.Cancelled` from outside always propagates; the tool's outcome is then
+            `trio.Cancelled` from outside always propagates, alone (what the tool's own
+            tasks raised beside it is dropped with the call); the tool's outcome is then
             unknown.
         """
         await trio.lowlevel.checkpoint_if_cancelled()
@@ -1263,6 +1286,7 @@ class Toolbox:
             _ProcessCall(found, kwargs, resource, seen) if found.isolation == "process" else None
         )
         began = True
+        failed: BaseException | None = None  # raised beside the call's cancellation
         with trio.move_on_after(timeout):
             try:
                 if found.isolation != "task" and _CALLS_INLINE.get():
@@ -1306,6 +1330,9 @@ class Toolbox:
                     began = in_thread.give_up()
                 if in_process is not None:
                     began = in_process.began
+                cancelled, failed = _beside_cancellation(exc)
+                if failed is not None:
+                    raise cancelled from failed  # the scope's to take; ``failed``: the call's error
                 raise
             return self._returned(found, result, resource)
         answer = None if in_process is None else in_process.answer()
@@ -1324,10 +1351,10 @@ class Toolbox:
                 detail="abandoned in its worker thread at the timeout",
             )
         killed = " (its process was killed)" if found.isolation == "process" else ""
-        return ActionOutcome(
-            status=ActionStatus.EXECUTED,
-            observation=f"Error: the call to {found.name} timed out after {timeout:g} s{killed}",
-        )
+        text = f"Error: the call to {found.name} timed out after {timeout:g} s{killed}"
+        if failed is not None:
+            text += f", and raised {_described(innermost(failed))} as it was cancelled"
+        return ActionOutcome(status=ActionStatus.EXECUTED, observation=text)
 
     @staticmethod
     def _failed(exc: BaseException) -> ActionOutcome:

@@ -888,6 +888,43 @@ async def test_the_runs_tool_timeout_below_the_tools_own_is_the_calls_timeout(
         assert timed_out.outcome.observation == "Error: the call to nested timed out after 2 s"
 
 
+@tool(name="pool", timeout_s=2)
+async def pool_failing_as_cancelled(note: str) -> str:
+    """Wait in a nursery whose other task's cleanup raises as it is cancelled."""
+
+    async def worker() -> None:
+        try:
+            await trio.sleep_forever()
+        finally:
+            raise ValueError("connection pool closed")
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(worker)
+        await trio.sleep_forever()
+    return "never"
+
+
+async def test_a_tool_failing_as_it_is_cancelled_at_its_timeout_has_that_error_and_the_run_goes_on(
+    autojump_clock,
+):
+    """The error beside the cancellation came out of the executor: the run was interrupted
+    (RunInterrupted), its call left without a result."""
+    agent = make_agent(
+        [call("pool", note="x", call_id="c1"), say("went on")], [pool_failing_as_cancelled]
+    )
+    store = MemoryStore()
+    result = await treadle.run(agent, "x", store=store, run_id="r")
+    assert result.final_answer == "went on"
+    log = await store.read_log("r")
+    (failed,) = results_of(log)
+    assert failed.outcome.status is ActionStatus.EXECUTED and not failed.late
+    assert log.steps[0].observations[0] == (
+        "Error: the call to pool timed out after 2 s, and raised ValueError: connection pool "
+        "closed as it was cancelled"
+    )
+    assert check_invariants(log) == []
+
+
 def test_a_hosted_call_cancelled_out_of_its_own_nursery_ends_with_no_result():
     """A cancellation raised as a group (from the call's nursery) is the call's scope's to
     take: stored as the call's error, it was raised again in the run, interrupting it."""
