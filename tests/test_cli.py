@@ -10,6 +10,7 @@ import types
 from collections.abc import Iterator
 from pathlib import Path
 
+import attrs
 import click
 import pytest
 import trio
@@ -59,6 +60,29 @@ def test_runs_and_show(tmp_path):
     records = runner.invoke(main, ["show", "cli-run", "--store", str(db), "--json"])
     kinds = [json.loads(line)["kind"] for line in records.output.splitlines()]
     assert kinds[0] == "run_started" and kinds[-1] == "run_finished"
+
+
+def test_a_late_result_is_shown_as_one_the_run_stopped_waiting_for():
+    """Every late result was shown "(late, not applied)", also one abandoned at its timeout
+    whose observation the model was given before the run went on."""
+    from treadle._cli_common import describe
+    from treadle.types import ActionOutcome, ActionResult, ActionStatus
+
+    abandoned = ActionResult(
+        run_id="r",
+        step=1,
+        intent_id="r/s1/a1",
+        call_id="c1",
+        tool="slow",
+        outcome=ActionOutcome(status=ActionStatus.UNKNOWN, observation="abandoned"),
+        ts="2025-01-01T00:00:00+00:00",
+        late=True,
+    )
+    assert describe(abandoned) == (
+        "action finished",
+        "slow unknown (late: the run stopped waiting for it): abandoned",
+    )
+    assert describe(attrs.evolve(abandoned, late=False))[1] == "slow unknown: abandoned"
 
 
 def shown_seqs(output: str) -> list[int]:

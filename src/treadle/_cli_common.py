@@ -584,7 +584,9 @@ def _describe(record: Record) -> tuple[str, str]:
         args = json.dumps(dict(record.arguments), ensure_ascii=False)
         return "action requested", clip(f"{record.tool}({args})")
     if isinstance(record, ActionResult):
-        late = " (late, not applied)" if record.late else ""
+        # late: the run stopped waiting for the call; a cut step's are not applied, a call
+        # abandoned at its timeout is (docs/decisions/0137-late-is-the-runs-wait-not-a-verdict.md)
+        late = " (late: the run stopped waiting for it)" if record.late else ""
         late += " (reconciled after a crash, not run here)" if record.reconciled else ""
         outcome = record.outcome
         if outcome.stale_resource:

@@ -118,6 +118,7 @@ class HostedCall(Generic[T]):
         self._done = _Done()
         self._result: outcome.Outcome[T] | None = None
         self._abandoned = False
+        self._left_running = False
         self._on_late = on_late
         self._started = 0.0
         self._context = contextvars.copy_context()  # the caller's, seen by the call
@@ -134,6 +135,15 @@ class HostedCall(Generic[T]):
     def result(self) -> outcome.Outcome[T] | None:
         """The call's outcome once it ended; ``None`` when it is running or was cancelled."""
         return self._result
+
+    @property
+    def left_running(self) -> bool:
+        """Whether the call gave up on a worker thread that still ran (`leave_thread`).
+
+        Such a call ended, yet part of it runs on: its result is ``late``
+        (`treadle.types.ActionResult`).
+        """
+        return self._left_running
 
     def cancel(self) -> None:
         """Deliver a trio cancellation to the call (it may shield itself from it)."""
@@ -234,6 +244,8 @@ class StrayThread:
         self._description = what if call is None else call.description
         self._on_late = None if call is None else call._on_late
         self._started = trio.current_time() if call is None else call._started
+        if call is not None:
+            call._left_running = True
         stats.stray_threads += 1
 
     def ended(self, found: outcome.Outcome[Any]) -> None:

@@ -992,9 +992,12 @@ class ActionResult:
     Attributes:
         late: the call was still running when the run stopped waiting for it: the step was
             cancelled or cut by the time budget (the outcome is not applied: the run ends),
-            or the call was abandoned at its timeout (UNKNOWN; the model is told so). What
-            the call returns afterwards is a diagnostic only, never a second result
-            (docs/concepts.md, "Tools and cancellation").
+            or the call was abandoned at its timeout, or left a worker thread running
+            (UNKNOWN; the model is told so, and the run goes on). A call that ended with an
+            UNKNOWN outcome of its own (a process that died, an executor's answer) is not
+            late. What the call returns afterwards is a diagnostic only, never a second
+            result (docs/concepts.md, "Tools and cancellation";
+            docs/decisions/0137-late-is-the-runs-wait-not-a-verdict.md).
         reconciled: the outcome was established after a crash by the tool's ``reconcile``
             hook (docs/crash-safety.md, "Resume"), not by running the call here.
         surrogates_replaced: surrogate code points replaced (a lone one by U+FFFD) in

@@ -15,9 +15,11 @@ import pytest
 import trio
 import trio.testing
 from actor_fakes import TS, FakeWriter, RecordingExecutor, start_fake_writer
+from outcome import Value
 
 from treadle._clock import FixedStepClock
 from treadle._exceptions import SeamViolation, UsageError
+from treadle._toolhost import leave_thread
 from treadle.actors import ActionsOutcome, RunActions, StepScope, ToolExecutor, request
 from treadle.types import (
     Action,
@@ -265,6 +267,39 @@ async def test_a_reconcile_that_cannot_tell_gets_the_synthetic_unknown_text():
     assert result.outcome.status is ActionStatus.UNKNOWN
     assert outcome.observations[0] == SYNTHETIC.unknown.format(tool="write", detail="")
     assert result.outcome.observation_is_synthetic and result.outcome.detail == "dunno"
+
+
+class UnknownAnswers(RecordingExecutor):
+    """An action executor whose ``write`` answers UNKNOWN itself; with ``leave_thread`` it
+    first gives up on a worker thread that runs on, as `treadle.Toolbox` does at a thread
+    tool's timeout."""
+
+    def __init__(self, *, leave_thread: bool) -> None:
+        super().__init__()
+        self.leave_thread = leave_thread
+
+    async def execute(self, action: Action) -> ActionOutcome:
+        """Answer UNKNOWN for ``write``, else as the recording executor does."""
+        if action.tool != "write":
+            return await super().execute(action)
+        await trio.lowlevel.checkpoint()
+        if self.leave_thread:
+            stray = leave_thread("a call of write")
+            stray.ended(Value("written later"))  # its thread ends: counted no more
+        return ActionOutcome(status=ActionStatus.UNKNOWN, observation="job state unknown")
+
+
+@pytest.mark.parametrize("leave", [False, True])
+async def test_a_call_is_late_only_when_the_run_stopped_waiting_while_it_ran(leave):
+    """An executor's own UNKNOWN answer (a remote job's state unknown, a process that died)
+    was recorded late, as if the run had stopped waiting for the call: `treadle show` said
+    "not applied" of an observation the model was given."""
+    tools = UnknownAnswers(leave_thread=leave)
+    async with _alone(tools) as (inbox, _):
+        answered = await _run(inbox, ToolCall(id="c1", name="write"))
+    (result,) = answered.results
+    assert result.outcome.status is ActionStatus.UNKNOWN and result.late is leave
+    assert answered.stop is None and answered.observations == ("[write] job state unknown",)
 
 
 class StubbornReconcile(RecordingExecutor):

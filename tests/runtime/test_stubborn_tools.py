@@ -503,6 +503,7 @@ async def test_a_process_tool_killed_by_a_signal_has_an_unknown_outcome(markers)
     log = await store.read_log("r")
     (killed,) = results_of(log)
     assert killed.outcome.status is ActionStatus.UNKNOWN
+    assert not killed.late  # the run waited for it: the model was given this observation
     assert killed.outcome.observation == (
         "Error: the call to effect_then_killed failed: its process was killed by signal 9 "
         "before it reported its result; its outcome is unknown. Check its effect before "

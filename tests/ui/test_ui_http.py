@@ -396,6 +396,8 @@ async def test_an_unknown_late_outcome_is_highlighted_and_marked():
     assert 'class="block step highlighted"' in page[page.index('id="step-1"') - 60 :][:80]
     assert "stuck: outcome unknown" in step and "stuck: late" in step
     assert "status-unknown" in step
+    # the model was given its observation, and went on: applied, though late
+    assert "late: the run stopped waiting for it" in step and "not applied" not in step
     later = page[page.index('id="step-2"') - 60 :][:80]
     assert "highlighted" not in later
 

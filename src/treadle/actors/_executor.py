@@ -12,8 +12,11 @@ The call itself runs in the tool host (`treadle._toolhost`, docs/decisions/0025-
 not in the run's nursery: this actor only waits for it, so it answers on time whatever the
 call does. A call it stops waiting for (cancelled past its grace period, cut by the time
 budget, past its timeout) is abandoned: its result is UNKNOWN and ``late``, and what it
-returns afterwards is a diagnostic only. Every action whose intent was written gets exactly
-one result.
+returns afterwards is a diagnostic only. So is the result of a call that gave up on a worker
+thread still running (a thread tool at its timeout). A call that ended with no outcome of its
+own (a process tool whose process died) or whose executor answered UNKNOWN itself is not late:
+the run waited for it (docs/decisions/0137-late-is-the-runs-wait-not-a-verdict.md). Every
+action whose intent was written gets exactly one result.
 """
 
 from __future__ import annotations
@@ -61,7 +64,27 @@ executor abandons it (an executor that times its own calls out answers within th
 
 
 class _Done(Protocol):
-    def __call__(self, outcome: ActionOutcome, reconciled: bool = ...) -> None: ...
+    def __call__(
+        self, outcome: ActionOutcome, reconciled: bool = ..., late: bool = ...
+    ) -> None: ...
+
+
+@attrs.frozen
+class _Ended:
+    """How one call of a step ended.
+
+    Attributes:
+        outcome: the executor's outcome (or the tool executor's own, for a call it gave up on).
+        duration_s: seconds from its start to its end (0 for one that never ran).
+        reconciled: the outcome came from the executor's ``reconcile`` on resume.
+        late: the run stopped waiting for the call while it still ran: abandoned at its
+            timeout, or a worker thread of it left running (`ToolExecutor._execute`).
+    """
+
+    outcome: ActionOutcome
+    duration_s: float = 0.0
+    reconciled: bool = False
+    late: bool = False
 
 
 _NOT_SECONDS = "must be a finite number of seconds >= 0, not None"
@@ -157,12 +180,12 @@ class ToolExecutor:
         ]
         existing = {intent.intent_id: intent for intent in message.existing}
         written: list[Record] = []
-        outcomes: dict[int, tuple[ActionOutcome, float, bool]] = {}
+        outcomes: dict[int, _Ended] = {}
         awaiting: dict[int, AwaitedChild] = {}
         for index, action in enumerate(actions):
             detail = message.rejected.get(action.call_id)
             if detail is not None and action.intent_id not in existing:
-                outcomes[index] = (self._rejected(action, detail), 0.0, False)
+                outcomes[index] = _Ended(self._rejected(action, detail))
         began: set[int] = set()
         with message.scope.open() as cut:
             fresh = [
@@ -204,15 +227,9 @@ class ToolExecutor:
         results: list[ActionResult] = []
         observations: list[str] = []
         for index, action in enumerate(actions):
-            outcome, duration, reconciled = outcomes[index]
+            ended = outcomes[index]
             rejected = action.call_id in message.rejected and action.intent_id not in existing
-            result, observation = self._result(
-                action, outcome, duration, message.calls, rejected=rejected, reconciled=reconciled
-            )
-            if outcome.status is ActionStatus.UNKNOWN and not self._resolved_on_resume(
-                action, existing
-            ):
-                result = attrs.evolve(result, late=True)  # abandoned at its timeout
+            result, observation = self._result(action, ended, message.calls, rejected=rejected)
             observations.append(observation)
             results.append(result)
         return ActionsOutcome(
@@ -220,13 +237,6 @@ class ToolExecutor:
             observations=tuple(observations),
             written=tuple(written),
             reported_active_s=reported.seconds,
-        )
-
-    def _resolved_on_resume(self, action: Action, existing: Mapping[str, ActionIntent]) -> bool:
-        """Whether resume resolved the call by reconciling (not running) it."""
-        return (
-            action.intent_id in existing
-            and replay_policy_of(self.executor, action.tool) is not ReplayPolicy.SAFE
         )
 
     def _secret_values(self, calls: Iterable[ToolCall]) -> tuple[JSONValue, ...]:
@@ -244,7 +254,7 @@ class ToolExecutor:
         actions: list[Action],
         existing: Mapping[str, ActionIntent],
         written: list[Record],
-        outcomes: dict[int, tuple[ActionOutcome, float, bool]],
+        outcomes: dict[int, _Ended],
         began: set[int],
         step_calls: tuple[ToolCall, ...],
     ) -> ActionsOutcome:
@@ -259,37 +269,31 @@ class ToolExecutor:
         for index, action in enumerate(actions):
             if action.intent_id not in intents:
                 continue
-            reconciled = False
             if index in outcomes:
-                outcome, duration, reconciled = outcomes[index]
+                ended = outcomes[index]
             elif index in began:
-                outcome, duration = self._unknown(action), 0.0
+                ended = _Ended(self._unknown(action))
             else:
                 detail = (
                     "the run was cancelled before the call started"
                     if stop is StopReason.CANCELLED
                     else "the time budget ran out before the call started"
                 )
-                outcome, duration = (
-                    ActionOutcome(status=ActionStatus.NOT_EXECUTED, observation=detail),
-                    0.0,
-                )
-            result, _ = self._result(action, outcome, duration, step_calls, reconciled=reconciled)
+                ended = _Ended(ActionOutcome(status=ActionStatus.NOT_EXECUTED, observation=detail))
+            result, _ = self._result(action, ended, step_calls)
             results.append(attrs.evolve(result, late=True))
         return ActionsOutcome(results=tuple(results), stop=stop, written=tuple(written))
 
     def _result(
         self,
         action: Action,
-        outcome: ActionOutcome,
-        duration: float,
+        ended: _Ended,
         step_calls: tuple[ToolCall, ...],
         *,
         rejected: bool = False,
-        reconciled: bool = False,
     ) -> tuple[ActionResult, str]:
         # What the tool returned enters the log (and the history) as valid Unicode only.
-        outcome, replaced = valid_unicode(outcome)
+        outcome, replaced = valid_unicode(ended.outcome)
         if rejected:  # already the synthetic text of a rejection
             observation = outcome.observation
         else:
@@ -302,8 +306,9 @@ class ToolExecutor:
             tool=action.tool,
             outcome=outcome,
             ts=self.clock.now_iso(),
-            duration_s=round(duration, 6),
-            reconciled=reconciled,
+            duration_s=round(ended.duration_s, 6),
+            late=ended.late,
+            reconciled=ended.reconciled,
             surrogates_replaced=replaced,
         )
         return result, observation
@@ -368,14 +373,14 @@ class ToolExecutor:
         index: int,
         action: Action,
         replay: bool,
-        outcomes: dict[int, tuple[ActionOutcome, float, bool]],
+        outcomes: dict[int, _Ended],
         awaiting: dict[int, AwaitedChild],
         step: StepScope,
     ) -> None:
         started = trio.current_time()
 
-        def done(outcome: ActionOutcome, reconciled: bool = False) -> None:
-            outcomes[index] = (outcome, trio.current_time() - started, reconciled)
+        def done(outcome: ActionOutcome, reconciled: bool = False, late: bool = False) -> None:
+            outcomes[index] = _Ended(outcome, trio.current_time() - started, reconciled, late)
 
         if replay and replay_policy_of(self.executor, action.tool) is not ReplayPolicy.SAFE:
             await self._reconcile(action, step, done)
@@ -422,7 +427,8 @@ class ToolExecutor:
                         "its effect before trying again."
                     ),
                     detail="abandoned at its timeout: it did not end when cancelled",
-                )
+                ),
+                late=True,
             )
         elif found is None:  # it honoured the cancellation at its timeout
             done(
@@ -445,7 +451,7 @@ class ToolExecutor:
                 raise SeamViolation(
                     "action executor", outcome, f"a valid ActionOutcome ({problem})"
                 )
-            done(outcome)
+            done(outcome, late=call.left_running)  # a thread it gave up on runs on
         return None
 
     async def _reconcile(self, action: Action, step: StepScope, done: _Done) -> None:
