@@ -19,6 +19,7 @@ from hypothesis import strategies as st
 
 import treadle
 from treadle._exceptions import TreadleError, UsageError
+from treadle._schema import Invalid
 from treadle.ports import ActionExecutor
 from treadle.testing.scripted import ScriptedModel, call, say
 from treadle.tools import EnvironmentFailure, Tool, Toolbox, ToolContext, tool
@@ -31,6 +32,11 @@ class Color(enum.Enum):
 
 
 class Level(enum.IntEnum):
+    LOW = 1
+    HIGH = 2
+
+
+class Grade(enum.Enum):
     LOW = 1
     HIGH = 2
 
@@ -621,6 +627,45 @@ async def test_validation_errors_are_precise(arguments: Any, errors: list[str]) 
     outcome = await BOX.execute(action("get_weather", arguments))
     assert outcome.status is ActionStatus.NOT_EXECUTED
     assert outcome.detail == "invalid arguments: " + "; ".join(errors)
+
+
+@pytest.mark.parametrize(
+    ("annotation", "value", "delivered"),
+    [
+        (Literal[1, 2], 1.0, 1),
+        (Literal["a", 2], 2.0, 2),
+        (Grade, 2.0, Grade.HIGH),
+        (Literal[1, 2] | None, 2.0, 2),
+    ],
+)
+def test_an_integral_number_is_an_int_literal_or_enum_value(
+    annotation: Any, value: float, delivered: Any
+) -> None:
+    """JSON has one kind of number: ``1.0`` fits the schema's ``enum`` of 1 (an approval's
+    edit was accepted so), and the tool's validation refused it."""
+    found = _single_argument_tool(annotation).signature.validate({"x": value})
+    assert found == {"x": delivered} and type(found["x"]) is type(delivered)
+
+
+@pytest.mark.parametrize(
+    ("annotation", "value"),
+    [(Literal[1, 2], 1.5), (Literal[1, 2], True), (Literal[True], 1.0), (Grade, True)],
+)
+def test_a_fraction_or_a_boolean_is_no_int_literal_or_enum_value(
+    annotation: Any, value: Any
+) -> None:
+    found = _single_argument_tool(annotation).signature.validate({"x": value})
+    assert isinstance(found, Invalid) and found.errors[0].startswith("expected one of")
+
+
+def _single_argument_tool(annotation: Any) -> Tool:
+    """A tool of one argument ``x`` of type ``annotation``."""
+
+    async def takes_x(x: Any) -> str:
+        return repr(x)
+
+    takes_x.__annotations__ = {"x": annotation, "return": str}
+    return tool(name="takes_x")(takes_x)
 
 
 async def test_nested_and_union_validation() -> None:

@@ -1,10 +1,11 @@
 from __future__ import annotations
 
 import contextlib
+import enum
 import functools
 import json
 from collections.abc import AsyncIterator
-from typing import Any
+from typing import Any, Literal
 
 import attrs
 import pytest
@@ -111,6 +112,36 @@ async def test_edited_arguments_are_what_runs(autojump_clock):
     assert intent.arguments == {"a": 10, "b": 20}
     (step,) = [r for r in log.records if isinstance(r, StepRecord)][:1]
     assert step.observations == ("30",)
+
+
+class Tier(enum.Enum):
+    BASIC = 1
+    GOLD = 2
+
+
+@tool(requires_approval=True)
+async def set_tier(tier: Literal[1, 2], level: Tier) -> str:
+    """Set a customer's tier and level."""
+    return f"tier {tier!r} level {level!r}"
+
+
+@pytest.mark.parametrize("edit", [{"tier": 1.0, "level": 2}, {"tier": 1, "level": 2.0}])
+async def test_an_edit_the_schema_accepts_is_one_the_tool_runs_with(edit, autojump_clock):
+    """JSON Schema takes 1.0 for an ``enum`` of 1, the tool's validation took it for no
+    Literal or int enum value: the edit was accepted, then the call refused, never run."""
+    agent = Agent(
+        model=ScriptedModel(turns=[call("set_tier", tier=2, level=1, call_id="c1"), say("ok")]),
+        executor=Toolbox([set_tier]),
+        parser=SimpleParser(),
+    )
+    store = MemoryStore()
+    async with open_run(agent, "x", store=store, run_id="r") as handle:
+        await wait_for_state(handle, RunState.AWAITING_APPROVAL)
+        handle.approve(edit=edit)
+        await handle.wait()
+    (result,) = [r for r in (await store.read_log("r")).records if isinstance(r, ActionResult)]
+    assert result.outcome.status is ActionStatus.EXECUTED
+    assert result.outcome.observation == "tier 1 level <Tier.GOLD: 2>"
 
 
 async def test_a_decision_for_another_call_is_refused(autojump_clock):
