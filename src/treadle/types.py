@@ -548,7 +548,8 @@ class ActionOutcome:
             is the definition's synthetic observation.
         observation_is_synthetic: true when ``observation`` is a synthetic observation.
         task_completed: the environment's completion signal (never "unknown").
-        observation_truncated_chars: characters cut from the observation (0 when synthetic).
+        observation_truncated_chars: characters cut from the observation as it was recorded
+            (`Limits.max_observation_chars`; a synthetic one is cut too).
         detail: the executor's own text for a non-executed action (diagnostics and events only,
             never history).
         revisions: the revisions of resources the observation shows, by resource key (an

@@ -22,7 +22,15 @@ from treadle.parsers import MAX_ARGUMENT_DEPTH, NESTED_TOO_DEEP, argument_proble
 from treadle.stores.memory import MemoryStore
 from treadle.testing.loopback import CannedResponse, open_loopback_server
 from treadle.testing.scripted import ScriptedModel, call, say
-from treadle.types import ActionResult, DecisionKind, ModelReply, ModelResult, ToolCall
+from treadle.types import (
+    ActionOutcome,
+    ActionResult,
+    ActionStatus,
+    DecisionKind,
+    ModelReply,
+    ModelResult,
+    ToolCall,
+)
 
 CALLS: list[object] = []
 
@@ -258,6 +266,36 @@ async def test_an_observation_over_the_limit_is_cut_between_json_elements_with_a
     assert kept == rows[: len(kept)] and 0 < len(kept) < len(rows)
     whole = len(json.dumps(rows, ensure_ascii=False, separators=(",", ":")))
     assert found.outcome.observation_truncated_chars == whole - len(head)
+
+
+@pytest.mark.parametrize("status", ["executed", "not_executed"])
+async def test_an_observation_flagged_synthetic_is_cut_at_the_limit_too(status):
+    """An executor's outcome flagged ``observation_is_synthetic`` entered history whole,
+    100,000 characters past the 500 the limit allows; so did a refusal's long detail."""
+    said = "z" * 100_000
+
+    @treadle.tool(replay=treadle.ReplayPolicy.SAFE)
+    async def big() -> ActionOutcome:
+        """Answer with a long outcome of its own."""
+        if status == "executed":
+            return ActionOutcome(
+                status=ActionStatus.EXECUTED,
+                observation=said,
+                observation_is_synthetic=True,
+            )
+        return ActionOutcome(status=ActionStatus.NOT_EXECUTED, observation=said, detail=said)
+
+    store = MemoryStore()
+    model = ScriptedModel(turns=[call("big", call_id="c1"), say("done")])
+    definition = attrs.evolve(agent(model, big), limits=treadle.Limits(max_observation_chars=500))
+    await treadle.run(definition, "go", store=store, run_id="r")
+    log = await store.read_log("r")
+    (found,) = [r for r in log.records if isinstance(r, ActionResult)]
+    observation = found.outcome.observation
+    assert len(observation) <= 500 and log.steps[0].observations == (observation,)
+    assert observation.endswith("\n[cut: the result is longer than 500 characters]")
+    assert found.outcome.observation_truncated_chars > 99_000
+    assert found.outcome.observation_is_synthetic
 
 
 @treadle.tool

@@ -5,8 +5,8 @@ See docs/seams.md, "Action executor", and docs/crash-safety.md, "Resume".
 For each action it writes the action intent (a barrier) before the action starts, runs it
 under the per-call timeout inside the step's cancel scope, and turns the executor's outcome
 into what enters history: NOT_EXECUTED and ENV_ERROR get the definition's synthetic text (the
-executor's own text is kept as ``detail``), executed observations are cut to the limit and
-rendered through the observation template.
+executor's own text is kept as ``detail``), every observation is cut to the limit, and executed
+ones not flagged synthetic are rendered through the observation template.
 
 The call itself runs in the tool host (`treadle._toolhost`, docs/decisions/0025-tool-host.md),
 not in the run's nursery: this actor only waits for it, so it answers on time whatever the
@@ -295,6 +295,7 @@ class ToolExecutor:
         # What the tool returned enters the log (and the history) as valid Unicode only.
         outcome, replaced = valid_unicode(ended.outcome)
         if rejected:  # already the synthetic text of a rejection
+            outcome = self._within_limit(outcome)
             observation = outcome.observation
         else:
             outcome, observation = self._finish(action, outcome, step_calls)
@@ -613,25 +614,35 @@ class ToolExecutor:
                 detail=detail,
                 images=(),
             )
-            return outcome, text
-        if outcome.observation_is_synthetic:
+            outcome = self._within_limit(outcome)
             return outcome, outcome.observation
-        limit = self.limits.max_observation_chars
-        if limit is not None and len(outcome.observation) > limit:
-            # As the context window cuts (docs/context.md, "Truncation"): never inside a
-            # character or a JSON value, and the model is told what happened.
-            mark = f"[cut: the result is longer than {limit} characters]"
-            kept = fit_text(outcome.observation, limit, mark)
-            shown = len(kept) - len(mark) - 1 if kept.endswith(mark) else 0
-            outcome = attrs.evolve(
-                outcome,
-                observation=kept,
-                observation_truncated_chars=outcome.observation_truncated_chars
-                + len(outcome.observation)
-                - max(0, shown),
-            )
+        outcome = self._within_limit(outcome)
+        if outcome.observation_is_synthetic:  # the executor's own words: no template
+            return outcome, outcome.observation
         text = self.observation_template.format(observation=outcome.observation, tool=action.tool)
         return outcome, text
+
+    def _within_limit(self, outcome: ActionOutcome) -> ActionOutcome:
+        """``outcome`` with its observation cut to `Limits.max_observation_chars`.
+
+        Every observation that enters history is, a synthetic one too (an executor flags its
+        own text so; a definition's text holds the executor's detail): docs/context.md,
+        "Truncation". As the context window cuts: never inside a character or a JSON value,
+        and the model is told what happened.
+        """
+        limit = self.limits.max_observation_chars
+        if limit is None or len(outcome.observation) <= limit:
+            return outcome
+        mark = f"[cut: the result is longer than {limit} characters]"
+        kept = fit_text(outcome.observation, limit, mark)
+        shown = len(kept) - len(mark) - 1 if kept.endswith(mark) else 0
+        return attrs.evolve(
+            outcome,
+            observation=kept,
+            observation_truncated_chars=outcome.observation_truncated_chars
+            + len(outcome.observation)
+            - max(0, shown),
+        )
 
 
 def _cancel_called(scope: StepScope) -> Callable[[], bool]:
