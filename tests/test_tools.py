@@ -469,6 +469,88 @@ def test_a_default_with_no_json_form_is_refused_naming_the_argument(
     assert said in str(refused.value)
 
 
+@attrs.frozen
+class _Capped:
+    limit: int = "ten"  # type: ignore[assignment]
+
+
+@pytest.mark.parametrize(
+    ("annotation", "default", "said"),
+    [
+        (int, "ten", "argument 'x': the default 'ten' does not fit the type: expected an integer"),
+        (str, b"\x00\x01", "the default b'\\x00\\x01' does not fit the type: expected a string"),
+        (str, None, "the default None does not fit the type: expected a string, got null"),
+        (list[int], [1, "2"], "the default [1, '2'] does not fit the type: expected an integer"),
+        (Color, "red", "the default 'red' does not fit the type: 'red' is of type str, not Color"),
+        (int, 3.0, "the default 3.0 does not fit the type: 3.0 is of type float, not int"),
+        (list[Color], ["red"], "the default ['red'] does not fit the type: 'red' is of type str"),
+        (_Capped, _Capped(limit=3), "argument 'x', field 'limit': the default 'ten' does not fit"),
+        pytest.param(
+            int,
+            10**5000,
+            "argument 'x': the default holds an integer of about 5001 digits",
+            id="huge-int",
+        ),
+        pytest.param(
+            list[int],
+            [10**5000],
+            "argument 'x': the default holds an integer of about 5001",
+            id="huge-int-in-a-list",
+        ),
+    ],
+)
+def test_a_default_that_is_no_value_of_its_type_is_refused_naming_the_argument(
+    annotation: Any, default: Any, said: str
+) -> None:
+    """It was accepted: the schema showed the model a default of another type, and a call
+    leaving the argument out gave the tool a value its validation refuses (bytes shown as
+    base64 text); an integer too long to write failed with a raw ValueError."""
+
+    async def scaled(x: Any = default) -> str:
+        return str(x)
+
+    scaled.__annotations__["x"] = annotation
+    with pytest.raises(UsageError) as refused:
+        tool(scaled)
+    assert said in str(refused.value)
+
+
+@pytest.mark.parametrize(
+    ("annotation", "default"),
+    [
+        (float, 1),
+        (Color, Color.RED),
+        (Level, Level.LOW),
+        (Point, Point(x=1)),
+        (list[Point], [Point(x=1)]),
+        (dict[str, Color], {"a": Color.BLUE}),
+        (Literal["C", "F"] | None, None),
+    ],
+)
+def test_a_default_that_fits_its_type_as_json_is_accepted(annotation: Any, default: Any) -> None:
+    async def scaled(x: Any = default) -> str:
+        return str(x)
+
+    scaled.__annotations__["x"] = annotation
+    assert tool(scaled).signature.parameters[0].default is default
+
+
+async def _agen(n: int) -> Any:
+    yield n
+
+
+def _gen(n: int) -> Any:
+    yield n
+
+
+@pytest.mark.parametrize("fn", [_agen, _gen])
+def test_a_generator_function_is_refused_as_a_tool(fn: Callable[..., Any]) -> None:
+    """An ``async def`` generator is no coroutine function: it ran as a plain def, and each
+    call answered that an async_generator cannot be written as JSON."""
+    with pytest.raises(UsageError, match="a generator function cannot be a tool"):
+        tool(fn)
+
+
 @pytest.mark.parametrize(
     "options",
     [

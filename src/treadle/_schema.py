@@ -16,6 +16,7 @@ import functools
 import inspect
 import math
 import re
+import sys
 import types
 import typing
 from collections.abc import Callable, Iterator, Mapping
@@ -395,8 +396,9 @@ def check_type(type_: Any, where: str, seen: frozenset[type] = frozenset()) -> N
     Raises:
         UsageError: ``type_`` (or a part of it) is not one of `SUPPORTED_TYPES`, or is an
             attrs class with an ``init=False`` field (its generated schema would ask for the
-            field, and validation refuse it) or a field whose default holds NaN or an
-            infinity (`check_default`).
+            field, and validation refuse it) or a field whose default holds NaN, an infinity
+            or an integer too long to write (`check_default`), or is no value of the field's
+            type (`check_default_fits`, unless the field has a converter).
     """
     origin, args = typing.get_origin(type_), typing.get_args(type_)
     if origin is Annotated:
@@ -461,21 +463,24 @@ def _check_attrs(type_: type, where: str, seen: frozenset[type]) -> None:
                 "field of a nested class is asked of the model; make it a property, or pass "
                 "it to __init__"
             )
-        check_type(
-            hints.get(field.name, field.type), f"{where}, field {field.name!r}", seen | {type_}
-        )
+        annotation = hints.get(field.name, field.type)
+        check_type(annotation, f"{where}, field {field.name!r}", seen | {type_})
         if field.default is not attrs.NOTHING and not isinstance(field.default, attrs.Factory):  # type: ignore[arg-type]
             check_default(field.default, f"{where}, field {field.name!r}")
+            if field.converter is None:  # else the default is the converter's to make fit
+                check_default_fits(field.default, annotation, f"{where}, field {field.name!r}")
 
 
 def check_default(value: Any, where: str) -> None:
-    """Refuse a default that holds NaN or an infinity, which JSON has no form for.
+    """Refuse a default that holds NaN, an infinity or an integer too long to write.
 
     A default is shown to the model in the schema and stored in the run's parameter
     snapshot, both JSON (docs/models.md, "Tool arguments"): written there, NaN and the
     infinities read back as ``null``, so the schema could not be sent and a resumed run's
-    definition never matched its snapshot. Floats are looked for in the value and in the
-    lists, tuples, sets, mappings and attrs instances it holds.
+    definition never matched its snapshot; an integer of more digits than Python writes
+    (`sys.get_int_max_str_digits`, 4,300 by default) cannot be written at all. Numbers are
+    looked for in the value and in the lists, tuples, sets, mappings and attrs instances it
+    holds.
 
     Raises:
         UsageError: naming ``where`` and the number.
@@ -484,10 +489,16 @@ def check_default(value: Any, where: str) -> None:
     while pending:
         item = pending.pop()
         if isinstance(item, float) and not math.isfinite(item):
-            shown = repr(item) if item is value else f"{value!r:.80}, which holds {item!r},"
+            shown = repr(item) if item is value else f"{_shown(value)}, which holds {item!r},"
             raise UsageError(
                 f"{where}: the default {shown} has no JSON form (NaN and the infinities have "
                 "none); give a finite number, or None with a type that allows it"
+            )
+        if isinstance(item, int) and not _writable(item):
+            raise UsageError(
+                f"{where}: the default holds an integer of about {_digits(item)} digits, more "
+                f"than the {sys.get_int_max_str_digits()} Python writes as text "
+                "(sys.get_int_max_str_digits()), so it has no JSON form"
             )
         if id(item) in seen:
             continue
@@ -498,6 +509,78 @@ def check_default(value: Any, where: str) -> None:
             pending.extend(item)
         elif attrs.has(type(item)):
             pending.extend(getattr(item, f.name, None) for f in attrs.fields(type(item)))
+
+
+def _writable(number: int) -> bool:
+    """Whether ``number`` can be written in decimal (`sys.get_int_max_str_digits`)."""
+    try:
+        str(number)
+    except ValueError:
+        return False
+    return True
+
+
+def _digits(number: int) -> int:
+    """About how many decimal digits ``number`` has (without writing it)."""
+    return int(abs(number).bit_length() * math.log10(2)) + 1
+
+
+def _shown(value: Any) -> str:
+    """``repr(value)`` cut to 80 characters; a note when it cannot be written."""
+    try:
+        return f"{value!r:.80}"
+    except ValueError:  # it holds an integer too long to write
+        return f"<a {type(value).__name__} holding an integer too long to write>"
+
+
+_DEFAULTS: Final = cattrs.Converter()
+"""Writes a default as the JSON data a model would send for it (attrs instances as objects,
+enums as their values); bytes stay bytes, which no argument type takes."""
+
+
+def check_default_fits(value: Any, annotation: Any, where: str) -> None:
+    """Refuse a default that is no value of its argument's (or field's) type.
+
+    An argument left out gets its default: one the strict validation would refuse from the
+    model (``limit: int = "ten"``, ``tag: str = b"..."``, shown to the model as base64 text)
+    reached the tool all the same, and the schema showed the model a default of another
+    type than the argument's. The default is written as a model would send it
+    (`_DEFAULTS`) and validated as the model's arguments are (docs/concepts.md, "Data that
+    stays in").
+
+    Raises:
+        UsageError: naming ``where``, the default and what the validation says of it.
+    """
+    try:
+        made = _CONVERTER.structure(_DEFAULTS.unstructure(value), annotation)
+    except Exception as exc:  # the validation's refusal, of whatever kind
+        said = "; ".join(e.removesuffix(" @ $") for e in validation_errors(exc))
+        raise UsageError(
+            f"{where}: the default {_shown(value)} does not fit the type: {said}"
+        ) from exc
+    unlike = _unlike(made, value)
+    if unlike is not None:
+        raise UsageError(f"{where}: the default {_shown(value)} does not fit the type: {unlike}")
+
+
+def _unlike(made: Any, default: Any) -> str | None:
+    """How ``default`` differs from ``made``, what validating its JSON form gave; else ``None``.
+
+    A default the validation takes as JSON may still not be what the model's value becomes:
+    ``"red"`` for an enum (the model's ``"red"`` is delivered as ``Color.RED``), ``3.0`` for an
+    ``int``. An ``int`` where a ``float`` goes fits (Python's own numeric tower).
+    """
+    if isinstance(made, list):
+        return next((u for m, d in zip(made, default, strict=True) if (u := _unlike(m, d))), None)
+    if isinstance(made, dict):
+        return next((u for k, m in made.items() if (u := _unlike(m, default[k]))), None)
+    if attrs.has(type(made)) and type(default) is type(made):
+        names = (f.name for f in attrs.fields(type(made)))
+        pairs = ((getattr(made, name), getattr(default, name)) for name in names)
+        return next((u for m, d in pairs if (u := _unlike(m, d))), None)
+    if isinstance(default, type(made)) or (type(made) is float and type(default) is int):
+        return None
+    return f"{_shown(default)} is of type {type(default).__name__}, not {type(made).__name__}"
 
 
 # --------------------------------------------------------------------------- signature
@@ -753,7 +836,9 @@ def read_signature(fn: Callable[..., Any], *, tool_name: str, context_type: type
     Raises:
         UsageError: an argument has no annotation or an unsupported type, is ``*args``,
             ``**kwargs`` or positional-only; a default (an argument's, or a field's of an
-            attrs class it takes) holds NaN or an infinity (`check_default`); there are two
+            attrs class it takes) holds NaN, an infinity or an integer too long to write
+            (`check_default`); an argument's default is no value of its type
+            (`check_default_fits`); there are two
             context parameters; or the docstring documents an argument the function does
             not have.
     """
@@ -773,7 +858,9 @@ def read_signature(fn: Callable[..., Any], *, tool_name: str, context_type: type
             continue
         check_type(hints[param.name], f"{where}: argument {param.name!r}")
         if param.default is not inspect.Parameter.empty:
-            check_default(param.default, f"{where}: argument {param.name!r}")
+            argument = f"{where}: argument {param.name!r}"
+            check_default(param.default, argument)
+            check_default_fits(param.default, hints[param.name], argument)
         parameters.append(
             Parameter(
                 name=param.name,

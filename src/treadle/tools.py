@@ -28,8 +28,10 @@ The JSON schema of the arguments is generated from the signature (msgspec) and t
 description from the docstring's first paragraph; argument descriptions come from its
 Google ``Args:`` section. Supported argument types: str, int, float, bool, None, unions of
 them, ``list[X]``, ``dict[str, X]``, ``Literal``, enums (their values all str or all int) and
-attrs classes; an argument with a default is optional. A parameter annotated `ToolContext`
-receives the run, step and idempotency key of the call and is not shown to the model.
+attrs classes; an argument with a default is optional, and its default must be a value of its
+type (docs/models.md, "Tool arguments"). A parameter annotated `ToolContext` receives the run,
+step and idempotency key of the call and is not shown to the model. A generator function is no
+tool: a call returns one result.
 
 `Toolbox` implements `treadle.ports.ActionExecutor`. Arguments are validated (strictly:
 no coercion, no extra keys) before the tool runs (docs/concepts.md, "Data that stays in"). Outcomes
@@ -327,6 +329,11 @@ def _check_options(
         raise UsageError(f"tool name {name!r} must be 1-64 characters of A-Z, a-z, 0-9, _ or -")
     if not callable(fn):
         raise UsageError(f"tool {name!r}: {fn!r} is not a function")
+    if inspect.isasyncgenfunction(fn) or inspect.isgeneratorfunction(fn):
+        raise UsageError(
+            f"tool {name!r}: a generator function cannot be a tool: a call returns one "
+            "result (collect the items and return them as a list)"
+        )
     if isolation not in (None, "process"):
         raise UsageError(f"tool {name!r}: isolation must be None or 'process', got {isolation!r}")
     if isolation == "process":
@@ -562,9 +569,11 @@ def tool(
         The `Tool`, or a decorator making one.
 
     Raises:
-        UsageError: the function is not callable; an argument lacks an annotation, is
-            ``*args``/``**kwargs``/positional-only, or has an unsupported type; a default
-            holds NaN or an infinity (docs/models.md, "Tool arguments"); the name is
+        UsageError: the function is not callable, or is a generator function; an argument
+            lacks an annotation, is ``*args``/``**kwargs``/positional-only, or has an
+            unsupported type; a default holds NaN, an infinity or an integer too long to
+            write, or is no value of its argument's type (docs/models.md, "Tool
+            arguments"); the name is
             not a valid tool name; an option is out of range; ``secret_arguments``
             names an argument the tool does not have; a process tool is not defined at the
             top level of a module, or is a method bound to an instance; a
