@@ -21,8 +21,9 @@ Tools from elsewhere (an MCP server's, another executor's) join a toolbox's in o
 with `treadle.combine_tools` (docs/concepts.md, "Several tool sources").
 
 What each kind guarantees when a call is cancelled or runs out of time is in
-docs/concepts.md, "Tools and cancellation": an ``async def`` tool gets a trio cancellation;
-a plain ``def`` tool runs in a worker thread the run abandons; a process tool is killed.
+docs/concepts.md, "Tools and cancellation": an ``async def`` tool gets a trio cancellation
+(where it awaits: one that blocks or computes without awaiting holds the whole trio run until it
+does); a plain ``def`` tool runs in a worker thread the run abandons; a process tool is killed.
 
 The JSON schema of the arguments is generated from the signature (msgspec) and the
 description from the docstring's first paragraph; argument descriptions come from its
@@ -530,7 +531,8 @@ def tool(
     """Declare a tool; use bare (``@tool``) or with options (``@tool(timeout_s=30)``).
 
     Args:
-        fn: the function (when used bare): ``async def`` runs as a trio task; a plain
+        fn: the function (when used bare): ``async def`` runs as a trio task, for work that
+            awaits (blocking or CPU-bound work there holds the whole trio run); a plain
             ``def`` runs in a worker thread that the run abandons when it stops waiting.
         name: the name the model sees; defaults to the function's name.
         description: shown to the model; defaults to the docstring's first paragraph, up
