@@ -963,6 +963,27 @@ async def test_an_action_on_a_run_id_naming_no_run_is_a_404(action, path):
     assert await store.list_runs() == ("markup",)
 
 
+@pytest.mark.parametrize("action", ["approve", "cancel"])
+async def test_a_get_of_an_actions_address_is_a_405_naming_the_action(action):
+    """A GET of ``/runs/markup/approve`` (a link to it, a form's address opened in a tab) was
+    read as the page of a run ``markup/approve``: a 404 naming a run nobody asked for."""
+    store = await finished_store()
+    async with client(store) as http:
+        got = await http.get(f"/runs/markup/{action}")
+        head = await http.head(f"/runs/markup/{action}")
+        asked = await http.get(f"/runs/markup/{action}", headers={"accept": "application/json"})
+        put = await http.put(f"/runs/markup/{action}", headers=SAME)
+        named = await http.get(f"/runs/markup%2F{action}")  # a run whose id ends so
+    for answer in (got, head, asked, put):
+        assert answer.status_code == 405, answer.text
+        assert answer.headers["allow"] == "POST"
+    assert f"{action} is an action" in got.text and "/runs/markup " in got.text
+    assert "there is no run" not in got.text
+    assert asked.json() == {"ok": False, "message": got.text}
+    assert named.status_code == 404 and f"'markup/{action}'" in named.text
+    assert await store.list_runs() == ("markup",)
+
+
 async def test_a_stream_opens_with_the_consoles_token():
     """A page reconnecting to a restarted console (a new token) with nothing new to read got
     nothing: its approval form kept the old token and every decision from it was refused.

@@ -98,6 +98,9 @@ CSP = (
 TOKEN_HEADER = "x-treadle-token"
 TOKEN_COOKIE = "treadle_token"
 """The start of the name of the cookie that keeps a console's token (`Settings.cookie`)."""
+ACTIONS = ("approve", "cancel")
+"""The actions on a run: ``POST /runs/RUN/ACTION`` (docs/ui.md, "Approving, rejecting,
+cancelling")."""
 MAX_FORM_FIELDS = 16
 """The most fields an action's form may hold (the approval form has six)."""
 
@@ -314,6 +317,11 @@ def create_app(store: RunStore, settings: Settings) -> Starlette:
         Route("/runs/{run_id:path}/events", console.run_stream),
         Route("/runs/{run_id:path}/approve", console.approve, methods=["POST"]),
         Route("/runs/{run_id:path}/cancel", console.cancel, methods=["POST"]),
+        # a GET of an action's address is told its method, not taken for a run's page
+        *(
+            Route(f"/runs/{{run_id:path}}/{action}", _post_only, methods=["GET"])
+            for action in ACTIONS
+        ),
         Route("/runs/{run_id:path}", console.run_page),
         Mount("/static", StaticFiles(directory=HERE / "static"), name="static"),
     ]
@@ -872,6 +880,24 @@ def _filtered(rows: Sequence[Row], q: str, state: str) -> list[Row]:
         if (not state or state in (r.state, r.summary.liveness.value))
         and all(w in r.search_text for w in words)
     ]
+
+
+async def _post_only(request: Request) -> Response:
+    """A GET of an action's address (a link to it, its form's address opened in a tab).
+
+    Raises:
+        HTTPException: always, a 405 with ``Allow: POST`` naming the action and the run's
+            page; without this route the path would be read as the page of a run whose id
+            ends in the action's name, a 404 naming a run nobody asked for (docs/ui.md,
+            "A run's page").
+    """
+    action = request.url.path.rpartition("/")[2]
+    page = "/runs/" + run_path(_run_id(request))
+    raise HTTPException(
+        405,
+        f"{action} is an action: it takes a POST, as the form on the run's page {page} sends",
+        headers={"Allow": "POST"},
+    )
 
 
 def _first_seq(request: Request) -> int:
