@@ -50,6 +50,40 @@ def _token_option(ctx: click.Context, param: click.Parameter, value: str | None)
         raise click.BadParameter(str(exc), ctx=ctx, param=param) from None
 
 
+def check_tls(certfile: str | None, keyfile: str | None) -> None:
+    """Refuse TLS files the console could not serve with, before it starts.
+
+    ``certfile`` is a PEM certificate chain, ``keyfile`` its private key (PEM, unencrypted;
+    ``None`` when ``certfile`` holds it too). Checked here, a mismatched or unreadable pair is
+    told as such, not as an address that cannot be bound; a key with a passphrase is refused,
+    never asked for on the terminal (docs/ui.md, "Many tabs").
+
+    Raises:
+        click.UsageError: ``keyfile`` without ``certfile``, or files that do not load as a
+            certificate and its key.
+    """
+    if certfile is None:
+        if keyfile is not None:
+            raise click.UsageError("--keyfile needs --certfile, the certificate of that key")
+        return
+    import ssl  # only when serving TLS: `treadle --help` stays light
+
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    try:
+        context.load_cert_chain(certfile, keyfile, password=_no_passphrase)
+    except (ssl.SSLError, OSError) as exc:
+        files = f"--certfile {certfile}" + (f" and --keyfile {keyfile}" if keyfile else "")
+        raise click.UsageError(
+            f"cannot serve TLS with {files}: {exc} (a PEM certificate and its unencrypted "
+            "private key are needed)"
+        ) from None
+
+
+def _no_passphrase() -> bytes:
+    """The passphrase given to an encrypted key: none, so it fails to load (`check_tls`)."""
+    return b""
+
+
 def is_loopback(host: str) -> bool:
     """Whether ``host`` names this machine only (``localhost``, 127.0.0.0/8, ``::1``)."""
     if host == "localhost":
@@ -81,12 +115,36 @@ def is_loopback(host: str) -> bool:
         "printable ASCII characters other than space."
     ),
 )
-def ui_command(store_path: str, host: str, port: int, token: str | None) -> None:
+@click.option(
+    "--certfile",
+    default=None,
+    type=click.Path(exists=True, dir_okay=False),
+    help=(
+        "A PEM certificate (chain) to serve HTTPS with: browsers then speak HTTP/2, which "
+        "carries every tab's page and live stream over one connection."
+    ),
+)
+@click.option(
+    "--keyfile",
+    default=None,
+    type=click.Path(exists=True, dir_okay=False),
+    help="The certificate's private key (PEM, unencrypted), unless --certfile holds it.",
+)
+def ui_command(
+    store_path: str,
+    host: str,
+    port: int,
+    token: str | None,
+    certfile: str | None,
+    keyfile: str | None,
+) -> None:
     """Serve a run console for a store in the browser: runs, timelines, approvals, cancel.
 
     It binds 127.0.0.1 by default. Another address is refused unless --token is given; then
     every page needs the token (open /?token=TOKEN once). State-changing requests always need
-    the console's token and a same-origin request (docs/ui.md, "Safety").
+    the console's token and a same-origin request (docs/ui.md, "Safety"). With --certfile it
+    serves HTTPS and HTTP/2, so a browser's tabs share one connection (docs/ui.md, "Many
+    tabs").
     """
     loopback = is_loopback(host)
     if not loopback and not token:
@@ -94,6 +152,7 @@ def ui_command(store_path: str, host: str, port: int, token: str | None) -> None
             f"refusing to serve {host}, which is not a loopback address, without --token "
             f"(or {TOKEN_ENV}): anyone who reaches it could approve or cancel runs"
         )
+    check_tls(certfile, keyfile)
     try:
         from treadle._ui._app import Settings
         from treadle._ui._serve import serve
@@ -116,7 +175,17 @@ def ui_command(store_path: str, host: str, port: int, token: str | None) -> None
         click.echo(f"treadle ui: serving {url}", err=False)
 
     try:
-        run_async(lambda: serve(store_path, host=host, port=port, settings=settings, said=said))
+        run_async(
+            lambda: serve(
+                store_path,
+                host=host,
+                port=port,
+                settings=settings,
+                said=said,
+                certfile=certfile,
+                keyfile=keyfile,
+            )
+        )
     except BaseExceptionGroup as group:
         unbound = raised(group, OSError)
         if unbound is None:

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 import trio
-from ui_support import MARKUP, markup_agent, start_console, start_driver, stop
+from ui_support import MARKUP, markup_agent, self_signed, start_console, start_driver, stop
 
 import treadle
 
@@ -59,6 +59,9 @@ def browser(tmp_path_factory):
         "--disable-component-update",
         "--disable-sync",
         "--disable-dev-shm-usage",
+        # the console served over TLS has a self-signed certificate (`tls_console`); the
+        # browser visits nothing but the consoles on 127.0.0.1
+        "--ignore-certificate-errors",
         "--window-size=1280,1000",
         f"--user-data-dir={tmp_path_factory.mktemp('chromium-profile')}",
     ):
@@ -419,3 +422,129 @@ def test_the_runs_list_says_why_it_waits_while_the_store_cannot_be_read(browser,
         assert browser.find_elements("css selector", '#rows tr[data-run="one"]')
     finally:
         stop(process)
+
+
+TABS = 8
+"""Tabs open at once on the console's live pages: more than the six HTTP/1.1 connections a
+browser opens to one host."""
+
+OPENED_STREAMS = """
+window.opened = [];
+const Stream = window.EventSource;
+window.EventSource = class extends Stream {
+  constructor(url, init) {
+    super(url, init);
+    window.opened.push({ url: String(url), source: this });
+  }
+};
+"""
+"""A script run before the page's own: it keeps each EventSource the page opens, and its URL."""
+
+
+def test_hidden_tabs_hold_no_stream_and_the_tab_in_front_is_answered(browser, console):
+    """Every tab of a run's page or of the runs list held a live stream, one of the six
+    connections a browser opens to a host: with six tabs a decision or cancel sent from one got
+    no answer until a tab closed, and a seventh page did not load. A hidden tab closes its
+    stream; shown again, it opens one after the last record it placed."""
+    tmp, db, url = console
+    driver, gate, marker = start_driver(tmp, db, "many-tabs")
+    first = browser.current_window_handle
+    script = browser.execute_cdp_cmd(
+        "Page.addScriptToEvaluateOnNewDocument", {"source": OPENED_STREAMS}
+    )["identifier"]
+    tabs = []
+    try:
+        browser.get(url)
+        wait(browser, lambda b: clicked(b, '#rows tr[data-run="many-tabs"] a'))
+        wait(browser, present("#step-1 .call"))  # waits on a gate: nothing more is written
+        wait(browser, present("#live.on"))
+        placed = int(find(browser, "#run").get_attribute("data-last-seq"))
+        for n in range(TABS - 1):
+            browser.switch_to.new_window("tab")  # in front: the tabs before it are hidden
+            tabs.append(browser.current_window_handle)
+            browser.get(url if n % 2 else f"{url}/runs/many-tabs")
+            wait(browser, present("#live.on"))  # its own stream is open
+        gate.touch()  # step 1's result and step 2's approval are written while tab 1 is hidden
+        if browser.find_elements("css selector", "#run"):  # the last tab shows the run
+            wait(browser, approval_for("t1"))
+        browser.switch_to.window(first)
+        wait(browser, approval_for("t1"))  # what was written while hidden came in
+        opened = browser.execute_script(
+            "return window.opened.map((o) => [o.url, o.source.readyState])"
+        )
+        assert [(u.rsplit("/", 2)[-1], state) for u, state in opened] == [
+            (f"events?from={placed + 1}", 2),  # closed while hidden
+            (f"events?from={placed + 1}", 1),  # shown again: after the last record placed
+        ]
+        assert "wait_gate" in find(browser, "#step-1").text
+        assert browser.find_elements("css selector", "#step-1 pre.observation")
+        wait(browser, lambda b: clicked(b, "#approve-button"))
+        wait(browser, shows("#notice", "approve"))  # answered with seven more tabs open
+        wait(browser, shows("#run-state", "succeeded"))
+        assert finish(driver) == "succeeded"
+    finally:
+        browser.execute_cdp_cmd("Page.removeScriptToEvaluateOnNewDocument", {"identifier": script})
+        for tab in tabs:
+            browser.switch_to.window(tab)
+            browser.close()
+        browser.switch_to.window(first)
+        driver.kill()
+        driver.wait(timeout=HANG_S)
+    assert marker.read_text() == "5\n"
+
+
+@pytest.fixture(scope="module")
+def tls_console(console, tmp_path_factory):
+    """The store of `console` served again over TLS (``--certfile``, ``--keyfile``): its URL."""
+    _, db, _ = console
+    cert, key = self_signed(tmp_path_factory.mktemp("tls"))
+    process, url = start_console(db, "--certfile", str(cert), "--keyfile", str(key))
+    try:
+        yield url
+    finally:
+        stop(process)
+
+
+def test_over_tls_live_pages_shown_side_by_side_share_one_connection(browser, console, tls_console):
+    """Windows side by side are all shown, so each live page in them keeps its stream: over
+    HTTP/1.1 the seventh page did not load and an action got no answer. Over TLS the browser
+    speaks HTTP/2, which carries every window's page, stream and action on one connection."""
+    tmp, db, _ = console
+    url = tls_console
+    driver, gate, marker = start_driver(tmp, db, "windows")
+    first = browser.current_window_handle
+    script = browser.execute_cdp_cmd(
+        "Page.addScriptToEvaluateOnNewDocument", {"source": OPENED_STREAMS}
+    )["identifier"]
+    protocol = "return performance.getEntriesByType('navigation')[0].nextHopProtocol"
+    windows = []
+    try:
+        browser.get(url)
+        wait(browser, lambda b: clicked(b, '#rows tr[data-run="windows"] a'))
+        wait(browser, present("#step-1 .call"))  # waits on a gate
+        wait(browser, present("#live.on"))
+        assert browser.execute_script(protocol) == "h2"
+        for n in range(TABS - 1):
+            browser.switch_to.new_window("window")  # shown beside the others: none is hidden
+            windows.append(browser.current_window_handle)
+            browser.get(url if n % 2 else f"{url}/runs/windows")
+            wait(browser, present("#live.on"))
+            assert browser.execute_script(protocol) == "h2"
+        browser.switch_to.window(first)
+        gate.touch()
+        wait(browser, approval_for("t1"))
+        # the first window's stream stayed open throughout: no window was hidden
+        assert browser.execute_script("return window.opened.map((o) => o.source.readyState)") == [1]
+        wait(browser, lambda b: clicked(b, "#approve-button"))
+        wait(browser, shows("#notice", "approve"))  # answered beside seven more live pages
+        wait(browser, shows("#run-state", "succeeded"))
+        assert finish(driver) == "succeeded"
+    finally:
+        browser.execute_cdp_cmd("Page.removeScriptToEvaluateOnNewDocument", {"identifier": script})
+        for window in windows:
+            browser.switch_to.window(window)
+            browser.close()
+        browser.switch_to.window(first)
+        driver.kill()
+        driver.wait(timeout=HANG_S)
+    assert marker.read_text() == "5\n"

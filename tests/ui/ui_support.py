@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 import treadle
 from treadle.testing.scripted import ScriptedModel, call, say
@@ -157,3 +160,28 @@ def stop(process: subprocess.Popen[str]) -> int:
     finally:
         if process.stdout is not None:
             process.stdout.close()
+
+
+def self_signed(folder: Path) -> tuple[Path, Path]:
+    """A self-signed certificate for 127.0.0.1 and its unencrypted key, made by ``openssl``.
+
+    Returns the certificate's and the key's PEM files in ``folder``. Without ``openssl`` the
+    test skips, except in CI (``CI`` set), where it fails.
+    """
+    openssl = shutil.which("openssl")
+    if openssl is None:
+        if os.environ.get("CI"):
+            pytest.fail("CI must run the console's TLS tests: openssl is missing")
+        pytest.skip("openssl is missing")
+    cert, key = folder / "cert.pem", folder / "key.pem"
+    subprocess.run(
+        [
+            *(openssl, "req", "-x509", "-newkey", "ec", "-pkeyopt"),
+            *("ec_paramgen_curve:prime256v1", "-nodes", "-days", "2", "-subj", "/CN=127.0.0.1"),
+            *("-addext", "subjectAltName=IP:127.0.0.1,DNS:localhost"),
+            *("-keyout", str(key), "-out", str(cert)),
+        ],
+        check=True,
+        capture_output=True,
+    )
+    return cert, key

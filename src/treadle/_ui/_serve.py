@@ -35,10 +35,17 @@ async def serve(
     port: int,
     settings: Settings,
     said: Callable[[str], None],
+    certfile: str | None = None,
+    keyfile: str | None = None,
 ) -> None:
     """Serve the console for the store at ``store_path`` until SIGINT or SIGTERM.
 
     ``said`` is called once with the URL served (the bound port, for ``port`` 0).
+
+    Plain HTTP/1.1 unless ``certfile`` is given (a PEM certificate chain, with ``keyfile``
+    its key unless it holds the key too: `treadle._cli_ui.check_tls` checked them): then
+    HTTPS, HTTP/2 to a client that offers it (a browser does), which carries every tab's
+    page, stream and action over one connection (docs/ui.md, "Many tabs").
 
     On the first signal the console stops taking connections and gives the open ones
     `STOP_GRACE_S`, then returns. A second signal, or `HARD_STOP_S` after the first without
@@ -55,6 +62,8 @@ async def serve(
     config.bind = [f"fd://{listening_socket(host, port)}"]
     config.accesslog = None
     config.graceful_timeout = STOP_GRACE_S
+    if certfile is not None:  # Hypercorn offers h2 over TLS; it serves TLS given both files
+        config.certfile, config.keyfile = certfile, keyfile or certfile
     async with open_store(store_path) as store:
         app = create_app(store, settings)
         await _serve_app(app, config, said)

@@ -25,10 +25,53 @@ function filterRows() {
   if (count) count.textContent = shown + " of " + rows.length + " runs";
 }
 
+// A live stream held only while the page is shown. A browser opens at most six HTTP/1.1
+// connections to a host, shared by all its tabs, and an open stream holds one: tabs in the
+// background that kept theirs would leave none for the page in front, whose loads and
+// actions would wait (docs/ui.md, "Many tabs"). So a page that is hidden (another tab in
+// front, its window minimized) closes its stream, and opens a new one when it is shown
+// again, at `url()` as it is then (a run's page: after the last record it placed). Each new
+// stream gets the live mark's handlers and `listen(source, end)`; `end()` closes the stream
+// for good (the run finished, the store cannot be read), shown or not.
+function whileShown(url, listen) {
+  const live = document.getElementById("live");
+  const notice = document.getElementById("notice");
+  let source = null;
+  let ended = false;
+  const open = () => {
+    source = new EventSource(url());
+    source.addEventListener("open", () => live.classList.add("on"));
+    source.addEventListener("error", () => live.classList.remove("on"));
+    listen(source, end);
+  };
+  const close = () => {
+    if (source) source.close();
+    source = null;
+    live.classList.remove("on");
+    // why the closed stream waited on the store: the next one says it again if it still does
+    if (notice.dataset.store === "retrying") {
+      notice.hidden = true;
+      delete notice.dataset.store;
+    }
+  };
+  const end = () => {
+    ended = true;
+    close();
+  };
+  document.addEventListener("visibilitychange", () => {
+    if (ended) return;
+    if (document.hidden) close();
+    else if (!source) open();
+  });
+  if (!document.hidden) open();
+  return end;
+}
+
 // What a live stream says of the store's reads (the same on both pages): "retrying" shows
 // why the page is not updated for now and keeps the stream open, "recovered" takes that
-// notice away, "unreadable" shows why it stopped for good and closes the stream.
-function followStore(source, live) {
+// notice away, "unreadable" shows why it stopped for good and ends the stream (`end`).
+function followStore(source, end) {
+  const live = document.getElementById("live");
   const notice = document.getElementById("notice");
   source.addEventListener("retrying", (event) => {
     live.classList.remove("on");
@@ -43,7 +86,7 @@ function followStore(source, live) {
     delete notice.dataset.store;
   });
   source.addEventListener("unreadable", (event) => {
-    source.close();
+    end();
     live.hidden = true;
     notice.hidden = false;
     notice.textContent = JSON.parse(event.data).message;
@@ -57,15 +100,14 @@ function runsPage() {
   const state = document.getElementById("state");
   q.addEventListener("input", filterRows);
   state.addEventListener("change", filterRows);
-  const source = new EventSource("/rows");
-  const live = document.getElementById("live");
-  source.addEventListener("open", () => live.classList.add("on"));
-  source.addEventListener("error", () => live.classList.remove("on"));
-  source.addEventListener("rows", (event) => {
-    document.getElementById("rows").innerHTML = event.data;
-    filterRows();
+  // a stream opened again sends the whole table first: what changed meanwhile shows
+  whileShown(() => "/rows", (source, end) => {
+    source.addEventListener("rows", (event) => {
+      document.getElementById("rows").innerHTML = event.data;
+      filterRows();
+    });
+    followStore(source, end);
   });
-  followStore(source, live);
   filterRows();
 }
 
@@ -146,27 +188,28 @@ function runPage() {
   bindForms();
   if (run.dataset.finished === "true") return;
   holdPanelWhileTyping();
-  const last = Number(run.dataset.lastSeq);
-  const url = "/runs/" + encodeURIComponent(run.dataset.run) + "/events?from=" + (last + 1);
-  const source = new EventSource(url);
-  const live = document.getElementById("live");
-  live.hidden = false;
-  source.addEventListener("open", () => live.classList.add("on"));
-  source.addEventListener("error", () => live.classList.remove("on"));
-  source.addEventListener("record", (event) => {
-    const data = JSON.parse(event.data);
-    run.dataset.lastSeq = String(data.seq);
-    place(data);
-  });
-  source.addEventListener("token", (event) => useToken(JSON.parse(event.data).token));
-  // the run's state or driver changed without a new record (a lease renewed, lost, taken over)
-  source.addEventListener("panel", (event) => showPanel(JSON.parse(event.data).panel, false));
-  followStore(source, live);
-  source.addEventListener("finished", () => {
-    source.close();
-    live.hidden = true;
-    run.dataset.finished = "true";
-    showHeldPanel(); // the final panel: no form is left to type in
+  document.getElementById("live").hidden = false;
+  // A stream opened again starts after the last record placed: `from` is read as strictly as
+  // the Last-Event-ID a stream that reconnects by itself sends (docs/ui.md, "A run's page").
+  const url = () =>
+    "/runs/" + encodeURIComponent(run.dataset.run) + "/events?from=" +
+    (Number(run.dataset.lastSeq) + 1);
+  whileShown(url, (source, end) => {
+    source.addEventListener("record", (event) => {
+      const data = JSON.parse(event.data);
+      run.dataset.lastSeq = String(data.seq);
+      place(data);
+    });
+    source.addEventListener("token", (event) => useToken(JSON.parse(event.data).token));
+    // the run's state or driver changed without a new record (a lease renewed, lost, taken over)
+    source.addEventListener("panel", (event) => showPanel(JSON.parse(event.data).panel, false));
+    followStore(source, end);
+    source.addEventListener("finished", () => {
+      end();
+      document.getElementById("live").hidden = true;
+      run.dataset.finished = "true";
+      showHeldPanel(); // the final panel: no form is left to type in
+    });
   });
 }
 
