@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 
 import treadle
 from treadle._exceptions import TreadleError, UsageError
-from treadle._schema import Invalid
+from treadle._schema import Invalid, argument_validator
 from treadle.ports import ActionExecutor
 from treadle.testing.scripted import ScriptedModel, call, say
 from treadle.tools import EnvironmentFailure, Tool, Toolbox, ToolContext, tool
@@ -39,6 +39,16 @@ class Level(enum.IntEnum):
 class Grade(enum.Enum):
     LOW = 1
     HIGH = 2
+
+
+class Shade(str, enum.Enum):  # noqa: UP042 (a str-mixin enum, as StrEnum is not)
+    RED = "red"
+    BLUE = "blue"
+
+
+class Size(enum.StrEnum):
+    SMALL = "s"
+    LARGE = "l"
 
 
 @attrs.frozen
@@ -738,6 +748,99 @@ def test_a_fraction_or_a_boolean_is_no_int_literal_or_enum_value(
 ) -> None:
     found = _single_argument_tool(annotation).signature.validate({"x": value})
     assert isinstance(found, Invalid) and found.errors[0].startswith("expected one of")
+
+
+@pytest.mark.parametrize(
+    ("annotation", "value", "delivered"),
+    [
+        (Level, 2, Level.HIGH),
+        (Level, 1.0, Level.LOW),
+        (Shade, "blue", Shade.BLUE),
+        (Size, "l", Size.LARGE),
+        (list[Level], [1, 2], [Level.LOW, Level.HIGH]),
+        (Level | None, 2, Level.HIGH),
+    ],
+)
+def test_an_int_or_str_enum_argument_is_given_its_member(
+    annotation: Any, value: Any, delivered: Any
+) -> None:
+    """An enum that subclasses int or str is given as its member.
+
+    An ``IntEnum``, a ``StrEnum`` or an enum mixing in ``str`` reached the ``int`` or ``str``
+    hook before the enum's: the tool got a plain int or str (``level.name`` failed).
+    """
+    found = _single_argument_tool(annotation).signature.validate({"x": value})
+    assert not isinstance(found, Invalid)
+    got = found["x"] if isinstance(found["x"], list) else [found["x"]]
+    wanted = delivered if isinstance(delivered, list) else [delivered]
+    assert [(type(g), g) for g in got] == [(type(w), w) for w in wanted]
+
+
+async def test_an_int_enum_tool_runs_with_its_member_never_with_another_int() -> None:
+    seen: list[Level] = []
+
+    @tool
+    async def set_level(level: Level) -> str:
+        """Set the level."""
+        seen.append(level)
+        return level.name
+
+    box = Toolbox([set_level])
+    refused = await box.execute(action("set_level", {"level": 5}))
+    ran = await box.execute(action("set_level", {"level": 2}))
+    assert refused.status is ActionStatus.NOT_EXECUTED
+    assert refused.detail == "invalid arguments: expected one of 1, 2, got 5 @ $.level"
+    assert (ran.status, ran.observation) == (ActionStatus.EXECUTED, "HIGH")
+    assert [(type(level), level) for level in seen] == [(Level, Level.HIGH)]
+
+
+@pytest.mark.parametrize(
+    ("annotation", "value", "error"),
+    [
+        (Level, 5, "expected one of 1, 2, got 5 @ $.x"),
+        (Level, True, "expected one of 1, 2, got True @ $.x"),
+        (Level, "1", "expected one of 1, 2, got '1' @ $.x"),
+        (Shade, "purple", "expected one of 'red', 'blue', got 'purple' @ $.x"),
+        (Size, 1, "expected one of 's', 'l', got 1 @ $.x"),
+        (list[Level], [7], "expected one of 1, 2, got 7 @ $.x[0]"),
+    ],
+)
+def test_a_value_of_no_member_is_refused_for_an_int_or_str_enum(
+    annotation: Any, value: Any, error: str
+) -> None:
+    """Only a member's value is taken for an enum that subclasses int or str.
+
+    The schema's ``enum`` lists the members' values; the tool's validation took any integer or
+    string for these enums, and the tool ran with it.
+    """
+    found = _single_argument_tool(annotation).signature.validate({"x": value})
+    assert isinstance(found, Invalid) and found.errors == (error,)
+
+
+@pytest.mark.parametrize(
+    "annotation", [Level, Shade, Size, Grade, Color, list[Level], Level | None, Literal[1, 2]]
+)
+def test_the_schema_check_and_the_tools_validation_accept_the_same_values(
+    annotation: Any,
+) -> None:
+    """The schema check and the tool's validation take the same values.
+
+    An approval's edit is checked against the schema (docs/events.md, "Human approval"), the
+    model's arguments by the tool's validation: each accepts what the other does.
+    """
+    schema_tool = _single_argument_tool(annotation)
+    check = argument_validator(schema_tool.signature.schema)
+    for value in _ARGUMENT_VALUES:
+        by_schema = check.is_valid({"x": value})
+        by_tool = not isinstance(schema_tool.signature.validate({"x": value}), Invalid)
+        assert by_schema == by_tool, (value, by_schema, by_tool)
+
+
+_ARGUMENT_VALUES: list[Any] = [
+    *(0, 1, 2, 5, -1, 1.0, 2.0, 1.5, 10**20, 10**400, -(10**400), 1e308, True, False),
+    *(None, "1", "red", "blue", "s", "l", "purple", [], [1], [7], [10**400], {}, {"a": 1}),
+]
+"""Values the schema check and the tool's validation are compared on."""
 
 
 def _single_argument_tool(annotation: Any) -> Tool:

@@ -35,6 +35,7 @@ from treadle._schema import (
     check_type,
     local_validator,
     summary_of,
+    unstructure_text,
     validation_errors,
 )
 from treadle.parsers import (
@@ -68,6 +69,7 @@ final-answer tool), or ``auto`` (``native`` when the model client declares
 _NAME: Final = re.compile(r"[^A-Za-z0-9_-]")
 _MAX_ERRORS: Final = 10
 _PLAIN: Final = cattrs.Converter()
+_PLAIN.register_unstructure_hook(str, unstructure_text)  # a str enum's member is its value
 _TOOL_DESCRIPTION: Final = (
     "Give your final answer. Call this alone, once the task is done: its arguments are the "
     "answer, and the conversation ends with it."

@@ -28,11 +28,12 @@ does); a plain ``def`` tool runs in a worker thread the run abandons; a process 
 The JSON schema of the arguments is generated from the signature (msgspec) and the
 description from the docstring's first paragraph; argument descriptions come from its
 Google ``Args:`` section. Supported argument types: str, int, float, bool, None, unions of
-them, ``list[X]``, ``dict[str, X]``, ``Literal``, enums (their values all str or all int) and
-attrs classes; an argument with a default is optional, and its default must be a value of its
-type (docs/models.md, "Tool arguments"). A parameter annotated `ToolContext` receives the run,
-step and idempotency key of the call and is not shown to the model. A generator function is no
-tool: a call returns one result.
+them, ``list[X]``, ``dict[str, X]``, ``Literal``, enums (their values all str or all int; an
+enum argument is given its member, an ``IntEnum``'s or a ``StrEnum``'s too, and a value of no
+member is refused) and attrs classes; an argument with a default is optional, and its default
+must be a value of its type (docs/models.md, "Tool arguments"). A parameter annotated
+`ToolContext` receives the run, step and idempotency key of the call and is not shown to the
+model. A generator function is no tool: a call returns one result.
 
 `Toolbox` implements `treadle.ports.ActionExecutor`. Arguments are validated (strictly:
 no coercion, no extra keys) before the tool runs (docs/concepts.md, "Data that stays in"). Outcomes

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import functools
 import json
-from enum import Enum
+from enum import Enum, IntEnum
 
 import attrs
 import pytest
@@ -146,6 +146,45 @@ async def test_a_final_answer_tool_call_is_the_typed_output():
     assert request.tools[-1].parameters == definition.snapshot()["output"]["schema"]
     assert request.output is None
     assert [r.tool for r in log.records if hasattr(r, "tool")] == ["lookup", "lookup"]
+
+
+class Unit(str, Enum):  # noqa: UP042 (a str-mixin enum, as StrEnum is not)
+    CELSIUS = "C"
+    FAHRENHEIT = "F"
+
+
+class Confidence(IntEnum):
+    LOW = 1
+    HIGH = 2
+
+
+@attrs.frozen
+class Reading:
+    """A reading."""
+
+    unit: Unit
+    confidence: Confidence
+
+
+async def test_an_int_or_str_enum_field_is_its_member_and_stored_as_its_value():
+    """An output's enum field holds the member, and the log holds its value.
+
+    Such a field took any int or str and gave it as is, never the member; once it gives the
+    member, the log still holds the value (cattrs writes a str subclass as itself).
+    """
+    definition = agent([call("final_answer", unit="F", confidence=2)], output_type=Reading)
+    result, log = await run_log(definition)
+    assert result.output is not None
+    assert type(result.output.unit) is Unit and type(result.output.confidence) is Confidence
+    assert result.output == Reading(unit=Unit.FAHRENHEIT, confidence=Confidence.HIGH)
+    assert log.finished is not None and log.finished.output == {"unit": "F", "confidence": 2}
+    stored = log.finished.output
+    assert isinstance(stored, dict) and [type(v) for v in stored.values()] == [str, int]
+    refused = agent([call("final_answer", unit="K", confidence=3)] * 3, output_type=Reading)
+    _, refused_log = await run_log(refused, run_id="k")
+    assert refused_log.steps[0].feedback is not None
+    assert "expected one of 'C', 'F', got 'K' @ $.unit" in refused_log.steps[0].feedback
+    assert "expected one of 1, 2, got 3 @ $.confidence" in refused_log.steps[0].feedback
 
 
 async def test_native_mode_asks_for_the_schema_on_every_request_and_reads_the_text():
