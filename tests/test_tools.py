@@ -818,7 +818,11 @@ def test_a_value_of_no_member_is_refused_for_an_int_or_str_enum(
 
 
 @pytest.mark.parametrize(
-    "annotation", [Level, Shade, Size, Grade, Color, list[Level], Level | None, Literal[1, 2]]
+    "annotation",
+    [
+        *(Level, Shade, Size, Grade, Color, list[Level], Level | None, Literal[1, 2]),
+        *(float, list[float], float | None, int),
+    ],
 )
 def test_the_schema_check_and_the_tools_validation_accept_the_same_values(
     annotation: Any,

@@ -762,6 +762,10 @@ def argument_validator(schema: Mapping[str, Any]) -> jsonschema.protocols.Valida
       would freeze every run of the process (docs/mcp.md); nor is a pattern's own syntax
       checked (`_check_schema`);
     * ``format`` is an annotation only, as JSON Schema's default has it;
+    * a ``number`` is one a float holds: an integer past float's range (``10**400``) is no
+      number, as the tool's own validation reads a float argument (JSON Schema's own type
+      takes any integer, so an approval's edit the tool cannot take was recorded and the
+      call then not executed); the schema itself is as declared;
     * references resolve inside the schema alone (`local_validator`): nothing is fetched.
 
     Raises:
@@ -785,10 +789,22 @@ def argument_validator(schema: Mapping[str, Any]) -> jsonschema.protocols.Valida
         "patternProperties": _no_check,
         "additionalProperties": additional_properties,
     }
+    numbers = cls.TYPE_CHECKER.redefine("number", _float_number)
     extended: type[jsonschema.protocols.Validator] = jsonschema.validators.extend(  # type: ignore[no-untyped-call]
-        cls, without_patterns
+        cls, without_patterns, type_checker=numbers
     )
     return local_validator(extended, schema)
+
+
+def _float_number(_: object, instance: object) -> bool:
+    """Whether ``instance`` is a JSON Schema ``number`` a float holds (`argument_validator`)."""
+    if isinstance(instance, bool) or not isinstance(instance, int | float):
+        return False
+    try:
+        float(instance)
+    except OverflowError:  # an int past float's range, which `_float` refuses too
+        return False
+    return True
 
 
 def _check_schema(cls: type[jsonschema.protocols.Validator], schema: Mapping[str, Any]) -> None:

@@ -144,6 +144,43 @@ async def test_an_edit_the_schema_accepts_is_one_the_tool_runs_with(edit, autoju
     assert result.outcome.observation == "tier 1 level <Tier.GOLD: 2>"
 
 
+@tool(requires_approval=True)
+async def scale(factor: float) -> str:
+    """Scale the order by a factor."""
+    return f"scaled by {factor!r}"
+
+
+async def test_an_edit_the_tool_cannot_take_is_refused_and_the_request_stays_pending(
+    autojump_clock,
+):
+    """A float argument's edit past what a float holds is refused before it is recorded.
+
+    ``10**400`` fitted the schema's ``number``, and the tool's validation refused it once the
+    call was approved: it was never run, and the approver was not told.
+    """
+    agent = Agent(
+        model=ScriptedModel(turns=[call("scale", factor=1.5, call_id="c1"), say("ok")]),
+        executor=Toolbox([scale]),
+        parser=SimpleParser(),
+    )
+    store = MemoryStore()
+    async with open_run(agent, "x", store=store, run_id="r") as handle:
+        await wait_for_state(handle, RunState.AWAITING_APPROVAL)
+        with pytest.raises(UsageError, match=r"is not of type 'number'"):
+            handle.approve(edit={"factor": 10**400})
+        assert handle.pending_approval is not None
+        assert handle.pending_approval.call_id == "c1"
+        handle.approve(edit={"factor": 2})
+        await handle.wait()
+    log = await store.read_log("r")
+    assert [r.decision for r in log.records if isinstance(r, ApprovalDecided)] == ["edit"]
+    (result,) = [r for r in log.records if isinstance(r, ActionResult)]
+    assert (result.outcome.status, result.outcome.observation) == (
+        ActionStatus.EXECUTED,
+        "scaled by 2.0",
+    )
+
+
 async def test_a_decision_for_another_call_is_refused(autojump_clock):
     agent, tools, _ = make([call("add", a=1, b=2, call_id="c1"), say("ok")])
     store = MemoryStore()
