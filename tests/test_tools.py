@@ -1133,8 +1133,14 @@ async def test_default_timeout_applies(autojump_clock: trio.testing.MockClock) -
     assert outcome.observation == "Error: the call to hang timed out after 3 s"
 
 
-def _failing_as_cancelled(timeout_s: float, closing: list[str]) -> Tool:
-    """A tool waiting in a nursery whose other task's cleanup raises when it is cancelled."""
+def _failing_as_cancelled(
+    timeout_s: float, closing: list[str], *, waits_in_block: bool = True
+) -> Tool:
+    """A tool waiting in a nursery whose other task's cleanup raises when it is cancelled.
+
+    With ``waits_in_block`` false the tool waits in the nursery's exit, where trio puts no
+    cancellation into the group the nursery raises: the group holds the error alone.
+    """
 
     @tool(name="cleanup", timeout_s=timeout_s)
     async def cleanup() -> str:
@@ -1149,7 +1155,8 @@ def _failing_as_cancelled(timeout_s: float, closing: list[str]) -> Tool:
 
         async with trio.open_nursery() as nursery:
             nursery.start_soon(worker)
-            await trio.sleep_forever()
+            if waits_in_block:
+                await trio.sleep_forever()
         return "never"
 
     return cleanup
@@ -1169,6 +1176,39 @@ async def test_an_error_raised_beside_the_timeouts_cancellation_is_the_calls_err
             "pool closed as it was cancelled"
         ),
     )
+
+
+async def test_an_error_raised_at_the_timeout_without_a_cancellation_is_the_calls_error(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """The nursery's group held the error alone: the timeout having fired still says so."""
+    closing: list[str] = []
+    cleanup = _failing_as_cancelled(2, closing, waits_in_block=False)
+    outcome = await Toolbox([cleanup]).execute(action("cleanup"))
+    assert closing == ["closing"]
+    assert outcome == ActionOutcome(
+        status=ActionStatus.EXECUTED,
+        observation=(
+            "Error: the call to cleanup timed out after 2 s, and raised ValueError: connection "
+            "pool closed as it was cancelled"
+        ),
+    )
+
+
+async def test_an_error_raised_without_a_cancellation_before_the_timeout_is_an_error() -> None:
+    @tool(timeout_s=60)
+    async def fail_in_group() -> str:
+        async def worker() -> None:
+            raise ValueError("connection pool closed")
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(worker)
+        return "never"
+
+    outcome = await Toolbox([fail_in_group]).execute(action("fail_in_group"))
+    assert outcome.status is ActionStatus.EXECUTED
+    assert outcome.observation.startswith("Error: ExceptionGroup: ")
+    assert "timed out" not in outcome.observation
 
 
 async def test_an_error_raised_beside_an_outer_cancellation_leaves_the_cancellation_alone(

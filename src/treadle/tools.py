@@ -44,7 +44,8 @@ no coercion, no extra keys) before the tool runs (docs/concepts.md, "Data that s
 * the tool raised `EnvironmentFailure`: ENV_ERROR (the run ends);
 * the tool ran past its timeout: EXECUTED, ``Error: the call to X timed out after N s``
   (a process tool's process is killed), followed by ``, and raised <ExceptionType>: <message>
-  as it was cancelled`` when a task of its own nursery raised beside the cancellation; a
+  as it was cancelled`` when an ``async def`` tool raised after its timeout fired (a task of
+  its own nursery whose cleanup failed), whether or not a cancellation came with it; a
   thread tool that is still running is abandoned:
   UNKNOWN, ``Error: the call to X timed out after N s and was abandoned while it still
   ran; its outcome is unknown``; a thread tool that got no thread (`TOOL_THREADS`) within
@@ -1089,6 +1090,19 @@ def _beside_cancellation(exc: BaseException) -> tuple[BaseException, BaseExcepti
     return cancelled, rest
 
 
+def _timed_out(found: Tool, timer: trio.CancelScope) -> bool:
+    """Whether a task tool's call that raised did so after its own timeout fired.
+
+    The timeout decides, not what the call raised: a nursery whose parent task waits in its
+    exit ends the cancelled call with a group of its tasks' errors and no `trio.Cancelled`
+    in it (docs/concepts.md, "Actions and observations";
+    docs/decisions/0150-a-calls-timeout-decides-that-it-timed-out.md). ``timer`` is the call's
+    timeout scope; its deadline having passed counts as fired. A thread or process call's
+    error is its function's own (no trio cancellation reaches it): never a timeout here.
+    """
+    return found.isolation == "task" and timer.cancel_called
+
+
 def _stray_cancellation(exc: BaseException) -> bool:
     """Whether a tool raised `trio.Cancelled` that no scope around the call took: a tool bug.
 
@@ -1299,7 +1313,7 @@ class Toolbox:
         )
         began = True
         failed: BaseException | None = None  # raised beside the call's cancellation
-        with trio.move_on_after(timeout):
+        with trio.move_on_after(timeout) as timer:
             try:
                 if found.isolation != "task" and _CALLS_INLINE.get():
                     await trio.lowlevel.checkpoint()
@@ -1324,10 +1338,13 @@ class Toolbox:
                 pending = raised(exc, ChildPending)
                 if pending is not None:
                     raise pending from None
-                stale = raised(exc, StaleWrite)
-                if stale is not None:
-                    return _stale(found, resource, seen, stale)
-                return self._failed(exc)
+                if _timed_out(found, timer):
+                    failed = exc  # raised as its timeout cancelled it: reported below
+                else:
+                    stale = raised(exc, StaleWrite)
+                    if stale is not None:
+                        return _stale(found, resource, seen, stale)
+                    return self._failed(exc)
             except BaseException as exc:
                 if not any(raised(exc, kind) for kind in _LEAVES_THE_CALL):
                     return self._failed(exc)  # asyncio's CancelledError, GeneratorExit, ...
@@ -1346,7 +1363,8 @@ class Toolbox:
                 if failed is not None:
                     raise cancelled from failed  # the scope's to take; ``failed``: the call's error
                 raise
-            return self._returned(found, result, resource)
+            else:
+                return self._returned(found, result, resource)
         answer = None if in_process is None else in_process.answer()
         if answer is not None:  # a whole reply came, but its process did not end in time
             return answer
