@@ -144,6 +144,56 @@ async def test_a_stream_under_another_content_type_read_after_a_blank_line_is_a_
     assert (reply.text, reply.finish_reason) == ("Hello", "stop")
 
 
+BOM = b"\xef\xbb\xbf"
+NDJSON_HELLO = b"".join(
+    json.dumps(c).encode() + b"\n"
+    for c in (chunk({"content": "Hel"}), chunk({"content": "lo"}, "stop"))
+)
+COMPLETION_HELLO = json.dumps(
+    {"choices": [{"index": 0, "message": {"content": "Hello"}, "finish_reason": "stop"}]}
+).encode()
+
+
+@pytest.mark.parametrize(
+    ("content_type", "body", "text"),
+    [
+        pytest.param("application/x-ndjson", NDJSON_HELLO, "Hello", id="ndjson"),
+        pytest.param("application/x-ndjson", b"\n" + NDJSON_HELLO, "Hello", id="ndjson_blank"),
+        pytest.param("application/jsonl", NDJSON_HELLO.rstrip(b"\n"), "Hello", id="jsonl"),
+        # its only line, not ended
+        pytest.param("application/x-ndjson", NDJSON_HELLO.splitlines()[1], "lo", id="one_line"),
+        pytest.param("text/plain", COMPLETION_HELLO, "Hello", id="json_as_text"),
+        pytest.param("", b" " + COMPLETION_HELLO, "Hello", id="json_unlabelled"),
+    ],
+)
+@pytest.mark.parametrize("split", [1, 2, 7], ids=lambda n: f"reads_of_{n}")
+async def test_a_body_read_after_a_byte_order_mark_is_read_as_without_it(
+    content_type, body, text, split
+):
+    # A byte order mark before newline-delimited JSON went into its first line's JSON, and
+    # one before a JSON completion under a label that is not JSON made the body "neither a
+    # JSON object nor server-sent events": both were a non-retryable invalid_response,
+    # while an event stream or a body labelled JSON was read past it.
+    headers = {"content-type": content_type} if content_type else {}
+    whole = BOM + body
+    reads = [whole[:split], whole[split:]]
+    reply = await complete(CannedResponse(headers=headers, chunks=reads))
+    assert not isinstance(reply, ModelCallError), reply
+    assert (reply.text, reply.finish_reason) == (text, "stop")
+
+
+async def test_a_newline_delimited_line_after_the_first_keeps_what_it_starts_with():
+    lines = [b'{"a": 1}', BOM + b'{"b": 2}']
+    events = [event async for event in as_sse(_reads_of(b"\n".join(lines) + b"\n"))]
+    assert events == [b'data: {"a": 1}\n\n', b"data: " + BOM + b'{"b": 2}\n\n']
+
+
+async def _reads_of(body: bytes):
+    """``body`` one byte a read."""
+    for at in range(len(body)):
+        yield body[at : at + 1]
+
+
 async def test_a_newline_delimited_stream_cut_inside_a_line_is_incomplete_and_retryable():
     # The body breaks off inside its last line: as for a cut event stream, the attempt is a
     # retryable incomplete_stream, not a non-retryable invalid_response for the cut JSON.

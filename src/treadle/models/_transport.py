@@ -331,7 +331,7 @@ class StreamReader(Generic[A]):
             return await self._read_stream(chunks, acc, deadline, idle_s, attempt)
         if any(label in content_type for label in NDJSON_TYPES):
             return await self._read_lines(chunks, acc, deadline, idle_s, attempt)
-        if "json" in content_type or head.lstrip().startswith(b"{"):
+        if "json" in content_type or head.removeprefix(_BOM).lstrip().startswith(b"{"):
             body = await self._read_json_body(chunks, acc, idle_s)
             reply = self._add_body(acc, body)
             attempt.report_usage(reply.usage)
@@ -806,7 +806,8 @@ async def as_sse(chunks: AsyncIterator[bytes]) -> AsyncGenerator[bytes, None]:
     reports at the end, as for a cut event stream: a retryable ``incomplete_stream``
     (docs/models.md, "Errors and retryability"), not an ``invalid_response``.
 
-    A line is kept as the pieces it was read in, each byte joined once when it ends.
+    A line is kept as the pieces it was read in, each byte joined once when it ends. A byte
+    order mark the body starts with is no part of its first line, as in an event stream.
 
     Raises:
         SSEDecodeError: the line not ended yet grew past `MAX_EVENT_BYTES`, the bound of an
@@ -819,8 +820,8 @@ async def as_sse(chunks: AsyncIterator[bytes]) -> AsyncGenerator[bytes, None]:
     async for chunk in chunks:
         *ended, rest = chunk.split(b"\n")
         if ended:
+            ended[0] = _without_bom(b"".join((*line, ended[0])), start)
             start += size + len(chunk) - len(rest)
-            ended[0] = b"".join((*line, ended[0]))
             line, size = [], 0
             out = b"".join(b"data: " + one.strip() + b"\n\n" for one in ended if one.strip())
             if out:
@@ -831,9 +832,14 @@ async def as_sse(chunks: AsyncIterator[bytes]) -> AsyncGenerator[bytes, None]:
             if size > MAX_EVENT_BYTES:
                 message = f"a line longer than {MAX_EVENT_BYTES} bytes, not ended"
                 raise SSEDecodeError(message, offset=start)
-    last = b"".join(line).strip()
+    last = _without_bom(b"".join(line), start).strip()
     if last:
         yield b"data: " + last + (b"\n\n" if _whole_line(last) else b"\n")
+
+
+def _without_bom(line: bytes, start: int) -> bytes:
+    """A line of a body that starts at byte ``start``, without the body's byte order mark."""
+    return line.removeprefix(_BOM) if start == 0 else line
 
 
 def _whole_line(line: bytes) -> bool:
