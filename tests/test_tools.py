@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import datetime
 import enum
+import functools
 import inspect
 import json
 import keyword
@@ -559,6 +560,66 @@ def test_a_generator_function_is_refused_as_a_tool(fn: Callable[..., Any]) -> No
     call answered that an async_generator cannot be written as JSON."""
     with pytest.raises(UsageError, match="a generator function cannot be a tool"):
         tool(fn)
+
+
+def _passing_on(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """A decorator's plain ``def`` wrapper that returns what ``fn`` returns."""
+
+    @functools.wraps(fn)
+    def passing_on(*args: Any, **kwargs: Any) -> Any:
+        return fn(*args, **kwargs)
+
+    return passing_on
+
+
+def _awaited_passing_on(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """A decorator's ``async def`` wrapper that returns what ``fn`` returns."""
+
+    @functools.wraps(fn)
+    async def awaited_passing_on(*args: Any, **kwargs: Any) -> Any:
+        return fn(*args, **kwargs)
+
+    return awaited_passing_on
+
+
+@pytest.mark.parametrize(
+    ("fn", "kind"),
+    [
+        (_passing_on(_agen), "an async generator"),
+        (_passing_on(_gen), "a generator"),
+        (_awaited_passing_on(_agen), "an async generator"),
+    ],
+    ids=["def_async_generator", "def_generator", "async_def_async_generator"],
+)
+async def test_a_generator_returned_by_a_decorated_tool_is_an_error_saying_so(
+    fn: Callable[..., Any], kind: str
+) -> None:
+    """A decorated generator function's call is an error that names the generator.
+
+    It passed the declaration's check, and each call answered that an async_generator (or a
+    generator) cannot be written as JSON.
+    """
+    outcome = await Toolbox([tool(fn, name="pages")]).execute(action("pages", {"n": 2}))
+    text = (
+        f"Error: pages returned {kind}, not a result: a call returns one result (collect the "
+        "items and return them as a list)"
+    )
+    assert outcome == ActionOutcome(status=ActionStatus.EXECUTED, observation=text, detail=text)
+
+
+async def test_a_decorator_that_collects_a_generators_items_makes_a_tool() -> None:
+    def collecting(fn: Callable[..., Any]) -> Callable[..., Any]:
+        @functools.wraps(fn)
+        def collected(*args: Any, **kwargs: Any) -> list[Any]:
+            return list(fn(*args, **kwargs))
+
+        return collected
+
+    def pages(n: int) -> Any:
+        yield from range(n)
+
+    outcome = await Toolbox([tool(collecting(pages))]).execute(action("pages", {"n": 3}))
+    assert outcome == ActionOutcome(status=ActionStatus.EXECUTED, observation="[0,1,2]")
 
 
 @pytest.mark.parametrize(

@@ -33,7 +33,10 @@ enum argument is given its member, an ``IntEnum``'s or a ``StrEnum``'s too, and 
 member is refused) and attrs classes; an argument with a default is optional, and its default
 must be a value of its type (docs/models.md, "Tool arguments"). A parameter annotated
 `ToolContext` receives the run, step and idempotency key of the call and is not shown to the
-model. A generator function is no tool: a call returns one result.
+model. A generator function is no tool: a call returns one result. It is refused when declared;
+a function that returns a generator (a generator function behind a decorator, which the
+declaration cannot tell from a decorator that collects the items) makes each call an error that
+says so.
 
 `Toolbox` implements `treadle.ports.ActionExecutor`. Arguments are validated (strictly:
 no coercion, no extra keys) before the tool runs (docs/concepts.md, "Data that stays in"). Outcomes
@@ -63,6 +66,7 @@ no coercion, no extra keys) before the tool runs (docs/concepts.md, "Data that s
 * the tool returned: EXECUTED; a ``str`` is the observation as is, a `ToolResult` its
   ``text`` with its ``images``, anything else compact JSON (attrs instances, enums and
   datetimes unstructured by cattrs; NaN and infinities as ``null``; bytes are an error);
+  a generator is an error, ``Error: X returned a generator, not a result: ...``;
   an `ActionOutcome` is the outcome as is (a child-run tool's, `treadle.agent_tool`);
 * a tool that writes a resource (``writes=``) the run never read, or whose base revision
   argument names a revision the run never read: NOT_EXECUTED, before it runs;
@@ -320,6 +324,10 @@ class Tool:
         return await result if inspect.isawaitable(result) else result
 
 
+_ONE_RESULT: Final = "a call returns one result (collect the items and return them as a list)"
+"""Why a generator is no tool's function, nor what its call returns."""
+
+
 def _check_options(
     fn: Callable[..., Any],
     name: str,
@@ -333,10 +341,7 @@ def _check_options(
     if not callable(fn):
         raise UsageError(f"tool {name!r}: {fn!r} is not a function")
     if inspect.isasyncgenfunction(fn) or inspect.isgeneratorfunction(fn):
-        raise UsageError(
-            f"tool {name!r}: a generator function cannot be a tool: a call returns one "
-            "result (collect the items and return them as a list)"
-        )
+        raise UsageError(f"tool {name!r}: a generator function cannot be a tool: {_ONE_RESULT}")
     if isolation not in (None, "process"):
         raise UsageError(f"tool {name!r}: isolation must be None or 'process', got {isolation!r}")
     if isolation == "process":
@@ -1103,6 +1108,18 @@ def _timed_out(found: Tool, timer: trio.CancelScope) -> bool:
     return found.isolation == "task" and timer.cancel_called
 
 
+def _generator_returned(found: Tool, result: Any) -> ActionOutcome:
+    """A call whose function returned a generator: EXECUTED, and the error says so.
+
+    A generator function is refused when it is declared (`tool`); one behind a decorator is
+    not, since the function called is the decorator's, which may as well collect the items
+    (docs/concepts.md, "Actions and observations"). The generator is not iterated here.
+    """
+    kind = "an async generator" if inspect.isasyncgen(result) else "a generator"
+    text = f"Error: {found.name} returned {kind}, not a result: {_ONE_RESULT}"
+    return ActionOutcome(status=ActionStatus.EXECUTED, observation=text, detail=text)
+
+
 def _stray_cancellation(exc: BaseException) -> bool:
     """Whether a tool raised `trio.Cancelled` that no scope around the call took: a tool bug.
 
@@ -1398,6 +1415,8 @@ class Toolbox:
     def _returned(found: Tool, result: Any, resource: str | None) -> ActionOutcome:
         if isinstance(result, ActionOutcome):  # a tool reporting its outcome itself
             return result
+        if inspect.isgenerator(result) or inspect.isasyncgen(result):
+            return _generator_returned(found, result)
         revisions: dict[str, int] = {}
         if isinstance(result, Observed):
             key = result.resource if result.resource is not None else resource
