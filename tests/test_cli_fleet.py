@@ -549,6 +549,32 @@ async def test_wait_answers_a_finished_run_whose_read_outlasts_the_timeout(autoj
         await _wait(store, "nope", poll_s=1.0, timeout_s=1.0)
 
 
+async def test_wait_ends_at_its_timeout_when_a_later_look_never_returns(autojump_clock):
+    """A server that stopped answering after the first look: the next look never returned,
+    and the deadline, checked only between looks, never came (``--timeout 4`` ran for good).
+    The first look still runs to its end; a later one is cut at the deadline."""
+    from treadle._cli_fleet import _wait
+    from treadle.stores.memory import MemoryStore
+
+    class StopsAnswering(MemoryStore):
+        """A store whose summary reads after the first never end."""
+
+        looks = 0
+
+        async def read_summary(self, run_id: str):
+            self.looks += 1
+            if self.looks > 1:
+                await trio.sleep_forever()
+            return await super().read_summary(run_id)
+
+    store = StopsAnswering()
+    await store.submit("r", agent="calc", input=(Message(role="user", content="2+3?"),))
+    began = trio.current_time()
+    with trio.fail_after(3600):  # the test's virtual clock: before, the second look went on
+        assert await _wait(store, "r", poll_s=1.0, timeout_s=4.0) is None
+    assert store.looks == 2 and trio.current_time() - began == pytest.approx(4.0)
+
+
 def damage_a_jsonl_run(directory: Path, line: int) -> Path:
     """Three finished runs; one byte in the middle of line ``line`` of run ``bad`` changed."""
 

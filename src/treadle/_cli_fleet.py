@@ -496,25 +496,29 @@ async def _wait(
     """The run's result, or ``None`` once ``timeout_s`` seconds passed; it looks once at least.
 
     Each look reads the run's summary, and its log only once the run finished, every
-    ``poll_s`` seconds; a quarantined run is said so on stderr, once. The deadline is checked
-    between looks, never during one, so ``--timeout 0`` answers a finished run with its result
-    and an unknown run with its error however long a read of the store takes
-    (docs/fleet.md, "Poison runs").
+    ``poll_s`` seconds; a quarantined run is said so on stderr, once. The first look is never
+    cut short, so ``--timeout 0`` answers a finished run with its result and an unknown run
+    with its error however long a read of the store takes; a later look still under way at
+    the deadline is cut there (a server that stopped answering, say; docs/fleet.md, "Poison
+    runs").
 
     Raises:
         UsageError: the store knows no such run.
     """
     deadline = trio.current_time() + (math.inf if timeout_s is None else timeout_s)
     said = False
+    cut_at = math.inf  # the first look runs to its end
     while True:
-        summary = await store.read_summary(run_id) if isinstance(store, RunIndex) else None
-        if summary is None or summary.liveness is Liveness.FINISHED:
-            found = await _finished_result(store, run_id)
-            if found is not None:
-                return found
-        elif not said and summary.liveness is Liveness.QUARANTINED:
-            said = True
-            click.echo(f"run {run_id} is {in_queue(summary)}; waiting on", err=True)
+        with trio.move_on_at(cut_at):
+            summary = await store.read_summary(run_id) if isinstance(store, RunIndex) else None
+            if summary is None or summary.liveness is Liveness.FINISHED:
+                found = await _finished_result(store, run_id)
+                if found is not None:
+                    return found
+            elif not said and summary.liveness is Liveness.QUARANTINED:
+                said = True
+                click.echo(f"run {run_id} is {in_queue(summary)}; waiting on", err=True)
+        cut_at = deadline
         left = deadline - trio.current_time()
         if left <= 0:
             return None

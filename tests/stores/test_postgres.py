@@ -3,7 +3,10 @@ schema version, the DSN's password, and a stale writer filtered inside a shared 
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import logging
+import queue
 import re
 import socket
 import threading
@@ -14,9 +17,10 @@ from typing import Any
 import psycopg
 import pytest
 import trio
+import trio.testing
 
 import treadle
-from treadle.stores import _sql, postgres
+from treadle.stores import _engine, _sql, postgres
 from treadle.stores._codec import KIND_OF, encode_bytes, record_crc
 from treadle.stores.postgres import PostgresStore
 from treadle.testing.contracts import lease_generation
@@ -115,6 +119,208 @@ async def test_a_read_whose_pooled_connection_was_lost_is_made_again_on_a_new_on
             await store.append_control(CancelRequested(run_id="r", ts=TS, reason="again"))
         await store.append_control(CancelRequested(run_id="r", ts=TS, reason="again"))
         assert [entry.position for entry in await store.read_control("r")] == [1, 2]
+
+
+async def every_token_back(*limiters: trio.CapacityLimiter) -> None:
+    """Wait until no token of ``limiters`` is borrowed (taking each one, then giving it back)."""
+    for limiter in limiters:
+        holders = [object() for _ in range(int(limiter.total_tokens))]
+        for holder in holders:
+            await limiter.acquire_on_behalf_of(holder)
+        for holder in holders:
+            limiter.release_on_behalf_of(holder)
+
+
+class _StallingRelay:
+    """A TCP relay to the test's server that can stop passing bytes on, both ways.
+
+    As a server whose processes are stopped (SIGSTOP) or stuck on their storage: its
+    connections stay up, since the kernel still answers at the TCP level (no keepalive or
+    ``tcp_user_timeout`` ever fires), and nothing comes back. ``dsn`` connects through it.
+    """
+
+    def __init__(self, dsn: str) -> None:
+        target = psycopg.conninfo.conninfo_to_dict(dsn)
+        self._host = str(target.get("host") or "localhost")
+        self._port = int(target.get("port") or 5432)
+        self._listener = socket.create_server(("127.0.0.1", 0))
+        port = self._listener.getsockname()[1]
+        self.dsn = psycopg.conninfo.make_conninfo(dsn, host="127.0.0.1", port=port)
+        self.asked = threading.Event()  # a client sent bytes while the relay was stalled
+        self._passing = threading.Event()
+        self._passing.set()
+        self._sockets: list[socket.socket] = []
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def stall(self) -> None:
+        """Pass nothing on from now, until `resume`."""
+        self.asked.clear()
+        self._passing.clear()
+
+    def resume(self) -> None:
+        """Pass on what came meanwhile, and what comes."""
+        self._passing.set()
+
+    def close(self) -> None:
+        """Stop relaying: every relayed connection ends."""
+        self.resume()
+        self._listener.close()
+        for sock in self._sockets:
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)
+            sock.close()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                client, _ = self._listener.accept()
+            except OSError:  # closed
+                return
+            server = self._connect()
+            self._sockets += [client, server]
+            for source, sink, asks in ((client, server, True), (server, client, False)):
+                threading.Thread(target=self._pass, args=(source, sink, asks), daemon=True).start()
+
+    def _connect(self) -> socket.socket:
+        """A connection to the server: its TCP port, or its socket in a directory."""
+        if not self._host.startswith("/"):
+            return socket.create_connection((self._host, self._port))
+        server = socket.socket(socket.AF_UNIX)
+        server.connect(f"{self._host}/.s.PGSQL.{self._port}")
+        return server
+
+    def _pass(self, source: socket.socket, sink: socket.socket, asks: bool) -> None:
+        try:
+            while data := source.recv(65536):
+                if not self._passing.is_set():
+                    if asks:
+                        self.asked.set()
+                    self._passing.wait()
+                sink.sendall(data)
+        except OSError:
+            pass
+        finally:
+            with contextlib.suppress(OSError):
+                sink.shutdown(socket.SHUT_WR)
+
+
+async def test_a_call_to_a_server_that_stopped_answering_returns_when_cancelled(
+    postgres_dsn: str, postgres_schema: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A server that stopped answering (its processes stopped, its storage stuck) with its
+    connections still up: a store call cancelled meanwhile waited for its thread until the
+    server answered again, so ``move_on_after`` did not return, a worker ignored SIGTERM
+    past its drain and ``treadle wait --timeout`` never ended. It returns at once, a write
+    whose run was loading too (nothing of it is written); its thread ends once the server
+    answers, and its connection is then closed, not pooled."""
+    caplog.set_level(logging.INFO, logger="treadle.stores")
+    relay = _StallingRelay(postgres_dsn)
+    returned: list[str] = []
+    scopes: list[trio.CancelScope] = []
+
+    async def cut(name: str, call: Callable[[], Any]) -> None:
+        with trio.CancelScope() as own:
+            scopes.append(own)
+            await call()
+        returned.append(name)
+
+    try:
+        async with treadle.open_postgres_store(relay.dsn, schema=postgres_schema) as store:
+            assert await store.read_summary("r") is None
+            (pooled,) = store._pool._idle  # the connection the next call takes
+            gen = await lease_generation(store, "w")
+            engine = store._engine
+            relay.stall()
+            async with trio.open_nursery() as nursery:
+                try:
+                    nursery.start_soon(cut, "read", lambda: store.read_summary("r"))
+                    write = functools.partial(store.write_run_started, started("w"), seq=1)
+                    nursery.start_soon(cut, "write", functools.partial(write, generation=gen))
+                    with trio.fail_after(30):  # a call's bytes reached the stalled relay
+                        await trio.to_thread.run_sync(relay.asked.wait, abandon_on_cancel=True)
+                    await trio.testing.wait_all_tasks_blocked()  # both wait on their threads
+                    for scope in scopes:
+                        scope.cancel()
+                    await trio.testing.wait_all_tasks_blocked()
+                    assert sorted(returned) == ["read", "write"]  # before: once answered
+                    assert engine.workers.borrowed_tokens == 0  # their places are free
+                    assert engine.left.borrowed_tokens >= 1  # what reached the relay waits
+                finally:
+                    relay.resume()
+            with trio.fail_after(30):  # the threads end, once answered
+                await every_token_back(engine.workers, engine.left)
+            assert pooled.closed and pooled not in store._pool._idle
+            assert await store.read_summary("r") is None  # on a new connection
+            assert (await store.read_log("w")).records == ()  # the write was never queued
+            await store.write_run_started(started("w"), seq=1, generation=gen)
+            assert len((await store.read_log("w")).records) == 1
+    finally:
+        relay.close()
+    # the call that reached the relay (the read, or the load) says how it ended
+    assert "given up on by its caller while it ran, ended afterwards" in caplog.text
+
+
+async def test_calls_given_up_on_give_their_places_back_up_to_a_bound_and_close_connections(
+    postgres_dsn: str,
+    postgres_schema: str,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """An abandoned call's thread keeps trio's limiter token until it ends: calls stuck on a
+    server that answers nothing would hold the store object's places (the one of its lease
+    and control calls too) for as long. Given up on, a call gives its place back at once, up
+    to `MAX_LEFT_CALLS` calls left running; the connections they used are closed when their
+    threads end, never pooled."""
+    caplog.set_level(logging.INFO, logger="treadle.stores")
+    entered: queue.SimpleQueue[Any] = queue.SimpleQueue()
+    release = threading.Event()
+    read = _sql.read_summary
+
+    def read_that_blocks(dialect: Any, conn: Any, run_id: str) -> Any:
+        if run_id.startswith("stuck"):
+            entered.put(conn)
+            release.wait()  # a server that answers nothing, until the test lets it
+        return read(dialect, conn, run_id)
+
+    monkeypatch.setattr(_sql, "read_summary", read_that_blocks)
+    returned: list[str] = []
+    used: list[Any] = []
+
+    async def cancelled_read(run_id: str, scope: trio.CancelScope) -> None:
+        with scope:
+            await store.read_summary(run_id)
+        returned.append(run_id)
+
+    async with treadle.open_postgres_store(postgres_dsn, schema=postgres_schema) as store:
+        engine = store._engine
+        async with trio.open_nursery() as nursery:
+            try:
+                for n in range(_engine.MAX_LEFT_CALLS + 1):
+                    scope = trio.CancelScope()
+                    nursery.start_soon(cancelled_read, f"stuck-{n}", scope)
+                    with trio.fail_after(30):
+                        conn = await trio.to_thread.run_sync(entered.get, abandon_on_cancel=True)
+                    used.append(conn)
+                    scope.cancel()
+                    await trio.testing.wait_all_tasks_blocked()
+                    assert returned[-1:] == [f"stuck-{n}"]  # before: still waiting
+                    if n == 0:  # its place is free: another call runs meanwhile
+                        assert engine.workers.borrowed_tokens == 0
+                        assert engine.left.borrowed_tokens == 1
+                        assert await store.read_summary("other") is None
+                # past MAX_LEFT_CALLS calls left running, the last one kept its place
+                assert engine.workers.borrowed_tokens == 1
+                assert engine.left.borrowed_tokens == _engine.MAX_LEFT_CALLS
+            finally:
+                release.set()  # the server answers again
+        with trio.fail_after(30):  # the threads end on their own and give their tokens back
+            await every_token_back(engine.workers, engine.left)
+        for conn in used:  # closed when its thread ended, not handed back to the pool
+            assert conn.closed and conn not in store._pool._idle
+        assert await store.read_summary("other") is None
+    assert caplog.text.count("given up on by its caller while it ran, ended afterwards") == len(
+        used
+    )
 
 
 class _LostAfterCommit(postgres.PostgresBackend):

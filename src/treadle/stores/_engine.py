@@ -39,10 +39,12 @@ import queue
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
+from contextvars import ContextVar
 from types import MappingProxyType
-from typing import TYPE_CHECKING, Final, Protocol, TypeVar
+from typing import TYPE_CHECKING, Any, Final, Generic, Protocol, TypeVar, cast
 
 import attrs
+import outcome
 import trio
 
 from treadle._exceptions import (
@@ -93,6 +95,15 @@ reads (and cancelled, and queued again, each time the run hosting it ended) let 
 unrenewed past their TTL while their runs were driven, and cancels landed 5 s late instead of
 within the poll interval. A thread more on top of the four instead cost about 0.3 MB of
 resident memory for 100 runs (docs/decisions/0096-lease-and-control-calls-apart.md)."""
+
+MAX_LEFT_CALLS: Final = MAX_WORKERS
+"""Worker threads of store calls given up on while they ran (their caller was cancelled, or
+Ctrl-C) that may run on beside the store object's `MAX_WORKERS`: such a call gives its place
+back at once, so that a call stuck on a server that answers nothing holds up no call after
+it. Past these, a call given up on keeps its place until its thread ends (trio's own rule for
+an abandoned thread), so that a store object never runs more than `MAX_WORKERS` +
+`MAX_LEFT_CALLS` threads (and SQL connections) at once
+(docs/decisions/0145-a-cancelled-store-call-returns-at-once.md)."""
 
 MAX_PENDING_WRITES: Final = 10_000
 """Queued, uncommitted writes above which a non-barrier write waits for its batch."""
@@ -245,6 +256,10 @@ class Backend(Protocol):
     def load(self, run_id: str) -> RunHead:
         """Find the run's next seq before its first write here (in a worker thread).
 
+        A read: for a ``remote`` engine, a write cancelled while its run loads returns at
+        once and leaves the load to end on its own (`CommitEngine.in_thread`'s
+        ``abandon_on_cancel``), which must leave nothing to clean up.
+
         Raises:
             StoreError: the store cannot be read (`LogCorrupted`, `SchemaTooNew` included).
         """
@@ -338,12 +353,159 @@ def refusal(run_id: str, cause: TreadleError) -> TreadleError:
     return err
 
 
+_WAITING: Final = "waiting"
+_RUNNING: Final = "running"
+_LEFT: Final = "left"
+_ENDED: Final = "ended"
+
+_CALL: ContextVar[StoreCall[Any] | None] = ContextVar("treadle_store_call", default=None)
+"""The store call of this worker thread (set in the thread's own copy of its caller's
+context, `StoreCall.run`)."""
+
+
+def call_given_up() -> bool:
+    """Whether the caller of the store call running in this thread gave up on it meanwhile.
+
+    ``False`` outside a call of `CommitEngine.in_thread` (the committer thread, say). What the
+    call holds is then not kept for a later call: a SQL store closes its connection instead
+    of pooling it, since the server may not be answering on it, and runs no read again
+    (docs/decisions/0145-a-cancelled-store-call-returns-at-once.md).
+    """
+    call = _CALL.get()
+    return call is not None and call.given_up
+
+
+class StoreCall(Generic[_R]):
+    """One call of `CommitEngine.in_thread` that its caller may give up on while it runs.
+
+    It is ``waiting`` for its place among the store object's calls (the engine's ``workers``
+    or ``shared``), then ``running`` (from when it got one: trio starts its thread at once),
+    then ``ended``; or, given up on while it ran (its caller was cancelled, or Ctrl-C came),
+    ``left``: its thread runs on, and what it returns is dropped (trio's ``abandon_on_cancel``).
+    It is its own thread limiter for trio (trio's ``CapacityLimiter`` protocol), so that a
+    call left running gives its place back at once, as long as fewer than `MAX_LEFT_CALLS`
+    calls of the store object are left running (it takes one of their room instead); past
+    that it keeps its place until its thread ends.
+
+    Args:
+        fn: the blocking function, called as ``fn(*args)`` in the worker thread.
+        args: its arguments.
+        places: the limiter of the calls that run at once.
+        left: the limiter of the calls left running (`MAX_LEFT_CALLS` tokens).
+        what: the call, for the log (``control_heads``, say).
+        description: the store, for the log.
+    """
+
+    def __init__(
+        self,
+        fn: Callable[..., _R],
+        args: tuple[object, ...],
+        *,
+        places: trio.CapacityLimiter,
+        left: trio.CapacityLimiter,
+        what: str,
+        description: str,
+    ) -> None:
+        self._fn = fn
+        self._args = args
+        self._places = places
+        self._left = left
+        self.what = what
+        self._description = description
+        self._lock = threading.Lock()
+        self._state = _WAITING
+        self._holds: trio.CapacityLimiter | None = None  # whose token it holds (trio thread)
+
+    @property
+    def given_up(self) -> bool:
+        """Whether its caller gave up on the call while it ran (read in any thread)."""
+        return self._state == _LEFT
+
+    async def acquire_on_behalf_of(self, borrower: object) -> None:
+        """Wait for a place among the store object's calls; trio starts the thread right after."""
+        await self._places.acquire_on_behalf_of(self)
+        self._holds = self._places
+        with self._lock:
+            self._state = _RUNNING
+
+    def release_on_behalf_of(self, borrower: object) -> None:
+        """Give back the place (or the room among the calls left running) the call held.
+
+        Called by trio in its own thread once the call's thread ended.
+        """
+        holds, self._holds = self._holds, None
+        if holds is not None:
+            holds.release_on_behalf_of(self)
+
+    def run(self) -> _R:
+        """Call ``fn(*args)`` in the worker thread, unless the call was given up before.
+
+        Raises:
+            Exception: what ``fn`` raised.
+            StoreError: the call was given up on before its thread began it (nothing was
+                done; nobody receives this).
+        """
+        with self._lock:
+            began = self._state == _RUNNING
+        if not began:
+            raise StoreError(f"the {self._description}: {self.what} was given up before it began")
+        _CALL.set(self)  # this thread's own copy of the caller's context: `call_given_up`
+        found = outcome.capture(self._fn, *self._args)
+        with self._lock:
+            was, self._state = self._state, _ENDED
+        if was == _LEFT:
+            self._ended_late(found)
+        return found.unwrap()
+
+    def _ended_late(self, found: outcome.Outcome[_R]) -> None:
+        """Log how a call given up on while it ran ended: nobody else learns of it."""
+        if isinstance(found, outcome.Error):
+            _LOG.warning(
+                "the %s: %s, given up on by its caller while it ran, failed afterwards: %s",
+                self._description,
+                self.what,
+                found.error,
+            )
+        else:
+            _LOG.info(
+                "the %s: %s, given up on by its caller while it ran, ended afterwards",
+                self._description,
+                self.what,
+            )
+
+    @trio.lowlevel.enable_ki_protection  # the tokens are never half handed over
+    def give_up(self) -> None:
+        """Its caller stops waiting for the call (in trio's thread): leave its thread running.
+
+        A call still waiting for its place, or ended, is left as it is. A running one is
+        ``left``: its place is given back now if the store object's calls left running have
+        room for one more (`MAX_LEFT_CALLS`), else when its thread ends.
+        """
+        with self._lock:
+            if self._state != _RUNNING:
+                return
+            self._state = _LEFT
+        if self._holds is not self._places:  # trio gave the place back already
+            return
+        try:
+            self._left.acquire_on_behalf_of_nowait(self)
+        except trio.WouldBlock:
+            return
+        self._places.release_on_behalf_of(self)
+        self._holds = self._left
+
+
 class CommitEngine:
     """Group commit for one store object: the trio side, its inbox and its committer thread.
 
     Args:
         backend: what commits batches.
         token: the trio run the store belongs to (batches are handed back to it).
+        remote: the store's calls wait on a server across a network (PostgreSQL), which
+            may stop answering while its connections stay up: they are given up on when
+            cancelled (`in_thread`'s ``abandon_on_cancel``), the load of a run's head before
+            its first write here included. A store of files (SQLite, JSONL) is not remote:
+            its calls end on their own, and a cancelled one is waited for.
 
     Attributes:
         workers: bounds the worker threads of the store object's reads (`MAX_WORKERS` less
@@ -351,8 +513,11 @@ class CommitEngine:
             run their reads under it too.
         shared: bounds the threads of the SQL stores' lease renewals and control readings
             (`SHARED_WORKERS`), apart from ``workers``.
+        left: bounds the threads of calls given up on while they ran that no longer hold a
+            place in ``workers`` or ``shared`` (`MAX_LEFT_CALLS`; `StoreCall`).
         metrics: where each committed batch's size and each barrier's wait are reported
             (docs/metrics.md); ``None`` reports nothing.
+        remote: as given.
 
     The engine belongs to one trio run, the one ``token`` names (the one that opened the
     store). Every method must be called from it: `append`, `settle`, `in_thread` and
@@ -360,10 +525,14 @@ class CommitEngine:
     can never wake (docs/asyncio.md, "Calling treadle from asyncio").
     """
 
-    def __init__(self, backend: Backend, token: trio.lowlevel.TrioToken) -> None:
+    def __init__(
+        self, backend: Backend, token: trio.lowlevel.TrioToken, *, remote: bool = False
+    ) -> None:
         self.metrics: MetricsRecorder | None = None
+        self.remote = remote
         self.workers = trio.CapacityLimiter(MAX_WORKERS - SHARED_WORKERS)
         self.shared = trio.CapacityLimiter(SHARED_WORKERS)
+        self.left = trio.CapacityLimiter(MAX_LEFT_CALLS)
         self._backend = backend
         self._token = token
         self._runs: dict[str, _RunState] = {}
@@ -403,19 +572,52 @@ class CommitEngine:
                 "it (async with treadle.open_sqlite_store(...), say; docs/asyncio.md)"
             )
 
-    async def in_thread(self, fn: Callable[..., _R], *args: object, shared: bool = False) -> _R:
+    async def in_thread(
+        self,
+        fn: Callable[..., _R],
+        *args: object,
+        shared: bool = False,
+        abandon_on_cancel: bool = False,
+        what: str | None = None,
+    ) -> _R:
         """``fn(*args)`` in one of the store object's worker threads (`workers`, or `shared`).
 
         ``shared``: a call of the work the store's runs share (a lease renewal, a control
         reading), in threads of its own (`SHARED_WORKERS`), not behind the runs' reads
         (docs/decisions/0096-lease-and-control-calls-apart.md).
 
+        ``abandon_on_cancel``: a cancelled call (or Ctrl-C) returns at once, its thread left
+        to end on its own (`StoreCall`): ``fn`` must leave nothing that its caller has to
+        clean up, and a write it makes has an unknown outcome for the caller
+        (docs/decisions/0145-a-cancelled-store-call-returns-at-once.md). Without it the call
+        waits for its thread, as trio does. ``what`` names the call in the log (``fn``'s
+        name by default).
+
         Raises:
             UsageError: called from another trio run than the store's (`check_trio_run`).
+            Exception: what ``fn`` raised.
+
+        Cancellation:
+            With ``abandon_on_cancel``, `trio.Cancelled` at once (`KeyboardInterrupt` for
+            Ctrl-C), whatever ``fn`` is waiting for; without it, only once ``fn`` returned.
         """
         self.check_trio_run()
-        limiter = self.shared if shared else self.workers
-        return await trio.to_thread.run_sync(fn, *args, limiter=limiter)
+        places = self.shared if shared else self.workers
+        if not abandon_on_cancel:
+            return await trio.to_thread.run_sync(fn, *args, limiter=places)
+        named = what or str(getattr(fn, "__name__", "a call"))
+        store = self._backend.description
+        call = StoreCall(fn, args, places=places, left=self.left, what=named, description=store)
+        try:
+            return await trio.to_thread.run_sync(
+                call.run,
+                abandon_on_cancel=True,
+                limiter=cast(trio.CapacityLimiter, call),
+                thread_name=f"{named} from {trio.lowlevel.current_task().name}",
+            )
+        except BaseException:
+            call.give_up()  # cancelled while it ran: it goes on without us
+            raise
 
     def check_open(self) -> None:
         """Raise `StoreError` once the engine is closed."""
@@ -626,7 +828,7 @@ class CommitEngine:
         return state
 
     async def _load(self, run_id: str, generation: int) -> _RunState:
-        head = await trio.to_thread.run_sync(self._backend.load, run_id, limiter=self.workers)
+        head = await self.in_thread(self._backend.load, run_id, abandon_on_cancel=self.remote)
         made = _RunState(next_seq=head.next_seq, generation=generation, head=head.state)
         # another task may have loaded (and advanced) the run meanwhile: keep that one
         return self._runs.setdefault(run_id, made)

@@ -70,6 +70,7 @@ from treadle.stores._engine import (
     RunHead,
     StoreStatistics,
     Write,
+    call_given_up,
     fail_writes,
 )
 from treadle.stores._index import IndexDelta, checked_last, fold_delta
@@ -1449,6 +1450,10 @@ class SqlStore(EngineStore):
     Cancellation:
         Every operation is a checkpoint. A write cancelled before it was queued writes
         nothing. A barrier cancelled while awaiting its commit stays queued and WILL commit.
+        On PostgreSQL (a remote engine), any other call cancelled while it waits for the
+        server returns at once, its thread left to end on its own: a write among them (a
+        claim, a lease call, a control append, a submit) has an unknown outcome
+        (docs/decisions/0145-a-cancelled-store-call-returns-at-once.md).
     """
 
     def __init__(self, dialect: SqlDialect, engine: CommitEngine, pool: ConnectionPool) -> None:
@@ -1673,20 +1678,44 @@ class SqlStore(EngineStore):
 
         ``shared``: a call of the work the store's runs share (a lease renewal, a control
         reading), in threads of its own (`SHARED_WORKERS`), not behind the runs' reads.
+
+        Cancellation:
+            On a remote store (PostgreSQL, `CommitEngine.remote`), returns at once, however
+            long the server takes to answer: the thread is left to end on its own, its
+            connection then closed, not pooled (`call_given_up`). A write cut so has an
+            unknown outcome: it may commit after its caller stopped waiting (a claim's
+            leases then expire after their TTL, and the next claim of those runs is a
+            takeover; docs/fleet.md, "What each crash does"). SQLite's calls, which its
+            busy timeout bounds, end first.
         """
         self._engine.check_open()
         return await self._engine.in_thread(
-            run_pooled, self._dialect, self._pool, fn, *args, shared=shared
+            run_pooled,
+            self._dialect,
+            self._pool,
+            fn,
+            *args,
+            shared=shared,
+            abandon_on_cancel=self._engine.remote,
+            what=fn.__name__,
         )
 
     async def _read(self, fn: Callable[..., _T], *args: Any, shared: bool = False) -> _T:
         """`_run` for a read (``fn`` changes nothing), run once more if its connection was lost.
 
-        The second try is on a new connection (`read_pooled`).
+        The second try is on a new connection (`read_pooled`). Cancelled, it returns as
+        `_run` does.
         """
         self._engine.check_open()
         return await self._engine.in_thread(
-            read_pooled, self._dialect, self._pool, fn, *args, shared=shared
+            read_pooled,
+            self._dialect,
+            self._pool,
+            fn,
+            *args,
+            shared=shared,
+            abandon_on_cancel=self._engine.remote,
+            what=fn.__name__,
         )
 
 
@@ -1728,7 +1757,12 @@ def _pooled(
     *,
     again: bool,
 ) -> _T:
-    """`run_pooled` (``again=False``) or `read_pooled` (``again=True``)."""
+    """`run_pooled` (``again=False``) or `read_pooled` (``again=True``).
+
+    A call its caller gave up on while it ran (`call_given_up`) is not run again, and its
+    connection is closed, never pooled: a server that did not answer it in time may answer
+    nothing on it (docs/decisions/0145-a-cancelled-store-call-returns-at-once.md).
+    """
     conn = None
     broken = False
     try:
@@ -1740,7 +1774,7 @@ def _pooled(
                 raise
             pool.lose(conn)
             conn = None
-            if not again:
+            if not again or call_given_up():
                 raise
             _LOG.info(
                 "%s: a pooled connection was lost (%s); reading again", dialect.description, exc
@@ -1757,4 +1791,4 @@ def _pooled(
         raise error from exc
     finally:
         if conn is not None:
-            pool.give(conn, broken=broken)
+            pool.give(conn, broken=broken or call_given_up())

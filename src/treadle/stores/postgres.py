@@ -902,7 +902,7 @@ class PostgresStore(_sql.SqlStore):
         pool = _sql.ConnectionPool(
             functools.partial(dialect.connect, lock_wait_ms=CALL_LOCK_WAIT_MS)
         )
-        engine = CommitEngine(PostgresBackend(dialect, conn, pool), token)
+        engine = CommitEngine(PostgresBackend(dialect, conn, pool), token, remote=True)
         return cls(dialect, engine, pool)
 
 
