@@ -75,6 +75,7 @@ TREADLE = sorted(
         "StoreBusy",
         "StoreRefused",
         "StoreStopped",
+        "StoreUnavailable",
         "SyntheticObservations",
         "SystemClock",
         "Tool",

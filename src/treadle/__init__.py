@@ -28,6 +28,7 @@ from treadle._exceptions import StoreBusy as StoreBusy
 from treadle._exceptions import StoreError as StoreError
 from treadle._exceptions import StoreRefused as StoreRefused
 from treadle._exceptions import StoreStopped as StoreStopped
+from treadle._exceptions import StoreUnavailable as StoreUnavailable
 from treadle._exceptions import TreadleError as TreadleError
 from treadle._exceptions import UsageError as UsageError
 from treadle._lazy import lazy_names
@@ -208,6 +209,7 @@ __all__ = [
     "StoreError",
     "StoreRefused",
     "StoreStopped",
+    "StoreUnavailable",
     "SyntheticObservations",
     "SystemClock",
     "Tool",

@@ -21,6 +21,8 @@
                                               privilege the role lacks, a table it dropped)
         StoreBusy                             another transaction kept a lock the store
                                               needed past its wait: try again later
+        StoreUnavailable                      the store could not open a connection for a
+                                              call (no slot free, no server): try again later
       LeaseError                              a run's lease says someone else drives it
         RunLeased                             another live driver holds the lease (.holder)
         LeaseLost                             this driver's lease was taken over; write refused
@@ -276,6 +278,18 @@ class StoreBusy(StoreError):
     """
 
 
+class StoreUnavailable(StoreError):
+    """The store could not open a connection for a call; nothing of the call was done.
+
+    The server refused the connection (no connection slot was free: ``max_connections``, a
+    role's or a database's connection limit) or could not be reached: PostgreSQL's pooled
+    connections, for its reads, claims, lease and control calls (its committer reconnects on
+    its own). Trying again once the server has a slot free works. A fleet drive that ends
+    on it releases its run's lease: the run's next claim is no takeover, so a server short
+    of connections quarantines no run (docs/fleet.md, "Poison runs").
+    """
+
+
 class ConflictError(StoreError):
     """A write was refused because its seq is not the next one of the run's log.
 
@@ -504,6 +518,12 @@ def busy_in(exc: BaseException) -> StoreBusy | None:
     """The `StoreBusy` that ``exc`` is or holds (in groups, or as a cause), if any."""
     found = _held_in(exc, StoreBusy)
     return found if isinstance(found, StoreBusy) else None
+
+
+def unavailable_in(exc: BaseException) -> StoreUnavailable | None:
+    """The `StoreUnavailable` that ``exc`` is or holds (in groups, or as a cause), if any."""
+    found = _held_in(exc, StoreUnavailable)
+    return found if isinstance(found, StoreUnavailable) else None
 
 
 def _held_in(exc: BaseException, kind: type[BaseException]) -> BaseException | None:

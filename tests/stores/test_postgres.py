@@ -24,7 +24,7 @@ from treadle.stores import _engine, _sql, postgres
 from treadle.stores._codec import KIND_OF, encode_bytes, record_crc
 from treadle.stores.postgres import PostgresStore
 from treadle.testing.contracts import lease_generation
-from treadle.types import CancelRequested, Message, ModelIntent, RunStarted
+from treadle.types import CancelRequested, Message, ModelIntent, RunStarted, RunState
 
 TS = "2026-01-01T00:00:00+00:00"
 
@@ -1398,6 +1398,80 @@ async def test_a_run_whose_write_gave_up_on_a_locked_row_is_released_not_taken_o
         summary = await store.read_summary("r")
     assert result.final_answer == "done"
     assert summary is not None and summary.takeovers == 0 and summary.claims == 2
+
+
+async def test_a_run_whose_drive_found_no_connection_slot_is_released_not_taken_over(
+    postgres_dsn: str,
+    postgres_schema: str,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The server refused a pooled connection for lack of slots (``max_connections``): the
+    drive failed, its lease was left to expire and the next claim counted a takeover, so a
+    healthy run was quarantined after ``max_takeovers`` such drives. A connection the store
+    cannot open is its own failure, not the run's: the drive releases the lease (its release
+    tried again until a slot is free), and the run's next claim is no takeover."""
+    from treadle.supervisors._fleet_drive import current_drive
+    from treadle.testing.scripted import ScriptedModel, say
+
+    refusals = [0]  # connections the server still refuses to the run's drive
+    connect = postgres.PostgresDialect.connect
+
+    def short_of_slots(
+        self: postgres.PostgresDialect, application: str = "treadle", **kwargs: Any
+    ) -> Any:
+        if refusals[0] and current_drive.get() is not None:  # a call of the run's drive
+            refusals[0] -= 1
+            raise psycopg.OperationalError(
+                'connection failed: connection to server at "db", port 5432 failed: FATAL:  '
+                "remaining connection slots are reserved for non-replication superuser "
+                "connections"
+            )
+        return connect(self, application, **kwargs)
+
+    monkeypatch.setattr(postgres.PostgresDialect, "connect", short_of_slots)
+
+    def agent() -> treadle.Agent:
+        return treadle.Agent(
+            model=ScriptedModel(turns=[say("done")]),
+            executor=treadle.Toolbox([]),
+            parser=treadle.NativeToolCallParser(),
+        )
+
+    async with (
+        treadle.open_postgres_store(postgres_dsn, schema=postgres_schema) as store,
+        treadle.open_postgres_store(postgres_dsn, schema=postgres_schema) as watcher,
+    ):
+        await store.submit("r", agent="a", input=(Message(role="user", content="go"),))
+        store._pool._keep = 0  # every call opens a connection of its own
+        claim = store.claim
+        armed: list[bool] = []
+
+        async def claim_then_run_short(**kwargs: Any) -> Any:
+            made = await claim(**kwargs)
+            if made and not armed:  # the first drive's read, then its release's first try
+                armed.append(True)
+                refusals[0] = 2
+            return made
+
+        monkeypatch.setattr(store, "claim", claim_then_run_short)
+        with trio.fail_after(60):
+            async with treadle.open_fleet(
+                store, {"a": agent}, claim_poll_s=0.05, lease_ttl_s=1, max_takeovers=1
+            ):
+                summary = await watcher.read_summary("r")
+                while summary is None or summary.liveness not in (
+                    treadle.types.Liveness.FINISHED,
+                    treadle.types.Liveness.QUARANTINED,
+                ):
+                    await trio.sleep(0.05)
+                    summary = await watcher.read_summary("r")
+    # before: quarantined (its one takeover allowed counted), its lease left to expire
+    assert (summary.state, summary.takeovers, summary.claims) == (RunState.SUCCEEDED, 0, 2)
+    assert refusals == [0]  # the release found no slot once, and was tried again
+    assert "stopped unfinished: cannot connect to PostgreSQL store" in caplog.text
+    assert "remaining connection slots are reserved" in caplog.text
+    assert "the lease was not released" not in caplog.text
 
 
 def test_a_damaged_database_is_named_without_an_offset_it_does_not_have():

@@ -26,7 +26,6 @@ shown (`treadle.stores._dsn.redact_dsn`).
 from __future__ import annotations
 
 import contextlib
-import functools
 import re
 import time
 from collections.abc import AsyncIterator, Iterator, Sequence
@@ -40,6 +39,7 @@ from treadle._exceptions import (
     StoreBusy,
     StoreError,
     StoreRefused,
+    StoreUnavailable,
     TreadleError,
     UsageError,
 )
@@ -217,6 +217,21 @@ class PostgresDialect:
             options=" ".join([*other, *settings]),
             **KEEPALIVE,
         )
+
+    def connect_pooled(self) -> Any:
+        """A new connection for the store's pool: `connect`, waiting `CALL_LOCK_WAIT_MS` for a lock.
+
+        Raises:
+            StoreUnavailable: the server refused the connection (no connection slot free:
+                ``max_connections``, a role's or a database's connection limit) or could not
+                be reached; the password is never shown (docs/fleet.md, "Poison runs").
+        """
+        psycopg = _psycopg()
+        try:
+            return self.connect(lock_wait_ms=CALL_LOCK_WAIT_MS)
+        except psycopg.Error as exc:
+            said = _translate(self.description, exc, "cannot connect to", dsn=self.dsn)
+            raise StoreUnavailable(str(said)) from exc
 
     def sql(self, text: str) -> str:
         """``text`` with ``?`` placeholders as psycopg's ``%s``."""
@@ -899,9 +914,7 @@ class PostgresStore(_sql.SqlStore):
         chosen = _check_schema_name(schema or schema_of(dsn)[0] or DEFAULT_SCHEMA)
         token = trio.lowlevel.current_trio_token()
         dialect, conn = await trio.to_thread.run_sync(_open, dsn, chosen, create)
-        pool = _sql.ConnectionPool(
-            functools.partial(dialect.connect, lock_wait_ms=CALL_LOCK_WAIT_MS)
-        )
+        pool = _sql.ConnectionPool(dialect.connect_pooled)
         engine = CommitEngine(PostgresBackend(dialect, conn, pool), token, remote=True)
         return cls(dialect, engine, pool)
 

@@ -35,6 +35,7 @@ from treadle._exceptions import (
     StoreStopped,
     UsageError,
     refusal_in,
+    unavailable_in,
 )
 from treadle._ids import check_run_id, new_run_id
 from treadle._text import valid_unicode
@@ -371,6 +372,7 @@ class Fleet:
         )
         handle: RunHandle | None = None
         finished = False
+        short_of_connections = False
         self._unreleased.discard(run_id)  # this drive holds the run's lease again
         current_drive.set(self._drive_of(run_id))  # this task's context: the run's tools see it
         try:
@@ -394,6 +396,7 @@ class Fleet:
                 await hold.release_quietly()
             else:
                 await hold.release_failed(exc)  # released when the database refuses the worker
+            short_of_connections = unavailable_in(exc) is not None
             refused = refusal_in(exc)
             if refused is not None:  # not the run's: the database refuses this worker
                 _LOG.error("the store refuses this worker's writes, the worker ends: %s", refused)
@@ -412,7 +415,8 @@ class Fleet:
             self._forget_drive(made, handle)
             self._room.unpark_all()
             self._gauge_running()
-            self._wake.set()
+            if not short_of_connections:  # else the next claim waits its interval: no hot loop
+                self._wake.set()
 
     def _agent_for(self, made: Claim) -> Agent:
         """The definition to drive ``made``'s run with: its factory's, the one this worker serves.

@@ -23,13 +23,26 @@ from typing import Final
 import attrs
 import trio
 
-from treadle._exceptions import LeaseLost, busy_in, lease_lost_in, refusal_in
+from treadle._exceptions import (
+    LeaseLost,
+    StoreUnavailable,
+    busy_in,
+    lease_lost_in,
+    refusal_in,
+    unavailable_in,
+)
 from treadle.ports import LeaseStore, RunStore
 from treadle.supervisors._relay import Relay
 from treadle.types import Lease
 
 RELEASE_GRACE_S: Final = 5.0
 """Seconds a lease release may take on a shutdown path (shielded) before it is left to expire."""
+
+RELEASE_AGAIN_AFTER_S: Final = (0.1, 0.2, 0.4, 0.8, 1.6)
+"""Seconds before each further try of a release on a shutdown path whose store found no
+connection for it (`treadle.StoreUnavailable`: nothing was done), 3.1 s in all, within
+`RELEASE_GRACE_S`: a server short of connection slots frees one within moments, and a
+release that gives up leaves the lease to expire, which the next claim counts as a takeover."""
 
 _LOG = logging.getLogger("treadle.leases")
 
@@ -114,13 +127,14 @@ class LeaseHold:
     async def release_quietly(self, *, control_seen: int = 0) -> None:
         """`release`, shielded and bounded, on a path that already carries an error.
 
+        A release whose store found no connection is tried again (`RELEASE_AGAIN_AFTER_S`).
         A failure is logged and not raised over the error on its way out: the lease then
         expires after its TTL, and the next driver takes the run over. The hold lets go of
         it then, so a later call on the way out does not try (and wait) again.
         """
         with trio.move_on_after(RELEASE_GRACE_S, shield=True):
             try:
-                await self.release(control_seen=control_seen)
+                await self._release_when_connected(control_seen)
             except Exception as exc:  # see the docstring: the first error propagates
                 self.lease = None
                 self.expiring = True
@@ -128,15 +142,34 @@ class LeaseHold:
                     "run %r: the lease was not released (%s); it expires", self.run_id, exc
                 )
 
+    async def _release_when_connected(self, control_seen: int) -> None:
+        """`release`, tried again while the store finds no connection for it.
+
+        Raises:
+            StoreUnavailable: still no connection after the waits of `RELEASE_AGAIN_AFTER_S`.
+            StoreError: the release failed otherwise (it is not tried again: a write whose
+                connection was lost has an unknown outcome).
+        """
+        for wait_s in (*RELEASE_AGAIN_AFTER_S, None):
+            try:
+                await self.release(control_seen=control_seen)
+            except StoreUnavailable:
+                if wait_s is None:
+                    raise
+                await trio.sleep(wait_s)
+            else:
+                return
+
     async def release_failed(self, error: BaseException) -> None:
         """After the run's ``error``: `release_quietly`, or drop the lease unreleased.
 
         With ``expire_on_failure`` the lease is no longer renewed nor released: it expires
         after its TTL, and a run that fails at once is not claimed again in a hot loop. Not
-        when ``error`` is the database refusing the driver (`StoreRefused`) or another
-        transaction keeping a lock past the store's wait (`StoreBusy`), anywhere in it: that
-        is not the run's failure, and its next claim must not count as a takeover
-        (docs/fleet.md), so the lease is released. Nor when ``error`` says the lease was lost
+        when ``error`` is the database refusing the driver (`StoreRefused`), another
+        transaction keeping a lock past the store's wait (`StoreBusy`) or the store finding
+        no connection for a call (`StoreUnavailable`), anywhere in it: that is not the run's
+        failure, and its next claim must not count as a takeover (docs/fleet.md, "Poison
+        runs"), so the lease is released. Nor when ``error`` says the lease was lost
         (`LeaseLost`: another driver, or ``treadle cancel``, took the run): it is not this
         driver's to release or to leave to expire, so it is not counted as `unreleased`.
         """
@@ -146,7 +179,12 @@ class LeaseHold:
             self.lease = None
             await trio.lowlevel.checkpoint()
             return
-        if not self.expire_on_failure or refusal_in(error) or busy_in(error):
+        if (
+            not self.expire_on_failure
+            or refusal_in(error)
+            or busy_in(error)
+            or unavailable_in(error)
+        ):
             await self.release_quietly()
             return
         if self.lease is not None and self.lost is None:
