@@ -309,6 +309,7 @@ ACTORS = sorted(
         "Forward",
         "Hydrate",
         "InheritedRun",
+        "KeepDecision",
         "MailboxReceiver",
         "MailboxSender",
         "ModelGateway",

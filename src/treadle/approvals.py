@@ -755,10 +755,10 @@ async def _refuse_if_decided(
     """Say so when the request a refused decision was meant for was decided already.
 
     A decision sent again after the first was applied (the run moved on, or finished) is
-    refused for that (``refused``); when the run's log (where a handle's decision is, and
-    every applied one) or its control stream holds a decision that counts for ``meant``, the
-    refusal names it (`AlreadyDecided`), and whether it is this one. Not when the run is
-    being cancelled: no decision of its is applied.
+    refused for that (``refused``); when the run's log (every applied decision, a handle's
+    one of an older log too, which no control stream holds) or its control stream holds a
+    decision that counts for ``meant``, the refusal names it (`AlreadyDecided`), and whether
+    it is this one. Not when the run is being cancelled: no decision of its is applied.
 
     Raises:
         AlreadyDecided: ``meant`` has a decision that counts.
@@ -769,8 +769,8 @@ async def _refuse_if_decided(
     control = await read_control(store, log.run_id)
     if any(isinstance(record, CancelRequested) for record in (*log.records, *control)):
         return
-    # the decision the run applied is in its log (a handle's is nowhere else); one not yet
-    # applied, in its control stream
+    # the decision the run applied is in its log (a handle's of an older log nowhere else);
+    # one not yet applied, in its control stream, first there
     counting = first_counting((*log.records, *control), meant)
     if counting is not None:
         raise AlreadyDecided(

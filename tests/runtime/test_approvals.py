@@ -14,7 +14,7 @@ from runtime_fakes import LedgerTools, SimpleParser
 from tests.fixtures.approval_waits import wait_for_durable_request, wait_for_state
 from tests.fixtures.schema_host import schema_host
 
-from treadle._exceptions import UsageError
+from treadle._exceptions import StoreError, UsageError
 from treadle.agent import Agent
 from treadle.approvals import (
     AlreadyDecided,
@@ -746,10 +746,9 @@ async def test_a_decision_sent_again_is_refused_naming_the_one_that_counts(autoj
 
 
 async def test_a_decision_sent_after_a_handles_is_refused_naming_the_handles(autojump_clock):
-    """A handle's decision is written to the run's log only, never to its control stream:
-    a decision naming the call sent after it was applied was refused with a plain
-    `UsageError` ("already finished"), not `AlreadyDecided`, so ``treadle approve --call``
-    sent again exited 1 where a decision sent twice exits 0."""
+    """A decision naming the call, sent after a handle's was applied, was refused with a
+    plain `UsageError` ("already finished"), not `AlreadyDecided`, so ``treadle approve
+    --call`` sent again exited 1 where a decision sent twice exits 0."""
     agent, tools, _ = make([call("add", a=1, b=2, call_id="c1"), say("ok")])
     store = MemoryStore()
     async with open_run(agent, "x", store=store, run_id="r", approval_policy=only_add) as handle:
@@ -1380,3 +1379,84 @@ async def test_a_cancel_stored_after_a_handle_decision_was_taken_does_not_undo_i
     kinds = [type(r).__name__ for r in log.records if not isinstance(r, ApprovalRequested)]
     decided = kinds.index("ApprovalDecided")
     assert decided < kinds.index("ActionResult") < kinds.index("CancelRequested")
+
+
+class _DiesRecordingADecision(MemoryStore):
+    """Fails the log write of the first approval decision, as a process dies there: the
+    decision may be in the control stream already, not yet in the log."""
+
+    dying = True
+
+    async def _append(self, run_id, seq, records, *, op, generation):
+        if self.dying and any(isinstance(r, ApprovalDecided) for r in records):
+            self.dying = False
+            raise StoreError("the process died recording the decision (injected)")
+        return await super()._append(run_id, seq, records, op=op, generation=generation)
+
+
+def _stream_decisions(entries) -> list[str]:
+    return [e.record.decision for e in entries if isinstance(e.record, ApprovalDecided)]
+
+
+@pytest.mark.parametrize("crash", [False, True], ids=["live", "crashed"])
+@pytest.mark.parametrize("parked", [False, True], ids=["driven", "parked"])
+async def test_a_decision_stored_before_a_handles_counts_live_and_after_a_crash(
+    parked, crash, autojump_clock
+):
+    """`decide` approved (durable in the control stream, told it counts), then the handle
+    rejected. The run applies the approval, the first decision made durable, driven or
+    parked, and so does a run resumed after its driver died recording the decision: a
+    parked run applied the handle's reject live and the approval once resumed, from the same
+    stream, and a driven one the reject while `decide` had said the approval counts."""
+    agent, tools, _ = make([call("add", a=1, b=2, call_id="c1"), say("3")])
+    store = _DiesRecordingADecision() if crash else MemoryStore()
+    async with _handed_over_on_add(agent, store, parked=parked) as handle:
+        first = await decide(store, "r", call_id="c1")
+        handle.approve(reject="no")
+        with trio.fail_after(60):
+            if crash:
+                with pytest.raises(StoreError, match="injected"):
+                    await handle.wait()
+            else:
+                await handle.wait()
+    executed = list(tools.executed)
+    if crash:
+        assert executed == []
+        agent, tools, _ = make([call("add", a=1, b=2, call_id="c1"), say("3")])
+        await treadle_run(agent, store=store, run_id="r", approval_policy=only_add)
+        executed = list(tools.executed)
+    log = await store.read_log("r")
+    assert [(r.decision, r.ts) for r in log.records if isinstance(r, ApprovalDecided)] == [
+        (first.decision, first.ts)
+    ]
+    assert [a.arguments for a in executed] == [{"a": 1, "b": 2}]
+    assert _stream_decisions(await store.read_control("r")) == ["approve", "reject"]
+    with pytest.raises(AlreadyDecided) as again:
+        await decide(store, "r", call_id="c1", reject="no")
+    assert (again.value.counting.decision, again.value.counting.ts) == (first.decision, first.ts)
+
+
+@pytest.mark.parametrize("parked", [False, True], ids=["driven", "parked"])
+async def test_decide_after_a_handles_decision_names_the_one_the_run_applies(
+    parked, autojump_clock
+):
+    """The handle rejected, then `decide` approved before the run recorded anything. The
+    decider is told what the run does: the approval counts only if the run applies it, and
+    a refusal names the decision it applies (a driven run's handle decision reached no
+    control stream, so `decide` was told its approval counts while the run rejected)."""
+    agent, tools, _ = make([call("add", a=1, b=2, call_id="c1"), say("3")])
+    store = MemoryStore()
+    async with _handed_over_on_add(agent, store, parked=parked) as handle:
+        handle.approve(reject="no")
+        try:
+            told: ApprovalDecided = await decide(store, "r", call_id="c1")
+        except AlreadyDecided as refused:
+            told = refused.counting
+        with trio.fail_after(60):
+            await handle.wait()
+    log = await store.read_log("r")
+    (applied,) = [r for r in log.records if isinstance(r, ApprovalDecided)]
+    assert (applied.decision, applied.ts) == (told.decision, told.ts)
+    assert len(tools.executed) == (1 if applied.decision == "approve" else 0)
+    stream = _stream_decisions(await store.read_control("r"))
+    assert stream[0] == applied.decision

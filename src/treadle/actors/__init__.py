@@ -54,6 +54,7 @@ from treadle.actors._messages import Delta as Delta
 from treadle.actors._messages import Drain as Drain
 from treadle.actors._messages import Forward as Forward
 from treadle.actors._messages import Hydrate as Hydrate
+from treadle.actors._messages import KeepDecision as KeepDecision
 from treadle.actors._messages import ModelOutcome as ModelOutcome
 from treadle.actors._messages import Offer as Offer
 from treadle.actors._messages import RunActions as RunActions
@@ -105,6 +106,7 @@ __all__ = [
     "Forward",
     "Hydrate",
     "InheritedRun",
+    "KeepDecision",
     "MailboxReceiver",
     "MailboxSender",
     "ModelGateway",

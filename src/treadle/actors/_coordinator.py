@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime as dt
+import functools
 import secrets
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any, TypeVar
@@ -40,6 +41,7 @@ from treadle.actors._messages import (
     Compaction,
     Control,
     Hydrate,
+    KeepDecision,
     ModelOutcome,
     Offer,
     RunActions,
@@ -186,6 +188,10 @@ class RunCoordinator:
             yet, as `Control` messages in order (``None``: the store has no control
             streams). A decision handed over by the run's handle is taken only after this
             reading, so a cancel written there before it wins (`take_offer`).
+        keep_decision: makes a decision handed over by the run's handle durable in the
+            control stream before the run takes it, and says which decision counts there
+            (`KeepDecision`; ``None``: the store has no control streams). The run takes
+            that one, so the first decision made durable counts (`take_offer`).
     """
 
     run_id: str
@@ -211,6 +217,7 @@ class RunCoordinator:
     digest_keys: Callable[[int], bytes] = secrets.token_bytes
     on_status: Callable[[RunState, ApprovalRequested | None], None] = _no_status
     read_control: Callable[[], Awaitable[Sequence[Control]]] | None = None
+    keep_decision: KeepDecision | None = None
     state: RunState = RunState.RUNNING
     _step_scope: StepScope | None = attrs.field(init=False, default=None)
     _cancel: tuple[str, str] | None = attrs.field(init=False, default=None)
@@ -782,7 +789,9 @@ class RunCoordinator:
             if offer is None and self._cancel is None:
                 offer = self._matching(request)  # a decision that came with the drain
             if offer is not None:  # a cancel known by now (read first for the handle's) wins
-                found = await take_offer(offer, self.read_control, self.apply, self._cancelled)
+                found = await take_offer(
+                    offer, self.read_control, self.apply, self._cancelled, keep=self._keep(request)
+                )
             if found is None and self._cancel is None and (self._draining or self.park_at_deadline):
                 # Drained; or at the deadline, parked so that the expiry is written to the
                 # control stream and the stream read once more: the first decision there counts
@@ -809,6 +818,13 @@ class RunCoordinator:
 
     def _cancelled(self) -> bool:
         return self._cancel is not None
+
+    def _keep(
+        self, request: ApprovalRequested
+    ) -> Callable[[ApprovalDecided], Awaitable[tuple[ApprovalDecided, Sequence[Control]]]] | None:
+        """`keep_decision` for ``request`` (``None`` without one): see `take_offer`."""
+        keep = self.keep_decision
+        return None if keep is None else functools.partial(keep, request)
 
     def _matching_exists(self, request: ApprovalRequested) -> bool:
         return any(counts(offer.decided, request) for offer in self._offered)

@@ -24,6 +24,7 @@ from treadle.types import (
     ActionIntent,
     ActionResult,
     ApprovalDecided,
+    ApprovalRequested,
     Event,
     ModelErrorInfo,
     ModelReply,
@@ -310,34 +311,64 @@ Control = Cancel | Offer | Drain
 """What the run coordinator's inbox carries."""
 
 
+KeepDecision = Callable[
+    [ApprovalRequested, ApprovalDecided], Awaitable[tuple[ApprovalDecided, Sequence[Control]]]
+]
+"""``keep(request, decided) -> (counting, unseen)``: keep a handle's decision, say which counts.
+
+It makes ``decided``, handed over by the run's handle for ``request``, durable in the run's
+control stream, then reads the stream once. ``counting`` is the first decision there that
+counts for ``request`` (`treadle.approvals.first_counting`: the handle's, or one another
+process wrote before it); ``unseen`` are the stream's entries not handed over yet, as
+`Control` messages in order. Raises `StoreError` when the write or the reading fails.
+"""
+
+
 async def take_offer(
     offer: Offer,
     read_control: Callable[[], Awaitable[Sequence[Control]]] | None,
     apply: Callable[[Control], None],
     cancelled: Callable[[], bool],
+    *,
+    keep: Callable[[ApprovalDecided], Awaitable[tuple[ApprovalDecided, Sequence[Control]]]]
+    | None = None,
 ) -> ApprovalDecided | None:
-    """The decision of ``offer`` as the run takes it; ``None`` when a cancel comes first.
+    """The decision the run takes for ``offer``; ``None`` when a cancel comes first.
 
     The one rule for a driven run (`treadle.actors.RunCoordinator`) and a parked one
-    (`treadle.supervisors`): a cancel the run knows of when it takes a decision wins, and the
-    decision is not applied (docs/events.md, "Human approval"). A decision handed over by the
-    run's handle (``offer.here``) is in no control stream, so the stream is read once first
-    and what it holds is applied: a cancel written there before that reading (by
-    `treadle.approvals.request_cancel`, ``treadle cancel``) is then known, and wins. A cancel
+    (`treadle.supervisors`), live or resumed after a crash: of the decisions for a call, the
+    first one made durable in the run's control stream counts, and a cancel the run knows of
+    when it takes a decision wins, and the decision is not applied (docs/events.md, "Human
+    approval"). A decision handed over by the run's handle (``offer.here``) is in no control
+    stream yet: ``keep`` appends it there and reads the stream once, so a decision another
+    process wrote before it (`treadle.approvals.decide`, ``treadle approve``) is the one
+    taken, as a run resumed from the stream would take it, and a cancel written there before
+    that reading (`treadle.approvals.request_cancel`, ``treadle cancel``) is known, and wins.
+    Without ``keep`` the stream is only read (``read_control``) for such a cancel. A cancel
     written after the reading does not undo the decision: it cancels the run from there on.
 
     Args:
-        offer: the first decision that counts for the request the run waits on.
+        offer: the first decision that counts for the request the run waits on, of those
+            the run knows of.
         read_control: reads the run's control stream once, now: its entries not handed over
             yet, in order (``None``: the store has no control streams).
         apply: applies one control message to the run (`RunCoordinator.apply`,
             ``Parking.apply``).
         cancelled: whether the run knows of a cancel now.
+        keep: makes a handle's decision durable in the control stream and says which one
+            counts: a `KeepDecision` given the request the run waits on (``None``: the
+            store has no control streams).
 
     Raises:
-        StoreError: the reading of the control stream failed (nothing was taken).
+        StoreError: the write or the reading of the control stream failed (nothing was
+            taken).
     """
+    decided = offer.decided
     if offer.here and read_control is not None and not cancelled():
-        for message in await read_control():
+        if keep is not None:
+            decided, unseen = await keep(decided)
+        else:
+            unseen = await read_control()
+        for message in unseen:
             apply(message)
-    return None if cancelled() else offer.decided
+    return None if cancelled() else decided

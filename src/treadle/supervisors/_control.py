@@ -20,9 +20,10 @@ import trio
 
 from treadle._exceptions import StoreError
 from treadle.actors import Cancel, Control, Offer
+from treadle.approvals import first_counting
 from treadle.ports import ControlStream, RunStore
 from treadle.supervisors._relay import Relay
-from treadle.types import CancelRequested, ControlEntry
+from treadle.types import ApprovalDecided, ApprovalRequested, CancelRequested, ControlEntry
 
 _LOG = logging.getLogger("treadle.control")
 
@@ -288,6 +289,29 @@ class ControlInbox:
             StoreError: the store cannot be read.
         """
         return self._unseen(await self.read())
+
+    async def keep(
+        self, request: ApprovalRequested, decided: ApprovalDecided
+    ) -> tuple[ApprovalDecided, list[Control]]:
+        """Make ``decided``, handed over by the run's handle, durable; say which decision counts.
+
+        It is appended to the stream, then the stream is read once, whole: the decision that
+        counts for ``request`` is the first there that counts (`first_counting`), the
+        handle's or one another process wrote before it (`treadle.approvals.decide`), as a
+        run resumed from the stream after a crash finds it (docs/events.md, "Human
+        approval"). One write and one reading a decision (`treadle.actors.KeepDecision`).
+
+        Returns:
+            The decision that counts, and the entries not handed over yet, as messages in
+            order; they count as handed over from now on (the caller applies them).
+
+        Raises:
+            StoreError: the write or the reading failed.
+        """
+        await self.store.append_control(decided)
+        entries = await self.store.read_control(self.run_id)
+        counting = first_counting([entry.record for entry in entries], request)
+        return counting or decided, self._unseen(entries)
 
     async def read(self) -> tuple[ControlEntry, ...]:
         """The entries after the last one handed over.

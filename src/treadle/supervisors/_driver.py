@@ -48,6 +48,7 @@ from treadle.actors import (
     Drain,
     Drained,
     Hydrate,
+    KeepDecision,
     MailboxReceiver,
     MailboxSender,
     Parked,
@@ -456,7 +457,9 @@ async def _keep_decision(parking: Parking, store: RunStore) -> None:
     """Make a decision or cancel handed to the parked run's handle durable before driving again.
 
     It goes to the run's control stream, so that whoever drives the run next (this process,
-    or another that took it over meanwhile, or after a crash) applies it.
+    or another that took it over meanwhile, or after a crash) applies it. A decision the
+    parked run took already went there before it was taken (`Parking.wait`); one left
+    here is for a run left parked (a drain), whose next driver takes the stream's first.
     """
     controls = control_of(store)
     if controls is None:
@@ -508,6 +511,7 @@ async def _wait_parked(
         options.control_poll_s,
         grown=functools.partial(index.wait_grown, control, nursery) if index is not None else None,
         read_control=control.read_new,
+        keep=control.keep,
     )
 
 
@@ -612,6 +616,7 @@ async def _drive(
             ended_children=await ended_children(store, view.pending),
             on_status=handle._report,
             read_control=control.read_new if control is not None else None,
+            keep_decision=control.keep if control is not None else None,
         )
         if parking is not None:
             await _hand_over(parking, view, client)
@@ -969,6 +974,7 @@ async def _start_actors(
     ended_children: Mapping[str, ActionOutcome],
     on_status: Callable[[RunState, ApprovalRequested | None], None],
     read_control: Callable[[], Awaitable[Sequence[Control]]] | None,
+    keep_decision: KeepDecision | None,
 ) -> CoordinatorActor:
     """Build the hydrator, gateway and executor, start them, and build the coordinator."""
     # 1: every request waits for its reply anyway; the coordinator has one step in flight.
@@ -995,5 +1001,6 @@ async def _start_actors(
             ended_children=ended_children,
             on_status=on_status,
             read_control=read_control,
+            keep_decision=keep_decision,
         )
     )

@@ -28,6 +28,7 @@ from treadle.actors import (
     Control,
     EventWriter,
     Hydrate,
+    KeepDecision,
     MailboxReceiver,
     MailboxSender,
     ModelGateway,
@@ -230,6 +231,9 @@ class CoordinatorContext:
         read_control: reads the run's control stream once, now, before the coordinator takes
             a decision handed over by the run's handle (``None``: the store has no control
             streams; `RunCoordinator`).
+        keep_decision: makes a decision handed over by the run's handle durable in the
+            control stream and says which decision there counts (``None``: the store has no
+            control streams; `treadle.actors.KeepDecision`).
     """
 
     actor: ActorContext
@@ -244,6 +248,7 @@ class CoordinatorContext:
     ended_children: Mapping[str, ActionOutcome] = attrs.Factory(dict)
     on_status: Callable[[RunState, ApprovalRequested | None], None] = _no_status
     read_control: Callable[[], Awaitable[Sequence[Control]]] | None = None
+    keep_decision: KeepDecision | None = None
 
 
 def real_writer(context: WriterContext) -> EventWriter:
@@ -347,6 +352,7 @@ def real_coordinator(context: CoordinatorContext) -> RunCoordinator:
         digest_keys=actor.digest_keys,
         on_status=context.on_status,
         read_control=context.read_control,
+        keep_decision=context.keep_decision,
     )
 
 

@@ -219,10 +219,12 @@ class RunHandle:
 
         A cancel the run knows of when it takes the decision wins: the decision is never
         recorded, the call never runs, and the run ends ``cancelled`` (`wait` says so). Before
-        taking it, parked or driven, the run reads its control stream once, so a cancel
-        written there before (`treadle.approvals.request_cancel`, ``treadle cancel``) wins
-        even though this call, which does not read the store, already returned
-        (docs/events.md, "Human approval").
+        taking it, parked or driven, the run appends it to its control stream and reads the
+        stream once, so a cancel written there before (`treadle.approvals.request_cancel`,
+        ``treadle cancel``) wins, and a decision written there before
+        (`treadle.approvals.decide`, ``treadle approve``) is the one recorded, the first
+        made durable, even though this call, which does not read the store, already
+        returned (docs/events.md, "Human approval").
 
         Args:
             call_id: the call meant; refused when it is not the pending one (``None``: the

@@ -9,6 +9,7 @@ approval request is already durable, so nothing is lost whether the process stay
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Awaitable, Callable, Sequence
 
@@ -16,7 +17,7 @@ import attrs
 import trio
 
 from treadle._clock import Clock
-from treadle.actors import Cancel, Control, Offer, take_offer
+from treadle.actors import Cancel, Control, KeepDecision, Offer, take_offer
 from treadle.approvals import counts, expired_decision
 from treadle.types import ApprovalDecided, ApprovalRequested, RunState
 
@@ -34,7 +35,9 @@ class Parking:
         decision: the decision handed over (by the handle, the control stream or the
             deadline); once `wait` returned, the one the run takes (``None`` when a cancel
             came first: `treadle.actors.take_offer`).
-        decided_here: the decision came from the handle (it is not durable yet).
+        decided_here: the decision came from the handle and is not durable yet (`wait`
+            makes it so before the run takes it, `_keep_decision` when the run is left
+            parked).
         cancel_request: ``(reason, canceller)`` once the run was cancelled while parked.
         cancelled_here: the cancel came through this process's handle (not yet durable).
     """
@@ -95,8 +98,10 @@ class Parking:
         the expiry the driver wrote there at the deadline. One that matches another request,
         or a human's stamped after the deadline, is ignored (docs/events.md, "Human approval").
 
-        ``here``: handed over through this process's handle (it is made durable in the
-        control stream before the run is driven again), not read from the stream.
+        ``here``: handed over through this process's handle, not read from the stream. It
+        is taken for now; it is made durable in the control stream before the run is driven
+        again, and the stream's first decision is the one the run takes then (`wait`): a
+        decision another process wrote before it, not read yet, counts instead.
         """
         if self.decision is None and counts(decided, self.request):
             self.decision = attrs.evolve(decided, run_id=self.request.run_id)
@@ -110,6 +115,7 @@ class Parking:
         poll_s: float | None,
         grown: Callable[[trio.Event], Awaitable[None]] | None = None,
         read_control: Callable[[], Awaitable[Sequence[Control]]] | None = None,
+        keep: KeepDecision | None = None,
     ) -> None:
         """Wait for a decision or a cancel; at the deadline, expire the call.
 
@@ -118,9 +124,10 @@ class Parking:
         written before the expiry or the expiry itself. Without a control stream (``expire``
         reads nothing) the call expires here. The decision is then taken as a driven run
         takes it (`treadle.actors.take_offer`): a cancel known by then wins, and one handed
-        over by the handle is taken only after one more reading of the stream
-        (``read_control``), so a cancel written there before it wins too; `decision` is
-        ``None`` then.
+        over by the handle is first made durable in the stream (``keep``), which is read
+        once more: a cancel written there before it wins too (`decision` is ``None`` then),
+        and a decision written there before it is the one taken, as a run resumed from
+        the stream would take it (docs/events.md, "Human approval").
 
         Args:
             poll: reads the control log once (decisions and cancels of other processes).
@@ -134,6 +141,8 @@ class Parking:
                 stream only when woken, not every ``poll_s``.
             read_control: reads the control stream itself once, now: the entries not
                 handed over yet, as messages (``None``: no control stream).
+            keep: makes the handle's decision durable in the control stream and reads the
+                stream once (`treadle.actors.KeepDecision`; ``None``: no control stream).
 
         Raises:
             StoreError: a reading of the control stream (or of the shared heads) failed.
@@ -157,7 +166,11 @@ class Parking:
             self.decision = expired_decision(self.request, self.clock)
         if self.decision is not None:
             offer = Offer(decided=self.decision, here=self.decided_here)
-            self.decision = await take_offer(offer, read_control, self.apply, self._cancelled)
+            bound = None if keep is None else functools.partial(keep, self.request)
+            self.decision = await take_offer(
+                offer, read_control, self.apply, self._cancelled, keep=bound
+            )
+            self.decided_here = self.decided_here and bound is None  # else kept durable
 
     def _cancelled(self) -> bool:
         return self.cancel_request is not None
