@@ -715,3 +715,64 @@ def test_a_resume_of_a_run_approved_while_nobody_drove_it_does_not_ask_for_appro
     assert "waiting for approval" not in resumed.stderr
     assert resumed.stdout.strip() == "r: succeeded (final_answer), 2 steps"
     assert (tmp_path / "charges").read_text() == "12\n"
+
+
+def every_call(tool: str, arguments: Any) -> bool:
+    """An approval policy: every call waits for a human."""
+    return True
+
+
+def transfer_agent() -> treadle.Agent:
+    """Two transfers, gated by no declaration of their tool; each is a line of ``$LEDGER_ENV``."""
+    import os
+
+    from treadle.testing.scripted import ScriptedModel, call, say
+
+    @treadle.tool
+    def transfer(amount: int) -> str:
+        """Transfer money."""
+        with open(os.environ[LEDGER_ENV], "a", encoding="utf-8") as ledger:
+            ledger.write(f"{amount}\n")
+        return "transferred"
+
+    turns = [
+        call("transfer", amount=1, call_id="t1"),
+        call("transfer", amount=1000, call_id="t2"),
+        say("done"),
+    ]
+    return treadle.Agent(
+        model=ScriptedModel(turns=turns),
+        executor=treadle.Toolbox([transfer]),
+        parser=treadle.NativeToolCallParser(),
+    )
+
+
+@pytest.mark.parametrize("which", ["r", "--all"])
+def test_a_resume_without_the_approval_policy_the_run_was_started_with_is_refused(
+    tmp_path: Path, which: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Started with `approval_policy=`, left at its first approval, approved: `treadle resume`
+    # with the agent's factory (which knows nothing of the policy) ran the approved call,
+    # then the second transfer without asking anyone.
+    db = str(tmp_path / "runs.db")
+    monkeypatch.setenv(LEDGER_ENV, str(tmp_path / "transfers"))
+
+    async def leave() -> None:
+        async with (
+            treadle.open_sqlite_store(db) as store,
+            treadle.open_run(
+                transfer_agent(), "pay", store=store, run_id="r", approval_policy=every_call
+            ) as handle,
+        ):
+            await handle.wait_state(treadle.RunState.AWAITING_APPROVAL)
+            handle.drain()
+
+    trio.run(leave)
+    approved = CliRunner().invoke(main, ["approve", "r", "--store", db])
+    assert approved.exit_code == 0, approved.output
+    agent = "tests.test_cli_resume:transfer_agent"
+    resumed = CliRunner().invoke(main, ["resume", which, "--store", db, "--agent", agent])
+    assert resumed.exit_code == 1, resumed.output
+    assert f"started under the approval policy '{__name__}:every_call'" in resumed.output
+    assert "would run without a human" in resumed.output
+    assert not (tmp_path / "transfers").exists()

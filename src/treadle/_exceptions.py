@@ -219,15 +219,18 @@ class SnapshotMismatch(UsageError):
     Attributes:
         run_id: the run.
         keys: the differing snapshot keys, sorted.
+        note: what a difference means, when it needs saying (``""``: nothing to add); the
+            message ends with it.
     """
 
-    def __init__(self, run_id: str, keys: list[str]) -> None:
+    def __init__(self, run_id: str, keys: list[str], *, note: str = "") -> None:
         super().__init__(
             f"run {run_id!r}: the agent definition differs from the stored parameter "
-            f"snapshot in: {', '.join(keys)}"
+            f"snapshot in: {', '.join(keys)}" + (f" ({note})" if note else "")
         )
         self.run_id = run_id
         self.keys = keys
+        self.note = note
 
 
 class InvalidRunId(UsageError):

@@ -20,6 +20,7 @@ from treadle._budget import DEFAULT_SUMMARY_PROMPT, TokenCounter
 from treadle._exceptions import SnapshotMismatch, UsageError
 from treadle._output import OutputMode, OutputSpec
 from treadle._output import resolve as resolve_output
+from treadle.approvals import ApprovalPolicy, policy_name
 from treadle.policies import ExecutorPolicies, policies_of
 from treadle.ports import ActionExecutor, DecisionParser, ModelClient
 from treadle.redaction import SNAPSHOT_KEY, secrets_of_tools
@@ -92,6 +93,12 @@ class Agent:
             tool whose arguments are the output), or ``"auto"`` (the default: native when
             the model client declares ``native_output = True``, as `treadle.OpenAIChatClient`
             does, else the tool). Ignored without ``output_type``.
+        approval_policy: ``policy(tool, arguments) -> bool``: the calls it selects wait for a
+            human decision, as do those of tools declared ``requires_approval=True``
+            (docs/events.md, "Human approval"); ``None`` selects none. A part of the
+            definition: its name (`treadle.approvals.policy_name`) is in the parameter
+            snapshot, so a resume, ``treadle resume`` and a fleet's worker go on under it,
+            and a definition without it is refused (`SnapshotMismatch`).
 
     Raises:
         UsageError: a part of the wrong kind (a seam without its methods, budgets or limits
@@ -125,6 +132,7 @@ class Agent:
     summary_model: str | None = None
     summary_prompt: str | None = None
     token_counter: TokenCounter | None = None
+    approval_policy: ApprovalPolicy | None = None
     _output: OutputSpec | None = attrs.field(
         init=False,
         repr=False,
@@ -197,6 +205,11 @@ class Agent:
             if not (isinstance(value, str) or (value is None and name in _OPTIONAL_TEXT)):
                 wanted = "a str or None" if name in _OPTIONAL_TEXT else "a str"
                 raise UsageError(f"Agent.{name} must be {wanted}, not {value!r:.80}")
+        if self.approval_policy is not None and not callable(self.approval_policy):
+            raise UsageError(
+                "Agent.approval_policy must be None or a function of (tool, arguments) "
+                f"returning a bool, not {self.approval_policy!r:.80}"
+            )
         if not isinstance(self.params, Mapping):
             raise UsageError(f"Agent.params must be a mapping, not {type(self.params).__name__}")
         try:
@@ -269,7 +282,8 @@ class Agent:
         ``parser``, ``synthetic``, ``observation_template``; ``output`` (mode, name, schema,
         strict, description) only when ``output_type`` is set, so the snapshot of an agent
         without one is what it always was; ``context`` (window, margin, summary model and
-        prompt) only when ``context_window`` is set; and ``secret_arguments`` when
+        prompt) only when ``context_window`` is set; ``approval_policy`` (its name,
+        `treadle.approvals.policy_name`) only when one is set; and ``secret_arguments`` when
         a tool has secret arguments (`treadle.redaction`; an executor declares them with an
         optional ``secret_arguments(tool)`` method, as `treadle.Toolbox` does; both are
         read from `tool_policies`). The
@@ -301,6 +315,8 @@ class Agent:
                 "summary_model": self.summary_model,
                 "summary_prompt": self.summary_prompt or DEFAULT_SUMMARY_PROMPT,
             }
+        if self.approval_policy is not None:
+            snapshot["approval_policy"] = policy_name(self.approval_policy)
         secrets = _secret_arguments(self._policies, specs)
         if secrets:
             snapshot[SNAPSHOT_KEY] = secrets
@@ -436,7 +452,31 @@ def check_snapshot(
     """
     differing = snapshot_diff(stored, current)
     if differing:
-        raise SnapshotMismatch(run_id, differing)
+        raise SnapshotMismatch(run_id, differing, note=policy_change(stored, current))
+
+
+def policy_change(stored: Mapping[str, JSONValue], current: Mapping[str, JSONValue]) -> str:
+    """What a change of approval policy between two snapshots means, in words (``""``: none).
+
+    The snapshot holds the policy's name (key ``approval_policy``, `Agent.snapshot`). A run
+    goes on under the policy it was started with; one resumed without it would run the
+    calls it selects without a human (docs/events.md, "Human approval").
+    """
+    was, now = stored.get("approval_policy"), current.get("approval_policy")
+    if was == now:
+        return ""
+    if was is None:
+        return f"the run was started with no approval policy; this definition has {now!r}"
+    gives = (
+        "give the definition that policy (Agent(approval_policy=...), or approval_policy= "
+        "of open_run or run)"
+    )
+    if now is None:
+        return (
+            f"the run was started under the approval policy {was!r} and this definition has "
+            f"none: the calls it selects would run without a human; {gives}"
+        )
+    return f"the run was started under the approval policy {was!r}, not {now!r}; {gives}"
 
 
 def _normalise(value: Any) -> Any:

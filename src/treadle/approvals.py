@@ -20,6 +20,7 @@ docs/decisions/0106-the-control-stream-orders-decisions-and-expiry.md).
 from __future__ import annotations
 
 import enum
+import functools
 import hashlib
 import hmac
 import json
@@ -342,6 +343,21 @@ def expired_decision(request: ApprovalRequested, clock: Clock) -> ApprovalDecide
         message=EXPIRED_DETAIL,
         tool=request.tool,
     )
+
+
+def policy_name(policy: ApprovalPolicy) -> str:
+    """The name an approval policy is recorded under: ``module:qualified.name``.
+
+    Of a function (or of the function a `functools.partial` wraps), its module and
+    qualified name; of another callable, its class's. It is what the run's parameter
+    snapshot holds (key ``approval_policy``), so a resume checks that the run goes on under
+    the policy it was started with (docs/events.md, "Human approval"). Two lambdas of one
+    module share a name: give a policy a ``def`` of its own.
+    """
+    target: object = policy.func if isinstance(policy, functools.partial) else policy
+    owner = target if hasattr(target, "__qualname__") else type(target)
+    module = getattr(owner, "__module__", None) or type(target).__module__
+    return f"{module}:{getattr(owner, '__qualname__', type(target).__qualname__)}"
 
 
 def requires_approval(

@@ -14,7 +14,7 @@ from runtime_fakes import LedgerTools, SimpleParser
 from tests.fixtures.approval_waits import wait_for_durable_request, wait_for_state
 from tests.fixtures.schema_host import schema_host
 
-from treadle._exceptions import StoreError, UsageError
+from treadle._exceptions import SnapshotMismatch, StoreError, UsageError
 from treadle.agent import Agent
 from treadle.approvals import (
     AlreadyDecided,
@@ -1460,3 +1460,57 @@ async def test_decide_after_a_handles_decision_names_the_one_the_run_applies(
     assert len(tools.executed) == (1 if applied.decision == "approve" else 0)
     stream = _stream_decisions(await store.read_control("r"))
     assert stream[0] == applied.decision
+
+
+async def test_a_run_goes_on_only_under_the_approval_policy_it_was_started_with(autojump_clock):
+    """A run started with ``approval_policy=`` and left waiting, its first call approved
+    meanwhile: a resume whose definition lacks the policy (the agent factory `treadle
+    resume` and a fleet's worker call) is refused naming it, and runs nothing; one whose
+    definition carries it (`Agent.approval_policy`) puts the next call to a human too. The
+    resume ran the next call, a payment the policy selects, without asking anyone."""
+    turns = [call("add", a=1, b=2, call_id="c1"), call("add", a=3, b=4, call_id="c2"), say("ok")]
+    agent, tools, _ = make(turns)
+    store = MemoryStore()
+    with trio.CancelScope() as crash:
+        async with open_run(
+            agent, "x", store=store, run_id="r", approval_policy=only_add
+        ) as handle:
+            await wait_for_state(handle, RunState.AWAITING_APPROVAL)
+            crash.cancel()
+    await decide(store, "r", call_id="c1")
+    with pytest.raises(SnapshotMismatch) as refused:
+        await treadle_run(agent, store=store, run_id="r")
+    assert refused.value.keys == ["approval_policy"]
+    assert f"approval policy '{__name__}:only_add'" in str(refused.value)
+    assert "without a human" in str(refused.value)
+    assert tools.executed == []
+    with pytest.raises(UsageError, match="one policy"):
+        await treadle_run(
+            attrs.evolve(agent, approval_policy=only_add),
+            store=store,
+            run_id="r",
+            approval_policy=lambda tool, arguments: False,
+        )
+    async with open_run(
+        attrs.evolve(agent, approval_policy=only_add), store=store, run_id="r"
+    ) as handle:
+        with trio.fail_after(60):
+            async with contextlib.aclosing(handle.events()) as events:
+                async for event in events:
+                    if event.kind.value == "approval_requested" and event.record.call_id == "c2":
+                        break
+        handle.approve("c2", reject="not this one")
+        result = await handle.wait()
+    assert result.stop_reason is StopReason.FINAL_ANSWER
+    assert [a.arguments for a in tools.executed] == [{"a": 1, "b": 2}]
+
+
+def test_an_agents_approval_policy_is_in_its_snapshot_by_name():
+    """Only when set, so the snapshot of an agent without one is what it always was."""
+    agent, _, _ = make([say("hi")])
+    assert "approval_policy" not in agent.snapshot()
+    gated = attrs.evolve(agent, approval_policy=only_add)
+    assert gated.snapshot()["approval_policy"] == f"{__name__}:only_add"
+    assert gated.version_label != agent.version_label
+    with pytest.raises(UsageError, match=r"Agent\.approval_policy must be None or a function"):
+        attrs.evolve(agent, approval_policy="only_add")

@@ -1165,6 +1165,45 @@ async def test_a_run_parks_again_at_its_next_approval_and_each_decision_brings_i
     assert check_invariants(log) == []
 
 
+def only_work(tool: str, arguments) -> bool:
+    """An approval policy: every call of ``work`` waits for a human."""
+    return tool == "work"
+
+
+async def test_a_served_agents_approval_policy_puts_its_calls_to_a_human_in_every_drive(
+    autojump_clock,
+):
+    """The policy is part of the definition the worker serves (`Agent.approval_policy`):
+    each call it selects waits for a decision, in the drive that claimed the run and in the
+    one that claimed it again after its park. A fleet ran every drive with no policy."""
+    world, store = World(), new_store()
+    turns = [
+        call("work", seconds=1, call_id="w1"),
+        call("work", seconds=1, call_id="w2"),
+        say("done"),
+    ]
+
+    def gated() -> Agent:
+        return attrs.evolve(world.agent(turns), approval_policy=only_work)
+
+    async with fleet(store, {"calc": gated}, park_after_s=5) as worker:
+        await worker.submit("calc", "work", run_id="c")
+        for step, call_id in enumerate(("w1", "w2"), start=1):
+            await until(liveness_is(store, "c", Liveness.PARKED))
+            assert world.started == [f"c/s{n}/a1" for n in range(1, step)]
+            decided = await decide(store, "c", clock=VirtualClock())
+            assert decided.call_id == call_id
+            await until(functools.partial(_effect, world, f"c/s{step}/a1"))
+        with trio.fail_after(60):
+            result = await worker.result("c")
+        claimed = worker.statistics().claimed
+    assert result.final_answer == "done"
+    assert world.effects == ["c/s1/a1", "c/s2/a1"]
+    assert claimed == 3
+    log = await store.read_log("c")
+    assert [r.call_id for r in log.records if isinstance(r, ApprovalDecided)] == ["w1", "w2"]
+
+
 async def _effect(world: World, intent_id: str) -> bool:
     await trio.lowlevel.checkpoint()
     return intent_id in world.effects

@@ -732,7 +732,7 @@ async def test_drain_while_waiting_on_a_human_stops_at_once(autojump_clock):
     assert (await store.read_lease("r")).owner == ""
     assert (await store.read_summary("r")).liveness is Liveness.PARKED
     await decide(store, "r", clock=VirtualClock())
-    result = await treadle.run(agent, store=store, run_id="r", owner="b")
+    result = await treadle.run(agent, store=store, run_id="r", owner="b", approval_policy=only_add)
     assert result.stop_reason is StopReason.FINAL_ANSWER
     assert len(tools.executed) == 1
 
@@ -885,7 +885,9 @@ async def test_a_decision_made_here_survives_a_crash_before_the_run_is_driven_ag
         with pytest.raises((SimulatedCrash, treadle.RunInterrupted)):
             await handle.wait()
     assert tools.executed == []
-    result = await treadle.run(agent, store=inner, run_id="r", owner="b", park_after_s=5)
+    result = await treadle.run(
+        agent, store=inner, run_id="r", owner="b", approval_policy=only_add, park_after_s=5
+    )
     assert result.stop_reason is StopReason.FINAL_ANSWER
     assert [a.arguments for a in tools.executed] == [{"a": 5, "b": 5}]
 
@@ -938,7 +940,9 @@ async def test_a_cancel_made_here_survives_a_crash_before_the_run_is_driven_agai
             await handle.wait()
     # The next driver finds the cancel and finishes the run cancelled, without the call.
     with trio.fail_after(60):
-        result = await treadle.run(agent, store=inner, run_id="r", owner="b", park_after_s=5)
+        result = await treadle.run(
+            agent, store=inner, run_id="r", owner="b", approval_policy=only_add, park_after_s=5
+        )
     assert result.state is RunState.CANCELLED
     assert tools.executed == []
 

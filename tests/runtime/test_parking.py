@@ -244,14 +244,17 @@ async def test_parking_can_be_switched_off(autojump_clock):
 
 
 async def test_a_resumed_run_keeps_waiting_even_without_the_approval_policy(autojump_clock):
+    """A call put to a human stays so when the run goes on without the policy (a change of
+    definition accepted knowingly: without it the resume is refused)."""
     agent, tools = make([call("add", a=1, b=2, call_id="c1"), say("ok")])
     store = MemoryStore()
     with trio.CancelScope() as crash:
         async with opened(agent, store) as handle:
             await parked(handle)
             crash.cancel()  # the process dies while the run is parked
-    # Resumed by a process that knows nothing of the policy (as `treadle resume` is).
-    async with open_run(agent, store=store, run_id="r", park_after_s=PARK_AFTER_S) as handle:
+    async with open_run(
+        agent, store=store, run_id="r", park_after_s=PARK_AFTER_S, accept_definition_change=True
+    ) as handle:
         await parked(handle)
         assert handle.pending_approval.call_id == "c1"
         assert tools.executed == []

@@ -276,7 +276,6 @@ async def _attached(
     options = DriveOptions(
         clock=parent.clock,
         rng=None if rng is None else random.Random(f"{run_id}:{rng.getrandbits(64)}"),
-        approval_policy=None,
         control_poll_s=settings.control_poll_s,
         actors=DEFAULT_ACTORS,
         park_after_s=None,

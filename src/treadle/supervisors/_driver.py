@@ -63,11 +63,11 @@ from treadle.agent import (
     RunInput,
     check_input,
     input_messages,
+    policy_change,
     snapshot_diff,
     tool_names,
 )
 from treadle.approvals import (
-    ApprovalPolicy,
     append_expiry,
     expire_overdue,
     requires_approval,
@@ -166,7 +166,6 @@ it."""
 class DriveOptions:
     clock: Clock
     rng: random.Random | None
-    approval_policy: ApprovalPolicy | None
     control_poll_s: float | None
     actors: Actors
     park_after_s: float | None
@@ -597,7 +596,7 @@ async def _drive(
             generation=hold.generation,
         )
         needs_approval = functools.partial(
-            requires_approval, agent.tool_policies, options.approval_policy
+            requires_approval, agent.tool_policies, agent.approval_policy
         )
         # Requests reach the coordinator as messages; those of before it runs (a cancel
         # handed to the parked run, a drain, the control stream's backlog) are applied
@@ -920,7 +919,7 @@ def _accepted_change(
     if not changed:
         return None
     if not options.accept_definition_change:
-        raise SnapshotMismatch(log.run_id, changed)
+        raise SnapshotMismatch(log.run_id, changed, note=policy_change(stored, snapshot))
     return DefinitionAccepted(
         run_id=log.run_id,
         ts=clock.now_iso(),

@@ -633,7 +633,6 @@ async def open_fleet(
     options = DriveOptions(
         clock=clock or SystemClock(),
         rng=None,
-        approval_policy=None,
         control_poll_s=control_poll_s,
         actors=actors,
         park_after_s=park_after_s,

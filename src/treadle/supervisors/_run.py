@@ -19,6 +19,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from contextlib import AbstractAsyncContextManager
 from types import TracebackType
 
+import attrs
 import trio
 
 from treadle._clock import Clock, SystemClock, check_seconds
@@ -27,7 +28,7 @@ from treadle._ids import check_run_id, new_run_id
 from treadle._trio_only import require_trio
 from treadle.actors import Chain, read_chain
 from treadle.agent import Agent, RunInput
-from treadle.approvals import ApprovalPolicy
+from treadle.approvals import ApprovalPolicy, policy_name
 from treadle.metrics import MetricsRecorder
 from treadle.ports import EventSink, RunStore
 from treadle.stores import LEASE_TTL_S, check_ttl, driver_owner
@@ -106,7 +107,11 @@ def open_run(
         clock: wall clock for record timestamps (default: the system clock).
         rng: random source for retry jitter (default: one unseeded source the runs share).
         approval_policy: ``policy(tool, arguments) -> bool``: calls it selects wait for a
-            human decision, as do tools declared with ``requires_approval=True``.
+            human decision, as do tools declared with ``requires_approval=True``. The same
+            as the agent's `treadle.Agent.approval_policy` (the run goes on with ``agent``
+            given this policy): it is part of the run's definition, recorded in its
+            parameter snapshot, and a resume without it is refused (docs/events.md, "Human
+            approval").
         control_poll_s: seconds (a finite number > 0) between reads of the run's control
             stream (cancel and approval decisions from other processes, see
             `treadle.approvals`); ``None`` reads it only once, when the run starts.
@@ -156,7 +161,8 @@ def open_run(
             ``thread_id`` and ``fork_of``, a ``run_id`` that exists with another lineage, or
             a new fork or run named as a run of an existing thread (``T.n``: docs/threads.md,
             "Threads"; "When a thread cannot go on"). Nothing is written then.
-        SnapshotMismatch: resuming with a definition whose snapshot differs (names the keys).
+        SnapshotMismatch: resuming with a definition whose snapshot differs (names the keys):
+            one without the approval policy the run was started with among them.
         SchemaTooNew: the log was written by a newer treadle.
     """
     return _Opening(
@@ -259,6 +265,7 @@ async def _prepared(
     check_seconds(park_after_s=park_after_s)
     check_seconds(above_zero=True, control_poll_s=control_poll_s)
     check_ttl(lease_ttl_s)
+    agent = _with_policy(agent, approval_policy)
     lineage: Lineage | None = None
     chain: Chain | None = None
     if thread_id is not None or fork_of is not None:
@@ -274,7 +281,6 @@ async def _prepared(
     options = DriveOptions(
         clock=clock or SystemClock(),
         rng=rng,
-        approval_policy=approval_policy,
         control_poll_s=control_poll_s,
         actors=actors,
         park_after_s=park_after_s,
@@ -285,6 +291,27 @@ async def _prepared(
     return drive_run(
         agent, input, store=store, hold=hold, sinks=sinks, options=options, wait=wait, chain=chain
     )
+
+
+def _with_policy(agent: Agent, policy: ApprovalPolicy | None) -> Agent:
+    """``agent`` with the approval policy given to `open_run` or `run`, if any.
+
+    The policy is part of the definition (`treadle.Agent.approval_policy`), so the run's
+    parameter snapshot records it and a resume without it is refused.
+
+    Raises:
+        UsageError: ``agent`` has another policy already (give it once), or ``policy`` is
+            not callable.
+    """
+    if policy is None or policy is agent.approval_policy:
+        return agent
+    if agent.approval_policy is not None:
+        raise UsageError(
+            "the agent has an approval policy of its own (Agent.approval_policy "
+            f"{policy_name(agent.approval_policy)!r}); give the run one policy, not also "
+            f"approval_policy={policy_name(policy)!r}"
+        )
+    return attrs.evolve(agent, approval_policy=policy)
 
 
 async def _lineage(
