@@ -776,3 +776,40 @@ def test_a_resume_without_the_approval_policy_the_run_was_started_with_is_refuse
     assert f"started under the approval policy '{__name__}:every_call'" in resumed.output
     assert "would run without a human" in resumed.output
     assert not (tmp_path / "transfers").exists()
+
+
+@pytest.mark.parametrize("which", ["r", "--all"])
+def test_a_resume_past_the_approval_deadline_says_the_wait_ended_not_how_to_approve(
+    tmp_path: Path, which: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Left at its approval wait, resumed after the deadline: the resume said "waiting for
+    # approval of charge(...) until <an instant past>: treadle approve r ...", a decision it
+    # then refused, and expired the call; `treadle runs` said the run waits for a decision.
+    import datetime as dt
+
+    from treadle._cli_store import driver_text
+
+    db = str(tmp_path / "runs.db")
+    monkeypatch.setenv(LEDGER_ENV, str(tmp_path / "charges"))
+    long_ago = treadle.FixedStepClock(start=dt.datetime(2020, 1, 1, tzinfo=dt.UTC))
+
+    async def leave() -> str:
+        async with treadle.open_sqlite_store(db) as store:
+            async with treadle.open_run(
+                approval_agent(), "pay", store=store, run_id="r", clock=long_ago
+            ) as handle:
+                await handle.wait_state(treadle.RunState.AWAITING_APPROVAL)
+                handle.drain()
+            summary = await store.read_summary("r")
+        assert summary is not None
+        return driver_text(summary)
+
+    assert trio.run(leave) == "nobody: parked (its approval deadline passed)"
+    agent = "tests.test_cli_resume:approval_agent"
+    resumed = CliRunner().invoke(main, ["resume", which, "--store", db, "--agent", agent])
+    assert resumed.exit_code == 0, resumed.output
+    assert resumed.stderr.startswith('r: the wait for approval of charge({"amount": 12')
+    assert "ended at 2020-01-01T00:15:00" in resumed.stderr
+    assert "treadle approve" not in resumed.stderr and "waiting for approval" not in resumed.stderr
+    assert resumed.stdout.strip() == "r: succeeded (final_answer), 2 steps"
+    assert not (tmp_path / "charges").exists()  # the call expired

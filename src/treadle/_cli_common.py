@@ -21,11 +21,11 @@ import click
 import trio
 from rich.console import Console
 
-from treadle._clock import seconds_out_of_range
+from treadle._clock import SystemClock, seconds_out_of_range
 from treadle._exceptions import InvalidRunId, TreadleError, innermost, raised
 from treadle._ids import check_run_id
 from treadle._paths import is_directory
-from treadle._state import holds_summary
+from treadle._state import holds_summary, seconds_between
 from treadle._terminal import escape, escaped_for_output, mark
 from treadle.agent import Agent
 from treadle.approvals import read_control
@@ -680,19 +680,37 @@ def call_text(request: ApprovalRequested) -> str:
     return printable(f"{request.tool}({printable_json(dict(request.arguments))})")
 
 
-def approval_hint(request: ApprovalRequested, run_id: str, store_path: str) -> str:
+def approval_hint(
+    request: ApprovalRequested, run_id: str, store_path: str, *, now: str | None = None
+) -> str:
     """The line telling how to answer ``request`` of ``run_id`` from the command line.
 
     Pass a redacted request, as for `call_text`. The line is printable; its command is
     `shell_command`'s, so a store path holding a space, or a control character, stays the
     one word naming that path when the command is copied (docs/events.md, "Reading events").
+    Once the request's deadline passed (``now``, ISO-8601; default: the system clock's),
+    no decision can be given any more: the line says the wait ended instead, and names no
+    command (docs/events.md, "Human approval", item 4).
     """
+    call = f"{call_text(request)} (call {request.call_id})"
+    if deadline_passed(request, now):
+        return printable(
+            f"the wait for approval of {call} ended at {request.deadline_ts}: a decision "
+            "written now is never applied; the run's next drive expires the call (or applies "
+            "a decision written before then)"
+        )
     command = shell_command(["treadle", "approve", run_id, "--store", redact(store_path)])
-    waiting = printable(
-        f"waiting for approval of {call_text(request)} (call {request.call_id}) until "
-        f"{request.deadline_ts}"
-    )
+    waiting = printable(f"waiting for approval of {call} until {request.deadline_ts}")
     return f"{waiting}: {command} [--reject MSG | --edit JSON]"
+
+
+def deadline_passed(request: ApprovalRequested, now: str | None = None) -> bool:
+    """Whether ``request``'s approval deadline is past at ``now`` (default: the system clock's).
+
+    The same test a drive that begins makes before it expires the call
+    (`treadle.approvals.expire_overdue`).
+    """
+    return seconds_between(request.deadline_ts, now or SystemClock().now_iso()) >= 0
 
 
 def counted(count: object, one: str, many: str | None = None) -> str:

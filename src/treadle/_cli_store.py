@@ -39,6 +39,7 @@ from treadle._cli_common import (
     store_option,
     table_console,
 )
+from treadle._clock import SystemClock
 from treadle._exceptions import (
     LogCorrupted,
     RunLeased,
@@ -46,6 +47,7 @@ from treadle._exceptions import (
     StoreError,
     TreadleError,
 )
+from treadle._state import seconds_between
 from treadle._terminal import on_interrupt
 from treadle._text import valid_unicode
 from treadle.actors import stored_events
@@ -259,17 +261,27 @@ def driver_text(summary: RunSummary) -> str:
     return text
 
 
-def parked_on(summary: RunSummary) -> tuple[str, str]:
+def parked_on(summary: RunSummary, now: str | None = None) -> tuple[str, str]:
     """What a parked run waits on, and what makes a driver take it again, in words.
 
     A run parked on child runs (state ``awaiting_child``) is taken again when one of its
     children finishes, its control stream grows or its recheck instant passes; one parked on
-    an approval when it is decided or its deadline passes (docs/fleet.md, "Claiming").
+    an approval when it is decided or its deadline passes (docs/fleet.md, "Claiming"). Once
+    that deadline is past (``summary.awaiting_until`` by ``now``, ISO-8601; default: the
+    system clock's) it waits for no decision: no decision written then is applied, and its
+    next driver expires the call (docs/events.md, "Human approval", item 4).
     """
     if summary.state is RunState.AWAITING_CHILD:
         return (
             "waits on child runs",
             "a child's end, a cancel or its recheck instant makes a driver take it again",
+        )
+    until = summary.awaiting_until
+    if until is not None and seconds_between(until, now or SystemClock().now_iso()) >= 0:
+        return (
+            "its approval deadline passed",
+            "no decision is applied any more: its next driver (the process that parked it, "
+            "a worker serving its agent, or treadle resume) expires the call",
         )
     return (
         "waits for a decision",
