@@ -434,3 +434,35 @@ def test_the_cli_refuses_an_invalid_run_id_with_a_usage_error(tmp_path, command)
     assert result.exit_code == 2, result.output
     assert re.search(r"Invalid value for '\[?RUN_ID\]?': invalid run id '\\udcff'", result.output)
     assert result.exception is None or isinstance(result.exception, SystemExit)
+
+
+async def test_a_cancel_stored_before_the_run_ends_is_applied_not_left_behind(autojump_clock):
+    """`treadle cancel` while the last call runs: the command said the run's driver stops
+    it, but the run read its control stream only at its next poll (every
+    ``control_poll_s``) and finished ``succeeded`` first, the cancel never applied. Before
+    it ends, the run reads the stream once more: the cancel ends it ``cancelled``."""
+    from treadle._cli_runs import cancel
+    from treadle.parsers import NativeToolCallParser
+    from treadle.tools import Toolbox, tool
+
+    store = MemoryStore()
+    told: list[str] = []
+
+    @tool
+    async def work(n: int) -> str:
+        """Work, while someone cancels the run."""
+        told.append(await cancel(store, "r", reason="stop", canceller="ops"))
+        return "worked"
+
+    agent = Agent(
+        model=ScriptedModel(turns=[call("work", n=1), say("done")]),
+        executor=Toolbox([work]),
+        parser=NativeToolCallParser(),
+    )
+    async with open_run(agent, "x", store=store, run_id="r", control_poll_s=60) as handle:
+        result = await handle.wait()
+    assert "drives the run and stops it" in told[0]
+    assert (result.state, result.stop_reason) == (RunState.CANCELLED, StopReason.CANCELLED)
+    records = (await store.read_log("r")).records
+    assert isinstance(records[-2], CancelRequested)
+    assert (records[-2].reason, records[-2].canceller) == ("stop", "ops")

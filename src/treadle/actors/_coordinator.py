@@ -1050,7 +1050,27 @@ class RunCoordinator:
         """Active seconds since ``started`` (approval waits of the step excluded)."""
         return round(trio.current_time() - started - self._waited_s, 6)
 
+    async def _last_reading(self, reason: StopReason) -> StopReason:
+        """``reason``, or ``cancelled`` when the control stream holds a cancel not read yet.
+
+        Before a run ends for any other reason, it reads its control stream once
+        (`read_control`) and applies what is there: a cancel written before that reading
+        (``treadle cancel``, `treadle.approvals.request_cancel`) that the run's polling, every
+        ``control_poll_s``, had not read yet ends the run ``cancelled``, as rule A says of a
+        cancel known at the top of a step (docs/concepts.md, "Stop reasons"), rather than be
+        left unapplied in the stream of a finished run (docs/events.md, "Cancellation").
+
+        Raises:
+            StoreError: the reading failed (the run is left unfinished and resumable).
+        """
+        if reason is StopReason.CANCELLED or self._cancel is not None or self.read_control is None:
+            return reason
+        for message in await self.read_control():
+            self.apply(message)
+        return StopReason.CANCELLED if self._cancel is not None else reason
+
     async def _finish(self, reason: StopReason, *, cut_active_s: float = 0.0) -> RunResult:
+        reason = await self._last_reading(reason)
         self._finishing = True
         if self._late_step is not None and reason in (StopReason.CANCELLED, StopReason.TIME_BUDGET):
             # What the cut step's actions did is kept, marked late, before the cancel

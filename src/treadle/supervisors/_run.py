@@ -114,7 +114,10 @@ def open_run(
             approval").
         control_poll_s: seconds (a finite number > 0) between reads of the run's control
             stream (cancel and approval decisions from other processes, see
-            `treadle.approvals`); ``None`` reads it only once, when the run starts.
+            `treadle.approvals`); ``None`` reads it only when the run starts, before it
+            takes a decision handed to its handle, and before it ends. Whatever the
+            interval, the run reads it once more before it ends, so a cancel written
+            before then is applied (docs/events.md, "Cancellation").
         actors: the factories of the run's five actors (default: the real ones); replace
             one to swap that actor alone (see `Actors`).
         park_after_s: seconds a run waits for an approval decision with its actors running;
