@@ -637,7 +637,9 @@ async def decide(
             then), is being cancelled (a cancel request in its log or control stream, also
             one written just before this decision: the run ends cancelled without applying
             it), waits on no approval, waits on another call (or on one of another step or
-            arguments than ``step`` and ``arguments_digest`` say), already has a decision
+            arguments than ``step`` and ``arguments_digest`` say; when the call it waits on
+            has a decision waiting to be applied, the message says the call named is asked
+            after it), already has a decision
             for that call in its control stream (the first one counts) or the call's expiry
             there, both ``reject`` and ``edit`` were given, the edit does not fit the tool's
             argument schema in the run's parameter snapshot (nothing is written then), the
@@ -680,6 +682,7 @@ async def decide(
     except UsageError as refused:
         meant = _meant(log, call_id, step, arguments_digest)
         await _refuse_if_decided(store, log, meant, refused, asked)
+        await _refuse_before_asked(store, log, call_id, refused)
         raise
     earlier = await read_control(store, run_id)
     _refuse_after_cancel(run_id, (*log.records, *earlier), None)
@@ -796,6 +799,37 @@ async def _refuse_if_decided(
             counting=counting,
             same=_asked_again(counting, lambda: asked(meant)),
         ) from refused
+
+
+async def _refuse_before_asked(
+    store: RunStore, log: RunLog, call_id: str | None, refused: UsageError
+) -> None:
+    """Say so when a decision names a call the run has not asked about yet, behind a decided one.
+
+    The run puts the calls of a step to a human one at a time: the next request is written
+    once the decision on the call it waits on is applied. A decision for another call, sent
+    while the one the run waits on has its decision in the control stream, waiting to be
+    applied, is refused (``refused``: "waits on call ..."); the refusal says the call it
+    waits on is decided already, and that the call named is asked after it
+    (docs/events.md, "Human approval", item 2).
+
+    Raises:
+        UsageError: ``call_id`` is not the call the run waits on, and that one has a
+            decision that counts in the control stream.
+        StoreError: the control stream cannot be read.
+    """
+    request = pending_approval(log)
+    if request is None or call_id is None or call_id == request.call_id:
+        return
+    waiting = first_counting(await read_control(store, log.run_id), request)
+    if waiting is None:
+        return
+    raise UsageError(
+        f"run {log.run_id!r} has not asked about call {call_id!r} yet: the call it waits on, "
+        f"{request.call_id!r} ({request.tool}), has a decision ({waiting.decision}) waiting to "
+        "be applied, and a later call that needs a human is asked once it is; decide that "
+        "call then"
+    ) from refused
 
 
 def _asked_again(counting: ApprovalDecided, asked: Callable[[], ApprovalDecided]) -> bool:

@@ -496,6 +496,52 @@ async def test_each_call_of_a_batch_is_decided_before_any_intent(autojump_clock)
     assert results[0].outcome.status is ActionStatus.NOT_EXECUTED
 
 
+@pytest.mark.parametrize("park_after_s", [None, 0.0], ids=["driven", "parked"])
+async def test_a_decision_for_a_call_not_asked_yet_says_the_one_before_is_decided(
+    park_after_s, autojump_clock
+):
+    """Two calls of a step put to a human one at a time: the first decided through the
+    store, the second decided at once, before the run applied the first. The refusal said
+    the run "waits on call 'a', not on 'c'", sending the decider back to a call just
+    decided; it says that call's decision waits to be applied and the next is asked then."""
+    from treadle.testing.scripted import calls
+    from treadle.types import ToolCall
+
+    batch = calls(
+        ToolCall(id="a", name="add", arguments={"a": 1, "b": 1}),
+        ToolCall(id="c", name="add", arguments={"a": 2, "b": 2}),
+    )
+    agent, tools, _ = make([batch, say("ok")])
+    store = MemoryStore()
+    async with open_run(
+        agent,
+        "x",
+        store=store,
+        run_id="r",
+        approval_policy=only_add,
+        control_poll_s=0.5,
+        park_after_s=park_after_s,
+    ) as handle:
+        await wait_for_state(handle, RunState.AWAITING_APPROVAL)
+        await decide(store, "r", call_id="a")
+        with pytest.raises(UsageError) as early:
+            await decide(store, "r", call_id="c")
+        assert not isinstance(early.value, AlreadyDecided)
+        assert str(early.value) == (
+            "run 'r' has not asked about call 'c' yet: the call it waits on, 'a' (add), has a "
+            "decision (approve) waiting to be applied, and a later call that needs a human is "
+            "asked once it is; decide that call then"
+        )
+        with trio.fail_after(60):
+            async with contextlib.aclosing(handle.events()) as events:
+                async for event in events:
+                    if event.kind.value == "approval_requested" and event.record.call_id == "c":
+                        break
+        await decide(store, "r", call_id="c", reject="no")
+        await handle.wait()
+    assert [a.call_id for a in tools.executed] == ["a"]
+
+
 async def test_tail_follows_a_live_run_from_any_seq(autojump_clock):
     from treadle._cli_runs import format_event, tail
 
