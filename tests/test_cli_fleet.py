@@ -13,6 +13,7 @@ import os
 import re
 import select
 import signal
+import sqlite3
 import subprocess
 import sys
 import textwrap
@@ -1137,6 +1138,50 @@ def test_show_tail_wait_and_resume_of_a_quarantined_unstarted_run_say_it_is_quar
     resumed = invoke("resume", "r", "--store", str(db), "--agent", "test_cli_fleet:calc_agent")
     assert resumed.exit_code == 1
     assert "run 'r' has no records to resume: it is quarantined: no worker" in resumed.output
+
+
+def quarantine_damaged_row(db: Path, run_id: str) -> None:
+    """Submit ``run_id``, change its row's state by hand to one no run has, and claim once:
+    the claim quarantines it, naming the damage."""
+
+    async def go():
+        store = await SqliteStore.open(db)
+        try:
+            await store.submit(run_id, agent="calc", input=(Message(role="user", content="x"),))
+            with contextlib.closing(sqlite3.connect(db)) as conn:
+                conn.execute("UPDATE runs SET state = 'bogus' WHERE run_id = ?", (run_id,))
+                conn.commit()
+            claims = await store.claim(
+                owner="w", agents={"calc": ("v1",)}, limit=1, ttl_s=3, max_takeovers=1, backoff_s=0
+            )
+            assert claims == ()
+        finally:
+            await store.aclose()
+
+    trio.run(go)
+
+
+def test_show_tail_wait_and_runs_name_the_reason_a_damaged_row_was_quarantined(tmp_path: Path):
+    """A run quarantined because its run-index row was changed by hand was shown by `show`
+    and `wait` with an empty reason "()", listed by `runs --json` with ``quarantined``
+    null, and `tail` said there was no such run. Each now names the reason."""
+    db = tmp_path / "runs.db"
+    quarantine_damaged_row(db, "bad")
+    reason = "its row in the run index is damaged: 'bogus' is not a valid RunState"
+    said = f"run bad is quarantined: no worker takes it until `treadle unquarantine bad` ({reason}"
+    shown = invoke("show", "bad", "--store", str(db))
+    assert shown.exit_code == 0, shown.output
+    assert said in shown.output and "it has no records yet" in shown.output
+    tailed = invoke("tail", "bad", "--store", str(db), "--no-follow")
+    assert tailed.exit_code == 0, tailed.output
+    assert "nobody drives run bad: it is quarantined: no worker takes it until" in tailed.output
+    assert reason in tailed.output
+    waited = invoke("wait", "bad", "--store", str(db), "--timeout", "0")
+    assert waited.exit_code == 2, waited.output
+    assert said in waited.stderr
+    listed = invoke("runs", "--store", str(db), "--json")
+    (row,) = [json.loads(line) for line in listed.stdout.splitlines()]
+    assert row["liveness"] == "quarantined" and row["quarantined"].startswith(reason)
 
 
 # --------------------------------------------------------------------------- unquarantine

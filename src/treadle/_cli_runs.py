@@ -374,7 +374,8 @@ async def tail(
     whenever nobody drives the run, why.
 
     Raises:
-        UsageError: the run does not exist, or it finished before ``from_seq``: no record
+        UsageError: the run does not exist (no records, and the queue holds it neither
+            queued nor quarantined: `in_queue`), or it finished before ``from_seq``: no record
             from there on will ever come (``treadle show --from`` says the same,
             docs/events.md, "Reading events").
     """
@@ -386,7 +387,7 @@ async def tail(
     while True:
         log = await store.read_log(run_id)
         summary = await _summary(store, run_id)
-        if log.started is None and (summary is None or summary.state is not RunState.QUEUED):
+        if log.started is None and (summary is None or in_queue(summary) is None):
             raise UsageError(f"there is no run {run_id!r} in this store")
         if log.finished is not None and from_seq > len(log.records):
             raise UsageError(

@@ -28,7 +28,7 @@ from treadle.testing.capabilities import (
     check_run_queue,
 )
 from treadle.testing.contracts import StoreContractError, StoreOpener
-from treadle.types import Message, Record, RunStarted, StoreOp
+from treadle.types import Liveness, Message, Record, RunStarted, StoreOp
 
 
 def _opener(make: Callable[[], object]) -> StoreOpener:
@@ -207,6 +207,27 @@ async def test_a_damaged_queue_row_is_quarantined_and_the_other_runs_are_claimed
     assert len(logged) == 1 and "damaged" in logged[0], logged
     reason = await trio.to_thread.run_sync(run_pooled, store._dialect, store._pool, _quarantine_of)
     assert reason is not None and "damaged" in reason and "unquarantine" in reason
+
+
+async def test_a_damaged_queue_rows_summary_names_its_quarantine(fleet_store: Any) -> None:
+    """A run quarantined for a row holding a state no run has was listed as quarantined
+    with no reason (`quarantined` ``None``), so `treadle show` printed "(...)" empty; its
+    summary now carries the reason the claim stored (docs/fleet.md, "Poison runs")."""
+    store = fleet_store
+    await trio.to_thread.run_sync(
+        run_pooled, store._dialect, store._pool, _insert_damaged_row, "state"
+    )
+    claims = await store.claim(
+        owner="w", agents={"a": ("",)}, limit=1, ttl_s=60, max_takeovers=3, backoff_s=0
+    )
+    assert claims == ()
+    stored = await trio.to_thread.run_sync(run_pooled, store._dialect, store._pool, _quarantine_of)
+    summary = await store.read_summary("rogue")
+    assert summary is not None and summary.error is not None  # the row is still damaged
+    assert summary.liveness is Liveness.QUARANTINED
+    assert stored is not None and summary.quarantined == stored
+    (listed,) = [s for s in await store.list_summaries() if s.run_id == "rogue"]
+    assert listed.quarantined == stored
 
 
 class _FencesOnlySomeWrites(MemoryStore):

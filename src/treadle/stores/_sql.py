@@ -682,7 +682,12 @@ def read_summary(dialect: SqlDialect, conn: Connection, run_id: str) -> RunSumma
 
 
 def summary_of(where: str, row: Sequence[Any], now: float) -> RunSummary:
-    """A `RunSummary` from a row of `_SUMMARY_COLUMNS`; a damaged row gives ``error``."""
+    """A `RunSummary` from a row of `_SUMMARY_COLUMNS`; a damaged row gives ``error``.
+
+    A damaged row keeps its quarantine's reason: the first claim that meets it quarantines
+    it, saying what is wrong, and `treadle show`, `tail`, `wait` and `runs` name that reason
+    (docs/fleet.md, "Poison runs").
+    """
     run_id, quarantined = row[0], row[15]
     lease: Lease | None = None
     try:
@@ -695,6 +700,7 @@ def summary_of(where: str, row: Sequence[Any], now: float) -> RunSummary:
             liveness=_leases.liveness(state=None, lease=lease, quarantined=quarantined, now=now),
             observed_at=now,
             lease=lease,
+            quarantined=_queue.still_quarantined(None, quarantined),
             error=str(exc) if isinstance(exc, StoreError) else f"damaged index row: {exc}",
             where=where,
         )
