@@ -137,3 +137,41 @@ def test_every_attribute_the_api_reference_documents_exists():
             if name not in known and not hasattr(cls, name):
                 wrong.append(f"{cls.__module__}.{cls.__qualname__}.{name}")
     assert sorted(wrong) == []
+
+
+def _cli_options() -> set[str]:
+    """Every long option (``--name``) of `treadle` and its commands, ``--help`` included."""
+    import click
+
+    from treadle.cli import main
+
+    context = click.Context(main)
+    found = {"--help"}
+    commands: list[click.Command] = [main]
+    while commands:
+        command = commands.pop()
+        for param in command.params:
+            found.update(o for o in (*param.opts, *param.secondary_opts) if o.startswith("--"))
+        if isinstance(command, click.Group):
+            for name in command.list_commands(context):
+                sub = command.get_command(context, name)
+                assert sub is not None, name
+                commands.append(sub)
+    return found
+
+
+def test_every_cli_option_the_docs_name_exists():
+    """docs/fleet.md named an ``--owner`` option that no command has. Each `--name` a page
+    quotes is an option of some `treadle` command (decision records keep their history, and
+    may name another program's options)."""
+    options = _cli_options()
+    assert {"--store", "--agent", "--follow", "--no-follow"} <= options
+    unknown = []
+    for page in sorted(DOCS.rglob("*.md")):
+        if page.parent.name == "decisions":
+            continue
+        text = page.read_text(encoding="utf-8")
+        for option in re.findall(r"`(--[a-z][a-z0-9-]*)`", text):
+            if option not in options:
+                unknown.append(f"{page.relative_to(DOCS)}: {option}")
+    assert unknown == []
