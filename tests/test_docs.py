@@ -175,3 +175,20 @@ def test_every_cli_option_the_docs_name_exists():
             if option not in options:
                 unknown.append(f"{page.relative_to(DOCS)}: {option}")
     assert unknown == []
+
+
+def test_the_docs_say_treadle_leaves_the_collector_alone_only_as_a_library():
+    """docs/performance.md said twice that treadle never changes the collector's settings,
+    while its "Garbage collection" section (and the code) has `treadle worker` raise the
+    youngest generation's threshold and freeze what it loaded. Each sentence saying treadle
+    leaves the collector alone says it of treadle as a library."""
+    claims = []
+    for page in sorted(DOCS.rglob("*.md")):
+        text = " ".join(page.read_text(encoding="utf-8").split())
+        for sentence in re.split(r"(?<=[.;:])\s", text):
+            if "collector" in sentence and re.search(
+                r"treadle (?:does not|doesn't|never) change|treadle leaves", sentence
+            ):
+                claims.append((page.relative_to(DOCS), sentence))
+    assert claims, "the performance page says what treadle does with the collector"
+    assert [c for c in claims if "as a library" not in c[1].lower()] == []
