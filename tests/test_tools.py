@@ -908,6 +908,25 @@ _ARGUMENT_VALUES: list[Any] = [
 """Values the schema check and the tool's validation are compared on."""
 
 
+Branch = attrs.make_class(  # written as a module without ``from __future__ import annotations``
+    "Branch",
+    {"name": attrs.field(type=str), "kids": attrs.field(type=list["Branch"], factory=list)},
+    frozen=True,
+)
+
+
+def test_an_attrs_argument_naming_its_own_class_in_quotes_inside_a_type_is_validated() -> None:
+    """``kids: list["Branch"]`` held the name, which the strict converter had no hook for: every
+    call raised StructureHandlerNotFoundError instead of being validated."""
+    found = _single_argument_tool(Branch).signature.validate({"x": {"name": "a", "kids": [{}]}})
+    assert isinstance(found, Invalid)
+    assert found.errors == ("required field missing @ $.x.kids[0].name",)
+    found = _single_argument_tool(Branch).signature.validate(
+        {"x": {"name": "a", "kids": [{"name": "b"}]}}
+    )
+    assert found == {"x": Branch(name="a", kids=[Branch(name="b")])}
+
+
 def _single_argument_tool(annotation: Any) -> Tool:
     """A tool of one argument ``x`` of type ``annotation``."""
 

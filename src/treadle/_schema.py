@@ -385,9 +385,46 @@ def _make_converter() -> cattrs.Converter:
         lambda t: _guarded(Mapping, "an object", cols.mapping_structure_factory(t, conv)),
     )
     conv.register_structure_hook_factory(
-        attrs.has, lambda t: _guarded(Mapping, "an object", make_dict_structure_fn(t, conv))
+        attrs.has,
+        lambda t: _guarded(Mapping, "an object", make_dict_structure_fn(_resolved(t), conv)),
     )
     return conv
+
+
+def _resolved(cls: type[Any]) -> type[Any]:
+    """``cls`` with its fields' types resolved, as `typing.get_type_hints` reads them.
+
+    cattrs resolves an attrs class's field types only when one is a string as a whole (under
+    ``from __future__ import annotations``); a quoted name inside a type (``list["Node"]`` of
+    a recursive class, ``Optional["Pick"]`` of a class defined further down) stayed a name,
+    for which cattrs has no hook. Structuring the class then raised
+    `cattrs.StructureHandlerNotFoundError` (which interrupted a run at every attempt and
+    every resume) or refused every value (inside a union). The schema reads the resolved
+    types (`check_type`), and so does validation: `attrs.resolve_types` sets each field's
+    type to its resolved one, once per class, when some field holds a quoted name.
+
+    Raises:
+        NameError: a quoted name that names nothing in the class's module (a type that
+            `check_type` has already refused, where the tool or output type is declared).
+    """
+    if any(_holds_name(field.type) for field in attrs.fields(cls)):
+        attrs.resolve_types(cls)
+    return cls
+
+
+def _holds_name(type_: Any) -> bool:
+    """Whether ``type_`` is, or holds among its type arguments, a quoted (unresolved) name.
+
+    A `Literal`'s values and an ``Annotated`` type's metadata are values, not types.
+    """
+    if isinstance(type_, str | typing.ForwardRef):
+        return True
+    if _is_literal(type_):
+        return False
+    args = typing.get_args(type_)
+    if typing.get_origin(type_) is Annotated:
+        args = args[:1]
+    return any(_holds_name(arg) for arg in args)
 
 
 _CONVERTER: Final = _make_converter()

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import json
+import typing
 from enum import Enum, IntEnum
 
 import attrs
@@ -815,6 +816,34 @@ async def test_a_recursive_schema_descending_into_the_value_validates_a_tree():
     assert "3 is not of type 'string' @ $.tree.children[0].children[0].name" in (
         log.steps[0].feedback or ""
     )
+
+
+# A quoted name inside a type, as a module without ``from __future__ import annotations``
+# writes a recursive class (``kids: list["Tree"]``) or one defined further down
+# (``best: Optional["Pick"]``): the type holds the name, not the class.
+Tree = attrs.make_class(
+    "Tree",
+    {"name": attrs.field(type=str), "kids": attrs.field(type=list["Tree"], factory=list)},
+    frozen=True,
+)
+Pick = attrs.make_class("Pick", {"a": attrs.field(type=int)}, frozen=True)
+Best = attrs.make_class("Best", {"best": attrs.field(type=typing.Optional["Pick"])}, frozen=True)
+
+
+async def test_an_output_class_naming_a_class_in_quotes_inside_a_type_validates_answers():
+    # The schema read the resolved types, the validation did not: the recursive class
+    # interrupted every run (StructureHandlerNotFoundError) at every resume, and the
+    # optional one refused every answer ("unknown error (Unsupported type: ForwardRef").
+    tree = agent([call("final_answer", name="r", kids=[{"name": "k"}])], output_type=Tree)
+    result, log = await run_log(tree)
+    assert result.output == Tree(name="r", kids=[Tree(name="k")])
+    assert log.finished is not None
+    assert log.finished.output == {"name": "r", "kids": [{"name": "k", "kids": []}]}
+    answers = [call("final_answer", best={"a": "1"}), call("final_answer", best={"a": 1})]
+    result, log = await run_log(agent(answers, output_type=Best))
+    assert result.output == Best(best=Pick(a=1))
+    assert log.steps[0].feedback is not None
+    assert "expected an integer, got string @ $.best.a" in log.steps[0].feedback
 
 
 def test_references_inside_the_schema_are_accepted():
