@@ -30,10 +30,10 @@ from treadle._schema import (
     _CONVERTER,
     Parameter,
     _kind,
+    argument_validator,
     build_schema,
     check_default,
     check_type,
-    local_validator,
     summary_of,
     unstructure_text,
     validation_errors,
@@ -834,9 +834,21 @@ def _unstorable(value: Any) -> str | None:
 
 
 def _validate_schema(schema: Mapping[str, Any], value: Any) -> JSONValue | tuple[str, ...]:
+    """Check ``value`` against the output JSON ``schema`` (as 2020-12).
+
+    The check of every schema that is data (`treadle._schema.argument_validator`): its
+    patterns (``pattern``, ``patternProperties``) are left to the provider's structured
+    output. Matched with Python's `re` on the run's thread, a pattern that backtracks
+    catastrophically (``^(a+)+$``) took exponential time in the length of an answer the
+    model chose, freezing every run of the process past its lease, at every resume too
+    (docs/structured-output.md, "Output types").
+
+    Returns:
+        ``value``, or every error as ``"<problem> @ $.path"``, ordered by path.
+    """
     import jsonschema
 
-    validator = local_validator(jsonschema.Draft202012Validator, schema)
+    validator = argument_validator(schema, draft=jsonschema.Draft202012Validator)
     errors = sorted(validator.iter_errors(value), key=lambda e: [str(p) for p in e.absolute_path])
     if errors:
         return tuple(f"{error.message} @ {_path(error.absolute_path)}" for error in errors)

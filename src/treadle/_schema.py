@@ -782,22 +782,26 @@ def build_schema(tool_name: str, parameters: tuple[Parameter, ...]) -> dict[str,
     return top
 
 
-def argument_validator(schema: Mapping[str, Any]) -> jsonschema.protocols.Validator:
+def argument_validator(
+    schema: Mapping[str, Any], *, draft: type[jsonschema.protocols.Validator] | None = None
+) -> jsonschema.protocols.Validator:
     """A validator of a tool's arguments against its JSON ``schema``: the one check of both.
 
-    Used where arguments are checked against a schema that is data (an MCP server's input
+    Used where a value is checked against a schema that is data (an MCP server's input
     schema before a call, docs/mcp.md; an approval's edited arguments, docs/events.md, "Human
-    approval"), so that both read a schema alike:
+    approval"; a final answer against an output schema, docs/structured-output.md, "Output
+    types"), so that all read a schema alike:
 
-    * of the draft its ``$schema`` names (draft-04, -06, -07, 2019-09 or 2020-12), 2020-12
-      when it names none: a draft-07 tuple ``items`` or a draft-04 boolean
-      ``exclusiveMinimum`` mean what their draft says;
+    * of the draft ``draft`` is (an output schema is JSON Schema 2020-12's), or else of the
+      draft its ``$schema`` names (draft-04, -06, -07, 2019-09 or 2020-12), 2020-12 when it
+      names none: a draft-07 tuple ``items`` or a draft-04 boolean ``exclusiveMinimum`` mean
+      what their draft says;
     * every keyword but those that match regular expressions (``pattern``,
       ``patternProperties``, and ``additionalProperties`` next to ``patternProperties``),
-      which are left to the tool: a pattern that backtracks catastrophically (``^(a+)+$``)
-      takes exponential time in Python's `re`, which holds the interpreter throughout and so
-      would freeze every run of the process (docs/mcp.md); nor is a pattern's own syntax
-      checked (`_check_schema`);
+      which are left to the tool (an output's, to the provider's structured output): a
+      pattern that backtracks catastrophically (``^(a+)+$``) takes exponential time in
+      Python's `re`, which holds the interpreter throughout and so would freeze every run of
+      the process (docs/mcp.md); nor is a pattern's own syntax checked (`_check_schema`);
     * ``format`` is an annotation only, as JSON Schema's default has it;
     * a ``number`` is one a float holds: an integer past float's range (``10**400``) is no
       number, as the tool's own validation reads a float argument (JSON Schema's own type
@@ -810,7 +814,7 @@ def argument_validator(schema: Mapping[str, Any]) -> jsonschema.protocols.Valida
     """
     import jsonschema  # loaded on first use, as the schemas that need it
 
-    cls = jsonschema.validators.validator_for(schema)
+    cls = draft or jsonschema.validators.validator_for(schema)
     _check_schema(cls, schema)
     additional = cls.VALIDATORS.get("additionalProperties")
 

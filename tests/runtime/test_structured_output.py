@@ -391,6 +391,33 @@ async def test_a_json_schema_violation_lists_the_validators_errors():
     assert "Additional properties are not allowed ('extra' was unexpected) @ $" in feedback
 
 
+async def test_an_output_schemas_patterns_are_left_to_the_provider():
+    # They were matched with Python's re on the run's thread: against ^(a+)+$ an answer of
+    # 30 a's and a "!" held every run of the process for longer than a lease lasts.
+    schema = {
+        "type": "object",
+        "properties": {
+            "v": {"type": "string", "pattern": "^(a+)+$"},
+            "tags": {"type": "object", "patternProperties": {"^x-": {"type": "integer"}}},
+            "size": {"type": "number"},
+        },
+        "required": ["v"],
+        "additionalProperties": False,
+    }
+    answers = [
+        say(json.dumps({"v": "aaaaa!", "tags": {"x-a": "no"}, "size": 10**400})),
+        say(json.dumps({"v": "aaaaa!", "tags": {"x-a": "no"}, "size": 1.5})),
+    ]
+    result, log = await run_log(agent(answers, output_type=schema, mode="native"))
+    assert result.output == {"v": "aaaaa!", "tags": {"x-a": "no"}, "size": 1.5}
+    # Every other keyword is checked: a number is one a float holds, as a float field's.
+    assert [step.decision for step in log.steps] == [
+        DecisionKind.INVALID,
+        DecisionKind.FINAL_ANSWER,
+    ]
+    assert "is not of type 'number' @ $.size" in (log.steps[0].feedback or "")
+
+
 @pytest.mark.parametrize(
     ("answer", "said"),
     [
