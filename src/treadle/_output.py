@@ -386,11 +386,23 @@ def _attribute_docs(doc: str | None) -> dict[str, str]:
 
 
 def _checked_schema(schema: Mapping[str, Any]) -> dict[str, Any]:
+    r"""The output JSON ``schema`` as plain JSON data, checked.
+
+    It is checked against the 2020-12 meta-schema by the validator answers meet
+    (`treadle._schema.argument_validator`), which does not compile patterns with Python's
+    `re`: JSON Schema's are ECMA-262 ones, and a valid schema with a named group
+    (``(?<major>\d+)``) was refused as "not a 'regex'" (docs/structured-output.md,
+    "Output types").
+
+    Raises:
+        UsageError: the schema is not JSON data, not a valid JSON schema, nests too deeply,
+            has a reference `_check_references` refuses, or its top level is no object.
+    """
     import jsonschema  # loaded with the first output schema
 
     try:
         plain = json.loads(json.dumps(schema, allow_nan=False))
-        jsonschema.Draft202012Validator.check_schema(plain)
+        argument_validator(plain, draft=jsonschema.Draft202012Validator)
         _check_references(plain)
     except RecursionError:  # its answers could not be stored either (MAX_ARGUMENT_DEPTH)
         raise UsageError("output_type: the schema nests too deeply to be checked") from None
@@ -472,7 +484,7 @@ def _check_target(keyword: str, reference: str, resolver: Any, checked: set[int]
     problem = None if isinstance(target, dict | bool) else "which is no schema"
     if isinstance(target, dict):
         try:
-            jsonschema.Draft202012Validator.check_schema(target)
+            argument_validator(target, draft=jsonschema.Draft202012Validator)
         except jsonschema.SchemaError as exc:
             problem = f"which is no valid schema ({exc.message})"
     if problem is not None:

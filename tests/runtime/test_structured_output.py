@@ -873,6 +873,21 @@ async def test_an_output_class_naming_a_class_in_quotes_inside_a_type_validates_
     assert "expected an integer, got string @ $.best.a" in log.steps[0].feedback
 
 
+def test_an_ecma_262_pattern_re_cannot_compile_is_a_valid_output_schema():
+    # The meta-schema's "regex" format was checked with Python's re: named groups and
+    # Unicode property escapes, valid JSON Schema, were refused as "not a 'regex'".
+    version = {"type": "string", "pattern": r"^(?<major>\d+)\.(?<minor>\d+)$"}
+    emoji = {"type": "string", "pattern": r"^\p{Extended_Pictographic}+$"}
+    schema = {
+        "type": "object",
+        "properties": {"v": version, "e": {"$ref": "#/$defs/emoji"}},
+        "$defs": {"emoji": emoji},
+    }
+    assert agent([], output_type=schema).output_type == schema
+    with pytest.raises(UsageError, match="not a valid JSON schema: 3 is not of type 'string'"):
+        agent([], output_type={"type": "object", "properties": {"v": {"pattern": 3}}})
+
+
 def test_references_inside_the_schema_are_accepted():
     defs = {"Temp": {"type": "number"}}
     nested = {"$id": "https://example.com/n.json", "$defs": {"Z": {"type": "string"}}}
