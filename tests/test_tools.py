@@ -916,8 +916,8 @@ Branch = attrs.make_class(  # written as a module without ``from __future__ impo
 
 
 def test_an_attrs_argument_naming_its_own_class_in_quotes_inside_a_type_is_validated() -> None:
-    """``kids: list["Branch"]`` held the name, which the strict converter had no hook for: every
-    call raised StructureHandlerNotFoundError instead of being validated."""
+    # kids: list["Branch"] held the name, which the strict converter had no hook for: every
+    # call raised StructureHandlerNotFoundError instead of being validated.
     found = _single_argument_tool(Branch).signature.validate({"x": {"name": "a", "kids": [{}]}})
     assert isinstance(found, Invalid)
     assert found.errors == ("required field missing @ $.x.kids[0].name",)
@@ -949,6 +949,24 @@ async def test_nested_and_union_validation() -> None:
     )
     good = await BOX.execute(action("echo", {"value": [1, 2]}))
     assert good.observation == "[1,2]"
+
+
+@pytest.mark.parametrize(
+    ("annotation", "value", "said"),
+    [
+        (Literal["a", "b"] | None, "c", "expected one of 'a', 'b' or null, got string 'c'"),
+        (Level | None, 7, "expected one of 1, 2 or null, got integer 7"),
+        (Literal["a", "b"] | None, [1], "expected one of 'a', 'b' or null, got array"),
+        (int | None, "c", "expected an integer or null, got string"),
+    ],
+)
+def test_a_union_of_values_says_them_and_the_value_given(
+    annotation: Any, value: Any, said: str
+) -> None:
+    # Literal["a", "b"] | None refusing "c" said "expected one of the allowed values or null,
+    # got string": neither what to give nor what was given.
+    found = _single_argument_tool(annotation).signature.validate({"x": value})
+    assert found == Invalid(errors=(f"{said} @ $.x",))
 
 
 def _positive(_: Any, __: Any, value: int) -> None:

@@ -273,10 +273,12 @@ def _union_hook(type_: Any, converter: cattrs.Converter) -> Callable[[Any, Any],
     When none takes it and exactly one refused it for what it holds rather than for its
     kind (an object for ``Order | None`` whose field a validator refused), that member's
     error is raised, so the model reads where and why (``... @ $.order.quantity``);
-    otherwise the value's kind fits no member, and the error names the kinds that would.
+    otherwise the value's kind fits no member, and the error names the kinds that would
+    (a `Literal`'s or an enum's values, `_json_name`) and what was given (`_given`).
     """
     members = typing.get_args(type_)
     names = " or ".join(dict.fromkeys(_json_name(m) for m in members))
+    listed = any(_is_literal(m) or _is_enum(m) for m in members)
 
     def structure(value: Any, _: Any) -> Any:
         refused: list[BaseException] = []
@@ -289,9 +291,22 @@ def _union_hook(type_: Any, converter: cattrs.Converter) -> Callable[[Any, Any],
                 refused.append(exc)
         if len(refused) == 1:
             raise refused[0]
-        raise _Mismatch(f"expected {names}, got {_kind(value)}")
+        raise _Mismatch(f"expected {names}, got {_given(value, listed)}")
 
     return structure
+
+
+def _given(value: Any, listed: bool) -> str:
+    """What a union's refusal says ``value`` was: its JSON kind, and itself if ``listed``.
+
+    The value is said when it is a scalar and a member of the union lists values, as a
+    `Literal` alone says it: ``Literal["a", "b"] | None`` refusing ``"c"`` says
+    ``expected one of 'a', 'b' or null, got string 'c'``; it said neither the values nor
+    ``'c'``, so the model could not tell what to give.
+    """
+    if listed and isinstance(value, str | int | float):
+        return f"{_kind(value)} {_shown(value)}"
+    return _kind(value)
 
 
 def _as_json_value(value: Any) -> Any:
@@ -445,12 +460,17 @@ _JSON_NAMES: Final[Mapping[Any, str]] = {
 
 
 def _json_name(type_: Any) -> str:
-    """How a type is named to the model: JSON words, not Python ones."""
+    """How a type is named to the model: JSON words, not Python ones.
+
+    A `Literal` or an enum is named by its values (``one of 'a', 'b'``).
+    """
     origin = typing.get_origin(type_)
     if origin is Annotated:
         return _json_name(typing.get_args(type_)[0])
-    if _is_literal(type_) or _is_enum(type_):
-        return "one of the allowed values"
+    if _is_literal(type_):
+        return f"one of {', '.join(repr(a) for a in typing.get_args(type_))}"
+    if _is_enum(type_):
+        return f"one of {', '.join(repr(m.value) for m in type_)}"
     if isinstance(type_, type) and attrs.has(type_):
         return "an object"
     return _JSON_NAMES.get(origin or type_, repr(type_))
