@@ -1694,17 +1694,7 @@ class SqlStore(EngineStore):
             takeover; docs/fleet.md, "What each crash does"). SQLite's calls, which its
             busy timeout bounds, end first.
         """
-        self._engine.check_open()
-        return await self._engine.in_thread(
-            run_pooled,
-            self._dialect,
-            self._pool,
-            fn,
-            *args,
-            shared=shared,
-            abandon_on_cancel=self._engine.remote,
-            what=fn.__name__,
-        )
+        return await self._pooled(run_pooled, fn, *args, shared=shared)
 
     async def _read(self, fn: Callable[..., _T], *args: Any, shared: bool = False) -> _T:
         """`_run` for a read (``fn`` changes nothing), run once more if its connection was lost.
@@ -1712,9 +1702,19 @@ class SqlStore(EngineStore):
         The second try is on a new connection (`read_pooled`). Cancelled, it returns as
         `_run` does.
         """
+        return await self._pooled(read_pooled, fn, *args, shared=shared)
+
+    async def _pooled(
+        self,
+        runner: Callable[..., _T],
+        fn: Callable[..., _T],
+        *args: Any,
+        shared: bool,
+    ) -> _T:
+        """``runner(dialect, pool, fn, *args)`` in a worker thread, as `_run` says."""
         self._engine.check_open()
         return await self._engine.in_thread(
-            read_pooled,
+            runner,
             self._dialect,
             self._pool,
             fn,
