@@ -688,6 +688,25 @@ def test_a_resume_that_waits_for_an_approval_says_so_and_goes_on_once_approved(
     assert (tmp_path / "charges").read_text() == "12\n"  # charged once, after the approval
 
 
+def _left_at_its_approval(db: str, agent: treadle.Agent, **options: Any) -> str:
+    """Drive run ``r`` of ``agent`` on ``db`` to its approval wait and leave it there.
+
+    Returns who drives it then, as ``treadle runs`` says (`driver_text` of its summary).
+    """
+    from treadle._cli_store import driver_text
+
+    async def leave() -> str:
+        async with treadle.open_sqlite_store(db) as store:
+            async with treadle.open_run(agent, "pay", store=store, run_id="r", **options) as handle:
+                await handle.wait_state(treadle.RunState.AWAITING_APPROVAL)
+                handle.drain()
+            summary = await store.read_summary("r")
+        assert summary is not None
+        return driver_text(summary)
+
+    return trio.run(leave)
+
+
 @pytest.mark.parametrize("which", ["r", "--all"])
 def test_a_resume_of_a_run_approved_while_nobody_drove_it_does_not_ask_for_approval(
     tmp_path: Path, which: str, monkeypatch: pytest.MonkeyPatch
@@ -698,15 +717,7 @@ def test_a_resume_of_a_run_approved_while_nobody_drove_it_does_not_ask_for_appro
     db = str(tmp_path / "runs.db")
     monkeypatch.setenv(LEDGER_ENV, str(tmp_path / "charges"))
 
-    async def leave() -> None:
-        async with (
-            treadle.open_sqlite_store(db) as store,
-            treadle.open_run(approval_agent(), "pay", store=store, run_id="r") as handle,
-        ):
-            await handle.wait_state(treadle.RunState.AWAITING_APPROVAL)
-            handle.drain()
-
-    trio.run(leave)
+    _left_at_its_approval(db, approval_agent())
     approved = CliRunner().invoke(main, ["approve", "r", "--store", db])
     assert approved.exit_code == 0, approved.output
     agent = "tests.test_cli_resume:approval_agent"
@@ -757,17 +768,7 @@ def test_a_resume_without_the_approval_policy_the_run_was_started_with_is_refuse
     db = str(tmp_path / "runs.db")
     monkeypatch.setenv(LEDGER_ENV, str(tmp_path / "transfers"))
 
-    async def leave() -> None:
-        async with (
-            treadle.open_sqlite_store(db) as store,
-            treadle.open_run(
-                transfer_agent(), "pay", store=store, run_id="r", approval_policy=every_call
-            ) as handle,
-        ):
-            await handle.wait_state(treadle.RunState.AWAITING_APPROVAL)
-            handle.drain()
-
-    trio.run(leave)
+    _left_at_its_approval(db, transfer_agent(), approval_policy=every_call)
     approved = CliRunner().invoke(main, ["approve", "r", "--store", db])
     assert approved.exit_code == 0, approved.output
     agent = "tests.test_cli_resume:transfer_agent"
@@ -787,24 +788,11 @@ def test_a_resume_past_the_approval_deadline_says_the_wait_ended_not_how_to_appr
     # then refused, and expired the call; `treadle runs` said the run waits for a decision.
     import datetime as dt
 
-    from treadle._cli_store import driver_text
-
     db = str(tmp_path / "runs.db")
     monkeypatch.setenv(LEDGER_ENV, str(tmp_path / "charges"))
     long_ago = treadle.FixedStepClock(start=dt.datetime(2020, 1, 1, tzinfo=dt.UTC))
-
-    async def leave() -> str:
-        async with treadle.open_sqlite_store(db) as store:
-            async with treadle.open_run(
-                approval_agent(), "pay", store=store, run_id="r", clock=long_ago
-            ) as handle:
-                await handle.wait_state(treadle.RunState.AWAITING_APPROVAL)
-                handle.drain()
-            summary = await store.read_summary("r")
-        assert summary is not None
-        return driver_text(summary)
-
-    assert trio.run(leave) == "nobody: parked (its approval deadline passed)"
+    left = _left_at_its_approval(db, approval_agent(), clock=long_ago)
+    assert left == "nobody: parked (its approval deadline passed)"
     agent = "tests.test_cli_resume:approval_agent"
     resumed = CliRunner().invoke(main, ["resume", which, "--store", db, "--agent", agent])
     assert resumed.exit_code == 0, resumed.output
