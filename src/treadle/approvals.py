@@ -24,7 +24,9 @@ import functools
 import hashlib
 import hmac
 import json
+import os
 import secrets
+import sys
 from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import Any, TypeAlias
 
@@ -352,12 +354,34 @@ def policy_name(policy: ApprovalPolicy) -> str:
     qualified name; of another callable, its class's. It is what the run's parameter
     snapshot holds (key ``approval_policy``), so a resume checks that the run goes on under
     the policy it was started with (docs/events.md, "Human approval"). Two lambdas of one
-    module share a name: give a policy a ``def`` of its own.
+    module share a name: give a policy a ``def`` of its own. A policy of the script Python
+    runs as ``__main__`` is named by the module that script is when imported (`_main_module`),
+    as ``treadle resume --agent app:factory`` imports it.
     """
     target: object = policy.func if isinstance(policy, functools.partial) else policy
     owner = target if hasattr(target, "__qualname__") else type(target)
     module = getattr(owner, "__module__", None) or type(target).__module__
+    if module == "__main__":
+        module = _main_module()
     return f"{module}:{getattr(owner, '__qualname__', type(target).__qualname__)}"
+
+
+def _main_module() -> str:
+    """The module name of the program running as ``__main__``, as an import would name it.
+
+    ``python -m app`` gives its module's name (``app``; a package's ``__main__`` stays
+    ``pkg.__main__``); ``python app.py`` the file's name without ``.py`` (``app``), which is
+    what ``import app`` from its folder gives; an interactive session or ``-c`` has neither
+    and stays ``__main__``.
+    """
+    main = sys.modules.get("__main__")
+    spec = getattr(main, "__spec__", None)
+    if spec is not None and spec.name:
+        return str(spec.name)
+    path = getattr(main, "__file__", None)
+    if isinstance(path, str) and path.endswith(".py"):
+        return os.path.basename(path)[: -len(".py")]
+    return "__main__"
 
 
 def requires_approval(

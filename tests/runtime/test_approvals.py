@@ -1560,3 +1560,45 @@ def test_an_agents_approval_policy_is_in_its_snapshot_by_name():
     assert gated.version_label != agent.version_label
     with pytest.raises(UsageError, match=r"Agent\.approval_policy must be None or a function"):
         attrs.evolve(agent, approval_policy="only_add")
+
+
+_SCRIPT_POLICY = """
+import sys
+from treadle.approvals import policy_name
+
+def big_payments(tool, arguments):
+    return True
+
+print(policy_name(big_payments))
+"""
+
+
+@pytest.mark.parametrize("how", ["script", "module"])
+def test_a_policy_of_the_main_script_is_named_by_the_module_that_imports_it(tmp_path, how):
+    """A policy defined in the script a run starts from was recorded as ``__main__:NAME``: the
+    documented resume (``treadle resume --agent app:make_agent``), which imports the script as
+    ``app``, found ``app:NAME`` and refused the run as another policy. It is named by the
+    module name the script has when imported, the name of its file (or of ``-m``'s module).
+    """
+    import subprocess
+    import sys
+
+    (tmp_path / "app.py").write_text(_SCRIPT_POLICY)
+    command = ["app.py"] if how == "script" else ["-m", "app"]
+    shown = subprocess.run(
+        [sys.executable, *command], cwd=tmp_path, capture_output=True, text=True, check=True
+    )
+    assert shown.stdout.strip() == "app:big_payments"
+    imported = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            "import app; from treadle.approvals import policy_name as n;"
+            " print(n(app.big_payments))",
+        ],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    assert imported.stdout.splitlines()[-1] == "app:big_payments"
