@@ -257,8 +257,8 @@ class Backend(Protocol):
         """Find the run's next seq before its first write here (in a worker thread).
 
         A read: for a ``remote`` engine, a write cancelled while its run loads returns at
-        once and leaves the load to end on its own (`CommitEngine.in_thread`'s
-        ``abandon_on_cancel``), which must leave nothing to clean up.
+        once and leaves the load to end on its own (`CommitEngine.in_thread`), which must
+        leave nothing to clean up.
 
         Raises:
             StoreError: the store cannot be read (`LogCorrupted`, `SchemaTooNew` included).
@@ -503,7 +503,7 @@ class CommitEngine:
         token: the trio run the store belongs to (batches are handed back to it).
         remote: the store's calls wait on a server across a network (PostgreSQL), which
             may stop answering while its connections stay up: they are given up on when
-            cancelled (`in_thread`'s ``abandon_on_cancel``), the load of a run's head before
+            cancelled (`in_thread`), the load of a run's head before
             its first write here included. A store of files (SQLite, JSONL) is not remote:
             its calls end on their own, and a cancelled one is waited for.
 
@@ -577,7 +577,6 @@ class CommitEngine:
         fn: Callable[..., _R],
         *args: object,
         shared: bool = False,
-        abandon_on_cancel: bool = False,
         what: str | None = None,
     ) -> _R:
         """``fn(*args)`` in one of the store object's worker threads (`workers`, or `shared`).
@@ -586,24 +585,24 @@ class CommitEngine:
         reading), in threads of its own (`SHARED_WORKERS`), not behind the runs' reads
         (docs/decisions/0096-lease-and-control-calls-apart.md).
 
-        ``abandon_on_cancel``: a cancelled call (or Ctrl-C) returns at once, its thread left
-        to end on its own (`StoreCall`): ``fn`` must leave nothing that its caller has to
-        clean up, and a write it makes has an unknown outcome for the caller
-        (docs/decisions/0145-a-cancelled-store-call-returns-at-once.md). Without it the call
-        waits for its thread, as trio does. ``what`` names the call in the log (``fn``'s
-        name by default).
+        On a ``remote`` engine a cancelled call (or Ctrl-C) returns at once, its thread left
+        to end on its own (`StoreCall`, trio's ``abandon_on_cancel``): ``fn`` must leave
+        nothing that its caller has to clean up, and a write it makes has an unknown outcome
+        for the caller (docs/decisions/0145-a-cancelled-store-call-returns-at-once.md). On
+        another the call waits for its thread, as trio does. ``what`` names the call in the
+        log (``fn``'s name by default).
 
         Raises:
             UsageError: called from another trio run than the store's (`check_trio_run`).
             Exception: what ``fn`` raised.
 
         Cancellation:
-            With ``abandon_on_cancel``, `trio.Cancelled` at once (`KeyboardInterrupt` for
-            Ctrl-C), whatever ``fn`` is waiting for; without it, only once ``fn`` returned.
+            On a ``remote`` engine, `trio.Cancelled` at once (`KeyboardInterrupt` for
+            Ctrl-C), whatever ``fn`` is waiting for; on another, only once ``fn`` returned.
         """
         self.check_trio_run()
         places = self.shared if shared else self.workers
-        if not abandon_on_cancel:
+        if not self.remote:
             return await trio.to_thread.run_sync(fn, *args, limiter=places)
         named = what or str(getattr(fn, "__name__", "a call"))
         store = self._backend.description
@@ -828,7 +827,7 @@ class CommitEngine:
         return state
 
     async def _load(self, run_id: str, generation: int) -> _RunState:
-        head = await self.in_thread(self._backend.load, run_id, abandon_on_cancel=self.remote)
+        head = await self.in_thread(self._backend.load, run_id)
         made = _RunState(next_seq=head.next_seq, generation=generation, head=head.state)
         # another task may have loaded (and advanced) the run meanwhile: keep that one
         return self._runs.setdefault(run_id, made)

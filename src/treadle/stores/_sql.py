@@ -1720,7 +1720,6 @@ class SqlStore(EngineStore):
             fn,
             *args,
             shared=shared,
-            abandon_on_cancel=self._engine.remote,
             what=fn.__name__,
         )
 
