@@ -471,13 +471,19 @@ def test_a_default_with_no_json_form_is_refused_naming_the_argument(
 ) -> None:
     # It was accepted: the schema sent to the model held inf (the request could not be
     # encoded) and the stored snapshot null, so no interrupted run of the tool resumed.
+    assert said in _default_refusal(annotation, default)
+
+
+def _default_refusal(annotation: Any, default: Any) -> str:
+    """What `tool` refuses a tool of one argument ``x: annotation = default`` with."""
+
     async def scaled(x: Any = default) -> str:
         return str(x)
 
     scaled.__annotations__["x"] = annotation
     with pytest.raises(UsageError) as refused:
         tool(scaled)
-    assert said in str(refused.value)
+    return str(refused.value)
 
 
 @attrs.frozen
@@ -517,13 +523,7 @@ def test_a_default_that_is_no_value_of_its_type_is_refused_naming_the_argument(
     leaving the argument out gave the tool a value its validation refuses (bytes shown as
     base64 text); an integer too long to write failed with a raw ValueError."""
 
-    async def scaled(x: Any = default) -> str:
-        return str(x)
-
-    scaled.__annotations__["x"] = annotation
-    with pytest.raises(UsageError) as refused:
-        tool(scaled)
-    assert said in str(refused.value)
+    assert said in _default_refusal(annotation, default)
 
 
 @pytest.mark.parametrize(
