@@ -217,7 +217,12 @@ class _StoresEveryOutcomeExecuted(MemoryStore):
 
 @attrs.define(eq=False)
 class _StepInTwoWrites(MemoryStore):
-    """Appends a step's action results, lets others run, then its step record (not atomic)."""
+    """Appends a step's action results, lets others run, then its step record (not atomic).
+
+    It lets them run for eight scheduler passes: a reader beside it takes a read in fewer
+    (a read, a listing and a checkpoint a loop), so every reader sees the half-written step
+    whatever order trio runs the tasks of a pass in (one pass let a run of the suite miss it).
+    """
 
     async def write_step(
         self,
@@ -230,7 +235,8 @@ class _StepInTwoWrites(MemoryStore):
         results = tuple(action_results or ())
         if results:
             await self._append(step.run_id, seq, results, op=StoreOp.STEP, generation=generation)
-            await trio.lowlevel.checkpoint()
+            for _ in range(8):
+                await trio.lowlevel.checkpoint()
         await self._append(
             step.run_id, seq + len(results), (step,), op=StoreOp.STEP, generation=generation
         )
